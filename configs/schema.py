@@ -1,0 +1,169 @@
+"""The typed configuration schema: every key a run can set, with its default and meaning.
+
+Defaults are the DeiT ImageNet-1K recipe (ViT-B/16, 300 epochs, global batch 1024); a YAML file in
+`configs/` is a short diff from them and `key=value` arguments override both (see `configs/loader.py`).
+Sub-configs are handed to the packages that own them (`build_model(cfg.model)`, `build_loaders(cfg.data,
+...)`), never the whole tree. Units are in the names: `*_epochs`, `*_steps`, `batch_size` (global) vs
+`batch_size_per_gpu`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_base_patch16_224"  # timm model name, or a small variant from models/variants.py
+    num_classes: int = 1000  # classifier outputs; must match the data set's classes
+    img_size: Optional[int] = None  # input resolution; None keeps the variant's / timm's default
+    drop_path: float = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
+    drop: float = 0.0  # dropout after MLP / projection layers
+    pretrained: str = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
+    pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
+    kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["folder", "digits", "synthetic"] = "folder"  # folder: ImageNet-style train/val class folders
+    root: str = ""  # data set folder holding `train_split` and `val_split` sub-folders (dataset=folder)
+    train_split: str = "train"
+    val_split: str = "val"
+    # input pipeline (model-independent so that a recipe is explicit; DeiT values)
+    mean: tuple = (0.485, 0.456, 0.406)
+    std: tuple = (0.229, 0.224, 0.225)
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then center crop
+    crop_mode: Literal["center", "squash", "border"] = "center"  # timm eval crop modes
+    # train augmentation (timm create_transform)
+    scale: tuple = (0.08, 1.0)  # RandomResizedCrop area range
+    ratio: tuple = (0.75, 1.3333333333333333)
+    hflip: float = 0.5
+    auto_augment: str = "rand-m9-mstd0.5-inc1"  # "" disables; timm turns color jitter off when set
+    color_jitter: float = 0.3
+    reprob: float = 0.25  # random erasing probability
+    remode: str = "pixel"
+    recount: int = 1
+    repeated_aug: int = 3  # repeats per sample (RepeatAugSampler) in distributed runs; 0 or 1 = off
+    # batch-level mixing (timm Mixup); label smoothing is applied inside it or in the loss
+    mixup: float = 0.8  # Beta alpha; 0 disables
+    cutmix: float = 1.0  # Beta alpha; 0 disables
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = "batch"
+    label_smoothing: float = 0.1
+    # loading
+    num_workers: int = 8  # per process
+    pin_memory: bool = True
+    synthetic_train_size: int = 4096  # images in the synthetic train set (dataset=synthetic)
+    synthetic_val_size: int = 512
+    digits_img_size: int = 32  # the 8x8 digits are upscaled to this (bicubic) before the pipeline
+    digits_val_fraction: float = 0.2  # stratified, fixed split of the 1,797 images
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # any timm create_optimizer_v2 name (adamw, sgd, lamb, ...)
+    lr: Optional[float] = None  # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
+    lr_base: float = 5e-4
+    lr_base_batch: int = 512
+    lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
+    weight_decay: float = 0.05  # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    layer_decay: Optional[float] = None  # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
+    clip_grad: Optional[float] = None  # max global L2 norm of the gradients; None: no clipping
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
+    epochs: int = 300
+    warmup_epochs: int = 5
+    warmup_lr: float = 1e-6  # absolute (not scaled with the batch)
+    min_lr: float = 1e-5  # absolute (not scaled with the batch)
+    warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
+    per_step: bool = False  # True (Swin): the lr changes every optimizer update; False (DeiT): every epoch
+    cooldown_epochs: int = 0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1024  # global batch per optimizer update (all GPUs, all accumulation steps)
+    batch_size_per_gpu: int = 128  # per forward pass; accumulation = batch_size / (per_gpu x world)
+    eval_batch_size_per_gpu: int = 256
+    amp: Literal["none", "fp16", "bf16"] = "fp16"  # fp16 runs a GradScaler, bf16 none
+    compile: bool = False  # torch.compile the model (before DDP wrapping)
+    ema: bool = False  # keep an EMA of the weights, evaluated separately (val_ema/*); DeiT reports the raw model
+    ema_decay: float = 0.99996
+    ema_warmup: bool = False
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    max_steps: Optional[int] = None  # stop after this many optimizer updates (debugging); None: full schedule
+    eval_every_epochs: int = 1
+    ckpt_every_steps: int = 0  # also write checkpoint.pt every N updates (0: at epoch ends only)
+    log_every_steps: int = 50
+    deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb: bool = False  # imported only when true
+    wandb_project: str = "colinearity-decay"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline works without network
+    progress: bool = True  # tqdm progress bar on the main rank
+    act_max: bool = False  # record activation maxima (act/max_module, act/max_block) at validation
+
+
+@dataclass
+class CDConfig:
+    """Colinearity Decay (paper Sec. 3.3, Appendix "Normalized CD"); see cd/README.md."""
+
+    enabled: bool = False
+    lam: float = 0.005  # lambda_cd: the update step is lr * lam
+    lam_per_role: dict = field(default_factory=dict)  # per-role override, e.g. {fc2: 0.02}
+    targets: Literal["A", "B", "C", "A+B"] = "A+B"  # A composable, B functional, C both matrices of functional
+    mode: Literal["decoupled", "loss"] = "decoupled"  # decoupled: the paper's update; loss: ablation
+    loss_coef: float = 0.01  # loss mode: coefficient after aligning the penalty to the task-loss magnitude
+    budget: bool = True  # weight-decay budget rule: wd -> wd - lam
+
+
+@dataclass
+class TWEOConfig:
+    """TWEO activation regularizer (paper Appendix "TWEO Background"), the baseline CD is compared with."""
+
+    enabled: bool = False
+    lam: float = 0.01  # lambda(t) peak value
+    p: float = 4.0
+    tau: float = 3.0
+    eps: float = 1e-6
+    schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
+    rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
+
+
+@dataclass
+class QuantConfig:
+    """Fake-quantization evaluation (evaluate.py); pipelines live in quant/."""
+
+    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
+    bits: list = field(default_factory=lambda: ["w4a4"])
+    calib_images: int = 32  # fixed, seeded subset of the train split with the eval transform
+    calib_seed: int = 0
+    calib_batch_size: int = 32
+
+
+@dataclass
+class Config:
+    out_dir: str = ""  # "" -> runs/<name of the last --config file>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cd: CDConfig = field(default_factory=CDConfig)
+    tweo: TWEOConfig = field(default_factory=TWEOConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
