@@ -80,13 +80,12 @@ class OptimConfig:
 @dataclass
 class SchedConfig:
     name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
-    epochs: int = 300
-    warmup_epochs: int = 5
+    epochs: int = 300  # total training epochs, warmup included
+    warmup_epochs: float = 5
     warmup_lr: float = 1e-6  # absolute (not scaled with the batch)
     min_lr: float = 1e-5  # absolute (not scaled with the batch)
     warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
     per_step: bool = False  # True (Swin): the lr changes every optimizer update; False (DeiT): every epoch
-    cooldown_epochs: int = 0
 
 
 @dataclass
@@ -114,7 +113,7 @@ class LogConfig:
     wandb: bool = False  # imported only when true
     wandb_project: str = "colinearity-decay"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline works without network
-    progress: bool = True  # tqdm progress bar on the main rank
+    progress: bool = True  # tqdm progress bar on the main rank (when stderr is a terminal)
     act_max: bool = False  # record activation maxima (act/max_module, act/max_block) at validation
 
 

@@ -1,0 +1,39 @@
+"""The embedded real data set: scikit-learn's 1,797 handwritten 8x8 digits (10 classes, no download).
+
+Images are upscaled (bicubic) to a small square RGB image so that tiny ViTs/Swins and the ordinary
+timm transform pipeline apply unchanged. The train/val split is stratified and fixed (seed 0).
+"""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+
+
+class DigitsDataset(Dataset):
+    """`split` of sklearn's digits as PIL RGB images of `img_size` pixels, with integer labels."""
+
+    num_classes = 10
+
+    def __init__(self, split: str, img_size: int = 32, val_fraction: float = 0.2, transform=None):
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        if split not in ("train", "val"):
+            raise ValueError(f"digits has splits 'train' and 'val', not '{split}'")
+        digits = load_digits()
+        images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
+        idx_train, idx_val = train_test_split(np.arange(len(images)), test_size=val_fraction,
+                                              stratify=digits.target, random_state=0)
+        idx = idx_train if split == "train" else idx_val
+        self.images = [Image.fromarray(images[i]).resize((img_size, img_size), Image.BICUBIC).convert("RGB")
+                       for i in idx]
+        self.targets = [int(t) for t in digits.target[idx]]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        img = self.images[i]
+        return (self.transform(img) if self.transform else img), self.targets[i]

@@ -1,0 +1,99 @@
+"""Data sets, loaders and batch mixing from `DataConfig`; the only place (with the entry points) that
+knows about ranks.
+
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=64, eval_batch_size_per_gpu=256,
+                            rank=0, world_size=1, seed=0, num_classes=10)
+    loaders.train_sampler.set_epoch(epoch, start=k)   # k samples of this epoch already seen (resume)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from timm.data import Mixup
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from .digits import DigitsDataset
+from .folder import DataError, build_folder_dataset, num_classes_of
+from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
+from .synthetic import SyntheticDataset
+from .transforms import build_transform
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    val: DataLoader
+    train_sampler: SeededSampler
+    mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
+    num_classes: int
+
+
+def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transform: bool):
+    """The `split` ('train' or 'val') of the configured data set with the train or eval transform."""
+    transform = build_transform(cfg, img_size, is_training=train_transform)
+    if cfg.dataset == "digits":
+        dataset = DigitsDataset(split, cfg.digits_img_size, cfg.digits_val_fraction, transform=transform)
+        found = DigitsDataset.num_classes
+    elif cfg.dataset == "synthetic":
+        size = cfg.synthetic_train_size if split == "train" else cfg.synthetic_val_size
+        return SyntheticDataset(size, img_size, num_classes, seed=0 if split == "train" else 1)
+    else:
+        folder = cfg.train_split if split == "train" else cfg.val_split
+        dataset = build_folder_dataset(cfg.root, folder, transform=transform)
+        found = num_classes_of(dataset)
+    if found != num_classes:
+        raise DataError(f"the {cfg.dataset} data set has {found} classes but model.num_classes={num_classes}; "
+                        f"set model.num_classes={found}")
+    return dataset
+
+
+def build_mixup(cfg, num_classes: int) -> Optional[Mixup]:
+    if cfg.mixup <= 0 and cfg.cutmix <= 0:
+        return None
+    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                 switch_prob=cfg.mixup_switch_prob, mode=cfg.mixup_mode,
+                 label_smoothing=cfg.label_smoothing, num_classes=num_classes)
+
+
+def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int, rank: int,
+                  world_size: int, seed: int, num_classes: int) -> Loaders:
+    mixup = build_mixup(cfg, num_classes)
+    if mixup is not None and batch_size_per_gpu % 2:
+        raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
+                        f"train.batch_size_per_gpu={batch_size_per_gpu} must be even")
+    train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
+    val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
+
+    if cfg.repeated_aug > 1:  # DeiT's repeated augmentation; honoured with any number of processes
+        base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                num_repeats=cfg.repeated_aug)
+    else:
+        base = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                  drop_last=True)
+    if len(base) < batch_size_per_gpu:
+        raise DataError(f"{len(train_set)} training images give each of {world_size} processes {len(base)} "
+                        f"per epoch, fewer than one batch of {batch_size_per_gpu}")
+    train_sampler = SeededSampler(base, seed=seed, rank=rank)
+    workers = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+                   persistent_workers=cfg.num_workers > 0)
+    train = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=train_sampler,
+                       drop_last=True, **workers)
+    val = DataLoader(val_set, batch_size=eval_batch_size_per_gpu,
+                     sampler=ShardedEvalSampler(len(val_set), rank, world_size), **workers)
+    return Loaders(train=train, val=val, train_sampler=train_sampler, mixup=mixup, num_classes=num_classes)
+
+
+def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int) -> torch.Tensor:
+    """`count` train images with the eval transform, chosen by `seed` (RepQ-ViT's calibration set).
+
+    Returns:
+        (count, 3, img_size, img_size) float tensor.
+    """
+    dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=False)
+    if count > len(dataset):
+        raise DataError(f"asked for {count} calibration images; the train split has {len(dataset)}")
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count]
+    return torch.stack([Subset(dataset, chosen.tolist())[i][0] for i in range(count)])

@@ -1,0 +1,86 @@
+"""Samplers that make data order and augmentation a pure function of (seed, epoch, rank, position).
+
+`SeededSampler` wraps a per-epoch deterministic index sampler (DistributedSampler, RepeatAugSampler)
+and yields `(index, sample_seed)` pairs; `SeededDataset` applies its transform under that seed. So the
+augmentation of every sample is fixed by its position in the epoch, whatever the number of workers,
+and a run resumed in the middle of an epoch (`set_epoch(epoch, start=k)`) sees exactly the samples
+and augmentations that the uninterrupted run would have seen. Repeats of one image under repeated
+augmentation sit at different positions, so they get different augmentations, as they should.
+
+`ShardedEvalSampler` splits the validation set across ranks without padding or duplicates, so a
+distributed evaluation counts every image exactly once (DeiT's DistributedSampler pads).
+"""
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from engine.rng import mix_seed
+
+
+@contextmanager
+def forked_rng(seed: int):
+    """Seed python, numpy and torch (CPU) RNGs inside the block; restore their states after."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.random.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+class SeededSampler(Sampler):
+    """Yield `(index, seed)` from `base`, skipping the first `start` positions of the epoch."""
+
+    def __init__(self, base: Sampler, seed: int, rank: int):
+        self.base, self.seed, self.rank = base, seed, rank
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+        if hasattr(self.base, "set_epoch"):
+            self.base.set_epoch(epoch)
+
+    def __iter__(self):
+        for pos, idx in enumerate(self.base):
+            if pos >= self.start:
+                yield int(idx), mix_seed(self.seed, self.epoch, self.rank, pos)
+
+    def __len__(self) -> int:
+        return max(len(self.base) - self.start, 0)
+
+
+class SeededDataset(Dataset):
+    """Index with `(index, seed)`: the wrapped dataset's transform runs under that seed."""
+
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key):
+        index, seed = key
+        with forked_rng(seed):
+            return self.base[index]
+
+
+class ShardedEvalSampler(Sampler):
+    """Indices rank, rank + world, ... of a data set of `size`: every index on exactly one rank."""
+
+    def __init__(self, size: int, rank: int, world_size: int):
+        self.indices = list(range(rank, size, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -1,0 +1,272 @@
+"""The optimizer-update loop (one epoch at a time) and the accuracy evaluation, shared by train.py and
+by pipelines that train (GPLQ stage 1), so there is one copy of the step logic.
+
+One update = `accum_steps` micro-batches: forward under autocast, loss / accum_steps, backward (DDP
+`no_sync` on all but the last micro-batch), optional unscale + clip, `scaler.step(optimizer)` or
+`optimizer.step()`, scaler update, zero_grad, EMA update, per-step lr schedule. Regularizers that act on
+the weights (Colinearity Decay) are optimizer step pre-hooks: they run inside `optimizer.step()`, only
+when the step really runs (an fp16 step skipped by the GradScaler applies none), once per update.
+Regularizers that add a loss term (TWEO) live in `compute_loss`.
+
+Randomness in the main process (mixup, drop path, dropout) is reseeded from (seed, rank, update) at
+every update, and the data pipeline is seeded per sample (data/samplers.py), so a run resumed from a
+checkpoint continues exactly as the uninterrupted run would have, without storing RNG states.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .checkpoint import unwrap_model
+from .distributed import all_reduce
+from .precision import autocast
+from .rng import mix_seed
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint restores (with model, optimizer, scaler, scheduler, EMA)."""
+
+    epoch: int = 0  # current epoch, 0-based
+    step: int = 0  # optimizer updates done
+    epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
+    best_top1: float = -1.0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainLoop:
+    model: nn.Module  # what the forward calls (possibly DDP / compiled)
+    optimizer: torch.optim.Optimizer
+    compute_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> loss
+    device: torch.device
+    amp: str = "none"
+    scaler: Optional[torch.amp.GradScaler] = None
+    scheduler: Optional[object] = None  # timm scheduler
+    per_step_schedule: bool = False
+    accum_steps: int = 1
+    clip_grad: Optional[float] = None
+    ema: Optional[nn.Module] = None  # timm ModelEmaV3
+    mixup: Optional[Callable] = None
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    max_steps: Optional[int] = None
+    log_every: int = 50
+    ckpt_every: int = 0
+    save: Optional[Callable[[], None]] = None  # writes checkpoint.pt from the current state
+    log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
+    metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
+    should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
+    progress: bool = False
+
+    def __post_init__(self):
+        self._real_steps = 0  # optimizer steps that really ran (fp16 skips excluded)
+        self.optimizer.register_step_post_hook(self._count_step)
+
+    def _count_step(self, *_):
+        self._real_steps += 1
+
+    def updates_per_epoch(self, loader_len: int) -> int:
+        return loader_len // self.accum_steps
+
+    def run_epoch(self, loader, sampler, state: TrainState, batch_size_per_gpu: int) -> str:
+        """Train from `state` to the end of `state.epoch` (or an earlier stop).
+
+        Returns:
+            'epoch_end', 'max_steps' or 'preempted'.
+        """
+        sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
+        total = self.updates_per_epoch(len(loader) + state.epoch_batches)
+        if self.scheduler is not None:
+            if self.per_step_schedule:
+                self.scheduler.step_update(state.step)
+            else:
+                self.scheduler.step(state.epoch)
+        self.model.train()
+        bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.progress)
+        window = _Window(self.device)
+        images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
+        reason = "epoch_end"
+        micro = 0
+        for images, targets in loader:
+            if state.epoch_batches >= total * self.accum_steps:
+                break  # the tail that does not fill a whole update
+            if micro == 0:
+                _reseed(mix_seed(self.seed, self.rank, state.step))
+            images = images.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            micro += 1
+            state.epoch_batches += 1
+            last = micro == self.accum_steps
+            sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with autocast(self.amp, self.device):
+                    loss = self.compute_loss(self.model, images, targets)
+                scaled = loss / self.accum_steps
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            window.add_loss(loss.detach())
+            if not last:
+                continue
+            micro = 0
+            grad_norm = self._optimizer_step()
+            state.step += 1
+            if self.ema is not None:
+                self.ema.update(unwrap_model(self.model), step=state.step)
+            if self.scheduler is not None and self.per_step_schedule:
+                self.scheduler.step_update(state.step)
+            window.add_update(images_per_update, grad_norm)
+            if bar is not None:
+                bar.update(1)
+            if state.step % self.log_every == 0:
+                self._log(state, window, bar, total)
+            if self.ckpt_every and state.step % self.ckpt_every == 0:
+                self._save(window)
+            if self.max_steps is not None and state.step >= self.max_steps:
+                reason = "max_steps"
+                break
+            if self.should_stop is not None and self.should_stop(state.step):
+                reason = "preempted"
+                break
+        if bar is not None:
+            bar.close()
+        if window.updates:
+            self._log(state, window, None, total)
+        window.check_finite(state.step)
+        if reason == "epoch_end":
+            state.epoch += 1
+            state.epoch_batches = 0
+        return reason
+
+    def _optimizer_step(self) -> Optional[torch.Tensor]:
+        grad_norm = None
+        if self.clip_grad is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = nn.utils.clip_grad_norm_(params, self.clip_grad)
+        # Step pre-hooks (the CD update) run inside here, after clipping and only if the step runs.
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _save(self, window: "_Window") -> None:
+        window.check_finite(None)  # never write a checkpoint from a diverged run
+        if self.save is not None:
+            self.save()
+
+    def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
+        metrics = window.flush(state.step)
+        metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
+        metrics["train/epoch"] = state.epoch + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps)
+        metrics["train/skipped_steps"] = state.step - self._real_steps
+        if self.scaler is not None:
+            metrics["train/loss_scale"] = self.scaler.get_scale()
+        for source in self.metric_sources:
+            metrics.update(source())
+        if bar is not None:
+            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}",
+                            img_s=f"{metrics['train/img_per_s']:.0f}")
+        if self.log is not None:
+            self.log(state.step, metrics)
+
+
+class _Window:
+    """Running sums between two log steps, kept on the device (one host sync per log step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._reset()
+        self.bad_step = None
+
+    def _reset(self):
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.micro = 0
+        self.updates = 0
+        self.images = 0
+        self.grad_norm = None
+        self.t0 = time.perf_counter()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss.float()
+        self.micro += 1
+
+    def add_update(self, images: int, grad_norm: Optional[torch.Tensor]) -> None:
+        self.updates += 1
+        self.images += images
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+
+    def check_finite(self, step: Optional[int]) -> None:
+        if self.micro and not math.isfinite(self.loss_sum.item()):
+            raise NonFiniteLossError(f"the training loss is {self.loss_sum.item()} at or before update "
+                                     f"{step}; stopping without writing a checkpoint, the last good one is kept")
+
+    def flush(self, step: int) -> dict:
+        self.check_finite(step)
+        elapsed = time.perf_counter() - self.t0
+        metrics = {"train/loss": (self.loss_sum / max(self.micro, 1)).item(),
+                   "train/img_per_s": self.images / max(elapsed, 1e-9)}
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = float(self.grad_norm)
+        self._reset()
+        return metrics
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none") -> dict:
+    """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks.
+
+    With `ShardedEvalSampler` every image is counted exactly once across ranks.
+    """
+    model.eval()
+    sums = torch.zeros(4, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast(amp, device):
+            logits = model(images)
+        logits = logits.float()
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top5 == targets[:, None]
+        sums += torch.stack([hits[:, 0].sum(), hits.any(1).sum(), F.cross_entropy(logits, targets, reduction="sum"),
+                             torch.tensor(len(targets), device=device)]).double()
+    all_reduce(sums)
+    correct1, correct5, loss, count = sums.tolist()
+    count = max(count, 1.0)
+    return {"top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count, "loss": loss / count,
+            "count": int(count)}
+
+
+def _reseed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)

@@ -1,0 +1,75 @@
+"""Metric sinks of a run: `metrics.jsonl` (one JSON object per log step), TensorBoard, optional wandb.
+
+Keys are namespaced (`train/loss`, `train/lr`, `val/top1`, `cd/pair_energy/fc2`, `act/max_block`).
+Only the main rank writes. On resume, records past the resumed step are dropped from metrics.jsonl and
+TensorBoard purges them too, so a resumed run's logs read as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+
+class MetricLogger:
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "", wandb_mode: str = "offline", config: Optional[dict] = None,
+                 resume_step: Optional[int] = None):
+        self.enabled = enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if resume_step is not None and os.path.exists(self.path):
+            _truncate_after(self.path, resume_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=resume_step)
+        if wandb:
+            import wandb as wandb_lib  # optional dependency, imported only when enabled
+
+            self.wandb = wandb_lib.init(project=wandb_project, dir=out_dir, mode=wandb_mode, config=config,
+                                        name=os.path.basename(os.path.normpath(out_dir)), resume="allow",
+                                        id=_wandb_id(out_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled or not metrics:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and self.tb is not None and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf
+    return value
+
+
+def _truncate_after(path: str, step: int) -> None:
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def _wandb_id(out_dir: str) -> str:
+    """A stable run id per out_dir so that a resumed run continues the same wandb run."""
+    import hashlib
+
+    return hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:16]

@@ -1,0 +1,50 @@
+"""Optimizer, lr scaling rule and lr schedule from `OptimConfig` / `SchedConfig`, through timm.
+
+The peak lr is `optim.lr` when given, else `optim.lr_base * (global_batch / optim.lr_base_batch)`
+(linear, DeiT: 5e-4 x 1024/512 = 1e-3) or its square root (`optim.lr_scaling=sqrt`). Weight decay skips
+1-D parameters, biases and the model's `no_weight_decay()` names (pos_embed, cls_token, Swin's relative
+position tables), as in DeiT/Swin/timm. Layer-wise lr decay uses timm's param groups, whose `lr_scale`
+the timm scheduler multiplies into each group's lr.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+
+
+def peak_lr(cfg, global_batch: int) -> float:
+    if cfg.lr is not None:
+        return cfg.lr
+    ratio = global_batch / cfg.lr_base_batch
+    return cfg.lr_base * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def lr_rule(cfg, global_batch: int) -> str:
+    """The lr rule in words, for the run log."""
+    if cfg.lr is not None:
+        return f"lr {cfg.lr:g} (given)"
+    return (f"lr {peak_lr(cfg, global_batch):g} = {cfg.lr_base:g} x {cfg.lr_scaling}({global_batch}/"
+            f"{cfg.lr_base_batch})")
+
+
+def build_optimizer(model: torch.nn.Module, cfg, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ("adamw", "adam", "lamb") else {}
+    if cfg.name in ("sgd", "momentum"):
+        kwargs["momentum"] = cfg.momentum
+    # foreach=None lets torch pick; never fused: fused optimizers run step pre-hooks on GradScaler-skipped
+    # steps (see shared reference notes, section 4), which would apply CD on a skipped step.
+    return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
+                               layer_decay=cfg.layer_decay, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, updates_per_epoch: int):
+    """A timm scheduler; `sched.epochs` is the whole run, warmup included (also with warmup_prefix)."""
+    cosine_epochs = cfg.epochs - cfg.warmup_epochs if cfg.warmup_prefix else cfg.epochs
+    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cosine_epochs,
+                                       warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr,
+                                       warmup_prefix=cfg.warmup_prefix, step_on_epochs=not cfg.per_step,
+                                       updates_per_epoch=updates_per_epoch)
+    return scheduler

@@ -1,0 +1,48 @@
+"""Run bookkeeping: logging to the console (main rank) and out_dir/train.log, and an environment line
+(git commit, versions, devices) at the top of every log, for reproducibility.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import timm
+import torch
+
+
+def setup_logging(out_dir: str, is_main: bool) -> None:
+    """INFO to stdout and out_dir/train.log on the main rank; warnings only on the others."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_cd_run", False):
+            root.removeHandler(handler)
+            handler.close()
+    fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if is_main:
+        handlers.append(logging.FileHandler(os.path.join(out_dir, "train.log")))
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        handler._cd_run = True
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def describe_environment(dist) -> str:
+    device = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu"
+    return (f"commit {git_commit()}, torch {torch.__version__}, timm {timm.__version__}, python "
+            f"{sys.version.split()[0]}, {dist.world_size} process(es), rank {dist.rank} on {device}")

@@ -1,0 +1,66 @@
+"""Build a model from `ModelConfig`: a timm name or a small variant, optionally with local weights.
+
+    model = build_model(cfg.model)       # nn.Module on the CPU, in train mode
+
+`models/` knows nothing of cd/, quant/ or distributed training: it returns a plain timm module.
+"""
+from __future__ import annotations
+
+import difflib
+
+import timm
+import torch.nn as nn
+
+from .pretrained import ModelError, load_pretrained
+from .variants import VARIANTS
+
+
+def model_kwargs(cfg) -> tuple[str, dict]:
+    """Resolve `cfg` into (timm architecture name, constructor kwargs)."""
+    kwargs = {}
+    if cfg.name in VARIANTS:
+        kwargs.update(VARIANTS[cfg.name])
+        arch = kwargs.pop("arch")
+    else:
+        arch = cfg.name
+        if not timm.is_model(arch.split(".")[0]):
+            close = difflib.get_close_matches(arch, timm.list_models(), n=6, cutoff=0.6)
+            raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
+                             f"({', '.join(VARIANTS)}); timm names like it: {', '.join(close)}")
+    if cfg.img_size is not None:
+        kwargs["img_size"] = cfg.img_size
+    kwargs.update(cfg.kwargs)
+    kwargs.update(num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path, drop_rate=cfg.drop)
+    return arch, kwargs
+
+
+def build_model(cfg) -> nn.Module:
+    """Create the model of `cfg` (a ModelConfig) and load its pretrained weights, if any."""
+    arch, kwargs = model_kwargs(cfg)
+    hub = cfg.pretrained == "hub"
+    try:
+        model = timm.create_model(arch, pretrained=hub, **kwargs)
+    except TypeError as e:  # an unknown constructor argument in model.kwargs
+        raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {e}") from e
+    except Exception as e:
+        if hub:
+            raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a local "
+                             f"file: model.pretrained=/path/to/weights.safetensors") from e
+        raise
+    if cfg.pretrained and not hub:
+        load_pretrained(model, cfg.pretrained, strict=cfg.pretrained_strict)
+    return model
+
+
+def input_size(model: nn.Module) -> int:
+    """Square input resolution the model was built for."""
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is None:
+        size = model.pretrained_cfg["input_size"][1:]
+    return int(size[0]) if isinstance(size, (tuple, list)) else int(size)
+
+
+def describe(model: nn.Module) -> str:
+    """One line: class and parameter count, for the run log."""
+    n = sum(p.numel() for p in model.parameters())
+    return f"{type(model).__name__} with {n / 1e6:.2f}M parameters"

@@ -1,0 +1,65 @@
+"""Load weights from a local file into a timm model (.pth/.pt/.safetensors, ours or official ones).
+
+Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
+stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and
+resizes position embeddings. On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a
+classifier of another shape is dropped when fine-tuning (unless strict), and any other missing or
+unexpected key is an error that names the keys, so a checkpoint of another model fails early.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch.nn as nn
+from timm.models import load_state_dict
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(ValueError):
+    """An unknown model name, bad constructor argument or incompatible weights file."""
+
+
+def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
+    """Load the weights in `path` into `model` in place.
+
+    Args:
+        model: a timm model (its class's module provides `checkpoint_filter_fn` when timm has one).
+        path: a .pth/.pt/.safetensors file; train.py checkpoints work too (their `model` entry).
+        strict: if False, classifier weights of a different shape are skipped (new head for fine-tuning).
+    """
+    if not os.path.isfile(path):
+        raise ModelError(f"pretrained weights not found: {path}")
+    state = load_state_dict(path, use_ema=False)
+    state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
+    filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        state = filter_fn(state, model)
+
+    own = model.state_dict()
+    skipped = []
+    head_prefixes = _classifier_prefixes(model)
+    for key in list(state):
+        if key in own and state[key].shape != own[key].shape:
+            if not strict and key.startswith(head_prefixes):
+                skipped.append(key)
+                del state[key]
+            else:
+                raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
+                                 f"{tuple(own[key].shape)}: a checkpoint of another model?")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k in skipped or (not strict and k.startswith(head_prefixes)))]
+    if missing or unexpected:
+        raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
+                         f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{'...' if len(unexpected) > 8 else ''}")
+    log.info("loaded %s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "")
+
+
+def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Parameter-name prefixes of the classifier ('head.' for ViT, 'head.fc.' for Swin)."""
+    names = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
+    names = names if isinstance(names, (list, tuple)) else [names]
+    return tuple(n + "." for n in names)
