@@ -1,0 +1,108 @@
+"""Data: the digits split, folder data sets and their errors, seeded samplers, sharded evaluation."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DistributedSampler
+
+from configs import load_config
+from data import DataError, build_dataset, build_loaders, calibration_images
+from data.digits import DigitsDataset
+from data.samplers import SeededSampler, ShardedEvalSampler
+from tests.conftest import DEMO_CONFIG
+
+
+def test_digits_split_is_stratified_disjoint_and_fixed():
+    train, val = DigitsDataset("train"), DigitsDataset("val")
+    assert len(train) + len(val) == 1797 and len(val) == 360
+    assert set(np.bincount(val.targets)) <= {35, 36, 37}  # stratified: ~36 of each digit
+    as_bytes = lambda ds: {img.tobytes() for img in ds.images}
+    assert len(as_bytes(train) & as_bytes(val)) < 5  # (the raw set holds a few duplicate images)
+    assert DigitsDataset("val").targets == val.targets
+    assert val.images[0].size == (32, 32) and val.images[0].mode == "RGB"
+
+
+def test_seeded_sampler_resumes_mid_epoch_with_the_same_samples_and_seeds():
+    base = DistributedSampler(range(50), num_replicas=1, rank=0, shuffle=True, seed=3)
+    sampler = SeededSampler(base, seed=3, rank=0)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    sampler.set_epoch(2, start=20)
+    assert list(sampler) == full[20:]
+    assert len(sampler) == 30
+    sampler.set_epoch(3)
+    assert [i for i, _ in sampler] != [i for i, _ in full]  # a new epoch reshuffles
+
+
+def test_augmentation_does_not_depend_on_the_number_of_workers():
+    cfg = load_config([DEMO_CONFIG], ["data.auto_augment=rand-m9-mstd0.5-inc1", "data.reprob=0.5"]).data
+    batches = {}
+    for workers in (0, 2):
+        cfg.num_workers = workers
+        loaders = build_loaders(cfg, img_size=32, batch_size_per_gpu=16, eval_batch_size_per_gpu=16, rank=0,
+                                world_size=1, seed=0, num_classes=10)
+        loaders.train_sampler.set_epoch(1)
+        it = iter(loaders.train)
+        batches[workers] = [next(it) for _ in range(3)]
+    for (x0, y0), (x2, y2) in zip(batches[0], batches[2]):
+        assert torch.equal(x0, x2) and torch.equal(y0, y2)
+
+
+def test_sharded_evaluation_counts_every_image_once():
+    shards = [list(ShardedEvalSampler(103, rank, 4)) for rank in range(4)]
+    assert sorted(sum(shards, [])) == list(range(103))
+
+
+def test_calibration_images_are_fixed_by_the_seed():
+    cfg = load_config([DEMO_CONFIG]).data
+    a = calibration_images(cfg, img_size=32, num_classes=10, count=8, seed=0)
+    b = calibration_images(cfg, img_size=32, num_classes=10, count=8, seed=0)
+    c = calibration_images(cfg, img_size=32, num_classes=10, count=8, seed=1)
+    assert a.shape == (8, 3, 32, 32) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+def make_image_folder(root, classes=("cat", "dog"), per_class=3):
+    for split in ("train", "val"):
+        for c in classes:
+            (root / split / c).mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(np.random.randint(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+                    root / split / c / f"{i}.png")
+
+
+def test_image_folders_load_with_the_deit_pipeline(tmp_path):
+    make_image_folder(tmp_path)
+    cfg = load_config(None, [f"data.root={tmp_path}"]).data
+    train = build_dataset(cfg, "train", img_size=32, num_classes=2, train_transform=True)
+    val = build_dataset(cfg, "val", img_size=32, num_classes=2, train_transform=False)
+    x, y = train[0]
+    assert x.shape == (3, 32, 32) and y in (0, 1) and len(val) == 6
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("missing", "does not exist"), ("no_split", "no 'train' split"), ("no_classes", "no class sub-folders"),
+    ("no_images", "hold no images"), ("wrong_classes", "has 2 classes but model.num_classes=5"),
+])
+def test_malformed_folders_are_clear_errors(tmp_path, layout, message):
+    root, classes = tmp_path / "data", 5
+    if layout == "no_split":
+        (root / "training").mkdir(parents=True)
+    elif layout == "no_classes":
+        (root / "train").mkdir(parents=True)
+    elif layout == "no_images":
+        (root / "train" / "cat").mkdir(parents=True)
+        (root / "train" / "cat" / "notes.txt").write_text("x")
+    elif layout == "wrong_classes":
+        make_image_folder(root)
+    cfg = load_config(None, [f"data.root={root}"]).data
+    with pytest.raises(DataError, match=message):
+        build_dataset(cfg, "train", img_size=32, num_classes=classes, train_transform=True)
+
+
+def test_empty_root_and_odd_mixup_batch_are_clear_errors():
+    with pytest.raises(DataError, match="data.root is empty"):
+        build_dataset(load_config(None).data, "train", img_size=32, num_classes=1000, train_transform=True)
+    cfg = load_config(None, ["data.dataset=synthetic"]).data  # mixup/cutmix on by default (DeiT)
+    with pytest.raises(DataError, match="must be even"):
+        build_loaders(cfg, img_size=32, batch_size_per_gpu=7, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+                      seed=0, num_classes=4)

@@ -1,0 +1,73 @@
+"""Models: full-size parameter counts (meta device), small variants, local weights loading."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from configs import load_config
+from models import VARIANTS, ModelError, build_model, input_size
+
+
+def model_cfg(*overrides):
+    return load_config(None, list(overrides)).model
+
+
+@pytest.mark.parametrize("name, millions", [
+    ("vit_tiny_patch16_224", 5.72), ("vit_small_patch16_224", 22.05), ("vit_base_patch16_224", 86.57),
+    ("swin_tiny_patch4_window7_224", 28.29), ("deit_base_patch16_224", 86.57),
+])
+def test_full_size_parameter_counts_on_meta_device(name, millions):
+    with torch.device("meta"):
+        model = build_model(model_cfg(f"model.name={name}"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 2) == millions
+    assert input_size(model) == 224
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_forward_and_backward(name):
+    model = build_model(model_cfg(f"model.name={name}", "model.num_classes=7"))
+    x = torch.randn(3, 3, input_size(model), input_size(model))
+    out = model(x)
+    assert out.shape == (3, 7)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_kwargs_reach_timm():
+    model = build_model(model_cfg("model.name=vit_micro", "model.kwargs.depth=2"))
+    assert len(model.blocks) == 2
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ModelError, match="unknown model 'vit_bse_patch16_224'.*vit_base_patch16_224"):
+        build_model(model_cfg("model.name=vit_bse_patch16_224"))
+
+
+@pytest.mark.parametrize("suffix", ["pth", "safetensors"])
+def test_local_weights_load_and_replace_a_head_of_another_size(tmp_path, suffix):
+    source = build_model(model_cfg("model.name=vit_nano", "model.num_classes=10"))
+    path = tmp_path / f"w.{suffix}"
+    if suffix == "safetensors":
+        save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    else:  # a train.py-style checkpoint of a compiled model: nested under 'model', '_orig_mod.' prefixes
+        torch.save({"model": {f"_orig_mod.{k}": v for k, v in source.state_dict().items()}}, path)
+    target = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3", f"model.pretrained={path}"))
+    for name, tensor in source.state_dict().items():
+        if not name.startswith("head."):
+            assert torch.equal(target.state_dict()[name], tensor), name
+    assert target.head.weight.shape == (3, 32)
+
+
+def test_strict_loading_refuses_a_head_of_another_size(tmp_path):
+    source = build_model(model_cfg("model.name=vit_nano", "model.num_classes=10"))
+    torch.save(source.state_dict(), tmp_path / "w.pth")
+    with pytest.raises(ModelError, match="head.weight"):
+        build_model(model_cfg("model.name=vit_nano", "model.num_classes=3", f"model.pretrained={tmp_path / 'w.pth'}",
+                              "model.pretrained_strict=true"))
+
+
+def test_weights_of_another_model_are_refused(tmp_path):
+    torch.save(build_model(model_cfg("model.name=vit_nano")).state_dict(), tmp_path / "w.pth")
+    with pytest.raises(ModelError, match="another model|does not fit"):
+        build_model(model_cfg("model.name=vit_micro", f"model.pretrained={tmp_path / 'w.pth'}"))
+    with pytest.raises(ModelError, match="not found"):
+        build_model(model_cfg("model.name=vit_micro", "model.pretrained=/no/such/file.pth"))

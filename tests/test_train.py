@@ -1,0 +1,197 @@
+"""train.py end to end on CPU: outputs, exact resume, DDP (2 gloo processes), SIGTERM, non-finite loss."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train
+from configs import load_config
+from engine.checkpoint import CheckpointError, save_atomic
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_debug_run_writes_the_documented_files(debug_config):
+    cfg = debug_config()
+    result = train.main(cfg)
+    assert result.state.step == 8 and result.state.epoch == 2  # 2 epochs x 4 updates of 2 micro-batches
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "best.pt", "train.log", "tb"):
+        assert os.path.exists(os.path.join(cfg.out_dir, name)), name
+    records = read_metrics(cfg.out_dir)
+    train_records = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_records] == [2, 4, 6, 8]
+    assert all(k in train_records[0] for k in ("train/lr", "train/img_per_s", "train/epoch"))
+    assert any("val/top1" in r for r in records)
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train_records)
+
+
+def test_demo_config_trains_on_digits(tmp_path):
+    # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates
+    cfg = load_config([os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")],
+                      [f"out_dir={tmp_path}", "train.max_steps=60", "sched.epochs=3", "sched.warmup_epochs=0"])
+    result = train.main(cfg)
+    assert result.state.step == 60
+    assert result.metrics["val/count"] == 360
+    assert result.metrics["val/top1"] > 15.0  # chance is 10%; 20.0% measured (deterministic on CPU)
+
+
+def checkpoint_tensors(path):
+    ckpt = torch.load(path, weights_only=True)
+    flat = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    flat.update({f"ema.{k}": v for k, v in ckpt["model_ema"].items()})
+    for pid, pstate in ckpt["optimizer"]["state"].items():
+        flat.update({f"opt.{pid}.{k}": torch.as_tensor(v) for k, v in pstate.items()})
+    return flat, ckpt["state"], ckpt["scheduler"]
+
+
+def test_exact_resume_mid_epoch(debug_config):
+    # mixup/cutmix (DeiT defaults), drop path 0.1, 2 accumulation steps and EMA all draw randomness or state
+    common = ("train.ema=true", "train.ema_decay=0.9", "sched.per_step=true")
+    straight = debug_config(*common, name="straight")
+    train.main(straight)
+    split = debug_config(*common, "train.max_steps=3", name="split")  # stops inside epoch 0 (4 updates)
+    first = train.main(split)
+    assert first.state.step == 3 and first.state.epoch == 0 and first.state.epoch_batches == 6
+    split_rest = debug_config(*common, name="split")
+    train.main(split_rest)
+    a, state_a, sched_a = checkpoint_tensors(os.path.join(straight.out_dir, "checkpoint.pt"))
+    b, state_b, sched_b = checkpoint_tensors(os.path.join(split.out_dir, "checkpoint.pt"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert state_a == state_b and sched_a == sched_b
+
+
+def test_resuming_with_another_model_is_refused(debug_config):
+    train.main(debug_config("train.max_steps=1", name="r"))
+    with pytest.raises(CheckpointError, match="written for model"):
+        train.main(debug_config("model.name=vit_micro", name="r"))
+
+
+def test_rerunning_a_finished_run_trains_nothing(debug_config):
+    cfg = debug_config(name="done")
+    train.main(cfg)
+    before = os.path.getmtime(os.path.join(cfg.out_dir, "best.pt"))
+    again = train.main(debug_config(name="done"))
+    assert again.state.step == 8 and "val/top1" in again.metrics
+    assert os.path.getmtime(os.path.join(cfg.out_dir, "best.pt")) == before
+
+
+def test_non_finite_loss_stops_without_writing_a_checkpoint(debug_config):
+    from data import build_loaders
+
+    cfg = debug_config()
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    calls, saves = [0], []
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        loss = torch.nn.functional.cross_entropy(m(x), y.argmax(1) if y.ndim == 2 else y)
+        return loss * float("nan") if calls[0] > 4 else loss  # updates 1-2 fine, update 3 diverges
+
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), accum_steps=2, ckpt_every=1, save=lambda: saves.append(1),
+                     log_every=100)
+    with pytest.raises(NonFiniteLossError, match="nan"):
+        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+    assert len(saves) == 2  # written after the two good updates, never after the bad one
+
+
+def test_atomic_save_keeps_the_old_checkpoint_when_writing_fails(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    save_atomic({"model": {"w": torch.ones(2)}}, path)
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        save_atomic({"model": {"w": torch.zeros(2)}}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(2))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, overrides, out_file):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cfg = load_config([DEBUG_CONFIG], overrides)
+    result = train.main(cfg)
+    torch.save(result.model.state_dict(), out_file.format(rank=rank))
+
+
+# No per-sample randomness, so one process on the same global batch must compute the same updates. SGD,
+# because Adam turns the rounding noise of exactly-zero gradients (the K bias of attention) into lr-sized
+# steps that differ with the reduction order.
+DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.label_smoothing=0", "optim.name=sgd",
+                 "optim.lr=0.05")
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_and_match_one_process(tmp_path):
+    out = str(tmp_path / "weights_{rank}.pt")
+    overrides = [*DETERMINISTIC, f"out_dir={tmp_path / 'ddp'}", "train.batch_size_per_gpu=8"]
+    mp.spawn(_ddp_worker, args=(2, free_port(), overrides, out), nprocs=2, join=True)
+    rank0, rank1 = torch.load(out.format(rank=0)), torch.load(out.format(rank=1))
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+    # one process, 2 accumulation steps of 8: the same 16 images per update as the two ranks together
+    single = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={tmp_path / 'single'}"])).model
+    initial = train.build_model(load_config([DEBUG_CONFIG]).model).state_dict()
+    for key, value in single.state_dict().items():
+        assert torch.allclose(rank0[key], value, atol=1e-6, rtol=1e-5), key
+        if key.endswith("weight") and value.ndim == 2:
+            assert not torch.allclose(value, initial[key])  # training did move the weights
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_from_the_command_line(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "train.batch_size_per_gpu=8"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es)" in run.stdout and "val top-1" in run.stdout
+    assert torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)["state"]["step"] == 8
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "sched.epochs=1000",
+           "train.log_every_steps=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(tmp_path, "metrics.jsonl")
+    deadline = time.time() + 120
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert time.time() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "stopped at update" in output and "preempted" in output
+    step = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)["state"]["step"]
+    assert 1 <= step < 4000
+    resumed = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0 and f"at epoch" in resumed.stdout and "resumed from" in resumed.stdout
+    assert torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)["state"]["step"] == step + 2
