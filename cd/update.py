@@ -102,13 +102,14 @@ def _is_zero(x: Number) -> bool:
     return not isinstance(x, Tensor) and x == 0
 
 
-def _step_tensor(values: Sequence[Number], device: torch.device, gate: Optional[Tensor]) -> Union[float, Tensor]:
-    """Per-pair step sizes as a Python float (all equal, no gate: no host-device copy) or an (n, 1, 1) tensor."""
+def _step_tensor(values: Sequence[Number], like: Tensor, gate: Optional[Tensor]) -> Union[float, Tensor]:
+    """Per-pair step sizes as a Python float (all equal, no gate: no host-device copy) or an (n, 1, 1)
+    tensor of `like`'s dtype and device."""
     if gate is None and all(not isinstance(v, Tensor) for v in values) and len(set(values)) == 1:
         return float(values[0])
-    s = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(device) for v in values])
+    s = torch.stack([torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values])
     if gate is not None:
-        s = s * gate.to(device=device, dtype=torch.float32)
+        s = s * gate.to(device=like.device, dtype=like.dtype)
     return s.view(-1, 1, 1)
 
 
@@ -183,8 +184,7 @@ def colinearity_decay_(
         # Compute every delta of the group from the pre-step weights before writing any of them.
         idx = sorted(set(idx2) | set(idx1))
         w2 = _stack_fp32([pairs[i].w2() for i in idx])  # (n, o, r)
-        dev = w2.device
-        s2 = _step_tensor([step_sizes[i] for i in idx], dev, gate)
+        s2 = _step_tensor([step_sizes[i] for i in idx], w2, gate)
         if pairs[idx[0]].diagonal:
             # Composable: W2 diag(g)^2 / mean(g^2), i.e. a per-column scaling (no matmul needed).
             d2 = w2 * _normalized_scale_sq(_stack_fp32([pairs[i].w1() for i in idx])) * s2
@@ -200,7 +200,7 @@ def colinearity_decay_(
                 d2 = torch.bmm(w2, torch.bmm(w1n, w1n.transpose(1, 2))) * s2
             d1 = None
             if idx1:
-                s1 = _step_tensor([up_steps[i] for i in idx], dev, gate)
+                s1 = _step_tensor([up_steps[i] for i in idx], w2, gate)
                 # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 = 2 c W2^T (W2 W1n), with c = 1/rms.
                 d1 = torch.bmm(w2.transpose(1, 2), p) / rms * s1
         # Pairs in `idx` with a zero W2 step (only possible with target C) get a zero W2 delta: skip them.

@@ -1,12 +1,17 @@
 """Tiny timm models for the cd/ tests (CPU, built in milliseconds), with randomized norm scales.
 
-Imported by the `test_cd_*` / `test_tweo*` files (pytest puts `tests/` on sys.path).
+Also the plain float64 reference of the CD update (written independently of cd/). Imported by the `test_cd_*` / `test_tweo*` files (pytest puts `tests/` on sys.path).
 """
 from __future__ import annotations
+
+import math
 
 import timm
 import torch
 from torch import nn
+
+# Tiny models: OpenMP worker threads cost far more than they save (x100 on a busy 2-core machine).
+torch.set_num_threads(1)
 
 VIT_DEPTH = 2
 SWIN_DEPTHS = (2, 2)
@@ -44,3 +49,25 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def changed(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+
+
+# --- independent float64 reference of the CD update (paper Eq. method_cd_update, app_cd_norm_w2_grad) ---
+def normalized(w1: torch.Tensor) -> torch.Tensor:
+    """W1 / (||W1||_F / sqrt(rows(W1))), float64."""
+    return w1 / (torch.linalg.matrix_norm(w1) / math.sqrt(w1.shape[0]))
+
+
+def ref_w2(w2: torch.Tensor, w1: torch.Tensor, step: float) -> torch.Tensor:
+    """W2 - step * W2 @ W1n @ W1n.T in float64."""
+    w1n = normalized(w1.double())
+    return w2.double() - step * w2.double() @ w1n @ w1n.T
+
+
+def ref_block_update(P: dict, b: str, step: float, out: dict) -> None:
+    """Expected new qkv/proj/fc1/fc2 of block `b` from pre-step parameters `P`."""
+    qkv = P[f"{b}.attn.qkv.weight"]
+    d = qkv.shape[0] // 3
+    out[f"{b}.attn.qkv.weight"] = ref_w2(qkv, torch.diag(P[f"{b}.norm1.weight"]), step)
+    out[f"{b}.attn.proj.weight"] = ref_w2(P[f"{b}.attn.proj.weight"], qkv[2 * d:3 * d], step)
+    out[f"{b}.mlp.fc1.weight"] = ref_w2(P[f"{b}.mlp.fc1.weight"], torch.diag(P[f"{b}.norm2.weight"]), step)
+    out[f"{b}.mlp.fc2.weight"] = ref_w2(P[f"{b}.mlp.fc2.weight"], P[f"{b}.mlp.fc1.weight"], step)

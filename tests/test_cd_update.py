@@ -1,7 +1,7 @@
 """The CD update against independent float64 references (paper Eq. method_cd_update + app_cd_norm_w2_grad).
 
-References are written here from parameter names, with explicit V-row slicing and full matrices
-(diag(g) as a matrix), never with cd/'s own helpers.
+The references (`ref_w2`, `ref_block_update` in tests/cd_models.py) are written from parameter names, with
+explicit V-row slicing and full matrices (diag(g) as a matrix), never with cd/'s own helpers.
 """
 from __future__ import annotations
 
@@ -11,28 +11,8 @@ import pytest
 import torch
 
 from cd import ColinearityDecay, colinearity_decay_, find_pairs
-from cd_models import SWIN_DEPTHS, VIT_DEPTH, changed, snapshot, tiny_swin, tiny_vit
-
-
-def _normalized(w1: torch.Tensor) -> torch.Tensor:
-    """W1 / (||W1||_F / sqrt(rows(W1))), float64."""
-    return w1 / (torch.linalg.matrix_norm(w1) / math.sqrt(w1.shape[0]))
-
-
-def _ref_w2(w2: torch.Tensor, w1: torch.Tensor, step: float) -> torch.Tensor:
-    """W2 - step * W2 @ W1n @ W1n.T in float64."""
-    w1n = _normalized(w1.double())
-    return w2.double() - step * w2.double() @ w1n @ w1n.T
-
-
-def _reference_block(P: dict, b: str, step: float, out: dict) -> None:
-    """Expected new qkv/proj/fc1/fc2 of block `b` from pre-step parameters `P`."""
-    qkv = P[f"{b}.attn.qkv.weight"]
-    d = qkv.shape[0] // 3
-    out[f"{b}.attn.qkv.weight"] = _ref_w2(qkv, torch.diag(P[f"{b}.norm1.weight"]), step)
-    out[f"{b}.attn.proj.weight"] = _ref_w2(P[f"{b}.attn.proj.weight"], qkv[2 * d:3 * d], step)
-    out[f"{b}.mlp.fc1.weight"] = _ref_w2(P[f"{b}.mlp.fc1.weight"], torch.diag(P[f"{b}.norm2.weight"]), step)
-    out[f"{b}.mlp.fc2.weight"] = _ref_w2(P[f"{b}.mlp.fc2.weight"], P[f"{b}.mlp.fc1.weight"], step)
+from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot, tiny_swin,
+                       tiny_vit)
 
 
 def _assert_update_matches(model, P, expected, tol):
@@ -55,7 +35,7 @@ def test_vit_update_matches_float64_reference(dtype, tol):
     ColinearityDecay(model, lam=lam).apply(lr=lr)
     expected = {}
     for i in range(VIT_DEPTH):
-        _reference_block(P, f"blocks.{i}", lr * lam, expected)
+        ref_block_update(P, f"blocks.{i}", lr * lam, expected)
     _assert_update_matches(model, P, expected, tol)
 
 
@@ -68,10 +48,10 @@ def test_swin_update_matches_float64_reference():
     for s, depth in enumerate(SWIN_DEPTHS):
         if s > 0:  # timm: patch merging at the start of stages 1..3
             ds = f"layers.{s}.downsample"
-            expected[f"{ds}.reduction.weight"] = _ref_w2(P[f"{ds}.reduction.weight"],
+            expected[f"{ds}.reduction.weight"] = ref_w2(P[f"{ds}.reduction.weight"],
                                                          torch.diag(P[f"{ds}.norm.weight"]), lr * lam)
         for j in range(depth):
-            _reference_block(P, f"layers.{s}.blocks.{j}", lr * lam, expected)
+            ref_block_update(P, f"layers.{s}.blocks.{j}", lr * lam, expected)
     _assert_update_matches(model, P, expected, 1e-5)
 
 
@@ -104,8 +84,8 @@ def test_all_updates_use_pre_step_weights():
     ColinearityDecay(model, lam=0.4).apply(lr=0.5)
     fc1_new = model.blocks[0].mlp.fc1.weight.detach()
     fc2_new = model.blocks[0].mlp.fc2.weight.detach()
-    from_old = _ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], step)
-    from_new = _ref_w2(P["blocks.0.mlp.fc2.weight"], fc1_new, step)
+    from_old = ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], step)
+    from_new = ref_w2(P["blocks.0.mlp.fc2.weight"], fc1_new, step)
     assert not torch.allclose(from_old, from_new, rtol=0, atol=1e-9)  # the test can tell them apart
     torch.testing.assert_close(fc2_new, from_old, rtol=1e-10, atol=1e-12)
 
@@ -125,14 +105,14 @@ def test_lam_per_role_overrides():
     ColinearityDecay(model, lam=0.0, lam_per_role={"fc2": 0.2}).apply(lr=lr)
     assert sorted(changed(model, P)) == ["blocks.0.mlp.fc2.weight", "blocks.1.mlp.fc2.weight"]
     torch.testing.assert_close(model.blocks[1].mlp.fc2.weight.detach(),
-                               _ref_w2(P["blocks.1.mlp.fc2.weight"], P["blocks.1.mlp.fc1.weight"], lr * 0.2))
+                               ref_w2(P["blocks.1.mlp.fc2.weight"], P["blocks.1.mlp.fc1.weight"], lr * 0.2))
 
     model = tiny_vit().double()
     ColinearityDecay(model, lam=0.1, lam_per_role={"fc2": 0.3}).apply(lr=lr)
     torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(),
-                               _ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], lr * 0.3))
+                               ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], lr * 0.3))
     torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(),
-                               _ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]), lr * 0.1))
+                               ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]), lr * 0.1))
 
 
 @pytest.mark.parametrize("targets,roles", [("A", {"attn.qkv", "mlp.fc1"}), ("B", {"attn.proj", "mlp.fc2"}),
@@ -166,7 +146,7 @@ def test_target_c_decays_both_functional_matrices_with_the_detached_normalizer_g
             torch.testing.assert_close(w1_old - w1_new, lr * lam / 2 * grad, rtol=1e-10, atol=1e-13)
             # ... and W2 gets the usual update computed from the OLD W1
             torch.testing.assert_close(dict(model.named_parameters())[w2_name].detach(),
-                                       _ref_w2(P[w2_name], w1_old, lr * lam), rtol=1e-10, atol=1e-12)
+                                       ref_w2(P[w2_name], w1_old, lr * lam), rtol=1e-10, atol=1e-12)
 
 
 def test_pure_function_defers_conflicting_writes():
@@ -180,7 +160,7 @@ def test_pure_function_defers_conflicting_writes():
     colinearity_decay_(pairs, [s] * len(pairs), up)
     b = "blocks.0"
     fc1, fc2, g2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"], P[f"{b}.norm2.weight"]
-    w1n = _normalized(torch.diag(g2))
+    w1n = normalized(torch.diag(g2))
     c2 = fc1.shape[0] / fc1.norm() ** 2
     want = fc1 - s * fc1 @ w1n @ w1n.T - s1 * c2 * fc2.T @ fc2 @ fc1
     torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(), want, rtol=1e-10, atol=1e-12)
@@ -193,7 +173,7 @@ def test_low_precision_parameters_are_updated_in_fp32_and_keep_their_dtype(dtype
     ColinearityDecay(model, lam=0.1).apply(lr=0.5)
     w = model.blocks[0].mlp.fc2.weight
     assert w.dtype == dtype
-    want = _ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], 0.05).to(dtype)
+    want = ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], 0.05).to(dtype)
     # fp32 math then one rounding to the parameter dtype: at most one ulp from the float64 result
     ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((w.double() - want.double()).abs() <= 1.01 * ulp).all()
