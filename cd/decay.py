@@ -101,6 +101,7 @@ class ColinearityDecay:
         self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
+        self._gi_cache: Optional[tuple] = None  # (param-group signature, id(param) -> group index)
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
@@ -150,10 +151,9 @@ class ColinearityDecay:
 
     def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         """id(param) -> index of its param group; cached until the groups change."""
-        cache = getattr(self, "_gi_cache", None)
         sig = (id(optimizer), tuple(len(g["params"]) for g in optimizer.param_groups))
-        if cache is not None and cache[0] == sig:
-            return cache[1]
+        if self._gi_cache is not None and self._gi_cache[0] == sig:
+            return self._gi_cache[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         needed = [(p.name, p.downstream) for p in self.pairs]
         if self._upstream:

@@ -113,10 +113,14 @@ def _step_tensor(values: Sequence[Number], like: Tensor, gate: Optional[Tensor])
     return s.view(-1, 1, 1)
 
 
-def _normalized_w1(w1: Tensor) -> tuple[Tensor, Tensor]:
-    """W1n = W1 / (||W1||_F / sqrt(r)) per stacked matrix. w1: (n, r, i). Returns (W1n, rms (n, 1, 1))."""
-    rms = w1.square().mean(dim=(1, 2), keepdim=True).mul(w1.shape[2]).sqrt().clamp_min(_NORM_EPS)
-    return w1 / rms, rms
+def _normalized_w1(w1: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """W1n = W1 / (||W1||_F / sqrt(r)) per stacked matrix. w1: (n, r, i).
+
+    Returns (W1n, norm (n, 1, 1)) with norm = ||W1||_F / sqrt(r) = sqrt(mean(W1^2) * i), floored at
+    _NORM_EPS. inplace: divide `w1` itself (a private stacked copy) to save one buffer.
+    """
+    norm = w1.square().mean(dim=(1, 2), keepdim=True).mul(w1.shape[2]).sqrt().clamp_min(_NORM_EPS)
+    return (w1.div_(norm) if inplace else w1 / norm), norm
 
 
 def _normalized_scale_sq(g: Tensor) -> Tensor:
@@ -170,10 +174,11 @@ def colinearity_decay_(
         sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
 
     def emit(targets: list[Tensor], current: Tensor, delta: Tensor, deferred: bool) -> None:
+        # `current` is a private stacked copy of the targets: update it in place and write it back.
         if deferred:
             pending.append((targets, delta))
         else:
-            _write(targets, current - delta)
+            _write(targets, current.sub_(delta))
 
     for group, deferred in zip(plan.groups, plan.defer):
         idx2 = [i for i in group if not _is_zero(step_sizes[i])]
@@ -187,22 +192,23 @@ def colinearity_decay_(
         s2 = _step_tensor([step_sizes[i] for i in idx], w2, gate)
         if pairs[idx[0]].diagonal:
             # Composable: W2 diag(g)^2 / mean(g^2), i.e. a per-column scaling (no matmul needed).
-            d2 = w2 * _normalized_scale_sq(_stack_fp32([pairs[i].w1() for i in idx])) * s2
+            d2 = (w2 * _normalized_scale_sq(_stack_fp32([pairs[i].w1() for i in idx]))).mul_(s2)
             d1 = None
         else:
-            w1n, rms = _normalized_w1(_stack_fp32([pairs[i].w1() for i in idx]))  # (n, r, i)
+            w1n, norm = _normalized_w1(_stack_fp32([pairs[i].w1() for i in idx]), inplace=True)  # (n, r, i)
             o, r, i_ = w2.shape[1], w2.shape[2], w1n.shape[2]
             if idx1 or 2 * o * r * i_ <= r * r * (i_ + o):
                 p = torch.bmm(w2, w1n)  # W2 W1n, (n, o, i)
-                d2 = torch.bmm(p, w1n.transpose(1, 2)) * s2
+                d2 = torch.bmm(p, w1n.transpose(1, 2)).mul_(s2)
             else:
                 p = None
-                d2 = torch.bmm(w2, torch.bmm(w1n, w1n.transpose(1, 2))) * s2
+                d2 = torch.bmm(w2, torch.bmm(w1n, w1n.transpose(1, 2))).mul_(s2)
             d1 = None
             if idx1:
                 s1 = _step_tensor([up_steps[i] for i in idx], w2, gate)
-                # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 = 2 c W2^T (W2 W1n), with c = 1/rms.
-                d1 = torch.bmm(w2.transpose(1, 2), p) / rms * s1
+                # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 = 2 c W2^T (W2 W1n), with c = 1/norm.
+                d1 = torch.bmm(w2.transpose(1, 2), p).div_(norm).mul_(s1)
+            del w1n, p
         # Pairs in `idx` with a zero W2 step (only possible with target C) get a zero W2 delta: skip them.
         keep2 = [k for k, i in enumerate(idx) if i in idx2]
         if keep2:
@@ -221,7 +227,7 @@ def colinearity_decay_(
 
     for targets, delta in pending:
         # Re-read the targets: another deferred write may have touched the same matrix.
-        _write(targets, _stack_fp32(targets) - delta)
+        _write(targets, _stack_fp32(targets).sub_(delta))
     return {k: v.sqrt() for k, v in sq_norms.items()}
 
 
@@ -258,8 +264,8 @@ def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Ten
         g = torch.stack([up(p.w1(), False) for p in group])
         return (w2.square() * _normalized_scale_sq(g)).sum(dim=(1, 2))
     w1 = torch.stack([up(p.w1(), grad and upstream_grad) for p in group])
-    _, rms = _normalized_w1(w1.detach())
-    return torch.bmm(w2, w1 / rms).square().sum(dim=(1, 2))
+    _, norm = _normalized_w1(w1.detach())
+    return torch.bmm(w2, w1 / norm).square().sum(dim=(1, 2))
 
 
 def pair_penalty(

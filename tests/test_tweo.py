@@ -146,3 +146,27 @@ def test_from_config():
     cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.schedule=cosine", "tweo.tau=5"])
     tweo = TWEO.from_config(cfg.tweo, tiny_vit(), total_steps=10)
     assert (tweo.lam, tweo.tau, tweo.p, tweo.schedule, tweo.total_steps) == (0.05, 5.0, 4.0, "cosine", 10)
+
+
+def test_penalty_saves_no_extra_activation_memory():
+    """Autograd's saved tensors (by storage) are the same with and without TWEO: the penalty only keeps
+    the block outputs, which the next LayerNorm saves anyway."""
+
+    def saved_storages(use_tweo: bool) -> dict:
+        model = tiny_vit()
+        x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+        tweo = TWEO(model, lam=0.01) if use_tweo else None
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(model(x), y)
+            if tweo is not None:
+                loss = loss + tweo.aux_loss(loss)
+        return seen
+
+    base, with_tweo = saved_storages(False), saved_storages(True)
+    assert sum(with_tweo.values()) == sum(base.values()) and len(with_tweo) == len(base)
