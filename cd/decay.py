@@ -1,0 +1,258 @@
+"""`ColinearityDecay`: the CD regularizer object (paper Sec. 3.3) around the pure math in `cd/update.py`.
+
+    decay = ColinearityDecay(model, lam=0.005)          # pairs found once, targets A+B
+    handle = decay.attach(optimizer)                      # W2 <- W2 - lr*lam*W2 W1n W1n^T before each real step
+    ...
+    log(decay.metrics())                                  # cd/pair_energy/<role>, cd/update_norm/<role>
+
+The object holds the selected pairs, the per-pair strengths and a cached batching plan. It has no state
+that changes the update: everything is fixed by the constructor arguments (i.e. the config), so resuming
+needs only the config; `state_dict()` carries a logging counter and the config echo for a consistency check.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .pairs import ROLES, Pair, find_pairs
+from .update import build_plan, colinearity_decay_, pair_energy, pair_penalty
+
+TARGETS = ("A", "B", "C", "A+B")
+MODES = ("decoupled", "loss")
+
+
+def _role_order(key: str) -> tuple[int, str]:
+    return (ROLES.index(key.split("_")[0]), key)
+
+
+def budget_weight_decay(weight_decay: float, lam: float) -> float:
+    """The paper's regularization-budget rule: wd -> wd - lam_cd (Appendix "Normalized CD and regularization budget").
+
+    E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative.
+    """
+    wd = weight_decay - lam
+    if wd < -1e-12:
+        raise ValueError(f"CD weight-decay budget: weight_decay {weight_decay} - cd.lam {lam} = {wd} < 0; "
+                         "lower cd.lam or set cd.budget=false")
+    return max(wd, 0.0)
+
+
+class ColinearityDecay:
+    """Colinearity Decay on the matrix pairs of a pre-norm vision Transformer.
+
+    Args:
+        model: the model (possibly DDP/torch.compile-wrapped); pairs are found once, here.
+        lam: CD strength lambda_cd; the decoupled step of every pair is lr * lam (lr of W2's param group).
+        lam_per_role: per-role override of `lam`, e.g. {'fc2': 0.02}; roles: qkv, proj, fc1, fc2, reduction.
+        targets: which matrices are decayed (paper Table "which matrices receive CD"):
+            'A' the W2 of composable pairs (qkv, fc1, reduction); 'B' the W2 of functional pairs (proj, fc2);
+            'C' both matrices of functional pairs (also qkv V rows and fc1, see `cd.update`); 'A+B' (default).
+        mode: 'decoupled' (the paper's update, via `attach`/`apply`) or 'loss' (ablation: a penalty from
+            `aux_loss`; `attach`/`apply` then do nothing).
+        loss_coef: loss mode only: coefficient of the penalty after aligning it to the task-loss magnitude.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lam: float = 0.005,
+        lam_per_role: Optional[Mapping[str, float]] = None,
+        targets: str = "A+B",
+        mode: str = "decoupled",
+        loss_coef: float = 0.01,
+    ) -> None:
+        if targets not in TARGETS:
+            raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
+        if mode not in MODES:
+            raise ValueError(f"cd mode must be one of {MODES}, got {mode!r}")
+        lam_per_role = dict(lam_per_role or {})
+        unknown = sorted(set(lam_per_role) - set(ROLES))
+        if unknown:
+            raise ValueError(f"cd lam_per_role: unknown role(s) {unknown}; roles are {list(ROLES)}")
+        for role, value in {"lam": lam, **lam_per_role}.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"cd {role} must be a finite number >= 0, got {value!r}")
+        self.lam = float(lam)
+        self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}
+        self.targets = targets
+        self.mode = mode
+        self.loss_coef = float(loss_coef)
+
+        self.all_pairs: list[Pair] = find_pairs(model)  # diagnostics cover every pair
+        kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
+                 "A+B": ("composable", "functional")}[targets]
+        self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]
+        if not self.pairs:
+            raise ValueError(f"cd targets {targets!r} select no pair in this model")
+        self._lams = [self.lam_per_role.get(p.role, self.lam) for p in self.pairs]
+        # Target C: the upstream matrix of every (functional) pair is decayed with the pair's strength.
+        self._upstream = targets == "C"
+        self._up_lams = [lam if self._upstream else 0.0 for lam in self._lams]
+        self._active = any(v != 0 for v in self._lams)
+        self._plan = build_plan(self.pairs, [u != 0 for u in self._up_lams])
+        self._all_plan = build_plan(self.all_pairs)
+
+        self.num_updates = 0  # optimizer steps on which CD was applied (logging only)
+        self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
+        self._last_update_norms: dict[str, Tensor] = {}
+        self._last_penalty: Optional[Tensor] = None
+        self._gi_cache: Optional[tuple] = None  # (param-group signature, id(param) -> group index)
+
+    # ----------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, cfg_cd: Any, model: nn.Module) -> "ColinearityDecay":
+        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef). `enabled` and `budget`
+        are the trainer's switches (see `budget_weight_decay`) and are not read here."""
+        return cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
+                   mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef)
+
+    # ----------------------------------------------------------------------------------- decoupled update
+    def apply(self, lr: float) -> None:
+        """One decoupled CD update of every target with step lr * lam (lam_per_role overrides per role).
+
+        Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
+        when every strength is 0 (bit-identical, no work) or when lr == 0.
+        """
+        if self.mode != "decoupled" or not self._active:
+            return
+        self._apply([lr] * len(self.pairs), [lr] * len(self.pairs), gate=None)
+
+    def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor]) -> None:
+        steps = [lr * lam for lr, lam in zip(lr2, self._lams)]
+        up_steps = [lr * lam for lr, lam in zip(lr1, self._up_lams)]
+        self._last_update_norms = colinearity_decay_(self.pairs, steps, up_steps, gate=gate, plan=self._plan)
+        self.num_updates += 1
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Register the update as a step pre-hook of `optimizer` and return its removable handle.
+
+        The hook runs inside `optimizer.step()`, i.e. once per optimizer update (after clipping, before
+        the AdamW step), and only when the step really runs: GradScaler skips `optimizer.step()` on
+        inf/NaN gradients for non-fused optimizers. Fused optimizers (`fused=True`) are stepped even on
+        overflow; there the update is multiplied on device by (found_inf == 0), which GradScaler attaches
+        to the optimizer, so a skipped step leaves the weights bit-identical without a host sync.
+        Each pair uses the current `lr` of the param group holding its decayed matrix (schedulers,
+        warmup and layer-wise lr decay are respected).
+
+        Raises:
+            ValueError: a decayed matrix is not in `optimizer` (its lr would be unknown).
+        """
+        self._group_index(optimizer)  # validate now, not at the first step
+
+        def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            self._pre_step(opt, kwargs)
+
+        return optimizer.register_step_pre_hook(hook)
+
+    def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+        """id(param) -> index of its param group; cached until the groups change."""
+        sig = (id(optimizer), tuple(len(g["params"]) for g in optimizer.param_groups))
+        if self._gi_cache is not None and self._gi_cache[0] == sig:
+            return self._gi_cache[1]
+        index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        needed = [(p.name, p.downstream) for p in self.pairs]
+        if self._upstream:
+            needed += [(p.upstream_name, p.upstream) for p in self.pairs]
+        missing = [name for name, t in needed if id(t) not in index]
+        if missing:
+            raise ValueError(f"ColinearityDecay.attach: {len(missing)} decayed matrices are not in the optimizer "
+                             f"(e.g. {missing[:3]}); CD needs their param group's lr")
+        self._gi_cache = (sig, index)
+        return index
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
+        if self.mode != "decoupled" or not self._active:
+            return
+        if "grad_scaler" in kwargs:
+            raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy custom "
+                               "AMP contract); CD cannot tell whether this step will be skipped")
+        index = self._group_index(optimizer)
+        groups = optimizer.param_groups
+        lr2 = [groups[index[id(p.downstream)]]["lr"] for p in self.pairs]
+        lr1 = [groups[index[id(p.upstream)]]["lr"] for p in self.pairs] if self._upstream else lr2
+        # Fused optimizers + GradScaler: step() runs even on overflow; GradScaler exposes the verdict as
+        # `optimizer.found_inf` (a device tensor) for the duration of step().
+        found_inf = getattr(optimizer, "found_inf", None)
+        gate = (found_inf == 0) if isinstance(found_inf, Tensor) else None
+        with torch.no_grad():  # step pre-hooks run outside the optimizer's own no_grad
+            self._apply(lr2, lr1, gate)
+        if gate is not None:
+            skipped = (~gate).to(torch.int64).reshape(())
+            self._gated_skips = skipped if self._gated_skips is None else self._gated_skips + skipped
+
+    # ----------------------------------------------------------------------------------- loss-form ablation
+    def aux_loss(self, task_loss: Tensor) -> Tensor:
+        """Loss mode: the stabilized CD penalty to add to the task loss (paper Table "Update form").
+
+        penalty = sum_pairs lam_role/lam-weighted ||W2 W1n||_F^2 (fp32, gradients to the decayed matrices
+        only); returned term = loss_coef * penalty * (task_loss / penalty).detach(), whose value is
+        loss_coef * task_loss: the penalty is aligned to the task-loss magnitude, then scaled down.
+
+        Args:
+            task_loss: 0-dim task loss of this (micro-)batch.
+
+        Returns:
+            0-dim fp32 tensor to add to `task_loss` (zero if every strength is 0).
+        """
+        if self.mode != "loss":
+            raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts through "
+                               "attach()/apply()")
+        if not self._active:
+            return torch.zeros((), device=task_loss.device)
+        # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
+        weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
+        penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
+        self._last_penalty = penalty.detach()
+        ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
+        return self.loss_coef * penalty * ratio
+
+    # ----------------------------------------------------------------------------------- logging, resume
+    def metrics(self) -> dict[str, float]:
+        """Flat dict for logging (syncs with the device; call at log steps only).
+
+        cd/pair_energy/<role>: mean over the role's pairs (all pairs of the model, targeted or not) of the
+            normalized energy ||W2 W1n||_F^2 of the current weights.
+        cd/update_norm/<role>: Frobenius norm of the role's last applied update, all blocks together
+            (also <role>_upstream for target C); absent before the first update.
+        cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
+        """
+        energy = pair_energy(self.all_pairs, self._all_plan)
+        out = {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
+        norms = self._last_update_norms
+        out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)})
+        if self._last_penalty is not None:
+            out["cd/penalty"] = float(self._last_penalty)
+        out["cd/updates"] = float(self._updates_done())
+        return out
+
+    def _updates_done(self) -> int:
+        skipped = int(self._gated_skips) if self._gated_skips is not None else 0
+        return self.num_updates - skipped
+
+    def _config(self) -> dict:
+        return {"lam": self.lam, "lam_per_role": dict(self.lam_per_role), "targets": self.targets,
+                "mode": self.mode, "loss_coef": self.loss_coef}
+
+    def state_dict(self) -> dict:
+        """CD has no state that affects the update (it is fixed by the config); this holds the update
+        counter for logging and the config, checked on load."""
+        return {"num_updates": self._updates_done(), "config": self._config()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the counter; warn if the saved config differs from this object's."""
+        self.num_updates = int(state.get("num_updates", 0))
+        self._gated_skips = None
+        saved = state.get("config")
+        if saved is not None and saved != self._config():
+            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, now {self._config()}",
+                          stacklevel=2)
+
+    def __repr__(self) -> str:
+        roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
+        return (f"ColinearityDecay(pairs={len(self.pairs)} {roles}, lam={self.lam}, lam_per_role={self.lam_per_role}, "
+                f"targets={self.targets!r}, mode={self.mode!r})")

@@ -1,0 +1,168 @@
+"""TWEO, the activation-regularization baseline CD is compared with (paper Appendix "TWEO Background").
+
+    L_total = L_task + lam(t) * L_TWEO,   L_TWEO = (1/L) sum_l mean( (|A_l| / (tau + eps))^p )
+
+A_l is the output of the l-th Transformer block (the residual stream after attention and MLP): timm
+ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`; not patch merging, not the final norm. The mean runs
+over batch x tokens x channels. Defaults p=4, tau=3, eps=1e-6; lam(t) is constant or a cosine from
+lam to 0 over the run. The "rescaled" variant (used by the paper for fine-tuning and detection)
+multiplies the term by detach(L_task / L_TWEO), so its value is lam(t) * L_task.
+
+    tweo = TWEO(model, lam=0.01)                   # forward hooks on every block, kept for the run
+    loss = criterion(model(x), y)
+    loss = loss + tweo.aux_loss(loss, step)        # step = optimizer-update index, for the schedule
+    ...
+    tweo.remove()                                  # or: with TWEO(model, ...) as tweo: ...
+
+Block outputs are captured only in training forwards with grad enabled (never at evaluation). Each
+block's term is computed in the hook, in fp32 even under fp16/bf16 autocast (fp16 (|A|/3)^4 overflows
+beyond |A| = 48), by a custom autograd function that saves only the block output itself; that tensor
+is saved anyway by the next layer (its LayerNorm), so the penalty adds no activation memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .pairs import find_blocks, unwrap_model
+
+SCHEDULES = ("constant", "cosine")
+
+
+def _compute_dtype(a: Tensor) -> torch.dtype:
+    """fp32 for fp16/bf16/fp32 activations (float64 stays float64)."""
+    return torch.promote_types(a.dtype, torch.float32)
+
+
+class _PowerMean(torch.autograd.Function):
+    """mean((|a| * k)^p) in fp32, saving only `a` (no fp32 or |a|^p copies kept for backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, p: float, k: float) -> Tensor:
+        ctx.save_for_backward(a)
+        ctx.p, ctx.k = p, k
+        return a.detach().to(_compute_dtype(a)).abs().mul_(k).pow_(p).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+        (a,) = ctx.saved_tensors
+        p, k = ctx.p, ctx.k
+        af = a.to(_compute_dtype(a))
+        # d/da mean((|a| k)^p) = p k (|a| k)^(p-1) sign(a) / numel
+        g = af.abs().mul_(k).pow_(p - 1).mul_(af.sign()).mul_(grad.to(af.dtype) * (p * k / a.numel()))
+        return g.to(a.dtype), None, None
+
+
+def tweo_penalty(a: Tensor, p: float = 4.0, tau: float = 3.0, eps: float = 1e-6) -> Tensor:
+    """One block's TWEO term mean((|a| / (tau + eps))^p), fp32, differentiable w.r.t. `a`.
+
+    Args:
+        a: block output of any shape and float dtype (e.g. (B, N, D) for ViT, (B, H, W, C) for Swin).
+        p: exponent (>= 1). tau: magnitude scale. eps: keeps tau + eps > 0.
+
+    Returns:
+        0-dim fp32 tensor (float64 for a float64 `a`).
+    """
+    return _PowerMean.apply(a, float(p), 1.0 / (tau + eps))
+
+
+class TWEO:
+    """TWEO auxiliary loss on block outputs, through forward hooks kept for the run.
+
+    Args:
+        model: the model (possibly DDP/torch.compile-wrapped); hooks go on its pre-norm blocks.
+        lam: peak weight lambda.
+        p, tau, eps: penalty exponent, magnitude scale and its epsilon.
+        schedule: 'constant' or 'cosine' (lam(t) = lam * (1 + cos(pi * t / total_steps)) / 2, 0 after).
+        total_steps: number of optimizer updates of the run (needed for 'cosine').
+        rescale: multiply the term by detach(task_loss / penalty) before lam (the "rescaled" variant).
+    """
+
+    def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0, eps: float = 1e-6,
+                 schedule: str = "constant", total_steps: Optional[int] = None, rescale: bool = False) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "cosine" and not (total_steps and total_steps > 0):
+            raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
+        if p < 1 or tau + eps <= 0 or lam < 0:
+            raise ValueError(f"tweo needs p >= 1, tau + eps > 0, lam >= 0; got p={p}, tau={tau}, eps={eps}, lam={lam}")
+        self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
+        self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)
+
+        self.blocks = find_blocks(model)
+        if not self.blocks:
+            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp) in {type(model).__name__}")
+        self._terms: list[Tensor] = []  # per-block terms of the latest training forward
+        self._last_penalty: Optional[Tensor] = None
+        self._last_lam: Optional[float] = None
+        root = unwrap_model(model)
+        # A new forward starts a new set of terms: no growth if aux_loss is not called after some forward.
+        self._handles = [root.register_forward_pre_hook(self._reset)]
+        self._handles += [block.register_forward_hook(self._capture) for _, block in self.blocks]
+
+    @classmethod
+    def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
+        """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale); `enabled` is the trainer's switch."""
+        return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=cfg_tweo.tau, eps=cfg_tweo.eps,
+                   schedule=cfg_tweo.schedule, total_steps=total_steps, rescale=cfg_tweo.rescale)
+
+    def _reset(self, module: nn.Module, args: Any) -> None:
+        self._terms = []
+
+    def _capture(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation / no-grad forwards are never penalized
+        if not isinstance(output, Tensor):
+            raise TypeError(f"TWEO: block {type(module).__name__} returned {type(output).__name__}, expected a Tensor")
+        self._terms.append(tweo_penalty(output, self.p, self.tau, self.eps))
+
+    def lam_at(self, step: int) -> float:
+        """lambda(t) at optimizer update `step` (0-based)."""
+        if self.schedule == "constant":
+            return self.lam
+        t = min(max(step, 0), self.total_steps) / self.total_steps
+        return self.lam * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    def aux_loss(self, task_loss: Tensor, step: int = 0) -> Tensor:
+        """The term to add to the task loss for the latest training forward: lam(step) * L_TWEO (or rescaled).
+
+        Args:
+            task_loss: 0-dim task loss of the same forward (used by the rescaled variant only).
+            step: optimizer-update index for the schedule.
+
+        Returns:
+            0-dim fp32 tensor.
+        """
+        if not self._terms:
+            raise RuntimeError("TWEO.aux_loss: no block output captured; call it after a training-mode forward "
+                               "with grad enabled (and before remove())")
+        penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
+        self._terms = []
+        lam = self.lam_at(step)
+        self._last_penalty, self._last_lam = penalty.detach(), lam
+        if self.rescale:
+            ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
+            return lam * penalty * ratio
+        return lam * penalty
+
+    def metrics(self) -> dict[str, float]:
+        """tweo/penalty (the last L_TWEO, before lam) and tweo/lam (the last lam(t)); empty before aux_loss."""
+        if self._last_penalty is None:
+            return {}
+        return {"tweo/penalty": float(self._last_penalty), "tweo/lam": float(self._last_lam)}
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._terms = []
+
+    def __enter__(self) -> "TWEO":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()

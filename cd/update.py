@@ -1,0 +1,305 @@
+"""The CD math as pure functions over matrix pairs: the decoupled update, pair energies, loss-form penalty.
+
+For a pair (W1, W2) with W1 of shape (r, i) and W2 of shape (o, r), the normalized objective is
+(paper Appendix "Normalized CD", Eq. app_cd_norm_objective)
+
+    l(W1, W2) = ||W2 W1n||_F^2,     W1n = W1 / (||W1||_F / sqrt(r)),
+
+and the decoupled update of W2 (Eq. method_cd_update with Eq. app_cd_norm_w2_grad, factor 2 absorbed) is
+
+    W2 <- W2 - s * W2 W1n W1n^T,    s = lr * lam.
+
+For a composable pair W1 = diag(g), so W1n W1n^T = diag(g^2 / mean(g^2)): the columns of W2 are scaled.
+Target set C also decays the upstream matrix of functional pairs with the matching gradient of the same
+objective, the normalization factor c = sqrt(r)/||W1||_F held constant (see `colinearity_decay_`):
+
+    W1 <- W1 - s * c^2 W2^T W2 W1 = W1 - s * c * W2^T (W2 W1n).
+
+Implementation notes (why the code looks like this):
+- All updates of one call are computed from the weights as they were before the call: groups are ordered
+  so that no group reads a matrix an earlier group already wrote, and a group's writes are deferred to
+  the end otherwise (`build_plan`). Within a group every delta is computed before any write.
+- Same-shaped pairs of one role are stacked and multiplied with one `bmm` (one kernel per role and
+  shape, not a Python loop over blocks). Math is fp32 (TF32 if the caller enabled it) for fp32, bf16
+  and fp16 parameters (float64 parameters stay float64); results are written back in the parameter dtype.
+- Products are ordered by cost: W2 (W1n W1n^T) costs r^2 (i + o), (W2 W1n) W1n^T costs 2 o r i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .pairs import Pair
+
+Number = Union[float, Tensor]
+
+# Floor of the normalizer ||W1||_F / sqrt(r) (an RMS): an all-zero W1 gives W1n = 0 and no update.
+_NORM_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Pairs grouped for batching, in a write-safe order.
+
+    Attributes:
+        groups: lists of pair indices; one group = one role, kind, shapes, dtypes and device.
+        defer: per group, True if its writes must wait until every group has been computed
+            (a later group reads a matrix this group writes).
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    defer: tuple[bool, ...]
+
+
+def _group_key(p: Pair) -> tuple:
+    w1, w2 = p.w1(), p.w2()
+    return (p.kind, p.role, tuple(w1.shape), tuple(w2.shape), w1.dtype, w2.dtype, w2.device)
+
+
+def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None) -> Plan:
+    """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads precede writes.
+
+    Args:
+        pairs: the pairs to update.
+        upstream: per pair, whether its upstream matrix is written too (target set C). Default: none.
+
+    Returns:
+        Plan. Functional groups come first (they read qkv V rows and fc1, which composable groups write).
+    """
+    upstream = list(upstream) if upstream is not None else [False] * len(pairs)
+    keyed: dict[tuple, list[int]] = {}
+    for i, p in enumerate(pairs):
+        keyed.setdefault(_group_key(p), []).append(i)
+    groups = sorted(keyed.values(), key=lambda g: (pairs[g[0]].kind != "functional", g[0]))
+
+    def reads(g):
+        return {id(pairs[i].upstream) for i in g} | {id(pairs[i].downstream) for i in g}
+
+    def writes(g):
+        return {id(pairs[i].downstream) for i in g} | {id(pairs[i].upstream) for i in g if upstream[i]}
+
+    defer = []
+    for k, g in enumerate(groups):
+        later_reads = set().union(*(reads(h) for h in groups[k + 1:])) if k + 1 < len(groups) else set()
+        defer.append(bool(writes(g) & later_reads))
+    return Plan(tuple(tuple(g) for g in groups), tuple(defer))
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    """fp32 for fp16/bf16/fp32 parameters (float64 stays float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _stack_fp32(tensors: Sequence[Tensor]) -> Tensor:
+    """(n, ...) copy of same-shaped tensors in at least fp32, detached."""
+    return torch.stack([t.detach().to(_compute_dtype(t)) for t in tensors])
+
+
+def _is_zero(x: Number) -> bool:
+    return not isinstance(x, Tensor) and x == 0
+
+
+def _step_tensor(values: Sequence[Number], like: Tensor, gate: Optional[Tensor]) -> Union[float, Tensor]:
+    """Per-pair step sizes as a Python float (all equal, no gate: no host-device copy) or an (n, 1, 1)
+    tensor of `like`'s dtype and device."""
+    if gate is None and all(not isinstance(v, Tensor) for v in values) and len(set(values)) == 1:
+        return float(values[0])
+    s = torch.stack([torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values])
+    if gate is not None:
+        s = s * gate.to(device=like.device, dtype=like.dtype)
+    return s.view(-1, 1, 1)
+
+
+def _normalized_w1(w1: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """W1n = W1 / (||W1||_F / sqrt(r)) per stacked matrix. w1: (n, r, i).
+
+    Returns (W1n, norm (n, 1, 1)) with norm = ||W1||_F / sqrt(r) = sqrt(mean(W1^2) * i), floored at
+    _NORM_EPS. inplace: divide `w1` itself (a private stacked copy) to save one buffer.
+    """
+    norm = w1.square().mean(dim=(1, 2), keepdim=True).mul(w1.shape[2]).sqrt().clamp_min(_NORM_EPS)
+    return (w1.div_(norm) if inplace else w1 / norm), norm
+
+
+def _normalized_scale_sq(g: Tensor) -> Tensor:
+    """Diagonal of W1n W1n^T for W1 = diag(g): g^2 / mean(g^2). g: (n, m). Returns (n, 1, m)."""
+    g2 = g.square()
+    return (g2 / g2.mean(dim=1, keepdim=True).clamp_min(_NORM_EPS ** 2)).unsqueeze(1)
+
+
+def _write(targets: Sequence[Tensor], new: Tensor) -> None:
+    """Copy stacked fp32 values (n, ...) into the n target tensors (casting to their dtype)."""
+    torch._foreach_copy_(list(targets), list(new.unbind(0)))
+
+
+@torch.no_grad()
+def colinearity_decay_(
+    pairs: Sequence[Pair],
+    step_sizes: Sequence[Number],
+    upstream_step_sizes: Optional[Sequence[Number]] = None,
+    gate: Optional[Tensor] = None,
+    plan: Optional[Plan] = None,
+) -> dict[str, Tensor]:
+    """Apply one decoupled, normalized CD update to every pair, in place (Eq. method_cd_update, app_cd_norm_w2_grad).
+
+    Args:
+        pairs: matrix pairs (from `find_pairs`).
+        step_sizes: per pair, s = lr * lam for W2 (float or 0-dim tensor); 0 skips the pair.
+        upstream_step_sizes: per pair, step for the upstream matrix of a functional pair (target set C),
+            W1 <- W1 - s1 * c^2 W2^T W2 W1 with c = sqrt(r)/||W1||_F treated as a constant (the gradient of
+            the normalized objective w.r.t. W1 at fixed c, factor 2 absorbed). None or 0: W1 untouched.
+            Ignored for composable pairs (norm scales are never decayed).
+        gate: optional 0-dim tensor multiplying every step on device (0 skips the update without a host
+            sync; used for fused optimizers under GradScaler).
+        plan: a cached `build_plan(pairs, upstream)`; built here if None.
+
+    Returns:
+        dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of the summed
+        squared per-block norms), plus '<role>_upstream' for target set C. Roles that were skipped are absent.
+    """
+    n_pairs = len(pairs)
+    if len(step_sizes) != n_pairs:
+        raise ValueError(f"step_sizes has {len(step_sizes)} entries for {n_pairs} pairs")
+    up_steps = list(upstream_step_sizes) if upstream_step_sizes is not None else [0.0] * n_pairs
+    if plan is None:
+        plan = build_plan(pairs, [not _is_zero(s) for s in up_steps])
+
+    sq_norms: dict[str, Tensor] = {}
+    pending: list[tuple[list[Tensor], Tensor]] = []  # (targets, delta) written after all groups
+
+    def record(key: str, delta: Tensor) -> None:
+        sq = delta.square().sum()
+        sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
+
+    def emit(targets: list[Tensor], current: Tensor, delta: Tensor, deferred: bool) -> None:
+        # `current` is a private stacked copy of the targets: update it in place and write it back.
+        if deferred:
+            pending.append((targets, delta))
+        else:
+            _write(targets, current.sub_(delta))
+
+    for group, deferred in zip(plan.groups, plan.defer):
+        idx2 = [i for i in group if not _is_zero(step_sizes[i])]
+        idx1 = [i for i in group if pairs[i].kind == "functional" and not _is_zero(up_steps[i])]
+        if not idx2 and not idx1:
+            continue
+        role = pairs[group[0]].role
+        # Compute every delta of the group from the pre-step weights before writing any of them.
+        idx = sorted(set(idx2) | set(idx1))
+        w2 = _stack_fp32([pairs[i].w2() for i in idx])  # (n, o, r)
+        s2 = _step_tensor([step_sizes[i] for i in idx], w2, gate)
+        if pairs[idx[0]].diagonal:
+            # Composable: W2 diag(g)^2 / mean(g^2), i.e. a per-column scaling (no matmul needed).
+            d2 = (w2 * _normalized_scale_sq(_stack_fp32([pairs[i].w1() for i in idx]))).mul_(s2)
+            d1 = None
+        else:
+            w1n, norm = _normalized_w1(_stack_fp32([pairs[i].w1() for i in idx]), inplace=True)  # (n, r, i)
+            o, r, i_ = w2.shape[1], w2.shape[2], w1n.shape[2]
+            if idx1 or 2 * o * r * i_ <= r * r * (i_ + o):
+                p = torch.bmm(w2, w1n)  # W2 W1n, (n, o, i)
+                d2 = torch.bmm(p, w1n.transpose(1, 2)).mul_(s2)
+            else:
+                p = None
+                d2 = torch.bmm(w2, torch.bmm(w1n, w1n.transpose(1, 2))).mul_(s2)
+            d1 = None
+            if idx1:
+                s1 = _step_tensor([up_steps[i] for i in idx], w2, gate)
+                # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 = 2 c W2^T (W2 W1n), with c = 1/norm.
+                d1 = torch.bmm(w2.transpose(1, 2), p).div_(norm).mul_(s1)
+            del w1n, p
+        # Pairs in `idx` with a zero W2 step (only possible with target C) get a zero W2 delta: skip them.
+        keep2 = [k for k, i in enumerate(idx) if i in idx2]
+        if keep2:
+            if len(keep2) < len(idx):
+                w2_k, d2_k = w2[keep2], d2[keep2]
+            else:
+                w2_k, d2_k = w2, d2
+            record(role, d2_k)
+            emit([pairs[idx[k]].w2() for k in keep2], w2_k, d2_k, deferred)
+        if d1 is not None:
+            keep1 = [k for k, i in enumerate(idx) if i in idx1]
+            d1_k = d1[keep1] if len(keep1) < len(idx) else d1
+            w1_now = _stack_fp32([pairs[idx[k]].w1() for k in keep1])
+            record(f"{role}_upstream", d1_k)
+            emit([pairs[idx[k]].w1() for k in keep1], w1_now, d1_k, deferred)
+
+    for targets, delta in pending:
+        # Re-read the targets: another deferred write may have touched the same matrix.
+        _write(targets, _stack_fp32(targets).sub_(delta))
+    return {k: v.sqrt() for k, v in sq_norms.items()}
+
+
+@torch.no_grad()
+def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str, Tensor]:
+    """Normalized pair energy ||W2 W1n||_F^2 (Eq. method_pair_energy with app_cd_norm_objective), per role.
+
+    Args:
+        pairs: matrix pairs.
+        plan: optional cached `build_plan(pairs)`.
+
+    Returns:
+        dict role -> 0-dim fp32 tensor: the MEAN over the role's pairs (blocks) of ||W2 W1n||_F^2.
+    """
+    plan = plan or build_plan(pairs)
+    sums: dict[str, Tensor] = {}
+    counts: dict[str, int] = {}
+    for group in plan.groups:
+        e = _group_energy([pairs[i] for i in group], grad=False, upstream_grad=False)  # (n,)
+        role = pairs[group[0]].role
+        sums[role] = sums[role] + e.sum() if role in sums else e.sum()
+        counts[role] = counts.get(role, 0) + len(group)
+    return {role: sums[role] / counts[role] for role in sums}
+
+
+def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Tensor:
+    """||W2 W1n||_F^2 for same-shaped pairs, (n,) in at least fp32. grad: keep W2 in the graph; upstream_grad: W1 too
+    (functional pairs only), with the normalizer held constant."""
+    def up(t: Tensor, keep_grad: bool) -> Tensor:
+        return (t if keep_grad else t.detach()).to(_compute_dtype(t))
+
+    w2 = torch.stack([up(p.w2(), grad) for p in group])
+    if group[0].diagonal:
+        g = torch.stack([up(p.w1(), False) for p in group])
+        return (w2.square() * _normalized_scale_sq(g)).sum(dim=(1, 2))
+    w1 = torch.stack([up(p.w1(), grad and upstream_grad) for p in group])
+    _, norm = _normalized_w1(w1.detach())
+    return torch.bmm(w2, w1 / norm).square().sum(dim=(1, 2))
+
+
+def pair_penalty(
+    pairs: Sequence[Pair],
+    weights: Sequence[float],
+    upstream_grad: bool = False,
+    plan: Optional[Plan] = None,
+) -> Tensor:
+    """Loss-form CD penalty sum_k weights[k] * ||W2_k W1n_k||_F^2 (Eq. app_cd_norm_objective), with autograd.
+
+    Gradients reach W2 only (W1 and norm scales detached), so that the loss form differs from the
+    decoupled update only in form. With `upstream_grad` the upstream matrix of functional pairs also
+    gets a gradient (target set C); the normalizer ||W1||_F / sqrt(r) is detached in every case.
+    Computed in fp32 with autocast disabled.
+
+    Args:
+        pairs: matrix pairs.
+        weights: per pair, a non-negative weight (0 leaves the pair out).
+        upstream_grad: also differentiate w.r.t. W1 of functional pairs.
+        plan: optional cached `build_plan(pairs)`.
+
+    Returns:
+        0-dim fp32 tensor (zero without a graph if every weight is 0).
+    """
+    plan = plan or build_plan(pairs)
+    total: Optional[Tensor] = None
+    device = pairs[0].w2().device
+    with torch.autocast(device_type=device.type, enabled=False):
+        for group in plan.groups:
+            idx = [i for i in group if weights[i] != 0]
+            if not idx:
+                continue
+            e = _group_energy([pairs[i] for i in idx], grad=True, upstream_grad=upstream_grad)
+            w = torch.tensor([float(weights[i]) for i in idx], dtype=torch.float32, device=e.device)
+            term = (e * w).sum()
+            total = term if total is None else total + term
+    return total if total is not None else torch.zeros((), device=device)

@@ -1,0 +1,284 @@
+"""Training-step overhead of CD and TWEO against the baseline (paper Sec. "Efficiency", Fig. exp_efficiency).
+
+Two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128, 256) and (b) hidden
+size at a fixed batch (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each step is an
+AMP forward + backward + AdamW step on synthetic data:
+    baseline  plain step
+    cd        + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
+    tweo      + TWEO(lam=0.01) auxiliary loss on every block output
+Reported per configuration: median step time over the timed steps (warm-up excluded; on CPU the
+three methods' steps are interleaved so that load from other processes hits all alike) and peak memory
+(`torch.cuda.max_memory_allocated` over the timed steps, GPU only; on CPU the peak is reported as n/a,
+since the process RSS cannot be attributed to one configuration), plus the CD/baseline and
+TWEO/baseline ratios. Writes `overhead.json` and `overhead.png` to --out.
+
+Run:
+    python scripts/bench_overhead.py --out results/overhead                 # GPU, the paper's settings
+    python scripts/bench_overhead.py --device cpu --small --out /tmp/ovh    # CPU smoke run, about a minute
+    (on a shared or busy CPU add --threads 1: OpenMP contention otherwise makes single steps 10x slower)
+AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Optional
+
+import timm
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
+from cd import TWEO, ColinearityDecay  # noqa: E402
+
+METHODS = ("baseline", "cd", "tweo")
+
+
+def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):
+    """A timm ViT with head dim 64 (ViT-S/B/L widths 384/768/1024 -> 6/12/16 heads)."""
+    model = timm.create_model("vit_base_patch16_224", img_size=img_size, patch_size=patch_size, embed_dim=embed_dim,
+                              depth=depth, num_heads=max(1, embed_dim // 64), num_classes=num_classes)
+    return model.to(device)
+
+
+class Runner:
+    """One method on one configuration: model, AdamW, AMP scaler, synthetic batch and the regularizer."""
+
+    def __init__(self, method: str, model_kw: dict, batch: int, args, device: str) -> None:
+        torch.manual_seed(0)
+        self.method, self.device, self.model_kw, self.batch = method, device, model_kw, batch
+        self.model = build_vit(device=device, **model_kw).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.05)
+        self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
+        self.scaler = torch.amp.GradScaler(device, enabled=(args.amp == "fp16"))
+        self.decay = self.tweo = None
+        if method == "cd":
+            self.decay = ColinearityDecay(self.model, lam=0.005)
+            self.decay.attach(self.opt)
+        elif method == "tweo":
+            self.tweo = TWEO(self.model, lam=0.01)
+        self.x = torch.randn(batch, 3, model_kw["img_size"], model_kw["img_size"], device=device)
+        self.y = torch.randint(0, model_kw["num_classes"], (batch,), device=device)
+        self.n = 0
+
+    def step(self) -> None:
+        with torch.autocast(device_type=self.device, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            loss = F.cross_entropy(self.model(self.x), self.y)
+            if self.tweo is not None:
+                loss = loss + self.tweo.aux_loss(loss, self.n)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)  # the CD pre-hook runs in here
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.n += 1
+
+    def timed(self, fn) -> float:
+        """Wall time of fn() in ms, synchronizing CUDA."""
+        t0 = time.perf_counter()
+        fn()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        if self.tweo is not None:
+            self.tweo.remove()
+        self.model = self.opt = self.decay = self.tweo = self.x = self.y = None
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
+    """The three methods on one configuration.
+
+    CUDA: one method after the other, each alone on the device, so that its peak memory is its own.
+    CPU: the three models live together and their timed steps are interleaved (baseline, cd, tweo,
+    baseline, ...), so that load from other processes on a shared CPU hits every method alike.
+    """
+    times = {m: [] for m in METHODS}
+    peaks: dict[str, Optional[float]] = {m: None for m in METHODS}
+    apply_ms: list[float] = []
+    if device == "cuda":
+        for method in METHODS:
+            r = Runner(method, model_kw, batch, args, device)
+            for _ in range(args.warmup):
+                r.step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times[method] = [r.timed(r.step) for _ in range(args.steps)]
+            peaks[method] = torch.cuda.max_memory_allocated() / 2 ** 20
+            if r.decay is not None:  # the CD update alone, for reference
+                apply_ms = [r.timed(lambda: r.decay.apply(lr=1e-3)) for _ in range(args.steps)]
+            r.close()
+    else:
+        runners = [Runner(m, model_kw, batch, args, device) for m in METHODS]
+        for r in runners:
+            for _ in range(args.warmup):
+                r.step()
+        for _ in range(args.steps):
+            for r in runners:
+                times[r.method].append(r.timed(r.step))
+                if r.decay is not None:
+                    apply_ms.append(r.timed(lambda: r.decay.apply(lr=1e-3)))
+        for r in runners:
+            r.close()
+    rows = []
+    for method in METHODS:
+        row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"],
+               "step_ms": statistics.median(times[method]), "step_ms_all": times[method], "peak_mib": peaks[method]}
+        if method == "cd":
+            row["cd_apply_ms"] = statistics.median(apply_ms)
+        rows.append(row)
+    return rows
+
+
+def run_sweep(name: str, configs: list[tuple[dict, int]], args, device: str) -> list[dict]:
+    rows = []
+    for model_kw, batch in configs:
+        try:
+            new = measure_config(model_kw, batch, args, device)
+        except torch.cuda.OutOfMemoryError:
+            new = [{"method": m, "batch": batch, "embed_dim": model_kw["embed_dim"], "step_ms": None,
+                    "peak_mib": None, "oom": True} for m in METHODS]
+            gc.collect()
+            torch.cuda.empty_cache()
+        for r in new:
+            r["sweep"] = name
+            print(f"  {name}: dim {r['embed_dim']:5d} batch {batch:4d} {r['method']:8s} "
+                  f"{_fmt(r['step_ms'], '.1f')} ms  peak {_fmt(r['peak_mib'], '.0f')} MiB", flush=True)
+        rows += new
+    return rows
+
+
+def _fmt(v: Optional[float], spec: str) -> str:
+    width = int(spec.split(".")[0] or 0)
+    return "n/a".rjust(width) if v is None else format(v, spec)
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (sweep, configuration): the three methods and the ratios to the baseline."""
+    lines = [f"{'sweep':6s} {'dim':>5s} {'batch':>5s} | {'base ms':>8s} {'cd ms':>8s} {'tweo ms':>8s} | "
+             f"{'cd/base':>7s} {'tweo/base':>9s} | {'base MiB':>8s} {'cd MiB':>8s} {'tweo MiB':>8s} | "
+             f"{'cd/base':>7s} {'tweo/base':>9s} | {'cd apply ms':>11s}"]
+    keys = sorted({(r["sweep"], r["embed_dim"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
+    for sweep, dim, batch in keys:
+        by = {r["method"]: r for r in rows if (r["sweep"], r["embed_dim"], r["batch"]) == (sweep, dim, batch)}
+        t = {m: by[m]["step_ms"] for m in METHODS}
+        mem = {m: by[m]["peak_mib"] for m in METHODS}
+        lines.append(f"{sweep:6s} {dim:5d} {batch:5d} | {_fmt(t['baseline'], '8.1f')} {_fmt(t['cd'], '8.1f')} "
+                     f"{_fmt(t['tweo'], '8.1f')} | {_fmt(_ratio(t['cd'], t['baseline']), '7.3f')} "
+                     f"{_fmt(_ratio(t['tweo'], t['baseline']), '9.3f')} | {_fmt(mem['baseline'], '8.0f')} "
+                     f"{_fmt(mem['cd'], '8.0f')} {_fmt(mem['tweo'], '8.0f')} | "
+                     f"{_fmt(_ratio(mem['cd'], mem['baseline']), '7.3f')} "
+                     f"{_fmt(_ratio(mem['tweo'], mem['baseline']), '9.3f')} | "
+                     f"{_fmt(by['cd'].get('cd_apply_ms'), '11.2f')}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("batch", "batch", "per-device batch size"), ("width", "embed_dim", "hidden size")]
+    metrics = [("step_ms", "step time (ms)")] + ([("peak_mib", "peak memory (MiB)")] if has_memory else [])
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.6 * len(metrics)), squeeze=False)
+    for col, (sweep, xkey, xlabel) in enumerate(panels):
+        for row, (ykey, ylabel) in enumerate(metrics):
+            ax = axes[row][col]
+            for method in METHODS:
+                pts = sorted((r[xkey], r[ykey]) for r in rows
+                             if r["sweep"] == sweep and r["method"] == method and r.get(ykey) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
+    parser.add_argument("--batches", type=int, nargs="+", help="sweep (a) batch sizes (default 32 64 128 256)")
+    parser.add_argument("--widths", type=int, nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
+    parser.add_argument("--width-batch", type=int, help="sweep (b) batch size (default 64)")
+    parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default="results/overhead", help="output folder for overhead.json / overhead.png")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device; use --device cpu --small")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.amp = args.amp or ("fp16" if device == "cuda" else "bf16")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as in training; CD's fp32 math may use TF32 too
+        torch.backends.cudnn.allow_tf32 = True
+    if args.small:  # a ViT with 64 tokens and 4 blocks: each step takes tens of ms on a laptop CPU
+        base = dict(embed_dim=192, depth=4, img_size=64, patch_size=8, num_classes=100)
+        batches, widths, width_batch = args.batches or [8, 16, 32], args.widths or [96, 192, 384], args.width_batch or 16
+        args.warmup = 3 if args.warmup is None else args.warmup
+        args.steps = 7 if args.steps is None else args.steps
+    else:  # ViT-B/16 at 224 px, as in the paper
+        base = dict(embed_dim=768, depth=12, img_size=224, patch_size=16, num_classes=1000)
+        batches, widths, width_batch = args.batches or [32, 64, 128, 256], args.widths or [384, 768, 1024], \
+            args.width_batch or 64
+        args.warmup = 5 if args.warmup is None else args.warmup
+        args.steps = 20 if args.steps is None else args.steps
+
+    hw = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, amp {args.amp}, "
+          f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed steps {args.steps}")
+    rows = run_sweep("batch", [(base, b) for b in batches], args, device)
+    rows += run_sweep("width", [(dict(base, embed_dim=w), width_batch) for w in widths], args, device)
+    print()
+    print(table(rows))
+    if device != "cuda":
+        print("peak memory: n/a on CPU (torch.cuda.max_memory_allocated only; process RSS is not per configuration)")
+
+    os.makedirs(args.out, exist_ok=True)
+    report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__, "amp": args.amp,
+              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "small": args.small,
+              "model": base, "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
+    with open(os.path.join(args.out, "overhead.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",
+         title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO")
+    print(f"wrote {os.path.join(args.out, 'overhead.json')} and overhead.png")
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""ColinearityDecay as used by a trainer: the optimizer pre-hook (group lr, GradScaler skips, fused
+optimizers, accumulation), loss mode, metrics, state, config and the weight-decay budget."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cd.decay
+from cd import ColinearityDecay, budget_weight_decay
+from cd_models import VIT_DEPTH, changed, normalized, ref_block_update, snapshot, tiny_vit
+from configs import load_config
+
+
+def _zero_grads(model):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def _batch(seed=0, n=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _assert_cd_applied(model, P, steps_by_block, rtol=1e-10):
+    expected = {}
+    for i, step in enumerate(steps_by_block):
+        ref_block_update(P, f"blocks.{i}", step, expected)
+    params = dict(model.named_parameters())
+    for name, want in expected.items():
+        torch.testing.assert_close(params[name].detach().double(), want, rtol=rtol, atol=rtol * 1e-2)
+    assert set(changed(model, P)) == set(expected)
+
+
+def test_hook_applies_one_update_per_step_with_each_groups_current_lr():
+    model = tiny_vit().double()
+    lam = 0.2
+    b0 = [p for n, p in model.named_parameters() if n.startswith("blocks.0.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.0.")]
+    # SGD without momentum/decay on zero gradients leaves the weights alone: only CD moves them.
+    opt = torch.optim.SGD([{"params": b0, "lr": 0.1}, {"params": rest, "lr": 0.5}], lr=0.5)
+    decay = ColinearityDecay(model, lam=lam)
+    decay.attach(opt)
+    P = snapshot(model)
+    _zero_grads(model)
+    opt.step()
+    _assert_cd_applied(model, P, [0.1 * lam, 0.5 * lam])
+    assert decay.num_updates == 1
+
+    opt.param_groups[0]["lr"] = 0.3  # a scheduler changes the lr between steps: the hook reads it at step time
+    P = snapshot(model)
+    opt.step()
+    _assert_cd_applied(model, P, [0.3 * lam, 0.5 * lam])
+    assert decay.metrics()["cd/updates"] == 2
+
+
+def test_handle_removes_the_hook_and_lam_zero_hook_is_bit_identical():
+    model = tiny_vit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    handle = ColinearityDecay(model, lam=0.2).attach(opt)
+    handle.remove()
+    ColinearityDecay(model, lam=0.0).attach(opt)
+    P = snapshot(model)
+    _zero_grads(model)
+    opt.step()
+    assert changed(model, P) == []
+
+
+def test_lam_zero_training_is_bit_identical_to_no_cd():
+    runs = []
+    for with_cd in (False, True):
+        model = tiny_vit()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+        if with_cd:
+            ColinearityDecay(model, lam=0.0).attach(opt)
+        for s in range(2):
+            x, y = _batch(s)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(snapshot(model))
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_gradscaler_skipped_step_applies_no_cd_and_a_real_step_applies_one():
+    model = tiny_vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # non-fused: GradScaler skips step() on overflow
+    decay = ColinearityDecay(model, lam=0.5)
+    decay.attach(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    reference = copy.deepcopy(model)  # same weights, stepped by hand: CD then AdamW
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_decay = ColinearityDecay(reference, lam=0.5)
+
+    x, y = _batch(0)
+    P = snapshot(model)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    model.blocks[0].mlp.fc2.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    assert changed(model, P) == [] and decay.num_updates == 0
+    assert scaler.get_scale() < 2.0 ** 10
+
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert decay.num_updates == 1
+    F.cross_entropy(reference(x), y).backward()
+    ref_decay.apply(lr=1e-2)
+    ref_opt.step()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_fused_optimizer_under_gradscaler_gates_cd_on_device():
+    """Fused AdamW is stepped even on overflow; CD must then be a no-op (gated by found_inf)."""
+    model = tiny_vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0, fused=True)
+    assert getattr(opt, "_step_supports_amp_scaling", False)  # the path under test really is taken
+    decay = ColinearityDecay(model, lam=0.5)
+    decay.attach(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))  # initialise the scale
+
+    P = snapshot(model)
+    _zero_grads(model)
+    model.blocks[1].attn.proj.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert changed(model, P) == []
+    assert decay.metrics()["cd/updates"] == 0
+
+    _zero_grads(model)  # Adam on zero gradients without weight decay moves nothing: only CD does
+    scaler.step(opt)
+    scaler.update()
+    expected = copy.deepcopy(tiny_vit())
+    expected.load_state_dict({n: P[n] for n in P})
+    ColinearityDecay(expected, lam=0.5).apply(lr=0.1)
+    for (n, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8, msg=n)
+    assert changed(model, P) and decay.metrics()["cd/updates"] == 1
+
+
+def test_gradient_accumulation_applies_cd_once_per_optimizer_update(monkeypatch):
+    calls = []
+    real = cd.decay.colinearity_decay_
+    monkeypatch.setattr(cd.decay, "colinearity_decay_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    decay = ColinearityDecay(model, lam=0.005)
+    decay.attach(opt)
+    updates, accum = 3, 4
+    for u in range(updates):
+        for m in range(accum):
+            x, y = _batch(u * accum + m, n=2)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == updates and decay.num_updates == updates
+
+
+def test_attach_rejects_an_optimizer_without_the_decayed_matrices():
+    model = tiny_vit()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        ColinearityDecay(model).attach(opt)
+
+
+def test_metrics_energy_and_update_norm_match_independent_values():
+    model = tiny_vit().double()
+    P = snapshot(model)
+    decay = ColinearityDecay(model, lam=0.2)
+    m0 = decay.metrics()
+    want_fc2 = sum((P[f"blocks.{i}.mlp.fc2.weight"] @ normalized(P[f"blocks.{i}.mlp.fc1.weight"])).square().sum()
+                   for i in range(VIT_DEPTH)) / VIT_DEPTH
+    want_qkv = sum((P[f"blocks.{i}.attn.qkv.weight"] @ normalized(torch.diag(P[f"blocks.{i}.norm1.weight"])))
+                   .square().sum() for i in range(VIT_DEPTH)) / VIT_DEPTH
+    assert math.isclose(m0["cd/pair_energy/fc2"], float(want_fc2), rel_tol=1e-9)
+    assert math.isclose(m0["cd/pair_energy/qkv"], float(want_qkv), rel_tol=1e-9)
+    assert not any(k.startswith("cd/update_norm/") for k in m0)
+    decay.apply(lr=0.5)
+    m1 = decay.metrics()
+    assert set(m1) >= {f"cd/{k}/{r}" for k in ("pair_energy", "update_norm") for r in ("qkv", "proj", "fc1", "fc2")}
+    moved = math.sqrt(sum(float((P[f"blocks.{i}.mlp.fc2.weight"] - model.blocks[i].mlp.fc2.weight.detach()).square().sum())
+                          for i in range(VIT_DEPTH)))
+    assert math.isclose(m1["cd/update_norm/fc2"], moved, rel_tol=1e-9)
+    assert m1["cd/pair_energy/fc2"] < m0["cd/pair_energy/fc2"]  # CD lowers the energy it targets
+
+
+def test_loss_mode_is_aligned_to_the_task_loss_and_reaches_only_decayed_matrices():
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.005, mode="loss", loss_coef=0.01)
+    P = snapshot(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    decay.attach(opt)
+    decay.apply(lr=1.0)  # both are no-ops in loss mode
+    _zero_grads(model)
+    opt.step()
+    assert changed(model, P) == []
+    opt.zero_grad(set_to_none=True)
+
+    task = torch.tensor(2.5, dtype=torch.float64)
+    aux = decay.aux_loss(task)
+    assert math.isclose(float(aux.detach()), 0.01 * 2.5, rel_tol=1e-6)
+    aux.backward()
+    ratio = 2.5 / decay.metrics()["cd/penalty"]
+    fc2, fc1 = model.blocks[0].mlp.fc2.weight, model.blocks[0].mlp.fc1.weight
+    w1n = normalized(P["blocks.0.mlp.fc1.weight"])
+    torch.testing.assert_close(fc2.grad, 0.01 * ratio * 2 * P["blocks.0.mlp.fc2.weight"] @ w1n @ w1n.T)
+    g2n = normalized(torch.diag(P["blocks.0.norm2.weight"]))
+    # fc1's gradient comes from its own (norm2, fc1) pair only: the (fc1, fc2) pair's W1 is detached
+    torch.testing.assert_close(fc1.grad, 0.01 * ratio * 2 * P["blocks.0.mlp.fc1.weight"] @ g2n @ g2n.T)
+    assert model.blocks[0].norm1.weight.grad is None and model.head.weight.grad is None
+
+
+def test_decoupled_mode_has_no_aux_loss():
+    with pytest.raises(RuntimeError, match="mode='loss'"):
+        ColinearityDecay(tiny_vit()).aux_loss(torch.tensor(1.0))
+
+
+def test_state_dict_round_trip_and_config_mismatch_warning():
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.01)
+    decay.apply(lr=1e-3)
+    decay.apply(lr=1e-3)
+    state = decay.state_dict()
+    assert state["num_updates"] == 2 and state["config"]["lam"] == 0.01
+    again = ColinearityDecay(model, lam=0.01)
+    again.load_state_dict(state)
+    assert again.num_updates == 2
+    with pytest.warns(UserWarning, match="different CD config"):
+        ColinearityDecay(model, lam=0.02).load_state_dict(state)
+
+
+def test_from_config_and_bad_arguments():
+    cfg = load_config(None, ["cd.enabled=true", "cd.lam=0.01", "cd.lam_per_role.fc2=0.02", "cd.targets=B"])
+    decay = ColinearityDecay.from_config(cfg.cd, tiny_vit())
+    assert (decay.lam, decay.lam_per_role, decay.targets, decay.mode) == (0.01, {"fc2": 0.02}, "B", "decoupled")
+    assert {p.role for p in decay.pairs} == {"proj", "fc2"}
+    with pytest.raises(ValueError, match="unknown role"):
+        ColinearityDecay(tiny_vit(), lam_per_role={"fc3": 0.1})
+    with pytest.raises(ValueError, match="targets"):
+        ColinearityDecay(tiny_vit(), targets="D")
+    with pytest.raises(ValueError, match=">= 0"):
+        ColinearityDecay(tiny_vit(), lam=-0.1)
+
+
+def test_weight_decay_budget_rule():
+    assert math.isclose(budget_weight_decay(0.05, 0.005), 0.045)
+    assert budget_weight_decay(0.005, 0.005) == 0.0
+    with pytest.raises(ValueError, match="< 0"):
+        budget_weight_decay(0.001, 0.005)
+
+
+@pytest.mark.gpu
+def test_fused_cuda_adamw_under_gradscaler_gates_cd():
+    model = tiny_vit().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0, fused=True)
+    decay = ColinearityDecay(model, lam=0.5)
+    decay.attach(opt)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones((), device="cuda"))
+    P = snapshot(model)
+    _zero_grads(model)
+    model.blocks[1].attn.proj.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert changed(model, P) == []
+    _zero_grads(model)
+    scaler.step(opt)
+    scaler.update()
+    assert changed(model, P) and decay.metrics()["cd/updates"] == 1

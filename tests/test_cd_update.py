@@ -1,0 +1,179 @@
+"""The CD update against independent float64 references (paper Eq. method_cd_update + app_cd_norm_w2_grad).
+
+The references (`ref_w2`, `ref_block_update` in tests/cd_models.py) are written from parameter names, with
+explicit V-row slicing and full matrices (diag(g) as a matrix), never with cd/'s own helpers.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cd import ColinearityDecay, colinearity_decay_, find_pairs
+from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot, tiny_swin,
+                       tiny_vit)
+
+
+def _assert_update_matches(model, P, expected, tol):
+    params = dict(model.named_parameters())
+    for name, want in expected.items():
+        got = params[name].detach().double()
+        delta_want = want - P[name].double()
+        delta_got = got - P[name].double()
+        assert delta_want.norm() > 1e-3, name  # the update is not trivially small
+        err = (delta_got - delta_want).norm() / delta_want.norm()
+        assert err < tol, f"{name}: relative error {err:.2e}"
+    assert set(changed(model, P)) == set(expected)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_vit_update_matches_float64_reference(dtype, tol):
+    model = tiny_vit().to(dtype)
+    P = snapshot(model)
+    lr, lam = 0.5, 0.1
+    ColinearityDecay(model, lam=lam).apply(lr=lr)
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", lr * lam, expected)
+    _assert_update_matches(model, P, expected, tol)
+
+
+def test_swin_update_matches_float64_reference():
+    model = tiny_swin()
+    P = snapshot(model)
+    lr, lam = 0.5, 0.1
+    ColinearityDecay(model, lam=lam).apply(lr=lr)
+    expected = {}
+    for s, depth in enumerate(SWIN_DEPTHS):
+        if s > 0:  # timm: patch merging at the start of stages 1..3
+            ds = f"layers.{s}.downsample"
+            expected[f"{ds}.reduction.weight"] = ref_w2(P[f"{ds}.reduction.weight"],
+                                                         torch.diag(P[f"{ds}.norm.weight"]), lr * lam)
+        for j in range(depth):
+            ref_block_update(P, f"layers.{s}.blocks.{j}", lr * lam, expected)
+    _assert_update_matches(model, P, expected, 1e-5)
+
+
+def test_update_is_half_step_times_autograd_gradient_of_normalized_energy():
+    """W2 delta == lr*lam/2 * d||W2 W1n||_F^2 / dW2 with W1 (and its normalization) held fixed, float64."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    lr, lam = 0.3, 0.2
+    ColinearityDecay(model, lam=lam).apply(lr=lr)
+    params = dict(model.named_parameters())
+    b = "blocks.1"
+    d = P[f"{b}.attn.qkv.weight"].shape[0] // 3
+    cases = {f"{b}.attn.qkv.weight": torch.diag(P[f"{b}.norm1.weight"]),
+             f"{b}.attn.proj.weight": P[f"{b}.attn.qkv.weight"][2 * d:],
+             f"{b}.mlp.fc1.weight": torch.diag(P[f"{b}.norm2.weight"]),
+             f"{b}.mlp.fc2.weight": P[f"{b}.mlp.fc1.weight"]}
+    for name, w1 in cases.items():
+        w2 = P[name].clone().requires_grad_(True)
+        w1 = w1.clone()  # no grad: held fixed
+        energy = (w2 @ (w1 * math.sqrt(w1.shape[0]) / w1.norm())).square().sum()
+        (grad,) = torch.autograd.grad(energy, w2)
+        torch.testing.assert_close(P[name] - params[name].detach(), lr * lam / 2 * grad, rtol=1e-10, atol=1e-13)
+
+
+def test_all_updates_use_pre_step_weights():
+    """fc1 is downstream (norm2 -> fc1) and upstream (fc1 -> fc2): fc2's update must use the old fc1."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    step = 0.5 * 0.4
+    ColinearityDecay(model, lam=0.4).apply(lr=0.5)
+    fc1_new = model.blocks[0].mlp.fc1.weight.detach()
+    fc2_new = model.blocks[0].mlp.fc2.weight.detach()
+    from_old = ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], step)
+    from_new = ref_w2(P["blocks.0.mlp.fc2.weight"], fc1_new, step)
+    assert not torch.allclose(from_old, from_new, rtol=0, atol=1e-9)  # the test can tell them apart
+    torch.testing.assert_close(fc2_new, from_old, rtol=1e-10, atol=1e-12)
+
+
+def test_lam_zero_is_a_bit_identical_noop():
+    model = tiny_vit()
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.0).apply(lr=1.0)
+    ColinearityDecay(model, lam=0.1).apply(lr=0.0)
+    assert changed(model, P) == []
+
+
+def test_lam_per_role_overrides():
+    model = tiny_vit().double()
+    P = snapshot(model)
+    lr = 0.5
+    ColinearityDecay(model, lam=0.0, lam_per_role={"fc2": 0.2}).apply(lr=lr)
+    assert sorted(changed(model, P)) == ["blocks.0.mlp.fc2.weight", "blocks.1.mlp.fc2.weight"]
+    torch.testing.assert_close(model.blocks[1].mlp.fc2.weight.detach(),
+                               ref_w2(P["blocks.1.mlp.fc2.weight"], P["blocks.1.mlp.fc1.weight"], lr * 0.2))
+
+    model = tiny_vit().double()
+    ColinearityDecay(model, lam=0.1, lam_per_role={"fc2": 0.3}).apply(lr=lr)
+    torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(),
+                               ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], lr * 0.3))
+    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(),
+                               ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]), lr * 0.1))
+
+
+@pytest.mark.parametrize("targets,roles", [("A", {"attn.qkv", "mlp.fc1"}), ("B", {"attn.proj", "mlp.fc2"}),
+                                           ("A+B", {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"})])
+def test_targets_select_matrices(targets, roles):
+    model = tiny_vit()
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1, targets=targets).apply(lr=1.0)
+    assert set(changed(model, P)) == {f"blocks.{i}.{r}.weight" for i in range(VIT_DEPTH) for r in roles}
+
+
+def test_target_c_decays_both_functional_matrices_with_the_detached_normalizer_gradient():
+    model = tiny_vit().double()
+    P = snapshot(model)
+    lr, lam = 0.5, 0.2
+    ColinearityDecay(model, lam=lam, targets="C").apply(lr=lr)
+    assert set(changed(model, P)) == {f"blocks.{i}.{r}.weight" for i in range(VIT_DEPTH)
+                                      for r in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    for i in range(VIT_DEPTH):
+        b = f"blocks.{i}"
+        qkv_old, qkv_new = P[f"{b}.attn.qkv.weight"], model.blocks[i].attn.qkv.weight.detach()
+        d = qkv_old.shape[0] // 3
+        assert torch.equal(qkv_new[:2 * d], qkv_old[:2 * d])  # Q and K rows untouched
+        for w1_old, w1_new, w2_name in [(qkv_old[2 * d:], qkv_new[2 * d:], f"{b}.attn.proj.weight"),
+                                        (P[f"{b}.mlp.fc1.weight"], model.blocks[i].mlp.fc1.weight.detach(),
+                                         f"{b}.mlp.fc2.weight")]:
+            w1 = w1_old.clone().requires_grad_(True)
+            c = math.sqrt(w1_old.shape[0]) / w1_old.norm()  # the normalization, held constant
+            energy = (P[w2_name] @ (c * w1)).square().sum()
+            (grad,) = torch.autograd.grad(energy, w1)
+            torch.testing.assert_close(w1_old - w1_new, lr * lam / 2 * grad, rtol=1e-10, atol=1e-13)
+            # ... and W2 gets the usual update computed from the OLD W1
+            torch.testing.assert_close(dict(model.named_parameters())[w2_name].detach(),
+                                       ref_w2(P[w2_name], w1_old, lr * lam), rtol=1e-10, atol=1e-12)
+
+
+def test_pure_function_defers_conflicting_writes():
+    """Composable (norm2 -> fc1) plus upstream decay of fc1 (fc1 -> fc2) in one call: both deltas are computed
+    from the pre-step fc1 and add up."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    pairs = find_pairs(model)
+    s, s1 = 0.05, 0.07
+    up = [s1 if p.role == "fc2" else 0.0 for p in pairs]
+    colinearity_decay_(pairs, [s] * len(pairs), up)
+    b = "blocks.0"
+    fc1, fc2, g2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"], P[f"{b}.norm2.weight"]
+    w1n = normalized(torch.diag(g2))
+    c2 = fc1.shape[0] / fc1.norm() ** 2
+    want = fc1 - s * fc1 @ w1n @ w1n.T - s1 * c2 * fc2.T @ fc2 @ fc1
+    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_are_updated_in_fp32_and_keep_their_dtype(dtype):
+    model = tiny_vit().to(dtype)
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1).apply(lr=0.5)
+    w = model.blocks[0].mlp.fc2.weight
+    assert w.dtype == dtype
+    want = ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], 0.05).to(dtype)
+    # fp32 math then one rounding to the parameter dtype: at most one ulp from the float64 result
+    ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((w.double() - want.double()).abs() <= 1.01 * ulp).all()

@@ -1,0 +1,172 @@
+"""TWEO baseline: the penalty against hand computations, fp16 safety, hooks, schedule, rescaled variant."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cd import TWEO, tweo_penalty
+from cd_models import tiny_swin, tiny_vit
+
+
+def _block_outputs(model, blocks, x):
+    """Block outputs captured by the test's own hooks."""
+    outs = []
+    handles = [b.register_forward_hook(lambda m, a, o: outs.append(o)) for b in blocks]
+    y = model(x)
+    for h in handles:
+        h.remove()
+    return y, outs
+
+
+def test_penalty_of_known_activations():
+    a = torch.tensor([[3.0, -6.0], [0.0, 1.5]])
+    hand = (3 ** 4 + 6 ** 4 + 0 + 1.5 ** 4) / (3 + 1e-6) ** 4 / 4  # mean((|a| / (tau + eps))^4)
+    assert math.isclose(float(tweo_penalty(a)), hand, rel_tol=1e-6)
+    assert math.isclose(float(tweo_penalty(a, p=2.0, tau=1.0, eps=0.0)), (9 + 36 + 0 + 2.25) / 4, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("p", [4.0, 3.5, 1.0])
+def test_penalty_gradient_matches_autograd_of_the_plain_formula(p):
+    a = torch.randn(3, 5, 7, dtype=torch.float64) * 4
+    a1 = a.clone().requires_grad_(True)
+    a2 = a.clone().requires_grad_(True)
+    tweo_penalty(a1, p=p, tau=2.0).backward()
+    ((a2.abs() / (2.0 + 1e-6)) ** p).mean().backward()
+    torch.testing.assert_close(a1.grad, a2.grad)
+
+
+@pytest.mark.parametrize("make", [tiny_vit, tiny_swin])
+def test_aux_loss_is_lam_times_mean_over_block_outputs(make):
+    model = make()
+    x = torch.randn(2, 3, 32, 32)
+    lam = 0.01
+    with TWEO(model, lam=lam) as tweo:
+        names = [n for n, _ in tweo.blocks]
+        y, outs = _block_outputs(model, [b for _, b in tweo.blocks], x)
+        aux = tweo.aux_loss(F.cross_entropy(y, torch.zeros(2, dtype=torch.long)), step=0)
+    want = sum(((o.detach().double().abs() / 3.000001) ** 4).mean() for o in outs) / len(outs)
+    assert math.isclose(float(aux.detach()), lam * float(want), rel_tol=1e-5)
+    if make is tiny_swin:  # Swin: the blocks of every stage, not patch merging, not the final norm
+        assert names == ["layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0", "layers.1.blocks.1"]
+    else:
+        assert names == ["blocks.0", "blocks.1"]
+
+
+def test_fp16_activations_of_several_hundred_stay_finite():
+    a = torch.tensor([400.0, -350.0, 250.0, 5.0], dtype=torch.float16)
+    assert torch.isinf(((a.abs() / 3) ** 4).mean())  # what a naive fp16 penalty does
+    want = float(((a.double().abs() / 3.000001) ** 4).mean())
+    assert math.isclose(float(tweo_penalty(a)), want, rel_tol=1e-6)
+
+    model = tiny_vit()
+    with torch.no_grad():
+        for b in model.blocks:
+            b.mlp.fc2.bias.fill_(300.0)  # block outputs of several hundred
+    x = torch.randn(2, 3, 32, 32)
+    tweo = TWEO(model, lam=1e-6)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = model(x)
+        task = F.cross_entropy(y, torch.zeros(2, dtype=torch.long))
+        aux = tweo.aux_loss(task)
+    assert aux.dtype == torch.float32 and torch.isfinite(aux) and float(aux.detach()) > 1e-6 * 1e6
+    (task + aux).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    tweo.remove()
+
+
+def test_fp16_model_block_outputs():
+    model = tiny_vit().half()
+    with torch.no_grad():
+        model.blocks[0].mlp.fc2.bias.fill_(200.0)
+    with TWEO(model, lam=1.0) as tweo:
+        y, outs = _block_outputs(model, [b for _, b in tweo.blocks], torch.randn(2, 3, 32, 32).half())
+        assert outs[0].dtype == torch.float16
+        aux = tweo.aux_loss(y.float().mean())
+    want = sum(((o.detach().double().abs() / 3.000001) ** 4).mean() for o in outs) / len(outs)
+    assert torch.isfinite(aux) and math.isclose(float(aux.detach()), float(want), rel_tol=1e-5)
+
+
+def test_hooks_are_removed_and_eval_or_no_grad_forwards_are_not_captured():
+    model = tiny_vit()
+    x = torch.randn(2, 3, 32, 32)
+    tweo = TWEO(model, lam=0.01)
+    model.eval()
+    model(x)
+    with pytest.raises(RuntimeError, match="no block output captured"):
+        tweo.aux_loss(torch.tensor(1.0))
+    model.train()
+    with torch.no_grad():
+        model(x)
+    with pytest.raises(RuntimeError, match="no block output captured"):
+        tweo.aux_loss(torch.tensor(1.0))
+    model(x)
+    model(x)  # a new forward replaces the terms of the previous one (no growth)
+    assert len(tweo._terms) == len(model.blocks)
+    tweo.remove()
+    assert all(not b._forward_hooks for b in model.blocks) and not model._forward_pre_hooks
+    with TWEO(model, lam=0.01):
+        assert all(len(b._forward_hooks) == 1 for b in model.blocks)
+    assert all(not b._forward_hooks for b in model.blocks) and not model._forward_pre_hooks
+
+
+def test_cosine_schedule():
+    tweo = TWEO(tiny_vit(), lam=0.02, schedule="cosine", total_steps=100)
+    assert tweo.lam_at(0) == 0.02
+    assert math.isclose(tweo.lam_at(50), 0.01)
+    assert math.isclose(tweo.lam_at(25), 0.01 * (1 + math.cos(math.pi / 4)))
+    assert tweo.lam_at(100) == 0.0 and tweo.lam_at(500) == 0.0
+    assert TWEO(tiny_vit(), lam=0.02).lam_at(10 ** 6) == 0.02
+    with pytest.raises(ValueError, match="total_steps"):
+        TWEO(tiny_vit(), schedule="cosine")
+
+
+def test_rescaled_variant_has_lam_times_task_loss_magnitude():
+    model = tiny_vit()
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    tweo = TWEO(model, lam=1e-4, rescale=True)
+    task = F.cross_entropy(model(x), target)
+    aux = tweo.aux_loss(task, step=3)
+    assert math.isclose(float(aux.detach()), 1e-4 * float(task.detach()), rel_tol=1e-6)
+    metrics = tweo.metrics()
+    assert metrics["tweo/lam"] == 1e-4 and metrics["tweo/penalty"] > 0
+    # the gradient is the penalty's, scaled by lam * task / penalty
+    (g,) = torch.autograd.grad(aux, model.blocks[1].mlp.fc2.bias)
+    task2 = F.cross_entropy(model(x), target)
+    pen = tweo.aux_loss(task2) / 1e-4 * metrics["tweo/penalty"] / float(task2.detach())
+    (g_pen,) = torch.autograd.grad(pen, model.blocks[1].mlp.fc2.bias)
+    torch.testing.assert_close(g, 1e-4 * float(task.detach()) / metrics["tweo/penalty"] * g_pen)
+
+
+def test_from_config():
+    from configs import load_config
+
+    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.schedule=cosine", "tweo.tau=5"])
+    tweo = TWEO.from_config(cfg.tweo, tiny_vit(), total_steps=10)
+    assert (tweo.lam, tweo.tau, tweo.p, tweo.schedule, tweo.total_steps) == (0.05, 5.0, 4.0, "cosine", 10)
+
+
+def test_penalty_saves_no_extra_activation_memory():
+    """Autograd's saved tensors (by storage) are the same with and without TWEO: the penalty only keeps
+    the block outputs, which the next LayerNorm saves anyway."""
+
+    def saved_storages(use_tweo: bool) -> dict:
+        model = tiny_vit()
+        x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+        tweo = TWEO(model, lam=0.01) if use_tweo else None
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(model(x), y)
+            if tweo is not None:
+                loss = loss + tweo.aux_loss(loss)
+        return seen
+
+    base, with_tweo = saved_storages(False), saved_storages(True)
+    assert sum(with_tweo.values()) == sum(base.values()) and len(with_tweo) == len(base)
