@@ -181,6 +181,14 @@ class UniformQuantizer(Quantizer):
         zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
         return fake_quant_uniform(x, scale, zp, self.qmin, self.qmax, ste=self._use_ste(x))
 
+    def get_extra_state(self) -> Dict[str, Any]:
+        # the grouping changes when RepQ-ViT folds a per-channel quantizer into a per-tensor one
+        return {**super().get_extra_state(), "channel_dim": self.channel_dim}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        super().set_extra_state(state)
+        self.channel_dim = state.get("channel_dim", self.channel_dim)
+
     def extra_repr(self) -> str:
         gran = "tensor" if self.channel_dim is None else f"dim={self.channel_dim}, groups={self.scale.numel()}"
         return (f"bits={self.bits}, {'symmetric' if self.symmetric else 'asymmetric'}, {gran}, "
