@@ -41,9 +41,11 @@ def fake_quant_uniform(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     if ste:
         q = torch.clamp(round_ste(x / scale) + zero_point, qmin, qmax)
         return (q - zero_point) * scale
-    # Inference path: in-place ops on the temporaries keep the kernel count and memory low.
-    q = torch.div(x, scale).round_().add_(zero_point).clamp_(qmin, qmax)
-    return q.sub_(zero_point).mul_(scale)
+    # Inference path, 4 elementwise kernels with in-place temporaries: clamping round(x/s) to
+    # [qmin - z, qmax - z] is the same as clamping round(x/s) + z to [qmin, qmax] and subtracting z
+    # (exactly for integer z; for RepQ-ViT's fractional folded z it skips one float rounding of a + z).
+    # The bounds are tiny [G] tensors, so no host sync is needed for per-channel or per-tensor z.
+    return torch.div(x, scale).round_().clamp_(qmin - zero_point, qmax - zero_point).mul_(scale)
 
 
 def log_sqrt2_codes(x: torch.Tensor, delta: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +64,7 @@ def log_sqrt2_codes(x: torch.Tensor, delta: torch.Tensor, bits: int) -> tuple[to
     """
     levels = 2 ** bits
     # x = 0 gives log2(0) = -inf, so q_raw = +inf and the element lands in the zero mask.
-    q = torch.div(x.clamp(min=0), delta).log2_().mul_(-2.0).round_()
+    q = torch.div(x, delta).clamp_(min=0).log2_().mul_(-2.0).round_()  # delta > 0, so clamp after the div
     zero = q >= levels
     return q.clamp_(0, levels - 1), zero
 
