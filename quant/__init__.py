@@ -10,7 +10,7 @@ standard library: it never imports data/, models/ or the entry points. See quant
 """
 from .calibrate import calibrate, refit_weight_quantizers
 from .convert import quantize_model, quantized_layers
-from .evaluate import quantize_and_evaluate
+from .evaluate import evaluate_quantized
 from .modes import describe, named_quantizers, quantization_disabled, set_quant_state
 from .pipelines import PIPELINES, Pipeline, PTQResult, register_pipeline
 from .probes import ActivationProbe, ActMaxResult
@@ -19,7 +19,7 @@ from .ranges import RangeSearch
 from .spec import AttentionRule, Bits, LinearRule, QuantizerSpec, QuantSpec, fqn_matches, parse_bits
 
 __all__ = [
-    "PIPELINES", "Pipeline", "PTQResult", "register_pipeline", "quantize_and_evaluate",
+    "PIPELINES", "Pipeline", "PTQResult", "register_pipeline", "evaluate_quantized",
     "quantize_model", "quantized_layers", "calibrate", "refit_weight_quantizers",
     "describe", "named_quantizers", "quantization_disabled", "set_quant_state",
     "ActivationProbe", "ActMaxResult",

@@ -16,9 +16,9 @@ from .pipelines import PIPELINES
 from .spec import Bits, parse_bits
 
 
-def quantize_and_evaluate(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
-                          eval_fn: Callable[[nn.Module], Mapping[str, float]],
-                          options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
+                       eval_fn: Callable[[nn.Module], Mapping[str, float]],
+                       options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Quantize a copy of `fp_model` and evaluate it.
 
     Args:

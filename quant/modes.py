@@ -87,3 +87,14 @@ def describe(model: nn.Module) -> List[Dict[str, str]]:
             rows.append({"module": name, "role": "attention", "type": type(module).__name__,
                          **{op: _describe_quantizer(getattr(module, f"{op}_quant")) for op in OPERANDS}})
     return rows
+
+
+def summarize(rows: List[Dict[str, str]]) -> Dict[str, Dict[str, str]]:
+    """Collapse `describe` rows into {role: {operand: description}} (distinct values joined by " | ")."""
+    out: Dict[str, Dict[str, List[str]]] = {}
+    for row in rows:
+        fields = out.setdefault(row["role"] or "other", {})
+        for key, value in row.items():
+            if key not in ("module", "role", "type") and value not in fields.setdefault(key, []):
+                fields[key].append(value)
+    return {role: {k: " | ".join(v) for k, v in fields.items()} for role, fields in out.items()}

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from quant import PIPELINES, quantize_and_evaluate
+from quant import PIPELINES, evaluate_quantized
 from quant.layers import QuantConv2d
 from quant.modes import named_quantizers
 from quant.quantizers import LogSqrt2Quantizer, UniformQuantizer
@@ -68,7 +68,7 @@ def test_quantizers_frozen_during_evaluation(pipeline):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_quantize_and_evaluate():
+def test_evaluate_quantized():
     fp = tiny_vit()
     x = images(16, seed=3)
     labels = fp(x).argmax(1)
@@ -76,8 +76,8 @@ def test_quantize_and_evaluate():
     def eval_fn(model):
         return {"top1": 100.0 * (model(x).argmax(1) == labels).float().mean().item()}
 
-    out = quantize_and_evaluate("repq", fp, images(8), "w8a8", eval_fn)
+    out = evaluate_quantized("repq", fp, images(8), "w8a8", eval_fn)
     assert out["top1"] >= 80.0 and out["seconds"] >= out["eval_seconds"] >= 0
     assert out["report"]["pipeline"] == "repq"
     with pytest.raises(KeyError, match="known"):
-        quantize_and_evaluate("nope", fp, images(8), "w8a8", eval_fn)
+        evaluate_quantized("nope", fp, images(8), "w8a8", eval_fn)

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
-from ..modes import describe
+from ..modes import describe, summarize
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from .common import FirstLastOptions, StageTimer, standard_layout
@@ -73,7 +73,7 @@ class PercentilePipeline(Pipeline):
         with timer("calibrate", device):
             calib = calibrate(model, calib_images)
         report = {"pipeline": self.name, "bits": str(bits), **first_last, "options": asdict(options),
-                  "calibration_images": calib["images"], "seconds": timer.seconds, "layers": describe(model)}
+                  "calibration_images": calib["images"], "seconds": timer.seconds, "summary": summarize(describe(model)), "layers": describe(model)}
         return PTQResult(model, report)
 
 

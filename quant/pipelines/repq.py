@@ -24,7 +24,7 @@ from torch import nn
 
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model
-from ..modes import describe
+from ..modes import describe, summarize
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from ..spec import Bits, QuantizerSpec, QuantSpec
@@ -71,7 +71,7 @@ class RepQPipeline(Pipeline):
                 refit_weight_quantizers((name, linear) for _, _, name, linear in sites)
         report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
                   "calibration_images": calib["images"], "folded": folded, "seconds": timer.seconds,
-                  "layers": describe(model)}
+                  "summary": summarize(describe(model)), "layers": describe(model)}
         return PTQResult(model, report)
 
 
