@@ -26,8 +26,10 @@ from typing import Callable, Dict, Optional, Type
 
 import torch
 from torch import nn
-from timm.layers import Attention
+# Import the classes the model modules use: timm >= 1.0.2x defines Attention in timm.layers and
+# re-exports it here, older 1.0.x releases define it in vision_transformer.py itself.
 from timm.models.swin_transformer import WindowAttention
+from timm.models.vision_transformer import Attention
 
 from .quantizers import Quantizer
 

@@ -1,7 +1,7 @@
 """The explicit-matmul attention equals timm's (fused SDPA for ViT, Swin windows with shift masks)."""
 import pytest
 import torch
-from timm.layers import Attention
+from timm.models.vision_transformer import Attention
 
 from quant.attention import ATTENTION_TYPES, QuantAttention, QuantWindowAttention, convert_attention
 from quant.convert import quantize_model
