@@ -152,6 +152,14 @@ class QuantConfig:
     calib_images: int = 32  # fixed, seeded subset of the train split with the eval transform
     calib_seed: int = 0
     calib_batch_size: int = 32
+    # per-pipeline options (quant/pipelines/*: Options dataclasses; unknown keys are an error), e.g.
+    # {repq: {round_zero_point: true}, percentile: {act_range: percentile}}; first/last-layer bits:
+    # {repq: {stem_a_bits: 8, head_w_bits: 8, head_a_bits: 8}} (None follows w/a bits, 0 = float)
+    options: dict = field(default_factory=dict)
+    act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
+    # module patterns counted in "max_act/module" besides the block-internal modules (quant/probes.py),
+    # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only
+    act_max_extra_modules: list = field(default_factory=list)
 
 
 @dataclass

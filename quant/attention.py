@@ -1,0 +1,179 @@
+"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT) and Swin's `WindowAttention`.
+
+timm runs ViT attention through fused SDPA, which never materialises q @ k^T or the probabilities,
+so a quantized copy re-writes the forward as explicit steps, each a method a variant can override:
+
+    q, k, v = project_qkv(x)                         # qkv Linear (a QuantLinear after conversion)
+    scores  = attention_scores(q, k)                 # quant(q) @ quant(k)^T * scale
+    scores  = scores + bias / masks                  # float (Swin: relative position bias, shift mask)
+    probs   = attention_probs(scores)                # float softmax; sink variants override this
+    context = attention_context(probs, v)            # quant(probs) @ quant(v)
+    out     = proj(context)
+
+The operand quantizers are `q_quant`, `k_quant`, `attn_quant`, `v_quant` (None = float operand); the
+`qkv` / `proj` children keep their names, so FQN rules such as `blocks.*.attn.qkv` still match.
+The softmax scale is applied after the first matmul for both model families (RepQ-ViT does this for
+ViT; for Swin it scales q first). Uniform quantizers with percentile/min-max ranges are equivariant
+to a positive scale, so both orders give the same codes and values up to float rounding.
+
+Conversion is by exact source type (`ATTENTION_TYPES`). A subclass of timm's Attention (e.g. an
+attention-sink variant in models/) must register its own quantized class with `register_attention`;
+it is never silently converted with the parent's forward.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Type
+
+import torch
+from torch import nn
+# Import the classes the model modules use: timm >= 1.0.2x defines Attention in timm.layers and
+# re-exports it here, older 1.0.x releases define it in vision_transformer.py itself.
+from timm.models.swin_transformer import WindowAttention
+from timm.models.vision_transformer import Attention
+
+from .quantizers import Quantizer
+
+OPERANDS = ("q", "k", "attn", "v")
+
+
+class QuantAttentionBase(nn.Module):
+    """The quantized matmuls and the overridable steps shared by all converted attention modules."""
+
+    num_heads: int
+    scale: float
+
+    def _init_quantizers(self, quantizers: Dict[str, Optional[Quantizer]]) -> None:
+        for name in OPERANDS:
+            self.register_module(f"{name}_quant", quantizers.get(name))
+
+    @staticmethod
+    def _maybe(quantizer: Optional[Quantizer], x: torch.Tensor) -> torch.Tensor:
+        return x if quantizer is None else quantizer(x)
+
+    def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """matmul1 on quantized operands. q, k: [B, H, N, D] -> scores [B, H, N, N]."""
+        return (self._maybe(self.q_quant, q) @ self._maybe(self.k_quant, k).transpose(-2, -1)) * self.scale
+
+    def attention_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Float softmax over keys; attention-sink variants (softmax1, attn-bias) override this."""
+        return scores.softmax(dim=-1)
+
+    def attention_context(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """matmul2 on quantized operands. probs [B, H, N, N], v [B, H, N, D] -> [B, H, N, D]."""
+        return self._maybe(self.attn_quant, probs) @ self._maybe(self.v_quant, v)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple:
+        """[B, N, 3*H*D] -> q, k, v of shape [B, H, N, D] (timm's fused layout: q|k|v, heads contiguous)."""
+        B, N, _ = qkv.shape
+        return qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class QuantAttention(QuantAttentionBase):
+    """Converted timm `Attention` (ViT/DeiT); keeps qkv, q_norm, k_norm, norm, gate, proj as children."""
+
+    def __init__(self, src: Attention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
+        super().__init__()
+        self.num_heads = src.num_heads
+        self.head_dim = src.head_dim
+        self.scale = src.scale
+        self.attn_dim = getattr(src, "attn_dim", src.num_heads * src.head_dim)  # older timm: no attn_dim
+        self.qkv = src.qkv
+        self.q_norm = src.q_norm
+        self.k_norm = src.k_norm
+        self.attn_drop = src.attn_drop
+        self.norm = getattr(src, "norm", nn.Identity())
+        self.gate = getattr(src, "gate", None)
+        self.proj = src.proj
+        self.proj_drop = src.proj_drop
+        self._init_quantizers(quantizers)
+        self.train(src.training)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple:
+        """x [B, N, C] -> q, k, v [B, H, N, D] (after the optional q/k norms)."""
+        q, k, v = self.split_qkv(self.qkv(x))
+        return self.q_norm(q), self.k_norm(k), v
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.project_qkv(x)
+        scores = self.attention_scores(q, k)
+        if is_causal:  # SDPA semantics: is_causal takes precedence over attn_mask
+            scores = scores + scores.new_full((N, N), float("-inf")).triu_(1)
+        elif attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill_(~attn_mask, float("-inf"))
+            scores = scores + attn_mask
+        probs = self.attn_drop(self.attention_probs(scores))
+        x = self.attention_context(probs, v).transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+
+class QuantWindowAttention(QuantAttentionBase):
+    """Converted Swin `WindowAttention`: relative position bias and shift mask added in float after matmul1."""
+
+    def __init__(self, src: WindowAttention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
+        super().__init__()
+        self.dim = src.dim
+        self.num_heads = src.num_heads
+        self.scale = src.scale
+        self.window_size = src.window_size
+        self.qkv = src.qkv
+        self.attn_drop = src.attn_drop
+        self.proj = src.proj
+        self.proj_drop = src.proj_drop
+        self.relative_position_bias_table = src.relative_position_bias_table
+        self.register_buffer("relative_position_index", src.relative_position_index, persistent=False)
+        self._init_quantizers(quantizers)
+        self.train(src.training)
+
+    def relative_position_bias(self, n: int) -> torch.Tensor:
+        """[1, H, N, N] bias gathered from the table (N = window area)."""
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [num_windows * B, N, C]; mask: [num_windows, N, N] of 0 / -inf (shifted windows) or None."""
+        B_, N, C = x.shape
+        q, k, v = self.split_qkv(self.qkv(x))
+        scores = self.attention_scores(q, k) + self.relative_position_bias(N)
+        if mask is not None:
+            num_win = mask.shape[0]
+            scores = scores.view(-1, num_win, self.num_heads, N, N) + mask.unsqueeze(1).unsqueeze(0)
+            scores = scores.view(-1, self.num_heads, N, N)
+        probs = self.attn_drop(self.attention_probs(scores))
+        x = self.attention_context(probs, v).transpose(1, 2).reshape(B_, N, -1)
+        return self.proj_drop(self.proj(x))
+
+
+AttentionFactory = Callable[[nn.Module, Dict[str, Optional[Quantizer]]], QuantAttentionBase]
+
+# exact source type -> quantized replacement (constructor taking (src, quantizers))
+ATTENTION_TYPES: Dict[Type[nn.Module], AttentionFactory] = {
+    Attention: QuantAttention,
+    WindowAttention: QuantWindowAttention,
+}
+
+
+def register_attention(src_type: Type[nn.Module], factory: AttentionFactory) -> None:
+    """Declare how to convert an attention type (e.g. an attention-sink variant of timm's Attention)."""
+    ATTENTION_TYPES[src_type] = factory
+
+
+def convert_attention(src: nn.Module, quantizers: Dict[str, Optional[Quantizer]]) -> QuantAttentionBase:
+    """Quantized replacement of `src`, which keeps src's parameters (shared, not copied).
+
+    Raises:
+        TypeError: src's exact type has no registered converter.
+    """
+    factory = ATTENTION_TYPES.get(type(src))
+    if factory is None:
+        raise TypeError(f"no quantized attention registered for {type(src).__module__}.{type(src).__name__}; "
+                        "call quant.attention.register_attention(type, factory) (subclasses are not "
+                        "converted with their parent's forward)")
+    return factory(src, quantizers)
+

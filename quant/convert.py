@@ -1,0 +1,130 @@
+"""Model conversion: apply a `QuantSpec` to a deep copy of a float model (a torchtitan-style converter).
+
+Layers are selected by patterns over fully-qualified module names (`spec.fqn_matches`), never by substring
+checks, and the float model is never modified. Attention modules are converted first (their `qkv` /
+`proj` children keep their FQNs), then every nn.Linear / nn.Conv2d is matched against the linear
+rules; in strict mode a Linear/Conv2d that matches neither a rule nor `keep_float` is an error.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from torch import nn
+
+from .attention import OPERANDS, convert_attention
+from .layers import QuantConv2d, QuantLinear
+from .quantizers import Quantizer, build_quantizer
+from .spec import AttentionRule, LinearRule, QuantizerSpec, QuantSpec, fqn_matches
+
+
+def _first_rule(fqn: str, rules: Iterable) -> Optional[object]:
+    return next((r for r in rules if fqn_matches(fqn, r.patterns)), None)
+
+
+def set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Replace the submodule at `fqn` (e.g. "blocks.3.attn.qkv") with `module`."""
+    parent_name, _, child = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+def _channel_dim(spec: QuantizerSpec, operand: str, fqn: str) -> Optional[int]:
+    """Resolve a granularity into the grouped dimension for an operand type."""
+    if spec.granularity == "tensor":
+        return None
+    dims = {"weight": {"channel": 0}, "linear_input": {"channel": -1}, "conv_input": {"channel": 1},
+            "matmul": {"channel": -1, "head": 1}}[operand]
+    if spec.granularity not in dims:
+        raise ValueError(f"{fqn}: granularity {spec.granularity!r} is not defined for a {operand} operand")
+    return dims[spec.granularity]
+
+
+def _make(spec: Optional[QuantizerSpec], operand: str, fqn: str, groups: Dict[Optional[int], Optional[int]]
+          ) -> Optional[Quantizer]:
+    """Build a quantizer for an operand; `groups` maps a channel dim to its size (None: lazily sized)."""
+    if spec is None:
+        return None
+    dim = _channel_dim(spec, operand, fqn)
+    return build_quantizer(spec, dim, groups.get(dim), name=fqn)
+
+
+def _convert_linear(fqn: str, layer: nn.Module, rule: LinearRule) -> nn.Module:
+    if isinstance(layer, nn.Conv2d):
+        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_channels})
+        iq = _make(rule.input, "conv_input", f"{fqn}.input_quantizer", {1: layer.in_channels})
+        new = QuantConv2d.from_float(layer, wq, iq)
+    else:
+        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_features})
+        iq = _make(rule.input, "linear_input", f"{fqn}.input_quantizer", {-1: layer.in_features})
+        new = QuantLinear.from_float(layer, wq, iq)
+    new.quant_role = rule.role  # plain attribute: lets pipelines and reports find layers by role
+    return new
+
+
+def _convert_attention(fqn: str, attn: nn.Module, rule: AttentionRule) -> nn.Module:
+    heads = int(attn.num_heads)
+    head_dim = getattr(attn, "head_dim", None)
+    quantizers = {}
+    for op in OPERANDS:
+        groups = {1: heads, -1: None if op == "attn" else head_dim}
+        quantizers[op] = _make(getattr(rule, op), "matmul", f"{fqn}.{op}_quant", groups)
+    return convert_attention(attn, quantizers)
+
+
+def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
+    """Apply `spec` to `model` itself (use `quantize_model` to keep the original).
+
+    Returns:
+        {"attention": [...], "linear": [...], "float": [...]}: the FQNs converted / deliberately kept float.
+
+    Raises:
+        ValueError: strict spec and some Linear/Conv2d matches no rule and no keep_float pattern.
+    """
+    done: Dict[str, List[str]] = {"attention": [], "linear": [], "float": []}
+    for fqn, module in list(model.named_modules()):
+        rule = _first_rule(fqn, spec.attentions)
+        if rule is not None:
+            set_submodule(model, fqn, _convert_attention(fqn, module, rule))
+            done["attention"].append(fqn)
+
+    unmatched = []
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, (QuantLinear, QuantConv2d)) or not isinstance(module, (nn.Linear, nn.Conv2d)):
+            continue
+        rule = _first_rule(fqn, spec.linears)
+        if rule is not None:
+            set_submodule(model, fqn, _convert_linear(fqn, module, rule))
+            done["linear"].append(fqn)
+        elif fqn_matches(fqn, spec.keep_float):
+            done["float"].append(fqn)
+        else:
+            unmatched.append(fqn)
+    if unmatched and spec.strict:
+        raise ValueError(f"{len(unmatched)} Linear/Conv2d layers match no quantization rule: {unmatched[:8]}"
+                         f"{' ...' if len(unmatched) > 8 else ''}; add a rule or a keep_float pattern")
+    done["float"].extend(unmatched)
+    return done
+
+
+def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
+    """A quantized deep copy of `model`; the original model is left untouched.
+
+    All quantizers start uncalibrated: run `quant.calibrate` (or a pipeline) before evaluation.
+
+    Args:
+        model: float timm ViT/DeiT/Swin (or any model the spec's patterns describe).
+        spec: the layout (see spec.py and pipelines/).
+
+    Returns:
+        The converted copy, in the original's train/eval mode and on its device.
+    """
+    new = copy.deepcopy(model)
+    convert_in_place(new, spec)
+    return new
+
+
+def quantized_layers(model: nn.Module, role: Optional[str] = None) -> List[Tuple[str, nn.Module]]:
+    """(FQN, layer) of the QuantLinear / QuantConv2d layers, optionally only those of one rule role."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (QuantLinear, QuantConv2d)) and (role is None or m.quant_role == role)]

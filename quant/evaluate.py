@@ -1,0 +1,45 @@
+"""Glue for evaluate.py: quantize with a named pipeline, run the caller's accuracy loop, time both.
+
+quant/ never loads data: the entry point supplies the calibration images and an `eval_fn` that
+runs its own validation loop on a model and returns metrics such as {"top1": .., "top5": ..}.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from .calibrate import Images
+from .pipelines import PIPELINES
+from .spec import Bits, parse_bits
+
+
+def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
+                       eval_fn: Callable[[nn.Module], Mapping[str, float]],
+                       options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Quantize a copy of `fp_model` and evaluate it.
+
+    Args:
+        pipeline: a key of `PIPELINES` ("percentile", "repq", ...).
+        fp_model: float model (untouched).
+        calib_images: calibration images (see `calibrate`).
+        bits: "w4a4" etc.
+        eval_fn: model -> metrics (the entry point's validation loop).
+        options: pipeline options.
+
+    Returns:
+        {**metrics, "seconds": total, "quantize_seconds": .., "eval_seconds": .., "report": pipeline report}
+        e.g. for evaluate.py's JSON `quant[pipeline][str(bits)]`.
+    """
+    if pipeline not in PIPELINES:
+        raise KeyError(f"unknown quantization pipeline {pipeline!r}; known: {sorted(PIPELINES)}")
+    start = time.perf_counter()
+    model, report = PIPELINES[pipeline](fp_model, calib_images, parse_bits(bits), options)
+    mid = time.perf_counter()
+    with torch.no_grad():
+        metrics = dict(eval_fn(model))
+    end = time.perf_counter()
+    return {**metrics, "seconds": round(end - start, 3), "quantize_seconds": round(mid - start, 3),
+            "eval_seconds": round(end - mid, 3), "report": report}

@@ -1,0 +1,117 @@
+"""Quantized Linear and Conv2d: fake-quantized input and weight, float bias and float output.
+
+They subclass nn.Linear / nn.Conv2d and adopt the original layer's parameters, so state-dict keys
+(`...qkv.weight`, `...qkv.bias`) stay those of the float model; quantizer state is added under
+`...qkv.weight_quantizer.*` and `...qkv.input_quantizer.*`.
+
+Speed: in inference (grad disabled) the fake-quantized weight is computed once and cached. The cache
+is keyed on the storage and version counter of the weight and of the weight quantizer's parameters,
+so in-place edits (the RepQ-ViT LayerNorm fold, loading a state dict, an optimizer step) and device
+moves invalidate it without any host sync in the forward pass.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quantizers import Quantizer
+
+
+def _version(t: torch.Tensor) -> Tuple[int, int]:
+    # Inference-mode tensors have no version counter; their storage pointer is still a valid key.
+    return t.data_ptr(), (-1 if t.is_inference() else t._version)
+
+
+class _QuantWeightMixin:
+    """Shared weight fake-quantization with the inference cache (needs `weight`, `weight_quantizer`)."""
+
+    weight: nn.Parameter
+    weight_quantizer: Optional[Quantizer]
+
+    def _init_cache(self) -> None:
+        self._wq_cache: Optional[torch.Tensor] = None
+        self._wq_key: Optional[tuple] = None
+        self.quant_role = ""  # label of the conversion rule that built this layer (reports, pipelines)
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight as the forward pass uses it (fake-quantized unless the quantizer is off)."""
+        wq = self.weight_quantizer
+        if wq is None or not wq.enabled:
+            return self.weight
+        needs_grad = torch.is_grad_enabled() and (
+            self.weight.requires_grad or any(p.requires_grad for p in wq.parameters()))
+        if needs_grad or not wq.calibrated:
+            return wq(self.weight)
+        tensors = [self.weight, *wq.parameters(recurse=False), *wq.buffers(recurse=False)]
+        key = tuple(_version(t) for t in tensors)
+        if self._wq_cache is None or key != self._wq_key:
+            self._wq_cache = wq(self.weight).detach()
+            self._wq_key = key
+        return self._wq_cache
+
+    def invalidate_weight_cache(self) -> None:
+        self._wq_cache, self._wq_key = None, None
+
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001 - nn.Module signature
+        self.invalidate_weight_cache()  # .to() / .half(): drop the copy on the old device or dtype
+        return super()._apply(fn, *args, **kwargs)
+
+
+class QuantLinear(_QuantWeightMixin, nn.Linear):
+    """nn.Linear with fake-quantized input (any shape [..., C_in]) and weight [C_out, C_in]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 weight_quantizer: Optional[Quantizer] = None, input_quantizer: Optional[Quantizer] = None,
+                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_module("weight_quantizer", weight_quantizer)
+        self.register_module("input_quantizer", input_quantizer)
+        self._init_cache()
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, weight_quantizer: Optional[Quantizer],
+                   input_quantizer: Optional[Quantizer]) -> "QuantLinear":
+        """Wrap `linear`, sharing (not copying) its weight and bias Parameters."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  weight_quantizer=weight_quantizer, input_quantizer=input_quantizer, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        return F.linear(x, self.quantized_weight(), self.bias)
+
+
+class QuantConv2d(_QuantWeightMixin, nn.Conv2d):
+    """nn.Conv2d (the patch embedding) with fake-quantized input [B, C, H, W] and weight [O, I, kh, kw]."""
+
+    def __init__(self, *args, weight_quantizer: Optional[Quantizer] = None,
+                 input_quantizer: Optional[Quantizer] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_module("weight_quantizer", weight_quantizer)
+        self.register_module("input_quantizer", input_quantizer)
+        self._init_cache()
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d, weight_quantizer: Optional[Quantizer],
+                   input_quantizer: Optional[Quantizer]) -> "QuantConv2d":
+        """Wrap `conv`, sharing its weight and bias Parameters."""
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                  padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
+                  bias=conv.bias is not None, padding_mode=conv.padding_mode,
+                  weight_quantizer=weight_quantizer, input_quantizer=input_quantizer, device="meta")
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        return self._conv_forward(x, self.quantized_weight(), self.bias)

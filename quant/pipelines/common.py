@@ -1,0 +1,81 @@
+"""What the percentile and RepQ-ViT pipelines share: first/last-layer options and the layer layout.
+
+Both pipelines quantize the same points (reference notes 1.1 / 2.2), so that they differ only in
+their quantizers: the inputs and weights of every Linear in the blocks (qkv, proj, fc1, fc2, Swin's
+PatchMerging reduction) and of the head, the patch-embedding conv, and both operands of q @ k^T and
+attn @ v. LayerNorm, softmax, GELU, residual adds and biases stay float.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from ..spec import ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, Bits, LinearRule, \
+    QuantizerSpec, QuantSpec
+
+
+@dataclass
+class FirstLastOptions:
+    """Bit-widths of the patch embedding ("stem") and the classifier ("head").
+
+    None follows the main w/a bits, 0 keeps that operand in float. Defaults are the official
+    RepQ-ViT code: stem weights at w_bits, stem (image) input at 8 bits, head at w_bits / a_bits.
+    QwT's re-runs use 8/8 for both (about +0.7 points at W4A4).
+    """
+
+    stem_w_bits: Optional[int] = None
+    stem_a_bits: Optional[int] = 8
+    head_w_bits: Optional[int] = None
+    head_a_bits: Optional[int] = None
+
+    def resolved(self, bits: Bits) -> Dict[str, Dict[str, Optional[int]]]:
+        """{"stem": {"w": .., "a": ..}, "head": {...}} with None meaning float."""
+        def pick(value: Optional[int], default: int) -> Optional[int]:
+            return default if value is None else (value or None)
+        return {"stem": {"w": pick(self.stem_w_bits, bits.w), "a": pick(self.stem_a_bits, bits.a)},
+                "head": {"w": pick(self.head_w_bits, bits.w), "a": pick(self.head_a_bits, bits.a)}}
+
+
+def _with_bits(spec: QuantizerSpec, bits: Optional[int]) -> Optional[QuantizerSpec]:
+    return None if bits is None else dataclasses.replace(spec, bits=bits)
+
+
+def standard_layout(*, weight: QuantizerSpec, post_norm_input: QuantizerSpec, block_input: QuantizerSpec,
+                    q: QuantizerSpec, k: QuantizerSpec, attn: QuantizerSpec, v: QuantizerSpec,
+                    first_last: Dict[str, Dict[str, Optional[int]]]) -> QuantSpec:
+    """The quantization points shared by the pipelines, with the given quantizer for each role.
+
+    Rule roles: "stem" (patch_embed.proj), "head" (head / head.fc / head_dist), "post_norm" (inputs
+    are LayerNorm outputs: qkv, fc1, Swin reduction), "block" (proj, fc2). The stem and head
+    quantizers copy `weight` / `block_input` with their own bit-widths.
+    """
+    stem, head = first_last["stem"], first_last["head"]
+    return QuantSpec(
+        linears=(
+            LinearRule(STEM, _with_bits(weight, stem["w"]), _with_bits(block_input, stem["a"]), role="stem"),
+            LinearRule(HEAD, _with_bits(weight, head["w"]), _with_bits(block_input, head["a"]), role="head"),
+            LinearRule(POST_NORM_LINEARS, weight, post_norm_input, role="post_norm"),
+            LinearRule(BLOCK_LINEARS, weight, block_input, role="block"),
+        ),
+        attentions=(AttentionRule(ATTENTION, q=q, k=k, attn=attn, v=v),),
+    )
+
+
+class StageTimer:
+    """Wall time per named stage (device-synchronised so GPU work is attributed to its stage)."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str, device: torch.device) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds[name] = round(time.perf_counter() - start, 4)

@@ -1,0 +1,58 @@
+"""Files for the activation-maxima records of `probes.ActivationProbe`: a CSV and a per-block plot.
+
+The plot draws one line per module type (norm1, attn.qkv, mlp.fc2, ..., block) over the block
+index, on a log scale. It uses matplotlib's object API with the Agg canvas, so it never changes the
+global backend of the calling program and needs no display.
+"""
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Sequence, Union
+
+FIELDS = ("name", "kind", "block", "type", "max")
+
+
+def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> Path:
+    """Write `ActMaxResult.per_layer` records (columns: name, kind, block, type, max)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for r in records:
+            writer.writerow({k: r[k] for k in FIELDS})
+    return path
+
+
+def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
+    """{module type: [(block index, max), ...]} sorted by block index (records without a block are dropped)."""
+    out: Dict[str, List[tuple]] = defaultdict(list)
+    for r in records:
+        if int(r["block"]) >= 0:
+            out[str(r["type"])].append((int(r["block"]), float(r["max"])))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: str = "") -> Path:
+    """Save a PNG/PDF of max |activation| per block for each module type."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for typ, points in sorted(max_by_type(records).items()):
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.0 if typ == "block" else 1.0, label=typ)
+    ax.set_yscale("log")
+    ax.set_xlabel("block")
+    ax.set_ylabel("max |activation|")
+    ax.set_title(title)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

@@ -1,0 +1,140 @@
+"""Activation maxima as the paper reports them ("Max. Act. (module / block)"), via removable forward hooks.
+
+Definitions (measured over a data set, e.g. the validation set):
+* block: max |value| over the outputs of every Transformer block (ViT `blocks.N`, Swin
+  `layers.N.blocks.M`), i.e. the residual stream after each block;
+* module: max |value| over the outputs of every module inside those blocks, at any depth. For timm
+  ViT/DeiT: norm1, attn.qkv, attn.norm (an Identity in timm ViT: skipped, see below), attn.proj, attn,
+  norm2, mlp.fc1, mlp.act, mlp.fc2, mlp (and ls1/ls2 when LayerScale is on); Swin blocks the same
+  (Swin's attention output is the window-merged proj output). Pass-through modules (Identity,
+  Dropout, DropPath) are skipped because they only repeat a tensor already counted or the residual,
+  and so are quantizers when probing a converted model. Swin's PatchMerging (norm, reduction) lies
+  between blocks, not inside one, and is not counted unless `extra_modules` names it
+  (e.g. `("layers.*.downsample.norm", "layers.*.downsample.reduction")`).
+
+Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
+evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` yourself; nothing here
+touches torch.distributed. The model is never modified: hooks are removed when the context exits.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import nn
+from timm.layers import DropPath
+
+from .quantizers import Quantizer
+from .spec import fqn_matches
+
+BLOCKS = ("blocks.*", "layers.*.blocks.*")
+PASS_THROUGH: Tuple[Type[nn.Module], ...] = (nn.Identity, nn.Dropout, DropPath, Quantizer)
+
+
+@dataclass
+class ActMaxResult:
+    """Aggregated maxima (`module`, `block`) and one record per probed output (`per_layer`)."""
+
+    module: float
+    block: float
+    per_layer: List[Dict[str, object]] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "act/") -> Dict[str, float]:
+        """Flat metrics for logging, e.g. {"act/max_module": .., "act/max_block": ..}."""
+        return {f"{prefix}max_module": self.module, f"{prefix}max_block": self.block}
+
+
+class ActivationProbe:
+    """Context manager that records running max |output| of block-internal modules and of blocks.
+
+        with ActivationProbe(model) as probe:
+            for x, _ in loader:
+                model(x)
+        stats = probe.result()          # stats.module, stats.block, stats.per_layer
+
+    Args:
+        model: the (unwrapped: not DDP / torch.compile wrapped) model.
+        blocks: patterns of the Transformer blocks (see `spec.fqn_matches`).
+        extra_modules: patterns of further modules counted in "module" (e.g. Swin PatchMerging parts).
+        skip_types: module types whose outputs are not counted.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCKS, extra_modules: Sequence[str] = (),
+                 skip_types: Tuple[Type[nn.Module], ...] = PASS_THROUGH) -> None:
+        self.model = model
+        # (name, kind, block index, module type relative to its block, module)
+        self.targets: List[Tuple[str, str, int, str, nn.Module]] = []
+        block_names = [n for n, _ in model.named_modules() if fqn_matches(n, blocks)]
+        if not block_names:
+            raise ValueError(f"no Transformer blocks match {tuple(blocks)}; pass the unwrapped model "
+                             "(model.module for DDP, model._orig_mod for torch.compile)")
+        for index, block_name in enumerate(block_names):
+            block = model.get_submodule(block_name)
+            self.targets.append((block_name, "block", index, "block", block))
+            for sub_name, sub in block.named_modules():
+                if sub_name and not isinstance(sub, skip_types):
+                    self.targets.append((f"{block_name}.{sub_name}", "module", index, sub_name, sub))
+        for name, sub in model.named_modules():
+            if fqn_matches(name, extra_modules) and not isinstance(sub, skip_types):
+                self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
+        self._handles: list = []
+        self._max: Optional[torch.Tensor] = None
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: object) -> None:
+            tensors = output if isinstance(output, (tuple, list)) else (output,)
+            for t in tensors:
+                if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_floating_point():
+                    continue
+                value = t.detach().abs().amax().float()
+                if self._max is None:
+                    self._max = torch.zeros(len(self.targets), device=value.device)
+                self._max[index].clamp_(min=value)  # in place on the device, no sync
+        return hook
+
+    def __enter__(self) -> "ActivationProbe":
+        if self._handles:
+            raise RuntimeError("probe is already attached")
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, _, _, _, m) in enumerate(self.targets)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- results --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the maxima seen so far (e.g. at the start of each validation)."""
+        self._max = None
+
+    def names(self) -> List[str]:
+        return [t[0] for t in self.targets]
+
+    def maxima(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """[K] float32 running maxima in `names()` order (zeros if nothing was seen), for all_reduce(MAX)."""
+        if self._max is None:
+            return torch.zeros(len(self.targets), device=device)
+        return self._max if device is None else self._max.to(device)
+
+    def result(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+               device: Optional[torch.device] = None) -> ActMaxResult:
+        """Aggregate (one host sync).
+
+        Args:
+            reduce_fn: applied to `maxima()` before aggregation, e.g. a distributed MAX all-reduce
+                returning the reduced tensor.
+            device: where to place the zeros of a probe that saw no data (needed for collectives).
+        """
+        values = self.maxima(device)
+        if reduce_fn is not None:
+            values = reduce_fn(values.clone())
+        values = values.cpu().tolist()
+        records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v}
+                   for (name, kind, block, typ, _), v in zip(self.targets, values)]
+        module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
+        block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
+        return ActMaxResult(module=module, block=block, per_layer=records)

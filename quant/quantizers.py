@@ -1,0 +1,262 @@
+"""Stateful fake quantizers: uniform (asymmetric / symmetric; per tensor, channel or head) and log-sqrt2.
+
+Life cycle of a quantizer (all flags are Python attributes, so forward never syncs with the device):
+
+* built uncalibrated by the converter (`build_quantizer`);
+* `calibrating = True` (see calibrate.py): the first tensor it sees fits its parameters, then it
+  quantizes that same tensor, so downstream quantizers calibrate on already-quantized inputs;
+* afterwards it is frozen: later batches never re-initialise it, and using an uncalibrated quantizer
+  outside calibration is an error, not a silent pass-through. `reset()` re-opens calibration.
+
+Parameters are buffers (`scale`, `zero_point`, `delta`); `make_learnable()` turns them into
+nn.Parameters with the same state-dict names (LSQ / APHQ scale learning). With grad enabled the
+forward uses straight-through rounding; `drop_prob` > 0 in training mode gives QDrop's element-wise
+mix of quantized and float values. The calibrated flag is saved with the state dict (extra state).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from .functional import fake_quant_log_sqrt2, fake_quant_uniform
+from .ranges import RangeSearch, to_rows
+from .spec import QuantizerSpec
+
+_MIN_SCALE = 1e-8  # guards constant tensors (hi == lo) against a zero step size
+
+
+class Quantizer(nn.Module):
+    """Base class: the calibrate-once-then-freeze protocol shared by all quantizers."""
+
+    def __init__(self, bits: int, search: RangeSearch) -> None:
+        super().__init__()
+        self.bits = bits
+        self.search = search
+        self.enabled = True  # False: identity (float) pass-through
+        self.calibrating = False  # True: an uncalibrated quantizer fits itself on its next input
+        self.calibrated = False
+        self.drop_prob = 0.0  # QDrop: probability of keeping an element in float (training only)
+        self.name = ""  # FQN, set by the converter, for error messages and reports
+
+    # -- subclasses implement these two ---------------------------------------------------------
+    def fit(self, x: torch.Tensor) -> None:
+        """Set the parameters from calibration data x (called once, under no_grad)."""
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize x with the current parameters."""
+        raise NotImplementedError
+
+    # -- protocol -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        if not self.calibrated:
+            if not self.calibrating:
+                raise RuntimeError(f"quantizer {self.name or type(self).__name__} is used before calibration; "
+                                   "run quant.calibrate(model, images) first")
+            with torch.no_grad():
+                self.fit(x.detach())
+            self.calibrated = True
+        out = self.quantize(x)
+        if self.training and self.drop_prob > 0.0:
+            out = torch.where(torch.rand_like(x) < self.drop_prob, x, out)
+        return out
+
+    def reset(self) -> None:
+        """Forget the calibration: the next input seen in calibration mode fits the parameters again."""
+        self.calibrated = False
+
+    def _use_ste(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def make_learnable(self, **which: bool) -> None:
+        """Turn the named parameter buffers into nn.Parameters (same state-dict keys).
+
+        Example: `q.make_learnable(scale=True)`; keys that are False or absent stay buffers.
+        """
+        for key, on in which.items():
+            if not on:
+                continue
+            if key not in self._buffers:
+                raise KeyError(f"{type(self).__name__} has no parameter buffer {key!r}")
+            value = self._buffers.pop(key)
+            setattr(self, key, nn.Parameter(value.detach().clone()))
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {"calibrated": self.calibrated, "enabled": self.enabled}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        self.calibrated = bool(state["calibrated"])
+        self.enabled = bool(state["enabled"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        # Per-channel groups of lazily sized quantizers are only known after calibration: adopt the
+        # saved shapes before the default loader copies values (it refuses shape mismatches).
+        for key in list(self._buffers):
+            saved = state_dict.get(prefix + key)
+            if saved is not None and self._buffers[key] is not None and saved.shape != self._buffers[key].shape:
+                self._buffers[key] = torch.empty_like(saved, device=self._buffers[key].device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _broadcast(param: torch.Tensor, ndim: int, dim: Optional[int]) -> torch.Tensor:
+    """View a [G] parameter so that it broadcasts along `dim` of an ndim-D tensor."""
+    if dim is None:
+        return param
+    shape = [1] * ndim
+    shape[dim] = -1
+    return param.view(shape)
+
+
+class UniformQuantizer(Quantizer):
+    """Uniform fake quantizer with one (scale, zero point) per group.
+
+    Asymmetric: codes 0 .. 2^b - 1, scale = (hi - lo) / (2^b - 1), zero point = round(-lo / scale)
+    (not clamped to the code range, as in RepQ-ViT). Symmetric: codes -2^(b-1) .. 2^(b-1) - 1, zero
+    point 0, scale = max(|lo|, |hi|) / (2^(b-1) - 1). With a multi-candidate `percentile_mse` search
+    each group keeps its own lowest-MSE candidate.
+
+    Args:
+        bits: code width.
+        symmetric: signed symmetric codes instead of unsigned asymmetric ones.
+        channel_dim: None (per tensor) or the grouped dimension (0 weights, -1 activations, 1 heads).
+        num_channels: groups along channel_dim; None sizes them at calibration.
+        search: calibration range rule.
+    """
+
+    def __init__(self, bits: int, symmetric: bool = False, channel_dim: Optional[int] = None,
+                 num_channels: Optional[int] = None, search: RangeSearch = RangeSearch()) -> None:
+        super().__init__(bits, search)
+        self.symmetric = symmetric
+        self.channel_dim = channel_dim
+        if symmetric:
+            self.qmin, self.qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        else:
+            self.qmin, self.qmax = 0, 2 ** bits - 1
+        groups = 1 if channel_dim is None else (num_channels or 0)
+        self.register_buffer("scale", torch.ones(groups))
+        self.register_buffer("zero_point", torch.zeros(groups))
+
+    def params_from_range(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple:
+        """(scale, zero_point) of the given ranges ([G] tensors)."""
+        if self.symmetric:
+            scale = torch.maximum(lo.abs(), hi.abs()) / self.qmax
+            return scale.clamp(min=_MIN_SCALE), torch.zeros_like(scale)
+        scale = ((hi - lo) / (self.qmax - self.qmin)).clamp(min=_MIN_SCALE)
+        return scale, torch.round(-lo / scale)
+
+    def fit(self, x: torch.Tensor) -> None:
+        rows = to_rows(x, self.channel_dim)  # [G, M]
+        params = [self.params_from_range(lo, hi) for lo, hi in self.search.candidates(rows)]
+        if len(params) == 1 or not self.search.selects_by_mse:
+            scale, zp = params[0]
+        else:
+            errors = torch.stack([
+                (fake_quant_uniform(rows, s[:, None], z[:, None], self.qmin, self.qmax) - rows).pow_(2).mean(dim=1)
+                for s, z in params])  # [K, G]
+            best = errors.argmin(dim=0, keepdim=True)  # first minimum wins ties, like RepQ-ViT's strict '<'
+            scale = torch.stack([s for s, _ in params]).gather(0, best)[0]
+            zp = torch.stack([z for _, z in params]).gather(0, best)[0]
+        self.set_params(scale, zp)
+
+    def set_params(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        """Overwrite (and resize, for lazily sized groups) the parameters in place; marks calibrated."""
+        with torch.no_grad():
+            for key, value in (("scale", scale), ("zero_point", zero_point)):
+                current = getattr(self, key)
+                value = value.detach().reshape(-1).to(current.dtype)
+                if current.shape != value.shape:
+                    if isinstance(current, nn.Parameter):
+                        raise ValueError(f"cannot resize learnable {key} of {self.name}")
+                    self._buffers[key] = value.clone().to(current.device)
+                else:
+                    current.copy_(value)
+        self.calibrated = True
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        scale = _broadcast(self.scale, x.ndim, self.channel_dim)
+        zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
+        return fake_quant_uniform(x, scale, zp, self.qmin, self.qmax, ste=self._use_ste(x))
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        # the grouping changes when RepQ-ViT folds a per-channel quantizer into a per-tensor one
+        return {**super().get_extra_state(), "channel_dim": self.channel_dim}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        super().set_extra_state(state)
+        self.channel_dim = state.get("channel_dim", self.channel_dim)
+
+    def extra_repr(self) -> str:
+        gran = "tensor" if self.channel_dim is None else f"dim={self.channel_dim}, groups={self.scale.numel()}"
+        return (f"bits={self.bits}, {'symmetric' if self.symmetric else 'asymmetric'}, {gran}, "
+                f"search={self.search.method}, calibrated={self.calibrated}")
+
+
+class LogSqrt2Quantizer(Quantizer):
+    """RepQ-ViT's log-sqrt2 quantizer for post-softmax attention (one delta per tensor).
+
+    Value delta * 2^(-q/2) for code q = round(-2 log2(x / delta)) clamped to [0, 2^b - 1]; inputs whose
+    code would be >= 2^b become exactly 0. delta: the `search` upper percentiles of the whole tensor
+    (one-sided), the candidate with the smallest MSE wins.
+    """
+
+    def __init__(self, bits: int, search: RangeSearch = RangeSearch()) -> None:
+        super().__init__(bits, search)
+        self.register_buffer("delta", torch.ones(1))
+
+    def fit(self, x: torch.Tensor) -> None:
+        rows = to_rows(x, None)
+        deltas = [hi.clamp(min=_MIN_SCALE) for _, hi in self.search.candidates(rows, lower=False)]
+        if len(deltas) > 1 and self.search.selects_by_mse:
+            errors = torch.stack([(fake_quant_log_sqrt2(rows, d, self.bits) - rows).pow_(2).mean() for d in deltas])
+            delta = torch.stack(deltas)[errors.argmin()]
+        else:
+            delta = deltas[0]
+        with torch.no_grad():
+            self.delta.copy_(delta.reshape(1))
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quant_log_sqrt2(x, self.delta, self.bits, ste=self._use_ste(x))
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, log-sqrt2, search={self.search.method}, calibrated={self.calibrated}"
+
+
+def _uniform(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
+    return UniformQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search)
+
+
+def _log_sqrt2(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
+    if channel_dim is not None or spec.symmetric:
+        raise ValueError("the log-sqrt2 quantizer is per-tensor and one-sided")
+    return LogSqrt2Quantizer(spec.bits, spec.search)
+
+
+# kind name -> factory(spec, channel_dim, num_channels). Later phases register learnable kinds here.
+QUANTIZER_KINDS: Dict[str, Callable[[QuantizerSpec, Optional[int], Optional[int]], Quantizer]] = {
+    "uniform": _uniform,
+    "log_sqrt2": _log_sqrt2,
+}
+
+
+def build_quantizer(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int] = None,
+                    name: str = "") -> Quantizer:
+    """Build the quantizer a spec describes.
+
+    Args:
+        spec: bits, kind, symmetry, search (its granularity was already resolved into channel_dim).
+        channel_dim: None for per-tensor, else the grouped dimension.
+        num_channels: number of groups (None: sized at calibration).
+        name: FQN used in messages and reports.
+    """
+    try:
+        factory = QUANTIZER_KINDS[spec.kind]
+    except KeyError:
+        raise ValueError(f"unknown quantizer kind {spec.kind!r}; known: {sorted(QUANTIZER_KINDS)}") from None
+    q = factory(spec, channel_dim, num_channels)
+    q.name = name
+    return q
+

@@ -1,0 +1,103 @@
+"""RepQ-ViT scale reparameterisation: fold per-channel post-LayerNorm quantizers into LN and the next Linear.
+
+For a LayerNorm output y (channels c) whose consumer's input quantizer was calibrated per channel
+with (s_c, z_c) (reference notes, section 1.5):
+
+    s~ = mean_c s_c,  z~ = mean_c z_c (optionally rounded),  r_c = s_c / s~,  b_c = s~ (z~ - z_c)
+    LayerNorm:  gamma'_c = gamma_c / r_c,   beta'_c = beta_c / r_c - b_c       (y'_c = y_c / r_c - b_c)
+    Linear:     W'[:, c] = W[:, c] * r_c,   bias' = bias + W' b              (bias created if absent)
+
+The float function is unchanged, and the input quantizer becomes per-tensor (s~, z~). Since
+y'_c / s~ = y_c / s_c + (z_c - z~), an integer z~ makes the per-tensor codes equal the per-channel
+codes exactly; RepQ-ViT's code keeps z~ unrounded (a grid shifted by frac(z~), same MSE to ~3 digits).
+Afterwards the consumer's weight quantizer must be re-fitted on W' (see calibrate.refit_weight_quantizers).
+
+Sites are (parent pattern, norm name, linear name) triples over FQNs. Swin pads the LN output with
+zeros when a resolution is not a multiple of the window (not the case for the standard 224 models);
+padded positions would not be exactly folded, because 0 in y' stands for y = r * b in y.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .layers import QuantLinear
+from .quantizers import UniformQuantizer
+from .spec import fqn_matches
+
+
+@dataclass(frozen=True)
+class FoldSite:
+    """A LayerNorm feeding one quantized Linear, both children of modules matching `parent`."""
+
+    parent: str
+    norm: str
+    linear: str
+
+
+# The LNs RepQ-ViT reparameterises: norm1 -> qkv, norm2 -> fc1 in every block and Swin's PatchMerging
+# norm -> reduction. Not the final `norm` (feeds the head) and not Swin's patch_embed.norm.
+REPQ_FOLD_SITES = (
+    FoldSite("blocks.*", "norm1", "attn.qkv"),
+    FoldSite("blocks.*", "norm2", "mlp.fc1"),
+    FoldSite("layers.*.blocks.*", "norm1", "attn.qkv"),
+    FoldSite("layers.*.blocks.*", "norm2", "mlp.fc1"),
+    FoldSite("layers.*.downsample", "norm", "reduction"),
+)
+
+
+def find_fold_sites(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITES
+                    ) -> List[Tuple[str, nn.LayerNorm, str, QuantLinear]]:
+    """(norm FQN, norm, linear FQN, linear) for every site present in `model`, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        for site in sites:
+            if not fqn_matches(name, (site.parent,)):
+                continue
+            if isinstance(module, nn.Identity):  # timm Swin: layers.0.downsample is an Identity
+                continue
+            norm, linear = module.get_submodule(site.norm), module.get_submodule(site.linear)
+            found.append((f"{name}.{site.norm}", norm, f"{name}.{site.linear}", linear))
+    return found
+
+
+@torch.no_grad()
+def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bool = False) -> None:
+    """Fold `linear`'s per-channel input quantizer into `norm` and `linear` (in place, see module doc).
+
+    Args:
+        norm: affine LayerNorm over C channels whose output is `linear`'s input.
+        linear: QuantLinear [out, C] with a calibrated per-last-dim UniformQuantizer on its input.
+        round_zero_point: round the mean zero point to an integer (exact per-channel equivalence).
+    """
+    iq = linear.input_quantizer
+    if not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None:
+        raise TypeError(f"can only fold into an affine LayerNorm, got {type(norm).__name__}")
+    if not isinstance(iq, UniformQuantizer) or iq.channel_dim != -1 or not iq.calibrated:
+        raise ValueError(f"{iq.name if iq is not None else 'input'}: fold needs a calibrated per-channel "
+                         "(last dim) uniform input quantizer")
+    # float64 for the fold arithmetic: keeps the float function equal to ~1e-7 relative.
+    s_c, z_c = iq.scale.double(), iq.zero_point.double()
+    z_t = torch.round(z_c.mean()) if round_zero_point else z_c.mean()
+    # the folded quantizer stores s~, z~ in its own dtype: fold with exactly those values
+    s_t = s_c.mean().to(iq.scale.dtype).double()
+    z_t = z_t.to(iq.zero_point.dtype).double()
+    r = s_c / s_t
+    b = s_t * (z_t - z_c)
+
+    norm.weight.copy_(norm.weight.double() / r)
+    norm.bias.copy_(norm.bias.double() / r - b)
+    w_new = linear.weight.double() * r[None, :]
+    linear.weight.copy_(w_new)
+    shift = w_new @ b
+    if linear.bias is None:  # Swin's PatchMerging reduction has no bias
+        linear.bias = nn.Parameter(shift.to(linear.weight.dtype))
+    else:
+        linear.bias.copy_(linear.bias.double() + shift)
+
+    iq.channel_dim = None
+    iq.set_params(s_t.reshape(1), z_t.reshape(1))
+    linear.invalidate_weight_cache()

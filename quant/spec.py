@@ -1,0 +1,138 @@
+"""Declarative description of a quantized model: which layers (by fully-qualified name), which quantizers.
+
+A `QuantSpec` is a list of rules. Each rule names modules with patterns over their FQNs as timm
+spells them (`blocks.*.attn.qkv`, `layers.*.blocks.*.mlp.fc1`, `layers.*.downsample.reduction`,
+`head`, `head.fc`, `patch_embed.proj`). Patterns match name segments (see `fqn_matches`): `*` is
+one segment (fnmatch inside it), `**` any number of segments. The rule then says how its modules'
+weights / inputs (Linear, Conv2d) or matmul operands (attention) are quantized. The first rule that
+matches a module wins. `quantize_model` (convert.py) applies a spec to a copy of a model.
+
+Pipelines build their specs from the pattern groups below; APHQ / GPLQ add their own layouts
+(per-head matmul operands, symmetric per-channel activations, learnable kinds) with the same types.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Iterable, List, Literal, NamedTuple, Optional, Tuple
+
+from .ranges import RangeSearch
+
+Granularity = Literal["tensor", "channel", "head"]
+
+
+def _match_segments(parts: List[str], pattern: List[str]) -> bool:
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_match_segments(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatchcase(parts[0], pattern[0]) and _match_segments(parts[1:], pattern[1:])
+
+
+def fqn_matches(fqn: str, patterns: Iterable[str]) -> bool:
+    """True if a module name matches any pattern, segment by segment.
+
+    `blocks.*` matches `blocks.3` but not `blocks.3.attn`; `blocks.*.attn.qkv` matches
+    `blocks.3.attn.qkv`; `**.qkv` matches any module named qkv; inside a segment fnmatch applies
+    (`fc[12]`). Matching is case-sensitive.
+    """
+    parts = fqn.split(".")
+    return any(_match_segments(parts, p.split(".")) for p in patterns)
+
+# timm 1.0 module names (ViT/DeiT: blocks.N; Swin: layers.N.blocks.M, PatchMerging at the start of
+# stages 1-3 as layers.N.downsample, classifier at head.fc). DeiT-distilled adds head_dist.
+POST_NORM_LINEARS = ("blocks.*.attn.qkv", "blocks.*.mlp.fc1", "layers.*.blocks.*.attn.qkv",
+                     "layers.*.blocks.*.mlp.fc1", "layers.*.downsample.reduction")
+BLOCK_LINEARS = ("blocks.*.attn.proj", "blocks.*.mlp.fc2", "layers.*.blocks.*.attn.proj",
+                 "layers.*.blocks.*.mlp.fc2")
+STEM = ("patch_embed.proj",)
+HEAD = ("head", "head.fc", "head_dist")
+ATTENTION = ("blocks.*.attn", "layers.*.blocks.*.attn")
+
+
+@dataclass(frozen=True)
+class QuantizerSpec:
+    """How to build one quantizer.
+
+    `kind` is a key of `quantizers.QUANTIZER_KINDS` ("uniform", "log_sqrt2"; later phases register
+    learnable / AdaRound kinds). Granularity: "tensor" (one scale), "channel" (weights: output
+    channel = dim 0; activations: the LAST dim, pooled over batch and tokens, also for NHWC tensors;
+    conv inputs: dim 1) or "head" (attention operands [B, H, N, D]: dim 1).
+    """
+
+    bits: int
+    kind: str = "uniform"
+    symmetric: bool = False
+    granularity: Granularity = "tensor"
+    search: RangeSearch = field(default_factory=RangeSearch)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 16:
+            raise ValueError(f"bits must be in [1, 16], got {self.bits}")
+        if self.granularity not in ("tensor", "channel", "head"):
+            raise ValueError(f"unknown granularity {self.granularity!r}")
+
+
+@dataclass(frozen=True)
+class LinearRule:
+    """Quantize every nn.Linear / nn.Conv2d whose FQN matches one of `patterns`.
+
+    weight / input: None leaves that operand in float. `role` labels the rule in reports and lets
+    pipelines find layers again (e.g. the post-LayerNorm inputs that RepQ-ViT reparameterises).
+    """
+
+    patterns: Tuple[str, ...]
+    weight: Optional[QuantizerSpec]
+    input: Optional[QuantizerSpec]
+    role: str = ""
+
+
+@dataclass(frozen=True)
+class AttentionRule:
+    """Rewrite attention modules matching `patterns` with explicit, quantized matmuls.
+
+    q, k: operands of q @ k^T; attn, v: operands of attn @ v (attn = post-softmax probabilities).
+    """
+
+    patterns: Tuple[str, ...]
+    q: Optional[QuantizerSpec]
+    k: Optional[QuantizerSpec]
+    attn: Optional[QuantizerSpec]
+    v: Optional[QuantizerSpec]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A whole-model quantization layout.
+
+    keep_float: FQN patterns of Linear/Conv2d layers deliberately left in float. With `strict`, every
+    nn.Linear / nn.Conv2d of the model must match a rule or `keep_float`, so that a layer that a new
+    model variant adds is never silently left unquantized.
+    """
+
+    linears: Tuple[LinearRule, ...]
+    attentions: Tuple[AttentionRule, ...] = ()
+    keep_float: Tuple[str, ...] = ()
+    strict: bool = True
+
+
+class Bits(NamedTuple):
+    """Weight and activation bit-widths, e.g. parsed from "w4a4"."""
+
+    w: int
+    a: int
+
+    def __str__(self) -> str:
+        return f"w{self.w}a{self.a}"
+
+
+def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
+    """Parse "w4a4" / "W6A6" / (8, 8) / Bits(4, 4) into `Bits`."""
+    if isinstance(bits, str):
+        m = re.fullmatch(r"[wW](\d+)[aA](\d+)", bits.strip())
+        if m is None:
+            raise ValueError(f"bit-width {bits!r} is not of the form 'w4a4'")
+        return Bits(int(m.group(1)), int(m.group(2)))
+    w, a = bits
+    return Bits(int(w), int(a))

@@ -1,0 +1,145 @@
+"""quantize_model: FQN rules, the original model untouched, coverage checks, the weight cache, 8-bit closeness."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from quant import PIPELINES, calibrate, quantize_model
+from quant.convert import quantized_layers
+from quant.layers import QuantConv2d, QuantLinear
+from quant.modes import describe, named_quantizers, set_quant_state
+from quant.spec import LinearRule, QuantizerSpec, QuantSpec, fqn_matches
+from quant_models import images, tiny_swin, tiny_vit
+
+
+def snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [(n, type(m)) for n, m in model.named_modules()])
+
+
+def test_fqn_patterns_match_whole_segments():
+    assert fqn_matches("blocks.3.attn.qkv", ["blocks.*.attn.qkv"])
+    assert not fqn_matches("layers.0.blocks.3.attn.qkv", ["blocks.*.attn.qkv"])
+    assert fqn_matches("layers.0.blocks.3.attn.qkv", ["layers.*.blocks.*.attn.qkv"])
+    assert fqn_matches("blocks.3", ["blocks.*"]) and not fqn_matches("blocks.3.attn", ["blocks.*"])
+    assert fqn_matches("blocks.3.mlp.fc2", ["**.fc[12]"]) and not fqn_matches("head", ["**.fc[12]"])
+    assert fqn_matches("head", ["head", "head.fc"]) and fqn_matches("head.fc", ["head", "head.fc"])
+
+
+@pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
+def test_original_model_is_untouched(build):
+    model = build()
+    x = images(4)
+    with torch.no_grad():
+        before_out = model(x)
+    before_state, before_types = snapshot(model)
+    qmodel, _ = PIPELINES["repq"](model, images(8, seed=3), "w4a4")  # conversion, calibration and LN folds
+    with torch.no_grad():
+        qmodel(x)
+        after_out = model(x)
+    after_state, after_types = snapshot(model)
+    assert before_types == after_types
+    assert before_state.keys() == after_state.keys()
+    assert all(torch.equal(before_state[k], after_state[k]) for k in before_state)
+    assert torch.equal(before_out, after_out)
+    assert not any(p1 is p2 for p1 in model.parameters() for p2 in qmodel.parameters())
+
+
+def test_expected_layers_are_converted():
+    vit = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4").model
+    names = {n for n, _ in quantized_layers(vit)}
+    assert names == {"patch_embed.proj", "head", *(f"blocks.{i}.{s}" for i in range(2)
+                     for s in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"))}
+    swin = PIPELINES["percentile"](tiny_swin(), images(4), "w4a4").model
+    names = {n for n, _ in quantized_layers(swin)}
+    assert {"patch_embed.proj", "head.fc", "layers.1.downsample.reduction", "layers.1.blocks.1.mlp.fc2"} <= names
+    assert not any(isinstance(m, (nn.Linear, nn.Conv2d)) and not isinstance(m, (QuantLinear, QuantConv2d))
+                   for m in swin.modules())
+    roles = {r["module"]: r["role"] for r in describe(swin)}
+    assert roles["layers.1.downsample.reduction"] == "post_norm" and roles["head.fc"] == "head"
+
+
+def test_strict_spec_names_unmatched_layers():
+    model = tiny_vit()
+    spec = QuantSpec(linears=(LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8, granularity="channel"), None),))
+    with pytest.raises(ValueError, match="blocks.0.mlp.fc1"):
+        quantize_model(model, spec)
+    loose = QuantSpec(linears=spec.linears, keep_float=("**",))
+    qmodel = quantize_model(model, loose)
+    assert isinstance(qmodel.blocks[0].attn.qkv, QuantLinear) and type(qmodel.blocks[0].mlp.fc1) is nn.Linear
+
+
+def test_granularity_resolution():
+    w = QuantizerSpec(4, granularity="channel")
+    a = QuantizerSpec(4, granularity="channel")
+    qmodel = quantize_model(tiny_vit(), QuantSpec(linears=(LinearRule(("**",), w, a),)))
+    qkv = qmodel.blocks[0].attn.qkv
+    assert qkv.weight_quantizer.channel_dim == 0 and qkv.weight_quantizer.scale.shape == (144,)
+    assert qkv.input_quantizer.channel_dim == -1 and qkv.input_quantizer.scale.shape == (48,)
+    stem = qmodel.patch_embed.proj
+    assert stem.input_quantizer.channel_dim == 1 and stem.input_quantizer.scale.shape == (3,)
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_model(tiny_vit(), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="head"), None),)))
+
+
+def test_weight_cache_follows_in_place_weight_edits():
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    fc1 = qmodel.blocks[0].mlp.fc1
+    x = torch.randn(3, 17, 48)
+    with torch.no_grad():
+        fc1(x)
+        cached = fc1._wq_cache
+        assert cached is not None
+        fc1(x)
+        assert fc1._wq_cache is cached  # reused, not recomputed
+        fc1.weight.mul_(2.0)  # e.g. a LayerNorm fold
+        out = fc1(x)
+        want = nn.functional.linear(fc1.input_quantizer(x), fc1.weight_quantizer(fc1.weight), fc1.bias)
+        torch.testing.assert_close(out, want)
+        fc1.weight_quantizer.scale.mul_(1.5)  # a quantizer parameter update
+        want = nn.functional.linear(fc1.input_quantizer(x), fc1.weight_quantizer(fc1.weight), fc1.bias)
+        torch.testing.assert_close(fc1(x), want)
+
+
+def test_gradients_flow_with_grad_enabled():
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    qmodel(images(2)).sum().backward()
+    assert qmodel.blocks[0].mlp.fc1.weight.grad is not None
+
+
+def test_state_dict_round_trip_of_a_calibrated_model():
+    fp = tiny_swin()
+    qmodel, _ = PIPELINES["repq"](fp, images(8), "w4a4")
+    fresh = copy.deepcopy(qmodel)
+    for _, q in named_quantizers(fresh):
+        q.reset()
+        if getattr(q, "channel_dim", 0) is None:  # folded post-LN quantizers were per-channel before
+            q.channel_dim = -1
+    fresh.load_state_dict(qmodel.state_dict())
+    assert fresh.layers[0].blocks[0].attn.qkv.input_quantizer.channel_dim is None
+    x = images(3, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), qmodel(x))
+
+
+def test_uncalibrated_model_refuses_to_run():
+    qmodel = quantize_model(tiny_vit(), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), QuantizerSpec(8)),)))
+    with pytest.raises(RuntimeError, match="before calibration"):
+        qmodel(images(2))
+    calibrate(qmodel, [images(2), (images(2, seed=4), torch.zeros(2))])  # iterable of batches / pairs
+    qmodel(images(2))
+
+
+@pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
+@pytest.mark.parametrize("pipeline", ["percentile", "repq"])
+def test_w8a8_stays_close_to_float(build, pipeline):
+    model = build()
+    x = images(64, seed=5)
+    qmodel, _ = PIPELINES[pipeline](model, images(32, seed=6), "w8a8")
+    with torch.no_grad():
+        ref, out = model(x), qmodel(x)
+        assert nn.functional.cosine_similarity(out, ref).min() > 0.99
+        assert (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.9
+        set_quant_state(qmodel, weights=False, activations=False)
+        torch.testing.assert_close(qmodel(x), ref, rtol=0, atol=1e-4)  # folds keep the float function

@@ -1,0 +1,83 @@
+"""Pipeline registry, options, reports, first/last-layer bits and frozen quantizers at evaluation."""
+import pytest
+import torch
+
+from quant import PIPELINES, evaluate_quantized
+from quant.layers import QuantConv2d
+from quant.modes import named_quantizers
+from quant.quantizers import LogSqrt2Quantizer, UniformQuantizer
+from quant.spec import Bits, parse_bits
+from quant_models import images, tiny_swin, tiny_vit
+
+
+def test_registry_and_bits():
+    assert {"percentile", "repq"} <= set(PIPELINES)
+    assert parse_bits("W4A4") == Bits(4, 4) and str(parse_bits((6, 6))) == "w6a6"
+    with pytest.raises(ValueError, match="w4a4"):
+        parse_bits("4bit")
+
+
+def test_unknown_option_names_close_match():
+    with pytest.raises(ValueError, match="round_zero_point"):
+        PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"round_zeropoint": True})
+
+
+def test_report_and_default_first_last_bits():
+    model, report = PIPELINES["repq"](tiny_vit(), images(4), "w4a4")
+    assert report["bits"] == "w4a4" and report["calibration_images"] == 4
+    assert report["stem"] == {"w": 4, "a": 8} and report["head"] == {"w": 4, "a": 4}
+    assert set(report["seconds"]) == {"convert", "calibrate", "reparam"}
+    stem = model.patch_embed.proj
+    assert isinstance(stem, QuantConv2d) and stem.input_quantizer.bits == 8 and stem.weight_quantizer.bits == 4
+    assert model.head.input_quantizer.bits == 4
+    attn = model.blocks[0].attn
+    assert isinstance(attn.attn_quant, LogSqrt2Quantizer)
+    assert attn.q_quant.channel_dim is None  # matmul operands per tensor in RepQ-ViT
+
+
+def test_first_last_options():
+    model, report = PIPELINES["percentile"](tiny_swin(), images(4), "w4a4",
+                                            {"stem_a_bits": 0, "head_w_bits": 8, "head_a_bits": 8})
+    assert report["stem"] == {"w": 4, "a": None} and report["head"] == {"w": 8, "a": 8}
+    assert model.patch_embed.proj.input_quantizer is None
+    assert model.head.fc.weight_quantizer.bits == 8
+
+
+def test_percentile_modes():
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w6a6")
+    attn = model.blocks[1].attn
+    assert isinstance(attn.attn_quant, UniformQuantizer) and attn.attn_quant.bits == 6
+    assert attn.attn_quant.search.method == "percentile_mse"
+    assert model.blocks[0].attn.qkv.input_quantizer.channel_dim is None  # per tensor, no reparam
+    model, report = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4",
+                                            {"act_range": "percentile", "softmax": "log_sqrt2"})
+    acts = [q for _, q in named_quantizers(model, "activation")]
+    assert all(q.search.method == "percentile" and q.search.percentiles == (0.9999,) for q in acts)
+    assert isinstance(model.blocks[0].attn.attn_quant, LogSqrt2Quantizer)
+    assert report["options"]["act_range"] == "percentile"
+
+
+@pytest.mark.parametrize("pipeline", ["percentile", "repq"])
+def test_quantizers_frozen_during_evaluation(pipeline):
+    model, _ = PIPELINES[pipeline](tiny_swin(), images(8), "w4a4")
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for seed in range(3):
+            model(images(4, seed=10 + seed) * (seed + 1) * 3)  # batches with very different ranges
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_evaluate_quantized():
+    fp = tiny_vit()
+    x = images(16, seed=3)
+    labels = fp(x).argmax(1)
+
+    def eval_fn(model):
+        return {"top1": 100.0 * (model(x).argmax(1) == labels).float().mean().item()}
+
+    out = evaluate_quantized("repq", fp, images(8), "w8a8", eval_fn)
+    assert out["top1"] >= 80.0 and out["seconds"] >= out["eval_seconds"] >= 0
+    assert out["report"]["pipeline"] == "repq"
+    with pytest.raises(KeyError, match="known"):
+        evaluate_quantized("nope", fp, images(8), "w8a8", eval_fn)

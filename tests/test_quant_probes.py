@@ -1,0 +1,88 @@
+"""Activation probes: module / block maxima equal a direct computation; hooks are removed; files are written."""
+import csv
+
+import pytest
+import torch
+
+from quant.probe_io import plot, write_csv
+from quant.probes import ActivationProbe
+from quant_models import images, tiny_swin, tiny_vit
+
+
+def direct_vit_maxima(model, x):
+    """Independent computation: run the ViT blocks by hand and collect every module output."""
+    modules, blocks = [], []
+    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    for blk in model.blocks:
+        n1 = blk.norm1(h)
+        attn = blk.attn(n1)  # = attn.proj output (proj_drop is identity in eval)
+        h = h + blk.ls1(attn)
+        n2 = blk.norm2(h)
+        fc1 = blk.mlp.fc1(n2)
+        act = blk.mlp.act(fc1)
+        fc2 = blk.mlp.fc2(act)
+        h = h + blk.ls2(fc2)
+        modules += [n1, blk.attn.qkv(n1), attn, n2, fc1, act, fc2]
+        blocks.append(h)
+    return max(t.abs().max().item() for t in modules), max(t.abs().max().item() for t in blocks)
+
+
+def test_vit_maxima_match_direct_computation_over_batches():
+    model = tiny_vit()
+    batches = [images(4, seed=1), images(4, seed=2) * 3]
+    with torch.no_grad():
+        want = [direct_vit_maxima(model, x) for x in batches]
+        with ActivationProbe(model) as probe:
+            for x in batches:
+                model(x)
+    got = probe.result()
+    assert got.module == pytest.approx(max(w[0] for w in want), rel=1e-6)
+    assert got.block == pytest.approx(max(w[1] for w in want), rel=1e-6)
+    types = {r["type"] for r in got.per_layer}
+    assert types == {"block", "norm1", "attn", "attn.qkv", "attn.proj", "norm2", "mlp", "mlp.fc1", "mlp.act", "mlp.fc2"}
+    assert got.metrics() == {"act/max_module": got.module, "act/max_block": got.block}
+
+
+def test_hooks_removed_and_model_untouched():
+    model = tiny_vit()
+    x = images(2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(x)
+        with ActivationProbe(model) as probe:
+            assert sum(len(m._forward_hooks) for m in model.modules()) == len(probe.targets)
+            out = model(x)
+    assert torch.equal(out, ref)
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_swin_blocks_and_reduce_fn(tmp_path):
+    model = tiny_swin()
+    seen = []
+
+    def fake_all_reduce_max(t):
+        seen.append(t.shape)
+        return torch.maximum(t, torch.full_like(t, 0.5))  # as if another rank saw 0.5 everywhere
+
+    with torch.no_grad(), ActivationProbe(model, extra_modules=("layers.*.downsample.reduction",)) as probe:
+        model(images(2))
+    result = probe.result(reduce_fn=fake_all_reduce_max)
+    assert seen == [(len(probe.targets),)]
+    blocks = [r for r in result.per_layer if r["kind"] == "block"]
+    assert [r["name"] for r in blocks] == ["layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0",
+                                          "layers.1.blocks.1"]
+    assert any(r["name"] == "layers.1.downsample.reduction" for r in result.per_layer)
+    assert all(r["max"] >= 0.5 for r in result.per_layer)
+    path = write_csv(result.per_layer, tmp_path / "act.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(result.per_layer) and rows[0]["type"] == "block"
+    assert plot(result.per_layer, tmp_path / "act.png", title="swin").stat().st_size > 0
+
+
+def test_probe_without_data_and_wrapped_model():
+    model = tiny_vit()
+    probe = ActivationProbe(model)
+    assert probe.result().module == 0.0
+    with pytest.raises(ValueError, match="unwrapped"):
+        ActivationProbe(torch.nn.Sequential(model))

@@ -1,0 +1,206 @@
+"""Quantizers: error bounds, idempotence, granularity, the RepQ range search and the log-sqrt2 quantizer."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from quant.functional import fake_quant_log_sqrt2, log_sqrt2_codes
+from quant.quantizers import LogSqrt2Quantizer, UniformQuantizer
+from quant.ranges import RangeSearch
+
+
+def fitted(q, x):
+    q.calibrating = True
+    q(x)
+    q.calibrating = False
+    return q
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_error_bound_inside_range_and_idempotence(bits, symmetric):
+    x = torch.randn(64, 50, generator=gen(bits)) * 3
+    q = fitted(UniformQuantizer(bits, symmetric=symmetric, channel_dim=-1, num_channels=50), x)
+    xq = q(x)
+    scale, zp = q.scale[None, :], q.zero_point[None, :]
+    lo, hi = (q.qmin - zp) * scale, (q.qmax - zp) * scale  # representable range per channel
+    inside = (x >= lo) & (x <= hi)
+    err = (x - xq).abs()
+    assert torch.all(err[inside] <= (scale / 2).expand_as(x)[inside] * (1 + 1e-5))
+    assert torch.all(xq >= lo - 1e-5) and torch.all(xq <= hi + 1e-5)  # clipped outside
+    assert torch.equal(q(xq), xq)  # idempotent: quantized values are fixed points
+    levels = torch.round(xq / scale + zp)
+    assert torch.allclose(xq / scale + zp, levels, atol=1e-3)  # on the grid
+
+
+def test_round_half_to_even():
+    q = UniformQuantizer(8)
+    q.set_params(torch.ones(1), torch.zeros(1))
+    out = q(torch.tensor([0.5, 1.5, 2.5, -0.5]))
+    assert out.tolist() == [0.0, 2.0, 2.0, 0.0]  # -0.5 -> 0 (and 0 is the lowest code)
+
+
+def test_zero_point_not_clamped():
+    # all-positive data: lo > 0 gives a negative zero point, kept as in RepQ-ViT
+    x = torch.linspace(10.0, 20.0, 1000)
+    q = fitted(UniformQuantizer(4), x)
+    assert q.zero_point.item() < 0
+    assert (q(x) - x).abs().max() <= q.scale.item() / 2 + 1e-5
+
+
+def brute_force_pick(row, bits, levels):
+    """Independent numpy reference of RepQ-ViT's per-row search (first candidate wins ties)."""
+    best, best_err = None, np.inf
+    for p in levels:
+        hi, lo = np.quantile(row, p), np.quantile(row, 1 - p)
+        scale = max((hi - lo) / (2 ** bits - 1), 1e-8)
+        zp = np.round(-lo / scale)
+        xq = (np.clip(np.round(row / scale) + zp, 0, 2 ** bits - 1) - zp) * scale
+        err = np.mean((xq - row) ** 2)
+        if err < best_err:
+            best, best_err = (scale, zp), err
+    return best
+
+
+def test_range_search_picks_min_mse_candidate_per_channel():
+    g = gen(3)
+    x = torch.randn(4, 300, 16, generator=g, dtype=torch.float64).float()
+    x[..., :5] = x[..., :5] * torch.rand(5, generator=g) * 10  # heavy tails in some channels
+    x[0, :3, 7] = 80.0
+    levels = (0.9, 0.99, 0.999)  # spread out so that different channels pick different candidates
+    q = fitted(UniformQuantizer(4, channel_dim=-1, num_channels=16, search=RangeSearch("percentile_mse", levels)), x)
+    rows = x.reshape(-1, 16).T.double().numpy()
+    picks = set()
+    for c in range(16):
+        scale, zp = brute_force_pick(rows[c], 4, levels)
+        assert q.scale[c].item() == pytest.approx(scale, rel=1e-5)
+        assert q.zero_point[c].item() == zp
+        picks.add(round(scale, 6))
+    assert len(picks) > 1
+
+
+def test_raw_minmax_is_not_a_candidate():
+    # n = 10^5: even the 0.99999 candidate lies between the 2nd and 3rd largest values, so the one
+    # huge outlier is clipped; with min/max as a candidate it would be represented exactly.
+    x = torch.randn(100_000, generator=gen(4))
+    x[0] = 1000.0
+    q = fitted(UniformQuantizer(8), x)
+    assert q(x)[0].item() < 10
+
+
+def test_fixed_percentile_and_minmax_modes():
+    x = torch.randn(5000, generator=gen(5))
+    q = fitted(UniformQuantizer(8, search=RangeSearch("percentile", (0.99,))), x)
+    lo, hi = np.quantile(x.numpy(), 0.01), np.quantile(x.numpy(), 0.99)
+    assert q.scale.item() == pytest.approx((hi - lo) / 255, rel=1e-5)
+    q = fitted(UniformQuantizer(8, search=RangeSearch("minmax")), x)
+    assert q.scale.item() == pytest.approx((x.max() - x.min()).item() / 255, rel=1e-5)
+
+
+def test_activation_channel_is_last_dim_for_nhwc():
+    x = torch.randn(2, 4, 4, 6, generator=gen(6))
+    x[..., 2] *= 50  # Swin NHWC: one loud channel in the last dim
+    q = fitted(UniformQuantizer(8, channel_dim=-1, num_channels=6), x)
+    assert q.scale.shape == (6,)
+    assert q.scale[2] > 10 * q.scale[0]
+    q3 = fitted(UniformQuantizer(8, channel_dim=-1, num_channels=6), x.reshape(2, 16, 6))
+    assert torch.allclose(q.scale, q3.scale)
+
+
+def test_per_head_quantizer_on_bhnd():
+    x = torch.randn(2, 3, 5, 4, generator=gen(7))
+    x[:, 1] *= 20
+    q = fitted(UniformQuantizer(4, channel_dim=1, num_channels=3), x)
+    assert q.scale[1] > 5 * q.scale[0]
+    assert torch.equal(q(q(x)), q(x))
+
+
+def test_frozen_after_calibration_and_error_before():
+    q = UniformQuantizer(4)
+    with pytest.raises(RuntimeError, match="before calibration"):
+        q(torch.randn(10))
+    fitted(q, torch.randn(100))
+    scale = q.scale.clone()
+    q(torch.randn(100) * 100)  # an eval batch with a very different range
+    assert torch.equal(q.scale, scale)
+    q.calibrating = True
+    q(torch.randn(100) * 100)  # calibration mode does not re-fit a calibrated quantizer either
+    assert torch.equal(q.scale, scale)
+    q.reset()
+    q(torch.randn(100) * 100)
+    assert not torch.equal(q.scale, scale)
+
+
+def test_state_dict_round_trip_keeps_calibration_and_lazy_shapes():
+    q = fitted(UniformQuantizer(4, channel_dim=-1), torch.randn(10, 7))  # groups sized lazily
+    fresh = UniformQuantizer(4, channel_dim=-1)
+    fresh.load_state_dict(q.state_dict())
+    assert fresh.calibrated and torch.equal(fresh.scale, q.scale)
+
+
+def test_learnable_scale_gets_gradient_with_ste():
+    q = fitted(UniformQuantizer(4), torch.randn(200, generator=gen(8)))
+    q.make_learnable(scale=True)
+    assert isinstance(q.scale, torch.nn.Parameter) and "scale" in q.state_dict()
+    x = torch.randn(50, generator=gen(9), requires_grad=True)
+    q(x).pow(2).sum().backward()
+    assert q.scale.grad is not None and q.scale.grad.abs().sum() > 0
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_qdrop_mixes_float_and_quantized_in_training_only():
+    x = torch.randn(4000, generator=gen(10))
+    q = fitted(UniformQuantizer(2), x)
+    q.drop_prob = 0.5
+    q.train()
+    out = q(x)
+    kept = (out == x).float().mean().item()
+    assert 0.4 < kept < 0.6
+    q.eval()
+    assert torch.equal(q(x), fake_or(q, x))
+
+
+def fake_or(q, x):
+    q.drop_prob = 0.0
+    return q(x)
+
+
+class TestLogSqrt2:
+    delta = 0.5
+
+    def test_codes_and_values_on_hand_made_inputs(self):
+        d, s2 = self.delta, math.sqrt(2)
+        smallest = d * 2 ** (-15 / 2)  # 4-bit: codes 0..15
+        x = torch.tensor([0.0, d, d / s2, d / 2, 2 * d, smallest, smallest * 0.99, d * 2 ** -8.4, 1e-12])
+        codes, zero = log_sqrt2_codes(x, torch.tensor(d), 4)
+        assert zero.tolist() == [True, False, False, False, False, False, False, True, True]
+        assert codes[1:6].tolist() == [0, 1, 2, 0, 15]
+        values = fake_quant_log_sqrt2(x, torch.tensor(d), 4)
+        want = [0.0, d, d / s2, d / 2, d, smallest, smallest, 0.0, 0.0]
+        assert values.tolist() == pytest.approx(want, rel=1e-6, abs=0)
+
+    def test_quantizer_idempotent_and_bounded(self):
+        x = torch.softmax(torch.randn(2, 3, 17, 17, generator=gen(11)) * 3, dim=-1)
+        q = fitted(LogSqrt2Quantizer(4), x)
+        xq = q(x)
+        assert torch.all(xq <= q.delta) and torch.all(xq >= 0)
+        assert torch.allclose(q(xq), xq, rtol=1e-6, atol=0)
+        # relative error of non-zero, non-saturated values is at most half a sqrt2 step
+        mask = (xq > 0) & (x <= q.delta)
+        ratio = (x[mask] / xq[mask]).log2().abs()
+        assert torch.all(ratio <= 0.25 + 1e-5)
+
+    def test_delta_search_picks_min_mse(self):
+        x = torch.softmax(torch.randn(4, 2, 20, 20, generator=gen(12)) * 4, dim=-1)
+        q = fitted(LogSqrt2Quantizer(3), x)
+        xn = x.double().numpy().ravel()
+        errs = []
+        for p in (0.999, 0.9999, 0.99999):
+            d = np.quantile(xn, p)
+            errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d), 3).numpy().ravel() - xn) ** 2), d))
+        assert q.delta.item() == pytest.approx(min(errs)[1], rel=1e-5)

@@ -1,0 +1,105 @@
+"""RepQ-ViT LayerNorm fold: float function unchanged; with an integer mean zero point, codes unchanged."""
+import pytest
+import torch
+from torch import nn
+
+from quant import calibrate, quantize_model
+from quant.modes import named_quantizers, set_quant_state
+from quant.pipelines import PIPELINES
+from quant.pipelines.repq import RepQOptions
+from quant.reparam import find_fold_sites, fold_layernorm
+from quant.spec import Bits
+from quant_models import images, perturb_norms, tiny_swin, tiny_vit
+
+
+def calibrated_repq_copy(build, dtype=torch.float32, bits=Bits(4, 4)):
+    model = perturb_norms(build()).to(dtype)
+    qmodel = quantize_model(model, PIPELINES["repq"].layout(bits, RepQOptions()))
+    calibrate(qmodel, images(8).to(dtype))
+    return model, qmodel
+
+
+def only_post_norm_inputs(qmodel):
+    """Enable just the quantizers of LayerNorm outputs (the ones the fold acts on)."""
+    set_quant_state(qmodel, weights=False, activations=False)
+    for _, _, _, linear in find_fold_sites(qmodel):
+        linear.input_quantizer.enabled = True
+
+
+@pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
+def test_fold_leaves_float_outputs_unchanged(build):
+    model, qmodel = calibrated_repq_copy(build)
+    x = images(4, seed=7)
+    set_quant_state(qmodel, weights=False, activations=False)
+    sites = find_fold_sites(qmodel)
+    for _, norm, _, linear in sites:
+        fold_layernorm(norm, linear)
+    with torch.no_grad():
+        torch.testing.assert_close(qmodel(x), model(x), rtol=0, atol=1e-5)
+    folded = {name for name, _, _, _ in sites}
+    if build is tiny_swin:
+        assert "layers.1.downsample.norm" in folded
+        assert qmodel.layers[1].downsample.reduction.bias is not None  # created: timm's reduction has none
+    assert "norm" not in folded and "patch_embed.norm" not in folded
+
+
+@pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
+def test_integer_mean_zero_point_gives_identical_codes(build):
+    # float64 so that exact ties at .5 cannot flip between the two equivalent expressions
+    model, qmodel = calibrated_repq_copy(build, torch.float64)
+    only_post_norm_inputs(qmodel)
+    x = images(4, seed=8).double()
+    site = find_fold_sites(qmodel)[0]
+    _, norm, _, linear = site
+    probe = torch.randn(2, 17 if build is tiny_vit else 256, norm.normalized_shape[0], dtype=torch.float64)
+    with torch.no_grad():
+        iq = linear.input_quantizer
+        y = norm(probe)
+        codes_pc = torch.clamp(torch.round(y / iq.scale) + iq.zero_point, iq.qmin, iq.qmax)
+        per_channel_out = qmodel(x)
+        for _, n, _, lin in find_fold_sites(qmodel):
+            fold_layernorm(n, lin, round_zero_point=True)
+        y2 = norm(probe)
+        codes_pt = torch.clamp(torch.round(y2 / iq.scale) + iq.zero_point, iq.qmin, iq.qmax)
+        assert iq.scale.shape == (1,) and iq.zero_point.item() == round(iq.zero_point.item())
+        assert torch.equal(codes_pc, codes_pt)
+        torch.testing.assert_close(qmodel(x), per_channel_out, rtol=0, atol=1e-9)
+
+
+def test_unrounded_mean_zero_point_is_close_but_not_identical():
+    _, qmodel = calibrated_repq_copy(tiny_vit, torch.float64)
+    only_post_norm_inputs(qmodel)
+    x = images(4, seed=8).double()
+    with torch.no_grad():
+        before = qmodel(x)
+        for _, n, _, lin in find_fold_sites(qmodel):
+            fold_layernorm(n, lin, round_zero_point=False)
+        after = qmodel(x)
+    assert not torch.allclose(after, before, atol=1e-9)
+    assert nn.functional.cosine_similarity(after, before).min() > 0.9
+
+
+def test_pipeline_refits_only_the_folded_weight_quantizers():
+    fp = perturb_norms(tiny_vit())
+    unfolded, _ = PIPELINES["repq"](fp, images(8), "w4a4", {"reparam": False})
+    folded, report = PIPELINES["repq"](fp, images(8), "w4a4")
+    assert len(report["folded"]) == 4
+    a = dict(named_quantizers(unfolded))
+    b = dict(named_quantizers(folded))
+    for name, q in b.items():
+        if name.endswith(("attn.qkv.weight_quantizer", "mlp.fc1.weight_quantizer")):
+            assert not torch.equal(q.scale, a[name].scale)  # re-fitted on the column-rescaled weights
+        elif name.endswith(("attn.qkv.input_quantizer", "mlp.fc1.input_quantizer")):
+            assert q.channel_dim is None and a[name].channel_dim == -1
+        else:  # everything else keeps its first-pass calibration
+            for key, t in q.state_dict().items():
+                if isinstance(t, torch.Tensor):
+                    assert torch.equal(t, a[name].state_dict()[key]), name
+
+
+def test_fold_rejects_per_tensor_quantizer():
+    _, qmodel = calibrated_repq_copy(tiny_vit)
+    _, norm, _, linear = find_fold_sites(qmodel)[0]
+    fold_layernorm(norm, linear)
+    with pytest.raises(ValueError, match="per-channel"):
+        fold_layernorm(norm, linear)
