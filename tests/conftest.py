@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug", "tiny.yaml")
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo", "vit_digits.yaml")
