@@ -48,13 +48,24 @@ def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[st
         paths = [paths]
     cfg = Config()
     for path in paths or ():
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            data = parse_yaml(f.read()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-        _merge(cfg, data, path="", source=path)
+        merge_file(cfg, path)
+    return apply_overrides(cfg, overrides)
+
+
+def merge_file(cfg: Config, path: str) -> Config:
+    """Apply the YAML file at `path` to `cfg` in place (and return it)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        data = parse_yaml(f.read()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    _merge(cfg, data, path="", source=path)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
+    """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:

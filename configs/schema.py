@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from quant.pipelines.percentile import PercentileOptions
+from quant.pipelines.repq import RepQOptions
+
 
 @dataclass
 class ModelConfig:
@@ -145,21 +148,20 @@ class TWEOConfig:
 
 @dataclass
 class QuantConfig:
-    """Fake-quantization evaluation (evaluate.py); pipelines live in quant/."""
+    """Fake-quantization evaluation (evaluate.py). Each pipeline's options are its own typed section,
+    the Options dataclass of quant/pipelines/<name>.py (e.g. quant.repq.round_zero_point=true,
+    quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
 
     pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
     bits: list = field(default_factory=lambda: ["w4a4"])
     calib_images: int = 32  # fixed, seeded subset of the train split with the eval transform
     calib_seed: int = 0
-    calib_batch_size: int = 32
-    # per-pipeline options (quant/pipelines/*: Options dataclasses; unknown keys are an error), e.g.
-    # {repq: {round_zero_point: true}, percentile: {act_range: percentile}}; first/last-layer bits:
-    # {repq: {stem_a_bits: 8, head_w_bits: 8, head_a_bits: 8}} (None follows w/a bits, 0 = float)
-    options: dict = field(default_factory=dict)
     act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
     # module patterns counted in "max_act/module" besides the block-internal modules (quant/probes.py),
     # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only
     act_max_extra_modules: list = field(default_factory=list)
+    percentile: PercentileOptions = field(default_factory=PercentileOptions)
+    repq: RepQOptions = field(default_factory=RepQOptions)
 
 
 @dataclass

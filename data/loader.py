@@ -77,13 +77,27 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
         raise DataError(f"{len(train_set)} training images give each of {world_size} processes {len(base)} "
                         f"per epoch, fewer than one batch of {batch_size_per_gpu}")
     train_sampler = SeededSampler(base, seed=seed, rank=rank)
-    workers = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
-                   persistent_workers=cfg.num_workers > 0)
     train = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=train_sampler,
-                       drop_last=True, **workers)
-    val = DataLoader(val_set, batch_size=eval_batch_size_per_gpu,
-                     sampler=ShardedEvalSampler(len(val_set), rank, world_size), **workers)
+                       drop_last=True, **_worker_args(cfg))
+    val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
     return Loaders(train=train, val=val, train_sampler=train_sampler, mixup=mixup, num_classes=num_classes)
+
+
+def build_eval_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,
+                      num_classes: int, split: str = "val") -> DataLoader:
+    """The `split` with the eval transform, sharded across ranks without duplicates."""
+    dataset = build_dataset(cfg, split, img_size, num_classes, train_transform=False)
+    return _eval_loader(cfg, dataset, batch_size_per_gpu, rank, world_size)
+
+
+def _eval_loader(cfg, dataset, batch_size: int, rank: int, world_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, sampler=ShardedEvalSampler(len(dataset), rank, world_size),
+                      **_worker_args(cfg))
+
+
+def _worker_args(cfg) -> dict:
+    return dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+                persistent_workers=cfg.num_workers > 0)
 
 
 def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int) -> torch.Tensor:

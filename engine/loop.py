@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -235,13 +236,18 @@ class _Window:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none") -> dict:
+def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "") -> dict:
     """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks.
 
-    With `ShardedEvalSampler` every image is counted exactly once across ranks.
+    With `ShardedEvalSampler` every image is counted exactly once across ranks. `progress`: a label
+    for a progress bar (shown on a terminal only); "" for none.
     """
     model.eval()
     sums = torch.zeros(4, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        loader = tqdm(loader, desc=progress, leave=False, dynamic_ncols=True)
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(amp, device):

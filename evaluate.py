@@ -1,0 +1,177 @@
+"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized accuracy per pipeline.
+
+    python evaluate.py --checkpoint runs/vit_digits/best.pt                       # repq + percentile, W4A4
+    python evaluate.py --checkpoint runs/vit_b_cd/best.pt --quant repq aphq --bits w4a4 w6a6 \
+        --out results/vit_b_cd.json data.root=/datasets/imagenet
+    torchrun --nproc_per_node=8 evaluate.py --checkpoint runs/vit_b/best.pt data.root=/datasets/imagenet
+    python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
+        data.root=/datasets/imagenet                                              # a timm model + weights file
+
+The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
+on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
+always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
+eval transform. Writes one JSON (default: next to the checkpoint), a per-layer activation-max CSV and
+plot beside it, and prints a markdown row in the layout of the paper's tables.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file
+from data import DataError, build_eval_loader, calibration_images
+from engine.checkpoint import CheckpointError, load_checkpoint
+from engine.distributed import all_reduce, cleanup_distributed, init_distributed
+from engine.loop import evaluate
+from engine.runinfo import describe_environment, setup_logging
+from models import ModelError, build_model, input_size
+from quant import PIPELINES, ActivationProbe, evaluate_quantized
+from quant.probe_io import plot as plot_act_max, write_csv as write_act_max_csv
+
+log = logging.getLogger("evaluate")
+PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ"}
+
+
+def main(args: argparse.Namespace) -> dict:
+    cfg, payload = resolve_config(args)
+    dist = init_distributed(cfg.train.device)
+    device = dist.device
+    out = args.out or default_out_path(args.checkpoint, cfg.model.name)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main)
+    log.info("%s", describe_environment(dist))
+
+    # The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights.
+    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
+    if payload:
+        key = "model_ema" if args.ema else "model"
+        if key not in payload:
+            raise CheckpointError(f"{args.checkpoint} has no '{key}' weights")
+        model.load_state_dict(payload[key])
+    model.to(device).eval()
+    img_size = input_size(model)
+    val_loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                                   rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
+
+    result = {"model": cfg.model.name, "checkpoint": args.checkpoint or cfg.model.pretrained,
+              "method": method_name(cfg), "weights": "ema" if args.ema else "raw", "eval_amp": args.amp,
+              "images": len(val_loader.dataset)}
+
+    # FP accuracy and activation maxima in one pass over the validation set.
+    start = time.perf_counter()
+    with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules) as probe:
+        fp = evaluate(model, val_loader, device, args.amp, progress="FP eval")
+    act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device)
+    fp_seconds = time.perf_counter() - start
+    result["fp"] = {"top1": fp["top1"], "top5": fp["top5"], "loss": fp["loss"], "seconds": round(fp_seconds, 3)}
+    result["max_act"] = {"module": act.module, "block": act.block}
+    log.info("FP top-1 %.3f  top-5 %.3f  max act (module/block) %.2f / %.2f  [%.1fs]", fp["top1"], fp["top5"],
+             act.module, act.block, fp_seconds)
+    if dist.is_main and cfg.quant.act_max_csv:
+        stem = os.path.splitext(out)[0]
+        result["max_act"]["csv"] = str(write_act_max_csv(act.per_layer, stem + "_act_max.csv"))
+        result["max_act"]["plot"] = str(plot_act_max(act.per_layer, stem + "_act_max.png",
+                                                     title=f"{cfg.model.name} ({method_name(cfg)})"))
+
+    # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model.
+    result["quant"] = {}
+    if cfg.quant.pipelines:
+        calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
+                                   cfg.quant.calib_seed).to(device)
+        result["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
+                                 "split": cfg.data.train_split, "transform": "eval"}
+    for name in cfg.quant.pipelines:
+        for bits in cfg.quant.bits:
+            entry = evaluate_quantized(
+                name, model, calib, bits, options=getattr(cfg.quant, name, None),
+                eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
+            entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
+            result["quant"].setdefault(name, {})[bits] = entry
+            log.info("%s %s top-1 %.3f  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, entry["top1"],
+                     entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
+
+    if dist.is_main:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(markdown_row(result))
+        log.info("wrote %s", out)
+    cleanup_distributed()
+    return result
+
+
+def resolve_config(args: argparse.Namespace):
+    """Config and checkpoint payload: the checkpoint's own config (+ overrides), or --config files."""
+    payload = None
+    if args.checkpoint:
+        payload = load_checkpoint(args.checkpoint)
+        cfg = config_from_dict(payload["config"])
+        for path in args.config or ():
+            merge_file(cfg, path)  # e.g. a data preset for another machine
+        cfg = apply_overrides(cfg, args.overrides)
+    else:
+        cfg = load_config(args.config or [], args.overrides)
+        if not cfg.model.pretrained:
+            raise ConfigError("nothing to evaluate: give --checkpoint, or model.pretrained=/path/to/weights "
+                              "(with --config for the model and data)")
+    if args.quant is not None:
+        cfg.quant.pipelines = list(args.quant)
+    if args.bits is not None:
+        cfg.quant.bits = list(args.bits)
+    unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
+    if unknown:
+        raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
+    return cfg, payload
+
+
+def method_name(cfg) -> str:
+    return "CD" if cfg.cd.enabled else "TWEO" if cfg.tweo.enabled else "Baseline"
+
+
+def default_out_path(checkpoint: str | None, model_name: str) -> str:
+    if checkpoint:
+        return os.path.join(os.path.dirname(os.path.abspath(checkpoint)),
+                            f"eval_{os.path.splitext(os.path.basename(checkpoint))[0]}.json")
+    return os.path.join("runs", "eval", f"{model_name}.json")
+
+
+def markdown_row(result: dict) -> str:
+    """Header and row in the paper's layout: FP Top-1 | Max. Act. (mod./blk.) | one column per pipeline."""
+    order = [p for p in PAPER_NAMES if p in result["quant"]] + [p for p in result["quant"] if p not in PAPER_NAMES]
+    columns = [(p, b) for p in order for b in result["quant"][p]]
+    many_bits = len({b for _, b in columns}) > 1
+    header = ["Model", "Method", "FP Top-1", "Max. Act. (mod./blk.)"] + [
+        PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
+    row = [result["model"], result["method"], f"{result['fp']['top1']:.3f}",
+           f"{result['max_act']['module']:.2f} / {result['max_act']['block']:.2f}"] + [
+        f"{result['quant'][p][b]['top1']:.3f}" for p, b in columns]
+    line = lambda cells: "| " + " | ".join(cells) + " |"
+    return "\n".join([line(header), line(["---"] * len(header)), line(row)])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
+    parser.add_argument("--config", action="append", help="YAML file(s): the recipe when there is no checkpoint, "
+                        "or a layer on top of the checkpoint's config")
+    parser.add_argument("--quant", nargs="*", help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
+    parser.add_argument("--bits", nargs="*", help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
+    parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
+    parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
+                        help="autocast for evaluation (default none: fp32, as the official quantization code)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.root=/datasets/imagenet")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(sys.argv[1:]))
+    except (ConfigError, CheckpointError, DataError, ModelError) as e:
+        sys.exit(f"error: {e}")
