@@ -24,11 +24,12 @@ import torch.nn as nn
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
 
+from cd import TWEO, ColinearityDecay, budget_weight_decay, energy_metrics, find_pairs
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config, save_config
 from data import DataError, build_loaders
 from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_atomic, training_payload,
                                unwrap_model)
-from engine.distributed import DistInfo, barrier, cleanup_distributed, init_distributed
+from engine.distributed import DistInfo, all_reduce, barrier, cleanup_distributed, init_distributed
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
 from engine.metrics import MetricLogger
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr
@@ -36,6 +37,7 @@ from engine.precision import grad_scaler
 from engine.preemption import Preemption
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size
+from quant import ActivationProbe
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 log = logging.getLogger("train")
@@ -79,9 +81,12 @@ def main(cfg: Config) -> RunResult:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the {accum_steps} "
                           f"accumulation steps of one update: lower train.batch_size")
 
-    # Optimizer, schedule, precision, EMA.
+    # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
     weight_decay = cfg.optim.weight_decay
+    if cfg.cd.enabled and cfg.cd.budget:
+        weight_decay = budget_weight_decay(weight_decay, cfg.cd.lam)
+        log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = build_optimizer(model, cfg.optim, lr, weight_decay)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
     scaler = grad_scaler(cfg.train.amp, device)
@@ -89,6 +94,20 @@ def main(cfg: Config) -> RunResult:
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s; wd %g; "
              "%d updates per epoch, %d epochs", cfg.train.batch_size, per_gpu, dist.world_size, accum_steps,
              lr_rule(cfg.optim, cfg.train.batch_size), weight_decay, updates_per_epoch, cfg.sched.epochs)
+
+    # Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside optimizer.step(),
+    # after clipping, once per update, only when the step really runs, with each group's lr. TWEO (and
+    # CD's loss-form ablation) add a term to the loss in compute_loss below.
+    decay = ColinearityDecay.from_config(cfg.cd, model) if cfg.cd.enabled else None
+    if decay is not None:
+        decay.attach(optimizer)
+        log.info("%r", decay)
+    tweo = (TWEO.from_config(cfg.tweo, model, total_steps=cfg.sched.epochs * updates_per_epoch)
+            if cfg.tweo.enabled else None)
+    pairs = find_pairs(model)
+    metric_sources = [decay.metrics if decay else lambda: energy_metrics(pairs)]  # pair energies for every run
+    if tweo is not None:
+        metric_sources.append(tweo.metrics)
 
     # Resume: the same command in the same out_dir continues from checkpoint.pt.
     state = TrainState()
@@ -99,6 +118,8 @@ def main(cfg: Config) -> RunResult:
         check_resumable(config_from_dict(payload["config"]), cfg)
         restore_training(payload, model=model, optimizer=optimizer, state=state, ema=ema, scaler=scaler,
                          scheduler=scheduler)
+        if decay is not None and "cd" in payload:
+            decay.load_state_dict(payload["cd"])
         del payload
         log.info("resumed from %s at epoch %d, update %d", ckpt_path, state.epoch, state.step)
     if dist.is_main:
@@ -117,13 +138,20 @@ def main(cfg: Config) -> RunResult:
     criterion = build_criterion(cfg, mixup=loaders.mixup is not None)
 
     def compute_loss(m: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Auxiliary loss terms of regularizers (TWEO, CD's loss-form ablation) are added here.
-        return criterion(m(images), targets)
+        loss = criterion(m(images), targets)
+        # Auxiliary loss terms of regularizers are added here (both scale with the task loss when rescaled).
+        aux = 0.0
+        if tweo is not None:
+            aux = aux + tweo.aux_loss(loss, state.step)
+        if decay is not None and cfg.cd.mode == "loss":
+            aux = aux + decay.aux_loss(loss)
+        return loss + aux
 
     def save_checkpoint() -> None:
         if dist.is_main:
             save_atomic(training_payload(model=model, optimizer=optimizer, state=state, config=config_to_dict(cfg),
-                                         ema=ema, scaler=scaler, scheduler=scheduler), ckpt_path)
+                                         ema=ema, scaler=scaler, scheduler=scheduler,
+                                         extra={"cd": decay.state_dict()} if decay else None), ckpt_path)
         barrier()
 
     preemption = Preemption(device)
@@ -132,7 +160,7 @@ def main(cfg: Config) -> RunResult:
         scaler=scaler, scheduler=scheduler, per_step_schedule=cfg.sched.per_step, accum_steps=accum_steps,
         clip_grad=cfg.optim.clip_grad, ema=ema, mixup=loaders.mixup, seed=cfg.train.seed, rank=dist.rank,
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
-        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log,
+        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log, metric_sources=metric_sources,
         should_stop=lambda step: preemption_requested(preemption, dist, step),
         progress=cfg.log.progress and dist.is_main and sys.stderr.isatty())
 
@@ -142,7 +170,7 @@ def main(cfg: Config) -> RunResult:
         reason = loop.run_epoch(loaders.train, loaders.train_sampler, state, per_gpu)
         if reason == "epoch_end" and (state.epoch % cfg.train.eval_every_epochs == 0
                                       or state.epoch == cfg.sched.epochs):
-            val = validate(model, ema, loaders.val, device, cfg.train.amp)
+            val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
             logger.log(state.step, val)
             log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs, state.step,
                      val["val/top1"])
@@ -160,8 +188,10 @@ def main(cfg: Config) -> RunResult:
             break
 
     if not val:  # resumed a finished run, or stopped early: report the current weights
-        val = validate(model, ema, loaders.val, device, cfg.train.amp)
+        val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
     logger.close()
+    if tweo is not None:
+        tweo.remove()
     preemption.restore()
     log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
              val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
@@ -178,8 +208,15 @@ def build_criterion(cfg: Config, mixup: bool) -> nn.Module:
     return nn.CrossEntropyLoss()
 
 
-def validate(model: nn.Module, ema, loader, device: torch.device, amp: str) -> dict:
-    metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
+def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False) -> dict:
+    """val/* (and val_ema/*) accuracy; with `act_max`, the paper's activation maxima act/max_module and
+    act/max_block over the validation set (max over all ranks)."""
+    if act_max:
+        with ActivationProbe(model) as probe:
+            metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
+        metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
+    else:
+        metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
     if ema is not None:
         metrics.update({f"val_ema/{k}": v for k, v in evaluate(ema.module, loader, device, amp).items()})
     return metrics

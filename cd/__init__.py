@@ -16,7 +16,7 @@ from typing import Any
 
 _EXPORTS = {
     "Pair": "pairs", "find_pairs": "pairs", "find_blocks": "pairs", "unwrap_model": "pairs",
-    "ColinearityDecay": "decay", "budget_weight_decay": "decay",
+    "ColinearityDecay": "decay", "budget_weight_decay": "decay", "energy_metrics": "decay",
     "colinearity_decay_": "update", "pair_energy": "update", "pair_penalty": "update",
     "TWEO": "tweo", "tweo_penalty": "tweo",
 }

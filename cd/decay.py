@@ -30,6 +30,13 @@ def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
 
+def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
+    """cd/pair_energy/<role>: mean over the role's pairs of ||W2 W1n||_F^2 (a diagnostic for any run,
+    with or without CD; syncs with the device, so call it at log steps only)."""
+    energy = pair_energy(pairs, plan)
+    return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd (Appendix "Normalized CD and regularization budget").
 
@@ -221,8 +228,7 @@ class ColinearityDecay:
             (also <role>_upstream for target C); absent before the first update.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
         """
-        energy = pair_energy(self.all_pairs, self._all_plan)
-        out = {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
+        out = energy_metrics(self.all_pairs, self._all_plan)
         norms = self._last_update_norms
         out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)})
         if self._last_penalty is not None:

@@ -107,7 +107,10 @@ def _step_tensor(values: Sequence[Number], like: Tensor, gate: Optional[Tensor])
     tensor of `like`'s dtype and device."""
     if gate is None and all(not isinstance(v, Tensor) for v in values) and len(set(values)) == 1:
         return float(values[0])
-    s = torch.stack([torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values])
+    if any(isinstance(v, Tensor) for v in values):
+        s = torch.stack([torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values])
+    else:  # plain floats (per-group lrs differ under layer-wise lr decay): one host-to-device copy
+        s = torch.tensor([float(v) for v in values], dtype=like.dtype, device=like.device)
     if gate is not None:
         s = s * gate.to(device=like.device, dtype=like.dtype)
     return s.view(-1, 1, 1)

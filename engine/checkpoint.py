@@ -9,22 +9,15 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn as nn
+
+from cd.pairs import unwrap_model  # the one definition; cd/ stays a standalone package
+
+__all__ = ["CheckpointError", "unwrap_model", "save_atomic", "load_checkpoint", "training_payload",
+           "restore_training"]
 
 
 class CheckpointError(ValueError):
     """A missing, unreadable or incompatible checkpoint."""
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def save_atomic(payload: dict, path: str) -> None:

@@ -56,9 +56,11 @@ def checkpoint_tensors(path):
     return flat, ckpt["state"], ckpt["scheduler"]
 
 
-def test_exact_resume_mid_epoch(debug_config):
+@pytest.mark.parametrize("regularizers", [(), ("cd.enabled=true", "tweo.enabled=true", "tweo.schedule=cosine"),
+                                          ("cd.enabled=true", "cd.mode=loss")], ids=["plain", "cd+tweo", "cd_loss"])
+def test_exact_resume_mid_epoch(debug_config, regularizers):
     # mixup/cutmix (DeiT defaults), drop path 0.1, 2 accumulation steps and EMA all draw randomness or state
-    common = ("train.ema=true", "train.ema_decay=0.9", "sched.per_step=true")
+    common = ("train.ema=true", "train.ema_decay=0.9", "sched.per_step=true", *regularizers)
     straight = debug_config(*common, name="straight")
     train.main(straight)
     split = debug_config(*common, "train.max_steps=3", name="split")  # stops inside epoch 0 (4 updates)
