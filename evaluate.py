@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> dict:
     if dist.is_main:
         with open(out, "w") as f:
             json.dump(result, f, indent=2, default=str)
-        print(markdown_row(result))
+        print(markdown_table([result]))
         log.info("wrote %s", out)
     cleanup_distributed()
     return result
@@ -141,18 +141,24 @@ def default_out_path(checkpoint: str | None, model_name: str) -> str:
     return os.path.join("runs", "eval", f"{model_name}.json")
 
 
-def markdown_row(result: dict) -> str:
-    """Header and row in the paper's layout: FP Top-1 | Max. Act. (mod./blk.) | one column per pipeline."""
-    order = [p for p in PAPER_NAMES if p in result["quant"]] + [p for p in result["quant"] if p not in PAPER_NAMES]
-    columns = [(p, b) for p in order for b in result["quant"][p]]
+def markdown_table(results: list[dict]) -> str:
+    """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
+    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column."""
+    seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
+    order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
+    columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
     many_bits = len({b for _, b in columns}) > 1
     header = ["Model", "Method", "FP Top-1", "Max. Act. (mod./blk.)"] + [
         PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
-    row = [result["model"], result["method"], f"{result['fp']['top1']:.3f}",
-           f"{result['max_act']['module']:.2f} / {result['max_act']['block']:.2f}"] + [
-        f"{result['quant'][p][b]['top1']:.3f}" for p, b in columns]
+
+    def cell(r, p, b):
+        return f"{r['quant'][p][b]['top1']:.3f}" if b in r["quant"].get(p, {}) else "-"
+
+    rows = [[r["model"], r["method"], f"{r['fp']['top1']:.3f}",
+             f"{r['max_act']['module']:.2f} / {r['max_act']['block']:.2f}"] + [cell(r, p, b) for p, b in columns]
+            for r in results]
     line = lambda cells: "| " + " | ".join(cells) + " |"
-    return "\n".join([line(header), line(["---"] * len(header)), line(row)])
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -167,7 +173,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
                         help="autocast for evaluation (default none: fp32, as the official quantization code)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.root=/datasets/imagenet")
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    # `--quant repq data.root=x` would read data.root=x as a pipeline: key=value items are overrides.
+    for name in ("quant", "bits"):
+        values = getattr(args, name)
+        if values:
+            args.overrides += [v for v in values if "=" in v]
+            setattr(args, name, [v for v in values if "=" not in v])
+    return args
 
 
 if __name__ == "__main__":

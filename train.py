@@ -162,7 +162,18 @@ def main(cfg: Config) -> RunResult:
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log, metric_sources=metric_sources,
         should_stop=lambda step: preemption_requested(preemption, dist, step),
-        progress=cfg.log.progress and dist.is_main and sys.stderr.isatty())
+        progress=cfg.log.progress and dist.is_main)
+
+    def validate_and_keep_best() -> dict:
+        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
+        logger.log(state.step, metrics)
+        if metrics["val/top1"] > state.best_top1:  # best.pt: the weights with the best validation top-1
+            state.best_top1 = metrics["val/top1"]
+            if dist.is_main:
+                save_atomic({"model": model.state_dict(), "config": config_to_dict(cfg), "state": state.state_dict(),
+                             "metrics": metrics, **({"model_ema": ema.module.state_dict()} if ema else {})},
+                            os.path.join(cfg.out_dir, "best.pt"))
+        return metrics
 
     # The epochs: train, validate, checkpoint.
     val = {}
@@ -170,24 +181,18 @@ def main(cfg: Config) -> RunResult:
         reason = loop.run_epoch(loaders.train, loaders.train_sampler, state, per_gpu)
         if reason == "epoch_end" and (state.epoch % cfg.train.eval_every_epochs == 0
                                       or state.epoch == cfg.sched.epochs):
-            val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
-            logger.log(state.step, val)
+            val = validate_and_keep_best()
             log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs, state.step,
                      val["val/top1"])
-            if val["val/top1"] > state.best_top1:
-                state.best_top1 = val["val/top1"]
-                if dist.is_main:
-                    save_atomic({"model": model.state_dict(), "config": config_to_dict(cfg),
-                                 "state": state.state_dict(), "metrics": val,
-                                 **({"model_ema": ema.module.state_dict()} if ema else {})},
-                                os.path.join(cfg.out_dir, "best.pt"))
+        elif reason == "max_steps":  # a shortened run still reports (not on preemption: no time to spare)
+            val = validate_and_keep_best()
         save_checkpoint()
         if reason != "epoch_end":
             log.info("stopped at update %d (%s); checkpoint saved, re-run the same command to resume",
                      state.step, reason)
             break
 
-    if not val:  # resumed a finished run, or stopped early: report the current weights
+    if not val:  # resumed a finished run, or preempted: report the current weights
         val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
     logger.close()
     if tweo is not None:
@@ -248,7 +253,7 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML recipe; repeat to layer several (default: {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     paths = args.config or [DEFAULT_CONFIG]
     cfg = load_config(paths, args.overrides)
     if not cfg.out_dir:

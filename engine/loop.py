@@ -74,7 +74,7 @@ class TrainLoop:
     log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
     metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
     should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
-    progress: bool = False
+    progress: bool = False  # a tqdm bar per epoch (on a terminal only)
 
     def __post_init__(self):
         self._real_steps = 0  # optimizer steps that really ran (fp16 skips excluded)
@@ -271,7 +271,7 @@ def _reseed(seed: int) -> None:
 
 
 def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):
-    if not enabled:
+    if not (enabled and sys.stderr.isatty()):  # no bar in log files and CI output
         return None
     from tqdm import tqdm
 
