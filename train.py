@@ -131,7 +131,7 @@ def main(cfg: Config) -> RunResult:
     train_model: nn.Module = model
     if dist.distributed:
         train_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.train.compile:
         train_model = torch.compile(train_model)
 
