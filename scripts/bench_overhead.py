@@ -1,7 +1,7 @@
 """Training-step overhead of CD and TWEO against the baseline (paper Sec. "Efficiency", Fig. exp_efficiency).
 
 Two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128, 256) and (b) hidden
-size at a fixed batch (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each step is an
+size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each step is an
 AMP forward + backward + AdamW step on synthetic data:
     baseline  plain step
     cd        + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
@@ -219,7 +219,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
     parser.add_argument("--batches", type=int, nargs="+", help="sweep (a) batch sizes (default 32 64 128 256)")
     parser.add_argument("--widths", type=int, nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
-    parser.add_argument("--width-batch", type=int, help="sweep (b) batch size (default 64)")
+    parser.add_argument("--width-batch", type=int,
+                        help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median reported)")
@@ -243,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     else:  # ViT-B/16 at 224 px, as in the paper
         base = dict(embed_dim=768, depth=12, img_size=224, patch_size=16, num_classes=1000)
         batches, widths, width_batch = args.batches or [32, 64, 128, 256], args.widths or [384, 768, 1024], \
-            args.width_batch or 64
+            args.width_batch or 256
         args.warmup = 5 if args.warmup is None else args.warmup
         args.steps = 20 if args.steps is None else args.steps
 
