@@ -14,6 +14,7 @@ Re-running the same command with the same out_dir resumes from checkpoint.pt; SI
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -104,8 +105,8 @@ def main(cfg: Config) -> RunResult:
         log.info("%r", decay)
     tweo = (TWEO.from_config(cfg.tweo, model, total_steps=cfg.sched.epochs * updates_per_epoch)
             if cfg.tweo.enabled else None)
-    pairs = find_pairs(model)
-    metric_sources = [decay.metrics if decay else lambda: energy_metrics(pairs)]  # pair energies for every run
+    # Pair energies are logged for every run, so that baselines can be compared with CD runs.
+    metric_sources = [decay.metrics] if decay else [functools.partial(energy_metrics, find_pairs(model))]
     if tweo is not None:
         metric_sources.append(tweo.metrics)
 

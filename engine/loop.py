@@ -44,6 +44,7 @@ class TrainState:
     epoch: int = 0  # current epoch, 0-based
     step: int = 0  # optimizer updates done
     epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
+    skipped_steps: int = 0  # fp16 updates the GradScaler skipped (inf/NaN gradients)
     best_top1: float = -1.0
 
     def state_dict(self) -> dict:
@@ -77,7 +78,9 @@ class TrainLoop:
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
 
     def __post_init__(self):
-        self._real_steps = 0  # optimizer steps that really ran (fp16 skips excluded)
+        # Step post-hooks run only when optimizer.step() really runs: a GradScaler-skipped step shows as
+        # no call (for non-fused optimizers, which build_optimizer always creates).
+        self._real_steps = 0
         self.optimizer.register_step_post_hook(self._count_step)
 
     def _count_step(self, *_):
@@ -127,8 +130,10 @@ class TrainLoop:
             if not last:
                 continue
             micro = 0
+            steps_before = self._real_steps
             grad_norm = self._optimizer_step()
             state.step += 1
+            state.skipped_steps += self._real_steps == steps_before
             if self.ema is not None:
                 self.ema.update(unwrap_model(self.model), step=state.step)
             if self.scheduler is not None and self.per_step_schedule:
@@ -181,7 +186,7 @@ class TrainLoop:
         metrics = window.flush(state.step)
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
         metrics["train/epoch"] = state.epoch + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps)
-        metrics["train/skipped_steps"] = state.step - self._real_steps
+        metrics["train/skipped_steps"] = state.skipped_steps
         if self.scaler is not None:
             metrics["train/loss_scale"] = self.scaler.get_scale()
         for source in self.metric_sources:

@@ -85,3 +85,22 @@ def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
     assert bad.returncode != 0 and "nothing to evaluate" in bad.stderr
     bad = run("--checkpoint", digits_checkpoint, "quant.repq.round_zero_pont=true")
     assert bad.returncode != 0 and "did you mean 'quant.repq.round_zero_point'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
+    from tests.test_train import free_port
+
+    single = evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "repq",
+                                                "--out", str(tmp_path / "single.json")]))
+    out = str(tmp_path / "ddp.json")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                          str(free_port()), "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", "repq",
+                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out) as f:
+        ddp = json.load(f)
+    assert ddp["fp"]["top1"] == pytest.approx(single["fp"]["top1"])  # each image counted exactly once
+    assert ddp["max_act"]["block"] == pytest.approx(single["max_act"]["block"], rel=1e-5)
+    assert ddp["quant"]["repq"]["w4a4"]["top1"] == pytest.approx(single["quant"]["repq"]["w4a4"]["top1"])

@@ -197,3 +197,37 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
                              timeout=300)
     assert resumed.returncode == 0 and f"at epoch" in resumed.stdout and "resumed from" in resumed.stdout
     assert torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)["state"]["step"] == step + 2
+
+
+def test_gradscaler_skipped_updates_are_counted_and_leave_weights_unchanged(debug_config):
+    from data import build_loaders
+
+    cfg = debug_config("data.mixup=0", "data.cutmix=0")
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    weight = model[1].weight
+    poison = {"update": 2}
+    weights_before = []
+
+    def compute_loss(m, x, y):
+        weights_before.append(weight.detach().clone())  # at every micro-batch
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    # an inf gradient during update 2 (micro-batches 3 and 4), with a finite loss
+    calls = [0]
+
+    def grad_hook(g):
+        calls[0] += 1
+        return g * float("inf") if (calls[0] + 1) // 2 == poison["update"] else g
+
+    weight.register_hook(grad_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = TrainState()
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=compute_loss, device=torch.device("cpu"),
+                     scaler=torch.amp.GradScaler("cpu"), accum_steps=2, max_steps=3, log_every=100)
+    loop.run_epoch(loaders.train, loaders.train_sampler, state, batch_size_per_gpu=8)
+    assert state.step == 3 and state.skipped_steps == 1
+    # micro-batches 1-2 are update 1, 3-4 update 2 (skipped), 5-6 update 3
+    assert not torch.equal(weights_before[2], weights_before[0])  # update 1 moved the weights
+    assert torch.equal(weights_before[4], weights_before[2])  # the skipped update 2 changed nothing
