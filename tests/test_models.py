@@ -71,3 +71,22 @@ def test_weights_of_another_model_are_refused(tmp_path):
         build_model(model_cfg("model.name=vit_micro", f"model.pretrained={tmp_path / 'w.pth'}"))
     with pytest.raises(ModelError, match="not found"):
         build_model(model_cfg("model.name=vit_micro", "model.pretrained=/no/such/file.pth"))
+
+
+def test_official_swin_layout_is_remapped_to_timm(tmp_path):
+    """microsoft/Swin-Transformer checkpoints put patch merging at the end of stages and name the
+    classifier `head`; timm's filter renames them, and persistent buffers of the old code are dropped."""
+    import re
+
+    source = build_model(model_cfg("model.name=swin_micro", "model.num_classes=10"))
+    official = {}
+    for key, value in source.state_dict().items():
+        key = re.sub(r"layers\.(\d+)\.downsample", lambda m: f"layers.{int(m.group(1)) - 1}.downsample", key)
+        official[key.replace("head.fc.", "head.")] = value
+    official["layers.0.blocks.0.attn.relative_position_index"] = torch.zeros(16, 16, dtype=torch.long)
+    assert "layers.0.downsample.reduction.weight" in official and "head.weight" in official
+    torch.save({"model": official}, tmp_path / "official_swin.pth")
+    target = build_model(model_cfg("model.name=swin_micro", "model.num_classes=10",
+                                   f"model.pretrained={tmp_path / 'official_swin.pth'}", "model.pretrained_strict=true"))
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
