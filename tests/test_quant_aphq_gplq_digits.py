@@ -6,6 +6,7 @@ same model, MLP reconstruction runs, the options work as evaluate.py overrides. 
 (pytest -s): with a few iterations they say nothing about the methods (see quant/README.md for the
 measured comparison with the full settings).
 """
+import dataclasses
 import json
 
 import pytest
@@ -170,3 +171,22 @@ def test_evaluate_cli_runs_both_pipelines_with_overrides(vit, tmp_path):
     assert (tmp_path / "eval_best_gplq_w4a4_stage1.pt").exists()  # resumable stage 1 next to the JSON
     with open(tmp_path / "eval_best.json") as f:
         assert set(json.load(f)["quant"]) == {"aphq", "gplq"}
+
+
+@pytest.mark.parametrize("pipeline, variant", [
+    ("aphq", {"hessian_probe": "rademacher", "search_max_rows": 64, "cache_device": "cpu"}),
+    ("aphq", {"loss": "mse", "normalize_loss": False, "round_zero_point": False, "stem_a_bits": 8}),
+    ("gplq", {"act_granularity": "tensor", "matmul_operands": False, "qwt_target": "teacher", "qwt_ridge": 1.0,
+              "stage2_train_transform": True, "weight_symmetric": False, "weight_range": "minmax"}),
+    ("gplq", {"qwt_target": "float", "amp": "bf16", "scale_lr": 1e-3, "weight_decay": 0.05}),
+    ("gplq", {"qwt": False, "steps": 2}),
+])
+def test_option_variants_run(vit, pipeline, variant):
+    model, _, data, calib, xv, _ = vit
+    fast = APHQ_FAST if pipeline == "aphq" else GPLQ_FAST
+    data = dataclasses.replace(data, work_prefix=None)  # no stage-1 checkpoint shared between variants
+    qmodel, report = PIPELINES[pipeline](model, calib, "w4a4", {**fast, **variant}, data=data)
+    assert_fully_quantized(qmodel)
+    assert all(report["options"][k] == v for k, v in variant.items())
+    with torch.no_grad():
+        assert torch.isfinite(qmodel(xv[:4])).all()

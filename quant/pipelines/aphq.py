@@ -140,12 +140,13 @@ class APHQPipeline(Pipeline):
             1e-6 if options.hessian_probe == "ones" else 1e-4)
         hessians: Dict[str, torch.Tensor] = {}
         hessian_seconds = StageTimer()
+        probe_gen = torch.Generator(device=device).manual_seed(options.seed + 2)  # Rademacher probes (model device)
 
         def hessian(unit: str) -> torch.Tensor:
             if unit not in hessians:
                 with hessian_seconds(unit, device):
                     hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs, options.temperature,
-                                                          eps, options.hessian_probe, generator=gen)
+                                                          eps, options.hessian_probe, generator=probe_gen)
             return hessians[unit]
 
         source, mr_stats = frozen, None
