@@ -70,9 +70,10 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, q: UniformQuanti
 @torch.no_grad()
 def _best_per_group(errors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], scales: torch.Tensor,
                     zps: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loop over K candidates; keep per group the one with the smallest error (first wins ties).
+    """Loop over K candidate pairs; keep per group the one with the smallest error (first wins ties).
 
-    errors(scale [G], zp [G]) -> [G]. Returns (best scale [G], best zp [G], best error [G]).
+    errors(scale [G], zp [G]) -> [G] (or any pair of [G] parameters, e.g. range bounds lo, hi).
+    Returns (best first [G], best second [G], best error [G]).
     """
     best_s, best_z = scales[0].clone(), zps[0].clone()
     best_e = errors(best_s, best_z)
@@ -111,10 +112,35 @@ def _as_rows(layer: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return x.reshape(-1, x.shape[-1]), layer.weight
 
 
+def _weight_output_errors(X: torch.Tensor, Xq: torch.Tensor, W: torch.Tensor, target: torch.Tensor,
+                          wq: UniformQuantizer, gram: Optional[bool]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """errors(scale [C_out], zp [C_out]) -> per-output-channel MSE of Xq @ fq(W)^T against X @ W^T.
+
+    With M rows much larger than C_in the error is computed exactly from C_in x C_in Gram matrices:
+    Xq fq(W)^T - X W^T = Xq D^T + E W^T with D = fq(W) - W, E = Xq - X, so per channel
+    ||Xq d + E w||^2 = d^T (Xq^T Xq) d + 2 d^T (Xq^T E) w + w^T (E^T E) w: 2 C_out C_in^2 operations per
+    candidate instead of M C_in C_out (no cancellation: every term is of the size of the error).
+    """
+    m, c_in = X.shape
+    if gram if gram is not None else m > 2 * c_in:
+        xd, xqd = X.double(), Xq.double()
+        e = xqd - xd
+        g = (xqd.t() @ xqd).float()
+        p = (xqd.t() @ e).float()
+        const = ((W.double() @ (e.t() @ e)) * W.double()).sum(1).float()
+
+        def errors(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            d = _fq(W, s[:, None], z[:, None], wq) - W
+            return (((d @ g) * d).sum(1) + 2.0 * ((d @ p) * W).sum(1) + const) / m
+        return errors
+    return lambda s, z: (Xq @ _fq(W, s[:, None], z[:, None], wq).t() - target).pow_(2).mean(0)
+
+
 @torch.no_grad()
 def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct: Tuple[float, float],
                   act_pct: Tuple[float, float], num_scales: int, num_zero_points: int,
-                  max_rows: Optional[int] = None, generator: Optional[torch.Generator] = None) -> dict:
+                  max_rows: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                  gram: Optional[bool] = None) -> dict:
     """Output-MSE search of a QuantLinear / QuantConv2d's weight and (per-tensor) input quantizers.
 
     Args:
@@ -125,6 +151,8 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
         num_scales, num_zero_points: grid size.
         max_rows: use at most this many input rows (random, seeded) for the output MSE; None: all.
         generator: RNG for the row subset.
+        gram: weight errors from Gram matrices (True), by direct products (False), or whichever is
+            cheaper (None; same result up to float rounding).
 
     Returns:
         {"output_mse": float MSE of the layer output (no bias) after the search} (one host sync).
@@ -154,8 +182,7 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
                                           a_scales, a_zps)
             aq.set_params(a_s, a_z)
             Xq = _fq(X, a_s, a_z, aq)
-        ws, wz, _ = _best_per_group(lambda s, z: (Xq @ _fq(W, s[:, None], z[:, None], wq).t() - target).pow_(2).mean(0),
-                                    w_scales, w_zps)
+        ws, wz, _ = _best_per_group(_weight_output_errors(X, Xq, W, target, wq, gram), w_scales, w_zps)
     wq.set_params(ws, wz)
     if hasattr(layer, "invalidate_weight_cache"):
         layer.invalidate_weight_cache()
@@ -208,20 +235,21 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
     grids = {"a": bounds(a), "b": bounds(b)}
     quants = {"a": qa, "b": qb}
 
-    def error(which: str, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        xa = quant(a, qa, lo, hi) if which == "a" else (a if los["a"] is None else quant(a, qa, los["a"], his["a"]))
-        xb = quant(b, qb, lo, hi) if which == "b" else (b if los["b"] is None else quant(b, qb, los["b"], his["b"]))
-        return (op(xa, xb) - target).pow_(2).mean(dim=reduce_dims)
+    def fixed(which: str) -> torch.Tensor:
+        """The operand that is NOT searched, quantized with its current range (float before its first search)."""
+        x, q = (a, qa) if which == "a" else (b, qb)
+        return x if los[which] is None else quant(x, q, los[which], his[which])
 
     def sweep(which: str, cand_lo: torch.Tensor, cand_hi: torch.Tensor) -> None:
-        best_lo, best_hi, best_e = cand_lo[0].clone(), cand_hi[0].clone(), error(which, cand_lo[0], cand_hi[0])
-        for k in range(1, cand_lo.shape[0]):
-            e = error(which, cand_lo[k], cand_hi[k])
-            better = e < best_e
-            best_e = torch.where(better, e, best_e)
-            best_lo = torch.where(better, cand_lo[k], best_lo)
-            best_hi = torch.where(better, cand_hi[k], best_hi)
-        los[which], his[which] = best_lo, best_hi
+        x, q = (a, qa) if which == "a" else (b, qb)
+        other = fixed("b" if which == "a" else "a")  # once per sweep, not per candidate
+
+        def error(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+            xq = quant(x, q, lo, hi)
+            out = op(xq, other) if which == "a" else op(other, xq)
+            return (out - target).pow_(2).mean(dim=reduce_dims)
+
+        los[which], his[which], _ = _best_per_group(error, cand_lo, cand_hi)
 
     for which in ("a", "b"):  # joint mirrored pairs: A with B float, then B with A quantized
         sweep(which, *grids[which])

@@ -129,3 +129,18 @@ def test_output_mse_search_is_no_worse_than_the_percentile_init():
     out = search_matmul(qa, qb, a, b, lambda u, v: u @ v.transpose(-2, -1), pct=(0.99, 0.99999), steps=9, rounds=1)
     assert qa.calibrated and qb.calibrated and qa.scale.shape == (3,)
     assert out["output_mse"] < (a @ b.transpose(-2, -1)).pow(2).mean().item()
+
+
+def test_gram_and_direct_weight_errors_choose_the_same_parameters():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 16, generator=g) * torch.linspace(0.2, 4, 16)
+    grid = dict(rounds=2, weight_pct=(0.9, 1.0), act_pct=(0.99, 1.0), num_scales=8, num_zero_points=16)
+    picked = []
+    for gram in (True, False):
+        torch.manual_seed(0)
+        layer = QuantLinear.from_float(nn.Linear(16, 12), UniformQuantizer(4, channel_dim=0, num_channels=12),
+                                       UniformQuantizer(4))
+        mse = search_linear(layer, x, gram=gram, **grid)["output_mse"]
+        picked.append((layer.weight_quantizer.scale.clone(), layer.weight_quantizer.zero_point.clone(), mse))
+    assert torch.equal(picked[0][0], picked[1][0]) and torch.equal(picked[0][1], picked[1][1])
+    assert picked[0][2] == pytest.approx(picked[1][2], rel=1e-5)
