@@ -10,7 +10,9 @@
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
-eval transform. Writes one JSON (default: next to the checkpoint), a per-layer activation-max CSV and
+eval transform; APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
+e.g. `quant.aphq.iters=2000 quant.gplq.steps=500 --quant aphq gplq` for a quick run (overrides go before
+--quant / --bits, which take every following word). Writes one JSON (default: next to the checkpoint), a per-layer activation-max CSV and
 plot beside it, and prints a markdown row in the layout of the paper's tables.
 """
 from __future__ import annotations
@@ -26,13 +28,13 @@ import time
 import torch
 
 from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file
-from data import DataError, build_eval_loader, calibration_images
+from data import DataError, build_eval_loader, build_train_loader, calibration_images
 from engine.checkpoint import CheckpointError, load_checkpoint
 from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size
-from quant import PIPELINES, ActivationProbe, evaluate_quantized
+from quant import PIPELINES, ActivationProbe, PipelineData, TrainBatches, evaluate_quantized
 from quant.probe_io import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -87,10 +89,11 @@ def main(args: argparse.Namespace) -> dict:
                                    cfg.quant.calib_seed).to(device)
         result["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                                  "split": cfg.data.train_split, "transform": "eval"}
+        pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0])
     for name in cfg.quant.pipelines:
         for bits in cfg.quant.bits:
             entry = evaluate_quantized(
-                name, model, calib, bits, options=getattr(cfg.quant, name, None),
+                name, model, calib, bits, options=getattr(cfg.quant, name, None), data=pipeline_data,
                 eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
             entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
             result["quant"].setdefault(name, {})[bits] = entry
@@ -104,6 +107,26 @@ def main(args: argparse.Namespace) -> dict:
         log.info("wrote %s", out)
     cleanup_distributed()
     return result
+
+
+def build_pipeline_data(cfg, img_size: int, rank: int, world_size: int, work_prefix: str) -> PipelineData:
+    """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
+
+    train_images: seeded train-split images (training or eval transform), the same on every rank.
+    train_loader: this rank's shard of the train split with the training transform (no repeated
+    augmentation; mixup/cutmix are never applied by pipelines). work_prefix: where GPLQ keeps its
+    resumable stage-1 checkpoint (next to the output JSON).
+    """
+    def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
+        return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed, train_transform=train_transform)
+
+    def train_loader(batch_size_per_gpu: int, seed: int) -> TrainBatches:
+        train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,
+                                   batch_size_per_gpu=batch_size_per_gpu, rank=rank, world_size=world_size, seed=seed,
+                                   num_classes=cfg.model.num_classes)
+        return TrainBatches(train.loader, train.sampler)
+
+    return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix)
 
 
 def resolve_config(args: argparse.Namespace):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from quant.pipelines.aphq import APHQOptions
+from quant.pipelines.gplq import GPLQOptions
 from quant.pipelines.percentile import PercentileOptions
 from quant.pipelines.repq import RepQOptions
 
@@ -162,6 +164,10 @@ class QuantConfig:
     act_max_extra_modules: list = field(default_factory=list)
     percentile: PercentileOptions = field(default_factory=PercentileOptions)
     repq: RepQOptions = field(default_factory=RepQOptions)
+    # APHQ / GPLQ draw their own training images (train split, seeded; quant.aphq.data_seed, quant.gplq.seed),
+    # e.g. quant.aphq.iters=2000 quant.gplq.steps=500 for quick sweeps
+    aphq: APHQOptions = field(default_factory=APHQOptions)
+    gplq: GPLQOptions = field(default_factory=GPLQOptions)
 
 
 @dataclass

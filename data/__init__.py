@@ -2,6 +2,8 @@
 set, synthetic data for benchmarks and tests, and samplers for exact distributed training and eval.
 """
 from .folder import DataError
-from .loader import Loaders, build_dataset, build_eval_loader, build_loaders, build_mixup, calibration_images
+from .loader import (Loaders, TrainLoader, build_dataset, build_eval_loader, build_loaders, build_mixup,
+                     build_train_loader, calibration_images)
 
-__all__ = ["DataError", "Loaders", "build_dataset", "build_eval_loader", "build_loaders", "build_mixup", "calibration_images"]
+__all__ = ["DataError", "Loaders", "TrainLoader", "build_dataset", "build_eval_loader", "build_loaders", "build_mixup",
+           "build_train_loader", "calibration_images"]

@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
+
+from engine.rng import mix_seed
 
 from .digits import DigitsDataset
 from .folder import DataError, build_folder_dataset, num_classes_of
@@ -58,15 +60,16 @@ def build_mixup(cfg, num_classes: int) -> Optional[Mixup]:
                  label_smoothing=cfg.label_smoothing, num_classes=num_classes)
 
 
-def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int, rank: int,
-                  world_size: int, seed: int, num_classes: int) -> Loaders:
-    mixup = build_mixup(cfg, num_classes)
-    if mixup is not None and batch_size_per_gpu % 2:
-        raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
-                        f"train.batch_size_per_gpu={batch_size_per_gpu} must be even")
-    train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
-    val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
+@dataclass
+class TrainLoader:
+    loader: DataLoader
+    sampler: SeededSampler  # set_epoch(epoch, start) fixes order and augmentation (resumable)
 
+
+def build_train_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
+                       num_classes: int) -> TrainLoader:
+    """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
+    train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
     if cfg.repeated_aug > 1:  # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                 num_repeats=cfg.repeated_aug)
@@ -76,11 +79,23 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
     if len(base) < batch_size_per_gpu:
         raise DataError(f"{len(train_set)} training images give each of {world_size} processes {len(base)} "
                         f"per epoch, fewer than one batch of {batch_size_per_gpu}")
-    train_sampler = SeededSampler(base, seed=seed, rank=rank)
-    train = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=train_sampler,
-                       drop_last=True, **_worker_args(cfg))
+    sampler = SeededSampler(base, seed=seed, rank=rank)
+    loader = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
+                        drop_last=True, **_worker_args(cfg))
+    return TrainLoader(loader=loader, sampler=sampler)
+
+
+def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int, rank: int,
+                  world_size: int, seed: int, num_classes: int) -> Loaders:
+    mixup = build_mixup(cfg, num_classes)
+    if mixup is not None and batch_size_per_gpu % 2:
+        raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
+                        f"train.batch_size_per_gpu={batch_size_per_gpu} must be even")
+    train = build_train_loader(cfg, img_size=img_size, batch_size_per_gpu=batch_size_per_gpu, rank=rank,
+                               world_size=world_size, seed=seed, num_classes=num_classes)
+    val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train, val=val, train_sampler=train_sampler, mixup=mixup, num_classes=num_classes)
+    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup, num_classes=num_classes)
 
 
 def build_eval_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,
@@ -100,14 +115,22 @@ def _worker_args(cfg) -> dict:
                 persistent_workers=cfg.num_workers > 0)
 
 
-def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int) -> torch.Tensor:
-    """`count` train images with the eval transform, chosen by `seed` (RepQ-ViT's calibration set).
+def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int,
+                       train_transform: bool = False) -> torch.Tensor:
+    """`count` distinct train images chosen by `seed` (RepQ-ViT's calibration set; APHQ's optimisation set).
+
+    With `train_transform` every image gets ONE random training augmentation that depends only on
+    (seed, position in the set), like APHQ's preloaded set: the same call always returns the same tensor.
+    The first k images of a larger set are the k-image set of the same seed (APHQ's calibration subset).
 
     Returns:
         (count, 3, img_size, img_size) float tensor.
     """
-    dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=False)
+    dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
         raise DataError(f"asked for {count} calibration images; the train split has {len(dataset)}")
-    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count]
-    return torch.stack([Subset(dataset, chosen.tolist())[i][0] for i in range(count)])
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    if train_transform:
+        seeded = SeededDataset(dataset)
+        return torch.stack([seeded[(index, mix_seed(seed, pos))][0] for pos, index in enumerate(chosen)])
+    return torch.stack([dataset[index][0] for index in chosen])

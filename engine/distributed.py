@@ -61,3 +61,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In-place broadcast from rank `src` when a process group exists; identity otherwise.
+
+    Used to make results that every rank computes redundantly (e.g. a PTQ pipeline run on each rank)
+    bit-identical across ranks, whatever non-determinism the kernels have.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(tensor, src=src)
+    return tensor

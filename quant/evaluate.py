@@ -1,7 +1,8 @@
 """Glue for evaluate.py: quantize with a named pipeline, run the caller's accuracy loop, time both.
 
-quant/ never loads data: the entry point supplies the calibration images and an `eval_fn` that
-runs its own validation loop on a model and returns metrics such as {"top1": .., "top5": ..}.
+quant/ never loads data: the entry point supplies the calibration images, optionally a `PipelineData`
+(training images for APHQ / GPLQ), and an `eval_fn` that runs its own validation loop on a model and
+returns metrics such as {"top1": .., "top5": ..}.
 """
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import torch
 from torch import nn
 
 from .calibrate import Images
+from .pipeline_data import PipelineData
 from .pipelines import PIPELINES
 from .spec import Bits, parse_bits
 
 
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
                        eval_fn: Callable[[nn.Module], Mapping[str, float]],
-                       options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+                       options: Optional[Mapping[str, Any]] = None,
+                       data: Optional[PipelineData] = None) -> Dict[str, Any]:
     """Quantize a copy of `fp_model` and evaluate it.
 
     Args:
@@ -28,6 +31,7 @@ def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images,
         bits: "w4a4" etc.
         eval_fn: model -> metrics (the entry point's validation loop).
         options: pipeline options.
+        data: training data for pipelines that draw their own images (APHQ, GPLQ; see pipeline_data.py).
 
     Returns:
         {**metrics, "seconds": total, "quantize_seconds": .., "eval_seconds": .., "report": pipeline report}
@@ -36,7 +40,7 @@ def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images,
     if pipeline not in PIPELINES:
         raise KeyError(f"unknown quantization pipeline {pipeline!r}; known: {sorted(PIPELINES)}")
     start = time.perf_counter()
-    model, report = PIPELINES[pipeline](fp_model, calib_images, parse_bits(bits), options)
+    model, report = PIPELINES[pipeline](fp_model, calib_images, parse_bits(bits), options, data=data)
     mid = time.perf_counter()
     with torch.no_grad():
         metrics = dict(eval_fn(model))

@@ -71,7 +71,9 @@ def _describe_quantizer(q: Optional[Quantizer]) -> str:
         return f"{q.bits}b log-sqrt2"
     if isinstance(q, UniformQuantizer):
         gran = {None: "tensor", 0: "channel", -1: "channel", 1: "head/channel"}.get(q.channel_dim, "channel")
-        return f"{q.bits}b {'sym' if q.symmetric else 'asym'} per-{gran} ({q.search.method})"
+        # pipelines whose ranges come from elsewhere (output-MSE search, LSQ) label them via `search_label`
+        how = getattr(q, "search_label", "") or q.search.method
+        return f"{q.bits}b {'sym' if q.symmetric else 'asym'} per-{gran} ({how})"
     return f"{q.bits}b {type(q).__name__}"
 
 

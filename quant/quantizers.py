@@ -39,6 +39,7 @@ class Quantizer(nn.Module):
         self.calibrated = False
         self.drop_prob = 0.0  # QDrop: probability of keeping an element in float (training only)
         self.name = ""  # FQN, set by the converter, for error messages and reports
+        self.search_label = ""  # how the parameters were set, when not by `search` (reports only)
 
     # -- subclasses implement these two ---------------------------------------------------------
     def fit(self, x: torch.Tensor) -> None:

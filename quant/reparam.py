@@ -94,7 +94,7 @@ def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bo
     linear.weight.copy_(w_new)
     shift = w_new @ b
     if linear.bias is None:  # Swin's PatchMerging reduction has no bias
-        linear.bias = nn.Parameter(shift.to(linear.weight.dtype))
+        linear.bias = nn.Parameter(shift.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)
     else:
         linear.bias.copy_(linear.bias.double() + shift)
 

@@ -34,3 +34,54 @@ def perturb_norms(model: nn.Module, seed: int = 2) -> nn.Module:
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 2.0 + 0.2)
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     return model
+
+
+def digits_config(model_name: str, *overrides: str):
+    """The digits demo config (RGB 32 px, eval transform = resize + normalize) for a models/variants.py name."""
+    import os
+
+    from configs import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return load_config([os.path.join(root, "configs", "demo", "vit_digits.yaml")],
+                       [f"model.name={model_name}", "model.drop_path=0.0", *overrides])
+
+
+def train_on_digits(model_name: str, steps: int = 300, lr: float = 3e-3, seed: int = 0):
+    """A models/variants.py model trained on digits with a plain AdamW loop (seconds on one thread).
+
+    Trains on the eval-transform tensors of the train split (no augmentation: fast and deterministic).
+
+    Returns:
+        (model in eval mode, cfg, val images [360, 3, 32, 32], val labels [360]).
+    """
+    import torch.nn.functional as F
+
+    from data import build_dataset
+    from models import build_model
+
+    cfg = digits_config(model_name)
+    train = build_dataset(cfg.data, "train", 32, 10, train_transform=False)
+    val = build_dataset(cfg.data, "val", 32, 10, train_transform=False)
+    x = torch.stack([train[i][0] for i in range(len(train))])
+    y = torch.tensor(train.targets)
+    xv = torch.stack([val[i][0] for i in range(len(val))])
+    yv = torch.tensor(val.targets)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(len(y), (64,), generator=g)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model.eval(), cfg, xv, yv
+
+
+def top1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return 100.0 * (model(x).argmax(1) == y).float().mean().item()

@@ -15,6 +15,8 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
+from engine.distributed import broadcast
+
 from ..spec import ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, Bits, LinearRule, \
     QuantizerSpec, QuantSpec
 
@@ -79,3 +81,18 @@ class StageTimer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.seconds[name] = round(time.perf_counter() - start, 4)
+
+
+@torch.no_grad()
+def sync_across_ranks(model: torch.nn.Module) -> None:
+    """Make every rank hold rank 0's quantized model (parameters, buffers; no-op without a process group).
+
+    Pipelines run redundantly on every rank of a distributed evaluation with identical seeds; this
+    removes any kernel-level non-determinism between ranks before the sharded evaluation.
+    """
+    for tensor in model.state_dict().values():
+        if isinstance(tensor, torch.Tensor):
+            broadcast(tensor)
+    for module in model.modules():  # in-place collectives need not bump version counters
+        if hasattr(module, "invalidate_weight_cache"):
+            module.invalidate_weight_cache()

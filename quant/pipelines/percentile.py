@@ -28,6 +28,7 @@ from torch import nn
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
 from ..modes import describe, summarize
+from ..pipeline_data import PipelineData
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from .common import FirstLastOptions, StageTimer, standard_layout
@@ -44,7 +45,8 @@ class PercentileOptions(FirstLastOptions):
     softmax: Literal["uniform", "log_sqrt2"] = "uniform"
 
 
-def _search(method: str, levels: Optional[Tuple[float, ...]]) -> RangeSearch:
+def range_search(method: str, levels: Optional[Tuple[float, ...]]) -> RangeSearch:
+    """The RangeSearch of a percentile-style option pair (None levels: RepQ set, or 0.9999 for 'percentile')."""
     if levels is None:
         levels = (0.9999,) if method == "percentile" else REPQ_PERCENTILES
     return RangeSearch(method, tuple(levels))
@@ -55,15 +57,17 @@ class PercentilePipeline(Pipeline):
     Options = PercentileOptions
 
     def layout(self, bits: Bits, options: PercentileOptions) -> QuantSpec:
-        act_search = _search(options.act_range, options.act_percentiles)
+        act_search = range_search(options.act_range, options.act_percentiles)
         act = QuantizerSpec(bits.a, search=act_search)
         weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
-                               search=_search(options.weight_range, options.weight_percentiles))
+                               search=range_search(options.weight_range, options.weight_percentiles))
         attn = QuantizerSpec(bits.a, kind="log_sqrt2", search=act_search) if options.softmax == "log_sqrt2" else act
         return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=act, k=act, attn=attn, v=act,
                                first_last=options.resolved(bits))
 
-    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: PercentileOptions) -> PTQResult:
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: PercentileOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del data  # calibration images only
         spec = self.layout(bits, options)
         first_last = options.resolved(bits)
         timer = StageTimer()

@@ -3,7 +3,8 @@
 A pipeline is called as `PIPELINES[name](fp_model, calib_images, bits="w4a4", options=None)` and
 returns `PTQResult(model, report)`: the quantized deep copy (the float model is untouched) and a small
 JSON-able report (layout, stem/head bits, options, calibration size, seconds per stage). Later
-pipelines (APHQ, GPLQ) subclass `Pipeline`, declare an `Options` dataclass and register themselves.
+pipelines (APHQ, GPLQ) subclass `Pipeline`, declare an `Options` dataclass and register themselves;
+they also receive the optional `data` (a `PipelineData`) with the training images they draw.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Dict, Mapping, NamedTuple, Optional, Type, Union
 from torch import nn
 
 from ..calibrate import Images
+from ..pipeline_data import PipelineData
 from ..spec import Bits, QuantSpec, parse_bits
 
 
@@ -46,7 +48,7 @@ class Pipeline:
     Options: Type = type(None)
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
-                 options: Optional[Mapping[str, Any]] = None) -> PTQResult:
+                 options: Optional[Mapping[str, Any]] = None, data: Optional[PipelineData] = None) -> PTQResult:
         """Quantize a copy of `fp_model`.
 
         Args:
@@ -54,17 +56,20 @@ class Pipeline:
             calib_images: [N, 3, H, W] tensor or iterable of batches (eval transform; the entry point picks them).
             bits: "w4a4", "w6a6", "w8a8", ... or Bits(w, a).
             options: pipeline-specific overrides of `Options` (unknown keys raise).
+            data: training data for pipelines that draw their own images (APHQ, GPLQ); percentile and
+                repq ignore it (see pipeline_data.py).
 
         Returns:
             PTQResult(model, report).
         """
-        return self.run(fp_model, calib_images, parse_bits(bits), parse_options(self.Options, options))
+        return self.run(fp_model, calib_images, parse_bits(bits), parse_options(self.Options, options), data)
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
         raise NotImplementedError
 
-    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: Any) -> PTQResult:
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: Any,
+            data: Optional[PipelineData] = None) -> PTQResult:
         raise NotImplementedError
 
 

@@ -19,12 +19,14 @@ not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from torch import nn
 
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model
 from ..modes import describe, summarize
+from ..pipeline_data import PipelineData
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from ..spec import Bits, QuantizerSpec, QuantSpec
@@ -53,7 +55,9 @@ class RepQPipeline(Pipeline):
             attn=QuantizerSpec(bits.a, kind="log_sqrt2", search=search),
             first_last=options.resolved(bits))
 
-    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions) -> PTQResult:
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del data  # calibration images only
         spec = self.layout(bits, options)
         timer = StageTimer()
         device = next(fp_model.parameters()).device

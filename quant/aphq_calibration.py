@@ -1,0 +1,120 @@
+"""APHQ-ViT's calibration of a converted model: fold, then output-MSE searches, unit by unit, on float inputs.
+
+Reference notes 1.2 ("when calibration runs"): every layer is calibrated on FLOAT inputs, with all
+other modules in float ("raw") mode, and quantization is switched on only at the end. For each unit:
+
+1. post-LayerNorm inputs (qkv, fc1, Swin reduction): per-channel quantizer on the activation MSE,
+   folded into the LayerNorm affine and the next Linear (reparam.py, RepQ-ViT), which leaves a
+   per-tensor quantizer with the mean scale and the ROUNDED mean zero point (APHQ; RepQ-ViT's own
+   code keeps it unrounded) -- `round_zero_point` option;
+2. every QuantLinear / QuantConv2d: weight-only MSE, then 3 rounds of input / weight output-MSE search
+   on the post-fold float inputs (search.py);
+3. every attention: per-head ranges of q, k (q @ k^T) and attn, v (attn @ v) by the matmul output MSE.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .attention import QuantAttentionBase
+from .layers import QuantConv2d, QuantLinear
+from .modes import named_quantizers, set_quant_state
+from .reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
+from .search import fit_per_channel, search_linear, search_matmul
+from .units import Unit, capture_module_inputs
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Candidate grids and rounds of the calibration search (APHQOptions carries the defaults)."""
+
+    rounds: int
+    weight_pct: Tuple[float, float]
+    act_pct: Tuple[float, float]
+    num_scales: int
+    num_zero_points: int
+    matmul_pct: Tuple[float, float]
+    matmul_steps: int
+    max_rows: Optional[int]
+    round_zero_point: bool
+    batch_size: int
+
+
+def _in_unit(fqn: str, unit: Unit) -> bool:
+    return fqn == unit.name or fqn.startswith(unit.name + ".")
+
+
+@torch.no_grad()
+def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, settings: SearchSettings,
+                   generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+    """Fold and search every quantizer of `model` (in place); leaves every quantizer DISABLED (float).
+
+    Args:
+        model: converted model (APHQ layout: per-channel post-LN inputs, per-tensor other inputs,
+            per-head matmul operands, per-channel weights).
+        units: reconstruction units covering every quantizer (units.find_units).
+        images: [N, 3, H, W] calibration images (APHQ: the first 128 of the optimisation set).
+        settings: grids, rounds, batch size.
+        generator: RNG for row subsampling (max_rows).
+
+    Returns:
+        {"folded": [...], "layers": n, "matmuls": n, "seconds": s}.
+
+    Raises:
+        RuntimeError: some enabled quantizer was not reached by the search.
+    """
+    start = time.perf_counter()
+    to_fit = [(n, q) for n, q in named_quantizers(model) if q.enabled]
+    set_quant_state(model, weights=False, activations=False)  # float ("raw") mode for every capture
+    sites = find_fold_sites(model, REPQ_FOLD_SITES)
+    folded: List[str] = []
+    n_layers = n_matmuls = 0
+    grid = dict(num_scales=settings.num_scales, num_zero_points=settings.num_zero_points)
+    for unit in units:
+        module = model.get_submodule(unit.name)
+        unit_sites = [s for s in sites if _in_unit(s[2], unit)]
+        if unit_sites:
+            caps = capture_module_inputs(model, {lin: linear.input_quantizer for _, _, lin, linear in unit_sites},
+                                         unit.name, images, settings.batch_size)
+            for norm_name, norm, lin_name, linear in unit_sites:
+                fit_per_channel(linear.input_quantizer, caps[lin_name], settings.act_pct, **grid)
+                fold_layernorm(norm, linear, round_zero_point=settings.round_zero_point)
+                folded.append(f"{norm_name} -> {lin_name}")
+            del caps
+        layers = [(n, m) for n, m in module.named_modules() if isinstance(m, (QuantLinear, QuantConv2d))]
+        attns = [(n, m) for n, m in module.named_modules() if isinstance(m, QuantAttentionBase)]
+        watch: Dict[str, nn.Module] = {f"layer:{n}": m for n, m in layers}
+        for n, attn in attns:
+            for op in ("q", "k", "attn", "v"):
+                quantizer = getattr(attn, f"{op}_quant")
+                if quantizer is not None:
+                    watch[f"{n}:{op}"] = quantizer
+        caps = capture_module_inputs(model, watch, unit.name, images, settings.batch_size)
+        for n, layer in layers:
+            if layer.weight_quantizer is None:
+                continue
+            search_linear(layer, caps[f"layer:{n}"], rounds=settings.rounds, weight_pct=settings.weight_pct,
+                          act_pct=settings.act_pct, max_rows=settings.max_rows, generator=generator, **grid)
+            n_layers += 1
+        for n, attn in attns:
+            pairs = (("q", "k", lambda a, b: a @ b.transpose(-2, -1)), ("attn", "v", lambda a, b: a @ b))
+            for op_a, op_b, fn in pairs:
+                qa, qb = getattr(attn, f"{op_a}_quant"), getattr(attn, f"{op_b}_quant")
+                if qa is None or qb is None:
+                    raise ValueError(f"{unit.name}.{n}: APHQ quantizes both operands of both matmuls")
+                search_matmul(qa, qb, caps[f"{n}:{op_a}"], caps[f"{n}:{op_b}"], fn, pct=settings.matmul_pct,
+                              steps=settings.matmul_steps, rounds=settings.rounds)
+                n_matmuls += 1
+        del caps
+    missing = [n for n, q in to_fit if not q.calibrated]
+    for _, q in to_fit:
+        q.search_label = "output-MSE search"
+    if missing:
+        raise RuntimeError(f"{len(missing)} quantizers were not reached by the APHQ search: {missing[:6]}")
+    return {"folded": folded, "layers": n_layers, "matmuls": n_matmuls,
+            "seconds": round(time.perf_counter() - start, 3)}
+

@@ -1,0 +1,47 @@
+"""LSQ activation quantizer (Esser et al., ICLR 2020) for GPLQ's stage-1 activation QAT.
+
+A `UniformQuantizer` whose scale, once `make_learnable(scale=True)` is called, is trained with the
+straight-through estimator and LSQ's gradient scaling g = 1 / sqrt(Q_P * elements per scale), where
+Q_P = 2^(b-1) - 1 for GPLQ's symmetric signed codes [-2^(b-1), 2^(b-1) - 1] (reference notes 2.1).
+The forward value is `(clamp(round(x / s), qmin, qmax)) * s`; the gradient w.r.t. s is LSQ's
+(round(x/s) - x/s inside the range, qmin or qmax outside), multiplied by g.
+
+Initialisation is the ordinary calibrate-once protocol: the quantizer fits its range with its
+`RangeSearch` on the first calibration input (min/max per channel for Linear inputs, percentiles for
+matmul operands, chosen by the pipeline), and the pipeline then makes the scale learnable.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .functional import fake_quant_uniform, grad_scale
+from .quantizers import QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
+from .spec import QuantizerSpec
+
+_MIN_SCALE = 1e-8  # a learned scale may not cross zero
+
+
+class LSQQuantizer(UniformQuantizer):
+    """Uniform quantizer with an LSQ-trainable scale (zero point fixed, 0 for symmetric codes)."""
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale
+        if not (torch.is_grad_enabled() and scale.requires_grad):
+            return super().quantize(x)
+        # elements that share one scale: all of x over the number of groups (Python ints, no sync)
+        per_group = max(1, x.numel() // scale.numel())
+        g = 1.0 / math.sqrt(per_group * max(1, self.qmax))
+        s = grad_scale(scale, g).clamp(min=_MIN_SCALE)
+        s = _broadcast(s, x.ndim, self.channel_dim)
+        zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
+        return fake_quant_uniform(x, s, zp, self.qmin, self.qmax, ste=True)
+
+
+def _lsq(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
+    return LSQQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search)
+
+
+QUANTIZER_KINDS["lsq"] = _lsq

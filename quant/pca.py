@@ -1,0 +1,115 @@
+"""GPLQ's PCA feature-mimicking loss: penultimate features projected on the teacher's top components.
+
+Reference notes 2.1: take the float teacher's penultimate (pre-head) features on a training subset,
+compute their mean mu_t and principal components, keep V with about 60% explained variance rounded to
+a multiple of 32 (Swin-T 256/768 = 61.3%, DeiT-T 64/192), and train the student with
+
+    L_PCA = mean_batch || (f_s - mu_t) V - (f_t - mu_t) V ||^2,
+
+both features centred on the TEACHER mean. (The mean cancels in the difference, so L_PCA equals
+mean ||(f_s - f_t) V||^2; we keep the written form.) The rounding rule is "the smallest multiple of 32
+reaching the variance target" (ceil), capped at the feature width: it reproduces both quoted sizes.
+Moments are accumulated in float64 and all-reduced, so every rank of a distributed run gets the same V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.distributed import all_reduce
+from engine.precision import autocast
+
+
+@dataclass
+class PCAProjection:
+    """Teacher mean [D], kept components [D, k] (columns, descending variance), explained fraction."""
+
+    mean: torch.Tensor
+    components: torch.Tensor
+    explained: float
+    samples: int
+
+    @property
+    def dims(self) -> int:
+        return int(self.components.shape[1])
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean.cpu(), "components": self.components.cpu(), "explained": self.explained,
+                "samples": self.samples}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device) -> "PCAProjection":
+        return cls(state["mean"].to(device), state["components"].to(device), float(state["explained"]),
+                   int(state["samples"]))
+
+
+def penultimate(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """timm's pre-logits features [B, D] (pooled, after the final norm / fc_norm, before the classifier)."""
+    return model.forward_head(model.forward_features(images), pre_logits=True)
+
+
+@torch.no_grad()
+def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: float = 0.6, multiple: int = 32,
+            amp: str = "none") -> PCAProjection:
+    """PCA of the teacher's penultimate features over at most `max_images` images of `batches` (per rank).
+
+    Args:
+        teacher: float model in eval mode.
+        batches: iterable of (images, labels) on any device (e.g. this rank's training loader).
+        max_images: images per rank to use (stops early).
+        variance: explained-variance target.
+        multiple: component counts are multiples of this (capped at the feature width).
+        amp: autocast mode of the teacher forward.
+
+    Returns:
+        PCAProjection on the teacher's device (float32).
+    """
+    device = next(teacher.parameters()).device
+    s1 = s2 = None
+    n = torch.zeros((), dtype=torch.float64, device=device)
+    seen = 0
+    for images, _ in batches:
+        if seen >= max_images:
+            break
+        images = images[: max_images - seen].to(device, non_blocking=True)
+        with autocast(amp, device):
+            f = penultimate(teacher, images)
+        f = f.double()
+        s1 = f.sum(0) if s1 is None else s1 + f.sum(0)
+        s2 = f.t() @ f if s2 is None else s2 + f.t() @ f
+        n += f.shape[0]
+        seen += images.shape[0]
+    if s1 is None:
+        raise ValueError("no images for the PCA of the teacher features")
+    all_reduce(s1)
+    all_reduce(s2)
+    all_reduce(n)
+    return components_from_moments(s1, s2, n, variance, multiple)
+
+
+def components_from_moments(s1: torch.Tensor, s2: torch.Tensor, n: torch.Tensor, variance: float,
+                            multiple: int) -> PCAProjection:
+    """PCA from summed features s1 [D], summed outer products s2 [D, D] and the count n (float64).
+
+    Keeps the smallest multiple of `multiple` components whose explained variance reaches `variance`
+    (capped at D).
+    """
+    mean = s1 / n
+    cov = s2 / n - torch.outer(mean, mean)
+    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    evals, evecs = evals.flip(0).clamp(min=0.0), evecs.flip(1)
+    ratio = torch.cumsum(evals, 0) / evals.sum().clamp(min=1e-300)
+    reach = int((ratio < variance).sum().item()) + 1  # smallest k with ratio >= variance
+    k = min(evals.numel(), max(multiple, math.ceil(reach / multiple) * multiple))
+    return PCAProjection(mean.float(), evecs[:, :k].float().contiguous(), float(ratio[k - 1]), int(n.item()))
+
+
+def pca_loss(student_features: torch.Tensor, teacher_features: torch.Tensor, pca: PCAProjection) -> torch.Tensor:
+    """mean_batch ||(f_s - mu_t) V - (f_t - mu_t) V||^2 (scalar; features [B, D])."""
+    s = (student_features.float() - pca.mean) @ pca.components
+    t = (teacher_features.float() - pca.mean) @ pca.components
+    return (s - t).pow(2).sum(dim=1).mean()

@@ -1,0 +1,75 @@
+"""The data seam between the entry point and pipelines that need more than the calibration batch.
+
+percentile / repq only need the fixed calibration images that `Pipeline.__call__` receives. APHQ needs
+1024 training-transform images (reference notes 1.1) and GPLQ a training loader, a PCA subset and 512
+stage-2 images (notes 2.1). quant/ never imports data/ or the entry points, so the entry point hands a
+`PipelineData` of callables over (evaluate.py builds it from data/loader.py):
+
+    data = PipelineData(train_images=lambda count, seed, train_transform: ...,
+                        train_loader=lambda batch_size_per_gpu, seed: TrainBatches(loader, sampler),
+                        work_prefix="runs/vit_b/eval_best")
+    PIPELINES["aphq"](fp_model, calib_images, "w4a4", {"iters": 100}, data=data)
+
+Everything a pipeline draws is a pure function of its arguments (seeded), so every rank of a
+distributed run sees the same images from `train_images`; `train_loader` is the rank's shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Protocol, Tuple
+
+import torch
+
+
+class EpochSampler(Protocol):
+    """What engine.loop.TrainLoop needs from a sampler (data.samplers.SeededSampler has it)."""
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
+
+
+@dataclass
+class TrainBatches:
+    """A rank's training loader (train transform, shuffled, drop_last) and its resumable sampler.
+
+    loader: yields (images [B, 3, H, W], labels [B]) with B = the requested batch size per process.
+    sampler: `set_epoch(epoch, start)` fixes order and augmentation of an epoch, skipping `start` samples.
+    """
+
+    loader: Iterable[Tuple[torch.Tensor, torch.Tensor]]
+    sampler: EpochSampler
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+@dataclass
+class PipelineData:
+    """Training data for pipelines that reconstruct or train (APHQ, GPLQ); see the module docstring.
+
+    train_images: (count, seed, train_transform) -> [count, 3, H, W] CPU tensor of `count` distinct
+        train-split images chosen by `seed`. With train_transform each image carries ONE fixed random
+        augmentation that depends on (seed, position) only (APHQ's preloaded optimisation set); with
+        train_transform=False the eval transform (RepQ-ViT / QwT calibration convention).
+    train_loader: (batch_size_per_gpu, seed) -> TrainBatches over the train split with the training
+        transform, sharded across ranks (GPLQ stage 1, PCA subset). None: pipelines that need it raise.
+    work_prefix: path prefix for files a pipeline keeps between runs, e.g. "runs/x/eval_best"; GPLQ
+        writes "<prefix>_gplq_w4a4_stage1.pt" and resumes from it. None: nothing is written.
+    """
+
+    train_images: Callable[[int, int, bool], torch.Tensor]
+    train_loader: Optional[Callable[[int, int], TrainBatches]] = None
+    work_prefix: Optional[str] = None
+
+    def work_path(self, suffix: str) -> Optional[str]:
+        """`<work_prefix><suffix>`, or None when there is no work prefix."""
+        return None if self.work_prefix is None else f"{self.work_prefix}{suffix}"
+
+
+def require_data(pipeline: str, data: Any, loader: bool = False) -> PipelineData:
+    """`data` as PipelineData, or a clear error saying what the pipeline needs (no silent fallback)."""
+    if not isinstance(data, PipelineData):
+        raise ValueError(f"the {pipeline!r} pipeline draws its own training images: pass data=PipelineData(...) "
+                         "(evaluate.py builds it from the data config); the calibration batch alone is not enough")
+    if loader and data.train_loader is None:
+        raise ValueError(f"the {pipeline!r} pipeline trains: PipelineData.train_loader is required")
+    return data

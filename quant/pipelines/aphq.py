@@ -1,0 +1,210 @@
+"""APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search, block reconstruction.
+
+The Colinearity-Decay paper's APHQ column is "APHQ-style block reconstruction with MLP reconstruction
+turned off" (reference notes, intro and 1.1). Procedure (notes 1.1-1.4, pitfalls in section 4):
+
+1. Data: `recon_images` (1024) train-split images with the TRAINING transform, one fixed augmentation
+   each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.
+2. Layout: weights asymmetric per output channel (AdaRound kind); post-LayerNorm inputs (qkv, fc1,
+   Swin reduction) per channel, folded into the LayerNorm (RepQ-ViT) and then per tensor; proj, fc2 and
+   head inputs asymmetric per tensor; q, k, attn, v asymmetric uniform PER HEAD (also the softmax
+   output, no log quantizer); the image input of the patch embedding float (`stem_a_bits=0`).
+3. Calibration (aphq_calibration.py): fold and output-MSE searches, layer by layer on float inputs.
+4. Reconstruction (reconstruct.py), unit by unit in module order (patch embedding, blocks, Swin patch
+   merging, head): AdaRound + activation scales, QDrop at the unit input and inside the quantizers,
+   APH-weighted MSE (hessian.py; computed on the float model, T = 20, +-1e-6 on every output element,
+   averaged over samples), KL for the head, loss normalised to 2 at the first iteration.
+5. Optional MLP reconstruction before step 2 (`mlp_reconstruct=True`, mlp_recon.py).
+
+Defaults are the official classification recipe (configs/4bit/best.py): 128 / 1024 images, batch 32,
+20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap.
+Every rank of a distributed run computes the same result (fixed seeds); rank 0's is broadcast at the end.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict, dataclass
+from typing import Dict, Literal, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..adaround import RoundingSchedule
+from ..aphq_calibration import SearchSettings, calibrate_aphq
+from ..calibrate import Images
+from ..convert import quantize_model
+from ..hessian import perturbation_hessian
+from ..mlp_recon import MLPReconSettings, reconstruct_mlps
+from ..modes import describe, set_quant_state, summarize
+from ..pipeline_data import PipelineData, require_data
+from ..reconstruct import ReconSettings, reconstruct_unit
+from ..spec import Bits, QuantizerSpec, QuantSpec
+from ..units import capture_unit, check_unit_coverage, find_units, model_logits
+from .common import FirstLastOptions, StageTimer, standard_layout, sync_across_ranks
+from .registry import Pipeline, PTQResult, register_pipeline
+
+log = logging.getLogger("quant.aphq")
+
+
+@dataclass
+class APHQOptions(FirstLastOptions):
+    """APHQ options (defaults: official 4-bit classification recipe; see quant/README.md)."""
+
+    stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
+    # -- data (notes 1.1) --
+    calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
+    recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
+    data_seed: int = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
+    # -- calibration search (notes 1.2; aphq_calibration.py, search.py) --
+    search_rounds: int = 3  # alternations of input and weight output-MSE searches
+    weight_pct: Tuple[float, float] = (0.9, 1.0)  # weight candidate ranges span these percentiles
+    act_pct: Tuple[float, float] = (0.99, 1.0)  # input candidate ranges (not stated officially: our choice)
+    num_scales: int = 8  # candidate ranges per grid
+    num_zero_points: int = 16  # integer zero points per range (8 x 16 = eq_n 128)
+    matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
+    matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
+    search_max_rows: Optional[int] = None  # rows of a layer input used by the output MSE; None: all (official)
+    round_zero_point: bool = True  # LayerNorm fold: rounded mean zero point (APHQ); False: RepQ-ViT's unrounded
+    # -- reconstruction (notes 1.3, 4.2-4.4; reconstruct.py) --
+    iters: int = 20000  # iterations per unit
+    weight_lr: float = 1e-3  # Adam lr of the AdaRound variables
+    act_lr: float = 4e-5  # Adam lr of the activation scales (cosine to 0)
+    round_weight: float = 0.01  # rounding regulariser weight (summed over all weights of the unit)
+    beta_start: float = 20.0  # rounding regulariser exponent at the end of the warm-up
+    beta_end: float = 2.0  # ... at the last iteration (linear decay)
+    warmup: float = 0.2  # fraction of iterations without the rounding regulariser
+    drop_prob: float = 0.5  # QDrop inside activation quantizers: probability of a float element
+    input_mix_prob: float = 0.5  # QDrop at the unit input: probability of the float-input element
+    normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
+    loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
+    hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
+    hessian_eps: Optional[float] = None  # perturbation size; None: 1e-6 (ones, official), 1e-4 (rademacher)
+    temperature: float = 20.0  # KL temperature of the APH
+    # -- MLP reconstruction (notes 1.5; mlp_recon.py), off as in the CD paper --
+    mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
+    mlp_iters: Optional[int] = None  # iterations per block; None: same as iters
+    mlp_lr: float = 4e-5  # Adam lr of MR (cosine to 0)
+    mlp_clip_percentile: float = 0.98  # fc2-input clip percentile (4-bit config; paper text: 0.99)
+    mlp_clip_weight: float = 2.0  # weight of the clipped-branch term
+    # -- run --
+    log_every: int = 1000  # log loss and time every N iterations (and at the end of each unit)
+    seed: int = 0  # QDrop masks, batch draws, Rademacher probes
+    cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
+
+
+class APHQPipeline(Pipeline):
+    name = "aphq"
+    Options = APHQOptions
+
+    def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
+        """APHQ's converted layout before the fold (post-LN inputs still per channel)."""
+        act = QuantizerSpec(bits.a)
+        return standard_layout(
+            weight=QuantizerSpec(bits.w, kind="adaround", granularity="channel"),
+            post_norm_input=QuantizerSpec(bits.a, granularity="channel"),
+            block_input=act, q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
+            attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
+            first_last=options.resolved(bits))
+
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: APHQOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del calib_images  # APHQ draws its own training-transform calibration set from `data`
+        data = require_data(self.name, data)
+        if options.calib_images > options.recon_images:
+            raise ValueError("calib_images must not exceed recon_images (it is a prefix of the reconstruction set)")
+        timer = StageTimer()
+        device = next(fp_model.parameters()).device
+        cache = torch.device(options.cache_device) if options.cache_device else device
+        bs = options.batch_size
+        with timer("data", device):
+            images = data.train_images(options.recon_images, options.data_seed, True)
+        calib = images[:options.calib_images]
+        rng_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):  # leave the caller's RNG streams alone
+            torch.manual_seed(options.seed)
+            gen = torch.Generator(device=cache).manual_seed(options.seed)
+            model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache, bs, gen)
+        sync_across_ranks(model)
+        report["seconds"] = timer.seconds
+        return PTQResult(model, report)
+
+    def _quantize(self, fp_model: nn.Module, images: torch.Tensor, calib: torch.Tensor, bits: Bits,
+                  options: APHQOptions, timer: StageTimer, device: torch.device, cache: torch.device, bs: int,
+                  gen: torch.Generator) -> Tuple[nn.Module, dict]:
+        frozen = copy.deepcopy(fp_model).eval().requires_grad_(False)  # the float reference; never modified
+        with timer("fp_logits", device):
+            fp_logits = model_logits(frozen, images, bs)
+        eps = options.hessian_eps if options.hessian_eps is not None else (
+            1e-6 if options.hessian_probe == "ones" else 1e-4)
+        hessians: Dict[str, torch.Tensor] = {}
+        hessian_seconds = StageTimer()
+        probe_gen = torch.Generator(device=device).manual_seed(options.seed + 2)  # Rademacher probes (model device)
+
+        def hessian(unit: str) -> torch.Tensor:
+            if unit not in hessians:
+                with hessian_seconds(unit, device):
+                    hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs, options.temperature,
+                                                          eps, options.hessian_probe, generator=probe_gen)
+            return hessians[unit]
+
+        source, mr_stats = frozen, None
+        if options.mlp_reconstruct:
+            with timer("mlp_reconstruction", device):
+                source = copy.deepcopy(frozen)
+                mr_stats = reconstruct_mlps(
+                    frozen, source, images, options.calib_images, hessian,
+                    MLPReconSettings(iters=options.mlp_iters if options.mlp_iters is not None else options.iters,
+                                     batch_size=bs, lr=options.mlp_lr, clip_percentile=options.mlp_clip_percentile,
+                                     clip_weight=options.mlp_clip_weight, log_every=options.log_every),
+                    torch.Generator(device=device).manual_seed(options.seed + 1))
+                source.eval().requires_grad_(False)
+
+        with timer("convert", device):
+            model = quantize_model(source, self.layout(bits, options)).eval().requires_grad_(False)
+            units = find_units(model)
+            check_unit_coverage(model, units)
+        with timer("calibrate", device):
+            calib_report = calibrate_aphq(model, units, calib, SearchSettings(
+                rounds=options.search_rounds, weight_pct=tuple(options.weight_pct), act_pct=tuple(options.act_pct),
+                num_scales=options.num_scales, num_zero_points=options.num_zero_points,
+                matmul_pct=tuple(options.matmul_pct), matmul_steps=options.matmul_steps,
+                max_rows=options.search_max_rows, round_zero_point=options.round_zero_point, batch_size=bs),
+                generator=torch.Generator().manual_seed(options.seed))
+        # every quantizer is float now; units are switched on as they are reconstructed
+
+        settings = ReconSettings(
+            iters=options.iters, batch_size=bs, weight_lr=options.weight_lr, act_lr=options.act_lr,
+            drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
+            rounding=RoundingSchedule(options.iters, options.warmup, options.beta_start, options.beta_end,
+                                      options.round_weight),
+            normalize_loss=options.normalize_loss, log_every=options.log_every)
+        unit_stats = []
+        with timer("reconstruct", device):
+            for i, unit in enumerate(units):
+                fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True, store_device=cache)
+                q_in, _ = capture_unit(model, unit.name, images, bs, store_device=cache)
+                weight = None if unit.kind == "head" or options.loss == "mse" else hessian(unit.name)
+                module = model.get_submodule(unit.name)
+                set_quant_state(module, weights=True, activations=True)
+                log.info("unit %d/%d %s (%s): %d iterations", i + 1, len(units), unit.name, unit.kind, options.iters)
+                stats = reconstruct_unit(module, fp_in, q_in, fp_out, weight, "kl" if unit.kind == "head" else
+                                         "weighted_mse", settings, gen, name=unit.name)
+                stats = {"unit": unit.name, "kind": unit.kind, **stats,
+                         "hessian_seconds": hessian_seconds.seconds.get(unit.name, 0.0)}
+                log.info("unit %d/%d %s done: rec %.4g -> %.4g, round %.4g [%.1fs + %.1fs Hessian]", i + 1,
+                         len(units), unit.name, stats["rec_first"], stats["rec_last"], stats["round_last"],
+                         stats["seconds"], stats["hessian_seconds"])
+                unit_stats.append(stats)
+                del fp_in, fp_out, q_in
+        model.eval()
+        report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
+                  "data": {"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
+                           "seed": options.data_seed, "transform": "train"},
+                  "calibration": calib_report, "units": unit_stats, "mlp_reconstruction": mr_stats,
+                  "summary": summarize(describe(model)), "layers": describe(model)}
+        return model, report
+
+
+register_pipeline(APHQPipeline())

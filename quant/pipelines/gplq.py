@@ -1,0 +1,232 @@
+"""GPLQ (Liang, Liu, Wu; NeurIPS 2025): activation-only QAT first (stage 1), weight PTQ + QwT second (stage 2).
+
+Reference notes 2.1 and 4.7-4.8.
+
+Stage 1, Act-QAT (W32A4), qat.py:
+* activations 4-bit uniform SYMMETRIC PER CHANNEL ([-8, 7] s), LSQ scales (lsq.py), initialised by one
+  calibration pass on `init_images` training images: min/max per channel for Linear inputs, the
+  1st / 99th percentiles for the matmul operands;
+* all float weights trainable, weight quantizers bypassed;
+* loss CE + 1.0 * L_PCA (pca.py: penultimate features, teacher mean, ~60% variance rounded up to a
+  multiple of 32, components from `pca_images` training images), the float teacher online;
+* AdamW, constant lr (5e-6 at global batch 128; 2.5e-6 at 64; 1e-6 below, the paper's GPU table),
+  one epoch by default (`steps` updates otherwise), batch 16 per GPU;
+* run by engine.loop.TrainLoop (AMP, DDP under torchrun, resumable `<work_prefix>_gplq_<bits>_stage1.pt`).
+
+Stage 2, Weight-PTQ (W32A4 -> W4A4):
+* activation quantizers frozen; weights per output channel, symmetric (paper), RepQ-ViT percentile
+  candidates with MSE selection ("MSE-based initialisation", the 79.5 row);
+* QwT (qwt.py): per Transformer block in order, least-squares linear compensation fitted on
+  `stage2_images` (512) images from the quantized + compensated prefix, kept only where it helps.
+
+Details the paper leaves open, our choices (all options; see quant/README.md):
+* matmul operands q, k, v and the softmax output are quantized per HEAD with LSQ (symmetric, so the
+  non-negative softmax uses codes 0..7); `matmul_operands=False` keeps both matmuls float;
+* patch-embed input 8 bit and head input at a_bits, as in the other pipelines (FirstLastOptions);
+* LSQ scale lr = weight lr; weight decay 0 (at lr 5e-6 for one epoch any usual value is negligible);
+  no mixup / cutmix, plain CE; the model's own drop-path / dropout rates apply in training mode;
+* QwT's reference output is the stage-1 model WITHOUT weight quantization (W32A4, `qwt_target`), the
+  model stage 2 turns into W4A4; stage-2 images use the eval transform (RepQ-ViT / QwT calibration).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from typing import Iterator, Literal, Optional
+
+import torch
+from torch import nn
+
+from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
+from ..calibrate import Images, calibrate, refit_weight_quantizers
+from ..convert import quantize_model, quantized_layers, set_submodule
+from ..modes import describe, named_quantizers, set_quant_state, summarize
+from ..pca import fit_pca
+from ..pipeline_data import PipelineData, require_data
+from ..qat import Stage1Settings, run_stage1
+from ..qwt import QwTBlock, fit_block_compensation, fit_report
+from ..ranges import RangeSearch
+from ..spec import Bits, QuantizerSpec, QuantSpec
+from ..units import capture_unit, find_units
+from .common import FirstLastOptions, StageTimer, standard_layout, sync_across_ranks
+from .percentile import range_search
+from .registry import Pipeline, PTQResult, register_pipeline
+
+log = logging.getLogger("quant.gplq")
+
+
+@dataclass
+class GPLQOptions(FirstLastOptions):
+    """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""
+
+    # -- stage 1: activation QAT (notes 2.1) --
+    steps: Optional[int] = None  # optimizer updates; None: one epoch of the training loader
+    batch_size_per_gpu: int = 16  # paper: 8 GPUs x 16 = global 128
+    lr: Optional[float] = None  # constant AdamW lr; None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
+    scale_lr: Optional[float] = None  # lr of the LSQ scales; None: same as lr (not stated in the paper)
+    weight_decay: float = 0.0  # AdamW decay of the weights (not stated; negligible at lr 5e-6)
+    pca_weight: float = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
+    pca_variance: float = 0.6  # explained-variance target of the kept components
+    pca_multiple: int = 32  # component count rounded up to a multiple of this
+    pca_images: int = 10000  # training images (per rank, at most one epoch) for the teacher PCA
+    init_images: int = 128  # training images of the LSQ initialisation pass
+    act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
+    matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls
+    matmul_percentile: float = 0.99  # their initial range: [q(1 - p), q(p)] (the 1st / 99th percentiles)
+    amp: Literal["none", "fp16", "bf16"] = "none"  # autocast of stage 1 (fp16 adds a GradScaler)
+    log_every: int = 50  # log stage-1 loss every N updates
+    ckpt_every: int = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
+    seed: int = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
+    # -- stage 2: weight PTQ + QwT (notes 2.1, 4.8) --
+    weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
+    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
+    stage2_images: int = 512  # images for QwT's least-squares fits
+    stage2_train_transform: bool = False  # False: eval transform (RepQ-ViT / QwT calibration convention)
+    qwt: bool = True  # per-block linear compensation
+    qwt_ridge: float = 0.0  # L2 penalty of the fit (0: plain least squares as QwT's script)
+    qwt_target: Literal["w32a4", "float", "teacher"] = "w32a4"  # reference block: stage-1 model w/o weight
+    #   quantization, stage-1 model fully float, or the original float model
+
+
+# options that do not change what stage 1 computes (a resume may change them)
+_NOT_STAGE1 = {"log_every", "ckpt_every", "weight_symmetric", "weight_range", "stage2_images",
+               "stage2_train_transform", "qwt", "qwt_ridge", "qwt_target"}
+
+
+def default_lr(global_batch: int) -> float:
+    """The paper's stage-1 lr for its GPU counts at 16 per GPU (8: 5e-6, 4: 2.5e-6, 2 or 1: 1e-6)."""
+    return 5e-6 if global_batch >= 128 else 2.5e-6 if global_batch >= 64 else 1e-6
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of a model's floating-point state (identifies the float model of a checkpoint)."""
+    sums = torch.stack([t.detach().double().sum() for t in model.state_dict().values()
+                        if isinstance(t, torch.Tensor) and t.is_floating_point()])
+    return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+@contextmanager
+def _quant_state(module: nn.Module, weights: Optional[bool], activations: Optional[bool]) -> Iterator[None]:
+    saved = [(q, q.enabled) for _, q in named_quantizers(module)]
+    try:
+        set_quant_state(module, weights=weights, activations=activations)
+        yield
+    finally:
+        for q, on in saved:
+            q.enabled = on
+
+
+class GPLQPipeline(Pipeline):
+    name = "gplq"
+    Options = GPLQOptions
+
+    def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
+        """LSQ symmetric activations (per channel / per head for matmuls) and stage-2 weight quantizers."""
+        act = QuantizerSpec(bits.a, kind="lsq", symmetric=True, granularity=options.act_granularity,
+                            search=RangeSearch("minmax"))
+        mm = QuantizerSpec(bits.a, kind="lsq", symmetric=True, granularity="head",
+                           search=RangeSearch("percentile", (options.matmul_percentile,))) \
+            if options.matmul_operands else None
+        weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
+                               search=range_search(options.weight_range, None))
+        return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=mm, k=mm, attn=mm, v=mm,
+                               first_last=options.resolved(bits))
+
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPLQOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del calib_images  # GPLQ draws its own training images from `data`
+        data = require_data(self.name, data, loader=True)
+        timer = StageTimer()
+        device = next(fp_model.parameters()).device
+        rng_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(options.seed)
+            model, report = self._quantize(fp_model, bits, options, data, timer, device)
+        sync_across_ranks(model)
+        report["seconds"] = timer.seconds
+        return PTQResult(model, report)
+
+    def _quantize(self, fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData,
+                  timer: StageTimer, device: torch.device) -> tuple:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        teacher = copy.deepcopy(fp_model).eval().requires_grad_(False)
+        bs = options.batch_size_per_gpu
+
+        # -- stage 1: W32A4 activation QAT --
+        with timer("init", device):
+            model = quantize_model(fp_model, self.layout(bits, options))
+            model.requires_grad_(True)
+            set_quant_state(model, weights=False)  # W32 in stage 1
+            init = data.train_images(options.init_images, options.seed, True)
+            calibrate(model, init)
+            for _, q in named_quantizers(model, "activation"):
+                q.make_learnable(scale=True)
+                q.search_label = "LSQ"
+        lr = options.lr if options.lr is not None else default_lr(bs * world)
+        settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr,
+                                  scale_lr=options.scale_lr if options.scale_lr is not None else lr,
+                                  weight_decay=options.weight_decay, pca_weight=options.pca_weight, amp=options.amp,
+                                  log_every=options.log_every, ckpt_every=options.ckpt_every, seed=options.seed)
+        config = {"pipeline": self.name, "bits": str(bits), "fp_model": fingerprint(fp_model), "world_size": world,
+                  "stage1": {f.name: getattr(options, f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}
+
+        def pca():
+            with timer("pca", device):
+                batches = data.train_loader(bs, options.seed + 1)
+                return fit_pca(teacher, batches.loader, options.pca_images, options.pca_variance,
+                               options.pca_multiple, options.amp)
+
+        with timer("stage1", device):
+            stage1 = run_stage1(model, teacher, pca, data.train_loader(bs, options.seed), settings,
+                                data.work_path(f"_gplq_{bits}_stage1.pt"), config)
+        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]", stage1["steps"], lr,
+                 stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
+
+        # -- stage 2: freeze activations, quantize weights, QwT --
+        model.eval().requires_grad_(False)
+        with timer("weights", device):
+            set_quant_state(model, weights=True)
+            n_weights = refit_weight_quantizers(quantized_layers(model))
+        qwt_stats = []
+        if options.qwt:
+            with timer("qwt", device):
+                images = data.train_images(options.stage2_images, options.seed, options.stage2_train_transform)
+                qwt_stats = self._compensate(model, teacher, images, options, bs)
+        model.eval()
+        report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
+                  "stage1": stage1, "weights_refit": n_weights,
+                  "qwt": {"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
+                          "images": options.stage2_images if options.qwt else 0,
+                          "target": options.qwt_target},
+                  "summary": summarize(describe(model)), "layers": describe(model)}
+        return model, report
+
+    @staticmethod
+    def _compensate(model: nn.Module, teacher: nn.Module, images: torch.Tensor, options: GPLQOptions,
+                    bs: int) -> list:
+        """QwT over the Transformer blocks in order; each fit sees the compensated prefix."""
+        stats = []
+        for unit in find_units(model, kinds=("block",)):
+            x, _ = capture_unit(model, unit.name, images, bs)
+            block = model.get_submodule(unit.name)
+            if options.qwt_target == "teacher":
+                reference = teacher.get_submodule(unit.name)
+            else:
+                acts = None if options.qwt_target == "w32a4" else False
+
+                def reference(xc: torch.Tensor, block: nn.Module = block, acts: Optional[bool] = acts) -> torch.Tensor:
+                    with _quant_state(block, weights=False, activations=acts):
+                        return block(xc)
+            fit = fit_block_compensation(x, block, reference, bs, options.qwt_ridge)
+            if fit.keep:
+                set_submodule(model, unit.name, QwTBlock(block, fit.weight, fit.bias))
+            stats.append({"unit": unit.name, **fit_report(fit)})
+            log.info("GPLQ QwT %s: R2 %.4f, block error %.4g -> %.4g (%s)", unit.name, fit.r2, fit.sse_before,
+                     fit.sse_after, "kept" if fit.keep else "dropped")
+        return stats
+
+
+register_pipeline(GPLQPipeline())

@@ -1,0 +1,173 @@
+"""GPLQ stage 1: activation-only QAT through engine.loop.TrainLoop (AMP, DDP, resumable checkpoints).
+
+The student is the converted model with its weight quantizers bypassed (W32A4), LSQ activation scales
+and all float weights trainable; the teacher is the untouched float model, run online for every batch.
+
+    loss = CE(student logits, labels) + pca_weight * L_PCA(student features, teacher features)
+
+`FeatureTap` makes one forward of the (possibly DDP-wrapped) student return logits AND penultimate
+features, so gradients are synchronised by DDP as in train.py. The optimizer-update loop is the
+shared `TrainLoop` (one copy of AMP / accumulation / clipping / reseeding / checkpoint logic); this
+file only builds the loss, the optimizer and the checkpoint callback. The checkpoint is a
+`training_payload` (model = the FeatureTap, i.e. keys "model.*"; optimizer; counters; scaler) plus
+the PCA projection and a `config` dict that a resume must match exactly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint import load_checkpoint, restore_training, save_atomic, training_payload
+from engine.distributed import barrier
+from engine.loop import TrainLoop, TrainState
+from engine.precision import grad_scaler
+
+from .pca import PCAProjection, pca_loss, penultimate
+from .pipeline_data import TrainBatches
+from .quantizers import Quantizer
+
+log = logging.getLogger("quant.gplq")
+
+
+class FeatureTap(nn.Module):
+    """Wraps a timm classifier: forward(x) -> (logits [B, classes], penultimate features [B, D])."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        feats = self.model.forward_features(x)
+        return self.model.forward_head(feats), self.model.forward_head(feats, pre_logits=True)
+
+
+@dataclass(frozen=True)
+class Stage1Settings:
+    """Stage-1 hyper-parameters (GPLQOptions carries the user-facing defaults)."""
+
+    steps: Optional[int]  # optimizer updates; None: one epoch of the loader
+    batch_size_per_gpu: int
+    lr: float
+    scale_lr: float
+    weight_decay: float
+    pca_weight: float
+    amp: str
+    log_every: int
+    ckpt_every: int
+    seed: int
+
+
+def _param_groups(student: nn.Module, settings: Stage1Settings) -> list:
+    """Weights (all float parameters) and LSQ scales (parameters inside quantizers), no decay on scales."""
+    scale_ids = {id(p) for m in student.modules() if isinstance(m, Quantizer) for p in m.parameters(recurse=False)}
+    params = [p for p in student.parameters() if p.requires_grad]
+    weights = [p for p in params if id(p) not in scale_ids]
+    scales = [p for p in params if id(p) in scale_ids]
+    groups = [{"params": weights, "lr": settings.lr, "weight_decay": settings.weight_decay}]
+    if scales:
+        groups.append({"params": scales, "lr": settings.scale_lr, "weight_decay": 0.0})
+    return groups
+
+
+def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection], batches: TrainBatches,
+               settings: Stage1Settings, checkpoint: Optional[str], config: Dict[str, object]) -> Dict[str, object]:
+    """Train `student` in place (see module docstring); resume from / write `checkpoint` if given.
+
+    Args:
+        student: converted model, LSQ scales learnable, weight quantizers bypassed, on its device.
+        teacher: float model (eval, no grad) on the same device.
+        fit_pca: computes the teacher PCA projection (called only when not resuming: a resumed run
+            uses the projection stored in the checkpoint).
+        batches: this rank's training loader and sampler.
+        settings: steps, batch, learning rates, loss weight, AMP, logging and checkpoint intervals.
+        checkpoint: path of the resumable stage-1 checkpoint (None: none written, no resume).
+        config: identity of the run (bits, stage-1 options, float-model fingerprint); a checkpoint
+            written with another config is refused.
+
+    Returns:
+        {"steps", "seconds", "resumed_from", "lr", "scale_lr", "world_size", "ddp", "ce", "pca", "pca_dims",
+        "pca_explained", "pca_samples"}.
+    """
+    if len(batches) == 0:
+        raise ValueError("the stage-1 training loader is empty")
+    config = json.loads(json.dumps(config))  # plain types, comparable with a reloaded checkpoint
+    device = next(student.parameters()).device
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    tap = FeatureTap(student)
+    train_model: nn.Module = tap
+    if world > 1:
+        train_model = nn.parallel.DistributedDataParallel(
+            tap, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    optimizer = torch.optim.AdamW(_param_groups(student, settings), lr=settings.lr, weight_decay=settings.weight_decay)
+    scaler = grad_scaler(settings.amp, device)
+    state = TrainState()
+    resumed_from = None
+    if checkpoint and os.path.exists(checkpoint):
+        payload = load_checkpoint(checkpoint)
+        if payload["config"] != config:
+            raise ValueError(f"{checkpoint} was written by a different GPLQ stage-1 run ({payload['config']}); "
+                             f"delete it or restore those settings (now: {config})")
+        restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
+        pca = PCAProjection.from_state_dict(payload["pca"], device)
+        resumed_from = state.step
+        log.info("GPLQ stage 1: resumed from %s at update %d", checkpoint, state.step)
+        del payload
+    else:
+        pca = fit_pca()
+    total = settings.steps if settings.steps is not None else len(batches)
+
+    sums = torch.zeros(3, device=device)  # ce, pca, micro-batches since the last log (no per-step sync)
+
+    def compute_loss(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, feats = model(images)
+        with torch.no_grad():
+            t_feats = penultimate(teacher, images)
+        ce = F.cross_entropy(logits.float(), targets)
+        lp = pca_loss(feats, t_feats, pca)
+        sums.add_(torch.stack([ce.detach(), lp.detach(), torch.ones((), device=device)]))
+        return ce + settings.pca_weight * lp
+
+    last: Dict[str, float] = {}
+
+    def parts() -> Dict[str, float]:
+        ce, lp, n = sums.tolist()
+        sums.zero_()
+        last.update({"gplq/ce": ce / max(n, 1.0), "gplq/pca": lp / max(n, 1.0)})
+        return dict(last)
+
+    def save() -> None:
+        if checkpoint and rank == 0:
+            save_atomic(training_payload(model=train_model, optimizer=optimizer, state=state, config=config,
+                                         scaler=scaler, extra={"pca": pca.state_dict()}), checkpoint)
+        barrier()
+
+    def report(step: int, metrics: Dict[str, float]) -> None:
+        log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f  pca %.4f  lr %.2e  %.1f img/s", step, total,
+                 metrics["train/loss"], metrics.get("gplq/ce", float("nan")), metrics.get("gplq/pca", float("nan")),
+                 metrics["train/lr"], metrics["train/img_per_s"])
+
+    loop = TrainLoop(model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device,
+                     amp=settings.amp, scaler=scaler, seed=settings.seed, rank=rank, world_size=world,
+                     max_steps=total, log_every=max(1, settings.log_every), ckpt_every=settings.ckpt_every,
+                     save=save if checkpoint else None, log=report, metric_sources=[parts])
+    start = time.perf_counter()
+    teacher.eval()
+    while state.step < total:  # one epoch by default; `steps` may span several
+        loop.run_epoch(batches.loader, batches.sampler, state, settings.batch_size_per_gpu)
+    if checkpoint and resumed_from != state.step:
+        save()
+    student.eval()
+    return {"steps": state.step, "seconds": round(time.perf_counter() - start, 3), "resumed_from": resumed_from,
+            "lr": settings.lr, "scale_lr": settings.scale_lr, "world_size": world,
+            "ddp": isinstance(train_model, nn.parallel.DistributedDataParallel), "ce": last.get("gplq/ce"),
+            "pca": last.get("gplq/pca"), "pca_dims": pca.dims, "pca_explained": round(pca.explained, 4),
+            "pca_samples": pca.samples}

@@ -1,0 +1,170 @@
+"""Block reconstruction of one unit with AdaRound + learned activation scales under QDrop (APHQ-ViT).
+
+Reference notes 1.3 and 4.2-4.4. For one unit (patch embedding, block, patch merging or head) of the
+quantized model, with cached tensors for the whole reconstruction set:
+
+* learned: AdaRound alpha of every weight (Adam, lr 1e-3, no schedule) and the scale of every
+  activation quantizer (Adam, lr 4e-5, cosine to 0 over all iterations); zero points and weight
+  scales stay fixed;
+* each iteration draws `batch_size` random samples; the unit input is an element-wise 50/50 mix of
+  the quantized-prefix input and the float input (QDrop level 1), and every activation quantizer
+  returns its float input with p = 0.5 element-wise (QDrop level 2, `Quantizer.drop_prob`);
+* target: the float model's unit output on float inputs;
+* loss: mean((O^ - O)^2 * H) for ordinary units (H: APH weight [1, ...], normalised to mean 1 here,
+  which changes nothing below), KL(softmax(O) || softmax(O^)) for the head; then divided by its value
+  at the first iteration and multiplied by 2 (APHQ commit 73e78a7), plus the AdaRound regulariser
+  0.01 * sum(1 - |2h - 1|^beta) after a 20% warm-up, beta 20 -> 2;
+* afterwards: hard rounding baked into the weights, QDrop off, scales frozen, quantizers in eval mode.
+
+Only quantizers run in train mode (for QDrop): dropout / drop path of the model stay in eval mode.
+The loop has no host synchronisation except at logging steps.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adaround import AdaRoundQuantizer, RoundingSchedule
+from .layers import QuantConv2d, QuantLinear
+from .modes import named_quantizers
+from .quantizers import UniformQuantizer
+
+log = logging.getLogger("quant.reconstruct")
+
+
+@dataclass(frozen=True)
+class ReconSettings:
+    """Hyper-parameters of one unit's reconstruction (APHQOptions carries the user-facing defaults)."""
+
+    iters: int
+    batch_size: int
+    weight_lr: float
+    act_lr: float
+    drop_prob: float  # QDrop inside quantizers: probability of keeping an element float
+    input_mix_prob: float  # QDrop at the unit input: probability of taking the float input element
+    rounding: RoundingSchedule
+    normalize_loss: bool
+    log_every: int
+
+
+def _weight_layers(unit: nn.Module) -> List[nn.Module]:
+    return [m for m in unit.modules() if isinstance(m, (QuantLinear, QuantConv2d))
+            and isinstance(m.weight_quantizer, AdaRoundQuantizer) and m.weight_quantizer.enabled]
+
+
+def _act_quantizers(unit: nn.Module) -> List[UniformQuantizer]:
+    qs = [q for _, q in named_quantizers(unit, "activation") if q.enabled]
+    bad = [q.name for q in qs if not isinstance(q, UniformQuantizer)]
+    if bad:
+        raise TypeError(f"scale learning needs uniform activation quantizers: {bad[:4]}")
+    return qs
+
+
+def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, target: torch.Tensor,
+                     hessian: Optional[torch.Tensor], loss_kind: Literal["weighted_mse", "kl"],
+                     settings: ReconSettings, generator: torch.Generator, name: str = "",
+                     progress: Optional[Callable[[Dict[str, float]], None]] = None) -> Dict[str, float]:
+    """Reconstruct `unit` in place (see module docstring).
+
+    Args:
+        unit: the unit of the quantized model, quantizers enabled and calibrated; its float parameters
+            should not require grad (only alpha and activation scales are trained).
+        fp_in: [N, ...] float-model inputs of the unit (cache; any device).
+        q_in: [N, ...] inputs produced by the quantized prefix (already reconstructed units).
+        target: [N, ...] float-model outputs of the unit (logits for the head).
+        hessian: [1, ...] APH weight broadcastable to an output batch, or None for plain MSE.
+        loss_kind: "weighted_mse" (blocks) or "kl" (head).
+        settings: iterations, batch, learning rates, QDrop, rounding schedule.
+        generator: RNG on the cache device for the batch indices.
+        name: unit FQN for logs.
+        progress: optional callback receiving the logged metrics (tests, custom loggers).
+
+    Returns:
+        {"iters", "seconds", "rec_first", "rec_last", "round_last"} (floats; rec_* before normalisation).
+    """
+    device = next(unit.parameters()).device
+    layers = _weight_layers(unit)
+    acts = _act_quantizers(unit)
+    alphas = [layer.weight_quantizer.start_rounding(layer.weight) for layer in layers]
+    for q in acts:
+        if not isinstance(q.scale, nn.Parameter):
+            q.make_learnable(scale=True)
+        q.scale.requires_grad_(True)
+        q.drop_prob = settings.drop_prob
+    unit.eval()
+    for q in acts:
+        q.train()  # QDrop acts in training mode only; the rest of the unit stays in eval mode
+
+    optimizers = []
+    scheduler = None
+    if alphas:
+        optimizers.append(torch.optim.Adam(alphas, lr=settings.weight_lr))
+    if acts:
+        opt = torch.optim.Adam([q.scale for q in acts], lr=settings.act_lr)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=settings.iters, eta_min=0.0)
+        optimizers.append(opt)
+    weight = None if hessian is None else (hessian / hessian.mean().clamp(min=1e-30)).to(device)
+
+    n = fp_in.shape[0]
+    start = time.perf_counter()
+    norm = None
+    rec_first = None
+    rec = round_loss = torch.zeros((), device=device)
+    for it in range(settings.iters):
+        idx = torch.randint(n, (min(settings.batch_size, n),), device=fp_in.device, generator=generator)
+        x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
+        if settings.input_mix_prob > 0:
+            x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
+        else:
+            x = x_q
+        out = unit(x)
+        tgt = target[idx].to(device)
+        if loss_kind == "kl":
+            rec = F.kl_div(F.log_softmax(out, dim=-1), F.softmax(tgt, dim=-1), reduction="batchmean")
+        else:
+            err = (out - tgt).pow(2)
+            rec = (err * weight).mean() if weight is not None else err.mean()
+        if it == 0:
+            rec_first = rec.detach()
+            norm = (rec_first / 2.0).clamp(min=1e-30) if settings.normalize_loss else None
+        loss = rec / norm if norm is not None else rec
+        beta = settings.rounding.beta(it)
+        if beta is not None and layers:
+            round_loss = settings.rounding.weight * sum(l.weight_quantizer.regularizer(beta) for l in layers)
+            loss = loss + round_loss
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        if settings.log_every and ((it + 1) % settings.log_every == 0 or it + 1 == settings.iters):
+            metrics = {"iter": it + 1, "rec": float(rec.detach()), "loss": float(loss.detach()),
+                       "round": float(round_loss.detach()),
+                       "beta": beta if beta is not None else 0.0, "seconds": time.perf_counter() - start}
+            log.info("%s iter %d/%d  rec %.4g  loss %.4g  round %.4g  beta %.2f  [%.1fs]", name, it + 1,
+                     settings.iters, metrics["rec"], metrics["loss"], metrics["round"], metrics["beta"],
+                     metrics["seconds"])
+            if progress is not None:
+                progress(metrics)
+
+    for layer in layers:
+        layer.weight_quantizer.bake(layer)
+        layer.weight_quantizer.search_label = "output-MSE search, AdaRound"
+    for q in acts:
+        q.search_label = "output-MSE search, learned scale"
+        q.scale.requires_grad_(False)
+        q.drop_prob = 0.0
+        q.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"iters": settings.iters, "seconds": round(time.perf_counter() - start, 3),
+            "rec_first": float(rec_first) if rec_first is not None else 0.0, "rec_last": float(rec.detach()),
+            "round_last": float(round_loss.detach())}

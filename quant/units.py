@@ -1,0 +1,154 @@
+"""Reconstruction units of a timm ViT/DeiT/Swin and capturing what flows into and out of them.
+
+APHQ-ViT reconstructs, in module order (reference notes 1.3): the patch embedding, every Transformer
+block (ViT `blocks.N`, Swin `layers.N.blocks.M`), every Swin PatchMerging (`layers.N.downsample`, not
+the Identity of stage 0) and the classifier (`head` for ViT/DeiT, `head.fc` for Swin, plus DeiT's
+`head_dist`). GPLQ's QwT compensates the Transformer blocks. Units are found by FQN, so the float and
+the quantized copy of a model name the same units.
+
+Activations are captured with forward hooks that stop the forward pass right after the unit
+(`_StopForward`), so capturing the input of unit k runs only the prefix of the network. Captures are
+concatenated over the image batches on `store_device` (default: the model's device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Literal, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .quantizers import Quantizer
+from .spec import HEAD, fqn_matches
+
+UnitKind = Literal["stem", "block", "merge", "head"]
+BLOCK_PATTERNS = ("blocks.*", "layers.*.blocks.*")
+MERGE_PATTERNS = ("layers.*.downsample",)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One reconstruction unit: its FQN and kind."""
+
+    name: str
+    kind: UnitKind
+
+
+def find_units(model: nn.Module, kinds: Tuple[UnitKind, ...] = ("stem", "block", "merge", "head")) -> List[Unit]:
+    """The units of `model` in module (= execution) order, restricted to `kinds`."""
+    units = []
+    for name, module in model.named_modules():
+        if name == "patch_embed":
+            kind = "stem"
+        elif fqn_matches(name, BLOCK_PATTERNS):
+            kind = "block"
+        elif fqn_matches(name, MERGE_PATTERNS) and not isinstance(module, nn.Identity):
+            kind = "merge"
+        elif fqn_matches(name, HEAD) and isinstance(module, nn.Linear):
+            kind = "head"
+        else:
+            continue
+        if kind in kinds:
+            units.append(Unit(name, kind))
+    return units
+
+
+def check_unit_coverage(model: nn.Module, units: List[Unit]) -> None:
+    """Every enabled quantizer of `model` must lie inside some unit (else it would never be reconstructed)."""
+    prefixes = tuple(u.name + "." for u in units)
+    outside = [n for n, m in model.named_modules() if isinstance(m, Quantizer) and m.enabled
+               and not n.startswith(prefixes)]
+    if outside:
+        raise ValueError(f"{len(outside)} quantizers lie outside every reconstruction unit: {outside[:6]}")
+
+
+class _StopForward(Exception):
+    """Raised by a capture hook once the watched module has run (skips the rest of the network)."""
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def capture_unit(model: nn.Module, name: str, images: torch.Tensor, batch_size: int, *, inputs: bool = True,
+                 outputs: bool = False, store_device: Optional[torch.device] = None
+                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """First positional input and/or output of submodule `name` for all `images`, in `model`'s current state.
+
+    Args:
+        model: a timm model (float or converted, in whatever quantizer state the caller set).
+        name: FQN of the submodule (a unit).
+        images: [N, 3, H, W] on any device (moved batch by batch).
+        batch_size: images per forward pass.
+        inputs, outputs: which tensors to keep.
+        store_device: where the captures live (default: the model's device).
+
+    Returns:
+        (inputs [N, ...] or None, outputs [N, ...] or None).
+    """
+    device = _device_of(model)
+    store = store_device or device
+    module = model.get_submodule(name)
+    got_in: List[torch.Tensor] = []
+    got_out: List[torch.Tensor] = []
+
+    def hook(_mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if inputs:
+            got_in.append(args[0].detach().to(store))
+        if outputs:
+            got_out.append(out.detach().to(store))
+        raise _StopForward
+
+    handle = module.register_forward_hook(hook)
+    try:
+        for chunk in images.split(batch_size):
+            try:
+                model(chunk.to(device))
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return (torch.cat(got_in) if inputs else None), (torch.cat(got_out) if outputs else None)
+
+
+@torch.no_grad()
+def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: str, images: torch.Tensor,
+                          batch_size: int) -> Dict[str, torch.Tensor]:
+    """The first positional input of each module in `modules` (e.g. quantizers inside one unit).
+
+    The forward pass stops after module `stop_at` (the unit that contains them). Modules are called
+    even when their quantizer is disabled, so this also records float operands.
+
+    Returns:
+        {key: [N_total, ...] concatenated over batches along dim 0} on the model's device.
+    """
+    device = _device_of(model)
+    got: Dict[str, List[torch.Tensor]] = {k: [] for k in modules}
+    handles = [m.register_forward_pre_hook(lambda _m, args, key=key: got[key].append(args[0].detach()))
+               for key, m in modules.items()]
+
+    def stop(*_: object) -> None:
+        raise _StopForward
+
+    handles.append(model.get_submodule(stop_at).register_forward_hook(stop))
+    try:
+        for chunk in images.split(batch_size):
+            try:
+                model(chunk.to(device))
+            except _StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [k for k, v in got.items() if not v]
+    if missing:
+        raise RuntimeError(f"modules saw no input before {stop_at} finished: {missing[:6]}")
+    return {k: torch.cat(v) for k, v in got.items()}
+
+
+@torch.no_grad()
+def model_logits(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """[N, classes] logits of `model` on `images`, batch by batch, on the model's device."""
+    device = _device_of(model)
+    return torch.cat([model(chunk.to(device)) for chunk in images.split(batch_size)])

@@ -1,0 +1,124 @@
+"""Time one APHQ unit: the APH Hessian and block-reconstruction iterations of one ViT block, then extrapolate.
+
+The official recipe runs 20k reconstruction iterations (batch 32) per unit plus the APH of the unit on
+1024 images (2 forward + backward passes of the float model per image). This script measures, on the
+given device, the median time of one reconstruction iteration of `--block` (AdaRound + learned
+activation scales + QDrop + APH-weighted loss, the code path of quant/reconstruct.py) and the time of
+the Hessian on one batch, and extrapolates both to the official counts. Images are random: the cost
+does not depend on their content. Quantizer parameters come from one quick RepQ-style calibration
+pass, not from the APHQ output-MSE search, which this script does not time (quant/README.md estimates it).
+
+    python scripts/bench_aphq_block.py --threads 1 --iters 5 --out /tmp/aphq_block.json     # ViT-B/16 224, CPU
+    python scripts/bench_aphq_block.py --device cuda --iters 200                            # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import timm
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `quant`
+from quant.adaround import RoundingSchedule  # noqa: E402
+from quant.calibrate import calibrate  # noqa: E402
+from quant.convert import quantize_model  # noqa: E402
+from quant.hessian import perturbation_hessian  # noqa: E402
+from quant.modes import set_quant_state  # noqa: E402
+from quant.pipelines.aphq import APHQOptions, APHQPipeline  # noqa: E402
+from quant.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
+from quant.spec import Bits  # noqa: E402
+from quant.units import capture_unit, model_logits  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--depth", type=int, default=None, help="override (smoke tests)")
+    p.add_argument("--embed-dim", type=int, default=None, help="override (smoke tests); heads = dim / 64")
+    p.add_argument("--block", default="blocks.5", help="unit to reconstruct")
+    p.add_argument("--batch", type=int, default=32, help="reconstruction batch (official 32)")
+    p.add_argument("--images", type=int, default=64, help="cached images (timing does not depend on it)")
+    p.add_argument("--iters", type=int, default=5, help="timed reconstruction iterations")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first iterations")
+    p.add_argument("--official-iters", type=int, default=20000)
+    p.add_argument("--official-images", type=int, default=1024, help="images of the official APH pass")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--out", default="", help="JSON path")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    kw = {}
+    if args.depth:
+        kw["depth"] = args.depth
+    if args.embed_dim:
+        kw.update(embed_dim=args.embed_dim, num_heads=max(1, args.embed_dim // 64))
+    torch.manual_seed(0)
+    fp = timm.create_model(args.model, img_size=args.img_size, **kw).to(device).eval().requires_grad_(False)
+    images = torch.randn(args.images, 3, args.img_size, args.img_size)
+
+    options = APHQOptions()
+    qmodel = quantize_model(fp, APHQPipeline().layout(Bits(4, 4), options)).eval().requires_grad_(False)
+    calibrate(qmodel, images[: min(8, args.images)])  # quick parameters: the timing does not depend on them
+    set_quant_state(qmodel, weights=False, activations=False)
+    set_quant_state(qmodel.get_submodule(args.block), weights=True, activations=True)
+
+    fp_in, fp_out = capture_unit(fp, args.block, images, args.batch, inputs=True, outputs=True)
+    batch_imgs = images[: args.batch]
+    start = time.perf_counter()
+    h = perturbation_hessian(fp, args.block, batch_imgs, model_logits(fp, batch_imgs, args.batch), args.batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    hessian_batch_s = time.perf_counter() - start
+
+    stamps = []
+    total = args.warmup + args.iters
+    settings = ReconSettings(iters=total, batch_size=args.batch, weight_lr=options.weight_lr, act_lr=options.act_lr,
+                             drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
+                             rounding=RoundingSchedule(total, warmup=0.0), normalize_loss=True, log_every=1)
+    reconstruct_unit(qmodel.get_submodule(args.block), fp_in, fp_in, fp_out, h, "weighted_mse", settings,
+                     torch.Generator(device=device).manual_seed(0), name=args.block,
+                     progress=lambda m: stamps.append(m["seconds"]))
+    per_iter = [b - a for a, b in zip(stamps, stamps[1:])][max(0, args.warmup - 1):]
+    per_iter_s = statistics.median(per_iter)
+    result = {
+        "model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block, "batch": args.batch,
+        "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "timed_iters": len(per_iter), "iter_s": round(per_iter_s, 4),
+        "iter_s_min_max": [round(min(per_iter), 4), round(max(per_iter), 4)],
+        "hessian_batch_s": round(hessian_batch_s, 4),
+        "extrapolated": {
+            "reconstruction_s": round(per_iter_s * args.official_iters, 1),
+            "hessian_s": round(hessian_batch_s * args.official_images / args.batch, 1),
+        },
+    }
+    result["extrapolated"]["unit_s"] = round(sum(result["extrapolated"].values()), 1)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,27 @@
+"""scripts/bench_aphq_block.py runs end to end on CPU with a tiny ViT and writes its JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_aphq_block_cpu_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_aphq_block", os.path.join(ROOT, "scripts", "bench_aphq_block.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "block.json"
+    threads = torch.get_num_threads()
+    try:
+        result = bench.main(["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1",
+                             "--batch", "4",
+                             "--images", "8", "--iters", "2", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the script sets the process-wide count
+    assert result["timed_iters"] == 2 and result["iter_s"] > 0
+    assert result["extrapolated"]["unit_s"] >= result["extrapolated"]["reconstruction_s"] > 0
+    assert json.load(open(out))["block"] == "blocks.1"

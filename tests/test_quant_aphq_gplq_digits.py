@@ -1,0 +1,192 @@
+"""APHQ and GPLQ end to end on tiny ViT / Swin models trained on digits, with a few iterations.
+
+Asserts only what must hold: the float model is untouched, the result is a fully calibrated W4A4
+model with finite outputs, AdaRound weights lie on the grid, GPLQ's stage-1 checkpoint resumes to the
+same model, MLP reconstruction runs, the options work as evaluate.py overrides. Accuracies are printed
+(pytest -s): with a few iterations they say nothing about the methods (see quant/README.md for the
+measured comparison with the full settings).
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import evaluate as evaluate_entry
+from configs import ConfigError, config_to_dict, load_config
+from quant import PIPELINES
+from quant.adaround import AdaRoundQuantizer
+from quant.layers import QuantConv2d, QuantLinear
+from quant.modes import named_quantizers
+from quant.qwt import QwTBlock
+from quant.units import find_units
+from quant_models import top1, train_on_digits
+
+APHQ_FAST = dict(iters=4, recon_images=64, calib_images=32, batch_size=16, matmul_steps=9, search_rounds=1,
+                 log_every=2)
+GPLQ_FAST = dict(steps=3, batch_size_per_gpu=16, init_images=32, pca_images=64, stage2_images=48, log_every=1,
+                 ckpt_every=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and the CI machine is shared
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trained(name, tmp_path_factory):
+    model, cfg, xv, yv = train_on_digits(name)
+    work = tmp_path_factory.mktemp(name)
+    data = evaluate_entry.build_pipeline_data(cfg, 32, 0, 1, str(work / "eval"))  # the entry point's data seam
+    calib = data.train_images(32, 0, False)
+    return model, cfg, data, calib, xv, yv
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    return _trained("vit_nano", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def swin(tmp_path_factory):
+    return _trained("swin_nano", tmp_path_factory)
+
+
+@pytest.fixture(params=["vit", "swin"])
+def trained(request):
+    return request.getfixturevalue(request.param)
+
+
+def snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_untouched(model, before):
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def assert_fully_quantized(qmodel):
+    qs = list(named_quantizers(qmodel))
+    assert qs and all(q.enabled and q.calibrated for _, q in qs)
+    assert not any(q.training or q.drop_prob for _, q in qs)
+    assert not any(p.requires_grad for p in qmodel.parameters())
+
+
+def test_aphq_end_to_end(trained):
+    model, _, data, calib, xv, yv = trained
+    before = snapshot(model)
+    qmodel, report = PIPELINES["aphq"](model, calib, "w4a4", APHQ_FAST, data=data)
+    assert_untouched(model, before)
+    assert_fully_quantized(qmodel)
+    assert [u["unit"] for u in report["units"]] == [u.name for u in find_units(model)]
+    assert all(u["iters"] == 4 and u["seconds"] >= 0 for u in report["units"])
+    assert report["data"] == {"calibration_images": 32, "reconstruction_images": 64, "seed": 3407, "transform": "train"}
+    assert report["calibration"]["folded"]  # RepQ-style LayerNorm fold happened
+    for m in qmodel.modules():
+        if isinstance(m, (QuantLinear, QuantConv2d)):
+            q = m.weight_quantizer
+            assert isinstance(q, AdaRoundQuantizer) and q.alpha is None  # hard rounding baked
+            shape = (-1,) + (1,) * (m.weight.ndim - 1)
+            codes = m.weight / q.scale.view(shape) + q.zero_point.view(shape)
+            assert torch.allclose(codes, codes.round(), atol=1e-3)
+    assert qmodel.patch_embed.proj.input_quantizer is None  # image input float, as in APHQ
+    attn = qmodel.get_submodule(find_units(qmodel, ("block",))[0].name).attn
+    assert attn.q_quant.channel_dim == 1 and attn.attn_quant.channel_dim == 1  # per-head operands
+    with torch.no_grad():
+        assert torch.isfinite(qmodel(xv[:8])).all()
+    print(f"APHQ W4A4 ({APHQ_FAST['iters']} iters) {top1(qmodel, xv, yv):.1f} (float {top1(model, xv, yv):.1f})")
+
+
+def test_aphq_mlp_reconstruction_runs(vit):
+    model, _, data, calib, _, _ = vit
+    before = snapshot(model)
+    qmodel, report = PIPELINES["aphq"](model, calib, "w4a4", {**APHQ_FAST, "mlp_reconstruct": True, "mlp_iters": 3},
+                                       data=data)
+    assert_untouched(model, before)
+    blocks = [u.name for u in find_units(model, ("block",))]
+    assert [r["unit"] for r in report["mlp_reconstruction"]] == blocks
+    assert all(isinstance(qmodel.get_submodule(b).mlp.act, torch.nn.ReLU) for b in blocks)
+    assert not isinstance(model.get_submodule(blocks[0]).mlp.act, torch.nn.ReLU)
+
+
+def test_gplq_end_to_end_and_resume(trained):
+    model, _, data, calib, xv, yv = trained
+    before = snapshot(model)
+    qmodel, report = PIPELINES["gplq"](model, calib, "w4a4", GPLQ_FAST, data=data)
+    assert_untouched(model, before)
+    assert_fully_quantized(qmodel)
+    assert report["stage1"]["steps"] == 3 and report["stage1"]["resumed_from"] is None
+    assert report["stage1"]["pca_dims"] % 32 == 0 and report["stage1"]["pca_explained"] >= 0.6
+    blocks = find_units(model, ("block",))
+    assert len(report["qwt"]["blocks"]) == len(blocks)
+    kept = [s["unit"] for s in report["qwt"]["blocks"] if s["kept"]]
+    assert all(isinstance(qmodel.get_submodule(name), QwTBlock) for name in kept)
+    q = qmodel.get_submodule(kept[0]).block.mlp.fc1.input_quantizer if kept else None
+    if q is not None:
+        assert q.symmetric and q.channel_dim == -1  # symmetric per-channel activations
+    with torch.no_grad():
+        logits = qmodel(xv[:8])
+    assert torch.isfinite(logits).all()
+    print(f"GPLQ W4A4 ({GPLQ_FAST['steps']} steps) {top1(qmodel, xv, yv):.1f} (float {top1(model, xv, yv):.1f})")
+
+    again, report2 = PIPELINES["gplq"](model, calib, "w4a4", GPLQ_FAST, data=data)  # resumes the finished stage 1
+    assert report2["stage1"]["resumed_from"] == 3
+    with torch.no_grad():
+        assert torch.allclose(again(xv[:8]), logits, atol=1e-5)
+    with pytest.raises(ValueError, match="different GPLQ stage-1 run"):
+        PIPELINES["gplq"](model, calib, "w4a4", {**GPLQ_FAST, "steps": 4}, data=data)
+
+
+def test_pipelines_need_the_training_data(vit):
+    model, _, _, calib, _, _ = vit
+    for name in ("aphq", "gplq"):
+        with pytest.raises(ValueError, match="PipelineData"):
+            PIPELINES[name](model, calib, "w4a4", {})
+
+
+def test_options_are_typed_config_sections():
+    cfg = load_config([], ["quant.aphq.iters=5", "quant.aphq.weight_pct=[0.8, 1.0]", "quant.gplq.steps=7",
+                           "quant.gplq.lr=2e-5", "quant.aphq.hessian_probe=rademacher"])
+    assert cfg.quant.aphq.iters == 5 and cfg.quant.aphq.weight_pct == (0.8, 1.0)
+    assert cfg.quant.gplq.steps == 7 and cfg.quant.gplq.lr == 2e-5
+    for bad in ("quant.gplq.qwt_target=fp16", "quant.aphq.iters=many", "quant.aphq.iter=5"):
+        with pytest.raises(ConfigError):
+            load_config([], [bad])
+
+
+def test_evaluate_cli_runs_both_pipelines_with_overrides(vit, tmp_path):
+    model, cfg, _, _, _, _ = vit
+    ckpt = tmp_path / "best.pt"
+    torch.save({"model": model.state_dict(), "config": config_to_dict(cfg)}, ckpt)
+    overrides = [f"quant.aphq.{k}={v}" for k, v in APHQ_FAST.items()] + [
+        f"quant.gplq.{k}={v}" for k, v in GPLQ_FAST.items()] + ["quant.act_max_csv=false"]
+    result = evaluate_entry.main(evaluate_entry.parse_args(
+        ["--checkpoint", str(ckpt), *overrides, "--quant", "aphq", "gplq", "--bits", "w4a4"]))
+    assert set(result["quant"]) == {"aphq", "gplq"}
+    assert result["quant"]["aphq"]["w4a4"]["report"]["options"]["iters"] == APHQ_FAST["iters"]
+    assert result["quant"]["gplq"]["w4a4"]["report"]["stage1"]["steps"] == GPLQ_FAST["steps"]
+    assert (tmp_path / "eval_best_gplq_w4a4_stage1.pt").exists()  # resumable stage 1 next to the JSON
+    with open(tmp_path / "eval_best.json") as f:
+        assert set(json.load(f)["quant"]) == {"aphq", "gplq"}
+
+
+@pytest.mark.parametrize("pipeline, variant", [
+    ("aphq", {"hessian_probe": "rademacher", "search_max_rows": 64, "cache_device": "cpu"}),
+    ("aphq", {"loss": "mse", "normalize_loss": False, "round_zero_point": False, "stem_a_bits": 8}),
+    ("gplq", {"act_granularity": "tensor", "matmul_operands": False, "qwt_target": "teacher", "qwt_ridge": 1.0,
+              "stage2_train_transform": True, "weight_symmetric": False, "weight_range": "minmax"}),
+    ("gplq", {"qwt_target": "float", "amp": "bf16", "scale_lr": 1e-3, "weight_decay": 0.05}),
+    ("gplq", {"qwt": False, "steps": 2}),
+])
+def test_option_variants_run(vit, pipeline, variant):
+    model, _, data, calib, xv, _ = vit
+    fast = APHQ_FAST if pipeline == "aphq" else GPLQ_FAST
+    data = dataclasses.replace(data, work_prefix=None)  # no stage-1 checkpoint shared between variants
+    qmodel, report = PIPELINES[pipeline](model, calib, "w4a4", {**fast, **variant}, data=data)
+    assert_fully_quantized(qmodel)
+    assert all(report["options"][k] == v for k, v in variant.items())
+    with torch.no_grad():
+        assert torch.isfinite(qmodel(xv[:4])).all()

@@ -1,0 +1,146 @@
+"""APHQ building blocks: AdaRound rounding, the rounding schedule, the APH weights, the calibration search."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from quant.adaround import AdaRoundQuantizer, RoundingSchedule
+from quant.hessian import perturbation_hessian
+from quant.layers import QuantLinear
+from quant.quantizers import UniformQuantizer
+from quant.search import search_linear, search_matmul
+from quant.units import find_units, model_logits
+from quant_models import images, tiny_swin, tiny_vit
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors; the CI machine is shared
+    yield
+    torch.set_num_threads(threads)
+
+
+def adaround_layer(bits=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(24, 8)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(8, 24, generator=g))
+    q = AdaRoundQuantizer(bits, channel_dim=0, num_channels=8)
+    layer = QuantLinear.from_float(linear, q, None)
+    q.calibrating = True
+    q(layer.weight)
+    q.calibrating = False
+    return layer, q
+
+
+def test_adaround_starts_at_the_float_weight_and_bakes_onto_the_grid():
+    layer, q = adaround_layer()
+    w0 = layer.weight.detach().clone()
+    s, z = q.scale[:, None], q.zero_point[:, None]
+    alpha = q.start_rounding(layer.weight)
+    assert alpha.shape == w0.shape and alpha.requires_grad
+    inside = (torch.floor(w0 / s) + z >= q.qmin) & (torch.floor(w0 / s) + 1 + z <= q.qmax)
+    soft = q(layer.weight)  # h(alpha) = frac(w / s): the soft weight is the float weight inside the range
+    assert torch.allclose(soft[inside], w0[inside], atol=1e-5)
+
+    with torch.no_grad():
+        alpha.copy_(torch.randn(alpha.shape, generator=torch.Generator().manual_seed(1)) * 3)  # "learned"
+    hard = (alpha >= 0).float()
+    q.bake(layer)
+    assert q.alpha is None
+    codes = layer.weight / s + z
+    assert torch.allclose(codes, codes.round(), atol=1e-4)  # on the grid
+    assert codes.min() >= q.qmin - 1e-4 and codes.max() <= q.qmax + 1e-4
+    expected = torch.clamp(torch.floor(w0 / s) + hard + z, q.qmin, q.qmax)  # floor or ceil as alpha chose
+    assert torch.equal(codes.round(), expected)
+    assert torch.equal(q(layer.weight), layer.weight)  # nearest rounding leaves baked weights unchanged
+
+
+def test_adaround_regularizer_and_gradients():
+    layer, q = adaround_layer()
+    q.start_rounding(layer.weight)
+    out = layer(torch.randn(5, 24))
+    (out.pow(2).mean() + q.regularizer(20.0)).backward()
+    assert q.alpha.grad is not None and torch.isfinite(q.alpha.grad).all() and q.alpha.grad.abs().sum() > 0
+
+
+def test_rounding_schedule():
+    sched = RoundingSchedule(iters=100, warmup=0.2, beta_start=20, beta_end=2)
+    assert sched.beta(0) is None and sched.beta(19) is None
+    assert sched.beta(20) == pytest.approx(20.0)
+    assert sched.beta(99) == pytest.approx(2.0, abs=0.3)
+    betas = [sched.beta(i) for i in range(20, 100)]
+    assert all(a >= b for a, b in zip(betas, betas[1:]))
+
+
+@pytest.mark.parametrize("probe", ["ones", "rademacher"])
+def test_hessian_weights_are_nonnegative_with_the_output_shape(probe):
+    vit, swin = tiny_vit(), tiny_swin()
+    x = images(6)
+    for model, unit, shape in ((vit, "blocks.1", (1, 17, 48)), (vit, "patch_embed", (1, 16, 48)),
+                               (swin, "layers.0.blocks.1", (1, 16, 16, 32)), (swin, "layers.1.downsample", (1, 8, 8, 64))):
+        h = perturbation_hessian(model, unit, x, model_logits(model, x, 3), batch_size=3, probe=probe,
+                                 eps=1e-6 if probe == "ones" else 1e-4)
+        assert h.shape == shape and h.dtype == torch.float32
+        assert torch.isfinite(h).all() and (h >= 0).all()
+    assert all(p.grad is None for p in vit.parameters())  # gradients only w.r.t. the perturbed output
+
+
+def test_all_ones_perturbation_is_invisible_to_a_pre_layernorm_transformer():
+    """Why the official APH is rounding noise (hessian.py docstring): in float64 it vanishes."""
+    model = tiny_vit().double()
+    x = images(4).double()
+    logits = model_logits(model, x, 4)
+    ones = perturbation_hessian(model, "blocks.0", x, logits, 4, eps=1e-6, probe="ones")
+    diag = perturbation_hessian(model, "blocks.0", x, logits, 4, eps=1e-4, probe="rademacher")
+    assert ones.max() < 1e-9 * diag.max()
+
+
+def test_units_in_module_order():
+    assert [u.name for u in find_units(tiny_vit())] == ["patch_embed", "blocks.0", "blocks.1", "head"]
+    names = [(u.name, u.kind) for u in find_units(tiny_swin())]
+    assert names == [("patch_embed", "stem"), ("layers.0.blocks.0", "block"), ("layers.0.blocks.1", "block"),
+                     ("layers.1.downsample", "merge"), ("layers.1.blocks.0", "block"), ("layers.1.blocks.1", "block"),
+                     ("head.fc", "head")]
+
+
+def test_output_mse_search_is_no_worse_than_the_percentile_init():
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(32, 16)
+    layer = QuantLinear.from_float(linear, UniformQuantizer(4, channel_dim=0, num_channels=16), UniformQuantizer(4))
+    x = torch.randn(64, 32, generator=g) * torch.linspace(0.1, 3, 32)
+    grid = dict(weight_pct=(0.9, 1.0), act_pct=(0.99, 1.0), num_scales=8, num_zero_points=16)
+    searched = search_linear(layer, x, rounds=3, **grid)["output_mse"]
+    naive = copy.deepcopy(layer)
+    for q, t in ((naive.weight_quantizer, naive.weight), (naive.input_quantizer, x)):
+        q.reset()
+        q.calibrating = True
+        q(t)  # RepQ percentile init
+        q.calibrating = False
+    with torch.no_grad():
+        ref = x @ linear.weight.t()
+        naive_mse = (naive.input_quantizer(x) @ naive.quantized_weight().t() - ref).pow(2).mean().item()
+    assert searched <= naive_mse
+
+    qa, qb = UniformQuantizer(4, channel_dim=1, num_channels=3), UniformQuantizer(4, channel_dim=1, num_channels=3)
+    a, b = torch.randn(4, 3, 10, 8, generator=g), torch.randn(4, 3, 10, 8, generator=g)
+    out = search_matmul(qa, qb, a, b, lambda u, v: u @ v.transpose(-2, -1), pct=(0.99, 0.99999), steps=9, rounds=1)
+    assert qa.calibrated and qb.calibrated and qa.scale.shape == (3,)
+    assert out["output_mse"] < (a @ b.transpose(-2, -1)).pow(2).mean().item()
+
+
+def test_gram_and_direct_weight_errors_choose_the_same_parameters():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 16, generator=g) * torch.linspace(0.2, 4, 16)
+    grid = dict(rounds=2, weight_pct=(0.9, 1.0), act_pct=(0.99, 1.0), num_scales=8, num_zero_points=16)
+    picked = []
+    for gram in (True, False):
+        torch.manual_seed(0)
+        layer = QuantLinear.from_float(nn.Linear(16, 12), UniformQuantizer(4, channel_dim=0, num_channels=12),
+                                       UniformQuantizer(4))
+        mse = search_linear(layer, x, gram=gram, **grid)["output_mse"]
+        picked.append((layer.weight_quantizer.scale.clone(), layer.weight_quantizer.zero_point.clone(), mse))
+    assert torch.equal(picked[0][0], picked[1][0]) and torch.equal(picked[0][1], picked[1][1])
+    assert picked[0][2] == pytest.approx(picked[1][2], rel=1e-5)

@@ -1,0 +1,75 @@
+"""GPLQ building blocks: LSQ gradients, QwT compensation on its fitting data, the PCA component rule."""
+import pytest
+import torch
+
+from quant import PIPELINES
+from quant.lsq import LSQQuantizer
+from quant.pca import PCAProjection, components_from_moments, pca_loss
+from quant.qwt import QwTBlock, block_error, fit_block_compensation
+from quant.ranges import RangeSearch
+from quant.units import capture_unit, find_units
+from quant_models import images, tiny_swin, tiny_vit
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_lsq_scales_receive_gradients():
+    g = torch.Generator().manual_seed(0)
+    q = LSQQuantizer(4, symmetric=True, channel_dim=-1, num_channels=6, search=RangeSearch("minmax"))
+    x = torch.randn(4, 10, 6, generator=g) * torch.arange(1, 7)
+    q.calibrating = True
+    q(x)
+    q.calibrating = False
+    assert torch.allclose(q.scale, x.abs().amax(dim=(0, 1)) / 7)  # symmetric min/max init, codes [-8, 7]
+    q.make_learnable(scale=True)
+    x.requires_grad_(True)
+    ((q(x) - 0.3 * x.detach()).pow(2)).sum().backward()
+    assert q.scale.grad is not None and q.scale.grad.shape == (6,)
+    assert torch.isfinite(q.scale.grad).all() and (q.scale.grad != 0).all()
+    assert x.grad is not None and (x.grad != 0).any()  # straight-through to the input
+    with torch.no_grad():  # inference path: same values as the training path
+        assert torch.allclose(q(x), q.quantize(x))
+
+
+@pytest.mark.parametrize("make, ridge", [(tiny_vit, 0.0), (tiny_vit, 10.0), (tiny_swin, 0.0)])
+def test_qwt_compensation_never_increases_block_error_on_its_fitting_data(make, ridge):
+    fp = make()
+    qmodel, _ = PIPELINES["percentile"](fp, images(8), "w4a4")
+    x_all = images(12, seed=5)
+    for unit in find_units(qmodel, kinds=("block",)):
+        x, _ = capture_unit(qmodel, unit.name, x_all, 6)
+        block, ref = qmodel.get_submodule(unit.name), fp.get_submodule(unit.name)
+        fit = fit_block_compensation(x, block, ref, 6, ridge=ridge)
+        before = block_error(x, block, ref, 6)
+        after = block_error(x, QwTBlock(block, fit.weight, fit.bias), ref, 6)
+        assert after <= before * (1 + 1e-5)
+        assert fit.sse_after == pytest.approx(after, rel=1e-3)  # the closed form matches the real error
+        assert fit.sse_before == pytest.approx(before, rel=1e-4)
+        if ridge == 0.0:
+            assert fit.r2 >= 0.0 and fit.keep
+
+
+def test_pca_keeps_the_smallest_multiple_of_32_reaching_the_variance():
+    g = torch.Generator().manual_seed(0)
+    d, n = 192, 4000
+    spectrum = torch.logspace(0, -2, d, dtype=torch.float64)  # known decaying variances
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    f = (torch.randn(n, d, generator=g, dtype=torch.float64) * spectrum.sqrt()) @ basis.t() + 3.0
+    pca = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64), 0.6, 32)
+    ratio = torch.cumsum(spectrum, 0) / spectrum.sum()
+    reach = int((ratio < 0.6).sum()) + 1
+    assert pca.dims % 32 == 0 and pca.dims - 32 < reach <= pca.dims
+    assert pca.explained >= 0.6
+    assert torch.allclose(pca.mean.double(), f.mean(0), atol=1e-4)
+    # the teacher mean cancels: L_PCA only sees the projected feature difference
+    fs, ft = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g)
+    moved = PCAProjection(pca.mean + 1.0, pca.components, pca.explained, pca.samples)
+    assert torch.allclose(pca_loss(fs, ft, pca), pca_loss(fs, ft, moved), rtol=1e-4)
+    full = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64), 0.999, 32)
+    assert full.dims == d  # capped at the feature width
