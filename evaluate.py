@@ -11,9 +11,9 @@ The checkpoint's saved config describes model and data; `key=value` overrides ch
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
 eval transform; APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
-e.g. `quant.aphq.iters=2000 quant.gplq.steps=500 --quant aphq gplq` for a quick run (overrides go before
---quant / --bits, which take every following word). Writes one JSON (default: next to the checkpoint), a per-layer activation-max CSV and
-plot beside it, and prints a markdown row in the layout of the paper's tables.
+e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run. Writes one JSON
+(default: next to the checkpoint), a per-layer activation-max CSV and plot beside it, and prints a
+markdown row in the layout of the paper's tables.
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     train_model: nn.Module = tap
     if world > 1:
         train_model = nn.parallel.DistributedDataParallel(
-            tap, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            tap, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(_param_groups(student, settings), lr=settings.lr, weight_decay=settings.weight_decay)
     scaler = grad_scaler(settings.amp, device)
     state = TrainState()
