@@ -28,8 +28,7 @@ from timm.utils import ModelEmaV3
 from cd import TWEO, ColinearityDecay, budget_weight_decay, energy_metrics, find_pairs
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config, save_config
 from data import DataError, build_loaders
-from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_atomic, training_payload,
-                               unwrap_model)
+from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_atomic, training_payload)
 from engine.distributed import DistInfo, all_reduce, barrier, cleanup_distributed, init_distributed
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
 from engine.metrics import MetricLogger

@@ -15,7 +15,7 @@ import train
 from configs import load_config
 from engine.checkpoint import CheckpointError, save_atomic
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT
 
 
 def read_metrics(out_dir):
@@ -195,7 +195,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert 1 <= step < 4000
     resumed = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)
-    assert resumed.returncode == 0 and f"at epoch" in resumed.stdout and "resumed from" in resumed.stdout
+    assert resumed.returncode == 0 and "at epoch" in resumed.stdout and "resumed from" in resumed.stdout
     assert torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)["state"]["step"] == step + 2
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Dict, Literal, Optional, Tuple
 
 import torch
@@ -36,12 +36,12 @@ from ..calibrate import Images
 from ..convert import quantize_model
 from ..hessian import perturbation_hessian
 from ..mlp_recon import MLPReconSettings, reconstruct_mlps
-from ..modes import describe, set_quant_state, summarize
+from ..modes import set_quant_state
 from ..pipeline_data import PipelineData, require_data
 from ..reconstruct import ReconSettings, reconstruct_unit
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
-from .common import FirstLastOptions, StageTimer, standard_layout, sync_across_ranks
+from .common import FirstLastOptions, StageTimer, pipeline_report, standard_layout, sync_across_ranks
 from .registry import Pipeline, PTQResult, register_pipeline
 
 log = logging.getLogger("quant.aphq")
@@ -199,11 +199,11 @@ class APHQPipeline(Pipeline):
                 unit_stats.append(stats)
                 del fp_in, fp_out, q_in
         model.eval()
-        report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
-                  "data": {"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
-                           "seed": options.data_seed, "transform": "train"},
-                  "calibration": calib_report, "units": unit_stats, "mlp_reconstruction": mr_stats,
-                  "summary": summarize(describe(model)), "layers": describe(model)}
+        report = pipeline_report(
+            self.name, model, bits, options,
+            data={"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
+                  "seed": options.data_seed, "transform": "train"},
+            calibration=calib_report, units=unit_stats, mlp_reconstruction=mr_stats)
         return model, report
 
 

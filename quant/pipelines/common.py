@@ -17,6 +17,10 @@ import torch
 
 from engine.distributed import broadcast
 
+from ..calibrate import Images, calibrate
+from ..convert import quantize_model
+from ..modes import describe, summarize
+
 from ..spec import ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, Bits, LinearRule, \
     QuantizerSpec, QuantSpec
 
@@ -96,3 +100,25 @@ def sync_across_ranks(model: torch.nn.Module) -> None:
     for module in model.modules():  # in-place collectives need not bump version counters
         if hasattr(module, "invalidate_weight_cache"):
             module.invalidate_weight_cache()
+
+
+def convert_and_calibrate(fp_model: torch.nn.Module, spec: QuantSpec, calib_images: Images, timer: StageTimer,
+                          device: torch.device) -> tuple:
+    """Convert a copy of `fp_model` by `spec` and calibrate it in one sequential pass (RepQ-ViT's order).
+
+    Returns:
+        (quantized model, number of calibration images).
+    """
+    with timer("convert", device):
+        model = quantize_model(fp_model, spec)
+    with timer("calibrate", device):
+        calib = calibrate(model, calib_images)
+    return model, calib["images"]
+
+
+def pipeline_report(pipeline: str, model: torch.nn.Module, bits: Bits, options, **extra) -> dict:
+    """The fields every pipeline report has (layout, bits, options, per-layer rows and their summary),
+    with the pipeline's own entries in `extra`."""
+    layers = describe(model)
+    return {"pipeline": pipeline, "bits": str(bits), **options.resolved(bits), "options": dataclasses.asdict(options),
+            **extra, "summary": summarize(layers), "layers": layers}

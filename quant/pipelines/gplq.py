@@ -34,7 +34,7 @@ import copy
 import hashlib
 import logging
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Iterator, Literal, Optional
 
 import torch
@@ -43,7 +43,7 @@ from torch import nn
 from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model, quantized_layers, set_submodule
-from ..modes import describe, named_quantizers, set_quant_state, summarize
+from ..modes import named_quantizers, set_quant_state
 from ..pca import fit_pca
 from ..pipeline_data import PipelineData, require_data
 from ..qat import Stage1Settings, run_stage1
@@ -51,7 +51,7 @@ from ..qwt import QwTBlock, fit_block_compensation, fit_report
 from ..ranges import RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, find_units
-from .common import FirstLastOptions, StageTimer, standard_layout, sync_across_ranks
+from .common import FirstLastOptions, StageTimer, pipeline_report, standard_layout, sync_across_ranks
 from .percentile import range_search
 from .registry import Pipeline, PTQResult, register_pipeline
 
@@ -196,12 +196,10 @@ class GPLQPipeline(Pipeline):
                 images = data.train_images(options.stage2_images, options.seed, options.stage2_train_transform)
                 qwt_stats = self._compensate(model, teacher, images, options, bs)
         model.eval()
-        report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
-                  "stage1": stage1, "weights_refit": n_weights,
-                  "qwt": {"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
-                          "images": options.stage2_images if options.qwt else 0,
-                          "target": options.qwt_target},
-                  "summary": summarize(describe(model)), "layers": describe(model)}
+        report = pipeline_report(
+            self.name, model, bits, options, stage1=stage1, weights_refit=n_weights,
+            qwt={"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
+                 "images": options.stage2_images if options.qwt else 0, "target": options.qwt_target})
         return model, report
 
     @staticmethod

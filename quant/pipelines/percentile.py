@@ -20,18 +20,16 @@ We therefore implement (not confirmed by the paper; every item is an option):
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
 from torch import nn
 
-from ..calibrate import Images, calibrate
-from ..convert import quantize_model
-from ..modes import describe, summarize
+from ..calibrate import Images
 from ..pipeline_data import PipelineData
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
-from .common import FirstLastOptions, StageTimer, standard_layout
+from .common import FirstLastOptions, StageTimer, convert_and_calibrate, pipeline_report, standard_layout
 from .registry import Pipeline, PTQResult, register_pipeline
 
 
@@ -68,16 +66,10 @@ class PercentilePipeline(Pipeline):
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: PercentileOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         del data  # calibration images only
-        spec = self.layout(bits, options)
-        first_last = options.resolved(bits)
         timer = StageTimer()
-        device = next(fp_model.parameters()).device
-        with timer("convert", device):
-            model = quantize_model(fp_model, spec)
-        with timer("calibrate", device):
-            calib = calibrate(model, calib_images)
-        report = {"pipeline": self.name, "bits": str(bits), **first_last, "options": asdict(options),
-                  "calibration_images": calib["images"], "seconds": timer.seconds, "summary": summarize(describe(model)), "layers": describe(model)}
+        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer,
+                                                next(fp_model.parameters()).device)
+        report = pipeline_report(self.name, model, bits, options, calibration_images=n_images, seconds=timer.seconds)
         return PTQResult(model, report)
 
 

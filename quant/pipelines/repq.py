@@ -18,19 +18,17 @@ not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
-from ..calibrate import Images, calibrate, refit_weight_quantizers
-from ..convert import quantize_model
-from ..modes import describe, summarize
+from ..calibrate import Images, refit_weight_quantizers
 from ..pipeline_data import PipelineData
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from ..spec import Bits, QuantizerSpec, QuantSpec
-from .common import FirstLastOptions, StageTimer, standard_layout
+from .common import FirstLastOptions, StageTimer, convert_and_calibrate, pipeline_report, standard_layout
 from .registry import Pipeline, PTQResult, register_pipeline
 
 
@@ -58,13 +56,9 @@ class RepQPipeline(Pipeline):
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         del data  # calibration images only
-        spec = self.layout(bits, options)
         timer = StageTimer()
         device = next(fp_model.parameters()).device
-        with timer("convert", device):
-            model = quantize_model(fp_model, spec)
-        with timer("calibrate", device):
-            calib = calibrate(model, calib_images)
+        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer, device)
         folded = []
         if options.reparam:
             with timer("reparam", device):
@@ -73,9 +67,8 @@ class RepQPipeline(Pipeline):
                     fold_layernorm(norm, linear, round_zero_point=options.round_zero_point)
                     folded.append(f"{norm_name} -> {linear_name}")
                 refit_weight_quantizers((name, linear) for _, _, name, linear in sites)
-        report = {"pipeline": self.name, "bits": str(bits), **options.resolved(bits), "options": asdict(options),
-                  "calibration_images": calib["images"], "folded": folded, "seconds": timer.seconds,
-                  "summary": summarize(describe(model)), "layers": describe(model)}
+        report = pipeline_report(self.name, model, bits, options, calibration_images=n_images, folded=folded,
+                                 seconds=timer.seconds)
         return PTQResult(model, report)
 
 
