@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import subprocess
 import sys
 
@@ -42,7 +43,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_name() -> str:
+    """The processor's model name (for benchmark reports), e.g. 'AMD EPYC'."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def describe_environment(dist) -> str:
-    device = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu"
+    device = (torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda"
+              else f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)")
     return (f"commit {git_commit()}, torch {torch.__version__}, timm {timm.__version__}, python "
             f"{sys.version.split()[0]}, {dist.world_size} process(es), rank {dist.rank} on {device}")

@@ -66,6 +66,15 @@ class _StopForward(Exception):
     """Raised by a capture hook once the watched module has run (skips the rest of the network)."""
 
 
+def _forward_until_stop(model: nn.Module, images: torch.Tensor, batch_size: int, device: torch.device) -> None:
+    """Run `images` through `model` in chunks; a hook raising _StopForward ends each chunk's forward early."""
+    for chunk in images.split(batch_size):
+        try:
+            model(chunk.to(device))
+        except _StopForward:
+            pass
+
+
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -102,11 +111,7 @@ def capture_unit(model: nn.Module, name: str, images: torch.Tensor, batch_size: 
 
     handle = module.register_forward_hook(hook)
     try:
-        for chunk in images.split(batch_size):
-            try:
-                model(chunk.to(device))
-            except _StopForward:
-                pass
+        _forward_until_stop(model, images, batch_size, device)
     finally:
         handle.remove()
     return (torch.cat(got_in) if inputs else None), (torch.cat(got_out) if outputs else None)
@@ -133,11 +138,7 @@ def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_
 
     handles.append(model.get_submodule(stop_at).register_forward_hook(stop))
     try:
-        for chunk in images.split(batch_size):
-            try:
-                model(chunk.to(device))
-            except _StopForward:
-                pass
+        _forward_until_stop(model, images, batch_size, device)
     finally:
         for h in handles:
             h.remove()

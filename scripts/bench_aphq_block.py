@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,17 +33,7 @@ from quant.pipelines.aphq import APHQOptions, APHQPipeline  # noqa: E402
 from quant.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from engine.runinfo import cpu_name  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:

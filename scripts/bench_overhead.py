@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 from cd import TWEO, ColinearityDecay  # noqa: E402
+from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo")
 
@@ -248,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         args.warmup = 5 if args.warmup is None else args.warmup
         args.steps = 20 if args.steps is None else args.steps
 
-    hw = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    hw = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, amp {args.amp}, "
           f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed steps {args.steps}")
     rows = run_sweep("batch", [(base, b) for b in batches], args, device)
@@ -268,17 +268,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
          title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO")
     print(f"wrote {os.path.join(args.out, 'overhead.json')} and overhead.png")
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

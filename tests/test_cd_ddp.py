@@ -5,9 +5,6 @@ term goes through the normal DDP gradient all-reduce.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 
 import pytest
 import torch
@@ -18,18 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cd import TWEO, ColinearityDecay
 from cd_models import tiny_vit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_utils import free_port, init_gloo
 
 
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+    init_gloo(rank, world, port, timeout_s=60)
     try:
         model = tiny_vit(seed=0)  # same init on every rank (DDP also broadcasts rank 0's weights)
         ddp = DDP(model)
@@ -58,7 +48,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
 @pytest.mark.slow
 def test_ddp_two_ranks_stay_bit_identical_with_cd_and_tweo(tmp_path):
     out = str(tmp_path / "result.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["identical"]
     assert result["updates"] == 3

@@ -89,7 +89,7 @@ def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
-    from tests.test_train import free_port
+    from dist_utils import free_port
 
     single = evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "repq",
                                                 "--out", str(tmp_path / "single.json")]))

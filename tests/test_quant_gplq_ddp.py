@@ -1,26 +1,17 @@
 """GPLQ under DDP: 2 gloo processes on CPU run stage 1 through a DDP-wrapped student and end identical."""
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_utils import free_port, init_gloo
 
 
 def _worker(rank: int, world: int, port: int, work: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
+    init_gloo(rank, world, port, timeout_s=120)
     try:
         import evaluate as evaluate_entry
         from models import build_model
@@ -47,7 +38,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
 
 @pytest.mark.slow
 def test_gplq_stage1_trains_a_ddp_student_and_ranks_agree(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     result = torch.load(tmp_path / "result.pt")
     assert result["world"] == 2 and result["steps"] == 3
     assert result["ddp"]  # the student forward went through DistributedDataParallel

@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import train
 from configs import load_config
 from engine.checkpoint import CheckpointError, save_atomic
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
+from dist_utils import free_port
 from tests.conftest import DEBUG_CONFIG, ROOT
 
 
@@ -128,13 +128,8 @@ def test_atomic_save_keeps_the_old_checkpoint_when_writing_fails(tmp_path, monke
     assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(2))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank, world, port, overrides, out_file):
+    # train.py joins the group itself, from the variables torchrun would set
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
