@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> dict:
     device = dist.device
     out = args.out or default_out_path(args.checkpoint, cfg.model.name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main)
+    setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
     log.info("%s", describe_environment(dist))
 
     # The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights.
@@ -154,7 +154,25 @@ def resolve_config(args: argparse.Namespace):
 
 
 def method_name(cfg) -> str:
-    return "CD" if cfg.cd.enabled else "TWEO" if cfg.tweo.enabled else "Baseline"
+    """Baseline / CD / TWEO, with the settings that differ from the paper's defaults (so that the rows of
+    an ablation table tell themselves apart), e.g. "CD (lam 0.01)", "CD (targets C)", "CD (loss 0.005)"."""
+    from configs import CDConfig, TWEOConfig
+
+    if cfg.cd.enabled:
+        default, c = CDConfig(), cfg.cd
+        notes = [f"lam {c.lam:g}" if c.lam != default.lam else "", f"targets {c.targets}" if c.targets != default.targets
+                 else "", f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
+                 " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())), "" if c.budget else "no budget"]
+        name = "CD"
+    elif cfg.tweo.enabled:
+        default, t = TWEOConfig(), cfg.tweo
+        notes = [f"lam {t.lam:g}" if t.lam != default.lam else "", "rescaled" if t.rescale else "",
+                 t.schedule if t.schedule != default.schedule else ""]
+        name = "TWEO"
+    else:
+        return "Baseline"
+    notes = [n for n in notes if n]
+    return f"{name} ({', '.join(notes)})" if notes else name
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:

@@ -14,6 +14,8 @@ Re-running the same command with the same out_dir resumes from checkpoint.pt; SI
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -26,6 +28,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, energy_metrics, find_pairs
+from cd.update import build_plan
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config, save_config
 from data import DataError, build_loaders
 from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_atomic, training_payload)
@@ -68,10 +71,15 @@ def main(cfg: Config) -> RunResult:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of batch_size_per_gpu="
                           f"{per_gpu} x {dist.world_size} processes")
     accum_steps = cfg.train.batch_size // (per_gpu * dist.world_size)
+    if cfg.train.eval_every_epochs < 1 or cfg.train.log_every_steps < 1:
+        raise ConfigError("train.eval_every_epochs and train.log_every_steps must be at least 1")
 
-    # Model (same initial weights on every rank) and data.
+    # Model (same initial weights on every rank) and data. A resumed run takes its weights from the
+    # checkpoint, so pretrained weights are not loaded (nor fetched) again.
+    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
+    resumed = os.path.exists(ckpt_path)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
+    model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
     log.info("model %s: %s", cfg.model.name, describe(model))
     loaders = build_loaders(cfg.data, img_size=input_size(model), batch_size_per_gpu=per_gpu,
                             eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
@@ -85,7 +93,7 @@ def main(cfg: Config) -> RunResult:
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
     weight_decay = cfg.optim.weight_decay
     if cfg.cd.enabled and cfg.cd.budget:
-        weight_decay = budget_weight_decay(weight_decay, cfg.cd.lam)
+        weight_decay = as_config_error("cd.budget", budget_weight_decay, weight_decay, cfg.cd.lam)
         log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = build_optimizer(model, cfg.optim, lr, weight_decay)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
@@ -98,21 +106,23 @@ def main(cfg: Config) -> RunResult:
     # Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside optimizer.step(),
     # after clipping, once per update, only when the step really runs, with each group's lr. TWEO (and
     # CD's loss-form ablation) add a term to the loss in compute_loss below.
-    decay = ColinearityDecay.from_config(cfg.cd, model) if cfg.cd.enabled else None
+    decay = as_config_error("cd", ColinearityDecay.from_config, cfg.cd, model) if cfg.cd.enabled else None
     if decay is not None:
         decay.attach(optimizer)
         log.info("%r", decay)
-    tweo = (TWEO.from_config(cfg.tweo, model, total_steps=cfg.sched.epochs * updates_per_epoch)
+    tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=cfg.sched.epochs * updates_per_epoch)
             if cfg.tweo.enabled else None)
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    metric_sources = [decay.metrics] if decay else [functools.partial(energy_metrics, find_pairs(model))]
+    if decay is None:
+        pairs = find_pairs(model)
+        metric_sources = [functools.partial(energy_metrics, pairs, build_plan(pairs))]
+    else:
+        metric_sources = [decay.metrics]
     if tweo is not None:
         metric_sources.append(tweo.metrics)
 
     # Resume: the same command in the same out_dir continues from checkpoint.pt.
     state = TrainState()
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
-    resumed = os.path.exists(ckpt_path)
     if resumed:
         payload = load_checkpoint(ckpt_path)
         check_resumable(config_from_dict(payload["config"]), cfg)
@@ -177,7 +187,8 @@ def main(cfg: Config) -> RunResult:
 
     # The epochs: train, validate, checkpoint.
     val = {}
-    while state.epoch < cfg.sched.epochs:
+    reason = "finished"
+    while state.epoch < cfg.sched.epochs and not reached(state.step, cfg.train.max_steps):
         reason = loop.run_epoch(loaders.train, loaders.train_sampler, state, per_gpu)
         if reason == "epoch_end" and (state.epoch % cfg.train.eval_every_epochs == 0
                                       or state.epoch == cfg.sched.epochs):
@@ -187,21 +198,39 @@ def main(cfg: Config) -> RunResult:
         elif reason == "max_steps":  # a shortened run still reports (not on preemption: no time to spare)
             val = validate_and_keep_best()
         save_checkpoint()
-        if reason != "epoch_end":
-            log.info("stopped at update %d (%s); checkpoint saved, re-run the same command to resume",
-                     state.step, reason)
+        if reason == "preempted":
+            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume", state.step)
+            break
+        if reason == "max_steps":
+            log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
+                     "and re-run the same command to continue", state.step)
             break
 
-    if not val:  # resumed a finished run, or preempted: report the current weights
+    if reason == "preempted":
+        val = {}  # no time to validate, and an earlier epoch's numbers are not the current weights'
+    elif not val:  # a finished run re-run: report its current weights
         val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
     logger.close()
     if tweo is not None:
         tweo.remove()
     preemption.restore()
-    log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
-             val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
+    if val:
+        log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
+                 val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
     cleanup_distributed()
     return RunResult(model=model, metrics=val, state=state)
+
+
+def as_config_error(section: str, build, *args, **kwargs):
+    """Call `build`; a ValueError about its settings becomes a ConfigError naming the config section."""
+    try:
+        return build(*args, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{section}: {e}") from e
+
+
+def reached(step: int, max_steps: int | None) -> bool:
+    return max_steps is not None and step >= max_steps
 
 
 def build_criterion(cfg: Config, mixup: bool) -> nn.Module:
@@ -216,12 +245,10 @@ def build_criterion(cfg: Config, mixup: bool) -> nn.Module:
 def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False) -> dict:
     """val/* (and val_ema/*) accuracy; with `act_max`, the paper's activation maxima act/max_module and
     act/max_block over the validation set (max over all ranks)."""
-    if act_max:
-        with ActivationProbe(model) as probe:
-            metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
-        metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
-    else:
+    with ActivationProbe(model) if act_max else contextlib.nullcontext() as probe:
         metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
+    if act_max:
+        metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
     if ema is not None:
         metrics.update({f"val_ema/{k}": v for k, v in evaluate(ema.module, loader, device, amp).items()})
     return metrics
@@ -236,12 +263,15 @@ def preemption_requested(preemption: Preemption, dist: DistInfo, step: int) -> b
 
 
 def check_resumable(saved: Config, current: Config) -> None:
-    """The checkpoint must be of the same model; other changed settings are allowed and logged."""
+    """The checkpoint must be of the same model and data set; other changed settings are allowed and logged."""
     saved_d, current_d = config_to_dict(saved), config_to_dict(current)
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
     if any(saved_d["model"][k] != current_d["model"][k] for k in architecture):
         raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved_d['model']}, not "
                               f"{current_d['model']}: use another out_dir or the original model settings")
+    if saved.data.dataset != current.data.dataset:
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on data.dataset={saved.data.dataset!r}, "
+                              f"not {current.data.dataset!r}: use another out_dir")
     changed = [f"{section}.{k}: {saved_d[section][k]!r} -> {v!r}" for section, values in current_d.items()
                if isinstance(values, dict) for k, v in values.items() if saved_d[section].get(k) != v]
     if changed:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
-from .update import build_plan, colinearity_decay_, pair_energy, pair_penalty
+from .update import align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -215,8 +215,7 @@ class ColinearityDecay:
         weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
         self._last_penalty = penalty.detach()
-        ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
-        return self.loss_coef * penalty * ratio
+        return self.loss_coef * align_to_task_loss(penalty, task_loss)
 
     # ----------------------------------------------------------------------------------- logging, resume
     def metrics(self) -> dict[str, float]:

@@ -149,20 +149,23 @@ def _is_patch_merging(module: nn.Module) -> bool:
     return _child(module, "norm") is not None and _matrix_weight(_child(module, "reduction")) is not None
 
 
+def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every module matching `is_match` that is not inside an earlier match, in model order."""
+    inside: Optional[str] = None
+    for name, module in root.named_modules():
+        if inside is not None and (name == inside or name.startswith(inside + ".")):
+            continue
+        if is_match(module):
+            yield name, module
+            inside = name
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The pre-norm Transformer blocks of `model` in model order, with unwrapped-model names.
 
     Used by CD (pairs) and TWEO (block outputs). Nested matches inside a block are not searched.
     """
-    blocks: list[tuple[str, nn.Module]] = []
-    inside: Optional[str] = None
-    for name, module in unwrap_model(model).named_modules():
-        if inside is not None and (name == inside or name.startswith(inside + ".")):
-            continue
-        if is_prenorm_block(module):
-            blocks.append((name, module))
-            inside = name
-    return blocks
+    return list(_outermost(unwrap_model(model), is_prenorm_block))
 
 
 def _join(prefix: str, *parts: str) -> str:
@@ -222,19 +225,14 @@ def find_pairs(model: nn.Module) -> list[Pair]:
     """
     root = unwrap_model(model)
     pairs: list[Pair] = []
-    inside: Optional[str] = None
-    for name, module in root.named_modules():
-        if inside is not None and (name == inside or name.startswith(inside + ".")):
-            continue
+    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
         if is_prenorm_block(module):
             pairs.extend(_block_pairs(name, module))
-            inside = name
-        elif _is_patch_merging(module):
-            g, red = _scale_weight(module.norm), _matrix_weight(module.reduction)
-            if g is not None and g.shape[0] == red.shape[1]:
-                pairs.append(Pair(_join(name, "reduction.weight"), "reduction", "composable", name,
-                                  _join(name, "norm.weight"), red, g))
-            inside = name
+            continue
+        g, red = _scale_weight(module.norm), _matrix_weight(module.reduction)
+        if g is not None and g.shape[0] == red.shape[1]:
+            pairs.append(Pair(_join(name, "reduction.weight"), "reduction", "composable", name,
+                              _join(name, "norm.weight"), red, g))
     if not pairs:
         raise ValueError(
             f"cd.find_pairs: no matrix pair found in {type(root).__name__}. CD looks for pre-norm blocks "

@@ -28,13 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from .pairs import find_blocks, unwrap_model
+from .update import align_to_task_loss, compute_dtype
 
 SCHEDULES = ("constant", "cosine")
-
-
-def _compute_dtype(a: Tensor) -> torch.dtype:
-    """fp32 for fp16/bf16/fp32 activations (float64 stays float64)."""
-    return torch.promote_types(a.dtype, torch.float32)
 
 
 class _PowerMean(torch.autograd.Function):
@@ -44,13 +40,13 @@ class _PowerMean(torch.autograd.Function):
     def forward(ctx: Any, a: Tensor, p: float, k: float) -> Tensor:
         ctx.save_for_backward(a)
         ctx.p, ctx.k = p, k
-        return a.detach().to(_compute_dtype(a)).abs().mul_(k).pow_(p).mean()
+        return a.detach().to(compute_dtype(a)).abs().mul_(k).pow_(p).mean()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
         (a,) = ctx.saved_tensors
         p, k = ctx.p, ctx.k
-        af = a.to(_compute_dtype(a))
+        af = a.to(compute_dtype(a))
         # d/da mean((|a| k)^p) = p k (|a| k)^(p-1) sign(a) / numel
         g = af.abs().mul_(k).pow_(p - 1).mul_(af.sign()).mul_(grad.to(af.dtype) * (p * k / a.numel()))
         return g.to(a.dtype), None, None
@@ -143,10 +139,7 @@ class TWEO:
         self._terms = []
         lam = self.lam_at(step)
         self._last_penalty, self._last_lam = penalty.detach(), lam
-        if self.rescale:
-            ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
-            return lam * penalty * ratio
-        return lam * penalty
+        return lam * (align_to_task_loss(penalty, task_loss) if self.rescale else penalty)
 
     def metrics(self) -> dict[str, float]:
         """tweo/penalty (the last L_TWEO, before lam) and tweo/lam (the last lam(t)); empty before aux_loss."""

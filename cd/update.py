@@ -26,6 +26,7 @@ Implementation notes (why the code looks like this):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -88,14 +89,35 @@ def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None)
     return Plan(tuple(tuple(g) for g in groups), tuple(defer))
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
+def _autocast_off(fn):
+    """Run `fn(pairs, ...)` with autocast disabled on the pairs' device: the CD math stays fp32 (or float64)
+    even when called from inside an autocast region (e.g. `ColinearityDecay.apply` in a bf16 loop)."""
+    @functools.wraps(fn)
+    def wrapper(pairs, *args, **kwargs):
+        device_type = pairs[0].w2().device.type if len(pairs) else "cpu"
+        with torch.autocast(device_type=device_type, enabled=False):
+            return fn(pairs, *args, **kwargs)
+    return wrapper
+
+
+def align_to_task_loss(penalty: Tensor, task_loss: Tensor) -> Tensor:
+    """The paper's "stabilized" scaling of an auxiliary loss: penalty * detach(task_loss / penalty).
+
+    Its value equals the task loss, its gradient is the penalty's times that constant factor (used by
+    CD's loss form and TWEO's rescaled variant, which then multiply it by a small coefficient).
+    """
+    ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
+    return penalty * ratio
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
     """fp32 for fp16/bf16/fp32 parameters (float64 stays float64)."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
 def _stack_fp32(tensors: Sequence[Tensor]) -> Tensor:
     """(n, ...) copy of same-shaped tensors in at least fp32, detached."""
-    return torch.stack([t.detach().to(_compute_dtype(t)) for t in tensors])
+    return torch.stack([t.detach().to(compute_dtype(t)) for t in tensors])
 
 
 def _is_zero(x: Number) -> bool:
@@ -138,6 +160,7 @@ def _write(targets: Sequence[Tensor], new: Tensor) -> None:
 
 
 @torch.no_grad()
+@_autocast_off
 def colinearity_decay_(
     pairs: Sequence[Pair],
     step_sizes: Sequence[Number],
@@ -235,6 +258,7 @@ def colinearity_decay_(
 
 
 @torch.no_grad()
+@_autocast_off
 def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str, Tensor]:
     """Normalized pair energy ||W2 W1n||_F^2 (Eq. method_pair_energy with app_cd_norm_objective), per role.
 
@@ -260,7 +284,7 @@ def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Ten
     """||W2 W1n||_F^2 for same-shaped pairs, (n,) in at least fp32. grad: keep W2 in the graph; upstream_grad: W1 too
     (functional pairs only), with the normalizer held constant."""
     def up(t: Tensor, keep_grad: bool) -> Tensor:
-        return (t if keep_grad else t.detach()).to(_compute_dtype(t))
+        return (t if keep_grad else t.detach()).to(compute_dtype(t))
 
     w2 = torch.stack([up(p.w2(), grad) for p in group])
     if group[0].diagonal:
@@ -271,6 +295,7 @@ def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Ten
     return torch.bmm(w2, w1 / norm).square().sum(dim=(1, 2))
 
 
+@_autocast_off
 def pair_penalty(
     pairs: Sequence[Pair],
     weights: Sequence[float],
@@ -296,13 +321,12 @@ def pair_penalty(
     plan = plan or build_plan(pairs)
     total: Optional[Tensor] = None
     device = pairs[0].w2().device
-    with torch.autocast(device_type=device.type, enabled=False):
-        for group in plan.groups:
-            idx = [i for i in group if weights[i] != 0]
-            if not idx:
-                continue
-            e = _group_energy([pairs[i] for i in idx], grad=True, upstream_grad=upstream_grad)
-            w = torch.tensor([float(weights[i]) for i in idx], dtype=torch.float32, device=e.device)
-            term = (e * w).sum()
-            total = term if total is None else total + term
+    for group in plan.groups:
+        idx = [i for i in group if weights[i] != 0]
+        if not idx:
+            continue
+        e = _group_energy([pairs[i] for i in idx], grad=True, upstream_grad=upstream_grad)
+        w = torch.tensor([float(weights[i]) for i in idx], dtype=torch.float32, device=e.device)
+        term = (e * w).sum()
+        total = term if total is None else total + term
     return total if total is not None else torch.zeros((), device=device)

@@ -30,7 +30,6 @@ class Loaders:
     val: DataLoader
     train_sampler: SeededSampler
     mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
-    num_classes: int
 
 
 def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transform: bool):
@@ -95,7 +94,7 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
                                world_size=world_size, seed=seed, num_classes=num_classes)
     val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup, num_classes=num_classes)
+    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup)
 
 
 def build_eval_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,

@@ -19,16 +19,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from engine.rng import mix_seed
+from engine.rng import mix_seed, seed_all
 
 
 @contextmanager
 def forked_rng(seed: int):
     """Seed python, numpy and torch (CPU) RNGs inside the block; restore their states after."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.random.default_generator.manual_seed(seed)
+    seed_all(seed, cuda=False)
     try:
         yield
     finally:
@@ -47,7 +45,9 @@ class SeededSampler(Sampler):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
         if hasattr(self.base, "set_epoch"):
-            self.base.set_epoch(epoch)
+            # DistributedSampler mixes its own seed in; timm's RepeatAugSampler shuffles by the epoch alone,
+            # so it gets an epoch number mixed with the run's seed (the same on every rank).
+            self.base.set_epoch(epoch if hasattr(self.base, "seed") else mix_seed(self.seed, epoch) % (1 << 31))
 
     def __iter__(self):
         for pos, idx in enumerate(self.base):

@@ -15,14 +15,12 @@ checkpoint continues exactly as the uninterrupted run would have, without storin
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,7 +28,7 @@ import torch.nn.functional as F
 from .checkpoint import unwrap_model
 from .distributed import all_reduce
 from .precision import autocast
-from .rng import mix_seed
+from .rng import mix_seed, seed_all
 
 
 class NonFiniteLossError(RuntimeError):
@@ -112,7 +110,7 @@ class TrainLoop:
             if state.epoch_batches >= total * self.accum_steps:
                 break  # the tail that does not fill a whole update
             if micro == 0:
-                _reseed(mix_seed(self.seed, self.rank, state.step))
+                seed_all(mix_seed(self.seed, self.rank, state.step))
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if self.mixup is not None:
@@ -204,7 +202,6 @@ class _Window:
     def __init__(self, device: torch.device):
         self.device = device
         self._reset()
-        self.bad_step = None
 
     def _reset(self):
         self.loss_sum = torch.zeros((), device=self.device)
@@ -224,18 +221,27 @@ class _Window:
         if grad_norm is not None:
             self.grad_norm = grad_norm
 
-    def check_finite(self, step: Optional[int]) -> None:
-        if self.micro and not math.isfinite(self.loss_sum.item()):
-            raise NonFiniteLossError(f"the training loss is {self.loss_sum.item()} at or before update "
-                                     f"{step}; stopping without writing a checkpoint, the last good one is kept")
+    def _global_loss(self) -> tuple[float, float]:
+        """(sum of losses, micro-batches) over all ranks: a NaN on any rank stops every rank (the NaN
+        gradient was averaged into all of them), and train/loss is the global mean. One collective."""
+        totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device)])
+        loss_sum, micro = all_reduce(totals).tolist()
+        return loss_sum, micro
+
+    def check_finite(self, step: Optional[int]) -> float:
+        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank; return the global mean loss."""
+        loss_sum, micro = self._global_loss()
+        if not math.isfinite(loss_sum):
+            raise NonFiniteLossError(f"the training loss is {loss_sum} at or before update {step}; stopping "
+                                     f"without writing a checkpoint, the last good one is kept")
+        return loss_sum / max(micro, 1.0)
 
     def flush(self, step: int) -> dict:
-        self.check_finite(step)
+        mean_loss = self.check_finite(step)
         elapsed = time.perf_counter() - self.t0
-        metrics = {"train/loss": (self.loss_sum / max(self.micro, 1)).item(),
-                   "train/img_per_s": self.images / max(elapsed, 1e-9)}
+        metrics = {"train/loss": mean_loss, "train/img_per_s": self.images / max(elapsed, 1e-9)}
         if self.grad_norm is not None:
-            metrics["train/grad_norm"] = float(self.grad_norm)
+            metrics["train/grad_norm"] = float(self.grad_norm)  # the last update's (clipping on)
         self._reset()
         return metrics
 
@@ -267,12 +273,6 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     count = max(count, 1.0)
     return {"top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count, "loss": loss / count,
             "count": int(count)}
-
-
-def _reseed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
 
 
 def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):

@@ -26,7 +26,9 @@ class MetricLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=resume_step)
+            # purge events after the resumed step (metrics.jsonl keeps step <= resume_step likewise)
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
         if wandb:
             import wandb as wandb_lib  # optional dependency, imported only when enabled
 

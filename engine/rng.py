@@ -1,6 +1,11 @@
 """Deterministic seeds derived from counters, so that no RNG state has to be checkpointed."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import torch
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -12,3 +17,13 @@ def mix_seed(*parts: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
         h ^= h >> 31
     return h >> 1
+
+
+def seed_all(seed: int, cuda: bool = True) -> None:
+    """Seed python's, numpy's and torch's global RNGs (torch's CUDA generators too, unless `cuda` is False)."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    if cuda:
+        torch.manual_seed(seed)
+    else:  # e.g. in data workers: leave the CUDA generators alone
+        torch.random.default_generator.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Run bookkeeping: logging to the console (main rank) and out_dir/train.log, and an environment line
+"""Run bookkeeping: logging to the console (main rank) and a log file, and an environment line
 (git commit, versions, devices) at the top of every log, for reproducibility.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import timm
 import torch
 
 
-def setup_logging(out_dir: str, is_main: bool) -> None:
-    """INFO to stdout and out_dir/train.log on the main rank; warnings only on the others."""
+def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
+    """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_cd_run", False):
@@ -23,7 +23,7 @@ def setup_logging(out_dir: str, is_main: bool) -> None:
     fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S")
     handlers = [logging.StreamHandler(sys.stdout)]
     if is_main:
-        handlers.append(logging.FileHandler(os.path.join(out_dir, "train.log")))
+        handlers.append(logging.FileHandler(os.path.join(out_dir, filename)))
     for handler in handlers:
         handler.setFormatter(fmt)
         handler._cd_run = True

@@ -12,6 +12,7 @@ A sweep file (configs/sweeps/*.yaml):
     runs:
       baseline: [cd.enabled=false]              # items ending in .yaml are further --config layers,
       lam0.01: [cd.lam=0.01]                    # the others key=value overrides
+    evaluate: ["quant.pipelines=[repq,aphq]"]   # optional: overrides for every evaluate.py command
 Overrides given on this command line apply to every run. Runs are plain train.py invocations, so a run
 that stopped resumes when the sweep is started again.
 """
@@ -33,10 +34,11 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), all checked by the loader."""
     with open(sweep_path) as f:
         sweep = parse_yaml(f.read()) or {}
-    unknown = set(sweep) - {"configs", "out_root", "runs"}
+    unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
-        raise ConfigError(f"{sweep_path}: a sweep has 'configs', 'out_root' and a non-empty 'runs' mapping"
-                          + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+        raise ConfigError(f"{sweep_path}: a sweep has 'configs', 'out_root', a non-empty 'runs' mapping and "
+                          f"optionally 'evaluate'" + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+    eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
     runs = []
     for name, items in sweep["runs"].items():
         items = [str(i) for i in items or []]
@@ -44,10 +46,10 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
         overrides.append(f"out_dir={os.path.join(sweep.get('out_root', 'runs/sweep'), str(name))}")
         try:
-            load_config([os.path.join(ROOT, c) for c in configs], overrides)  # strict: fail before launching
+            load_config([os.path.join(ROOT, c) for c in configs], overrides + eval_overrides)  # strict, up front
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
-        runs.append({"name": str(name), "configs": configs, "overrides": overrides})
+        runs.append({"name": str(name), "configs": configs, "overrides": overrides, "evaluate": eval_overrides})
     return runs
 
 
@@ -58,7 +60,8 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     if evaluate:
         out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
-        cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"), *data_overrides])
+        cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"), *data_overrides,
+                              *run["evaluate"]])
     return cmds
 
 

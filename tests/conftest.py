@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,3 +21,23 @@ def debug_config(tmp_path):
         return load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / name}", *overrides])
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are deselected by default (pyproject); a command line `-m` replaces that, so they are
+    also skipped wherever no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the duration of a test: tiny tensors run faster, and CI machines are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

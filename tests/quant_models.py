@@ -72,13 +72,18 @@ def train_on_digits(model_name: str, steps: int = 300, lr: float = 3e-3, seed: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        idx = torch.randint(len(y), (64,), generator=g)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and CI machines are shared
+    try:
+        for _ in range(steps):
+            idx = torch.randint(len(y), (64,), generator=g)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        torch.set_num_threads(threads)
     return model.eval(), cfg, xv, yv
 
 

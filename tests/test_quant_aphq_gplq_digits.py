@@ -28,12 +28,7 @@ GPLQ_FAST = dict(steps=3, batch_size_per_gpu=16, init_images=32, pca_images=64, 
                  ckpt_every=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and the CI machine is shared
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained(name, tmp_path_factory):

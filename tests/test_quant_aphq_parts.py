@@ -14,12 +14,7 @@ from quant.units import find_units, model_logits
 from quant_models import images, tiny_swin, tiny_vit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors; the CI machine is shared
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def adaround_layer(bits=4, seed=0):

@@ -11,12 +11,7 @@ from quant.units import capture_unit, find_units
 from quant_models import images, tiny_swin, tiny_vit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_lsq_scales_receive_gradients():
