@@ -50,7 +50,7 @@ class DataConfig:
     reprob: float = 0.25  # random erasing probability
     remode: str = "pixel"
     recount: int = 1
-    repeated_aug: int = 3  # repeats per sample (RepeatAugSampler) in distributed runs; 0 or 1 = off
+    repeated_aug: int = 3  # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
     # batch-level mixing (timm Mixup); label smoothing is applied inside it or in the loss
     mixup: float = 0.8  # Beta alpha; 0 disables
     cutmix: float = 1.0  # Beta alpha; 0 disables
@@ -172,7 +172,7 @@ class QuantConfig:
 
 @dataclass
 class Config:
-    out_dir: str = ""  # "" -> runs/<name of the last --config file>
+    out_dir: str = ""  # "" -> runs/<the --config file names joined by +>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

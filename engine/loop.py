@@ -91,7 +91,7 @@ class TrainLoop:
         """Train from `state` to the end of `state.epoch` (or an earlier stop).
 
         Returns:
-            'epoch_end', 'max_steps' or 'preempted'.
+            'epoch_end' (the epoch is complete), 'max_steps' (stopped inside it) or 'preempted'.
         """
         sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
         total = self.updates_per_epoch(len(loader) + state.epoch_batches)
@@ -154,9 +154,11 @@ class TrainLoop:
         if window.updates:
             self._log(state, window, None, total)
         window.check_finite(state.step)
-        if reason == "epoch_end":
-            state.epoch += 1
+        if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
+            state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
+            if reason == "max_steps":
+                reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
         return reason
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:

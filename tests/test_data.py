@@ -106,3 +106,29 @@ def test_empty_root_and_odd_mixup_batch_are_clear_errors():
     with pytest.raises(DataError, match="must be even"):
         build_loaders(cfg, img_size=32, batch_size_per_gpu=7, eval_batch_size_per_gpu=8, rank=0, world_size=1,
                       seed=0, num_classes=4)
+
+
+def test_randaugment_posterize_at_full_magnitude_works():
+    """rand-m9-mstd0.5-inc1 reaches magnitude 10, where timm's increasing posterize keeps 0 bits (Pillow 13
+    refuses that: requirements.txt pins pillow<13)."""
+    from timm.data.auto_augment import AugmentOp
+
+    img = Image.fromarray(np.random.randint(0, 255, (16, 16, 3), dtype=np.uint8))
+    out = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)(img)
+    assert np.asarray(out).max() == 0  # no bits kept: a black image
+
+
+def test_repeated_augmentation_follows_the_seed_and_sends_repeats_to_different_ranks():
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    def order(seed, rank, world=2, repeats=2):
+        sampler = SeededSampler(RepeatAugSampler(range(600), num_replicas=world, rank=rank, num_repeats=repeats),
+                                seed=seed, rank=rank)
+        sampler.set_epoch(3)
+        return [i for i, _ in sampler]
+
+    assert order(0, 0) != order(1, 0)  # train.seed changes the sample order (timm seeds by epoch alone)
+    rank0, rank1 = order(5, 0), order(5, 1)
+    # one shared permutation per epoch on every rank: the two copies of an image go to the two ranks
+    assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)
+    assert len(set(rank0) & set(rank1)) > 0.9 * len(rank0)

@@ -15,7 +15,7 @@ from configs import load_config
 from engine.checkpoint import CheckpointError, save_atomic
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
 from dist_utils import free_port
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
 
 
 def read_metrics(out_dir):
@@ -227,3 +227,93 @@ def test_gradscaler_skipped_updates_are_counted_and_leave_weights_unchanged(debu
     # micro-batches 1-2 are update 1, 3-4 update 2 (skipped), 5-6 update 3
     assert not torch.equal(weights_before[2], weights_before[0])  # update 1 moved the weights
     assert torch.equal(weights_before[4], weights_before[2])  # the skipped update 2 changed nothing
+
+
+def test_rerunning_a_run_stopped_by_max_steps_trains_no_further(debug_config):
+    first = train.main(debug_config("train.max_steps=3", name="ms"))
+    again = train.main(debug_config("train.max_steps=3", name="ms"))
+    assert first.state.step == again.state.step == 3
+    assert train.main(debug_config("train.max_steps=5", name="ms")).state.step == 5  # raising it continues
+
+
+def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train.main(debug_config("train.max_steps=4", name="tb"))  # epoch 0 ends at update 4: validated there
+    cfg = debug_config(name="tb")
+    train.main(cfg)
+    events = EventAccumulator(os.path.join(cfg.out_dir, "tb")).Reload()
+    assert [e.step for e in events.Scalars("val/top1")] == [4, 8]
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == [4, 8]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cd.lam_per_role.fc3=0.1", "cd: .*unknown role"),
+    ("cd.lam=0.1", "cd.budget: .*< 0"),  # wd 0.05 - lam 0.1 would be negative
+    ("tweo.p=0.5", "tweo: .*p >= 1"),
+    ("train.eval_every_epochs=0", "eval_every_epochs"),
+])
+def test_bad_regularizer_and_loop_settings_are_config_errors(debug_config, override, message):
+    from configs import ConfigError
+
+    extra = ("cd.enabled=true",) if override.startswith("cd.") else ("tweo.enabled=true",) if "tweo" in override else ()
+    with pytest.raises(ConfigError, match=message):
+        train.main(debug_config(*extra, override))
+
+
+def _nan_worker(rank, world, port, out_file):
+    from data import build_loaders
+    from dist_utils import init_gloo
+
+    init_gloo(rank, world, port)
+    cfg = load_config([DEBUG_CONFIG], ["data.mixup=0", "data.cutmix=0"])
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=rank,
+                            world_size=world, seed=0, num_classes=4)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Flatten(),
+                                                                          torch.nn.Linear(3 * 32 * 32, 4)))
+    calls = [0]
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        return loss * float("nan") if rank == 1 and calls[0] == 3 else loss  # only rank 1 diverges
+
+    saves = []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), rank=rank, world_size=world, log_every=100, ckpt_every=2,
+                     save=lambda: saves.append(1))
+    try:
+        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+        outcome = "finished"
+    except NonFiniteLossError:
+        outcome = "stopped"
+    with open(out_file.format(rank=rank), "w") as f:
+        f.write(f"{outcome} {len(saves)}")
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_path):
+    out = str(tmp_path / "rank{rank}.txt")
+    mp.spawn(_nan_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    # the NaN (update 3) is seen at the checkpoint check of update 4: no rank writes from NaN weights
+    assert [open(out.format(rank=r)).read() for r in (0, 1)] == ["stopped 1", "stopped 1"]
+
+
+def test_exact_resume_on_digits_with_augmentation_and_repeated_sampling(tmp_path):
+    """The real data path: seeded transforms (RandAugment, random erasing), repeated augmentation,
+    mixup/cutmix, the per-epoch schedule, resumed in the middle of an epoch."""
+    common = [f"--config={DEMO_CONFIG}", "model.name=vit_nano", "data.repeated_aug=2",
+              "data.auto_augment=rand-m9-mstd0.5-inc1", "data.reprob=0.25", "data.mixup=0.8", "data.cutmix=1.0",
+              "train.batch_size=64", "train.batch_size_per_gpu=32", "sched.epochs=2", "sched.warmup_epochs=1",
+              "train.log_every_steps=10", "log.tensorboard=false"]
+    straight = train.parse_args([*common, f"out_dir={tmp_path / 'straight'}"])
+    train.main(straight)
+    first = train.main(train.parse_args([*common, f"out_dir={tmp_path / 'split'}", "train.max_steps=27"]))
+    assert first.state.epoch == 1 and first.state.epoch_batches > 0  # stopped inside the second epoch
+    train.main(train.parse_args([*common, f"out_dir={tmp_path / 'split'}"]))
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert a["state"] == b["state"]
