@@ -103,6 +103,23 @@ class Quantizer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+# A range narrower than this fraction of its distance from 0 counts as degenerate (a near-constant group).
+_DEGENERATE_WIDTH = 1e-3
+
+
+def _widen_degenerate(lo: torch.Tensor, hi: torch.Tensor) -> tuple:
+    """Stretch near-constant ranges to include 0.
+
+    A group whose values barely vary (e.g. a LayerNorm channel with gamma ~ 0, which outputs ~beta)
+    would get a tiny scale and a zero point of order |lo| / scale (1e8 and more): useless codes, and a
+    LayerNorm fold whose mean zero point, and hence every folded bias, blows up. With [min(lo, 0),
+    max(hi, 0)] the constant itself is a grid point (code 0 or 2^b - 1) and the zero point stays in
+    range. Ranges of ordinary width keep RepQ-ViT's behaviour (0 need not be inside).
+    """
+    degenerate = (hi - lo) <= _DEGENERATE_WIDTH * torch.maximum(lo.abs(), hi.abs())
+    return torch.where(degenerate, lo.clamp(max=0), lo), torch.where(degenerate, hi.clamp(min=0), hi)
+
+
 def _broadcast(param: torch.Tensor, ndim: int, dim: Optional[int]) -> torch.Tensor:
     """View a [G] parameter so that it broadcasts along `dim` of an ndim-D tensor."""
     if dim is None:
@@ -146,6 +163,7 @@ class UniformQuantizer(Quantizer):
         if self.symmetric:
             scale = torch.maximum(lo.abs(), hi.abs()) / self.qmax
             return scale.clamp(min=_MIN_SCALE), torch.zeros_like(scale)
+        lo, hi = _widen_degenerate(lo, hi)
         scale = ((hi - lo) / (self.qmax - self.qmin)).clamp(min=_MIN_SCALE)
         return scale, torch.round(-lo / scale)
 

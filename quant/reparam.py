@@ -18,6 +18,7 @@ padded positions would not be exactly folded, because 0 in y' stands for y = r *
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -27,6 +28,10 @@ from torch import nn
 from .layers import QuantLinear
 from .quantizers import UniformQuantizer
 from .spec import fqn_matches
+
+
+# Beyond this |z~| the folded bias s~ (z~ - z_c) is a difference of large numbers (float32 keeps 24 bits).
+_MAX_MEAN_ZERO_POINT = 2.0 ** 12
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,10 @@ def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bo
     # the folded quantizer stores s~, z~ in its own dtype: fold with exactly those values
     s_t = s_c.mean().to(iq.scale.dtype).double()
     z_t = z_t.to(iq.zero_point.dtype).double()
+    if z_t.abs() > _MAX_MEAN_ZERO_POINT:
+        warnings.warn(f"{iq.name}: mean zero point {z_t.item():.3g} after the LayerNorm fold; the folded "
+                      "biases (s~ (z~ - z_c)) lose float precision. A near-constant channel? Quantizer "
+                      "ranges are widened to include 0 for those, so this should not happen.", RuntimeWarning)
     r = s_c / s_t
     b = s_t * (z_t - z_c)
 

@@ -95,6 +95,17 @@ def test_aphq_end_to_end(trained):
     print(f"APHQ W4A4 ({APHQ_FAST['iters']} iters) {top1(qmodel, xv, yv):.1f} (float {top1(model, xv, yv):.1f})")
 
 
+def test_aphq_folds_layernorms_only_at_equal_weight_and_activation_bits(vit):
+    model, _, data, calib, _, _ = vit
+    qmodel, report = PIPELINES["aphq"](model, calib, "w4a8", {**APHQ_FAST, "iters": 1}, data=data)
+    assert report["calibration"]["folded"] == []  # official: reparameterisation only when a_bit == w_bit
+    assert_fully_quantized(qmodel)
+    qkv = qmodel.get_submodule(find_units(qmodel, ("block",))[0].name).attn.qkv
+    assert qkv.input_quantizer.bits == 8 and qkv.input_quantizer.channel_dim is None
+    norms = [n for n, _ in model.named_parameters() if n.endswith(("norm1.weight", "norm1.bias"))]
+    assert norms and all(torch.equal(model.get_parameter(n), qmodel.get_parameter(n)) for n in norms)  # not rescaled
+
+
 def test_aphq_mlp_reconstruction_runs(vit):
     model, _, data, calib, _, _ = vit
     before = snapshot(model)

@@ -55,6 +55,12 @@ def test_percentile_modes():
     assert all(q.search.method == "percentile" and q.search.percentiles == (0.9999,) for q in acts)
     assert isinstance(model.blocks[0].attn.attn_quant, LogSqrt2Quantizer)
     assert report["options"]["act_range"] == "percentile"
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4", {"weight_range": "percentile"})
+    weights = [q for _, q in named_quantizers(model, "weight")]
+    assert weights and all(q.search.method == "percentile" and q.search.percentiles == (0.9999,) for q in weights)
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4",
+                                       {"weight_range": "percentile", "weight_percentiles": [0.99]})
+    assert all(q.search.percentiles == (0.99,) for _, q in named_quantizers(model, "weight"))
 
 
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])

@@ -53,6 +53,17 @@ def test_zero_point_not_clamped():
     assert (q(x) - x).abs().max() <= q.scale.item() / 2 + 1e-5
 
 
+@pytest.mark.parametrize("value", [3.7, -0.25, 0.0])
+def test_constant_group_is_represented_exactly_with_a_zero_point_in_range(value):
+    # channel 1 is constant: its range is widened to include 0, so the constant is a grid end point;
+    # channel 0 (ordinary width, away from 0) keeps the plain percentile range and its negative zero point
+    x = torch.stack([torch.linspace(10.0, 20.0, 500), torch.full((500,), value)], dim=1)
+    q = fitted(UniformQuantizer(4, channel_dim=-1), x)
+    assert q.qmin <= q.zero_point[1].item() <= q.qmax
+    assert torch.equal(q(x)[:, 1], x[:, 1]) or value == 0.0 and q(x)[:, 1].abs().max() == 0
+    assert q.zero_point[0].item() < 0
+
+
 def brute_force_pick(row, bits, levels):
     """Independent numpy reference of RepQ-ViT's per-row search (first candidate wins ties)."""
     best, best_err = None, np.inf

@@ -1,4 +1,6 @@
 """RepQ-ViT LayerNorm fold: float function unchanged; with an integer mean zero point, codes unchanged."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -64,6 +66,27 @@ def test_integer_mean_zero_point_gives_identical_codes(build):
         assert iq.scale.shape == (1,) and iq.zero_point.item() == round(iq.zero_point.item())
         assert torch.equal(codes_pc, codes_pt)
         torch.testing.assert_close(qmodel(x), per_channel_out, rtol=0, atol=1e-9)
+
+
+def test_fold_with_a_constant_layernorm_channel_keeps_float_outputs():
+    # gamma_c = 0 makes channel c output the constant beta_c: before ranges were widened, its scale
+    # collapsed to 1e-8, its zero point to ~1e8 and the fold's mean zero point broke every folded bias
+    model = perturb_norms(tiny_vit())
+    with torch.no_grad():
+        model.blocks[0].norm1.weight[3] = 0.0
+        model.blocks[0].norm1.bias[3] = 1.5
+    qmodel = quantize_model(model, PIPELINES["repq"].layout(Bits(4, 4), RepQOptions()))
+    calibrate(qmodel, images(8))
+    set_quant_state(qmodel, weights=False, activations=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "mean zero point" warning either
+        for _, norm, _, linear in find_fold_sites(qmodel):
+            zero_points = linear.input_quantizer.zero_point
+            assert zero_points.abs().max() < 1e3, "a constant channel gave a ~1e8 zero point before the fix"
+            fold_layernorm(norm, linear)
+    x = images(4, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(qmodel(x), model(x), rtol=0, atol=1e-5)
 
 
 def test_unrounded_mean_zero_point_is_close_but_not_identical():

@@ -6,7 +6,8 @@ turned off" (reference notes, intro and 1.1). Procedure (notes 1.1-1.4, pitfalls
 1. Data: `recon_images` (1024) train-split images with the TRAINING transform, one fixed augmentation
    each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.
 2. Layout: weights asymmetric per output channel (AdaRound kind); post-LayerNorm inputs (qkv, fc1,
-   Swin reduction) per channel, folded into the LayerNorm (RepQ-ViT) and then per tensor; proj, fc2 and
+   Swin reduction) per channel, folded into the LayerNorm (RepQ-ViT) and then per tensor (only when
+   a_bits == w_bits, as officially; otherwise per tensor without a fold); proj, fc2 and
    head inputs asymmetric per tensor; q, k, attn, v asymmetric uniform PER HEAD (also the softmax
    output, no log quantizer); the image input of the patch embedding float (`stem_a_bits=0`).
 3. Calibration (aphq_calibration.py): fold and output-MSE searches, layer by layer on float inputs.
@@ -99,11 +100,16 @@ class APHQPipeline(Pipeline):
     Options = APHQOptions
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
-        """APHQ's converted layout before the fold (post-LN inputs still per channel)."""
+        """APHQ's converted layout before the fold (post-LN inputs still per channel).
+
+        As in the official code, the RepQ reparameterisation happens only when a_bits == w_bits; otherwise
+        the post-LN inputs are per-tensor from the start and searched like every other Linear input.
+        """
         act = QuantizerSpec(bits.a)
+        post_norm = QuantizerSpec(bits.a, granularity="channel") if bits.a == bits.w else act
         return standard_layout(
             weight=QuantizerSpec(bits.w, kind="adaround", granularity="channel"),
-            post_norm_input=QuantizerSpec(bits.a, granularity="channel"),
+            post_norm_input=post_norm,
             block_input=act, q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))

@@ -38,7 +38,7 @@ class PercentileOptions(FirstLastOptions):
     act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
     act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
-    weight_percentiles: Tuple[float, ...] = REPQ_PERCENTILES
+    weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
     weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
     softmax: Literal["uniform", "log_sqrt2"] = "uniform"
 
