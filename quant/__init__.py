@@ -13,7 +13,7 @@ stage 1); it never imports data/, models/ or the entry points. See quant/README.
 from .calibrate import calibrate, refit_weight_quantizers
 from .convert import quantize_model, quantized_layers
 from .evaluate import evaluate_quantized
-from .modes import describe, named_quantizers, quantization_disabled, set_quant_state
+from .modes import describe, named_quantizers, quant_state, set_quant_state
 from .pipeline_data import PipelineData, TrainBatches
 from .pipelines import PIPELINES, Pipeline, PTQResult, register_pipeline
 from .probes import ActivationProbe, ActMaxResult
@@ -24,7 +24,7 @@ from .spec import AttentionRule, Bits, LinearRule, QuantizerSpec, QuantSpec, fqn
 __all__ = [
     "PIPELINES", "Pipeline", "PTQResult", "register_pipeline", "evaluate_quantized", "PipelineData", "TrainBatches",
     "quantize_model", "quantized_layers", "calibrate", "refit_weight_quantizers",
-    "describe", "named_quantizers", "quantization_disabled", "set_quant_state",
+    "describe", "named_quantizers", "quant_state", "set_quant_state",
     "ActivationProbe", "ActMaxResult",
     "Quantizer", "UniformQuantizer", "LogSqrt2Quantizer", "QUANTIZER_KINDS", "RangeSearch",
     "QuantSpec", "LinearRule", "AttentionRule", "QuantizerSpec", "Bits", "parse_bits", "fqn_matches",

@@ -41,12 +41,15 @@ def set_quant_state(model: nn.Module, weights: Optional[bool] = None, activation
 
 
 @contextmanager
-def quantization_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Run a converted model in float (every quantizer bypassed); restores each quantizer's flag on exit."""
+def quant_state(model: nn.Module, weights: Optional[bool] = None,
+                activations: Optional[bool] = None) -> Iterator[nn.Module]:
+    """`set_quant_state` for the duration of a with-block; restores every quantizer's flag on exit.
+
+    Example: `with quant_state(qmodel, weights=False, activations=False): float_out = qmodel(x)`.
+    """
     saved = [(q, q.enabled) for _, q in named_quantizers(model)]
     try:
-        for q, _ in saved:
-            q.enabled = False
+        set_quant_state(model, weights=weights, activations=activations)
         yield model
     finally:
         for q, on in saved:

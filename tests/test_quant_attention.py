@@ -5,7 +5,7 @@ from timm.models.vision_transformer import Attention
 
 from quant.attention import ATTENTION_TYPES, QuantAttention, QuantWindowAttention, convert_attention
 from quant.convert import quantize_model
-from quant.modes import quantization_disabled
+from quant.modes import quant_state
 from quant.spec import ATTENTION, AttentionRule, QuantizerSpec, QuantSpec
 from quant_models import images, tiny_swin, tiny_vit
 
@@ -46,7 +46,7 @@ def test_converted_model_with_quantization_disabled_matches_timm(build):
     model = build()
     qmodel = quantize_model(model, ATTN_ONLY)
     x = images(4)
-    with torch.no_grad(), quantization_disabled(qmodel):
+    with torch.no_grad(), quant_state(qmodel, weights=False, activations=False):
         torch.testing.assert_close(qmodel(x), model(x), rtol=0, atol=1e-5)
     assert all(type(m).__name__.startswith("Quant") for n, m in qmodel.named_modules() if n.endswith(".attn"))
 

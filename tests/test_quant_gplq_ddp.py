@@ -1,4 +1,4 @@
-"""GPLQ under DDP: 2 gloo processes on CPU run stage 1 through a DDP-wrapped student and end identical."""
+"""GPLQ under DDP: 2 gloo processes on CPU train stage 1 on their own shards through DDP and agree before any broadcast."""
 from __future__ import annotations
 
 import os
@@ -15,8 +15,20 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
     try:
         import evaluate as evaluate_entry
         from models import build_model
+        import quant.pipelines.gplq as gplq_module
         from quant import PIPELINES
         from quant_models import digits_config
+
+        # Compare the ranks BEFORE the final broadcast of rank 0's model (after it they agree by
+        # construction): every rank trains on its own shard, so only averaged gradients make them agree.
+        before_sync = {}
+        real_sync = gplq_module.sync_across_ranks
+
+        def recording_sync(model):
+            before_sync["flat"] = _flat_state(model)
+            real_sync(model)
+
+        gplq_module.sync_across_ranks = recording_sync
 
         cfg = digits_config("vit_nano")
         torch.manual_seed(0)
@@ -25,15 +37,24 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         qmodel, report = PIPELINES["gplq"](model, None, "w4a4",
                                            dict(steps=3, batch_size_per_gpu=8, init_images=16, pca_images=32,
                                                 stage2_images=16, log_every=1), data=data)
-        flat = torch.cat([t.flatten().float() for t in qmodel.state_dict().values() if isinstance(t, torch.Tensor)])
+        flat = before_sync["flat"]
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
+        shard = next(iter(data.train_loader(4, 0).loader))[0]  # each rank's stage-1 shard: the ranks' data differ
+        shards = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(shards, shard)
         if rank == 0:
             torch.save({"identical": all(torch.equal(gathered[0], g) for g in gathered[1:]),
+                        "same_data": all(torch.equal(shards[0], x) for x in shards[1:]),
                         "world": report["stage1"]["world_size"], "steps": report["stage1"]["steps"],
                         "ddp": report["stage1"]["ddp"]}, os.path.join(work, "result.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _flat_state(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().flatten().float() for t in model.state_dict().values()
+                      if isinstance(t, torch.Tensor)])
 
 
 @pytest.mark.slow
@@ -42,5 +63,6 @@ def test_gplq_stage1_trains_a_ddp_student_and_ranks_agree(tmp_path):
     result = torch.load(tmp_path / "result.pt")
     assert result["world"] == 2 and result["steps"] == 3
     assert result["ddp"]  # the student forward went through DistributedDataParallel
+    assert not result["same_data"]
     assert result["identical"]
     assert (tmp_path / "eval_gplq_w4a4_stage1.pt").exists()

@@ -33,9 +33,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ from torch import nn
 from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model, quantized_layers, set_submodule
-from ..modes import named_quantizers, set_quant_state
+from ..modes import named_quantizers, quant_state, set_quant_state
 from ..pca import fit_pca
 from ..pipeline_data import PipelineData, require_data
 from ..qat import Stage1Settings, run_stage1
@@ -106,17 +105,6 @@ def fingerprint(model: nn.Module) -> str:
     sums = torch.stack([t.detach().double().sum() for t in model.state_dict().values()
                         if isinstance(t, torch.Tensor) and t.is_floating_point()])
     return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-@contextmanager
-def _quant_state(module: nn.Module, weights: Optional[bool], activations: Optional[bool]) -> Iterator[None]:
-    saved = [(q, q.enabled) for _, q in named_quantizers(module)]
-    try:
-        set_quant_state(module, weights=weights, activations=activations)
-        yield
-    finally:
-        for q, on in saved:
-            q.enabled = on
 
 
 class GPLQPipeline(Pipeline):
@@ -216,7 +204,7 @@ class GPLQPipeline(Pipeline):
                 acts = None if options.qwt_target == "w32a4" else False
 
                 def reference(xc: torch.Tensor, block: nn.Module = block, acts: Optional[bool] = acts) -> torch.Tensor:
-                    with _quant_state(block, weights=False, activations=acts):
+                    with quant_state(block, weights=False, activations=acts):
                         return block(xc)
             fit = fit_block_compensation(x, block, reference, bs, options.qwt_ridge)
             if fit.keep:
