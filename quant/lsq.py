@@ -3,8 +3,9 @@
 A `UniformQuantizer` whose scale, once `make_learnable(scale=True)` is called, is trained with the
 straight-through estimator and LSQ's gradient scaling g = 1 / sqrt(Q_P * elements per scale), where
 Q_P = 2^(b-1) - 1 for GPLQ's symmetric signed codes [-2^(b-1), 2^(b-1) - 1] (reference notes 2.1).
-The forward value is `(clamp(round(x / s), qmin, qmax)) * s`; the gradient w.r.t. s is LSQ's
-(round(x/s) - x/s inside the range, qmin or qmax outside), multiplied by g.
+The forward value is `round(clamp(x / s, qmin, qmax)) * s` (= clamp(round(x / s)) * s for integer
+bounds); the gradient w.r.t. s is LSQ's eq. 3 (round(x/s) - x/s strictly inside the range, qmin or
+qmax outside it), multiplied by g.
 
 Initialisation is the ordinary calibrate-once protocol: the quantizer fits its range with its
 `RangeSearch` on the first calibration input (min/max per channel for Linear inputs, percentiles for
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .functional import fake_quant_uniform, grad_scale
+from .functional import grad_scale, round_ste
 from .quantizers import QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
 from .spec import QuantizerSpec
 
@@ -37,7 +38,10 @@ class LSQQuantizer(UniformQuantizer):
         s = grad_scale(scale, g).clamp(min=_MIN_SCALE)
         s = _broadcast(s, x.ndim, self.channel_dim)
         zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
-        return fake_quant_uniform(x, s, zp, self.qmin, self.qmax, ste=True)
+        # clamp, then round (LSQ's order): an element in the last half step beyond qmax (or qmin) is
+        # clipped, so its scale gradient is qmax (qmin) and its input gradient 0, as in LSQ eq. 3;
+        # rounding first would give it round(v) - v and pass its input gradient. Same forward value.
+        return (round_ste((x / s + zp).clamp(self.qmin, self.qmax)) - zp) * s
 
 
 def _lsq(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:

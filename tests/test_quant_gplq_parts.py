@@ -14,7 +14,7 @@ from quant_models import images, tiny_swin, tiny_vit
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_lsq_scales_receive_gradients():
+def test_lsq_scale_gradient_matches_the_lsq_formula():
     g = torch.Generator().manual_seed(0)
     q = LSQQuantizer(4, symmetric=True, channel_dim=-1, num_channels=6, search=RangeSearch("minmax"))
     x = torch.randn(4, 10, 6, generator=g) * torch.arange(1, 7)
@@ -23,13 +23,27 @@ def test_lsq_scales_receive_gradients():
     q.calibrating = False
     assert torch.allclose(q.scale, x.abs().amax(dim=(0, 1)) / 7)  # symmetric min/max init, codes [-8, 7]
     q.make_learnable(scale=True)
+    with torch.no_grad():
+        q.scale.mul_(0.6)  # a narrower range, so that some elements clip at both ends
+    upstream = torch.randn(x.shape, generator=g)
     x.requires_grad_(True)
-    ((q(x) - 0.3 * x.detach()).pow(2)).sum().backward()
-    assert q.scale.grad is not None and q.scale.grad.shape == (6,)
-    assert torch.isfinite(q.scale.grad).all() and (q.scale.grad != 0).all()
-    assert x.grad is not None and (x.grad != 0).any()  # straight-through to the input
-    with torch.no_grad():  # inference path: same values as the training path
-        assert torch.allclose(q(x), q.quantize(x))
+    y = q(x)
+    (y * upstream).sum().backward()
+
+    # LSQ (Esser et al. 2020, eq. 3 and the gradient scale of section 2.2), written out in float64:
+    # dy/ds = round(v) - v inside the code range, qmin / qmax below / above it; v = x / s.
+    xd, s = x.detach().double(), q.scale.detach().double()
+    v = xd / s
+    inside = (v >= q.qmin) & (v <= q.qmax)
+    dy_ds = torch.where(inside, torch.round(v) - v, torch.where(v < q.qmin, float(q.qmin), float(q.qmax)))
+    g_scale = 1.0 / (x.numel() / 6 * q.qmax) ** 0.5
+    expected = g_scale * (dy_ds * upstream.double()).sum(dim=(0, 1))
+    assert (~inside).any() and inside.any()
+    torch.testing.assert_close(q.scale.grad.double(), expected, rtol=1e-4, atol=1e-6)
+    # straight-through input gradient: the upstream gradient inside the range, 0 where clipped
+    torch.testing.assert_close(x.grad, torch.where(inside, upstream.double(), 0.0).float())
+    with torch.no_grad():  # the inference kernel path gives the training path's values
+        torch.testing.assert_close(q(x), y.detach(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("make, ridge", [(tiny_vit, 0.0), (tiny_vit, 10.0), (tiny_swin, 0.0)])
