@@ -111,8 +111,7 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=settings.iters, eta_min=0.0)
         first = last = torch.zeros((), device=device)
         for it in range(settings.iters):
-            idx = torch.randint(x.shape[0], (min(settings.batch_size, x.shape[0]),), device=device,
-                                generator=generator)
+            idx = torch.randperm(x.shape[0], device=device, generator=generator)[:settings.batch_size]
             xb, tb = x[idx], target[idx]
             loss = (weight * (mlp_branch(block, xb) - tb).pow(2)).mean() + settings.clip_weight * (
                 weight * (mlp_branch(block, xb, clip) - tb).pow(2)).mean()

@@ -6,7 +6,7 @@ quantized model, with cached tensors for the whole reconstruction set:
 * learned: AdaRound alpha of every weight (Adam, lr 1e-3, no schedule) and the scale of every
   activation quantizer (Adam, lr 4e-5, cosine to 0 over all iterations); zero points and weight
   scales stay fixed;
-* each iteration draws `batch_size` random samples; the unit input is an element-wise 50/50 mix of
+* each iteration draws `batch_size` distinct random samples; the unit input is an element-wise 50/50 mix of
   the quantized-prefix input and the float input (QDrop level 1), and every activation quantizer
   returns its float input with p = 0.5 element-wise (QDrop level 2, `Quantizer.drop_prob`);
 * target: the float model's unit output on float inputs;
@@ -117,7 +117,8 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
     rec_first = None
     rec = round_loss = torch.zeros((), device=device)
     for it in range(settings.iters):
-        idx = torch.randint(n, (min(settings.batch_size, n),), device=fp_in.device, generator=generator)
+        # a batch of distinct samples, as the official code's randperm(n)[:batch_size]
+        idx = torch.randperm(n, device=fp_in.device, generator=generator)[:settings.batch_size]
         x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
         if settings.input_mix_prob > 0:
             x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
