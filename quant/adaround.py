@@ -40,7 +40,6 @@ class AdaRoundQuantizer(UniformQuantizer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.alpha: Optional[nn.Parameter] = None
-        self.soft = True  # soft rounding h(alpha) while learning; False: hard 1[alpha >= 0]
 
     def _grid(self, w: torch.Tensor) -> tuple:
         scale = _broadcast(self.scale, w.ndim, self.channel_dim)
@@ -61,43 +60,40 @@ class AdaRoundQuantizer(UniformQuantizer):
         # invert h: sigmoid(alpha) = (rest - gamma) / (zeta - gamma), strictly inside (0, 1)
         alpha = -torch.log((ZETA - GAMMA) / (rest - GAMMA) - 1.0)
         self.alpha = nn.Parameter(alpha.float())
-        self.soft = True
         return self.alpha
 
-    def rounding(self) -> torch.Tensor:
-        """h(alpha) in [0, 1] (soft) or the hard 0/1 choice, same shape as the weight."""
+    def rounding(self, hard: bool = False) -> torch.Tensor:
+        """h(alpha) in [0, 1] (soft, while learning) or the hard choice 1[alpha >= 0], shaped like the weight."""
         if self.alpha is None:
             raise RuntimeError(f"{self.name}: AdaRound was not started")
-        if self.soft:
-            return torch.clamp(torch.sigmoid(self.alpha) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
-        return (self.alpha >= 0).to(self.alpha.dtype)
+        if hard:
+            return (self.alpha >= 0).to(self.alpha.dtype)
+        return torch.clamp(torch.sigmoid(self.alpha) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
     def regularizer(self, beta: float) -> torch.Tensor:
         """sum(1 - |2 h(alpha) - 1|^beta): pushes every h towards 0 or 1 (scalar tensor)."""
         h = torch.clamp(torch.sigmoid(self.alpha) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
         return (1.0 - (2.0 * h - 1.0).abs().pow(beta)).sum()
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, hard: bool = False) -> torch.Tensor:
         if self.alpha is None:
             return super().quantize(x)
         if x.shape != self.alpha.shape:
             raise ValueError(f"{self.name}: AdaRound alpha {tuple(self.alpha.shape)} does not match {tuple(x.shape)}")
         scale, zp = self._grid(x)
-        codes = torch.clamp(torch.floor(x / scale) + self.rounding() + zp, self.qmin, self.qmax)
+        codes = torch.clamp(torch.floor(x / scale) + self.rounding(hard) + zp, self.qmin, self.qmax)
         return (codes - zp) * scale
 
     @torch.no_grad()
     def bake(self, layer: nn.Module) -> None:
         """Write the hard-rounded weight into `layer.weight` in place and drop alpha (back to nearest)."""
-        self.soft = False
-        layer.weight.copy_(self.quantize(layer.weight).to(layer.weight.dtype))
+        layer.weight.copy_(self.quantize(layer.weight, hard=True).to(layer.weight.dtype))
         self.alpha = None
-        self.soft = True
         if hasattr(layer, "invalidate_weight_cache"):
             layer.invalidate_weight_cache()
 
     def extra_repr(self) -> str:
-        state = "" if self.alpha is None else f", adaround={'soft' if self.soft else 'hard'}"
+        state = "" if self.alpha is None else ", adaround=learning"
         return super().extra_repr() + state
 
 

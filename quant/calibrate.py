@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .modes import named_quantizers, set_calibration, uncalibrated
+from .modes import set_calibration, uncalibrated
 
 Images = Union[torch.Tensor, Iterable[Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
@@ -97,13 +97,3 @@ def refit_weight_quantizers(layers: Iterable[Tuple[str, nn.Module]]) -> int:
         layer.invalidate_weight_cache()
         n += 1
     return n
-
-
-def calibration_summary(model: nn.Module) -> Dict[str, int]:
-    """Counts of weight / activation quantizers and how many are calibrated."""
-    out = {}
-    for kind in ("weight", "activation"):
-        qs = [q for _, q in named_quantizers(model, kind)]
-        out[f"{kind}_quantizers"] = len(qs)
-        out[f"{kind}_calibrated"] = sum(q.calibrated for q in qs)
-    return out

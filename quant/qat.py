@@ -45,8 +45,10 @@ class FeatureTap(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> tuple:
-        feats = self.model.forward_features(x)
-        return self.model.forward_head(feats), self.model.forward_head(feats, pre_logits=True)
+        # timm's forward_head(pre_logits=True) stops just before the classifier (ViT: after pooling,
+        # fc_norm and head dropout; Swin: after pooling and dropout), so classifier(pre) = forward_head(feats)
+        pre = self.model.forward_head(self.model.forward_features(x), pre_logits=True)
+        return self.model.get_classifier()(pre), pre
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Reference notes 2.1 (stage 2) and 4.8. Blocks are processed in order. For block 
     D    = Y_ref(X) - Y_Q(X)                 (reference block minus quantized block, same input)
     W, c = argmin ||[X 1] [W; c] - D||^2 (+ ridge * ||W||^2; the bias is not penalised)
 
-and the block becomes block_q(x) + x W + c (`QwTBlock`, an unquantized float Linear). The fit uses the
+and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward hook). The fit uses the
 normal equations accumulated in float64 over the fitting images and solved with `lstsq` (rank
 deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
 R^2 = mean over output channels of 1 - SSE_c / SST_c (QwT's sklearn `r2_score` default). The
@@ -22,20 +22,35 @@ import torch
 from torch import nn
 
 
-class QwTBlock(nn.Module):
-    """A block with an additive float linear compensation: block(x) + compensation(x)."""
+COMPENSATION = "qwt_compensation"  # child name of the compensation Linear inside a compensated block
 
-    def __init__(self, block: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.block = block
-        self.compensation = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            self.compensation.weight.copy_(weight)
-            self.compensation.bias.copy_(bias)
-        self.compensation.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.block(x, *args, **kwargs) + self.compensation(x)
+def _add_compensation(block: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    x = args[0] if args else kwargs["x"]
+    return output + getattr(block, COMPENSATION)(x)
+
+
+def add_compensation(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    """Make `block(x)` return block(x) + x W^T + b, in place.
+
+    The compensation is a float `nn.Linear` child named `qwt_compensation` plus a forward hook, so
+    every existing FQN of the model (e.g. `blocks.3.mlp.fc1`) keeps its name and the state dict only
+    gains `<block>.qwt_compensation.{weight,bias}`.
+    """
+    if hasattr(block, COMPENSATION):
+        raise ValueError("the block already has a QwT compensation")
+    linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    linear.requires_grad_(False)
+    block.add_module(COMPENSATION, linear)
+    block.register_forward_hook(_add_compensation, with_kwargs=True)
+    return linear
+
+
+def is_compensated(block: nn.Module) -> bool:
+    return isinstance(getattr(block, COMPENSATION, None), nn.Linear)
 
 
 @dataclass
@@ -115,16 +130,6 @@ def fit_block_compensation(x: torch.Tensor, quantized: Callable[[torch.Tensor], 
     if stats is None:
         raise ValueError("no samples to fit the compensation on")
     return stats.solve(ridge)
-
-
-def block_error(x: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor],
-                reference: Callable[[torch.Tensor], torch.Tensor], batch_size: int) -> float:
-    """Sum of squared differences between `block` and `reference` outputs on x (float64 sum, one sync)."""
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    with torch.no_grad():
-        for chunk in x.split(batch_size):
-            total += (reference(chunk) - block(chunk)).double().pow(2).sum()
-    return float(total)
 
 
 def fit_report(fit: CompensationFit) -> Dict[str, float]:

@@ -14,11 +14,12 @@ import torch
 
 import evaluate as evaluate_entry
 from configs import ConfigError, config_to_dict, load_config
-from quant import PIPELINES
+from quant import PIPELINES, quantize_model
 from quant.adaround import AdaRoundQuantizer
 from quant.layers import QuantConv2d, QuantLinear
 from quant.modes import named_quantizers
-from quant.qwt import QwTBlock
+from quant.spec import parse_bits
+from quant.qwt import is_compensated
 from quant.units import find_units
 from quant_models import top1, train_on_digits
 
@@ -129,10 +130,13 @@ def test_gplq_end_to_end_and_resume(trained):
     blocks = find_units(model, ("block",))
     assert len(report["qwt"]["blocks"]) == len(blocks)
     kept = [s["unit"] for s in report["qwt"]["blocks"] if s["kept"]]
-    assert all(isinstance(qmodel.get_submodule(name), QwTBlock) for name in kept)
-    q = qmodel.get_submodule(kept[0]).block.mlp.fc1.input_quantizer if kept else None
-    if q is not None:
-        assert q.symmetric and q.channel_dim == -1  # symmetric per-channel activations
+    assert all(is_compensated(qmodel.get_submodule(b.name)) == (b.name in kept) for b in blocks)
+    # the compensation adds a child and a hook: every FQN of the plain conversion is still there
+    plain = quantize_model(model, PIPELINES["gplq"].layout(parse_bits("w4a4"), PIPELINES["gplq"].Options()))
+    names = {n for n, _ in qmodel.named_modules()}
+    assert {n for n, _ in plain.named_modules()} == {n for n in names if "qwt_compensation" not in n}
+    q = qmodel.get_submodule(blocks[0].name).mlp.fc1.input_quantizer
+    assert q.symmetric and q.channel_dim == -1  # symmetric per-channel activations
     with torch.no_grad():
         logits = qmodel(xv[:8])
     assert torch.isfinite(logits).all()

@@ -1,11 +1,13 @@
 """GPLQ building blocks: LSQ gradients, QwT compensation on its fitting data, the PCA component rule."""
+import copy
+
 import pytest
 import torch
 
 from quant import PIPELINES
 from quant.lsq import LSQQuantizer
 from quant.pca import PCAProjection, components_from_moments, pca_loss
-from quant.qwt import QwTBlock, block_error, fit_block_compensation
+from quant.qwt import add_compensation, fit_block_compensation
 from quant.ranges import RangeSearch
 from quant.units import capture_unit, find_units
 from quant_models import images, tiny_swin, tiny_vit
@@ -46,6 +48,30 @@ def test_lsq_scale_gradient_matches_the_lsq_formula():
         torch.testing.assert_close(q(x), y.detach(), rtol=0, atol=1e-6)
 
 
+def block_error(x, block, reference, batch_size):
+    """Sum of squared differences between the two blocks' outputs on x, computed directly in float64."""
+    with torch.no_grad():
+        return sum(float((reference(c) - block(c)).double().pow(2).sum()) for c in x.split(batch_size))
+
+
+def test_compensation_adds_x_w_plus_b_and_keeps_every_name():
+    block = tiny_vit().blocks[0].eval()
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(block.norm1.normalized_shape[0], block.norm1.normalized_shape[0], generator=g), torch.randn(
+        block.norm1.normalized_shape[0], generator=g)
+    x = torch.randn(2, 5, w.shape[1], generator=g)
+    with torch.no_grad():
+        expected = block(x) + x @ w.t() + b
+    keys = set(block.state_dict())
+    add_compensation(block, w, b)
+    assert set(block.state_dict()) == keys | {"qwt_compensation.weight", "qwt_compensation.bias"}
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), expected)
+        torch.testing.assert_close(copy.deepcopy(block)(x), expected)  # the hook travels with a copy
+    with pytest.raises(ValueError, match="already"):
+        add_compensation(block, w, b)
+
+
 @pytest.mark.parametrize("make, ridge", [(tiny_vit, 0.0), (tiny_vit, 10.0), (tiny_swin, 0.0)])
 def test_qwt_compensation_never_increases_block_error_on_its_fitting_data(make, ridge):
     fp = make()
@@ -56,7 +82,9 @@ def test_qwt_compensation_never_increases_block_error_on_its_fitting_data(make, 
         block, ref = qmodel.get_submodule(unit.name), fp.get_submodule(unit.name)
         fit = fit_block_compensation(x, block, ref, 6, ridge=ridge)
         before = block_error(x, block, ref, 6)
-        after = block_error(x, QwTBlock(block, fit.weight, fit.bias), ref, 6)
+        compensated = copy.deepcopy(block)
+        add_compensation(compensated, fit.weight, fit.bias)
+        after = block_error(x, compensated, ref, 6)
         assert after <= before * (1 + 1e-5)
         assert fit.sse_after == pytest.approx(after, rel=1e-3)  # the closed form matches the real error
         assert fit.sse_before == pytest.approx(before, rel=1e-4)

@@ -41,12 +41,12 @@ from torch import nn
 
 from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
 from ..calibrate import Images, calibrate, refit_weight_quantizers
-from ..convert import quantize_model, quantized_layers, set_submodule
+from ..convert import quantize_model, quantized_layers
 from ..modes import named_quantizers, quant_state, set_quant_state
 from ..pca import fit_pca
 from ..pipeline_data import PipelineData, require_data
 from ..qat import Stage1Settings, run_stage1
-from ..qwt import QwTBlock, fit_block_compensation, fit_report
+from ..qwt import add_compensation, fit_block_compensation, fit_report
 from ..ranges import RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, find_units
@@ -208,7 +208,7 @@ class GPLQPipeline(Pipeline):
                         return block(xc)
             fit = fit_block_compensation(x, block, reference, bs, options.qwt_ridge)
             if fit.keep:
-                set_submodule(model, unit.name, QwTBlock(block, fit.weight, fit.bias))
+                add_compensation(block, fit.weight, fit.bias)
             stats.append({"unit": unit.name, **fit_report(fit)})
             log.info("GPLQ QwT %s: R2 %.4f, block error %.4g -> %.4g (%s)", unit.name, fit.r2, fit.sse_before,
                      fit.sse_after, "kept" if fit.keep else "dropped")
