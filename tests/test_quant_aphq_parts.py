@@ -1,5 +1,6 @@
 """APHQ building blocks: AdaRound rounding, the rounding schedule, the APH weights, the calibration search."""
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -81,6 +82,30 @@ def test_hessian_weights_are_nonnegative_with_the_output_shape(probe):
         assert h.shape == shape and h.dtype == torch.float32
         assert torch.isfinite(h).all() and (h >= 0).all()
     assert all(p.grad is None for p in vit.parameters())  # gradients only w.r.t. the perturbed output
+
+
+def test_all_ones_aph_equals_the_exact_hessian_row_sums():
+    # a unit whose consumer is not shift-invariant (tanh -> head), so the official probe sees the
+    # Hessian: |J+ - J-| = 2 eps |H_i 1| per sample (H_i of the batch-mean KL), averaged over samples.
+    # Reference: the exact Hessian from torch.autograd.functional.hessian.
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(unit=nn.Linear(5, 4), act=nn.Tanh(), head=nn.Linear(4, 3))).double()
+    x, batch, eps, temp = torch.randn(6, 5, dtype=torch.float64), 3, 1e-3, 2.0  # logits go through float32: eps >> 1e-7
+    logits = model_logits(model, x, batch)
+    h = perturbation_hessian(model, "unit", x, logits, batch, temperature=temp, eps=eps, probe="ones")
+    expected = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        outs = model.unit(x)
+    for o, target_logits in zip(outs, logits):
+        target = (target_logits / temp).softmax(-1)
+
+        def kl(u, target=target):
+            log_q = (model.head(torch.tanh(u)) / temp).log_softmax(-1)
+            return (target * (target.log() - log_q)).sum() / batch  # batchmean over a chunk of `batch`
+
+        hess = torch.autograd.functional.hessian(kl, o)
+        expected += (2 * eps * hess.sum(dim=1)).abs()
+    torch.testing.assert_close(h[0].double(), expected / x.shape[0], rtol=1e-3, atol=0)
 
 
 def test_all_ones_perturbation_is_invisible_to_a_pre_layernorm_transformer():
