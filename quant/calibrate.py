@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .modes import set_calibration, uncalibrated
+from .units import device_of
 
 Images = Union[torch.Tensor, Iterable[Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
@@ -29,11 +30,6 @@ def stack_images(images: Images) -> torch.Tensor:
     if not batches:
         raise ValueError("no calibration images")
     return torch.cat(batches, dim=0)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    tensor = next(model.parameters(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -54,7 +50,7 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
     Raises:
         RuntimeError: some enabled quantizer saw no data (its layer is not on the forward path).
     """
-    x = stack_images(images).to(device or _device_of(model))
+    x = stack_images(images).to(device or device_of(model))
     todo = len(uncalibrated(model))
     was_training = model.training
     model.eval()

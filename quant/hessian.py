@@ -93,3 +93,8 @@ def perturbation_hessian(model: nn.Module, unit: str, images: torch.Tensor, fp_l
         handle.remove()
     h = (total / images.shape[0]).float()
     return h if probe == "ones" else h.clamp_(min=0.0)
+
+
+def normalized_weight(h: torch.Tensor) -> torch.Tensor:
+    """An APH weight scaled to mean 1 (loss weights are relative; APHQ normalises the loss anyway)."""
+    return h / h.mean().clamp(min=1e-30)

@@ -19,10 +19,8 @@ from typing import Optional
 import torch
 
 from .functional import grad_scale, round_ste
-from .quantizers import QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
+from .quantizers import MIN_SCALE, QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
 from .spec import QuantizerSpec
-
-_MIN_SCALE = 1e-8  # a learned scale may not cross zero
 
 
 class LSQQuantizer(UniformQuantizer):
@@ -35,7 +33,7 @@ class LSQQuantizer(UniformQuantizer):
         # elements that share one scale: all of x over the number of groups (Python ints, no sync)
         per_group = max(1, x.numel() // scale.numel())
         g = 1.0 / math.sqrt(per_group * max(1, self.qmax))
-        s = grad_scale(scale, g).clamp(min=_MIN_SCALE)
+        s = grad_scale(scale, g).clamp(min=MIN_SCALE)  # a learned scale may not cross zero
         s = _broadcast(s, x.ndim, self.channel_dim)
         zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
         # clamp, then round (LSQ's order): an element in the last half step beyond qmax (or qmin) is

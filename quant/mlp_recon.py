@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from timm.layers import Mlp
 
+from .hessian import normalized_weight
 from .quantile import quantile
 from .units import capture_module_inputs, find_units
 
@@ -102,8 +103,7 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
             h = block_fp.mlp.act(block_fp.mlp.fc1(block_fp.norm2(x[:calib_count])))
             positive = h[h > 0]
             clip = quantile(positive, [settings.clip_percentile]) if positive.numel() else h.new_ones(1)
-        weight = hessian(name).to(device)
-        weight = (weight / weight.mean().clamp(min=1e-30)).reshape(1, *x.shape[1:])
+        weight = normalized_weight(hessian(name).to(device)).reshape(1, *x.shape[1:])
         params = [p for m in (block.norm2, block.mlp.fc1, block.mlp.fc2) for p in m.parameters()]
         for p in params:
             p.requires_grad_(True)

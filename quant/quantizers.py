@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from .functional import fake_quant_log_sqrt2, fake_quant_uniform
-from .ranges import RangeSearch, to_rows
+from .ranges import RangeSearch, best_per_group, to_rows
 from .spec import QuantizerSpec
 
-_MIN_SCALE = 1e-8  # guards constant tensors (hi == lo) against a zero step size
+MIN_SCALE = 1e-8  # smallest step size: guards constant tensors and learned scales against zero
 
 
 class Quantizer(nn.Module):
@@ -162,9 +162,9 @@ class UniformQuantizer(Quantizer):
         """(scale, zero_point) of the given ranges ([G] tensors)."""
         if self.symmetric:
             scale = torch.maximum(lo.abs(), hi.abs()) / self.qmax
-            return scale.clamp(min=_MIN_SCALE), torch.zeros_like(scale)
+            return scale.clamp(min=MIN_SCALE), torch.zeros_like(scale)
         lo, hi = _widen_degenerate(lo, hi)
-        scale = ((hi - lo) / (self.qmax - self.qmin)).clamp(min=_MIN_SCALE)
+        scale = ((hi - lo) / (self.qmax - self.qmin)).clamp(min=MIN_SCALE)
         return scale, torch.round(-lo / scale)
 
     def fit(self, x: torch.Tensor) -> None:
@@ -173,12 +173,9 @@ class UniformQuantizer(Quantizer):
         if len(params) == 1 or not self.search.selects_by_mse:
             scale, zp = params[0]
         else:
-            errors = torch.stack([
-                (fake_quant_uniform(rows, s[:, None], z[:, None], self.qmin, self.qmax) - rows).pow_(2).mean(dim=1)
-                for s, z in params])  # [K, G]
-            best = errors.argmin(dim=0, keepdim=True)  # first minimum wins ties, like RepQ-ViT's strict '<'
-            scale = torch.stack([s for s, _ in params]).gather(0, best)[0]
-            zp = torch.stack([z for _, z in params]).gather(0, best)[0]
+            scale, zp, _ = best_per_group(
+                lambda s, z: (fake_quant_uniform(rows, s[:, None], z[:, None], self.qmin, self.qmax) - rows)
+                .pow_(2).mean(dim=1), torch.stack([s for s, _ in params]), torch.stack([z for _, z in params]))
         self.set_params(scale, zp)
 
     def set_params(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
@@ -228,10 +225,11 @@ class LogSqrt2Quantizer(Quantizer):
 
     def fit(self, x: torch.Tensor) -> None:
         rows = to_rows(x, None)
-        deltas = [hi.clamp(min=_MIN_SCALE) for _, hi in self.search.candidates(rows, lower=False)]
+        deltas = torch.stack([hi.clamp(min=MIN_SCALE) for _, hi in self.search.candidates(rows, lower=False)])  # [K, 1]
         if len(deltas) > 1 and self.search.selects_by_mse:
-            errors = torch.stack([(fake_quant_log_sqrt2(rows, d, self.bits) - rows).pow_(2).mean() for d in deltas])
-            delta = torch.stack(deltas)[errors.argmin()]
+            delta, _, _ = best_per_group(
+                lambda d, _: (fake_quant_log_sqrt2(rows, d, self.bits) - rows).pow_(2).mean().reshape(1),
+                deltas, torch.zeros_like(deltas))
         else:
             delta = deltas[0]
         with torch.no_grad():

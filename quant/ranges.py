@@ -13,7 +13,7 @@ single row per tensor) and asks its `RangeSearch` for candidate (lo, hi) ranges 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Tuple
+from typing import Callable, List, Literal, Optional, Tuple
 
 import torch
 
@@ -78,3 +78,29 @@ class RangeSearch:
         q = quantile(rows, levels, dim=1)  # [L, G]
         k = len(self.percentiles)
         return [(q[k + i] if lower else None, q[i]) for i in range(k)]
+
+
+@torch.no_grad()
+def best_per_group(errors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], first: torch.Tensor,
+                   second: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Among K candidate parameter pairs, keep per group the one with the smallest error.
+
+    The single selection rule of every range search here (RepQ-ViT's percentile MSE, APHQ's grids):
+    candidates are visited in order and a later one wins only if strictly better, as RepQ-ViT's `<`.
+
+    Args:
+        errors: (first [G], second [G]) -> error [G] of that candidate for every group.
+        first, second: [K, G] candidates, e.g. scales and zero points, or range bounds lo and hi.
+
+    Returns:
+        (best first [G], best second [G], best error [G]).
+    """
+    best_a, best_b = first[0].clone(), second[0].clone()
+    best_e = errors(best_a, best_b)
+    for k in range(1, first.shape[0]):
+        e = errors(first[k], second[k])
+        better = e < best_e
+        best_e = torch.where(better, e, best_e)
+        best_a = torch.where(better, first[k], best_a)
+        best_b = torch.where(better, second[k], best_b)
+    return best_a, best_b, best_e

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adaround import AdaRoundQuantizer, RoundingSchedule
+from .hessian import normalized_weight
 from .layers import QuantConv2d, QuantLinear
 from .modes import named_quantizers
 from .quantizers import UniformQuantizer
@@ -109,7 +110,7 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         opt = torch.optim.Adam([q.scale for q in acts], lr=settings.act_lr)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=settings.iters, eta_min=0.0)
         optimizers.append(opt)
-    weight = None if hessian is None else (hessian / hessian.mean().clamp(min=1e-30)).to(device)
+    weight = None if hessian is None else normalized_weight(hessian).to(device)
 
     n = fp_in.shape[0]
     start = time.perf_counter()

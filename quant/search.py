@@ -30,9 +30,8 @@ from torch import nn
 from .functional import fake_quant_uniform
 from .quantile import quantile
 from .quantizers import UniformQuantizer
-from .ranges import to_rows
+from .ranges import best_per_group, to_rows
 
-_MIN_SCALE = 1e-8
 
 
 def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float], num_scales: int,
@@ -68,25 +67,6 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, q: UniformQuanti
 
 
 @torch.no_grad()
-def _best_per_group(errors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], scales: torch.Tensor,
-                    zps: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loop over K candidate pairs; keep per group the one with the smallest error (first wins ties).
-
-    errors(scale [G], zp [G]) -> [G] (or any pair of [G] parameters, e.g. range bounds lo, hi).
-    Returns (best first [G], best second [G], best error [G]).
-    """
-    best_s, best_z = scales[0].clone(), zps[0].clone()
-    best_e = errors(best_s, best_z)
-    for k in range(1, scales.shape[0]):
-        e = errors(scales[k], zps[k])
-        better = e < best_e
-        best_e = torch.where(better, e, best_e)
-        best_s = torch.where(better, scales[k], best_s)
-        best_z = torch.where(better, zps[k], best_z)
-    return best_s, best_z, best_e
-
-
-@torch.no_grad()
 def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, float], num_scales: int,
                     num_zero_points: int) -> None:
     """Per-last-dim (channel) range by the activation-quantization MSE alone; sets q's parameters.
@@ -97,7 +77,7 @@ def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, floa
     """
     rows = to_rows(x, -1)  # [C, M]
     scales, zps = range_grid(rows, q, pct, num_scales, num_zero_points)
-    s, z, _ = _best_per_group(
+    s, z, _ = best_per_group(
         lambda s, z: (_fq(rows, s[:, None], z[:, None], q) - rows).pow_(2).mean(dim=1), scales, zps)
     q.set_params(s, z)
 
@@ -167,7 +147,7 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
 
     # weights: weight-only MSE first (notes 1.2)
     w_scales, w_zps = range_grid(W, wq, weight_pct, num_scales, num_zero_points)  # [K, C_out]
-    ws, wz, _ = _best_per_group(lambda s, z: (_fq(W, s[:, None], z[:, None], wq) - W).pow_(2).mean(dim=1),
+    ws, wz, _ = best_per_group(lambda s, z: (_fq(W, s[:, None], z[:, None], wq) - W).pow_(2).mean(dim=1),
                                 w_scales, w_zps)
     if aq is not None:
         if aq.channel_dim is not None:
@@ -178,11 +158,11 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     for _ in range(rounds if aq is not None else min(rounds, 1)):
         Wq = _fq(W, ws[:, None], wz[:, None], wq)
         if aq is not None:
-            a_s, a_z, _ = _best_per_group(lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1),
+            a_s, a_z, _ = best_per_group(lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1),
                                           a_scales, a_zps)
             aq.set_params(a_s, a_z)
             Xq = _fq(X, a_s, a_z, aq)
-        ws, wz, _ = _best_per_group(_weight_output_errors(X, Xq, W, target, wq, gram), w_scales, w_zps)
+        ws, wz, _ = best_per_group(_weight_output_errors(X, Xq, W, target, wq, gram), w_scales, w_zps)
     wq.set_params(ws, wz)
     if hasattr(layer, "invalidate_weight_cache"):
         layer.invalidate_weight_cache()
@@ -249,7 +229,7 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
             out = op(xq, other) if which == "a" else op(other, xq)
             return (out - target).pow_(2).mean(dim=reduce_dims)
 
-        los[which], his[which], _ = _best_per_group(error, cand_lo, cand_hi)
+        los[which], his[which], _ = best_per_group(error, cand_lo, cand_hi)
 
     for which in ("a", "b"):  # joint mirrored pairs: A with B float, then B with A quantized
         sweep(which, *grids[which])

@@ -75,8 +75,10 @@ def _forward_until_stop(model: nn.Module, images: torch.Tensor, batch_size: int,
             pass
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def device_of(model: nn.Module) -> torch.device:
+    """The device of a model's first parameter (CPU for a parameter-free module)."""
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -96,7 +98,7 @@ def capture_unit(model: nn.Module, name: str, images: torch.Tensor, batch_size: 
     Returns:
         (inputs [N, ...] or None, outputs [N, ...] or None).
     """
-    device = _device_of(model)
+    device = device_of(model)
     store = store_device or device
     module = model.get_submodule(name)
     got_in: List[torch.Tensor] = []
@@ -128,7 +130,7 @@ def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_
     Returns:
         {key: [N_total, ...] concatenated over batches along dim 0} on the model's device.
     """
-    device = _device_of(model)
+    device = device_of(model)
     got: Dict[str, List[torch.Tensor]] = {k: [] for k in modules}
     handles = [m.register_forward_pre_hook(lambda _m, args, key=key: got[key].append(args[0].detach()))
                for key, m in modules.items()]
@@ -151,5 +153,5 @@ def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_
 @torch.no_grad()
 def model_logits(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
     """[N, classes] logits of `model` on `images`, batch by batch, on the model's device."""
-    device = _device_of(model)
+    device = device_of(model)
     return torch.cat([model(chunk.to(device)) for chunk in images.split(batch_size)])

@@ -42,7 +42,8 @@ from ..pipeline_data import PipelineData, require_data
 from ..reconstruct import ReconSettings, reconstruct_unit
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
-from .common import FirstLastOptions, StageTimer, pipeline_report, standard_layout, sync_across_ranks
+from .common import (FirstLastOptions, StageTimer, isolated_rng, pipeline_report, standard_layout,
+                     sync_across_ranks)
 from .registry import Pipeline, PTQResult, register_pipeline
 
 log = logging.getLogger("quant.aphq")
@@ -127,9 +128,7 @@ class APHQPipeline(Pipeline):
         with timer("data", device):
             images = data.train_images(options.recon_images, options.data_seed, True)
         calib = images[:options.calib_images]
-        rng_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):  # leave the caller's RNG streams alone
-            torch.manual_seed(options.seed)
+        with isolated_rng(options.seed, device):
             gen = torch.Generator(device=cache).manual_seed(options.seed)
             model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache, bs, gen)
         sync_across_ranks(model)

@@ -20,7 +20,6 @@ from engine.distributed import broadcast
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
 from ..modes import describe, summarize
-
 from ..spec import ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, Bits, LinearRule, \
     QuantizerSpec, QuantSpec
 
@@ -88,6 +87,14 @@ class StageTimer:
 
 
 @torch.no_grad()
+@contextmanager
+def isolated_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's global RNG (and the device's) for a pipeline, restoring the caller's streams on exit."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def sync_across_ranks(model: torch.nn.Module) -> None:
     """Make every rank hold rank 0's quantized model (parameters, buffers; no-op without a process group).
 

@@ -50,7 +50,8 @@ from ..qwt import add_compensation, fit_block_compensation, fit_report
 from ..ranges import RangeSearch
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, find_units
-from .common import FirstLastOptions, StageTimer, pipeline_report, standard_layout, sync_across_ranks
+from .common import (FirstLastOptions, StageTimer, isolated_rng, pipeline_report, standard_layout,
+                     sync_across_ranks)
 from .percentile import range_search
 from .registry import Pipeline, PTQResult, register_pipeline
 
@@ -129,9 +130,7 @@ class GPLQPipeline(Pipeline):
         data = require_data(self.name, data, loader=True)
         timer = StageTimer()
         device = next(fp_model.parameters()).device
-        rng_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):
-            torch.manual_seed(options.seed)
+        with isolated_rng(options.seed, device):
             model, report = self._quantize(fp_model, bits, options, data, timer, device)
         sync_across_ranks(model)
         report["seconds"] = timer.seconds
