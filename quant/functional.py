@@ -79,8 +79,9 @@ def fake_quant_log_sqrt2(x: torch.Tensor, delta: torch.Tensor, bits: int, ste: b
         x: non-negative tensor of any shape.
         delta: largest level, broadcastable to x.
         bits: code width.
-        ste: straight-through gradient w.r.t. x (identity inside the representable range) and a
-            gradient w.r.t. delta through the dequantisation.
+        ste: differentiable path: the rounding is straight-through in the log domain, so inside the
+            representable range d out / d x = out / x (about 1, not exactly 1); 0 where x saturates
+            above delta or underflows to 0; delta gets the gradient of the dequantisation.
 
     Returns:
         Tensor like x.
