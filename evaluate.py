@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized accuracy per pipeline.
+r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized accuracy per pipeline.
 
     python evaluate.py --checkpoint runs/vit_digits/best.pt                       # repq + percentile, W4A4
     python evaluate.py --checkpoint runs/vit_b_cd/best.pt --quant repq aphq --bits w4a4 w6a6 \

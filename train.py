@@ -1,4 +1,4 @@
-"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Decay (CD) or TWEO.
+r"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Decay (CD) or TWEO.
 
     python train.py                                     # demo: tiny ViT on the embedded digits, CPU, minutes
     python train.py --config configs/debug/tiny.yaml    # seconds: a two-block model on synthetic data

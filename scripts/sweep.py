@@ -1,4 +1,4 @@
-"""Config-driven ablation sweeps: expand a sweep file into train (and evaluate) commands, check every run's
+r"""Config-driven ablation sweeps: expand a sweep file into train (and evaluate) commands, check every run's
 config before anything starts, then print the commands or run them one after another.
 
     python scripts/sweep.py configs/sweeps/cd_lambda.yaml data.root=/datasets/imagenet          # print
