@@ -72,8 +72,7 @@ class AdaRoundQuantizer(UniformQuantizer):
 
     def regularizer(self, beta: float) -> torch.Tensor:
         """sum(1 - |2 h(alpha) - 1|^beta): pushes every h towards 0 or 1 (scalar tensor)."""
-        h = torch.clamp(torch.sigmoid(self.alpha) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
-        return (1.0 - (2.0 * h - 1.0).abs().pow(beta)).sum()
+        return (1.0 - (2.0 * self.rounding() - 1.0).abs().pow(beta)).sum()
 
     def quantize(self, x: torch.Tensor, hard: bool = False) -> torch.Tensor:
         if self.alpha is None:

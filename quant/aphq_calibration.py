@@ -77,8 +77,8 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
     for unit in units:
         module = model.get_submodule(unit.name)
         # only per-channel post-LN quantizers are folded (the layout makes them per tensor when a != w bits)
-        unit_sites = [s for s in sites if _in_unit(s[2], unit) and s[3].input_quantizer is not None
-                      and s[3].input_quantizer.channel_dim == -1]
+        unit_sites = [s for s in sites
+                      if _in_unit(s[2], unit) and getattr(s[3].input_quantizer, "channel_dim", None) == -1]
         if unit_sites:
             caps = capture_module_inputs(model, {lin: linear.input_quantizer for _, _, lin, linear in unit_sites},
                                          unit.name, images, settings.batch_size)

@@ -225,7 +225,8 @@ class LogSqrt2Quantizer(Quantizer):
 
     def fit(self, x: torch.Tensor) -> None:
         rows = to_rows(x, None)
-        deltas = torch.stack([hi.clamp(min=MIN_SCALE) for _, hi in self.search.candidates(rows, lower=False)])  # [K, 1]
+        candidates = self.search.candidates(rows, lower=False)
+        deltas = torch.stack([hi.clamp(min=MIN_SCALE) for _, hi in candidates])  # [K, 1]
         if len(deltas) > 1 and self.search.selects_by_mse:
             delta, _, _ = best_per_group(
                 lambda d, _: (fake_quant_log_sqrt2(rows, d, self.bits) - rows).pow_(2).mean().reshape(1),

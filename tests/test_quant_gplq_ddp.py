@@ -1,4 +1,4 @@
-"""GPLQ under DDP: 2 gloo processes on CPU train stage 1 on their own shards through DDP and agree before any broadcast."""
+"""GPLQ under DDP: 2 gloo processes train stage 1 on their own shards and agree before any broadcast."""
 from __future__ import annotations
 
 import os

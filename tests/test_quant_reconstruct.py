@@ -79,7 +79,7 @@ def test_hessian_weight_applies_per_output_element():
                      torch.Generator().manual_seed(0), progress=lambda _: alphas.append(quantizer.alpha.detach().clone()))
     first, last = alphas[0], alphas[-1]  # after iteration 1 and after the last one (before the bake)
     assert torch.equal(first[1:], last[1:])
-    assert (first[0] != last[0]).float().mean() > 0.5  # the weighted channel's variables moved (bar saturated ones)
+    assert (first[0] != last[0]).float().mean() > 0.5  # the weighted channel's variables moved (not saturated)
 
 
 def test_kl_head_loss_lowers_the_kl_to_the_float_logits():
