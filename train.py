@@ -35,7 +35,7 @@ from engine.checkpoint import (CheckpointError, load_checkpoint, restore_trainin
 from engine.distributed import DistInfo, all_reduce, barrier, cleanup_distributed, init_distributed
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
 from engine.metrics import MetricLogger
-from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr
+from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
 from engine.preemption import Preemption
 from engine.runinfo import describe_environment, setup_logging
@@ -56,6 +56,15 @@ class RunResult:
 def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
     dist = init_distributed(cfg.train.device)
+    # From here on SIGTERM / SIGINT request a checkpoint at the next update boundary (engine/preemption.py).
+    with Preemption(dist.device, distributed=dist.distributed) as preemption:
+        result = run_training(cfg, dist, preemption)
+    cleanup_distributed()
+    return result
+
+
+def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
+    """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
     device = dist.device
     os.makedirs(cfg.out_dir, exist_ok=True)
     setup_logging(cfg.out_dir, dist.is_main)
@@ -95,12 +104,13 @@ def main(cfg: Config) -> RunResult:
     if cfg.cd.enabled and cfg.cd.budget:
         weight_decay = as_config_error("cd.budget", budget_weight_decay, weight_decay, cfg.cd.lam)
         log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
-    optimizer = build_optimizer(model, cfg.optim, lr, weight_decay)
+    optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
     scaler = grad_scaler(cfg.train.amp, device)
     ema = ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup) if cfg.train.ema else None
-    log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s; wd %g; "
+    log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
              "%d updates per epoch, %d epochs", cfg.train.batch_size, per_gpu, dist.world_size, accum_steps,
+             cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
              lr_rule(cfg.optim, cfg.train.batch_size), weight_decay, updates_per_epoch, cfg.sched.epochs)
 
     # Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside optimizer.step(),
@@ -164,14 +174,13 @@ def main(cfg: Config) -> RunResult:
                                          extra={"cd": decay.state_dict()} if decay else None), ckpt_path)
         barrier()
 
-    preemption = Preemption(device)
     loop = TrainLoop(
         model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
         scaler=scaler, scheduler=scheduler, per_step_schedule=cfg.sched.per_step, accum_steps=accum_steps,
         clip_grad=cfg.optim.clip_grad, ema=ema, mixup=loaders.mixup, seed=cfg.train.seed, rank=dist.rank,
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log, metric_sources=metric_sources,
-        should_stop=lambda step: preemption_requested(preemption, dist, step),
+        should_stop=preemption.should_stop,
         progress=cfg.log.progress and dist.is_main)
 
     def validate_and_keep_best() -> dict:
@@ -198,6 +207,8 @@ def main(cfg: Config) -> RunResult:
         elif reason == "max_steps":  # a shortened run still reports (not on preemption: no time to spare)
             val = validate_and_keep_best()
         save_checkpoint()
+        if reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
+            reason = "preempted"  # the signal came during validation: do not start another epoch
         if reason == "preempted":
             log.info("preempted at update %d; checkpoint saved, re-run the same command to resume", state.step)
             break
@@ -213,11 +224,9 @@ def main(cfg: Config) -> RunResult:
     logger.close()
     if tweo is not None:
         tweo.remove()
-    preemption.restore()
     if val:
         log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
                  val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
-    cleanup_distributed()
     return RunResult(model=model, metrics=val, state=state)
 
 
@@ -252,14 +261,6 @@ def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_
     if ema is not None:
         metrics.update({f"val_ema/{k}": v for k, v in evaluate(ema.module, loader, device, amp).items()})
     return metrics
-
-
-def preemption_requested(preemption: Preemption, dist: DistInfo, step: int) -> bool:
-    # Single process: a flag read. Under DDP all ranks must stop at the same update, which costs a tiny
-    # all-reduce and a host sync, so ranks agree every 10 updates (ample within a scheduler's grace time).
-    if not dist.distributed:
-        return preemption.requested
-    return step % 10 == 0 and preemption.should_stop()
 
 
 def check_resumable(saved: Config, current: Config) -> None:

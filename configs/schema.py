@@ -80,6 +80,7 @@ class OptimConfig:
     momentum: float = 0.9  # sgd only
     layer_decay: Optional[float] = None  # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
     clip_grad: Optional[float] = None  # max global L2 norm of the gradients; None: no clipping
+    fused: Optional[bool] = None  # fused optimizer kernel; None: on CUDA for adamw/adam/sgd (engine/optim.py)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, DistributedSampler
 
+from engine.preemption import ignore_stop_signals
 from engine.rng import mix_seed
 
 from .digits import DigitsDataset
@@ -110,8 +111,11 @@ def _eval_loader(cfg, dataset, batch_size: int, rank: int, world_size: int) -> D
 
 
 def _worker_args(cfg) -> dict:
+    # Workers ignore SIGTERM / SIGINT: a scheduler signals the whole process group, and a worker killed by
+    # it would crash the main process before it can write its preemption checkpoint (engine/preemption.py).
     return dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
-                persistent_workers=cfg.num_workers > 0)
+                persistent_workers=cfg.num_workers > 0,
+                worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)
 
 
 def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int,

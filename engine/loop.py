@@ -76,13 +76,26 @@ class TrainLoop:
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
 
     def __post_init__(self):
-        # Step post-hooks run only when optimizer.step() really runs: a GradScaler-skipped step shows as
-        # no call (for non-fused optimizers, which build_optimizer always creates).
+        # Which updates the GradScaler skipped (inf/NaN gradients). An ordinary optimizer's step() is not
+        # called at all then (its post-hooks do not run); a fused one is always called, with the verdict left
+        # on the optimizer as the device tensor `found_inf` for the duration of step(): counted on the device,
+        # so that the fp16 step never waits for the GPU, and read at log steps and checkpoints.
         self._real_steps = 0
+        self._skipped_on_device: Optional[torch.Tensor] = None
         self.optimizer.register_step_post_hook(self._count_step)
 
-    def _count_step(self, *_):
+    def _count_step(self, optimizer, *_):
         self._real_steps += 1
+        found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(found_inf, torch.Tensor):
+            skipped = (found_inf > 0).to(torch.int64).reshape(())
+            self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
+
+    def _settle_skipped_steps(self, state: TrainState) -> None:
+        """Add the skips counted on the device to `state` (one host sync; at log steps and checkpoints)."""
+        if self._skipped_on_device is not None:
+            state.skipped_steps += int(self._skipped_on_device)
+            self._skipped_on_device = None
 
     def updates_per_epoch(self, loader_len: int) -> int:
         return loader_len // self.accum_steps
@@ -142,7 +155,7 @@ class TrainLoop:
             if state.step % self.log_every == 0:
                 self._log(state, window, bar, total)
             if self.ckpt_every and state.step % self.ckpt_every == 0:
-                self._save(window)
+                self._save(window, state)
             if self.max_steps is not None and state.step >= self.max_steps:
                 reason = "max_steps"
                 break
@@ -154,6 +167,7 @@ class TrainLoop:
         if window.updates:
             self._log(state, window, None, total)
         window.check_finite(state.step)
+        self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
@@ -177,8 +191,9 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _save(self, window: "_Window") -> None:
-        window.check_finite(None)  # never write a checkpoint from a diverged run
+    def _save(self, window: "_Window", state: TrainState) -> None:
+        window.check_finite(state.step)  # never write a checkpoint from a diverged run
+        self._settle_skipped_steps(state)
         if self.save is not None:
             self.save()
 
@@ -186,6 +201,7 @@ class TrainLoop:
         metrics = window.flush(state.step)
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
         metrics["train/epoch"] = state.epoch + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps)
+        self._settle_skipped_steps(state)
         metrics["train/skipped_steps"] = state.skipped_steps
         if self.scaler is not None:
             metrics["train/loss_scale"] = self.scaler.get_scale()

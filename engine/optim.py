@@ -30,12 +30,32 @@ def lr_rule(cfg, global_batch: int) -> str:
             f"{cfg.lr_base_batch})")
 
 
-def build_optimizer(model: torch.nn.Module, cfg, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+FUSED = ("adamw", "adam", "sgd", "momentum")  # timm names of torch optimizers with a fused implementation
+
+
+def use_fused(cfg, device: torch.device) -> bool:
+    """`optim.fused`, or when it is None (auto): fused on CUDA for optimizers torch implements fused.
+
+    Why fused by default on GPUs: with fp16 the GradScaler must know whether the gradients overflowed
+    before stepping. For an ordinary optimizer it reads that verdict on the host, a sync that stalls the
+    CPU until the backward pass is done every update; a fused optimizer takes the verdict as a device
+    tensor and skips the update inside its kernel, so nothing waits (the CD hook is gated the same way,
+    cd/decay.py). Same algorithm, different float rounding order than the default foreach kernels.
+    """
+    if cfg.fused is not None:
+        return cfg.fused
+    return device.type == "cuda" and cfg.name in FUSED
+
+
+def build_optimizer(model: torch.nn.Module, cfg, lr: float, weight_decay: float,
+                    device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ("adamw", "adam", "lamb") else {}
     if cfg.name in ("sgd", "momentum"):
         kwargs["momentum"] = cfg.momentum
-    # foreach=None lets torch pick; never fused: fused optimizers run step pre-hooks on GradScaler-skipped
-    # steps (see shared reference notes, section 4), which would apply CD on a skipped step.
+    if use_fused(cfg, device):
+        if cfg.name not in FUSED:
+            raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; use one of {', '.join(FUSED)}")
+        kwargs["fused"] = True
     return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
                                layer_decay=cfg.layer_decay, **kwargs)
 

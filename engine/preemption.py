@@ -1,32 +1,93 @@
-"""SIGTERM handling: cluster schedulers send SIGTERM before preempting a job.
+"""Preemption: SIGTERM / SIGINT become a stop at an update boundary that every rank agrees on.
 
-The handler only sets a flag; the training loop checks it between optimizer updates (all ranks agree
-through one all-reduce of a flag), writes a checkpoint and exits cleanly. Re-running the same command
-resumes from that checkpoint.
+Cluster schedulers (SLURM preemption, `scancel`, `timeout`, `kill -TERM -- -PGID`) send SIGTERM to every
+process of the job, DataLoader workers and torchrun included; Ctrl-C sends SIGINT to the whole
+foreground process group. The rule:
+
+* the main process of each rank only records the request (`Preemption`); the training loop asks
+  `should_stop(step)` after every optimizer update and at epoch ends, writes checkpoint.pt and returns,
+  so the process exits with code 0 and the same command resumes;
+* under DDP the ranks agree through one all-reduce of the flag, every `agree_every` updates (a tiny
+  collective and a host sync, so not every update) and at every epoch end, so all ranks stop at the
+  same update whichever of them got the signal;
+* DataLoader workers ignore both signals (`ignore_stop_signals`, their `worker_init_fn`): a worker
+  killed by SIGTERM would turn the request into a crash of the main process. They end with the loader
+  (and exit by themselves if the main process dies);
+* repeated signals within `repeat_window_s` of the first are the same request (torchrun forwards the
+  signal it received to its workers, which then see it twice); a later SIGINT raises KeyboardInterrupt
+  at once (a second Ctrl-C means "now"), a later SIGTERM is ignored.
 """
 from __future__ import annotations
 
+import logging
 import signal
+import time
 
 import torch
 
 from .distributed import all_reduce
 
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader `worker_init_fn`: workers leave SIGTERM / SIGINT to the main process (see module docstring)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
 
 class Preemption:
-    def __init__(self, device: torch.device, signals=(signal.SIGTERM,)):
+    """Records SIGTERM / SIGINT and decides, the same on every rank, when training stops.
+
+    Args:
+        device: the device of this rank's collectives (the flag tensor lives there).
+        distributed: whether ranks must agree through an all-reduce.
+        agree_every: under DDP, updates between two agreements (0 at epoch ends always).
+        repeat_window_s: signals this soon after the first count as the same request.
+    """
+
+    def __init__(self, device: torch.device, distributed: bool = False, agree_every: int = 10,
+                 repeat_window_s: float = 2.0) -> None:
+        self.device, self.distributed = device, distributed
+        self.agree_every, self.repeat_window_s = agree_every, repeat_window_s
         self.requested = False
-        self.device = device
-        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+        self.first_signal_at: float | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
+    def _handle(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self.first_signal_at is None:
+            self.first_signal_at = now
+            self.requested = True
+            log.warning("received %s: stopping at the next update boundary and writing checkpoint.pt",
+                        signal.Signals(signum).name)
+        elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
+            self.restore()
+            raise KeyboardInterrupt("second interrupt: stopping now, without a new checkpoint")
 
-    def should_stop(self) -> bool:
-        """True on every rank once any rank has received the signal (a collective call under DDP)."""
+    def should_stop(self, step: int, boundary: bool = False) -> bool:
+        """True once a stop was requested on any rank; the same answer on every rank.
+
+        Args:
+            step: optimizer updates done (DDP: ranks agree only every `agree_every` updates).
+            boundary: an epoch end (or other point where every rank calls this): always agree here.
+        """
+        if not self.distributed:
+            return self.requested
+        if not boundary and step % self.agree_every:
+            return False
         flag = torch.tensor([float(self.requested)], device=self.device)
         return bool(all_reduce(flag, op="max").item())
 
     def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        """Put back the signal handlers that were there before (idempotent)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def __enter__(self) -> "Preemption":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()

@@ -119,10 +119,11 @@ class RoundingSchedule:
         return self.beta_end + (self.beta_start - self.beta_end) * max(0.0, 1.0 - rel)
 
 
-def _adaround(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
+def _adaround(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
+             device: Optional[torch.device]) -> Quantizer:
     if channel_dim != 0:
         raise ValueError("the adaround kind is a per-output-channel WEIGHT quantizer (granularity='channel')")
-    return AdaRoundQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search)
+    return AdaRoundQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
 
 
 QUANTIZER_KINDS["adaround"] = _adaround

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Dict, Iterable, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .attention import OPERANDS, convert_attention
@@ -40,23 +41,25 @@ def _channel_dim(spec: QuantizerSpec, operand: str, fqn: str) -> Optional[int]:
     return dims[spec.granularity]
 
 
-def _make(spec: Optional[QuantizerSpec], operand: str, fqn: str, groups: Dict[Optional[int], Optional[int]]
-          ) -> Optional[Quantizer]:
-    """Build a quantizer for an operand; `groups` maps a channel dim to its size (None: lazily sized)."""
+def _make(spec: Optional[QuantizerSpec], operand: str, fqn: str, groups: Dict[Optional[int], Optional[int]],
+          device: torch.device) -> Optional[Quantizer]:
+    """Build a quantizer for an operand on the layer's `device`; `groups` maps a channel dim to its size
+    (None: lazily sized)."""
     if spec is None:
         return None
     dim = _channel_dim(spec, operand, fqn)
-    return build_quantizer(spec, dim, groups.get(dim), name=fqn)
+    return build_quantizer(spec, dim, groups.get(dim), name=fqn, device=device)
 
 
 def _convert_linear(fqn: str, layer: nn.Module, rule: LinearRule) -> nn.Module:
+    device = layer.weight.device
     if isinstance(layer, nn.Conv2d):
-        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_channels})
-        iq = _make(rule.input, "conv_input", f"{fqn}.input_quantizer", {1: layer.in_channels})
+        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_channels}, device)
+        iq = _make(rule.input, "conv_input", f"{fqn}.input_quantizer", {1: layer.in_channels}, device)
         new = QuantConv2d.from_float(layer, wq, iq)
     else:
-        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_features})
-        iq = _make(rule.input, "linear_input", f"{fqn}.input_quantizer", {-1: layer.in_features})
+        wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_features}, device)
+        iq = _make(rule.input, "linear_input", f"{fqn}.input_quantizer", {-1: layer.in_features}, device)
         new = QuantLinear.from_float(layer, wq, iq)
     new.quant_role = rule.role  # plain attribute: lets pipelines and reports find layers by role
     return new
@@ -65,10 +68,11 @@ def _convert_linear(fqn: str, layer: nn.Module, rule: LinearRule) -> nn.Module:
 def _convert_attention(fqn: str, attn: nn.Module, rule: AttentionRule) -> nn.Module:
     heads = int(attn.num_heads)
     head_dim = getattr(attn, "head_dim", None)
+    device = attn.qkv.weight.device  # the matmul operands are computed from qkv's output
     quantizers = {}
     for op in OPERANDS:
         groups = {1: heads, -1: None if op == "attn" else head_dim}
-        quantizers[op] = _make(getattr(rule, op), "matmul", f"{fqn}.{op}_quant", groups)
+        quantizers[op] = _make(getattr(rule, op), "matmul", f"{fqn}.{op}_quant", groups, device)
     return convert_attention(attn, quantizers)
 
 

@@ -42,8 +42,9 @@ class LSQQuantizer(UniformQuantizer):
         return (round_ste((x / s + zp).clamp(self.qmin, self.qmax)) - zp) * s
 
 
-def _lsq(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
-    return LSQQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search)
+def _lsq(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
+         device: Optional[torch.device]) -> Quantizer:
+    return LSQQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
 
 
 QUANTIZER_KINDS["lsq"] = _lsq

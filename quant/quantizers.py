@@ -143,10 +143,12 @@ class UniformQuantizer(Quantizer):
         channel_dim: None (per tensor) or the grouped dimension (0 weights, -1 activations, 1 heads).
         num_channels: groups along channel_dim; None sizes them at calibration.
         search: calibration range rule.
+        device: where the parameters live (the device of the layer or operand they quantize).
     """
 
     def __init__(self, bits: int, symmetric: bool = False, channel_dim: Optional[int] = None,
-                 num_channels: Optional[int] = None, search: RangeSearch = RangeSearch()) -> None:
+                 num_channels: Optional[int] = None, search: RangeSearch = RangeSearch(),
+                 device: Optional[torch.device] = None) -> None:
         super().__init__(bits, search)
         self.symmetric = symmetric
         self.channel_dim = channel_dim
@@ -155,8 +157,8 @@ class UniformQuantizer(Quantizer):
         else:
             self.qmin, self.qmax = 0, 2 ** bits - 1
         groups = 1 if channel_dim is None else (num_channels or 0)
-        self.register_buffer("scale", torch.ones(groups))
-        self.register_buffer("zero_point", torch.zeros(groups))
+        self.register_buffer("scale", torch.ones(groups, device=device))
+        self.register_buffer("zero_point", torch.zeros(groups, device=device))
 
     def params_from_range(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple:
         """(scale, zero_point) of the given ranges ([G] tensors)."""
@@ -179,7 +181,11 @@ class UniformQuantizer(Quantizer):
         self.set_params(scale, zp)
 
     def set_params(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
-        """Overwrite (and resize, for lazily sized groups) the parameters in place; marks calibrated."""
+        """Overwrite (and resize, for lazily sized groups) the parameters in place; marks calibrated.
+
+        A resized buffer is created on the device of `scale` / `zero_point`, i.e. of the data they were
+        fitted on, never on the device of the placeholder it replaces.
+        """
         with torch.no_grad():
             for key, value in (("scale", scale), ("zero_point", zero_point)):
                 current = getattr(self, key)
@@ -187,7 +193,7 @@ class UniformQuantizer(Quantizer):
                 if current.shape != value.shape:
                     if isinstance(current, nn.Parameter):
                         raise ValueError(f"cannot resize learnable {key} of {self.name}")
-                    self._buffers[key] = value.clone().to(current.device)
+                    self._buffers[key] = value.clone()
                 else:
                     current.copy_(value)
         self.calibrated = True
@@ -219,9 +225,9 @@ class LogSqrt2Quantizer(Quantizer):
     (one-sided), the candidate with the smallest MSE wins.
     """
 
-    def __init__(self, bits: int, search: RangeSearch = RangeSearch()) -> None:
+    def __init__(self, bits: int, search: RangeSearch = RangeSearch(), device: Optional[torch.device] = None) -> None:
         super().__init__(bits, search)
-        self.register_buffer("delta", torch.ones(1))
+        self.register_buffer("delta", torch.ones(1, device=device))
 
     def fit(self, x: torch.Tensor) -> None:
         rows = to_rows(x, None)
@@ -243,25 +249,28 @@ class LogSqrt2Quantizer(Quantizer):
         return f"bits={self.bits}, log-sqrt2, search={self.search.method}, calibrated={self.calibrated}"
 
 
-def _uniform(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
-    return UniformQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search)
+def _uniform(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
+             device: Optional[torch.device]) -> Quantizer:
+    return UniformQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
 
 
-def _log_sqrt2(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int]) -> Quantizer:
+def _log_sqrt2(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
+               device: Optional[torch.device]) -> Quantizer:
     if channel_dim is not None or spec.symmetric:
         raise ValueError("the log-sqrt2 quantizer is per-tensor and one-sided")
-    return LogSqrt2Quantizer(spec.bits, spec.search)
+    return LogSqrt2Quantizer(spec.bits, spec.search, device=device)
 
 
-# kind name -> factory(spec, channel_dim, num_channels). Later phases register learnable kinds here.
-QUANTIZER_KINDS: Dict[str, Callable[[QuantizerSpec, Optional[int], Optional[int]], Quantizer]] = {
+# kind name -> factory(spec, channel_dim, num_channels, device); adaround.py and lsq.py add their kinds.
+QuantizerFactory = Callable[[QuantizerSpec, Optional[int], Optional[int], Optional[torch.device]], Quantizer]
+QUANTIZER_KINDS: Dict[str, QuantizerFactory] = {
     "uniform": _uniform,
     "log_sqrt2": _log_sqrt2,
 }
 
 
 def build_quantizer(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int] = None,
-                    name: str = "") -> Quantizer:
+                    name: str = "", device: Optional[torch.device] = None) -> Quantizer:
     """Build the quantizer a spec describes.
 
     Args:
@@ -269,12 +278,13 @@ def build_quantizer(spec: QuantizerSpec, channel_dim: Optional[int], num_channel
         channel_dim: None for per-tensor, else the grouped dimension.
         num_channels: number of groups (None: sized at calibration).
         name: FQN used in messages and reports.
+        device: device of the layer whose operand it quantizes (its parameters are created there).
     """
     try:
         factory = QUANTIZER_KINDS[spec.kind]
     except KeyError:
         raise ValueError(f"unknown quantizer kind {spec.kind!r}; known: {sorted(QUANTIZER_KINDS)}") from None
-    q = factory(spec, channel_dim, num_channels)
+    q = factory(spec, channel_dim, num_channels, device)
     q.name = name
     return q
 

@@ -173,7 +173,7 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
 def matmul_levels(pct: Tuple[float, float], steps: int) -> torch.Tensor:
     """`steps` upper percentile levels from pct[0] to pct[1], log-spaced in 1 - p (float64, CPU)."""
     lo, hi = math.log10(1.0 - pct[0]), math.log10(1.0 - pct[1])
-    return 1.0 - torch.logspace(lo, hi, steps, dtype=torch.float64)
+    return 1.0 - torch.logspace(lo, hi, steps, dtype=torch.float64, device="cpu")
 
 
 @torch.no_grad()

@@ -1,0 +1,64 @@
+"""Helpers that make device bugs visible on a CPU-only machine.
+
+Under `torch.device("meta")` as the default device, every tensor created without an explicit device is
+a meta tensor, and the first operation that mixes it with real data fails. Code that passes with a CPU
+model under that default creates its tensors on the device of the data they belong to, which is what
+keeps it working on CUDA. Data loading is not under test: `OnCPU` and `cpu_pipeline_data` produce their
+batches outside the meta default, as a DataLoader's worker processes would.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from quant import PipelineData, TrainBatches
+
+
+class OnCPU:
+    """Iterate `loader` with CPU as the default device, whatever the caller's default is."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        with torch.device("cpu"):
+            batches = iter(self.loader)
+        while True:
+            with torch.device("cpu"):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+            yield batch
+
+
+class _FixedOrder:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        pass
+
+
+def cpu_pipeline_data(num_images: int = 32, img_size: int = 32, num_classes: int = 10) -> PipelineData:
+    """A PipelineData of seeded random CPU images (APHQ / GPLQ draw their own training data from it)."""
+
+    def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        return torch.randn(count, 3, img_size, img_size, generator=g, device="cpu")
+
+    x = train_images(num_images, 123, False)
+    y = torch.arange(num_images, device="cpu") % num_classes
+
+    def train_loader(batch_size_per_gpu: int, seed: int) -> TrainBatches:
+        loader = DataLoader(TensorDataset(x, y), batch_size=batch_size_per_gpu, drop_last=True)
+        return TrainBatches(OnCPU(loader), _FixedOrder())
+
+    return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=None)
+
+
+def tensors_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and buffer of `module`."""
+    return list(module.named_parameters()) + list(module.named_buffers())

@@ -1,0 +1,99 @@
+"""Every tensor is created on the device of the data it belongs to (the class of bug that crashed CUDA runs).
+
+The trick (tests/device_utils.py): run the code on a CPU model with `meta` as the default device. A
+tensor created without an explicit device becomes a meta tensor and the run fails, exactly where a CUDA
+run would have mixed a CPU tensor with GPU data. Each test here fails on the code before the fix.
+"""
+import pytest
+import torch
+
+from cd import TWEO, ColinearityDecay
+from engine.loop import evaluate
+from quant import PIPELINES, ActivationProbe, QuantizerSpec, quantize_model
+from quant.modes import named_quantizers
+from quant.pipelines.repq import RepQPipeline
+from quant.quantizers import UniformQuantizer
+from quant.spec import Bits
+from device_utils import OnCPU, cpu_pipeline_data, tensors_of
+from quant_models import images, tiny_swin, tiny_vit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAST = {
+    "percentile": None,
+    "repq": None,
+    "aphq": dict(iters=2, recon_images=32, calib_images=16, batch_size=16, matmul_steps=5, search_rounds=1,
+                 log_every=1),
+    "gplq": dict(steps=2, batch_size_per_gpu=8, init_images=16, pca_images=16, stage2_images=16, log_every=1,
+                 ckpt_every=0),
+}
+
+
+@pytest.mark.parametrize("pipeline", sorted(FAST))
+@pytest.mark.parametrize("make_model", [tiny_vit, tiny_swin], ids=["vit", "swin"])
+def test_pipelines_create_no_tensor_on_the_default_device(pipeline, make_model):
+    model, calib, data = make_model(), images(16), cpu_pipeline_data()
+    with torch.device("meta"):
+        qmodel, _ = PIPELINES[pipeline](model, calib, "w4a4", FAST[pipeline], data=data)
+        out = qmodel(calib)
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+    misplaced = [name for name, t in tensors_of(qmodel) if t.device.type != "cpu"]
+    assert misplaced == []
+
+
+def test_converted_quantizers_live_on_their_layers_device():
+    """Quantizers are built on the device of the layer they belong to, from construction on."""
+    with torch.device("meta"):
+        model = tiny_vit()  # weights on meta
+    with torch.device("cpu"):  # a default that differs from the layers' device
+        qmodel = quantize_model(model, RepQPipeline().layout(Bits(4, 4), RepQPipeline.Options()))
+    devices = {t.device.type for _, q in named_quantizers(qmodel) for _, t in tensors_of(q)}
+    assert devices == {"meta"}
+
+
+def test_lazily_sized_quantizer_takes_the_device_of_its_data():
+    """A per-channel quantizer sized at calibration re-creates its buffers where the data is, not where the
+    placeholder was (the old code kept them on the placeholder's device)."""
+    q = UniformQuantizer(4, channel_dim=-1, device="meta")  # placeholder of 0 groups on another device
+    q.calibrating = True
+    x = torch.randn(8, 6)
+    out = q(x)
+    assert q.scale.device.type == "cpu" and q.zero_point.device.type == "cpu" and q.scale.numel() == 6
+    assert torch.isfinite(out).all()
+
+
+def test_probe_and_evaluation_on_a_quantized_model():
+    model, calib = tiny_swin(), images(8)
+    qmodel, _ = PIPELINES["repq"](model, calib, "w4a4")
+    loader = OnCPU([(images(4, seed=s), torch.arange(4) % 10) for s in range(2)])
+    with torch.device("meta"):
+        with ActivationProbe(qmodel) as probe:
+            metrics = evaluate(qmodel, loader, torch.device("cpu"))
+        result = probe.result(device=torch.device("cpu"))
+    assert metrics["count"] == 8 and result.block > 0 and result.module > 0
+
+
+def test_cd_and_tweo_training_step():
+    model = tiny_vit().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    decay = ColinearityDecay(model, lam=0.01)
+    decay.attach(opt)
+    x, y = images(4), torch.arange(4) % 10
+    with torch.device("meta"), TWEO(model, lam=0.01) as tweo:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (loss + tweo.aux_loss(loss)).backward()
+        opt.step()
+        metrics = {**decay.metrics(), **tweo.metrics()}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert metrics["cd/updates"] == 1 and metrics["tweo/penalty"] > 0
+
+
+def test_quantizer_spec_default_device_is_not_used_for_uniform_kinds():
+    """build_quantizer with an explicit device ignores the default device (also for learnable kinds)."""
+    from quant.quantizers import build_quantizer
+    from quant import lsq, adaround  # noqa: F401  (register their kinds)
+
+    with torch.device("meta"):
+        for kind, dim in (("uniform", None), ("lsq", -1), ("adaround", 0), ("log_sqrt2", None)):
+            q = build_quantizer(QuantizerSpec(4, kind=kind), dim, 3 if dim is not None else None, device="cpu")
+            assert {t.device.type for _, t in tensors_of(q)} == {"cpu"}, kind
