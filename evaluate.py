@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
 from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file
-from data import DataError, build_eval_loader, build_train_loader, calibration_images
-from engine.checkpoint import CheckpointError, load_checkpoint
+from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
+from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
+from engine.eval_results import EvalResults, ResultsError
+from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size
-from quant import PIPELINES, ActivationProbe, PipelineData, TrainBatches, evaluate_quantized
+from quant import PIPELINES, ActivationProbe, PipelineData, TrainBatches, evaluate_quantized, parse_bits
 from quant.probe_io import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -42,29 +44,29 @@ PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "
 
 
 def main(args: argparse.Namespace) -> dict:
+    # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
+    # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     cfg, payload = resolve_config(args)
     dist = init_distributed(cfg.train.device)
     device = dist.device
     out = args.out or default_out_path(args.checkpoint, cfg.model.name)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    prepare_folder(os.path.dirname(os.path.abspath(out)))
     setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
     log.info("%s", describe_environment(dist))
 
-    # The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights.
-    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
-    if payload:
-        key = "model_ema" if args.ema else "model"
-        if key not in payload:
-            raise CheckpointError(f"{args.checkpoint} has no '{key}' weights")
-        model.load_state_dict(payload[key])
+    model = load_float_model(cfg, payload, args)
     model.to(device).eval()
     img_size = input_size(model)
     val_loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                    rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
-
-    result = {"model": cfg.model.name, "checkpoint": args.checkpoint or cfg.model.pretrained,
-              "method": method_name(cfg), "weights": "ema" if args.ema else "raw", "eval_amp": args.amp,
-              "images": len(val_loader.dataset)}
+    check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
+    results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
+    todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
+            if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+    for name in cfg.quant.pipelines:
+        for bits in cfg.quant.bits:
+            if (name, bits) not in todo:
+                log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
@@ -75,41 +77,90 @@ def main(args: argparse.Namespace) -> dict:
     with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules) as probe:
         evaluate(model, val_loader, device, args.amp, progress="activation maxima")
     act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device)
-    result["fp"] = {"top1": fp["top1"], "top5": fp["top5"], "loss": fp["loss"], "seconds": round(fp_seconds, 3)}
-    result["max_act"] = {"module": act.module, "block": act.block, "seconds": round(time.perf_counter() - start, 3)}
+    max_act = {"module": act.module, "block": act.block, "seconds": round(time.perf_counter() - start, 3)}
     log.info("FP top-1 %.3f  top-5 %.3f  max act (module/block) %.2f / %.2f  [%.1fs]", fp["top1"], fp["top5"],
              act.module, act.block, fp_seconds)
     if dist.is_main and cfg.quant.act_max_csv:
         stem = os.path.splitext(out)[0]
-        result["max_act"]["csv"] = str(write_act_max_csv(act.per_layer, stem + "_act_max.csv"))
-        result["max_act"]["plot"] = str(plot_act_max(act.per_layer, stem + "_act_max.png",
-                                                     title=f"{cfg.model.name} ({method_name(cfg)})"))
+        max_act["csv"] = str(write_act_max_csv(act.per_layer, stem + "_act_max.csv"))
+        max_act["plot"] = str(plot_act_max(act.per_layer, stem + "_act_max.png",
+                                           title=f"{cfg.model.name} ({method_name(cfg)})"))
+    results.update(method=method_name(cfg), fp={k: fp[k] for k in ("top1", "top5", "loss", "excluded")} |
+                   {"seconds": round(fp_seconds, 3)}, max_act=max_act)
+    save_on_main(results, dist)
 
-    # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model.
-    result["quant"] = {}
-    if cfg.quant.pipelines:
+    # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
+    # written to the JSON as soon as it is done.
+    if todo:
         calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
                                    cfg.quant.calib_seed).to(device)
-        result["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                                 "split": cfg.data.train_split, "transform": "eval"}
         pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0])
-    for name in cfg.quant.pipelines:
-        for bits in cfg.quant.bits:
-            entry = evaluate_quantized(
-                name, model, calib, bits, options=getattr(cfg.quant, name, None), data=pipeline_data,
-                eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
-            entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
-            result["quant"].setdefault(name, {})[bits] = entry
-            log.info("%s %s top-1 %.3f  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, entry["top1"],
-                     entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
+    for name, bits in todo:
+        entry = evaluate_quantized(
+            name, model, calib, bits, options=getattr(cfg.quant, name, None), data=pipeline_data,
+            eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
+        entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
+        results.add(name, bits, entry, quant_settings(cfg, name))
+        save_on_main(results, dist)
+        log.info("%s %s top-1 %.3f  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, entry["top1"],
+                 entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 
     if dist.is_main:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-        print(markdown_table([result]))
+        print(markdown_table([results.data]))
         log.info("wrote %s", out)
     cleanup_distributed()
-    return result
+    return results.data
+
+
+def save_on_main(results: EvalResults, dist) -> None:
+    if dist.is_main:
+        results.save()
+
+
+def load_float_model(cfg, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
+    """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
+    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
+    if payload:
+        key = "model_ema" if args.ema else "model"
+        if key not in payload:
+            raise CheckpointError(f"{args.checkpoint} has no '{key}' weights" +
+                                  (" (it was trained without train.ema=true)" if args.ema else ""))
+        own, saved = model.state_dict(), payload[key]
+        missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+        shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
+        if missing or unexpected or shapes:
+            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: missing {missing[:4]}, "
+                                  f"unexpected {unexpected[:4]}, other shapes {shapes[:4]}; evaluate it with the "
+                                  f"model settings it was trained with (drop the model.* overrides)")
+        model.load_state_dict(saved)
+    return model
+
+
+def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
+    """The val folder must name the classes the checkpoint was trained on, in the same order."""
+    trained = (payload or {}).get("classes")
+    if trained and val_classes and trained != val_classes:
+        different = [f"{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(trained, val_classes)) if a != b][:3]
+        raise DataError(f"the val split's classes differ from those {checkpoint} was trained on "
+                        f"({len(trained)} vs {len(val_classes)} classes; {', '.join(different)}): label i would "
+                        f"name another class. Point data.root at the data set it was trained on")
+
+
+def identity(cfg, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
+    """What the numbers of one result file are numbers of (engine/eval_results.py)."""
+    checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
+    return {"model": cfg.model.name, "checkpoint": checkpoint, "weights": "ema" if args.ema else "raw",
+            "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
+            "data": {"dataset": cfg.data.dataset, "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
+                     "val_split": cfg.data.val_split}}
+
+
+def quant_settings(cfg, pipeline: str) -> dict:
+    """Everything a quantized result depends on besides the float model and the val set."""
+    options = getattr(cfg.quant, pipeline, None)
+    return {"options": dataclasses.asdict(options) if options is not None else {},
+            "calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
+                            "split": cfg.data.train_split, "transform": "eval"}}
 
 
 def build_pipeline_data(cfg, img_size: int, rank: int, world_size: int, work_prefix: str) -> PipelineData:
@@ -153,6 +204,10 @@ def resolve_config(args: argparse.Namespace):
     unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
     if unknown:
         raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
+    try:
+        cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
+    except ValueError as e:
+        raise ConfigError(f"--bits / quant.bits: {e}") from None
     return cfg, payload
 
 
@@ -214,6 +269,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--bits", nargs="*", help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
+    parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON already "
+                        "has again (the old entries are kept under 'history')")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
                         help="autocast for evaluation (default none: fp32, as the official quantization code)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.root=/datasets/imagenet")
@@ -230,5 +287,5 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
-    except (ConfigError, CheckpointError, DataError, ModelError) as e:
+    except (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError) as e:
         sys.exit(f"error: {e}")

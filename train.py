@@ -29,15 +29,17 @@ from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, energy_metrics, find_pairs
 from cd.update import build_plan
-from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config, save_config
+from configs import Config, ConfigError, config_to_dict, load_config
 from data import DataError, build_loaders
-from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_atomic, training_payload)
-from engine.distributed import DistInfo, all_reduce, barrier, cleanup_distributed, init_distributed
+from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
+from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
 from engine.metrics import MetricLogger
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
 from engine.preemption import Preemption
+from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
+from engine.divergence import DivergenceError, DivergenceGuard
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size
 from quant import ActivationProbe
@@ -56,9 +58,15 @@ class RunResult:
 def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
     dist = init_distributed(cfg.train.device)
-    # From here on SIGTERM / SIGINT request a checkpoint at the next update boundary (engine/preemption.py).
-    with Preemption(dist.device, distributed=dist.distributed) as preemption:
-        result = run_training(cfg, dist, preemption)
+    try:
+        # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
+        # request a checkpoint at the next update boundary (engine/preemption.py).
+        with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
+                Preemption(dist.device, distributed=dist.distributed) as preemption:
+            result = run_training(cfg, dist, preemption)
+    except BaseException:
+        cleanup_distributed(wait_for_all=False)
+        raise
     cleanup_distributed()
     return result
 
@@ -66,7 +74,6 @@ def main(cfg: Config) -> RunResult:
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
     device = dist.device
-    os.makedirs(cfg.out_dir, exist_ok=True)
     setup_logging(cfg.out_dir, dist.is_main)
     log.info("%s", describe_environment(dist))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -80,8 +87,6 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of batch_size_per_gpu="
                           f"{per_gpu} x {dist.world_size} processes")
     accum_steps = cfg.train.batch_size // (per_gpu * dist.world_size)
-    if cfg.train.eval_every_epochs < 1 or cfg.train.log_every_steps < 1:
-        raise ConfigError("train.eval_every_epochs and train.log_every_steps must be at least 1")
 
     # Model (same initial weights on every rank) and data. A resumed run takes its weights from the
     # checkpoint, so pretrained weights are not loaded (nor fetched) again.
@@ -135,7 +140,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     state = TrainState()
     if resumed:
         payload = load_checkpoint(ckpt_path)
-        check_resumable(config_from_dict(payload["config"]), cfg)
+        check_resumable(payload["config"], cfg)
         restore_training(payload, model=model, optimizer=optimizer, state=state, ema=ema, scaler=scaler,
                          scheduler=scheduler)
         if decay is not None and "cd" in payload:
@@ -143,7 +148,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         del payload
         log.info("resumed from %s at epoch %d, update %d", ckpt_path, state.epoch, state.step)
     if dist.is_main:
-        save_config(cfg, os.path.join(cfg.out_dir, "config.yaml"))
+        kept = save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)
+        if kept:
+            log.info("config.yaml of the run so far kept as %s", kept)
     logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
                           cfg.log.wandb_mode, config_to_dict(cfg), resume_step=state.step if resumed else None)
 
@@ -167,12 +174,15 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             aux = aux + decay.aux_loss(loss)
         return loss + aux
 
+    def save_on_main(payload_fn, path: str) -> None:
+        save_on_main_rank(payload_fn, path, dist.is_main, device)
+
     def save_checkpoint() -> None:
-        if dist.is_main:
-            save_atomic(training_payload(model=model, optimizer=optimizer, state=state, config=config_to_dict(cfg),
-                                         ema=ema, scaler=scaler, scheduler=scheduler,
-                                         extra={"cd": decay.state_dict()} if decay else None), ckpt_path)
-        barrier()
+        save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
+                                              config=config_to_dict(cfg), ema=ema, scaler=scaler,
+                                              scheduler=scheduler,
+                                              extra={"classes": loaders.classes, **({"cd": decay.state_dict()} if decay else {})}),
+                     ckpt_path)
 
     loop = TrainLoop(
         model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
@@ -181,6 +191,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log, metric_sources=metric_sources,
         should_stop=preemption.should_stop,
+        divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
+                    if cfg.train.divergence_factor else None),
         progress=cfg.log.progress and dist.is_main)
 
     def validate_and_keep_best() -> dict:
@@ -188,10 +200,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         logger.log(state.step, metrics)
         if metrics["val/top1"] > state.best_top1:  # best.pt: the weights with the best validation top-1
             state.best_top1 = metrics["val/top1"]
-            if dist.is_main:
-                save_atomic({"model": model.state_dict(), "config": config_to_dict(cfg), "state": state.state_dict(),
-                             "metrics": metrics, **({"model_ema": ema.module.state_dict()} if ema else {})},
-                            os.path.join(cfg.out_dir, "best.pt"))
+            save_on_main(lambda: {"model": model.state_dict(), "config": config_to_dict(cfg),
+                                  "state": state.state_dict(), "metrics": metrics, "classes": loaders.classes,
+                                  **({"model_ema": ema.module.state_dict()} if ema else {})},
+                         os.path.join(cfg.out_dir, "best.pt"))
         return metrics
 
     # The epochs: train, validate, checkpoint.
@@ -227,6 +239,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if val:
         log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
                  val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
+        warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
     return RunResult(model=model, metrics=val, state=state)
 
 
@@ -263,20 +276,33 @@ def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_
     return metrics
 
 
-def check_resumable(saved: Config, current: Config) -> None:
-    """The checkpoint must be of the same model and data set; other changed settings are allowed and logged."""
-    saved_d, current_d = config_to_dict(saved), config_to_dict(current)
+def check_resumable(saved: dict, current: Config) -> None:
+    """The checkpoint must be of the same model and data set; other settings that change what the run
+    computes may differ only with train.allow_changed_config=true (paths, logging and train.max_steps may
+    always change: engine/run_dir.py ENVIRONMENT_KEYS)."""
+    current_d = config_to_dict(current)
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
-    if any(saved_d["model"][k] != current_d["model"][k] for k in architecture):
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved_d['model']}, not "
+    if any(saved["model"].get(k) != current_d["model"][k] for k in architecture):
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved['model']}, not "
                               f"{current_d['model']}: use another out_dir or the original model settings")
-    if saved.data.dataset != current.data.dataset:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on data.dataset={saved.data.dataset!r}, "
+    if saved["data"]["dataset"] != current.data.dataset:
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on data.dataset={saved['data']['dataset']!r}, "
                               f"not {current.data.dataset!r}: use another out_dir")
-    changed = [f"{section}.{k}: {saved_d[section][k]!r} -> {v!r}" for section, values in current_d.items()
-               if isinstance(values, dict) for k, v in values.items() if saved_d[section].get(k) != v]
+    changed = config_changes(saved, current_d)
+    if changed and not current.train.allow_changed_config:
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings ({'; '.join(changed)}): "
+                              f"re-run with those settings, use another out_dir, or pass "
+                              f"train.allow_changed_config=true to continue with the new ones")
     if changed:
         log.warning("resuming with changed settings: %s", "; ".join(changed))
+
+
+def warn_if_at_chance(top1: float, num_classes: int) -> None:
+    """A finished run whose accuracy is near chance probably diverged or never learned: say so."""
+    chance = 100.0 / num_classes
+    if num_classes > 1 and top1 <= 1.5 * chance:
+        log.warning("val top-1 %.2f%% is at chance level (%.2f%% for %d classes): the run did not learn; check "
+                    "the learning rate and the loss in metrics.jsonl", top1, chance, num_classes)
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -295,5 +321,6 @@ def parse_args(argv: list[str]) -> Config:
 if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
-    except (ConfigError, CheckpointError, DataError, ModelError, NonFiniteLossError) as e:
+    except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
+            DivergenceError) as e:
         sys.exit(f"error: {e}")

@@ -15,7 +15,7 @@ import os
 import re
 import types
 import typing
-from typing import Any, Iterable, Literal, Sequence, Union
+from typing import Annotated, Any, Iterable, Literal, Sequence, Union
 
 import yaml
 
@@ -57,7 +57,11 @@ def merge_file(cfg: Config, path: str) -> Config:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
-        data = parse_yaml(f.read()) or {}
+        text = f.read()
+    try:
+        data = parse_yaml(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     _merge(cfg, data, path="", source=path)
@@ -70,9 +74,19 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        value = parse_yaml(raw) if raw.strip() else ""
+        try:
+            value = parse_yaml(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
     return cfg
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """'<problem> (line L, column C)' from a PyYAML error, without its multi-line context dump."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def config_from_dict(data: dict) -> Config:
@@ -108,7 +122,7 @@ def _merge(node: Any, data: dict, path: str, source: str) -> None:
 def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
     """Set the (dotted) key `parts` below dataclass `node` to `value`, checked against the schema."""
     name, rest = parts[0], parts[1:]
-    hints = typing.get_type_hints(type(node))
+    hints = typing.get_type_hints(type(node), include_extras=True)
     key = path + name
     if name not in hints:
         raise ConfigError(_unknown_key_message(key, hints, source))
@@ -143,6 +157,8 @@ def _origin(annotation: Any) -> Any:
 
 
 def _type_name(annotation: Any) -> str:
+    if _origin(annotation) is Annotated:
+        return _type_name(typing.get_args(annotation)[0])
     if _origin(annotation) in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(annotation))
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
@@ -156,6 +172,14 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
                           f" ({type(value).__name__}){reason}")
 
     origin = _origin(annotation)
+    if origin is Annotated:  # a value range (constraints.py) on top of the type
+        base, *ranges = typing.get_args(annotation)
+        value = _coerce(value, base, key, source)
+        for allowed in ranges:
+            problem = allowed.violation(value)
+            if problem:
+                raise ConfigError(f"{source}: '{key}' must be {problem}; got {value!r}")
+        return value
     if origin in (Union, types.UnionType):
         args = typing.get_args(annotation)
         if value is None:

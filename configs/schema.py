@@ -9,7 +9,9 @@ Sub-configs are handed to the packages that own them (`build_model(cfg.model)`, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
+
+from .constraints import AtLeastOne, BelowOne, NonNegative, Positive, Probability, Range
 
 from quant.pipelines.aphq import APHQOptions
 from quant.pipelines.gplq import GPLQOptions
@@ -20,10 +22,11 @@ from quant.pipelines.repq import RepQOptions
 @dataclass
 class ModelConfig:
     name: str = "vit_base_patch16_224"  # timm model name, or a small variant from models/variants.py
-    num_classes: int = 1000  # classifier outputs; must match the data set's classes
-    img_size: Optional[int] = None  # input resolution; None keeps the variant's / timm's default
-    drop_path: float = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
-    drop: float = 0.0  # dropout after MLP / projection layers
+    num_classes: Annotated[int, AtLeastOne] = 1000  # classifier outputs; must match the data set's classes
+    # input resolution; None keeps the variant's / timm's default
+    img_size: Annotated[Optional[int], AtLeastOne] = None
+    drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
+    drop: Annotated[float, BelowOne] = 0.0  # dropout after MLP / projection layers
     pretrained: str = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
@@ -31,7 +34,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: Literal["folder", "digits", "synthetic"] = "folder"  # folder: ImageNet-style train/val class folders
+    # folder: ImageNet-style train/val class folders
+    dataset: Literal["folder", "digits", "synthetic"] = "folder"
     root: str = ""  # data set folder holding `train_split` and `val_split` sub-folders (dataset=folder)
     train_split: str = "train"
     val_split: str = "val"
@@ -39,78 +43,98 @@ class DataConfig:
     mean: tuple = (0.485, 0.456, 0.406)
     std: tuple = (0.229, 0.224, 0.225)
     interpolation: str = "bicubic"
-    crop_pct: float = 0.875  # eval: resize to img_size / crop_pct, then center crop
+    # eval: resize to img_size / crop_pct, then center crop
+    crop_pct: Annotated[float, Range(0, 1, low_open=True)] = 0.875
     crop_mode: Literal["center", "squash", "border"] = "center"  # timm eval crop modes
     # train augmentation (timm create_transform)
     scale: tuple = (0.08, 1.0)  # RandomResizedCrop area range
     ratio: tuple = (0.75, 1.3333333333333333)
-    hflip: float = 0.5
+    hflip: Annotated[float, Probability] = 0.5
     auto_augment: str = "rand-m9-mstd0.5-inc1"  # "" disables; timm turns color jitter off when set
-    color_jitter: float = 0.3
-    reprob: float = 0.25  # random erasing probability
+    color_jitter: Annotated[float, NonNegative] = 0.3
+    reprob: Annotated[float, Probability] = 0.25  # random erasing probability
     remode: str = "pixel"
-    recount: int = 1
-    repeated_aug: int = 3  # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
+    recount: Annotated[int, AtLeastOne] = 1
+    # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
+    repeated_aug: Annotated[int, NonNegative] = 3
     # batch-level mixing (timm Mixup); label smoothing is applied inside it or in the loss
-    mixup: float = 0.8  # Beta alpha; 0 disables
-    cutmix: float = 1.0  # Beta alpha; 0 disables
-    mixup_prob: float = 1.0
-    mixup_switch_prob: float = 0.5
+    mixup: Annotated[float, NonNegative] = 0.8  # Beta alpha; 0 disables
+    cutmix: Annotated[float, NonNegative] = 1.0  # Beta alpha; 0 disables
+    mixup_prob: Annotated[float, Probability] = 1.0
+    mixup_switch_prob: Annotated[float, Probability] = 0.5
     mixup_mode: str = "batch"
-    label_smoothing: float = 0.1
+    label_smoothing: Annotated[float, BelowOne] = 0.1
     # loading
-    num_workers: int = 8  # per process
+    num_workers: Annotated[int, NonNegative] = 8  # per process
     pin_memory: bool = True
-    synthetic_train_size: int = 4096  # images in the synthetic train set (dataset=synthetic)
-    synthetic_val_size: int = 512
-    digits_img_size: int = 32  # the 8x8 digits are upscaled to this (bicubic) before the pipeline
-    digits_val_fraction: float = 0.2  # stratified, fixed split of the 1,797 images
+    # images in the synthetic train set (dataset=synthetic)
+    synthetic_train_size: Annotated[int, AtLeastOne] = 4096
+    synthetic_val_size: Annotated[int, AtLeastOne] = 512
+    # the 8x8 digits are upscaled to this (bicubic) before the pipeline
+    digits_img_size: Annotated[int, Range(8)] = 32
+    # stratified, fixed split of the 1,797 images
+    digits_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # any timm create_optimizer_v2 name (adamw, sgd, lamb, ...)
-    lr: Optional[float] = None  # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
-    lr_base: float = 5e-4
-    lr_base_batch: int = 512
+    # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
+    lr: Annotated[Optional[float], Positive] = None
+    lr_base: Annotated[float, Positive] = 5e-4
+    lr_base_batch: Annotated[int, AtLeastOne] = 512
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
-    weight_decay: float = 0.05  # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
+    # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
+    weight_decay: Annotated[float, NonNegative] = 0.05
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
-    layer_decay: Optional[float] = None  # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
-    clip_grad: Optional[float] = None  # max global L2 norm of the gradients; None: no clipping
+    momentum: Annotated[float, BelowOne] = 0.9  # sgd only
+    # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
+    layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
+    # max global L2 norm of the gradients; None: no clipping
+    clip_grad: Annotated[Optional[float], Positive] = None
     fused: Optional[bool] = None  # fused optimizer kernel; None: on CUDA for adamw/adam/sgd (engine/optim.py)
 
 
 @dataclass
 class SchedConfig:
     name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
-    epochs: int = 300  # total training epochs, warmup included
-    warmup_epochs: float = 5
-    warmup_lr: float = 1e-6  # absolute (not scaled with the batch)
-    min_lr: float = 1e-5  # absolute (not scaled with the batch)
+    epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
+    warmup_epochs: Annotated[float, NonNegative] = 5
+    warmup_lr: Annotated[float, NonNegative] = 1e-6  # absolute (not scaled with the batch)
+    min_lr: Annotated[float, NonNegative] = 1e-5  # absolute (not scaled with the batch)
     warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
     per_step: bool = False  # True (Swin): the lr changes every optimizer update; False (DeiT): every epoch
 
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 1024  # global batch per optimizer update (all GPUs, all accumulation steps)
-    batch_size_per_gpu: int = 128  # per forward pass; accumulation = batch_size / (per_gpu x world)
-    eval_batch_size_per_gpu: int = 256
+    # global batch per optimizer update (all GPUs, all accumulation steps)
+    batch_size: Annotated[int, AtLeastOne] = 1024
+    # per forward pass; accumulation = batch_size / (per_gpu x world)
+    batch_size_per_gpu: Annotated[int, AtLeastOne] = 128
+    eval_batch_size_per_gpu: Annotated[int, AtLeastOne] = 256
     amp: Literal["none", "fp16", "bf16"] = "fp16"  # fp16 runs a GradScaler, bf16 none
     compile: bool = False  # torch.compile the model (before DDP wrapping)
-    ema: bool = False  # keep an EMA of the weights, evaluated separately (val_ema/*); DeiT reports the raw model
-    ema_decay: float = 0.99996
+    # keep an EMA of the weights, evaluated separately (val_ema/*); DeiT reports the raw model
+    ema: bool = False
+    ema_decay: Annotated[float, BelowOne] = 0.99996
     ema_warmup: bool = False
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    max_steps: Optional[int] = None  # stop after this many optimizer updates (debugging); None: full schedule
-    eval_every_epochs: int = 1
-    ckpt_every_steps: int = 0  # also write checkpoint.pt every N updates (0: at epoch ends only)
-    log_every_steps: int = 50
+    # stop after this many optimizer updates (debugging); None: full schedule
+    max_steps: Annotated[Optional[int], AtLeastOne] = None
+    eval_every_epochs: Annotated[int, AtLeastOne] = 1
+    # also write checkpoint.pt every N updates (0: at epoch ends only)
+    ckpt_every_steps: Annotated[int, NonNegative] = 0
+    log_every_steps: Annotated[int, AtLeastOne] = 50
     deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)
+    # stop when the loss stays above this multiple of its first value (engine/divergence.py); None: off
+    divergence_factor: Annotated[Optional[float], Range(1, low_open=True)] = 3.0
+    divergence_windows: Annotated[int, AtLeastOne] = 3  # ... for this many consecutive log windows
+    # out_dir holds an earlier run's files but no checkpoint: move them to out_dir/archive/<time>/ and start
+    archive_existing: bool = False
+    allow_changed_config: bool = False  # resume although settings other than paths/logging/max_steps changed
 
 
 @dataclass
@@ -128,11 +152,13 @@ class CDConfig:
     """Colinearity Decay (paper Sec. 3.3, Appendix "Normalized CD"); see cd/README.md."""
 
     enabled: bool = False
-    lam: float = 0.005  # lambda_cd: the update step is lr * lam
+    lam: Annotated[float, NonNegative] = 0.005  # lambda_cd: the update step is lr * lam
     lam_per_role: dict = field(default_factory=dict)  # per-role override, e.g. {fc2: 0.02}
-    targets: Literal["A", "B", "C", "A+B"] = "A+B"  # A composable, B functional, C both matrices of functional
+    # A composable, B functional, C both matrices of functional
+    targets: Literal["A", "B", "C", "A+B"] = "A+B"
     mode: Literal["decoupled", "loss"] = "decoupled"  # decoupled: the paper's update; loss: ablation
-    loss_coef: float = 0.01  # loss mode: coefficient after aligning the penalty to the task-loss magnitude
+    # loss mode: coefficient after aligning the penalty to the task-loss magnitude
+    loss_coef: Annotated[float, NonNegative] = 0.01
     budget: bool = True  # weight-decay budget rule: wd -> wd - lam
 
 
@@ -141,9 +167,9 @@ class TWEOConfig:
     """TWEO activation regularizer (paper Appendix "TWEO Background"), the baseline CD is compared with."""
 
     enabled: bool = False
-    lam: float = 0.01  # lambda(t) peak value
-    p: float = 4.0
-    tau: float = 3.0
+    lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value
+    p: Annotated[float, Range(1)] = 4.0
+    tau: Annotated[float, Positive] = 3.0
     eps: float = 1e-6
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
@@ -157,7 +183,8 @@ class QuantConfig:
 
     pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
     bits: list = field(default_factory=lambda: ["w4a4"])
-    calib_images: int = 32  # fixed, seeded subset of the train split with the eval transform
+    # fixed, seeded subset of the train split with the eval transform
+    calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: int = 0
     act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
     # module patterns counted in "max_act/module" besides the block-internal modules (quant/probes.py),

@@ -3,7 +3,7 @@ set, synthetic data for benchmarks and tests, and samplers for exact distributed
 """
 from .folder import DataError
 from .loader import (Loaders, TrainLoader, build_dataset, build_eval_loader, build_loaders, build_mixup,
-                     build_train_loader, calibration_images)
+                     build_train_loader, calibration_images, dataset_classes)
 
 __all__ = ["DataError", "Loaders", "TrainLoader", "build_dataset", "build_eval_loader", "build_loaders", "build_mixup",
-           "build_train_loader", "calibration_images"]
+           "build_train_loader", "calibration_images", "dataset_classes"]

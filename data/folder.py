@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from PIL import Image
 from timm.data import ImageDataset
 
 
@@ -31,7 +32,31 @@ def find_split(root: str, split: str) -> str:
                     f"data.train_split / data.val_split")
 
 
-def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
+class EvalImageDataset(ImageDataset):
+    """An ImageDataset for evaluation: an unreadable image is reported, never replaced.
+
+    timm's ImageDataset replaces an image it cannot decode by the next one, which a validation set must
+    not do (that image would be scored, and counted, twice). Here the sample comes back as a blank image
+    with the target `unreadable_target(index)` (negative), which `engine.loop.evaluate` excludes from the
+    counts and reports by file name.
+    """
+
+    def __getitem__(self, index: int):
+        try:
+            source, target = self.reader[index][:2]
+            img = Image.open(source).convert("RGB")
+        except (OSError, ValueError, SyntaxError):  # PIL: truncated, garbage bytes, bad headers
+            img, target = Image.new("RGB", (8, 8)), unreadable_target(index)
+        return (self.transform(img) if self.transform is not None else img), target
+
+
+def unreadable_target(index: int) -> int:
+    """The target an evaluation dataset returns for the unreadable sample `index`: -1 - index (< 0)."""
+    return -1 - index
+
+
+def build_folder_dataset(root: str, split: str, transform=None, strict: bool = False) -> ImageDataset:
+    """`root/split` as an ImageDataset; `strict`: unreadable images are reported, not replaced (evaluation)."""
     path = find_split(root, split)
     if os.path.isdir(path):
         classes = [d for d in os.scandir(path) if d.is_dir()]
@@ -39,15 +64,24 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
             raise DataError(f"{path} has no class sub-folders (expected {path}/<class>/<image>)")
         if not any(f.lower().endswith(IMG_EXTENSIONS) for c in classes[:20] for f in os.listdir(c.path)):
             raise DataError(f"the class folders in {path} hold no images ({', '.join(IMG_EXTENSIONS)})")
-    dataset = ImageDataset(path, transform=transform)
+    dataset = (EvalImageDataset if strict else ImageDataset)(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")
     return dataset
 
 
-def num_classes_of(dataset) -> int:
-    reader = getattr(dataset, "reader", None)
-    class_to_idx = getattr(reader, "class_to_idx", None)
-    if class_to_idx:
-        return len(class_to_idx)
-    return getattr(dataset, "num_classes")
+def class_names(dataset) -> list[str]:
+    """Class names in label order (the folder names of an ImageNet-style split)."""
+    class_to_idx = getattr(getattr(dataset, "reader", None), "class_to_idx", None) or {}
+    return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
+
+
+def check_same_classes(train: list[str], val: list[str], where: str) -> None:
+    """Train and val splits must name the same classes in the same order, or labels mean different things."""
+    if train == val:
+        return
+    missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    detail = (f"val lacks {missing[:5]}" if missing else "") + ("; " if missing and extra else "") + \
+        (f"val has classes train lacks: {extra[:5]}" if extra else "")
+    raise DataError(f"{where}: the train and val splits have different class folders ({detail or 'other order'}); "
+                    f"label i would name different classes. Give both splits the same class folders")

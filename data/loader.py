@@ -19,7 +19,7 @@ from engine.preemption import ignore_stop_signals
 from engine.rng import mix_seed
 
 from .digits import DigitsDataset
-from .folder import DataError, build_folder_dataset, num_classes_of
+from .folder import DataError, build_folder_dataset, check_same_classes, class_names
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .transforms import build_transform
@@ -31,6 +31,7 @@ class Loaders:
     val: DataLoader
     train_sampler: SeededSampler
     mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
+    classes: Optional[list]  # class names in label order (None for synthetic data); stored in checkpoints
 
 
 def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transform: bool):
@@ -44,8 +45,8 @@ def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transf
         return SyntheticDataset(size, img_size, num_classes, seed=0 if split == "train" else 1)
     else:
         folder = cfg.train_split if split == "train" else cfg.val_split
-        dataset = build_folder_dataset(cfg.root, folder, transform=transform)
-        found = num_classes_of(dataset)
+        dataset = build_folder_dataset(cfg.root, folder, transform=transform, strict=not train_transform)
+        found = len(class_names(dataset))
     if found != num_classes:
         raise DataError(f"the {cfg.dataset} data set has {found} classes but model.num_classes={num_classes}; "
                         f"set model.num_classes={found}")
@@ -94,8 +95,20 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
     train = build_train_loader(cfg, img_size=img_size, batch_size_per_gpu=batch_size_per_gpu, rank=rank,
                                world_size=world_size, seed=seed, num_classes=num_classes)
     val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
+    classes = dataset_classes(cfg, val_set)
+    if cfg.dataset == "folder":
+        check_same_classes(dataset_classes(cfg, train.loader.dataset.base), classes, cfg.root)
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup)
+    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup, classes=classes)
+
+
+def dataset_classes(cfg, dataset) -> Optional[list]:
+    """Class names in label order: folder names, the digits 0-9, or None (synthetic data has no classes)."""
+    if cfg.dataset == "folder":
+        return class_names(dataset)
+    if cfg.dataset == "digits":
+        return [str(i) for i in range(DigitsDataset.num_classes)]
+    return None
 
 
 def build_eval_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,

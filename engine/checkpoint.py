@@ -6,14 +6,22 @@ so a crash or preemption mid-write never destroys the previous checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import os
+import shutil
+
+from typing import Callable
 
 import torch
 
 from cd.pairs import unwrap_model  # the one definition; cd/ stays a standalone package
 
+from .distributed import raise_on_every_rank
+
 __all__ = ["CheckpointError", "unwrap_model", "save_atomic", "load_checkpoint", "training_payload",
-           "restore_training"]
+           "restore_training", "save_on_main_rank", "weights_fingerprint"]
 
 
 class CheckpointError(ValueError):
@@ -21,12 +29,47 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(payload: dict, path: str) -> None:
+    """Write `payload` to `path` through a temporary file and a rename.
+
+    On any failure (a full disk, a vanished mount, an interrupt) the temporary file is removed and the
+    previous file at `path` is untouched; write errors become a CheckpointError that says so.
+    """
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise CheckpointError(_write_failure(path, e)) from e
+        raise
+
+
+def save_on_main_rank(payload_fn: Callable[[], dict], path: str, is_main: bool, device: torch.device) -> None:
+    """The main rank writes `payload_fn()` to `path` (atomically); if that fails (a full disk), every rank
+    stops with a CheckpointError instead of the others waiting at the next collective."""
+    error = None
+    if is_main:
+        try:
+            save_atomic(payload_fn(), path)
+        except CheckpointError as e:
+            error = e
+    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not write {path} (its error says why)"))
+
+
+def _write_failure(path: str, error: BaseException) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free / 2 ** 20
+    # torch's zip writer reports ENOSPC as "unexpected pos"; an OSError carries its errno
+    full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
+    reason = f"the disk is full ({free:.0f} MB free in {folder})" if full else f"{error}"
+    previous = "the previous file is unchanged" if os.path.exists(path) else "no earlier file existed"
+    return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix the "
+            f"folder) and re-run the same command to resume from the last checkpoint")
 
 
 def load_checkpoint(path: str) -> dict:
@@ -75,3 +118,14 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
             raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with the "
                                   f"settings it was written with (see config.yaml next to it)")
         obj.load_state_dict(payload[name])
+
+
+def weights_fingerprint(state_dict: dict) -> str:
+    """A short hash of the floating-point tensors of a state dict (identifies the weights a result is of).
+
+    Hashes each tensor's float64 sum: cheap at ViT-B size and one host transfer, and any training update
+    or different checkpoint changes it.
+    """
+    sums = torch.stack([t.detach().double().sum() for t in state_dict.values()
+                        if isinstance(t, torch.Tensor) and t.is_floating_point()])
+    return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,13 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local_rank, dev)
 
 
-def cleanup_distributed() -> None:
+def cleanup_distributed(wait_for_all: bool = True) -> None:
+    """Leave the process group. `wait_for_all`: first wait until every rank is done (a rank that tears its
+    group down while another still talks to it can abort the process at exit: "terminate called without
+    an active exception" with gloo); False on error paths, where another rank may never arrive."""
     if dist.is_initialized():
+        if wait_for_all:
+            barrier()
         dist.destroy_process_group()
 
 
@@ -72,3 +78,15 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(tensor, src=src)
     return tensor
+
+
+def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
+                        elsewhere: Callable[[], BaseException]) -> None:
+    """After work that only some ranks did (e.g. rank 0 writing a checkpoint): if it failed anywhere, every
+    rank raises (the failing rank its own `error`, the others `elsewhere()`), instead of the others waiting
+    at the next collective until it times out. One all-reduce; a no-op without a process group."""
+    failed = all_reduce(torch.tensor([float(error is not None)], device=device), op="max")
+    if error is not None:
+        raise error
+    if failed.item():
+        raise elsewhere()

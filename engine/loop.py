@@ -14,6 +14,7 @@ checkpoint continues exactly as the uninterrupted run would have, without storin
 """
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -27,8 +28,11 @@ import torch.nn.functional as F
 
 from .checkpoint import unwrap_model
 from .distributed import all_reduce
+from .divergence import DivergenceGuard
 from .precision import autocast
 from .rng import mix_seed, seed_all
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,6 +48,7 @@ class TrainState:
     epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
     skipped_steps: int = 0  # fp16 updates the GradScaler skipped (inf/NaN gradients)
     best_top1: float = -1.0
+    initial_loss: Optional[float] = None  # mean loss of the run's first update over all ranks (divergence guard)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +78,7 @@ class TrainLoop:
     log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
     metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
     should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
+    divergence: Optional[DivergenceGuard] = None  # stops a run whose loss stays far above its initial value
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
 
     def __post_init__(self):
@@ -82,6 +88,7 @@ class TrainLoop:
         # so that the fp16 step never waits for the GPU, and read at log steps and checkpoints.
         self._real_steps = 0
         self._skipped_on_device: Optional[torch.Tensor] = None
+        self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self.optimizer.register_step_post_hook(self._count_step)
 
     def _count_step(self, optimizer, *_):
@@ -138,6 +145,8 @@ class TrainLoop:
                 scaled = loss / self.accum_steps
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             window.add_loss(loss.detach())
+            if state.initial_loss is None and self._first_loss is None:
+                self._first_loss = loss.detach().float().reshape(1)
             if not last:
                 continue
             micro = 0
@@ -199,6 +208,10 @@ class TrainLoop:
 
     def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
         metrics = window.flush(state.step)
+        if state.initial_loss is None and self._first_loss is not None:
+            state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
+        if self.divergence is not None:
+            self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
         metrics["train/epoch"] = state.epoch + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps)
         self._settle_skipped_steps(state)
@@ -268,29 +281,48 @@ class _Window:
 def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "") -> dict:
     """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks.
 
-    With `ShardedEvalSampler` every image is counted exactly once across ranks. `progress`: a label
-    for a progress bar (shown on a terminal only); "" for none.
+    With `ShardedEvalSampler` every image is counted exactly once across ranks. A negative target marks
+    a sample the data set could not read (data/folder.py: -1 - index): it is excluded from every count,
+    and its file is named in a warning. `progress`: a label for a progress bar (shown on a terminal
+    only); "" for none.
+
+    Returns:
+        {"top1", "top5", "loss", "count" (images scored), "excluded" (unreadable images left out)}.
     """
     model.eval()
-    sums = torch.zeros(4, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count
+    dataset = getattr(loader, "dataset", None)
+    sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count, excluded
+    unreadable: list[int] = []
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         loader = tqdm(loader, desc=progress, leave=False, dynamic_ncols=True)
     for images, targets in loader:
+        bad = targets < 0  # on the host, before the copy: no device sync
+        if bad.any():
+            unreadable += (-1 - targets[bad]).tolist()
+            images, targets = images[~bad], targets[~bad]
+            if len(targets) == 0:
+                continue
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(amp, device):
             logits = model(images)
         logits = logits.float()
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top5 == targets[:, None]
-        sums += torch.stack([hits[:, 0].sum(), hits.any(1).sum(), F.cross_entropy(logits, targets, reduction="sum"),
-                             torch.tensor(len(targets), device=device)]).double()
+        sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
+                                 F.cross_entropy(logits, targets, reduction="sum"),
+                                 torch.tensor(len(targets), device=device)]).double()
+    sums[4] = len(unreadable)
+    if unreadable:
+        names = [dataset.filename(i) if hasattr(dataset, "filename") else f"sample {i}" for i in unreadable]
+        log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names), ", ".join(names[:10]),
+                    " ..." if len(names) > 10 else "")
     all_reduce(sums)
-    correct1, correct5, loss, count = sums.tolist()
-    count = max(count, 1.0)
-    return {"top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count, "loss": loss / count,
-            "count": int(count)}
+    correct1, correct5, loss, count, excluded = sums.tolist()
+    scored = max(count, 1.0)
+    return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
+            "count": int(count), "excluded": int(excluded)}
 
 
 def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):

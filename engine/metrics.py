@@ -7,9 +7,12 @@ TensorBoard purges them too, so a resumed run's logs read as one uninterrupted r
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 
 class MetricLogger:
@@ -64,10 +67,26 @@ def _plain(value):
 
 
 def _truncate_after(path: str, step: int) -> None:
+    """Keep the records up to `step`; drop lines that are not JSON (a partial last line, as a full disk or
+    a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename."""
+    kept, broken = [], 0
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                broken += 1
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if broken:
+        log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
         f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _wandb_id(out_dir: str) -> str:

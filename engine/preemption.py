@@ -10,9 +10,10 @@ foreground process group. The rule:
 * under DDP the ranks agree through one all-reduce of the flag, every `agree_every` updates (a tiny
   collective and a host sync, so not every update) and at every epoch end, so all ranks stop at the
   same update whichever of them got the signal;
-* DataLoader workers ignore both signals (`ignore_stop_signals`, their `worker_init_fn`): a worker
-  killed by SIGTERM would turn the request into a crash of the main process. They end with the loader
-  (and exit by themselves if the main process dies);
+* DataLoader workers ignore both signals unless their own main process sends them
+  (`ignore_stop_signals`, their `worker_init_fn`): a worker killed by the scheduler's SIGTERM would turn
+  the request into a crash of the main process. They end with the loader (and exit by themselves if the
+  main process dies);
 * repeated signals within `repeat_window_s` of the first are the same request (torchrun forwards the
   signal it received to its workers, which then see it twice); a later SIGINT raises KeyboardInterrupt
   at once (a second Ctrl-C means "now"), a later SIGTERM is ignored.
@@ -20,7 +21,9 @@ foreground process group. The rule:
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import time
 
 import torch
@@ -32,9 +35,25 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
-    """DataLoader `worker_init_fn`: workers leave SIGTERM / SIGINT to the main process (see module docstring)."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    """DataLoader `worker_init_fn`: workers leave SIGTERM / SIGINT to the main process.
+
+    SIGINT is ignored outright. SIGTERM cannot be: the main process ends its workers with SIGTERM too
+    (multiprocessing's exit handler, DataLoader's shutdown), and a worker deaf to it would hang the main
+    process at exit. So SIGTERM is blocked and a watcher thread takes it with `sigwaitinfo`, which names
+    the sender: from the parent, the worker exits (as torch's own handler does); from anyone else (a
+    scheduler signalling the process group), it is ignored. Threads started later inherit the block.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_parents_sigterm, args=(os.getppid(),), name="sigterm-watcher",
+                     daemon=True).start()
+
+
+def _exit_on_parents_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:
+            os._exit(0)
 
 
 class Preemption:

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import load_checkpoint, restore_training, save_atomic, training_payload
-from engine.distributed import barrier
+from engine.checkpoint import load_checkpoint, restore_training, save_on_main_rank, training_payload
 from engine.loop import TrainLoop, TrainState
 from engine.precision import grad_scaler
 
@@ -147,10 +146,10 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         return dict(last)
 
     def save() -> None:
-        if checkpoint and rank == 0:
-            save_atomic(training_payload(model=train_model, optimizer=optimizer, state=state, config=config,
-                                         scaler=scaler, extra={"pca": pca.state_dict()}), checkpoint)
-        barrier()
+        if checkpoint:
+            save_on_main_rank(lambda: training_payload(model=train_model, optimizer=optimizer, state=state,
+                                                       config=config, scaler=scaler, extra={"pca": pca.state_dict()}),
+                              checkpoint, rank == 0, device)
 
     def report(step: int, metrics: Dict[str, float]) -> None:
         log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f  pca %.4f  lr %.2e  %.1f img/s", step, total,

@@ -117,6 +117,9 @@ class QuantSpec:
     strict: bool = True
 
 
+MIN_BITS, MAX_BITS = 2, 16  # a 1-bit symmetric grid has no positive level; beyond 16 bits is float territory
+
+
 class Bits(NamedTuple):
     """Weight and activation bit-widths, e.g. parsed from "w4a4"."""
 
@@ -133,6 +136,9 @@ def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
         m = re.fullmatch(r"[wW](\d+)[aA](\d+)", bits.strip())
         if m is None:
             raise ValueError(f"bit-width {bits!r} is not of the form 'w4a4'")
-        return Bits(int(m.group(1)), int(m.group(2)))
-    w, a = bits
-    return Bits(int(w), int(a))
+        w, a = int(m.group(1)), int(m.group(2))
+    else:
+        w, a = (int(b) for b in bits)
+    if not (MIN_BITS <= w <= MAX_BITS and MIN_BITS <= a <= MAX_BITS):
+        raise ValueError(f"bit-width {str(bits)!r}: weight and activation bits must lie in {MIN_BITS}..{MAX_BITS}")
+    return Bits(w, a)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cd import TWEO, ColinearityDecay
 from cd_models import tiny_vit
-from dist_utils import free_port, init_gloo
+from dist_utils import free_port, init_gloo, leave_and_exit
 
 
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
@@ -41,8 +41,10 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             torch.save({"identical": all(torch.equal(gathered[0], g) for g in gathered[1:]),
                         "updates": decay.num_updates, "first_pair": decay.pairs[0].name,
                         "energy": decay.metrics()["cd/pair_energy/fc2"]}, out_path)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_and_exit()
 
 
 @pytest.mark.slow

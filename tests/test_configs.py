@@ -69,10 +69,29 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     ("model=vit", "is a section"),
     ("optim.lr.x=1", "has no sub-key"),
     ("no_equals_sign", "key=value"),
+    ("optim.lr=-1", r"'optim.lr' must be > 0; got -1"),
+    ("sched.epochs=0", r"'sched.epochs' must be >= 1; got 0"),
+    ("train.batch_size=0", r"'train.batch_size' must be >= 1"),
+    ("model.drop_path=1.0", r"must be >= 0 and < 1"),
+    ("data.reprob=1.5", r"must be >= 0 and <= 1"),
+    ("tweo.tau=0", r"'tweo.tau' must be > 0"),
+    ("optim.lr=[1", "not valid YAML"),
 ])
 def test_wrong_values_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_ranges_let_none_and_boundaries_through():
+    cfg = load_config(None, ["optim.lr=null", "train.ckpt_every_steps=0", "data.reprob=1", "optim.lr_base=1e-9"])
+    assert cfg.optim.lr is None and cfg.train.ckpt_every_steps == 0 and cfg.data.reprob == 1.0
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model:\n  name: [vit_micro\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML: .*\(line 3"):
+        load_config([str(bad)])
 
 
 def test_dict_fields_take_dotted_keys():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_utils import free_port, init_gloo
+from dist_utils import free_port, init_gloo, leave_and_exit
 
 
 def _worker(rank: int, world: int, port: int, work: str) -> None:
@@ -48,8 +48,10 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
                         "same_data": all(torch.equal(shards[0], x) for x in shards[1:]),
                         "world": report["stage1"]["world_size"], "steps": report["stage1"]["steps"],
                         "ddp": report["stage1"]["ddp"]}, os.path.join(work, "result.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_and_exit()
 
 
 def _flat_state(model: torch.nn.Module) -> torch.Tensor:

@@ -31,13 +31,14 @@ Details the paper leaves open, our choices (all options; see quant/README.md):
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
 import torch
 from torch import nn
+
+from engine.checkpoint import weights_fingerprint
 
 from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
 from ..calibrate import Images, calibrate, refit_weight_quantizers
@@ -101,13 +102,6 @@ def default_lr(global_batch: int) -> float:
     return 5e-6 if global_batch >= 128 else 2.5e-6 if global_batch >= 64 else 1e-6
 
 
-def fingerprint(model: nn.Module) -> str:
-    """A short hash of a model's floating-point state (identifies the float model of a checkpoint)."""
-    sums = torch.stack([t.detach().double().sum() for t in model.state_dict().values()
-                        if isinstance(t, torch.Tensor) and t.is_floating_point()])
-    return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
-
-
 class GPLQPipeline(Pipeline):
     name = "gplq"
     Options = GPLQOptions
@@ -157,7 +151,7 @@ class GPLQPipeline(Pipeline):
                                   scale_lr=options.scale_lr if options.scale_lr is not None else lr,
                                   weight_decay=options.weight_decay, pca_weight=options.pca_weight, amp=options.amp,
                                   log_every=options.log_every, ckpt_every=options.ckpt_every, seed=options.seed)
-        config = {"pipeline": self.name, "bits": str(bits), "fp_model": fingerprint(fp_model), "world_size": world,
+        config = {"pipeline": self.name, "bits": str(bits), "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
                   "stage1": {f.name: getattr(options, f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}
 
         def pca():

@@ -1,0 +1,98 @@
+"""The evaluation JSON of one checkpoint, grown by every evaluate.py call and never overwritten blindly.
+
+    results = EvalResults.open(path, identity)       # refuses a file that describes other weights or data
+    if results.plan("repq", "w4a4", settings, recompute=False): ... results.add("repq", "w4a4", entry); results.save()
+
+* identity: what the numbers are numbers of (model, checkpoint, weights fingerprint, raw/EMA, data).
+  A file with another identity is refused, e.g. when best.pt has changed since it was evaluated.
+* every quantized result is keyed by pipeline and bit-width and records the settings it was computed
+  with (pipeline options, calibration set) and when it was written; a later call skips what is there
+  with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
+* the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+
+class ResultsError(ValueError):
+    """An evaluation JSON that cannot take these results (another checkpoint, other settings)."""
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
+
+
+class EvalResults:
+    def __init__(self, path: str, data: dict) -> None:
+        self.path, self.data = path, data
+
+    @classmethod
+    def open(cls, path: str, identity: dict) -> "EvalResults":
+        """The results at `path` (an empty record if there is none yet) for the evaluation `identity`."""
+        identity = _plain(identity)
+        if not os.path.exists(path):
+            return cls(path, {**identity, "quant": {}})
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); move it away or use --out") from None
+        differs = [k for k, v in identity.items() if data.get(k) != v]
+        if differs:
+            detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
+            raise ResultsError(f"{path} holds results of another evaluation ({detail}); use --out for a new file")
+        data.setdefault("quant", {})
+        return cls(path, data)
+
+    def plan(self, pipeline: str, bits: str, settings: dict, recompute: bool) -> bool:
+        """True if (pipeline, bits) must run now; False if the file already has it with these settings."""
+        entry = self.data["quant"].get(pipeline, {}).get(bits)
+        if entry is None or recompute:
+            return True
+        if entry.get("settings") == _plain(settings):
+            return False
+        raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
+                           f"({_settings_diff(entry.get('settings') or {}, _plain(settings))}): use --out for a new "
+                           f"file, or --recompute to replace it (the old entry is kept under 'history')")
+
+    def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
+        """Record a result; an entry it replaces moves to `history`."""
+        old = self.data["quant"].get(pipeline, {}).get(bits)
+        if old is not None:
+            self.data.setdefault("history", []).append({"pipeline": pipeline, "bits": bits, **old})
+        stamped = {**entry, "settings": _plain(settings), "written": _now()}
+        self.data["quant"].setdefault(pipeline, {})[bits] = stamped
+
+    def update(self, **fields: Any) -> None:
+        """Set top-level fields (fp accuracy, activation maxima: the same for every call of one identity)."""
+        self.data.update(_plain(fields))
+
+    def save(self) -> None:
+        """Write the whole record through a temporary file and a rename."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=2, default=str)
+        os.replace(tmp, self.path)
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+def _settings_diff(old: dict, new: dict, prefix: str = "") -> str:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = _settings_diff(a, b, f"{prefix}{key}.")
+            if inner:
+                diffs.append(inner)
+        elif a != b:
+            diffs.append(f"{prefix}{key} {a!r} -> {b!r}")
+    return "; ".join(diffs[:6])

@@ -1,0 +1,204 @@
+"""Run folders: one run owns its out_dir, and nothing an earlier run wrote is overwritten or appended to.
+
+    with claim_run_dir(out_dir, config_dict, archive_existing=False) as run_dir:   # main rank only
+        ...                                                                        # train
+
+What claiming checks, before any training (so a bad folder costs seconds, not an epoch):
+* the folder can be created and written (a file in the way, a read-only mount, a missing permission);
+* no other run holds it: an exclusive `flock` on `out_dir/.run.lock`, held until the run ends (the
+  kernel drops it when the process dies, so a killed run never leaves a stale lock). flock is local to
+  one machine and may not be enforced on some network file systems;
+* partial writes of an interrupted checkpoint write (`checkpoint.pt.tmp.<pid>`, gigabytes at ViT-B)
+  are removed: they are never the only copy of anything, since writes are atomic renames;
+* what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change).
+  No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
+  `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
+  without asking, with a warning: the folder holds only the logs of a run of the SAME config that
+  stopped before its first checkpoint (no best.pt), i.e. the same command restarting.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import glob
+import logging
+import os
+import socket
+import shutil
+from contextlib import ExitStack, contextmanager
+from typing import Iterator, Optional
+
+import yaml
+
+from .distributed import raise_on_every_rank
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".run.lock"
+ARCHIVE = "archive"
+# Settings that describe where and how a run executes, not what it computes: they may change on resume.
+ENVIRONMENT_KEYS = (
+    "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained", "model.pretrained_strict",
+    "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps", "train.ckpt_every_steps",
+    "train.eval_every_epochs", "train.device", "train.compile", "train.archive_existing",
+    "train.allow_changed_config", "train.divergence_factor", "train.divergence_windows", "log.*", "quant.*")
+
+
+class RunDirError(ValueError):
+    """An out_dir that cannot be used: not writable, in use, or holding an earlier run's results."""
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key not in ("kwargs", "lam_per_role"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _is_environment(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in ENVIRONMENT_KEYS)
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every setting that differs and changes what the run computes."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not _is_environment(k)]
+
+
+def prepare_folder(out_dir: str) -> None:
+    """Create `out_dir` and check that files can be written there, or raise RunDirError."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable out_dir") from None
+
+
+def remove_partial_writes(out_dir: str) -> list[str]:
+    """Delete leftovers of interrupted atomic writes (`<name>.tmp.<pid>`); returns their names."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(out_dir), "*.tmp.*"))):
+        size = os.path.getsize(path)
+        os.remove(path)
+        removed.append(os.path.basename(path))
+        log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
+    return removed
+
+
+def earlier_run_files(out_dir: str) -> list[str]:
+    """Everything in `out_dir` except the lock and the archive (sorted names)."""
+    return sorted(n for n in os.listdir(out_dir) if n not in (LOCK_NAME, ARCHIVE))
+
+
+def archive(out_dir: str, names: list[str]) -> str:
+    """Move `names` into `out_dir/archive/<time>/` (nothing is deleted); returns that folder."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    target = os.path.join(out_dir, ARCHIVE, stamp)
+    suffix = 1
+    while os.path.exists(target):
+        target = os.path.join(out_dir, ARCHIVE, f"{stamp}-{suffix}")
+        suffix += 1
+    os.makedirs(target)
+    for name in names:
+        shutil.move(os.path.join(out_dir, name), os.path.join(target, name))
+    log.warning("moved the earlier run's %s to %s", ", ".join(names), target)
+    return target
+
+
+def _saved_config(out_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(out_dir, "config.yaml")) as f:
+            saved = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> None:
+    """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring)."""
+    found = earlier_run_files(out_dir)
+    if not found:
+        return
+    saved = _saved_config(out_dir)
+    restart = ("best.pt" not in found and set(found) <= {"config.yaml", "metrics.jsonl", "train.log", "tb"}
+               and saved is not None and not config_changes(saved, config))
+    if archive_existing or restart:
+        if restart:
+            log.warning("%s holds the logs of this same run, stopped before its first checkpoint", out_dir)
+        archive(out_dir, found)
+        return
+    raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no checkpoint.pt "
+                      f"to resume from: use another out_dir, or re-run with train.archive_existing=true to move "
+                      f"them to {out_dir}/{ARCHIVE}/<time>/ and start afresh")
+
+
+@contextmanager
+def lock_folder(out_dir: str) -> Iterator[None]:
+    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
+    path = os.path.join(out_dir, LOCK_NAME)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({owner}); wait for it to finish or "
+                          f"use another out_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
+    handle.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+@contextmanager
+def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) -> Iterator[None]:
+    """Own `out_dir` for a run (main rank only) for the duration of the block (see module docstring)."""
+    prepare_folder(out_dir)
+    with lock_folder(out_dir):
+        remove_partial_writes(out_dir)
+        if not os.path.exists(os.path.join(out_dir, "checkpoint.pt")):
+            check_fresh_start(out_dir, config, archive_existing)
+        yield
+
+
+@contextmanager
+def claim_on_main_rank(out_dir: str, config: dict, archive_existing: bool, dist) -> Iterator[None]:
+    """`claim_run_dir` on the main rank; every rank learns whether it succeeded (one collective), so that
+    a refused folder stops all ranks with an error instead of leaving them waiting at a collective."""
+    with ExitStack() as stack:
+        error = None
+        if dist.is_main:
+            try:
+                stack.enter_context(claim_run_dir(out_dir, config, archive_existing))
+            except RunDirError as e:
+                error = e
+        raise_on_every_rank(error, dist.device,
+                            lambda: RunDirError(f"rank 0 could not claim out_dir '{out_dir}' (its error says why)"))
+        yield
+
+
+def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
+    """Write config.yaml; an existing one with other values is kept as config.until_step<step>.yaml."""
+    path = os.path.join(out_dir, "config.yaml")
+    kept = None
+    if os.path.exists(path) and _saved_config(out_dir) != config:
+        kept = os.path.join(out_dir, f"config.until_step{step}.yaml")
+        os.replace(path, kept)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    os.replace(tmp, path)
+    return kept

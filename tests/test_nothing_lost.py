@@ -1,0 +1,351 @@
+"""Nothing lost, nothing silently wrong: run folders, checkpoint writes, metrics, data mismatches,
+divergence, and the one-line errors of train.py and evaluate.py."""
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import evaluate
+import train
+from configs import config_to_dict, load_config
+from data import DataError, build_eval_loader, build_loaders
+from engine.checkpoint import CheckpointError, save_atomic
+from engine.divergence import DivergenceError, DivergenceGuard
+from engine.eval_results import ResultsError
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
+from engine.run_dir import RunDirError, lock_folder, save_config_history
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# -- run folders ---------------------------------------------------------------------------------------
+
+def test_fresh_start_never_overwrites_an_earlier_runs_results(debug_config):
+    cfg = debug_config("train.max_steps=4", name="run")
+    train.main(cfg)
+    best, metrics = read_bytes(os.path.join(cfg.out_dir, "best.pt")), read_metrics(cfg.out_dir)
+    os.remove(os.path.join(cfg.out_dir, "checkpoint.pt"))  # e.g. deleted after a "cannot read" error
+    with pytest.raises(RunDirError, match=r"earlier run \(.*best.pt.*metrics.jsonl.*archive_existing=true"):
+        train.main(debug_config("train.max_steps=4", name="run"))
+    assert read_bytes(os.path.join(cfg.out_dir, "best.pt")) == best and read_metrics(cfg.out_dir) == metrics
+    train.main(debug_config("train.max_steps=4", "train.archive_existing=true", name="run"))
+    archived = os.listdir(os.path.join(cfg.out_dir, "archive"))
+    assert len(archived) == 1
+    old = os.path.join(cfg.out_dir, "archive", archived[0])
+    assert read_bytes(os.path.join(old, "best.pt")) == best
+    assert [r["step"] for r in read_metrics(cfg.out_dir) if "train/loss" in r] == [2, 4]  # nothing appended
+
+
+def test_the_same_run_restarting_before_its_first_checkpoint_archives_its_logs(debug_config):
+    cfg = debug_config(name="restart")
+    os.makedirs(cfg.out_dir)
+    save_config_history(cfg.out_dir, config_to_dict(cfg), 0)  # what a run killed in its first epoch leaves
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:
+        f.write('{"step": 2, "train/loss": 1.0}\n')
+    other = debug_config("optim.lr=0.01", name="restart")
+    with pytest.raises(RunDirError, match="earlier run"):  # another config: refused
+        train.main(other)
+    train.main(debug_config(name="restart"))  # the same command: the logs are moved aside, the run starts
+    archived = os.listdir(os.path.join(cfg.out_dir, "archive"))
+    assert len(archived) == 1 and "metrics.jsonl" in os.listdir(os.path.join(cfg.out_dir, "archive", archived[0]))
+    assert sum(1 for r in read_metrics(cfg.out_dir) if r["step"] == 2 and "train/loss" in r) == 1
+
+
+def test_a_second_run_in_the_same_folder_is_refused(debug_config):
+    cfg = debug_config(name="busy")
+    os.makedirs(cfg.out_dir)
+    with lock_folder(cfg.out_dir):  # another run holding the folder
+        with pytest.raises(RunDirError, match=r"in use by another run \(pid \d+"):
+            train.main(cfg)
+    assert not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl"))
+
+
+def test_changed_settings_on_resume_are_refused_unless_asked_for(debug_config):
+    cfg = debug_config("train.max_steps=2", name="ch")
+    train.main(cfg)
+    config_before = read_bytes(os.path.join(cfg.out_dir, "config.yaml"))
+    with pytest.raises(CheckpointError, match=r"other settings \(optim.lr: None -> 0.01\).*allow_changed_config"):
+        train.main(debug_config("train.max_steps=3", "optim.lr=0.01", name="ch"))
+    assert read_bytes(os.path.join(cfg.out_dir, "config.yaml")) == config_before  # never trained with 0.01
+    # paths, logging and max_steps may change
+    assert train.main(debug_config("train.max_steps=3", "data.num_workers=1", name="ch")).state.step == 3
+    done = train.main(debug_config("train.max_steps=4", "optim.lr=0.01", "train.allow_changed_config=true",
+                                   name="ch"))
+    assert done.state.step == 4
+    kept = [n for n in os.listdir(cfg.out_dir) if n.startswith("config.until_step")]
+    assert "config.until_step3.yaml" in kept
+    assert "lr: 0.01" in open(os.path.join(cfg.out_dir, "config.yaml")).read()
+
+
+def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
+    cfg = debug_config("train.max_steps=2", name="tmp")
+    train.main(cfg)
+    stale = os.path.join(cfg.out_dir, "checkpoint.pt.tmp.99999")
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 1000)
+    train.main(debug_config("train.max_steps=3", name="tmp"))
+    assert not os.path.exists(stale)
+
+
+def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, debug_config):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match="cannot be used: Not a directory"):
+        train.main(debug_config(f"out_dir={blocker}/run"))
+
+    import engine.run_dir as run_dir
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(run_dir, "open", read_only, raising=False)  # the write probe of prepare_folder
+    with pytest.raises(RunDirError, match="cannot be used: Permission denied"):
+        train.main(debug_config(name="ro"))
+
+
+# -- checkpoint writes and metrics ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64")])
+def test_a_full_disk_keeps_the_last_checkpoint_and_leaves_no_partial_file(tmp_path, monkeypatch, failure):
+    path = str(tmp_path / "checkpoint.pt")
+    save_atomic({"model": {"w": torch.ones(3)}, "config": {}}, path)
+    good = read_bytes(path)
+
+    def full_disk(payload, f):
+        f.write(b"\1" * 4096)
+        raise failure
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="the disk is full .* MB free.*previous file is unchanged"):
+        save_atomic({"model": {"w": torch.zeros(3)}, "config": {}}, path)
+    assert read_bytes(path) == good and os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_a_failed_checkpoint_write_stops_training_with_the_old_checkpoint(debug_config, monkeypatch):
+    cfg = debug_config("train.max_steps=4", name="fail")
+    train.main(debug_config("train.max_steps=2", name="fail"))
+    good = read_bytes(os.path.join(cfg.out_dir, "checkpoint.pt"))
+
+    def full_disk(payload, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="disk is full"):
+        train.main(cfg)
+    assert read_bytes(os.path.join(cfg.out_dir, "checkpoint.pt")) == good
+    assert not [n for n in os.listdir(cfg.out_dir) if ".tmp." in n]
+
+
+def test_a_truncated_last_metrics_line_is_repaired_on_resume(debug_config):
+    cfg = debug_config("train.max_steps=2", name="m")
+    train.main(cfg)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "train/lo')  # what a full disk or a kill mid-write leaves
+    train.main(debug_config("train.max_steps=4", name="m"))
+    steps = [r["step"] for r in read_metrics(cfg.out_dir) if "train/loss" in r]  # every line is JSON again
+    assert steps == [2, 4]
+
+
+# -- data ------------------------------------------------------------------------------------------------
+
+def make_folder(root, splits):
+    """splits: {split: {class: number of images}} of small random PNGs."""
+    rng = np.random.default_rng(0)
+    for split, classes in splits.items():
+        for name, count in classes.items():
+            os.makedirs(os.path.join(root, split, name), exist_ok=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
+                    os.path.join(root, split, name, f"{i}.png"))
+
+
+def folder_config(root, *overrides):
+    return load_config([DEBUG_CONFIG], ["data.dataset=folder", f"data.root={root}", "model.num_classes=2",
+                                        "data.auto_augment=", *overrides])
+
+
+def test_val_classes_must_equal_train_classes(tmp_path):
+    make_folder(tmp_path, {"train": {"a": 8, "d": 8}, "val": {"a": 2, "x": 2}})
+    cfg = folder_config(tmp_path)
+    with pytest.raises(DataError, match=r"different class folders \(val lacks \['d'\]; val has classes train "
+                                        r"lacks: \['x'\]\)"):
+        build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+                      seed=0, num_classes=2)
+
+
+def test_a_corrupt_val_image_is_excluded_and_named_never_replaced(tmp_path, caplog):
+    make_folder(tmp_path, {"train": {"a": 4, "b": 4}, "val": {"a": 3, "b": 2}})
+    with open(tmp_path / "val" / "b" / "1.png", "wb") as f:
+        f.write(b"not an image")
+    cfg = folder_config(tmp_path)
+    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=2, rank=0, world_size=1, num_classes=2)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 2))
+    with caplog.at_level("WARNING"):
+        result = evaluate_loader(model, loader, torch.device("cpu"))
+    assert result["count"] == 4 and result["excluded"] == 1  # 5 files, 4 readable: true counts
+    assert "1 unreadable image(s)" in caplog.text and os.path.join("b", "1.png") in caplog.text
+
+
+# -- divergence ------------------------------------------------------------------------------------------
+
+def test_divergence_guard_counts_consecutive_high_windows():
+    guard = DivergenceGuard(factor=3.0, windows=2)
+    guard.check(1, 10.0, 2.0)
+    guard.check(2, 5.0, 2.0)  # back under 3x: the streak restarts
+    guard.check(3, 7.0, 2.0)
+    with pytest.raises(DivergenceError, match=r"above 3x its initial value 2 for 2 log windows \(now 7 at update 4"):
+        guard.check(4, 7.0, 2.0)
+    DivergenceGuard(3.0, 1).check(1, 1e9, None)  # no reference yet: nothing to say
+
+
+def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
+    cfg = debug_config("data.mixup=0", "data.cutmix=0")
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    losses = iter([1.0] + [50.0] * 20)  # update 1 sets the reference; then 50x it, finite
+
+    def compute_loss(m, x, y):
+        return m(x).sum() * 0 + next(losses)
+
+    saves = []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), log_every=1, ckpt_every=10, save=lambda: saves.append(1),
+                     divergence=DivergenceGuard(3.0, 3))
+    state = TrainState()
+    with pytest.raises(DivergenceError, match="at update 4"):
+        loop.run_epoch(loaders.train, loaders.train_sampler, state, batch_size_per_gpu=8)
+    assert state.initial_loss == 1.0 and saves == []
+
+
+def test_the_nan_message_names_the_update(debug_config):
+    cfg = debug_config()
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
+                     compute_loss=lambda m, x, y: m(x).sum() * float("nan"), ckpt_every=1, save=lambda: None)
+    with pytest.raises(NonFiniteLossError, match="nan at or before update 1;"):
+        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+
+
+# -- evaluate.py: validation first, results merged, written as they come ----------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=10",
+                                           "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]))
+    return str(out / "best.pt")
+
+
+def run_eval(*argv):
+    return evaluate.main(evaluate.parse_args(list(argv)))
+
+
+def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_path, monkeypatch):
+    out = str(tmp_path / "r.json")
+    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)
+    run_eval("--checkpoint", checkpoint, "--quant", "repq", "--bits", "w8a8", "--out", out)
+    saved = json.load(open(out))
+    assert set(saved["quant"]) == {"percentile", "repq"}  # the second call added, it did not replace
+    first = saved["quant"]["percentile"]["w8a8"]
+    assert "written" in first and first["settings"]["calibration"]["images"] == 32
+
+    import quant
+
+    calls = []
+    monkeypatch.setattr(evaluate, "evaluate_quantized", lambda *a, **k: calls.append(a) or pytest.fail("re-ran"))
+    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)  # skipped
+    monkeypatch.setattr(evaluate, "evaluate_quantized", quant.evaluate_quantized)
+    with pytest.raises(ResultsError, match=r"other settings \(options.act_range 'percentile_mse' -> 'minmax'\)"):
+        run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
+                 "quant.percentile.act_range=minmax")
+    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out, "--recompute",
+             "quant.percentile.act_range=minmax")
+    saved = json.load(open(out))
+    assert saved["history"][0]["pipeline"] == "percentile" and saved["history"][0]["written"] == first["written"]
+    assert saved["quant"]["percentile"]["w8a8"]["settings"]["options"]["act_range"] == "minmax"
+
+
+def test_each_result_is_written_as_soon_as_it_is_done(checkpoint, tmp_path, monkeypatch):
+    import quant
+
+    out = str(tmp_path / "r.json")
+
+    def fail_on_repq(name, *args, **kwargs):
+        if name == "repq":
+            raise RuntimeError("the machine went away")
+        return quant.evaluate_quantized(name, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_quantized", fail_on_repq)
+    with pytest.raises(RuntimeError):
+        run_eval("--checkpoint", checkpoint, "--quant", "percentile", "repq", "--bits", "w8a8", "--out", out)
+    assert set(json.load(open(out))["quant"]) == {"percentile"}
+
+
+def test_results_of_other_weights_are_refused(checkpoint, tmp_path):
+    out = str(tmp_path / "r.json")
+    run_eval("--checkpoint", checkpoint, "--quant", "--out", out)
+    payload = torch.load(checkpoint, weights_only=True)
+    payload["model"] = {k: v + 1 if v.is_floating_point() else v for k, v in payload["model"].items()}
+    other = str(tmp_path / "other.pt")
+    torch.save(payload, other)
+    with pytest.raises(ResultsError, match="another evaluation.*fingerprint"):
+        run_eval("--checkpoint", other, "--quant", "--out", out)
+
+
+# -- one error line per user error ------------------------------------------------------------------------
+
+def cli(*argv):
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run.returncode, run.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.py", "optim.lr=-1"], "'optim.lr' must be > 0"),
+    (["train.py", "sched.epochs=0"], "'sched.epochs' must be >= 1"),
+    (["train.py", "train.batch_size=0"], "'train.batch_size' must be >= 1"),
+    (["train.py", "--config", "BROKEN"], "not valid YAML"),
+    (["train.py", "out_dir=FILE/run"], "cannot be used: Not a directory"),
+])
+def test_train_user_errors_are_one_error_line(tmp_path, argv, message):
+    broken, blocker = tmp_path / "broken.yaml", tmp_path / "file"
+    broken.write_text("model: [vit\n")
+    blocker.write_text("")
+    argv = [a.replace("BROKEN", str(broken)).replace("FILE", str(blocker)) for a in argv]
+    code, lines = cli(*argv)
+    assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--bits", "w4a4", "nonsense"], "'nonsense' is not of the form 'w4a4'"),
+    (["--bits", "w0a4"], "bits must lie in 2..16"),
+    (["--bits", "w33a4"], "bits must lie in 2..16"),
+    (["--quant", "repqq"], "unknown quantization pipeline"),
+    (["model.name=vit_micro"], "does not fit model 'vit_micro'"),
+    (["--ema"], "has no 'model_ema' weights"),
+])
+def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp_path, extra, message):
+    out = tmp_path / "r.json"
+    code, lines = cli("evaluate.py", "--checkpoint", checkpoint, "--out", str(out), *extra)
+    assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
+    assert not any("Traceback" in line for line in lines)
+    assert not out.exists()  # nothing was evaluated, nothing written
