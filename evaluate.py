@@ -36,8 +36,9 @@ from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size
-from quant import PIPELINES, ActivationProbe, PipelineData, TrainBatches, evaluate_quantized, parse_bits
-from quant.probe_io import plot as plot_act_max, write_csv as write_act_max_csv
+from engine.act_max import ActivationProbe
+from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
+from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ"}
@@ -174,11 +175,11 @@ def build_pipeline_data(cfg, img_size: int, rank: int, world_size: int, work_pre
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
         return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed, train_transform=train_transform)
 
-    def train_loader(batch_size_per_gpu: int, seed: int) -> TrainBatches:
+    def train_loader(batch_size_per_gpu: int, seed: int):
         train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,
                                    batch_size_per_gpu=batch_size_per_gpu, rank=rank, world_size=world_size, seed=seed,
                                    num_classes=cfg.model.num_classes)
-        return TrainBatches(train.loader, train.sampler)
+        return train
 
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix)
 

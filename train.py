@@ -42,7 +42,7 @@ from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size
-from quant import ActivationProbe
+from engine.act_max import ActivationProbe
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 log = logging.getLogger("train")
@@ -210,7 +210,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     val = {}
     reason = "finished"
     while state.epoch < cfg.sched.epochs and not reached(state.step, cfg.train.max_steps):
-        reason = loop.run_epoch(loaders.train, loaders.train_sampler, state, per_gpu)
+        reason = loop.run_epoch(loaders.train, state, per_gpu)
         if reason == "epoch_end" and (state.epoch % cfg.train.eval_every_epochs == 0
                                       or state.epoch == cfg.sched.epochs):
             val = validate_and_keep_best()

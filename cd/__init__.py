@@ -5,29 +5,11 @@
     decay.attach(optimizer)                        # decoupled update before every real optimizer step
 
 Pure functions for your own loop: `cd.update.colinearity_decay_`, `cd.update.pair_energy`,
-`cd.update.pair_penalty`. See cd/README.md.
-
-Names are imported lazily (PEP 562) so that `python -m cd.pairs` runs without importing itself twice.
+`cd.update.pair_penalty`. `python -m cd --model NAME` lists a model's pairs. See cd/README.md.
 """
-from __future__ import annotations
+from .decay import ColinearityDecay, budget_weight_decay, energy_metrics
+from .pairs import Pair, find_blocks, find_pairs
+from .tweo import TWEO, tweo_penalty
 
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "Pair": "pairs", "find_pairs": "pairs", "find_blocks": "pairs", "unwrap_model": "pairs",
-    "ColinearityDecay": "decay", "budget_weight_decay": "decay", "energy_metrics": "decay",
-    "colinearity_decay_": "update", "pair_energy": "update", "pair_penalty": "update",
-    "TWEO": "tweo", "tweo_penalty": "tweo",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'cd' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__all__ = ["ColinearityDecay", "budget_weight_decay", "energy_metrics", "Pair", "find_blocks", "find_pairs", "TWEO",
+           "tweo_penalty"]

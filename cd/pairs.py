@@ -23,12 +23,11 @@ only the affected pair, with a warning.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
 
-    python -m cd.pairs --model vit_base_patch16_224
-    python -m cd.pairs --model swin_tiny_patch4_window7_224
+    python -m cd --model vit_base_patch16_224
+    python -m cd --model swin_tiny_patch4_window7_224
 """
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -36,9 +35,9 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from models.modules import unwrap_model
+
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
-COMPOSABLE_ROLES = ("qkv", "fc1", "reduction")
-FUNCTIONAL_ROLES = ("proj", "fc2")
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,24 +102,6 @@ class Pair:
         if self.upstream_rows is not None:
             return f"{self.upstream_name}[{self.upstream_rows[0]}:{self.upstream_rows[1]}]"
         return self.upstream_name
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DataParallel-style wrappers (`.module`) and torch.compile (`._orig_mod`), in any order.
-
-    A wrapper is recognised by its only child being called `module` (DDP, DataParallel, FSDP-style
-    wrappers) or by an `_orig_mod` attribute (torch.compile's OptimizedModule).
-    """
-    while True:
-        orig = getattr(model, "_orig_mod", None)
-        if isinstance(orig, nn.Module):
-            model = orig
-            continue
-        children = dict(model.named_children())
-        if list(children) == ["module"]:
-            model = children["module"]
-            continue
-        return model
 
 
 def _child(module: nn.Module, name: str) -> Optional[nn.Module]:
@@ -239,33 +220,3 @@ def find_pairs(model: nn.Module) -> list[Pair]:
             "(children norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm ViT/DeiT/Swin) and "
             "patch-merging layers (norm, reduction).")
     return pairs
-
-
-def format_pairs(pairs: list[Pair]) -> str:
-    """A plain-text table of pairs: index, role, kind, W2 name and shape, W1 and shape."""
-    rows = [("#", "role", "kind", "W2 (downstream, decayed)", "W2 shape", "W1 (upstream)", "W1 shape")]
-    for i, p in enumerate(pairs):
-        rows.append((str(i), p.role, p.kind, p.name, "x".join(map(str, p.w2_shape)), p.upstream_label,
-                     "x".join(map(str, p.w1_shape))))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    counts = {role: sum(p.role == role for p in pairs) for role in ROLES}
-    lines.append(f"{len(pairs)} pairs: " + ", ".join(f"{r} {n}" for r, n in counts.items() if n))
-    return "\n".join(lines)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description="List the CD matrix pairs of a timm model (meta device).")
-    parser.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
-    args = parser.parse_args(argv)
-    import timm  # only the CLI needs timm
-
-    with torch.device("meta"):  # shapes only: no weights, no memory, no download
-        model = timm.create_model(args.model, pretrained=False)
-    print(f"{args.model}:")
-    print(format_pairs(find_pairs(model)))
-
-
-if __name__ == "__main__":
-    main()

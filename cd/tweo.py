@@ -27,7 +27,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from .pairs import find_blocks, unwrap_model
+from models.modules import unwrap_model
+
+from .pairs import find_blocks
 from .update import align_to_task_loss, compute_dtype
 
 SCHEDULES = ("constant", "cosine")

@@ -12,11 +12,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
 from .constraints import AtLeastOne, BelowOne, NonNegative, Positive, Probability, Range
-
-from quant.pipelines.aphq import APHQOptions
-from quant.pipelines.gplq import GPLQOptions
-from quant.pipelines.percentile import PercentileOptions
-from quant.pipelines.repq import RepQOptions
+from .quant import APHQOptions, GPLQOptions, PercentileOptions, RepQOptions
 
 
 @dataclass

@@ -2,8 +2,8 @@
 set, synthetic data for benchmarks and tests, and samplers for exact distributed training and eval.
 """
 from .folder import DataError
-from .loader import (Loaders, TrainLoader, build_dataset, build_eval_loader, build_loaders, build_mixup,
+from .loader import (Loaders, build_dataset, build_eval_loader, build_loaders, build_mixup,
                      build_train_loader, calibration_images, dataset_classes)
 
-__all__ = ["DataError", "Loaders", "TrainLoader", "build_dataset", "build_eval_loader", "build_loaders", "build_mixup",
+__all__ = ["DataError", "Loaders", "build_dataset", "build_eval_loader", "build_loaders", "build_mixup",
            "build_train_loader", "calibration_images", "dataset_classes"]

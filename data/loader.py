@@ -3,7 +3,7 @@ knows about ranks.
 
     loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=64, eval_batch_size_per_gpu=256,
                             rank=0, world_size=1, seed=0, num_classes=10)
-    loaders.train_sampler.set_epoch(epoch, start=k)   # k samples of this epoch already seen (resume)
+    loaders.train.sampler.set_epoch(epoch, start=k)   # k samples of this epoch already seen (resume)
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, DistributedSampler
 
+from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals
 from engine.rng import mix_seed
 
@@ -27,9 +28,8 @@ from .transforms import build_transform
 
 @dataclass
 class Loaders:
-    train: DataLoader
+    train: TrainBatches  # loader and its resumable sampler
     val: DataLoader
-    train_sampler: SeededSampler
     mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
     classes: Optional[list]  # class names in label order (None for synthetic data); stored in checkpoints
 
@@ -61,14 +61,8 @@ def build_mixup(cfg, num_classes: int) -> Optional[Mixup]:
                  label_smoothing=cfg.label_smoothing, num_classes=num_classes)
 
 
-@dataclass
-class TrainLoader:
-    loader: DataLoader
-    sampler: SeededSampler  # set_epoch(epoch, start) fixes order and augmentation (resumable)
-
-
 def build_train_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
-                       num_classes: int) -> TrainLoader:
+                       num_classes: int) -> TrainBatches:
     """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
     train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
     if cfg.repeated_aug > 1:  # DeiT's repeated augmentation; honoured with any number of processes
@@ -83,7 +77,7 @@ def build_train_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
-    return TrainLoader(loader=loader, sampler=sampler)
+    return TrainBatches(loader=loader, sampler=sampler)
 
 
 def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int, rank: int,
@@ -99,7 +93,7 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
     if cfg.dataset == "folder":
         check_same_classes(dataset_classes(cfg, train.loader.dataset.base), classes, cfg.root)
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train.loader, val=val, train_sampler=train.sampler, mixup=mixup, classes=classes)
+    return Loaders(train=train, val=val, mixup=mixup, classes=classes)
 
 
 def dataset_classes(cfg, dataset) -> Optional[list]:

@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch
 
-from cd.pairs import unwrap_model  # the one definition; cd/ stays a standalone package
+from models.modules import unwrap_model
 
 from .distributed import raise_on_every_rank
 
-__all__ = ["CheckpointError", "unwrap_model", "save_atomic", "load_checkpoint", "training_payload",
+__all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "training_payload",
            "restore_training", "save_on_main_rank", "weights_fingerprint"]
 
 

@@ -20,13 +20,14 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import unwrap_model
+from models.modules import unwrap_model
+
 from .distributed import all_reduce
 from .divergence import DivergenceGuard
 from .precision import autocast
@@ -37,6 +38,27 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf; the last good checkpoint is kept."""
+
+
+class EpochSampler(Protocol):
+    """What engine.loop.TrainLoop needs from a sampler (data.samplers.SeededSampler has it)."""
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
+
+
+@dataclass
+class TrainBatches:
+    """A rank's training loader (train transform, shuffled, drop_last) and its resumable sampler.
+
+    loader: yields (images [B, 3, H, W], labels [B]) with B = the requested batch size per process.
+    sampler: `set_epoch(epoch, start)` fixes order and augmentation of an epoch, skipping `start` samples.
+    """
+
+    loader: Iterable[Tuple[torch.Tensor, torch.Tensor]]
+    sampler: EpochSampler
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -107,14 +129,14 @@ class TrainLoop:
     def updates_per_epoch(self, loader_len: int) -> int:
         return loader_len // self.accum_steps
 
-    def run_epoch(self, loader, sampler, state: TrainState, batch_size_per_gpu: int) -> str:
-        """Train from `state` to the end of `state.epoch` (or an earlier stop).
+    def run_epoch(self, batches: TrainBatches, state: TrainState, batch_size_per_gpu: int) -> str:
+        """Train on `batches` from `state` to the end of `state.epoch` (or an earlier stop).
 
         Returns:
             'epoch_end' (the epoch is complete), 'max_steps' (stopped inside it) or 'preempted'.
         """
-        sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
-        total = self.updates_per_epoch(len(loader) + state.epoch_batches)
+        batches.sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
+        total = self.updates_per_epoch(len(batches) + state.epoch_batches)
         if self.scheduler is not None:
             if self.per_step_schedule:
                 self.scheduler.step_update(state.step)
@@ -126,7 +148,7 @@ class TrainLoop:
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
         micro = 0
-        for images, targets in loader:
+        for images, targets in batches.loader:
             if state.epoch_batches >= total * self.accum_steps:
                 break  # the tail that does not fill a whole update
             if micro == 0:

@@ -15,8 +15,10 @@ from torch import nn
 
 from .attention import OPERANDS, convert_attention
 from .layers import QuantConv2d, QuantLinear
-from .quantizers import Quantizer, build_quantizer
-from .spec import AttentionRule, LinearRule, QuantizerSpec, QuantSpec, fqn_matches
+from .quantizers import Quantizer
+from models.modules import fqn_matches
+
+from .spec import AttentionRule, LinearRule, QuantizerSpec, QuantSpec
 
 
 def _first_rule(fqn: str, rules: Iterable) -> Optional[object]:
@@ -48,7 +50,9 @@ def _make(spec: Optional[QuantizerSpec], operand: str, fqn: str, groups: Dict[Op
     if spec is None:
         return None
     dim = _channel_dim(spec, operand, fqn)
-    return build_quantizer(spec, dim, groups.get(dim), name=fqn, device=device)
+    quantizer = spec.kind.from_spec(spec, dim, groups.get(dim), device=device)
+    quantizer.name = fqn
+    return quantizer
 
 
 def _convert_linear(fqn: str, layer: nn.Module, rule: LinearRule) -> nn.Module:

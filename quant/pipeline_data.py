@@ -16,30 +16,11 @@ distributed run sees the same images from `train_images`; `train_loader` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Protocol, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 
-
-class EpochSampler(Protocol):
-    """What engine.loop.TrainLoop needs from a sampler (data.samplers.SeededSampler has it)."""
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
-
-
-@dataclass
-class TrainBatches:
-    """A rank's training loader (train transform, shuffled, drop_last) and its resumable sampler.
-
-    loader: yields (images [B, 3, H, W], labels [B]) with B = the requested batch size per process.
-    sampler: `set_epoch(epoch, start)` fixes order and augmentation of an epoch, skipping `start` samples.
-    """
-
-    loader: Iterable[Tuple[torch.Tensor, torch.Tensor]]
-    sampler: EpochSampler
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+from engine.loop import TrainBatches
 
 
 @dataclass

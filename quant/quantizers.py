@@ -15,20 +15,21 @@ mix of quantized and float values. The calibrated flag is saved with the state d
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from .functional import fake_quant_log_sqrt2, fake_quant_uniform
 from .ranges import RangeSearch, best_per_group, to_rows
-from .spec import QuantizerSpec
 
 MIN_SCALE = 1e-8  # smallest step size: guards constant tensors and learned scales against zero
 
 
 class Quantizer(nn.Module):
     """Base class: the calibrate-once-then-freeze protocol shared by all quantizers."""
+
+    repeats_its_input = True  # activation probes (engine/act_max.py) do not count a quantizer's output
 
     def __init__(self, bits: int, search: RangeSearch) -> None:
         super().__init__()
@@ -69,6 +70,12 @@ class Quantizer(nn.Module):
     def reset(self) -> None:
         """Forget the calibration: the next input seen in calibration mode fits the parameters again."""
         self.calibrated = False
+
+    @classmethod
+    def from_spec(cls, spec: Any, channel_dim: Optional[int], num_channels: Optional[int] = None,
+                  device: Optional[torch.device] = None) -> "Quantizer":
+        """Build from a `spec.QuantizerSpec` whose granularity the converter resolved into `channel_dim`."""
+        return cls(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
 
     def _use_ste(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
@@ -242,49 +249,15 @@ class LogSqrt2Quantizer(Quantizer):
         with torch.no_grad():
             self.delta.copy_(delta.reshape(1))
 
+    @classmethod
+    def from_spec(cls, spec: Any, channel_dim: Optional[int], num_channels: Optional[int] = None,
+                  device: Optional[torch.device] = None) -> "LogSqrt2Quantizer":
+        if channel_dim is not None or spec.symmetric:
+            raise ValueError("the log-sqrt2 quantizer is per-tensor and one-sided")
+        return cls(spec.bits, spec.search, device=device)
+
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quant_log_sqrt2(x, self.delta, self.bits, ste=self._use_ste(x))
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, log-sqrt2, search={self.search.method}, calibrated={self.calibrated}"
-
-
-def _uniform(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
-             device: Optional[torch.device]) -> Quantizer:
-    return UniformQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
-
-
-def _log_sqrt2(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
-               device: Optional[torch.device]) -> Quantizer:
-    if channel_dim is not None or spec.symmetric:
-        raise ValueError("the log-sqrt2 quantizer is per-tensor and one-sided")
-    return LogSqrt2Quantizer(spec.bits, spec.search, device=device)
-
-
-# kind name -> factory(spec, channel_dim, num_channels, device); adaround.py and lsq.py add their kinds.
-QuantizerFactory = Callable[[QuantizerSpec, Optional[int], Optional[int], Optional[torch.device]], Quantizer]
-QUANTIZER_KINDS: Dict[str, QuantizerFactory] = {
-    "uniform": _uniform,
-    "log_sqrt2": _log_sqrt2,
-}
-
-
-def build_quantizer(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int] = None,
-                    name: str = "", device: Optional[torch.device] = None) -> Quantizer:
-    """Build the quantizer a spec describes.
-
-    Args:
-        spec: bits, kind, symmetry, search (its granularity was already resolved into channel_dim).
-        channel_dim: None for per-tensor, else the grouped dimension.
-        num_channels: number of groups (None: sized at calibration).
-        name: FQN used in messages and reports.
-        device: device of the layer whose operand it quantizes (its parameters are created there).
-    """
-    try:
-        factory = QUANTIZER_KINDS[spec.kind]
-    except KeyError:
-        raise ValueError(f"unknown quantizer kind {spec.kind!r}; known: {sorted(QUANTIZER_KINDS)}") from None
-    q = factory(spec, channel_dim, num_channels, device)
-    q.name = name
-    return q
-

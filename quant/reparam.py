@@ -27,7 +27,8 @@ from torch import nn
 
 from .layers import QuantLinear
 from .quantizers import UniformQuantizer
-from .spec import fqn_matches
+from models.modules import fqn_matches
+
 
 
 # Beyond this |z~| the folded bias s~ (z~ - z_c) is a difference of large numbers (float32 keeps 24 bits).

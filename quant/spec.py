@@ -14,31 +14,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
-from typing import Iterable, List, Literal, NamedTuple, Optional, Tuple
+from typing import Literal, NamedTuple, Optional, Tuple, Type
 
+from .quantizers import Quantizer, UniformQuantizer
 from .ranges import RangeSearch
 
 Granularity = Literal["tensor", "channel", "head"]
 
-
-def _match_segments(parts: List[str], pattern: List[str]) -> bool:
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_match_segments(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatchcase(parts[0], pattern[0]) and _match_segments(parts[1:], pattern[1:])
-
-
-def fqn_matches(fqn: str, patterns: Iterable[str]) -> bool:
-    """True if a module name matches any pattern, segment by segment.
-
-    `blocks.*` matches `blocks.3` but not `blocks.3.attn`; `blocks.*.attn.qkv` matches
-    `blocks.3.attn.qkv`; `**.qkv` matches any module named qkv; inside a segment fnmatch applies
-    (`fc[12]`). Matching is case-sensitive.
-    """
-    parts = fqn.split(".")
-    return any(_match_segments(parts, p.split(".")) for p in patterns)
 
 # timm 1.0 module names (ViT/DeiT: blocks.N; Swin: layers.N.blocks.M, PatchMerging at the start of
 # stages 1-3 as layers.N.downsample, classifier at head.fc). DeiT-distilled adds head_dist.
@@ -55,14 +37,15 @@ ATTENTION = ("blocks.*.attn", "layers.*.blocks.*.attn")
 class QuantizerSpec:
     """How to build one quantizer.
 
-    `kind` is a key of `quantizers.QUANTIZER_KINDS` ("uniform", "log_sqrt2"; later phases register
-    learnable / AdaRound kinds). Granularity: "tensor" (one scale), "channel" (weights: output
-    channel = dim 0; activations: the LAST dim, pooled over batch and tokens, also for NHWC tensors;
-    conv inputs: dim 1) or "head" (attention operands [B, H, N, D]: dim 1).
+    `kind` is the quantizer class (UniformQuantizer, LogSqrt2Quantizer, or a subclass such as APHQ's
+    AdaRoundQuantizer and GPLQ's LSQQuantizer), built by its `from_spec`. Granularity: "tensor" (one
+    scale), "channel" (weights: output channel = dim 0; activations: the LAST dim, pooled over batch
+    and tokens, also for NHWC tensors; conv inputs: dim 1) or "head" (attention operands [B, H, N, D]:
+    dim 1).
     """
 
     bits: int
-    kind: str = "uniform"
+    kind: Type[Quantizer] = UniformQuantizer
     symmetric: bool = False
     granularity: Granularity = "tensor"
     search: RangeSearch = field(default_factory=RangeSearch)

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from .quantizers import Quantizer
-from .spec import HEAD, fqn_matches
+from models.modules import BLOCK_PATTERNS, fqn_matches
+
+from .spec import HEAD
 
 UnitKind = Literal["stem", "block", "merge", "head"]
-BLOCK_PATTERNS = ("blocks.*", "layers.*.blocks.*")
 MERGE_PATTERNS = ("layers.*.downsample",)
 
 

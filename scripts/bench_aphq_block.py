@@ -24,13 +24,14 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `quant`
-from quant.adaround import RoundingSchedule  # noqa: E402
+from quant.aphq.adaround import RoundingSchedule  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
 from quant.convert import quantize_model  # noqa: E402
-from quant.hessian import perturbation_hessian  # noqa: E402
+from quant.aphq.hessian import perturbation_hessian  # noqa: E402
 from quant.modes import set_quant_state  # noqa: E402
-from quant.pipelines.aphq import APHQOptions, APHQPipeline  # noqa: E402
-from quant.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
+from configs.quant import APHQOptions
+from quant.aphq.pipeline import APHQPipeline  # noqa: E402
+from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402

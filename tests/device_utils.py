@@ -13,7 +13,8 @@ from typing import Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from quant import PipelineData, TrainBatches
+from engine.loop import TrainBatches
+from quant import PipelineData
 
 
 class OnCPU:

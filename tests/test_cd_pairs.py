@@ -7,7 +7,7 @@ import pytest
 from torch import nn
 
 from cd import find_pairs
-from cd.pairs import main as pairs_main
+from cd.__main__ import main as pairs_main
 from cd_models import tiny_swin, tiny_vit
 
 

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from cd import ColinearityDecay, colinearity_decay_, find_pairs
+from cd import ColinearityDecay, find_pairs
+from cd.update import colinearity_decay_
 from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot, tiny_swin,
                        tiny_vit)
 

@@ -41,8 +41,8 @@ def test_augmentation_does_not_depend_on_the_number_of_workers():
         cfg.num_workers = workers
         loaders = build_loaders(cfg, img_size=32, batch_size_per_gpu=16, eval_batch_size_per_gpu=16, rank=0,
                                 world_size=1, seed=0, num_classes=10)
-        loaders.train_sampler.set_epoch(1)
-        it = iter(loaders.train)
+        loaders.train.sampler.set_epoch(1)
+        it = iter(loaders.train.loader)
         batches[workers] = [next(it) for _ in range(3)]
     for (x0, y0), (x2, y2) in zip(batches[0], batches[2]):
         assert torch.equal(x0, x2) and torch.equal(y0, y2)

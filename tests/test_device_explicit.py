@@ -9,9 +9,11 @@ import torch
 
 from cd import TWEO, ColinearityDecay
 from engine.loop import evaluate
-from quant import PIPELINES, ActivationProbe, QuantizerSpec, quantize_model
+from engine.act_max import ActivationProbe
+from quant import PIPELINES, quantize_model
+from quant.spec import QuantizerSpec
 from quant.modes import named_quantizers
-from quant.pipelines.repq import RepQPipeline
+from quant.ptq.repq import RepQPipeline
 from quant.quantizers import UniformQuantizer
 from quant.spec import Bits
 from device_utils import OnCPU, cpu_pipeline_data, tensors_of
@@ -88,12 +90,14 @@ def test_cd_and_tweo_training_step():
     assert metrics["cd/updates"] == 1 and metrics["tweo/penalty"] > 0
 
 
-def test_quantizer_spec_default_device_is_not_used_for_uniform_kinds():
-    """build_quantizer with an explicit device ignores the default device (also for learnable kinds)."""
-    from quant.quantizers import build_quantizer
-    from quant import lsq, adaround  # noqa: F401  (register their kinds)
+def test_every_quantizer_kind_is_built_on_the_requested_device():
+    """`from_spec` with an explicit device ignores the default device (also for the learnable kinds)."""
+    from quant.aphq.adaround import AdaRoundQuantizer
+    from quant.gplq.lsq import LSQQuantizer
+    from quant.quantizers import LogSqrt2Quantizer, UniformQuantizer
 
     with torch.device("meta"):
-        for kind, dim in (("uniform", None), ("lsq", -1), ("adaround", 0), ("log_sqrt2", None)):
-            q = build_quantizer(QuantizerSpec(4, kind=kind), dim, 3 if dim is not None else None, device="cpu")
-            assert {t.device.type for _, t in tensors_of(q)} == {"cpu"}, kind
+        for kind, dim in ((UniformQuantizer, None), (LSQQuantizer, -1), (AdaRoundQuantizer, 0), (LogSqrt2Quantizer, None)):
+            spec = QuantizerSpec(4, kind=kind)
+            q = kind.from_spec(spec, dim, 3 if dim is not None else None, device="cpu")
+            assert {t.device.type for _, t in tensors_of(q)} == {"cpu"}, kind.__name__

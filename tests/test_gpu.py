@@ -16,7 +16,7 @@ import torch
 import evaluate
 import train
 from configs import load_config
-from engine.loop import TrainLoop, TrainState
+from engine.loop import TrainBatches, TrainLoop, TrainState
 from quant import PIPELINES
 from device_utils import cpu_pipeline_data, tensors_of
 from dist_utils import free_port
@@ -103,7 +103,7 @@ def test_fp16_step_with_a_fused_optimizer_never_syncs_with_the_host():
                      scaler=torch.amp.GradScaler("cuda"), log_every=1000,
                      compute_loss=lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
     state = TrainState()
-    loop.run_epoch(batches[:2], Sampler(), state, 16)  # warm-up: lazy initialisations may sync
+    loop.run_epoch(TrainBatches(batches[:2], Sampler()), state, 16)  # warm-up: lazy initialisations may sync
     torch.cuda.set_sync_debug_mode("error")
     try:  # the body of one update as TrainLoop.run_epoch runs it (forward, scaled backward, optimizer step)
         for x, y in batches[2:]:

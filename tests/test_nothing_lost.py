@@ -230,7 +230,7 @@ def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
                      divergence=DivergenceGuard(3.0, 3))
     state = TrainState()
     with pytest.raises(DivergenceError, match="at update 4"):
-        loop.run_epoch(loaders.train, loaders.train_sampler, state, batch_size_per_gpu=8)
+        loop.run_epoch(loaders.train, state, batch_size_per_gpu=8)
     assert state.initial_loss == 1.0 and saves == []
 
 
@@ -242,7 +242,7 @@ def test_the_nan_message_names_the_update(debug_config):
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
                      compute_loss=lambda m, x, y: m(x).sum() * float("nan"), ckpt_every=1, save=lambda: None)
     with pytest.raises(NonFiniteLossError, match="nan at or before update 1;"):
-        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+        loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
 
 
 # -- evaluate.py: validation first, results merged, written as they come ----------------------------------

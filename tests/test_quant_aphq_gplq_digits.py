@@ -15,11 +15,11 @@ import torch
 import evaluate as evaluate_entry
 from configs import ConfigError, config_to_dict, load_config
 from quant import PIPELINES, quantize_model
-from quant.adaround import AdaRoundQuantizer
+from quant.aphq.adaround import AdaRoundQuantizer
 from quant.layers import QuantConv2d, QuantLinear
 from quant.modes import named_quantizers
 from quant.spec import parse_bits
-from quant.qwt import is_compensated
+from quant.gplq.qwt import is_compensated
 from quant.units import find_units
 from quant_models import top1, train_on_digits
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant.adaround import AdaRoundQuantizer, RoundingSchedule
-from quant.hessian import perturbation_hessian
+from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
+from quant.aphq.hessian import perturbation_hessian
 from quant.layers import QuantLinear
 from quant.quantizers import UniformQuantizer
-from quant.search import search_linear, search_matmul
+from quant.aphq.search import search_linear, search_matmul
 from quant.units import find_units, model_logits
 from quant_models import images, tiny_swin, tiny_vit
 

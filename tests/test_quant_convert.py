@@ -5,12 +5,14 @@ import pytest
 import torch
 from torch import nn
 
-from quant import PIPELINES, calibrate, quantize_model
+from quant import PIPELINES, quantize_model
+from quant.calibrate import calibrate
 from quant.convert import quantized_layers
 from quant.layers import QuantConv2d, QuantLinear
 from quant.modes import describe, named_quantizers, set_quant_state
-from quant.pipelines.repq import RepQOptions
-from quant.spec import LinearRule, QuantizerSpec, QuantSpec, fqn_matches, parse_bits
+from configs.quant import RepQOptions
+from models.modules import fqn_matches
+from quant.spec import LinearRule, QuantizerSpec, QuantSpec, parse_bits
 from quant_models import images, tiny_swin, tiny_vit
 
 

@@ -15,7 +15,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
     try:
         import evaluate as evaluate_entry
         from models import build_model
-        import quant.pipelines.gplq as gplq_module
+        import quant.gplq.pipeline as gplq_module
         from quant import PIPELINES
         from quant_models import digits_config
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from quant import PIPELINES
-from quant.lsq import LSQQuantizer
-from quant.pca import PCAProjection, components_from_moments, pca_loss
-from quant.qwt import add_compensation, fit_block_compensation
+from quant.gplq.lsq import LSQQuantizer
+from quant.gplq.pca import PCAProjection, components_from_moments, pca_loss
+from quant.gplq.qwt import add_compensation, fit_block_compensation
 from quant.ranges import RangeSearch
 from quant.units import capture_unit, find_units
 from quant_models import images, tiny_swin, tiny_vit

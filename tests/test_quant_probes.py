@@ -4,8 +4,8 @@ import csv
 import pytest
 import torch
 
-from quant.probe_io import plot, write_csv
-from quant.probes import ActivationProbe
+from engine.act_max_files import plot, write_csv
+from engine.act_max import ActivationProbe
 from quant_models import images, tiny_swin, tiny_vit
 
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant.adaround import AdaRoundQuantizer, RoundingSchedule
+from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
 from quant.layers import QuantLinear
 from quant.modes import named_quantizers, set_calibration
 from quant.quantizers import UniformQuantizer
-from quant.reconstruct import ReconSettings, reconstruct_unit
+from quant.aphq.reconstruct import ReconSettings, reconstruct_unit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant import calibrate, quantize_model
+from quant import quantize_model
+from quant.calibrate import calibrate
 from quant.modes import named_quantizers, set_quant_state
 from quant.pipelines import PIPELINES
-from quant.pipelines.repq import RepQOptions
+from configs.quant import RepQOptions
 from quant.reparam import find_fold_sites, fold_layernorm
 from quant.spec import Bits
 from quant_models import images, perturb_norms, tiny_swin, tiny_vit

@@ -110,7 +110,7 @@ def test_non_finite_loss_stops_without_writing_a_checkpoint(debug_config):
                      device=torch.device("cpu"), accum_steps=2, ckpt_every=1, save=lambda: saves.append(1),
                      log_every=100)
     with pytest.raises(NonFiniteLossError, match="nan"):
-        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+        loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
     assert len(saves) == 2  # written after the two good updates, never after the bad one
 
 
@@ -190,7 +190,7 @@ def test_gradscaler_skipped_updates_are_counted_and_leave_weights_unchanged(debu
     state = TrainState()
     loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=compute_loss, device=torch.device("cpu"),
                      scaler=torch.amp.GradScaler("cpu"), accum_steps=2, max_steps=3, log_every=100)
-    loop.run_epoch(loaders.train, loaders.train_sampler, state, batch_size_per_gpu=8)
+    loop.run_epoch(loaders.train, state, batch_size_per_gpu=8)
     assert state.step == 3 and state.skipped_steps == 1
     # micro-batches 1-2 are update 1, 3-4 update 2 (skipped), 5-6 update 3
     assert not torch.equal(weights_before[2], weights_before[0])  # update 1 moved the weights
@@ -252,7 +252,7 @@ def _nan_worker(rank, world, port, out_file):
                      device=torch.device("cpu"), rank=rank, world_size=world, log_every=100, ckpt_every=2,
                      save=lambda: saves.append(1))
     try:
-        loop.run_epoch(loaders.train, loaders.train_sampler, TrainState(), batch_size_per_gpu=8)
+        loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
         outcome = "finished"
     except NonFiniteLossError:
         outcome = "stopped"

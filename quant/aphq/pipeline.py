@@ -25,75 +25,28 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
-from typing import Dict, Literal, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..adaround import RoundingSchedule
-from ..aphq_calibration import SearchSettings, calibrate_aphq
+from configs.quant import APHQOptions
+
 from ..calibrate import Images
 from ..convert import quantize_model
-from ..hessian import perturbation_hessian
-from ..mlp_recon import MLPReconSettings, reconstruct_mlps
+from ..layout import standard_layout
 from ..modes import set_quant_state
+from ..pipeline import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report, sync_across_ranks
 from ..pipeline_data import PipelineData, require_data
-from ..reconstruct import ReconSettings, reconstruct_unit
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
-from .common import (FirstLastOptions, StageTimer, isolated_rng, pipeline_report, standard_layout,
-                     sync_across_ranks)
-from .registry import Pipeline, PTQResult, register_pipeline
+from .adaround import AdaRoundQuantizer, RoundingSchedule
+from .calibration import SearchSettings, calibrate_aphq
+from .hessian import perturbation_hessian
+from .mlp_recon import MLPReconSettings, reconstruct_mlps
+from .reconstruct import ReconSettings, reconstruct_unit
 
 log = logging.getLogger("quant.aphq")
-
-
-@dataclass
-class APHQOptions(FirstLastOptions):
-    """APHQ options (defaults: official 4-bit classification recipe; see quant/README.md)."""
-
-    stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
-    # -- data (notes 1.1) --
-    calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
-    recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
-    data_seed: int = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
-    batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
-    # -- calibration search (notes 1.2; aphq_calibration.py, search.py) --
-    search_rounds: int = 3  # alternations of input and weight output-MSE searches
-    weight_pct: Tuple[float, float] = (0.9, 1.0)  # weight candidate ranges span these percentiles
-    act_pct: Tuple[float, float] = (0.99, 1.0)  # input candidate ranges (not stated officially: our choice)
-    num_scales: int = 8  # candidate ranges per grid
-    num_zero_points: int = 16  # integer zero points per range (8 x 16 = eq_n 128)
-    matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
-    matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
-    search_max_rows: Optional[int] = None  # rows of a layer input used by the output MSE; None: all (official)
-    round_zero_point: bool = True  # LayerNorm fold: rounded mean zero point (APHQ); False: RepQ-ViT's unrounded
-    # -- reconstruction (notes 1.3, 4.2-4.4; reconstruct.py) --
-    iters: int = 20000  # iterations per unit
-    weight_lr: float = 1e-3  # Adam lr of the AdaRound variables
-    act_lr: float = 4e-5  # Adam lr of the activation scales (cosine to 0)
-    round_weight: float = 0.01  # rounding regulariser weight (summed over all weights of the unit)
-    beta_start: float = 20.0  # rounding regulariser exponent at the end of the warm-up
-    beta_end: float = 2.0  # ... at the last iteration (linear decay)
-    warmup: float = 0.2  # fraction of iterations without the rounding regulariser
-    drop_prob: float = 0.5  # QDrop inside activation quantizers: probability of a float element
-    input_mix_prob: float = 0.5  # QDrop at the unit input: probability of the float-input element
-    normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
-    loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
-    hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
-    hessian_eps: Optional[float] = None  # perturbation size; None: 1e-6 (ones, official), 1e-4 (rademacher)
-    temperature: float = 20.0  # KL temperature of the APH
-    # -- MLP reconstruction (notes 1.5; mlp_recon.py), off as in the CD paper --
-    mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
-    mlp_iters: Optional[int] = None  # iterations per block; None: same as iters
-    mlp_lr: float = 4e-5  # Adam lr of MR (cosine to 0)
-    mlp_clip_percentile: float = 0.98  # fc2-input clip percentile (4-bit config; paper text: 0.99)
-    mlp_clip_weight: float = 2.0  # weight of the clipped-branch term
-    # -- run --
-    log_every: int = 1000  # log loss and time every N iterations (and at the end of each unit)
-    seed: int = 0  # QDrop masks, batch draws, Rademacher probes
-    cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
 
 
 class APHQPipeline(Pipeline):
@@ -109,7 +62,7 @@ class APHQPipeline(Pipeline):
         act = QuantizerSpec(bits.a)
         post_norm = QuantizerSpec(bits.a, granularity="channel") if bits.a == bits.w else act
         return standard_layout(
-            weight=QuantizerSpec(bits.w, kind="adaround", granularity="channel"),
+            weight=QuantizerSpec(bits.w, kind=AdaRoundQuantizer, granularity="channel"),
             post_norm_input=post_norm,
             block_input=act, q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
@@ -211,5 +164,3 @@ class APHQPipeline(Pipeline):
             calibration=calib_report, units=unit_stats, mlp_reconstruction=mr_stats)
         return model, report
 
-
-register_pipeline(APHQPipeline())

@@ -26,12 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import load_checkpoint, restore_training, save_on_main_rank, training_payload
-from engine.loop import TrainLoop, TrainState
+from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.precision import grad_scaler
 
 from .pca import PCAProjection, pca_loss, penultimate
-from .pipeline_data import TrainBatches
-from .quantizers import Quantizer
+from ..quantizers import Quantizer
 
 log = logging.getLogger("quant.gplq")
 
@@ -163,7 +162,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     start = time.perf_counter()
     teacher.eval()
     while state.step < total:  # one epoch by default; `steps` may span several
-        loop.run_epoch(batches.loader, batches.sampler, state, settings.batch_size_per_gpu)
+        loop.run_epoch(batches, state, settings.batch_size_per_gpu)
     if checkpoint and resumed_from != state.step:
         save()
     student.eval()

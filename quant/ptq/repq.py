@@ -18,24 +18,20 @@ not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
+from configs.quant import RepQOptions
+
 from ..calibrate import Images, refit_weight_quantizers
+from ..layout import standard_layout
+from ..pipeline import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
 from ..pipeline_data import PipelineData
+from ..quantizers import LogSqrt2Quantizer
 from ..ranges import REPQ_PERCENTILES, RangeSearch
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from ..spec import Bits, QuantizerSpec, QuantSpec
-from .common import FirstLastOptions, StageTimer, convert_and_calibrate, pipeline_report, standard_layout
-from .registry import Pipeline, PTQResult, register_pipeline
-
-
-@dataclass
-class RepQOptions(FirstLastOptions):
-    round_zero_point: bool = False  # official code: unrounded mean zero point (see module docstring)
-    reparam: bool = True  # False: keep the per-channel post-LayerNorm quantizers (ablation)
 
 
 class RepQPipeline(Pipeline):
@@ -50,7 +46,7 @@ class RepQPipeline(Pipeline):
             weight=QuantizerSpec(bits.w, granularity="channel", search=search),
             post_norm_input=QuantizerSpec(bits.a, granularity="channel", search=search),
             block_input=act, q=act, k=act, v=act,
-            attn=QuantizerSpec(bits.a, kind="log_sqrt2", search=search),
+            attn=QuantizerSpec(bits.a, kind=LogSqrt2Quantizer, search=search),
             first_last=options.resolved(bits))
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions,
@@ -71,5 +67,3 @@ class RepQPipeline(Pipeline):
                                  seconds=timer.seconds)
         return PTQResult(model, report)
 
-
-register_pipeline(RepQPipeline())

@@ -29,8 +29,8 @@ from torch import nn
 from timm.layers import Mlp
 
 from .hessian import normalized_weight
-from .quantile import quantile
-from .units import capture_module_inputs, find_units
+from ..quantile import quantile
+from ..units import capture_module_inputs, find_units
 
 log = logging.getLogger("quant.mlp_recon")
 

@@ -20,12 +20,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .attention import QuantAttentionBase
-from .layers import QuantConv2d, QuantLinear
-from .modes import named_quantizers, set_quant_state
-from .reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
+from ..attention import QuantAttentionBase
+from ..layers import QuantConv2d, QuantLinear
+from ..modes import named_quantizers, set_quant_state
+from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from .search import fit_per_channel, search_linear, search_matmul
-from .units import Unit, capture_module_inputs
+from ..units import Unit, capture_module_inputs
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import fake_quant_uniform
-from .quantile import quantile
-from .quantizers import UniformQuantizer
-from .ranges import best_per_group, to_rows
+from ..functional import fake_quant_uniform
+from ..quantile import quantile
+from ..quantizers import UniformQuantizer
+from ..ranges import best_per_group, to_rows
 
 
 

@@ -24,8 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .quantizers import QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
-from .spec import QuantizerSpec
+from ..quantizers import UniformQuantizer, _broadcast
 
 GAMMA, ZETA = -0.1, 1.1  # the stretch of the rectified sigmoid (AdaRound paper, Sec. 4)
 
@@ -40,6 +39,13 @@ class AdaRoundQuantizer(UniformQuantizer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.alpha: Optional[nn.Parameter] = None
+
+    @classmethod
+    def from_spec(cls, spec, channel_dim: Optional[int], num_channels: Optional[int] = None,
+                  device: Optional[torch.device] = None) -> "AdaRoundQuantizer":
+        if channel_dim != 0:
+            raise ValueError("AdaRound is a per-output-channel WEIGHT quantizer (granularity='channel')")
+        return super().from_spec(spec, channel_dim, num_channels, device)
 
     def _grid(self, w: torch.Tensor) -> tuple:
         scale = _broadcast(self.scale, w.ndim, self.channel_dim)
@@ -117,13 +123,3 @@ class RoundingSchedule:
             return None
         rel = (it - start) / max(1, self.iters - start)
         return self.beta_end + (self.beta_start - self.beta_end) * max(0.0, 1.0 - rel)
-
-
-def _adaround(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
-             device: Optional[torch.device]) -> Quantizer:
-    if channel_dim != 0:
-        raise ValueError("the adaround kind is a per-output-channel WEIGHT quantizer (granularity='channel')")
-    return AdaRoundQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
-
-
-QUANTIZER_KINDS["adaround"] = _adaround

@@ -1,4 +1,6 @@
-"""Glue for evaluate.py: quantize with a named pipeline, run the caller's accuracy loop, time both.
+"""The quantization pipelines by name, and quantize-then-evaluate for evaluate.py.
+
+    PIPELINES["repq"](fp_model, calib_images, "w4a4")        # -> PTQResult(model, report)
 
 quant/ never loads data: the entry point supplies the calibration images, optionally a `PipelineData`
 (training images for APHQ / GPLQ), and an `eval_fn` that runs its own validation loop on a model and
@@ -12,10 +14,17 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from .aphq.pipeline import APHQPipeline
 from .calibrate import Images
+from .gplq.pipeline import GPLQPipeline
+from .pipeline import Pipeline
 from .pipeline_data import PipelineData
-from .pipelines import PIPELINES
+from .ptq.percentile import PercentilePipeline
+from .ptq.repq import RepQPipeline
 from .spec import Bits, parse_bits
+
+PIPELINES: Dict[str, Pipeline] = {p.name: p for p in (PercentilePipeline(), RepQPipeline(), APHQPipeline(),
+                                                     GPLQPipeline())}
 
 
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],

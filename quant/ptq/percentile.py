@@ -20,34 +20,19 @@ We therefore implement (not confirmed by the paper; every item is an option):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional, Tuple
+from typing import Optional
 
 from torch import nn
 
+from configs.quant import PercentileOptions
+
 from ..calibrate import Images
+from ..layout import standard_layout
+from ..pipeline import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
 from ..pipeline_data import PipelineData
-from ..ranges import REPQ_PERCENTILES, RangeSearch
+from ..quantizers import LogSqrt2Quantizer
+from ..ranges import range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
-from .common import FirstLastOptions, StageTimer, convert_and_calibrate, pipeline_report, standard_layout
-from .registry import Pipeline, PTQResult, register_pipeline
-
-
-@dataclass
-class PercentileOptions(FirstLastOptions):
-    act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
-    act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
-    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
-    weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
-    weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
-    softmax: Literal["uniform", "log_sqrt2"] = "uniform"
-
-
-def range_search(method: str, levels: Optional[Tuple[float, ...]]) -> RangeSearch:
-    """The RangeSearch of a percentile-style option pair (None levels: RepQ set, or 0.9999 for 'percentile')."""
-    if levels is None:
-        levels = (0.9999,) if method == "percentile" else REPQ_PERCENTILES
-    return RangeSearch(method, tuple(levels))
 
 
 class PercentilePipeline(Pipeline):
@@ -59,7 +44,7 @@ class PercentilePipeline(Pipeline):
         act = QuantizerSpec(bits.a, search=act_search)
         weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
                                search=range_search(options.weight_range, options.weight_percentiles))
-        attn = QuantizerSpec(bits.a, kind="log_sqrt2", search=act_search) if options.softmax == "log_sqrt2" else act
+        attn = QuantizerSpec(bits.a, kind=LogSqrt2Quantizer, search=act_search) if options.softmax == "log_sqrt2" else act
         return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=act, k=act, attn=attn, v=act,
                                first_last=options.resolved(bits))
 
@@ -72,5 +57,3 @@ class PercentilePipeline(Pipeline):
         report = pipeline_report(self.name, model, bits, options, calibration_images=n_images, seconds=timer.seconds)
         return PTQResult(model, report)
 
-
-register_pipeline(PercentilePipeline())

@@ -26,11 +26,15 @@ import torch
 from torch import nn
 from timm.layers import DropPath
 
-from .quantizers import Quantizer
-from .spec import fqn_matches
+from models.modules import BLOCK_PATTERNS, fqn_matches
 
-BLOCKS = ("blocks.*", "layers.*.blocks.*")
-PASS_THROUGH: Tuple[Type[nn.Module], ...] = (nn.Identity, nn.Dropout, DropPath, Quantizer)
+PASS_THROUGH: Tuple[Type[nn.Module], ...] = (nn.Identity, nn.Dropout, DropPath)
+
+
+def repeats_its_input(module: nn.Module) -> bool:
+    """Pass-through modules, and modules that declare `repeats_its_input = True` (quant's quantizers:
+    their output is the fake-quantized input of a layer whose output is counted anyway)."""
+    return isinstance(module, PASS_THROUGH) or getattr(module, "repeats_its_input", False)
 
 
 @dataclass
@@ -58,11 +62,11 @@ class ActivationProbe:
         model: the (unwrapped: not DDP / torch.compile wrapped) model.
         blocks: patterns of the Transformer blocks (see `spec.fqn_matches`).
         extra_modules: patterns of further modules counted in "module" (e.g. Swin PatchMerging parts).
-        skip_types: module types whose outputs are not counted.
+        skip: module -> True if its output is not counted (default: `repeats_its_input`).
     """
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCKS, extra_modules: Sequence[str] = (),
-                 skip_types: Tuple[Type[nn.Module], ...] = PASS_THROUGH) -> None:
+    def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS, extra_modules: Sequence[str] = (),
+                 skip: Callable[[nn.Module], bool] = repeats_its_input) -> None:
         self.model = model
         # (name, kind, block index, module type relative to its block, module)
         self.targets: List[Tuple[str, str, int, str, nn.Module]] = []
@@ -74,10 +78,10 @@ class ActivationProbe:
             block = model.get_submodule(block_name)
             self.targets.append((block_name, "block", index, "block", block))
             for sub_name, sub in block.named_modules():
-                if sub_name and not isinstance(sub, skip_types):
+                if sub_name and not skip(sub):
                     self.targets.append((f"{block_name}.{sub_name}", "module", index, sub_name, sub))
         for name, sub in model.named_modules():
-            if fqn_matches(name, extra_modules) and not isinstance(sub, skip_types):
+            if fqn_matches(name, extra_modules) and not skip(sub):
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
         self._handles: list = []
         self._max: Optional[torch.Tensor] = None

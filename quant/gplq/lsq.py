@@ -14,13 +14,11 @@ matmul operands, chosen by the pipeline), and the pipeline then makes the scale 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
-from .functional import grad_scale, round_ste
-from .quantizers import MIN_SCALE, QUANTIZER_KINDS, Quantizer, UniformQuantizer, _broadcast
-from .spec import QuantizerSpec
+from ..functional import grad_scale, round_ste
+from ..quantizers import MIN_SCALE, UniformQuantizer, _broadcast
 
 
 class LSQQuantizer(UniformQuantizer):
@@ -40,11 +38,3 @@ class LSQQuantizer(UniformQuantizer):
         # clipped, so its scale gradient is qmax (qmin) and its input gradient 0, as in LSQ eq. 3;
         # rounding first would give it round(v) - v and pass its input gradient. Same forward value.
         return (round_ste((x / s + zp).clamp(self.qmin, self.qmax)) - zp) * s
-
-
-def _lsq(spec: QuantizerSpec, channel_dim: Optional[int], num_channels: Optional[int],
-         device: Optional[torch.device]) -> Quantizer:
-    return LSQQuantizer(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
-
-
-QUANTIZER_KINDS["lsq"] = _lsq

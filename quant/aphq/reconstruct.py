@@ -32,9 +32,9 @@ from torch import nn
 
 from .adaround import AdaRoundQuantizer, RoundingSchedule
 from .hessian import normalized_weight
-from .layers import QuantConv2d, QuantLinear
-from .modes import named_quantizers
-from .quantizers import UniformQuantizer
+from ..layers import QuantConv2d, QuantLinear
+from ..modes import named_quantizers
+from ..quantizers import UniformQuantizer
 
 log = logging.getLogger("quant.reconstruct")
 

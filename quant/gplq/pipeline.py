@@ -32,64 +32,30 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, fields
-from typing import Literal, Optional
+from dataclasses import fields
+from typing import Optional
 
 import torch
 from torch import nn
 
+from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
 
-from .. import lsq  # noqa: F401  (registers the "lsq" quantizer kind)
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model, quantized_layers
+from ..layout import standard_layout
 from ..modes import named_quantizers, quant_state, set_quant_state
-from ..pca import fit_pca
+from ..pipeline import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report, sync_across_ranks
 from ..pipeline_data import PipelineData, require_data
-from ..qat import Stage1Settings, run_stage1
-from ..qwt import add_compensation, fit_block_compensation, fit_report
-from ..ranges import RangeSearch
+from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, find_units
-from .common import (FirstLastOptions, StageTimer, isolated_rng, pipeline_report, standard_layout,
-                     sync_across_ranks)
-from .percentile import range_search
-from .registry import Pipeline, PTQResult, register_pipeline
+from .lsq import LSQQuantizer
+from .pca import fit_pca
+from .qat import Stage1Settings, run_stage1
+from .qwt import add_compensation, fit_block_compensation, fit_report
 
 log = logging.getLogger("quant.gplq")
-
-
-@dataclass
-class GPLQOptions(FirstLastOptions):
-    """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""
-
-    # -- stage 1: activation QAT (notes 2.1) --
-    steps: Optional[int] = None  # optimizer updates; None: one epoch of the training loader
-    batch_size_per_gpu: int = 16  # paper: 8 GPUs x 16 = global 128
-    lr: Optional[float] = None  # constant AdamW lr; None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
-    scale_lr: Optional[float] = None  # lr of the LSQ scales; None: same as lr (not stated in the paper)
-    weight_decay: float = 0.0  # AdamW decay of the weights (not stated; negligible at lr 5e-6)
-    pca_weight: float = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
-    pca_variance: float = 0.6  # explained-variance target of the kept components
-    pca_multiple: int = 32  # component count rounded up to a multiple of this
-    pca_images: int = 10000  # training images (per rank, at most one epoch) for the teacher PCA
-    init_images: int = 128  # training images of the LSQ initialisation pass
-    act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
-    matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls
-    matmul_percentile: float = 0.99  # their initial range: [q(1 - p), q(p)] (the 1st / 99th percentiles)
-    amp: Literal["none", "fp16", "bf16"] = "none"  # autocast of stage 1 (fp16 adds a GradScaler)
-    log_every: int = 50  # log stage-1 loss every N updates
-    ckpt_every: int = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
-    seed: int = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
-    # -- stage 2: weight PTQ + QwT (notes 2.1, 4.8) --
-    weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
-    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
-    stage2_images: int = 512  # images for QwT's least-squares fits
-    stage2_train_transform: bool = False  # False: eval transform (RepQ-ViT / QwT calibration convention)
-    qwt: bool = True  # per-block linear compensation
-    qwt_ridge: float = 0.0  # L2 penalty of the fit (0: plain least squares as QwT's script)
-    qwt_target: Literal["w32a4", "float", "teacher"] = "w32a4"  # reference block: stage-1 model w/o weight
-    #   quantization, stage-1 model fully float, or the original float model
 
 
 # options that do not change what stage 1 computes (a resume may change them)
@@ -108,9 +74,9 @@ class GPLQPipeline(Pipeline):
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
         """LSQ symmetric activations (per channel / per head for matmuls) and stage-2 weight quantizers."""
-        act = QuantizerSpec(bits.a, kind="lsq", symmetric=True, granularity=options.act_granularity,
+        act = QuantizerSpec(bits.a, kind=LSQQuantizer, symmetric=True, granularity=options.act_granularity,
                             search=RangeSearch("minmax"))
-        mm = QuantizerSpec(bits.a, kind="lsq", symmetric=True, granularity="head",
+        mm = QuantizerSpec(bits.a, kind=LSQQuantizer, symmetric=True, granularity="head",
                            search=RangeSearch("percentile", (options.matmul_percentile,))) \
             if options.matmul_operands else None
         weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
@@ -207,5 +173,3 @@ class GPLQPipeline(Pipeline):
                      fit.sse_after, "kept" if fit.keep else "dropped")
         return stats
 
-
-register_pipeline(GPLQPipeline())

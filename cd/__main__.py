@@ -1,0 +1,43 @@
+"""List the CD matrix pairs of any timm model, built on the `meta` device (no weights, no memory):
+
+    python -m cd --model vit_base_patch16_224
+    python -m cd --model swin_tiny_patch4_window7_224
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+
+from cd.pairs import ROLES, Pair, find_pairs
+
+
+def format_pairs(pairs: list[Pair]) -> str:
+    """A plain-text table of pairs: index, role, kind, W2 name and shape, W1 and shape."""
+    rows = [("#", "role", "kind", "W2 (downstream, decayed)", "W2 shape", "W1 (upstream)", "W1 shape")]
+    for i, p in enumerate(pairs):
+        rows.append((str(i), p.role, p.kind, p.name, "x".join(map(str, p.w2_shape)), p.upstream_label,
+                     "x".join(map(str, p.w1_shape))))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    counts = {role: sum(p.role == role for p in pairs) for role in ROLES}
+    lines.append(f"{len(pairs)} pairs: " + ", ".join(f"{r} {n}" for r, n in counts.items() if n))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="List the CD matrix pairs of a timm model (meta device).")
+    parser.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    args = parser.parse_args(argv)
+    import timm  # only the CLI needs timm
+
+    with torch.device("meta"):  # shapes only: no weights, no memory, no download
+        model = timm.create_model(args.model, pretrained=False)
+    print(f"{args.model}:")
+    print(format_pairs(find_pairs(model)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Options of the quantization pipelines (quant/): the `quant.<pipeline>.*` config sections.
+
+They live here, not in quant/, so that `import configs` needs no torch: `scripts/sweep.py` expands
+YAML without loading a model library. Each pipeline reads its section (quant/ptq/, quant/aphq/,
+quant/gplq/); quant/README.md explains every default and which ones are our choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Literal, Optional, Tuple
+
+
+@dataclass
+class FirstLastOptions:
+    """Bit-widths of the patch embedding ("stem") and the classifier ("head").
+
+    None follows the main w/a bits, 0 keeps that operand in float. Defaults are the official
+    RepQ-ViT code: stem weights at w_bits, stem (image) input at 8 bits, head at w_bits / a_bits.
+    QwT's re-runs use 8/8 for both (about +0.7 points at W4A4).
+    """
+
+    stem_w_bits: Optional[int] = None
+    stem_a_bits: Optional[int] = 8
+    head_w_bits: Optional[int] = None
+    head_a_bits: Optional[int] = None
+
+    def resolved(self, bits) -> Dict[str, Dict[str, Optional[int]]]:
+        """{"stem": {"w": .., "a": ..}, "head": {...}} with None meaning float; `bits` has `.w` and `.a`
+        (quant.spec.Bits)."""
+        def pick(value: Optional[int], default: int) -> Optional[int]:
+            return default if value is None else (value or None)
+        return {"stem": {"w": pick(self.stem_w_bits, bits.w), "a": pick(self.stem_a_bits, bits.a)},
+                "head": {"w": pick(self.head_w_bits, bits.w), "a": pick(self.head_a_bits, bits.a)}}
+
+
+@dataclass
+class PercentileOptions(FirstLastOptions):
+    act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
+    act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
+    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
+    weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
+    weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
+    softmax: Literal["uniform", "log_sqrt2"] = "uniform"
+
+
+@dataclass
+class RepQOptions(FirstLastOptions):
+    round_zero_point: bool = False  # official code: unrounded mean zero point (see module docstring)
+    reparam: bool = True  # False: keep the per-channel post-LayerNorm quantizers (ablation)
+
+
+@dataclass
+class APHQOptions(FirstLastOptions):
+    """APHQ options (defaults: official 4-bit classification recipe; see quant/README.md)."""
+
+    stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
+    # -- data (notes 1.1) --
+    calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
+    recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
+    data_seed: int = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
+    # -- calibration search (notes 1.2; aphq_calibration.py, search.py) --
+    search_rounds: int = 3  # alternations of input and weight output-MSE searches
+    weight_pct: Tuple[float, float] = (0.9, 1.0)  # weight candidate ranges span these percentiles
+    act_pct: Tuple[float, float] = (0.99, 1.0)  # input candidate ranges (not stated officially: our choice)
+    num_scales: int = 8  # candidate ranges per grid
+    num_zero_points: int = 16  # integer zero points per range (8 x 16 = eq_n 128)
+    matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
+    matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
+    search_max_rows: Optional[int] = None  # rows of a layer input used by the output MSE; None: all (official)
+    round_zero_point: bool = True  # LayerNorm fold: rounded mean zero point (APHQ); False: RepQ-ViT's unrounded
+    # -- reconstruction (notes 1.3, 4.2-4.4; reconstruct.py) --
+    iters: int = 20000  # iterations per unit
+    weight_lr: float = 1e-3  # Adam lr of the AdaRound variables
+    act_lr: float = 4e-5  # Adam lr of the activation scales (cosine to 0)
+    round_weight: float = 0.01  # rounding regulariser weight (summed over all weights of the unit)
+    beta_start: float = 20.0  # rounding regulariser exponent at the end of the warm-up
+    beta_end: float = 2.0  # ... at the last iteration (linear decay)
+    warmup: float = 0.2  # fraction of iterations without the rounding regulariser
+    drop_prob: float = 0.5  # QDrop inside activation quantizers: probability of a float element
+    input_mix_prob: float = 0.5  # QDrop at the unit input: probability of the float-input element
+    normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
+    loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
+    hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
+    hessian_eps: Optional[float] = None  # perturbation size; None: 1e-6 (ones, official), 1e-4 (rademacher)
+    temperature: float = 20.0  # KL temperature of the APH
+    # -- MLP reconstruction (notes 1.5; mlp_recon.py), off as in the CD paper --
+    mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
+    mlp_iters: Optional[int] = None  # iterations per block; None: same as iters
+    mlp_lr: float = 4e-5  # Adam lr of MR (cosine to 0)
+    mlp_clip_percentile: float = 0.98  # fc2-input clip percentile (4-bit config; paper text: 0.99)
+    mlp_clip_weight: float = 2.0  # weight of the clipped-branch term
+    # -- run --
+    log_every: int = 1000  # log loss and time every N iterations (and at the end of each unit)
+    seed: int = 0  # QDrop masks, batch draws, Rademacher probes
+    cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
+
+
+@dataclass
+class GPLQOptions(FirstLastOptions):
+    """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""
+
+    # -- stage 1: activation QAT (notes 2.1) --
+    steps: Optional[int] = None  # optimizer updates; None: one epoch of the training loader
+    batch_size_per_gpu: int = 16  # paper: 8 GPUs x 16 = global 128
+    lr: Optional[float] = None  # constant AdamW lr; None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
+    scale_lr: Optional[float] = None  # lr of the LSQ scales; None: same as lr (not stated in the paper)
+    weight_decay: float = 0.0  # AdamW decay of the weights (not stated; negligible at lr 5e-6)
+    pca_weight: float = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
+    pca_variance: float = 0.6  # explained-variance target of the kept components
+    pca_multiple: int = 32  # component count rounded up to a multiple of this
+    pca_images: int = 10000  # training images (per rank, at most one epoch) for the teacher PCA
+    init_images: int = 128  # training images of the LSQ initialisation pass
+    act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
+    matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls
+    matmul_percentile: float = 0.99  # their initial range: [q(1 - p), q(p)] (the 1st / 99th percentiles)
+    amp: Literal["none", "fp16", "bf16"] = "none"  # autocast of stage 1 (fp16 adds a GradScaler)
+    log_every: int = 50  # log stage-1 loss every N updates
+    ckpt_every: int = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
+    seed: int = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
+    # -- stage 2: weight PTQ + QwT (notes 2.1, 4.8) --
+    weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
+    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
+    stage2_images: int = 512  # images for QwT's least-squares fits
+    stage2_train_transform: bool = False  # False: eval transform (RepQ-ViT / QwT calibration convention)
+    qwt: bool = True  # per-block linear compensation
+    qwt_ridge: float = 0.0  # L2 penalty of the fit (0: plain least squares as QwT's script)
+    qwt_target: Literal["w32a4", "float", "teacher"] = "w32a4"  # reference block: stage-1 model w/o weight
+    #   quantization, stage-1 model fully float, or the original float model
+

@@ -1,0 +1,141 @@
+"""The pipeline interface: `Pipeline` (parse bits and options, run), its result, and the helpers every
+pipeline uses (stage timing, an isolated RNG, the final rank-0 broadcast, the report).
+
+A pipeline is called as `PIPELINES[name](fp_model, calib_images, bits="w4a4", options=None, data=None)`
+and returns `PTQResult(model, report)`: the quantized deep copy (the float model is untouched) and a small
+JSON-able report (layout, stem/head bits, options, calibration size, seconds per stage). Its options are
+a dataclass of configs/quant.py; pipelines that draw their own training images get them from `data`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Union
+
+import torch
+from torch import nn
+
+from engine.distributed import broadcast
+
+from .calibrate import Images, calibrate
+from .convert import quantize_model
+from .modes import describe, summarize
+from .pipeline_data import PipelineData
+from .spec import Bits, QuantSpec, parse_bits
+
+
+class PTQResult(NamedTuple):
+    """What a pipeline returns: `model, report = PIPELINES["repq"](...)`."""
+
+    model: nn.Module
+    report: Dict[str, Any]
+
+
+def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], Any]) -> Any:
+    """Build an options dataclass from a mapping; an unknown key is an error naming close matches."""
+    if options is None:
+        return options_type()
+    if isinstance(options, options_type):
+        return options
+    known = {f.name for f in dataclasses.fields(options_type)}
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
+            raise ValueError(f"unknown option {key!r} for {options_type.__qualname__}{hint}")
+    return options_type(**dict(options))
+
+
+class Pipeline:
+    """Base class: parse bits and options, then `run` (which usually starts from `layout`)."""
+
+    name: str = ""
+    Options: Type = type(None)
+
+    def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
+                 options: Optional[Mapping[str, Any]] = None, data: Optional[PipelineData] = None) -> PTQResult:
+        """Quantize a copy of `fp_model`.
+
+        Args:
+            fp_model: float timm ViT/DeiT/Swin, on the device to calibrate on (left untouched).
+            calib_images: [N, 3, H, W] tensor or iterable of batches (eval transform; the entry point picks them).
+            bits: "w4a4", "w6a6", "w8a8", ... or Bits(w, a).
+            options: pipeline-specific overrides of `Options` (unknown keys raise).
+            data: training data for pipelines that draw their own images (APHQ, GPLQ); percentile and
+                repq ignore it (see pipeline_data.py).
+
+        Returns:
+            PTQResult(model, report).
+        """
+        return self.run(fp_model, calib_images, parse_bits(bits), parse_options(self.Options, options), data)
+
+    def layout(self, bits: Bits, options: Any) -> QuantSpec:
+        """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
+        raise NotImplementedError
+
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: Any,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        raise NotImplementedError
+
+
+class StageTimer:
+    """Wall time per named stage (device-synchronised so GPU work is attributed to its stage)."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str, device: torch.device) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds[name] = round(time.perf_counter() - start, 4)
+
+
+@torch.no_grad()
+@contextmanager
+def isolated_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's global RNG (and the device's) for a pipeline, restoring the caller's streams on exit."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def sync_across_ranks(model: torch.nn.Module) -> None:
+    """Make every rank hold rank 0's quantized model (parameters, buffers; no-op without a process group).
+
+    Pipelines run redundantly on every rank of a distributed evaluation with identical seeds; this
+    removes any kernel-level non-determinism between ranks before the sharded evaluation.
+    """
+    for tensor in model.state_dict().values():
+        if isinstance(tensor, torch.Tensor):
+            broadcast(tensor)
+    for module in model.modules():  # in-place collectives need not bump version counters
+        if hasattr(module, "invalidate_weight_cache"):
+            module.invalidate_weight_cache()
+
+
+def pipeline_report(pipeline: str, model: torch.nn.Module, bits: Bits, options, **extra) -> dict:
+    """The fields every pipeline report has (layout, bits, options, per-layer rows and their summary),
+    with the pipeline's own entries in `extra`."""
+    layers = describe(model)
+    return {"pipeline": pipeline, "bits": str(bits), **options.resolved(bits), "options": dataclasses.asdict(options),
+            **extra, "summary": summarize(layers), "layers": layers}
+
+
+
+def convert_and_calibrate(fp_model: torch.nn.Module, spec: QuantSpec, calib_images: Images, timer: StageTimer,
+                          device: torch.device) -> tuple:
+    """Convert a copy of `fp_model` by `spec` and calibrate it in one sequential pass (RepQ-ViT's order).
+
+    Returns:
+        (quantized model, number of calibration images).
+    """
+    with timer("convert", device):
+        model = quantize_model(fp_model, spec)
+    with timer("calibrate", device):
+        calib = calibrate(model, calib_images)
+    return model, calib["images"]

@@ -1,0 +1,1 @@
+"""Post-training quantization by calibration alone: percentile PTQ and RepQ-ViT (see quant/README.md)."""
