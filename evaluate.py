@@ -5,7 +5,8 @@ r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized ac
         --out results/vit_b_cd.json data.root=/datasets/imagenet
     torchrun --nproc_per_node=8 evaluate.py --checkpoint runs/vit_b/best.pt data.root=/datasets/imagenet
     python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
-        data.root=/datasets/imagenet                                              # a timm model + weights file
+        data.root=/datasets/imagenet                                              # a timm model + weights
+        file
 
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
@@ -27,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file
+from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
 from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
@@ -58,7 +59,8 @@ def main(args: argparse.Namespace) -> dict:
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
     img_size = input_size(model)
-    val_loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+    val_loader = build_eval_loader(cfg.data, img_size=img_size,
+                                   batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                    rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
@@ -67,7 +69,8 @@ def main(args: argparse.Namespace) -> dict:
     for name in cfg.quant.pipelines:
         for bits in cfg.quant.bits:
             if (name, bits) not in todo:
-                log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
+                log.info("%s %s is already in %s with these settings (--recompute runs it again)", name,
+                         bits, out)
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
@@ -95,7 +98,8 @@ def main(args: argparse.Namespace) -> dict:
     if todo:
         calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
                                    cfg.quant.calib_seed).to(device)
-        pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0])
+        pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
+                                            os.path.splitext(out)[0])
     for name, bits in todo:
         entry = evaluate_quantized(
             name, model, calib, bits, options=getattr(cfg.quant, name, None), data=pipeline_data,
@@ -118,7 +122,7 @@ def save_on_main(results: EvalResults, dist) -> None:
         results.save()
 
 
-def load_float_model(cfg, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
+def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
     """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
     if payload:
@@ -130,7 +134,8 @@ def load_float_model(cfg, payload: Optional[dict], args: argparse.Namespace) -> 
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
         shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
         if missing or unexpected or shapes:
-            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: missing {missing[:4]}, "
+            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: missing "
+                                  f"{missing[:4]}, "
                                   f"unexpected {unexpected[:4]}, other shapes {shapes[:4]}; evaluate it with the "
                                   f"model settings it was trained with (drop the model.* overrides)")
         model.load_state_dict(saved)
@@ -147,16 +152,17 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
                         f"name another class. Point data.root at the data set it was trained on")
 
 
-def identity(cfg, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
+def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": cfg.model.name, "checkpoint": checkpoint, "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
-            "data": {"dataset": cfg.data.dataset, "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
+            "data": {"dataset": cfg.data.dataset,
+                     "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
                      "val_split": cfg.data.val_split}}
 
 
-def quant_settings(cfg, pipeline: str) -> dict:
+def quant_settings(cfg: Config, pipeline: str) -> dict:
     """Everything a quantized result depends on besides the float model and the val set."""
     options = getattr(cfg.quant, pipeline, None)
     return {"options": dataclasses.asdict(options) if options is not None else {},
@@ -164,7 +170,8 @@ def quant_settings(cfg, pipeline: str) -> dict:
                             "split": cfg.data.train_split, "transform": "eval"}}
 
 
-def build_pipeline_data(cfg, img_size: int, rank: int, world_size: int, work_prefix: str) -> PipelineData:
+def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
+                        work_prefix: str) -> PipelineData:
     """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
 
     train_images: seeded train-split images (training or eval transform), the same on every rank.
@@ -173,7 +180,8 @@ def build_pipeline_data(cfg, img_size: int, rank: int, world_size: int, work_pre
     resumable stage-1 checkpoint (next to the output JSON).
     """
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
-        return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed, train_transform=train_transform)
+        return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed,
+                                  train_transform=train_transform)
 
     def train_loader(batch_size_per_gpu: int, seed: int):
         train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,
@@ -212,16 +220,18 @@ def resolve_config(args: argparse.Namespace):
     return cfg, payload
 
 
-def method_name(cfg) -> str:
+def method_name(cfg: Config) -> str:
     """Baseline / CD / TWEO, with the settings that differ from the paper's defaults (so that the rows of
     an ablation table tell themselves apart), e.g. "CD (lam 0.01)", "CD (targets C)", "CD (loss 0.005)"."""
     from configs import CDConfig, TWEOConfig
 
     if cfg.cd.enabled:
         default, c = CDConfig(), cfg.cd
-        notes = [f"lam {c.lam:g}" if c.lam != default.lam else "", f"targets {c.targets}" if c.targets != default.targets
+        notes = [f"lam {c.lam:g}" if c.lam != default.lam else "",
+                 f"targets {c.targets}" if c.targets != default.targets
                  else "", f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
-                 " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())), "" if c.budget else "no budget"]
+                 " ".join(f"{r} {v:g}" for r,
+                          v in sorted(c.lam_per_role.items())), "" if c.budget else "no budget"]
         name = "CD"
     elif cfg.tweo.enabled:
         default, t = TWEOConfig(), cfg.tweo
@@ -262,19 +272,24 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
-    parser.add_argument("--config", action="append", help="YAML file(s): the recipe when there is no checkpoint, "
+    parser.add_argument("--config", action="append",
+                        help="YAML file(s): the recipe when there is no checkpoint, "
                         "or a layer on top of the checkpoint's config")
-    parser.add_argument("--quant", nargs="*", help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
+    parser.add_argument("--quant", nargs="*",
+                        help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
     parser.add_argument("--bits", nargs="*", help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
-    parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON already "
+    parser.add_argument("--recompute", action="store_true",
+                        help="run pipeline/bit-widths that the JSON already "
                         "has again (the old entries are kept under 'history')")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
                         help="autocast for evaluation (default none: fp32, as the official quantization code)")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.root=/datasets/imagenet")
+    parser.add_argument("overrides", nargs="*",
+                        help="key=value config overrides, e.g. data.root=/datasets/imagenet")
     args = parser.parse_intermixed_args(argv)
     # `--quant repq data.root=x` would read data.root=x as a pipeline: key=value items are overrides.
     for name in ("quant", "bits"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -27,22 +26,22 @@ import torch.nn as nn
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
 
-from cd import TWEO, ColinearityDecay, budget_weight_decay, energy_metrics, find_pairs
-from cd.update import build_plan
+from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from data import DataError, build_loaders
+from engine.act_max import ActivationProbe
+from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
+from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
 from engine.metrics import MetricLogger
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
 from engine.preemption import Preemption
 from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
-from engine.divergence import DivergenceError, DivergenceGuard
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size
-from engine.act_max import ActivationProbe
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 log = logging.getLogger("train")
@@ -74,21 +73,11 @@ def main(cfg: Config) -> RunResult:
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
     device = dist.device
-    setup_logging(cfg.out_dir, dist.is_main)
-    log.info("%s", describe_environment(dist))
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-
-    # Batch geometry: the global batch is what the recipe (and the lr rule) speaks of.
+    setup_process(cfg, dist)
     per_gpu = cfg.train.batch_size_per_gpu
-    if cfg.train.batch_size % (per_gpu * dist.world_size):
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of batch_size_per_gpu="
-                          f"{per_gpu} x {dist.world_size} processes")
-    accum_steps = cfg.train.batch_size // (per_gpu * dist.world_size)
+    accum_steps = accumulation_steps(cfg, dist.world_size)
 
-    # Model (same initial weights on every rank) and data. A resumed run takes its weights from the
+    # -- Model (same initial weights on every rank) and data. A resumed run takes its weights from the
     # checkpoint, so pretrained weights are not loaded (nor fetched) again.
     ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
     resumed = os.path.exists(ckpt_path)
@@ -100,43 +89,42 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                             world_size=dist.world_size, seed=cfg.train.seed, num_classes=cfg.model.num_classes)
     updates_per_epoch = len(loaders.train) // accum_steps
     if updates_per_epoch == 0:
-        raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the {accum_steps} "
+        raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
+                          f"{accum_steps} "
                           f"accumulation steps of one update: lower train.batch_size")
 
-    # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
+    # -- Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
     weight_decay = cfg.optim.weight_decay
     if cfg.cd.enabled and cfg.cd.budget:
         weight_decay = as_config_error("cd.budget", budget_weight_decay, weight_decay, cfg.cd.lam)
-        log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
+        log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay,
+                 cfg.cd.lam)
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
     scaler = grad_scaler(cfg.train.amp, device)
-    ema = ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup) if cfg.train.ema else None
+    ema = ModelEmaV3(model, decay=cfg.train.ema_decay,
+                     use_warmup=cfg.train.ema_warmup) if cfg.train.ema else None
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
              "%d updates per epoch, %d epochs", cfg.train.batch_size, per_gpu, dist.world_size, accum_steps,
              cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
              lr_rule(cfg.optim, cfg.train.batch_size), weight_decay, updates_per_epoch, cfg.sched.epochs)
 
-    # Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside optimizer.step(),
-    # after clipping, once per update, only when the step really runs, with each group's lr. TWEO (and
-    # CD's loss-form ablation) add a term to the loss in compute_loss below.
+    # -- Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside
+    # optimizer.step(), after clipping, once per update, only when the step really runs, with each
+    # group's lr. TWEO (and CD's loss-form ablation) add a term to the loss in compute_loss below.
     decay = as_config_error("cd", ColinearityDecay.from_config, cfg.cd, model) if cfg.cd.enabled else None
     if decay is not None:
         decay.attach(optimizer)
         log.info("%r", decay)
-    tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=cfg.sched.epochs * updates_per_epoch)
-            if cfg.tweo.enabled else None)
+    tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model,
+                            total_steps=cfg.sched.epochs * updates_per_epoch) if cfg.tweo.enabled else None)
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    if decay is None:
-        pairs = find_pairs(model)
-        metric_sources = [functools.partial(energy_metrics, pairs, build_plan(pairs))]
-    else:
-        metric_sources = [decay.metrics]
+    metric_sources = [decay.metrics if decay is not None else pair_energy_source(model)]
     if tweo is not None:
         metric_sources.append(tweo.metrics)
 
-    # Resume: the same command in the same out_dir continues from checkpoint.pt.
+    # -- Resume: the same command in the same out_dir continues from checkpoint.pt.
     state = TrainState()
     if resumed:
         payload = load_checkpoint(ckpt_path)
@@ -147,66 +135,62 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             decay.load_state_dict(payload["cd"])
         del payload
         log.info("resumed from %s at epoch %d, update %d", ckpt_path, state.epoch, state.step)
-    if dist.is_main:
-        kept = save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)
-        if kept:
-            log.info("config.yaml of the run so far kept as %s", kept)
-    logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+    if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)):
+        log.info("config.yaml of the run so far kept as %s", kept)
+    logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
+                          cfg.log.wandb_project,
                           cfg.log.wandb_mode, config_to_dict(cfg), resume_step=state.step if resumed else None)
 
-    # Wrap for training: DDP (gradient all-reduce), then torch.compile (PyTorch's recommended order).
+    # -- Checkpoints: checkpoint.pt (the whole training state) and best.pt (best val top-1), main rank.
+    def save_on_main(payload_fn, path: str) -> None:
+        save_on_main_rank(payload_fn, path, dist.is_main, device)
+
+    def save_checkpoint() -> None:
+        extra = {"classes": loaders.classes, **({"cd": decay.state_dict()} if decay is not None else {})}
+        save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
+                                              config=config_to_dict(cfg),
+                                              ema=ema, scaler=scaler, scheduler=scheduler, extra=extra), ckpt_path)
+
+    best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
+                          config=config_to_dict(cfg),
+                          classes=loaders.classes, save=save_on_main)
+
+    def validate_and_keep_best() -> dict:
+        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
+        logger.log(state.step, metrics)
+        best.offer(state, metrics)
+        return metrics
+
+    # -- The loop. Wrap for training: DDP (gradient all-reduce), then torch.compile (PyTorch's order).
     train_model: nn.Module = model
     if dist.distributed:
         train_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.train.compile:
         train_model = torch.compile(train_model)
-
     criterion = build_criterion(cfg, mixup=loaders.mixup is not None)
 
     def compute_loss(m: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = criterion(m(images), targets)
-        # Auxiliary loss terms of regularizers are added here (both scale with the task loss when rescaled).
-        aux = 0.0
+        aux = 0.0  # regularizers' loss terms (both scale with the task loss when rescaled)
         if tweo is not None:
             aux = aux + tweo.aux_loss(loss, state.step)
         if decay is not None and cfg.cd.mode == "loss":
             aux = aux + decay.aux_loss(loss)
         return loss + aux
 
-    def save_on_main(payload_fn, path: str) -> None:
-        save_on_main_rank(payload_fn, path, dist.is_main, device)
-
-    def save_checkpoint() -> None:
-        save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
-                                              config=config_to_dict(cfg), ema=ema, scaler=scaler,
-                                              scheduler=scheduler,
-                                              extra={"classes": loaders.classes, **({"cd": decay.state_dict()} if decay else {})}),
-                     ckpt_path)
-
     loop = TrainLoop(
         model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
         scaler=scaler, scheduler=scheduler, per_step_schedule=cfg.sched.per_step, accum_steps=accum_steps,
         clip_grad=cfg.optim.clip_grad, ema=ema, mixup=loaders.mixup, seed=cfg.train.seed, rank=dist.rank,
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
-        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log, metric_sources=metric_sources,
-        should_stop=preemption.should_stop,
+        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log,
+        metric_sources=metric_sources, should_stop=preemption.should_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
         progress=cfg.log.progress and dist.is_main)
 
-    def validate_and_keep_best() -> dict:
-        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
-        logger.log(state.step, metrics)
-        if metrics["val/top1"] > state.best_top1:  # best.pt: the weights with the best validation top-1
-            state.best_top1 = metrics["val/top1"]
-            save_on_main(lambda: {"model": model.state_dict(), "config": config_to_dict(cfg),
-                                  "state": state.state_dict(), "metrics": metrics, "classes": loaders.classes,
-                                  **({"model_ema": ema.module.state_dict()} if ema else {})},
-                         os.path.join(cfg.out_dir, "best.pt"))
-        return metrics
-
-    # The epochs: train, validate, checkpoint.
+    # -- The epochs: train, validate, checkpoint; stop early on preemption or train.max_steps.
     val = {}
     reason = "finished"
     while state.epoch < cfg.sched.epochs and not reached(state.step, cfg.train.max_steps):
@@ -222,16 +206,19 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         if reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during validation: do not start another epoch
         if reason == "preempted":
-            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume", state.step)
+            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume",
+                     state.step)
             break
         if reason == "max_steps":
-            log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
-                     "and re-run the same command to continue", state.step)
+            log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
+                     "drop "
+                     "it) and re-run the same command to continue", state.step)
             break
 
+    # -- The end: report the current weights (not after preemption: no time, and no fresh numbers).
     if reason == "preempted":
-        val = {}  # no time to validate, and an earlier epoch's numbers are not the current weights'
-    elif not val:  # a finished run re-run: report its current weights
+        val = {}
+    elif not val:  # a finished run re-run
         val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
     logger.close()
     if tweo is not None:
@@ -241,6 +228,26 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                  val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
         warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
     return RunResult(model=model, metrics=val, state=state)
+
+
+def setup_process(cfg: Config, dist: DistInfo) -> None:
+    """Logging to out_dir/train.log (main rank), TF32 matmuls, and deterministic kernels if asked."""
+    setup_logging(cfg.out_dir, dist.is_main)
+    log.info("%s", describe_environment(dist))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    """Gradient accumulation steps per update: the global batch is what the recipe (and the lr rule)
+    speaks of, so it is fixed and split into processes x per-process batches x accumulation steps."""
+    per_gpu = cfg.train.batch_size_per_gpu
+    if cfg.train.batch_size % (per_gpu * world_size):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of batch_size_per_gpu="
+                          f"{per_gpu} x {world_size} processes")
+    return cfg.train.batch_size // (per_gpu * world_size)
 
 
 def as_config_error(section: str, build, *args, **kwargs):
@@ -286,7 +293,8 @@ def check_resumable(saved: dict, current: Config) -> None:
         raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved['model']}, not "
                               f"{current_d['model']}: use another out_dir or the original model settings")
     if saved["data"]["dataset"] != current.data.dataset:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on data.dataset={saved['data']['dataset']!r}, "
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on "
+                              f"data.dataset={saved['data']['dataset']!r}, "
                               f"not {current.data.dataset!r}: use another out_dir")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
@@ -301,12 +309,14 @@ def warn_if_at_chance(top1: float, num_classes: int) -> None:
     """A finished run whose accuracy is near chance probably diverged or never learned: say so."""
     chance = 100.0 / num_classes
     if num_classes > 1 and top1 <= 1.5 * chance:
-        log.warning("val top-1 %.2f%% is at chance level (%.2f%% for %d classes): the run did not learn; check "
+        log.warning("val top-1 %.2f%% is at chance level (%.2f%% for %d classes): the run did not learn; "
+                    "check "
                     "the learning rate and the loss in metrics.jsonl", top1, chance, num_classes)
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML recipe; repeat to layer several (default: {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")

@@ -7,9 +7,9 @@
 Pure functions for your own loop: `cd.update.colinearity_decay_`, `cd.update.pair_energy`,
 `cd.update.pair_penalty`. `python -m cd --model NAME` lists a model's pairs. See cd/README.md.
 """
-from .decay import ColinearityDecay, budget_weight_decay, energy_metrics
-from .pairs import Pair, find_blocks, find_pairs
+from .decay import ColinearityDecay, budget_weight_decay, pair_energy_source
+from .pairs import Pair, find_pairs
 from .tweo import TWEO, tweo_penalty
 
-__all__ = ["ColinearityDecay", "budget_weight_decay", "energy_metrics", "Pair", "find_blocks", "find_pairs", "TWEO",
+__all__ = ["ColinearityDecay", "budget_weight_decay", "pair_energy_source", "Pair", "find_pairs", "TWEO",
            "tweo_penalty"]

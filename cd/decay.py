@@ -1,7 +1,8 @@
 """`ColinearityDecay`: the CD regularizer object (paper Sec. 3.3) around the pure math in `cd/update.py`.
 
     decay = ColinearityDecay(model, lam=0.005)          # pairs found once, targets A+B
-    handle = decay.attach(optimizer)                      # W2 <- W2 - lr*lam*W2 W1n W1n^T before each real step
+    handle = decay.attach(optimizer)                      # W2 <- W2 - lr*lam*W2 W1n W1n^T before each real
+    step
     ...
     log(decay.metrics())                                  # cd/pair_energy/<role>, cd/update_norm/<role>
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -37,8 +38,17 @@ def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
 
+def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
+    """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
+    so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them)."""
+    pairs = find_pairs(model)
+    plan = build_plan(pairs)
+    return lambda: energy_metrics(pairs, plan)
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
-    """The paper's regularization-budget rule: wd -> wd - lam_cd (Appendix "Normalized CD and regularization budget").
+    """The paper's regularization-budget rule: wd -> wd - lam_cd (Appendix "Normalized CD and regularization
+    budget").
 
     E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative.
     """
@@ -167,7 +177,8 @@ class ColinearityDecay:
             needed += [(p.upstream_name, p.upstream) for p in self.pairs]
         missing = [name for name, t in needed if id(t) not in index]
         if missing:
-            raise ValueError(f"ColinearityDecay.attach: {len(missing)} decayed matrices are not in the optimizer "
+            raise ValueError(f"ColinearityDecay.attach: {len(missing)} decayed matrices are not in the "
+                             f"optimizer "
                              f"(e.g. {missing[:3]}); CD needs their param group's lr")
         self._gi_cache = (sig, index)
         return index
@@ -176,7 +187,8 @@ class ColinearityDecay:
         if self.mode != "decoupled" or not self._active:
             return
         if "grad_scaler" in kwargs:
-            raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy custom "
+            raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy "
+                               "custom "
                                "AMP contract); CD cannot tell whether this step will be skipped")
         index = self._group_index(optimizer)
         groups = optimizer.param_groups
@@ -207,7 +219,8 @@ class ColinearityDecay:
             0-dim fp32 tensor to add to `task_loss` (zero if every strength is 0).
         """
         if self.mode != "loss":
-            raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts through "
+            raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts "
+                               "through "
                                "attach()/apply()")
         if not self._active:
             return torch.zeros((), device=task_loss.device)
@@ -254,10 +267,12 @@ class ColinearityDecay:
         self._gated_skips = None
         saved = state.get("config")
         if saved is not None and saved != self._config():
-            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, now {self._config()}",
+            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, now "
+                          f"{self._config()}",
                           stacklevel=2)
 
     def __repr__(self) -> str:
         roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
-        return (f"ColinearityDecay(pairs={len(self.pairs)} {roles}, lam={self.lam}, lam_per_role={self.lam_per_role}, "
+        return (f"ColinearityDecay(pairs={len(self.pairs)} {roles}, lam={self.lam}, "
+                f"lam_per_role={self.lam_per_role}, "
                 f"targets={self.targets!r}, mode={self.mode!r})")

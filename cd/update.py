@@ -1,11 +1,11 @@
 """The CD math as pure functions over matrix pairs: the decoupled update, pair energies, loss-form penalty.
 
 For a pair (W1, W2) with W1 of shape (r, i) and W2 of shape (o, r), the normalized objective is
-(paper Appendix "Normalized CD", Eq. app_cd_norm_objective)
+(paper Appendix "Normalized CD", App. A.2, Eq. (23))
 
     l(W1, W2) = ||W2 W1n||_F^2,     W1n = W1 / (||W1||_F / sqrt(r)),
 
-and the decoupled update of W2 (Eq. method_cd_update with Eq. app_cd_norm_w2_grad, factor 2 absorbed) is
+and the decoupled update of W2 (Sec. 3.3, Eq. (12) with App. A.2, Eq. (24), factor 2 absorbed) is
 
     W2 <- W2 - s * W2 W1n W1n^T,    s = lr * lam.
 
@@ -61,7 +61,8 @@ def _group_key(p: Pair) -> tuple:
 
 
 def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None) -> Plan:
-    """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads precede writes.
+    """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads precede
+    writes.
 
     Args:
         pairs: the pairs to update.
@@ -168,7 +169,8 @@ def colinearity_decay_(
     gate: Optional[Tensor] = None,
     plan: Optional[Plan] = None,
 ) -> dict[str, Tensor]:
-    """Apply one decoupled, normalized CD update to every pair, in place (Eq. method_cd_update, app_cd_norm_w2_grad).
+    """Apply one decoupled, normalized CD update to every pair, in place (Sec. 3.3, Eq. (12), App. A.2, Eq.
+    (24)).
 
     Args:
         pairs: matrix pairs (from `find_pairs`).
@@ -260,7 +262,7 @@ def colinearity_decay_(
 @torch.no_grad()
 @_autocast_off
 def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str, Tensor]:
-    """Normalized pair energy ||W2 W1n||_F^2 (Eq. method_pair_energy with app_cd_norm_objective), per role.
+    """Normalized pair energy ||W2 W1n||_F^2 (Sec. 3.1, Eq. (2) with App. A.2, Eq. (23)), per role.
 
     Args:
         pairs: matrix pairs.
@@ -281,7 +283,8 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
 
 
 def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Tensor:
-    """||W2 W1n||_F^2 for same-shaped pairs, (n,) in at least fp32. grad: keep W2 in the graph; upstream_grad: W1 too
+    """||W2 W1n||_F^2 for same-shaped pairs, (n,) in at least fp32. grad: keep W2 in the graph;
+    upstream_grad: W1 too
     (functional pairs only), with the normalizer held constant."""
     def up(t: Tensor, keep_grad: bool) -> Tensor:
         return (t if keep_grad else t.detach()).to(compute_dtype(t))
@@ -302,7 +305,7 @@ def pair_penalty(
     upstream_grad: bool = False,
     plan: Optional[Plan] = None,
 ) -> Tensor:
-    """Loss-form CD penalty sum_k weights[k] * ||W2_k W1n_k||_F^2 (Eq. app_cd_norm_objective), with autograd.
+    """Loss-form CD penalty sum_k weights[k] * ||W2_k W1n_k||_F^2 (App. A.2, Eq. (23)), with autograd.
 
     Gradients reach W2 only (W1 and norm scales detached), so that the loss form differs from the
     decoupled update only in form. With `upstream_grad` the upstream matrix of functional pairs also

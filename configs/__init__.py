@@ -7,6 +7,7 @@ from .loader import ConfigError, apply_overrides, config_from_dict, config_to_di
 from .schema import (CDConfig, Config, DataConfig, LogConfig, ModelConfig, OptimConfig, QuantConfig,
                      SchedConfig, TrainConfig, TWEOConfig)
 
-__all__ = ["ConfigError", "load_config", "apply_overrides", "merge_file", "config_from_dict", "config_to_dict", "save_config", "Config",
+__all__ = ["ConfigError", "load_config", "apply_overrides", "merge_file", "config_from_dict",
+           "config_to_dict", "save_config", "Config",
            "ModelConfig", "DataConfig", "OptimConfig", "SchedConfig", "TrainConfig", "LogConfig", "CDConfig",
            "TWEOConfig", "QuantConfig"]

@@ -36,7 +36,8 @@ class FirstLastOptions:
 @dataclass
 class PercentileOptions(FirstLastOptions):
     act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
-    act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
+    act_percentiles: Optional[Tuple[float,
+                                    ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
     weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
     weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
@@ -54,12 +55,12 @@ class APHQOptions(FirstLastOptions):
     """APHQ options (defaults: official 4-bit classification recipe; see quant/README.md)."""
 
     stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
-    # -- data (notes 1.1) --
+    # -- data (GoatWu/APHQ-ViT test_quant.py) --
     calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
     recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
     data_seed: int = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
     batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
-    # -- calibration search (notes 1.2; aphq_calibration.py, search.py) --
+    # -- calibration search (quant/aphq/calibration.py, search.py) --
     search_rounds: int = 3  # alternations of input and weight output-MSE searches
     weight_pct: Tuple[float, float] = (0.9, 1.0)  # weight candidate ranges span these percentiles
     act_pct: Tuple[float, float] = (0.99, 1.0)  # input candidate ranges (not stated officially: our choice)
@@ -69,7 +70,7 @@ class APHQOptions(FirstLastOptions):
     matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
     search_max_rows: Optional[int] = None  # rows of a layer input used by the output MSE; None: all (official)
     round_zero_point: bool = True  # LayerNorm fold: rounded mean zero point (APHQ); False: RepQ-ViT's unrounded
-    # -- reconstruction (notes 1.3, 4.2-4.4; reconstruct.py) --
+    # -- reconstruction (quant/aphq/reconstruct.py) --
     iters: int = 20000  # iterations per unit
     weight_lr: float = 1e-3  # Adam lr of the AdaRound variables
     act_lr: float = 4e-5  # Adam lr of the activation scales (cosine to 0)
@@ -84,7 +85,7 @@ class APHQOptions(FirstLastOptions):
     hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
     hessian_eps: Optional[float] = None  # perturbation size; None: 1e-6 (ones, official), 1e-4 (rademacher)
     temperature: float = 20.0  # KL temperature of the APH
-    # -- MLP reconstruction (notes 1.5; mlp_recon.py), off as in the CD paper --
+    # -- MLP reconstruction (quant/aphq/mlp_recon.py), off as in the CD paper --
     mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
     mlp_iters: Optional[int] = None  # iterations per block; None: same as iters
     mlp_lr: float = 4e-5  # Adam lr of MR (cosine to 0)
@@ -100,7 +101,7 @@ class APHQOptions(FirstLastOptions):
 class GPLQOptions(FirstLastOptions):
     """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""
 
-    # -- stage 1: activation QAT (notes 2.1) --
+    # -- stage 1: activation QAT (quant/gplq/qat.py) --
     steps: Optional[int] = None  # optimizer updates; None: one epoch of the training loader
     batch_size_per_gpu: int = 16  # paper: 8 GPUs x 16 = global 128
     lr: Optional[float] = None  # constant AdamW lr; None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
@@ -118,7 +119,7 @@ class GPLQOptions(FirstLastOptions):
     log_every: int = 50  # log stage-1 loss every N updates
     ckpt_every: int = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
     seed: int = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
-    # -- stage 2: weight PTQ + QwT (notes 2.1, 4.8) --
+    # -- stage 2: weight PTQ + QwT (quant/gplq/qwt.py) --
     weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
     stage2_images: int = 512  # images for QwT's least-squares fits

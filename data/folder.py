@@ -56,7 +56,8 @@ def unreadable_target(index: int) -> int:
 
 
 def build_folder_dataset(root: str, split: str, transform=None, strict: bool = False) -> ImageDataset:
-    """`root/split` as an ImageDataset; `strict`: unreadable images are reported, not replaced (evaluation)."""
+    """`root/split` as an ImageDataset; `strict`: unreadable images are reported, not replaced
+    (evaluation)."""
     path = find_split(root, split)
     if os.path.isdir(path):
         classes = [d for d in os.scandir(path) if d.is_dir()]

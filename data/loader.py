@@ -15,6 +15,7 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, DistributedSampler
 
+from configs.schema import DataConfig
 from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals
 from engine.rng import mix_seed
@@ -34,7 +35,7 @@ class Loaders:
     classes: Optional[list]  # class names in label order (None for synthetic data); stored in checkpoints
 
 
-def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transform: bool):
+def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, train_transform: bool):
     """The `split` ('train' or 'val') of the configured data set with the train or eval transform."""
     transform = build_transform(cfg, img_size, is_training=train_transform)
     if cfg.dataset == "digits":
@@ -48,12 +49,13 @@ def build_dataset(cfg, split: str, img_size: int, num_classes: int, train_transf
         dataset = build_folder_dataset(cfg.root, folder, transform=transform, strict=not train_transform)
         found = len(class_names(dataset))
     if found != num_classes:
-        raise DataError(f"the {cfg.dataset} data set has {found} classes but model.num_classes={num_classes}; "
+        raise DataError(f"the {cfg.dataset} data set has {found} classes but "
+                        f"model.num_classes={num_classes}; "
                         f"set model.num_classes={found}")
     return dataset
 
 
-def build_mixup(cfg, num_classes: int) -> Optional[Mixup]:
+def build_mixup(cfg: DataConfig, num_classes: int) -> Optional[Mixup]:
     if cfg.mixup <= 0 and cfg.cutmix <= 0:
         return None
     return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
@@ -61,7 +63,8 @@ def build_mixup(cfg, num_classes: int) -> Optional[Mixup]:
                  label_smoothing=cfg.label_smoothing, num_classes=num_classes)
 
 
-def build_train_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
+def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, rank: int,
+                       world_size: int, seed: int,
                        num_classes: int) -> TrainBatches:
     """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
     train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
@@ -80,7 +83,8 @@ def build_train_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int
     return TrainBatches(loader=loader, sampler=sampler)
 
 
-def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int, rank: int,
+def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,
+                  rank: int,
                   world_size: int, seed: int, num_classes: int) -> Loaders:
     mixup = build_mixup(cfg, num_classes)
     if mixup is not None and batch_size_per_gpu % 2:
@@ -96,7 +100,7 @@ def build_loaders(cfg, *, img_size: int, batch_size_per_gpu: int, eval_batch_siz
     return Loaders(train=train, val=val, mixup=mixup, classes=classes)
 
 
-def dataset_classes(cfg, dataset) -> Optional[list]:
+def dataset_classes(cfg: DataConfig, dataset) -> Optional[list]:
     """Class names in label order: folder names, the digits 0-9, or None (synthetic data has no classes)."""
     if cfg.dataset == "folder":
         return class_names(dataset)
@@ -105,19 +109,20 @@ def dataset_classes(cfg, dataset) -> Optional[list]:
     return None
 
 
-def build_eval_loader(cfg, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,
+def build_eval_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,
                       num_classes: int, split: str = "val") -> DataLoader:
     """The `split` with the eval transform, sharded across ranks without duplicates."""
     dataset = build_dataset(cfg, split, img_size, num_classes, train_transform=False)
     return _eval_loader(cfg, dataset, batch_size_per_gpu, rank, world_size)
 
 
-def _eval_loader(cfg, dataset, batch_size: int, rank: int, world_size: int) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, sampler=ShardedEvalSampler(len(dataset), rank, world_size),
+def _eval_loader(cfg: DataConfig, dataset, batch_size: int, rank: int, world_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size,
+                      sampler=ShardedEvalSampler(len(dataset), rank, world_size),
                       **_worker_args(cfg))
 
 
-def _worker_args(cfg) -> dict:
+def _worker_args(cfg: DataConfig) -> dict:
     # Workers ignore SIGTERM / SIGINT: a scheduler signals the whole process group, and a worker killed by
     # it would crash the main process before it can write its preemption checkpoint (engine/preemption.py).
     return dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
@@ -125,7 +130,7 @@ def _worker_args(cfg) -> dict:
                 worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)
 
 
-def calibration_images(cfg, img_size: int, num_classes: int, count: int, seed: int,
+def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,
                        train_transform: bool = False) -> torch.Tensor:
     """`count` distinct train images chosen by `seed` (RepQ-ViT's calibration set; APHQ's optimisation set).
 

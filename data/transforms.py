@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from timm.data import create_transform
 
+from configs.schema import DataConfig
 
-def build_transform(cfg, img_size: int, is_training: bool):
+
+def build_transform(cfg: DataConfig, img_size: int, is_training: bool):
     if is_training:
         return create_transform(
             img_size, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,

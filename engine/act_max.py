@@ -65,7 +65,8 @@ class ActivationProbe:
         skip: module -> True if its output is not counted (default: `repeats_its_input`).
     """
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS, extra_modules: Sequence[str] = (),
+    def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS,
+                 extra_modules: Sequence[str] = (),
                  skip: Callable[[nn.Module], bool] = repeats_its_input) -> None:
         self.model = model
         # (name, kind, block index, module type relative to its block, module)
@@ -102,7 +103,8 @@ class ActivationProbe:
     def __enter__(self) -> "ActivationProbe":
         if self._handles:
             raise RuntimeError("probe is already attached")
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, _, _, _, m) in enumerate(self.targets)]
+        self._handles = [m.register_forward_hook(self._hook(i)) for i,
+                         (_, _, _, _, m) in enumerate(self.targets)]
         return self
 
     def __exit__(self, *exc: object) -> None:

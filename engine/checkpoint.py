@@ -58,7 +58,8 @@ def save_on_main_rank(payload_fn: Callable[[], dict], path: str, is_main: bool, 
             save_atomic(payload_fn(), path)
         except CheckpointError as e:
             error = e
-    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not write {path} (its error says why)"))
+    raise_on_every_rank(error, device,
+                        lambda: CheckpointError(f"rank 0 could not write {path} (its error says why)"))
 
 
 def _write_failure(path: str, error: BaseException) -> str:
@@ -68,7 +69,8 @@ def _write_failure(path: str, error: BaseException) -> str:
     full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
     reason = f"the disk is full ({free:.0f} MB free in {folder})" if full else f"{error}"
     previous = "the previous file is unchanged" if os.path.exists(path) else "no earlier file existed"
-    return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix the "
+    return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix "
+            f"the "
             f"folder) and re-run the same command to resume from the last checkpoint")
 
 
@@ -105,7 +107,8 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
     return payload
 
 
-def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None, scheduler=None) -> None:
+def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None,
+                     scheduler=None) -> None:
     """Load a `training_payload` into freshly built objects (in place)."""
     unwrap_model(model).load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
@@ -115,7 +118,8 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
         if obj is None:
             continue
         if name not in payload:
-            raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with the "
+            raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with "
+                                  f"the "
                                   f"settings it was written with (see config.yaml next to it)")
         obj.load_state_dict(payload[name])
 

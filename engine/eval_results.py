@@ -1,7 +1,8 @@
 """The evaluation JSON of one checkpoint, grown by every evaluate.py call and never overwritten blindly.
 
     results = EvalResults.open(path, identity)       # refuses a file that describes other weights or data
-    if results.plan("repq", "w4a4", settings, recompute=False): ... results.add("repq", "w4a4", entry); results.save()
+    if results.plan("repq", "w4a4", settings, recompute=False): ... results.add("repq", "w4a4", entry);
+    results.save()
 
 * identity: what the numbers are numbers of (model, checkpoint, weights fingerprint, raw/EMA, data).
   A file with another identity is refused, e.g. when best.pt has changed since it was evaluated.
@@ -44,7 +45,8 @@ class EvalResults:
         differs = [k for k, v in identity.items() if data.get(k) != v]
         if differs:
             detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
-            raise ResultsError(f"{path} holds results of another evaluation ({detail}); use --out for a new file")
+            raise ResultsError(f"{path} holds results of another evaluation ({detail}); use --out for a new "
+                               f"file")
         data.setdefault("quant", {})
         return cls(path, data)
 

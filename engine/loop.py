@@ -282,7 +282,8 @@ class _Window:
         return loss_sum, micro
 
     def check_finite(self, step: Optional[int]) -> float:
-        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank; return the global mean loss."""
+        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank; return the global mean
+        loss."""
         loss_sum, micro = self._global_loss()
         if not math.isfinite(loss_sum):
             raise NonFiniteLossError(f"the training loss is {loss_sum} at or before update {step}; stopping "
@@ -338,7 +339,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     sums[4] = len(unreadable)
     if unreadable:
         names = [dataset.filename(i) if hasattr(dataset, "filename") else f"sample {i}" for i in unreadable]
-        log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names), ", ".join(names[:10]),
+        log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names),
+                    ", ".join(names[:10]),
                     " ..." if len(names) > 10 else "")
     all_reduce(sums)
     correct1, correct5, loss, count, excluded = sums.tolist()

@@ -14,15 +14,17 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
+from configs.schema import OptimConfig, SchedConfig
 
-def peak_lr(cfg, global_batch: int) -> float:
+
+def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
     if cfg.lr is not None:
         return cfg.lr
     ratio = global_batch / cfg.lr_base_batch
     return cfg.lr_base * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
 
 
-def lr_rule(cfg, global_batch: int) -> str:
+def lr_rule(cfg: OptimConfig, global_batch: int) -> str:
     """The lr rule in words, for the run log."""
     if cfg.lr is not None:
         return f"lr {cfg.lr:g} (given)"
@@ -33,7 +35,7 @@ def lr_rule(cfg, global_batch: int) -> str:
 FUSED = ("adamw", "adam", "sgd", "momentum")  # timm names of torch optimizers with a fused implementation
 
 
-def use_fused(cfg, device: torch.device) -> bool:
+def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
     """`optim.fused`, or when it is None (auto): fused on CUDA for optimizers torch implements fused.
 
     Why fused by default on GPUs: with fp16 the GradScaler must know whether the gradients overflowed
@@ -47,7 +49,7 @@ def use_fused(cfg, device: torch.device) -> bool:
     return device.type == "cuda" and cfg.name in FUSED
 
 
-def build_optimizer(model: torch.nn.Module, cfg, lr: float, weight_decay: float,
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,
                     device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ("adamw", "adam", "lamb") else {}
     if cfg.name in ("sgd", "momentum"):
@@ -60,7 +62,7 @@ def build_optimizer(model: torch.nn.Module, cfg, lr: float, weight_decay: float,
                                layer_decay=cfg.layer_decay, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, updates_per_epoch: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_per_epoch: int):
     """A timm scheduler; `sched.epochs` is the whole run, warmup included (also with warmup_prefix)."""
     cosine_epochs = cfg.epochs - cfg.warmup_epochs if cfg.warmup_prefix else cfg.epochs
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cosine_epochs,

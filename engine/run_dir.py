@@ -78,7 +78,8 @@ def prepare_folder(out_dir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable out_dir") from None
+        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable "
+                          f"out_dir") from None
 
 
 def remove_partial_writes(out_dir: str) -> list[str]:
@@ -134,7 +135,8 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
             log.warning("%s holds the logs of this same run, stopped before its first checkpoint", out_dir)
         archive(out_dir, found)
         return
-    raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no checkpoint.pt "
+    raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no "
+                      f"checkpoint.pt "
                       f"to resume from: use another out_dir, or re-run with train.archive_existing=true to move "
                       f"them to {out_dir}/{ARCHIVE}/<time>/ and start afresh")
 
@@ -186,7 +188,8 @@ def claim_on_main_rank(out_dir: str, config: dict, archive_existing: bool, dist)
             except RunDirError as e:
                 error = e
         raise_on_every_rank(error, dist.device,
-                            lambda: RunDirError(f"rank 0 could not claim out_dir '{out_dir}' (its error says why)"))
+                            lambda: RunDirError(f"rank 0 could not claim out_dir '{out_dir}' (its error "
+                                                f"says why)"))
         yield
 
 

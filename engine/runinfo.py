@@ -34,7 +34,8 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
 def git_commit() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True,
                              timeout=5)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()

@@ -11,11 +11,13 @@ import difflib
 import timm
 import torch.nn as nn
 
+from configs.schema import ModelConfig
+
 from .pretrained import ModelError, load_pretrained
 from .variants import VARIANTS
 
 
-def model_kwargs(cfg) -> tuple[str, dict]:
+def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """Resolve `cfg` into (timm architecture name, constructor kwargs)."""
     kwargs = {}
     if cfg.name in VARIANTS:
@@ -34,7 +36,7 @@ def model_kwargs(cfg) -> tuple[str, dict]:
     return arch, kwargs
 
 
-def build_model(cfg) -> nn.Module:
+def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig) and load its pretrained weights, if any."""
     arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
@@ -44,7 +46,8 @@ def build_model(cfg) -> nn.Module:
         raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {e}") from e
     except Exception as e:
         if hub:
-            raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a local "
+            raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
+                             f"local "
                              f"file: model.pretrained=/path/to/weights.safetensors") from e
         raise
     if cfg.pretrained and not hub:

@@ -1,4 +1,5 @@
-"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT) and Swin's `WindowAttention`.
+"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT) and Swin's
+`WindowAttention`.
 
 timm runs ViT attention through fused SDPA, which never materialises q @ k^T or the probabilities,
 so a quantized copy re-writes the forward as explicit steps, each a method a variant can override:
@@ -17,8 +18,8 @@ ViT; for Swin it scales q first). Uniform quantizers with percentile/min-max ran
 to a positive scale, so both orders give the same codes and values up to float rounding.
 
 Conversion is by exact source type (`ATTENTION_TYPES`). A subclass of timm's Attention (e.g. an
-attention-sink variant in models/) must register its own quantized class with `register_attention`;
-it is never silently converted with the parent's forward.
+attention-sink variant in models/) needs its own entry there; it is never silently converted with the
+parent's forward.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ class QuantAttention(QuantAttentionBase):
             scores = scores + scores.new_full((N, N), float("-inf")).triu_(1)
         elif attn_mask is not None:
             if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill_(~attn_mask, float("-inf"))
+                attn_mask = torch.zeros_like(attn_mask,
+                                             dtype=scores.dtype).masked_fill_(~attn_mask, float("-inf"))
             scores = scores + attn_mask
         probs = self.attn_drop(self.attention_probs(scores))
         x = self.attention_context(probs, v).transpose(1, 2).reshape(B, N, self.attn_dim)
@@ -114,7 +116,8 @@ class QuantAttention(QuantAttentionBase):
 
 
 class QuantWindowAttention(QuantAttentionBase):
-    """Converted Swin `WindowAttention`: relative position bias and shift mask added in float after matmul1."""
+    """Converted Swin `WindowAttention`: relative position bias and shift mask added in float after
+    matmul1."""
 
     def __init__(self, src: WindowAttention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
         super().__init__()
@@ -159,21 +162,16 @@ ATTENTION_TYPES: Dict[Type[nn.Module], AttentionFactory] = {
 }
 
 
-def register_attention(src_type: Type[nn.Module], factory: AttentionFactory) -> None:
-    """Declare how to convert an attention type (e.g. an attention-sink variant of timm's Attention)."""
-    ATTENTION_TYPES[src_type] = factory
-
-
 def convert_attention(src: nn.Module, quantizers: Dict[str, Optional[Quantizer]]) -> QuantAttentionBase:
     """Quantized replacement of `src`, which keeps src's parameters (shared, not copied).
 
     Raises:
-        TypeError: src's exact type has no registered converter.
+        TypeError: src's exact type is not in ATTENTION_TYPES.
     """
     factory = ATTENTION_TYPES.get(type(src))
     if factory is None:
-        raise TypeError(f"no quantized attention registered for {type(src).__module__}.{type(src).__name__}; "
-                        "call quant.attention.register_attention(type, factory) (subclasses are not "
-                        "converted with their parent's forward)")
+        name = f"{type(src).__module__}.{type(src).__name__}"
+        raise TypeError(f"no quantized attention for {name}: add it to quant.attention.ATTENTION_TYPES "
+                        "(subclasses are not converted with their parent's forward)")
     return factory(src, quantizers)
 

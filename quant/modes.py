@@ -32,7 +32,8 @@ def named_quantizers(model: nn.Module, kind: str = "all") -> Iterator[Tuple[str,
             yield name, module
 
 
-def set_quant_state(model: nn.Module, weights: Optional[bool] = None, activations: Optional[bool] = None) -> None:
+def set_quant_state(model: nn.Module, weights: Optional[bool] = None,
+                    activations: Optional[bool] = None) -> None:
     """Enable (True) or bypass (False) weight and/or activation quantizers; None leaves them as they are."""
     for name, q in named_quantizers(model):
         on = weights if name.endswith("weight_quantizer") else activations

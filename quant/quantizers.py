@@ -57,7 +57,8 @@ class Quantizer(nn.Module):
             return x
         if not self.calibrated:
             if not self.calibrating:
-                raise RuntimeError(f"quantizer {self.name or type(self).__name__} is used before calibration; "
+                raise RuntimeError(f"quantizer {self.name or type(self).__name__} is used before "
+                                   f"calibration; "
                                    "run quant.calibrate(model, images) first")
             with torch.no_grad():
                 self.fit(x.detach())
@@ -184,7 +185,8 @@ class UniformQuantizer(Quantizer):
         else:
             scale, zp, _ = best_per_group(
                 lambda s, z: (fake_quant_uniform(rows, s[:, None], z[:, None], self.qmin, self.qmax) - rows)
-                .pow_(2).mean(dim=1), torch.stack([s for s, _ in params]), torch.stack([z for _, z in params]))
+                .pow_(2).mean(dim=1), torch.stack([s for s,
+                                                   _ in params]), torch.stack([z for _, z in params]))
         self.set_params(scale, zp)
 
     def set_params(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
@@ -232,7 +234,8 @@ class LogSqrt2Quantizer(Quantizer):
     (one-sided), the candidate with the smallest MSE wins.
     """
 
-    def __init__(self, bits: int, search: RangeSearch = RangeSearch(), device: Optional[torch.device] = None) -> None:
+    def __init__(self, bits: int, search: RangeSearch = RangeSearch(),
+                 device: Optional[torch.device] = None) -> None:
         super().__init__(bits, search)
         self.register_buffer("delta", torch.ones(1, device=device))
 

@@ -123,5 +123,6 @@ def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
     else:
         w, a = (int(b) for b in bits)
     if not (MIN_BITS <= w <= MAX_BITS and MIN_BITS <= a <= MAX_BITS):
-        raise ValueError(f"bit-width {str(bits)!r}: weight and activation bits must lie in {MIN_BITS}..{MAX_BITS}")
+        raise ValueError(f"bit-width {str(bits)!r}: weight and activation bits must lie in "
+                         f"{MIN_BITS}..{MAX_BITS}")
     return Bits(w, a)

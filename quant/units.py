@@ -1,6 +1,7 @@
 """Reconstruction units of a timm ViT/DeiT/Swin and capturing what flows into and out of them.
 
-APHQ-ViT reconstructs, in module order (reference notes 1.3): the patch embedding, every Transformer
+APHQ-ViT reconstructs, in module order (GoatWu/APHQ-ViT `test_quant.py`): the patch embedding, every
+Transformer
 block (ViT `blocks.N`, Swin `layers.N.blocks.M`), every Swin PatchMerging (`layers.N.downsample`, not
 the Identity of stage 0) and the classifier (`head` for ViT/DeiT, `head.fc` for Swin, plus DeiT's
 `head_dist`). GPLQ's QwT compensates the Transformer blocks. Units are found by FQN, so the float and
@@ -35,7 +36,8 @@ class Unit:
     kind: UnitKind
 
 
-def find_units(model: nn.Module, kinds: Tuple[UnitKind, ...] = ("stem", "block", "merge", "head")) -> List[Unit]:
+def find_units(model: nn.Module,
+               kinds: Tuple[UnitKind, ...] = ("stem", "block", "merge", "head")) -> List[Unit]:
     """The units of `model` in module (= execution) order, restricted to `kinds`."""
     units = []
     for name, module in model.named_modules():
@@ -67,7 +69,8 @@ class _StopForward(Exception):
     """Raised by a capture hook once the watched module has run (skips the rest of the network)."""
 
 
-def _forward_until_stop(model: nn.Module, images: torch.Tensor, batch_size: int, device: torch.device) -> None:
+def _forward_until_stop(model: nn.Module, images: torch.Tensor, batch_size: int,
+                        device: torch.device) -> None:
     """Run `images` through `model` in chunks; a hook raising _StopForward ends each chunk's forward early."""
     for chunk in images.split(batch_size):
         try:

@@ -8,7 +8,8 @@ the Hessian on one batch, and extrapolates both to the official counts. Images a
 does not depend on their content. Quantizer parameters come from one quick RepQ-style calibration
 pass, not from the APHQ output-MSE search, which this script does not time (quant/README.md estimates it).
 
-    python scripts/bench_aphq_block.py --threads 1 --iters 5 --out /tmp/aphq_block.json     # ViT-B/16 224, CPU
+    python scripts/bench_aphq_block.py --threads 1 --iters 5 --out /tmp/aphq_block.json     # ViT-B/16 224,
+    CPU
     python scripts/bench_aphq_block.py --device cuda --iters 200                            # on a GPU
 """
 from __future__ import annotations
@@ -82,7 +83,8 @@ def main(argv: list[str]) -> dict:
 
     stamps = []
     total = args.warmup + args.iters
-    settings = ReconSettings(iters=total, batch_size=args.batch, weight_lr=options.weight_lr, act_lr=options.act_lr,
+    settings = ReconSettings(iters=total, batch_size=args.batch, weight_lr=options.weight_lr,
+                             act_lr=options.act_lr,
                              drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
                              rounding=RoundingSchedule(total, warmup=0.0), normalize_loss=True, log_every=1)
     reconstruct_unit(qmodel.get_submodule(args.block), fp_in, fp_in, fp_out, h, "weighted_mse", settings,

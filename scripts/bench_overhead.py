@@ -42,7 +42,8 @@ METHODS = ("baseline", "cd", "tweo")
 
 def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):
     """A timm ViT with head dim 64 (ViT-S/B/L widths 384/768/1024 -> 6/12/16 heads)."""
-    model = timm.create_model("vit_base_patch16_224", img_size=img_size, patch_size=patch_size, embed_dim=embed_dim,
+    model = timm.create_model("vit_base_patch16_224", img_size=img_size, patch_size=patch_size,
+                              embed_dim=embed_dim,
                               depth=depth, num_heads=max(1, embed_dim // 64), num_classes=num_classes)
     return model.to(device)
 
@@ -68,7 +69,8 @@ class Runner:
         self.n = 0
 
     def step(self) -> None:
-        with torch.autocast(device_type=self.device, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+        with torch.autocast(device_type=self.device, dtype=self.amp_dtype,
+                            enabled=self.amp_dtype is not None):
             loss = F.cross_entropy(self.model(self.x), self.y)
             if self.tweo is not None:
                 loss = loss + self.tweo.aux_loss(loss, self.n)
@@ -215,17 +217,21 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
-    parser.add_argument("--batches", type=int, nargs="+", help="sweep (a) batch sizes (default 32 64 128 256)")
+    parser.add_argument("--batches", type=int, nargs="+",
+                        help="sweep (a) batch sizes (default 32 64 128 256)")
     parser.add_argument("--widths", type=int, nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
     parser.add_argument("--width-batch", type=int,
                         help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median reported)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per configuration (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--out", default="results/overhead", help="output folder for overhead.json / overhead.png")
+    parser.add_argument("--out", default="results/overhead",
+                        help="output folder for overhead.json / overhead.png")
     args = parser.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -238,7 +244,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     if args.small:  # a ViT with 64 tokens and 4 blocks: each step takes tens of ms on a laptop CPU
         base = dict(embed_dim=192, depth=4, img_size=64, patch_size=8, num_classes=100)
-        batches, widths, width_batch = args.batches or [8, 16, 32], args.widths or [96, 192, 384], args.width_batch or 16
+        batches, widths, width_batch = args.batches or [8, 16,
+                                                        32], args.widths or [96, 192, 384], args.width_batch or 16
         args.warmup = 3 if args.warmup is None else args.warmup
         args.steps = 7 if args.steps is None else args.steps
     else:  # ViT-B/16 at 224 px, as in the paper
@@ -256,10 +263,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print()
     print(table(rows))
     if device != "cuda":
-        print("peak memory: n/a on CPU (torch.cuda.max_memory_allocated only; process RSS is not per configuration)")
+        print("peak memory: n/a on CPU (torch.cuda.max_memory_allocated only; process RSS is not per "
+              "configuration)")
 
     os.makedirs(args.out, exist_ok=True)
-    report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__, "amp": args.amp,
+    report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__,
+              "amp": args.amp,
               "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "small": args.small,
               "model": base, "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
     with open(os.path.join(args.out, "overhead.json"), "w") as f:

@@ -46,10 +46,12 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
         overrides.append(f"out_dir={os.path.join(sweep.get('out_root', 'runs/sweep'), str(name))}")
         try:
-            load_config([os.path.join(ROOT, c) for c in configs], overrides + eval_overrides)  # strict, up front
+            load_config([os.path.join(ROOT, c) for c in configs],
+                        overrides + eval_overrides)  # strict, up front
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
-        runs.append({"name": str(name), "configs": configs, "overrides": overrides, "evaluate": eval_overrides})
+        runs.append({"name": str(name), "configs": configs, "overrides": overrides,
+                     "evaluate": eval_overrides})
     return runs
 
 
@@ -60,7 +62,8 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     if evaluate:
         out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
-        cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"), *data_overrides,
+        cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
+                              *data_overrides,
                               *run["evaluate"]])
     return cmds
 
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file, e.g. configs/sweeps/cd_lambda.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. data.root=...)")
-    p.add_argument("--run", action="store_true", help="run the commands one after another (default: print them)")
+    p.add_argument("--run", action="store_true",
+                   help="run the commands one after another (default: print them)")
     p.add_argument("--evaluate", action="store_true", help="also evaluate each run's best.pt (evaluate.py)")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--only", nargs="*", help="names of the runs to keep")

@@ -1,6 +1,7 @@
 """Tiny timm models for the cd/ tests (CPU, built in milliseconds), with randomized norm scales.
 
-Also the plain float64 reference of the CD update (written independently of cd/). Imported by the `test_cd_*` / `test_tweo*` files (pytest puts `tests/` on sys.path).
+Also the plain float64 reference of the CD update (written independently of cd/). Imported by the `test_cd_*`
+/ `test_tweo*` files (pytest puts `tests/` on sys.path).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SWIN_DEPTHS = (2, 2)
 def tiny_vit(seed: int = 0, randomize: bool = True) -> nn.Module:
     """ViT with embed dim 32, 2 blocks, 2 heads, 32px input, 10 classes."""
     torch.manual_seed(seed)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=VIT_DEPTH,
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32,
+                              depth=VIT_DEPTH,
                               num_heads=2, num_classes=10)
     return randomize_norms(model, seed) if randomize else model
 
@@ -51,7 +53,7 @@ def changed(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
 
 
-# --- independent float64 reference of the CD update (paper Eq. method_cd_update, app_cd_norm_w2_grad) ---
+# --- independent float64 reference of the CD update (paper Sec. 3.3, Eq. (12), App. A.2, Eq. (24)) ---
 def normalized(w1: torch.Tensor) -> torch.Tensor:
     """W1 / (||W1||_F / sqrt(rows(W1))), float64."""
     return w1 / (torch.linalg.matrix_norm(w1) / math.sqrt(w1.shape[0]))

@@ -18,7 +18,8 @@ def free_port() -> int:
 def init_gloo(rank: int, world: int, port: int, timeout_s: int = 120) -> None:
     """Join a CPU (gloo) process group on loopback, one torch thread per process (2-core machines)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
 
 

@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_aphq_block_cpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_aphq_block", os.path.join(ROOT, "scripts", "bench_aphq_block.py"))
+    spec = importlib.util.spec_from_file_location("bench_aphq_block",
+                                                  os.path.join(ROOT, "scripts", "bench_aphq_block.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "block.json"

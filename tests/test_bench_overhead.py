@@ -1,4 +1,5 @@
-"""scripts/bench_overhead.py runs end to end on CPU (one tiny configuration per sweep) and writes its outputs."""
+"""scripts/bench_overhead.py runs end to end on CPU (one tiny configuration per sweep) and writes its
+outputs."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,10 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_overhead_cpu_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_overhead", os.path.join(ROOT, "scripts", "bench_overhead.py"))
+    spec = importlib.util.spec_from_file_location("bench_overhead",
+                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
+    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch",
+                         "2",
                          "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
     assert {(r["sweep"], r["method"]) for r in report["rows"]} == {(s, m) for s in ("batch", "width")
                                                                     for m in ("baseline", "cd", "tweo")}

@@ -187,7 +187,8 @@ def test_metrics_energy_and_update_norm_match_independent_values():
     assert not any(k.startswith("cd/update_norm/") for k in m0)
     decay.apply(lr=0.5)
     m1 = decay.metrics()
-    assert set(m1) >= {f"cd/{k}/{r}" for k in ("pair_energy", "update_norm") for r in ("qkv", "proj", "fc1", "fc2")}
+    assert set(m1) >= {f"cd/{k}/{r}" for k in ("pair_energy",
+                                               "update_norm") for r in ("qkv", "proj", "fc1", "fc2")}
     moved = math.sqrt(sum(float((P[f"blocks.{i}.mlp.fc2.weight"] - model.blocks[i].mlp.fc2.weight.detach()).square().sum())
                           for i in range(VIT_DEPTH)))
     assert math.isclose(m1["cd/update_norm/fc2"], moved, rel_tol=1e-9)
@@ -242,7 +243,8 @@ def test_state_dict_round_trip_and_config_mismatch_warning():
 def test_from_config_and_bad_arguments():
     cfg = load_config(None, ["cd.enabled=true", "cd.lam=0.01", "cd.lam_per_role.fc2=0.02", "cd.targets=B"])
     decay = ColinearityDecay.from_config(cfg.cd, tiny_vit())
-    assert (decay.lam, decay.lam_per_role, decay.targets, decay.mode) == (0.01, {"fc2": 0.02}, "B", "decoupled")
+    assert (decay.lam, decay.lam_per_role, decay.targets,
+            decay.mode) == (0.01, {"fc2": 0.02}, "B", "decoupled")
     assert {p.role for p in decay.pairs} == {"proj", "fc2"}
     with pytest.raises(ValueError, match="unknown role"):
         ColinearityDecay(tiny_vit(), lam_per_role={"fc3": 0.1})

@@ -43,7 +43,8 @@ def test_swin_pairs_include_patch_merging_at_stage_start():
     k = names.index("layers.1.downsample.reduction.weight")
     assert k == 8  # after the 2 blocks of stage 0, before the blocks of stage 1 (timm's placement)
     red = pairs[k]
-    assert (red.role, red.kind, red.upstream_name) == ("reduction", "composable", "layers.1.downsample.norm.weight")
+    assert (red.role, red.kind, red.upstream_name) == ("reduction", "composable",
+                                                       "layers.1.downsample.norm.weight")
     assert red.w2_shape == (64, 128) and red.w1_shape == (128, 128)
     params = dict(model.named_parameters())
     for p in pairs:  # the parameters are the model's own tensors, under the model's own names

@@ -1,4 +1,4 @@
-"""The CD update against independent float64 references (paper Eq. method_cd_update + app_cd_norm_w2_grad).
+"""The CD update against independent float64 references (paper Sec. 3.3, Eq. (12) + App. A.2, Eq. (24)).
 
 The references (`ref_w2`, `ref_block_update` in tests/cd_models.py) are written from parameter names, with
 explicit V-row slicing and full matrices (diag(g) as a matrix), never with cd/'s own helpers.
@@ -12,7 +12,8 @@ import torch
 
 from cd import ColinearityDecay, find_pairs
 from cd.update import colinearity_decay_
-from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot, tiny_swin,
+from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot,
+                       tiny_swin,
                        tiny_vit)
 
 
@@ -74,7 +75,8 @@ def test_update_is_half_step_times_autograd_gradient_of_normalized_energy():
         w1 = w1.clone()  # no grad: held fixed
         energy = (w2 @ (w1 * math.sqrt(w1.shape[0]) / w1.norm())).square().sum()
         (grad,) = torch.autograd.grad(energy, w2)
-        torch.testing.assert_close(P[name] - params[name].detach(), lr * lam / 2 * grad, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(P[name] - params[name].detach(), lr * lam / 2 * grad, rtol=1e-10,
+                                   atol=1e-13)
 
 
 def test_all_updates_use_pre_step_weights():
@@ -113,7 +115,8 @@ def test_lam_per_role_overrides():
     torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(),
                                ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], lr * 0.3))
     torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(),
-                               ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]), lr * 0.1))
+                               ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]),
+                                      lr * 0.1))
 
 
 @pytest.mark.parametrize("targets,roles", [("A", {"attn.qkv", "mlp.fc1"}), ("B", {"attn.proj", "mlp.fc2"}),

@@ -38,7 +38,9 @@ def test_precedence_defaults_then_files_in_order_then_overrides(tmp_path):
 
 
 def test_scientific_notation_and_yaml_values():
-    cfg = load_config(None, ["optim.lr=1e-3", "optim.clip_grad=5", "data.mean=[0.5, 0.5, 0.5]", "optim.layer_decay=null",
+    cfg = load_config(None,
+                      ["optim.lr=1e-3", "optim.clip_grad=5", "data.mean=[0.5, 0.5, 0.5]",
+                       "optim.layer_decay=null",
                              "train.compile=true"])
     assert cfg.optim.lr == pytest.approx(1e-3) and isinstance(cfg.optim.lr, float)
     assert cfg.optim.clip_grad == 5.0 and isinstance(cfg.optim.clip_grad, float)
@@ -83,7 +85,8 @@ def test_wrong_values_are_clear_errors(override, message):
 
 
 def test_ranges_let_none_and_boundaries_through():
-    cfg = load_config(None, ["optim.lr=null", "train.ckpt_every_steps=0", "data.reprob=1", "optim.lr_base=1e-9"])
+    cfg = load_config(None,
+                      ["optim.lr=null", "train.ckpt_every_steps=0", "data.reprob=1", "optim.lr_base=1e-9"])
     assert cfg.optim.lr is None and cfg.train.ckpt_every_steps == 0 and cfg.data.reprob == 1.0
 
 
@@ -144,4 +147,5 @@ def test_recipes_hold_the_published_values(path):
 def test_deit_lr_rule_gives_1e3_at_batch_1024():
     from engine.optim import peak_lr
 
-    assert peak_lr(load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")]).optim, 1024) == pytest.approx(1e-3)
+    assert peak_lr(load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")]).optim,
+                   1024) == pytest.approx(1e-3)

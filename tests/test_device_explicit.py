@@ -97,7 +97,8 @@ def test_every_quantizer_kind_is_built_on_the_requested_device():
     from quant.quantizers import LogSqrt2Quantizer, UniformQuantizer
 
     with torch.device("meta"):
-        for kind, dim in ((UniformQuantizer, None), (LSQQuantizer, -1), (AdaRoundQuantizer, 0), (LogSqrt2Quantizer, None)):
+        for kind, dim in ((UniformQuantizer, None), (LSQQuantizer, -1), (AdaRoundQuantizer, 0),
+                          (LogSqrt2Quantizer, None)):
             spec = QuantizerSpec(4, kind=kind)
             q = kind.from_spec(spec, dim, 3 if dim is not None else None, device="cpu")
             assert {t.device.type for _, t in tensors_of(q)} == {"cpu"}, kind.__name__

@@ -23,7 +23,8 @@ def digits_checkpoint(tmp_path_factory):
 
 def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     out = str(tmp_path / "result.json")
-    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "percentile", "repq", "--bits", "w8a8",
+    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "percentile", "repq", "--bits",
+                                "w8a8",
                                 "w4a4", "--out", out])
     result = evaluate.main(args)
     with open(out) as f:
@@ -39,7 +40,8 @@ def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     # 8-bit fake quantization of a trained model keeps its accuracy within a point
     assert abs(saved["quant"]["repq"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
     assert abs(saved["quant"]["percentile"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
-    table = evaluate.markdown_table([result, {**result, "method": "CD", "quant": {"repq": result["quant"]["repq"]}}])
+    table = evaluate.markdown_table([result,
+                                     {**result, "method": "CD", "quant": {"repq": result["quant"]["repq"]}}])
     header, _, base, cd = table.splitlines()
     assert "RepQ-ViT W4A4" in header and "Percentile W8A8" in header
     assert base.startswith("| vit_nano | Baseline |") and cd.startswith("| vit_nano | CD |")
@@ -53,13 +55,15 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     from engine.checkpoint import load_checkpoint
     from models import build_model
 
-    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", str(tmp_path / "r.json")])
+    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out",
+                                str(tmp_path / "r.json")])
     result = evaluate.main(args)
     payload = load_checkpoint(digits_checkpoint)
     cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano"])
     model = build_model(cfg.model).eval()
     model.load_state_dict(payload["model"])
-    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1, num_classes=10)
+    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1,
+                               num_classes=10)
     block_max = 0.0
     with torch.no_grad():
         for x, _ in loader:
@@ -74,7 +78,8 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
 
 def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
     def run(*argv):
-        return subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True,
+                              text=True,
                               timeout=300)
 
     bad = run("--checkpoint", str(tmp_path / "missing.pt"))
@@ -94,7 +99,8 @@ def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
     single = evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "repq",
                                                 "--out", str(tmp_path / "single.json")]))
     out = str(tmp_path / "ddp.json")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_port",
                           str(free_port()), "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", "repq",
                           "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -21,7 +21,7 @@ from quant import PIPELINES
 from device_utils import cpu_pipeline_data, tensors_of
 from dist_utils import free_port
 from quant_models import images, tiny_swin, tiny_vit
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEMO_CONFIG, ROOT
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -40,7 +40,8 @@ def _quantize(pipeline, make_model, device):
     torch.backends.cuda.matmul.allow_tf32 = False  # compare float32 with float32
     torch.backends.cudnn.allow_tf32 = False
     model = make_model().to(device)
-    qmodel, _ = PIPELINES[pipeline](model, images(32).to(device), "w4a4", FAST[pipeline], data=cpu_pipeline_data(64))
+    qmodel, _ = PIPELINES[pipeline](model, images(32).to(device), "w4a4", FAST[pipeline],
+                                    data=cpu_pipeline_data(64))
     with torch.no_grad():
         return qmodel, qmodel(images(64, seed=7).to(device)).float().cpu()
 
@@ -90,7 +91,8 @@ def test_exact_resume_on_cuda(debug_config):
 
 
 def test_fp16_step_with_a_fused_optimizer_never_syncs_with_the_host():
-    """An fp16 update with a fused optimizer issues no synchronising CUDA call (engine/optim.py, use_fused)."""
+    """An fp16 update with a fused optimizer issues no synchronising CUDA call (engine/optim.py,
+    use_fused)."""
     model = tiny_vit().to(CUDA).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     batches = [(images(16, seed=s).pin_memory(), (torch.arange(16) % 10).pin_memory()) for s in range(6)]

@@ -61,7 +61,8 @@ def test_strict_loading_refuses_a_head_of_another_size(tmp_path):
     source = build_model(model_cfg("model.name=vit_nano", "model.num_classes=10"))
     torch.save(source.state_dict(), tmp_path / "w.pth")
     with pytest.raises(ModelError, match="head.weight"):
-        build_model(model_cfg("model.name=vit_nano", "model.num_classes=3", f"model.pretrained={tmp_path / 'w.pth'}",
+        build_model(model_cfg("model.name=vit_nano", "model.num_classes=3",
+                              f"model.pretrained={tmp_path / 'w.pth'}",
                               "model.pretrained_strict=true"))
 
 

@@ -79,7 +79,8 @@ def test_changed_settings_on_resume_are_refused_unless_asked_for(debug_config):
     cfg = debug_config("train.max_steps=2", name="ch")
     train.main(cfg)
     config_before = read_bytes(os.path.join(cfg.out_dir, "config.yaml"))
-    with pytest.raises(CheckpointError, match=r"other settings \(optim.lr: None -> 0.01\).*allow_changed_config"):
+    with pytest.raises(CheckpointError,
+                       match=r"other settings \(optim.lr: None -> 0.01\).*allow_changed_config"):
         train.main(debug_config("train.max_steps=3", "optim.lr=0.01", name="ch"))
     assert read_bytes(os.path.join(cfg.out_dir, "config.yaml")) == config_before  # never trained with 0.01
     # paths, logging and max_steps may change
@@ -185,7 +186,8 @@ def test_val_classes_must_equal_train_classes(tmp_path):
     cfg = folder_config(tmp_path)
     with pytest.raises(DataError, match=r"different class folders \(val lacks \['d'\]; val has classes train "
                                         r"lacks: \['x'\]\)"):
-        build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+        build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                      world_size=1,
                       seed=0, num_classes=2)
 
 
@@ -194,7 +196,8 @@ def test_a_corrupt_val_image_is_excluded_and_named_never_replaced(tmp_path, capl
     with open(tmp_path / "val" / "b" / "1.png", "wb") as f:
         f.write(b"not an image")
     cfg = folder_config(tmp_path)
-    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=2, rank=0, world_size=1, num_classes=2)
+    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=2, rank=0, world_size=1,
+                               num_classes=2)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 2))
     with caplog.at_level("WARNING"):
         result = evaluate_loader(model, loader, torch.device("cpu"))
@@ -209,7 +212,8 @@ def test_divergence_guard_counts_consecutive_high_windows():
     guard.check(1, 10.0, 2.0)
     guard.check(2, 5.0, 2.0)  # back under 3x: the streak restarts
     guard.check(3, 7.0, 2.0)
-    with pytest.raises(DivergenceError, match=r"above 3x its initial value 2 for 2 log windows \(now 7 at update 4"):
+    with pytest.raises(DivergenceError,
+                       match=r"above 3x its initial value 2 for 2 log windows \(now 7 at update 4"):
         guard.check(4, 7.0, 2.0)
     DivergenceGuard(3.0, 1).check(1, 1e9, None)  # no reference yet: nothing to say
 
@@ -225,7 +229,8 @@ def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
         return m(x).sum() * 0 + next(losses)
 
     saves = []
-    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=compute_loss,
                      device=torch.device("cpu"), log_every=1, ckpt_every=10, save=lambda: saves.append(1),
                      divergence=DivergenceGuard(3.0, 3))
     state = TrainState()
@@ -239,7 +244,8 @@ def test_the_nan_message_names_the_update(debug_config):
     loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
                             world_size=1, seed=0, num_classes=4)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
-    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"),
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     device=torch.device("cpu"),
                      compute_loss=lambda m, x, y: m(x).sum() * float("nan"), ckpt_every=1, save=lambda: None)
     with pytest.raises(NonFiniteLossError, match="nan at or before update 1;"):
         loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
@@ -271,13 +277,16 @@ def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_
     import quant
 
     calls = []
-    monkeypatch.setattr(evaluate, "evaluate_quantized", lambda *a, **k: calls.append(a) or pytest.fail("re-ran"))
+    monkeypatch.setattr(evaluate, "evaluate_quantized", lambda *a,
+                        **k: calls.append(a) or pytest.fail("re-ran"))
     run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)  # skipped
     monkeypatch.setattr(evaluate, "evaluate_quantized", quant.evaluate_quantized)
-    with pytest.raises(ResultsError, match=r"other settings \(options.act_range 'percentile_mse' -> 'minmax'\)"):
+    with pytest.raises(ResultsError,
+                       match=r"other settings \(options.act_range 'percentile_mse' -> 'minmax'\)"):
         run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
                  "quant.percentile.act_range=minmax")
-    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out, "--recompute",
+    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
+             "--recompute",
              "quant.percentile.act_range=minmax")
     saved = json.load(open(out))
     assert saved["history"][0]["pipeline"] == "percentile" and saved["history"][0]["written"] == first["written"]
@@ -349,3 +358,22 @@ def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
     assert not any("Traceback" in line for line in lines)
     assert not out.exists()  # nothing was evaluated, nothing written
+
+
+def test_best_checkpoint_is_written_only_when_top1_improves(tmp_path):
+    from engine.best_checkpoint import BestCheckpoint
+    from engine.loop import TrainState
+
+    written = []
+    model = torch.nn.Linear(2, 2)
+    best = BestCheckpoint(str(tmp_path / "best.pt"), model=model, ema=None, config={"a": 1},
+                          classes=["x", "y"],
+                          save=lambda payload_fn, path: written.append((payload_fn(), path)))
+    state = TrainState()
+    state.best_top1 = 50.0  # as restored from a checkpoint: the earlier run's best
+    assert not best.offer(state, {"val/top1": 50.0}) and not written  # equal is not better
+    assert best.offer(state, {"val/top1": 60.0}) and state.best_top1 == 60.0
+    payload, path = written[-1]
+    assert path.endswith("best.pt") and payload["metrics"]["val/top1"] == 60.0 and payload["classes"] == ["x", "y"]
+    assert torch.equal(payload["model"]["weight"], model.weight) and "model_ema" not in payload
+    assert not best.offer(state, {"val/top1": 55.0}) and len(written) == 1

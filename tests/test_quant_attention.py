@@ -58,19 +58,20 @@ def test_state_dict_keys_of_attention_are_kept():
     assert set(model.state_dict()) <= keys  # relative_position_bias_table, qkv, proj ... keep their names
 
 
-def test_unregistered_attention_subclass_is_refused(monkeypatch):
+def test_unlisted_attention_subclass_is_refused(monkeypatch):
     class SinkAttention(Attention):  # e.g. a softmax1 variant in models/
         def forward(self, x, attn_mask=None):
             return super().forward(x, attn_mask)
 
     src = SinkAttention(48, num_heads=3, qkv_bias=True)
-    with pytest.raises(TypeError, match="register_attention"):
+    with pytest.raises(TypeError, match="ATTENTION_TYPES"):
         convert_attention(src, {})
 
     class QuantSoftmax1(QuantAttention):  # a variant plugs in its own softmax
         def attention_probs(self, scores):
             e = torch.exp(scores - scores.amax(dim=-1, keepdim=True).clamp(min=0))
-            return e / (e.sum(dim=-1, keepdim=True) + torch.exp(-scores.amax(dim=-1, keepdim=True).clamp(min=0)))
+            return e / (e.sum(dim=-1,
+                              keepdim=True) + torch.exp(-scores.amax(dim=-1, keepdim=True).clamp(min=0)))
 
     monkeypatch.setitem(ATTENTION_TYPES, SinkAttention, QuantSoftmax1)
     ours = convert_attention(src, {})

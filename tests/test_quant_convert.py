@@ -1,4 +1,5 @@
-"""quantize_model: FQN rules, the original model untouched, coverage checks, the weight cache, 8-bit closeness."""
+"""quantize_model: FQN rules, the original model untouched, coverage checks, the weight cache, 8-bit
+closeness."""
 import copy
 
 import pytest
@@ -56,7 +57,8 @@ def test_expected_layers_are_converted():
                      for s in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"))}
     swin = PIPELINES["percentile"](tiny_swin(), images(4), "w4a4").model
     names = {n for n, _ in quantized_layers(swin)}
-    assert {"patch_embed.proj", "head.fc", "layers.1.downsample.reduction", "layers.1.blocks.1.mlp.fc2"} <= names
+    assert {"patch_embed.proj", "head.fc", "layers.1.downsample.reduction",
+            "layers.1.blocks.1.mlp.fc2"} <= names
     assert not any(isinstance(m, (nn.Linear, nn.Conv2d)) and not isinstance(m, (QuantLinear, QuantConv2d))
                    for m in swin.modules())
     roles = {r["module"]: r["role"] for r in describe(swin)}
@@ -65,7 +67,8 @@ def test_expected_layers_are_converted():
 
 def test_strict_spec_names_unmatched_layers():
     model = tiny_vit()
-    spec = QuantSpec(linears=(LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8, granularity="channel"), None),))
+    spec = QuantSpec(linears=(LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8, granularity="channel"),
+                                         None),))
     with pytest.raises(ValueError, match="blocks.0.mlp.fc1"):
         quantize_model(model, spec)
     loose = QuantSpec(linears=spec.linears, keep_float=("**",))
@@ -83,7 +86,8 @@ def test_granularity_resolution():
     stem = qmodel.patch_embed.proj
     assert stem.input_quantizer.channel_dim == 1 and stem.input_quantizer.scale.shape == (3,)
     with pytest.raises(ValueError, match="granularity"):
-        quantize_model(tiny_vit(), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="head"), None),)))
+        quantize_model(tiny_vit(),
+                       QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="head"), None),)))
 
 
 def test_weight_cache_follows_in_place_weight_edits():
@@ -144,7 +148,8 @@ def test_state_dict_round_trip_of_a_calibrated_model(build):
 
 
 def test_uncalibrated_model_refuses_to_run():
-    qmodel = quantize_model(tiny_vit(), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), QuantizerSpec(8)),)))
+    qmodel = quantize_model(tiny_vit(),
+                            QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), QuantizerSpec(8)),)))
     with pytest.raises(RuntimeError, match="before calibration"):
         qmodel(images(2))
     calibrate(qmodel, [images(2), (images(2, seed=4), torch.zeros(2))])  # iterable of batches / pairs

@@ -28,7 +28,8 @@ def test_report_and_default_first_last_bits():
     assert report["stem"] == {"w": 4, "a": 8} and report["head"] == {"w": 4, "a": 4}
     assert set(report["seconds"]) == {"convert", "calibrate", "reparam"}
     stem = model.patch_embed.proj
-    assert isinstance(stem, QuantConv2d) and stem.input_quantizer.bits == 8 and stem.weight_quantizer.bits == 4
+    assert isinstance(stem,
+                      QuantConv2d) and stem.input_quantizer.bits == 8 and stem.weight_quantizer.bits == 4
     assert model.head.input_quantizer.bits == 4
     attn = model.blocks[0].attn
     assert isinstance(attn.attn_quant, LogSqrt2Quantizer)

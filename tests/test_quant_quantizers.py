@@ -84,7 +84,8 @@ def test_range_search_picks_min_mse_candidate_per_channel():
     x[..., :5] = x[..., :5] * torch.rand(5, generator=g) * 10  # heavy tails in some channels
     x[0, :3, 7] = 80.0
     levels = (0.9, 0.99, 0.999)  # spread out so that different channels pick different candidates
-    q = fitted(UniformQuantizer(4, channel_dim=-1, num_channels=16, search=RangeSearch("percentile_mse", levels)), x)
+    q = fitted(UniformQuantizer(4, channel_dim=-1, num_channels=16,
+                                search=RangeSearch("percentile_mse", levels)), x)
     rows = x.reshape(-1, 16).T.double().numpy()
     picks = set()
     for c in range(16):
@@ -213,5 +214,6 @@ class TestLogSqrt2:
         errs = []
         for p in (0.999, 0.9999, 0.99999):
             d = np.quantile(xn, p)
-            errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d), 3).numpy().ravel() - xn) ** 2), d))
+            errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d),
+                                                       3).numpy().ravel() - xn) ** 2), d))
         assert q.delta.item() == pytest.approx(min(errs)[1], rel=1e-5)

@@ -1,6 +1,5 @@
-"""reconstruct_unit on a two-layer unit: lower output error than nearest rounding, normalised loss, clean exit."""
-import copy
-
+"""reconstruct_unit on a two-layer unit: lower output error than nearest rounding, normalised loss, clean
+exit."""
 import pytest
 import torch
 from torch import nn
@@ -22,9 +21,11 @@ def two_layer_unit(seed=0):
         for p in fp.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     unit = nn.Sequential(
-        QuantLinear.from_float(fp[0], AdaRoundQuantizer(4, channel_dim=0, num_channels=32), UniformQuantizer(4)),
+        QuantLinear.from_float(fp[0], AdaRoundQuantizer(4, channel_dim=0, num_channels=32),
+                               UniformQuantizer(4)),
         nn.GELU(),
-        QuantLinear.from_float(fp[2], AdaRoundQuantizer(4, channel_dim=0, num_channels=8), UniformQuantizer(4)))
+        QuantLinear.from_float(fp[2], AdaRoundQuantizer(4, channel_dim=0, num_channels=8),
+                               UniformQuantizer(4)))
     x = torch.randn(256, 16, generator=g)
     set_calibration(unit, True)
     with torch.no_grad():
@@ -50,7 +51,8 @@ def test_reconstruction_beats_nearest_rounding_and_leaves_a_clean_unit():
     nearest = output_mse(unit, fp, x)  # calibrated quantizers, round-to-nearest weights
     float_params = {n: p.clone() for n, p in unit.named_parameters() if not n.endswith("scale")}
     logged = []
-    stats = reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(400), torch.Generator().manual_seed(0),
+    stats = reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(400),
+                             torch.Generator().manual_seed(0),
                              progress=logged.append)
     assert output_mse(unit, fp, x) < 0.8 * nearest
     assert stats["iters"] == 400 and stats["rec_last"] < stats["rec_first"]
@@ -75,7 +77,8 @@ def test_hessian_weight_applies_per_output_element():
     h[0, 0] = 1.0
     quantizer = unit[2].weight_quantizer
     alphas = []
-    reconstruct_unit(unit, x, x, fp(x), h, "weighted_mse", settings(50, rounding=RoundingSchedule(50, warmup=1.0)),
+    reconstruct_unit(unit, x, x, fp(x), h, "weighted_mse",
+                     settings(50, rounding=RoundingSchedule(50, warmup=1.0)),
                      torch.Generator().manual_seed(0), progress=lambda _: alphas.append(quantizer.alpha.detach().clone()))
     first, last = alphas[0], alphas[-1]  # after iteration 1 and after the last one (before the bake)
     assert torch.equal(first[1:], last[1:])
@@ -88,7 +91,8 @@ def test_kl_head_loss_lowers_the_kl_to_the_float_logits():
 
     def kl(model):
         with torch.no_grad():
-            return nn.functional.kl_div(model(x).log_softmax(-1), target.softmax(-1), reduction="batchmean").item()
+            return nn.functional.kl_div(model(x).log_softmax(-1), target.softmax(-1),
+                                        reduction="batchmean").item()
 
     before = kl(unit)
     reconstruct_unit(unit, x, x, target, None, "kl", settings(300), torch.Generator().manual_seed(0))

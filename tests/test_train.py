@@ -39,7 +39,8 @@ def test_debug_run_writes_the_documented_files(debug_config):
 def test_demo_config_trains_on_digits(tmp_path):
     # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates
     cfg = load_config([os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")],
-                      [f"out_dir={tmp_path}", "train.max_steps=60", "sched.epochs=3", "sched.warmup_epochs=0"])
+                      [f"out_dir={tmp_path}", "train.max_steps=60", "sched.epochs=3",
+                       "sched.warmup_epochs=0"])
     result = train.main(cfg)
     assert result.state.step == 60
     assert result.metrics["val/count"] == 360
@@ -55,7 +56,8 @@ def checkpoint_tensors(path):
     return flat, ckpt["state"], ckpt["scheduler"]
 
 
-@pytest.mark.parametrize("regularizers", [(), ("cd.enabled=true", "tweo.enabled=true", "tweo.schedule=cosine"),
+@pytest.mark.parametrize("regularizers",
+                         [(), ("cd.enabled=true", "tweo.enabled=true", "tweo.schedule=cosine"),
                                           ("cd.enabled=true", "cd.mode=loss"),
                                           ("cd.enabled=true", "train.amp=fp16", "optim.fused=true")],
                          ids=["plain", "cd+tweo", "cd_loss", "cd+fp16+fused"])
@@ -106,7 +108,8 @@ def test_non_finite_loss_stops_without_writing_a_checkpoint(debug_config):
         loss = torch.nn.functional.cross_entropy(m(x), y.argmax(1) if y.ndim == 2 else y)
         return loss * float("nan") if calls[0] > 4 else loss  # updates 1-2 fine, update 3 diverges
 
-    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=compute_loss,
                      device=torch.device("cpu"), accum_steps=2, ckpt_every=1, save=lambda: saves.append(1),
                      log_every=100)
     with pytest.raises(NonFiniteLossError, match="nan"):
@@ -128,7 +131,8 @@ def _ddp_worker(rank, world, port, overrides, out_file):
 # No per-sample randomness, so one process on the same global batch must compute the same updates. SGD,
 # because Adam turns the rounding noise of exactly-zero gradients (the K bias of attention) into lr-sized
 # steps that differ with the reduction order.
-DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.label_smoothing=0", "optim.name=sgd",
+DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.label_smoothing=0",
+                 "optim.name=sgd",
                  "optim.lr=0.05")
 
 
@@ -151,7 +155,8 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_from_the_command_line(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+           str(free_port()),
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "train.batch_size_per_gpu=8"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -248,7 +253,8 @@ def _nan_worker(rank, world, port, out_file):
         return loss * float("nan") if rank == 1 and calls[0] == 3 else loss  # only rank 1 diverges
 
     saves = []
-    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=compute_loss,
                      device=torch.device("cpu"), rank=rank, world_size=world, log_every=100, ckpt_every=2,
                      save=lambda: saves.append(1))
     try:

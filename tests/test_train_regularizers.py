@@ -38,7 +38,8 @@ def test_cd_budget_rule_and_checkpointed_state(tmp_path):
     result, _ = run(tmp_path, "budget", "cd.enabled=true")
     ckpt = torch.load(tmp_path / "budget" / "checkpoint.pt", weights_only=True)
     decays = {g["weight_decay"] for g in ckpt["optimizer"]["param_groups"]}
-    assert sorted(decays) == pytest.approx([0.0, 0.045])  # demo wd 0.05 - cd.lam 0.005; 1-D params never decay
+    assert sorted(decays) == pytest.approx([0.0,
+                                            0.045])  # demo wd 0.05 - cd.lam 0.005; 1-D params never decay
     assert ckpt["cd"]["num_updates"] == result.state.step
 
 

@@ -25,7 +25,8 @@ def test_penalty_of_known_activations():
     a = torch.tensor([[3.0, -6.0], [0.0, 1.5]])
     hand = (3 ** 4 + 6 ** 4 + 0 + 1.5 ** 4) / (3 + 1e-6) ** 4 / 4  # mean((|a| / (tau + eps))^4)
     assert math.isclose(float(tweo_penalty(a)), hand, rel_tol=1e-6)
-    assert math.isclose(float(tweo_penalty(a, p=2.0, tau=1.0, eps=0.0)), (9 + 36 + 0 + 2.25) / 4, rel_tol=1e-6)
+    assert math.isclose(float(tweo_penalty(a, p=2.0, tau=1.0, eps=0.0)), (9 + 36 + 0 + 2.25) / 4,
+                        rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("p", [4.0, 3.5, 1.0])

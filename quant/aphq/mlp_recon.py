@@ -1,10 +1,10 @@
 """APHQ-ViT's MLP Reconstruction (MR): GELU -> ReLU, then per-block fine-tuning of norm2, fc1 and fc2.
 
-Off by default, as in the Colinearity-Decay paper's APHQ column (reference notes 1.1, 1.5). When on,
+Off by default, as in the Colinearity-Decay paper's APHQ column (CD paper Sec. 4.1). When on,
 it runs on a float copy BEFORE quantization; the float targets of the later block reconstruction stay
 those of the original GELU model.
 
-Per block, in module order (notes 1.5):
+Per block, in module order (GoatWu/APHQ-ViT `utils/mlp_recon.py`):
 * every MLP activation is replaced by ReLU (all blocks at once, before the first block is tuned);
 * input x: the input of the block's norm2 in the MR model whose earlier blocks are already tuned
   (sequential, like block reconstruction: later blocks absorb earlier changes; our choice);
@@ -123,13 +123,15 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
                 first = loss.detach()
             last = loss.detach()
             if settings.log_every and (it + 1) % settings.log_every == 0:
-                log.info("MR %s iter %d/%d loss %.4g [%.1fs]", name, it + 1, settings.iters, float(loss.detach()),
+                log.info("MR %s iter %d/%d loss %.4g [%.1fs]", name, it + 1, settings.iters,
+                         float(loss.detach()),
                          time.perf_counter() - start)
         for p in params:
             p.requires_grad_(False)
         row = {"unit": name, "iters": settings.iters, "seconds": round(time.perf_counter() - start, 3),
                "loss_first": float(first), "loss_last": float(last), "clip": float(clip)}
-        log.info("MR %s done: loss %.4g -> %.4g, clip %.3g [%.1fs]", name, row["loss_first"], row["loss_last"],
+        log.info("MR %s done: loss %.4g -> %.4g, clip %.3g [%.1fs]", name, row["loss_first"],
+                 row["loss_last"],
                  row["clip"], row["seconds"])
         stats.append(row)
     return stats

@@ -1,7 +1,8 @@
-"""APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search, block reconstruction.
+"""APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search, block
+reconstruction.
 
 The Colinearity-Decay paper's APHQ column is "APHQ-style block reconstruction with MLP reconstruction
-turned off" (reference notes, intro and 1.1). Procedure (notes 1.1-1.4, pitfalls in section 4):
+turned off" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py`:
 
 1. Data: `recon_images` (1024) train-split images with the TRAINING transform, one fixed augmentation
    each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.
@@ -64,7 +65,8 @@ class APHQPipeline(Pipeline):
         return standard_layout(
             weight=QuantizerSpec(bits.w, kind=AdaRoundQuantizer, granularity="channel"),
             post_norm_input=post_norm,
-            block_input=act, q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
+            block_input=act, q=QuantizerSpec(bits.a,
+                                             granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))
 
@@ -73,7 +75,8 @@ class APHQPipeline(Pipeline):
         del calib_images  # APHQ draws its own training-transform calibration set from `data`
         data = require_data(self.name, data)
         if options.calib_images > options.recon_images:
-            raise ValueError("calib_images must not exceed recon_images (it is a prefix of the reconstruction set)")
+            raise ValueError("calib_images must not exceed recon_images (it is a prefix of the "
+                             "reconstruction set)")
         timer = StageTimer()
         device = next(fp_model.parameters()).device
         cache = torch.device(options.cache_device) if options.cache_device else device
@@ -83,7 +86,8 @@ class APHQPipeline(Pipeline):
         calib = images[:options.calib_images]
         with isolated_rng(options.seed, device):
             gen = torch.Generator(device=cache).manual_seed(options.seed)
-            model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache, bs, gen)
+            model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache, bs,
+                                           gen)
         sync_across_ranks(model)
         report["seconds"] = timer.seconds
         return PTQResult(model, report)
@@ -103,7 +107,8 @@ class APHQPipeline(Pipeline):
         def hessian(unit: str) -> torch.Tensor:
             if unit not in hessians:
                 with hessian_seconds(unit, device):
-                    hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs, options.temperature,
+                    hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs,
+                                                          options.temperature,
                                                           eps, options.hessian_probe, generator=probe_gen)
             return hessians[unit]
 
@@ -141,12 +146,14 @@ class APHQPipeline(Pipeline):
         unit_stats = []
         with timer("reconstruct", device):
             for i, unit in enumerate(units):
-                fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True, store_device=cache)
+                fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True,
+                                             store_device=cache)
                 q_in, _ = capture_unit(model, unit.name, images, bs, store_device=cache)
                 weight = None if unit.kind == "head" or options.loss == "mse" else hessian(unit.name)
                 module = model.get_submodule(unit.name)
                 set_quant_state(module, weights=True, activations=True)
-                log.info("unit %d/%d %s (%s): %d iterations", i + 1, len(units), unit.name, unit.kind, options.iters)
+                log.info("unit %d/%d %s (%s): %d iterations", i + 1, len(units), unit.name, unit.kind,
+                         options.iters)
                 stats = reconstruct_unit(module, fp_in, q_in, fp_out, weight, "kl" if unit.kind == "head" else
                                          "weighted_mse", settings, gen, name=unit.name)
                 stats = {"unit": unit.name, "kind": unit.kind, **stats,

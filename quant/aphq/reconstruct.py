@@ -1,6 +1,7 @@
 """Block reconstruction of one unit with AdaRound + learned activation scales under QDrop (APHQ-ViT).
 
-Reference notes 1.3 and 4.2-4.4. For one unit (patch embedding, block, patch merging or head) of the
+As GoatWu/APHQ-ViT `utils/block_recon.py` with `configs/4bit/best.py` does it. For one unit (patch embedding,
+block, patch merging or head) of the
 quantized model, with cached tensors for the whole reconstruction set:
 
 * learned: AdaRound alpha of every weight (Adam, lr 1e-3, no schedule) and the scale of every

@@ -1,6 +1,7 @@
 """APHQ-ViT's calibration search: scales and zero points chosen by the MSE of each layer's OUTPUT.
 
-Reference notes 1.2. Every search runs on float inputs of the layer (the caller captures them with
+As GoatWu/APHQ-ViT `quantizers/*.py` and `quant_layers/*.py` search. Every search runs on float inputs of the
+layer (the caller captures them with
 every quantizer bypassed), candidate by candidate, vectorised over channels / heads:
 
 * `range_grid`: candidates between two percentile ranges of each row: `num_scales` ranges linearly
@@ -87,7 +88,8 @@ def _as_rows(layer: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     if isinstance(layer, nn.Conv2d):
         if layer.groups != 1:
             raise ValueError("the output-MSE search supports ungrouped convolutions only")
-        cols = F.unfold(x, layer.kernel_size, dilation=layer.dilation, padding=layer.padding, stride=layer.stride)
+        cols = F.unfold(x, layer.kernel_size, dilation=layer.dilation, padding=layer.padding,
+                        stride=layer.stride)
         return cols.transpose(1, 2).reshape(-1, cols.shape[1]), layer.weight.reshape(layer.out_channels, -1)
     return x.reshape(-1, x.shape[-1]), layer.weight
 
@@ -145,7 +147,7 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     X, W = X.float(), W.detach().float()
     target = X @ W.t()
 
-    # weights: weight-only MSE first (notes 1.2)
+    # weights: weight-only MSE first (GoatWu/APHQ-ViT `quant_layers/linear.py`)
     w_scales, w_zps = range_grid(W, wq, weight_pct, num_scales, num_zero_points)  # [K, C_out]
     ws, wz, _ = best_per_group(lambda s, z: (_fq(W, s[:, None], z[:, None], wq) - W).pow_(2).mean(dim=1),
                                 w_scales, w_zps)
@@ -158,7 +160,8 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     for _ in range(rounds if aq is not None else min(rounds, 1)):
         Wq = _fq(W, ws[:, None], wz[:, None], wq)
         if aq is not None:
-            a_s, a_z, _ = best_per_group(lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1),
+            a_s, a_z, _ = best_per_group(lambda s,
+                                         z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1),
                                           a_scales, a_zps)
             aq.set_params(a_s, a_z)
             Xq = _fq(X, a_s, a_z, aq)
@@ -216,7 +219,8 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
     quants = {"a": qa, "b": qb}
 
     def fixed(which: str) -> torch.Tensor:
-        """The operand that is NOT searched, quantized with its current range (float before its first search)."""
+        """The operand that is NOT searched, quantized with its current range (float before its first
+        search)."""
         x, q = (a, qa) if which == "a" else (b, qb)
         return x if los[which] is None else quant(x, q, los[which], his[which])
 

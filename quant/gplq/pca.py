@@ -1,6 +1,7 @@
 """GPLQ's PCA feature-mimicking loss: penultimate features projected on the teacher's top components.
 
-Reference notes 2.1: take the float teacher's penultimate (pre-head) features on a training subset,
+GPLQ paper (arXiv 2506.11784), Sec. 3: take the float teacher's penultimate (pre-head) features on a training
+subset,
 compute their mean mu_t and principal components, keep V with about 60% explained variance rounded to
 a multiple of 32 (Swin-T 256/768 = 61.3%, DeiT-T 64/192), and train the student with
 
@@ -108,7 +109,8 @@ def components_from_moments(s1: torch.Tensor, s2: torch.Tensor, n: torch.Tensor,
     return PCAProjection(mean.float(), evecs[:, :k].float().contiguous(), float(ratio[k - 1]), int(n.item()))
 
 
-def pca_loss(student_features: torch.Tensor, teacher_features: torch.Tensor, pca: PCAProjection) -> torch.Tensor:
+def pca_loss(student_features: torch.Tensor, teacher_features: torch.Tensor,
+             pca: PCAProjection) -> torch.Tensor:
     """mean_batch ||(f_s - mu_t) V - (f_t - mu_t) V||^2 (scalar; features [B, D])."""
     s = (student_features.float() - pca.mean) @ pca.components
     t = (teacher_features.float() - pca.mean) @ pca.components

@@ -1,6 +1,7 @@
-"""GPLQ (Liang, Liu, Wu; NeurIPS 2025): activation-only QAT first (stage 1), weight PTQ + QwT second (stage 2).
+"""GPLQ (Liang, Liu, Wu; NeurIPS 2025): activation-only QAT first (stage 1), weight PTQ + QwT second (stage
+2).
 
-Reference notes 2.1 and 4.7-4.8.
+After the GPLQ paper (arXiv 2506.11784), Sec. 3, and wujx2001/QwT `QwT-cls-RepQ-ViT`.
 
 Stage 1, Act-QAT (W32A4), qat.py:
 * activations 4-bit uniform SYMMETRIC PER CHANNEL ([-8, 7] s), LSQ scales (lsq.py), initialised by one
@@ -117,8 +118,10 @@ class GPLQPipeline(Pipeline):
                                   scale_lr=options.scale_lr if options.scale_lr is not None else lr,
                                   weight_decay=options.weight_decay, pca_weight=options.pca_weight, amp=options.amp,
                                   log_every=options.log_every, ckpt_every=options.ckpt_every, seed=options.seed)
-        config = {"pipeline": self.name, "bits": str(bits), "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
-                  "stage1": {f.name: getattr(options, f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}
+        config = {"pipeline": self.name, "bits": str(bits),
+                  "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
+                  "stage1": {f.name: getattr(options,
+                                             f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}
 
         def pca():
             with timer("pca", device):
@@ -129,7 +132,8 @@ class GPLQPipeline(Pipeline):
         with timer("stage1", device):
             stage1 = run_stage1(model, teacher, pca, data.train_loader(bs, options.seed), settings,
                                 data.work_path(f"_gplq_{bits}_stage1.pt"), config)
-        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]", stage1["steps"], lr,
+        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]", stage1["steps"],
+                 lr,
                  stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
 
         # -- stage 2: freeze activations, quantize weights, QwT --
@@ -140,7 +144,8 @@ class GPLQPipeline(Pipeline):
         qwt_stats = []
         if options.qwt:
             with timer("qwt", device):
-                images = data.train_images(options.stage2_images, options.seed, options.stage2_train_transform)
+                images = data.train_images(options.stage2_images, options.seed,
+                                           options.stage2_train_transform)
                 qwt_stats = self._compensate(model, teacher, images, options, bs)
         model.eval()
         report = pipeline_report(
@@ -162,7 +167,8 @@ class GPLQPipeline(Pipeline):
             else:
                 acts = None if options.qwt_target == "w32a4" else False
 
-                def reference(xc: torch.Tensor, block: nn.Module = block, acts: Optional[bool] = acts) -> torch.Tensor:
+                def reference(xc: torch.Tensor, block: nn.Module = block,
+                              acts: Optional[bool] = acts) -> torch.Tensor:
                     with quant_state(block, weights=False, activations=acts):
                         return block(xc)
             fit = fit_block_compensation(x, block, reference, bs, options.qwt_ridge)

@@ -1,6 +1,6 @@
 """QwT (Quantization without Tears) per-block linear compensation, as GPLQ's stage 2 uses it.
 
-Reference notes 2.1 (stage 2) and 4.8. Blocks are processed in order. For block b:
+As wujx2001/QwT `QwT-cls-RepQ-ViT` fits it. Blocks are processed in order. For block b:
 
     X    = input of b produced by the already quantized AND compensated prefix (tokens as rows)
     D    = Y_ref(X) - Y_Q(X)                 (reference block minus quantized block, same input)
@@ -8,7 +8,8 @@ Reference notes 2.1 (stage 2) and 4.8. Blocks are processed in order. For block 
 
 and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward
 hook). The fit uses the normal equations accumulated in float64 over the fitting images and solved
-with `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
+with `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes
+ridge.
 R^2 = mean over output channels of 1 - SSE_c / SST_c (QwT's sklearn `r2_score` default). The
 compensation is kept only if R^2 > 0 and its total squared error on the fitting data is below the
 uncompensated one (guaranteed in exact arithmetic, since W = 0, c = 0 is a candidate; checked anyway).
@@ -134,4 +135,5 @@ def fit_block_compensation(x: torch.Tensor, quantized: Callable[[torch.Tensor], 
 
 def fit_report(fit: CompensationFit) -> Dict[str, float]:
     """JSON-able summary of a fit (for pipeline reports)."""
-    return {"r2": round(fit.r2, 6), "sse_before": fit.sse_before, "sse_after": fit.sse_after, "kept": fit.keep}
+    return {"r2": round(fit.r2, 6), "sse_before": fit.sse_before, "sse_after": fit.sse_after,
+            "kept": fit.keep}

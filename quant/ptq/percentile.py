@@ -1,6 +1,6 @@
 """Percentile PTQ: per-tensor activation ranges from percentiles, per-channel weights, no reparameterisation.
 
-What the paper's "percentile PTQ" column is taken to be (reference notes, section 2): the paper cites
+What the paper's "percentile PTQ" column is taken to be (CD paper Sec. 4.1): the paper cites
 Banner et al. 2019, which is an analytical-clipping method, not a percentile one, so the citation does
 not define it. The authors' lab (QwT, GPLQ) uses "percentile" for RepQ-ViT's UniformQuantizer without
 reparameterisation and without the log quantizer: GPLQ calls its weight initialiser "Percentile (as in
@@ -44,8 +44,10 @@ class PercentilePipeline(Pipeline):
         act = QuantizerSpec(bits.a, search=act_search)
         weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
                                search=range_search(options.weight_range, options.weight_percentiles))
-        attn = QuantizerSpec(bits.a, kind=LogSqrt2Quantizer, search=act_search) if options.softmax == "log_sqrt2" else act
-        return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=act, k=act, attn=attn, v=act,
+        attn = QuantizerSpec(bits.a, kind=LogSqrt2Quantizer,
+                             search=act_search) if options.softmax == "log_sqrt2" else act
+        return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=act, k=act, attn=attn,
+                               v=act,
                                first_last=options.resolved(bits))
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: PercentileOptions,
@@ -54,6 +56,7 @@ class PercentilePipeline(Pipeline):
         timer = StageTimer()
         model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer,
                                                 next(fp_model.parameters()).device)
-        report = pipeline_report(self.name, model, bits, options, calibration_images=n_images, seconds=timer.seconds)
+        report = pipeline_report(self.name, model, bits, options, calibration_images=n_images,
+                                 seconds=timer.seconds)
         return PTQResult(model, report)
 

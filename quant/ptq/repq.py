@@ -1,4 +1,4 @@
-"""RepQ-ViT (Li et al., ICCV 2023) as its official classification code runs it (reference notes, section 1).
+"""RepQ-ViT (Li et al., ICCV 2023) as zkkli/RepQ-ViT `classification/test_quant.py` runs it.
 
 1. Convert: weights asymmetric per output channel; inputs of qkv / fc1 / Swin reduction (LayerNorm
    outputs) asymmetric PER CHANNEL (last dim); all other Linear inputs and q, k, v per tensor;
@@ -12,7 +12,8 @@
 
 Zero point of the fold: the official code keeps the mean zero point z~ unrounded, which is our default
 (`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline; the
-notes measured the same MSE to 3 digits either way. `round_zero_point=True` makes the per-tensor codes
+output MSE agrees to 3 digits either way (tests/test_quant_reparam.py). `round_zero_point=True` makes the
+per-tensor codes
 exactly equal to the per-channel ones. `reparam=False` keeps per-channel post-LN activations (the
 not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
 """
@@ -54,7 +55,8 @@ class RepQPipeline(Pipeline):
         del data  # calibration images only
         timer = StageTimer()
         device = next(fp_model.parameters()).device
-        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer, device)
+        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer,
+                                                device)
         folded = []
         if options.reparam:
             with timer("reparam", device):
