@@ -1,12 +1,11 @@
 r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized accuracy per pipeline.
 
-    python evaluate.py --checkpoint runs/vit_digits/best.pt                       # repq + percentile, W4A4
+    python evaluate.py --checkpoint runs/vit_digits/best.pt                    # repq + percentile, W4A4
     python evaluate.py --checkpoint runs/vit_b_cd/best.pt --quant repq aphq --bits w4a4 w6a6 \
         --out results/vit_b_cd.json data.root=/datasets/imagenet
     torchrun --nproc_per_node=8 evaluate.py --checkpoint runs/vit_b/best.pt data.root=/datasets/imagenet
     python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
-        data.root=/datasets/imagenet                                              # a timm model + weights
-        file
+        data.root=/datasets/imagenet                                           # a timm model + weights file
 
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
@@ -60,8 +59,8 @@ def main(args: argparse.Namespace) -> dict:
     model.to(device).eval()
     img_size = input_size(model)
     val_loader = build_eval_loader(cfg.data, img_size=img_size,
-                                   batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
-                                   rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
+                                   batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
+                                   world_size=dist.world_size, num_classes=cfg.model.num_classes)
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
     todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
@@ -69,8 +68,8 @@ def main(args: argparse.Namespace) -> dict:
     for name in cfg.quant.pipelines:
         for bits in cfg.quant.bits:
             if (name, bits) not in todo:
-                log.info("%s %s is already in %s with these settings (--recompute runs it again)", name,
-                         bits, out)
+                log.info("%s %s is already in %s with these settings (--recompute runs it again)",
+                         name, bits, out)
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
@@ -134,10 +133,10 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
         shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
         if missing or unexpected or shapes:
-            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: missing "
-                                  f"{missing[:4]}, "
-                                  f"unexpected {unexpected[:4]}, other shapes {shapes[:4]}; evaluate it with the "
-                                  f"model settings it was trained with (drop the model.* overrides)")
+            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: "
+                                  f"missing {missing[:4]}, unexpected {unexpected[:4]}, "
+                                  f"other shapes {shapes[:4]}; evaluate it with the model settings it was "
+                                  f"trained with (drop the model.* overrides)")
         model.load_state_dict(saved)
     return model
 
@@ -148,8 +147,8 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
     if trained and val_classes and trained != val_classes:
         different = [f"{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(trained, val_classes)) if a != b][:3]
         raise DataError(f"the val split's classes differ from those {checkpoint} was trained on "
-                        f"({len(trained)} vs {len(val_classes)} classes; {', '.join(different)}): label i would "
-                        f"name another class. Point data.root at the data set it was trained on")
+                        f"({len(trained)} vs {len(val_classes)} classes; {', '.join(different)}): label i "
+                        f"would name another class. Point data.root at the data set it was trained on")
 
 
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
@@ -185,8 +184,8 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
 
     def train_loader(batch_size_per_gpu: int, seed: int):
         train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,
-                                   batch_size_per_gpu=batch_size_per_gpu, rank=rank, world_size=world_size, seed=seed,
-                                   num_classes=cfg.model.num_classes)
+                                   batch_size_per_gpu=batch_size_per_gpu, rank=rank, world_size=world_size,
+                                   seed=seed, num_classes=cfg.model.num_classes)
         return train
 
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix)
@@ -228,10 +227,10 @@ def method_name(cfg: Config) -> str:
     if cfg.cd.enabled:
         default, c = CDConfig(), cfg.cd
         notes = [f"lam {c.lam:g}" if c.lam != default.lam else "",
-                 f"targets {c.targets}" if c.targets != default.targets
-                 else "", f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
-                 " ".join(f"{r} {v:g}" for r,
-                          v in sorted(c.lam_per_role.items())), "" if c.budget else "no budget"]
+                 f"targets {c.targets}" if c.targets != default.targets else "",
+                 f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
+                 " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
+                 "" if c.budget else "no budget"]
         name = "CD"
     elif cfg.tweo.enabled:
         default, t = TWEOConfig(), cfg.tweo
@@ -265,8 +264,8 @@ def markdown_table(results: list[dict]) -> str:
         return f"{r['quant'][p][b]['top1']:.3f}" if b in r["quant"].get(p, {}) else "-"
 
     rows = [[r["model"], r["method"], f"{r['fp']['top1']:.3f}",
-             f"{r['max_act']['module']:.2f} / {r['max_act']['block']:.2f}"] + [cell(r, p, b) for p, b in columns]
-            for r in results]
+             f"{r['max_act']['module']:.2f} / {r['max_act']['block']:.2f}"]
+            + [cell(r, p, b) for p, b in columns] for r in results]
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
 
@@ -275,19 +274,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
-    parser.add_argument("--config", action="append",
-                        help="YAML file(s): the recipe when there is no checkpoint, "
-                        "or a layer on top of the checkpoint's config")
+    parser.add_argument("--config", action="append", help="YAML file(s): the recipe when there is no "
+                        "checkpoint, or a layer on top of the checkpoint's config")
     parser.add_argument("--quant", nargs="*",
                         help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
     parser.add_argument("--bits", nargs="*", help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
-    parser.add_argument("--recompute", action="store_true",
-                        help="run pipeline/bit-widths that the JSON already "
-                        "has again (the old entries are kept under 'history')")
+    parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "
+                        "already has again (the old entries are kept under 'history')")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
-                        help="autocast for evaluation (default none: fp32, as the official quantization code)")
+                        help="autocast for evaluation "
+                             "(default none: fp32, as the official quantization code)")
     parser.add_argument("overrides", nargs="*",
                         help="key=value config overrides, e.g. data.root=/datasets/imagenet")
     args = parser.parse_intermixed_args(argv)

@@ -31,7 +31,8 @@ from configs import Config, ConfigError, config_to_dict, load_config
 from data import DataError, build_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
-from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
+from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_on_main_rank,
+                               training_payload)
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
@@ -85,26 +86,26 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
     log.info("model %s: %s", cfg.model.name, describe(model))
     loaders = build_loaders(cfg.data, img_size=input_size(model), batch_size_per_gpu=per_gpu,
-                            eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
-                            world_size=dist.world_size, seed=cfg.train.seed, num_classes=cfg.model.num_classes)
+                            eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                            rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
+                            num_classes=cfg.model.num_classes)
     updates_per_epoch = len(loaders.train) // accum_steps
     if updates_per_epoch == 0:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
-                          f"{accum_steps} "
-                          f"accumulation steps of one update: lower train.batch_size")
+                          f"{accum_steps} accumulation steps of one update: lower train.batch_size")
 
     # -- Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
     weight_decay = cfg.optim.weight_decay
     if cfg.cd.enabled and cfg.cd.budget:
         weight_decay = as_config_error("cd.budget", budget_weight_decay, weight_decay, cfg.cd.lam)
-        log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)", cfg.optim.weight_decay, weight_decay,
-                 cfg.cd.lam)
+        log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)",
+                 cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
     scaler = grad_scaler(cfg.train.amp, device)
-    ema = ModelEmaV3(model, decay=cfg.train.ema_decay,
-                     use_warmup=cfg.train.ema_warmup) if cfg.train.ema else None
+    ema = (ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
+           if cfg.train.ema else None)
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
              "%d updates per epoch, %d epochs", cfg.train.batch_size, per_gpu, dist.world_size, accum_steps,
              cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
@@ -118,7 +119,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         decay.attach(optimizer)
         log.info("%r", decay)
     tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model,
-                            total_steps=cfg.sched.epochs * updates_per_epoch) if cfg.tweo.enabled else None)
+                            total_steps=cfg.sched.epochs * updates_per_epoch)
+            if cfg.tweo.enabled else None)
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
     metric_sources = [decay.metrics if decay is not None else pair_energy_source(model)]
     if tweo is not None:
@@ -138,8 +140,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)):
         log.info("config.yaml of the run so far kept as %s", kept)
     logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
-                          cfg.log.wandb_project,
-                          cfg.log.wandb_mode, config_to_dict(cfg), resume_step=state.step if resumed else None)
+                          cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),
+                          resume_step=state.step if resumed else None)
 
     # -- Checkpoints: checkpoint.pt (the whole training state) and best.pt (best val top-1), main rank.
     def save_on_main(payload_fn, path: str) -> None:
@@ -148,12 +150,11 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     def save_checkpoint() -> None:
         extra = {"classes": loaders.classes, **({"cd": decay.state_dict()} if decay is not None else {})}
         save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
-                                              config=config_to_dict(cfg),
-                                              ema=ema, scaler=scaler, scheduler=scheduler, extra=extra), ckpt_path)
+                                              config=config_to_dict(cfg), ema=ema, scaler=scaler,
+                                              scheduler=scheduler, extra=extra), ckpt_path)
 
     best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
-                          config=config_to_dict(cfg),
-                          classes=loaders.classes, save=save_on_main)
+                          config=config_to_dict(cfg), classes=loaders.classes, save=save_on_main)
 
     def validate_and_keep_best() -> dict:
         metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
@@ -211,8 +212,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             break
         if reason == "max_steps":
             log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
-                     "drop "
-                     "it) and re-run the same command to continue", state.step)
+                     "drop it) and re-run the same command to continue", state.step)
             break
 
     # -- The end: report the current weights (not after preemption: no time, and no fresh numbers).
@@ -298,9 +298,9 @@ def check_resumable(saved: dict, current: Config) -> None:
                               f"not {current.data.dataset!r}: use another out_dir")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings ({'; '.join(changed)}): "
-                              f"re-run with those settings, use another out_dir, or pass "
-                              f"train.allow_changed_config=true to continue with the new ones")
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings "
+                              f"({'; '.join(changed)}): re-run with those settings, use another out_dir, or "
+                              f"pass train.allow_changed_config=true to continue with the new ones")
     if changed:
         log.warning("resuming with changed settings: %s", "; ".join(changed))
 
@@ -310,8 +310,7 @@ def warn_if_at_chance(top1: float, num_classes: int) -> None:
     chance = 100.0 / num_classes
     if num_classes > 1 and top1 <= 1.5 * chance:
         log.warning("val top-1 %.2f%% is at chance level (%.2f%% for %d classes): the run did not learn; "
-                    "check "
-                    "the learning rate and the loss in metrics.jsonl", top1, chance, num_classes)
+                    "check the learning rate and the loss in metrics.jsonl", top1, chance, num_classes)
 
 
 def parse_args(argv: list[str]) -> Config:

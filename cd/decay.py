@@ -1,10 +1,9 @@
 """`ColinearityDecay`: the CD regularizer object (paper Sec. 3.3) around the pure math in `cd/update.py`.
 
-    decay = ColinearityDecay(model, lam=0.005)          # pairs found once, targets A+B
-    handle = decay.attach(optimizer)                      # W2 <- W2 - lr*lam*W2 W1n W1n^T before each real
-    step
+    decay = ColinearityDecay(model, lam=0.005)  # pairs found once, targets A+B
+    handle = decay.attach(optimizer)            # W2 <- W2 - lr*lam*W2 W1n W1n^T before each real step
     ...
-    log(decay.metrics())                                  # cd/pair_energy/<role>, cd/update_norm/<role>
+    log(decay.metrics())                        # cd/pair_energy/<role>, cd/update_norm/<role>
 
 The object holds the selected pairs, the per-pair strengths and a cached batching plan. It has no state
 that changes the update: everything is fixed by the constructor arguments (i.e. the config), so resuming
@@ -47,8 +46,8 @@ def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
 
 
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
-    """The paper's regularization-budget rule: wd -> wd - lam_cd (Appendix "Normalized CD and regularization
-    budget").
+    """The paper's regularization-budget rule: wd -> wd - lam_cd
+    (Appendix "Normalized CD and regularization budget").
 
     E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative.
     """
@@ -178,8 +177,7 @@ class ColinearityDecay:
         missing = [name for name, t in needed if id(t) not in index]
         if missing:
             raise ValueError(f"ColinearityDecay.attach: {len(missing)} decayed matrices are not in the "
-                             f"optimizer "
-                             f"(e.g. {missing[:3]}); CD needs their param group's lr")
+                             f"optimizer (e.g. {missing[:3]}); CD needs their param group's lr")
         self._gi_cache = (sig, index)
         return index
 
@@ -188,8 +186,7 @@ class ColinearityDecay:
             return
         if "grad_scaler" in kwargs:
             raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy "
-                               "custom "
-                               "AMP contract); CD cannot tell whether this step will be skipped")
+                               "custom AMP contract); CD cannot tell whether this step will be skipped")
         index = self._group_index(optimizer)
         groups = optimizer.param_groups
         lr2 = [groups[index[id(p.downstream)]]["lr"] for p in self.pairs]
@@ -220,8 +217,7 @@ class ColinearityDecay:
         """
         if self.mode != "loss":
             raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts "
-                               "through "
-                               "attach()/apply()")
+                               "through attach()/apply()")
         if not self._active:
             return torch.zeros((), device=task_loss.device)
         # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
@@ -267,12 +263,10 @@ class ColinearityDecay:
         self._gated_skips = None
         saved = state.get("config")
         if saved is not None and saved != self._config():
-            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, now "
-                          f"{self._config()}",
-                          stacklevel=2)
+            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, "
+                          f"now {self._config()}", stacklevel=2)
 
     def __repr__(self) -> str:
         roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
         return (f"ColinearityDecay(pairs={len(self.pairs)} {roles}, lam={self.lam}, "
-                f"lam_per_role={self.lam_per_role}, "
-                f"targets={self.targets!r}, mode={self.mode!r})")
+                f"lam_per_role={self.lam_per_role}, targets={self.targets!r}, mode={self.mode!r})")

@@ -131,8 +131,8 @@ def _is_patch_merging(module: nn.Module) -> bool:
 
 
 def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every module matching `is_match` that is not inside an earlier match, in model
-    order."""
+    """(name, module) of every module matching `is_match` that is not inside an earlier match,
+    in model order."""
     inside: Optional[str] = None
     for name, module in root.named_modules():
         if inside is not None and (name == inside or name.startswith(inside + ".")):
@@ -163,36 +163,35 @@ def _block_pairs(name: str, block: nn.Module) -> Iterator[Pair]:
     skipped = []
 
     if qkv is not None and g1 is not None and g1.shape[0] == qkv.shape[1]:
-        yield Pair(_join(name, "attn.qkv.weight"), "qkv", "composable", name, _join(name, "norm1.weight"),
-                   qkv, g1)
+        yield Pair(_join(name, "attn.qkv.weight"), "qkv", "composable",
+                   name, _join(name, "norm1.weight"), qkv, g1)
     else:
         skipped.append("qkv (needs attn.qkv and an affine norm1 of matching width)")
 
     # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
     if qkv is not None and proj is not None and qkv.shape[0] % 3 == 0 and proj.shape[1] == qkv.shape[0] // 3:
         d = qkv.shape[0] // 3
-        yield Pair(_join(name, "attn.proj.weight"), "proj", "functional", name,
-                   _join(name, "attn.qkv.weight"),
-                   proj, qkv, (2 * d, 3 * d))
+        yield Pair(_join(name, "attn.proj.weight"), "proj", "functional",
+                   name, _join(name, "attn.qkv.weight"), proj, qkv, (2 * d, 3 * d))
     else:
         skipped.append("proj (needs a fused attn.qkv of 3x attn.proj's input width)")
 
     if fc1 is not None and g2 is not None and g2.shape[0] == fc1.shape[1]:
-        yield Pair(_join(name, "mlp.fc1.weight"), "fc1", "composable", name, _join(name, "norm2.weight"),
-                   fc1, g2)
+        yield Pair(_join(name, "mlp.fc1.weight"), "fc1", "composable",
+                   name, _join(name, "norm2.weight"), fc1, g2)
     else:
         skipped.append("fc1 (needs mlp.fc1 and an affine norm2 of matching width)")
 
     # A gated MLP has fc1 twice as wide as fc2's input; the paper leaves gated MLPs out.
     if fc1 is not None and fc2 is not None and fc2.shape[1] == fc1.shape[0]:
-        yield Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
-                   fc2, fc1)
+        yield Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional",
+                   name, _join(name, "mlp.fc1.weight"), fc2, fc1)
     else:
         skipped.append("fc2 (needs mlp.fc1 -> mlp.fc2 without a gate)")
 
     if skipped:
-        warnings.warn(f"cd.find_pairs: block '{name}' ({type(block).__name__}) has no pair " + "; ".join(skipped),
-                      stacklevel=3)
+        warnings.warn(f"cd.find_pairs: block '{name}' ({type(block).__name__}) has no pair "
+                      + "; ".join(skipped), stacklevel=3)
 
 
 def find_pairs(model: nn.Module) -> list[Pair]:

@@ -80,22 +80,22 @@ class TWEO:
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
-                 eps: float = 1e-6,
-                 schedule: str = "constant", total_steps: Optional[int] = None, rescale: bool = False) -> None:
+                 eps: float = 1e-6, schedule: str = "constant", total_steps: Optional[int] = None,
+                 rescale: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
         if schedule == "cosine" and not (total_steps and total_steps > 0):
             raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
         if p < 1 or tau + eps <= 0 or lam < 0:
-            raise ValueError(f"tweo needs p >= 1, tau + eps > 0, lam >= 0; got p={p}, tau={tau}, eps={eps}, "
-                             f"lam={lam}")
+            raise ValueError(f"tweo needs p >= 1, tau + eps > 0, lam >= 0; "
+                             f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)
 
         self.blocks = find_blocks(model)
         if not self.blocks:
-            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp) in "
-                             f"{type(model).__name__}")
+            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp) "
+                             f"in {type(model).__name__}")
         self._terms: list[Tensor] = []  # per-block terms of the latest training forward
         self._last_penalty: Optional[Tensor] = None
         self._last_lam: Optional[float] = None
@@ -106,8 +106,8 @@ class TWEO:
 
     @classmethod
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
-        """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale); `enabled` is the trainer's
-        switch."""
+        """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale);
+        `enabled` is the trainer's switch."""
         return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=cfg_tweo.tau, eps=cfg_tweo.eps,
                    schedule=cfg_tweo.schedule, total_steps=total_steps, rescale=cfg_tweo.rescale)
 
@@ -141,8 +141,7 @@ class TWEO:
         """
         if not self._terms:
             raise RuntimeError("TWEO.aux_loss: no block output captured; call it after a training-mode "
-                               "forward "
-                               "with grad enabled (and before remove())")
+                               "forward with grad enabled (and before remove())")
         penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
         self._terms = []
         lam = self.lam_at(step)
@@ -150,8 +149,8 @@ class TWEO:
         return lam * (align_to_task_loss(penalty, task_loss) if self.rescale else penalty)
 
     def metrics(self) -> dict[str, float]:
-        """tweo/penalty (the last L_TWEO, before lam) and tweo/lam (the last lam(t)); empty before
-        aux_loss."""
+        """tweo/penalty (the last L_TWEO, before lam) and tweo/lam (the last lam(t));
+        empty before aux_loss."""
         if self._last_penalty is None:
             return {}
         return {"tweo/penalty": float(self._last_penalty), "tweo/lam": float(self._last_lam)}

@@ -61,8 +61,8 @@ def _group_key(p: Pair) -> tuple:
 
 
 def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None) -> Plan:
-    """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads precede
-    writes.
+    """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads
+    precede writes.
 
     Args:
         pairs: the pairs to update.
@@ -169,8 +169,8 @@ def colinearity_decay_(
     gate: Optional[Tensor] = None,
     plan: Optional[Plan] = None,
 ) -> dict[str, Tensor]:
-    """Apply one decoupled, normalized CD update to every pair, in place (Sec. 3.3, Eq. (12), App. A.2, Eq.
-    (24)).
+    """Apply one decoupled, normalized CD update to every pair, in place
+    (Sec. 3.3, Eq. (12), App. A.2, Eq. (24)).
 
     Args:
         pairs: matrix pairs (from `find_pairs`).
@@ -284,8 +284,7 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
 
 def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Tensor:
     """||W2 W1n||_F^2 for same-shaped pairs, (n,) in at least fp32. grad: keep W2 in the graph;
-    upstream_grad: W1 too
-    (functional pairs only), with the normalizer held constant."""
+    upstream_grad: W1 too (functional pairs only), with the normalizer held constant."""
     def up(t: Tensor, keep_grad: bool) -> Tensor:
         return (t if keep_grad else t.detach()).to(compute_dtype(t))
 

@@ -3,11 +3,11 @@
     from configs import load_config
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3"])
 """
-from .loader import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config, merge_file, save_config
+from .loader import (ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config, merge_file,
+                     save_config)
 from .schema import (CDConfig, Config, DataConfig, LogConfig, ModelConfig, OptimConfig, QuantConfig,
                      SchedConfig, TrainConfig, TWEOConfig)
 
 __all__ = ["ConfigError", "load_config", "apply_overrides", "merge_file", "config_from_dict",
-           "config_to_dict", "save_config", "Config",
-           "ModelConfig", "DataConfig", "OptimConfig", "SchedConfig", "TrainConfig", "LogConfig", "CDConfig",
-           "TWEOConfig", "QuantConfig"]
+           "config_to_dict", "save_config", "Config", "ModelConfig", "DataConfig", "OptimConfig",
+           "SchedConfig", "TrainConfig", "LogConfig", "CDConfig", "TWEOConfig", "QuantConfig"]

@@ -197,8 +197,8 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(repr, choices))}; got "
-                              f"{value!r}")
+            raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(repr, choices))}; "
+                              f"got {value!r}")
         return value
     if annotation is bool:
         if isinstance(value, bool):

@@ -36,8 +36,8 @@ class FirstLastOptions:
 @dataclass
 class PercentileOptions(FirstLastOptions):
     act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
-    act_percentiles: Optional[Tuple[float,
-                                    ...]] = None  # None: RepQ set for percentile_mse, (0.9999,) for percentile
+    act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse,
+    #   (0.9999,) for percentile
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
     weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
     weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
@@ -68,8 +68,8 @@ class APHQOptions(FirstLastOptions):
     num_zero_points: int = 16  # integer zero points per range (8 x 16 = eq_n 128)
     matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
     matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
-    search_max_rows: Optional[int] = None  # rows of a layer input used by the output MSE; None: all (official)
-    round_zero_point: bool = True  # LayerNorm fold: rounded mean zero point (APHQ); False: RepQ-ViT's unrounded
+    search_max_rows: Optional[int] = None  # rows of a layer input for the output MSE; None: all (official)
+    round_zero_point: bool = True  # LayerNorm fold: mean zero point rounded (APHQ) or not (RepQ-ViT)
     # -- reconstruction (quant/aphq/reconstruct.py) --
     iters: int = 20000  # iterations per unit
     weight_lr: float = 1e-3  # Adam lr of the AdaRound variables

@@ -56,8 +56,8 @@ def unreadable_target(index: int) -> int:
 
 
 def build_folder_dataset(root: str, split: str, transform=None, strict: bool = False) -> ImageDataset:
-    """`root/split` as an ImageDataset; `strict`: unreadable images are reported, not replaced
-    (evaluation)."""
+    """`root/split` as an ImageDataset;
+    `strict`: unreadable images are reported, not replaced (evaluation)."""
     path = find_split(root, split)
     if os.path.isdir(path):
         classes = [d for d in os.scandir(path) if d.is_dir()]
@@ -84,5 +84,6 @@ def check_same_classes(train: list[str], val: list[str], where: str) -> None:
     missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
     detail = (f"val lacks {missing[:5]}" if missing else "") + ("; " if missing and extra else "") + \
         (f"val has classes train lacks: {extra[:5]}" if extra else "")
-    raise DataError(f"{where}: the train and val splits have different class folders ({detail or 'other order'}); "
-                    f"label i would name different classes. Give both splits the same class folders")
+    raise DataError(f"{where}: the train and val splits have different class folders "
+                    f"({detail or 'other order'}); label i would name different classes. Give both splits "
+                    f"the same class folders")

@@ -50,8 +50,7 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         found = len(class_names(dataset))
     if found != num_classes:
         raise DataError(f"the {cfg.dataset} data set has {found} classes but "
-                        f"model.num_classes={num_classes}; "
-                        f"set model.num_classes={found}")
+                        f"model.num_classes={num_classes}; set model.num_classes={found}")
     return dataset
 
 
@@ -64,8 +63,7 @@ def build_mixup(cfg: DataConfig, num_classes: int) -> Optional[Mixup]:
 
 
 def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, rank: int,
-                       world_size: int, seed: int,
-                       num_classes: int) -> TrainBatches:
+                       world_size: int, seed: int, num_classes: int) -> TrainBatches:
     """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
     train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
     if cfg.repeated_aug > 1:  # DeiT's repeated augmentation; honoured with any number of processes
@@ -84,8 +82,7 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
 
 
 def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,
-                  rank: int,
-                  world_size: int, seed: int, num_classes: int) -> Loaders:
+                  rank: int, world_size: int, seed: int, num_classes: int) -> Loaders:
     mixup = build_mixup(cfg, num_classes)
     if mixup is not None and batch_size_per_gpu % 2:
         raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
@@ -118,8 +115,7 @@ def build_eval_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int
 
 def _eval_loader(cfg: DataConfig, dataset, batch_size: int, rank: int, world_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size,
-                      sampler=ShardedEvalSampler(len(dataset), rank, world_size),
-                      **_worker_args(cfg))
+                      sampler=ShardedEvalSampler(len(dataset), rank, world_size), **_worker_args(cfg))
 
 
 def _worker_args(cfg: DataConfig) -> dict:

@@ -47,8 +47,8 @@ class SeededSampler(Sampler):
         if hasattr(self.base, "set_epoch"):
             # DistributedSampler mixes its own seed in; timm's RepeatAugSampler shuffles by the epoch alone,
             # so it gets an epoch number mixed with the run's seed (the same on every rank).
-            self.base.set_epoch(epoch if hasattr(self.base,
-                                                 "seed") else mix_seed(self.seed, epoch) % (1 << 31))
+            self.base.set_epoch(epoch if hasattr(self.base, "seed")
+                                else mix_seed(self.seed, epoch) % (1 << 31))
 
     def __iter__(self):
         for pos, idx in enumerate(self.base):

@@ -103,8 +103,8 @@ class ActivationProbe:
     def __enter__(self) -> "ActivationProbe":
         if self._handles:
             raise RuntimeError("probe is already attached")
-        self._handles = [m.register_forward_hook(self._hook(i)) for i,
-                         (_, _, _, _, m) in enumerate(self.targets)]
+        self._handles = [m.register_forward_hook(self._hook(i))
+                         for i, (_, _, _, _, m) in enumerate(self.targets)]
         return self
 
     def __exit__(self, *exc: object) -> None:

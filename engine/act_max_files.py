@@ -27,8 +27,8 @@ def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> P
 
 
 def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
-    """{module type: [(block index, max), ...]} sorted by block index (records without a block are
-    dropped)."""
+    """{module type: [(block index, max), ...]} sorted by block index
+    (records without a block are dropped)."""
     out: Dict[str, List[tuple]] = defaultdict(list)
     for r in records:
         if int(r["block"]) >= 0:

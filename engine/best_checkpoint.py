@@ -21,15 +21,16 @@ class BestCheckpoint:
 
     def __init__(self, path: str, *, model: nn.Module, ema: Optional[nn.Module], config: dict,
                  classes: Optional[list], save: Callable[[Callable[[], dict], str], None]):
-        self.path, self.model, self.ema, self.config, self.classes, self.save = path, model, ema, config, classes, save
+        self.path, self.model, self.ema, self.config, self.classes, self.save = \
+            path, model, ema, config, classes, save
 
     def offer(self, state: TrainState, metrics: dict) -> bool:
         """Write best.pt if metrics['val/top1'] beats state.best_top1 (then raised to it); True if written."""
         if metrics["val/top1"] <= state.best_top1:
             return False
         state.best_top1 = metrics["val/top1"]
-        self.save(lambda: {"model": self.model.state_dict(), "config": self.config, "state": state.state_dict(),
-                           "metrics": metrics, "classes": self.classes,
+        self.save(lambda: {"model": self.model.state_dict(), "config": self.config,
+                           "state": state.state_dict(), "metrics": metrics, "classes": self.classes,
                            **({"model_ema": self.ema.module.state_dict()} if self.ema is not None else {})},
                   self.path)
         return True

@@ -70,8 +70,7 @@ def _write_failure(path: str, error: BaseException) -> str:
     reason = f"the disk is full ({free:.0f} MB free in {folder})" if full else f"{error}"
     previous = "the previous file is unchanged" if os.path.exists(path) else "no earlier file existed"
     return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix "
-            f"the "
-            f"folder) and re-run the same command to resume from the last checkpoint")
+            f"the folder) and re-run the same command to resume from the last checkpoint")
 
 
 def load_checkpoint(path: str) -> dict:
@@ -107,8 +106,8 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
     return payload
 
 
-def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None,
-                     scheduler=None) -> None:
+def restore_training(payload: dict, *, model, optimizer, state,
+                     ema=None, scaler=None, scheduler=None) -> None:
     """Load a `training_payload` into freshly built objects (in place)."""
     unwrap_model(model).load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
@@ -119,8 +118,7 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
             continue
         if name not in payload:
             raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with "
-                                  f"the "
-                                  f"settings it was written with (see config.yaml next to it)")
+                                  f"the settings it was written with (see config.yaml next to it)")
         obj.load_state_dict(payload[name])
 
 

@@ -34,6 +34,6 @@ class DivergenceGuard:
         if self.streak >= self.windows:
             raise DivergenceError(
                 f"the training loss stayed above {self.factor:g}x its initial value {initial_loss:.4g} for "
-                f"{self.streak} log windows (now {mean_loss:.4g} at update {step}): the run diverged. Stopping "
-                f"without writing a checkpoint (the last one written is kept). Lower optim.lr, or set "
-                f"train.divergence_factor=null to turn this check off")
+                f"{self.streak} log windows (now {mean_loss:.4g} at update {step}): the run diverged. "
+                f"Stopping without writing a checkpoint (the last one written is kept). Lower optim.lr, "
+                f"or set train.divergence_factor=null to turn this check off")

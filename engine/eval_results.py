@@ -1,8 +1,8 @@
 """The evaluation JSON of one checkpoint, grown by every evaluate.py call and never overwritten blindly.
 
-    results = EvalResults.open(path, identity)       # refuses a file that describes other weights or data
-    if results.plan("repq", "w4a4", settings, recompute=False): ... results.add("repq", "w4a4", entry);
-    results.save()
+    results = EvalResults.open(path, identity)  # refuses a file that describes other weights or data
+    if results.plan("repq", "w4a4", settings, recompute=False):
+        ... results.add("repq", "w4a4", entry); results.save()
 
 * identity: what the numbers are numbers of (model, checkpoint, weights fingerprint, raw/EMA, data).
   A file with another identity is refused, e.g. when best.pt has changed since it was evaluated.
@@ -41,12 +41,13 @@ class EvalResults:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); move it away or use --out") from None
+            raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
+                               f"move it away or use --out") from None
         differs = [k for k, v in identity.items() if data.get(k) != v]
         if differs:
             detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
-            raise ResultsError(f"{path} holds results of another evaluation ({detail}); use --out for a new "
-                               f"file")
+            raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
+                               f"use --out for a new file")
         data.setdefault("quant", {})
         return cls(path, data)
 
@@ -58,8 +59,9 @@ class EvalResults:
         if entry.get("settings") == _plain(settings):
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
-                           f"({_settings_diff(entry.get('settings') or {}, _plain(settings))}): use --out for a new "
-                           f"file, or --recompute to replace it (the old entry is kept under 'history')")
+                           f"({_settings_diff(entry.get('settings') or {}, _plain(settings))}): "
+                           f"use --out for a new file, or --recompute to replace it "
+                           f"(the old entry is kept under 'history')")
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
         """Record a result; an entry it replaces moves to `history`."""

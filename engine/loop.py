@@ -70,7 +70,7 @@ class TrainState:
     epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
     skipped_steps: int = 0  # fp16 updates the GradScaler skipped (inf/NaN gradients)
     best_top1: float = -1.0
-    initial_loss: Optional[float] = None  # mean loss of the run's first update over all ranks (divergence guard)
+    initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -118,7 +118,8 @@ class TrainLoop:
         found_inf = getattr(optimizer, "found_inf", None)
         if isinstance(found_inf, torch.Tensor):
             skipped = (found_inf > 0).to(torch.int64).reshape(())
-            self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
+            self._skipped_on_device = (skipped if self._skipped_on_device is None
+                                       else self._skipped_on_device + skipped)
 
     def _settle_skipped_steps(self, state: TrainState) -> None:
         """Add the skips counted on the device to `state` (one host sync; at log steps and checkpoints)."""
@@ -235,7 +236,8 @@ class TrainLoop:
         if self.divergence is not None:
             self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
-        metrics["train/epoch"] = state.epoch + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps)
+        metrics["train/epoch"] = (state.epoch
+                                  + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps))
         self._settle_skipped_steps(state)
         metrics["train/skipped_steps"] = state.skipped_steps
         if self.scaler is not None:
@@ -282,8 +284,8 @@ class _Window:
         return loss_sum, micro
 
     def check_finite(self, step: Optional[int]) -> float:
-        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank; return the global mean
-        loss."""
+        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank;
+        return the global mean loss."""
         loss_sum, micro = self._global_loss()
         if not math.isfinite(loss_sum):
             raise NonFiniteLossError(f"the training loss is {loss_sum} at or before update {step}; stopping "
@@ -340,8 +342,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     if unreadable:
         names = [dataset.filename(i) if hasattr(dataset, "filename") else f"sample {i}" for i in unreadable]
         log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names),
-                    ", ".join(names[:10]),
-                    " ..." if len(names) > 10 else "")
+                    ", ".join(names[:10]), " ..." if len(names) > 10 else "")
     all_reduce(sums)
     correct1, correct5, loss, count, excluded = sums.tolist()
     scored = max(count, 1.0)

@@ -56,7 +56,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
         kwargs["momentum"] = cfg.momentum
     if use_fused(cfg, device):
         if cfg.name not in FUSED:
-            raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; use one of {', '.join(FUSED)}")
+            raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; "
+                             f"use one of {', '.join(FUSED)}")
         kwargs["fused"] = True
     return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
                                layer_decay=cfg.layer_decay, **kwargs)
@@ -66,7 +67,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_
     """A timm scheduler; `sched.epochs` is the whole run, warmup included (also with warmup_prefix)."""
     cosine_epochs = cfg.epochs - cfg.warmup_epochs if cfg.warmup_prefix else cfg.epochs
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cosine_epochs,
-                                       warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr,
-                                       warmup_prefix=cfg.warmup_prefix, step_on_epochs=not cfg.per_step,
-                                       updates_per_epoch=updates_per_epoch)
+                                       warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr,
+                                       min_lr=cfg.min_lr, warmup_prefix=cfg.warmup_prefix,
+                                       step_on_epochs=not cfg.per_step, updates_per_epoch=updates_per_epoch)
     return scheduler

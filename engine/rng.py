@@ -20,8 +20,8 @@ def mix_seed(*parts: int) -> int:
 
 
 def seed_all(seed: int, cuda: bool = True) -> None:
-    """Seed python's, numpy's and torch's global RNGs (torch's CUDA generators too, unless `cuda` is
-    False)."""
+    """Seed python's, numpy's and torch's global RNGs
+    (torch's CUDA generators too, unless `cuda` is False)."""
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     if cuda:

@@ -38,10 +38,11 @@ LOCK_NAME = ".run.lock"
 ARCHIVE = "archive"
 # Settings that describe where and how a run executes, not what it computes: they may change on resume.
 ENVIRONMENT_KEYS = (
-    "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained", "model.pretrained_strict",
-    "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps", "train.ckpt_every_steps",
-    "train.eval_every_epochs", "train.device", "train.compile", "train.archive_existing",
-    "train.allow_changed_config", "train.divergence_factor", "train.divergence_windows", "log.*", "quant.*")
+    "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained",
+    "model.pretrained_strict", "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps",
+    "train.ckpt_every_steps", "train.eval_every_epochs", "train.device", "train.compile",
+    "train.archive_existing", "train.allow_changed_config", "train.divergence_factor",
+    "train.divergence_windows", "log.*", "quant.*")
 
 
 class RunDirError(ValueError):
@@ -78,8 +79,8 @@ def prepare_folder(out_dir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable "
-                          f"out_dir") from None
+        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; "
+                          f"choose a writable out_dir") from None
 
 
 def remove_partial_writes(out_dir: str) -> list[str]:
@@ -136,9 +137,9 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
         archive(out_dir, found)
         return
     raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no "
-                      f"checkpoint.pt "
-                      f"to resume from: use another out_dir, or re-run with train.archive_existing=true to move "
-                      f"them to {out_dir}/{ARCHIVE}/<time>/ and start afresh")
+                      f"checkpoint.pt to resume from: use another out_dir, or re-run with "
+                      f"train.archive_existing=true to move them to {out_dir}/{ARCHIVE}/<time>/ "
+                      f"and start afresh")
 
 
 @contextmanager
@@ -156,7 +157,8 @@ def lock_folder(out_dir: str) -> Iterator[None]:
                           f"use another out_dir") from None
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} "
+                 f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
     handle.flush()
     try:
         yield
@@ -188,8 +190,8 @@ def claim_on_main_rank(out_dir: str, config: dict, archive_existing: bool, dist)
             except RunDirError as e:
                 error = e
         raise_on_every_rank(error, dist.device,
-                            lambda: RunDirError(f"rank 0 could not claim out_dir '{out_dir}' (its error "
-                                                f"says why)"))
+                            lambda: RunDirError(f"rank 0 could not claim out_dir '{out_dir}' "
+                                                f"(its error says why)"))
         yield
 
 

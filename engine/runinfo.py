@@ -35,8 +35,7 @@ def git_commit() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True,
-                             timeout=5)
+                             text=True, timeout=5)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"

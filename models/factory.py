@@ -47,8 +47,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     except Exception as e:
         if hub:
             raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
-                             f"local "
-                             f"file: model.pretrained=/path/to/weights.safetensors") from e
+                             f"local file: model.pretrained=/path/to/weights.safetensors") from e
         raise
     if cfg.pretrained and not hub:
         load_pretrained(model, cfg.pretrained, strict=cfg.pretrained_strict)

@@ -3,7 +3,7 @@
     from quant import PIPELINES, PipelineData
     qmodel, report = PIPELINES["repq"](fp_model, calib_images, "w4a4")        # or "percentile"
     qmodel, report = PIPELINES["aphq"](fp_model, calib_images, "w4a4", {"iters": 2000},
-    data=PipelineData(...))
+                                       data=PipelineData(...))
 
 The shared core is in this folder (quantizers, layers, attention, spec, convert, calibrate, ranges,
 reparam, units, layout, pipeline); each method family is a sub-package: ptq/ (percentile, RepQ-ViT),

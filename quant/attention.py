@@ -1,5 +1,5 @@
-"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT) and Swin's
-`WindowAttention`.
+"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT)
+and Swin's `WindowAttention`.
 
 timm runs ViT attention through fused SDPA, which never materialises q @ k^T or the probabilities,
 so a quantized copy re-writes the forward as explicit steps, each a method a variant can override:
@@ -104,8 +104,8 @@ class QuantAttention(QuantAttentionBase):
             scores = scores + scores.new_full((N, N), float("-inf")).triu_(1)
         elif attn_mask is not None:
             if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros_like(attn_mask,
-                                             dtype=scores.dtype).masked_fill_(~attn_mask, float("-inf"))
+                attn_mask = (torch.zeros_like(attn_mask, dtype=scores.dtype)
+                             .masked_fill_(~attn_mask, float("-inf")))
             scores = scores + attn_mask
         probs = self.attn_drop(self.attention_probs(scores))
         x = self.attention_context(probs, v).transpose(1, 2).reshape(B, N, self.attn_dim)
@@ -116,8 +116,8 @@ class QuantAttention(QuantAttentionBase):
 
 
 class QuantWindowAttention(QuantAttentionBase):
-    """Converted Swin `WindowAttention`: relative position bias and shift mask added in float after
-    matmul1."""
+    """Converted Swin `WindowAttention`: relative position bias and shift mask added in float
+    after matmul1."""
 
     def __init__(self, src: WindowAttention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
         super().__init__()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from .spec import ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, LinearRule, QuantizerSpec, \
-    QuantSpec
+from .spec import (ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, LinearRule,
+                   QuantizerSpec, QuantSpec)
 
 
 def _with_bits(spec: QuantizerSpec, bits: Optional[int]) -> Optional[QuantizerSpec]:

@@ -55,14 +55,14 @@ class Pipeline:
     Options: Type = type(None)
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
-                 options: Optional[Mapping[str,
-                                           Any]] = None, data: Optional[PipelineData] = None) -> PTQResult:
+                 options: Optional[Mapping[str, Any]] = None,
+                 data: Optional[PipelineData] = None) -> PTQResult:
         """Quantize a copy of `fp_model`.
 
         Args:
             fp_model: float timm ViT/DeiT/Swin, on the device to calibrate on (left untouched).
-            calib_images: [N, 3, H, W] tensor or iterable of batches (eval transform; the entry point picks
-            them).
+            calib_images: [N, 3, H, W] tensor or iterable of batches (eval transform; the entry point
+                picks them).
             bits: "w4a4", "w6a6", "w8a8", ... or Bits(w, a).
             options: pipeline-specific overrides of `Options` (unknown keys raise).
             data: training data for pipelines that draw their own images (APHQ, GPLQ); percentile and
@@ -125,8 +125,7 @@ def pipeline_report(pipeline: str, model: torch.nn.Module, bits: Bits, options, 
     with the pipeline's own entries in `extra`."""
     layers = describe(model)
     return {"pipeline": pipeline, "bits": str(bits), **options.resolved(bits),
-            "options": dataclasses.asdict(options),
-            **extra, "summary": summarize(layers), "layers": layers}
+            "options": dataclasses.asdict(options), **extra, "summary": summarize(layers), "layers": layers}
 
 
 

@@ -1,10 +1,9 @@
 """The data seam between the entry point and pipelines that need more than the calibration batch.
 
 percentile / repq only need the fixed calibration images that `Pipeline.__call__` receives. APHQ needs
-1024 training-transform images (GoatWu/APHQ-ViT `test_quant.py`) and GPLQ a training loader, a PCA
-subset and 512 stage-2 images (GPLQ paper, arXiv 2506.11784, Sec. 3). quant/ never imports data/ or the entry
-points, so the entry point hands a
-`PipelineData` of callables over (evaluate.py builds it from data/loader.py):
+1024 training-transform images (GoatWu/APHQ-ViT `test_quant.py`) and GPLQ a training loader, a PCA subset and
+512 stage-2 images (GPLQ paper, arXiv 2506.11784, Sec. 3). quant/ never imports data/ or the entry points, so
+the entry point hands a `PipelineData` of callables over (evaluate.py builds it from data/loader.py):
 
     data = PipelineData(train_images=lambda count, seed, train_transform: ...,
                         train_loader=lambda batch_size_per_gpu, seed: TrainBatches(loader, sampler),
@@ -51,8 +50,8 @@ def require_data(pipeline: str, data: Any, loader: bool = False) -> PipelineData
     """`data` as PipelineData, or a clear error saying what the pipeline needs (no silent fallback)."""
     if not isinstance(data, PipelineData):
         raise ValueError(f"the {pipeline!r} pipeline draws its own training images: pass "
-                         f"data=PipelineData(...) "
-                         "(evaluate.py builds it from the data config); the calibration batch alone is not enough")
+                         f"data=PipelineData(...) (evaluate.py builds it from the data config); "
+                         "the calibration batch alone is not enough")
     if loader and data.train_loader is None:
         raise ValueError(f"the {pipeline!r} pipeline trains: PipelineData.train_loader is required")
     return data

@@ -58,8 +58,7 @@ class Quantizer(nn.Module):
         if not self.calibrated:
             if not self.calibrating:
                 raise RuntimeError(f"quantizer {self.name or type(self).__name__} is used before "
-                                   f"calibration; "
-                                   "run quant.calibrate(model, images) first")
+                                   "calibration; run quant.calibrate(model, images) first")
             with torch.no_grad():
                 self.fit(x.detach())
             self.calibrated = True
@@ -79,7 +78,8 @@ class Quantizer(nn.Module):
         return cls(spec.bits, spec.symmetric, channel_dim, num_channels, spec.search, device=device)
 
     def _use_ste(self, x: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        return torch.is_grad_enabled() and (x.requires_grad
+                                            or any(p.requires_grad for p in self.parameters()))
 
     def make_learnable(self, **which: bool) -> None:
         """Turn the named parameter buffers into nn.Parameters (same state-dict keys).
@@ -106,7 +106,8 @@ class Quantizer(nn.Module):
         # saved shapes before the default loader copies values (it refuses shape mismatches).
         for key in list(self._buffers):
             saved = state_dict.get(prefix + key)
-            if saved is not None and self._buffers[key] is not None and saved.shape != self._buffers[key].shape:
+            if (saved is not None and self._buffers[key] is not None
+                    and saved.shape != self._buffers[key].shape):
                 self._buffers[key] = torch.empty_like(saved, device=self._buffers[key].device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -185,8 +186,8 @@ class UniformQuantizer(Quantizer):
         else:
             scale, zp, _ = best_per_group(
                 lambda s, z: (fake_quant_uniform(rows, s[:, None], z[:, None], self.qmin, self.qmax) - rows)
-                .pow_(2).mean(dim=1), torch.stack([s for s,
-                                                   _ in params]), torch.stack([z for _, z in params]))
+                .pow_(2).mean(dim=1),
+                torch.stack([s for s, _ in params]), torch.stack([z for _, z in params]))
         self.set_params(scale, zp)
 
     def set_params(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
@@ -221,7 +222,8 @@ class UniformQuantizer(Quantizer):
         self.channel_dim = state.get("channel_dim", self.channel_dim)
 
     def extra_repr(self) -> str:
-        gran = "tensor" if self.channel_dim is None else f"dim={self.channel_dim}, groups={self.scale.numel()}"
+        gran = ("tensor" if self.channel_dim is None
+                else f"dim={self.channel_dim}, groups={self.scale.numel()}")
         return (f"bits={self.bits}, {'symmetric' if self.symmetric else 'asymmetric'}, {gran}, "
                 f"search={self.search.method}, calibrated={self.calibrated}")
 

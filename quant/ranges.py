@@ -108,8 +108,8 @@ def best_per_group(errors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
 
 def range_search(method: str, levels: Optional[Tuple[float, ...]]) -> RangeSearch:
-    """The RangeSearch of a percentile-style option pair (None levels: RepQ set, or 0.9999 for
-    'percentile')."""
+    """The RangeSearch of a percentile-style option pair
+    (None levels: RepQ set, or 0.9999 for 'percentile')."""
     if levels is None:
         levels = (0.9999,) if method == "percentile" else REPQ_PERCENTILES
     return RangeSearch(method, tuple(levels))

@@ -1,8 +1,7 @@
 """RepQ-ViT scale reparameterisation: fold per-channel post-LayerNorm quantizers into LN and the next Linear.
 
-For a LayerNorm output y (channels c) whose consumer's input quantizer was calibrated per channel
-with (s_c, z_c) (zkkli/RepQ-ViT
-`classification/quant/quant_model.py`):
+For a LayerNorm output y (channels c) whose consumer's input quantizer was calibrated per channel with
+(s_c, z_c) (zkkli/RepQ-ViT `classification/quant/quant_model.py`):
 
     s~ = mean_c s_c,  z~ = mean_c z_c (optionally rounded),  r_c = s_c / s~,  b_c = s~ (z~ - z_c)
     LayerNorm:  gamma'_c = gamma_c / r_c,   beta'_c = beta_c / r_c - b_c       (y'_c = y_c / r_c - b_c)

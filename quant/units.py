@@ -1,11 +1,10 @@
 """Reconstruction units of a timm ViT/DeiT/Swin and capturing what flows into and out of them.
 
 APHQ-ViT reconstructs, in module order (GoatWu/APHQ-ViT `test_quant.py`): the patch embedding, every
-Transformer
-block (ViT `blocks.N`, Swin `layers.N.blocks.M`), every Swin PatchMerging (`layers.N.downsample`, not
-the Identity of stage 0) and the classifier (`head` for ViT/DeiT, `head.fc` for Swin, plus DeiT's
-`head_dist`). GPLQ's QwT compensates the Transformer blocks. Units are found by FQN, so the float and
-the quantized copy of a model name the same units.
+Transformer block (ViT `blocks.N`, Swin `layers.N.blocks.M`), every Swin PatchMerging (`layers.N.downsample`,
+not the Identity of stage 0) and the classifier (`head` for ViT/DeiT, `head.fc` for Swin, plus DeiT's
+`head_dist`). GPLQ's QwT compensates the Transformer blocks. Units are found by FQN, so the float and the
+quantized copy of a model name the same units.
 
 Activations are captured with forward hooks that stop the forward pass right after the unit
 (`_StopForward`), so capturing the input of unit k runs only the prefix of the network. Captures are

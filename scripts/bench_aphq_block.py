@@ -8,9 +8,8 @@ the Hessian on one batch, and extrapolates both to the official counts. Images a
 does not depend on their content. Quantizer parameters come from one quick RepQ-style calibration
 pass, not from the APHQ output-MSE search, which this script does not time (quant/README.md estimates it).
 
-    python scripts/bench_aphq_block.py --threads 1 --iters 5 --out /tmp/aphq_block.json     # ViT-B/16 224,
-    CPU
-    python scripts/bench_aphq_block.py --device cuda --iters 200                            # on a GPU
+    python scripts/bench_aphq_block.py --threads 1 --iters 5 --out /tmp/aphq_block.json  # ViT-B/16 224, CPU
+    python scripts/bench_aphq_block.py --device cuda --iters 200                         # on a GPU
 """
 from __future__ import annotations
 
@@ -83,19 +82,19 @@ def main(argv: list[str]) -> dict:
 
     stamps = []
     total = args.warmup + args.iters
-    settings = ReconSettings(iters=total, batch_size=args.batch, weight_lr=options.weight_lr,
-                             act_lr=options.act_lr,
-                             drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
-                             rounding=RoundingSchedule(total, warmup=0.0), normalize_loss=True, log_every=1)
+    settings = ReconSettings(
+        iters=total, batch_size=args.batch, weight_lr=options.weight_lr, act_lr=options.act_lr,
+        drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
+        rounding=RoundingSchedule(total, warmup=0.0), normalize_loss=True, log_every=1)
     reconstruct_unit(qmodel.get_submodule(args.block), fp_in, fp_in, fp_out, h, "weighted_mse", settings,
                      torch.Generator(device=device).manual_seed(0), name=args.block,
                      progress=lambda m: stamps.append(m["seconds"]))
     per_iter = [b - a for a, b in zip(stamps, stamps[1:])][max(0, args.warmup - 1):]
     per_iter_s = statistics.median(per_iter)
     result = {
-        "model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block, "batch": args.batch,
-        "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "timed_iters": len(per_iter), "iter_s": round(per_iter_s, 4),
+        "model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block,
+        "batch": args.batch, "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "timed_iters": len(per_iter), "iter_s": round(per_iter_s, 4),
         "iter_s_min_max": [round(min(per_iter), 4), round(max(per_iter), 4)],
         "hessian_batch_s": round(hessian_batch_s, 4),
         "extrapolated": {

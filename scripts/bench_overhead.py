@@ -43,8 +43,8 @@ METHODS = ("baseline", "cd", "tweo")
 def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):
     """A timm ViT with head dim 64 (ViT-S/B/L widths 384/768/1024 -> 6/12/16 heads)."""
     model = timm.create_model("vit_base_patch16_224", img_size=img_size, patch_size=patch_size,
-                              embed_dim=embed_dim,
-                              depth=depth, num_heads=max(1, embed_dim // 64), num_classes=num_classes)
+                              embed_dim=embed_dim, depth=depth, num_heads=max(1, embed_dim // 64),
+                              num_classes=num_classes)
     return model.to(device)
 
 
@@ -134,7 +134,8 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
     rows = []
     for method in METHODS:
         row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"],
-               "step_ms": statistics.median(times[method]), "step_ms_all": times[method], "peak_mib": peaks[method]}
+               "step_ms": statistics.median(times[method]), "step_ms_all": times[method],
+               "peak_mib": peaks[method]}
         if method == "cd":
             row["cd_apply_ms"] = statistics.median(apply_ms)
         rows.append(row)
@@ -178,10 +179,12 @@ def table(rows: list[dict]) -> str:
         by = {r["method"]: r for r in rows if (r["sweep"], r["embed_dim"], r["batch"]) == (sweep, dim, batch)}
         t = {m: by[m]["step_ms"] for m in METHODS}
         mem = {m: by[m]["peak_mib"] for m in METHODS}
-        lines.append(f"{sweep:6s} {dim:5d} {batch:5d} | {_fmt(t['baseline'], '8.1f')} {_fmt(t['cd'], '8.1f')} "
-                     f"{_fmt(t['tweo'], '8.1f')} | {_fmt(_ratio(t['cd'], t['baseline']), '7.3f')} "
-                     f"{_fmt(_ratio(t['tweo'], t['baseline']), '9.3f')} | {_fmt(mem['baseline'], '8.0f')} "
-                     f"{_fmt(mem['cd'], '8.0f')} {_fmt(mem['tweo'], '8.0f')} | "
+        lines.append(f"{sweep:6s} {dim:5d} {batch:5d} | "
+                     f"{_fmt(t['baseline'], '8.1f')} {_fmt(t['cd'], '8.1f')} {_fmt(t['tweo'], '8.1f')} | "
+                     f"{_fmt(_ratio(t['cd'], t['baseline']), '7.3f')} "
+                     f"{_fmt(_ratio(t['tweo'], t['baseline']), '9.3f')} | "
+                     f"{_fmt(mem['baseline'], '8.0f')} {_fmt(mem['cd'], '8.0f')} "
+                     f"{_fmt(mem['tweo'], '8.0f')} | "
                      f"{_fmt(_ratio(mem['cd'], mem['baseline']), '7.3f')} "
                      f"{_fmt(_ratio(mem['tweo'], mem['baseline']), '9.3f')} | "
                      f"{_fmt(by['cd'].get('cd_apply_ms'), '11.2f')}")
@@ -244,8 +247,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     if args.small:  # a ViT with 64 tokens and 4 blocks: each step takes tens of ms on a laptop CPU
         base = dict(embed_dim=192, depth=4, img_size=64, patch_size=8, num_classes=100)
-        batches, widths, width_batch = args.batches or [8, 16,
-                                                        32], args.widths or [96, 192, 384], args.width_batch or 16
+        batches, widths, width_batch = args.batches or [8, 16, 32], args.widths or [96, 192, 384], \
+            args.width_batch or 16
         args.warmup = 3 if args.warmup is None else args.warmup
         args.steps = 7 if args.steps is None else args.steps
     else:  # ViT-B/16 at 224 px, as in the paper
@@ -263,14 +266,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print()
     print(table(rows))
     if device != "cuda":
-        print("peak memory: n/a on CPU (torch.cuda.max_memory_allocated only; process RSS is not per "
-              "configuration)")
+        print("peak memory: n/a on CPU (torch.cuda.max_memory_allocated only; "
+              "process RSS is not per configuration)")
 
     os.makedirs(args.out, exist_ok=True)
     report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__,
-              "amp": args.amp,
-              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "small": args.small,
-              "model": base, "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
+              "amp": args.amp, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
+              "small": args.small, "model": base,
+              "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
     with open(os.path.join(args.out, "overhead.json"), "w") as f:
         json.dump(report, f, indent=1)
     plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",

@@ -63,7 +63,8 @@ def main(argv=None) -> dict:
     calib = torch.randn(args.calib, 3, size, size, device=device)
 
     fp = timed_forward(model, x, device, args.repeats, args.warmup)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({torch.get_num_threads()} threads)")
     result = {"model": args.model, "device": name, "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
     print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
     for pipeline in args.pipelines:

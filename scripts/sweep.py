@@ -46,8 +46,8 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
         overrides.append(f"out_dir={os.path.join(sweep.get('out_root', 'runs/sweep'), str(name))}")
         try:
-            load_config([os.path.join(ROOT, c) for c in configs],
-                        overrides + eval_overrides)  # strict, up front
+            # strict, up front
+            load_config([os.path.join(ROOT, c) for c in configs], overrides + eval_overrides)
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
@@ -63,8 +63,7 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
         out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
         cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
-                              *data_overrides,
-                              *run["evaluate"]])
+                              *data_overrides, *run["evaluate"]])
     return cmds
 
 

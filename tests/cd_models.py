@@ -1,7 +1,7 @@
 """Tiny timm models for the cd/ tests (CPU, built in milliseconds), with randomized norm scales.
 
-Also the plain float64 reference of the CD update (written independently of cd/). Imported by the `test_cd_*`
-/ `test_tweo*` files (pytest puts `tests/` on sys.path).
+Also the plain float64 reference of the CD update (written independently of cd/).
+Imported by the `test_cd_*` / `test_tweo*` files (pytest puts `tests/` on sys.path).
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ def tiny_vit(seed: int = 0, randomize: bool = True) -> nn.Module:
     """ViT with embed dim 32, 2 blocks, 2 heads, 32px input, 10 classes."""
     torch.manual_seed(seed)
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32,
-                              depth=VIT_DEPTH,
-                              num_heads=2, num_classes=10)
+                              depth=VIT_DEPTH, num_heads=2, num_classes=10)
     return randomize_norms(model, seed) if randomize else model
 
 

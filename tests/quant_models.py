@@ -26,8 +26,8 @@ def images(n: int = 8, seed: int = 1) -> torch.Tensor:
 
 
 def perturb_norms(model: nn.Module, seed: int = 2) -> nn.Module:
-    """Give every LayerNorm non-trivial affine parameters (fresh timm inits are 1 / 0, which hides fold
-    bugs)."""
+    """Give every LayerNorm non-trivial affine parameters
+    (fresh timm inits are 1 / 0, which hides fold bugs)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
@@ -38,8 +38,8 @@ def perturb_norms(model: nn.Module, seed: int = 2) -> nn.Module:
 
 
 def digits_config(model_name: str, *overrides: str):
-    """The digits demo config (RGB 32 px, eval transform = resize + normalize) for a models/variants.py
-    name."""
+    """The digits demo config (RGB 32 px, eval transform = resize + normalize)
+    for a models/variants.py name."""
     import os
 
     from configs import load_config

@@ -1,5 +1,5 @@
-"""scripts/bench_overhead.py runs end to end on CPU (one tiny configuration per sweep) and writes its
-outputs."""
+"""scripts/bench_overhead.py runs end to end on CPU (one tiny configuration per sweep)
+and writes its outputs."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,9 +16,8 @@ def test_bench_overhead_cpu_smoke(tmp_path, capsys):
                                                   os.path.join(ROOT, "scripts", "bench_overhead.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch",
-                         "2",
-                         "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
+    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64",
+                         "--width-batch", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
     assert {(r["sweep"], r["method"]) for r in report["rows"]} == {(s, m) for s in ("batch", "width")
                                                                     for m in ("baseline", "cd", "tweo")}
     assert all(r["step_ms"] > 0 and r["peak_mib"] is None for r in report["rows"])

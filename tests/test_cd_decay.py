@@ -50,7 +50,8 @@ def test_hook_applies_one_update_per_step_with_each_groups_current_lr():
     _assert_cd_applied(model, P, [0.1 * lam, 0.5 * lam])
     assert decay.num_updates == 1
 
-    opt.param_groups[0]["lr"] = 0.3  # a scheduler changes the lr between steps: the hook reads it at step time
+    # a scheduler changes the lr between steps: the hook reads it at step time
+    opt.param_groups[0]["lr"] = 0.3
     P = snapshot(model)
     opt.step()
     _assert_cd_applied(model, P, [0.3 * lam, 0.5 * lam])
@@ -178,8 +179,8 @@ def test_metrics_energy_and_update_norm_match_independent_values():
     P = snapshot(model)
     decay = ColinearityDecay(model, lam=0.2)
     m0 = decay.metrics()
-    want_fc2 = sum((P[f"blocks.{i}.mlp.fc2.weight"] @ normalized(P[f"blocks.{i}.mlp.fc1.weight"])).square().sum()
-                   for i in range(VIT_DEPTH)) / VIT_DEPTH
+    want_fc2 = sum((P[f"blocks.{i}.mlp.fc2.weight"] @ normalized(P[f"blocks.{i}.mlp.fc1.weight"]))
+                   .square().sum() for i in range(VIT_DEPTH)) / VIT_DEPTH
     want_qkv = sum((P[f"blocks.{i}.attn.qkv.weight"] @ normalized(torch.diag(P[f"blocks.{i}.norm1.weight"])))
                    .square().sum() for i in range(VIT_DEPTH)) / VIT_DEPTH
     assert math.isclose(m0["cd/pair_energy/fc2"], float(want_fc2), rel_tol=1e-9)
@@ -187,10 +188,11 @@ def test_metrics_energy_and_update_norm_match_independent_values():
     assert not any(k.startswith("cd/update_norm/") for k in m0)
     decay.apply(lr=0.5)
     m1 = decay.metrics()
-    assert set(m1) >= {f"cd/{k}/{r}" for k in ("pair_energy",
-                                               "update_norm") for r in ("qkv", "proj", "fc1", "fc2")}
-    moved = math.sqrt(sum(float((P[f"blocks.{i}.mlp.fc2.weight"] - model.blocks[i].mlp.fc2.weight.detach()).square().sum())
-                          for i in range(VIT_DEPTH)))
+    assert set(m1) >= {f"cd/{k}/{r}" for k in ("pair_energy", "update_norm")
+                       for r in ("qkv", "proj", "fc1", "fc2")}
+    moved = math.sqrt(sum(
+        float((P[f"blocks.{i}.mlp.fc2.weight"] - model.blocks[i].mlp.fc2.weight.detach()).square().sum())
+        for i in range(VIT_DEPTH)))
     assert math.isclose(m1["cd/update_norm/fc2"], moved, rel_tol=1e-9)
     assert m1["cd/pair_energy/fc2"] < m0["cd/pair_energy/fc2"]  # CD lowers the energy it targets
 
@@ -243,8 +245,8 @@ def test_state_dict_round_trip_and_config_mismatch_warning():
 def test_from_config_and_bad_arguments():
     cfg = load_config(None, ["cd.enabled=true", "cd.lam=0.01", "cd.lam_per_role.fc2=0.02", "cd.targets=B"])
     decay = ColinearityDecay.from_config(cfg.cd, tiny_vit())
-    assert (decay.lam, decay.lam_per_role, decay.targets,
-            decay.mode) == (0.01, {"fc2": 0.02}, "B", "decoupled")
+    assert ((decay.lam, decay.lam_per_role, decay.targets, decay.mode)
+            == (0.01, {"fc2": 0.02}, "B", "decoupled"))
     assert {p.role for p in decay.pairs} == {"proj", "fc2"}
     with pytest.raises(ValueError, match="unknown role"):
         ColinearityDecay(tiny_vit(), lam_per_role={"fc3": 0.1})

@@ -13,8 +13,7 @@ import torch
 from cd import ColinearityDecay, find_pairs
 from cd.update import colinearity_decay_
 from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot,
-                       tiny_swin,
-                       tiny_vit)
+                       tiny_swin, tiny_vit)
 
 
 def _assert_update_matches(model, P, expected, tol):
@@ -75,8 +74,8 @@ def test_update_is_half_step_times_autograd_gradient_of_normalized_energy():
         w1 = w1.clone()  # no grad: held fixed
         energy = (w2 @ (w1 * math.sqrt(w1.shape[0]) / w1.norm())).square().sum()
         (grad,) = torch.autograd.grad(energy, w2)
-        torch.testing.assert_close(P[name] - params[name].detach(), lr * lam / 2 * grad, rtol=1e-10,
-                                   atol=1e-13)
+        torch.testing.assert_close(P[name] - params[name].detach(), lr * lam / 2 * grad,
+                                   rtol=1e-10, atol=1e-13)
 
 
 def test_all_updates_use_pre_step_weights():
@@ -114,9 +113,9 @@ def test_lam_per_role_overrides():
     ColinearityDecay(model, lam=0.1, lam_per_role={"fc2": 0.3}).apply(lr=lr)
     torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(),
                                ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], lr * 0.3))
-    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(),
-                               ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]),
-                                      lr * 0.1))
+    torch.testing.assert_close(
+        model.blocks[0].mlp.fc1.weight.detach(),
+        ref_w2(P["blocks.0.mlp.fc1.weight"], torch.diag(P["blocks.0.norm2.weight"]), lr * 0.1))
 
 
 @pytest.mark.parametrize("targets,roles", [("A", {"attn.qkv", "mlp.fc1"}), ("B", {"attn.proj", "mlp.fc2"}),

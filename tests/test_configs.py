@@ -38,10 +38,8 @@ def test_precedence_defaults_then_files_in_order_then_overrides(tmp_path):
 
 
 def test_scientific_notation_and_yaml_values():
-    cfg = load_config(None,
-                      ["optim.lr=1e-3", "optim.clip_grad=5", "data.mean=[0.5, 0.5, 0.5]",
-                       "optim.layer_decay=null",
-                             "train.compile=true"])
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.clip_grad=5", "data.mean=[0.5, 0.5, 0.5]",
+                             "optim.layer_decay=null", "train.compile=true"])
     assert cfg.optim.lr == pytest.approx(1e-3) and isinstance(cfg.optim.lr, float)
     assert cfg.optim.clip_grad == 5.0 and isinstance(cfg.optim.clip_grad, float)
     assert cfg.data.mean == (0.5, 0.5, 0.5)
@@ -112,24 +110,24 @@ RECIPES = {
     # DeiT (facebookresearch/deit main.py defaults): all ViT sizes share the recipe
     "configs/pretrain/vit_b.yaml": {
         "model.name": "vit_base_patch16_224", "model.drop_path": 0.1, "train.batch_size": 1024,
-        "optim.lr_base": 5e-4, "optim.lr_base_batch": 512, "optim.weight_decay": 0.05, "optim.clip_grad": None,
-        "sched.epochs": 300, "sched.warmup_epochs": 5, "sched.warmup_prefix": False, "sched.per_step": False,
-        "sched.warmup_lr": 1e-6, "sched.min_lr": 1e-5, "data.mixup": 0.8, "data.cutmix": 1.0,
-        "data.label_smoothing": 0.1, "data.auto_augment": "rand-m9-mstd0.5-inc1", "data.reprob": 0.25,
-        "data.repeated_aug": 3, "data.crop_pct": 0.875, "data.interpolation": "bicubic", "train.amp": "fp16",
-        "train.ema": False},
+        "optim.lr_base": 5e-4, "optim.lr_base_batch": 512, "optim.weight_decay": 0.05,
+        "optim.clip_grad": None, "sched.epochs": 300, "sched.warmup_epochs": 5, "sched.warmup_prefix": False,
+        "sched.per_step": False, "sched.warmup_lr": 1e-6, "sched.min_lr": 1e-5, "data.mixup": 0.8,
+        "data.cutmix": 1.0, "data.label_smoothing": 0.1, "data.auto_augment": "rand-m9-mstd0.5-inc1",
+        "data.reprob": 0.25, "data.repeated_aug": 3, "data.crop_pct": 0.875, "data.interpolation": "bicubic",
+        "train.amp": "fp16", "train.ema": False},
     # Swin (microsoft/Swin-Transformer swin_tiny_patch4_window7_224.yaml + config.py)
     "configs/pretrain/swin_t.yaml": {
         "model.name": "swin_tiny_patch4_window7_224", "model.drop_path": 0.2, "optim.clip_grad": 5.0,
-        "sched.warmup_epochs": 20, "sched.warmup_prefix": True, "sched.per_step": True, "data.repeated_aug": 0,
-        "sched.warmup_lr": 1e-6, "sched.min_lr": 1e-5, "train.batch_size": 1024},
+        "sched.warmup_epochs": 20, "sched.warmup_prefix": True, "sched.per_step": True,
+        "data.repeated_aug": 0, "sched.warmup_lr": 1e-6, "sched.min_lr": 1e-5, "train.batch_size": 1024},
     # the paper's fine-tuning appendix
     "configs/finetune/vit_b_in21k.yaml": {
         "model.name": "vit_base_patch16_224.orig_in21k", "train.batch_size": 64, "optim.lr": 5e-4,
-        "optim.weight_decay": 0.05, "optim.layer_decay": 0.9, "model.drop_path": 0.1, "data.label_smoothing": 0.1,
-        "sched.epochs": 80, "sched.warmup_epochs": 5, "sched.warmup_prefix": True, "data.mixup": 0.0,
-        "data.auto_augment": "rand-m9-mstd0.5-inc1", "data.reprob": 0.25, "data.remode": "pixel",
-        "data.hflip": 0.5, "train.eval_batch_size_per_gpu": 256},
+        "optim.weight_decay": 0.05, "optim.layer_decay": 0.9, "model.drop_path": 0.1,
+        "data.label_smoothing": 0.1, "sched.epochs": 80, "sched.warmup_epochs": 5,
+        "sched.warmup_prefix": True, "data.mixup": 0.0, "data.auto_augment": "rand-m9-mstd0.5-inc1",
+        "data.reprob": 0.25, "data.remode": "pixel", "data.hflip": 0.5, "train.eval_batch_size_per_gpu": 256},
     "configs/method/cd.yaml": {"cd.enabled": True, "cd.lam": 0.005, "cd.targets": "A+B", "cd.budget": True},
     "configs/method/cd_finetune.yaml": {"cd.lam": 0.01, "cd.lam_per_role": {"fc2": 0.02}},
     "configs/method/tweo.yaml": {"tweo.enabled": True, "tweo.p": 4.0, "tweo.tau": 3.0},
@@ -147,5 +145,5 @@ def test_recipes_hold_the_published_values(path):
 def test_deit_lr_rule_gives_1e3_at_batch_1024():
     from engine.optim import peak_lr
 
-    assert peak_lr(load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")]).optim,
-                   1024) == pytest.approx(1e-3)
+    assert (peak_lr(load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")]).optim, 1024)
+            == pytest.approx(1e-3))

@@ -122,9 +122,9 @@ def test_repeated_augmentation_follows_the_seed_and_sends_repeats_to_different_r
     from timm.data.distributed_sampler import RepeatAugSampler
 
     def order(seed, rank, world=2, repeats=2):
-        sampler = SeededSampler(RepeatAugSampler(range(600), num_replicas=world, rank=rank,
-                                                 num_repeats=repeats),
-                                seed=seed, rank=rank)
+        sampler = SeededSampler(
+            RepeatAugSampler(range(600), num_replicas=world, rank=rank, num_repeats=repeats),
+            seed=seed, rank=rank)
         sampler.set_epoch(3)
         return [i for i, _ in sampler]
 

@@ -23,9 +23,8 @@ def digits_checkpoint(tmp_path_factory):
 
 def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     out = str(tmp_path / "result.json")
-    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "percentile", "repq", "--bits",
-                                "w8a8",
-                                "w4a4", "--out", out])
+    args = evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "percentile", "repq",
+                                "--bits", "w8a8", "w4a4", "--out", out])
     result = evaluate.main(args)
     with open(out) as f:
         saved = json.load(f)
@@ -79,8 +78,7 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
 def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
     def run(*argv):
         return subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True,
-                              text=True,
-                              timeout=300)
+                              text=True, timeout=300)
 
     bad = run("--checkpoint", str(tmp_path / "missing.pt"))
     assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
@@ -100,9 +98,9 @@ def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
                                                 "--out", str(tmp_path / "single.json")]))
     out = str(tmp_path / "ddp.json")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          "--master_port",
-                          str(free_port()), "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", "repq",
-                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          "--master_port", str(free_port()),
+                          "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", "repq", "--out", out],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     with open(out) as f:

@@ -91,8 +91,8 @@ def test_exact_resume_on_cuda(debug_config):
 
 
 def test_fp16_step_with_a_fused_optimizer_never_syncs_with_the_host():
-    """An fp16 update with a fused optimizer issues no synchronising CUDA call (engine/optim.py,
-    use_fused)."""
+    """An fp16 update with a fused optimizer issues no synchronising CUDA call
+    (engine/optim.py, use_fused)."""
     model = tiny_vit().to(CUDA).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     batches = [(images(16, seed=s).pin_memory(), (torch.arange(16) % 10).pin_memory()) for s in range(6)]
@@ -128,8 +128,8 @@ def test_evaluate_under_torchrun_on_cuda(tmp_path):
     procs = min(2, torch.cuda.device_count())
     result = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master_port",
-           str(free_port()), "evaluate.py", "--checkpoint", str(out / "best.pt"), "--quant", "percentile", "repq",
-           "aphq", "--out", str(result), "quant.aphq.iters=10", "quant.aphq.recon_images=64",
+           str(free_port()), "evaluate.py", "--checkpoint", str(out / "best.pt"), "--quant", "percentile",
+           "repq", "aphq", "--out", str(result), "quant.aphq.iters=10", "quant.aphq.recon_images=64",
            "quant.aphq.calib_images=32", "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

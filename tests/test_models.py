@@ -62,8 +62,7 @@ def test_strict_loading_refuses_a_head_of_another_size(tmp_path):
     torch.save(source.state_dict(), tmp_path / "w.pth")
     with pytest.raises(ModelError, match="head.weight"):
         build_model(model_cfg("model.name=vit_nano", "model.num_classes=3",
-                              f"model.pretrained={tmp_path / 'w.pth'}",
-                              "model.pretrained_strict=true"))
+                              f"model.pretrained={tmp_path / 'w.pth'}", "model.pretrained_strict=true"))
 
 
 def test_weights_of_another_model_are_refused(tmp_path):
@@ -88,6 +87,7 @@ def test_official_swin_layout_is_remapped_to_timm(tmp_path):
     assert "layers.0.downsample.reduction.weight" in official and "head.weight" in official
     torch.save({"model": official}, tmp_path / "official_swin.pth")
     target = build_model(model_cfg("model.name=swin_micro", "model.num_classes=10",
-                                   f"model.pretrained={tmp_path / 'official_swin.pth'}", "model.pretrained_strict=true"))
+                                   f"model.pretrained={tmp_path / 'official_swin.pth'}",
+                                   "model.pretrained_strict=true"))
     for name, tensor in source.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name

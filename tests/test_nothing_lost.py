@@ -62,7 +62,8 @@ def test_the_same_run_restarting_before_its_first_checkpoint_archives_its_logs(d
         train.main(other)
     train.main(debug_config(name="restart"))  # the same command: the logs are moved aside, the run starts
     archived = os.listdir(os.path.join(cfg.out_dir, "archive"))
-    assert len(archived) == 1 and "metrics.jsonl" in os.listdir(os.path.join(cfg.out_dir, "archive", archived[0]))
+    assert (len(archived) == 1
+            and "metrics.jsonl" in os.listdir(os.path.join(cfg.out_dir, "archive", archived[0])))
     assert sum(1 for r in read_metrics(cfg.out_dir) if r["step"] == 2 and "train/loss" in r) == 1
 
 
@@ -187,8 +188,7 @@ def test_val_classes_must_equal_train_classes(tmp_path):
     with pytest.raises(DataError, match=r"different class folders \(val lacks \['d'\]; val has classes train "
                                         r"lacks: \['x'\]\)"):
         build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
-                      world_size=1,
-                      seed=0, num_classes=2)
+                      world_size=1, seed=0, num_classes=2)
 
 
 def test_a_corrupt_val_image_is_excluded_and_named_never_replaced(tmp_path, caplog):
@@ -230,9 +230,8 @@ def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
 
     saves = []
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     compute_loss=compute_loss,
-                     device=torch.device("cpu"), log_every=1, ckpt_every=10, save=lambda: saves.append(1),
-                     divergence=DivergenceGuard(3.0, 3))
+                     compute_loss=compute_loss, device=torch.device("cpu"), log_every=1, ckpt_every=10,
+                     save=lambda: saves.append(1), divergence=DivergenceGuard(3.0, 3))
     state = TrainState()
     with pytest.raises(DivergenceError, match="at update 4"):
         loop.run_epoch(loaders.train, state, batch_size_per_gpu=8)
@@ -245,8 +244,8 @@ def test_the_nan_message_names_the_update(debug_config):
                             world_size=1, seed=0, num_classes=4)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     device=torch.device("cpu"),
-                     compute_loss=lambda m, x, y: m(x).sum() * float("nan"), ckpt_every=1, save=lambda: None)
+                     device=torch.device("cpu"), compute_loss=lambda m, x, y: m(x).sum() * float("nan"),
+                     ckpt_every=1, save=lambda: None)
     with pytest.raises(NonFiniteLossError, match="nan at or before update 1;"):
         loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
 
@@ -257,7 +256,8 @@ def test_the_nan_message_names_the_update(debug_config):
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=10",
-                                           "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]))
+                                           "sched.epochs=1", "sched.warmup_epochs=0",
+                                           "log.tensorboard=false"]))
     return str(out / "best.pt")
 
 
@@ -277,8 +277,8 @@ def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_
     import quant
 
     calls = []
-    monkeypatch.setattr(evaluate, "evaluate_quantized", lambda *a,
-                        **k: calls.append(a) or pytest.fail("re-ran"))
+    monkeypatch.setattr(evaluate, "evaluate_quantized",
+                        lambda *a, **k: calls.append(a) or pytest.fail("re-ran"))
     run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)  # skipped
     monkeypatch.setattr(evaluate, "evaluate_quantized", quant.evaluate_quantized)
     with pytest.raises(ResultsError,
@@ -286,10 +286,10 @@ def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_
         run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
                  "quant.percentile.act_range=minmax")
     run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
-             "--recompute",
-             "quant.percentile.act_range=minmax")
+             "--recompute", "quant.percentile.act_range=minmax")
     saved = json.load(open(out))
-    assert saved["history"][0]["pipeline"] == "percentile" and saved["history"][0]["written"] == first["written"]
+    assert (saved["history"][0]["pipeline"] == "percentile"
+            and saved["history"][0]["written"] == first["written"])
     assert saved["quant"]["percentile"]["w8a8"]["settings"]["options"]["act_range"] == "minmax"
 
 
@@ -374,6 +374,7 @@ def test_best_checkpoint_is_written_only_when_top1_improves(tmp_path):
     assert not best.offer(state, {"val/top1": 50.0}) and not written  # equal is not better
     assert best.offer(state, {"val/top1": 60.0}) and state.best_top1 == 60.0
     payload, path = written[-1]
-    assert path.endswith("best.pt") and payload["metrics"]["val/top1"] == 60.0 and payload["classes"] == ["x", "y"]
+    assert (path.endswith("best.pt") and payload["metrics"]["val/top1"] == 60.0
+            and payload["classes"] == ["x", "y"])
     assert torch.equal(payload["model"]["weight"], model.weight) and "model_ema" not in payload
     assert not best.offer(state, {"val/top1": 55.0}) and len(written) == 1

@@ -68,16 +68,16 @@ def test_signal_saves_a_checkpoint_exits_0_and_resumes(tmp_path, signum, target,
 
 @pytest.mark.slow
 def test_process_group_sigterm_through_torchrun_stops_every_rank_at_one_update(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(free_port()),
-           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "train.batch_size_per_gpu=8",
-           "data.num_workers=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port", str(free_port()),
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN,
+           "train.batch_size_per_gpu=8", "data.num_workers=1"]
     proc = start(cmd, tmp_path)
     os.killpg(proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=180)
     # torchrun forwards SIGTERM to the ranks and then ends with its own SignalException report (not ours);
-    # the ranks stop at the same update, write checkpoint.pt and return normally: no traceback through our
-    # code
+    # the ranks stop at the same update, write checkpoint.pt and return normally:
+    # no traceback through our code
     assert "preempted at update" in output, output[-3000:]
     assert "DataLoader worker" not in output and 'train.py", line' not in output, output[-3000:]
     step = saved_step(tmp_path)

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _trained(name, tmp_path_factory):
     model, cfg, xv, yv = train_on_digits(name)
     work = tmp_path_factory.mktemp(name)
-    data = evaluate_entry.build_pipeline_data(cfg, 32, 0, 1,
-                                              str(work / "eval"))  # the entry point's data seam
+    # the entry point's data seam
+    data = evaluate_entry.build_pipeline_data(cfg, 32, 0, 1, str(work / "eval"))
     calib = data.train_images(32, 0, False)
     return model, cfg, data, calib, xv, yv
 
@@ -95,7 +95,8 @@ def test_aphq_end_to_end(trained):
     assert attn.q_quant.channel_dim == 1 and attn.attn_quant.channel_dim == 1  # per-head operands
     with torch.no_grad():
         assert torch.isfinite(qmodel(xv[:8])).all()
-    print(f"APHQ W4A4 ({APHQ_FAST['iters']} iters) {top1(qmodel, xv, yv):.1f} (float {top1(model, xv, yv):.1f})")
+    print(f"APHQ W4A4 ({APHQ_FAST['iters']} iters) {top1(qmodel, xv, yv):.1f} "
+          f"(float {top1(model, xv, yv):.1f})")
 
 
 def test_aphq_folds_layernorms_only_at_equal_weight_and_activation_bits(vit):
@@ -106,16 +107,15 @@ def test_aphq_folds_layernorms_only_at_equal_weight_and_activation_bits(vit):
     qkv = qmodel.get_submodule(find_units(qmodel, ("block",))[0].name).attn.qkv
     assert qkv.input_quantizer.bits == 8 and qkv.input_quantizer.channel_dim is None
     norms = [n for n, _ in model.named_parameters() if n.endswith(("norm1.weight", "norm1.bias"))]
-    assert norms and all(torch.equal(model.get_parameter(n),
-                                     qmodel.get_parameter(n)) for n in norms)  # not rescaled
+    # not rescaled
+    assert norms and all(torch.equal(model.get_parameter(n), qmodel.get_parameter(n)) for n in norms)
 
 
 def test_aphq_mlp_reconstruction_runs(vit):
     model, _, data, calib, _, _ = vit
     before = snapshot(model)
     qmodel, report = PIPELINES["aphq"](model, calib, "w4a4",
-                                       {**APHQ_FAST, "mlp_reconstruct": True, "mlp_iters": 3},
-                                       data=data)
+                                       {**APHQ_FAST, "mlp_reconstruct": True, "mlp_iters": 3}, data=data)
     assert_untouched(model, before)
     blocks = [u.name for u in find_units(model, ("block",))]
     assert [r["unit"] for r in report["mlp_reconstruction"]] == blocks
@@ -144,10 +144,11 @@ def test_gplq_end_to_end_and_resume(trained):
     with torch.no_grad():
         logits = qmodel(xv[:8])
     assert torch.isfinite(logits).all()
-    print(f"GPLQ W4A4 ({GPLQ_FAST['steps']} steps) {top1(qmodel, xv, yv):.1f} (float {top1(model, xv, yv):.1f})")
+    print(f"GPLQ W4A4 ({GPLQ_FAST['steps']} steps) {top1(qmodel, xv, yv):.1f} "
+          f"(float {top1(model, xv, yv):.1f})")
 
-    again, report2 = PIPELINES["gplq"](model, calib, "w4a4", GPLQ_FAST,
-                                       data=data)  # resumes the finished stage 1
+    # resumes the finished stage 1
+    again, report2 = PIPELINES["gplq"](model, calib, "w4a4", GPLQ_FAST, data=data)
     assert report2["stage1"]["resumed_from"] == 3
     with torch.no_grad():
         assert torch.allclose(again(xv[:8]), logits, atol=1e-5)
@@ -191,9 +192,9 @@ def test_evaluate_cli_runs_both_pipelines_with_overrides(vit, tmp_path):
 @pytest.mark.parametrize("pipeline, variant", [
     ("aphq", {"hessian_probe": "rademacher", "search_max_rows": 64, "cache_device": "cpu"}),
     ("aphq", {"loss": "mse", "normalize_loss": False, "round_zero_point": False, "stem_a_bits": 8}),
-    ("gplq",
-     {"act_granularity": "tensor", "matmul_operands": False, "qwt_target": "teacher", "qwt_ridge": 1.0,
-              "stage2_train_transform": True, "weight_symmetric": False, "weight_range": "minmax"}),
+    ("gplq", {"act_granularity": "tensor", "matmul_operands": False, "qwt_target": "teacher",
+              "qwt_ridge": 1.0, "stage2_train_transform": True, "weight_symmetric": False,
+              "weight_range": "minmax"}),
     ("gplq", {"qwt_target": "float", "amp": "bf16", "scale_lr": 1e-3, "weight_decay": 0.05}),
     ("gplq", {"qwt": False, "steps": 2}),
 ])

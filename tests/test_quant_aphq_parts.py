@@ -76,8 +76,8 @@ def test_hessian_weights_are_nonnegative_with_the_output_shape(probe):
     vit, swin = tiny_vit(), tiny_swin()
     x = images(6)
     for model, unit, shape in ((vit, "blocks.1", (1, 17, 48)), (vit, "patch_embed", (1, 16, 48)),
-                               (swin, "layers.0.blocks.1",
-                                (1, 16, 16, 32)), (swin, "layers.1.downsample", (1, 8, 8, 64))):
+                               (swin, "layers.0.blocks.1", (1, 16, 16, 32)),
+                               (swin, "layers.1.downsample", (1, 8, 8, 64))):
         h = perturbation_hessian(model, unit, x, model_logits(model, x, 3), batch_size=3, probe=probe,
                                  eps=1e-6 if probe == "ones" else 1e-4)
         assert h.shape == shape and h.dtype == torch.float32
@@ -91,8 +91,8 @@ def test_all_ones_aph_equals_the_exact_hessian_row_sums():
     # Reference: the exact Hessian from torch.autograd.functional.hessian.
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict(unit=nn.Linear(5, 4), act=nn.Tanh(), head=nn.Linear(4, 3))).double()
-    x, batch, eps, temp = torch.randn(6, 5,
-                                      dtype=torch.float64), 3, 1e-3, 2.0  # logits go through float32: eps >> 1e-7
+    # logits go through float32: eps >> 1e-7
+    x, batch, eps, temp = torch.randn(6, 5, dtype=torch.float64), 3, 1e-3, 2.0
     logits = model_logits(model, x, batch)
     h = perturbation_hessian(model, "unit", x, logits, batch, temperature=temp, eps=eps, probe="ones")
     expected = torch.zeros(4, dtype=torch.float64)
@@ -124,9 +124,8 @@ def test_units_in_module_order():
     assert [u.name for u in find_units(tiny_vit())] == ["patch_embed", "blocks.0", "blocks.1", "head"]
     names = [(u.name, u.kind) for u in find_units(tiny_swin())]
     assert names == [("patch_embed", "stem"), ("layers.0.blocks.0", "block"), ("layers.0.blocks.1", "block"),
-                     ("layers.1.downsample", "merge"), ("layers.1.blocks.0",
-                                                        "block"), ("layers.1.blocks.1", "block"),
-                     ("head.fc", "head")]
+                     ("layers.1.downsample", "merge"), ("layers.1.blocks.0", "block"),
+                     ("layers.1.blocks.1", "block"), ("head.fc", "head")]
 
 
 def test_output_mse_search_is_no_worse_than_the_percentile_init():
@@ -148,11 +147,11 @@ def test_output_mse_search_is_no_worse_than_the_percentile_init():
         naive_mse = (naive.input_quantizer(x) @ naive.quantized_weight().t() - ref).pow(2).mean().item()
     assert searched <= naive_mse
 
-    qa, qb = UniformQuantizer(4, channel_dim=1,
-                              num_channels=3), UniformQuantizer(4, channel_dim=1, num_channels=3)
+    qa, qb = (UniformQuantizer(4, channel_dim=1, num_channels=3),
+              UniformQuantizer(4, channel_dim=1, num_channels=3))
     a, b = torch.randn(4, 3, 10, 8, generator=g), torch.randn(4, 3, 10, 8, generator=g)
-    out = search_matmul(qa, qb, a, b, lambda u, v: u @ v.transpose(-2, -1), pct=(0.99, 0.99999), steps=9,
-                        rounds=1)
+    out = search_matmul(qa, qb, a, b, lambda u, v: u @ v.transpose(-2, -1), pct=(0.99, 0.99999),
+                        steps=9, rounds=1)
     assert qa.calibrated and qb.calibrated and qa.scale.shape == (3,)
     assert out["output_mse"] < (a @ b.transpose(-2, -1)).pow(2).mean().item()
 

@@ -70,8 +70,8 @@ def test_unlisted_attention_subclass_is_refused(monkeypatch):
     class QuantSoftmax1(QuantAttention):  # a variant plugs in its own softmax
         def attention_probs(self, scores):
             e = torch.exp(scores - scores.amax(dim=-1, keepdim=True).clamp(min=0))
-            return e / (e.sum(dim=-1,
-                              keepdim=True) + torch.exp(-scores.amax(dim=-1, keepdim=True).clamp(min=0)))
+            return e / (e.sum(dim=-1, keepdim=True)
+                        + torch.exp(-scores.amax(dim=-1, keepdim=True).clamp(min=0)))
 
     monkeypatch.setitem(ATTENTION_TYPES, SinkAttention, QuantSoftmax1)
     ours = convert_attention(src, {})

@@ -1,5 +1,5 @@
-"""quantize_model: FQN rules, the original model untouched, coverage checks, the weight cache, 8-bit
-closeness."""
+"""quantize_model: FQN rules, the original model untouched, coverage checks, the weight cache,
+8-bit closeness."""
 import copy
 
 import pytest
@@ -67,8 +67,8 @@ def test_expected_layers_are_converted():
 
 def test_strict_spec_names_unmatched_layers():
     model = tiny_vit()
-    spec = QuantSpec(linears=(LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8, granularity="channel"),
-                                         None),))
+    spec = QuantSpec(linears=(
+        LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8, granularity="channel"), None),))
     with pytest.raises(ValueError, match="blocks.0.mlp.fc1"):
         quantize_model(model, spec)
     loose = QuantSpec(linears=spec.linears, keep_float=("**",))

@@ -40,8 +40,8 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         flat = before_sync["flat"]
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
-        shard = next(iter(data.train_loader(4,
-                                            0).loader))[0]  # each rank's stage-1 shard: the ranks' data differ
+        # each rank's stage-1 shard: the ranks' data differ
+        shard = next(iter(data.train_loader(4, 0).loader))[0]
         shards = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(shards, shard)
         if rank == 0:

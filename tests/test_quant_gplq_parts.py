@@ -57,9 +57,8 @@ def block_error(x, block, reference, batch_size):
 def test_compensation_adds_x_w_plus_b_and_keeps_every_name():
     block = tiny_vit().blocks[0].eval()
     g = torch.Generator().manual_seed(1)
-    w, b = torch.randn(block.norm1.normalized_shape[0], block.norm1.normalized_shape[0],
-                       generator=g), torch.randn(
-        block.norm1.normalized_shape[0], generator=g)
+    w, b = (torch.randn(block.norm1.normalized_shape[0], block.norm1.normalized_shape[0], generator=g),
+            torch.randn(block.norm1.normalized_shape[0], generator=g))
     x = torch.randn(2, 5, w.shape[1], generator=g)
     with torch.no_grad():
         expected = block(x) + x @ w.t() + b
@@ -109,6 +108,6 @@ def test_pca_keeps_the_smallest_multiple_of_32_reaching_the_variance():
     fs, ft = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g)
     moved = PCAProjection(pca.mean + 1.0, pca.components, pca.explained, pca.samples)
     assert torch.allclose(pca_loss(fs, ft, pca), pca_loss(fs, ft, moved), rtol=1e-4)
-    full = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64), 0.999,
-                                   32)
+    full = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64),
+                                   0.999, 32)
     assert full.dims == d  # capped at the feature width

@@ -28,8 +28,8 @@ def test_report_and_default_first_last_bits():
     assert report["stem"] == {"w": 4, "a": 8} and report["head"] == {"w": 4, "a": 4}
     assert set(report["seconds"]) == {"convert", "calibrate", "reparam"}
     stem = model.patch_embed.proj
-    assert isinstance(stem,
-                      QuantConv2d) and stem.input_quantizer.bits == 8 and stem.weight_quantizer.bits == 4
+    assert (isinstance(stem, QuantConv2d) and stem.input_quantizer.bits == 8
+            and stem.weight_quantizer.bits == 4)
     assert model.head.input_quantizer.bits == 4
     attn = model.blocks[0].attn
     assert isinstance(attn.attn_quant, LogSqrt2Quantizer)
@@ -58,7 +58,8 @@ def test_percentile_modes():
     assert report["options"]["act_range"] == "percentile"
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4", {"weight_range": "percentile"})
     weights = [q for _, q in named_quantizers(model, "weight")]
-    assert weights and all(q.search.method == "percentile" and q.search.percentiles == (0.9999,) for q in weights)
+    assert weights and all(q.search.method == "percentile" and q.search.percentiles == (0.9999,)
+                           for q in weights)
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4",
                                        {"weight_range": "percentile", "weight_percentiles": [0.99]})
     assert all(q.search.percentiles == (0.99,) for _, q in named_quantizers(model, "weight"))

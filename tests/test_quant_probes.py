@@ -1,5 +1,5 @@
-"""Activation probes: module / block maxima equal a direct computation; hooks are removed; files are
-written."""
+"""Activation probes: module / block maxima equal a direct computation; hooks are removed;
+files are written."""
 import csv
 
 import pytest
@@ -40,8 +40,8 @@ def test_vit_maxima_match_direct_computation_over_batches():
     assert got.module == pytest.approx(max(w[0] for w in want), rel=1e-6)
     assert got.block == pytest.approx(max(w[1] for w in want), rel=1e-6)
     types = {r["type"] for r in got.per_layer}
-    assert types == {"block", "norm1", "attn", "attn.qkv", "attn.proj", "norm2", "mlp", "mlp.fc1", "mlp.act",
-                     "mlp.fc2"}
+    assert types == {"block", "norm1", "attn", "attn.qkv", "attn.proj",
+                     "norm2", "mlp", "mlp.fc1", "mlp.act", "mlp.fc2"}
     assert got.metrics() == {"act/max_module": got.module, "act/max_block": got.block}
 
 

@@ -214,6 +214,6 @@ class TestLogSqrt2:
         errs = []
         for p in (0.999, 0.9999, 0.99999):
             d = np.quantile(xn, p)
-            errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d),
-                                                       3).numpy().ravel() - xn) ** 2), d))
+            errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d), 3).numpy().ravel()
+                                  - xn) ** 2), d))
         assert q.delta.item() == pytest.approx(min(errs)[1], rel=1e-5)

@@ -1,5 +1,5 @@
-"""reconstruct_unit on a two-layer unit: lower output error than nearest rounding, normalised loss, clean
-exit."""
+"""reconstruct_unit on a two-layer unit: lower output error than nearest rounding, normalised loss,
+clean exit."""
 import pytest
 import torch
 from torch import nn
@@ -52,8 +52,7 @@ def test_reconstruction_beats_nearest_rounding_and_leaves_a_clean_unit():
     float_params = {n: p.clone() for n, p in unit.named_parameters() if not n.endswith("scale")}
     logged = []
     stats = reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(400),
-                             torch.Generator().manual_seed(0),
-                             progress=logged.append)
+                             torch.Generator().manual_seed(0), progress=logged.append)
     assert output_mse(unit, fp, x) < 0.8 * nearest
     assert stats["iters"] == 400 and stats["rec_last"] < stats["rec_first"]
     # normalisation: the first iteration's loss is exactly 2 (rounding regulariser off in the warm-up)
@@ -79,10 +78,12 @@ def test_hessian_weight_applies_per_output_element():
     alphas = []
     reconstruct_unit(unit, x, x, fp(x), h, "weighted_mse",
                      settings(50, rounding=RoundingSchedule(50, warmup=1.0)),
-                     torch.Generator().manual_seed(0), progress=lambda _: alphas.append(quantizer.alpha.detach().clone()))
+                     torch.Generator().manual_seed(0),
+                     progress=lambda _: alphas.append(quantizer.alpha.detach().clone()))
     first, last = alphas[0], alphas[-1]  # after iteration 1 and after the last one (before the bake)
     assert torch.equal(first[1:], last[1:])
-    assert (first[0] != last[0]).float().mean() > 0.5  # the weighted channel's variables moved (not saturated)
+    # the weighted channel's variables moved (not saturated)
+    assert (first[0] != last[0]).float().mean() > 0.5
 
 
 def test_kl_head_loss_lowers_the_kl_to_the_float_logits():

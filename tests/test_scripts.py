@@ -27,8 +27,8 @@ def test_every_sweep_expands_into_valid_configs(path):
 
 def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  first: [optim.lr=1e-3]\n  second: "
-                   "[optim.lrr=1]\n")
+    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  first: [optim.lr=1e-3]\n"
+                   "  second: [optim.lrr=1]\n")
     with pytest.raises(ConfigError, match="sweep run 'second'.*'optim.lr'"):
         sweep.expand(str(bad), [])
 
@@ -46,6 +46,5 @@ def test_a_small_sweep_trains_evaluates_and_tabulates(tmp_path, capsys):
 
 def test_bench_quant_reports_the_quantized_to_float_ratio():
     result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--batch", "2",
-                               "--calib", "4",
-                               "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
+                               "--calib", "4", "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
     assert result["fp_forward_s"] > 0 and result["pipelines"]["repq"]["ratio_vs_fp"] > 0

@@ -39,8 +39,8 @@ def test_debug_run_writes_the_documented_files(debug_config):
 def test_demo_config_trains_on_digits(tmp_path):
     # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates
     cfg = load_config([os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")],
-                      [f"out_dir={tmp_path}", "train.max_steps=60", "sched.epochs=3",
-                       "sched.warmup_epochs=0"])
+                      [f"out_dir={tmp_path}", "train.max_steps=60",
+                       "sched.epochs=3", "sched.warmup_epochs=0"])
     result = train.main(cfg)
     assert result.state.step == 60
     assert result.metrics["val/count"] == 360
@@ -58,8 +58,8 @@ def checkpoint_tensors(path):
 
 @pytest.mark.parametrize("regularizers",
                          [(), ("cd.enabled=true", "tweo.enabled=true", "tweo.schedule=cosine"),
-                                          ("cd.enabled=true", "cd.mode=loss"),
-                                          ("cd.enabled=true", "train.amp=fp16", "optim.fused=true")],
+                          ("cd.enabled=true", "cd.mode=loss"),
+                          ("cd.enabled=true", "train.amp=fp16", "optim.fused=true")],
                          ids=["plain", "cd+tweo", "cd_loss", "cd+fp16+fused"])
 def test_exact_resume_mid_epoch(debug_config, regularizers):
     # mixup/cutmix (DeiT defaults), drop path 0.1, 2 accumulation steps and EMA all draw randomness or state
@@ -109,9 +109,8 @@ def test_non_finite_loss_stops_without_writing_a_checkpoint(debug_config):
         return loss * float("nan") if calls[0] > 4 else loss  # updates 1-2 fine, update 3 diverges
 
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     compute_loss=compute_loss,
-                     device=torch.device("cpu"), accum_steps=2, ckpt_every=1, save=lambda: saves.append(1),
-                     log_every=100)
+                     compute_loss=compute_loss, device=torch.device("cpu"), accum_steps=2, ckpt_every=1,
+                     save=lambda: saves.append(1), log_every=100)
     with pytest.raises(NonFiniteLossError, match="nan"):
         loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
     assert len(saves) == 2  # written after the two good updates, never after the bad one
@@ -132,8 +131,7 @@ def _ddp_worker(rank, world, port, overrides, out_file):
 # because Adam turns the rounding noise of exactly-zero gradients (the K bias of attention) into lr-sized
 # steps that differ with the reduction order.
 DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.label_smoothing=0",
-                 "optim.name=sgd",
-                 "optim.lr=0.05")
+                 "optim.name=sgd", "optim.lr=0.05")
 
 
 @pytest.mark.slow
@@ -155,8 +153,8 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_from_the_command_line(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port", str(free_port()),
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "train.batch_size_per_gpu=8"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -230,7 +228,8 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
 def test_bad_regularizer_and_loop_settings_are_config_errors(debug_config, override, message):
     from configs import ConfigError
 
-    extra = ("cd.enabled=true",) if override.startswith("cd.") else ("tweo.enabled=true",) if "tweo" in override else ()
+    extra = (("cd.enabled=true",) if override.startswith("cd.")
+             else ("tweo.enabled=true",) if "tweo" in override else ())
     with pytest.raises(ConfigError, match=message):
         train.main(debug_config(*extra, override))
 
@@ -254,9 +253,8 @@ def _nan_worker(rank, world, port, out_file):
 
     saves = []
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     compute_loss=compute_loss,
-                     device=torch.device("cpu"), rank=rank, world_size=world, log_every=100, ckpt_every=2,
-                     save=lambda: saves.append(1))
+                     compute_loss=compute_loss, device=torch.device("cpu"), rank=rank, world_size=world,
+                     log_every=100, ckpt_every=2, save=lambda: saves.append(1))
     try:
         loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=8)
         outcome = "finished"
@@ -279,9 +277,9 @@ def test_exact_resume_on_digits_with_augmentation_and_repeated_sampling(tmp_path
     """The real data path: seeded transforms (RandAugment, random erasing), repeated augmentation,
     mixup/cutmix, the per-epoch schedule, resumed in the middle of an epoch."""
     common = [f"--config={DEMO_CONFIG}", "model.name=vit_nano", "data.repeated_aug=2",
-              "data.auto_augment=rand-m9-mstd0.5-inc1", "data.reprob=0.25", "data.mixup=0.8", "data.cutmix=1.0",
-              "train.batch_size=64", "train.batch_size_per_gpu=32", "sched.epochs=2", "sched.warmup_epochs=1",
-              "train.log_every_steps=10", "log.tensorboard=false"]
+              "data.auto_augment=rand-m9-mstd0.5-inc1", "data.reprob=0.25", "data.mixup=0.8",
+              "data.cutmix=1.0", "train.batch_size=64", "train.batch_size_per_gpu=32", "sched.epochs=2",
+              "sched.warmup_epochs=1", "train.log_every_steps=10", "log.tensorboard=false"]
     straight = train.parse_args([*common, f"out_dir={tmp_path / 'straight'}"])
     train.main(straight)
     first = train.main(train.parse_args([*common, f"out_dir={tmp_path / 'split'}", "train.max_steps=27"]))

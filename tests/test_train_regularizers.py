@@ -11,8 +11,9 @@ from configs import load_config
 from tests.conftest import DEMO_CONFIG
 
 # digits, a two-block ViT, 2 accumulation steps per update, 20 updates, no warmup
-FAST = ("model.name=vit_nano", "train.max_steps=20", "sched.epochs=2", "sched.warmup_epochs=0",
-        "train.batch_size=64", "train.batch_size_per_gpu=32", "train.log_every_steps=5", "log.tensorboard=false")
+FAST = ("model.name=vit_nano", "train.max_steps=20", "sched.epochs=2",
+        "sched.warmup_epochs=0", "train.batch_size=64", "train.batch_size_per_gpu=32",
+        "train.log_every_steps=5", "log.tensorboard=false")
 
 
 def run(tmp_path, name, *overrides):
@@ -29,7 +30,8 @@ def test_cd_trains_on_digits_lowers_pair_energy_and_applies_once_per_update(tmp_
     assert result.state.step == 20
     assert cd[-1]["cd/updates"] == 20  # 40 micro-batches, 20 optimizer updates, 20 CD updates
     for role in ("qkv", "proj", "fc1", "fc2"):
-        assert cd[-1][f"cd/pair_energy/{role}"] < base[-1][f"cd/pair_energy/{role}"], role  # baselines log it too
+        # baselines log it too
+        assert cd[-1][f"cd/pair_energy/{role}"] < base[-1][f"cd/pair_energy/{role}"], role
         assert cd[-1][f"cd/update_norm/{role}"] > 0
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in cd)
 
@@ -38,8 +40,8 @@ def test_cd_budget_rule_and_checkpointed_state(tmp_path):
     result, _ = run(tmp_path, "budget", "cd.enabled=true")
     ckpt = torch.load(tmp_path / "budget" / "checkpoint.pt", weights_only=True)
     decays = {g["weight_decay"] for g in ckpt["optimizer"]["param_groups"]}
-    assert sorted(decays) == pytest.approx([0.0,
-                                            0.045])  # demo wd 0.05 - cd.lam 0.005; 1-D params never decay
+    # demo wd 0.05 - cd.lam 0.005; 1-D params never decay
+    assert sorted(decays) == pytest.approx([0.0, 0.045])
     assert ckpt["cd"]["num_updates"] == result.state.step
 
 

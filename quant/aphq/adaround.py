@@ -7,11 +7,10 @@ round-to-nearest by a learned choice between floor and ceil for every weight ele
            h(alpha) = clamp(sigmoid(alpha) * (zeta - gamma) + gamma, 0, 1),  gamma = -0.1, zeta = 1.1
     hard:  h = 1[alpha >= 0]                     (h(alpha) >= 0.5  <=>  alpha >= 0)
 
-alpha starts so that h(alpha) equals the fractional part of w / s (GoatWu/APHQ-ViT
-`utils/block_recon.py`), i.e. the soft
-weight is the float weight inside the clipping range. Scale and zero point stay fixed (in the official
-code only alpha and activation scales are learned). `bake()` writes the hard-rounded weight into the layer and
-drops alpha, after which the quantizer is an ordinary round-to-nearest quantizer whose output on the
+alpha starts so that h(alpha) equals the fractional part of w / s (GoatWu/APHQ-ViT `utils/block_recon.py`),
+i.e. the soft weight is the float weight inside the clipping range. Scale and zero point stay fixed (in the
+official code only alpha and activation scales are learned). `bake()` writes the hard-rounded weight into the
+layer and drops alpha, after which the quantizer is an ordinary round-to-nearest quantizer whose output on the
 baked weight is the baked weight itself (every element already lies on the grid).
 
 The rounding regulariser 0.01 * sum(1 - |2h - 1|^beta) with beta decaying linearly from 20 to 2 after a
@@ -70,8 +69,8 @@ class AdaRoundQuantizer(UniformQuantizer):
         return self.alpha
 
     def rounding(self, hard: bool = False) -> torch.Tensor:
-        """h(alpha) in [0, 1] (soft, while learning) or the hard choice 1[alpha >= 0], shaped like the
-        weight."""
+        """h(alpha) in [0, 1] (soft, while learning) or the hard choice 1[alpha >= 0],
+        shaped like the weight."""
         if self.alpha is None:
             raise RuntimeError(f"{self.name}: AdaRound was not started")
         if hard:
@@ -86,8 +85,8 @@ class AdaRoundQuantizer(UniformQuantizer):
         if self.alpha is None:
             return super().quantize(x)
         if x.shape != self.alpha.shape:
-            raise ValueError(f"{self.name}: AdaRound alpha {tuple(self.alpha.shape)} does not match "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"{self.name}: AdaRound alpha {tuple(self.alpha.shape)} "
+                             f"does not match {tuple(x.shape)}")
         scale, zp = self._grid(x)
         codes = torch.clamp(torch.floor(x / scale) + self.rounding(hard) + zp, self.qmin, self.qmax)
         return (codes - zp) * scale

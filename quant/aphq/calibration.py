@@ -1,8 +1,7 @@
 """APHQ-ViT's calibration of a converted model: fold, then output-MSE searches, unit by unit, on float inputs.
 
 As in GoatWu/APHQ-ViT `test_quant.py` and `utils/calibrator.py`: every layer is calibrated on FLOAT inputs,
-with all
-other modules in float ("raw") mode, and quantization is switched on only at the end. For each unit:
+with all other modules in float ("raw") mode, and quantization is switched on only at the end. For each unit:
 
 1. post-LayerNorm inputs (qkv, fc1, Swin reduction): per-channel quantizer on the activation MSE,
    folded into the LayerNorm affine and the next Linear (reparam.py, RepQ-ViT), which leaves a
@@ -81,9 +80,9 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
         unit_sites = [s for s in sites
                       if _in_unit(s[2], unit) and getattr(s[3].input_quantizer, "channel_dim", None) == -1]
         if unit_sites:
-            caps = capture_module_inputs(model,
-                                         {lin: linear.input_quantizer for _, _, lin, linear in unit_sites},
-                                         unit.name, images, settings.batch_size)
+            caps = capture_module_inputs(
+                model, {lin: linear.input_quantizer for _, _, lin, linear in unit_sites},
+                unit.name, images, settings.batch_size)
             for norm_name, norm, lin_name, linear in unit_sites:
                 fit_per_channel(linear.input_quantizer, caps[lin_name], settings.act_pct, **grid)
                 fold_layernorm(norm, linear, round_zero_point=settings.round_zero_point)

@@ -1,7 +1,7 @@
 """APHQ-ViT's average perturbation Hessian (APH) of a unit's output, as the official code computes it.
 
-As GoatWu/APHQ-ViT `utils/block_recon.py` computes it (not as the paper's Eq. words it), on the
-FLOAT model only:
+As GoatWu/APHQ-ViT `utils/block_recon.py` computes it (not as the paper's Eq. words it),
+on the FLOAT model only:
 
 1. p = softmax(logits / T) of the unperturbed float model (T = 20).
 2. Add +eps to EVERY element of the unit's output at once (inside the forward pass), compute
@@ -68,8 +68,8 @@ def perturbation_hessian(model: nn.Module, unit: str, images: torch.Tensor, fp_l
         if probe == "ones":
             return o + state["sign"] * eps
         if state["z"] is None:
-            state["z"] = torch.randint(0, 2, o.shape, device=o.device,
-                                       generator=generator).to(o.dtype) * 2 - 1
+            state["z"] = (torch.randint(0, 2, o.shape, device=o.device, generator=generator).to(o.dtype)
+                          * 2 - 1)
         return o + (state["sign"] * eps) * state["z"]
 
     handle = module.register_forward_hook(hook)

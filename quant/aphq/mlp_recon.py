@@ -124,14 +124,12 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
             last = loss.detach()
             if settings.log_every and (it + 1) % settings.log_every == 0:
                 log.info("MR %s iter %d/%d loss %.4g [%.1fs]", name, it + 1, settings.iters,
-                         float(loss.detach()),
-                         time.perf_counter() - start)
+                         float(loss.detach()), time.perf_counter() - start)
         for p in params:
             p.requires_grad_(False)
         row = {"unit": name, "iters": settings.iters, "seconds": round(time.perf_counter() - start, 3),
                "loss_first": float(first), "loss_last": float(last), "clip": float(clip)}
         log.info("MR %s done: loss %.4g -> %.4g, clip %.3g [%.1fs]", name, row["loss_first"],
-                 row["loss_last"],
-                 row["clip"], row["seconds"])
+                 row["loss_last"], row["clip"], row["seconds"])
         stats.append(row)
     return stats

@@ -1,5 +1,5 @@
-"""APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search, block
-reconstruction.
+"""APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search,
+block reconstruction.
 
 The Colinearity-Decay paper's APHQ column is "APHQ-style block reconstruction with MLP reconstruction
 turned off" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py`:
@@ -64,9 +64,8 @@ class APHQPipeline(Pipeline):
         post_norm = QuantizerSpec(bits.a, granularity="channel") if bits.a == bits.w else act
         return standard_layout(
             weight=QuantizerSpec(bits.w, kind=AdaRoundQuantizer, granularity="channel"),
-            post_norm_input=post_norm,
-            block_input=act, q=QuantizerSpec(bits.a,
-                                             granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
+            post_norm_input=post_norm, block_input=act,
+            q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))
 
@@ -75,8 +74,8 @@ class APHQPipeline(Pipeline):
         del calib_images  # APHQ draws its own training-transform calibration set from `data`
         data = require_data(self.name, data)
         if options.calib_images > options.recon_images:
-            raise ValueError("calib_images must not exceed recon_images (it is a prefix of the "
-                             "reconstruction set)")
+            raise ValueError("calib_images must not exceed recon_images "
+                             "(it is a prefix of the reconstruction set)")
         timer = StageTimer()
         device = next(fp_model.parameters()).device
         cache = torch.device(options.cache_device) if options.cache_device else device
@@ -86,8 +85,8 @@ class APHQPipeline(Pipeline):
         calib = images[:options.calib_images]
         with isolated_rng(options.seed, device):
             gen = torch.Generator(device=cache).manual_seed(options.seed)
-            model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache, bs,
-                                           gen)
+            model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache,
+                                           bs, gen)
         sync_across_ranks(model)
         report["seconds"] = timer.seconds
         return PTQResult(model, report)
@@ -102,14 +101,15 @@ class APHQPipeline(Pipeline):
             1e-6 if options.hessian_probe == "ones" else 1e-4)
         hessians: Dict[str, torch.Tensor] = {}
         hessian_seconds = StageTimer()
-        probe_gen = torch.Generator(device=device).manual_seed(options.seed + 2)  # Rademacher probes (model device)
+        # Rademacher probes (model device)
+        probe_gen = torch.Generator(device=device).manual_seed(options.seed + 2)
 
         def hessian(unit: str) -> torch.Tensor:
             if unit not in hessians:
                 with hessian_seconds(unit, device):
                     hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs,
-                                                          options.temperature,
-                                                          eps, options.hessian_probe, generator=probe_gen)
+                                                          options.temperature, eps, options.hessian_probe,
+                                                          generator=probe_gen)
             return hessians[unit]
 
         source, mr_stats = frozen, None
@@ -118,9 +118,10 @@ class APHQPipeline(Pipeline):
                 source = copy.deepcopy(frozen)
                 mr_stats = reconstruct_mlps(
                     frozen, source, images, options.calib_images, hessian,
-                    MLPReconSettings(iters=options.mlp_iters if options.mlp_iters is not None else options.iters,
-                                     batch_size=bs, lr=options.mlp_lr, clip_percentile=options.mlp_clip_percentile,
-                                     clip_weight=options.mlp_clip_weight, log_every=options.log_every),
+                    MLPReconSettings(
+                        iters=options.mlp_iters if options.mlp_iters is not None else options.iters,
+                        batch_size=bs, lr=options.mlp_lr, clip_percentile=options.mlp_clip_percentile,
+                        clip_weight=options.mlp_clip_weight, log_every=options.log_every),
                     torch.Generator(device=device).manual_seed(options.seed + 1))
                 source.eval().requires_grad_(False)
 
@@ -130,10 +131,11 @@ class APHQPipeline(Pipeline):
             check_unit_coverage(model, units)
         with timer("calibrate", device):
             calib_report = calibrate_aphq(model, units, calib, SearchSettings(
-                rounds=options.search_rounds, weight_pct=tuple(options.weight_pct), act_pct=tuple(options.act_pct),
-                num_scales=options.num_scales, num_zero_points=options.num_zero_points,
-                matmul_pct=tuple(options.matmul_pct), matmul_steps=options.matmul_steps,
-                max_rows=options.search_max_rows, round_zero_point=options.round_zero_point, batch_size=bs),
+                rounds=options.search_rounds, weight_pct=tuple(options.weight_pct),
+                act_pct=tuple(options.act_pct), num_scales=options.num_scales,
+                num_zero_points=options.num_zero_points, matmul_pct=tuple(options.matmul_pct),
+                matmul_steps=options.matmul_steps, max_rows=options.search_max_rows,
+                round_zero_point=options.round_zero_point, batch_size=bs),
                 generator=torch.Generator().manual_seed(options.seed))
         # every quantizer is float now; units are switched on as they are reconstructed
 
@@ -152,8 +154,8 @@ class APHQPipeline(Pipeline):
                 weight = None if unit.kind == "head" or options.loss == "mse" else hessian(unit.name)
                 module = model.get_submodule(unit.name)
                 set_quant_state(module, weights=True, activations=True)
-                log.info("unit %d/%d %s (%s): %d iterations", i + 1, len(units), unit.name, unit.kind,
-                         options.iters)
+                log.info("unit %d/%d %s (%s): %d iterations",
+                         i + 1, len(units), unit.name, unit.kind, options.iters)
                 stats = reconstruct_unit(module, fp_in, q_in, fp_out, weight, "kl" if unit.kind == "head" else
                                          "weighted_mse", settings, gen, name=unit.name)
                 stats = {"unit": unit.name, "kind": unit.kind, **stats,

@@ -1,8 +1,7 @@
 """Block reconstruction of one unit with AdaRound + learned activation scales under QDrop (APHQ-ViT).
 
 As GoatWu/APHQ-ViT `utils/block_recon.py` with `configs/4bit/best.py` does it. For one unit (patch embedding,
-block, patch merging or head) of the
-quantized model, with cached tensors for the whole reconstruction set:
+block, patch merging or head) of the quantized model, with cached tensors for the whole reconstruction set:
 
 * learned: AdaRound alpha of every weight (Adam, lr 1e-3, no schedule) and the scale of every
   activation quantizer (Adam, lr 4e-5, cosine to 0 over all iterations); zero points and weight

@@ -1,8 +1,8 @@
 """APHQ-ViT's calibration search: scales and zero points chosen by the MSE of each layer's OUTPUT.
 
-As GoatWu/APHQ-ViT `quantizers/*.py` and `quant_layers/*.py` search. Every search runs on float inputs of the
-layer (the caller captures them with
-every quantizer bypassed), candidate by candidate, vectorised over channels / heads:
+As GoatWu/APHQ-ViT `quantizers/*.py` and `quant_layers/*.py` search. Every search runs on float inputs
+of the layer (the caller captures them with every quantizer bypassed), candidate by candidate,
+vectorised over channels / heads:
 
 * `range_grid`: candidates between two percentile ranges of each row: `num_scales` ranges linearly
   between [q(1 - p_lo), q(p_lo)] and [q(1 - p_hi), q(p_hi)] (weights: p in [0.9, 1.0]), each with
@@ -94,8 +94,9 @@ def _as_rows(layer: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return x.reshape(-1, x.shape[-1]), layer.weight
 
 
-def _weight_output_errors(X: torch.Tensor, Xq: torch.Tensor, W: torch.Tensor, target: torch.Tensor,
-                          wq: UniformQuantizer, gram: Optional[bool]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _weight_output_errors(X: torch.Tensor, Xq: torch.Tensor, W: torch.Tensor,
+                          target: torch.Tensor, wq: UniformQuantizer,
+                          gram: Optional[bool]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """errors(scale [C_out], zp [C_out]) -> per-output-channel MSE of Xq @ fq(W)^T against X @ W^T.
 
     With M rows much larger than C_in the error is computed exactly from C_in x C_in Gram matrices:
@@ -160,9 +161,8 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     for _ in range(rounds if aq is not None else min(rounds, 1)):
         Wq = _fq(W, ws[:, None], wz[:, None], wq)
         if aq is not None:
-            a_s, a_z, _ = best_per_group(lambda s,
-                                         z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1),
-                                          a_scales, a_zps)
+            a_s, a_z, _ = best_per_group(
+                lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1), a_scales, a_zps)
             aq.set_params(a_s, a_z)
             Xq = _fq(X, a_s, a_z, aq)
         ws, wz, _ = best_per_group(_weight_output_errors(X, Xq, W, target, wq, gram), w_scales, w_zps)
@@ -219,8 +219,8 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
     quants = {"a": qa, "b": qb}
 
     def fixed(which: str) -> torch.Tensor:
-        """The operand that is NOT searched, quantized with its current range (float before its first
-        search)."""
+        """The operand that is NOT searched, quantized with its current range
+        (float before its first search)."""
         x, q = (a, qa) if which == "a" else (b, qb)
         return x if los[which] is None else quant(x, q, los[which], his[which])
 

@@ -3,10 +3,9 @@
 A `UniformQuantizer` whose scale, once `make_learnable(scale=True)` is called, is trained with the
 straight-through estimator and LSQ's gradient scaling g = 1 / sqrt(Q_P * elements per scale), where
 Q_P = 2^(b-1) - 1 for GPLQ's symmetric signed codes [-2^(b-1), 2^(b-1) - 1] (GPLQ paper, arXiv 2506.11784,
-Sec. 3).
-The forward value is `round(clamp(x / s, qmin, qmax)) * s` (= clamp(round(x / s)) * s for integer
-bounds); the gradient w.r.t. s is LSQ's eq. 3 (round(x/s) - x/s strictly inside the range, qmin or
-qmax outside it), multiplied by g.
+Sec. 3). The forward value is `round(clamp(x / s, qmin, qmax)) * s` (= clamp(round(x / s)) * s for integer
+bounds); the gradient w.r.t. s is LSQ's eq. 3 (round(x/s) - x/s strictly inside the range, qmin or qmax
+outside it), multiplied by g.
 
 Initialisation is the ordinary calibrate-once protocol: the quantizer fits its range with its
 `RangeSearch` on the first calibration input (min/max per channel for Linear inputs, percentiles for

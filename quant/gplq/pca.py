@@ -1,8 +1,7 @@
 """GPLQ's PCA feature-mimicking loss: penultimate features projected on the teacher's top components.
 
 GPLQ paper (arXiv 2506.11784), Sec. 3: take the float teacher's penultimate (pre-head) features on a training
-subset,
-compute their mean mu_t and principal components, keep V with about 60% explained variance rounded to
+subset, compute their mean mu_t and principal components, keep V with about 60% explained variance rounded to
 a multiple of 32 (Swin-T 256/768 = 61.3%, DeiT-T 64/192), and train the student with
 
     L_PCA = mean_batch || (f_s - mu_t) V - (f_t - mu_t) V ||^2,

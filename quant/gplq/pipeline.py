@@ -1,5 +1,5 @@
-"""GPLQ (Liang, Liu, Wu; NeurIPS 2025): activation-only QAT first (stage 1), weight PTQ + QwT second (stage
-2).
+"""GPLQ (Liang, Liu, Wu; NeurIPS 2025): activation-only QAT first (stage 1),
+weight PTQ + QwT second (stage 2).
 
 After the GPLQ paper (arXiv 2506.11784), Sec. 3, and wujx2001/QwT `QwT-cls-RepQ-ViT`.
 
@@ -116,12 +116,13 @@ class GPLQPipeline(Pipeline):
         lr = options.lr if options.lr is not None else default_lr(bs * world)
         settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr,
                                   scale_lr=options.scale_lr if options.scale_lr is not None else lr,
-                                  weight_decay=options.weight_decay, pca_weight=options.pca_weight, amp=options.amp,
-                                  log_every=options.log_every, ckpt_every=options.ckpt_every, seed=options.seed)
+                                  weight_decay=options.weight_decay, pca_weight=options.pca_weight,
+                                  amp=options.amp, log_every=options.log_every,
+                                  ckpt_every=options.ckpt_every, seed=options.seed)
         config = {"pipeline": self.name, "bits": str(bits),
                   "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
-                  "stage1": {f.name: getattr(options,
-                                             f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}
+                  "stage1": {f.name: getattr(options, f.name) for f in fields(options)
+                             if f.name not in _NOT_STAGE1}}
 
         def pca():
             with timer("pca", device):
@@ -132,9 +133,8 @@ class GPLQPipeline(Pipeline):
         with timer("stage1", device):
             stage1 = run_stage1(model, teacher, pca, data.train_loader(bs, options.seed), settings,
                                 data.work_path(f"_gplq_{bits}_stage1.pt"), config)
-        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]", stage1["steps"],
-                 lr,
-                 stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
+        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
+                 stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
 
         # -- stage 2: freeze activations, quantize weights, QwT --
         model.eval().requires_grad_(False)

@@ -67,8 +67,8 @@ class Stage1Settings:
 
 def _param_groups(student: nn.Module, settings: Stage1Settings) -> list:
     """Weights (all float parameters) and LSQ scales (parameters inside quantizers), no decay on scales."""
-    scale_ids = {id(p) for m in student.modules() if isinstance(m,
-                                                                Quantizer) for p in m.parameters(recurse=False)}
+    scale_ids = {id(p) for m in student.modules() if isinstance(m, Quantizer)
+                 for p in m.parameters(recurse=False)}
     params = [p for p in student.parameters() if p.requires_grad]
     weights = [p for p in params if id(p) not in scale_ids]
     scales = [p for p in params if id(p) in scale_ids]
@@ -79,8 +79,8 @@ def _param_groups(student: nn.Module, settings: Stage1Settings) -> list:
 
 
 def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection],
-               batches: TrainBatches,
-               settings: Stage1Settings, checkpoint: Optional[str], config: Dict[str, object]) -> Dict[str, object]:
+               batches: TrainBatches, settings: Stage1Settings, checkpoint: Optional[str],
+               config: Dict[str, object]) -> Dict[str, object]:
     """Train `student` in place (see module docstring); resume from / write `checkpoint` if given.
 
     Args:
@@ -118,8 +118,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         payload = load_checkpoint(checkpoint)
         if payload["config"] != config:
             raise ValueError(f"{checkpoint} was written by a different GPLQ stage-1 run "
-                             f"({payload['config']}); "
-                             f"delete it or restore those settings (now: {config})")
+                             f"({payload['config']}); delete it or restore those settings (now: {config})")
         restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
         pca = PCAProjection.from_state_dict(payload["pca"], device)
         resumed_from = state.step
@@ -151,14 +150,14 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     def save() -> None:
         if checkpoint:
             save_on_main_rank(lambda: training_payload(model=train_model, optimizer=optimizer, state=state,
-                                                       config=config, scaler=scaler, extra={"pca": pca.state_dict()}),
+                                                       config=config, scaler=scaler,
+                                                       extra={"pca": pca.state_dict()}),
                               checkpoint, rank == 0, device)
 
     def report(step: int, metrics: Dict[str, float]) -> None:
         log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f  pca %.4f  lr %.2e  %.1f img/s", step, total,
-                 metrics["train/loss"], metrics.get("gplq/ce",
-                                                    float("nan")), metrics.get("gplq/pca", float("nan")),
-                 metrics["train/lr"], metrics["train/img_per_s"])
+                 metrics["train/loss"], metrics.get("gplq/ce", float("nan")),
+                 metrics.get("gplq/pca", float("nan")), metrics["train/lr"], metrics["train/img_per_s"])
 
     loop = TrainLoop(model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device,
                      amp=settings.amp, scaler=scaler, seed=settings.seed, rank=rank, world_size=world,
@@ -172,8 +171,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         save()
     student.eval()
     return {"steps": state.step, "seconds": round(time.perf_counter() - start, 3),
-            "resumed_from": resumed_from,
-            "lr": settings.lr, "scale_lr": settings.scale_lr, "world_size": world,
-            "ddp": isinstance(train_model, nn.parallel.DistributedDataParallel), "ce": last.get("gplq/ce"),
-            "pca": last.get("gplq/pca"), "pca_dims": pca.dims, "pca_explained": round(pca.explained, 4),
-            "pca_samples": pca.samples}
+            "resumed_from": resumed_from, "lr": settings.lr, "scale_lr": settings.scale_lr,
+            "world_size": world, "ddp": isinstance(train_model, nn.parallel.DistributedDataParallel),
+            "ce": last.get("gplq/ce"), "pca": last.get("gplq/pca"), "pca_dims": pca.dims,
+            "pca_explained": round(pca.explained, 4), "pca_samples": pca.samples}

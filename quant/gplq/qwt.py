@@ -7,9 +7,8 @@ As wujx2001/QwT `QwT-cls-RepQ-ViT` fits it. Blocks are processed in order. For b
     W, c = argmin ||[X 1] [W; c] - D||^2 (+ ridge * ||W||^2; the bias is not penalised)
 
 and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward
-hook). The fit uses the normal equations accumulated in float64 over the fitting images and solved
-with `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes
-ridge.
+hook). The fit uses the normal equations accumulated in float64 over the fitting images and solved with
+`lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
 R^2 = mean over output channels of 1 - SSE_c / SST_c (QwT's sklearn `r2_score` default). The
 compensation is kept only if R^2 > 0 and its total squared error on the fitting data is below the
 uncompensated one (guaranteed in exact arithmetic, since W = 0, c = 0 is a candidate; checked anyway).

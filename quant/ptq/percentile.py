@@ -44,11 +44,10 @@ class PercentilePipeline(Pipeline):
         act = QuantizerSpec(bits.a, search=act_search)
         weight = QuantizerSpec(bits.w, symmetric=options.weight_symmetric, granularity="channel",
                                search=range_search(options.weight_range, options.weight_percentiles))
-        attn = QuantizerSpec(bits.a, kind=LogSqrt2Quantizer,
-                             search=act_search) if options.softmax == "log_sqrt2" else act
+        attn = (QuantizerSpec(bits.a, kind=LogSqrt2Quantizer, search=act_search)
+                if options.softmax == "log_sqrt2" else act)
         return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=act, k=act, attn=attn,
-                               v=act,
-                               first_last=options.resolved(bits))
+                               v=act, first_last=options.resolved(bits))
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: PercentileOptions,
             data: Optional[PipelineData] = None) -> PTQResult:

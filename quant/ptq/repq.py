@@ -13,9 +13,8 @@
 Zero point of the fold: the official code keeps the mean zero point z~ unrounded, which is our default
 (`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline; the
 output MSE agrees to 3 digits either way (tests/test_quant_reparam.py). `round_zero_point=True` makes the
-per-tensor codes
-exactly equal to the per-channel ones. `reparam=False` keeps per-channel post-LN activations (the
-not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
+per-tensor codes exactly equal to the per-channel ones. `reparam=False` keeps per-channel post-LN activations
+(the not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
 """
 from __future__ import annotations
 
@@ -55,8 +54,8 @@ class RepQPipeline(Pipeline):
         del data  # calibration images only
         timer = StageTimer()
         device = next(fp_model.parameters()).device
-        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer,
-                                                device)
+        model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images,
+                                                timer, device)
         folded = []
         if options.reparam:
             with timer("reparam", device):
