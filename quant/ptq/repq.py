@@ -11,10 +11,10 @@
    quantizers keep their step-2 parameters. No reconstruction.
 
 Zero point of the fold: the official code keeps the mean zero point z~ unrounded, which is our default
-(`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline; the
-output MSE agrees to 3 digits either way (tests/test_quant_reparam.py). `round_zero_point=True` makes the
-per-tensor codes exactly equal to the per-channel ones. `reparam=False` keeps per-channel post-LN activations
-(the not hardware-friendly variant of RepQ-ViT issue #11), for ablations.
+(`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline.
+`round_zero_point=True` makes the per-tensor codes exactly equal to the per-channel ones
+(tests/test_quant_reparam.py). `reparam=False` keeps per-channel post-LN activations (the not
+hardware-friendly variant of zkkli/RepQ-ViT issue #11), for ablations.
 """
 from __future__ import annotations
 
