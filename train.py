@@ -114,7 +114,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     # -- Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside
     # optimizer.step(), after clipping, once per update, only when the step really runs, with each
     # group's lr. TWEO (and CD's loss-form ablation) add a term to the loss in compute_loss below.
-    decay = as_config_error("cd", ColinearityDecay.from_config, cfg.cd, model) if cfg.cd.enabled else None
+    decay = (as_config_error("cd", ColinearityDecay.from_config, cfg.cd, model,
+                             norms_every=cfg.train.log_every_steps) if cfg.cd.enabled else None)
     if decay is not None:
         decay.attach(optimizer)
         log.info("%r", decay)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
-from .update import align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
+from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -71,6 +71,10 @@ class ColinearityDecay:
         mode: 'decoupled' (the paper's update, via `attach`/`apply`) or 'loss' (ablation: a penalty from
             `aux_loss`; `attach`/`apply` then do nothing).
         loss_coef: loss mode only: coefficient of the penalty after aligning it to the task-loss magnitude.
+        matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 when
+            the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md.
+        norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
+            materialised delta per pair, so the trainer passes its log interval.
     """
 
     def __init__(
@@ -81,6 +85,8 @@ class ColinearityDecay:
         targets: str = "A+B",
         mode: str = "decoupled",
         loss_coef: float = 0.01,
+        matmul_precision: str = "auto",
+        norms_every: int = 1,
     ) -> None:
         if targets not in TARGETS:
             raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
@@ -98,6 +104,12 @@ class ColinearityDecay:
         self.targets = targets
         self.mode = mode
         self.loss_coef = float(loss_coef)
+        if matmul_precision not in ("auto",) + PRECISIONS:
+            raise ValueError(f"cd matmul_precision must be one of {('auto',) + PRECISIONS}, "
+                             f"got {matmul_precision!r}")
+        if not (isinstance(norms_every, int) and norms_every >= 1):
+            raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
+        self.norms_every = norms_every
 
         self.all_pairs: list[Pair] = find_pairs(model)  # diagnostics cover every pair
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
@@ -111,6 +123,9 @@ class ColinearityDecay:
         self._up_lams = [lam if self._upstream else 0.0 for lam in self._lams]
         self._active = any(v != 0 for v in self._lams)
         self._plan = build_plan(self.pairs, [u != 0 for u in self._up_lams])
+        if matmul_precision == "auto":  # the measured choice (cd/README.md): TF32 where it exists
+            matmul_precision = "tf32" if self.pairs[0].w2().device.type == "cuda" else "fp32"
+        self.matmul_precision = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
 
         self.num_updates = 0  # optimizer steps on which CD was applied (logging only)
@@ -121,11 +136,12 @@ class ColinearityDecay:
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
-    def from_config(cls, cfg_cd: Any, model: nn.Module) -> "ColinearityDecay":
-        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef). `enabled` and `budget`
-        are the trainer's switches (see `budget_weight_decay`) and are not read here."""
+    def from_config(cls, cfg_cd: Any, model: nn.Module, norms_every: int = 1) -> "ColinearityDecay":
+        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision).
+        `enabled` and `budget` are the trainer's switches (see `budget_weight_decay`), not read here."""
         return cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
-                   mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef)
+                   mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef, matmul_precision=cfg_cd.matmul_precision,
+                   norms_every=norms_every)
 
     # ----------------------------------------------------------------------------------- decoupled update
     def apply(self, lr: float) -> None:
@@ -141,7 +157,11 @@ class ColinearityDecay:
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor]) -> None:
         steps = [lr * lam for lr, lam in zip(lr2, self._lams)]
         up_steps = [lr * lam for lr, lam in zip(lr1, self._up_lams)]
-        self._last_update_norms = colinearity_decay_(self.pairs, steps, up_steps, gate=gate, plan=self._plan)
+        norms = (self.num_updates + 1) % self.norms_every == 0
+        result = colinearity_decay_(self.pairs, steps, up_steps, gate=gate, plan=self._plan,
+                                    precision=self.matmul_precision, norms=norms)
+        if norms:
+            self._last_update_norms = result
         self.num_updates += 1
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
@@ -232,8 +252,9 @@ class ColinearityDecay:
 
         cd/pair_energy/<role>: mean over the role's pairs (all pairs of the model, targeted or not) of the
             normalized energy ||W2 W1n||_F^2 of the current weights.
-        cd/update_norm/<role>: Frobenius norm of the role's last applied update, all blocks together
-            (also <role>_upstream for target C); absent before the first update.
+        cd/update_norm/<role>: Frobenius norm of the role's update, all blocks together (also
+            <role>_upstream for target C), from the last update whose number is a multiple of
+            `norms_every`; absent before that.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
         """
         out = energy_metrics(self.all_pairs, self._all_plan)

@@ -26,6 +26,7 @@ Implementation notes (why the code looks like this):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -116,37 +117,18 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _stack_fp32(tensors: Sequence[Tensor]) -> Tensor:
-    """(n, ...) copy of same-shaped tensors in at least fp32, detached."""
-    return torch.stack([t.detach().to(compute_dtype(t)) for t in tensors])
-
-
 def _is_zero(x: Number) -> bool:
     return not isinstance(x, Tensor) and x == 0
 
 
-def _step_tensor(values: Sequence[Number], like: Tensor, gate: Optional[Tensor]) -> Union[float, Tensor]:
-    """Per-pair step sizes as a Python float (all equal, no gate: no host-device copy) or an (n, 1, 1)
-    tensor of `like`'s dtype and device."""
-    if gate is None and all(not isinstance(v, Tensor) for v in values) and len(set(values)) == 1:
-        return float(values[0])
-    if any(isinstance(v, Tensor) for v in values):
-        s = torch.stack([torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values])
-    else:  # plain floats (per-group lrs differ under layer-wise lr decay): one host-to-device copy
-        s = torch.tensor([float(v) for v in values], dtype=like.dtype, device=like.device)
-    if gate is not None:
-        s = s * gate.to(device=like.device, dtype=like.dtype)
-    return s.view(-1, 1, 1)
-
-
-def _normalized_w1(w1: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+def _normalized_w1(w1: Tensor) -> tuple[Tensor, Tensor]:
     """W1n = W1 / (||W1||_F / sqrt(r)) per stacked matrix. w1: (n, r, i).
 
     Returns (W1n, norm (n, 1, 1)) with norm = ||W1||_F / sqrt(r) = sqrt(mean(W1^2) * i), floored at
-    _NORM_EPS. inplace: divide `w1` itself (a private stacked copy) to save one buffer.
+    _NORM_EPS.
     """
     norm = w1.square().mean(dim=(1, 2), keepdim=True).mul(w1.shape[2]).sqrt().clamp_min(_NORM_EPS)
-    return (w1.div_(norm) if inplace else w1 / norm), norm
+    return w1 / norm, norm
 
 
 def _normalized_scale_sq(g: Tensor) -> Tensor:
@@ -155,9 +137,61 @@ def _normalized_scale_sq(g: Tensor) -> Tensor:
     return (g2 / g2.mean(dim=1, keepdim=True).clamp_min(_NORM_EPS ** 2)).unsqueeze(1)
 
 
-def _write(targets: Sequence[Tensor], new: Tensor) -> None:
-    """Copy stacked fp32 values (n, ...) into the n target tensors (casting to their dtype)."""
-    torch._foreach_copy_(list(targets), list(new.unbind(0)))
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+@contextlib.contextmanager
+def _products_in(precision: str):
+    """Matmul precision of the CD products, whatever the caller set (train.py allows TF32 globally).
+
+    fp32: exact fp32 products (the tests' path). tf32: TF32 tensor cores for fp32 operands on CUDA (a
+    no-op elsewhere: CPUs have no TF32). bf16: operands rounded to bf16 in `_mm` (any device).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"cd matmul precision must be one of {PRECISIONS}, got {precision!r}")
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _working(t: Tensor) -> Tensor:
+    """The tensor to compute on: `t` itself when it is fp32/float64 (updated in place), else an fp32 copy."""
+    return t if t.dtype == compute_dtype(t) else t.float()
+
+
+def _commit(target: Tensor, work: Tensor) -> None:
+    """Write a working copy back (nothing to do when the work was done in place)."""
+    if work is not target:
+        target.copy_(work)
+
+
+def _fold_steps(steps: Sequence[Number], gate: Optional[Tensor], factor: Tensor) -> list[float]:
+    """Split per-pair steps into kernel `alpha`s and a device part folded into `factor` (n, ...) in place.
+
+    Python-float steps become alpha = -s (no tensor is made for them: no host-to-device copy per step);
+    0-dim tensor steps (capturable optimizers) and the fused-optimizer gate are multiplied into `factor`
+    on the device (no host sync), with alpha = -1.
+    """
+    alphas = []
+    for k, s in enumerate(steps):
+        if isinstance(s, Tensor):
+            factor[k].mul_(s.to(factor.dtype))
+            alphas.append(-1.0)
+        else:
+            alphas.append(-float(s))
+    if gate is not None:
+        factor.mul_(gate.to(factor.dtype))
+    return alphas
+
+
+def _product(a: Tensor, b: Tensor, precision: str) -> Tensor:
+    """a @ b with bf16 operands for precision 'bf16' (fp32 accumulation inside the kernel), else as is."""
+    if precision == "bf16":
+        return torch.mm(a.bfloat16(), b.bfloat16())
+    return torch.mm(a, b)
 
 
 @torch.no_grad()
@@ -168,9 +202,11 @@ def colinearity_decay_(
     upstream_step_sizes: Optional[Sequence[Number]] = None,
     gate: Optional[Tensor] = None,
     plan: Optional[Plan] = None,
+    precision: str = "fp32",
+    norms: bool = False,
 ) -> dict[str, Tensor]:
-    """Apply one decoupled, normalized CD update to every pair, in place
-    (Sec. 3.3, Eq. (12), App. A.2, Eq. (24)).
+    """Apply one decoupled, normalized CD update to every pair, in place (Sec. 3.3, Eq. (12); App. A.2,
+    Eq. (24)).
 
     Args:
         pairs: matrix pairs (from `find_pairs`).
@@ -182,10 +218,14 @@ def colinearity_decay_(
         gate: optional 0-dim tensor multiplying every step on device (0 skips the update without a host
             sync; used for fused optimizers under GradScaler).
         plan: a cached `build_plan(pairs, upstream)`; built here if None.
+        precision: of the two products of a functional pair: 'fp32' (exact), 'tf32' (CUDA tensor cores)
+            or 'bf16' (see `_products_in`; the error of each against float64 is in cd/README.md).
+        norms: also return the update norms (costs a materialised delta per pair: call on log steps).
 
     Returns:
-        dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of the summed
-        squared per-block norms), plus '<role>_upstream' for target set C. Roles that were skipped are absent.
+        with `norms`, dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of
+        the summed squared per-block norms), plus '<role>_upstream' for target set C; roles that were
+        skipped are absent. Without `norms`, {}.
     """
     n_pairs = len(pairs)
     if len(step_sizes) != n_pairs:
@@ -195,68 +235,79 @@ def colinearity_decay_(
         plan = build_plan(pairs, [not _is_zero(s) for s in up_steps])
 
     sq_norms: dict[str, Tensor] = {}
-    pending: list[tuple[list[Tensor], Tensor]] = []  # (targets, delta) written after all groups
+    pending: list[tuple[Tensor, Tensor]] = []  # (target, delta) of deferred groups, added at the end
 
-    def record(key: str, delta: Tensor) -> None:
-        sq = delta.square().sum()
-        sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
-
-    def emit(targets: list[Tensor], current: Tensor, delta: Tensor, deferred: bool) -> None:
-        # `current` is a private stacked copy of the targets: update it in place and write it back.
+    def add(key: str, target: Tensor, delta: Tensor, deferred: bool) -> None:
+        """target += delta (a materialised delta: deferred groups and log steps)."""
+        if norms:
+            sq = delta.square().sum()
+            sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
         if deferred:
-            pending.append((targets, delta))
+            pending.append((target, delta))
         else:
-            _write(targets, current.sub_(delta))
+            work = _working(target)
+            _commit(target, work.add_(delta))
 
-    for group, deferred in zip(plan.groups, plan.defer):
-        idx2 = [i for i in group if not _is_zero(step_sizes[i])]
-        idx1 = [i for i in group if pairs[i].kind == "functional" and not _is_zero(up_steps[i])]
-        if not idx2 and not idx1:
-            continue
-        role = pairs[group[0]].role
-        # Compute every delta of the group from the pre-step weights before writing any of them.
-        idx = sorted(set(idx2) | set(idx1))
-        w2 = _stack_fp32([pairs[i].w2() for i in idx])  # (n, o, r)
-        s2 = _step_tensor([step_sizes[i] for i in idx], w2, gate)
-        if pairs[idx[0]].diagonal:
-            # Composable: W2 diag(g)^2 / mean(g^2), i.e. a per-column scaling (no matmul needed).
-            d2 = (w2 * _normalized_scale_sq(_stack_fp32([pairs[i].w1() for i in idx]))).mul_(s2)
-            d1 = None
-        else:
-            w1n, norm = _normalized_w1(_stack_fp32([pairs[i].w1() for i in idx]), inplace=True)  # (n, r, i)
-            o, r, i_ = w2.shape[1], w2.shape[2], w1n.shape[2]
-            if idx1 or 2 * o * r * i_ <= r * r * (i_ + o):
-                p = torch.bmm(w2, w1n)  # W2 W1n, (n, o, i)
-                d2 = torch.bmm(p, w1n.transpose(1, 2)).mul_(s2)
+    with _products_in(precision):
+        for group, deferred in zip(plan.groups, plan.defer):
+            idx2 = [i for i in group if not _is_zero(step_sizes[i])]
+            idx1 = [i for i in group if pairs[i].kind == "functional" and not _is_zero(up_steps[i])]
+            if not idx2 and not idx1:
+                continue
+            role = pairs[group[0]].role
+            if pairs[group[0]].diagonal:
+                _composable(pairs, idx2, step_sizes, gate, role, deferred, norms, add)
             else:
-                p = None
-                d2 = torch.bmm(w2, torch.bmm(w1n, w1n.transpose(1, 2))).mul_(s2)
-            d1 = None
-            if idx1:
-                s1 = _step_tensor([up_steps[i] for i in idx], w2, gate)
-                # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 = 2 c W2^T (W2 W1n), with c = 1/norm.
-                d1 = torch.bmm(w2.transpose(1, 2), p).div_(norm).mul_(s1)
-            del w1n, p
-        # Pairs in `idx` with a zero W2 step (only possible with target C) get a zero W2 delta: skip them.
-        keep2 = [k for k, i in enumerate(idx) if i in idx2]
-        if keep2:
-            if len(keep2) < len(idx):
-                w2_k, d2_k = w2[keep2], d2[keep2]
-            else:
-                w2_k, d2_k = w2, d2
-            record(role, d2_k)
-            emit([pairs[idx[k]].w2() for k in keep2], w2_k, d2_k, deferred)
-        if d1 is not None:
-            keep1 = [k for k, i in enumerate(idx) if i in idx1]
-            d1_k = d1[keep1] if len(keep1) < len(idx) else d1
-            w1_now = _stack_fp32([pairs[idx[k]].w1() for k in keep1])
-            record(f"{role}_upstream", d1_k)
-            emit([pairs[idx[k]].w1() for k in keep1], w1_now, d1_k, deferred)
+                _functional(pairs, idx2, idx1, step_sizes, up_steps, gate, role, deferred, norms, precision,
+                            add)
 
-    for targets, delta in pending:
-        # Re-read the targets: another deferred write may have touched the same matrix.
-        _write(targets, _stack_fp32(targets).sub_(delta))
+    for target, delta in pending:
+        work = _working(target)
+        _commit(target, work.add_(delta))
     return {k: v.sqrt() for k, v in sq_norms.items()}
+
+
+def _composable(pairs, idx, steps, gate, role, deferred, norms, add) -> None:
+    """W2 <- W2 - s W2 diag(g^2 / mean(g^2)): a per-column scaling, one read and write of W2 per pair."""
+    g = torch.stack([pairs[i].w1().detach().to(compute_dtype(pairs[i].w1())) for i in idx])  # (n, m)
+    scale = _normalized_scale_sq(g).squeeze(1)  # (n, m)
+    alphas = _fold_steps([steps[i] for i in idx], gate, scale)
+    for k, i in enumerate(idx):
+        target = pairs[i].w2()
+        if norms or deferred:
+            add(role, target, _working(target) * scale[k] * alphas[k], deferred)
+        else:
+            work = _working(target)
+            _commit(target, work.addcmul_(work, scale[k], value=alphas[k]))  # exact alias: elementwise
+
+
+def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms, precision, add) -> None:
+    """W2 <- W2 - s c^2 (W2 W1) W1^T per pair, with c^2 = r / ||W1||_F^2 folded into the small product
+    P = W2 W1 (o x i), so that W1 is never normalised into a copy; the second product is accumulated into
+    W2 in place (`addmm_`, alpha = -s), which is the products plus one read and one write of W2."""
+    idx = sorted(set(idx2) | set(idx1))
+    w1s = [_working(pairs[i].w1().detach()) for i in idx]
+    r = w1s[0].shape[0]
+    sq = torch.stack(torch._foreach_norm(w1s)).square()  # ||W1||_F^2 per pair, in the compute dtype
+    c2 = r / sq.clamp_min(r * _NORM_EPS ** 2)  # c^2 = 1 / (||W1||_F / sqrt(r))^2, (n,)
+    f2, f1 = c2.clone(), c2.clone()
+    alphas2 = _fold_steps([steps[i] if i in idx2 else 0.0 for i in idx], gate, f2)
+    alphas1 = _fold_steps([up_steps[i] if i in idx1 else 0.0 for i in idx], gate, f1)
+    for k, i in enumerate(idx):
+        target2, w1 = pairs[i].w2(), w1s[k]
+        work2 = _working(target2)
+        p = _product(work2, w1, precision)  # W2 W1, (o, i)
+        if i in idx1:  # dl/dW1 at fixed c = 2 c^2 W2^T W2 W1 (factor 2 absorbed), from the pre-step W2
+            d1 = _product(work2.t(), p, precision).mul_(f1[k].to(p.dtype)).to(work2.dtype).mul_(alphas1[k])
+        if i in idx2:
+            p.mul_(f2[k].to(p.dtype))
+            if norms or deferred or precision == "bf16":
+                delta = _product(p, w1.t(), precision).to(work2.dtype).mul_(alphas2[k])
+                add(role, target2, delta, deferred)
+            else:
+                _commit(target2, work2.addmm_(p, w1.t(), alpha=alphas2[k]))
+        if i in idx1:
+            add(f"{role}_upstream", pairs[i].w1(), d1, deferred)
 
 
 @torch.no_grad()

@@ -155,6 +155,8 @@ class CDConfig:
     mode: Literal["decoupled", "loss"] = "decoupled"  # decoupled: the paper's update; loss: ablation
     # loss mode: coefficient after aligning the penalty to the task-loss magnitude
     loss_coef: Annotated[float, NonNegative] = 0.01
+    # precision of the update's products; auto = tf32 on CUDA, fp32 elsewhere (errors: cd/README.md)
+    matmul_precision: Literal["auto", "fp32", "tf32", "bf16"] = "auto"
     budget: bool = True  # weight-decay budget rule: wd -> wd - lam
 
 

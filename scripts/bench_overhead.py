@@ -6,7 +6,9 @@ AMP forward + backward + AdamW step on synthetic data:
     baseline  plain step
     cd        + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
     tweo      + TWEO(lam=0.01) auxiliary loss on every block output
-Reported per configuration: median step time over the timed steps (warm-up excluded; on CPU the
+Reported per configuration: `ColinearityDecay.apply` alone and its floor, the same products as bare
+batched matmuls on pre-stacked copies at the same precision (`product_floor`), with their ratio; the
+median step time over the timed steps (warm-up excluded; on CPU the
 three methods' steps are interleaved so that load from other processes hits all alike) and peak memory
 (`torch.cuda.max_memory_allocated` over the timed steps, GPU only; on CPU the peak is reported as n/a,
 since the process RSS cannot be attributed to one configuration), plus the CD/baseline and
@@ -15,6 +17,7 @@ TWEO/baseline ratios. Writes `overhead.json` and `overhead.png` to --out.
 Run:
     python scripts/bench_overhead.py --out results/overhead                 # GPU, the paper's settings
     python scripts/bench_overhead.py --device cpu --small --out /tmp/ovh    # CPU smoke run, about a minute
+    python scripts/bench_overhead.py --device cpu --apply-only --threads 2 --out /tmp/ovh  # apply vs floor
     (on a shared or busy CPU add --threads 1: OpenMP contention otherwise makes single steps 10x slower)
 AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 """
@@ -35,9 +38,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 from cd import TWEO, ColinearityDecay  # noqa: E402
+from cd.update import _products_in  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo")
+
+
+def timed_ms(fn, device: str) -> float:
+    """Wall time of fn() in ms, synchronizing CUDA."""
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):
@@ -60,7 +73,7 @@ class Runner:
         self.scaler = torch.amp.GradScaler(device, enabled=(args.amp == "fp16"))
         self.decay = self.tweo = None
         if method == "cd":
-            self.decay = ColinearityDecay(self.model, lam=0.005)
+            self.decay = ColinearityDecay(self.model, lam=0.005, matmul_precision=args.precision)
             self.decay.attach(self.opt)
         elif method == "tweo":
             self.tweo = TWEO(self.model, lam=0.01)
@@ -81,12 +94,7 @@ class Runner:
         self.n += 1
 
     def timed(self, fn) -> float:
-        """Wall time of fn() in ms, synchronizing CUDA."""
-        t0 = time.perf_counter()
-        fn()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
+        return timed_ms(fn, self.device)
 
     def close(self) -> None:
         if self.tweo is not None:
@@ -95,6 +103,47 @@ class Runner:
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def product_floor(decay: ColinearityDecay):
+    """The bare products of one CD update, as a callable: per group of same-shaped pairs, the two batched
+    matmuls W2 W1 and (W2 W1) W1^T of functional pairs and the column scaling of composable pairs, on
+    stacked copies made once here, at the decay's matmul precision. What `apply` costs beyond this is
+    its own overhead (reading the parameters, norms, steps, writing back)."""
+    groups = []
+    for group in decay._plan.groups:
+        pairs = [decay.pairs[i] for i in group]
+        w2 = torch.stack([p.w2().detach().float() for p in pairs])
+        w1 = torch.stack([p.w1().detach().float() for p in pairs])
+        if decay.matmul_precision == "bf16":
+            w2, w1 = w2.bfloat16(), w1.bfloat16()
+        groups.append((pairs[0].diagonal, w2, w1.unsqueeze(1) if pairs[0].diagonal else w1))
+
+    def run() -> None:
+        with _products_in(decay.matmul_precision):
+            for diagonal, w2, w1 in groups:
+                if diagonal:
+                    w2 * w1
+                else:
+                    torch.bmm(torch.bmm(w2, w1), w1.transpose(1, 2))
+    return run
+
+
+def measure_apply(model_kw: dict, args, device: str) -> dict:
+    """`ColinearityDecay.apply` alone against its bare-product floor, interleaved, medians in ms."""
+    torch.manual_seed(0)
+    model = build_vit(device=device, **model_kw)
+    decay = ColinearityDecay(model, lam=0.005, matmul_precision=args.precision)
+    floor = product_floor(decay)
+    for _ in range(args.warmup):
+        decay.apply(lr=1e-3)
+        floor()
+    apply_ms, floor_ms = [], []
+    for _ in range(args.steps):
+        apply_ms.append(timed_ms(lambda: decay.apply(lr=1e-3), device))
+        floor_ms.append(timed_ms(floor, device))
+    return {"cd_apply_ms": statistics.median(apply_ms), "cd_floor_ms": statistics.median(floor_ms),
+            "precision": decay.matmul_precision}
 
 
 def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
@@ -106,7 +155,6 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
     """
     times = {m: [] for m in METHODS}
     peaks: dict[str, Optional[float]] = {m: None for m in METHODS}
-    apply_ms: list[float] = []
     if device == "cuda":
         for method in METHODS:
             r = Runner(method, model_kw, batch, args, device)
@@ -116,8 +164,6 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             times[method] = [r.timed(r.step) for _ in range(args.steps)]
             peaks[method] = torch.cuda.max_memory_allocated() / 2 ** 20
-            if r.decay is not None:  # the CD update alone, for reference
-                apply_ms = [r.timed(lambda: r.decay.apply(lr=1e-3)) for _ in range(args.steps)]
             r.close()
     else:
         runners = [Runner(m, model_kw, batch, args, device) for m in METHODS]
@@ -127,8 +173,6 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
         for _ in range(args.steps):
             for r in runners:
                 times[r.method].append(r.timed(r.step))
-                if r.decay is not None:
-                    apply_ms.append(r.timed(lambda: r.decay.apply(lr=1e-3)))
         for r in runners:
             r.close()
     rows = []
@@ -137,7 +181,7 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
                "step_ms": statistics.median(times[method]), "step_ms_all": times[method],
                "peak_mib": peaks[method]}
         if method == "cd":
-            row["cd_apply_ms"] = statistics.median(apply_ms)
+            row.update(measure_apply(model_kw, args, device))
         rows.append(row)
     return rows
 
@@ -173,12 +217,13 @@ def table(rows: list[dict]) -> str:
     """One line per (sweep, configuration): the three methods and the ratios to the baseline."""
     lines = [f"{'sweep':6s} {'dim':>5s} {'batch':>5s} | {'base ms':>8s} {'cd ms':>8s} {'tweo ms':>8s} | "
              f"{'cd/base':>7s} {'tweo/base':>9s} | {'base MiB':>8s} {'cd MiB':>8s} {'tweo MiB':>8s} | "
-             f"{'cd/base':>7s} {'tweo/base':>9s} | {'cd apply ms':>11s}"]
+             f"{'cd/base':>7s} {'tweo/base':>9s} | {'apply ms':>8s} {'floor ms':>8s} {'apply/floor':>11s}"]
     keys = sorted({(r["sweep"], r["embed_dim"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for sweep, dim, batch in keys:
         by = {r["method"]: r for r in rows if (r["sweep"], r["embed_dim"], r["batch"]) == (sweep, dim, batch)}
         t = {m: by[m]["step_ms"] for m in METHODS}
         mem = {m: by[m]["peak_mib"] for m in METHODS}
+        cd = by["cd"]
         lines.append(f"{sweep:6s} {dim:5d} {batch:5d} | "
                      f"{_fmt(t['baseline'], '8.1f')} {_fmt(t['cd'], '8.1f')} {_fmt(t['tweo'], '8.1f')} | "
                      f"{_fmt(_ratio(t['cd'], t['baseline']), '7.3f')} "
@@ -187,7 +232,8 @@ def table(rows: list[dict]) -> str:
                      f"{_fmt(mem['tweo'], '8.0f')} | "
                      f"{_fmt(_ratio(mem['cd'], mem['baseline']), '7.3f')} "
                      f"{_fmt(_ratio(mem['tweo'], mem['baseline']), '9.3f')} | "
-                     f"{_fmt(by['cd'].get('cd_apply_ms'), '11.2f')}")
+                     f"{_fmt(cd.get('cd_apply_ms'), '8.2f')} {_fmt(cd.get('cd_floor_ms'), '8.2f')} "
+                     f"{_fmt(_ratio(cd.get('cd_apply_ms'), cd.get('cd_floor_ms')), '11.2f')}")
     return "\n".join(lines)
 
 
@@ -218,6 +264,25 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
     plt.close(fig)
 
 
+def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dict:
+    """`apply` and its floor per width (the model's depth and token count do not matter to CD)."""
+    rows = []
+    for width in widths:
+        row = {"embed_dim": width, **measure_apply(dict(base, embed_dim=width), args, device)}
+        row["apply_over_floor"] = row["cd_apply_ms"] / row["cd_floor_ms"]
+        rows.append(row)
+        print(f"  dim {width:5d}  {row['precision']}  apply {row['cd_apply_ms']:8.2f} ms  floor "
+              f"{row['cd_floor_ms']:8.2f} ms  apply/floor {row['apply_over_floor']:.2f}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    report = {"device": device, "hardware": hw, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "model": base,
+              "apply_only": rows}
+    with open(os.path.join(args.out, "apply.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'apply.json')}")
+    return report
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -233,6 +298,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per configuration (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"],
+                        help="cd.matmul_precision (auto: tf32 on CUDA, fp32 on CPU)")
+    parser.add_argument("--apply-only", action="store_true",
+                        help="only `apply` against its product floor per width (no training steps: "
+                             "ViT-B-sized CD on a CPU in a minute)")
     parser.add_argument("--out", default="results/overhead",
                         help="output folder for overhead.json / overhead.png")
     args = parser.parse_args(argv)
@@ -261,6 +331,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     hw = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, amp {args.amp}, "
           f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed steps {args.steps}")
+    if args.apply_only:
+        return apply_only(base, widths, args, device, hw)
     rows = run_sweep("batch", [(base, b) for b in batches], args, device)
     rows += run_sweep("width", [(dict(base, embed_dim=w), width_batch) for w in widths], args, device)
     print()

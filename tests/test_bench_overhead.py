@@ -24,3 +24,17 @@ def test_bench_overhead_cpu_smoke(tmp_path, capsys):
     assert json.load(open(tmp_path / "overhead.json"))["memory"] == "n/a"
     assert (tmp_path / "overhead.png").stat().st_size > 0
     assert "cd/base" in capsys.readouterr().out
+    cd_rows = [r for r in report["rows"] if r["method"] == "cd"]
+    assert all(r["cd_apply_ms"] > 0 and r["cd_floor_ms"] > 0 and r["precision"] == "fp32" for r in cd_rows)
+
+
+def test_bench_overhead_apply_only(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_overhead",
+                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "64",
+                         "--precision", "bf16", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
+    (row,) = report["apply_only"]
+    assert row["precision"] == "bf16" and row["apply_over_floor"] > 0
+    assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64

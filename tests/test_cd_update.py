@@ -180,3 +180,69 @@ def test_low_precision_parameters_are_updated_in_fp32_and_keep_their_dtype(dtype
     # fp32 math then one rounding to the parameter dtype: at most one ulp from the float64 result
     ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((w.double() - want.double()).abs() <= 1.01 * ulp).all()
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("tf32", 1e-5), ("bf16", 2e-2)])
+def test_matmul_precisions_against_the_float64_reference(precision, tol):
+    """tf32 is exact fp32 on a CPU (no TF32 there); bf16 rounds the products' operands (8-bit mantissa),
+    so the delta carries an error of order 2^-8 relative."""
+    model = tiny_vit()
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1, matmul_precision=precision).apply(lr=0.5)
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", 0.05, expected)
+    _assert_update_matches(model, P, expected, tol)
+
+
+@pytest.mark.parametrize("targets", ["A+B", "C"])
+def test_update_norms_are_optional_and_do_not_change_the_update(targets):
+    """norms=True materialises each delta (for logging); the in-place path must write the same weights."""
+    fast, logged = tiny_vit().double(), tiny_vit().double()
+    logged.load_state_dict(fast.state_dict())
+    P = snapshot(fast)
+    results = []
+    for model, norms in ((fast, False), (logged, True)):
+        pairs = [p for p in find_pairs(model) if targets != "C" or p.kind == "functional"]
+        up = [0.03 if targets == "C" else 0.0] * len(pairs)
+        results.append(colinearity_decay_(pairs, [0.05] * len(pairs), up, norms=norms))
+    assert results[0] == {}
+    for name, p in logged.named_parameters():
+        torch.testing.assert_close(dict(fast.named_parameters())[name], p, rtol=1e-13, atol=1e-15)
+    # the returned norm is the norm of the whole role's delta, from the weights before and after
+    fc2 = [f"blocks.{i}.mlp.fc2.weight" for i in range(VIT_DEPTH)]
+    after = {n: p.detach() for n, p in logged.named_parameters()}
+    moved = math.sqrt(sum(float((after[n] - P[n]).norm() ** 2) for n in fc2))
+    assert math.isclose(float(results[1]["fc2"]), moved, rel_tol=1e-9)
+    if targets == "C":
+        assert "fc2_upstream" in results[1] and "qkv" not in results[1]
+
+
+def test_gate_and_tensor_steps_stay_on_the_device_and_match_float_steps():
+    """A 0-dim tensor step (capturable optimizers) and the fused-optimizer gate fold into the update on
+    the device; gate 0 leaves every weight bit-identical."""
+    a, b, c = tiny_vit().double(), tiny_vit().double(), tiny_vit().double()
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    P = snapshot(c)
+    pa, pb, pc = find_pairs(a), find_pairs(b), find_pairs(c)
+    colinearity_decay_(pa, [0.05] * len(pa))
+    colinearity_decay_(pb, [torch.tensor(0.05, dtype=torch.float64)] * len(pb), gate=torch.tensor(True))
+    colinearity_decay_(pc, [0.05] * len(pc), gate=torch.tensor(False))
+    for name, p in a.named_parameters():
+        torch.testing.assert_close(dict(b.named_parameters())[name], p, rtol=1e-13, atol=1e-15)
+    assert changed(c, P) == []
+
+
+def test_update_norms_are_computed_every_norms_every_updates():
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.1, norms_every=3)
+    seen = []
+    for _ in range(6):
+        decay.apply(lr=0.5)
+        seen.append("cd/update_norm/fc2" in decay.metrics())
+    assert seen == [False, False, True, True, True, True]  # from update 3 on: the one of update 3, then 6
+    with pytest.raises(ValueError, match="norms_every"):
+        ColinearityDecay(model, norms_every=0)
+    with pytest.raises(ValueError, match="matmul_precision"):
+        ColinearityDecay(model, matmul_precision="fp8")

@@ -15,6 +15,7 @@ import torch
 
 import evaluate
 import train
+from cd import ColinearityDecay
 from configs import load_config
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from quant import PIPELINES
@@ -91,10 +92,11 @@ def test_exact_resume_on_cuda(debug_config):
 
 
 def test_fp16_step_with_a_fused_optimizer_never_syncs_with_the_host():
-    """An fp16 update with a fused optimizer issues no synchronising CUDA call
-    (engine/optim.py, use_fused)."""
+    """An fp16 update with a fused optimizer and CD attached issues no synchronising CUDA call
+    (engine/optim.py, use_fused; the CD gate and steps stay on the device, norms off this step)."""
     model = tiny_vit().to(CUDA).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ColinearityDecay(model, lam=0.005, norms_every=1000).attach(optimizer)
     batches = [(images(16, seed=s).pin_memory(), (torch.arange(16) % 10).pin_memory()) for s in range(6)]
 
     class Sampler:
@@ -138,3 +140,23 @@ def test_evaluate_under_torchrun_on_cuda(tmp_path):
     single = evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--quant", "repq",
                                                 "--out", str(tmp_path / "single.json")]))
     assert abs(single["quant"]["repq"]["w4a4"]["top1"] - saved["quant"]["repq"]["w4a4"]["top1"]) <= 0.5
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("tf32", 5e-3), ("bf16", 2e-2)])
+def test_cd_update_precisions_on_cuda_against_float64(precision, tol):
+    """The real TF32 path (CPUs have none): the update's relative error against float64."""
+    from cd_models import VIT_DEPTH, ref_block_update, snapshot
+    from cd_models import tiny_vit as cd_tiny_vit
+
+    model = cd_tiny_vit().to(CUDA)
+    before = {k: v.cpu() for k, v in snapshot(model).items()}
+    decay = ColinearityDecay(model, lam=0.1, matmul_precision=precision)
+    assert ColinearityDecay(model).matmul_precision == "tf32"  # auto on CUDA
+    decay.apply(lr=0.5)
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(before, f"blocks.{i}", 0.05, expected)
+    params = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+    for name, want in expected.items():
+        delta_want, delta_got = want - before[name].double(), params[name] - before[name].double()
+        assert (delta_got - delta_want).norm() / delta_want.norm() < tol, name

@@ -1,0 +1,91 @@
+"""Error of the CD update at each `cd.matmul_precision` against a float64 reference.
+
+One CD update (targets A+B) of a freshly initialised ViT-B/16 (timm init) is computed in float64 (the
+reference) and at each precision from the same fp32 weights. Two figures per precision:
+    product error  ||dW_p - dW_64||_F / ||dW_64||_F with a step s = 1, where the update is far above
+                   the fp32 rounding of the weights: the error of the products themselves
+    weight error   ||W_p - W_64||_F / ||fl32(W_64) - W_64||_F after one update at the training step
+                   s = lr * lam = 1e-3 * 0.005 (DeiT-B's peak lr): below 1, the precision moves the
+                   weights less than storing them in fp32 does
+On CUDA every precision runs for real; on a CPU 'tf32' (which CPUs lack) is emulated by rounding the
+products' operands to TF32's 10-bit mantissa before fp32 products, and the output says so.
+
+    python scripts/cd_precision.py                  # cuda if available, else cpu
+    python scripts/cd_precision.py --model vit_small_patch16_224 --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from contextlib import nullcontext
+from unittest import mock
+
+import timm
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
+import cd.update  # noqa: E402
+from cd import ColinearityDecay  # noqa: E402
+
+TRAINING_STEP = 1e-3 * 0.005  # lr * lam
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the nearest value with TF32's 10 explicit mantissa bits (ties away from zero)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def emulated_tf32(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    return torch.mm(round_to_tf32(a), round_to_tf32(b))
+
+
+def updated(model: torch.nn.Module, step: float, precision: str, emulate: bool) -> dict[str, torch.Tensor]:
+    """The decayed matrices after one CD update (step lr * lam = `step`) of a copy of `model`."""
+    model = copy.deepcopy(model)
+    decay = ColinearityDecay(model, lam=1.0, matmul_precision=precision)
+    patch = mock.patch.object(cd.update, "_product", emulated_tf32) if emulate else nullcontext()
+    with patch:
+        decay.apply(lr=step)
+    return {p.name: p.w2().detach().clone() for p in decay.pairs}
+
+
+def _ratio(num: list[torch.Tensor], den: list[torch.Tensor]) -> float:
+    """||num||_F / ||den||_F over lists of matrices."""
+    return (sum(float(t.norm() ** 2) for t in num) / sum(float(t.norm() ** 2) for t in den)) ** 0.5
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="vit_base_patch16_224")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=1000).to(args.device)
+    before = {p.name: p.w2().detach().double() for p in ColinearityDecay(model).pairs}
+    reference = {step: updated(model.double(), step, "fp32", emulate=False) for step in (1.0, TRAINING_STEP)}
+    model.float()
+    rows = []
+    print(f"{args.model} on {args.device}: one CD update against float64 (product error at s = 1, "
+          f"weight error / fp32 rounding at s = {TRAINING_STEP:g})")
+    for precision in ("fp32", "tf32", "bf16"):
+        emulate = precision == "tf32" and args.device != "cuda"
+        got = updated(model, 1.0, precision, emulate)
+        ref = reference[1.0]
+        product_error = _ratio([got[n].double() - ref[n] for n in got], [ref[n] - before[n] for n in got])
+        got = updated(model, TRAINING_STEP, precision, emulate)
+        ref = reference[TRAINING_STEP]
+        rounding = [ref[n].float().double() - ref[n] for n in got]
+        weight_error = _ratio([got[n].double() - ref[n] for n in got], rounding)
+        rows.append({"precision": precision, "emulated": emulate, "product_error": product_error,
+                     "weight_error_over_fp32_rounding": weight_error})
+        label = precision + (" (emulated)" if emulate else "")
+        print(f"  {label:16s} product error {product_error:.2e}  "
+              f"weight error {weight_error:.3f} x fp32 rounding")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
