@@ -7,7 +7,9 @@ quant/gplq/); quant/README.md explains every default and which ones are our choi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Literal, Optional, Tuple
+from typing import Annotated, Dict, Literal, Optional, Tuple
+
+from .constraints import Positive
 
 
 @dataclass
@@ -63,9 +65,9 @@ class APHQOptions(FirstLastOptions):
     # -- calibration search (quant/aphq/calibration.py, search.py) --
     search_rounds: int = 3  # alternations of input and weight output-MSE searches
     weight_pct: Tuple[float, float] = (0.9, 1.0)  # weight candidate ranges span these percentiles
-    act_pct: Tuple[float, float] = (0.99, 1.0)  # input candidate ranges (not stated officially: our choice)
-    num_scales: int = 8  # candidate ranges per grid
-    num_zero_points: int = 16  # integer zero points per range (8 x 16 = eq_n 128)
+    act_pct: Tuple[float, float] = (0.9, 1.0)  # input candidate ranges (official, also per-channel post-LN)
+    # candidates per grid: min(16, 2^b) absolute zero points x eq_n // that many scales (official eq_n)
+    eq_n: Annotated[int, Positive] = 128
     matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
     matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
     search_max_rows: Optional[int] = None  # rows of a layer input for the output MSE; None: all (official)

@@ -8,9 +8,9 @@ from torch import nn
 
 from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
 from quant.aphq.hessian import perturbation_hessian
-from quant.layers import QuantLinear
+from quant.layers import QuantConv2d, QuantLinear
 from quant.quantizers import UniformQuantizer
-from quant.aphq.search import search_linear, search_matmul
+from quant.aphq.search import range_grid, search_linear, search_matmul, search_stem
 from quant.units import find_units, model_logits
 from quant_models import images, tiny_swin, tiny_vit
 
@@ -134,7 +134,7 @@ def test_output_mse_search_is_no_worse_than_the_percentile_init():
     layer = QuantLinear.from_float(linear, UniformQuantizer(4, channel_dim=0, num_channels=16),
                                    UniformQuantizer(4))
     x = torch.randn(64, 32, generator=g) * torch.linspace(0.1, 3, 32)
-    grid = dict(weight_pct=(0.9, 1.0), act_pct=(0.99, 1.0), num_scales=8, num_zero_points=16)
+    grid = dict(weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=128)
     searched = search_linear(layer, x, rounds=3, **grid)["output_mse"]
     naive = copy.deepcopy(layer)
     for q, t in ((naive.weight_quantizer, naive.weight), (naive.input_quantizer, x)):
@@ -159,7 +159,7 @@ def test_output_mse_search_is_no_worse_than_the_percentile_init():
 def test_gram_and_direct_weight_errors_choose_the_same_parameters():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 16, generator=g) * torch.linspace(0.2, 4, 16)
-    grid = dict(rounds=2, weight_pct=(0.9, 1.0), act_pct=(0.99, 1.0), num_scales=8, num_zero_points=16)
+    grid = dict(rounds=2, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=128)
     picked = []
     for gram in (True, False):
         torch.manual_seed(0)
@@ -169,3 +169,97 @@ def test_gram_and_direct_weight_errors_choose_the_same_parameters():
         picked.append((layer.weight_quantizer.scale.clone(), layer.weight_quantizer.zero_point.clone(), mse))
     assert torch.equal(picked[0][0], picked[1][0]) and torch.equal(picked[0][1], picked[1][1])
     assert picked[0][2] == pytest.approx(picked[1][2], rel=1e-5)
+
+
+def _official_grid(rows, bits, pct, eq_n):
+    """GoatWu/APHQ-ViT `calculate_percentile_weight_candidates`, restated with torch.quantile."""
+    n_levels = 2 ** (bits - 1)
+    num_zp = min(16, n_levels * 2)
+    num_scale = eq_n // num_zp
+    p = torch.tensor(pct, dtype=rows.dtype)
+    uppers, lowers = torch.quantile(rows, p, dim=-1), torch.quantile(rows, 1 - p, dim=-1)  # [2, G]
+    delta_min, delta_max = uppers[0] - lowers[0], uppers[1] - lowers[1]
+    splits = torch.linspace(0, 1, num_scale, dtype=rows.dtype)[:, None] * (delta_max - delta_min)
+    scales = (delta_min + splits).repeat(num_zp, 1) / (2 * n_levels - 1)
+    zps = torch.arange(n_levels - num_zp // 2, n_levels + num_zp // 2).repeat_interleave(num_scale)
+    return scales, zps[:, None].expand_as(scales).to(rows.dtype)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_candidate_grid_is_the_official_one(bits):
+    rows = torch.randn(5, 300, generator=torch.Generator().manual_seed(bits), dtype=torch.float64) * 2 + 0.3
+    q = UniformQuantizer(bits, channel_dim=0, num_channels=5)
+    scales, zps = range_grid(rows, q, (0.9, 1.0), 128)
+    want_s, want_z = _official_grid(rows, bits, (0.9, 1.0), 128)
+    torch.testing.assert_close(scales, want_s, rtol=1e-12, atol=0)
+    assert torch.equal(zps, want_z)
+    assert zps.min() >= 0 and zps.max() <= 2 ** bits - 1  # 0..15 at 4 bits, 0..7 at 3, 120..135 at 8
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_linear_search_follows_the_official_order(rounds):
+    """Weight-only MSE, input-only MSE, then rounds of [weights, input] by the output MSE, recomputed
+    here candidate by candidate with a fake quantizer written out in the test."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 6, generator=g) * torch.linspace(0.5, 3, 6) + 0.2
+    layer = QuantLinear.from_float(nn.Linear(6, 4, bias=False),
+                                   UniformQuantizer(4, channel_dim=0, num_channels=4), UniformQuantizer(4))
+    W = layer.weight.detach().clone()
+    search_linear(layer, x, rounds=rounds, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=32)
+
+    def fq(t, s, z):
+        return (torch.clamp(torch.round(t / s) + z, 0, 15) - z) * s
+
+    w_s, w_z = range_grid(W, layer.weight_quantizer, (0.9, 1.0), 32)
+    a_s, a_z = range_grid(x.reshape(1, -1), layer.input_quantizer, (0.9, 1.0), 32)
+    target = x @ W.t()
+    K = w_s.shape[0]
+    wi = [min(range(K), key=lambda k: float((fq(W[c], w_s[k, c], w_z[k, c]) - W[c]).pow(2).mean()))
+          for c in range(4)]
+    ai = min(range(K), key=lambda k: float((fq(x, a_s[k, 0], a_z[k, 0]) - x).pow(2).mean()))
+    for _ in range(rounds):
+        xq = fq(x, a_s[ai, 0], a_z[ai, 0])
+        wi = [min(range(K), key=lambda k: float((xq @ fq(W[c], w_s[k, c], w_z[k, c]) - target[:, c])
+                                                .pow(2).mean())) for c in range(4)]
+        wq = torch.stack([fq(W[c], w_s[wi[c], c], w_z[wi[c], c]) for c in range(4)])
+        ai = min(range(K), key=lambda k: float((fq(x, a_s[k, 0], a_z[k, 0]) @ wq.t() - target).pow(2).mean()))
+    torch.testing.assert_close(layer.weight_quantizer.scale, torch.stack([w_s[wi[c], c] for c in range(4)]))
+    assert torch.equal(layer.weight_quantizer.zero_point, torch.stack([w_z[wi[c], c] for c in range(4)]))
+    torch.testing.assert_close(layer.input_quantizer.scale, a_s[ai])
+    assert torch.equal(layer.input_quantizer.zero_point, a_z[ai])
+
+
+def test_stem_search_is_the_official_conv_grid():
+    """GoatWu/APHQ-ViT quant_layers/conv.py with a float input: 129 mirrored percentile ranges (0.99 to
+    0.9999, power-0.5 spacing, plus 1.0) by the output MSE per output channel, then the lower bound with
+    the upper fixed, then the upper with the lower fixed; recomputed here with torch.quantile, conv2d
+    and a fake quantizer written out in the test."""
+    torch.manual_seed(2)
+    conv = nn.Conv2d(3, 5, kernel_size=4, stride=4, bias=False)
+    x = torch.randn(6, 3, 16, 16)
+    layer = QuantConv2d.from_float(conv, UniformQuantizer(4, channel_dim=0, num_channels=5), None)
+    eq_n = 16
+    search_stem(layer, x, eq_n)
+
+    pct = torch.tensor([0.99 + (0.9999 - 0.99) * (i / (eq_n - 1)) ** 0.5 for i in range(eq_n)] + [1.0],
+                       dtype=torch.float64)
+    w = conv.weight.detach().reshape(5, -1).double()
+    ups, los = torch.quantile(w, pct, dim=1), torch.quantile(w, 1 - pct, dim=1)  # [L, 5]
+    target = nn.functional.conv2d(x.double(), conv.weight.detach().double(), stride=4)
+
+    def err(c, lo, hi):
+        s = (hi - lo) / 15
+        z = -torch.round(lo / s)
+        wq = (torch.clamp(torch.round(w[c] / s) + z, 0, 15) - z) * s
+        out = nn.functional.conv2d(x.double(), wq.reshape(1, 3, 4, 4), stride=4)
+        return float((out[:, 0] - target[:, c]).pow(2).mean())
+
+    L = len(pct)
+    for c in range(5):
+        k = min(range(L), key=lambda k: err(c, los[k, c], ups[k, c]))
+        lo, hi = los[k, c], ups[k, c]
+        lo = los[min(range(L), key=lambda j: err(c, los[j, c], hi)), c]
+        hi = ups[min(range(L), key=lambda j: err(c, lo, ups[j, c])), c]
+        s = (hi - lo) / 15
+        assert float(layer.weight_quantizer.scale[c]) == pytest.approx(float(s), rel=1e-5)
+        assert float(layer.weight_quantizer.zero_point[c]) == float(-torch.round(lo / s))

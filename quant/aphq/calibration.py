@@ -7,8 +7,9 @@ with all other modules in float ("raw") mode, and quantization is switched on on
    folded into the LayerNorm affine and the next Linear (reparam.py, RepQ-ViT), which leaves a
    per-tensor quantizer with the mean scale and the ROUNDED mean zero point (APHQ; RepQ-ViT's own
    code keeps it unrounded) -- `round_zero_point` option;
-2. every QuantLinear / QuantConv2d: weight-only MSE, then 3 rounds of input / weight output-MSE search
-   on the post-fold float inputs (search.py);
+2. every QuantLinear: weight-only MSE, input-only MSE, then 3 rounds of weight / input output-MSE
+   search on the post-fold float inputs; the patch-embedding convolution (float image input) the
+   official stem grid (search.py);
 3. every attention: per-head ranges of q, k (q @ k^T) and attn, v (attn @ v) by the matmul output MSE.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..attention import QuantAttentionBase
 from ..layers import QuantConv2d, QuantLinear
 from ..modes import named_quantizers, set_quant_state
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
-from .search import fit_per_channel, search_linear, search_matmul
+from .search import fit_per_channel, search_linear, search_matmul, search_stem
 from ..units import Unit, capture_module_inputs
 
 
@@ -35,8 +36,7 @@ class SearchSettings:
     rounds: int
     weight_pct: Tuple[float, float]
     act_pct: Tuple[float, float]
-    num_scales: int
-    num_zero_points: int
+    eq_n: int
     matmul_pct: Tuple[float, float]
     matmul_steps: int
     max_rows: Optional[int]
@@ -73,7 +73,7 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
     sites = find_fold_sites(model, REPQ_FOLD_SITES)
     folded: List[str] = []
     n_layers = n_matmuls = 0
-    grid = dict(num_scales=settings.num_scales, num_zero_points=settings.num_zero_points)
+    grid = dict(eq_n=settings.eq_n)
     for unit in units:
         module = model.get_submodule(unit.name)
         # only per-channel post-LN quantizers are folded (the layout makes them per tensor when a != w bits)
@@ -100,8 +100,12 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
         for n, layer in layers:
             if layer.weight_quantizer is None:
                 continue
-            search_linear(layer, caps[f"layer:{n}"], rounds=settings.rounds, weight_pct=settings.weight_pct,
-                          act_pct=settings.act_pct, max_rows=settings.max_rows, generator=generator, **grid)
+            if isinstance(layer, QuantConv2d) and layer.input_quantizer is None:  # the official stem grid
+                search_stem(layer, caps[f"layer:{n}"], settings.eq_n)
+            else:
+                search_linear(layer, caps[f"layer:{n}"], rounds=settings.rounds,
+                              weight_pct=settings.weight_pct, act_pct=settings.act_pct,
+                              max_rows=settings.max_rows, generator=generator, **grid)
             n_layers += 1
         for n, attn in attns:
             pairs = (("q", "k", lambda a, b: a @ b.transpose(-2, -1)), ("attn", "v", lambda a, b: a @ b))

@@ -132,8 +132,7 @@ class APHQPipeline(Pipeline):
         with timer("calibrate", device):
             calib_report = calibrate_aphq(model, units, calib, SearchSettings(
                 rounds=options.search_rounds, weight_pct=tuple(options.weight_pct),
-                act_pct=tuple(options.act_pct), num_scales=options.num_scales,
-                num_zero_points=options.num_zero_points, matmul_pct=tuple(options.matmul_pct),
+                act_pct=tuple(options.act_pct), eq_n=options.eq_n, matmul_pct=tuple(options.matmul_pct),
                 matmul_steps=options.matmul_steps, max_rows=options.search_max_rows,
                 round_zero_point=options.round_zero_point, batch_size=bs),
                 generator=torch.Generator().manual_seed(options.seed))

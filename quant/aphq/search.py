@@ -4,14 +4,20 @@ As GoatWu/APHQ-ViT `quantizers/*.py` and `quant_layers/*.py` search. Every searc
 of the layer (the caller captures them with every quantizer bypassed), candidate by candidate,
 vectorised over channels / heads:
 
-* `range_grid`: candidates between two percentile ranges of each row: `num_scales` ranges linearly
-  between [q(1 - p_lo), q(p_lo)] and [q(1 - p_hi), q(p_hi)] (weights: p in [0.9, 1.0]), each with
-  `num_zero_points` integer zero points around its own round(-lo / s) (16 x 8 = 128 candidates at the
-  official eq_n = 128). At 4 bits the 16 shifts cover every zero point 0..15 like the official grid;
-  centring on the range's own zero point keeps the grid meaningful at other bit widths (our choice).
-* `search_linear`: weights per output channel, first by the weight-only MSE, then `rounds` (3)
-  alternations of the per-tensor input quantizer (output MSE over the layer) and the weights (output
-  MSE per output channel, so each channel keeps its own best candidate).
+* `range_grid`: GoatWu/APHQ-ViT `quant_layers/linear.py` (`calculate_percentile_*_candidates`):
+  `num_zp = min(16, 2^b)` absolute zero points, the integers in [2^(b-1) - num_zp/2, 2^(b-1) + num_zp/2)
+  (0..15 at 4 bits, 0..7 at 3 bits), each with `eq_n // num_zp` scales whose ranges run linearly from
+  [q(1 - p_lo), q(p_lo)] to [q(1 - p_hi), q(p_hi)] of the row, scale = range / (2^b - 1) (officially
+  p in [0.9, 1.0] for weights and for every input grid; eq_n = 128 gives 8 scales x 16 zero points).
+* `search_linear`: the official order (`AsymmetricallyBatchingQuantLinear.hyperparameter_searching`):
+  weights per output channel by the weight-only MSE, the per-tensor input by the input-only MSE, then
+  `rounds` (3) rounds of [weights by the output MSE per output channel, the input by the output MSE
+  over the layer], each search with the other quantizer at its current value.
+* `search_stem`: the patch-embedding convolution with a float image input, as the official
+  `AsymmetricallyBatchingQuantConv2d` (`quant_layers/conv.py`): per output channel, the ranges
+  [q(1 - p), q(p)] for eq_n levels p = 0.99 + (0.9999 - 0.99) * (i / (eq_n - 1))^0.5 plus p = 1.0,
+  zero point -round(lo / scale), by the output MSE; then the lower bound with the upper one fixed, then
+  the upper bound with the lower one fixed (one round: the official loop stops there at 8-bit inputs).
 * `fit_per_channel`: RepQ-style per-channel post-LayerNorm quantizer on the activation MSE alone (the
   fold then turns it into a per-tensor one, which `search_linear` searches again).
 * `search_matmul`: per-head asymmetric operands of q @ k^T and attn @ v. Candidate ranges are the
@@ -35,31 +41,35 @@ from ..ranges import best_per_group, to_rows
 
 
 
-def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float], num_scales: int,
-               num_zero_points: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Candidate (scale, zero point) per row (see module docstring).
+def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float],
+               eq_n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Candidate (scale, zero point) per row, the official grid (see module docstring).
 
     Args:
         rows: [G, M] values, one row per quantization group.
-        q: the quantizer (bits, symmetric or not).
+        q: an asymmetric uniform quantizer (its bits fix the zero points).
         pct: (p_lo, p_hi) upper percentile levels of the narrowest and widest range, e.g. (0.9, 1.0).
-        num_scales: ranges between the two.
-        num_zero_points: integer zero-point shifts per range (ignored for symmetric quantizers).
+        eq_n: candidates in all (official `eq_n`): min(16, 2^b) zero points x eq_n // that many scales.
 
     Returns:
-        (scales, zero_points), each [K, G] with K = num_scales * num_zero_points.
+        (scales, zero_points), each [K, G], zero-point-major (all scales of the first zero point first).
     """
+    if q.symmetric:
+        raise ValueError(f"{q.name}: the APHQ grid is for asymmetric quantizers")
+    levels = 2 ** q.bits
+    num_zp = min(16, levels)
+    num_scales = eq_n // num_zp
+    if num_scales < 1:
+        raise ValueError(f"eq_n={eq_n} is below the {num_zp} zero points of a {q.bits}-bit grid")
     p_lo, p_hi = pct
     qs = quantile(rows, [p_lo, 1.0 - p_lo, p_hi, 1.0 - p_hi], dim=1)  # [4, G]
     t = torch.linspace(0.0, 1.0, num_scales, device=rows.device, dtype=rows.dtype)[:, None]
-    hi = qs[0] + t * (qs[2] - qs[0])  # [S, G]
-    lo = qs[1] + t * (qs[3] - qs[1])
-    scale, zp = q.params_from_range(lo, hi)
-    if q.symmetric or num_zero_points <= 1:
-        return scale, zp
-    shifts = torch.arange(num_zero_points, device=rows.device, dtype=rows.dtype) - num_zero_points // 2
-    scales = scale.repeat_interleave(num_zero_points, dim=0)
-    zps = (zp[:, None, :] + shifts[None, :, None]).reshape(-1, zp.shape[-1])
+    width = (qs[0] - qs[1]) + t * ((qs[2] - qs[3]) - (qs[0] - qs[1]))  # [S, G], linear in the range
+    scale = (width / (levels - 1)).clamp_min(1e-8)
+    zero_points = torch.arange(levels // 2 - num_zp // 2, levels // 2 + num_zp // 2, device=rows.device,
+                               dtype=rows.dtype)
+    scales = scale.repeat(num_zp, 1)  # [num_zp * S, G]
+    zps = zero_points.repeat_interleave(num_scales)[:, None].expand_as(scales)
     return scales, zps
 
 
@@ -68,8 +78,7 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, q: UniformQuanti
 
 
 @torch.no_grad()
-def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, float], num_scales: int,
-                    num_zero_points: int) -> None:
+def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, float], eq_n: int) -> None:
     """Per-last-dim (channel) range by the activation-quantization MSE alone; sets q's parameters.
 
     Args:
@@ -77,7 +86,7 @@ def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, floa
         x: [..., C] float inputs of the quantizer.
     """
     rows = to_rows(x, -1)  # [C, M]
-    scales, zps = range_grid(rows, q, pct, num_scales, num_zero_points)
+    scales, zps = range_grid(rows, q, pct, eq_n)
     s, z, _ = best_per_group(
         lambda s, z: (_fq(rows, s[:, None], z[:, None], q) - rows).pow_(2).mean(dim=1), scales, zps)
     q.set_params(s, z)
@@ -121,17 +130,17 @@ def _weight_output_errors(X: torch.Tensor, Xq: torch.Tensor, W: torch.Tensor,
 
 @torch.no_grad()
 def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct: Tuple[float, float],
-                  act_pct: Tuple[float, float], num_scales: int, num_zero_points: int,
-                  max_rows: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                  act_pct: Tuple[float, float], eq_n: int, max_rows: Optional[int] = None,
+                  generator: Optional[torch.Generator] = None,
                   gram: Optional[bool] = None) -> dict:
     """Output-MSE search of a QuantLinear / QuantConv2d's weight and (per-tensor) input quantizers.
 
     Args:
         layer: the quantized layer (its quantizers are set in place; weights are not modified).
         x: float input of the layer ([..., C_in] for Linear, [B, C, H, W] for Conv2d).
-        rounds: alternations of input and weight searches after the weight-only initialisation.
+        rounds: rounds of [weight, input] output-MSE searches after the weight-only and input-only ones.
         weight_pct, act_pct: percentile spans of the candidate grids (see `range_grid`).
-        num_scales, num_zero_points: grid size.
+        eq_n: candidates per grid.
         max_rows: use at most this many input rows (random, seeded) for the output MSE; None: all.
         generator: RNG for the row subset.
         gram: weight errors from Gram matrices (True), by direct products (False), or whichever is
@@ -148,29 +157,73 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     X, W = X.float(), W.detach().float()
     target = X @ W.t()
 
-    # weights: weight-only MSE first (GoatWu/APHQ-ViT `quant_layers/linear.py`)
-    w_scales, w_zps = range_grid(W, wq, weight_pct, num_scales, num_zero_points)  # [K, C_out]
+    # weight-only MSE, then input-only MSE (GoatWu/APHQ-ViT quant_layers/linear.py, `*_self` searches)
+    w_scales, w_zps = range_grid(W, wq, weight_pct, eq_n)  # [K, C_out]
     ws, wz, _ = best_per_group(lambda s, z: (_fq(W, s[:, None], z[:, None], wq) - W).pow_(2).mean(dim=1),
                                 w_scales, w_zps)
+    Xq = X
     if aq is not None:
         if aq.channel_dim is not None:
             raise ValueError(f"{aq.name}: the output-MSE input search is per tensor")
-        a_scales, a_zps = range_grid(X.reshape(1, -1), aq, act_pct, num_scales, num_zero_points)  # [K, 1]
-    Xq = X
-    # with a float input one output-MSE pass is final (repeating it cannot change the choice)
-    for _ in range(rounds if aq is not None else min(rounds, 1)):
-        Wq = _fq(W, ws[:, None], wz[:, None], wq)
-        if aq is not None:
-            a_s, a_z, _ = best_per_group(
-                lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1), a_scales, a_zps)
-            aq.set_params(a_s, a_z)
-            Xq = _fq(X, a_s, a_z, aq)
+        a_scales, a_zps = range_grid(X.reshape(1, -1), aq, act_pct, eq_n)  # [K, 1]
+        a_s, a_z, _ = best_per_group(lambda s, z: (_fq(X, s, z, aq) - X).pow_(2).mean().reshape(1),
+                                     a_scales, a_zps)
+        Xq = _fq(X, a_s, a_z, aq)
+    for _ in range(rounds):  # then [weights, input] by the layer's output MSE
         ws, wz, _ = best_per_group(_weight_output_errors(X, Xq, W, target, wq, gram), w_scales, w_zps)
+        if aq is None:
+            break  # with a float input one weight pass is final
+        Wq = _fq(W, ws[:, None], wz[:, None], wq)
+        a_s, a_z, _ = best_per_group(
+            lambda s, z: (_fq(X, s, z, aq) @ Wq.t() - target).pow_(2).mean().reshape(1), a_scales, a_zps)
+        Xq = _fq(X, a_s, a_z, aq)
+    if aq is not None:
+        aq.set_params(a_s, a_z)
     wq.set_params(ws, wz)
     if hasattr(layer, "invalidate_weight_cache"):
         layer.invalidate_weight_cache()
     err = (Xq @ _fq(W, ws[:, None], wz[:, None], wq).t() - target).pow(2).mean()
     return {"output_mse": float(err)}
+
+
+def stem_levels(eq_n: int) -> list[float]:
+    """The official stem weight levels: eq_n levels from 0.99 to 0.9999 with power-0.5 spacing, and 1.0."""
+    return [0.99 + (0.9999 - 0.99) * (i / (eq_n - 1)) ** 0.5 for i in range(eq_n)] + [1.0]
+
+
+@torch.no_grad()
+def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int, gram: Optional[bool] = None) -> dict:
+    """Official weight search of the patch-embedding convolution (float input; see module docstring).
+
+    Returns:
+        {"output_mse": float} after the search (one host sync).
+    """
+    if layer.input_quantizer is not None:
+        raise ValueError("search_stem is for a float stem input (stem_a_bits=0, as officially)")
+    wq: UniformQuantizer = layer.weight_quantizer
+    X, W = _as_rows(layer, x)
+    X, W = X.float(), W.detach().float()
+    target = X @ W.t()
+    levels = stem_levels(eq_n)
+    qs = quantile(W, levels + [1.0 - p for p in levels], dim=1)  # [2L, C_out]
+    uppers, lowers = qs[:len(levels)], qs[len(levels):]
+    weight_errors = _weight_output_errors(X, X, W, target, wq, gram)
+
+    def params(lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        # the official scale and zero point; the floor only guards a constant channel
+        scale = ((hi - lo) / (wq.qmax - wq.qmin)).clamp_min(1e-8)
+        return scale, -torch.round(lo / scale)
+
+    def errors(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        return weight_errors(*params(lo, hi))
+
+    lo, hi, _ = best_per_group(errors, lowers, uppers)  # the mirrored pairs
+    lo, hi, _ = best_per_group(errors, lowers, hi.expand_as(uppers))  # lower bound, upper fixed
+    lo, hi, err = best_per_group(errors, lo.expand_as(lowers), uppers)  # upper bound, lower fixed
+    wq.set_params(*params(lo, hi))
+    if hasattr(layer, "invalidate_weight_cache"):
+        layer.invalidate_weight_cache()
+    return {"output_mse": float(err.mean())}
 
 
 def matmul_levels(pct: Tuple[float, float], steps: int) -> torch.Tensor:
