@@ -69,7 +69,7 @@ class APHQOptions(FirstLastOptions):
     # candidates per grid: min(16, 2^b) absolute zero points x eq_n // that many scales (official eq_n)
     eq_n: Annotated[int, Positive] = 128
     matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
-    matmul_steps: int = 129  # levels between them (log-spaced in 1 - p)
+    matmul_steps: int = 129  # candidates per bound, linear in value between them (official eq_n + 1)
     search_max_rows: Optional[int] = None  # rows of a layer input for the output MSE; None: all (official)
     round_zero_point: bool = True  # LayerNorm fold: mean zero point rounded (APHQ) or not (RepQ-ViT)
     # -- reconstruction (quant/aphq/reconstruct.py) --

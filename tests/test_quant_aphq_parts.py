@@ -263,3 +263,62 @@ def test_stem_search_is_the_official_conv_grid():
         s = (hi - lo) / 15
         assert float(layer.weight_quantizer.scale[c]) == pytest.approx(float(s), rel=1e-5)
         assert float(layer.weight_quantizer.zero_point[c]) == float(-torch.round(lo / s))
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_matmul_search_is_the_official_procedure(rounds):
+    """GoatWu/APHQ-ViT quant_layers/matmul.py, per head, recomputed with torch.quantile and loops:
+    candidates linear in value (uppers q(0.99) -> q(0.99999), lowers q(0.00001) -> q(0.01)), both
+    operands start at the second-to-last pair, A then B over the pairs, then per round A's lower, A's
+    upper, B's lower, B's upper bound."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 2, 6, 5, generator=g).double().exp()  # skewed, like softmax outputs
+    b = torch.randn(2, 2, 7, 5, generator=g).double() * 2
+    qa = UniformQuantizer(4, channel_dim=1, num_channels=2)
+    qb = UniformQuantizer(4, channel_dim=1, num_channels=2)
+    steps = 9
+    search_matmul(qa, qb, a.float(), b.float(), lambda u, v: u @ v.transpose(-2, -1), pct=(0.99, 0.99999),
+                  steps=steps, rounds=rounds)
+
+    def grid(x, h):
+        v = x[:, h].reshape(-1)
+        up = torch.quantile(v, torch.tensor([0.99, 0.99999], dtype=v.dtype))
+        lo = torch.quantile(v, torch.tensor([0.01, 0.00001], dtype=v.dtype))
+        t = torch.linspace(0, 1, steps, dtype=v.dtype)
+        return lo[1] + t * (lo[0] - lo[1]), up[0] + t * (up[1] - up[0])
+
+    def fq(x, lo, hi):
+        s = (hi - lo) / 15
+        z = -torch.round(lo / s)
+        return (torch.clamp(torch.round(x / s) + z, 0, 15) - z) * s
+
+    for h in range(2):
+        A, B = a[:, h], b[:, h]
+        target = A @ B.transpose(-2, -1)
+        (alo, ahi), (blo, bhi) = grid(a, h), grid(b, h)
+
+        def err(xa, xb):
+            return float((xa @ xb.transpose(-2, -1) - target).pow(2).mean())
+
+        cur = {"a": (alo[-2], ahi[-2]), "b": (blo[-2], bhi[-2])}
+
+        def pick(which, los, his):
+            other = fq(B, *cur["b"]) if which == "a" else fq(A, *cur["a"])
+            x = A if which == "a" else B
+
+            def e(k):
+                xq = fq(x, los[k], his[k])
+                return err(xq, other) if which == "a" else err(other, xq)
+            k = min(range(steps), key=e)
+            cur[which] = (los[k], his[k])
+
+        pick("a", alo, ahi)
+        pick("b", blo, bhi)
+        for _ in range(rounds):
+            for which, (los, his) in (("a", (alo, ahi)), ("b", (blo, bhi))):
+                pick(which, los, cur[which][1].expand(steps))
+                pick(which, cur[which][0].expand(steps), his)
+        for q, which in ((qa, "a"), (qb, "b")):
+            lo, hi = cur[which]
+            assert float(q.scale[h]) == pytest.approx(float((hi - lo) / 15), rel=1e-4)
+            assert float(q.zero_point[h]) == float(-torch.round(lo / ((hi - lo) / 15)))

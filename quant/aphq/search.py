@@ -20,14 +20,11 @@ vectorised over channels / heads:
   the upper bound with the lower one fixed (one round: the official loop stops there at 8-bit inputs).
 * `fit_per_channel`: RepQ-style per-channel post-LayerNorm quantizer on the activation MSE alone (the
   fold then turns it into a per-tensor one, which `search_linear` searches again).
-* `search_matmul`: per-head asymmetric operands of q @ k^T and attn @ v. Candidate ranges are the
-  mirrored percentile pairs [q(1 - p), q(p)] for `steps` (129) levels p from 0.99 to 0.99999
-  (log-spaced in 1 - p: our choice, it spends the steps evenly over the tail); A then B are searched
-  jointly over the pairs, then `rounds` (3) rounds refine the upper then the lower bound of A and B.
+* `search_matmul`: per-head asymmetric operands of q @ k^T and attn @ v, the official matmul search
+  (`quant_layers/matmul.py`, see the function).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -226,25 +223,37 @@ def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int, gram: Optional[boo
     return {"output_mse": float(err.mean())}
 
 
-def matmul_levels(pct: Tuple[float, float], steps: int) -> torch.Tensor:
-    """`steps` upper percentile levels from pct[0] to pct[1], log-spaced in 1 - p (float64, CPU)."""
-    lo, hi = math.log10(1.0 - pct[0]), math.log10(1.0 - pct[1])
-    return 1.0 - torch.logspace(lo, hi, steps, dtype=torch.float64, device="cpu")
+def matmul_candidates(x: torch.Tensor, pct: Tuple[float, float], steps: int
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Official per-head bound candidates (`calculate_percentile_candidates`): `steps` uppers linear in
+    value from q(p0) to q(p1) and `steps` lowers from q(1 - p1) to q(1 - p0), paired by index, so the
+    upper widens while the lower narrows ("anti-mirrored"). x: [B, H, ...]. Returns (lo, hi) [steps, H].
+    """
+    rows = to_rows(x, 1)  # [H, M]
+    qs = quantile(rows, [pct[0], pct[1], 1.0 - pct[0], 1.0 - pct[1]], dim=1)  # [4, H]
+    t = torch.linspace(0.0, 1.0, steps, device=x.device, dtype=qs.dtype)[:, None]
+    return qs[3] + t * (qs[2] - qs[3]), qs[0] + t * (qs[1] - qs[0])
 
 
 @torch.no_grad()
 def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b: torch.Tensor,
                   op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, pct: Tuple[float, float],
                   steps: int, rounds: int) -> dict:
-    """Per-head ranges of both operands of a matmul by the MSE of its output (see module docstring).
+    """Per-head ranges of both operands of a matmul by the MSE of its output, in the official order
+    (GoatWu/APHQ-ViT `AsymmetricallyBatchingQuantMatMul.hyperparameter_searching`):
+
+    1. both operands start at the second-to-last candidate pair;
+    2. A over the candidate pairs (B quantized at its start), then B (A at its best);
+    3. `rounds` times: A's lower bound (upper fixed), A's upper bound (lower fixed), then B's the same.
+    Scale = (hi - lo) / (2^b - 1), zero point = -round(lo / scale).
 
     Args:
         qa, qb: per-head (channel_dim 1) uniform quantizers of the operands.
         a, b: float operands [B, H, ...] (q and k, or attn and v).
         op: the matmul, e.g. lambda a, b: a @ b.transpose(-2, -1).
-        pct: (first, last) upper percentile level, e.g. (0.99, 0.99999).
-        steps: number of levels.
-        rounds: refinement rounds of the upper and lower bounds.
+        pct: (p0, p1) of the candidate bounds, officially (0.99, 0.99999).
+        steps: candidates per bound (officially eq_n + 1 = 129).
+        rounds: refinement rounds.
 
     Returns:
         {"output_mse": float} after the search (one host sync).
@@ -252,51 +261,40 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
     a, b = a.float(), b.float()
     target = op(a, b)
     reduce_dims = tuple(d for d in range(target.ndim) if d != 1)
-    levels = matmul_levels(pct, steps).tolist()
+    operands = {"a": (a, qa), "b": (b, qb)}
+    grids = {"a": matmul_candidates(a, pct, steps), "b": matmul_candidates(b, pct, steps)}
+    current = {k: (lo[-2], hi[-2]) for k, (lo, hi) in grids.items()}
 
-    def bounds(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        rows = to_rows(x, 1)  # [H, M]
-        qs = quantile(rows, levels + [1.0 - p for p in levels], dim=1)  # [2S, H]
-        return qs[len(levels):], qs[:len(levels)]  # lo [S, H], hi [S, H]
+    def params(q: UniformQuantizer, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        scale = ((hi - lo) / (q.qmax - q.qmin)).clamp_min(1e-8)  # the floor only guards a constant head
+        return scale, -torch.round(lo / scale)
 
-    def head_view(p: torch.Tensor, ndim: int) -> torch.Tensor:
-        return p.view(1, -1, *([1] * (ndim - 2)))
-
-    def quant(x: torch.Tensor, q: UniformQuantizer, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        s, z = q.params_from_range(lo, hi)
-        return _fq(x, head_view(s, x.ndim), head_view(z, x.ndim), q)
-
-    los = {"a": None, "b": None}
-    his = {"a": None, "b": None}
-    grids = {"a": bounds(a), "b": bounds(b)}
-    quants = {"a": qa, "b": qb}
-
-    def fixed(which: str) -> torch.Tensor:
-        """The operand that is NOT searched, quantized with its current range
-        (float before its first search)."""
-        x, q = (a, qa) if which == "a" else (b, qb)
-        return x if los[which] is None else quant(x, q, los[which], his[which])
+    def quant(which: str, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        x, q = operands[which]
+        s, z = params(q, lo, hi)
+        view = (1, -1) + (1,) * (x.ndim - 2)
+        return _fq(x, s.view(view), z.view(view), q)
 
     def sweep(which: str, cand_lo: torch.Tensor, cand_hi: torch.Tensor) -> None:
-        x, q = (a, qa) if which == "a" else (b, qb)
-        other = fixed("b" if which == "a" else "a")  # once per sweep, not per candidate
+        other_name = "b" if which == "a" else "a"
+        other = quant(other_name, *current[other_name])  # once per sweep, not per candidate
 
         def error(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-            xq = quant(x, q, lo, hi)
+            xq = quant(which, lo, hi)
             out = op(xq, other) if which == "a" else op(other, xq)
             return (out - target).pow_(2).mean(dim=reduce_dims)
 
-        los[which], his[which], _ = best_per_group(error, cand_lo, cand_hi)
+        lo, hi, _ = best_per_group(error, cand_lo, cand_hi)
+        current[which] = (lo, hi)
 
-    for which in ("a", "b"):  # joint mirrored pairs: A with B float, then B with A quantized
+    for which in ("a", "b"):
         sweep(which, *grids[which])
     for _ in range(rounds):
         for which in ("a", "b"):
             lo_grid, hi_grid = grids[which]
-            sweep(which, los[which].expand_as(hi_grid), hi_grid)  # upper bound, lower fixed
-            sweep(which, lo_grid, his[which].expand_as(lo_grid))  # lower bound, upper fixed
-    for which in ("a", "b"):
-        s, z = quants[which].params_from_range(los[which], his[which])
-        quants[which].set_params(s, z)
-    err = (op(quant(a, qa, los["a"], his["a"]), quant(b, qb, los["b"], his["b"])) - target).pow(2).mean()
+            sweep(which, lo_grid, current[which][1].expand_as(hi_grid))  # lower bound, upper fixed
+            sweep(which, current[which][0].expand_as(lo_grid), hi_grid)  # upper bound, lower fixed
+    for which, (_, q) in operands.items():
+        q.set_params(*params(q, *current[which]))
+    err = (op(quant("a", *current["a"]), quant("b", *current["b"])) - target).pow(2).mean()
     return {"output_mse": float(err)}
