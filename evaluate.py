@@ -96,7 +96,8 @@ def main(args: argparse.Namespace) -> dict:
     # written to the JSON as soon as it is done.
     if todo:
         calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
-                                   cfg.quant.calib_seed).to(device)
+                                   cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train"
+                                   ).to(device)
         pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
                                             os.path.splitext(out)[0])
     for name, bits in todo:
@@ -166,7 +167,7 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     options = getattr(cfg.quant, pipeline, None)
     return {"options": dataclasses.asdict(options) if options is not None else {},
             "calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                            "split": cfg.data.train_split, "transform": "eval"}}
+                            "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}}
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,

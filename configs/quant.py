@@ -125,9 +125,10 @@ class GPLQOptions(FirstLastOptions):
     weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
     stage2_images: int = 512  # images for QwT's least-squares fits
-    stage2_train_transform: bool = False  # False: eval transform (RepQ-ViT / QwT calibration convention)
+    stage2_train_transform: bool = True  # training augmentation, as QwT draws them from its train loader
     qwt: bool = True  # per-block linear compensation
     qwt_ridge: float = 0.0  # L2 penalty of the fit (0: plain least squares as QwT's script)
-    qwt_target: Literal["w32a4", "float", "teacher"] = "w32a4"  # reference block: stage-1 model w/o weight
-    #   quantization, stage-1 model fully float, or the original float model
+    # reference block: the stage-1 block fully float (QwT disables every quantizer of the block), the
+    #   stage-1 block without weight quantization (w32a4), or the original float model's block (teacher)
+    qwt_target: Literal["float", "w32a4", "teacher"] = "float"
 

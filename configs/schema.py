@@ -176,16 +176,19 @@ class TWEOConfig:
 @dataclass
 class QuantConfig:
     """Fake-quantization evaluation (evaluate.py). Each pipeline's options are its own typed section,
-    the Options dataclass of quant/pipelines/<name>.py (e.g. quant.repq.round_zero_point=true,
+    the Options dataclass in configs/quant.py (e.g. quant.repq.round_zero_point=true,
     quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
 
     pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
     bits: list = field(default_factory=lambda: ["w4a4"])
-    # fixed, seeded subset of the train split with the eval transform
+    # fixed, seeded subset of the train split (percentile / repq calibration)
     calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: int = 0
+    # eval: the eval transform; train: one fixed training augmentation per image, as the QwT / GPLQ lab's
+    # RepQ-ViT runs calibrate on a batch of their training loader
+    calib_transform: Literal["eval", "train"] = "eval"
     act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
-    # module patterns counted in "max_act/module" besides the block-internal modules (quant/probes.py),
+    # module patterns counted in "max_act/module" besides the block-internal modules (engine/act_max.py),
     # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only
     act_max_extra_modules: list = field(default_factory=list)
     percentile: PercentileOptions = field(default_factory=PercentileOptions)

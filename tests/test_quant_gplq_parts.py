@@ -92,6 +92,28 @@ def test_qwt_compensation_never_increases_block_error_on_its_fitting_data(make, 
             assert fit.r2 >= 0.0 and fit.keep
 
 
+def test_qwt_fit_and_pooled_r2_match_a_direct_least_squares():
+    """QwT's `lienar_regression`: [X 1] solved by least squares, R^2 = 1 - SSE / SST pooled over all
+    output channels, each centred on its own mean; recomputed here with torch.linalg.lstsq."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 30, 6, generator=g, dtype=torch.float64)
+    mix = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    scale = torch.tensor([1.0, 10.0, 0.1, 3.0, 0.5], dtype=torch.float64)  # unequal channel variances
+    d = (x @ mix + 0.3 * torch.randn(4, 30, 5, generator=g, dtype=torch.float64)) * scale
+    # one chunk of all 4 samples: quantized output 0, reference output d, so the target is d itself
+    fit = fit_block_compensation(x.float(), lambda t: torch.zeros(*t.shape[:-1], 5), lambda t: d.float(), 4)
+    X, D = x.reshape(-1, 6), d.reshape(-1, 5)
+    A = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)
+    sol = torch.linalg.lstsq(A, D).solution
+    torch.testing.assert_close(fit.weight.double(), sol[:-1].t(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fit.bias.double(), sol[-1], rtol=1e-4, atol=1e-5)
+    res = D - A @ sol
+    pooled = 1 - res.pow(2).sum() / (D - D.mean(0)).pow(2).sum()
+    per_channel = (1 - res.pow(2).sum(0) / (D - D.mean(0)).pow(2).sum(0)).mean()
+    assert fit.r2 == pytest.approx(float(pooled), rel=1e-4)
+    assert abs(float(pooled) - float(per_channel)) > 1e-3  # the two definitions differ on this data
+
+
 def test_pca_keeps_the_smallest_multiple_of_32_reaching_the_variance():
     g = torch.Generator().manual_seed(0)
     d, n = 192, 4000

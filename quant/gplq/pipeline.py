@@ -26,8 +26,11 @@ Details the paper leaves open, our choices (all options; see quant/README.md):
 * patch-embed input 8 bit and head input at a_bits, as in the other pipelines (FirstLastOptions);
 * LSQ scale lr = weight lr; weight decay 0 (at lr 5e-6 for one epoch any usual value is negligible);
   no mixup / cutmix, plain CE; the model's own drop-path / dropout rates apply in training mode;
-* QwT's reference output is the stage-1 model WITHOUT weight quantization (W32A4, `qwt_target`), the
-  model stage 2 turns into W4A4; stage-2 images use the eval transform (RepQ-ViT / QwT calibration).
+* QwT as its code runs (XJ19023/QwT-LLM `QwT-cls-RepQ-ViT/qwt_vit_and_deit.py`, a copy of
+  wujx2001/QwT): the reference is the same block with every quantizer off (`qwt_target="float"`), the
+  stage-2 images carry one training augmentation each (QwT draws them from its training loader), R^2
+  is pooled over channels. Our training transform is the recipe's, random erasing included (QwT's
+  loader turns it off).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ As wujx2001/QwT `QwT-cls-RepQ-ViT` fits it. Blocks are processed in order. For b
 and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward
 hook). The fit uses the normal equations accumulated in float64 over the fitting images and solved with
 `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
-R^2 = mean over output channels of 1 - SSE_c / SST_c (QwT's sklearn `r2_score` default). The
+R^2 = 1 - sum_c SSE_c / sum_c SST_c, pooled over output channels as QwT's `lienar_regression` computes
+it (each channel centred on its own mean). The
 compensation is kept only if R^2 > 0 and its total squared error on the fitting data is below the
 uncompensated one (guaranteed in exact arithmetic, since W = 0, c = 0 is a candidate; checked anyway).
 """
@@ -98,10 +99,10 @@ class _NormalEquations:
         # per-channel SSE after the fit from the accumulated moments: d^2 - 2 s^T A^T d + s^T A^T A s
         sse_after_c = self.d_sq - 2.0 * (sol * self.atd).sum(0) + (sol * (self.ata @ sol)).sum(0)
         sst_c = self.d_sq - self.d_sum.pow(2) / max(self.n, 1)
-        valid = sst_c > 0
-        r2 = (1.0 - sse_after_c[valid] / sst_c[valid]).mean() if bool(valid.any()) else torch.zeros(())
+        sst = float(sst_c.sum())
+        r2 = 1.0 - float(sse_after_c.sum()) / sst if sst > 0 else 0.0
         return CompensationFit(weight=sol[:-1].t().float().contiguous(), bias=sol[-1].float().contiguous(),
-                               r2=float(r2), sse_before=float(self.d_sq.sum()),
+                               r2=r2, sse_before=float(self.d_sq.sum()),
                                sse_after=float(sse_after_c.sum().clamp(min=0.0)))
 
 
