@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
+from configs.quant import with_first_last
 from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
@@ -102,7 +103,7 @@ def main(args: argparse.Namespace) -> dict:
                                             os.path.splitext(out)[0])
     for name, bits in todo:
         entry = evaluate_quantized(
-            name, model, calib, bits, options=getattr(cfg.quant, name, None), data=pipeline_data,
+            name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
             eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
         entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
         results.add(name, bits, entry, quant_settings(cfg, name))
@@ -162,9 +163,15 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                      "val_split": cfg.data.val_split}}
 
 
+def pipeline_options(cfg: Config, pipeline: str):
+    """The pipeline's `quant.<pipeline>` options with the `quant.first_last` preset applied."""
+    options = getattr(cfg.quant, pipeline, None)
+    return with_first_last(options, cfg.quant.first_last) if options is not None else None
+
+
 def quant_settings(cfg: Config, pipeline: str) -> dict:
     """Everything a quantized result depends on besides the float model and the val set."""
-    options = getattr(cfg.quant, pipeline, None)
+    options = pipeline_options(cfg, pipeline)
     return {"options": dataclasses.asdict(options) if options is not None else {},
             "calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                             "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}}

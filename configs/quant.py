@@ -6,6 +6,7 @@ quant/gplq/); quant/README.md explains every default and which ones are our choi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Dict, Literal, Optional, Tuple
 
@@ -18,7 +19,7 @@ class FirstLastOptions:
 
     None follows the main w/a bits, 0 keeps that operand in float. Defaults are the official
     RepQ-ViT code: stem weights at w_bits, stem (image) input at 8 bits, head at w_bits / a_bits.
-    QwT's re-runs use 8/8 for both (about +0.7 points at W4A4).
+    `quant.first_last=w8a8` sets both to W8A8 for every pipeline (the QwT / RepQ-ViT lab's convention).
     """
 
     stem_w_bits: Optional[int] = None
@@ -33,6 +34,18 @@ class FirstLastOptions:
             return default if value is None else (value or None)
         return {"stem": {"w": pick(self.stem_w_bits, bits.w), "a": pick(self.stem_a_bits, bits.a)},
                 "head": {"w": pick(self.head_w_bits, bits.w), "a": pick(self.head_a_bits, bits.a)}}
+
+
+FIRST_LAST_PRESETS = {
+    "official": {},  # each pipeline's own FirstLastOptions (the official code of its method)
+    # stem and head at W8A8 for every pipeline, as the QwT / RepQ-ViT lab's re-runs keep them
+    "w8a8": dict(stem_w_bits=8, stem_a_bits=8, head_w_bits=8, head_a_bits=8),
+}
+
+
+def with_first_last(options: FirstLastOptions, preset: str) -> FirstLastOptions:
+    """`options` with the stem / head bit-widths of `preset` (`quant.first_last`) applied."""
+    return dataclasses.replace(options, **FIRST_LAST_PRESETS[preset])
 
 
 @dataclass

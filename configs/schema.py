@@ -187,6 +187,9 @@ class QuantConfig:
     # eval: the eval transform; train: one fixed training augmentation per image, as the QwT / GPLQ lab's
     # RepQ-ViT runs calibrate on a batch of their training loader
     calib_transform: Literal["eval", "train"] = "eval"
+    # stem / head bits of every pipeline: official (each pipeline's own stem_*/head_* options) or w8a8
+    # (overrides those options)
+    first_last: Literal["official", "w8a8"] = "official"
     act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
     # module patterns counted in "max_act/module" besides the block-internal modules (engine/act_max.py),
     # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only

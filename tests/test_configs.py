@@ -147,3 +147,18 @@ def test_deit_lr_rule_gives_1e3_at_batch_1024():
 
     assert (peak_lr(load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")]).optim, 1024)
             == pytest.approx(1e-3))
+
+
+def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
+    import evaluate
+
+    cfg = load_config([], ["quant.first_last=w8a8", "quant.repq.head_a_bits=4"])
+    for name in ("percentile", "repq", "aphq", "gplq"):
+        options = evaluate.pipeline_options(cfg, name)
+        bits = (options.stem_w_bits, options.stem_a_bits, options.head_w_bits, options.head_a_bits)
+        assert bits == (8, 8, 8, 8)
+    official = evaluate.pipeline_options(load_config([], []), "aphq")
+    assert official.stem_a_bits == 0  # APHQ's own: the image input stays float
+    assert evaluate.quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
+    with pytest.raises(ConfigError, match="first_last"):
+        load_config([], ["quant.first_last=w4a4"])
