@@ -306,8 +306,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# the user's mistakes: one `error:` line each (scripts that call main() catch the same)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError)
+
 if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
-    except (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError) as e:
+    except USER_ERRORS as e:
         sys.exit(f"error: {e}")

@@ -108,3 +108,23 @@ def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
     assert ddp["fp"]["top1"] == pytest.approx(single["fp"]["top1"])  # each image counted exactly once
     assert ddp["max_act"]["block"] == pytest.approx(single["max_act"]["block"], rel=1e-5)
     assert ddp["quant"]["repq"]["w4a4"]["top1"] == pytest.approx(single["quant"]["repq"]["w4a4"]["top1"])
+
+
+def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint, tmp_path, monkeypatch,
+                                                              capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quant_sensitivity",
+                                                  os.path.join(ROOT, "scripts", "quant_sensitivity.py"))
+    sens = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sens)
+    monkeypatch.setattr(sens, "ALL", ["percentile", "repq"])
+    monkeypatch.setattr(sens, "VARIANTS", {"official": (["percentile", "repq"], []),
+                                           "first_last=w8a8": (["percentile"], ["quant.first_last=w8a8"])})
+    table = sens.main(["--checkpoint", digits_checkpoint, "--out", str(tmp_path)])
+    with open(tmp_path / "first_last-w8a8.json") as f:
+        saved = json.load(f)
+    assert saved["quant"]["percentile"]["w4a4"]["settings"]["options"]["stem_w_bits"] == 8
+    assert table["first_last=w8a8"]["percentile"] == saved["quant"]["percentile"]["w4a4"]["top1"]
+    assert "| first_last=w8a8 |" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "sensitivity.json"))["top1"] == table

@@ -1,0 +1,90 @@
+"""How much each quantization detail that the CD paper leaves open moves W4A4 accuracy on one checkpoint.
+
+Every variant is one `evaluate.py` run on the same float checkpoint, written to its own JSON in --out
+(existing files are reused as evaluate.py reuses them: a variant already computed is not run again):
+
+    official         every pipeline's default (the official code where it speaks)
+    first_last=w8a8  stem and head at W8A8 in every pipeline (the QwT / RepQ-ViT lab's convention)
+    calib=train      percentile / repq calibrated on training-augmented images (QwT's batch)
+    gplq operands    GPLQ with float attention matmuls (q, k, v, softmax output unquantized)
+    gplq lsq lr      GPLQ with the LSQ scales at lr 1e-4 instead of the weight lr
+    gplq w32a4 / teacher   QwT fitted towards the stage-1 block with its activation quantizers, or the
+                     original float model, instead of the fully float stage-1 block
+    gplq stage2 eval QwT images with the eval transform instead of a training augmentation
+
+    python scripts/quant_sensitivity.py --checkpoint runs/vit_digits/best.pt --out runs/vit_digits/sens
+
+Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
+sensitivity.json. Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+import evaluate  # noqa: E402
+
+ALL = ["percentile", "repq", "gplq"]
+VARIANTS = {
+    "official": (ALL, []),
+    "first_last=w8a8": (ALL, ["quant.first_last=w8a8"]),
+    "calib=train": (["percentile", "repq"], ["quant.calib_transform=train"]),
+    "gplq operands float": (["gplq"], ["quant.gplq.matmul_operands=false"]),
+    "gplq lsq lr 1e-4": (["gplq"], ["quant.gplq.scale_lr=1e-4"]),
+    "gplq qwt w32a4": (["gplq"], ["quant.gplq.qwt_target=w32a4"]),
+    "gplq qwt teacher": (["gplq"], ["quant.gplq.qwt_target=teacher"]),
+    "gplq stage2 eval": (["gplq"], ["quant.gplq.stage2_train_transform=false"]),
+}
+
+
+def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str) -> dict:
+    """{variant: {pipeline: top-1}} for every variant (see the module docstring)."""
+    table = {}
+    for variant, (pipelines, extra) in VARIANTS.items():
+        path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
+        args = evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
+                                    *overrides, *extra, "--quant", *pipelines])
+        result = evaluate.main(args)
+        table[variant] = {p: result["quant"][p][bits]["top1"] for p in pipelines}
+    return table
+
+
+def markdown(table: dict, bits: str) -> str:
+    base = table["official"]
+    lines = [f"| variant ({bits}) | " + " | ".join(ALL) + " |", "|---|" + "---|" * len(ALL)]
+    for variant, row in table.items():
+        cells = []
+        for p in ALL:
+            if p not in row:
+                cells.append("")
+            elif variant == "official":
+                cells.append(f"{row[p]:.2f}")
+            else:
+                cells.append(f"{row[p]:.2f} ({row[p] - base[p]:+.2f})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
+    parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and sensitivity.json")
+    parser.add_argument("--bits", default="w4a4")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = parser.parse_args(argv)
+    table = run(args.checkpoint, args.out, args.overrides, args.bits)
+    print(markdown(table, args.bits))
+    with open(os.path.join(args.out, "sensitivity.json"), "w") as f:
+        json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
+                   "overrides": args.overrides, "top1": table}, f, indent=1)
+    return table
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except evaluate.USER_ERRORS as e:
+        sys.exit(f"error: {e}")
