@@ -229,7 +229,8 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
     assert [r["k"] for r in saved["results"]] == [0, 1] and saved["pipeline"] == "repq"
     assert saved["results"][1]["removed"][0]["block"] in ("blocks.0", "blocks.1")
     for r in saved["results"]:
-        assert 0 <= r["fp_top1"] <= 100 and 0 <= r["quant_top1"] <= 100 and r["max_act_module"] > 0
+        assert 0 <= r["fp_top1"] <= 100 and 0 <= r["quant_top1"] <= 100
+        assert 0 < r["max_act_ffn"] <= r["max_act_module"] and r["max_act_block"] > 0
     for name in ("surrogate.png", "surrogate.csv", "remove.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
 
