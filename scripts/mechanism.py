@@ -5,7 +5,7 @@ pair energies (paper Sec. 3.1-3.2 and App. A.1 "FFN Outliers and FC1-FC2 Colinea
     python scripts/mechanism.py alignment --checkpoint runs/vit_digits/best.pt --out figs  # app_ffn_alignment
     python scripts/mechanism.py remove    --checkpoint runs/vit_digits/best.pt --out figs  # its right panel
     python scripts/mechanism.py energies  --checkpoint runs/vit_digits/best.pt \
-        --compare runs/vit_digits_cd/best.pt --out figs                               # baseline vs CD
+        --compare runs/vit_digits+cd/best.pt --out figs                               # baseline vs CD
     python scripts/mechanism.py alignment --model vit_base_patch16_224 \
         --weights /weights/vit_b.safetensors --out figs                  # a timm model + a local weights file
 
@@ -426,8 +426,6 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
     loaded = load(args)
     blocks = select_blocks(ffn_blocks(loaded.model), args.blocks)
     rows, alphas = rank_directions(blocks)
-    write_csv(csv_path, rows, ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value",
-                               "gain"])
 
     # left: max_j alpha_ij per block and direction (the heat map); right: the full alpha_ij of the blocks
     # with the highest peaks (as the paper shows Blocks 4-6)
@@ -435,7 +433,12 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
     detail = sorted(peak, key=lambda n: -peak[n])[:max(0, args.detail)]
     fig = new_figure(4.5 + 3.2 * len(detail), 3.6)
     ax = fig.add_subplot(1, 1 + len(detail), 1)
-    heat = torch.stack([a.max(dim=1).values for a in alphas.values()]).float().numpy()
+    # blocks of different widths (Swin stages) have different numbers of directions: pad with NaN (blank)
+    width = max(a.shape[0] for a in alphas.values())
+    heat = torch.full((len(alphas), width), float("nan"))
+    for k, a in enumerate(alphas.values()):
+        heat[k, :a.shape[0]] = a.max(dim=1).values.float()
+    heat = heat.numpy()
     im = ax.imshow(heat, aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_yticks(range(len(alphas)))
     ax.set_yticklabels(list(alphas), fontsize=7)
@@ -451,7 +454,10 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
         fig.colorbar(im, ax=ax)
     fig.suptitle(f"FC1-FC2 alignment (App. A.1, Eq. (13)): {loaded.source}", fontsize=8)
     fig.tight_layout()
+    # files only once everything is computed and drawn: a failure leaves no partial output to refuse later
     fig.savefig(png, dpi=120)
+    write_csv(csv_path, rows, ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value",
+                               "gain"])
     for r in rows[:5]:
         print(f"#{r['rank']}: {r['block']} direction {r['direction']} row {r['row']}: "
               f"alpha {r['alpha']:.3f}, s {r['singular_value']:.3f}")
@@ -548,7 +554,6 @@ def cmd_energies(args: argparse.Namespace) -> dict:
         raise MechanismError(f"--compare {args.compare}: its pairs differ from those of the first model; "
                              f"compare two checkpoints of the same architecture")
     rows = [{"label": lab, "source": m.source, **r} for lab, m, t in zip(labels, models, tables) for r in t]
-    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"])
 
     roles = list(dict.fromkeys(r["role"] for r in tables[0]))
     fig = new_figure(3.4 * len(roles), 3.2)
@@ -567,6 +572,7 @@ def cmd_energies(args: argparse.Namespace) -> dict:
     fig.suptitle("pair energies (Sec. 3.1, Eq. (2); normalised as App. A.2, Eq. (23))", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"])
     for role in roles:
         means = [sum(r["energy"] for r in t if r["role"] == role) / sum(r["role"] == role for r in t)
                  for t in tables]

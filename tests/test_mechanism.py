@@ -235,6 +235,16 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
         assert os.path.getsize(os.path.join(out, name)) > 0
 
 
+def test_alignment_of_a_swin_with_stages_of_different_widths(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "swin.pt", 0, **{"model.name": "swin_nano"})
+    result = mechanism.main(["alignment", "--checkpoint", ckpt, "--out", str(tmp_path / "o")])
+    # swin_nano: one block of width 32 (r = 32) and one of width 64 (r = 64)
+    assert sorted({(r["block"], r["block_index"]) for r in result["ranked"]}) == [
+        ("layers.0.blocks.0", 0), ("layers.1.blocks.0", 1)]
+    assert len(result["ranked"]) == 32 + 64
+    assert os.path.getsize(tmp_path / "o" / "alignment.png") > 0
+
+
 def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     base, _ = checkpoints
     weights = tmp_path / "w.pth"
