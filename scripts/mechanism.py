@@ -1,0 +1,675 @@
+r"""The paper's mechanism figures as tools: FFN surrogate, FC1-FC2 alignment, removing aligned directions,
+pair energies (paper Sec. 3.1-3.2 and App. A.1 "FFN Outliers and FC1-FC2 Colinearity").
+
+    python scripts/mechanism.py surrogate --checkpoint runs/vit_digits/best.pt --out figs  # app_ffn_surrogate
+    python scripts/mechanism.py alignment --checkpoint runs/vit_digits/best.pt --out figs  # app_ffn_alignment
+    python scripts/mechanism.py remove    --checkpoint runs/vit_digits/best.pt --out figs  # its right panel
+    python scripts/mechanism.py energies  --checkpoint runs/vit_digits/best.pt \
+        --compare runs/vit_digits+cd/best.pt --out figs                               # baseline vs CD
+    python scripts/mechanism.py alignment --model vit_base_patch16_224 \
+        --weights /weights/vit_b.safetensors --out figs                  # a timm model + a local weights file
+
+What each subcommand writes into --out (existing files are refused unless --overwrite):
+  surrogate   surrogate.png, surrogate.csv   real FFN branch output fc2(act(fc1(norm2(x)))) against the
+              no-activation surrogate W_F2 W_F1 norm2(x) (Sec. 3.2, Eq. (8)), per block, on --images
+              validation images; the CSV has per-block agreement figures
+  alignment   alignment.png, alignment.csv   alpha_ij = |w2_j_hat . u_i| (App. A.1, Eq. (13)) per block; the
+              CSV ranks every (block, direction i) by its strongest row j
+  remove      remove.json, remove.png        zero FC1's singular values of the top-k aligned directions
+              (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4)
+  energies    energies.png, energies.csv     ||W2 W1n||_F^2 per role and block (Sec. 3.1, Eq. (2), normalised
+              as App. A.2, Eq. (23)), for one model or two side by side (--compare)
+
+Model source: --checkpoint (best.pt / checkpoint.pt of train.py; its saved config gives the model and the
+data), or --model NAME --weights FILE (with --config files and key=value overrides for the data, e.g.
+data.root=/datasets/imagenet model.num_classes=1000). Only `surrogate` and `remove` read images.
+Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
+directions i in descending singular value, rows j of FC2.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from cd.pairs import find_blocks, find_pairs  # noqa: E402
+from cd.update import pair_energy  # noqa: E402
+from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file  # noqa: E402
+from data import DataError, build_eval_loader, calibration_images  # noqa: E402
+from engine.act_max import ActivationProbe  # noqa: E402
+from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from engine.loop import evaluate  # noqa: E402
+from engine.run_dir import RunDirError, prepare_folder  # noqa: E402
+from evaluate import load_float_model, method_name  # noqa: E402
+from models import ModelError, build_model, input_size  # noqa: E402
+from quant import evaluate_quantized, parse_bits  # noqa: E402
+
+OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
+           "remove": ("remove.json", "remove.png"), "energies": ("energies.png", "energies.csv")}
+
+
+class MechanismError(ValueError):
+    """A user error: a bad argument, an existing output file, a model without FFN blocks."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# The math (pure functions on tensors and modules; tests/test_mechanism.py checks each against a direct
+# computation)
+# ------------------------------------------------------------------------------------------------------
+def ffn_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of every pre-norm block with an ungated FFN mlp.fc1 -> mlp.fc2, in model order."""
+    out = []
+    for name, block in find_blocks(model):
+        fc1, fc2 = getattr(block.mlp, "fc1", None), getattr(block.mlp, "fc2", None)
+        if isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear) and fc2.in_features == fc1.out_features:
+            out.append((name, block))
+    return out
+
+
+def ffn_surrogate(mlp: nn.Module, z: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """The no-activation surrogate of the FFN branch on its input z = norm2(x).
+
+    Sec. 3.2, Eq. (8): FFN_hat(z) = W_F2 W_F1 z, the exact branch W_F2 phi(W_F1 z) (Eq. (7)) without phi.
+    The paper writes both without biases, so by default they are left out; with `bias` the linear biases
+    are kept, which makes the surrogate the branch itself with phi replaced by the identity.
+    """
+    w1, w2 = mlp.fc1.weight, mlp.fc2.weight
+    h = z @ w1.T + (mlp.fc1.bias if bias and mlp.fc1.bias is not None else 0)
+    return h @ w2.T + (mlp.fc2.bias if bias and mlp.fc2.bias is not None else 0)
+
+
+@torch.no_grad()
+def capture_ffn(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]],
+                images: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{block name: (z, real)}: the FFN input z = norm2(x) and the real branch output mlp(z), both
+    (tokens, dim), captured by hooks on `block.mlp` during one forward pass of `images`.
+
+    Hooking the mlp itself (not recomputing it) means `real` is exactly what the model computed, for ViT
+    and Swin blocks alike (timm's Mlp: fc1, act, drop, norm (Identity), fc2, drop; eval mode).
+    """
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(name):
+        def fn(module, inputs, output):
+            captured[name] = (inputs[0].detach().flatten(0, -2), output.detach().flatten(0, -2))
+        return fn
+
+    handles = [block.mlp.register_forward_hook(hook(name)) for name, block in blocks]
+    try:
+        model.eval()(images)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def alignment(w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha_ij = |w2_j_hat . u_i| (App. A.1, Eq. (13)) for the FFN pair W_F1 = w1 (hidden x dim),
+    W_F2 = w2 (dim x hidden).
+
+    u_i are the left singular vectors of W_F1 = U S V^T: they live in the hidden space, which is FC2's
+    input space, so they meet FC2's rows there (Sec. 3.1, Eq. (1): y_j = sum_i s_i (w2_j . u_i)(v_i . x)).
+    w2_j_hat is row j of W_F2 divided by its norm. The SVD runs in float64 (singular vectors of close
+    singular values are ill-conditioned in fp32; the cost is negligible next to a forward pass).
+
+    Returns:
+        alpha (r, dim) in float64 with alpha[i, j] = alpha_ij, r = min(hidden, dim); and the singular
+        values s (r,), descending.
+    """
+    u, s, _ = torch.linalg.svd(w1.detach().double(), full_matrices=False)
+    w2 = w2.detach().double()
+    w2_hat = w2 / w2.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    return (w2_hat @ u).abs().T, s
+
+
+def rank_directions(blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Every FC1 singular direction (block, i) ranked by its strongest alignment max_j alpha_ij
+    (App. A.1: "aggregate the alignment scores over the selected layers, sort the strongest directions").
+
+    Returns:
+        (rows, alphas): rows sorted by alpha, descending, each {"rank", "block", "block_index",
+        "direction", "row", "alpha", "singular_value", "gain"}, where gain = s_i |w2_j . u_i| (the row's
+        own norm included) is the factor of that term in Eq. (1); alphas: {block name: alpha (r, dim)}.
+    """
+    rows, alphas = [], {}
+    for index, (name, block) in enumerate(blocks):
+        w2 = block.mlp.fc2.weight.detach().double()
+        alpha, s = alignment(block.mlp.fc1.weight, w2)
+        alphas[name] = alpha
+        best, j = alpha.max(dim=1)
+        norms = w2.norm(dim=1)
+        for i in range(len(s)):
+            rows.append({"block": name, "block_index": index, "direction": i, "row": int(j[i]),
+                         "alpha": float(best[i]), "singular_value": float(s[i]),
+                         "gain": float(s[i] * best[i] * norms[j[i]])})
+    rows.sort(key=lambda r: -r["alpha"])
+    for rank, r in enumerate(rows):
+        r["rank"] = rank
+    return rows, alphas
+
+
+def remove_directions(w1: torch.Tensor, directions: Sequence[int]) -> torch.Tensor:
+    """W_F1 with the singular values of `directions` set to zero: U S' V^T (App. A.1), in w1's dtype.
+
+    Computed as W - sum_{i removed} s_i u_i v_i^T in float64, which equals U S' V^T, but leaves W exactly
+    as it was where nothing is removed and does not round the kept part of W through a reconstruction.
+    """
+    if not directions:
+        return w1.detach().clone()
+    w = w1.detach().double()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    idx = torch.tensor(sorted(set(directions)), dtype=torch.long)
+    return (w - (u[:, idx] * s[idx]) @ vh[idx]).to(w1.dtype)
+
+
+def model_without(model: nn.Module, removed: Sequence[dict]) -> nn.Module:
+    """A copy of `model` whose FC1 weights lack the `removed` directions ({"block", "direction"} dicts)."""
+    model = copy.deepcopy(model)
+    per_block: dict[str, list[int]] = {}
+    for r in removed:
+        per_block.setdefault(r["block"], []).append(r["direction"])
+    with torch.no_grad():
+        for name, directions in per_block.items():
+            fc1 = model.get_submodule(name).mlp.fc1
+            fc1.weight.copy_(remove_directions(fc1.weight, directions))
+    return model
+
+
+def pair_energies(model: nn.Module) -> list[dict]:
+    """Per pair (role, block): the normalised energy ||W2 W1n||_F^2 that CD decays (Sec. 3.1, Eq. (2) with
+    App. A.2, Eq. (23), from cd/update.py `pair_energy`) and the raw ||W2 W1||_F^2 of Eq. (2)."""
+    try:
+        pairs = find_pairs(model)
+    except ValueError as e:  # no pre-norm block at all
+        raise MechanismError(str(e)) from None
+    rows = []
+    for pair in pairs:
+        w2 = pair.w2().detach().double()
+        w1 = pair.w1().detach().double()
+        raw = (w2 * w1).square().sum() if pair.diagonal else (w2 @ w1).square().sum()
+        rows.append({"role": pair.role, "block": pair.block, "w2": pair.name, "w1": pair.upstream_label,
+                     "energy": float(pair_energy([pair])[pair.role]), "energy_raw": float(raw)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------
+# Loading (one place for every subcommand)
+# ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Loaded:
+    cfg: object
+    model: nn.Module
+    source: str  # what the numbers are numbers of: a checkpoint path, or "NAME + weights FILE"
+    label: str   # Baseline / CD (...) / TWEO, from the checkpoint's config
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """The float model (eval mode, on the CPU) and its config, from --checkpoint or --model/--weights."""
+    if args.checkpoint and (args.model or args.weights):
+        raise MechanismError("give either --checkpoint, or --model NAME --weights FILE, not both")
+    if args.checkpoint:
+        if not os.path.isfile(args.checkpoint):
+            raise MechanismError(f"--checkpoint {args.checkpoint}: no such file; give the best.pt or "
+                                 f"checkpoint.pt that train.py wrote")
+        payload = load_checkpoint(args.checkpoint)
+        cfg = config_from_dict(payload["config"])
+        for path in args.config or ():
+            merge_file(cfg, path)
+        cfg = apply_overrides(cfg, args.overrides)
+        model = load_float_model(cfg, payload, args)
+        source = os.path.abspath(args.checkpoint)
+    elif args.model and args.weights:
+        if not os.path.isfile(args.weights):
+            raise MechanismError(f"--weights {args.weights}: no such file; give a local .pth, .pt or "
+                                 f".safetensors file of {args.model}")
+        cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
+                                              f"model.pretrained={os.path.abspath(args.weights)}"])
+        model = build_model(cfg.model)
+        source = f"{args.model} + weights {os.path.abspath(args.weights)}"
+    else:
+        raise MechanismError("nothing to load: give --checkpoint runs/<run>/best.pt, or --model NAME "
+                             "--weights FILE")
+    set_threads(args.threads, model)
+    return Loaded(cfg, model.eval(), source, method_name(cfg))
+
+
+# Below this many parameters one CPU thread is the default: the per-op work of a model this small is too
+# little to split, and on a busy machine OpenMP's waiting threads cost far more than they save (measured
+# on the 2-core VM of the README: `remove` on the digits demo took 13 s with 1 thread, 100 s with 2 while
+# other jobs ran, 11 s with 2 on a quiet machine).
+SMALL_MODEL = 5_000_000
+
+
+def set_threads(threads: Optional[int], model: nn.Module) -> None:
+    if threads is None:
+        threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL else None
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
+    """The --compare model: a train.py checkpoint (its own config), else a weights file for the first
+    model's architecture."""
+    if not os.path.isfile(path):
+        raise MechanismError(f"--compare {path}: no such file; give a second best.pt / checkpoint.pt, or a "
+                             f"weights file of the same model")
+    try:
+        payload = load_checkpoint(path)
+    except CheckpointError:
+        cfg = copy.deepcopy(first.cfg)
+        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path))
+        return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
+    cfg = apply_overrides(config_from_dict(payload["config"]), args.overrides)
+    model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))
+    return Loaded(cfg, model.eval(), os.path.abspath(path), method_name(cfg))
+
+
+def pick_device(cfg, wanted: str) -> torch.device:
+    wanted = cfg.train.device if wanted == "auto" else wanted
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise MechanismError("--device cuda: no CUDA device is visible; use --device cpu")
+    return torch.device("cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
+def select_blocks(blocks: list[tuple[str, nn.Module]], wanted: Optional[Sequence[str]],
+                  ) -> list[tuple[str, nn.Module]]:
+    """`--blocks`: 0-based positions in model order or block names; all blocks when not given."""
+    if not blocks:
+        raise MechanismError("the model has no pre-norm block with an mlp.fc1 -> mlp.fc2 FFN (timm ViT / "
+                             "DeiT / Swin); these tools need one")
+    if not wanted:
+        return blocks
+    names = [n for n, _ in blocks]
+    chosen = []
+    for w in wanted:
+        if w.lstrip("-").isdigit() and 0 <= int(w) < len(blocks):
+            chosen.append(blocks[int(w)])
+        elif w in names:
+            chosen.append(blocks[names.index(w)])
+        else:
+            raise MechanismError(f"--blocks {w}: no such block; give 0..{len(blocks) - 1} or a name "
+                                 f"({names[0]} .. {names[-1]})")
+    return list(dict.fromkeys(chosen))
+
+
+def check_outputs(out: str, names: Sequence[str], overwrite: bool) -> list[str]:
+    """The output paths, checked before any work: --out must be a usable folder, and no file may be
+    replaced without --overwrite (a figure is often the only record of how it was made)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise MechanismError(f"--out {out} is a file; give a folder")
+    paths = [os.path.join(out, n) for n in names]
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise MechanismError(f"{', '.join(existing)} already exist(s); pass --overwrite to replace, or "
+                             f"choose another --out")
+    prepare_folder(out)
+    return paths
+
+
+def val_loader(cfg, img_size: int, batch: int):
+    return build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=batch, rank=0, world_size=1,
+                             num_classes=cfg.model.num_classes)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Figures: matplotlib's object API on the Agg canvas (no display, no global backend change)
+# ------------------------------------------------------------------------------------------------------
+def new_figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def grid(n: int, cols: int = 4) -> tuple[int, int]:
+    cols = min(n, cols)
+    return math.ceil(n / cols), cols
+
+
+def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Subcommands
+# ------------------------------------------------------------------------------------------------------
+def surrogate_stats(name: str, real: torch.Tensor, sur: torch.Tensor) -> dict:
+    """Agreement of the surrogate with the real branch on one block's tokens (rows) x channels."""
+    r, s = real.double().flatten(), sur.double().flatten()
+    corr = float(torch.corrcoef(torch.stack([r, s]))[0, 1])
+    top = r.abs().topk(max(1, r.numel() // 100)).indices  # the 1% largest real outputs
+    # the channels carrying the largest outputs: the paper's claim is that these coincide
+    top_real = set(real.abs().amax(0).topk(min(5, real.shape[1])).indices.tolist())
+    top_sur = set(sur.abs().amax(0).topk(min(5, sur.shape[1])).indices.tolist())
+    return {"block": name, "tokens": real.shape[0], "channels": real.shape[1], "pearson": round(corr, 4),
+            "top1pct_sign_agreement": round(float((r[top].sign() == s[top].sign()).double().mean()), 4),
+            "max_abs_real": round(float(r.abs().max()), 4),
+            "max_abs_surrogate": round(float(s.abs().max()), 4),
+            "channel_max_real": int(real.abs().amax(0).argmax()),
+            "channel_max_surrogate": int(sur.abs().amax(0).argmax()),
+            "top5_channels_shared": len(top_real & top_sur)}
+
+
+def plot_points(real: torch.Tensor, sur: torch.Tensor, limit: int, seed: int = 0):
+    """At most `limit` (surrogate, real) points: the 10% of them with the largest magnitudes (the
+    outliers the figure is about) plus a seeded uniform sample of the rest."""
+    r, s = real.flatten(), sur.flatten()
+    if r.numel() <= limit:
+        return s, r
+    big = torch.maximum(r.abs(), s.abs()).topk(limit // 10).indices
+    rest = torch.randperm(r.numel(), generator=torch.Generator().manual_seed(seed))[:limit - len(big)]
+    idx = torch.cat([big, rest])
+    return s[idx], r[idx]
+
+
+def cmd_surrogate(args: argparse.Namespace) -> dict:
+    if args.images < 1:
+        raise MechanismError(f"--images {args.images}: give at least 1")
+    png, csv_path = check_outputs(args.out, OUTPUTS["surrogate"], args.overwrite)
+    loaded = load(args)
+    device = pick_device(loaded.cfg, args.device)
+    model = loaded.model.to(device)
+    blocks = select_blocks(ffn_blocks(model), args.blocks)
+    images, _ = next(iter(val_loader(loaded.cfg, input_size(model), args.images)))
+    captured = capture_ffn(model, blocks, images[:args.images].to(device))
+
+    nrows, ncols = grid(len(blocks))
+    rows, fig = [], new_figure(3.2 * ncols, 3.0 * nrows + 0.4)
+    for k, (name, block) in enumerate(blocks):
+        z, real = captured[name]
+        with torch.no_grad():
+            sur = ffn_surrogate(block.mlp, z, bias=args.bias)
+        real, sur = real.float().cpu(), sur.float().cpu()
+        rows.append(surrogate_stats(name, real, sur))
+        x, y = plot_points(real, sur, args.max_points)
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        ax.scatter(x.numpy(), y.numpy(), s=2, alpha=0.3, linewidths=0, rasterized=True)
+        lim = float(max(x.abs().max(), y.abs().max())) * 1.05
+        ax.plot([-lim, lim], [-lim, lim], "k--", linewidth=0.8)  # y = x
+        ax.set_xlim(-lim, lim)
+        ax.set_ylim(-lim, lim)
+        ax.set_title(f"{name} (r = {rows[-1]['pearson']:.2f})", fontsize=9)
+        ax.set_xlabel("surrogate $W_{F2}W_{F1}x$" + (" + biases" if args.bias else ""), fontsize=8)
+        ax.set_ylabel("real FFN output", fontsize=8)
+    fig.suptitle(f"FFN branch vs no-activation surrogate, {args.images} val images\n{loaded.source}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    write_csv(csv_path, rows, list(rows[0]))
+    for r in rows:
+        print(f"{r['block']}: pearson {r['pearson']:.3f}, max |real| {r['max_abs_real']:.2f}, "
+              f"max |surrogate| {r['max_abs_surrogate']:.2f}, "
+              f"top-5 channels shared {r['top5_channels_shared']}")
+    return {"files": [png, csv_path], "blocks": rows}
+
+
+def cmd_alignment(args: argparse.Namespace) -> dict:
+    png, csv_path = check_outputs(args.out, OUTPUTS["alignment"], args.overwrite)
+    loaded = load(args)
+    blocks = select_blocks(ffn_blocks(loaded.model), args.blocks)
+    rows, alphas = rank_directions(blocks)
+
+    # left: max_j alpha_ij per block and direction (the heat map); right: the full alpha_ij of the blocks
+    # with the highest peaks (as the paper shows Blocks 4-6)
+    peak = {name: float(a.max()) for name, a in alphas.items()}
+    detail = sorted(peak, key=lambda n: -peak[n])[:max(0, args.detail)]
+    fig = new_figure(4.5 + 3.2 * len(detail), 3.6)
+    ax = fig.add_subplot(1, 1 + len(detail), 1)
+    # blocks of different widths (Swin stages) have different numbers of directions: pad with NaN (blank)
+    width = max(a.shape[0] for a in alphas.values())
+    heat = torch.full((len(alphas), width), float("nan"))
+    for k, a in enumerate(alphas.values()):
+        heat[k, :a.shape[0]] = a.max(dim=1).values.float()
+    heat = heat.numpy()
+    im = ax.imshow(heat, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_yticks(range(len(alphas)))
+    ax.set_yticklabels(list(alphas), fontsize=7)
+    ax.set_xlabel("FC1 singular direction i (descending $s_i$)", fontsize=8)
+    ax.set_title("$\\max_j |\\hat w_{2,j}^\\top u_i|$", fontsize=9)
+    fig.colorbar(im, ax=ax)
+    for k, name in enumerate(detail):
+        ax = fig.add_subplot(1, 1 + len(detail), k + 2)
+        im = ax.imshow(alphas[name].float().numpy(), aspect="auto", interpolation="nearest", cmap="magma")
+        ax.set_title(f"{name}: $|\\hat w_{{2,j}}^\\top u_i|$", fontsize=9)
+        ax.set_xlabel("FC2 row j", fontsize=8)
+        ax.set_ylabel("direction i", fontsize=8)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"FC1-FC2 alignment (App. A.1, Eq. (13)): {loaded.source}", fontsize=8)
+    fig.tight_layout()
+    # files only once everything is computed and drawn: a failure leaves no partial output to refuse later
+    fig.savefig(png, dpi=120)
+    write_csv(csv_path, rows, ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value",
+                               "gain"])
+    for r in rows[:5]:
+        print(f"#{r['rank']}: {r['block']} direction {r['direction']} row {r['row']}: "
+              f"alpha {r['alpha']:.3f}, s {r['singular_value']:.3f}")
+    return {"files": [png, csv_path], "ranked": rows}
+
+
+def cmd_remove(args: argparse.Namespace) -> dict:
+    if args.k < 0:
+        raise MechanismError(f"--k {args.k}: give 0 or more directions")
+    try:
+        bits = parse_bits(args.bits)
+    except ValueError as e:
+        raise MechanismError(f"--bits {args.bits}: {e}") from None
+    json_path, png = check_outputs(args.out, OUTPUTS["remove"], args.overwrite)
+    start = time.perf_counter()
+    loaded = load(args)
+    cfg, device = loaded.cfg, pick_device(loaded.cfg, args.device)
+    model = loaded.model.to(device)
+    blocks = select_blocks(ffn_blocks(model), args.blocks)
+    ranked, _ = rank_directions(blocks)
+    if args.k > len(ranked):
+        raise MechanismError(f"--k {args.k}: the chosen blocks have only {len(ranked)} directions")
+    img_size = input_size(model)
+    loader = val_loader(cfg, img_size, cfg.train.eval_batch_size_per_gpu)
+    calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
+                               cfg.quant.calib_seed).to(device)
+
+    results = []
+    for k in range(args.k + 1):
+        t0 = time.perf_counter()
+        # "sequentially set the corresponding FC1 singular values to zero" (App. A.1): k = 0 is the model
+        # itself, k the top-k directions of the ranking of the unmodified model
+        current = model if k == 0 else model_without(model, ranked[:k])
+        # one pass gives FP accuracy and the activation maxima (the hooks only read the outputs)
+        with ActivationProbe(current, extra_modules=cfg.quant.act_max_extra_modules) as probe:
+            fp = evaluate(current, loader, device)
+        act = probe.result()
+        quant = evaluate_quantized(args.pipeline, current, calib, bits,
+                                   eval_fn=lambda m: evaluate(m, loader, device),
+                                   options=getattr(cfg.quant, args.pipeline, None))
+        # the FFN output (mlp.fc2) is what the removal acts on directly; the module maximum may sit elsewhere
+        ffn = max((r["max"] for r in act.per_layer if r["type"] == "mlp.fc2"), default=0.0)
+        results.append({"k": k, "removed": [{key: r[key] for key in ("block", "direction", "row", "alpha",
+                                                                    "singular_value")} for r in ranked[:k]],
+                        "fp_top1": fp["top1"], "max_act_module": act.module, "max_act_block": act.block,
+                        "max_act_ffn": ffn, "quant_top1": quant["top1"],
+                        "seconds": round(time.perf_counter() - t0, 2)})
+        print(f"k={k}: FP top-1 {fp['top1']:.2f}, max act {act.module:.2f} / {act.block:.2f} / {ffn:.2f} "
+              f"(module / block / mlp.fc2), {args.pipeline} {bits} top-1 {quant['top1']:.2f}")
+
+    summary = {"source": loaded.source, "model": cfg.model.name, "method": loaded.label,
+               "pipeline": args.pipeline, "bits": str(bits), "images": len(loader.dataset),
+               "calib_images": cfg.quant.calib_images, "blocks": [n for n, _ in blocks],
+               "results": results, "seconds": round(time.perf_counter() - start, 2)}
+    # left: accuracies against k; right: the maxima against k (the paper draws quantized accuracy against
+    # the maximum with the marker area proportional to FP accuracy; two plain panels show the same numbers)
+    fig = new_figure(8.0, 3.4)
+    ks = [r["k"] for r in results]
+    ax = fig.add_subplot(1, 2, 1)
+    ax.plot(ks, [r["fp_top1"] for r in results], "o-", label="FP")
+    ax.plot(ks, [r["quant_top1"] for r in results], "s-", label=f"{args.pipeline} {str(bits).upper()}")
+    ax.set_xlabel("top-k aligned FC1 directions removed")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_xticks(ks)
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    for key, label in (("max_act_module", "module"), ("max_act_block", "block"), ("max_act_ffn", "mlp.fc2")):
+        ax.plot(ks, [r[key] for r in results], "o-", label=label)
+    ax.set_xlabel("top-k aligned FC1 directions removed")
+    ax.set_ylabel("max |activation| over the val set")
+    ax.set_xticks(ks)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"removing aligned directions (App. A.1): {loaded.source}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    with open(json_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    return {"files": [json_path, png], **summary}
+
+
+def cmd_energies(args: argparse.Namespace) -> dict:
+    png, csv_path = check_outputs(args.out, OUTPUTS["energies"], args.overwrite)
+    models = [load(args)]
+    if args.compare:
+        models.append(load_compare(args.compare, models[0], args))
+    labels = list(args.labels or [m.label for m in models])
+    if len(labels) != len(models):
+        raise MechanismError(f"--labels {' '.join(labels)}: give one label per model ({len(models)})")
+    if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by file name
+        labels = [f"{lab} ({os.path.basename(m.source)})" for lab, m in zip(labels, models)]
+    tables = [pair_energies(m.model) for m in models]
+    if len(tables) == 2 and [(r["role"], r["w2"]) for r in tables[0]] != [(r["role"], r["w2"])
+                                                                         for r in tables[1]]:
+        raise MechanismError(f"--compare {args.compare}: its pairs differ from those of the first model; "
+                             f"compare two checkpoints of the same architecture")
+    rows = [{"label": lab, "source": m.source, **r} for lab, m, t in zip(labels, models, tables) for r in t]
+
+    roles = list(dict.fromkeys(r["role"] for r in tables[0]))
+    fig = new_figure(3.4 * len(roles), 3.2)
+    width = 0.8 / len(models)
+    for k, role in enumerate(roles):
+        ax = fig.add_subplot(1, len(roles), k + 1)
+        for m, (lab, table) in enumerate(zip(labels, tables)):
+            values = [r["energy"] for r in table if r["role"] == role]
+            ax.bar([i + (m - (len(models) - 1) / 2) * width for i in range(len(values))], values, width,
+                   label=lab)
+        ax.set_title(role, fontsize=9)
+        ax.set_xlabel("block (in model order)", fontsize=8)
+        if k == 0:
+            ax.set_ylabel("$\\|W_2 \\bar W_1\\|_F^2$", fontsize=8)
+            ax.legend(fontsize=7)
+    fig.suptitle("pair energies (Sec. 3.1, Eq. (2); normalised as App. A.2, Eq. (23))", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"])
+    for role in roles:
+        means = [sum(r["energy"] for r in t if r["role"] == role) / sum(r["role"] == role for r in t)
+                 for t in tables]
+        print(f"{role}: mean energy " + ", ".join(f"{lab} {v:.4g}" for lab, v in zip(labels, means))
+              + (f" (ratio {means[1] / means[0]:.3f})" if len(means) == 2 and means[0] else ""))
+    return {"files": [png, csv_path], "labels": labels, "rows": rows}
+
+
+COMMANDS = {"surrogate": cmd_surrogate, "alignment": cmd_alignment, "remove": cmd_remove,
+            "energies": cmd_energies}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------------
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is the one `error:` line every other error here is."""
+
+    def error(self, message: str):
+        raise MechanismError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=f"mechanism.py {command}", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
+    parser.add_argument("--model", help="timm model name (or a variant such as vit_micro), with --weights")
+    parser.add_argument("--weights", help="local .pth/.pt/.safetensors weights for --model")
+    parser.add_argument("--config", action="append", help="YAML layer(s) on top of the model's config")
+    parser.add_argument("--ema", action="store_true", help="the checkpoint's EMA weights")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 5M "
+                        "parameters, torch's default otherwise)")
+    if command in ("surrogate", "alignment", "remove"):
+        parser.add_argument("--blocks", nargs="*", help="0-based block positions or names (default: all)")
+    if command == "surrogate":
+        parser.add_argument("--images", type=int, default=8, help="validation images (default 8)")
+        parser.add_argument("--bias", action="store_true",
+                            help="keep fc1/fc2 biases in the surrogate (the paper's Eq. (8) has none)")
+        parser.add_argument("--max-points", type=int, default=40000, help="points drawn per block")
+    if command == "alignment":
+        parser.add_argument("--detail", type=int, default=3,
+                            help="blocks with the highest peak drawn in full (default 3)")
+    if command == "remove":
+        parser.add_argument("--k", type=int, default=3, help="remove the top 1..k directions (default 3)")
+        parser.add_argument("--pipeline", default="repq", choices=["repq", "percentile"])
+        parser.add_argument("--bits", default="w4a4")
+    if command == "energies":
+        parser.add_argument("--compare", help="a second checkpoint (or weights file) drawn side by side")
+        parser.add_argument("--labels", nargs="*", help="legend labels (default: Baseline / CD / ...)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.root=/data")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        raise MechanismError(f"unknown subcommand {argv[0]!r}; give one of {', '.join(COMMANDS)}")
+    args = build_parser(argv[0]).parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    if args.threads is not None and args.threads < 1:
+        raise MechanismError(f"--threads {args.threads}: give 1 or more")
+    if getattr(args, "blocks", None):  # `--blocks 1 2 data.root=x`: key=value items are overrides
+        args.overrides += [b for b in args.blocks if "=" in b]
+        args.blocks = [b for b in args.blocks if "=" not in b]
+    if getattr(args, "labels", None):
+        args.overrides += [b for b in args.labels if "=" in b]
+        args.labels = [b for b in args.labels if "=" not in b]
+    return args
+
+
+def main(argv: Sequence[str]) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    result = COMMANDS[args.command](args)
+    print(f"wrote {', '.join(result['files'])} [{time.perf_counter() - start:.1f}s]")
+    return result
+
+
+ERRORS = (MechanismError, ConfigError, CheckpointError, DataError, ModelError, RunDirError)
+
+
+def cli(argv: Sequence[str]) -> int:
+    """main() with every user error as one `error:` line on stderr (exit status 1), no traceback."""
+    try:
+        main(argv)
+    except ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,291 @@
+"""scripts/mechanism.py: each figure's math against a direct computation written here, on tiny random timm
+models (tests/cd_models.py), and the command line (files written, overwrite refused, one-line errors).
+
+References: Sec. 3.1, Eq. (1)-(2); Sec. 3.2, Eq. (7)-(8); App. A.1, Eq. (13); App. A.2, Eq. (23).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from cd_models import normalized, tiny_swin, tiny_vit
+from tests.conftest import DEMO_CONFIG, ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import mechanism  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "mechanism.py")
+
+
+def randomize_biases(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-zero linear biases (timm initialises them to zero, which would hide a dropped bias)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+    return model
+
+
+# --- App. A.1, Eq. (13): alignment ----------------------------------------------------------------------
+def test_alignment_matches_a_direct_svd():
+    model = tiny_vit()
+    for name, block in mechanism.ffn_blocks(model):
+        w1 = block.mlp.fc1.weight.detach().double()  # (hidden 128, dim 32)
+        w2 = block.mlp.fc2.weight.detach().double()  # (dim 32, hidden 128)
+        u, s, _ = torch.linalg.svd(w1, full_matrices=False)
+        expected = torch.empty(u.shape[1], w2.shape[0], dtype=torch.float64)
+        for i in range(u.shape[1]):
+            for j in range(w2.shape[0]):
+                expected[i, j] = abs(torch.dot(w2[j] / torch.linalg.vector_norm(w2[j]), u[:, i]))
+        alpha, sv = mechanism.alignment(block.mlp.fc1.weight, block.mlp.fc2.weight)
+        assert alpha.shape == (32, 32)
+        torch.testing.assert_close(alpha, expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sv, torch.linalg.svdvals(w1))
+        assert float(alpha.max()) <= 1 + 1e-12  # |cos| of unit vectors
+
+
+def test_ranking_is_by_the_strongest_row_of_each_direction():
+    model = tiny_vit()
+    blocks = mechanism.ffn_blocks(model)
+    rows, alphas = mechanism.rank_directions(blocks)
+    assert len(rows) == 2 * 32 and [r["rank"] for r in rows] == list(range(64))
+    assert all(a["alpha"] >= b["alpha"] for a, b in zip(rows, rows[1:]))
+    for r in rows[:5]:
+        alpha = alphas[r["block"]]
+        assert r["alpha"] == pytest.approx(float(alpha[r["direction"]].max()))
+        assert r["row"] == int(alpha[r["direction"]].argmax())
+        w2 = dict(blocks)[r["block"]].mlp.fc2.weight.detach().double()
+        # gain = s_i |w2_j . u_i|, the factor of the term in Eq. (1)
+        assert r["gain"] == pytest.approx(r["singular_value"] * r["alpha"] * float(w2[r["row"]].norm()))
+
+
+# --- App. A.1: removing directions ------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_removing_k_directions_drops_the_rank_by_k_and_keeps_the_rest(k):
+    w1 = tiny_vit().blocks[0].mlp.fc1.weight.detach()  # (128, 32), full rank 32
+    removed = [0, 5, 2][:k]
+    before = torch.linalg.svdvals(w1.double())
+    after_w = mechanism.remove_directions(w1, removed)
+    assert after_w.dtype == w1.dtype and after_w.shape == w1.shape
+    # the rank in the stored dtype (fp32): a removed value is left at fp32 rounding of W, ~1e-7 s_max
+    assert int(torch.linalg.matrix_rank(after_w)) == 32 - k
+    after = torch.linalg.svdvals(after_w.double())
+    kept = [i for i in range(32) if i not in removed]
+    torch.testing.assert_close(after[:32 - k], before[kept], rtol=1e-5, atol=1e-6)
+    assert all(float(v) < 1e-5 * float(before[0]) for v in after[32 - k:])  # the removed ones: zero
+    if k == 0:
+        assert torch.equal(after_w, w1)
+
+
+def test_model_without_changes_only_the_named_fc1_weights():
+    model = tiny_vit()
+    copy = mechanism.model_without(model, [{"block": "blocks.1", "direction": 3}])
+    before, after = model.state_dict(), copy.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed == ["blocks.1.mlp.fc1.weight"]
+    assert int(torch.linalg.matrix_rank(after["blocks.1.mlp.fc1.weight"])) == 31
+
+
+# --- Sec. 3.2, Eq. (7)-(8): the surrogate ------------------------------------------------------------------
+def test_surrogate_equals_the_ffn_when_the_activation_is_the_identity():
+    torch.manual_seed(0)
+    model = randomize_biases(tiny_vit()).eval()
+    images = torch.randn(3, 3, 32, 32)
+    blocks = mechanism.ffn_blocks(model)
+    gelu = mechanism.capture_ffn(model, blocks, images)
+    for _, block in blocks:
+        block.mlp.act = nn.Identity()
+    norm2_out = {}
+    hooks = [b.norm2.register_forward_hook(lambda m, i, o, n=n: norm2_out.__setitem__(n, o.flatten(0, -2)))
+             for n, b in blocks]
+    captured = mechanism.capture_ffn(model, blocks, images)
+    for h in hooks:
+        h.remove()
+    for name, block in blocks:
+        z, real = captured[name]
+        assert z.shape == (3 * 17, 32)  # 16 patches + cls per image
+        torch.testing.assert_close(z, norm2_out[name])  # the FFN input is norm2(x)
+        with torch.no_grad():
+            # with the biases kept, the surrogate is the branch with phi = identity
+            torch.testing.assert_close(mechanism.ffn_surrogate(block.mlp, z, bias=True), real)
+            # the paper's Eq. (8) has no biases: W_F2 W_F1 z exactly
+            w1, w2 = block.mlp.fc1.weight.double(), block.mlp.fc2.weight.double()
+            torch.testing.assert_close(mechanism.ffn_surrogate(block.mlp, z).double(),
+                                       z.double() @ (w2 @ w1).T, rtol=1e-5, atol=1e-5)
+        # and with GELU the real output is not the surrogate (the hooks saw another function)
+        assert not torch.allclose(gelu[name][1], real, atol=1e-3)
+
+
+def test_surrogate_without_biases_equals_the_ffn_of_a_bias_free_model():
+    model = tiny_vit().eval()  # timm initialises the linear biases to zero
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.zero_()
+    blocks = mechanism.ffn_blocks(model)
+    for _, block in blocks:
+        block.mlp.act = nn.Identity()
+    captured = mechanism.capture_ffn(model, blocks, torch.randn(2, 3, 32, 32))
+    for name, block in blocks:
+        z, real = captured[name]
+        with torch.no_grad():
+            torch.testing.assert_close(mechanism.ffn_surrogate(block.mlp, z), real)
+
+
+# --- Sec. 3.1, Eq. (2) with App. A.2, Eq. (23): pair energies ----------------------------------------------
+def direct_energies(model: nn.Module, blocks: list[str]) -> dict:
+    """(role, block) -> (||W2 W1n||_F^2, ||W2 W1||_F^2), written from the parameter names."""
+    P = {k: v.detach().double() for k, v in model.state_dict().items()}
+    out = {}
+    for b in blocks:
+        qkv = P[f"{b}.attn.qkv.weight"]
+        d = qkv.shape[0] // 3
+        for role, w2, w1 in (("qkv", qkv, torch.diag(P[f"{b}.norm1.weight"])),
+                             ("proj", P[f"{b}.attn.proj.weight"], qkv[2 * d:]),
+                             ("fc1", P[f"{b}.mlp.fc1.weight"], torch.diag(P[f"{b}.norm2.weight"])),
+                             ("fc2", P[f"{b}.mlp.fc2.weight"], P[f"{b}.mlp.fc1.weight"])):
+            out[(role, b)] = (float(torch.linalg.matrix_norm(w2 @ normalized(w1)) ** 2),
+                              float(torch.linalg.matrix_norm(w2 @ w1) ** 2))
+    return out
+
+
+def test_energies_match_a_direct_computation():
+    model = tiny_vit()
+    rows = mechanism.pair_energies(model)
+    expected = direct_energies(model, ["blocks.0", "blocks.1"])
+    assert len(rows) == len(expected) == 8
+    for r in rows:
+        energy, raw = expected[(r["role"], r["block"])]
+        assert r["energy"] == pytest.approx(energy, rel=1e-5)
+        assert r["energy_raw"] == pytest.approx(raw, rel=1e-9)
+
+
+def test_energies_include_swin_patch_merging():
+    model = tiny_swin()
+    rows = [r for r in mechanism.pair_energies(model) if r["role"] == "reduction"]
+    assert len(rows) == 1
+    red = model.get_submodule(rows[0]["block"])
+    w2, g = red.reduction.weight.detach().double(), red.norm.weight.detach().double()
+    assert rows[0]["energy"] == pytest.approx(float(((w2 * g) ** 2).sum() / (g ** 2).mean()), rel=1e-5)
+    assert len(mechanism.ffn_blocks(model)) == 4  # layers.N.blocks.M, flattened
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+def make_checkpoint(path, seed: int = 0, **overrides) -> str:
+    """A train.py-shaped checkpoint ({"model", "config"}) of a random vit_nano on digits, in milliseconds."""
+    from configs import config_to_dict, load_config
+    from models import build_model
+
+    cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano", *[f"{k}={v}" for k, v in overrides.items()]])
+    torch.manual_seed(seed)
+    model = randomize_biases(build_model(cfg.model), seed)
+    torch.save({"model": model.state_dict(), "config": config_to_dict(cfg)}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    return (make_checkpoint(folder / "base.pt", 0),
+            make_checkpoint(folder / "cd.pt", 1, **{"cd.enabled": "true"}))
+
+
+def test_alignment_and_energies_write_their_files_and_refuse_to_overwrite(checkpoints, tmp_path, capsys):
+    base, cd = checkpoints
+    out = str(tmp_path / "figs")
+    result = mechanism.main(["alignment", "--checkpoint", base, "--out", out])
+    with open(os.path.join(out, "alignment.csv")) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "rank,block,block_index,direction,row,alpha,singular_value,gain"
+    assert len(lines) == 1 + 2 * 32 and len(result["ranked"]) == 64
+    result = mechanism.main(["energies", "--checkpoint", base, "--compare", cd, "--out", out])
+    assert result["labels"] == ["Baseline", "CD"] and len(result["rows"]) == 16
+    for name in ("alignment.png", "energies.png", "energies.csv"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    mtime = os.path.getmtime(os.path.join(out, "energies.png"))
+    with pytest.raises(mechanism.MechanismError, match="already exist.*--overwrite"):
+        mechanism.main(["energies", "--checkpoint", base, "--out", out])
+    assert os.path.getmtime(os.path.join(out, "energies.png")) == mtime
+    mechanism.main(["energies", "--checkpoint", base, "--out", out, "--overwrite"])
+    with open(os.path.join(out, "energies.csv")) as f:
+        assert len(f.read().splitlines()) == 1 + 8  # one model now
+
+
+def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
+    base, _ = checkpoints
+    out = str(tmp_path / "figs")
+    result = mechanism.main(["surrogate", "--checkpoint", base, "--out", out, "--images", "2",
+                             "--blocks", "1"])
+    assert [r["block"] for r in result["blocks"]] == ["blocks.1"]
+    assert result["blocks"][0]["tokens"] == 2 * 17 and -1 <= result["blocks"][0]["pearson"] <= 1
+    mechanism.main(["remove", "--checkpoint", base, "--out", out, "--k", "1", "quant.calib_images=4"])
+    with open(os.path.join(out, "remove.json")) as f:
+        saved = json.load(f)
+    assert [r["k"] for r in saved["results"]] == [0, 1] and saved["pipeline"] == "repq"
+    assert saved["results"][1]["removed"][0]["block"] in ("blocks.0", "blocks.1")
+    for r in saved["results"]:
+        assert 0 <= r["fp_top1"] <= 100 and 0 <= r["quant_top1"] <= 100
+        assert 0 < r["max_act_ffn"] <= r["max_act_module"] and r["max_act_block"] > 0
+    for name in ("surrogate.png", "surrogate.csv", "remove.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+
+
+def test_alignment_of_a_swin_with_stages_of_different_widths(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "swin.pt", 0, **{"model.name": "swin_nano"})
+    result = mechanism.main(["alignment", "--checkpoint", ckpt, "--out", str(tmp_path / "o")])
+    # swin_nano: one block of width 32 (r = 32) and one of width 64 (r = 64)
+    assert sorted({(r["block"], r["block_index"]) for r in result["ranked"]}) == [
+        ("layers.0.blocks.0", 0), ("layers.1.blocks.0", 1)]
+    assert len(result["ranked"]) == 32 + 64
+    assert os.path.getsize(tmp_path / "o" / "alignment.png") > 0
+
+
+def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
+    base, _ = checkpoints
+    weights = tmp_path / "w.pth"
+    torch.save(torch.load(base, weights_only=True)["model"], weights)
+    a = mechanism.main(["alignment", "--checkpoint", base, "--out", str(tmp_path / "a")])
+    b = mechanism.main(["alignment", "--model", "vit_nano", "--weights", str(weights), "model.num_classes=10",
+                        "--out", str(tmp_path / "b")])
+    assert [r["alpha"] for r in a["ranked"]] == [r["alpha"] for r in b["ranked"]]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["alignment", "--checkpoint", "missing.pt", "--out", "{out}"], "--checkpoint missing.pt: no such file"),
+    (["alignment", "--out", "{out}"], "nothing to load"),
+    (["alignment", "--checkpoint", "{ckpt}", "--model", "vit_nano", "--out", "{out}"], "not both"),
+    (["alignment", "--model", "vit_nano", "--weights", "no.pth", "--out", "{out}"], "--weights no.pth"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks", "7"], "--blocks 7: no such block"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "-1"], "--k -1"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"], "--bits w4"),
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images 0"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--compare", "no.pt"], "--compare no.pt"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"], "one label per model"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lrr=1"], "did you mean 'optim.lr'"),
+    (["alignment", "--checkpoint", "{ckpt}"], "the following arguments are required: --out"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "2"], "unrecognized arguments"),
+    (["figures", "--checkpoint", "{ckpt}", "--out", "{out}"], "unknown subcommand 'figures'"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is a file; give a folder"),
+])
+def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
+    argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
+    assert mechanism.cli(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_an_existing_output_is_one_error_line_from_the_script(checkpoints, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "alignment.csv").write_text("mine")
+    proc = subprocess.run([sys.executable, SCRIPT, "alignment", "--checkpoint", checkpoints[0],
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "--overwrite" in lines[0]
+    assert (out / "alignment.csv").read_text() == "mine" and not (out / "alignment.png").exists()
