@@ -47,7 +47,7 @@ def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
 
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
-    (Appendix "Normalized CD and regularization budget").
+    (App. A.2 ("Normalized CD and regularization budget")).
 
     E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative.
     """
@@ -65,7 +65,7 @@ class ColinearityDecay:
         model: the model (possibly DDP/torch.compile-wrapped); pairs are found once, here.
         lam: CD strength lambda_cd; the decoupled step of every pair is lr * lam (lr of W2's param group).
         lam_per_role: per-role override of `lam`, e.g. {'fc2': 0.02}; roles: qkv, proj, fc1, fc2, reduction.
-        targets: which matrices are decayed (paper Table "which matrices receive CD"):
+        targets: which matrices are decayed (paper Table 5 ("which matrices receive CD")):
             'A' the W2 of composable pairs (qkv, fc1, reduction); 'B' the W2 of functional pairs (proj, fc2);
             'C' both matrices of functional pairs (also qkv V rows and fc1, see `cd.update`); 'A+B' (default).
         mode: 'decoupled' (the paper's update, via `attach`/`apply`) or 'loss' (ablation: a penalty from
@@ -223,7 +223,7 @@ class ColinearityDecay:
 
     # ----------------------------------------------------------------------------------- loss-form ablation
     def aux_loss(self, task_loss: Tensor) -> Tensor:
-        """Loss mode: the stabilized CD penalty to add to the task loss (paper Table "Update form").
+        """Loss mode: the stabilized CD penalty to add to the task loss (paper Table 4b ("update form")).
 
         penalty = sum_pairs lam_role/lam-weighted ||W2 W1n||_F^2 (fp32, gradients to the decayed matrices
         only); returned term = loss_coef * penalty * (task_loss / penalty).detach(), whose value is

@@ -1,4 +1,4 @@
-"""TWEO, the activation-regularization baseline CD is compared with (paper Appendix "TWEO Background").
+"""TWEO, the activation-regularization baseline CD is compared with (paper App. A.3 ("TWEO Background")).
 
     L_total = L_task + lam(t) * L_TWEO,   L_TWEO = (1/L) sum_l mean( (|A_l| / (tau + eps))^p )
 

@@ -1,7 +1,7 @@
 """The CD math as pure functions over matrix pairs: the decoupled update, pair energies, loss-form penalty.
 
 For a pair (W1, W2) with W1 of shape (r, i) and W2 of shape (o, r), the normalized objective is
-(paper Appendix "Normalized CD", App. A.2, Eq. (23))
+(paper App. A.2 ("Normalized CD"), Eq. (23))
 
     l(W1, W2) = ||W2 W1n||_F^2,     W1n = W1 / (||W1||_F / sqrt(r)),
 

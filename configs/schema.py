@@ -145,7 +145,7 @@ class LogConfig:
 
 @dataclass
 class CDConfig:
-    """Colinearity Decay (paper Sec. 3.3, Appendix "Normalized CD"); see cd/README.md."""
+    """Colinearity Decay (paper Sec. 3.3, App. A.2 ("Normalized CD")); see cd/README.md."""
 
     enabled: bool = False
     lam: Annotated[float, NonNegative] = 0.005  # lambda_cd: the update step is lr * lam
@@ -162,7 +162,7 @@ class CDConfig:
 
 @dataclass
 class TWEOConfig:
-    """TWEO activation regularizer (paper Appendix "TWEO Background"), the baseline CD is compared with."""
+    """TWEO activation regularizer (paper App. A.3 ("TWEO Background")), the baseline CD is compared with."""
 
     enabled: bool = False
     lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value

@@ -1,4 +1,4 @@
-"""Training-step overhead of CD and TWEO against the baseline (paper Sec. "Efficiency", Fig. exp_efficiency).
+"""Training-step overhead of CD and TWEO against the baseline (paper Sec. 4.3, Fig. 2).
 
 Two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128, 256) and (b) hidden
 size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each step is an
