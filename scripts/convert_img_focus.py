@@ -418,7 +418,10 @@ def main(argv=None) -> int:
         if args.img_size is not None and args.img_size < 1:
             raise ConversionError(f"--img-size {args.img_size}: must be positive")
         model_proto = load_onnx(args.source)
-        state, heads = convert(model_proto, args.img_size, args.num_heads)
+        # the comparison needs the stored grid: the graph resamples from it, not from a resampled copy
+        native, heads = convert(model_proto, None, args.num_heads)
+        state = native if args.img_size in (None, native_img_size(native)) else \
+            resample_pos_embed(native, args.img_size)
         print(f"converted {len(state)} tensors: {architecture(state, heads)}, pos_embed "
               f"{tuple(state['pos_embed'].shape)} ({native_img_size(state)} px)")
         if not args.no_verify:
@@ -427,11 +430,11 @@ def main(argv=None) -> int:
                 raise ConversionError(f"the graph takes exactly {batch} images at a time; give {batch} "
                                       f"--images, or none")
             images = verification_images(size, args.images, count=batch or 4)
-            diff = verify(model_proto, state, heads, images)
+            diff = verify(model_proto, native, heads, images)
             if not diff <= args.tolerance:
                 raise ConversionError(f"the converted model differs from the ONNX backbone by {diff:.2e} "
                                       f"(> --tolerance {args.tolerance}); nothing written")
-            activation_maxima(build_timm(state, heads, img_size=images.shape[-1]), images)
+            activation_maxima(build_timm(native, heads, img_size=images.shape[-1]), images)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -440,9 +443,11 @@ def main(argv=None) -> int:
     save_file({k: v.contiguous() for k, v in state.items()}, args.out,
               metadata={"source": os.path.basename(args.source), "timm_model": TIMM_NAME,
                         "img_size": str(native_img_size(state)), "num_heads": str(heads)})
-    print(f"wrote {args.out}: timm.create_model('{TIMM_NAME}', num_classes=0"
-          f"{'' if native_img_size(state) == 518 else f', img_size={native_img_size(state)}'}) loads it "
-          f"strictly; train.py: model.name={TIMM_NAME} model.pretrained={args.out}")
+    size = native_img_size(state)
+    # a resampled grid is meant for its own size: the loader would otherwise resample it a second time
+    size_arg, size_key = ("", "") if size == 518 else (f", img_size={size}", f" model.img_size={size}")
+    print(f"wrote {args.out}: timm.create_model('{TIMM_NAME}', num_classes=0{size_arg}) loads it strictly; "
+          f"train.py: model.name={TIMM_NAME} model.pretrained={args.out}{size_key}")
     return 0
 
 

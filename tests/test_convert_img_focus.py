@@ -221,6 +221,11 @@ def test_cli_converts_a_wheel_for_the_repository_loader(tiny, tmp_path, capsys):
     assert "verify: max |timm - onnx|" in printed and "activation maxima" in printed
     with safe_open(str(out), "pt") as f:
         assert f.metadata()["num_heads"] == str(HEADS)
+    # --img-size writes another grid, but the comparison with the graph still starts from the stored one
+    resized = tmp_path / "w" / "tiny28.safetensors"
+    assert conv.main([str(wheel), "--out", str(resized), "--img-size", "28"]) == 0
+    with safe_open(str(resized), "pt") as f:
+        assert f.get_tensor("pos_embed").shape == (1, 1 + 4, DIM)
     arch = dict(depth=DEPTH, embed_dim=DIM, num_heads=HEADS)
     native = timm.create_model("vit_small_patch14_dinov2", num_classes=0, img_size=GRID * PATCH, **arch)
     load_pretrained(native, str(out), strict=True)
