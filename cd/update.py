@@ -145,7 +145,7 @@ def _products_in(precision: str):
     """Matmul precision of the CD products, whatever the caller set (train.py allows TF32 globally).
 
     fp32: exact fp32 products (the tests' path). tf32: TF32 tensor cores for fp32 operands on CUDA (a
-    no-op elsewhere: CPUs have no TF32). bf16: operands rounded to bf16 in `_mm` (any device).
+    no-op elsewhere: CPUs have no TF32). bf16: operands rounded to bf16 in `_product` (any device).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"cd matmul precision must be one of {PRECISIONS}, got {precision!r}")
