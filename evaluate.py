@@ -258,22 +258,43 @@ def default_out_path(checkpoint: str | None, model_name: str) -> str:
     return os.path.join("runs", "eval", f"{model_name}.json")
 
 
-def markdown_table(results: list[dict]) -> str:
+def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
-    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column."""
+    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column.
+
+    over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
+    sweep) and their count, instead of one row per result.
+    """
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
     order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
     columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
     many_bits = len({b for _, b in columns}) > 1
     header = ["Model", "Method", "FP Top-1", "Max. Act. (mod./blk.)"] + [
         PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
+    groups: dict = {}
+    for r in results:
+        key = (r["model"], r["method"]) if over_seeds else len(groups)
+        groups.setdefault(key, []).append(r)
 
-    def cell(r, p, b):
-        return f"{r['quant'][p][b]['top1']:.3f}" if b in r["quant"].get(p, {}) else "-"
+    def fmt(values: list, spec: str) -> str:
+        if not values:
+            return "-"
+        if len(values) == 1:
+            return format(values[0], spec)
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return f"{format(mean, spec)} ± {format(std, spec)}"
 
-    rows = [[r["model"], r["method"], f"{r['fp']['top1']:.3f}",
-             f"{r['max_act']['module']:.2f} / {r['max_act']['block']:.2f}"]
-            + [cell(r, p, b) for p, b in columns] for r in results]
+    top1 = ".2f" if over_seeds else ".3f"
+    rows = []
+    for group in groups.values():
+        first = group[0]
+        method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
+        rows.append([first["model"], method, fmt([r["fp"]["top1"] for r in group], top1),
+                     fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
+                     + fmt([r["max_act"]["block"] for r in group], ".2f")]
+                    + [fmt([r["quant"][p][b]["top1"] for r in group if b in r["quant"].get(p, {})], top1)
+                       for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
 

@@ -128,3 +128,16 @@ def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint
     assert table["first_last=w8a8"]["percentile"] == saved["quant"]["percentile"]["w4a4"]["top1"]
     assert "| first_last=w8a8 |" in capsys.readouterr().out
     assert json.load(open(tmp_path / "sensitivity.json"))["top1"] == table
+
+
+def test_table_over_seeds_reports_mean_and_sample_std_per_method():
+    def result(method, fp, repq, module=5.0, block=3.0):
+        return {"model": "m", "method": method, "fp": {"top1": fp},
+                "max_act": {"module": module, "block": block}, "quant": {"repq": {"w4a4": {"top1": repq}}}}
+
+    results = [result("Baseline", 80.0, 70.0), result("Baseline", 82.0, 74.0), result("Baseline", 84.0, 72.0),
+               result("CD", 81.0, 75.0, module=4.0)]
+    header, _, base, cd = evaluate.markdown_table(results, over_seeds=True).splitlines()
+    # mean and sample std (n - 1) of (80, 82, 84) = 82 +- 2; of (70, 74, 72) = 72 +- 2
+    assert base == "| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± 2.00 |"
+    assert cd == "| m | CD (n=1) | 81.00 | 4.00 / 3.00 | 75.00 |"
