@@ -1,4 +1,4 @@
-"""Files for the activation-maxima records of `probes.ActivationProbe`: a CSV and a per-block plot.
+"""Files for the activation-maxima records of `engine.act_max.ActivationProbe`: a CSV and a per-block plot.
 
 The plot draws one line per module type (norm1, attn.qkv, mlp.fc2, ..., block) over the block
 index, on a log scale. It uses matplotlib's object API with the Agg canvas, so it never changes the

@@ -1,0 +1,117 @@
+"""Per-block activation maxima of several methods side by side, each averaged over its runs (seeds).
+
+Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine/act_max_files.py) and
+draws, per block, the maximum |activation| of the block output (solid) and of any module inside the
+block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
+and prints a markdown table.
+
+    python scripts/compare_act_max.py \\
+        baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
+        cd='runs/sweeps/fashion_mnist_mini/cd_s*/eval_best_act_max.csv' \\
+        tweo='runs/sweeps/fashion_mnist_mini/tweo_s*/eval_best_act_max.csv' \\
+        --out runs/sweeps/fashion_mnist_mini/act_max_compare
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import os
+import sys
+from collections import defaultdict
+
+
+def per_block(path: str) -> dict[int, tuple[float, float]]:
+    """{block: (max of the block output, max over the modules inside the block)} of one CSV."""
+    block, module = {}, defaultdict(float)
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            b = int(row["block"])
+            if b < 0:
+                continue
+            if row["kind"] == "block":
+                block[b] = float(row["max"])
+            else:
+                module[b] = max(module[b], float(row["max"]))
+    return {b: (block[b], module[b]) for b in sorted(block)}
+
+
+def summarize(groups: dict[str, list[str]]) -> list[dict]:
+    """Rows (method, block, mean / min / max of the block and module maxima over the method's files)."""
+    rows = []
+    for method, paths in groups.items():
+        runs = [per_block(p) for p in paths]
+        for b in sorted(runs[0]):
+            blocks = [r[b][0] for r in runs]
+            modules = [r[b][1] for r in runs]
+            rows.append({"method": method, "block": b, "runs": len(runs),
+                         "block_mean": sum(blocks) / len(blocks), "block_min": min(blocks),
+                         "block_max": max(blocks), "module_mean": sum(modules) / len(modules),
+                         "module_min": min(modules), "module_max": max(modules)})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mine = [r for r in rows if r["method"] == method]
+        xs = [r["block"] for r in mine]
+        color = f"C{k}"
+        ax.plot(xs, [r["block_mean"] for r in mine], color=color, marker="o", label=f"{method} block output")
+        ax.fill_between(xs, [r["block_min"] for r in mine], [r["block_max"] for r in mine], color=color,
+                        alpha=0.15)
+        ax.plot(xs, [r["module_mean"] for r in mine], color=color, linestyle="--", label=f"{method} module")
+    ax.set_yscale("log")
+    ax.set_xlabel("block")
+    ax.set_ylabel("max |activation| (mean over runs)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def markdown(rows: list[dict]) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    blocks = sorted({r["block"] for r in rows})
+    cell = {(r["method"], r["block"]): f"{r['block_mean']:.1f} / {r['module_mean']:.1f}" for r in rows}
+    lines = ["| block | " + " | ".join(f"{m} (block / module)" for m in methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    lines += [f"| {b} | " + " | ".join(cell.get((m, b), "-") for m in methods) + " |" for b in blocks]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("groups", nargs="+", help="method=GLOB of act_max CSV files, one per method")
+    parser.add_argument("--out", required=True, help="output path without extension (.png and .csv)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    args = parser.parse_args(argv)
+    groups = {}
+    for item in args.groups:
+        method, sep, pattern = item.partition("=")
+        paths = sorted(glob.glob(pattern))
+        if not sep or not paths:
+            sys.exit(f"error: {item!r} names no act_max CSV: give method=GLOB, e.g. "
+                     f"cd='runs/x/cd_s*/eval_best_act_max.csv'")
+        groups[method] = paths
+    existing = [p for p in (args.out + ".png", args.out + ".csv") if os.path.exists(p)]
+    if existing and not args.overwrite:
+        sys.exit(f"error: {existing[0]} exists: pass --overwrite to replace it, or another --out")
+    rows = summarize(groups)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out + ".png")
+    print(markdown(rows))
+    print(f"wrote {args.out}.png and {args.out}.csv", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""scripts/compare_act_max.py: per-block maxima averaged over runs, against values written into the CSVs."""
+import csv
+import importlib.util
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("compare_act_max",
+                                                  os.path.join(ROOT, "scripts", "compare_act_max.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["name", "kind", "block", "type", "max"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run_rows(block_out, norm, fc2):
+    rows = []
+    for b, (o, n, f) in enumerate(zip(block_out, norm, fc2)):
+        rows += [{"name": f"blocks.{b}", "kind": "block", "block": b, "type": "block", "max": o},
+                 {"name": f"blocks.{b}.norm1", "kind": "module", "block": b, "type": "norm1", "max": n},
+                 {"name": f"blocks.{b}.mlp.fc2", "kind": "module", "block": b, "type": "mlp.fc2", "max": f}]
+    return rows + [{"name": "norm", "kind": "module", "block": -1, "type": "norm", "max": 999.0}]
+
+
+def test_means_ranges_and_refusals(tmp_path, capsys):
+    compare = load()
+    write(tmp_path / "a_s0.csv", run_rows([1.0, 4.0], [10.0, 2.0], [3.0, 7.0]))
+    write(tmp_path / "a_s1.csv", run_rows([3.0, 6.0], [20.0, 1.0], [5.0, 9.0]))
+    write(tmp_path / "b_s0.csv", run_rows([2.0, 2.0], [1.0, 1.0], [1.0, 1.0]))
+    out = str(tmp_path / "cmp")
+    rows = compare.main([f"a={tmp_path}/a_s*.csv", f"b={tmp_path}/b_s*.csv", "--out", out])
+    a1 = next(r for r in rows if r["method"] == "a" and r["block"] == 1)
+    assert (a1["runs"], a1["block_mean"], a1["block_min"], a1["block_max"]) == (2, 5.0, 4.0, 6.0)
+    assert a1["module_mean"] == 8.0  # max over the block's modules (7, 9), then the mean; the final norm
+    assert "| 0 | 2.0 / 15.0 | 2.0 / 1.0 |" in capsys.readouterr().out  # (block -1) is not a block
+    assert os.path.getsize(out + ".png") > 0 and os.path.exists(out + ".csv")
+    with pytest.raises(SystemExit, match="exists: pass --overwrite"):
+        compare.main([f"a={tmp_path}/a_s*.csv", "--out", out])
+    with pytest.raises(SystemExit, match="names no act_max CSV"):
+        compare.main([f"a={tmp_path}/nothing*.csv", "--out", str(tmp_path / "other")])
