@@ -15,7 +15,8 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
     python scripts/quant_sensitivity.py --checkpoint runs/vit_digits/best.pt --out runs/vit_digits/sens
 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
-sensitivity.json. Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50).
+sensitivity_<bits>.json (a summary of those JSONs, rewritten on every run). Extra `key=value` overrides
+go to every run (e.g. quant.gplq.steps=50).
 """
 from __future__ import annotations
 
@@ -71,13 +72,13 @@ def markdown(table: dict, bits: str) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
-    parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and sensitivity.json")
+    parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and the summary")
     parser.add_argument("--bits", default="w4a4")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args(argv)
     table = run(args.checkpoint, args.out, args.overrides, args.bits)
     print(markdown(table, args.bits))
-    with open(os.path.join(args.out, "sensitivity.json"), "w") as f:
+    with open(os.path.join(args.out, f"sensitivity_{args.bits}.json"), "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
                    "overrides": args.overrides, "top1": table}, f, indent=1)
     return table

@@ -127,7 +127,7 @@ def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint
     assert saved["quant"]["percentile"]["w4a4"]["settings"]["options"]["stem_w_bits"] == 8
     assert table["first_last=w8a8"]["percentile"] == saved["quant"]["percentile"]["w4a4"]["top1"]
     assert "| first_last=w8a8 |" in capsys.readouterr().out
-    assert json.load(open(tmp_path / "sensitivity.json"))["top1"] == table
+    assert json.load(open(tmp_path / "sensitivity_w4a4.json"))["top1"] == table
 
 
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
