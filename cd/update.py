@@ -168,6 +168,12 @@ def _commit(target: Tensor, work: Tensor) -> None:
         target.copy_(work)
 
 
+def _add_into(target: Tensor, delta: Tensor) -> None:
+    """target += delta, computed in at least fp32 and written back in target's dtype."""
+    work = _working(target)
+    _commit(target, work.add_(delta))
+
+
 def _fold_steps(steps: Sequence[Number], gate: Optional[Tensor], factor: Tensor) -> list[float]:
     """Split per-pair steps into kernel `alpha`s and a device part folded into `factor` (n, ...) in place.
 
@@ -245,8 +251,7 @@ def colinearity_decay_(
         if deferred:
             pending.append((target, delta))
         else:
-            work = _working(target)
-            _commit(target, work.add_(delta))
+            _add_into(target, delta)
 
     with _products_in(precision):
         for group, deferred in zip(plan.groups, plan.defer):
@@ -262,8 +267,7 @@ def colinearity_decay_(
                             add)
 
     for target, delta in pending:
-        work = _working(target)
-        _commit(target, work.add_(delta))
+        _add_into(target, delta)
     return {k: v.sqrt() for k, v in sq_norms.items()}
 
 
@@ -290,9 +294,11 @@ def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms,
     r = w1s[0].shape[0]
     sq = torch.stack(torch._foreach_norm(w1s)).square()  # ||W1||_F^2 per pair, in the compute dtype
     c2 = r / sq.clamp_min(r * _NORM_EPS ** 2)  # c^2 = 1 / (||W1||_F / sqrt(r))^2, (n,)
-    f2, f1 = c2.clone(), c2.clone()
+    f2 = c2.clone() if idx1 else c2  # target C needs c^2 twice, with different steps folded in
     alphas2 = _fold_steps([steps[i] if i in idx2 else 0.0 for i in idx], gate, f2)
-    alphas1 = _fold_steps([up_steps[i] if i in idx1 else 0.0 for i in idx], gate, f1)
+    if idx1:
+        alphas1 = _fold_steps([up_steps[i] if i in idx1 else 0.0 for i in idx], gate, c2)
+        f1 = c2
     for k, i in enumerate(idx):
         target2, w1 = pairs[i].w2(), w1s[k]
         work2 = _working(target2)
