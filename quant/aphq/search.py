@@ -33,7 +33,7 @@ from torch import nn
 
 from ..functional import fake_quant_uniform
 from ..quantile import quantile
-from ..quantizers import UniformQuantizer
+from ..quantizers import MIN_SCALE, UniformQuantizer
 from ..ranges import best_per_group, to_rows
 
 
@@ -62,12 +62,23 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
     qs = quantile(rows, [p_lo, 1.0 - p_lo, p_hi, 1.0 - p_hi], dim=1)  # [4, G]
     t = torch.linspace(0.0, 1.0, num_scales, device=rows.device, dtype=rows.dtype)[:, None]
     width = (qs[0] - qs[1]) + t * ((qs[2] - qs[3]) - (qs[0] - qs[1]))  # [S, G], linear in the range
-    scale = (width / (levels - 1)).clamp_min(1e-8)
+    scale = (width / (levels - 1)).clamp_min(MIN_SCALE)
     zero_points = torch.arange(levels // 2 - num_zp // 2, levels // 2 + num_zp // 2, device=rows.device,
                                dtype=rows.dtype)
     scales = scale.repeat(num_zp, 1)  # [num_zp * S, G]
     zps = zero_points.repeat_interleave(num_scales)[:, None].expand_as(scales)
     return scales, zps
+
+
+def _official_params(q: UniformQuantizer, lo: torch.Tensor, hi: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The official conv / matmul candidates' scale (hi - lo) / (2^b - 1) and zero point -round(lo / scale).
+
+    Unlike `UniformQuantizer.params_from_range`, narrow ranges are not widened to include 0 (the official
+    code does not); the MIN_SCALE floor only guards a constant channel or head.
+    """
+    scale = ((hi - lo) / (q.qmax - q.qmin)).clamp_min(MIN_SCALE)
+    return scale, -torch.round(lo / scale)
 
 
 def _fq(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, q: UniformQuantizer) -> torch.Tensor:
@@ -206,18 +217,13 @@ def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int, gram: Optional[boo
     uppers, lowers = qs[:len(levels)], qs[len(levels):]
     weight_errors = _weight_output_errors(X, X, W, target, wq, gram)
 
-    def params(lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        # the official scale and zero point; the floor only guards a constant channel
-        scale = ((hi - lo) / (wq.qmax - wq.qmin)).clamp_min(1e-8)
-        return scale, -torch.round(lo / scale)
-
     def errors(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        return weight_errors(*params(lo, hi))
+        return weight_errors(*_official_params(wq, lo, hi))
 
     lo, hi, _ = best_per_group(errors, lowers, uppers)  # the mirrored pairs
     lo, hi, _ = best_per_group(errors, lowers, hi.expand_as(uppers))  # lower bound, upper fixed
     lo, hi, err = best_per_group(errors, lo.expand_as(lowers), uppers)  # upper bound, lower fixed
-    wq.set_params(*params(lo, hi))
+    wq.set_params(*_official_params(wq, lo, hi))
     if hasattr(layer, "invalidate_weight_cache"):
         layer.invalidate_weight_cache()
     return {"output_mse": float(err.mean())}
@@ -265,13 +271,9 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
     grids = {"a": matmul_candidates(a, pct, steps), "b": matmul_candidates(b, pct, steps)}
     current = {k: (lo[-2], hi[-2]) for k, (lo, hi) in grids.items()}
 
-    def params(q: UniformQuantizer, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        scale = ((hi - lo) / (q.qmax - q.qmin)).clamp_min(1e-8)  # the floor only guards a constant head
-        return scale, -torch.round(lo / scale)
-
     def quant(which: str, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         x, q = operands[which]
-        s, z = params(q, lo, hi)
+        s, z = _official_params(q, lo, hi)
         view = (1, -1) + (1,) * (x.ndim - 2)
         return _fq(x, s.view(view), z.view(view), q)
 
@@ -295,6 +297,6 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
             sweep(which, lo_grid, current[which][1].expand_as(hi_grid))  # lower bound, upper fixed
             sweep(which, current[which][0].expand_as(lo_grid), hi_grid)  # upper bound, lower fixed
     for which, (_, q) in operands.items():
-        q.set_params(*params(q, *current[which]))
+        q.set_params(*_official_params(q, *current[which]))
     err = (op(quant("a", *current["a"]), quant("b", *current["b"])) - target).pow(2).mean()
     return {"output_mse": float(err)}
