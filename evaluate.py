@@ -96,9 +96,7 @@ def main(args: argparse.Namespace) -> dict:
     # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
     # written to the JSON as soon as it is done.
     if todo:
-        calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
-                                   cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train"
-                                   ).to(device)
+        calib = calibration_set(cfg, img_size).to(device)
         pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
                                             os.path.splitext(out)[0])
     for name, bits in todo:
@@ -161,6 +159,13 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
             "data": {"dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
                      "val_split": cfg.data.val_split}}
+
+
+def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
+    """The calibration images of percentile / repq: `quant.calib_images` seeded train images with the
+    transform `quant.calib_transform` names."""
+    return calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
+                              cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train")
 
 
 def pipeline_options(cfg: Config, pipeline: str):

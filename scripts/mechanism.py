@@ -47,12 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file  # noqa: E402
-from data import DataError, build_eval_loader, calibration_images  # noqa: E402
+from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder  # noqa: E402
-from evaluate import load_float_model, method_name  # noqa: E402
+from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size  # noqa: E402
 from quant import evaluate_quantized, parse_bits  # noqa: E402
 
@@ -482,8 +482,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         raise MechanismError(f"--k {args.k}: the chosen blocks have only {len(ranked)} directions")
     img_size = input_size(model)
     loader = val_loader(cfg, img_size, cfg.train.eval_batch_size_per_gpu)
-    calib = calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
-                               cfg.quant.calib_seed).to(device)
+    calib = calibration_set(cfg, img_size).to(device)
 
     results = []
     for k in range(args.k + 1):
@@ -497,7 +496,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         act = probe.result()
         quant = evaluate_quantized(args.pipeline, current, calib, bits,
                                    eval_fn=lambda m: evaluate(m, loader, device),
-                                   options=getattr(cfg.quant, args.pipeline, None))
+                                   options=pipeline_options(cfg, args.pipeline))
         # the FFN output (mlp.fc2) is what the removal acts on directly; the module maximum may sit elsewhere
         ffn = max((r["max"] for r in act.per_layer if r["type"] == "mlp.fc2"), default=0.0)
         results.append({"k": k, "removed": [{key: r[key] for key in ("block", "direction", "row", "alpha",
