@@ -1,8 +1,18 @@
-"""Collect evaluate.py results (JSON files) into one markdown table in the layout of the paper's tables.
+"""Collect evaluate.py results (JSON files) into markdown tables in the layout of the paper's tables.
 
-    python scripts/paper_table.py runs/pretrain/*/eval_best.json
+    python scripts/paper_table.py runs/pretrain/*/eval_best.json                    # Tables 1, 4, 5, 6
     python scripts/paper_table.py runs/sweeps/digits/*/eval_best.json --out results/digits.md
     python scripts/paper_table.py runs/sweeps/fashion_mnist_mini/*/eval_best.json --over-seeds  # mean ± std
+    python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
+
+Layouts:
+    rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per
+              pipeline (and bit-width) (evaluate.markdown_table, the row evaluate.py prints)
+    finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
+              (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
+              all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
+              bit-width found. The data set of a result is the last folder name of its data.root
+              (datasets/<name> in configs/sweeps/finetune.yaml).
 """
 from __future__ import annotations
 
@@ -12,21 +22,105 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from evaluate import markdown_table  # noqa: E402
+from evaluate import PAPER_NAMES, markdown_table  # noqa: E402
+
+# Table 3's row order and names; data sets not listed follow, by folder name
+FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
+                     "food101": "Food101", "sun397": "SUN397", "eurosat": "EuroSAT", "smallnorb": "SmallNORB",
+                     "imagenet": "ImageNet-1K"}
+
+
+def dataset_of(result: dict) -> str:
+    """The data-set name of one evaluate.py result: its data.root's last folder (or the built-in name)."""
+    data = result.get("data", {})
+    if data.get("dataset", "folder") != "folder":
+        return data["dataset"]
+    return os.path.basename(os.path.normpath(data.get("root", ""))) or "?"
+
+
+def method_order(method: str) -> tuple:
+    """Baseline, CD, TWEO (the paper's column order), then the rest by name."""
+    family = method.split(" ")[0]
+    return (["Baseline", "CD", "TWEO"].index(family) if family in ("Baseline", "CD", "TWEO") else 3, method)
+
+
+def finetune_table(results: list[dict]) -> str:
+    """Table 3's layout, one table per (pipeline, bit-width) present in `results` (see the module doc)."""
+    cells: dict = {}
+    for r in results:
+        key = (dataset_of(r), r["method"])
+        if key in cells:
+            raise ValueError(f"two results for data set '{key[0]}' and method '{key[1]}' "
+                             f"({cells[key]['checkpoint']} and {r['checkpoint']}); give one per pair")
+        cells[key] = r
+    datasets = sorted({d for d, _ in cells}, key=lambda d: (list(FINETUNE_DATASETS).index(d)
+                                                             if d in FINETUNE_DATASETS else 99, d))
+    methods = sorted({m for _, m in cells}, key=method_order)
+    columns = sorted({(p, b) for r in results for p in r["quant"] for b in r["quant"][p]},
+                     key=lambda pb: (list(PAPER_NAMES).index(pb[0]) if pb[0] in PAPER_NAMES else 9, pb))
+    line = lambda cells_: "| " + " | ".join(cells_) + " |"
+    tables = []
+    for pipeline, bits in columns:
+        rows = [line(["Dataset"] + methods), line(["---"] * (len(methods) + 1))]
+        sums = {m: [] for m in methods}
+        for d in datasets:
+            row = [FINETUNE_DATASETS.get(d, d)]
+            for m in methods:
+                r = cells.get((d, m))
+                q = r and r["quant"].get(pipeline, {}).get(bits)
+                if not q:
+                    row.append("-")
+                    continue
+                fp, qt = r["fp"]["top1"], q["top1"]
+                sums[m].append((fp, qt))
+                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}")
+            rows.append(line(row))
+        average = ["Average"]
+        for m in methods:
+            n = len(sums[m])
+            if not n:
+                average.append("-")
+                continue
+            fp, qt = (sum(v[i] for v in sums[m]) / n for i in (0, 1))
+            partial = f" (over {n} of {len(datasets)})" if n < len(datasets) else ""
+            average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}")
+        rows.append(line(average))
+        if any(d == "imagenet" for d, _ in cells):  # the paper measures maxima on the ImageNet-1K run only
+            rows.append(line(["Max. Act. (ImageNet-1K)"] + [
+                f"{cells[('imagenet', m)]['max_act']['module']:.2f} / "
+                f"{cells[('imagenet', m)]['max_act']['block']:.2f}" if ("imagenet", m) in cells else "-"
+                for m in methods]))
+        title = f"{PAPER_NAMES.get(pipeline, pipeline)} {bits.upper()}: FP top-1 / quantized top-1 / drop"
+        tables.append(f"{title}\n\n" + "\n".join(rows))
+    return "\n\n".join(tables)
 
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
-    p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--layout", choices=["rows", "finetune"], default="rows", help="see above (default rows)")
+    p.add_argument("--out", help="also write the table to this file (a new file, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--over-seeds", action="store_true",
-                   help="one row per model and method: mean ± std over its results (the seeds of a sweep)")
+                   help="rows layout: one row per model and method, mean ± std over its results (the seeds "
+                        "of a sweep)")
     args = p.parse_args(argv)
+    if args.out and os.path.exists(args.out) and not args.overwrite:
+        sys.exit(f"error: {args.out} exists; choose another --out or add --overwrite to replace it")
     results = []
     for path in args.results:
-        with open(path) as f:
-            results.append(json.load(f))
-    table = markdown_table(results, over_seeds=args.over_seeds)
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: cannot read the result file {path} ({e}); give JSON files written by evaluate.py")
+    if args.layout == "finetune":
+        try:
+            table = finetune_table(results)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    else:
+        table = markdown_table(results, over_seeds=args.over_seeds)
     print(table)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

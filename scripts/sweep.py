@@ -13,6 +13,8 @@ A sweep file (configs/sweeps/*.yaml):
       baseline: [cd.enabled=false]              # items ending in .yaml are further --config layers,
       lam0.01: [cd.lam=0.01]                    # the others key=value overrides
     evaluate: ["quant.pipelines=[repq,aphq]"]   # optional: overrides for every evaluate.py command
+    run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
+                                                # an override for the whole sweep may not replace
 Overrides given on this command line apply to every run. Runs are plain train.py invocations, so a run
 that stopped resumes when the sweep is started again.
 """
@@ -34,10 +36,18 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), all checked by the loader."""
     with open(sweep_path) as f:
         sweep = parse_yaml(f.read()) or {}
-    unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate"}
+    unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
         raise ConfigError(f"{sweep_path}: a sweep has 'configs', 'out_root', a non-empty 'runs' mapping and "
-                          f"optionally 'evaluate'" + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+                          f"optionally 'evaluate' and 'run_keys'"
+                          + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+    # e.g. data.root=/datasets/imagenet given to a multi-data-set sweep would train every run on ImageNet
+    run_keys = {str(k) for k in sweep.get("run_keys") or []}
+    clashing = [o for o in extra_overrides if o.split("=", 1)[0].strip() in run_keys]
+    if clashing:
+        raise ConfigError(f"{sweep_path}: {', '.join(clashing)} would replace a key that each run sets itself "
+                          f"({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
+                          f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
     runs = []
     for name, items in sweep["runs"].items():

@@ -1,6 +1,7 @@
 """The tools in scripts/: every sweep expands into valid configs; a small sweep trains, evaluates and
 tabulates end to end; the benchmarks run in their small CPU modes."""
 import glob
+import json
 import os
 import sys
 
@@ -19,7 +20,9 @@ SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 
 @pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
 def test_every_sweep_expands_into_valid_configs(path):
-    runs = sweep.expand(path, ["data.root=/datasets/imagenet"])
+    with open(path) as f:
+        sets_root = "run_keys: [data.root]" in f.read()
+    runs = sweep.expand(path, [] if sets_root else ["data.root=/datasets/imagenet"])
     assert runs and len({r["name"] for r in runs}) == len(runs)
     out_dirs = [o for r in runs for o in r["overrides"] if o.startswith("out_dir=")]
     assert len(set(out_dirs)) == len(runs)  # every run writes to its own folder
@@ -48,3 +51,60 @@ def test_bench_quant_reports_the_quantized_to_float_ratio():
     result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--batch", "2",
                                "--calib", "4", "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
     assert result["fp_forward_s"] > 0 and result["pipelines"]["repq"]["ratio_vs_fp"] > 0
+
+
+def _finetune_result(root: str, method: str, fp: float, repq: float, max_act=(10.0, 20.0)) -> dict:
+    return {"model": "vit_base_patch16_224.orig_in21k", "method": method, "checkpoint": f"{root}/{method}",
+            "data": {"dataset": "folder", "root": f"/data/{root}"}, "fp": {"top1": fp},
+            "max_act": {"module": max_act[0], "block": max_act[1]},
+            "quant": {"repq": {"w4a4": {"top1": repq}}}}
+
+
+def test_finetune_layout_has_the_papers_rows_entries_and_average(tmp_path, capsys):
+    values = {("pets", "Baseline"): (95.0, 94.0), ("pets", "CD"): (95.5, 95.0), ("pets", "TWEO"): (94.0, 93.0),
+              ("imagenet", "Baseline"): (82.0, 78.0), ("imagenet", "CD"): (82.5, 79.5),
+              ("flowers102", "CD"): (99.0, 98.0)}
+    files = []
+    for i, ((root, method), (fp, q)) in enumerate(values.items()):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(_finetune_result(root, method, fp, q, (100.0 + i, 200.0 + i))))
+        files.append(str(path))
+    table = paper_table.main(["--layout", "finetune", *files])
+    lines = table.splitlines()
+    assert lines[0] == "RepQ-ViT W4A4: FP top-1 / quantized top-1 / drop"
+    assert lines[2] == "| Dataset | Baseline | CD | TWEO |"
+    body = [ln for ln in lines[4:]]
+    # paper order: Flowers102, Pets, ..., ImageNet-1K; a missing entry is '-'
+    assert body[0] == "| Flowers102 | - | 99.00 / 98.00 / -1.00 | - |"
+    assert body[1] == "| Pets | 95.00 / 94.00 / -1.00 | 95.50 / 95.00 / -0.50 | 94.00 / 93.00 / -1.00 |"
+    assert body[2] == "| ImageNet-1K | 82.00 / 78.00 / -4.00 | 82.50 / 79.50 / -3.00 | - |"
+    # simple averages over the data sets each method has, flagged when not all three
+    cd_fp, cd_q = (99.0 + 95.5 + 82.5) / 3, (98.0 + 95.0 + 79.5) / 3
+    assert body[3] == ("| Average | 88.50 / 86.00 / -2.50 (over 2 of 3) | "
+                       f"{cd_fp:.2f} / {cd_q:.2f} / {cd_q - cd_fp:+.2f} | 94.00 / 93.00 / -1.00 (over 1 of 3) |")
+    assert body[4] == "| Max. Act. (ImageNet-1K) | 103.00 / 203.00 | 104.00 / 204.00 | - |"
+
+
+def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        path.write_text(json.dumps(_finetune_result("pets", "CD", 95.0, 94.0)))
+    with pytest.raises(SystemExit, match="error: two results for data set 'pets' and method 'CD'"):
+        paper_table.main(["--layout", "finetune", str(a), str(b)])
+    out = tmp_path / "table.md"
+    out.write_text("someone's table\n")
+    with pytest.raises(SystemExit, match="exists; choose another --out or add --overwrite"):
+        paper_table.main(["--out", str(out), str(a)])
+    assert out.read_text() == "someone's table\n"
+    paper_table.main(["--out", str(out), "--overwrite", str(a)])
+    assert "| CD |" in out.read_text()
+
+
+def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
+    path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
+    runs = sweep.expand(path, ["model.pretrained=/w/in21k.safetensors"])
+    assert len(runs) == 27
+    roots = {r["name"]: sweep.commands(r, "", True) for r in runs}
+    assert any("configs/finetune/datasets/smallnorb.yaml" in c for c in roots["smallnorb_tweo"][0])
+    with pytest.raises(ConfigError, match="data.root=/datasets/imagenet would replace a key that each run"):
+        sweep.expand(path, ["data.root=/datasets/imagenet"])
