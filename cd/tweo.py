@@ -18,6 +18,9 @@ Block outputs are captured only in training forwards with grad enabled (never at
 block's term is computed in the hook, in fp32 even under fp16/bf16 autocast (fp16 (|A|/3)^4 overflows
 beyond |A| = 48), by a custom autograd function that saves only the block output itself; that tensor
 is saved anyway by the next layer (its LayerNorm), so the penalty adds no activation memory.
+`form="plain"` computes the same value with ordinary autograd ops instead (`plain_tweo_penalty`), which
+keep their fp32 intermediates for the backward pass: memory that grows with the batch, as in the paper's
+efficiency figure (Fig. 2), which timed TWEO in that form (scripts/bench_overhead.py compares both).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from .pairs import find_blocks
 from .update import align_to_task_loss, compute_dtype
 
 SCHEDULES = ("constant", "cosine")
+FORMS = ("memory_saving", "plain")
 
 
 class _PowerMean(torch.autograd.Function):
@@ -67,6 +71,13 @@ def tweo_penalty(a: Tensor, p: float = 4.0, tau: float = 3.0, eps: float = 1e-6)
     return _PowerMean.apply(a, float(p), 1.0 / (tau + eps))
 
 
+def plain_tweo_penalty(a: Tensor, p: float = 4.0, tau: float = 3.0, eps: float = 1e-6) -> Tensor:
+    """The same term as `tweo_penalty` written as plain autograd ops, as a direct implementation of
+    App. A.3's L_TWEO would be: autograd keeps the fp32 copy of `a` and (|a| / (tau + eps))^(p-1) for the
+    backward pass, about two fp32 copies of every block output."""
+    return (a.to(compute_dtype(a)).abs() / (tau + eps)).pow(p).mean()
+
+
 class TWEO:
     """TWEO auxiliary loss on block outputs, through forward hooks kept for the run.
 
@@ -77,11 +88,15 @@ class TWEO:
         schedule: 'constant' or 'cosine' (lam(t) = lam * (1 + cos(pi * t / total_steps)) / 2, 0 after).
         total_steps: number of optimizer updates of the run (needed for 'cosine').
         rescale: multiply the term by detach(task_loss / penalty) before lam (the "rescaled" variant).
+        form: 'memory_saving' (`tweo_penalty`, the default) or 'plain' (`plain_tweo_penalty`): the same
+            value and gradient, different activation memory.
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
                  eps: float = 1e-6, schedule: str = "constant", total_steps: Optional[int] = None,
-                 rescale: bool = False) -> None:
+                 rescale: bool = False, form: str = "memory_saving") -> None:
+        if form not in FORMS:
+            raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
         if schedule == "cosine" and not (total_steps and total_steps > 0):
@@ -91,6 +106,7 @@ class TWEO:
                              f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)
+        self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty
 
         self.blocks = find_blocks(model)
         if not self.blocks:
@@ -106,10 +122,11 @@ class TWEO:
 
     @classmethod
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
-        """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale);
+        """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale, form);
         `enabled` is the trainer's switch."""
         return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=cfg_tweo.tau, eps=cfg_tweo.eps,
-                   schedule=cfg_tweo.schedule, total_steps=total_steps, rescale=cfg_tweo.rescale)
+                   schedule=cfg_tweo.schedule, total_steps=total_steps, rescale=cfg_tweo.rescale,
+                   form=cfg_tweo.form)
 
     def _reset(self, module: nn.Module, args: Any) -> None:
         self._terms = []
@@ -120,7 +137,7 @@ class TWEO:
         if not isinstance(output, Tensor):
             raise TypeError(f"TWEO: block {type(module).__name__} returned {type(output).__name__}, "
                             f"expected a Tensor")
-        self._terms.append(tweo_penalty(output, self.p, self.tau, self.eps))
+        self._terms.append(self._penalty(output, self.p, self.tau, self.eps))
 
     def lam_at(self, step: int) -> float:
         """lambda(t) at optimizer update `step` (0-based)."""

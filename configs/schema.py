@@ -171,6 +171,9 @@ class TWEOConfig:
     eps: float = 1e-6
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
+    # same value and gradient; plain = ordinary autograd ops that keep fp32 copies of every block output
+    # for backward (what the paper's efficiency figure timed), memory_saving = saves only the block output
+    form: Literal["memory_saving", "plain"] = "memory_saving"
 
 
 @dataclass

@@ -144,6 +144,10 @@ class TrainLoop:
             else:
                 self.scheduler.step(state.epoch)
         self.model.train()
+        whole_epoch = state.epoch_batches == 0  # epoch/* timings only for epochs run in one go
+        if whole_epoch and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.progress)
         window = _Window(self.device)
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
@@ -198,14 +202,26 @@ class TrainLoop:
             bar.close()
         if window.updates:
             self._log(state, window, None, total)
-        window.check_finite(state.step)
+        window.check_finite(state.step)  # a host sync: the epoch's kernels have finished
         self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
+        if state.epoch_batches >= total * self.accum_steps and whole_epoch and self.log is not None:
+            self.log(state.step, self._epoch_costs(epoch_t0))
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
             if reason == "max_steps":
                 reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
         return reason
+
+    def _epoch_costs(self, t0: float) -> dict:
+        """epoch/train_seconds: wall time of the epoch's updates (no validation, no checkpoint; rank 0's
+        clock, the ranks having just synchronised); epoch/max_mem_mib: this rank's peak
+        torch.cuda.max_memory_allocated during them (CUDA only). The paper's efficiency protocol (Sec. 4.3)
+        reads these, scripts/bench_overhead.py --protocol epochs."""
+        costs = {"epoch/train_seconds": time.perf_counter() - t0}
+        if self.device.type == "cuda":
+            costs["epoch/max_mem_mib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
+        return costs
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
         grad_norm = None

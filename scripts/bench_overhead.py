@@ -1,11 +1,14 @@
 """Training-step overhead of CD and TWEO against the baseline (paper Sec. 4.3, Fig. 2).
 
-Two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128, 256) and (b) hidden
-size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each step is an
-AMP forward + backward + AdamW step on synthetic data:
-    baseline  plain step
-    cd        + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
-    tweo      + TWEO(lam=0.01) auxiliary loss on every block output
+Two protocols.
+
+`--protocol step` (default): two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128,
+256) and (b) hidden size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each
+step is an AMP forward + backward + AdamW step on synthetic data:
+    baseline    plain step
+    cd          + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
+    tweo        + TWEO(lam=0.01) auxiliary loss on every block output, our memory-saving form
+    tweo_plain  the same loss as plain autograd ops (`tweo.form=plain`), the form the paper timed
 Reported per configuration: `ColinearityDecay.apply` alone and its floor, the same products as bare
 batched matmuls on pre-stacked copies at the same precision (`product_floor`), with their ratio; the
 median step time over the timed steps (warm-up excluded; on CPU the
@@ -14,10 +17,15 @@ three methods' steps are interleaved so that load from other processes hits all 
 since the process RSS cannot be attributed to one configuration), plus the CD/baseline and
 TWEO/baseline ratios. Writes `overhead.json` and `overhead.png` to --out.
 
+`--protocol epochs`: the paper's own protocol (Sec. 4.3: global batch 1024, five epochs, mean over three
+runs): real train.py runs, see scripts/overhead_epochs.py.
+
 Run:
     python scripts/bench_overhead.py --out results/overhead                 # GPU, the paper's settings
     python scripts/bench_overhead.py --device cpu --small --out /tmp/ovh    # CPU smoke run, about a minute
     python scripts/bench_overhead.py --device cpu --apply-only --threads 2 --out /tmp/ovh  # apply vs floor
+    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=8" \
+        --out results/overhead_epochs data.root=/datasets/imagenet                         # the paper's
     (on a shared or busy CPU add --threads 1: OpenMP contention otherwise makes single steps 10x slower)
 AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 """
@@ -41,7 +49,7 @@ from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
-METHODS = ("baseline", "cd", "tweo")
+METHODS = ("baseline", "cd", "tweo", "tweo_plain")
 
 
 def timed_ms(fn, device: str) -> float:
@@ -75,8 +83,9 @@ class Runner:
         if method == "cd":
             self.decay = ColinearityDecay(self.model, lam=0.005, matmul_precision=args.precision)
             self.decay.attach(self.opt)
-        elif method == "tweo":
-            self.tweo = TWEO(self.model, lam=0.01)
+        elif method in ("tweo", "tweo_plain"):
+            form = "plain" if method == "tweo_plain" else "memory_saving"
+            self.tweo = TWEO(self.model, lam=0.01, form=form)
         self.x = torch.randn(batch, 3, model_kw["img_size"], model_kw["img_size"], device=device)
         self.y = torch.randint(0, model_kw["num_classes"], (batch,), device=device)
         self.n = 0
@@ -214,10 +223,14 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per (sweep, configuration): the three methods and the ratios to the baseline."""
-    lines = [f"{'sweep':6s} {'dim':>5s} {'batch':>5s} | {'base ms':>8s} {'cd ms':>8s} {'tweo ms':>8s} | "
-             f"{'cd/base':>7s} {'tweo/base':>9s} | {'base MiB':>8s} {'cd MiB':>8s} {'tweo MiB':>8s} | "
-             f"{'cd/base':>7s} {'tweo/base':>9s} | {'apply ms':>8s} {'floor ms':>8s} {'apply/floor':>11s}"]
+    """One line per (sweep, configuration): step time and peak memory of each method, their ratios to the
+    baseline, and CD's `apply` against its floor."""
+    others = METHODS[1:]
+    lines = [f"{'sweep':6s} {'dim':>5s} {'batch':>5s} | " + " ".join(f"{m + ' ms':>13s}" for m in METHODS)
+             + " | " + " ".join(f"{m + '/base':>15s}" for m in others) + " | "
+             + " ".join(f"{m + ' MiB':>14s}" for m in METHODS) + " | "
+             + " ".join(f"{m + '/base':>15s}" for m in others)
+             + f" | {'apply ms':>8s} {'floor ms':>8s} {'apply/floor':>11s}"]
     keys = sorted({(r["sweep"], r["embed_dim"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for sweep, dim, batch in keys:
         by = {r["method"]: r for r in rows if (r["sweep"], r["embed_dim"], r["batch"]) == (sweep, dim, batch)}
@@ -225,14 +238,11 @@ def table(rows: list[dict]) -> str:
         mem = {m: by[m]["peak_mib"] for m in METHODS}
         cd = by["cd"]
         lines.append(f"{sweep:6s} {dim:5d} {batch:5d} | "
-                     f"{_fmt(t['baseline'], '8.1f')} {_fmt(t['cd'], '8.1f')} {_fmt(t['tweo'], '8.1f')} | "
-                     f"{_fmt(_ratio(t['cd'], t['baseline']), '7.3f')} "
-                     f"{_fmt(_ratio(t['tweo'], t['baseline']), '9.3f')} | "
-                     f"{_fmt(mem['baseline'], '8.0f')} {_fmt(mem['cd'], '8.0f')} "
-                     f"{_fmt(mem['tweo'], '8.0f')} | "
-                     f"{_fmt(_ratio(mem['cd'], mem['baseline']), '7.3f')} "
-                     f"{_fmt(_ratio(mem['tweo'], mem['baseline']), '9.3f')} | "
-                     f"{_fmt(cd.get('cd_apply_ms'), '8.2f')} {_fmt(cd.get('cd_floor_ms'), '8.2f')} "
+                     + " ".join(_fmt(t[m], "13.1f") for m in METHODS) + " | "
+                     + " ".join(_fmt(_ratio(t[m], t["baseline"]), "15.3f") for m in others) + " | "
+                     + " ".join(_fmt(mem[m], "14.0f") for m in METHODS) + " | "
+                     + " ".join(_fmt(_ratio(mem[m], mem["baseline"]), "15.3f") for m in others) + " | "
+                     + f"{_fmt(cd.get('cd_apply_ms'), '8.2f')} {_fmt(cd.get('cd_floor_ms'), '8.2f')} "
                      f"{_fmt(_ratio(cd.get('cd_apply_ms'), cd.get('cd_floor_ms')), '11.2f')}")
     return "\n".join(lines)
 
@@ -305,7 +315,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
                              "ViT-B-sized CD on a CPU in a minute)")
     parser.add_argument("--out", default="results/overhead",
                         help="output folder for overhead.json / overhead.png")
+    parser.add_argument("--overwrite", action="store_true", help="replace this script's files in --out")
+    parser.add_argument("--protocol", choices=["step", "epochs"], default="step",
+                        help="step: timed steps in one process (default); epochs: the paper's protocol, "
+                             "train.py runs, with scripts/overhead_epochs.py's options")
+    protocol, rest = parser.parse_known_args(argv)
+    if protocol.protocol == "epochs":  # the other options are overhead_epochs.py's
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import overhead_epochs
+        argv = sys.argv[1:] if argv is None else list(argv)
+        drop = {i for i, a in enumerate(argv) if a == "--protocol"}
+        drop |= {i + 1 for i in drop} | {i for i, a in enumerate(argv) if a.startswith("--protocol=")}
+        return overhead_epochs.main([a for i, a in enumerate(argv) if i not in drop])
     args = parser.parse_args(argv)
+    written = [os.path.join(args.out, n) for n in
+               (("apply.json",) if args.apply_only else ("overhead.json", "overhead.png"))]
+    if not args.overwrite and any(os.path.exists(p) for p in written):
+        sys.exit(f"error: {', '.join(p for p in written if os.path.exists(p))} exists; choose another --out "
+                 f"or add --overwrite to replace it")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device; use --device cpu --small")
@@ -349,7 +376,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     with open(os.path.join(args.out, "overhead.json"), "w") as f:
         json.dump(report, f, indent=1)
     plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",
-         title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO")
+         title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO (memory-saving / plain)")
     print(f"wrote {os.path.join(args.out, 'overhead.json')} and overhead.png")
     return report
 

@@ -113,7 +113,8 @@ def main(argv=None) -> str:
             with open(path) as f:
                 results.append(json.load(f))
         except (OSError, ValueError) as e:
-            sys.exit(f"error: cannot read the result file {path} ({e}); give JSON files written by evaluate.py")
+            sys.exit(f"error: cannot read the result file {path} ({e}); "
+                     f"give JSON files written by evaluate.py")
     if args.layout == "finetune":
         try:
             table = finetune_table(results)

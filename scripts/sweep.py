@@ -45,8 +45,8 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     run_keys = {str(k) for k in sweep.get("run_keys") or []}
     clashing = [o for o in extra_overrides if o.split("=", 1)[0].strip() in run_keys]
     if clashing:
-        raise ConfigError(f"{sweep_path}: {', '.join(clashing)} would replace a key that each run sets itself "
-                          f"({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
+        raise ConfigError(f"{sweep_path}: {', '.join(clashing)} would replace a key that each run sets "
+                          f"itself ({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
                           f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
     runs = []

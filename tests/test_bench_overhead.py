@@ -7,6 +7,7 @@ import json
 import os
 
 import cd_models  # noqa: F401  (one torch thread)
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,7 @@ def test_bench_overhead_cpu_smoke(tmp_path, capsys):
     report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64",
                          "--width-batch", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
     assert {(r["sweep"], r["method"]) for r in report["rows"]} == {(s, m) for s in ("batch", "width")
-                                                                    for m in ("baseline", "cd", "tweo")}
+                                                                    for m in bench.METHODS}
     assert all(r["step_ms"] > 0 and r["peak_mib"] is None for r in report["rows"])
     assert json.load(open(tmp_path / "overhead.json"))["memory"] == "n/a"
     assert (tmp_path / "overhead.png").stat().st_size > 0
@@ -38,3 +39,44 @@ def test_bench_overhead_apply_only(tmp_path):
     (row,) = report["apply_only"]
     assert row["precision"] == "bf16" and row["apply_over_floor"] > 0
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_overhead",
+                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_plain_tweo_form_is_benchmarked_and_outputs_are_never_replaced(tmp_path, capsys):
+    bench = _bench()
+    args = ["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
+            "--warmup", "0", "--steps", "1", "--out", str(tmp_path)]
+    report = bench.main(args)
+    assert {r["method"] for r in report["rows"]} == {"baseline", "cd", "tweo", "tweo_plain"}
+    assert "tweo_plain/base" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="overhead.json.*exists; choose another --out or add --overwrite"):
+        bench.main(args)
+
+
+def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
+    """--protocol epochs: train.py runs whose loop logs epoch/train_seconds; two epochs per run, the mean
+    over them, the same without the first, and ratios to the baseline."""
+    out = tmp_path / "ep"
+    report = _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml",
+                            "--global-batch", "16", "--batches", "8", "--models", "--methods", "baseline",
+                            "tweo_plain", "--epochs", "2", "--runs", "1", "--out", str(out),
+                            "data.synthetic_train_size=32", "data.synthetic_val_size=8"])
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"baseline", "tweo_plain"} and all(r["epochs_timed"] == [2] for r in rows.values())
+    for method, row in rows.items():
+        run_dir = out / "runs" / f"vit_nano_bs8_{method}_run0"
+        metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        seconds = [m["epoch/train_seconds"] for m in metrics if "epoch/train_seconds" in m]
+        assert row["epoch_s"] == pytest.approx(sum(seconds) / 2) and row["epoch_s_after_first"] == seconds[1]
+        assert row["peak_mib"] is None  # CPU: no max_memory_allocated
+    assert rows["baseline"]["epoch_s_over_baseline"] == 1.0
+    assert rows["tweo_plain"]["epoch_s_over_baseline"] == pytest.approx(
+        rows["tweo_plain"]["epoch_s"] / rows["baseline"]["epoch_s"])
+    assert (out / "epochs.json").exists() and (out / "epochs.png").stat().st_size > 0

@@ -61,7 +61,8 @@ def _finetune_result(root: str, method: str, fp: float, repq: float, max_act=(10
 
 
 def test_finetune_layout_has_the_papers_rows_entries_and_average(tmp_path, capsys):
-    values = {("pets", "Baseline"): (95.0, 94.0), ("pets", "CD"): (95.5, 95.0), ("pets", "TWEO"): (94.0, 93.0),
+    values = {("pets", "Baseline"): (95.0, 94.0), ("pets", "CD"): (95.5, 95.0),
+              ("pets", "TWEO"): (94.0, 93.0),
               ("imagenet", "Baseline"): (82.0, 78.0), ("imagenet", "CD"): (82.5, 79.5),
               ("flowers102", "CD"): (99.0, 98.0)}
     files = []
@@ -81,7 +82,8 @@ def test_finetune_layout_has_the_papers_rows_entries_and_average(tmp_path, capsy
     # simple averages over the data sets each method has, flagged when not all three
     cd_fp, cd_q = (99.0 + 95.5 + 82.5) / 3, (98.0 + 95.0 + 79.5) / 3
     assert body[3] == ("| Average | 88.50 / 86.00 / -2.50 (over 2 of 3) | "
-                       f"{cd_fp:.2f} / {cd_q:.2f} / {cd_q - cd_fp:+.2f} | 94.00 / 93.00 / -1.00 (over 1 of 3) |")
+                       f"{cd_fp:.2f} / {cd_q:.2f} / {cd_q - cd_fp:+.2f} | "
+                       "94.00 / 93.00 / -1.00 (over 1 of 3) |")
     assert body[4] == "| Max. Act. (ImageNet-1K) | 103.00 / 203.00 | 104.00 / 204.00 | - |"
 
 

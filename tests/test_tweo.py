@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cd import TWEO, tweo_penalty
+from cd.tweo import plain_tweo_penalty
 from cd_models import tiny_swin, tiny_vit
 
 
@@ -147,30 +148,56 @@ def test_rescaled_variant_has_lam_times_task_loss_magnitude():
 def test_from_config():
     from configs import load_config
 
-    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.schedule=cosine", "tweo.tau=5"])
+    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.schedule=cosine", "tweo.tau=5",
+                             "tweo.form=plain"])
     tweo = TWEO.from_config(cfg.tweo, tiny_vit(), total_steps=10)
     assert (tweo.lam, tweo.tau, tweo.p, tweo.schedule, tweo.total_steps) == (0.05, 5.0, 4.0, "cosine", 10)
+    assert tweo._penalty is plain_tweo_penalty
+
+
+def saved_storages(use_tweo: bool, form: str = "memory_saving", batch: int = 8) -> dict:
+    """Autograd's saved tensors of one training forward, {storage pointer: bytes}."""
+    model = tiny_vit()
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    tweo = TWEO(model, lam=0.01, form=form) if use_tweo else None
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x), y)
+        if tweo is not None:
+            loss = loss + tweo.aux_loss(loss)
+    return seen
 
 
 def test_penalty_saves_no_extra_activation_memory():
     """Autograd's saved tensors (by storage) are the same with and without TWEO: the penalty only keeps
     the block outputs, which the next LayerNorm saves anyway."""
-
-    def saved_storages(use_tweo: bool) -> dict:
-        model = tiny_vit()
-        x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-        tweo = TWEO(model, lam=0.01) if use_tweo else None
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = F.cross_entropy(model(x), y)
-            if tweo is not None:
-                loss = loss + tweo.aux_loss(loss)
-        return seen
-
     base, with_tweo = saved_storages(False), saved_storages(True)
     assert sum(with_tweo.values()) == sum(base.values()) and len(with_tweo) == len(base)
+
+
+def test_plain_form_has_the_same_value_and_gradient_and_keeps_block_sized_copies():
+    """form='plain' (what the paper's efficiency figure timed) against the memory-saving default: the same
+    loss and gradients; its extra saved memory is a multiple of the block outputs' size, so it grows with
+    the batch (fp32 tiny_vit: 2 blocks x (B, 17, 32) outputs)."""
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    grads = []
+    for form in ("memory_saving", "plain"):
+        model = tiny_vit()
+        tweo = TWEO(model, lam=0.5, form=form)
+        loss = F.cross_entropy(model(x), y)
+        loss = loss + tweo.aux_loss(loss)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    extra = {}
+    for batch in (4, 8):
+        base = sum(saved_storages(False, batch=batch).values())
+        extra[batch] = sum(saved_storages(True, "plain", batch).values()) - base
+    block_output_bytes = 2 * 17 * 32 * 4  # per image: 2 blocks, 17 tokens, width 32, fp32
+    assert extra[4] >= 4 * block_output_bytes and extra[8] == 2 * extra[4]

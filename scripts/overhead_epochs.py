@@ -1,0 +1,171 @@
+r"""The paper's efficiency protocol (Sec. 4.3, Fig. 2) with real training runs: mean epoch time and peak
+memory of baseline, CD and TWEO at a fixed global batch, (a) against the per-GPU batch on ViT-B and
+(b) against the hidden size (ViT-S/B/L) at one per-GPU batch. The paper: global batch 1024, five epochs,
+the mean over three runs, on Ampere GPUs; time in seconds, memory the peak max_allocated in MiB.
+
+Each (method, model, per-GPU batch, run) is one train.py run of `--recipe` (default the DeiT ViT-B recipe)
+into <out>/runs/<model>_bs<b>_<method>_run<r>, with train.batch_size=<global batch>, validation only after
+the last epoch, and the methods' own configs:
+    baseline    the recipe
+    cd          + configs/method/cd.yaml
+    tweo        + configs/method/tweo.yaml (our memory-saving TWEO)
+    tweo_plain  + configs/method/tweo.yaml tweo.form=plain (plain autograd, the form the paper timed)
+The loop logs epoch/train_seconds (the epoch's updates, no validation or checkpoint) and, on CUDA,
+epoch/max_mem_mib (rank 0's peak) for every epoch it runs from its start (engine/loop.py); this script
+reads them from metrics.jsonl. Reported per configuration: mean epoch seconds over all epochs and runs,
+the same without each run's first epoch (cuDNN autotuning, data-loader start), peak memory (max over
+runs), and ratios to the baseline. Re-running the same command reuses finished runs and resumes
+interrupted ones (an epoch cut by the interruption has no timing). Writes epochs.json and epochs.png.
+
+    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=8" \
+        --out results/overhead_epochs data.root=/datasets/imagenet                  # the paper's protocol
+    python scripts/bench_overhead.py --protocol epochs --recipe configs/debug/tiny.yaml --global-batch 16 \
+        --batches 8 16 --models vit_nano --width-batch 8 --epochs 2 --runs 1 --out /tmp/ep      # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
+           "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
+WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
+
+
+def train_command(args, method: str, model: str, batch: int, run: int, out_dir: str) -> list[str]:
+    prefix = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    configs = [args.recipe] + [c for c in METHODS[method] if c.endswith(".yaml")]
+    overrides = [c for c in METHODS[method] if not c.endswith(".yaml")]
+    return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)],
+                     f"model.name={model}", f"train.batch_size={args.global_batch}",
+                     f"train.batch_size_per_gpu={batch}", f"sched.epochs={args.epochs}",
+                     f"train.eval_every_epochs={args.epochs}", f"train.seed={run}", f"out_dir={out_dir}",
+                     *overrides, *args.overrides]
+
+
+def epoch_costs(metrics_path: str) -> list[dict]:
+    """The epoch/* records of one run's metrics.jsonl, in order."""
+    rows = []
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "epoch/train_seconds" in record:
+                rows.append(record)
+    return rows
+
+
+def summarise(runs: list[list[dict]]) -> dict:
+    """Mean epoch seconds over all epochs of all runs, and without each run's first epoch; peak memory."""
+    seconds = [e["epoch/train_seconds"] for r in runs for e in r]
+    later = [e["epoch/train_seconds"] for r in runs for e in r[1:]]
+    memory = [e["epoch/max_mem_mib"] for r in runs for e in r if "epoch/max_mem_mib" in e]
+    return {"epoch_s": statistics.mean(seconds) if seconds else None,
+            "epoch_s_after_first": statistics.mean(later) if later else None,
+            "peak_mib": max(memory) if memory else None, "epochs_timed": [len(r) for r in runs]}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
+    for col, (sweep, xkey, xlabel) in enumerate([("batch", "batch", "per-GPU batch size"),
+                                                 ("width", "model", "model (hidden size)")]):
+        for row, (ykey, ylabel) in enumerate([("epoch_s", "epoch time (s)"),
+                                              ("peak_mib", "peak memory (MiB)")]):
+            ax = axes[row][col]
+            for method in METHODS:
+                pts = [(r[xkey], r[ykey]) for r in rows
+                       if r["sweep"] == sweep and r["method"] == method and r.get(ykey) is not None]
+                if pts:
+                    ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
+    p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
+    p.add_argument("--global-batch", type=int, default=1024, help="train.batch_size (the paper: 1024)")
+    p.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128, 256],
+                   help="sweep (a): per-GPU batches on the recipe's model (none: skip the sweep)")
+    p.add_argument("--models", nargs="*", default=WIDTH_MODELS,
+                   help="sweep (b): models of different hidden sizes at --width-batch (none: skip)")
+    p.add_argument("--width-batch", type=int, default=256, help="sweep (b) per-GPU batch (the paper: 256)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default="results/overhead_epochs")
+    p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
+    p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
+    args = p.parse_intermixed_args(argv)
+    written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
+    if not args.overwrite and any(os.path.exists(w) for w in written):
+        sys.exit(f"error: {', '.join(w for w in written if os.path.exists(w))} exists; choose another --out "
+                 f"or add --overwrite to replace it")
+    sys.path.insert(0, ROOT)
+    from configs import ConfigError, load_config
+
+    try:  # every run's config is checked before the first starts
+        base_model = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides)).model.name
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    plan = [("batch", base_model, b) for b in args.batches] + [("width", m, args.width_batch)
+                                                               for m in args.models]
+    rows = []
+    for sweep, model, batch in plan:
+        for method in args.methods:
+            runs = []
+            for run in range(args.runs):
+                out_dir = os.path.join(args.out, "runs", f"{model}_bs{batch}_{method}_run{run}")
+                cmd = train_command(args, method, model, batch, run, out_dir)
+                print(shlex.join(cmd), flush=True)
+                if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+                    sys.exit(f"error: the run in {out_dir} failed; its train.log says why (re-running the "
+                             f"same command resumes it)")
+                runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))
+            rows.append({"sweep": sweep, "model": model, "batch": batch, "method": method, **summarise(runs)})
+    for row in rows:
+        base = next(r for r in rows if (r["sweep"], r["model"], r["batch"], r["method"])
+                    == (row["sweep"], row["model"], row["batch"], "baseline")) if "baseline" in args.methods \
+            else None
+        for key in ("epoch_s", "peak_mib"):
+            ok = base and base[key] and row[key] is not None
+            row[f"{key}_over_baseline"] = row[key] / base[key] if ok else None
+    print(f"\n{'sweep':6s} {'model':24s} {'batch':>5s} {'method':10s} {'epoch s':>9s} {'w/o 1st':>9s} "
+          f"{'x base':>7s} {'peak MiB':>9s} {'x base':>7s}")
+    fmt = lambda v, spec: "n/a".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
+    for r in rows:
+        print(f"{r['sweep']:6s} {r['model']:24s} {r['batch']:5d} {r['method']:10s} "
+              f"{fmt(r['epoch_s'], '9.2f')} {fmt(r['epoch_s_after_first'], '9.2f')} {fmt(r['epoch_s_over_baseline'], '7.3f')} "
+              f"{fmt(r['peak_mib'], '9.0f')} {fmt(r['peak_mib_over_baseline'], '7.3f')}")
+    os.makedirs(args.out, exist_ok=True)
+    report = {"protocol": "epochs", "recipe": args.recipe, "launcher": args.launcher,
+              "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
+              "overrides": args.overrides, "rows": rows}
+    with open(written[0], "w") as f:
+        json.dump(report, f, indent=1)
+    plot(rows, written[1], f"global batch {args.global_batch}, {args.epochs} epochs x {args.runs} runs")
+    print(f"wrote {written[0]} and {written[1]}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
