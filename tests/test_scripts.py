@@ -110,3 +110,32 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     assert any("configs/finetune/datasets/smallnorb.yaml" in c for c in roots["smallnorb_tweo"][0])
     with pytest.raises(ConfigError, match="data.root=/datasets/imagenet would replace a key that each run"):
         sweep.expand(path, ["data.root=/datasets/imagenet"])
+
+
+def test_motivation_figure_places_each_result_and_scales_areas_with_max_activation(tmp_path):
+    import csv
+
+    import motivation_figure
+
+    files = []
+    for i, (model, method, q, mod, blk) in enumerate([("vit_b", "Baseline", 76.5, 78.1, 250.6),
+                                                      ("vit_b", "CD", 77.8, 45.6, 162.4),
+                                                      ("vit_b", "TWEO", 77.0, 20.0, 30.0)]):
+        result = {"model": model, "method": method, "fp": {"top1": 81.0},
+                  "max_act": {"module": mod, "block": blk}, "quant": {"repq": {"w4a4": {"top1": q}}, "percentile": {"w4a4": {"top1": 1.0}}}}
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(result))
+        files.append(str(path))
+    out = tmp_path / "fig"
+    rows = motivation_figure.main([*files, "--max-act", "block", "--out", str(out)])
+    assert [(r["method"], r["quant_top1"], r["max_act"]) for r in rows] == [
+        ("Baseline", 76.5, 250.6), ("CD", 77.8, 162.4), ("TWEO", 77.0, 30.0)]
+    areas = motivation_figure.circle_areas([r["max_act"] for r in rows])
+    assert areas[0] == motivation_figure.MAX_AREA and areas[2] == pytest.approx(areas[0] * 30.0 / 250.6)
+    with open(out / "motivation.csv") as f:
+        assert [row["method"] for row in csv.DictReader(f)] == ["Baseline", "CD", "TWEO"]
+    assert (out / "motivation.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="exists; choose another --out or add --overwrite"):
+        motivation_figure.main([*files, "--out", str(out)])
+    with pytest.raises(SystemExit, match="none of the 3 results has aphq w4a4"):
+        motivation_figure.main([*files, "--pipeline", "aphq", "--out", str(tmp_path / "other")])
