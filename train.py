@@ -190,7 +190,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         metric_sources=metric_sources, should_stop=preemption.should_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
-        progress=cfg.log.progress and dist.is_main)
+        progress=cfg.log.progress and dist.is_main, log_epoch_costs=True)
 
     # -- The epochs: train, validate, checkpoint; stop early on preemption or train.max_steps.
     val = {}

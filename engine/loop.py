@@ -102,6 +102,7 @@ class TrainLoop:
     should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
     divergence: Optional[DivergenceGuard] = None  # stops a run whose loss stays far above its initial value
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
+    log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
 
     def __post_init__(self):
         # Which updates the GradScaler skipped (inf/NaN gradients). An ordinary optimizer's step() is not
@@ -204,7 +205,8 @@ class TrainLoop:
             self._log(state, window, None, total)
         window.check_finite(state.step)  # a host sync: the epoch's kernels have finished
         self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
-        if state.epoch_batches >= total * self.accum_steps and whole_epoch and self.log is not None:
+        if (state.epoch_batches >= total * self.accum_steps and whole_epoch and self.log_epoch_costs
+                and self.log is not None):
             self.log(state.step, self._epoch_costs(epoch_t0))
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one

@@ -155,8 +155,6 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
                               checkpoint, rank == 0, device)
 
     def report(step: int, metrics: Dict[str, float]) -> None:
-        if "train/loss" not in metrics:  # the loop's epoch/* costs: not a training-progress line
-            return
         log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f  pca %.4f  lr %.2e  %.1f img/s", step, total,
                  metrics["train/loss"], metrics.get("gplq/ce", float("nan")),
                  metrics.get("gplq/pca", float("nan")), metrics["train/lr"], metrics["train/img_per_s"])
