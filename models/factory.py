@@ -71,6 +71,12 @@ def input_size(model: nn.Module) -> int:
     return int(size[0]) if isinstance(size, (tuple, list)) else int(size)
 
 
+def model_label(cfg: ModelConfig) -> str:
+    """The model's name in results and tables: the timm / variant name, plus the attention variant when
+    it is not timm's softmax, e.g. "vit_base_patch16_224 (kv_bias)"."""
+    return cfg.name if cfg.attn == "softmax" else f"{cfg.name} ({cfg.attn})"
+
+
 def describe(model: nn.Module) -> str:
     """One line: class and parameter count, for the run log."""
     n = sum(p.numel() for p in model.parameters())
