@@ -64,9 +64,11 @@ def softmax_with_sink(scores: torch.Tensor, sink_logit: torch.Tensor) -> torch.T
 
     Returns:
         exp(s_j - m) / (exp(sink_logit - m) + sum_j' exp(s_j' - m)), m = max(max_j s_j, sink_logit),
-        computed in float32 and returned in scores' dtype.
+        computed in at least float32 (fp16 / bf16 scores are upcast, as autocast does for softmax) and
+        returned in scores' dtype.
     """
-    x, s = scores.float(), sink_logit.float()
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    x, s = scores.to(dtype), sink_logit.to(dtype)
     m = torch.maximum(x.amax(dim=-1, keepdim=True), s).detach()  # the result does not depend on m
     e = torch.exp(x - m)
     return (e / (e.sum(dim=-1, keepdim=True) + torch.exp(s - m))).to(scores.dtype)
