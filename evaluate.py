@@ -123,6 +123,11 @@ def save_on_main(results: EvalResults, dist) -> None:
 
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
     """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
+    if payload:  # softmax1 has no parameters of its own: only the config tells it from softmax
+        trained = payload["config"].get("model", {}).get("attn", "softmax")
+        if trained != cfg.model.attn:
+            raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
+                                  f"model.attn={cfg.model.attn} override")
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
     if payload:
         key = "model_ema" if args.ema else "model"
