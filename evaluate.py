@@ -36,7 +36,7 @@ from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
-from models import ModelError, build_model, input_size
+from models import ModelError, build_model, input_size, model_label
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> dict:
         stem = os.path.splitext(out)[0]
         max_act["csv"] = str(write_act_max_csv(act.per_layer, stem + "_act_max.csv"))
         max_act["plot"] = str(plot_act_max(act.per_layer, stem + "_act_max.png",
-                                           title=f"{cfg.model.name} ({method_name(cfg)})"))
+                                           title=f"{model_label(cfg.model)} ({method_name(cfg)})"))
     results.update(method=method_name(cfg), fp={k: fp[k] for k in ("top1", "top5", "loss", "excluded")} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act)
     save_on_main(results, dist)
@@ -123,6 +123,11 @@ def save_on_main(results: EvalResults, dist) -> None:
 
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
     """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
+    if payload:  # softmax1 has no parameters of its own: only the config tells it from softmax
+        trained = payload["config"].get("model", {}).get("attn", "softmax")
+        if trained != cfg.model.attn:
+            raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
+                                  f"model.attn={cfg.model.attn} override")
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
     if payload:
         key = "model_ema" if args.ema else "model"
@@ -133,7 +138,7 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
         shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
         if missing or unexpected or shapes:
-            raise CheckpointError(f"{args.checkpoint} does not fit model {cfg.model.name!r}: "
+            raise CheckpointError(f"{args.checkpoint} does not fit model {model_label(cfg.model)!r}: "
                                   f"missing {missing[:4]}, unexpected {unexpected[:4]}, "
                                   f"other shapes {shapes[:4]}; evaluate it with the model settings it was "
                                   f"trained with (drop the model.* overrides)")
@@ -154,7 +159,8 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
-    return {"model": cfg.model.name, "checkpoint": checkpoint, "weights": "ema" if args.ema else "raw",
+    return {"model": model_label(cfg.model), "checkpoint": checkpoint,
+            "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
             "data": {"dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",

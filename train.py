@@ -42,7 +42,7 @@ from engine.precision import grad_scaler
 from engine.preemption import Preemption
 from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
 from engine.runinfo import describe_environment, setup_logging
-from models import ModelError, build_model, describe, input_size
+from models import ModelError, build_model, describe, input_size, model_label
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 log = logging.getLogger("train")
@@ -84,7 +84,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     resumed = os.path.exists(ckpt_path)
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
-    log.info("model %s: %s", cfg.model.name, describe(model))
+    log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_loaders(cfg.data, img_size=input_size(model), batch_size_per_gpu=per_gpu,
                             eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                             rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,

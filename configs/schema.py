@@ -26,6 +26,10 @@ class ModelConfig:
     pretrained: str = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
+    # attention-sink variant of every ViT/DeiT/Swin attention (paper App. "Attention-Sink Variants";
+    # models/attention_sinks.py): softmax (timm's), softmax1 (+1 in the softmax denominator), kv_bias (a
+    # learnable key and value slot), attn_bias (+exp(b_h) in the denominator, b_h learnable per head)
+    attn: Literal["softmax", "softmax1", "kv_bias", "attn_bias"] = "softmax"
 
 
 @dataclass

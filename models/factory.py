@@ -1,4 +1,5 @@
-"""Build a model from `ModelConfig`: a timm name or a small variant, optionally with local weights.
+"""Build a model from `ModelConfig`: a timm name or a small variant, optionally with an attention-sink
+variant (`model.attn`, models/attention_sinks.py) and local weights.
 
     model = build_model(cfg.model)       # nn.Module on the CPU, in train mode
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 
 from configs.schema import ModelConfig
 
+from .attention_sinks import use_sink_attention
 from .pretrained import ModelError, load_pretrained
 from .variants import VARIANTS
 
@@ -37,7 +39,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """Create the model of `cfg` (a ModelConfig) and load its pretrained weights, if any."""
+    """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
+    weights, if any."""
     arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
     try:
@@ -49,6 +52,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
                              f"local file: model.pretrained=/path/to/weights.safetensors") from e
         raise
+    try:
+        # after timm's init and hub weights (the variant takes them over, its sink parameters start at
+        # zero), before local weights, so that a checkpoint of the variant fits
+        use_sink_attention(model, cfg.attn)
+    except ValueError as e:
+        raise ModelError(f"model '{cfg.name}': {e}") from e
     if cfg.pretrained and not hub:
         load_pretrained(model, cfg.pretrained, strict=cfg.pretrained_strict)
     return model
@@ -60,6 +69,12 @@ def input_size(model: nn.Module) -> int:
     if size is None:
         size = model.pretrained_cfg["input_size"][1:]
     return int(size[0]) if isinstance(size, (tuple, list)) else int(size)
+
+
+def model_label(cfg: ModelConfig) -> str:
+    """The model's name in results and tables: the timm / variant name, plus the attention variant when
+    it is not timm's softmax, e.g. "vit_base_patch16_224 (kv_bias)"."""
+    return cfg.name if cfg.attn == "softmax" else f"{cfg.name} ({cfg.attn})"
 
 
 def describe(model: nn.Module) -> str:

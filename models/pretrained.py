@@ -3,8 +3,10 @@
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and
 resizes position embeddings. On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a
-classifier of another shape is dropped when fine-tuning (unless strict), and any other missing or
-unexpected key is an error that names the keys, so a checkpoint of another model fails early.
+classifier of another shape is dropped when fine-tuning (unless strict), the parameters of an
+attention-sink variant (`attn.sink_*`) may be missing when weights of the plain model are loaded into a
+variant (they keep their zero init; unless strict), and any other missing or unexpected key is an error
+that names the keys, so a checkpoint of another model fails early.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 
 import torch.nn as nn
 from timm.models import load_state_dict
+
+from .attention_sinks import SINK_PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     Args:
         model: a timm model (its class's module provides `checkpoint_filter_fn` when timm has one).
         path: a .pth/.pt/.safetensors file; train.py checkpoints work too (their `model` entry).
-        strict: if False, classifier weights of a different shape are skipped (new head for fine-tuning).
+        strict: if False, classifier weights of a different shape are skipped (new head for fine-tuning)
+            and missing attention-sink parameters keep their initial values.
     """
     if not os.path.isfile(path):
         raise ModelError(f"pretrained weights not found: {path}")
@@ -51,11 +56,15 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                                  f"{tuple(own[key].shape)}: a checkpoint of another model?")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k in skipped or (not strict and k.startswith(head_prefixes)))]
+    new_sinks = [k for k in missing if not strict and k.rpartition(".")[2] in SINK_PARAMS]
+    missing = [k for k in missing if k not in new_sinks]
     if missing or unexpected:
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
-    log.info("loaded %s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "")
+    log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
+             f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
+             if new_sinks else "")
 
 
 def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:

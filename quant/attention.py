@@ -1,5 +1,5 @@
-"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT)
-and Swin's `WindowAttention`.
+"""Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT), Swin's
+`WindowAttention` and their attention-sink variants (models/attention_sinks.py).
 
 timm runs ViT attention through fused SDPA, which never materialises q @ k^T or the probabilities,
 so a quantized copy re-writes the forward as explicit steps, each a method a variant can override:
@@ -7,7 +7,7 @@ so a quantized copy re-writes the forward as explicit steps, each a method a var
     q, k, v = project_qkv(x)                         # qkv Linear (a QuantLinear after conversion)
     scores  = attention_scores(q, k)                 # quant(q) @ quant(k)^T * scale
     scores  = scores + bias / masks                  # float (Swin: relative position bias, shift mask)
-    probs   = attention_probs(scores)                # float softmax; sink variants override this
+    probs   = attention_probs(scores)                # float softmax; softmax1 / attn_bias override this
     context = attention_context(probs, v)            # quant(probs) @ quant(v)
     out     = proj(context)
 
@@ -17,9 +17,13 @@ The softmax scale is applied after the first matmul for both model families (Rep
 ViT; for Swin it scales q first). Uniform quantizers with percentile/min-max ranges are equivariant
 to a positive scale, so both orders give the same codes and values up to float rounding.
 
-Conversion is by exact source type (`ATTENTION_TYPES`). A subclass of timm's Attention (e.g. an
-attention-sink variant in models/) needs its own entry there; it is never silently converted with the
-parent's forward.
+Conversion is by exact source type (`ATTENTION_TYPES`). A subclass of timm's Attention needs its own
+entry there; it is never silently converted with the parent's forward. The attention-sink variants have
+theirs: each quantized variant combines the variant's mixin from models/attention_sinks.py with the
+classes here, so softmax1 / attn_bias replace `attention_probs` (the probabilities, whose rows then sum to
+less than 1, still pass `attn_quant`) and kv_bias's `project_qkv` appends its sink key and value to k and
+v before `k_quant` / `v_quant`. Scores then have N + 1 key columns: masks and Swin's relative-position bias
+cover the N token keys and are padded with zeros for the sink (`pad_keys`).
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ from torch import nn
 # re-exports it here, older 1.0.x releases define it in vision_transformer.py itself.
 from timm.models.swin_transformer import WindowAttention
 from timm.models.vision_transformer import Attention
+
+from models.attention_sinks import (AttnBiasAttention, AttnBiasSink, AttnBiasWindowAttention, KVBiasAttention,
+                                    KVBiasSink, KVBiasWindowAttention, Softmax1Attention, Softmax1Sink,
+                                    Softmax1WindowAttention, pad_keys, token_mask)
 
 from .quantizers import Quantizer
 
@@ -52,7 +60,8 @@ class QuantAttentionBase(nn.Module):
         return x if quantizer is None else quantizer(x)
 
     def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """matmul1 on quantized operands. q, k: [B, H, N, D] -> scores [B, H, N, N]."""
+        """matmul1 on quantized operands. q [B, H, N, D], k [B, H, N_keys, D] -> scores [B, H, N, N_keys]
+        (N_keys = N, plus one for kv_bias's sink slot)."""
         return (self._maybe(self.q_quant, q) @ self._maybe(self.k_quant, k).transpose(-2, -1)) * self.scale
 
     def attention_probs(self, scores: torch.Tensor) -> torch.Tensor:
@@ -60,8 +69,12 @@ class QuantAttentionBase(nn.Module):
         return scores.softmax(dim=-1)
 
     def attention_context(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """matmul2 on quantized operands. probs [B, H, N, N], v [B, H, N, D] -> [B, H, N, D]."""
+        """matmul2 on quantized operands. probs [B, H, N, N_keys], v [B, H, N_keys, D] -> [B, H, N, D]."""
         return self._maybe(self.attn_quant, probs) @ self._maybe(self.v_quant, v)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple:
+        """x [B, N, C] -> q, k, v [B, H, N, D]; kv_bias appends its sink slot to k and v."""
+        return self.split_qkv(self.qkv(x))
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple:
         """[B, N, 3*H*D] -> q, k, v of shape [B, H, N, D] (timm's fused layout: q|k|v, heads contiguous)."""
@@ -100,13 +113,9 @@ class QuantAttention(QuantAttentionBase):
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.project_qkv(x)
         scores = self.attention_scores(q, k)
-        if is_causal:  # SDPA semantics: is_causal takes precedence over attn_mask
-            scores = scores + scores.new_full((N, N), float("-inf")).triu_(1)
-        elif attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                attn_mask = (torch.zeros_like(attn_mask, dtype=scores.dtype)
-                             .masked_fill_(~attn_mask, float("-inf")))
-            scores = scores + attn_mask
+        mask = token_mask(attn_mask, is_causal, N, scores)  # SDPA semantics: is_causal wins over attn_mask
+        if mask is not None:
+            scores = scores + pad_keys(mask, scores.shape[-1])
         probs = self.attn_drop(self.attention_probs(scores))
         x = self.attention_context(probs, v).transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
@@ -142,15 +151,53 @@ class QuantWindowAttention(QuantAttentionBase):
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [num_windows * B, N, C]; mask: [num_windows, N, N] of 0 / -inf (shifted windows) or None."""
         B_, N, C = x.shape
-        q, k, v = self.split_qkv(self.qkv(x))
-        scores = self.attention_scores(q, k) + self.relative_position_bias(N)
+        q, k, v = self.project_qkv(x)
+        scores = self.attention_scores(q, k)
+        n_keys = scores.shape[-1]
+        scores = scores + pad_keys(self.relative_position_bias(N), n_keys)
         if mask is not None:
             num_win = mask.shape[0]
-            scores = scores.view(-1, num_win, self.num_heads, N, N) + mask.unsqueeze(1).unsqueeze(0)
-            scores = scores.view(-1, self.num_heads, N, N)
+            scores = (scores.view(-1, num_win, self.num_heads, N, n_keys)
+                      + pad_keys(mask, n_keys).unsqueeze(1).unsqueeze(0))
+            scores = scores.view(-1, self.num_heads, N, n_keys)
         probs = self.attn_drop(self.attention_probs(scores))
         x = self.attention_context(probs, v).transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(x))
+
+
+class _SharedSink:
+    """Registers the float variant's sink parameters (shared, not copied) under the same names."""
+
+    sink_params: tuple
+
+    def __init__(self, src: nn.Module, quantizers: Dict[str, Optional[Quantizer]]) -> None:
+        super().__init__(src, quantizers)
+        for name in self.sink_params:
+            self.register_parameter(name, getattr(src, name))
+
+
+class QuantSoftmax1Attention(Softmax1Sink, _SharedSink, QuantAttention):
+    """Converted ViT softmax1 attention."""
+
+
+class QuantAttnBiasAttention(AttnBiasSink, _SharedSink, QuantAttention):
+    """Converted ViT attn-bias attention (sink_logit shared with the float module)."""
+
+
+class QuantKVBiasAttention(KVBiasSink, _SharedSink, QuantAttention):
+    """Converted ViT kv-bias attention (sink_k / sink_v shared; the sink slot passes k_quant / v_quant)."""
+
+
+class QuantSoftmax1WindowAttention(Softmax1Sink, _SharedSink, QuantWindowAttention):
+    """Converted Swin softmax1 window attention."""
+
+
+class QuantAttnBiasWindowAttention(AttnBiasSink, _SharedSink, QuantWindowAttention):
+    """Converted Swin attn-bias window attention."""
+
+
+class QuantKVBiasWindowAttention(KVBiasSink, _SharedSink, QuantWindowAttention):
+    """Converted Swin kv-bias window attention."""
 
 
 AttentionFactory = Callable[[nn.Module, Dict[str, Optional[Quantizer]]], QuantAttentionBase]
@@ -159,6 +206,12 @@ AttentionFactory = Callable[[nn.Module, Dict[str, Optional[Quantizer]]], QuantAt
 ATTENTION_TYPES: Dict[Type[nn.Module], AttentionFactory] = {
     Attention: QuantAttention,
     WindowAttention: QuantWindowAttention,
+    Softmax1Attention: QuantSoftmax1Attention,
+    AttnBiasAttention: QuantAttnBiasAttention,
+    KVBiasAttention: QuantKVBiasAttention,
+    Softmax1WindowAttention: QuantSoftmax1WindowAttention,
+    AttnBiasWindowAttention: QuantAttnBiasWindowAttention,
+    KVBiasWindowAttention: QuantKVBiasWindowAttention,
 }
 
 

@@ -53,7 +53,7 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder  # noqa: E402
 from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
-from models import ModelError, build_model, input_size  # noqa: E402
+from models import ModelError, build_model, input_size, model_label  # noqa: E402
 from quant import evaluate_quantized, parse_bits  # noqa: E402
 
 OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
@@ -507,7 +507,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         print(f"k={k}: FP top-1 {fp['top1']:.2f}, max act {act.module:.2f} / {act.block:.2f} / {ffn:.2f} "
               f"(module / block / mlp.fc2), {args.pipeline} {bits} top-1 {quant['top1']:.2f}")
 
-    summary = {"source": loaded.source, "model": cfg.model.name, "method": loaded.label,
+    summary = {"source": loaded.source, "model": model_label(cfg.model), "method": loaded.label,
                "pipeline": args.pipeline, "bits": str(bits), "images": len(loader.dataset),
                "calib_images": cfg.quant.calib_images, "blocks": [n for n, _ in blocks],
                "results": results, "seconds": round(time.perf_counter() - start, 2)}

@@ -10,6 +10,7 @@ import torch
 from cd import TWEO, ColinearityDecay
 from engine.loop import evaluate
 from engine.act_max import ActivationProbe
+from models.attention_sinks import use_sink_attention
 from quant import PIPELINES, quantize_model
 from quant.spec import QuantizerSpec
 from quant.modes import named_quantizers
@@ -88,6 +89,22 @@ def test_cd_and_tweo_training_step():
         metrics = {**decay.metrics(), **tweo.metrics()}
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert metrics["cd/updates"] == 1 and metrics["tweo/penalty"] > 0
+
+
+@pytest.mark.parametrize("attn", ["softmax1", "kv_bias", "attn_bias"])
+@pytest.mark.parametrize("make_model", [tiny_vit, tiny_swin], ids=["vit", "swin"])
+def test_attention_sink_variants_train_and_quantize(attn, make_model):
+    """models/attention_sinks.py: the variants' forward / backward and their quantized copies."""
+    model, calib = make_model(), images(8)
+    use_sink_attention(model, attn)
+    with torch.device("meta"):
+        model.train()
+        model(calib).sum().backward()
+        model.eval()
+        qmodel, _ = PIPELINES["repq"](model, calib, "w4a4")
+        out = qmodel(calib)
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
 
 
 def test_every_quantizer_kind_is_built_on_the_requested_device():
