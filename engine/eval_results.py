@@ -100,3 +100,16 @@ def _settings_diff(old: dict, new: dict, prefix: str = "") -> str:
         elif a != b:
             diffs.append(f"{prefix}{key} {a!r} -> {b!r}")
     return "; ".join(diffs[:6])
+
+
+def read_result_files(paths: list[str]) -> list[dict]:
+    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file."""
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
+                               f"evaluate.py") from None
+    return results

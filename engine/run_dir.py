@@ -207,3 +207,12 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
         yaml.safe_dump(config, f, sort_keys=False)
     os.replace(tmp, path)
     return kept
+
+
+def refuse_existing_outputs(paths: list[str], overwrite: bool) -> None:
+    """The one rule of the scripts that write tables, figures and benchmark files: no existing file is
+    replaced without --overwrite (a figure or a table is often the only record of how it was made)."""
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "
+                          f"to replace")

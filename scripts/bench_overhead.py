@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
@@ -330,9 +331,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parser.parse_args(argv)
     written = [os.path.join(args.out, n) for n in
                (("apply.json",) if args.apply_only else ("overhead.json", "overhead.png"))]
-    if not args.overwrite and any(os.path.exists(p) for p in written):
-        sys.exit(f"error: {', '.join(p for p in written if os.path.exists(p))} exists; choose another --out "
-                 f"or add --overwrite to replace it")
+    try:
+        refuse_existing_outputs(written, args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device; use --device cpu --small")

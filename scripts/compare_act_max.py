@@ -20,6 +20,9 @@ import os
 import sys
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
     """{block: (max of the block output, max over the modules inside the block)} of one CSV."""
@@ -98,9 +101,10 @@ def main(argv=None) -> list[dict]:
             sys.exit(f"error: {item!r} names no act_max CSV: give method=GLOB, e.g. "
                      f"cd='runs/x/cd_s*/eval_best_act_max.csv'")
         groups[method] = paths
-    existing = [p for p in (args.out + ".png", args.out + ".csv") if os.path.exists(p)]
-    if existing and not args.overwrite:
-        sys.exit(f"error: {existing[0]} exists: pass --overwrite to replace it, or another --out")
+    try:
+        refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     rows = summarize(groups)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:

@@ -51,7 +51,7 @@ from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
-from engine.run_dir import RunDirError, prepare_folder  # noqa: E402
+from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, model_label  # noqa: E402
 from quant import evaluate_quantized, parse_bits  # noqa: E402
@@ -311,10 +311,10 @@ def check_outputs(out: str, names: Sequence[str], overwrite: bool) -> list[str]:
     if os.path.exists(out) and not os.path.isdir(out):
         raise MechanismError(f"--out {out} is a file; give a folder")
     paths = [os.path.join(out, n) for n in names]
-    existing = [p for p in paths if os.path.exists(p)]
-    if existing and not overwrite:
-        raise MechanismError(f"{', '.join(existing)} already exist(s); pass --overwrite to replace, or "
-                             f"choose another --out")
+    try:
+        refuse_existing_outputs(paths, overwrite)
+    except RunDirError as e:
+        raise MechanismError(str(e)) from None
     prepare_folder(out)
     return paths
 

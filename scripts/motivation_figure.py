@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.eval_results import ResultsError, read_result_files  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle; the others scale with their maximum activation
@@ -83,17 +86,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
     args = p.parse_args(argv)
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
-    if not args.overwrite and any(os.path.exists(w) for w in written):
-        sys.exit(f"error: {', '.join(w for w in written if os.path.exists(w))} exists; choose another --out "
-                 f"or add --overwrite to replace it")
-    results = []
-    for path in args.results:
-        try:
-            with open(path) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError) as e:
-            sys.exit(f"error: cannot read the result file {path} ({e}); give JSON files written by "
-                     f"evaluate.py")
+    try:
+        refuse_existing_outputs(written, args.overwrite)
+        results = read_result_files(args.results)
+    except (RunDirError, ResultsError) as e:
+        sys.exit(f"error: {e}")
     rows = points(results, args.pipeline, args.bits.lower(), args.max_act)
     if not rows:
         sys.exit(f"error: none of the {len(results)} results has {args.pipeline} {args.bits}; run "

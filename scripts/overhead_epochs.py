@@ -117,15 +117,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     args = p.parse_intermixed_args(argv)
     written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
-    if not args.overwrite and any(os.path.exists(w) for w in written):
-        sys.exit(f"error: {', '.join(w for w in written if os.path.exists(w))} exists; choose another --out "
-                 f"or add --overwrite to replace it")
     sys.path.insert(0, ROOT)
     from configs import ConfigError, load_config
+    from engine.run_dir import RunDirError, refuse_existing_outputs
 
     try:  # every run's config is checked before the first starts
+        refuse_existing_outputs(written, args.overwrite)
         base_model = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides)).model.name
-    except ConfigError as e:
+    except (ConfigError, RunDirError) as e:
         sys.exit(f"error: {e}")
     plan = [("batch", base_model, b) for b in args.batches] + [("width", m, args.width_batch)
                                                                for m in args.models]

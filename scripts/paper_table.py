@@ -17,11 +17,12 @@ Layouts:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.eval_results import ResultsError, read_result_files  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import PAPER_NAMES, markdown_table  # noqa: E402
 
 # Table 3's row order and names; data sets not listed follow, by folder name
@@ -105,16 +106,11 @@ def main(argv=None) -> str:
                    help="rows layout: one row per model and method, mean ± std over its results (the seeds "
                         "of a sweep)")
     args = p.parse_args(argv)
-    if args.out and os.path.exists(args.out) and not args.overwrite:
-        sys.exit(f"error: {args.out} exists; choose another --out or add --overwrite to replace it")
-    results = []
-    for path in args.results:
-        try:
-            with open(path) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError) as e:
-            sys.exit(f"error: cannot read the result file {path} ({e}); "
-                     f"give JSON files written by evaluate.py")
+    try:
+        refuse_existing_outputs([args.out] if args.out else [], args.overwrite)
+        results = read_result_files(args.results)
+    except (RunDirError, ResultsError) as e:
+        sys.exit(f"error: {e}")
     if args.layout == "finetune":
         try:
             table = finetune_table(results)

@@ -12,11 +12,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_overhead_cpu_smoke(tmp_path, capsys):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_overhead",
                                                   os.path.join(ROOT, "scripts", "bench_overhead.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_overhead_cpu_smoke(tmp_path, capsys):
+    bench = _bench()
     report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64",
                          "--width-batch", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
     assert {(r["sweep"], r["method"]) for r in report["rows"]} == {(s, m) for s in ("batch", "width")
@@ -30,23 +35,13 @@ def test_bench_overhead_cpu_smoke(tmp_path, capsys):
 
 
 def test_bench_overhead_apply_only(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_overhead",
-                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     report = bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "64",
                          "--precision", "bf16", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
     (row,) = report["apply_only"]
     assert row["precision"] == "bf16" and row["apply_over_floor"] > 0
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_overhead",
-                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def test_plain_tweo_form_is_benchmarked_and_outputs_are_never_replaced(tmp_path, capsys):
@@ -56,7 +51,7 @@ def test_plain_tweo_form_is_benchmarked_and_outputs_are_never_replaced(tmp_path,
     report = bench.main(args)
     assert {r["method"] for r in report["rows"]} == {"baseline", "cd", "tweo", "tweo_plain"}
     assert "tweo_plain/base" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="overhead.json.*exists; choose another --out or add --overwrite"):
+    with pytest.raises(SystemExit, match="overhead.json.*already exist.*choose another --out or add --overwrite"):
         bench.main(args)
 
 

@@ -44,7 +44,7 @@ def test_means_ranges_and_refusals(tmp_path, capsys):
     assert a1["module_mean"] == 8.0  # max over the block's modules (7, 9), then the mean; the final norm
     assert "| 0 | 2.0 / 15.0 | 2.0 / 1.0 |" in capsys.readouterr().out  # (block -1) is not a block
     assert os.path.getsize(out + ".png") > 0 and os.path.exists(out + ".csv")
-    with pytest.raises(SystemExit, match="exists: pass --overwrite"):
+    with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
         compare.main([f"a={tmp_path}/a_s*.csv", "--out", out])
     with pytest.raises(SystemExit, match="names no act_max CSV"):
         compare.main([f"a={tmp_path}/nothing*.csv", "--out", str(tmp_path / "other")])

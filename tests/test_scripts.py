@@ -95,7 +95,7 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
         paper_table.main(["--layout", "finetune", str(a), str(b)])
     out = tmp_path / "table.md"
     out.write_text("someone's table\n")
-    with pytest.raises(SystemExit, match="exists; choose another --out or add --overwrite"):
+    with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
         paper_table.main(["--out", str(out), str(a)])
     assert out.read_text() == "someone's table\n"
     paper_table.main(["--out", str(out), "--overwrite", str(a)])
@@ -135,7 +135,7 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     with open(out / "motivation.csv") as f:
         assert [row["method"] for row in csv.DictReader(f)] == ["Baseline", "CD", "TWEO"]
     assert (out / "motivation.png").stat().st_size > 0
-    with pytest.raises(SystemExit, match="exists; choose another --out or add --overwrite"):
+    with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
         motivation_figure.main([*files, "--out", str(out)])
     with pytest.raises(SystemExit, match="none of the 3 results has aphq w4a4"):
         motivation_figure.main([*files, "--pipeline", "aphq", "--out", str(tmp_path / "other")])
