@@ -43,7 +43,6 @@ def test_bench_overhead_apply_only(tmp_path):
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
 
 
-
 def test_plain_tweo_form_is_benchmarked_and_outputs_are_never_replaced(tmp_path, capsys):
     bench = _bench()
     args = ["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
