@@ -211,10 +211,13 @@ def test_quantizer_comparison_counts_groups_with_another_scale_or_zero_point():
     off_qkv = official.get_submodule("blocks.0.attn.qkv")
     off_qkv.w_quantizer.zero_point[3] += 1
     off_qkv.w_quantizer.scale[5] *= 1.001
+    off_qkv.w_quantizer.scale[6] *= 1 + xc.SCALE_RTOL / 10  # float rounding of the same candidate
     official.get_submodule("blocks.1.attn.matmul2").A_quantizer.scale[0, 2] *= 1.5
     diff = xc.compare_quantizers(ours, official)
     assert diff["per_quantizer"]["blocks.0.attn.qkv.weight"]["same"] == 144 - 2
     assert diff["per_quantizer"]["blocks.0.attn.qkv.weight"]["zero_points_differ"] == 1
+    assert diff["per_quantizer"]["blocks.0.attn.qkv.weight"]["differing_scale_rel_diffs"] == [
+        0.0, pytest.approx(1e-3, rel=1e-3)]
     assert diff["totals"]["matmul"]["same"] == total["matmul"] - 1
     # relative to the official scale
     assert diff["totals"]["matmul"]["max_scale_rel_diff"] == pytest.approx(1 / 3)
