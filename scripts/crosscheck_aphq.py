@@ -77,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import evaluate  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
+from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
 from quant.attention import QuantAttentionBase  # noqa: E402
@@ -103,11 +104,6 @@ class UserError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def check_out(path: str, overwrite: bool) -> None:
-    if os.path.exists(path) and not overwrite:
-        raise UserError(f"{path} exists (--overwrite replaces it)")
-
-
 def official_config(official: str, bits: str) -> str:
     """configs/<b>bit/best.py of the official checkout for `bits` (W and A equal, as its configs)."""
     try:
@@ -432,7 +428,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
-    check_out(args.out, args.overwrite)
+    refuse_existing_outputs([args.out], args.overwrite)
     check_official(args.official)
     configs = {bits: official_config(args.official, bits) for bits in args.bits}
     torch.set_num_threads(args.threads)
