@@ -31,8 +31,15 @@ from models.modules import fqn_matches
 
 
 
-# Beyond this |z~| the folded bias s~ (z~ - z_c) is a difference of large numbers (float32 keeps 24 bits).
-_MAX_MEAN_ZERO_POINT = 2.0 ** 12
+# A mean zero point this many code ranges (2^b) outside the codes, and at least 2^12, means a near-constant
+# channel: the folded bias s~ (z~ - z_c) is then a difference of large numbers (float32 keeps 24 bits).
+# Relative to 2^b because a 16-bit quantizer's zero points are legitimately ~2^16.
+_MAX_MEAN_ZERO_POINT_RANGES = 2.0 ** 4
+_MIN_ZERO_POINT_WARNING = 2.0 ** 12
+
+
+def _mean_zero_point_limit(bits: int) -> float:
+    return max(_MIN_ZERO_POINT_WARNING, _MAX_MEAN_ZERO_POINT_RANGES * 2.0 ** bits)
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bo
     # the folded quantizer stores s~, z~ in its own dtype: fold with exactly those values
     s_t = s_c.mean().to(iq.scale.dtype).double()
     z_t = z_t.to(iq.zero_point.dtype).double()
-    if z_t.abs() > _MAX_MEAN_ZERO_POINT:
+    if z_t.abs() > _mean_zero_point_limit(iq.bits):
         warnings.warn(f"{iq.name}: mean zero point {z_t.item():.3g} after the LayerNorm fold; the folded "
                       "biases (s~ (z~ - z_c)) lose float precision. A near-constant channel? Quantizer "
                       "ranges are widened to include 0 for those, so this should not happen.", RuntimeWarning)

@@ -127,3 +127,22 @@ def test_fold_rejects_per_tensor_quantizer():
     fold_layernorm(norm, linear)
     with pytest.raises(ValueError, match="per-channel"):
         fold_layernorm(norm, linear)
+
+
+def test_sixteen_bit_fold_does_not_warn_but_an_outlying_zero_point_does():
+    # a 16-bit quantizer's zero points are legitimately ~2^15 (codes 0..65535): no precision warning
+    _, qmodel = calibrated_repq_copy(tiny_vit, bits=Bits(16, 16))
+    set_quant_state(qmodel, weights=False, activations=False)
+    sites = find_fold_sites(qmodel)
+    assert max(lin.input_quantizer.zero_point.abs().max().item() for _, _, _, lin in sites) > 2 ** 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _, norm, _, linear in sites:
+            fold_layernorm(norm, linear)
+    # at 4 bits a mean zero point 2^13 away from the 16 codes is a collapsed channel: warned
+    _, qmodel = calibrated_repq_copy(tiny_vit)
+    _, norm, _, linear = find_fold_sites(qmodel)[0]
+    with torch.no_grad():
+        linear.input_quantizer.zero_point.fill_(2.0 ** 13)
+    with pytest.warns(RuntimeWarning, match="mean zero point"):
+        fold_layernorm(norm, linear)
