@@ -207,3 +207,14 @@ def test_option_variants_run(vit, pipeline, variant):
     assert all(report["options"][k] == v for k, v in variant.items())
     with torch.no_grad():
         assert torch.isfinite(qmodel(xv[:4])).all()
+
+
+def test_gplq_stage1_crosses_an_epoch_end(vit):
+    # 1,437 digits train images at 512 a batch: 2 updates an epoch, so update 3 is in the second epoch
+    # (the epoch-end bookkeeping once reached stage 1's progress line and raised there)
+    model, _, data, calib, xv, _ = vit
+    data = dataclasses.replace(data, work_prefix=None)
+    options = {**GPLQ_FAST, "qwt": False, "steps": 3, "batch_size_per_gpu": 512, "log_every": 1}
+    qmodel, report = PIPELINES["gplq"](model, calib, "w4a4", options, data=data)
+    assert report["stage1"]["steps"] == 3
+    assert_fully_quantized(qmodel)
