@@ -133,3 +133,39 @@ def test_pca_keeps_the_smallest_multiple_of_32_reaching_the_variance():
     full = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64),
                                    0.999, 32)
     assert full.dims == d  # capped at the feature width
+
+
+@pytest.mark.parametrize("target", ["float", "teacher"])
+def test_qwt_fits_the_first_block_towards_its_reference(target):
+    """QwT's code fits towards the same block with every quantizer off ("float", the default); "teacher"
+    uses the original model's block. The first block's input does not depend on any compensation, so
+    its compensation must be the plain least squares of [X 1] onto reference(X) - quantized(X), with
+    the reference computed here from the float modules themselves."""
+    fp = tiny_vit()
+    teacher = copy.deepcopy(fp)  # stands for the pre-stage-1 model: its weights differ from the student's
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in teacher.blocks[0].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    qmodel, _ = PIPELINES["percentile"](fp, images(8), "w4a4")  # W4A4, the student's float weights = fp's
+    x_all = images(12, seed=5)
+    seen = []
+    hook = qmodel.blocks[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        qmodel(x_all)
+        hook.remove()
+        x = torch.cat(seen)
+        d = {"float": fp.blocks[0](x), "teacher": teacher.blocks[0](x)}
+        d = {k: (v - qmodel.blocks[0](x)).double().reshape(-1, v.shape[-1]) for k, v in d.items()}
+    a = torch.cat([x.double().reshape(-1, x.shape[-1]), torch.ones(d[target].shape[0], 1, dtype=torch.float64)], 1)
+    expected = {k: torch.linalg.lstsq(a, v).solution for k, v in d.items()}
+
+    options = PIPELINES["gplq"].Options(qwt_target=target)
+    stats = PIPELINES["gplq"]._compensate(qmodel, teacher, x_all, options, 6)
+    assert stats[0]["unit"] == "blocks.0" and stats[0]["kept"]
+    comp = qmodel.blocks[0].qwt_compensation
+    got = torch.cat([comp.weight.t(), comp.bias[None]]).double()
+    other = "teacher" if target == "float" else "float"
+    scale = expected[target].abs().max()
+    assert (got - expected[target]).abs().max() < 1e-4 * scale
+    assert (got - expected[other]).abs().max() > 1e-2 * scale  # the two references are told apart
