@@ -12,7 +12,9 @@ transform, one fixed augmentation each, seed quant.aphq.data_seed), their first 
 
 Reported per stage: top-1 of each, per-image agreement (fraction of val images with the same
 predicted class), each unit's output error relative to the float model (end-to-end on the val images),
-and how many quantizer groups (channels, heads, tensors) got the same scale and zero point in both.
+and how many quantizer groups (channels, heads, tensors) got the same scale and zero point in both,
+with (calibration stage) `candidate_steps`: how far apart adjacent candidates of the official grids lie
+on this model, the yardstick for a differing group's scale difference.
 `--reference-seed S` also reconstructs ours with seed S: the ours-vs-ours agreement is the sampling
 noise of the reconstruction (batch draws, QDrop masks), the scale of any ours-vs-official difference.
 
@@ -80,8 +82,10 @@ from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
+from quant.aphq.search import matmul_candidates, stem_levels  # noqa: E402
 from quant.attention import QuantAttentionBase  # noqa: E402
 from quant.layers import QuantConv2d, QuantLinear  # noqa: E402
+from quant.quantile import quantile  # noqa: E402
 from quant.units import find_units  # noqa: E402
 
 log = logging.getLogger("crosscheck_aphq")
@@ -94,8 +98,10 @@ OFFICIAL_FILES = ("utils/calibrator.py", "utils/block_recon.py", "utils/wrap_net
 FAKE_DEVICE_MEMORY = 4 << 30  # adaptation 2: bytes the official chunking believes the device has
 # Two scales are "the same" candidate within this relative difference: the implementations build the same
 # candidate in different arithmetic (official: float32 torch.quantile at float32 levels and float32 linspace;
-# ours: float64-exact quantiles), which moves a matmul candidate by up to ~5e-5 relative on this model,
-# while neighbouring candidates lie >= ~1e-3 apart.
+# ours: float64-exact quantiles), which moves a matmul candidate by up to ~5e-5 relative on vit_digits.
+# Neighbouring candidates are mostly further apart (vit_digits: median relative step 3e-4 between matmul
+# pairs, 2e-3 when one bound moves; 1.7e-4 between stem pairs), but the closest are not (down to ~1e-6), so a
+# group counted "same" may be a neighbour, and a differing group is at least one candidate away.
 SCALE_RTOL = 1e-4
 
 
@@ -265,6 +271,61 @@ def compare_folds(ours: nn.Module, official: nn.Module) -> Dict[str, float]:
     return out
 
 
+def _spread(steps: List[torch.Tensor]) -> Dict[str, float]:
+    t = torch.cat([s.flatten() for s in steps]).double()
+    return {"min": float(f"{t.min():.3g}"), "median": float(f"{t.median():.3g}"), "max": float(f"{t.max():.3g}")}
+
+
+def _relative_steps(lo: torch.Tensor, hi: torch.Tensor, ref: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Relative change of the scale (hi - lo) between adjacent candidates [steps, groups]: when the pair
+    moves (the first sweep) and when one bound moves (the refinements), against the range `ref`."""
+    width = hi - lo
+    return {"pair": (width[1:] - width[:-1]).abs() / width[:-1],
+            "one_bound": torch.cat([(hi[1:] - hi[:-1]).abs(), (lo[1:] - lo[:-1]).abs()]) / ref}
+
+
+@torch.no_grad()
+def candidate_steps(fp_model: nn.Module, calib: torch.Tensor, matmul_pct=(0.99, 0.99999),
+                    matmul_steps: int = 129, eq_n: int = 128) -> dict:
+    """How far apart adjacent candidates of the official grids are on this model (relative scale steps):
+    per-head matmul operands (q * head_dim^-0.5, k, softmax output, v of the float model on `calib`) and
+    the stem's per-channel weights. A group whose scales differ by less than a step cannot be told from
+    the same candidate; one that differs by about a step picked a neighbour."""
+    from timm.models.vision_transformer import Attention
+
+    operands: Dict[str, torch.Tensor] = {}
+
+    def tap(name: str, attn: Attention):
+        def hook(_m, args, out):
+            B, N, _ = args[0].shape
+            q, k, v = out.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            q = q * attn.scale
+            for op, x in (("q", q), ("k", k), ("attn", (q @ k.transpose(-2, -1)).softmax(-1)), ("v", v)):
+                key = f"{name}.{op}"
+                operands[key] = torch.cat([operands[key], x]) if key in operands else x
+        return hook
+
+    hooks = [m.qkv.register_forward_hook(tap(n, m)) for n, m in fp_model.named_modules()
+             if isinstance(m, Attention)]
+    try:
+        predict(fp_model, calib, 32)
+    finally:
+        for h in hooks:
+            h.remove()
+    matmul: Dict[str, List[torch.Tensor]] = {"pair": [], "one_bound": []}
+    for x in operands.values():
+        lo, hi = matmul_candidates(x.float(), matmul_pct, matmul_steps)
+        for kind, t in _relative_steps(lo, hi, hi[-2] - lo[-2]).items():  # the search starts at pair -2
+            matmul[kind].append(t)
+    w = fp_model.patch_embed.proj.weight.detach().flatten(1).double()
+    levels = stem_levels(eq_n)
+    qs = quantile(w, levels + [1.0 - p for p in levels], dim=1)
+    hi, lo = qs[:len(levels)], qs[len(levels):]
+    stem = _relative_steps(lo, hi, hi[-2] - lo[-2])
+    return {"matmul_pair": _spread(matmul["pair"]), "matmul_one_bound": _spread(matmul["one_bound"]),
+            "stem_pair": _spread([stem["pair"]]), "stem_one_bound": _spread([stem["one_bound"]])}
+
+
 def stage_entry(preds: Dict[str, torch.Tensor], labels: torch.Tensor, seconds: Dict[str, float],
                 errors: Dict[str, Dict[str, float]]) -> dict:
     """One stage's JSON: top-1 and seconds per implementation, pairwise agreement, unit errors."""
@@ -379,7 +440,10 @@ def run_official(official: str, cfg_path: str, fp_model: nn.Module, calib: torch
 # --------------------------------------------------------------------------------------------- ours
 def run_ours(fp_model: nn.Module, options, bits: str, data: PipelineData, val: torch.Tensor,
              batch_size: int) -> tuple:
-    """Our pipeline through evaluate.py's entry (evaluate_quantized); returns (model, seconds, preds)."""
+    """Our pipeline through evaluate.py's entry (evaluate_quantized); returns (model, seconds, preds), with
+    the seconds of the stage the official timing covers: the search (`calibrate`) when nothing is
+    reconstructed, else the reconstruction (`reconstruct`, its Hessians included, and the float logits
+    the APH needs)."""
     kept = {}
 
     def eval_fn(model: nn.Module) -> dict:
@@ -387,7 +451,9 @@ def run_ours(fp_model: nn.Module, options, bits: str, data: PipelineData, val: t
         return {}
 
     entry = evaluate_quantized("aphq", fp_model, None, bits, eval_fn, options=options, data=data)
-    return kept["model"], entry["quantize_seconds"], kept["preds"]
+    stages = entry["report"]["seconds"]
+    seconds = stages["calibrate"] if options.iters == 0 else stages["reconstruct"] + stages.get("fp_logits", 0.0)
+    return kept["model"], seconds, kept["preds"]
 
 
 def fixed_pipeline_data(images: torch.Tensor, seed: int) -> PipelineData:
@@ -512,6 +578,8 @@ def compare_bits(s: Setup, bits: str, config: str, labels: torch.Tensor, args: a
     res["option_differences"] = differences
     res["calibration"]["quantizers"] = kept["quantizers"]
     res["calibration"]["folded_norm_max_rel_diff"] = max(kept["folds"].values(), default=0.0)
+    res["calibration"]["candidate_steps"] = candidate_steps(
+        s.fp_model, s.calib, s.options.matmul_pct, s.options.matmul_steps, s.options.eq_n)
     if args.iters == 0:
         return res
     ours, ours_s, ours_p = run_ours(s.fp_model, dataclasses.replace(s.options, iters=args.iters), bits,

@@ -270,3 +270,21 @@ def test_a_module_name_clash_with_the_official_packages_is_refused(fake_official
     with pytest.raises(xc.UserError, match="already imported"):
         with xc.official_environment(fake_official):
             pass
+
+
+def test_candidate_steps_of_an_evenly_spaced_stem_follow_the_closed_form():
+    # a channel of n evenly spaced weights in [-1, 1] has the linear-interpolation quantile -1 + 2p, so the
+    # mirrored candidate pair at level p has width 4p - 2 and adjacent pairs differ by 4 (p' - p)
+    model = tiny_vit().eval()
+    w = model.patch_embed.proj.weight
+    with torch.no_grad():
+        w.copy_(torch.linspace(-1, 1, w[0].numel()).repeat(w.shape[0], 1).view_as(w))
+    steps = xc.candidate_steps(model, images(4), eq_n=16)
+    p = torch.tensor(xc.stem_levels(16), dtype=torch.float64)
+    width = 4 * p - 2
+    pair = (width[1:] - width[:-1]).abs() / width[:-1]
+    assert steps["stem_pair"]["min"] == pytest.approx(float(pair.min()), rel=1e-2)
+    assert steps["stem_pair"]["max"] == pytest.approx(float(pair.max()), rel=1e-2)
+    for kind in ("matmul_pair", "matmul_one_bound"):
+        s = steps[kind]
+        assert 0 <= s["min"] <= s["median"] <= s["max"] < float("inf")
