@@ -12,7 +12,12 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
                      original float model, instead of the fully float stage-1 block
     gplq stage2 eval QwT images with the eval transform instead of a training augmentation
 
+`--with-aphq` adds APHQ to the variants that concern it (official, first_last=w8a8); it is the slow one
+(tens of minutes per run on a CPU even at quant.aphq.iters=500).
+
     python scripts/quant_sensitivity.py --checkpoint runs/vit_digits/best.pt --out runs/vit_digits/sens
+    python scripts/quant_sensitivity.py --checkpoint runs/vit_digits/best.pt --out runs/vit_digits/sens \
+        --with-aphq quant.aphq.iters=500
 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
 sensitivity_<bits>.json (a summary of those JSONs, rewritten on every run). Extra `key=value` overrides
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import evaluate  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
+APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
 VARIANTS = {
     "official": (ALL, []),
     "first_last=w8a8": (ALL, ["quant.first_last=w8a8"]),
@@ -41,10 +47,12 @@ VARIANTS = {
 }
 
 
-def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str) -> dict:
+def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, with_aphq: bool = False) -> dict:
     """{variant: {pipeline: top-1}} for every variant (see the module docstring)."""
     table = {}
     for variant, (pipelines, extra) in VARIANTS.items():
+        if with_aphq and variant in APHQ_VARIANTS:
+            pipelines = [*pipelines, "aphq"]
         path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
         args = evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
                                     *overrides, *extra, "--quant", *pipelines])
@@ -55,10 +63,11 @@ def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str) -> dict:
 
 def markdown(table: dict, bits: str) -> str:
     base = table["official"]
-    lines = [f"| variant ({bits}) | " + " | ".join(ALL) + " |", "|---|" + "---|" * len(ALL)]
+    columns = ALL + [p for p in base if p not in ALL]
+    lines = [f"| variant ({bits}) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for variant, row in table.items():
         cells = []
-        for p in ALL:
+        for p in columns:
             if p not in row:
                 cells.append("")
             elif variant == "official":
@@ -74,9 +83,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
     parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and the summary")
     parser.add_argument("--bits", default="w4a4")
+    parser.add_argument("--with-aphq", action="store_true", help="also APHQ (official, first_last=w8a8)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args(argv)
-    table = run(args.checkpoint, args.out, args.overrides, args.bits)
+    table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
     print(markdown(table, args.bits))
     with open(os.path.join(args.out, f"sensitivity_{args.bits}.json"), "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,

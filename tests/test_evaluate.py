@@ -130,6 +130,27 @@ def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint
     assert json.load(open(tmp_path / "sensitivity_w4a4.json"))["top1"] == table
 
 
+def test_quant_sensitivity_adds_aphq_to_its_variants_on_request(digits_checkpoint, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quant_sensitivity",
+                                                  os.path.join(ROOT, "scripts", "quant_sensitivity.py"))
+    sens = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sens)
+    monkeypatch.setattr(sens, "ALL", ["percentile"])
+    monkeypatch.setattr(sens, "VARIANTS", {"official": (["percentile"], []),
+                                           "calib=train": (["percentile"], ["quant.calib_transform=train"])})
+    fast = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
+            "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
+            "quant.aphq.eq_n=16"]
+    table = sens.main(["--checkpoint", digits_checkpoint, "--out", str(tmp_path), "--with-aphq", *fast])
+    assert set(table["official"]) == {"percentile", "aphq"}
+    assert set(table["calib=train"]) == {"percentile"}  # APHQ calibrates on its own augmented images
+    with open(tmp_path / "official.json") as f:
+        assert json.load(f)["quant"]["aphq"]["w4a4"]["top1"] == table["official"]["aphq"]
+    assert "| variant (w4a4) | percentile | aphq |" in capsys.readouterr().out
+
+
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     def result(method, fp, repq, module=5.0, block=3.0):
         return {"model": "m", "method": method, "fp": {"top1": fp},
