@@ -110,14 +110,19 @@ def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
     assert ddp["quant"]["repq"]["w4a4"]["top1"] == pytest.approx(single["quant"]["repq"]["w4a4"]["top1"])
 
 
-def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint, tmp_path, monkeypatch,
-                                                              capsys):
+def load_sensitivity_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("quant_sensitivity",
                                                   os.path.join(ROOT, "scripts", "quant_sensitivity.py"))
     sens = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sens)
+    return sens
+
+
+def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint, tmp_path, monkeypatch,
+                                                              capsys):
+    sens = load_sensitivity_script()
     monkeypatch.setattr(sens, "ALL", ["percentile", "repq"])
     monkeypatch.setattr(sens, "VARIANTS", {"official": (["percentile", "repq"], []),
                                            "first_last=w8a8": (["percentile"], ["quant.first_last=w8a8"])})
@@ -131,12 +136,7 @@ def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint
 
 
 def test_quant_sensitivity_adds_aphq_to_its_variants_on_request(digits_checkpoint, tmp_path, monkeypatch, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quant_sensitivity",
-                                                  os.path.join(ROOT, "scripts", "quant_sensitivity.py"))
-    sens = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sens)
+    sens = load_sensitivity_script()
     monkeypatch.setattr(sens, "ALL", ["percentile"])
     monkeypatch.setattr(sens, "VARIANTS", {"official": (["percentile"], []),
                                            "calib=train": (["percentile"], ["quant.calib_transform=train"])})
