@@ -288,21 +288,21 @@ def _relative_steps(lo: torch.Tensor, hi: torch.Tensor, ref: torch.Tensor) -> Di
 def candidate_steps(fp_model: nn.Module, calib: torch.Tensor, matmul_pct=(0.99, 0.99999),
                     matmul_steps: int = 129, eq_n: int = 128) -> dict:
     """How far apart adjacent candidates of the official grids are on this model (relative scale steps):
-    per-head matmul operands (q * head_dim^-0.5, k, softmax output, v of the float model on `calib`) and
-    the stem's per-channel weights. A group whose scales differ by less than a step cannot be told from
-    the same candidate; one that differs by about a step picked a neighbour."""
+    per-head matmul operands (q, k, softmax output, v of the float model on `calib`; relative steps do
+    not depend on where q's 1/sqrt(d) is applied) and the stem's per-channel weights. A group whose
+    scales differ by less than a step cannot be told from the same candidate; one that differs by about
+    a step picked a neighbour."""
     from timm.models.vision_transformer import Attention
 
-    operands: Dict[str, torch.Tensor] = {}
+    operands: Dict[str, List[torch.Tensor]] = {}
 
     def tap(name: str, attn: Attention):
         def hook(_m, args, out):
             B, N, _ = args[0].shape
             q, k, v = out.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-            q = q * attn.scale
-            for op, x in (("q", q), ("k", k), ("attn", (q @ k.transpose(-2, -1)).softmax(-1)), ("v", v)):
-                key = f"{name}.{op}"
-                operands[key] = torch.cat([operands[key], x]) if key in operands else x
+            probs = (q @ k.transpose(-2, -1) * attn.scale).softmax(-1)
+            for op, x in (("q", q), ("k", k), ("attn", probs), ("v", v)):
+                operands.setdefault(f"{name}.{op}", []).append(x)
         return hook
 
     hooks = [m.qkv.register_forward_hook(tap(n, m)) for n, m in fp_model.named_modules()
@@ -313,8 +313,8 @@ def candidate_steps(fp_model: nn.Module, calib: torch.Tensor, matmul_pct=(0.99, 
         for h in hooks:
             h.remove()
     matmul: Dict[str, List[torch.Tensor]] = {"pair": [], "one_bound": []}
-    for x in operands.values():
-        lo, hi = matmul_candidates(x.float(), matmul_pct, matmul_steps)
+    for batches in operands.values():
+        lo, hi = matmul_candidates(torch.cat(batches).float(), matmul_pct, matmul_steps)
         for kind, t in _relative_steps(lo, hi, hi[-2] - lo[-2]).items():  # the search starts at pair -2
             matmul[kind].append(t)
     w = fp_model.patch_embed.proj.weight.detach().flatten(1).double()
