@@ -14,7 +14,8 @@ What each subcommand writes into --out (existing files are refused unless --over
               no-activation surrogate W_F2 W_F1 norm2(x) (Sec. 3.2, Eq. (8)), per block, on --images
               validation images; the CSV has per-block agreement figures
   alignment   alignment.png, alignment.csv   alpha_ij = |w2_j_hat . u_i| (App. A.1, Eq. (13)) per block; the
-              CSV ranks every (block, direction i) by its strongest row j
+              CSV ranks every (block, direction i) by its strongest row j; the PNG ranks each block's
+              directions by their peak and crops the strongest blocks to their top --crop directions x rows
   remove      remove.json, remove.png        zero FC1's singular values of the top-k aligned directions
               (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4)
   energies    energies.png, energies.csv     ||W2 W1n||_F^2 per role and block (Sec. 3.1, Eq. (2), normalised
@@ -158,6 +159,14 @@ def rank_directions(blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[dict]
     for rank, r in enumerate(rows):
         r["rank"] = rank
     return rows, alphas
+
+
+def strongest_cells(alpha: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
+    """The `n` directions i with the highest peak max_j alpha_ij, descending, and the `n` FC2 rows j with
+    the highest alpha among those directions, descending: the crop of alpha in which the peak shows."""
+    directions = alpha.max(dim=1).values.argsort(descending=True)[:n]
+    fc2_rows = alpha[directions].max(dim=0).values.argsort(descending=True)[:n]
+    return directions.tolist(), fc2_rows.tolist()
 
 
 def remove_directions(w1: torch.Tensor, directions: Sequence[int]) -> torch.Tensor:
@@ -427,30 +436,41 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
     blocks = select_blocks(ffn_blocks(loaded.model), args.blocks)
     rows, alphas = rank_directions(blocks)
 
-    # left: max_j alpha_ij per block and direction (the heat map); right: the full alpha_ij of the blocks
-    # with the highest peaks (as the paper shows Blocks 4-6)
+    # A 384 x 1536 field of alpha_ij has a few bright pixels that vanish at page size, so the figure shows
+    # what the paper reads off it. Left: each block's directions ranked by their peak max_j alpha_ij (a
+    # block whose first points stand far above its bulk has the concentrated alignment of App. A.1), the
+    # strongest (block, i, j) labelled. Right: for the blocks with the highest peaks, alpha cropped to their
+    # strongest directions and FC2 rows, sorted, with the original indices on the axes.
     peak = {name: float(a.max()) for name, a in alphas.items()}
     detail = sorted(peak, key=lambda n: -peak[n])[:max(0, args.detail)]
-    fig = new_figure(4.5 + 3.2 * len(detail), 3.6)
+    fig = new_figure(5.0 + 3.6 * len(detail), 3.8)
     ax = fig.add_subplot(1, 1 + len(detail), 1)
-    # blocks of different widths (Swin stages) have different numbers of directions: pad with NaN (blank)
-    width = max(a.shape[0] for a in alphas.values())
-    heat = torch.full((len(alphas), width), float("nan"))
-    for k, a in enumerate(alphas.values()):
-        heat[k, :a.shape[0]] = a.max(dim=1).values.float()
-    heat = heat.numpy()
-    im = ax.imshow(heat, aspect="auto", interpolation="nearest", cmap="viridis")
-    ax.set_yticks(range(len(alphas)))
-    ax.set_yticklabels(list(alphas), fontsize=7)
-    ax.set_xlabel("FC1 singular direction i (descending $s_i$)", fontsize=8)
-    ax.set_title("$\\max_j |\\hat w_{2,j}^\\top u_i|$", fontsize=9)
-    fig.colorbar(im, ax=ax)
+    for name, a in alphas.items():
+        ranked = a.max(dim=1).values.sort(descending=True).values[:args.crop * 4].float().numpy()
+        ax.plot(range(1, len(ranked) + 1), ranked, linewidth=1.0 if name in detail else 0.6,
+                label=name if name in detail else None, alpha=1.0 if name in detail else 0.45)
+    for r in rows[:3]:
+        ax.annotate(f"{r['block']} i={r['direction']} j={r['row']}", (1, r["alpha"]), fontsize=6,
+                    xytext=(4, -3 - 7 * r["rank"]), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("direction rank within the block (by its peak)", fontsize=8)
+    ax.set_ylabel("$\\max_j |\\hat w_{2,j}^\\top u_i|$", fontsize=8)
+    ax.set_title("peak alignment per FC1 direction", fontsize=9)
+    ax.grid(alpha=0.3)
+    if detail:
+        ax.legend(fontsize=6)
     for k, name in enumerate(detail):
+        directions, fc2_rows = strongest_cells(alphas[name], args.crop)
+        crop = alphas[name][directions][:, fc2_rows].float().numpy()
         ax = fig.add_subplot(1, 1 + len(detail), k + 2)
-        im = ax.imshow(alphas[name].float().numpy(), aspect="auto", interpolation="nearest", cmap="magma")
-        ax.set_title(f"{name}: $|\\hat w_{{2,j}}^\\top u_i|$", fontsize=9)
+        im = ax.imshow(crop, aspect="auto", interpolation="nearest", cmap="magma", vmin=0.0)
+        ax.set_xticks(range(len(fc2_rows)))
+        ax.set_xticklabels([str(j) for j in fc2_rows], fontsize=5, rotation=90)
+        ax.set_yticks(range(len(directions)))
+        ax.set_yticklabels([str(i) for i in directions], fontsize=5)
+        ax.set_title(f"{name}: strongest {len(directions)} directions x {len(fc2_rows)} rows", fontsize=8)
         ax.set_xlabel("FC2 row j", fontsize=8)
-        ax.set_ylabel("direction i", fontsize=8)
+        ax.set_ylabel("FC1 direction i", fontsize=8)
         fig.colorbar(im, ax=ax)
     fig.suptitle(f"FC1-FC2 alignment (App. A.1, Eq. (13)): {loaded.source}", fontsize=8)
     fig.tight_layout()
@@ -616,7 +636,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--max-points", type=int, default=40000, help="points drawn per block")
     if command == "alignment":
         parser.add_argument("--detail", type=int, default=3,
-                            help="blocks with the highest peak drawn in full (default 3)")
+                            help="blocks with the highest peak drawn in detail (default 3)")
+        parser.add_argument("--crop", type=int, default=16,
+                            help="strongest directions and FC2 rows shown per detail block (default 16)")
     if command == "remove":
         parser.add_argument("--k", type=int, default=3, help="remove the top 1..k directions (default 3)")
         parser.add_argument("--pipeline", default="repq", choices=["repq", "percentile"])
