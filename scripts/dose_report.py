@@ -1,0 +1,279 @@
+r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml): one table, three figures.
+
+    python scripts/sweep.py configs/sweeps/fashion_mnist_dose.yaml --run --evaluate
+    python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out docs/figures
+
+Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
+(mean ± sample std). What is read from each run, and what is written:
+  metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
+                         -> dose_energy.png: energy against update, one line per point (mean over seeds)
+  eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
+  eval_best_act_max.csv  max |activation| per module -> dose_act_max_types.png: the largest value per
+                         module type (norm1, attn.qkv, ..., ls2, block output), one bar per point
+  best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end; the
+                         start is the pretrained backbone (`model.pretrained` of the runs' config)
+  -> dose_report.md      the tables, printed as well
+Files are never overwritten: an existing output is refused unless --overwrite is given.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from configs import config_from_dict  # noqa: E402
+from engine.checkpoint import load_checkpoint  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from models import build_model  # noqa: E402
+from scripts.mechanism import ffn_blocks, new_figure, rank_directions  # noqa: E402
+
+ROLES = ("qkv", "proj", "fc1", "fc2")
+QUANT_COLUMNS = (("percentile", "w4a4"), ("repq", "w4a4"), ("percentile", "w3a3"), ("repq", "w3a3"))
+# module types in the order of the data flow through a pre-norm block (engine/act_max.py records the
+# output of every sub-module under its name relative to the block)
+TYPE_ORDER = ("norm1", "attn.qkv", "attn.proj", "ls1", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "ls2",
+              "block")
+OUTPUTS = ("dose_energy.png", "dose_act_max_types.png", "dose_report.md")
+RUN_NAME = re.compile(r"^(?P<point>.+)_s(?P<seed>\d+)$")
+
+
+class ReportError(ValueError):
+    """A sweep folder that holds no finished, evaluated run."""
+
+
+@dataclasses.dataclass
+class Run:
+    point: str
+    seed: int
+    folder: str
+    energies: dict   # role -> [(update, energy)]
+    result: dict     # eval_best.json
+    act_max: list    # rows of eval_best_act_max.csv
+
+
+def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
+    """A run with its metrics and evaluation, or None while it has not been evaluated yet."""
+    result_path = os.path.join(folder, "eval_best.json")
+    if not os.path.exists(result_path):
+        return None
+    with open(result_path) as f:
+        result = json.load(f)
+    energies = defaultdict(list)
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            for role in ROLES:
+                value = record.get(f"cd/pair_energy/{role}")
+                if value is not None:
+                    energies[role].append((int(record["step"]), float(value)))
+    with open(os.path.join(folder, "eval_best_act_max.csv")) as f:
+        act_max = list(csv.DictReader(f))
+    return Run(point, seed, folder, dict(energies), result, act_max)
+
+
+def read_sweep(root: str) -> list[Run]:
+    runs = []
+    for name in sorted(os.listdir(root)):
+        match = RUN_NAME.match(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            run = read_run(os.path.join(root, name), match["point"], int(match["seed"]))
+            if run is not None:
+                runs.append(run)
+    if not runs:
+        raise ReportError(f"{root}: no evaluated run (<point>_s<seed>/eval_best.json); run the sweep with "
+                          f"--run --evaluate first")
+    return runs
+
+
+def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Points in dose order: baseline, CD by strength (1x, 10x, ...), then the others (TWEO)."""
+    groups = defaultdict(list)
+    for run in runs:
+        groups[run.point].append(run)
+
+    def order(point: str):
+        strength = re.fullmatch(r"cd(\d+)x", point)
+        return (0, 0) if point == "baseline" else (1, int(strength[1])) if strength else (2, point)
+    return {p: sorted(groups[p], key=lambda r: r.seed) for p in sorted(groups, key=order)}
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+def fmt(values: Sequence[float], digits: int = 2) -> str:
+    mean, std = mean_std(values)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def final_energy(run: Run, role: str) -> float:
+    return run.energies[role][-1][1]
+
+
+def type_maxima(run: Run) -> dict[str, float]:
+    """The largest max |activation| of each module type over all blocks."""
+    out: dict[str, float] = {}
+    for row in run.act_max:
+        if int(row["block"]) >= 0:
+            out[row["type"]] = max(out.get(row["type"], 0.0), float(row["max"]))
+    return out
+
+
+def alignment_peak(model: torch.nn.Module) -> dict:
+    """The strongest FC1-FC2 alignment of the model (scripts/mechanism.py `rank_directions`)."""
+    top = rank_directions(ffn_blocks(model))[0][0]
+    return {k: top[k] for k in ("block", "direction", "row", "alpha", "singular_value")}
+
+
+def model_of(checkpoint: str) -> torch.nn.Module:
+    payload = load_checkpoint(checkpoint)
+    cfg = config_from_dict(payload["config"])
+    model = build_model(dataclasses.replace(cfg.model, pretrained=""))
+    model.load_state_dict(payload["model"])
+    return model.eval()
+
+
+def pretrained_model(run: Run) -> torch.nn.Module:
+    payload = load_checkpoint(os.path.join(run.folder, "best.pt"))
+    return build_model(config_from_dict(payload["config"]).model).eval()
+
+
+def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_peak: dict) -> str:
+    """The markdown report: accuracy and maxima, pair energies against the baseline, alignment peaks."""
+    head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
+        [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for point, runs in groups.items():
+        cells = [point, ",".join(str(r.seed) for r in runs),
+                 fmt([r.result["fp"]["top1"] for r in runs]),
+                 fmt([r.result["max_act"]["module"] for r in runs]),
+                 fmt([r.result["max_act"]["block"] for r in runs])]
+        for pipeline, bits in QUANT_COLUMNS:
+            cells.append(fmt([r.result["quant"][pipeline][bits]["top1"] for r in runs]))
+        lines.append("| " + " | ".join(cells) + " |")
+
+    base = {role: mean_std([final_energy(r, role) for r in groups["baseline"]])[0] for role in ROLES} \
+        if "baseline" in groups else None
+    lines += ["", "Pair energy ||W2 W1n||_F^2 at the last update, mean over the role's 12 pairs"
+              + (" (change against the baseline)" if base else ""), "",
+              "| Point | " + " | ".join(ROLES) + " |", "|---|" + "---|" * len(ROLES)]
+    for point, runs in groups.items():
+        cells = []
+        for role in ROLES:
+            mean = mean_std([final_energy(r, role) for r in runs])[0]
+            change = f" ({100 * (mean / base[role] - 1):+.1f} %)" if base and point != "baseline" else ""
+            cells.append(f"{fmt([final_energy(r, role) for r in runs], 1)}{change}")
+        lines.append(f"| {point} | " + " | ".join(cells) + " |")
+
+    lines += ["", "Largest max |activation| per module type over all blocks (mean over seeds)", "",
+              "| Point | " + " | ".join(TYPE_ORDER) + " |", "|---|" + "---|" * len(TYPE_ORDER)]
+    for point, runs in groups.items():
+        per_type = [type_maxima(r) for r in runs]
+        lines.append(f"| {point} | " + " | ".join(
+            f"{mean_std([t[k] for t in per_type])[0]:.1f}" if all(k in t for t in per_type) else "-"
+            for k in TYPE_ORDER) + " |")
+
+    lines += ["", "FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)): block / direction i / FC2 "
+              "row j / alpha", "",
+              f"- pretrained backbone (start): {describe_peak(start_peak)}"]
+    for point, runs in groups.items():
+        lines.append(f"- {point}: " + "; ".join(f"s{r.seed} {describe_peak(p)}"
+                                                 for r, p in zip(runs, peaks[point])))
+    return "\n".join(lines) + "\n"
+
+
+def describe_peak(peak: dict) -> str:
+    return f"{peak['block']} i={peak['direction']} j={peak['row']} alpha {peak['alpha']:.3f}"
+
+
+def plot_energies(groups: dict[str, list[Run]], path: str) -> None:
+    """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded)."""
+    fig = new_figure(11, 6.4)
+    for k, role in enumerate(ROLES):
+        ax = fig.add_subplot(2, 2, k + 1)
+        for point, runs in groups.items():
+            steps = [s for s, _ in runs[0].energies[role]]
+            curves = torch.tensor([[e for _, e in r.energies[role][:len(steps)]] for r in runs])
+            style = {"color": "black", "linestyle": "--"} if point == "baseline" else {}
+            ax.plot(steps, curves.mean(0).numpy(), label=point, linewidth=1.3, **style)
+            if len(runs) > 1:
+                ax.fill_between(steps, curves.min(0).values.numpy(), curves.max(0).values.numpy(), alpha=0.15,
+                                color=ax.lines[-1].get_color())
+        ax.set_yscale("log")
+        ax.set_title(f"{role}: mean ||W2 W1n||_F^2 over blocks", fontsize=9)
+        ax.set_xlabel("update", fontsize=8)
+        ax.grid(alpha=0.3)
+        if k == 0:
+            ax.legend(fontsize=7)
+    fig.suptitle("Pair energy during fine-tuning (DINOv2 ViT-S/14, Fashion-MNIST 28 px)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def plot_type_maxima(groups: dict[str, list[Run]], path: str) -> None:
+    """One group of bars per module type, one bar per point (mean over seeds, seed range as error bar)."""
+    fig = new_figure(11, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(groups)
+    for k, (point, runs) in enumerate(groups.items()):
+        values = torch.tensor([[type_maxima(r).get(t, float("nan")) for t in TYPE_ORDER] for r in runs])
+        mean = values.mean(0)
+        err = torch.stack([mean - values.min(0).values, values.max(0).values - mean])
+        x = [i + (k - (len(groups) - 1) / 2) * width for i in range(len(TYPE_ORDER))]
+        ax.bar(x, mean.numpy(), width, yerr=err.numpy(), label=point, capsize=1.5)
+    ax.set_xticks(range(len(TYPE_ORDER)))
+    ax.set_xticklabels(TYPE_ORDER, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("max |activation| over blocks", fontsize=8)
+    ax.legend(fontsize=7, ncol=len(groups))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title("Activation maxima by module type (val set, best.pt)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/fashion_mnist_dose")
+    parser.add_argument("--out", required=True, help="folder for the figures and dose_report.md")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.root):
+        raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
+    paths = [os.path.join(args.out, name) for name in OUTPUTS]
+    refuse_existing_outputs(paths, args.overwrite)
+    groups = by_point(read_sweep(args.root))
+    torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
+    with torch.no_grad():
+        start_peak = alignment_peak(pretrained_model(next(iter(groups.values()))[0]))
+        peaks = {p: [alignment_peak(model_of(os.path.join(r.folder, "best.pt"))) for r in runs]
+                 for p, runs in groups.items()}
+    os.makedirs(args.out, exist_ok=True)
+    plot_energies(groups, paths[0])
+    plot_type_maxima(groups, paths[1])
+    report = tables(groups, peaks, start_peak)
+    with open(paths[2], "w") as f:
+        f.write(report)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ReportError, RunDirError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,104 @@
+"""scripts/dose_report.py: the dose-response report's numbers against values computed by hand from run
+folders written here (metrics.jsonl, eval_best.json, the activation-max CSV, best.pt of a tiny ViT), and
+its command line (outputs refused when present, one-line errors)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_mechanism import make_checkpoint
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import dose_report  # noqa: E402
+import mechanism  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "dose_report.py")
+
+
+def write_run(root, name, *, fp, w4, fc2_curve, norm1_max, seed):
+    """A finished, evaluated run folder; every other figure is fixed so that only these differ."""
+    folder = root / name
+    folder.mkdir()
+    with open(folder / "metrics.jsonl", "w") as f:
+        for k, e in enumerate(fc2_curve):
+            f.write(json.dumps({"step": 10 * (k + 1), "train/loss": 1.0, "cd/pair_energy/qkv": 8.0,
+                                "cd/pair_energy/proj": 4.0, "cd/pair_energy/fc1": 6.0,
+                                "cd/pair_energy/fc2": e}) + "\n")
+            f.write(json.dumps({"step": 10 * (k + 1), "val/top1": 50.0}) + "\n")  # no energies: skipped
+    quant = {p: {"w4a4": {"top1": w4}, "w3a3": {"top1": w4 - 20}} for p in ("percentile", "repq")}
+    with open(folder / "eval_best.json", "w") as f:
+        json.dump({"fp": {"top1": fp}, "max_act": {"module": 10.0 * norm1_max, "block": 5.0},
+                   "quant": quant}, f)
+    with open(folder / "eval_best_act_max.csv", "w") as f:
+        f.write("name,kind,block,type,max\n")
+        f.write(f"blocks.0.norm1,module,0,norm1,{norm1_max}\n")
+        f.write(f"blocks.1.norm1,module,1,norm1,{norm1_max / 2}\n")
+        f.write("blocks.1,block,1,block,5.0\n")
+        f.write("patch_embed,module,-1,patch_embed,999.0\n")  # outside the blocks: not a module type
+    make_checkpoint(folder / "best.pt", seed)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    write_run(root, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0, 100.0], norm1_max=4.0, seed=0)
+    write_run(root, "baseline_s1", fp=84.0, w4=64.0, fc2_curve=[100.0, 120.0], norm1_max=6.0, seed=1)
+    write_run(root, "cd100x_s0", fp=70.0, w4=66.0, fc2_curve=[90.0, 55.0], norm1_max=2.0, seed=2)
+    write_run(root, "tweo_s0", fp=79.0, w4=50.0, fc2_curve=[100.0, 110.0], norm1_max=3.0, seed=3)
+    write_run(root, "cd10x_s0", fp=81.0, w4=61.0, fc2_curve=[100.0, 99.0], norm1_max=4.0, seed=4)
+    (root / "cd1x_s0").mkdir()          # still training: no eval_best.json, left out
+    (root / "notes").mkdir()            # not <point>_s<seed>: ignored
+    return root
+
+
+def test_points_in_dose_order_with_seeds_averaged(sweep):
+    groups = dose_report.by_point(dose_report.read_sweep(str(sweep)))
+    assert list(groups) == ["baseline", "cd10x", "cd100x", "tweo"]
+    assert [r.seed for r in groups["baseline"]] == [0, 1]
+
+
+def test_report_figures_match_hand_computed_values(sweep, tmp_path):
+    report = dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
+    first_table = report.split("Pair energy")[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in first_table.splitlines() if line.startswith("| ")}
+    # FP 80 and 84: mean 82, sample std sqrt(8) = 2.83; W4A4 60 and 64: 62 ± 2.83; W3A3 = W4A4 - 20
+    assert "| baseline | 0,1 | 82.00 ± 2.83 | 50.00 ± 14.14 | 5.00 ± 0.00 | 62.00 ± 2.83 | 62.00 ± 2.83 | " \
+           "42.00 ± 2.83 | 42.00 ± 2.83 |" in report
+    assert rows["cd100x"].startswith("| cd100x | 0 | 70.00 | 20.00 |")
+    # last fc2 energy: baseline (100 + 120) / 2 = 110, cd100x 55 -> -50 %; cd10x 99 -> -10 %
+    energy_lines = report.split("Pair energy")[1].split("Largest")[0]
+    assert "| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 |" in energy_lines
+    assert "55.0 (-50.0 %)" in energy_lines and "99.0 (-10.0 %)" in energy_lines
+    assert "8.0 (+0.0 %)" in energy_lines
+    # norm1: the max over blocks (4 and 6 -> mean 5.0); patch_embed (block -1) is not a module type
+    types = report.split("Largest")[1].split("FC1-FC2")[0]
+    assert "| baseline | 5.0 | - |" in types and "| cd100x | 2.0 | - |" in types and "999" not in types
+    for name in dose_report.OUTPUTS:
+        assert os.path.getsize(tmp_path / "o" / name) > 0
+
+
+def test_alignment_peak_is_the_largest_alpha_of_the_model(sweep):
+    model = dose_report.model_of(str(sweep / "cd100x_s0" / "best.pt"))
+    peak = dose_report.alignment_peak(model)
+    direct = max((float(mechanism.alignment(b.mlp.fc1.weight, b.mlp.fc2.weight)[0].max()), name)
+                 for name, b in mechanism.ffn_blocks(model))
+    assert peak["alpha"] == pytest.approx(direct[0]) and peak["block"] == direct[1]
+
+
+def test_existing_outputs_are_refused_and_errors_are_one_line(sweep, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "dose_report.md").write_text("mine")
+    run = subprocess.run([sys.executable, SCRIPT, str(sweep), "--out", str(out)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 1 and run.stderr.startswith("error: ") and "--overwrite" in run.stderr
+    assert (out / "dose_report.md").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = subprocess.run([sys.executable, SCRIPT, str(empty), "--out", str(out / "x")], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 1 and "no evaluated run" in run.stderr and len(run.stderr.splitlines()) == 1
