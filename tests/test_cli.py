@@ -163,3 +163,16 @@ def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"would be ignored: data.root is read only when") as refused:
         train.parse_args(["--config", DEMO_CONFIG, "data.root=/x"])
     assert "default config" not in str(refused.value)  # a --config was given: no word about the default
+
+
+def test_evaluate_refuses_a_data_override_its_checkpoint_would_ignore(tmp_path, capsys):
+    import torch
+
+    ckpt = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": config_to_dict(load_config([DEMO_CONFIG]))}, ckpt)  # a digits run
+    with pytest.raises(ConfigError, match=r"data.root=/datasets/imagenet would be ignored: .* data.dataset is "
+                                          r"folder, and it is digits"):
+        evaluate.parse_args(["--checkpoint", str(ckpt), "data.root=/datasets/imagenet", "--print-config"])
+    code, out = run(evaluate, ["--checkpoint", str(ckpt), "quant.calib_images=8", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["data"]["dataset"] == "digits"
+    assert sorted(os.listdir(tmp_path)) == ["best.pt"]  # nothing written next to the checkpoint
