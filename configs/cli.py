@@ -182,7 +182,10 @@ def field_help(cls: type, name: str) -> str:
 def _comments(klass: type) -> dict:
     """{field: help text} from the comments of `klass`'s source: the comment on the field's line (with
     its continuation lines, indented `#   `), else the comment lines right above it."""
-    lines, _ = inspect.getsourcelines(klass)
+    try:
+        lines, _ = inspect.getsourcelines(klass)
+    except OSError:  # no source next to the bytecode: no help texts, but the keys, defaults and types
+        return {}
     comments = {}
     for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
         if tok.type == tokenize.COMMENT:
