@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
+from configs.cli import add_config_arguments, parse_known, print_config
 from configs.quant import with_first_last
 from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
@@ -310,6 +311,13 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
 
 
+# timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)
+FOREIGN_EVAL_FLAGS = {"resume": "--checkpoint {}", "finetune": "--checkpoint {} (or model.pretrained={})",
+                      "output_dir": "--out {}", "output": "--out {}", "eval": "",
+                      "batch_size": "train.eval_batch_size_per_gpu={}",
+                      "b": "train.eval_batch_size_per_gpu={}"}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -328,13 +336,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(default none: fp32, as the official quantization code)")
     parser.add_argument("overrides", nargs="*",
                         help="key=value config overrides, e.g. data.root=/datasets/imagenet")
-    args = parser.parse_intermixed_args(argv)
+    add_config_arguments(parser, "evaluate.py")
+    args = parse_known(parser, argv, "evaluate.py", own_flags=FOREIGN_EVAL_FLAGS)
     # `--quant repq data.root=x` would read data.root=x as a pipeline: key=value items are overrides.
     for name in ("quant", "bits"):
         values = getattr(args, name)
         if values:
             args.overrides += [v for v in values if "=" in v]
             setattr(args, name, [v for v in values if "=" not in v])
+    if args.print_config:
+        print_config(resolve_config(args)[0])
+        sys.exit(0)
     return args
 
 

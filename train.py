@@ -28,6 +28,8 @@ from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
+from configs.cli import add_config_arguments, parse_known, print_config
+from configs.loader import IgnoredOverrideError
 from data import DataError, build_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
@@ -320,11 +322,21 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML recipe; repeat to layer several (default: {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")
-    args = parser.parse_intermixed_args(argv)
+    add_config_arguments(parser, "train.py")
+    args = parse_known(parser, argv, "train.py")
     paths = args.config or [DEFAULT_CONFIG]
-    cfg = load_config(paths, args.overrides)
+    try:
+        cfg = load_config(paths, args.overrides)
+    except IgnoredOverrideError as e:
+        if args.config:
+            raise
+        raise IgnoredOverrideError(f"{e}. No --config was given: the default config is {DEFAULT_CONFIG} "
+                                   f"(digits); pass --config configs/... for another recipe") from None
     if not cfg.out_dir:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
+    if args.print_config:
+        print_config(cfg)
+        sys.exit(0)
     return cfg
 
 

@@ -1,4 +1,5 @@
-"""Configuration: the typed schema (`schema.py`), the strict loader (`loader.py`) and the YAML recipes.
+"""Configuration: the typed schema (`schema.py`), the strict loader (`loader.py`), what the entry points'
+command lines tell about it (`cli.py`: --help-config, --print-config) and the YAML recipes.
 
     from configs import load_config
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3"])

@@ -3,14 +3,18 @@
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3", "out_dir=runs/x"])
 
 Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
-against the field's annotation. An unknown key is an error that names the key and its closest matches;
-so is a value of the wrong type or outside a `Literal` choice. `dict` fields (e.g. `model.kwargs`,
-`cd.lam_per_role`) accept any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`).
+against the field's annotation. An unknown key is an error that names the key and its closest matches in
+any section; so is a value of the wrong type or outside a `Literal` choice, and a key given twice in one
+YAML mapping. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept any keys, also as dotted
+overrides (`cd.lam_per_role.fc2=0.02`). An override that the resolved config would not read is refused
+(`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
+optim.lr_base while optim.lr is set, ...), unless the same overrides set the deciding key themselves.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import types
@@ -27,7 +31,25 @@ class ConfigError(ValueError):
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` and `5E4` as floats (YAML 1.1 wants `1.0e-3`)."""
+    """SafeLoader that also reads `1e-3` and `5E4` as floats (YAML 1.1 wants `1.0e-3`), and refuses a key
+    given twice in one mapping (PyYAML keeps the last one silently: a second `optim:` section would drop
+    the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden key by key
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, typing.Hashable):
+                    continue  # SafeLoader reports unhashable keys itself
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"key '{key}' appears twice (lines {first_line[key]} and {line}); keep one")
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -52,8 +74,9 @@ def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[st
     return apply_overrides(cfg, overrides)
 
 
-def merge_file(cfg: Config, path: str) -> Config:
-    """Apply the YAML file at `path` to `cfg` in place (and return it)."""
+def read_yaml_file(path: str) -> dict:
+    """The top-level mapping of the YAML file at `path` (a config or a sweep file); a missing file, invalid
+    YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
@@ -64,12 +87,19 @@ def merge_file(cfg: Config, path: str) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    _merge(cfg, data, path="", source=path)
+    return data
+
+
+def merge_file(cfg: Config, path: str) -> Config:
+    """Apply the YAML file at `path` to `cfg` in place (and return it)."""
+    _merge(cfg, read_yaml_file(path), path="", source=path)
     return cfg
 
 
 def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
-    """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else."""
+    """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else; an
+    override that the resulting config would ignore is refused (`check_overrides_read`)."""
+    given = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -79,7 +109,63 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
+        given.update(_dotted(key.strip(), value, cfg))
+    check_overrides_read(cfg, given)
     return cfg
+
+
+class IgnoredOverrideError(ConfigError):
+    """An override of a key that the config, as resolved, never reads (e.g. data.root for digits)."""
+
+
+# Keys that only some settings read: (keys, the key that decides, the values with which they are read). A
+# key ending in "." stands for every key of that section but the deciding one. Mixup / cutmix details with
+# mixup off, wandb details with wandb off and the like are not listed: they change nothing a run computes.
+READ_ONLY_WHEN = [
+    (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder",)),
+    (("data.synthetic_train_size", "data.synthetic_val_size"), "data.dataset", ("synthetic",)),
+    (("data.digits_img_size", "data.digits_val_fraction"), "data.dataset", ("digits",)),
+    (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr
+    (("cd.",), "cd.enabled", (True,)),
+    (("cd.loss_coef",), "cd.mode", ("loss",)),
+    (("tweo.",), "tweo.enabled", (True,)),
+    (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
+]
+
+
+def check_overrides_read(cfg: Config, given: dict) -> None:
+    """Refuse an override (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while
+    data.dataset is digits, or cd.lam while cd.enabled is false. Overrides that set the deciding key too
+    (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) say what they mean and pass."""
+    for keys, decider, read_with in READ_ONLY_WHEN:
+        value = get_key(cfg, decider)
+        if decider in given or value in read_with:
+            continue
+        for key in given:
+            if any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+                raise IgnoredOverrideError(
+                    f"{key}={_show(given[key])} would be ignored: {key} is read only when {decider} is "
+                    f"{' or '.join(map(_show, read_with))}, and it is {_show(value)}; drop it or set "
+                    f"{decider} as well")
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    """The value of the dotted `key` in `cfg` (a Config or one of its sections)."""
+    for part in key.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+def _show(value: Any) -> str:
+    """A value as it is written in an override (true, null, 0.01, /datasets/x)."""
+    return yaml.safe_dump(value, default_flow_style=True).splitlines()[0]
+
+
+def _dotted(key: str, value: Any, cfg: Config) -> dict:
+    """{dotted key: value} of one override; a section given as a mapping (cd={lam: 0.01}) counts by key."""
+    if isinstance(value, dict) and dataclasses.is_dataclass(get_key(cfg, key)):
+        return {k: v for name, sub in value.items() for k, v in _dotted(f"{key}.{name}", sub, cfg).items()}
+    return {key: value}
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -98,15 +184,16 @@ def config_from_dict(data: dict) -> Config:
 
 def config_to_dict(cfg: Any) -> dict:
     """Plain nested dict (tuples become lists) for YAML/JSON and checkpoints."""
-
-    def plain(v):
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-
     return plain(dataclasses.asdict(cfg))
+
+
+def plain(value: Any) -> Any:
+    """`value` with tuples as lists, all the way down (what YAML and JSON write)."""
+    if isinstance(value, (list, tuple)):
+        return [plain(x) for x in value]
+    if isinstance(value, dict):
+        return {k: plain(x) for k, x in value.items()}
+    return value
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -125,7 +212,7 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
     hints = typing.get_type_hints(type(node), include_extras=True)
     key = path + name
     if name not in hints:
-        raise ConfigError(_unknown_key_message(key, hints, source))
+        raise ConfigError(_unknown_key_message(".".join([key, *rest]), path[:-1], hints, source))
     current = getattr(node, name)
     if dataclasses.is_dataclass(current):
         if rest:
@@ -140,27 +227,62 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
         # a dotted key into a free-form dict field: cd.lam_per_role.fc2=0.02
         setattr(node, name, {**current, ".".join(rest): value})
         return
-    raise ConfigError(f"{source}: '{key}' is {_type_name(annotation)}; it has no sub-key '{rest[0]}'")
+    raise ConfigError(f"{source}: '{key}' is {describe_type(annotation)}; it has no sub-key '{rest[0]}'")
 
 
-def _unknown_key_message(key: str, hints: dict, source: str) -> str:
-    section, _, name = key.rpartition(".")
-    matches = difflib.get_close_matches(name, list(hints), n=3, cutoff=0.5)
+def _unknown_key_message(key: str, section: str, hints: dict, source: str) -> str:
+    """'unknown config key' with the closest keys of any section, else the keys of `section`, where the
+    lookup failed."""
+    matches = close_keys(key)
     where = f"section '{section}'" if section else "the top level"
-    hint = f"; did you mean {', '.join(repr((section + '.' if section else '') + m) for m in matches)}?" \
+    hint = f"; did you mean {', '.join(map(repr, matches))}?" \
         if matches else f"; valid keys in {where}: {', '.join(sorted(hints))}"
     return f"{source}: unknown config key '{key}'{hint}"
+
+
+@functools.lru_cache(maxsize=None)
+def schema_keys(node: Any = Config, prefix: str = "") -> tuple:
+    """Every dotted key of the schema, sections included (`model`, `model.name`, ..., `quant.aphq.iters`)."""
+    keys = ()
+    for f in dataclasses.fields(node):
+        keys += (prefix + f.name,)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += schema_keys(type(default), prefix + f.name + ".")
+    return keys
+
+
+def close_keys(key: str, n: int = 3) -> list:
+    """The schema keys closest to the unknown dotted `key`, searched in every section: the last part
+    counts most (`train.epochs` -> `sched.epochs`, `epochs` -> `sched.epochs`), the whole key breaks ties
+    (`optim.lrr` -> `optim.lr` before `quant.gplq.lr`)."""
+    leaf = key.rpartition(".")[2]
+
+    def score(candidate: str) -> float:
+        ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
+        return 0.6 * ratio(leaf, candidate.rpartition(".")[2]) + 0.4 * ratio(key, candidate)
+
+    scored = sorted(((score(c), c) for c in schema_keys()), key=lambda sc: -sc[0])[:n]
+    return [c for s, c in scored if s >= max(0.6, scored[0][0] - 0.15)]
 
 
 def _origin(annotation: Any) -> Any:
     return typing.get_origin(annotation)
 
 
-def _type_name(annotation: Any) -> str:
-    if _origin(annotation) is Annotated:
-        return _type_name(typing.get_args(annotation)[0])
-    if _origin(annotation) in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(annotation))
+def describe_type(annotation: Any) -> str:
+    """'int, >= 1', 'one of fp16 | bf16 | none', 'float or null, > 0' from a schema annotation."""
+    origin = _origin(annotation)
+    if origin is Annotated:
+        base, *ranges = typing.get_args(annotation)
+        return ", ".join([describe_type(base)] + [r.describe() for r in ranges])
+    if origin is Literal:
+        return "one of " + " | ".join(map(str, typing.get_args(annotation)))
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else describe_type(a)
+                           for a in typing.get_args(annotation))
+    if origin in (tuple, list, dict):
+        return origin.__name__
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
@@ -168,7 +290,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Check `value` against `annotation`; return it in the field's canonical type."""
 
     def fail(reason: str = ""):
-        raise ConfigError(f"{source}: '{key}' expects {_type_name(annotation)}, got {value!r}"
+        raise ConfigError(f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
                           f" ({type(value).__name__}){reason}")
 
     origin = _origin(annotation)

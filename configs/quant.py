@@ -22,10 +22,10 @@ class FirstLastOptions:
     `quant.first_last=w8a8` sets both to W8A8 for every pipeline (the QwT / RepQ-ViT lab's convention).
     """
 
-    stem_w_bits: Optional[int] = None
-    stem_a_bits: Optional[int] = 8
-    head_w_bits: Optional[int] = None
-    head_a_bits: Optional[int] = None
+    stem_w_bits: Optional[int] = None  # patch-embedding weights; None: the main w bits, 0: float
+    stem_a_bits: Optional[int] = 8  # patch-embedding input (the image); None: the main a bits, 0: float
+    head_w_bits: Optional[int] = None  # classifier weights; None: the main w bits, 0: float
+    head_a_bits: Optional[int] = None  # classifier input; None: the main a bits, 0: float
 
     def resolved(self, bits) -> Dict[str, Dict[str, Optional[int]]]:
         """{"stem": {"w": .., "a": ..}, "head": {...}} with None meaning float; `bits` has `.w` and `.a`
@@ -50,17 +50,21 @@ def with_first_last(options: FirstLastOptions, preset: str) -> FirstLastOptions:
 
 @dataclass
 class PercentileOptions(FirstLastOptions):
-    act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
+    """Percentile PTQ options: how activation and weight ranges are chosen (see quant/README.md)."""
+
+    act_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # activation range rule
     act_percentiles: Optional[Tuple[float, ...]] = None  # None: RepQ set for percentile_mse,
     #   (0.9999,) for percentile
-    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"
+    weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # weight range rule
     weight_percentiles: Optional[Tuple[float, ...]] = None  # None: as for act_percentiles
     weight_symmetric: bool = False  # True: signed symmetric per-channel weights (GPLQ stage 2 style)
-    softmax: Literal["uniform", "log_sqrt2"] = "uniform"
+    softmax: Literal["uniform", "log_sqrt2"] = "uniform"  # softmax-output quantizer
 
 
 @dataclass
 class RepQOptions(FirstLastOptions):
+    """RepQ-ViT options (defaults: the official code; see quant/README.md)."""
+
     round_zero_point: bool = False  # official code: unrounded mean zero point (see module docstring)
     reparam: bool = True  # False: keep the per-channel post-LayerNorm quantizers (ablation)
 

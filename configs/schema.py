@@ -17,6 +17,8 @@ from .quant import APHQOptions, GPLQOptions, PercentileOptions, RepQOptions
 
 @dataclass
 class ModelConfig:
+    """The network: a timm model name (or a small variant of models/variants.py) and its options."""
+
     name: str = "vit_base_patch16_224"  # timm model name, or a small variant from models/variants.py
     num_classes: Annotated[int, AtLeastOne] = 1000  # classifier outputs; must match the data set's classes
     # input resolution; None keeps the variant's / timm's default
@@ -34,42 +36,45 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # folder: ImageNet-style train/val class folders
+    """The data set (image folders, the embedded digits, or synthetic images), augmentation and loading."""
+
+    # folder: ImageNet-style class folders under data.root; digits: the embedded 8x8 digits (sklearn, no
+    # download); synthetic: random images (benchmarks, tests)
     dataset: Literal["folder", "digits", "synthetic"] = "folder"
     root: str = ""  # data set folder holding `train_split` and `val_split` sub-folders (dataset=folder)
-    train_split: str = "train"
-    val_split: str = "val"
+    train_split: str = "train"  # sub-folder of root with the training classes
+    val_split: str = "val"  # sub-folder of root with the validation classes
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
-    mean: tuple = (0.485, 0.456, 0.406)
-    std: tuple = (0.229, 0.224, 0.225)
-    interpolation: str = "bicubic"
+    mean: tuple = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
+    std: tuple = (0.229, 0.224, 0.225)  # per-channel normalization std (RGB)
+    interpolation: str = "bicubic"  # resize interpolation (train and eval)
     # eval: resize to img_size / crop_pct, then center crop
     crop_pct: Annotated[float, Range(0, 1, low_open=True)] = 0.875
     crop_mode: Literal["center", "squash", "border"] = "center"  # timm eval crop modes
     # train augmentation (timm create_transform)
     scale: tuple = (0.08, 1.0)  # RandomResizedCrop area range
-    ratio: tuple = (0.75, 1.3333333333333333)
-    hflip: Annotated[float, Probability] = 0.5
+    ratio: tuple = (0.75, 1.3333333333333333)  # RandomResizedCrop aspect-ratio range
+    hflip: Annotated[float, Probability] = 0.5  # horizontal flip probability
     auto_augment: str = "rand-m9-mstd0.5-inc1"  # "" disables; timm turns color jitter off when set
-    color_jitter: Annotated[float, NonNegative] = 0.3
+    color_jitter: Annotated[float, NonNegative] = 0.3  # strength; used only without auto_augment
     reprob: Annotated[float, Probability] = 0.25  # random erasing probability
-    remode: str = "pixel"
-    recount: Annotated[int, AtLeastOne] = 1
+    remode: str = "pixel"  # random erasing fill: pixel, rand or const
+    recount: Annotated[int, AtLeastOne] = 1  # random erasing: regions per image
     # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
     repeated_aug: Annotated[int, NonNegative] = 3
     # batch-level mixing (timm Mixup); label smoothing is applied inside it or in the loss
     mixup: Annotated[float, NonNegative] = 0.8  # Beta alpha; 0 disables
     cutmix: Annotated[float, NonNegative] = 1.0  # Beta alpha; 0 disables
-    mixup_prob: Annotated[float, Probability] = 1.0
-    mixup_switch_prob: Annotated[float, Probability] = 0.5
-    mixup_mode: str = "batch"
-    label_smoothing: Annotated[float, BelowOne] = 0.1
+    mixup_prob: Annotated[float, Probability] = 1.0  # probability that a batch is mixed at all
+    mixup_switch_prob: Annotated[float, Probability] = 0.5  # with both on: probability of cutmix
+    mixup_mode: str = "batch"  # timm Mixup mode: batch, pair or elem
+    label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
     num_workers: Annotated[int, NonNegative] = 8  # per process
-    pin_memory: bool = True
+    pin_memory: bool = True  # page-locked batches for faster copies to the GPU
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096
-    synthetic_val_size: Annotated[int, AtLeastOne] = 512
+    synthetic_val_size: Annotated[int, AtLeastOne] = 512  # images in the synthetic val set
     # the 8x8 digits are upscaled to this (bicubic) before the pipeline
     digits_img_size: Annotated[int, Range(8)] = 32
     # stratified, fixed split of the 1,797 images
@@ -78,16 +83,18 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """The optimizer (timm), its peak learning rate and weight decay."""
+
     name: str = "adamw"  # any timm create_optimizer_v2 name (adamw, sgd, lamb, ...)
     # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
     lr: Annotated[Optional[float], Positive] = None
-    lr_base: Annotated[float, Positive] = 5e-4
-    lr_base_batch: Annotated[int, AtLeastOne] = 512
+    lr_base: Annotated[float, Positive] = 5e-4  # peak lr at a global batch of lr_base_batch
+    lr_base_batch: Annotated[int, AtLeastOne] = 512  # the global batch lr_base refers to
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
     # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
     weight_decay: Annotated[float, NonNegative] = 0.05
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
+    betas: tuple = (0.9, 0.999)  # Adam(W) moment coefficients
+    eps: float = 1e-8  # Adam(W) denominator epsilon
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
     # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
@@ -98,9 +105,11 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
+    """The learning-rate schedule (timm): length in epochs, warmup, final lr."""
+
     name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
     epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
-    warmup_epochs: Annotated[float, NonNegative] = 5
+    warmup_epochs: Annotated[float, NonNegative] = 5  # linear warmup from warmup_lr; fractions allowed
     warmup_lr: Annotated[float, NonNegative] = 1e-6  # absolute (not scaled with the batch)
     min_lr: Annotated[float, NonNegative] = 1e-5  # absolute (not scaled with the batch)
     warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
@@ -109,25 +118,27 @@ class SchedConfig:
 
 @dataclass
 class TrainConfig:
+    """The run: batch sizes, precision, EMA, device, seed, checkpoint and log intervals, safeguards."""
+
     # global batch per optimizer update (all GPUs, all accumulation steps)
     batch_size: Annotated[int, AtLeastOne] = 1024
     # per forward pass; accumulation = batch_size / (per_gpu x world)
     batch_size_per_gpu: Annotated[int, AtLeastOne] = 128
-    eval_batch_size_per_gpu: Annotated[int, AtLeastOne] = 256
+    eval_batch_size_per_gpu: Annotated[int, AtLeastOne] = 256  # per process, validation
     amp: Literal["none", "fp16", "bf16"] = "fp16"  # fp16 runs a GradScaler, bf16 none
     compile: bool = False  # torch.compile the model (before DDP wrapping)
     # keep an EMA of the weights, evaluated separately (val_ema/*); DeiT reports the raw model
     ema: bool = False
-    ema_decay: Annotated[float, BelowOne] = 0.99996
-    ema_warmup: bool = False
-    seed: int = 0
+    ema_decay: Annotated[float, BelowOne] = 0.99996  # EMA decay per optimizer update
+    ema_warmup: bool = False  # timm EMA warmup: a smaller decay over the first updates
+    seed: int = 0  # initialization, data order and augmentation
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     # stop after this many optimizer updates (debugging); None: full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
-    eval_every_epochs: Annotated[int, AtLeastOne] = 1
+    eval_every_epochs: Annotated[int, AtLeastOne] = 1  # validate every N epochs (and after the last)
     # also write checkpoint.pt every N updates (0: at epoch ends only)
     ckpt_every_steps: Annotated[int, NonNegative] = 0
-    log_every_steps: Annotated[int, AtLeastOne] = 50
+    log_every_steps: Annotated[int, AtLeastOne] = 50  # training metrics every N updates
     deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)
     # stop when the loss stays above this multiple of its first value (engine/divergence.py); None: off
     divergence_factor: Annotated[Optional[float], Range(1, low_open=True)] = 3.0
@@ -139,9 +150,11 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
+    """Where metrics go (metrics.jsonl always; TensorBoard, wandb) and what is recorded besides."""
+
+    tensorboard: bool = True  # TensorBoard events in out_dir/tb
     wandb: bool = False  # imported only when true
-    wandb_project: str = "colinearity-decay"
+    wandb_project: str = "colinearity-decay"  # wandb project name
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline works without network
     progress: bool = True  # tqdm progress bar on the main rank (when stderr is a terminal)
     act_max: bool = False  # record activation maxima (act/max_module, act/max_block) at validation
@@ -149,9 +162,9 @@ class LogConfig:
 
 @dataclass
 class CDConfig:
-    """Colinearity Decay (paper Sec. 3.3, App. A.2 ("Normalized CD")); see cd/README.md."""
+    """Colinearity Decay, the method (paper Sec. 3.3, App. A.2 ("Normalized CD")); see cd/README.md."""
 
-    enabled: bool = False
+    enabled: bool = False  # apply CD during training
     lam: Annotated[float, NonNegative] = 0.005  # lambda_cd: the update step is lr * lam
     lam_per_role: dict = field(default_factory=dict)  # per-role override, e.g. {fc2: 0.02}
     # A composable, B functional, C both matrices of functional
@@ -166,13 +179,13 @@ class CDConfig:
 
 @dataclass
 class TWEOConfig:
-    """TWEO activation regularizer (paper App. A.3 ("TWEO Background")), the baseline CD is compared with."""
+    """TWEO, the activation regularizer CD is compared with (paper App. A.3 ("TWEO Background"))."""
 
-    enabled: bool = False
+    enabled: bool = False  # add the TWEO loss during training
     lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value
-    p: Annotated[float, Range(1)] = 4.0
-    tau: Annotated[float, Positive] = 3.0
-    eps: float = 1e-6
+    p: Annotated[float, Range(1)] = 4.0  # exponent of the penalty mean((|A| / tau)^p)
+    tau: Annotated[float, Positive] = 3.0  # activation magnitude scale of the penalty
+    eps: float = 1e-6  # added to tau
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
     # same value and gradient; plain = ordinary autograd ops that keep fp32 copies of every block output
@@ -182,15 +195,16 @@ class TWEOConfig:
 
 @dataclass
 class QuantConfig:
-    """Fake-quantization evaluation (evaluate.py). Each pipeline's options are its own typed section,
-    the Options dataclass in configs/quant.py (e.g. quant.repq.round_zero_point=true,
-    quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
+    """Fake-quantization evaluation (evaluate.py): pipelines, bit-widths, calibration, per-pipeline options.
 
-    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
-    bits: list = field(default_factory=lambda: ["w4a4"])
+    Each pipeline's options are its own typed section, the Options dataclass in configs/quant.py (e.g.
+    quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
+
+    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])  # of percentile, repq, aphq, gplq
+    bits: list = field(default_factory=lambda: ["w4a4"])  # weight / activation bit-widths, e.g. [w4a4, w6a6]
     # fixed, seeded subset of the train split (percentile / repq calibration)
     calib_images: Annotated[int, AtLeastOne] = 32
-    calib_seed: int = 0
+    calib_seed: int = 0  # seed choosing the calibration images
     # eval: the eval transform; train: one fixed training augmentation per image, as the QwT / GPLQ lab's
     # RepQ-ViT runs calibrate on a batch of their training loader
     calib_transform: Literal["eval", "train"] = "eval"
@@ -211,7 +225,9 @@ class QuantConfig:
 
 @dataclass
 class Config:
-    out_dir: str = ""  # "" -> runs/<the --config file names joined by +>
+    """Everything a run of train.py or evaluate.py reads."""
+
+    out_dir: str = ""  # the run's folder; "" -> runs/<the --config file names joined by +>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -6,13 +6,15 @@
                                        data=PipelineData(...))
 
 The shared core is in this folder (quantizers, layers, attention, spec, convert, calibrate, ranges,
-reparam, units, layout, pipeline); each method family is a sub-package: ptq/ (percentile, RepQ-ViT),
-aphq/, gplq/. quant/ imports torch, timm, numpy, configs (its options) and engine (distributed helpers,
-the training loop for GPLQ's stage 1); never data/ or the entry points. See quant/README.md.
+reparam, units, layout; pipeline_base: the interface every pipeline implements, pipeline_data: the
+training data some draw, registry: PIPELINES by name); each method family is a sub-package: ptq/
+(percentile, RepQ-ViT), aphq/, gplq/. quant/ imports torch, timm, numpy, configs (its options) and
+engine (distributed helpers, the training loop for GPLQ's stage 1); never data/ or the entry points. See
+quant/README.md.
 """
 from .convert import quantize_model
 from .pipeline_data import PipelineData
-from .pipelines import PIPELINES, evaluate_quantized
+from .registry import PIPELINES, evaluate_quantized
 from .spec import Bits, parse_bits
 
 __all__ = ["PIPELINES", "evaluate_quantized", "PipelineData", "quantize_model", "Bits", "parse_bits"]

@@ -29,13 +29,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.loader import parse_yaml  # noqa: E402
+from configs.loader import read_yaml_file  # noqa: E402
 
 
 def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), all checked by the loader."""
-    with open(sweep_path) as f:
-        sweep = parse_yaml(f.read()) or {}
+    sweep = read_yaml_file(sweep_path)
     unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
         raise ConfigError(f"{sweep_path}: a sweep has 'configs', 'out_root', a non-empty 'runs' mapping and "

@@ -1,6 +1,7 @@
 """Config loading: every recipe loads, overrides are strict and typed, precedence is defaults < YAML < CLI."""
 import glob
 import os
+import re
 
 import pytest
 
@@ -47,10 +48,28 @@ def test_scientific_notation_and_yaml_values():
 
 
 def test_unknown_key_names_the_key_and_close_matches():
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'.*'optim.lr'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'; did you mean 'optim.lr'\?"):
         load_config(None, ["optim.lrr=1e-3"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'trian'.*'train'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian.seed'; did you mean 'train.seed'"):
         load_config(None, ["trian.seed=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.xyzzy'; valid keys in section 'model': "
+                                          r"attn, drop, "):
+        load_config(None, ["model.xyzzy=1"])
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("train.epochs", "sched.epochs"),  # the right name in another section
+    ("epochs", "sched.epochs"),  # the section left out
+    ("lr", "optim.lr"),
+    ("data.epochs", "sched.epochs"),
+    ("sched.warmup_epoch", "sched.warmup_epochs"),
+    ("train.label_smoothing", "data.label_smoothing"),
+    ("quant.aphq.iter", "quant.aphq.iters"),  # nested sections too
+    ("cd.lambda", "cd.lam"),
+])
+def test_did_you_mean_searches_every_section(typed, meant):
+    with pytest.raises(ConfigError, match=rf"unknown config key '{typed}'; did you mean '{meant}'"):
+        load_config(None, [f"{typed}=1"])
 
 
 def test_unknown_key_in_a_file_names_the_file(tmp_path):
@@ -96,7 +115,7 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
 
 
 def test_dict_fields_take_dotted_keys():
-    cfg = load_config(None, ["cd.lam_per_role.fc2=0.02", "model.kwargs.depth=4"])
+    cfg = load_config(None, ["cd.enabled=true", "cd.lam_per_role.fc2=0.02", "model.kwargs.depth=4"])
     assert cfg.cd.lam_per_role == {"fc2": 0.02}
     assert cfg.model.kwargs == {"depth": 4}
 
@@ -162,3 +181,55 @@ def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     assert evaluate.quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
     with pytest.raises(ConfigError, match="first_last"):
         load_config([], ["quant.first_last=w4a4"])
+
+
+def test_a_key_twice_in_a_file_names_the_file_the_key_and_the_lines(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("optim:\n  lr: 0.1\ntrain:\n  seed: 3\noptim:\n  weight_decay: 0.2\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: .*key 'optim' appears twice \(lines 1 and 5\)"):
+        load_config([str(twice)])
+    twice.write_text("optim:\n  lr: 0.1\n  weight_decay: 0.2\n  lr: 0.3\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: .*key 'lr' appears twice \(lines 2 and 4\)"):
+        load_config([str(twice)])
+    with pytest.raises(ConfigError, match=r"key 'fc2' appears twice"):  # a value on the command line too
+        load_config(None, ["cd.enabled=true", "cd.lam_per_role={fc2: 0.1, fc2: 0.2}"])
+    # YAML merge keys may be overridden key by key, as YAML means them to
+    twice.write_text("model:\n  kwargs: &base {depth: 2, embed_dim: 64}\ncd:\n  lam_per_role:\n"
+                     "    <<: *base\n    depth: 3\n")
+    assert load_config([str(twice)]).cd.lam_per_role == {"depth": 3, "embed_dim": 64}
+
+
+IGNORED = [  # (config, overrides, the key refused): each override is one the config never reads
+    ("configs/demo/vit_digits.yaml", ["data.root=/x", "model.name=deit_tiny_patch16_224"], "data.root"),
+    ("configs/demo/vit_digits.yaml", ["data.val_split=validation"], "data.val_split"),
+    ("configs/debug/tiny.yaml", ["data.digits_img_size=16"], "data.digits_img_size"),
+    ("configs/pretrain/vit_b.yaml", ["data.synthetic_train_size=8"], "data.synthetic_train_size"),
+    ("configs/demo/vit_digits.yaml", ["optim.lr_base=1e-3"], "optim.lr_base"),  # the demo sets optim.lr
+    ("configs/pretrain/vit_b.yaml", ["cd.lam=0.01"], "cd.lam"),  # CD is off: a baseline would run
+    ("configs/pretrain/vit_b.yaml", ["cd={lam: 0.01}"], "cd.lam"),
+    ("configs/pretrain/vit_b.yaml", ["cd.lam_per_role.fc2=0.02"], "cd.lam_per_role.fc2"),
+    ("configs/method/cd.yaml", ["cd.loss_coef=0.01"], "cd.loss_coef"),  # decoupled mode has no loss
+    ("configs/pretrain/vit_b.yaml", ["tweo.lam=0.1"], "tweo.lam"),
+    ("configs/pretrain/vit_b.yaml", ["train.ema_decay=0.999"], "train.ema_decay"),
+]
+
+
+@pytest.mark.parametrize("path, overrides, key", IGNORED, ids=[i[2] for i in IGNORED])
+def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.* would be ignored: {re.escape(key)} is read "
+                                          r"only when .*; drop it or set .* as well"):
+        load_config([os.path.join(ROOT, path)], overrides)
+
+
+@pytest.mark.parametrize("path, overrides", [
+    ("configs/demo/vit_digits.yaml", ["data.dataset=folder", "data.root=/datasets/x"]),  # read once switched
+    ("configs/pretrain/vit_b.yaml", ["data.root=/datasets/x", "data.val_split=validation"]),
+    ("configs/pretrain/vit_b.yaml", ["optim.lr_base=1e-3"]),  # no optim.lr: the scaling rule reads it
+    ("configs/pretrain/vit_b.yaml", ["cd.enabled=true", "cd.lam=0.01"]),
+    ("configs/pretrain/vit_b.yaml", ["cd={enabled: true, lam: 0.01}"]),
+    ("configs/method/cd.yaml", ["cd.enabled=false", "cd.lam=0.01"]),  # says itself that CD is off (sweeps)
+    ("configs/method/cd.yaml", ["cd.mode=loss", "cd.loss_coef=0.01"]),
+    ("configs/demo/vit_digits.yaml", ["data.mixup_prob=0.5"]),  # mixup details with mixup off: harmless
+])
+def test_an_override_the_config_reads_is_taken(path, overrides):
+    load_config([os.path.join(ROOT, path)], overrides)

@@ -8,7 +8,7 @@ from torch import nn
 from quant import quantize_model
 from quant.calibrate import calibrate
 from quant.modes import named_quantizers, set_quant_state
-from quant.pipelines import PIPELINES
+from quant.registry import PIPELINES
 from configs.quant import RepQOptions
 from quant.reparam import find_fold_sites, fold_layernorm
 from quant.spec import Bits

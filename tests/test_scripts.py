@@ -21,8 +21,10 @@ SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 @pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
 def test_every_sweep_expands_into_valid_configs(path):
     with open(path) as f:
-        sets_root = "run_keys: [data.root]" in f.read()
-    runs = sweep.expand(path, [] if sets_root else ["data.root=/datasets/imagenet"])
+        text = f.read()
+    # data.root for the sweeps that need one (not those whose runs set it, nor the digits demo's)
+    needs_root = "run_keys: [data.root]" not in text and "configs/demo/" not in text
+    runs = sweep.expand(path, ["data.root=/datasets/imagenet"] if needs_root else [])
     assert runs and len({r["name"] for r in runs}) == len(runs)
     out_dirs = [o for r in runs for o in r["overrides"] if o.startswith("out_dir=")]
     assert len(set(out_dirs)) == len(runs)  # every run writes to its own folder
@@ -34,6 +36,22 @@ def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
                    "  second: [optim.lrr=1]\n")
     with pytest.raises(ConfigError, match="sweep run 'second'.*'optim.lr'"):
         sweep.expand(str(bad), [])
+
+
+def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
+    bad = tmp_path / "twice.yaml"
+    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: [optim.lr=1e-3]\n  a: [optim.lr=1e-2]\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: .*key 'a' appears twice \(lines 3 and 4\)"):
+        sweep.expand(str(bad), [])
+
+
+def test_a_sweep_refuses_an_override_that_a_run_would_ignore():
+    digits = os.path.join(ROOT, "configs", "sweeps", "digits_demo.yaml")
+    with pytest.raises(ConfigError, match=r"sweep run 'baseline'.*data.root=/datasets/x would be ignored"):
+        sweep.expand(digits, ["data.root=/datasets/x"])
+    # cd.* for every run of a sweep whose baseline run sets cd.enabled=false itself: that run says so
+    cd_lambda = os.path.join(ROOT, "configs", "sweeps", "cd_lambda.yaml")
+    assert sweep.expand(cd_lambda, ["data.root=/datasets/imagenet", "cd.targets=B"])
 
 
 def test_a_small_sweep_trains_evaluates_and_tabulates(tmp_path, capsys):

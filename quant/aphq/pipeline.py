@@ -37,7 +37,8 @@ from ..calibrate import Images
 from ..convert import quantize_model
 from ..layout import standard_layout
 from ..modes import set_quant_state
-from ..pipeline import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report, sync_across_ranks
+from ..pipeline_base import (Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report,
+                             sync_across_ranks)
 from ..pipeline_data import PipelineData, require_data
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits

@@ -49,7 +49,8 @@ from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model, quantized_layers
 from ..layout import standard_layout
 from ..modes import named_quantizers, quant_state, set_quant_state
-from ..pipeline import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report, sync_across_ranks
+from ..pipeline_base import (Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report,
+                             sync_across_ranks)
 from ..pipeline_data import PipelineData, require_data
 from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec

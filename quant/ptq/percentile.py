@@ -28,7 +28,7 @@ from configs.quant import PercentileOptions
 
 from ..calibrate import Images
 from ..layout import standard_layout
-from ..pipeline import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
 from ..pipeline_data import PipelineData
 from ..quantizers import LogSqrt2Quantizer
 from ..ranges import range_search

@@ -26,7 +26,7 @@ from configs.quant import RepQOptions
 
 from ..calibrate import Images, refit_weight_quantizers
 from ..layout import standard_layout
-from ..pipeline import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
 from ..pipeline_data import PipelineData
 from ..quantizers import LogSqrt2Quantizer
 from ..ranges import REPQ_PERCENTILES, RangeSearch

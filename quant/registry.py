@@ -17,7 +17,7 @@ from torch import nn
 from .aphq.pipeline import APHQPipeline
 from .calibrate import Images
 from .gplq.pipeline import GPLQPipeline
-from .pipeline import Pipeline
+from .pipeline_base import Pipeline
 from .pipeline_data import PipelineData
 from .ptq.percentile import PercentilePipeline
 from .ptq.repq import RepQPipeline

@@ -1,0 +1,224 @@
+"""What train.py and evaluate.py tell users about the config on the command line.
+
+    python train.py --help                    # the options, and every config section in one line each
+    python train.py --help-config sched       # every key of a section: default, type, range, help text
+    python train.py --config configs/pretrain/vit_b.yaml optim.lr=1e-3 --print-config   # resolved YAML
+
+The help texts are the schema's own comments (configs/schema.py, configs/quant.py): the comment after a
+field, else the comment lines right above it; a section's line is the first line of its class docstring.
+A flag that users of timm / DeiT type from habit (`--epochs 3`, `--output_dir x`) is refused with our
+spelling of it (`sched.epochs=3`, `out_dir=x`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import io
+import textwrap
+import tokenize
+import typing
+from typing import Any, Optional
+
+import yaml
+
+from .loader import (ConfigError, close_keys, config_to_dict, describe_type, get_key, plain,
+                     schema_keys)
+from .schema import Config
+
+# timm / DeiT flags (normalized: no leading dashes, "-" -> "_") and what to write instead ("": nothing);
+# "{}" takes the value that was given with the flag. Flags named like one of our keys (--warmup-epochs,
+# --drop-path, --clip-grad, --min-lr, ...) are found in the schema and need no entry.
+FOREIGN_FLAGS = {
+    "resume": "train.resume={}",
+    "output_dir": "out_dir={}",
+    "output": "out_dir={}",
+    "epochs": "sched.epochs={}",
+    "model": "model.name={}",
+    "data_path": "data.root={}",
+    "data_dir": "data.root={}",
+    "data": "data.root={}",
+    "lr": "optim.lr={} (the peak lr; DeiT's --lr, scaled by batch / 512, is optim.lr_base={})",
+    "batch_size": "train.batch_size_per_gpu={} (per process, as timm's and DeiT's --batch-size; "
+                  "train.batch_size is the global batch)",
+    "b": "train.batch_size_per_gpu={} (per process; train.batch_size is the global batch)",
+    "weight_decay": "optim.weight_decay={}",
+    "wd": "optim.weight_decay={}",
+    "seed": "train.seed={}",
+    "opt": "optim.name={}",
+    "sched": "sched.name={}",
+    "finetune": "model.pretrained={}",
+    "pretrained": "model.pretrained=hub (or a local weights file)",
+    "initial_checkpoint": "model.pretrained={}",
+    "nb_classes": "model.num_classes={}",
+    "input_size": "model.img_size={}",
+    "smoothing": "data.label_smoothing={}",
+    "aa": "data.auto_augment={}",
+    "workers": "data.num_workers={}",
+    "j": "data.num_workers={}",
+    "pin_mem": "data.pin_memory=true",
+    "model_ema": "train.ema=true",
+    "model_ema_decay": "train.ema_decay={}",
+    "amp": "train.amp=fp16 (or bf16)",
+    "eval": "python evaluate.py --checkpoint PATH",
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:
+    """--help-config [SECTION] and --print-config, and the list of sections at the end of --help."""
+    parser.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
+                        action=_HelpConfig, help="list every config key (of SECTION, e.g. sched or "
+                        "quant.aphq) with its default, type, allowed values and meaning, and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (YAML) and exit without running")
+    parser.epilog = sections_overview(entry)
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: list[str], entry: str,
+                own_flags: Optional[dict] = None) -> argparse.Namespace:
+    """parser.parse_intermixed_args(argv), except that an unknown flag with a known meaning is a
+    ConfigError that names our spelling of it (`own_flags` adds or replaces entries of FOREIGN_FLAGS)."""
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    for token in unknown:
+        if token.startswith("-"):
+            message = foreign_flag_message(token, argv, entry, {**FOREIGN_FLAGS, **(own_flags or {})})
+            if message:
+                raise ConfigError(message)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def foreign_flag_message(token: str, argv: list[str], entry: str, flags: dict) -> Optional[str]:
+    """'--epochs is not an option of train.py; ...' for a flag with a known equivalent, else None."""
+    flag, eq, value = token.partition("=")
+    if not eq:  # `--epochs 3`: the value is the next item, unless that is an option or an override
+        later = argv[argv.index(token) + 1:] if token in argv else []
+        value = later[0] if later and not later[0].startswith("-") and "=" not in later[0] else ""
+    name = flag.lstrip("-").replace("-", "_")
+    if name in flags:
+        ours = flags[name]
+    elif name in schema_keys():  # --optim.lr=1e-3
+        ours = name + "={}"
+    else:  # --warmup-epochs 5: a key of the schema under that name (the training sections first)
+        same = [k for k in schema_keys() if k.rpartition(".")[2] == name]
+        same = [k for k in same if not k.startswith("quant.")] or same
+        if len(same) != 1:
+            return None
+        ours = same[0] + "={}"
+    if not ours:
+        return f"{flag} is not an option of {entry}; drop it"
+    ours = ours.replace("{}", value or "VALUE")
+    note = "" if ours.startswith(("-", "python")) else \
+        f"; settings are key=value arguments, python {entry} --help-config lists them"
+    return f"{flag} is not an option of {entry}; use {ours}{note}"
+
+
+def print_config(cfg: Config) -> None:
+    """The resolved config as YAML on stdout; `--config` takes it back as it is."""
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+
+
+def sections_overview(entry: str) -> str:
+    """The config sections in one line each, for the end of --help."""
+    lines = [f"config sections (key=value arguments override the --config files; `python {entry}",
+             "--help-config [SECTION]` lists every key with its default, type, allowed values and meaning):"]
+    for f in dataclasses.fields(Config):
+        value = getattr(Config(), f.name)
+        text = _section_line(type(value)) if dataclasses.is_dataclass(value) else field_help(Config, f.name)
+        lines.append(f"  {f.name:<9} {text}")
+    return "\n".join(lines)
+
+
+def config_help(section: str = "") -> str:
+    """Every key of `section` ("" = all), one entry each: key = default (type, allowed values), help."""
+    if section and section not in schema_keys():
+        matches = close_keys(section)
+        raise ConfigError(f"unknown config section '{section}'"
+                          + (f"; did you mean {', '.join(map(repr, matches))}?" if matches else ""))
+    node = get_key(Config(), section) if section else Config()
+    if not dataclasses.is_dataclass(node):
+        owner, _, name = section.rpartition(".")
+        return _key_entry(get_key(Config(), owner) if owner else Config(), name, section) + "\n"
+    return "\n".join(_section_entries(node, section + "." if section else "")) + "\n"
+
+
+def _section_entries(node: Any, prefix: str) -> list[str]:
+    out = []
+    if prefix:
+        out.append(f"{prefix[:-1]}: {_section_line(type(node))}")
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            out += ["", *_section_entries(value, prefix + f.name + ".")]
+        else:
+            out.append(_key_entry(node, f.name, prefix + f.name))
+    return out
+
+
+def _key_entry(node: Any, name: str, key: str) -> str:
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    default = yaml.safe_dump(plain(getattr(node, name)), default_flow_style=True)
+    head = f"  {key} = {default.splitlines()[0]}  ({describe_type(hints[name])})"
+    body = textwrap.fill(field_help(type(node), name), width=100, initial_indent=" " * 6,
+                         subsequent_indent=" " * 6)
+    return f"{head}\n{body}" if body else head
+
+
+def _section_line(cls: type) -> str:
+    return (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+
+
+def field_help(cls: type, name: str) -> str:
+    """The comment that documents field `name` of dataclass `cls` (searched in the class that defines it)."""
+    for klass in cls.__mro__:
+        if name in vars(klass).get("__annotations__", {}):
+            return _comments(klass).get(name, "")
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _comments(klass: type) -> dict:
+    """{field: help text} from the comments of `klass`'s source: the comment on the field's line (with
+    its continuation lines, indented `#   `), else the comment lines right above it."""
+    try:
+        lines, _ = inspect.getsourcelines(klass)
+    except OSError:  # no source next to the bytecode: no help texts, but the keys, defaults and types
+        return {}
+    comments = {}
+    for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0] - 1] = (tok.string.lstrip("#").strip(), tok.line.strip().startswith("#"),
+                                          tok.string.startswith("#  "))
+    fields = {f.name for f in dataclasses.fields(klass)}
+    found = {}
+    for i, line in enumerate(lines):
+        name = line.strip().partition(":")[0]
+        if not (line.startswith("    ") and not line.startswith("     ") and name in fields):
+            continue
+        if i in comments and not comments[i][1]:  # on the field's line, then its continuations
+            text, j = [comments[i][0]], i + 1
+            while j in comments and comments[j][1] and comments[j][2]:
+                text.append(comments[j][0])
+                j += 1
+        else:  # the comment-only lines right above (not the continuation of the field above's comment)
+            text, j = [], i - 1
+            while j in comments and comments[j][1]:
+                text.insert(0, comments[j])
+                j -= 1
+            while text and text[0][2]:
+                text.pop(0)
+            text = [t[0] for t in text]
+        found[name] = " ".join(text)
+    return found
+
+
+class _HelpConfig(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            text = config_help(values or "")
+        except ConfigError as e:
+            parser.error(str(e))
+        print(text, end="")
+        parser.exit()

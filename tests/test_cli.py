@@ -1,0 +1,178 @@
+"""What the command lines of train.py and evaluate.py tell a user: --help lists every config section,
+--help-config every key with its default, type, allowed values and help text, --print-config the resolved
+config without running anything, and the timm / DeiT flags get our spelling of them."""
+import dataclasses
+import os
+import typing
+
+import pytest
+import yaml
+
+import evaluate
+import train
+from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from configs.cli import field_help
+from configs.loader import get_key, schema_keys
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG
+
+LEAVES = [k for k in schema_keys() if not dataclasses.is_dataclass(get_key(Config(), k))]
+SECTIONS = [k for k in schema_keys() if dataclasses.is_dataclass(get_key(Config(), k))]
+
+
+def keys_in(listing: str) -> list[str]:
+    """The keys of a --help-config listing (each entry's first line: `  key = default  (type)`)."""
+    return [line.split(" = ")[0].strip() for line in listing.splitlines()
+            if line.startswith("  ") and not line.startswith("      ") and " = " in line]
+
+
+def run(entry, argv, capsys) -> tuple[int, str]:
+    """(exit code, stdout) of `entry.parse_args(argv)` for options that print and exit."""
+    with pytest.raises(SystemExit) as done:
+        entry.parse_args(argv)
+    return done.value.code or 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry", [train, evaluate], ids=["train", "evaluate"])
+def test_help_lists_every_section_and_points_to_help_config(entry, capsys):
+    code, out = run(entry, ["--help"], capsys)
+    assert code == 0 and "--help-config [SECTION]" in out and "--print-config" in out
+    listing = out[out.index("config sections"):]
+    for f in dataclasses.fields(Config):
+        value = getattr(Config(), f.name)
+        summary = (typing.cast(str, type(value).__doc__).splitlines()[0] if dataclasses.is_dataclass(value)
+                   else field_help(Config, f.name))
+        assert f"  {f.name:<9} {summary}" in listing, f.name
+
+
+def test_every_key_has_help_text():
+    """The schema's comments are the help: a key without one is a key nobody can look up."""
+    def owner(key: str) -> type:
+        section = key.rpartition(".")[0]
+        return type(get_key(Config(), section) if section else Config())
+
+    assert len(LEAVES) > 150
+    assert [k for k in LEAVES if not field_help(owner(k), k.rpartition(".")[2])] == []
+    # dataclasses without a docstring get their signature as __doc__
+    sections = [type(get_key(Config(), s)) for s in SECTIONS]
+    assert [c.__name__ for c in sections if c.__doc__.startswith(c.__name__ + "(")] == []
+
+
+def test_help_config_lists_every_key_with_default_type_range_and_help(capsys):
+    code, out = run(train, ["--help-config"], capsys)
+    assert code == 0
+    assert keys_in(out) == LEAVES  # every key once, in schema order
+    assert "  sched.epochs = 300  (int, >= 1)\n      total training epochs, warmup included\n" in out
+    assert "  train.amp = fp16  (one of none | fp16 | bf16)\n" in out  # choices
+    assert "  optim.lr = null  (float or null, > 0)\n      absolute peak lr" in out  # optional with a range
+    assert "  data.mean = [0.485, 0.456, 0.406]  (tuple)\n" in out
+    # a continued comment is one help text; a comment above a field is its help when it has none after it
+    assert "None: RepQ set for percentile_mse, (0.9999,) for percentile" in out
+    assert ("  quant.percentile.weight_range = percentile_mse  (one of percentile_mse | percentile | "
+            "minmax)\n      weight range rule\n") in out
+    assert "  quant.gplq.qwt_target = float  (one of float | w32a4 | teacher)\n      reference block: " in out
+
+
+def test_help_config_of_one_section_or_key(capsys):
+    code, out = run(train, ["--help-config", "quant.aphq"], capsys)
+    assert code == 0 and out.startswith("quant.aphq: APHQ options")
+    assert keys_in(out) == [k for k in LEAVES if k.startswith("quant.aphq.")]
+    code, out = run(evaluate, ["--help-config", "data.root"], capsys)
+    assert code == 0 and out.startswith("  data.root = ''  (str)\n      data set folder")
+
+
+def test_help_config_names_a_wrong_section(capsys):
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--help-config", "shed"])
+    assert done.value.code == 2
+    assert "unknown config section 'shed'; did you mean 'sched'?" in capsys.readouterr().err
+
+
+def test_print_config_prints_the_resolved_config_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", DEBUG_CONFIG, "optim.lr=1e-3", "sched.epochs=7"]
+    code, out = run(train, [*argv, "--print-config"], capsys)
+    assert code == 0 and os.listdir(tmp_path) == []  # no run folder, no log
+    printed = config_from_dict(yaml.safe_load(out))
+    expected = load_config([DEBUG_CONFIG], ["optim.lr=1e-3", "sched.epochs=7", "out_dir=runs/tiny"])
+    assert printed == expected
+    # the printed YAML is itself a config file that gives the same run
+    (tmp_path / "resolved.yaml").write_text(out)
+    assert train.parse_args(["--config", str(tmp_path / "resolved.yaml")]) == expected
+
+
+def test_evaluate_print_config_resolves_config_files_and_overrides(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out = run(evaluate, ["--config", DEBUG_CONFIG, "model.pretrained=/weights/x.pth", "--quant", "repq",
+                               "--bits", "w6a6", "quant.calib_images=8", "--print-config"], capsys)
+    assert code == 0 and os.listdir(tmp_path) == []
+    printed = yaml.safe_load(out)
+    assert printed["model"]["pretrained"] == "/weights/x.pth" and printed["quant"]["calib_images"] == 8
+    assert printed["quant"]["pipelines"] == ["repq"] and printed["quant"]["bits"] == ["w6a6"]
+    assert printed == config_to_dict(evaluate.resolve_config(evaluate.parse_args(
+        ["--config", DEBUG_CONFIG, "model.pretrained=/weights/x.pth", "--quant", "repq", "--bits", "w6a6",
+         "quant.calib_images=8"]))[0])
+
+
+@pytest.mark.parametrize("argv, ours", [
+    (["--resume", "runs/x/checkpoint.pt"], "train.resume=runs/x/checkpoint.pt"),
+    (["--output_dir", "runs/x"], "out_dir=runs/x"),
+    (["--output-dir=runs/x"], "out_dir=runs/x"),
+    (["--epochs", "3"], "sched.epochs=3"),
+    (["--model", "deit_tiny_patch16_224"], "model.name=deit_tiny_patch16_224"),
+    (["--data-path", "/datasets/imagenet"], "data.root=/datasets/imagenet"),
+    (["--data_path", "/d"], "data.root=/d"),
+    (["--data-dir", "/d"], "data.root=/d"),
+    (["--lr", "5e-4"], "optim.lr=5e-4 (the peak lr; DeiT's --lr, scaled by batch / 512, is optim.lr_base"),
+    (["--batch-size", "64"], "train.batch_size_per_gpu=64 (per process"),
+    (["--weight-decay", "0.05"], "optim.weight_decay=0.05"),
+    (["--seed", "1"], "train.seed=1"),
+    (["--warmup-epochs", "5"], "sched.warmup_epochs=5"),  # found in the schema under its own name
+    (["--drop-path", "0.1"], "model.drop_path=0.1"),
+    (["--optim.lr=1e-3"], "optim.lr=1e-3"),  # one of our keys written as a flag
+    (["--model-ema"], "train.ema=true"),
+    (["--eval"], "python evaluate.py --checkpoint PATH"),
+])
+def test_timm_and_deit_flags_name_our_equivalent(argv, ours):
+    with pytest.raises(ConfigError, match=r"^--[\w.-]+ is not an option of train.py; use ") as refused:
+        train.parse_args(["--config", DEBUG_CONFIG, *argv, "out_dir=runs/x"])
+    assert f"; use {ours}" in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, ours", [
+    (["--resume", "runs/x/best.pt"], "use --checkpoint runs/x/best.pt"),
+    (["--output_dir", "results"], "use --out results"),
+    (["--batch-size", "256"], "use train.eval_batch_size_per_gpu=256"),
+    (["--data-path", "/d"], "use data.root=/d"),
+    (["--eval"], "drop it"),
+])
+def test_evaluate_names_its_own_equivalents(argv, ours):
+    with pytest.raises(ConfigError, match=r"is not an option of evaluate.py; " + ours.replace(".", r"\.")):
+        evaluate.parse_args(["--checkpoint", "runs/x/best.pt", *argv])
+
+
+def test_other_unknown_flags_stay_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--frobnicate"])
+    assert done.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+
+
+def test_train_without_config_says_that_the_default_is_the_digits_demo():
+    with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
+                                          r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
+        train.parse_args(["data.root=/datasets/x", "model.name=deit_tiny_patch16_224"])
+    with pytest.raises(ConfigError, match=r"would be ignored: data.root is read only when") as refused:
+        train.parse_args(["--config", DEMO_CONFIG, "data.root=/x"])
+    assert "default config" not in str(refused.value)  # a --config was given: no word about the default
+
+
+def test_evaluate_refuses_a_data_override_its_checkpoint_would_ignore(tmp_path, capsys):
+    import torch
+
+    ckpt = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": config_to_dict(load_config([DEMO_CONFIG]))}, ckpt)  # a digits run
+    with pytest.raises(ConfigError, match=r"data.root=/datasets/imagenet would be ignored: .* data.dataset is "
+                                          r"folder, and it is digits"):
+        evaluate.parse_args(["--checkpoint", str(ckpt), "data.root=/datasets/imagenet", "--print-config"])
+    code, out = run(evaluate, ["--checkpoint", str(ckpt), "quant.calib_images=8", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["data"]["dataset"] == "digits"
+    assert sorted(os.listdir(tmp_path)) == ["best.pt"]  # nothing written next to the checkpoint

@@ -1,0 +1,118 @@
+"""The documentation works: every relative link in the repository's Markdown files resolves (the file, and
+the heading after `#`), and every `train.py` / `evaluate.py` command in the Markdown code blocks parses,
+its config resolved as `--print-config` resolves it where that needs no file a run writes. The files are
+read when the tests are collected, so the checks follow the documents as they change."""
+import glob
+import os
+import re
+import shlex
+
+import pytest
+import yaml
+
+from configs import config_from_dict, load_config
+from tests.conftest import ROOT
+
+MARKDOWN = sorted(path for path in (os.path.relpath(p, ROOT)
+                                    for p in glob.glob(os.path.join(ROOT, "**", "*.md"), recursive=True))
+                  if not path.startswith(("runs", "datasets", "weights", ".")))
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """`text` without code blocks and inline code (where `[a](b)` is code, not a link)."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+
+
+def links(path: str) -> list[str]:
+    with open(os.path.join(ROOT, path)) as f:
+        text = prose(f.read())
+    return [m.group(1) for m in re.finditer(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(1))]  # http:, https:, mailto: are not relative
+
+
+def anchors(path: str) -> set[str]:
+    """GitHub's heading anchors of a Markdown file: lower case, punctuation dropped, spaces as hyphens,
+    repeats numbered -1, -2, ..."""
+    with open(path) as f:
+        headings = re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", FENCE.sub("", f.read()), re.M)
+    seen: dict = {}
+    out = set()
+    for heading in headings:
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_there_are_documents_with_links():
+    assert "README.md" in MARKDOWN and sum(len(links(p)) for p in MARKDOWN) > 0
+
+
+@pytest.mark.parametrize("path", MARKDOWN)
+def test_every_relative_link_resolves(path):
+    broken = []
+    for link in links(path):
+        target, _, anchor = link.partition("#")
+        full = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target)) if target \
+            else os.path.join(ROOT, path)
+        if not os.path.exists(full):
+            broken.append(f"{link} (no such file)")
+        elif anchor and full.endswith(".md") and anchor not in anchors(full):
+            broken.append(f"{link} (no heading #{anchor} in {os.path.relpath(full, ROOT)})")
+    assert not broken, f"{path}: {broken}"
+
+
+PLACEHOLDER_RECIPE = "configs/pretrain/vit_b.yaml"  # what `--config ...` ("your recipe") stands for
+
+
+def commands(path: str) -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of every train.py / evaluate.py command in the code blocks of `path`
+    (continuation lines joined; comments, shell variables and `...` placeholders as a user would fill
+    them in)."""
+    with open(os.path.join(ROOT, path)) as f:
+        blocks = FENCE.findall(f.read())
+    found = []
+    for block in blocks:
+        for line in re.sub(r"\\\n", " ", block).splitlines():
+            if not re.search(r"(^|\s)(train|evaluate)\.py(\s|$)", line):
+                continue
+            words = shlex.split(line, comments=True)
+            for i, word in enumerate(words):
+                if word in ("train.py", "evaluate.py"):
+                    args = []
+                    for arg in words[i + 1:]:
+                        if arg in ("&&", ";", "|", "||"):
+                            break
+                        if arg == "..." and args[-1:] == ["--config"]:
+                            arg = PLACEHOLDER_RECIPE
+                        args.append(re.sub(r"=\.\.\.$", "=placeholder", arg))
+                    found.append((word, args))
+    return found
+
+
+README_COMMANDS = [(path, script, args) for path in MARKDOWN for script, args in commands(path)]
+
+
+def test_the_readme_has_commands():
+    assert any(path == "README.md" and script == "train.py" for path, script, _ in README_COMMANDS)
+    assert any(path == "README.md" and script == "evaluate.py" for path, script, _ in README_COMMANDS)
+
+
+@pytest.mark.parametrize("path, script, args", README_COMMANDS,
+                         ids=[f"{p}: {s} {' '.join(a)}"[:120] for p, s, a in README_COMMANDS])
+def test_every_documented_command_parses(path, script, args, monkeypatch, capsys):
+    import evaluate
+    import train
+
+    monkeypatch.chdir(ROOT)  # the commands name configs relative to the repository root
+    if script == "evaluate.py":
+        parsed = evaluate.parse_args(args)
+        if parsed.checkpoint and not os.path.exists(parsed.checkpoint):
+            # the checkpoint that a run writes holds the config: the overrides must be valid keys and values
+            load_config(parsed.config or [], parsed.overrides)
+            return
+    with pytest.raises(SystemExit) as done:
+        (train if script == "train.py" else evaluate).parse_args([*args, "--print-config"])
+    assert done.value.code in (0, None)
+    config_from_dict(yaml.safe_load(capsys.readouterr().out))  # the printed config is a whole, valid one
