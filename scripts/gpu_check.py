@@ -1,9 +1,13 @@
 """The whole GPU check in one command that fits a 10-minute call on one GPU: `pytest -m gpu`, then the
 GPU figures, all written to one JSON.
 
-On a machine with one CUDA GPU, from the repository root (no internet or wandb needed):
+On a machine with one CUDA GPU, from the repository root, as one command with a 600 s limit (the stages
+take at most --total-budget 570 s; no internet or wandb needed), writing the JSON and its logs under $OUT:
 
     PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out $OUT/gpu_check.json
+
+    python scripts/gpu_check.py --stages precision overhead --out figures.json   # some stages only
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json                # CPU, under a minute
 
 Stages, in this order, each in its own process with its own time budget (a stage that runs past it is
 killed and recorded as `timeout`, with whatever it had measured so far; a stage that fails is recorded
@@ -20,7 +24,8 @@ as `failed` or `error` with the tail of its log; the next stage runs either way)
     aphq_unit  one APHQ unit's reconstruction iteration and Hessian batch, extrapolated to the official
                counts (scripts/bench_aphq_block.py)
 
-The JSON holds the device name, torch, timm and CUDA versions, and per stage its status, seconds, budget,
+The JSON holds the device name, torch, timm and CUDA versions, and per stage its status (ok, failed: a
+test failed, error: the stage raised, timeout, not_run: the total budget was spent), seconds, budget,
 figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`).
 `--smoke` runs every stage small on a CPU (pytest on one test of tests/test_gpu.py: its CPU case runs,
 its CUDA case skips), in under a minute, to show that the script works end to end.
@@ -228,8 +233,8 @@ STAGES: dict[str, Callable] = {"pytest": stage_pytest, "precision": stage_precis
 def run_stage(args) -> int:
     """Child side: one stage, its figures in --stage-out."""
     device = "cpu" if args.smoke else "cuda"
-    if device == "cuda":  # as train.py runs: TF32 for float32 matmuls
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device == "cuda" and args.stage != "pytest":  # the benchmarks run as train.py does: TF32 for float32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (the tests set their own)
     try:
         return STAGES[args.stage](args, Partial(args.stage_out), device)
     except Exception:  # recorded by the driver as the stage's error, with this traceback in its log
