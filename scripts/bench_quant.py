@@ -5,7 +5,13 @@ measured in one process on the same batch, warm-up excluded, as the median of se
 (no data loading, so the ratio is the model's alone). Calibration (convert + 32-image calibration +
 RepQ fold) is timed once per pipeline.
 
+APHQ and GPLQ draw their own training images (here random ones) and run with `QUICK` iteration counts:
+the quantized model they produce, whose forward pass is what is timed, has the same layers and cost
+whatever the counts, but their `calibrate_s` is then not the recipe's (scripts/bench_aphq_block.py
+times APHQ's unit at the official counts). With --out, the JSON is rewritten after each pipeline.
+
     python scripts/bench_quant.py                                    # GPU: ViT-B/16 at 224, batch 256
+    python scripts/bench_quant.py --pipelines percentile repq gplq aphq   # all four
     python scripts/bench_quant.py --device cpu --model vit_small_patch16_224 --batch 8 --threads 2
 """
 from __future__ import annotations
@@ -21,7 +27,40 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from quant import PIPELINES  # noqa: E402
+from engine.loop import TrainBatches  # noqa: E402
+from quant import PIPELINES, PipelineData  # noqa: E402
+
+# Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring).
+QUICK = {
+    "aphq": dict(iters=2, recon_images=32, calib_images=32, batch_size=16, matmul_steps=9, search_rounds=1,
+                 log_every=1),
+    "gplq": dict(steps=2, batch_size_per_gpu=16, init_images=32, pca_images=32, stage2_images=32, log_every=1,
+                 ckpt_every=0),
+}
+
+
+class FixedOrder:
+    """A sampler stand-in for fixed batches (TrainBatches needs one)."""
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        pass
+
+
+def random_pipeline_data(img_size: int, num_classes: int) -> PipelineData:
+    """Seeded random CPU images and labels for the pipelines that draw training data (timing only)."""
+
+    def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(count, 3, img_size, img_size, generator=g)
+
+    def train_loader(batch_size_per_gpu: int, seed: int) -> TrainBatches:
+        x = train_images(4 * batch_size_per_gpu, seed, True)
+        y = torch.arange(len(x)) % num_classes
+        batches = [(x[i:i + batch_size_per_gpu], y[i:i + batch_size_per_gpu]) for i in range(0, len(x),
+                                                                                          batch_size_per_gpu)]
+        return TrainBatches(batches, FixedOrder())
+
+    return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=None)
 
 
 def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
@@ -43,10 +82,13 @@ def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224")
+    p.add_argument("--img-size", type=int, default=None, help="override (smoke runs)")
+    p.add_argument("--depth", type=int, default=None, help="override (smoke runs)")
+    p.add_argument("--embed-dim", type=int, default=None, help="override (smoke runs); heads = dim / 64")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--calib", type=int, default=32)
-    p.add_argument("--pipelines", nargs="*", default=["repq", "percentile"])
+    p.add_argument("--pipelines", nargs="*", default=["repq", "percentile"], choices=sorted(PIPELINES))
     p.add_argument("--bits", default="w4a4")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -57,7 +99,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = timm.create_model(args.model, num_classes=1000).to(device).eval()
+    kw = {k: v for k, v in (("img_size", args.img_size), ("depth", args.depth)) if v}
+    if args.embed_dim:
+        kw.update(embed_dim=args.embed_dim, num_heads=max(1, args.embed_dim // 64))
+    model = timm.create_model(args.model, num_classes=1000, **kw).to(device).eval()
     size = model.patch_embed.img_size[0]
     x = torch.randn(args.batch, 3, size, size, device=device)
     calib = torch.randn(args.calib, 3, size, size, device=device)
@@ -69,16 +114,19 @@ def main(argv=None) -> dict:
     print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
     for pipeline in args.pipelines:
         start = time.perf_counter()
-        qmodel, report = PIPELINES[pipeline](model, calib, args.bits)
+        quick = pipeline in QUICK
+        qmodel, report = PIPELINES[pipeline](model, calib, args.bits, QUICK.get(pipeline),
+                                             data=random_pipeline_data(size, 1000) if quick else None)
         calibrate_s = time.perf_counter() - start
         q = timed_forward(qmodel, x, device, args.repeats, args.warmup)
-        result["pipelines"][pipeline] = {"calibrate_s": calibrate_s, "forward_s": q, "ratio_vs_fp": q / fp}
-        print(f"  {pipeline:>10} {args.bits}: calibration {calibrate_s:.1f} s, forward {q * 1e3:.1f} ms = "
-              f"{q / fp:.2f}x float")
+        result["pipelines"][pipeline] = {"calibrate_s": calibrate_s, "forward_s": q, "ratio_vs_fp": q / fp,
+                                         **({"options": QUICK[pipeline]} if quick else {})}
+        print(f"  {pipeline:>10} {args.bits}: calibration {calibrate_s:.1f} s{' (quick)' if quick else ''}, "
+              f"forward {q * 1e3:.1f} ms = {q / fp:.2f}x float", flush=True)
         del qmodel
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        if args.out:  # after each pipeline: a run stopped later keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
     return result
 
 

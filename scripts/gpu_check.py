@@ -1,0 +1,369 @@
+"""The whole GPU check in one command that fits a 10-minute call on one GPU: `pytest -m gpu`, then the
+GPU figures, all written to one JSON.
+
+On a machine with one CUDA GPU, from the repository root, as one command with a 600 s limit (the stages
+take at most --total-budget 570 s; no internet or wandb needed), writing the JSON and its logs under $OUT:
+
+    PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out $OUT/gpu_check.json
+
+    python scripts/gpu_check.py --stages precision overhead --out figures.json   # some stages only
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json                # CPU, under a minute
+
+Stages, in this order, each in its own process with its own time budget (a stage that runs past it is
+killed and recorded as `timeout`, with whatever it had measured so far; a stage that fails is recorded
+as `failed` or `error` with the tail of its log; the next stage runs either way):
+
+    pytest     `pytest -m gpu` over tests/, each test stopped after --test-timeout seconds; the outcome,
+               duration and skip reason or failure of every test
+    precision  fp16 against bf16 on ViT-B/16 at batch 256, fused AdamW and not, through the project's
+               build_optimizer and TrainLoop: step time, images/s, peak memory (the loop's epoch costs)
+    overhead   CD's and TWEO's step time against the baseline on ViT-B/16 at batch 256, and CD's `apply`
+               against its bare-product floor at TF32 (scripts/bench_overhead.py, measure_config)
+    quant      quantized forward time over float on ViT-B/16 at 224 px, batch 256, for percentile,
+               repq, gplq and aphq (scripts/bench_quant.py)
+    aphq_unit  one APHQ unit's reconstruction iteration and Hessian batch, extrapolated to the official
+               counts (scripts/bench_aphq_block.py)
+
+The JSON holds the device name, torch, timm and CUDA versions, and per stage its status (ok, failed: a
+test failed, error: the stage raised, timeout, not_run: the total budget was spent), seconds, budget,
+figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`).
+`--smoke` runs every stage small on a CPU (pytest on one test of tests/test_gpu.py: its CPU case runs,
+its CUDA case skips), in under a minute, to show that the script works end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from argparse import Namespace
+from typing import Callable, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.runinfo import cpu_name  # noqa: E402
+
+# Seconds per stage on one H100; together below 10 minutes with the processes' start-up.
+BUDGETS = {"pytest": 270, "precision": 60, "overhead": 60, "quant": 100, "aphq_unit": 40}
+SMOKE_BUDGETS = {"pytest": 60, "precision": 30, "overhead": 30, "quant": 60, "aphq_unit": 30}
+VIT_B = dict(embed_dim=768, depth=12, img_size=224, patch_size=16, num_classes=1000)
+TINY = dict(embed_dim=64, depth=2, img_size=32, patch_size=8, num_classes=10)
+
+
+class Partial:
+    """A stage's figures, rewritten to its file at every update, so that a stage killed at its time
+    budget still leaves what it had measured."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.figures = path, {}
+
+    def update(self, **figures) -> None:
+        self.figures.update(figures)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.figures, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+# ----------------------------------------------------------------------------------- the stages (child side)
+# `pytest -m gpu`; the smoke run's stand-in runs one test's CPU case and skips its CUDA case
+PYTEST = ["-m", "gpu", "tests"]
+SMOKE_PYTEST = ["-m", "gpu or not gpu", "-k", "fp16_updates", "tests/test_gpu.py"]
+
+
+def stage_pytest(args, out: Partial, device: str) -> int:
+    return run_pytest(SMOKE_PYTEST if args.smoke else PYTEST, args.test_timeout, out)
+
+
+def run_pytest(selection: list[str], limit: int, out: Partial) -> int:
+    """pytest in this process, each test's call stopped by an alarm after `limit` seconds; every test's
+    outcome, seconds and skip reason or failure into `out`. Returns 0 (all passed or skipped) or 1."""
+    import pytest
+
+    tests: dict = {}
+
+    class Recorder:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_call(self, item):
+            def expire(signum, frame):
+                raise TimeoutError(f"{item.nodeid} ran past the per-test limit of {limit} s")
+
+            previous = signal.signal(signal.SIGALRM, expire)
+            signal.alarm(limit)
+            try:
+                yield
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+
+        def pytest_runtest_logreport(self, report):
+            entry = tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+            entry["seconds"] = round(entry["seconds"] + report.duration, 2)
+            if report.skipped:
+                entry["outcome"] = "skipped"
+                reason = report.longrepr
+                entry["reason"] = reason[2] if isinstance(reason, tuple) else str(reason)
+            elif report.failed:
+                entry["outcome"] = "failed" if report.when == "call" else "error"
+                entry["message"] = str(report.longrepr)[-2000:]
+            counts = {}
+            for t in tests.values():
+                counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+            out.update(counts=counts, tests=tests)
+
+    code = pytest.main(["-p", "no:cacheprovider", "-q", "-rfEs", *selection], plugins=[Recorder()])
+    out.update(exit_code=int(code))
+    return 0 if int(code) in (0, 5) else 1  # 5: nothing collected (no CUDA case anywhere)
+
+
+def _vit(kw: dict, device: str) -> torch.nn.Module:
+    sys.path.insert(0, HERE)
+    import bench_overhead
+
+    return bench_overhead.build_vit(device=device, **kw)
+
+
+def stage_precision(args, out: Partial, device: str) -> int:
+    """fp16 against bf16, fused and not: the project's optimizer and loop on synthetic batches; the
+    loop's own epoch costs (epoch/train_seconds, epoch/max_mem_mib) over the timed updates."""
+    sys.path.insert(0, HERE)
+    from bench_quant import FixedOrder
+    from configs.schema import OptimConfig
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+    from engine.optim import build_optimizer
+    from engine.precision import grad_scaler
+
+    kw, batch, warmup, steps = ((TINY, 4, 1, 2) if args.smoke else (VIT_B, 256, 3, 10))
+    dev = torch.device(device)
+    x = torch.randn(batch, 3, kw["img_size"], kw["img_size"], device=dev)
+    y = torch.randint(0, kw["num_classes"], (batch,), device=dev)
+    rows = []
+    for amp in ("fp16", "bf16"):
+        for fused in (True, False):
+            torch.manual_seed(0)
+            model = _vit(kw, device).train()
+            optimizer = build_optimizer(model, OptimConfig(fused=fused), lr=1e-3, weight_decay=0.05, device=dev)
+            logged: dict = {}
+            loop = TrainLoop(model=model, optimizer=optimizer, device=dev, amp=amp, scaler=grad_scaler(amp, dev),
+                             compute_loss=lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b),
+                             log_every=10 ** 9, log=lambda step, metrics: logged.update(metrics),
+                             log_epoch_costs=True)
+            state = TrainState()
+            loop.run_epoch(TrainBatches([(x, y)] * warmup, FixedOrder()), state, batch)
+            logged.clear()
+            skipped_in_warmup = state.skipped_steps
+            loop.run_epoch(TrainBatches([(x, y)] * steps, FixedOrder()), state, batch)
+            seconds = logged["epoch/train_seconds"]
+            rows.append({"amp": amp, "fused": fused, "batch": batch, "steps": steps,
+                         "step_ms": 1e3 * seconds / steps, "img_per_s": batch * steps / seconds,
+                         "peak_mib": logged.get("epoch/max_mem_mib"),
+                         "skipped_steps": state.skipped_steps - skipped_in_warmup})
+            print(f"  {amp} {'fused' if fused else 'foreach'}: {rows[-1]['step_ms']:.1f} ms/step, "
+                  f"{rows[-1]['img_per_s']:.0f} img/s, peak {rows[-1]['peak_mib']} MiB", flush=True)
+            out.update(model=kw, rows=rows)
+            del model, optimizer, loop
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    ms = {(r["amp"], r["fused"]): r["step_ms"] for r in rows}
+    out.update(fp16_over_bf16={"fused": ms["fp16", True] / ms["bf16", True],
+                               "foreach": ms["fp16", False] / ms["bf16", False]})
+    return 0
+
+
+def stage_overhead(args, out: Partial, device: str) -> int:
+    """bench_overhead.measure_config at one configuration: the four methods' steps and CD's apply."""
+    sys.path.insert(0, HERE)
+    import bench_overhead
+
+    kw, batch = (TINY, 4) if args.smoke else (VIT_B, 256)
+    options = Namespace(amp="fp16" if device == "cuda" else "bf16", precision="auto",
+                        warmup=1 if args.smoke else 3, steps=2 if args.smoke else 10)
+    rows = bench_overhead.measure_config(kw, batch, options, device)
+    by = {r["method"]: r for r in rows}
+    base = by["baseline"]["step_ms"]
+    cd = by["cd"]
+    out.update(model=kw, batch=batch, amp=options.amp, rows=rows,
+               step_over_baseline={m: r["step_ms"] / base for m, r in by.items() if m != "baseline"},
+               cd_apply_ms=cd["cd_apply_ms"], cd_floor_ms=cd["cd_floor_ms"],
+               cd_apply_over_floor=cd["cd_apply_ms"] / cd["cd_floor_ms"], cd_precision=cd["precision"])
+    return 0
+
+
+def stage_quant(args, out: Partial, device: str) -> int:
+    """bench_quant over the four pipelines (the slow ones last), its JSON rewritten after each."""
+    sys.path.insert(0, HERE)
+    import bench_quant
+
+    path = out.path + ".bench.json"
+    small = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--batch", "4", "--calib", "8",
+             "--repeats", "2", "--warmup", "1"] if args.smoke else []
+    argv = ["--device", device, "--pipelines", "percentile", "repq", "gplq", "aphq", "--out", path, *small]
+    try:
+        bench_quant.main(argv)
+    finally:
+        if os.path.exists(path):
+            with open(path) as f:
+                out.update(**json.load(f))
+            os.remove(path)
+    return 0
+
+
+def stage_aphq_unit(args, out: Partial, device: str) -> int:
+    sys.path.insert(0, HERE)
+    import bench_aphq_block
+
+    small = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1", "--batch", "4",
+             "--images", "8", "--iters", "2"] if args.smoke else ["--iters", "50", "--warmup", "3"]
+    out.update(**bench_aphq_block.main(["--device", device, *small]))
+    return 0
+
+
+STAGES: dict[str, Callable] = {"pytest": stage_pytest, "precision": stage_precision, "overhead": stage_overhead,
+                               "quant": stage_quant, "aphq_unit": stage_aphq_unit}
+
+
+def run_stage(args) -> int:
+    """Child side: one stage, its figures in --stage-out."""
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and args.stage != "pytest":  # the benchmarks run as train.py does: TF32 for float32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (the tests set their own)
+    try:
+        return STAGES[args.stage](args, Partial(args.stage_out), device)
+    except Exception:  # recorded by the driver as the stage's error, with this traceback in its log
+        traceback.print_exc()
+        return 2
+
+
+# ----------------------------------------------------------------------------------- the driver (parent side)
+def device_name(smoke: bool) -> str:
+    if not smoke and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({cpu_name()})"
+
+
+def launch(stage: str, args, figures_path: str, log_path: str, budget: float) -> dict:
+    """Run one stage in its own process group, killed (with anything it started) at `budget` seconds."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--stage-out", figures_path,
+           "--test-timeout", str(args.test_timeout), *(["--smoke"] if args.smoke else [])]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code: Optional[int] = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    seconds = time.perf_counter() - start
+    figures = {}
+    if os.path.exists(figures_path):
+        with open(figures_path) as f:
+            figures = json.load(f)
+        os.remove(figures_path)
+    status = "timeout" if code is None else "ok" if code == 0 else "failed" if code == 1 else "error"
+    entry = {"status": status, "seconds": round(seconds, 1), "budget_s": round(budget, 1),
+             "log": os.path.relpath(log_path, os.path.dirname(args.out)), "figures": figures}
+    if status != "ok":
+        with open(log_path) as f:
+            entry["log_tail"] = f.read()[-3000:]
+    return entry
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu_check.json", help="the JSON of figures (its logs go next to it)")
+    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
+    p.add_argument("--total-budget", type=float, default=570.0,
+                   help="seconds for all stages together; a stage gets at most what is left of it")
+    p.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="a stage's own budget (repeatable); defaults in BUDGETS")
+    p.add_argument("--test-timeout", type=int, default=150,
+                   help="seconds per GPU test (train.compile=true compiles twice)")
+    p.add_argument("--smoke", action="store_true", help="every stage small, on a CPU")
+    p.add_argument("--overwrite", action="store_true", help="replace this script's earlier outputs at --out")
+    p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # child process
+    p.add_argument("--stage-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.stage:
+        sys.exit(run_stage(args))
+
+    budgets = dict(SMOKE_BUDGETS if args.smoke else BUDGETS)
+    for item in args.budget:
+        name, _, value = item.partition("=")
+        if name not in STAGES or not value.replace(".", "", 1).isdigit():
+            p.error(f"--budget {item}: expected STAGE=SECONDS with STAGE one of {', '.join(STAGES)}")
+        budgets[name] = float(value)
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("no CUDA device visible; --smoke runs the stages small on a CPU")
+    args.out = os.path.abspath(args.out)
+    logs = os.path.splitext(args.out)[0] + "_logs"
+    try:
+        refuse_existing_outputs([args.out, logs], args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
+    os.makedirs(logs, exist_ok=True)
+
+    import timm
+
+    report = {"device": device_name(args.smoke), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "timm": timm.__version__, "smoke": args.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "stages": {}}
+    start = time.perf_counter()
+    deadline = start + args.total_budget
+    print(f"gpu_check on {report['device']}, torch {report['torch']}, timm {report['timm']}", flush=True)
+
+    def write() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    for stage in args.stages:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            report["stages"][stage] = {"status": "not_run", "reason": "the total budget was spent"}
+            continue
+        print(f"[{stage}] up to {min(budgets[stage], left):.0f} s ...", flush=True)
+        entry = launch(stage, args, os.path.join(logs, f"{stage}.figures.json"),
+                       os.path.join(logs, f"{stage}.log"), min(budgets[stage], left))
+        report["stages"][stage] = entry
+        print(f"[{stage}] {entry['status']} in {entry['seconds']} s", flush=True)
+        if entry["status"] != "ok":
+            print(entry.get("log_tail", "")[-1500:], flush=True)
+        write()  # after every stage: a call cut short keeps the stages done
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    write()
+    print(json.dumps(summary(report), indent=1))
+    print(f"wrote {args.out} (logs in {logs})")
+    return report
+
+
+def summary(report: dict) -> dict:
+    """The headline figures, for the console."""
+    stages = report["stages"]
+    fig = {s: e.get("figures", {}) for s, e in stages.items()}
+    out: dict = {"device": report["device"], "status": {s: e["status"] for s, e in stages.items()}}
+    if "counts" in fig.get("pytest", {}):
+        out["pytest"] = fig["pytest"]["counts"]
+    if "fp16_over_bf16" in fig.get("precision", {}):
+        out["fp16_over_bf16"] = fig["precision"]["fp16_over_bf16"]
+    if "step_over_baseline" in fig.get("overhead", {}):
+        out["step_over_baseline"] = fig["overhead"]["step_over_baseline"]
+        out["cd_apply_over_floor"] = fig["overhead"]["cd_apply_over_floor"]
+    if "pipelines" in fig.get("quant", {}):
+        out["quant_over_float"] = {k: v["ratio_vs_fp"] for k, v in fig["quant"]["pipelines"].items()}
+    if "extrapolated" in fig.get("aphq_unit", {}):
+        out["aphq_unit_s"] = fig["aphq_unit"]["extrapolated"]["unit_s"]
+    return out
+
+
+if __name__ == "__main__":
+    main()

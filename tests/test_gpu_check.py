@@ -1,0 +1,52 @@
+"""scripts/gpu_check.py end to end on a CPU (--smoke): every stage runs small in its own process and the
+figures land in one valid JSON; a stage past its budget is killed and recorded, and the rest goes on."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = "scripts/gpu_check.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, "--smoke", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_stage_s_figures(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = run("--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"].startswith("cpu") and report["torch"] and report["smoke"] is True
+    stages = report["stages"]
+    assert {s: e["status"] for s, e in stages.items()} == dict.fromkeys(
+        ["pytest", "precision", "overhead", "quant", "aphq_unit"], "ok"), {s: e.get("log_tail") for s, e in
+                                                                          stages.items()}
+    tests = stages["pytest"]["figures"]["tests"]
+    assert {name.split("[")[1]: t["outcome"] for name, t in tests.items()} == {"cpu]": "passed", "cuda]": "skipped"}
+    assert all("CUDA" in t["reason"] for t in tests.values() if t["outcome"] == "skipped")
+    rows = stages["precision"]["figures"]["rows"]
+    assert {(r["amp"], r["fused"]) for r in rows} == {(a, f) for a in ("fp16", "bf16") for f in (True, False)}
+    assert all(r["step_ms"] > 0 and r["img_per_s"] > 0 for r in rows)
+    overhead = stages["overhead"]["figures"]
+    assert set(overhead["step_over_baseline"]) == {"cd", "tweo", "tweo_plain"} and overhead["cd_apply_ms"] > 0
+    pipelines = stages["quant"]["figures"]["pipelines"]
+    assert set(pipelines) == {"percentile", "repq", "aphq", "gplq"}
+    assert all(p["ratio_vs_fp"] > 0 for p in pipelines.values())
+    assert stages["aphq_unit"]["figures"]["extrapolated"]["unit_s"] > 0
+    assert (tmp_path / stages["quant"]["log"]).read_text()  # each stage's log next to the JSON
+
+
+def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = run("--out", str(out), "--stages", "aphq_unit", "--budget", "aphq_unit=0.5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    entry = json.loads(out.read_text())["stages"]["aphq_unit"]
+    assert entry["status"] == "timeout" and entry["seconds"] < 30 and entry["budget_s"] == 0.5
+    again = run("--out", str(out), "--stages", "aphq_unit")  # never replaces its outputs unasked
+    assert again.returncode != 0 and "--overwrite" in again.stderr
