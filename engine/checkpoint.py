@@ -108,9 +108,11 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
 
 def restore_training(payload: dict, *, model, optimizer, state,
                      ema=None, scaler=None, scheduler=None) -> None:
-    """Load a `training_payload` into freshly built objects (in place)."""
+    """Load a `training_payload` into freshly built objects (in place). `optimizer=None` / `scheduler=None`
+    leave them as built (train.py restores the optimizer by parameter name, engine/resume.py)."""
     unwrap_model(model).load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
     for key, value in payload["state"].items():
         setattr(state, key, value)
     for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler), ("scheduler", scheduler)):
