@@ -37,6 +37,7 @@ from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
+from models.factory import model_kwargs
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -128,7 +129,10 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         if trained != cfg.model.attn:
             raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
                                   f"model.attn={cfg.model.attn} override")
-    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
+    if not payload:  # weights file or hub: evaluated only as they are, never with a new classifier
+        check_hub_weights_fit(cfg)
+    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload
+                        else dataclasses.replace(cfg.model, pretrained_strict=True))
     if payload:
         key = "model_ema" if args.ema else "model"
         if key not in payload:
@@ -144,6 +148,26 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   f"trained with (drop the model.* overrides)")
         model.load_state_dict(saved)
     return model
+
+
+def check_hub_weights_fit(cfg: Config) -> None:
+    """timm's hub loading replaces a classifier of another size by a random one, and an attention-sink
+    variant's parameters are not in the hub weights: both would score weights other than the published ones."""
+    if cfg.model.pretrained != "hub":
+        return
+    import timm.models
+
+    arch, _ = model_kwargs(cfg.model)
+    hub = timm.models.get_pretrained_cfg(arch)
+    classes = getattr(hub, "num_classes", None)
+    if classes is not None and classes != cfg.model.num_classes:
+        raise ConfigError(f"model.pretrained=hub: the hub weights of {arch} have "
+                          f"{classes or 'no'} classifier outputs, model.num_classes={cfg.model.num_classes}; "
+                          f"timm would score a random classifier in their place. Evaluate them with "
+                          f"model.num_classes={classes} (on their classes), or a fine-tuned checkpoint")
+    if cfg.model.attn in ("attn_bias", "kv_bias"):
+        raise ConfigError(f"model.pretrained=hub has no parameters of model.attn={cfg.model.attn}: evaluate a "
+                          f"checkpoint trained with it, or drop the model.attn override")
 
 
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
