@@ -30,6 +30,7 @@ import torch
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
 from configs.quant import with_first_last
 from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
+from data.folder import ClassCountError
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
@@ -60,9 +61,16 @@ def main(args: argparse.Namespace) -> dict:
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
     img_size = input_size(model)
-    val_loader = build_eval_loader(cfg.data, img_size=img_size,
-                                   batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
-                                   world_size=dist.world_size, num_classes=cfg.model.num_classes)
+    try:
+        val_loader = build_eval_loader(cfg.data, img_size=img_size,
+                                       batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
+                                       world_size=dist.world_size, num_classes=cfg.model.num_classes)
+    except ClassCountError as e:
+        if not payload:
+            raise
+        raise DataError(f"the {cfg.data.val_split} split of data.root={cfg.data.root} has {e.found} classes, "
+                        f"{args.checkpoint} was trained on {cfg.model.num_classes}: point data.root at the "
+                        f"data set it was trained on") from None
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
     todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
