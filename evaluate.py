@@ -7,6 +7,8 @@ r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized ac
     python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
         data.root=/datasets/imagenet                                           # a timm model + weights file
 
+Weights are scored only as they are: a checkpoint or a `model.pretrained` file that does not fit the model
+exactly (a classifier of another size included) is an error, never a model with a new random part.
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
