@@ -198,7 +198,16 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
             "data": {"dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
-                     "val_split": cfg.data.val_split}}
+                     "val_split": cfg.data.val_split,
+                     # what the val images look like to the model: a data.crop_pct override is another
+                     # evaluation, never merged with results of the recipe's crop
+                     "eval_transform": {"img_size": input_size(model), "crop_pct": cfg.data.crop_pct,
+                                        "crop_mode": cfg.data.crop_mode, "interpolation": cfg.data.interpolation,
+                                        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
+                                        **({"digits_img_size": cfg.data.digits_img_size,
+                                            "digits_val_fraction": cfg.data.digits_val_fraction}
+                                           if cfg.data.dataset == "digits" else {})}
+                     if cfg.data.dataset != "synthetic" else {}}}
 
 
 def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:

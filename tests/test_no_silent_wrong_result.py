@@ -15,10 +15,10 @@ import train
 from configs import ConfigError, config_to_dict, load_config
 from data import DataError, build_loaders
 from engine.checkpoint import weights_fingerprint
-from engine.eval_results import EvalResults
+from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import partial_path, save_config_history
 from models import ModelError, build_model
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
 
 
 def cli(*argv):
@@ -146,16 +146,25 @@ def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def debug_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("debug_ckpt")
-    train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=2", "log.tensorboard=false"]))
+def digits_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits_ckpt")
+    train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=2",
+                                           "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]))
     return str(out / "best.pt")
 
 
-@pytest.mark.slow
-def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(debug_checkpoint, tmp_path):
+def test_results_of_another_eval_transform_are_not_merged(digits_checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
-    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", debug_checkpoint, "--quant", name,
+    evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out]))
+    with pytest.raises(ResultsError, match=r"another evaluation \(data: .*'crop_pct': 1.0.*'crop_pct': 0.9"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
+                                           "data.crop_pct=0.9"]))
+
+
+@pytest.mark.slow
+def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(digits_checkpoint, tmp_path):
+    out = str(tmp_path / "r.json")
+    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", name,
                               "--bits", "w8a8", "--out", out], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             for name in ("percentile", "repq")]
