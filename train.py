@@ -142,9 +142,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         restore_training(payload, model=model, optimizer=None, state=state, ema=ema, scaler=scaler)
         restore_optimizer(optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                           optimizer_param_names(model, optimizer))
-        state.epoch_batches = resume_position(payload.get("epoch_position"), epoch_position(epoch_batches=0,
-                                              **position), epoch_batches=state.epoch_batches, step=state.step,
-                                              checkpoint=ckpt_path)
+        state.epoch_batches = resume_position(
+            payload.get("epoch_position"), epoch_position(epoch_batches=0, **position),
+            epoch_batches=state.epoch_batches, step=state.step, checkpoint=ckpt_path)
         if decay is not None and "cd" in payload:
             decay.load_state_dict(payload["cd"])
         del payload
