@@ -193,7 +193,8 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
-    return {"model": model_label(cfg.model), "checkpoint": checkpoint,
+    return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
+            "checkpoint": checkpoint,
             "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
             "data": {"dataset": cfg.data.dataset,
@@ -208,6 +209,11 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                                             "digits_val_fraction": cfg.data.digits_val_fraction}
                                            if cfg.data.dataset == "digits" else {})}
                      if cfg.data.dataset != "synthetic" else {}}}
+
+
+def _plain_kwargs(kwargs: dict) -> dict:
+    """model.kwargs (e.g. global_pool=avg: same weights, other outputs) as the result file stores them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(kwargs.items())}
 
 
 def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:

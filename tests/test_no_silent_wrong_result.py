@@ -153,12 +153,16 @@ def digits_checkpoint(tmp_path_factory):
     return str(out / "best.pt")
 
 
-def test_results_of_another_eval_transform_are_not_merged(digits_checkpoint, tmp_path):
+def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(digits_checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
     evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out]))
     with pytest.raises(ResultsError, match=r"another evaluation \(data: .*'crop_pct': 1.0.*'crop_pct': 0.9"):
         evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
                                            "data.crop_pct=0.9"]))
+    with pytest.raises(ResultsError, match=r"another evaluation \(model_kwargs: \{\} in the file, "
+                                           r"\{'fc_norm': False, 'global_pool': 'avg'\} now"):  # same weights, another output
+        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
+                                           "model.kwargs.global_pool=avg", "model.kwargs.fc_norm=false"]))
 
 
 @pytest.mark.slow
