@@ -159,8 +159,9 @@ def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(digits
     with pytest.raises(ResultsError, match=r"another evaluation \(data: .*'crop_pct': 1.0.*'crop_pct': 0.9"):
         evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
                                            "data.crop_pct=0.9"]))
+    # the same weights (they load), another output: average pooling instead of the class token
     with pytest.raises(ResultsError, match=r"another evaluation \(model_kwargs: \{\} in the file, "
-                                           r"\{'fc_norm': False, 'global_pool': 'avg'\} now"):  # same weights, another output
+                                           r"\{'fc_norm': False, 'global_pool': 'avg'\} now"):
         evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
                                            "model.kwargs.global_pool=avg", "model.kwargs.fc_norm=false"]))
 
