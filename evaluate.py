@@ -203,7 +203,8 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                      # what the val images look like to the model: a data.crop_pct override is another
                      # evaluation, never merged with results of the recipe's crop
                      "eval_transform": {"img_size": input_size(model), "crop_pct": cfg.data.crop_pct,
-                                        "crop_mode": cfg.data.crop_mode, "interpolation": cfg.data.interpolation,
+                                        "crop_mode": cfg.data.crop_mode,
+                                        "interpolation": cfg.data.interpolation,
                                         "mean": list(cfg.data.mean), "std": list(cfg.data.std),
                                         **({"digits_img_size": cfg.data.digits_img_size,
                                             "digits_val_fraction": cfg.data.digits_val_fraction}

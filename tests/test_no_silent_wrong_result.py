@@ -50,7 +50,8 @@ def test_hub_weights_without_a_fitting_classifier_are_refused():
                                           r"random classifier"):
         evaluate.check_hub_weights_fit(cfg)
     evaluate.check_hub_weights_fit(load_config([DEBUG_CONFIG], ["model.name=vit_tiny_patch16_224",
-                                                                "model.pretrained=hub", "model.num_classes=1000"]))
+                                                                "model.pretrained=hub",
+                                                                "model.num_classes=1000"]))
 
 
 # -- the class set of a folder data set --------------------------------------------------------------------
@@ -198,7 +199,7 @@ def test_only_this_programs_own_partial_files_are_removed(debug_config):
         sleeper.kill()
     for name in mine:
         assert open(os.path.join(cfg.out_dir, name)).read() == "the user's"
-    assert os.path.basename(partial_path("/x/checkpoint.pt")).startswith(f"checkpoint.pt.partial-{os.getpid()}-")
+    assert os.path.basename(partial_path("/x/ckpt.pt")).startswith(f"ckpt.pt.partial-{os.getpid()}-")
 
 
 def test_a_second_config_change_at_the_same_step_keeps_both_earlier_configs(debug_config, tmp_path):
