@@ -106,8 +106,8 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     if outside:
         raise DataError(f"{path}: {len(outside)} image(s) outside a class folder, e.g. "
                         f"{', '.join(os.path.relpath(f, path) for f in outside[:3])}: images must sit "
-                        f"directly in {path}/<class>/; anywhere else timm would count them as a class of their own. Move "
-                        f"them into their class folder or out of {path}")
+                        f"directly in {path}/<class>/; anywhere else timm would count them as a class of "
+                        f"their own. Move them into their class folder or out of {path}")
     empty = [name for name in class_folders(path) if name not in reader.class_to_idx]
     if empty:
         raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not be "
