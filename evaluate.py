@@ -162,7 +162,7 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
 
 def check_hub_weights_fit(cfg: Config) -> None:
     """timm's hub loading replaces a classifier of another size by a random one, and an attention-sink
-    variant's parameters are not in the hub weights: both would score weights other than the published ones."""
+    variant's parameters are not in the hub weights: both would score other weights than the published."""
     if cfg.model.pretrained != "hub":
         return
     import timm.models
@@ -176,8 +176,8 @@ def check_hub_weights_fit(cfg: Config) -> None:
                           f"timm would score a random classifier in their place. Evaluate them with "
                           f"model.num_classes={classes} (on their classes), or a fine-tuned checkpoint")
     if cfg.model.attn in ("attn_bias", "kv_bias"):
-        raise ConfigError(f"model.pretrained=hub has no parameters of model.attn={cfg.model.attn}: evaluate a "
-                          f"checkpoint trained with it, or drop the model.attn override")
+        raise ConfigError(f"model.pretrained=hub has no parameters of model.attn={cfg.model.attn}: "
+                          f"evaluate a checkpoint trained with it, or drop the model.attn override")
 
 
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:

@@ -135,7 +135,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     state = TrainState()
     position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
                     updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
-                    seed=cfg.train.seed, repeated_aug=cfg.data.repeated_aug if cfg.data.repeated_aug > 1 else 0)
+                    seed=cfg.train.seed, repeated_aug=max(cfg.data.repeated_aug, 1))
     if resumed:
         payload = load_checkpoint(ckpt_path)
         check_resumable(payload["config"], cfg)

@@ -110,8 +110,9 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
                         f"their own. Move them into their class folder or out of {path}")
     empty = [name for name in class_folders(path) if name not in reader.class_to_idx]
     if empty:
-        raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not be "
-                        f"classes and every later label would shift: add their images or remove the folder(s)")
+        raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not "
+                        f"be classes and every later label would shift: add their images or remove the "
+                        f"folder(s)")
 
 
 def class_names(dataset) -> list[str]:

@@ -112,7 +112,8 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
     if saved is None:
         if epoch_batches:
             log.warning("%s predates the saving of the process count: its position within the epoch (%d "
-                        "micro-batches per process) is taken as one of %d process(es) x %d per process, as now",
+                        "micro-batches per process) is taken as one of %d process(es) x %d per process, "
+                        "as now",
                         checkpoint, epoch_batches, now["world_size"], now["batch_size_per_gpu"])
         return epoch_batches
     if step > 0 and saved["updates_per_epoch"] != now["updates_per_epoch"]:
@@ -127,8 +128,8 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
     order = [k for k in ("seed", "repeated_aug", "train_images") if saved[k] != now[k]]
     if order:
         raise CheckpointError(
-            f"{checkpoint} stopped inside an epoch ({samples} of its samples done) whose sample order depends "
-            f"on {', '.join(f'{k} {saved[k]} (now {now[k]})' for k in order)}: resuming would repeat and "
+            f"{checkpoint} stopped inside an epoch ({samples} of its samples done) whose sample order "
+            f"depends on {', '.join(f'{k} {saved[k]} (now {now[k]})' for k in order)}: resuming would repeat and "
             f"skip images. Resume with the checkpoint's train.seed / data.repeated_aug / training images")
     per_batch = now["batch_size_per_gpu"] * now["world_size"]
     if samples % (per_batch * now["accum_steps"]):
@@ -137,7 +138,7 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
             f"updates of this run's {_layout(now)}: resume with {saved['world_size']} process(es) and "
             f"train.batch_size_per_gpu={saved['batch_size_per_gpu']}")
     if (saved["world_size"], saved["batch_size_per_gpu"]) != (now["world_size"], now["batch_size_per_gpu"]):
-        log.info("position within epoch: %d samples, written by %d process(es) x %d per process, continued by "
-                 "%d x %d", samples, saved["world_size"], saved["batch_size_per_gpu"], now["world_size"],
+        log.info("position within epoch: %d samples, written by %d process(es) x %d per process, continued "
+                 "by %d x %d", samples, saved["world_size"], saved["batch_size_per_gpu"], now["world_size"],
                  now["batch_size_per_gpu"])
     return samples // per_batch

@@ -36,7 +36,8 @@ def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_he
     code, lines = cli("evaluate.py", "--config", DEBUG_CONFIG, f"model.pretrained={weights}", "--quant",
                       "--out", str(out))  # the debug config: model.num_classes=4
     assert code == 1 and lines[-1].startswith("error: ") and not any("Traceback" in x for x in lines), lines
-    assert weights in lines[-1] and "has 10 outputs, model.num_classes=4: set model.num_classes=10" in lines[-1]
+    assert weights in lines[-1]
+    assert "has 10 outputs, model.num_classes=4: set model.num_classes=10" in lines[-1]
     assert not out.exists()
     # a fine-tuning config's model.pretrained_strict=false changes nothing for evaluation
     with pytest.raises(ModelError, match="has 10 outputs"):
@@ -99,7 +100,8 @@ def test_harmless_extras_are_accepted(tmp_path):
 def test_the_num_classes_advice_is_the_same_from_either_split(tmp_path):
     make_folder(tmp_path, two_classes("train") + two_classes("val") + ["val/c/0.png"])
     for num_classes in (2, 3):  # the train split (2 classes) or the val split (3) disagrees first
-        with pytest.raises(DataError, match=r"different class folders \(val has classes train lacks: \['c'\]"):
+        with pytest.raises(DataError, match=r"different class folders \(val has classes train lacks: "
+                                            r"\['c'\]"):
             loaders(tmp_path, num_classes)
 
 
@@ -123,7 +125,7 @@ def test_the_fingerprint_depends_on_the_values_only():
     assert weights_fingerprint({"v": weights["w"], "b": weights["b"]}) != reference  # names count
 
 
-# -- files: concurrent writers, user files, config history, failed starts -------------------------------------
+# -- files: concurrent writers, user files, config history, failed starts ---------------------------------
 
 def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
     path = str(tmp_path / "r.json")
@@ -150,7 +152,8 @@ def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
 def digits_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("digits_ckpt")
     train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=2",
-                                           "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]))
+                                           "sched.epochs=1", "sched.warmup_epochs=0",
+                                           "log.tensorboard=false"]))
     return str(out / "best.pt")
 
 
@@ -170,8 +173,8 @@ def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(digits
 @pytest.mark.slow
 def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(digits_checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
-    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint, "--quant", name,
-                              "--bits", "w8a8", "--out", out], cwd=ROOT, stdout=subprocess.PIPE,
+    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint,
+                              "--quant", name, "--bits", "w8a8", "--out", out], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             for name in ("percentile", "repq")]
     for run in runs:
