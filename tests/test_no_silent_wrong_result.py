@@ -174,8 +174,8 @@ def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(digits
 def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(digits_checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
     runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint,
-                              "--quant", name, "--bits", "w8a8", "--out", out], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              "--quant", name, "--bits", "w8a8", "--out", out], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             for name in ("percentile", "repq")]
     for run in runs:
         _, err = run.communicate(timeout=300)
