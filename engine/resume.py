@@ -130,7 +130,8 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
         changed = ", ".join(f"{k} {saved[k]} (now {now[k]})" for k in order)
         raise CheckpointError(
             f"{checkpoint} stopped inside an epoch ({samples} of its samples done) whose sample order "
-            f"depends on {changed}: resuming would repeat and skip images. Resume with the checkpoint's train.seed / data.repeated_aug / training images")
+            f"depends on {changed}: resuming would repeat and skip images. Resume with the "
+            f"checkpoint's train.seed / data.repeated_aug / training images")
     per_batch = now["batch_size_per_gpu"] * now["world_size"]
     if samples % (per_batch * now["accum_steps"]):
         raise CheckpointError(

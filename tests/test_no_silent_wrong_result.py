@@ -175,7 +175,8 @@ def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results
     out = str(tmp_path / "r.json")
     runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint,
                               "--quant", name, "--bits", "w8a8", "--out", out], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
             for name in ("percentile", "repq")]
     for run in runs:
         _, err = run.communicate(timeout=300)
