@@ -67,12 +67,12 @@ def main(args: argparse.Namespace) -> dict:
         val_loader = build_eval_loader(cfg.data, img_size=img_size,
                                        batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
                                        world_size=dist.world_size, num_classes=cfg.model.num_classes)
-    except ClassCountError as e:
-        if not payload:
-            raise
-        raise DataError(f"the {cfg.data.val_split} split of data.root={cfg.data.root} has {e.found} classes, "
-                        f"{args.checkpoint} was trained on {cfg.model.num_classes}: point data.root at the "
-                        f"data set it was trained on") from None
+    except ClassCountError as e:  # the weights fit model.num_classes (they loaded): the data is the odd one
+        weights = args.checkpoint or cfg.model.pretrained
+        where = f" of {cfg.data.root}" if cfg.data.root else ""
+        raise DataError(f"the {cfg.data.dataset} {cfg.data.val_split} split{where} has {e.found} classes, "
+                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set it "
+                        f"was trained on, or fine-tune it first (train.py model.pretrained={weights})") from None
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
     todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits

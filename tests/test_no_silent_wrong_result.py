@@ -234,3 +234,14 @@ def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, typo):
     assert code == 0, lines[-3:]
     archived = os.listdir(os.path.join(out, "archive"))
     assert len(archived) == 1 and os.listdir(os.path.join(out, "archive", archived[0])) == ["train.log"]
+
+
+def test_the_num_classes_advice_of_evaluate_never_contradicts_the_weights(tmp_path):
+    # weights of 4 classes (they load with the debug config's model.num_classes=4), 10 in the digits set:
+    # "set model.num_classes=10" would only make the weights not fit
+    weights = str(tmp_path / "four.pth")
+    torch.save(build_model(load_config([DEBUG_CONFIG]).model).state_dict(), weights)
+    with pytest.raises(DataError, match=r"digits val split has 10 classes, .*four.pth was trained on 4: point "
+                                        r"data.root at the data set"):
+        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
+                                           "data.dataset=digits", "--quant", "--out", str(tmp_path / "r.json")]))
