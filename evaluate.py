@@ -71,8 +71,9 @@ def main(args: argparse.Namespace) -> dict:
         weights = args.checkpoint or cfg.model.pretrained
         where = f" of {cfg.data.root}" if cfg.data.root else ""
         raise DataError(f"the {cfg.data.dataset} {cfg.data.val_split} split{where} has {e.found} classes, "
-                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set it "
-                        f"was trained on, or fine-tune it first (train.py model.pretrained={weights})") from None
+                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set "
+                        f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
+                        ) from None
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
     todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits

@@ -241,7 +241,8 @@ def test_the_num_classes_advice_of_evaluate_never_contradicts_the_weights(tmp_pa
     # "set model.num_classes=10" would only make the weights not fit
     weights = str(tmp_path / "four.pth")
     torch.save(build_model(load_config([DEBUG_CONFIG]).model).state_dict(), weights)
-    with pytest.raises(DataError, match=r"digits val split has 10 classes, .*four.pth was trained on 4: point "
-                                        r"data.root at the data set"):
+    with pytest.raises(DataError, match=r"digits val split has 10 classes, .*four.pth was trained on 4: "
+                                        r"point data.root at the data set"):
         evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
-                                           "data.dataset=digits", "--quant", "--out", str(tmp_path / "r.json")]))
+                                           "data.dataset=digits", "--quant", "--out",
+                                           str(tmp_path / "r.json")]))
