@@ -18,7 +18,7 @@ from engine.checkpoint import weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import partial_path, save_config_history
 from models import ModelError, build_model
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT
 
 
 def cli(*argv):
@@ -148,32 +148,23 @@ def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
     assert [(h["pipeline"], h["bits"], h["top1"]) for h in saved["history"]] == [("repq", "w8a8", 49.0)]
 
 
-@pytest.fixture(scope="module")
-def digits_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits_ckpt")
-    train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=2",
-                                           "sched.epochs=1", "sched.warmup_epochs=0",
-                                           "log.tensorboard=false"]))
-    return str(out / "best.pt")
-
-
-def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(digits_checkpoint, tmp_path):
+def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
-    evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out]))
+    evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", out]))
     with pytest.raises(ResultsError, match=r"another evaluation \(data: .*'crop_pct': 1.0.*'crop_pct': 0.9"):
-        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", out,
                                            "data.crop_pct=0.9"]))
     # the same weights (they load), another output: average pooling instead of the class token
     with pytest.raises(ResultsError, match=r"another evaluation \(model_kwargs: \{\} in the file, "
                                            r"\{'fc_norm': False, 'global_pool': 'avg'\} now"):
-        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "--out", out,
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", out,
                                            "model.kwargs.global_pool=avg", "model.kwargs.fc_norm=false"]))
 
 
 @pytest.mark.slow
-def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(digits_checkpoint, tmp_path):
+def test_two_evaluate_processes_writing_one_file_at_once_both_keep_their_results(checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
-    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", digits_checkpoint,
+    runs = [subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", checkpoint,
                               "--quant", name, "--bits", "w8a8", "--out", out], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})

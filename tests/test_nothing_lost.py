@@ -20,7 +20,7 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
 from engine.run_dir import RunDirError, lock_folder, save_config_history
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT
 
 
 def read_bytes(path):
@@ -251,15 +251,6 @@ def test_the_nan_message_names_the_update(debug_config):
 
 
 # -- evaluate.py: validation first, results merged, written as they come ----------------------------------
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt")
-    train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=10",
-                                           "sched.epochs=1", "sched.warmup_epochs=0",
-                                           "log.tensorboard=false"]))
-    return str(out / "best.pt")
-
 
 def run_eval(*argv):
     return evaluate.main(evaluate.parse_args(list(argv)))
