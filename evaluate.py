@@ -7,6 +7,8 @@ r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized ac
     python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
         data.root=/datasets/imagenet                                           # a timm model + weights file
 
+Weights are scored only as they are: a checkpoint or a `model.pretrained` file that does not fit the model
+exactly (a classifier of another size included) is an error, never a model with a new random part.
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
@@ -31,6 +33,7 @@ from configs import Config, ConfigError, apply_overrides, config_from_dict, load
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.quant import with_first_last
 from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
+from data.folder import ClassCountError
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
@@ -38,6 +41,7 @@ from engine.distributed import all_reduce, cleanup_distributed, init_distributed
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
+from models.factory import model_kwargs
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -60,9 +64,17 @@ def main(args: argparse.Namespace) -> dict:
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
     img_size = input_size(model)
-    val_loader = build_eval_loader(cfg.data, img_size=img_size,
-                                   batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
-                                   world_size=dist.world_size, num_classes=cfg.model.num_classes)
+    try:
+        val_loader = build_eval_loader(cfg.data, img_size=img_size,
+                                       batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
+                                       world_size=dist.world_size, num_classes=cfg.model.num_classes)
+    except ClassCountError as e:  # the weights fit model.num_classes (they loaded): the data is the odd one
+        weights = args.checkpoint or cfg.model.pretrained
+        where = f" of {cfg.data.root}" if cfg.data.root else ""
+        raise DataError(f"the {cfg.data.dataset} {cfg.data.val_split} split{where} has {e.found} classes, "
+                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set "
+                        f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
+                        ) from None
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
     results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
     todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
@@ -129,7 +141,10 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         if trained != cfg.model.attn:
             raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
                                   f"model.attn={cfg.model.attn} override")
-    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload else cfg.model)
+    if not payload:  # weights file or hub: evaluated only as they are, never with a new classifier
+        check_hub_weights_fit(cfg)
+    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload
+                        else dataclasses.replace(cfg.model, pretrained_strict=True))
     if payload:
         key = "model_ema" if args.ema else "model"
         if key not in payload:
@@ -147,6 +162,26 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
     return model
 
 
+def check_hub_weights_fit(cfg: Config) -> None:
+    """timm's hub loading replaces a classifier of another size by a random one, and an attention-sink
+    variant's parameters are not in the hub weights: both would score other weights than the published."""
+    if cfg.model.pretrained != "hub":
+        return
+    import timm.models
+
+    arch, _ = model_kwargs(cfg.model)
+    hub = timm.models.get_pretrained_cfg(arch)
+    classes = getattr(hub, "num_classes", None)
+    if classes is not None and classes != cfg.model.num_classes:
+        raise ConfigError(f"model.pretrained=hub: the hub weights of {arch} have "
+                          f"{classes or 'no'} classifier outputs, model.num_classes={cfg.model.num_classes}; "
+                          f"timm would score a random classifier in their place. Evaluate them with "
+                          f"model.num_classes={classes} (on their classes), or a fine-tuned checkpoint")
+    if cfg.model.attn in ("attn_bias", "kv_bias"):
+        raise ConfigError(f"model.pretrained=hub has no parameters of model.attn={cfg.model.attn}: "
+                          f"evaluate a checkpoint trained with it, or drop the model.attn override")
+
+
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
     """The val folder must name the classes the checkpoint was trained on, in the same order."""
     trained = (payload or {}).get("classes")
@@ -160,12 +195,28 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
-    return {"model": model_label(cfg.model), "checkpoint": checkpoint,
+    return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
+            "checkpoint": checkpoint,
             "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
             "data": {"dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
-                     "val_split": cfg.data.val_split}}
+                     "val_split": cfg.data.val_split,
+                     # what the val images look like to the model: a data.crop_pct override is another
+                     # evaluation, never merged with results of the recipe's crop
+                     "eval_transform": {"img_size": input_size(model), "crop_pct": cfg.data.crop_pct,
+                                        "crop_mode": cfg.data.crop_mode,
+                                        "interpolation": cfg.data.interpolation,
+                                        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
+                                        **({"digits_img_size": cfg.data.digits_img_size,
+                                            "digits_val_fraction": cfg.data.digits_val_fraction}
+                                           if cfg.data.dataset == "digits" else {})}
+                     if cfg.data.dataset != "synthetic" else {}}}
+
+
+def _plain_kwargs(kwargs: dict) -> dict:
+    """model.kwargs (e.g. global_pool=avg: same weights, other outputs) as the result file stores them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(kwargs.items())}
 
 
 def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ from engine.metrics import MetricLogger
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
 from engine.preemption import Preemption
+from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size, model_label
@@ -130,12 +131,22 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         metric_sources.append(tweo.metrics)
 
     # -- Resume: the same command in the same out_dir continues from checkpoint.pt.
+    # The checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
+    # parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the
+    # lr of the current update), the position within the epoch in samples of any process count.
     state = TrainState()
+    position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
+                    updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
+                    seed=cfg.train.seed, repeated_aug=max(cfg.data.repeated_aug, 1))
     if resumed:
         payload = load_checkpoint(ckpt_path)
         check_resumable(payload["config"], cfg)
-        restore_training(payload, model=model, optimizer=optimizer, state=state, ema=ema, scaler=scaler,
-                         scheduler=scheduler)
+        restore_training(payload, model=model, optimizer=None, state=state, ema=ema, scaler=scaler)
+        restore_optimizer(optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
+                          optimizer_param_names(model, optimizer))
+        state.epoch_batches = resume_position(
+            payload.get("epoch_position"), epoch_position(epoch_batches=0, **position),
+            epoch_batches=state.epoch_batches, step=state.step, checkpoint=ckpt_path)
         if decay is not None and "cd" in payload:
             decay.load_state_dict(payload["cd"])
         del payload
@@ -151,7 +162,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         save_on_main_rank(payload_fn, path, dist.is_main, device)
 
     def save_checkpoint() -> None:
-        extra = {"classes": loaders.classes, **({"cd": decay.state_dict()} if decay is not None else {})}
+        extra = {"classes": loaders.classes, "optimizer_param_names": optimizer_param_names(model, optimizer),
+                 "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **position),
+                 **({"cd": decay.state_dict()} if decay is not None else {})}
         save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
                                               config=config_to_dict(cfg), ema=ema, scaler=scaler,
                                               scheduler=scheduler, extra=extra), ckpt_path)
@@ -299,6 +312,11 @@ def check_resumable(saved: dict, current: Config) -> None:
         raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on "
                               f"data.dataset={saved['data']['dataset']!r}, "
                               f"not {current.data.dataset!r}: use another out_dir")
+    if saved["optim"]["name"] != current.optim.name:  # its moments mean nothing to another optimizer
+        raise CheckpointError(f"{current.out_dir}/checkpoint.pt holds the state of optim.name="
+                              f"{saved['optim']['name']}, which optim.name={current.optim.name} cannot use: "
+                              f"resume with optim.name={saved['optim']['name']}, or start a new run from its "
+                              f"weights (another out_dir, model.pretrained={current.out_dir}/checkpoint.pt)")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
         raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings "

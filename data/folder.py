@@ -1,7 +1,9 @@
 """ImageNet-style folders (`root/<split>/<class>/<image>`) through timm's ImageDataset, checked early.
 
 A missing root, a missing split folder or a split without class folders is a clear error here rather
-than an exception from inside a DataLoader worker. timm's reader also accepts a .tar per split.
+than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
+its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
+either would change the class set silently. timm's reader also accepts a .tar per split.
 """
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ from timm.data import ImageDataset
 
 class DataError(ValueError):
     """A missing or malformed data set."""
+
+
+class ClassCountError(DataError):
+    """A data set with another number of classes than model.num_classes (`found`)."""
+
+    def __init__(self, message: str, found: int):
+        super().__init__(message)
+        self.found = found
 
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -68,7 +78,41 @@ def build_folder_dataset(root: str, split: str, transform=None, strict: bool = F
     dataset = (EvalImageDataset if strict else ImageDataset)(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")
+    if os.path.isdir(path):
+        check_class_folders(path, dataset)
     return dataset
+
+
+def class_folders(path: str) -> list[str]:
+    """The class names of the split folder `path` by the rule `check_class_folders` enforces: its sub-folders
+    (hidden ones, such as .ipynb_checkpoints, aside), sorted as timm numbers them."""
+    from timm.utils.misc import natural_key
+
+    return sorted((d.name for d in os.scandir(path) if d.is_dir() and not d.name.startswith(".")),
+                  key=natural_key)
+
+
+def check_class_folders(path: str, dataset: ImageDataset) -> None:
+    """The classes of a split are its sub-folders, each holding its images directly, or a DataError.
+
+    timm makes a class of every folder that holds an image, at any depth, and of none that holds no image:
+    an image directly under the split (class ''), one in a nested or hidden folder, or an empty class
+    folder would change the class set, and so the meaning of every label, without a word.
+    """
+    reader = dataset.reader
+    names = {index: name for name, index in reader.class_to_idx.items()}
+    outside = [f for f, target in reader.samples if os.path.dirname(f) != os.path.join(path, names[target])
+               or names[target].startswith(".")]
+    if outside:
+        raise DataError(f"{path}: {len(outside)} image(s) outside a class folder, e.g. "
+                        f"{', '.join(os.path.relpath(f, path) for f in outside[:3])}: images must sit "
+                        f"directly in {path}/<class>/; anywhere else timm would count them as a class of "
+                        f"their own. Move them into their class folder or out of {path}")
+    empty = [name for name in class_folders(path) if name not in reader.class_to_idx]
+    if empty:
+        raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not "
+                        f"be classes and every later label would shift: add their images or remove the "
+                        f"folder(s)")
 
 
 def class_names(dataset) -> list[str]:

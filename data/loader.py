@@ -7,6 +7,7 @@ knows about ranks.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +22,8 @@ from engine.preemption import ignore_stop_signals
 from engine.rng import mix_seed
 
 from .digits import DigitsDataset
-from .folder import DataError, build_folder_dataset, check_same_classes, class_names
+from .folder import (ClassCountError, DataError, build_folder_dataset, check_same_classes, class_folders,
+                     class_names, find_split)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .transforms import build_transform
@@ -49,9 +51,22 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         dataset = build_folder_dataset(cfg.root, folder, transform=transform, strict=not train_transform)
         found = len(class_names(dataset))
     if found != num_classes:
-        raise DataError(f"the {cfg.dataset} data set has {found} classes but "
-                        f"model.num_classes={num_classes}; set model.num_classes={found}")
+        if cfg.dataset == "folder":  # advice that holds for both splits: they must agree first
+            _check_other_split(cfg, split, class_names(dataset))
+        raise ClassCountError(f"the {cfg.dataset} data set has {found} classes but "
+                              f"model.num_classes={num_classes}; set model.num_classes={found}", found)
     return dataset
+
+
+def _check_other_split(cfg: DataConfig, split: str, classes: list) -> None:
+    """The other split of a folder data set, if there is one, must have the classes `classes` of `split`."""
+    try:
+        path = find_split(cfg.root, cfg.val_split if split == "train" else cfg.train_split)
+    except DataError:
+        return  # e.g. a val folder evaluated alone
+    if os.path.isdir(path):
+        other = class_folders(path)
+        check_same_classes(*((classes, other) if split == "train" else (other, classes)), cfg.root)
 
 
 def build_mixup(cfg: DataConfig, num_classes: int) -> Optional[Mixup]:

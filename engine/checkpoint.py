@@ -19,6 +19,7 @@ import torch
 from models.modules import unwrap_model
 
 from .distributed import raise_on_every_rank
+from .run_dir import partial_path
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "training_payload",
            "restore_training", "save_on_main_rank", "weights_fingerprint"]
@@ -34,7 +35,7 @@ def save_atomic(payload: dict, path: str) -> None:
     On any failure (a full disk, a vanished mount, an interrupt) the temporary file is removed and the
     previous file at `path` is untouched; write errors become a CheckpointError that says so.
     """
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = partial_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
@@ -108,9 +109,11 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
 
 def restore_training(payload: dict, *, model, optimizer, state,
                      ema=None, scaler=None, scheduler=None) -> None:
-    """Load a `training_payload` into freshly built objects (in place)."""
+    """Load a `training_payload` into freshly built objects (in place). `optimizer=None` / `scheduler=None`
+    leave them as built (train.py restores the optimizer by parameter name, engine/resume.py)."""
     unwrap_model(model).load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
     for key, value in payload["state"].items():
         setattr(state, key, value)
     for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler), ("scheduler", scheduler)):
@@ -125,9 +128,21 @@ def restore_training(payload: dict, *, model, optimizer, state,
 def weights_fingerprint(state_dict: dict) -> str:
     """A short hash of the floating-point tensors of a state dict (identifies the weights a result is of).
 
-    Hashes each tensor's float64 sum: cheap at ViT-B size and one host transfer, and any training update
-    or different checkpoint changes it.
+    A function of the names and VALUES only, so that the same weights give the same fingerprint on any
+    device, in any memory layout, in fp32 or in an fp64 copy: each tensor is hashed as the bytes of its
+    contiguous CPU copy in float32 (float64 where a value needs it), -0.0 written as 0.0. No sum is taken:
+    a float sum depends on the order of its terms, which differs between CUDA and the CPU.
     """
-    sums = torch.stack([t.detach().double().sum() for t in state_dict.values()
-                        if isinstance(t, torch.Tensor) and t.is_floating_point()])
-    return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name, t in state_dict.items():
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            continue
+        t = t.detach()
+        if t.dtype == torch.float64 and not torch.equal(t.float().double(), t):
+            canonical = t  # not representable in float32: hashed as float64
+        else:
+            canonical = t.float()
+        canonical = (canonical.cpu().contiguous() + 0.0).reshape(-1)  # + 0.0: -0.0 -> 0.0
+        digest.update(f"{name}:{canonical.dtype}:{tuple(t.shape)};".encode())
+        digest.update(canonical.numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -9,14 +9,19 @@
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
-* the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline.
+* the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
+  each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
+  writing one file all keep their results.
 """
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 from typing import Any
+
+from .run_dir import partial_path
 
 
 class ResultsError(ValueError):
@@ -28,28 +33,18 @@ def _plain(value: Any) -> Any:
 
 
 class EvalResults:
-    def __init__(self, path: str, data: dict) -> None:
-        self.path, self.data = path, data
+    def __init__(self, path: str, data: dict, identity: dict) -> None:
+        self.path, self.data, self.identity = path, data, identity
+        # what this process wrote, merged into the file as it is at each save (other writers' too)
+        self._fields: dict = {}
+        self._added: dict = {}  # (pipeline, bits) -> entry
+        self._history: list = []
 
     @classmethod
     def open(cls, path: str, identity: dict) -> "EvalResults":
         """The results at `path` (an empty record if there is none yet) for the evaluation `identity`."""
         identity = _plain(identity)
-        if not os.path.exists(path):
-            return cls(path, {**identity, "quant": {}})
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
-                               f"move it away or use --out") from None
-        differs = [k for k, v in identity.items() if data.get(k) != v]
-        if differs:
-            detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
-            raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
-                               f"use --out for a new file")
-        data.setdefault("quant", {})
-        return cls(path, data)
+        return cls(path, _read(path, identity), identity)
 
     def plan(self, pipeline: str, bits: str, settings: dict, recompute: bool) -> bool:
         """True if (pipeline, bits) must run now; False if the file already has it with these settings."""
@@ -65,24 +60,62 @@ class EvalResults:
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
         """Record a result; an entry it replaces moves to `history`."""
-        old = self.data["quant"].get(pipeline, {}).get(bits)
-        if old is not None:
-            self.data.setdefault("history", []).append({"pipeline": pipeline, "bits": bits, **old})
-        stamped = {**entry, "settings": _plain(settings), "written": _now()}
-        self.data["quant"].setdefault(pipeline, {})[bits] = stamped
+        self._added[(pipeline, bits)] = _plain({**entry, "settings": settings, "written": _now()})
+        self._merge_into(self.data)
 
     def update(self, **fields: Any) -> None:
         """Set top-level fields (fp accuracy, activation maxima: the same for every call of one identity)."""
-        self.data.update(_plain(fields))
+        self._fields.update(_plain(fields))
+        self._merge_into(self.data)
 
     def save(self) -> None:
-        """Write the whole record through a temporary file and a rename."""
+        """Merge this process's results into the file as it is now and write it (a temporary file and a
+        rename), under an exclusive lock on `<path>.lock`: evaluate.py processes writing one file at the same
+        time all keep their results (an entry of the same pipeline and bit-width written meanwhile by another
+        moves to `history`)."""
         folder = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{self.path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=2, default=str)
-        os.replace(tmp, self.path)
+        with open(f"{self.path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
+            data = _read(self.path, self.identity)
+            self._merge_into(data)
+            tmp = partial_path(self.path)
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=2, default=str)
+            os.replace(tmp, self.path)
+        self.data = data
+
+    def _merge_into(self, data: dict) -> None:
+        data.update(self._fields)
+        history = data.setdefault("history", [])
+        for (pipeline, bits), entry in self._added.items():
+            current = data["quant"].get(pipeline, {}).get(bits)
+            replaced = {"pipeline": pipeline, "bits": bits, **(current or {})}
+            if current is not None and current != entry and replaced not in self._history:
+                self._history.append(replaced)
+            data["quant"].setdefault(pipeline, {})[bits] = entry
+        history += [h for h in self._history if h not in history]
+        if not history:
+            del data["history"]
+
+
+def _read(path: str, identity: dict) -> dict:
+    """The record at `path` (a new one if there is none), refused if it is of another evaluation."""
+    if not os.path.exists(path):
+        return {**identity, "quant": {}}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
+                           f"move it away or use --out") from None
+    differs = [k for k, v in identity.items() if data.get(k) != v]
+    if differs:
+        detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
+        raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
+                           f"use --out for a new file")
+    data.setdefault("quant", {})
+    return data
 
 
 def _now() -> str:

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Optional
 
+from .run_dir import partial_path
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +85,7 @@ def _truncate_after(path: str, step: int) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)

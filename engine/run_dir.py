@@ -8,21 +8,25 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
 * no other run holds it: an exclusive `flock` on `out_dir/.run.lock`, held until the run ends (the
   kernel drops it when the process dies, so a killed run never leaves a stale lock). flock is local to
   one machine and may not be enforced on some network file systems;
-* partial writes of an interrupted checkpoint write (`checkpoint.pt.tmp.<pid>`, gigabytes at ViT-B)
-  are removed: they are never the only copy of anything, since writes are atomic renames;
+* partial writes of an interrupted checkpoint write (`checkpoint.pt.partial-<pid>-<hex>`, gigabytes at
+  ViT-B) whose writer is gone are removed: they are never the only copy of anything, since writes are
+  atomic renames. Only names this program gives its temporary files are removed (`partial_path`);
 * what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change).
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
-  stopped before its first checkpoint (no best.pt), i.e. the same command restarting.
+  stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
+  that holds nothing but a train.log, what a start that failed before training leaves (a typo in the
+  model name or the data path), whatever the config.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
-import glob
 import logging
 import os
+import re
+import secrets
 import socket
 import shutil
 from contextlib import ExitStack, contextmanager
@@ -83,10 +87,42 @@ def prepare_folder(out_dir: str) -> None:
                           f"choose a writable out_dir") from None
 
 
+# Temporary files of atomic writes: `<name>.partial-<pid>-<8 hex digits>`, a name no user file has by
+# chance; `<checkpoint.pt|best.pt|config.yaml|metrics.jsonl>.tmp.<pid>` is the name of earlier versions.
+_PARTIAL = re.compile(r"\.partial-(\d+)-[0-9a-f]{8}$")
+_LEGACY_PARTIAL = re.compile(r"^(checkpoint\.pt|best\.pt|config\.yaml|metrics\.jsonl)\.tmp\.(\d+)$")
+
+
+def partial_path(path: str) -> str:
+    """The temporary name under which `path` is written before the rename that makes it appear whole."""
+    return f"{path}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _partial_writer(name: str) -> Optional[int]:
+    """The pid that wrote `name` if it is one of this program's temporary files, else None."""
+    match = _PARTIAL.search(name) or _LEGACY_PARTIAL.match(name)
+    return int(match.groups()[-1]) if match else None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_partial_writes(out_dir: str) -> list[str]:
-    """Delete leftovers of interrupted atomic writes (`<name>.tmp.<pid>`); returns their names."""
+    """Delete leftovers of interrupted atomic writes (`partial_path` names whose writer is no longer
+    running; nothing else, whatever its name); returns their names."""
     removed = []
-    for path in sorted(glob.glob(os.path.join(glob.escape(out_dir), "*.tmp.*"))):
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        pid = _partial_writer(name)
+        if pid is None or pid == os.getpid() or _running(pid) or not os.path.isfile(path):
+            continue
         size = os.path.getsize(path)
         os.remove(path)
         removed.append(os.path.basename(path))
@@ -127,6 +163,10 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring)."""
     found = earlier_run_files(out_dir)
     if not found:
+        return
+    if found == ["train.log"]:  # a start that failed before training (a typo in a model name or a path)
+        log.warning("%s holds only the train.log of a start that stopped before training", out_dir)
+        archive(out_dir, found)
         return
     saved = _saved_config(out_dir)
     restart = ("best.pt" not in found and set(found) <= {"config.yaml", "metrics.jsonl", "train.log", "tb"}
@@ -201,8 +241,12 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     kept = None
     if os.path.exists(path) and _saved_config(out_dir) != config:
         kept = os.path.join(out_dir, f"config.until_step{step}.yaml")
+        suffix = 1
+        while os.path.exists(kept):  # another change at the same step: never over an earlier record
+            suffix += 1
+            kept = os.path.join(out_dir, f"config.until_step{step}.{suffix}.yaml")
         os.replace(path, kept)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = partial_path(path)
     with open(tmp, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
     os.replace(tmp, path)

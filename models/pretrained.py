@@ -51,6 +51,11 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             if not strict and key.startswith(head_prefixes):
                 skipped.append(key)
                 del state[key]
+            elif key.startswith(head_prefixes):  # strict (evaluation): never a random classifier
+                raise ModelError(f"{path}: its classifier '{key}' has {state[key].shape[0]} outputs, "
+                                 f"model.num_classes={own[key].shape[0]}: set model.num_classes="
+                                 f"{state[key].shape[0]} to use it as it is (only fine-tuning, with "
+                                 f"model.pretrained_strict=false, replaces it by a new classifier)")
             else:
                 raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
                                  f"{tuple(own[key].shape)}: a checkpoint of another model?")

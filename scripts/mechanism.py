@@ -243,8 +243,10 @@ def load(args: argparse.Namespace) -> Loaded:
         if not os.path.isfile(args.weights):
             raise MechanismError(f"--weights {args.weights}: no such file; give a local .pth, .pt or "
                                  f".safetensors file of {args.model}")
+        # strict: the weights as they are, never a random classifier in place of one of another size
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
-                                              f"model.pretrained={os.path.abspath(args.weights)}"])
+                                              f"model.pretrained={os.path.abspath(args.weights)}",
+                                              "model.pretrained_strict=true"])
         model = build_model(cfg.model)
         source = f"{args.model} + weights {os.path.abspath(args.weights)}"
     else:
@@ -278,7 +280,7 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         payload = load_checkpoint(path)
     except CheckpointError:
         cfg = copy.deepcopy(first.cfg)
-        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path))
+        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path), pretrained_strict=True)
         return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
     cfg = apply_overrides(config_from_dict(payload["config"]), args.overrides)
     model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))

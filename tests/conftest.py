@@ -34,6 +34,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """best.pt of a vit_nano trained 10 updates on digits: weights for evaluate.py's tests."""
+    import train
+    from configs import load_config
+
+    out = tmp_path_factory.mktemp("ckpt")
+    train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=10",
+                                           "sched.epochs=1", "sched.warmup_epochs=0",
+                                           "log.tensorboard=false"]))
+    return str(out / "best.pt")
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the duration of a test: tiny tensors run faster, and CI machines are shared."""

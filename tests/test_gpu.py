@@ -384,3 +384,11 @@ def test_cd_update_precisions_on_cuda_against_float64(precision, tol):
     for name, want in expected.items():
         delta_want, delta_got = want - before[name].double(), params[name] - before[name].double()
         assert (delta_got - delta_want).norm() / delta_want.norm() < tol, name
+
+
+def test_the_weights_fingerprint_is_the_same_on_cuda_and_the_cpu():
+    """A result JSON or a GPLQ stage-1 checkpoint written on one device type is accepted on the other."""
+    from engine.checkpoint import weights_fingerprint
+
+    state = tiny_vit().state_dict()
+    assert weights_fingerprint({k: v.to(CUDA) for k, v in state.items()}) == weights_fingerprint(state)

@@ -1,0 +1,145 @@
+"""Resuming under the settings of the run now: the checkpoint gives the STATE, the config the SETTINGS.
+
+A checkpoint holds state (weights, optimizer moments and step counts, counters, the position within the
+epoch); the config holds settings (lr, weight decay, betas, schedule, the batch layout). A resumed run
+takes each from its own source, so a resume with `train.allow_changed_config=true` and a new `optim.lr`,
+`optim.weight_decay` or `sched.epochs` trains with exactly what a fresh run of the new config would use
+at that update:
+
+* optimizer (`restore_optimizer`): per-parameter state (Adam moments, step counts) is matched by
+  parameter NAME; the hyperparameters of every group (lr, initial_lr, weight_decay, betas, eps, momentum,
+  lr_scale, fused, ...) are those of the freshly built optimizer. Groups may therefore change (weight
+  decay 0 <-> > 0 and layer decay on / off regroup the parameters). Group-level state that some timm
+  optimizers keep in the group (Lamb's `step`) is carried over. A change of optimizer (`optim.name`) is
+  refused by train.py: adamw's moments are meaningless to sgd.
+* schedule: not restored at all. timm schedulers are pure functions of their settings and the update /
+  epoch number, and the loop sets the lr of the current update at the start of every epoch
+  (engine/loop.py), so the fresh scheduler of the new config is the right one.
+* epoch position (`epoch_position`, `resume_position`): saved in SAMPLES of the epoch's global stream,
+  together with what that stream depends on. The samplers (DistributedSampler, timm's RepeatAugSampler)
+  deal one global permutation round-robin to the ranks, so after k batches of b on each of W ranks the
+  first k*b*W positions of that permutation are consumed, whatever W was; W' ranks continue with
+  k*b*W / W' positions skipped each. A position that does not fall on a whole update of the new layout,
+  an epoch with another number of updates (the step counter would no longer match the schedule), or a
+  mid-epoch change of what orders the samples (seed, repeated augmentation, the number of images) is
+  refused with a CheckpointError that names the cause and the fix.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["optimizer_param_names", "restore_optimizer", "epoch_position", "resume_position"]
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each of the optimizer's groups, in its order (saved next to its state)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, saved_names: Optional[list],
+                      names: list[list[str]]) -> None:
+    """Load the per-parameter state of `saved` (an optimizer state_dict) into `optimizer`, keeping the
+    hyperparameters of `optimizer`'s own groups.
+
+    Args:
+        saved: the checkpoint's `optimizer.state_dict()`.
+        saved_names: its groups' parameter names (`optimizer_param_names` at save time); None for a
+            checkpoint written before they were saved: then the groups must have the sizes of `optimizer`'s.
+        names: `optimizer_param_names` of `optimizer` now.
+    """
+    fresh = optimizer.state_dict()
+    saved_groups = saved["param_groups"]
+    if saved_names is None:
+        if [len(g["params"]) for g in saved_groups] != [len(n) for n in names]:
+            raise CheckpointError(
+                f"the checkpoint's optimizer has parameter groups of sizes "
+                f"{[len(g['params']) for g in saved_groups]}, this run's {[len(n) for n in names]} (another "
+                f"optim.weight_decay / optim.layer_decay?), and it predates the saving of parameter names: "
+                f"resume it with the settings it was written with")
+        saved_names = names
+    # saved index -> name, and the saved group of each name
+    index_name, group_of = {}, {}
+    for g, (group, group_names) in enumerate(zip(saved_groups, saved_names)):
+        for index, name in zip(group["params"], group_names):
+            index_name[index] = name
+            group_of[name] = g
+    by_name = {index_name[i]: s for i, s in saved["state"].items() if i in index_name}
+    state, groups = {}, []
+    for group, group_names in zip(fresh["param_groups"], names):
+        new_group = dict(group)  # the fresh settings, with the fresh indices in "params"
+        olds = [saved_groups[group_of[n]] for n in group_names if n in group_of]
+        if olds:  # state kept in the group itself (e.g. timm's Lamb 'step'): from the saved group
+            new_group.update({k: v for k, v in olds[0].items() if k not in group and k != "param_names"})
+        for index, name in zip(group["params"], group_names):
+            if name in by_name:
+                state[index] = by_name[name]
+        groups.append(new_group)
+    unused = sorted(set(by_name) - {n for g in names for n in g})
+    if unused:
+        raise CheckpointError(f"the checkpoint's optimizer holds state of parameters this model lacks "
+                              f"({', '.join(unused[:4])}): resume it with the model it was written with")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: int, accum_steps: int,
+                   updates_per_epoch: int, train_images: int, seed: int, repeated_aug: int) -> dict:
+    """What a checkpoint records about where in the epoch it stands and what that position depends on."""
+    return {"samples": epoch_batches * batch_size_per_gpu * world_size, "world_size": world_size,
+            "batch_size_per_gpu": batch_size_per_gpu, "accum_steps": accum_steps,
+            "updates_per_epoch": updates_per_epoch, "train_images": train_images, "seed": seed,
+            "repeated_aug": repeated_aug}
+
+
+def _layout(p: dict) -> str:
+    return (f"{p['world_size']} process(es) x {p['batch_size_per_gpu']} per process x {p['accum_steps']} "
+            f"accumulation step(s), {p['updates_per_epoch']} updates per epoch of {p['train_images']} images")
+
+
+def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, step: int,
+                    checkpoint: str) -> int:
+    """The micro-batches of the current epoch already consumed, in the layout of this run (`now`, an
+    `epoch_position` with epoch_batches=0), for a checkpoint written with `saved` (None: an older
+    checkpoint, which recorded micro-batches only); raises CheckpointError where no correct mapping exists.
+    """
+    if saved is None:
+        if epoch_batches:
+            log.warning("%s predates the saving of the process count: its position within the epoch (%d "
+                        "micro-batches per process) is taken as one of %d process(es) x %d per process, "
+                        "as now",
+                        checkpoint, epoch_batches, now["world_size"], now["batch_size_per_gpu"])
+        return epoch_batches
+    if step > 0 and saved["updates_per_epoch"] != now["updates_per_epoch"]:
+        raise CheckpointError(
+            f"{checkpoint} was written with {_layout(saved)}; this run has {_layout(now)}. Its update count "
+            f"would no longer match the lr schedule and the epochs: resume with the checkpoint's "
+            f"train.batch_size and data, or start a new run from its weights "
+            f"(another out_dir, model.pretrained={checkpoint})")
+    samples = saved["samples"]
+    if samples == 0:
+        return 0
+    order = [k for k in ("seed", "repeated_aug", "train_images") if saved[k] != now[k]]
+    if order:
+        changed = ", ".join(f"{k} {saved[k]} (now {now[k]})" for k in order)
+        raise CheckpointError(
+            f"{checkpoint} stopped inside an epoch ({samples} of its samples done) whose sample order "
+            f"depends on {changed}: resuming would repeat and skip images. Resume with the "
+            f"checkpoint's train.seed / data.repeated_aug / training images")
+    per_batch = now["batch_size_per_gpu"] * now["world_size"]
+    if samples % (per_batch * now["accum_steps"]):
+        raise CheckpointError(
+            f"{checkpoint} stopped {samples} samples into an epoch ({_layout(saved)}), not a whole number of "
+            f"updates of this run's {_layout(now)}: resume with {saved['world_size']} process(es) and "
+            f"train.batch_size_per_gpu={saved['batch_size_per_gpu']}")
+    if (saved["world_size"], saved["batch_size_per_gpu"]) != (now["world_size"], now["batch_size_per_gpu"]):
+        log.info("position within epoch: %d samples, written by %d process(es) x %d per process, continued "
+                 "by %d x %d", samples, saved["world_size"], saved["batch_size_per_gpu"], now["world_size"],
+                 now["batch_size_per_gpu"])
+    return samples // per_batch

@@ -1,0 +1,201 @@
+"""Resume applies every setting it accepts (engine/resume.py): the optimizer's groups and the lr schedule of
+the NEW config, the position within the epoch in samples of any process count, or a clear refusal."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train
+from configs import load_config
+from data import build_train_loader
+from engine.checkpoint import CheckpointError
+from engine.optim import build_optimizer, build_scheduler
+from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
+from models import build_model
+from dist_utils import free_port, leave_and_exit
+from tests.conftest import DEBUG_CONFIG
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def cosine_lr(t, *, base, t_initial, warmup_t, warmup_lr=1e-6, min_lr=1e-5):
+    """timm's cosine schedule with warmup inside it (warmup_prefix=False, one cycle), written out."""
+    if t < warmup_t:
+        return warmup_lr + t * (base - warmup_lr) / warmup_t
+    if t >= t_initial:
+        return min_lr
+    return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * t / t_initial))
+
+
+def test_a_resume_with_a_new_lr_weight_decay_and_length_trains_with_them(debug_config):
+    # debug config: 4 updates per epoch, 1 warmup epoch; per-update schedule; stop inside epoch 0
+    train.main(debug_config("sched.per_step=true", "train.max_steps=3", name="r"))
+    new = ("sched.per_step=true", "optim.lr=0.01", "optim.weight_decay=0.02", "sched.epochs=4",
+           "optim.betas=[0.8,0.9]", "train.allow_changed_config=true")
+    cfg = debug_config(*new, "train.max_steps=6", name="r")
+    train.main(cfg)
+    ckpt = torch.load(os.path.join(cfg.out_dir, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["step"] == 6
+    groups = ckpt["optimizer"]["param_groups"]
+    expected = cosine_lr(6, base=0.01, t_initial=4 * 4, warmup_t=4)  # the new schedule at update 6
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.02]  # no decay on 1-D params, as always
+    for g in groups:
+        assert g["initial_lr"] == 0.01 and tuple(g["betas"]) == (0.8, 0.9)
+        assert g["lr"] == pytest.approx(expected, rel=1e-12)
+    # the lr logged at update 4 (the first log step after the resume) is the new schedule's
+    lr4 = [r["train/lr"] for r in read_metrics(cfg.out_dir) if r["step"] == 4 and "train/lr" in r]
+    assert lr4 == [pytest.approx(cosine_lr(4, base=0.01, t_initial=16, warmup_t=4), rel=1e-12)]
+    # and equals a fresh optimizer + scheduler of the new config stepped to that update
+    fresh = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.02)
+    build_scheduler(fresh, cfg.sched, updates_per_epoch=4).step_update(6)
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in groups]
+
+
+def test_a_finished_run_extended_by_epochs_follows_the_longer_schedule(debug_config):
+    # a per-epoch cosine: the old scheduler (2 epochs) was at its end; the new one (3 epochs) is not
+    train.main(debug_config("optim.lr=0.01", name="e"))
+    cfg = debug_config("optim.lr=0.01", "sched.epochs=3", "train.allow_changed_config=true", name="e")
+    assert train.main(cfg).state.step == 12
+    logged = {r["step"]: r["train/lr"] for r in read_metrics(cfg.out_dir) if "train/lr" in r}
+    epoch2 = cosine_lr(2, base=0.01, t_initial=3, warmup_t=1)  # 0.0025 + 1e-5 / ..., not min_lr
+    assert logged[10] == logged[12] == pytest.approx(epoch2, rel=1e-12)
+    assert logged[6] == pytest.approx(cosine_lr(1, base=0.01, t_initial=2, warmup_t=1), rel=1e-12)  # before
+
+
+def adam_step(model, optimizer):
+    loss = sum((p.float() ** 2).sum() for p in model.parameters())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("before, after", [
+    (dict(weight_decay=0.05), dict(weight_decay=0.0)),  # 2 groups -> 1
+    (dict(weight_decay=0.05), dict(weight_decay=0.05, layer_decay=0.75)),  # 2 groups -> one per layer
+])
+def test_optimizer_state_follows_each_parameter_into_new_groups(before, after):
+    cfg = load_config([DEBUG_CONFIG])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    old_cfg = load_config([DEBUG_CONFIG], [f"optim.layer_decay={before.get('layer_decay') or 'null'}"])
+    old = build_optimizer(model, old_cfg.optim, 1e-3, before["weight_decay"])
+    adam_step(model, old)
+    adam_step(model, old)
+    saved, saved_names = old.state_dict(), optimizer_param_names(model, old)
+    new_cfg = load_config([DEBUG_CONFIG], [f"optim.layer_decay={after.get('layer_decay') or 'null'}"])
+    new = build_optimizer(model, new_cfg.optim, 5e-3, after["weight_decay"])
+    assert len(new.param_groups) != len(old.param_groups)  # torch's own load_state_dict would refuse
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in new.param_groups]
+    restore_optimizer(new, saved, saved_names, optimizer_param_names(model, new))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in new.param_groups] == settings
+    for p in model.parameters():  # every parameter keeps its own moments and step count
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(new.state[p][key], old.state[p][key]), key
+
+
+def test_a_group_level_step_counter_is_carried_over():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    names = optimizer_param_names(model, torch.optim.SGD(model.parameters(), lr=1))
+    old = torch.optim.SGD(model.parameters(), lr=1.0)
+    saved = old.state_dict()
+    saved["param_groups"][0]["step"] = 7  # what timm's Lamb keeps in the group
+    new = torch.optim.SGD(model.parameters(), lr=0.5)
+    restore_optimizer(new, saved, names, names)
+    assert new.param_groups[0]["step"] == 7 and new.param_groups[0]["lr"] == 0.5
+
+
+def test_another_optimizer_at_resume_is_refused(debug_config):
+    train.main(debug_config("train.max_steps=1", name="o"))
+    with pytest.raises(CheckpointError, match=r"optim.name=adamw, which optim.name=sgd cannot use.*"
+                                              r"model.pretrained="):
+        train.main(debug_config("optim.name=sgd", "train.allow_changed_config=true", name="o"))
+
+
+# -- the position within the epoch -------------------------------------------------------------------------
+
+def position(world, per_gpu, accum, upe=4, images=64, seed=0, repeated_aug=0, batches=0):
+    return epoch_position(epoch_batches=batches, batch_size_per_gpu=per_gpu, world_size=world,
+                          accum_steps=accum, updates_per_epoch=upe, train_images=images, seed=seed,
+                          repeated_aug=repeated_aug)
+
+
+def stream(cfg, world, rank, per_gpu, start=0, epoch=1):
+    loader = build_train_loader(cfg.data, img_size=32, batch_size_per_gpu=per_gpu, rank=rank,
+                                world_size=world, seed=0, num_classes=4)
+    loader.sampler.set_epoch(epoch, start=start)
+    return [index for index, _ in loader.sampler]
+
+
+@pytest.mark.parametrize("repeated_aug", [0, 2], ids=["distributed", "repeated_aug"])
+def test_a_position_written_by_two_processes_continues_in_one_without_repeats(repeated_aug):
+    cfg = load_config([DEBUG_CONFIG], [f"data.repeated_aug={repeated_aug}"])
+    # 2 processes x 8 per process, stopped after 3 updates (3 batches each); 1 process x 8 x 2 accumulation
+    done = [i for rank in (0, 1) for i in stream(cfg, 2, rank, 8)[:3 * 8]]
+    saved = position(2, 8, 1, repeated_aug=repeated_aug, batches=3)
+    batches = resume_position(saved, position(1, 8, 2, repeated_aug=repeated_aug), epoch_batches=3, step=3,
+                              checkpoint="c.pt")
+    assert batches == 6  # 48 samples = 6 batches of 8 in one process (3 updates of 2)
+    rest = stream(cfg, 1, 0, 8, start=batches * 8)
+    assert sorted(done + rest) == sorted(stream(cfg, 1, 0, 8))  # the epoch's images, each as often as once
+    # and back: 1 process stopped after 2 updates (4 batches of 8) -> 2 processes, 2 batches each done
+    batches = resume_position(position(1, 8, 2, repeated_aug=repeated_aug, batches=4),
+                              position(2, 8, 1, repeated_aug=repeated_aug), epoch_batches=4, step=2,
+                              checkpoint="c.pt")
+    done = stream(cfg, 1, 0, 8)[:32]
+    rest = [i for rank in (0, 1) for i in stream(cfg, 2, rank, 8, start=batches * 8)]
+    assert batches == 2 and sorted(done + rest) == sorted(stream(cfg, 1, 0, 8))
+
+
+@pytest.mark.parametrize("now, message", [
+    (position(4, 8, 1, upe=2), r"4 updates per epoch .* 2 updates per epoch.*schedule"),
+    (position(1, 16, 2, upe=4), r"not a whole number of updates.*resume with 2 process\(es\) and "
+                                r"train.batch_size_per_gpu=8"),
+    (position(1, 8, 2, seed=1), r"sample order depends on seed 0 \(now 1\)"),
+    (position(1, 8, 2, images=80), r"train_images 64 \(now 80\)"),
+    (position(1, 8, 2, repeated_aug=3), r"repeated_aug 0 \(now 3\)"),
+])
+def test_a_position_that_cannot_be_mapped_is_refused(now, message):
+    saved = position(2, 8, 1, batches=3)  # 48 samples into the epoch
+    with pytest.raises(CheckpointError, match=message):
+        resume_position(saved, now, epoch_batches=3, step=3, checkpoint="c.pt")
+
+
+def test_at_an_epoch_boundary_any_layout_with_the_same_updates_continues():
+    assert resume_position(position(2, 8, 1), position(1, 4, 4, seed=5), epoch_batches=0, step=4,
+                           checkpoint="c.pt") == 0
+
+
+def _two_process_worker(rank, world, port, overrides):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train.main(load_config([DEBUG_CONFIG], overrides))
+    leave_and_exit()
+
+
+# deterministic updates, so that 1 process x 2 accumulation steps = 2 processes (tests/test_train.py)
+DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.label_smoothing=0",
+                 "optim.name=sgd", "optim.lr=0.05")
+
+
+@pytest.mark.slow
+def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, one_thread):
+    split = str(tmp_path / "split")
+    mp.spawn(_two_process_worker, nprocs=2, join=True,
+             args=(2, free_port(), [*DETERMINISTIC, f"out_dir={split}", "train.max_steps=3"]))
+    ckpt = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["epoch_batches"] == 3 and ckpt["epoch_position"]["world_size"] == 2
+    resumed = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={split}"]))
+    straight = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={tmp_path / 'one'}"]))
+    assert resumed.state.step == straight.state.step == 8
+    # epoch 0 ended at update 4 (validated there), not one update late with 16 images seen twice (3: the
+    # validation of the stop at train.max_steps)
+    assert [r["step"] for r in read_metrics(split) if "val/top1" in r] == [3, 4, 8]
+    for key, value in straight.model.state_dict().items():
+        assert torch.allclose(resumed.model.state_dict()[key], value, atol=1e-6, rtol=1e-5), key
