@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import sys
@@ -62,9 +61,12 @@ class RunResult:
 
 def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
-    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:  # before any folder is made
-        raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
-                          "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)")
+    if cfg.log.wandb:  # checked before any folder is made (engine/metrics.py imports it when logging)
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
+                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)") from None
     dist = init_distributed(cfg.train.device)
     try:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT

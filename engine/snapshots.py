@@ -38,7 +38,7 @@ TRAINING_KEYS = ("model", "optimizer", "state", "config")  # what training_paylo
 def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
     """(payload, "") for a resumable training checkpoint; (None, what is wrong with it) otherwise."""
     if os.path.getsize(path) == 0:
-        return None, "the file is empty (0 bytes: an interrupted copy, or a full disk)"
+        return None, "it is empty (0 bytes: an interrupted copy, or a full disk)"
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's reader raises RuntimeError, pickle and zip errors alike
