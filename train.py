@@ -8,8 +8,10 @@ r"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Deca
     python train.py --config configs/pretrain/vit_b.yaml --config configs/method/cd.yaml   # + CD
 
 Config: dataclass defaults (configs/schema.py) < each --config YAML in order < key=value overrides.
-Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt.
-Re-running the same command with the same out_dir resumes from checkpoint.pt; SIGTERM saves and exits.
+Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
+snapshots/ (train.keep_every_epochs). Re-running the same command with the same out_dir resumes from
+checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT save and exit with code
+75 (docs/operations.md).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def main(cfg: Config) -> RunResult:
             import wandb  # noqa: F401
         except ImportError:
             raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
-                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)") from None
+                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
+                              ) from None
     dist = init_distributed(cfg.train.device)
     try:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
@@ -150,7 +153,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         if decay is not None and "cd" in payload:
             decay.load_state_dict(payload["cd"])
         wandb_id = payload.get("wandb_id") or wandb_id
-        started_from = payload.get("resumed_from") if resume_path == ckpt_path else os.path.abspath(resume_path)
+        own = resume_path == ckpt_path
+        started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
         del payload
         log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)):
@@ -207,7 +211,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         logger.log(step, metrics)
         if "train/loss" in metrics:
             log.info("%s", progress_line(step, metrics, total_steps=total_steps, epochs=cfg.sched.epochs,
-                                         updates_per_epoch=updates_per_epoch, batch_size=cfg.train.batch_size))
+                                         updates_per_epoch=updates_per_epoch,
+                                         batch_size=cfg.train.batch_size))
 
     loop = TrainLoop(
         model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
@@ -225,7 +230,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     val = {}
     reason = "finished"
     start_step, train_seconds = state.step, 0.0
-    while state.validation_due or (state.epoch < cfg.sched.epochs and not reached(state.step, cfg.train.max_steps)):
+    while state.validation_due or (state.epoch < cfg.sched.epochs
+                                   and not reached(state.step, cfg.train.max_steps)):
         epoch_ended = False
         if not state.validation_due:
             started = time.perf_counter()
@@ -240,8 +246,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             val = validate_and_keep_best() or {}
             if val:
                 state.validation_due = False
-                log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs, state.step,
-                         val["val/top1"])
+                log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs,
+                         state.step, val["val/top1"])
             else:
                 reason = "preempted"  # the signal came during validation
         save_checkpoint()
@@ -251,8 +257,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
         if reason == "preempted":
-            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume (exit code %d)",
-                     state.step, EXIT_PREEMPTED)
+            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume "
+                     "(exit code %d)", state.step, EXIT_PREEMPTED)
             break
         if reason == "max_steps":
             log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "

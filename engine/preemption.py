@@ -130,7 +130,7 @@ class _Agreement:
     collective (the update before it), not for work queued since."""
 
     def __init__(self, requested: bool, device: torch.device) -> None:
-        self.flag = torch.tensor([float(requested)], device=device)
+        self.flag = torch.full((1,), float(requested), device=device)  # a fill, not a (syncing) host copy
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
         self.host = self.event = None
         if device.type == "cuda":

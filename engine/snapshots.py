@@ -95,7 +95,8 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
         if os.path.isfile(own) and os.path.abspath(own) != os.path.abspath(resume):
             own_payload, problem = read_training_checkpoint(own)
             if own_payload is not None and own_payload.get("resumed_from") == os.path.abspath(resume):
-                log.info("%s was written by a run started from train.resume=%s: continuing from it", own, resume)
+                log.info("%s was written by a run started from train.resume=%s: continuing from it",
+                         own, resume)
                 return own, own_payload
             log.warning("%s: %s; continuing from train.resume=%s as asked (checkpoint.pt is replaced at "
                         "the next checkpoint)", own, problem or "another start than train.resume", resume)

@@ -85,7 +85,8 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
         out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
         cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
-                              "--out", os.path.join(out_dir, "eval_best.json"), *data_overrides, *run["evaluate"]])
+                              "--out", os.path.join(out_dir, "eval_best.json"), *data_overrides,
+                              *run["evaluate"]])
     return cmds
 
 

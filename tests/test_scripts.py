@@ -146,7 +146,6 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     and is reported as stopped, the sweep exits 75 without evaluating; the same sweep, again, continues it."""
     import signal
     import subprocess
-    import time
 
     import torch
 
@@ -176,7 +175,8 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     again = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "first: finished and evaluated" in again.stdout and "second: finished and evaluated" in again.stdout
+    assert "first: finished and evaluated" in again.stdout
+    assert "second: finished and evaluated" in again.stdout
     assert f"resumed from {tmp_path}/runs/first/checkpoint.pt at epoch" in again.stdout
     assert len(glob.glob(str(tmp_path / "runs" / "*" / "eval_best.json"))) == 2
 

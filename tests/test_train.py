@@ -76,7 +76,10 @@ def test_exact_resume_mid_epoch(debug_config, regularizers):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    assert state_a == state_b and sched_a == sched_b
+    # the split run also validated at its stop (update 3): where its best validation was may differ
+    where_best = ("best_epoch", "best_step")
+    assert ({k: v for k, v in state_a.items() if k not in where_best}
+            == {k: v for k, v in state_b.items() if k not in where_best}) and sched_a == sched_b
 
 
 def test_resuming_with_another_model_is_refused(debug_config):
@@ -300,8 +303,9 @@ def test_job_logs_have_a_line_per_log_step_and_a_summary_off_a_terminal(tmp_path
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    pattern = re.compile(r"update (\d+)/8  epoch (\d)/2 (\d+)%  loss (\S+)  lr (\S+)  (\d+) img/s  data wait (\d+)%  "
-                         r"peak mem (\S+) GiB  eta epoch (\d+:\d\d:\d\d) run (\d+:\d\d:\d\d)$")
+    pattern = re.compile(r"update (\d+)/8  epoch (\d)/2 (\d+)%  loss (\S+)  lr (\S+)  (\d+) img/s  "
+                         r"data wait (\d+)%  peak mem (\S+) GiB  eta epoch (\d+:\d\d:\d\d) "
+                         r"run (\d+:\d\d:\d\d)$")
     lines = [m for m in map(pattern.search, run.stdout.splitlines()) if m]
     records = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert [int(m[1]) for m in lines] == [r["step"] for r in records] == [2, 4, 6, 8]
@@ -316,13 +320,14 @@ def test_job_logs_have_a_line_per_log_step_and_a_summary_off_a_terminal(tmp_path
     validations = [r for r in read_metrics(tmp_path) if "val/top1" in r]
     best = max(validations, key=lambda r: r["val/top1"])  # the first of equals: best.pt keeps the first
     summary = run.stdout.strip().splitlines()[-1]
-    assert re.search(rf"run summary: finished at update 8, epoch 2/2; best val top-1 {best['val/top1']:.2f}% at "
-                     rf"epoch {best['step'] // 4} \(update {best['step']}\); wall time \d+:\d\d:\d\d; "
+    assert re.search(rf"run summary: finished at update 8, epoch 2/2; best val top-1 "
+                     rf"{best['val/top1']:.2f}% at epoch {best['step'] // 4} \(update {best['step']}\); "
+                     rf"wall time \d+:\d\d:\d\d; "
                      rf"this process trained 128 images in \d+:\d\d:\d\d \(\d+ img/s\)", summary), summary
     assert summary.split(" INFO ")[1] in log_file
 
 
-def test_snapshots_are_kept_and_train_resume_continues_from_one_exactly(debug_config, tmp_path):
+def test_snapshots_are_kept_and_train_resume_continues_from_one_exactly(debug_config, caplog):
     straight = debug_config("train.keep_every_epochs=1", name="straight")
     train.main(straight)
     snapshots = os.path.join(straight.out_dir, "snapshots")
@@ -336,12 +341,12 @@ def test_snapshots_are_kept_and_train_resume_continues_from_one_exactly(debug_co
     b = torch.load(os.path.join(cfg.out_dir, "checkpoint.pt"), weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the same command again (a requeued job): it continues its own checkpoint, not the snapshot
-    again = train.main(debug_config(f"train.resume={first}", "sched.epochs=3", "train.allow_changed_config=true",
-                                    name="branch"))
-    assert again.state.step == 12
+    caplog.clear()
+    assert train.main(debug_config(f"train.resume={first}", name="branch")).state.step == 8
+    assert f"resumed from {cfg.out_dir}/checkpoint.pt at epoch 2, update 8" in caplog.text
     # an explicit file that is not a training checkpoint is refused with the file named
-    with pytest.raises(CheckpointError, match=r"train.resume=.*best.pt \(\d+ bytes\) cannot be resumed: it holds "
-                                              r"weights only"):
+    with pytest.raises(CheckpointError,
+                       match=r"train.resume=.*best.pt \(\d+ bytes\) cannot be resumed: it holds weights"):
         train.main(debug_config(f"train.resume={straight.out_dir}/best.pt", name="other"))
 
 
@@ -349,8 +354,8 @@ def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_con
     import shutil
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "log.tensorboard=false",
-           "train.keep_every_epochs=1", "train.max_steps=6"]
+    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}",
+           "log.tensorboard=false", "train.keep_every_epochs=1", "train.max_steps=6"]
     assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300, env=env).returncode == 0
     ckpt = tmp_path / "checkpoint.pt"
     good = ckpt.read_bytes()
@@ -361,13 +366,17 @@ def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_con
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
         errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
         assert run.returncode == 1 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-        assert errors[0].startswith(f"error: cannot resume from {ckpt} ({len(content)} bytes): it") and problem in errors[0]
+        assert errors[0].startswith(f"error: cannot resume from {ckpt} ({len(content)} bytes): it")
+        assert problem in errors[0]
         snapshot = tmp_path / "snapshots" / "epoch0001.pt"
-        assert errors[0].endswith(f"continue from the last good snapshot with: python train.py --config {DEBUG_CONFIG} "
-                                  f"out_dir={tmp_path} log.tensorboard=false train.keep_every_epochs=1 "
-                                  f"train.max_steps=6 train.resume={snapshot}"), errors[0]
+        assert errors[0].endswith(f"continue from the last good snapshot with: python train.py --config "
+                                  f"{DEBUG_CONFIG} out_dir={tmp_path} log.tensorboard=false "
+                                  f"train.keep_every_epochs=1 train.max_steps=6 train.resume={snapshot}"
+                                  ), errors[0]
     # the command it names continues from the snapshot (update 4) to train.max_steps
-    continued = subprocess.run([sys.executable, *errors[0].split("with: python ", 1)[1].split(" ")], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    command = errors[0].split("with: python ", 1)[1].split(" ")
+    continued = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300, env=env)
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert f"resumed from {snapshot} at epoch 1, update 4" in continued.stdout
     assert torch.load(ckpt, weights_only=True)["state"]["step"] == 6
