@@ -128,6 +128,8 @@ def main(argv=None) -> int:
 def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:
     """Train (and evaluate) one run; (exit code for the sweep, 0 to go on; the run's state)."""
     for i, cmd in enumerate(commands(run, args.launcher, args.evaluate)):
+        if signals.received:  # the stop came between two commands
+            return EXIT_PREEMPTED, "not started" if i == 0 else "trained, evaluation not started"
         if i == 1:  # the evaluation of best.pt
             move_stale_result(cmd[cmd.index("--out") + 1], cmd[cmd.index("--checkpoint") + 1])
         print(shlex.join(cmd), flush=True)
@@ -171,9 +173,9 @@ class ForwardedSignals:
             # takes a repeat within 2 s as the same request
 
     def run(self, cmd: list[str]) -> int:
-        if self.received:
-            return EXIT_PREEMPTED
         self.child = subprocess.Popen(cmd, cwd=ROOT)
+        if self.received:  # a signal just before the start: the command must hear of it too
+            self.child.send_signal(self.received[-1])
         try:
             return self.child.wait()
         finally:
@@ -186,6 +188,7 @@ class ForwardedSignals:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
 
 if __name__ == "__main__":
     sys.exit(main())

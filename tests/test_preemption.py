@@ -112,6 +112,29 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     resume_two_more_updates(cmd, tmp_path, step)
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
+    # 20,001 validation images: the two ranks' shards differ by one image (and one batch of 16)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port", str(free_port()),
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "log.tensorboard=false",
+           "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "update 4/4000 " in line:  # the epoch's last update: validation comes next
+            break
+    time.sleep(1.0)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=180)[0]
+    assert "preempted at update 4" in output and "val top-1" not in output, output[-3000:]
+    assert "exitcode  : 75" in output and 'train.py", line' not in output, output[-3000:]
+    ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
+
+
 def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path):
     # 4 updates per epoch, then a validation of 20,000 images (tens of seconds on one CPU thread)
     cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",

@@ -158,7 +158,8 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path):
 def test_torchrun_two_processes_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_port", str(free_port()),
-           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "train.batch_size_per_gpu=8"]
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "train.batch_size_per_gpu=8",
+           "data.synthetic_val_size=17", "train.eval_batch_size_per_gpu=8"]  # val shards: 2 and 1 batches
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
