@@ -63,11 +63,12 @@ def latest_snapshot(out_dir: str) -> Optional[str]:
 
 
 def rerun_command(resume: str) -> str:
-    """This process's command line with train.resume=`resume` (a torchrun launcher goes in front)."""
+    """This process's command line with train.resume=`resume` (under torchrun, with its launcher)."""
     argv = [a for a in sys.argv if not a.startswith("train.resume=")]
     if not argv or not argv[0].endswith("train.py"):
         return f"your train.py command with train.resume={shlex.quote(resume)}"
-    return shlex.join(["python", *argv, f"train.resume={resume}"])
+    launcher = "torchrun [your options]" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
+    return f"{launcher} {shlex.join([*argv, f'train.resume={resume}'])}"
 
 
 def unusable(path: str, problem: str) -> CheckpointError:
