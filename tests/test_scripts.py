@@ -141,6 +141,7 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
         motivation_figure.main([*files, "--pipeline", "aphq", "--out", str(tmp_path / "other")])
 
 
+@pytest.mark.slow
 def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(tmp_path):
     """Ctrl-C (SIGINT to the sweep's process group) while the first run trains: the run writes its checkpoint
     and is reported as stopped, the sweep exits 75 without evaluating; the same sweep, again, continues it."""
