@@ -8,8 +8,10 @@ r"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Deca
     python train.py --config configs/pretrain/vit_b.yaml --config configs/method/cd.yaml   # + CD
 
 Config: dataclass defaults (configs/schema.py) < each --config YAML in order < key=value overrides.
-Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt.
-Re-running the same command with the same out_dir resumes from checkpoint.pt; SIGTERM saves and exits.
+Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
+snapshots/ (train.keep_every_epochs). Re-running the same command with the same out_dir resumes from
+checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT save and exit with code
+75 (docs/operations.md).
 """
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ import dataclasses
 import logging
 import os
 import sys
+import time
+import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -33,16 +38,16 @@ from configs.loader import IgnoredOverrideError
 from data import DataError, build_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
-from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_on_main_rank,
-                               training_payload)
+from engine.checkpoint import CheckpointError, restore_training, save_on_main_rank, training_payload
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
-from engine.metrics import MetricLogger
+from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
-from engine.preemption import Preemption
+from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
+from engine.snapshots import keep_snapshot, resume_source
 from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size, model_label
@@ -56,10 +61,18 @@ class RunResult:
     model: nn.Module  # the trained (unwrapped) model
     metrics: dict  # the last validation metrics (val/top1, ...)
     state: TrainState
+    reason: str = "finished"  # or "preempted" (a stop request: checkpoint written) or "max_steps"
 
 
 def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
+    if cfg.log.wandb:  # checked before any folder is made (engine/metrics.py imports it when logging)
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
+                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
+                              ) from None
     dist = init_distributed(cfg.train.device)
     try:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
@@ -77,6 +90,7 @@ def main(cfg: Config) -> RunResult:
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
     device = dist.device
+    run_started = time.perf_counter()
     setup_process(cfg, dist)
     per_gpu = cfg.train.batch_size_per_gpu
     accum_steps = accumulation_steps(cfg, dist.world_size)
@@ -84,7 +98,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     # -- Model (same initial weights on every rank) and data. A resumed run takes its weights from the
     # checkpoint, so pretrained weights are not loaded (nor fetched) again.
     ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
-    resumed = os.path.exists(ckpt_path)
+    resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
+    resumed = resume_path is not None
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
@@ -130,32 +145,37 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if tweo is not None:
         metric_sources.append(tweo.metrics)
 
-    # -- Resume: the same command in the same out_dir continues from checkpoint.pt.
-    # The checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
-    # parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the
-    # lr of the current update), the position within the epoch in samples of any process count.
+    # -- Resume: the same command in the same out_dir continues from checkpoint.pt, or train.resume=PATH
+    # starts from a given checkpoint file (engine/snapshots.py). The checkpoint gives the state, this
+    # config every setting (engine/resume.py): optimizer moments by parameter name under the new groups'
+    # lr / weight decay / betas, the fresh schedule (the loop sets the lr of the current update), the
+    # position within the epoch in samples of any process count.
     state = TrainState()
     position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
                     updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
                     seed=cfg.train.seed, repeated_aug=max(cfg.data.repeated_aug, 1))
+    started_from = None  # the train.resume file this run descends from (checkpoints record it)
+    wandb_id = uuid.uuid4().hex[:16]  # one wandb run per run: kept in checkpoints, new after archiving
     if resumed:
-        payload = load_checkpoint(ckpt_path)
         check_resumable(payload["config"], cfg)
         restore_training(payload, model=model, optimizer=None, state=state, ema=ema, scaler=scaler)
         restore_optimizer(optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                           optimizer_param_names(model, optimizer))
         state.epoch_batches = resume_position(
             payload.get("epoch_position"), epoch_position(epoch_batches=0, **position),
-            epoch_batches=state.epoch_batches, step=state.step, checkpoint=ckpt_path)
+            epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
         if decay is not None and "cd" in payload:
             decay.load_state_dict(payload["cd"])
+        wandb_id = payload.get("wandb_id") or wandb_id
+        own = resume_path == ckpt_path
+        started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
         del payload
-        log.info("resumed from %s at epoch %d, update %d", ckpt_path, state.epoch, state.step)
+        log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)):
         log.info("config.yaml of the run so far kept as %s", kept)
     logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
                           cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),
-                          resume_step=state.step if resumed else None)
+                          resume_step=state.step if resumed else None, wandb_id=wandb_id)
 
     # -- Checkpoints: checkpoint.pt (the whole training state) and best.pt (best val top-1), main rank.
     def save_on_main(payload_fn, path: str) -> None:
@@ -164,6 +184,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     def save_checkpoint() -> None:
         extra = {"classes": loaders.classes, "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **position),
+                 "resumed_from": started_from, "wandb_id": wandb_id,
                  **({"cd": decay.state_dict()} if decay is not None else {})}
         save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
                                               config=config_to_dict(cfg), ema=ema, scaler=scaler,
@@ -172,10 +193,13 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
                           config=config_to_dict(cfg), classes=loaders.classes, save=save_on_main)
 
-    def validate_and_keep_best() -> dict:
-        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
-        logger.log(state.step, metrics)
-        best.offer(state, metrics)
+    def validate_and_keep_best() -> Optional[dict]:
+        """Validate, log, update best.pt; None (nothing logged or written) when a stop request ended it."""
+        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
+                           should_stop=preemption.should_stop)
+        if metrics is not None:
+            logger.log(state.step, metrics)
+            best.offer(state, metrics)
         return metrics
 
     # -- The loop. Wrap for training: DDP (gradient all-reduce), then torch.compile (PyTorch's order).
@@ -196,35 +220,61 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             aux = aux + decay.aux_loss(loss)
         return loss + aux
 
+    total_steps = min(cfg.sched.epochs * updates_per_epoch, cfg.train.max_steps or sys.maxsize)
+
+    def log_step(step: int, metrics: dict) -> None:
+        """metrics.jsonl / TensorBoard / wandb, and one line in train.log and stdout per log step."""
+        logger.log(step, metrics)
+        if "train/loss" in metrics:
+            log.info("%s", progress_line(step, metrics, total_steps=total_steps, epochs=cfg.sched.epochs,
+                                         updates_per_epoch=updates_per_epoch,
+                                         batch_size=cfg.train.batch_size))
+
     loop = TrainLoop(
         model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
         scaler=scaler, scheduler=scheduler, per_step_schedule=cfg.sched.per_step, accum_steps=accum_steps,
         clip_grad=cfg.optim.clip_grad, ema=ema, mixup=loaders.mixup, seed=cfg.train.seed, rank=dist.rank,
         world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
-        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=logger.log,
+        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=log_step,
         metric_sources=metric_sources, should_stop=preemption.should_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
         progress=cfg.log.progress and dist.is_main, log_epoch_costs=True)
 
-    # -- The epochs: train, validate, checkpoint; stop early on preemption or train.max_steps.
+    # -- The epochs: train, validate, checkpoint; stop early on preemption or train.max_steps. A stop
+    # request ends a validation (train.py writes checkpoint.pt first; the resumed run validates then).
     val = {}
     reason = "finished"
-    while state.epoch < cfg.sched.epochs and not reached(state.step, cfg.train.max_steps):
-        reason = loop.run_epoch(loaders.train, state, per_gpu)
-        if reason == "epoch_end" and (state.epoch % cfg.train.eval_every_epochs == 0
-                                      or state.epoch == cfg.sched.epochs):
-            val = validate_and_keep_best()
-            log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs, state.step,
-                     val["val/top1"])
-        elif reason == "max_steps":  # a shortened run still reports (not on preemption: no time to spare)
-            val = validate_and_keep_best()
+    start_step, train_seconds = state.step, 0.0
+    while state.validation_due or (state.epoch < cfg.sched.epochs
+                                   and not reached(state.step, cfg.train.max_steps)):
+        epoch_ended = False
+        if not state.validation_due:
+            started = time.perf_counter()
+            reason = loop.run_epoch(loaders.train, state, per_gpu)
+            train_seconds += time.perf_counter() - started
+            epoch_ended = state.epoch_batches == 0
+            if epoch_ended and reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
+                reason = "preempted"  # the signal came at the epoch's last update
+            state.validation_due = reason == "max_steps" or (epoch_ended and (
+                state.epoch % cfg.train.eval_every_epochs == 0 or state.epoch == cfg.sched.epochs))
+        if state.validation_due and reason != "preempted":
+            val = validate_and_keep_best() or {}
+            if val:
+                state.validation_due = False
+                log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs,
+                         state.step, val["val/top1"])
+            else:
+                reason = "preempted"  # the signal came during validation
         save_checkpoint()
-        if reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
-            reason = "preempted"  # the signal came during validation: do not start another epoch
+        if epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
+            kept = keep_snapshot(ckpt_path, state.epoch, dist.is_main, device)
+            log.info("epoch %d kept as %s", state.epoch, kept)
+        if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
+            reason = "preempted"  # the signal came during the writes: do not start another epoch
         if reason == "preempted":
-            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume",
-                     state.step)
+            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume "
+                     "(exit code %d)", state.step, EXIT_PREEMPTED)
             break
         if reason == "max_steps":
             log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
@@ -232,10 +282,13 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             break
 
     # -- The end: report the current weights (not after preemption: no time, and no fresh numbers).
+    reason = "finished" if reason == "epoch_end" else reason
     if reason == "preempted":
         val = {}
     elif not val:  # a finished run re-run
-        val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max)
+        val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
+                       should_stop=preemption.should_stop) or {}
+        reason = reason if val else "preempted"
     logger.close()
     if tweo is not None:
         tweo.remove()
@@ -243,7 +296,22 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
                  val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
         warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
-    return RunResult(model=model, metrics=val, state=state)
+    log.info("%s", run_summary(state, reason, cfg.sched.epochs, time.perf_counter() - run_started,
+                               (state.step - start_step) * cfg.train.batch_size, train_seconds))
+    return RunResult(model=model, metrics=val, state=state, reason=reason)
+
+
+def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float, images: int,
+                train_seconds: float) -> str:
+    """The last line of every run: how it ended, its best validation, and this process's time and speed."""
+    ended = {"finished": "finished", "preempted": "stopped by a signal (resumable)",
+             "max_steps": "stopped at train.max_steps"}.get(reason, reason)
+    best = (f"best val top-1 {state.best_top1:.2f}% at epoch {state.best_epoch} (update {state.best_step})"
+            if state.best_top1 >= 0 else "no validation yet")
+    speed = f"{images / train_seconds:.0f} img/s" if train_seconds > 0 else "no updates trained"
+    return (f"run summary: {ended} at update {state.step}, epoch {state.epoch}/{epochs}; {best}; wall time "
+            f"{duration(wall_seconds)}; this process trained {images} images in {duration(train_seconds)} "
+            f"({speed})")
 
 
 def setup_process(cfg: Config, dist: DistInfo) -> None:
@@ -287,15 +355,23 @@ def build_criterion(cfg: Config, mixup: bool) -> nn.Module:
     return nn.CrossEntropyLoss()
 
 
-def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False) -> dict:
+def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False,
+             should_stop=None) -> Optional[dict]:
     """val/* (and val_ema/*) accuracy; with `act_max`, the paper's activation maxima act/max_module and
-    act/max_block over the validation set (max over all ranks)."""
+    act/max_block over the validation set (max over all ranks). None when `should_stop` (a preemption
+    request) ended it."""
     with ActivationProbe(model) if act_max else contextlib.nullcontext() as probe:
-        metrics = {f"val/{k}": v for k, v in evaluate(model, loader, device, amp).items()}
+        raw = evaluate(model, loader, device, amp, should_stop=should_stop)
+        if raw is None:
+            return None
+        metrics = {f"val/{k}": v for k, v in raw.items()}
     if act_max:
         metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
     if ema is not None:
-        metrics.update({f"val_ema/{k}": v for k, v in evaluate(ema.module, loader, device, amp).items()})
+        averaged = evaluate(ema.module, loader, device, amp, should_stop=should_stop)
+        if averaged is None:
+            return None
+        metrics.update({f"val_ema/{k}": v for k, v in averaged.items()})
     return metrics
 
 
@@ -360,7 +436,8 @@ def parse_args(argv: list[str]) -> Config:
 
 if __name__ == "__main__":
     try:
-        main(parse_args(sys.argv[1:]))
+        if main(parse_args(sys.argv[1:])).reason == "preempted":
+            sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             DivergenceError) as e:
         sys.exit(f"error: {e}")

@@ -146,6 +146,12 @@ class TrainConfig:
     # out_dir holds an earlier run's files but no checkpoint: move them to out_dir/archive/<time>/ and start
     archive_existing: bool = False
     allow_changed_config: bool = False  # resume although settings other than paths/logging/max_steps changed
+    # start or continue from this training checkpoint (a snapshot, another run's checkpoint.pt), with the
+    # checks of a same-folder resume; out_dir's own checkpoint.pt wins once it descends from this file, so a
+    # requeued command keeps its progress (engine/snapshots.py)
+    resume: str = ""
+    # keep checkpoint.pt of every N-th epoch end as out_dir/snapshots/epoch<E>.pt (never deleted); 0: off
+    keep_every_epochs: Annotated[int, NonNegative] = 0
 
 
 @dataclass

@@ -29,6 +29,8 @@ class BestCheckpoint:
         if metrics["val/top1"] <= state.best_top1:
             return False
         state.best_top1 = metrics["val/top1"]
+        state.best_epoch = state.epoch + (state.epoch_batches > 0)  # 1-based: just completed, or in progress
+        state.best_step = state.step
         self.save(lambda: {"model": self.model.state_dict(), "config": self.config,
                            "state": state.state_dict(), "metrics": metrics, "classes": self.classes,
                            **({"model_ema": self.ema.module.state_dict()} if self.ema is not None else {})},

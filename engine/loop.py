@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -70,6 +71,9 @@ class TrainState:
     epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
     skipped_steps: int = 0  # fp16 updates the GradScaler skipped (inf/NaN gradients)
     best_top1: float = -1.0
+    best_epoch: int = 0  # the epoch (1-based; the one in progress for a mid-epoch validation) of best_top1
+    best_step: int = 0  # ... and its update
+    validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
 
     def state_dict(self) -> dict:
@@ -154,7 +158,9 @@ class TrainLoop:
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
         micro = 0
+        waiting_since = time.perf_counter()  # the time spent waiting for the loader (train/data_wait)
         for images, targets in batches.loader:
+            window.data_wait += time.perf_counter() - waiting_since
             if state.epoch_batches >= total * self.accum_steps:
                 break  # the tail that does not fill a whole update
             if micro == 0:
@@ -176,6 +182,7 @@ class TrainLoop:
             if state.initial_loss is None and self._first_loss is None:
                 self._first_loss = loss.detach().float().reshape(1)
             if not last:
+                waiting_since = time.perf_counter()
                 continue
             micro = 0
             steps_before = self._real_steps
@@ -199,6 +206,7 @@ class TrainLoop:
             if self.should_stop is not None and self.should_stop(state.step):
                 reason = "preempted"
                 break
+            waiting_since = time.perf_counter()
         if bar is not None:
             bar.close()
         if window.updates:
@@ -282,6 +290,7 @@ class _Window:
         self.updates = 0
         self.images = 0
         self.grad_norm = None
+        self.data_wait = 0.0  # seconds the main process waited for the next batch
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -313,7 +322,9 @@ class _Window:
     def flush(self, step: int) -> dict:
         mean_loss = self.check_finite(step)
         elapsed = time.perf_counter() - self.t0
-        metrics = {"train/loss": mean_loss, "train/img_per_s": self.images / max(elapsed, 1e-9)}
+        metrics = {"train/loss": mean_loss, "train/img_per_s": self.images / max(elapsed, 1e-9),
+                   "train/data_wait": self.data_wait / max(elapsed, 1e-9),  # share of the window's time
+                   "train/peak_mem_mib": _peak_mem_mib(self.device)}
         if self.grad_norm is not None:
             metrics["train/grad_norm"] = float(self.grad_norm)  # the last update's (clipping on)
         self._reset()
@@ -321,13 +332,16 @@ class _Window:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "") -> dict:
+def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "",
+             should_stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
     """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks.
 
     With `ShardedEvalSampler` every image is counted exactly once across ranks. A negative target marks
     a sample the data set could not read (data/folder.py: -1 - index): it is excluded from every count,
     and its file is named in a warning. `progress`: a label for a progress bar (shown on a terminal
-    only); "" for none.
+    only); "" for none. `should_stop` (a preemption request, the same answer on every rank): asked before
+    every batch that all ranks have (shards may differ by one batch); when it says stop, the evaluation
+    ends at once and returns None.
 
     Returns:
         {"top1", "top5", "loss", "count" (images scored), "excluded" (unreadable images left out)}.
@@ -336,11 +350,16 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     dataset = getattr(loader, "dataset", None)
     sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count, excluded
     unreadable: list[int] = []
+    common_batches = 0
+    if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks (one collective)
+        common_batches = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         loader = tqdm(loader, desc=progress, leave=False, dynamic_ncols=True)
-    for images, targets in loader:
+    for index, (images, targets) in enumerate(loader):
+        if index < common_batches and should_stop():
+            return None
         bad = targets < 0  # on the host, before the copy: no device sync
         if bad.any():
             unreadable += (-1 - targets[bad]).tolist()
@@ -366,6 +385,14 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     scored = max(count, 1.0)
     return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
             "count": int(count), "excluded": int(excluded)}
+
+
+def _peak_mem_mib(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA memory allocated by tensors since the epoch began (on CUDA), else the
+    process's peak resident set size (on the CPU, where tensors live in host memory)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
 
 
 def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class MetricLogger:
     def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, wandb: bool = False,
                  wandb_project: str = "", wandb_mode: str = "offline", config: Optional[dict] = None,
-                 resume_step: Optional[int] = None):
+                 resume_step: Optional[int] = None, wandb_id: str = ""):
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.tb = self.wandb = None
@@ -39,7 +39,7 @@ class MetricLogger:
 
             self.wandb = wandb_lib.init(project=wandb_project, dir=out_dir, mode=wandb_mode, config=config,
                                         name=os.path.basename(os.path.normpath(out_dir)), resume="allow",
-                                        id=_wandb_id(out_dir))
+                                        id=wandb_id or None)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled or not metrics:
@@ -58,6 +58,35 @@ class MetricLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def progress_line(step: int, metrics: dict, *, total_steps: int, epochs: int, updates_per_epoch: int,
+                  batch_size: int) -> str:
+    """One line per log step for job logs (train.log and stdout, terminal or not), e.g.
+
+        update 120/1600  epoch 3/100 45%  loss 2.3456  lr 1.00e-03  812 img/s  data wait 12%
+        peak mem 10.2 GiB  eta epoch 0:00:52 run 0:31:10
+
+    The ETAs count training updates at the window's speed (validations and checkpoints not included).
+    """
+    epoch = metrics["train/epoch"]  # epochs done, fractional: 2.45 is 45% into the third epoch
+    current = max(math.ceil(epoch), 1)  # 1-based, the one in progress (or just completed)
+    seconds_per_update = batch_size / max(metrics["train/img_per_s"], 1e-9)
+    left_in_epoch = round((current - epoch) * updates_per_epoch)
+    return (f"update {step}/{total_steps}  epoch {current}/{epochs} {epoch - current + 1:.0%}  "
+            f"loss {metrics['train/loss']:.4f}  lr {metrics['train/lr']:.2e}  "
+            f"{metrics['train/img_per_s']:.0f} img/s  data wait {metrics['train/data_wait']:.0%}  "
+            f"peak mem {metrics['train/peak_mem_mib'] / 1024:.1f} GiB  "
+            f"eta epoch {duration(left_in_epoch * seconds_per_update)} "
+            f"run {duration(max(total_steps - step, 0) * seconds_per_update)}")
+
+
+def duration(seconds: float) -> str:
+    """H:MM:SS, with a day count in front past 24 hours ("2d 03:04:05")."""
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
 
 
 def _plain(value):
@@ -89,10 +118,3 @@ def _truncate_after(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
-
-
-def _wandb_id(out_dir: str) -> str:
-    """A stable run id per out_dir so that a resumed run continues the same wandb run."""
-    import hashlib
-
-    return hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:16]

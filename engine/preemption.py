@@ -5,11 +5,14 @@ process of the job, DataLoader workers and torchrun included; Ctrl-C sends SIGIN
 foreground process group. The rule:
 
 * the main process of each rank only records the request (`Preemption`); the training loop asks
-  `should_stop(step)` after every optimizer update and at epoch ends, writes checkpoint.pt and returns,
-  so the process exits with code 0 and the same command resumes;
-* under DDP the ranks agree through one all-reduce of the flag, every `agree_every` updates (a tiny
-  collective and a host sync, so not every update) and at every epoch end, so all ranks stop at the
-  same update whichever of them got the signal;
+  `should_stop(step)` after every optimizer update, validation after every batch, and train.py at
+  epoch ends; then train.py writes checkpoint.pt first (before any validation or best.pt work) and
+  exits with code `EXIT_PREEMPTED` (75), and the same command resumes. A checkpoint write in progress
+  always completes (the handler only records the request);
+* under DDP the ranks agree through an all-reduce of the flag after every update: launched without
+  waiting (`async_op`) and read one call later, so it costs no host sync, and every rank stops at the
+  same update at most one update after the signal, whichever rank got it. Boundary calls (epoch ends)
+  agree at once;
 * DataLoader workers ignore both signals unless their own main process sends them
   (`ignore_stop_signals`, their `worker_init_fn`): a worker killed by the scheduler's SIGTERM would turn
   the request into a crash of the main process. They end with the loader (and exit by themselves if the
@@ -27,11 +30,14 @@ import threading
 import time
 
 import torch
-
-from .distributed import all_reduce
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The exit code of a run that stopped on a signal with its checkpoint written: sysexits.h EX_TEMPFAIL
+# ("temporary failure; the user is invited to retry"), so that job scripts and sweeps can tell it from
+# success (0) and from errors (1, or a signal's 128 + n).
+EXIT_PREEMPTED = 75
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -62,16 +68,15 @@ class Preemption:
     Args:
         device: the device of this rank's collectives (the flag tensor lives there).
         distributed: whether ranks must agree through an all-reduce.
-        agree_every: under DDP, updates between two agreements (0 at epoch ends always).
         repeat_window_s: signals this soon after the first count as the same request.
     """
 
-    def __init__(self, device: torch.device, distributed: bool = False, agree_every: int = 10,
-                 repeat_window_s: float = 2.0) -> None:
+    def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0) -> None:
         self.device, self.distributed = device, distributed
-        self.agree_every, self.repeat_window_s = agree_every, repeat_window_s
+        self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
+        self._pending: _Agreement | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -85,19 +90,26 @@ class Preemption:
             self.restore()
             raise KeyboardInterrupt("second interrupt: stopping now, without a new checkpoint")
 
-    def should_stop(self, step: int, boundary: bool = False) -> bool:
+    def should_stop(self, step: int = 0, boundary: bool = False) -> bool:
         """True once a stop was requested on any rank; the same answer on every rank.
 
+        Under DDP every rank must make the same sequence of calls. A plain call answers with the
+        agreement launched by the previous call and launches the next one (no host sync); a `boundary`
+        call (an epoch end, where no update follows soon) agrees on the spot.
+
         Args:
-            step: optimizer updates done (DDP: ranks agree only every `agree_every` updates).
-            boundary: an epoch end (or other point where every rank calls this): always agree here.
+            step: optimizer updates done (for the log; the answer does not depend on it).
+            boundary: agree now, waiting for the collective.
         """
         if not self.distributed:
             return self.requested
-        if not boundary and step % self.agree_every:
-            return False
-        flag = torch.tensor([float(self.requested)], device=self.device)
-        return bool(all_reduce(flag, op="max").item())
+        previous, self._pending = self._pending, None
+        stop = previous is not None and previous.result()
+        if boundary:
+            return stop or _Agreement(self.requested, self.device).result()
+        if not stop:
+            self._pending = _Agreement(self.requested, self.device)
+        return stop
 
     def restore(self) -> None:
         """Put back the signal handlers that were there before (idempotent)."""
@@ -110,3 +122,27 @@ class Preemption:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+class _Agreement:
+    """One all-reduce (max) of a rank's stop flag, started now and read later without stalling the device:
+    on CUDA the result is copied to pinned host memory behind an event, so reading it waits only for the
+    collective (the update before it), not for work queued since."""
+
+    def __init__(self, requested: bool, device: torch.device) -> None:
+        self.flag = torch.full((1,), float(requested), device=device)  # a fill, not a (syncing) host copy
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        self.host = self.event = None
+        if device.type == "cuda":
+            self.work.wait()  # the current stream waits for the collective; the host does not
+            self.host = torch.empty(1, pin_memory=True)
+            self.host.copy_(self.flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+            return bool(self.host.item())
+        self.work.wait()
+        return bool(self.flag.item())

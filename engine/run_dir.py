@@ -45,7 +45,8 @@ ENVIRONMENT_KEYS = (
     "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained",
     "model.pretrained_strict", "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps",
     "train.ckpt_every_steps", "train.eval_every_epochs", "train.device", "train.compile",
-    "train.archive_existing", "train.allow_changed_config", "train.divergence_factor",
+    "train.archive_existing", "train.allow_changed_config", "train.divergence_factor", "train.resume",
+    "train.keep_every_epochs",
     "train.divergence_windows", "log.*", "quant.*")
 
 

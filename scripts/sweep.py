@@ -17,12 +17,23 @@ A sweep file (configs/sweeps/*.yaml):
                                                 # an override for the whole sweep may not replace
 Overrides given on this command line apply to every run. Runs are plain train.py invocations, so a run
 that stopped resumes when the sweep is started again.
+
+With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
+(train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint, or the sweep itself got SIGTERM /
+SIGINT: not evaluated, and no later run starts), failed, or not started. The sweep exits 0 only when every
+run finished; 75 when one stopped, so the same command can be requeued: it continues each unfinished run
+(a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
+running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON older
+than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
+eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -30,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
 from configs.loader import read_yaml_file  # noqa: E402
+from engine.preemption import EXIT_PREEMPTED  # noqa: E402
 
 
 def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
@@ -72,7 +84,8 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
         out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
         cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
-                              *data_overrides, *run["evaluate"]])
+                              "--out", os.path.join(out_dir, "eval_best.json"), *data_overrides,
+                              *run["evaluate"]])
     return cmds
 
 
@@ -95,15 +108,85 @@ def main(argv=None) -> int:
         if missing:
             sys.exit(f"error: no run named {missing} in {args.sweep}")
         runs = [r for r in runs if r["name"] in args.only]
-    for run in runs:
-        for cmd in commands(run, args.launcher, args.evaluate):
-            print(shlex.join(cmd), flush=True)
-            if args.run:
-                done = subprocess.run(cmd, cwd=ROOT)
-                if done.returncode != 0:
-                    print(f"sweep: run '{run['name']}' failed ({done.returncode}); stopping", file=sys.stderr)
-                    return done.returncode
-    return 0
+    if not args.run:
+        for run in runs:
+            for cmd in commands(run, args.launcher, args.evaluate):
+                print(shlex.join(cmd), flush=True)
+        return 0
+    states = {r["name"]: "not started" for r in runs}
+    code = 0
+    with ForwardedSignals() as signals:
+        for run in runs:
+            code, states[run["name"]] = run_one(run, args, signals)
+            if code:
+                break
+    print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()), flush=True)
+    return code
+
+
+def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:
+    """Train (and evaluate) one run; (exit code for the sweep, 0 to go on; the run's state)."""
+    for i, cmd in enumerate(commands(run, args.launcher, args.evaluate)):
+        if signals.received:  # the stop came between two commands
+            return EXIT_PREEMPTED, "not started" if i == 0 else "trained, evaluation not started"
+        if i == 1:  # the evaluation of best.pt
+            move_stale_result(cmd[cmd.index("--out") + 1], cmd[cmd.index("--checkpoint") + 1])
+        print(shlex.join(cmd), flush=True)
+        code = signals.run(cmd)
+        step = "training" if i == 0 else "evaluation"
+        if code == EXIT_PREEMPTED or (code and signals.received):
+            print(f"sweep: run '{run['name']}' stopped during {step}; run the same command again to continue",
+                  file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED, f"stopped during {step} (resumable)"
+        if code:
+            print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
+            return code, f"failed during {step} (exit code {code})"
+    return 0, "finished and evaluated" if args.evaluate else "finished"
+
+
+def move_stale_result(json_path: str, checkpoint: str) -> None:
+    """evaluate.py refuses a JSON written for other weights; one older than the checkpoint was (an
+    earlier best.pt of this run, e.g. evaluated by hand mid-training): move it aside, nothing is deleted."""
+    if (os.path.exists(json_path) and os.path.exists(checkpoint)
+            and os.path.getmtime(json_path) < os.path.getmtime(checkpoint)):
+        stamp = datetime.datetime.fromtimestamp(os.path.getmtime(json_path)).strftime("%Y%m%d-%H%M%S")
+        target = f"{os.path.splitext(json_path)[0]}.{stamp}.json"
+        os.replace(json_path, target)
+        print(f"sweep: {json_path} was written for an earlier {os.path.basename(checkpoint)}; moved to "
+              f"{target}", file=sys.stderr, flush=True)
+
+
+class ForwardedSignals:
+    """While active, SIGTERM / SIGINT to the sweep are passed on to the running command, and the sweep
+    waits for it (train.py writes its checkpoint, then exits with EXIT_PREEMPTED); no further command
+    starts. (subprocess.run would kill the command 0.25 s after a KeyboardInterrupt, mid-write.)"""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.child: "subprocess.Popen | None" = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)  # a child in our process group may have it already: train.py
+            # takes a repeat within 2 s as the same request
+
+    def run(self, cmd: list[str]) -> int:
+        self.child = subprocess.Popen(cmd, cwd=ROOT)
+        if self.received:  # a signal just before the start: the command must hear of it too
+            self.child.send_signal(self.received[-1])
+        try:
+            return self.child.wait()
+        finally:
+            self.child = None
+
+    def __enter__(self) -> "ForwardedSignals":
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

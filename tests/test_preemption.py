@@ -1,5 +1,7 @@
 """Preemption: SIGTERM / SIGINT to the main process, to the whole process group (DataLoader workers
-included) and through torchrun all stop at an update boundary, write checkpoint.pt, exit 0 and resume."""
+included), to one torchrun rank, and during validation all stop within one update (or one validation
+batch), write checkpoint.pt, exit EXIT_PREEMPTED (75) and resume."""
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from engine.preemption import EXIT_PREEMPTED
 from tests.conftest import DEBUG_CONFIG, ROOT
 
 LONG_RUN = ("sched.epochs=1000", "train.log_every_steps=1", "data.synthetic_train_size=256")
@@ -50,7 +53,7 @@ def train_cmd(out_dir, *overrides):
     (signal.SIGTERM, "group", 2),  # what SLURM, scancel, timeout and `kill -TERM -- -PGID` do
     (signal.SIGINT, "group", 2),   # Ctrl-C in a terminal
 ], ids=["sigterm-main", "sigterm-group-workers", "sigint-group-workers"])
-def test_signal_saves_a_checkpoint_exits_0_and_resumes(tmp_path, signum, target, workers):
+def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers):
     cmd = train_cmd(tmp_path, f"data.num_workers={workers}")
     proc = start(cmd, tmp_path)
     if target == "group":
@@ -58,7 +61,7 @@ def test_signal_saves_a_checkpoint_exits_0_and_resumes(tmp_path, signum, target,
     else:
         proc.send_signal(signum)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "preempted at update" in output and "Traceback" not in output
     assert "val top-1" not in output.split("preempted at update")[1]  # no validation pass after the signal
     step = saved_step(tmp_path)
@@ -66,23 +69,102 @@ def test_signal_saves_a_checkpoint_exits_0_and_resumes(tmp_path, signum, target,
     resume_two_more_updates(cmd, tmp_path, step)
 
 
+def rank_pid(launcher_pid: int, local_rank: int) -> int:
+    """The pid of torchrun's worker process with LOCAL_RANK=`local_rank`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher_pid and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry)
+    pytest.fail(f"no rank {local_rank} under torchrun {launcher_pid}")
+
+
+def last_logged_step(out_dir) -> int:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return max(json.loads(line)["step"] for line in f if line.strip())
+
+
 @pytest.mark.slow
-def test_process_group_sigterm_through_torchrun_stops_every_rank_at_one_update(tmp_path):
+def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_port", str(free_port()),
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN,
            "train.batch_size_per_gpu=8", "data.num_workers=1"]
     proc = start(cmd, tmp_path)
-    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    # the signal lands on rank 1 only, while rank 0 (which writes the checkpoint) knows nothing of it
+    logged = last_logged_step(tmp_path)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
     output, _ = proc.communicate(timeout=180)
-    # torchrun forwards SIGTERM to the ranks and then ends with its own SignalException report (not ours);
-    # the ranks stop at the same update, write checkpoint.pt and return normally:
-    # no traceback through our code
     assert "preempted at update" in output, output[-3000:]
     assert "DataLoader worker" not in output and 'train.py", line' not in output, output[-3000:]
+    assert "exitcode  : 75" in output  # both ranks exit EXIT_PREEMPTED; torchrun reports it
     step = saved_step(tmp_path)
-    assert step % 10 == 0 or step % 16 == 0  # ranks agree every 10 updates and at epoch ends (16 updates)
+    # rank 1 is at most one update ahead of rank 0's last log line; the ranks agree one update later
+    assert logged <= step <= logged + 3, (logged, step)
     resume_two_more_updates(cmd, tmp_path, step)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
+    # 20,001 validation images: the two ranks' shards differ by one image (and one batch of 16)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port", str(free_port()),
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "log.tensorboard=false",
+           "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "update 4/4000 " in line:  # the epoch's last update: validation comes next
+            break
+    time.sleep(1.0)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=180)[0]
+    assert "preempted at update 4" in output and "val top-1" not in output, output[-3000:]
+    assert "exitcode  : 75" in output and 'train.py", line' not in output, output[-3000:]
+    ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
+
+
+def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path):
+    # 4 updates per epoch, then a validation of 20,000 images (tens of seconds on one CPU thread)
+    cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",
+                    "log.tensorboard=false")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in proc.stdout:  # the log line of the epoch's last update comes just before validation
+        lines.append(line)
+        if "update 4/4000 " in line:
+            break
+    time.sleep(1.0)  # well inside the validation
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    signal_to_exit = time.monotonic() - signalled
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "val top-1" not in output and "preempted at update 4" in output, output[-3000:]
+    assert signal_to_exit < 10, signal_to_exit  # the whole validation takes far longer
+    ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
+    assert not os.path.exists(os.path.join(tmp_path, "best.pt"))
+    # the same command (up to update 4) validates what the stop skipped, then finishes
+    resumed = subprocess.run([*cmd, "train.max_steps=4"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "epoch 1/1000  update 4  val top-1" in resumed.stdout
+    ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["step"] == 4 and not ckpt["state"]["validation_due"]
+    assert os.path.exists(os.path.join(tmp_path, "best.pt"))
 
 
 def test_a_second_interrupt_after_the_grace_window_stops_at_once():

@@ -157,3 +157,56 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
         motivation_figure.main([*files, "--out", str(out)])
     with pytest.raises(SystemExit, match="none of the 3 results has aphq w4a4"):
         motivation_figure.main([*files, "--pipeline", "aphq", "--out", str(tmp_path / "other")])
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(tmp_path):
+    """Ctrl-C (SIGINT to the sweep's process group) while the first run trains: the run writes its checkpoint
+    and is reported as stopped, the sweep exits 75 without evaluating; the same sweep, again, continues it."""
+    import signal
+    import subprocess
+
+    import torch
+
+    from engine.preemption import EXIT_PREEMPTED
+
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n"
+                    f"  first: []\n  second: [optim.lr=1e-3]\n")
+    cmd = [sys.executable, "scripts/sweep.py", str(spec), "--run", "--evaluate", "sched.epochs=1000",
+           "train.log_every_steps=1", "log.tensorboard=false", "quant.pipelines=[percentile]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "update 6/" in line:  # the first run is training
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "first: stopped during training (resumable)" in output and "second: not started" in output
+    assert "evaluate.py" not in output.split("update 6/")[1] and "Traceback" not in output, output[-3000:]
+    step = torch.load(tmp_path / "runs" / "first" / "checkpoint.pt", weights_only=True)["state"]["step"]
+    assert step >= 6
+    # the same sweep, limited to two more updates per run: the first continues, both are evaluated
+    again = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "first: finished and evaluated" in again.stdout
+    assert "second: finished and evaluated" in again.stdout
+    assert f"resumed from {tmp_path}/runs/first/checkpoint.pt at epoch" in again.stdout
+    assert len(glob.glob(str(tmp_path / "runs" / "*" / "eval_best.json"))) == 2
+
+
+def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
+    result, checkpoint = tmp_path / "eval_best.json", tmp_path / "best.pt"
+    result.write_text("{}")
+    checkpoint.write_bytes(b"weights")
+    os.utime(result, (1_000_000_000, 1_000_000_000))  # evaluated before best.pt changed
+    sweep.move_stale_result(str(result), str(checkpoint))
+    assert not result.exists() and len(glob.glob(str(tmp_path / "eval_best.*.json"))) == 1
+    result.write_text("{}")  # newer than best.pt: results of this best.pt, kept
+    sweep.move_stale_result(str(result), str(checkpoint))
+    assert result.exists()

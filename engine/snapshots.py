@@ -1,0 +1,141 @@
+"""Where a run resumes from, retained snapshots, and what to do about a corrupt latest checkpoint.
+
+* Resume source: `out_dir/checkpoint.pt` (the same command continues), or `train.resume=PATH`, an explicit
+  training checkpoint (a snapshot, another run's checkpoint.pt). A requeued job repeats its command, so
+  `train.resume` must not throw away the progress made since: out_dir's own checkpoint.pt wins when it
+  descends from PATH (every checkpoint records the file its run started from, `resumed_from`).
+  Otherwise PATH wins: resuming from an earlier snapshot of the same folder rolls the run back to it.
+* Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
+  `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
+  a copy where the file system has no hard links). The run never deletes or replaces one.
+* A latest checkpoint that cannot be resumed (zero bytes, truncated, a best.pt copied over it) is a
+  CheckpointError naming the file, its size, what is wrong and the command that continues from the last
+  snapshot.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import re
+import shlex
+import shutil
+import sys
+from typing import Optional
+
+import torch
+
+from .checkpoint import CheckpointError
+from .distributed import raise_on_every_rank
+
+log = logging.getLogger(__name__)
+
+SNAPSHOTS = "snapshots"
+TRAINING_KEYS = ("model", "optimizer", "state", "config")  # what training_payload always writes
+
+
+def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
+    """(payload, "") for a resumable training checkpoint; (None, what is wrong with it) otherwise."""
+    if os.path.getsize(path) == 0:
+        return None, "it is empty (0 bytes: an interrupted copy, or a full disk)"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's reader raises RuntimeError, pickle and zip errors alike
+        return None, (f"it cannot be read ({str(e).strip() or type(e).__name__}): a truncated or "
+                      f"partly written file reads so")
+    missing = [k for k in TRAINING_KEYS if not isinstance(payload, dict) or k not in payload]
+    if missing:
+        kind = ("weights only (a best.pt or a weights file copied over it?)"
+                if isinstance(payload, dict) and "model" in payload else "no training state")
+        return None, f"it holds {kind}: no {', '.join(repr(k) for k in missing)} entries"
+    return payload, ""
+
+
+def latest_snapshot(out_dir: str) -> Optional[str]:
+    """The snapshot of the latest epoch in out_dir/snapshots (None if there is none)."""
+    def epoch(path: str) -> int:
+        found = re.match(r"epoch(\d+)", os.path.basename(path))
+        return int(found.group(1)) if found else -1
+
+    paths = sorted(glob.glob(os.path.join(glob.escape(out_dir), SNAPSHOTS, "epoch*.pt")), key=epoch)
+    return paths[-1] if paths else None
+
+
+def rerun_command(resume: str) -> str:
+    """This process's command line with train.resume=`resume` (under torchrun, with its launcher)."""
+    argv = [a for a in sys.argv if not a.startswith("train.resume=")]
+    if not argv or not argv[0].endswith("train.py"):
+        return f"your train.py command with train.resume={shlex.quote(resume)}"
+    launcher = "torchrun [your options]" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
+    return f"{launcher} {shlex.join([*argv, f'train.resume={resume}'])}"
+
+
+def unusable(path: str, problem: str) -> CheckpointError:
+    """The one error line for a checkpoint that cannot be resumed: file, size, problem, the way on."""
+    out_dir = os.path.dirname(path)
+    snapshot = latest_snapshot(out_dir)
+    way_on = (f"continue from the last good snapshot with: {rerun_command(snapshot)}" if snapshot else
+              f"there is no snapshot in {os.path.join(out_dir, SNAPSHOTS)} (train.keep_every_epochs keeps "
+              f"them); move {path} away and start afresh with train.archive_existing=true, or continue "
+              f"from another checkpoint with train.resume=PATH")
+    return CheckpointError(f"cannot resume from {path} ({os.path.getsize(path)} bytes): {problem}; {way_on}")
+
+
+def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
+    """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
+    own = os.path.join(out_dir, "checkpoint.pt")
+    if resume:
+        if not os.path.isfile(resume):
+            raise CheckpointError(f"train.resume={resume}: no such file; give a checkpoint.pt or a snapshot "
+                                  f"(out_dir/{SNAPSHOTS}/epoch<E>.pt) written by train.py")
+        payload, problem = read_training_checkpoint(resume)
+        if payload is None:
+            raise CheckpointError(f"train.resume={resume} ({os.path.getsize(resume)} bytes) cannot be "
+                                  f"resumed: {problem}")
+        if os.path.isfile(own) and os.path.abspath(own) != os.path.abspath(resume):
+            own_payload, problem = read_training_checkpoint(own)
+            if own_payload is not None and own_payload.get("resumed_from") == os.path.abspath(resume):
+                log.info("%s was written by a run started from train.resume=%s: continuing from it",
+                         own, resume)
+                return own, own_payload
+            log.warning("%s: %s; continuing from train.resume=%s as asked (checkpoint.pt is replaced at "
+                        "the next checkpoint)", own, problem or "another start than train.resume", resume)
+        return resume, payload
+    if not os.path.isfile(own):
+        return None, None
+    payload, problem = read_training_checkpoint(own)
+    if payload is None:
+        raise unusable(own, problem)
+    return own, payload
+
+
+def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.device) -> str:
+    """Keep `checkpoint` (just written) as out_dir/snapshots/epoch<E>.pt on the main rank; returns the
+    path. An existing snapshot of that epoch (a run resumed from an earlier one) is kept: the new one
+    gets a suffix."""
+    folder = os.path.join(os.path.dirname(checkpoint), SNAPSHOTS)
+    path = os.path.join(folder, f"epoch{epoch:04d}.pt")
+    suffix = 1
+    while os.path.exists(path):
+        path = os.path.join(folder, f"epoch{epoch:04d}-{suffix}.pt")
+        suffix += 1
+    error = None
+    if is_main:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            try:
+                os.link(checkpoint, path)
+            except OSError:  # no hard links here (some network or FUSE file systems): copy, then rename
+                tmp = f"{path}.tmp.{os.getpid()}"
+                try:
+                    shutil.copyfile(checkpoint, tmp)
+                    os.replace(tmp, path)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+        except OSError as e:
+            error = CheckpointError(f"could not keep {checkpoint} as {path}: {e}; checkpoint.pt is written, "
+                                    f"re-run the same command to continue")
+    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not write {path}"))
+    return path
