@@ -35,7 +35,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from models.modules import unwrap_model
+from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
 
