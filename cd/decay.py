@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
 from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
+from .verify import UnsupportedModelError
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -39,8 +40,16 @@ def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
 
 def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
     """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
-    so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them)."""
-    pairs = find_pairs(model)
+    so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them).
+
+    A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
+    without CD all the same: its source logs nothing, with one warning saying why.
+    """
+    try:
+        pairs = find_pairs(model)
+    except UnsupportedModelError as e:
+        warnings.warn(f"{e} No cd/pair_energy metrics are logged for this model.", stacklevel=2)
+        return dict
     plan = build_plan(pairs)
     return lambda: energy_metrics(pairs, plan)
 
@@ -75,6 +84,12 @@ class ColinearityDecay:
             the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md.
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
             materialised delta per pair, so the trainer passes its log interval.
+        example_input: a tensor of the model's input shape for checking the pairs against a forward
+            pass (see `find_pairs`); timm models need none.
+
+    Raises:
+        UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
+            (the message names the block and its type).
     """
 
     def __init__(
@@ -87,6 +102,7 @@ class ColinearityDecay:
         loss_coef: float = 0.01,
         matmul_precision: str = "auto",
         norms_every: int = 1,
+        example_input: Optional[Tensor] = None,
     ) -> None:
         if targets not in TARGETS:
             raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
@@ -111,7 +127,7 @@ class ColinearityDecay:
             raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
         self.norms_every = norms_every
 
-        self.all_pairs: list[Pair] = find_pairs(model)  # diagnostics cover every pair
+        self.all_pairs: list[Pair] = find_pairs(model, example_input)  # diagnostics cover every pair
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]
