@@ -200,8 +200,8 @@ def _mlp_pairs(name: str, block: nn.Module) -> list[Pair]:
     gated = _child(mlp, "fc1_g") is not None or (fc1 is not None and fc2 is not None
                                                    and fc1.shape[0] == 2 * fc2.shape[1])
     if gated:
-        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} (e.g. SwiGLU); the paper's pairs are "
-                      "defined for fc2(act(fc1(x)))")
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
+                      "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x)))")
     if fc1 is None or fc2 is None or fc2.shape[1] != fc1.shape[0]:
         raise _refuse(name, block, f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
     return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
@@ -236,6 +236,10 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
         types[name] = type(module).__name__
         if is_prenorm_block(module):
             pairs += _attention_pairs(name, module) + _mlp_pairs(name, module)
+        elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
+                module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
+            raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
+                          "a norm with the layer it feeds")
         else:
             pairs.append(_composable(name, module, "norm", "reduction", "reduction"))
     if not pairs:
