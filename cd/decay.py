@@ -38,7 +38,7 @@ def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
 
-def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
+def pair_energy_source(model: nn.Module, gated_mlp: bool = False) -> Callable[[], dict[str, float]]:
     """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
     so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them).
 
@@ -46,7 +46,7 @@ def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
     without CD all the same: its source logs nothing, with one warning saying why.
     """
     try:
-        pairs = find_pairs(model)
+        pairs = find_pairs(model, gated_mlp=gated_mlp)
     except UnsupportedModelError as e:
         warnings.warn(f"{e} No cd/pair_energy metrics are logged for this model.", stacklevel=2)
         return dict
@@ -86,6 +86,8 @@ class ColinearityDecay:
             materialised delta per pair, so the trainer passes its log interval.
         example_input: a tensor of the model's input shape for checking the pairs against a forward
             pass (see `find_pairs`); timm models need none.
+        gated_mlp: also pair gated MLPs (SwiGLU: norm2 -> W_gate, W_up; W_up -> W_down), beyond the
+            paper (cd/README.md, "Gated MLPs"); off: a gated MLP is refused.
 
     Raises:
         UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
@@ -103,6 +105,7 @@ class ColinearityDecay:
         matmul_precision: str = "auto",
         norms_every: int = 1,
         example_input: Optional[Tensor] = None,
+        gated_mlp: bool = False,
     ) -> None:
         if targets not in TARGETS:
             raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
@@ -126,8 +129,9 @@ class ColinearityDecay:
         if not (isinstance(norms_every, int) and norms_every >= 1):
             raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
         self.norms_every = norms_every
+        self.gated_mlp = bool(gated_mlp)
 
-        self.all_pairs: list[Pair] = find_pairs(model, example_input)  # diagnostics cover every pair
+        self.all_pairs: list[Pair] = find_pairs(model, example_input, gated_mlp=gated_mlp)  # diagnostics cover every pair
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]
@@ -153,11 +157,11 @@ class ColinearityDecay:
     # ----------------------------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, cfg_cd: Any, model: nn.Module, norms_every: int = 1) -> "ColinearityDecay":
-        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision).
+        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision, gated_mlp).
         `enabled` and `budget` are the trainer's switches (see `budget_weight_decay`), not read here."""
         return cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
                    mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef, matmul_precision=cfg_cd.matmul_precision,
-                   norms_every=norms_every)
+                   norms_every=norms_every, gated_mlp=cfg_cd.gated_mlp)
 
     # ----------------------------------------------------------------------------------- decoupled update
     def apply(self, lr: float) -> None:
@@ -286,8 +290,11 @@ class ColinearityDecay:
         return self.num_updates - skipped
 
     def _config(self) -> dict:
-        return {"lam": self.lam, "lam_per_role": dict(self.lam_per_role), "targets": self.targets,
-                "mode": self.mode, "loss_coef": self.loss_coef}
+        config = {"lam": self.lam, "lam_per_role": dict(self.lam_per_role), "targets": self.targets,
+                  "mode": self.mode, "loss_coef": self.loss_coef}
+        if self.gated_mlp:  # only when on, so that checkpoints of the paper's setting compare equal
+            config["gated_mlp"] = True
+        return config
 
     def state_dict(self) -> dict:
         """CD has no state that affects the update (it is fixed by the config); this holds the update

@@ -47,11 +47,20 @@ def build_family(family: str) -> nn.Module:
 
 
 def describe_pairs(model: nn.Module) -> str:
-    """Pairs per block by role, e.g. 'Block: qkv, proj, fc1, fc2', or 'refused: <reason>'."""
+    """Pairs per block by role, e.g. 'Block (x2): qkv, proj, fc1, fc2', or 'refused: <reason>'; for a
+    model refused for its gated MLPs, also what `gated_mlp=True` finds."""
     try:
-        pairs = find_pairs(model)
+        return _pairs_by_block(model, gated_mlp=False)
     except UnsupportedModelError as e:
-        return "refused: " + str(e).removeprefix("cd: ").split(". ")[0]
+        refused = "refused: " + str(e).removeprefix("cd: ").split(". ")[0]
+    try:
+        return f"{refused}. With cd.gated_mlp=true: {_pairs_by_block(model, gated_mlp=True)}"
+    except UnsupportedModelError:
+        return refused
+
+
+def _pairs_by_block(model: nn.Module, gated_mlp: bool) -> str:
+    pairs = find_pairs(model, gated_mlp=gated_mlp)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     per_block: dict[str, Counter] = {}
     for p in pairs:

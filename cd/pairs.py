@@ -193,15 +193,18 @@ def _attention_pairs(name: str, block: nn.Module) -> list[Pair]:
                   "Linear layers with a proj")
 
 
-def _mlp_pairs(name: str, block: nn.Module) -> list[Pair]:
-    """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs are refused."""
+def _mlp_pairs(name: str, block: nn.Module, gated_mlp: bool) -> list[Pair]:
+    """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs with `gated_mlp` (`_gated_pairs`)."""
     mlp = block.mlp
     fc1, fc2 = _matrix_weight(_child(mlp, "fc1")), _matrix_weight(_child(mlp, "fc2"))
     gated = _child(mlp, "fc1_g") is not None or (fc1 is not None and fc2 is not None
                                                    and fc1.shape[0] == 2 * fc2.shape[1])
+    if gated and gated_mlp:
+        return _gated_pairs(name, block)
     if gated:
         raise _refuse(name, block, f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
-                      "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x)))")
+                      "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
+                      "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
     if fc1 is None or fc2 is None or fc2.shape[1] != fc1.shape[0]:
         raise _refuse(name, block, f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
     return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
@@ -209,8 +212,41 @@ def _mlp_pairs(name: str, block: nn.Module) -> list[Pair]:
                  fc2, fc1)]
 
 
+def _gated_pairs(name: str, block: nn.Module) -> list[Pair]:
+    """Pairs of a gated MLP W_down (act(W_gate x) * (W_up x)) (opt-in; cd/README.md, "Gated MLPs").
+
+    fc1 (composable): norm2 with each matrix it feeds, W_gate and W_up (timm `SwiGLU`: fc1_g, fc1_x), or
+    the packed [W_gate; W_up] (timm `GluMlp`: one fc1, halves split by `chunk`).
+    fc2 (functional): W_up -> W_down, the route that is linear in x for a fixed gate, as fc1 -> fc2 is
+    through GELU; W_gate gets no pair with W_down (it enters through the nonlinearity only).
+    Refused when a norm sits between the product and W_down (timm `scale_mlp`).
+    """
+    mlp = block.mlp
+    if not isinstance(_child(mlp, "norm"), (nn.Identity, type(None))):
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} has a norm before fc2 (scale_mlp); the "
+                      "gated pairs are defined for fc2(act(W_gate x) * W_up x)")
+    down = _matrix_weight(_child(mlp, "fc2"))
+    if _child(mlp, "fc1_g") is not None:
+        up = _matrix_weight(_child(mlp, "fc1_x"))
+        if up is None or down is None or down.shape[1] != up.shape[0]:
+            raise _refuse(name, block, "gated MLP: fc1_x's output width is not fc2's input width")
+        return [_composable(name, block, "norm2", "mlp.fc1_g", "fc1"),
+                _composable(name, block, "norm2", "mlp.fc1_x", "fc1"),
+                Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1_x.weight"),
+                     down, up)]
+    packed = _matrix_weight(mlp.fc1)
+    if getattr(mlp, "chunk_dim", -1) != -1 or not isinstance(getattr(mlp, "gate_last", None), bool):
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__}: cannot tell which half of fc1 is W_up "
+                      "(expected timm GluMlp's gate_last and a chunk over the last dim)")
+    h = down.shape[1]
+    rows = (0, h) if mlp.gate_last else (h, 2 * h)  # GluMlp: x1, x2 = chunk(2); x1 * act(x2) if gate_last
+    return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
+            Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
+                 down, packed, rows)]
+
+
 def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
-               verify: bool = True) -> list[Pair]:
+               verify: bool = True, gated_mlp: bool = False) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
 
     Args:
@@ -219,6 +255,8 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
         example_input: a tensor of the shape the model takes, for the check (`cd.verify`); only its
             shape is used. Default: from timm's `patch_embed.img_size` / `pretrained_cfg`.
         verify: run the check (one forward on the `meta` device: no memory, weights untouched).
+        gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
+            they are refused.
 
     Returns:
         list of Pair; names are those of the unwrapped model. ViT-T/S/B: 4 pairs per block (48 for
@@ -235,7 +273,7 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
     for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
         types[name] = type(module).__name__
         if is_prenorm_block(module):
-            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module)
+            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module, gated_mlp)
         elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
                 module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
             raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "

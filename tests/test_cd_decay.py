@@ -302,3 +302,19 @@ def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(ap
             matmul.allow_tf32 = saved[0]
         if saved[1] is not None:
             matmul.fp32_precision = saved[1]
+
+
+def test_gated_mlp_config_switch_reaches_the_pairs():
+    """cd.gated_mlp (off by default) is what ColinearityDecay.from_config passes to find_pairs."""
+    import timm
+    from timm.layers import SwiGLU
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=3, mlp_layer=SwiGLU, act_layer=torch.nn.SiLU)
+    with pytest.raises(ValueError, match=r"'blocks.0' \(Block\).*gated MLP SwiGLU"):
+        ColinearityDecay.from_config(load_config(None, []).cd, model)
+    decay = ColinearityDecay.from_config(load_config(None, ["cd.gated_mlp=true"]).cd, model)
+    assert [(p.role, p.name) for p in decay.pairs][2:] == [
+        ("fc1", "blocks.0.mlp.fc1_g.weight"), ("fc1", "blocks.0.mlp.fc1_x.weight"), ("fc2", "blocks.0.mlp.fc2.weight")]
+    assert decay.state_dict()["config"]["gated_mlp"] is True
