@@ -86,6 +86,8 @@ class ColinearityDecay:
             materialised delta per pair, so the trainer passes its log interval.
         example_input: a tensor of the model's input shape for checking the pairs against a forward
             pass (see `find_pairs`); timm models need none.
+        verify: check the pairs against that forward pass (`find_pairs`); False trusts the structure alone,
+            for models whose forward cannot run on the `meta` device.
         gated_mlp: also pair gated MLPs (SwiGLU: norm2 -> W_gate, W_up; W_up -> W_down), beyond the
             paper (cd/README.md, "Gated MLPs"); off: a gated MLP is refused.
 
@@ -106,6 +108,7 @@ class ColinearityDecay:
         norms_every: int = 1,
         example_input: Optional[Tensor] = None,
         gated_mlp: bool = False,
+        verify: bool = True,
     ) -> None:
         if targets not in TARGETS:
             raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
@@ -131,7 +134,8 @@ class ColinearityDecay:
         self.norms_every = norms_every
         self.gated_mlp = bool(gated_mlp)
 
-        self.all_pairs: list[Pair] = find_pairs(model, example_input, gated_mlp=gated_mlp)  # diagnostics cover every pair
+        # diagnostics cover every pair
+        self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]

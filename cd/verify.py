@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 _MOVES = frozenset("""
     view _unsafe_view reshape permute transpose t expand contiguous clone slice select index unbind split
     split_with_sizes chunk squeeze unsqueeze flatten roll constant_pad_nd pad cat stack narrow alias detach
-    _to_copy as_strided unfold movedim copy_ lift_fresh new_empty_strided
+    _to_copy as_strided unfold movedim copy lift_fresh
 """.split())
 
 
@@ -67,6 +67,8 @@ class _Provenance(TorchDispatchMode):
             moved = frozenset().union(*moved_in)
         else:
             moved = frozenset()
+            for t in outs:  # an in-place op that computes (x.mul_(s)) ends the "only moved" history
+                self.moved.pop(id(t), None)
             params = {label[2:] for labels in moved_in for label in labels if label.startswith("p:")}
             for name in params:
                 for label, is_scale in self.sources.get(name, ()):
@@ -87,7 +89,8 @@ class _Provenance(TorchDispatchMode):
 
 def example_input(model: nn.Module) -> Tensor:
     """A meta image batch (1, C, H, W) of the size and dtype the model expects: timm's
-    `patch_embed.img_size` and input channels, else `pretrained_cfg['input_size']`. Raises UnsupportedModelError if neither exists."""
+    `patch_embed.img_size` and input channels, else `pretrained_cfg['input_size']`.
+    Raises UnsupportedModelError if neither exists."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None)
@@ -127,8 +130,14 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             for n, t in [*root.named_parameters(), *root.named_buffers()]}
     for n, t in meta.items():
         mode.mark(t, frozenset({f"p:{n}"}))
-    with torch.no_grad(), mode:
-        torch.func.functional_call(root, meta, (x,))
+    try:
+        with torch.no_grad(), mode:
+            torch.func.functional_call(root, meta, (x,))
+    except Exception as e:  # e.g. data-dependent control flow, or a tensor made on another device
+        raise UnsupportedModelError(
+            f"cd: cannot check the pairs of {type(root).__name__}: its forward pass on the meta device failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the "
+            "right shape, or verify=False to trust the structure alone") from e
     failures = []
     for k, p in enumerate(pairs):
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"

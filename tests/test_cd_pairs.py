@@ -120,7 +120,8 @@ class _Unused(nn.Module):
         self.skip = skip
 
     def forward(self, x):
-        x = x + self.attn(x if self.skip == "norm1" else self.norm1(x))
+        h = x if self.skip == "norm1" else self.norm1(x)
+        x = x + self.attn(h.mul_(2.0) if self.skip == "in_place" else h)
         h = self.norm2(x)
         return x + (self.mlp.fc2(h) if self.skip == "fc1" else self.mlp(h))
 
@@ -128,6 +129,7 @@ class _Unused(nn.Module):
 @pytest.mark.parametrize("skip,match", [
     ("norm1", r"'blocks.0' \(_Unused\): the qkv pair: the input of blocks.0.attn.qkv.weight is not the output"),
     ("fc1", r"'blocks.0' \(_Unused\): the fc1 pair: blocks.0.mlp.fc1.weight is not used"),
+    ("in_place", r"'blocks.0' \(_Unused\): the qkv pair: the input of blocks.0.attn.qkv.weight is not the output"),
 ])
 def test_forward_check_catches_a_block_that_does_not_compute_its_pairs(skip, match):
     model = _tiny("vit_tiny_patch16_224", depth=1, mlp_ratio=1.0)
@@ -135,6 +137,25 @@ def test_forward_check_catches_a_block_that_does_not_compute_its_pairs(skip, mat
     with pytest.raises(UnsupportedModelError, match=match):
         find_pairs(model)
     assert len(find_pairs(model, verify=False)) == 4  # the structure alone would have matched
+
+
+class _ItemForward(nn.Module):
+    """A user's model whose forward cannot run on the meta device (data-dependent control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = _tiny("vit_tiny_patch16_224", depth=1)
+
+    def forward(self, x):
+        return self.vit(x) if x.sum().item() < float("inf") else x
+
+
+def test_a_forward_that_cannot_run_on_meta_is_a_clear_error_and_verify_false_trusts_the_structure():
+    model = _ItemForward()
+    x = torch.zeros(1, 3, 32, 32)
+    with pytest.raises(UnsupportedModelError, match="forward pass on the meta device failed.*verify=False"):
+        find_pairs(model, example_input=x)
+    assert len(ColinearityDecay(model, verify=False).pairs) == 4
 
 
 def test_class_attention_blocks_pair_q_k_v_with_norm1_and_proj_with_v():
