@@ -12,14 +12,15 @@ pre-norm block are:
     fc2        functional   mlp.fc1.weight                   mlp.fc2.weight       (D x H)
     reduction  composable   diag(downsample.norm.weight)     downsample.reduction.weight (Swin patch merging)
 
-Discovery is structural, not by name matching: a pre-norm block is any module with children `norm1`,
-`attn` (holding `qkv` and `proj`), `norm2` and `mlp` (holding `fc1` and `fc2`); a patch-merging layer
-is any module with children `norm` and `reduction`. This finds timm ViT/DeiT `blocks.N`, Swin
-`layers.N.blocks.M` and `layers.N.downsample`, and attention variants that keep the `qkv`/`proj`
-names (extra parameters in `attn`, e.g. attention-sink biases, are ignored). It assumes pre-norm
-semantics (norm1 feeds qkv); res-post-norm blocks such as SwinV2 would be matched wrongly, so they
-are not supported. Blocks whose sub-layers do not fit (gated MLPs, no affine norm, no fused qkv) lose
-only the affected pair, with a warning.
+Discovery is structural, then checked: a block is any module with children `norm1`, `attn` (holding
+`qkv` and `proj`, or class attention's `q`, `k`, `v` and `proj`), `norm2` and `mlp` (holding `fc1` and
+`fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
+ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
+variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
+ignored). Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
+that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
+not matched wrongly. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv)
+is refused too: `UnsupportedModelError` names the block and its type.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
 
