@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from cd.pairs import ROLES, Pair, find_pairs
+from cd.verify import UnsupportedModelError
 
 
 def format_pairs(pairs: list[Pair]) -> str:
@@ -43,8 +44,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     with torch.device("meta"):  # shapes only: no weights, no memory, no download
         model = timm.create_model(args.model, pretrained=False)
+    try:
+        pairs = find_pairs(model)
+    except UnsupportedModelError as e:  # one error line, no traceback: the model is refused, not broken
+        parser.exit(2, f"error: {args.model}: {e}\n")
     print(f"{args.model}:")
-    print(format_pairs(find_pairs(model)))
+    print(format_pairs(pairs))
 
 
 if __name__ == "__main__":

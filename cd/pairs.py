@@ -246,6 +246,21 @@ def _gated_pairs(name: str, block: nn.Module) -> list[Pair]:
                  down, packed, rows)]
 
 
+def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool) -> None:
+    """Append the pairs of every block and patch-merging layer of `root`, in model order (into `pairs`, so
+    that the caller sees those found before a refusal); `types`: block name -> class name."""
+    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
+        types[name] = type(module).__name__
+        if is_prenorm_block(module):
+            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module, gated_mlp)
+        elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
+                module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
+            raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
+                          "a norm with the layer it feeds")
+        else:
+            pairs.append(_composable(name, module, "norm", "reduction", "reduction"))
+
+
 def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
                verify: bool = True, gated_mlp: bool = False) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
@@ -271,16 +286,16 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
     root = unwrap_model(model)
     pairs: list[Pair] = []
     types: dict[str, str] = {}
-    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
-        types[name] = type(module).__name__
-        if is_prenorm_block(module):
-            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module, gated_mlp)
-        elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
-                module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
-            raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
-                          "a norm with the layer it feeds")
-        else:
-            pairs.append(_composable(name, module, "norm", "reduction", "reduction"))
+    try:
+        _collect(root, pairs, types, gated_mlp)
+    except UnsupportedModelError as refusal:
+        if verify and pairs:  # report the first block in model order whose pairs the forward contradicts
+            try:
+                verify_pairs(root, pairs, types, example_input)
+            except UnsupportedModelError as earlier:
+                if earlier.__cause__ is None:  # a contradicted pair, not a forward that failed to run
+                    raise earlier from None
+        raise refusal
     if not pairs:
         raise UnsupportedModelError(
             f"cd: no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "

@@ -187,3 +187,13 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "48 pairs: qkv 12, proj 12, fc1 12, fc2 12" in out
     assert "blocks.11.attn.qkv.weight[1536:2304]" in out and "768x3072" in out
+
+
+def test_cli_refuses_swin_v2_with_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pairs_main(["--model", "swinv2_tiny_window8_256"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    # the first block in model order, not the later patch merging (whose norm also follows its layer)
+    assert err.startswith("error: swinv2_tiny_window8_256: cd: SwinTransformerV2 is not supported: block "
+                          "'layers.0.blocks.0' (SwinTransformerV2Block): the qkv pair")
