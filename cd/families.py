@@ -52,7 +52,7 @@ def describe_pairs(model: nn.Module) -> str:
     try:
         return _pairs_by_block(model, gated_mlp=False)
     except UnsupportedModelError as e:
-        refused = "refused: " + str(e).removeprefix("cd: ").split(". ")[0]
+        refused = "refused: " + str(e).split(". ")[0]
     try:
         return f"{refused}. With cd.gated_mlp=true: {_pairs_by_block(model, gated_mlp=True)}"
     except UnsupportedModelError:

@@ -157,7 +157,7 @@ def _join(prefix: str, *parts: str) -> str:
 
 
 def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"cd: block '{name}' ({type(block).__name__}) is not supported: {why}")
+    return UnsupportedModelError(f"block '{name}' ({type(block).__name__}) is not supported by CD: {why}")
 
 
 def _composable(name: str, block: nn.Module, norm: str, layer: str, role: str) -> Pair:
@@ -298,9 +298,10 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
         raise refusal
     if not pairs:
         raise UnsupportedModelError(
-            f"cd: no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
+            f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
             "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
-            "ViT/DeiT/Swin) and patch-merging layers (norm, reduction).")
+            "ViT/DeiT/Swin) and patch-merging layers (norm, reduction). Without CD (cd.enabled=false) the model "
+            "trains as usual.")
     if verify:
         verify_pairs(root, pairs, types, example_input)
     return pairs

@@ -103,7 +103,7 @@ def example_input(model: nn.Module) -> Tensor:
     if "input_size" in cfg:
         return torch.empty(1, *cfg["input_size"], dtype=dtype, device="meta")
     raise UnsupportedModelError(
-        f"cd: cannot tell the input size of {type(model).__name__} to check its pairs against a forward "
+        f"cannot tell the input size of {type(model).__name__} to check its CD pairs against a forward "
         "pass; pass example_input= (a tensor the model accepts; only its shape is used)")
 
 
@@ -135,7 +135,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             torch.func.functional_call(root, meta, (x,))
     except Exception as e:  # e.g. data-dependent control flow, or a tensor made on another device
         raise UnsupportedModelError(
-            f"cd: cannot check the pairs of {type(root).__name__}: its forward pass on the meta device failed "
+            f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the "
             "right shape, or verify=False to trust the structure alone") from e
     failures = []
@@ -150,5 +150,5 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         elif k in mode.bad:
             failures.append(f"{where}: the input of {p.name} does not come from {p.upstream_name}")
     if failures:
-        raise UnsupportedModelError(f"cd: {type(root).__name__} is not supported: {failures[0]}"
+        raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
                                     + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))

@@ -195,5 +195,5 @@ def test_cli_refuses_swin_v2_with_one_error_line(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     # the first block in model order, not the later patch merging (whose norm also follows its layer)
-    assert err.startswith("error: swinv2_tiny_window8_256: cd: SwinTransformerV2 is not supported: block "
+    assert err.startswith("error: swinv2_tiny_window8_256: SwinTransformerV2 is not supported by CD: block "
                           "'layers.0.blocks.0' (SwinTransformerV2Block): the qkv pair")
