@@ -141,7 +141,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                             total_steps=cfg.sched.epochs * updates_per_epoch)
             if cfg.tweo.enabled else None)
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    metric_sources = [decay.metrics if decay is not None else pair_energy_source(model)]
+    metric_sources = [decay.metrics if decay is not None else pair_energy_source(model, cfg.cd.gated_mlp)]
     if tweo is not None:
         metric_sources.append(tweo.metrics)
 

@@ -10,6 +10,7 @@ Pure functions for your own loop: `cd.update.colinearity_decay_`, `cd.update.pai
 from .decay import ColinearityDecay, budget_weight_decay, pair_energy_source
 from .pairs import Pair, find_pairs
 from .tweo import TWEO, tweo_penalty
+from .verify import UnsupportedModelError
 
 __all__ = ["ColinearityDecay", "budget_weight_decay", "pair_energy_source", "Pair", "find_pairs", "TWEO",
-           "tweo_penalty"]
+           "tweo_penalty", "UnsupportedModelError"]

@@ -2,6 +2,7 @@
 
     python -m cd --model vit_base_patch16_224
     python -m cd --model swin_tiny_patch4_window7_224
+    python -m cd --families        # what CD makes of each timm family (cd/families.py)
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 
 from cd.pairs import ROLES, Pair, find_pairs
+from cd.verify import UnsupportedModelError
 
 
 def format_pairs(pairs: list[Pair]) -> str:
@@ -30,13 +32,24 @@ def format_pairs(pairs: list[Pair]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="List the CD matrix pairs of a timm model (meta device).")
     parser.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    parser.add_argument("--families", action="store_true",
+                        help="a table of timm's Transformer families: the pairs per block, or why refused")
     args = parser.parse_args(argv)
+    if args.families:
+        from cd.families import family_table
+
+        print(family_table())
+        return
     import timm  # only the CLI needs timm
 
     with torch.device("meta"):  # shapes only: no weights, no memory, no download
         model = timm.create_model(args.model, pretrained=False)
+    try:
+        pairs = find_pairs(model)
+    except UnsupportedModelError as e:  # one error line, no traceback: the model is refused, not broken
+        parser.exit(2, f"error: {args.model}: {e}\n")
     print(f"{args.model}:")
-    print(format_pairs(find_pairs(model)))
+    print(format_pairs(pairs))
 
 
 if __name__ == "__main__":

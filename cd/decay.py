@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
 from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
+from .verify import UnsupportedModelError
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -37,10 +38,18 @@ def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
 
-def pair_energy_source(model: nn.Module) -> Callable[[], dict[str, float]]:
+def pair_energy_source(model: nn.Module, gated_mlp: bool = False) -> Callable[[], dict[str, float]]:
     """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
-    so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them)."""
-    pairs = find_pairs(model)
+    so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them).
+
+    A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
+    without CD all the same: its source logs nothing, with one warning saying why.
+    """
+    try:
+        pairs = find_pairs(model, gated_mlp=gated_mlp)
+    except UnsupportedModelError as e:
+        warnings.warn(f"{e} No cd/pair_energy metrics are logged for this model.", stacklevel=2)
+        return dict
     plan = build_plan(pairs)
     return lambda: energy_metrics(pairs, plan)
 
@@ -75,6 +84,16 @@ class ColinearityDecay:
             the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md.
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
             materialised delta per pair, so the trainer passes its log interval.
+        example_input: a tensor of the model's input shape for checking the pairs against a forward
+            pass (see `find_pairs`); timm models need none.
+        verify: check the pairs against that forward pass (`find_pairs`); False trusts the structure alone,
+            for models whose forward cannot run on the `meta` device.
+        gated_mlp: also pair gated MLPs (SwiGLU: norm2 -> W_gate, W_up; W_up -> W_down), beyond the
+            paper (cd/README.md, "Gated MLPs"); off: a gated MLP is refused.
+
+    Raises:
+        UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
+            (the message names the block and its type).
     """
 
     def __init__(
@@ -87,6 +106,9 @@ class ColinearityDecay:
         loss_coef: float = 0.01,
         matmul_precision: str = "auto",
         norms_every: int = 1,
+        example_input: Optional[Tensor] = None,
+        gated_mlp: bool = False,
+        verify: bool = True,
     ) -> None:
         if targets not in TARGETS:
             raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
@@ -110,8 +132,10 @@ class ColinearityDecay:
         if not (isinstance(norms_every, int) and norms_every >= 1):
             raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
         self.norms_every = norms_every
+        self.gated_mlp = bool(gated_mlp)
 
-        self.all_pairs: list[Pair] = find_pairs(model)  # diagnostics cover every pair
+        # diagnostics cover every pair
+        self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]
@@ -137,11 +161,11 @@ class ColinearityDecay:
     # ----------------------------------------------------------------------------------- construction
     @classmethod
     def from_config(cls, cfg_cd: Any, model: nn.Module, norms_every: int = 1) -> "ColinearityDecay":
-        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision).
+        """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision, gated_mlp).
         `enabled` and `budget` are the trainer's switches (see `budget_weight_decay`), not read here."""
         return cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
                    mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef, matmul_precision=cfg_cd.matmul_precision,
-                   norms_every=norms_every)
+                   norms_every=norms_every, gated_mlp=cfg_cd.gated_mlp)
 
     # ----------------------------------------------------------------------------------- decoupled update
     def apply(self, lr: float) -> None:
@@ -270,8 +294,11 @@ class ColinearityDecay:
         return self.num_updates - skipped
 
     def _config(self) -> dict:
-        return {"lam": self.lam, "lam_per_role": dict(self.lam_per_role), "targets": self.targets,
-                "mode": self.mode, "loss_coef": self.loss_coef}
+        config = {"lam": self.lam, "lam_per_role": dict(self.lam_per_role), "targets": self.targets,
+                  "mode": self.mode, "loss_coef": self.loss_coef}
+        if self.gated_mlp:  # only when on, so that checkpoints of the paper's setting compare equal
+            config["gated_mlp"] = True
+        return config
 
     def state_dict(self) -> dict:
         """CD has no state that affects the update (it is fixed by the config); this holds the update

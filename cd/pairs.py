@@ -12,14 +12,15 @@ pre-norm block are:
     fc2        functional   mlp.fc1.weight                   mlp.fc2.weight       (D x H)
     reduction  composable   diag(downsample.norm.weight)     downsample.reduction.weight (Swin patch merging)
 
-Discovery is structural, not by name matching: a pre-norm block is any module with children `norm1`,
-`attn` (holding `qkv` and `proj`), `norm2` and `mlp` (holding `fc1` and `fc2`); a patch-merging layer
-is any module with children `norm` and `reduction`. This finds timm ViT/DeiT `blocks.N`, Swin
-`layers.N.blocks.M` and `layers.N.downsample`, and attention variants that keep the `qkv`/`proj`
-names (extra parameters in `attn`, e.g. attention-sink biases, are ignored). It assumes pre-norm
-semantics (norm1 feeds qkv); res-post-norm blocks such as SwinV2 would be matched wrongly, so they
-are not supported. Blocks whose sub-layers do not fit (gated MLPs, no affine norm, no fused qkv) lose
-only the affected pair, with a warning.
+Discovery is structural, then checked: a block is any module with children `norm1`, `attn` (holding
+`qkv` and `proj`, or class attention's `q`, `k`, `v` and `proj`), `norm2` and `mlp` (holding `fc1` and
+`fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
+ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
+variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
+ignored). Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
+that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
+not matched wrongly. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv)
+is refused too: `UnsupportedModelError` names the block and its type.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
 
@@ -28,14 +29,14 @@ Print the pairs of any timm model (built on the `meta` device, no weights, no me
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from models.modules import unwrap_model
+from .verify import UnsupportedModelError, verify_pairs
+from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
 
@@ -122,7 +123,8 @@ def _scale_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
 
 
 def is_prenorm_block(module: nn.Module) -> bool:
-    """A pre-norm Transformer block: children norm1, attn, norm2, mlp (timm ViT/DeiT/Swin `Block`)."""
+    """A Transformer block by its children norm1, attn, norm2, mlp (timm ViT/DeiT/Swin `Block`). Whether it
+    really is pre-norm is checked against a forward pass (`cd.verify`)."""
     return all(_child(module, n) is not None for n in ("norm1", "attn", "norm2", "mlp"))
 
 
@@ -143,7 +145,7 @@ def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The pre-norm Transformer blocks of `model` in model order, with unwrapped-model names.
+    """The Transformer blocks of `model` in model order, with unwrapped-model names.
 
     Used by CD (pairs) and TWEO (block outputs). Nested matches inside a block are not searched.
     """
@@ -154,73 +156,152 @@ def _join(prefix: str, *parts: str) -> str:
     return ".".join(p for p in (prefix, *parts) if p)
 
 
-def _block_pairs(name: str, block: nn.Module) -> Iterator[Pair]:
-    """The (up to) four pairs of one pre-norm block, in data-flow order qkv, proj, fc1, fc2."""
-    attn, mlp = block.attn, block.mlp
-    g1, g2 = _scale_weight(block.norm1), _scale_weight(block.norm2)
-    qkv, proj = _matrix_weight(_child(attn, "qkv")), _matrix_weight(_child(attn, "proj"))
-    fc1, fc2 = _matrix_weight(_child(mlp, "fc1")), _matrix_weight(_child(mlp, "fc2"))
-    skipped = []
+def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"block '{name}' ({type(block).__name__}) is not supported by CD: {why}")
 
-    if qkv is not None and g1 is not None and g1.shape[0] == qkv.shape[1]:
-        yield Pair(_join(name, "attn.qkv.weight"), "qkv", "composable",
-                   name, _join(name, "norm1.weight"), qkv, g1)
-    else:
-        skipped.append("qkv (needs attn.qkv and an affine norm1 of matching width)")
 
-    # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
-    if qkv is not None and proj is not None and qkv.shape[0] % 3 == 0 and proj.shape[1] == qkv.shape[0] // 3:
+def _composable(name: str, block: nn.Module, norm: str, layer: str, role: str) -> Pair:
+    """(diag(<norm>.weight), <layer>.weight), refused unless the norm has an affine scale of the layer's width."""
+    g = _scale_weight(block.get_submodule(norm))
+    w = _matrix_weight(block.get_submodule(layer))
+    if g is None or w is None or g.shape[0] != w.shape[1]:
+        raise _refuse(name, block, f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
+    return Pair(_join(name, layer, "weight"), role, "composable", name, _join(name, norm, "weight"), w, g)
+
+
+def _attention_pairs(name: str, block: nn.Module) -> list[Pair]:
+    """qkv and proj pairs of a fused-qkv attention, or of a class attention (separate q, k, v layers:
+    CaiT / XCiT `ClassAttn`), where q, k and v each pair with norm1 and proj pairs with v."""
+    attn = block.attn
+    proj = _matrix_weight(_child(attn, "proj"))
+    qkv = _matrix_weight(_child(attn, "qkv"))
+    if qkv is not None and proj is not None:
+        # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
+        if qkv.shape[0] % 3 or proj.shape[1] != qkv.shape[0] // 3:
+            raise _refuse(name, block, "attn.qkv is not 3x attn.proj's input width")
         d = qkv.shape[0] // 3
-        yield Pair(_join(name, "attn.proj.weight"), "proj", "functional",
-                   name, _join(name, "attn.qkv.weight"), proj, qkv, (2 * d, 3 * d))
-    else:
-        skipped.append("proj (needs a fused attn.qkv of 3x attn.proj's input width)")
-
-    if fc1 is not None and g2 is not None and g2.shape[0] == fc1.shape[1]:
-        yield Pair(_join(name, "mlp.fc1.weight"), "fc1", "composable",
-                   name, _join(name, "norm2.weight"), fc1, g2)
-    else:
-        skipped.append("fc1 (needs mlp.fc1 and an affine norm2 of matching width)")
-
-    # A gated MLP has fc1 twice as wide as fc2's input; the paper leaves gated MLPs out.
-    if fc1 is not None and fc2 is not None and fc2.shape[1] == fc1.shape[0]:
-        yield Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional",
-                   name, _join(name, "mlp.fc1.weight"), fc2, fc1)
-    else:
-        skipped.append("fc2 (needs mlp.fc1 -> mlp.fc2 without a gate)")
-
-    if skipped:
-        warnings.warn(f"cd.find_pairs: block '{name}' ({type(block).__name__}) has no pair "
-                      + "; ".join(skipped), stacklevel=3)
+        return [_composable(name, block, "norm1", "attn.qkv", "qkv"),
+                Pair(_join(name, "attn.proj.weight"), "proj", "functional", name, _join(name, "attn.qkv.weight"),
+                     proj, qkv, (2 * d, 3 * d))]
+    q, k, v = (_matrix_weight(_child(attn, n)) for n in ("q", "k", "v"))
+    if q is not None and k is not None and v is not None and proj is not None:
+        if proj.shape[1] != v.shape[0]:
+            raise _refuse(name, block, "attn.v's output width is not attn.proj's input width")
+        return [*(_composable(name, block, "norm1", f"attn.{n}", "qkv") for n in ("q", "k", "v")),
+                Pair(_join(name, "attn.proj.weight"), "proj", "functional", name, _join(name, "attn.v.weight"),
+                     proj, v)]
+    raise _refuse(name, block, f"attention {type(attn).__name__} has neither a fused qkv nor q, k, v "
+                  "Linear layers with a proj")
 
 
-def find_pairs(model: nn.Module) -> list[Pair]:
-    """All CD matrix pairs of `model`, in model order (paper Sec. 3.2).
+def _mlp_pairs(name: str, block: nn.Module, gated_mlp: bool) -> list[Pair]:
+    """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs with `gated_mlp` (`_gated_pairs`)."""
+    mlp = block.mlp
+    fc1, fc2 = _matrix_weight(_child(mlp, "fc1")), _matrix_weight(_child(mlp, "fc2"))
+    gated = _child(mlp, "fc1_g") is not None or (fc1 is not None and fc2 is not None
+                                                   and fc1.shape[0] == 2 * fc2.shape[1])
+    if gated and gated_mlp:
+        return _gated_pairs(name, block)
+    if gated:
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
+                      "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
+                      "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
+    if fc1 is None or fc2 is None or fc2.shape[1] != fc1.shape[0]:
+        raise _refuse(name, block, f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
+    return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
+            Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
+                 fc2, fc1)]
+
+
+def _gated_pairs(name: str, block: nn.Module) -> list[Pair]:
+    """Pairs of a gated MLP W_down (act(W_gate x) * (W_up x)) (opt-in; cd/README.md, "Gated MLPs").
+
+    fc1 (composable): norm2 with each matrix it feeds, W_gate and W_up (timm `SwiGLU`: fc1_g, fc1_x), or
+    the packed [W_gate; W_up] (timm `GluMlp`: one fc1, halves split by `chunk`).
+    fc2 (functional): W_up -> W_down, the route that is linear in x for a fixed gate, as fc1 -> fc2 is
+    through GELU; W_gate gets no pair with W_down (it enters through the nonlinearity only).
+    Refused when a norm sits between the product and W_down (timm `scale_mlp`).
+    """
+    mlp = block.mlp
+    if not isinstance(_child(mlp, "norm"), (nn.Identity, type(None))):
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} has a norm before fc2 (scale_mlp); the "
+                      "gated pairs are defined for fc2(act(W_gate x) * W_up x)")
+    down = _matrix_weight(_child(mlp, "fc2"))
+    if _child(mlp, "fc1_g") is not None:
+        up = _matrix_weight(_child(mlp, "fc1_x"))
+        if up is None or down is None or down.shape[1] != up.shape[0]:
+            raise _refuse(name, block, "gated MLP: fc1_x's output width is not fc2's input width")
+        return [_composable(name, block, "norm2", "mlp.fc1_g", "fc1"),
+                _composable(name, block, "norm2", "mlp.fc1_x", "fc1"),
+                Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1_x.weight"),
+                     down, up)]
+    packed = _matrix_weight(mlp.fc1)
+    if getattr(mlp, "chunk_dim", -1) != -1 or not isinstance(getattr(mlp, "gate_last", None), bool):
+        raise _refuse(name, block, f"gated MLP {type(mlp).__name__}: cannot tell which half of fc1 is W_up "
+                      "(expected timm GluMlp's gate_last and a chunk over the last dim)")
+    h = down.shape[1]
+    rows = (0, h) if mlp.gate_last else (h, 2 * h)  # GluMlp: x1, x2 = chunk(2); x1 * act(x2) if gate_last
+    return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
+            Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
+                 down, packed, rows)]
+
+
+def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool) -> None:
+    """Append the pairs of every block and patch-merging layer of `root`, in model order (into `pairs`, so
+    that the caller sees those found before a refusal); `types`: block name -> class name."""
+    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
+        types[name] = type(module).__name__
+        if is_prenorm_block(module):
+            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module, gated_mlp)
+        elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
+                module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
+            raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
+                          "a norm with the layer it feeds")
+        else:
+            pairs.append(_composable(name, module, "norm", "reduction", "reduction"))
+
+
+def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
+               verify: bool = True, gated_mlp: bool = False) -> list[Pair]:
+    """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
 
     Args:
         model: a timm ViT/DeiT/Swin (or any model built from pre-norm blocks), possibly wrapped in
             DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`).
+        example_input: a tensor of the shape the model takes, for the check (`cd.verify`); only its
+            shape is used. Default: from timm's `patch_embed.img_size` / `pretrained_cfg`.
+        verify: run the check (one forward on the `meta` device: no memory, weights untouched).
+        gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
+            they are refused.
 
     Returns:
         list of Pair; names are those of the unwrapped model. ViT-T/S/B: 4 pairs per block (48 for
         depth 12); Swin-T: 48 block pairs + 3 patch-merging pairs = 51.
 
     Raises:
-        ValueError: no pair was found (the model has no recognisable pre-norm block).
+        UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
+            MLP, no affine norm, no qkv), or the forward pass contradicts a pair (res-post-norm blocks
+            such as Swin V2); the message names the block and its type.
     """
     root = unwrap_model(model)
     pairs: list[Pair] = []
-    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
-        if is_prenorm_block(module):
-            pairs.extend(_block_pairs(name, module))
-            continue
-        g, red = _scale_weight(module.norm), _matrix_weight(module.reduction)
-        if g is not None and g.shape[0] == red.shape[1]:
-            pairs.append(Pair(_join(name, "reduction.weight"), "reduction", "composable", name,
-                              _join(name, "norm.weight"), red, g))
+    types: dict[str, str] = {}
+    try:
+        _collect(root, pairs, types, gated_mlp)
+    except UnsupportedModelError as refusal:
+        if verify and pairs:  # report the first block in model order whose pairs the forward contradicts
+            try:
+                verify_pairs(root, pairs, types, example_input)
+            except UnsupportedModelError as earlier:
+                if earlier.__cause__ is None:  # a contradicted pair, not a forward that failed to run
+                    raise earlier from None
+        raise refusal
     if not pairs:
-        raise ValueError(
-            f"cd.find_pairs: no matrix pair found in {type(root).__name__}. CD looks for pre-norm blocks "
-            "(children norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm ViT/DeiT/Swin) and "
-            "patch-merging layers (norm, reduction).")
+        raise UnsupportedModelError(
+            f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
+            "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
+            "ViT/DeiT/Swin) and patch-merging layers (norm, reduction). Without CD (cd.enabled=false) the model "
+            "trains as usual.")
+    if verify:
+        verify_pairs(root, pairs, types, example_input)
     return pairs

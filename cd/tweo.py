@@ -30,10 +30,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from models.modules import unwrap_model
-
 from .pairs import find_blocks
 from .update import align_to_task_loss, compute_dtype
+from .wrappers import unwrap_model
 
 SCHEDULES = ("constant", "cosine")
 FORMS = ("memory_saving", "plain")

@@ -146,15 +146,45 @@ def _products_in(precision: str):
 
     fp32: exact fp32 products (the tests' path). tf32: TF32 tensor cores for fp32 operands on CUDA (a
     no-op elsewhere: CPUs have no TF32). bf16: operands rounded to bf16 in `_product` (any device).
+    The caller's setting is restored afterwards in the API the caller used (`_cublas_tf32`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"cd matmul precision must be one of {PRECISIONS}, got {precision!r}")
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    restore = _cublas_tf32(precision == "tf32")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        restore()
+
+
+def _cublas_tf32(enabled: bool):
+    """Set cuBLAS TF32 for fp32 matmuls; return a function restoring the caller's setting.
+
+    torch >= 2.9 has two APIs for one setting: the legacy `torch.backends.cuda.matmul.allow_tf32` and
+    `torch.backends.cuda.matmul.fp32_precision` ('ieee' | 'tf32' | 'none' = inherit). Reading the legacy
+    flag raises RuntimeError once a caller has set 'tf32' through the new one, and writing the legacy
+    flag turns 'none' into 'ieee'. So the new API is used where it exists, and the restore writes back
+    only what reads differently from before, legacy flag first: a caller's state reads as it did,
+    through whichever API the caller used.
+    """
+    matmul = torch.backends.cuda.matmul
+    before = getattr(matmul, "fp32_precision", None)  # None: torch < 2.9, the legacy flag only
+    new_api = before is not None
+    try:
+        legacy = matmul.allow_tf32
+    except RuntimeError:  # the caller set TF32 through the new API
+        legacy = None
+    if new_api:
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = enabled
+
+    def restore() -> None:
+        if legacy is not None:
+            matmul.allow_tf32 = legacy
+        if new_api and matmul.fp32_precision != before:
+            matmul.fp32_precision = before
+    return restore
 
 
 def _working(t: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""Model construction on timm (ViT, DeiT, Swin and small variants); knows nothing of cd/ or quant/.
+"""Model construction on timm (ViT, DeiT, Swin and small variants); knows nothing of quant/ (and of cd/
+only its `unwrap_model`, re-exported by models/modules.py).
 
     from models import build_model
     model = build_model(cfg.model)

@@ -2,14 +2,15 @@
 
 Used by everything that inspects a model (quantization rules, activation probes, CD, checkpoints), so
 that one definition of each holds: a pattern language over fully-qualified module names (FQNs), the
-FQN patterns of timm's pre-norm blocks, and the unwrapping of DDP / torch.compile wrappers.
+FQN patterns of timm's pre-norm blocks, and the unwrapping of DDP / torch.compile wrappers (defined in
+`cd/wrappers.py`, so that the installable `cd` package needs nothing of this repository).
 """
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 from typing import Iterable, List
 
-from torch import nn
+from cd.wrappers import unwrap_model  # noqa: F401  (one definition, shared with cd/)
 
 # timm's Transformer blocks: ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`
 BLOCK_PATTERNS = ("blocks.*", "layers.*.blocks.*")
@@ -32,21 +33,3 @@ def fqn_matches(fqn: str, patterns: Iterable[str]) -> bool:
     """
     parts = fqn.split(".")
     return any(_match_segments(parts, p.split(".")) for p in patterns)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DataParallel-style wrappers (`.module`) and torch.compile (`._orig_mod`), in any order.
-
-    A wrapper is recognised by its only child being called `module` (DDP, DataParallel, FSDP-style
-    wrappers) or by an `_orig_mod` attribute (torch.compile's OptimizedModule).
-    """
-    while True:
-        orig = getattr(model, "_orig_mod", None)
-        if isinstance(orig, nn.Module):
-            model = orig
-            continue
-        children = dict(model.named_children())
-        if list(children) == ["module"]:
-            model = children["module"]
-            continue
-        return model

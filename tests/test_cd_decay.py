@@ -261,3 +261,60 @@ def test_weight_decay_budget_rule():
     assert budget_weight_decay(0.005, 0.005) == 0.0
     with pytest.raises(ValueError, match="< 0"):
         budget_weight_decay(0.001, 0.005)
+
+
+def _tf32_flags() -> tuple:
+    """What a caller reads back through each cuBLAS TF32 API ('raises' where torch refuses the read)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        legacy = matmul.allow_tf32
+    except RuntimeError:
+        legacy = "raises"
+    return legacy, getattr(matmul, "fp32_precision", None)
+
+
+@pytest.mark.parametrize("api,value", [("legacy", True), ("legacy", False), ("new", "tf32"),
+                                       ("new", "ieee"), ("new", "none"), (None, None)])
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(api, value, precision):
+    # torch >= 2.9: a caller setting TF32 through fp32_precision made the legacy read in CD raise at the
+    # first optimizer.step(). The flags are process-wide host settings, so this runs without CUDA.
+    matmul = torch.backends.cuda.matmul
+    if api == "new" and getattr(matmul, "fp32_precision", None) is None:
+        pytest.skip("torch < 2.9 has only the legacy TF32 flag")
+    saved = _tf32_flags()
+    try:
+        if api == "legacy":
+            matmul.allow_tf32 = value
+        elif api == "new":
+            matmul.fp32_precision = value
+        before = _tf32_flags()
+        model = tiny_vit()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        decay = ColinearityDecay(model, lam=0.005, matmul_precision=precision)
+        decay.attach(opt)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        opt.step()
+        assert decay.num_updates == 1
+        assert _tf32_flags() == before  # read back through each API as the caller set it
+    finally:
+        if saved[0] != "raises":
+            matmul.allow_tf32 = saved[0]
+        if saved[1] is not None:
+            matmul.fp32_precision = saved[1]
+
+
+def test_gated_mlp_config_switch_reaches_the_pairs():
+    """cd.gated_mlp (off by default) is what ColinearityDecay.from_config passes to find_pairs."""
+    import timm
+    from timm.layers import SwiGLU
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=3, mlp_layer=SwiGLU, act_layer=torch.nn.SiLU)
+    with pytest.raises(ValueError, match=r"'blocks.0' \(Block\).*gated MLP SwiGLU"):
+        ColinearityDecay.from_config(load_config(None, []).cd, model)
+    decay = ColinearityDecay.from_config(load_config(None, ["cd.gated_mlp=true"]).cd, model)
+    assert [(p.role, p.name) for p in decay.pairs][2:] == [
+        ("fc1", "blocks.0.mlp.fc1_g.weight"), ("fc1", "blocks.0.mlp.fc1_x.weight"), ("fc2", "blocks.0.mlp.fc2.weight")]
+    assert decay.state_dict()["config"]["gated_mlp"] is True

@@ -1,12 +1,14 @@
-"""cd.find_pairs: counts on full-size models (meta device), names/roles/kinds, wrappers, errors, CLI."""
+"""cd.find_pairs: counts on full-size models (meta device), names/roles/kinds, wrappers, the forward check,
+refused blocks, errors, CLI."""
 from __future__ import annotations
 
 import timm
 import torch
 import pytest
+from timm.models.vision_transformer import ResPostBlock
 from torch import nn
 
-from cd import find_pairs
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.__main__ import main as pairs_main
 from cd_models import tiny_swin, tiny_vit
 
@@ -84,12 +86,100 @@ def test_no_pairs_is_a_clear_error():
         find_pairs(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
 
 
-def test_gated_mlp_loses_only_its_fc2_pair():
+def test_gated_mlp_is_refused_naming_the_block_type():
     model = tiny_vit()
     model.blocks[1].mlp.fc1 = nn.Linear(32, 256)  # fc1 twice as wide as fc2's input: a gated MLP shape
-    with pytest.warns(UserWarning, match="blocks.1"):
-        pairs = find_pairs(model)
-    assert [p.role for p in pairs if p.block == "blocks.1"] == ["qkv", "proj", "fc1"]
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.1' \(Block\).*gated MLP"):
+        find_pairs(model)
+
+
+def _tiny(name: str, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, img_size=32, patch_size=8, embed_dim=32, num_heads=2, num_classes=3, **kw)
+
+
+@pytest.mark.parametrize("build,block", [
+    (lambda: _tiny("vit_tiny_patch16_224", depth=2, block_fn=ResPostBlock), "ResPostBlock"),
+    (lambda: timm.create_model("swinv2_tiny_window8_256", img_size=32, patch_size=2, window_size=4, embed_dim=32,
+                               depths=(2,), num_heads=(2,), num_classes=3), "SwinTransformerV2Block"),
+])
+def test_res_post_norm_blocks_are_refused_by_the_forward_check(build, block):
+    # Same child names as a pre-norm block, so the structure matches; the forward pass shows that norm1
+    # follows the attention instead of feeding qkv.
+    with pytest.raises(UnsupportedModelError, match=rf"\({block}\): the qkv pair: the input of .*attn.qkv.weight "
+                       r"is not the output of the norm"):
+        find_pairs(build())
+
+
+class _Unused(nn.Module):
+    """A pre-norm-shaped block whose forward skips norm1 before qkv (a post-norm bug in a user's model)."""
+
+    def __init__(self, block: nn.Module, skip: str) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
+        self.skip = skip
+
+    def forward(self, x):
+        h = x if self.skip == "norm1" else self.norm1(x)
+        x = x + self.attn(h.mul_(2.0) if self.skip == "in_place" else h)
+        h = self.norm2(x)
+        return x + (self.mlp.fc2(h) if self.skip == "fc1" else self.mlp(h))
+
+
+@pytest.mark.parametrize("skip,match", [
+    ("norm1", r"'blocks.0' \(_Unused\): the qkv pair: the input of blocks.0.attn.qkv.weight is not the output"),
+    ("fc1", r"'blocks.0' \(_Unused\): the fc1 pair: blocks.0.mlp.fc1.weight is not used"),
+    ("in_place", r"'blocks.0' \(_Unused\): the qkv pair: the input of blocks.0.attn.qkv.weight is not the output"),
+])
+def test_forward_check_catches_a_block_that_does_not_compute_its_pairs(skip, match):
+    model = _tiny("vit_tiny_patch16_224", depth=1, mlp_ratio=1.0)
+    model.blocks[0] = _Unused(model.blocks[0], skip)
+    with pytest.raises(UnsupportedModelError, match=match):
+        find_pairs(model)
+    assert len(find_pairs(model, verify=False)) == 4  # the structure alone would have matched
+
+
+class _ItemForward(nn.Module):
+    """A user's model whose forward cannot run on the meta device (data-dependent control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = _tiny("vit_tiny_patch16_224", depth=1)
+
+    def forward(self, x):
+        return self.vit(x) if x.sum().item() < float("inf") else x
+
+
+def test_a_forward_that_cannot_run_on_meta_is_a_clear_error_and_verify_false_trusts_the_structure():
+    model = _ItemForward()
+    x = torch.zeros(1, 3, 32, 32)
+    with pytest.raises(UnsupportedModelError, match="forward pass on the meta device failed.*verify=False"):
+        find_pairs(model, example_input=x)
+    assert len(ColinearityDecay(model, verify=False).pairs) == 4
+
+
+def test_class_attention_blocks_pair_q_k_v_with_norm1_and_proj_with_v():
+    model = timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                              num_classes=3)
+    pairs = [p for p in find_pairs(model) if p.block == "blocks_token_only.0"]
+    b = "blocks_token_only.0"
+    assert [(p.name, p.role, p.kind, p.upstream_name) for p in pairs] == [
+        (f"{b}.attn.q.weight", "qkv", "composable", f"{b}.norm1.weight"),
+        (f"{b}.attn.k.weight", "qkv", "composable", f"{b}.norm1.weight"),
+        (f"{b}.attn.v.weight", "qkv", "composable", f"{b}.norm1.weight"),
+        (f"{b}.attn.proj.weight", "proj", "functional", f"{b}.attn.v.weight"),
+        (f"{b}.mlp.fc1.weight", "fc1", "composable", f"{b}.norm2.weight"),
+        (f"{b}.mlp.fc2.weight", "fc2", "functional", f"{b}.mlp.fc1.weight")]
+    assert pairs[3].upstream_rows is None
+
+
+def test_a_model_without_pairs_trains_with_cd_off_and_cd_on_is_a_clear_error():
+    model = timm.create_model("convnext_atto", num_classes=3)
+    with pytest.warns(UserWarning, match="no matrix pair found in ConvNeXt"):
+        source = pair_energy_source(model)
+    assert source() == {}  # what train.py logs for a CD-off run: nothing, and no crash
+    with pytest.raises(UnsupportedModelError, match="no matrix pair found in ConvNeXt"):
+        ColinearityDecay(model)
 
 
 def test_cli_prints_the_table(capsys):
@@ -97,3 +187,13 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "48 pairs: qkv 12, proj 12, fc1 12, fc2 12" in out
     assert "blocks.11.attn.qkv.weight[1536:2304]" in out and "768x3072" in out
+
+
+def test_cli_refuses_swin_v2_with_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pairs_main(["--model", "swinv2_tiny_window8_256"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    # the first block in model order, not the later patch merging (whose norm also follows its layer)
+    assert err.startswith("error: swinv2_tiny_window8_256: SwinTransformerV2 is not supported by CD: block "
+                          "'layers.0.blocks.0' (SwinTransformerV2Block): the qkv pair")

@@ -5,15 +5,16 @@ explicit V-row slicing and full matrices (diag(g) as a matrix), never with cd/'s
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from cd import ColinearityDecay, find_pairs
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs
 from cd.update import colinearity_decay_
-from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, ref_block_update, ref_w2, snapshot,
-                       tiny_swin, tiny_vit)
+from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, randomize_norms, ref_block_update, ref_w2,
+                       snapshot, tiny_swin, tiny_vit)
 
 
 def _assert_update_matches(model, P, expected, tol):
@@ -246,3 +247,68 @@ def test_update_norms_are_computed_every_norms_every_updates():
         ColinearityDecay(model, norms_every=0)
     with pytest.raises(ValueError, match="matmul_precision"):
         ColinearityDecay(model, matmul_precision="fp8")
+
+
+def _gated_vit(mlp: str) -> torch.nn.Module:
+    """Tiny ViT with SwiGLU MLPs: timm `SwiGLU` (fc1_g, fc1_x, hidden 64) or `GluMlp` packed (fc1 = 2 x 64)."""
+    import timm
+    from timm.layers import GluMlp, SwiGLU
+
+    torch.manual_seed(0)
+    layer = {"swiglu": SwiGLU, "packed": functools.partial(GluMlp, gate_last=False)}[mlp]
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=VIT_DEPTH,
+                              num_heads=2, num_classes=10, mlp_layer=layer, act_layer=torch.nn.SiLU,
+                              mlp_ratio=2.0 if mlp == "swiglu" else 4.0)
+    with torch.no_grad():  # timm starts fc1_g near zero (std 1e-6), which would hide its update
+        for block in model.blocks:
+            for layer in block.mlp.children():
+                if isinstance(layer, torch.nn.Linear):
+                    layer.weight.normal_(0, 0.1)
+    return randomize_norms(model)
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "packed"])
+def test_gated_mlp_update_matches_float64_reference(mlp):
+    """Opt-in gated pairs: norm2 -> W_gate and W_up (composable), W_up -> W_down (functional; the packed
+    fc1's W_up is its second half: GluMlp(gate_last=False) computes act(x1) * x2)."""
+    model = _gated_vit(mlp).double()
+    with pytest.raises(UnsupportedModelError, match="gated MLP"):
+        ColinearityDecay(model)  # off by default: the paper's settings are unchanged
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1, gated_mlp=True).apply(lr=0.5)
+    s, expected = 0.05, {}
+    for i in range(VIT_DEPTH):
+        b = f"blocks.{i}"
+        qkv = P[f"{b}.attn.qkv.weight"]
+        d = qkv.shape[0] // 3
+        expected[f"{b}.attn.qkv.weight"] = ref_w2(qkv, torch.diag(P[f"{b}.norm1.weight"]), s)
+        expected[f"{b}.attn.proj.weight"] = ref_w2(P[f"{b}.attn.proj.weight"], qkv[2 * d:3 * d], s)
+        g2 = torch.diag(P[f"{b}.norm2.weight"])
+        if mlp == "swiglu":
+            up = P[f"{b}.mlp.fc1_x.weight"]
+            expected[f"{b}.mlp.fc1_g.weight"] = ref_w2(P[f"{b}.mlp.fc1_g.weight"], g2, s)
+            expected[f"{b}.mlp.fc1_x.weight"] = ref_w2(up, g2, s)
+        else:
+            fc1 = P[f"{b}.mlp.fc1.weight"]
+            up = fc1[fc1.shape[0] // 2:]
+            expected[f"{b}.mlp.fc1.weight"] = ref_w2(fc1, g2, s)
+        expected[f"{b}.mlp.fc2.weight"] = ref_w2(P[f"{b}.mlp.fc2.weight"], up, s)
+    _assert_update_matches(model, P, expected, 1e-12)
+
+
+def test_class_attention_update_matches_float64_reference():
+    """CaiT's class-attention block: q, k, v each with norm1 (composable), proj with v (functional)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = randomize_norms(timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                              num_heads=2, num_classes=3)).double()
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1).apply(lr=0.5)
+    params = dict(model.named_parameters())
+    b, s = "blocks_token_only.0", 0.05
+    g1 = torch.diag(P[f"{b}.norm1.weight"])
+    expected = {f"{b}.attn.{n}.weight": ref_w2(P[f"{b}.attn.{n}.weight"], g1, s) for n in "qkv"}
+    expected[f"{b}.attn.proj.weight"] = ref_w2(P[f"{b}.attn.proj.weight"], P[f"{b}.attn.v.weight"], s)
+    for name, want in expected.items():
+        torch.testing.assert_close(params[name].detach(), want, rtol=1e-10, atol=1e-12)

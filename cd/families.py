@@ -1,0 +1,85 @@
+"""Which timm families CD understands: tiny configs of each, and what `find_pairs` makes of them.
+
+    python -m cd --families          # the CD columns; scripts/cd_families.py adds quantization's
+
+Each family is built from its timm name with a tiny config (32 px, width 32, 1-2 blocks per stage), on
+the CPU in milliseconds and without downloads; the blocks and pairs are those of the full-size model
+(the same classes, fewer of them). Needs timm.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from torch import nn
+
+from .pairs import ROLES, find_pairs
+from .verify import UnsupportedModelError
+
+_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+_SWIN = dict(img_size=32, patch_size=2, window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
+             num_classes=3)
+
+# family -> (timm name, tiny-config overrides)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "vit": ("vit_tiny_patch16_224", _VIT),
+    "deit (distilled)": ("deit_tiny_distilled_patch16_224", _VIT),
+    "deit3": ("deit3_small_patch16_224", _VIT),
+    "dinov2": ("vit_small_patch14_dinov2", _VIT),
+    "dinov2 + registers": ("vit_small_patch14_reg4_dinov2", _VIT),
+    "swin": ("swin_tiny_patch4_window7_224", _SWIN),
+    "swinv2": ("swinv2_tiny_window8_256", _SWIN),
+    "eva02": ("eva02_tiny_patch14_224", _VIT),
+    "beit": ("beit_base_patch16_224", _VIT),
+    "cait": ("cait_xxs24_224", dict(_VIT, depth=1)),
+    "xcit": ("xcit_nano_12_p16_224", dict(_VIT, depth=1)),
+    "SwiGLU ViT (aimv2)": ("aimv2_large_patch14_224", _VIT),
+    "convnext": ("convnext_atto", dict(num_classes=3)),
+}
+
+
+def build_family(family: str) -> nn.Module:
+    """The tiny model of `family` (random weights), in eval mode."""
+    import timm  # optional dependency of cd: only this module needs it
+
+    name, kwargs = FAMILIES[family]
+    return timm.create_model(name, pretrained=False, **kwargs).eval()
+
+
+def describe_pairs(model: nn.Module) -> str:
+    """Pairs per block by role, e.g. 'Block (x2): qkv, proj, fc1, fc2', or 'refused: <reason>'; for a
+    model refused for its gated MLPs, also what `gated_mlp=True` finds."""
+    try:
+        return _pairs_by_block(model, gated_mlp=False)
+    except UnsupportedModelError as e:
+        refused = "refused: " + str(e).split(". ")[0]
+    try:
+        return f"{refused}. With cd.gated_mlp=true: {_pairs_by_block(model, gated_mlp=True)}"
+    except UnsupportedModelError:
+        return refused
+
+
+def _pairs_by_block(model: nn.Module, gated_mlp: bool) -> str:
+    pairs = find_pairs(model, gated_mlp=gated_mlp)
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    per_block: dict[str, Counter] = {}
+    for p in pairs:
+        per_block.setdefault(p.block, Counter())[p.role] += 1
+    by_type: dict[tuple[str, str], int] = Counter()
+    for block, roles in per_block.items():
+        text = ", ".join(f"{r} x{roles[r]}" if roles[r] > 1 else r for r in ROLES if roles[r])
+        by_type[(types[block], text)] += 1
+    return "; ".join(f"{t} (x{n}): {text}" for (t, text), n in by_type.items())
+
+
+def family_table(columns: dict[str, Callable[[nn.Module], str]] | None = None) -> str:
+    """A markdown table: family, timm model, CD pairs, then one column per extra `columns` entry."""
+    columns = columns or {}
+    lines = ["| family | timm model | CD pairs per block, by role | " + " | ".join(columns) + " |"
+             if columns else "| family | timm model | CD pairs per block, by role |"]
+    lines.append("|" + "---|" * (3 + len(columns)))
+    for family, (name, _) in FAMILIES.items():
+        model = build_family(family)
+        cells = [family, f"`{name}`", describe_pairs(model)] + [fn(model) for fn in columns.values()]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)

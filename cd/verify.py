@@ -1,0 +1,154 @@
+"""Check found matrix pairs against the model's actual computation: one forward on the `meta` device.
+
+`find_pairs` proposes pairs from the module structure; this module confirms them by running the model
+once, with every parameter and buffer replaced by a `meta` tensor of the same shape (no memory, no
+arithmetic, the model's own weights untouched), while a dispatch mode follows where each tensor comes
+from:
+
+- composable pair (norm scale g, W2): every input of W2's layer is the norm's output, moved only by
+  data-movement ops (views, permutes, rolls, padding, window partitioning, slicing, concatenation), so
+  that W2 diag(g) is exactly the composed map. A res-post-norm block (Swin V2: `norm1` applied to the
+  attention output) fails here: its qkv input never went through `norm1`.
+- functional pair (W1, W2): every input of W2's layer depends on the output of W1's layer of the same
+  forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation.
+
+A pair that fails is an error naming the block and its type (`UnsupportedModelError`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# aten ops that only move, copy or select values (the output holds input values, none computed).
+_MOVES = frozenset("""
+    view _unsafe_view reshape permute transpose t expand contiguous clone slice select index unbind split
+    split_with_sizes chunk squeeze unsqueeze flatten roll constant_pad_nd pad cat stack narrow alias detach
+    _to_copy as_strided unfold movedim copy lift_fresh
+""".split())
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no CD pair, or a block whose computation does not match the pairs CD defines."""
+
+
+class _Provenance(TorchDispatchMode):
+    """Follows labels through aten ops. `moved`: value-preserving descendants of a tensor (parameters carry
+    'p:<name>' this way through transposes and casts); `dep`: any descendant. A non-move op taking a pair's
+    upstream parameter labels its outputs with the pair (moved too for a norm scale); a non-move op
+    taking a pair's W2 is a use of the pair, whose other operand must carry the label."""
+
+    def __init__(self, sources: dict[str, list[tuple[str, bool]]], sinks: dict[str, list[tuple[int, bool]]]):
+        super().__init__()
+        self.moved: dict[int, frozenset] = {}
+        self.dep: dict[int, frozenset] = {}
+        self.sources, self.sinks = sources, sinks
+        self.uses: dict[int, int] = {}  # pair index -> ops that used W2
+        self.bad: dict[int, int] = {}  # pair index -> uses whose operand lacked the label
+        self._keep: list[Tensor] = []  # keeps labelled tensors alive, so that ids are not reused
+
+    def mark(self, t: Tensor, moved: frozenset, dep: frozenset = frozenset()) -> None:
+        self._keep.append(t)
+        if moved:
+            self.moved[id(t)] = self.moved.get(id(t), frozenset()) | moved
+        if dep:
+            self.dep[id(t)] = self.dep.get(id(t), frozenset()) | dep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        moved_in = [self.moved.get(id(t), frozenset()) for t in ins]
+        dep = frozenset().union(*(self.dep.get(id(t), frozenset()) for t in ins))
+        if func.overloadpacket.__name__.rstrip("_") in _MOVES:
+            moved = frozenset().union(*moved_in)
+        else:
+            moved = frozenset()
+            for t in outs:  # an in-place op that computes (x.mul_(s)) ends the "only moved" history
+                self.moved.pop(id(t), None)
+            params = {label[2:] for labels in moved_in for label in labels if label.startswith("p:")}
+            for name in params:
+                for label, is_scale in self.sources.get(name, ()):
+                    dep |= {label}
+                    if is_scale:
+                        moved |= {label}
+                for k, composable in self.sinks.get(name, ()):
+                    others = [t for t, m in zip(ins, moved_in) if f"p:{name}" not in m]
+                    table = self.moved if composable else self.dep
+                    self.uses[k] = self.uses.get(k, 0) + 1
+                    if not any(str(k) in table.get(id(t), frozenset()) for t in others):
+                        self.bad[k] = self.bad.get(k, 0) + 1
+        if dep or moved:
+            for t in outs:
+                self.mark(t, moved, dep)
+        return out
+
+
+def example_input(model: nn.Module) -> Tensor:
+    """A meta image batch (1, C, H, W) of the size and dtype the model expects: timm's
+    `patch_embed.img_size` and input channels, else `pretrained_cfg['input_size']`.
+    Raises UnsupportedModelError if neither exists."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    pe = getattr(model, "patch_embed", None)
+    size = getattr(pe, "img_size", None)
+    proj = getattr(pe, "proj", None)
+    chans = getattr(proj, "in_channels", None)
+    if size is not None and chans is not None:
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+        return torch.empty(1, chans, h, w, dtype=dtype, device="meta")
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if "input_size" in cfg:
+        return torch.empty(1, *cfg["input_size"], dtype=dtype, device="meta")
+    raise UnsupportedModelError(
+        f"cannot tell the input size of {type(model).__name__} to check its CD pairs against a forward "
+        "pass; pass example_input= (a tensor the model accepts; only its shape is used)")
+
+
+def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
+                 example: Optional[Tensor] = None) -> None:
+    """Run one meta forward of `root` and check every pair (see the module docstring).
+
+    Args:
+        root: the unwrapped model. pairs: `Pair`s of `root`. block_types: block name -> class name.
+        example: an input of the right shape (any device; only its shape and dtype are used).
+
+    Raises:
+        UnsupportedModelError: naming the first failing pair, its block and the block's type.
+    """
+    x = (example_input(root) if example is None
+         else torch.empty(example.shape, dtype=example.dtype, device="meta"))
+    sources: dict[str, list[tuple[str, bool]]] = {}
+    sinks: dict[str, list[tuple[int, bool]]] = {}
+    for k, p in enumerate(pairs):
+        sources.setdefault(p.upstream_name, []).append((str(k), p.kind == "composable"))
+        sinks.setdefault(p.name, []).append((k, p.kind == "composable"))
+    mode = _Provenance(sources, sinks)
+    meta = {n: torch.empty_like(t, device="meta")
+            for n, t in [*root.named_parameters(), *root.named_buffers()]}
+    for n, t in meta.items():
+        mode.mark(t, frozenset({f"p:{n}"}))
+    try:
+        with torch.no_grad(), mode:
+            torch.func.functional_call(root, meta, (x,))
+    except Exception as e:  # e.g. data-dependent control flow, or a tensor made on another device
+        raise UnsupportedModelError(
+            f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the "
+            "right shape, or verify=False to trust the structure alone") from e
+    failures = []
+    for k, p in enumerate(pairs):
+        where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"
+        if k not in mode.uses:
+            failures.append(f"{where}: {p.name} is not used in the forward pass")
+        elif k in mode.bad and p.kind == "composable":
+            failures.append(f"{where}: the input of {p.name} is not the output of the norm "
+                            f"{p.upstream_name.rpartition('.')[0]} (CD supports pre-norm blocks; res-post-norm "
+                            "and post-norm blocks, where the norm follows the layer, are refused)")
+        elif k in mode.bad:
+            failures.append(f"{where}: the input of {p.name} does not come from {p.upstream_name}")
+    if failures:
+        raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
+                                    + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))

@@ -1,0 +1,109 @@
+"""The family coverage table of cd/README.md: what CD and each quantization pipeline do with timm's families.
+
+    python scripts/cd_families.py            # print the table
+    python scripts/cd_families.py --write    # replace the table in cd/README.md (between its markers)
+
+CD column: `cd.families.describe_pairs` (pairs per block type by role, checked against a forward pass,
+or the refusal). Quantization columns, W4A4 on the tiny model of each family (`cd.families`):
+percentile and repq run the whole pipeline on 4 random images and one forward of the result; aphq and
+gplq run the steps they start with (conversion with the pipeline's layout, the unit checks, calibration,
+and APHQ's MLP-reconstruction requirement), not their reconstruction or training stages, which need
+data. A cell reads "supported" or "refused: <the first clause of the error the pipeline raises>".
+CPU, no downloads, seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # repo root, for `cd` and `quant`
+from cd.families import family_table  # noqa: E402
+from quant import PIPELINES  # noqa: E402
+from quant.aphq.mlp_recon import relu_mlps  # noqa: E402
+from quant.calibrate import calibrate  # noqa: E402
+from quant.convert import quantize_model  # noqa: E402
+from quant.pipeline import parse_options  # noqa: E402
+from quant.spec import parse_bits  # noqa: E402
+from quant.units import check_unit_coverage, find_units  # noqa: E402
+
+README = ROOT / "cd" / "README.md"
+BEGIN, END = "<!-- families:begin (scripts/cd_families.py --write) -->", "<!-- families:end -->"
+BITS = "w4a4"
+
+
+def _images(model: nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, 32, 32, generator=g)
+
+
+def _full_run(name: str):
+    def check(model: nn.Module) -> None:
+        quantized, _ = PIPELINES[name](model, _images(model), BITS)
+        with torch.no_grad():
+            quantized(_images(model))
+    return check
+
+
+def _start_of(name: str):
+    def check(model: nn.Module) -> None:
+        pipeline = PIPELINES[name]
+        options = parse_options(pipeline.Options, None)
+        if getattr(options, "mlp_reconstruct", False):
+            relu_mlps(copy.deepcopy(model))  # raises for MLPs the reconstruction does not support
+        quantized = quantize_model(model, pipeline.layout(parse_bits(BITS), options)).eval()
+        check_unit_coverage(quantized, find_units(quantized))
+        calibrate(quantized, _images(model))
+    return check
+
+
+def _cell(check):
+    def run(model: nn.Module) -> str:
+        try:
+            check(model)
+        except Exception as e:  # the table reports whatever the pipeline raises
+            # the error's first clause: the list of layers and the advice to developers are left out
+            return "refused: " + re.split(r": \[|: add |; add ", str(e).splitlines()[0])[0]
+        return "supported"
+    return run
+
+
+COLUMNS = {"percentile": _cell(_full_run("percentile")), "repq": _cell(_full_run("repq")),
+           "aphq (start)": _cell(_start_of("aphq")), "gplq (start)": _cell(_start_of("gplq"))}
+
+
+def table() -> str:
+    """The markdown table (family, timm model, CD pairs, one column per pipeline)."""
+    torch.manual_seed(0)
+    return family_table(COLUMNS)
+
+
+def readme_table(text: str) -> str:
+    """The table currently in cd/README.md's text, between the markers."""
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="replace the table in cd/README.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    out = table()
+    if not args.write:
+        print(out)
+        return
+    text = README.read_text()
+    head, rest = text.split(BEGIN, 1)
+    README.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1])
+    print(f"wrote the table into {README}")
+
+
+if __name__ == "__main__":
+    main()

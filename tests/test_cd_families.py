@@ -1,0 +1,36 @@
+"""The family coverage table in cd/README.md is what scripts/cd_families.py generates now, and
+`python -m cd --families` prints its CD column."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from cd.__main__ import main as cd_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("cd_families", ROOT / "scripts" / "cd_families.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
+    script = _script()
+    want = script.table()
+    got = script.readme_table((ROOT / "cd" / "README.md").read_text())
+    assert got == want, "cd/README.md's family table is stale: run python scripts/cd_families.py --write"
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in want.splitlines()[2:]}
+    # the families the table must state (issue: vit ... convnext), each supported or refused with a reason
+    assert {"vit", "deit (distilled)", "deit3", "dinov2", "dinov2 + registers", "swin", "swinv2", "eva02",
+            "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext"} == set(rows)
+    assert rows["swinv2"].split(" | ")[2].startswith("refused: ")
+    assert rows["vit"].split(" | ")[2:] == ["Block (x2): qkv, proj, fc1, fc2", "supported", "supported",
+                                            "supported", "supported |"]
+    cd_main(["--families"])
+    out = capsys.readouterr().out
+    def cd_columns(table: str) -> list:
+        return [[c.strip(" |") for c in line.split(" | ")[:3]] for line in table.splitlines()[2:]]
+    assert cd_columns(out) == cd_columns(want)
