@@ -131,6 +131,9 @@ READ_ONLY_WHEN = [
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
 ]
+# Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
+# logs energies for (train.py's pair_energy_source), CD on or off.
+READ_ALWAYS = {"cd.gated_mlp"}
 
 
 def check_overrides_read(cfg: Config, given: dict) -> None:
@@ -142,7 +145,7 @@ def check_overrides_read(cfg: Config, given: dict) -> None:
         if decider in given or value in read_with:
             continue
         for key in given:
-            if any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+            if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
                 raise IgnoredOverrideError(
                     f"{key}={_show(given[key])} would be ignored: {key} is read only when {decider} is "
                     f"{' or '.join(map(_show, read_with))}, and it is {_show(value)}; drop it or set "

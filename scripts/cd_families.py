@@ -30,7 +30,7 @@ from quant import PIPELINES  # noqa: E402
 from quant.aphq.mlp_recon import relu_mlps  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
 from quant.convert import quantize_model  # noqa: E402
-from quant.pipeline import parse_options  # noqa: E402
+from quant.pipeline_base import parse_options  # noqa: E402
 from quant.spec import parse_bits  # noqa: E402
 from quant.units import check_unit_coverage, find_units  # noqa: E402
 

@@ -230,6 +230,7 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/method/cd.yaml", ["cd.enabled=false", "cd.lam=0.01"]),  # says itself that CD is off (sweeps)
     ("configs/method/cd.yaml", ["cd.mode=loss", "cd.loss_coef=0.01"]),
     ("configs/demo/vit_digits.yaml", ["data.mixup_prob=0.5"]),  # mixup details with mixup off: harmless
+    ("configs/pretrain/vit_b.yaml", ["cd.gated_mlp=true"]),  # CD off: still picks a baseline's logged pairs
 ])
 def test_an_override_the_config_reads_is_taken(path, overrides):
     load_config([os.path.join(ROOT, path)], overrides)
