@@ -37,7 +37,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The exit code of a run that stopped on a signal with its checkpoint written: sysexits.h EX_TEMPFAIL
 # ("temporary failure; the user is invited to retry"), so that job scripts and sweeps can tell it from
 # success (0) and from errors (1, or a signal's 128 + n).
-EXIT_PREEMPTED = 75
+from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402,F401  (re-exported)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
 from configs.loader import read_yaml_file  # noqa: E402
-from engine.preemption import EXIT_PREEMPTED  # noqa: E402
+from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
 def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:

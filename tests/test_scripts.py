@@ -3,6 +3,7 @@ tabulates end to end; the benchmarks run in their small CPU modes."""
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -210,3 +211,11 @@ def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
     result.write_text("{}")  # newer than best.pt: results of this best.pt, kept
     sweep.move_stale_result(str(result), str(checkpoint))
     assert result.exists()
+
+
+def test_the_sweep_expands_yaml_without_loading_torch():
+    """scripts/sweep.py checks and prints a sweep's commands on a login node without torch's import time
+    (engine.exit_codes, not engine.preemption, gives it the stop code)."""
+    code = ("import sys; sys.path.insert(0, 'scripts'); import sweep; "
+            "assert 'torch' not in sys.modules, 'sweep imports torch'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
