@@ -206,8 +206,10 @@ def plot_energies(groups: dict[str, list[Run]], path: str) -> None:
     for k, role in enumerate(ROLES):
         ax = fig.add_subplot(2, 2, k + 1)
         for point, runs in groups.items():
-            steps = [s for s, _ in runs[0].energies[role]]
-            curves = torch.tensor([[e for _, e in r.energies[role][:len(steps)]] for r in runs])
+            # the log steps every seed has (a resumed run repeats or drops records around its stop)
+            per_seed = [dict(r.energies[role]) for r in runs]
+            steps = sorted(set.intersection(*(set(d) for d in per_seed)))
+            curves = torch.tensor([[d[step] for step in steps] for d in per_seed])
             style = {"color": "black", "linestyle": "--"} if point == "baseline" else {}
             ax.plot(steps, curves.mean(0).numpy(), label=point, linewidth=1.3, **style)
             if len(runs) > 1:

@@ -199,6 +199,12 @@ RESUMED = ("train.amp=fp16", "cd.enabled=true", "train.ema=true", "train.ema_dec
            "optim.lr=1e-3", "sched.warmup_epochs=0")
 
 
+def without_best(state: dict) -> dict:
+    """The counters without where the best validation was: the split run also validated at its stop
+    (train.max_steps), so its best may sit at another update."""
+    return {k: v for k, v in state.items() if k not in ("best_epoch", "best_step")}
+
+
 def assert_resumed_like_straight(straight_dir, split_dir, cfg, exact):
     """The checkpoints of the uninterrupted run and the stopped-and-resumed one hold the same model,
     EMA, optimizer state, scheduler, loss scaler and counters: bit for bit (`exact`), or else within 5 %
@@ -216,7 +222,7 @@ def assert_resumed_like_straight(straight_dir, split_dir, cfg, exact):
     if exact:
         for key in a:
             assert torch.equal(a[key], b[key]), key
-        assert state_a == state_b
+        assert without_best(state_a) == without_best(state_b)
         return
     torch.manual_seed(cfg.train.seed)  # train.py's initial weights (also the EMA's start)
     initial = {f"{kind}.{k}": v for k, v in build_model(cfg.model).state_dict().items()
@@ -236,7 +242,7 @@ def assert_resumed_like_straight(straight_dir, split_dir, cfg, exact):
                                                                              references[kind] ** 0.5)
     approx = {"initial_loss": pytest.approx(state_a["initial_loss"], rel=1e-3),
               "best_top1": pytest.approx(state_a["best_top1"], abs=100 / 16 + 1e-6)}  # one of 16 images
-    assert state_b == {**state_a, **approx}
+    assert without_best(state_b) == without_best({**state_a, **approx})
 
 
 @pytest.mark.parametrize("deterministic,device", [
@@ -386,6 +392,7 @@ def test_cd_update_precisions_on_cuda_against_float64(precision, tol):
         assert (delta_got - delta_want).norm() / delta_want.norm() < tol, name
 
 
+@pytest.mark.gpu
 def test_the_weights_fingerprint_is_the_same_on_cuda_and_the_cpu():
     """A result JSON or a GPLQ stage-1 checkpoint written on one device type is accepted on the other."""
     from engine.checkpoint import weights_fingerprint

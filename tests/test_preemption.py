@@ -3,6 +3,7 @@ included), to one torchrun rank, and during validation all stop within one updat
 batch), write checkpoint.pt, exit EXIT_PREEMPTED (75) and resume."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "preempted at update" in output and "Traceback" not in output
-    assert "val top-1" not in output.split("preempted at update")[1]  # no validation pass after the signal
+    # no validation pass after the signal (the run summary may still name the best of an earlier one)
+    assert not re.search(r"update \d+\s+val top-1", output.split("preempted at update")[1]), output[-3000:]
     step = saved_step(tmp_path)
     assert 1 <= step < 16000  # 16 updates per epoch x 1000 epochs: stopped early
     resume_two_more_updates(cmd, tmp_path, step)
