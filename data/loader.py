@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from configs.schema import DataConfig
 from engine.loop import TrainBatches
-from engine.preemption import ignore_stop_signals
+from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed
 
 from .digits import DigitsDataset
@@ -91,7 +91,7 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
         raise DataError(f"{len(train_set)} training images give each of {world_size} processes {len(base)} "
                         f"per epoch, fewer than one batch of {batch_size_per_gpu}")
     sampler = SeededSampler(base, seed=seed, rank=rank)
-    loader = DataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
+    loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
     return TrainBatches(loader=loader, sampler=sampler)
 
@@ -129,8 +129,20 @@ def build_eval_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int
 
 
 def _eval_loader(cfg: DataConfig, dataset, batch_size: int, rank: int, world_size: int) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size,
+    return StopSafeDataLoader(dataset, batch_size=batch_size,
                       sampler=ShardedEvalSampler(len(dataset), rank, world_size), **_worker_args(cfg))
+
+
+class StopSafeDataLoader(DataLoader):
+    """A DataLoader whose workers start with SIGTERM / SIGINT blocked (engine/preemption.py
+    `stop_signals_blocked`): a scheduler's signal to the process group while workers are starting (the
+    first iteration of a loader, e.g. at the first validation) is a stop request, not a crashed worker."""
+
+    def _get_iterator(self):  # where torch starts the workers (once, with persistent_workers)
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        with stop_signals_blocked():
+            return super()._get_iterator()
 
 
 def _worker_args(cfg: DataConfig) -> dict:

@@ -23,6 +23,7 @@ foreground process group. The rule:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -49,10 +50,30 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     the sender: from the parent, the worker exits (as torch's own handler does); from anyone else (a
     scheduler signalling the process group), it is ignored. Threads started later inherit the block.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a SIGINT that came while it was blocked
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_exit_on_parents_sigterm, args=(os.getppid(),), name="sigterm-watcher",
                      daemon=True).start()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Block SIGTERM / SIGINT in the calling (main) thread while DataLoader workers start.
+
+    A worker inherits the signal mask (through fork, and through exec as well), so a scheduler's SIGTERM to
+    the process group that lands before the worker's `ignore_stop_signals` has run stays pending instead
+    of killing it (which the main process would see as a crashed worker, not a stop request); the worker
+    then takes it as from "anyone else" and ignores it. The main process gets its own copy when the block
+    ends, and stops as for any stop request."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _exit_on_parents_sigterm(parent: int) -> None:

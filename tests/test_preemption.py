@@ -190,3 +190,40 @@ def test_repeated_signals_in_the_window_are_one_request():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
         assert preemption.requested
+
+
+RACE_SCRIPT = r"""
+import os, signal, sys, time
+import torch
+from torch.utils.data import DataLoader
+from data.loader import StopSafeDataLoader
+from engine.preemption import ignore_stop_signals
+
+def slow_init(worker_id):  # a worker that takes a while to start: the window a group signal can hit
+    time.sleep(1.0)
+    ignore_stop_signals(worker_id)
+
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))
+cls = StopSafeDataLoader if sys.argv[1] == "safe" else DataLoader
+loader = cls(torch.arange(64).float(), batch_size=8, num_workers=2, worker_init_fn=slow_init)
+batches = iter(loader)
+import subprocess  # the scheduler (another process) signals the whole group while the workers start
+subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"])
+try:
+    print("batches", len(list(batches)), "main got", got)
+except RuntimeError as e:
+    print("worker died:", e)
+"""
+
+
+@pytest.mark.parametrize("loader", ["safe", "plain"])
+def test_a_group_signal_while_workers_start_is_a_stop_request_not_a_crash(loader):
+    """StopSafeDataLoader starts its workers with the stop signals blocked; torch's plain DataLoader, the
+    reference, loses a worker to the same signal (so the test shows the window it closes)."""
+    run = subprocess.run([sys.executable, "-c", RACE_SCRIPT, loader], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if loader == "safe":
+        assert "batches 8 main got ['TERM']" in run.stdout, run.stdout + run.stderr[-2000:]
+    else:
+        assert "worker died" in run.stdout, run.stdout + run.stderr[-2000:]
