@@ -28,6 +28,7 @@ import torch
 
 from .checkpoint import CheckpointError
 from .distributed import raise_on_every_rank
+from .run_dir import partial_path
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.devi
             try:
                 os.link(checkpoint, path)
             except OSError:  # no hard links here (some network or FUSE file systems): copy, then rename
-                tmp = f"{path}.tmp.{os.getpid()}"
+                tmp = partial_path(path)
                 try:
                     shutil.copyfile(checkpoint, tmp)
                     os.replace(tmp, path)
