@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import logging
 import os
 import sys
@@ -37,7 +38,8 @@ from data.folder import ClassCountError
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
-from engine.distributed import all_reduce, cleanup_distributed, init_distributed
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
+                                run_on_main)
 from engine.loop import evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
@@ -54,7 +56,8 @@ def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     cfg, payload = resolve_config(args)
-    dist = init_distributed(cfg.train.device)
+    dist = init_distributed(cfg.train.device, MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours),
+                                                           "quant.main_rank_wait_hours"))
     device = dist.device
     out = args.out or default_out_path(args.checkpoint, cfg.model.name)
     prepare_folder(os.path.dirname(os.path.abspath(out)))
@@ -97,14 +100,16 @@ def main(args: argparse.Namespace) -> dict:
     max_act = {"module": act.module, "block": act.block, "seconds": round(time.perf_counter() - start, 3)}
     log.info("FP top-1 %.3f  top-5 %.3f  max act (module/block) %.2f / %.2f  [%.1fs]", fp["top1"], fp["top5"],
              act.module, act.block, fp_seconds)
-    if dist.is_main and cfg.quant.act_max_csv:
+    if cfg.quant.act_max_csv:
         stem = os.path.splitext(out)[0]
-        max_act["csv"] = str(write_act_max_csv(act.per_layer, stem + "_act_max.csv"))
-        max_act["plot"] = str(plot_act_max(act.per_layer, stem + "_act_max.png",
-                                           title=f"{model_label(cfg.model)} ({method_name(cfg)})"))
+        title = f"{model_label(cfg.model)} ({method_name(cfg)})"
+        max_act.update(run_on_main(lambda: {
+            "csv": str(write_act_max_csv(act.per_layer, stem + "_act_max.csv")),
+            "plot": str(plot_act_max(act.per_layer, stem + "_act_max.png", title=title))},
+            f"writing {stem}_act_max.csv / .png", device))
     results.update(method=method_name(cfg), fp={k: fp[k] for k in ("top1", "top5", "loss", "excluded")} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act)
-    save_on_main(results, dist)
+    run_on_main(results.save, f"writing {out}", device)
 
     # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
     # written to the JSON as soon as it is done.
@@ -118,7 +123,7 @@ def main(args: argparse.Namespace) -> dict:
             eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
         entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
         results.add(name, bits, entry, quant_settings(cfg, name))
-        save_on_main(results, dist)
+        run_on_main(results.save, f"writing {out}", device)
         log.info("%s %s top-1 %.3f  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, entry["top1"],
                  entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 
@@ -127,11 +132,6 @@ def main(args: argparse.Namespace) -> dict:
         log.info("wrote %s", out)
     cleanup_distributed()
     return results.data
-
-
-def save_on_main(results: EvalResults, dist) -> None:
-    if dist.is_main:
-        results.save()
 
 
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
@@ -408,4 +408,6 @@ if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
     except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
         sys.exit(f"error: {e}")

@@ -2,15 +2,25 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); without them the run is a
 single process. NCCL on CUDA, gloo on CPU (so tests can run two CPU processes).
+
+Work that must happen once (a quantization pipeline's sequential reconstruction, a file write) runs on
+rank 0 through `run_on_main`; the other ranks wait for its result in a separate gloo group whose timeout
+is sized for that work, not NCCL's 10 minutes, and raise `OtherRankError` if it fails.
 """
 from __future__ import annotations
 
+import datetime
+import io
+import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,8 +39,29 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Join the process group torchrun describes (if any) and pick this process's device."""
+@dataclass(frozen=True)
+class MainRankWait:
+    """How long ranks wait in `run_on_main` for rank 0, and the setting that changes it (for the error)."""
+
+    timeout: datetime.timedelta = datetime.timedelta(hours=24)
+    setting: str = ""
+
+
+_main_rank_wait = MainRankWait()
+_wait_group = None  # the gloo group of run_on_main, made on its first use (every rank calls it in step)
+
+
+class OtherRankError(RuntimeError):
+    """Raised on the ranks that waited in `run_on_main` when rank 0's work failed or never arrived."""
+
+
+def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None) -> DistInfo:
+    """Join the process group torchrun describes (if any) and pick this process's device.
+
+    main_rank_wait: how long the other ranks wait for work that `run_on_main` gives rank 0 alone
+    (default 24 hours)."""
+    global _main_rank_wait
+    _main_rank_wait = main_rank_wait or MainRankWait()
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -51,10 +82,12 @@ def cleanup_distributed(wait_for_all: bool = True) -> None:
     """Leave the process group. `wait_for_all`: first wait until every rank is done (a rank that tears its
     group down while another still talks to it can abort the process at exit: "terminate called without
     an active exception" with gloo); False on error paths, where another rank may never arrive."""
+    global _wait_group
     if dist.is_initialized():
         if wait_for_all:
             barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the wait group included
+    _wait_group = None
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -90,3 +123,73 @@ def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
         raise error
     if failed.item():
         raise elsewhere()
+
+
+def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
+    """Run `fn` on rank 0 only and return its result on every rank (just `fn()` without a process group).
+
+    The other ranks wait in a gloo group whose timeout is `MainRankWait.timeout` (hours, sized for
+    e.g. APHQ's reconstruction), so no NCCL watchdog fires while rank 0 works alone. The result (a
+    quantized model, a report, None) travels pickled (torch.save) and is loaded onto each rank's
+    `device`. If `fn` raises on rank 0, rank 0 raises its own error and every other rank raises
+    OtherRankError with its text; so does a rank that gave up waiting or lost rank 0.
+
+    what: the work, for messages ("quantizing aphq w4a4", "writing results.json").
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return fn()
+    group = _main_rank_group()
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+            message = _serialize(("ok", result))
+        except BaseException as e:
+            try:  # the others learn why before this rank's error ends it
+                _send(_serialize(("error", f"{type(e).__name__}: {e}")), group)
+            except Exception as send_error:  # they may be gone already; keep the first error
+                log.warning("could not tell the other ranks that %s failed: %s", what, send_error)
+            raise
+        _send(message, group)
+        return result
+    try:
+        status, value = torch.load(io.BytesIO(_receive(group)), map_location=device, weights_only=False)
+    except RuntimeError as e:
+        rank = dist.get_rank()
+        if "timed out" in str(e).lower():
+            limit = _main_rank_wait
+            change = f"; raise {limit.setting} if rank 0 is still working" if limit.setting else ""
+            raise OtherRankError(f"rank {rank} waited {limit.timeout} for rank 0 to finish {what} and gave "
+                                 f"up{change}") from None
+        raise OtherRankError(f"rank {rank} lost rank 0 while it was {what} ({e}); rank 0's output says why"
+                             ) from None
+    if status == "error":
+        raise OtherRankError(f"rank 0 failed {what}: {value}")
+    return value
+
+
+def _main_rank_group():
+    global _wait_group
+    if _wait_group is None:
+        _wait_group = dist.new_group(backend="gloo", timeout=_main_rank_wait.timeout)
+    return _wait_group
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _send(message: bytes, group) -> None:
+    """Rank 0: the length, then the bytes (CPU tensors: the group is gloo whatever the device)."""
+    dist.broadcast(torch.tensor([len(message)], dtype=torch.int64, device="cpu"), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), src=0, group=group)
+
+
+def _receive(group) -> bytes:
+    """The other ranks: block (up to the group's timeout) until rank 0 sends, then read its bytes."""
+    size = torch.zeros(1, dtype=torch.int64, device="cpu")
+    dist.broadcast(size, src=0, group=group)
+    message = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
+    dist.broadcast(message, src=0, group=group)
+    return message.numpy().tobytes()

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -74,15 +75,23 @@ class EvalResults:
         time all keep their results (an entry of the same pipeline and bit-width written meanwhile by another
         moves to `history`)."""
         folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        with open(f"{self.path}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
-            data = _read(self.path, self.identity)
-            self._merge_into(data)
-            tmp = partial_path(self.path)
-            with open(tmp, "w") as f:
-                json.dump(data, f, indent=2, default=str)
-            os.replace(tmp, self.path)
+        tmp = partial_path(self.path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(f"{self.path}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
+                data = _read(self.path, self.identity)
+                self._merge_into(data)
+                with open(tmp, "w") as f:
+                    json.dump(data, f, indent=2, default=str)
+                os.replace(tmp, self.path)
+        except OSError as e:  # a full disk, a read-only folder: the file as it was stays, our temp goes
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            state = "the file is unchanged" if os.path.exists(self.path) else "no file was written"
+            raise ResultsError(f"could not write {self.path}: {e}; {state}, the results finished so far are "
+                               f"in the log. Fix the folder (or use --out) and re-run: what the file has is "
+                               f"not computed again") from e
         self.data = data
 
     def _merge_into(self, data: dict) -> None:

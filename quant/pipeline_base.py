@@ -1,10 +1,15 @@
 """The pipeline interface: `Pipeline` (parse bits and options, run), its result, and the helpers every
-pipeline uses (stage timing, an isolated RNG, the final rank-0 broadcast, the report).
+pipeline uses (stage timing, an isolated RNG, the report).
 
 A pipeline is called as `PIPELINES[name](fp_model, calib_images, bits="w4a4", options=None, data=None)`
 and returns `PTQResult(model, report)`: the quantized deep copy (the float model is untouched) and a small
 JSON-able report (layout, stem/head bits, options, calibration size, seconds per stage). Its options are
 a dataclass of configs/quant.py; pipelines that draw their own training images get them from `data`.
+
+Under torchrun a pipeline runs once, on rank 0, and every rank receives its quantized model
+(`engine.distributed.run_on_main`; the others wait with a timeout sized for hours of reconstruction).
+A pipeline whose own steps use every rank sets `data_parallel` and hands rank 0 only its sequential
+part (GPLQ: stage 1 trains data-parallel, stage 2 runs on rank 0).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Uni
 import torch
 from torch import nn
 
-from engine.distributed import broadcast
+from engine.distributed import run_on_main
 
 from .calibrate import Images, calibrate
 from .convert import quantize_model
@@ -53,6 +58,7 @@ class Pipeline:
 
     name: str = ""
     Options: Type = type(None)
+    data_parallel: bool = False  # True: `run` is called on every rank and uses run_on_main itself
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,
@@ -69,9 +75,14 @@ class Pipeline:
                 repq ignore it (see pipeline_data.py).
 
         Returns:
-            PTQResult(model, report).
+            PTQResult(model, report), the same on every rank of a distributed run.
         """
-        return self.run(fp_model, calib_images, parse_bits(bits), parse_options(self.Options, options), data)
+        bits, options = parse_bits(bits), parse_options(self.Options, options)
+        if self.data_parallel:
+            return self.run(fp_model, calib_images, bits, options, data)
+        device = next(fp_model.parameters()).device
+        return run_on_main(lambda: self.run(fp_model, calib_images, bits, options, data),
+                           f"quantizing {self.name} {bits}", device)
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
@@ -104,20 +115,6 @@ def isolated_rng(seed: int, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
-
-
-def sync_across_ranks(model: torch.nn.Module) -> None:
-    """Make every rank hold rank 0's quantized model (parameters, buffers; no-op without a process group).
-
-    Pipelines run redundantly on every rank of a distributed evaluation with identical seeds; this
-    removes any kernel-level non-determinism between ranks before the sharded evaluation.
-    """
-    for tensor in model.state_dict().values():
-        if isinstance(tensor, torch.Tensor):
-            broadcast(tensor)
-    for module in model.modules():  # in-place collectives need not bump version counters
-        if hasattr(module, "invalidate_weight_cache"):
-            module.invalidate_weight_cache()
 
 
 def pipeline_report(pipeline: str, model: torch.nn.Module, bits: Bits, options, **extra) -> dict:

@@ -19,16 +19,18 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         from quant import PIPELINES
         from quant_models import digits_config
 
-        # Compare the ranks BEFORE the final broadcast of rank 0's model (after it they agree by
-        # construction): every rank trains on its own shard, so only averaged gradients make them agree.
-        before_sync = {}
-        real_sync = gplq_module.sync_across_ranks
+        # Compare the ranks right after stage 1 (stage 2 runs on rank 0 and every rank receives its
+        # model, so they agree by construction after it): every rank trains on its own shard, so only
+        # averaged gradients make them agree.
+        after_stage1 = {}
+        real_stage1 = gplq_module.run_stage1
 
-        def recording_sync(model):
-            before_sync["flat"] = _flat_state(model)
-            real_sync(model)
+        def recording_stage1(model, *args, **kwargs):
+            result = real_stage1(model, *args, **kwargs)
+            after_stage1["flat"] = _flat_state(model)
+            return result
 
-        gplq_module.sync_across_ranks = recording_sync
+        gplq_module.run_stage1 = recording_stage1
 
         cfg = digits_config("vit_nano")
         torch.manual_seed(0)
@@ -37,7 +39,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
         qmodel, report = PIPELINES["gplq"](model, None, "w4a4",
                                            dict(steps=3, batch_size_per_gpu=8, init_images=16, pca_images=32,
                                                 stage2_images=16, log_every=1), data=data)
-        flat = before_sync["flat"]
+        flat = after_stage1["flat"]
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         # each rank's stage-1 shard: the ranks' data differ

@@ -20,7 +20,7 @@ turned off" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py
 
 Defaults are the official classification recipe (configs/4bit/best.py): 128 / 1024 images, batch 32,
 20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap.
-Every rank of a distributed run computes the same result (fixed seeds); rank 0's is broadcast at the end.
+Under torchrun the whole pipeline runs once, on rank 0; the other ranks receive its model (pipeline_base).
 """
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ from ..calibrate import Images
 from ..convert import quantize_model
 from ..layout import standard_layout
 from ..modes import set_quant_state
-from ..pipeline_base import (Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report,
-                             sync_across_ranks)
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
@@ -88,7 +87,6 @@ class APHQPipeline(Pipeline):
             gen = torch.Generator(device=cache).manual_seed(options.seed)
             model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache,
                                            bs, gen)
-        sync_across_ranks(model)
         report["seconds"] = timer.seconds
         return PTQResult(model, report)
 

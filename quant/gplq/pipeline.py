@@ -13,6 +13,8 @@ Stage 1, Act-QAT (W32A4), qat.py:
 * AdamW, constant lr (5e-6 at global batch 128; 2.5e-6 at 64; 1e-6 below, the paper's GPU table),
   one epoch by default (`steps` updates otherwise), batch 16 per GPU;
 * run by engine.loop.TrainLoop (AMP, DDP under torchrun, resumable `<work_prefix>_gplq_<bits>_stage1.pt`).
+  Under torchrun stage 1 uses every rank (data parallel); stage 2 runs once, on rank 0, and every rank
+  receives its model (engine.distributed.run_on_main).
 
 Stage 2, Weight-PTQ (W32A4 -> W4A4):
 * activation quantizers frozen; weights per output channel, symmetric (paper), RepQ-ViT percentile
@@ -44,13 +46,13 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
+from engine.distributed import run_on_main
 
 from ..calibrate import Images, calibrate, refit_weight_quantizers
 from ..convert import quantize_model, quantized_layers
 from ..layout import standard_layout
 from ..modes import named_quantizers, quant_state, set_quant_state
-from ..pipeline_base import (Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report,
-                             sync_across_ranks)
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
@@ -76,6 +78,7 @@ def default_lr(global_batch: int) -> float:
 class GPLQPipeline(Pipeline):
     name = "gplq"
     Options = GPLQOptions
+    data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
         """LSQ symmetric activations (per channel / per head for matmuls) and stage-2 weight quantizers."""
@@ -97,8 +100,6 @@ class GPLQPipeline(Pipeline):
         device = next(fp_model.parameters()).device
         with isolated_rng(options.seed, device):
             model, report = self._quantize(fp_model, bits, options, data, timer, device)
-        sync_across_ranks(model)
-        report["seconds"] = timer.seconds
         return PTQResult(model, report)
 
     def _quantize(self, fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData,
@@ -140,7 +141,14 @@ class GPLQPipeline(Pipeline):
         log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
                  stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
 
-        # -- stage 2: freeze activations, quantize weights, QwT --
+        return run_on_main(lambda: self._stage2(model, teacher, bits, options, data, timer, device, stage1),
+                           f"quantizing gplq {bits} (stage 2)", device)
+
+    def _stage2(self, model: nn.Module, teacher: nn.Module, bits: Bits, options: GPLQOptions,
+                data: PipelineData, timer: StageTimer, device: torch.device, stage1: dict) -> tuple:
+        """Freeze the activation quantizers, quantize the weights, QwT; (model, report with the seconds of
+        every stage)."""
+        bs = options.batch_size_per_gpu
         model.eval().requires_grad_(False)
         with timer("weights", device):
             set_quant_state(model, weights=True)
@@ -156,6 +164,7 @@ class GPLQPipeline(Pipeline):
             self.name, model, bits, options, stage1=stage1, weights_refit=n_weights,
             qwt={"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
                  "images": options.stage2_images if options.qwt else 0, "target": options.qwt_target})
+        report["seconds"] = timer.seconds
         return model, report
 
     @staticmethod

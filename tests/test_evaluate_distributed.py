@@ -1,0 +1,115 @@
+"""evaluate.py on 2 gloo ranks (spawned processes joining through torchrun's environment variables):
+each pipeline's quantization runs once, on rank 0 (GPLQ: stage 2; its stage 1 is data parallel), every
+rank scores the same model, the numbers equal a 1-rank run, and a failed write on rank 0 stops both ranks
+with their errors instead of leaving rank 1 at a collective."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dist_utils import free_port, leave_and_exit
+
+TINY_APHQ = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
+             "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
+             "quant.aphq.eq_n=16"]
+TINY_GPLQ = ["quant.gplq.steps=2", "quant.gplq.batch_size_per_gpu=8", "quant.gplq.init_images=16",
+             "quant.gplq.pca_images=32", "quant.gplq.stage2_images=16"]
+
+
+def _record_calls(work: str, rank: int) -> None:
+    """Wrap the parts that must run once with a line per call in calls_rank<r>.txt."""
+    from quant.aphq.pipeline import APHQPipeline
+    from quant.gplq.pipeline import GPLQPipeline
+    from quant.ptq.repq import RepQPipeline
+
+    def wrap(owner, attribute: str, label: str) -> None:
+        real = getattr(owner, attribute)
+
+        def recorded(*args, **kwargs):
+            with open(os.path.join(work, f"calls_rank{rank}.txt"), "a") as f:
+                f.write(label + "\n")
+            return real(*args, **kwargs)
+
+        setattr(owner, attribute, recorded)
+
+    wrap(RepQPipeline, "run", "repq")
+    wrap(APHQPipeline, "run", "aphq")
+    wrap(GPLQPipeline, "_stage2", "gplq stage 2")
+
+
+def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import evaluate
+    import engine.eval_results
+
+    _record_calls(work, rank)
+    if disk_full:
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        engine.eval_results.json.dump = no_space
+    try:
+        outcome = ("ok", evaluate.main(evaluate.parse_args(argv)))
+    except (evaluate.OtherRankError, *evaluate.USER_ERRORS) as e:
+        outcome = (type(e).__name__, str(e))
+    torch.save(outcome, os.path.join(work, f"outcome_rank{rank}.pt"))
+    if outcome[0] == "ok":
+        leave_and_exit()
+    os._exit(0)  # the other rank may have left already: no group teardown together
+
+
+def _run(world: int, work, argv: list, disk_full: bool = False) -> list:
+    os.makedirs(work, exist_ok=True)
+    mp.spawn(_worker, args=(world, free_port(), argv, str(work), disk_full), nprocs=world, join=True)
+    return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _calls(work, rank: int) -> list:
+    path = os.path.join(work, f"calls_rank{rank}.txt")
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+@pytest.mark.slow
+def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint, tmp_path):
+    def argv(name):
+        return ["--checkpoint", checkpoint, "--quant", "repq", "aphq", "gplq",
+                "--out", str(tmp_path / name / "eval.json"), *TINY_APHQ, *TINY_GPLQ]
+
+    (single,) = _run(1, tmp_path / "single", argv("single"))
+    rank0, rank1 = _run(2, tmp_path / "two", argv("two"))
+    assert single[0] == rank0[0] == rank1[0] == "ok", (single, rank0, rank1)
+
+    assert _calls(tmp_path / "two", 0) == ["repq", "aphq", "gplq stage 2"]
+    assert _calls(tmp_path / "two", 1) == []  # rank 1 received the models
+    # the sharded evaluation of the one model: both ranks hold the same numbers, which the JSON has
+    saved = json.load(open(tmp_path / "two" / "eval.json"))
+    for pipeline in ("repq", "aphq", "gplq"):
+        top1 = saved["quant"][pipeline]["w4a4"]["top1"]
+        assert rank0[1]["quant"][pipeline]["w4a4"]["top1"] == rank1[1]["quant"][pipeline]["w4a4"]["top1"] == top1
+    assert rank1[1]["quant"]["aphq"]["w4a4"]["report"] == saved["quant"]["aphq"]["w4a4"]["report"]
+    # repq and APHQ quantize on rank 0 exactly as one process does (GPLQ's stage 1 trains on 2 shards)
+    for pipeline in ("repq", "aphq"):
+        expected = single[1]["quant"][pipeline]["w4a4"]["top1"]
+        assert saved["quant"][pipeline]["w4a4"]["top1"] == pytest.approx(expected)
+    assert saved["fp"]["top1"] == pytest.approx(single[1]["fp"]["top1"])
+    assert os.path.exists(saved["max_act"]["csv"]) and rank1[1]["max_act"]["csv"] == saved["max_act"]["csv"]
+
+
+@pytest.mark.slow
+def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(checkpoint, tmp_path):
+    out = tmp_path / "eval.json"
+    rank0, rank1 = _run(2, tmp_path, ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out),
+                                      "quant.act_max_csv=false"], disk_full=True)
+    assert rank0[0] == "ResultsError" and f"could not write {out}: [Errno 28] No space left" in rank0[1]
+    assert "no file was written" in rank0[1]
+    assert rank1[0] == "OtherRankError"
+    assert rank1[1].startswith(f"rank 0 failed writing {out}: ResultsError: could not write {out}")
+    assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # its temporary file went
+    assert _calls(tmp_path, 0) == [] and not out.exists()  # it stopped at the first write, before repq

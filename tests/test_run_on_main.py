@@ -1,0 +1,113 @@
+"""engine.distributed.run_on_main with 2 real gloo processes: the work runs once, on rank 0; every rank
+gets its result on its own device; an error on rank 0, or a wait past the limit, reaches the other rank
+as one OtherRankError naming the work (and the setting that sets the limit)."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from dist_utils import free_port, leave_and_exit
+
+
+def _join(rank: int, port: int, wait_s: float) -> None:
+    """Join through init_distributed, as torchrun's environment would have it (the real path)."""
+    from engine.distributed import MainRankWait, init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    init_distributed("cpu", MainRankWait(datetime.timedelta(seconds=wait_s), "quant.main_rank_wait_hours"))
+
+
+def _result_worker(rank: int, port: int, work: str) -> None:
+    from engine.distributed import run_on_main
+
+    _join(rank, port, wait_s=120)
+    torch.manual_seed(rank)  # the ranks' own modules differ: only rank 0's may come back
+    layer = nn.Linear(3, 2)
+
+    def work_fn():
+        open(os.path.join(work, f"ran_on_{rank}"), "w").close()
+        return layer, {"note": "from rank 0", "values": torch.arange(4, device="cpu")}
+
+    # CPU tensors for gloo are made with an explicit device: under a meta default device a forgotten one
+    # would be a meta tensor that gloo cannot send
+    torch.set_default_device("meta")
+    try:
+        got, report = run_on_main(work_fn, "a test job", torch.device("cpu"))
+        on_meta = run_on_main(lambda: layer, "a second test job",
+                              torch.device("meta") if rank == 1 else torch.device("cpu"))
+    finally:
+        torch.set_default_device("cpu")
+    torch.save({"weight": got.weight.detach().clone(), "own_weight": layer.weight.detach().clone(),
+                "report": report, "device": str(on_meta.weight.device)}, os.path.join(work, f"rank{rank}.pt"))
+    leave_and_exit()
+
+
+def test_work_runs_once_on_rank_0_and_every_rank_gets_its_result(tmp_path):
+    mp.spawn(_result_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert os.path.exists(tmp_path / "ran_on_0") and not os.path.exists(tmp_path / "ran_on_1")
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert not torch.equal(rank1["own_weight"], rank0["own_weight"])  # the check below can fail
+    assert torch.equal(rank1["weight"], rank0["own_weight"])
+    assert rank1["report"]["note"] == "from rank 0" and torch.equal(rank1["report"]["values"], torch.arange(4))
+    assert rank1["device"] == "meta" and rank0["device"] == "cpu"  # loaded onto each rank's device
+
+
+def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: float) -> None:
+    from engine.distributed import OtherRankError, run_on_main
+
+    _join(rank, port, wait_s)
+
+    def work_fn():
+        if rank0_sleeps:
+            time.sleep(rank0_sleeps)
+            return "late"
+        raise ValueError("the disk is on fire")
+
+    start = time.monotonic()
+    try:
+        run_on_main(work_fn, "writing results.json", torch.device("cpu"))
+        outcome = ("returned", "")
+    except (ValueError, OtherRankError, RuntimeError) as e:
+        outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(work, f"rank{rank}.pt"))
+    os._exit(0)  # a rank may have given up on the other: no group teardown together
+
+
+def _outcomes(tmp_path, wait_s: float, rank0_sleeps: float) -> tuple:
+    mp.spawn(_error_worker, args=(free_port(), str(tmp_path), wait_s, rank0_sleeps), nprocs=2, join=True)
+    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+def test_an_error_on_rank_0_reaches_the_other_rank(tmp_path):
+    rank0, rank1 = _outcomes(tmp_path, wait_s=120, rank0_sleeps=0)
+    assert rank0["outcome"] == ("ValueError", "the disk is on fire")
+    kind, message = rank1["outcome"]
+    assert kind == "OtherRankError"
+    assert message == "rank 0 failed writing results.json: ValueError: the disk is on fire"
+
+
+@pytest.mark.slow
+def test_a_rank_that_waits_past_the_limit_gives_up_naming_the_setting(tmp_path):
+    rank0, rank1 = _outcomes(tmp_path, wait_s=2, rank0_sleeps=8)
+    kind, message = rank1["outcome"]
+    assert kind == "OtherRankError", message
+    assert "rank 1 waited 0:00:02 for rank 0 to finish writing results.json" in message
+    assert "raise quant.main_rank_wait_hours" in message
+    assert rank1["seconds"] < 7  # it gave up at the limit, not when rank 0 finished
+    assert rank0["outcome"][0] in ("returned", "RuntimeError")  # nobody left to receive it
+
+
+def test_without_a_process_group_the_work_just_runs():
+    from engine.distributed import run_on_main
+
+    calls = []
+    assert run_on_main(lambda: calls.append(1) or "done", "a job", torch.device("cpu")) == "done"
+    assert calls == [1]
