@@ -287,6 +287,12 @@ def resolve_config(args: argparse.Namespace):
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
         raise ConfigError(f"--bits / quant.bits: {e}") from None
+    for name in cfg.quant.pipelines:  # options that cannot go together: now, not after hours of work
+        for bits in cfg.quant.bits:
+            try:
+                PIPELINES[name].check(parse_bits(bits), pipeline_options(cfg, name))
+            except ValueError as e:
+                raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
 
 

@@ -78,11 +78,16 @@ class Pipeline:
             PTQResult(model, report), the same on every rank of a distributed run.
         """
         bits, options = parse_bits(bits), parse_options(self.Options, options)
+        self.check(bits, options)  # on every rank, before any work
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
         return run_on_main(lambda: self.run(fp_model, calib_images, bits, options, data),
                            f"quantizing {self.name} {bits}", device)
+
+    def check(self, bits: Bits, options: Any) -> None:
+        """Raise ValueError (naming the option) for options that cannot go together at these bits: the
+        entry point calls it for every pipeline and bit-width before any work."""
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""

@@ -162,3 +162,21 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     # mean and sample std (n - 1) of (80, 82, 84) = 82 +- 2; of (70, 74, 72) = 72 +- 2
     assert base == "| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± 2.00 |"
     assert cd == "| m | CD (n=1) | 81.00 | 4.00 / 3.00 | 75.00 |"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["quant.aphq.calib_images=64", "quant.aphq.recon_images=32"],
+     "quant.aphq: calib_images=64 exceeds recon_images=32"),
+    (["quant.aphq.eq_n=8"], "quant.aphq: eq_n=8 is below the 16 zero points of the 4-bit grids at w4a4"),
+])
+def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, overrides, message):
+    from configs import ConfigError
+    from quant import PIPELINES
+
+    args = evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "repq", "aphq", *overrides])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        evaluate.resolve_config(args)  # checked with the config, before a model or a loader exists
+    # the API checks them before it looks at the model or the data (which would raise otherwise)
+    options = {o.split("=")[0].split(".")[-1]: int(o.split("=")[1]) for o in overrides}
+    with pytest.raises(ValueError, match=message.split(": ", 1)[1]):
+        PIPELINES["aphq"](None, None, "w4a4", options, data=None)

@@ -69,13 +69,20 @@ class APHQPipeline(Pipeline):
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))
 
+    def check(self, bits: Bits, options: APHQOptions) -> None:
+        if options.calib_images > options.recon_images:
+            raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
+                             f"(the calibration set is a prefix of the reconstruction set)")
+        ends = options.resolved(bits)
+        widest = max(b for b in (bits.w, bits.a, *ends["stem"].values(), *ends["head"].values()) if b)
+        if options.eq_n < min(16, 2 ** widest):  # every grid tries min(16, 2^b) zero points (search.py)
+            raise ValueError(f"eq_n={options.eq_n} is below the {min(16, 2 ** widest)} zero points of the "
+                             f"{widest}-bit grids at {bits}: give eq_n >= {min(16, 2 ** widest)}")
+
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: APHQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         del calib_images  # APHQ draws its own training-transform calibration set from `data`
         data = require_data(self.name, data)
-        if options.calib_images > options.recon_images:
-            raise ValueError("calib_images must not exceed recon_images "
-                             "(it is a prefix of the reconstruction set)")
         timer = StageTimer()
         device = next(fp_model.parameters()).device
         cache = torch.device(options.cache_device) if options.cache_device else device
