@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".run.lock"
 ARCHIVE = "archive"
+SNAPSHOTS = "snapshots"  # train.keep_every_epochs (engine/snapshots.py)
 # Settings that describe where and how a run executes, not what it computes: they may change on resume.
 ENVIRONMENT_KEYS = (
     "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained",
@@ -116,18 +117,20 @@ def _running(pid: int) -> bool:
 
 
 def remove_partial_writes(out_dir: str) -> list[str]:
-    """Delete leftovers of interrupted atomic writes (`partial_path` names whose writer is no longer
-    running; nothing else, whatever its name); returns their names."""
+    """Delete leftovers of interrupted atomic writes in `out_dir` and its snapshots folder
+    (`partial_path` names whose writer is no longer running; nothing else, whatever its name); returns
+    their paths relative to out_dir."""
     removed = []
-    for name in sorted(os.listdir(out_dir)):
-        path = os.path.join(out_dir, name)
-        pid = _partial_writer(name)
-        if pid is None or pid == os.getpid() or _running(pid) or not os.path.isfile(path):
-            continue
-        size = os.path.getsize(path)
-        os.remove(path)
-        removed.append(os.path.basename(path))
-        log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
+    for folder in (out_dir, os.path.join(out_dir, SNAPSHOTS)):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            path = os.path.join(folder, name)
+            pid = _partial_writer(name)
+            if pid is None or pid == os.getpid() or _running(pid) or not os.path.isfile(path):
+                continue
+            size = os.path.getsize(path)
+            os.remove(path)
+            removed.append(os.path.relpath(path, out_dir))
+            log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
     return removed
 
 

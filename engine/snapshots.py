@@ -28,11 +28,10 @@ import torch
 
 from .checkpoint import CheckpointError
 from .distributed import raise_on_every_rank
-from .run_dir import partial_path
+from .run_dir import SNAPSHOTS, partial_path
 
 log = logging.getLogger(__name__)
 
-SNAPSHOTS = "snapshots"
 TRAINING_KEYS = ("model", "optimizer", "state", "config")  # what training_payload always writes
 
 

@@ -98,10 +98,17 @@ def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
     cfg = debug_config("train.max_steps=2", name="tmp")
     train.main(cfg)
     stale = os.path.join(cfg.out_dir, "checkpoint.pt.tmp.4194999")
-    with open(stale, "wb") as f:
-        f.write(b"\0" * 1000)
+    # a snapshot copy cut short (engine/snapshots.py copies where a hard link is impossible); pid 4194999
+    # is above Linux's largest pid, so its writer is not running
+    os.makedirs(os.path.join(cfg.out_dir, "snapshots"))
+    stale_snapshot = os.path.join(cfg.out_dir, "snapshots", "epoch1.pt.partial-4194999-0a1b2c3d")
+    kept = os.path.join(cfg.out_dir, "snapshots", "epoch1.pt.partial-notes.txt")  # not our name pattern
+    for path in (stale, stale_snapshot, kept):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
     train.main(debug_config("train.max_steps=3", name="tmp"))
-    assert not os.path.exists(stale)
+    assert not os.path.exists(stale) and not os.path.exists(stale_snapshot)
+    assert os.path.exists(kept)
 
 
 def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, debug_config):
