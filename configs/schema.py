@@ -225,8 +225,8 @@ class QuantConfig:
     # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only
     act_max_extra_modules: list = field(default_factory=list)
     # evaluate.py under torchrun: each pipeline quantizes once, on rank 0 (GPLQ: its stage 2; stage 1 is
-    # data parallel), while the other ranks wait for its model this long before they give up (APHQ's
-    # reconstruction of a ViT-B takes hours on one GPU); NCCL's 10-minute timeout does not apply to it
+    # data parallel), while the other ranks wait for its model this long before they give up (APHQ:
+    # 20,000 iterations for each of a ViT-B's 14 units); NCCL's 10-minute timeout does not apply to it
     main_rank_wait_hours: Annotated[float, Positive] = 24.0
     percentile: PercentileOptions = field(default_factory=PercentileOptions)
     repq: RepQOptions = field(default_factory=RepQOptions)

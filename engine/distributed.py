@@ -102,17 +102,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """In-place broadcast from rank `src` when a process group exists; identity otherwise.
-
-    Used to make results that every rank computes redundantly (e.g. a PTQ pipeline run on each rank)
-    bit-identical across ranks, whatever non-determinism the kernels have.
-    """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(tensor, src=src)
-    return tensor
-
-
 def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
                         elsewhere: Callable[[], BaseException]) -> None:
     """After work that only some ranks did (e.g. rank 0 writing a checkpoint): if it failed anywhere, every
@@ -128,7 +117,7 @@ def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
 def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
     """Run `fn` on rank 0 only and return its result on every rank (just `fn()` without a process group).
 
-    The other ranks wait in a gloo group whose timeout is `MainRankWait.timeout` (hours, sized for
+    The other ranks wait in a gloo group whose timeout is `MainRankWait.timeout` (default 24 hours, for
     e.g. APHQ's reconstruction), so no NCCL watchdog fires while rank 0 works alone. The result (a
     quantized model, a report, None) travels pickled (torch.save) and is loaded onto each rank's
     `device`. If `fn` raises on rank 0, rank 0 raises its own error and every other rank raises

@@ -7,7 +7,7 @@ JSON-able report (layout, stem/head bits, options, calibration size, seconds per
 a dataclass of configs/quant.py; pipelines that draw their own training images get them from `data`.
 
 Under torchrun a pipeline runs once, on rank 0, and every rank receives its quantized model
-(`engine.distributed.run_on_main`; the others wait with a timeout sized for hours of reconstruction).
+(`engine.distributed.run_on_main`; the others wait with a timeout of their own, quant.main_rank_wait_hours).
 A pipeline whose own steps use every rank sets `data_parallel` and hands rank 0 only its sequential
 part (GPLQ: stage 1 trains data-parallel, stage 2 runs on rank 0).
 """

@@ -152,7 +152,9 @@ def test_gplq_end_to_end_and_resume(trained):
     assert report2["stage1"]["resumed_from"] == 3
     with torch.no_grad():
         assert torch.allclose(again(xv[:8]), logits, atol=1e-5)
-    with pytest.raises(ValueError, match="different GPLQ stage-1 run"):
+    from engine.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="different GPLQ stage-1 run"):
         PIPELINES["gplq"](model, calib, "w4a4", {**GPLQ_FAST, "steps": 4}, data=data)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import load_checkpoint, restore_training, save_on_main_rank, training_payload
+from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.precision import grad_scaler
 
@@ -117,8 +117,10 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     if checkpoint and os.path.exists(checkpoint):
         payload = load_checkpoint(checkpoint)
         if payload["config"] != config:
-            raise ValueError(f"{checkpoint} was written by a different GPLQ stage-1 run "
-                             f"({payload['config']}); delete it or restore those settings (now: {config})")
+            # a CheckpointError: the entry point's one `error:` line (the file is kept; it is another run's)
+            raise CheckpointError(f"{checkpoint} was written by a different GPLQ stage-1 run "
+                                  f"({payload['config']}); restore those settings, or move the file away to "
+                                  f"start stage 1 anew (now: {config})")
         restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
         pca = PCAProjection.from_state_dict(payload["pca"], device)
         resumed_from = state.step
