@@ -124,6 +124,9 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
     OtherRankError with its text; so does a rank that gave up waiting or lost rank 0.
 
     what: the work, for messages ("quantizing aphq w4a4", "writing results.json").
+
+    Short main-rank work inside training (a checkpoint write) uses `raise_on_every_rank` instead: one
+    all-reduce on the default group, no second (gloo) group for a run that does not need a long wait.
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return fn()

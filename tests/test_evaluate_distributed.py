@@ -113,3 +113,31 @@ def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(checkpoint, tm
     assert rank1[1].startswith(f"rank 0 failed writing {out}: ResultsError: could not write {out}")
     assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # its temporary file went
     assert _calls(tmp_path, 0) == [] and not out.exists()  # it stopped at the first write, before repq
+
+
+@pytest.mark.slow
+def test_torchrun_prints_one_error_line_per_rank_when_rank_0_cannot_write(checkpoint, tmp_path):
+    """The command as users run it: a folder where the JSON's lock file goes makes rank 0's first write
+    fail (whoever runs the test, root included); the job ends at once with rank 0's `error:` line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "eval.json"
+    os.makedirs(f"{out}.lock")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_port", str(free_port()), "evaluate.py", "--checkpoint", checkpoint,
+                          "--quant", "repq", "--out", str(out), "quant.main_rank_wait_hours=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert any(line.startswith(f"error: could not write {out}: [Errno 21] Is a directory") for line in errors), \
+        run.stderr[-3000:]
+    # rank 1 prints its line unless torchrun's agent, seeing rank 0 fail, terminated it first (a race
+    # the spawned test above does not have); either way it did not wait out the 1-hour limit
+    assert all(line.startswith((f"error: could not write {out}",
+                                f"error: rank 0 failed writing {out}: ResultsError: could not write"))
+               for line in errors), errors
+    assert os.path.isdir(f"{out}.lock") and not out.exists()  # nothing of the user's removed
