@@ -218,7 +218,7 @@ class _HelpConfig(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         try:
             text = config_help(values or "")
-        except ConfigError as e:
-            parser.error(str(e))
+        except ConfigError as e:  # one `error:` line, as for every other user error (no usage block)
+            parser.exit(2, f"error: {e} (--help-config alone lists every section)\n")
         print(text, end="")
         parser.exit()

@@ -84,7 +84,8 @@ def test_help_config_names_a_wrong_section(capsys):
     with pytest.raises(SystemExit) as done:
         train.parse_args(["--help-config", "shed"])
     assert done.value.code == 2
-    assert "unknown config section 'shed'; did you mean 'sched'?" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("error: unknown config section 'shed'; did you mean 'sched'? "
+                                       "(--help-config alone lists every section)\n")  # one line, no usage
 
 
 def test_print_config_prints_the_resolved_config_and_creates_nothing(tmp_path, monkeypatch, capsys):
