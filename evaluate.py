@@ -79,9 +79,15 @@ def main(args: argparse.Namespace) -> dict:
                         f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
                         ) from None
     check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
-    results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
-    todo = [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
-            if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+
+    def open_results() -> tuple[EvalResults, list]:
+        results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
+        return results, [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
+                         if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+
+    # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
+    # folder that is not shared) could plan different work and then wait for each other forever
+    results, todo = run_on_main(open_results, f"reading {out}", device)
     for name in cfg.quant.pipelines:
         for bits in cfg.quant.bits:
             if (name, bits) not in todo:

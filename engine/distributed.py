@@ -119,11 +119,13 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
 
     The other ranks wait in a gloo group whose timeout is `MainRankWait.timeout` (default 24 hours, for
     e.g. APHQ's reconstruction), so no NCCL watchdog fires while rank 0 works alone. The result (a
-    quantized model, a report, None) travels pickled (torch.save) and is loaded onto each rank's
-    `device`. If `fn` raises on rank 0, rank 0 raises its own error and every other rank raises
-    OtherRankError with its text; so does a rank that gave up waiting or lost rank 0.
+    quantized model, a report, None) travels pickled (torch.save); what rank 0 held on its GPU arrives on
+    each rank's `device`, CPU tensors stay on the CPU. If `fn` raises on rank 0, rank 0 raises its own
+    error and every other rank raises OtherRankError with its text; so does a rank that gave up waiting,
+    lost rank 0, or got the result of other work (the ranks' calls must come in the same order).
 
-    what: the work, for messages ("quantizing aphq w4a4", "writing results.json").
+    what: the work, for messages ("quantizing aphq w4a4", "writing results.json"); it also labels the
+    message, so that a rank waiting for other work than rank 0 did fails instead of taking a wrong result.
 
     Short main-rank work inside training (a checkpoint write) uses `raise_on_every_rank` instead: one
     all-reduce on the default group, no second (gloo) group for a run that does not need a long wait.
@@ -134,19 +136,21 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
     if dist.get_rank() == 0:
         try:
             result = fn()
-            message = _serialize(("ok", result))
+            message = _serialize(("ok", what, result))
         except BaseException as e:
+            # logged first: if the others are gone, the send below can block until the wait limit
+            log.error("%s failed on rank 0: %s: %s", what, type(e).__name__, e)
             try:  # the others learn why before this rank's error ends it
-                _send(_serialize(("error", f"{type(e).__name__}: {e}")), group)
+                _send(_serialize(("error", what, f"{type(e).__name__}: {e}")), group)
             except Exception as send_error:  # they may be gone already; keep the first error
                 log.warning("could not tell the other ranks that %s failed: %s", what, send_error)
             raise
         _send(message, group)
         return result
+    rank = dist.get_rank()
     try:
-        status, value = torch.load(io.BytesIO(_receive(group)), map_location=device, weights_only=False)
+        message = _receive(group)
     except RuntimeError as e:
-        rank = dist.get_rank()
         if "timed out" in str(e).lower():
             limit = _main_rank_wait
             change = f"; raise {limit.setting} if rank 0 is still working" if limit.setting else ""
@@ -154,9 +158,27 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
                                  f"up{change}") from None
         raise OtherRankError(f"rank {rank} lost rank 0 while it was {what} ({e}); rank 0's output says why"
                              ) from None
+    try:
+        status, sent_for, value = torch.load(io.BytesIO(message), map_location=onto(device), weights_only=False)
+    except Exception as e:  # e.g. out of memory on this rank's GPU: not rank 0's fault, say so
+        raise OtherRankError(f"rank {rank} could not load rank 0's result of {what}: {type(e).__name__}: {e}"
+                             ) from e
+    if sent_for != what:  # the ranks took different paths through the program: stop before they deadlock
+        raise OtherRankError(f"rank {rank} waited for rank 0 to finish {what}, but rank 0 sent the result of "
+                             f"{sent_for}: the ranks disagree on the work (each must take the same steps)")
     if status == "error":
         raise OtherRankError(f"rank 0 failed {what}: {value}")
     return value
+
+
+def onto(device: torch.device) -> Callable[[Any, str], Any]:
+    """torch.load's map_location for a result of rank 0: what rank 0 held on a GPU comes to this rank's
+    `device`; what it held on the CPU (calibration statistics, a report) stays on the CPU."""
+    def place(storage, location: str):
+        if location.startswith("cuda"):
+            return torch.serialization.default_restore_location(storage, str(device))
+        return storage
+    return place
 
 
 def _main_rank_group():

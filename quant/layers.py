@@ -55,6 +55,13 @@ class _QuantWeightMixin:
     def invalidate_weight_cache(self) -> None:
         self._wq_cache, self._wq_key = None, None
 
+    def __getstate__(self) -> dict:
+        # pickling (run_on_main sends quantized models to the other ranks, torch.save, deepcopy) leaves the
+        # cache out: it would double the payload, and its key holds this process's tensor addresses
+        state = dict(super().__getstate__())
+        state["_wq_cache"], state["_wq_key"] = None, None
+        return state
+
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001 - nn.Module signature
         self.invalidate_weight_cache()  # .to() / .half(): drop the copy on the old device or dtype
         return super()._apply(fn, *args, **kwargs)

@@ -42,6 +42,22 @@ def _record_calls(work: str, rank: int) -> None:
     wrap(GPLQPipeline, "_stage2", "gplq stage 2")
 
 
+def _record_scored_models(work: str, rank: int) -> None:
+    """A line per evaluation pass in scored_rank<r>.txt: what it scored and the weights' fingerprint (the
+    quantized models' scales and zero points included), to compare the models the ranks scored."""
+    import evaluate
+    from engine.checkpoint import weights_fingerprint
+
+    real = evaluate.evaluate
+
+    def recorded(model, *args, progress: str = "", **kwargs):
+        with open(os.path.join(work, f"scored_rank{rank}.txt"), "a") as f:
+            f.write(f"{progress} {weights_fingerprint(model.state_dict())}\n")
+        return real(model, *args, progress=progress, **kwargs)
+
+    evaluate.evaluate = recorded
+
+
 def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -50,6 +66,7 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: 
     import engine.eval_results
 
     _record_calls(work, rank)
+    _record_scored_models(work, rank)
     if disk_full:
         def no_space(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -88,6 +105,10 @@ def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint
 
     assert _calls(tmp_path / "two", 0) == ["repq", "aphq", "gplq stage 2"]
     assert _calls(tmp_path / "two", 1) == []  # rank 1 received the models
+    # ... and scored the very models rank 0 made (the top-1 below is all-reduced: equal in any case)
+    scored = [open(tmp_path / "two" / f"scored_rank{r}.txt").read().splitlines() for r in (0, 1)]
+    assert [line.split()[0] for line in scored[0]] == ["FP", "activation", "repq", "aphq", "gplq"]
+    assert scored[0] == scored[1]
     # the sharded evaluation of the one model: both ranks hold the same numbers, which the JSON has
     saved = json.load(open(tmp_path / "two" / "eval.json"))
     for pipeline in ("repq", "aphq", "gplq"):
@@ -113,6 +134,17 @@ def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(checkpoint, tm
     assert rank1[1].startswith(f"rank 0 failed writing {out}: ResultsError: could not write {out}")
     assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # its temporary file went
     assert _calls(tmp_path, 0) == [] and not out.exists()  # it stopped at the first write, before repq
+
+
+def test_the_result_file_is_read_on_rank_0_only(checkpoint, tmp_path):
+    """Its plan is rank 0's: a file rank 0 refuses stops rank 1 with rank 0's reason (a rank that read the
+    file itself could plan other work and wait at another collective)."""
+    out = tmp_path / "eval.json"
+    out.write_text(json.dumps({"model": "another model", "quant": {}}))
+    rank0, rank1 = _run(2, tmp_path, ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out)])
+    assert rank0[0] == "ResultsError" and "holds results of another evaluation" in rank0[1]
+    assert rank1 == ("OtherRankError", f"rank 0 failed reading {out}: ResultsError: {rank0[1]}")
+    assert json.loads(out.read_text()) == {"model": "another model", "quant": {}}
 
 
 @pytest.mark.slow

@@ -109,6 +109,31 @@ def test_weight_cache_follows_in_place_weight_edits():
         torch.testing.assert_close(fc1(x), want)
 
 
+def test_a_pickled_layer_leaves_its_weight_cache_behind():
+    """run_on_main pickles quantized models for the other ranks: the cached fake-quantized weight (a
+    second copy of every weight, keyed by this process's tensor addresses) must not travel with them."""
+    import io
+
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    fc1 = qmodel.blocks[0].mlp.fc1
+
+    def pickled(layer) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        return buffer.getvalue()
+
+    before = len(pickled(fc1))
+    with torch.no_grad():
+        fc1(torch.randn(2, 17, 48))
+    assert fc1._wq_cache is not None
+    assert len(pickled(fc1)) == before  # a 192x48 cache would add ~36 kB
+    copy = torch.load(io.BytesIO(pickled(fc1)), weights_only=False)
+    assert copy._wq_cache is None and fc1._wq_cache is not None  # the original keeps its cache
+    x = torch.randn(2, 17, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), fc1(x))
+
+
 def test_gradients_flow_with_grad_enabled():
     qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
     qmodel(images(2)).sum().backward()

@@ -71,3 +71,46 @@ def test_gplq_stage1_trains_a_ddp_student_and_ranks_agree(tmp_path):
     assert not result["same_data"]
     assert result["identical"]
     assert (tmp_path / "eval_gplq_w4a4_stage1.pt").exists()
+
+
+def _resume_worker(rank: int, world: int, port: int, work: str) -> None:
+    """Rank 0's folder holds a stage-1 file (unreadable here, so that the run stops right at resume), rank
+    1's folder is another (as on nodes that do not share it) and has none."""
+    init_gloo(rank, world, port, timeout_s=60)
+    import time
+
+    import evaluate as evaluate_entry
+    from engine.checkpoint import CheckpointError
+    from models import build_model
+    from quant import PIPELINES
+    from quant_models import digits_config
+
+    folder = os.path.join(work, f"rank{rank}")
+    os.makedirs(folder)
+    if rank == 0:
+        with open(os.path.join(folder, "eval_gplq_w4a4_stage1.pt"), "wb") as f:
+            f.write(b"not a checkpoint")
+    cfg = digits_config("vit_nano")
+    torch.manual_seed(0)
+    data = evaluate_entry.build_pipeline_data(cfg, 32, rank, world, os.path.join(folder, "eval"))
+    start = time.monotonic()
+    try:
+        PIPELINES["gplq"](build_model(cfg.model).eval(), None, "w4a4",
+                          dict(steps=3, batch_size_per_gpu=8, init_images=16, pca_images=32, stage2_images=16),
+                          data=data)
+        outcome = ("returned", "")
+    except (CheckpointError, RuntimeError) as e:
+        outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(work, f"rank{rank}.pt"))
+    os._exit(0)  # the ranks stopped apart: no group teardown together
+
+
+def test_rank_0_decides_whether_stage1_resumes(tmp_path):
+    """Ranks that each looked for the file would split: rank 0 resuming, rank 1 fitting the PCA (an
+    all-reduce nobody joins) until the 60 s group timeout. Rank 0 decides; rank 1 fails on its own path."""
+    mp.spawn(_resume_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["outcome"][0] == "CheckpointError" and "eval_gplq_w4a4_stage1.pt" in rank0["outcome"][1]
+    assert rank1["outcome"][0] == "CheckpointError", rank1
+    assert str(tmp_path / "rank1" / "eval_gplq_w4a4_stage1.pt") in rank1["outcome"][1]
+    assert rank1["seconds"] < 30

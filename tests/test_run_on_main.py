@@ -1,6 +1,7 @@
 """engine.distributed.run_on_main with 2 real gloo processes: the work runs once, on rank 0; every rank
-gets its result on its own device; an error on rank 0, or a wait past the limit, reaches the other rank
-as one OtherRankError naming the work (and the setting that sets the limit)."""
+gets its result (GPU tensors on its own device, CPU tensors on the CPU); an error on rank 0, a wait past
+the limit, or ranks that wait for different work, reach the other rank as one OtherRankError naming the
+work (and the setting that sets the limit)."""
 from __future__ import annotations
 
 import datetime
@@ -57,10 +58,21 @@ def test_work_runs_once_on_rank_0_and_every_rank_gets_its_result(tmp_path):
     assert not torch.equal(rank1["own_weight"], rank0["own_weight"])  # the check below can fail
     assert torch.equal(rank1["weight"], rank0["own_weight"])
     assert rank1["report"]["note"] == "from rank 0" and torch.equal(rank1["report"]["values"], torch.arange(4))
-    assert rank1["device"] == "meta" and rank0["device"] == "cpu"  # loaded onto each rank's device
+    # rank 0 held it on the CPU: it stays there, whatever the receiving rank's device (see the next test)
+    assert rank1["device"] == "cpu" and rank0["device"] == "cpu"
 
 
-def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: float) -> None:
+def test_what_rank_0_held_on_a_gpu_arrives_on_the_receiving_ranks_device():
+    from engine.distributed import onto
+
+    # the map_location run_on_main loads with; meta stands in for the receiving rank's GPU (CI has none)
+    storage = torch.arange(4.0).untyped_storage()
+    assert onto(torch.device("meta"))(storage, "cuda:0").device.type == "meta"
+    assert onto(torch.device("meta"))(storage, "cuda:3").device.type == "meta"
+    assert onto(torch.device("meta"))(storage, "cpu") is storage
+
+
+def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: float, fails: bool) -> None:
     from engine.distributed import OtherRankError, run_on_main
 
     _join(rank, port, wait_s)
@@ -69,11 +81,15 @@ def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: 
         if rank0_sleeps:
             time.sleep(rank0_sleeps)
             return "late"
-        raise ValueError("the disk is on fire")
+        if fails:
+            raise ValueError("the disk is on fire")
+        return "written"
 
+    # a rank that took another path through the program waits for other work than rank 0 does
+    what = "writing results.json" if fails or rank == 0 else "writing other.json"
     start = time.monotonic()
     try:
-        run_on_main(work_fn, "writing results.json", torch.device("cpu"))
+        run_on_main(work_fn, what, torch.device("cpu"))
         outcome = ("returned", "")
     except (ValueError, OtherRankError, RuntimeError) as e:
         outcome = (type(e).__name__, str(e))
@@ -81,8 +97,9 @@ def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: 
     os._exit(0)  # a rank may have given up on the other: no group teardown together
 
 
-def _outcomes(tmp_path, wait_s: float, rank0_sleeps: float) -> tuple:
-    mp.spawn(_error_worker, args=(free_port(), str(tmp_path), wait_s, rank0_sleeps), nprocs=2, join=True)
+def _outcomes(tmp_path, wait_s: float, rank0_sleeps: float, fails: bool = True) -> tuple:
+    mp.spawn(_error_worker, args=(free_port(), str(tmp_path), wait_s, rank0_sleeps, fails), nprocs=2,
+             join=True)
     return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
@@ -92,6 +109,15 @@ def test_an_error_on_rank_0_reaches_the_other_rank(tmp_path):
     kind, message = rank1["outcome"]
     assert kind == "OtherRankError"
     assert message == "rank 0 failed writing results.json: ValueError: the disk is on fire"
+
+
+def test_a_rank_waiting_for_other_work_fails_instead_of_taking_rank_0s_result(tmp_path):
+    rank0, rank1 = _outcomes(tmp_path, wait_s=120, rank0_sleeps=0, fails=False)
+    assert rank0["outcome"] == ("returned", "")
+    kind, message = rank1["outcome"]
+    assert kind == "OtherRankError"
+    assert message == ("rank 1 waited for rank 0 to finish writing other.json, but rank 0 sent the result of "
+                       "writing results.json: the ranks disagree on the work (each must take the same steps)")
 
 
 @pytest.mark.slow

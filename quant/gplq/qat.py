@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
+from engine.distributed import run_on_main
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.precision import grad_scaler
 
@@ -114,7 +115,12 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     scaler = grad_scaler(settings.amp, device)
     state = TrainState()
     resumed_from = None
-    if checkpoint and os.path.exists(checkpoint):
+    # rank 0 decides whether to resume: ranks that each looked (a folder that is not shared between nodes)
+    # could take both branches, fit_pca's all-reduce facing restore_training; a rank that cannot read the
+    # file rank 0 sees fails on it, naming it
+    resume = run_on_main(lambda: bool(checkpoint and os.path.exists(checkpoint)),
+                         "looking for the GPLQ stage-1 checkpoint", device)
+    if resume:
         payload = load_checkpoint(checkpoint)
         if payload["config"] != config:
             # a CheckpointError: the entry point's one `error:` line (the file is kept; it is another run's)
