@@ -88,9 +88,14 @@ class _Provenance(TorchDispatchMode):
 
 
 def example_input(model: nn.Module) -> Tensor:
-    """A meta image batch (1, C, H, W) of the size and dtype the model expects: timm's
-    `patch_embed.img_size` and input channels, else `pretrained_cfg['input_size']`.
-    Raises UnsupportedModelError if neither exists."""
+    """A meta batch of the size and dtype the model expects: the model's own `example_input()` when it has
+    one (a language model's token ids), else an image batch (1, C, H, W) from timm's
+    `patch_embed.img_size` and input channels, else from `pretrained_cfg['input_size']`.
+    Raises UnsupportedModelError if none exists."""
+    own = getattr(model, "example_input", None)
+    if callable(own):
+        x = own()
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None)

@@ -1,0 +1,184 @@
+"""GPT-2 (the nanoGPT recipe's model) with the module names of a timm ViT block.
+
+The network is GPT-2 as nanoGPT trains it (the paper's App. "GPT-2 Language Modeling"): learned token and
+position embeddings, pre-norm blocks `x + attn(ln_1(x))`, `x + mlp(ln_2(x))` with a fused qkv projection,
+causal softmax attention and a 4x GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
+Initialization follows GPT-2 / nanoGPT: N(0, 0.02) everywhere, N(0, 0.02 / sqrt(2 * layers)) for the two
+projections that write into the residual stream.
+
+The modules carry the names of timm's ViT block (`blocks.N.norm1`, `attn.qkv`, `attn.proj`, `norm2`,
+`mlp.fc1`, `mlp.fc2`, `norm`, `head`) so that everything that inspects a Transformer here (CD's pair
+discovery, TWEO, the activation probes, quantization) sees the same block layout as in the ViTs, and the
+CD pairs of the paper's GPT-2 runs (ln_1 -> c_attn, V -> attn.c_proj, ln_2 -> c_fc, c_fc -> mlp.c_proj)
+are the ViT ones. Weights in nanoGPT's layout (`transformer.h.N.attn.c_attn.weight`, nn.Linear) and in
+transformers' GPT2LMHeadModel layout (the same names, Conv1D weights stored in x out) load through
+`checkpoint_filter_fn`, which `models.load_pretrained` applies.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The GPT-2 sizes of the paper (Table 7) and small ones for CPU studies and tests. `vocab_size` is set by
+# the data (a config's model.num_classes): 50304 (GPT-2's 50257 padded to a multiple of 64, as nanoGPT
+# does) for GPT-2 token files.
+GPT_SIZES: dict[str, dict] = {
+    "gpt2": dict(depth=12, num_heads=12, embed_dim=768, context=1024),  # GPT-2 Small, 124M
+    "gpt2_medium": dict(depth=24, num_heads=16, embed_dim=1024, context=1024),  # GPT-2 Medium, 350M
+    "gpt2_mini": dict(depth=6, num_heads=6, embed_dim=192, context=256),  # CPU studies
+    "gpt2_micro": dict(depth=4, num_heads=4, embed_dim=128, context=128),  # CPU studies, minutes
+    "gpt2_nano": dict(depth=2, num_heads=2, embed_dim=32, context=32),  # tests, seconds
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused qkv projection; rows of `qkv.weight` are [Q; K; V]."""
+
+    def __init__(self, dim: int, num_heads: int, bias: bool, attn_drop: float, proj_drop: float):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim={dim} is not a multiple of num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.attn_drop = attn_drop
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
+                                           is_causal=True)
+        return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class Mlp(nn.Module):
+    """fc2(GELU(fc1(x))), hidden width 4x (GPT-2's exact-erf GELU, as nanoGPT)."""
+
+    def __init__(self, dim: int, bias: bool, drop: float):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim, bias=bias)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * dim, dim, bias=bias)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm GPT-2 block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, dim: int, num_heads: int, bias: bool, drop: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, bias=bias)
+        self.attn = CausalSelfAttention(dim, num_heads, bias, drop, drop)
+        self.norm2 = nn.LayerNorm(dim, bias=bias)
+        self.mlp = Mlp(dim, bias, drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model: token ids (B, T) -> next-token logits (B, T, vocab_size).
+
+    Args:
+        vocab_size: number of token ids. context: the longest sequence (position embeddings).
+        depth, num_heads, embed_dim: the Transformer's size. bias: biases in Linear and LayerNorm
+            (GPT-2: True). drop: dropout after embeddings, attention and projections (nanoGPT: 0).
+    """
+
+    def __init__(self, vocab_size: int, context: int, depth: int, num_heads: int, embed_dim: int,
+                 bias: bool = True, drop: float = 0.0):
+        super().__init__()
+        self.vocab_size, self.context = vocab_size, context
+        self.wte = nn.Embedding(vocab_size, embed_dim)
+        self.wpe = nn.Embedding(context, embed_dim)
+        self.drop = nn.Dropout(drop)
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, bias, drop) for _ in range(depth))
+        self.norm = nn.LayerNorm(embed_dim, bias=bias)
+        self.head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def example_input(self) -> torch.Tensor:
+        """A (1, context) batch of token ids on the meta device: what CD's forward check runs on."""
+        return torch.zeros(1, self.context, dtype=torch.long, device="meta")
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters AdamW must not decay besides biases and norms (timm's param groups read this):
+        the position embedding, as nanoGPT decays only matrices used in matmuls and the token embedding."""
+        return {"wpe.weight"}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"a sequence of {t} tokens is longer than the model's context of {self.context}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_gpt(name: str, vocab_size: int, drop: float = 0.0, **overrides) -> GPT:
+    """A GPT of a named size (`GPT_SIZES`), with constructor overrides (depth=..., context=...)."""
+    return GPT(vocab_size=vocab_size, drop=drop, **{**GPT_SIZES[name], **overrides})
+
+
+# nanoGPT / transformers names -> ours (the same tensors); transformers' Conv1D keeps weights (in, out).
+_RENAMES = [(r"^(?:transformer\.)?h\.(\d+)\.ln_1\.", r"blocks.\1.norm1."),
+            (r"^(?:transformer\.)?h\.(\d+)\.ln_2\.", r"blocks.\1.norm2."),
+            (r"^(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.", r"blocks.\1.attn.qkv."),
+            (r"^(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.", r"blocks.\1.attn.proj."),
+            (r"^(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.", r"blocks.\1.mlp.fc1."),
+            (r"^(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.", r"blocks.\1.mlp.fc2."),
+            (r"^(?:transformer\.)?ln_f\.", "norm."),
+            (r"^(?:transformer\.)?wte\.", "wte."),
+            (r"^(?:transformer\.)?wpe\.", "wpe."),
+            (r"^lm_head\.", "head.")]
+_CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+_SKIP = re.compile(r"\.attn\.(bias|masked_bias)$")  # causal-mask buffers of older checkpoints
+
+
+def checkpoint_filter_fn(state_dict: dict, model: GPT) -> dict:
+    """Map a nanoGPT or transformers GPT-2 state dict onto `GPT`'s names (ours pass through unchanged).
+
+    transformers' GPT2LMHeadModel stores its four projections as Conv1D, weight (in, out): they are
+    transposed to nn.Linear's (out, in). Which layout a file has is read off the qkv weight's shape
+    (nanoGPT: (3C, C); transformers: (C, 3C)), so no flag is needed. nanoGPT's `_orig_mod.` prefixes
+    (torch.compile) are stripped by the caller.
+    """
+    if not any(k.startswith(("transformer.", "h.", "lm_head.")) for k in state_dict):
+        return state_dict
+    qkv = next((v for k, v in state_dict.items() if k.endswith("attn.c_attn.weight")), None)
+    conv1d = qkv is not None and qkv.shape[1] == 3 * qkv.shape[0]
+    out = {}
+    for key, value in state_dict.items():
+        if _SKIP.search(key):
+            continue
+        if conv1d and _CONV1D.search(key):
+            value = value.t().contiguous()
+        for pattern, repl in _RENAMES:
+            key, hits = re.subn(pattern, repl, key)
+            if hits:
+                break
+        out[key] = value
+    out.setdefault("head.weight", out.get("wte.weight"))  # tied: files may store only one of the two
+    return out
