@@ -33,14 +33,15 @@ import torch
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.quant import with_first_last
-from data import DataError, build_eval_loader, build_train_loader, calibration_images, dataset_classes
+from data import (DataError, build_eval_loader, build_token_eval_loader, build_train_loader, calibration_images,
+                  calibration_windows, dataset_classes)
 from data.folder import ClassCountError
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
-from engine.loop import evaluate
+from engine.tasks import task_for
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -49,7 +50,11 @@ from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
-PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ"}
+PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
+               "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
+# quant.pipelines=[] (the default): what a task's checkpoint is scored with (paper Tables 1 and 7)
+DEFAULT_PIPELINES = {"classification": ["percentile", "repq"],
+                     "causal_lm": ["rtn", "gptq", "smoothquant", "smoothquant_strict"]}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -66,46 +71,35 @@ def main(args: argparse.Namespace) -> dict:
 
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
-    img_size = input_size(model)
-    try:
-        val_loader = build_eval_loader(cfg.data, img_size=img_size,
-                                       batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
-                                       world_size=dist.world_size, num_classes=cfg.model.num_classes)
-    except ClassCountError as e:  # the weights fit model.num_classes (they loaded): the data is the odd one
-        weights = args.checkpoint or cfg.model.pretrained
-        where = f" of {cfg.data.root}" if cfg.data.root else ""
-        raise DataError(f"the {cfg.data.dataset} {cfg.data.val_split} split{where} has {e.found} classes, "
-                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set "
-                        f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
-                        ) from None
-    check_classes(payload, dataset_classes(cfg.data, val_loader.dataset), args.checkpoint)
-
+    task = task_for(cfg.data.dataset)
+    img_size = input_size(model)  # a language model: its context in tokens
+    val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
     def open_results() -> tuple[EvalResults, list]:
         results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
-        return results, [(name, bits) for name in cfg.quant.pipelines for bits in cfg.quant.bits
+        return results, [(name, bits) for name, bits in planned(cfg)
                          if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
 
     # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
     # folder that is not shared) could plan different work and then wait for each other forever
     results, todo = run_on_main(open_results, f"reading {out}", device)
-    for name in cfg.quant.pipelines:
-        for bits in cfg.quant.bits:
-            if (name, bits) not in todo:
-                log.info("%s %s is already in %s with these settings (--recompute runs it again)",
-                         name, bits, out)
+    for name, bits in planned(cfg):
+        if (name, bits) not in todo:
+            log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
     start = time.perf_counter()
-    fp = evaluate(model, val_loader, device, args.amp, progress="FP eval")
+    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")
     fp_seconds = time.perf_counter() - start
+    if task.language and args.amp != "bf16":  # the paper's Table 8 reports bf16 perplexity
+        fp["ppl_bf16"] = task.evaluate(model, val_loader, device, "bf16", progress="bf16 eval")["ppl"]
     start = time.perf_counter()
     with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules) as probe:
-        evaluate(model, val_loader, device, args.amp, progress="activation maxima")
+        task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
     act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device)
     max_act = {"module": act.module, "block": act.block, "seconds": round(time.perf_counter() - start, 3)}
-    log.info("FP top-1 %.3f  top-5 %.3f  max act (module/block) %.2f / %.2f  [%.1fs]", fp["top1"], fp["top5"],
-             act.module, act.block, fp_seconds)
+    log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
+             fp_seconds)
     if cfg.quant.act_max_csv:
         stem = os.path.splitext(out)[0]
         title = f"{model_label(cfg.model)} ({method_name(cfg)})"
@@ -113,7 +107,8 @@ def main(args: argparse.Namespace) -> dict:
             "csv": str(write_act_max_csv(act.per_layer, stem + "_act_max.csv")),
             "plot": str(plot_act_max(act.per_layer, stem + "_act_max.png", title=title))},
             f"writing {stem}_act_max.csv / .png", device))
-    results.update(method=method_name(cfg), fp={k: fp[k] for k in ("top1", "top5", "loss", "excluded")} |
+    kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
+    results.update(method=method_name(cfg), fp={k: fp[k] for k in kept if k in fp} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act)
     run_on_main(results.save, f"writing {out}", device)
 
@@ -121,16 +116,16 @@ def main(args: argparse.Namespace) -> dict:
     # written to the JSON as soon as it is done.
     if todo:
         calib = calibration_set(cfg, img_size).to(device)
-        pipeline_data = build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
-                                            os.path.splitext(out)[0])
+        pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
+                         build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
     for name, bits in todo:
         entry = evaluate_quantized(
             name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
-            eval_fn=lambda m: evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
+            eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
         entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
         results.add(name, bits, entry, quant_settings(cfg, name))
         run_on_main(results.save, f"writing {out}", device)
-        log.info("%s %s top-1 %.3f  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, entry["top1"],
+        log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
                  entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 
     if dist.is_main:
@@ -138,6 +133,46 @@ def main(args: argparse.Namespace) -> dict:
         log.info("wrote %s", out)
     cleanup_distributed()
     return results.data
+
+
+def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist, payload: Optional[dict], task):
+    """The val split, sharded across ranks: token windows of the model's context for a language model (its
+    characters must be those the checkpoint was trained on), images else (its classes likewise)."""
+    if task.language:
+        loader, vocab = build_token_eval_loader(cfg.data, context=img_size,
+                                                batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                                                rank=dist.rank, world_size=dist.world_size,
+                                                vocab_size=cfg.model.num_classes)
+        check_classes(payload, vocab, args.checkpoint)
+        return loader
+    try:
+        loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                                   rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
+    except ClassCountError as e:  # the weights fit model.num_classes (they loaded): the data is the odd one
+        weights = args.checkpoint or cfg.model.pretrained
+        where = f" of {cfg.data.root}" if cfg.data.root else ""
+        raise DataError(f"the {cfg.data.dataset} {cfg.data.val_split} split{where} has {e.found} classes, "
+                        f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set "
+                        f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
+                        ) from None
+    check_classes(payload, dataset_classes(cfg.data, loader.dataset), args.checkpoint)
+    return loader
+
+
+def score_line(metrics: dict) -> str:
+    """'top-1 81.630  top-5 95.700' or 'perplexity 23.70 (bf16 23.71)' for the log."""
+    if "ppl" in metrics:
+        bf16 = f" (bf16 {metrics['ppl_bf16']:.2f})" if "ppl_bf16" in metrics else ""
+        return f"perplexity {metrics['ppl']:.2f}{bf16}"
+    top5 = f"  top-5 {metrics['top5']:.3f}" if "top5" in metrics else ""
+    return f"top-1 {metrics['top1']:.3f}{top5}"
+
+
+def planned(cfg: Config) -> list[tuple[str, str]]:
+    """(pipeline, bits) to run: every quant.pipelines entry at every quant.bits entry, or, where quant.bits
+    is [], each at its own default bit-width (quant/registry.py)."""
+    return [(name, bits) for name in cfg.quant.pipelines
+            for bits in (cfg.quant.bits or [str(PIPELINES[name].default_bits)])]
 
 
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
@@ -226,8 +261,11 @@ def _plain_kwargs(kwargs: dict) -> dict:
 
 
 def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
-    """The calibration images of percentile / repq: `quant.calib_images` seeded train images with the
-    transform `quant.calib_transform` names."""
+    """The calibration batch: `quant.calib_images` seeded train images with the transform
+    `quant.calib_transform` names, or for a language model as many seeded train windows of its context
+    (`img_size`)."""
+    if task_for(cfg.data.dataset).language:
+        return calibration_windows(cfg.data, img_size, cfg.quant.calib_images, cfg.quant.calib_seed)
     return calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
                               cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train")
 
@@ -286,19 +324,26 @@ def resolve_config(args: argparse.Namespace):
         cfg.quant.pipelines = list(args.quant)
     if args.bits is not None:
         cfg.quant.bits = list(args.bits)
+    task = task_for(cfg.data.dataset)
+    if cfg.quant.pipelines is None:
+        cfg.quant.pipelines = list(DEFAULT_PIPELINES[task.name])
     unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
     if unknown:
         raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
+    other = [p for p in cfg.quant.pipelines if task.name not in PIPELINES[p].tasks]
+    if other:
+        fitting = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
+        raise ConfigError(f"quant.pipelines: {', '.join(other)} cannot quantize a {task.name} model "
+                          f"(data.dataset={cfg.data.dataset}); its pipelines are {', '.join(fitting)}")
     try:
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
         raise ConfigError(f"--bits / quant.bits: {e}") from None
-    for name in cfg.quant.pipelines:  # options that cannot go together: now, not after hours of work
-        for bits in cfg.quant.bits:
-            try:
-                PIPELINES[name].check(parse_bits(bits), pipeline_options(cfg, name))
-            except ValueError as e:
-                raise ConfigError(f"quant.{name}: {e}") from None
+    for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
+        try:
+            PIPELINES[name].check(parse_bits(bits), pipeline_options(cfg, name))
+        except ValueError as e:
+            raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
 
 
@@ -335,16 +380,20 @@ def default_out_path(checkpoint: str | None, model_name: str) -> str:
 
 def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
-    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column.
+    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
+    language models (Table 8): perplexities, FP32 and BF16 first.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result.
     """
+    language = all("ppl" in r["fp"] for r in results)
+    score, fp_columns = (("ppl", [("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")]) if language
+                         else ("top1", [("top1", "FP Top-1")]))
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
     order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
     columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
-    many_bits = len({b for _, b in columns}) > 1
-    header = ["Model", "Method", "FP Top-1", "Max. Act. (mod./blk.)"] + [
+    many_bits = language or len({b for _, b in columns}) > 1
+    header = ["Model", "Method", *(title for _, title in fp_columns), "Max. Act. (mod./blk.)"] + [
         PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
     groups: dict = {}
     for r in results:
@@ -360,15 +409,16 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
         return f"{format(mean, spec)} ± {format(std, spec)}"
 
-    top1 = ".2f" if over_seeds else ".3f"
+    spec = ".2f" if over_seeds or language else ".3f"
     rows = []
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
-        rows.append([first["model"], method, fmt([r["fp"]["top1"] for r in group], top1),
+        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec)
+                                               for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
-                    + [fmt([r["quant"][p][b]["top1"] for r in group if b in r["quant"].get(p, {})], top1)
+                    + [fmt([r["quant"][p][b][score] for r in group if b in r["quant"].get(p, {})], spec)
                        for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])

@@ -28,29 +28,29 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError
-from data import DataError, build_loaders
+from data import DataError, build_loaders, build_token_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import CheckpointError, restore_training, save_on_main_rank, training_payload
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
-from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState
 from engine.metrics import MetricLogger, duration, progress_line
-from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
+from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from engine.snapshots import keep_snapshot, resume_source
 from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
 from engine.runinfo import describe_environment, setup_logging
-from models import ModelError, build_model, describe, input_size, model_label
+from engine.tasks import ClassificationTask, task_for
+from models import ModelError, build_model, describe, input_size, is_language_model, model_label
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 log = logging.getLogger("train")
@@ -59,7 +59,7 @@ log = logging.getLogger("train")
 @dataclass
 class RunResult:
     model: nn.Module  # the trained (unwrapped) model
-    metrics: dict  # the last validation metrics (val/top1, ...)
+    metrics: dict  # the last validation metrics (val/top1, ... or val/loss, val/ppl, ...)
     state: TrainState
     reason: str = "finished"  # or "preempted" (a stop request: checkpoint written) or "max_steps"
 
@@ -89,30 +89,102 @@ def main(cfg: Config) -> RunResult:
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
-    device = dist.device
     run_started = time.perf_counter()
     setup_process(cfg, dist)
-    per_gpu = cfg.train.batch_size_per_gpu
-    accum_steps = accumulation_steps(cfg, dist.world_size)
-
-    # -- Model (same initial weights on every rank) and data. A resumed run takes its weights from the
-    # checkpoint, so pretrained weights are not loaded (nor fetched) again.
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
     resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
-    resumed = resume_path is not None
+    run = build_run(cfg, dist, resumed=resume_path is not None)
+    if resume_path is not None:
+        resume_run(run, resume_path, payload)
+        del payload
+    if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)):
+        log.info("config.yaml of the run so far kept as %s", kept)
+    run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
+                              cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),
+                              resume_step=run.state.step if resume_path is not None else None,
+                              wandb_id=run.wandb_id)
+    start_step = run.state.step
+    reason, val, train_seconds = train_epochs(run, build_loop(run, preemption), preemption)
+    return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds)
+
+
+@dataclass
+class Run:
+    """Everything a run builds (`build_run`), what its stages share, and its two writes: checkpoint.pt
+    (`save_checkpoint`, the whole training state) and best.pt (`validate`, the best validation's weights)."""
+
+    cfg: Config
+    dist: DistInfo
+    task: object  # engine.tasks.ClassificationTask or CausalLMTask
+    model: nn.Module
+    loaders: object  # data.Loaders
+    accum_steps: int
+    updates_per_epoch: int
+    epochs: int  # the run's length in epochs (sched.epochs, or those holding sched.steps)
+    total_steps: int  # ... and in updates (train.max_steps may stop it earlier)
+    per_step_schedule: bool
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: Optional[torch.amp.GradScaler]
+    ema: Optional[ModelEmaV3]
+    decay: Optional[ColinearityDecay]
+    tweo: Optional[TWEO]
+    position: dict  # what engine.resume.epoch_position needs besides the batches consumed
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
+    wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # new after archiving
+    logger: Optional[MetricLogger] = None
+    best: Optional[BestCheckpoint] = None
+
+    @property
+    def ckpt_path(self) -> str:
+        return os.path.join(self.cfg.out_dir, "checkpoint.pt")
+
+    def save_on_main(self, payload_fn, path: str) -> None:
+        save_on_main_rank(payload_fn, path, self.dist.is_main, self.dist.device)
+
+    def save_checkpoint(self) -> None:
+        model, optimizer, state = self.model, self.optimizer, self.state
+        extra = {"classes": self.loaders.classes, "optimizer_param_names": optimizer_param_names(model, optimizer),
+                 "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
+                 "resumed_from": self.started_from, "wandb_id": self.wandb_id,
+                 **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
+        self.save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
+                                                   config=config_to_dict(self.cfg), ema=self.ema,
+                                                   scaler=self.scaler, scheduler=self.scheduler, extra=extra),
+                          self.ckpt_path)
+
+    def validate(self, should_stop, keep_best: bool = True) -> Optional[dict]:
+        """Validate; with `keep_best`, log and update best.pt. None (nothing logged or written) when a stop
+        request ended it."""
+        metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,
+                           self.cfg.train.amp, self.cfg.log.act_max, should_stop=should_stop)
+        if metrics is not None and keep_best:
+            self.logger.log(self.state.step, metrics)
+            self.best.offer(self.state, metrics)
+        return metrics
+
+
+def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
+    """Model (the same initial weights on every rank), data, optimizer, schedule, precision, EMA and the
+    regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded."""
+    device, per_gpu = dist.device, cfg.train.batch_size_per_gpu
+    accum_steps = accumulation_steps(cfg, dist.world_size)
+    task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
+    if is_language_model(model) != task.language:
+        raise ConfigError(f"model.name={cfg.model.name} is {'a language' if is_language_model(model) else 'an image'} "
+                          f"model, data.dataset={cfg.data.dataset} is {'text' if task.language else 'images'}: "
+                          "use a GPT size (models/gpt.py) with dataset tokens or kjv, a vision model with the others")
     log.info("model %s: %s", model_label(cfg.model), describe(model))
-    loaders = build_loaders(cfg.data, img_size=input_size(model), batch_size_per_gpu=per_gpu,
-                            eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
-                            rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
-                            num_classes=cfg.model.num_classes)
+    loaders = build_data(cfg, model, dist, task)
     updates_per_epoch = len(loaders.train) // accum_steps
     if updates_per_epoch == 0:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
                           f"{accum_steps} accumulation steps of one update: lower train.batch_size")
+    epochs, total_steps, per_step = schedule_length(cfg.sched, updates_per_epoch)
 
-    # -- Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
+    # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
     weight_decay = cfg.optim.weight_decay
     if cfg.cd.enabled and cfg.cd.budget:
@@ -120,99 +192,83 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         log.info("CD budget rule: weight decay %g -> %g (cd.lam %g)",
                  cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
-    scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
-    scaler = grad_scaler(cfg.train.amp, device)
+    scheduler = as_config_error("sched", build_scheduler, optimizer, cfg.sched, updates_per_epoch)
     ema = (ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
            if cfg.train.ema else None)
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
-             "%d updates per epoch, %d epochs", cfg.train.batch_size, per_gpu, dist.world_size, accum_steps,
-             cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
-             lr_rule(cfg.optim, cfg.train.batch_size), weight_decay, updates_per_epoch, cfg.sched.epochs)
+             "%d updates per epoch, %d epochs (%d updates)", cfg.train.batch_size, per_gpu, dist.world_size,
+             accum_steps, cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
+             lr_rule(cfg.optim, cfg.train.batch_size), weight_decay, updates_per_epoch, epochs, total_steps)
 
-    # -- Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside
-    # optimizer.step(), after clipping, once per update, only when the step really runs, with each
-    # group's lr. TWEO (and CD's loss-form ablation) add a term to the loss in compute_loss below.
+    # Regularizers. CD acts on the weights as an optimizer step pre-hook: it runs inside optimizer.step(),
+    # after clipping, once per update, only when the step really runs, with each group's lr. TWEO (and
+    # CD's loss-form ablation) add a term to the loss (build_loop's compute_loss).
     decay = (as_config_error("cd", ColinearityDecay.from_config, cfg.cd, model,
                              norms_every=cfg.train.log_every_steps) if cfg.cd.enabled else None)
     if decay is not None:
         decay.attach(optimizer)
         log.info("%r", decay)
-    tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model,
-                            total_steps=cfg.sched.epochs * updates_per_epoch)
+    tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=total_steps)
             if cfg.tweo.enabled else None)
-    # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    metric_sources = [decay.metrics if decay is not None else pair_energy_source(model, cfg.cd.gated_mlp)]
-    if tweo is not None:
-        metric_sources.append(tweo.metrics)
-
-    # -- Resume: the same command in the same out_dir continues from checkpoint.pt, or train.resume=PATH
-    # starts from a given checkpoint file (engine/snapshots.py). The checkpoint gives the state, this
-    # config every setting (engine/resume.py): optimizer moments by parameter name under the new groups'
-    # lr / weight decay / betas, the fresh schedule (the loop sets the lr of the current update), the
-    # position within the epoch in samples of any process count.
-    state = TrainState()
     position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
                     updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
-                    seed=cfg.train.seed, repeated_aug=max(cfg.data.repeated_aug, 1))
-    started_from = None  # the train.resume file this run descends from (checkpoints record it)
-    wandb_id = uuid.uuid4().hex[:16]  # one wandb run per run: kept in checkpoints, new after archiving
-    if resumed:
-        check_resumable(payload["config"], cfg)
-        restore_training(payload, model=model, optimizer=None, state=state, ema=ema, scaler=scaler)
-        restore_optimizer(optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
-                          optimizer_param_names(model, optimizer))
-        state.epoch_batches = resume_position(
-            payload.get("epoch_position"), epoch_position(epoch_batches=0, **position),
-            epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
-        if decay is not None and "cd" in payload:
-            decay.load_state_dict(payload["cd"])
-        wandb_id = payload.get("wandb_id") or wandb_id
-        own = resume_path == ckpt_path
-        started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
-        del payload
-        log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
-    if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), state.step)):
-        log.info("config.yaml of the run so far kept as %s", kept)
-    logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
-                          cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),
-                          resume_step=state.step if resumed else None, wandb_id=wandb_id)
+                    seed=cfg.train.seed, repeated_aug=1 if task.language else max(cfg.data.repeated_aug, 1))
+    run = Run(cfg=cfg, dist=dist, task=task, model=model, loaders=loaders, accum_steps=accum_steps,
+              updates_per_epoch=updates_per_epoch, epochs=epochs, total_steps=total_steps,
+              per_step_schedule=per_step, optimizer=optimizer, scheduler=scheduler,
+              scaler=grad_scaler(cfg.train.amp, device), ema=ema, decay=decay, tweo=tweo, position=position)
+    run.best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
+                              config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
+                              key=task.score_key, higher_is_better=task.higher_is_better)
+    return run
 
-    # -- Checkpoints: checkpoint.pt (the whole training state) and best.pt (best val top-1), main rank.
-    def save_on_main(payload_fn, path: str) -> None:
-        save_on_main_rank(payload_fn, path, dist.is_main, device)
 
-    def save_checkpoint() -> None:
-        extra = {"classes": loaders.classes, "optimizer_param_names": optimizer_param_names(model, optimizer),
-                 "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **position),
-                 "resumed_from": started_from, "wandb_id": wandb_id,
-                 **({"cd": decay.state_dict()} if decay is not None else {})}
-        save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
-                                              config=config_to_dict(cfg), ema=ema, scaler=scaler,
-                                              scheduler=scheduler, extra=extra), ckpt_path)
+def build_data(cfg: Config, model: nn.Module, dist: DistInfo, task):
+    """The task's loaders: token windows of the model's context for a language model, images else."""
+    common = dict(batch_size_per_gpu=cfg.train.batch_size_per_gpu, rank=dist.rank, world_size=dist.world_size,
+                  eval_batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, seed=cfg.train.seed)
+    if task.language:
+        return build_token_loaders(cfg.data, context=input_size(model), vocab_size=cfg.model.num_classes,
+                                   **common)
+    return build_loaders(cfg.data, img_size=input_size(model), num_classes=cfg.model.num_classes, **common)
 
-    best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
-                          config=config_to_dict(cfg), classes=loaders.classes, save=save_on_main)
 
-    def validate_and_keep_best() -> Optional[dict]:
-        """Validate, log, update best.pt; None (nothing logged or written) when a stop request ended it."""
-        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
-                           should_stop=preemption.should_stop)
-        if metrics is not None:
-            logger.log(state.step, metrics)
-            best.offer(state, metrics)
-        return metrics
+def resume_run(run: Run, resume_path: str, payload: dict) -> None:
+    """Continue from checkpoint.pt of out_dir, or from train.resume=PATH (engine/snapshots.py). The
+    checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
+    parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the lr
+    of the current update), the position within the epoch in samples of any process count."""
+    cfg, state = run.cfg, run.state
+    check_resumable(payload["config"], cfg)
+    restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
+    restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
+                      optimizer_param_names(run.model, run.optimizer))
+    state.epoch_batches = resume_position(
+        payload.get("epoch_position"), epoch_position(epoch_batches=0, **run.position),
+        epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
+    if run.decay is not None and "cd" in payload:
+        run.decay.load_state_dict(payload["cd"])
+    run.wandb_id = payload.get("wandb_id") or run.wandb_id
+    own = resume_path == run.ckpt_path
+    run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
+    log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
 
-    # -- The loop. Wrap for training: DDP (gradient all-reduce), then torch.compile (PyTorch's order).
-    train_model: nn.Module = model
+
+def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
+    """The update loop on the model wrapped for training: DDP (gradient all-reduce), then torch.compile
+    (PyTorch's order); the loss is the task's plus the regularizers' terms."""
+    cfg, dist, state = run.cfg, run.dist, run.state
+    train_model: nn.Module = run.model
     if dist.distributed:
         train_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            run.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     if cfg.train.compile:
         train_model = torch.compile(train_model)
-    criterion = build_criterion(cfg, mixup=loaders.mixup is not None)
+    criterion = run.task.criterion(cfg.data.label_smoothing, mixup=run.loaders.mixup is not None)
+    tweo, decay = run.tweo, run.decay
 
-    def compute_loss(m: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = criterion(m(images), targets)
+    def compute_loss(m: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = criterion(m(inputs), targets)
         aux = 0.0  # regularizers' loss terms (both scale with the task loss when rescaled)
         if tweo is not None:
             aux = aux + tweo.aux_loss(loss, state.step)
@@ -220,55 +276,66 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             aux = aux + decay.aux_loss(loss)
         return loss + aux
 
-    total_steps = min(cfg.sched.epochs * updates_per_epoch, cfg.train.max_steps or sys.maxsize)
-
     def log_step(step: int, metrics: dict) -> None:
         """metrics.jsonl / TensorBoard / wandb, and one line in train.log and stdout per log step."""
-        logger.log(step, metrics)
+        run.logger.log(step, metrics)
         if "train/loss" in metrics:
-            log.info("%s", progress_line(step, metrics, total_steps=total_steps, epochs=cfg.sched.epochs,
-                                         updates_per_epoch=updates_per_epoch,
+            log.info("%s", progress_line(step, metrics, total_steps=min(run.total_steps, cfg.train.max_steps
+                                                                        or sys.maxsize),
+                                         epochs=run.epochs, updates_per_epoch=run.updates_per_epoch,
                                          batch_size=cfg.train.batch_size))
 
-    loop = TrainLoop(
-        model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device, amp=cfg.train.amp,
-        scaler=scaler, scheduler=scheduler, per_step_schedule=cfg.sched.per_step, accum_steps=accum_steps,
-        clip_grad=cfg.optim.clip_grad, ema=ema, mixup=loaders.mixup, seed=cfg.train.seed, rank=dist.rank,
-        world_size=dist.world_size, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every_steps,
-        ckpt_every=cfg.train.ckpt_every_steps, save=save_checkpoint, log=log_step,
+    # Pair energies are logged for every run, so that baselines can be compared with CD runs.
+    metric_sources = [decay.metrics if decay is not None else pair_energy_source(run.model, cfg.cd.gated_mlp)]
+    if tweo is not None:
+        metric_sources.append(tweo.metrics)
+    return TrainLoop(
+        model=train_model, optimizer=run.optimizer, compute_loss=compute_loss, device=dist.device,
+        amp=cfg.train.amp, scaler=run.scaler, scheduler=run.scheduler, per_step_schedule=run.per_step_schedule,
+        accum_steps=run.accum_steps, clip_grad=cfg.optim.clip_grad, ema=run.ema, mixup=run.loaders.mixup,
+        seed=cfg.train.seed, rank=dist.rank, world_size=dist.world_size,
+        max_steps=min(run.total_steps, cfg.train.max_steps or sys.maxsize), log_every=cfg.train.log_every_steps,
+        ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps, save=run.save_checkpoint,
+        log=log_step,
         metric_sources=metric_sources, should_stop=preemption.should_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
-        progress=cfg.log.progress and dist.is_main, log_epoch_costs=True)
+        progress=cfg.log.progress and dist.is_main, log_epoch_costs=True,
+        sample_tokens=input_size(run.model) if run.task.language else 0)
 
-    # -- The epochs: train, validate, checkpoint; stop early on preemption or train.max_steps. A stop
-    # request ends a validation (train.py writes checkpoint.pt first; the resumed run validates then).
-    val = {}
-    reason = "finished"
-    start_step, train_seconds = state.step, 0.0
-    while state.validation_due or (state.epoch < cfg.sched.epochs
-                                   and not reached(state.step, cfg.train.max_steps)):
+
+def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str, dict, float]:
+    """Train, validate and checkpoint epoch by epoch; stop early on preemption, train.max_steps or the end
+    of sched.steps. A stop request ends a validation (checkpoint.pt is written first; the resumed run
+    validates then). Returns (how it ended, the last validation, seconds spent in updates)."""
+    cfg, state = run.cfg, run.state
+    val, reason, train_seconds = {}, "finished", 0.0
+    while state.validation_due or (state.epoch < run.epochs and not reached(state.step, cfg.train.max_steps)
+                                   and state.step < run.total_steps):
         epoch_ended = False
         if not state.validation_due:
             started = time.perf_counter()
-            reason = loop.run_epoch(loaders.train, state, per_gpu)
+            reason = loop.run_epoch(run.loaders.train, state, cfg.train.batch_size_per_gpu)
             train_seconds += time.perf_counter() - started
+            if reason == "max_steps" and not reached(state.step, cfg.train.max_steps):
+                reason = "epoch_end"  # sched.steps: the last update of the schedule ends the run
             epoch_ended = state.epoch_batches == 0
             if epoch_ended and reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
                 reason = "preempted"  # the signal came at the epoch's last update
-            state.validation_due = reason == "max_steps" or (epoch_ended and (
-                state.epoch % cfg.train.eval_every_epochs == 0 or state.epoch == cfg.sched.epochs))
+            state.validation_due = (reason in ("max_steps", "validate") or state.step >= run.total_steps
+                                    or (epoch_ended and (state.epoch % cfg.train.eval_every_epochs == 0
+                                                         or state.epoch == run.epochs)))
         if state.validation_due and reason != "preempted":
-            val = validate_and_keep_best() or {}
+            val = run.validate(preemption.should_stop) or {}
             if val:
                 state.validation_due = False
-                log.info("epoch %d/%d  update %d  val top-1 %.2f%%", state.epoch, cfg.sched.epochs,
-                         state.step, val["val/top1"])
+                log.info("epoch %d/%d  update %d  %s", state.epoch + (state.epoch_batches > 0), run.epochs, state.step,
+                         run.task.score_text(val[run.task.score_key]))
             else:
                 reason = "preempted"  # the signal came during validation
-        save_checkpoint()
+        run.save_checkpoint()
         if epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
-            kept = keep_snapshot(ckpt_path, state.epoch, dist.is_main, device)
+            kept = keep_snapshot(run.ckpt_path, state.epoch, run.dist.is_main, run.dist.device)
             log.info("epoch %d kept as %s", state.epoch, kept)
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
@@ -280,37 +347,43 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
             log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
                      "drop it) and re-run the same command to continue", state.step)
             break
+    return reason, val, train_seconds
 
-    # -- The end: report the current weights (not after preemption: no time, and no fresh numbers).
-    reason = "finished" if reason == "epoch_end" else reason
+
+def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step: int, wall_seconds: float,
+           train_seconds: float) -> RunResult:
+    """Report the current weights (not after preemption: no time, and no fresh numbers) and the summary."""
+    cfg, state = run.cfg, run.state
+    reason = "finished" if reason in ("epoch_end", "validate") else reason
     if reason == "preempted":
         val = {}
     elif not val:  # a finished run re-run
-        val = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
-                       should_stop=preemption.should_stop) or {}
+        val = run.validate(preemption.should_stop, keep_best=False) or {}
         reason = reason if val else "preempted"
-    logger.close()
-    if tweo is not None:
-        tweo.remove()
+    run.logger.close()
+    if run.tweo is not None:
+        run.tweo.remove()
     if val:
-        log.info("val top-1 %.2f%% (top-5 %.2f%%) on %d images after %d updates; files in %s",
-                 val["val/top1"], val["val/top5"], val["val/count"], state.step, os.path.abspath(cfg.out_dir))
-        warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
-    log.info("%s", run_summary(state, reason, cfg.sched.epochs, time.perf_counter() - run_started,
-                               (state.step - start_step) * cfg.train.batch_size, train_seconds))
-    return RunResult(model=model, metrics=val, state=state, reason=reason)
+        log.info("%s after %d updates; files in %s", run.task.describe(val), state.step,
+                 os.path.abspath(cfg.out_dir))
+        if not run.task.language:
+            warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
+    log.info("%s", run_summary(state, reason, run.epochs, wall_seconds,
+                               (state.step - start_step) * cfg.train.batch_size, train_seconds, run.task))
+    return RunResult(model=run.model, metrics=val, state=state, reason=reason)
 
 
-def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float, images: int,
-                train_seconds: float) -> str:
+def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float, samples: int,
+                train_seconds: float, task=ClassificationTask()) -> str:
     """The last line of every run: how it ended, its best validation, and this process's time and speed."""
     ended = {"finished": "finished", "preempted": "stopped by a signal (resumable)",
              "max_steps": "stopped at train.max_steps"}.get(reason, reason)
-    best = (f"best val top-1 {state.best_top1:.2f}% at epoch {state.best_epoch} (update {state.best_step})"
-            if state.best_top1 >= 0 else "no validation yet")
-    speed = f"{images / train_seconds:.0f} img/s" if train_seconds > 0 else "no updates trained"
+    best = (f"best {task.score_text(state.best_value)} at epoch {state.best_epoch} (update {state.best_step})"
+            if state.best_value is not None else "no validation yet")
+    unit, rate = ("windows", "windows/s") if task.language else ("images", "img/s")
+    speed = f"{samples / train_seconds:.0f} {rate}" if train_seconds > 0 else "no updates trained"
     return (f"run summary: {ended} at update {state.step}, epoch {state.epoch}/{epochs}; {best}; wall time "
-            f"{duration(wall_seconds)}; this process trained {images} images in {duration(train_seconds)} "
+            f"{duration(wall_seconds)}; this process trained {samples} {unit} in {duration(train_seconds)} "
             f"({speed})")
 
 
@@ -346,29 +419,20 @@ def reached(step: int, max_steps: int | None) -> bool:
     return max_steps is not None and step >= max_steps
 
 
-def build_criterion(cfg: Config, mixup: bool) -> nn.Module:
-    """DeiT's choice: soft-target CE with mixup (smoothing inside Mixup), else label-smoothing CE."""
-    if mixup:
-        return SoftTargetCrossEntropy()
-    if cfg.data.label_smoothing > 0:
-        return LabelSmoothingCrossEntropy(smoothing=cfg.data.label_smoothing)
-    return nn.CrossEntropyLoss()
-
-
-def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False,
+def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False,
              should_stop=None) -> Optional[dict]:
-    """val/* (and val_ema/*) accuracy; with `act_max`, the paper's activation maxima act/max_module and
-    act/max_block over the validation set (max over all ranks). None when `should_stop` (a preemption
-    request) ended it."""
+    """The task's val/* metrics (and val_ema/*); with `act_max`, the paper's activation maxima
+    act/max_module and act/max_block over the validation set (max over all ranks). None when `should_stop`
+    (a preemption request) ended it."""
     with ActivationProbe(model) if act_max else contextlib.nullcontext() as probe:
-        raw = evaluate(model, loader, device, amp, should_stop=should_stop)
+        raw = task.evaluate(model, loader, device, amp, should_stop=should_stop)
         if raw is None:
             return None
         metrics = {f"val/{k}": v for k, v in raw.items()}
     if act_max:
         metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
     if ema is not None:
-        averaged = evaluate(ema.module, loader, device, amp, should_stop=should_stop)
+        averaged = task.evaluate(ema.module, loader, device, amp, should_stop=should_stop)
         if averaged is None:
             return None
         metrics.update({f"val_ema/{k}": v for k, v in averaged.items()})

@@ -122,7 +122,15 @@ class IgnoredOverrideError(ConfigError):
 # key ending in "." stands for every key of that section but the deciding one. Mixup / cutmix details with
 # mixup off, wandb details with wandb off and the like are not listed: they change nothing a run computes.
 READ_ONLY_WHEN = [
-    (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder",)),
+    (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
+    (("data.val_windows",), "data.dataset", ("tokens", "kjv")),
+    (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
+    (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.crop_mode", "data.scale",
+      "data.ratio", "data.hflip", "data.auto_augment", "data.color_jitter", "data.reprob", "data.remode",
+      "data.recount", "data.repeated_aug", "data.mixup", "data.cutmix", "data.mixup_prob",
+      "data.mixup_switch_prob", "data.mixup_mode", "data.label_smoothing"), "data.dataset",
+     ("folder", "digits", "synthetic")),  # image settings: a language model reads none of them
+    (("sched.epochs", "sched.warmup_epochs", "sched.per_step", "sched.warmup_prefix"), "sched.steps", (None,)),
     (("data.synthetic_train_size", "data.synthetic_val_size"), "data.dataset", ("synthetic",)),
     (("data.digits_img_size", "data.digits_val_fraction"), "data.dataset", ("digits",)),
     (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr

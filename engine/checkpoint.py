@@ -115,6 +115,8 @@ def restore_training(payload: dict, *, model, optimizer, state,
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
     for key, value in payload["state"].items():
+        if key == "best_top1":  # checkpoints before the task-neutral name; -1 meant "no validation yet"
+            key, value = "best_value", (value if value >= 0 else None)
         setattr(state, key, value)
     for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler), ("scheduler", scheduler)):
         if obj is None:

@@ -70,8 +70,8 @@ class TrainState:
     step: int = 0  # optimizer updates done
     epoch_batches: int = 0  # micro-batches of `epoch` already consumed (resume mid-epoch)
     skipped_steps: int = 0  # fp16 updates the GradScaler skipped (inf/NaN gradients)
-    best_top1: float = -1.0
-    best_epoch: int = 0  # the epoch (1-based; the one in progress for a mid-epoch validation) of best_top1
+    best_value: Optional[float] = None  # the best validation score so far (the task's score_key)
+    best_epoch: int = 0  # the epoch (1-based; the one in progress for a mid-epoch validation) of best_value
     best_step: int = 0  # ... and its update
     validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
@@ -100,12 +100,14 @@ class TrainLoop:
     max_steps: Optional[int] = None
     log_every: int = 50
     ckpt_every: int = 0
+    eval_every: int = 0  # end run_epoch with 'validate' every N updates (0: at epoch ends only)
     save: Optional[Callable[[], None]] = None  # writes checkpoint.pt from the current state
     log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
     metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
     should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
     divergence: Optional[DivergenceGuard] = None  # stops a run whose loss stays far above its initial value
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
+    sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
     log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
 
     def __post_init__(self):
@@ -139,7 +141,8 @@ class TrainLoop:
         """Train on `batches` from `state` to the end of `state.epoch` (or an earlier stop).
 
         Returns:
-            'epoch_end' (the epoch is complete), 'max_steps' (stopped inside it) or 'preempted'.
+            'epoch_end' (the epoch is complete), 'max_steps' (stopped inside it), 'validate' (stopped inside
+            it for a validation, `eval_every`) or 'preempted'.
         """
         batches.sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
         total = self.updates_per_epoch(len(batches) + state.epoch_batches)
@@ -206,6 +209,9 @@ class TrainLoop:
             if self.should_stop is not None and self.should_stop(state.step):
                 reason = "preempted"
                 break
+            if self.eval_every and state.step % self.eval_every == 0:
+                reason = "validate"
+                break
             waiting_since = time.perf_counter()
         if bar is not None:
             bar.close()
@@ -219,7 +225,7 @@ class TrainLoop:
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
-            if reason == "max_steps":
+            if reason in ("max_steps", "validate"):
                 reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
         return reason
 
@@ -257,6 +263,8 @@ class TrainLoop:
 
     def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
         metrics = window.flush(state.step)
+        if self.sample_tokens:
+            metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         if state.initial_loss is None and self._first_loss is not None:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
         if self.divergence is not None:
@@ -353,10 +361,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     common_batches = 0
     if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks (one collective)
         common_batches = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        loader = tqdm(loader, desc=progress, leave=False, dynamic_ncols=True)
+    if progress:
+        loader = progress_iter(loader, progress)
     for index, (images, targets) in enumerate(loader):
         if index < common_batches and should_stop():
             return None
@@ -385,6 +391,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     scored = max(count, 1.0)
     return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
             "count": int(count), "excluded": int(excluded)}
+
+
+def progress_iter(loader, label: str):
+    """`loader` with a progress bar labelled `label` on a terminal; as it is otherwise (log files, CI)."""
+    if not sys.stderr.isatty():
+        return loader
+    from tqdm import tqdm
+
+    return tqdm(loader, desc=label, leave=False, dynamic_ncols=True)
 
 
 def _peak_mem_mib(device: torch.device) -> float:

@@ -73,9 +73,11 @@ def progress_line(step: int, metrics: dict, *, total_steps: int, epochs: int, up
     current = max(math.ceil(epoch), 1)  # 1-based, the one in progress (or just completed)
     seconds_per_update = batch_size / max(metrics["train/img_per_s"], 1e-9)
     left_in_epoch = round((current - epoch) * updates_per_epoch)
+    speed = (f"{metrics['train/tok_per_s']:.0f} tok/s" if "train/tok_per_s" in metrics  # a language model
+             else f"{metrics['train/img_per_s']:.0f} img/s")
     return (f"update {step}/{total_steps}  epoch {current}/{epochs} {epoch - current + 1:.0%}  "
             f"loss {metrics['train/loss']:.4f}  lr {metrics['train/lr']:.2e}  "
-            f"{metrics['train/img_per_s']:.0f} img/s  data wait {metrics['train/data_wait']:.0%}  "
+            f"{speed}  data wait {metrics['train/data_wait']:.0%}  "
             f"peak mem {metrics['train/peak_mem_mib'] / 1024:.1f} GiB  "
             f"eta epoch {duration(left_in_epoch * seconds_per_update)} "
             f"run {duration(max(total_steps - step, 0) * seconds_per_update)}")

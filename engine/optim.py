@@ -64,10 +64,30 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_per_epoch: int):
-    """A timm scheduler; `sched.epochs` is the whole run, warmup included (also with warmup_prefix)."""
+    """A timm scheduler; `sched.epochs` is the whole run, warmup included (also with warmup_prefix). With
+    `sched.steps` the schedule is in updates: `steps` updates, `warmup_steps` of them warmup, the lr
+    set every update (timm counts one "epoch" per update then), the decay after the warmup (nanoGPT)."""
+    if cfg.steps is not None:
+        if cfg.warmup_steps >= cfg.steps:
+            raise ValueError(f"sched.warmup_steps={cfg.warmup_steps} is not below sched.steps={cfg.steps}: "
+                             "the run would never leave its warmup")
+        # nanoGPT's shape: warmup to the peak lr at update warmup_steps, then the decay over the rest
+        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cfg.steps - cfg.warmup_steps,
+                                           warmup_epochs=cfg.warmup_steps, warmup_lr=cfg.warmup_lr,
+                                           min_lr=cfg.min_lr, warmup_prefix=True, step_on_epochs=False,
+                                           updates_per_epoch=1)
+        return scheduler
     cosine_epochs = cfg.epochs - cfg.warmup_epochs if cfg.warmup_prefix else cfg.epochs
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cosine_epochs,
                                        warmup_epochs=cfg.warmup_epochs, warmup_lr=cfg.warmup_lr,
                                        min_lr=cfg.min_lr, warmup_prefix=cfg.warmup_prefix,
                                        step_on_epochs=not cfg.per_step, updates_per_epoch=updates_per_epoch)
     return scheduler
+
+
+def schedule_length(cfg: SchedConfig, updates_per_epoch: int) -> tuple[int, int, bool]:
+    """(epochs, updates, per_step): how long the run is and whether the lr changes every update. With
+    `sched.steps`, the epochs are those needed to hold `steps` updates (the last one partial)."""
+    if cfg.steps is not None:
+        return -(-cfg.steps // updates_per_epoch), cfg.steps, True
+    return cfg.epochs, cfg.epochs * updates_per_epoch, cfg.per_step

@@ -1,12 +1,12 @@
-"""Model construction on timm (ViT, DeiT, Swin and small variants); knows nothing of quant/ (and of cd/
-only its `unwrap_model`, re-exported by models/modules.py).
+"""Model construction on timm (ViT, DeiT, Swin and small variants) and GPT-2 (models/gpt.py); knows
+nothing of quant/ (and of cd/ only its `unwrap_model`, re-exported by models/modules.py).
 
     from models import build_model
     model = build_model(cfg.model)
 """
-from .factory import ModelError, build_model, describe, input_size, model_label
+from .factory import ModelError, build_model, describe, input_size, is_language_model, model_label
 from .pretrained import load_pretrained
 from .variants import VARIANTS
 
-__all__ = ["build_model", "describe", "input_size", "load_pretrained", "model_label", "ModelError",
-           "VARIANTS"]
+__all__ = ["build_model", "describe", "input_size", "is_language_model", "load_pretrained", "model_label",
+           "ModelError", "VARIANTS"]

@@ -1,5 +1,5 @@
-"""Build a model from `ModelConfig`: a timm name or a small variant, optionally with an attention-sink
-variant (`model.attn`, models/attention_sinks.py) and local weights.
+"""Build a model from `ModelConfig`: a timm name, a small variant or a GPT-2 size (models/gpt.py), optionally
+with an attention-sink variant (`model.attn`, models/attention_sinks.py) and local weights.
 
     model = build_model(cfg.model)       # nn.Module on the CPU, in train mode
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 from configs.schema import ModelConfig
 
 from .attention_sinks import use_sink_attention
+from .gpt import GPT, GPT_SIZES, build_gpt
 from .pretrained import ModelError, load_pretrained
 from .variants import VARIANTS
 
@@ -30,7 +31,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
         if not timm.is_model(arch.split(".")[0]):
             close = difflib.get_close_matches(arch, timm.list_models(), n=6, cutoff=0.6)
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
-                             f"({', '.join(VARIANTS)}); timm names like it: {', '.join(close)}")
+                             f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)}); "
+                             f"timm names like it: {', '.join(close)}")
     if cfg.img_size is not None:
         kwargs["img_size"] = cfg.img_size
     kwargs.update(cfg.kwargs)
@@ -41,6 +43,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
     weights, if any."""
+    if cfg.name in GPT_SIZES:
+        return _build_language_model(cfg)
     arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
     try:
@@ -63,8 +67,31 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return model
 
 
+def _build_language_model(cfg: ModelConfig) -> GPT:
+    """A GPT-2 of `cfg.name`'s size (vocabulary: model.num_classes), with model.kwargs overrides."""
+    if cfg.attn != "softmax" or cfg.img_size is not None or cfg.pretrained == "hub":
+        raise ModelError(f"model '{cfg.name}' is a language model: model.attn, model.img_size and "
+                         "model.pretrained=hub apply to the timm vision models only")
+    try:
+        model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
+    except TypeError as e:
+        raise ModelError(f"model '{cfg.name}' rejected its arguments {cfg.kwargs}: {e}; it takes "
+                         "depth, num_heads, embed_dim, context, bias") from e
+    except ValueError as e:
+        raise ModelError(f"model '{cfg.name}': {e}") from e
+    if cfg.pretrained:
+        load_pretrained(model, cfg.pretrained, strict=True)  # the LM head is the tied embedding
+    return model
+
+
+def is_language_model(model: nn.Module) -> bool:
+    return isinstance(model, GPT)
+
+
 def input_size(model: nn.Module) -> int:
-    """Square input resolution the model was built for."""
+    """Square input resolution the model was built for (a language model: its context, in tokens)."""
+    if isinstance(model, GPT):
+        return model.context
     size = getattr(getattr(model, "patch_embed", None), "img_size", None)
     if size is None:
         size = model.pretrained_cfg["input_size"][1:]

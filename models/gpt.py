@@ -121,11 +121,6 @@ class GPT(nn.Module):
         """A (1, context) batch of token ids on the meta device: what CD's forward check runs on."""
         return torch.zeros(1, self.context, dtype=torch.long, device="meta")
 
-    def no_weight_decay(self) -> set[str]:
-        """Parameters AdamW must not decay besides biases and norms (timm's param groups read this):
-        the position embedding, as nanoGPT decays only matrices used in matmuls and the token embedding."""
-        return {"wpe.weight"}
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.context:

