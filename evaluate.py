@@ -94,10 +94,12 @@ def main(args: argparse.Namespace) -> dict:
     if task.language and args.amp != "bf16":  # the paper's Table 8 reports bf16 perplexity
         fp["ppl_bf16"] = task.evaluate(model, val_loader, device, "bf16", progress="bf16 eval")["ppl"]
     start = time.perf_counter()
-    with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules) as probe:
+    with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
         task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
-    act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device)
-    max_act = {"module": act.module, "block": act.block, "seconds": round(time.perf_counter() - start, 3)}
+    act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
+    kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
+    max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
+               "seconds": round(time.perf_counter() - start, 3)}
     log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
              fp_seconds)
     if cfg.quant.act_max_csv:

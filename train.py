@@ -422,15 +422,17 @@ def reached(step: int, max_steps: int | None) -> bool:
 def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str, act_max: bool = False,
              should_stop=None) -> Optional[dict]:
     """The task's val/* metrics (and val_ema/*); with `act_max`, the paper's activation maxima
-    act/max_module and act/max_block over the validation set (max over all ranks). None when `should_stop`
+    act/max_module and act/max_block over the validation set (max over all ranks), and the largest
+    kurtosis of a module / block output (act/kurtosis_module, act/kurtosis_block). None when `should_stop`
     (a preemption request) ended it."""
-    with ActivationProbe(model) if act_max else contextlib.nullcontext() as probe:
+    with ActivationProbe(model, moments=True) if act_max else contextlib.nullcontext() as probe:
         raw = task.evaluate(model, loader, device, amp, should_stop=should_stop)
         if raw is None:
             return None
         metrics = {f"val/{k}": v for k, v in raw.items()}
     if act_max:
-        metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).metrics())
+        metrics.update(probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device,
+                                    sum_fn=all_reduce).metrics())
     if ema is not None:
         averaged = task.evaluate(ema.module, loader, device, amp, should_stop=should_stop)
         if averaged is None:

@@ -46,8 +46,15 @@ class ActMaxResult:
     per_layer: List[Dict[str, object]] = field(default_factory=list)
 
     def metrics(self, prefix: str = "act/") -> Dict[str, float]:
-        """Flat metrics for logging, e.g. {"act/max_module": .., "act/max_block": ..}."""
-        return {f"{prefix}max_module": self.module, f"{prefix}max_block": self.block}
+        """Flat metrics for logging, e.g. {"act/max_module": .., "act/max_block": ..}; with moments also
+        the largest kurtosis of a block output and of a module output (act/kurtosis_block, ..._module)."""
+        out = {f"{prefix}max_module": self.module, f"{prefix}max_block": self.block}
+        for kind in ("module", "block"):
+            values = [r["kurtosis"] for r in self.per_layer if r["kind"] == kind and "kurtosis" in r
+                      and r["kurtosis"] == r["kurtosis"]]
+            if values:
+                out[f"{prefix}kurtosis_{kind}"] = max(values)
+        return out
 
 
 class ActivationProbe:
@@ -67,8 +74,9 @@ class ActivationProbe:
 
     def __init__(self, model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS,
                  extra_modules: Sequence[str] = (),
-                 skip: Callable[[nn.Module], bool] = repeats_its_input) -> None:
+                 skip: Callable[[nn.Module], bool] = repeats_its_input, moments: bool = False) -> None:
         self.model = model
+        self.moments = moments  # also the kurtosis of every output (four raw moments, float64)
         # (name, kind, block index, module type relative to its block, module)
         self.targets: List[Tuple[str, str, int, str, nn.Module]] = []
         block_names = [n for n, _ in model.named_modules() if fqn_matches(n, blocks)]
@@ -86,6 +94,7 @@ class ActivationProbe:
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
         self._handles: list = []
         self._max: Optional[torch.Tensor] = None
+        self._sums: Optional[torch.Tensor] = None  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable:
@@ -98,6 +107,13 @@ class ActivationProbe:
                 if self._max is None:
                     self._max = torch.zeros(len(self.targets), device=value.device)
                 self._max[index].clamp_(min=value)  # in place on the device, no sync
+                if self.moments:
+                    x = t.detach().double().flatten()
+                    if self._sums is None:
+                        self._sums = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
+                    powers = torch.stack([x.new_tensor(float(x.numel())), x.sum(), x.square().sum(),
+                                          x.pow(3).sum(), x.square().square().sum()])
+                    self._sums[index] += powers
         return hook
 
     def __enter__(self) -> "ActivationProbe":
@@ -114,8 +130,8 @@ class ActivationProbe:
 
     # -- results --------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget the maxima seen so far (e.g. at the start of each validation)."""
-        self._max = None
+        """Forget the maxima (and moments) seen so far (e.g. at the start of each validation)."""
+        self._max = self._sums = None
 
     def names(self) -> List[str]:
         return [t[0] for t in self.targets]
@@ -127,13 +143,15 @@ class ActivationProbe:
         return self._max if device is None else self._max.to(device)
 
     def result(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-               device: Optional[torch.device] = None) -> ActMaxResult:
+               device: Optional[torch.device] = None,
+               sum_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> ActMaxResult:
         """Aggregate (one host sync).
 
         Args:
             reduce_fn: applied to `maxima()` before aggregation, e.g. a distributed MAX all-reduce
                 returning the reduced tensor.
             device: where to place the zeros of a probe that saw no data (needed for collectives).
+            sum_fn: with `moments`, applied to the [K, 5] moment sums (a distributed SUM all-reduce).
         """
         values = self.maxima(device)
         if reduce_fn is not None:
@@ -141,6 +159,24 @@ class ActivationProbe:
         values = values.cpu().tolist()
         records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v}
                    for (name, kind, block, typ, _), v in zip(self.targets, values)]
+        if self.moments:
+            sums = (self._sums if self._sums is not None
+                    else torch.zeros(len(self.targets), 5, device=device, dtype=torch.float64))
+            if sum_fn is not None:
+                sums = sum_fn(sums.clone())
+            for record, kurtosis in zip(records, kurtosis_from_sums(sums).tolist()):
+                record["kurtosis"] = kurtosis
         module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
         block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
         return ActMaxResult(module=module, block=block, per_layer=records)
+
+
+def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    """Pearson kurtosis E[(x - mu)^4] / var^2 (3 for a Gaussian) per row of [count, sum x, .. x^4] sums;
+    NaN where a row saw nothing or a constant."""
+    n = sums[:, 0].clamp(min=1)
+    m1, m2, m3, m4 = (sums[:, k] / n for k in range(1, 5))
+    var = m2 - m1 ** 2
+    central4 = m4 - 4 * m1 * m3 + 6 * m1 ** 2 * m2 - 3 * m1 ** 4
+    return torch.where((sums[:, 0] > 0) & (var > 0), central4 / var.clamp(min=1e-300) ** 2,
+                       torch.full_like(var, float("nan")))

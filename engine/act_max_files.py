@@ -15,14 +15,16 @@ FIELDS = ("name", "kind", "block", "type", "max")
 
 
 def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> Path:
-    """Write `ActMaxResult.per_layer` records (columns: name, kind, block, type, max)."""
+    """Write `ActMaxResult.per_layer` records (columns: name, kind, block, type, max, and kurtosis when the
+    probe measured moments)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fields = FIELDS + (("kurtosis",) if records and "kurtosis" in records[0] else ())
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in records:
-            writer.writerow({k: r[k] for k in FIELDS})
+            writer.writerow({k: r[k] for k in fields})
     return path
 
 

@@ -180,3 +180,30 @@ def test_language_model_trains_resumes_exactly_and_keeps_lowest_loss(tmp_path):
     logged = (tmp_path / "whole" / "metrics.jsonl").read_text()
     assert all(f'"cd/pair_energy/{role}"' in logged for role in ("qkv", "proj", "fc1", "fc2"))
     assert '"train/tok_per_s"' in logged
+
+
+def test_probe_kurtosis_matches_a_direct_computation():
+    """ActivationProbe(moments=True): the Pearson kurtosis of every output over all batches equals the one
+    of the concatenated outputs computed directly (float64, central moments)."""
+    from engine.act_max import ActivationProbe
+
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    batches = [torch.randint(0, 65, (2, 16)) for _ in range(3)]
+    seen = {"blocks.1": [], "blocks.0.mlp.fc1": []}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda m, i, o, n=n: seen[n].append(o.detach().double().flatten())) for n in seen]
+    with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
+        for ids in batches:
+            model(ids)
+    for h in hooks:
+        h.remove()
+    records = {r["name"]: r for r in probe.result().per_layer}
+    for name, parts in seen.items():
+        x = torch.cat(parts)
+        centred = x - x.mean()
+        expected = (centred ** 4).mean() / (centred ** 2).mean() ** 2
+        assert records[name]["kurtosis"] == pytest.approx(expected.item(), rel=1e-9)
+        assert records[name]["max"] == pytest.approx(x.abs().max().item(), rel=1e-6)
+    metrics = probe.result().metrics()
+    assert metrics["act/kurtosis_block"] == max(r["kurtosis"] for r in records.values() if r["kind"] == "block")
