@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
 from .constraints import AtLeastOne, BelowOne, NonNegative, Positive, Probability, Range
-from .quant import APHQOptions, GPLQOptions, PercentileOptions, RepQOptions
+from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
+                    SmoothQuantOptions, SmoothQuantStrictOptions)
 
 
 @dataclass
@@ -209,8 +210,10 @@ class QuantConfig:
     Each pipeline's options are its own typed section, the Options dataclass in configs/quant.py (e.g.
     quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
 
-    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])  # of percentile, repq, aphq, gplq
-    bits: list = field(default_factory=lambda: ["w4a4"])  # weight / activation bit-widths, e.g. [w4a4, w6a6]
+    # of percentile, repq, aphq, gplq (vision) and rtn, gptq, smoothquant, smoothquant_strict (LM and vision)
+    pipelines: list = field(default_factory=lambda: ["percentile", "repq"])
+    # weight / activation bit-widths, e.g. [w4a4, w6a6]; 16 = float: [w4a16] for rtn / gptq, [w8a8] smoothquant
+    bits: list = field(default_factory=lambda: ["w4a4"])
     # fixed, seeded subset of the train split (percentile / repq calibration)
     calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: int = 0  # seed choosing the calibration images
@@ -234,6 +237,12 @@ class QuantConfig:
     # e.g. quant.aphq.iters=2000 quant.gplq.steps=500 for quick sweeps
     aphq: APHQOptions = field(default_factory=APHQOptions)
     gplq: GPLQOptions = field(default_factory=GPLQOptions)
+    # the LM settings of the paper (RTN-W4A16, GPTQ-W4A16, SmoothQuant-W8A8 and its strict variant); they
+    # quantize the Linears inside the blocks only, e.g. quant.gptq.act_order=true quant.smoothquant.alpha=0.8
+    rtn: RTNOptions = field(default_factory=RTNOptions)
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
+    smoothquant_strict: SmoothQuantStrictOptions = field(default_factory=SmoothQuantStrictOptions)
 
 
 @dataclass
