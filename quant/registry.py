@@ -23,12 +23,13 @@ from .pipeline_base import Pipeline
 from .pipeline_data import PipelineData
 from .ptq.percentile import PercentilePipeline
 from .ptq.repq import RepQPipeline
+from .smoothquant.pipeline import SmoothQuantPipeline, SmoothQuantStrictPipeline
 from .spec import Bits, parse_bits
 
-# the vision pipelines of the paper's W4A4 tables, then its GPT-2 weight-only settings (ViTs too)
+# the vision pipelines of the paper's W4A4 tables, then its GPT-2 settings (which run on ViTs too)
 PIPELINES: Dict[str, Pipeline] = {p.name: p for p in (
     PercentilePipeline(), RepQPipeline(), APHQPipeline(), GPLQPipeline(),
-    RTNPipeline(), GPTQPipeline())}
+    RTNPipeline(), GPTQPipeline(), SmoothQuantPipeline(), SmoothQuantStrictPipeline())}
 
 
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
