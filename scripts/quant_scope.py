@@ -8,16 +8,14 @@ weights and inputs), each quantized copy described layer by layer. CPU, no downl
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # repo root, for `quant`
+sys.path.insert(0, str(ROOT / "scripts"))  # readme_tables
 from quant.scope import scope_table  # noqa: E402
+from readme_tables import marked_table, table_command  # noqa: E402
 
 README = ROOT / "quant" / "README.md"
 BEGIN, END = "<!-- scope:begin (scripts/quant_scope.py --write) -->", "<!-- scope:end -->"
@@ -25,22 +23,11 @@ BEGIN, END = "<!-- scope:begin (scripts/quant_scope.py --write) -->", "<!-- scop
 
 def readme_table(text: str) -> str:
     """The table currently in quant/README.md's text, between the markers."""
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return marked_table(text, BEGIN, END)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in quant/README.md")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = scope_table()
-    if not args.write:
-        print(out)
-        return
-    text = README.read_text()
-    head, rest = text.split(BEGIN, 1)
-    README.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1])
-    print(f"wrote the table into {README}")
+    table_command(__doc__.splitlines()[0], scope_table, README, BEGIN, END, argv)
 
 
 if __name__ == "__main__":

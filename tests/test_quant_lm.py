@@ -201,20 +201,18 @@ def test_gptq_later_blocks_see_the_quantized_earlier_blocks():
     gives other weights (true_sequential also changes them: fc1 sees the quantized qkv / proj)."""
     model, calib = gpt(), tokens(8)
     qmodel, _ = PIPELINES["gptq"](model, calib, "w4a16")
-    acc = HessianAccumulator(32, torch.device("cpu"))
-    handle = model.blocks[1].attn.qkv.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
-    with torch.no_grad():
-        model(calib)
-    handle.remove()
-    float_input, _ = gptq_quantize(model.blocks[1].attn.qkv.weight.float(), acc.hessian, GPTQQuantizer(4))
-    assert not torch.equal(float_input, qmodel.blocks[1].attn.qkv.weight)
-    acc = HessianAccumulator(32, torch.device("cpu"))
-    handle = qmodel.blocks[1].attn.qkv.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
-    with torch.no_grad():
-        qmodel(calib)
-    handle.remove()
-    quantized_input, _ = gptq_quantize(model.blocks[1].attn.qkv.weight.float(), acc.hessian, GPTQQuantizer(4))
-    assert torch.equal(quantized_input, qmodel.blocks[1].attn.qkv.weight)
+
+    def block1_qkv_gptq(source: nn.Module) -> torch.Tensor:
+        """GPTQ of block 1's float qkv weight with the Hessian of its inputs in `source`."""
+        acc = HessianAccumulator(32, torch.device("cpu"))
+        handle = source.blocks[1].attn.qkv.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+        with torch.no_grad():
+            source(calib)
+        handle.remove()
+        return gptq_quantize(model.blocks[1].attn.qkv.weight.float(), acc.hessian, GPTQQuantizer(4))[0]
+
+    assert not torch.equal(block1_qkv_gptq(model), qmodel.blocks[1].attn.qkv.weight)  # float inputs
+    assert torch.equal(block1_qkv_gptq(qmodel), qmodel.blocks[1].attn.qkv.weight)  # the quantized prefix's
     sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
     assert torch.equal(sequential.blocks[0].attn.qkv.weight, qmodel.blocks[0].attn.qkv.weight)
     assert not torch.equal(sequential.blocks[0].mlp.fc1.weight, qmodel.blocks[0].mlp.fc1.weight)
