@@ -2,7 +2,8 @@
 
 They live here, not in quant/, so that `import configs` needs no torch: `scripts/sweep.py` expands
 YAML without loading a model library. Each pipeline reads its section (quant/ptq/, quant/aphq/,
-quant/gplq/); quant/README.md explains every default and which ones are our choices.
+quant/gplq/, quant/gptq/, quant/smoothquant/); quant/README.md explains every default and which ones are
+our choices.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Dict, Literal, Optional, Tuple
 
-from .constraints import Positive
+from .constraints import AtLeastOne, Positive, Probability
 
 
 @dataclass
@@ -149,3 +150,65 @@ class GPLQOptions(FirstLastOptions):
     #   stage-1 block without weight quantization (w32a4), or the original float model's block (teacher)
     qwt_target: Literal["float", "w32a4", "teacher"] = "float"
 
+
+
+@dataclass
+class FloatEndsOptions(FirstLastOptions):
+    """Stem (patch embedding) and head in float: the only setting of rtn / gptq / smoothquant(_strict).
+
+    The official GPTQ and SmoothQuant code quantize the Linears of the decoder layers and leave the
+    embeddings and the LM head float; these pipelines do the same on every task (quant/README.md). The
+    fields exist so that `quant.first_last` applies to every pipeline; any other value is refused.
+    """
+
+    stem_w_bits: Optional[int] = 0  # float (the only value these pipelines accept)
+    stem_a_bits: Optional[int] = 0  # float
+    head_w_bits: Optional[int] = 0  # float (GPT-2's head is tied to the token embedding)
+    head_a_bits: Optional[int] = 0  # float
+
+
+@dataclass
+class RTNOptions(FloatEndsOptions):
+    """Round-to-nearest weight-only quantization on GPTQ's grid (IST-DASLab/gptq `--nearest`)."""
+
+    symmetric: bool = False  # GPTQ's --sym: range [-max|w|, max|w|] with the fixed zero point 2^(b-1)
+    group_size: Annotated[Optional[int], AtLeastOne] = None  # None: one range per output channel (--groupsize -1)
+
+
+@dataclass
+class GPTQOptions(RTNOptions):
+    """GPTQ (Frantar et al. 2023) as IST-DASLab/gptq `opt.py` / `llama.py` run it (defaults: theirs)."""
+
+    percdamp: Annotated[float, Positive] = 0.01  # dampening: this fraction of the mean Hessian diagonal
+    blocksize: Annotated[int, AtLeastOne] = 128  # columns per lazy batch update
+    act_order: bool = False  # --act-order: quantize columns in order of decreasing Hessian diagonal
+    static_groups: bool = False  # --static-groups: group ranges fixed from the weights before any update
+    true_sequential: bool = False  # llama.py --true-sequential: one Hessian pass per Linear, in block order
+    batch_size: Annotated[int, AtLeastOne] = 8  # calibration sequences per forward (official: 1; float sums)
+
+
+@dataclass
+class SmoothQuantOptions(FloatEndsOptions):
+    """SmoothQuant (Xiao et al. 2023) as mit-han-lab/smoothquant `smooth.py` + `fake_quant.py` run it; the
+    defaults are the paper's (and this repo's) non-strict W8A8: per-token dynamic activations."""
+
+    alpha: Annotated[float, Probability] = 0.5  # migration strength s_j = max|X_j|^alpha / max|W_j|^(1-alpha)
+    weight_granularity: Literal["channel", "tensor"] = "channel"  # symmetric max-abs weight ranges
+    act_granularity: Literal["token", "tensor"] = "token"  # symmetric max-abs activation ranges
+    # dynamic: ranges from each input at run time (fake_quant.py); static: per-tensor ranges fixed from the
+    #   smoothed float model on the calibration set (get_static_decoder_layer_scales, the real-INT8 path)
+    act_calibration: Literal["dynamic", "static"] = "dynamic"
+    # attention matmuls: none (float), qkv (q, k, v quantized like the Linear inputs: fake_quant.py's
+    #   quantize_bmm_input), all (also the softmax output, the same way; with a causal mask its max-abs is
+    #   1, i.e. Int8OPTAttention's fixed 8-bit grid 1/127)
+    quantize_bmm: Literal["none", "qkv", "all"] = "none"
+    batch_size: Annotated[int, AtLeastOne] = 8  # calibration sequences per forward of the statistics passes
+
+
+@dataclass
+class SmoothQuantStrictOptions(SmoothQuantOptions):
+    """The paper's SmoothQuant-W8A8-strict: per-tensor static activations and quantized attention matmuls."""
+
+    act_granularity: Literal["token", "tensor"] = "tensor"  # one activation range per tensor
+    act_calibration: Literal["dynamic", "static"] = "static"  # fixed from the smoothed float model (calibration)
+    quantize_bmm: Literal["none", "qkv", "all"] = "all"  # q, k, v and the softmax output quantized too

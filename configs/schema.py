@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
 from .constraints import AtLeastOne, BelowOne, NonNegative, Positive, Probability, Range
-from .quant import APHQOptions, GPLQOptions, PercentileOptions, RepQOptions
+from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
+                    SmoothQuantOptions, SmoothQuantStrictOptions)
 
 
 @dataclass
@@ -225,7 +226,8 @@ class QuantConfig:
     quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
 
     # None (default): the task's own, percentile and repq for images, the paper's Table 8 settings for a
-    # language model (evaluate.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES
+    # language model (evaluate.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES:
+    # percentile, repq, aphq, gplq (vision), rtn, gptq, smoothquant, smoothquant_strict (LM and vision)
     pipelines: Optional[list] = None
     # weight / activation bit-widths, e.g. [w4a4, w6a6]: every pipeline at each; [] (default): each
     # pipeline at its own default (w4a4; rtn and gptq w4a16; smoothquant w8a8)
@@ -253,6 +255,12 @@ class QuantConfig:
     # e.g. quant.aphq.iters=2000 quant.gplq.steps=500 for quick sweeps
     aphq: APHQOptions = field(default_factory=APHQOptions)
     gplq: GPLQOptions = field(default_factory=GPLQOptions)
+    # the LM settings of the paper (RTN-W4A16, GPTQ-W4A16, SmoothQuant-W8A8 and its strict variant); they
+    # quantize the Linears inside the blocks only, e.g. quant.gptq.act_order=true quant.smoothquant.alpha=0.8
+    rtn: RTNOptions = field(default_factory=RTNOptions)
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
+    smoothquant_strict: SmoothQuantStrictOptions = field(default_factory=SmoothQuantStrictOptions)
 
 
 @dataclass

@@ -1,15 +1,17 @@
-"""Fake quantization of timm ViT/DeiT/Swin: quantizers, conversion, calibration and four pipelines.
+"""Fake quantization of timm ViT/DeiT/Swin and GPT-2: quantizers, conversion, calibration and eight pipelines.
 
     from quant import PIPELINES, PipelineData
     qmodel, report = PIPELINES["repq"](fp_model, calib_images, "w4a4")        # or "percentile"
     qmodel, report = PIPELINES["aphq"](fp_model, calib_images, "w4a4", {"iters": 2000},
                                        data=PipelineData(...))
+    qmodel, report = PIPELINES["gptq"](gpt, calib_tokens, "w4a16")            # rtn, smoothquant(_strict)
 
 The shared core is in this folder (quantizers, layers, attention, spec, convert, calibrate, ranges,
 reparam, units, layout; pipeline_base: the interface every pipeline implements, pipeline_data: the
-training data some draw, registry: PIPELINES by name); each method family is a sub-package: ptq/
-(percentile, RepQ-ViT), aphq/, gplq/. quant/ imports torch, timm, numpy, configs (its options) and
-engine (distributed helpers, the training loop for GPLQ's stage 1); never data/ or the entry points. See
+training data some draw, registry: PIPELINES by name, scope: what each quantizes); each method family is
+a sub-package: ptq/ (percentile, RepQ-ViT), aphq/, gplq/, gptq/ (GPTQ, RTN), smoothquant/. quant/ imports
+torch, timm, numpy, configs (its options), models (the attention classes it replaces) and engine
+(distributed helpers, the training loop for GPLQ's stage 1); never data/ or the entry points. See
 quant/README.md.
 """
 from .convert import quantize_model

@@ -1,12 +1,14 @@
 """Attention with explicit, quantizable matmuls, replacing timm's `Attention` (ViT/DeiT), Swin's
-`WindowAttention` and their attention-sink variants (models/attention_sinks.py).
+`WindowAttention`, their attention-sink variants (models/attention_sinks.py) and GPT-2's causal
+self-attention (models/gpt.py).
 
-timm runs ViT attention through fused SDPA, which never materialises q @ k^T or the probabilities,
+timm (and models/gpt.py) run attention through fused SDPA, which never materialises q @ k^T or the probabilities,
 so a quantized copy re-writes the forward as explicit steps, each a method a variant can override:
 
     q, k, v = project_qkv(x)                         # qkv Linear (a QuantLinear after conversion)
     scores  = attention_scores(q, k)                 # quant(q) @ quant(k)^T * scale
-    scores  = scores + bias / masks                  # float (Swin: relative position bias, shift mask)
+    scores  = scores + bias / masks                  # float (Swin: relative position bias, shift mask;
+                                                     #   GPT-2: the causal mask)
     probs   = attention_probs(scores)                # float softmax; softmax1 / attn_bias override this
     context = attention_context(probs, v)            # quant(probs) @ quant(v)
     out     = proj(context)
@@ -30,12 +32,14 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Type
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 # Import the classes the model modules use: timm >= 1.0.2x defines Attention in timm.layers and
 # re-exports it here, older 1.0.x releases define it in vision_transformer.py itself.
 from timm.models.swin_transformer import WindowAttention
 from timm.models.vision_transformer import Attention
 
+from models.gpt import CausalSelfAttention
 from models.attention_sinks import (AttnBiasAttention, AttnBiasSink, AttnBiasWindowAttention, KVBiasAttention,
                                     KVBiasSink, KVBiasWindowAttention, Softmax1Attention, Softmax1Sink,
                                     Softmax1WindowAttention, pad_keys, token_mask)
@@ -165,6 +169,31 @@ class QuantWindowAttention(QuantAttentionBase):
         return self.proj_drop(self.proj(x))
 
 
+class QuantCausalAttention(QuantAttentionBase):
+    """Converted GPT-2 `models.gpt.CausalSelfAttention`: the causal mask is added in float after matmul1."""
+
+    def __init__(self, src: CausalSelfAttention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
+        super().__init__()
+        self.num_heads = src.num_heads
+        self.head_dim = src.qkv.in_features // src.num_heads
+        self.scale = self.head_dim ** -0.5  # SDPA's default scale, as the float module uses it
+        self.qkv = src.qkv
+        self.proj = src.proj
+        self.attn_drop = src.attn_drop  # a probability (the float module calls SDPA with dropout_p)
+        self.proj_drop = src.proj_drop
+        self._init_quantizers(quantizers)
+        self.train(src.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.project_qkv(x)
+        scores = self.attention_scores(q, k)
+        scores = scores + token_mask(None, True, N, scores)
+        probs = F.dropout(self.attention_probs(scores), self.attn_drop if self.training else 0.0)
+        x = self.attention_context(probs, v).transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
 class _SharedSink:
     """Registers the float variant's sink parameters (shared, not copied) under the same names."""
 
@@ -212,6 +241,7 @@ ATTENTION_TYPES: Dict[Type[nn.Module], AttentionFactory] = {
     Softmax1WindowAttention: QuantSoftmax1WindowAttention,
     AttnBiasWindowAttention: QuantAttnBiasWindowAttention,
     KVBiasWindowAttention: QuantKVBiasWindowAttention,
+    CausalSelfAttention: QuantCausalAttention,
 }
 
 

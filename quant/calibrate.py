@@ -1,12 +1,15 @@
-"""Calibration: RepQ-ViT's sequential procedure on a converted model.
+"""Calibration of a converted model: RepQ-ViT's sequential procedure, and static ranges of the float model.
 
-One forward pass over the whole calibration set with every quantizer switched on. Each quantizer
-fits itself the first time it sees data, so it is calibrated on the inputs produced by the
-already-quantized upstream network; afterwards all quantizers are frozen.
+`calibrate`: one forward pass over the whole calibration set with every quantizer switched on. Each
+quantizer fits itself the first time it sees data, so it is calibrated on the inputs produced by the
+already-quantized upstream network; afterwards all quantizers are frozen. The calibration inputs (32
+fixed, seeded train images with the eval transform in the paper's setting, or token windows [N, T] for a
+language model; chosen by the entry point, quant/ never loads data) are concatenated into ONE batch:
+every quantile is then exact over the pooled set, as in RepQ-ViT. Memory grows linearly with the set size.
 
-The calibration images (32 fixed, seeded train images with the eval transform in the paper's
-setting; chosen by the entry point, quant/ never loads data) are concatenated into ONE batch: every
-quantile is then exact over the pooled set, as in RepQ-ViT. Memory grows linearly with the set size.
+`calibrate_from_float`: min / max ranges of the values every activation quantizer sees in the FLOAT model
+(all quantizers bypassed), streamed over batches: SmoothQuant's static scales, which its code takes from
+the smoothed float model (`get_static_decoder_layer_scales`).
 """
 from __future__ import annotations
 
@@ -16,19 +19,22 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .modes import set_calibration, uncalibrated
-from .units import device_of
+from .modes import named_quantizers, quant_state, set_calibration, uncalibrated
+from .quantizers import UniformQuantizer
+from .ranges import to_rows
+from .units import device_of, stream_module_inputs
 
 Images = Union[torch.Tensor, Iterable[Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
 
 def stack_images(images: Images) -> torch.Tensor:
-    """One [N, C, H, W] tensor from a tensor or an iterable of tensors / (images, labels) batches."""
+    """One [N, ...] tensor (images [N, C, H, W], token ids [N, T]) from a tensor or an iterable of tensors /
+    (inputs, labels) batches."""
     if isinstance(images, torch.Tensor):
         return images
     batches = [b[0] if isinstance(b, (tuple, list)) else b for b in images]
     if not batches:
-        raise ValueError("no calibration images")
+        raise ValueError("no calibration inputs")
     return torch.cat(batches, dim=0)
 
 
@@ -41,11 +47,12 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
 
     Args:
         model: a converted model (see `quantize_model`); run in eval mode, its mode is restored.
-        images: [N, C, H, W] tensor, or an iterable of such batches (or of (images, labels) pairs).
+        images: model inputs [N, ...] (images [N, C, H, W], token ids [N, T]), or an iterable of such batches
+            (or of (inputs, labels) pairs).
         device: where to run; default: the model's device.
 
     Returns:
-        {"images": N, "seconds": wall time, "quantizers": number fitted in this call}.
+        {"images": N (inputs: images or token windows), "seconds": wall time, "quantizers": number fitted}.
 
     Raises:
         RuntimeError: some enabled quantizer saw no data (its layer is not on the forward path).
@@ -93,3 +100,49 @@ def refit_weight_quantizers(layers: Iterable[Tuple[str, nn.Module]]) -> int:
         layer.invalidate_weight_cache()
         n += 1
     return n
+
+
+@torch.no_grad()
+def calibrate_from_float(model: nn.Module, inputs: Images, batch_size: int) -> Dict[str, float]:
+    """Fit every uncalibrated activation quantizer on the values it sees in the float model, then freeze it.
+
+    The pass runs with every quantizer bypassed (weights and activations float) and keeps, per quantizer
+    group, the running min and max over the batches; each quantizer then takes the range
+    [min, max] (symmetric kinds: max |x|). This is SmoothQuant's static calibration (their scales come from
+    hooks on the float, smoothed model, max-abs over all calibration samples), not RepQ-ViT's sequential
+    one (`calibrate`).
+
+    Args:
+        model: a converted model whose uncalibrated activation quantizers are UniformQuantizers with the
+            "minmax" range rule (anything else raises).
+        inputs: model inputs (see `calibrate`), run `batch_size` at a time.
+
+    Returns:
+        {"images": N, "seconds": wall time, "quantizers": number fitted}.
+    """
+    todo = {name: q for name, q in named_quantizers(model, "activation") if q.enabled and not q.calibrated}
+    wrong = [n for n, q in todo.items() if type(q) is not UniformQuantizer or q.search.method != "minmax"]
+    if wrong:
+        raise ValueError(f"float-model calibration fits min/max UniformQuantizers only, not: {wrong[:6]}")
+    lo: Dict[str, torch.Tensor] = {}
+    hi: Dict[str, torch.Tensor] = {}
+
+    def observe(key: str, x: torch.Tensor) -> None:
+        rows = to_rows(x, todo[key].channel_dim)
+        low, high = rows.amin(dim=1), rows.amax(dim=1)
+        lo[key] = low if key not in lo else torch.minimum(lo[key], low)
+        hi[key] = high if key not in hi else torch.maximum(hi[key], high)
+
+    x = stack_images(inputs)
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        with quant_state(model, weights=False, activations=False):
+            stream_module_inputs(model, todo, None, x, batch_size, observe)
+    finally:
+        model.train(was_training)
+    for key, q in todo.items():
+        q.set_params(*q.params_from_range(lo[key], hi[key]))
+        q.search_label = f"static, {'max-abs' if q.symmetric else 'min/max'} of the float model"
+    return {"images": int(x.shape[0]), "seconds": time.perf_counter() - start, "quantizers": len(todo)}

@@ -8,7 +8,7 @@ rules; in strict mode a Linear/Conv2d that matches neither a rule nor `keep_floa
 from __future__ import annotations
 
 import copy
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,12 +32,13 @@ def set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def _channel_dim(spec: QuantizerSpec, operand: str, fqn: str) -> Optional[int]:
-    """Resolve a granularity into the grouped dimension for an operand type."""
+def _channel_dim(spec: QuantizerSpec, operand: str, fqn: str) -> Optional[Union[int, Tuple[int, ...]]]:
+    """Resolve a granularity into the grouped dimension for an operand type (for "token": the dims that
+    one token's range pools, see QuantizerSpec)."""
     if spec.granularity == "tensor":
         return None
-    dims = {"weight": {"channel": 0}, "linear_input": {"channel": -1}, "conv_input": {"channel": 1},
-            "matmul": {"channel": -1, "head": 1}}[operand]
+    dims = {"weight": {"channel": 0}, "linear_input": {"channel": -1, "token": (-1,)}, "conv_input": {"channel": 1},
+            "matmul": {"channel": -1, "head": 1, "token": (1, -1)}}[operand]
     if spec.granularity not in dims:
         raise ValueError(f"{fqn}: granularity {spec.granularity!r} is not defined for a {operand} operand")
     return dims[spec.granularity]

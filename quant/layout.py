@@ -1,4 +1,4 @@
-"""The quantization points every pipeline shares, with one quantizer spec per role.
+"""Where quantizers go: the points the vision pipelines share, and the in-block scope of the LM pipelines.
 
 Percentile, RepQ-ViT, APHQ and GPLQ quantize the same points, so that they differ only in their
 quantizers (RepQ-ViT's official code, zkkli/RepQ-ViT `quant/quant_model.py`, quantizes these): the
@@ -6,14 +6,18 @@ inputs and weights of every Linear in the blocks (qkv, proj, fc1, fc2, Swin's Pa
 and of the head, the patch-embedding conv, and both operands of q @ k^T and attn @ v. LayerNorm,
 softmax, GELU, residual adds and biases stay float. The stem and head bit-widths come from the
 pipeline's FirstLastOptions (configs/quant.py).
+
+rtn, gptq and smoothquant(_strict) quantize what the official GPTQ and SmoothQuant code quantize in OPT /
+LLaMA: the Linears inside the Transformer blocks only (`in_block_layout`); embeddings, the patch
+embedding, Swin's PatchMerging reduction and the (tied) LM head or classifier stay float.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, Optional
 
-from .spec import (ATTENTION, BLOCK_LINEARS, HEAD, POST_NORM_LINEARS, STEM, AttentionRule, LinearRule,
-                   QuantizerSpec, QuantSpec)
+from .spec import (ATTENTION, BLOCK_LINEARS, BLOCK_POST_NORM_LINEARS, HEAD, MERGE_LINEARS, POST_NORM_LINEARS, STEM,
+                   AttentionRule, LinearRule, QuantizerSpec, QuantSpec)
 
 
 def _with_bits(spec: QuantizerSpec, bits: Optional[int]) -> Optional[QuantizerSpec]:
@@ -38,4 +42,20 @@ def standard_layout(*, weight: QuantizerSpec, post_norm_input: QuantizerSpec, bl
             LinearRule(BLOCK_LINEARS, weight, block_input, role="block"),
         ),
         attentions=(AttentionRule(ATTENTION, q=q, k=k, attn=attn, v=v),),
+    )
+
+
+def in_block_layout(*, weight: QuantizerSpec, post_norm_input: Optional[QuantizerSpec],
+                    block_input: Optional[QuantizerSpec], attention: Optional[AttentionRule] = None) -> QuantSpec:
+    """The Linears inside the Transformer blocks (qkv, proj, fc1, fc2 of ViT, Swin and GPT-2), optionally
+    the attention matmuls; every other Linear / Conv2d is deliberately float (`keep_float`).
+
+    Rule roles as in `standard_layout`: "post_norm" (qkv, fc1: inputs are LayerNorm outputs), "block"
+    (proj, fc2). None inputs stay float (weight-only pipelines).
+    """
+    return QuantSpec(
+        linears=(LinearRule(BLOCK_POST_NORM_LINEARS, weight, post_norm_input, role="post_norm"),
+                 LinearRule(BLOCK_LINEARS, weight, block_input, role="block")),
+        attentions=(attention,) if attention is not None else (),
+        keep_float=STEM + HEAD + MERGE_LINEARS,
     )

@@ -13,7 +13,7 @@ from torch import nn
 
 from .attention import OPERANDS, QuantAttentionBase
 from .layers import QuantConv2d, QuantLinear
-from .quantizers import LogSqrt2Quantizer, Quantizer, UniformQuantizer
+from .quantizers import DynamicQuantizer, LogSqrt2Quantizer, Quantizer, UniformQuantizer
 
 
 def named_quantizers(model: nn.Module, kind: str = "all") -> Iterator[Tuple[str, Quantizer]]:
@@ -73,8 +73,12 @@ def _describe_quantizer(q: Optional[Quantizer]) -> str:
         return "float"
     if isinstance(q, LogSqrt2Quantizer):
         return f"{q.bits}b log-sqrt2"
+    if isinstance(q, DynamicQuantizer):
+        return f"{q.bits}b sym per-{'tensor' if q.reduce_dims is None else 'token'} (dynamic max-abs)"
     if isinstance(q, UniformQuantizer):
         gran = {None: "tensor", 0: "channel", -1: "channel", 1: "head/channel"}.get(q.channel_dim, "channel")
+        if getattr(q, "group_size", None):
+            gran = f"group of {q.group_size}"
         # pipelines whose ranges come from elsewhere (output-MSE search, LSQ) label them via `search_label`
         how = getattr(q, "search_label", "") or q.search.method
         return f"{q.bits}b {'sym' if q.symmetric else 'asym'} per-{gran} ({how})"

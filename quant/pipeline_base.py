@@ -61,6 +61,7 @@ class Pipeline:
     data_parallel: bool = False  # True: `run` is called on every rank and uses run_on_main itself
     tasks: tuple = ("classification",)  # the engine/tasks.py tasks whose models it quantizes
     default_bits: str = "w4a4"  # the bit-width evaluate.py runs when quant.bits is [] (the paper's setting)
+    weight_only: bool = False  # True: activations stay float (only aN16 bit-widths); False: only quantized ones
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,
@@ -68,10 +69,12 @@ class Pipeline:
         """Quantize a copy of `fp_model`.
 
         Args:
-            fp_model: float timm ViT/DeiT/Swin, on the device to calibrate on (left untouched).
-            calib_images: [N, 3, H, W] tensor or iterable of batches (eval transform; the entry point
-                picks them).
-            bits: "w4a4", "w6a6", "w8a8", ... or Bits(w, a).
+            fp_model: float timm ViT/DeiT/Swin or models.gpt.GPT, on the device to calibrate on (left
+                untouched).
+            calib_images: the calibration inputs as a tensor or iterable of batches, passed to the model as
+                they are: [N, 3, H, W] images (eval transform) or [N, T] token windows (a LongTensor);
+                the entry point picks them.
+            bits: "w4a4", "w6a6", "w8a8", "w4a16" (weights only), ... or Bits(w, a).
             options: pipeline-specific overrides of `Options` (unknown keys raise).
             data: training data for pipelines that draw their own images (APHQ, GPLQ); percentile and
                 repq ignore it (see pipeline_data.py).
@@ -89,7 +92,16 @@ class Pipeline:
 
     def check(self, bits: Bits, options: Any) -> None:
         """Raise ValueError (naming the option) for options that cannot go together at these bits: the
-        entry point calls it for every pipeline and bit-width before any work."""
+        entry point calls it for every pipeline and bit-width before any work. Overrides call this first:
+        it refuses the bit-widths the pipeline cannot do (16 bits = float, see spec.Bits)."""
+        if bits.float_weights:
+            raise ValueError(f"{self.name} quantizes weights: {bits} keeps them float (16 bits); give w2..w15")
+        if self.weight_only and not bits.float_activations:
+            raise ValueError(f"{self.name} is weight-only: activations stay float, so the bit-width is "
+                             f"w{bits.w}a16, not {bits}")
+        if not self.weight_only and bits.float_activations:
+            raise ValueError(f"{self.name} quantizes activations: {bits} keeps them float (16 bits); weight-only "
+                             "quantization (wNa16) is rtn / gptq")
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""

@@ -1,4 +1,5 @@
-"""Stateful fake quantizers: uniform (asymmetric / symmetric; per tensor, channel or head) and log-sqrt2.
+"""Stateful fake quantizers: uniform (asymmetric / symmetric; per tensor, channel or head), log-sqrt2, and
+dynamic (SmoothQuant's max-abs ranges per token or per tensor, computed from every input at run time).
 
 Life cycle of a quantizer (all flags are Python attributes, so forward never syncs with the device):
 
@@ -15,7 +16,7 @@ mix of quantized and float values. The calibrated flag is saved with the state d
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ class Quantizer(nn.Module):
     """Base class: the calibrate-once-then-freeze protocol shared by all quantizers."""
 
     repeats_its_input = True  # activation probes (engine/act_max.py) do not count a quantizer's output
+    dynamic = False  # True: ranges are computed from each input at run time (nothing to calibrate)
+    supports_groups = False  # True: weight ranges per group of input columns (QuantizerSpec.group_size)
 
     def __init__(self, bits: int, search: RangeSearch) -> None:
         super().__init__()
@@ -266,3 +269,58 @@ class LogSqrt2Quantizer(Quantizer):
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, log-sqrt2, search={self.search.method}, calibrated={self.calibrated}"
+
+
+class DynamicQuantizer(Quantizer):
+    """Symmetric max-abs quantizer whose range is computed from each input at run time (no calibration).
+
+    SmoothQuant's `quantize_activation_per_token_absmax` / `..._per_tensor_absmax` (mit-han-lab/smoothquant
+    `smoothquant/fake_quant.py`): scale = max(|x| over the group, 1e-5) / (2^(b-1) - 1), value
+    round(x / scale) * scale (no clamp is needed: |x| / scale <= 2^(b-1) - 1). Groups: the whole tensor
+    (`reduce_dims` None: e.g. a whole evaluation batch, as officially) or one per token (`reduce_dims`: the
+    dims pooled into one token's range, (-1,) for a Linear input [..., C], (1, -1) for an attention operand
+    [B, H, N, D], i.e. all heads of a token as in a quantized q/k/v projection output).
+    """
+
+    dynamic = True
+    MIN_RANGE = 1e-5  # the official clamp of the max-abs (before the division by 2^(b-1) - 1)
+
+    def __init__(self, bits: int, reduce_dims: Optional[Tuple[int, ...]] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(bits, RangeSearch("minmax"))
+        del device  # no parameters: the scale lives on the device of each input
+        self.reduce_dims = reduce_dims
+        self.qmax = 2 ** (bits - 1) - 1
+        self.calibrated = True  # nothing to fit
+
+    @classmethod
+    def from_spec(cls, spec: Any, channel_dim: Any, num_channels: Optional[int] = None,
+                  device: Optional[torch.device] = None) -> "DynamicQuantizer":
+        if spec.granularity not in ("tensor", "token") or not spec.symmetric:
+            raise ValueError("the dynamic quantizer is symmetric, per tensor or per token")
+        return cls(spec.bits, channel_dim if spec.granularity == "token" else None, device=device)
+
+    def fit(self, x: torch.Tensor) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass  # stays calibrated: it has no parameters
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        amax = (x.detach().abs().amax() if self.reduce_dims is None
+                else x.detach().abs().amax(dim=self.reduce_dims, keepdim=True))
+        scale = amax.clamp(min=self.MIN_RANGE) / self.qmax
+        return fake_quant_uniform(x, scale, torch.zeros_like(scale), -self.qmax - 1, self.qmax,
+                                  ste=self._use_ste(x))
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {**super().get_extra_state(), "reduce_dims": self.reduce_dims}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        super().set_extra_state(state)
+        self.calibrated = True
+        self.reduce_dims = state.get("reduce_dims", self.reduce_dims)
+
+    def extra_repr(self) -> str:
+        gran = "tensor" if self.reduce_dims is None else f"token (max over dims {self.reduce_dims})"
+        return f"bits={self.bits}, symmetric, dynamic per-{gran}"

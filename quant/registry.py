@@ -2,9 +2,10 @@
 
     PIPELINES["repq"](fp_model, calib_images, "w4a4")        # -> PTQResult(model, report)
 
-quant/ never loads data: the entry point supplies the calibration images, optionally a `PipelineData`
-(training images for APHQ / GPLQ), and an `eval_fn` that runs its own validation loop on a model and
-returns metrics such as {"top1": .., "top5": ..}.
+quant/ never loads data: the entry point supplies the calibration inputs (images, or token windows [N, T]
+for a language model), optionally a `PipelineData` (training images for APHQ / GPLQ), and an `eval_fn` that
+runs its own validation loop on a model and returns metrics such as {"top1": .., "top5": ..} or
+{"perplexity": ..}.
 """
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ from torch import nn
 from .aphq.pipeline import APHQPipeline
 from .calibrate import Images
 from .gplq.pipeline import GPLQPipeline
+from .gptq.pipeline import GPTQPipeline, RTNPipeline
 from .pipeline_base import Pipeline
 from .pipeline_data import PipelineData
 from .ptq.percentile import PercentilePipeline
 from .ptq.repq import RepQPipeline
+from .smoothquant.pipeline import SmoothQuantPipeline, SmoothQuantStrictPipeline
 from .spec import Bits, parse_bits
 
-PIPELINES: Dict[str, Pipeline] = {p.name: p for p in (PercentilePipeline(), RepQPipeline(), APHQPipeline(),
-                                                     GPLQPipeline())}
+# the vision pipelines of the paper's W4A4 tables, then its GPT-2 settings (which run on ViTs too)
+PIPELINES: Dict[str, Pipeline] = {p.name: p for p in (
+    PercentilePipeline(), RepQPipeline(), APHQPipeline(), GPLQPipeline(),
+    RTNPipeline(), GPTQPipeline(), SmoothQuantPipeline(), SmoothQuantStrictPipeline())}
 
 
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],

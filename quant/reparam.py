@@ -1,4 +1,5 @@
-"""RepQ-ViT scale reparameterisation: fold per-channel post-LayerNorm quantizers into LN and the next Linear.
+"""Scale reparameterisation of a LayerNorm and the Linears it feeds: RepQ-ViT's fold of per-channel
+post-LayerNorm quantizers, and SmoothQuant's migration of per-channel factors (`migrate_scales`).
 
 For a LayerNorm output y (channels c) whose consumer's input quantizer was calibrated per channel with
 (s_c, z_c) (zkkli/RepQ-ViT `classification/quant/quant_model.py`):
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -51,15 +52,16 @@ class FoldSite:
     linear: str
 
 
-# The LNs RepQ-ViT reparameterises: norm1 -> qkv, norm2 -> fc1 in every block and Swin's PatchMerging
-# norm -> reduction. Not the final `norm` (feeds the head) and not Swin's patch_embed.norm.
-REPQ_FOLD_SITES = (
+# The LNs inside the blocks: norm1 -> qkv, norm2 -> fc1 (ViT, GPT-2 in models/gpt.py, Swin); SmoothQuant
+# smooths these. RepQ-ViT also reparameterises Swin's PatchMerging norm -> reduction. Neither touches the
+# final `norm` (feeds the head) or Swin's patch_embed.norm.
+BLOCK_FOLD_SITES = (
     FoldSite("blocks.*", "norm1", "attn.qkv"),
     FoldSite("blocks.*", "norm2", "mlp.fc1"),
     FoldSite("layers.*.blocks.*", "norm1", "attn.qkv"),
     FoldSite("layers.*.blocks.*", "norm2", "mlp.fc1"),
-    FoldSite("layers.*.downsample", "norm", "reduction"),
 )
+REPQ_FOLD_SITES = BLOCK_FOLD_SITES + (FoldSite("layers.*.downsample", "norm", "reduction"),)
 
 
 def find_fold_sites(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITES
@@ -75,6 +77,36 @@ def find_fold_sites(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITE
             norm, linear = module.get_submodule(site.norm), module.get_submodule(site.linear)
             found.append((f"{name}.{site.norm}", norm, f"{name}.{site.linear}", linear))
     return found
+
+
+@torch.no_grad()
+def migrate_scales(norm: nn.LayerNorm, linears: Sequence[nn.Linear], scales: torch.Tensor,
+                   bias_shift: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Divide the LayerNorm's output channels by `scales` and multiply the consuming Linears' input columns by
+    them (in place, float64 arithmetic): norm -> linears computes the same function (SmoothQuant's
+    `smooth_ln_fcs`, and the channel part of the RepQ-ViT fold).
+
+    Args:
+        norm: LayerNorm over C channels (its bias, if any, is scaled too).
+        linears: every Linear that reads the norm's output, [out, C] weights.
+        scales: [C] positive factors.
+        bias_shift: [C] subtracted from the scaled norm bias in the same float64 expression (the fold's b).
+
+    Returns:
+        The new Linear weights in float64, in the order of `linears`.
+    """
+    scales = scales.double()
+    norm.weight.copy_(norm.weight.double() / scales)
+    if norm.bias is not None:
+        bias = norm.bias.double() / scales
+        norm.bias.copy_(bias if bias_shift is None else bias - bias_shift)
+    new = []
+    for linear in linears:
+        new.append(linear.weight.double() * scales[None, :])
+        linear.weight.copy_(new[-1])
+        if hasattr(linear, "invalidate_weight_cache"):
+            linear.invalidate_weight_cache()
+    return new
 
 
 @torch.no_grad()
@@ -105,10 +137,7 @@ def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bo
     r = s_c / s_t
     b = s_t * (z_t - z_c)
 
-    norm.weight.copy_(norm.weight.double() / r)
-    norm.bias.copy_(norm.bias.double() / r - b)
-    w_new = linear.weight.double() * r[None, :]
-    linear.weight.copy_(w_new)
+    w_new, = migrate_scales(norm, [linear], r, bias_shift=b)
     shift = w_new @ b
     if linear.bias is None:  # Swin's PatchMerging reduction has no bias
         linear.bias = nn.Parameter(shift.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)

@@ -19,13 +19,15 @@ from typing import Literal, NamedTuple, Optional, Tuple, Type
 from .quantizers import Quantizer, UniformQuantizer
 from .ranges import RangeSearch
 
-Granularity = Literal["tensor", "channel", "head"]
+Granularity = Literal["tensor", "channel", "head", "token"]
 
 
 # timm 1.0 module names (ViT/DeiT: blocks.N; Swin: layers.N.blocks.M, PatchMerging at the start of
 # stages 1-3 as layers.N.downsample, classifier at head.fc). DeiT-distilled adds head_dist.
-POST_NORM_LINEARS = ("blocks.*.attn.qkv", "blocks.*.mlp.fc1", "layers.*.blocks.*.attn.qkv",
-                     "layers.*.blocks.*.mlp.fc1", "layers.*.downsample.reduction")
+BLOCK_POST_NORM_LINEARS = ("blocks.*.attn.qkv", "blocks.*.mlp.fc1", "layers.*.blocks.*.attn.qkv",
+                           "layers.*.blocks.*.mlp.fc1")
+MERGE_LINEARS = ("layers.*.downsample.reduction",)  # Swin's PatchMerging, between blocks
+POST_NORM_LINEARS = BLOCK_POST_NORM_LINEARS + MERGE_LINEARS
 BLOCK_LINEARS = ("blocks.*.attn.proj", "blocks.*.mlp.fc2", "layers.*.blocks.*.attn.proj",
                  "layers.*.blocks.*.mlp.fc2")
 STEM = ("patch_embed.proj",)
@@ -37,11 +39,15 @@ ATTENTION = ("blocks.*.attn", "layers.*.blocks.*.attn")
 class QuantizerSpec:
     """How to build one quantizer.
 
-    `kind` is the quantizer class (UniformQuantizer, LogSqrt2Quantizer, or a subclass such as APHQ's
-    AdaRoundQuantizer and GPLQ's LSQQuantizer), built by its `from_spec`. Granularity: "tensor" (one
-    scale), "channel" (weights: output channel = dim 0; activations: the LAST dim, pooled over batch
-    and tokens, also for NHWC tensors; conv inputs: dim 1) or "head" (attention operands [B, H, N, D]:
-    dim 1).
+    `kind` is the quantizer class (UniformQuantizer, LogSqrt2Quantizer, DynamicQuantizer, or a subclass
+    such as APHQ's AdaRoundQuantizer, GPLQ's LSQQuantizer and GPTQ's GPTQQuantizer), built by its
+    `from_spec`. Granularity: "tensor" (one scale), "channel" (weights: output channel = dim 0;
+    activations: the LAST dim, pooled over batch and tokens, also for NHWC tensors; conv inputs: dim 1),
+    "head" (attention operands [B, H, N, D]: dim 1) or "token" (one scale per token, computed on the fly:
+    dynamic kinds only; a Linear input [..., C] per row of C, an attention operand [B, H, N, D] per (b, n)
+    over all heads, as SmoothQuant's per-token quantization of a q/k/v projection's output).
+    group_size: weights only, one range per output channel and group of that many input columns (GPTQ's
+    groupsize; kinds with `supports_groups`).
     """
 
     bits: int
@@ -49,12 +55,19 @@ class QuantizerSpec:
     symmetric: bool = False
     granularity: Granularity = "tensor"
     search: RangeSearch = field(default_factory=RangeSearch)
+    group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 16:
             raise ValueError(f"bits must be in [1, 16], got {self.bits}")
-        if self.granularity not in ("tensor", "channel", "head"):
+        if self.granularity not in ("tensor", "channel", "head", "token"):
             raise ValueError(f"unknown granularity {self.granularity!r}")
+        if self.granularity == "token" and not self.kind.dynamic:
+            raise ValueError(f"per-token ranges are computed at run time: {self.kind.__name__} is not a dynamic "
+                             "quantizer kind")
+        if self.group_size is not None and (self.group_size < 1 or not self.kind.supports_groups):
+            raise ValueError(f"group_size={self.group_size}: needs a positive size and a kind with groups "
+                             f"({self.kind.__name__} has none)")
 
 
 @dataclass(frozen=True)
@@ -101,10 +114,11 @@ class QuantSpec:
 
 
 MIN_BITS, MAX_BITS = 2, 16  # a 1-bit symmetric grid has no positive level; beyond 16 bits is float territory
+FLOAT_BITS = 16  # w16 / a16: that operand stays in float (the LM convention: W4A16 = 4-bit weights only)
 
 
 class Bits(NamedTuple):
-    """Weight and activation bit-widths, e.g. parsed from "w4a4"."""
+    """Weight and activation bit-widths, e.g. parsed from "w4a4"; 16 means float ("w4a16": weights only)."""
 
     w: int
     a: int
@@ -112,9 +126,18 @@ class Bits(NamedTuple):
     def __str__(self) -> str:
         return f"w{self.w}a{self.a}"
 
+    @property
+    def float_weights(self) -> bool:
+        return self.w >= FLOAT_BITS
+
+    @property
+    def float_activations(self) -> bool:
+        return self.a >= FLOAT_BITS
+
 
 def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
-    """Parse "w4a4" / "W6A6" / (8, 8) / Bits(4, 4) into `Bits`."""
+    """Parse "w4a4" / "W6A6" / "w4a16" / (8, 8) / Bits(4, 4) into `Bits` (16 bits: that operand stays float;
+    which combinations a pipeline accepts is its `Pipeline.check`)."""
     if isinstance(bits, str):
         m = re.fullmatch(r"[wW](\d+)[aA](\d+)", bits.strip())
         if m is None:

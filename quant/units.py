@@ -12,8 +12,9 @@ concatenated over the image batches on `store_device` (default: the model's devi
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Literal, Optional, Tuple
+from typing import Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -123,6 +124,48 @@ def capture_unit(model: nn.Module, name: str, images: torch.Tensor, batch_size: 
 
 
 @torch.no_grad()
+def stream_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: Optional[str],
+                         images: torch.Tensor, batch_size: int,
+                         consume: Callable[[str, torch.Tensor], None]) -> None:
+    """Hand the first positional input of each module in `modules` to `consume(key, input)`, batch by batch,
+    as the forward pass computes it (nothing is stored here: running statistics, Hessians).
+
+    Modules are called even when their quantizer is disabled, so this also sees float operands.
+
+    Args:
+        model: float or converted model, in whatever quantizer state the caller set.
+        modules: {key: submodule of model}.
+        stop_at: FQN of the submodule after which each forward stops (None: the whole model runs).
+        images: model inputs [N, ...] (images or token ids) on any device, moved batch by batch.
+        batch_size: inputs per forward pass.
+
+    Raises:
+        RuntimeError: some module saw no input.
+    """
+    seen = set()
+
+    def hook(_m: nn.Module, args: tuple, key: str) -> None:
+        seen.add(key)
+        consume(key, args[0].detach())
+
+    handles = [m.register_forward_pre_hook(functools.partial(hook, key=key)) for key, m in modules.items()]
+    if stop_at is not None:
+        handles.append(model.get_submodule(stop_at).register_forward_hook(_stop))
+    try:
+        _forward_until_stop(model, images, batch_size, device_of(model))
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [k for k in modules if k not in seen]
+    if missing:
+        raise RuntimeError(f"modules saw no input{f' before {stop_at} finished' if stop_at else ''}: {missing[:6]}")
+
+
+def _stop(*_: object) -> None:
+    raise _StopForward
+
+
+@torch.no_grad()
 def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: str, images: torch.Tensor,
                           batch_size: int) -> Dict[str, torch.Tensor]:
     """The first positional input of each module in `modules` (e.g. quantizers inside one unit).
@@ -133,23 +176,8 @@ def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_
     Returns:
         {key: [N_total, ...] concatenated over batches along dim 0} on the model's device.
     """
-    device = device_of(model)
     got: Dict[str, List[torch.Tensor]] = {k: [] for k in modules}
-    handles = [m.register_forward_pre_hook(lambda _m, args, key=key: got[key].append(args[0].detach()))
-               for key, m in modules.items()]
-
-    def stop(*_: object) -> None:
-        raise _StopForward
-
-    handles.append(model.get_submodule(stop_at).register_forward_hook(stop))
-    try:
-        _forward_until_stop(model, images, batch_size, device)
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [k for k, v in got.items() if not v]
-    if missing:
-        raise RuntimeError(f"modules saw no input before {stop_at} finished: {missing[:6]}")
+    stream_module_inputs(model, modules, stop_at, images, batch_size, lambda key, x: got[key].append(x))
     return {k: torch.cat(v) for k, v in got.items()}
 
 

@@ -13,9 +13,7 @@ CPU, no downloads, seconds.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import os
 import re
 import sys
 from pathlib import Path
@@ -25,6 +23,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # repo root, for `cd` and `quant`
+sys.path.insert(0, str(ROOT / "scripts"))  # readme_tables
 from cd.families import family_table  # noqa: E402
 from quant import PIPELINES  # noqa: E402
 from quant.aphq.mlp_recon import relu_mlps  # noqa: E402
@@ -33,6 +32,7 @@ from quant.convert import quantize_model  # noqa: E402
 from quant.pipeline_base import parse_options  # noqa: E402
 from quant.spec import parse_bits  # noqa: E402
 from quant.units import check_unit_coverage, find_units  # noqa: E402
+from readme_tables import marked_table, table_command  # noqa: E402
 
 README = ROOT / "cd" / "README.md"
 BEGIN, END = "<!-- families:begin (scripts/cd_families.py --write) -->", "<!-- families:end -->"
@@ -87,22 +87,11 @@ def table() -> str:
 
 def readme_table(text: str) -> str:
     """The table currently in cd/README.md's text, between the markers."""
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return marked_table(text, BEGIN, END)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in cd/README.md")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = table()
-    if not args.write:
-        print(out)
-        return
-    text = README.read_text()
-    head, rest = text.split(BEGIN, 1)
-    README.write_text(head + BEGIN + "\n" + out + "\n" + END + rest.split(END, 1)[1])
-    print(f"wrote the table into {README}")
+    table_command(__doc__.splitlines()[0], table, README, BEGIN, END, argv)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class APHQPipeline(Pipeline):
             first_last=options.resolved(bits))
 
     def check(self, bits: Bits, options: APHQOptions) -> None:
+        super().check(bits, options)
         if options.calib_images > options.recon_images:
             raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
                              f"(the calibration set is a prefix of the reconstruction set)")

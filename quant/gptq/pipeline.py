@@ -1,0 +1,141 @@
+"""The weight-only LM settings of the paper: `rtn` (RTN-W4A16) and `gptq` (GPTQ-W4A16).
+
+Both quantize the weights of every Linear inside the Transformer blocks (qkv, proj, fc1, fc2) on GPTQ's grid
+(`quantizer.py`: per output channel, min/max including 0, asymmetric by default) and keep activations,
+embeddings, the patch embedding, Swin's PatchMerging and the head float, as IST-DASLab/gptq's OPT / LLaMA
+scripts do (their `find_layers` over each decoder layer; `lm_head` untouched).
+
+rtn (their `--nearest`): each weight rounded to the nearest level of its channel's min/max grid; no data.
+
+gptq (their `opt_sequential`, `llama_sequential`), block by block in order:
+1. the block's calibration inputs are what the already-quantized earlier blocks produce: one forward of
+   the calibration windows through the (quantized) prefix, stopped after the block, with the block itself
+   still float; hooks accumulate each of its Linears' Hessian H = 2/n sum x x^T from the inputs they see
+   (all of the block's Linears from that one pass, as `opt_sequential`; with `true_sequential` one pass per
+   Linear, after the earlier ones of the block were quantized, as llama.py's option);
+2. each Linear: GPTQ (`solver.py`) with the official defaults (percdamp 0.01, blocksize 128, no act_order,
+   no groups); the result is written into the copy's weight and the layer's weight quantizer keeps the grid.
+The next block's inputs then come from this quantized block (officially the block's outputs are recomputed
+with its quantized weights; here the prefix forward recomputes them).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from configs.quant import GPTQOptions, RTNOptions
+
+from ..calibrate import Images, refit_weight_quantizers, stack_images
+from ..convert import quantize_model, quantized_layers
+from ..layout import in_block_layout
+from ..modes import set_quant_state
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, pipeline_report
+from ..pipeline_data import PipelineData
+from ..spec import Bits, QuantizerSpec, QuantSpec
+from ..units import find_units, stream_module_inputs
+from .quantizer import GPTQQuantizer
+from .solver import HessianAccumulator, gptq_quantize
+
+log = logging.getLogger("quant.gptq")
+
+
+def check_float_ends(name: str, options: RTNOptions) -> None:
+    """The LM pipelines keep the stem and head float (`FloatEndsOptions`): refuse anything else."""
+    for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
+        if getattr(options, key):
+            raise ValueError(f"{key}={getattr(options, key)}: {name} keeps the stem / embeddings and the head "
+                             "float, as the official GPTQ and SmoothQuant code (quant.first_last=w8a8 does not "
+                             "apply to it)")
+
+
+class RTNPipeline(Pipeline):
+    """Round-to-nearest weight-only quantization (the paper's RTN-W4A16)."""
+
+    name = "rtn"
+    Options = RTNOptions
+    weight_only = True
+    tasks = ("classification", "causal_lm")
+    default_bits = "w4a16"
+
+    def check(self, bits: Bits, options: RTNOptions) -> None:
+        super().check(bits, options)
+        check_float_ends(self.name, options)
+
+    def layout(self, bits: Bits, options: RTNOptions) -> QuantSpec:
+        weight = QuantizerSpec(bits.w, kind=GPTQQuantizer, symmetric=options.symmetric, granularity="channel",
+                               group_size=options.group_size)
+        return in_block_layout(weight=weight, post_norm_input=None, block_input=None)
+
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RTNOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del calib_images, data  # the weights alone decide
+        timer = StageTimer()
+        device = next(fp_model.parameters()).device
+        with timer("convert", device):
+            model = quantize_model(fp_model, self.layout(bits, options))
+        with timer("round", device):
+            layers = quantized_layers(model)
+            refit_weight_quantizers(layers)
+            for _, layer in layers:
+                layer.weight_quantizer.search_label = "GPTQ grid, round to nearest"
+        report = pipeline_report(self.name, model, bits, options, calibration_images=0, seconds=timer.seconds)
+        return PTQResult(model, report)
+
+
+class GPTQPipeline(RTNPipeline):
+    """GPTQ weight-only quantization (the paper's GPTQ-W4A16), block-sequential (see the module docstring)."""
+
+    name = "gptq"
+    Options = GPTQOptions
+
+    def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPTQOptions,
+            data: Optional[PipelineData] = None) -> PTQResult:
+        del data
+        timer = StageTimer()
+        device = next(fp_model.parameters()).device
+        tokens = stack_images(calib_images)
+        with timer("convert", device):
+            model = quantize_model(fp_model, self.layout(bits, options)).eval()
+        set_quant_state(model, weights=False)  # every layer float until GPTQ has quantized it
+        errors: Dict[str, float] = {}
+        with timer("gptq", device):
+            for unit in find_units(model, ("block",)):
+                start = time.perf_counter()
+                block = model.get_submodule(unit.name)
+                layers = [(f"{unit.name}.{n}", m) for n, m in quantized_layers(block)]
+                for group in ([[layer] for layer in layers] if options.true_sequential else [layers]):
+                    hessians = block_hessians(model, group, tokens, options.batch_size)
+                    for name, layer in group:
+                        errors[name] = quantize_layer(layer, hessians[name], options)
+                log.info("%s: GPTQ of %d layers, error %s (%.1f s)", unit.name, len(layers),
+                         " ".join(f"{errors[n]:.4g}" for n, _ in layers), time.perf_counter() - start)
+        report = pipeline_report(self.name, model, bits, options, calibration_images=int(tokens.shape[0]),
+                                 calibration_tokens=int(tokens.numel()), gptq_error=errors, seconds=timer.seconds)
+        return PTQResult(model, report)
+
+
+def block_hessians(model: nn.Module, layers: List[Tuple[str, nn.Module]], tokens: torch.Tensor,
+                   batch_size: int) -> Dict[str, torch.Tensor]:
+    """GPTQ's Hessian of each layer from the inputs it sees in `model`'s current state (the forward stops
+    after the last of `layers`, which are in execution order)."""
+    acc = {name: HessianAccumulator(layer.in_features, layer.weight.device) for name, layer in layers}
+    stream_module_inputs(model, dict(layers), layers[-1][0], tokens, batch_size,
+                         lambda name, x: acc[name].add(x))
+    return {name: a.hessian for name, a in acc.items()}
+
+
+@torch.no_grad()
+def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions) -> float:
+    """GPTQ of one QuantLinear: its weight becomes GPTQ's result, its weight quantizer GPTQ's grid (enabled)."""
+    q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer, blocksize=options.blocksize,
+                             percdamp=options.percdamp, act_order=options.act_order,
+                             static_groups=options.static_groups)
+    layer.weight.copy_(q)
+    layer.weight_quantizer.enabled = True
+    layer.weight_quantizer.search_label = "GPTQ"
+    layer.invalidate_weight_cache()
+    return error

@@ -1,0 +1,34 @@
+"""Generated markdown tables kept inside a document between two marker comments, and the command line of
+the scripts that generate them (scripts/cd_families.py: cd/README.md; scripts/quant_scope.py: quant/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def marked_table(text: str, begin: str, end: str) -> str:
+    """The text between the markers (what the document holds now)."""
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def table_command(description: str, table: Callable[[], str], document: Path, begin: str, end: str,
+                  argv: Optional[Sequence[str]] = None) -> None:
+    """Print the table, or with --write replace the one between the markers of `document`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--write", action="store_true", help=f"replace the table in {document.parent.name}/"
+                                                              f"{document.name}")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    out = table()
+    if not args.write:
+        print(out)
+        return
+    text = document.read_text()
+    head, rest = text.split(begin, 1)
+    document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1])
+    print(f"wrote the table into {document}")

@@ -1,0 +1,279 @@
+"""The LM pipelines rtn / gptq (quant/gptq/), each against an independent reference, plus the bit-width rules
+every pipeline follows; SmoothQuant is in test_quant_smoothquant.py, the official cross-check in
+scripts/crosscheck_lm_quant.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from models.gpt import build_gpt
+from quant import PIPELINES
+from quant.convert import quantized_layers
+from quant.gptq.quantizer import GPTQQuantizer
+from quant.gptq.solver import HessianAccumulator, gptq_quantize
+from quant.layers import QuantLinear
+from quant.spec import Bits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+
+
+def gpt(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_gpt("gpt2_nano", vocab_size=VOCAB).eval()
+
+
+def tokens(n: int = 8, seed: int = 1, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def block_linears(model: nn.Module) -> dict:
+    return {f"blocks.{i}.{p}": b.get_submodule(p) for i, b in enumerate(model.blocks) for p in BLOCK_LINEARS}
+
+
+# -- a naive reference of GPTQ's grid (IST-DASLab/gptq quant.py, perchannel) ------------------------------
+def naive_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple:
+    """(scale, zero) of every row, one row at a time, in w's dtype."""
+    maxq = 2 ** bits - 1
+    scales, zeros = [], []
+    for row in w:
+        lo, hi = min(row.min().item(), 0.0), max(row.max().item(), 0.0)
+        if symmetric:
+            hi = max(abs(lo), hi)
+            lo = -hi if lo < 0 else lo
+        if lo == 0 and hi == 0:
+            lo, hi = -1.0, 1.0
+        scale = (hi - lo) / maxq
+        scales.append(scale)
+        zeros.append((maxq + 1) / 2 if symmetric else round(-lo / scale))
+    return torch.tensor(scales, dtype=w.dtype), torch.tensor(zeros, dtype=w.dtype)
+
+
+def naive_round(w: torch.Tensor, bits: int, symmetric: bool = False, group: int = 0) -> torch.Tensor:
+    """Round to nearest per output channel (and group of input columns), in w's dtype (float32 as the official
+    code: GPTQ's symmetric grid puts max |w| exactly on a rounding tie, so the precision decides it)."""
+    w = w.detach()
+    out = torch.empty_like(w)
+    size = group or w.shape[1]
+    for start in range(0, w.shape[1], size):
+        cols = w[:, start:start + size]
+        scale, zero = naive_params(cols, bits, symmetric)
+        q = torch.clamp(torch.round(cols / scale[:, None]) + zero[:, None], 0, 2 ** bits - 1)
+        out[:, start:start + size] = scale[:, None] * (q - zero[:, None])
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"symmetric": True}, {"group_size": 16}], ids=["asym", "sym", "g16"])
+def test_rtn_is_naive_per_channel_rounding_of_the_block_linears_only(options):
+    model = gpt()
+    qmodel, report = PIPELINES["rtn"](model, tokens(), "w4a16", options)
+    for name, layer in block_linears(qmodel).items():
+        assert isinstance(layer, QuantLinear) and layer.input_quantizer is None, name
+        want = naive_round(block_linears(model)[name].weight, 4, options.get("symmetric", False),
+                           options.get("group_size", 0))
+        torch.testing.assert_close(layer.quantized_weight(), want, rtol=0, atol=1e-6)
+    # everything else float and untouched; the head still shares the token embedding
+    for name in ("wte.weight", "wpe.weight", "norm.weight", "blocks.0.norm1.weight"):
+        assert torch.equal(qmodel.get_parameter(name), model.get_parameter(name)), name
+    assert type(qmodel.head) is nn.Linear and qmodel.head.weight is qmodel.wte.weight
+    assert report["calibration_images"] == 0  # no data
+
+
+def test_rtn_of_a_model_equals_the_float_model_with_naively_rounded_weights():
+    model, x = gpt(), tokens(4, seed=3)
+    qmodel, _ = PIPELINES["rtn"](model, x, "w3a16")
+    ref = gpt()
+    with torch.no_grad():
+        for name, layer in block_linears(ref).items():
+            layer.weight.copy_(naive_round(layer.weight, 3))
+        torch.testing.assert_close(qmodel(x), ref(x), rtol=0, atol=1e-5)
+
+
+# -- GPTQ against a direct float64 implementation of its update ----------------------------------------
+def reference_gptq(W, H, bits, *, percdamp=0.01, act_order=False, group=0, symmetric=False, static=False):
+    """GPTQ as the paper writes it: columns one at a time, full inverse Hessian, Gaussian elimination of
+    each quantized column (no Cholesky, no blocks, no lazy updates), float64."""
+    W, H = W.double().clone(), H.double().clone()
+    cols, maxq = W.shape[1], 2 ** bits - 1
+    row_params = naive_params(W, bits, symmetric)  # from the weights as given (dead columns included)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    static_params = [naive_params(W[:, i:i + group], bits, symmetric) for i in range(0, cols, group)] if static else []
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(cols)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += percdamp * torch.diag(H).mean() * torch.eye(cols, dtype=torch.float64)
+    Hinv = torch.linalg.inv(H)
+    Q = torch.zeros_like(W)
+    scale, zero = row_params
+    for j in range(cols):
+        if group and static:
+            scale, zero = static_params[int(perm[j]) // group]
+        elif group and j % group == 0:
+            scale, zero = naive_params(W[:, j:j + group], bits, symmetric)
+        q = torch.clamp(torch.round(W[:, j] / scale) + zero, 0, maxq)
+        Q[:, j] = scale * (q - zero)
+        d = Hinv[j, j]
+        W[:, j:] -= torch.outer((W[:, j] - Q[:, j]) / d, Hinv[j, j:])
+        Hinv = Hinv - torch.outer(Hinv[:, j], Hinv[j, :]) / d  # eliminate column j
+    return Q[:, torch.argsort(perm)]
+
+
+def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.3 + torch.eye(dim, dtype=torch.float64)
+    scales = torch.linspace(0.2, 3.0, dim, dtype=torch.float64)
+    return (torch.randn(n, dim, generator=g, dtype=torch.float64) @ mix) * scales
+
+
+CASES = {"defaults": {}, "act_order": dict(act_order=True), "sym": dict(symmetric=True),
+         "groups+act_order": dict(group=4, act_order=True), "static groups+act_order": dict(group=4, static=True,
+                                                                                           act_order=True)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gptq_update_equals_the_direct_float64_algorithm(case):
+    kw = CASES[case]
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(6, 12, generator=g, dtype=torch.float64)
+    x = correlated_inputs(200, 12)
+    x[:, 5] = 0  # a dead input column
+    acc = HessianAccumulator(12, torch.device("cpu"), torch.float64)
+    for chunk in x.view(10, 20, 12):  # 10 "sequences"
+        acc.add(chunk[None])
+    quantizer = GPTQQuantizer(3, symmetric=kw.get("symmetric", False), group_size=kw.get("group") or None)
+    Q, error = gptq_quantize(W, acc.hessian, quantizer, blocksize=4, act_order=kw.get("act_order", False),
+                             static_groups=kw.get("static", False))
+    want = reference_gptq(W, acc.hessian, 3, act_order=kw.get("act_order", False), group=kw.get("group", 0),
+                          symmetric=kw.get("symmetric", False), static=kw.get("static", False))
+    torch.testing.assert_close(Q, want, rtol=0, atol=1e-9)
+    assert error > 0
+    # the quantizer holds GPTQ's grid (in float32: its buffers' dtype), on which the result lies
+    torch.testing.assert_close(quantizer(Q), Q, rtol=0, atol=1e-6)
+
+
+def test_hessian_is_two_over_n_sum_of_outer_products():
+    x = torch.randn(3, 7, 5, dtype=torch.float64)
+    acc = HessianAccumulator(5, torch.device("cpu"), torch.float64)
+    acc.add(x[:2])
+    acc.add(x[2])  # one sequence [T, C]
+    flat = x.reshape(-1, 5)
+    torch.testing.assert_close(acc.hessian, 2 / 3 * flat.T @ flat)
+
+
+def test_gptq_reconstructs_correlated_inputs_better_than_rtn():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 32, generator=g)
+    g = torch.Generator().manual_seed(1)  # strongly correlated: 8 latent factors + a little noise
+    x = torch.randn(512, 8, generator=g) @ torch.randn(8, 32, generator=g) + 0.1 * torch.randn(512, 32, generator=g)
+    acc = HessianAccumulator(32, torch.device("cpu"))
+    acc.add(x[None])
+    Q, _ = gptq_quantize(W, acc.hessian, GPTQQuantizer(3))
+    rtn = naive_round(W, 3).float()
+    err = lambda w: (x @ (w - W).T).pow(2).sum().item()  # noqa: E731
+    assert err(Q) < 0.5 * err(rtn)
+
+
+def test_gptq_pipeline_quantizes_block_by_block_onto_the_grid():
+    model, calib = gpt(), tokens(8)
+    qmodel, report = PIPELINES["gptq"](model, calib, "w4a16", {"batch_size": 3})
+    assert set(report["gptq_error"]) == set(block_linears(model))
+    for name, layer in block_linears(qmodel).items():
+        wq = layer.weight_quantizer
+        assert wq.enabled and wq.calibrated and layer.input_quantizer is None
+        assert torch.equal(layer.quantized_weight(), layer.weight), name  # GPTQ's result, on its grid
+        assert not torch.equal(layer.weight, block_linears(model)[name].weight), name
+    assert torch.equal(model.blocks[0].attn.qkv.weight, gpt().blocks[0].attn.qkv.weight)  # float model untouched
+    # the calibration batch size only changes float summation order
+    again, _ = PIPELINES["gptq"](model, calib, "w4a16", {"batch_size": 8})
+    diff = [(a.weight != b.weight).float().mean().item() for a, b in
+            zip(block_linears(qmodel).values(), block_linears(again).values())]
+    assert max(diff) < 0.01
+
+
+def test_gptq_later_blocks_see_the_quantized_earlier_blocks():
+    """Block 1's Hessian comes from block 0's quantized output: quantizing block 1 alone on float inputs
+    gives other weights (true_sequential also changes them: fc1 sees the quantized qkv / proj)."""
+    model, calib = gpt(), tokens(8)
+    qmodel, _ = PIPELINES["gptq"](model, calib, "w4a16")
+
+    def block1_qkv_gptq(source: nn.Module) -> torch.Tensor:
+        """GPTQ of block 1's float qkv weight with the Hessian of its inputs in `source`."""
+        acc = HessianAccumulator(32, torch.device("cpu"))
+        handle = source.blocks[1].attn.qkv.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+        with torch.no_grad():
+            source(calib)
+        handle.remove()
+        return gptq_quantize(model.blocks[1].attn.qkv.weight.float(), acc.hessian, GPTQQuantizer(4))[0]
+
+    assert not torch.equal(block1_qkv_gptq(model), qmodel.blocks[1].attn.qkv.weight)  # float inputs
+    assert torch.equal(block1_qkv_gptq(qmodel), qmodel.blocks[1].attn.qkv.weight)  # the quantized prefix's
+    sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
+    assert torch.equal(sequential.blocks[0].attn.qkv.weight, qmodel.blocks[0].attn.qkv.weight)
+    assert not torch.equal(sequential.blocks[0].mlp.fc1.weight, qmodel.blocks[0].mlp.fc1.weight)
+
+
+# -- bit-widths: 16 = float; every pipeline refuses what it cannot do ---------------------------------------
+@pytest.mark.parametrize("pipeline, bits, match", [
+    ("rtn", "w4a8", "weight-only.*w4a16"),
+    ("gptq", "w16a16", "keeps them float"),
+    ("smoothquant", "w4a16", "quantizes activations"),
+    ("smoothquant_strict", "w8a16", "quantizes activations"),
+    ("repq", "w4a16", "quantizes activations"),
+    ("percentile", "w16a4", "quantizes weights"),
+    ("aphq", "w4a16", "quantizes activations"),
+])
+def test_pipelines_refuse_bits_they_cannot_do(pipeline, bits, match):
+    with pytest.raises(ValueError, match=match):
+        PIPELINES[pipeline](gpt(), tokens(2), bits)
+
+
+@pytest.mark.parametrize("pipeline", ["rtn", "gptq", "smoothquant", "smoothquant_strict"])
+def test_lm_pipelines_refuse_a_quantized_stem_or_head_naming_the_option(pipeline):
+    bits = "w4a16" if pipeline in ("rtn", "gptq") else "w8a8"
+    with pytest.raises(ValueError, match="head_w_bits=8"):
+        PIPELINES[pipeline].check(Bits(int(bits[1]), int(bits[3:])), PIPELINES[pipeline].Options(head_w_bits=8))
+    typo, meant = ("groupsize", "group_size") if pipeline in ("rtn", "gptq") else ("alpah", "alpha")
+    with pytest.raises(ValueError, match=f"unknown option '{typo}'.*did you mean {meant}"):
+        PIPELINES[pipeline](gpt(), tokens(2), bits, {typo: 1})
+
+
+def test_a16_parses_as_float_activations():
+    from quant import parse_bits
+
+    bits = parse_bits("w4a16")
+    assert bits == Bits(4, 16) and bits.float_activations and not bits.float_weights and str(bits) == "w4a16"
+
+
+def test_weight_only_pipelines_run_on_a_vit_and_keep_its_stem_and_head_float():
+    import timm
+
+    from models.variants import VARIANTS
+
+    kwargs = dict(VARIANTS["vit_nano"])
+    torch.manual_seed(0)
+    vit = timm.create_model(kwargs.pop("arch"), num_classes=10, **kwargs).eval()
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    for name in ("rtn", "gptq"):
+        qvit, _ = PIPELINES[name](vit, images, "w4a16")
+        assert {n for n, _ in quantized_layers(qvit)} == {f"blocks.{i}.{p}" for i in range(2) for p in BLOCK_LINEARS}
+        with torch.no_grad():
+            out, ref = qvit(images), vit(images)
+        assert torch.isfinite(out).all() and 0 < (out - ref).abs().max() < 0.2 * ref.abs().max()
+
+
+def test_perplexity_of_quantized_gpt_is_finite_and_near_float():
+    model, calib, x = gpt(), tokens(8), tokens(4, seed=7)
+    nll = lambda m: torch.nn.functional.cross_entropy(  # noqa: E731
+        m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
+    with torch.no_grad():
+        base = nll(model)
+        for name, bits in (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"),
+                           ("smoothquant_strict", "w8a8")):
+            q = nll(PIPELINES[name](model, calib, bits).model)
+            assert math.isfinite(q) and abs(q - base) < 0.05, name

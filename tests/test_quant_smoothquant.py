@@ -1,0 +1,247 @@
+"""SmoothQuant (quant/smoothquant/) against independent references; GPT-2's quantized attention; the LM
+pipelines on the meta device and on a ViT; the generated scope table of quant/README.md."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models.gpt import build_gpt
+from quant import PIPELINES, quantize_model
+from quant.attention import QuantCausalAttention
+from quant.calibrate import calibrate
+from quant.convert import quantized_layers
+from quant.ptq.percentile import PercentilePipeline
+from quant.quantizers import DynamicQuantizer
+from quant.smoothquant.smooth import smooth_model
+from quant.spec import ATTENTION, AttentionRule, Bits, QuantSpec
+from device_utils import tensors_of
+from quant_models import perturb_norms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 64
+LM_BITS = {"rtn": "w4a16", "gptq": "w4a16", "smoothquant": "w8a8", "smoothquant_strict": "w8a8"}
+
+
+def gpt(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return perturb_norms(build_gpt("gpt2_nano", vocab_size=VOCAB)).eval()
+
+
+def vit(seed: int = 0) -> nn.Module:
+    import timm
+
+    from models.variants import VARIANTS
+
+    kwargs = dict(VARIANTS["vit_nano"])
+    torch.manual_seed(seed)
+    return perturb_norms(timm.create_model(kwargs.pop("arch"), num_classes=10, **kwargs)).eval()
+
+
+def tokens(n: int = 8, seed: int = 1, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def images(n: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def with_outliers(model: nn.Module) -> nn.Module:
+    """A few LayerNorm channels 20x larger: the activation outliers SmoothQuant migrates."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.norm1.weight[:3] *= 20
+            block.norm2.weight[-2:] *= 20
+    return model
+
+
+def norm_output_absmax(model: nn.Module, x: torch.Tensor) -> dict:
+    """max |x| per channel of every norm1 / norm2 output (forward hooks on the norms themselves)."""
+    out = {}
+    hooks = [m.register_forward_hook(lambda m, a, y, n=n: out.__setitem__(n, y.abs().flatten(0, -2).amax(0)))
+             for n, m in model.named_modules() if n.endswith(("norm1", "norm2"))]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return out
+
+
+# -- smoothing ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, inputs", [(gpt, tokens), (vit, images)], ids=["gpt", "vit"])
+def test_smoothing_leaves_the_float_function_unchanged(make, inputs):
+    model = with_outliers(make()).double()
+    x = inputs()
+    x = x.double() if x.is_floating_point() else x
+    smoothed = copy.deepcopy(model)
+    pairs = smooth_model(smoothed, x, alpha=0.5, batch_size=3)
+    assert len(pairs) == 4 and not torch.equal(smoothed.blocks[0].norm1.weight, model.blocks[0].norm1.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(smoothed(x), model(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_smoothing_scales_are_the_closed_form(alpha):
+    model, x = with_outliers(gpt()), tokens()
+    act = norm_output_absmax(model, x)
+    smoothed = copy.deepcopy(model)
+    smooth_model(smoothed, x, alpha=alpha, batch_size=8)
+    for i, block in enumerate(model.blocks):
+        for norm, linear in (("norm1", "attn.qkv"), ("norm2", "mlp.fc1")):
+            w = block.get_submodule(linear).weight
+            s = act[f"blocks.{i}.{norm}"].pow(alpha) / w.abs().amax(0).clamp(min=1e-5).pow(1 - alpha)
+            new = smoothed.blocks[i]
+            torch.testing.assert_close(new.get_submodule(norm).weight, block.get_submodule(norm).weight / s)
+            torch.testing.assert_close(new.get_submodule(norm).bias, block.get_submodule(norm).bias / s)
+            torch.testing.assert_close(new.get_submodule(linear).weight, w * s)
+    # outlier channels are divided most (alpha 0.5 balances the activation and weight ranges)
+    ratio = smoothed.blocks[0].norm1.weight / model.blocks[0].norm1.weight
+    assert ratio[:3].max() < ratio[3:].min()
+
+
+# -- quantizers ---------------------------------------------------------------------------------------------
+def naive_absmax(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """Symmetric max-abs fake quantization of one group (SmoothQuant's formula), float64."""
+    scale = max(x.abs().max().item(), 1e-5) / (2 ** (bits - 1) - 1)
+    return torch.round(x.double() / scale) * scale
+
+
+def test_dynamic_quantizer_per_token_and_per_tensor_match_a_naive_loop():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g) * torch.linspace(0.1, 30, 16)
+    per_token = DynamicQuantizer(8, (-1,))(x)
+    for b in range(2):
+        for t in range(5):
+            torch.testing.assert_close(per_token[b, t].double(), naive_absmax(x[b, t]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(DynamicQuantizer(8)(x).double(), naive_absmax(x), rtol=0, atol=1e-5)
+    heads = torch.randn(2, 3, 5, 4, generator=g)  # [B, H, N, D]: a token's range spans all its heads
+    got = DynamicQuantizer(8, (1, -1))(heads)
+    for b in range(2):
+        for n in range(5):
+            torch.testing.assert_close(got[b, :, n].double(), naive_absmax(heads[b, :, n]), rtol=0, atol=1e-6)
+
+
+def _on_grid(values: torch.Tensor, scale: torch.Tensor, qmax: int = 127) -> bool:
+    codes = values.double() / scale.double()
+    return bool(((codes - codes.round()).abs() < 1e-3).all() and (codes.abs() <= qmax + 1e-3).all())
+
+
+def test_smoothquant_quantizes_every_block_linear_per_token_and_per_channel():
+    model, calib, x = with_outliers(gpt()), tokens(), tokens(3, seed=5)
+    qmodel, report = PIPELINES["smoothquant"](model, calib, "w8a8")
+    layers = dict(quantized_layers(qmodel))
+    assert set(layers) == {f"blocks.{i}.{p}" for i in range(2) for p in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    assert not any(isinstance(m, QuantCausalAttention) for m in qmodel.modules())  # attention matmuls float
+    seen = {}
+    hooks = [layer.input_quantizer.register_forward_hook(lambda m, a, y, n=n: seen.__setitem__(n, (a[0], y)))
+             for n, layer in layers.items()]
+    with torch.no_grad():
+        qmodel(x)
+    for h in hooks:
+        h.remove()
+    for name, layer in layers.items():
+        inp, out = seen[name]
+        rows, qrows = inp.flatten(0, -2), out.flatten(0, -2)
+        for row, qrow in zip(rows, qrows):  # per token: the naive formula
+            torch.testing.assert_close(qrow.double(), naive_absmax(row), rtol=0, atol=1e-5)
+        w = layer.weight  # the smoothed weight; per output channel max-abs
+        for row, qrow in zip(w, layer.quantized_weight()):
+            torch.testing.assert_close(qrow.double(), naive_absmax(row), rtol=0, atol=1e-6)
+    assert report["smoothed"] == ["blocks.0.norm1 -> blocks.0.attn.qkv", "blocks.0.norm2 -> blocks.0.mlp.fc1",
+                                  "blocks.1.norm1 -> blocks.1.attn.qkv", "blocks.1.norm2 -> blocks.1.mlp.fc1"]
+
+
+def test_strict_quantizes_the_attention_operands_with_static_ranges_of_the_smoothed_float_model():
+    model, calib, x = with_outliers(gpt()), tokens(), tokens(3, seed=5)
+    strict, _ = PIPELINES["smoothquant_strict"](model, calib, "w8a8")
+    no_bmm, _ = PIPELINES["smoothquant_strict"](model, calib, "w8a8", {"quantize_bmm": "none"})
+    attn = strict.blocks[0].attn
+    assert isinstance(attn, QuantCausalAttention) and not isinstance(no_bmm.blocks[0].attn, QuantCausalAttention)
+    seen = {}
+    hooks = [getattr(attn, f"{op}_quant").register_forward_hook(lambda m, a, y, op=op: seen.__setitem__(op, y))
+             for op in ("q", "k", "attn", "v")]
+    with torch.no_grad():
+        out, ref = strict(x), no_bmm(x)
+    for h in hooks:
+        h.remove()
+    assert not torch.allclose(out, ref)
+    for op, y in seen.items():  # every operand lies on its static per-tensor grid
+        q = getattr(attn, f"{op}_quant")
+        assert q.scale.numel() == 1 and _on_grid(y, q.scale), op
+    assert attn.attn_quant.scale.item() == pytest.approx(1 / 127)  # causal: the first row's probability is 1
+    # the static ranges are the max |x| of the smoothed FLOAT model over the calibration set
+    smoothed = copy.deepcopy(model)
+    smooth_model(smoothed, calib, alpha=0.5, batch_size=8)
+    fc1_in = {}
+    hook = smoothed.blocks[1].mlp.fc1.register_forward_pre_hook(lambda m, a: fc1_in.setdefault("x", a[0]))
+    with torch.no_grad():
+        smoothed(calib)
+    hook.remove()
+    want = fc1_in["x"].abs().max() / 127
+    assert strict.blocks[1].mlp.fc1.input_quantizer.scale.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_quantized_gpt_attention_without_quantizers_is_the_float_attention():
+    model, x = gpt(), tokens(3)
+    converted = quantize_model(model, QuantSpec(linears=(), attentions=(AttentionRule(ATTENTION, None, None, None,
+                                                                                      None),), strict=False))
+    assert isinstance(converted.blocks[1].attn, QuantCausalAttention)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_static_ranges_need_per_tensor_granularity():
+    options = PIPELINES["smoothquant"].Options(act_calibration="static")
+    with pytest.raises(ValueError, match="act_calibration=static needs act_granularity=tensor"):
+        PIPELINES["smoothquant"].check(Bits(8, 8), options)
+
+
+def test_calibrate_takes_token_windows():
+    model = gpt()
+    qmodel = quantize_model(model, PercentilePipeline().layout(Bits(8, 8), PercentilePipeline.Options()))
+    assert calibrate(qmodel, tokens(4))["images"] == 4
+
+
+# -- the LM pipelines on a ViT and on the meta device -------------------------------------------------------
+@pytest.mark.parametrize("pipeline", ["smoothquant", "smoothquant_strict"])
+def test_smoothquant_runs_on_a_vit_near_its_float_output(pipeline):
+    model, x = with_outliers(vit()), images()
+    qmodel, report = PIPELINES[pipeline](model, x, "w8a8")
+    assert "patch_embed.proj" not in dict(quantized_layers(qmodel)) and type(qmodel.head) is nn.Linear
+    with torch.no_grad():
+        out, ref = qmodel(x), model(x)
+    assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("pipeline", sorted(LM_BITS))
+@pytest.mark.parametrize("make, inputs", [(gpt, tokens), (vit, images)], ids=["gpt", "vit"])
+def test_lm_pipelines_create_no_tensor_on_the_default_device(pipeline, make, inputs):
+    """tests/test_device_explicit.py's trick: every tensor is created on the device of its data."""
+    model, calib = make(), inputs()
+    with torch.device("meta"):
+        qmodel, _ = PIPELINES[pipeline](model, calib, LM_BITS[pipeline], {"batch_size": 3}
+                                        if pipeline != "rtn" else None)
+        out = qmodel(calib)
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+    assert [name for name, t in tensors_of(qmodel) if t.device.type != "cpu"] == []
+
+
+# -- the scope table ------------------------------------------------------------------------------------------
+def test_readme_scope_table_is_current():
+    spec = importlib.util.spec_from_file_location("quant_scope", ROOT / "scripts" / "quant_scope.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    want = script.scope_table()
+    got = script.readme_table((ROOT / "quant" / "README.md").read_text())
+    assert got == want, "quant/README.md's scope table is stale: run python scripts/quant_scope.py --write"
+    rows = [line.split(" | ") for line in want.splitlines()[2:]]
+    gptq_lm = [r for r in rows if r[0] == "| GPT-2" and r[1] == "gptq (w4a16)"]
+    assert gptq_lm[0][2:] == ["`blocks.*.attn.qkv`, `blocks.*.attn.proj`, `blocks.*.mlp.fc1`, `blocks.*.mlp.fc2`",
+                              "4b asym per-channel (GPTQ)", "float |"]
+    assert "`head` (tied to `wte`)" in gptq_lm[1][2] and "attention matmuls" in gptq_lm[1][2]
