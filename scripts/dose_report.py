@@ -124,12 +124,12 @@ def final_energy(run: Run, role: str) -> float:
     return run.energies[role][-1][1]
 
 
-def type_maxima(run: Run) -> dict[str, float]:
-    """The largest max |activation| of each module type over all blocks."""
+def type_maxima(run: Run, column: str = "max") -> dict[str, float]:
+    """The largest value of `column` (max |activation|, or kurtosis) of each module type over all blocks."""
     out: dict[str, float] = {}
     for row in run.act_max:
-        if int(row["block"]) >= 0:
-            out[row["type"]] = max(out.get(row["type"], 0.0), float(row["max"]))
+        if int(row["block"]) >= 0 and row.get(column) not in (None, "", "nan"):
+            out[row["type"]] = max(out.get(row["type"], float("-inf")), float(row[column]))
     return out
 
 
@@ -200,7 +200,8 @@ def describe_peak(peak: dict) -> str:
     return f"{peak['block']} i={peak['direction']} j={peak['row']} alpha {peak['alpha']:.3f}"
 
 
-def plot_energies(groups: dict[str, list[Run]], path: str) -> None:
+def plot_energies(groups: dict[str, list[Run]], path: str,
+                  title: str = "Pair energy during fine-tuning (DINOv2 ViT-S/14, Fashion-MNIST 28 px)") -> None:
     """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded)."""
     fig = new_figure(11, 6.4)
     for k, role in enumerate(ROLES):
@@ -221,24 +222,24 @@ def plot_energies(groups: dict[str, list[Run]], path: str) -> None:
         ax.grid(alpha=0.3)
         if k == 0:
             ax.legend(fontsize=7)
-    fig.suptitle("Pair energy during fine-tuning (DINOv2 ViT-S/14, Fashion-MNIST 28 px)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def plot_type_maxima(groups: dict[str, list[Run]], path: str) -> None:
+def plot_type_maxima(groups: dict[str, list[Run]], path: str, types: Sequence[str] = TYPE_ORDER) -> None:
     """One group of bars per module type, one bar per point (mean over seeds, seed range as error bar)."""
     fig = new_figure(11, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / len(groups)
     for k, (point, runs) in enumerate(groups.items()):
-        values = torch.tensor([[type_maxima(r).get(t, float("nan")) for t in TYPE_ORDER] for r in runs])
+        values = torch.tensor([[type_maxima(r).get(t, float("nan")) for t in types] for r in runs])
         mean = values.mean(0)
         err = torch.stack([mean - values.min(0).values, values.max(0).values - mean])
-        x = [i + (k - (len(groups) - 1) / 2) * width for i in range(len(TYPE_ORDER))]
+        x = [i + (k - (len(groups) - 1) / 2) * width for i in range(len(types))]
         ax.bar(x, mean.numpy(), width, yerr=err.numpy(), label=point, capsize=1.5)
-    ax.set_xticks(range(len(TYPE_ORDER)))
-    ax.set_xticklabels(TYPE_ORDER, fontsize=8)
+    ax.set_xticks(range(len(types)))
+    ax.set_xticklabels(types, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("max |activation| over blocks", fontsize=8)
     ax.legend(fontsize=7, ncol=len(groups))

@@ -1,0 +1,134 @@
+r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_dose.yaml): tables and figures.
+
+    python scripts/sweep.py configs/sweeps/kjv_lm_dose.yaml --run --evaluate
+    python scripts/lm_study.py runs/sweeps/kjv_lm_dose --out docs/figures
+
+Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
+over seeds (mean ± sample std). Written, and never overwritten without --overwrite:
+  lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
+                           SmoothQuant-W8A8 and -strict), the final pair energies, and the maxima and
+                           kurtosis per module type (eval_best_act_max.csv); printed as well
+  lm_study_energy.png      pair energy against update (metrics.jsonl)
+  lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
+  lm_study_act_max_types.png   the largest max |activation| per module type, one bar per point
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from scripts.dose_report import (ROLES, ReportError, Run, by_point, final_energy, fmt, plot_energies,  # noqa: E402
+                                 plot_type_maxima, read_sweep, type_maxima)
+from scripts.mechanism import new_figure  # noqa: E402
+
+COLUMNS = (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoothquant_strict", "w8a8"))
+TYPES = ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp", "block")
+CURVES = (("act/max_block", "max |block output|"), ("act/kurtosis_block", "largest kurtosis of a block output"),
+          ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / character)"))
+OUTPUTS = ("lm_study.md", "lm_study_energy.png", "lm_study_outliers.png", "lm_study_act_max_types.png")
+
+
+def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
+    """(update, value) of `key` at every validation the run logged (the last record of a repeated step)."""
+    points: dict[int, float] = {}
+    with open(os.path.join(run.folder, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if key in record:
+                points[int(record["step"])] = float(record[key])
+    return sorted(points.items())
+
+
+def tables(groups: dict[str, list[Run]]) -> str:
+    quant = [f"{p} {b.upper()}" for p, b in COLUMNS]
+    lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
+             "|---|---|---|---|" + "---|" * len(quant)]
+    for point, runs in groups.items():
+        cells = [point, str(len(runs)), fmt([r.result["fp"]["ppl"] for r in runs], 3),
+                 fmt([r.result["fp"]["ppl_bf16"] for r in runs], 3)]
+        for pipeline, bits in COLUMNS:
+            values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs
+                      if bits in r.result["quant"].get(pipeline, {})]
+            cells.append(fmt(values, 3) if values else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Final pair energy (mean ||W2 W1n||_F^2 over blocks) and activation statistics of best.pt on "
+              "the val windows:", "",
+              "| Point | " + " | ".join(f"E {r}" for r in ROLES) + " | max module | max block | kurtosis block |",
+              "|---|" + "---|" * (len(ROLES) + 3)]
+    for point, runs in groups.items():
+        cells = [fmt([final_energy(r, role) for r in runs], 1) for role in ROLES]
+        cells += [fmt([r.result["max_act"]["module"] for r in runs]), fmt([r.result["max_act"]["block"] for r in runs]),
+                  fmt([r.result["max_act"]["kurtosis"]["block"] for r in runs], 1)]
+        lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    for column, what in (("max", "Largest max |activation|"), ("kurtosis", "Largest kurtosis")):
+        lines += ["", f"{what} per module type over the blocks:", "",
+                  "| Point | " + " | ".join(TYPES) + " |", "|---|" + "---|" * len(TYPES)]
+        for point, runs in groups.items():
+            per_run = [type_maxima(r, column) for r in runs]
+            lines.append(f"| {point} | " + " | ".join(
+                fmt([m[t] for m in per_run if t in m], 1) if any(t in m for m in per_run) else "-"
+                for t in TYPES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
+    """The validation curves of CURVES, one line per point (mean over its seeds, the seeds' range shaded)."""
+    fig = new_figure(11, 6.4)
+    for k, (key, title) in enumerate(CURVES):
+        ax = fig.add_subplot(2, 2, k + 1)
+        for point, runs in groups.items():
+            per_seed = [dict(validation_curve(r, key)) for r in runs]
+            steps = sorted(set.intersection(*(set(d) for d in per_seed)))
+            values = [[d[s] for s in steps] for d in per_seed]
+            mean = [sum(v[i] for v in values) / len(values) for i in range(len(steps))]
+            style = {"color": "black", "linestyle": "--"} if point == "baseline" else {}
+            ax.plot(steps, mean, marker=".", label=point, linewidth=1.3, **style)
+            if len(runs) > 1:
+                ax.fill_between(steps, [min(v[i] for v in values) for i in range(len(steps))],
+                                [max(v[i] for v in values) for i in range(len(steps))], alpha=0.15,
+                                color=ax.lines[-1].get_color())
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("update", fontsize=8)
+        ax.grid(alpha=0.3)
+        if k == 0:
+            ax.legend(fontsize=7)
+    fig.suptitle("Outliers during training from scratch (char-level GPT, King James Bible)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/kjv_lm_dose")
+    parser.add_argument("--out", required=True, help="folder for lm_study.md and the figures")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.root):
+        raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
+    paths = [os.path.join(args.out, name) for name in OUTPUTS]
+    refuse_existing_outputs(paths, args.overwrite)
+    groups = by_point(read_sweep(args.root))
+    if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
+        raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity); "
+                          "scripts/dose_report.py reports image classifiers")
+    os.makedirs(args.out, exist_ok=True)
+    report = tables(groups)
+    with open(paths[0], "w") as f:
+        f.write(report)
+    plot_energies(groups, paths[1], title="Pair energy during training from scratch (char-level GPT)")
+    plot_outliers(groups, paths[2])
+    plot_type_maxima(groups, paths[3], types=TYPES)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ReportError, RunDirError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,78 @@
+"""scripts/lm_study.py: the language-model study's tables against values computed by hand from run folders
+written here (metrics.jsonl, eval_best.json, the activation CSV with kurtosis), its figures, and its
+refusals (an image sweep, existing outputs)."""
+import json
+import os
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import lm_study  # noqa: E402
+
+
+
+def write_run(root, name, *, ppl, rtn, block_max, kurtosis, fc2_final):
+    folder = root / name
+    folder.mkdir()
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step, energy in ((25, 50.0), (50, fc2_final)):
+            f.write(json.dumps({"step": step, "train/loss": 2.0, "cd/pair_energy/qkv": 8.0, "cd/pair_energy/proj": 4.0,
+                                "cd/pair_energy/fc1": 6.0, "cd/pair_energy/fc2": energy}) + "\n")
+            f.write(json.dumps({"step": step, "val/loss": 1.5, "act/max_block": block_max * step / 50,
+                                "act/kurtosis_block": kurtosis, "act/max_module": 9.0}) + "\n")
+    quant = {"rtn": {"w4a16": {"ppl": rtn}}, "gptq": {"w4a16": {"ppl": ppl + 0.01}},
+             "smoothquant": {"w8a8": {"ppl": ppl}}}
+    with open(folder / "eval_best.json", "w") as f:
+        json.dump({"fp": {"ppl": ppl, "ppl_bf16": ppl + 0.002, "loss": 1.0},
+                   "max_act": {"module": 9.0, "block": block_max, "kurtosis": {"block": kurtosis, "module": 40.0}},
+                   "quant": quant}, f)
+    with open(folder / "eval_best_act_max.csv", "w") as f:
+        f.write("name,kind,block,type,max,kurtosis\n")
+        f.write(f"blocks.0.mlp.fc2,module,0,mlp.fc2,2.0,{kurtosis + 1}\n")
+        f.write(f"blocks.1.mlp.fc2,module,1,mlp.fc2,3.0,{kurtosis}\n")
+        f.write(f"blocks.1,block,1,block,{block_max},{kurtosis}\n")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_sweep")
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
+    write_run(root, "cd10x_s0", ppl=4.1, rtn=4.5, block_max=8.0, kurtosis=5.0, fc2_final=40.0)
+    return root
+
+
+def test_tables_match_hand_computed_values(sweep, tmp_path):
+    report = lm_study.main([str(sweep), "--out", str(tmp_path)])
+    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    # baseline: ppl mean 4.1, sample std 0.1414; rtn mean 5.2, std 0.2828; smoothquant_strict absent
+    assert "| baseline | 2 | 4.100 ± 0.141 | 4.102 ± 0.141 | 5.200 ± 0.283 | 4.110 ± 0.141 | 4.100 ± 0.141 | - |" \
+        in report
+    assert "| cd10x | 1 | 4.100 | 4.102 | 4.500 | 4.110 | 4.100 | - |" in report
+    # final energies (fc2: 110 ± 14.1), block maxima, kurtosis
+    assert "| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 | 9.00 ± 0.00 | 25.00 ± 7.07 | 12.0 ± 2.8 |" \
+        in report
+    # per type: mlp.fc2's largest max over blocks is 3.0; its largest kurtosis is kurtosis + 1 (block 0)
+    assert rows["cd10x"]  # present in every table
+    assert "| cd10x | - | - | - | - | - | - | - | 3.0 | - | 8.0 |" in report
+    assert "| cd10x | - | - | - | - | - | - | - | 6.0 | - | 5.0 |" in report
+    for name in lm_study.OUTPUTS[1:]:
+        assert os.path.getsize(tmp_path / name) > 1000  # a PNG was drawn
+
+
+def test_refuses_existing_outputs_and_image_sweeps(sweep, tmp_path):
+    (tmp_path / "lm_study.md").write_text("mine")
+    with pytest.raises(Exception, match="lm_study.md"):
+        lm_study.main([str(sweep), "--out", str(tmp_path)])
+    assert (tmp_path / "lm_study.md").read_text() == "mine"
+    image = tmp_path / "image_sweep"
+    image.mkdir()
+    write_run(image, "baseline_s0", ppl=4.0, rtn=5.0, block_max=2.0, kurtosis=3.0, fc2_final=1.0)
+    result = json.loads((image / "baseline_s0" / "eval_best.json").read_text())
+    result["fp"] = {"top1": 80.0}
+    (image / "baseline_s0" / "eval_best.json").write_text(json.dumps(result))
+    with pytest.raises(lm_study.ReportError, match="not a language-model sweep"):
+        lm_study.main([str(image), "--out", str(tmp_path / "out")])
