@@ -112,6 +112,15 @@ class Pipeline:
         raise NotImplementedError
 
 
+def check_float_ends(name: str, options: Any) -> None:
+    """The LM pipelines keep the stem and head float (configs.quant.FloatEndsOptions): refuse anything else."""
+    for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
+        if getattr(options, key):
+            raise ValueError(f"{key}={getattr(options, key)}: {name} keeps the stem / embeddings and the head "
+                             "float, as the official GPTQ and SmoothQuant code (quant.first_last=w8a8 does not "
+                             "apply to it)")
+
+
 class StageTimer:
     """Wall time per named stage (device-synchronised so GPU work is attributed to its stage)."""
 

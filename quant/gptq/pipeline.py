@@ -33,7 +33,7 @@ from ..calibrate import Images, refit_weight_quantizers, stack_images
 from ..convert import quantize_model, quantized_layers
 from ..layout import in_block_layout
 from ..modes import set_quant_state
-from ..pipeline_base import Pipeline, PTQResult, StageTimer, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, pipeline_report
 from ..pipeline_data import PipelineData
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import find_units, stream_module_inputs
@@ -41,15 +41,6 @@ from .quantizer import GPTQQuantizer
 from .solver import HessianAccumulator, gptq_quantize
 
 log = logging.getLogger("quant.gptq")
-
-
-def check_float_ends(name: str, options: RTNOptions) -> None:
-    """The LM pipelines keep the stem and head float (`FloatEndsOptions`): refuse anything else."""
-    for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
-        if getattr(options, key):
-            raise ValueError(f"{key}={getattr(options, key)}: {name} keeps the stem / embeddings and the head "
-                             "float, as the official GPTQ and SmoothQuant code (quant.first_last=w8a8 does not "
-                             "apply to it)")
 
 
 class RTNPipeline(Pipeline):

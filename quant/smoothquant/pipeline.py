@@ -29,9 +29,8 @@ from configs.quant import SmoothQuantOptions, SmoothQuantStrictOptions
 
 from ..calibrate import Images, calibrate_from_float, refit_weight_quantizers, stack_images
 from ..convert import convert_in_place, quantized_layers
-from ..gptq.pipeline import check_float_ends
 from ..layout import in_block_layout
-from ..pipeline_base import Pipeline, PTQResult, StageTimer, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, pipeline_report
 from ..pipeline_data import PipelineData
 from ..quantizers import DynamicQuantizer
 from ..ranges import RangeSearch
