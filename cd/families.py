@@ -8,6 +8,10 @@ the CPU in milliseconds and without downloads; the blocks and pairs are those of
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import sys
+import types
 from collections import Counter
 from typing import Callable
 
@@ -83,3 +87,34 @@ def family_table(columns: dict[str, Callable[[nn.Module], str]] | None = None) -
         cells = [family, f"`{name}`", describe_pairs(model)] + [fn(model) for fn in columns.values()]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
+
+
+class _NoCompiledOps(types.ModuleType):
+    """Stands in for mmcv's compiled ops (`mmcv._ext`) under mmcv-lite: every op raises when called."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def op(*args, **kwargs):
+            raise RuntimeError(f"mmcv op {name} needs mmcv's compiled ops (full mmcv, not mmcv-lite)")
+        return op
+
+
+def import_mmdet_swin() -> type:
+    """MMDetection's Swin backbone class (importing mmdet also registers its models).
+
+    mmdet imports mmcv's compiled ops when it is imported. mmcv-lite, the pure-Python build that the tests
+    install (full mmcv builds its ops from source, for about 20 minutes here), has none: then a stand-in
+    `mmcv._ext` whose every op raises is registered first. The Swin backbone calls none of them, so it builds and
+    runs as MMDetection's own code. With full mmcv nothing is replaced.
+    """
+    try:
+        importlib.import_module("mmcv._ext")
+    except ImportError:
+        stub = _NoCompiledOps("mmcv._ext")
+        stub.__spec__ = importlib.machinery.ModuleSpec("mmcv._ext", None)  # looked up by pkgutil
+        sys.modules.setdefault("mmcv._ext", stub)
+    from mmdet.models.backbones.swin import SwinTransformer
+
+    return SwinTransformer
