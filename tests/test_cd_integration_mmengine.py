@@ -111,7 +111,8 @@ def config(tmp_path, iters, accum=1, clip=None, amp=False, model=None, resume=No
     return dict(
         model=dict(type="Classifier", **(model or {})), work_dir=str(tmp_path), experiment_name="cd",
         train_dataloader=dict(dataset=dict(type="Data"), batch_size=2, num_workers=0,
-                              sampler=dict(type="InfiniteSampler", shuffle=False), collate_fn=dict(type="default_collate")),
+                              sampler=dict(type="InfiniteSampler", shuffle=False),
+                              collate_fn=dict(type="default_collate")),
         train_cfg=dict(by_epoch=False, max_iters=iters),
         optim_wrapper=wrapper,
         param_scheduler=[dict(type="LinearLR", start_factor=1.0, end_factor=0.5, by_epoch=False, begin=0,
@@ -206,8 +207,10 @@ def test_mmdetection_swin_backbone_from_an_mmdet_config_matches_the_reference(tm
         for k in range(2):
             b = f"stages.{s}.blocks.{k}"
             pairs += [RefPair(f"{b}.attn.w_msa.qkv.weight", f"{b}.norm1.weight", True),
-                      RefPair(f"{b}.attn.w_msa.proj.weight", f"{b}.attn.w_msa.qkv.weight", False, (2 * width, 3 * width)),
+                      RefPair(f"{b}.attn.w_msa.proj.weight", f"{b}.attn.w_msa.qkv.weight", False,
+                              (2 * width, 3 * width)),
                       RefPair(f"{b}.ffn.layers.0.0.weight", f"{b}.norm2.weight", True),
                       RefPair(f"{b}.ffn.layers.1.weight", f"{b}.ffn.layers.0.0.weight", False)]
     pairs.append(RefPair("stages.0.downsample.reduction.weight", "stages.0.downsample.norm.weight", True))
-    reference(Classifier(backbone, 2 * DIM), runner, 2, 1, pairs, variants=("before_backward", "after_step", "first_group_lr"))
+    reference(Classifier(backbone, 2 * DIM), runner, 2, 1, pairs,
+              variants=("before_backward", "after_step", "first_group_lr"))

@@ -16,32 +16,25 @@ from cd_models import randomize_norms
 pytest.importorskip("transformers")
 
 
-def _vit_pairs(n):
+def _pairs(block: str, norm1: str, attn: str, o: str, norm2: str, ups: list, down: str, n: int = 2) -> list:
+    """The pairs of `n` blocks named `block.format(i)`: q, k, v (`attn.format(x)`) after norm1, o after v, the
+    MLP's input layers `ups` after norm2 (gate and up when gated), the MLP's output after the last of `ups`."""
     out = []
     for i in range(n):
-        b = f"vit.layers.{i}"
-        out += [RefPair(f"{b}.attention.{x}_proj.weight", f"{b}.layernorm_before.weight", True) for x in "qkv"]
-        out += [RefPair(f"{b}.attention.o_proj.weight", f"{b}.attention.v_proj.weight", False),
-                RefPair(f"{b}.mlp.fc1.weight", f"{b}.layernorm_after.weight", True),
-                RefPair(f"{b}.mlp.fc2.weight", f"{b}.mlp.fc1.weight", False)]
-    return out
-
-
-def _llama_pairs(n):
-    out = []
-    for i in range(n):
-        b = f"model.layers.{i}"
-        out += [RefPair(f"{b}.self_attn.{x}_proj.weight", f"{b}.input_layernorm.weight", True) for x in "qkv"]
-        out += [RefPair(f"{b}.self_attn.o_proj.weight", f"{b}.self_attn.v_proj.weight", False),
-                RefPair(f"{b}.mlp.gate_proj.weight", f"{b}.post_attention_layernorm.weight", True),
-                RefPair(f"{b}.mlp.up_proj.weight", f"{b}.post_attention_layernorm.weight", True),
-                RefPair(f"{b}.mlp.down_proj.weight", f"{b}.mlp.up_proj.weight", False)]
+        b = block.format(i)
+        out += [RefPair(f"{b}.{attn.format(x)}.weight", f"{b}.{norm1}.weight", True) for x in "qkv"]
+        out.append(RefPair(f"{b}.{o}.weight", f"{b}.{attn.format('v')}.weight", False))
+        out += [RefPair(f"{b}.{up}.weight", f"{b}.{norm2}.weight", True) for up in ups]
+        out.append(RefPair(f"{b}.{down}.weight", f"{b}.{ups[-1]}.weight", False))
     return out
 
 
 @pytest.mark.parametrize("family,pairs,gated", [
-    ("ViT (transformers)", _vit_pairs(2), False),
-    ("Llama, multi-head attention (transformers)", _llama_pairs(2), True),
+    ("ViT (transformers)", _pairs("vit.layers.{}", "layernorm_before", "attention.{}_proj", "attention.o_proj",
+                                  "layernorm_after", ["mlp.fc1"], "mlp.fc2"), False),
+    ("Llama, multi-head attention (transformers)",
+     _pairs("model.layers.{}", "input_layernorm", "self_attn.{}_proj", "self_attn.o_proj", "post_attention_layernorm",
+            ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj"), True),
 ])
 def test_one_update_matches_the_float64_reference(family, pairs, gated):
     torch.manual_seed(0)

@@ -13,10 +13,9 @@ update, not on a step that AMP skips, with the lr of W2's param group. This modu
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 from ..decay import ColinearityDecay
 
@@ -134,15 +133,3 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list) -> dict[int, Opti
     if not bindings:
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
     return bindings
-
-
-def meta_input(shape: Optional[tuple], dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
-    """A `meta` tensor of `shape` (for the pair check, which uses only the shape), or None."""
-    return None if shape is None else torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model behind DDP / torch.compile wrappers."""
-    from ..wrappers import unwrap_model
-
-    return unwrap_model(model)
