@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -189,18 +188,28 @@ RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine"
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=15, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs without and with CD, alternating")
-    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
     args.total = args.warmup + args.steps + 1
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the frameworks' start-up messages
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _table(args)
+    finally:
+        logging.disable(quiet)
+
+
+def _table(args) -> None:
     pairs = len(ColinearityDecay(build_model(args), lam=LAM).pairs)
     print(f"timm ViT width {args.width}, depth {args.depth} ({pairs} pairs), 64 tokens, batch {args.batch}, "
           f"AdamW, CPU, {args.threads} threads; median of {args.steps} steps, best of {args.repeats} runs")
@@ -213,7 +222,6 @@ def main(argv=None) -> None:
             on.append(RUNS[name](args, cd=True))
         a, b = min(off), min(on)
         print(f"| {name} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f} | {1e3 * (b - a):.1f} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
