@@ -209,6 +209,16 @@ class ColinearityDecay:
 
         return optimizer.register_step_pre_hook(hook)
 
+    def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None) -> None:
+        """The update that `attach`'s hook makes, for code that owns the moment of the step (`cd.integrations`):
+        each pair with the current lr of its param group in `optimizer`, gated on the device by a fused
+        optimizer's `found_inf`. Call it once per real update, right before `optimizer` reads the weights.
+
+        Raises:
+            ValueError: a decayed matrix is not in `optimizer`.
+        """
+        self._pre_step(optimizer, step_kwargs or {})
+
     def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         """id(param) -> index of its param group; cached until the groups change."""
         sig = (id(optimizer), tuple(len(g["params"]) for g in optimizer.param_groups))

@@ -1,13 +1,18 @@
-"""Which timm families CD understands: tiny configs of each, and what `find_pairs` makes of them.
+"""Which model families CD understands: tiny configs of each, and what `find_pairs` makes of them.
 
     python -m cd --families          # the CD columns; scripts/cd_families.py adds quantization's
 
-Each family is built from its timm name with a tiny config (32 px, width 32, 1-2 blocks per stage), on
+Each timm family is built from its timm name with a tiny config (32 px, width 32, 1-2 blocks per stage), on
 the CPU in milliseconds and without downloads; the blocks and pairs are those of the full-size model
-(the same classes, fewer of them). Needs timm.
+(the same classes, fewer of them). Needs timm; the rows of transformers' and MMDetection's models need those
+libraries (`pip install .[hf]`; mmdet), and say so when they are missing.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import sys
+import types
 from collections import Counter
 from typing import Callable
 
@@ -38,8 +43,56 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
+def _gpt2() -> nn.Module:
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+
+
+def _hf_vit() -> nn.Module:
+    import transformers
+
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+        patch_size=8, num_labels=3))
+
+
+def _llama(kv_heads: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+            intermediate_size=64, vocab_size=64, max_position_embeddings=16))
+    return build
+
+
+def _mmdet_swin() -> nn.Module:
+    import torch
+
+    model = import_mmdet_swin()(pretrain_img_size=32, embed_dims=32, depths=(2, 2), num_heads=(2, 4),
+                                window_size=4, patch_size=2, strides=(2, 2), out_indices=(0, 1))
+    model.example_input = lambda: torch.zeros(1, 3, 32, 32)  # the size of an image (mmdet's Swin has none)
+    return model
+
+
+# family -> (model as the table names it, tiny builder): other libraries' Transformers (LAYOUTS in cd/pairs.py)
+OTHER_FAMILIES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
+    "GPT-2 (transformers)": ("transformers `GPT2LMHeadModel`", _gpt2),
+    "ViT (transformers)": ("transformers `ViTForImageClassification`", _hf_vit),
+    "Llama, multi-head attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(4)),
+    "Llama, grouped-query attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(2)),
+    "Swin (MMDetection)": ("mmdet `SwinTransformer` (backbone)", _mmdet_swin),
+}
+
+
 def build_family(family: str) -> nn.Module:
     """The tiny model of `family` (random weights), in eval mode."""
+    if family in OTHER_FAMILIES:
+        model = OTHER_FAMILIES[family][1]()
+        model.eval()  # (mmdet's Swin's train() returns None)
+        return model
     import timm  # optional dependency of cd: only this module needs it
 
     name, kwargs = FAMILIES[family]
@@ -73,13 +126,52 @@ def _pairs_by_block(model: nn.Module, gated_mlp: bool) -> str:
 
 
 def family_table(columns: dict[str, Callable[[nn.Module], str]] | None = None) -> str:
-    """A markdown table: family, timm model, CD pairs, then one column per extra `columns` entry."""
+    """A markdown table: family, model, CD pairs, then one column per extra `columns` entry (timm families;
+    the other libraries' rows read "not run" there). A library that is not installed is named in its rows."""
     columns = columns or {}
-    lines = ["| family | timm model | CD pairs per block, by role | " + " | ".join(columns) + " |"
-             if columns else "| family | timm model | CD pairs per block, by role |"]
+    lines = ["| family | model | CD pairs per block, by role | " + " | ".join(columns) + " |"
+             if columns else "| family | model | CD pairs per block, by role |"]
     lines.append("|" + "---|" * (3 + len(columns)))
-    for family, (name, _) in FAMILIES.items():
-        model = build_family(family)
-        cells = [family, f"`{name}`", describe_pairs(model)] + [fn(model) for fn in columns.values()]
+    rows = [(family, f"timm `{name}`", True) for family, (name, _) in FAMILIES.items()]
+    rows += [(family, label, False) for family, (label, _) in OTHER_FAMILIES.items()]
+    for family, label, timm_model in rows:
+        try:
+            model = build_family(family)
+        except ImportError as e:
+            cells = [family, label, f"not checked: {e.name or e} is not installed"] + ["not run"] * len(columns)
+        else:
+            cells = [family, label, describe_pairs(model)] + [
+                fn(model) if timm_model else "not run" for fn in columns.values()]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
+
+
+class _NoCompiledOps(types.ModuleType):
+    """Stands in for mmcv's compiled ops (`mmcv._ext`) under mmcv-lite: every op raises when called."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def op(*args, **kwargs):
+            raise RuntimeError(f"mmcv op {name} needs mmcv's compiled ops (full mmcv, not mmcv-lite)")
+        return op
+
+
+def import_mmdet_swin() -> type:
+    """MMDetection's Swin backbone class (importing mmdet also registers its models).
+
+    mmdet imports mmcv's compiled ops when it is imported. mmcv-lite, the pure-Python build that the tests
+    install (full mmcv builds its ops from source, for about 20 minutes here), has none: then a stand-in
+    `mmcv._ext` whose every op raises is registered first. The Swin backbone calls none of them, so it builds and
+    runs as MMDetection's own code. With full mmcv nothing is replaced.
+    """
+    try:
+        importlib.import_module("mmcv._ext")
+    except ImportError:
+        stub = _NoCompiledOps("mmcv._ext")
+        stub.__spec__ = importlib.machinery.ModuleSpec("mmcv._ext", None)  # looked up by pkgutil
+        sys.modules.setdefault("mmcv._ext", stub)
+    from mmdet.models.backbones.swin import SwinTransformer
+
+    return SwinTransformer

@@ -17,10 +17,12 @@ Discovery is structural, then checked: a block is any module with children `norm
 `fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
 variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
-ignored). Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
+ignored). Other libraries name the same layers differently: `LAYOUTS` maps their names onto these roles
+(transformers' GPT-2, whose `Conv1D` stores weights (in, out), ViT and Llama; MMDetection's Swin).
+Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
 that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
-not matched wrongly. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv)
-is refused too: `UnsupportedModelError` names the block and its type.
+not matched wrongly. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv,
+grouped-query attention) is refused too: `UnsupportedModelError` names the block and its type.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
 
@@ -30,7 +32,7 @@ Print the pairs of any timm model (built on the `meta` device, no weights, no me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -54,8 +56,10 @@ class Pair:
         downstream: the W2 parameter, shape (out, mid).
         upstream: the upstream parameter: a 1-D scale (mid,) for composable pairs, a weight
             matrix for functional ones (for 'proj' the whole fused qkv weight, see upstream_rows).
-        upstream_rows: (start, stop) rows of `upstream` that form W1, or None for all rows
+        upstream_rows: (start, stop) rows of W1 as the layer applies it, or None for all rows
             (the V rows [2D:3D] of the fused qkv weight for the 'proj' pair).
+        transposed: the matrices are stored (in, out), as transformers' `Conv1D` (GPT-2) stores them;
+            `w1()` and `w2()` are then transposed views, so the update is the same (out, in) math.
     """
 
     name: str
@@ -66,22 +70,30 @@ class Pair:
     downstream: nn.Parameter
     upstream: nn.Parameter
     upstream_rows: Optional[tuple[int, int]] = None
+    transposed: bool = False
 
     @property
     def diagonal(self) -> bool:
         """True when W1 = diag(upstream) (composable pairs: a norm scale)."""
         return self.kind == "composable"
 
+    def _as_used(self, w: torch.Tensor) -> torch.Tensor:
+        """A stored weight as the (out, in) matrix the layer applies: a transposed view for (in, out) storage."""
+        return w.t() if self.transposed else w
+
     def w1(self) -> torch.Tensor:
-        """W1 as stored: the scale vector (mid,) if diagonal, else the (mid, in) matrix (a view)."""
-        if self.upstream_rows is None:
+        """W1: the scale vector (mid,) if diagonal, else the (mid, in) matrix (a view of the parameter)."""
+        if self.diagonal:
             return self.upstream
+        w = self._as_used(self.upstream)
+        if self.upstream_rows is None:
+            return w
         start, stop = self.upstream_rows
-        return self.upstream[start:stop]
+        return w[start:stop]
 
     def w2(self) -> torch.Tensor:
-        """W2, shape (out, mid)."""
-        return self.downstream
+        """W2, shape (out, mid) (a view of the parameter)."""
+        return self._as_used(self.downstream)
 
     @property
     def w1_shape(self) -> tuple[int, int]:
@@ -93,21 +105,30 @@ class Pair:
 
     @property
     def w2_shape(self) -> tuple[int, int]:
-        return tuple(self.downstream.shape)
+        return tuple(self.w2().shape)
 
     @property
     def upstream_label(self) -> str:
-        """Human-readable W1: 'diag(x.norm1.weight)' or 'x.attn.qkv.weight[1536:2304]'."""
+        """Human-readable W1: 'diag(x.norm1.weight)', 'x.attn.qkv.weight[1536:2304]', or with `^T` for a weight
+        stored (in, out): 'x.attn.c_attn.weight^T[1536:2304]'."""
         if self.diagonal:
             return f"diag({self.upstream_name})"
+        name = self.upstream_name + ("^T" if self.transposed else "")
         if self.upstream_rows is not None:
-            return f"{self.upstream_name}[{self.upstream_rows[0]}:{self.upstream_rows[1]}]"
-        return self.upstream_name
+            return f"{name}[{self.upstream_rows[0]}:{self.upstream_rows[1]}]"
+        return name
 
 
 def _child(module: nn.Module, name: str) -> Optional[nn.Module]:
     child = getattr(module, name, None)
     return child if isinstance(child, nn.Module) else None
+
+
+def _module(block: nn.Module, path: Optional[str]) -> Optional[nn.Module]:
+    """The submodule at dotted `path` of `block`, or None (no path, or no such module)."""
+    for part in path.split(".") if path else [None]:
+        block = _child(block, part) if part is not None and block is not None else None
+    return block
 
 
 def _matrix_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
@@ -122,8 +143,67 @@ def _scale_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
     return w if isinstance(w, nn.Parameter) and w.dim() == 1 else None
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where one library puts the layers of a pre-norm block: paths relative to the block.
+
+    The pairs are the same in every layout (the table in the module docstring); only the names differ, and
+    whether weights are stored (out, in) as in `nn.Linear` or (in, out) as in transformers' `Conv1D`
+    (`transposed`). A module is a block of the first layout whose top-level children (the first part of
+    each path: `norm1`, `attn`, `norm2`, `mlp` for timm) it has.
+
+    Attributes:
+        library: named in messages and the family table.
+        norm1, norm2: the norms before the attention and before the MLP.
+        proj, fc2: the attention's output projection and the MLP's output layer (W_down when gated).
+        qkv: a fused [Q; K; V] projection, or None.
+        q_k_v: separate Q, K, V projections (tried when `qkv` is absent), or None.
+        fc1: the MLP's input layer (plain MLP; timm's packed GluMlp), or None.
+        gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), or None.
+        transposed: weights are stored (in, out).
+    """
+
+    library: str
+    norm1: str
+    norm2: str
+    proj: str
+    fc2: str
+    qkv: Optional[str] = None
+    q_k_v: Optional[tuple[str, str, str]] = None
+    fc1: Optional[str] = None
+    gate: Optional[str] = None
+    up: Optional[str] = None
+    transposed: bool = False
+
+    @property
+    def children(self) -> tuple[str, ...]:
+        """The block's top-level children that identify the layout."""
+        return tuple(dict.fromkeys(p.split(".")[0] for p in (self.norm1, self.proj, self.norm2, self.fc2)))
+
+
+# Order matters only where two layouts would share their top-level children (none do).
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("timm", "norm1", "norm2", proj="attn.proj", fc2="mlp.fc2", qkv="attn.qkv",
+           q_k_v=("attn.q", "attn.k", "attn.v"), fc1="mlp.fc1", gate="mlp.fc1_g", up="mlp.fc1_x"),
+    Layout("transformers GPT-2", "ln_1", "ln_2", proj="attn.c_proj", fc2="mlp.c_proj", qkv="attn.c_attn",
+           fc1="mlp.c_fc", transposed=True),
+    Layout("transformers ViT", "layernorm_before", "layernorm_after", proj="attention.o_proj", fc2="mlp.fc2",
+           q_k_v=("attention.q_proj", "attention.k_proj", "attention.v_proj"), fc1="mlp.fc1"),
+    Layout("transformers Llama", "input_layernorm", "post_attention_layernorm", proj="self_attn.o_proj",
+           fc2="mlp.down_proj", q_k_v=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           gate="mlp.gate_proj", up="mlp.up_proj"),
+    Layout("MMDetection Swin", "norm1", "norm2", proj="attn.w_msa.proj", fc2="ffn.layers.1",
+           qkv="attn.w_msa.qkv", fc1="ffn.layers.0.0"),
+)
+
+
+def layout_of(module: nn.Module) -> Optional[Layout]:
+    """The layout whose block `module` is (by its top-level children), or None."""
+    return next((lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)), None)
+
+
 def is_prenorm_block(module: nn.Module) -> bool:
-    """A Transformer block by its children norm1, attn, norm2, mlp (timm ViT/DeiT/Swin `Block`). Whether it
+    """A timm Transformer block by its children norm1, attn, norm2, mlp (timm ViT/DeiT/Swin `Block`). Whether it
     really is pre-norm is checked against a forward pass (`cd.verify`)."""
     return all(_child(module, n) is not None for n in ("norm1", "attn", "norm2", "mlp"))
 
@@ -160,116 +240,141 @@ def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"block '{name}' ({type(block).__name__}) is not supported by CD: {why}")
 
 
-def _composable(name: str, block: nn.Module, norm: str, layer: str, role: str) -> Pair:
-    """(diag(<norm>.weight), <layer>.weight), refused unless the norm has an affine scale of the layer's width."""
-    g = _scale_weight(block.get_submodule(norm))
-    w = _matrix_weight(block.get_submodule(layer))
-    if g is None or w is None or g.shape[0] != w.shape[1]:
-        raise _refuse(name, block, f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
-    return Pair(_join(name, layer, "weight"), role, "composable", name, _join(name, norm, "weight"), w, g)
+def _width(w: nn.Parameter, lay: Layout, dim: int) -> int:
+    """Output (dim 0) or input (dim 1) width of a weight as the layer uses it (Linear layout)."""
+    return w.shape[1 - dim] if lay.transposed else w.shape[dim]
 
 
-def _attention_pairs(name: str, block: nn.Module) -> list[Pair]:
-    """qkv and proj pairs of a fused-qkv attention, or of a class attention (separate q, k, v layers:
-    CaiT / XCiT `ClassAttn`), where q, k and v each pair with norm1 and proj pairs with v."""
-    attn = block.attn
-    proj = _matrix_weight(_child(attn, "proj"))
-    qkv = _matrix_weight(_child(attn, "qkv"))
+class _Block:
+    """One block being paired: its name, module and layout, and the Pair constructors."""
+
+    def __init__(self, name: str, module: nn.Module, layout: Layout) -> None:
+        self.name, self.module, self.lay = name, module, layout
+
+    def matrix(self, path: Optional[str]) -> Optional[nn.Parameter]:
+        return _matrix_weight(_module(self.module, path))
+
+    def part(self, path: str) -> nn.Module:
+        """The top-level child holding `path` (the attention or MLP module), for messages."""
+        return _child(self.module, path.split(".")[0])
+
+    def refuse(self, why: str) -> UnsupportedModelError:
+        return _refuse(self.name, self.module, why)
+
+    def composable(self, norm: str, layer: str, role: str) -> Pair:
+        """(diag(<norm>.weight), <layer>.weight), refused unless the norm has an affine scale of the layer's
+        input width."""
+        g = _scale_weight(_module(self.module, norm))
+        w = self.matrix(layer)
+        if g is None or w is None or g.shape[0] != _width(w, self.lay, 1):
+            raise self.refuse(f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
+        return Pair(_join(self.name, layer, "weight"), role, "composable", self.name,
+                    _join(self.name, norm, "weight"), w, g, transposed=self.lay.transposed)
+
+    def functional(self, upstream: str, layer: str, role: str, rows: Optional[tuple[int, int]] = None) -> Pair:
+        """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation."""
+        return Pair(_join(self.name, layer, "weight"), role, "functional", self.name,
+                    _join(self.name, upstream, "weight"), self.matrix(layer), self.matrix(upstream), rows,
+                    transposed=self.lay.transposed)
+
+
+def _attention_pairs(b: _Block) -> list[Pair]:
+    """qkv and proj pairs of a fused-qkv attention, or of separate q, k, v layers (class attention: CaiT /
+    XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v."""
+    lay = b.lay
+    proj, qkv = b.matrix(lay.proj), b.matrix(lay.qkv)
     if qkv is not None and proj is not None:
         # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
-        if qkv.shape[0] % 3 or proj.shape[1] != qkv.shape[0] // 3:
-            raise _refuse(name, block, "attn.qkv is not 3x attn.proj's input width")
-        d = qkv.shape[0] // 3
-        return [_composable(name, block, "norm1", "attn.qkv", "qkv"),
-                Pair(_join(name, "attn.proj.weight"), "proj", "functional", name, _join(name, "attn.qkv.weight"),
-                     proj, qkv, (2 * d, 3 * d))]
-    q, k, v = (_matrix_weight(_child(attn, n)) for n in ("q", "k", "v"))
-    if q is not None and k is not None and v is not None and proj is not None:
-        if proj.shape[1] != v.shape[0]:
-            raise _refuse(name, block, "attn.v's output width is not attn.proj's input width")
-        return [*(_composable(name, block, "norm1", f"attn.{n}", "qkv") for n in ("q", "k", "v")),
-                Pair(_join(name, "attn.proj.weight"), "proj", "functional", name, _join(name, "attn.v.weight"),
-                     proj, v)]
-    raise _refuse(name, block, f"attention {type(attn).__name__} has neither a fused qkv nor q, k, v "
-                  "Linear layers with a proj")
+        rows = _width(qkv, lay, 0)
+        if rows % 3 or _width(proj, lay, 1) != rows // 3:
+            raise b.refuse(f"{lay.qkv} is not 3x {lay.proj}'s input width")
+        d = rows // 3
+        return [b.composable(lay.norm1, lay.qkv, "qkv"), b.functional(lay.qkv, lay.proj, "proj", (2 * d, 3 * d))]
+    q_k_v = lay.q_k_v or ()
+    if q_k_v and proj is not None and all(b.matrix(p) is not None for p in q_k_v):
+        if _width(proj, lay, 1) != _width(b.matrix(q_k_v[2]), lay, 0):
+            raise b.refuse(f"{q_k_v[2]}'s output width is not {lay.proj}'s input width (grouped-query "
+                           "attention, where V heads are shared, has no V -> proj pair of the paper's form)")
+        return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
+    raise b.refuse(f"attention {type(b.part(lay.proj)).__name__} has neither a fused qkv nor q, k, v "
+                   "Linear layers with a proj")
 
 
-def _mlp_pairs(name: str, block: nn.Module, gated_mlp: bool) -> list[Pair]:
+def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
     """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs with `gated_mlp` (`_gated_pairs`)."""
-    mlp = block.mlp
-    fc1, fc2 = _matrix_weight(_child(mlp, "fc1")), _matrix_weight(_child(mlp, "fc2"))
-    gated = _child(mlp, "fc1_g") is not None or (fc1 is not None and fc2 is not None
-                                                   and fc1.shape[0] == 2 * fc2.shape[1])
+    lay = b.lay
+    mlp = b.part(lay.fc2)
+    fc1, fc2 = b.matrix(lay.fc1), b.matrix(lay.fc2)
+    gated = _module(b.module, lay.gate) is not None or (
+        fc1 is not None and fc2 is not None and _width(fc1, lay, 0) == 2 * _width(fc2, lay, 1))
     if gated and gated_mlp:
-        return _gated_pairs(name, block)
+        return _gated_pairs(b)
     if gated:
-        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
-                      "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
-                      "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
-    if fc1 is None or fc2 is None or fc2.shape[1] != fc1.shape[0]:
-        raise _refuse(name, block, f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
-    return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
-            Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
-                 fc2, fc1)]
+        raise b.refuse(f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
+                       "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
+                       "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
+    if fc1 is None or fc2 is None or _width(fc2, lay, 1) != _width(fc1, lay, 0):
+        raise b.refuse(f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
+    return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2")]
 
 
-def _gated_pairs(name: str, block: nn.Module) -> list[Pair]:
+def _gated_pairs(b: _Block) -> list[Pair]:
     """Pairs of a gated MLP W_down (act(W_gate x) * (W_up x)) (opt-in; cd/README.md, "Gated MLPs").
 
-    fc1 (composable): norm2 with each matrix it feeds, W_gate and W_up (timm `SwiGLU`: fc1_g, fc1_x), or
-    the packed [W_gate; W_up] (timm `GluMlp`: one fc1, halves split by `chunk`).
+    fc1 (composable): norm2 with each matrix it feeds, W_gate and W_up (timm `SwiGLU`: fc1_g, fc1_x;
+    transformers Llama: gate_proj, up_proj), or the packed [W_gate; W_up] (timm `GluMlp`: one fc1, halves
+    split by `chunk`).
     fc2 (functional): W_up -> W_down, the route that is linear in x for a fixed gate, as fc1 -> fc2 is
     through GELU; W_gate gets no pair with W_down (it enters through the nonlinearity only).
     Refused when a norm sits between the product and W_down (timm `scale_mlp`).
     """
-    mlp = block.mlp
+    lay = b.lay
+    mlp = b.part(lay.fc2)
     if not isinstance(_child(mlp, "norm"), (nn.Identity, type(None))):
-        raise _refuse(name, block, f"gated MLP {type(mlp).__name__} has a norm before fc2 (scale_mlp); the "
-                      "gated pairs are defined for fc2(act(W_gate x) * W_up x)")
-    down = _matrix_weight(_child(mlp, "fc2"))
-    if _child(mlp, "fc1_g") is not None:
-        up = _matrix_weight(_child(mlp, "fc1_x"))
-        if up is None or down is None or down.shape[1] != up.shape[0]:
-            raise _refuse(name, block, "gated MLP: fc1_x's output width is not fc2's input width")
-        return [_composable(name, block, "norm2", "mlp.fc1_g", "fc1"),
-                _composable(name, block, "norm2", "mlp.fc1_x", "fc1"),
-                Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1_x.weight"),
-                     down, up)]
-    packed = _matrix_weight(mlp.fc1)
+        raise b.refuse(f"gated MLP {type(mlp).__name__} has a norm before fc2 (scale_mlp); the "
+                       "gated pairs are defined for fc2(act(W_gate x) * W_up x)")
+    down = b.matrix(lay.fc2)
+    if _module(b.module, lay.gate) is not None:
+        up = b.matrix(lay.up)
+        if up is None or down is None or _width(down, lay, 1) != _width(up, lay, 0):
+            raise b.refuse(f"gated MLP: {lay.up}'s output width is not {lay.fc2}'s input width")
+        return [b.composable(lay.norm2, lay.gate, "fc1"), b.composable(lay.norm2, lay.up, "fc1"),
+                b.functional(lay.up, lay.fc2, "fc2")]
     if getattr(mlp, "chunk_dim", -1) != -1 or not isinstance(getattr(mlp, "gate_last", None), bool):
-        raise _refuse(name, block, f"gated MLP {type(mlp).__name__}: cannot tell which half of fc1 is W_up "
-                      "(expected timm GluMlp's gate_last and a chunk over the last dim)")
-    h = down.shape[1]
+        raise b.refuse(f"gated MLP {type(mlp).__name__}: cannot tell which half of fc1 is W_up "
+                       "(expected timm GluMlp's gate_last and a chunk over the last dim)")
+    h = _width(down, lay, 1)
     rows = (0, h) if mlp.gate_last else (h, 2 * h)  # GluMlp: x1, x2 = chunk(2); x1 * act(x2) if gate_last
-    return [_composable(name, block, "norm2", "mlp.fc1", "fc1"),
-            Pair(_join(name, "mlp.fc2.weight"), "fc2", "functional", name, _join(name, "mlp.fc1.weight"),
-                 down, packed, rows)]
+    return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2", rows)]
 
 
 def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool) -> None:
     """Append the pairs of every block and patch-merging layer of `root`, in model order (into `pairs`, so
     that the caller sees those found before a refusal); `types`: block name -> class name."""
-    for name, module in _outermost(root, lambda m: is_prenorm_block(m) or _is_patch_merging(m)):
+    for name, module in _outermost(root, lambda m: layout_of(m) is not None or _is_patch_merging(m)):
         types[name] = type(module).__name__
-        if is_prenorm_block(module):
-            pairs += _attention_pairs(name, module) + _mlp_pairs(name, module, gated_mlp)
+        layout = layout_of(module)
+        if layout is not None:
+            block = _Block(name, module, layout)
+            pairs += _attention_pairs(block) + _mlp_pairs(block, gated_mlp)
         elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
                 module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
             raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
                           "a norm with the layer it feeds")
         else:
-            pairs.append(_composable(name, module, "norm", "reduction", "reduction"))
+            pairs.append(_Block(name, module, LAYOUTS[0]).composable("norm", "reduction", "reduction"))
 
 
-def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
+def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, dict]] = None,
                verify: bool = True, gated_mlp: bool = False) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
 
     Args:
         model: a timm ViT/DeiT/Swin (or any model built from pre-norm blocks), possibly wrapped in
             DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`).
-        example_input: a tensor of the shape the model takes, for the check (`cd.verify`); only its
-            shape is used. Default: from timm's `patch_embed.img_size` / `pretrained_cfg`.
+        example_input: a tensor of the shape the model takes, or a dict of keyword inputs, for the check
+            (`cd.verify`); only shapes and dtypes are used. Default: `cd.verify.example_input` (timm's
+            `patch_embed.img_size` / `pretrained_cfg`, a transformers model's config).
         verify: run the check (one forward on the `meta` device: no memory, weights untouched).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.

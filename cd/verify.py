@@ -16,7 +16,7 @@ A pair that fails is an error naming the block and its type (`UnsupportedModelEr
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -87,16 +87,30 @@ class _Provenance(TorchDispatchMode):
         return out
 
 
-def example_input(model: nn.Module) -> Tensor:
+def _meta_like(x):
+    """A meta tensor of x's shape and dtype (x itself if it is no tensor: a flag such as use_cache)."""
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, Tensor) else x
+
+
+def example_input(model: nn.Module) -> Union[Tensor, dict]:
     """A meta batch of the size and dtype the model expects: the model's own `example_input()` when it has
-    one (a language model's token ids), else an image batch (1, C, H, W) from timm's
-    `patch_embed.img_size` and input channels, else from `pretrained_cfg['input_size']`.
+    one (a language model's token ids), else, for a transformers model, token ids or an image batch from its
+    `main_input_name` and config, else an image batch (1, C, H, W) from timm's `patch_embed.img_size` and
+    input channels, else from `pretrained_cfg['input_size']`.
     Raises UnsupportedModelError if none exists."""
     own = getattr(model, "example_input", None)
     if callable(own):
         x = own()
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # transformers models name their input and describe it in their config
+    main, cfg = getattr(model, "main_input_name", None), getattr(model, "config", None)
+    if main == "input_ids":  # with a cache: without one (and no mask), transformers looks for packed
+        # sequences in the position ids, which needs their values
+        return {"input_ids": torch.empty(1, 8, dtype=torch.long, device="meta"), "use_cache": True}
+    if main == "pixel_values" and isinstance(getattr(cfg, "image_size", None), int):
+        return torch.empty(1, getattr(cfg, "num_channels", 3), cfg.image_size, cfg.image_size, dtype=dtype,
+                           device="meta")
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None)
     proj = getattr(pe, "proj", None)
@@ -118,13 +132,17 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
 
     Args:
         root: the unwrapped model. pairs: `Pair`s of `root`. block_types: block name -> class name.
-        example: an input of the right shape (any device; only its shape and dtype are used).
+        example: an input of the right shape (any device; only its shape and dtype are used), or a dict of
+            keyword inputs (tensors and flags); default `example_input(root)`.
 
     Raises:
         UnsupportedModelError: naming the first failing pair, its block and the block's type.
     """
-    x = (example_input(root) if example is None
-         else torch.empty(example.shape, dtype=example.dtype, device="meta"))
+    example = example_input(root) if example is None else example
+    if isinstance(example, Mapping):  # keyword inputs (a transformers model's), tensors made meta
+        args, kwargs = (), {k: _meta_like(v) for k, v in example.items()}
+    else:
+        args, kwargs = (_meta_like(example),), {}
     sources: dict[str, list[tuple[str, bool]]] = {}
     sinks: dict[str, list[tuple[int, bool]]] = {}
     for k, p in enumerate(pairs):
@@ -135,9 +153,11 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             for n, t in [*root.named_parameters(), *root.named_buffers()]}
     for n, t in meta.items():
         mode.mark(t, frozenset({f"p:{n}"}))
+    # in eval mode, as the model is deployed (a transformers LM in training mode looks for packed sequences
+    # in its position ids, which needs values); each module's own mode is restored afterwards
     try:
         with torch.no_grad(), mode:
-            torch.func.functional_call(root, meta, (x,))
+            torch.func.functional_call(root, meta, args, kwargs)
     except Exception as e:  # e.g. data-dependent control flow, or a tensor made on another device
         raise UnsupportedModelError(
             f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "

@@ -74,3 +74,17 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
     assert rows["tweo_plain"]["epoch_s_over_baseline"] == pytest.approx(
         rows["tweo_plain"]["epoch_s"] / rows["baseline"]["epoch_s"])
     assert (out / "epochs.json").exists() and (out / "epochs.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("framework", ["plain", "mmengine"])
+def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
+    if framework != "plain":
+        pytest.importorskip(framework)
+    spec = importlib.util.spec_from_file_location("bench_integrations",
+                                                  os.path.join(ROOT, "scripts", "bench_integrations.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--frameworks", framework, "--steps", "2", "--warmup", "1", "--repeats", "1", "--width", "32",
+                "--depth", "1", "--batch", "2", "--threads", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {framework} |")]
+    assert len(rows) == 1 and float(rows[0].split(" | ")[3]) > 0  # the ratio

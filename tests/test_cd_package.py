@@ -42,6 +42,9 @@ def test_wheel_holds_only_cd_and_declares_torch(tmp_path):
     requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.startswith("Requires-Dist: torch") for r in requires), requires
     assert all("extra ==" in r for r in requires if "timm" in r), requires  # timm is an optional extra
+    assert "cd/integrations/hf.py" in names and "cd/integrations/mmengine.py" in names
+    for framework in ("transformers", "lightning", "mmengine"):  # optional extras too (pip install .[hf], ...)
+        assert all("extra ==" in r for r in requires if framework in r) and any(framework in r for r in requires)
 
     # The installed package alone (repository not on sys.path) finds pairs and steps an optimizer,
     # importing none of the repository's packages.
@@ -54,7 +57,8 @@ def test_wheel_holds_only_cd_and_declares_torch(tmp_path):
         "cd = ColinearityDecay(m, lam=0.005); cd.attach(opt)\n"
         "m(torch.randn(2, 3, 32, 32)).sum().backward(); opt.step()\n"
         "assert cd.num_updates == 1 and len(cd.pairs) == 8\n"
-        "bad = sorted({'models', 'data', 'engine', 'configs', 'quant'} & set(sys.modules))\n"
+        "bad = sorted({'models', 'data', 'engine', 'configs', 'quant', 'transformers', 'lightning', 'mmengine'}"
+        " & set(sys.modules))\n"
         "assert not bad, bad\n"
         "assert sys.modules['cd'].__file__.startswith(sys.argv[1]), sys.modules['cd'].__file__\n"
     )

@@ -1,0 +1,135 @@
+"""CD in training frameworks that own the loop: transformers' Trainer, Lightning, MMEngine (MMDetection).
+
+    from cd.integrations.hf import ColinearityDecayCallback          # pip install .[hf]
+    from cd.integrations.lightning import ColinearityDecayCallback   # pip install .[lightning]
+    custom_hooks = [dict(type="ColinearityDecayHook", lam=0.005)]    # MMEngine config; pip install .[mmengine]
+
+Each takes the arguments of `ColinearityDecay` (`lam`, `lam_per_role`, `targets`, `gated_mlp`, ...), finds the
+model and the optimizer itself, and gives the paper's update (Sec. 3.3) exactly where `attach` gives it in a
+plain loop: after the task gradient and clipping, right before the optimizer reads the weights, once per real
+update, not on a step that AMP skips, with the lr of W2's param group. This module holds what the three share,
+`OptimizerBinding`; it needs torch alone, and each framework module imports its framework.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..decay import ColinearityDecay
+
+# ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
+_LOSS_ONLY = ("mode", "loss_coef")
+
+
+def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked by name now (values are checked when the model
+    is there, before the first step). Raises TypeError for a name `ColinearityDecay` does not take."""
+    bad = sorted(set(kwargs) & set(_LOSS_ONLY))
+    if bad:
+        raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "
+                        "needs `aux_loss` in your training step")
+    try:
+        inspect.signature(ColinearityDecay).bind(None, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"ColinearityDecay arguments: {e}") from None
+    return dict(kwargs)
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's
+    `LightningOptimizer`, MMEngine's `OptimWrapper`): the object whose `step()` really updates the weights."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"CD needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` holds any matrix that `decay` writes."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return any(id(p.downstream) in held for p in decay.pairs)
+
+
+class OptimizerBinding:
+    """CD bound to the torch optimizer that a framework steps.
+
+    The framework's event says that a real update comes, after backward, accumulation and clipping: `arm()`.
+    The update then runs in the optimizer's step pre-hook, so only if the step really runs (GradScaler skips
+    `optimizer.step()` on inf/NaN gradients; a fused optimizer's step is gated on the device instead, see
+    `ColinearityDecay.attach`), once, and before the optimizer reads the weights. When the event comes while
+    the step is already under way (Lightning runs forward and backward inside `optimizer.step(closure)`, and
+    the optimizer calls the closure before it reads the weights), the update runs at once, once per step.
+    Nothing runs when no decayed matrix has a gradient: the optimizer would leave them alone (Lightning skips
+    backward when `training_step` returns None).
+
+    Args:
+        decay: the CD object of the model.
+        optimizer: the framework's optimizer (wrappers are looked through, `torch_optimizer`).
+
+    Raises:
+        ValueError: a decayed matrix is not in the optimizer (its lr would be unknown).
+    """
+
+    def __init__(self, decay: ColinearityDecay, optimizer: Any) -> None:
+        self.decay = decay
+        self.optimizer = torch_optimizer(optimizer)
+        decay._group_index(self.optimizer)  # every decayed matrix is in it: checked now, not at the first step
+        self._armed = False
+        self._stepping = False
+        self._applied = False
+        self._kwargs: dict = {}
+        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
+                         self.optimizer.register_step_post_hook(self._post)]
+
+    def arm(self) -> None:
+        """The framework's event: the update that follows (or is under way, in a closure) is a real one."""
+        if self._stepping:
+            if not self._applied:
+                self._run()
+        else:
+            self._armed = True
+
+    def disarm(self) -> None:
+        """The framework's step is over (taken or skipped): nothing is pending."""
+        self._armed = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._stepping, self._applied, self._kwargs = True, False, kwargs
+        if self._armed:
+            self._run()
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._stepping = self._armed = False
+
+    def _run(self) -> None:
+        self._armed, self._applied = False, True
+        if any(p.downstream.grad is not None for p in self.decay.pairs):
+            self.decay.apply_for(self.optimizer, self._kwargs)
+
+
+def bind_optimizers(decay: ColinearityDecay, optimizers: list) -> dict[int, OptimizerBinding]:
+    """A binding for each optimizer (of `optimizers`) that holds decayed matrices, by id of its torch optimizer.
+
+    Raises:
+        ValueError: no optimizer holds them (CD would never run).
+    """
+    bindings = {}
+    for optimizer in optimizers:
+        opt = torch_optimizer(optimizer)
+        if holds_pairs(decay, opt) and id(opt) not in bindings:
+            bindings[id(opt)] = OptimizerBinding(decay, opt)
+    if not bindings:
+        raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
+    return bindings

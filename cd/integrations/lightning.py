@@ -1,0 +1,83 @@
+"""CD in PyTorch Lightning: a `Callback` (`pip install .[lightning]`).
+
+    from cd.integrations.lightning import ColinearityDecayCallback
+
+    trainer = lightning.Trainer(callbacks=[ColinearityDecayCallback(lam=0.005)])
+    trainer.fit(module, train_dataloaders=loader)
+
+Where it runs in Lightning's step (2.x, automatic optimization): Lightning calls `optimizer.step(closure)`, and
+the closure runs forward and backward; a step pre-hook of the optimizer would therefore run CD before the
+gradient exists, and is not used alone. Lightning calls `on_before_optimizer_step` after the closure (and
+after the GradScaler's unscale), before gradient clipping and the step:
+- without a GradScaler (fp32, bf16, 64-true) it is called inside `optimizer.step(closure)`, after the closure
+  and before the optimizer reads the weights: CD runs then, once per step;
+- with a GradScaler (16-mixed) it is called before `scaler.step(optimizer)`: CD is armed, and runs in the
+  optimizer's step pre-hook only if the scaler really steps (it skips the step on inf/NaN gradients).
+Clipping scales the gradients and CD moves weights, so their order does not change the result. With
+`accumulate_grad_batches` Lightning steps once per update, and CD with it; manual optimization (`opt.step()`
+in `training_step`) goes through the same path. Each matrix gets the lr of its param group at that moment.
+
+The model is the LightningModule (its `example_input_array` serves the pair check); the optimizers are the
+Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved in Lightning
+checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from ..decay import ColinearityDecay
+from . import bind_optimizers, check_cd_arguments, torch_optimizer
+
+
+class ColinearityDecayCallback(Callback):
+    """Colinearity Decay for `lightning.Trainer`.
+
+    Args:
+        **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
+            `matmul_precision`, `norms_every`, `verify`, `example_input`); the decoupled update only.
+
+    Attributes:
+        decay: the `ColinearityDecay` of the LightningModule, from `on_train_start` on (`decay.metrics()`).
+    """
+
+    def __init__(self, **cd_kwargs: Any) -> None:
+        self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        self.decay: Optional[ColinearityDecay] = None
+        self._restored: Optional[dict] = None
+        self._bindings: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._unbind()
+        kwargs = dict(self.cd_kwargs)
+        if kwargs.get("example_input") is None and getattr(pl_module, "example_input_array", None) is not None:
+            kwargs["example_input"] = pl_module.example_input_array
+        self.decay = ColinearityDecay(pl_module, **kwargs)
+        if self._restored is not None:
+            self.decay.load_state_dict(self._restored)
+        self._bindings = bind_optimizers(self.decay, trainer.optimizers)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        binding = self._bindings.get(id(torch_optimizer(optimizer)))
+        if binding is not None:
+            binding.arm()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for binding in self._bindings.values():
+            binding.disarm()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._unbind()
+
+    def _unbind(self) -> None:
+        for binding in self._bindings.values():
+            binding.remove()
+        self._bindings = {}
+
+    def state_dict(self) -> dict:
+        """CD's state (update counter and config, plain values) for Lightning's checkpoint."""
+        return {"cd": self.decay.state_dict() if self.decay is not None else self._restored}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._restored = state_dict.get("cd")

@@ -1,0 +1,116 @@
+"""CD in MMEngine and the OpenMMLab trainers on it (MMDetection, MMSegmentation, ...): a hook
+(`pip install .[mmengine]`), enabled by configuration alone:
+
+    custom_imports = dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False)
+    custom_hooks = [dict(type="ColinearityDecayHook", lam=0.005)]
+
+Where it runs in MMEngine's step (0.10): no hook event sits between backward and the optimizer step
+(`run_iter` calls `before_train_iter`, `train_step`, `after_train_iter`, and `OptimWrapper.update_params` does
+backward, clipping and the step inside). So the hook arms CD at `before_train_iter`, and the update runs in a
+step pre-hook of the torch optimizer inside the OptimWrapper: after backward and clipping, right before the
+optimizer reads the weights, once per real update (with `accumulative_counts` the wrapper steps only on the
+last micro-batch, and CD with it), and not when `AmpOptimWrapper`'s GradScaler skips the step (inf/NaN
+gradients). Any OptimWrapper type works, since none is replaced: OptimWrapper, AmpOptimWrapper, an
+OptimWrapperDict (each optimizer holding decayed matrices is bound), or your own. Each matrix gets the lr of its
+param group at that moment, which MMEngine's param schedulers set.
+
+The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
+one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
+model). The pair check runs one forward of that part on the `meta` device; where CD cannot tell the input size
+(MMDetection's Swin has none), `input_shape` gives it. The hook's state (the update counter, plain values) is
+saved in MMEngine's checkpoints under "colinearity_decay" and restored by `resume`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+from ..decay import ColinearityDecay
+from ..verify import UnsupportedModelError, example_input
+from ..wrappers import unwrap_model
+from . import bind_optimizers, check_cd_arguments
+
+CHECKPOINT_KEY = "colinearity_decay"
+
+
+def _optimizers(optim_wrapper: Any) -> list:
+    """The torch optimizers of an OptimWrapper or an OptimWrapperDict."""
+    if hasattr(optim_wrapper, "optim_wrappers"):  # OptimWrapperDict
+        return [w.optimizer for w in optim_wrapper.optim_wrappers.values()]
+    return [optim_wrapper.optimizer]
+
+
+@HOOKS.register_module()
+class ColinearityDecayHook(Hook):
+    """Colinearity Decay for an MMEngine `Runner`.
+
+    Args:
+        module: the part of the model that CD decays: None (default) the `backbone` if the model has one, else
+            the whole model; "" the whole model; or a dotted submodule name.
+        input_shape: the shape of one input batch of that part, for the pair check, used when CD cannot tell it
+            from the model; default (1, 3, 224, 224), an image batch.
+        **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
+            `matmul_precision`, `norms_every`, `verify`); the decoupled update only.
+
+    Attributes:
+        decay: the `ColinearityDecay`, from `before_train` on (`decay.metrics()`).
+    """
+
+    priority = "NORMAL"
+
+    def __init__(self, module: Optional[str] = None, input_shape: Sequence[int] = (1, 3, 224, 224),
+                 **cd_kwargs: Any) -> None:
+        self.module = module
+        self.input_shape = tuple(input_shape)
+        self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        self.decay: Optional[ColinearityDecay] = None
+        self._restored: Optional[dict] = None
+        self._bindings: dict = {}
+
+    def target(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The part of `model` that CD decays (see `module`)."""
+        model = unwrap_model(model)
+        if self.module is None:
+            return getattr(model, "backbone", None) or model
+        return model.get_submodule(self.module) if self.module else model
+
+    def before_train(self, runner) -> None:
+        for binding in self._bindings.values():
+            binding.remove()
+        target = self.target(runner.model)
+        kwargs = dict(self.cd_kwargs)
+        if kwargs.get("example_input") is None and kwargs.get("verify", True):
+            try:
+                example_input(target)
+            except UnsupportedModelError:  # no input size on the model: the configured shape
+                dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
+                kwargs["example_input"] = torch.empty(self.input_shape, dtype=dtype, device="meta")
+        self.decay = ColinearityDecay(target, **kwargs)
+        if self._restored is not None:
+            self.decay.load_state_dict(self._restored)
+        self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        for binding in self._bindings.values():
+            binding.arm()
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        for binding in self._bindings.values():
+            binding.disarm()
+
+    def after_train(self, runner) -> None:
+        for binding in self._bindings.values():
+            binding.remove()
+        self._bindings = {}
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self.decay is not None:
+            checkpoint[CHECKPOINT_KEY] = self.decay.state_dict()  # plain values: loads with weights_only
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        self._restored = checkpoint.get(CHECKPOINT_KEY)
+        if self.decay is not None and self._restored is not None:
+            self.decay.load_state_dict(self._restored)

@@ -1,0 +1,227 @@
+"""Step time of each CD integration with and without CD, on the same model, in one run.
+
+    python scripts/bench_integrations.py                          # all frameworks installed, CPU
+    python scripts/bench_integrations.py --frameworks plain hf --steps 30 --threads 2
+
+For each framework (a plain loop with `ColinearityDecay.attach` as the reference; transformers' Trainer with
+`cd.integrations.hf`; Lightning; MMEngine's Runner with `ColinearityDecayHook`) it trains the same seeded timm
+ViT (random data, AdamW) for `--warmup` + `--steps` optimizer steps, without CD and with CD, `--repeats` times
+each in turn, and takes each step's time from the framework's own end-of-step event. It prints the median step
+time of the best repeat of each, their ratio, and CD's cost per step (with - without): an integration whose hook
+placement cost anything beyond `attach` would show a larger cost than the plain loop's.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cd import ColinearityDecay  # noqa: E402
+
+LAM = 0.005
+
+
+def build_model(args) -> torch.nn.Module:
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=args.width,
+                             depth=args.depth, num_heads=max(1, args.width // 64), num_classes=10)
+
+
+def data(args, n_steps: int):
+    g = torch.Generator().manual_seed(1)
+    n = n_steps * args.batch
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def step_times(stamps: list[float], warmup: int) -> float:
+    """Median seconds per step after `warmup` steps, from end-of-step time stamps."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+    return statistics.median(gaps)
+
+
+def run_plain(args, cd: bool) -> float:
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.045)
+    if cd:
+        ColinearityDecay(model, lam=LAM).attach(opt)
+    x, y = data(args, args.total)
+    stamps = [time.perf_counter()]
+    for i in range(args.total):
+        xb, yb = x[i * args.batch:(i + 1) * args.batch], y[i * args.batch:(i + 1) * args.batch]
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        stamps.append(time.perf_counter())
+    return step_times(stamps, args.warmup)
+
+
+def run_hf(args, cd: bool) -> float:
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from cd.integrations.hf import ColinearityDecayCallback
+
+    class Wrapped(torch.nn.Module):  # the timm model, with the loss in its forward as the Trainer expects
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+            self.example_input = lambda: torch.zeros(1, 3, 32, 32)
+
+        def forward(self, pixel_values, labels=None):
+            logits = self.net(pixel_values)
+            return logits if labels is None else {"loss": F.cross_entropy(logits, labels)}
+
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+        def on_train_begin(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    x, y = data(args, args.total)
+    ds = [{"pixel_values": a, "labels": b} for a, b in zip(x, y)]
+    out = tempfile.mkdtemp()
+    targs = TrainingArguments(output_dir=out, max_steps=args.total, per_device_train_batch_size=args.batch,
+                              learning_rate=5e-4, weight_decay=0.045, report_to=[], use_cpu=True,
+                              save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                              dataloader_num_workers=0)
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(lam=LAM)] if cd else [])
+    trainer = Trainer(model=Wrapped(build_model(args)), args=targs, train_dataset=ds, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # no summary line
+    trainer.train()
+    return step_times(stamps, args.warmup)
+
+
+def run_lightning(args, cd: bool) -> float:
+    import lightning as L
+
+    from cd.integrations.lightning import ColinearityDecayCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = build_model(args)
+            self.example_input_array = torch.zeros(1, 3, 32, 32)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=5e-4, weight_decay=0.045)
+
+    stamps: list[float] = []
+
+    class Stamp(L.Callback):
+        def on_train_start(self, *a):
+            stamps.append(time.perf_counter())
+
+        def on_train_batch_end(self, *a):
+            stamps.append(time.perf_counter())
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(args, args.total)), batch_size=args.batch)
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(lam=LAM)] if cd else [])
+    L.Trainer(max_steps=args.total, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(Module(), loader)
+    return step_times(stamps, args.warmup)
+
+
+def run_mmengine(args, cd: bool) -> float:
+    from mmengine.hooks import Hook
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    import cd.integrations.mmengine  # noqa: F401  (registers ColinearityDecayHook)
+
+    class Model(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.backbone = build_model(args)
+
+        def init_weights(self):
+            pass
+
+        def forward(self, inputs, labels=None, mode="tensor"):
+            logits = self.backbone(inputs)
+            return {"loss": F.cross_entropy(logits, labels)} if mode == "loss" else logits
+
+    stamps: list[float] = []
+
+    class Stamp(Hook):
+        def before_train(self, runner):
+            stamps.append(time.perf_counter())
+
+        def after_train_iter(self, runner, *a, **k):
+            stamps.append(time.perf_counter())
+
+    x, y = data(args, args.total)
+    runner = Runner(model=Model(), work_dir=tempfile.mkdtemp(), log_level="ERROR",
+                    train_dataloader=dict(dataset=[{"inputs": a, "labels": b} for a, b in zip(x, y)],
+                                          batch_size=args.batch, sampler=dict(type="DefaultSampler", shuffle=False),
+                                          collate_fn=dict(type="default_collate")),
+                    train_cfg=dict(by_epoch=False, max_iters=args.total),
+                    optim_wrapper=dict(optimizer=dict(type="AdamW", lr=5e-4, weight_decay=0.045)),
+                    default_hooks=dict(checkpoint=None, logger=None),
+                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", lam=LAM)] if cd else []))
+    runner.train()
+    return step_times(stamps, args.warmup)
+
+
+RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine": run_mmengine}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--steps", type=int, default=15, help="timed optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="runs without and with CD, alternating")
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
+    args = parser.parse_args(argv)
+    args.total = args.warmup + args.steps + 1
+    torch.set_num_threads(args.threads)
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the frameworks' start-up messages
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _table(args)
+    finally:
+        logging.disable(quiet)
+
+
+def _table(args) -> None:
+    pairs = len(ColinearityDecay(build_model(args), lam=LAM).pairs)
+    print(f"timm ViT width {args.width}, depth {args.depth} ({pairs} pairs), 64 tokens, batch {args.batch}, "
+          f"AdamW, CPU, {args.threads} threads; median of {args.steps} steps, best of {args.repeats} runs")
+    print("| framework | without CD (ms/step) | with CD (ms/step) | ratio | CD cost (ms/step) |")
+    print("|---|---|---|---|---|")
+    for name in args.frameworks:
+        off, on = [], []
+        for _ in range(args.repeats):
+            off.append(RUNS[name](args, cd=False))
+            on.append(RUNS[name](args, cd=True))
+        a, b = min(off), min(on)
+        print(f"| {name} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f} | {1e3 * (b - a):.1f} |", flush=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""cd.integrations.hf in transformers' real Trainer (CPU, float64): a tiny GPT-2 (Conv1D weights, stored
+(in, out)) trained a few steps, its weights after every update compared with the float64 reference of
+(task step + CD) in a plain loop (tests/cd_integration_refs.py), which the wrong placements of CD miss by far:
+gradient accumulation, per-group lrs with a schedule, clipping, a step that a GradScaler skips, and resume."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from cd.integrations.hf import ColinearityDecayCallback  # noqa: E402
+from cd_integration_refs import assert_matches_reference, gpt2_hf_pairs, reference_run  # noqa: E402
+from cd_models import randomize_norms  # noqa: E402
+
+LAYERS, DIM, VOCAB, SEQ = 2, 32, 64, 8
+LAM, TOL = 0.5, 1e-10
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=DIM, n_layer=LAYERS, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return randomize_norms(transformers.GPT2LMHeadModel(cfg)).double()
+
+
+def data(n: int = 32) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def optimizer_and_schedule(model: torch.nn.Module, steps: int):
+    """AdamW with the qkv/fc1 matrices in a group of their own lr, and a linear decay: a CD that read another
+    group's lr, or the lr after the scheduler's step, would be off."""
+    own = [p for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_fc.weight"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in own)]
+    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
+
+
+class Recorder(TrainerCallback):
+    """The micro-batches the model saw (a forward pre-hook) and the weights after each update."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.batches, self.after = [], []
+        model.register_forward_pre_hook(self.record, with_kwargs=True)
+
+    def record(self, module, args, kwargs):
+        if "labels" in kwargs:  # a training forward (CD's pair check runs one on token ids alone)
+            self.batches.append({"input_ids": kwargs["input_ids"].clone(), "labels": kwargs["labels"].clone()})
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+class PoisonStep(TrainerCallback):
+    """Makes the gradients of update `step` infinite (the loss times inf), as an fp16 overflow would."""
+
+    def __init__(self, model: torch.nn.Module, step: int) -> None:
+        self.step, self.on = step, False
+        model.register_forward_hook(lambda m, a, out: out.__setitem__("loss", out["loss"] * float("inf"))
+                                    if self.on else None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.on = state.global_step == self.step
+
+
+def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool = False, poison: int = -1,
+          resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None):
+    model = model or tiny_gpt2()
+    initial = copy.deepcopy(model)
+    opt, sched = optimizer_and_schedule(model, steps)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=accum,
+                             max_steps=steps, max_grad_norm=clip, learning_rate=2e-2, logging_steps=1000,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                             restore_callback_states_from_checkpoint=True)
+    recorder = Recorder(model)
+    callbacks = [ColinearityDecayCallback(lam=LAM, **(cd_kwargs or {})), recorder]
+    if poison >= 0:
+        callbacks.append(PoisonStep(model, poison))
+    trainer = Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, sched), callbacks=callbacks)
+    # the plain per-micro-batch mean loss / accumulation (not transformers' token count over the update), so
+    # that the reference's loss is the model's own
+    trainer.model_accepts_loss_kwargs = False
+    if scaler:  # the CPU stand-in for fp16 AMP: accelerate steps through a real GradScaler, without autocast
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, initial, recorder
+
+
+def check(initial, recorder, steps, accum, clip=None, skipped=(), variants=None):
+    micro = [[recorder.batches[i * accum + k] for k in range(accum)] for i in range(steps)]
+
+    def run(variant):
+        model = copy.deepcopy(initial)
+        opt, sched = optimizer_and_schedule(model, steps)
+        return reference_run(model, micro, lambda m, b: m(**b).loss, opt, sched, gpt2_hf_pairs(LAYERS, DIM), LAM,
+                             clip=clip, skipped=skipped, variant=variant)
+
+    kw = {} if variants is None else {"variants": variants}
+    assert_matches_reference(recorder.after, run, TOL, **kw)
+
+
+def test_trainer_with_accumulation_clipping_and_group_lrs_matches_the_reference(tmp_path):
+    trainer, initial, recorder = train(tmp_path, steps=3, accum=2, clip=0.5)
+    assert len(recorder.batches) == 6
+    check(initial, recorder, 3, 2, clip=0.5,
+          variants=("before_backward", "per_micro_batch", "after_step", "first_group_lr"))
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    assert cb.decay.num_updates == 3 and len(cb.decay.pairs) == 4 * LAYERS
+
+
+def test_a_step_the_grad_scaler_skips_applies_no_cd(tmp_path):
+    trainer, initial, recorder = train(tmp_path, steps=3, scaler=True, poison=1)
+    assert trainer.accelerator.optimizer_step_was_skipped is False  # the last step ran
+    assert all(torch.equal(recorder.after[0][n], recorder.after[1][n]) for n in recorder.after[0])
+    check(initial, recorder, 3, 1, skipped=(1,), variants=("on_skipped_step", "after_step"))
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    assert cb.decay.num_updates == 2
+
+
+def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
+    full_trainer, initial, full = train(tmp_path / "full", steps=4)
+    train(tmp_path / "cut", steps=4, save_steps=2, model=copy.deepcopy(initial))
+    checkpoint = tmp_path / "cut" / "checkpoint-2"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["ColinearityDecayCallback"]["attributes"]["cd_state"]["num_updates"] == 2
+    model = copy.deepcopy(initial)  # the weights come from the checkpoint
+    trainer, _, resumed = train(tmp_path / "cut", steps=4, resume=str(checkpoint), model=model)
+    assert len(resumed.after) == 2
+    for got, want in zip(resumed.after, full.after[2:]):
+        assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    assert cb.decay.num_updates == 4  # the counter came back with the callback's state
+
+
+def test_arguments_are_checked_when_the_callback_is_made():
+    with pytest.raises(TypeError, match="lamda"):
+        ColinearityDecayCallback(lamda=0.1)
+    with pytest.raises(TypeError, match="decoupled update"):
+        ColinearityDecayCallback(mode="loss")

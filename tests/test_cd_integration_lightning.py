@@ -1,0 +1,159 @@
+"""cd.integrations.lightning in a real Lightning Trainer (CPU, float64): a tiny timm ViT trained a few steps,
+its weights after every update compared with the float64 reference of (task step + CD) in a plain loop
+(tests/cd_integration_refs.py), which the wrong placements of CD miss by far. Lightning's automatic
+optimization steps with `optimizer.step(closure)` (forward and backward inside the closure), so every test
+here is a closure-based step; plus gradient accumulation, per-group lrs, clipping, a step the GradScaler
+skips, manual optimization and resume from a Lightning checkpoint."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from cd.integrations.lightning import ColinearityDecayCallback  # noqa: E402
+from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs  # noqa: E402
+from cd_models import VIT_DEPTH, tiny_vit  # noqa: E402
+
+LAM, TOL, DIM = 0.5, 1e-10, 32
+BLOCKS = [f"blocks.{i}" for i in range(VIT_DEPTH)]
+
+
+def optimizer_and_schedule(net: torch.nn.Module, steps: int):
+    own = [p for n, p in net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
+    rest = [p for p in net.parameters() if all(p is not q for q in own)]
+    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
+
+
+class Module(L.LightningModule):
+    """The ViT, a cross-entropy step, the optimizer above; records its micro-batches and the weights after each
+    update. `poison`: the update whose loss is multiplied by inf (an fp16 overflow)."""
+
+    def __init__(self, net, steps: int, poison: int = -1, manual: bool = False) -> None:
+        super().__init__()
+        self.net, self.steps, self.poison = net, steps, poison
+        self.automatic_optimization = not manual
+        self.example_input_array = torch.zeros(1, 3, 32, 32, dtype=torch.float64)
+        self.batches, self.after = [], []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches.append((x.clone(), y.clone()))
+        loss = F.cross_entropy(self(x), y)
+        if self.trainer.global_step == self.poison:
+            loss = loss * float("inf")
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.fit_loop._should_accumulate() and self.automatic_optimization:
+            return
+        self.after.append({n: p.detach().clone() for n, p in self.net.named_parameters()})
+
+    def configure_optimizers(self):
+        opt, sched = optimizer_and_schedule(self.net, self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ScalerOnly(MixedPrecision):
+    """Lightning's 16-mixed step (GradScaler: unscale, on_before_optimizer_step, scaler.step that skips on inf)
+    without autocast: the CPU stand-in for fp16 AMP, exact in float64."""
+
+    def __init__(self) -> None:
+        super().__init__("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+
+    def forward_context(self):
+        return contextlib.nullcontext()
+
+
+def loader(n_batches: int, size: int = 2):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_batches * size, 3, 32, 32, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (n_batches * size,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=size, shuffle=False)
+
+
+def fit(module, steps, accum=1, clip=None, plugins=None, n_batches=8, ckpt_path=None, callback=None):
+    trainer = L.Trainer(max_steps=steps, accumulate_grad_batches=accum, gradient_clip_val=clip, accelerator="cpu",
+                        devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=plugins, precision=None if plugins else "64-true",
+                        callbacks=[callback or ColinearityDecayCallback(lam=LAM)])
+    trainer.fit(module, loader(n_batches), ckpt_path=ckpt_path)
+    return trainer
+
+
+def check(initial, module, steps, accum, clip=None, skipped=(), sched_on_skip=False, variants=None):
+    micro = [[module.batches[i * accum + k] for k in range(accum)] for i in range(steps)]
+
+    def run(variant):
+        net = copy.deepcopy(initial)
+        opt, sched = optimizer_and_schedule(net, steps)
+        return reference_run(net, micro, lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
+                             vit_pairs(BLOCKS, DIM), LAM, clip=clip, skipped=skipped,
+                             scheduler_steps_on_skip=sched_on_skip, variant=variant)
+
+    assert_matches_reference(module.after, run, TOL, **({} if variants is None else {"variants": variants}))
+
+
+def cd_callback(trainer) -> ColinearityDecayCallback:
+    return next(c for c in trainer.callbacks if isinstance(c, ColinearityDecayCallback))
+
+
+def test_closure_step_with_accumulation_clipping_and_group_lrs_matches_the_reference():
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=3)
+    trainer = fit(module, 3, accum=2, clip=0.5)
+    check(initial, module, 3, 2, clip=0.5,
+          variants=("before_backward", "per_micro_batch", "after_step", "first_group_lr"))
+    assert cd_callback(trainer).decay.num_updates == 3
+
+
+def test_a_step_the_grad_scaler_skips_applies_no_cd():
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=3, poison=1)
+    trainer = fit(module, 3, plugins=[ScalerOnly()])
+    assert all(torch.equal(module.after[0][n], module.after[1][n]) for n in module.after[0])
+    # Lightning steps the scheduler after a skipped step too
+    check(initial, module, 3, 1, skipped=(1,), sched_on_skip=True, variants=("on_skipped_step", "after_step"))
+    assert cd_callback(trainer).decay.num_updates == 2
+
+
+def test_manual_optimization_matches_the_reference():
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=2, manual=True)
+    fit(module, 2)
+    check(initial, module, 2, 1, variants=("before_backward", "after_step", "first_group_lr"))
+
+
+def test_resume_from_a_lightning_checkpoint_continues_exactly(tmp_path):
+    initial = tiny_vit().double()
+    full = Module(copy.deepcopy(initial), steps=4)
+    # one batch per epoch: where Lightning restarts an epoch that a checkpoint cut (it replays a loader without
+    # state from its start) does not matter here
+    fit(full, 4, n_batches=1)
+    cut = Module(copy.deepcopy(initial), steps=4)
+    trainer = fit(cut, 2, n_batches=1)
+    trainer.save_checkpoint(tmp_path / "cut.ckpt")
+    resumed = Module(tiny_vit(seed=5).double(), steps=4)  # other weights: the checkpoint's must win
+    trainer = fit(resumed, 4, n_batches=1, ckpt_path=tmp_path / "cut.ckpt")
+    assert len(resumed.after) == 2
+    for got, want in zip(resumed.after, full.after[2:]):
+        assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
+    assert cd_callback(trainer).decay.num_updates == 4

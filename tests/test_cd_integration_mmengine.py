@@ -1,0 +1,216 @@
+"""cd.integrations.mmengine in a real MMEngine Runner (CPU, float64), enabled by configuration alone: a tiny
+timm ViT as the `backbone` of an MMEngine model, trained a few iterations, its weights after every update
+compared with the float64 reference of (task step + CD) in a plain loop (tests/cd_integration_refs.py), which
+the wrong placements of CD miss by far: gradient accumulation (`accumulative_counts`), per-parameter lrs from
+`paramwise_cfg` with a param scheduler, clipping, a step that AmpOptimWrapper's GradScaler skips, resume from
+MMEngine's own checkpoint (under torch >= 2.6, whose torch.load defaults to weights_only), and MMDetection's
+Swin backbone from an MMDetection-scoped config."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("mmengine")
+from mmengine.config import Config  # noqa: E402
+from mmengine.hooks import Hook  # noqa: E402
+from mmengine.model import BaseModel  # noqa: E402
+from mmengine.optim import AmpOptimWrapper, OptimWrapper  # noqa: E402
+from mmengine.optim.optimizer import amp_optimizer_wrapper  # noqa: E402
+from mmengine.registry import DATASETS, HOOKS, MODELS, OPTIM_WRAPPERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+from cd_integration_refs import RefPair, assert_matches_reference, reference_run, vit_pairs  # noqa: E402
+from cd_models import VIT_DEPTH, randomize_norms, tiny_vit  # noqa: E402
+
+LAM, TOL, DIM = 0.5, 1e-10, 32
+BLOCKS = [f"blocks.{i}" for i in range(VIT_DEPTH)]
+
+
+@MODELS.register_module(force=True)
+class Classifier(BaseModel):
+    """An MMEngine model with a `backbone` (a tiny timm ViT, or a backbone config) and a linear head for 10
+    classes, in float64 with random norm scales, seeded; it records the micro-batches it trains on. `poison`:
+    the iteration whose loss is multiplied by inf."""
+
+    def __init__(self, backbone=None, width: int = 0, poison: int = -1, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.backbone = MODELS.build(backbone) if backbone else tiny_vit(seed, randomize=False)
+        self.head = torch.nn.Linear(width, 10) if width else torch.nn.Identity()
+        randomize_norms(self, seed).double()
+        self.poison, self.batches = poison, []
+
+    def init_weights(self):
+        """The weights made at construction stay (the Runner would call timm's own re-initialisation)."""
+
+    def forward(self, inputs, labels=None, mode="tensor"):
+        out = self.backbone(inputs)
+        logits = self.head(out[-1].mean(dim=(2, 3)) if isinstance(out, (tuple, list)) else out)
+        if mode != "loss":
+            return logits
+        self.batches.append((inputs.clone(), labels.clone()))
+        loss = F.cross_entropy(logits, labels)
+        return {"loss": loss * float("inf") if len(self.batches) - 1 == self.poison else loss}
+
+
+@HOOKS.register_module(force=True)
+class RecordWeights(Hook):
+    priority = "LOWEST"
+
+    def __init__(self) -> None:
+        self.after = []
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self.after.append({n: p.detach().clone() for n, p in runner.model.named_parameters()})
+
+
+@OPTIM_WRAPPERS.register_module(force=True)
+class CpuAmpOptimWrapper(AmpOptimWrapper):
+    """AmpOptimWrapper's step (GradScaler unscale, clipping, a scaler.step that skips on inf) on the CPU,
+    without autocast: the CPU stand-in for fp16 AMP, exact in float64 (AmpOptimWrapper refuses a CPU)."""
+
+    def __init__(self, **kwargs) -> None:
+        with mock.patch.object(amp_optimizer_wrapper, "is_cuda_available", return_value=True):
+            super().__init__(**kwargs)
+        self.loss_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+
+    @contextlib.contextmanager
+    def optim_context(self, model):
+        with OptimWrapper.optim_context(self, model):
+            yield
+
+
+@DATASETS.register_module(force=True)
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"inputs": self.x[i], "labels": self.y[i]}
+
+
+def config(tmp_path, iters, accum=1, clip=None, amp=False, model=None, resume=None, lam=LAM, **hook):
+    """A Runner config as a user writes it: CD by `custom_imports` and `custom_hooks` alone. `model`: the
+    Classifier's config."""
+    wrapper = dict(type="CpuAmpOptimWrapper" if amp else "OptimWrapper", accumulative_counts=accum,
+                   optimizer=dict(type="AdamW", lr=2e-2, weight_decay=0.1),
+                   paramwise_cfg=dict(custom_keys={"qkv.weight": dict(lr_mult=0.25), "fc1.weight": dict(lr_mult=0.25)}))
+    if clip:
+        wrapper["clip_grad"] = dict(max_norm=clip)
+    return dict(
+        model=dict(type="Classifier", **(model or {})), work_dir=str(tmp_path), experiment_name="cd",
+        train_dataloader=dict(dataset=dict(type="Data"), batch_size=2, num_workers=0,
+                              sampler=dict(type="InfiniteSampler", shuffle=False),
+                              collate_fn=dict(type="default_collate")),
+        train_cfg=dict(by_epoch=False, max_iters=iters),
+        optim_wrapper=wrapper,
+        param_scheduler=[dict(type="LinearLR", start_factor=1.0, end_factor=0.5, by_epoch=False, begin=0,
+                              end=iters)],
+        custom_imports=dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False),
+        custom_hooks=[dict(type="ColinearityDecayHook", lam=lam, **hook), dict(type="RecordWeights")],
+        default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=2, by_epoch=False), logger=None),
+        resume=resume is not None, load_from=resume, randomness=dict(seed=0), log_level="WARNING")
+
+
+def run(cfg) -> Runner:
+    """Write `cfg` to a config file and train from it, as `tools/train.py` does (custom_imports included)."""
+    path = f"{cfg['work_dir']}.py"
+    Config(cfg).dump(path)
+    runner = Runner.from_cfg(Config.fromfile(path))
+    runner.train()
+    return runner
+
+
+def hook_of(runner, kind):
+    return next(h for h in runner.hooks if type(h).__name__ == kind)
+
+
+def reference(initial, runner, iters, accum, pairs, clip=None, skipped=(), variants=None, prefix="backbone."):
+    updates = iters // accum
+    micro = [[runner.model.batches[i * accum + k] for k in range(accum)] for i in range(updates)]
+    after = hook_of(runner, "RecordWeights").after[accum - 1::accum]
+
+    def run_ref(variant):
+        net = copy.deepcopy(initial)
+        own = [p for n, p in net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
+        rest = [p for p in net.parameters() if all(p is not q for q in own)]
+        opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
+        # MMEngine's LinearLR reaches its end factor on iteration end - 1, and steps every iteration
+        # (micro-batch): update s, on iteration (s + 1) * accum - 1, has the lr of that iteration
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.5 * ((s + 1) * accum - 1) / (iters - 1))
+        pairs_ = [RefPair(prefix + p.w2, prefix + p.w1, p.diag, p.rows, p.transposed) for p in pairs]
+        return reference_run(net, micro, lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched, pairs_, LAM,
+                             clip=clip, skipped=skipped, scheduler_steps_on_skip=True, variant=variant)
+
+    assert_matches_reference(after, run_ref, TOL, **({} if variants is None else {"variants": variants}))
+
+
+def test_runner_with_accumulation_clipping_and_paramwise_lrs_matches_the_reference(tmp_path):
+    runner = run(config(tmp_path, iters=6, accum=2, clip=0.5))
+    reference(Classifier(), runner, 6, 2, vit_pairs(BLOCKS, DIM), clip=0.5,
+              variants=("before_backward", "per_micro_batch", "after_step", "first_group_lr"))
+    decay = hook_of(runner, "ColinearityDecayHook").decay
+    assert decay.num_updates == 3 and decay.pairs[0].name == "blocks.0.attn.qkv.weight"  # the backbone's
+
+
+def test_a_step_amp_optim_wrapper_skips_applies_no_cd(tmp_path):
+    runner = run(config(tmp_path, iters=3, amp=True, model=dict(poison=1)))
+    after = hook_of(runner, "RecordWeights").after
+    assert all(torch.equal(after[0][n], after[1][n]) for n in after[0])
+    reference(Classifier(), runner, 3, 1, vit_pairs(BLOCKS, DIM), skipped=(1,),
+              variants=("on_skipped_step", "after_step"))
+    assert hook_of(runner, "ColinearityDecayHook").decay.num_updates == 2
+
+
+def test_resume_from_an_mmengine_checkpoint_continues_exactly(tmp_path, monkeypatch):
+    full = run(config(tmp_path / "full", iters=4))
+    checkpoint = tmp_path / "full" / "iter_2.pth"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["colinearity_decay"]
+    assert saved["num_updates"] == 2 and json.loads(json.dumps(saved)) == saved  # plain values only
+    # MMEngine 0.10's resume calls torch.load without weights_only, and its own message hub (numpy arrays)
+    # fails torch >= 2.6's weights_only default, with or without CD: a trusted checkpoint needs this
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    resumed = run(config(tmp_path / "resumed", iters=4, model=dict(seed=5), resume=str(checkpoint)))
+    got, want = hook_of(resumed, "RecordWeights").after, hook_of(full, "RecordWeights").after[2:]
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert all(torch.allclose(g[n], w[n], rtol=0, atol=TOL) for n in w)
+    assert hook_of(resumed, "ColinearityDecayHook").decay.num_updates == 4
+
+
+@pytest.mark.slow
+def test_mmdetection_swin_backbone_from_an_mmdet_config_matches_the_reference(tmp_path):
+    pytest.importorskip("mmdet")
+    from cd.families import import_mmdet_swin
+
+    import_mmdet_swin()  # MMDetection's own Swin, registered in mmdet's MODELS
+    backbone = dict(type="mmdet.SwinTransformer", pretrain_img_size=32, embed_dims=DIM, depths=(2, 2),
+                    num_heads=(2, 4), window_size=4, patch_size=2, strides=(2, 2), out_indices=(1,))
+    cfg = config(tmp_path, iters=2, model=dict(backbone=backbone, width=2 * DIM))
+    cfg["default_scope"] = "mmdet"
+    runner = run(cfg)
+    decay = hook_of(runner, "ColinearityDecayHook").decay
+    assert len(decay.pairs) == 17 and decay.pairs[8].name == "stages.0.downsample.reduction.weight"
+    pairs = []
+    for s, width in ((0, DIM), (1, 2 * DIM)):
+        for k in range(2):
+            b = f"stages.{s}.blocks.{k}"
+            pairs += [RefPair(f"{b}.attn.w_msa.qkv.weight", f"{b}.norm1.weight", True),
+                      RefPair(f"{b}.attn.w_msa.proj.weight", f"{b}.attn.w_msa.qkv.weight", False,
+                              (2 * width, 3 * width)),
+                      RefPair(f"{b}.ffn.layers.0.0.weight", f"{b}.norm2.weight", True),
+                      RefPair(f"{b}.ffn.layers.1.weight", f"{b}.ffn.layers.0.0.weight", False)]
+    pairs.append(RefPair("stages.0.downsample.reduction.weight", "stages.0.downsample.norm.weight", True))
+    reference(Classifier(backbone, 2 * DIM), runner, 2, 1, pairs,
+              variants=("before_backward", "after_step", "first_group_lr"))

@@ -1,0 +1,84 @@
+"""cd.integrations' shared part, torch alone: OptimizerBinding applies CD once per real step, where the step
+really runs (armed before the step; at once inside a closure), never without gradients, and the integrations'
+arguments are ColinearityDecay's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cd import ColinearityDecay
+from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments
+from cd_models import snapshot, tiny_vit
+
+
+def _setup(optimizer_cls=torch.optim.SGD, **kw):
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.5)
+    opt = optimizer_cls(model.parameters(), lr=0.1, **kw)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    return model, decay, opt, lambda: F.cross_entropy(model(x), y)
+
+
+def test_armed_before_the_step_it_runs_once_in_the_step_and_not_unarmed():
+    model, decay, opt, loss = _setup()
+    binding = OptimizerBinding(decay, opt)
+    loss().backward()
+    opt.step()  # not armed: no CD
+    assert decay.num_updates == 0
+    binding.arm()
+    binding.arm()  # a second event before the same step: still once
+    assert decay.num_updates == 0  # not before the step itself
+    opt.step()
+    opt.step()  # the next step is not armed
+    assert decay.num_updates == 1
+
+
+def test_armed_inside_a_closure_it_runs_once_per_step_before_the_weights_are_read():
+    model, decay, opt, loss = _setup(torch.optim.LBFGS, max_iter=3)
+    binding = OptimizerBinding(decay, opt)
+    calls = []
+
+    def closure():  # as Lightning's: forward, backward, then the event
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        binding.arm()
+        calls.append(1)
+        return value
+
+    opt.step(closure)
+    assert len(calls) > 1 and decay.num_updates == 1
+
+
+def test_no_gradient_no_update_and_a_removed_binding_does_nothing():
+    model, decay, opt, loss = _setup()
+    binding = OptimizerBinding(decay, opt)
+    before = snapshot(model)
+    binding.arm()
+    opt.step()  # no backward: the optimizer leaves the weights alone, and so does CD
+    assert decay.num_updates == 0 and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    binding.remove()
+    loss().backward()
+    binding.arm()
+    opt.step()
+    assert decay.num_updates == 0
+
+
+def test_bind_optimizers_finds_the_optimizer_holding_the_matrices():
+    model, decay, opt, _ = _setup()
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert list(bind_optimizers(decay, [other, opt])) == [id(opt)]
+    with pytest.raises(ValueError, match="no optimizer holds"):
+        bind_optimizers(decay, [other])
+    half = torch.optim.SGD(list(model.blocks[0].parameters()), lr=0.1)
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        bind_optimizers(decay, [half])
+
+
+def test_arguments_are_colinearity_decays():
+    assert check_cd_arguments({"lam": 0.01, "lam_per_role": {"fc2": 0.02}, "gated_mlp": True})
+    with pytest.raises(TypeError, match="lamda"):
+        check_cd_arguments({"lamda": 0.1})
+    with pytest.raises(TypeError, match="decoupled update"):
+        check_cd_arguments({"mode": "loss"})
