@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The GPT-2 sizes of the paper (Table 7) and small ones for CPU studies and tests. `vocab_size` is set by
+# The GPT-2 sizes of the paper (Table 8) and small ones for CPU studies and tests. `vocab_size` is set by
 # the data (a config's model.num_classes): 50304 (GPT-2's 50257 padded to a multiple of 64, as nanoGPT
 # does) for GPT-2 token files.
 GPT_SIZES: dict[str, dict] = {
