@@ -6,7 +6,8 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std). Written, and never overwritten without --overwrite:
   lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
-                           SmoothQuant-W8A8 and -strict), the final pair energies, and the maxima and
+                           SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
+                           final pair energies, and the maxima and
                            kurtosis per module type (eval_best_act_max.csv); printed as well
   lm_study_energy.png      pair energy against update (metrics.jsonl)
   lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
@@ -26,7 +27,10 @@ from scripts.dose_report import (ROLES, ReportError, Run, by_point, final_energy
                                  plot_type_maxima, read_sweep, type_maxima)
 from scripts.mechanism import new_figure  # noqa: E402
 
-COLUMNS = (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoothquant_strict", "w8a8"))
+# the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
+# where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
+COLUMNS = (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoothquant_strict", "w8a8"),
+           ("rtn", "w3a16"), ("gptq", "w3a16"), ("smoothquant_strict", "w6a6"))
 TYPES = ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp", "block")
 CURVES = (("act/max_block", "max |block output|"), ("act/kurtosis_block", "largest kurtosis of a block output"),
           ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / character)"))
