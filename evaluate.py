@@ -40,10 +40,11 @@ from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
-from engine.loop import evaluate
+from engine.loop import NonFiniteLossError, evaluate
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
+from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -165,6 +166,11 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   f"other shapes {shapes[:4]}; evaluate it with the model settings it was "
                                   f"trained with (drop the model.* overrides)")
         model.load_state_dict(saved)
+    bad = nonfinite_tensors(model.state_dict())  # every number computed from them would be meaningless
+    if bad:
+        raise CheckpointError(f"{args.checkpoint or cfg.model.pretrained}: {len(bad)} tensor(s) hold NaN or inf "
+                              f"values, e.g. {'; '.join(bad[:3])}; nothing was evaluated or written: "
+                              f"evaluate an earlier checkpoint of the run")
     return model
 
 
@@ -414,7 +420,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # the user's mistakes: one `error:` line each (scripts that call main() catch the same)
-USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError,
+               NonFiniteLossError)
 
 if __name__ == "__main__":
     try:

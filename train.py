@@ -41,7 +41,7 @@ from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import CheckpointError, restore_training, save_on_main_rank, training_payload
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
-from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
 from engine.precision import grad_scaler
@@ -195,8 +195,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
 
     def validate_and_keep_best() -> Optional[dict]:
         """Validate, log, update best.pt; None (nothing logged or written) when a stop request ended it."""
-        metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
-                           should_stop=preemption.should_stop)
+        with progress_kept_on_error(save_checkpoint, model, state.step, dist.distributed, "validation"):
+            metrics = validate(model, ema, loaders.val, device, cfg.train.amp, cfg.log.act_max,
+                               should_stop=preemption.should_stop)
         if metrics is not None:
             logger.log(state.step, metrics)
             best.offer(state, metrics)

@@ -7,6 +7,7 @@ knows about ranks.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -23,10 +24,12 @@ from engine.rng import mix_seed
 
 from .digits import DigitsDataset
 from .folder import (ClassCountError, DataError, build_folder_dataset, check_same_classes, class_folders,
-                     class_names, find_split)
+                     class_names, find_split, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .transforms import build_transform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +51,7 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         return SyntheticDataset(size, img_size, num_classes, seed=0 if split == "train" else 1)
     else:
         folder = cfg.train_split if split == "train" else cfg.val_split
-        dataset = build_folder_dataset(cfg.root, folder, transform=transform, strict=not train_transform)
+        dataset = build_folder_dataset(cfg.root, folder, transform=transform)
         found = len(class_names(dataset))
     if found != num_classes:
         if cfg.dataset == "folder":  # advice that holds for both splits: they must agree first
@@ -93,7 +96,8 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
-    return TrainBatches(loader=loader, sampler=sampler)
+    return TrainBatches(loader=loader, sampler=sampler,
+                        unreadable=unreadable_replacer(train_set) if cfg.dataset == "folder" else None)
 
 
 def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,
@@ -167,8 +171,22 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
     dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
         raise DataError(f"asked for {count} calibration images; the train split has {len(dataset)}")
-    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count].tolist()
-    if train_transform:
-        seeded = SeededDataset(dataset)
-        return torch.stack([seeded[(index, mix_seed(seed, pos))][0] for pos, index in enumerate(chosen)])
-    return torch.stack([dataset[index][0] for index in chosen])
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    seeded = SeededDataset(dataset)
+    images, unreadable = [], []
+    for index in order:  # an unreadable image (a negative target, data/folder.py) is left out and named
+        image, target = (seeded[(index, mix_seed(seed, len(images)))] if train_transform
+                         else dataset[index])[:2]
+        if target < 0:
+            unreadable.append(dataset.filename(index, absolute=True))
+        else:
+            images.append(image)
+        if len(images) == count:
+            break
+    if unreadable:
+        log.warning("%d unreadable train image(s) left out of the calibration set: %s", len(unreadable),
+                    ", ".join(unreadable[:10]))
+    if len(images) < count:
+        raise DataError(f"asked for {count} calibration images; the train split has only {len(images)} "
+                        f"readable ones")
+    return torch.stack(images)

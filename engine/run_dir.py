@@ -16,8 +16,8 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
   stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
-  that holds nothing but a train.log, what a start that failed before training leaves (a typo in the
-  model name or the data path), whatever the config.
+  that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
+  tb/, no metrics: a typo in the model name, the data path or a value), whatever the config.
 """
 from __future__ import annotations
 
@@ -168,8 +168,9 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     found = earlier_run_files(out_dir)
     if not found:
         return
-    if found == ["train.log"]:  # a start that failed before training (a typo in a model name or a path)
-        log.warning("%s holds only the train.log of a start that stopped before training", out_dir)
+    if _start_that_failed(out_dir, found):  # e.g. a typo in a model name, a path or a value: any config
+        log.warning("%s holds only the logs of a start that stopped before its first logged update",
+                    out_dir)
         archive(out_dir, found)
         return
     saved = _saved_config(out_dir)
@@ -184,6 +185,15 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                       f"checkpoint.pt to resume from: use another out_dir, or re-run with "
                       f"train.archive_existing=true to move them to {out_dir}/{ARCHIVE}/<time>/ "
                       f"and start afresh")
+
+
+def _start_that_failed(out_dir: str, found: list[str]) -> bool:
+    """True when `found` (out_dir's files, no checkpoint) is what a run that stopped before its first
+    logged update leaves: a train.log, the config.yaml and TensorBoard folder written at start-up, and no
+    metrics. Such a start is archived whatever its config, so that the corrected command runs."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    return (set(found) <= {"train.log", "config.yaml", "tb", "metrics.jsonl"}
+            and (not os.path.exists(metrics) or os.path.getsize(metrics) == 0))
 
 
 @contextmanager
