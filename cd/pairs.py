@@ -35,7 +35,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from .verify import UnsupportedModelError, verify_pairs
+from .verify import UnsupportedModelError, refuse_shared, verify_pairs
 from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -302,6 +302,7 @@ def find_pairs(model: nn.Module, example_input: Optional[torch.Tensor] = None,
             "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
             "ViT/DeiT/Swin) and patch-merging layers (norm, reduction). Without CD (cd.enabled=false) the model "
             "trains as usual.")
+    refuse_shared(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)
     return pairs
