@@ -23,6 +23,7 @@ from typing import Annotated, Any, Iterable, Literal, Sequence, Union
 
 import yaml
 
+from .constraints import check_together
 from .schema import Config
 
 
@@ -65,13 +66,18 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Build a Config from defaults, then each YAML file in `paths`, then `overrides`."""
+    """Build a Config from defaults, then each YAML file in `paths`, then `overrides`; keys that must agree
+    with each other are checked last (configs/constraints.py `check_together`)."""
     if isinstance(paths, str):
         paths = [paths]
     cfg = Config()
     for path in paths or ():
         merge_file(cfg, path)
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    problems = check_together(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    return cfg
 
 
 def read_yaml_file(path: str) -> dict:
