@@ -53,6 +53,8 @@ from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size, model_label
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
+MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
+                  "and re-run the same command to continue")
 log = logging.getLogger("train")
 
 
@@ -157,7 +159,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     started_from = None  # the train.resume file this run descends from (checkpoints record it)
     wandb_id = uuid.uuid4().hex[:16]  # one wandb run per run: kept in checkpoints, new after archiving
     if resumed:
-        check_resumable(payload["config"], cfg)
+        check_resumable(payload["config"], cfg, resume_path)
         restore_training(payload, model=model, optimizer=None, state=state, ema=ema, scaler=scaler)
         restore_optimizer(optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                           optimizer_param_names(model, optimizer))
@@ -278,11 +280,13 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                      "(exit code %d)", state.step, EXIT_PREEMPTED)
             break
         if reason == "max_steps":
-            log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
-                     "drop it) and re-run the same command to continue", state.step)
+            log.info(MAX_STEPS_HINT, state.step)
             break
 
     # -- The end: report the current weights (not after preemption: no time, and no fresh numbers).
+    if reason in ("epoch_end", "finished") and state.epoch < cfg.sched.epochs:  # max_steps at an epoch's end,
+        reason = "max_steps"  # or a re-run of a run that stopped there: not finished, say how to go on
+        log.info(MAX_STEPS_HINT, state.step)
     reason = "finished" if reason == "epoch_end" else reason
     if reason == "preempted":
         val = {}
@@ -376,27 +380,29 @@ def validate(model: nn.Module, ema, loader, device: torch.device, amp: str, act_
     return metrics
 
 
-def check_resumable(saved: dict, current: Config) -> None:
-    """The checkpoint must be of the same model and data set; other settings that change what the run
-    computes may differ only with train.allow_changed_config=true (paths, logging and train.max_steps may
-    always change: engine/run_dir.py ENVIRONMENT_KEYS)."""
+def check_resumable(saved: dict, current: Config, source: str) -> None:
+    """The checkpoint `source` (out_dir's checkpoint.pt or the train.resume file) must be of the same model
+    and data set; other settings that change what the run computes may differ only with
+    train.allow_changed_config=true (paths, logging and train.max_steps may always change:
+    engine/run_dir.py ENVIRONMENT_KEYS)."""
     current_d = config_to_dict(current)
+    other = ("use another out_dir" if not current.train.resume
+             else "give train.resume a checkpoint of this model and data set")  # what gets past the refusal
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
     if any(saved["model"].get(k) != current_d["model"][k] for k in architecture):
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved['model']}, not "
-                              f"{current_d['model']}: use another out_dir or the original model settings")
+        raise CheckpointError(f"{source} was written for model {saved['model']}, not "
+                              f"{current_d['model']}: {other}, or use the original model settings")
     if saved["data"]["dataset"] != current.data.dataset:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on "
-                              f"data.dataset={saved['data']['dataset']!r}, "
-                              f"not {current.data.dataset!r}: use another out_dir")
+        raise CheckpointError(f"{source} was trained on data.dataset={saved['data']['dataset']!r}, "
+                              f"not {current.data.dataset!r}: {other}")
     if saved["optim"]["name"] != current.optim.name:  # its moments mean nothing to another optimizer
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt holds the state of optim.name="
+        raise CheckpointError(f"{source} holds the state of optim.name="
                               f"{saved['optim']['name']}, which optim.name={current.optim.name} cannot use: "
                               f"resume with optim.name={saved['optim']['name']}, or start a new run from its "
-                              f"weights (another out_dir, model.pretrained={current.out_dir}/checkpoint.pt)")
+                              f"weights (another out_dir, model.pretrained={source})")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings "
+        raise CheckpointError(f"{source} was written with other settings "
                               f"({'; '.join(changed)}): re-run with those settings, use another out_dir, or "
                               f"pass train.allow_changed_config=true to continue with the new ones")
     if changed:

@@ -118,6 +118,10 @@ def _read(path: str, identity: dict) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
                            f"move it away or use --out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("quant", {}), dict) or not all(
+            isinstance(entries, dict) for entries in data.get("quant", {}).values()):
+        raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
+                           f"away or use --out")
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
@@ -145,13 +149,27 @@ def _settings_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 
 def read_result_files(paths: list[str]) -> list[dict]:
-    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file."""
-    results = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError) as e:
-            raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
-                               f"evaluate.py") from None
-    return results
+    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file
+    (unreadable, not JSON, or JSON of another shape)."""
+    return [read_result_file(path) for path in paths]
+
+
+def read_result_file(path: str) -> dict:
+    """One evaluate.py JSON with the fields the table and figure scripts read, or a ResultsError naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
+                           f"evaluate.py") from None
+    fields = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict}
+    wrong = [k for k, kind in fields.items() if not isinstance(data, dict) or not isinstance(data.get(k), kind)]
+    if not wrong and all(isinstance(e, dict) for e in data["quant"].values()):
+        return data
+    raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
+                       f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "
+                       f"JSON files written by evaluate.py")
+
+
+def _shape(data: Any) -> str:
+    return f"a JSON {type(data).__name__}" if not isinstance(data, dict) else "a JSON object of other fields"

@@ -21,7 +21,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import logging
 import os
@@ -77,16 +79,26 @@ def config_changes(saved: dict, current: dict) -> list[str]:
 
 
 def prepare_folder(out_dir: str) -> None:
-    """Create `out_dir` and check that files can be written there, or raise RunDirError."""
+    """Create `out_dir` and check that files can be written there, or raise RunDirError. The probe file is
+    removed whatever happens, and a full disk is named as such (the folder itself is fine)."""
+    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
-        os.remove(probe)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not at some later write
     except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        if full:
+            free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
+            raise RunDirError(f"out_dir '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
+                              f"space there, or choose an out_dir on another disk") from None
         raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; "
                           f"choose a writable out_dir") from None
+    os.remove(probe)
 
 
 # Temporary files of atomic writes: `<name>.partial-<pid>-<8 hex digits>`, a name no user file has by
