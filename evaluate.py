@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import sys
@@ -41,6 +42,7 @@ from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
 from engine.loop import NonFiniteLossError, evaluate
+from engine.precision import describe_precision
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -64,6 +66,7 @@ def main(args: argparse.Namespace) -> dict:
     prepare_folder(os.path.dirname(os.path.abspath(out)))
     setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
     log.info("%s", describe_environment(dist))
+    log.info("%s", describe_precision(args.amp, device, key="--amp"))
 
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
@@ -367,17 +370,50 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         return f"{format(mean, spec)} ± {format(std, spec)}"
 
     top1 = ".2f" if over_seeds else ".3f"
-    rows = []
+    rows, notes = [], []
+
+    def quantized(group: list, p: str, b: str) -> str:
+        """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
+        entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
+        cell = fmt([e["top1"] for e in entries], top1)
+        unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
+        if unusual:
+            cell += "*"
+            notes.append(f"\\* {group[0]['model']} {group[0]['method']} {PAPER_NAMES.get(p, p)} {b.upper()}: "
+                         f"not the default settings: {', '.join(unusual)}")
+        return cell
+
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
         rows.append([first["model"], method, fmt([r["fp"]["top1"] for r in group], top1),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
-                    + [fmt([r["quant"][p][b]["top1"] for r in group if b in r["quant"].get(p, {})], top1)
-                       for p, b in columns])
+                    + [quantized(group, p, b) for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
-    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows]
+                     + ([""] + notes if notes else []))
+
+
+def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
+    """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
+    computed with that differs from the default config's; a table marks such results (a degenerate APHQ
+    grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
+    (an older file) are not compared."""
+    if not settings or pipeline not in PIPELINES:
+        return []
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
+    settings, defaults = plain(settings), plain(quant_settings(Config(), pipeline))
+    names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
+    found = []
+    for key, value in (settings.get("options") or {}).items():
+        default = defaults["options"].get(key, value)
+        if value != default:
+            found.append(f"quant.{pipeline}.{key}={value}")
+    for key, value in (settings.get("calibration") or {}).items():
+        if key in names and value != defaults["calibration"].get(key, value):
+            found.append(f"{names[key]}={value}")
+    return found
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)

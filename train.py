@@ -44,11 +44,12 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, use_fused
-from engine.precision import grad_scaler
+from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from engine.snapshots import keep_snapshot, resume_source
-from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
+from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
+                            start_only_changes)
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, describe, input_size, model_label
 
@@ -124,6 +125,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch)
     scaler = grad_scaler(cfg.train.amp, device)
+    log.info("%s", describe_precision(cfg.train.amp, device))
     ema = (ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
            if cfg.train.ema else None)
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
@@ -400,6 +402,11 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
                               f"{saved['optim']['name']}, which optim.name={current.optim.name} cannot use: "
                               f"resume with optim.name={saved['optim']['name']}, or start a new run from its "
                               f"weights (another out_dir, model.pretrained={source})")
+    unused = start_only_changes(saved, current_d)
+    if unused:  # e.g. new pretrained weights: a resumed run takes its weights from the checkpoint
+        raise CheckpointError(f"{source} continues a run, and only a run's start reads {'; '.join(unused)}: "
+                              f"pass the values it started with to continue it, or start a new run with the "
+                              f"new ones (another out_dir)")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
         raise CheckpointError(f"{source} was written with other settings "

@@ -136,6 +136,9 @@ READ_ONLY_WHEN = [
     (("cd.loss_coef",), "cd.mode", ("loss",)),
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
+    (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
+    (("optim.betas", "optim.eps"), "optim.name", ("adamw", "adam", "lamb")),
+    (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
 ]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.

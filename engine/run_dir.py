@@ -53,6 +53,11 @@ ENVIRONMENT_KEYS = (
     "train.divergence_windows", "log.*", "quant.*")
 
 
+# Environment settings that act only when a run starts (weights to start from, what to do with an earlier
+# run's files): a resumed run never reads them, so a changed value is refused on resume, not ignored.
+START_ONLY_KEYS = ("model.pretrained", "model.pretrained_strict", "train.archive_existing")
+
+
 class RunDirError(ValueError):
     """An out_dir that cannot be used: not writable, in use, or holding an earlier run's results."""
 
@@ -76,6 +81,12 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     old, new = _flat(saved), _flat(current)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and not _is_environment(k)]
+
+
+def start_only_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every START_ONLY_KEYS setting that differs: a resumed run would not use it."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in START_ONLY_KEYS if old.get(k) != new.get(k)]
 
 
 def prepare_folder(out_dir: str) -> None:
