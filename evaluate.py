@@ -466,3 +466,7 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)
+        print("error: interrupted; the results finished so far are in the JSON, and the same command runs "
+              "only what is missing", file=sys.stderr)
+        sys.exit(130)

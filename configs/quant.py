@@ -77,7 +77,8 @@ class APHQOptions(FirstLastOptions):
     # -- data (GoatWu/APHQ-ViT test_quant.py) --
     calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
     recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
-    data_seed: Annotated[int, Seed] = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    data_seed: Annotated[int, Seed] = 3407
     batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
     # -- calibration search (quant/aphq/calibration.py, search.py) --
     search_rounds: int = 3  # alternations of input and weight output-MSE searches

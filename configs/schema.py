@@ -73,7 +73,9 @@ class DataConfig:
     mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # timm Mixup mode
     label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
-    num_workers: Annotated[int, NonNegative] = 8  # per process
+    # DataLoader worker processes per process; null: min(8, this process's share of the CPUs - 1), so a
+    # laptop does not start 8 per process (data/loader.py `worker_count`)
+    num_workers: Annotated[Optional[int], NonNegative] = None
     pin_memory: bool = True  # page-locked batches for faster copies to the GPU
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096

@@ -149,12 +149,31 @@ class StopSafeDataLoader(DataLoader):
             return super()._get_iterator()
 
 
+def worker_count(num_workers: Optional[int]) -> int:
+    """data.num_workers, or when it is None (auto) min(8, this process's share of the CPUs - 1): the CPUs
+    this process may run on (its affinity, e.g. a SLURM allocation) split among the processes torchrun
+    started on this machine, one kept for the process itself. 8 per process is DeiT's number for a GPU
+    node; on a 2-core laptop it would only make the processes compete."""
+    if num_workers is not None:
+        return num_workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(8, cpus // max(local, 1) - 1))
+
+
+_told: set = set()  # worker counts already logged: one line per choice, not one per loader
+
+
 def _worker_args(cfg: DataConfig) -> dict:
     # Workers ignore SIGTERM / SIGINT: a scheduler signals the whole process group, and a worker killed by
     # it would crash the main process before it can write its preemption checkpoint (engine/preemption.py).
-    return dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
-                persistent_workers=cfg.num_workers > 0,
-                worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)
+    workers = worker_count(cfg.num_workers)
+    if cfg.num_workers is None and workers not in _told:
+        _told.add(workers)
+        log.info("data loading: %d worker process(es) per process (data.num_workers=null: min(8, CPUs per "
+                 "process - 1))", workers)
+    return dict(num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+                persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 
 def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 from typing import Any
 
-from .run_dir import partial_path
+from .run_dir import exclusive_lock, partial_path
 
 
 class ResultsError(ValueError):
@@ -71,15 +70,14 @@ class EvalResults:
 
     def save(self) -> None:
         """Merge this process's results into the file as it is now and write it (a temporary file and a
-        rename), under an exclusive lock on `<path>.lock`: evaluate.py processes writing one file at the same
-        time all keep their results (an entry of the same pipeline and bit-width written meanwhile by another
-        moves to `history`)."""
+        rename), under an exclusive lock on `<path>.lock`, removed after: evaluate.py processes writing one
+        file at the same time all keep their results (an entry of the same pipeline and bit-width written
+        meanwhile by another moves to `history`)."""
         folder = os.path.dirname(os.path.abspath(self.path))
         tmp = partial_path(self.path)
         try:
             os.makedirs(folder, exist_ok=True)
-            with open(f"{self.path}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
+            with exclusive_lock(f"{self.path}.lock", wait=True):  # released if this process dies, removed after
                 data = _read(self.path, self.identity)
                 self._merge_into(data)
                 with open(tmp, "w") as f:

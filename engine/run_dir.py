@@ -219,29 +219,68 @@ def _start_that_failed(out_dir: str, found: list[str]) -> bool:
             and (not os.path.exists(metrics) or os.path.getsize(metrics) == 0))
 
 
+class LockBusy(Exception):
+    """`exclusive_lock(wait=False)` found the lock held; `owner` is what its holder wrote into the file."""
+
+    def __init__(self, owner: str):
+        super().__init__(owner)
+        self.owner = owner
+
+
+LOCK_MARK = "held by "  # how this program's lock files begin: only such a file is removed on release
+
+
 @contextmanager
-def lock_folder(out_dir: str) -> Iterator[None]:
-    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
-    path = os.path.join(out_dir, LOCK_NAME)
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({owner}); wait for it to finish or "
-                          f"use another out_dir") from None
+def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
+    """An exclusive `flock` on the file `path` for the duration of the block (`wait`: block until it is
+    free, else raise LockBusy), and no file left behind: the holder removes it on release, while still
+    holding it. A process that was waiting on the removed file finds that the path no longer names the
+    file it locked, and locks the path afresh. A file of the same name that this program did not write
+    (not empty, not beginning with LOCK_MARK) is locked as it is, and never changed or removed."""
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip()
+            handle.close()
+            raise LockBusy(owner[len(LOCK_MARK):] if owner.startswith(LOCK_MARK) else owner) from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()  # the previous holder removed the file this handle locked
     handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} "
-                 f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
-    handle.flush()
+    text = handle.read()
+    ours = text == "" or text.startswith(LOCK_MARK)
+    if ours:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{LOCK_MARK}pid {os.getpid()} on {socket.gethostname()} "
+                     f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
+        handle.flush()
     try:
         yield
     finally:
+        if ours:
+            with contextlib.suppress(OSError):
+                os.remove(path)
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
+
+
+@contextmanager
+def lock_folder(out_dir: str) -> Iterator[None]:
+    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
+    try:
+        with exclusive_lock(os.path.join(out_dir, LOCK_NAME), wait=False):
+            yield
+    except LockBusy as busy:
+        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
+                          f"wait for it to finish or use another out_dir") from None
 
 
 @contextmanager

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from configs.quant import APHQOptions
+from engine.metrics import duration
 
 from ..calibrate import Images
 from ..convert import quantize_model
@@ -163,6 +164,8 @@ class APHQPipeline(Pipeline):
                                       options.round_weight),
             normalize_loss=options.normalize_loss, log_every=options.log_every)
         unit_stats = []
+        log.info("APHQ reconstruction: %d units x %d iterations (quant.aphq.iters); a time estimate follows "
+                 "after the first iterations", len(units), options.iters)
         with timer("reconstruct", device):
             for i, unit in enumerate(units):
                 fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True,
@@ -181,6 +184,11 @@ class APHQPipeline(Pipeline):
                          len(units), unit.name, stats["rec_first"], stats["rec_last"], stats["round_last"],
                          stats["seconds"], stats["hessian_seconds"])
                 unit_stats.append(stats)
+                left = len(units) - i - 1
+                if left:
+                    spent = sum(u["seconds"] + u["hessian_seconds"] for u in unit_stats)
+                    log.info("APHQ reconstruction: about %s left for the other %d units", duration(
+                        spent / len(unit_stats) * left), left)
                 del fp_in, fp_out, q_in
         model.eval()
         report = pipeline_report(
