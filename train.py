@@ -388,8 +388,8 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
     train.allow_changed_config=true (paths, logging and train.max_steps may always change:
     engine/run_dir.py ENVIRONMENT_KEYS)."""
     current_d = config_to_dict(current)
-    other = ("use another out_dir" if not current.train.resume
-             else "give train.resume a checkpoint of this model and data set")  # what gets past the refusal
+    own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
+    other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
     if any(saved["model"].get(k) != current_d["model"][k] for k in architecture):
         raise CheckpointError(f"{source} was written for model {saved['model']}, not "

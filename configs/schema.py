@@ -53,8 +53,7 @@ class DataConfig:
     crop_pct: Annotated[float, Range(0, 1, low_open=True)] = 0.875
     crop_mode: Literal["center", "squash", "border"] = "center"  # timm eval crop modes
     # train augmentation (timm create_transform)
-    # RandomResizedCrop area range
-    scale: Annotated[tuple, Numbers(2, Range(0, 1, low_open=True), ordered=True)] = (0.08, 1.0)
+    scale: Annotated[tuple, Numbers(2, Range(0, 1, low_open=True), ordered=True)] = (0.08, 1.0)  # crop area range
     # RandomResizedCrop aspect-ratio range
     ratio: Annotated[tuple, Numbers(2, Positive, ordered=True)] = (0.75, 1.3333333333333333)
     hflip: Annotated[float, Probability] = 0.5  # horizontal flip probability
@@ -73,9 +72,7 @@ class DataConfig:
     mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # timm Mixup mode
     label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
-    # DataLoader worker processes per process; null: min(8, this process's share of the CPUs - 1), so a
-    # laptop does not start 8 per process (data/loader.py `worker_count`)
-    num_workers: Annotated[Optional[int], NonNegative] = None
+    num_workers: Annotated[Optional[int], NonNegative] = None  # per process; null: min(8, CPUs per process - 1)
     pin_memory: bool = True  # page-locked batches for faster copies to the GPU
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096

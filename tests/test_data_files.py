@@ -12,18 +12,7 @@ from PIL import Image
 from configs import load_config
 from data import DataError, build_eval_loader, build_loaders, calibration_images
 from engine.loop import TrainLoop, TrainState, evaluate
-from tests.conftest import DEBUG_CONFIG
-
-
-def make_folder(root, layout, ext=".png"):
-    """layout: {split: {class: count}}; small random images named <i><ext>."""
-    rng = np.random.default_rng(0)
-    for split, classes in layout.items():
-        for name, count in classes.items():
-            os.makedirs(os.path.join(root, split, name), exist_ok=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
-                    os.path.join(root, split, name, f"{i}{ext}"))
+from tests.conftest import DEBUG_CONFIG, make_folder
 
 
 def folder_config(root, *overrides):
