@@ -152,17 +152,20 @@ def read_result_files(paths: list[str]) -> list[dict]:
     return [read_result_file(path) for path in paths]
 
 
-def read_result_file(path: str) -> dict:
-    """One evaluate.py JSON with the fields the table and figure scripts read, or a ResultsError naming it."""
+TABLE_FIELDS = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict}
+
+
+def read_result_file(path: str, fields: tuple = tuple(TABLE_FIELDS)) -> dict:
+    """One evaluate.py JSON with the `fields` its reader needs (by default those of the table and figure
+    scripts), or a ResultsError naming it."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
         raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
                            f"evaluate.py") from None
-    fields = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict}
-    wrong = [k for k, kind in fields.items() if not isinstance(data, dict) or not isinstance(data.get(k), kind)]
-    if not wrong and all(isinstance(e, dict) for e in data["quant"].values()):
+    wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), TABLE_FIELDS[k])]
+    if not wrong and all(isinstance(e, dict) for e in data.get("quant", {}).values()):
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
                        f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "

@@ -67,7 +67,7 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
     result_path = os.path.join(folder, "eval_best.json")
     if not os.path.exists(result_path):
         return None
-    result = read_result_file(result_path)
+    result = read_result_file(result_path, fields=("fp", "max_act", "quant"))
     energies = defaultdict(list)
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         for line in f:
