@@ -162,7 +162,7 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   (" (it was trained without train.ema=true)" if args.ema else ""))
         own, saved = model.state_dict(), payload[key]
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-        shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
+        shapes = [k for k in saved if k in own and getattr(saved[k], "shape", None) != own[k].shape]
         if missing or unexpected or shapes:
             raise CheckpointError(f"{args.checkpoint} does not fit model {model_label(cfg.model)!r}: "
                                   f"missing {missing[:4]}, unexpected {unexpected[:4]}, "
