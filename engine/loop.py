@@ -483,7 +483,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
             logits = model(images)
         logits = logits.float()
         first_bad = torch.where(torch.isfinite(logits).all() | (first_bad > none_bad), first_bad,
-                                torch.tensor(-float(index * world + rank), device=device, dtype=torch.float64))
+                                -float(index * world + rank))  # a scalar argument: no host-to-device copy
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top5 == targets[:, None]
         sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
