@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import sys
@@ -41,10 +42,13 @@ from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
+from engine.loop import NonFiniteLossError
+from engine.precision import describe_precision
 from engine.tasks import task_for
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
+from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -68,6 +72,7 @@ def main(args: argparse.Namespace) -> dict:
     prepare_folder(os.path.dirname(os.path.abspath(out)))
     setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
     log.info("%s", describe_environment(dist))
+    log.info("%s", describe_precision(args.amp, device, key="--amp"))
 
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
@@ -195,13 +200,18 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   (" (it was trained without train.ema=true)" if args.ema else ""))
         own, saved = model.state_dict(), payload[key]
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-        shapes = [k for k in saved if k in own and own[k].shape != saved[k].shape]
+        shapes = [k for k in saved if k in own and getattr(saved[k], "shape", None) != own[k].shape]
         if missing or unexpected or shapes:
             raise CheckpointError(f"{args.checkpoint} does not fit model {model_label(cfg.model)!r}: "
                                   f"missing {missing[:4]}, unexpected {unexpected[:4]}, "
                                   f"other shapes {shapes[:4]}; evaluate it with the model settings it was "
                                   f"trained with (drop the model.* overrides)")
         model.load_state_dict(saved)
+    bad = nonfinite_tensors(model.state_dict())  # every number computed from them would be meaningless
+    if bad:
+        raise CheckpointError(f"{args.checkpoint or cfg.model.pretrained}: {len(bad)} tensor(s) hold NaN or inf "
+                              f"values, e.g. {'; '.join(bad[:3])}; nothing was evaluated or written: "
+                              f"evaluate an earlier checkpoint of the run")
     return model
 
 
@@ -412,7 +422,19 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         return f"{format(mean, spec)} ± {format(std, spec)}"
 
     spec = ".2f" if over_seeds or language else ".3f"
-    rows = []
+    rows, notes = [], []
+
+    def quantized(group: list, p: str, b: str) -> str:
+        """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
+        entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
+        cell = fmt([e[score] for e in entries], spec)
+        unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
+        if unusual:
+            cell += "*"
+            notes.append(f"\\* {group[0]['model']} {group[0]['method']} {PAPER_NAMES.get(p, p)} {b.upper()}: "
+                         f"not the default settings: {', '.join(unusual)}")
+        return cell
+
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
@@ -420,10 +442,31 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
                                                for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
-                    + [fmt([r["quant"][p][b][score] for r in group if b in r["quant"].get(p, {})], spec)
-                       for p, b in columns])
+                    + [quantized(group, p, b) for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
-    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows]
+                     + ([""] + notes if notes else []))
+
+
+def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
+    """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
+    computed with that differs from the default config's; a table marks such results (a degenerate APHQ
+    grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
+    (an older file) are not compared."""
+    if not settings or pipeline not in PIPELINES:
+        return []
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
+    settings, defaults = plain(settings), plain(quant_settings(Config(), pipeline))
+    names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
+    found = []
+    for key, value in (settings.get("options") or {}).items():
+        default = defaults["options"].get(key, value)
+        if value != default:
+            found.append(f"quant.{pipeline}.{key}={value}")
+    for key, value in (settings.get("calibration") or {}).items():
+        if key in names and value != defaults["calibration"].get(key, value):
+            found.append(f"{names[key]}={value}")
+    return found
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)
@@ -466,7 +509,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # the user's mistakes: one `error:` line each (scripts that call main() catch the same)
-USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError,
+               NonFiniteLossError)
 
 if __name__ == "__main__":
     try:
@@ -475,3 +519,7 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)
+        print("error: interrupted; the results finished so far are in the JSON, and the same command runs "
+              "only what is missing", file=sys.stderr)
+        sys.exit(130)

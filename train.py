@@ -40,19 +40,22 @@ from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import CheckpointError, restore_training, save_on_main_rank, training_payload
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
-from engine.loop import NonFiniteLossError, TrainLoop, TrainState
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
-from engine.precision import grad_scaler
+from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from engine.snapshots import keep_snapshot, resume_source
-from engine.run_dir import RunDirError, claim_on_main_rank, config_changes, save_config_history
+from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
+                            start_only_changes)
 from engine.runinfo import describe_environment, setup_logging
 from engine.tasks import ClassificationTask, task_for
 from models import ModelError, build_model, describe, input_size, is_language_model, model_label
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
+MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
+                  "and re-run the same command to continue")
 log = logging.getLogger("train")
 
 
@@ -156,8 +159,10 @@ class Run:
     def validate(self, should_stop, keep_best: bool = True) -> Optional[dict]:
         """Validate; with `keep_best`, log and update best.pt. None (nothing logged or written) when a stop
         request ended it."""
-        metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,
-                           self.cfg.train.amp, self.cfg.log.act_max, should_stop=should_stop)
+        with progress_kept_on_error(self.save_checkpoint, self.model, self.state.step, self.dist.distributed,
+                                    "validation"):
+            metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,
+                               self.cfg.train.amp, self.cfg.log.act_max, should_stop=should_stop)
         if metrics is not None and keep_best:
             self.logger.log(self.state.step, metrics)
             self.best.offer(self.state, metrics)
@@ -193,6 +198,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
                  cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = as_config_error("sched", build_scheduler, optimizer, cfg.sched, updates_per_epoch)
+    log.info("%s", describe_precision(cfg.train.amp, device))
     ema = (ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
            if cfg.train.ema else None)
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
@@ -239,7 +245,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the lr
     of the current update), the position within the epoch in samples of any process count."""
     cfg, state = run.cfg, run.state
-    check_resumable(payload["config"], cfg)
+    check_resumable(payload["config"], cfg, resume_path)
     restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))
@@ -344,8 +350,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
                      "(exit code %d)", state.step, EXIT_PREEMPTED)
             break
         if reason == "max_steps":
-            log.info("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or "
-                     "drop it) and re-run the same command to continue", state.step)
+            log.info(MAX_STEPS_HINT, state.step)
             break
     return reason, val, train_seconds
 
@@ -354,6 +359,10 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
            train_seconds: float) -> RunResult:
     """Report the current weights (not after preemption: no time, and no fresh numbers) and the summary."""
     cfg, state = run.cfg, run.state
+    if (reason in ("epoch_end", "validate", "finished") and state.epoch < run.epochs
+            and state.step < run.total_steps):  # train.max_steps at an epoch's end, or a re-run of a run that
+        reason = "max_steps"  # stopped there: not finished, say how to go on
+        log.info(MAX_STEPS_HINT, state.step)
     reason = "finished" if reason in ("epoch_end", "validate") else reason
     if reason == "preempted":
         val = {}
@@ -441,27 +450,34 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
     return metrics
 
 
-def check_resumable(saved: dict, current: Config) -> None:
-    """The checkpoint must be of the same model and data set; other settings that change what the run
-    computes may differ only with train.allow_changed_config=true (paths, logging and train.max_steps may
-    always change: engine/run_dir.py ENVIRONMENT_KEYS)."""
+def check_resumable(saved: dict, current: Config, source: str) -> None:
+    """The checkpoint `source` (out_dir's checkpoint.pt or the train.resume file) must be of the same model
+    and data set; other settings that change what the run computes may differ only with
+    train.allow_changed_config=true (paths, logging and train.max_steps may always change:
+    engine/run_dir.py ENVIRONMENT_KEYS)."""
     current_d = config_to_dict(current)
+    own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
+    other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
     if any(saved["model"].get(k) != current_d["model"][k] for k in architecture):
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written for model {saved['model']}, not "
-                              f"{current_d['model']}: use another out_dir or the original model settings")
+        raise CheckpointError(f"{source} was written for model {saved['model']}, not "
+                              f"{current_d['model']}: {other}, or use the original model settings")
     if saved["data"]["dataset"] != current.data.dataset:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was trained on "
-                              f"data.dataset={saved['data']['dataset']!r}, "
-                              f"not {current.data.dataset!r}: use another out_dir")
+        raise CheckpointError(f"{source} was trained on data.dataset={saved['data']['dataset']!r}, "
+                              f"not {current.data.dataset!r}: {other}")
     if saved["optim"]["name"] != current.optim.name:  # its moments mean nothing to another optimizer
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt holds the state of optim.name="
+        raise CheckpointError(f"{source} holds the state of optim.name="
                               f"{saved['optim']['name']}, which optim.name={current.optim.name} cannot use: "
                               f"resume with optim.name={saved['optim']['name']}, or start a new run from its "
-                              f"weights (another out_dir, model.pretrained={current.out_dir}/checkpoint.pt)")
+                              f"weights (another out_dir, model.pretrained={source})")
+    unused = start_only_changes(saved, current_d)
+    if unused:  # e.g. new pretrained weights: a resumed run takes its weights from the checkpoint
+        raise CheckpointError(f"{source} continues a run, and only a run's start reads {'; '.join(unused)}: "
+                              f"pass the values it started with to continue it, or start a new run with the "
+                              f"new ones (another out_dir)")
     changed = config_changes(saved, current_d)
     if changed and not current.train.allow_changed_config:
-        raise CheckpointError(f"{current.out_dir}/checkpoint.pt was written with other settings "
+        raise CheckpointError(f"{source} was written with other settings "
                               f"({'; '.join(changed)}): re-run with those settings, use another out_dir, or "
                               f"pass train.allow_changed_config=true to continue with the new ones")
     if changed:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Optional
 
 import torch
@@ -40,8 +41,14 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         print(family_table())
         return
-    import timm  # only the CLI needs timm
-
+    try:
+        import timm  # only the CLI needs timm
+    except ImportError:
+        parser.exit(2, 'error: python -m cd --model needs timm: pip install timm (or pip install ".[timm]")\n')
+    if not timm.is_model(args.model):  # a typo: one line with the closest names, not a traceback
+        close = difflib.get_close_matches(args.model, timm.list_models(), n=3, cutoff=0.6)
+        parser.exit(2, f"error: unknown timm model {args.model!r}"
+                       + (f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()") + "\n")
     with torch.device("meta"):  # shapes only: no weights, no memory, no download
         model = timm.create_model(args.model, pretrained=False)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -22,9 +23,13 @@ from torch.utils.hooks import RemovableHandle
 from .pairs import ROLES, Pair, find_pairs
 from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
 from .verify import UnsupportedModelError
+from .wrappers import unwrap_model
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
+# optimizer -> the ColinearityDecay objects attached to it (weakly held both ways): a matrix that two hooks
+# of one optimizer decay would be decayed twice per step
+_HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def _role_order(key: str) -> tuple[int, str]:
@@ -141,6 +146,11 @@ class ColinearityDecay:
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]
         if not self.pairs:
             raise ValueError(f"cd targets {targets!r} select no pair in this model")
+        unused = sorted(set(self.lam_per_role) - {p.role for p in self.pairs})
+        if unused:  # a strength that would change nothing: refused, not silently ignored
+            roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
+            raise ValueError(f"cd lam_per_role: {unused} decay(s) no matrix of this model with targets "
+                             f"{targets!r}, which decay the roles {roles}; drop it or change the targets")
         self._lams = [self.lam_per_role.get(p.role, self.lam) for p in self.pairs]
         # Target C: the upstream matrix of every (functional) pair is decayed with the pair's strength.
         self._upstream = targets == "C"
@@ -152,6 +162,8 @@ class ColinearityDecay:
         self.matmul_precision = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
 
+        self._model = weakref.ref(unwrap_model(model))  # to tell a replaced parameter from a missing one
+        self._handle: Optional[RemovableHandle] = None  # the live optimizer hook, if attached
         self.num_updates = 0  # optimizer steps on which CD was applied (logging only)
         self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
         self._last_update_norms: dict[str, Tensor] = {}
@@ -172,11 +184,24 @@ class ColinearityDecay:
         """One decoupled CD update of every target with step lr * lam (lam_per_role overrides per role).
 
         Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
-        when every strength is 0 (bit-identical, no work) or when lr == 0.
+        when every strength is 0 (bit-identical, no work) or when lr == 0. Frozen matrices
+        (requires_grad=False) are left alone, as an optimizer leaves them.
+
+        Raises:
+            RuntimeError: the object is attached to an optimizer, whose steps apply the update already.
+            ValueError: lr is negative, NaN or inf.
         """
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         if self.mode != "decoupled" or not self._active:
             return
-        self._apply([lr] * len(self.pairs), [lr] * len(self.pairs), gate=None)
+        if self._attached() is not None:
+            raise RuntimeError("ColinearityDecay.apply: this object is attached to an optimizer, whose step() "
+                               "applies the update already; calling apply() too would decay twice per step. Use "
+                               "one of them (handle.remove() detaches)")
+        lr2 = [lr if p.downstream.requires_grad else 0.0 for p in self.pairs]
+        lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
+        self._apply(lr2, lr1, gate=None)
 
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor]) -> None:
         steps = [lr * lam for lr, lam in zip(lr2, self._lams)]
@@ -199,15 +224,87 @@ class ColinearityDecay:
         Each pair uses the current `lr` of the param group holding its decayed matrix (schedulers,
         warmup and layer-wise lr decay are respected).
 
+        CD changes exactly the matrices the optimizer changes: a decayed matrix that is not in `optimizer`,
+        or has no gradient at this step (requires_grad=False, a frozen block), is left alone, as torch's
+        optimizers leave such parameters; and at most once per real step: one object attaches to one
+        optimizer at a time, and two objects may not decay one matrix through the same optimizer.
+
         Raises:
-            ValueError: a decayed matrix is not in `optimizer` (its lr would be unknown).
+            TypeError: `optimizer` is not a torch.optim.Optimizer.
+            RuntimeError: this object is attached already, or another ColinearityDecay attached to
+                `optimizer` decays one of these matrices (the update would run twice per step).
+            ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, or
+                the model's parameters were replaced after this object found its pairs.
         """
-        self._group_index(optimizer)  # validate now, not at the first step
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ColinearityDecay.attach takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        attached = self._attached()
+        if attached is not None:
+            same = "this optimizer" if attached is optimizer else "another optimizer"
+            raise RuntimeError(f"ColinearityDecay.attach: this object is attached to {same} already; a second "
+                               f"hook would apply the update twice per step. Call remove() on the handle of "
+                               f"the first attach() before attaching again")
+        mine = {id(t) for t in self._decayed()}
+        for other in list(_HOOKED.get(optimizer, ())):
+            if other is not self and other._attached() is optimizer and mine & {id(t) for t in other._decayed()}:
+                shared = next(p.name for p in self.pairs if id(p.downstream) in {id(t) for t in other._decayed()})
+                raise RuntimeError(f"ColinearityDecay.attach: another ColinearityDecay attached to this optimizer "
+                                   f"decays {shared} too; each step would decay it twice. Use one object per "
+                                   f"model (remove the other's handle first)")
+        self._check_parameters_current()
+        index = self._group_index(optimizer)  # validate now, not at the first step
+        outside = [name for name, t in self._decayed_named() if id(t) not in index]
+        if len(outside) == len(mine):
+            raise ValueError(f"ColinearityDecay.attach: none of the {len(outside)} decayed matrices is in the "
+                             f"optimizer (not in the optimizer: e.g. {outside[:3]}), so CD would never act; give "
+                             f"the optimizer the model's parameters")
+        if outside:
+            warnings.warn(f"ColinearityDecay.attach: {len(outside)} decayed matrices are not in the optimizer "
+                          f"(e.g. {outside[:3]}); the optimizer never changes them, so CD leaves them alone too",
+                          stacklevel=2)
 
         def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
             self._pre_step(opt, kwargs)
 
-        return optimizer.register_step_pre_hook(hook)
+        self._handle = optimizer.register_step_pre_hook(hook)
+        self._handle_optimizer = weakref.ref(optimizer)
+        _HOOKED.setdefault(optimizer, weakref.WeakSet()).add(self)
+        return self._handle
+
+    def _attached(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer whose step pre-hook this object still is (None if never attached or removed)."""
+        if self._handle is None:
+            return None
+        hooks = self._handle.hooks_dict_ref()
+        optimizer = self._handle_optimizer()
+        if hooks is None or self._handle.id not in hooks or optimizer is None:
+            self._handle = None
+            return None
+        return optimizer
+
+    def _decayed_named(self) -> list[tuple[str, Tensor]]:
+        """(name, tensor) of every matrix this object writes: the W2 of its pairs (and W1 for target C)."""
+        named = [(p.name, p.downstream) for p in self.pairs]
+        if self._upstream:
+            named += [(p.upstream_name, p.upstream) for p in self.pairs]
+        return named
+
+    def _decayed(self) -> list[Tensor]:
+        return [t for _, t in self._decayed_named()]
+
+    def _check_parameters_current(self) -> None:
+        """Refuse when the model's parameters are no longer the tensors the pairs hold (the update would
+        write tensors the model does not use): e.g. load_state_dict(assign=True) or to_empty() since."""
+        root = self._model()
+        if root is None:
+            return
+        params = dict(root.named_parameters(remove_duplicate=False))
+        stale = [name for name, t in self._decayed_named() if params.get(name) is not t]
+        if stale:
+            raise ValueError(f"ColinearityDecay: the model's parameter {stale[0]} (and {len(stale) - 1} more) is "
+                             f"no longer the tensor this object found its pairs on: the parameters were replaced "
+                             f"since (load_state_dict(assign=True), to_empty(), a new module). Build "
+                             f"ColinearityDecay after the model's parameters are final")
 
     def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None) -> None:
         """The update that `attach`'s hook makes, for code that owns the moment of the step (`cd.integrations`):
@@ -225,13 +322,6 @@ class ColinearityDecay:
         if self._gi_cache is not None and self._gi_cache[0] == sig:
             return self._gi_cache[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        needed = [(p.name, p.downstream) for p in self.pairs]
-        if self._upstream:
-            needed += [(p.upstream_name, p.upstream) for p in self.pairs]
-        missing = [name for name, t in needed if id(t) not in index]
-        if missing:
-            raise ValueError(f"ColinearityDecay.attach: {len(missing)} decayed matrices are not in the "
-                             f"optimizer (e.g. {missing[:3]}); CD needs their param group's lr")
         self._gi_cache = (sig, index)
         return index
 
@@ -243,8 +333,12 @@ class ColinearityDecay:
                                "custom AMP contract); CD cannot tell whether this step will be skipped")
         index = self._group_index(optimizer)
         groups = optimizer.param_groups
-        lr2 = [groups[index[id(p.downstream)]]["lr"] for p in self.pairs]
-        lr1 = [groups[index[id(p.upstream)]]["lr"] for p in self.pairs] if self._upstream else lr2
+
+        def lr(t: Tensor):  # the optimizer changes only its parameters that have a gradient (torch.optim)
+            return groups[index[id(t)]]["lr"] if t.grad is not None and id(t) in index else 0.0
+
+        lr2 = [lr(p.downstream) for p in self.pairs]
+        lr1 = [lr(p.upstream) for p in self.pairs] if self._upstream else lr2
         # Fused optimizers + GradScaler: step() runs even on overflow; GradScaler exposes the verdict as
         # `optimizer.found_inf` (a device tensor) for the duration of step().
         found_inf = getattr(optimizer, "found_inf", None)

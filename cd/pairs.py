@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .verify import UnsupportedModelError, verify_pairs
+from .verify import UnsupportedModelError, refuse_shared, verify_pairs
 from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -407,6 +407,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, dic
             "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
             "ViT/DeiT/Swin) and patch-merging layers (norm, reduction). Without CD (cd.enabled=false) the model "
             "trains as usual.")
+    refuse_shared(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)
     return pairs

@@ -126,6 +126,29 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
         "pass; pass example_input= (a tensor the model accepts; only its shape is used)")
 
 
+def _meta_slots(root: nn.Module, mode: _Provenance) -> dict[str, Tensor]:
+    """{name: meta tensor} with one name per (module, attribute) slot and one meta tensor per tensor,
+    labelled with every name the tensor has. A module shared by two blocks is one slot (functional_call
+    with tied names would swap it twice and restore the meta tensor: the model's weights lost); a
+    parameter tied between two modules is two slots holding one meta tensor (both names' labels), so a
+    norm scale that is the W1 of two pairs is followed from either block."""
+    slots: dict[str, Tensor] = {}
+    seen: set[tuple[int, str]] = set()
+    copies: dict[int, Tensor] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if id(t) not in copies:
+                copies[id(t)] = torch.empty_like(t, device="meta")
+            mode.mark(copies[id(t)], frozenset({f"p:{name}"}))
+            if (id(module), attr) not in seen:
+                seen.add((id(module), attr))
+                slots[name] = copies[id(t)]
+    return slots
+
+
 def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                  example: Optional[Tensor] = None) -> None:
     """Run one meta forward of `root` and check every pair (see the module docstring).
@@ -149,15 +172,10 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         sources.setdefault(p.upstream_name, []).append((str(k), p.kind == "composable"))
         sinks.setdefault(p.name, []).append((k, p.kind == "composable"))
     mode = _Provenance(sources, sinks)
-    meta = {n: torch.empty_like(t, device="meta")
-            for n, t in [*root.named_parameters(), *root.named_buffers()]}
-    for n, t in meta.items():
-        mode.mark(t, frozenset({f"p:{n}"}))
-    # in eval mode, as the model is deployed (a transformers LM in training mode looks for packed sequences
-    # in its position ids, which needs values); each module's own mode is restored afterwards
+    meta = _meta_slots(root, mode)
     try:
         with torch.no_grad(), mode:
-            torch.func.functional_call(root, meta, args, kwargs)
+            torch.func.functional_call(root, meta, args, kwargs, tie_weights=False)
     except Exception as e:  # e.g. data-dependent control flow, or a tensor made on another device
         raise UnsupportedModelError(
             f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "
@@ -177,3 +195,21 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     if failures:
         raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
                                     + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+
+
+def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
+    """Refuse pairs whose decayed matrix W2 is one tensor shared by several blocks (tied weights, one
+    module in two blocks): CD defines one update per matrix and pair, and a shared W2 would get one per
+    block, from each block's W1. A shared W1 (one norm scale feeding two blocks) is fine: it is only read.
+
+    Raises:
+        UnsupportedModelError: naming the matrix, both blocks and the first block's type.
+    """
+    first: dict[int, object] = {}
+    for p in pairs:
+        other = first.setdefault(id(p.downstream), p)
+        if other is not p:
+            raise UnsupportedModelError(
+                f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} matrix "
+                f"{p.name} is the same tensor as {other.name} of block '{other.block}' (shared between blocks); "
+                "CD decays each matrix as the W2 of one pair. Give each block its own copy, or train without CD")

@@ -1,14 +1,19 @@
-"""Value ranges of config fields, attached to the schema as `typing.Annotated` metadata.
+"""What each config value must be for the code that reads it: value ranges attached to the schema as
+`typing.Annotated` metadata, and the checks of keys that must agree with each other (`check_together`).
 
     lr: Annotated[Optional[float], Positive] = None      # None passes, 0 or -1 is an error
+    std: Annotated[tuple, Numbers(3, Positive)] = ...    # one positive number per RGB channel
 
-The strict loader (loader.py) checks them wherever a value is set (YAML file, `key=value`, a saved
-config), so `optim.lr=-1` or `sched.epochs=0` stops before anything runs, with the key named.
+The strict loader (loader.py) checks the ranges wherever a value is set (YAML file, `key=value`, a saved
+config) and `check_together` on every config it loads from files, so `optim.lr=-1`, `data.std=[0.5, 0]`
+or a warmup as long as the schedule stops before anything runs, with the key named, instead of a
+traceback from inside a DataLoader worker or a run that never leaves its warmup.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -31,10 +36,35 @@ class Range:
     def describe(self) -> str:
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+            parts.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
         return " and ".join(parts)
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # seeds' int64 bounds in full, not as 9.22e+18
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """A list of `length` finite numbers, each in `each`, in increasing order when `ordered` (a (min, max)
+    range such as RandomResizedCrop's scale)."""
+
+    length: int
+    each: Optional[Range] = None
+    ordered: bool = False
+
+    def violation(self, value: Any) -> Optional[str]:
+        numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        ok = (len(value) == self.length == len(numbers)
+              and (self.each is None or all(self.each.violation(v) is None for v in numbers))
+              and (not self.ordered or numbers == sorted(numbers)))
+        return None if ok else self.describe()
+
+    def describe(self) -> str:
+        text = f"{self.length} finite numbers" + (f", each {self.each.describe()}" if self.each else "")
+        return text + (", the smaller first (min, max)" if self.ordered else "")
 
 
 Positive = Range(0, low_open=True)
@@ -42,3 +72,22 @@ NonNegative = Range(0)
 AtLeastOne = Range(1)
 Probability = Range(0, 1)  # also fractions in [0, 1]
 BelowOne = Range(0, 1, high_open=True)  # rates such as drop_path, label smoothing, EMA decay
+Seed = Range(-2 ** 63, 2 ** 63 - 1)  # torch.manual_seed / torch.Generator take a 64-bit integer
+
+
+def check_together(cfg: Any) -> list[str]:
+    """Problems of keys that must agree with each other, each one line naming the keys and the fix."""
+    problems = []
+    sched = cfg.sched
+    if sched.steps is not None and sched.warmup_steps >= sched.steps:
+        problems.append(f"sched.warmup_steps={sched.warmup_steps} is not below sched.steps={sched.steps}: the run "
+                        f"would never leave its warmup; lower sched.warmup_steps or raise sched.steps")
+    if sched.steps is None and sched.warmup_epochs >= sched.epochs:
+        problems.append(f"sched.warmup_epochs={sched.warmup_epochs:g} is not shorter than sched.epochs="
+                        f"{sched.epochs}: the run would train at warmup learning rates throughout; lower "
+                        f"sched.warmup_epochs or raise sched.epochs")
+    channels = cfg.model.kwargs.get("in_chans", 3)
+    if channels != 3:  # every data set here gives RGB images (data/folder.py converts to RGB)
+        problems.append(f"model.kwargs.in_chans={channels}: the data pipeline gives 3-channel RGB images "
+                        f"(with data.mean / data.std of 3 values); drop model.kwargs.in_chans")
+    return problems

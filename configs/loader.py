@@ -23,6 +23,7 @@ from typing import Annotated, Any, Iterable, Literal, Sequence, Union
 
 import yaml
 
+from .constraints import check_together
 from .schema import Config
 
 
@@ -65,13 +66,18 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Build a Config from defaults, then each YAML file in `paths`, then `overrides`."""
+    """Build a Config from defaults, then each YAML file in `paths`, then `overrides`; keys that must agree
+    with each other are checked last (configs/constraints.py `check_together`)."""
     if isinstance(paths, str):
         paths = [paths]
     cfg = Config()
     for path in paths or ():
         merge_file(cfg, path)
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    problems = check_together(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    return cfg
 
 
 def read_yaml_file(path: str) -> dict:
@@ -138,6 +144,9 @@ READ_ONLY_WHEN = [
     (("cd.loss_coef",), "cd.mode", ("loss",)),
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
+    (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
+    (("optim.betas", "optim.eps"), "optim.name", ("adamw", "adam", "lamb")),
+    (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
 ]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Dict, Literal, Optional, Tuple
 
-from .constraints import AtLeastOne, Positive, Probability
+from .constraints import AtLeastOne, Positive, Probability, Seed
 
 
 @dataclass
@@ -78,7 +78,8 @@ class APHQOptions(FirstLastOptions):
     # -- data (GoatWu/APHQ-ViT test_quant.py) --
     calib_images: int = 128  # scale-search set = the first calib_images of the reconstruction set
     recon_images: int = 1024  # reconstruction set: train split, training transform, fixed augmentation
-    data_seed: int = 3407  # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
+    data_seed: Annotated[int, Seed] = 3407
     batch_size: int = 32  # reconstruction batch; also the batch of captures and Hessian passes
     # -- calibration search (quant/aphq/calibration.py, search.py) --
     search_rounds: int = 3  # alternations of input and weight output-MSE searches
@@ -113,7 +114,7 @@ class APHQOptions(FirstLastOptions):
     mlp_clip_weight: float = 2.0  # weight of the clipped-branch term
     # -- run --
     log_every: int = 1000  # log loss and time every N iterations (and at the end of each unit)
-    seed: int = 0  # QDrop masks, batch draws, Rademacher probes
+    seed: Annotated[int, Seed] = 0  # QDrop masks, batch draws, Rademacher probes
     cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
 
 
@@ -138,7 +139,7 @@ class GPLQOptions(FirstLastOptions):
     amp: Literal["none", "fp16", "bf16"] = "none"  # autocast of stage 1 (fp16 adds a GradScaler)
     log_every: int = 50  # log stage-1 loss every N updates
     ckpt_every: int = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
-    seed: int = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
+    seed: Annotated[int, Seed] = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
     # -- stage 2: weight PTQ + QwT (quant/gplq/qwt.py) --
     weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-from .constraints import AtLeastOne, BelowOne, NonNegative, Positive, Probability, Range
+from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed
 from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
                     SmoothQuantOptions, SmoothQuantStrictOptions)
 
@@ -55,20 +55,22 @@ class DataConfig:
     val_windows: Annotated[int, NonNegative] = 0
     kjv_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.1  # tail of the text
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
-    mean: tuple = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
-    std: tuple = (0.229, 0.224, 0.225)  # per-channel normalization std (RGB)
-    interpolation: str = "bicubic"  # resize interpolation (train and eval)
+    mean: Annotated[tuple, Numbers(3)] = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
+    std: Annotated[tuple, Numbers(3, Positive)] = (0.229, 0.224, 0.225)  # per-channel normalization std
+    # resize interpolation (train and eval; timm's PIL modes)
+    interpolation: Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"] = "bicubic"
     # eval: resize to img_size / crop_pct, then center crop
     crop_pct: Annotated[float, Range(0, 1, low_open=True)] = 0.875
     crop_mode: Literal["center", "squash", "border"] = "center"  # timm eval crop modes
     # train augmentation (timm create_transform)
-    scale: tuple = (0.08, 1.0)  # RandomResizedCrop area range
-    ratio: tuple = (0.75, 1.3333333333333333)  # RandomResizedCrop aspect-ratio range
+    scale: Annotated[tuple, Numbers(2, Range(0, 1, low_open=True), ordered=True)] = (0.08, 1.0)  # crop area range
+    # RandomResizedCrop aspect-ratio range
+    ratio: Annotated[tuple, Numbers(2, Positive, ordered=True)] = (0.75, 1.3333333333333333)
     hflip: Annotated[float, Probability] = 0.5  # horizontal flip probability
     auto_augment: str = "rand-m9-mstd0.5-inc1"  # "" disables; timm turns color jitter off when set
     color_jitter: Annotated[float, NonNegative] = 0.3  # strength; used only without auto_augment
     reprob: Annotated[float, Probability] = 0.25  # random erasing probability
-    remode: str = "pixel"  # random erasing fill: pixel, rand or const
+    remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill
     recount: Annotated[int, AtLeastOne] = 1  # random erasing: regions per image
     # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
     repeated_aug: Annotated[int, NonNegative] = 3
@@ -77,10 +79,10 @@ class DataConfig:
     cutmix: Annotated[float, NonNegative] = 1.0  # Beta alpha; 0 disables
     mixup_prob: Annotated[float, Probability] = 1.0  # probability that a batch is mixed at all
     mixup_switch_prob: Annotated[float, Probability] = 0.5  # with both on: probability of cutmix
-    mixup_mode: str = "batch"  # timm Mixup mode: batch, pair or elem
+    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # timm Mixup mode
     label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
-    num_workers: Annotated[int, NonNegative] = 8  # per process
+    num_workers: Annotated[Optional[int], NonNegative] = None  # per process; null: min(8, CPUs per process - 1)
     pin_memory: bool = True  # page-locked batches for faster copies to the GPU
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096
@@ -103,8 +105,8 @@ class OptimConfig:
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
     # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
     weight_decay: Annotated[float, NonNegative] = 0.05
-    betas: tuple = (0.9, 0.999)  # Adam(W) moment coefficients
-    eps: float = 1e-8  # Adam(W) denominator epsilon
+    betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)  # Adam(W) moments
+    eps: Annotated[float, Positive] = 1e-8  # Adam(W) denominator epsilon
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
     # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
@@ -117,7 +119,8 @@ class OptimConfig:
 class SchedConfig:
     """The learning-rate schedule (timm): length in epochs (or in updates), warmup, final lr."""
 
-    name: str = "cosine"  # any timm create_scheduler_v2 name (cosine, step, ...)
+    # a timm create_scheduler_v2 name the loop can drive (plateau needs a metric it never gets)
+    name: Literal["cosine", "tanh", "step", "multistep", "poly"] = "cosine"
     epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
     warmup_epochs: Annotated[float, NonNegative] = 5  # linear warmup from warmup_lr; fractions allowed
     # Length in optimizer updates instead (language-model recipes: nanoGPT's max_iters / warmup_iters):
@@ -145,7 +148,7 @@ class TrainConfig:
     ema: bool = False
     ema_decay: Annotated[float, BelowOne] = 0.99996  # EMA decay per optimizer update
     ema_warmup: bool = False  # timm EMA warmup: a smaller decay over the first updates
-    seed: int = 0  # initialization, data order and augmentation
+    seed: Annotated[int, Seed] = 0  # initialization, data order and augmentation
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     # stop after this many optimizer updates (debugging); None: full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
@@ -210,7 +213,7 @@ class TWEOConfig:
     lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value
     p: Annotated[float, Range(1)] = 4.0  # exponent of the penalty mean((|A| / tau)^p)
     tau: Annotated[float, Positive] = 3.0  # activation magnitude scale of the penalty
-    eps: float = 1e-6  # added to tau
+    eps: Annotated[float, NonNegative] = 1e-6  # added to tau
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
     # same value and gradient; plain = ordinary autograd ops that keep fp32 copies of every block output
@@ -234,7 +237,7 @@ class QuantConfig:
     bits: list = field(default_factory=list)
     # fixed, seeded subset of the train split (percentile / repq calibration)
     calib_images: Annotated[int, AtLeastOne] = 32
-    calib_seed: int = 0  # seed choosing the calibration images
+    calib_seed: Annotated[int, Seed] = 0  # seed choosing the calibration images
     # eval: the eval transform; train: one fixed training augmentation per image, as the QwT / GPLQ lab's
     # RepQ-ViT runs calibrate on a batch of their training loader
     calib_transform: Literal["eval", "train"] = "eval"

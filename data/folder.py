@@ -4,13 +4,25 @@ A missing root, a missing split folder or a split without class folders is a cle
 than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
 its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
 either would change the class set silently. timm's reader also accepts a .tar per split.
+
+The images are exactly the files timm's reader reads (its extensions, `read_extensions`): what is checked,
+counted and reported is what is read. An image file that timm would skip without a word (a .webp, .bmp,
+.tif, ... that PIL could open) is refused with its name (`check_skipped_images`).
+
+Every per-sample failure is handled one way (`ImageFolderDataset`): whatever PIL raises while reading or
+decoding an image (a truncated file, garbage bytes, its decompression-bomb limit, ...), the sample comes
+back as a blank image with a negative target, `unreadable_target(index)`; the evaluation leaves it out,
+the training loop replaces it by another image of its batch, and both name and count it (engine/loop.py).
 """
 from __future__ import annotations
 
 import os
+import tarfile
 
-from PIL import Image
+import torch
+from PIL import Image, ImageFile
 from timm.data import ImageDataset
+from timm.data.readers.img_extensions import get_img_extensions
 
 
 class DataError(ValueError):
@@ -25,7 +37,39 @@ class ClassCountError(DataError):
         self.found = found
 
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+def read_extensions() -> tuple[str, ...]:
+    """The file extensions timm's folder and tar readers read (lower case; timm compares `ext.lower()`)."""
+    return tuple(get_img_extensions())
+
+
+def skipped_image_extensions() -> frozenset[str]:
+    """Extensions of images PIL can open that timm's readers skip (.webp, .bmp, .tif, ...); PIL's stub
+    formats (HDF5, GRIB, WMF, ...), which it cannot decode by itself, are not images here."""
+    def decodes(factory) -> bool:  # a plugin class, or a factory function (JPEG's)
+        return not (isinstance(factory, type) and issubclass(factory, ImageFile.StubImageFile))
+
+    openable = {ext for ext, fmt in Image.registered_extensions().items()
+                if fmt in Image.OPEN and decodes(Image.OPEN[fmt][0])}
+    return frozenset(openable - set(read_extensions()))
+
+
+def check_skipped_images(path: str) -> None:
+    """Refuse a split (folder or .tar) holding images that timm's reader would skip without a word: the
+    counts, the class checks and the evaluation would silently be of fewer images than the folder holds."""
+    skipped_ext = skipped_image_extensions()
+    if os.path.isdir(path):
+        names = [os.path.relpath(os.path.join(folder, f), path)
+                 for folder, _, files in os.walk(path, followlinks=True)  # as timm walks it
+                 for f in files if os.path.splitext(f)[1].lower() in skipped_ext]
+    else:
+        with tarfile.open(path) as tar:
+            names = [m.name for m in tar if m.isfile() and os.path.splitext(m.name)[1].lower() in skipped_ext]
+    if names:
+        names.sort()
+        raise DataError(f"{path}: {len(names)} image file(s) that timm's reader skips (it reads only "
+                        f"{', '.join(read_extensions())}), e.g. {', '.join(names[:3])}: they would be left out "
+                        f"of every count and score without a word. Convert them to .png or .jpg, or move "
+                        f"them out of {path}")
 
 
 def find_split(root: str, split: str) -> str:
@@ -42,40 +86,71 @@ def find_split(root: str, split: str) -> str:
                     f"data.train_split / data.val_split")
 
 
-class EvalImageDataset(ImageDataset):
-    """An ImageDataset for evaluation: an unreadable image is reported, never replaced.
+class ImageFolderDataset(ImageDataset):
+    """An ImageDataset whose unreadable images are marked, never silently replaced or fatal.
 
-    timm's ImageDataset replaces an image it cannot decode by the next one, which a validation set must
-    not do (that image would be scored, and counted, twice). Here the sample comes back as a blank image
-    with the target `unreadable_target(index)` (negative), which `engine.loop.evaluate` excludes from the
-    counts and reports by file name.
+    timm's ImageDataset replaces an image it cannot decode by the next one (uncounted; twice-scored in an
+    evaluation) and lets any error other than OSError end the run from inside a DataLoader worker (PIL's
+    DecompressionBombError, SyntaxError, ValueError, struct.error, ...). Here any exception while reading
+    or decoding sample `index` gives a blank image with the target `unreadable_target(index)` (negative);
+    engine/loop.py leaves it out of evaluations and replaces it in training batches, naming and counting
+    it in both. The transform's own errors are not caught: they are bugs or settings, not a bad file.
     """
 
     def __getitem__(self, index: int):
+        source = None
         try:
             source, target = self.reader[index][:2]
-            img = Image.open(source).convert("RGB")
-        except (OSError, ValueError, SyntaxError):  # PIL: truncated, garbage bytes, bad headers
+            with Image.open(source) as opened:
+                img = opened.convert("RGB")  # decodes the pixels: truncated data fails here, not later
+        except Exception:  # noqa: BLE001 - whatever PIL raises for this one file, handled one way
             img, target = Image.new("RGB", (8, 8)), unreadable_target(index)
+        finally:
+            if hasattr(source, "close"):
+                source.close()  # the reader opened it; PIL closes only the files it opened itself
         return (self.transform(img) if self.transform is not None else img), target
 
 
 def unreadable_target(index: int) -> int:
-    """The target an evaluation dataset returns for the unreadable sample `index`: -1 - index (< 0)."""
+    """The target a folder data set returns for the unreadable sample `index`: -1 - index (< 0)."""
     return -1 - index
 
 
-def build_folder_dataset(root: str, split: str, transform=None, strict: bool = False) -> ImageDataset:
-    """`root/split` as an ImageDataset;
-    `strict`: unreadable images are reported, not replaced (evaluation)."""
+def unreadable_replacer(dataset: ImageDataset):
+    """(images, targets) -> (images, targets, names) for training batches of `dataset`: every sample it
+    marked unreadable (`unreadable_target`) is replaced by a readable sample of the same batch (taken in
+    turn), as timm replaces one by the next file, but named (absolute paths) for the caller to log and
+    count. A batch without a single readable image is a DataError: that is a lost mount or a folder
+    without read permission, not a bad file."""
+    def replace(images, targets):
+        bad = targets < 0
+        if not bad.any():
+            return images, targets, []
+        names = [dataset.filename(-1 - int(t), absolute=True) for t in targets[bad]]
+        good, replaced = (~bad).nonzero().flatten(), bad.nonzero().flatten()
+        if len(good) == 0:
+            raise DataError(f"none of the {len(targets)} images of a training batch could be read (e.g. "
+                            f"{', '.join(names[:3])}): check that the files are there and readable")
+        source = good[torch.arange(len(replaced)) % len(good)]
+        images, targets = images.clone(), targets.clone()
+        images[replaced], targets[replaced] = images[source], targets[source]
+        return images, targets, names
+    return replace
+
+
+def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
+    """`root/split` as an ImageFolderDataset (unreadable images marked, see its docstring)."""
     path = find_split(root, split)
     if os.path.isdir(path):
         classes = [d for d in os.scandir(path) if d.is_dir()]
         if not classes:
             raise DataError(f"{path} has no class sub-folders (expected {path}/<class>/<image>)")
-        if not any(f.lower().endswith(IMG_EXTENSIONS) for c in classes[:20] for f in os.listdir(c.path)):
-            raise DataError(f"the class folders in {path} hold no images ({', '.join(IMG_EXTENSIONS)})")
-    dataset = (EvalImageDataset if strict else ImageDataset)(path, transform=transform)
+    check_skipped_images(path)
+    if os.path.isdir(path):
+        extensions = read_extensions()
+        if not any(f.lower().endswith(extensions) for c in classes[:20] for f in os.listdir(c.path)):
+            raise DataError(f"the class folders in {path} hold no images ({', '.join(extensions)})")
+    dataset = ImageFolderDataset(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")
     if os.path.isdir(path):

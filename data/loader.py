@@ -7,6 +7,7 @@ knows about ranks.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -23,11 +24,13 @@ from engine.rng import mix_seed
 
 from .digits import DigitsDataset
 from .folder import (ClassCountError, DataError, build_folder_dataset, check_same_classes, class_folders,
-                     class_names, find_split)
+                     class_names, find_split, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .text import TOKEN_DATASETS, TokenWindows, check_vocabulary, token_stream
 from .transforms import build_transform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,7 +52,7 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         return SyntheticDataset(size, img_size, num_classes, seed=0 if split == "train" else 1)
     else:
         folder = cfg.train_split if split == "train" else cfg.val_split
-        dataset = build_folder_dataset(cfg.root, folder, transform=transform, strict=not train_transform)
+        dataset = build_folder_dataset(cfg.root, folder, transform=transform)
         found = len(class_names(dataset))
     if found != num_classes:
         if cfg.dataset == "folder":  # advice that holds for both splits: they must agree first
@@ -100,7 +103,8 @@ def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: in
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
-    return TrainBatches(loader=loader, sampler=sampler)
+    return TrainBatches(loader=loader, sampler=sampler,
+                        unreadable=unreadable_replacer(train_set) if cfg.dataset == "folder" else None)
 
 
 def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: int,
@@ -189,12 +193,31 @@ class StopSafeDataLoader(DataLoader):
             return super()._get_iterator()
 
 
+def worker_count(num_workers: Optional[int]) -> int:
+    """data.num_workers, or when it is None (auto) min(8, this process's share of the CPUs - 1): the CPUs
+    this process may run on (its affinity, e.g. a SLURM allocation) split among the processes torchrun
+    started on this machine, one kept for the process itself. 8 per process is DeiT's number for a GPU
+    node; on a 2-core laptop it would only make the processes compete."""
+    if num_workers is not None:
+        return num_workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(8, cpus // max(local, 1) - 1))
+
+
+_told: set = set()  # worker counts already logged: one line per choice, not one per loader
+
+
 def _worker_args(cfg: DataConfig) -> dict:
     # Workers ignore SIGTERM / SIGINT: a scheduler signals the whole process group, and a worker killed by
     # it would crash the main process before it can write its preemption checkpoint (engine/preemption.py).
-    return dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
-                persistent_workers=cfg.num_workers > 0,
-                worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)
+    workers = worker_count(cfg.num_workers)
+    if cfg.num_workers is None and workers not in _told:
+        _told.add(workers)
+        log.info("data loading: %d worker process(es) per process (data.num_workers=null: min(8, CPUs per "
+                 "process - 1))", workers)
+    return dict(num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+                persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 
 def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,
@@ -211,8 +234,22 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
     dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
         raise DataError(f"asked for {count} calibration images; the train split has {len(dataset)}")
-    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:count].tolist()
-    if train_transform:
-        seeded = SeededDataset(dataset)
-        return torch.stack([seeded[(index, mix_seed(seed, pos))][0] for pos, index in enumerate(chosen)])
-    return torch.stack([dataset[index][0] for index in chosen])
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    seeded = SeededDataset(dataset)
+    images, unreadable = [], []
+    for index in order:  # an unreadable image (a negative target, data/folder.py) is left out and named
+        image, target = (seeded[(index, mix_seed(seed, len(images)))] if train_transform
+                         else dataset[index])[:2]
+        if target < 0:
+            unreadable.append(dataset.filename(index, absolute=True))
+        else:
+            images.append(image)
+        if len(images) == count:
+            break
+    if unreadable:
+        log.warning("%d unreadable train image(s) left out of the calibration set: %s", len(unreadable),
+                    ", ".join(unreadable[:10]))
+    if len(images) < count:
+        raise DataError(f"asked for {count} calibration images; the train split has only {len(images)} "
+                        f"readable ones")
+    return torch.stack(images)

@@ -85,6 +85,10 @@ def load_checkpoint(path: str) -> dict:
     if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint of this code base (no 'model'/'config' entries); "
                               f"for plain weights files use model.pretrained={path}")
+    # mappings (a state dict may hold a module's non-tensor extra state); loaders check what is in them
+    if not all(isinstance(payload.get(k, {}), dict) for k in ("config", "model", "model_ema")):
+        raise CheckpointError(f"{path} is not a checkpoint of this code base: its 'model' entry is not a "
+                              f"state dict (parameter name -> tensor) or its 'config' not a mapping")
     return payload
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 from typing import Any
 
-from .run_dir import partial_path
+from .run_dir import exclusive_lock, partial_path
 
 
 class ResultsError(ValueError):
@@ -71,15 +70,14 @@ class EvalResults:
 
     def save(self) -> None:
         """Merge this process's results into the file as it is now and write it (a temporary file and a
-        rename), under an exclusive lock on `<path>.lock`: evaluate.py processes writing one file at the same
-        time all keep their results (an entry of the same pipeline and bit-width written meanwhile by another
-        moves to `history`)."""
+        rename), under an exclusive lock on `<path>.lock`, removed after: evaluate.py processes writing one
+        file at the same time all keep their results (an entry of the same pipeline and bit-width written
+        meanwhile by another moves to `history`)."""
         folder = os.path.dirname(os.path.abspath(self.path))
         tmp = partial_path(self.path)
         try:
             os.makedirs(folder, exist_ok=True)
-            with open(f"{self.path}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
+            with exclusive_lock(f"{self.path}.lock", wait=True):  # released if this process dies, removed after
                 data = _read(self.path, self.identity)
                 self._merge_into(data)
                 with open(tmp, "w") as f:
@@ -118,6 +116,10 @@ def _read(path: str, identity: dict) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
                            f"move it away or use --out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("quant", {}), dict) or not all(
+            isinstance(entries, dict) for entries in data.get("quant", {}).values()):
+        raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
+                           f"away or use --out")
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
@@ -145,13 +147,30 @@ def _settings_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 
 def read_result_files(paths: list[str]) -> list[dict]:
-    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file."""
-    results = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError) as e:
-            raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
-                               f"evaluate.py") from None
-    return results
+    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file
+    (unreadable, not JSON, or JSON of another shape)."""
+    return [read_result_file(path) for path in paths]
+
+
+TABLE_FIELDS = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict}
+
+
+def read_result_file(path: str, fields: tuple = tuple(TABLE_FIELDS)) -> dict:
+    """One evaluate.py JSON with the `fields` its reader needs (by default those of the table and figure
+    scripts), or a ResultsError naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
+                           f"evaluate.py") from None
+    wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), TABLE_FIELDS[k])]
+    if not wrong and all(isinstance(e, dict) for e in data.get("quant", {}).values()):
+        return data
+    raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
+                       f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "
+                       f"JSON files written by evaluate.py")
+
+
+def _shape(data: Any) -> str:
+    return f"a JSON {type(data).__name__}" if not isinstance(data, dict) else "a JSON object of other fields"

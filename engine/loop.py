@@ -19,18 +19,18 @@ import math
 import resource
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Optional, Protocol, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.modules import unwrap_model
+from models.modules import nonfinite_tensors, unwrap_model
 
 from .distributed import all_reduce
-from .divergence import DivergenceGuard
+from .divergence import DivergenceError, DivergenceGuard
 from .precision import autocast
 from .rng import mix_seed, seed_all
 
@@ -38,7 +38,12 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or inf; the last good checkpoint is kept."""
+    """A loss or logits that are NaN or inf: the training loss (the last good checkpoint is kept), or the
+    logits / loss of an evaluation (nothing is written)."""
+
+
+# Errors that end a run on purpose, each saying itself what was kept: no emergency checkpoint after them.
+_DELIBERATE = (NonFiniteLossError, DivergenceError)
 
 
 class EpochSampler(Protocol):
@@ -57,9 +62,19 @@ class TrainBatches:
 
     loader: Iterable[Tuple[torch.Tensor, torch.Tensor]]
     sampler: EpochSampler
+    # (images, targets) -> (images, targets, names): replaces the samples a data set marked unreadable
+    # (negative targets, data/folder.py) and names them; None when the data set cannot have any
+    unreadable: Optional[Callable[[torch.Tensor, torch.Tensor], tuple]] = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def readable(self) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
+        """The loader's batches with unreadable samples replaced (for code that reads a loader directly)."""
+        for images, targets in self.loader:
+            if self.unreadable is not None:
+                images, targets, _ = self.unreadable(images, targets)
+            yield images, targets
 
 
 @dataclass
@@ -75,6 +90,7 @@ class TrainState:
     best_step: int = 0  # ... and its update
     validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
+    unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -161,58 +177,71 @@ class TrainLoop:
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
         micro = 0
+        stage = "data"  # what the loop is doing, for an error: data, step (weights half written) or save
         waiting_since = time.perf_counter()  # the time spent waiting for the loader (train/data_wait)
-        for images, targets in batches.loader:
-            window.data_wait += time.perf_counter() - waiting_since
-            if state.epoch_batches >= total * self.accum_steps:
-                break  # the tail that does not fill a whole update
-            if micro == 0:
-                seed_all(mix_seed(self.seed, self.rank, state.step))
-            images = images.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            if self.mixup is not None:
-                images, targets = self.mixup(images, targets)
-            micro += 1
-            state.epoch_batches += 1
-            last = micro == self.accum_steps
-            sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with autocast(self.amp, self.device):
-                    loss = self.compute_loss(self.model, images, targets)
-                scaled = loss / self.accum_steps
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            window.add_loss(loss.detach())
-            if state.initial_loss is None and self._first_loss is None:
-                self._first_loss = loss.detach().float().reshape(1)
-            if not last:
+        try:
+            for images, targets in batches.loader:
+                window.data_wait += time.perf_counter() - waiting_since
+                if state.epoch_batches >= total * self.accum_steps:
+                    break  # the tail that does not fill a whole update
+                if micro == 0:
+                    seed_all(mix_seed(self.seed, self.rank, state.step))
+                if batches.unreadable is not None:
+                    images, targets = self._replace_unreadable(batches, images, targets, window)
+                images = images.to(self.device, non_blocking=True)
+                targets = targets.to(self.device, non_blocking=True)
+                if self.mixup is not None:
+                    images, targets = self.mixup(images, targets)
+                micro += 1
+                state.epoch_batches += 1
+                last = micro == self.accum_steps
+                sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+                with sync:
+                    with autocast(self.amp, self.device):
+                        loss = self.compute_loss(self.model, images, targets)
+                    scaled = loss / self.accum_steps
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                window.add_loss(loss.detach())
+                if state.initial_loss is None and self._first_loss is None:
+                    self._first_loss = loss.detach().float().reshape(1)
+                if not last:
+                    waiting_since = time.perf_counter()
+                    continue
+                micro = 0
+                stage = "step"
+                steps_before = self._real_steps
+                grad_norm = self._optimizer_step()
+                state.step += 1
+                state.skipped_steps += self._real_steps == steps_before
+                if self.ema is not None:
+                    self.ema.update(unwrap_model(self.model), step=state.step)
+                if self.scheduler is not None and self.per_step_schedule:
+                    self.scheduler.step_update(state.step)
+                stage = "data"
+                window.add_update(images_per_update, grad_norm)
+                if bar is not None:
+                    bar.update(1)
+                if state.step % self.log_every == 0:
+                    self._log(state, window, bar, total)
+                if self.ckpt_every and state.step % self.ckpt_every == 0:
+                    stage = "save"
+                    self._save(window, state)
+                    stage = "data"
+                if self.max_steps is not None and state.step >= self.max_steps:
+                    reason = "max_steps"
+                    break
+                if self.should_stop is not None and self.should_stop(state.step):
+                    reason = "preempted"
+                    break
+                if self.eval_every and state.step % self.eval_every == 0:
+                    reason = "validate"
+                    break
                 waiting_since = time.perf_counter()
-                continue
-            micro = 0
-            steps_before = self._real_steps
-            grad_norm = self._optimizer_step()
-            state.step += 1
-            state.skipped_steps += self._real_steps == steps_before
-            if self.ema is not None:
-                self.ema.update(unwrap_model(self.model), step=state.step)
-            if self.scheduler is not None and self.per_step_schedule:
-                self.scheduler.step_update(state.step)
-            window.add_update(images_per_update, grad_norm)
+        except Exception as error:
             if bar is not None:
-                bar.update(1)
-            if state.step % self.log_every == 0:
-                self._log(state, window, bar, total)
-            if self.ckpt_every and state.step % self.ckpt_every == 0:
-                self._save(window, state)
-            if self.max_steps is not None and state.step >= self.max_steps:
-                reason = "max_steps"
-                break
-            if self.should_stop is not None and self.should_stop(state.step):
-                reason = "preempted"
-                break
-            if self.eval_every and state.step % self.eval_every == 0:
-                reason = "validate"
-                break
-            waiting_since = time.perf_counter()
+                bar.close()
+            self._keep_progress(error, stage, state, micro, window)
+            raise
         if bar is not None:
             bar.close()
         if window.updates:
@@ -228,6 +257,50 @@ class TrainLoop:
             if reason in ("max_steps", "validate"):
                 reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
         return reason
+
+    def _replace_unreadable(self, batches: TrainBatches, images: torch.Tensor, targets: torch.Tensor,
+                            window: "_Window") -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace the samples the data set marked unreadable (`batches.unreadable`); name and count them."""
+        images, targets, names = batches.unreadable(images, targets)
+        if names:
+            window.unreadable += len(names)
+            log.warning("%d unreadable training image(s) replaced by others of their batch: %s%s", len(names),
+                        ", ".join(names[:10]), " ..." if len(names) > 10 else "")
+        return images, targets
+
+    def _keep_progress(self, error: Exception, stage: str, state: TrainState, micro: int,
+                       window: "_Window") -> None:
+        """After an exception inside the epoch: keep what was trained since the last checkpoint, or say
+        where the run resumes from. One process writes checkpoint.pt at the last completed update (the
+        micro-batches of the unfinished one are read again on resume); under DDP the other ranks may be
+        waiting in a collective, so the last checkpoint stays the resume point."""
+        if isinstance(error, _DELIBERATE) or self.save is None:
+            return  # these say themselves what was kept
+        last = "re-run the same command to resume from the last checkpoint.pt"
+        if stage == "save":
+            log.error("writing the checkpoint at update %d failed; %s", state.step, last)
+            return
+        if stage == "step":
+            log.error("%s inside the optimizer step of update %d (weights partly updated, not saved); %s",
+                      type(error).__name__, state.step + 1, last)
+            return
+        state.epoch_batches -= micro
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.world_size > 1 or state.step == 0:
+            log.error("%s at update %d; %s", type(error).__name__, state.step + 1,
+                      last if state.step else "nothing was trained yet: fix the cause and re-run the command")
+            return
+        try:
+            window.check_finite(state.step)  # never a checkpoint of a diverged run
+            self._settle_skipped_steps(state)
+            self.save()
+        except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
+            log.error("%s at update %d, and checkpoint.pt could not be written (%s); %s", type(error).__name__,
+                      state.step + 1, save_error, last)
+            return
+        log.error("%s at update %d: checkpoint.pt written at update %d, the last one completed; fix the cause "
+                  "and re-run the same command to resume from there", type(error).__name__, state.step + 1,
+                  state.step)
 
     def _epoch_costs(self, t0: float) -> dict:
         """epoch/train_seconds: wall time of the epoch's updates (no validation, no checkpoint; rank 0's
@@ -265,6 +338,7 @@ class TrainLoop:
         metrics = window.flush(state.step)
         if self.sample_tokens:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
+        state.unreadable_images += metrics.get("train/unreadable_images", 0)
         if state.initial_loss is None and self._first_loss is not None:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
         if self.divergence is not None:
@@ -299,6 +373,7 @@ class _Window:
         self.images = 0
         self.grad_norm = None
         self.data_wait = 0.0  # seconds the main process waited for the next batch
+        self.unreadable = 0  # training samples replaced because they could not be read
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -311,32 +386,64 @@ class _Window:
         if grad_norm is not None:
             self.grad_norm = grad_norm
 
-    def _global_loss(self) -> tuple[float, float]:
-        """(sum of losses, micro-batches) over all ranks: a NaN on any rank stops every rank (the NaN
-        gradient was averaged into all of them), and train/loss is the global mean. One collective."""
-        totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device)])
-        loss_sum, micro = all_reduce(totals).tolist()
-        return loss_sum, micro
+    def _global_sums(self) -> tuple[float, float, float]:
+        """(sum of losses, micro-batches, unreadable samples) over all ranks: a NaN on any rank stops every
+        rank (the NaN gradient was averaged into all of them), and train/loss is the global mean. One
+        collective."""
+        totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device),
+                              torch.tensor(float(self.unreadable), device=self.device)])
+        loss_sum, micro, unreadable = all_reduce(totals).tolist()
+        return loss_sum, micro, unreadable
 
-    def check_finite(self, step: Optional[int]) -> float:
+    def check_finite(self, step: Optional[int], sums: Optional[tuple] = None) -> float:
         """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank;
-        return the global mean loss."""
-        loss_sum, micro = self._global_loss()
+        return the global mean loss. `sums`: `_global_sums()` if already taken."""
+        loss_sum, micro, _ = sums or self._global_sums()
         if not math.isfinite(loss_sum):
             raise NonFiniteLossError(f"the training loss is {loss_sum} at or before update {step}; stopping "
                                      f"without writing a checkpoint, the last good one is kept")
         return loss_sum / max(micro, 1.0)
 
     def flush(self, step: int) -> dict:
-        mean_loss = self.check_finite(step)
+        sums = self._global_sums()
+        mean_loss, unreadable = self.check_finite(step, sums), sums[2]
         elapsed = time.perf_counter() - self.t0
         metrics = {"train/loss": mean_loss, "train/img_per_s": self.images / max(elapsed, 1e-9),
                    "train/data_wait": self.data_wait / max(elapsed, 1e-9),  # share of the window's time
                    "train/peak_mem_mib": _peak_mem_mib(self.device)}
         if self.grad_norm is not None:
             metrics["train/grad_norm"] = float(self.grad_norm)  # the last update's (clipping on)
+        if unreadable:
+            metrics["train/unreadable_images"] = int(unreadable)  # all ranks, this window
         self._reset()
         return metrics
+
+
+@contextmanager
+def progress_kept_on_error(save: Callable[[], None], model: nn.Module, step: int, distributed: bool,
+                           what: str) -> Iterator[None]:
+    """Around work between an epoch's last update and its checkpoint (the validation): an exception first
+    writes checkpoint.pt (one process; finite weights only), so that the epoch's updates are kept and the
+    resumed run repeats the work (`save` must record that it is due); under DDP another rank may wait in a
+    collective, so the last checkpoint stays the resume point. The log says which, before the error."""
+    try:
+        yield
+    except Exception as error:
+        last = "re-run the same command to resume from the last checkpoint.pt"
+        bad = [] if distributed else nonfinite_tensors(unwrap_model(model).state_dict())
+        if distributed or bad or isinstance(error, DivergenceError):
+            log.error("%s failed at update %d (%s)%s; %s", what, step, type(error).__name__,
+                      f": the weights are not finite ({bad[0]}), not saved" if bad else "", last)
+            raise
+        try:
+            save()
+        except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
+            log.error("%s failed at update %d (%s) and checkpoint.pt could not be written (%s); %s", what, step,
+                      type(error).__name__, save_error, last)
+            raise error from None
+        log.error("%s failed at update %d (%s): checkpoint.pt written; fix the cause and re-run the same command "
+                  "to resume (the %s is done first)", what, step, type(error).__name__, what)
+        raise
 
 
 @torch.no_grad()
@@ -357,6 +464,11 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     model.eval()
     dataset = getattr(loader, "dataset", None)
     sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count, excluded
+    # the first batch with a NaN / inf logit, as -(batch * world + rank) (max-reduced), kept on the device
+    none_bad = -float(2 ** 62)
+    first_bad = torch.full((), none_bad, device=device, dtype=torch.float64)
+    world, rank = _world_and_rank()
+    batch_size = getattr(loader, "batch_size", None) or 1
     unreadable: list[int] = []
     common_batches = 0
     if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks (one collective)
@@ -376,6 +488,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
         with autocast(amp, device):
             logits = model(images)
         logits = logits.float()
+        first_bad = torch.where(torch.isfinite(logits).all() | (first_bad > none_bad), first_bad,
+                                -float(index * world + rank))  # a scalar argument: no host-to-device copy
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top5 == targets[:, None]
         sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
@@ -387,10 +501,35 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
         log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names),
                     ", ".join(names[:10]), " ..." if len(names) > 10 else "")
     all_reduce(sums)
+    bad = -all_reduce(first_bad, op="max").item()
+    if bad < -none_bad or not math.isfinite(sums[2].item()):
+        raise NonFiniteLossError(_nonfinite_message(progress, bad, -none_bad, world, batch_size, dataset))
     correct1, correct5, loss, count, excluded = sums.tolist()
     scored = max(count, 1.0)
     return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
             "count": int(count), "excluded": int(excluded)}
+
+
+def _world_and_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _nonfinite_message(what: str, code: float, none: float, world: int, batch_size: int, dataset) -> str:
+    """The error of an evaluation whose logits (or loss) are not finite, naming the first such batch."""
+    where = "its loss"
+    if code < none:
+        batch, rank = divmod(int(code), world)
+        first = rank + world * batch * batch_size  # ShardedEvalSampler: rank r holds images r, r + world, ...
+        name = dataset.filename(first) if hasattr(dataset, "filename") else f"image {first}"
+        where = (f"the logits of batch {batch}" + (f" of rank {rank}" if world > 1 else "")
+                 + f" (first image {name})")
+    return (f"{what or 'evaluation'}: {where} are NaN or inf, so no accuracy can be computed and nothing is "
+            f"written; the weights (or the quantized model) produce non-finite numbers on these images "
+            f"(with --amp fp16 / train.amp=fp16 an fp16 overflow can: try none or bf16)")
 
 
 def progress_iter(loader, label: str):

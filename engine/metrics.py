@@ -110,6 +110,8 @@ def _truncate_after(path: str, step: int) -> None:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):  # not one of this logger's records
                 broken += 1
                 continue
             if record.get("step", 0) <= step:

@@ -16,12 +16,14 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
   stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
-  that holds nothing but a train.log, what a start that failed before training leaves (a typo in the
-  model name or the data path), whatever the config.
+  that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
+  tb/, no metrics: a typo in the model name, the data path or a value), whatever the config.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import logging
 import os
@@ -51,6 +53,11 @@ ENVIRONMENT_KEYS = (
     "train.divergence_windows", "log.*", "quant.*")
 
 
+# Environment settings that act only when a run starts (weights to start from, what to do with an earlier
+# run's files): a resumed run never reads them, so a changed value is refused on resume, not ignored.
+START_ONLY_KEYS = ("model.pretrained", "model.pretrained_strict", "train.archive_existing")
+
+
 class RunDirError(ValueError):
     """An out_dir that cannot be used: not writable, in use, or holding an earlier run's results."""
 
@@ -76,17 +83,33 @@ def config_changes(saved: dict, current: dict) -> list[str]:
             if old.get(k) != new.get(k) and not _is_environment(k)]
 
 
+def start_only_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every START_ONLY_KEYS setting that differs: a resumed run would not use it."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in START_ONLY_KEYS if old.get(k) != new.get(k)]
+
+
 def prepare_folder(out_dir: str) -> None:
-    """Create `out_dir` and check that files can be written there, or raise RunDirError."""
+    """Create `out_dir` and check that files can be written there, or raise RunDirError. The probe file is
+    removed whatever happens, and a full disk is named as such (the folder itself is fine)."""
+    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
-        os.remove(probe)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not at some later write
     except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        if full:
+            free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
+            raise RunDirError(f"out_dir '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
+                              f"space there, or choose an out_dir on another disk") from None
         raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; "
                           f"choose a writable out_dir") from None
+    os.remove(probe)
 
 
 # Temporary files of atomic writes: `<name>.partial-<pid>-<8 hex digits>`, a name no user file has by
@@ -168,8 +191,9 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     found = earlier_run_files(out_dir)
     if not found:
         return
-    if found == ["train.log"]:  # a start that failed before training (a typo in a model name or a path)
-        log.warning("%s holds only the train.log of a start that stopped before training", out_dir)
+    if _start_that_failed(out_dir, found):  # e.g. a typo in a model name, a path or a value: any config
+        log.warning("%s holds only the logs of a start that stopped before its first logged update",
+                    out_dir)
         archive(out_dir, found)
         return
     saved = _saved_config(out_dir)
@@ -186,29 +210,77 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                       f"and start afresh")
 
 
+def _start_that_failed(out_dir: str, found: list[str]) -> bool:
+    """True when `found` (out_dir's files, no checkpoint) is what a run that stopped before its first
+    logged update leaves: a train.log, the config.yaml and TensorBoard folder written at start-up, and no
+    metrics. Such a start is archived whatever its config, so that the corrected command runs."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    return (set(found) <= {"train.log", "config.yaml", "tb", "metrics.jsonl"}
+            and (not os.path.exists(metrics) or os.path.getsize(metrics) == 0))
+
+
+class LockBusy(Exception):
+    """`exclusive_lock(wait=False)` found the lock held; `owner` is what its holder wrote into the file."""
+
+    def __init__(self, owner: str):
+        super().__init__(owner)
+        self.owner = owner
+
+
+LOCK_MARK = "held by "  # how this program's lock files begin: only such a file is removed on release
+
+
 @contextmanager
-def lock_folder(out_dir: str) -> Iterator[None]:
-    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
-    path = os.path.join(out_dir, LOCK_NAME)
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({owner}); wait for it to finish or "
-                          f"use another out_dir") from None
+def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
+    """An exclusive `flock` on the file `path` for the duration of the block (`wait`: block until it is
+    free, else raise LockBusy), and no file left behind: the holder removes it on release, while still
+    holding it. A process that was waiting on the removed file finds that the path no longer names the
+    file it locked, and locks the path afresh. A file of the same name that this program did not write
+    (not empty, not beginning with LOCK_MARK) is locked as it is, and never changed or removed."""
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip()
+            handle.close()
+            raise LockBusy(owner[len(LOCK_MARK):] if owner.startswith(LOCK_MARK) else owner) from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()  # the previous holder removed the file this handle locked
     handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} "
-                 f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
-    handle.flush()
+    text = handle.read()
+    ours = text == "" or text.startswith(LOCK_MARK)
+    if ours:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{LOCK_MARK}pid {os.getpid()} on {socket.gethostname()} "
+                     f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
+        handle.flush()
     try:
         yield
     finally:
+        if ours:
+            with contextlib.suppress(OSError):
+                os.remove(path)
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
+
+
+@contextmanager
+def lock_folder(out_dir: str) -> Iterator[None]:
+    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
+    try:
+        with exclusive_lock(os.path.join(out_dir, LOCK_NAME), wait=False):
+            yield
+    except LockBusy as busy:
+        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
+                          f"wait for it to finish or use another out_dir") from None
 
 
 @contextmanager

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from models.modules import nonfinite_tensors
+
 from .checkpoint import CheckpointError
 from .distributed import raise_on_every_rank
 from .run_dir import SNAPSHOTS, partial_path
@@ -49,6 +51,12 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
         kind = ("weights only (a best.pt or a weights file copied over it?)"
                 if isinstance(payload, dict) and "model" in payload else "no training state")
         return None, f"it holds {kind}: no {', '.join(repr(k) for k in missing)} entries"
+    if not all(isinstance(payload[k], dict) for k in ("model", "optimizer", "state", "config")):
+        return None, "its 'model', 'optimizer', 'state' or 'config' entry is not a mapping"
+    bad = nonfinite_tensors(payload["model"]) + nonfinite_tensors(payload.get("model_ema") or {})
+    if bad:
+        return None, (f"its weights hold NaN or inf values ({len(bad)} tensors, e.g. {'; '.join(bad[:2])}), "
+                      f"a run that diverged cannot continue from them")
     return payload, ""
 
 

@@ -1,4 +1,5 @@
-"""Finding things in timm models: module-name patterns, the Transformer blocks, the model behind wrappers.
+"""Finding things in timm models: module-name patterns, the Transformer blocks, the model behind wrappers,
+the tensors of a state dict that are not numbers.
 
 Used by everything that inspects a model (quantization rules, activation probes, CD, checkpoints), so
 that one definition of each holds: a pattern language over fully-qualified module names (FQNs), the
@@ -8,7 +9,9 @@ FQN patterns of timm's pre-norm blocks, and the unwrapping of DDP / torch.compil
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Iterable, List
+from typing import Any, Iterable, List, Mapping
+
+import torch
 
 from cd.wrappers import unwrap_model  # noqa: F401  (one definition, shared with cd/)
 
@@ -33,3 +36,14 @@ def fqn_matches(fqn: str, patterns: Iterable[str]) -> bool:
     """
     parts = fqn.split(".")
     return any(_match_segments(parts, p.split(".")) for p in patterns)
+
+
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """'name (k NaN, j inf of n values)' for every floating-point tensor of `tensors` (a state dict) that
+    holds a NaN or an inf, in order: weights that every evaluation would turn into chance-level numbers."""
+    found = []
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            found.append(f"{name} ({nan} NaN, {int(torch.isinf(t).sum())} inf of {t.numel()} values)")
+    return found

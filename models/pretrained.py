@@ -14,10 +14,12 @@ import logging
 import os
 import sys
 
+import torch
 import torch.nn as nn
 from timm.models import load_state_dict
 
 from .attention_sinks import SINK_PARAMS
+from .modules import nonfinite_tensors
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,21 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     """
     if not os.path.isfile(path):
         raise ModelError(f"pretrained weights not found: {path}")
-    state = load_state_dict(path, use_ema=False)
+    no_state = (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole "
+                f"nor under 'model' / 'state_dict': give a weights file")
+    try:
+        state = load_state_dict(path, use_ema=False)
+    except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping
+        raise ModelError(no_state) from None
+    except Exception as e:  # torch / safetensors readers raise RuntimeError, pickle and zip errors alike
+        raise ModelError(f"model.pretrained={path} cannot be read as weights: {str(e).strip() or type(e).__name__}"
+                         ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(no_state)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise ModelError(f"model.pretrained={path}: {len(bad)} tensor(s) hold NaN or inf values, e.g. "
+                         f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
     if filter_fn is not None:

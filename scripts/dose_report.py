@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs import config_from_dict  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
+from engine.eval_results import ResultsError, read_result_file  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import build_model  # noqa: E402
 from scripts.mechanism import ffn_blocks, new_figure, rank_directions  # noqa: E402
@@ -66,8 +67,7 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
     result_path = os.path.join(folder, "eval_best.json")
     if not os.path.exists(result_path):
         return None
-    with open(result_path) as f:
-        result = json.load(f)
+    result = read_result_file(result_path, fields=("fp", "max_act", "quant"))
     energies = defaultdict(list)
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         for line in f:
@@ -278,5 +278,5 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (ReportError, RunDirError) as e:
+    except (ReportError, RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")

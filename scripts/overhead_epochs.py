@@ -46,7 +46,9 @@ def train_command(args, method: str, model: str, batch: int, run: int, out_dir: 
     return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)],
                      f"model.name={model}", f"train.batch_size={args.global_batch}",
                      f"train.batch_size_per_gpu={batch}", f"sched.epochs={args.epochs}",
-                     f"train.eval_every_epochs={args.epochs}", f"train.seed={run}", f"out_dir={out_dir}",
+                     # a few epochs of the recipe, timed: no warmup (a step costs the same at any lr, and
+                     # a warmup as long as the run is refused)
+                     "sched.warmup_epochs=0", f"train.eval_every_epochs={args.epochs}", f"train.seed={run}", f"out_dir={out_dir}",
                      *overrides, *args.overrides]
 
 

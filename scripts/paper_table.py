@@ -5,6 +5,9 @@
     python scripts/paper_table.py runs/sweeps/fashion_mnist_mini/*/eval_best.json --over-seeds  # mean ± std
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
+A quantized number computed with settings other than the defaults (pipeline options, calibration set)
+is marked with * and a note naming them (evaluate.nondefault_settings).
+
 Layouts:
     rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per
               pipeline (and bit-width) (evaluate.markdown_table, the row evaluate.py prints)
@@ -23,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import PAPER_NAMES, markdown_table  # noqa: E402
+from evaluate import PAPER_NAMES, markdown_table, nondefault_settings  # noqa: E402
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -63,6 +66,7 @@ def finetune_table(results: list[dict]) -> str:
     tables = []
     for pipeline, bits in columns:
         rows = [line(["Dataset"] + methods), line(["---"] * (len(methods) + 1))]
+        notes = []
         sums = {m: [] for m in methods}
         for d in datasets:
             row = [FINETUNE_DATASETS.get(d, d)]
@@ -74,7 +78,11 @@ def finetune_table(results: list[dict]) -> str:
                     continue
                 fp, qt = r["fp"]["top1"], q["top1"]
                 sums[m].append((fp, qt))
-                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}")
+                unusual = nondefault_settings(pipeline, q.get("settings"))  # marked, as evaluate.py marks them
+                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else ""))
+                if unusual:
+                    notes.append(f"\\* {FINETUNE_DATASETS.get(d, d)} {m}: not the default settings: "
+                                 f"{', '.join(unusual)}")
             rows.append(line(row))
         average = ["Average"]
         for m in methods:
@@ -92,7 +100,7 @@ def finetune_table(results: list[dict]) -> str:
                 f"{cells[('imagenet', m)]['max_act']['block']:.2f}" if ("imagenet", m) in cells else "-"
                 for m in methods]))
         title = f"{PAPER_NAMES.get(pipeline, pipeline)} {bits.upper()}: FP top-1 / quantized top-1 / drop"
-        tables.append(f"{title}\n\n" + "\n".join(rows))
+        tables.append(f"{title}\n\n" + "\n".join(rows + ([""] + notes if notes else [])))
     return "\n\n".join(tables)
 
 

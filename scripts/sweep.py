@@ -60,12 +60,18 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                           f"itself ({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
                           f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
+    out_root = str(sweep.get("out_root", "runs/sweep"))
     runs = []
     for name, items in sweep["runs"].items():
         items = [str(i) for i in items or []]
         configs = list(sweep.get("configs") or []) + [i for i in items if i.endswith(".yaml")]
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
-        overrides.append(f"out_dir={os.path.join(sweep.get('out_root', 'runs/sweep'), str(name))}")
+        own = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
+        if own:  # the sweep names every run's folder; this one would be replaced without a word
+            raise ConfigError(f"sweep run '{name}': {own[0]} would be ignored: a sweep writes run <name> to "
+                              f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it and set "
+                              f"out_root in {sweep_path}")
+        overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         try:
             # strict, up front
             load_config([os.path.join(ROOT, c) for c in configs], overrides + eval_overrides)
@@ -73,7 +79,37 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
             raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
                      "evaluate": eval_overrides})
+    refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def run_folder(name, sweep_path: str) -> str:
+    """The folder name of run `name` (as YAML typed it: 1.0, true and null are names too), which must be
+    one plain folder: no path separator, not '.' or '..' (the run would write to out_root or beyond)."""
+    folder = str(name)
+    if not folder or folder in (".", "..") or "/" in folder or os.sep in folder or "\0" in folder:
+        raise ConfigError(f"{sweep_path}: run name {name!r} is not a folder name; each run writes to "
+                          f"out_root/<name>, so a name is one folder (no '/', not '.' or '..')")
+    return folder
+
+
+def out_dir_of(run: dict) -> str:
+    return next(o.split("=", 1)[1] for o in reversed(run["overrides"]) if o.startswith("out_dir="))
+
+
+def refuse_shared_folders(runs: list[dict], sweep_path: str) -> None:
+    """Two runs of one sweep in one folder would share one run: the second resumes the first's checkpoint
+    and the summary calls both finished. Refused before anything starts, whatever makes the folders one:
+    the same name after YAML typing (1.0 and '1.0'), a symbolic link, or names that differ only in case
+    (one folder on macOS and Windows file systems)."""
+    seen: dict[str, str] = {}
+    for run in runs:
+        key = os.path.normcase(os.path.realpath(out_dir_of(run))).casefold()
+        if key in seen:
+            raise ConfigError(f"{sweep_path}: runs {seen[key]!r} and {run['name']!r} would share the folder "
+                              f"{out_dir_of(run)} (and so one checkpoint: the second would resume the first); "
+                              f"give them names that differ as folder names")
+        seen[key] = run["name"]
 
 
 def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
@@ -81,7 +117,7 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     config_args = [a for c in run["configs"] for a in ("--config", c)]
     cmds = [prefix + ["train.py", *config_args, *run["overrides"]]]
     if evaluate:
-        out_dir = next(o.split("=", 1)[1] for o in run["overrides"] if o.startswith("out_dir="))
+        out_dir = out_dir_of(run)
         data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
         cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
                               "--out", os.path.join(out_dir, "eval_best.json"), *data_overrides,

@@ -12,6 +12,21 @@ DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug", "tiny.yaml")
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo", "vit_digits.yaml")
 
 
+def make_folder(root, splits: dict, ext: str = ".png") -> None:
+    """An ImageNet-style folder: splits = {split: {class: number of images}} of small random images, named
+    <i><ext> (the extension picks PIL's format)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, classes in splits.items():
+        for name, count in classes.items():
+            os.makedirs(os.path.join(root, split, name), exist_ok=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
+                    os.path.join(root, split, name, f"{i}{ext}"))
+
+
 @pytest.fixture
 def debug_config(tmp_path):
     """A factory: the tiny debug config with out_dir in tmp_path plus extra key=value overrides."""

@@ -213,7 +213,7 @@ FAST = {
     "percentile": None,
     "repq": None,
     "aphq": dict(iters=2, recon_images=16, calib_images=16, batch_size=16, matmul_steps=5, search_rounds=1,
-                 eq_n=16, search_max_rows=64, log_every=1),
+                 eq_n=32, search_max_rows=64, log_every=1),
     "gplq": dict(steps=2, batch_size_per_gpu=8, init_images=16, pca_images=16, stage2_images=16, log_every=1,
                  ckpt_every=0),
 }

@@ -2,10 +2,12 @@
 the heading after `#`), and every `train.py` / `evaluate.py` command in the Markdown code blocks parses,
 its config resolved as `--print-config` resolves it where that needs no file a run writes. The files are
 read when the tests are collected, so the checks follow the documents as they change."""
+import fnmatch
 import glob
 import os
 import re
 import shlex
+import subprocess
 
 import pytest
 import yaml
@@ -13,9 +15,30 @@ import yaml
 from configs import config_from_dict, load_config
 from tests.conftest import ROOT
 
-MARKDOWN = sorted(path for path in (os.path.relpath(p, ROOT)
-                                    for p in glob.glob(os.path.join(ROOT, "**", "*.md"), recursive=True))
-                  if not path.startswith(("runs", "datasets", "weights", ".")))
+
+def repository_markdown(root: str) -> list[str]:
+    """The repository's own Markdown files, relative to `root`: what git tracks or would track (untracked
+    but not ignored), so that what a command the README suggests writes into the checkout (build/ and
+    *.egg-info of `pip install .`, runs/, a venv) is never read as documentation. Without git (a copy of
+    the files), every *.md outside hidden folders and the folders .gitignore names."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--",
+                                 "*.md"], cwd=root, capture_output=True, check=True).stdout.decode()
+        if os.path.exists(os.path.join(root, ".git")) or listed:
+            return sorted(p for p in listed.split("\0") if p and os.path.isfile(os.path.join(root, p)))
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    ignored = set()
+    if os.path.exists(os.path.join(root, ".gitignore")):
+        with open(os.path.join(root, ".gitignore")) as f:
+            ignored = {line.strip().strip("/") for line in f if line.strip().endswith("/")}
+    paths = (os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", "*.md"), recursive=True))
+    return sorted(p for p in paths
+                  if not any(part.startswith(".") or part in ignored or fnmatch.fnmatch(part, "*.egg-info")
+                             for part in p.split(os.sep)[:-1]))
+
+
+MARKDOWN = repository_markdown(ROOT)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 
@@ -156,3 +179,18 @@ def test_integration_examples_run_as_written(code, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cd/pair_energy/fc2" in done.stdout and "'cd/updates': 4.0" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("with_git", [True, False])
+def test_files_that_readme_commands_write_are_not_documentation(tmp_path, with_git):
+    """`pip install .` from the checkout (the README suggests it) writes build/lib/cd/README.md, whose
+    relative links break there; runs/ and a venv hold Markdown of their own."""
+    for rel in ("README.md", "docs/a.md", "build/lib/cd/README.md", "runs/x/notes.md", ".venv/lib/x.md",
+                "colinearity_decay.egg-info/x.md"):
+        os.makedirs(os.path.dirname(tmp_path / rel) or tmp_path, exist_ok=True)
+        (tmp_path / rel).write_text("# x\n")
+    (tmp_path / ".gitignore").write_text("runs/\nbuild/\n.venv/\n*.egg-info/\n")
+    if with_git:
+        subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "add", "README.md"], cwd=tmp_path, check=True)
+    assert repository_markdown(str(tmp_path)) == ["README.md", "docs/a.md"]

@@ -1,6 +1,7 @@
 """evaluate.py end to end on a checkpoint trained on digits: JSON layout, activation maxima, pipelines."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 import evaluate
 import train
 from configs import load_config
+from configs.loader import parse_yaml
 from tests.conftest import DEMO_CONFIG, ROOT
 
 
@@ -142,7 +144,7 @@ def test_quant_sensitivity_adds_aphq_to_its_variants_on_request(digits_checkpoin
                                            "calib=train": (["percentile"], ["quant.calib_transform=train"])})
     fast = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
             "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
-            "quant.aphq.eq_n=16"]
+            "quant.aphq.eq_n=32"]
     table = sens.main(["--checkpoint", digits_checkpoint, "--out", str(tmp_path), "--with-aphq", *fast])
     assert set(table["official"]) == {"percentile", "aphq"}
     assert set(table["calib=train"]) == {"percentile"}  # APHQ calibrates on its own augmented images
@@ -167,16 +169,21 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
 @pytest.mark.parametrize("overrides, message", [
     (["quant.aphq.calib_images=64", "quant.aphq.recon_images=32"],
      "quant.aphq: calib_images=64 exceeds recon_images=32"),
-    (["quant.aphq.eq_n=8"], "quant.aphq: eq_n=8 is below the 16 zero points of the 4-bit grids at w4a4"),
+    (["quant.aphq.eq_n=8"], "quant.aphq: eq_n=8 leaves the 4-bit grids at w4a4 fewer than 2 ranges for each "
+                            "of their 16 zero points (a degenerate search): give eq_n >= 32"),
+    (["quant.aphq.eq_n=16"], "quant.aphq: eq_n=16 leaves the 4-bit grids at w4a4 fewer than 2 ranges"),
+    (["quant.aphq.matmul_steps=1"], "quant.aphq: matmul_steps=1: the matmul search needs >= 2 candidates"),
+    (["quant.aphq.weight_pct=[1.0,0.9]"], "quant.aphq: weight_pct=[1.0, 0.9]: percentile levels"),
 ])
 def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, overrides, message):
     from configs import ConfigError
     from quant import PIPELINES
 
     args = evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "repq", "aphq", *overrides])
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         evaluate.resolve_config(args)  # checked with the config, before a model or a loader exists
     # the API checks them before it looks at the model or the data (which would raise otherwise)
-    options = {o.split("=")[0].split(".")[-1]: int(o.split("=")[1]) for o in overrides}
-    with pytest.raises(ValueError, match=message.split(": ", 1)[1]):
+    options = {o.split("=")[0].split(".")[-1]: tuple(v) if isinstance(v := parse_yaml(o.split("=")[1]), list) else v
+               for o in overrides}
+    with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
         PIPELINES["aphq"](None, None, "w4a4", options, data=None)

@@ -16,7 +16,7 @@ from dist_utils import free_port, leave_and_exit
 
 TINY_APHQ = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
              "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
-             "quant.aphq.eq_n=16"]
+             "quant.aphq.eq_n=32"]
 TINY_GPLQ = ["quant.gplq.steps=2", "quant.gplq.batch_size_per_gpu=8", "quant.gplq.init_images=16",
              "quant.gplq.pca_images=32", "quant.gplq.stage2_images=16"]
 

@@ -1,5 +1,9 @@
 """scripts/gpu_check.py end to end on a CPU (--smoke): every stage runs small in its own process and the
-figures land in one valid JSON; a stage past its budget is killed and recorded, and the rest goes on."""
+figures land in one valid JSON; a stage past its budget is killed and recorded, and the rest goes on.
+
+The budgets are what the script enforces on a GPU machine; these tests check what it records, so they give
+each stage a budget no busy CPU reaches (the default smoke budgets are tens of seconds: a loaded 2-core
+machine ran past them), and time only the kill of a stage that is over its budget on purpose."""
 import json
 import subprocess
 import sys
@@ -11,9 +15,13 @@ from tests.conftest import ROOT
 SCRIPT = "scripts/gpu_check.py"
 
 
+STAGES = ["pytest", "precision", "overhead", "quant", "aphq_unit"]
+UNHURRIED = ["--total-budget", "36000", "--test-timeout", "3600", *[f"--budget={s}=3600" for s in STAGES]]
+
+
 def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, "--smoke", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, SCRIPT, "--smoke", *UNHURRIED, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=36000)
 
 
 @pytest.mark.slow
@@ -24,9 +32,8 @@ def test_smoke_run_writes_every_stage_s_figures(tmp_path):
     report = json.loads(out.read_text())
     assert report["device"].startswith("cpu") and report["torch"] and report["smoke"] is True
     stages = report["stages"]
-    assert {s: e["status"] for s, e in stages.items()} == dict.fromkeys(
-        ["pytest", "precision", "overhead", "quant", "aphq_unit"], "ok"), {s: e.get("log_tail") for s, e in
-                                                                          stages.items()}
+    assert {s: e["status"] for s, e in stages.items()} == dict.fromkeys(STAGES, "ok"), {
+        s: e.get("log_tail") for s, e in stages.items()}
     tests = stages["pytest"]["figures"]["tests"]
     assert {name.split("[")[1]: t["outcome"] for name, t in tests.items()} == {"cpu]": "passed", "cuda]": "skipped"}
     assert all("CUDA" in t["reason"] for t in tests.values() if t["outcome"] == "skipped")
@@ -47,6 +54,7 @@ def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path):
     done = run("--out", str(out), "--stages", "aphq_unit", "--budget", "aphq_unit=0.5")
     assert done.returncode == 0, done.stderr[-3000:]
     entry = json.loads(out.read_text())["stages"]["aphq_unit"]
-    assert entry["status"] == "timeout" and entry["seconds"] < 30 and entry["budget_s"] == 0.5
+    # killed at its budget: the status says so; the time only rules out a kill that waited for the stage
+    assert entry["status"] == "timeout" and entry["seconds"] < 300 and entry["budget_s"] == 0.5
     again = run("--out", str(out), "--stages", "aphq_unit")  # never replaces its outputs unasked
     assert again.returncode != 0 and "--overwrite" in again.stderr

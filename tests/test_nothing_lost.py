@@ -6,10 +6,8 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import evaluate
 import train
@@ -20,7 +18,7 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
 from engine.run_dir import RunDirError, lock_folder, save_config_history
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT, make_folder
 
 
 def read_bytes(path):
@@ -172,17 +170,6 @@ def test_a_truncated_last_metrics_line_is_repaired_on_resume(debug_config):
 
 
 # -- data ------------------------------------------------------------------------------------------------
-
-def make_folder(root, splits):
-    """splits: {split: {class: number of images}} of small random PNGs."""
-    rng = np.random.default_rng(0)
-    for split, classes in splits.items():
-        for name, count in classes.items():
-            os.makedirs(os.path.join(root, split, name), exist_ok=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
-                    os.path.join(root, split, name, f"{i}.png"))
-
 
 def folder_config(root, *overrides):
     return load_config([DEBUG_CONFIG], ["data.dataset=folder", f"data.root={root}", "model.num_classes=2",

@@ -112,5 +112,6 @@ def test_rank_0_decides_whether_stage1_resumes(tmp_path):
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank0["outcome"][0] == "CheckpointError" and "eval_gplq_w4a4_stage1.pt" in rank0["outcome"][1]
     assert rank1["outcome"][0] == "CheckpointError", rank1
+    # its own CheckpointError, not the group's timeout error: it did not wait for the 60 s timeout (no
+    # wall-clock bound, which a busy machine could break)
     assert str(tmp_path / "rank1" / "eval_gplq_w4a4_stage1.pt") in rank1["outcome"][1]
-    assert rank1["seconds"] < 30

@@ -127,7 +127,8 @@ def test_a_rank_that_waits_past_the_limit_gives_up_naming_the_setting(tmp_path):
     assert kind == "OtherRankError", message
     assert "rank 1 waited 0:00:01 for rank 0 to finish writing results.json" in message
     assert "raise quant.main_rank_wait_hours" in message
-    assert rank1["seconds"] < 4.5  # it gave up at the limit, not when rank 0 finished
+    # that message comes only from the wait limit (a rank 0 that had sent in time would have given rank 1
+    # its result): no wall-clock bound, which a busy machine could break
     assert rank0["outcome"][0] in ("returned", "RuntimeError")  # nobody left to receive it
 
 

@@ -14,6 +14,7 @@ with all other modules in float ("raw") mode, and quantization is switched on on
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -21,12 +22,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from engine.metrics import duration
+
 from ..attention import QuantAttentionBase
 from ..layers import QuantConv2d, QuantLinear
 from ..modes import named_quantizers, set_quant_state
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
 from .search import fit_per_channel, search_linear, search_matmul, search_stem
 from ..units import Unit, capture_module_inputs
+
+log = logging.getLogger("quant.aphq")
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
     folded: List[str] = []
     n_layers = n_matmuls = 0
     grid = dict(eq_n=settings.eq_n)
-    for unit in units:
+    for done, unit in enumerate(units):
+        unit_start = time.perf_counter()
         module = model.get_submodule(unit.name)
         # only per-channel post-LN quantizers are folded (the layout makes them per tensor when a != w bits)
         unit_sites = [s for s in sites
@@ -117,6 +123,10 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
                               steps=settings.matmul_steps, rounds=settings.rounds)
                 n_matmuls += 1
         del caps
+        spent, left = time.perf_counter() - start, len(units) - done - 1
+        log.info("APHQ calibration: unit %d/%d %s searched [%.1fs]%s", done + 1, len(units), unit.name,
+                 time.perf_counter() - unit_start,
+                 f"; about {duration(spent / (done + 1) * left)} left for the other {left}" if left else "")
     missing = [n for n, q in to_fit if not q.calibrated]
     for _, q in to_fit:
         q.search_label = "output-MSE search"

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from configs.quant import APHQOptions
+from engine.metrics import duration
 
 from ..calibrate import Images
 from ..convert import quantize_model
@@ -76,9 +77,21 @@ class APHQPipeline(Pipeline):
                              f"(the calibration set is a prefix of the reconstruction set)")
         ends = options.resolved(bits)
         widest = max(b for b in (bits.w, bits.a, *ends["stem"].values(), *ends["head"].values()) if b)
-        if options.eq_n < min(16, 2 ** widest):  # every grid tries min(16, 2^b) zero points (search.py)
-            raise ValueError(f"eq_n={options.eq_n} is below the {min(16, 2 ** widest)} zero points of the "
-                             f"{widest}-bit grids at {bits}: give eq_n >= {min(16, 2 ** widest)}")
+        # every grid tries min(16, 2^b) zero points x eq_n // that many ranges (search.py); one range per
+        # zero point is a degenerate search (only the narrowest range: W4A4 fell to 36% beside a 91% W3A3)
+        zero_points = min(16, 2 ** widest)
+        if options.eq_n < 2 * zero_points:
+            raise ValueError(f"eq_n={options.eq_n} leaves the {widest}-bit grids at {bits} fewer than 2 ranges "
+                             f"for each of their {zero_points} zero points (a degenerate search): give eq_n >= "
+                             f"{2 * zero_points} (default 128)")
+        if options.matmul_steps < 2:
+            raise ValueError(f"matmul_steps={options.matmul_steps}: the matmul search needs >= 2 candidates per "
+                             f"bound (default 129)")
+        for name in ("weight_pct", "act_pct", "matmul_pct"):
+            low, high = getattr(options, name)
+            if not 0.5 < low <= high <= 1.0:
+                raise ValueError(f"{name}={[low, high]}: percentile levels 0.5 < low <= high <= 1 (default "
+                                 f"{list(getattr(type(options)(), name))})")
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: APHQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
@@ -152,6 +165,8 @@ class APHQPipeline(Pipeline):
                                       options.round_weight),
             normalize_loss=options.normalize_loss, log_every=options.log_every)
         unit_stats = []
+        log.info("APHQ reconstruction: %d units x %d iterations (quant.aphq.iters); a time estimate follows "
+                 "after the first iterations", len(units), options.iters)
         with timer("reconstruct", device):
             for i, unit in enumerate(units):
                 fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True,
@@ -170,6 +185,11 @@ class APHQPipeline(Pipeline):
                          len(units), unit.name, stats["rec_first"], stats["rec_last"], stats["round_last"],
                          stats["seconds"], stats["hessian_seconds"])
                 unit_stats.append(stats)
+                left = len(units) - i - 1
+                if left:
+                    spent = sum(u["seconds"] + u["hessian_seconds"] for u in unit_stats)
+                    log.info("APHQ reconstruction: about %s left for the other %d units", duration(
+                        spent / len(unit_stats) * left), left)
                 del fp_in, fp_out, q_in
         model.eval()
         report = pipeline_report(

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.metrics import duration
+
 from .adaround import AdaRoundQuantizer, RoundingSchedule
 from .hessian import normalized_weight
 from ..layers import QuantConv2d, QuantLinear
@@ -37,6 +39,7 @@ from ..modes import named_quantizers
 from ..quantizers import UniformQuantizer
 
 log = logging.getLogger("quant.reconstruct")
+ESTIMATE_AFTER = 10  # iterations before a unit's first time estimate
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,12 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
             opt.step()
         if scheduler is not None:
             scheduler.step()
+        if it + 1 == ESTIMATE_AFTER < settings.iters:  # the first word on a unit's time, long before log_every
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # once per unit: the time of finished work, not of launches
+            spent = time.perf_counter() - start
+            log.info("%s: %d iterations in %.1fs; about %s for its %d iterations at this speed", name,
+                     it + 1, spent, duration(spent / (it + 1) * settings.iters), settings.iters)
         if settings.log_every and ((it + 1) % settings.log_every == 0 or it + 1 == settings.iters):
             metrics = {"iter": it + 1, "rec": float(rec.detach()), "loss": float(loss.detach()),
                        "round": float(round_loss.detach()),

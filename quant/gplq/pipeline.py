@@ -132,7 +132,7 @@ class GPLQPipeline(Pipeline):
         def pca():
             with timer("pca", device):
                 batches = data.train_loader(bs, options.seed + 1)
-                return fit_pca(teacher, batches.loader, options.pca_images, options.pca_variance,
+                return fit_pca(teacher, batches.readable(), options.pca_images, options.pca_variance,
                                options.pca_multiple, options.amp)
 
         with timer("stage1", device):

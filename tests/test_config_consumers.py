@@ -1,0 +1,64 @@
+"""Values the schema accepted but the run could not use: every config value is checked against what the
+code that reads it needs, at start-up, with one error line naming the key; a start-up error leaves no
+folder that refuses the corrected command."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from configs import ConfigError, load_config
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.mean=[0.5,0.5]", r"'data.mean' must be 3 finite numbers"),              # a DataLoader traceback
+    ("data.mean=[0.5,.nan,0.5]", r"'data.mean' must be 3 finite numbers"),
+    ("data.std=[0.5,0,0.5]", r"'data.std' must be 3 finite numbers, each > 0"),   # division by zero
+    ("data.std=[0.5,0.5,0.5,0.5]", r"'data.std' must be 3 finite numbers"),
+    ("train.seed=18446744073709551616", r"'train.seed' must be >= -9223372036854775808 and <= "
+                                        r"9223372036854775807"),                   # torch: overflow
+    ("quant.aphq.data_seed=36893488147419103232", r"'quant.aphq.data_seed' must be >= "),
+    ("data.scale=[1.0,0.08]", r"'data.scale' must be 2 finite numbers, each > 0 and <= 1, the smaller first"),
+    ("data.scale=[0.08]", r"'data.scale' must be 2 finite numbers"),
+    ("data.ratio=[0,1]", r"'data.ratio' must be 2 finite numbers, each > 0"),     # math domain error
+    ("data.interpolation=bicubc", r"'data.interpolation' must be one of 'bicubic'"),  # a KeyError in timm
+    ("data.interpolation=random", r"'data.interpolation' must be one of"),      # timm's eval transform: KeyError
+    ("data.remode=zeros", r"'data.remode' must be one of 'pixel', 'rand', 'const'"),
+    ("data.mixup_mode=pairs", r"'data.mixup_mode' must be one of 'batch', 'pair', 'elem'"),
+    ("optim.betas=[0.9]", r"'optim.betas' must be 2 finite numbers, each >= 0 and < 1"),  # IndexError
+    ("optim.betas=[0.9,1.0]", r"'optim.betas' must be 2 finite numbers"),
+    ("optim.eps=0", r"'optim.eps' must be > 0"),                                  # a NaN loss
+    ("tweo.eps=-1", r"'tweo.eps' must be >= 0"),
+    ("sched.name=plateau", r"'sched.name' must be one of 'cosine'"),             # never gets its metric
+    ("sched.warmup_epochs=2", r"sched.warmup_epochs=2 is not shorter than sched.epochs=2: the run would "
+                              r"train at warmup learning rates throughout"),
+    ("model.kwargs.in_chans=1", r"model.kwargs.in_chans=1: the data pipeline gives 3-channel RGB images"),
+])
+def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([DEBUG_CONFIG], [override])
+
+
+def test_values_the_consumers_accept_still_load():
+    cfg = load_config([DEBUG_CONFIG], ["train.seed=-1", "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5",
+                                       "data.interpolation=bilinear", "model.kwargs.in_chans=3"])
+    assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0)
+
+
+def test_the_command_line_ends_in_one_error_line_and_makes_no_folder(tmp_path):
+    done = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'r'}",
+                           "data.std=[0.5,0,0.5]"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "error: command line: 'data.std' must be 3 finite numbers, each > 0; got (0.5, 0, 0.5)"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_auto_augment_policy_timm_cannot_read_is_a_config_error_and_the_fixed_command_runs(tmp_path):
+    common = [f"out_dir={tmp_path / 'r'}", "model.name=vit_nano", "train.max_steps=1",
+              "log.tensorboard=false"]
+    with pytest.raises(ConfigError, match=r"data.auto_augment='rand-x9' is not a policy timm can read"):
+        train.main(load_config([DEMO_CONFIG], common + ["data.auto_augment=rand-x9"]))
+    result = train.main(load_config([DEMO_CONFIG], common + ["data.auto_augment=rand-m9-mstd0.5"]))
+    assert result.state.step == 1 and os.listdir(tmp_path / "r" / "archive")

@@ -1,0 +1,159 @@
+"""Image folders: the files checked, counted and reported are exactly the files timm reads, and every file
+that cannot be read is handled one way (left out or replaced, named, counted), in evaluation, training and
+calibration alike, whatever PIL raises for it."""
+import os
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from configs import load_config
+from data import DataError, build_eval_loader, build_loaders, calibration_images
+from engine.loop import TrainLoop, TrainState, evaluate
+from tests.conftest import DEBUG_CONFIG, make_folder
+
+
+def folder_config(root, *overrides):
+    return load_config([DEBUG_CONFIG], ["data.dataset=folder", f"data.root={root}", "model.num_classes=2",
+                                        "data.auto_augment=", "data.mixup=0", "data.cutmix=0", *overrides])
+
+
+def eval_loader(root, batch=4):
+    return build_eval_loader(folder_config(root).data, img_size=32, batch_size_per_gpu=batch, rank=0,
+                             world_size=1, num_classes=2)
+
+
+def linear_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 2))
+
+
+# -- class 1: what is counted is what is read --------------------------------------------------------------
+
+def test_the_extensions_are_timm_s():
+    from timm.data import get_img_extensions
+
+    from data.folder import read_extensions
+
+    assert read_extensions() == tuple(get_img_extensions())
+
+
+@pytest.mark.parametrize("ext", [".webp", ".bmp", ".tif", ".gif", ".jfif", ".PPM"])
+def test_an_image_timm_would_skip_is_refused_with_its_name(tmp_path, ext):
+    """17 val files, 2 of them in a format timm skips: refused, never scored on 15 without a word."""
+    make_folder(tmp_path, {"train": {"a": 4, "b": 4}, "val": {"a": 8, "b": 7}})
+    make_folder(tmp_path / "extra", {"val": {"b": 2}}, ext=ext)
+    for i in range(2):
+        os.replace(tmp_path / "extra" / "val" / "b" / f"{i}{ext}", tmp_path / "val" / "b" / f"x{i}{ext}")
+    with pytest.raises(DataError, match=rf"2 image file\(s\) that timm's reader skips .*e\.g\. "
+                                        rf"b/x0\{ext}, b/x1\{ext}.*Convert them"):
+        eval_loader(tmp_path)
+
+
+def test_a_class_folder_of_skipped_images_is_named_as_such_not_as_empty(tmp_path):
+    make_folder(tmp_path, {"train": {"a": 4}, "val": {"a": 2}})
+    make_folder(tmp_path, {"train": {"b": 4}, "val": {"b": 2}}, ext=".webp")
+    with pytest.raises(DataError, match=r"train: 4 image file\(s\) that timm's reader skips"):
+        build_loaders(folder_config(tmp_path).data, img_size=32, batch_size_per_gpu=2,
+                      eval_batch_size_per_gpu=2, rank=0, world_size=1, seed=0, num_classes=2)
+
+
+def test_upper_case_extensions_and_other_files_count_as_timm_counts_them(tmp_path):
+    make_folder(tmp_path, {"val": {"a": 3, "b": 2}}, ext=".PNG")
+    for name in ("notes.txt", "labels.csv", "b/README"):
+        (tmp_path / "val" / name).write_text("not an image")
+    loader = eval_loader(tmp_path)
+    assert len(loader.dataset) == 5
+    assert evaluate(linear_model(), loader, torch.device("cpu"))["count"] == 5
+
+
+def test_a_tar_split_with_a_skipped_image_is_refused(tmp_path):
+    make_folder(tmp_path / "src", {"val": {"a": 2, "b": 2}})
+    make_folder(tmp_path / "src", {"val": {"c": 1}}, ext=".bmp")
+    os.makedirs(tmp_path / "data")
+    with tarfile.open(tmp_path / "data" / "val.tar", "w") as tar:
+        tar.add(tmp_path / "src" / "val", arcname=".")
+    with pytest.raises(DataError, match=r"1 image file\(s\) that timm's reader skips.*c/0\.bmp"):
+        build_eval_loader(folder_config(tmp_path / "data").data, img_size=32, batch_size_per_gpu=2, rank=0,
+                          world_size=1, num_classes=2)
+
+
+# -- class 2: a sample that fails, whatever PIL raises -----------------------------------------------------
+
+def spoil(path, how, monkeypatch):
+    """Make the image at `path` fail the way `how` says."""
+    if how == "garbage":
+        path.write_bytes(b"not an image at all")
+    elif how == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "bomb":  # PIL's decompression-bomb limit: an Exception, not an OSError
+        Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8)).save(path)
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1500)
+    elif how == "unreadable file":
+        path.chmod(0)
+    elif how == "broken png chunk":  # PIL raises SyntaxError / struct.error for such files
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dIHDR" + b"\x00" * 5)
+
+
+FAILURES = ["garbage", "truncated", "bomb", "broken png chunk"] + (["unreadable file"] if os.getuid() else [])
+
+
+@pytest.mark.parametrize("how", FAILURES)
+def test_evaluation_leaves_out_names_and_counts_any_failing_image(tmp_path, how, monkeypatch, caplog):
+    make_folder(tmp_path, {"val": {"a": 3, "b": 3}})
+    spoil(tmp_path / "val" / "b" / "1.png", how, monkeypatch)
+    with caplog.at_level("WARNING"):
+        result = evaluate(linear_model(), eval_loader(tmp_path), torch.device("cpu"))
+    assert result["count"] == 5 and result["excluded"] == 1
+    assert os.path.join("b", "1.png") in caplog.text
+
+
+@pytest.mark.parametrize("how", ["garbage", "bomb"])
+def test_training_replaces_names_and_counts_failing_images(tmp_path, how, monkeypatch, caplog):
+    make_folder(tmp_path, {"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}})
+    spoil(tmp_path / "train" / "a" / "2.png", how, monkeypatch)
+    cfg = folder_config(tmp_path)
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=4, eval_batch_size_per_gpu=4, rank=0,
+                            world_size=1, seed=0, num_classes=2)
+    model = linear_model()
+    seen = []
+
+    def compute_loss(m, x, y):
+        seen.append(y.clone())
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=compute_loss, device=torch.device("cpu"), log_every=1)
+    state = TrainState()
+    with caplog.at_level("WARNING"):
+        assert loop.run_epoch(loaders.train, state, batch_size_per_gpu=4) == "epoch_end"
+    assert state.unreadable_images == 1 and all((y >= 0).all() for y in seen)
+    assert "1 unreadable training image(s) replaced" in caplog.text
+    assert os.path.join(str(tmp_path), "train", "a", "2.png") in caplog.text
+
+
+def test_a_training_batch_without_a_readable_image_is_a_data_error(tmp_path):
+    make_folder(tmp_path, {"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
+    for path in (tmp_path / "train").rglob("*.png"):
+        path.write_bytes(b"gone")
+    loaders = build_loaders(folder_config(tmp_path).data, img_size=32, batch_size_per_gpu=4,
+                            eval_batch_size_per_gpu=2, rank=0, world_size=1, seed=0, num_classes=2)
+    model = linear_model()
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: m(x).sum(), device=torch.device("cpu"))
+    with pytest.raises(DataError, match="none of the 4 images of a training batch could be read"):
+        loop.run_epoch(loaders.train, TrainState(), batch_size_per_gpu=4)
+
+
+def test_calibration_leaves_out_and_names_failing_images(tmp_path, monkeypatch, caplog):
+    make_folder(tmp_path, {"train": {"a": 3, "b": 3}})
+    spoil(tmp_path / "train" / "a" / "0.png", "bomb", monkeypatch)
+    cfg = folder_config(tmp_path)
+    with caplog.at_level("WARNING"):
+        images = calibration_images(cfg.data, 32, 2, count=5, seed=0)
+    assert images.shape[0] == 5 and "a/0.png" in caplog.text
+    with pytest.raises(DataError, match="only 5 readable"):
+        calibration_images(cfg.data, 32, 2, count=6, seed=0)

@@ -1,0 +1,102 @@
+"""An exception inside a run never loses what was trained since the last checkpoint without saying how to
+resume: one process writes checkpoint.pt at the last completed update (or before the validation that
+failed) and the same command resumes exactly; a start that failed leaves no folder that refuses the
+corrected command."""
+import os
+
+import pytest
+import torch
+
+import train
+from configs import config_to_dict
+from data.synthetic import SyntheticDataset
+from engine.loop import TrainLoop, TrainState
+from engine.run_dir import claim_run_dir, save_config_history
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def fail_at_train_sample(monkeypatch, call):
+    """The `call`-th training sample raises RuntimeError (the synthetic train set has 64 images)."""
+    calls = {"n": 0}
+    original = SyntheticDataset.__getitem__
+
+    def failing(self, i):
+        if self.size == 64:
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise RuntimeError("the file server went away")
+        return original(self, i)
+
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", failing)
+
+
+def test_an_error_mid_epoch_keeps_the_updates_and_the_same_command_resumes_exactly(debug_config,
+                                                                                  monkeypatch, caplog):
+    straight = debug_config("train.max_steps=6", name="straight")
+    train.main(straight)
+    cfg = debug_config("train.max_steps=6", name="crash")
+    fail_at_train_sample(monkeypatch, 45)  # micro-batch 6 of 8: the second half of update 3
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="file server"):
+        train.main(cfg)
+    saved = weights(os.path.join(cfg.out_dir, "checkpoint.pt"))
+    assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
+    assert "checkpoint.pt written at update 2" in caplog.text and "re-run the same command" in caplog.text
+    monkeypatch.undo()
+    train.main(debug_config("train.max_steps=6", name="crash"))
+    a = weights(os.path.join(straight.out_dir, "checkpoint.pt"))["model"]
+    b = weights(os.path.join(cfg.out_dir, "checkpoint.pt"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_error_inside_the_optimizer_step_saves_nothing_and_says_so(debug_config, caplog):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    optimizer.register_step_pre_hook(lambda *a: broken())
+    batches = [(torch.randn(2, 4), torch.tensor([0, 1]))] * 4
+    from engine.loop import TrainBatches
+
+    saves = []
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: m(x).sum(),
+                     device=torch.device("cpu"), save=lambda: saves.append(1))
+    sampler = type("S", (), {"set_epoch": lambda self, epoch, start=0: None})()
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="illegal memory"):
+        loop.run_epoch(TrainBatches(batches, sampler), TrainState(), batch_size_per_gpu=2)
+    assert saves == [] and "inside the optimizer step of update 1" in caplog.text
+
+
+def test_an_error_in_validation_keeps_the_epoch_and_the_resumed_run_validates_first(debug_config,
+                                                                                  monkeypatch, caplog):
+    cfg = debug_config(name="val")
+    real = train.validate
+    monkeypatch.setattr(train, "validate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("probe bug")))
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="probe bug"):
+        train.main(cfg)
+    saved = weights(os.path.join(cfg.out_dir, "checkpoint.pt"))["state"]
+    assert saved["step"] == 4 and saved["epoch"] == 1 and saved["validation_due"]
+    assert "validation failed at update 4 (RuntimeError): checkpoint.pt written" in caplog.text
+    monkeypatch.setattr(train, "validate", real)
+    result = train.main(debug_config(name="val"))
+    assert result.state.step == 8 and result.state.best_epoch in (1, 2) and result.reason == "finished"
+
+
+def test_a_failed_start_never_leaves_a_folder_that_refuses_the_corrected_command(debug_config):
+    """What a start that failed before its first logged update leaves (train.log, config.yaml, tb/, no
+    metrics) is moved aside for a command with other settings too; nothing is deleted."""
+    failed = debug_config("optim.lr=10.0", name="f")
+    os.makedirs(os.path.join(failed.out_dir, "tb"))
+    save_config_history(failed.out_dir, config_to_dict(failed), 0)
+    for name in ("train.log", "metrics.jsonl"):
+        open(os.path.join(failed.out_dir, name), "w").close()
+    corrected = debug_config("optim.lr=0.001", name="f")
+    with claim_run_dir(corrected.out_dir, config_to_dict(corrected)):
+        pass
+    archived = os.listdir(os.path.join(corrected.out_dir, "archive"))
+    assert sorted(os.listdir(os.path.join(corrected.out_dir, "archive", archived[0]))) == [
+        "config.yaml", "metrics.jsonl", "tb", "train.log"]

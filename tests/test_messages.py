@@ -1,0 +1,91 @@
+"""Messages that name the right thing: a JSON, weights or checkpoint file of the wrong shape is one error
+naming the file; a refused train.resume file is named as such; a run stopped by train.max_steps at an
+epoch's end says so and how to go on; a full disk is named as a full disk and leaves no probe file."""
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+import evaluate
+import train
+from engine.checkpoint import CheckpointError
+from engine.eval_results import ResultsError, read_result_files
+from engine.metrics import MetricLogger
+from engine.run_dir import RunDirError, prepare_folder
+from models import ModelError
+
+
+@pytest.mark.parametrize("content", [[1, 2], {"quant": [1]}, "text"])
+def test_a_result_json_of_another_shape_is_one_error_naming_it(checkpoint, tmp_path, content):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps(content))
+    with pytest.raises(ResultsError, match=rf"{out} exists but is not a result file of evaluate.py"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", str(out)]))
+    assert json.loads(out.read_text()) == content  # untouched
+
+
+@pytest.mark.parametrize("content", [[1, 2], {"model": "m", "fp": {}}, {"model": "m", "method": "CD", "fp": {},
+                                                                       "max_act": {}, "quant": {"repq": 3}}])
+def test_the_table_scripts_name_a_result_json_of_another_shape(tmp_path, content):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ResultsError, match=rf"{path} is not a result file of evaluate.py"):
+        read_result_files([str(path)])
+
+
+@pytest.mark.parametrize("content", [[torch.zeros(2)], {"a": "b"}, 3])
+def test_a_weights_file_of_another_shape_is_one_error_naming_it(tmp_path, debug_config, content):
+    path = tmp_path / "w.pth"
+    torch.save(content, path)
+    with pytest.raises(ModelError, match=rf"model.pretrained={path} holds no state dict"):
+        train.main(debug_config(f"model.pretrained={path}"))
+
+
+def test_a_checkpoint_whose_model_entry_is_not_a_state_dict_is_one_error(checkpoint, tmp_path):
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    payload["model"] = list(payload["model"].values())
+    bad = tmp_path / "bad.pt"
+    torch.save(payload, bad)
+    with pytest.raises(CheckpointError, match=rf"{bad} is not a checkpoint of this code base: its 'model' entry"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(bad), "--quant"]))
+
+
+def test_a_refused_train_resume_file_is_named_not_the_out_dir_checkpoint(debug_config):
+    other = debug_config("train.max_steps=1", "model.name=vit_micro", name="other")
+    train.main(other)
+    source = os.path.join(other.out_dir, "checkpoint.pt")
+    with pytest.raises(CheckpointError, match=rf"^{source} was written for model .*give train.resume a "
+                                              rf"checkpoint of this model"):
+        train.main(debug_config(f"train.resume={source}", name="mine"))
+
+
+def test_max_steps_at_an_epoch_end_is_not_called_finished(debug_config, caplog):
+    cfg = debug_config("train.max_steps=4", name="m")  # 4 updates per epoch, 2 epochs
+    with caplog.at_level("INFO"):
+        first = train.main(cfg)
+        again = train.main(debug_config("train.max_steps=4", name="m"))  # the same command once more
+    assert first.reason == again.reason == "max_steps" and first.state.epoch == 1
+    assert caplog.text.count("raise train.max_steps (or drop it)") == 2
+    assert "run summary: finished" not in caplog.text
+    assert train.main(debug_config(name="m")).reason == "finished"
+
+
+def test_a_full_disk_is_named_and_leaves_no_probe_file(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(RunDirError, match=r"the disk is full \(No space left on device; \d+ MB free\): free "
+                                          r"space there"):
+        prepare_folder(str(tmp_path / "out"))
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_metrics_line_of_another_shape_is_dropped_on_resume_not_a_traceback(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n[1, 2]\n{"step": 5}\n')
+    with caplog.at_level("WARNING"):
+        MetricLogger(str(tmp_path), True, tensorboard=False, resume_step=3).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "x": 1}\n'
+    assert "dropped 1 unreadable line" in caplog.text

@@ -1,0 +1,149 @@
+"""A newcomer's path: the README's own-loop example runs in the environment its install line describes; long
+work (APHQ) says how long it will take and shows progress; a stop or a typo ends in one line; no lock file
+is left behind; the number of DataLoader workers fits the machine."""
+import ast
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+
+import pytest
+
+import evaluate
+from tests.conftest import ROOT
+
+
+def readme_section(title: str) -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start = text.index(title)
+    return text[start:text.index("\n## ", start)]
+
+
+def test_the_own_loop_example_needs_only_what_its_install_line_installs():
+    section = readme_section("### Add CD to your own training loop")
+    install = re.search(r"```bash\n(pip install [^\n]*)", section).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    extras = re.findall(r"\[([\w,]+)\]", install)
+    assert extras, install
+    installed = {"cd"} | {re.split(r"[<>=! ]", d)[0] for d in project["dependencies"]}
+    for extra in extras[0].split(","):
+        installed |= {re.split(r"[<>=! ]", d)[0] for d in project["optional-dependencies"][extra]}
+    imported = {name.split(".")[0] for node in ast.walk(ast.parse(code))
+                for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module] if isinstance(node, ast.ImportFrom) else [])}
+    assert imported - sys.stdlib_module_names <= installed, (imported, installed)
+
+
+def test_the_own_loop_example_runs_as_written_on_a_smaller_model(monkeypatch, capsys):
+    """The README's code, as it stands, with timm building a two-block model (the example's deit_tiny
+    takes half a minute on a 2-core CPU; the wheel test runs the installed package the same way)."""
+    import timm
+
+    create = timm.create_model
+    monkeypatch.setattr(timm, "create_model", lambda name, **kw: create(name, depth=2, **kw))
+    code = re.search(r"```python\n(.*?)```", readme_section("### Add CD to your own training loop"), re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "'cd/updates': 10.0" in capsys.readouterr().out
+
+
+def test_a_misspelled_model_name_is_one_line_with_close_names():
+    done = subprocess.run([sys.executable, "-m", "cd", "--model", "vit_bse_patch16_224"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "error: unknown timm model 'vit_bse_patch16_224'; did you mean vit_base_patch16_224, "
+        "vit_base_patch16_xp_224, samvit_base_patch16_224?"]
+
+
+def test_ctrl_c_in_evaluate_is_one_line_and_keeps_what_was_written(checkpoint, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", checkpoint, "--out", str(out),
+                             "--quant", "repq", "--bits", "w4a4", "w6a6", "w8a8", "w3a3", "w5a5"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not out.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)  # the FP result is written: the pipelines run now
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted; the results finished so far are in")
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_no_lock_file_is_left_after_evaluation_or_training(checkpoint, tmp_path, debug_config):
+    out = tmp_path / "r.json"
+    evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", str(out)]))
+    assert out.exists() and not list(tmp_path.glob("*.lock"))
+    import train
+
+    cfg = debug_config("train.max_steps=1", name="t")
+    train.main(cfg)
+    assert ".run.lock" not in os.listdir(cfg.out_dir)
+
+
+def test_a_removed_lock_file_is_locked_afresh_by_the_process_that_waited(tmp_path):
+    """The holder removes the file on release; a waiter that had opened the old file must not take it for
+    the lock (a third process could then lock a new file at the same path)."""
+    from engine.run_dir import LockBusy, exclusive_lock
+
+    path = str(tmp_path / "r.json.lock")
+    inside, order = threading.Event(), []
+
+    def second():
+        with exclusive_lock(path, wait=True):  # blocks on the first holder's file
+            order.append("second")
+            inside.set()
+            time.sleep(0.3)
+
+    with exclusive_lock(path, wait=True):
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.3)  # the second is waiting on this file now
+        order.append("first")
+    inside.wait(5)
+    with pytest.raises(LockBusy):  # the second holds the file now at the path
+        with exclusive_lock(path, wait=False):
+            pass
+    thread.join()
+    assert order == ["first", "second"] and not os.path.exists(path)
+
+
+def test_a_file_of_the_lock_s_name_that_is_not_ours_is_left_as_it_is(tmp_path):
+    from engine.run_dir import exclusive_lock
+
+    path = tmp_path / "notes.lock"
+    path.write_text("my notes")
+    with exclusive_lock(str(path), wait=True):
+        pass
+    assert path.read_text() == "my notes"
+
+
+@pytest.mark.parametrize("cpus, processes, setting, expected", [(2, "1", None, 1), (2, "2", None, 0),
+                                                               (64, "1", None, 8), (64, "8", None, 7),
+                                                               (2, "1", 8, 8)])
+def test_the_number_of_workers_fits_the_machine_unless_set(monkeypatch, cpus, processes, setting, expected):
+    from data.loader import worker_count
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)
+    assert worker_count(setting) == expected
+
+
+def test_aphq_says_how_long_it_will_take_and_shows_progress(checkpoint, tmp_path, caplog):
+    fast = ["quant.aphq.iters=12", "quant.aphq.recon_images=16", "quant.aphq.calib_images=16",
+            "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=5", "quant.aphq.search_rounds=1",
+            "quant.aphq.eq_n=32", "quant.aphq.search_max_rows=64", "quant.aphq.log_every=0"]
+    with caplog.at_level("INFO"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "aphq", "--out",
+                                           str(tmp_path / "r.json"), *fast]))
+    text = caplog.text
+    assert re.search(r"APHQ calibration: unit 1/\d+ \S+ searched \[[\d.]+s\]; about \d+:\d\d:\d\d left", text)
+    assert "APHQ reconstruction: " in text and "a time estimate follows" in text
+    assert re.search(r": 10 iterations in [\d.]+s; about \d+:\d\d:\d\d for its 12 iterations", text)
+    assert re.search(r"APHQ reconstruction: about \d+:\d\d:\d\d left for the other \d+ units", text)

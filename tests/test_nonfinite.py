@@ -1,0 +1,76 @@
+"""Numbers that are not numbers: weights with a NaN or an inf are refused wherever they enter (a checkpoint to
+evaluate, a model.pretrained file, a checkpoint to resume), naming the tensor; an evaluation whose logits
+or loss are not finite is an error naming the batch; nothing is written for them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evaluate
+import train
+from engine.checkpoint import CheckpointError
+from engine.loop import NonFiniteLossError, evaluate as evaluate_loader
+from models import ModelError
+from tests.conftest import ROOT
+
+
+def spoiled(path, out, value, key="blocks.0.mlp.fc2.weight"):
+    """A copy of the checkpoint at `path` with one value of `key` set to `value`."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload["model"][key].view(-1)[3] = value
+    torch.save(payload, out)
+    return str(out)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_evaluate_refuses_non_finite_weights_naming_the_tensor(checkpoint, tmp_path, value):
+    bad = spoiled(checkpoint, tmp_path / "bad.pt", value)
+    out = tmp_path / "r.json"
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp\.fc2\.weight \((1 NaN, 0|0 NaN, 1) inf"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", bad, "--out", str(out)]))
+    assert not out.exists() and not (tmp_path / "r_act_max.csv").exists()
+
+
+def test_the_command_line_ends_in_one_error_line(checkpoint, tmp_path):
+    bad = spoiled(checkpoint, tmp_path / "bad.pt", float("nan"))
+    done = subprocess.run([sys.executable, "evaluate.py", "--checkpoint", bad, "--quant"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in done.stderr and not os.path.exists(tmp_path / "eval_bad.json")
+
+
+def test_a_pretrained_file_with_non_finite_weights_is_refused(checkpoint, tmp_path, debug_config):
+    weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    weights["head.bias"][0] = float("nan")
+    path = tmp_path / "w.pth"
+    torch.save(weights, path)
+    with pytest.raises(ModelError, match=r"head\.bias \(1 NaN"):
+        train.main(debug_config("model.num_classes=10", f"model.pretrained={path}"))
+
+
+def test_resuming_from_non_finite_weights_is_refused_naming_the_file(debug_config):
+    cfg = debug_config("train.max_steps=2", name="r")
+    train.main(cfg)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    spoiled(ckpt, ckpt, float("nan"))
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint\.pt .*NaN or inf.*"
+                                              r"blocks\.0\.mlp\.fc2\.weight"):
+        train.main(debug_config(name="r"))
+
+
+def test_non_finite_logits_in_an_evaluation_name_the_batch():
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.zeros(10, dtype=torch.long))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+
+    class Sums(torch.nn.Module):  # no weights at all: an inf image gives inf logits
+        def forward(self, x):
+            return torch.stack([x.sum(1), -x.sum(1)], 1)
+
+    model = Sums()
+    assert evaluate_loader(model, loader, torch.device("cpu"))["count"] == 10
+    data.tensors[0][5] = float("inf")
+    with pytest.raises(NonFiniteLossError, match=r"FP eval: the logits of batch 1 \(first image image 4\) "
+                                                 r"are NaN or inf.*nothing is\s+written"):
+        evaluate_loader(model, loader, torch.device("cpu"), progress="FP eval")

@@ -1,0 +1,82 @@
+"""Every accepted setting is applied or refused with one error line: a setting that only acts at a run's
+start is refused on resume; the precision that runs is logged (and fp16 on a CPU warned about); degenerate
+APHQ grids are refused before any work, and tables mark results of non-default settings."""
+import json
+import os
+import sys
+
+import pytest
+
+import evaluate
+import train
+from configs import Config, load_config
+from configs.loader import IgnoredOverrideError
+from configs.quant import APHQOptions
+from engine.checkpoint import CheckpointError
+from quant import PIPELINES, parse_bits
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_new_pretrained_weights_on_a_resumable_or_finished_run_are_refused(debug_config, finished):
+    cfg = debug_config(*(() if finished else ("train.max_steps=2",)), name="p")
+    train.main(cfg)
+    for override in ("model.pretrained=/no/such/weights.pth", "model.pretrained_strict=true",
+                     "train.archive_existing=true"):
+        key = override.split("=")[0]
+        with pytest.raises(CheckpointError, match=rf"continues a run, and only a run's start reads {key}: "):
+            train.main(debug_config(override, name="p"))
+    assert train.main(debug_config(name="p")).state.step == 8  # the same command goes on
+
+
+@pytest.mark.parametrize("amp, line", [("fp16", "precision: fp16 autocast with a GradScaler on cpu (train.amp=fp16)"),
+                                       ("none", "precision: fp32 (no autocast) on cpu (train.amp=none)")])
+def test_the_precision_that_runs_is_logged_and_fp16_on_a_cpu_is_warned_about(debug_config, caplog, amp, line):
+    with caplog.at_level("INFO"):
+        train.main(debug_config(f"train.amp={amp}", "train.max_steps=1"))
+    assert line in caplog.text
+    assert ("fp16 autocast runs several times slower than fp32" in caplog.text) == (amp == "fp16")
+
+
+def test_a_degenerate_aphq_grid_is_refused_where_it_would_be_degenerate():
+    aphq = PIPELINES["aphq"]
+    aphq.check(parse_bits("w3a3"), APHQOptions(eq_n=16))  # 8 zero points x 2 ranges: a real search
+    with pytest.raises(ValueError, match="eq_n=16 leaves the 4-bit grids at w4a4 fewer than 2 ranges"):
+        aphq.check(parse_bits("w4a4"), APHQOptions(eq_n=16))  # 16 zero points x 1 range
+
+
+def settings(pipeline, **changes):
+    plain = json.loads(json.dumps(evaluate.quant_settings(Config(), pipeline), default=str))
+    plain["options"].update(changes)
+    return plain
+
+
+def result(method, quant):
+    return {"model": "m", "method": method, "fp": {"top1": 90.0}, "max_act": {"module": 1.0, "block": 2.0},
+            "data": {"dataset": "folder", "root": "/datasets/pets"}, "checkpoint": method, "quant": quant}
+
+
+def test_tables_mark_results_of_non_default_settings(tmp_path):
+    results = [result("Baseline", {"aphq": {"w4a4": {"top1": 36.0, "settings": settings("aphq", eq_n=16)}}}),
+               result("CD", {"aphq": {"w4a4": {"top1": 80.0, "settings": settings("aphq")}}})]
+    table = evaluate.markdown_table(results).splitlines()
+    assert table[2].endswith("| 36.000* |") and table[3].endswith("| 80.000 |")
+    assert table[-1] == "\\* m Baseline APHQ W4A4: not the default settings: quant.aphq.eq_n=16"
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import paper_table
+
+    finetune = paper_table.finetune_table(results)
+    assert "90.00 / 36.00 / -54.00*" in finetune and "\\* Pets Baseline: not the default settings" in finetune
+
+
+@pytest.mark.parametrize("recipe, override", [("", "optim.momentum=0.5"),  # adamw: no momentum
+                                              ("optim: {name: sgd}", "optim.betas=[0.8,0.9]"),
+                                              ("", "data.color_jitter=0.4")])  # off under RandAugment
+def test_an_override_the_run_would_not_read_is_refused(tmp_path, recipe, override):
+    layer = tmp_path / "layer.yaml"
+    layer.write_text(recipe + "\n")
+    with pytest.raises(IgnoredOverrideError, match=rf"{override.split('=')[0]}=.* would be ignored"):
+        load_config([DEBUG_CONFIG, str(layer)], [override])
+    # with the deciding key set as well, the override says what it means
+    assert load_config([DEBUG_CONFIG], ["optim.name=sgd", "optim.momentum=0.5", "data.auto_augment=",
+                                        "data.color_jitter=0.4"])
