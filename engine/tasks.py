@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from .distributed import all_reduce
+from .loop import NonFiniteLossError, progress_iter
 from .loop import evaluate as evaluate_classifier
-from .loop import progress_iter
 from .precision import autocast
 
 LANGUAGE_DATASETS = ("tokens", "kjv")  # data/text.py TOKEN_DATASETS (engine does not import data/)
@@ -119,5 +119,10 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
         sums += torch.cat([loss.double().reshape(1), counts])
     all_reduce(sums)
     loss, tokens, windows = sums.tolist()
+    if not math.isfinite(loss):  # class of engine.loop.evaluate's check: never a perplexity of NaN
+        raise NonFiniteLossError(f"{progress or 'evaluation'}: the loss over the validation windows is {loss}, so "
+                                 "no perplexity can be computed and nothing is written; the weights (or the "
+                                 "quantized model) produce non-finite logits (with fp16 autocast an overflow can: "
+                                 "try none or bf16)")
     mean = loss / max(tokens, 1.0)
     return {"loss": mean, "ppl": math.exp(min(mean, 700.0)), "count": int(windows), "tokens": int(tokens)}

@@ -17,6 +17,7 @@ from configs.schema import DataConfig, SchedConfig
 from data import DataError
 from data.text import TokenStream, TokenWindows, check_vocabulary, token_stream
 from engine.optim import build_scheduler
+from engine.loop import NonFiniteLossError
 from engine.tasks import evaluate_language_model
 from models.gpt import build_gpt, checkpoint_filter_fn
 
@@ -154,6 +155,9 @@ def test_perplexity_matches_naive_loop():
     mean = sum(losses) / (5 * 16)
     assert result["loss"] == pytest.approx(mean, rel=1e-6) and result["ppl"] == pytest.approx(math.exp(mean))
     assert (result["count"], result["tokens"]) == (5, 80)
+    model.head.weight.data[0, 0] = float("nan")  # a NaN weight: an error, never a perplexity of NaN
+    with pytest.raises(NonFiniteLossError, match="non-finite"):
+        evaluate_language_model(model, loader, torch.device("cpu"))
 
 
 def test_model_and_data_must_be_of_one_task(tmp_path):
