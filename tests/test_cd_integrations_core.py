@@ -72,7 +72,7 @@ def test_bind_optimizers_finds_the_optimizer_holding_the_matrices():
     with pytest.raises(ValueError, match="no optimizer holds"):
         bind_optimizers(decay, [other])
     half = torch.optim.SGD(list(model.blocks[0].parameters()), lr=0.1)
-    with pytest.raises(ValueError, match="not in the optimizer"):
+    with pytest.warns(UserWarning, match="not in the optimizer"):  # left alone, as attach leaves them
         bind_optimizers(decay, [half])
 
 

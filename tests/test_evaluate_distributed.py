@@ -45,17 +45,17 @@ def _record_calls(work: str, rank: int) -> None:
 def _record_scored_models(work: str, rank: int) -> None:
     """A line per evaluation pass in scored_rank<r>.txt: what it scored and the weights' fingerprint (the
     quantized models' scales and zero points included), to compare the models the ranks scored."""
-    import evaluate
+    import engine.tasks
     from engine.checkpoint import weights_fingerprint
 
-    real = evaluate.evaluate
+    real = engine.tasks.evaluate_classifier  # what evaluate.py's classification task scores with
 
     def recorded(model, *args, progress: str = "", **kwargs):
         with open(os.path.join(work, f"scored_rank{rank}.txt"), "a") as f:
             f.write(f"{progress} {weights_fingerprint(model.state_dict())}\n")
         return real(model, *args, progress=progress, **kwargs)
 
-    evaluate.evaluate = recorded
+    engine.tasks.evaluate_classifier = recorded
 
 
 def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:

@@ -13,6 +13,7 @@ update, not on a step that AMP skips, with the lr of W2's param group. This modu
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -73,14 +74,19 @@ class OptimizerBinding:
         decay: the CD object of the model.
         optimizer: the framework's optimizer (wrappers are looked through, `torch_optimizer`).
 
-    Raises:
-        ValueError: a decayed matrix is not in the optimizer (its lr would be unknown).
+    Decayed matrices the optimizer does not hold are left alone, with a warning (as `attach` does).
     """
 
     def __init__(self, decay: ColinearityDecay, optimizer: Any) -> None:
         self.decay = decay
         self.optimizer = torch_optimizer(optimizer)
-        decay._group_index(self.optimizer)  # every decayed matrix is in it: checked now, not at the first step
+        # the rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices
+        # the optimizer changes, so decayed matrices outside it are left alone, with one warning now
+        held = decay._group_index(self.optimizer)
+        outside = [p.name for p in decay.pairs if id(p.downstream) not in held]
+        if outside:
+            warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
+                          "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
         self._armed = False
         self._stepping = False
         self._applied = False
