@@ -249,17 +249,24 @@ def plot_type_maxima(groups: dict[str, list[Run]], path: str, types: Sequence[st
     fig.savefig(path, dpi=90)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/fashion_mnist_dose")
-    parser.add_argument("--out", required=True, help="folder for the figures and dose_report.md")
+def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
+               outputs: Sequence[str]) -> tuple[argparse.Namespace, dict[str, list[Run]], list[str]]:
+    """The command line of a sweep report: (arguments, the evaluated runs by point, the output paths), the
+    outputs refused when present (unless --overwrite)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help=f"the sweep's out_root, e.g. {example}")
+    parser.add_argument("--out", required=True, help=f"folder for {', '.join(outputs)}")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.root):
         raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
-    paths = [os.path.join(args.out, name) for name in OUTPUTS]
+    paths = [os.path.join(args.out, name) for name in outputs]
     refuse_existing_outputs(paths, args.overwrite)
-    groups = by_point(read_sweep(args.root))
+    return args, by_point(read_sweep(args.root)), paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/fashion_mnist_dose", OUTPUTS)
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
         start_peak = alignment_peak(pretrained_model(next(iter(groups.values()))[0]))

@@ -15,16 +15,15 @@ over seeds (mean ± sample std). Written, and never overwritten without --overwr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, by_point, final_energy, fmt, plot_energies,  # noqa: E402
-                                 plot_type_maxima, read_sweep, type_maxima)
+from engine.run_dir import RunDirError  # noqa: E402
+from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, open_sweep,  # noqa: E402
+                                 plot_energies, plot_type_maxima, type_maxima)
 from scripts.mechanism import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
@@ -107,16 +106,7 @@ def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/kjv_lm_dose")
-    parser.add_argument("--out", required=True, help="folder for lm_study.md and the figures")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    args = parser.parse_args(argv)
-    if not os.path.isdir(args.root):
-        raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
-    paths = [os.path.join(args.out, name) for name in OUTPUTS]
-    refuse_existing_outputs(paths, args.overwrite)
-    groups = by_point(read_sweep(args.root))
+    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/kjv_lm_dose", OUTPUTS)
     if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
         raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity); "
                           "scripts/dose_report.py reports image classifiers")
