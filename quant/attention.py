@@ -19,7 +19,7 @@ The softmax scale is applied after the first matmul for both model families (Rep
 ViT; for Swin it scales q first). Uniform quantizers with percentile/min-max ranges are equivariant
 to a positive scale, so both orders give the same codes and values up to float rounding.
 
-Conversion is by exact source type (`ATTENTION_TYPES`). A subclass of timm's Attention needs its own
+Conversion is by exact source type (`ATTENTION_TYPES`; MMDetection's Swin `WindowMSA` by its qualified name). A subclass of timm's Attention needs its own
 entry there; it is never silently converted with the parent's forward. The attention-sink variants have
 theirs: each quantized variant combines the variant's mixin from models/attention_sinks.py with the
 classes here, so softmax1 / attn_bias replace `attention_probs` (the probabilities, whose rows then sum to
@@ -132,9 +132,11 @@ class QuantWindowAttention(QuantAttentionBase):
     """Converted Swin `WindowAttention`: relative position bias and shift mask added in float
     after matmul1."""
 
+    _dim_attr = "dim"  # the source's name for the channel width
+
     def __init__(self, src: WindowAttention, quantizers: Dict[str, Optional[Quantizer]]) -> None:
         super().__init__()
-        self.dim = src.dim
+        self.dim = getattr(src, self._dim_attr)
         self.num_heads = src.num_heads
         self.scale = src.scale
         self.window_size = src.window_size
@@ -167,6 +169,15 @@ class QuantWindowAttention(QuantAttentionBase):
         probs = self.attn_drop(self.attention_probs(scores))
         x = self.attention_context(probs, v).transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(x))
+
+
+class QuantWindowMSA(QuantWindowAttention):
+    """Converted MMDetection 3.x `WindowMSA` (the attention of its Swin backbone, `...attn.w_msa`): the same
+    computation as timm's WindowAttention (relative position bias and shift mask added in float after
+    matmul1), under MMDetection's attribute names. MMDetection scales q before q @ k^T; see the module
+    docstring for why applying the scale after matmul1 gives the same codes."""
+
+    _dim_attr = "embed_dims"
 
 
 class QuantCausalAttention(QuantAttentionBase):
@@ -245,15 +256,21 @@ ATTENTION_TYPES: Dict[Type[nn.Module], AttentionFactory] = {
 }
 
 
+# Types of optional libraries, by exact qualified name, so that quant/ does not import them (mmdet is an extra).
+ATTENTION_TYPE_NAMES: Dict[str, AttentionFactory] = {
+    "mmdet.models.backbones.swin.WindowMSA": QuantWindowMSA,
+}
+
+
 def convert_attention(src: nn.Module, quantizers: Dict[str, Optional[Quantizer]]) -> QuantAttentionBase:
     """Quantized replacement of `src`, which keeps src's parameters (shared, not copied).
 
     Raises:
-        TypeError: src's exact type is not in ATTENTION_TYPES.
+        TypeError: src's exact type is not in ATTENTION_TYPES / ATTENTION_TYPE_NAMES.
     """
-    factory = ATTENTION_TYPES.get(type(src))
+    name = f"{type(src).__module__}.{type(src).__qualname__}"
+    factory = ATTENTION_TYPES.get(type(src)) or ATTENTION_TYPE_NAMES.get(name)
     if factory is None:
-        name = f"{type(src).__module__}.{type(src).__name__}"
         raise TypeError(f"no quantized attention for {name}: add it to quant.attention.ATTENTION_TYPES "
                         "(subclasses are not converted with their parent's forward)")
     return factory(src, quantizers)

@@ -14,7 +14,7 @@ the smoothed float model (`get_static_decoder_layer_scales`).
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,7 +24,19 @@ from .quantizers import UniformQuantizer
 from .ranges import to_rows
 from .units import device_of, stream_module_inputs
 
-Images = Union[torch.Tensor, Iterable[Union[torch.Tensor, Sequence[torch.Tensor]]]]
+
+
+@runtime_checkable
+class ModelFeed(Protocol):
+    """Calibration inputs that run a model themselves, for models that are not called on one tensor (an
+    MMDetection detector: `engine/detection.py`'s `DetectorFeed` runs its test step on one collated batch of
+    images with their metadata). `feed(model)` runs ONE forward of `model` on the whole calibration set, so
+    that each quantizer fits on all of it at once, and returns how many inputs that was."""
+
+    def feed(self, model: nn.Module) -> int: ...
+
+
+Images = Union[torch.Tensor, ModelFeed, Iterable[Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
 
 def stack_images(images: Images) -> torch.Tensor:
@@ -48,7 +60,7 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
     Args:
         model: a converted model (see `quantize_model`); run in eval mode, its mode is restored.
         images: model inputs [N, ...] (images [N, C, H, W], token ids [N, T]), or an iterable of such batches
-            (or of (inputs, labels) pairs).
+            (or of (inputs, labels) pairs), or a `ModelFeed` (which runs the forward itself).
         device: where to run; default: the model's device.
 
     Returns:
@@ -57,23 +69,26 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
     Raises:
         RuntimeError: some enabled quantizer saw no data (its layer is not on the forward path).
     """
-    x = stack_images(images).to(device or device_of(model))
+    device = device or device_of(model)
+    x = None if isinstance(images, ModelFeed) else stack_images(images).to(device)
     todo = len(uncalibrated(model))
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     set_calibration(model, True)
     try:
-        model(x)
+        n = images.feed(model) if x is None else int(x.shape[0])
+        if x is not None:
+            model(x)
     finally:
         set_calibration(model, False)
         model.train(was_training)
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     left = uncalibrated(model)
     if left:
         raise RuntimeError(f"{len(left)} quantizers saw no calibration data: {left[:6]}")
-    return {"images": int(x.shape[0]), "seconds": time.perf_counter() - start, "quantizers": todo}
+    return {"images": n, "seconds": time.perf_counter() - start, "quantizers": todo}
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from .spec import (ATTENTION, BLOCK_LINEARS, BLOCK_POST_NORM_LINEARS, HEAD, MERGE_LINEARS, POST_NORM_LINEARS, STEM,
+from .spec import (ATTENTION, BLOCK_LINEARS, BLOCK_POST_NORM_LINEARS, DETECTOR_HEADS, HEAD, MERGE_LINEARS, POST_NORM_LINEARS, STEM,
                    AttentionRule, LinearRule, QuantizerSpec, QuantSpec)
 
 
@@ -30,8 +30,10 @@ def standard_layout(*, weight: QuantizerSpec, post_norm_input: QuantizerSpec, bl
     """The quantization points shared by the pipelines, with the given quantizer for each role.
 
     Rule roles: "stem" (patch_embed.proj), "head" (head / head.fc / head_dist), "post_norm" (inputs
-    are LayerNorm outputs: qkv, fc1, Swin reduction), "block" (proj, fc2). The stem and head
-    quantizers copy `weight` / `block_input` with their own bit-widths.
+    are LayerNorm outputs: qkv, fc1, Swin reduction), "block" (proj, fc2), "detector_head" (a detector's
+    neck and heads: every Conv2d / Linear there, as the official RepQ-ViT detection code quantizes them,
+    with the block quantizers). The stem and head quantizers copy `weight` / `block_input` with their own
+    bit-widths.
     """
     stem, head = first_last["stem"], first_last["head"]
     return QuantSpec(
@@ -40,6 +42,7 @@ def standard_layout(*, weight: QuantizerSpec, post_norm_input: QuantizerSpec, bl
             LinearRule(HEAD, _with_bits(weight, head["w"]), _with_bits(block_input, head["a"]), role="head"),
             LinearRule(POST_NORM_LINEARS, weight, post_norm_input, role="post_norm"),
             LinearRule(BLOCK_LINEARS, weight, block_input, role="block"),
+            LinearRule(DETECTOR_HEADS, weight, block_input, role="detector_head"),
         ),
         attentions=(AttentionRule(ATTENTION, q=q, k=k, attn=attn, v=v),),
     )
@@ -57,5 +60,5 @@ def in_block_layout(*, weight: QuantizerSpec, post_norm_input: Optional[Quantize
         linears=(LinearRule(BLOCK_POST_NORM_LINEARS, weight, post_norm_input, role="post_norm"),
                  LinearRule(BLOCK_LINEARS, weight, block_input, role="block")),
         attentions=(attention,) if attention is not None else (),
-        keep_float=STEM + HEAD + MERGE_LINEARS,
+        keep_float=STEM + HEAD + MERGE_LINEARS + DETECTOR_HEADS,
     )

@@ -60,8 +60,11 @@ BLOCK_FOLD_SITES = (
     FoldSite("blocks.*", "norm2", "mlp.fc1"),
     FoldSite("layers.*.blocks.*", "norm1", "attn.qkv"),
     FoldSite("layers.*.blocks.*", "norm2", "mlp.fc1"),
+    FoldSite("backbone.stages.*.blocks.*", "norm1", "attn.w_msa.qkv"),  # MMDetection's Swin (quant/spec.py)
+    FoldSite("backbone.stages.*.blocks.*", "norm2", "ffn.layers.0.0"),
 )
-REPQ_FOLD_SITES = BLOCK_FOLD_SITES + (FoldSite("layers.*.downsample", "norm", "reduction"),)
+REPQ_FOLD_SITES = BLOCK_FOLD_SITES + (FoldSite("layers.*.downsample", "norm", "reduction"),
+                                      FoldSite("backbone.stages.*.downsample", "norm", "reduction"))
 
 
 def find_fold_sites(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITES

@@ -34,6 +34,21 @@ STEM = ("patch_embed.proj",)
 HEAD = ("head", "head.fc", "head_dist")
 ATTENTION = ("blocks.*.attn", "layers.*.blocks.*.attn")
 
+# MMDetection 3.x's Swin as the `backbone` of a detector: blocks at backbone.stages.N.blocks.M, attention in
+# attn.w_msa, the MLP as ffn.layers.0.0 (fc1, after norm2) and ffn.layers.1 (fc2), PatchMerging at the END of
+# stages 0-2 (stages.N.downsample), the patch embedding conv at patch_embed.projection. Every other Conv2d /
+# Linear of the detector (FPN neck, RPN and RoI heads) is a DETECTOR_HEADS layer, which the vision pipelines
+# quantize like the in-block Linears, as the official RepQ-ViT / APHQ detection code does (every nn.Conv2d and
+# nn.Linear of the detector; the mask head's ConvTranspose2d stays float there and here).
+_MMDET_BLOCK = "backbone.stages.*.blocks.*"
+BLOCK_POST_NORM_LINEARS += (f"{_MMDET_BLOCK}.attn.w_msa.qkv", f"{_MMDET_BLOCK}.ffn.layers.0.0")
+MERGE_LINEARS += ("backbone.stages.*.downsample.reduction",)
+POST_NORM_LINEARS = BLOCK_POST_NORM_LINEARS + MERGE_LINEARS
+BLOCK_LINEARS += (f"{_MMDET_BLOCK}.attn.w_msa.proj", f"{_MMDET_BLOCK}.ffn.layers.1")
+STEM += ("backbone.patch_embed.projection",)
+ATTENTION += (f"{_MMDET_BLOCK}.attn.w_msa",)
+DETECTOR_HEADS = ("neck.**", "rpn_head.**", "roi_head.**")
+
 
 @dataclass(frozen=True)
 class QuantizerSpec:

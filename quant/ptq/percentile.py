@@ -38,6 +38,7 @@ from ..spec import Bits, QuantizerSpec, QuantSpec
 class PercentilePipeline(Pipeline):
     name = "percentile"
     Options = PercentileOptions
+    tasks = ("classification", "detection")  # detection: MMDetection detectors (evaluate_detection.py)
 
     def layout(self, bits: Bits, options: PercentileOptions) -> QuantSpec:
         act_search = range_search(options.act_range, options.act_percentiles)

@@ -37,6 +37,7 @@ from ..spec import Bits, QuantizerSpec, QuantSpec
 class RepQPipeline(Pipeline):
     name = "repq"
     Options = RepQOptions
+    tasks = ("classification", "detection")  # detection: MMDetection detectors (evaluate_detection.py)
 
     def layout(self, bits: Bits, options: RepQOptions) -> QuantSpec:
         """The converted layout before calibration (post-LN inputs still per channel)."""

@@ -1,0 +1,255 @@
+"""The detection task on MMDetection 3.x: its configs, detectors, COCO loaders and metric, for
+scripts/train_detection.py and evaluate_detection.py.
+
+MMDetection does the detection work (models, data pipelines, training loop, pycocotools mAP); this module
+only adds what this repository promises around it: configs merged from several files with `key=value`
+overrides, one `--data-root` for every loader and evaluator, clear errors before any work (a missing data
+set, an unset or remote backbone checkpoint, weights of another model), and an evaluation loop with
+activation probes and the quantization seam (`DetectorFeed`, a `quant.calibrate.ModelFeed`).
+
+Importing this module imports mmdet (an optional dependency: requirements-detection.txt), which needs full
+mmcv with its compiled ops (scripts/install_mmcv.sh).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import io
+import os
+import random
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.act_max import ActivationProbe
+
+try:
+    importlib.import_module("mmdet")  # registers MMDetection's modules, transforms and metrics
+    from mmengine.config import Config
+    from mmengine.evaluator import Evaluator
+    from mmengine.dataset import pseudo_collate
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import Runner
+    from mmdet.registry import DATASETS, METRICS, MODELS
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(f"the detection task needs MMDetection and full mmcv ({e}): "
+                      "pip install -r requirements-detection.txt && bash scripts/install_mmcv.sh") from e
+
+BACKBONE = ("backbone",)
+HEADS = ("neck", "rpn_head", "roi_head")
+METRIC_KEYS = ("bbox_mAP", "bbox_mAP_50", "bbox_mAP_75", "segm_mAP", "segm_mAP_50", "segm_mAP_75")
+LOADERS = ("train_dataloader", "val_dataloader", "test_dataloader")
+EVALUATORS = ("val_evaluator", "test_evaluator")
+
+
+class DetectionError(ValueError):
+    """Bad detection input (config, data root, checkpoint), reported as one line before any work."""
+
+
+# -- configs -------------------------------------------------------------------------------------------
+
+def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
+                data_root: Optional[str] = None) -> Config:
+    """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
+    are replaced), then `overrides` (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
+    if not paths:
+        raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
+                             "mask_rcnn_swin_t_1x.py")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DetectionError(f"--config {path}: no such file")
+    cfg = Config.fromfile(paths[0])
+    for path in paths[1:]:
+        cfg.merge_from_dict(Config.fromfile(path).to_dict())
+    if overrides:
+        cfg.merge_from_dict(dict(overrides))
+    if data_root is not None:
+        set_data_root(cfg, data_root)
+    init_default_scope(cfg.get("default_scope", "mmdet"))
+    return cfg
+
+
+def _datasets(dataset: dict) -> List[dict]:
+    """A loader's dataset dict and those it wraps (RepeatDataset, ConcatDataset, ...)."""
+    inner = dataset.get("dataset") or []
+    inner = inner if isinstance(inner, list) else [inner]
+    return [dataset] + [d for sub in inner + list(dataset.get("datasets") or []) for d in _datasets(sub)]
+
+
+def set_data_root(cfg: Config, root: str) -> None:
+    """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
+    val2017/) and check that the annotation files they read exist."""
+    root = os.path.join(os.path.abspath(root), "")
+    if not os.path.isdir(root):
+        raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
+                             "val2017/)")
+    old = cfg.get("data_root")
+    for key in LOADERS:
+        loader = cfg.get(key)
+        if not loader:
+            continue
+        for dataset in _datasets(loader["dataset"]):
+            if "data_root" in dataset:
+                dataset["data_root"] = root
+                ann = os.path.join(root, dataset.get("ann_file", ""))
+                if dataset.get("ann_file") and not os.path.isfile(ann):
+                    raise DetectionError(f"--data-root {root}: {key} reads {ann}, which does not exist")
+    for key in EVALUATORS:
+        evaluators = cfg.get(key)
+        for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
+            ann = evaluator.get("ann_file")
+            if ann:
+                rel = ann[len(old):] if old and ann.startswith(old) else os.path.join(
+                    "annotations", os.path.basename(ann))
+                evaluator["ann_file"] = os.path.join(root, rel)
+                if not os.path.isfile(evaluator["ann_file"]):
+                    raise DetectionError(f"--data-root {root}: {key} reads {evaluator['ann_file']}, "
+                                         "which does not exist")
+    cfg["data_root"] = root
+
+
+def check_backbone_init(cfg: Config) -> None:
+    """The backbone starts from a local checkpoint file when the config says it is pretrained (the paper
+    starts from the official Swin ImageNet checkpoints); nothing is downloaded."""
+    init = (cfg.model.get("backbone") or {}).get("init_cfg") or {}
+    if init.get("type") != "Pretrained":
+        return
+    key = "model.backbone.init_cfg.checkpoint"
+    path = init.get("checkpoint")
+    if not path:
+        raise DetectionError(f"{key} is not set: give the official Swin ImageNet checkpoint, e.g. "
+                             f"{key}=/weights/swin_tiny_patch4_window7_224.pth (or {key.rsplit('.', 2)[0]}"
+                             "=null to start from random weights)")
+    if "://" in str(path):
+        raise DetectionError(f"{key}={path} is a URL and nothing is downloaded here: download it and give "
+                             "the local path")
+    if not os.path.isfile(path):
+        raise DetectionError(f"{key}={path}: no such file")
+
+
+# -- models --------------------------------------------------------------------------------------------
+
+def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Module:
+    """The detector of `cfg` with the weights of `checkpoint` (an MMEngine checkpoint: `state_dict` and
+    `meta`), in eval mode. Weights of another model are refused with their mismatched keys named."""
+    if not os.path.isfile(checkpoint):
+        raise DetectionError(f"--checkpoint {checkpoint}: no such file")
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.get("backbone", {}).pop("init_cfg", None)  # the checkpoint holds every weight
+    model = MODELS.build(model_cfg)
+    # An MMEngine checkpoint pickles its message hub (mmengine / numpy objects) beside the weights, which
+    # torch >= 2.6's weights_only loader refuses; the file is the one the user names for evaluation.
+    try:
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+        raise DetectionError(f"--checkpoint {checkpoint}: cannot be read ({type(e).__name__}: {e})") from None
+    state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
+    if not isinstance(state, dict) or not state:
+        raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
+    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                 (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]
+        raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: "
+                             f"{'; '.join(parts)} weights")
+    model.load_state_dict(state, strict=True)
+    meta = payload.get("meta") or {}
+    classes = (meta.get("dataset_meta") or {}).get("classes")
+    model.dataset_meta = {"classes": tuple(classes)} if classes else None
+    return model.to(device).eval()
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None) -> torch.utils.data.DataLoader:
+    """The `split` loader of `cfg` ("test" or "val"); `max_images` keeps the first N images (a partial result,
+    marked as such by the caller)."""
+    loader_cfg = copy.deepcopy(cfg[f"{split}_dataloader"])
+    if max_images is not None:
+        if max_images < 1:
+            raise DetectionError(f"--max-images {max_images}: give at least 1")
+        loader_cfg["dataset"]["indices"] = max_images
+    return Runner.build_dataloader(loader_cfg)
+
+
+class DetectorFeed:
+    """A detector's calibration set as a `quant.calibrate.ModelFeed`: `count` images of the training split,
+    drawn with `seed` and given the TEST pipeline (resize, no flip), collated into ONE padded batch, so that a
+    single test step of the detector calibrates every quantizer on all of them at once.
+
+    The official RepQ-ViT detection code calibrates on the first image of its test loader (one image, batch 1);
+    here the images come from the training split so that no validation image is seen before scoring.
+    """
+
+    def __init__(self, cfg: Config, count: int, seed: int = 0) -> None:
+        if count < 1:
+            raise DetectionError(f"--calib-images {count}: give at least 1")
+        dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
+        test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
+        for dataset in _datasets(dataset_cfg):
+            dataset["pipeline"] = test_pipeline
+        dataset_cfg.pop("indices", None)
+        dataset = DATASETS.build(dataset_cfg)
+        if len(dataset) < count:
+            raise DetectionError(f"--calib-images {count}: the training split has only {len(dataset)} images")
+        self.indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
+        self.batch = pseudo_collate([dataset[i] for i in self.indices])
+        self.count = count
+
+    @torch.no_grad()
+    def feed(self, model: nn.Module) -> int:
+        model.test_step(self.batch)
+        return self.count
+
+
+# -- evaluation ----------------------------------------------------------------------------------------
+
+def _evaluator(cfg: Config, loader) -> Any:
+    metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
+    evaluator = Evaluator([METRICS.build(copy.deepcopy(m)) for m in metrics])
+    evaluator.dataset_meta = loader.dataset.metainfo
+    return evaluator
+
+
+@torch.no_grad()
+def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool = False,
+                      progress: bool = True) -> Dict[str, Any]:
+    """COCO box / mask mAP of `model` on `loader` (pycocotools, through MMDetection's CocoMetric), and with
+    `probe_maxima` the activation maxima of the backbone and of the heads (module outputs, see
+    `activation_maxima`). Returns {"bbox_mAP": .., "segm_mAP": .., ..., "images": N, "seconds": ..}."""
+    evaluator = _evaluator(cfg, loader)
+    model.eval()
+    probe = ActivationProbe(model, blocks=BACKBONE + HEADS) if probe_maxima else None
+    start, images = time.perf_counter(), 0
+    with probe if probe is not None else contextlib.nullcontext():
+        for i, batch in enumerate(loader):
+            outputs = model.test_step(batch)
+            evaluator.process(data_samples=outputs, data_batch=batch)
+            images += len(outputs)
+            if progress and (i + 1) % 50 == 0:
+                print(f"  {images}/{len(loader.dataset)} images", flush=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
+        metrics = evaluator.evaluate(len(loader.dataset))
+    result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}
+    result.update(images=images, seconds=time.perf_counter() - start)
+    if probe is not None:
+        result["max_act"] = activation_maxima(probe)
+    return result
+
+
+def activation_maxima(probe: ActivationProbe) -> Dict[str, Any]:
+    """The paper's detection "Max. Act. (backbone / head)": max |value| over the outputs of every module in
+    the backbone (blocks and everything in them, patch merging, the output norms), and over those of every
+    module of the neck, RPN and RoI heads, on the evaluated images. (The paper does not define the sets
+    further; this is our reading of "aggregated ... over the backbone and detector head outputs".)"""
+    records = probe.result().per_layer
+    def largest(prefixes):
+        return max((r["max"] for r in records if r["name"].split(".")[0] in prefixes), default=0.0)
+    return {"backbone": largest(BACKBONE), "head": largest(HEADS)}

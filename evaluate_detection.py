@@ -1,0 +1,145 @@
+"""Evaluate an MMDetection detector (the paper's COCO study, Table 2): box / mask mAP in full precision and
+under the W4A4 pipelines, and the backbone / head activation maxima, into one JSON per checkpoint.
+
+    python evaluate_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
+        --checkpoint runs/det_t1x_cd/epoch_12.pth --data-root /datasets/coco
+    python evaluate_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
+        --checkpoint runs/det_t1x_cd/epoch_12.pth --data-root /datasets/coco --quant repq --bits w4a4 w6a6 \
+        --out results/det_t1x_cd.json
+
+The detector is quantized as the official RepQ-ViT / APHQ detection code quantizes it: every Conv2d and
+Linear of the backbone, FPN neck, RPN and RoI heads, and both matmuls of every window attention (quant/spec.py,
+quant/README.md); the mask head's transposed conv stays float. Calibration: `--calib-images` training images
+(default 1, the official RepQ-ViT detection setting) with the test pipeline, in one batch.
+
+The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
+`quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
+Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True,
+                        help="MMDetection config; repeat to merge fragments in order")
+    parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")
+    parser.add_argument("--data-root", help="COCO folder (annotations/, train2017/, val2017/)")
+    parser.add_argument("--quant", nargs="*", default=None,
+                        help="pipelines (default: every pipeline that quantizes detectors); none: FP only")
+    parser.add_argument("--bits", nargs="+", default=["w4a4"], help="bit-widths (default: w4a4)")
+    parser.add_argument("--calib-images", type=int, default=1,
+                        help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
+    parser.add_argument("--calib-seed", type=int, default=0, help="seed drawing the calibration images")
+    parser.add_argument("--max-images", type=int, default=None,
+                        help="score the first N validation images only (a partial result, marked in the JSON)")
+    parser.add_argument("--out", help="result JSON (default: eval_<checkpoint name>.json beside it)")
+    parser.add_argument("--recompute", action="store_true", help="replace results the JSON already has")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    return parser.parse_args(argv)
+
+
+def parse_overrides(items):
+    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
+    from mmengine.config import DictAction
+    namespace = argparse.Namespace()
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"{item!r}: config overrides are key=value")
+    DictAction(option_strings=[], dest="options")(None, namespace, items)
+    return getattr(namespace, "options", {})
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from engine.detection import (DetectionError, DetectorFeed, build_detector, build_loader, evaluate_detector,
+                                  load_config)
+    from engine.checkpoint import weights_fingerprint
+    from engine.eval_results import EvalResults
+    from quant import PIPELINES, evaluate_quantized, parse_bits
+
+    detection = [name for name, p in PIPELINES.items() if "detection" in p.tasks]
+    pipelines = detection if args.quant is None else args.quant
+    for name in pipelines:
+        if name not in PIPELINES:
+            raise DetectionError(f"--quant {name}: no such pipeline ({', '.join(PIPELINES)})")
+        if "detection" not in PIPELINES[name].tasks:
+            raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
+                                 f"{', '.join(detection)}")
+    bits = [str(parse_bits(b)) for b in args.bits]
+    for name in pipelines:
+        for b in bits:
+            PIPELINES[name].check(parse_bits(b), PIPELINES[name].Options())
+    cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    device = torch.device(args.device)
+    model = build_detector(cfg, args.checkpoint, device)
+    loader = build_loader(cfg, "test", args.max_images)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
+                                   f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
+    identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
+                "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
+                "fingerprint": weights_fingerprint(model.state_dict()),
+                "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
+                         "images": len(loader.dataset), "partial": args.max_images is not None}}
+    results = EvalResults.open(out, identity)
+    todo = [(p, b) for p in pipelines for b in bits
+            if results.plan(p, b, settings(p, args), args.recompute)]
+
+    if "fp" not in results.data or args.recompute:
+        print(f"full precision on {len(loader.dataset)} images ...", flush=True)
+        fp = evaluate_detector(model, cfg, loader, probe_maxima=True)
+        results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
+        results.save()
+    print(f"FP: {score(results.data['fp'])}; max act backbone / head: "
+          f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
+
+    feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo else None
+    for name, b in todo:
+        print(f"{name} {b} ...", flush=True)
+        entry = evaluate_quantized(name, model, feed, b,
+                                   eval_fn=lambda q: evaluate_detector(q, cfg, loader))
+        report = entry.pop("report", {})
+        entry["summary"] = report.get("summary")
+        results.add(name, b, entry, settings(name, args))
+        results.save()
+        print(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
+    print(markdown_row(results.data))
+    print(f"results in {out}")
+    return results.data
+
+
+def settings(pipeline: str, args) -> dict:
+    """What a quantized result depends on besides the weights and data (a different value is another result)."""
+    return {"calib_images": args.calib_images, "calib_seed": args.calib_seed}
+
+
+def score(metrics: dict) -> str:
+    return f"box mAP {metrics.get('bbox_mAP', float('nan')):.3f} / mask mAP {metrics.get('segm_mAP', float('nan')):.3f}"
+
+
+def markdown_row(data: dict) -> str:
+    """The paper's Table 2 layout: Max. Act. (backbone / head) | FP | one column per pipeline and bit-width,
+    each "box / mask" mAP."""
+    def pair(m):
+        return f"{m.get('bbox_mAP', float('nan')):.3f} / {m.get('segm_mAP', float('nan')):.3f}"
+    cols = [(f"{p} {b}", pair(e)) for p, by_bits in data["quant"].items() for b, e in by_bits.items()]
+    head = ["Max. Act. (backbone / head)", "FP"] + [c for c, _ in cols]
+    act = data["max_act"]
+    row = [f"{act['backbone']:.2f} / {act['head']:.2f}", pair(data["fp"])] + [v for _, v in cols]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:  # DetectionError, ResultsError, a bad override
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
