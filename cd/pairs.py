@@ -224,12 +224,24 @@ def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
             inside = name
 
 
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The Transformer blocks of `model` in model order, with unwrapped-model names.
+# Layouts whose blocks return the residual stream as one tensor (TWEO's A_l, App. A.3): timm's blocks and
+# MMDetection's SwinBlock (`stages.N.blocks.M`). transformers' layers return tuples and are not listed.
+_TENSOR_OUTPUT_LIBRARIES = ("timm", "MMDetection Swin")
 
-    Used by CD (pairs) and TWEO (block outputs). Nested matches inside a block are not searched.
+
+def _is_tensor_output_block(module: nn.Module) -> bool:
+    layout = layout_of(module)
+    return layout is not None and layout.library in _TENSOR_OUTPUT_LIBRARIES
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The Transformer blocks of `model` in model order, with unwrapped-model names: timm's (children norm1,
+    attn, norm2, mlp) and MMDetection's Swin blocks (norm1, attn, norm2, ffn), whose output is the residual
+    stream.
+
+    Used by TWEO (block outputs) and the activation diagnostics. Nested matches inside a block are not searched.
     """
-    return list(_outermost(unwrap_model(model), is_prenorm_block))
+    return list(_outermost(unwrap_model(model), _is_tensor_output_block))
 
 
 def _join(prefix: str, *parts: str) -> str:

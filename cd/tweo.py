@@ -138,6 +138,11 @@ class TWEO:
                             f"expected a Tensor")
         self._terms.append(self._penalty(output, self.p, self.tau, self.eps))
 
+    @property
+    def pending(self) -> bool:
+        """Whether block outputs of a training forward are captured and not yet consumed by `aux_loss`."""
+        return bool(self._terms)
+
     def lam_at(self, step: int) -> float:
         """lambda(t) at optimizer update `step` (0-based)."""
         if self.schedule == "constant":

@@ -108,7 +108,8 @@ def align_to_task_loss(penalty: Tensor, task_loss: Tensor) -> Tensor:
     Its value equals the task loss, its gradient is the penalty's times that constant factor (used by
     CD's loss form and TWEO's rescaled variant, which then multiply it by a small coefficient).
     """
-    ratio = task_loss.detach().float() / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
+    # fp32 at least (an fp16 task loss), float64 for a float64 penalty (exact float64 references)
+    ratio = task_loss.detach().to(compute_dtype(penalty)) / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
     return penalty * ratio
 
 

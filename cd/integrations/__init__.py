@@ -8,17 +8,19 @@ Each takes the arguments of `ColinearityDecay` (`lam`, `lam_per_role`, `targets`
 model and the optimizer itself, and gives the paper's update (Sec. 3.3) exactly where `attach` gives it in a
 plain loop: after the task gradient and clipping, right before the optimizer reads the weights, once per real
 update, not on a step that AMP skips, with the lr of W2's param group. This module holds what the three share,
-`OptimizerBinding`; it needs torch alone, and each framework module imports its framework.
+`OptimizerBinding`, and `select_module` (which part of the model a regularizer acts on); it needs torch alone,
+and each framework module imports its framework.
 """
 from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..decay import ColinearityDecay
+from ..wrappers import unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -36,6 +38,17 @@ def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     except TypeError as e:
         raise TypeError(f"ColinearityDecay arguments: {e}") from None
     return dict(kwargs)
+
+
+def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Module:
+    """The part of `model` (wrappers looked through) that a regularizer acts on: for `module` None, the
+    `backbone` if the model has one (a detector's, as the paper regularizes the backbone), else the whole model;
+    "" the whole model; otherwise the dotted submodule name."""
+    model = unwrap_model(model)
+    if module is None:
+        backbone = getattr(model, "backbone", None)
+        return backbone if isinstance(backbone, torch.nn.Module) else model
+    return model.get_submodule(module) if module else model
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -4,6 +4,9 @@
     custom_imports = dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False)
     custom_hooks = [dict(type="ColinearityDecayHook", lam=0.005)]
 
+Importing this module also registers the baselines' hooks, `TweoHook` (cd/integrations/mmengine_tweo.py) and
+`WeightNoiseHook` (UNIQ weight noise, cd/integrations/mmengine_noise.py).
+
 Where it runs in MMEngine's step (0.10): no hook event sits between backward and the optimizer step
 (`run_iter` calls `before_train_iter`, `train_step`, `after_train_iter`, and `OptimWrapper.update_params` does
 backward, clipping and the step inside). So the hook arms CD at `before_train_iter`, and the update runs in a
@@ -30,8 +33,7 @@ from mmengine.registry import HOOKS
 
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError, example_input
-from ..wrappers import unwrap_model
-from . import bind_optimizers, check_cd_arguments
+from . import bind_optimizers, check_cd_arguments, select_module
 
 CHECKPOINT_KEY = "colinearity_decay"
 
@@ -72,10 +74,7 @@ class ColinearityDecayHook(Hook):
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:
         """The part of `model` that CD decays (see `module`)."""
-        model = unwrap_model(model)
-        if self.module is None:
-            return getattr(model, "backbone", None) or model
-        return model.get_submodule(self.module) if self.module else model
+        return select_module(model, self.module)
 
     def before_train(self, runner) -> None:
         for binding in self._bindings.values():
@@ -114,3 +113,11 @@ class ColinearityDecayHook(Hook):
         self._restored = checkpoint.get(CHECKPOINT_KEY)
         if self.decay is not None and self._restored is not None:
             self.decay.load_state_dict(self._restored)
+
+
+# The baselines' hooks (TWEO, UNIQ weight noise) register with this module's import, so one custom_imports entry
+# enables all three.
+from .mmengine_noise import WeightNoiseHook  # noqa: E402
+from .mmengine_tweo import TweoHook  # noqa: E402
+
+__all__ = ["CHECKPOINT_KEY", "ColinearityDecayHook", "TweoHook", "WeightNoiseHook"]

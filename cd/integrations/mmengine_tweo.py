@@ -1,0 +1,143 @@
+"""The TWEO baseline in MMEngine / MMDetection (paper Sec. "COCO Detection", App. A.3): `TweoHook`, enabled by
+configuration alone (`cd.integrations.mmengine` imports this module):
+
+    custom_imports = dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False)
+    custom_hooks = [dict(type="TweoHook", lam=1e-4)]
+
+The penalty is `cd.tweo.TWEO` on the blocks of the detector's `backbone` (`module=` as in ColinearityDecayHook),
+in its rescaled form by default: the paper rescales TWEO's term to the task-loss magnitude for detection and
+tunes lambda in the 1e-4 range, so `rescale=True, lam=1e-4` (1e-4 is our choice within that range).
+
+Where the term enters MMEngine's step (0.10): `model.train_step` runs data_preprocessor -> forward(mode="loss")
+-> `parse_losses` -> `optim_wrapper.update_params(loss)` inside, and no hook event sits between the loss and the
+backward. The hook wraps the model's `parse_losses` for the run (an instance attribute set at `before_train`,
+removed at `after_train`) and adds `lam(t) * L_TWEO` (rescaled) to the loss it returns:
+  - it is the one place that sees the whole task loss (the rescaled variant needs it) before any wrapper
+    scales it, so every OptimWrapper type works unchanged: `update_params` divides the sum by the accumulation
+    count, AmpOptimWrapper's GradScaler scales it, clipping sees its gradient, exactly as for the task loss;
+  - MMEngine's DDP wrappers call `self.module.parse_losses`, the attribute of the unwrapped model it sets;
+  - wrapping the OptimWrapper's `update_params`/`backward` instead would miss the log variables and be tied
+    to one wrapper object (an OptimWrapperDict has several).
+The term is added once per micro-batch (each has its own forward), and lam(t) reads t = runner.iter //
+accumulative_counts, the index of the optimizer update the micro-batch belongs to (restored by resume with
+runner.iter). It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
+step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
+A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
+iteration. Validation forwards (eval mode, no grad) capture nothing and add nothing.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Optional
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+from ..tweo import TWEO
+from ..wrappers import unwrap_model
+from . import select_module
+
+
+def accumulative_counts(optim_wrapper: Any) -> int:
+    """The micro-batches per optimizer update of an OptimWrapper, or of every wrapper of an OptimWrapperDict
+    (MMEngine keeps it in `_accumulative_counts`, with no public accessor)."""
+    wrappers = list(optim_wrapper.optim_wrappers.values()) if hasattr(optim_wrapper, "optim_wrappers") \
+        else [optim_wrapper]
+    counts = {int(w._accumulative_counts) for w in wrappers}
+    if len(counts) != 1:
+        raise ValueError(f"the optim wrappers accumulate over different counts {sorted(counts)}: the optimizer-"
+                         "update index of a micro-batch is ambiguous")
+    return counts.pop()
+
+
+@HOOKS.register_module()
+class TweoHook(Hook):
+    """TWEO's auxiliary loss on a part of an MMEngine model (the detector's backbone by default).
+
+    Args:
+        module: None (default) the `backbone` if the model has one, else the whole model; "" the whole model;
+            or a dotted submodule name.
+        lam: lambda_TWEO (default 1e-4, in the paper's detection range).
+        rescale: the rescaled variant, term * detach(L_task / L_TWEO) (default True, the paper's detection form).
+        total_steps: optimizer updates of the run, for `schedule="cosine"`; default: max_iters / accumulation.
+        **tweo_kwargs: TWEO's other arguments (`p`, `tau`, `eps`, `schedule`, `form`).
+
+    Attributes:
+        tweo: the `TWEO` object, from `before_train` on (`tweo.blocks`, `tweo.metrics()`).
+    """
+
+    priority = "NORMAL"
+
+    def __init__(self, module: Optional[str] = None, lam: float = 1e-4, rescale: bool = True,
+                 total_steps: Optional[int] = None, **tweo_kwargs: Any) -> None:
+        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
+            raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+        if not isinstance(rescale, bool):
+            raise ValueError(f"rescale must be True or False, got {rescale!r}")
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps <= 0):
+            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if "model" in tweo_kwargs:
+            raise TypeError("TweoHook takes `module=` (the part of the runner's model), not `model=`")
+        try:
+            inspect.signature(TWEO).bind(None, **tweo_kwargs)
+        except TypeError as e:
+            raise TypeError(f"TweoHook: TWEO arguments: {e}") from None
+        self.module, self.total_steps = module, total_steps
+        self.kwargs = dict(tweo_kwargs, lam=float(lam), rescale=rescale)
+        self.tweo: Optional[TWEO] = None
+        self._model: Optional[torch.nn.Module] = None
+        self._step = 0
+        self._armed = False
+
+    def before_train(self, runner) -> None:
+        self._unwrap_parse_losses()
+        if self.tweo is not None:
+            self.tweo.remove()
+        accum = accumulative_counts(runner.optim_wrapper)
+        total = self.total_steps or math.ceil(runner.max_iters / accum)
+        self._accum = accum
+        self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total, **self.kwargs)
+        model = unwrap_model(runner.model)
+        if "parse_losses" in vars(model):
+            raise RuntimeError("TweoHook: the model's parse_losses is already replaced on the instance (a second "
+                               "TweoHook?)")
+        original = model.parse_losses
+
+        def parse_losses(losses):
+            loss, log_vars = original(losses)
+            if not self._armed:  # a parse_losses call outside a training iteration is left alone
+                return loss, log_vars
+            term = self.tweo.aux_loss(loss, self._step)
+            metrics = self.tweo.metrics()
+            total_loss = loss + term
+            log_vars["loss"] = total_loss
+            log_vars["loss_tweo"] = term.detach()
+            log_vars["tweo_penalty"] = torch.tensor(metrics["tweo/penalty"])
+            log_vars["tweo_lam"] = torch.tensor(metrics["tweo/lam"])
+            return total_loss, log_vars
+
+        model.parse_losses = parse_losses
+        self._model = model
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        self._step = runner.iter // self._accum  # the optimizer update this micro-batch belongs to
+        self._armed = True
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        self._armed = False
+        if self.tweo is not None and self.tweo.pending:
+            raise RuntimeError(f"TweoHook: block outputs were captured at iteration {runner.iter} but the model's "
+                               "parse_losses never ran, so no TWEO term was added (does the model override "
+                               "train_step without calling parse_losses?)")
+
+    def after_train(self, runner) -> None:
+        self._unwrap_parse_losses()
+        if self.tweo is not None:
+            self.tweo.remove()
+
+    def _unwrap_parse_losses(self) -> None:
+        if self._model is not None:
+            vars(self._model).pop("parse_losses", None)
+            self._model = None

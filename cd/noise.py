@@ -1,0 +1,174 @@
+"""Uniform noise injection in the weights: UNIQ (Baskin et al., "UNIQ: Uniform Noise Injection for Non-Uniform
+Quantization of Neural Networks", ACM TOCS 37(1-4), 2021; arXiv 1804.10969), the "Noise" baseline of the
+paper's detection study (Sec. "COCO Detection": "uniform-noise injection in weights", on the backbone only).
+
+UNIQ trains for a k-quantile quantizer (k = 2^bits levels: the bins hold equal probability mass of the
+weights' distribution, each bin is represented by its median). Uniformized by the weights' CDF F, that
+quantizer is a uniform quantizer with step 1/k, whose error UNIQ replaces in training by additive uniform
+noise; in every training forward each selected layer uses, instead of its weight w,
+
+    u  = F(w)                                   uniformize (UNIQ: F Gaussian, fitted to the layer's weights)
+    e  ~ U[-1/(2k), 1/(2k)]                     i.i.d. per weight, fresh every forward
+    w~ = F^-1( clamp(u + e, 1/(2k), 1 - 1/(2k)) )
+
+with F(w) = Phi((w - mu) / sigma), mu and sigma the mean and (unbiased) standard deviation of the layer's
+weight tensor at that forward. The noise is additive, so w~ is a differentiable function of w and the task
+gradient reaches the clean weight through the map: dw~/dw = phi(z) / phi(z~), z = (w - mu)/sigma,
+z~ = (w~ - mu)/sigma. Choices of ours where UNIQ's text leaves the detail open:
+  - mu and sigma are statistics of the current weights, held constant in the backward (stop-gradient);
+  - u + e is clamped to the outermost quantization levels [1/(2k), 1 - 1/(2k)] (a k-quantile quantizer never
+    outputs beyond them, and F^-1 would be infinite at 0 and 1); the clamp passes its gradient straight
+    through, so a weight in a tail bin still gets the map's slope, as a quantizer's straight-through
+    estimator passes through its saturation;
+  - the math runs in fp32 (float64 for float64 weights) and the result is cast to the weight's dtype.
+Gradual training in stages (UNIQ's block-by-block schedule) is not implemented: every selected layer gets
+noise from the first step. Only weights are perturbed (biases, norms and activations are left alone), and
+only layers whose own forward runs (nn.MultiheadAttention reads `out_proj.weight` directly: no noise there).
+
+    noise = WeightNoise(model.backbone, bits=4, seed=0)   # hooks on every Linear of the backbone
+    for it, (x, y) in enumerate(loader):
+        noise.step = it                                   # the noise of each layer is a function of (seed, step)
+        loss = criterion(model(x), y)                     # training forward: noisy weights
+        ...                                               # backward reaches the clean weights; optimizer.step
+    noise.remove()
+
+Where the noise comes from: each layer's forward draws from a `torch.Generator` on the weight's device, seeded
+from (seed, step, layer index) (`noise_seed`), so a run is reproducible and a resumed run draws what the
+uninterrupted run drew, activation checkpointing's recomputation sees the same noisy weights, and every DDP
+rank perturbs its replica identically. The swap is done by forward hooks (`module._parameters["weight"]`
+holds the noisy tensor during that module's forward only, as `torch.func.functional_call` does): the module
+code is untouched, evaluation and no-grad forwards see the clean weights, and the state dict, the optimizer
+and checkpoints only ever hold the clean Parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .update import compute_dtype
+from .wrappers import unwrap_model
+
+LAYER_TYPES: dict[str, type] = {"Linear": nn.Linear, "Conv2d": nn.Conv2d}
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of splitmix64: a well-mixed 64-bit value from a 64-bit value."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, step: int, index: int) -> int:
+    """The generator seed of layer `index` at `step` (a 63-bit int): distinct triples give unrelated streams."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ index) >> 1
+
+
+def uniq_noise(w: Tensor, bits: int, generator: torch.Generator) -> Tensor:
+    """UNIQ's noisy version of one weight tensor (see the module docstring), differentiable w.r.t. `w`.
+
+    Args:
+        w: a weight tensor of any shape; one Gaussian is fitted to all of it.
+        bits: the quantizer's bit-width; k = 2^bits levels.
+        generator: a torch.Generator on w's device; one uniform draw per element, in w.numel() order.
+
+    Returns:
+        w~, shape and dtype of `w`.
+    """
+    k = 2 ** bits
+    dtype = compute_dtype(w)
+    wf = w.to(dtype)
+    with torch.no_grad():  # the fitted distribution is a statistic, not a path for the gradient
+        sigma, mu = torch.std_mean(wf)
+        sigma = sigma.clamp_min(torch.finfo(dtype).tiny)
+    u = 0.5 * (1.0 + torch.erf((wf - mu) / (sigma * math.sqrt(2.0))))  # F(w)
+    e = (torch.rand(w.shape, generator=generator, device=w.device, dtype=dtype) - 0.5) / k  # U[-1/2k, 1/2k]
+    v = u + e
+    v = v + (v.clamp(0.5 / k, 1.0 - 0.5 / k) - v).detach()  # clamp, gradient straight through
+    return (mu + sigma * math.sqrt(2.0) * torch.erfinv(2.0 * v - 1.0)).to(w.dtype)  # F^-1
+
+
+def check_arguments(bits: Any, layer_types: Any, seed: Any) -> None:
+    """WeightNoise's arguments; raises ValueError naming the bad one."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+        raise ValueError(f"bits must be an int in [1, 16], got {bits!r}")
+    if isinstance(layer_types, str) or not layer_types or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(f"layer_types must be a non-empty list of {sorted(LAYER_TYPES)}, got {layer_types!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
+class WeightNoise:
+    """UNIQ noise on the weights of a model's layers during its training forwards, by forward hooks.
+
+    Args:
+        model: the model (or part, e.g. a detector's backbone); DDP / torch.compile wrappers are looked through.
+        bits: k = 2^bits quantization levels; 4 (default) emulates the W4 target of the paper's W4A4 evaluation.
+        layer_types: which layers get noise: "Linear" (default: the Transformer's matrices that W4 quantizes),
+            "Conv2d" (e.g. the patch embedding) or both.
+        seed: the run's noise seed (an int >= 0).
+
+    Attributes:
+        layers: (name, module) of the noisy layers, model order; a layer's index here enters its seed.
+        step: set by the caller before each training forward (the iteration); part of every layer's seed.
+    """
+
+    def __init__(self, model: nn.Module, bits: int = 4, layer_types: Sequence[str] = ("Linear",),
+                 seed: int = 0) -> None:
+        check_arguments(bits, layer_types, seed)
+        self.bits, self.seed, self.step = bits, seed, 0
+        kinds = tuple(LAYER_TYPES[t] for t in layer_types)
+        self.layers = [(name, m) for name, m in unwrap_model(model).named_modules()
+                       if isinstance(m, kinds) and isinstance(m._parameters.get("weight"), nn.Parameter)]
+        if not self.layers:
+            raise ValueError(f"WeightNoise: no {'/'.join(layer_types)} layer with a weight in {type(model).__name__}")
+        self._index = {id(m): i for i, (_, m) in enumerate(self.layers)}
+        self._clean: dict[int, nn.Parameter] = {}  # id(module) -> its clean weight, during its forward only
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._handles = []
+        for _, m in self.layers:
+            self._handles.append(m.register_forward_pre_hook(self._swap_in))
+            # always_call: the clean weight comes back even when the forward raises
+            self._handles.append(m.register_forward_hook(self._swap_out, always_call=True))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
+
+    def _swap_in(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation and no-grad forwards use the clean weights
+        key = id(module)
+        if key in self._clean:
+            raise RuntimeError(f"WeightNoise: {type(module).__name__} called again inside its own forward")
+        clean = module._parameters["weight"]
+        gen = self._generator(clean.device)
+        gen.manual_seed(noise_seed(self.seed, self.step, self._index[key]))
+        self._clean[key] = clean
+        module._parameters["weight"] = uniq_noise(clean, self.bits, gen)
+
+    def _swap_out(self, module: nn.Module, args: Any, output: Any) -> None:
+        clean = self._clean.pop(id(module), None)
+        if clean is not None:
+            module._parameters["weight"] = clean
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent); no layer is left holding a noisy weight."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for _, m in self.layers:
+            clean = self._clean.pop(id(m), None)
+            if clean is not None:
+                m._parameters["weight"] = clean
+
+    def __enter__(self) -> "WeightNoise":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()

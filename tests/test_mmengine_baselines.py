@@ -1,0 +1,372 @@
+"""The TWEO and Noise (UNIQ) baselines in a real MMEngine Runner (CPU, float64), each enabled by configuration alone.
+
+TWEO (`TweoHook`): the weights after every update equal a float64 plain loop (task loss + rescaled TWEO on the
+backbone's block outputs, by autograd, written here), with gradient accumulation and a cosine lambda; the wrong
+versions (not rescaled, on the whole model including a Transformer block in the neck, lambda indexed by iteration
+instead of update, the term not divided by the accumulation) are each told apart; validation captures nothing.
+Noise (`WeightNoiseHook`): the weights a training forward sees equal UNIQ's map written naively (statistics'
+NormalDist for the CDF and its inverse) on the same generator draws; validation, the state dict and checkpoints
+hold the clean weights; the weights after each update equal a plain loop whose gradient reaches the clean weight
+through the map's slope; same seed -> same run, another seed -> another, resume continues exactly. MMDetection's
+Swin backbone gets both hooks. The config fragments in configs/detection/method/ build their hooks.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import statistics
+from statistics import NormalDist
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("mmengine")
+import timm  # noqa: E402
+from mmengine.config import Config  # noqa: E402
+from mmengine.evaluator import BaseMetric  # noqa: E402
+from mmengine.hooks import Hook  # noqa: E402
+from mmengine.model import BaseModel  # noqa: E402
+from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+from timm.models.vision_transformer import Block  # noqa: E402
+
+from cd.noise import noise_seed  # noqa: E402
+from cd_integration_refs import assert_matches_reference  # noqa: E402
+from cd_models import randomize_norms  # noqa: E402
+
+DIM, TOL, LR, WD = 32, 1e-10, 2e-2, 0.1
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@MODELS.register_module(force=True)
+class BaselineNet(BaseModel):
+    """A float64 MMEngine model: `backbone` (a tiny timm ViT returning its tokens, or a backbone config), a `neck`
+    that is a timm Transformer block too (so TWEO on the whole model would differ from TWEO on the backbone), and
+    a linear head; it records the micro-batches it trains on."""
+
+    def __init__(self, backbone=None, width: int = DIM, neck: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.backbone = MODELS.build(backbone) if backbone else timm.create_model(
+            "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=DIM, depth=2, num_heads=2, num_classes=0,
+            global_pool="")
+        self.neck = Block(DIM, 2) if neck else nn.Identity()
+        self.head = nn.Linear(width, 10)
+        randomize_norms(self, seed).double()
+        self.batches = []
+
+    def init_weights(self):
+        """The weights made at construction stay."""
+
+    def forward(self, inputs, labels=None, mode="tensor"):
+        out = self.backbone(inputs)
+        feats = out[-1].mean(dim=(2, 3)) if isinstance(out, (tuple, list)) else self.neck(out).mean(dim=1)
+        logits = self.head(feats)
+        if mode != "loss":
+            return logits
+        self.batches.append((inputs.clone(), labels.clone()))
+        return {"loss": F.cross_entropy(logits, labels)}
+
+
+@DATASETS.register_module(force=True)
+class BaselineData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"inputs": self.x[i], "labels": self.y[i]}
+
+
+@METRICS.register_module(force=True)
+class CountMetric(BaseMetric):
+    def process(self, data_batch, data_samples):
+        self.results.append(len(data_samples))
+
+    def compute_metrics(self, results):
+        return {"n": sum(results)}
+
+
+@HOOKS.register_module(force=True)
+class Recorder(Hook):
+    """Records the clean weights before each iteration and after it, and the weight each backbone Linear's forward
+    sees (pre-hooks placed after the noise hook's), in training and in validation; TWEO's pending terms at
+    validation."""
+
+    priority = "LOWEST"
+
+    def __init__(self) -> None:
+        self.clean, self.after, self.seen, self.val_seen, self.val_pending = [], [], [], [], []
+
+    def before_train(self, runner):
+        for name, m in runner.model.backbone.named_modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_pre_hook(lambda mod, args, name=name: (
+                    self.seen if mod.training else self.val_seen)[-1].__setitem__(name, mod.weight.detach().clone()))
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        self.clean.append({n: p.detach().clone() for n, p in runner.model.named_parameters()})
+        self.seen.append({})
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self.after.append({n: p.detach().clone() for n, p in runner.model.named_parameters()})
+
+    def before_val_iter(self, runner, batch_idx, data_batch=None):
+        self.val_seen.append({})
+
+    def after_val_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        tweo = [h for h in runner.hooks if type(h).__name__ == "TweoHook"]
+        self.val_pending.append(bool(tweo) and tweo[0].tweo.pending)
+
+
+def config(tmp_path, hooks, iters=4, accum=1, model=None, resume=None, val=False):
+    """A Runner config as a user writes it: the baselines by `custom_imports` and `custom_hooks` alone."""
+    cfg = dict(
+        model=dict(type="BaselineNet", **(model or {})), work_dir=str(tmp_path), experiment_name="baselines",
+        train_dataloader=dict(dataset=dict(type="BaselineData"), batch_size=2, num_workers=0,
+                              sampler=dict(type="InfiniteSampler", shuffle=False),
+                              collate_fn=dict(type="default_collate")),
+        train_cfg=dict(by_epoch=False, max_iters=iters, **(dict(val_interval=2) if val else {})),
+        optim_wrapper=dict(type="OptimWrapper", accumulative_counts=accum,
+                           optimizer=dict(type="AdamW", lr=LR, weight_decay=WD)),
+        custom_imports=dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False),
+        custom_hooks=[*hooks, dict(type="Recorder")],
+        default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=2, by_epoch=False), logger=None),
+        resume=resume is not None, load_from=resume, randomness=dict(seed=0), log_level="WARNING")
+    if val:
+        cfg.update(val_dataloader=dict(dataset=dict(type="BaselineData", n=4), batch_size=2, num_workers=0,
+                                       sampler=dict(type="DefaultSampler", shuffle=False),
+                                       collate_fn=dict(type="default_collate")),
+                   val_cfg=dict(), val_evaluator=dict(type="CountMetric"))
+    return cfg
+
+
+def run(cfg) -> Runner:
+    """Write `cfg` to a config file and train from it, as `tools/train.py` does (custom_imports included)."""
+    path = f"{cfg['work_dir']}.py"
+    Config(cfg).dump(path)
+    runner = Runner.from_cfg(Config.fromfile(path))
+    runner.train()
+    return runner
+
+
+def hook_of(runner, kind):
+    return next(h for h in runner.hooks if type(h).__name__ == kind)
+
+
+# --- TWEO -------------------------------------------------------------------------------------------------------
+TWEO_VARIANTS = ("paper", "not_rescaled", "whole_model", "iteration_step", "unscaled_by_accum")
+
+
+def tweo_reference(initial, batches, iters, accum, lam, variant):
+    """float64 plain loop: per micro-batch (CE + lam(t) * L_TWEO * detach(CE / L_TWEO)) / accum, L_TWEO the mean
+    over the backbone's blocks of mean((|A| / 3)^4) (App. A.3), t the update index, cosine lam over the updates."""
+    net = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    outs = []
+    blocks = ["backbone.blocks.0", "backbone.blocks.1"] + (["neck"] if variant == "whole_model" else [])
+    for name in blocks:
+        net.get_submodule(name).register_forward_hook(lambda m, a, o: outs.append(o))
+    updates = iters // accum
+    snapshots = []
+    for t in range(updates):
+        opt.zero_grad(set_to_none=True)
+        for k in range(accum):
+            i = t * accum + k
+            x, y = batches[i]
+            outs.clear()
+            task = F.cross_entropy(net(x), y)
+            penalty = torch.stack([((o.abs() / (3.0 + 1e-6)) ** 4).mean() for o in outs]).mean()
+            s = i if variant == "iteration_step" else t
+            lam_t = lam * 0.5 * (1.0 + math.cos(math.pi * min(s, updates) / updates))
+            term = lam_t * penalty * (1.0 if variant == "not_rescaled" else task.detach() / penalty.detach())
+            (task / accum + (term if variant == "unscaled_by_accum" else term / accum)).backward()
+        opt.step()
+        snapshots.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return snapshots
+
+
+def test_tweo_hook_matches_the_float64_reference_with_accumulation_and_adds_nothing_at_validation(tmp_path):
+    lam = 0.5  # large, so that every wrong variant moves the weights far beyond the tolerance
+    runner = run(config(tmp_path, [dict(type="TweoHook", lam=lam, schedule="cosine")], iters=6, accum=2,
+                        val=True))
+    hook, rec = hook_of(runner, "TweoHook"), hook_of(runner, "Recorder")
+    assert [n for n, _ in hook.tweo.blocks] == ["blocks.0", "blocks.1"]  # the backbone's, not the neck's
+    after = rec.after[1::2]  # after each optimizer update
+    assert_matches_reference(after, lambda v: tweo_reference(BaselineNet(), runner.model.batches, 6, 2, lam, v),
+                             TOL, TWEO_VARIANTS)
+    # validation ran (val_interval 2) and captured no block output; the term is logged in training only
+    assert rec.val_pending and not any(rec.val_pending)
+    hub = runner.message_hub
+    assert hub.get_scalar("train/tweo_lam").current() == pytest.approx(lam * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+    assert hub.get_scalar("train/loss_tweo").current() > 0
+    assert not any("tweo" in k for k in hub.log_scalars if k.startswith("val/"))
+    assert "parse_losses" not in vars(runner.model)  # unwrapped after training
+
+
+def test_tweo_hook_refuses_bad_arguments():
+    from cd.integrations.mmengine import TweoHook
+
+    with pytest.raises(ValueError, match="lam"):
+        TweoHook(lam=-1.0)
+    with pytest.raises(TypeError, match="nope"):
+        TweoHook(nope=1)
+
+
+# --- Noise (UNIQ) -----------------------------------------------------------------------------------------------
+BITS, SEED = 4, 3
+
+
+def naive_uniq(w, step, index, seed=SEED, bits=BITS):
+    """UNIQ's map written out element by element: NormalDist fitted to the layer (mean, unbiased std), u = F(w),
+    u + e with e = (r - 1/2) / k from the layer's generator draws r, clamped to [1/2k, 1 - 1/2k], F^-1. Also the
+    map's slope pdf(w) / pdf(w~). Returns (w~, slope), float64."""
+    k = 2 ** bits
+    r = torch.rand(w.shape, generator=torch.Generator().manual_seed(noise_seed(seed, step, index)),
+                   dtype=torch.float64).flatten().tolist()
+    vals = w.flatten().tolist()
+    dist = NormalDist(statistics.fmean(vals), statistics.stdev(vals))
+    noisy, slope = [], []
+    for wi, ri in zip(vals, r):
+        v = min(max(dist.cdf(wi) + (ri - 0.5) / k, 0.5 / k), 1.0 - 0.5 / k)
+        wn = dist.inv_cdf(v)
+        noisy.append(wn)
+        slope.append(dist.pdf(wi) / dist.pdf(wn))
+    return (torch.tensor(noisy, dtype=torch.float64).view_as(w), torch.tensor(slope, dtype=torch.float64).view_as(w))
+
+
+def linear_names(model):
+    return [n for n, m in model.backbone.named_modules() if isinstance(m, nn.Linear)]
+
+
+def noise_reference(initial, batches, iters, variant):
+    """float64 plain loop: each backbone Linear uses naive_uniq's w~ in the forward; the clean weight's gradient is
+    dL/dw~ times the map's slope ("ste": times 1; "clean": no noise)."""
+    net = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    names = linear_names(net)
+    snapshots = []
+    for i in range(iters):
+        x, y = batches[i]
+        opt.zero_grad(set_to_none=True)
+        subs, slopes = {}, {}
+        if variant != "clean":
+            for index, name in enumerate(names):
+                noisy, slope = naive_uniq(net.backbone.get_submodule(name).weight.detach(), i, index)
+                subs[f"backbone.{name}.weight"], slopes[name] = noisy.requires_grad_(), slope
+        F.cross_entropy(torch.func.functional_call(net, subs, (x,)), y).backward()
+        for name in slopes:
+            g = subs[f"backbone.{name}.weight"].grad
+            net.backbone.get_submodule(name).weight.grad = g if variant == "ste" else g * slopes[name]
+        opt.step()
+        snapshots.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return snapshots
+
+
+def test_weight_noise_hook_is_uniq_in_training_clean_elsewhere_and_matches_the_reference(tmp_path):
+    hooks = [dict(type="WeightNoiseHook", bits=BITS, seed=SEED)]
+    runner = run(config(tmp_path, hooks, iters=4, val=True))
+    rec, noise = hook_of(runner, "Recorder"), hook_of(runner, "WeightNoiseHook").noise
+    names = linear_names(runner.model)
+    assert [n for n, _ in noise.layers] == names and len(names) == 8  # qkv, proj, fc1, fc2 of 2 blocks
+    # the training forward sees UNIQ's map of the clean weights, on the generator draws of (seed, iteration, layer)
+    for i in (0, 3):
+        for index, name in enumerate(names):
+            clean = rec.clean[i][f"backbone.{name}.weight"]
+            want, _ = naive_uniq(clean, i, index)
+            seen = rec.seen[i][name]
+            assert torch.allclose(seen, want, rtol=0, atol=1e-12), (i, name)
+            assert (seen - clean).abs().max() > 1e-3  # really perturbed
+    # validation (after iterations 2 and 4) sees the clean weights
+    assert len(rec.val_seen) == 4
+    for j, seen in enumerate(rec.val_seen):
+        clean = rec.after[1 if j < 2 else 3]
+        assert all(torch.equal(seen[n], clean[f"backbone.{n}.weight"]) for n in names)
+    # gradients reach the clean weights through the map: the weights follow the reference, not its wrong variants
+    assert_matches_reference(rec.after, lambda v: noise_reference(BaselineNet(), runner.model.batches, 4, v),
+                             TOL, ("paper", "ste", "clean"))
+    # nothing noisy is kept: the model holds its Parameters (those the optimizer steps), checkpoints the clean ones
+    held = {id(p) for g in runner.optim_wrapper.optimizer.param_groups for p in g["params"]}
+    for name in names:
+        w = runner.model.backbone.get_submodule(name)._parameters["weight"]
+        assert isinstance(w, nn.Parameter) and id(w) in held
+    saved = torch.load(tmp_path / "iter_2.pth", map_location="cpu", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[n], rec.after[1][n]) for n in rec.after[1])
+
+
+def test_weight_noise_same_seed_same_run_other_seed_other_run_and_resume_continues(tmp_path, monkeypatch):
+    def hooks(seed):
+        return [dict(type="WeightNoiseHook", bits=BITS, seed=seed)]
+
+    full = hook_of(run(config(tmp_path / "full", hooks(SEED))), "Recorder").after
+    again = hook_of(run(config(tmp_path / "again", hooks(SEED))), "Recorder").after
+    other = hook_of(run(config(tmp_path / "other", hooks(SEED + 1))), "Recorder").after
+    assert all(torch.equal(full[-1][n], again[-1][n]) for n in full[-1])
+    assert max(float((full[-1][n] - other[-1][n]).abs().max()) for n in full[-1]) > 1e-4
+    # MMEngine 0.10's resume needs this under torch >= 2.6 (its message hub holds numpy arrays), CD or not
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    resumed = hook_of(run(config(tmp_path / "resumed", hooks(SEED), model=dict(seed=5),
+                                 resume=str(tmp_path / "full" / "iter_2.pth"))), "Recorder").after
+    assert len(resumed) == 2
+    for got, want in zip(resumed, full[2:]):
+        assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
+
+
+def test_weight_noise_hook_refuses_bad_arguments():
+    from cd.integrations.mmengine import WeightNoiseHook
+
+    with pytest.raises(ValueError, match="bits"):
+        WeightNoiseHook(bits=0)
+    with pytest.raises(ValueError, match="layer_types"):
+        WeightNoiseHook(layer_types=["LayerNorm"])
+    with pytest.raises(ValueError, match="seed"):
+        WeightNoiseHook(seed=-1)
+
+
+# --- MMDetection's Swin and the config fragments ------------------------------------------------------------------
+def test_mmdetection_swin_backbone_gets_both_hooks(tmp_path):
+    pytest.importorskip("mmdet")
+    from cd.families import import_mmdet_swin
+
+    import_mmdet_swin()  # MMDetection's own Swin, registered in mmdet's MODELS (mmcv-lite or full mmcv)
+    backbone = dict(type="mmdet.SwinTransformer", pretrain_img_size=32, embed_dims=DIM, depths=(2, 2),
+                    num_heads=(2, 4), window_size=4, patch_size=2, strides=(2, 2), out_indices=(1,))
+    cfg = config(tmp_path, [dict(type="TweoHook"), dict(type="WeightNoiseHook")], iters=2,
+                 model=dict(backbone=backbone, width=2 * DIM, neck=False))
+    cfg["default_scope"] = "mmdet"
+    runner = run(cfg)
+    tweo, noise, rec = (hook_of(runner, k) for k in ("TweoHook", "WeightNoiseHook", "Recorder"))
+    blocks = [f"stages.{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)]
+    assert [n for n, _ in tweo.tweo.blocks] == blocks  # SwinBlock outputs: the residual stream
+    layers = [n for n, _ in noise.noise.layers]
+    assert "stages.0.blocks.0.attn.w_msa.qkv" in layers and "stages.1.blocks.1.ffn.layers.1" in layers
+    assert "stages.0.downsample.reduction" in layers and not any("patch_embed" in n for n in layers)
+    assert runner.message_hub.get_scalar("train/loss_tweo").current() > 0
+    name = "stages.1.blocks.1.ffn.layers.1"
+    assert (rec.seen[1][name] - rec.clean[1][f"backbone.{name}.weight"]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("method,hook", [("cd", "ColinearityDecayHook"), ("tweo", "TweoHook"),
+                                         ("noise", "WeightNoiseHook")])
+def test_detection_method_fragments_build_their_hook_and_merge_onto_a_base(tmp_path, method, hook):
+    fragment = Config.fromfile(os.path.join(ROOT, "configs", "detection", "method", f"{method}.py"))
+    assert fragment.custom_imports.imports == ["cd.integrations.mmengine"]
+    (spec,) = fragment.custom_hooks
+    assert spec["type"] == hook and type(HOOKS.build(dict(spec))).__name__ == hook
+    base = Config(dict(optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-4,
+                                                                             weight_decay=0.05))))
+    base.merge_from_dict(fragment.to_dict())
+    assert base.optim_wrapper.optimizer.lr == 1e-4 and base.custom_hooks[0]["type"] == hook
+    if method == "cd":  # the budget rule: weight decay 0.05 - lam
+        from cd import budget_weight_decay
+
+        assert base.optim_wrapper.optimizer.weight_decay == pytest.approx(budget_weight_decay(0.05, spec["lam"]))
+    else:
+        assert base.optim_wrapper.optimizer.weight_decay == 0.05
