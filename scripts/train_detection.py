@@ -71,9 +71,14 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run(argv=None) -> None:
+    """main() with bad input reported as one `error:` line and exit code 2."""
     try:
-        sys.exit(main())
+        sys.exit(main(argv))
     except ValueError as e:  # DetectionError, a bad override
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run()

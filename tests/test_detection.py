@@ -82,6 +82,25 @@ def test_the_cd_hook_moves_exactly_the_backbone_matrices_it_decays(sample, tmp_p
     assert moved == decayed, (sorted(moved - decayed)[:5], sorted(decayed - moved)[:5])
 
 
+@pytest.mark.parametrize("method", ["cd", "tweo", "noise"])
+def test_each_method_config_trains_the_detector(sample, tmp_path, method):
+    """configs/detection/method/<method>.py as a second --config: the detector trains an epoch with the method's
+    hook on its backbone, and the weights differ from a plain run's from the same seed (TWEO also logs its term;
+    CD's fragment lowers the weight decay by lam, the budget rule)."""
+    base = _state(train(sample, tmp_path / "base"))
+    work = tmp_path / method
+    with_method = _state(train(sample, work, configs=[f"configs/detection/method/{method}.py"]))
+    assert any(not torch.equal(base[k], with_method[k]) for k in base if base[k].is_floating_point())
+    assert all(torch.isfinite(v).all() for v in with_method.values() if v.is_floating_point())
+    saved = (work / "mask_rcnn_swin_sample.py").read_text()
+    assert f"type='{dict(cd='ColinearityDecayHook', tweo='TweoHook', noise='WeightNoiseHook')[method]}'" in saved
+    if method == "cd":
+        assert "weight_decay=0.045" in saved
+    if method == "tweo":
+        log = next(work.glob("*/*.log")).read_text()
+        assert "loss_tweo:" in log
+
+
 def test_evaluate_detection_scores_fp_and_the_detection_pipelines(sample, trained, tmp_path):
     """evaluate_detection.py on the trained sample detector: FP box / mask mAP equal pycocotools run directly on
     the detector's own boxes (an independent COCOeval), the activation maxima are positive, and percentile and
@@ -126,3 +145,45 @@ def direct_bbox_map(sample, checkpoint):
     evaluation.accumulate()
     evaluation.summarize()
     return float(evaluation.stats[0])
+
+
+def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
+    """One `error:` line before any work: an unset, remote or missing backbone checkpoint, a data root without
+    COCO's files, a work dir holding another run's checkpoints (nothing is overwritten), --resume with nothing
+    to resume."""
+    import train_detection
+    full = ["--config", "configs/detection/mask_rcnn_swin_t_1x.py", "--data-root", sample]
+
+    def error(argv):
+        with pytest.raises(SystemExit) as stop:
+            train_detection.run(argv)
+        assert stop.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert "model.backbone.init_cfg.checkpoint is not set" in error(full + ["--work-dir", str(tmp_path / "a")])
+    assert "is a URL" in error(full + ["--work-dir", str(tmp_path / "b"),
+                                       "model.backbone.init_cfg.checkpoint=https://example.com/swin.pth"])
+    assert "no such file" in error(full + ["--work-dir", str(tmp_path / "c"),
+                                           "model.backbone.init_cfg.checkpoint=/nonexistent/swin.pth"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "--data-root" in error(["--config", SAMPLE_CONFIG, "--data-root", str(empty), "--work-dir",
+                                   str(tmp_path / "d")])
+    done = tmp_path / "done"
+    checkpoint = train(sample, done)
+    before = os.path.getmtime(checkpoint)
+    assert "holds checkpoints of an earlier run" in error(["--config", SAMPLE_CONFIG, "--data-root", sample,
+                                                           "--work-dir", str(done)])
+    assert os.path.getmtime(checkpoint) == before
+    assert "no last_checkpoint" in error(["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir",
+                                          str(tmp_path / "e"), "--resume"])
+
+
+def test_evaluation_refuses_weights_of_another_model(sample, trained, tmp_path):
+    from engine.detection import DetectionError, build_detector, load_config
+    cfg = load_config([SAMPLE_CONFIG], {"model.neck.out_channels": 48, "model.rpn_head.in_channels": 48},
+                      data_root=sample)
+    with pytest.raises(DetectionError, match="does not fit the model"):
+        build_detector(cfg, trained, torch.device("cpu"))
