@@ -187,3 +187,13 @@ def test_evaluation_refuses_weights_of_another_model(sample, trained, tmp_path):
                       data_root=sample)
     with pytest.raises(DetectionError, match="does not fit the model"):
         build_detector(cfg, trained, torch.device("cpu"))
+
+
+def test_evaluation_refuses_a_pipeline_that_does_not_quantize_detectors(sample, trained, tmp_path):
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    for pipeline, message in (("aphq", "does not quantize detectors"), ("nope", "no such pipeline")):
+        with pytest.raises(DetectionError, match=message):
+            main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant", pipeline,
+                  "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
