@@ -470,14 +470,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     world, rank = _world_and_rank()
     batch_size = getattr(loader, "batch_size", None) or 1
     unreadable: list[int] = []
-    common_batches = 0
-    if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks (one collective)
-        common_batches = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
-    if progress:
-        loader = progress_iter(loader, progress)
-    for index, (images, targets) in enumerate(loader):
-        if index < common_batches and should_stop():
-            return None
+    batches = EvalBatches(loader, device, progress, should_stop)
+    for index, (images, targets) in batches:
         bad = targets < 0  # on the host, before the copy: no device sync
         if bad.any():
             unreadable += (-1 - targets[bad]).tolist()
@@ -495,6 +489,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
         sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
                                  F.cross_entropy(logits, targets, reduction="sum"),
                                  torch.tensor(len(targets), device=device)]).double()
+    if batches.stopped:
+        return None
     sums[4] = len(unreadable)
     if unreadable:
         names = [dataset.filename(i) if hasattr(dataset, "filename") else f"sample {i}" for i in unreadable]
@@ -508,6 +504,28 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     scored = max(count, 1.0)
     return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
             "count": int(count), "excluded": int(excluded)}
+
+
+class EvalBatches:
+    """(index, batch) over `loader` for an evaluation that runs on every rank, behind a progress bar when
+    `progress` is a label. `should_stop` (a preemption request, the same answer on every rank) is asked before
+    every batch that all ranks have (shards may differ by one batch; their minimum length is one collective,
+    taken first); when it says stop, the iteration ends and `stopped` is True, so the caller returns None."""
+
+    def __init__(self, loader, device: torch.device, progress: str = "",
+                 should_stop: Optional[Callable[[], bool]] = None) -> None:
+        self.loader, self.progress, self.should_stop, self.stopped = loader, progress, should_stop, False
+        self.common = 0
+        if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks
+            self.common = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
+
+    def __iter__(self) -> Iterator[tuple]:
+        batches = progress_iter(self.loader, self.progress) if self.progress else self.loader
+        for index, batch in enumerate(batches):
+            if index < self.common and self.should_stop():
+                self.stopped = True
+                return
+            yield index, batch
 
 
 def _world_and_rank() -> tuple[int, int]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from .distributed import all_reduce
-from .loop import NonFiniteLossError, progress_iter
+from .loop import EvalBatches, NonFiniteLossError
 from .loop import evaluate as evaluate_classifier
 from .precision import autocast
 
@@ -103,20 +103,16 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
     """
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)  # summed loss, tokens, windows
-    common_batches = 0
-    if should_stop is not None:
-        common_batches = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
-    if progress:
-        loader = progress_iter(loader, progress)
-    for index, (ids, targets) in enumerate(loader):
-        if index < common_batches and should_stop():
-            return None
+    batches = EvalBatches(loader, device, progress, should_stop)
+    for _, (ids, targets) in batches:
         ids, targets = ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(amp, device):
             logits = model(ids)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
         counts = torch.tensor([targets.numel(), len(targets)], device=device, dtype=torch.float64)
         sums += torch.cat([loss.double().reshape(1), counts])
+    if batches.stopped:
+        return None
     all_reduce(sums)
     loss, tokens, windows = sums.tolist()
     if not math.isfinite(loss):  # class of engine.loop.evaluate's check: never a perplexity of NaN
