@@ -194,7 +194,8 @@ class DetectorFeed:
         dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
         test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
         for dataset in _datasets(dataset_cfg):
-            dataset["pipeline"] = test_pipeline
+            if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
+                dataset["pipeline"] = test_pipeline
         dataset_cfg.pop("indices", None)
         dataset = DATASETS.build(dataset_cfg)
         if len(dataset) < count:
