@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import importlib
+import inspect
 import io
 import os
 import random
@@ -65,11 +67,25 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     for path in paths[1:]:
         cfg.merge_from_dict(Config.fromfile(path).to_dict())
     if overrides:
+        check_override_keys(cfg, overrides)
         cfg.merge_from_dict(dict(overrides))
     if data_root is not None:
         set_data_root(cfg, data_root)
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
+    """Refuse an override whose top-level key neither the config nor MMEngine's Runner knows (a typo such as
+    `max_epoch=3` would otherwise be stored and ignored). Deeper keys are arguments of the modules they build,
+    which refuse unknown ones themselves."""
+    known = set(cfg.keys()) | set(inspect.signature(Runner.__init__).parameters) - {"self"}
+    for key in overrides:
+        top = key.split(".")[0]
+        if top not in known:
+            close = difflib.get_close_matches(top, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
 
 
 def _datasets(dataset: dict) -> List[dict]:

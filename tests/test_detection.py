@@ -167,6 +167,8 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
                                        "model.backbone.init_cfg.checkpoint=https://example.com/swin.pth"])
     assert "no such file" in error(full + ["--work-dir", str(tmp_path / "c"),
                                            "model.backbone.init_cfg.checkpoint=/nonexistent/swin.pth"])
+    assert "did you mean train_cfg" in error(["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir",
+                                              str(tmp_path / "t"), "train_cgf.max_epochs=1"])
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "--data-root" in error(["--config", SAMPLE_CONFIG, "--data-root", str(empty), "--work-dir",
