@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.act_max import ActivationProbe
+from models.modules import nonfinite_tensors
 
 try:
     importlib.import_module("mmdet")  # registers MMDetection's modules, transforms and metrics
@@ -175,6 +176,10 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
                  (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]
         raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: "
                              f"{'; '.join(parts)} weights")
+    bad = nonfinite_tensors(state)
+    if bad:  # every score would be a chance-level number of broken weights
+        raise DetectionError(f"--checkpoint {checkpoint} holds non-finite weights: {'; '.join(bad[:3])}"
+                             f"{' ...' if len(bad) > 3 else ''}")
     model.load_state_dict(state, strict=True)
     meta = payload.get("meta") or {}
     classes = (meta.get("dataset_meta") or {}).get("classes")

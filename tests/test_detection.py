@@ -183,12 +183,18 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
                                           str(tmp_path / "e"), "--resume"])
 
 
-def test_evaluation_refuses_weights_of_another_model(sample, trained, tmp_path):
+def test_evaluation_refuses_weights_of_another_model_and_non_finite_weights(sample, trained, tmp_path):
     from engine.detection import DetectionError, build_detector, load_config
     cfg = load_config([SAMPLE_CONFIG], {"model.neck.out_channels": 48, "model.rpn_head.in_channels": 48},
                       data_root=sample)
     with pytest.raises(DetectionError, match="does not fit the model"):
         build_detector(cfg, trained, torch.device("cpu"))
+    payload = torch.load(trained, map_location="cpu", weights_only=False)
+    payload["state_dict"]["backbone.stages.0.blocks.0.ffn.layers.1.weight"][0, 0] = float("nan")
+    broken = tmp_path / "nan.pth"
+    torch.save(payload, broken)
+    with pytest.raises(DetectionError, match="non-finite weights: backbone.stages.0.blocks.0.ffn.layers.1.weight"):
+        build_detector(load_config([SAMPLE_CONFIG], data_root=sample), str(broken), torch.device("cpu"))
 
 
 def test_evaluation_refuses_a_pipeline_that_does_not_quantize_detectors(sample, trained, tmp_path):
