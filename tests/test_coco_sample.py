@@ -1,0 +1,52 @@
+"""data/coco_sample.py: the generated COCO-format set is what pycocotools reads, its masks are the drawn shapes,
+and nothing is written over an existing folder."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data.coco_sample import CLASSES, write_coco_sample
+
+pycocotools = pytest.importorskip("pycocotools.coco")
+
+
+def test_sample_is_coco_and_masks_are_the_drawn_objects(tmp_path):
+    root = str(tmp_path / "s")
+    counts = write_coco_sample(root, train=3, val=2, size=64, seed=1)
+    assert (counts["train2017"], counts["val2017"]) == (3, 2)
+    total = 0
+    for split in ("train2017", "val2017"):
+        coco = pycocotools.COCO(os.path.join(root, "annotations", f"instances_{split}.json"))
+        assert [c["name"] for c in coco.loadCats(coco.getCatIds())] == list(CLASSES)
+        for image_id in coco.getImgIds():
+            info = coco.loadImgs(image_id)[0]
+            pixels = np.asarray(Image.open(os.path.join(root, split, info["file_name"]))).astype(int)
+            background = (pixels >= 60) & (pixels < 140)  # every background channel value lies there
+            anns = coco.loadAnns(coco.getAnnIds(imgIds=image_id))
+            assert 1 <= len(anns) <= 3
+            objects = np.zeros(pixels.shape[:2], bool)
+            for ann in anns:
+                mask = coco.annToMask(ann).astype(bool)
+                assert abs(mask.sum() - ann["area"]) <= 0.1 * ann["area"] + 8  # rasterised polygon vs shoelace
+                x, y, w, h = ann["bbox"]
+                ys, xs = np.nonzero(mask)
+                assert x - 1 <= xs.min() and xs.max() <= x + w + 1 and y - 1 <= ys.min() and ys.max() <= y + h + 1
+                assert not (objects & mask).any(), "objects overlap"
+                objects |= mask
+            # every object pixel has a channel outside the background band; every other pixel has none
+            inside = ~background.all(axis=2)
+            assert (inside[objects]).mean() > 0.95 and (inside[~objects]).mean() < 0.05
+            total += len(anns)
+    assert total == counts["annotations"]
+
+
+def test_an_existing_folder_is_never_written_over(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        write_coco_sample(str(tmp_path))
+    assert os.listdir(tmp_path) == ["keep.txt"]
+    with pytest.raises(ValueError):
+        write_coco_sample(str(tmp_path / "new"), train=0)
