@@ -122,6 +122,18 @@ def test_evaluate_detection_scores_fp_and_the_detection_pipelines(sample, traine
         assert entry["summary"], entry
 
 
+def test_max_images_scores_a_marked_partial_set_in_its_own_file(sample, trained, tmp_path):
+    from evaluate_detection import main
+    out = tmp_path / "partial.json"
+    data = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant",
+                 "--max-images", "2", "--out", str(out)])
+    assert data["fp"]["images"] == 2 and data["data"]["partial"] is True and data["quant"] == {}
+    from engine.eval_results import ResultsError
+    with pytest.raises(ResultsError, match="another evaluation"):  # the full set is another evaluation
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant",
+              "--out", str(out)])
+
+
 def direct_bbox_map(sample, checkpoint):
     """Box mAP of the checkpoint by pycocotools' COCOeval on its own predictions, outside MMDetection's metric."""
     from pycocotools.coco import COCO
