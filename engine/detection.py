@@ -138,8 +138,8 @@ def check_backbone_init(cfg: Config) -> None:
     path = init.get("checkpoint")
     if not path:
         raise DetectionError(f"{key} is not set: give the official Swin ImageNet checkpoint, e.g. "
-                             f"{key}=/weights/swin_tiny_patch4_window7_224.pth (or {key.rsplit('.', 2)[0]}"
-                             "=null to start from random weights)")
+                             f"{key}=/weights/swin_tiny_patch4_window7_224.pth (or {key.rsplit('.', 1)[0]}"
+                             "=None to start from random weights)")
     if "://" in str(path):
         raise DetectionError(f"{key}={path} is a URL and nothing is downloaded here: download it and give "
                              "the local path")

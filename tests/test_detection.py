@@ -174,7 +174,11 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
         assert len(lines) == 1, lines
         return lines[0]
 
-    assert "model.backbone.init_cfg.checkpoint is not set" in error(full + ["--work-dir", str(tmp_path / "a")])
+    unset = error(full + ["--work-dir", str(tmp_path / "a")])
+    assert "model.backbone.init_cfg.checkpoint is not set" in unset and "model.backbone.init_cfg=None" in unset
+    from engine.detection import check_backbone_init, load_config
+    check_backbone_init(load_config(["configs/detection/mask_rcnn_swin_t_1x.py"],
+                                    {"model.backbone.init_cfg": None}))  # the way out it names is accepted
     assert "is a URL" in error(full + ["--work-dir", str(tmp_path / "b"),
                                        "model.backbone.init_cfg.checkpoint=https://example.com/swin.pth"])
     assert "no such file" in error(full + ["--work-dir", str(tmp_path / "c"),
