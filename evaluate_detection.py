@@ -47,21 +47,10 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def parse_overrides(items):
-    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
-    from mmengine.config import DictAction
-    namespace = argparse.Namespace()
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"{item!r}: config overrides are key=value")
-    DictAction(option_strings=[], dest="options")(None, namespace, items)
-    return getattr(namespace, "options", {})
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, build_detector, build_loader, evaluate_detector,
-                                  load_config)
+                                  load_config, parse_overrides)
     from engine.checkpoint import weights_fingerprint
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
@@ -91,7 +80,7 @@ def main(argv=None) -> dict:
                          "images": len(loader.dataset), "partial": args.max_images is not None}}
     results = EvalResults.open(out, identity)
     todo = [(p, b) for p in pipelines for b in bits
-            if results.plan(p, b, settings(p, args), args.recompute)]
+            if results.plan(p, b, settings(args), args.recompute)]
 
     if "fp" not in results.data or args.recompute:
         print(f"full precision on {len(loader.dataset)} images ...", flush=True)
@@ -108,7 +97,7 @@ def main(argv=None) -> dict:
                                    eval_fn=lambda q: evaluate_detector(q, cfg, loader))
         report = entry.pop("report", {})
         entry["summary"] = report.get("summary")
-        results.add(name, b, entry, settings(name, args))
+        results.add(name, b, entry, settings(args))
         results.save()
         print(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(markdown_row(results.data))
@@ -116,7 +105,7 @@ def main(argv=None) -> dict:
     return results.data
 
 
-def settings(pipeline: str, args) -> dict:
+def settings(args) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result)."""
     return {"calib_images": args.calib_images, "calib_seed": args.calib_seed}
 

@@ -12,6 +12,7 @@ mmcv with its compiled ops (scripts/install_mmcv.sh).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import difflib
@@ -31,7 +32,7 @@ from models.modules import nonfinite_tensors
 
 try:
     importlib.import_module("mmdet")  # registers MMDetection's modules, transforms and metrics
-    from mmengine.config import Config
+    from mmengine.config import Config, DictAction
     from mmengine.evaluator import Evaluator
     from mmengine.dataset import pseudo_collate
     from mmengine.registry import init_default_scope
@@ -74,6 +75,16 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
         set_data_root(cfg, data_root)
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+def parse_overrides(items):
+    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
+    namespace = argparse.Namespace()
+    for item in items:
+        if "=" not in item:
+            raise DetectionError(f"{item!r}: config overrides are key=value")
+    DictAction(option_strings=[], dest="options")(None, namespace, items)
+    return getattr(namespace, "options", {})
 
 
 def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:

@@ -77,9 +77,11 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
     start = time.perf_counter()
     set_calibration(model, True)
     try:
-        n = images.feed(model) if x is None else int(x.shape[0])
-        if x is not None:
+        if x is None:
+            n = images.feed(model)
+        else:
             model(x)
+            n = int(x.shape[0])
     finally:
         set_calibration(model, False)
         model.train(was_training)

@@ -51,8 +51,7 @@ def check_work_dir(work_dir: str, resume: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from evaluate_detection import parse_overrides
-    from engine.detection import check_backbone_init, load_config
+    from engine.detection import check_backbone_init, load_config, parse_overrides
     from mmengine.runner import Runner
 
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)

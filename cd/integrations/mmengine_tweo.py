@@ -114,8 +114,8 @@ class TweoHook(Hook):
             total_loss = loss + term
             log_vars["loss"] = total_loss
             log_vars["loss_tweo"] = term.detach()
-            log_vars["tweo_penalty"] = torch.tensor(metrics["tweo/penalty"])
-            log_vars["tweo_lam"] = torch.tensor(metrics["tweo/lam"])
+            log_vars["tweo_penalty"] = loss.new_tensor(metrics["tweo/penalty"])  # on the loss's device
+            log_vars["tweo_lam"] = loss.new_tensor(metrics["tweo/lam"])
             return total_loss, log_vars
 
         model.parse_losses = parse_losses
