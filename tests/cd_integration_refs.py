@@ -142,3 +142,19 @@ def assert_matches_reference(got: Sequence[dict], run: Callable[[str], list[dict
         wrong = run(variant)
         gap = max(max_diff(g, w) for g, w in zip(got, wrong))
         assert gap > 100 * tol, f"the test cannot tell CD {variant!r} from the paper's placement ({gap:.3g})"
+
+
+class RandomImages(torch.utils.data.Dataset):
+    """The framework tests' training data: `n` seeded float64 32x32 images with labels of 10 classes, as the
+    dicts MMEngine's models take (`inputs`, `labels`)."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"inputs": self.x[i], "labels": self.y[i]}

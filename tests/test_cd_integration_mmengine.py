@@ -25,7 +25,8 @@ from mmengine.optim.optimizer import amp_optimizer_wrapper  # noqa: E402
 from mmengine.registry import DATASETS, HOOKS, MODELS, OPTIM_WRAPPERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-from cd_integration_refs import RefPair, assert_matches_reference, reference_run, vit_pairs  # noqa: E402
+from cd_integration_refs import (RandomImages, RefPair, assert_matches_reference, reference_run,  # noqa: E402
+                                 vit_pairs)
 from cd_models import VIT_DEPTH, randomize_norms, tiny_vit  # noqa: E402
 
 LAM, TOL, DIM = 0.5, 1e-10, 32
@@ -86,18 +87,7 @@ class CpuAmpOptimWrapper(AmpOptimWrapper):
             yield
 
 
-@DATASETS.register_module(force=True)
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = 16) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
-        self.y = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"inputs": self.x[i], "labels": self.y[i]}
+DATASETS.register_module(name="Data", force=True, module=RandomImages)
 
 
 def config(tmp_path, iters, accum=1, clip=None, amp=False, model=None, resume=None, lam=LAM, **hook):

@@ -34,7 +34,7 @@ from mmengine.runner import Runner  # noqa: E402
 from timm.models.vision_transformer import Block  # noqa: E402
 
 from cd.noise import noise_seed  # noqa: E402
-from cd_integration_refs import assert_matches_reference  # noqa: E402
+from cd_integration_refs import RandomImages, assert_matches_reference  # noqa: E402
 from cd_models import randomize_norms  # noqa: E402
 
 DIM, TOL, LR, WD = 32, 1e-10, 2e-2, 0.1
@@ -71,18 +71,7 @@ class BaselineNet(BaseModel):
         return {"loss": F.cross_entropy(logits, labels)}
 
 
-@DATASETS.register_module(force=True)
-class BaselineData(torch.utils.data.Dataset):
-    def __init__(self, n: int = 16) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
-        self.y = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"inputs": self.x[i], "labels": self.y[i]}
+DATASETS.register_module(name="BaselineData", force=True, module=RandomImages)
 
 
 @METRICS.register_module(force=True)
