@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("mmengine")
-from mmengine.config import Config  # noqa: E402
 from mmengine.hooks import Hook  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.optim import AmpOptimWrapper, OptimWrapper  # noqa: E402
 from mmengine.optim.optimizer import amp_optimizer_wrapper  # noqa: E402
 from mmengine.registry import DATASETS, HOOKS, MODELS, OPTIM_WRAPPERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
 
+from mmengine_runs import hook_of, run  # noqa: E402
 from cd_integration_refs import (RandomImages, RefPair, assert_matches_reference, reference_run,  # noqa: E402
                                  vit_pairs)
 from cd_models import VIT_DEPTH, randomize_norms, tiny_vit  # noqa: E402
@@ -111,19 +110,6 @@ def config(tmp_path, iters, accum=1, clip=None, amp=False, model=None, resume=No
         custom_hooks=[dict(type="ColinearityDecayHook", lam=lam, **hook), dict(type="RecordWeights")],
         default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=2, by_epoch=False), logger=None),
         resume=resume is not None, load_from=resume, randomness=dict(seed=0), log_level="WARNING")
-
-
-def run(cfg) -> Runner:
-    """Write `cfg` to a config file and train from it, as `tools/train.py` does (custom_imports included)."""
-    path = f"{cfg['work_dir']}.py"
-    Config(cfg).dump(path)
-    runner = Runner.from_cfg(Config.fromfile(path))
-    runner.train()
-    return runner
-
-
-def hook_of(runner, kind):
-    return next(h for h in runner.hooks if type(h).__name__ == kind)
 
 
 def reference(initial, runner, iters, accum, pairs, clip=None, skipped=(), variants=None, prefix="backbone."):

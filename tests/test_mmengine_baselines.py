@@ -30,10 +30,10 @@ from mmengine.evaluator import BaseMetric  # noqa: E402
 from mmengine.hooks import Hook  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
 from timm.models.vision_transformer import Block  # noqa: E402
 
 from cd.noise import noise_seed  # noqa: E402
+from mmengine_runs import hook_of, run  # noqa: E402
 from cd_integration_refs import RandomImages, assert_matches_reference  # noqa: E402
 from cd_models import randomize_norms  # noqa: E402
 
@@ -135,19 +135,6 @@ def config(tmp_path, hooks, iters=4, accum=1, model=None, resume=None, val=False
                                        collate_fn=dict(type="default_collate")),
                    val_cfg=dict(), val_evaluator=dict(type="CountMetric"))
     return cfg
-
-
-def run(cfg) -> Runner:
-    """Write `cfg` to a config file and train from it, as `tools/train.py` does (custom_imports included)."""
-    path = f"{cfg['work_dir']}.py"
-    Config(cfg).dump(path)
-    runner = Runner.from_cfg(Config.fromfile(path))
-    runner.train()
-    return runner
-
-
-def hook_of(runner, kind):
-    return next(h for h in runner.hooks if type(h).__name__ == kind)
 
 
 # --- TWEO -------------------------------------------------------------------------------------------------------
