@@ -10,7 +10,9 @@ under the W4A4 pipelines, and the backbone / head activation maxima, into one JS
 The detector is quantized as the official RepQ-ViT / APHQ detection code quantizes it: every Conv2d and
 Linear of the backbone, FPN neck, RPN and RoI heads, and both matmuls of every window attention (quant/spec.py,
 quant/README.md); the mask head's transposed conv stays float. Calibration: `--calib-images` training images
-(default 1, the official RepQ-ViT detection setting) with the test pipeline, in one batch.
+(default 1, the official RepQ-ViT and APHQ detection setting) with the test pipeline, in one batch. APHQ also
+reconstructs on its own training images (quant/aphq/detector.py) and starts from the official detection
+recipe (configs/quant.py APHQ_DETECTION); `--quant-options aphq.iters=2000 ...` overrides pipeline options.
 
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
 `quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
@@ -38,6 +40,8 @@ def parse_args(argv):
     parser.add_argument("--calib-images", type=int, default=1,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
     parser.add_argument("--calib-seed", type=int, default=0, help="seed drawing the calibration images")
+    parser.add_argument("--quant-options", nargs="+", default=[], metavar="PIPELINE.KEY=VALUE",
+                        help="pipeline options, e.g. aphq.iters=2000 aphq.recon_images=64 (configs/quant.py)")
     parser.add_argument("--max-images", type=int, default=None,
                         help="score the first N validation images only (a partial result, marked in the JSON)")
     parser.add_argument("--out", help="result JSON (default: eval_<checkpoint name>.json beside it)")
@@ -49,11 +53,14 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from engine.detection import (DetectionError, DetectorFeed, build_detector, build_loader, evaluate_detector,
-                                  load_config, parse_overrides)
+    from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
+                                  evaluate_detector, load_config, parse_overrides)
     from engine.checkpoint import weights_fingerprint
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
+    from quant.aphq.detector import check_detector_options
+    from quant.pipeline_base import parse_options
+    from quant.pipeline_data import PipelineData
 
     detection = [name for name, p in PIPELINES.items() if "detection" in p.tasks]
     pipelines = detection if args.quant is None else args.quant
@@ -64,9 +71,14 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     bits = [str(parse_bits(b)) for b in args.bits]
+    user_options = pipeline_options(args.quant_options, pipelines, parse_overrides)
+    options = {name: {**detection_defaults(name, args), **user_options.get(name, {})} for name in pipelines}
     for name in pipelines:
+        parsed = parse_options(PIPELINES[name].Options, options[name])
+        if name == "aphq":
+            check_detector_options(parsed)
         for b in bits:
-            PIPELINES[name].check(parse_bits(b), PIPELINES[name].Options())
+            PIPELINES[name].check(parse_bits(b), parsed)
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
     device = torch.device(args.device)
     model = build_detector(cfg, args.checkpoint, device)
@@ -80,7 +92,7 @@ def main(argv=None) -> dict:
                          "images": len(loader.dataset), "partial": args.max_images is not None}}
     results = EvalResults.open(out, identity)
     todo = [(p, b) for p in pipelines for b in bits
-            if results.plan(p, b, settings(args), args.recompute)]
+            if results.plan(p, b, settings(args, user_options.get(p)), args.recompute)]
 
     if "fp" not in results.data or args.recompute:
         print(f"full precision on {len(loader.dataset)} images ...", flush=True)
@@ -91,13 +103,15 @@ def main(argv=None) -> dict:
           f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
     feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo else None
+    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed))
     for name, b in todo:
         print(f"{name} {b} ...", flush=True)
-        entry = evaluate_quantized(name, model, feed, b,
-                                   eval_fn=lambda q: evaluate_detector(q, cfg, loader))
+        entry = evaluate_quantized(name, model, feed, b, eval_fn=lambda q: evaluate_detector(q, cfg, loader),
+                                   options=options[name], data=data)
         report = entry.pop("report", {})
         entry["summary"] = report.get("summary")
-        results.add(name, b, entry, settings(args))
+        entry["units"] = report.get("units")
+        results.add(name, b, entry, settings(args, user_options.get(name)))
         results.save()
         print(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(markdown_row(results.data))
@@ -105,9 +119,33 @@ def main(argv=None) -> dict:
     return results.data
 
 
-def settings(args) -> dict:
+def pipeline_options(items, pipelines, parse) -> dict:
+    """{pipeline: {key: value}} from `PIPELINE.KEY=VALUE` items; a pipeline that is not run is refused (its
+    option would be ignored), and so is aphq.calib_images (the calibration batch is --calib-images)."""
+    by_pipeline: dict = {}
+    for key, value in parse(items).items():
+        name, _, option = key.partition(".")
+        if not option or name not in pipelines:
+            raise ValueError(f"--quant-options {key}: give PIPELINE.KEY=VALUE for a pipeline that runs "
+                             f"({', '.join(pipelines)})")
+        if option == "calib_images":
+            raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
+        by_pipeline.setdefault(name, {})[option] = value
+    return by_pipeline
+
+
+def detection_defaults(name: str, args) -> dict:
+    """The options a pipeline starts from on a detector: APHQ's detection recipe (configs/quant.py)."""
+    if name != "aphq":
+        return {}
+    from configs.quant import APHQ_DETECTION
+    return {**APHQ_DETECTION, "calib_images": args.calib_images}
+
+
+def settings(args, options=None) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result)."""
-    return {"calib_images": args.calib_images, "calib_seed": args.calib_seed}
+    return {"calib_images": args.calib_images, "calib_seed": args.calib_seed, **({"options": options} if options
+                                                                               else {})}
 
 
 def score(metrics: dict) -> str:

@@ -118,6 +118,20 @@ class APHQOptions(FirstLastOptions):
     cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
 
 
+# APHQ's detection recipe (GoatWu/APHQ-ViT Object-Detection/tools/quant_configs/4bit.py, quant_layers/*.py):
+# the options that differ from the classification defaults above. evaluate_detection.py starts from these,
+# with calib_images set from its --calib-images (officially 1); `aphq.<key>=value` overrides them.
+APHQ_DETECTION = dict(
+    recon_images=256,  # optim_size
+    batch_size=1,  # optim_batch_size: one image per iteration
+    weight_pct=(0.999, 1.0),  # calculate_percentile_weight_candidates(l=0.999) of the detection layers
+    act_pct=(0.999, 1.0),  # ... activation candidates
+    search_rounds=0,  # the output-MSE rounds are commented out in the detection Linear search
+    hessian_eps=1e-3,  # the +-1e-3 of the detection block forwards
+    data_seed=0,  # the official code takes the first images of its loader; ours are drawn with this seed
+)
+
+
 @dataclass
 class GPLQOptions(FirstLastOptions):
     """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""

@@ -211,35 +211,74 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
     return Runner.build_dataloader(loader_cfg)
 
 
-class DetectorFeed:
-    """A detector's calibration set as a `quant.calibrate.ModelFeed`: `count` images of the training split,
-    drawn with `seed` and given the TEST pipeline (resize, no flip), collated into ONE padded batch, so that a
-    single test step of the detector calibrates every quantizer on all of them at once.
+def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str) -> tuple:
+    """(indices, samples): `count` distinct images of the training split drawn with `seed`, each given the TEST
+    pipeline (resize, no flip), so that no validation image is seen before scoring. `flag` names the option
+    that asked for them in errors."""
+    if count < 1:
+        raise DetectionError(f"{flag} {count}: give at least 1")
+    dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
+    test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
+    for dataset in _datasets(dataset_cfg):
+        if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
+            dataset["pipeline"] = test_pipeline
+    dataset_cfg.pop("indices", None)
+    dataset = DATASETS.build(dataset_cfg)
+    if len(dataset) < count:
+        raise DetectionError(f"{flag} {count}: the training split has only {len(dataset)} images")
+    indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
+    return indices, [dataset[i] for i in indices]
 
-    The official RepQ-ViT detection code calibrates on the first image of its test loader (one image, batch 1);
-    here the images come from the training split so that no validation image is seen before scoring.
+
+class DetectorFeed:
+    """A detector's calibration set as a `quant.calibrate.ModelFeed` and a one-batch `quant.units.SampleFeed`:
+    `count` images of the training split, drawn with `seed` and given the TEST pipeline (resize, no flip),
+    collated into ONE padded batch, so that a single test step of the detector calibrates every quantizer on
+    all of them at once.
+
+    The official RepQ-ViT and APHQ detection code calibrates on one image at batch 1 (RepQ-ViT: its test
+    loader's first; APHQ: its training loader's first); here the images come from the training split with the
+    test pipeline.
     """
 
     def __init__(self, cfg: Config, count: int, seed: int = 0) -> None:
-        if count < 1:
-            raise DetectionError(f"--calib-images {count}: give at least 1")
-        dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
-        test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
-        for dataset in _datasets(dataset_cfg):
-            if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
-                dataset["pipeline"] = test_pipeline
-        dataset_cfg.pop("indices", None)
-        dataset = DATASETS.build(dataset_cfg)
-        if len(dataset) < count:
-            raise DetectionError(f"--calib-images {count}: the training split has only {len(dataset)} images")
-        self.indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
-        self.batch = pseudo_collate([dataset[i] for i in self.indices])
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "--calib-images")
+        self.batch = pseudo_collate(images)
         self.count = count
 
     @torch.no_grad()
     def feed(self, model: nn.Module) -> int:
         model.test_step(self.batch)
         return self.count
+
+    def __len__(self) -> int:
+        return 1
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, index: int) -> Any:
+        return model.test_step(self.batch)
+
+
+class DetectorSamples:
+    """APHQ's reconstruction images of a detector (`quant.aphq.detector.DetectorSamples`): `count` training
+    images drawn with `seed`, test pipeline, one image per batch (the official optimisation loader has batch 1
+    and takes the first 256 images with the training pipeline)."""
+
+    def __init__(self, cfg: Config, count: int, seed: int = 0) -> None:
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "aphq.recon_images")
+        self.batches = [pseudo_collate([image]) for image in images]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, index: int) -> Any:
+        return model.test_step(self.batches[index])
+
+    def rpn_outputs(self, model: nn.Module, index: int) -> tuple:
+        """The raw RPN outputs (objectness logits, box deltas per FPN level) of image `index`, with gradients."""
+        data = model.data_preprocessor(self.batches[index], False)
+        return model.rpn_head(model.extract_feat(data["inputs"]))
 
 
 # -- evaluation ----------------------------------------------------------------------------------------

@@ -35,11 +35,15 @@ class PipelineData:
         transform, sharded across ranks (GPLQ stage 1, PCA subset). None: pipelines that need it raise.
     work_prefix: path prefix for files a pipeline keeps between runs, e.g. "runs/x/eval_best"; GPLQ
         writes "<prefix>_gplq_w4a4_stage1.pt" and resumes from it. None: nothing is written.
+    detector_samples: (count, seed) -> `count` training images of a detector drawn with `seed`, one per
+        batch (quant.aphq.detector.DetectorSamples; evaluate_detection.py builds it). Given instead of
+        train_images for a model that is not called on an image tensor.
     """
 
-    train_images: Callable[[int, int, bool], torch.Tensor]
+    train_images: Optional[Callable[[int, int, bool], torch.Tensor]] = None
     train_loader: Optional[Callable[[int, int], TrainBatches]] = None
     work_prefix: Optional[str] = None
+    detector_samples: Optional[Callable[[int, int], Any]] = None
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""
@@ -52,6 +56,9 @@ def require_data(pipeline: str, data: Any, loader: bool = False) -> PipelineData
         raise ValueError(f"the {pipeline!r} pipeline draws its own training images: pass "
                          f"data=PipelineData(...) (evaluate.py builds it from the data config); "
                          "the calibration batch alone is not enough")
+    if data.train_images is None and data.detector_samples is None:
+        raise ValueError(f"the {pipeline!r} pipeline draws its own training images: PipelineData.train_images "
+                         "(or detector_samples for a detector) is required")
     if loader and data.train_loader is None:
         raise ValueError(f"the {pipeline!r} pipeline trains: PipelineData.train_loader is required")
     return data

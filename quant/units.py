@@ -6,15 +6,21 @@ not the Identity of stage 0) and the classifier (`head` for ViT/DeiT, `head.fc` 
 `head_dist`). GPLQ's QwT compensates the Transformer blocks. Units are found by FQN, so the float and the
 quantized copy of a model name the same units.
 
+An MMDetection detector (APHQ-ViT's `Object-Detection/tools/quant_utils/block_recon.py`) has the units of its
+Swin backbone (`backbone.patch_embed`, `backbone.stages.N.blocks.M`, `backbone.stages.N.downsample`) and the
+FPN `neck`; its RPN and RoI heads are calibrated but not reconstructed, as officially.
+
 Activations are captured with forward hooks that stop the forward pass right after the unit
 (`_StopForward`), so capturing the input of unit k runs only the prefix of the network. Captures are
-concatenated over the image batches on `store_device` (default: the model's device).
+concatenated over the image batches on `store_device` (default: the model's device). A model that is not
+called on one tensor (a detector: images with their metadata) is run through a `SampleFeed`, and its unit
+captures stay per sample (`capture_unit_calls`): a detector's images differ in size.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, NamedTuple, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,8 +30,25 @@ from models.modules import BLOCK_PATTERNS, fqn_matches
 
 from .spec import HEAD
 
-UnitKind = Literal["stem", "block", "merge", "head"]
-MERGE_PATTERNS = ("layers.*.downsample",)
+UnitKind = Literal["stem", "block", "merge", "head", "neck"]
+MERGE_PATTERNS = ("layers.*.downsample", "backbone.stages.*.downsample")
+STEM_PATTERNS = ("patch_embed", "backbone.patch_embed")
+DETECTOR_BLOCK_PATTERNS = ("backbone.stages.*.blocks.*",)
+NECK_PATTERNS = ("neck",)
+
+
+@runtime_checkable
+class SampleFeed(Protocol):
+    """Inputs of a model that is not called on one tensor (an MMDetection detector: `engine/detection.py`'s
+    `DetectorSamples`), as `len(feed)` batches that run the model themselves: `feed.run(model, i)` is one
+    forward of batch i. Captures over a feed are per batch."""
+
+    def __len__(self) -> int: ...
+
+    def run(self, model: nn.Module, index: int) -> Any: ...
+
+
+Inputs = Union[torch.Tensor, SampleFeed]
 
 
 @dataclass(frozen=True)
@@ -41,14 +64,16 @@ def find_units(model: nn.Module,
     """The units of `model` in module (= execution) order, restricted to `kinds`."""
     units = []
     for name, module in model.named_modules():
-        if name == "patch_embed":
+        if name in STEM_PATTERNS:
             kind = "stem"
-        elif fqn_matches(name, BLOCK_PATTERNS):
+        elif fqn_matches(name, BLOCK_PATTERNS + DETECTOR_BLOCK_PATTERNS):
             kind = "block"
         elif fqn_matches(name, MERGE_PATTERNS) and not isinstance(module, nn.Identity):
             kind = "merge"
         elif fqn_matches(name, HEAD) and isinstance(module, nn.Linear):
             kind = "head"
+        elif name in NECK_PATTERNS:
+            kind = "neck"
         else:
             continue
         if kind in kinds:
@@ -69,9 +94,17 @@ class _StopForward(Exception):
     """Raised by a capture hook once the watched module has run (skips the rest of the network)."""
 
 
-def _forward_until_stop(model: nn.Module, images: torch.Tensor, batch_size: int,
+def _forward_until_stop(model: nn.Module, images: Inputs, batch_size: int,
                         device: torch.device) -> None:
-    """Run `images` through `model` in chunks; a hook raising _StopForward ends each chunk's forward early."""
+    """Run `images` through `model` in chunks (a SampleFeed: batch by batch); a hook raising _StopForward ends
+    each chunk's forward early."""
+    if isinstance(images, SampleFeed):
+        for i in range(len(images)):
+            try:
+                images.run(model, i)
+            except _StopForward:
+                pass
+        return
     for chunk in images.split(batch_size):
         try:
             model(chunk.to(device))
@@ -125,7 +158,7 @@ def capture_unit(model: nn.Module, name: str, images: torch.Tensor, batch_size: 
 
 @torch.no_grad()
 def stream_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: Optional[str],
-                         images: torch.Tensor, batch_size: int,
+                         images: Inputs, batch_size: int,
                          consume: Callable[[str, torch.Tensor], None]) -> None:
     """Hand the first positional input of each module in `modules` to `consume(key, input)`, batch by batch,
     as the forward pass computes it (nothing is stored here: running statistics, Hessians).
@@ -166,19 +199,77 @@ def _stop(*_: object) -> None:
 
 
 @torch.no_grad()
-def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: str, images: torch.Tensor,
-                          batch_size: int) -> Dict[str, torch.Tensor]:
-    """The first positional input of each module in `modules` (e.g. quantizers inside one unit).
+def capture_module_calls(model: nn.Module, modules: Dict[str, nn.Module], stop_at: Optional[str], images: Inputs,
+                         batch_size: int) -> Dict[str, List[torch.Tensor]]:
+    """The first positional input of each module in `modules` (e.g. quantizers inside one unit), one tensor
+    per call: a module that runs several times per forward (an RPN convolution on every FPN level) or over
+    several batches gives several tensors, in call order.
 
-    The forward pass stops after module `stop_at` (the unit that contains them). Modules are called
-    even when their quantizer is disabled, so this also records float operands.
+    The forward pass stops after module `stop_at` (the unit that contains them; None: the whole model runs).
+    Modules are called even when their quantizer is disabled, so this also records float operands.
 
     Returns:
-        {key: [N_total, ...] concatenated over batches along dim 0} on the model's device.
+        {key: [input of each call]} on the model's device.
     """
     got: Dict[str, List[torch.Tensor]] = {k: [] for k in modules}
     stream_module_inputs(model, modules, stop_at, images, batch_size, lambda key, x: got[key].append(x))
-    return {k: torch.cat(v) for k, v in got.items()}
+    return got
+
+
+def capture_module_inputs(model: nn.Module, modules: Dict[str, nn.Module], stop_at: Optional[str], images: Inputs,
+                          batch_size: int) -> Dict[str, torch.Tensor]:
+    """`capture_module_calls` concatenated over the calls along dim 0: {key: [N_total, ...]}."""
+    return {k: torch.cat(v) for k, v in capture_module_calls(model, modules, stop_at, images, batch_size).items()}
+
+
+class UnitCall(NamedTuple):
+    """One call of a unit: its positional arguments (tensors detached, on the store device; shapes such as
+    Swin's `hw_shape` as they were) and, when asked for, the tensors of its output in order."""
+
+    args: tuple
+    outputs: Optional[List[torch.Tensor]]
+
+
+def output_tensors(out: Any) -> List[torch.Tensor]:
+    """Every tensor of a module output, depth first: a tensor, MMDetection's (x, out_size) or FPN's tuple."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in output_tensors(item)]
+    return []
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with `fn` applied to every tensor in it (tuples and lists keep their type)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+@torch.no_grad()
+def capture_unit_calls(model: nn.Module, name: str, feed: SampleFeed, *, outputs: bool = False,
+                       store_device: Optional[torch.device] = None) -> List[UnitCall]:
+    """The arguments (and with `outputs` the output tensors) of unit `name` for each batch of `feed`, in the
+    model's current quantizer state: per sample, since a detector's images differ in size."""
+    store = store_device or device_of(model)
+    module = model.get_submodule(name)
+    calls: List[UnitCall] = []
+
+    def hook(_mod: nn.Module, args: tuple, out: Any) -> None:
+        keep = map_tensors(args, lambda t: t.detach().to(store))
+        calls.append(UnitCall(keep, [t.detach().to(store) for t in output_tensors(out)] if outputs else None))
+        raise _StopForward
+
+    handle = module.register_forward_hook(hook)
+    try:
+        _forward_until_stop(model, feed, 1, device_of(model))
+    finally:
+        handle.remove()
+    if len(calls) != len(feed):
+        raise RuntimeError(f"unit {name} ran {len(calls)} times over {len(feed)} batches (once per batch expected)")
+    return calls
 
 
 @torch.no_grad()

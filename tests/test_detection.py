@@ -108,7 +108,8 @@ def test_evaluate_detection_scores_fp_and_the_detection_pipelines(sample, traine
     refused."""
     from evaluate_detection import main
     out = tmp_path / "eval.json"
-    data = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out)])
+    data = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
+                 "--quant", "percentile", "repq"])
     on_disk = json.loads(out.read_text())
     assert on_disk["quant"].keys() == {"percentile", "repq"} and data["quant"] == on_disk["quant"]
     for key in ("bbox_mAP", "segm_mAP"):
@@ -213,10 +214,61 @@ def test_evaluation_refuses_weights_of_another_model_and_non_finite_weights(samp
         build_detector(load_config([SAMPLE_CONFIG], data_root=sample), str(broken), torch.device("cpu"))
 
 
+def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_heads(sample, trained, tmp_path):
+    """APHQ on the sample detector, as the official detection code: units stem, blocks, patch mergings (APH loss
+    from the RPN) and the FPN neck (MSE), one image per iteration; the RPN and RoI heads calibrated only; every
+    quantizer on and calibrated at the end; then evaluate_detection scores it with pycocotools."""
+    from engine.detection import DetectorFeed, DetectorSamples, build_detector, load_config
+    from evaluate_detection import main
+    from quant import PIPELINES
+    from quant.modes import named_quantizers
+    from quant.pipeline_data import PipelineData
+    from configs.quant import APHQ_DETECTION
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    model = build_detector(cfg, trained, torch.device("cpu"))
+    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed))
+    options = {**APHQ_DETECTION, "calib_images": 1, "recon_images": 3, "iters": 3, "log_every": 0}
+    quantized, report = PIPELINES["aphq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
+    units = [(u["unit"], u["kind"], u["loss"]) for u in report["units"]]
+    blocks = [n for n, _ in model.named_modules() if n.count(".") == 4 and ".blocks." in n]
+    merges = [n for n, m in model.named_modules() if n.endswith(".downsample") and m is not None]
+    assert units[0] == ("backbone.patch_embed", "stem", "aph") and units[-1] == ("neck", "neck", "mse")
+    assert {u[0] for u in units[1:-1]} == set(blocks + merges) and all(u[2] == "aph" for u in units[1:-1])
+    assert report["calibrated_only"] == ["rpn_head", "roi_head"]
+    assert report["data"]["reconstruction_images"] == 3
+    quantizers = dict(named_quantizers(quantized))
+    assert any(n.startswith("rpn_head.") for n in quantizers) and any(n.startswith("roi_head.") for n in quantizers)
+    assert all(q.enabled and q.calibrated for q in quantizers.values()), [n for n, q in quantizers.items()
+                                                                         if not (q.enabled and q.calibrated)]
+    assert model.backbone.stages[0].blocks[0].attn.w_msa.qkv.weight.dtype == torch.float32  # float untouched
+
+    out = tmp_path / "eval.json"
+    result = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
+                   "--quant", "aphq", "--quant-options", "aphq.iters=2", "aphq.recon_images=2"])
+    entry = result["quant"]["aphq"]["w4a4"]
+    assert 0.0 <= entry["bbox_mAP"] <= 1.0 and len(entry["units"]) == len(units)
+    assert json.loads(out.read_text())["quant"]["aphq"]["w4a4"]["settings"]["options"] == {
+        "iters": 2, "recon_images": 2}
+
+
+def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained, tmp_path):
+    from evaluate_detection import main
+    base = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(tmp_path / "x.json")]
+    for options, message in ((["aphq.calib_images=2"], "--calib-images"),
+                             (["aphq.mlp_reconstruct=True"], "mlp_reconstruct"),
+                             (["aphq.batch_size=2"], "one image per batch"),
+                             (["aphq.iter=2"], "did you mean iters"),
+                             (["repq.x=1"], "for a pipeline that runs"),
+                             (["iters=1"], "PIPELINE.KEY=VALUE")):
+        with pytest.raises(ValueError, match=message):
+            main(base + ["--quant", "aphq", "--quant-options", *options])
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_evaluation_refuses_a_pipeline_that_does_not_quantize_detectors(sample, trained, tmp_path):
     from engine.detection import DetectionError
     from evaluate_detection import main
-    for pipeline, message in (("aphq", "does not quantize detectors"), ("nope", "no such pipeline")):
+    for pipeline, message in (("gptq", "does not quantize detectors"), ("nope", "no such pipeline")):
         with pytest.raises(DetectionError, match=message):
             main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant", pipeline,
                   "--out", str(tmp_path / "x.json")])

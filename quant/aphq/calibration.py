@@ -11,13 +11,18 @@ with all other modules in float ("raw") mode, and quantization is switched on on
    search on the post-fold float inputs; the patch-embedding convolution (float image input) the
    official stem grid (search.py);
 3. every attention: per-head ranges of q, k (q @ k^T) and attn, v (attn @ v) by the matmul output MSE.
+
+A detector (`conv_search="self"`, `Object-Detection/tools` of the same repository) differs in the grids its
+options give (percentiles [0.999, 1.0], no output-MSE rounds: `search_rounds=0`) and in its convolutions
+(the stem's included): weight-only and input-only MSE on grids of 2^(b-1) zero points (`search_conv_self`),
+over every call of a convolution that runs once per FPN level.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,8 +33,8 @@ from ..attention import QuantAttentionBase
 from ..layers import QuantConv2d, QuantLinear
 from ..modes import named_quantizers, set_quant_state
 from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
-from .search import fit_per_channel, search_linear, search_matmul, search_stem
-from ..units import Unit, capture_module_inputs
+from .search import fit_per_channel, search_conv_self, search_linear, search_matmul, search_stem
+from ..units import Inputs, Unit, capture_module_calls, capture_module_inputs
 
 log = logging.getLogger("quant.aphq")
 
@@ -47,6 +52,7 @@ class SearchSettings:
     max_rows: Optional[int]
     round_zero_point: bool
     batch_size: int
+    conv_search: Literal["output", "self"] = "output"  # "self": the official detection convolution search
 
 
 def _in_unit(fqn: str, unit: Unit) -> bool:
@@ -54,7 +60,7 @@ def _in_unit(fqn: str, unit: Unit) -> bool:
 
 
 @torch.no_grad()
-def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, settings: SearchSettings,
+def calibrate_aphq(model: nn.Module, units: List[Unit], images: Inputs, settings: SearchSettings,
                    generator: Optional[torch.Generator] = None) -> Dict[str, object]:
     """Fold and search every quantizer of `model` (in place); leaves every quantizer DISABLED (float).
 
@@ -62,7 +68,8 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
         model: converted model (APHQ layout: per-channel post-LN inputs, per-tensor other inputs,
             per-head matmul operands, per-channel weights).
         units: reconstruction units covering every quantizer (units.find_units).
-        images: [N, 3, H, W] calibration images (APHQ: the first 128 of the optimisation set).
+        images: [N, 3, H, W] calibration images (APHQ: the first 128 of the optimisation set), or a
+            `units.SampleFeed` (a detector's calibration batch).
         settings: grids, rounds, batch size.
         generator: RNG for row subsampling (max_rows).
 
@@ -102,10 +109,18 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: torch.Tensor, se
                 quantizer = getattr(attn, f"{op}_quant")
                 if quantizer is not None:
                     watch[f"{n}:{op}"] = quantizer
-        caps = capture_module_inputs(model, watch, unit.name, images, settings.batch_size)
+        calls = capture_module_calls(model, watch, unit.name, images, settings.batch_size)
+        caps = {k: v if k.startswith("layer:") else torch.cat(v) for k, v in calls.items()}
+        del calls
         for n, layer in layers:
             if layer.weight_quantizer is None:
                 continue
+            if isinstance(layer, QuantConv2d) and settings.conv_search == "self":
+                search_conv_self(layer, caps[f"layer:{n}"], weight_pct=settings.weight_pct,
+                                 act_pct=settings.act_pct, eq_n=settings.eq_n)
+                n_layers += 1
+                continue
+            caps[f"layer:{n}"] = torch.cat(caps[f"layer:{n}"])
             if isinstance(layer, QuantConv2d) and layer.input_quantizer is None:  # the official stem grid
                 search_stem(layer, caps[f"layer:{n}"], settings.eq_n)
             else:

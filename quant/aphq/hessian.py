@@ -26,11 +26,13 @@ averaged over samples and clamped at 0 (the KL Hessian at its minimum is PSD, so
 """
 from __future__ import annotations
 
-from typing import List, Literal, Optional
+from typing import Callable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..units import SampleFeed, map_tensors
 
 Probe = Literal["ones", "rademacher"]
 
@@ -100,3 +102,89 @@ def perturbation_hessian(model: nn.Module, unit: str, images: torch.Tensor, fp_l
 def normalized_weight(h: torch.Tensor) -> torch.Tensor:
     """An APH weight scaled to mean 1 (loss weights are relative; APHQ normalises the loss anyway)."""
     return h / h.mean().clamp(min=1e-30)
+
+
+# -- detectors (GoatWu/APHQ-ViT Object-Detection/tools/quant_utils/block_recon.py) ---------------------------
+
+RPNOutputs = Tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]  # (objectness logits, box deltas) per level
+
+
+def binary_kl(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean Bernoulli KL(target || pred) of probabilities clamped to [1e-7, 1 - 1e-7] (official `binary_kl`)."""
+    p = pred.clamp(1e-7, 1 - 1e-7)
+    t = target.clamp(1e-7, 1 - 1e-7)
+    return (t * (t.log() - p.log()) + (1 - t) * ((1 - t).log() - (1 - p).log())).mean()
+
+
+def rpn_output_loss(out: RPNOutputs, ref: RPNOutputs) -> torch.Tensor:
+    """The detector's APH objective: how far an RPN output moved from the float model's.
+
+    Summed over the FPN levels: the binary KL of the objectness sigmoid from the float one, and the smooth-L1
+    of the box deltas where the float objectness exceeds 0.7 (each anchor's mask repeated over its 4
+    deltas); each term divided by its own detached value, so both weigh 1. A term that is exactly 0 (no
+    anchor above 0.7: the official code would divide 0 by 0 and give NaN) is left out.
+
+    Args:
+        out: raw RPN outputs ([B, A, H, W] logits, [B, 4A, H, W] deltas per level) of the perturbed model.
+        ref: the float model's, objectness already a probability (sigmoid).
+    """
+    cls = sum(binary_kl(torch.sigmoid(c), r) for c, r in zip(out[0], ref[0]))
+    reg = 0.0
+    for c_ref, b, b_ref in zip(ref[0], out[1], ref[1]):
+        mask = (c_ref > 0.7).repeat_interleave(4, dim=1).to(b.dtype)
+        reg = reg + F.smooth_l1_loss(b * mask, b_ref * mask, reduction="mean")
+    return sum(term / term.detach() for term in (cls, reg) if isinstance(term, torch.Tensor) and term.detach() != 0)
+
+
+def detector_hessians(model: nn.Module, unit: str, feed: SampleFeed, rpn_outputs: Callable[[nn.Module, int], RPNOutputs],
+                      refs: List[RPNOutputs], eps: float = 1e-3) -> List[List[torch.Tensor]]:
+    """Per image of `feed`, the APH weight of each output tensor of unit `unit` of the float detector `model`.
+
+    As the official detection code: +eps on every element of the unit output, then -eps, the gradient of
+    `rpn_output_loss` against the float RPN outputs `refs` w.r.t. that output, H = |J+ - J-| scaled to mean 1
+    per image (`grad * numel / sum`). Kept per image, not averaged: the images differ in size.
+
+    Args:
+        model: the float detector (eval mode, parameters frozen).
+        unit: FQN of a backbone unit.
+        feed: the reconstruction images.
+        rpn_outputs: (model, i) -> the raw RPN outputs of image i, computed with gradients.
+        refs: the float model's RPN outputs per image (objectness as probabilities).
+        eps: the perturbation (official 1e-3).
+    """
+    module = model.get_submodule(unit)
+    leaves: List[torch.Tensor] = []
+    state = {"sign": 1.0}
+
+    def perturb(t: torch.Tensor) -> torch.Tensor:
+        leaf = t.detach().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf + state["sign"] * eps
+
+    def hook(_mod: nn.Module, _args: tuple, out):
+        return map_tensors(out, perturb)  # MMDetection's (x, out_size): x only
+
+    handle = module.register_forward_hook(hook)
+    weights: List[List[torch.Tensor]] = []
+    try:
+        for i in range(len(feed)):
+            grads = []
+            for sign in (1.0, -1.0):
+                leaves.clear()
+                state["sign"] = sign
+                with torch.enable_grad():
+                    loss = rpn_output_loss(rpn_outputs(model, i), refs[i])
+                    grads.append(torch.autograd.grad(loss, leaves, allow_unused=True))
+            per_image = []
+            for g_up, g_down, leaf in zip(grads[0], grads[1], leaves):
+                if g_up is None or g_down is None:
+                    h = torch.ones_like(leaf)  # an output the RPN does not read: plain MSE weight
+                else:
+                    h = (g_up - g_down).abs().float()
+                    total = h.sum()
+                    h = h * h.numel() / total if total > 0 else torch.ones_like(h)
+                per_image.append(h.detach())
+            weights.append(per_image)
+    finally:
+        handle.remove()
+    return weights

@@ -18,6 +18,8 @@ turned off" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py
    averaged over samples), KL for the head, loss normalised to 2 at the first iteration.
 5. Optional MLP reconstruction before step 2 (`mlp_reconstruct=True`, mlp_recon.py).
 
+A detector (`PipelineData.detector_samples`) follows the official detection code instead: detector.py.
+
 Defaults are the official classification recipe (configs/4bit/best.py): 128 / 1024 images, batch 32,
 20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap.
 Under torchrun the whole pipeline runs once, on rank 0; the other ranks receive its model (pipeline_base).
@@ -44,6 +46,7 @@ from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
 from .adaround import AdaRoundQuantizer, RoundingSchedule
 from .calibration import SearchSettings, calibrate_aphq
+from .detector import quantize_detector
 from .hessian import perturbation_hessian
 from .mlp_recon import MLPReconSettings, reconstruct_mlps
 from .reconstruct import ReconSettings, reconstruct_unit
@@ -54,6 +57,7 @@ log = logging.getLogger("quant.aphq")
 class APHQPipeline(Pipeline):
     name = "aphq"
     Options = APHQOptions
+    tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
         """APHQ's converted layout before the fold (post-LN inputs still per channel).
@@ -95,8 +99,12 @@ class APHQPipeline(Pipeline):
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: APHQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
-        del calib_images  # APHQ draws its own training-transform calibration set from `data`
         data = require_data(self.name, data)
+        if data.detector_samples is not None:
+            return quantize_detector(self.layout(bits, options), fp_model, calib_images, bits, options, data)
+        del calib_images  # APHQ draws its own training-transform calibration set from `data`
+        if data.train_images is None:
+            raise ValueError("the 'aphq' pipeline draws its classification images from PipelineData.train_images")
         timer = StageTimer()
         device = next(fp_model.parameters()).device
         cache = torch.device(options.cache_device) if options.cache_device else device

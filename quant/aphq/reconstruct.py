@@ -21,6 +21,7 @@ The loop has no host synchronisation except at logging steps.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .hessian import normalized_weight
 from ..layers import QuantConv2d, QuantLinear
 from ..modes import named_quantizers
 from ..quantizers import UniformQuantizer
+from ..units import UnitCall, map_tensors, output_tensors
 
 log = logging.getLogger("quant.reconstruct")
 ESTIMATE_AFTER = 10  # iterations before a unit's first time estimate
@@ -93,6 +95,81 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         {"iters", "seconds", "rec_first", "rec_last", "round_last"} (floats; rec_* before normalisation).
     """
     device = next(unit.parameters()).device
+    weight = None if hessian is None else normalized_weight(hessian).to(device)
+    n = fp_in.shape[0]
+
+    def reconstruction_error(_it: int) -> torch.Tensor:
+        # a batch of distinct samples, as the official code's randperm(n)[:batch_size]
+        idx = torch.randperm(n, device=fp_in.device, generator=generator)[:settings.batch_size]
+        x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
+        if settings.input_mix_prob > 0:
+            x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
+        else:
+            x = x_q
+        out = unit(x)
+        tgt = target[idx].to(device)
+        if loss_kind == "kl":
+            return F.kl_div(F.log_softmax(out, dim=-1), F.softmax(tgt, dim=-1), reduction="batchmean")
+        err = (out - tgt).pow(2)
+        return (err * weight).mean() if weight is not None else err.mean()
+
+    return optimize_unit(unit, reconstruction_error, settings, name, progress)
+
+
+def reconstruct_unit_calls(unit: nn.Module, fp_calls: List[UnitCall], q_calls: List[UnitCall],
+                           hessians: Optional[List[List[torch.Tensor]]], settings: ReconSettings, name: str = "",
+                           progress: Optional[Callable[[Dict[str, float]], None]] = None) -> Dict[str, float]:
+    """Reconstruct a unit of a detector in place from per-image captures (GoatWu/APHQ-ViT
+    `Object-Detection/tools/quant_utils/block_recon.py`): one image per iteration, taken in order and
+    cycling (`idx = it % n`); the first argument (a tensor, or FPN's tuple of levels) mixed element-wise from
+    the quantized-prefix and float inputs, the other arguments (Swin's `hw_shape`) as captured; loss
+    sum((O^ - O)^2 * H_i) with the image's own APH weight H_i (backbone units), else the MSE over all output
+    tensors (FPN), then normalised and regularised as `reconstruct_unit`.
+
+    Args:
+        unit: the unit of the quantized model (quantizers enabled and calibrated).
+        fp_calls: `capture_unit_calls(float model, outputs=True)`: float inputs and targets per image.
+        q_calls: `capture_unit_calls(quantized model)`: inputs from the quantized prefix per image.
+        hessians: per image, the APH weight of each output tensor (mean 1), or None (plain MSE).
+        settings: as `reconstruct_unit` (`batch_size` must be 1: the images differ in size).
+    """
+    if settings.batch_size != 1:
+        raise ValueError(f"batch_size={settings.batch_size}: a detector's images differ in size, so its "
+                         "reconstruction takes one image per iteration (batch_size=1, as officially)")
+    device = next(unit.parameters()).device
+    n = len(fp_calls)
+    to_device = functools.partial(map_tensors, fn=lambda t: t.to(device))
+
+    def mix(fp: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.rand_like(q) < settings.input_mix_prob, fp, q)
+
+    def reconstruction_error(it: int) -> torch.Tensor:
+        i = it % n
+        fp_args, q_args = to_device(fp_calls[i].args), to_device(q_calls[i].args)
+        first = fp_args[0]
+        if settings.input_mix_prob > 0:
+            if isinstance(first, torch.Tensor):
+                first = mix(first, q_args[0])
+            else:
+                first = type(first)(mix(f, q) for f, q in zip(first, q_args[0]))
+        else:
+            first = q_args[0]
+        outs = output_tensors(unit(first, *fp_args[1:]))
+        targets = [t.to(device) for t in fp_calls[i].outputs]
+        if hessians is not None:
+            return sum(((o - t).pow(2) * h.to(device)).sum() for o, t, h in zip(outs, targets, hessians[i]))
+        return (torch.cat([o.reshape(-1) for o in outs]) - torch.cat([t.reshape(-1) for t in targets])).pow(2).mean()
+
+    return optimize_unit(unit, reconstruction_error, settings, name, progress)
+
+
+def optimize_unit(unit: nn.Module, reconstruction_error: Callable[[int], torch.Tensor], settings: ReconSettings,
+                  name: str = "", progress: Optional[Callable[[Dict[str, float]], None]] = None
+                  ) -> Dict[str, float]:
+    """The optimisation every reconstruction shares: AdaRound alphas and activation scales of `unit` trained on
+    `reconstruction_error(iteration)` (normalised to 2 at the first iteration) plus the rounding regulariser,
+    under QDrop; then hard rounding baked in and the quantizers frozen (module docstring)."""
+    device = next(unit.parameters()).device
     layers = _weight_layers(unit)
     acts = _act_quantizers(unit)
     alphas = [layer.weight_quantizer.start_rounding(layer.weight) for layer in layers]
@@ -113,28 +190,13 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         opt = torch.optim.Adam([q.scale for q in acts], lr=settings.act_lr)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=settings.iters, eta_min=0.0)
         optimizers.append(opt)
-    weight = None if hessian is None else normalized_weight(hessian).to(device)
 
-    n = fp_in.shape[0]
     start = time.perf_counter()
     norm = None
     rec_first = None
     rec = round_loss = torch.zeros((), device=device)
     for it in range(settings.iters):
-        # a batch of distinct samples, as the official code's randperm(n)[:batch_size]
-        idx = torch.randperm(n, device=fp_in.device, generator=generator)[:settings.batch_size]
-        x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
-        if settings.input_mix_prob > 0:
-            x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
-        else:
-            x = x_q
-        out = unit(x)
-        tgt = target[idx].to(device)
-        if loss_kind == "kl":
-            rec = F.kl_div(F.log_softmax(out, dim=-1), F.softmax(tgt, dim=-1), reduction="batchmean")
-        else:
-            err = (out - tgt).pow(2)
-            rec = (err * weight).mean() if weight is not None else err.mean()
+        rec = reconstruction_error(it)
         if it == 0:
             rec_first = rec.detach()
             norm = (rec_first / 2.0).clamp(min=1e-30) if settings.normalize_loss else None

@@ -18,6 +18,10 @@ vectorised over channels / heads:
   [q(1 - p), q(p)] for eq_n levels p = 0.99 + (0.9999 - 0.99) * (i / (eq_n - 1))^0.5 plus p = 1.0,
   zero point -round(lo / scale), by the output MSE; then the lower bound with the upper one fixed, then
   the upper bound with the lower one fixed (one round: the official loop stops there at 8-bit inputs).
+* `search_conv_self`: every convolution of a detector, as the official detection code
+  (`Object-Detection/tools/quant_layers/conv.py`): the weight per output channel by the weight-only MSE and
+  the per-tensor input by the input-only MSE, both on the grid of `range_grid` with 2^(b-1) zero points and
+  percentiles [0.999, 1.0]; the input of a convolution that runs on several FPN levels is one list of calls.
 * `fit_per_channel`: RepQ-style per-channel post-LayerNorm quantizer on the activation MSE alone (the
   fold then turns it into a per-tensor one, which `search_linear` searches again).
 * `search_matmul`: per-head asymmetric operands of q @ k^T and attn @ v, the official matmul search
@@ -25,7 +29,7 @@ vectorised over channels / heads:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +43,7 @@ from ..ranges import best_per_group, to_rows
 
 
 def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float],
-               eq_n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               eq_n: int, num_zp: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Candidate (scale, zero point) per row, the official grid (see module docstring).
 
     Args:
@@ -47,6 +51,7 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
         q: an asymmetric uniform quantizer (its bits fix the zero points).
         pct: (p_lo, p_hi) upper percentile levels of the narrowest and widest range, e.g. (0.9, 1.0).
         eq_n: candidates in all (official `eq_n`): min(16, 2^b) zero points x eq_n // that many scales.
+        num_zp: zero points instead of min(16, 2^b) (the official detection convolutions take 2^(b-1)).
 
     Returns:
         (scales, zero_points), each [K, G], zero-point-major (all scales of the first zero point first).
@@ -54,7 +59,7 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
     if q.symmetric:
         raise ValueError(f"{q.name}: the APHQ grid is for asymmetric quantizers")
     levels = 2 ** q.bits
-    num_zp = min(16, levels)
+    num_zp = num_zp or min(16, levels)
     num_scales = eq_n // num_zp
     if num_scales < 1:
         raise ValueError(f"eq_n={eq_n} is below the {num_zp} zero points of a {q.bits}-bit grid")
@@ -300,3 +305,41 @@ def search_matmul(qa: UniformQuantizer, qb: UniformQuantizer, a: torch.Tensor, b
         q.set_params(*_official_params(q, *current[which]))
     err = (op(quant("a", *current["a"]), quant("b", *current["b"])) - target).pow(2).mean()
     return {"output_mse": float(err)}
+
+
+@torch.no_grad()
+def search_conv_self(layer: nn.Module, inputs: List[torch.Tensor], *, weight_pct: Tuple[float, float],
+                     act_pct: Tuple[float, float], eq_n: int) -> dict:
+    """The official detection search of a QuantConv2d (see module docstring): no output MSE.
+
+    Args:
+        layer: the quantized convolution (its quantizers are set in place).
+        inputs: its float input of each call ([B, C, H, W], sizes may differ between calls).
+        weight_pct, act_pct: percentile spans of the candidate grids.
+        eq_n: candidates per grid.
+
+    Returns:
+        {"weight_mse": float, "input_mse": float or None} after the search (one host sync).
+    """
+    wq: UniformQuantizer = layer.weight_quantizer
+    aq: Optional[UniformQuantizer] = layer.input_quantizer
+    W = layer.weight.detach().float().reshape(layer.out_channels, -1)
+    w_scales, w_zps = range_grid(W, wq, weight_pct, eq_n, num_zp=2 ** (wq.bits - 1))
+    ws, wz, w_err = best_per_group(lambda s, z: (_fq(W, s[:, None], z[:, None], wq) - W).pow_(2).mean(dim=1),
+                                   w_scales, w_zps)
+    wq.set_params(ws, wz)
+    if hasattr(layer, "invalidate_weight_cache"):
+        layer.invalidate_weight_cache()
+    a_err = None
+    if aq is not None:
+        if aq.channel_dim is not None:
+            raise ValueError(f"{aq.name}: the detection convolution input search is per tensor")
+        xs = [x.float() for x in inputs]
+        # candidates from the percentiles of every value of every call; the error summed over the calls of
+        # each call's mean (the official code sums its per-call similarity)
+        pooled = torch.cat([x.reshape(-1) for x in xs]).reshape(1, -1)
+        a_scales, a_zps = range_grid(pooled, aq, act_pct, eq_n, num_zp=2 ** (aq.bits - 1))
+        a_s, a_z, a_err = best_per_group(
+            lambda s, z: sum((_fq(x, s, z, aq) - x).pow_(2).mean() for x in xs).reshape(1), a_scales, a_zps)
+        aq.set_params(a_s, a_z)
+    return {"weight_mse": float(w_err.mean()), "input_mse": None if a_err is None else float(a_err)}

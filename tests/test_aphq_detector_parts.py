@@ -1,0 +1,224 @@
+"""APHQ's detector parts (quant/aphq/detector.py and what it uses) against independent transcriptions of
+GoatWu/APHQ-ViT `Object-Detection/tools`, on a toy detector in plain torch (no MMDetection needed):
+
+* the APH weight of a backbone unit (`detector_hessians`) against the official mechanism: a block forward
+  that adds +-1e-3, a full backward hook reading grad_output, the RPN loss written out as the official code;
+* the convolution search (`search_conv_self`) against the official candidate grid and self-MSE, by loops;
+* per-image reconstruction (`reconstruct_unit_calls`): its first loss is the official formula, and a
+  batch above 1 is refused;
+* per-image captures (`capture_unit_calls`) keep each image's shape and the unit's extra arguments.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant.aphq.adaround import RoundingSchedule
+from quant.aphq.hessian import binary_kl, detector_hessians, rpn_output_loss
+from quant.aphq.reconstruct import ReconSettings, reconstruct_unit_calls
+from quant.aphq.search import search_conv_self
+from quant.convert import quantize_model
+from quant.spec import LinearRule, QuantizerSpec, QuantSpec
+from quant.units import capture_unit_calls
+
+EPS = 1e-3
+
+
+class Block(nn.Module):
+    """A Swin-like unit: forward(x [B, L, C], hw_shape) -> [B, L, C]."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, c)
+        self.sign = 0.0  # the official perturb_u / perturb_d, for the reference only
+
+    def forward(self, x, hw_shape):
+        out = x + torch.tanh(self.fc(x))
+        return out + self.sign * EPS * torch.ones_like(out)
+
+
+class ToyDetector(nn.Module):
+    """backbone.block then an RPN of two levels (the map and its 2x average pool): 3 anchors, 12 deltas."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.backbone = nn.Module()
+        self.backbone.block = Block(c)
+        self.rpn_cls = nn.Conv2d(c, 3, 1)
+        self.rpn_reg = nn.Conv2d(c, 12, 1)
+        with torch.no_grad():
+            self.rpn_cls.bias.copy_(torch.tensor([2.5, -2.0, 0.0]))  # anchor 0 mostly above 0.7
+
+    def rpn(self, image):
+        b, c, h, w = image.shape
+        x = self.backbone.block(image.flatten(2).transpose(1, 2), (h, w))
+        fmap = x.transpose(1, 2).reshape(b, c, h, w)
+        levels = [fmap, F.avg_pool2d(fmap, 2)]
+        return [self.rpn_cls(f) for f in levels], [self.rpn_reg(f) for f in levels]
+
+
+class Feed:
+    """A SampleFeed with rpn_outputs: images of different sizes, one per batch."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def run(self, model, i):
+        return model.rpn(self.images[i])
+
+    def rpn_outputs(self, model, i):
+        return model.rpn(self.images[i])
+
+
+def images(sizes=((6, 8), (4, 6), (8, 4))):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 4, h, w, generator=g) for h, w in sizes]
+
+
+def official_hessians(model, feed):
+    """The official init_block_raw_grad, transcribed: perturbed forward, full backward hook, loss.backward()."""
+    block = model.backbone.block
+    with torch.no_grad():
+        raw = [model.rpn(img) for img in feed.images]
+    raw_cls = [[torch.sigmoid(c) for c in cls] for cls, _ in raw]
+    raw_box = [box for _, box in raw]
+    got = {1.0: [], -1.0: []}
+    sign_now = {"s": 1.0}
+    handle = block.register_full_backward_hook(lambda m, gi, go: got[sign_now["s"]].append(go[0].clone()))
+    try:
+        for sign in (1.0, -1.0):
+            sign_now["s"] = sign
+            block.sign = sign
+            for i, img in enumerate(feed.images):
+                model.zero_grad()
+                cls, box = model.rpn(img)
+                loss_cls, loss_box = [], []
+                for j in range(len(cls)):
+                    loss_cls.append(binary_kl(torch.sigmoid(cls[j]), raw_cls[i][j]))
+                    mask = (raw_cls[i][j] > 0.7).repeat_interleave(4, dim=1).contiguous()
+                    loss_box.append(F.smooth_l1_loss(box[j] * mask, raw_box[i][j] * mask, reduction="mean"))
+                loss_cls, loss_box = sum(loss_cls), sum(loss_box)
+                (loss_cls / loss_cls.detach() + loss_box / loss_box.detach()).backward()
+    finally:
+        handle.remove()
+        block.sign = 0.0
+    out = []
+    for up, down in zip(got[1.0], got[-1.0]):
+        grad = (up - down).abs()
+        out.append(grad * grad.numel() / grad.sum())
+    return out, (raw_cls, raw_box)
+
+
+def test_detector_aph_weight_equals_the_official_perturbed_backward_hook():
+    torch.manual_seed(0)
+    model = ToyDetector().double()
+    feed = Feed([img.double() for img in images()])
+    expected, (raw_cls, raw_box) = official_hessians(model, feed)
+    model.requires_grad_(False)
+    refs = list(zip(raw_cls, raw_box))
+    got = detector_hessians(model, "backbone.block", feed, feed.rpn_outputs, refs, eps=EPS)
+    assert len(got) == 3
+    for (h,), e in zip(got, expected):
+        assert h.shape == e.shape  # per image, its own size: not averaged over images
+        assert h.dtype == torch.float32
+        assert torch.allclose(h.double(), e, rtol=1e-5, atol=1e-8)
+        assert abs(float(h.double().mean()) - 1.0) < 1e-5
+
+
+def test_rpn_loss_leaves_out_a_zero_box_term_instead_of_dividing_by_it():
+    cls = [torch.tensor([[[[-3.0]], [[-3.0]], [[-3.0]]]], requires_grad=True)]  # nothing above 0.7
+    box = [torch.zeros(1, 12, 1, 1, requires_grad=True)]
+    ref = ([torch.sigmoid(torch.tensor([[[[-2.0]], [[-3.0]], [[-3.0]]]]))], [torch.ones(1, 12, 1, 1)])
+    loss = rpn_output_loss((cls, box), ref)
+    assert torch.isfinite(loss) and abs(float(loss) - 1.0) < 1e-6  # the KL term alone, divided by itself
+
+
+def official_conv_candidates(values, n_bits, eq_n, rows, l=0.999, r=1.0, clamp=None):
+    """calculate_percentile_*_candidates of the official detection conv: per row of `values` [rows, M]."""
+    n_levels = 2 ** (n_bits - 1)
+    num_zp, num_scale = n_levels, int(eq_n / n_levels)
+    pct = torch.tensor([l, r], dtype=values.dtype)
+    up = torch.quantile(values, pct, dim=-1).unsqueeze(-1)
+    lo = torch.quantile(values, 1 - pct, dim=-1).unsqueeze(-1)
+    d_min, d_max = up[0:1] - lo[0:1], up[1:] - lo[1:]
+    splits = torch.linspace(0, 1, num_scale, dtype=values.dtype)[:, None, None] * (d_max - d_min)
+    scales = (d_min + splits).repeat(num_zp, 1, 1) / (2 * n_levels - 1)
+    if clamp is not None:
+        scales = scales.clamp(min=clamp)
+    zps = torch.arange(n_levels - num_zp // 2, n_levels + num_zp // 2, dtype=values.dtype)
+    zps = zps.repeat_interleave(num_scale)[:, None, None].repeat(1, rows, 1)
+    return scales, zps  # [K, rows, 1]
+
+
+def fq(x, s, z, n_bits):
+    return ((x / s).round() + z).clamp(0, 2 ** n_bits - 1).sub(z).mul(s)
+
+
+def test_conv_search_finds_the_official_grid_minimum_for_weights_and_multi_call_inputs():
+    torch.manual_seed(1)
+    layer = nn.Conv2d(6, 5, 3, padding=1)
+    spec = QuantSpec(linears=(LinearRule(("conv",), QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),),
+                     strict=False)
+    model = quantize_model(_Wrap(layer), spec)
+    qconv = model.conv
+    calls = [torch.randn(1, 6, 9, 7) * 2 + 0.3, torch.randn(1, 6, 5, 4) * 2 + 0.3]  # two FPN levels
+    # percentiles from 0.9 (the detection recipe's 0.999 barely moves the range of a 54-weight row)
+    search_conv_self(qconv, calls, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=128)
+
+    W = layer.weight.detach().reshape(5, -1).double()
+    ws, wz = official_conv_candidates(W, 4, 128, 5, l=0.9)
+    errors = torch.stack([(fq(W, ws[k], wz[k], 4) - W).pow(2).mean(1) for k in range(ws.shape[0])])  # [K, 5]
+    got_s = qconv.weight_quantizer.scale.reshape(5, 1).double()
+    got_z = qconv.weight_quantizer.zero_point.reshape(5, 1).double()
+    got_err = (fq(W, got_s, got_z, 4) - W).pow(2).mean(1)
+    assert torch.allclose(got_err, errors.min(0).values, rtol=1e-5)
+
+    pooled = torch.cat([c.reshape(-1) for c in calls]).double().reshape(1, -1)
+    a_s, a_z = official_conv_candidates(pooled, 4, 128, 1, l=0.9, clamp=1e-4)
+    xs = [c.double() for c in calls]
+    a_err = torch.stack([sum((fq(x, a_s[k, 0, 0], a_z[k, 0, 0], 4) - x).pow(2).mean() for x in xs)
+                         for k in range(a_s.shape[0])])
+    aq = qconv.input_quantizer
+    mine = sum((fq(x, aq.scale.double().reshape(()), aq.zero_point.double().reshape(()), 4) - x).pow(2).mean()
+               for x in xs)
+    assert abs(float(mine) - float(a_err.min())) <= 1e-5 * float(a_err.min())
+
+
+class _Wrap(nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+
+def recon_settings(iters=1, batch_size=1, mix=0.0):
+    return ReconSettings(iters=iters, batch_size=batch_size, weight_lr=1e-3, act_lr=4e-5, drop_prob=0.0,
+                         input_mix_prob=mix, rounding=RoundingSchedule(iters, 0.2, 20.0, 2.0, 0.01),
+                         normalize_loss=True, log_every=0)
+
+
+def test_per_image_reconstruction_loss_is_the_official_weighted_sum_and_batches_are_refused():
+    torch.manual_seed(0)
+    model = ToyDetector()
+    feed = Feed(images())
+    spec = QuantSpec(linears=(LinearRule(("backbone.block.fc",), QuantizerSpec(4, granularity="channel"),
+                                         QuantizerSpec(4)),), strict=False)
+    q = quantize_model(model, spec)
+    fp_calls = capture_unit_calls(model, "backbone.block", feed, outputs=True)
+    assert [c.args[0].shape[1] for c in fp_calls] == [48, 24, 32]  # each image keeps its size
+    assert [c.args[1] for c in fp_calls] == [(6, 8), (4, 6), (8, 4)]  # hw_shape passed on as it was
+    from quant.calibrate import calibrate
+    calibrate(q.backbone.block.fc, torch.cat([c.args[0] for c in fp_calls], dim=1))
+    q_calls = capture_unit_calls(q, "backbone.block", feed)
+    hessians = [[torch.rand_like(c.outputs[0]) + 0.5] for c in fp_calls]
+    unit = q.backbone.block
+    with torch.no_grad():
+        expected = float(((unit(q_calls[0].args[0], (6, 8)) - fp_calls[0].outputs[0]).pow(2) * hessians[0][0]).sum())
+    stats = reconstruct_unit_calls(unit, fp_calls, q_calls, hessians, recon_settings())
+    assert abs(stats["rec_first"] - expected) <= 1e-5 * expected
+    with pytest.raises(ValueError, match="batch_size=2"):
+        reconstruct_unit_calls(unit, fp_calls, q_calls, hessians, recon_settings(batch_size=2))
