@@ -11,6 +11,11 @@ fork; MMDetection 3.x spells qkv `attn.w_msa.qkv`, fc1 `ffn.layers.0.0`, the pat
     (RepQ-ViT then folds it into the preceding LayerNorm), otherwise per tensor; a bits;
   * the attention matmuls: q, k, v uniform per tensor, the softmax output log2-quantized; a bits;
   * nothing else (the mask head's ConvTranspose2d is not an nn.Conv2d there and stays float).
+
+The official APHQ-ViT detection code (GoatWu/APHQ-ViT `Object-Detection/tools/quant_utils/wrap_net.py`) differs:
+every nn.Conv2d's input is at a bits except under 'patch_embed' (8 bits, which its layers bypass: float); both
+matmul operands are uniform asymmetric PER HEAD, the softmax output too; weights asymmetric per output channel
+(AdaRound during reconstruction).
 """
 from __future__ import annotations
 
@@ -78,6 +83,39 @@ def test_every_conv_and_linear_is_quantized_as_the_official_detection_code_does(
                 attention.v_quant.bits] == [4, 4, 4, 4]
         kind = type(attention.attn_quant).__name__
         assert kind == ("LogSqrt2Quantizer" if pipeline == "repq" else kind)
+
+
+def test_aphq_quantizes_the_detector_as_the_official_aphq_detection_code_does(detector):
+    from quant import PIPELINES, parse_bits
+    from quant.aphq.adaround import AdaRoundQuantizer
+    from quant.attention import QuantWindowMSA
+    from quant.convert import quantize_model
+    from quant.layers import QuantConv2d, QuantLinear
+    p = PIPELINES["aphq"]
+    assert "detection" in p.tasks
+    qmodel = quantize_model(detector, p.layout(parse_bits("w4a4"), p.Options()))
+    fp_modules = dict(detector.named_modules())
+    checked = 0
+    for name, module in qmodel.named_modules():
+        source = fp_modules.get(name)
+        if isinstance(source, (nn.Conv2d, nn.Linear)):
+            official = official_name(name)
+            assert isinstance(module, (QuantConv2d, QuantLinear)), f"{name} stayed float"
+            wq = module.weight_quantizer
+            assert isinstance(wq, AdaRoundQuantizer) and wq.bits == 4 and wq.channel_dim == 0 and not wq.symmetric
+            if isinstance(source, nn.Conv2d) and "patch_embed" in official:
+                assert module.input_quantizer is None, f"{name}: 8-bit input, bypassed officially"
+            else:
+                aq = module.input_quantizer
+                assert aq.bits == 4 and not aq.symmetric, name
+                per_channel = isinstance(source, nn.Linear) and any(s in official for s in ("qkv", "fc1", "reduction"))
+                assert (aq.channel_dim is not None) == per_channel, name
+            checked += 1
+    assert checked == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in detector.modules())
+    for attention in [m for m in qmodel.modules() if isinstance(m, QuantWindowMSA)]:
+        for q in (attention.q_quant, attention.k_quant, attention.attn_quant, attention.v_quant):
+            assert type(q).__name__ == "UniformQuantizer" and q.bits == 4 and not q.symmetric
+            assert q.channel_dim == 1  # per head: [B, heads, N, d]
 
 
 def test_repq_folds_every_layernorm_that_feeds_a_per_channel_input(detector):

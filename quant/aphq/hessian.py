@@ -128,9 +128,10 @@ def rpn_output_loss(out: RPNOutputs, ref: RPNOutputs) -> torch.Tensor:
         out: raw RPN outputs ([B, A, H, W] logits, [B, 4A, H, W] deltas per level) of the perturbed model.
         ref: the float model's, objectness already a probability (sigmoid).
     """
-    cls = sum(binary_kl(torch.sigmoid(c), r) for c, r in zip(out[0], ref[0]))
+    cls = sum(binary_kl(torch.sigmoid(c), r.to(c.device)) for c, r in zip(out[0], ref[0]))
     reg = 0.0
     for c_ref, b, b_ref in zip(ref[0], out[1], ref[1]):
+        c_ref, b_ref = c_ref.to(b.device), b_ref.to(b.device)  # the float references may be cached elsewhere
         mask = (c_ref > 0.7).repeat_interleave(4, dim=1).to(b.dtype)
         reg = reg + F.smooth_l1_loss(b * mask, b_ref * mask, reduction="mean")
     return sum(term / term.detach() for term in (cls, reg) if isinstance(term, torch.Tensor) and term.detach() != 0)
