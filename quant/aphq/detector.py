@@ -15,12 +15,14 @@ The classification steps (pipeline.py) with the detection code's differences:
 4. Reconstruction, unit by unit: the Swin stem, blocks and patch mergings and the FPN neck, one image per
    iteration in order (reconstruct.py `reconstruct_unit_calls`). The backbone units use the APH weight of
    hessian.py `detector_hessians` (the RPN outputs' binary KL and smooth-L1 under +-1e-3 on the unit output,
-   per image), the neck plain MSE. The RPN and RoI heads are calibrated only: their reconstruction is
+   per image), the neck plain MSE and no QDrop inside its quantizers (the official `set_qdrop` reaches
+   Linear and matmul quantizers only, and the neck has convolutions only). The RPN and RoI heads are calibrated only: their reconstruction is
    commented out in the official code, so they are switched on, as calibrated, at the end.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, List, Protocol, runtime_checkable
 
@@ -130,7 +132,9 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
             q_calls = capture_unit_calls(model, unit.name, samples, store_device=cache)
             module = model.get_submodule(unit.name)
             set_quant_state(module, weights=True, activations=True)
-            stats = reconstruct_unit_calls(module, fp_calls, q_calls, hessians, settings, name=unit.name)
+            # official set_qdrop reaches Linear and matmul quantizers only: the neck's convolutions get no QDrop
+            unit_settings = dataclasses.replace(settings, drop_prob=0.0) if unit.kind == "neck" else settings
+            stats = reconstruct_unit_calls(module, fp_calls, q_calls, hessians, unit_settings, name=unit.name)
             stats = {"unit": unit.name, "kind": unit.kind, "loss": "aph" if hessians else "mse", **stats,
                      "hessian_seconds": hessian_timer.seconds.get("hessian", 0.0)}
             log.info("unit %d/%d %s done: rec %.4g -> %.4g [%.1fs + %.1fs Hessian]", i + 1, len(units), unit.name,
