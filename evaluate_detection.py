@@ -12,7 +12,9 @@ Linear of the backbone, FPN neck, RPN and RoI heads, and both matmuls of every w
 quant/README.md); the mask head's transposed conv stays float. Calibration: `--calib-images` training images
 (default 1, the official RepQ-ViT and APHQ detection setting) with the test pipeline, in one batch. APHQ also
 reconstructs on its own training images (quant/aphq/detector.py) and starts from the official detection
-recipe (configs/quant.py APHQ_DETECTION); `--quant-options aphq.iters=2000 ...` overrides pipeline options.
+recipe (configs/quant.py APHQ_DETECTION); GPLQ trains the activation quantizers with the detection loss for one
+epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`).
+`--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options.
 
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
 `quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
@@ -54,11 +56,12 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  evaluate_detector, load_config, parse_overrides)
+                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
     from engine.checkpoint import weights_fingerprint
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
-    from quant.aphq.detector import check_detector_options
+    from quant.aphq.detector import check_detector_options as check_aphq_options
+    from quant.gplq.detector import check_detector_options as check_gplq_options
     from quant.pipeline_base import parse_options
     from quant.pipeline_data import PipelineData
 
@@ -76,7 +79,9 @@ def main(argv=None) -> dict:
     for name in pipelines:
         parsed = parse_options(PIPELINES[name].Options, options[name])
         if name == "aphq":
-            check_detector_options(parsed)
+            check_aphq_options(parsed)
+        if name == "gplq":
+            check_gplq_options(parsed)
         for b in bits:
             PIPELINES[name].check(parse_bits(b), parsed)
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
@@ -103,7 +108,10 @@ def main(argv=None) -> dict:
           f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
     feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo else None
-    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed))
+    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
+                        train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1,
+                                                                                               work_dir),
+                        work_prefix=os.path.splitext(out)[0])
     for name, b in todo:
         print(f"{name} {b} ...", flush=True)
         entry = evaluate_quantized(name, model, feed, b, eval_fn=lambda q: evaluate_detector(q, cfg, loader),
@@ -128,18 +136,21 @@ def pipeline_options(items, pipelines, parse) -> dict:
         if not option or name not in pipelines:
             raise ValueError(f"--quant-options {key}: give PIPELINE.KEY=VALUE for a pipeline that runs "
                              f"({', '.join(pipelines)})")
-        if option == "calib_images":
+        if option in ("calib_images", "init_images"):
             raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
         by_pipeline.setdefault(name, {})[option] = value
     return by_pipeline
 
 
 def detection_defaults(name: str, args) -> dict:
-    """The options a pipeline starts from on a detector: APHQ's detection recipe (configs/quant.py)."""
-    if name != "aphq":
-        return {}
-    from configs.quant import APHQ_DETECTION
-    return {**APHQ_DETECTION, "calib_images": args.calib_images}
+    """The options a pipeline starts from on a detector: APHQ's and GPLQ's detection recipes (configs/quant.py),
+    with their calibration / initialisation images the --calib-images batch."""
+    from configs.quant import APHQ_DETECTION, GPLQ_DETECTION
+    if name == "aphq":
+        return {**APHQ_DETECTION, "calib_images": args.calib_images}
+    if name == "gplq":
+        return {**GPLQ_DETECTION, "init_images": args.calib_images}
+    return {}
 
 
 def settings(args, options=None) -> dict:

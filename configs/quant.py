@@ -166,6 +166,16 @@ class GPLQOptions(FirstLastOptions):
     qwt_target: Literal["float", "w32a4", "teacher"] = "float"
 
 
+# GPLQ's COCO setting (GPLQ paper, arXiv 2506.11784: one epoch at batch 1 per GPU, no PCA loss): the options that
+# differ from the classification defaults above. evaluate_detection.py starts from these, with init_images set
+# from its --calib-images (the LSQ initialisation pass is that batch); `gplq.<key>=value` overrides them.
+GPLQ_DETECTION = dict(
+    batch_size_per_gpu=1,
+    pca_weight=0.0,
+    stage2_train_transform=False,  # QwT images get the detector's test pipeline
+)
+
+
 
 @dataclass
 class FloatEndsOptions(FirstLastOptions):

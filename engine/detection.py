@@ -19,6 +19,7 @@ import difflib
 import importlib
 import inspect
 import io
+import json
 import os
 import random
 import time
@@ -36,6 +37,7 @@ try:
     from mmengine.evaluator import Evaluator
     from mmengine.dataset import pseudo_collate
     from mmengine.registry import init_default_scope
+    from mmengine.optim import AmpOptimWrapper, OptimWrapper
     from mmengine.runner import Runner
     from mmdet.registry import DATASETS, METRICS, MODELS
 except ImportError as e:  # pragma: no cover - the message is the point
@@ -279,6 +281,70 @@ class DetectorSamples:
         """The raw RPN outputs (objectness logits, box deltas per FPN level) of image `index`, with gradients."""
         data = model.data_preprocessor(self.batches[index], False)
         return model.rpn_head(model.extract_feat(data["inputs"]))
+
+
+# -- GPLQ stage 1 ---------------------------------------------------------------------------------------
+
+STAGE1_IDENTITY = "gplq_stage1.json"
+
+
+def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, Any],
+                         work_dir: Optional[str]) -> Dict[str, Any]:
+    """GPLQ stage 1 on a detector (quant/gplq/detector.py): train `student` in place on its own detection loss
+    with MMEngine's runner over the config's training loader at `batch_size_per_gpu`, AdamW with the given
+    param groups at a constant lr, one epoch (or `steps` iterations), AMP as asked; checkpoints every
+    `ckpt_every` iterations into `work_dir`, and a later call with the same identity resumes from them.
+
+    The folder holds `gplq_stage1.json` (the run's identity: bits, options, float weights); a folder written by
+    another run, or one that is not a GPLQ stage-1 folder, is refused and left as it is.
+    """
+    if work_dir is None:
+        raise DetectionError("GPLQ stage 1 on a detector writes resumable checkpoints: give it a work folder")
+    identity = json.loads(json.dumps(settings["identity"]))  # plain types, comparable with the stored file
+    identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
+    if os.path.isdir(work_dir) and os.listdir(work_dir):
+        if not os.path.isfile(identity_path):
+            raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
+                                 "missing): move it away")
+        with open(identity_path) as f:
+            stored = json.load(f)
+        if stored != identity:
+            raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
+                                 f"settings, or move the folder away to start stage 1 anew (now: {identity})")
+    else:
+        os.makedirs(work_dir, exist_ok=True)
+        with open(identity_path, "w") as f:
+            json.dump(identity, f, indent=1)
+    resume = os.path.isfile(os.path.join(work_dir, "last_checkpoint"))
+    if resume:  # the run's own files (identity checked above); MMEngine 0.10 pickles numpy objects
+        os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+    loader = copy.deepcopy(cfg.train_dataloader)
+    loader["batch_size"] = settings["batch_size_per_gpu"]
+    steps = settings["steps"]
+    train_cfg = (dict(type="EpochBasedTrainLoop", max_epochs=1) if steps is None
+                 else dict(type="IterBasedTrainLoop", max_iters=steps))
+    optimizer = torch.optim.AdamW(settings["param_groups"], lr=settings["lr"],
+                                  weight_decay=settings["weight_decay"])
+    amp = settings["amp"]
+    wrapper = (AmpOptimWrapper(optimizer=optimizer, dtype="float16" if amp == "fp16" else "bfloat16")
+               if amp != "none" else OptimWrapper(optimizer=optimizer))
+    every = settings["ckpt_every"] or 10 ** 9
+    hooks = dict(timer=dict(type="IterTimerHook"), logger=dict(type="LoggerHook", interval=settings["log_every"]),
+                 param_scheduler=dict(type="ParamSchedulerHook"), sampler_seed=dict(type="DistSamplerSeedHook"),
+                 checkpoint=dict(type="CheckpointHook", by_epoch=False, interval=every, save_last=True))
+    student.is_init = True  # the runner would otherwise re-initialise the detector (init_cfg) before training
+    runner = Runner(model=student, work_dir=work_dir, train_dataloader=loader, train_cfg=train_cfg,
+                    optim_wrapper=wrapper, default_hooks=hooks, randomness=dict(seed=settings["seed"]),
+                    resume=resume, default_scope=cfg.get("default_scope", "mmdet"), env_cfg=cfg.get("env_cfg"),
+                    log_processor=cfg.get("log_processor"),
+                    experiment_name=f"gplq_stage1_{time.strftime('%Y%m%d_%H%M%S')}_{time.time_ns() % 10 ** 9}")
+    start = time.perf_counter()
+    runner.train()
+    loss = runner.message_hub.get_scalar("train/loss").current() if "train/loss" in runner.message_hub.log_scalars \
+        else None
+    return {"steps": runner.iter, "seconds": round(time.perf_counter() - start, 3), "resumed": resume,
+            "loss": None if loss is None else float(loss), "work_dir": os.path.abspath(work_dir)}
 
 
 # -- evaluation ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ distributed run sees the same images from `train_images`; `train_loader` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -38,12 +38,16 @@ class PipelineData:
     detector_samples: (count, seed) -> `count` training images of a detector drawn with `seed`, one per
         batch (quant.aphq.detector.DetectorSamples; evaluate_detection.py builds it). Given instead of
         train_images for a model that is not called on an image tensor.
+    train_detector: (student, settings, work_dir) -> report: trains a detector in place on its own loss
+        with MMDetection's runner (GPLQ stage 1; engine/detection.py `train_activation_qat`), resuming from
+        the checkpoints in work_dir.
     """
 
     train_images: Optional[Callable[[int, int, bool], torch.Tensor]] = None
     train_loader: Optional[Callable[[int, int], TrainBatches]] = None
     work_prefix: Optional[str] = None
     detector_samples: Optional[Callable[[int, int], Any]] = None
+    train_detector: Optional[Callable[[Any, Dict[str, Any], Optional[str]], Dict[str, Any]]] = None
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

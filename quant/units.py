@@ -248,18 +248,23 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-@torch.no_grad()
-def capture_unit_calls(model: nn.Module, name: str, feed: SampleFeed, *, outputs: bool = False,
-                       store_device: Optional[torch.device] = None) -> List[UnitCall]:
-    """The arguments (and with `outputs` the output tensors) of unit `name` for each batch of `feed`, in the
-    model's current quantizer state: per sample, since a detector's images differ in size."""
-    store = store_device or device_of(model)
+def for_each_call(model: nn.Module, name: str, feed: SampleFeed,
+                  consume: Callable[[tuple, Any], None]) -> int:
+    """Run each batch of `feed` through `model` up to unit `name` and hand the unit's positional arguments and
+    output to `consume(args, output)` (nothing is stored here); calls that `consume` itself makes to the unit
+    (a reference forward) are not handed on. Returns the number of calls, which must be one per batch."""
     module = model.get_submodule(name)
-    calls: List[UnitCall] = []
+    state = {"calls": 0, "busy": False}
 
     def hook(_mod: nn.Module, args: tuple, out: Any) -> None:
-        keep = map_tensors(args, lambda t: t.detach().to(store))
-        calls.append(UnitCall(keep, [t.detach().to(store) for t in output_tensors(out)] if outputs else None))
+        if state["busy"]:
+            return
+        state["busy"] = True
+        try:
+            consume(args, out)
+        finally:
+            state["busy"] = False
+        state["calls"] += 1
         raise _StopForward
 
     handle = module.register_forward_hook(hook)
@@ -267,8 +272,25 @@ def capture_unit_calls(model: nn.Module, name: str, feed: SampleFeed, *, outputs
         _forward_until_stop(model, feed, 1, device_of(model))
     finally:
         handle.remove()
-    if len(calls) != len(feed):
-        raise RuntimeError(f"unit {name} ran {len(calls)} times over {len(feed)} batches (once per batch expected)")
+    if state["calls"] != len(feed):
+        raise RuntimeError(f"unit {name} ran {state['calls']} times over {len(feed)} batches (once per batch "
+                           "expected)")
+    return state["calls"]
+
+
+@torch.no_grad()
+def capture_unit_calls(model: nn.Module, name: str, feed: SampleFeed, *, outputs: bool = False,
+                       store_device: Optional[torch.device] = None) -> List[UnitCall]:
+    """The arguments (and with `outputs` the output tensors) of unit `name` for each batch of `feed`, in the
+    model's current quantizer state: per sample, since a detector's images differ in size."""
+    store = store_device or device_of(model)
+    calls: List[UnitCall] = []
+
+    def keep(args: tuple, out: Any) -> None:
+        calls.append(UnitCall(map_tensors(args, lambda t: t.detach().to(store)),
+                              [t.detach().to(store) for t in output_tensors(out)] if outputs else None))
+
+    for_each_call(model, name, feed, keep)
     return calls
 
 

@@ -251,6 +251,54 @@ def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_
         "iters": 2, "recon_images": 2}
 
 
+def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compensates_the_backbone(
+        sample, trained, tmp_path):
+    """GPLQ on the sample detector: stage 1 through MMEngine's runner on the detection loss (lr 0 leaves every
+    float weight as it was: the runner did not re-initialise the detector; a positive lr moves them), its folder
+    resumed by the same run and refused to another, QwT on every backbone block; evaluate_detection scores it."""
+    from engine.detection import DetectionError, DetectorFeed, DetectorSamples, build_detector, load_config, \
+        train_activation_qat
+    from evaluate_detection import main
+    from quant import PIPELINES
+    from quant.gplq.qwt import is_compensated
+    from quant.pipeline_data import PipelineData
+    from configs.quant import GPLQ_DETECTION
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    model = build_detector(cfg, trained, torch.device("cpu"))
+    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
+                        train_detector=lambda student, stage1, work: train_activation_qat(student, cfg, stage1, work),
+                        work_prefix=str(tmp_path / "eval"))
+    options = {**GPLQ_DETECTION, "init_images": 1, "steps": 2, "stage2_images": 2, "lr": 0.0, "scale_lr": 0.0}
+    quantized, report = PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
+    fp = dict(model.named_parameters())
+    moved = [n for n, p in quantized.named_parameters() if n in fp and not torch.equal(p, fp[n])]
+    assert not moved, moved[:4]
+    assert report["stage1"]["steps"] == 2 and report["stage1"]["resumed"] is False
+    blocks = [n for n, _ in model.named_modules() if n.count(".") == 4 and ".blocks." in n]
+    assert [b["unit"] for b in report["qwt"]["blocks"]] == blocks
+    for stats in report["qwt"]["blocks"]:
+        assert is_compensated(quantized.get_submodule(stats["unit"])) == stats["kept"]
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    assert (folder / "last_checkpoint").is_file() and (folder / "gplq_stage1.json").is_file()
+
+    _, again = PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
+    assert again["stage1"]["resumed"] is True and again["stage1"]["steps"] == 2
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(DetectionError, match="another run"):
+        PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", {**options, "steps": 3}, data=data)
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+    out = tmp_path / "trained.json"
+    result = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
+                   "--quant", "gplq", "--quant-options", "gplq.steps=2", "gplq.stage2_images=2", "gplq.lr=0.001"])
+    assert 0.0 <= result["quant"]["gplq"]["w4a4"]["bbox_mAP"] <= 1.0
+    stage1 = tmp_path / "trained_gplq_w4a4_stage1"
+    written = (stage1 / "last_checkpoint").read_text().strip()
+    after = torch.load(written, map_location="cpu", weights_only=False)["state_dict"]
+    key = "backbone.stages.0.blocks.0.attn.w_msa.qkv.weight"
+    assert not torch.equal(after[key], fp[key].detach())  # lr 1e-3: stage 1 trained the float weights
+
+
 def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained, tmp_path):
     from evaluate_detection import main
     base = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(tmp_path / "x.json")]
@@ -259,9 +307,11 @@ def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained
                              (["aphq.batch_size=2"], "one image per batch"),
                              (["aphq.iter=2"], "did you mean iters"),
                              (["repq.x=1"], "for a pipeline that runs"),
+                             (["gplq.pca_weight=1.0"], "without the PCA loss"),
+                             (["gplq.init_images=4"], "--calib-images"),
                              (["iters=1"], "PIPELINE.KEY=VALUE")):
         with pytest.raises(ValueError, match=message):
-            main(base + ["--quant", "aphq", "--quant-options", *options])
+            main(base + ["--quant", "aphq", "gplq", "--quant-options", *options])
     assert not (tmp_path / "x.json").exists()
 
 

@@ -22,6 +22,9 @@ Stage 2, Weight-PTQ (W32A4 -> W4A4):
 * QwT (qwt.py): per Transformer block in order, least-squares linear compensation fitted on
   `stage2_images` (512) images from the quantized + compensated prefix, kept only where it helps.
 
+A detector (`PipelineData.detector_samples`) goes through detector.py: the detection loss instead of CE + PCA,
+MMDetection's runner for stage 1, QwT on the backbone's blocks.
+
 Details the paper leaves open, our choices (all options; see quant/README.md):
 * matmul operands q, k, v and the softmax output are quantized per HEAD with LSQ (symmetric, so the
   non-negative softmax uses codes 0..7); `matmul_operands=False` keeps both matmuls float;
@@ -57,6 +60,7 @@ from ..pipeline_data import PipelineData, require_data
 from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit, find_units
+from .detector import quantize_detector
 from .lsq import LSQQuantizer
 from .pca import fit_pca
 from .qat import Stage1Settings, run_stage1
@@ -78,6 +82,7 @@ def default_lr(global_batch: int) -> float:
 class GPLQPipeline(Pipeline):
     name = "gplq"
     Options = GPLQOptions
+    tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
     data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
@@ -94,8 +99,11 @@ class GPLQPipeline(Pipeline):
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPLQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
+        data = require_data(self.name, data, loader=data is None or data.detector_samples is None)
+        if data.detector_samples is not None:
+            return quantize_detector(self.layout(bits, options), fp_model, calib_images, bits, options, data,
+                                     default_lr)
         del calib_images  # GPLQ draws its own training images from `data`
-        data = require_data(self.name, data, loader=True)
         timer = StageTimer()
         device = next(fp_model.parameters()).device
         with isolated_rng(options.seed, device):

@@ -66,16 +66,16 @@ class Stage1Settings:
     seed: int
 
 
-def _param_groups(student: nn.Module, settings: Stage1Settings) -> list:
+def param_groups(student: nn.Module, lr: float, scale_lr: float, weight_decay: float) -> list:
     """Weights (all float parameters) and LSQ scales (parameters inside quantizers), no decay on scales."""
     scale_ids = {id(p) for m in student.modules() if isinstance(m, Quantizer)
                  for p in m.parameters(recurse=False)}
     params = [p for p in student.parameters() if p.requires_grad]
     weights = [p for p in params if id(p) not in scale_ids]
     scales = [p for p in params if id(p) in scale_ids]
-    groups = [{"params": weights, "lr": settings.lr, "weight_decay": settings.weight_decay}]
+    groups = [{"params": weights, "lr": lr, "weight_decay": weight_decay}]
     if scales:
-        groups.append({"params": scales, "lr": settings.scale_lr, "weight_decay": 0.0})
+        groups.append({"params": scales, "lr": scale_lr, "weight_decay": 0.0})
     return groups
 
 
@@ -110,8 +110,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     if world > 1:
         train_model = nn.parallel.DistributedDataParallel(
             tap, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(_param_groups(student, settings), lr=settings.lr,
-                                  weight_decay=settings.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(student, settings.lr, settings.scale_lr, settings.weight_decay),
+                                  lr=settings.lr, weight_decay=settings.weight_decay)
     scaler = grad_scaler(settings.amp, device)
     state = TrainState()
     resumed_from = None

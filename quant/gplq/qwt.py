@@ -22,6 +22,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 
+from ..units import SampleFeed, for_each_call
+
 
 COMPENSATION = "qwt_compensation"  # child name of the compensation Linear inside a compensated block
 
@@ -131,6 +133,34 @@ def fit_block_compensation(x: torch.Tensor, quantized: Callable[[torch.Tensor], 
     if stats is None:
         raise ValueError("no samples to fit the compensation on")
     return stats.solve(ridge)
+
+
+@torch.no_grad()
+def fit_block_compensation_streamed(model: nn.Module, unit: str, feed: SampleFeed,
+                                    reference: Callable[..., torch.Tensor], ridge: float = 0.0) -> CompensationFit:
+    """`fit_block_compensation` for a model run through a `SampleFeed` (a detector: images of different sizes,
+    Swin blocks called as block(x, hw_shape)): for each batch, X = the input of block `unit` from the quantized,
+    compensated prefix and D = reference(*args) - the block's own output, accumulated without storing them.
+
+    Args:
+        model: the quantized model (its prefix already compensated).
+        unit: FQN of the block.
+        feed: the fitting images.
+        reference: (*block args) -> reference output (same shape as the block's).
+        ridge: L2 penalty on W.
+    """
+    found: Dict[str, _NormalEquations] = {}
+
+    def accumulate(args: tuple, out: torch.Tensor) -> None:
+        d = reference(*args) - out
+        if "stats" not in found:
+            found["stats"] = _NormalEquations(args[0].shape[-1], d.shape[-1], d.device)
+        found["stats"].add(args[0], d)
+
+    for_each_call(model, unit, feed, accumulate)
+    if "stats" not in found:
+        raise ValueError("no samples to fit the compensation on")
+    return found["stats"].solve(ridge)
 
 
 def fit_report(fit: CompensationFit) -> Dict[str, float]:

@@ -1,0 +1,135 @@
+"""GPLQ on an MMDetection detector: activation QAT with the detection loss, then weight PTQ + QwT.
+
+The GPLQ paper (arXiv 2506.11784) gives for COCO only what differs from ImageNet: one epoch at batch 1 per
+GPU, no PCA loss. Everything else is the classification procedure (pipeline.py), with these choices:
+
+1. Layout: GPLQ's (pipeline.py) over the whole detector in the official RepQ-ViT / APHQ detection scope
+   (quant/spec.py `DETECTOR_HEADS`): LSQ activations, symmetric per channel (conv inputs: per input
+   channel), matmul operands per head; the stem's image input at 8 bits (FirstLastOptions).
+2. LSQ initialisation: one pass over the caller's calibration batch (`evaluate_detection.py --calib-images`,
+   so `init_images` is that count), min/max per channel, percentiles for the matmul operands.
+3. Stage 1 (W32A4): every float weight and every LSQ scale trained on the detector's own loss
+   (RPN + RoI box + mask) by MMEngine's runner (`PipelineData.train_detector`, engine/detection.py): AdamW at a
+   constant lr (default as the paper's GPU table for the global batch), one epoch by default, batch 1 per
+   GPU, resumable from the checkpoints in `<work prefix>_gplq_<bits>_stage1/`.
+4. Stage 2 (W4A4): activation quantizers frozen, weights per output channel (symmetric, percentile-MSE),
+   then QwT on every Swin block of the backbone in order, fitted on `stage2_images` training images with the
+   test pipeline, one per batch, streamed (`fit_block_compensation_streamed`); kept where R^2 > 0.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import fields
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from configs.quant import GPLQOptions
+from engine.checkpoint import weights_fingerprint
+
+from ..calibrate import calibrate, refit_weight_quantizers
+from ..convert import quantize_model, quantized_layers
+from ..modes import named_quantizers, quant_state, set_quant_state
+from ..pipeline_base import PTQResult, StageTimer, pipeline_report
+from ..pipeline_data import PipelineData
+from ..spec import Bits, QuantSpec
+from ..units import SampleFeed, find_units
+from .qat import param_groups
+from .qwt import add_compensation, fit_block_compensation_streamed, fit_report
+
+log = logging.getLogger("quant.gplq")
+
+# the options a resumed stage 1 must share with the run that wrote its checkpoints
+STAGE1_OPTIONS = ("steps", "batch_size_per_gpu", "lr", "scale_lr", "weight_decay", "act_granularity",
+                  "matmul_operands", "matmul_percentile", "amp", "seed", "init_images", "stem_w_bits",
+                  "stem_a_bits", "head_w_bits", "head_a_bits")
+
+
+def check_detector_options(options: GPLQOptions, calib_count: Optional[int] = None) -> None:
+    """Refuse the GPLQ options that have no detector form here (before any work)."""
+    if options.pca_weight != 0:
+        raise ValueError(f"pca_weight={options.pca_weight}: GPLQ trains a detector without the PCA loss (the "
+                         "paper's COCO setting); set pca_weight=0")
+    if options.stage2_train_transform:
+        raise ValueError("stage2_train_transform=True: a detector's QwT images get the test pipeline; set it False")
+    if calib_count is not None and options.init_images != calib_count:
+        raise ValueError(f"init_images={options.init_images} but the calibration batch holds {calib_count} "
+                         "images: a detector's LSQ initialisation is that batch (evaluate_detection.py "
+                         "--calib-images)")
+
+
+def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: Bits, options: GPLQOptions,
+                      data: PipelineData, default_lr) -> PTQResult:
+    """GPLQ on a detector (module docstring); `layout` is GPLQPipeline.layout(bits, options), `default_lr` the
+    paper's lr rule for a global batch."""
+    if not isinstance(calib, SampleFeed):
+        raise ValueError("GPLQ on a detector initialises on a units.SampleFeed (evaluate_detection.py's "
+                         "DetectorFeed), not on an image tensor")
+    check_detector_options(options, getattr(calib, "count", None))
+    if data.train_detector is None:
+        raise ValueError("GPLQ on a detector trains it: PipelineData.train_detector is required")
+    timer = StageTimer()
+    device = next(fp_model.parameters()).device
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    teacher = copy.deepcopy(fp_model).eval().requires_grad_(False) if options.qwt_target == "teacher" else None
+    with timer("init", device):
+        model = quantize_model(fp_model, layout)
+        set_quant_state(model, weights=False)  # W32 in stage 1
+        calibrate(model, calib)
+        for _, q in named_quantizers(model, "activation"):
+            q.make_learnable(scale=True)
+            q.search_label = "LSQ"
+        model.requires_grad_(True)
+    lr = options.lr if options.lr is not None else default_lr(options.batch_size_per_gpu * world)
+    scale_lr = options.scale_lr if options.scale_lr is not None else lr
+    settings = {"steps": options.steps, "batch_size_per_gpu": options.batch_size_per_gpu, "lr": lr,
+                "scale_lr": scale_lr, "weight_decay": options.weight_decay,
+                "param_groups": param_groups(model, lr, scale_lr, options.weight_decay), "amp": options.amp, "log_every": options.log_every,
+                "ckpt_every": options.ckpt_every, "seed": options.seed,
+                "identity": {"pipeline": "gplq", "bits": str(bits),
+                             "fp_model": weights_fingerprint(fp_model.state_dict()),
+                             "options": {f.name: getattr(options, f.name) for f in fields(options)
+                                         if f.name in STAGE1_OPTIONS}}}
+    with timer("stage1", device):
+        stage1 = data.train_detector(model, settings, data.work_path(f"_gplq_{bits}_stage1"))
+    model.eval().requires_grad_(False)
+
+    with timer("weights", device):
+        set_quant_state(model, weights=True)
+        n_weights = refit_weight_quantizers(quantized_layers(model))
+    qwt_stats = []
+    if options.qwt:
+        with timer("qwt", device):
+            samples = data.detector_samples(options.stage2_images, options.seed)
+            qwt_stats = _compensate(model, teacher, samples, options)
+    report = pipeline_report(
+        "gplq", model, bits, options, stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
+        weights_refit=n_weights,
+        qwt={"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
+             "images": options.stage2_images if options.qwt else 0, "target": options.qwt_target})
+    report["seconds"] = timer.seconds
+    return PTQResult(model, report)
+
+
+def _compensate(model: nn.Module, teacher: Optional[nn.Module], samples: SampleFeed, options: GPLQOptions) -> list:
+    """QwT over the backbone's Swin blocks in order; each fit sees the compensated prefix."""
+    stats = []
+    for unit in find_units(model, kinds=("block",)):
+        block = model.get_submodule(unit.name)
+        if options.qwt_target == "teacher":
+            reference = teacher.get_submodule(unit.name)
+        else:
+            acts = None if options.qwt_target == "w32a4" else False
+
+            def reference(*args, block: nn.Module = block, acts: Optional[bool] = acts) -> torch.Tensor:
+                with quant_state(block, weights=False, activations=acts):
+                    return block(*args)
+        fit = fit_block_compensation_streamed(model, unit.name, samples, reference, options.qwt_ridge)
+        if fit.keep:
+            add_compensation(block, fit.weight, fit.bias)
+        stats.append({"unit": unit.name, **fit_report(fit)})
+        log.info("GPLQ QwT %s: R2 %.4f, block error %.4g -> %.4g (%s)", unit.name, fit.r2, fit.sse_before,
+                 fit.sse_after, "kept" if fit.keep else "dropped")
+    return stats
