@@ -176,7 +176,6 @@ GPLQ_DETECTION = dict(
 )
 
 
-
 @dataclass
 class FloatEndsOptions(FirstLastOptions):
     """Stem (patch embedding) and head in float: the only setting of rtn / gptq / smoothquant(_strict).

@@ -118,6 +118,34 @@ def test_aphq_quantizes_the_detector_as_the_official_aphq_detection_code_does(de
             assert q.channel_dim == 1  # per head: [B, heads, N, d]
 
 
+def test_gplq_quantizes_the_same_layers_with_lsq_activations(detector):
+    """GPLQ has no official detection code: it takes the same scope, with its own quantizers (LSQ activations
+    symmetric per channel, 8-bit stem input; per-head matmul operands; symmetric per-channel weights)."""
+    from quant import PIPELINES, parse_bits
+    from quant.attention import QuantWindowMSA
+    from quant.convert import quantize_model
+    from quant.gplq.lsq import LSQQuantizer
+    from quant.layers import QuantConv2d, QuantLinear
+    p = PIPELINES["gplq"]
+    assert "detection" in p.tasks
+    qmodel = quantize_model(detector, p.layout(parse_bits("w4a4"), p.Options()))
+    fp_modules = dict(detector.named_modules())
+    checked = 0
+    for name, module in qmodel.named_modules():
+        source = fp_modules.get(name)
+        if isinstance(source, (nn.Conv2d, nn.Linear)):
+            assert isinstance(module, (QuantConv2d, QuantLinear)), f"{name} stayed float"
+            wq, aq = module.weight_quantizer, module.input_quantizer
+            assert wq.bits == 4 and wq.channel_dim == 0 and wq.symmetric, name
+            assert isinstance(aq, LSQQuantizer) and aq.symmetric and aq.channel_dim is not None, name
+            assert aq.bits == (8 if isinstance(source, nn.Conv2d) and "patch_embed" in name else 4), name
+            checked += 1
+    assert checked == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in detector.modules())
+    for attention in [m for m in qmodel.modules() if isinstance(m, QuantWindowMSA)]:
+        for q in (attention.q_quant, attention.k_quant, attention.attn_quant, attention.v_quant):
+            assert isinstance(q, LSQQuantizer) and q.bits == 4 and q.channel_dim == 1
+
+
 def test_repq_folds_every_layernorm_that_feeds_a_per_channel_input(detector):
     """RepQ-ViT's official detection code folds norm1 -> qkv, norm2 -> fc1 and the PatchMerging norm -> reduction
     inside the backbone's stages (not the output norms); the fold sites found in MMDetection's Swin are those."""

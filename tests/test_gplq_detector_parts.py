@@ -1,0 +1,76 @@
+"""GPLQ's detector parts in plain torch (no MMDetection needed): QwT fitted by streaming a model through a
+`SampleFeed` (images of different sizes, blocks called as block(x, hw_shape)) equals the least-squares fit
+computed directly on the pooled tokens, and a reference that calls the block itself inside the stream is not
+counted as another call."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quant.gplq.qwt import fit_block_compensation_streamed
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, x, hw_shape):
+        assert x.shape[1] == hw_shape[0] * hw_shape[1]
+        return x + torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, c: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Linear(3, c)
+        self.blocks = nn.ModuleList([Block(c), Block(c)])
+
+    def forward(self, image):
+        b, _, h, w = image.shape
+        x = self.stem(image.flatten(2).transpose(1, 2))
+        for block in self.blocks:
+            x = block(x, (h, w))
+        return x
+
+
+class Feed:
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def run(self, model, i):
+        return model(self.images[i])
+
+
+def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens():
+    torch.manual_seed(0)
+    net = Net().double()
+    reference_block = Block(5).double()  # the "float" block the compensation moves towards
+    images = [torch.randn(1, 3, h, w, dtype=torch.float64) for h, w in ((3, 4), (5, 2), (2, 2))]
+    calls = []
+
+    def reference(x, hw):
+        calls.append(hw)
+        return reference_block(x, hw)
+
+    fit = fit_block_compensation_streamed(net, "blocks.1", Feed(images), reference)
+    assert calls == [(3, 4), (5, 2), (2, 2)]
+
+    xs, ds = [], []
+    with torch.no_grad():
+        for image in images:
+            _, _, h, w = image.shape
+            x = net.blocks[0](net.stem(image.flatten(2).transpose(1, 2)), (h, w))[0]
+            xs.append(x)
+            ds.append(reference_block(x[None], (h, w))[0] - net.blocks[1](x[None], (h, w))[0])
+    X, D = torch.cat(xs), torch.cat(ds)
+    A = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], dim=1)
+    solution = torch.linalg.lstsq(A, D).solution
+    assert torch.allclose(fit.weight.double(), solution[:-1].t(), atol=1e-4)
+    assert torch.allclose(fit.bias.double(), solution[-1], atol=1e-4)
+    sse = float((A @ solution - D).pow(2).sum())
+    sst = float((D - D.mean(0)).pow(2).sum())
+    assert abs(fit.r2 - (1 - sse / sst)) < 1e-6
