@@ -92,3 +92,21 @@ def train_on_digits(model_name: str, steps: int = 300, lr: float = 3e-3, seed: i
 def top1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         return 100.0 * (model(x).argmax(1) == y).float().mean().item()
+
+
+class ImageFeed:
+    """A `quant.units.SampleFeed` of images of different sizes, one per batch, as a detector's: `run` calls
+    `model.forward_image(image)` when the model has it (a toy detector's RPN), else `model(image)`."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def run(self, model, i):
+        forward = getattr(model, "forward_image", model)
+        return forward(self.images[i])
+
+    def rpn_outputs(self, model, i):
+        return model.forward_image(self.images[i])

@@ -22,6 +22,7 @@ from quant.aphq.search import search_conv_self
 from quant.convert import quantize_model
 from quant.spec import LinearRule, QuantizerSpec, QuantSpec
 from quant.units import capture_unit_calls
+from quant_models import ImageFeed
 
 EPS = 1e-3
 
@@ -51,28 +52,12 @@ class ToyDetector(nn.Module):
         with torch.no_grad():
             self.rpn_cls.bias.copy_(torch.tensor([2.5, -2.0, 0.0]))  # anchor 0 mostly above 0.7
 
-    def rpn(self, image):
+    def forward_image(self, image):
         b, c, h, w = image.shape
         x = self.backbone.block(image.flatten(2).transpose(1, 2), (h, w))
         fmap = x.transpose(1, 2).reshape(b, c, h, w)
         levels = [fmap, F.avg_pool2d(fmap, 2)]
         return [self.rpn_cls(f) for f in levels], [self.rpn_reg(f) for f in levels]
-
-
-class Feed:
-    """A SampleFeed with rpn_outputs: images of different sizes, one per batch."""
-
-    def __init__(self, images):
-        self.images = images
-
-    def __len__(self):
-        return len(self.images)
-
-    def run(self, model, i):
-        return model.rpn(self.images[i])
-
-    def rpn_outputs(self, model, i):
-        return model.rpn(self.images[i])
 
 
 def images(sizes=((6, 8), (4, 6), (8, 4))):
@@ -84,7 +69,7 @@ def official_hessians(model, feed):
     """The official init_block_raw_grad, transcribed: perturbed forward, full backward hook, loss.backward()."""
     block = model.backbone.block
     with torch.no_grad():
-        raw = [model.rpn(img) for img in feed.images]
+        raw = [model.forward_image(img) for img in feed.images]
     raw_cls = [[torch.sigmoid(c) for c in cls] for cls, _ in raw]
     raw_box = [box for _, box in raw]
     got = {1.0: [], -1.0: []}
@@ -96,7 +81,7 @@ def official_hessians(model, feed):
             block.sign = sign
             for i, img in enumerate(feed.images):
                 model.zero_grad()
-                cls, box = model.rpn(img)
+                cls, box = model.forward_image(img)
                 loss_cls, loss_box = [], []
                 for j in range(len(cls)):
                     loss_cls.append(binary_kl(torch.sigmoid(cls[j]), raw_cls[i][j]))
@@ -117,7 +102,7 @@ def official_hessians(model, feed):
 def test_detector_aph_weight_equals_the_official_perturbed_backward_hook():
     torch.manual_seed(0)
     model = ToyDetector().double()
-    feed = Feed([img.double() for img in images()])
+    feed = ImageFeed([img.double() for img in images()])
     expected, (raw_cls, raw_box) = official_hessians(model, feed)
     model.requires_grad_(False)
     refs = list(zip(raw_cls, raw_box))
@@ -204,7 +189,7 @@ def recon_settings(iters=1, batch_size=1, mix=0.0):
 def test_per_image_reconstruction_loss_is_the_official_weighted_sum_and_batches_are_refused():
     torch.manual_seed(0)
     model = ToyDetector()
-    feed = Feed(images())
+    feed = ImageFeed(images())
     spec = QuantSpec(linears=(LinearRule(("backbone.block.fc",), QuantizerSpec(4, granularity="channel"),
                                          QuantizerSpec(4)),), strict=False)
     q = quantize_model(model, spec)

@@ -85,33 +85,39 @@ def test_every_conv_and_linear_is_quantized_as_the_official_detection_code_does(
         assert kind == ("LogSqrt2Quantizer" if pipeline == "repq" else kind)
 
 
-def test_aphq_quantizes_the_detector_as_the_official_aphq_detection_code_does(detector):
+def converted_layers(detector, pipeline: str):
+    """(name, converted layer, float source) for every nn.Conv2d / nn.Linear of `detector` converted by the
+    pipeline's W4A4 layout; every one of them must be converted."""
     from quant import PIPELINES, parse_bits
-    from quant.aphq.adaround import AdaRoundQuantizer
-    from quant.attention import QuantWindowMSA
     from quant.convert import quantize_model
     from quant.layers import QuantConv2d, QuantLinear
-    p = PIPELINES["aphq"]
+    p = PIPELINES[pipeline]
     assert "detection" in p.tasks
     qmodel = quantize_model(detector, p.layout(parse_bits("w4a4"), p.Options()))
     fp_modules = dict(detector.named_modules())
-    checked = 0
-    for name, module in qmodel.named_modules():
-        source = fp_modules.get(name)
-        if isinstance(source, (nn.Conv2d, nn.Linear)):
-            official = official_name(name)
-            assert isinstance(module, (QuantConv2d, QuantLinear)), f"{name} stayed float"
-            wq = module.weight_quantizer
-            assert isinstance(wq, AdaRoundQuantizer) and wq.bits == 4 and wq.channel_dim == 0 and not wq.symmetric
-            if isinstance(source, nn.Conv2d) and "patch_embed" in official:
-                assert module.input_quantizer is None, f"{name}: 8-bit input, bypassed officially"
-            else:
-                aq = module.input_quantizer
-                assert aq.bits == 4 and not aq.symmetric, name
-                per_channel = isinstance(source, nn.Linear) and any(s in official for s in ("qkv", "fc1", "reduction"))
-                assert (aq.channel_dim is not None) == per_channel, name
-            checked += 1
-    assert checked == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in detector.modules())
+    layers = [(name, module, fp_modules[name]) for name, module in qmodel.named_modules()
+              if isinstance(fp_modules.get(name), (nn.Conv2d, nn.Linear))]  # mmcv's wrappers are subclasses
+    assert len(layers) == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in detector.modules())
+    for name, module, _ in layers:
+        assert isinstance(module, (QuantConv2d, QuantLinear)), f"{name} stayed float"
+    return qmodel, layers
+
+
+def test_aphq_quantizes_the_detector_as_the_official_aphq_detection_code_does(detector):
+    from quant.aphq.adaround import AdaRoundQuantizer
+    from quant.attention import QuantWindowMSA
+    qmodel, layers = converted_layers(detector, "aphq")
+    for name, module, source in layers:
+        official = official_name(name)
+        wq = module.weight_quantizer
+        assert isinstance(wq, AdaRoundQuantizer) and wq.bits == 4 and wq.channel_dim == 0 and not wq.symmetric
+        if isinstance(source, nn.Conv2d) and "patch_embed" in official:
+            assert module.input_quantizer is None, f"{name}: 8-bit input, bypassed officially"
+        else:
+            aq = module.input_quantizer
+            assert aq.bits == 4 and not aq.symmetric, name
+            per_channel = isinstance(source, nn.Linear) and any(s in official for s in ("qkv", "fc1", "reduction"))
+            assert (aq.channel_dim is not None) == per_channel, name
     for attention in [m for m in qmodel.modules() if isinstance(m, QuantWindowMSA)]:
         for q in (attention.q_quant, attention.k_quant, attention.attn_quant, attention.v_quant):
             assert type(q).__name__ == "UniformQuantizer" and q.bits == 4 and not q.symmetric
@@ -121,26 +127,14 @@ def test_aphq_quantizes_the_detector_as_the_official_aphq_detection_code_does(de
 def test_gplq_quantizes_the_same_layers_with_lsq_activations(detector):
     """GPLQ has no official detection code: it takes the same scope, with its own quantizers (LSQ activations
     symmetric per channel, 8-bit stem input; per-head matmul operands; symmetric per-channel weights)."""
-    from quant import PIPELINES, parse_bits
     from quant.attention import QuantWindowMSA
-    from quant.convert import quantize_model
     from quant.gplq.lsq import LSQQuantizer
-    from quant.layers import QuantConv2d, QuantLinear
-    p = PIPELINES["gplq"]
-    assert "detection" in p.tasks
-    qmodel = quantize_model(detector, p.layout(parse_bits("w4a4"), p.Options()))
-    fp_modules = dict(detector.named_modules())
-    checked = 0
-    for name, module in qmodel.named_modules():
-        source = fp_modules.get(name)
-        if isinstance(source, (nn.Conv2d, nn.Linear)):
-            assert isinstance(module, (QuantConv2d, QuantLinear)), f"{name} stayed float"
-            wq, aq = module.weight_quantizer, module.input_quantizer
-            assert wq.bits == 4 and wq.channel_dim == 0 and wq.symmetric, name
-            assert isinstance(aq, LSQQuantizer) and aq.symmetric and aq.channel_dim is not None, name
-            assert aq.bits == (8 if isinstance(source, nn.Conv2d) and "patch_embed" in name else 4), name
-            checked += 1
-    assert checked == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in detector.modules())
+    qmodel, layers = converted_layers(detector, "gplq")
+    for name, module, source in layers:
+        wq, aq = module.weight_quantizer, module.input_quantizer
+        assert wq.bits == 4 and wq.channel_dim == 0 and wq.symmetric, name
+        assert isinstance(aq, LSQQuantizer) and aq.symmetric and aq.channel_dim is not None, name
+        assert aq.bits == (8 if isinstance(source, nn.Conv2d) and "patch_embed" in name else 4), name
     for attention in [m for m in qmodel.modules() if isinstance(m, QuantWindowMSA)]:
         for q in (attention.q_quant, attention.k_quant, attention.attn_quant, attention.v_quant):
             assert isinstance(q, LSQQuantizer) and q.bits == 4 and q.channel_dim == 1

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from quant.gplq.qwt import fit_block_compensation_streamed
+from quant_models import ImageFeed
 
 
 class Block(nn.Module):
@@ -34,17 +35,6 @@ class Net(nn.Module):
         return x
 
 
-class Feed:
-    def __init__(self, images):
-        self.images = images
-
-    def __len__(self):
-        return len(self.images)
-
-    def run(self, model, i):
-        return model(self.images[i])
-
-
 def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens():
     torch.manual_seed(0)
     net = Net().double()
@@ -56,7 +46,7 @@ def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens():
         calls.append(hw)
         return reference_block(x, hw)
 
-    fit = fit_block_compensation_streamed(net, "blocks.1", Feed(images), reference)
+    fit = fit_block_compensation_streamed(net, "blocks.1", ImageFeed(images), reference)
     assert calls == [(3, 4), (5, 2), (2, 2)]
 
     xs, ds = [], []

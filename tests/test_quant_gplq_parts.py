@@ -7,7 +7,9 @@ import torch
 from quant import PIPELINES
 from quant.gplq.lsq import LSQQuantizer
 from quant.gplq.pca import PCAProjection, components_from_moments, pca_loss
+from quant.gplq.pipeline import fit_on_images
 from quant.gplq.qwt import add_compensation, fit_block_compensation
+from quant.gplq.stage2 import compensate_blocks
 from quant.ranges import RangeSearch
 from quant.units import capture_unit, find_units
 from quant_models import images, tiny_swin, tiny_vit
@@ -161,7 +163,7 @@ def test_qwt_fits_the_first_block_towards_its_reference(target):
     expected = {k: torch.linalg.lstsq(a, v).solution for k, v in d.items()}
 
     options = PIPELINES["gplq"].Options(qwt_target=target)
-    stats = PIPELINES["gplq"]._compensate(qmodel, teacher, x_all, options, 6)
+    stats = compensate_blocks(qmodel, teacher, options, fit_on_images(qmodel, x_all, 6, options.qwt_ridge))
     assert stats[0]["unit"] == "blocks.0" and stats[0]["kept"]
     comp = qmodel.blocks[0].qwt_compensation
     got = torch.cat([comp.weight.t(), comp.bias[None]]).double()

@@ -29,15 +29,16 @@ from torch import nn
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
 
-from ..calibrate import calibrate, refit_weight_quantizers
-from ..convert import quantize_model, quantized_layers
-from ..modes import named_quantizers, quant_state, set_quant_state
+from ..calibrate import calibrate
+from ..convert import quantize_model
+from ..modes import named_quantizers, set_quant_state
 from ..pipeline_base import PTQResult, StageTimer, pipeline_report
 from ..pipeline_data import PipelineData
 from ..spec import Bits, QuantSpec
-from ..units import SampleFeed, find_units
+from ..units import SampleFeed
 from .qat import param_groups
-from .qwt import add_compensation, fit_block_compensation_streamed, fit_report
+from .qwt import fit_block_compensation_streamed
+from .stage2 import quantize_weights_and_compensate
 
 log = logging.getLogger("quant.gplq")
 
@@ -96,40 +97,13 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
         stage1 = data.train_detector(model, settings, data.work_path(f"_gplq_{bits}_stage1"))
     model.eval().requires_grad_(False)
 
-    with timer("weights", device):
-        set_quant_state(model, weights=True)
-        n_weights = refit_weight_quantizers(quantized_layers(model))
-    qwt_stats = []
-    if options.qwt:
-        with timer("qwt", device):
-            samples = data.detector_samples(options.stage2_images, options.seed)
-            qwt_stats = _compensate(model, teacher, samples, options)
-    report = pipeline_report(
-        "gplq", model, bits, options, stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
-        weights_refit=n_weights,
-        qwt={"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
-             "images": options.stage2_images if options.qwt else 0, "target": options.qwt_target})
+    samples = data.detector_samples(options.stage2_images, options.seed) if options.qwt else None
+    stage2 = quantize_weights_and_compensate(
+        model, teacher, options,
+        lambda unit, reference: fit_block_compensation_streamed(model, unit, samples, reference, options.qwt_ridge),
+        timer, device)
+    report = pipeline_report("gplq", model, bits, options, stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
+                             **stage2)
     report["seconds"] = timer.seconds
     return PTQResult(model, report)
 
-
-def _compensate(model: nn.Module, teacher: Optional[nn.Module], samples: SampleFeed, options: GPLQOptions) -> list:
-    """QwT over the backbone's Swin blocks in order; each fit sees the compensated prefix."""
-    stats = []
-    for unit in find_units(model, kinds=("block",)):
-        block = model.get_submodule(unit.name)
-        if options.qwt_target == "teacher":
-            reference = teacher.get_submodule(unit.name)
-        else:
-            acts = None if options.qwt_target == "w32a4" else False
-
-            def reference(*args, block: nn.Module = block, acts: Optional[bool] = acts) -> torch.Tensor:
-                with quant_state(block, weights=False, activations=acts):
-                    return block(*args)
-        fit = fit_block_compensation_streamed(model, unit.name, samples, reference, options.qwt_ridge)
-        if fit.keep:
-            add_compensation(block, fit.weight, fit.bias)
-        stats.append({"unit": unit.name, **fit_report(fit)})
-        log.info("GPLQ QwT %s: R2 %.4f, block error %.4g -> %.4g (%s)", unit.name, fit.r2, fit.sse_before,
-                 fit.sse_after, "kept" if fit.keep else "dropped")
-    return stats

@@ -51,20 +51,21 @@ from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
 from engine.distributed import run_on_main
 
-from ..calibrate import Images, calibrate, refit_weight_quantizers
-from ..convert import quantize_model, quantized_layers
+from ..calibrate import Images, calibrate
+from ..convert import quantize_model
 from ..layout import standard_layout
-from ..modes import named_quantizers, quant_state, set_quant_state
+from ..modes import named_quantizers, set_quant_state
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
-from ..units import capture_unit, find_units
+from ..units import capture_unit
 from .detector import quantize_detector
 from .lsq import LSQQuantizer
 from .pca import fit_pca
 from .qat import Stage1Settings, run_stage1
-from .qwt import add_compensation, fit_block_compensation, fit_report
+from .qwt import CompensationFit, fit_block_compensation
+from .stage2 import FitBlock, quantize_weights_and_compensate
 
 log = logging.getLogger("quant.gplq")
 
@@ -154,49 +155,27 @@ class GPLQPipeline(Pipeline):
 
     def _stage2(self, model: nn.Module, teacher: nn.Module, bits: Bits, options: GPLQOptions,
                 data: PipelineData, timer: StageTimer, device: torch.device, stage1: dict) -> tuple:
-        """Freeze the activation quantizers, quantize the weights, QwT; (model, report with the seconds of
-        every stage)."""
-        bs = options.batch_size_per_gpu
-        model.eval().requires_grad_(False)
-        with timer("weights", device):
-            set_quant_state(model, weights=True)
-            n_weights = refit_weight_quantizers(quantized_layers(model))
-        qwt_stats = []
-        if options.qwt:
-            with timer("qwt", device):
-                images = data.train_images(options.stage2_images, options.seed,
-                                           options.stage2_train_transform)
-                qwt_stats = self._compensate(model, teacher, images, options, bs)
-        model.eval()
-        report = pipeline_report(
-            self.name, model, bits, options, stage1=stage1, weights_refit=n_weights,
-            qwt={"blocks": qwt_stats, "kept": sum(s["kept"] for s in qwt_stats),
-                 "images": options.stage2_images if options.qwt else 0, "target": options.qwt_target})
+        """Freeze the activation quantizers, quantize the weights, QwT (stage2.py); (model, report with the
+        seconds of every stage)."""
+        found = {}
+
+        def fit_block(unit: str, reference) -> CompensationFit:
+            if "fit" not in found:  # images drawn once, after the weights are quantized
+                found["fit"] = fit_on_images(model, data.train_images(
+                    options.stage2_images, options.seed, options.stage2_train_transform),
+                    options.batch_size_per_gpu, options.qwt_ridge)
+            return found["fit"](unit, reference)
+
+        stage2 = quantize_weights_and_compensate(model, teacher, options, fit_block, timer, device)
+        report = pipeline_report(self.name, model, bits, options, stage1=stage1, **stage2)
         report["seconds"] = timer.seconds
         return model, report
 
-    @staticmethod
-    def _compensate(model: nn.Module, teacher: nn.Module, images: torch.Tensor, options: GPLQOptions,
-                    bs: int) -> list:
-        """QwT over the Transformer blocks in order; each fit sees the compensated prefix."""
-        stats = []
-        for unit in find_units(model, kinds=("block",)):
-            x, _ = capture_unit(model, unit.name, images, bs)
-            block = model.get_submodule(unit.name)
-            if options.qwt_target == "teacher":
-                reference = teacher.get_submodule(unit.name)
-            else:
-                acts = None if options.qwt_target == "w32a4" else False
 
-                def reference(xc: torch.Tensor, block: nn.Module = block,
-                              acts: Optional[bool] = acts) -> torch.Tensor:
-                    with quant_state(block, weights=False, activations=acts):
-                        return block(xc)
-            fit = fit_block_compensation(x, block, reference, bs, options.qwt_ridge)
-            if fit.keep:
-                add_compensation(block, fit.weight, fit.bias)
-            stats.append({"unit": unit.name, **fit_report(fit)})
-            log.info("GPLQ QwT %s: R2 %.4f, block error %.4g -> %.4g (%s)", unit.name, fit.r2, fit.sse_before,
-                     fit.sse_after, "kept" if fit.keep else "dropped")
-        return stats
-
+def fit_on_images(model: nn.Module, images: torch.Tensor, batch_size: int, ridge: float) -> FitBlock:
+    """QwT fits of a classifier's blocks on `images`: each block's input captured from the (compensated)
+    prefix as one tensor, `batch_size` images per pass."""
+    def fit_block(unit: str, reference) -> CompensationFit:
+        x, _ = capture_unit(model, unit, images, batch_size)
+        return fit_block_compensation(x, model.get_submodule(unit), reference, batch_size, ridge)
+    return fit_block
