@@ -91,6 +91,7 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
                 "ckpt_every": options.ckpt_every, "seed": options.seed,
                 "identity": {"pipeline": "gplq", "bits": str(bits),
                              "fp_model": weights_fingerprint(fp_model.state_dict()),
+                             "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start
                              "options": {f.name: getattr(options, f.name) for f in fields(options)
                                          if f.name in STAGE1_OPTIONS}}}
     with timer("stage1", device):
