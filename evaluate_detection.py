@@ -118,7 +118,9 @@ def main(argv=None) -> dict:
                                    options=options[name], data=data)
         report = entry.pop("report", {})
         entry["summary"] = report.get("summary")
-        entry["units"] = report.get("units")
+        for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
+            if key in report:
+                entry[key] = report[key]
         results.add(name, b, entry, settings(args, user_options.get(name)))
         results.save()
         print(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)

@@ -291,7 +291,8 @@ def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compens
     out = tmp_path / "trained.json"
     result = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
                    "--quant", "gplq", "--quant-options", "gplq.steps=2", "gplq.stage2_images=2", "gplq.lr=0.001"])
-    assert 0.0 <= result["quant"]["gplq"]["w4a4"]["bbox_mAP"] <= 1.0
+    entry = result["quant"]["gplq"]["w4a4"]
+    assert 0.0 <= entry["bbox_mAP"] <= 1.0 and entry["stage1"]["steps"] == 2 and entry["qwt"]["blocks"]
     stage1 = tmp_path / "trained_gplq_w4a4_stage1"
     written = (stage1 / "last_checkpoint").read_text().strip()
     after = torch.load(written, map_location="cpu", weights_only=False)["state_dict"]
