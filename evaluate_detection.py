@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     bits = [str(parse_bits(b)) for b in args.bits]
-    user_options = pipeline_options(args.quant_options, pipelines, parse_overrides)
+    user_options = pipeline_options(args.quant_options, pipelines)
     options = {name: {**detection_defaults(name, args), **user_options.get(name, {})} for name in pipelines}
     for name in pipelines:
         parsed = parse_options(PIPELINES[name].Options, options[name])
@@ -129,18 +129,29 @@ def main(argv=None) -> dict:
     return results.data
 
 
-def pipeline_options(items, pipelines, parse) -> dict:
-    """{pipeline: {key: value}} from `PIPELINE.KEY=VALUE` items; a pipeline that is not run is refused (its
-    option would be ignored), and so is aphq.calib_images (the calibration batch is --calib-images)."""
+def pipeline_options(items, pipelines) -> dict:
+    """{pipeline: {key: value}} from `PIPELINE.KEY=VALUE` items, typed and checked by the config schema as
+    evaluate.py's `quant.PIPELINE.KEY=VALUE` (configs/loader.py: types, ranges, close matches of a typo). A
+    pipeline that is not run is refused (its option would be ignored), and so are aphq.calib_images and
+    gplq.init_images (the calibration batch is --calib-images)."""
+    from configs.loader import apply_overrides
+    from configs.schema import Config
+    typed = Config()
     by_pipeline: dict = {}
-    for key, value in parse(items).items():
+    for item in items:
+        key = item.partition("=")[0]
         name, _, option = key.partition(".")
-        if not option or name not in pipelines:
-            raise ValueError(f"--quant-options {key}: give PIPELINE.KEY=VALUE for a pipeline that runs "
+        if "=" not in item or not option or name not in pipelines:
+            raise ValueError(f"--quant-options {item}: give PIPELINE.KEY=VALUE for a pipeline that runs "
                              f"({', '.join(pipelines)})")
         if option in ("calib_images", "init_images"):
             raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
-        by_pipeline.setdefault(name, {})[option] = value
+        try:
+            apply_overrides(typed, [f"quant.{item}"])
+        except ValueError as e:  # configs.loader.ConfigError, in the schema's names (quant.aphq.iters ...)
+            raise ValueError(f"--quant-options {item}: " + str(e).replace("command line: ", "")
+                             .replace("'quant.", "'")) from None
+        by_pipeline.setdefault(name, {})[option] = getattr(getattr(typed.quant, name), option)
     return by_pipeline
 
 
