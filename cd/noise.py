@@ -5,25 +5,23 @@ paper's detection study (Sec. "COCO Detection": "uniform-noise injection in weig
 UNIQ trains for a k-quantile quantizer (k = 2^bits levels: the bins hold equal probability mass of the
 weights' distribution, each bin is represented by its median). Uniformized by the weights' CDF F, that
 quantizer is a uniform quantizer with step 1/k, whose error UNIQ replaces in training by additive uniform
-noise; in every training forward each selected layer uses, instead of its weight w,
+noise; in every training forward each selected layer uses, instead of each of its parameters p (weight and bias),
 
-    u  = F(w)                                   uniformize (UNIQ: F Gaussian, fitted to the layer's weights)
-    e  ~ U[-1/(2k), 1/(2k)]                     i.i.d. per weight, fresh every forward
-    w~ = F^-1( clamp(u + e, 1/(2k), 1 - 1/(2k)) )
+    u  = F(p)                                   uniformize: F Gaussian, fitted to that parameter tensor
+    e  ~ U[-1/(2k), 1/(2k)]                     i.i.d. per element, fresh every forward
+    p~ = F^-1( clamp(u + e, 1e-5, 1 - 1e-5) )
 
-with F(w) = Phi((w - mu) / sigma), mu and sigma the mean and (unbiased) standard deviation of the layer's
-weight tensor at that forward. The noise is additive, so w~ is a differentiable function of w and the task
-gradient reaches the clean weight through the map: dw~/dw = phi(z) / phi(z~), z = (w - mu)/sigma,
-z~ = (w~ - mu)/sigma. Choices of ours where UNIQ's text leaves the detail open:
-  - mu and sigma are statistics of the current weights, held constant in the backward (stop-gradient);
-  - u + e is clamped to the outermost quantization levels [1/(2k), 1 - 1/(2k)] (a k-quantile quantizer never
-    outputs beyond them, and F^-1 would be infinite at 0 and 1); the clamp passes its gradient straight
-    through, so a weight in a tail bin still gets the map's slope, as a quantizer's straight-through
-    estimator passes through its saturation;
-  - the math runs in fp32 (float64 for float64 weights) and the result is cast to the weight's dtype.
-Gradual training in stages (UNIQ's block-by-block schedule) is not implemented: every selected layer gets
-noise from the first step. Only weights are perturbed (biases, norms and activations are left alone), and
-only layers whose own forward runs (nn.MultiheadAttention reads `out_proj.weight` directly: no noise there).
+with F(p) = Phi((p - mu) / sigma), mu and sigma the mean and unbiased standard deviation (at least 1e-5) of the
+tensor at that forward. As UNIQ's reference code does it (its `quantize.add_noise`, read in the copy vendored by
+yochaiz/darts-UNIQ, `UNIQ/quantize.py`: the parameters' data are swapped for the noisy values around the
+forward), the gradient taken at p~ is applied to the clean p unchanged (straight through). Choices of ours:
+  - the math runs in fp32 (float64 for float64 weights) and the result is cast to the parameter's dtype;
+  - a parameter of one element is left clean (no Gaussian can be fitted to it; the reference would give NaN);
+  - gradual training in stages (UNIQ's block-by-block schedule, whose first switch comes after 15 epochs, so a
+    12-epoch detector would see noise in its first block only) is not implemented: every selected layer gets
+    noise from the first step.
+Only the selected layers' parameters are perturbed (norms and activations are left alone), and only layers whose
+own forward runs (nn.MultiheadAttention reads `out_proj.weight` directly: no noise there).
 
     noise = WeightNoise(model.backbone, bits=4, seed=0)   # hooks on every Linear of the backbone
     for it, (x, y) in enumerate(loader):
@@ -36,9 +34,9 @@ Where the noise comes from: each layer's forward draws from a `torch.Generator` 
 from (seed, step, layer index) (`noise_seed`), so a run is reproducible and a resumed run draws what the
 uninterrupted run drew, activation checkpointing's recomputation sees the same noisy weights, and every DDP
 rank perturbs its replica identically. The swap is done by forward hooks (`module._parameters["weight"]`
-holds the noisy tensor during that module's forward only, as `torch.func.functional_call` does): the module
-code is untouched, evaluation and no-grad forwards see the clean weights, and the state dict, the optimizer
-and checkpoints only ever hold the clean Parameters.
+and `["bias"]` hold the noisy tensors during that module's forward only, as `torch.func.functional_call` does):
+the module code is untouched, evaluation and no-grad forwards see the clean weights, and the state dict, the
+optimizer and checkpoints only ever hold the clean Parameters.
 """
 from __future__ import annotations
 
@@ -68,28 +66,35 @@ def noise_seed(seed: int, step: int, index: int) -> int:
     return _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ index) >> 1
 
 
-def uniq_noise(w: Tensor, bits: int, generator: torch.Generator) -> Tensor:
-    """UNIQ's noisy version of one weight tensor (see the module docstring), differentiable w.r.t. `w`.
+UNIFORM_EPS = 1e-5  # UNIQ's clamp of u + e away from 0 and 1, and the floor of sigma (its `eps`)
+PARAMETERS = ("weight", "bias")  # what UNIQ's add_noise perturbs in a Conv2d / Linear (every parameter)
+
+
+def uniq_noise(p: Tensor, bits: int, generator: torch.Generator) -> Tensor:
+    """UNIQ's noisy version of one parameter tensor (see the module docstring); its gradient w.r.t. `p` is the
+    identity (the gradient at the noisy value reaches the clean one unchanged).
 
     Args:
-        w: a weight tensor of any shape; one Gaussian is fitted to all of it.
+        p: a weight or bias of any shape; one Gaussian is fitted to all of it.
         bits: the quantizer's bit-width; k = 2^bits levels.
-        generator: a torch.Generator on w's device; one uniform draw per element, in w.numel() order.
+        generator: a torch.Generator on p's device; one uniform draw per element, in p.numel() order.
 
     Returns:
-        w~, shape and dtype of `w`.
+        p~, shape and dtype of `p` (`p` itself when it has one element).
     """
+    if p.numel() < 2:
+        return p
     k = 2 ** bits
-    dtype = compute_dtype(w)
-    wf = w.to(dtype)
-    with torch.no_grad():  # the fitted distribution is a statistic, not a path for the gradient
-        sigma, mu = torch.std_mean(wf)
-        sigma = sigma.clamp_min(torch.finfo(dtype).tiny)
-    u = 0.5 * (1.0 + torch.erf((wf - mu) / (sigma * math.sqrt(2.0))))  # F(w)
-    e = (torch.rand(w.shape, generator=generator, device=w.device, dtype=dtype) - 0.5) / k  # U[-1/2k, 1/2k]
-    v = u + e
-    v = v + (v.clamp(0.5 / k, 1.0 - 0.5 / k) - v).detach()  # clamp, gradient straight through
-    return (mu + sigma * math.sqrt(2.0) * torch.erfinv(2.0 * v - 1.0)).to(w.dtype)  # F^-1
+    dtype = compute_dtype(p)
+    with torch.no_grad():
+        pf = p.to(dtype)
+        sigma, mu = torch.std_mean(pf)
+        sigma = sigma.clamp_min(UNIFORM_EPS)
+        u = 0.5 * (1.0 + torch.erf((pf - mu) / (sigma * math.sqrt(2.0))))  # F(p)
+        e = (torch.rand(p.shape, generator=generator, device=p.device, dtype=dtype) - 0.5) / k  # U[-1/2k, 1/2k]
+        v = (u + e).clamp(UNIFORM_EPS, 1.0 - UNIFORM_EPS)
+        noisy = (mu + sigma * math.sqrt(2.0) * torch.erfinv(2.0 * v - 1.0)).to(p.dtype)  # F^-1
+    return p + (noisy - p).detach()  # straight through, as UNIQ's swap of .data
 
 
 def check_arguments(bits: Any, layer_types: Any, seed: Any) -> None:
@@ -103,7 +108,7 @@ def check_arguments(bits: Any, layer_types: Any, seed: Any) -> None:
 
 
 class WeightNoise:
-    """UNIQ noise on the weights of a model's layers during its training forwards, by forward hooks.
+    """UNIQ noise on the weights and biases of a model's layers during its training forwards, by forward hooks.
 
     Args:
         model: the model (or part, e.g. a detector's backbone); DDP / torch.compile wrappers are looked through.
@@ -127,7 +132,7 @@ class WeightNoise:
         if not self.layers:
             raise ValueError(f"WeightNoise: no {'/'.join(layer_types)} layer with a weight in {type(model).__name__}")
         self._index = {id(m): i for i, (_, m) in enumerate(self.layers)}
-        self._clean: dict[int, nn.Parameter] = {}  # id(module) -> its clean weight, during its forward only
+        self._clean: dict[int, dict[str, nn.Parameter]] = {}  # id(module) -> its clean parameters, in its forward
         self._generators: dict[torch.device, torch.Generator] = {}
         self._handles = []
         for _, m in self.layers:
@@ -146,16 +151,17 @@ class WeightNoise:
         key = id(module)
         if key in self._clean:
             raise RuntimeError(f"WeightNoise: {type(module).__name__} called again inside its own forward")
-        clean = module._parameters["weight"]
-        gen = self._generator(clean.device)
-        gen.manual_seed(noise_seed(self.seed, self.step, self._index[key]))
+        clean = {name: module._parameters[name] for name in PARAMETERS if module._parameters.get(name) is not None}
+        gen = self._generator(clean["weight"].device)
+        gen.manual_seed(noise_seed(self.seed, self.step, self._index[key]))  # weight's draws, then bias's
         self._clean[key] = clean
-        module._parameters["weight"] = uniq_noise(clean, self.bits, gen)
+        for name, param in clean.items():
+            module._parameters[name] = uniq_noise(param, self.bits, gen)
 
     def _swap_out(self, module: nn.Module, args: Any, output: Any) -> None:
         clean = self._clean.pop(id(module), None)
         if clean is not None:
-            module._parameters["weight"] = clean
+            module._parameters.update(clean)
 
     def remove(self) -> None:
         """Remove every hook (idempotent); no layer is left holding a noisy weight."""
@@ -165,7 +171,7 @@ class WeightNoise:
         for _, m in self.layers:
             clean = self._clean.pop(id(m), None)
             if clean is not None:
-                m._parameters["weight"] = clean
+                m._parameters.update(clean)
 
     def __enter__(self) -> "WeightNoise":
         return self

@@ -4,10 +4,11 @@ TWEO (`TweoHook`): the weights after every update equal a float64 plain loop (ta
 backbone's block outputs, by autograd, written here), with gradient accumulation and a cosine lambda; the wrong
 versions (not rescaled, on the whole model including a Transformer block in the neck, lambda indexed by iteration
 instead of update, the term not divided by the accumulation) are each told apart; validation captures nothing.
-Noise (`WeightNoiseHook`): the weights a training forward sees equal UNIQ's map written naively (statistics'
-NormalDist for the CDF and its inverse) on the same generator draws; validation, the state dict and checkpoints
-hold the clean weights; the weights after each update equal a plain loop whose gradient reaches the clean weight
-through the map's slope; same seed -> same run, another seed -> another, resume continues exactly. MMDetection's
+Noise (`WeightNoiseHook`): the weights and biases a training forward sees equal UNIQ's map written naively
+(statistics' NormalDist for the CDF and its inverse, UNIQ's clamp to [1e-5, 1 - 1e-5]) on the same generator
+draws; validation, the state dict and checkpoints hold the clean weights; the weights after each update equal a
+plain loop whose gradient at the noisy values reaches the clean ones unchanged (UNIQ's reference code swaps the
+data), not through the map's slope; same seed -> same run, another seed -> another, resume continues exactly. MMDetection's
 Swin backbone gets both hooks. The config fragments in configs/detection/method/ build their hooks.
 """
 from __future__ import annotations
@@ -98,7 +99,9 @@ class Recorder(Hook):
         for name, m in runner.model.backbone.named_modules():
             if isinstance(m, nn.Linear):
                 m.register_forward_pre_hook(lambda mod, args, name=name: (
-                    self.seen if mod.training else self.val_seen)[-1].__setitem__(name, mod.weight.detach().clone()))
+                    self.seen if mod.training else self.val_seen)[-1].update(
+                        {f"{name}.{p}": getattr(mod, p).detach().clone() for p in ("weight", "bias")
+                         if getattr(mod, p) is not None}))
 
     def before_train_iter(self, runner, batch_idx, data_batch=None):
         self.clean.append({n: p.detach().clone() for n, p in runner.model.named_parameters()})
@@ -200,22 +203,27 @@ def test_tweo_hook_refuses_bad_arguments():
 BITS, SEED = 4, 3
 
 
-def naive_uniq(w, step, index, seed=SEED, bits=BITS):
-    """UNIQ's map written out element by element: NormalDist fitted to the layer (mean, unbiased std), u = F(w),
-    u + e with e = (r - 1/2) / k from the layer's generator draws r, clamped to [1/2k, 1 - 1/2k], F^-1. Also the
-    map's slope pdf(w) / pdf(w~). Returns (w~, slope), float64."""
+def naive_uniq(module, step, index, seed=SEED, bits=BITS):
+    """UNIQ's map written out element by element, for the weight and then the bias of `module` on the layer's
+    generator draws r: NormalDist fitted to the tensor (mean, unbiased std), u = F(p), u + (r - 1/2) / k clamped
+    to [1e-5, 1 - 1e-5], F^-1. Also the map's slope pdf(p) / pdf(p~). Returns {name: (p~, slope)}, float64."""
     k = 2 ** bits
-    r = torch.rand(w.shape, generator=torch.Generator().manual_seed(noise_seed(seed, step, index)),
-                   dtype=torch.float64).flatten().tolist()
-    vals = w.flatten().tolist()
-    dist = NormalDist(statistics.fmean(vals), statistics.stdev(vals))
-    noisy, slope = [], []
-    for wi, ri in zip(vals, r):
-        v = min(max(dist.cdf(wi) + (ri - 0.5) / k, 0.5 / k), 1.0 - 0.5 / k)
-        wn = dist.inv_cdf(v)
-        noisy.append(wn)
-        slope.append(dist.pdf(wi) / dist.pdf(wn))
-    return (torch.tensor(noisy, dtype=torch.float64).view_as(w), torch.tensor(slope, dtype=torch.float64).view_as(w))
+    gen = torch.Generator().manual_seed(noise_seed(seed, step, index))
+    out = {}
+    for name in ("weight", "bias"):
+        p = getattr(module, name).detach()
+        r = torch.rand(p.shape, generator=gen, dtype=torch.float64).flatten().tolist()
+        vals = p.flatten().tolist()
+        dist = NormalDist(statistics.fmean(vals), max(statistics.stdev(vals), 1e-5))
+        noisy, slope = [], []
+        for pi, ri in zip(vals, r):
+            v = min(max(dist.cdf(pi) + (ri - 0.5) / k, 1e-5), 1.0 - 1e-5)
+            pn = dist.inv_cdf(v)
+            noisy.append(pn)
+            slope.append(dist.pdf(pi) / dist.pdf(pn))
+        out[name] = (torch.tensor(noisy, dtype=torch.float64).view_as(p),
+                     torch.tensor(slope, dtype=torch.float64).view_as(p))
+    return out
 
 
 def linear_names(model):
@@ -223,8 +231,9 @@ def linear_names(model):
 
 
 def noise_reference(initial, batches, iters, variant):
-    """float64 plain loop: each backbone Linear uses naive_uniq's w~ in the forward; the clean weight's gradient is
-    dL/dw~ times the map's slope ("ste": times 1; "clean": no noise)."""
+    """float64 plain loop: each backbone Linear uses naive_uniq's p~ (weight and bias) in the forward; the clean
+    parameter's gradient is dL/dp~ ("paper": UNIQ's straight-through), or dL/dp~ times the map's slope ("slope"),
+    or no noise at all ("clean")."""
     net = copy.deepcopy(initial)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
     names = linear_names(net)
@@ -235,12 +244,14 @@ def noise_reference(initial, batches, iters, variant):
         subs, slopes = {}, {}
         if variant != "clean":
             for index, name in enumerate(names):
-                noisy, slope = naive_uniq(net.backbone.get_submodule(name).weight.detach(), i, index)
-                subs[f"backbone.{name}.weight"], slopes[name] = noisy.requires_grad_(), slope
+                for param, (noisy, slope) in naive_uniq(net.backbone.get_submodule(name), i, index).items():
+                    key = f"backbone.{name}.{param}"
+                    subs[key], slopes[key] = noisy.requires_grad_(), slope
         F.cross_entropy(torch.func.functional_call(net, subs, (x,)), y).backward()
-        for name in slopes:
-            g = subs[f"backbone.{name}.weight"].grad
-            net.backbone.get_submodule(name).weight.grad = g if variant == "ste" else g * slopes[name]
+        params = dict(net.named_parameters())
+        for key in slopes:
+            g = subs[key].grad
+            params[key].grad = g if variant == "paper" else g * slopes[key]
         opt.step()
         snapshots.append({n: p.detach().clone() for n, p in net.named_parameters()})
     return snapshots
@@ -255,19 +266,24 @@ def test_weight_noise_hook_is_uniq_in_training_clean_elsewhere_and_matches_the_r
     # the training forward sees UNIQ's map of the clean weights, on the generator draws of (seed, iteration, layer)
     for i in (0, 3):
         for index, name in enumerate(names):
-            clean = rec.clean[i][f"backbone.{name}.weight"]
-            want, _ = naive_uniq(clean, i, index)
-            seen = rec.seen[i][name]
-            assert torch.allclose(seen, want, rtol=0, atol=1e-12), (i, name)
-            assert (seen - clean).abs().max() > 1e-3  # really perturbed
+            module = copy.deepcopy(runner.model.backbone.get_submodule(name))
+            for param in ("weight", "bias"):
+                getattr(module, param).data.copy_(rec.clean[i][f"backbone.{name}.{param}"])
+            want = naive_uniq(module, i, index)
+            for param in ("weight", "bias"):
+                clean, seen = rec.clean[i][f"backbone.{name}.{param}"], rec.seen[i][f"{name}.{param}"]
+                assert torch.allclose(seen, want[param][0], rtol=0, atol=1e-12), (i, name, param)
+                # really perturbed (a zero-initialised bias only by its sigma floor, 1e-5)
+                assert (seen - clean).abs().max() > (1e-3 if param == "weight" or i else 1e-8)
     # validation (after iterations 2 and 4) sees the clean weights
     assert len(rec.val_seen) == 4
     for j, seen in enumerate(rec.val_seen):
         clean = rec.after[1 if j < 2 else 3]
-        assert all(torch.equal(seen[n], clean[f"backbone.{n}.weight"]) for n in names)
-    # gradients reach the clean weights through the map: the weights follow the reference, not its wrong variants
+        assert all(torch.equal(seen[f"{n}.{p}"], clean[f"backbone.{n}.{p}"]) for n in names for p in ("weight", "bias"))
+    # the gradient at the noisy values reaches the clean ones unchanged: the weights follow that reference, not
+    # the map's slope and not a noiseless run
     assert_matches_reference(rec.after, lambda v: noise_reference(BaselineNet(), runner.model.batches, 4, v),
-                             TOL, ("paper", "ste", "clean"))
+                             TOL, ("paper", "slope", "clean"))
     # nothing noisy is kept: the model holds its Parameters (those the optimizer steps), checkpoints the clean ones
     held = {id(p) for g in runner.optim_wrapper.optimizer.param_groups for p in g["params"]}
     for name in names:
@@ -326,7 +342,7 @@ def test_mmdetection_swin_backbone_gets_both_hooks(tmp_path):
     assert "stages.0.downsample.reduction" in layers and not any("patch_embed" in n for n in layers)
     assert runner.message_hub.get_scalar("train/loss_tweo").current() > 0
     name = "stages.1.blocks.1.ffn.layers.1"
-    assert (rec.seen[1][name] - rec.clean[1][f"backbone.{name}.weight"]).abs().max() > 1e-4
+    assert (rec.seen[1][f"{name}.weight"] - rec.clean[1][f"backbone.{name}.weight"]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("method,hook", [("cd", "ColinearityDecayHook"), ("tweo", "TweoHook"),
