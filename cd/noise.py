@@ -17,9 +17,9 @@ yochaiz/darts-UNIQ, `UNIQ/quantize.py`: the parameters' data are swapped for the
 forward), the gradient taken at p~ is applied to the clean p unchanged (straight through). Choices of ours:
   - the math runs in fp32 (float64 for float64 weights) and the result is cast to the parameter's dtype;
   - a parameter of one element is left clean (no Gaussian can be fitted to it; the reference would give NaN);
-  - gradual training in stages (UNIQ's block-by-block schedule, whose first switch comes after 15 epochs, so a
-    12-epoch detector would see noise in its first block only) is not implemented: every selected layer gets
-    noise from the first step.
+  - gradual training in stages (UNIQ's block-by-block schedule; with the vendored code's default
+    `step_setup=[15, 9]` the first switch comes after 15 epochs, so a 12-epoch detector would see noise in its
+    first layer group only) is not implemented: every selected layer gets noise from the first step.
 Only the selected layers' parameters are perturbed (norms and activations are left alone), and only layers whose
 own forward runs (nn.MultiheadAttention reads `out_proj.weight` directly: no noise there).
 
