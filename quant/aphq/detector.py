@@ -63,6 +63,9 @@ def check_detector_options(options: APHQOptions) -> None:
     if options.hessian_probe != "ones":
         raise ValueError(f"hessian_probe={options.hessian_probe!r}: a detector's APH uses the official all-ones "
                          "probe; leave hessian_probe='ones'")
+    if options.temperature != APHQOptions().temperature:
+        raise ValueError(f"temperature={options.temperature}: the KL temperature is for a classifier's logits; a "
+                         "detector's APH comes from its RPN outputs (hessian.py rpn_output_loss) and has none")
     if options.batch_size != 1:
         raise ValueError(f"batch_size={options.batch_size}: a detector's images differ in size, so APHQ takes "
                          "one image per batch (batch_size=1, as officially)")

@@ -53,6 +53,11 @@ def check_detector_options(options: GPLQOptions, calib_count: Optional[int] = No
     if options.pca_weight != 0:
         raise ValueError(f"pca_weight={options.pca_weight}: GPLQ trains a detector without the PCA loss (the "
                          "paper's COCO setting); set pca_weight=0")
+    unused = [f"{key}={getattr(options, key)}" for key in ("pca_variance", "pca_multiple", "pca_images")
+              if getattr(options, key) != getattr(GPLQOptions(), key)]
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: a detector is trained without the PCA loss, so the PCA settings "
+                         "do not apply; leave them at their defaults")
     if options.stage2_train_transform:
         raise ValueError("stage2_train_transform=True: a detector's QwT images get the test pipeline; set it False")
     if calib_count is not None and options.init_images != calib_count:
