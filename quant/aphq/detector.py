@@ -100,7 +100,8 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
     with timer("convert", device):
         model = quantize_model(frozen, layout).eval().requires_grad_(False)
         units = find_units(model, DETECTOR_UNIT_KINDS)
-        heads = [Unit(name, "head") for name in CALIBRATED_ONLY if _has(model, name)]
+        present = dict(model.named_modules())
+        heads = [Unit(name, "head") for name in CALIBRATED_ONLY if name in present]
         check_unit_coverage(model, units + heads)
     with timer("calibrate", device):
         calib_report = calibrate_aphq(model, units + heads, calib, SearchSettings(
@@ -154,10 +155,3 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
         calibration=calib_report, units=unit_stats, calibrated_only=[h.name for h in heads])
     return model, report
 
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
