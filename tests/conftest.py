@@ -11,6 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug", "tiny.yaml")
 DEMO_CONFIG = os.path.join(ROOT, "configs", "demo", "vit_digits.yaml")
 
+pytest_plugins = ["detection_runs"]  # the MMDetection tests' sample detector: fixtures sample, trained
+
 
 def make_folder(root, splits: dict, ext: str = ".png") -> None:
     """An ImageNet-style folder: splits = {split: {class: number of images}} of small random images, named
