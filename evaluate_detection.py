@@ -6,6 +6,8 @@ under the W4A4 pipelines, and the backbone / head activation maxima, into one JS
     python evaluate_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
         --checkpoint runs/det_t1x_cd/epoch_12.pth --data-root /datasets/coco --quant repq --bits w4a4 w6a6 \
         --out results/det_t1x_cd.json
+    torchrun --nproc_per_node=8 evaluate_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
+        --checkpoint runs/det_t1x_cd/epoch_12.pth --data-root /datasets/coco --quant gplq   # the paper's 8 GPUs
 
 The detector is quantized as the official RepQ-ViT / APHQ detection code quantizes it: every Conv2d and
 Linear of the backbone, FPN neck, RPN and RoI heads, and both matmuls of every window attention (quant/spec.py,
@@ -16,6 +18,11 @@ recipe (configs/quant.py APHQ_DETECTION); GPLQ trains the activation quantizers 
 epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`).
 `--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options.
 
+Under torchrun every rank scores its shard of the val set (the metric is computed once, on all of them);
+percentile, RepQ-ViT and APHQ quantize on rank 0, which hands the quantized detector to the others, and GPLQ's
+stage 1 trains on every rank in DDP (batch 1 per GPU, as the paper), its stage 2 on rank 0. The other ranks
+wait for rank 0 up to --main-rank-wait-hours.
+
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
 `quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax).
@@ -23,6 +30,7 @@ Config entries can be overridden as `key=value` after the flags (MMEngine's --cf
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -48,7 +56,10 @@ def parse_args(argv):
                         help="score the first N validation images only (a partial result, marked in the JSON)")
     parser.add_argument("--out", help="result JSON (default: eval_<checkpoint name>.json beside it)")
     parser.add_argument("--recompute", action="store_true", help="replace results the JSON already has")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: CUDA if visible (under torchrun, GPU LOCAL_RANK), else the CPU")
+    parser.add_argument("--main-rank-wait-hours", type=float, default=24.0,
+                        help="under torchrun, how long the other ranks wait while rank 0 quantizes (default 24)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return parser.parse_args(argv)
 
@@ -58,6 +69,7 @@ def main(argv=None) -> dict:
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
                                   evaluate_detector, load_config, parse_overrides, train_activation_qat)
     from engine.checkpoint import weights_fingerprint
+    from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -84,10 +96,16 @@ def main(argv=None) -> dict:
             check_gplq_options(parsed)
         for b in bits:
             PIPELINES[name].check(parse_bits(b), parsed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+    if args.main_rank_wait_hours <= 0:
+        raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
-    device = torch.device(args.device)
-    model = build_detector(cfg, args.checkpoint, device)
-    loader = build_loader(cfg, "test", args.max_images)
+    dist = init_distributed(args.device, MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours),
+                                                      "--main-rank-wait-hours"))
+    say = print if dist.is_main else (lambda *_, **__: None)
+    model = build_detector(cfg, args.checkpoint, dist.device)
+    loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                    f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
     identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
@@ -95,17 +113,21 @@ def main(argv=None) -> dict:
                 "fingerprint": weights_fingerprint(model.state_dict()),
                 "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
                          "images": len(loader.dataset), "partial": args.max_images is not None}}
-    results = EvalResults.open(out, identity)
-    todo = [(p, b) for p in pipelines for b in bits
-            if results.plan(p, b, settings(args, user_options.get(p)), args.recompute)]
 
+    def open_results():
+        results = EvalResults.open(out, identity)
+        return results, [(p, b) for p in pipelines for b in bits
+                         if results.plan(p, b, settings(args, user_options.get(p)), args.recompute)]
+
+    # read once, on rank 0, so that every rank plans the same work
+    results, todo = run_on_main(open_results, f"reading {out}", dist.device)
     if "fp" not in results.data or args.recompute:
-        print(f"full precision on {len(loader.dataset)} images ...", flush=True)
-        fp = evaluate_detector(model, cfg, loader, probe_maxima=True)
+        say(f"full precision on {len(loader.dataset)} images ...", flush=True)
+        fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
         results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
-        results.save()
-    print(f"FP: {score(results.data['fp'])}; max act backbone / head: "
-          f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
+        run_on_main(results.save, f"writing {out}", dist.device)
+    say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
+        f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
     feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo else None
     data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
@@ -113,19 +135,20 @@ def main(argv=None) -> dict:
                                                                                                work_dir),
                         work_prefix=os.path.splitext(out)[0])
     for name, b in todo:
-        print(f"{name} {b} ...", flush=True)
-        entry = evaluate_quantized(name, model, feed, b, eval_fn=lambda q: evaluate_detector(q, cfg, loader),
-                                   options=options[name], data=data)
+        say(f"{name} {b} ...", flush=True)
+        entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
+                                   eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))
         report = entry.pop("report", {})
         entry["summary"] = report.get("summary")
         for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
             if key in report:
                 entry[key] = report[key]
         results.add(name, b, entry, settings(args, user_options.get(name)))
-        results.save()
-        print(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
-    print(markdown_row(results.data))
-    print(f"results in {out}")
+        run_on_main(results.save, f"writing {out}", dist.device)
+        say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
+    say(markdown_row(results.data))
+    say(f"results in {out}")
+    cleanup_distributed()
     return results.data
 
 
@@ -189,8 +212,12 @@ def markdown_row(data: dict) -> str:
 
 
 if __name__ == "__main__":
+    from engine.distributed import OtherRankError
     try:
         main()
     except (ValueError, FileNotFoundError) as e:  # DetectionError, ResultsError, a bad override
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OtherRankError as e:  # rank 0 prints the error itself
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.act_max import ActivationProbe
+from engine.distributed import all_reduce, run_on_main
 from models.modules import nonfinite_tensors
 
 try:
@@ -295,27 +296,17 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     param groups at a constant lr, one epoch (or `steps` iterations), AMP as asked; checkpoints every
     `ckpt_every` iterations into `work_dir`, and a later call with the same identity resumes from them.
 
-    The folder holds `gplq_stage1.json` (the run's identity: bits, options, float weights); a folder written by
-    another run, or one that is not a GPLQ stage-1 folder, is refused and left as it is.
+    The folder holds `gplq_stage1.json` (the run's identity: bits, options, float weights, world size); a folder
+    written by another run, or one that is not a GPLQ stage-1 folder, is refused and left as it is. Under
+    torchrun every rank calls this: rank 0 checks the folder, and the runner trains in DDP, each rank on its
+    shard of the training loader (the global batch is `batch_size_per_gpu` x world size).
     """
     if work_dir is None:
         raise DetectionError("GPLQ stage 1 on a detector writes resumable checkpoints: give it a work folder")
     identity = json.loads(json.dumps(settings["identity"]))  # plain types, comparable with the stored file
-    identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
-    if os.path.isdir(work_dir) and os.listdir(work_dir):
-        if not os.path.isfile(identity_path):
-            raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
-                                 "missing): move it away")
-        with open(identity_path) as f:
-            stored = json.load(f)
-        if stored != identity:
-            raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
-                                 f"settings, or move the folder away to start stage 1 anew (now: {identity})")
-    else:
-        os.makedirs(work_dir, exist_ok=True)
-        with open(identity_path, "w") as f:
-            json.dump(identity, f, indent=1)
-    resume = os.path.isfile(os.path.join(work_dir, "last_checkpoint"))
+    device = next(student.parameters()).device
+    # rank 0 checks (and claims) the folder; every rank learns whether to resume, and the run's name
+    resume, name = run_on_main(lambda: _claim_stage1_folder(work_dir, identity), f"preparing {work_dir}", device)
     if resume:  # the run's own files (identity checked above); MMEngine 0.10 pickles numpy objects
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 
@@ -333,25 +324,65 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     hooks = dict(timer=dict(type="IterTimerHook"), logger=dict(type="LoggerHook", interval=settings["log_every"]),
                  param_scheduler=dict(type="ParamSchedulerHook"), sampler_seed=dict(type="DistSamplerSeedHook"),
                  checkpoint=dict(type="CheckpointHook", by_epoch=False, interval=every, save_last=True))
-    student.is_init = True  # the runner would otherwise re-initialise the detector (init_cfg) before training
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    # Under torchrun every rank trains its shard of the loader (DefaultSampler) in DDP, which starts from rank
+    # 0's parameters; on the CPU (gloo) DDP takes no device ids.
+    wrapper_cfg = dict(type="MMDistributedDataParallel", broadcast_buffers=False,
+                       device_ids=[device.index] if device.type == "cuda" else None,
+                       find_unused_parameters=cfg.get("find_unused_parameters", False)) if distributed else None
     runner = Runner(model=student, work_dir=work_dir, train_dataloader=loader, train_cfg=train_cfg,
                     optim_wrapper=wrapper, default_hooks=hooks, randomness=dict(seed=settings["seed"]),
                     resume=resume, default_scope=cfg.get("default_scope", "mmdet"), env_cfg=cfg.get("env_cfg"),
-                    log_processor=cfg.get("log_processor"),
-                    experiment_name=f"gplq_stage1_{time.strftime('%Y%m%d_%H%M%S')}_{time.time_ns() % 10 ** 9}")
+                    log_processor=cfg.get("log_processor"), launcher="pytorch" if distributed else "none",
+                    cfg=dict(model_wrapper_cfg=wrapper_cfg), experiment_name=name)
+    # The detector trains from the weights it has: Runner.train() would call init_weights() (re-initialising it
+    # from init_cfg: the backbone from random) and then broadcast every state_dict entry, which fails on the
+    # quantizers' non-tensor extra state. Under DDP every rank starts from rank 0's parameters all the same.
+    runner._init_model_weights = lambda: None
     start = time.perf_counter()
     runner.train()
     loss = runner.message_hub.get_scalar("train/loss").current() if "train/loss" in runner.message_hub.log_scalars \
         else None
     return {"steps": runner.iter, "seconds": round(time.perf_counter() - start, 3), "resumed": resume,
-            "loss": None if loss is None else float(loss), "work_dir": os.path.abspath(work_dir)}
+            "loss": None if loss is None else float(loss), "world_size": runner.world_size,
+            "work_dir": os.path.abspath(work_dir)}
+
+
+def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
+    """(resume, run name): refuse a folder of another run, or one that is not a GPLQ stage-1 folder (left as it
+    is); write the identity file into a new or empty one. The name is unique, so that MMEngine's logger and
+    visualizer instances of two stage-1 runs in one process never meet."""
+    identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
+    if os.path.isdir(work_dir) and os.listdir(work_dir):
+        if not os.path.isfile(identity_path):
+            raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
+                                 "missing): move it away")
+        with open(identity_path) as f:
+            stored = json.load(f)
+        if stored != identity:
+            raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
+                                 f"settings, or move the folder away to start stage 1 anew (now: {identity})")
+    else:
+        os.makedirs(work_dir, exist_ok=True)
+        with open(identity_path, "w") as f:
+            json.dump(identity, f, indent=1)
+    resume = os.path.isfile(os.path.join(work_dir, "last_checkpoint"))
+    return resume, f"gplq_stage1_{time.time_ns() % 10 ** 9}"
 
 
 # -- evaluation ----------------------------------------------------------------------------------------
 
 def _evaluator(cfg: Config, loader) -> Any:
+    """The config's test metrics. Under torchrun they gather the ranks' predictions through the process group
+    (collect_device "gpu": all_gather_object, on gloo too) unless the config sets collect_device: MMEngine's
+    default, "cpu", writes them into a `.dist_test` folder it leaves in the working directory, which every
+    node must share."""
     metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
-    evaluator = Evaluator([METRICS.build(copy.deepcopy(m)) for m in metrics])
+    metrics = [copy.deepcopy(m) for m in metrics]
+    if torch.distributed.is_initialized():
+        for metric in metrics:
+            metric.setdefault("collect_device", "gpu")
+    evaluator = Evaluator([METRICS.build(m) for m in metrics])
     evaluator.dataset_meta = loader.dataset.metainfo
     return evaluator
 
@@ -361,9 +392,13 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
                       progress: bool = True) -> Dict[str, Any]:
     """COCO box / mask mAP of `model` on `loader` (pycocotools, through MMDetection's CocoMetric), and with
     `probe_maxima` the activation maxima of the backbone and of the heads (module outputs, see
-    `activation_maxima`). Returns {"bbox_mAP": .., "segm_mAP": .., ..., "images": N, "seconds": ..}."""
+    `activation_maxima`). Returns {"bbox_mAP": .., "segm_mAP": .., ..., "images": N, "seconds": ..}.
+
+    Under torchrun each rank scores its shard of `loader` (MMEngine's DefaultSampler); the evaluator gathers
+    the predictions on rank 0, which computes the metrics for every rank, and the maxima are all-reduced."""
     evaluator = _evaluator(cfg, loader)
     model.eval()
+    device = next(model.parameters()).device
     probe = ActivationProbe(model, blocks=BACKBONE + HEADS) if probe_maxima else None
     start, images = time.perf_counter(), 0
     with probe if probe is not None else contextlib.nullcontext():
@@ -376,18 +411,20 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
         metrics = evaluator.evaluate(len(loader.dataset))
     result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}
-    result.update(images=images, seconds=time.perf_counter() - start)
+    # the sampler pads the last shards with repeated images, which the evaluator drops: count each image once
+    scored = int(all_reduce(torch.tensor([images], device=device)).item())
+    result.update(images=min(scored, len(loader.dataset)), seconds=time.perf_counter() - start)
     if probe is not None:
-        result["max_act"] = activation_maxima(probe)
+        result["max_act"] = activation_maxima(probe, device)
     return result
 
 
-def activation_maxima(probe: ActivationProbe) -> Dict[str, Any]:
+def activation_maxima(probe: ActivationProbe, device: torch.device) -> Dict[str, Any]:
     """The paper's detection "Max. Act. (backbone / head)": max |value| over the outputs of every module in
     the backbone (blocks and everything in them, patch merging, the output norms), and over those of every
     module of the neck, RPN and RoI heads, on the evaluated images. (The paper does not define the sets
     further; this is our reading of "aggregated ... over the backbone and detector head outputs".)"""
-    records = probe.result().per_layer
+    records = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).per_layer
     def largest(prefixes):
         return max((r["max"] for r in records if r["name"].split(".")[0] in prefixes), default=0.0)
     return {"backbone": largest(BACKBONE), "head": largest(HEADS)}

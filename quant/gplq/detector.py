@@ -11,10 +11,12 @@ GPU, no PCA loss. Everything else is the classification procedure (pipeline.py),
 3. Stage 1 (W32A4): every float weight and every LSQ scale trained on the detector's own loss
    (RPN + RoI box + mask) by MMEngine's runner (`PipelineData.train_detector`, engine/detection.py): AdamW at a
    constant lr (default as the paper's GPU table for the global batch), one epoch by default, batch 1 per
-   GPU, resumable from the checkpoints in `<work prefix>_gplq_<bits>_stage1/`.
+   GPU, resumable from the checkpoints in `<work prefix>_gplq_<bits>_stage1/`. Under torchrun every rank
+   trains its shard in DDP (the paper: 8 GPUs at batch 1); the steps are per rank.
 4. Stage 2 (W4A4): activation quantizers frozen, weights per output channel (symmetric, percentile-MSE),
    then QwT on every Swin block of the backbone in order, fitted on `stage2_images` training images with the
-   test pipeline, one per batch, streamed (`fit_block_compensation_streamed`); kept where R^2 > 0.
+   test pipeline, one per batch, streamed (`fit_block_compensation_streamed`); kept where R^2 > 0. On rank 0,
+   which hands the model to the other ranks (engine.distributed.run_on_main).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
+from engine.distributed import run_on_main
 
 from ..calibrate import calibrate
 from ..convert import quantize_model
@@ -92,17 +95,24 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     scale_lr = options.scale_lr if options.scale_lr is not None else lr
     settings = {"steps": options.steps, "batch_size_per_gpu": options.batch_size_per_gpu, "lr": lr,
                 "scale_lr": scale_lr, "weight_decay": options.weight_decay,
-                "param_groups": param_groups(model, lr, scale_lr, options.weight_decay), "amp": options.amp, "log_every": options.log_every,
-                "ckpt_every": options.ckpt_every, "seed": options.seed,
+                "param_groups": param_groups(model, lr, scale_lr, options.weight_decay), "amp": options.amp,
+                "log_every": options.log_every, "ckpt_every": options.ckpt_every, "seed": options.seed,
                 "identity": {"pipeline": "gplq", "bits": str(bits),
                              "fp_model": weights_fingerprint(fp_model.state_dict()),
                              "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start
+                             "world_size": world,  # the global batch and each rank's shard
                              "options": {f.name: getattr(options, f.name) for f in fields(options)
                                          if f.name in STAGE1_OPTIONS}}}
     with timer("stage1", device):
         stage1 = data.train_detector(model, settings, data.work_path(f"_gplq_{bits}_stage1"))
     model.eval().requires_grad_(False)
+    return run_on_main(lambda: _stage2(model, teacher, bits, options, data, timer, device, lr, scale_lr, stage1),
+                       f"quantizing gplq {bits} (stage 2)", device)
 
+
+def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options: GPLQOptions, data: PipelineData,
+            timer: StageTimer, device: torch.device, lr: float, scale_lr: float, stage1: dict) -> PTQResult:
+    """Stage 2 on rank 0 (module docstring, step 4): weights, then QwT streamed over the backbone blocks."""
     samples = data.detector_samples(options.stage2_images, options.seed) if options.qwt else None
     stage2 = quantize_weights_and_compensate(
         model, teacher, options,
@@ -112,4 +122,3 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
                              **stage2)
     report["seconds"] = timer.seconds
     return PTQResult(model, report)
-
