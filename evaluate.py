@@ -50,7 +50,7 @@ from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
 from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe
-from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
+from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -293,7 +293,8 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     options = pipeline_options(cfg, pipeline)
     return {"options": dataclasses.asdict(options) if options is not None else {},
             "calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                            "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}}
+                            "split": cfg.data.train_split, "transform": cfg.quant.calib_transform},
+            **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,

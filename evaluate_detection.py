@@ -98,6 +98,10 @@ def main(argv=None) -> dict:
             PIPELINES[name].check(parse_bits(b), parsed)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+    if "gplq" in pipelines and args.device == "cpu" and torch.cuda.is_available():
+        raise DetectionError("--device cpu with --quant gplq: its stage 1 trains in MMEngine's runner, which moves "
+                             "the detector to a visible GPU; use --device auto, or hide the GPUs "
+                             "(CUDA_VISIBLE_DEVICES=) for a CPU run")
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
@@ -117,7 +121,7 @@ def main(argv=None) -> dict:
     def open_results():
         results = EvalResults.open(out, identity)
         return results, [(p, b) for p in pipelines for b in bits
-                         if results.plan(p, b, settings(args, user_options.get(p)), args.recompute)]
+                         if results.plan(p, b, settings(args, p, user_options.get(p)), args.recompute)]
 
     # read once, on rank 0, so that every rank plans the same work
     results, todo = run_on_main(open_results, f"reading {out}", dist.device)
@@ -129,7 +133,9 @@ def main(argv=None) -> dict:
     say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
         f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
-    feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo else None
+    # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
+    needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
+    feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo and needs_feed else None
     data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
                         train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1,
                                                                                                work_dir),
@@ -143,7 +149,7 @@ def main(argv=None) -> dict:
         for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
             if key in report:
                 entry[key] = report[key]
-        results.add(name, b, entry, settings(args, user_options.get(name)))
+        results.add(name, b, entry, settings(args, name, user_options.get(name)))
         run_on_main(results.save, f"writing {out}", dist.device)
         say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
     say(markdown_row(results.data))
@@ -189,10 +195,12 @@ def detection_defaults(name: str, args) -> dict:
     return {}
 
 
-def settings(args, options=None) -> dict:
-    """What a quantized result depends on besides the weights and data (a different value is another result)."""
-    return {"calib_images": args.calib_images, "calib_seed": args.calib_seed, **({"options": options} if options
-                                                                               else {})}
+def settings(args, pipeline: str, options=None) -> dict:
+    """What a quantized result depends on besides the weights and data (a different value is another result):
+    the calibration batch, the user's options, and for GPLQ the number of ranks its stage 1 trained on."""
+    from quant import run_settings
+    return {"calib_images": args.calib_images, "calib_seed": args.calib_seed,
+            **({"options": options} if options else {}), **run_settings(pipeline)}
 
 
 def score(metrics: dict) -> str:

@@ -305,8 +305,15 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
         raise DetectionError("GPLQ stage 1 on a detector writes resumable checkpoints: give it a work folder")
     identity = json.loads(json.dumps(settings["identity"]))  # plain types, comparable with the stored file
     device = next(student.parameters()).device
-    # rank 0 checks (and claims) the folder; every rank learns whether to resume, and the run's name
-    resume, name = run_on_main(lambda: _claim_stage1_folder(work_dir, identity), f"preparing {work_dir}", device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise DetectionError("GPLQ stage 1 trains in MMEngine's runner, which moves the detector to the GPU "
+                             "whenever one is visible: quantize on the GPU (--device auto), or hide the GPUs "
+                             "(CUDA_VISIBLE_DEVICES=) for a CPU run")
+    # rank 0 checks (and claims) the folder; every rank learns the checkpoint to resume from (rank 0's latest:
+    # a rank that cannot read that file fails instead of starting over alone) and the run's name
+    checkpoint, name = run_on_main(lambda: _claim_stage1_folder(work_dir, identity), f"preparing {work_dir}",
+                                   device)
+    resume = checkpoint is not None
     if resume:  # the run's own files (identity checked above); MMEngine 0.10 pickles numpy objects
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 
@@ -332,7 +339,8 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
                        find_unused_parameters=cfg.get("find_unused_parameters", False)) if distributed else None
     runner = Runner(model=student, work_dir=work_dir, train_dataloader=loader, train_cfg=train_cfg,
                     optim_wrapper=wrapper, default_hooks=hooks, randomness=dict(seed=settings["seed"]),
-                    resume=resume, default_scope=cfg.get("default_scope", "mmdet"), env_cfg=cfg.get("env_cfg"),
+                    resume=resume, load_from=checkpoint, default_scope=cfg.get("default_scope", "mmdet"),
+                    env_cfg=cfg.get("env_cfg"),
                     log_processor=cfg.get("log_processor"), launcher="pytorch" if distributed else "none",
                     cfg=dict(model_wrapper_cfg=wrapper_cfg), experiment_name=name)
     # The detector trains from the weights it has: Runner.train() would call init_weights() (re-initialising it
@@ -349,9 +357,9 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
 
 
 def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
-    """(resume, run name): refuse a folder of another run, or one that is not a GPLQ stage-1 folder (left as it
-    is); write the identity file into a new or empty one. The name is unique, so that MMEngine's logger and
-    visualizer instances of two stage-1 runs in one process never meet."""
+    """(checkpoint to resume from or None, run name): refuse a folder of another run, or one that is not a GPLQ
+    stage-1 folder (left as it is); write the identity file into a new or empty one. The name is unique, so
+    that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
     if os.path.isdir(work_dir) and os.listdir(work_dir):
         if not os.path.isfile(identity_path):
@@ -366,8 +374,15 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
         os.makedirs(work_dir, exist_ok=True)
         with open(identity_path, "w") as f:
             json.dump(identity, f, indent=1)
-    resume = os.path.isfile(os.path.join(work_dir, "last_checkpoint"))
-    return resume, f"gplq_stage1_{time.time_ns() % 10 ** 9}"
+    last = os.path.join(work_dir, "last_checkpoint")  # MMEngine's pointer to its latest checkpoint
+    checkpoint = None
+    if os.path.isfile(last):
+        with open(last) as f:
+            checkpoint = f.read().strip()
+        if not os.path.isfile(checkpoint):
+            raise DetectionError(f"{last} points to {checkpoint}, which does not exist: restore it, or move "
+                                 f"{work_dir} away to start stage 1 anew")
+    return checkpoint, f"gplq_stage1_{time.time_ns() % 10 ** 9}"
 
 
 # -- evaluation ----------------------------------------------------------------------------------------
@@ -406,8 +421,8 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
             outputs = model.test_step(batch)
             evaluator.process(data_samples=outputs, data_batch=batch)
             images += len(outputs)
-            if progress and (i + 1) % 50 == 0:
-                print(f"  {images}/{len(loader.dataset)} images", flush=True)
+            if progress and (i + 1) % 50 == 0:  # under torchrun: of this rank's shard
+                print(f"  {images}/{len(loader.sampler)} images", flush=True)
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
         metrics = evaluator.evaluate(len(loader.dataset))
     result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}

@@ -16,7 +16,8 @@ quant/README.md.
 """
 from .convert import quantize_model
 from .pipeline_data import PipelineData
-from .registry import PIPELINES, evaluate_quantized
+from .registry import PIPELINES, evaluate_quantized, run_settings
 from .spec import Bits, parse_bits
 
-__all__ = ["PIPELINES", "evaluate_quantized", "PipelineData", "quantize_model", "Bits", "parse_bits"]
+__all__ = ["PIPELINES", "evaluate_quantized", "run_settings", "PipelineData", "quantize_model", "Bits",
+           "parse_bits"]

@@ -32,6 +32,15 @@ PIPELINES: Dict[str, Pipeline] = {p.name: p for p in (
     RTNPipeline(), GPTQPipeline(), SmoothQuantPipeline(), SmoothQuantStrictPipeline())}
 
 
+def run_settings(pipeline: str) -> Dict[str, Any]:
+    """What a result of `pipeline` depends on besides its options, calibration, weights and data: for a
+    data-parallel pipeline (GPLQ trains on every rank), the number of ranks, which sets the global batch and
+    each rank's shard; {} for the others, whose result is the same on any number of ranks."""
+    if not PIPELINES[pipeline].data_parallel:
+        return {}
+    return {"world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
+
+
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],
                        eval_fn: Callable[[nn.Module], Mapping[str, float]],
                        options: Optional[Mapping[str, Any]] = None,

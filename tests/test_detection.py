@@ -252,6 +252,12 @@ def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compens
     with pytest.raises(DetectionError, match="another run"):
         PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", {**options, "steps": 3}, data=data)
     assert sorted(p.name for p in folder.iterdir()) == before
+    # the checkpoint last_checkpoint names is gone: refused, never a silent start from iteration 0
+    latest = (folder / "last_checkpoint").read_text().strip()
+    os.rename(latest, latest + ".moved")
+    with pytest.raises(DetectionError, match="which does not exist"):
+        PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
+    os.rename(latest + ".moved", latest)
 
     out = tmp_path / "trained.json"
     result = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
@@ -281,6 +287,18 @@ def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained
                              (["iters=1"], "PIPELINE.KEY=VALUE")):
         with pytest.raises(ValueError, match=message):
             main(base + ["--quant", "aphq", "gplq", "--quant-options", *options])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_gplq_on_the_cpu_is_refused_while_a_gpu_is_visible(sample, trained, tmp_path, monkeypatch):
+    """MMEngine's runner would train stage 1 on the visible GPU while the rest stays on the CPU: refused before
+    any work (a CPU machine pretends to see a GPU)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DetectionError, match="CUDA_VISIBLE_DEVICES="):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant", "gplq",
+              "--device", "cpu", "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
 
 

@@ -144,4 +144,8 @@ def test_two_ranks_score_each_image_once_and_quantize_on_rank_0(sample, trained,
     assert saved["quant"]["gplq"]["w4a4"]["stage1"]["steps"] == 2
     identity = json.loads((tmp_path / "two" / "eval_gplq_w4a4_stage1" / "gplq_stage1.json").read_text())
     assert identity["world_size"] == 2
+    # ... and so does the result: a 1-process GPLQ entry is another result than a 2-rank one
+    assert saved["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 2
+    assert single[1]["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
+    assert "world_size" not in saved["quant"]["repq"]["w4a4"]["settings"]  # the same on any number of ranks
     assert not [p.name for p in (tmp_path / "two").iterdir() if ".partial-" in p.name]

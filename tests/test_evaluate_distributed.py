@@ -115,6 +115,10 @@ def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint
         top1 = saved["quant"][pipeline]["w4a4"]["top1"]
         assert rank0[1]["quant"][pipeline]["w4a4"]["top1"] == rank1[1]["quant"][pipeline]["w4a4"]["top1"] == top1
     assert rank1[1]["quant"]["aphq"]["w4a4"]["report"] == saved["quant"]["aphq"]["w4a4"]["report"]
+    # GPLQ's result depends on the ranks its stage 1 trained on; the others' do not
+    assert saved["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 2
+    assert single[1]["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
+    assert "world_size" not in saved["quant"]["aphq"]["w4a4"]["settings"]
     # repq and APHQ quantize on rank 0 exactly as one process does (GPLQ's stage 1 trains on 2 shards)
     for pipeline in ("repq", "aphq"):
         expected = single[1]["quant"][pipeline]["w4a4"]["top1"]
