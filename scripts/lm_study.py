@@ -7,7 +7,8 @@ Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report
 over seeds (mean ± sample std). Written, and never overwritten without --overwrite:
   lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
-                           final pair energies, and the maxima and
+                           final pair energies, the quantization gap at W8 with 8 to 4 activation bits
+                           (where evaluated below 8), and the maxima and
                            kurtosis per module type (eval_best_act_max.csv); printed as well
   lm_study_energy.png      pair energy against update (metrics.jsonl)
   lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
@@ -30,6 +31,10 @@ from scripts.mechanism import new_figure  # noqa: E402
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
 COLUMNS = (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoothquant_strict", "w8a8"),
            ("rtn", "w3a16"), ("gptq", "w3a16"), ("smoothquant_strict", "w6a6"))
+# the activation-bit table: the quantization gap (quantized - fp32 perplexity, per run) with the weights at
+# 8 bits and fewer activation bits, where the activation ranges (and so the outliers) decide the error
+# (evaluate.py --quant smoothquant_strict smoothquant --bits w8a6 w8a5 w8a4); shown where evaluated
+ACT_BITS = tuple((p, f"w8a{a}") for p in ("smoothquant_strict", "smoothquant") for a in (8, 6, 5, 4))
 TYPES = ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp", "block")
 CURVES = (("act/max_block", "max |block output|"), ("act/kurtosis_block", "largest kurtosis of a block output"),
           ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / character)"))
@@ -68,6 +73,7 @@ def tables(groups: dict[str, list[Run]]) -> str:
         cells += [fmt([r.result["max_act"]["module"] for r in runs]), fmt([r.result["max_act"]["block"] for r in runs]),
                   fmt([r.result["max_act"]["kurtosis"]["block"] for r in runs], 1)]
         lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    lines += activation_bit_gaps(groups)
     for column, what in (("max", "Largest max |activation|"), ("kurtosis", "Largest kurtosis")):
         lines += ["", f"{what} per module type over the blocks:", "",
                   "| Point | " + " | ".join(TYPES) + " |", "|---|" + "---|" * len(TYPES)]
@@ -77,6 +83,23 @@ def tables(groups: dict[str, list[Run]]) -> str:
                 fmt([m[t] for m in per_run if t in m], 1) if any(t in m for m in per_run) else "-"
                 for t in TYPES) + " |")
     return "\n".join(lines) + "\n"
+
+
+def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:
+    """The ACT_BITS table (markdown lines), or nothing when no run was evaluated below 8 activation bits."""
+    def gaps(runs: list[Run], pipeline: str, bits: str) -> list[float]:
+        return [r.result["quant"][pipeline][bits]["ppl"] - r.result["fp"]["ppl"] for r in runs
+                if bits in r.result["quant"].get(pipeline, {})]
+
+    if not any(gaps(runs, p, b) for runs in groups.values() for p, b in ACT_BITS if b != "w8a8"):
+        return []
+    lines = ["", "Quantization gap (quantized - FP32 perplexity of each run) with 8-bit weights and fewer activation "
+             "bits:", "", "| Point | " + " | ".join(f"{p} {b.upper()}" for p, b in ACT_BITS) + " |",
+             "|---|" + "---|" * len(ACT_BITS)]
+    for point, runs in groups.items():
+        cells = [fmt(gaps(runs, p, b), 3) if gaps(runs, p, b) else "-" for p, b in ACT_BITS]
+        lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:

@@ -14,7 +14,7 @@ import lm_study  # noqa: E402
 
 
 
-def write_run(root, name, *, ppl, rtn, block_max, kurtosis, fc2_final):
+def write_run(root, name, *, ppl, rtn, block_max, kurtosis, fc2_final, strict_a5=None):
     folder = root / name
     folder.mkdir()
     with open(folder / "metrics.jsonl", "w") as f:
@@ -25,6 +25,8 @@ def write_run(root, name, *, ppl, rtn, block_max, kurtosis, fc2_final):
                                 "act/kurtosis_block": kurtosis, "act/max_module": 9.0}) + "\n")
     quant = {"rtn": {"w4a16": {"ppl": rtn}}, "gptq": {"w4a16": {"ppl": ppl + 0.01}},
              "smoothquant": {"w8a8": {"ppl": ppl}}}
+    if strict_a5 is not None:
+        quant["smoothquant_strict"] = {"w8a5": {"ppl": strict_a5}}
     with open(folder / "eval_best.json", "w") as f:
         json.dump({"fp": {"ppl": ppl, "ppl_bf16": ppl + 0.002, "loss": 1.0},
                    "max_act": {"module": 9.0, "block": block_max, "kurtosis": {"block": kurtosis, "module": 40.0}},
@@ -39,8 +41,8 @@ def write_run(root, name, *, ppl, rtn, block_max, kurtosis, fc2_final):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_sweep")
-    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
-    write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
+    write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0, strict_a5=5.6)
     write_run(root, "cd10x_s0", ppl=4.1, rtn=4.5, block_max=8.0, kurtosis=5.0, fc2_final=40.0)
     return root
 
@@ -55,6 +57,9 @@ def test_tables_match_hand_computed_values(sweep, tmp_path):
     # final energies (fc2: 110 ± 14.1), block maxima, kurtosis
     assert "| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 | 9.00 ± 0.00 | 25.00 ± 7.07 | 12.0 ± 2.8 |" \
         in report
+    # activation bits: baseline gaps 1.0 and 1.4 (each run against its own fp32): 1.2 ± 0.283; SQ W8A8 gaps 0
+    assert "| baseline | - | - | 1.200 ± 0.283 | - | 0.000 ± 0.000 | - | - | - |" in report
+    assert "| cd10x | - | - | - | - | 0.000 | - | - | - |" in report
     # per type: mlp.fc2's largest max over blocks is 3.0; its largest kurtosis is kurtosis + 1 (block 0)
     assert rows["cd10x"]  # present in every table
     assert "| cd10x | - | - | - | - | - | - | - | 3.0 | - | 8.0 |" in report
