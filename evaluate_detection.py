@@ -67,7 +67,8 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
+                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
+                                  train_activation_qat)
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
     from engine.eval_results import EvalResults
@@ -98,10 +99,8 @@ def main(argv=None) -> dict:
             PIPELINES[name].check(parse_bits(b), parsed)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-    if "gplq" in pipelines and args.device == "cpu" and torch.cuda.is_available():
-        raise DetectionError("--device cpu with --quant gplq: its stage 1 trains in MMEngine's runner, which moves "
-                             "the detector to a visible GPU; use --device auto, or hide the GPUs "
-                             "(CUDA_VISIBLE_DEVICES=) for a CPU run")
+    if "gplq" in pipelines and args.device == "cpu":
+        check_stage1_device(torch.device("cpu"))  # before any work
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)

@@ -305,10 +305,7 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
         raise DetectionError("GPLQ stage 1 on a detector writes resumable checkpoints: give it a work folder")
     identity = json.loads(json.dumps(settings["identity"]))  # plain types, comparable with the stored file
     device = next(student.parameters()).device
-    if device.type == "cpu" and torch.cuda.is_available():
-        raise DetectionError("GPLQ stage 1 trains in MMEngine's runner, which moves the detector to the GPU "
-                             "whenever one is visible: quantize on the GPU (--device auto), or hide the GPUs "
-                             "(CUDA_VISIBLE_DEVICES=) for a CPU run")
+    check_stage1_device(device)
     # rank 0 checks (and claims) the folder; every rank learns the checkpoint to resume from (rank 0's latest:
     # a rank that cannot read that file fails instead of starting over alone) and the run's name
     checkpoint, name = run_on_main(lambda: _claim_stage1_folder(work_dir, identity), f"preparing {work_dir}",
@@ -354,6 +351,15 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     return {"steps": runner.iter, "seconds": round(time.perf_counter() - start, 3), "resumed": resume,
             "loss": None if loss is None else float(loss), "world_size": runner.world_size,
             "work_dir": os.path.abspath(work_dir)}
+
+
+def check_stage1_device(device: torch.device) -> None:
+    """Refuse GPLQ stage 1 on the CPU while a GPU is visible: MMEngine's runner moves the model to the GPU
+    whenever there is one (mmengine.device.get_device), so stage 1 would train elsewhere than the rest runs."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise DetectionError("GPLQ stage 1 trains in MMEngine's runner, which moves the detector to a visible "
+                             "GPU: quantize on the GPU (--device auto), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                             "for a CPU run")
 
 
 def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
