@@ -90,6 +90,11 @@ def cleanup_distributed(wait_for_all: bool = True) -> None:
     _wait_group = None
 
 
+def world_size() -> int:
+    """The number of ranks of the process group; 1 without one."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce when a process group exists; identity otherwise."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from engine.distributed import world_size
+
 from .aphq.pipeline import APHQPipeline
 from .calibrate import Images
 from .gplq.pipeline import GPLQPipeline
@@ -38,7 +40,7 @@ def run_settings(pipeline: str) -> Dict[str, Any]:
     each rank's shard; {} for the others, whose result is the same on any number of ranks."""
     if not PIPELINES[pipeline].data_parallel:
         return {}
-    return {"world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
+    return {"world_size": world_size()}
 
 
 def evaluate_quantized(pipeline: str, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits],

@@ -97,7 +97,8 @@ def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:
              "bits:", "", "| Point | " + " | ".join(f"{p} {b.upper()}" for p, b in ACT_BITS) + " |",
              "|---|" + "---|" * len(ACT_BITS)]
     for point, runs in groups.items():
-        cells = [fmt(gaps(runs, p, b), 3) if gaps(runs, p, b) else "-" for p, b in ACT_BITS]
+        found = [gaps(runs, p, b) for p, b in ACT_BITS]
+        cells = [fmt(values, 3) if values else "-" for values in found]
         lines.append(f"| {point} | " + " | ".join(cells) + " |")
     return lines
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
-from engine.distributed import run_on_main
+from engine.distributed import run_on_main, world_size
 
 from ..calibrate import calibrate
 from ..convert import quantize_model
@@ -81,7 +81,7 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
         raise ValueError("GPLQ on a detector trains it: PipelineData.train_detector is required")
     timer = StageTimer()
     device = next(fp_model.parameters()).device
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world = world_size()
     teacher = copy.deepcopy(fp_model).eval().requires_grad_(False) if options.qwt_target == "teacher" else None
     with timer("init", device):
         model = quantize_model(fp_model, layout)

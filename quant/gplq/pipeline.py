@@ -49,7 +49,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
-from engine.distributed import run_on_main
+from engine.distributed import run_on_main, world_size
 
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
@@ -113,7 +113,7 @@ class GPLQPipeline(Pipeline):
 
     def _quantize(self, fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData,
                   timer: StageTimer, device: torch.device) -> tuple:
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        world = world_size()
         teacher = copy.deepcopy(fp_model).eval().requires_grad_(False)
         bs = options.batch_size_per_gpu
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
-from engine.distributed import run_on_main
+from engine.distributed import run_on_main, world_size
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.precision import grad_scaler
 
@@ -103,7 +103,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         raise ValueError("the stage-1 training loader is empty")
     config = json.loads(json.dumps(config))  # plain types, comparable with a reloaded checkpoint
     device = next(student.parameters()).device
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world = world_size()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tap = FeatureTap(student)
     train_model: nn.Module = tap
