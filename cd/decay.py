@@ -12,9 +12,10 @@ needs only the config; `state_dict()` carries a logging counter and the config e
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -23,13 +24,32 @@ from torch.utils.hooks import RemovableHandle
 from .pairs import ROLES, Pair, find_pairs
 from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
 from .verify import UnsupportedModelError
-from .wrappers import unwrap_model
+from .wrappers import torch_optimizer, unwrap_model
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
-# optimizer -> the ColinearityDecay objects attached to it (weakly held both ways): a matrix that two hooks
-# of one optimizer decay would be decayed twice per step
+# optimizer -> the objects whose CD update runs in its step (`ColinearityDecay.attach`, the integrations'
+# `OptimizerBinding`), weakly held both ways: a matrix that two of them decay would be decayed twice per step
 _HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch.optim.Optimizer, who: str) -> None:
+    """Record that `owner` runs `decay`'s update in `optimizer`'s step, after checking that no other live
+    owner there decays one of the same matrices. An owner says which decay it still runs in a step with
+    `_hooked_decay(optimizer)` (None once its hook is removed).
+
+    Raises:
+        RuntimeError: another owner hooked into `optimizer` decays one of `decay`'s matrices.
+    """
+    mine = {id(t): name for name, t in decay._decayed_named()}
+    for other in list(_HOOKED.get(optimizer, ())):
+        theirs = other._hooked_decay(optimizer) if other is not owner else None
+        shared = [mine[id(t)] for t in theirs._decayed() if id(t) in mine] if theirs is not None else []
+        if shared:
+            raise RuntimeError(f"{who}: another CD update runs in this optimizer's step already (a "
+                               f"ColinearityDecay.attach or a cd.integrations callback) and decays {shared[0]} too; "
+                               f"each step would decay it twice. Use one per model (remove the other first)")
+    _HOOKED.setdefault(optimizer, weakref.WeakSet()).add(owner)
 
 
 def _role_order(key: str) -> tuple[int, str]:
@@ -180,18 +200,24 @@ class ColinearityDecay:
                    norms_every=norms_every, gated_mlp=cfg_cd.gated_mlp)
 
     # ----------------------------------------------------------------------------------- decoupled update
-    def apply(self, lr: float) -> None:
+    def apply(self, lr: Union[float, Tensor]) -> None:
         """One decoupled CD update of every target with step lr * lam (lam_per_role overrides per role).
 
         Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
         when every strength is 0 (bit-identical, no work) or when lr == 0. Frozen matrices
-        (requires_grad=False) are left alone, as an optimizer leaves them.
+        (requires_grad=False) are left alone, as an optimizer leaves them. `lr` is a real number (numpy's
+        too) or a 0-dim tensor (a tensor's value is not checked: that would wait for the device).
 
         Raises:
             RuntimeError: the object is attached to an optimizer, whose steps apply the update already.
-            ValueError: lr is negative, NaN or inf.
+            ValueError: lr is negative, NaN or inf, or the model's parameters were replaced after this
+                object found its pairs (the update would write tensors the model no longer uses).
         """
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        if isinstance(lr, Tensor):
+            if lr.dim() != 0 or not lr.is_floating_point():
+                raise ValueError(f"ColinearityDecay.apply: a tensor lr must be a 0-dim float tensor, got "
+                                 f"shape {tuple(lr.shape)} {lr.dtype}")
+        elif not (isinstance(lr, numbers.Real) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         if self.mode != "decoupled" or not self._active:
             return
@@ -199,6 +225,7 @@ class ColinearityDecay:
             raise RuntimeError("ColinearityDecay.apply: this object is attached to an optimizer, whose step() "
                                "applies the update already; calling apply() too would decay twice per step. Use "
                                "one of them (handle.remove() detaches)")
+        self._check_parameters_current()
         lr2 = [lr if p.downstream.requires_grad else 0.0 for p in self.pairs]
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
         self._apply(lr2, lr1, gate=None)
@@ -222,54 +249,72 @@ class ColinearityDecay:
         overflow; there the update is multiplied on device by (found_inf == 0), which GradScaler attaches
         to the optimizer, so a skipped step leaves the weights bit-identical without a host sync.
         Each pair uses the current `lr` of the param group holding its decayed matrix (schedulers,
-        warmup and layer-wise lr decay are respected).
+        warmup and layer-wise lr decay are respected). A step given a closure (`optimizer.step(closure)`,
+        whose backward runs inside the step) gets the update right after the closure's first call, when
+        the gradient exists and before the optimizer reads the weights. A framework's wrapper (accelerate's
+        `AcceleratedOptimizer`, Lightning's `LightningOptimizer`) is looked through to the torch optimizer.
 
         CD changes exactly the matrices the optimizer changes: a decayed matrix that is not in `optimizer`,
         or has no gradient at this step (requires_grad=False, a frozen block), is left alone, as torch's
         optimizers leave such parameters; and at most once per real step: one object attaches to one
-        optimizer at a time, and two objects may not decay one matrix through the same optimizer.
+        optimizer at a time, and two objects (or an object and a `cd.integrations` callback) may not decay
+        one matrix through the same optimizer. A step in which no decayed matrix has a gradient is not counted
+        in `cd/updates`.
 
         Raises:
-            TypeError: `optimizer` is not a torch.optim.Optimizer.
-            RuntimeError: this object is attached already, or another ColinearityDecay attached to
-                `optimizer` decays one of these matrices (the update would run twice per step).
+            TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
+            RuntimeError: this object is attached already, or another CD update in `optimizer`'s step
+                decays one of these matrices (the update would run twice per step).
             ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, or
                 the model's parameters were replaced after this object found its pairs.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"ColinearityDecay.attach takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = torch_optimizer(optimizer)
         attached = self._attached()
         if attached is not None:
             same = "this optimizer" if attached is optimizer else "another optimizer"
             raise RuntimeError(f"ColinearityDecay.attach: this object is attached to {same} already; a second "
                                f"hook would apply the update twice per step. Call remove() on the handle of "
                                f"the first attach() before attaching again")
-        mine = {id(t) for t in self._decayed()}
-        for other in list(_HOOKED.get(optimizer, ())):
-            if other is not self and other._attached() is optimizer and mine & {id(t) for t in other._decayed()}:
-                shared = next(p.name for p in self.pairs if id(p.downstream) in {id(t) for t in other._decayed()})
-                raise RuntimeError(f"ColinearityDecay.attach: another ColinearityDecay attached to this optimizer "
-                                   f"decays {shared} too; each step would decay it twice. Use one object per "
-                                   f"model (remove the other's handle first)")
         self._check_parameters_current()
         index = self._group_index(optimizer)  # validate now, not at the first step
         outside = [name for name, t in self._decayed_named() if id(t) not in index]
-        if len(outside) == len(mine):
+        if len(outside) == len(self._decayed()):
             raise ValueError(f"ColinearityDecay.attach: none of the {len(outside)} decayed matrices is in the "
                              f"optimizer (not in the optimizer: e.g. {outside[:3]}), so CD would never act; give "
                              f"the optimizer the model's parameters")
+        register_step_update(self, self, optimizer, "ColinearityDecay.attach")
         if outside:
             warnings.warn(f"ColinearityDecay.attach: {len(outside)} decayed matrices are not in the optimizer "
                           f"(e.g. {outside[:3]}); the optimizer never changes them, so CD leaves them alone too",
                           stacklevel=2)
 
-        def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-            self._pre_step(opt, kwargs)
+        def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+            # torch passes step's own arguments: args = (optimizer, closure?) and kwargs
+            closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+            if closure is None:
+                self._pre_step(opt, kwargs)
+                return None
+            calls = 0
+
+            def closure_then_decay():  # the gradient exists only after the closure's backward
+                nonlocal calls
+                loss = closure()
+                calls += 1
+                if calls == 1:  # once per step, also for optimizers that call the closure again (LBFGS)
+                    self._pre_step(opt, kwargs)
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_decay}
+            return (args[0], closure_then_decay, *args[2:]), kwargs
 
         self._handle = optimizer.register_step_pre_hook(hook)
         self._handle_optimizer = weakref.ref(optimizer)
-        _HOOKED.setdefault(optimizer, weakref.WeakSet()).add(self)
         return self._handle
+
+    def _hooked_decay(self, optimizer: torch.optim.Optimizer) -> Optional["ColinearityDecay"]:
+        """This object, while its update runs in `optimizer`'s step (`register_step_update`)."""
+        return self if self._attached() is optimizer else None
 
     def _attached(self) -> Optional[torch.optim.Optimizer]:
         """The optimizer whose step pre-hook this object still is (None if never attached or removed)."""
@@ -331,6 +376,9 @@ class ColinearityDecay:
         if "grad_scaler" in kwargs:
             raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy "
                                "custom AMP contract); CD cannot tell whether this step will be skipped")
+        self._check_parameters_current()
+        if all(t.grad is None for t in self._decayed()):  # the optimizer leaves them all alone: so does CD
+            return
         index = self._group_index(optimizer)
         groups = optimizer.param_groups
 

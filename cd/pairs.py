@@ -273,6 +273,15 @@ class _Block:
     def refuse(self, why: str) -> UnsupportedModelError:
         return _refuse(self.name, self.module, why)
 
+    def refuse_inner_norm(self, layer: str, pair: str) -> None:
+        """Refuse a norm between a functional pair's matrices (timm's `norm` child of the attention or MLP,
+        set by scale_attn_norm / scale_mlp_norm): it rescales what W1 writes before W2 reads it, so the pair's
+        product no longer describes the path. An Identity `norm` (timm's default) is no norm."""
+        part = self.part(layer)
+        if not isinstance(_child(part, "norm"), (nn.Identity, type(None))):
+            raise self.refuse(f"{type(part).__name__} has a norm before {layer} (timm scale_attn_norm / "
+                              f"scale_mlp_norm); the {pair} pair is defined for W2 reading W1's output directly")
+
     def composable(self, norm: str, layer: str, role: str) -> Pair:
         """(diag(<norm>.weight), <layer>.weight), refused unless the norm has an affine scale of the layer's
         input width."""
@@ -294,6 +303,7 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     """qkv and proj pairs of a fused-qkv attention, or of separate q, k, v layers (class attention: CaiT /
     XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v."""
     lay = b.lay
+    b.refuse_inner_norm(lay.proj, "V -> proj")
     proj, qkv = b.matrix(lay.proj), b.matrix(lay.qkv)
     if qkv is not None and proj is not None:
         # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
@@ -316,6 +326,7 @@ def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
     """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs with `gated_mlp` (`_gated_pairs`)."""
     lay = b.lay
     mlp = b.part(lay.fc2)
+    b.refuse_inner_norm(lay.fc2, "fc1 -> fc2")
     fc1, fc2 = b.matrix(lay.fc1), b.matrix(lay.fc2)
     gated = _module(b.module, lay.gate) is not None or (
         fc1 is not None and fc2 is not None and _width(fc1, lay, 0) == 2 * _width(fc2, lay, 1))
@@ -338,13 +349,10 @@ def _gated_pairs(b: _Block) -> list[Pair]:
     split by `chunk`).
     fc2 (functional): W_up -> W_down, the route that is linear in x for a fixed gate, as fc1 -> fc2 is
     through GELU; W_gate gets no pair with W_down (it enters through the nonlinearity only).
-    Refused when a norm sits between the product and W_down (timm `scale_mlp`).
+    A norm between the product and W_down (timm `scale_mlp`) is refused before (`_mlp_pairs`).
     """
     lay = b.lay
     mlp = b.part(lay.fc2)
-    if not isinstance(_child(mlp, "norm"), (nn.Identity, type(None))):
-        raise b.refuse(f"gated MLP {type(mlp).__name__} has a norm before fc2 (scale_mlp); the "
-                       "gated pairs are defined for fc2(act(W_gate x) * W_up x)")
     down = b.matrix(lay.fc2)
     if _module(b.module, lay.gate) is not None:
         up = b.matrix(lay.up)
@@ -417,8 +425,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, dic
         raise UnsupportedModelError(
             f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
             "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
-            "ViT/DeiT/Swin) and patch-merging layers (norm, reduction). Without CD (cd.enabled=false) the model "
-            "trains as usual.")
+            "ViT/DeiT/Swin, or the same parts under the names of GPT-2, transformers' ViT / GPT-2 / Llama and "
+            "MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m cd --families` lists "
+            "the families and what CD finds in each. Without CD (train.py: cd.enabled=false) the model trains "
+            "as usual.")
     refuse_shared(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)

@@ -19,10 +19,14 @@ Implementation notes (why the code looks like this):
 - All updates of one call are computed from the weights as they were before the call: groups are ordered
   so that no group reads a matrix an earlier group already wrote, and a group's writes are deferred to
   the end otherwise (`build_plan`). Within a group every delta is computed before any write.
-- Same-shaped pairs of one role are stacked and multiplied with one `bmm` (one kernel per role and
-  shape, not a Python loop over blocks). Math is fp32 (TF32 if the caller enabled it) for fp32, bf16
-  and fp16 parameters (float64 parameters stay float64); results are written back in the parameter dtype.
-- Products are ordered by cost: W2 (W1n W1n^T) costs r^2 (i + o), (W2 W1n) W1n^T costs 2 o r i.
+- Same-shaped pairs of one role form a group: their norms and step factors are computed together
+  (`torch._foreach_norm`, one stacked tensor), and each pair's two products are then made with `torch.mm`
+  in a loop over the group, the second accumulated into W2 in place (`addmm_`), so that no stacked copy
+  of the weights is made. Math is fp32 (TF32 if the caller enabled it) for fp32, bf16 and fp16 parameters
+  (float64 parameters stay float64); results are written back in the parameter dtype.
+- The product is always evaluated as (W2 W1n) W1n^T (2 o r i flops): W1 is r x i and W2 is o x r, and
+  for the paper's pairs (r = i for V -> proj; r = 4i for fc1 -> fc2) it is not more than the other order,
+  W2 (W1n W1n^T), at r^2 (i + o).
 """
 from __future__ import annotations
 

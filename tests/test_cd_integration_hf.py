@@ -72,7 +72,7 @@ class PoisonStep(TrainerCallback):
 
 
 def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool = False, poison: int = -1,
-          resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None):
+          resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None, callback=None):
     model = model or tiny_gpt2()
     initial = copy.deepcopy(model)
     opt, sched = optimizer_and_schedule(model, steps)
@@ -82,7 +82,7 @@ def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool 
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
                              restore_callback_states_from_checkpoint=True)
     recorder = Recorder(model)
-    callbacks = [ColinearityDecayCallback(lam=LAM, **(cd_kwargs or {})), recorder]
+    callbacks = [callback or ColinearityDecayCallback(lam=LAM, **(cd_kwargs or {})), recorder]
     if poison >= 0:
         callbacks.append(PoisonStep(model, poison))
     trainer = Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, sched), callbacks=callbacks)
@@ -130,15 +130,34 @@ def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
     full_trainer, initial, full = train(tmp_path / "full", steps=4)
     train(tmp_path / "cut", steps=4, save_steps=2, model=copy.deepcopy(initial))
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
-    assert saved["ColinearityDecayCallback"]["attributes"]["cd_state"]["num_updates"] == 2
     model = copy.deepcopy(initial)  # the weights come from the checkpoint
-    trainer, _, resumed = train(tmp_path / "cut", steps=4, resume=str(checkpoint), model=model)
+    given = ColinearityDecayCallback(lam=LAM)
+    trainer, _, resumed = train(tmp_path / "cut", steps=4, resume=str(checkpoint), model=model, callback=given)
     assert len(resumed.after) == 2
     for got, want in zip(resumed.after, full.after[2:]):
         assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
-    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
-    assert cb.decay.num_updates == 4  # the counter came back with the callback's state
+    # restore_callback_states_from_checkpoint=True (set in train) rebuilds the Trainer's stateful callbacks from
+    # the checkpoint's arguments: this one is not among them, so the object given is the one that ran
+    assert given in trainer.callback_handler.callbacks and given.decay is not None
+    assert given.decay.num_updates == 4  # the counter starts at the restored global_step
+
+
+def test_a_resumed_trainer_runs_the_callback_as_given_not_as_saved(tmp_path):
+    train(tmp_path, steps=4, save_steps=2)
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert "ColinearityDecayCallback" not in saved
+    given = ColinearityDecayCallback(lam=LAM, lam_per_role={"fc2": 2 * LAM})
+    trainer, _, _ = train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given)
+    assert given in trainer.callback_handler.callbacks
+    assert given.decay.lam_per_role == {"fc2": 2 * LAM} and given.decay.num_updates == 4
+
+
+def test_an_optimizer_without_any_decayed_matrix_is_an_error_not_a_silent_no_op():
+    from transformers import TrainerState
+    model = tiny_gpt2()
+    head_only = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("transformer.h.")], lr=0.1)
+    with pytest.raises(ValueError, match="no optimizer holds the .* matrices CD decays"):
+        ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model, optimizer=head_only)
 
 
 def test_arguments_are_checked_when_the_callback_is_made():

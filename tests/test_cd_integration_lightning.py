@@ -16,6 +16,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning")
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
+from cd import UnsupportedModelError  # noqa: E402
 from cd.integrations.lightning import ColinearityDecayCallback  # noqa: E402
 from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs  # noqa: E402
 from cd_models import VIT_DEPTH, tiny_vit  # noqa: E402
@@ -157,3 +158,17 @@ def test_resume_from_a_lightning_checkpoint_continues_exactly(tmp_path):
     for got, want in zip(resumed.after, full.after[2:]):
         assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
     assert cd_callback(trainer).decay.num_updates == 4
+
+
+def test_module_names_the_part_to_decay_when_the_lightning_module_cannot_run_a_forward():
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=2)
+    module.example_input_array = None  # nothing tells CD the LightningModule's input
+    with pytest.raises(UnsupportedModelError, match="cannot tell the input size of Module.*verify=False"):
+        fit(module, 2)
+    module = Module(copy.deepcopy(initial), steps=2)
+    module.example_input_array = None
+    trainer = fit(module, 2, callback=ColinearityDecayCallback(module="net", lam=LAM))  # timm's net tells its own
+    check(initial, module, 2, 1, variants=("before_backward", "after_step"))
+    assert cd_callback(trainer).decay.pairs[0].name == "blocks.0.attn.qkv.weight"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import warnings
 from unittest import mock
 
 import pytest
@@ -163,6 +164,19 @@ def test_resume_from_an_mmengine_checkpoint_continues_exactly(tmp_path, monkeypa
     for g, w in zip(got, want):
         assert all(torch.allclose(g[n], w[n], rtol=0, atol=TOL) for n in w)
     assert hook_of(resumed, "ColinearityDecayHook").decay.num_updates == 4
+
+
+def test_fine_tuning_from_a_checkpoint_with_load_from_is_a_new_run(tmp_path, monkeypatch):
+    run(config(tmp_path / "pretrain", iters=2))
+    cfg = config(tmp_path / "finetune", iters=2, lam=2 * LAM)
+    cfg.update(load_from=str(tmp_path / "pretrain" / "iter_2.pth"), resume=False)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "resuming with a different CD config"
+        warnings.filterwarnings("ignore", module="mmengine")
+        warnings.filterwarnings("ignore", message=".*weights_only.*")
+        finetuned = run(cfg)
+    assert hook_of(finetuned, "ColinearityDecayHook").decay.num_updates == 2  # counted from 0, not 2 + 2
 
 
 @pytest.mark.slow

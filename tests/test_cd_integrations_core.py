@@ -82,3 +82,19 @@ def test_arguments_are_colinearity_decays():
         check_cd_arguments({"lamda": 0.1})
     with pytest.raises(TypeError, match="decoupled update"):
         check_cd_arguments({"mode": "loss"})
+
+
+def test_a_binding_beside_an_attach_of_the_same_matrices_is_refused_both_ways():
+    # e.g. Lightning's callback and an attach() in configure_optimizers: each step would decay twice
+    model, decay, opt, _ = _setup()
+    handle = ColinearityDecay(model, lam=0.5).attach(opt)
+    with pytest.raises(RuntimeError, match=r"another CD update runs in this optimizer's step already"):
+        OptimizerBinding(decay, opt)
+    handle.remove()
+    binding = OptimizerBinding(decay, opt)
+    with pytest.raises(RuntimeError, match=r"another CD update runs in this optimizer's step already"):
+        ColinearityDecay(model, lam=0.5).attach(opt)
+    with pytest.raises(RuntimeError, match=r"another CD update"):
+        OptimizerBinding(decay, opt)  # one binding of one decay: still twice
+    binding.remove()
+    OptimizerBinding(decay, opt)  # a removed binding is gone

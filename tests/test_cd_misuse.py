@@ -2,11 +2,14 @@
 optimizer changes, at most once per real step, and every refusal states its true cause."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs
+from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs
 from cd_models import changed, snapshot, tiny_swin, tiny_vit
 
 
@@ -99,9 +102,86 @@ def test_two_objects_decaying_one_matrix_through_one_optimizer_are_refused():
     model = tiny_vit()
     opt = sgd(model.parameters())
     ColinearityDecay(model, lam=0.1).attach(opt)
-    with pytest.raises(RuntimeError, match=r"another ColinearityDecay attached to this optimizer decays "
+    with pytest.raises(RuntimeError, match=r"another CD update runs in this optimizer's step already .* decays "
                                            r"blocks\.0\.attn\.qkv\.weight"):
         ColinearityDecay(model, lam=0.1).attach(opt)
+
+
+def test_a_closure_step_gets_the_update_after_its_backward_once():
+    model = tiny_vit().double()
+    initial = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 10, (4,), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ColinearityDecay(model, lam=0.5).attach(opt)
+    got = []
+    for step in range(3):
+        opt.zero_grad()
+
+        def closure():  # backward inside the step: the gradient exists only after the closure's call
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure) if step % 2 == 0 else opt.step(closure=closure)  # positional and keyword
+        got.append(snapshot(model))
+
+    def reference(variant):
+        net = copy.deepcopy(initial)
+        return reference_run(net, [[(x, y)]] * 3, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                             torch.optim.AdamW(net.parameters(), lr=1e-2), None, vit_pairs(["blocks.0", "blocks.1"], 32),
+                             0.5, variant=variant)
+
+    assert_matches_reference(got, reference, 1e-10, variants=("before_backward", "after_step"))
+
+
+def test_an_optimizer_that_calls_the_closure_again_gets_one_update_per_step():
+    model = tiny_vit()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(opt)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        calls.append(1)
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    assert len(calls) > 2 and decay.num_updates == 2
+
+
+def test_a_step_without_any_gradient_is_not_counted():
+    model = tiny_vit()
+    opt = sgd(model.parameters())
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(opt)
+    opt.step()  # no backward yet
+    assert decay.metrics()["cd/updates"] == 0.0
+
+
+def test_attach_looks_through_a_framework_optimizer_wrapper():
+    class Wrapper(torch.optim.Optimizer):  # as accelerate's AcceleratedOptimizer: a subclass without its state
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    model = tiny_vit()
+    inner = sgd(model.parameters())
+    wrapped = Wrapper(inner)
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(wrapped)
+    before = snapshot(model)
+    step_with_zero_grads(model, wrapped)
+    assert decay.num_updates == 1 and "blocks.0.mlp.fc2.weight" in changed(model, before)
+    with pytest.raises(RuntimeError, match="attached to this optimizer already"):
+        decay.attach(inner)
 
 
 def test_apply_on_an_attached_object_is_refused():
@@ -165,6 +245,35 @@ def test_replaced_parameters_are_refused_as_replaced_not_as_missing():
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     with pytest.raises(ValueError, match=r"no longer the tensor .* replaced since"):
         decay.attach(sgd(model.parameters()))
+    with pytest.raises(ValueError, match=r"no longer the tensor .* replaced since"):  # not a write to stale tensors
+        decay.apply(0.1)
+
+
+def test_parameters_replaced_after_attach_are_refused_at_the_step():
+    model = tiny_vit()
+    opt = sgd(model.parameters())
+    ColinearityDecay(model, lam=0.1).attach(opt)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"no longer the tensor"):  # the hook would decay stale tensors
+        opt.step()
+
+
+def test_apply_takes_numpy_numbers_and_0_dim_tensors_and_refuses_other_tensors():
+    np = pytest.importorskip("numpy")
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.1)
+    before = snapshot(model)
+    decay.apply(np.float32(0.5))
+    after_numpy = snapshot(model)
+    model.load_state_dict(before)
+    decay.apply(torch.tensor(0.5))
+    assert changed(model, before) and all(torch.allclose(p, after_numpy[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="0-dim float tensor"):
+        decay.apply(torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        decay.apply(np.float64("nan"))
 
 
 @pytest.mark.parametrize("model, kwargs", [(tiny_vit, {"lam_per_role": {"reduction": 0.02}}),
@@ -177,7 +286,7 @@ def test_a_role_strength_that_decays_nothing_is_refused(model, kwargs):
 def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
     model = tiny_vit()
     scheduler_by_mistake = torch.optim.lr_scheduler.StepLR(sgd(model.parameters()), 1)
-    with pytest.raises(TypeError, match="takes a torch.optim.Optimizer, got StepLR"):
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer, got StepLR"):
         ColinearityDecay(model).attach(scheduler_by_mistake)
 
 

@@ -93,6 +93,15 @@ def test_gated_mlp_is_refused_naming_the_block_type():
         find_pairs(model)
 
 
+@pytest.mark.parametrize("option,pair", [("scale_mlp_norm", "fc1 -> fc2"), ("scale_attn_norm", "V -> proj")])
+def test_a_norm_between_a_functional_pairs_matrices_is_refused(option, pair):
+    # timm's norm inside the MLP / attention rescales W1's output before W2 reads it: the product W2 W1 is
+    # not the path, as for the gated MLP's scale_mlp
+    with pytest.raises(UnsupportedModelError, match=rf"'blocks.0' \(Block\).*has a norm before .*{pair}"):
+        find_pairs(_tiny("vit_tiny_patch16_224", depth=1, **{option: True}))
+    assert len(find_pairs(_tiny("vit_tiny_patch16_224", depth=1, **{option: False}))) == 4  # Identity: no norm
+
+
 def _tiny(name: str, **kw) -> nn.Module:
     torch.manual_seed(0)
     return timm.create_model(name, img_size=32, patch_size=8, embed_dim=32, num_heads=2, num_classes=3, **kw)

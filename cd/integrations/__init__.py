@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..decay import ColinearityDecay
-from ..wrappers import unwrap_model
+from ..decay import ColinearityDecay, register_step_update
+from ..wrappers import torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -51,20 +51,6 @@ def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Mod
     return model.get_submodule(module) if module else model
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's
-    `LightningOptimizer`, MMEngine's `OptimWrapper`): the object whose `step()` really updates the weights."""
-    seen = 0
-    while seen < 8:
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer, seen = inner, seen + 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"CD needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return optimizer
-
-
 def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` holds any matrix that `decay` writes."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -81,7 +67,8 @@ class OptimizerBinding:
     the step is already under way (Lightning runs forward and backward inside `optimizer.step(closure)`, and
     the optimizer calls the closure before it reads the weights), the update runs at once, once per step.
     Nothing runs when no decayed matrix has a gradient: the optimizer would leave them alone (Lightning skips
-    backward when `training_step` returns None).
+    backward when `training_step` returns None). A second CD update in the same optimizer's step that decays
+    one of the same matrices (an `attach` of the model's own, another binding) is refused.
 
     Args:
         decay: the CD object of the model.
@@ -100,12 +87,17 @@ class OptimizerBinding:
         if outside:
             warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
                           "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
+        register_step_update(self, decay, self.optimizer, "cd.integrations")
         self._armed = False
         self._stepping = False
         self._applied = False
         self._kwargs: dict = {}
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
+
+    def _hooked_decay(self, optimizer: torch.optim.Optimizer) -> Optional[ColinearityDecay]:
+        """The decay this binding runs in `optimizer`'s step, until `remove` (`register_step_update`)."""
+        return self.decay if self._handles and optimizer is self.optimizer else None
 
     def arm(self) -> None:
         """The framework's event: the update that follows (or is under way, in a closure) is a real one."""
@@ -134,8 +126,7 @@ class OptimizerBinding:
 
     def _run(self) -> None:
         self._armed, self._applied = False, True
-        if any(p.downstream.grad is not None for p in self.decay.pairs):
-            self.decay.apply_for(self.optimizer, self._kwargs)
+        self.decay.apply_for(self.optimizer, self._kwargs)
 
 
 def bind_optimizers(decay: ColinearityDecay, optimizers: list) -> dict[int, OptimizerBinding]:

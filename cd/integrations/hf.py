@@ -13,22 +13,24 @@ the torch optimizer inside accelerate's `AcceleratedOptimizer`, so it runs only 
 fp16 the GradScaler skips `optimizer.step()` on inf/NaN gradients, and CD with it. It uses the lr of each
 decayed matrix's param group at that moment (before the scheduler steps), as the optimizer does.
 
-The model and the optimizer come from the Trainer (`on_train_begin`). The callback's state (the update counter)
-is written with the Trainer's checkpoints; `TrainingArguments(restore_callback_states_from_checkpoint=True)`
-restores it on resume. The update itself has no state: resuming gives the same weights either way.
+The model and the optimizer come from the Trainer (`on_train_begin`). The update has no state, so a resumed run
+gives the same weights as an uninterrupted one, with the callback as it is given to the resumed Trainer. The
+callback is deliberately not one of the Trainer's stateful callbacks: `restore_callback_states_from_checkpoint=True`
+would replace it by a new instance built from the arguments saved in the checkpoint, dropping changed
+arguments and leaving the caller's object (and its `decay`) unused. The logging counter `cd/updates` starts at
+the Trainer's restored `global_step` instead (which counts the steps fp16 skipped too).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
 
 from ..decay import ColinearityDecay
-from . import OptimizerBinding, check_cd_arguments
+from . import OptimizerBinding, bind_optimizers, check_cd_arguments
 
 
-class ColinearityDecayCallback(TrainerCallback, ExportableState):
+class ColinearityDecayCallback(TrainerCallback):
     """Colinearity Decay for `transformers.Trainer`.
 
     Args:
@@ -42,7 +44,6 @@ class ColinearityDecayCallback(TrainerCallback, ExportableState):
     def __init__(self, **cd_kwargs: Any) -> None:
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
-        self.cd_state: Optional[dict] = None  # restored by the Trainer (ExportableState), loaded at train begin
         self._binding: Optional[OptimizerBinding] = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -51,9 +52,8 @@ class ColinearityDecayCallback(TrainerCallback, ExportableState):
                                "on_train_begin")
         self._unbind()
         self.decay = ColinearityDecay(model, **self.cd_kwargs)
-        if self.cd_state is not None:
-            self.decay.load_state_dict(self.cd_state)
-        self._binding = OptimizerBinding(self.decay, optimizer)
+        self.decay.num_updates = state.global_step  # a resumed run's steps so far (logging only)
+        (self._binding,) = bind_optimizers(self.decay, [optimizer]).values()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._binding.arm()
@@ -68,10 +68,3 @@ class ColinearityDecayCallback(TrainerCallback, ExportableState):
         if self._binding is not None:
             self._binding.remove()
             self._binding = None
-
-    def state(self) -> dict:
-        """What the Trainer writes into trainer_state.json (`stateful_callbacks`): the arguments, and CD's
-        state (update counter and config) as plain JSON values."""
-        saved = self.decay.state_dict() if self.decay is not None else self.cd_state
-        args = {k: v for k, v in self.cd_kwargs.items() if k != "example_input"}  # a tensor is not JSON
-        return {"args": args, "attributes": {"cd_state": saved}}

@@ -17,8 +17,9 @@ Clipping scales the gradients and CD moves weights, so their order does not chan
 `accumulate_grad_batches` Lightning steps once per update, and CD with it; manual optimization (`opt.step()`
 in `training_step`) goes through the same path. Each matrix gets the lr of its param group at that moment.
 
-The model is the LightningModule (its `example_input_array` serves the pair check); the optimizers are the
-Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved in Lightning
+The model is the LightningModule (its `example_input_array` serves the pair check), or the submodule that
+`module=` names (e.g. `module="net"` for a module without `forward`, whose own input size the check can tell);
+the optimizers are the Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved in Lightning
 checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
 """
 from __future__ import annotations
@@ -28,13 +29,15 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
-from . import bind_optimizers, check_cd_arguments, torch_optimizer
+from . import bind_optimizers, check_cd_arguments, select_module, torch_optimizer
 
 
 class ColinearityDecayCallback(Callback):
     """Colinearity Decay for `lightning.Trainer`.
 
     Args:
+        module: the part of the LightningModule that CD decays: "" (default) the whole module, or a dotted
+            submodule name.
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
             `matmul_precision`, `norms_every`, `verify`, `example_input`); the decoupled update only.
 
@@ -42,7 +45,8 @@ class ColinearityDecayCallback(Callback):
         decay: the `ColinearityDecay` of the LightningModule, from `on_train_start` on (`decay.metrics()`).
     """
 
-    def __init__(self, **cd_kwargs: Any) -> None:
+    def __init__(self, module: str = "", **cd_kwargs: Any) -> None:
+        self.module = module
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
@@ -51,9 +55,10 @@ class ColinearityDecayCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._unbind()
         kwargs = dict(self.cd_kwargs)
-        if kwargs.get("example_input") is None and getattr(pl_module, "example_input_array", None) is not None:
-            kwargs["example_input"] = pl_module.example_input_array
-        self.decay = ColinearityDecay(pl_module, **kwargs)
+        example = getattr(pl_module, "example_input_array", None)
+        if kwargs.get("example_input") is None and example is not None and not self.module:
+            kwargs["example_input"] = example
+        self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
         self._bindings = bind_optimizers(self.decay, trainer.optimizers)

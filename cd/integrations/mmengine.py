@@ -21,7 +21,8 @@ The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and o
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
 model). The pair check runs one forward of that part on the `meta` device; where CD cannot tell the input size
 (MMDetection's Swin has none), `input_shape` gives it. The hook's state (the update counter, plain values) is
-saved in MMEngine's checkpoints under "colinearity_decay" and restored by `resume`.
+saved in MMEngine's checkpoints under "colinearity_decay" and restored by `resume`; a run that starts from a
+checkpoint with `load_from` (fine-tuning) counts from 0.
 """
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ class ColinearityDecayHook(Hook):
                 dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
                 kwargs["example_input"] = torch.empty(self.input_shape, dtype=dtype, device="meta")
         self.decay = ColinearityDecay(target, **kwargs)
-        if self._restored is not None:
+        # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
+        # as for `resume`; only a resumed run stands past iteration 0 here
+        if self._restored is not None and runner.iter > 0:
             self.decay.load_state_dict(self._restored)
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
 
@@ -110,9 +113,7 @@ class ColinearityDecayHook(Hook):
             checkpoint[CHECKPOINT_KEY] = self.decay.state_dict()  # plain values: loads with weights_only
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
-        self._restored = checkpoint.get(CHECKPOINT_KEY)
-        if self.decay is not None and self._restored is not None:
-            self.decay.load_state_dict(self._restored)
+        self._restored = checkpoint.get(CHECKPOINT_KEY)  # applied in before_train, to a resumed run only
 
 
 # The baselines' hooks (TWEO, UNIQ weight noise) register with this module's import, so one custom_imports entry
