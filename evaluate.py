@@ -44,7 +44,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanu
                                 run_on_main)
 from engine.loop import NonFiniteLossError
 from engine.precision import describe_precision
-from engine.tasks import task_for
+from engine.tasks import check_model_fits_task, task_for
 from engine.runinfo import describe_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -77,10 +77,13 @@ def main(args: argparse.Namespace) -> dict:
     model = load_float_model(cfg, payload, args)
     model.to(device).eval()
     task = task_for(cfg.data.dataset)
+    check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     img_size = input_size(model)  # a language model: its context in tokens
     val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
     def open_results() -> tuple[EvalResults, list]:
         results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
+        if cfg.quant.act_max_csv:
+            check_act_max_files(results.data, os.path.splitext(out)[0])
         return results, [(name, bits) for name, bits in planned(cfg)
                          if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
 
@@ -94,10 +97,15 @@ def main(args: argparse.Namespace) -> dict:
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
     start = time.perf_counter()
-    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")
+    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as the quantized
     fp_seconds = time.perf_counter() - start
-    if task.language and args.amp != "bf16":  # the paper's Table 8 reports bf16 perplexity
-        fp["ppl_bf16"] = task.evaluate(model, val_loader, device, "bf16", progress="bf16 eval")["ppl"]
+    if task.language:  # the paper's Table 8 columns whatever --amp is: fp32 ("ppl") and bf16 ("ppl_bf16")
+        passes = {args.amp: fp}
+        for amp in ("none", "bf16"):
+            if amp not in passes:
+                passes[amp] = task.evaluate(model, val_loader, device, amp, progress=f"{amp} eval".replace(
+                    "none", "fp32"))
+        fp = dict(passes["none"], ppl_bf16=passes["bf16"]["ppl"])
     start = time.perf_counter()
     with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
         task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
@@ -108,12 +116,12 @@ def main(args: argparse.Namespace) -> dict:
     log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
              fp_seconds)
     if cfg.quant.act_max_csv:
-        stem = os.path.splitext(out)[0]
+        paths = act_max_paths(os.path.splitext(out)[0])
         title = f"{model_label(cfg.model)} ({method_name(cfg)})"
         max_act.update(run_on_main(lambda: {
-            "csv": str(write_act_max_csv(act.per_layer, stem + "_act_max.csv")),
-            "plot": str(plot_act_max(act.per_layer, stem + "_act_max.png", title=title))},
-            f"writing {stem}_act_max.csv / .png", device))
+            "csv": str(write_act_max_csv(act.per_layer, paths["csv"])),
+            "plot": str(plot_act_max(act.per_layer, paths["plot"], title=title))},
+            f"writing {paths['csv']} / .png", device))
     kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
     results.update(method=method_name(cfg), fp={k: fp[k] for k in kept if k in fp} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act)
@@ -150,6 +158,7 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
                                                 batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                                 rank=dist.rank, world_size=dist.world_size,
                                                 vocab_size=cfg.model.num_classes)
+        check_vocabulary_kind(payload, vocab, args.checkpoint or cfg.model.pretrained)
         check_classes(payload, vocab, args.checkpoint)
         return loader
     try:
@@ -235,6 +244,18 @@ def check_hub_weights_fit(cfg: Config) -> None:
                           f"evaluate a checkpoint trained with it, or drop the model.attn override")
 
 
+def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], weights: str) -> None:
+    """A language model's val text must be encoded as it was trained: characters (with the same vocabulary,
+    `check_classes`) or token ids. Weights without a checkpoint's record (model.pretrained: GPT-2's, nanoGPT's)
+    were trained on token ids."""
+    trained = (payload or {}).get("classes")
+    if (trained is None) != (val_vocab is None):
+        kind = lambda vocab: f"{len(vocab)} characters" if vocab is not None else "token ids"
+        raise DataError(f"{weights} was trained on {kind(trained)}, data.dataset={'kjv' if val_vocab else 'tokens'} "
+                        f"gives {kind(val_vocab)}: id i would mean another symbol. Evaluate it on the kind of "
+                        f"text it was trained on")
+
+
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
     """The val folder must name the classes the checkpoint was trained on, in the same order."""
     trained = (payload or {}).get("classes")
@@ -252,7 +273,8 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
             "checkpoint": checkpoint,
             "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
-            "data": {"dataset": cfg.data.dataset,
+            "data": text_identity(cfg.data) if task_for(cfg.data.dataset).language else {
+                     "dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
                      "val_split": cfg.data.val_split,
                      # what the val images look like to the model: a data.crop_pct override is another
@@ -267,6 +289,32 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                      if cfg.data.dataset != "synthetic" else {}}}
 
 
+def act_max_paths(stem: str) -> dict[str, str]:
+    """The per-layer maxima files written next to the result file `<stem>.json` (quant.act_max_csv)."""
+    return {"csv": stem + "_act_max.csv", "plot": stem + "_act_max.png"}
+
+
+def check_act_max_files(data: dict, stem: str) -> None:
+    """Refuse to overwrite maxima files that this result file did not write (nothing is lost): a file of that
+    name that the JSON does not list is someone else's."""
+    # by file name: the JSON lists them as the command that wrote them named them, always beside itself
+    own = {os.path.basename(p) for p in (data.get("max_act") or {}).values() if isinstance(p, str)}
+    foreign = [p for p in act_max_paths(stem).values() if os.path.exists(p) and os.path.basename(p) not in own]
+    if foreign:
+        raise RunDirError(f"{foreign[0]} exists and was not written for this result file; evaluate.py would "
+                          f"overwrite it with the per-layer maxima: move it away, give --out another name, or "
+                          f"set quant.act_max_csv=false")
+
+
+def text_identity(data) -> dict:
+    """Which text a language model's numbers are of: the token files (root, val split, the number of val
+    windows) or the embedded King James Bible's split (its val fraction); the image settings play no part."""
+    text = {"dataset": data.dataset, "val_windows": data.val_windows}
+    if data.dataset == "tokens":
+        return {**text, "root": os.path.abspath(data.root), "val_split": data.val_split}
+    return {**text, "kjv_val_fraction": data.kjv_val_fraction}
+
+
 def _plain_kwargs(kwargs: dict) -> dict:
     """model.kwargs (e.g. global_pool=avg: same weights, other outputs) as the result file stores them."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(kwargs.items())}
@@ -277,7 +325,8 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
     `quant.calib_transform` names, or for a language model as many seeded train windows of its context
     (`img_size`)."""
     if task_for(cfg.data.dataset).language:
-        return calibration_windows(cfg.data, img_size, cfg.quant.calib_images, cfg.quant.calib_seed)
+        return calibration_windows(cfg.data, img_size, cfg.quant.calib_images, cfg.quant.calib_seed,
+                                   cfg.model.num_classes)
     return calibration_images(cfg.data, img_size, cfg.model.num_classes, cfg.quant.calib_images,
                               cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train")
 
@@ -291,9 +340,10 @@ def pipeline_options(cfg: Config, pipeline: str):
 def quant_settings(cfg: Config, pipeline: str) -> dict:
     """Everything a quantized result depends on besides the float model and the val set."""
     options = pipeline_options(cfg, pipeline)
+    calibration = {"calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
+                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}}
     return {"options": dataclasses.asdict(options) if options is not None else {},
-            "calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                            "split": cfg.data.train_split, "transform": cfg.quant.calib_transform},
+            **(calibration if PIPELINES[pipeline].calibrated else {}),  # RTN reads no data
             **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
 
 
@@ -328,6 +378,7 @@ def resolve_config(args: argparse.Namespace):
         for path in args.config or ():
             merge_file(cfg, path)  # e.g. a data preset for another machine
         cfg = apply_overrides(cfg, args.overrides)
+        check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
     else:
         cfg = load_config(args.config or [], args.overrides)
         if not cfg.model.pretrained:
@@ -358,6 +409,21 @@ def resolve_config(args: argparse.Namespace):
         except ValueError as e:
             raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
+
+
+def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:
+    """Settings that --config / overrides may not change for a checkpoint: the weights are the checkpoint's
+    (another model.pretrained would be ignored), and the King James Bible's val text must be the one held out
+    from its training (another data.kjv_val_fraction would score on text it was trained on)."""
+    if cfg.model.pretrained != saved.get("model", {}).get("pretrained", cfg.model.pretrained):
+        raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
+                          f"evaluate other weights with model.pretrained and --config, without --checkpoint")
+    trained = saved.get("data", {})
+    if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
+            and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
+        raise ConfigError(f"data.kjv_val_fraction={cfg.data.kjv_val_fraction}: {checkpoint} was trained on the text "
+                          f"before its last {trained['kjv_val_fraction']}, so another split would score it on text "
+                          f"it was trained on; drop the override")
 
 
 def method_name(cfg: Config) -> str:
@@ -400,6 +466,10 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     sweep) and their count, instead of one row per result.
     """
     language = all("ppl" in r["fp"] for r in results)
+    if not language and any("ppl" in r["fp"] for r in results):
+        lm = next(r for r in results if "ppl" in r["fp"])["model"]
+        raise ValueError(f"the results mix language models ({lm}: perplexity) and classifiers (top-1), whose "
+                         "columns differ: make one table per task")
     score, fp_columns = (("ppl", [("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")]) if language
                          else ("top1", [("top1", "FP Top-1")]))
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}

@@ -50,8 +50,8 @@ from engine.snapshots import keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes)
 from engine.runinfo import describe_environment, setup_logging
-from engine.tasks import ClassificationTask, task_for
-from models import ModelError, build_model, describe, input_size, is_language_model, model_label
+from engine.tasks import ClassificationTask, check_model_fits_task, task_for
+from models import ModelError, build_model, describe, input_size, model_label
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
@@ -147,7 +147,8 @@ class Run:
 
     def save_checkpoint(self) -> None:
         model, optimizer, state = self.model, self.optimizer, self.state
-        extra = {"classes": self.loaders.classes, "optimizer_param_names": optimizer_param_names(model, optimizer),
+        extra = {"classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
+                 "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
                  "resumed_from": self.started_from, "wandb_id": self.wandb_id,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
@@ -177,10 +178,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
-    if is_language_model(model) != task.language:
-        raise ConfigError(f"model.name={cfg.model.name} is {'a language' if is_language_model(model) else 'an image'} "
-                          f"model, data.dataset={cfg.data.dataset} is {'text' if task.language else 'images'}: "
-                          "use a GPT size (models/gpt.py) with dataset tokens or kjv, a vision model with the others")
+    check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_data(cfg, model, dist, task)
     updates_per_epoch = len(loaders.train) // accum_steps
@@ -246,6 +244,11 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     of the current update), the position within the epoch in samples of any process count."""
     cfg, state = run.cfg, run.state
     check_resumable(payload["config"], cfg, resume_path)
+    saved = payload.get("data_fingerprint")
+    if saved is not None and saved != run.loaders.fingerprint:  # data.root is a path, the files are the data
+        raise CheckpointError(f"{resume_path} was trained on other token files than data.root={cfg.data.root} "
+                              f"holds (size and first MiB per split: {saved} then, {run.loaders.fingerprint} "
+                              f"now): point data.root at the files it was trained on, or start a new run")
     restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))

@@ -155,11 +155,13 @@ READ_ALWAYS = {"cd.gated_mlp"}
 
 def check_overrides_read(cfg: Config, given: dict) -> None:
     """Refuse an override (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while
-    data.dataset is digits, or cd.lam while cd.enabled is false. Overrides that set the deciding key too
-    (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) say what they mean and pass."""
+    data.dataset is digits, or cd.lam while cd.enabled is false. Overrides that switch a section off
+    explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) say what they mean
+    and pass; any other deciding override does not excuse a key it makes unread (data.dataset=kjv next to
+    data.mixup=0.8 is refused)."""
     for keys, decider, read_with in READ_ONLY_WHEN:
         value = get_key(cfg, decider)
-        if decider in given or value in read_with:
+        if value in read_with or given.get(decider, None) is False:
             continue
         for key in given:
             if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):

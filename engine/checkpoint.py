@@ -81,7 +81,8 @@ def load_checkpoint(path: str) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path)} bytes): {e}; a file cut short "
+                              f"(a copy or a save that did not finish) or corrupted reads so") from e
     if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint of this code base (no 'model'/'config' entries); "
                               f"for plain weights files use model.pretrained={path}")

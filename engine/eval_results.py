@@ -113,7 +113,7 @@ def _read(path: str, identity: dict) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not text at all (UnicodeDecodeError)
         raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
                            f"move it away or use --out") from None
     if not isinstance(data, dict) or not isinstance(data.get("quant", {}), dict) or not all(

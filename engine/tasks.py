@@ -20,6 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
+from configs import ConfigError
+from models import is_language_model
+
 from .distributed import all_reduce
 from .loop import EvalBatches, NonFiniteLossError
 from .loop import evaluate as evaluate_classifier
@@ -122,3 +125,12 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
                                  "try none or bf16)")
     mean = loss / max(tokens, 1.0)
     return {"loss": mean, "ppl": math.exp(min(mean, 700.0)), "count": int(windows), "tokens": int(tokens)}
+
+
+def check_model_fits_task(model: nn.Module, model_name: str, dataset: str) -> None:
+    """A language model trains and scores on text, a vision model on images (train.py and evaluate.py)."""
+    language = is_language_model(model)
+    if language != task_for(dataset).language:
+        raise ConfigError(f"model.name={model_name} is {'a language' if language else 'an image'} model, "
+                          f"data.dataset={dataset} is {'images' if language else 'text'}: use a GPT size "
+                          "(models/gpt.py) with dataset tokens or kjv, a vision model with the others")

@@ -69,9 +69,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 def _build_language_model(cfg: ModelConfig) -> GPT:
     """A GPT-2 of `cfg.name`'s size (vocabulary: model.num_classes), with model.kwargs overrides."""
-    if cfg.attn != "softmax" or cfg.img_size is not None or cfg.pretrained == "hub":
-        raise ModelError(f"model '{cfg.name}' is a language model: model.attn, model.img_size and "
-                         "model.pretrained=hub apply to the timm vision models only")
+    if cfg.attn != "softmax" or cfg.img_size is not None or cfg.pretrained == "hub" or cfg.drop_path:
+        raise ModelError(f"model '{cfg.name}' is a language model: model.attn, model.img_size, model.drop_path "
+                         "(stochastic depth; set it to 0) and model.pretrained=hub apply to the timm vision "
+                         "models only")
     try:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
     except TypeError as e:

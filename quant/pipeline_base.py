@@ -62,6 +62,7 @@ class Pipeline:
     tasks: tuple = ("classification",)  # the engine/tasks.py tasks whose models it quantizes
     default_bits: str = "w4a4"  # the bit-width evaluate.py runs when quant.bits is [] (the paper's setting)
     weight_only: bool = False  # True: activations stay float (only aN16 bit-widths); False: only quantized ones
+    calibrated: bool = True  # False: the weights alone decide (RTN); its results record no calibration settings
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,

@@ -119,13 +119,11 @@ def main(argv=None) -> str:
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
-    if args.layout == "finetune":
-        try:
-            table = finetune_table(results)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
-    else:
-        table = markdown_table(results, over_seeds=args.over_seeds)
+    try:
+        table = (finetune_table(results) if args.layout == "finetune"
+                 else markdown_table(results, over_seeds=args.over_seeds))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     print(table)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -49,6 +49,7 @@ class RTNPipeline(Pipeline):
     name = "rtn"
     Options = RTNOptions
     weight_only = True
+    calibrated = False
     tasks = ("classification", "causal_lm")
     default_bits = "w4a16"
 
@@ -82,6 +83,7 @@ class GPTQPipeline(RTNPipeline):
 
     name = "gptq"
     Options = GPTQOptions
+    calibrated = True  # its Hessians come from the calibration windows
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPTQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:

@@ -1,0 +1,190 @@
+"""Language models under hostile input: evaluate.py scores a GPT checkpoint on the text it was trained on and
+in the columns it names, or refuses with one error; train.py refuses settings a GPT never reads and a resume
+on other token files; token files are checked whole."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import train
+from configs import ConfigError, Config, load_config
+from configs.loader import IgnoredOverrideError
+from data import DataError
+from data.loader import calibration_windows
+from data.text import check_vocabulary, largest_id, token_stream
+from configs.schema import DataConfig
+from engine.checkpoint import CheckpointError, load_checkpoint
+from engine.eval_results import ResultsError
+from engine.run_dir import RunDirError
+from models import ModelError
+
+NANO = "configs/lm/kjv_nano.yaml"
+
+
+def token_folder(path, vocab: int = 65, n: int = 20_000, seed: int = 0, train_ids=None):
+    """nanoGPT's layout: train.bin and val.bin of uint16 ids below `vocab`."""
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, n, dtype=np.uint16) if train_ids is None else train_ids
+    ids.tofile(path / "train.bin")
+    rng.integers(0, vocab, 4_000, dtype=np.uint16).tofile(path / "val.bin")
+    return path
+
+
+@pytest.fixture(scope="module")
+def kjv_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kjv") / "nano"
+    train.main(load_config([NANO], [f"out_dir={out}"]))
+    return out / "best.pt"
+
+
+def run_eval(*argv):
+    return evaluate.main(evaluate.parse_args(list(argv)))
+
+
+# -- evaluate.py: the numbers are of the text the model was trained on, in the columns they are named by -----
+
+def test_fp32_and_bf16_columns_hold_fp32_and_bf16_whatever_amp_the_quantized_evaluations_use(kjv_run, tmp_path):
+    plain = run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "--out", str(tmp_path / "none.json"))
+    under_bf16 = run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "--amp", "bf16",
+                          "--out", str(tmp_path / "bf16.json"))
+    assert under_bf16["eval_amp"] == "bf16"
+    assert under_bf16["fp"]["ppl"] == plain["fp"]["ppl"]  # the FP32 column is fp32 in both files
+    assert under_bf16["fp"]["ppl_bf16"] == plain["fp"]["ppl_bf16"]
+    assert under_bf16["fp"]["loss"] == pytest.approx(math.log(under_bf16["fp"]["ppl"]))
+    assert plain["quant"]["rtn"]["w4a16"]["settings"].keys() == {"options"}  # RTN reads no calibration data
+
+
+def test_another_kjv_split_than_the_trained_one_is_refused(kjv_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"data.kjv_val_fraction=0.3: .* text it was trained on"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "data.kjv_val_fraction=0.3",
+                 "--out", str(tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_character_model_on_token_ids_is_refused(kjv_run, tmp_path):
+    root = token_folder(tmp_path / "tokens")
+    with pytest.raises(DataError, match=r"trained on 65 characters, data.dataset=tokens gives token ids"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "data.dataset=tokens", f"data.root={root}",
+                 "--out", str(tmp_path / "r.json"))
+    weights = tmp_path / "gpt.pt"  # plain weights (model.pretrained): trained on token ids
+    torch.save(load_checkpoint(str(kjv_run))["model"], weights)
+    with pytest.raises(DataError, match=r"trained on token ids, data.dataset=kjv gives 65 characters"):
+        run_eval("--config", NANO, f"model.pretrained={weights}", "--quant", "rtn", "--out", str(tmp_path / "r.json"))
+
+
+def test_a_language_model_on_images_is_refused_before_any_scoring(kjv_run, tmp_path):
+    with pytest.raises(ConfigError, match="is a language model, data.dataset=synthetic is images"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "data.dataset=synthetic",
+                 "--out", str(tmp_path / "r.json"))
+
+
+def test_other_weights_beside_a_checkpoint_are_refused_not_ignored(kjv_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.pretrained=.*--checkpoint .* gives the weights"):
+        run_eval("--checkpoint", str(kjv_run), f"model.pretrained={kjv_run}", "--quant", "rtn",
+                 "--out", str(tmp_path / "r.json"))
+
+
+def test_maxima_files_that_the_result_file_did_not_write_are_not_overwritten(kjv_run, tmp_path):
+    mine = tmp_path / "r_act_max.csv"
+    mine.write_text("my data\n")
+    with pytest.raises(RunDirError, match=r"r_act_max.csv exists and was not written for this result file"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "--out", str(tmp_path / "r.json"))
+    assert mine.read_text() == "my data\n" and not (tmp_path / "r.json").exists()
+    # its own files are rewritten when the same result file is extended
+    out = tmp_path / "own.json"
+    run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "--out", str(out))
+    run_eval("--checkpoint", str(kjv_run), "--quant", "gptq", "quant.calib_images=8", "--out", str(out))
+    assert set(json.loads(out.read_text())["quant"]) == {"rtn", "gptq"}
+
+
+def test_an_out_file_that_is_not_text_is_refused_unharmed(kjv_run, tmp_path):
+    binary = tmp_path / "weights.json"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ResultsError, match="cannot be read as JSON"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "--out", str(binary))
+    assert binary.read_bytes() == bytes(range(256)) * 4
+
+
+def test_the_identity_of_a_text_evaluation_names_the_text_not_image_settings():
+    kjv = evaluate.text_identity(DataConfig(dataset="kjv", kjv_val_fraction=0.2, val_windows=64))
+    assert kjv == {"dataset": "kjv", "val_windows": 64, "kjv_val_fraction": 0.2}
+    tokens = evaluate.text_identity(DataConfig(dataset="tokens", root="/data/owt"))
+    assert tokens["root"] == "/data/owt" and tokens["val_split"] == "val" and "kjv_val_fraction" not in tokens
+    assert "calibration" in evaluate.quant_settings(Config(), "gptq")
+    assert "calibration" not in evaluate.quant_settings(Config(), "rtn")
+
+
+def test_a_table_of_language_models_and_classifiers_is_refused():
+    lm = {"model": "gpt2_nano", "method": "Baseline", "fp": {"ppl": 48.0}, "max_act": {"module": 1, "block": 1},
+          "quant": {}}
+    vit = {"model": "vit", "method": "Baseline", "fp": {"top1": 90.0}, "max_act": {"module": 1, "block": 1},
+           "quant": {}}
+    with pytest.raises(ValueError, match="mix language models .* one table per task"):
+        evaluate.markdown_table([lm, vit])
+
+
+# -- token files --------------------------------------------------------------------------------------------
+
+def test_an_empty_token_file_is_a_data_error(tmp_path):
+    root = token_folder(tmp_path / "t")
+    (root / "val.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"val.bin is empty or has an odd number of bytes \(0\)"):
+        token_stream(DataConfig(dataset="tokens", root=str(root)), "val")
+
+
+def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
+    ids = np.zeros(1000, dtype=np.uint16)
+    ids[-1] = 70  # past any first chunk: a file of billions of ids is read in chunks, all of them
+    assert largest_id(ids, chunk=64) == 70 == int(ids.max())
+    stream = type("S", (), {"ids": ids, "vocab": None, "source": "train.bin"})()
+    with pytest.raises(DataError, match="holds ids up to 70, model.num_classes=65"):
+        check_vocabulary(stream, 65)
+
+
+def test_calibration_windows_with_ids_the_model_cannot_embed_are_refused(tmp_path):
+    root = token_folder(tmp_path / "t", train_ids=np.full(20_000, 200, dtype=np.uint16))
+    cfg = DataConfig(dataset="tokens", root=str(root))
+    with pytest.raises(DataError, match="holds ids up to 200, model.num_classes=65"):
+        calibration_windows(cfg, 32, 4, 0, vocab_size=65)
+    assert calibration_windows(cfg, 32, 4, 0, vocab_size=256).shape == (4, 32)
+
+
+# -- train.py: what a GPT run reads -----------------------------------------------------------------------
+
+def test_image_settings_beside_a_text_data_set_are_refused_and_switched_off_sections_pass():
+    with pytest.raises(IgnoredOverrideError, match=r"data.mixup=0.8 would be ignored"):
+        load_config([NANO], ["data.dataset=kjv", "data.mixup=0.8"])
+    with pytest.raises(IgnoredOverrideError, match=r"data.kjv_val_fraction=0.2 would be ignored"):
+        load_config([NANO], ["data.dataset=tokens", "data.root=/x", "data.kjv_val_fraction=0.2"])
+    assert load_config([NANO], ["cd.enabled=false", "cd.lam=0.01"]).cd.enabled is False  # a sweep's baseline
+
+
+def test_stochastic_depth_on_a_gpt_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="model.drop_path"):
+        train.main(load_config([NANO], [f"out_dir={tmp_path / 'r'}", "model.drop_path=0.1"]))
+
+
+def test_a_resume_on_other_token_files_is_refused(tmp_path):
+    first = token_folder(tmp_path / "a", seed=0)
+    other = token_folder(tmp_path / "b", seed=1)  # same sizes, other ids
+    common = [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", "data.val_windows=16"]
+    train.main(load_config([NANO], common + [f"data.root={first}", "train.max_steps=4"]))
+    with pytest.raises(CheckpointError, match="was trained on other token files"):
+        train.main(load_config([NANO], common + [f"data.root={other}"]))
+    moved = tmp_path / "moved"
+    first.rename(moved)  # the same files elsewhere: the run goes on
+    assert train.main(load_config([NANO], common + [f"data.root={moved}"])).state.step == 12
+
+
+def test_a_truncated_checkpoint_is_named_as_such(kjv_run, tmp_path):
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(kjv_run.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match=r"cut short .* or corrupted"):
+        load_checkpoint(str(cut))
+
