@@ -97,14 +97,14 @@ def main(args: argparse.Namespace) -> dict:
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
     start = time.perf_counter()
-    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as the quantized
+    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as quantized ones
     fp_seconds = time.perf_counter() - start
     if task.language:  # the paper's Table 8 columns whatever --amp is: fp32 ("ppl") and bf16 ("ppl_bf16")
         passes = {args.amp: fp}
         for amp in ("none", "bf16"):
             if amp not in passes:
-                passes[amp] = task.evaluate(model, val_loader, device, amp, progress=f"{amp} eval".replace(
-                    "none", "fp32"))
+                passes[amp] = task.evaluate(model, val_loader, device, amp,
+                                            progress={"none": "fp32 eval", "bf16": "bf16 eval"}[amp])
         fp = dict(passes["none"], ppl_bf16=passes["bf16"]["ppl"])
     start = time.perf_counter()
     with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
@@ -158,7 +158,7 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
                                                 batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                                 rank=dist.rank, world_size=dist.world_size,
                                                 vocab_size=cfg.model.num_classes)
-        check_vocabulary_kind(payload, vocab, args.checkpoint or cfg.model.pretrained)
+        check_vocabulary_kind(payload, vocab, args.checkpoint or cfg.model.pretrained, cfg.data.dataset)
         check_classes(payload, vocab, args.checkpoint)
         return loader
     try:
@@ -244,16 +244,17 @@ def check_hub_weights_fit(cfg: Config) -> None:
                           f"evaluate a checkpoint trained with it, or drop the model.attn override")
 
 
-def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], weights: str) -> None:
+def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], weights: str, dataset: str) -> None:
     """A language model's val text must be encoded as it was trained: characters (with the same vocabulary,
     `check_classes`) or token ids. Weights without a checkpoint's record (model.pretrained: GPT-2's, nanoGPT's)
-    were trained on token ids."""
+    count as trained on token ids."""
     trained = (payload or {}).get("classes")
     if (trained is None) != (val_vocab is None):
         kind = lambda vocab: f"{len(vocab)} characters" if vocab is not None else "token ids"
-        raise DataError(f"{weights} was trained on {kind(trained)}, data.dataset={'kjv' if val_vocab else 'tokens'} "
-                        f"gives {kind(val_vocab)}: id i would mean another symbol. Evaluate it on the kind of "
-                        f"text it was trained on")
+        record = "" if payload else (" (a train.py checkpoint records its characters: give it as --checkpoint, "
+                                     "not model.pretrained)")
+        raise DataError(f"{weights} was trained on {kind(trained)}, data.dataset={dataset} gives {kind(val_vocab)}: "
+                        f"id i would mean another symbol. Evaluate it on the kind of text it was trained on{record}")
 
 
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:

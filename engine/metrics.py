@@ -84,7 +84,7 @@ def progress_line(step: int, metrics: dict, *, total_steps: int, epochs: int, up
 
 
 def duration(seconds: float) -> str:
-    """H:MM:SS, with a day count in front past 24 hours ("2d 03:04:05")."""
+    """H:MM:SS, with a day count in front past 24 hours ("2d 3:04:05")."""
     seconds = int(round(seconds))
     days, rest = divmod(seconds, 86400)
     text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
