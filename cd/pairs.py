@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .verify import UnsupportedModelError, refuse_shared, verify_pairs
+from .verify import UnsupportedModelError, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -430,6 +430,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, dic
             "the families and what CD finds in each. Without CD (train.py: cd.enabled=false) the model trains "
             "as usual.")
     refuse_shared(pairs, types)
+    refuse_split_devices(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)
     return pairs

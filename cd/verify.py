@@ -214,3 +214,18 @@ def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
                 f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} matrix "
                 f"{p.name} is the same tensor as {other.name} of block '{other.block}' (shared between blocks); "
                 "CD decays each matrix as the W2 of one pair. Give each block its own copy, or train without CD")
+
+
+def refuse_split_devices(pairs: Sequence, block_types: dict[str, str]) -> None:
+    """Refuse a pair whose two matrices lie on different devices (a block split across GPUs): its products
+    need both on one device, and CD moves no weights between devices.
+
+    Raises:
+        UnsupportedModelError: naming the pair, its block and both devices.
+    """
+    for p in pairs:
+        if p.downstream.device != p.upstream.device:
+            raise UnsupportedModelError(
+                f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} pair has "
+                f"{p.name} on {p.downstream.device} and {p.upstream_name} on {p.upstream.device}; CD multiplies "
+                "the two matrices of a pair, which needs them on one device. Keep each block on one device")

@@ -102,6 +102,14 @@ def test_a_norm_between_a_functional_pairs_matrices_is_refused(option, pair):
     assert len(find_pairs(_tiny("vit_tiny_patch16_224", depth=1, **{option: False}))) == 4  # Identity: no norm
 
 
+def test_a_pair_split_across_devices_is_refused_naming_both_devices():
+    model = tiny_vit()
+    model.blocks[1].mlp.fc1.to("meta")  # stands in for another GPU: a block split across devices
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.1'.*fc1 pair has blocks.1.mlp.fc1.weight on meta and "
+                                                    r"blocks.1.norm2.weight on cpu"):
+        find_pairs(model, verify=False)
+
+
 def _tiny(name: str, **kw) -> nn.Module:
     torch.manual_seed(0)
     return timm.create_model(name, img_size=32, patch_size=8, embed_dim=32, num_heads=2, num_classes=3, **kw)
