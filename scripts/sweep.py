@@ -15,8 +15,10 @@ A sweep file (configs/sweeps/*.yaml):
     evaluate: ["quant.pipelines=[repq,aphq]"]   # optional: overrides for every evaluate.py command
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
                                                 # an override for the whole sweep may not replace
-Overrides given on this command line apply to every run. Runs are plain train.py invocations, so a run
-that stopped resumes when the sweep is started again.
+Overrides given on this command line apply to every run; one that would replace a key a run sets itself (a
+seed, a dose) is refused. Runs are plain train.py invocations, so a run that stopped resumes when the sweep is
+started again. Every command runs in the repository root: relative paths (out_root, data.root, ...) are
+relative to it, wherever the sweep is started from.
 
 With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
 (train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint, or the sweep itself got SIGTERM /
@@ -65,6 +67,12 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     for name, items in sweep["runs"].items():
         items = [str(i) for i in items or []]
         configs = list(sweep.get("configs") or []) + [i for i in items if i.endswith(".yaml")]
+        own_keys = {i.split("=", 1)[0].strip() for i in items if not i.endswith(".yaml")}
+        replaced = [o for o in extra_overrides if o.split("=", 1)[0].strip() in own_keys]
+        if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run
+            raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
+                              f"({', '.join(i for i in items if i.split('=', 1)[0].strip() in own_keys)}); drop it "
+                              f"from the command line, or edit the run in {sweep_path}")
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
         own = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
         if own:  # the sweep names every run's folder; this one would be replaced without a word
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
                    help="run the commands one after another (default: print them)")
     p.add_argument("--evaluate", action="store_true", help="also evaluate each run's best.pt (evaluate.py)")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
-    p.add_argument("--only", nargs="*", help="names of the runs to keep")
+    p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
     try:
         runs = expand(args.sweep, args.overrides)
@@ -182,14 +190,21 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
 
 def move_stale_result(json_path: str, checkpoint: str) -> None:
     """evaluate.py refuses a JSON written for other weights; one older than the checkpoint was (an
-    earlier best.pt of this run, e.g. evaluated by hand mid-training): move it aside, nothing is deleted."""
+    earlier best.pt of this run, e.g. evaluated by hand mid-training): move it aside with the per-layer maxima
+    files it wrote beside it (which evaluate.py would refuse to overwrite), nothing is deleted. Paths are
+    relative to the repository root, where the commands run."""
+    json_path, checkpoint = (os.path.join(ROOT, p) for p in (json_path, checkpoint))
     if (os.path.exists(json_path) and os.path.exists(checkpoint)
             and os.path.getmtime(json_path) < os.path.getmtime(checkpoint)):
         stamp = datetime.datetime.fromtimestamp(os.path.getmtime(json_path)).strftime("%Y%m%d-%H%M%S")
-        target = f"{os.path.splitext(json_path)[0]}.{stamp}.json"
-        os.replace(json_path, target)
+        stem = os.path.splitext(json_path)[0]
+        moves = [(json_path, f"{stem}.{stamp}.json")] + [
+            (f"{stem}_act_max{ext}", f"{stem}.{stamp}_act_max{ext}") for ext in (".csv", ".png")]
+        for source, target in moves:
+            if os.path.exists(source):
+                os.replace(source, target)
         print(f"sweep: {json_path} was written for an earlier {os.path.basename(checkpoint)}; moved to "
-              f"{target}", file=sys.stderr, flush=True)
+              f"{moves[0][1]} (with its _act_max files)", file=sys.stderr, flush=True)
 
 
 class ForwardedSignals:

@@ -131,6 +131,13 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     assert any("configs/finetune/datasets/smallnorb.yaml" in c for c in roots["smallnorb_tweo"][0])
     with pytest.raises(ConfigError, match="data.root=/datasets/imagenet would replace a key that each run"):
         sweep.expand(path, ["data.root=/datasets/imagenet"])
+    # a key one run's own items set: the seeds (or doses) of a sweep would become copies of one run
+    lm = os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml")
+    with pytest.raises(ConfigError, match=r"sweep run 'baseline_s0': train.seed=7 would replace what the run sets "
+                                          r"itself \(train.seed=0\)"):
+        sweep.expand(lm, ["train.seed=7"])
+    with pytest.raises(SystemExit):  # --only with no name would run them all
+        sweep.main([lm, "--only"])
 
 
 def test_motivation_figure_places_each_result_and_scales_areas_with_max_activation(tmp_path):
@@ -213,6 +220,12 @@ def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
     result.write_text("{}")  # newer than best.pt: results of this best.pt, kept
     sweep.move_stale_result(str(result), str(checkpoint))
     assert result.exists()
+    # the per-layer maxima files it wrote go with it: evaluate.py would refuse to overwrite them
+    (tmp_path / "eval_best_act_max.csv").write_text("name,max\n")
+    os.utime(result, (1_000_000_000, 1_000_000_000))
+    sweep.move_stale_result(str(result), str(checkpoint))
+    assert not (tmp_path / "eval_best_act_max.csv").exists()
+    assert len(glob.glob(str(tmp_path / "eval_best.*_act_max.csv"))) == 1
 
 
 def test_the_sweep_expands_yaml_without_loading_torch():
