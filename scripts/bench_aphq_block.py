@@ -35,6 +35,7 @@ from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
@@ -53,7 +54,16 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--out", default="", help="JSON path")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
+        p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
+    if args.iters < 1 or args.warmup < 0 or args.batch < 1:
+        p.error("--iters and --batch must be >= 1, --warmup >= 0")
+    try:
+        refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring).
 QUICK = {
@@ -94,7 +95,14 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument("--out", default="", help="optional JSON path")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    if min(args.batch, args.calib, args.repeats) < 1 or args.warmup < 0:
+        p.error("--batch, --calib and --repeats must be >= 1, --warmup >= 0")
+    try:
+        refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -110,7 +118,8 @@ def main(argv=None) -> dict:
     fp = timed_forward(model, x, device, args.repeats, args.warmup)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({torch.get_num_threads()} threads)")
-    result = {"model": args.model, "device": name, "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
+    result = {"model": args.model, "overrides": kw, "img_size": size, "bits": args.bits, "device": name,
+              "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
     print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
     for pipeline in args.pipelines:
         start = time.perf_counter()

@@ -44,6 +44,13 @@ def summarize(groups: dict[str, list[str]]) -> list[dict]:
     rows = []
     for method, paths in groups.items():
         runs = [per_block(p) for p in paths]
+        empty = [p for p, r in zip(paths, runs) if not r]
+        if empty:
+            raise ValueError(f"{empty[0]} holds no block rows: not an act_max CSV of evaluate.py")
+        other = [p for p, r in zip(paths, runs) if sorted(r) != sorted(runs[0])]
+        if other:  # another depth: its blocks would be dropped or missing from the means
+            raise ValueError(f"{other[0]} has blocks {sorted(per_block(other[0]))}, {paths[0]} has "
+                             f"{sorted(runs[0])}: the runs of method {method!r} are of different models")
         for b in sorted(runs[0]):
             blocks = [r[b][0] for r in runs]
             modules = [r[b][1] for r in runs]
@@ -100,12 +107,17 @@ def main(argv=None) -> list[dict]:
         if not sep or not paths:
             sys.exit(f"error: {item!r} names no act_max CSV: give method=GLOB, e.g. "
                      f"cd='runs/x/cd_s*/eval_best_act_max.csv'")
+        if method in groups:  # a second group of one name would silently replace the first
+            sys.exit(f"error: method {method!r} is given twice; give each group its own name")
         groups[method] = paths
     try:
         refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")
-    rows = summarize(groups)
+    try:
+        rows = summarize(groups)  # everything that can fail, before an output is opened
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: {e if not isinstance(e, KeyError) else f'a CSV lacks the column {e}'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -103,10 +103,18 @@ def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
     torch.manual_seed(args.seed)
     model = build_gpt(args.model, vocab_size=256)
     if os.path.exists(path):
-        saved = torch.load(path, weights_only=True)
-        if saved["settings"] == settings:
+        try:
+            saved = torch.load(path, weights_only=True)
+            same = saved["settings"] == settings
+        except Exception as e:  # noqa: BLE001 (any unreadable file: not one this script wrote)
+            raise SystemExit(f"error: {path} exists and is not a float model of this script ({e}); move it away "
+                             f"or give --out another name")
+        if same:
             model.load_state_dict(saved["model"])
             return model.eval()
+        if not args.overwrite:
+            raise SystemExit(f"error: {path} holds a float model of other settings ({saved['settings']}, now "
+                             f"{settings}); --overwrite retrains and replaces it, or give --out another name")
     ctx, g = model.context, torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
@@ -428,7 +436,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--eval-windows", type=int, default=400, help="held-out windows for the perplexity")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out and a float model of other settings next to it")
     args = parser.parse_args(argv)
+    needed = {args.gptq: ("gptq.py", "quant.py", "modelutils.py"),
+              args.smoothquant: ("smoothquant/smooth.py", "smoothquant/fake_quant.py", "smoothquant/calibration.py")}
+    for checkout, files in needed.items():  # before minutes of training
+        missing = [f for f in files if not os.path.isfile(os.path.join(checkout, f))]
+        if missing:
+            raise SystemExit(f"error: {checkout} lacks {', '.join(missing)}: give checkouts of IST-DASLab/gptq "
+                             f"(--gptq) and mit-han-lab/smoothquant (--smoothquant)")
+    if os.path.exists(args.out) and not args.overwrite:
+        raise SystemExit(f"error: {args.out} exists; --overwrite replaces it, or give --out another name")
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.perf_counter()

@@ -32,6 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
+from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
@@ -85,10 +86,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--bits", default="w4a4")
     parser.add_argument("--with-aphq", action="store_true", help="also APHQ (official, first_last=w8a8)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing summary JSON")
     args = parser.parse_args(argv)
+    args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
+    summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
+    refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
     table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
     print(markdown(table, args.bits))
-    with open(os.path.join(args.out, f"sensitivity_{args.bits}.json"), "w") as f:
+    with open(summary, "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
                    "overrides": args.overrides, "top1": table}, f, indent=1)
     return table

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,3 +27,10 @@ def test_bench_aphq_block_cpu_smoke(tmp_path):
     assert result["timed_iters"] == 2 and result["iter_s"] > 0
     assert result["extrapolated"]["unit_s"] >= result["extrapolated"]["reconstruction_s"] > 0
     assert json.load(open(out))["block"] == "blocks.1"
+    args = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1", "--batch", "4",
+            "--images", "8", "--iters", "2", "--threads", "1", "--out", str(out)]
+    with pytest.raises(SystemExit, match="error: .*block.json already exist"):  # before any timing
+        bench.main(args)
+    with pytest.raises(SystemExit):  # a Hessian batch of 2 images extrapolated as one of 4
+        bench.main([*args[:-2], "--images", "2", "--out", str(tmp_path / "other.json")])
+    assert not (tmp_path / "other.json").exists()

@@ -48,3 +48,13 @@ def test_means_ranges_and_refusals(tmp_path, capsys):
         compare.main([f"a={tmp_path}/a_s*.csv", "--out", out])
     with pytest.raises(SystemExit, match="names no act_max CSV"):
         compare.main([f"a={tmp_path}/nothing*.csv", "--out", str(tmp_path / "other")])
+    good = (tmp_path / "cmp.csv").read_bytes()
+    write(tmp_path / "empty.csv", [])
+    with pytest.raises(SystemExit, match="empty.csv holds no block rows"):
+        compare.main([f"a={tmp_path}/empty.csv", "--out", out, "--overwrite"])
+    assert (tmp_path / "cmp.csv").read_bytes() == good  # a refused run leaves the good output as it was
+    write(tmp_path / "deep_s2.csv", run_rows([1.0, 1.0, 1.0], [1.0] * 3, [1.0] * 3))
+    with pytest.raises(SystemExit, match=r"deep_s2.csv has blocks \[0, 1, 2\].*different models"):
+        compare.main([f"a={tmp_path}/[ad]*_s*.csv", "--out", str(tmp_path / "mixed")])
+    with pytest.raises(SystemExit, match="method 'a' is given twice"):
+        compare.main([f"a={tmp_path}/a_s0.csv", f"a={tmp_path}/b_s0.csv", "--out", str(tmp_path / "twice")])
