@@ -483,6 +483,9 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     for r in results:
         key = (r["model"], r["method"]) if over_seeds else len(groups)
         groups.setdefault(key, []).append(r)
+    if over_seeds:
+        for (model, method), group in groups.items():
+            check_seed_group(model, method, group)
 
     def fmt(values: list, spec: str) -> str:
         if not values:
@@ -518,6 +521,24 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows]
                      + ([""] + notes if notes else []))
+
+
+def check_seed_group(model: str, method: str, group: list[dict]) -> None:
+    """The results averaged into one row (`markdown_table(over_seeds=True)`) must be distinct runs evaluated
+    alike: one weights file twice would count as two seeds, and results on other data, of EMA weights or
+    under another autocast would be averaged as if they were seeds."""
+    seen: dict = {}
+    for r in group:
+        fingerprint = r.get("fingerprint")
+        if fingerprint is not None and fingerprint in seen:
+            raise ValueError(f"{model} {method}: {r.get('checkpoint')} and {seen[fingerprint]} hold the same "
+                             "weights; give each run's result once")
+        seen[fingerprint] = r.get("checkpoint")
+    for key in ("data", "weights", "eval_amp", "images"):
+        values = {json.dumps(r.get(key), sort_keys=True) for r in group}
+        if len(values) > 1:
+            raise ValueError(f"{model} {method}: the results differ in {key} ({' vs '.join(sorted(values))}); "
+                             "rows average the seeds of one evaluation: give results evaluated alike")
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:

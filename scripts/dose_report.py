@@ -147,12 +147,14 @@ def model_of(checkpoint: str) -> torch.nn.Module:
     return model.eval()
 
 
-def pretrained_model(run: Run) -> torch.nn.Module:
-    payload = load_checkpoint(os.path.join(run.folder, "best.pt"))
-    return build_model(config_from_dict(payload["config"]).model).eval()
+def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
+    """The backbone the runs started from (`model.pretrained` of their config); None when they started from a
+    random initialisation, which is no backbone to report."""
+    cfg = config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"))["config"]).model
+    return build_model(cfg).eval() if cfg.pretrained else None
 
 
-def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_peak: dict) -> str:
+def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_peak: Optional[dict]) -> str:
     """The markdown report: accuracy and maxima, pair energies against the baseline, alignment peaks."""
     head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
         [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
@@ -189,7 +191,8 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
 
     lines += ["", "FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)): block / direction i / FC2 "
               "row j / alpha", "",
-              f"- pretrained backbone (start): {describe_peak(start_peak)}"]
+              f"- pretrained backbone (start): "
+              f"{describe_peak(start_peak) if start_peak else 'n/a (the runs start from a random initialisation)'}"]
     for point, runs in groups.items():
         lines.append(f"- {point}: " + "; ".join(f"s{r.seed} {describe_peak(p)}"
                                                  for r, p in zip(runs, peaks[point])))
@@ -269,7 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/fashion_mnist_dose", OUTPUTS)
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
-        start_peak = alignment_peak(pretrained_model(next(iter(groups.values()))[0]))
+        start = pretrained_model(next(iter(groups.values()))[0])
+        start_peak = alignment_peak(start) if start is not None else None
         peaks = {p: [alignment_peak(model_of(os.path.join(r.folder, "best.pt"))) for r in runs]
                  for p, runs in groups.items()}
     os.makedirs(args.out, exist_ok=True)

@@ -51,6 +51,10 @@ def method_order(method: str) -> tuple:
 def finetune_table(results: list[dict]) -> str:
     """Table 3's layout, one table per (pipeline, bit-width) present in `results` (see the module doc)."""
     cells: dict = {}
+    models = sorted({r.get("model", "?") for r in results})
+    if len(models) > 1:  # the layout has no model column: cells of two models would sit side by side
+        raise ValueError(f"the results are of {len(models)} models ({', '.join(models)}); the fine-tuning layout "
+                         "compares methods on one model: give the results of one model")
     for r in results:
         key = (dataset_of(r), r["method"])
         if key in cells:
@@ -119,6 +123,8 @@ def main(argv=None) -> str:
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
+    if args.over_seeds and args.layout == "finetune":
+        sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     try:
         table = (finetune_table(results) if args.layout == "finetune"
                  else markdown_table(results, over_seeds=args.over_seeds))

@@ -79,6 +79,8 @@ def test_report_figures_match_hand_computed_values(sweep, tmp_path):
     assert "| baseline | 5.0 | - |" in types and "| cd100x | 2.0 | - |" in types and "999" not in types
     for name in dose_report.OUTPUTS:
         assert os.path.getsize(tmp_path / "o" / name) > 0
+    # runs without model.pretrained started from a random initialisation: no backbone peak to report
+    assert "- pretrained backbone (start): n/a (the runs start from a random initialisation)" in report
 
 
 def test_alignment_peak_is_the_largest_alpha_of_the_model(sweep):

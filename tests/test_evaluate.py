@@ -164,6 +164,14 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     # mean and sample std (n - 1) of (80, 82, 84) = 82 +- 2; of (70, 74, 72) = 72 +- 2
     assert base == "| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± 2.00 |"
     assert cd == "| m | CD (n=1) | 81.00 | 4.00 / 3.00 | 75.00 |"
+    # a run given twice, or results of another evaluation, are not seeds
+    twice = [dict(result("Baseline", 80.0, 70.0), fingerprint="f", checkpoint=c) for c in ("a/best.pt", "b/best.pt")]
+    with pytest.raises(ValueError, match="m Baseline: b/best.pt and a/best.pt hold the same weights"):
+        evaluate.markdown_table(twice, over_seeds=True)
+    other_data = [dict(result("Baseline", 80.0, 70.0), data={"dataset": d}) for d in ("folder", "synthetic")]
+    with pytest.raises(ValueError, match="m Baseline: the results differ in data"):
+        evaluate.markdown_table(other_data, over_seeds=True)
+    assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
 
 
 @pytest.mark.parametrize("overrides, message", [

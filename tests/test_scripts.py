@@ -114,6 +114,11 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
         path.write_text(json.dumps(_finetune_result("pets", "CD", 95.0, 94.0)))
     with pytest.raises(SystemExit, match="error: two results for data set 'pets' and method 'CD'"):
         paper_table.main(["--layout", "finetune", str(a), str(b)])
+    b.write_text(json.dumps(dict(_finetune_result("pets", "Baseline", 95.0, 94.0), model="vit_small_patch16_224")))
+    with pytest.raises(SystemExit, match="error: the results are of 2 models"):  # the layout has no model column
+        paper_table.main(["--layout", "finetune", str(a), str(b)])
+    with pytest.raises(SystemExit, match="error: --over-seeds is for the rows layout"):
+        paper_table.main(["--layout", "finetune", "--over-seeds", str(a)])
     out = tmp_path / "table.md"
     out.write_text("someone's table\n")
     with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
