@@ -400,6 +400,9 @@ def cmd_surrogate(args: argparse.Namespace) -> dict:
     model = loaded.model.to(device)
     blocks = select_blocks(ffn_blocks(model), args.blocks)
     images, _ = next(iter(val_loader(loaded.cfg, input_size(model), args.images)))
+    if len(images) < args.images:  # a val split smaller than asked: the figure would name a count it lacks
+        raise MechanismError(f"--images {args.images}: the val split has {len(images)} images; give --images "
+                             f"{len(images)} or fewer")
     captured = capture_ffn(model, blocks, images[:args.images].to(device))
 
     nrows, ncols = grid(len(blocks))

@@ -223,6 +223,8 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
                              "--blocks", "1"])
     assert [r["block"] for r in result["blocks"]] == ["blocks.1"]
     assert result["blocks"][0]["tokens"] == 2 * 17 and -1 <= result["blocks"][0]["pearson"] <= 1
+    with pytest.raises(mechanism.MechanismError, match=r"--images 100000: the val split has \d+ images"):
+        mechanism.main(["surrogate", "--checkpoint", base, "--out", str(tmp_path / "many"), "--images", "100000"])
     mechanism.main(["remove", "--checkpoint", base, "--out", out, "--k", "1", "quant.calib_images=4"])
     with open(os.path.join(out, "remove.json")) as f:
         saved = json.load(f)
