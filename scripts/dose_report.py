@@ -68,6 +68,10 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
     if not os.path.exists(result_path):
         return None
     result = read_result_file(result_path, fields=("fp", "max_act", "quant"))
+    missing = [n for n in ("metrics.jsonl", "eval_best_act_max.csv") if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise ReportError(f"{folder} has eval_best.json but no {' or '.join(missing)}: not a run folder of "
+                          "train.py and evaluate.py (with quant.act_max_csv=true)")
     energies = defaultdict(list)
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         for line in f:
@@ -270,6 +274,15 @@ def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
     args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/fashion_mnist_dose", OUTPUTS)
+    runs = [r for rs in groups.values() for r in rs]
+    if any("top1" not in r.result["fp"] for r in runs):
+        raise ReportError(f"{args.root}: not an image-classifier sweep (its eval_best.json have no top-1); "
+                          "scripts/lm_study.py reports language models")
+    unevaluated = sorted({f"{p} {b}" for r in runs for p, b in QUANT_COLUMNS if b not in r.result["quant"].get(p, {})})
+    if unevaluated:  # before any output is written
+        raise ReportError(f"{args.root}: some runs lack {', '.join(unevaluated)}: evaluate every run with "
+                          f"evaluate.py --quant {' '.join(sorted({p for p, _ in QUANT_COLUMNS}))} --bits "
+                          f"{' '.join(sorted({b for _, b in QUANT_COLUMNS}))}")
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
         start = pretrained_model(next(iter(groups.values()))[0])

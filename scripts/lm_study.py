@@ -22,6 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, open_sweep,  # noqa: E402
                                  plot_energies, plot_type_maxima, type_maxima)
@@ -148,5 +149,5 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (ReportError, RunDirError) as e:
+    except (ReportError, RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")

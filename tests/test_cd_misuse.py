@@ -129,8 +129,8 @@ def test_a_closure_step_gets_the_update_after_its_backward_once():
     def reference(variant):
         net = copy.deepcopy(initial)
         return reference_run(net, [[(x, y)]] * 3, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                             torch.optim.AdamW(net.parameters(), lr=1e-2), None, vit_pairs(["blocks.0", "blocks.1"], 32),
-                             0.5, variant=variant)
+                             torch.optim.AdamW(net.parameters(), lr=1e-2), None,
+                             vit_pairs(["blocks.0", "blocks.1"], 32), 0.5, variant=variant)
 
     assert_matches_reference(got, reference, 1e-10, variants=("before_backward", "after_step"))
 

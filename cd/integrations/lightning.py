@@ -19,8 +19,8 @@ in `training_step`) goes through the same path. Each matrix gets the lr of its p
 
 The model is the LightningModule (its `example_input_array` serves the pair check), or the submodule that
 `module=` names (e.g. `module="net"` for a module without `forward`, whose own input size the check can tell);
-the optimizers are the Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved in Lightning
-checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
+the optimizers are the Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved
+in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
 """
 from __future__ import annotations
 
