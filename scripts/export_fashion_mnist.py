@@ -96,10 +96,11 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"{out} exists and is not a folder; give another --out")
     splits = {split: load_split(source, split) for split in FILES}  # all read before anything is written
+    chosen_of = {split: select(splits[split][1], per_class, split)  # and every selection made
+                 for split, per_class in (("train", train_per_class), ("val", val_per_class))}
     counts = {}
-    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+    for split, chosen in chosen_of.items():
         images, labels = splits[split]
-        chosen = select(labels, per_class, split)
         for label in range(len(CLASSES)):
             os.makedirs(os.path.join(out, split, class_folder(label)), exist_ok=True)
         for index in chosen:

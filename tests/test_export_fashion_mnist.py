@@ -90,6 +90,9 @@ def test_bad_inputs_are_error_lines(source, tmp_path, capsys):
     folder, _ = source
     assert fm.main(["--source", folder, "--out", str(tmp_path / "a"), "--train-per-class", "4"]) == 2
     assert "fewer than the 4 asked for" in capsys.readouterr().err  # class 0 has 3 training images
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "v"), "--val-per-class", "1000"]) == 2
+    assert "the val split has" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "v")  # no train images written before the val selection failed
     assert fm.main(["--source", str(tmp_path / "none"), "--out", str(tmp_path / "b")]) == 2
     assert "apt-get install -y dataset-fashion-mnist" in capsys.readouterr().err
     with gzip.open(os.path.join(folder, fm.FILES["val"][1]), "wb") as f:
