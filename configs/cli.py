@@ -65,6 +65,18 @@ FOREIGN_FLAGS = {
 }
 
 
+def at_least(low: float, kind: type = int):
+    """An argparse `type` for counts, sizes and budgets: a `kind` number >= `low`, refused by argparse (one
+    usage line naming the flag) otherwise, e.g. `--repeats 0`."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text}: must be at least {low}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" for text that is no number
+    return parse
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:
     """--help-config [SECTION] and --print-config, and the list of sections at the end of --help."""
     parser.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",

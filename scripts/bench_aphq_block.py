@@ -36,6 +36,7 @@ from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from configs.cli import at_least  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
@@ -45,10 +46,10 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--depth", type=int, default=None, help="override (smoke tests)")
     p.add_argument("--embed-dim", type=int, default=None, help="override (smoke tests); heads = dim / 64")
     p.add_argument("--block", default="blocks.5", help="unit to reconstruct")
-    p.add_argument("--batch", type=int, default=32, help="reconstruction batch (official 32)")
+    p.add_argument("--batch", type=at_least(1), default=32, help="reconstruction batch (official 32)")
     p.add_argument("--images", type=int, default=64, help="cached images (timing does not depend on it)")
-    p.add_argument("--iters", type=int, default=5, help="timed reconstruction iterations")
-    p.add_argument("--warmup", type=int, default=1, help="untimed first iterations")
+    p.add_argument("--iters", type=at_least(1), default=5, help="timed reconstruction iterations")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed first iterations")
     p.add_argument("--official-iters", type=int, default=20000)
     p.add_argument("--official-images", type=int, default=1024, help="images of the official APH pass")
     p.add_argument("--device", default="cpu")
@@ -58,8 +59,6 @@ def main(argv: list[str]) -> dict:
     args = p.parse_args(argv)
     if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
         p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
-    if args.iters < 1 or args.warmup < 0 or args.batch < 1:
-        p.error("--iters and --batch must be >= 1, --warmup >= 0")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
     except RunDirError as e:

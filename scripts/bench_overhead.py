@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from configs.cli import at_least  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
@@ -305,8 +306,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--width-batch", type=int,
                         help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps per configuration")
+    parser.add_argument("--steps", type=at_least(1), default=None,
                         help="timed steps per configuration (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"],

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from configs.cli import at_least  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring).
 QUICK = {
@@ -87,18 +88,16 @@ def main(argv=None) -> dict:
     p.add_argument("--depth", type=int, default=None, help="override (smoke runs)")
     p.add_argument("--embed-dim", type=int, default=None, help="override (smoke runs); heads = dim / 64")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--calib", type=int, default=32)
+    p.add_argument("--batch", type=at_least(1), default=256)
+    p.add_argument("--calib", type=at_least(1), default=32)
     p.add_argument("--pipelines", nargs="*", default=["repq", "percentile"], choices=sorted(PIPELINES))
     p.add_argument("--bits", default="w4a4")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), default=3)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    if min(args.batch, args.calib, args.repeats) < 1 or args.warmup < 0:
-        p.error("--batch, --calib and --repeats must be >= 1, --warmup >= 0")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
     except RunDirError as e:

@@ -24,6 +24,9 @@ from typing import Optional
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from configs.cli import at_least  # noqa: E402
+
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"
 # (label order of the data set; README of zalandoresearch/fashion-mnist)
 CLASSES = ["t-shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
@@ -110,20 +113,13 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
     return counts
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
-    return value
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.add_argument("--source", default=DEFAULT_SOURCE, help=f"folder of the idx .gz files ({DEFAULT_SOURCE})")
-    p.add_argument("--train-per-class", type=_positive, default=None,
+    p.add_argument("--train-per-class", type=at_least(1), default=None,
                    help="keep the first N training images of each class (default: all 6,000)")
-    p.add_argument("--val-per-class", type=_positive, default=None,
+    p.add_argument("--val-per-class", type=at_least(1), default=None,
                    help="keep the first N test images of each class (default: all 1,000)")
     args = p.parse_args(argv)
     try:

@@ -48,6 +48,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from configs.cli import at_least  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
@@ -283,11 +284,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_check.json", help="the JSON of figures (its logs go next to it)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
-    p.add_argument("--total-budget", type=float, default=570.0,
+    p.add_argument("--total-budget", type=at_least(1, float), default=570.0,
                    help="seconds for all stages together; a stage gets at most what is left of it")
     p.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
                    help="a stage's own budget (repeatable); defaults in BUDGETS")
-    p.add_argument("--test-timeout", type=int, default=150,
+    p.add_argument("--test-timeout", type=at_least(1), default=150,
                    help="seconds per GPU test (train.compile=true compiles twice)")
     p.add_argument("--smoke", action="store_true", help="every stage small, on a CPU")
     p.add_argument("--overwrite", action="store_true", help="replace this script's earlier outputs at --out")

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file  # noqa: E402
+from configs.cli import at_least  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
@@ -635,14 +636,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command in ("surrogate", "alignment", "remove"):
         parser.add_argument("--blocks", nargs="*", help="0-based block positions or names (default: all)")
     if command == "surrogate":
-        parser.add_argument("--images", type=int, default=8, help="validation images (default 8)")
+        parser.add_argument("--images", type=at_least(1), default=8, help="validation images (default 8)")
         parser.add_argument("--bias", action="store_true",
                             help="keep fc1/fc2 biases in the surrogate (the paper's Eq. (8) has none)")
-        parser.add_argument("--max-points", type=int, default=40000, help="points drawn per block")
+        parser.add_argument("--max-points", type=at_least(1), default=40000, help="points drawn per block")
     if command == "alignment":
-        parser.add_argument("--detail", type=int, default=3,
+        parser.add_argument("--detail", type=at_least(1), default=3,
                             help="blocks with the highest peak drawn in detail (default 3)")
-        parser.add_argument("--crop", type=int, default=16,
+        parser.add_argument("--crop", type=at_least(1), default=16,
                             help="strongest directions and FC2 rows shown per detail block (default 16)")
     if command == "remove":
         parser.add_argument("--k", type=int, default=3, help="remove the top 1..k directions (default 3)")

@@ -34,6 +34,9 @@ import sys
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+sys.path.insert(0, ROOT)
+from configs.cli import at_least  # noqa: E402
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
@@ -112,14 +115,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
                    help="sweep (b): models of different hidden sizes at --width-batch (none: skip)")
     p.add_argument("--width-batch", type=int, default=256, help="sweep (b) per-GPU batch (the paper: 256)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--epochs", type=at_least(1), default=5)
+    p.add_argument("--runs", type=at_least(1), default=3)
     p.add_argument("--out", default="results/overhead_epochs")
     p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     args = p.parse_intermixed_args(argv)
     written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
-    sys.path.insert(0, ROOT)
     from configs import ConfigError, load_config
     from engine.run_dir import RunDirError, refuse_existing_outputs
 

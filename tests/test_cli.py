@@ -177,3 +177,17 @@ def test_evaluate_refuses_a_data_override_its_checkpoint_would_ignore(tmp_path, 
     code, out = run(evaluate, ["--checkpoint", str(ckpt), "quant.calib_images=8", "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["data"]["dataset"] == "digits"
     assert sorted(os.listdir(tmp_path)) == ["best.pt"]  # nothing written next to the checkpoint
+
+
+def test_at_least_refuses_counts_below_the_bound_and_nan():
+    import argparse
+
+    from configs.cli import at_least
+    assert at_least(1)("3") == 3 and at_least(0)("0") == 0 and at_least(1, float)("2.5") == 2.5
+    for parse, text in ((at_least(1), "0"), (at_least(0), "-1"), (at_least(1, float), "nan")):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be at least"):
+            parse(text)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=at_least(1))
+    with pytest.raises(SystemExit):  # argparse: one usage line naming the flag
+        parser.parse_args(["--repeats", "x"])
