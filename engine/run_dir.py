@@ -332,7 +332,17 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
 def refuse_existing_outputs(paths: list[str], overwrite: bool) -> None:
     """The one rule of the scripts that write tables, figures and benchmark files: no existing file is
     replaced without --overwrite (a figure or a table is often the only record of how it was made)."""
+    folders = [p for p in paths if os.path.isdir(p)]
+    if folders:  # not even --overwrite replaces a folder with a file
+        raise RunDirError(f"{folders[0]} is a folder, where a file would be written; choose another --out")
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "
                           f"to replace")
+    for parent in {os.path.dirname(os.path.abspath(p)) for p in paths}:
+        above = parent
+        while not os.path.exists(above):  # the folder is made later; what exists of its path must be folders
+            above = os.path.dirname(above)
+        if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+            raise RunDirError(f"cannot write under {parent}: {above} is "
+                              f"{'not a folder' if not os.path.isdir(above) else 'not writable'}; choose another --out")
