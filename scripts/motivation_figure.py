@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from evaluate import nondefault_settings  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle; the others scale with their maximum activation
@@ -92,9 +93,16 @@ def main(argv=None) -> list[dict]:
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
     rows = points(results, args.pipeline, args.bits.lower(), args.max_act)
-    if not rows:
-        sys.exit(f"error: none of the {len(results)} results has {args.pipeline} {args.bits}; run "
-                 f"evaluate.py --quant {args.pipeline} --bits {args.bits} on the checkpoints first")
+    lacking = [path for path, r in zip(args.results, results)
+               if args.bits.lower() not in r["quant"].get(args.pipeline, {})]
+    if lacking:  # every result asked for is drawn, or none: a missing circle would look like a finding
+        sys.exit(f"error: {len(lacking)} of the {len(results)} results lack {args.pipeline} {args.bits} (e.g. "
+                 f"{lacking[0]}); run evaluate.py --quant {args.pipeline} --bits {args.bits} on their checkpoints, "
+                 "or leave them out")
+    unusual = sorted({d for r in results for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline]
+                                                                       [args.bits.lower()].get("settings"))})
+    if unusual:
+        print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     with open(written[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -170,8 +170,14 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     assert (out / "motivation.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
         motivation_figure.main([*files, "--out", str(out)])
-    with pytest.raises(SystemExit, match="none of the 3 results has aphq w4a4"):
+    with pytest.raises(SystemExit, match="3 of the 3 results lack aphq w4a4"):
         motivation_figure.main([*files, "--pipeline", "aphq", "--out", str(tmp_path / "other")])
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"model": "vit_b", "method": "CD (lam 0.01)", "fp": {"top1": 80.0},
+                                   "max_act": {"module": 1.0, "block": 1.0}, "quant": {}}))
+    with pytest.raises(SystemExit, match=r"1 of the 4 results lack repq w4a4 \(e.g. .*partial.json\)"):
+        motivation_figure.main([*files, str(partial), "--out", str(tmp_path / "third")])  # not one circle short
+    assert not (tmp_path / "third").exists()
 
 
 @pytest.mark.slow
