@@ -65,6 +65,9 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
     out_root = str(sweep.get("out_root", "runs/sweep"))
     runs = []
     for name, items in sweep["runs"].items():
+        if items is not None and not isinstance(items, list):  # a string would be read letter by letter
+            raise ConfigError(f"{sweep_path}: run '{name}' must list its config files and overrides, e.g. "
+                              f"{name}: [{items}], not {type(items).__name__} {items!r}")
         items = [str(i) for i in items or []]
         configs = list(sweep.get("configs") or []) + [i for i in items if i.endswith(".yaml")]
         own_keys = {i.split("=", 1)[0].strip() for i in items if not i.endswith(".yaml")}

@@ -41,6 +41,14 @@ def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
         sweep.expand(str(bad), [])
 
 
+def test_a_sweep_run_given_as_a_string_is_refused_as_such(tmp_path):
+    bad = tmp_path / "string.yaml"
+    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: train.seed=3\n")
+    with pytest.raises(ConfigError, match=r"run 'a' must list its config files and overrides, e.g. "
+                                          r"a: \[train.seed=3\]"):
+        sweep.expand(str(bad), [])
+
+
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     bad = tmp_path / "twice.yaml"
     bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: [optim.lr=1e-3]\n  a: [optim.lr=1e-2]\n")
