@@ -55,7 +55,7 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
-from models import ModelError, build_model, input_size, model_label  # noqa: E402
+from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
 from quant import evaluate_quantized, parse_bits  # noqa: E402
 
 OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
@@ -225,8 +225,9 @@ class Loaded:
     label: str   # Baseline / CD (...) / TWEO, from the checkpoint's config
 
 
-def load(args: argparse.Namespace) -> Loaded:
-    """The float model (eval mode, on the CPU) and its config, from --checkpoint or --model/--weights."""
+def load(args: argparse.Namespace, images: bool = False) -> Loaded:
+    """The float model (eval mode, on the CPU) and its config, from --checkpoint or --model/--weights; with
+    `images`, refused when it is a language model (the subcommand reads val images and scores top-1)."""
     if args.checkpoint and (args.model or args.weights):
         raise MechanismError("give either --checkpoint, or --model NAME --weights FILE, not both")
     if args.checkpoint:
@@ -253,6 +254,9 @@ def load(args: argparse.Namespace) -> Loaded:
     else:
         raise MechanismError("nothing to load: give --checkpoint runs/<run>/best.pt, or --model NAME "
                              "--weights FILE")
+    if images and is_language_model(model):
+        raise MechanismError(f"{source} is a language model; `{args.command}` reads val images and scores top-1: "
+                             "run it on a vision model (alignment and energies take a GPT too)")
     set_threads(args.threads, model)
     return Loaded(cfg, model.eval(), source, method_name(cfg))
 
@@ -393,10 +397,8 @@ def plot_points(real: torch.Tensor, sur: torch.Tensor, limit: int, seed: int = 0
 
 
 def cmd_surrogate(args: argparse.Namespace) -> dict:
-    if args.images < 1:
-        raise MechanismError(f"--images {args.images}: give at least 1")
     png, csv_path = check_outputs(args.out, OUTPUTS["surrogate"], args.overwrite)
-    loaded = load(args)
+    loaded = load(args, images=True)
     device = pick_device(loaded.cfg, args.device)
     model = loaded.model.to(device)
     blocks = select_blocks(ffn_blocks(model), args.blocks)
@@ -499,7 +501,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         raise MechanismError(f"--bits {args.bits}: {e}") from None
     json_path, png = check_outputs(args.out, OUTPUTS["remove"], args.overwrite)
     start = time.perf_counter()
-    loaded = load(args)
+    loaded = load(args, images=True)
     cfg, device = loaded.cfg, pick_device(loaded.cfg, args.device)
     model = loaded.model.to(device)
     blocks = select_blocks(ffn_blocks(model), args.blocks)
