@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 import cd.update  # noqa: E402
-from cd import ColinearityDecay  # noqa: E402
+from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
 
 TRAINING_STEP = 1e-3 * 0.005  # lr * lam
 
@@ -60,11 +60,18 @@ def _ratio(num: list[torch.Tensor], den: list[torch.Tensor]) -> float:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="vit_base_patch16_224")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if not timm.is_model(args.model):
+        parser.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=1000).to(args.device)
-    before = {p.name: p.w2().detach().double() for p in ColinearityDecay(model).pairs}
+    try:
+        before = {p.name: p.w2().detach().double() for p in ColinearityDecay(model).pairs}
+    except UnsupportedModelError as e:
+        parser.error(f"--model {args.model}: {e}")
     reference = {step: updated(model.double(), step, "fp32", emulate=False) for step in (1.0, TRAINING_STEP)}
     model.float()
     rows = []

@@ -147,6 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
     try:
+        shlex.split(args.launcher)
+    except ValueError as e:  # e.g. an unclosed quote
+        sys.exit(f"error: --launcher {args.launcher!r}: {e}")
+    try:
         runs = expand(args.sweep, args.overrides)
     except ConfigError as e:
         sys.exit(f"error: {e}")
