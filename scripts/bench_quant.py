@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.loop import TrainBatches  # noqa: E402
-from quant import PIPELINES, PipelineData  # noqa: E402
+from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import at_least  # noqa: E402
 
@@ -100,7 +100,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
-    except RunDirError as e:
+        for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
+            PIPELINES[pipeline].check(parse_bits(args.bits), PIPELINES[pipeline].Options())
+    except (RunDirError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
