@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--global-batch", type=int, default=1024, help="train.batch_size (the paper: 1024)")
-    p.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128, 256],
+    p.add_argument("--batches", type=at_least(1), nargs="*", default=[32, 64, 128, 256],
                    help="sweep (a): per-GPU batches on the recipe's model (none: skip the sweep)")
     p.add_argument("--models", nargs="*", default=WIDTH_MODELS,
                    help="sweep (b): models of different hidden sizes at --width-batch (none: skip)")
@@ -132,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         sys.exit(f"error: {e}")
     plan = [("batch", base_model, b) for b in args.batches] + [("width", m, args.width_batch)
                                                                for m in args.models]
+    if not plan:
+        sys.exit("error: --batches and --models are both empty: there is nothing to measure")
     rows = []
     for sweep, model, batch in plan:
         for method in args.methods:
