@@ -115,17 +115,18 @@ def main(args: argparse.Namespace) -> dict:
                "seconds": round(time.perf_counter() - start, 3)}
     log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
              fp_seconds)
-    if cfg.quant.act_max_csv:
-        paths = act_max_paths(os.path.splitext(out)[0])
-        title = f"{model_label(cfg.model)} ({method_name(cfg)})"
-        max_act.update(run_on_main(lambda: {
-            "csv": str(write_act_max_csv(act.per_layer, paths["csv"])),
-            "plot": str(plot_act_max(act.per_layer, paths["plot"], title=title))},
-            f"writing {paths['csv']} / .png", device))
+    paths = act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else {}
     kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
     results.update(method=method_name(cfg), fp={k: fp[k] for k in kept if k in fp} |
-                   {"seconds": round(fp_seconds, 3)}, max_act=max_act)
+                   {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
+    # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
+    # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
     run_on_main(results.save, f"writing {out}", device)
+    if paths:
+        title = f"{model_label(cfg.model)} ({method_name(cfg)})"
+        run_on_main(lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
+                             plot_act_max(act.per_layer, paths["plot"], title=title)),
+                    f"writing {paths['csv']} / .png", device)
 
     # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
     # written to the JSON as soon as it is done.
