@@ -73,6 +73,9 @@ def main(argv: list[str]) -> dict:
         kw.update(embed_dim=args.embed_dim, num_heads=max(1, args.embed_dim // 64))
     torch.manual_seed(0)
     fp = timm.create_model(args.model, img_size=args.img_size, **kw).to(device).eval().requires_grad_(False)
+    if args.block not in dict(fp.named_modules()):
+        p.error(f"--block {args.block}: {args.model} has no such module (its blocks: blocks.0 ... "
+                f"blocks.{len(getattr(fp, 'blocks', [])) - 1})")
     images = torch.randn(args.images, 3, args.img_size, args.img_size)
 
     options = APHQOptions()

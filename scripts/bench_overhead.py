@@ -300,10 +300,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
-    parser.add_argument("--batches", type=int, nargs="+",
+    parser.add_argument("--batches", type=at_least(1), nargs="+",
                         help="sweep (a) batch sizes (default 32 64 128 256)")
-    parser.add_argument("--widths", type=int, nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
-    parser.add_argument("--width-batch", type=int,
+    parser.add_argument("--widths", type=at_least(1), nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
+    parser.add_argument("--width-batch", type=at_least(1),
                         help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
     parser.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps per configuration")
