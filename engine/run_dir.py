@@ -332,9 +332,6 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
 def refuse_existing_outputs(paths: list[str], overwrite: bool) -> None:
     """The one rule of the scripts that write tables, figures and benchmark files: no existing file is
     replaced without --overwrite (a figure or a table is often the only record of how it was made)."""
-    folders = [p for p in paths if os.path.isdir(p)]
-    if folders:  # not even --overwrite replaces a folder with a file
-        raise RunDirError(f"{folders[0]} is a folder, where a file would be written; choose another --out")
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "

@@ -272,7 +272,7 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks", "7"], "--blocks 7: no such block"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "-1"], "--k -1"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"], "--bits w4"),
-    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images 0"),
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images: 0: must be at least 1"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--compare", "no.pt"], "--compare no.pt"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"], "one label per model"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lrr=1"], "did you mean 'optim.lr'"),
