@@ -277,8 +277,9 @@ class ColinearityDecay:
                                f"the first attach() before attaching again")
         self._check_parameters_current()
         index = self._group_index(optimizer)  # validate now, not at the first step
-        outside = [name for name, t in self._decayed_named() if id(t) not in index]
-        if len(outside) == len(self._decayed()):
+        decayed = self._decayed_named()
+        outside = [name for name, t in decayed if id(t) not in index]
+        if len(outside) == len(decayed):
             raise ValueError(f"ColinearityDecay.attach: none of the {len(outside)} decayed matrices is in the "
                              f"optimizer (not in the optimizer: e.g. {outside[:3]}), so CD would never act; give "
                              f"the optimizer the model's parameters")
