@@ -52,6 +52,18 @@ def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch
     _HOOKED.setdefault(optimizer, weakref.WeakSet()).add(owner)
 
 
+def _parameter_at(root: nn.Module, name: str) -> Optional[Tensor]:
+    """The parameter `root` holds under `name` now (None if there is none): a walk down the module path,
+    as named_parameters() would name it, without enumerating every parameter (this runs at every step)."""
+    *path, attr = name.split(".")
+    module: Optional[nn.Module] = root
+    for part in path:  # a submodule removed or renamed since ends the walk
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    return module._parameters.get(attr)
+
+
 def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
@@ -344,8 +356,7 @@ class ColinearityDecay:
         root = self._model()
         if root is None:
             return
-        params = dict(root.named_parameters(remove_duplicate=False))
-        stale = [name for name, t in self._decayed_named() if params.get(name) is not t]
+        stale = [name for name, t in self._decayed_named() if _parameter_at(root, name) is not t]
         if stale:
             raise ValueError(f"ColinearityDecay: the model's parameter {stale[0]} (and {len(stale) - 1} more) is "
                              f"no longer the tensor this object found its pairs on: the parameters were replaced "

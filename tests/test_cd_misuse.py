@@ -260,6 +260,21 @@ def test_parameters_replaced_after_attach_are_refused_at_the_step():
         opt.step()
 
 
+@pytest.mark.parametrize("change", ["new_module", "removed_module", "new_attribute_tensor"])
+def test_a_replaced_or_removed_module_is_refused_like_replaced_parameters(change):
+    model = tiny_vit()
+    decay = ColinearityDecay(model)
+    if change == "new_module":  # a module built anew: same names, other tensors
+        model.blocks[1].mlp.fc2 = torch.nn.Linear(model.blocks[1].mlp.fc2.in_features,
+                                                  model.blocks[1].mlp.fc2.out_features)
+    elif change == "removed_module":
+        del model.blocks[1].mlp.fc2
+    else:  # the attribute holds a new Parameter
+        model.blocks[0].attn.proj.weight = torch.nn.Parameter(model.blocks[0].attn.proj.weight.detach().clone())
+    with pytest.raises(ValueError, match=r"no longer the tensor"):
+        decay.apply(0.1)
+
+
 def test_apply_takes_numpy_numbers_and_0_dim_tensors_and_refuses_other_tensors():
     np = pytest.importorskip("numpy")
     model = tiny_vit()
