@@ -30,6 +30,7 @@ directions i in descending singular value, rows j of FC2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -678,10 +679,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def missing_folders(path: str) -> list[str]:
+    """`path` and each of its parents that does not exist yet, deepest first: what makedirs would create."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def main(argv: Sequence[str]) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
-    result = COMMANDS[args.command](args)
+    created = missing_folders(args.out)
+    try:
+        result = COMMANDS[args.command](args)
+    except BaseException:  # a refusal or failure leaves no empty folder behind: only those this run made
+        for folder in created:
+            with contextlib.suppress(OSError):  # not empty (or gone): left as it is
+                os.rmdir(folder)
+        raise
     print(f"wrote {', '.join(result['files'])} [{time.perf_counter() - start:.1f}s]")
     return result
 

@@ -229,9 +229,11 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
     train.main(load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")],
                            [f"out_dir={lm}", "sched.steps=2", "sched.warmup_steps=1"]))
     with pytest.raises(mechanism.MechanismError, match=r"is a language model; `surrogate` reads val images"):
-        mechanism.main(["surrogate", "--checkpoint", str(lm / "best.pt"), "--out", str(tmp_path / "lm_figs")])
+        mechanism.main(["surrogate", "--checkpoint", str(lm / "best.pt"), "--out", str(tmp_path / "lm_figs" / "a")])
     with pytest.raises(mechanism.MechanismError, match=r"--images 100000: the val split has \d+ images"):
         mechanism.main(["surrogate", "--checkpoint", base, "--out", str(tmp_path / "many"), "--images", "100000"])
+    # a refusal leaves no folder it made (both levels of lm_figs/a), and the folders it did not make stay
+    assert not (tmp_path / "lm_figs").exists() and not (tmp_path / "many").exists() and lm.is_dir()
     mechanism.main(["remove", "--checkpoint", base, "--out", out, "--k", "1", "quant.calib_images=4"])
     with open(os.path.join(out, "remove.json")) as f:
         saved = json.load(f)
@@ -286,6 +288,7 @@ def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, exp
     assert mechanism.cli(argv) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "o").exists()  # a refused command leaves no empty output folder behind
 
 
 def test_an_existing_output_is_one_error_line_from_the_script(checkpoints, tmp_path):
