@@ -63,14 +63,20 @@ def _image(rng: random.Random, size: int, objects) -> Image.Image:
     return img
 
 
+MAX_SIZE = 2048  # pixels per side
+
+
 def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, seed: int = 0) -> Dict[str, int]:
     """Write the set under `root` (created; it must not exist or be empty: nothing is overwritten).
 
     Returns:
         {"train2017": images, "val2017": images, "annotations": objects in all}.
     """
-    if train < 1 or val < 1 or size < 32:
-        raise ValueError(f"need train >= 1, val >= 1 and size >= 32 (got {train}, {val}, {size})")
+    # val ids start at 100_001, so more train images would share their ids; a side above MAX_SIZE is no smoke
+    # set (one image is size^2 * 3 bytes of noise in memory)
+    if not (1 <= train <= 100_000 and val >= 1 and 32 <= size <= MAX_SIZE):
+        raise ValueError(f"need 1 <= train <= 100000, val >= 1 and 32 <= size <= {MAX_SIZE} "
+                         f"(got {train}, {val}, {size})")
     if os.path.exists(root) and os.listdir(root):
         raise FileExistsError(f"{root} exists and is not empty; give a new folder (nothing is overwritten)")
     rng = random.Random(seed)

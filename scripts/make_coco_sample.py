@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a root that cannot be created or written (under a file, read-only, full disk)
+        print(f"error: {args.root}: {e.strerror or e}; give a writable new folder", file=sys.stderr)
+        return 2
     print(f"{counts['train2017']} train and {counts['val2017']} val images, {counts['annotations']} objects "
           f"in {args.root}")
     return 0

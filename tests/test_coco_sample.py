@@ -3,12 +3,17 @@ and nothing is written over an existing folder."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from data.coco_sample import CLASSES, write_coco_sample
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_coco_sample  # noqa: E402
 
 pycocotools = pytest.importorskip("pycocotools.coco")
 
@@ -50,3 +55,18 @@ def test_an_existing_folder_is_never_written_over(tmp_path):
     assert os.listdir(tmp_path) == ["keep.txt"]
     with pytest.raises(ValueError):
         write_coco_sample(str(tmp_path / "new"), train=0)
+
+
+@pytest.mark.parametrize("kwargs", [{"size": 100_000}, {"size": 31}, {"train": 100_001}, {"val": 0}])
+def test_settings_out_of_range_are_refused_before_anything_is_written(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="need 1 <= train <= 100000"):
+        write_coco_sample(str(tmp_path / "new"), **kwargs)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_root_under_a_file_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    assert make_coco_sample.main([str(tmp_path / "file" / "sample")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "writable new folder" in lines[0], lines
+    assert (tmp_path / "file").read_text() == "mine"
