@@ -102,14 +102,17 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
     chosen_of = {split: select(splits[split][1], per_class, split)  # and every selection made
                  for split, per_class in (("train", train_per_class), ("val", val_per_class))}
     counts = {}
-    for split, chosen in chosen_of.items():
-        images, labels = splits[split]
-        for label in range(len(CLASSES)):
-            os.makedirs(os.path.join(out, split, class_folder(label)), exist_ok=True)
-        for index in chosen:
-            path = os.path.join(out, split, class_folder(int(labels[index])), f"{index:05d}.png")
-            Image.fromarray(images[index]).save(path)  # 2-D uint8: 8-bit grayscale
-        counts[split] = len(chosen)
+    try:
+        for split, chosen in chosen_of.items():
+            images, labels = splits[split]
+            for label in range(len(CLASSES)):
+                os.makedirs(os.path.join(out, split, class_folder(label)), exist_ok=True)
+            for index in chosen:
+                path = os.path.join(out, split, class_folder(int(labels[index])), f"{index:05d}.png")
+                Image.fromarray(images[index]).save(path)  # 2-D uint8: 8-bit grayscale
+            counts[split] = len(chosen)
+    except OSError as e:  # under a file, read-only, a full disk
+        raise ExportError(f"--out {out}: {e.strerror or e}; give a writable folder") from None
     return counts
 
 

@@ -93,6 +93,10 @@ def test_bad_inputs_are_error_lines(source, tmp_path, capsys):
     assert fm.main(["--source", folder, "--out", str(tmp_path / "v"), "--val-per-class", "1000"]) == 2
     assert "the val split has" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "v")  # no train images written before the val selection failed
+    (tmp_path / "file").write_text("mine")
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "file" / "out")]) == 2  # under a file
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "give a writable folder" in lines[0] and (tmp_path / "file").read_text() == "mine"
     assert fm.main(["--source", str(tmp_path / "none"), "--out", str(tmp_path / "b")]) == 2
     assert "apt-get install -y dataset-fashion-mnist" in capsys.readouterr().err
     with gzip.open(os.path.join(folder, fm.FILES["val"][1]), "wb") as f:
