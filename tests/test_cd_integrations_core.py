@@ -76,6 +76,16 @@ def test_bind_optimizers_finds_the_optimizer_holding_the_matrices():
         bind_optimizers(decay, [half])
 
 
+def test_target_c_upstream_matrices_outside_the_optimizer_are_named_like_attach_names_them():
+    # target C decays W1 too: an optimizer holding every W2 but no W1 leaves the W1 alone (attach warns the same)
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.5, targets="C")
+    upstream = {id(p.upstream) for p in decay.pairs}
+    opt = torch.optim.SGD([p for p in model.parameters() if id(p) not in upstream], lr=0.1)
+    with pytest.warns(UserWarning, match=rf"{len(upstream)} decayed matrices are not in the optimizer"):
+        OptimizerBinding(decay, opt)
+
+
 def test_arguments_are_colinearity_decays():
     assert check_cd_arguments({"lam": 0.01, "lam_per_role": {"fc2": 0.02}, "gated_mlp": True})
     with pytest.raises(TypeError, match="lamda"):

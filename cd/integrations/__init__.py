@@ -54,7 +54,7 @@ def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Mod
 def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` holds any matrix that `decay` writes."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return any(id(p.downstream) in held for p in decay.pairs)
+    return any(id(t) in held for t in decay._decayed())
 
 
 class OptimizerBinding:
@@ -83,7 +83,7 @@ class OptimizerBinding:
         # the rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices
         # the optimizer changes, so decayed matrices outside it are left alone, with one warning now
         held = decay._group_index(self.optimizer)
-        outside = [p.name for p in decay.pairs if id(p.downstream) not in held]
+        outside = [name for name, t in decay._decayed_named() if id(t) not in held]
         if outside:
             warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
                           "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
