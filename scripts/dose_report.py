@@ -96,6 +96,14 @@ def read_sweep(root: str) -> list[Run]:
     if not runs:
         raise ReportError(f"{root}: no evaluated run (<point>_s<seed>/eval_best.json); run the sweep with "
                           f"--run --evaluate first")
+    folder_of = {}  # weights fingerprint (evaluate.py's) -> the first folder evaluated with those weights
+    for run in runs:
+        fingerprint = run.result.get("fingerprint")
+        if fingerprint in folder_of:  # a copied folder would count as one more seed
+            raise ReportError(f"{folder_of[fingerprint]} and {run.folder} were evaluated on the same weights "
+                              f"(fingerprint {fingerprint}): one run would count twice; remove the copy")
+        if fingerprint is not None:
+            folder_of[fingerprint] = run.folder
     return runs
 
 

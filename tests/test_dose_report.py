@@ -104,3 +104,14 @@ def test_existing_outputs_are_refused_and_errors_are_one_line(sweep, tmp_path):
     run = subprocess.run([sys.executable, SCRIPT, str(empty), "--out", str(out / "x")], capture_output=True,
                          text=True, cwd=ROOT)
     assert run.returncode == 1 and "no evaluated run" in run.stderr and len(run.stderr.splitlines()) == 1
+
+
+def test_a_copied_run_folder_is_refused_not_counted_as_another_seed(tmp_path):
+    for name, seed in (("baseline_s0", 0), ("baseline_s1", 1), ("cd10x_s0", 2)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+    for name, fingerprint in (("baseline_s0", "aa"), ("baseline_s1", "bb"), ("cd10x_s0", "aa")):
+        path = tmp_path / name / "eval_best.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "fingerprint": fingerprint}))
+    with pytest.raises(dose_report.ReportError, match=r"baseline_s0 and .*cd10x_s0 were evaluated on the same "
+                                                      r"weights \(fingerprint aa\)"):
+        dose_report.read_sweep(str(tmp_path))
