@@ -249,6 +249,14 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         raise CheckpointError(f"{resume_path} was trained on other token files than data.root={cfg.data.root} "
                               f"holds (size and first MiB per split: {saved} then, {run.loaders.fingerprint} "
                               f"now): point data.root at the files it was trained on, or start a new run")
+    classes = payload.get("classes")
+    if classes is not None and run.loaders.classes is not None and list(classes) != list(run.loaders.classes):
+        diff = next(i for i, pair in enumerate(zip(classes, run.loaders.classes)) if pair[0] != pair[1]) \
+            if len(classes) == len(run.loaders.classes) else None
+        where = f"class {diff}: {classes[diff]!r} then, {run.loaders.classes[diff]!r} now" if diff is not None \
+            else f"{len(classes)} classes then, {len(run.loaders.classes)} now"
+        raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "
+                              f"({where}): point data.root at the data set it was trained on, or start a new run")
     restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))

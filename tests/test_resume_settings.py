@@ -110,6 +110,20 @@ def test_a_group_level_step_counter_is_carried_over():
     assert new.param_groups[0]["step"] == 7 and new.param_groups[0]["lr"] == 0.5
 
 
+def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_path):
+    from tests.test_data import make_image_folder
+    make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
+    make_image_folder(tmp_path / "b", classes=("car", "ship"), per_class=4)
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
+    ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
+    before = os.path.getmtime(ckpt)
+    with pytest.raises(CheckpointError, match=r"other classes than data.root=.*\(class 0: 'cat' then, 'car' now\)"):
+        train.main(debug_config(*folder, f"data.root={tmp_path / 'b'}", name="c"))
+    assert os.path.getmtime(ckpt) == before
+    train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=2", name="c"))  # its own data
+
+
 def test_another_optimizer_at_resume_is_refused(debug_config):
     train.main(debug_config("train.max_steps=1", name="o"))
     with pytest.raises(CheckpointError, match=r"optim.name=adamw, which optim.name=sgd cannot use.*"
