@@ -90,6 +90,12 @@ def unusable(path: str, problem: str) -> CheckpointError:
     return CheckpointError(f"cannot resume from {path} ({os.path.getsize(path)} bytes): {problem}; {way_on}")
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` lies in `folder` or below it (a run's own snapshots)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
     """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
     own = os.path.join(out_dir, "checkpoint.pt")
@@ -107,6 +113,11 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
                 log.info("%s was written by a run started from train.resume=%s: continuing from it",
                          own, resume)
                 return own, own_payload
+            if not _inside(resume, out_dir):  # checkpoint.pt would be replaced by another run's progress
+                raise CheckpointError(f"train.resume={resume}: out_dir {out_dir} holds checkpoint.pt of a run "
+                                      f"that did not start from it ({problem or 'another start'}), which the "
+                                      f"next checkpoint would replace: give a new out_dir, or move "
+                                      f"{own} away first")
             log.warning("%s: %s; continuing from train.resume=%s as asked (checkpoint.pt is replaced at "
                         "the next checkpoint)", own, problem or "another start than train.resume", resume)
         return resume, payload

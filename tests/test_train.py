@@ -357,6 +357,19 @@ def test_snapshots_are_kept_and_train_resume_continues_from_one_exactly(debug_co
         train.main(debug_config(f"train.resume={straight.out_dir}/best.pt", name="other"))
 
 
+def test_train_resume_never_replaces_the_checkpoint_of_another_run_in_out_dir(debug_config):
+    x = debug_config("train.seed=1", name="x")
+    train.main(x)
+    y = debug_config("train.max_steps=4", name="y")
+    train.main(y)
+    own = os.path.join(x.out_dir, "checkpoint.pt")
+    before = open(own, "rb").read()
+    with pytest.raises(CheckpointError, match=r"holds checkpoint.pt of a run that did not start from it .*give a "
+                                              r"new out_dir"):
+        train.main(debug_config(f"train.resume={y.out_dir}/checkpoint.pt", name="x"))
+    assert open(own, "rb").read() == before
+
+
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
     import shutil
 
