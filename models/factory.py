@@ -20,6 +20,11 @@ from .pretrained import ModelError, load_pretrained
 from .variants import VARIANTS
 
 
+# timm constructor arguments that ModelConfig sets with keys of its own
+FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "drop_rate": "drop",
+                    "img_size": "img_size", "pretrained": "pretrained"}
+
+
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """Resolve `cfg` into (timm architecture name, constructor kwargs)."""
     kwargs = {}
@@ -33,6 +38,10 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)}); "
                              f"timm names like it: {', '.join(close)}")
+    shadowed = sorted(set(cfg.kwargs) & set(FIRST_CLASS_KEYS))
+    if shadowed:  # one of the two would be ignored
+        raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{FIRST_CLASS_KEYS[shadowed[0]]} instead (the "
+                         f"model's own key for it)")
     if cfg.img_size is not None:
         kwargs["img_size"] = cfg.img_size
     kwargs.update(cfg.kwargs)
@@ -55,6 +64,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         if hub:
             raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
                              f"local file: model.pretrained=/path/to/weights.safetensors") from e
+        if isinstance(e, (AssertionError, ValueError)):  # timm's checks of the values (embed_dim % num_heads)
+            raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
+                             f"{e or type(e).__name__}") from e
         raise
     try:
         # after timm's init and hub weights (the variant takes them over, its sink parameters start at

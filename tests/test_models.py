@@ -37,6 +37,19 @@ def test_kwargs_reach_timm():
     assert len(model.blocks) == 2
 
 
+@pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"), ("drop_rate", "drop"),
+                                       ("num_classes", "num_classes"), ("img_size", "img_size")])
+def test_kwargs_that_shadow_a_model_key_are_refused(key, own):
+    # before, model.drop_path won over model.kwargs.drop_path_rate and model.kwargs.img_size over model.img_size
+    with pytest.raises(ModelError, match=rf"model.kwargs.{key}: set model.{own} instead"):
+        build_model(model_cfg("model.name=vit_micro", f"model.kwargs.{key}=7"))
+
+
+def test_values_timm_asserts_on_are_a_model_error():
+    with pytest.raises(ModelError, match=r"model 'vit_micro' .* rejected its arguments .*embed_dim"):
+        build_model(model_cfg("model.name=vit_micro", "model.kwargs.embed_dim=35"))
+
+
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ModelError, match="unknown model 'vit_bse_patch16_224'.*vit_base_patch16_224"):
         build_model(model_cfg("model.name=vit_bse_patch16_224"))
