@@ -124,6 +124,13 @@ class IgnoredOverrideError(ConfigError):
     """An override of a key that the config, as resolved, never reads (e.g. data.root for digits)."""
 
 
+SET = "set"  # in READ_ONLY_WHEN: any value of the deciding key but null and ""
+
+
+def _reads(value: Any, read_with: tuple) -> bool:
+    return value in read_with or (SET in read_with and value not in (None, ""))
+
+
 # Keys that only some settings read: (keys, the key that decides, the values with which they are read). A
 # key ending in "." stands for every key of that section but the deciding one. Mixup / cutmix details with
 # mixup off, wandb details with wandb off and the like are not listed: they change nothing a run computes.
@@ -133,10 +140,13 @@ READ_ONLY_WHEN = [
     (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
     (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.crop_mode", "data.scale",
       "data.ratio", "data.hflip", "data.auto_augment", "data.color_jitter", "data.reprob", "data.remode",
-      "data.recount", "data.repeated_aug", "data.mixup", "data.cutmix", "data.mixup_prob",
-      "data.mixup_switch_prob", "data.mixup_mode", "data.label_smoothing"), "data.dataset",
-     ("folder", "digits", "synthetic")),  # image settings: a language model reads none of them
+      "data.recount"), "data.dataset", ("folder", "digits")),  # image transforms: synthetic images get none
+    (("data.repeated_aug", "data.mixup", "data.cutmix", "data.mixup_prob", "data.mixup_switch_prob",
+      "data.mixup_mode", "data.label_smoothing"), "data.dataset",
+     ("folder", "digits", "synthetic")),  # sampling and targets of images: a language model reads none of them
     (("sched.epochs", "sched.warmup_epochs", "sched.per_step", "sched.warmup_prefix"), "sched.steps", (None,)),
+    (("sched.warmup_steps",), "sched.steps", (SET,)),
+    (("model.pretrained_strict",), "model.pretrained", (SET,)),
     (("data.synthetic_train_size", "data.synthetic_val_size"), "data.dataset", ("synthetic",)),
     (("data.digits_img_size", "data.digits_val_fraction"), "data.dataset", ("digits",)),
     (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr
@@ -161,7 +171,7 @@ def check_overrides_read(cfg: Config, given: dict) -> None:
     data.mixup=0.8 is refused)."""
     for keys, decider, read_with in READ_ONLY_WHEN:
         value = get_key(cfg, decider)
-        if value in read_with or given.get(decider, None) is False:
+        if _reads(value, read_with) or given.get(decider, None) is False:
             continue
         for key in given:
             if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):

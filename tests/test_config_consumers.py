@@ -42,7 +42,8 @@ def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, mes
 
 
 def test_values_the_consumers_accept_still_load():
-    cfg = load_config([DEBUG_CONFIG], ["train.seed=-1", "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5",
+    cfg = load_config([DEBUG_CONFIG], ["data.dataset=digits", "model.num_classes=10", "train.seed=-1",
+                                       "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5",
                                        "data.interpolation=bilinear", "model.kwargs.in_chans=3"])
     assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0)
 

@@ -14,15 +14,15 @@ from configs.loader import IgnoredOverrideError
 from configs.quant import APHQOptions
 from engine.checkpoint import CheckpointError
 from quant import PIPELINES, parse_bits
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
 
 
 @pytest.mark.parametrize("finished", [False, True])
 def test_new_pretrained_weights_on_a_resumable_or_finished_run_are_refused(debug_config, finished):
     cfg = debug_config(*(() if finished else ("train.max_steps=2",)), name="p")
     train.main(cfg)
-    for override in ("model.pretrained=/no/such/weights.pth", "model.pretrained_strict=true",
-                     "train.archive_existing=true"):
+    # (model.pretrained_strict alone is refused earlier: it is read only with model.pretrained)
+    for override in ("model.pretrained=/no/such/weights.pth", "train.archive_existing=true"):
         key = override.split("=")[0]
         with pytest.raises(CheckpointError, match=rf"continues a run, and only a run's start reads {key}: "):
             train.main(debug_config(override, name="p"))
@@ -71,12 +71,28 @@ def test_tables_mark_results_of_non_default_settings(tmp_path):
 
 @pytest.mark.parametrize("recipe, override", [("", "optim.momentum=0.5"),  # adamw: no momentum
                                               ("optim: {name: sgd}", "optim.betas=[0.8,0.9]"),
-                                              ("", "data.color_jitter=0.4")])  # off under RandAugment
+                                              ("data: {auto_augment: rand-m9-mstd0.5-inc1}",
+                                               "data.color_jitter=0.4")])  # off under RandAugment
 def test_an_override_the_run_would_not_read_is_refused(tmp_path, recipe, override):
     layer = tmp_path / "layer.yaml"
     layer.write_text(recipe + "\n")
     with pytest.raises(IgnoredOverrideError, match=rf"{override.split('=')[0]}=.* would be ignored"):
-        load_config([DEBUG_CONFIG, str(layer)], [override])
+        load_config([DEMO_CONFIG, str(layer)], [override])
     # with the deciding key set as well, the override says what it means
-    assert load_config([DEBUG_CONFIG], ["optim.name=sgd", "optim.momentum=0.5", "data.auto_augment=",
-                                        "data.color_jitter=0.4"])
+    assert load_config([DEMO_CONFIG], ["optim.name=sgd", "optim.momentum=0.5", "data.auto_augment=",
+                                       "data.color_jitter=0.4"])
+
+
+@pytest.mark.parametrize("override", ["data.hflip=1.0", "data.mean=[0.2,0.2,0.2]", "data.auto_augment=rand-m9"])
+def test_image_transform_settings_are_refused_for_synthetic_data_which_has_no_transform(override):
+    with pytest.raises(IgnoredOverrideError, match=r"read only when data.dataset is folder or digits, and it "
+                                                   r"is synthetic"):
+        load_config([DEBUG_CONFIG], [override])
+    assert load_config([DEBUG_CONFIG], ["data.mixup=0.5", "data.label_smoothing=0.1"])  # the loop reads these
+
+
+@pytest.mark.parametrize("override, decider", [("sched.warmup_steps=100", "sched.steps"),
+                                               ("model.pretrained_strict=true", "model.pretrained")])
+def test_settings_read_only_beside_another_key_are_refused_without_it(override, decider):
+    with pytest.raises(IgnoredOverrideError, match=rf"read only when {decider} is set"):
+        load_config([DEBUG_CONFIG], [override])
