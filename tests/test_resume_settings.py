@@ -3,6 +3,7 @@ the NEW config, the position within the epoch in samples of any process count, o
 import json
 import math
 import os
+import typing
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.multiprocessing as mp
 
 import train
 from configs import load_config
+from configs.schema import SchedConfig
 from data import build_train_loader
 from engine.checkpoint import CheckpointError
 from engine.optim import build_optimizer, build_scheduler
@@ -31,6 +33,22 @@ def cosine_lr(t, *, base, t_initial, warmup_t, warmup_lr=1e-6, min_lr=1e-5):
     if t >= t_initial:
         return min_lr
     return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * t / t_initial))
+
+
+@pytest.mark.parametrize("name", typing.get_args(typing.get_type_hints(SchedConfig)["name"]))
+def test_every_offered_schedule_decays_over_the_run_to_min_lr(name):
+    # step / multistep are not offered: timm decays them at fixed epochs (90, 180, 270) and ignores min_lr
+    cfg = load_config([DEBUG_CONFIG], [f"sched.name={name}", "sched.epochs=10", "sched.warmup_epochs=0",
+                                       "sched.min_lr=1e-4", "optim.lr=0.01"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.0)
+    scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch=4)
+    lrs = []
+    for epoch in range(10):
+        scheduler.step(epoch)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(0.01) and all(a > b for a, b in zip(lrs, lrs[1:]))  # decays every epoch
+    scheduler.step(10)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)  # and ends at min_lr
 
 
 def test_a_resume_with_a_new_lr_weight_decay_and_length_trains_with_them(debug_config):
