@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from configs import ConfigError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -63,7 +65,7 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     global _main_rank_wait
     _main_rank_wait = main_rank_wait or MainRankWait()
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

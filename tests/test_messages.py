@@ -89,3 +89,10 @@ def test_a_metrics_line_of_another_shape_is_dropped_on_resume_not_a_traceback(tm
         MetricLogger(str(tmp_path), True, tensorboard=False, resume_step=3).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "x": 1}\n'
     assert "dropped 1 unreadable line" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+def test_train_device_cuda_without_a_gpu_is_a_config_error_not_a_traceback(debug_config):
+    from configs import ConfigError
+    with pytest.raises(ConfigError, match=r"train.device=cuda but no CUDA device is visible"):
+        train.main(debug_config("train.device=cuda"))
