@@ -257,7 +257,14 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
             else f"{len(classes)} classes then, {len(run.loaders.classes)} now"
         raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "
                               f"({where}): point data.root at the data set it was trained on, or start a new run")
-    restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
+    try:
+        restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
+    except RuntimeError as e:  # torch's load_state_dict: weights that do not fit the model the config builds
+        if "Error(s) in loading state_dict" not in str(e):
+            raise
+        raise CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
+                              f"({' '.join(str(e).split())[:300]}): not a checkpoint train.py wrote for "
+                              f"this model; give another one") from None
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))
     state.epoch_batches = resume_position(

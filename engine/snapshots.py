@@ -35,6 +35,7 @@ from .run_dir import SNAPSHOTS, partial_path
 log = logging.getLogger(__name__)
 
 TRAINING_KEYS = ("model", "optimizer", "state", "config")  # what training_payload always writes
+CONFIG_SECTIONS = ("model", "data", "optim", "sched", "train")  # of its config, which a resume compares
 
 
 def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
@@ -53,6 +54,9 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
         return None, f"it holds {kind}: no {', '.join(repr(k) for k in missing)} entries"
     if not all(isinstance(payload[k], dict) for k in ("model", "optimizer", "state", "config")):
         return None, "its 'model', 'optimizer', 'state' or 'config' entry is not a mapping"
+    sections = [k for k in CONFIG_SECTIONS if not isinstance(payload["config"].get(k), dict)]
+    if sections:  # train.py writes the whole config; the checks of a resume read these sections
+        return None, f"its config has no {', '.join(repr(k) for k in sections)} section: not a train.py checkpoint"
     bad = nonfinite_tensors(payload["model"]) + nonfinite_tensors(payload.get("model_ema") or {})
     if bad:
         return None, (f"its weights hold NaN or inf values ({len(bad)} tensors, e.g. {'; '.join(bad[:2])}), "

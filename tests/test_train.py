@@ -370,6 +370,25 @@ def test_train_resume_never_replaces_the_checkpoint_of_another_run_in_out_dir(de
     assert open(own, "rb").read() == before
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("no_data_section", r"its config has no 'data' section: not a train.py checkpoint"),
+    ("no_head", r"its weights do not fit the model of its own config .*head.weight"),
+])
+def test_a_checkpoint_that_passes_the_format_check_but_is_broken_is_one_error(debug_config, tmp_path, damage,
+                                                                                message):
+    source = debug_config("train.max_steps=2", name="src")
+    train.main(source)
+    payload = torch.load(os.path.join(source.out_dir, "checkpoint.pt"), weights_only=True)
+    if damage == "no_data_section":
+        del payload["config"]["data"]
+    else:
+        payload["model"] = {k: v for k, v in payload["model"].items() if not k.startswith("head.")}
+    broken = tmp_path / f"{damage}.pt"
+    torch.save(payload, broken)
+    with pytest.raises(CheckpointError, match=message):
+        train.main(debug_config(f"train.resume={broken}", name="dst"))
+
+
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
     import shutil
 
