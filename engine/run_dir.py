@@ -164,6 +164,10 @@ def earlier_run_files(out_dir: str) -> list[str]:
 
 def archive(out_dir: str, names: list[str]) -> str:
     """Move `names` into `out_dir/archive/<time>/` (nothing is deleted); returns that folder."""
+    folder = os.path.join(out_dir, ARCHIVE)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise RunDirError(f"{folder} is a file, where earlier runs' files would be archived: move it away, or "
+                          f"choose another out_dir")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     target = os.path.join(out_dir, ARCHIVE, stamp)
     suffix = 1

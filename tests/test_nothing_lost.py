@@ -49,6 +49,18 @@ def test_fresh_start_never_overwrites_an_earlier_runs_results(debug_config):
     assert [r["step"] for r in read_metrics(cfg.out_dir) if "train/loss" in r] == [2, 4]  # nothing appended
 
 
+def test_a_file_named_archive_is_refused_and_kept(debug_config):
+    cfg = debug_config("train.max_steps=4", name="run")
+    train.main(cfg)
+    os.remove(os.path.join(cfg.out_dir, "checkpoint.pt"))
+    with open(os.path.join(cfg.out_dir, "archive"), "w") as f:
+        f.write("mine")
+    with pytest.raises(RunDirError, match=r"archive is a file, where earlier runs' files would be archived"):
+        train.main(debug_config("train.max_steps=4", "train.archive_existing=true", name="run"))
+    assert read_bytes(os.path.join(cfg.out_dir, "archive")) == b"mine"
+    assert os.path.isfile(os.path.join(cfg.out_dir, "best.pt"))
+
+
 def test_the_same_run_restarting_before_its_first_checkpoint_archives_its_logs(debug_config):
     cfg = debug_config(name="restart")
     os.makedirs(cfg.out_dir)
