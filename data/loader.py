@@ -226,19 +226,23 @@ def _worker_args(cfg: DataConfig) -> dict:
 
 
 def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,
-                       train_transform: bool = False) -> torch.Tensor:
+                       train_transform: bool = False, key: str = "quant.calib_images") -> torch.Tensor:
     """`count` distinct train images chosen by `seed` (RepQ-ViT's calibration set; APHQ's optimisation set).
 
     With `train_transform` every image gets ONE random training augmentation that depends only on
     (seed, position in the set), like APHQ's preloaded set: the same call always returns the same tensor.
     The first k images of a larger set are the k-image set of the same seed (APHQ's calibration subset).
 
+    `key` names the setting that asked for `count` in errors.
+
     Returns:
         (count, 3, img_size, img_size) float tensor.
     """
+    if count < 1:
+        raise DataError(f"{key}={count}: give at least 1 image")
     dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
-        raise DataError(f"asked for {count} calibration images; the train split has {len(dataset)}")
+        raise DataError(f"{key}={count}: the train split has {len(dataset)} images; give at most that")
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
     seeded = SeededDataset(dataset)
     images, unreadable = [], []
@@ -255,6 +259,6 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
         log.warning("%d unreadable train image(s) left out of the calibration set: %s", len(unreadable),
                     ", ".join(unreadable[:10]))
     if len(images) < count:
-        raise DataError(f"asked for {count} calibration images; the train split has only {len(images)} "
-                        f"readable ones")
+        raise DataError(f"{key}={count}: the train split has only {len(images)} readable images; give at most "
+                        f"that")
     return torch.stack(images)

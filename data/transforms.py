@@ -11,6 +11,17 @@ from configs import ConfigError
 from configs.schema import DataConfig
 
 
+# the DataConfig keys the training transform reads (build_transform): results computed on training-transform
+# images depend on them (evaluate.py records them for APHQ and GPLQ)
+TRAIN_TRANSFORM_KEYS = ("scale", "ratio", "hflip", "color_jitter", "auto_augment", "interpolation", "mean", "std",
+                        "reprob", "remode", "recount")
+
+
+def train_transform_settings(cfg: DataConfig) -> dict:
+    """{key: value} of TRAIN_TRANSFORM_KEYS, as JSON writes them (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(cfg, k)) for k in TRAIN_TRANSFORM_KEYS)}
+
+
 def build_transform(cfg: DataConfig, img_size: int, is_training: bool):
     if is_training:
         check_auto_augment(cfg.auto_augment)

@@ -63,6 +63,9 @@ class Pipeline:
     default_bits: str = "w4a4"  # the bit-width evaluate.py runs when quant.bits is [] (the paper's setting)
     weight_only: bool = False  # True: activations stay float (only aN16 bit-widths); False: only quantized ones
     calibrated: bool = True  # False: the weights alone decide (RTN); its results record no calibration settings
+    # True: on an image classifier it draws its own training-transform images from `data` and leaves the
+    # calibration batch unread (APHQ, GPLQ): its results record the training transform, not the batch
+    draws_training_images: bool = False
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,
@@ -84,7 +87,7 @@ class Pipeline:
             PTQResult(model, report), the same on every rank of a distributed run.
         """
         bits, options = parse_bits(bits), parse_options(self.Options, options)
-        self.check(bits, options)  # on every rank, before any work
+        self.validate(bits, options)  # on every rank, before any work
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
@@ -103,6 +106,22 @@ class Pipeline:
         if not self.weight_only and bits.float_activations:
             raise ValueError(f"{self.name} quantizes activations: {bits} keeps them float (16 bits); weight-only "
                              "quantization (wNa16) is rtn / gptq")
+
+    def validate(self, bits: Bits, options: Any) -> None:
+        """Everything a run will read, checked before any work (entry points call this for every pipeline and
+        bit-width): `check`, the stem / head bit-widths, and the values its layout's quantizers and range
+        rules take (building the layout raises ValueError for those they cannot use)."""
+        self.check(bits, options)
+        for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
+            value = getattr(options, key, None)
+            if value not in (None, 0) and not 2 <= value <= 16:
+                raise ValueError(f"{key}={value}: give 2..16 bits, 0 (float) or null (the main bit-width)")
+        self.layout(bits, options)
+
+    def train_image_counts(self, options: Any) -> Dict[str, int]:
+        """{option: images} this pipeline draws from the training split itself (`draws_training_images`), for
+        the entry point to check against the split's size before any work."""
+        return {}
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""

@@ -41,6 +41,9 @@ class PipelineData:
     train_detector: (student, settings, work_dir) -> report: trains a detector in place on its own loss
         with MMDetection's runner (GPLQ stage 1; engine/detection.py `train_activation_qat`), resuming from
         the checkpoints in work_dir.
+    identity: what the drawn images depend on besides the arguments (the training split and its
+        transform): a pipeline that keeps files between runs (GPLQ stage 1) records it, so that a file
+        trained on other data is never resumed.
     """
 
     train_images: Optional[Callable[[int, int, bool], torch.Tensor]] = None
@@ -48,6 +51,7 @@ class PipelineData:
     work_prefix: Optional[str] = None
     detector_samples: Optional[Callable[[int, int], Any]] = None
     train_detector: Optional[Callable[[Any, Dict[str, Any], Optional[str]], Dict[str, Any]]] = None
+    identity: Optional[Dict[str, Any]] = None
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
         for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
-            PIPELINES[pipeline].check(parse_bits(args.bits), PIPELINES[pipeline].Options())
+            PIPELINES[pipeline].validate(parse_bits(args.bits), PIPELINES[pipeline].Options())
     except (RunDirError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.threads:

@@ -58,6 +58,7 @@ class APHQPipeline(Pipeline):
     name = "aphq"
     Options = APHQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
+    draws_training_images = True
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
         """APHQ's converted layout before the fold (post-LN inputs still per channel).
@@ -74,6 +75,9 @@ class APHQPipeline(Pipeline):
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))
 
+    def train_image_counts(self, options: APHQOptions) -> dict:
+        return {"recon_images": options.recon_images}  # calib_images are its first ones
+
     def check(self, bits: Bits, options: APHQOptions) -> None:
         super().check(bits, options)
         if options.calib_images > options.recon_images:
@@ -88,6 +92,12 @@ class APHQPipeline(Pipeline):
             raise ValueError(f"eq_n={options.eq_n} leaves the {widest}-bit grids at {bits} fewer than 2 ranges "
                              f"for each of their {zero_points} zero points (a degenerate search): give eq_n >= "
                              f"{2 * zero_points} (default 128)")
+        if options.cache_device is not None:
+            try:
+                torch.device(options.cache_device)
+            except RuntimeError:
+                raise ValueError(f"cache_device={options.cache_device!r} is not a torch device (cpu, cuda, cuda:1) "
+                                 f"or null (the model's device)") from None
         if options.matmul_steps < 2:
             raise ValueError(f"matmul_steps={options.matmul_steps}: the matmul search needs >= 2 candidates per "
                              f"bound (default 129)")

@@ -84,6 +84,7 @@ class GPLQPipeline(Pipeline):
     name = "gplq"
     Options = GPLQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
+    draws_training_images = True
     data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
@@ -97,6 +98,10 @@ class GPLQPipeline(Pipeline):
                                search=range_search(options.weight_range, None))
         return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=mm, k=mm, attn=mm, v=mm,
                                first_last=options.resolved(bits))
+
+    def train_image_counts(self, options: GPLQOptions) -> dict:
+        # the PCA subset is capped at one epoch of the loader; QwT's images are drawn only with it on
+        return {"init_images": options.init_images, **({"stage2_images": options.stage2_images} if options.qwt else {})}
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPLQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
@@ -133,7 +138,7 @@ class GPLQPipeline(Pipeline):
                                   weight_decay=options.weight_decay, pca_weight=options.pca_weight,
                                   amp=options.amp, log_every=options.log_every,
                                   ckpt_every=options.ckpt_every, seed=options.seed)
-        config = {"pipeline": self.name, "bits": str(bits),
+        config = {"pipeline": self.name, "bits": str(bits), "data": data.identity,
                   "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
                   "stage1": {f.name: getattr(options, f.name) for f in fields(options)
                              if f.name not in _NOT_STAGE1}}

@@ -40,6 +40,16 @@ class PercentilePipeline(Pipeline):
     Options = PercentileOptions
     tasks = ("classification", "detection")  # detection: MMDetection detectors (evaluate_detection.py)
 
+    def check(self, bits: Bits, options: PercentileOptions) -> None:
+        super().check(bits, options)
+        for operand in ("act", "weight"):
+            method, levels = getattr(options, f"{operand}_range"), getattr(options, f"{operand}_percentiles")
+            if levels is not None and method == "minmax":  # they would be recorded but never read
+                raise ValueError(f"{operand}_percentiles={list(levels)}: {operand}_range=minmax reads no percentile; "
+                                 f"drop them, or set {operand}_range=percentile or percentile_mse")
+            if levels is not None and not levels:
+                raise ValueError(f"{operand}_percentiles=[]: give at least one level, or null for the default")
+
     def layout(self, bits: Bits, options: PercentileOptions) -> QuantSpec:
         act_search = range_search(options.act_range, options.act_percentiles)
         act = QuantizerSpec(bits.a, search=act_search)
