@@ -34,9 +34,10 @@ import torch
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.quant import with_first_last
-from data import (DataError, build_eval_loader, build_token_eval_loader, build_train_loader, calibration_images,
-                  calibration_windows, dataset_classes)
+from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
+                  calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError
+from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
@@ -93,6 +94,9 @@ def main(args: argparse.Namespace) -> dict:
     for name, bits in planned(cfg):
         if (name, bits) not in todo:
             log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
+    reads_batch = any("calibration" in quant_settings(cfg, name) for name, _ in todo)
+    if todo and not task.language:
+        check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
@@ -112,17 +116,22 @@ def main(args: argparse.Namespace) -> dict:
     act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
     kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
     max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
-               "seconds": round(time.perf_counter() - start, 3)}
+               "seconds": round(time.perf_counter() - start, 3),
+               # modules probed beyond the paper's set: "module" is then the maximum over them too
+               **({"extra_modules": list(cfg.quant.act_max_extra_modules)} if cfg.quant.act_max_extra_modules
+                  else {})}
     log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
              fp_seconds)
-    paths = act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else {}
+    # without the files this time, those an earlier call wrote stay listed: still this result file's own
+    paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
+             {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
     kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
     results.update(method=method_name(cfg), fp={k: fp[k] for k in kept if k in fp} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
     # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
     # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
     run_on_main(results.save, f"writing {out}", device)
-    if paths:
+    if cfg.quant.act_max_csv:
         title = f"{model_label(cfg.model)} ({method_name(cfg)})"
         run_on_main(lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
                              plot_act_max(act.per_layer, paths["plot"], title=title)),
@@ -130,8 +139,8 @@ def main(args: argparse.Namespace) -> dict:
 
     # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
     # written to the JSON as soon as it is done.
-    if todo:
-        calib = calibration_set(cfg, img_size).to(device)
+    if todo:  # APHQ and GPLQ on a classifier draw their own images (draws_training_images)
+        calib = calibration_set(cfg, img_size).to(device) if reads_batch else None
         pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
                          build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
     for name, bits in todo:
@@ -333,6 +342,22 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
                               cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train")
 
 
+def check_train_image_counts(cfg: Config, pipelines: set, reads_batch: bool, img_size: int) -> None:
+    """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
+    own), against the split's size: before the FP and maxima passes, not after them."""
+    wanted = {"quant.calib_images": cfg.quant.calib_images} if reads_batch else {}
+    for name in sorted(pipelines):
+        wanted.update({f"quant.{name}.{key}": count for key, count in
+                       PIPELINES[name].train_image_counts(pipeline_options(cfg, name)).items()})
+    if not wanted:
+        return
+    size = len(build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False))
+    too_many = {key: count for key, count in wanted.items() if count > size}
+    if too_many:
+        key, count = next(iter(too_many.items()))
+        raise DataError(f"{key}={count}: the {cfg.data.train_split} split has {size} images; give at most that")
+
+
 def pipeline_options(cfg: Config, pipeline: str):
     """The pipeline's `quant.<pipeline>` options with the `quant.first_last` preset applied."""
     options = getattr(cfg.quant, pipeline, None)
@@ -340,13 +365,24 @@ def pipeline_options(cfg: Config, pipeline: str):
 
 
 def quant_settings(cfg: Config, pipeline: str) -> dict:
-    """Everything a quantized result depends on besides the float model and the val set."""
+    """Everything a quantized result depends on besides the float model and the val set: the options, the
+    calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
+    a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
-    calibration = {"calibration": {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}}
-    return {"options": dataclasses.asdict(options) if options is not None else {},
-            **(calibration if PIPELINES[pipeline].calibrated else {}),  # RTN reads no data
-            **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
+    settings = {"options": dataclasses.asdict(options) if options is not None else {}}
+    p, images = PIPELINES[pipeline], not task_for(cfg.data.dataset).language
+    reads_batch = p.calibrated and not (images and p.draws_training_images)
+    if reads_batch:
+        settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
+                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
+    if images and (p.draws_training_images or (reads_batch and cfg.quant.calib_transform == "train")):
+        settings["train_transform"] = training_data(cfg)
+    return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
+
+
+def training_data(cfg: Config) -> dict:
+    """The training split and its transform: what training-transform images depend on besides their seed."""
+    return {"split": cfg.data.train_split, **train_transform_settings(cfg.data)}
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
@@ -360,7 +396,7 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
     """
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
         return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed,
-                                  train_transform=train_transform)
+                                  train_transform=train_transform, key="the pipeline's training images")
 
     def train_loader(batch_size_per_gpu: int, seed: int):
         train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,
@@ -368,7 +404,8 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
                                    seed=seed, num_classes=cfg.model.num_classes)
         return train
 
-    return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix)
+    return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix,
+                        identity=training_data(cfg))
 
 
 def resolve_config(args: argparse.Namespace):
@@ -386,6 +423,10 @@ def resolve_config(args: argparse.Namespace):
         if not cfg.model.pretrained:
             raise ConfigError("nothing to evaluate: give --checkpoint, or model.pretrained=/path/to/weights "
                               "(with --config for the model and data)")
+    given = {item.partition("=")[0].strip() for item in args.overrides}
+    for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
+        if value is not None and key in given:  # one of the two would be ignored
+            raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")
     if args.quant is not None:
         cfg.quant.pipelines = list(args.quant)
     if args.bits is not None:
@@ -405,9 +446,13 @@ def resolve_config(args: argparse.Namespace):
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
         raise ConfigError(f"--bits / quant.bits: {e}") from None
+    for what, values in (("--quant / quant.pipelines", cfg.quant.pipelines), ("--bits / quant.bits", cfg.quant.bits)):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(f"{what} names {', '.join(twice)} twice: give each once")
     for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
         try:
-            PIPELINES[name].check(parse_bits(bits), pipeline_options(cfg, name))
+            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
         except ValueError as e:
             raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload

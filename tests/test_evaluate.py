@@ -195,3 +195,81 @@ def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, o
                for o in overrides}
     with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
         PIPELINES["aphq"](None, None, "w4a4", options, data=None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["quant.repq.stem_w_bits=40"], "quant.repq: stem_w_bits=40: give 2..16 bits, 0 (float) or null"),
+    (["quant.repq.head_a_bits=1"], "quant.repq: head_a_bits=1: give 2..16 bits"),
+    (["quant.percentile.act_percentiles=[1.5]"], "quant.percentile: percentile levels must lie in (0.5, 1]"),
+    (["quant.percentile.act_range=percentile", "quant.percentile.act_percentiles=[0.999,0.9999]"],
+     "quant.percentile: method 'percentile' takes exactly one level"),
+    (["quant.percentile.act_percentiles=[]"], "quant.percentile: act_percentiles=[]: give at least one level"),
+    (["quant.percentile.act_range=minmax", "quant.percentile.act_percentiles=[0.999]"],
+     "quant.percentile: act_percentiles=[0.999]: act_range=minmax reads no percentile"),
+    (["quant.aphq.cache_device=foo"], "quant.aphq: cache_device='foo' is not a torch device"),
+    (["quant.gplq.stage2_images=0"], "'quant.gplq.stage2_images' must be >= 1; got 0"),
+    (["quant.aphq.drop_prob=1.5"], "'quant.aphq.drop_prob' must be >= 0 and <= 1; got 1.5"),
+    (["quant.aphq.temperature=0"], "'quant.aphq.temperature' must be > 0"),
+    (["quant.gplq.lr=-1"], "'quant.gplq.lr' must be >= 0"),
+    (["quant.pipelines=[percentile]"], "--quant and quant.pipelines= both say what to run: give one of them"),
+    (["quant.bits=[w8a8]"], "--bits and quant.bits= both say what to run"),
+])
+def test_option_values_a_pipeline_cannot_use_stop_before_any_work(checkpoint, overrides, message):
+    from configs import ConfigError
+    args = evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "percentile", "repq", "aphq", "gplq",
+                                "--bits", "w4a4", *overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        evaluate.resolve_config(args)
+
+
+@pytest.mark.parametrize("argv, message", [(["--quant", "repq", "repq"], "--quant / quant.pipelines names repq twice"),
+                                           (["--bits", "w4a4", "W4A4"], "--bits / quant.bits names w4a4 twice")])
+def test_a_pipeline_or_bit_width_named_twice_is_refused(checkpoint, argv, message):
+    from configs import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *argv]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--quant", "repq", "quant.calib_images=100000"], "quant.calib_images=100000: the train split has 1437 images"),
+    (["--quant", "aphq", "quant.aphq.recon_images=5000", "quant.aphq.calib_images=8"],
+     "quant.aphq.recon_images=5000: the train split has 1437 images"),
+])
+def test_more_training_images_than_the_split_holds_stop_before_the_fp_pass(checkpoint, tmp_path, overrides, message):
+    from data import DataError
+    out = tmp_path / "r.json"
+    with pytest.raises(DataError, match=re.escape(message)):
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), *overrides]))
+    if out.exists():  # the result file may be claimed already; no FP pass ran
+        assert "fp" not in json.loads(out.read_text())
+
+
+def test_training_transform_settings_are_part_of_an_aphq_result_and_the_batch_is_not(checkpoint, tmp_path):
+    # APHQ draws its own training-transform images: another augmentation is another result; the calibration
+    # batch, which it does not read, is no part of it
+    base = ["--checkpoint", checkpoint, "--quant", "aphq", "quant.aphq.iters=0", "quant.aphq.recon_images=8",
+            "quant.aphq.calib_images=8", "quant.aphq.batch_size=4"]
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(base))
+    settings = evaluate.quant_settings(cfg, "aphq")
+    assert "calibration" not in settings and settings["train_transform"]["scale"] == list(cfg.data.scale)
+    cfg2, _ = evaluate.resolve_config(evaluate.parse_args([*base, "data.scale=[0.5,0.6]"]))
+    assert evaluate.quant_settings(cfg2, "aphq") != settings
+    cfg3, _ = evaluate.resolve_config(evaluate.parse_args([*base, "quant.calib_images=7"]))
+    assert evaluate.quant_settings(cfg3, "aphq") == settings
+    repq = evaluate.quant_settings(cfg, "repq")  # the eval-transform batch: the augmentation plays no part
+    assert "calibration" in repq and "train_transform" not in repq
+    cfg4, _ = evaluate.resolve_config(evaluate.parse_args([*base, "quant.calib_transform=train"]))
+    assert "train_transform" in evaluate.quant_settings(cfg4, "repq")
+
+
+def test_act_max_files_stay_listed_after_a_call_without_them(checkpoint, tmp_path):
+    out = str(tmp_path / "r.json")
+    common = ["--checkpoint", checkpoint, "--out", out, "--quant"]
+    evaluate.main(evaluate.parse_args(common))
+    first = json.loads(open(out).read())["max_act"]
+    evaluate.main(evaluate.parse_args([*common, "quant.act_max_csv=false"]))
+    assert {k: v for k, v in json.loads(open(out).read())["max_act"].items() if k in ("csv", "plot")} == \
+        {k: first[k] for k in ("csv", "plot")}
+    evaluate.main(evaluate.parse_args(common))  # the plain command again: its own files, not refused
+    data = evaluate.main(evaluate.parse_args([*common, "quant.act_max_extra_modules=[patch_embed.proj]"]))
+    assert data["max_act"]["extra_modules"] == ["patch_embed.proj"]
