@@ -42,17 +42,60 @@ METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/m
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
 
 
-def train_command(args, method: str, model: str, batch: int, run: int, out_dir: str) -> list[str]:
-    prefix = shlex.split(args.launcher) if args.launcher else [sys.executable]
+def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str) -> tuple[list, list]:
+    """(config files, overrides) of one timed run."""
     configs = [args.recipe] + [c for c in METHODS[method] if c.endswith(".yaml")]
     overrides = [c for c in METHODS[method] if not c.endswith(".yaml")]
-    return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)],
-                     f"model.name={model}", f"train.batch_size={args.global_batch}",
+    return configs, [f"model.name={model}", f"train.batch_size={args.global_batch}",
                      f"train.batch_size_per_gpu={batch}", f"sched.epochs={args.epochs}",
                      # a few epochs of the recipe, timed: no warmup (a step costs the same at any lr, and
                      # a warmup as long as the run is refused)
-                     "sched.warmup_epochs=0", f"train.eval_every_epochs={args.epochs}", f"train.seed={run}", f"out_dir={out_dir}",
-                     *overrides, *args.overrides]
+                     "sched.warmup_epochs=0", f"train.eval_every_epochs={args.epochs}", f"train.seed={run}",
+                     f"out_dir={out_dir}", *overrides, *args.overrides]
+
+
+def train_command(args, method: str, model: str, batch: int, run: int, out_dir: str) -> list[str]:
+    prefix = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    configs, overrides = run_config(args, method, model, batch, run, out_dir)
+    return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)], *overrides]
+
+
+def launcher_world_size(launcher: str) -> Optional[int]:
+    """Processes a torchrun launcher starts (--nnodes x --nproc_per_node); 1 without one; None when the
+    launcher does not say (e.g. srun: the job's allocation decides)."""
+    if not launcher:
+        return 1
+    words = shlex.split(launcher)
+    if not words or os.path.basename(words[0]) != "torchrun":
+        return None
+    sizes = {"nproc_per_node": 1, "nnodes": 1}
+    for i, word in enumerate(words):
+        name, eq, value = word.lstrip("-").replace("-", "_").partition("=")
+        if name in sizes:
+            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            if not value.isdigit():  # auto, gpu, 1:4 (elastic): not a number known here
+                return None
+            sizes[name] = int(value)
+    return sizes["nproc_per_node"] * sizes["nnodes"]
+
+
+def check_plan(args, plan: list) -> None:
+    """Every run's config, and its per-GPU batch against the global batch on the launcher's processes, before
+    the first run starts (a run refused later would leave the report unwritten after hours of runs)."""
+    from configs import ConfigError, load_config
+    world = launcher_world_size(args.launcher)
+    for _, model, batch in plan:
+        if world is not None and args.global_batch % (batch * world):
+            sys.exit(f"error: per-GPU batch {batch} on {world} process(es) does not divide --global-batch "
+                     f"{args.global_batch} (train.batch_size must be a multiple of batch x processes): launch "
+                     f"fewer processes (the paper's 256 per GPU at 1024: 4 GPUs), or change --batches / "
+                     f"--width-batch")
+        for method in args.methods:
+            configs, overrides = run_config(args, method, model, batch, 0, os.path.join(args.out, "runs", "check"))
+            try:
+                load_config([os.path.join(ROOT, c) for c in configs], overrides)
+            except ConfigError as e:
+                sys.exit(f"error: the {method} run of {model} at batch {batch}: {e}")
 
 
 def epoch_costs(metrics_path: str) -> list[dict]:
@@ -125,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from configs import ConfigError, load_config
     from engine.run_dir import RunDirError, refuse_existing_outputs
 
-    try:  # every run's config is checked before the first starts
+    try:
         refuse_existing_outputs(written, args.overwrite)
         base_model = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides)).model.name
     except (ConfigError, RunDirError) as e:
@@ -134,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                                for m in args.models]
     if not plan:
         sys.exit("error: --batches and --models are both empty: there is nothing to measure")
+    check_plan(args, plan)
     rows = []
     for sweep, model, batch in plan:
         for method in args.methods:

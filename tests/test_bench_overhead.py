@@ -76,6 +76,31 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
     assert (out / "epochs.json").exists() and (out / "epochs.png").stat().st_size > 0
 
 
+def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first_run(tmp_path):
+    # the paper's 256 per GPU at global batch 1024 needs 4 processes: on 8 it used to fail after the other runs
+    bench = _bench()
+    with pytest.raises(SystemExit, match=r"per-GPU batch 256 on 8 process\(es\) does not divide --global-batch "
+                                         r"1024"):
+        bench.main(["--protocol", "epochs", "--launcher", "torchrun --nnodes=1 --nproc_per_node=8",
+                    "--out", str(tmp_path / "ep")])
+    # a recipe in updates (a language model's) would ignore the protocol's epochs: refused, not timed
+    with pytest.raises(SystemExit, match=r"the cd run of \S+ at batch 8: sched.epochs=5 would be ignored"):
+        bench.main(["--protocol", "epochs", "--recipe", "configs/lm/kjv_nano.yaml", "--global-batch", "16",
+                    "--batches", "8", "--models", "--methods", "cd", "--out", str(tmp_path / "ep")])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("launcher, world", [("", 1), ("torchrun --nproc_per_node=4", 4),
+                                             ("torchrun --nnodes 2 --nproc-per-node 8", 16),
+                                             ("torchrun --nproc_per_node=gpu", None), ("srun python", None)])
+def test_launcher_world_size(launcher, world):
+    spec = importlib.util.spec_from_file_location("overhead_epochs",
+                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.launcher_world_size(launcher) == world
+
+
 @pytest.mark.parametrize("framework", ["plain", "mmengine"])
 def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
     if framework != "plain":
