@@ -61,7 +61,9 @@ class DetectionError(ValueError):
 def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
                 data_root: Optional[str] = None) -> Config:
     """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
-    are replaced), then `overrides` (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
+    are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
+    `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
+    (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
     if not paths:
         raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
                              "mask_rcnn_swin_t_1x.py")
@@ -70,7 +72,7 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
             raise DetectionError(f"--config {path}: no such file")
     cfg = Config.fromfile(paths[0])
     for path in paths[1:]:
-        cfg.merge_from_dict(Config.fromfile(path).to_dict())
+        merge_fragment(cfg, Config.fromfile(path).to_dict())
     if overrides:
         check_override_keys(cfg, overrides)
         cfg.merge_from_dict(dict(overrides))
@@ -78,6 +80,22 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
         set_data_root(cfg, data_root)
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
+    """Merge a later --config file into `cfg` as MMEngine does, but add its `custom_hooks` to those `cfg` has
+    and join its `custom_imports.imports` with them: MMEngine replaces lists, so the second method fragment
+    (each is a hook) would drop the first one's hook while keeping its other settings."""
+    fragment = copy.deepcopy(fragment)
+    hooks = fragment.pop("custom_hooks", None)
+    imports = fragment.get("custom_imports", {}).get("imports")
+    earlier = (cfg.get("custom_imports") or {}).get("imports") or []
+    if imports is not None:
+        imports = [imports] if isinstance(imports, str) else list(imports)
+        fragment["custom_imports"]["imports"] = list(earlier) + [i for i in imports if i not in earlier]
+    cfg.merge_from_dict(fragment)
+    if hooks:
+        cfg.custom_hooks = list(cfg.get("custom_hooks") or []) + list(hooks)
 
 
 def parse_overrides(items):

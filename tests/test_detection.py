@@ -310,3 +310,19 @@ def test_evaluation_refuses_a_pipeline_that_does_not_quantize_detectors(sample, 
             main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant", pipeline,
                   "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_method_fragments_add_their_hooks_to_the_earlier_files(mmdet_ready, tmp_path):
+    """Two method fragments both run (MMEngine alone replaces custom_hooks, keeping the first fragment's weight
+    decay and the second one's hook), and a base config's own hooks stay."""
+    from engine.detection import load_config
+    cfg = load_config([SAMPLE_CONFIG, "configs/detection/method/cd.py", "configs/detection/method/tweo.py"])
+    assert [h["type"] for h in cfg.custom_hooks] == ["ColinearityDecayHook", "TweoHook"]
+    assert cfg.optim_wrapper.optimizer.weight_decay == 0.045
+    assert list(cfg.custom_imports.imports) == ["cd.integrations.mmengine"]
+    own = tmp_path / "own_hooks.py"
+    own.write_text(f"_base_ = {os.path.abspath(SAMPLE_CONFIG)!r}\ncustom_hooks = [dict(type='EMAHook')]\n"
+                   "custom_imports = dict(imports=['mmdet.models'], allow_failed_imports=False)\n")
+    cfg = load_config([str(own), "configs/detection/method/noise.py"])
+    assert [h["type"] for h in cfg.custom_hooks] == ["EMAHook", "WeightNoiseHook"]
+    assert list(cfg.custom_imports.imports) == ["mmdet.models", "cd.integrations.mmengine"]
