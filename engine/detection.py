@@ -75,9 +75,12 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
         merge_fragment(cfg, Config.fromfile(path).to_dict())
     if overrides:
         check_override_keys(cfg, overrides)
-        cfg.merge_from_dict(dict(overrides))
+        try:
+            cfg.merge_from_dict(dict(overrides))
+        except TypeError as e:  # a dict given where the config has another value (MMEngine's message says how)
+            raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
     if data_root is not None:
-        set_data_root(cfg, data_root)
+        set_data_root(cfg, data_root, keep=overrides or {})
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
 
@@ -108,17 +111,88 @@ def parse_overrides(items):
     return getattr(namespace, "options", {})
 
 
+# keys the entry points set from their own flags: an override of them would be overwritten or never read
+SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "--resume", "data_root": "--data-root"}
+# dicts whose keys their readers take as they come (hook names, environment settings)
+OPEN_DICTS = ("default_hooks", "env_cfg")
+# keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
+BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
+
+
 def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
-    """Refuse an override whose top-level key neither the config nor MMEngine's Runner knows (a typo such as
-    `max_epoch=3` would otherwise be stored and ignored). Deeper keys are arguments of the modules they build,
-    which refuse unknown ones themselves."""
+    """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
+    point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
+    MMEngine's Runner knows (a typo such as `max_epoch=3`); and a deeper key the config does not have, unless
+    what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
+    key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
+    keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
     known = set(cfg.keys()) | set(inspect.signature(Runner.__init__).parameters) - {"self"}
     for key in overrides:
         top = key.split(".")[0]
+        if top in SCRIPT_FLAGS:
+            raise DetectionError(f"override {key}: {top} is set from the command's {SCRIPT_FLAGS[top]} flag (an "
+                                 f"override of it would be ignored): give {SCRIPT_FLAGS[top]} instead")
         if top not in known:
             close = difflib.get_close_matches(top, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
+        _check_nested_key(cfg, key)
+
+
+def _check_nested_key(cfg: Config, key: str) -> None:
+    """Walk the dotted `key` through `cfg` (list items by index) and check the first part it does not find."""
+    parts = key.split(".")
+    node: Any = dict(cfg.items())  # a Config is no dict; its values are ConfigDicts
+    for depth, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and depth > 0:
+            _check_new_key(node, part, ".".join(parts[:depth]), key)
+            return
+        else:  # a top-level key of the Runner, or a value (None, a number) that the override replaces whole
+            return
+
+
+def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
+    """Refuse the new key `part` of the dict `parent` (`node`) when nothing would read it (check_override_keys)."""
+    top = parent.split(".")[0]
+    if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()) or top in OPEN_DICTS:
+        return
+    if parent in LOADERS:
+        takes, what = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters), "torch's DataLoader"
+    elif node.get("type") is None:
+        close = difflib.get_close_matches(part, [str(k) for k in node], n=3)
+        hint = f" (did you mean {', '.join(parent + '.' + c for c in close)}?)" if close else ""
+        raise DetectionError(f"override {key}: the config has no such key{hint}, and {parent} (a dict without a "
+                             f"`type`) is read for the keys it has only; to add a key its code reads, set it in a "
+                             "config file given as a later --config")
+    else:
+        takes, what = _init_parameters(node["type"]), f"{node['type']} ({parent})"
+    if takes is not None and part not in takes:
+        close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
+        hint = f"; did you mean {', '.join(parent + '.' + c for c in close)}?" if close else ""
+        raise DetectionError(f"override {key}: {what} takes no argument '{part}'{hint}")
+
+
+def _init_parameters(kind: Any) -> Optional[set]:
+    """The keyword arguments the class registered as `kind` takes (in MMDetection's or MMEngine's registries),
+    or None where that is not known: no registered class, a **kwargs, a signature that cannot be read."""
+    from mmengine.registry import Registry
+    import mmdet.registry as registries
+    found = [kind] if callable(kind) else [c for r in vars(registries).values() if isinstance(r, Registry)
+                                           for c in [r.get(kind)] if c is not None]
+    taken: set = set()
+    for builder in found:
+        try:
+            parameters = inspect.signature(builder.__init__ if inspect.isclass(builder) else builder).parameters
+        except (TypeError, ValueError):
+            return None
+        if not found or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return None
+        taken |= set(parameters)
+    return taken or None
 
 
 def _datasets(dataset: dict) -> List[dict]:
@@ -128,9 +202,10 @@ def _datasets(dataset: dict) -> List[dict]:
     return [dataset] + [d for sub in inner + list(dataset.get("datasets") or []) for d in _datasets(sub)]
 
 
-def set_data_root(cfg: Config, root: str) -> None:
+def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
     """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
-    val2017/) and check that the annotation files they read exist."""
+    val2017/) and check that the annotation files they read exist. An evaluator's `ann_file` named in `keep`
+    (the user's overrides) stays as given."""
     root = os.path.join(os.path.abspath(root), "")
     if not os.path.isdir(root):
         raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
@@ -150,7 +225,7 @@ def set_data_root(cfg: Config, root: str) -> None:
         evaluators = cfg.get(key)
         for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
             ann = evaluator.get("ann_file")
-            if ann:
+            if ann and f"{key}.ann_file" not in keep:
                 rel = ann[len(old):] if old and ann.startswith(old) else os.path.join(
                     "annotations", os.path.basename(ann))
                 evaluator["ann_file"] = os.path.join(root, rel)

@@ -326,3 +326,34 @@ def test_method_fragments_add_their_hooks_to_the_earlier_files(mmdet_ready, tmp_
     cfg = load_config([str(own), "configs/detection/method/noise.py"])
     assert [h["type"] for h in cfg.custom_hooks] == ["EMAHook", "WeightNoiseHook"]
     assert list(cfg.custom_imports.imports) == ["mmdet.models", "cd.integrations.mmengine"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("work_dir=/tmp/x", "give --work-dir instead"), ("launcher=pytorch", "give --launcher instead"),
+    ("resume=True", "give --resume instead"), ("data_root=/tmp/x", "give --data-root instead"),
+    ("model.test_cfg.rcnn.max_per_imgg=5", "did you mean model.test_cfg.rcnn.max_per_img"),
+    ("train_cfg.max_epoch=1", "EpochBasedTrainLoop .*did you mean train_cfg.max_epochs"),
+    ("model.backbone.window_sizee=7", "SwinTransformer .*did you mean model.backbone.window_size"),
+    ("train_dataloader.pin_memoryy=True", "DataLoader takes no argument 'pin_memoryy'")])
+def test_overrides_that_would_be_ignored_are_refused(mmdet_ready, override, message):
+    """An override the command overwrites from its flags, or a key nothing reads (a new key under a dict
+    without a `type`, or one the registered class's __init__ does not take), is refused before any work."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    with pytest.raises(DetectionError, match=message):
+        load_config([SAMPLE_CONFIG], parse_overrides([override]))
+
+
+def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
+    """New keys their readers take (DataLoader arguments, a class's own argument, a hook's) pass; an
+    explicit evaluator ann_file stays as given under --data-root instead of being moved into the root."""
+    import shutil
+    from engine.detection import load_config, parse_overrides
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides([
+        "train_dataloader.pin_memory=False", "model.backbone.with_cp=False", "train_cfg.max_epochs=1",
+        "default_hooks.checkpoint.max_keep_ckpts=2", "model.test_cfg.rcnn.max_per_img=5"]))
+    assert cfg.train_dataloader.pin_memory is False and cfg.model.test_cfg.rcnn.max_per_img == 5
+    elsewhere = tmp_path / "instances_val2017.json"
+    shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
+    cfg = load_config([SAMPLE_CONFIG], {"test_evaluator.ann_file": str(elsewhere)}, data_root=sample)
+    assert cfg.test_evaluator.ann_file == str(elsewhere)
+    assert cfg.val_evaluator.ann_file == os.path.join(sample, "annotations", "instances_val2017.json")
