@@ -486,17 +486,51 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
 
 # -- evaluation ----------------------------------------------------------------------------------------
 
+def _loader_annotation(cfg: Config, split: str) -> Optional[str]:
+    """The absolute path of the annotation file the `split` loader reads (its dataset's data_root joined with
+    its ann_file, as MMDetection's datasets join them), or None when it names none."""
+    dataset = cfg[f"{split}_dataloader"]["dataset"]
+    ann = dataset.get("ann_file")
+    return os.path.abspath(os.path.join(dataset.get("data_root") or "", ann)) if ann else None
+
+
+def check_evaluator_annotations(cfg: Config, split: str = "test") -> None:
+    """Refuse a `split` evaluator that reads another annotation file than the `split` loader: it would score
+    the loader's predictions against the ground truth of other images."""
+    loader_ann = _loader_annotation(cfg, split)
+    metrics = cfg[f"{split}_evaluator"]
+    for metric in metrics if isinstance(metrics, list) else [metrics]:
+        ann = metric.get("ann_file")
+        if ann and loader_ann and os.path.abspath(ann) != loader_ann:
+            raise DetectionError(f"{split}_evaluator.ann_file={ann} but {split}_dataloader reads {loader_ann}: "
+                                 f"give both the same file ({split}_dataloader.dataset.ann_file is relative to "
+                                 "its data_root)")
+
+
+def _image_ids(dataset) -> List[int]:
+    """The COCO image ids of the images `dataset` holds (only the first N under --max-images)."""
+    return [dataset.get_data_info(i)["img_id"] for i in range(len(dataset))]
+
+
 def _evaluator(cfg: Config, loader) -> Any:
-    """The config's test metrics. Under torchrun they gather the ranks' predictions through the process group
+    """The config's test metrics, scoring the images of `loader` only: MMDetection's CocoMetric scores every
+    image of its annotation file unless its `img_ids` are set, so a partial set (--max-images) would count the
+    images it never saw as missed. Under torchrun they gather the ranks' predictions through the process group
     (collect_device "gpu": all_gather_object, on gloo too) unless the config sets collect_device: MMEngine's
     default, "cpu", writes them into a `.dist_test` folder it leaves in the working directory, which every
     node must share."""
+    check_evaluator_annotations(cfg)
     metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
     metrics = [copy.deepcopy(m) for m in metrics]
     if torch.distributed.is_initialized():
         for metric in metrics:
             metric.setdefault("collect_device", "gpu")
-    evaluator = Evaluator([METRICS.build(m) for m in metrics])
+    built = [METRICS.build(m) for m in metrics]
+    ids = _image_ids(loader.dataset)
+    for metric in built:
+        if getattr(metric, "img_ids", False) is None:  # CocoMetric: None means every image of its ann_file
+            metric.img_ids = ids
+    evaluator = Evaluator(built)
     evaluator.dataset_meta = loader.dataset.metainfo
     return evaluator
 

@@ -357,3 +357,45 @@ def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
     cfg = load_config([SAMPLE_CONFIG], {"test_evaluator.ann_file": str(elsewhere)}, data_root=sample)
     assert cfg.test_evaluator.ann_file == str(elsewhere)
     assert cfg.val_evaluator.ann_file == os.path.join(sample, "annotations", "instances_val2017.json")
+
+
+class GroundTruthDetector(torch.nn.Module):
+    """Predicts each image's ground truth (boxes, masks, labels) with score 1: a perfect detector."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def test_step(self, batch):
+        from mmengine.structures import InstanceData
+        samples = batch["data_samples"]
+        for sample in samples:
+            gt = sample.gt_instances
+            sample.pred_instances = InstanceData(
+                bboxes=gt.bboxes.tensor if hasattr(gt.bboxes, "tensor") else gt.bboxes, labels=gt.labels,
+                scores=torch.ones(len(gt.labels)), masks=torch.from_numpy(gt.masks.masks).bool())
+        return samples
+
+
+@pytest.mark.parametrize("max_images", [1, None])
+def test_a_perfect_detector_scores_map_one_on_a_partial_set(sample, max_images):
+    """--max-images scores the images it saw: the ground truth as predictions is mAP 1.0 on 1 image as on all
+    (CocoMetric would otherwise count the images never fed as missed)."""
+    from engine.detection import build_loader, evaluate_detector, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    result = evaluate_detector(GroundTruthDetector(), cfg, build_loader(cfg, "test", max_images), progress=False)
+    assert result["images"] == (max_images or 4)
+    assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] == pytest.approx(1.0), result
+
+
+def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused(sample, tmp_path):
+    """Refused before any work (the weights are not even read)."""
+    import shutil
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    elsewhere = tmp_path / "instances_val2017.json"
+    shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
+    with pytest.raises(DetectionError, match="test_evaluator.ann_file=.* but test_dataloader reads"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", sample, "--quant",
+              "--out", str(tmp_path / "x.json"), f"test_evaluator.ann_file={elsewhere}"])
+    assert not (tmp_path / "x.json").exists()
