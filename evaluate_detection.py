@@ -67,8 +67,8 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  check_evaluator_annotations, check_stage1_device, evaluate_detector, load_config,
-                                  parse_overrides, train_activation_qat)
+                                  check_annotation_files, check_evaluator_annotations, check_stage1_device,
+                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
     from engine.eval_results import EvalResults
@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
+        check_annotation_files(cfg)
     check_evaluator_annotations(cfg)
     dist = init_distributed(args.device, MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours),
                                                       "--main-rank-wait-hours"))

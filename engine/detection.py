@@ -70,9 +70,9 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     for path in paths:
         if not os.path.isfile(path):
             raise DetectionError(f"--config {path}: no such file")
-    cfg = Config.fromfile(paths[0])
+    cfg = read_config(paths[0])
     for path in paths[1:]:
-        merge_fragment(cfg, Config.fromfile(path).to_dict())
+        merge_fragment(cfg, read_config(path).to_dict())
     if overrides:
         check_override_keys(cfg, overrides)
         try:
@@ -83,6 +83,15 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
         set_data_root(cfg, data_root, keep=overrides or {})
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+def read_config(path: str) -> Config:
+    """The config file `path`, or one error line naming it."""
+    try:
+        return Config.fromfile(path)
+    except Exception as e:  # noqa: BLE001 - MMEngine executes the file: any error in it (syntax, a missing
+        # _base_, not Python at all) is the same one-line error about that file
+        raise DetectionError(f"--config {path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
@@ -218,9 +227,6 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
         for dataset in _datasets(loader["dataset"]):
             if "data_root" in dataset:
                 dataset["data_root"] = root
-                ann = os.path.join(root, dataset.get("ann_file", ""))
-                if dataset.get("ann_file") and not os.path.isfile(ann):
-                    raise DetectionError(f"--data-root {root}: {key} reads {ann}, which does not exist")
     for key in EVALUATORS:
         evaluators = cfg.get(key)
         for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
@@ -229,10 +235,56 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
                 rel = ann[len(old):] if old and ann.startswith(old) else os.path.join(
                     "annotations", os.path.basename(ann))
                 evaluator["ann_file"] = os.path.join(root, rel)
-                if not os.path.isfile(evaluator["ann_file"]):
-                    raise DetectionError(f"--data-root {root}: {key} reads {evaluator['ann_file']}, "
-                                         "which does not exist")
     cfg["data_root"] = root
+    check_annotation_files(cfg, f"--data-root {root}")
+
+
+def annotation_files(cfg: Config) -> List[tuple]:
+    """(config key, absolute path) of every annotation file the loaders and evaluators of `cfg` read."""
+    files = []
+    for key in LOADERS:
+        loader = cfg.get(key)
+        for dataset in _datasets(loader["dataset"]) if loader else []:
+            if dataset.get("ann_file"):  # MMDetection's datasets join it with their data_root
+                files.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))))
+    for key in EVALUATORS:
+        evaluators = cfg.get(key)
+        for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
+            if evaluator.get("ann_file"):
+                files.append((key, os.path.abspath(evaluator["ann_file"])))
+    return files
+
+
+def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
+    """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
+    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
+    first and last bytes are read: COCO's files are hundreds of MB."""
+    for key, path in annotation_files(cfg):
+        if not os.path.isfile(path):
+            where = f"{source}: " if source else ""
+            fix = "" if source else " (give --data-root: COCO's layout, annotations/, train2017/, val2017/)"
+            raise DetectionError(f"{where}{key} reads {path}, which does not exist{fix}")
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+            f.seek(max(0, os.path.getsize(path) - 64))
+            tail = f.read().rstrip()
+        if not (head.startswith(b"{") and tail.endswith(b"}")):
+            raise DetectionError(f"{key} reads {path}, which is not a JSON object (a truncated or corrupt "
+                                 "annotation file?)")
+
+
+@contextlib.contextmanager
+def reading_annotations(files: Sequence[str]):
+    """Report an error MMDetection or pycocotools raise while reading the annotation `files` (a file without
+    COCO's keys, invalid JSON) as one line naming them: their messages ('categories', 'Expecting value')
+    name no file."""
+    try:
+        yield
+    except DetectionError:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise DetectionError(f"{', '.join(files)}: cannot be read as a COCO annotation file "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def check_backbone_init(cfg: Config) -> None:
@@ -304,7 +356,8 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         if max_images < 1:
             raise DetectionError(f"--max-images {max_images}: give at least 1")
         loader_cfg["dataset"]["indices"] = max_images
-    return Runner.build_dataloader(loader_cfg)
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == f"{split}_dataloader"]):
+        return Runner.build_dataloader(loader_cfg)
 
 
 def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str) -> tuple:
@@ -319,7 +372,8 @@ def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: st
         if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
             dataset["pipeline"] = test_pipeline
     dataset_cfg.pop("indices", None)
-    dataset = DATASETS.build(dataset_cfg)
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == "train_dataloader"]):
+        dataset = DATASETS.build(dataset_cfg)
     if len(dataset) < count:
         raise DetectionError(f"{flag} {count}: the training split has only {len(dataset)} images")
     indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
@@ -525,7 +579,8 @@ def _evaluator(cfg: Config, loader) -> Any:
     if torch.distributed.is_initialized():
         for metric in metrics:
             metric.setdefault("collect_device", "gpu")
-    built = [METRICS.build(m) for m in metrics]
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == "test_evaluator"]):
+        built = [METRICS.build(m) for m in metrics]
     ids = _image_ids(loader.dataset)
     for metric in built:
         if getattr(metric, "img_ids", False) is None:  # CocoMetric: None means every image of its ann_file

@@ -40,6 +40,8 @@ def parse_args(argv):
 def check_work_dir(work_dir: str, resume: bool) -> None:
     """Refuse to start a new run over an old one's checkpoints, and to resume where there is nothing."""
     from engine.detection import DetectionError
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):
+        raise DetectionError(f"--work-dir {work_dir} is a file: give a folder")
     checkpoints = glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
     if checkpoints and not resume:
         raise DetectionError(f"--work-dir {work_dir} holds checkpoints of an earlier run "
@@ -51,10 +53,13 @@ def check_work_dir(work_dir: str, resume: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from engine.detection import check_backbone_init, load_config, parse_overrides
+    from engine.detection import (annotation_files, check_annotation_files, check_backbone_init, load_config,
+                                  parse_overrides, reading_annotations)
     from mmengine.runner import Runner
 
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
+        check_annotation_files(cfg)
     check_work_dir(args.work_dir, args.resume)
     if not args.resume:
         check_backbone_init(cfg)
@@ -66,6 +71,10 @@ def main(argv=None) -> int:
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     runner = Runner.from_cfg(cfg)
+    # The loops read the annotation files when they are built, which runner.train() does unless the properties
+    # did it first: here, so that an unreadable file is one error line naming it.
+    with reading_annotations([path for _, path in annotation_files(cfg)]):
+        runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
     runner.train()
     return 0
 
@@ -74,7 +83,7 @@ def run(argv=None) -> None:
     """main() with bad input reported as one `error:` line and exit code 2."""
     try:
         sys.exit(main(argv))
-    except ValueError as e:  # DetectionError, a bad override
+    except ValueError as e:  # DetectionError (engine/detection.py), a bad override (parse_overrides)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

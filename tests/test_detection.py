@@ -399,3 +399,53 @@ def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", sample, "--quant",
               "--out", str(tmp_path / "x.json"), f"test_evaluator.ann_file={elsewhere}"])
     assert not (tmp_path / "x.json").exists()
+
+
+def _error_line(capsys, argv):
+    """The one `error:` line (exit code 2, no traceback) train_detection.run prints for `argv`."""
+    import train_detection
+    with pytest.raises(SystemExit) as stop:
+        train_detection.run(argv)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _sample_copy(sample, tmp_path, name, content):
+    """A copy of the sample data set whose annotation file `name` holds `content`."""
+    import shutil
+    root = tmp_path / f"copy_{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(sample, root)
+    (root / "annotations" / name).write_text(content)
+    return str(root)
+
+
+def test_unreadable_inputs_are_one_error_line_naming_them(sample, tmp_path, capsys, monkeypatch):
+    """The config's default data paths missing (no --data-root), a config file that is not one, a --work-dir
+    that is a file, and annotation files without COCO's keys, truncated or invalid: one `error:` line each,
+    naming the file, never a traceback."""
+    work = ["--work-dir", str(tmp_path / "w")]
+    monkeypatch.chdir(tmp_path)  # the config's data/coco/ does not exist here
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = os.path.join(root, SAMPLE_CONFIG)
+    missing = _error_line(capsys, ["--config", config] + work)
+    assert "data/coco/annotations/instances_train2017.json, which does not exist (give --data-root" in missing
+    for name, text in (("broken.py", "model = dict(\n"), ("notes.txt", "not a config\n")):
+        (tmp_path / name).write_text(text)
+        assert f"--config {tmp_path / name}: cannot be read" in _error_line(capsys, ["--config", str(tmp_path / name)]
+                                                                              + work)
+    (tmp_path / "file").write_text("mine")
+    assert "is a file" in _error_line(capsys, ["--config", config, "--data-root", sample, "--work-dir",
+                                               str(tmp_path / "file")])
+    for content, message in (("{}", "cannot be read as a COCO annotation file (KeyError"),
+                             ('{"images": [', "is not a JSON object"),
+                             ('{"images": [}', "cannot be read as a COCO annotation file (JSONDecodeError")):
+        data = _sample_copy(sample, tmp_path, "instances_train2017.json", content)
+        line = _error_line(capsys, ["--config", config, "--data-root", data, "--work-dir",
+                                    str(tmp_path / f"w{len(content)}")])
+        assert os.path.join(data, "annotations", "instances_train2017.json") in line and message in line, line
+    from engine.detection import DetectionError, build_loader, load_config
+    data = _sample_copy(sample, tmp_path, "instances_val2017.json", "{}")
+    with pytest.raises(DetectionError, match="instances_val2017.json: cannot be read as a COCO annotation file"):
+        build_loader(load_config([config], data_root=data), "test")  # evaluate_detection.py's loader
