@@ -449,3 +449,39 @@ def test_unreadable_inputs_are_one_error_line_naming_them(sample, tmp_path, caps
     data = _sample_copy(sample, tmp_path, "instances_val2017.json", "{}")
     with pytest.raises(DetectionError, match="instances_val2017.json: cannot be read as a COCO annotation file"):
         build_loader(load_config([config], data_root=data), "test")  # evaluate_detection.py's loader
+
+
+def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_path, capsys):
+    """A run records its settings; --resume with other settings (a method fragment, another lr), with load_from,
+    from a last_checkpoint outside the work dir or missing, or in a folder no run of this script wrote is
+    refused; the same settings with more epochs continue it."""
+    import shutil
+    run = tmp_path / "run"
+    train(sample, run)
+    settings = json.loads((run / "train_detection_config.json").read_text())
+    assert settings["optim_wrapper.optimizer.lr"] == "0.001" and "work_dir" not in settings
+    same = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(run), "--resume",
+            "randomness.seed=0", "train_cfg.val_interval=100"]
+    for extra, message in ((["--config", "configs/detection/method/cd.py"], "custom_hooks"),
+                           (["optim_wrapper.optimizer.lr=0.01"], "optim_wrapper.optimizer.lr (0.001 in the run, "
+                                                                 "0.01 now)"),
+                           ([f"load_from={run / 'epoch_1.pth'}"], "load_from with --resume")):
+        assert message in _error_line(capsys, same + ["train_cfg.max_epochs=2"] + extra)
+    other = tmp_path / "other"
+    train(sample, other)
+    pointer = run / "last_checkpoint"
+    own = pointer.read_text()
+    pointer.write_text(str(other / "epoch_1.pth"))
+    assert "outside the work dir" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    pointer.write_text(str(run / "epoch_9.pth"))
+    assert "which does not exist" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    pointer.write_text(own)
+    foreign = tmp_path / "foreign"
+    shutil.copytree(other, foreign)
+    (foreign / "train_detection_config.json").unlink()
+    assert "has no train_detection_config.json" in _error_line(
+        capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(foreign), "--resume"])
+    from train_detection import main
+    assert main(same + ["train_cfg.max_epochs=2"]) == 0
+    assert (run / "epoch_2.pth").is_file()
+
