@@ -8,7 +8,8 @@ with this repository's guards (data root, backbone checkpoint, nothing overwritt
     python scripts/train_detection.py ... --resume                                 # continue the same run
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
-`last_checkpoint`), so no run overwrites another's epoch_N.pth. A new run records its merged settings in
+`last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
+dump MMEngine writes there (the first --config's name). A new run records its merged settings in
 `<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only train_cfg.max_epochs
 may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
 last_checkpoint that points outside the work dir or to a missing file. The batch per GPU is the config's (2 images,
@@ -137,6 +138,16 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
                              "checkpoint, or start a new --work-dir")
 
 
+def check_config_dump(work_dir: str, cfg) -> None:
+    """Refuse a new run where MMEngine's config dump (`<work-dir>/<name of the first --config>`) would overwrite a
+    file this script did not write (the settings file marks a folder of this run)."""
+    from engine.detection import DetectionError
+    dump = os.path.join(work_dir, os.path.basename(cfg.filename))
+    if os.path.exists(dump) and not os.path.isfile(os.path.join(work_dir, SETTINGS_FILE)):
+        raise DetectionError(f"--work-dir {work_dir} holds {os.path.basename(dump)}, which MMEngine would overwrite "
+                             "with the run's config: give a new --work-dir, or move the file away")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from engine.detection import (annotation_files, check_annotation_files, check_backbone_init, load_config,
@@ -154,6 +165,7 @@ def main(argv=None) -> int:
         cfg.load_from = None  # MMEngine resumes from load_from when it is set, else from last_checkpoint
     else:
         check_backbone_init(cfg)
+        check_config_dump(args.work_dir, cfg)
         record_settings(args.work_dir, settings)
     cfg.work_dir = args.work_dir
     cfg.launcher = args.launcher

@@ -485,3 +485,12 @@ def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_
     assert main(same + ["train_cfg.max_epochs=2"]) == 0
     assert (run / "epoch_2.pth").is_file()
 
+
+def test_a_new_run_never_overwrites_a_file_named_as_its_config_dump(sample, tmp_path, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    mine = work / "mask_rcnn_swin_sample.py"
+    mine.write_text("# my notes\n")
+    assert "would overwrite" in _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample,
+                                                     "--work-dir", str(work)])
+    assert mine.read_text() == "# my notes\n"
