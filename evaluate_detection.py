@@ -24,7 +24,8 @@ stage 1 trains on every rank in DDP (batch 1 per GPU, as the paper), its stage 2
 wait for rank 0 up to --main-rank-wait-hours.
 
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
-`quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
+`quant.<pipeline>.<bits>`; a file of other weights, data or config (the merged config's hash, `config_sha256`)
+is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax).
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def parse_args(argv):
     parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")
     parser.add_argument("--data-root", help="COCO folder (annotations/, train2017/, val2017/)")
     parser.add_argument("--quant", nargs="*", default=None,
-                        help="pipelines (default: every pipeline that quantizes detectors); none: FP only")
+                        help="pipelines (default: every pipeline that quantizes detectors); a bare --quant, "
+                             "naming none: FP only")
     parser.add_argument("--bits", nargs="+", default=["w4a4"], help="bit-widths (default: w4a4)")
     parser.add_argument("--calib-images", type=int, default=1,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
@@ -82,7 +84,8 @@ def main(argv=None) -> dict:
     pipelines = detection if args.quant is None else args.quant
     for name in pipelines:
         if name not in PIPELINES:
-            raise DetectionError(f"--quant {name}: no such pipeline ({', '.join(PIPELINES)})")
+            raise DetectionError(f"--quant {name}: no such pipeline ({', '.join(PIPELINES)}); a bare --quant, "
+                                 "naming none, scores full precision only")
         if "detection" not in PIPELINES[name].tasks:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
@@ -115,6 +118,7 @@ def main(argv=None) -> dict:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                    f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
     identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
+                "config_sha256": config_hash(cfg),
                 "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
                 "fingerprint": weights_fingerprint(model.state_dict()),
                 "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
@@ -158,6 +162,13 @@ def main(argv=None) -> dict:
     say(f"results in {out}")
     cleanup_distributed()
     return results.data
+
+
+def config_hash(cfg) -> str:
+    """A short hash of the merged config's text: the config files are named by path in the identity, and an
+    edited file is another evaluation."""
+    import hashlib
+    return hashlib.sha256(cfg.pretty_text.encode()).hexdigest()[:16]
 
 
 def pipeline_options(items, pipelines) -> dict:

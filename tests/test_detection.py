@@ -494,3 +494,26 @@ def test_a_new_run_never_overwrites_a_file_named_as_its_config_dump(sample, tmp_
     assert "would overwrite" in _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample,
                                                      "--work-dir", str(work)])
     assert mine.read_text() == "# my notes\n"
+
+
+def test_quant_none_points_to_a_bare_quant(mmdet_ready, tmp_path):
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match="a bare --quant, naming none, scores full precision only"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "none"])
+
+
+def test_an_edited_config_is_another_evaluation(sample, trained, tmp_path):
+    """The result identity holds a hash of the merged config: editing a config file between two calls that
+    write one JSON is refused, as other weights are."""
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    config = tmp_path / "child.py"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config.write_text(f"_base_ = {os.path.join(root, SAMPLE_CONFIG)!r}\n")
+    argv = ["--config", str(config), "--checkpoint", trained, "--data-root", sample, "--quant", "--max-images", "1",
+            "--out", str(tmp_path / "eval.json")]
+    assert main(argv)["config_sha256"]
+    config.write_text(config.read_text() + "model = dict(test_cfg=dict(rcnn=dict(max_per_img=5)))\n")
+    with pytest.raises(ResultsError, match="another evaluation .*config_sha256"):
+        main(argv)
