@@ -148,8 +148,19 @@ def check_config_dump(work_dir: str, cfg) -> None:
                              "with the run's config: give a new --work-dir, or move the file away")
 
 
+def check_launcher(launcher: str) -> None:
+    """Refuse --launcher none under torchrun: every rank would train its own copy of the model into one work
+    dir."""
+    from engine.detection import DetectionError
+    world = os.environ.get("WORLD_SIZE", "1")
+    if launcher == "none" and world.isdigit() and int(world) > 1:
+        raise DetectionError(f"--launcher none under torchrun (WORLD_SIZE={world}): every rank would train its own "
+                             "copy into one --work-dir; add --launcher pytorch")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_launcher(args.launcher)
     from engine.detection import (annotation_files, check_annotation_files, check_backbone_init, load_config,
                                   parse_overrides, reading_annotations)
     from mmengine.runner import Runner

@@ -503,6 +503,13 @@ def test_quant_none_points_to_a_bare_quant(mmdet_ready, tmp_path):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "none"])
 
 
+def test_torchrun_without_a_launcher_is_refused(sample, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w")])
+    assert "add --launcher pytorch" in line
+    assert not (tmp_path / "w").exists()
+
+
 def test_an_edited_config_is_another_evaluation(sample, trained, tmp_path):
     """The result identity holds a hash of the merged config: editing a config file between two calls that
     write one JSON is refused, as other weights are."""
