@@ -24,7 +24,8 @@ stage 1 trains on every rank in DDP (batch 1 per GPU, as the paper), its stage 2
 wait for rank 0 up to --main-rank-wait-hours.
 
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
-`quant.<pipeline>.<bits>`; a file of other weights or data is refused, later calls add their pipelines.
+`quant.<pipeline>.<bits>`; a file of other weights, data or config (the merged config's hash, `config_sha256`)
+is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax).
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def parse_args(argv):
     parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")
     parser.add_argument("--data-root", help="COCO folder (annotations/, train2017/, val2017/)")
     parser.add_argument("--quant", nargs="*", default=None,
-                        help="pipelines (default: every pipeline that quantizes detectors); none: FP only")
+                        help="pipelines (default: every pipeline that quantizes detectors); a bare --quant, "
+                             "naming none: FP only")
     parser.add_argument("--bits", nargs="+", default=["w4a4"], help="bit-widths (default: w4a4)")
     parser.add_argument("--calib-images", type=int, default=1,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
@@ -67,8 +69,8 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
-                                  train_activation_qat)
+                                  check_annotation_files, check_evaluator_annotations, check_stage1_device,
+                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
     from engine.eval_results import EvalResults
@@ -82,7 +84,8 @@ def main(argv=None) -> dict:
     pipelines = detection if args.quant is None else args.quant
     for name in pipelines:
         if name not in PIPELINES:
-            raise DetectionError(f"--quant {name}: no such pipeline ({', '.join(PIPELINES)})")
+            raise DetectionError(f"--quant {name}: no such pipeline ({', '.join(PIPELINES)}); a bare --quant, "
+                                 "naming none, scores full precision only")
         if "detection" not in PIPELINES[name].tasks:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
@@ -104,6 +107,9 @@ def main(argv=None) -> dict:
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
+        check_annotation_files(cfg)
+    check_evaluator_annotations(cfg)
     dist = init_distributed(args.device, MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours),
                                                       "--main-rank-wait-hours"))
     say = print if dist.is_main else (lambda *_, **__: None)
@@ -112,6 +118,7 @@ def main(argv=None) -> dict:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                    f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
     identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
+                "config_sha256": config_hash(cfg),
                 "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
                 "fingerprint": weights_fingerprint(model.state_dict()),
                 "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
@@ -155,6 +162,13 @@ def main(argv=None) -> dict:
     say(f"results in {out}")
     cleanup_distributed()
     return results.data
+
+
+def config_hash(cfg) -> str:
+    """A short hash of the merged config's text: the config files are named by path in the identity, and an
+    edited file is another evaluation."""
+    import hashlib
+    return hashlib.sha256(cfg.pretty_text.encode()).hexdigest()[:16]
 
 
 def pipeline_options(items, pipelines) -> dict:

@@ -61,23 +61,53 @@ class DetectionError(ValueError):
 def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
                 data_root: Optional[str] = None) -> Config:
     """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
-    are replaced), then `overrides` (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
+    are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
+    `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
+    (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
     if not paths:
         raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
                              "mask_rcnn_swin_t_1x.py")
     for path in paths:
         if not os.path.isfile(path):
             raise DetectionError(f"--config {path}: no such file")
-    cfg = Config.fromfile(paths[0])
+    cfg = read_config(paths[0])
     for path in paths[1:]:
-        cfg.merge_from_dict(Config.fromfile(path).to_dict())
+        merge_fragment(cfg, read_config(path).to_dict())
     if overrides:
         check_override_keys(cfg, overrides)
-        cfg.merge_from_dict(dict(overrides))
+        try:
+            cfg.merge_from_dict(dict(overrides))
+        except TypeError as e:  # a dict given where the config has another value (MMEngine's message says how)
+            raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
     if data_root is not None:
-        set_data_root(cfg, data_root)
+        set_data_root(cfg, data_root, keep=overrides or {})
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+def read_config(path: str) -> Config:
+    """The config file `path`, or one error line naming it."""
+    try:
+        return Config.fromfile(path)
+    except Exception as e:  # noqa: BLE001 - MMEngine executes the file: any error in it (syntax, a missing
+        # _base_, not Python at all) is the same one-line error about that file
+        raise DetectionError(f"--config {path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
+    """Merge a later --config file into `cfg` as MMEngine does, but add its `custom_hooks` to those `cfg` has
+    and join its `custom_imports.imports` with them: MMEngine replaces lists, so the second method fragment
+    (each is a hook) would drop the first one's hook while keeping its other settings."""
+    fragment = copy.deepcopy(fragment)
+    hooks = fragment.pop("custom_hooks", None)
+    imports = fragment.get("custom_imports", {}).get("imports")
+    earlier = (cfg.get("custom_imports") or {}).get("imports") or []
+    if imports is not None:
+        imports = [imports] if isinstance(imports, str) else list(imports)
+        fragment["custom_imports"]["imports"] = list(earlier) + [i for i in imports if i not in earlier]
+    cfg.merge_from_dict(fragment)
+    if hooks:
+        cfg.custom_hooks = list(cfg.get("custom_hooks") or []) + list(hooks)
 
 
 def parse_overrides(items):
@@ -90,17 +120,88 @@ def parse_overrides(items):
     return getattr(namespace, "options", {})
 
 
+# keys the entry points set from their own flags: an override of them would be overwritten or never read
+SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "--resume", "data_root": "--data-root"}
+# dicts whose keys their readers take as they come (hook names, environment settings)
+OPEN_DICTS = ("default_hooks", "env_cfg")
+# keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
+BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
+
+
 def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
-    """Refuse an override whose top-level key neither the config nor MMEngine's Runner knows (a typo such as
-    `max_epoch=3` would otherwise be stored and ignored). Deeper keys are arguments of the modules they build,
-    which refuse unknown ones themselves."""
+    """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
+    point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
+    MMEngine's Runner knows (a typo such as `max_epoch=3`); and a deeper key the config does not have, unless
+    what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
+    key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
+    keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
     known = set(cfg.keys()) | set(inspect.signature(Runner.__init__).parameters) - {"self"}
     for key in overrides:
         top = key.split(".")[0]
+        if top in SCRIPT_FLAGS:
+            raise DetectionError(f"override {key}: {top} is set from the command's {SCRIPT_FLAGS[top]} flag (an "
+                                 f"override of it would be ignored): give {SCRIPT_FLAGS[top]} instead")
         if top not in known:
             close = difflib.get_close_matches(top, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
+        _check_nested_key(cfg, key)
+
+
+def _check_nested_key(cfg: Config, key: str) -> None:
+    """Walk the dotted `key` through `cfg` (list items by index) and check the first part it does not find."""
+    parts = key.split(".")
+    node: Any = dict(cfg.items())  # a Config is no dict; its values are ConfigDicts
+    for depth, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and depth > 0:
+            _check_new_key(node, part, ".".join(parts[:depth]), key)
+            return
+        else:  # a top-level key of the Runner, or a value (None, a number) that the override replaces whole
+            return
+
+
+def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
+    """Refuse the new key `part` of the dict `parent` (`node`) when nothing would read it (check_override_keys)."""
+    top = parent.split(".")[0]
+    if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()) or top in OPEN_DICTS:
+        return
+    if parent in LOADERS:
+        takes, what = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters), "torch's DataLoader"
+    elif node.get("type") is None:
+        close = difflib.get_close_matches(part, [str(k) for k in node], n=3)
+        hint = f" (did you mean {', '.join(parent + '.' + c for c in close)}?)" if close else ""
+        raise DetectionError(f"override {key}: the config has no such key{hint}, and {parent} (a dict without a "
+                             f"`type`) is read for the keys it has only; to add a key its code reads, set it in a "
+                             "config file given as a later --config")
+    else:
+        takes, what = _init_parameters(node["type"]), f"{node['type']} ({parent})"
+    if takes is not None and part not in takes:
+        close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
+        hint = f"; did you mean {', '.join(parent + '.' + c for c in close)}?" if close else ""
+        raise DetectionError(f"override {key}: {what} takes no argument '{part}'{hint}")
+
+
+def _init_parameters(kind: Any) -> Optional[set]:
+    """The keyword arguments the class registered as `kind` takes (in MMDetection's or MMEngine's registries),
+    or None where that is not known: no registered class, a **kwargs, a signature that cannot be read."""
+    from mmengine.registry import Registry
+    import mmdet.registry as registries
+    found = [kind] if callable(kind) else [c for r in vars(registries).values() if isinstance(r, Registry)
+                                           for c in [r.get(kind)] if c is not None]
+    taken: set = set()
+    for builder in found:
+        try:
+            parameters = inspect.signature(builder.__init__ if inspect.isclass(builder) else builder).parameters
+        except (TypeError, ValueError):
+            return None
+        if not found or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return None
+        taken |= set(parameters)
+    return taken or None
 
 
 def _datasets(dataset: dict) -> List[dict]:
@@ -110,9 +211,10 @@ def _datasets(dataset: dict) -> List[dict]:
     return [dataset] + [d for sub in inner + list(dataset.get("datasets") or []) for d in _datasets(sub)]
 
 
-def set_data_root(cfg: Config, root: str) -> None:
+def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
     """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
-    val2017/) and check that the annotation files they read exist."""
+    val2017/) and check that the annotation files they read exist. An evaluator's `ann_file` named in `keep`
+    (the user's overrides) stays as given."""
     root = os.path.join(os.path.abspath(root), "")
     if not os.path.isdir(root):
         raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
@@ -125,21 +227,64 @@ def set_data_root(cfg: Config, root: str) -> None:
         for dataset in _datasets(loader["dataset"]):
             if "data_root" in dataset:
                 dataset["data_root"] = root
-                ann = os.path.join(root, dataset.get("ann_file", ""))
-                if dataset.get("ann_file") and not os.path.isfile(ann):
-                    raise DetectionError(f"--data-root {root}: {key} reads {ann}, which does not exist")
     for key in EVALUATORS:
         evaluators = cfg.get(key)
         for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
             ann = evaluator.get("ann_file")
-            if ann:
+            if ann and f"{key}.ann_file" not in keep:
                 rel = ann[len(old):] if old and ann.startswith(old) else os.path.join(
                     "annotations", os.path.basename(ann))
                 evaluator["ann_file"] = os.path.join(root, rel)
-                if not os.path.isfile(evaluator["ann_file"]):
-                    raise DetectionError(f"--data-root {root}: {key} reads {evaluator['ann_file']}, "
-                                         "which does not exist")
     cfg["data_root"] = root
+    check_annotation_files(cfg, f"--data-root {root}")
+
+
+def annotation_files(cfg: Config) -> List[tuple]:
+    """(config key, absolute path) of every annotation file the loaders and evaluators of `cfg` read."""
+    files = []
+    for key in LOADERS:
+        loader = cfg.get(key)
+        for dataset in _datasets(loader["dataset"]) if loader else []:
+            if dataset.get("ann_file"):  # MMDetection's datasets join it with their data_root
+                files.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))))
+    for key in EVALUATORS:
+        evaluators = cfg.get(key)
+        for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
+            if evaluator.get("ann_file"):
+                files.append((key, os.path.abspath(evaluator["ann_file"])))
+    return files
+
+
+def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
+    """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
+    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
+    first and last bytes are read: COCO's files are hundreds of MB."""
+    for key, path in annotation_files(cfg):
+        if not os.path.isfile(path):
+            where = f"{source}: " if source else ""
+            fix = "" if source else " (give --data-root: COCO's layout, annotations/, train2017/, val2017/)"
+            raise DetectionError(f"{where}{key} reads {path}, which does not exist{fix}")
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+            f.seek(max(0, os.path.getsize(path) - 64))
+            tail = f.read().rstrip()
+        if not (head.startswith(b"{") and tail.endswith(b"}")):
+            raise DetectionError(f"{key} reads {path}, which is not a JSON object (a truncated or corrupt "
+                                 "annotation file?)")
+
+
+@contextlib.contextmanager
+def reading_annotations(files: Sequence[str]):
+    """Report an error MMDetection or pycocotools raise while reading the annotation `files` (a file without
+    COCO's keys, invalid JSON) as one line naming them: their messages ('categories', 'Expecting value')
+    name no file."""
+    try:
+        yield
+    except DetectionError:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise DetectionError(f"{', '.join(files)}: cannot be read as a COCO annotation file "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def check_backbone_init(cfg: Config) -> None:
@@ -211,7 +356,8 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         if max_images < 1:
             raise DetectionError(f"--max-images {max_images}: give at least 1")
         loader_cfg["dataset"]["indices"] = max_images
-    return Runner.build_dataloader(loader_cfg)
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == f"{split}_dataloader"]):
+        return Runner.build_dataloader(loader_cfg)
 
 
 def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str) -> tuple:
@@ -226,7 +372,8 @@ def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: st
         if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
             dataset["pipeline"] = test_pipeline
     dataset_cfg.pop("indices", None)
-    dataset = DATASETS.build(dataset_cfg)
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == "train_dataloader"]):
+        dataset = DATASETS.build(dataset_cfg)
     if len(dataset) < count:
         raise DetectionError(f"{flag} {count}: the training split has only {len(dataset)} images")
     indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
@@ -393,17 +540,52 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
 
 # -- evaluation ----------------------------------------------------------------------------------------
 
+def _loader_annotation(cfg: Config, split: str) -> Optional[str]:
+    """The absolute path of the annotation file the `split` loader reads (its dataset's data_root joined with
+    its ann_file, as MMDetection's datasets join them), or None when it names none."""
+    dataset = cfg[f"{split}_dataloader"]["dataset"]
+    ann = dataset.get("ann_file")
+    return os.path.abspath(os.path.join(dataset.get("data_root") or "", ann)) if ann else None
+
+
+def check_evaluator_annotations(cfg: Config, split: str = "test") -> None:
+    """Refuse a `split` evaluator that reads another annotation file than the `split` loader: it would score
+    the loader's predictions against the ground truth of other images."""
+    loader_ann = _loader_annotation(cfg, split)
+    metrics = cfg[f"{split}_evaluator"]
+    for metric in metrics if isinstance(metrics, list) else [metrics]:
+        ann = metric.get("ann_file")
+        if ann and loader_ann and os.path.abspath(ann) != loader_ann:
+            raise DetectionError(f"{split}_evaluator.ann_file={ann} but {split}_dataloader reads {loader_ann}: "
+                                 f"give both the same file ({split}_dataloader.dataset.ann_file is relative to "
+                                 "its data_root)")
+
+
+def _image_ids(dataset) -> List[int]:
+    """The COCO image ids of the images `dataset` holds (only the first N under --max-images)."""
+    return [dataset.get_data_info(i)["img_id"] for i in range(len(dataset))]
+
+
 def _evaluator(cfg: Config, loader) -> Any:
-    """The config's test metrics. Under torchrun they gather the ranks' predictions through the process group
+    """The config's test metrics, scoring the images of `loader` only: MMDetection's CocoMetric scores every
+    image of its annotation file unless its `img_ids` are set, so a partial set (--max-images) would count the
+    images it never saw as missed. Under torchrun they gather the ranks' predictions through the process group
     (collect_device "gpu": all_gather_object, on gloo too) unless the config sets collect_device: MMEngine's
     default, "cpu", writes them into a `.dist_test` folder it leaves in the working directory, which every
     node must share."""
+    check_evaluator_annotations(cfg)
     metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
     metrics = [copy.deepcopy(m) for m in metrics]
     if torch.distributed.is_initialized():
         for metric in metrics:
             metric.setdefault("collect_device", "gpu")
-    evaluator = Evaluator([METRICS.build(m) for m in metrics])
+    with reading_annotations([path for key, path in annotation_files(cfg) if key == "test_evaluator"]):
+        built = [METRICS.build(m) for m in metrics]
+    ids = _image_ids(loader.dataset)
+    for metric in built:
+        if getattr(metric, "img_ids", False) is None:  # CocoMetric: None means every image of its ann_file
+            metric.img_ids = ids
+    evaluator = Evaluator(built)
     evaluator.dataset_meta = loader.dataset.metainfo
     return evaluator
 

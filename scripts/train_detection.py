@@ -8,13 +8,18 @@ with this repository's guards (data root, backbone checkpoint, nothing overwritt
     python scripts/train_detection.py ... --resume                                 # continue the same run
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
-`last_checkpoint`), so no run overwrites another's epoch_N.pth. The batch per GPU is the config's (2 images,
+`last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
+dump MMEngine writes there (the first --config's name). A new run records its merged settings in
+`<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only train_cfg.max_epochs
+may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
+last_checkpoint that points outside the work dir or to a missing file. The batch per GPU is the config's (2 images,
 16 in all on 8 GPUs, the official setting); with fewer GPUs add `auto_scale_lr.enable=True` to scale the lr.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 
@@ -40,6 +45,8 @@ def parse_args(argv):
 def check_work_dir(work_dir: str, resume: bool) -> None:
     """Refuse to start a new run over an old one's checkpoints, and to resume where there is nothing."""
     from engine.detection import DetectionError
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):
+        raise DetectionError(f"--work-dir {work_dir} is a file: give a folder")
     checkpoints = glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
     if checkpoints and not resume:
         raise DetectionError(f"--work-dir {work_dir} holds checkpoints of an earlier run "
@@ -49,15 +56,128 @@ def check_work_dir(work_dir: str, resume: bool) -> None:
         raise DetectionError(f"--resume: --work-dir {work_dir} has no last_checkpoint to continue from")
 
 
+SETTINGS_FILE = "train_detection_config.json"
+SET_BY_SCRIPT = ("work_dir", "launcher", "resume")  # from the flags; not settings of the run
+MAY_CHANGE_ON_RESUME = ("train_cfg.max_epochs",)
+
+
+def run_settings(cfg) -> dict:
+    """The merged config of a run as flat dotted keys -> repr of the value (dicts flattened, lists whole), the
+    keys this script sets from its flags left out."""
+    flat: dict = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        else:
+            flat[prefix] = repr(value)
+    walk("", {k: v for k, v in cfg.to_dict().items() if k not in SET_BY_SCRIPT})
+    return flat
+
+
+def record_settings(work_dir: str, settings: dict) -> None:
+    """Write a new run's settings into `work_dir`, never over an existing file: one with the same settings (the
+    same run started again before its first checkpoint, or another rank of it) is kept, another is refused."""
+    from engine.detection import DetectionError
+    path = os.path.join(work_dir, SETTINGS_FILE)
+    os.makedirs(work_dir, exist_ok=True)
+    if not os.path.exists(path):
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(settings, f, indent=1, sort_keys=True)
+        try:
+            os.link(temporary, path)  # atomic, and fails where another rank was first
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(temporary)
+    if stored_settings(path) != settings:
+        raise DetectionError(f"--work-dir {work_dir} holds {SETTINGS_FILE} of a run with other settings: give a "
+                             "new --work-dir, or move the file away")
+
+
+def stored_settings(path: str) -> dict:
+    """The settings file at `path`, or one error line naming it."""
+    from engine.detection import DetectionError
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise DetectionError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
+    """Refuse a --resume that would continue under other settings than the run's, or from another run's
+    checkpoint: MMEngine restores the weights, optimizer and scheduler and silently keeps the new config."""
+    from engine.detection import DetectionError
+    if "load_from" in overrides:
+        raise DetectionError("load_from with --resume: --resume continues the run in --work-dir from its own "
+                             "last checkpoint; start a new --work-dir to train from other weights")
+    path = os.path.join(work_dir, SETTINGS_FILE)
+    if not os.path.isfile(path):
+        raise DetectionError(f"--resume: --work-dir {work_dir} has no {SETTINGS_FILE}, so it holds no run of this "
+                             "script to continue: give a new --work-dir")
+    stored = stored_settings(path)
+    differ = sorted(k for k in set(stored) | set(settings)
+                    if stored.get(k) != settings.get(k) and k not in MAY_CHANGE_ON_RESUME)
+    if differ:
+        shown = ", ".join(f"{k} ({stored.get(k, 'unset')} in the run, {settings.get(k, 'unset')} now)"
+                          for k in differ[:3])
+        raise DetectionError(f"--resume: the run in {work_dir} has other settings: {shown}"
+                             f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}; resume with the same "
+                             "--config, overrides and --data-root (train_cfg.max_epochs may change), or start a "
+                             "new --work-dir")
+    pointer = os.path.join(work_dir, "last_checkpoint")
+    with open(pointer) as f:
+        target = f.read().strip()
+    inside = os.path.realpath(target).startswith(os.path.join(os.path.realpath(work_dir), ""))
+    if not inside or not os.path.isfile(target):
+        raise DetectionError(f"--resume: {pointer} points to {target}, "
+                             f"{'which does not exist' if inside else 'outside the work dir'}: restore the run's "
+                             "checkpoint, or start a new --work-dir")
+
+
+def check_config_dump(work_dir: str, cfg) -> None:
+    """Refuse a new run where MMEngine's config dump (`<work-dir>/<name of the first --config>`) would overwrite a
+    file this script did not write (the settings file marks a folder of this run)."""
+    from engine.detection import DetectionError
+    dump = os.path.join(work_dir, os.path.basename(cfg.filename))
+    if os.path.exists(dump) and not os.path.isfile(os.path.join(work_dir, SETTINGS_FILE)):
+        raise DetectionError(f"--work-dir {work_dir} holds {os.path.basename(dump)}, which MMEngine would overwrite "
+                             "with the run's config: give a new --work-dir, or move the file away")
+
+
+def check_launcher(launcher: str) -> None:
+    """Refuse --launcher none under torchrun: every rank would train its own copy of the model into one work
+    dir."""
+    from engine.detection import DetectionError
+    world = os.environ.get("WORLD_SIZE", "1")
+    if launcher == "none" and world.isdigit() and int(world) > 1:
+        raise DetectionError(f"--launcher none under torchrun (WORLD_SIZE={world}): every rank would train its own "
+                             "copy into one --work-dir; add --launcher pytorch")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from engine.detection import check_backbone_init, load_config, parse_overrides
+    check_launcher(args.launcher)
+    from engine.detection import (annotation_files, check_annotation_files, check_backbone_init, load_config,
+                                  parse_overrides, reading_annotations)
     from mmengine.runner import Runner
 
-    cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    overrides = parse_overrides(args.overrides)
+    cfg = load_config(args.config, overrides, args.data_root)
+    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
+        check_annotation_files(cfg)
     check_work_dir(args.work_dir, args.resume)
-    if not args.resume:
+    settings = run_settings(cfg)
+    if args.resume:
+        check_resume(args.work_dir, settings, overrides)
+        cfg.load_from = None  # MMEngine resumes from load_from when it is set, else from last_checkpoint
+    else:
         check_backbone_init(cfg)
+        check_config_dump(args.work_dir, cfg)
+        record_settings(args.work_dir, settings)
     cfg.work_dir = args.work_dir
     cfg.launcher = args.launcher
     cfg.resume = args.resume
@@ -66,6 +186,10 @@ def main(argv=None) -> int:
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     runner = Runner.from_cfg(cfg)
+    # The loops read the annotation files when they are built, which runner.train() does unless the properties
+    # did it first: here, so that an unreadable file is one error line naming it.
+    with reading_annotations([path for _, path in annotation_files(cfg)]):
+        runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
     runner.train()
     return 0
 
@@ -74,7 +198,7 @@ def run(argv=None) -> None:
     """main() with bad input reported as one `error:` line and exit code 2."""
     try:
         sys.exit(main(argv))
-    except ValueError as e:  # DetectionError, a bad override
+    except ValueError as e:  # DetectionError (engine/detection.py), a bad override (parse_overrides)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -207,3 +207,17 @@ def test_per_image_reconstruction_loss_is_the_official_weighted_sum_and_batches_
     assert abs(stats["rec_first"] - expected) <= 1e-5 * expected
     with pytest.raises(ValueError, match="batch_size=2"):
         reconstruct_unit_calls(unit, fp_calls, q_calls, hessians, recon_settings(batch_size=2))
+
+
+
+@pytest.mark.parametrize("key, value", [("mlp_iters", 5), ("mlp_lr", 0.1), ("mlp_clip_percentile", 0.9),
+                                        ("mlp_clip_weight", 1.0)])
+def test_detector_options_refuse_mlp_reconstruction_settings_it_never_applies(key, value):
+    """A detector is reconstructed without MLP reconstruction: its settings would be recorded but do nothing."""
+    import dataclasses
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from quant.aphq.detector import check_detector_options
+    detection = dataclasses.replace(APHQOptions(), **APHQ_DETECTION)
+    check_detector_options(detection)  # the detection recipe passes
+    with pytest.raises(ValueError, match=f"{key}={value}: .*MLP settings do not apply"):
+        check_detector_options(dataclasses.replace(detection, **{key: value}))

@@ -310,3 +310,217 @@ def test_evaluation_refuses_a_pipeline_that_does_not_quantize_detectors(sample, 
             main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant", pipeline,
                   "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_method_fragments_add_their_hooks_to_the_earlier_files(mmdet_ready, tmp_path):
+    """Two method fragments both run (MMEngine alone replaces custom_hooks, keeping the first fragment's weight
+    decay and the second one's hook), and a base config's own hooks stay."""
+    from engine.detection import load_config
+    cfg = load_config([SAMPLE_CONFIG, "configs/detection/method/cd.py", "configs/detection/method/tweo.py"])
+    assert [h["type"] for h in cfg.custom_hooks] == ["ColinearityDecayHook", "TweoHook"]
+    assert cfg.optim_wrapper.optimizer.weight_decay == 0.045
+    assert list(cfg.custom_imports.imports) == ["cd.integrations.mmengine"]
+    own = tmp_path / "own_hooks.py"
+    own.write_text(f"_base_ = {os.path.abspath(SAMPLE_CONFIG)!r}\ncustom_hooks = [dict(type='EMAHook')]\n"
+                   "custom_imports = dict(imports=['mmdet.models'], allow_failed_imports=False)\n")
+    cfg = load_config([str(own), "configs/detection/method/noise.py"])
+    assert [h["type"] for h in cfg.custom_hooks] == ["EMAHook", "WeightNoiseHook"]
+    assert list(cfg.custom_imports.imports) == ["mmdet.models", "cd.integrations.mmengine"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("work_dir=/tmp/x", "give --work-dir instead"), ("launcher=pytorch", "give --launcher instead"),
+    ("resume=True", "give --resume instead"), ("data_root=/tmp/x", "give --data-root instead"),
+    ("model.test_cfg.rcnn.max_per_imgg=5", "did you mean model.test_cfg.rcnn.max_per_img"),
+    ("train_cfg.max_epoch=1", "EpochBasedTrainLoop .*did you mean train_cfg.max_epochs"),
+    ("model.backbone.window_sizee=7", "SwinTransformer .*did you mean model.backbone.window_size"),
+    ("train_dataloader.pin_memoryy=True", "DataLoader takes no argument 'pin_memoryy'")])
+def test_overrides_that_would_be_ignored_are_refused(mmdet_ready, override, message):
+    """An override the command overwrites from its flags, or a key nothing reads (a new key under a dict
+    without a `type`, or one the registered class's __init__ does not take), is refused before any work."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    with pytest.raises(DetectionError, match=message):
+        load_config([SAMPLE_CONFIG], parse_overrides([override]))
+
+
+def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
+    """New keys their readers take (DataLoader arguments, a class's own argument, a hook's) pass; an
+    explicit evaluator ann_file stays as given under --data-root instead of being moved into the root."""
+    import shutil
+    from engine.detection import load_config, parse_overrides
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides([
+        "train_dataloader.pin_memory=False", "model.backbone.with_cp=False", "train_cfg.max_epochs=1",
+        "default_hooks.checkpoint.max_keep_ckpts=2", "model.test_cfg.rcnn.max_per_img=5"]))
+    assert cfg.train_dataloader.pin_memory is False and cfg.model.test_cfg.rcnn.max_per_img == 5
+    elsewhere = tmp_path / "instances_val2017.json"
+    shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
+    cfg = load_config([SAMPLE_CONFIG], {"test_evaluator.ann_file": str(elsewhere)}, data_root=sample)
+    assert cfg.test_evaluator.ann_file == str(elsewhere)
+    assert cfg.val_evaluator.ann_file == os.path.join(sample, "annotations", "instances_val2017.json")
+
+
+class GroundTruthDetector(torch.nn.Module):
+    """Predicts each image's ground truth (boxes, masks, labels) with score 1: a perfect detector."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def test_step(self, batch):
+        from mmengine.structures import InstanceData
+        samples = batch["data_samples"]
+        for sample in samples:
+            gt = sample.gt_instances
+            sample.pred_instances = InstanceData(
+                bboxes=gt.bboxes.tensor if hasattr(gt.bboxes, "tensor") else gt.bboxes, labels=gt.labels,
+                scores=torch.ones(len(gt.labels)), masks=torch.from_numpy(gt.masks.masks).bool())
+        return samples
+
+
+@pytest.mark.parametrize("max_images", [1, None])
+def test_a_perfect_detector_scores_map_one_on_a_partial_set(sample, max_images):
+    """--max-images scores the images it saw: the ground truth as predictions is mAP 1.0 on 1 image as on all
+    (CocoMetric would otherwise count the images never fed as missed)."""
+    from engine.detection import build_loader, evaluate_detector, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    result = evaluate_detector(GroundTruthDetector(), cfg, build_loader(cfg, "test", max_images), progress=False)
+    assert result["images"] == (max_images or 4)
+    assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] == pytest.approx(1.0), result
+
+
+def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused(sample, tmp_path):
+    """Refused before any work (the weights are not even read)."""
+    import shutil
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    elsewhere = tmp_path / "instances_val2017.json"
+    shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
+    with pytest.raises(DetectionError, match="test_evaluator.ann_file=.* but test_dataloader reads"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", sample, "--quant",
+              "--out", str(tmp_path / "x.json"), f"test_evaluator.ann_file={elsewhere}"])
+    assert not (tmp_path / "x.json").exists()
+
+
+def _error_line(capsys, argv):
+    """The one `error:` line (exit code 2, no traceback) train_detection.run prints for `argv`."""
+    import train_detection
+    with pytest.raises(SystemExit) as stop:
+        train_detection.run(argv)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _sample_copy(sample, tmp_path, name, content):
+    """A copy of the sample data set whose annotation file `name` holds `content`."""
+    import shutil
+    root = tmp_path / f"copy_{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(sample, root)
+    (root / "annotations" / name).write_text(content)
+    return str(root)
+
+
+def test_unreadable_inputs_are_one_error_line_naming_them(sample, tmp_path, capsys, monkeypatch):
+    """The config's default data paths missing (no --data-root), a config file that is not one, a --work-dir
+    that is a file, and annotation files without COCO's keys, truncated or invalid: one `error:` line each,
+    naming the file, never a traceback."""
+    work = ["--work-dir", str(tmp_path / "w")]
+    monkeypatch.chdir(tmp_path)  # the config's data/coco/ does not exist here
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = os.path.join(root, SAMPLE_CONFIG)
+    missing = _error_line(capsys, ["--config", config] + work)
+    assert "data/coco/annotations/instances_train2017.json, which does not exist (give --data-root" in missing
+    for name, text in (("broken.py", "model = dict(\n"), ("notes.txt", "not a config\n")):
+        (tmp_path / name).write_text(text)
+        assert f"--config {tmp_path / name}: cannot be read" in _error_line(capsys, ["--config", str(tmp_path / name)]
+                                                                              + work)
+    (tmp_path / "file").write_text("mine")
+    assert "is a file" in _error_line(capsys, ["--config", config, "--data-root", sample, "--work-dir",
+                                               str(tmp_path / "file")])
+    for content, message in (("{}", "cannot be read as a COCO annotation file (KeyError"),
+                             ('{"images": [', "is not a JSON object"),
+                             ('{"images": [}', "cannot be read as a COCO annotation file (JSONDecodeError")):
+        data = _sample_copy(sample, tmp_path, "instances_train2017.json", content)
+        line = _error_line(capsys, ["--config", config, "--data-root", data, "--work-dir",
+                                    str(tmp_path / f"w{len(content)}")])
+        assert os.path.join(data, "annotations", "instances_train2017.json") in line and message in line, line
+    from engine.detection import DetectionError, build_loader, load_config
+    data = _sample_copy(sample, tmp_path, "instances_val2017.json", "{}")
+    with pytest.raises(DetectionError, match="instances_val2017.json: cannot be read as a COCO annotation file"):
+        build_loader(load_config([config], data_root=data), "test")  # evaluate_detection.py's loader
+
+
+def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_path, capsys):
+    """A run records its settings; --resume with other settings (a method fragment, another lr), with load_from,
+    from a last_checkpoint outside the work dir or missing, or in a folder no run of this script wrote is
+    refused; the same settings with more epochs continue it."""
+    import shutil
+    run = tmp_path / "run"
+    train(sample, run)
+    settings = json.loads((run / "train_detection_config.json").read_text())
+    assert settings["optim_wrapper.optimizer.lr"] == "0.001" and "work_dir" not in settings
+    same = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(run), "--resume",
+            "randomness.seed=0", "train_cfg.val_interval=100"]
+    for extra, message in ((["--config", "configs/detection/method/cd.py"], "custom_hooks"),
+                           (["optim_wrapper.optimizer.lr=0.01"], "optim_wrapper.optimizer.lr (0.001 in the run, "
+                                                                 "0.01 now)"),
+                           ([f"load_from={run / 'epoch_1.pth'}"], "load_from with --resume")):
+        assert message in _error_line(capsys, same + ["train_cfg.max_epochs=2"] + extra)
+    other = tmp_path / "other"
+    train(sample, other)
+    pointer = run / "last_checkpoint"
+    own = pointer.read_text()
+    pointer.write_text(str(other / "epoch_1.pth"))
+    assert "outside the work dir" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    pointer.write_text(str(run / "epoch_9.pth"))
+    assert "which does not exist" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    pointer.write_text(own)
+    foreign = tmp_path / "foreign"
+    shutil.copytree(other, foreign)
+    (foreign / "train_detection_config.json").unlink()
+    assert "has no train_detection_config.json" in _error_line(
+        capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(foreign), "--resume"])
+    from train_detection import main
+    assert main(same + ["train_cfg.max_epochs=2"]) == 0
+    assert (run / "epoch_2.pth").is_file()
+
+
+def test_a_new_run_never_overwrites_a_file_named_as_its_config_dump(sample, tmp_path, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    mine = work / "mask_rcnn_swin_sample.py"
+    mine.write_text("# my notes\n")
+    assert "would overwrite" in _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample,
+                                                     "--work-dir", str(work)])
+    assert mine.read_text() == "# my notes\n"
+
+
+def test_quant_none_points_to_a_bare_quant(mmdet_ready, tmp_path):
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match="a bare --quant, naming none, scores full precision only"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "none"])
+
+
+def test_torchrun_without_a_launcher_is_refused(sample, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w")])
+    assert "add --launcher pytorch" in line
+    assert not (tmp_path / "w").exists()
+
+
+def test_an_edited_config_is_another_evaluation(sample, trained, tmp_path):
+    """The result identity holds a hash of the merged config: editing a config file between two calls that
+    write one JSON is refused, as other weights are."""
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    config = tmp_path / "child.py"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config.write_text(f"_base_ = {os.path.join(root, SAMPLE_CONFIG)!r}\n")
+    argv = ["--config", str(config), "--checkpoint", trained, "--data-root", sample, "--quant", "--max-images", "1",
+            "--out", str(tmp_path / "eval.json")]
+    assert main(argv)["config_sha256"]
+    config.write_text(config.read_text() + "model = dict(test_cfg=dict(rcnn=dict(max_per_img=5)))\n")
+    with pytest.raises(ResultsError, match="another evaluation .*config_sha256"):
+        main(argv)

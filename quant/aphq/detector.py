@@ -45,6 +45,7 @@ log = logging.getLogger("quant.aphq")
 DETECTOR_UNIT_KINDS = ("stem", "block", "merge", "neck")
 CALIBRATED_ONLY = ("rpn_head", "roi_head")  # official: their reconstruction is commented out
 DETECTION_EPS = 1e-3  # the official detection perturbation (classification: 1e-6)
+MLP_OPTIONS = ("mlp_iters", "mlp_lr", "mlp_clip_percentile", "mlp_clip_weight")  # of MR, off on detectors
 
 
 @runtime_checkable
@@ -60,6 +61,11 @@ def check_detector_options(options: APHQOptions) -> None:
     if options.mlp_reconstruct:
         raise ValueError("mlp_reconstruct=True: MLP reconstruction is not built for detectors (the CD paper's APHQ "
                          "column turns it off); leave it False")
+    unused = [f"{key}={getattr(options, key)}" for key in MLP_OPTIONS
+              if getattr(options, key) != getattr(APHQOptions(), key)]
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: a detector is reconstructed without MLP reconstruction, so the MLP "
+                         "settings do not apply; leave them at their defaults")
     if options.hessian_probe != "ones":
         raise ValueError(f"hessian_probe={options.hessian_probe!r}: a detector's APH uses the official all-ones "
                          "probe; leave hessian_probe='ones'")
