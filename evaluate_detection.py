@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
         if name == "gplq":
             check_gplq_options(parsed)
         for b in bits:
-            PIPELINES[name].check(parse_bits(b), parsed)
+            PIPELINES[name].validate(parse_bits(b), parsed)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     if "gplq" in pipelines and args.device == "cpu":

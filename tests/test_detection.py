@@ -524,3 +524,15 @@ def test_an_edited_config_is_another_evaluation(sample, trained, tmp_path):
     config.write_text(config.read_text() + "model = dict(test_cfg=dict(rcnn=dict(max_per_img=5)))\n")
     with pytest.raises(ResultsError, match="another evaluation .*config_sha256"):
         main(argv)
+
+
+@pytest.mark.parametrize("config, wrapper", [
+    ("configs/detection/mask_rcnn_swin_t_1x.py", "AmpOptimWrapper"),  # the paper trains every model with AMP
+    ("configs/detection/mask_rcnn_swin_t_3x.py", "AmpOptimWrapper"),
+    ("configs/detection/mask_rcnn_swin_s_3x.py", "AmpOptimWrapper"),
+    (SAMPLE_CONFIG, "OptimWrapper"),  # the CPU sample: MMEngine's AMP wrapper needs a GPU
+])
+def test_the_paper_settings_train_with_amp_and_method_fragments_keep_it(config, wrapper):
+    from engine.detection import load_config
+    cfg = load_config([config, "configs/detection/method/cd.py"])
+    assert cfg.optim_wrapper.type == wrapper and cfg.optim_wrapper.optimizer.weight_decay == pytest.approx(0.045)
