@@ -129,16 +129,10 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
     """One `error:` line before any work: an unset, remote or missing backbone checkpoint, a data root without
     COCO's files, a work dir holding another run's checkpoints (nothing is overwritten), --resume with nothing
     to resume."""
-    import train_detection
     full = ["--config", "configs/detection/mask_rcnn_swin_t_1x.py", "--data-root", sample]
 
     def error(argv):
-        with pytest.raises(SystemExit) as stop:
-            train_detection.run(argv)
-        assert stop.value.code == 2
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1, lines
-        return lines[0]
+        return _error_line(capsys, argv)
 
     unset = error(full + ["--work-dir", str(tmp_path / "a")])
     assert "model.backbone.init_cfg.checkpoint is not set" in unset and "model.backbone.init_cfg=None" in unset

@@ -2,6 +2,7 @@
 test_preemption.py)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -390,7 +391,6 @@ def test_a_checkpoint_that_passes_the_format_check_but_is_broken_is_one_error(de
 
 
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
-    import shutil
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}",
