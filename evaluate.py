@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> dict:
     for name, bits in planned(cfg):
         if (name, bits) not in todo:
             log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
-    reads_batch = any("calibration" in quant_settings(cfg, name) for name, _ in todo)
+    reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
     if todo and not task.language:
         check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
 
@@ -370,14 +370,21 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
     settings = {"options": dataclasses.asdict(options) if options is not None else {}}
-    p, images = PIPELINES[pipeline], not task_for(cfg.data.dataset).language
-    reads_batch = p.calibrated and not (images and p.draws_training_images)
+    reads_batch = reads_calibration_batch(cfg, pipeline)
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                                    "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
-    if images and (p.draws_training_images or (reads_batch and cfg.quant.calib_transform == "train")):
+    if not task_for(cfg.data.dataset).language and (PIPELINES[pipeline].draws_training_images or (
+            reads_batch and cfg.quant.calib_transform == "train")):
         settings["train_transform"] = training_data(cfg)
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
+
+
+def reads_calibration_batch(cfg: Config, pipeline: str) -> bool:
+    """Whether `pipeline` reads the calibration batch: RTN reads no data, and APHQ and GPLQ on an image
+    classifier draw their own training images (`draws_training_images`)."""
+    p = PIPELINES[pipeline]
+    return p.calibrated and not (p.draws_training_images and not task_for(cfg.data.dataset).language)
 
 
 def training_data(cfg: Config) -> dict:
