@@ -76,8 +76,8 @@ class APHQOptions(FirstLastOptions):
 
     stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
     # -- data (GoatWu/APHQ-ViT test_quant.py) --
-    calib_images: Annotated[int, AtLeastOne] = 128  # scale-search set = the first calib_images of the reconstruction set
-    recon_images: Annotated[int, AtLeastOne] = 1024  # reconstruction set: train split, training transform, fixed augmentation
+    calib_images: Annotated[int, AtLeastOne] = 128  # scale-search set: the reconstruction set's first
+    recon_images: Annotated[int, AtLeastOne] = 1024  # train split, training transform, fixed augmentation
     # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
     data_seed: Annotated[int, Seed] = 3407
     batch_size: Annotated[int, AtLeastOne] = 32  # reconstruction batch; also the batch of captures and Hessian passes
@@ -88,29 +88,29 @@ class APHQOptions(FirstLastOptions):
     # candidates per grid: min(16, 2^b) absolute zero points x eq_n // that many scales (official eq_n)
     eq_n: Annotated[int, Positive] = 128
     matmul_pct: Tuple[float, float] = (0.99, 0.99999)  # per-head matmul operand percentile levels
-    matmul_steps: Annotated[int, AtLeastOne] = 129  # candidates per bound, linear in value between them (official eq_n + 1)
-    search_max_rows: Annotated[Optional[int], AtLeastOne] = None  # rows of a layer input for the output MSE; None: all (official)
+    matmul_steps: Annotated[int, AtLeastOne] = 129  # candidates per bound, linear in value (official eq_n + 1)
+    search_max_rows: Annotated[Optional[int], AtLeastOne] = None  # input rows for the output MSE; None: all (official)
     round_zero_point: bool = True  # LayerNorm fold: mean zero point rounded (APHQ) or not (RepQ-ViT)
     # -- reconstruction (quant/aphq/reconstruct.py) --
     iters: Annotated[int, NonNegative] = 20000  # iterations per unit
     weight_lr: Annotated[float, Positive] = 1e-3  # Adam lr of the AdaRound variables
     act_lr: Annotated[float, NonNegative] = 4e-5  # Adam lr of the activation scales (cosine to 0)
-    round_weight: Annotated[float, NonNegative] = 0.01  # rounding regulariser weight (summed over all weights of the unit)
+    round_weight: Annotated[float, NonNegative] = 0.01  # rounding regulariser weight (summed over the unit)
     beta_start: Annotated[float, Positive] = 20.0  # rounding regulariser exponent at the end of the warm-up
     beta_end: Annotated[float, Positive] = 2.0  # ... at the last iteration (linear decay)
     warmup: Annotated[float, Probability] = 0.2  # fraction of iterations without the rounding regulariser
     drop_prob: Annotated[float, Probability] = 0.5  # QDrop inside activation quantizers: probability of a float element
-    input_mix_prob: Annotated[float, Probability] = 0.5  # QDrop at the unit input: probability of the float-input element
+    input_mix_prob: Annotated[float, Probability] = 0.5  # QDrop at the unit input: P(float-input element)
     normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
     loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
     hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
-    hessian_eps: Annotated[Optional[float], Positive] = None  # perturbation size; None: 1e-6 (ones, official), 1e-4 (rademacher)
+    hessian_eps: Annotated[Optional[float], Positive] = None  # None: 1e-6 (ones, official), 1e-4 (rademacher)
     temperature: Annotated[float, Positive] = 20.0  # KL temperature of the APH
     # -- MLP reconstruction (quant/aphq/mlp_recon.py), off as in the CD paper --
     mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
     mlp_iters: Annotated[Optional[int], NonNegative] = None  # iterations per block; None: same as iters
     mlp_lr: Annotated[float, NonNegative] = 4e-5  # Adam lr of MR (cosine to 0)
-    mlp_clip_percentile: Annotated[float, Probability] = 0.98  # fc2-input clip percentile (4-bit config; paper text: 0.99)
+    mlp_clip_percentile: Annotated[float, Probability] = 0.98  # fc2-input clip (4-bit config; paper text: 0.99)
     mlp_clip_weight: Annotated[float, NonNegative] = 2.0  # weight of the clipped-branch term
     # -- run --
     log_every: Annotated[int, AtLeastOne] = 1000  # log loss and time every N iterations (and at the end of each unit)
@@ -139,8 +139,8 @@ class GPLQOptions(FirstLastOptions):
     # -- stage 1: activation QAT (quant/gplq/qat.py) --
     steps: Annotated[Optional[int], NonNegative] = None  # optimizer updates; None: one epoch of the training loader
     batch_size_per_gpu: Annotated[int, AtLeastOne] = 16  # paper: 8 GPUs x 16 = global 128
-    lr: Annotated[Optional[float], NonNegative] = None  # constant AdamW lr; None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
-    scale_lr: Annotated[Optional[float], NonNegative] = None  # lr of the LSQ scales; None: same as lr (not stated in the paper)
+    lr: Annotated[Optional[float], NonNegative] = None  # None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
+    scale_lr: Annotated[Optional[float], NonNegative] = None  # LSQ scales; None: lr (not stated in the paper)
     weight_decay: Annotated[float, NonNegative] = 0.0  # AdamW decay of the weights (not stated; negligible at lr 5e-6)
     pca_weight: Annotated[float, NonNegative] = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
     pca_variance: Annotated[float, Range(0, 1, low_open=True)] = 0.6  # explained-variance target of the kept components
@@ -149,10 +149,10 @@ class GPLQOptions(FirstLastOptions):
     init_images: Annotated[int, AtLeastOne] = 128  # training images of the LSQ initialisation pass
     act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
     matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls
-    matmul_percentile: Annotated[float, Range(0.5, 1, low_open=True)] = 0.99  # their initial range: [q(1 - p), q(p)] (the 1st / 99th percentiles)
+    matmul_percentile: Annotated[float, Range(0.5, 1, low_open=True)] = 0.99  # initial range [q(1 - p), q(p)]
     amp: Literal["none", "fp16", "bf16"] = "none"  # autocast of stage 1 (fp16 adds a GradScaler)
     log_every: Annotated[int, AtLeastOne] = 50  # log stage-1 loss every N updates
-    ckpt_every: Annotated[int, NonNegative] = 500  # also write the stage-1 checkpoint every N updates (0: only at the end)
+    ckpt_every: Annotated[int, NonNegative] = 500  # stage-1 checkpoint every N updates (0: at the end)
     seed: Annotated[int, Seed] = 0  # data order / augmentation, init and stage-2 images, per-update reseeding
     # -- stage 2: weight PTQ + QwT (quant/gplq/qwt.py) --
     weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
