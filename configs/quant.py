@@ -76,8 +76,8 @@ class APHQOptions(FirstLastOptions):
 
     stem_a_bits: Optional[int] = 0  # patch-embed image input float (official qconv_a_bit=8 means bypass)
     # -- data (GoatWu/APHQ-ViT test_quant.py) --
-    calib_images: Annotated[int, AtLeastOne] = 128  # scale-search set: the reconstruction set's first
-    recon_images: Annotated[int, AtLeastOne] = 1024  # train split, training transform, fixed augmentation
+    calib_images: Annotated[int, AtLeastOne] = 128  # scale-search set: the first N images of the recon set
+    recon_images: Annotated[int, AtLeastOne] = 1024  # reconstruction set: train split, training transform, fixed aug.
     # seed choosing (and augmenting) the images, as np.random.seed(3407) officially
     data_seed: Annotated[int, Seed] = 3407
     batch_size: Annotated[int, AtLeastOne] = 32  # reconstruction batch; also the batch of captures and Hessian passes
