@@ -65,12 +65,14 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
 
 
 def latest_snapshot(out_dir: str) -> Optional[str]:
-    """The snapshot of the latest epoch in out_dir/snapshots (None if there is none)."""
-    def epoch(path: str) -> int:
+    """The snapshot written last in out_dir/snapshots (None if there is none): after a roll-back to an earlier
+    snapshot, the run's current branch, not the abandoned one's later epochs (epoch0005.pt of the old branch
+    beside epoch0003-1.pt of the new); the epoch breaks ties of equal times."""
+    def order(path: str) -> tuple:
         found = re.match(r"epoch(\d+)", os.path.basename(path))
-        return int(found.group(1)) if found else -1
+        return os.path.getmtime(path), int(found.group(1)) if found else -1
 
-    paths = sorted(glob.glob(os.path.join(glob.escape(out_dir), SNAPSHOTS, "epoch*.pt")), key=epoch)
+    paths = sorted(glob.glob(os.path.join(glob.escape(out_dir), SNAPSHOTS, "epoch*.pt")), key=order)
     return paths[-1] if paths else None
 
 

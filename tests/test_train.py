@@ -390,6 +390,19 @@ def test_a_checkpoint_that_passes_the_format_check_but_is_broken_is_one_error(de
         train.main(debug_config(f"train.resume={broken}", name="dst"))
 
 
+def test_the_last_snapshot_is_the_one_written_last_not_an_abandoned_branchs_later_epoch(tmp_path):
+    from engine.snapshots import latest_snapshot
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    for name, written in (("epoch0005.pt", 100), ("epoch0001.pt", 50), ("epoch0003-1.pt", 200)):
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (written, written))  # rolled back to epoch 1 after epoch 5, now at epoch 3
+    assert latest_snapshot(str(tmp_path)) == str(folder / "epoch0003-1.pt")
+    (folder / "epoch0004-1.pt").write_bytes(b"")
+    os.utime(folder / "epoch0004-1.pt", (200, 200))  # the same time: the later epoch
+    assert latest_snapshot(str(tmp_path)) == str(folder / "epoch0004-1.pt")
+
+
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
