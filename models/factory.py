@@ -89,7 +89,7 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
     except TypeError as e:
         raise ModelError(f"model '{cfg.name}' rejected its arguments {cfg.kwargs}: {e}; it takes "
-                         "depth, num_heads, embed_dim, context, bias") from e
+                         "depth, num_heads, embed_dim, context, bias, gelu") from e
     except ValueError as e:
         raise ModelError(f"model '{cfg.name}': {e}") from e
     if cfg.pretrained:

@@ -57,12 +57,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """fc2(GELU(fc1(x))), hidden width 4x (GPT-2's exact-erf GELU, as nanoGPT)."""
+    """fc2(GELU(fc1(x))), hidden width 4x. `gelu`: "exact" (erf, nanoGPT's nn.GELU) or "tanh" (the approximation
+    GPT-2 was trained with: transformers' gelu_new)."""
 
-    def __init__(self, dim: int, bias: bool, drop: float):
+    def __init__(self, dim: int, bias: bool, drop: float, gelu: str = "exact"):
         super().__init__()
         self.fc1 = nn.Linear(dim, 4 * dim, bias=bias)
-        self.act = nn.GELU()
+        self.act = nn.GELU(approximate={"exact": "none", "tanh": "tanh"}[gelu])
         self.fc2 = nn.Linear(4 * dim, dim, bias=bias)
         self.drop = nn.Dropout(drop)
 
@@ -73,12 +74,12 @@ class Mlp(nn.Module):
 class Block(nn.Module):
     """Pre-norm GPT-2 block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
-    def __init__(self, dim: int, num_heads: int, bias: bool, drop: float):
+    def __init__(self, dim: int, num_heads: int, bias: bool, drop: float, gelu: str = "exact"):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, bias=bias)
         self.attn = CausalSelfAttention(dim, num_heads, bias, drop, drop)
         self.norm2 = nn.LayerNorm(dim, bias=bias)
-        self.mlp = Mlp(dim, bias, drop)
+        self.mlp = Mlp(dim, bias, drop, gelu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -92,16 +93,20 @@ class GPT(nn.Module):
         vocab_size: number of token ids. context: the longest sequence (position embeddings).
         depth, num_heads, embed_dim: the Transformer's size. bias: biases in Linear and LayerNorm
             (GPT-2: True). drop: dropout after embeddings, attention and projections (nanoGPT: 0).
+        gelu: "exact" (nanoGPT's erf GELU, the default) or "tanh" (GPT-2's own approximation, which
+            transformers' GPT-2 weights were trained with: `model.kwargs.gelu=tanh` reproduces their outputs).
     """
 
     def __init__(self, vocab_size: int, context: int, depth: int, num_heads: int, embed_dim: int,
-                 bias: bool = True, drop: float = 0.0):
+                 bias: bool = True, drop: float = 0.0, gelu: str = "exact"):
         super().__init__()
+        if gelu not in ("exact", "tanh"):
+            raise ValueError(f"gelu={gelu!r}: give exact or tanh")
         self.vocab_size, self.context = vocab_size, context
         self.wte = nn.Embedding(vocab_size, embed_dim)
         self.wpe = nn.Embedding(context, embed_dim)
         self.drop = nn.Dropout(drop)
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, bias, drop) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, bias, drop, gelu) for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, bias=bias)
         self.head = nn.Linear(embed_dim, vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied, as in GPT-2

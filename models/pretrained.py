@@ -10,6 +10,7 @@ that names the keys, so a checkpoint of another model fails early.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -55,11 +56,16 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"model.pretrained={path}: {len(bad)} tensor(s) hold NaN or inf values, e.g. "
                          f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
+    own = model.state_dict()
+    check_patch_size(state, own, path, strict)
     filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
     if filter_fn is not None:
-        state = filter_fn(state, model)
+        # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
+        # rename them with this flag, which touches no other key
+        takes = inspect.signature(filter_fn).parameters
+        state = filter_fn(state, model, **({"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}))
+    check_tied_weights(model, state, path)
 
-    own = model.state_dict()
     skipped = []
     head_prefixes = _classifier_prefixes(model)
     for key in list(state):
@@ -86,6 +92,32 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
+
+
+def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> None:
+    """A file of another patch size: timm resamples its patch embedding (FlexiViT's resize) to this model's, which
+    fine-tuning may ask for (logged), but an evaluation (strict) would score weights that are not the file's."""
+    key = "patch_embed.proj.weight"
+    if key not in state or key not in own or state[key].shape[-2:] == own[key].shape[-2:]:
+        return
+    size, mine = tuple(state[key].shape[-2:]), tuple(own[key].shape[-2:])
+    if strict:
+        raise ModelError(f"{path}: its patch embedding has {size} patches, the model {mine}: a checkpoint of another "
+                         f"model (set the patch size it was trained with)")
+    log.warning("%s: patch size %s resampled to the model's %s (timm's patch-embedding resize)", path, size, mine)
+
+
+def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:
+    """Parameters the model shares under several names (GPT's token embedding and LM head) must hold one value
+    in the file: loading would keep whichever came last and lose the other without a word."""
+    names_of: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    for names in names_of.values():
+        held = [n for n in names if n in state]
+        if len(held) > 1 and not all(torch.equal(state[held[0]], state[n]) for n in held[1:]):
+            raise ModelError(f"{path}: {' and '.join(held)} differ in the file, but the model ties them (one "
+                             f"parameter): a checkpoint of a model with an untied head?")
 
 
 def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:

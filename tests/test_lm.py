@@ -55,6 +55,29 @@ def test_gpt_matches_transformers_gpt2_logits():
     torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt2s_own_tanh_gelu_reproduces_transformers_default_gpt2(tmp_path):
+    # transformers' GPT2Config defaults to gelu_new (GPT-2's tanh approximation): model.kwargs.gelu=tanh
+    transformers = pytest.importorskip("transformers")
+    from configs.schema import ModelConfig
+    from models import ModelError, build_model
+    config = transformers.GPT2Config(vocab_size=65, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert config.activation_function == "gelu_new"
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    torch.save(reference.state_dict(), tmp_path / "gpt2.pt")
+    ours = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, kwargs={"gelu": "tanh"},
+                                   pretrained=str(tmp_path / "gpt2.pt"))).eval()
+    ids = torch.randint(0, 65, (3, 20))
+    torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+    # a file whose LM head is not its embedding: the model ties them, so one of the two would be lost
+    untied = reference.state_dict()
+    untied["lm_head.weight"] = torch.randn_like(untied["lm_head.weight"])
+    torch.save(untied, tmp_path / "untied.pt")
+    with pytest.raises(ModelError, match=r"wte.weight and head.weight differ in the file, but the model ties them"):
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "untied.pt")))
+
+
 def test_nanogpt_layout_loads_and_causality_holds():
     torch.manual_seed(0)
     model = build_gpt("gpt2_nano", vocab_size=65).eval()

@@ -104,3 +104,28 @@ def test_official_swin_layout_is_remapped_to_timm(tmp_path):
                                    "model.pretrained_strict=true"))
     for name, tensor in source.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name
+
+
+def test_a_file_of_another_patch_size_is_refused_when_strict_and_resampled_otherwise(tmp_path, caplog):
+    import timm
+    torch.save(timm.create_model("vit_tiny_patch16_224").state_dict(), tmp_path / "p16.pth")
+    asked = ("model.name=vit_tiny_patch16_224", "model.kwargs.patch_size=32", f"model.pretrained={tmp_path / 'p16.pth'}")
+    with pytest.raises(ModelError, match=r"its patch embedding has \(16, 16\) patches, the model \(32, 32\)"):
+        build_model(model_cfg(*asked, "model.pretrained_strict=true"))
+    with caplog.at_level("WARNING"):
+        model = build_model(model_cfg(*asked))  # fine-tuning: timm's resize, said in the log
+    assert model.patch_embed.proj.weight.shape[-2:] == (32, 32) and "resampled" in caplog.text
+
+
+def test_official_deit3_layer_scale_names_load_into_the_same_outputs(tmp_path):
+    import re
+    import timm
+    torch.manual_seed(0)
+    source = timm.create_model("deit3_small_patch16_224", img_size=32, num_classes=5).eval()
+    official = {re.sub(r"ls(\d)\.gamma", r"gamma_\1", k): v for k, v in source.state_dict().items()}
+    assert any("gamma_1" in k for k in official)
+    torch.save({"model": official}, tmp_path / "deit3.pth")
+    model = build_model(model_cfg("model.name=deit3_small_patch16_224", "model.img_size=32", "model.num_classes=5",
+                                  f"model.pretrained={tmp_path / 'deit3.pth'}", "model.pretrained_strict=true"))
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model.eval()(x), source(x), atol=0, rtol=0)
