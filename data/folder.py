@@ -183,6 +183,14 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
                         f"{', '.join(os.path.relpath(f, path) for f in outside[:3])}: images must sit "
                         f"directly in {path}/<class>/; anywhere else timm would count them as a class of "
                         f"their own. Move them into their class folder or out of {path}")
+    from timm.utils.misc import natural_key
+    keys: dict = {}
+    for name in class_folders(path):  # timm sorts by natural_key; a tie's order would follow the hash seed
+        keys.setdefault(tuple(natural_key(name)), []).append(name)
+    tied = next((names for names in keys.values() if len(names) > 1), None)
+    if tied:
+        raise DataError(f"{path}: class folders {', '.join(tied)} sort as one name (case and leading zeros aside), "
+                        f"so their label order would change from process to process: rename them apart")
     empty = [name for name in class_folders(path) if name not in reader.class_to_idx]
     if empty:
         raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not "
@@ -192,7 +200,9 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
 
 def class_names(dataset) -> list[str]:
     """Class names in label order (the folder names of an ImageNet-style split)."""
-    class_to_idx = getattr(getattr(dataset, "reader", None), "class_to_idx", None) or {}
+    reader = getattr(dataset, "reader", None)
+    # timm's folder reader names it class_to_idx, its tar reader class_name_to_idx
+    class_to_idx = getattr(reader, "class_to_idx", None) or getattr(reader, "class_name_to_idx", None) or {}
     return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
 
 

@@ -133,3 +133,22 @@ def test_repeated_augmentation_follows_the_seed_and_sends_repeats_to_different_r
     # one shared permutation per epoch on every rank: the two copies of an image go to the two ranks
     assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)
     assert len(set(rank0) & set(rank1)) > 0.9 * len(rank0)
+
+
+def test_class_folders_that_sort_as_one_name_are_refused(tmp_path):
+    # timm orders classes by natural_key (lower case, numbers as numbers): a tie's order follows the hash seed,
+    # so two processes could give the same folder different labels
+    from data.folder import build_folder_dataset
+    make_image_folder(tmp_path, classes=("a", "A", "b"), per_class=1)
+    with pytest.raises(DataError, match=r"class folders (a, A|A, a) sort as one name"):
+        build_folder_dataset(str(tmp_path), "train")
+
+
+def test_a_tar_split_names_its_classes(tmp_path):
+    import tarfile
+    from data.folder import build_folder_dataset, class_names
+    make_image_folder(tmp_path / "src", classes=("cat", "dog"), per_class=2)
+    with tarfile.open(tmp_path / "val.tar", "w") as tar:
+        tar.add(tmp_path / "src" / "val", arcname=".")
+    dataset = build_folder_dataset(str(tmp_path), "val")
+    assert class_names(dataset) == ["cat", "dog"] and sorted({int(dataset[i][1]) for i in range(len(dataset))}) == [0, 1]
