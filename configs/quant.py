@@ -113,7 +113,7 @@ class APHQOptions(FirstLastOptions):
     mlp_clip_percentile: Annotated[float, Probability] = 0.98  # fc2-input clip (4-bit config; paper text: 0.99)
     mlp_clip_weight: Annotated[float, NonNegative] = 2.0  # weight of the clipped-branch term
     # -- run --
-    log_every: Annotated[int, AtLeastOne] = 1000  # log loss and time every N iterations (and at the end of each unit)
+    log_every: Annotated[int, NonNegative] = 1000  # log loss and time every N iterations and at each unit end (0: not)
     seed: Annotated[int, Seed] = 0  # QDrop masks, batch draws, Rademacher probes
     cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
 

@@ -67,8 +67,9 @@ def test_ctrl_c_in_evaluate_is_one_line_and_keeps_what_was_written(checkpoint, t
                              "--quant", "repq", "--bits", "w4a4", "w6a6", "w8a8", "w3a3", "w5a5"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while not out.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)  # the FP result is written: the pipelines run now
+    plot = tmp_path / "r_act_max.png"  # written after the JSON names it; then the pipelines run
+    while not (out.exists() and plot.exists()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)  # the FP result and the maxima files are written: the pipelines run now
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
