@@ -8,9 +8,10 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
 * no other run holds it: an exclusive `flock` on `out_dir/.run.lock`, held until the run ends (the
   kernel drops it when the process dies, so a killed run never leaves a stale lock). flock is local to
   one machine and may not be enforced on some network file systems;
-* partial writes of an interrupted checkpoint write (`checkpoint.pt.partial-<pid>-<hex>`, gigabytes at
-  ViT-B) whose writer is gone are removed: they are never the only copy of anything, since writes are
-  atomic renames. Only names this program gives its temporary files are removed (`partial_path`);
+* partial writes of an interrupted checkpoint write (`checkpoint.pt.partial-<host>-<pid>-<hex>`, gigabytes at
+  ViT-B) whose writer, a process of this machine, is gone are removed: they are never the only copy of
+  anything, since writes are atomic renames. Only names this program gives its temporary files are removed
+  (`partial_path`), and never another machine's (its writer may live, e.g. an evaluate.py on another node);
 * what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change).
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
@@ -25,6 +26,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -112,21 +114,29 @@ def prepare_folder(out_dir: str) -> None:
     os.remove(probe)
 
 
-# Temporary files of atomic writes: `<name>.partial-<pid>-<8 hex digits>`, a name no user file has by
-# chance; `<checkpoint.pt|best.pt|config.yaml|metrics.jsonl>.tmp.<pid>` is the name of earlier versions.
-_PARTIAL = re.compile(r"\.partial-(\d+)-[0-9a-f]{8}$")
+# Temporary files of atomic writes: `<name>.partial-<host>-<pid>-<8 hex digits>` (<host>: 8 hex digits of the
+# host name's hash, since a pid means something on its own machine only), a name no user file has by chance.
+# `<name>.partial-<pid>-<8 hex>` and `<checkpoint.pt|best.pt|config.yaml|metrics.jsonl>.tmp.<pid>` are the
+# names of earlier versions, which named no host.
+_PARTIAL = re.compile(r"\.partial-(?:([0-9a-f]{8})-)?(\d+)-[0-9a-f]{8}$")
 _LEGACY_PARTIAL = re.compile(r"^(checkpoint\.pt|best\.pt|config\.yaml|metrics\.jsonl)\.tmp\.(\d+)$")
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def partial_path(path: str) -> str:
     """The temporary name under which `path` is written before the rename that makes it appear whole."""
-    return f"{path}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{path}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _partial_writer(name: str) -> Optional[int]:
-    """The pid that wrote `name` if it is one of this program's temporary files, else None."""
-    match = _PARTIAL.search(name) or _LEGACY_PARTIAL.match(name)
-    return int(match.groups()[-1]) if match else None
+    """The pid that wrote `name` if it is one of this program's temporary files written on this machine (or
+    named by an earlier version, without a host), else None: another machine's pid cannot be checked here."""
+    match = _PARTIAL.search(name)
+    if match:
+        host, pid = match.groups()
+        return int(pid) if host in (None, _HOST) else None
+    match = _LEGACY_PARTIAL.match(name)
+    return int(match.group(2)) if match else None
 
 
 def _running(pid: int) -> bool:

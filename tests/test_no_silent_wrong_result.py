@@ -2,6 +2,7 @@
 fingerprints of values only, and files that survive concurrent writers, user files and failed starts."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -184,17 +185,23 @@ def test_only_this_programs_own_partial_files_are_removed(debug_config):
             f.write("the user's")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = os.path.join(cfg.out_dir, f"eval_best.json.partial-{sleeper.pid}-0123abcd")  # being written
-        dead = os.path.join(cfg.out_dir, "checkpoint.pt.partial-4194999-89abcdef")  # > any pid_max
-        for path in (live, dead):
+        host = os.path.basename(partial_path("/x/ckpt.pt")).split("-")[1]  # this machine's
+        live = os.path.join(cfg.out_dir, f"eval_best.json.partial-{host}-{sleeper.pid}-0123abcd")  # being written
+        dead = os.path.join(cfg.out_dir, f"checkpoint.pt.partial-{host}-4194999-89abcdef")  # > any pid_max
+        dead_unnamed_host = os.path.join(cfg.out_dir, "checkpoint.pt.partial-4194999-89abcdee")  # earlier names
+        # another machine's pid says nothing here: its writer may be alive (an evaluate.py on another node)
+        other_machine = os.path.join(cfg.out_dir, "eval_best.json.partial-00000000-4194999-0123abcd")
+        for path in (live, dead, dead_unnamed_host, other_machine):
             open(path, "w").close()
         train.main(debug_config("train.max_steps=2", name="p"))
-        assert os.path.exists(live) and not os.path.exists(dead)
+        assert os.path.exists(live) and os.path.exists(other_machine)
+        assert not os.path.exists(dead) and not os.path.exists(dead_unnamed_host)
     finally:
         sleeper.kill()
     for name in mine:
         assert open(os.path.join(cfg.out_dir, name)).read() == "the user's"
-    assert os.path.basename(partial_path("/x/ckpt.pt")).startswith(f"ckpt.pt.partial-{os.getpid()}-")
+    assert re.fullmatch(rf"ckpt\.pt\.partial-[0-9a-f]{{8}}-{os.getpid()}-[0-9a-f]{{8}}",
+                        os.path.basename(partial_path("/x/ckpt.pt")))
 
 
 def test_a_second_config_change_at_the_same_step_keeps_both_earlier_configs(debug_config, tmp_path):
