@@ -38,7 +38,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError
 from data.transforms import train_transform_settings
-from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint
+from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
@@ -269,12 +269,11 @@ def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], we
 
 def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
     """The val folder must name the classes the checkpoint was trained on, in the same order."""
-    trained = (payload or {}).get("classes")
-    if trained and val_classes and trained != val_classes:
-        different = [f"{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(trained, val_classes)) if a != b][:3]
+    different = class_differences((payload or {}).get("classes"), val_classes)
+    if different:
         raise DataError(f"the val split's classes differ from those {checkpoint} was trained on "
-                        f"({len(trained)} vs {len(val_classes)} classes; {', '.join(different)}): label i "
-                        f"would name another class. Point data.root at the data set it was trained on")
+                        f"({different}): label i would name another class. Point data.root at the data set it "
+                        f"was trained on")
 
 
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int) -> dict:

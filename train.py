@@ -37,7 +37,8 @@ from configs.loader import IgnoredOverrideError
 from data import DataError, build_loaders, build_token_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
-from engine.checkpoint import CheckpointError, restore_training, save_on_main_rank, training_payload
+from engine.checkpoint import (CheckpointError, class_differences, restore_training, save_on_main_rank,
+                               training_payload)
 from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, progress_kept_on_error
@@ -249,14 +250,11 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         raise CheckpointError(f"{resume_path} was trained on other token files than data.root={cfg.data.root} "
                               f"holds (size and first MiB per split: {saved} then, {run.loaders.fingerprint} "
                               f"now): point data.root at the files it was trained on, or start a new run")
-    classes = payload.get("classes")
-    if classes is not None and run.loaders.classes is not None and list(classes) != list(run.loaders.classes):
-        diff = next(i for i, pair in enumerate(zip(classes, run.loaders.classes)) if pair[0] != pair[1]) \
-            if len(classes) == len(run.loaders.classes) else None
-        where = f"class {diff}: {classes[diff]!r} then, {run.loaders.classes[diff]!r} now" if diff is not None \
-            else f"{len(classes)} classes then, {len(run.loaders.classes)} now"
+    different = class_differences(payload.get("classes"), run.loaders.classes)
+    if different:  # another image data set: each label would name another class
         raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "
-                              f"({where}): point data.root at the data set it was trained on, or start a new run")
+                              f"(then vs now: {different}): point data.root at the data set it was trained on, "
+                              f"or start a new run")
     try:
         restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
     except RuntimeError as e:  # torch's load_state_dict: weights that do not fit the model the config builds

@@ -12,7 +12,7 @@ import hashlib
 import os
 import shutil
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -130,6 +130,15 @@ def restore_training(payload: dict, *, model, optimizer, state,
             raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with "
                                   f"the settings it was written with (see config.yaml next to it)")
         obj.load_state_dict(payload[name])
+
+
+def class_differences(trained, now) -> Optional[str]:
+    """How the class names a checkpoint was trained on (its `classes` entry) differ from those of the data now,
+    e.g. "10 vs 10 classes; 0: cat vs car"; None where they agree or either is unknown (synthetic data)."""
+    if not trained or not now or list(trained) == list(now):
+        return None
+    different = [f"{i}: {a} vs {b}" for i, (a, b) in enumerate(zip(trained, now)) if a != b][:3]
+    return f"{len(trained)} vs {len(now)} classes" + (f"; {', '.join(different)}" if different else "")
 
 
 def weights_fingerprint(state_dict: dict) -> str:

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import train
 from configs import load_config
 from configs.schema import SchedConfig
-from data import build_train_loader
+from data import DataError, build_train_loader
 from engine.checkpoint import CheckpointError
 from engine.optim import build_optimizer, build_scheduler
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
@@ -136,10 +136,15 @@ def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_pa
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
     ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
     before = os.path.getmtime(ckpt)
-    with pytest.raises(CheckpointError, match=r"other classes than data.root=.*\(class 0: 'cat' then, 'car' now\)"):
+    with pytest.raises(CheckpointError, match=r"other classes than data.root=.*\(then vs now: 2 vs 2 classes; 0: cat vs car, 1: dog vs ship\)"):
         train.main(debug_config(*folder, f"data.root={tmp_path / 'b'}", name="c"))
     assert os.path.getmtime(ckpt) == before
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=2", name="c"))  # its own data
+    import evaluate  # scoring it on the other data set is refused the same way
+    with pytest.raises(DataError, match=r"the val split's classes differ .*\(2 vs 2 classes; 0: cat vs car, 1: dog "
+                                        r"vs ship\)"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "c" / "best.pt"), "--quant",
+                                           f"data.root={tmp_path / 'b'}", "--out", str(tmp_path / "e.json")]))
 
 
 def test_another_optimizer_at_resume_is_refused(debug_config):
