@@ -64,16 +64,23 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
     return payload, ""
 
 
-def latest_snapshot(out_dir: str) -> Optional[str]:
-    """The snapshot written last in out_dir/snapshots (None if there is none): after a roll-back to an earlier
-    snapshot, the run's current branch, not the abandoned one's later epochs (epoch0005.pt of the old branch
-    beside epoch0003-1.pt of the new); the epoch breaks ties of equal times."""
+def last_good_snapshot(out_dir: str, broken: str) -> Optional[str]:
+    """The snapshot in out_dir/snapshots written last that can be resumed and is not `broken` itself (None if
+    there is none). Written last: after a roll-back to an earlier snapshot, the run's current branch, not the
+    abandoned one's later epochs (epoch0005.pt of the old branch beside epoch0003-1.pt of the new); the epoch
+    breaks ties of equal times. Not `broken`: the newest snapshot is a hard link to checkpoint.pt, so a file
+    copied over checkpoint.pt (`cp best.pt checkpoint.pt`) changed it too."""
     def order(path: str) -> tuple:
         found = re.match(r"epoch(\d+)", os.path.basename(path))
         return os.path.getmtime(path), int(found.group(1)) if found else -1
 
     paths = sorted(glob.glob(os.path.join(glob.escape(out_dir), SNAPSHOTS, "epoch*.pt")), key=order)
-    return paths[-1] if paths else None
+    for path in reversed(paths):
+        if os.path.exists(broken) and os.path.samefile(path, broken):
+            continue
+        if read_training_checkpoint(path)[0] is not None:
+            return path
+    return None
 
 
 def rerun_command(resume: str) -> str:
@@ -88,7 +95,7 @@ def rerun_command(resume: str) -> str:
 def unusable(path: str, problem: str) -> CheckpointError:
     """The one error line for a checkpoint that cannot be resumed: file, size, problem, the way on."""
     out_dir = os.path.dirname(path)
-    snapshot = latest_snapshot(out_dir)
+    snapshot = last_good_snapshot(out_dir, path)
     way_on = (f"continue from the last good snapshot with: {rerun_command(snapshot)}" if snapshot else
               f"there is no snapshot in {os.path.join(out_dir, SNAPSHOTS)} (train.keep_every_epochs keeps "
               f"them); move {path} away and start afresh with train.archive_existing=true, or continue "

@@ -390,17 +390,22 @@ def test_a_checkpoint_that_passes_the_format_check_but_is_broken_is_one_error(de
         train.main(debug_config(f"train.resume={broken}", name="dst"))
 
 
-def test_the_last_snapshot_is_the_one_written_last_not_an_abandoned_branchs_later_epoch(tmp_path):
-    from engine.snapshots import latest_snapshot
-    folder = tmp_path / "snapshots"
-    folder.mkdir()
-    for name, written in (("epoch0005.pt", 100), ("epoch0001.pt", 50), ("epoch0003-1.pt", 200)):
-        (folder / name).write_bytes(b"")
-        os.utime(folder / name, (written, written))  # rolled back to epoch 1 after epoch 5, now at epoch 3
-    assert latest_snapshot(str(tmp_path)) == str(folder / "epoch0003-1.pt")
-    (folder / "epoch0004-1.pt").write_bytes(b"")
-    os.utime(folder / "epoch0004-1.pt", (200, 200))  # the same time: the later epoch
-    assert latest_snapshot(str(tmp_path)) == str(folder / "epoch0004-1.pt")
+def test_the_snapshot_suggested_for_an_unusable_checkpoint_is_the_last_good_one_written(debug_config):
+    cfg = debug_config("train.keep_every_epochs=1", name="s")  # 2 epochs: snapshots epoch0001.pt, epoch0002.pt
+    train.main(cfg)
+    snapshots, ckpt = os.path.join(cfg.out_dir, "snapshots"), os.path.join(cfg.out_dir, "checkpoint.pt")
+    linked = os.path.samefile(os.path.join(snapshots, "epoch0002.pt"), ckpt)  # a hard link where there are any
+    # an abandoned branch's later epoch, written long before (a roll-back to epoch 1 wrote epoch0002.pt since)
+    shutil.copy(os.path.join(snapshots, "epoch0001.pt"), os.path.join(snapshots, "epoch0005.pt"))
+    os.utime(os.path.join(snapshots, "epoch0005.pt"), (1, 1))
+    with open(os.path.join(cfg.out_dir, "best.pt"), "rb") as f:
+        best = f.read()
+    with open(ckpt, "wb") as f:  # `cp best.pt checkpoint.pt`: into the file the newest snapshot shares
+        f.write(best)
+    expected = "epoch0001.pt" if linked else "epoch0002.pt"
+    with pytest.raises(CheckpointError, match=rf"continue from the last good snapshot with: .*train.resume=\S*"
+                                              rf"snapshots/{expected}"):
+        train.main(debug_config("train.keep_every_epochs=1", name="s"))
 
 
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
