@@ -46,7 +46,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanu
 from engine.loop import NonFiniteLossError
 from engine.precision import describe_precision
 from engine.tasks import check_model_fits_task, task_for
-from engine.runinfo import describe_environment, setup_logging
+from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
 from models.modules import nonfinite_tensors
@@ -661,10 +661,9 @@ if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))  # stderr and eval.log
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))
     except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)
-        print("error: interrupted; the results finished so far are in the JSON, and the same command runs "
-              "only what is missing", file=sys.stderr)
-        sys.exit(130)
+        exit_with_error("interrupted; the results finished so far are in the JSON, and the same command runs "
+                        "only what is missing", code=130)

@@ -50,7 +50,7 @@ from engine.resume import epoch_position, optimizer_param_names, restore_optimiz
 from engine.snapshots import keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes)
-from engine.runinfo import describe_environment, setup_logging
+from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
 
@@ -538,4 +538,4 @@ if __name__ == "__main__":
             sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             DivergenceError) as e:
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))  # stderr and train.log

@@ -31,6 +31,22 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
     root.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
+def exit_with_error(message: str, code=None):
+    """End the process with `message` as its one `error:` line on stderr, and write it into the run's log file
+    too (train.log / eval.log, when setup_logging has opened one), so that a job read through its log says why
+    it stopped. `code`: the exit status (default 1)."""
+    line = f"error: {message}"
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "_cd_run", False) and isinstance(handler, logging.FileHandler):
+            name = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "run"  # train / evaluate
+            handler.emit(logging.LogRecord(name, logging.ERROR, __file__, 0, line, None, None))
+            handler.flush()
+    if code is None:
+        sys.exit(line)
+    print(line, file=sys.stderr)
+    sys.exit(code)
+
+
 def git_commit() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))

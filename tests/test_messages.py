@@ -4,6 +4,8 @@ epoch's end says so and how to go on; a full disk is named as a full disk and le
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from engine.eval_results import ResultsError, read_result_files
 from engine.metrics import MetricLogger
 from engine.run_dir import RunDirError, prepare_folder
 from models import ModelError
+from tests.conftest import DEBUG_CONFIG, ROOT
 
 
 @pytest.mark.parametrize("content", [[1, 2], {"quant": [1]}, "text"])
@@ -96,3 +99,12 @@ def test_train_device_cuda_without_a_gpu_is_a_config_error_not_a_traceback(debug
     from configs import ConfigError
     with pytest.raises(ConfigError, match=r"train.device=cuda but no CUDA device is visible"):
         train.main(debug_config("train.device=cuda"))
+
+
+def test_a_stopping_error_is_in_train_log_as_well_as_on_stderr(tmp_path):
+    out = tmp_path / "nan"
+    done = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out}", "optim.lr=1e6",
+                           "sched.epochs=10"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: the training loss is nan")
+    assert (out / "train.log").read_text().splitlines()[-1].endswith(f"train ERROR {lines[0]}")  # a job's log says why
