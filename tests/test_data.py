@@ -151,4 +151,5 @@ def test_a_tar_split_names_its_classes(tmp_path):
     with tarfile.open(tmp_path / "val.tar", "w") as tar:
         tar.add(tmp_path / "src" / "val", arcname=".")
     dataset = build_folder_dataset(str(tmp_path), "val")
-    assert class_names(dataset) == ["cat", "dog"] and sorted({int(dataset[i][1]) for i in range(len(dataset))}) == [0, 1]
+    labels = {int(dataset[i][1]) for i in range(len(dataset))}
+    assert class_names(dataset) == ["cat", "dog"] and sorted(labels) == [0, 1]

@@ -109,7 +109,8 @@ def test_official_swin_layout_is_remapped_to_timm(tmp_path):
 def test_a_file_of_another_patch_size_is_refused_when_strict_and_resampled_otherwise(tmp_path, caplog):
     import timm
     torch.save(timm.create_model("vit_tiny_patch16_224").state_dict(), tmp_path / "p16.pth")
-    asked = ("model.name=vit_tiny_patch16_224", "model.kwargs.patch_size=32", f"model.pretrained={tmp_path / 'p16.pth'}")
+    asked = ("model.name=vit_tiny_patch16_224", "model.kwargs.patch_size=32",
+             f"model.pretrained={tmp_path / 'p16.pth'}")
     with pytest.raises(ModelError, match=r"its patch embedding has \(16, 16\) patches, the model \(32, 32\)"):
         build_model(model_cfg(*asked, "model.pretrained_strict=true"))
     with caplog.at_level("WARNING"):

@@ -136,7 +136,8 @@ def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_pa
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
     ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
     before = os.path.getmtime(ckpt)
-    with pytest.raises(CheckpointError, match=r"other classes than data.root=.*\(then vs now: 2 vs 2 classes; 0: cat vs car, 1: dog vs ship\)"):
+    with pytest.raises(CheckpointError, match=r"other classes than data.root=.*\(then vs now: 2 vs 2 classes; "
+                                              r"0: cat vs car, 1: dog vs ship\)"):
         train.main(debug_config(*folder, f"data.root={tmp_path / 'b'}", name="c"))
     assert os.path.getmtime(ckpt) == before
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=2", name="c"))  # its own data

@@ -16,8 +16,9 @@ The classification steps (pipeline.py) with the detection code's differences:
    iteration in order (reconstruct.py `reconstruct_unit_calls`). The backbone units use the APH weight of
    hessian.py `detector_hessians` (the RPN outputs' binary KL and smooth-L1 under +-1e-3 on the unit output,
    per image), the neck plain MSE and no QDrop inside its quantizers (the official `set_qdrop` reaches
-   Linear and matmul quantizers only, and the neck has convolutions only). The RPN and RoI heads are calibrated only: their reconstruction is
-   commented out in the official code, so they are switched on, as calibrated, at the end.
+   Linear and matmul quantizers only, and the neck has convolutions only). The RPN and RoI heads are
+   calibrated only: their reconstruction is commented out in the official code, so they are switched on, as
+   calibrated, at the end.
 """
 from __future__ import annotations
 
