@@ -96,8 +96,8 @@ class Pipeline:
 
     def check(self, bits: Bits, options: Any) -> None:
         """Raise ValueError (naming the option) for options that cannot go together at these bits: the
-        entry point calls it for every pipeline and bit-width before any work. Overrides call this first:
-        it refuses the bit-widths the pipeline cannot do (16 bits = float, see spec.Bits)."""
+        entry points reach it through `validate`, for every pipeline and bit-width before any work. Overrides
+        call this first: it refuses the bit-widths the pipeline cannot do (16 bits = float, see spec.Bits)."""
         if bits.float_weights:
             raise ValueError(f"{self.name} quantizes weights: {bits} keeps them float (16 bits); give w2..w15")
         if self.weight_only and not bits.float_activations:
