@@ -255,6 +255,11 @@ def annotation_files(cfg: Config) -> List[tuple]:
     return files
 
 
+def annotation_paths(cfg: Config, *keys: str) -> List[str]:
+    """The paths of `annotation_files` read by the loaders / evaluators `keys` (all of them without keys)."""
+    return [path for key, path in annotation_files(cfg) if not keys or key in keys]
+
+
 def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
     """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
     naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
@@ -356,7 +361,7 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         if max_images < 1:
             raise DetectionError(f"--max-images {max_images}: give at least 1")
         loader_cfg["dataset"]["indices"] = max_images
-    with reading_annotations([path for key, path in annotation_files(cfg) if key == f"{split}_dataloader"]):
+    with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
         return Runner.build_dataloader(loader_cfg)
 
 
@@ -372,7 +377,7 @@ def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: st
         if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
             dataset["pipeline"] = test_pipeline
     dataset_cfg.pop("indices", None)
-    with reading_annotations([path for key, path in annotation_files(cfg) if key == "train_dataloader"]):
+    with reading_annotations(annotation_paths(cfg, "train_dataloader")):
         dataset = DATASETS.build(dataset_cfg)
     if len(dataset) < count:
         raise DetectionError(f"{flag} {count}: the training split has only {len(dataset)} images")
@@ -540,18 +545,11 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
 
 # -- evaluation ----------------------------------------------------------------------------------------
 
-def _loader_annotation(cfg: Config, split: str) -> Optional[str]:
-    """The absolute path of the annotation file the `split` loader reads (its dataset's data_root joined with
-    its ann_file, as MMDetection's datasets join them), or None when it names none."""
-    dataset = cfg[f"{split}_dataloader"]["dataset"]
-    ann = dataset.get("ann_file")
-    return os.path.abspath(os.path.join(dataset.get("data_root") or "", ann)) if ann else None
-
-
 def check_evaluator_annotations(cfg: Config, split: str = "test") -> None:
     """Refuse a `split` evaluator that reads another annotation file than the `split` loader: it would score
     the loader's predictions against the ground truth of other images."""
-    loader_ann = _loader_annotation(cfg, split)
+    read = annotation_paths(cfg, f"{split}_dataloader")  # one file, unless it concatenates data sets
+    loader_ann = read[0] if len(read) == 1 else None
     metrics = cfg[f"{split}_evaluator"]
     for metric in metrics if isinstance(metrics, list) else [metrics]:
         ann = metric.get("ann_file")
@@ -579,7 +577,7 @@ def _evaluator(cfg: Config, loader) -> Any:
     if torch.distributed.is_initialized():
         for metric in metrics:
             metric.setdefault("collect_device", "gpu")
-    with reading_annotations([path for key, path in annotation_files(cfg) if key == "test_evaluator"]):
+    with reading_annotations(annotation_paths(cfg, "test_evaluator")):
         built = [METRICS.build(m) for m in metrics]
     ids = _image_ids(loader.dataset)
     for metric in built:

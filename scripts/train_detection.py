@@ -131,7 +131,8 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
     pointer = os.path.join(work_dir, "last_checkpoint")
     with open(pointer) as f:
         target = f.read().strip()
-    inside = os.path.realpath(target).startswith(os.path.join(os.path.realpath(work_dir), ""))
+    from engine.run_dir import is_inside
+    inside = is_inside(target, work_dir)
     if not inside or not os.path.isfile(target):
         raise DetectionError(f"--resume: {pointer} points to {target}, "
                              f"{'which does not exist' if inside else 'outside the work dir'}: restore the run's "
@@ -161,7 +162,7 @@ def check_launcher(launcher: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
-    from engine.detection import (annotation_files, check_annotation_files, check_backbone_init, load_config,
+    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, load_config,
                                   parse_overrides, reading_annotations)
     from mmengine.runner import Runner
 
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     runner = Runner.from_cfg(cfg)
     # The loops read the annotation files when they are built, which runner.train() does unless the properties
     # did it first: here, so that an unreadable file is one error line naming it.
-    with reading_annotations([path for _, path in annotation_files(cfg)]):
+    with reading_annotations(annotation_paths(cfg)):
         runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
     runner.train()
     return 0
