@@ -123,6 +123,12 @@ _LEGACY_PARTIAL = re.compile(r"^(checkpoint\.pt|best\.pt|config\.yaml|metrics\.j
 _HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
+def is_inside(path: str, folder: str) -> bool:
+    """Whether `path` lies in `folder` or below it, links resolved (a run's own snapshots, its own checkpoint)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 def partial_path(path: str) -> str:
     """The temporary name under which `path` is written before the rename that makes it appear whole."""
     return f"{path}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -30,7 +30,7 @@ from models.modules import nonfinite_tensors
 
 from .checkpoint import CheckpointError
 from .distributed import raise_on_every_rank
-from .run_dir import SNAPSHOTS, partial_path
+from .run_dir import SNAPSHOTS, is_inside, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,6 @@ def unusable(path: str, problem: str) -> CheckpointError:
     return CheckpointError(f"cannot resume from {path} ({os.path.getsize(path)} bytes): {problem}; {way_on}")
 
 
-def _inside(path: str, folder: str) -> bool:
-    """Whether `path` lies in `folder` or below it (a run's own snapshots)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
-
-
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
     """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
     own = os.path.join(out_dir, "checkpoint.pt")
@@ -126,7 +120,7 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
                 log.info("%s was written by a run started from train.resume=%s: continuing from it",
                          own, resume)
                 return own, own_payload
-            if not _inside(resume, out_dir):  # checkpoint.pt would be replaced by another run's progress
+            if not is_inside(resume, out_dir):  # checkpoint.pt would be replaced by another run's progress
                 raise CheckpointError(f"train.resume={resume}: out_dir {out_dir} holds checkpoint.pt of a run "
                                       f"that did not start from it ({problem or 'another start'}), which the "
                                       f"next checkpoint would replace: give a new out_dir, or move "
