@@ -11,6 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Union
 
+from engine.preemption import stop_signals_blocked
+
 FIELDS = ("name", "kind", "block", "type", "max")
 
 
@@ -40,8 +42,12 @@ def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
 
 def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: str = "") -> Path:
     """Save a PNG/PDF of max |activation| per block for each module type."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    # A Ctrl-C that lands inside the initialisation of matplotlib's C extensions can abort the interpreter
+    # with a C-level error instead of raising KeyboardInterrupt; held during the import, it is delivered
+    # (and handled as any stop) right after it.
+    with stop_signals_blocked():
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

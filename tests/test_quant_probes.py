@@ -88,3 +88,30 @@ def test_probe_without_data_and_wrapped_model():
     assert probe.result().module == 0.0
     with pytest.raises(ValueError, match="unwrapped"):
         ActivationProbe(torch.nn.Sequential(model))
+
+
+def test_stop_signals_are_held_while_the_plot_imports_matplotlib(tmp_path):
+    """A Ctrl-C inside matplotlib's C-extension initialisation can abort Python; the plot imports it with
+    SIGINT / SIGTERM blocked (a fresh process, so that matplotlib is really imported there)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import importlib.abc, signal, sys
+masks = []
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "matplotlib.figure":
+            masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return None
+sys.meta_path.insert(0, Spy())
+from engine.act_max_files import plot
+plot([{{"name": "b", "kind": "block", "block": 0, "type": "block", "max": 2.0}}], {str(tmp_path / 'p.png')!r})
+assert masks and {{signal.SIGINT, signal.SIGTERM}} <= masks[0], masks
+assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {{signal.SIGINT, signal.SIGTERM}}
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
