@@ -548,9 +548,11 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
 def check_evaluator_annotations(cfg: Config, split: str = "test") -> None:
     """Refuse a `split` evaluator that reads another annotation file than the `split` loader: it would score
     the loader's predictions against the ground truth of other images."""
+    metrics = cfg.get(f"{split}_evaluator")
+    if not metrics:  # a training config without validation
+        return
     read = annotation_paths(cfg, f"{split}_dataloader")  # one file, unless it concatenates data sets
     loader_ann = read[0] if len(read) == 1 else None
-    metrics = cfg[f"{split}_evaluator"]
     for metric in metrics if isinstance(metrics, list) else [metrics]:
         ann = metric.get("ann_file")
         if ann and loader_ann and os.path.abspath(ann) != loader_ann:

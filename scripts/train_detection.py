@@ -162,14 +162,15 @@ def check_launcher(launcher: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
-    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, load_config,
-                                  parse_overrides, reading_annotations)
+    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init,
+                                  check_evaluator_annotations, load_config, parse_overrides, reading_annotations)
     from mmengine.runner import Runner
 
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
+    check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
     check_work_dir(args.work_dir, args.resume)
     settings = run_settings(cfg)
     if args.resume:

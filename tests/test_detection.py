@@ -395,6 +395,18 @@ def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused
     assert not (tmp_path / "x.json").exists()
 
 
+def test_training_refuses_a_val_evaluator_reading_another_annotation_file(sample, tmp_path, capsys):
+    """The epoch-end validation would score the val loader's predictions against other ground truth: refused
+    before the work dir is made."""
+    import shutil
+    elsewhere = tmp_path / "instances_val2017.json"
+    shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
+    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+                                f"val_evaluator.ann_file={elsewhere}"])
+    assert f"val_evaluator.ann_file={elsewhere} but val_dataloader reads" in line, line
+    assert not (tmp_path / "w").exists()
+
+
 def _error_line(capsys, argv):
     """The one `error:` line (exit code 2, no traceback) train_detection.run prints for `argv`."""
     import train_detection
