@@ -277,8 +277,9 @@ class ColinearityDecay:
             TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
             RuntimeError: this object is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step).
-            ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, or
-                the model's parameters were replaced after this object found its pairs.
+            ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, the
+                model's parameters were replaced after this object found its pairs, or a param group holding a
+                decayed matrix has no lr to follow (None; Adafactor's relative_step=True).
         """
         optimizer = torch_optimizer(optimizer)
         attached = self._attached()
@@ -379,8 +380,33 @@ class ColinearityDecay:
         if self._gi_cache is not None and self._gi_cache[0] == sig:
             return self._gi_cache[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._check_group_lrs(optimizer, index)
         self._gi_cache = (sig, index)
         return index
+
+    def _check_group_lrs(self, optimizer: torch.optim.Optimizer, index: dict[int, int]) -> None:
+        """Refuse a param group holding a decayed matrix whose `lr` is not the step size: CD's step is
+        lr * lam, and `lr * lam` with None would fail mid-step, while Adafactor's relative step keeps in
+        `lr` a proxy that AdafactorSchedule writes (0 at first, then another parameter's scaled step).
+
+        Raises:
+            ValueError: naming the group, the matrix, its lr and what to do.
+        """
+        for name, t in self._decayed_named():
+            if id(t) not in index:
+                continue
+            gi = index[id(t)]
+            group = optimizer.param_groups[gi]
+            lr = group.get("lr")
+            number = isinstance(lr, numbers.Real) and not isinstance(lr, bool)
+            tensor = isinstance(lr, Tensor) and lr.dim() == 0 and lr.is_floating_point()
+            if group.get("relative_step") or not (number or tensor):
+                own = " and relative_step=True" if group.get("relative_step") else ""
+                raise ValueError(f"ColinearityDecay: param group {gi} of {type(optimizer).__name__} holds {name} "
+                                 f"with lr {lr!r}{own}; CD's step is lr * lam with that group's lr, and an "
+                                 f"optimizer that sets its own step size has none to follow. Give it an lr "
+                                 f"(e.g. Adafactor(lr=1e-3, relative_step=False)), or call "
+                                 f"ColinearityDecay.apply(lr) in your own loop")
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
         if self.mode != "decoupled" or not self._active:

@@ -298,6 +298,32 @@ def test_a_role_strength_that_decays_nothing_is_refused(model, kwargs):
         ColinearityDecay(model(), **kwargs)
 
 
+class RelativeStep(torch.optim.Optimizer):
+    """Adafactor's contract (transformers, timm): lr=None and relative_step=True, the step size computed
+    inside step(); AdafactorSchedule then writes a proxy number into the group's lr."""
+
+    def __init__(self, params, lr=None):
+        super().__init__(params, dict(lr=lr, relative_step=lr is None))
+
+    def step(self, closure=None):
+        pass
+
+
+@pytest.mark.parametrize("proxy_lr", [None, 0.0])
+def test_an_optimizer_without_an_lr_to_follow_is_refused_at_attach(proxy_lr):
+    model = tiny_vit()
+    opt = RelativeStep(model.parameters())
+    opt.param_groups[0]["lr"] = proxy_lr
+    with pytest.raises(ValueError, match=r"param group 0 of RelativeStep holds .* with lr (None|0\.0) and "
+                                         r"relative_step=True; .* has none to follow"):
+        ColinearityDecay(model).attach(opt)
+
+
+def test_an_optimizer_with_its_own_lr_is_followed():
+    model = tiny_vit()
+    ColinearityDecay(model).attach(RelativeStep(model.parameters(), lr=1e-3))
+
+
 def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
     model = tiny_vit()
     scheduler_by_mistake = torch.optim.lr_scheduler.StepLR(sgd(model.parameters()), 1)
