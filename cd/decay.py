@@ -121,8 +121,8 @@ class ColinearityDecay:
             the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md.
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
             materialised delta per pair, so the trainer passes its log interval.
-        example_input: a tensor of the model's input shape for checking the pairs against a forward
-            pass (see `find_pairs`); timm models need none.
+        example_input: a tensor of the model's input shape (a tuple of positional inputs, a dict of keyword
+            inputs) for checking the pairs against a forward pass (see `find_pairs`); timm models need none.
         verify: check the pairs against that forward pass (`find_pairs`); False trusts the structure alone,
             for models whose forward cannot run on the `meta` device.
         gated_mlp: also pair gated MLPs (SwiGLU: norm2 -> W_gate, W_up; W_up -> W_down), beyond the

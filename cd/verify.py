@@ -156,8 +156,9 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
 
     Args:
         root: the unwrapped model. pairs: `Pair`s of `root`. block_types: block name -> class name.
-        example: an input of the right shape (any device; only its shape and dtype are used), or a dict of
-            keyword inputs (tensors and flags); default `example_input(root)`.
+        example: an input of the right shape (any device; only its shape and dtype are used), a tuple or list
+            of positional inputs (as Lightning's `example_input_array` gives a forward of several arguments),
+            or a dict of keyword inputs (tensors and flags); default `example_input(root)`.
 
     Raises:
         UnsupportedModelError: naming the first failing pair, its block and the block's type.
@@ -165,6 +166,8 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     example = example_input(root) if example is None else example
     if isinstance(example, Mapping):  # keyword inputs (a transformers model's), tensors made meta
         args, kwargs = (), {k: _meta_like(v) for k, v in example.items()}
+    elif isinstance(example, (tuple, list)):  # positional inputs, Lightning's convention: forward(*example)
+        args, kwargs = tuple(_meta_like(v) for v in example), {}
     else:
         args, kwargs = (_meta_like(example),), {}
     sources: dict[str, list[tuple[str, bool]]] = {}

@@ -175,6 +175,25 @@ def test_a_forward_that_cannot_run_on_meta_is_a_clear_error_and_verify_false_tru
     assert len(ColinearityDecay(model, verify=False).pairs) == 4
 
 
+class _TwoInputs(nn.Module):
+    """A forward of several arguments, whose example input is a tuple (Lightning's `example_input_array`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = _tiny("vit_tiny_patch16_224", depth=1)
+
+    def forward(self, x, scale):
+        return self.vit(x) * scale
+
+
+def test_a_tuple_example_input_is_the_forwards_positional_arguments():
+    model = _TwoInputs()
+    example = (torch.zeros(1, 3, 32, 32), torch.tensor(2.0))
+    assert len(find_pairs(model, example_input=example)) == 4
+    assert len(find_pairs(model, example_input=list(example))) == 4
+    assert len(ColinearityDecay(model, example_input=example).pairs) == 4
+
+
 def test_class_attention_blocks_pair_q_k_v_with_norm1_and_proj_with_v():
     model = timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
                               num_classes=3)
