@@ -32,10 +32,13 @@ def format_pairs(pairs: list[Pair]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="List the CD matrix pairs of a timm model (meta device).")
-    parser.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    parser.add_argument("--model", default=None, help="timm model name (default vit_base_patch16_224)")
     parser.add_argument("--families", action="store_true",
                         help="a table of timm's Transformer families: the pairs per block, or why refused")
     args = parser.parse_args(argv)
+    if args.families and args.model is not None:  # one table per run: the other request would go unanswered
+        parser.exit(2, f"error: --families lists every family, not --model {args.model}'s pairs; give one of "
+                       "them\n")
     if args.families:
         from cd.families import family_table
 
@@ -45,6 +48,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         import timm  # only the CLI needs timm
     except ImportError:
         parser.exit(2, 'error: python -m cd --model needs timm: pip install timm (or pip install ".[timm]")\n')
+    args.model = args.model or "vit_base_patch16_224"
     if not timm.is_model(args.model):  # a typo: one line with the closest names, not a traceback
         close = difflib.get_close_matches(args.model, timm.list_models(), n=3, cutoff=0.6)
         parser.exit(2, f"error: unknown timm model {args.model!r}"

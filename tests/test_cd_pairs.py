@@ -233,3 +233,11 @@ def test_cli_refuses_swin_v2_with_one_error_line(capsys):
     # the first block in model order, not the later patch merging (whose norm also follows its layer)
     assert err.startswith("error: swinv2_tiny_window8_256: SwinTransformerV2 is not supported by CD: block "
                           "'layers.0.blocks.0' (SwinTransformerV2Block): the qkv pair")
+
+
+def test_cli_refuses_families_with_a_model_in_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pairs_main(["--model", "swin_tiny_patch4_window7_224", "--families"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: --families lists every family, not --model swin_tiny_patch4_window7_224")
