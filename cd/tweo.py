@@ -100,8 +100,9 @@ class TWEO:
             raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
         if schedule == "cosine" and not (total_steps and total_steps > 0):
             raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
-        if p < 1 or tau + eps <= 0 or lam < 0:
-            raise ValueError(f"tweo needs p >= 1, tau + eps > 0, lam >= 0; "
+        # NaN passes every comparison: checked as not finite, or the loss would be NaN from the first step
+        if not all(math.isfinite(v) for v in (lam, p, tau, eps)) or p < 1 or tau + eps <= 0 or lam < 0:
+            raise ValueError(f"tweo needs finite p >= 1, tau + eps > 0, lam >= 0; "
                              f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)

@@ -114,6 +114,13 @@ def test_hooks_are_removed_and_eval_or_no_grad_forwards_are_not_captured():
     assert all(not b._forward_hooks for b in model.blocks) and not model._forward_pre_hooks
 
 
+@pytest.mark.parametrize("kwargs", [dict(lam=float("nan")), dict(lam=float("inf")), dict(p=float("nan")),
+                                    dict(tau=float("nan")), dict(eps=float("inf")), dict(lam=-1.0)])
+def test_non_finite_or_negative_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="tweo needs finite p >= 1"):
+        TWEO(tiny_vit(), **kwargs)
+
+
 def test_cosine_schedule():
     tweo = TWEO(tiny_vit(), lam=0.02, schedule="cosine", total_steps=100)
     assert tweo.lam_at(0) == 0.02
