@@ -158,6 +158,8 @@ class ColinearityDecay:
         for role, value in {"lam": lam, **lam_per_role}.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"cd {role} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(loss_coef, (int, float)) and math.isfinite(loss_coef) and loss_coef >= 0):
+            raise ValueError(f"cd loss_coef must be a finite number >= 0, got {loss_coef!r}")
         self.lam = float(lam)
         self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}
         self.targets = targets

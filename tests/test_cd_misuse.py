@@ -324,6 +324,12 @@ def test_an_optimizer_with_its_own_lr_is_followed():
     ColinearityDecay(model).attach(RelativeStep(model.parameters(), lr=1e-3))
 
 
+@pytest.mark.parametrize("coef", [float("nan"), float("inf"), -0.01])
+def test_a_non_finite_or_negative_loss_coef_is_refused(coef):
+    with pytest.raises(ValueError, match="cd loss_coef must be a finite number >= 0"):
+        ColinearityDecay(tiny_vit(), mode="loss", loss_coef=coef)
+
+
 def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
     model = tiny_vit()
     scheduler_by_mistake = torch.optim.lr_scheduler.StepLR(sgd(model.parameters()), 1)
