@@ -203,6 +203,7 @@ class ColinearityDecay:
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
         self._gi_cache: Optional[tuple] = None  # (param-group signature, id(param) -> group index)
+        self._warned_dtype = False  # `_warn_low_precision_weights` said it once
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
@@ -383,8 +384,25 @@ class ColinearityDecay:
             return self._gi_cache[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._check_group_lrs(optimizer, index)
+        self._warn_low_precision_weights()
         self._gi_cache = (sig, index)
         return index
+
+    def _warn_low_precision_weights(self) -> None:
+        """Warn (once per object) when decayed matrices are stored in bf16 / fp16 ("bf16-true" training, a model
+        loaded in half precision): CD's step changes a weight by about lr * lam of itself (5e-6 at lr 1e-3 and
+        the paper's lam 0.005), far below bf16's resolution (2^-8) and fp16's (2^-11), so it rounds away,
+        as decoupled weight decay does there. Mixed precision keeps fp32 weights and is not affected."""
+        if self._warned_dtype or not self._active or self.mode != "decoupled":
+            return
+        low = sorted({str(w.dtype) for p in self.pairs for w in (p.w2(),) if w.dtype in (torch.bfloat16,
+                                                                                          torch.float16)})
+        if low:
+            self._warned_dtype = True
+            warnings.warn(f"ColinearityDecay: decayed matrices are stored in {', '.join(low)}; CD's per-step change "
+                          f"(about lr * lam of each weight) is below that format's resolution and mostly rounds "
+                          f"away, as decoupled weight decay does. Keep fp32 weights (mixed precision: AMP, "
+                          f"Lightning's 'bf16-mixed') for CD to act.", stacklevel=4)
 
     def _check_group_lrs(self, optimizer: torch.optim.Optimizer, index: dict[int, int]) -> None:
         """Refuse a param group holding a decayed matrix whose `lr` is not the step size: CD's step is

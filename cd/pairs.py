@@ -393,8 +393,9 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         model: a timm ViT/DeiT/Swin (or any model built from pre-norm blocks), possibly wrapped in
             DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`).
         example_input: a tensor of the shape the model takes, a tuple of positional inputs, or a dict of
-            keyword inputs, for the check (`cd.verify`); only shapes and dtypes are used. Default: `cd.verify.example_input` (timm's
-            `patch_embed.img_size` / `pretrained_cfg`, a transformers model's config).
+            keyword inputs, for the check (`cd.verify`); only shapes and dtypes are used. Default:
+            `cd.verify.example_input` (timm's `patch_embed.img_size` / `pretrained_cfg`, a transformers
+            model's config).
         verify: run the check (one forward on the `meta` device: no memory, weights untouched).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.

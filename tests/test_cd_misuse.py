@@ -347,3 +347,27 @@ def test_the_rules_are_documented():
     for rule in ("CD changes exactly the weights the optimizer changes", "At most once per real step",
                  "Every refusal states its true cause"):
         assert rule in text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_stored_in_half_precision_are_warned_about_once(dtype):
+    """The warning's premise, checked against the fp32 model: at the paper's lam and a usual lr, the fp32 step
+    changes (nearly) every fc2 weight and the half-precision one leaves most of them as they were."""
+    import warnings
+
+    changes = {}
+    for kind in (torch.float32, dtype):
+        torch.manual_seed(0)
+        model = tiny_vit().to(kind)
+        before = model.blocks[0].mlp.fc2.weight.detach().clone()
+        decay = ColinearityDecay(model, lam=0.005)
+        opt = sgd(model.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            decay.attach(opt)
+            for _ in range(3):
+                step_with_zero_grads(model, opt)
+        said = [w for w in seen if "below that format's resolution" in str(w.message)]
+        assert len(said) == (0 if kind == torch.float32 else 1), [str(w.message) for w in seen]
+        changes[kind] = (model.blocks[0].mlp.fc2.weight != before).float().mean().item()
+    assert changes[torch.float32] > 0.9 and changes[dtype] < 0.5, changes
