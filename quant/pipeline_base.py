@@ -133,12 +133,14 @@ class Pipeline:
 
 
 def check_float_ends(name: str, options: Any) -> None:
-    """The LM pipelines keep the stem and head float (configs.quant.FloatEndsOptions): refuse anything else."""
+    """The LM pipelines keep the stem and head float (configs.quant.FloatEndsOptions): refuse anything else,
+    null included (FirstLastOptions' "the main bit-width", which these layouts would leave float)."""
     for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
-        if getattr(options, key):
-            raise ValueError(f"{key}={getattr(options, key)}: {name} keeps the stem / embeddings and the head "
-                             "float, as the official GPTQ and SmoothQuant code (quant.first_last=w8a8 does not "
-                             "apply to it)")
+        value = getattr(options, key)
+        if value != 0:
+            shown = "null" if value is None else value
+            raise ValueError(f"{key}={shown}: {name} keeps the stem / embeddings and the head float (0), as the "
+                             "official GPTQ and SmoothQuant code (quant.first_last=w8a8 does not apply to it)")
 
 
 class StageTimer:

@@ -243,6 +243,15 @@ def test_lm_pipelines_refuse_a_quantized_stem_or_head_naming_the_option(pipeline
         PIPELINES[pipeline](gpt(), tokens(2), bits, {typo: 1})
 
 
+@pytest.mark.parametrize("pipeline", ["rtn", "gptq", "smoothquant", "smoothquant_strict"])
+def test_lm_pipelines_refuse_a_null_stem_or_head_which_would_mean_the_main_bits(pipeline):
+    # null means "the main bit-width" in FirstLastOptions; these layouts keep the head float whatever it says,
+    # and the report's resolved bits would claim a quantized head
+    bits = Bits(4, 16) if pipeline in ("rtn", "gptq") else Bits(8, 8)
+    with pytest.raises(ValueError, match="head_w_bits=null"):
+        PIPELINES[pipeline].validate(bits, PIPELINES[pipeline].Options(head_w_bits=None))
+
+
 def test_a16_parses_as_float_activations():
     from quant import parse_bits
 
