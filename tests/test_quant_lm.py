@@ -252,6 +252,13 @@ def test_lm_pipelines_refuse_a_null_stem_or_head_which_would_mean_the_main_bits(
         PIPELINES[pipeline].validate(bits, PIPELINES[pipeline].Options(head_w_bits=None))
 
 
+def test_gptq_refuses_static_groups_without_groups():
+    # fasterquant ignores static_groups when groupsize is -1: the run would be the default one under another name
+    with pytest.raises(ValueError, match="static_groups=true .* give group_size"):
+        PIPELINES["gptq"](gpt(), tokens(2), "w4a16", {"static_groups": True})
+    PIPELINES["gptq"].validate(Bits(4, 16), PIPELINES["gptq"].Options(static_groups=True, group_size=16))
+
+
 def test_a16_parses_as_float_activations():
     from quant import parse_bits
 

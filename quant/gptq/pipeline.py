@@ -85,6 +85,14 @@ class GPTQPipeline(RTNPipeline):
     Options = GPTQOptions
     calibrated = True  # its Hessians come from the calibration windows
 
+    def check(self, bits: Bits, options: GPTQOptions) -> None:
+        super().check(bits, options)
+        if options.static_groups and not options.group_size:
+            # officially a silent no-op (fasterquant reads it only with groups): here the result would be
+            # recorded as a static-groups one while it is the per-channel default
+            raise ValueError("static_groups=true fixes the ranges of groups of input columns: give group_size "
+                             "as well (without it every output channel has one range and there are no groups)")
+
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPTQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         del data
