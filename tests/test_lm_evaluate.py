@@ -165,6 +165,13 @@ def test_image_settings_beside_a_text_data_set_are_refused_and_switched_off_sect
     assert load_config([NANO], ["cd.enabled=false", "cd.lam=0.01"]).cd.enabled is False  # a sweep's baseline
 
 
+def test_a_calibration_transform_beside_a_text_data_set_is_refused():
+    # calibration windows are token ids: quant.calib_transform=train changed nothing, yet the result was
+    # recorded and starred as a training-transform calibration
+    with pytest.raises(IgnoredOverrideError, match=r"quant.calib_transform=train would be ignored"):
+        load_config([NANO], ["quant.calib_transform=train"])
+
+
 def test_stochastic_depth_on_a_gpt_is_refused(tmp_path):
     with pytest.raises(ModelError, match="model.drop_path"):
         train.main(load_config([NANO], [f"out_dir={tmp_path / 'r'}", "model.drop_path=0.1"]))
