@@ -147,6 +147,14 @@ def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
         check_vocabulary(stream, 65)
 
 
+def test_more_calibration_windows_than_the_train_split_has_are_refused_before_any_pass(kjv_run, tmp_path):
+    # the classifier's image counts are checked before the FP and maxima passes; so are the LM's windows
+    out = tmp_path / "r.json"
+    with pytest.raises(DataError, match=r"asked for 1000000 calibration windows"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "gptq", "quant.calib_images=1000000", "--out", str(out))
+    assert not out.exists()
+
+
 def test_calibration_windows_with_ids_the_model_cannot_embed_are_refused(tmp_path):
     root = token_folder(tmp_path / "t", train_ids=np.full(20_000, 200, dtype=np.uint16))
     cfg = DataConfig(dataset="tokens", root=str(root))
