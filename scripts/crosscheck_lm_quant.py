@@ -96,6 +96,18 @@ def corpus() -> tuple:
     return read(files[:cut]), read(files[cut:])
 
 
+def check_counts(args: argparse.Namespace, held_out: torch.Tensor) -> None:
+    """--calib and --eval-windows against what the text holds: before minutes of training, not after them."""
+    ctx = GPT_SIZES[args.model]["context"]
+    available = len(held_out) // ctx
+    for flag, value in (("--calib", args.calib), ("--eval-windows", args.eval_windows)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} {value}: give at least 1")
+    if args.eval_windows > available:
+        raise SystemExit(f"error: --eval-windows {args.eval_windows}: the held-out text has {available} windows of "
+                         f"{ctx} tokens ({args.model}); give at most that")
+
+
 def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
     """The float model: loaded from the weights file when it matches the settings, else trained (AdamW)."""
     path = f"{os.path.splitext(args.out)[0]}.lm.pt"
@@ -453,6 +465,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.perf_counter()
 
     train, held_out = corpus()
+    check_counts(args, held_out)
     fp = train_model(args, train)
     ctx = fp.context
     g = torch.Generator().manual_seed(0)

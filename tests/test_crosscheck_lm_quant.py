@@ -1,0 +1,29 @@
+"""scripts/crosscheck_lm_quant.py without the official GPTQ / SmoothQuant code: its argument errors."""
+import os
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import crosscheck_lm_quant as xc  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval-windows", "5000"], r"--eval-windows 5000: the held-out text has \d+ windows of 128 tokens"),
+    (["--eval-windows", "0"], "--eval-windows 0: give at least 1"),
+    (["--calib", "0"], "--calib 0: give at least 1"),
+])
+def test_window_counts_the_text_cannot_give_are_one_error_before_training(tmp_path, argv, message):
+    # were a traceback (a view of the held-out text, a division by zero, an empty stack) after the training
+    for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
+                            (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
+                                              "smoothquant/calibration.py"))):
+        for f in files:
+            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / f).write_text("")
+    out = tmp_path / "o" / "x.json"
+    with pytest.raises(SystemExit, match=message):
+        xc.main(["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s"), "--out", str(out), *argv])
+    assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
