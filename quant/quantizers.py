@@ -276,10 +276,14 @@ class DynamicQuantizer(Quantizer):
 
     SmoothQuant's `quantize_activation_per_token_absmax` / `..._per_tensor_absmax` (mit-han-lab/smoothquant
     `smoothquant/fake_quant.py`): scale = max(|x| over the group, 1e-5) / (2^(b-1) - 1), value
-    round(x / scale) * scale (no clamp is needed: |x| / scale <= 2^(b-1) - 1). Groups: the whole tensor
-    (`reduce_dims` None: e.g. a whole evaluation batch, as officially) or one per token (`reduce_dims`: the
-    dims pooled into one token's range, (-1,) for a Linear input [..., C], (1, -1) for an attention operand
-    [B, H, N, D], i.e. all heads of a token as in a quantized q/k/v projection output).
+    round(x / scale) * scale (no clamp is needed: |x| / scale <= 2^(b-1) - 1). Groups: one per sample for
+    "per tensor" (`reduce_dims` None: every dim but the first, the batch's; their perplexity scripts run one
+    sequence per forward, so their per-tensor range is one sequence's, and a range over the whole batch would
+    make a window's result depend on the windows beside it, i.e. on the eval batch size and the number of
+    ranks; on a Swin's window attention the first dim holds windows, so there it is one range per window), or
+    one per token (`reduce_dims`: the dims pooled into one token's range, (-1,) for a Linear input [..., C],
+    (1, -1) for an attention operand [B, H, N, D], i.e. all heads of a token as in a quantized q/k/v
+    projection output).
     """
 
     dynamic = True
@@ -307,8 +311,8 @@ class DynamicQuantizer(Quantizer):
         pass  # stays calibrated: it has no parameters
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        amax = (x.detach().abs().amax() if self.reduce_dims is None
-                else x.detach().abs().amax(dim=self.reduce_dims, keepdim=True))
+        dims = self.reduce_dims if self.reduce_dims is not None else tuple(range(1, x.dim()))
+        amax = x.detach().abs().amax(dim=dims, keepdim=True) if dims else x.detach().abs().amax()
         scale = amax.clamp(min=self.MIN_RANGE) / self.qmax
         return fake_quant_uniform(x, scale, torch.zeros_like(scale), -self.qmax - 1, self.qmax,
                                   ste=self._use_ste(x))
@@ -322,5 +326,6 @@ class DynamicQuantizer(Quantizer):
         self.reduce_dims = state.get("reduce_dims", self.reduce_dims)
 
     def extra_repr(self) -> str:
-        gran = "tensor" if self.reduce_dims is None else f"token (max over dims {self.reduce_dims})"
+        gran = "tensor (one range per sample)" if self.reduce_dims is None else \
+            f"token (max over dims {self.reduce_dims})"
         return f"bits={self.bits}, symmetric, dynamic per-{gran}"

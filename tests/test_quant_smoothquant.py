@@ -119,12 +119,26 @@ def test_dynamic_quantizer_per_token_and_per_tensor_match_a_naive_loop():
     for b in range(2):
         for t in range(5):
             torch.testing.assert_close(per_token[b, t].double(), naive_absmax(x[b, t]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(DynamicQuantizer(8)(x).double(), naive_absmax(x), rtol=0, atol=1e-5)
+    per_tensor = DynamicQuantizer(8)(x)  # one range per sample: a sequence's, as one sequence per forward
+    for b in range(2):
+        torch.testing.assert_close(per_tensor[b].double(), naive_absmax(x[b]), rtol=0, atol=1e-5)
     heads = torch.randn(2, 3, 5, 4, generator=g)  # [B, H, N, D]: a token's range spans all its heads
     got = DynamicQuantizer(8, (1, -1))(heads)
     for b in range(2):
         for n in range(5):
             torch.testing.assert_close(got[b, :, n].double(), naive_absmax(heads[b, :, n]), rtol=0, atol=1e-6)
+
+
+def test_dynamic_per_tensor_results_do_not_depend_on_the_windows_beside_them():
+    """strict with run-time per-tensor ranges: a batch of windows gives each window the logits it gets alone, as in the official one-sequence-per-forward perplexity."""
+    model = with_outliers(gpt())
+    calib, windows = tokens(8), tokens(4, seed=3)
+    quantized = PIPELINES["smoothquant_strict"](model, calib, "w8a8", {"act_calibration": "dynamic",
+                                                                       "quantize_bmm": "qkv"})[0]
+    with torch.no_grad():
+        together = quantized(windows)
+        alone = torch.cat([quantized(w[None]) for w in windows])
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
 
 
 def _on_grid(values: torch.Tensor, scale: torch.Tensor, qmax: int = 127) -> bool:
