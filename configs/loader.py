@@ -137,8 +137,8 @@ def _reads(value: Any, read_with: tuple) -> bool:
 READ_ONLY_WHEN = [
     (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
     (("data.val_windows",), "data.dataset", ("tokens", "kjv")),
-    # a language model calibrates on token windows, which have no transform (data/loader.calibration_windows)
-    (("quant.calib_transform",), "data.dataset", ("folder", "digits", "synthetic")),
+    # a language model calibrates on token windows and synthetic images get no transform either
+    (("quant.calib_transform",), "data.dataset", ("folder", "digits")),
     (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
     (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.crop_mode", "data.scale",
       "data.ratio", "data.hflip", "data.auto_augment", "data.color_jitter", "data.reprob", "data.remode",

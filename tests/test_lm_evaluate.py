@@ -178,6 +178,8 @@ def test_a_calibration_transform_beside_a_text_data_set_is_refused():
     # recorded and starred as a training-transform calibration
     with pytest.raises(IgnoredOverrideError, match=r"quant.calib_transform=train would be ignored"):
         load_config([NANO], ["quant.calib_transform=train"])
+    with pytest.raises(IgnoredOverrideError, match=r"it is synthetic"):  # synthetic images get no transform
+        load_config(["configs/debug/tiny.yaml"], ["quant.calib_transform=train"])
 
 
 def test_stochastic_depth_on_a_gpt_is_refused(tmp_path):
