@@ -102,6 +102,9 @@ class GPT(nn.Module):
         super().__init__()
         if gelu not in ("exact", "tanh"):
             raise ValueError(f"gelu={gelu!r}: give exact or tanh")
+        sizes = dict(context=context, num_heads=num_heads)  # divisors and a dimension of the position table
+        if any(v < 1 for v in sizes.values()):  # else a ZeroDivisionError or a torch error further on
+            raise ValueError(", ".join(f"{k}={v}" for k, v in sizes.items() if v < 1) + " must be >= 1")
         self.vocab_size, self.context = vocab_size, context
         self.wte = nn.Embedding(vocab_size, embed_dim)
         self.wpe = nn.Embedding(context, embed_dim)

@@ -19,6 +19,7 @@ from data.text import TokenStream, TokenWindows, check_vocabulary, token_stream
 from engine.optim import build_scheduler
 from engine.loop import NonFiniteLossError
 from engine.tasks import evaluate_language_model
+from models import ModelError
 from models.gpt import build_gpt, checkpoint_filter_fn
 
 NANO = "configs/lm/kjv_nano.yaml"
@@ -187,6 +188,14 @@ def test_perplexity_matches_naive_loop():
 def test_model_and_data_must_be_of_one_task(tmp_path):
     cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "data.dataset=digits"])
     with pytest.raises(ConfigError, match="is a language model, data.dataset=digits is images"):
+        train.main(cfg)
+
+
+@pytest.mark.parametrize("size", ["context=0", "context=-5", "num_heads=0"])
+def test_a_gpt_size_below_one_is_a_model_error_not_a_traceback(tmp_path, size):
+    # context=0 divided by zero in data/text.py, a negative one failed in torch, num_heads=0 in the attention
+    cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", f"model.kwargs.{size}"])
+    with pytest.raises(ModelError, match=f"{size} must be >= 1"):
         train.main(cfg)
 
 
