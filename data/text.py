@@ -139,7 +139,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, i: int):
         start = int(self.starts[i]) if self.starts is not None else i * self.context
-        if self.train:  # under the sample's seed (SeededDataset): a new phase every epoch
-            start += int(torch.randint(self.context, ()))
+        if self.train:  # under the sample's seed (SeededDataset): a new phase every epoch; drawn on the CPU
+            start += int(torch.randint(self.context, (), device="cpu"))  # generator, the one it seeds
         chunk = torch.from_numpy(self.ids[start:start + self.context + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]

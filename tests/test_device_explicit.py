@@ -119,3 +119,18 @@ def test_every_quantizer_kind_is_built_on_the_requested_device():
             spec = QuantizerSpec(4, kind=kind)
             q = kind.from_spec(spec, dim, 3 if dim is not None else None, device="cpu")
             assert {t.device.type for _, t in tensors_of(q)} == {"cpu"}, kind.__name__
+
+
+def test_training_windows_draw_their_offset_on_the_cpu():
+    """A language model's training window draws its offset from the CPU generator that SeededDataset seeds,
+    whatever the default device (the old code drew it there: a meta / CUDA tensor, unseeded on CUDA)."""
+    import numpy as np
+
+    from data.samplers import SeededDataset
+    from data.text import TokenStream, TokenWindows
+
+    windows = SeededDataset(TokenWindows(TokenStream(np.arange(200, dtype=np.uint16), None, "t"), 8, train=True))
+    expected = windows[(3, 123)]
+    with torch.device("meta"):
+        x, y = windows[(3, 123)]
+    assert x.device.type == "cpu" and torch.equal(x, expected[0]) and torch.equal(y, expected[1])
