@@ -100,6 +100,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if resume_path is not None:
         resume_run(run, resume_path, payload)
         del payload
+        if kept := run.best.match_file(run.state, dist.is_main, dist.device):
+            log.warning("best.pt was not the best validation of the run up to update %d (a roll-back to an "
+                        "earlier snapshot, or validations after the last checkpoint): kept as %s; the next "
+                        "validation writes best.pt", run.state.step, kept)
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)):
         log.info("config.yaml of the run so far kept as %s", kept)
     run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Optional
 
-from .run_dir import partial_path
+from .run_dir import keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,10 @@ def _plain(value):
 
 def _truncate_after(path: str, step: int) -> None:
     """Keep the records up to `step`; drop lines that are not JSON (a partial last line, as a full disk or
-    a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename."""
-    kept, broken = [], 0
+    a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename. Records after
+    `step` (a roll-back to an earlier snapshot, or updates since the last checkpoint before a crash) are
+    not lost: the file as it was is kept as metrics.until_step<step>.jsonl."""
+    kept, broken, later = [], 0, 0
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -116,8 +118,13 @@ def _truncate_after(path: str, step: int) -> None:
                 continue
             if record.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                later += 1
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
+    if later:
+        log.warning("%s: %d record(s) after update %d, from which this run goes on: the file as it was is "
+                    "kept as %s", path, later, step, keep_as_until_step(path, step))
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(kept)

@@ -331,17 +331,24 @@ def claim_on_main_rank(out_dir: str, config: dict, archive_existing: bool, dist)
         yield
 
 
+def keep_as_until_step(path: str, step: int) -> str:
+    """Move `path` (out_dir/<stem><ext>) aside as <stem>.until_step<step><ext>: the file as it stood until the
+    run went on from update `step` with other settings or from an earlier point. Returns the new path."""
+    stem, ext = os.path.splitext(path)
+    kept, suffix = f"{stem}.until_step{step}{ext}", 1
+    while os.path.exists(kept):  # another change at the same step: never over an earlier record
+        suffix += 1
+        kept = f"{stem}.until_step{step}.{suffix}{ext}"
+    os.replace(path, kept)
+    return kept
+
+
 def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     """Write config.yaml; an existing one with other values is kept as config.until_step<step>.yaml."""
     path = os.path.join(out_dir, "config.yaml")
     kept = None
     if os.path.exists(path) and _saved_config(out_dir) != config:
-        kept = os.path.join(out_dir, f"config.until_step{step}.yaml")
-        suffix = 1
-        while os.path.exists(kept):  # another change at the same step: never over an earlier record
-            suffix += 1
-            kept = os.path.join(out_dir, f"config.until_step{step}.{suffix}.yaml")
-        os.replace(path, kept)
+        kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)

@@ -104,6 +104,49 @@ def test_changed_settings_on_resume_are_refused_unless_asked_for(debug_config):
     assert "lr: 0.01" in open(os.path.join(cfg.out_dir, "config.yaml")).read()
 
 
+def test_a_roll_back_keeps_the_abandoned_branchs_best_and_metrics(tmp_path, caplog):
+    """A roll-back to an earlier checkpoint of the run (a copy in out_dir) used to let the new branch
+    overwrite best.pt (or keep the abandoned branch's best.pt under the new branch's summary) and cut
+    metrics.jsonl: both are kept as <name>.until_step<N>, and best.pt is the new branch's."""
+    out = tmp_path / "lm"
+
+    def config(*extra):
+        return load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={out}", "log.tensorboard=false", *extra])
+
+    train.main(config("train.max_steps=6"))
+    torch.save(torch.load(out / "checkpoint.pt", weights_only=True), out / "at6.pt")  # the user's own copy
+    train.main(config())  # on to update 12
+    abandoned_best, abandoned_metrics = read_bytes(out / "best.pt"), read_bytes(out / "metrics.jsonl")
+    assert torch.load(out / "best.pt", weights_only=True)["state"]["step"] == 12  # val loss fell: the premise
+    caplog.clear()
+    run = train.main(config(f"train.resume={out / 'at6.pt'}", "optim.lr=3e-3", "train.allow_changed_config=true"))
+    assert read_bytes(out / "best.until_step6.pt") == abandoned_best
+    assert read_bytes(out / "metrics.until_step6.jsonl") == abandoned_metrics
+    assert "kept as" in caplog.text
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert best["config"]["optim"]["lr"] == 3e-3  # the new branch's weights, as the summary says
+    assert (best["state"]["step"], best["metrics"]["val/loss"]) == (run.state.best_step, run.state.best_value)
+    assert [r["step"] for r in read_metrics(out)] == sorted(r["step"] for r in read_metrics(out))
+
+
+def test_a_run_resumed_into_a_new_folder_writes_its_own_best(tmp_path):
+    """Resumed from another folder's checkpoint, the run's out_dir has no best.pt: its first validation
+    writes one (the inherited best score described a file in the other folder)."""
+    source = load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={tmp_path / 'a'}", "log.tensorboard=false",
+                                                        "train.max_steps=6"])
+    train.main(source)
+    moved = load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={tmp_path / 'b'}", "log.tensorboard=false",
+                                                       f"train.resume={tmp_path / 'a' / 'checkpoint.pt'}",
+                                                       "optim.lr=1e-30", "sched.min_lr=0",
+                                                       "train.allow_changed_config=true"])
+    # lr 1e-30 leaves every fp32 weight as it was: update 12's validation ties the inherited best, and a tie
+    # does not beat it
+    run = train.main(moved)
+    best = torch.load(tmp_path / "b" / "best.pt", weights_only=True)
+    assert best["state"]["step"] == run.state.best_step == 12
+    assert not any(name.startswith("best.until") for name in os.listdir(tmp_path / "b"))
+
+
 def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
     cfg = debug_config("train.max_steps=2", name="tmp")
     train.main(cfg)
