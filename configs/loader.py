@@ -202,6 +202,16 @@ def _dotted(key: str, value: Any, cfg: Config) -> dict:
     return {key: value}
 
 
+def override_keys(item: str) -> list[str]:
+    """The dotted keys that the override `key=value` sets: one, or those of a section given as a mapping
+    (train={seed: 7} sets train.seed); the key itself when the item is malformed (apply_overrides says why)."""
+    key, _, raw = item.partition("=")
+    try:
+        return list(_dotted(key.strip(), parse_yaml(raw) if raw.strip() else "", Config()))
+    except (yaml.YAMLError, AttributeError, KeyError, TypeError):  # not valid YAML, not a key of the schema
+        return [key.strip()]
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """'<problem> (line L, column C)' from a PyYAML error, without its multi-line context dump."""
     mark = getattr(e, "problem_mark", None)

@@ -42,7 +42,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.loader import read_yaml_file  # noqa: E402
+from configs.loader import override_keys, read_yaml_file  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                           + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
     # e.g. data.root=/datasets/imagenet given to a multi-data-set sweep would train every run on ImageNet
     run_keys = {str(k) for k in sweep.get("run_keys") or []}
-    clashing = [o for o in extra_overrides if o.split("=", 1)[0].strip() in run_keys]
+    clashing = [o for o in extra_overrides if sets_any(o, run_keys)]
     if clashing:
         raise ConfigError(f"{sweep_path}: {', '.join(clashing)} would replace a key that each run sets "
                           f"itself ({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
@@ -70,12 +70,12 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                               f"{name}: [{items}], not {type(items).__name__} {items!r}")
         items = [str(i) for i in items or []]
         configs = list(sweep.get("configs") or []) + [i for i in items if i.endswith(".yaml")]
-        own_keys = {i.split("=", 1)[0].strip() for i in items if not i.endswith(".yaml")}
-        replaced = [o for o in extra_overrides if o.split("=", 1)[0].strip() in own_keys]
+        own_items = [i for i in items if not i.endswith(".yaml")]
+        replaced = [o for o in extra_overrides if sets_any(o, keys_of(own_items))]
         if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run
             raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
-                              f"({', '.join(i for i in items if i.split('=', 1)[0].strip() in own_keys)}); drop it "
-                              f"from the command line, or edit the run in {sweep_path}")
+                              f"({', '.join(i for i in own_items if sets_any(i, keys_of(replaced)))}); "
+                              f"drop it from the command line, or edit the run in {sweep_path}")
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
         own = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
         if own:  # the sweep names every run's folder; this one would be replaced without a word
@@ -92,6 +92,18 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def sets_any(override: str, keys: set) -> bool:
+    """Whether `override` sets one of the dotted `keys`, however it is spelt: the key itself, a section
+    given as a mapping (train={seed: 7} sets train.seed) or a part of a key's value
+    (cd.lam_per_role.fc2=0.5 changes cd.lam_per_role={fc2: 2.0})."""
+    return any(a == b or a.startswith(b + ".") or b.startswith(a + ".")
+               for a in override_keys(override) for b in keys)
+
+
+def keys_of(overrides: list[str]) -> set:
+    return {k for o in overrides for k in override_keys(o)}
 
 
 def run_folder(name, sweep_path: str) -> str:

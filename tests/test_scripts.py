@@ -153,6 +153,21 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
         sweep.main([lm, "--only"])
 
 
+@pytest.mark.parametrize("override, own", [
+    ("train={seed: 7}", "train.seed=0"),                          # the section holding the run's key
+    ("cd.lam_per_role.fc2=0.5", "cd.lam_per_role={fc2: 2.0}"),   # a part of the run's value
+])
+def test_a_sweep_refuses_any_spelling_of_a_key_its_runs_set(tmp_path, override, own):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml, configs/method/cd.yaml]\nout_root: {tmp_path}\n"
+                    f"run_keys: [data.synthetic_train_size]\nruns:\n  a: ['{own}']\n")
+    with pytest.raises(ConfigError, match=r"sweep run 'a': .* would replace what the run sets itself"):
+        sweep.expand(str(spec), [override])
+    with pytest.raises(ConfigError, match=r"would replace a key that each run sets itself"):
+        sweep.expand(str(spec), ["data={synthetic_train_size: 8}"])
+    assert sweep.expand(str(spec), ["train={batch_size: 32}"])  # another key of the section: no clash
+
+
 def test_motivation_figure_places_each_result_and_scales_areas_with_max_activation(tmp_path):
     import csv
 
