@@ -54,6 +54,7 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
         raise ConfigError(f"{sweep_path}: a sweep has 'configs', 'out_root', a non-empty 'runs' mapping and "
                           f"optionally 'evaluate' and 'run_keys'"
                           + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+    check_field_types(sweep, sweep_path)
     # e.g. data.root=/datasets/imagenet given to a multi-data-set sweep would train every run on ImageNet
     run_keys = {str(k) for k in sweep.get("run_keys") or []}
     clashing = [o for o in extra_overrides if sets_any(o, run_keys)]
@@ -92,6 +93,19 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def check_field_types(sweep: dict, sweep_path: str) -> None:
+    """'configs', 'evaluate' and 'run_keys' are lists and 'out_root' a folder: a string in place of a list
+    would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ... and so nothing),
+    an empty out_root would become the folder 'None'."""
+    for key in ("configs", "evaluate", "run_keys"):
+        if sweep.get(key) is not None and not isinstance(sweep[key], list):  # empty (None): none
+            raise ConfigError(f"{sweep_path}: '{key}' must be a list, e.g. {key}: [{sweep[key]}], not "
+                              f"{type(sweep[key]).__name__} {sweep[key]!r}")
+    if "out_root" in sweep and not (isinstance(sweep["out_root"], str) and sweep["out_root"].strip()):
+        raise ConfigError(f"{sweep_path}: 'out_root' must be a folder, e.g. out_root: runs/sweeps/mine, not "
+                          f"{sweep['out_root']!r}")
 
 
 def sets_any(override: str, keys: set) -> bool:

@@ -49,6 +49,18 @@ def test_a_sweep_run_given_as_a_string_is_refused_as_such(tmp_path):
         sweep.expand(str(bad), [])
 
 
+@pytest.mark.parametrize("field, value", [("configs", "configs/debug/tiny.yaml"), ("run_keys", "data.root"),
+                                          ("evaluate", "quant.calib_images=8"), ("out_root", "")])
+def test_a_sweep_field_of_the_wrong_type_is_refused(tmp_path, field, value):
+    """A string where a list belongs would be read letter by letter: run_keys: data.root would guard nothing,
+    and data.root=x on the command line would then train every run on x."""
+    fields = {"configs": "[configs/debug/tiny.yaml]", "out_root": str(tmp_path), field: value}
+    bad = tmp_path / "s.yaml"
+    bad.write_text("".join(f"{k}: {v}\n" for k, v in fields.items()) + "runs:\n  a: []\n")
+    with pytest.raises(ConfigError, match=f"'{field}' must be a"):
+        sweep.expand(str(bad), ["data.root=/x"] if field == "run_keys" else [])
+
+
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     bad = tmp_path / "twice.yaml"
     bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: [optim.lr=1e-3]\n  a: [optim.lr=1e-2]\n")
