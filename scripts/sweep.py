@@ -16,7 +16,7 @@ A sweep file (configs/sweeps/*.yaml):
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
                                                 # an override for the whole sweep may not replace
 Overrides given on this command line apply to every run; one that would replace a key a run sets itself (a
-seed, a dose) is refused. Runs are plain train.py invocations, so a run that stopped resumes when the sweep is
+seed, a dose) is refused, as is one (here or in a run) that the 'evaluate' list would replace in evaluate.py. Runs are plain train.py invocations, so a run that stopped resumes when the sweep is
 started again. Every command runs in the repository root: relative paths (out_root, data.root, ...) are
 relative to it, wherever the sweep is started from.
 
@@ -78,6 +78,14 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                               f"({', '.join(i for i in own_items if sets_any(i, keys_of(replaced)))}); "
                               f"drop it from the command line, or edit the run in {sweep_path}")
         overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
+        # evaluate.py takes the sweep's 'evaluate' list last: quant.pipelines=[repq,aphq] given here would
+        # be evaluated with the list's quant.pipelines=[repq] without a word
+        replaced = [o for o in overrides if sets_any(o, keys_of(eval_overrides))]
+        if replaced:
+            theirs = [e for e in eval_overrides if sets_any(e, keys_of(replaced))]
+            raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would be replaced in its evaluation by "
+                              f"the sweep's evaluate list ({', '.join(theirs)}); drop it, or edit 'evaluate' in "
+                              f"{sweep_path}")
         own = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
         if own:  # the sweep names every run's folder; this one would be replaced without a word
             raise ConfigError(f"sweep run '{name}': {own[0]} would be ignored: a sweep writes run <name> to "

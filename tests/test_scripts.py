@@ -165,6 +165,21 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
         sweep.main([lm, "--only"])
 
 
+@pytest.mark.parametrize("where", ["command line", "run"])
+def test_a_sweep_refuses_an_override_its_evaluate_list_would_replace(tmp_path, where):
+    """evaluate.py takes the sweep's evaluate list last: quant.pipelines=[repq,aphq] given on the command line
+    (or by a run) would be evaluated with the list's pipelines, APHQ never run."""
+    spec = tmp_path / "s.yaml"
+    run = "['quant.pipelines=[repq,aphq]']" if where == "run" else "[]"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\n"
+                    f"evaluate: ['quant.pipelines=[repq]']\nruns:\n  a: {run}\n")
+    extra = ["quant.pipelines=[repq,aphq]"] if where == "command line" else []
+    with pytest.raises(ConfigError, match=r"sweep run 'a': quant.pipelines=\[repq,aphq\] would be replaced in its "
+                                          r"evaluation by the sweep's evaluate list \(quant.pipelines=\[repq\]\)"):
+        sweep.expand(str(spec), extra)
+    assert sweep.expand(str(spec), ["quant.bits=[w6a6]"]) if where == "command line" else True  # another key
+
+
 @pytest.mark.parametrize("override, own", [
     ("train={seed: 7}", "train.seed=0"),                          # the section holding the run's key
     ("cd.lam_per_role.fc2=0.5", "cd.lam_per_role={fc2: 2.0}"),   # a part of the run's value
