@@ -4,7 +4,8 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out docs/figures
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
-(mean ± sample std). What is read from each run, and what is written:
+(mean ± sample std), and runs evaluated differently (autocast, weights, data, quantization settings) are
+refused. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -104,7 +105,30 @@ def read_sweep(root: str) -> list[Run]:
                               f"(fingerprint {fingerprint}): one run would count twice; remove the copy")
         if fingerprint is not None:
             folder_of[fingerprint] = run.folder
+    check_evaluated_alike(runs)
     return runs
+
+
+def evaluation_of(result: dict) -> dict:
+    """What the numbers of one eval_best.json depend on besides the weights: its evaluation (val data, raw or
+    EMA weights, autocast, image count) and the settings of each quantized entry (options, calibration)."""
+    return {**{key: result.get(key) for key in ("data", "weights", "eval_amp", "images")},
+            **{f"{p} {b} settings": entry.get("settings") for p, entries in result["quant"].items()
+               for b, entry in entries.items()}}
+
+
+def check_evaluated_alike(runs: Sequence[Run]) -> None:
+    """The report averages seeds and compares points: runs evaluated differently (bf16 autocast for one seed,
+    another calibration set for one point) would show a difference of evaluation as one of dose."""
+    seen: dict[str, tuple[str, str]] = {}  # what -> (its value as JSON, the first folder with it)
+    for run in runs:
+        for what, value in evaluation_of(run.result).items():
+            text = json.dumps(value, sort_keys=True, default=str)
+            first, folder = seen.setdefault(what, (text, run.folder))
+            if text != first:
+                raise ReportError(f"{folder} and {run.folder} were evaluated differently ({what}: {first} vs "
+                                  f"{text}); evaluate every run alike (the same evaluate.py options and "
+                                  f"overrides) before they are averaged and compared")
 
 
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
