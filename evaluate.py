@@ -543,14 +543,17 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         for (model, method), group in groups.items():
             check_seed_group(model, method, group)
 
-    def fmt(values: list, spec: str) -> str:
+    def fmt(values: list, spec: str, of: int = 0) -> str:
+        """One value, or mean ± sample std; of: the row's result count, named when fewer values make the cell
+        (a pipeline some seeds were not evaluated with)."""
         if not values:
             return "-"
+        partial = f" (n={len(values)})" if over_seeds and len(values) < of else ""
         if len(values) == 1:
-            return format(values[0], spec)
+            return format(values[0], spec) + partial
         mean = sum(values) / len(values)
         std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-        return f"{format(mean, spec)} ± {format(std, spec)}"
+        return f"{format(mean, spec)} ± {format(std, spec)}{partial}"
 
     spec = ".2f" if over_seeds or language else ".3f"
     rows, notes = [], []
@@ -558,7 +561,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     def quantized(group: list, p: str, b: str) -> str:
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
         entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
-        cell = fmt([e[score] for e in entries], spec)
+        cell = fmt([e[score] for e in entries], spec, of=len(group))
         unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
         if unusual:
             cell += "*"
@@ -569,7 +572,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
-        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec)
+        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group))
                                                for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]

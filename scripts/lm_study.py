@@ -53,6 +53,14 @@ def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
+    """fmt of the values, '-' for none, and their count when fewer than the point's seeds (a column some runs
+    were not evaluated at): the seeds column counts every run."""
+    if not values:
+        return "-"
+    return fmt(values, digits) + (f" (n={len(values)})" if len(values) < len(runs) else "")
+
+
 def tables(groups: dict[str, list[Run]]) -> str:
     quant = [f"{p} {b.upper()}" for p, b in COLUMNS]
     lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
@@ -63,7 +71,7 @@ def tables(groups: dict[str, list[Run]]) -> str:
         for pipeline, bits in COLUMNS:
             values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs
                       if bits in r.result["quant"].get(pipeline, {})]
-            cells.append(fmt(values, 3) if values else "-")
+            cells.append(cell(values, runs))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Final pair energy (mean ||W2 W1n||_F^2 over blocks) and activation statistics of best.pt on "
               "the val windows:", "",
@@ -81,8 +89,7 @@ def tables(groups: dict[str, list[Run]]) -> str:
         for point, runs in groups.items():
             per_run = [type_maxima(r, column) for r in runs]
             lines.append(f"| {point} | " + " | ".join(
-                fmt([m[t] for m in per_run if t in m], 1) if any(t in m for m in per_run) else "-"
-                for t in TYPES) + " |")
+                cell([m[t] for m in per_run if t in m], runs, 1) for t in TYPES) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,8 +105,7 @@ def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:
              "bits:", "", "| Point | " + " | ".join(f"{p} {b.upper()}" for p, b in ACT_BITS) + " |",
              "|---|" + "---|" * len(ACT_BITS)]
     for point, runs in groups.items():
-        found = [gaps(runs, p, b) for p, b in ACT_BITS]
-        cells = [fmt(values, 3) if values else "-" for values in found]
+        cells = [cell(gaps(runs, p, b), runs) for p, b in ACT_BITS]
         lines.append(f"| {point} | " + " | ".join(cells) + " |")
     return lines
 

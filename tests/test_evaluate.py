@@ -174,6 +174,19 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
 
 
+def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
+    """A pipeline some seeds were not evaluated with is averaged over those that were; the row's (n=3)
+    counts every seed, so the cell names its own count."""
+    def result(fp, repq=None):
+        quant = {"repq": {"w4a4": {"top1": repq}}} if repq is not None else {}
+        return {"model": "m", "method": "Baseline", "fp": {"top1": fp},
+                "max_act": {"module": 5.0, "block": 3.0}, "quant": quant}
+
+    rows = evaluate.markdown_table([result(80.0, 60.0), result(82.0, 50.0), result(84.0)], over_seeds=True)
+    assert rows.splitlines()[2] == ("| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 "
+                                    "| 55.00 ± 7.07 (n=2) |")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["quant.aphq.calib_images=64", "quant.aphq.recon_images=32"],
      "quant.aphq: calib_images=64 exceeds recon_images=32"),

@@ -81,3 +81,14 @@ def test_refuses_existing_outputs_and_image_sweeps(sweep, tmp_path):
     (image / "baseline_s0" / "eval_best.json").write_text(json.dumps(result))
     with pytest.raises(lm_study.ReportError, match="not a language-model sweep"):
         lm_study.main([str(image), "--out", str(tmp_path / "out")])
+
+
+def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
+    """The seeds column counts every run of a point; a cell averaged over fewer (a pipeline or bit-width
+    some seeds were not evaluated at) says over how many."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
+    write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert "| baseline | - | - | 1.000 (n=1) | - | 0.000 ± 0.000 | - | - | - |" in report  # the W8A5 gap of s0
