@@ -39,7 +39,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
 from data.folder import ClassCountError
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
-from engine.eval_results import EvalResults, ResultsError
+from engine.eval_results import EvalResults, ResultsError, settings_diff
 from engine.run_dir import RunDirError, prepare_folder
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
@@ -584,8 +584,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
 
 def check_seed_group(model: str, method: str, group: list[dict]) -> None:
     """The results averaged into one row (`markdown_table(over_seeds=True)`) must be distinct runs evaluated
-    alike: one weights file twice would count as two seeds, and results on other data, of EMA weights or
-    under another autocast would be averaged as if they were seeds."""
+    alike: one weights file twice would count as two seeds, and results on other data, of EMA weights, under
+    another autocast or quantized with other settings would be averaged as if they were seeds."""
     seen: dict = {}
     for r in group:
         fingerprint = r.get("fingerprint")
@@ -598,6 +598,15 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
         if len(values) > 1:
             raise ValueError(f"{model} {method}: the results differ in {key} ({' vs '.join(sorted(values))}); "
                              "rows average the seeds of one evaluation: give results evaluated alike")
+    # a cell averages one pipeline's results: a calibration set of 8 beside one of 32 is not a seed's spread
+    for pipeline, bits in sorted({(p, b) for r in group for p in r["quant"] for b in r["quant"][p]}):
+        entries = [r["quant"][pipeline][bits] for r in group if bits in r["quant"].get(pipeline, {})]
+        other = next((e for e in entries if e.get("settings") != entries[0].get("settings")), None)
+        if other is not None:
+            diff = settings_diff(entries[0].get("settings") or {}, other.get("settings") or {})
+            raise ValueError(f"{model} {method}: the {pipeline} {bits} results were computed with different "
+                             f"settings ({diff}); give results evaluated alike, or --recompute them with one set "
+                             "of settings")
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:

@@ -54,7 +54,7 @@ class EvalResults:
         if entry.get("settings") == _plain(settings):
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
-                           f"({_settings_diff(entry.get('settings') or {}, _plain(settings))}): "
+                           f"({settings_diff(entry.get('settings') or {}, _plain(settings))}): "
                            f"use --out for a new file, or --recompute to replace it "
                            f"(the old entry is kept under 'history')")
 
@@ -133,12 +133,12 @@ def _now() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
 
-def _settings_diff(old: dict, new: dict, prefix: str = "") -> str:
+def settings_diff(old: dict, new: dict, prefix: str = "") -> str:
     diffs = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            inner = _settings_diff(a, b, f"{prefix}{key}.")
+            inner = settings_diff(a, b, f"{prefix}{key}.")
             if inner:
                 diffs.append(inner)
         elif a != b:

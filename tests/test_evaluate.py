@@ -172,6 +172,10 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     with pytest.raises(ValueError, match="m Baseline: the results differ in data"):
         evaluate.markdown_table(other_data, over_seeds=True)
     assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
+    other_calibration = [dict(result("Baseline", 80.0, 70.0), fingerprint=f) for f in ("a", "b")]
+    other_calibration[1]["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8}}
+    with pytest.raises(ValueError, match="m Baseline: the repq w4a4 results were computed with different settings"):
+        evaluate.markdown_table(other_calibration, over_seeds=True)
 
 
 def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
