@@ -92,6 +92,10 @@ def main(argv=None) -> list[dict]:
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
+    language = [path for path, r in zip(args.results, results) if "top1" not in r["fp"]]
+    if language:  # a language model's result has perplexities: there is no top-1 to draw
+        sys.exit(f"error: {language[0]} has no top-1 (a language model's result: perplexity); the figure plots "
+                 "the top-1 of image classifiers: leave the language-model results out")
     rows = points(results, args.pipeline, args.bits.lower(), args.max_act)
     lacking = [path for path, r in zip(args.results, results)
                if args.bits.lower() not in r["quant"].get(args.pipeline, {})]

@@ -228,6 +228,13 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     with pytest.raises(SystemExit, match=r"1 of the 4 results lack repq w4a4 \(e.g. .*partial.json\)"):
         motivation_figure.main([*files, str(partial), "--out", str(tmp_path / "third")])  # not one circle short
     assert not (tmp_path / "third").exists()
+    language = tmp_path / "gpt.json"  # a language model's result: perplexities, no top-1 (was a KeyError)
+    language.write_text(json.dumps({"model": "gpt2", "method": "CD", "fp": {"ppl": 30.0, "ppl_bf16": 30.1},
+                                    "max_act": {"module": 1.0, "block": 1.0},
+                                    "quant": {"rtn": {"w4a16": {"ppl": 32.0}}}}))
+    with pytest.raises(SystemExit, match=r"error: .*gpt.json has no top-1 \(a language model's result"):
+        motivation_figure.main([str(language), "--pipeline", "rtn", "--bits", "w4a16", "--out", str(tmp_path / "lm")])
+    assert not (tmp_path / "lm").exists()
 
 
 @pytest.mark.slow
