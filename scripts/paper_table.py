@@ -55,6 +55,11 @@ def finetune_table(results: list[dict]) -> str:
     if len(models) > 1:  # the layout has no model column: cells of two models would sit side by side
         raise ValueError(f"the results are of {len(models)} models ({', '.join(models)}); the fine-tuning layout "
                          "compares methods on one model: give the results of one model")
+    language = next((r for r in results if "top1" not in r["fp"]), None)
+    if language is not None:  # Table 3 is of image classifiers: a perplexity has no place in it
+        raise ValueError(f"{language.get('checkpoint', language['model'])} has no top-1 (a language model's "
+                         "result: perplexity); the fine-tuning layout tabulates image classifiers: use the rows "
+                         "layout for language models")
     for r in results:
         key = (dataset_of(r), r["method"])
         if key in cells:

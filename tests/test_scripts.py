@@ -137,6 +137,10 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     b.write_text(json.dumps(dict(_finetune_result("pets", "Baseline", 95.0, 94.0), model="vit_small_patch16_224")))
     with pytest.raises(SystemExit, match="error: the results are of 2 models"):  # the layout has no model column
         paper_table.main(["--layout", "finetune", str(a), str(b)])
+    gpt = dict(_finetune_result("pets", "CD", 95.0, 94.0), fp={"ppl": 30.0})  # a language model's (was a KeyError)
+    b.write_text(json.dumps(gpt))
+    with pytest.raises(SystemExit, match=r"error: .* has no top-1 \(a language model's result"):
+        paper_table.main(["--layout", "finetune", str(b)])
     with pytest.raises(SystemExit, match="error: --over-seeds is for the rows layout"):
         paper_table.main(["--layout", "finetune", "--over-seeds", str(a)])
     out = tmp_path / "table.md"
