@@ -123,6 +123,9 @@ def main(argv=None) -> str:
                    help="rows layout: one row per model and method, mean ± std over its results (the seeds "
                         "of a sweep)")
     args = p.parse_args(argv)
+    if args.out and os.path.isdir(args.out):  # --overwrite replaces a file, never a folder
+        sys.exit(f"error: --out {args.out} is a folder; give the path of the table's file, e.g. "
+                 f"{os.path.join(args.out, 'table.md')}")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)
         results = read_result_files(args.results)

@@ -141,6 +141,8 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     b.write_text(json.dumps(gpt))
     with pytest.raises(SystemExit, match=r"error: .* has no top-1 \(a language model's result"):
         paper_table.main(["--layout", "finetune", str(b)])
+    with pytest.raises(SystemExit, match=r"error: --out .* is a folder"):  # was an IsADirectoryError traceback
+        paper_table.main([str(a), "--out", str(tmp_path), "--overwrite"])
     with pytest.raises(SystemExit, match="error: --over-seeds is for the rows layout"):
         paper_table.main(["--layout", "finetune", "--over-seeds", str(a)])
     out = tmp_path / "table.md"
