@@ -21,7 +21,7 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
 sensitivity_<bits>.json (a summary of those JSONs, rewritten on every run). Extra `key=value` overrides
-go to every run (e.g. quant.gplq.steps=50).
+go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies is refused.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
+from configs import ConfigError  # noqa: E402
+from configs.loader import override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
@@ -62,6 +64,19 @@ def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, with_aph
     return table
 
 
+def refuse_variant_keys(overrides: list[str]) -> None:
+    """An override for every run of a key that a variant sets would make `official` that variant (and the
+    variant's change +0.00): the table would compare a setting with itself under the names of two."""
+    variant_keys = {k for _, extra in VARIANTS.values() for o in extra for k in override_keys(o)}
+    for item in overrides:
+        keys = [k for k in override_keys(item) if any(k == v or k.startswith(v + ".") or v.startswith(k + ".")
+                                                      for v in variant_keys)]
+        if keys:
+            raise ConfigError(f"{item} sets {keys[0]}, which a variant varies ({', '.join(sorted(variant_keys))}): "
+                              "the 'official' row would be computed with it; drop it (evaluate.py --out runs one "
+                              "setting on its own)")
+
+
 def markdown(table: dict, bits: str) -> str:
     base = table["official"]
     columns = ALL + [p for p in base if p not in ALL]
@@ -89,6 +104,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing summary JSON")
     args = parser.parse_args(argv)
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
+    refuse_variant_keys(args.overrides)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
     table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)

@@ -9,7 +9,7 @@ import pytest
 
 import evaluate
 import train
-from configs import load_config
+from configs import ConfigError, load_config
 from configs.loader import parse_yaml
 from tests.conftest import DEMO_CONFIG, ROOT
 
@@ -151,6 +151,16 @@ def test_quant_sensitivity_adds_aphq_to_its_variants_on_request(digits_checkpoin
     with open(tmp_path / "official.json") as f:
         assert json.load(f)["quant"]["aphq"]["w4a4"]["top1"] == table["official"]["aphq"]
     assert "| variant (w4a4) | percentile | aphq |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override", ["quant.first_last=w8a8", "quant={calib_transform: train}"])
+def test_quant_sensitivity_refuses_an_override_of_a_key_a_variant_varies(tmp_path, override):
+    """quant.first_last=w8a8 for every run made the 'official' row first_last=w8a8, and that variant's change
+    +0.00: refused before any evaluation."""
+    sens = load_sensitivity_script()
+    with pytest.raises(ConfigError, match=r"which a variant varies .*the 'official' row would be computed with it"):
+        sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(tmp_path / "sens"), override])
+    assert not (tmp_path / "sens").exists()
 
 
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
