@@ -20,8 +20,9 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
         --with-aphq quant.aphq.iters=500
 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
-sensitivity_<bits>.json (a summary of those JSONs, rewritten on every run). Extra `key=value` overrides
-go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies is refused.
+sensitivity_<bits>.json (a summary of those JSONs; an existing one is replaced only with --overwrite).
+Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies
+is refused.
 """
 from __future__ import annotations
 
