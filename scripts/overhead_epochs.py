@@ -151,12 +151,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
-    p.add_argument("--global-batch", type=int, default=1024, help="train.batch_size (the paper: 1024)")
+    p.add_argument("--global-batch", type=at_least(1), default=1024, help="train.batch_size (the paper: 1024)")
     p.add_argument("--batches", type=at_least(1), nargs="*", default=[32, 64, 128, 256],
                    help="sweep (a): per-GPU batches on the recipe's model (none: skip the sweep)")
     p.add_argument("--models", nargs="*", default=WIDTH_MODELS,
                    help="sweep (b): models of different hidden sizes at --width-batch (none: skip)")
-    p.add_argument("--width-batch", type=int, default=256, help="sweep (b) per-GPU batch (the paper: 256)")
+    p.add_argument("--width-batch", type=at_least(1), default=256,  # 0: the plan's check divided by it
+                   help="sweep (b) per-GPU batch (the paper: 256)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--epochs", type=at_least(1), default=5)
     p.add_argument("--runs", type=at_least(1), default=3)

@@ -88,6 +88,16 @@ def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first
         bench.main(["--protocol", "epochs", "--recipe", "configs/lm/kjv_nano.yaml", "--global-batch", "16",
                     "--batches", "8", "--models", "--methods", "cd", "--out", str(tmp_path / "ep")])
     assert not (tmp_path / "ep").exists()  # nothing ran
+    # scripts/overhead_epochs.py run itself, a per-GPU batch of 0 for the width sweep: a usage error, not a
+    # ZeroDivisionError in the plan's check
+    spec = importlib.util.spec_from_file_location("overhead_epochs",
+                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
+    epochs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(epochs)
+    with pytest.raises(SystemExit) as refused:
+        epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "--models",
+                     "vit_nano", "--width-batch", "0", "--out", str(tmp_path / "ep")])
+    assert refused.value.code == 2
 
 
 @pytest.mark.parametrize("launcher, world", [("", 1), ("torchrun --nproc_per_node=4", 4),
