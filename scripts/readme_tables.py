@@ -29,6 +29,9 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
         print(out)
         return
     text = document.read_text()
+    if begin not in text or end not in text.split(begin, 1)[1]:  # an edit removed a marker: nothing to replace
+        raise SystemExit(f"error: {document} lacks the markers {begin} ... {end} around its table; put them back "
+                         "(git diff shows them) and run --write again")
     head, rest = text.split(begin, 1)
     document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1])
     print(f"wrote the table into {document}")

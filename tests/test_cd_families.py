@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 from cd.__main__ import main as cd_main
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import readme_tables  # noqa: E402
 
 
 def _script():
@@ -43,3 +48,13 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     def cd_columns(table: str) -> list:
         return [[c.strip(" |") for c in line.split(" | ")[:3]] for line in table.splitlines()[2:]]
     assert cd_columns(out) == cd_columns(want)
+
+
+def test_write_into_a_document_without_its_markers_is_one_error_line(tmp_path):
+    """readme_tables.table_command --write on a document whose end marker an edit removed: one error line
+    and the document as it was (was an IndexError traceback)."""
+    doc = tmp_path / "README.md"
+    doc.write_text("# doc\n<!-- b -->\nold table\n")
+    with pytest.raises(SystemExit, match=r"^error: .*README.md lacks the markers <!-- b --> \.\.\. <!-- e -->"):
+        readme_tables.table_command("x", lambda: "new table", doc, "<!-- b -->", "<!-- e -->", ["--write"])
+    assert doc.read_text() == "# doc\n<!-- b -->\nold table\n"
