@@ -74,16 +74,30 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
         raise ReportError(f"{folder} has eval_best.json but no {' or '.join(missing)}: not a run folder of "
                           "train.py and evaluate.py (with quant.act_max_csv=true)")
     energies = defaultdict(list)
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            for role in ROLES:
-                value = record.get(f"cd/pair_energy/{role}")
-                if value is not None:
-                    energies[role].append((int(record["step"]), float(value)))
+    for record in metrics_records(folder):
+        for role in ROLES:
+            value = record.get(f"cd/pair_energy/{role}")
+            if value is not None:
+                energies[role].append((int(record["step"]), float(value)))
     with open(os.path.join(folder, "eval_best_act_max.csv")) as f:
         act_max = list(csv.DictReader(f))
     return Run(point, seed, folder, dict(energies), result, act_max)
+
+
+def metrics_records(folder: str) -> list[dict]:
+    """The records of a run's metrics.jsonl; a last line that is not JSON is a record being written (a run
+    still training, or one killed mid-write: train.py drops it when it resumes) and is left out."""
+    path = os.path.join(folder, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise ReportError(f"{path}, line {number}: not a JSON record; the file is damaged") from None
+    return records
 
 
 def read_sweep(root: str) -> list[Run]:

@@ -16,7 +16,6 @@ over seeds (mean ± sample std). Written, and never overwritten without --overwr
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -24,8 +23,8 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, open_sweep,  # noqa: E402
-                                 plot_energies, plot_type_maxima, type_maxima)
+from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, metrics_records,  # noqa: E402
+                                 open_sweep, plot_energies, plot_type_maxima, type_maxima)
 from scripts.mechanism import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
@@ -45,11 +44,9 @@ OUTPUTS = ("lm_study.md", "lm_study_energy.png", "lm_study_outliers.png", "lm_st
 def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
     """(update, value) of `key` at every validation the run logged (the last record of a repeated step)."""
     points: dict[int, float] = {}
-    with open(os.path.join(run.folder, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if key in record:
-                points[int(record["step"])] = float(record[key])
+    for record in metrics_records(run.folder):
+        if key in record:
+            points[int(record["step"])] = float(record[key])
     return sorted(points.items())
 
 

@@ -137,3 +137,18 @@ def test_runs_evaluated_differently_are_refused_not_averaged(tmp_path, field, ot
     with pytest.raises(dose_report.ReportError, match=rf"baseline_s0 and .*baseline_s1 were evaluated differently "
                                                       rf"\({what}: "):
         dose_report.read_sweep(str(tmp_path))
+
+
+def test_a_partial_last_metrics_line_is_left_out_and_a_damaged_one_named(tmp_path):
+    """A run killed mid-write (or still training) ends metrics.jsonl in a partial record: left out, as train.py
+    drops it on resume (was a JSONDecodeError traceback); a bad line before the last is named."""
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0, 90.0], norm1_max=4.0, seed=seed)
+    metrics = tmp_path / "cd10x_s0" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 30, "cd/pair_en')
+    runs = {r.point: r for r in dose_report.read_sweep(str(tmp_path))}
+    assert runs["cd10x"].energies["fc2"] == [(10, 100.0), (20, 90.0)]
+    metrics.write_text('{"step": 1\n' + metrics.read_text())
+    with pytest.raises(dose_report.ReportError, match=r"metrics.jsonl, line 1: not a JSON record"):
+        dose_report.read_sweep(str(tmp_path))
