@@ -124,9 +124,10 @@ def read_sweep(root: str) -> list[Run]:
 
 
 def evaluation_of(result: dict) -> dict:
-    """What the numbers of one eval_best.json depend on besides the weights: its evaluation (val data, raw or
-    EMA weights, autocast, image count) and the settings of each quantized entry (options, calibration)."""
-    return {**{key: result.get(key) for key in ("data", "weights", "eval_amp", "images")},
+    """What the numbers of one eval_best.json depend on besides the weights: the model, its evaluation (val
+    data, raw or EMA weights, autocast, image count) and the settings of each quantized entry (options,
+    calibration)."""
+    return {**{key: result.get(key) for key in ("model", "data", "weights", "eval_amp", "images")},
             **{f"{p} {b} settings": entry.get("settings") for p, entries in result["quant"].items()
                for b, entry in entries.items()}}
 

@@ -120,20 +120,21 @@ def test_a_copied_run_folder_is_refused_not_counted_as_another_seed(tmp_path):
 @pytest.mark.parametrize("field, other", [
     ("eval_amp", "bf16"),                                                     # one seed under autocast
     ("settings", {"calibration": {"images": 8}}),                             # one calibration set of 8
+    ("model", "vit_small_patch16_224"),                                       # a run of another model
 ])
 def test_runs_evaluated_differently_are_refused_not_averaged(tmp_path, field, other):
     for name, seed in (("baseline_s0", 0), ("baseline_s1", 1), ("cd10x_s0", 2)):
         write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
     for name in ("baseline_s0", "baseline_s1", "cd10x_s0"):
         path = tmp_path / name / "eval_best.json"
-        result = {**json.loads(path.read_text()), "eval_amp": "none"}
+        result = {**json.loads(path.read_text()), "eval_amp": "none", "model": "vit_nano"}
         result["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 32}}
-        if name == "baseline_s1" and field == "eval_amp":
-            result["eval_amp"] = other
+        if name == "baseline_s1" and field in ("eval_amp", "model"):
+            result[field] = other
         elif name == "baseline_s1":
             result["quant"]["repq"]["w4a4"]["settings"] = other
         path.write_text(json.dumps(result))
-    what = "eval_amp" if field == "eval_amp" else "repq w4a4 settings"
+    what = field if field in ("eval_amp", "model") else "repq w4a4 settings"
     with pytest.raises(dose_report.ReportError, match=rf"baseline_s0 and .*baseline_s1 were evaluated differently "
                                                       rf"\({what}: "):
         dose_report.read_sweep(str(tmp_path))
