@@ -149,7 +149,8 @@ def refuse_shared_folders(runs: list[dict], sweep_path: str) -> None:
     (one folder on macOS and Windows file systems)."""
     seen: dict[str, str] = {}
     for run in runs:
-        key = os.path.normcase(os.path.realpath(out_dir_of(run))).casefold()
+        # relative to the repository root, where the commands run, wherever the sweep was started from
+        key = os.path.normcase(os.path.realpath(os.path.join(ROOT, out_dir_of(run)))).casefold()
         if key in seen:
             raise ConfigError(f"{sweep_path}: runs {seen[key]!r} and {run['name']!r} would share the folder "
                               f"{out_dir_of(run)} (and so one checkpoint: the second would resume the first); "

@@ -38,6 +38,18 @@ def test_a_symbolic_link_in_out_root_that_joins_two_runs_is_refused(tmp_path):
         sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [optim.lr=0.01]\n"), [])
 
 
+def test_a_symbolic_link_under_a_relative_out_root_is_found_from_any_folder(tmp_path, monkeypatch):
+    """A relative out_root lies under the repository root, where the commands run: the check resolves it
+    there, not in the folder the sweep was started from (which missed the link)."""
+    root = tmp_path / "repo"
+    (root / "runs" / "a").mkdir(parents=True)
+    os.symlink(root / "runs" / "a", root / "runs" / "b")
+    monkeypatch.setattr(sweep, "ROOT", str(root))
+    monkeypatch.chdir(tmp_path)  # not the repository root
+    with pytest.raises(ConfigError, match=r"runs 'a' and 'b' would share the folder"):
+        sweep.refuse_shared_folders([{"name": n, "overrides": [f"out_dir=runs/{n}"]} for n in "ab"], "s.yaml")
+
+
 @pytest.mark.parametrize("name", ["'.'", "'..'", "x/y", "''"])
 def test_a_name_that_is_not_one_folder_is_refused(tmp_path, name):
     with pytest.raises(ConfigError, match="is not a folder name"):
