@@ -148,7 +148,15 @@ def settings_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 def read_result_files(paths: list[str]) -> list[dict]:
     """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file
-    (unreadable, not JSON, or JSON of another shape)."""
+    (unreadable, not JSON, or JSON of another shape) or one given twice (overlapping globs: a row or circle
+    twice)."""
+    seen: dict[str, str] = {}  # the file -> the path it was first given as
+    for path in paths:
+        first = seen.get(os.path.realpath(path))
+        if first is not None:
+            raise ResultsError(f"{path} is given twice{'' if first == path else f' (as {first})'}; give each "
+                               "result file once")
+        seen[os.path.realpath(path)] = path
     return [read_result_file(path) for path in paths]
 
 

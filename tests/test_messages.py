@@ -38,6 +38,16 @@ def test_the_table_scripts_name_a_result_json_of_another_shape(tmp_path, content
         read_result_files([str(path)])
 
 
+def test_the_table_scripts_refuse_a_result_file_given_twice(tmp_path):
+    """Overlapping globs name one file twice: its row (or circle) would be drawn twice."""
+    path = tmp_path / "r.json"
+    path.write_text("{}")
+    with pytest.raises(ResultsError, match=rf"{path} is given twice; give each result file once"):
+        read_result_files([str(path), str(path)])
+    with pytest.raises(ResultsError, match=r"is given twice \(as "):
+        read_result_files([str(path), os.path.join(str(tmp_path), ".", "r.json")])
+
+
 @pytest.mark.parametrize("content", [[torch.zeros(2)], {"a": "b"}, 3])
 def test_a_weights_file_of_another_shape_is_one_error_naming_it(tmp_path, debug_config, content):
     path = tmp_path / "w.pth"
