@@ -25,17 +25,22 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
-    """{block: (max of the block output, max over the modules inside the block)} of one CSV."""
+    """{block: (max of the block output, max over the modules inside the block)} of one CSV; a file that
+    cannot be read as one is a ValueError naming it."""
     block, module = {}, defaultdict(float)
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            b = int(row["block"])
-            if b < 0:
-                continue
-            if row["kind"] == "block":
-                block[b] = float(row["max"])
-            else:
-                module[b] = max(module[b], float(row["max"]))
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                b = int(row["block"])
+                if b < 0:
+                    continue
+                if row["kind"] == "block":
+                    block[b] = float(row["max"])
+                else:
+                    module[b] = max(module[b], float(row["max"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a short row (None for a column)
+        problem = f"no column {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{path} is not an act_max CSV of evaluate.py ({problem})") from None
     return {b: (block[b], module[b]) for b in sorted(block)}
 
 
@@ -116,8 +121,8 @@ def main(argv=None) -> list[dict]:
         sys.exit(f"error: {e}")
     try:
         rows = summarize(groups)  # everything that can fail, before an output is opened
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {e if not isinstance(e, KeyError) else f'a CSV lacks the column {e}'}")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -58,3 +58,16 @@ def test_means_ranges_and_refusals(tmp_path, capsys):
         compare.main([f"a={tmp_path}/[ad]*_s*.csv", "--out", str(tmp_path / "mixed")])
     with pytest.raises(SystemExit, match="method 'a' is given twice"):
         compare.main([f"a={tmp_path}/a_s0.csv", f"a={tmp_path}/b_s0.csv", "--out", str(tmp_path / "twice")])
+
+
+def test_a_file_that_is_not_an_act_max_csv_is_named(tmp_path):
+    """The error names the file (was 'a CSV lacks the column ...' without it), and a row cut short is one
+    error line too (was a TypeError traceback)."""
+    compare = load()
+    (tmp_path / "eval_best.json").write_text('{\n  "fp": {}\n}\n')
+    with pytest.raises(SystemExit, match=r"eval_best.json is not an act_max CSV of evaluate.py \(no column 'block'\)"):
+        compare.main([f"a={tmp_path}/eval_best.json", "--out", str(tmp_path / "o")])
+    (tmp_path / "short.csv").write_text("name,kind,block,type,max\nblocks.0,block,0\n")
+    with pytest.raises(SystemExit, match=r"short.csv is not an act_max CSV of evaluate.py"):
+        compare.main([f"a={tmp_path}/short.csv", "--out", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o.csv")
