@@ -532,7 +532,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
     order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
     columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
-    many_bits = language or len({b for _, b in columns}) > 1
+    # a header without bits reads as the paper's W4A4: any other bit-width is named, even alone
+    many_bits = language or {b for _, b in columns} - {"w4a4"}
     header = ["Model", "Method", *(title for _, title in fp_columns), "Max. Act. (mod./blk.)"] + [
         PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
     groups: dict = {}

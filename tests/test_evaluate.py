@@ -188,6 +188,16 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
         evaluate.markdown_table(other_calibration, over_seeds=True)
 
 
+def test_table_names_a_single_bit_width_other_than_w4a4():
+    """Without a bit-width a column reads as the paper's W4A4: results of w6a6 alone are headed RepQ-ViT W6A6."""
+    def result(bits):
+        return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": {"repq": {bits: {"top1": 70.0}}}}
+
+    assert evaluate.markdown_table([result("w6a6")]).splitlines()[0].endswith("| RepQ-ViT W6A6 |")
+    assert evaluate.markdown_table([result("w4a4")]).splitlines()[0].endswith("| RepQ-ViT |")
+
+
 def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
     """A pipeline some seeds were not evaluated with is averaged over those that were; the row's (n=3)
     counts every seed, so the cell names its own count."""
