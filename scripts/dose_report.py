@@ -32,11 +32,11 @@ from typing import Optional, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs import config_from_dict  # noqa: E402
-from engine.checkpoint import load_checkpoint  # noqa: E402
+from configs import ConfigError, config_from_dict  # noqa: E402
+from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.eval_results import ResultsError, read_result_file  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from models import build_model  # noqa: E402
+from models import ModelError, build_model  # noqa: E402
 from scripts.mechanism import ffn_blocks, new_figure, rank_directions  # noqa: E402
 
 ROLES = ("qkv", "proj", "fc1", "fc2")
@@ -346,8 +346,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     return report
 
 
+# the user's mistakes, one `error:` line each: a best.pt deleted or cut short after its evaluation, a
+# pretrained backbone that moved, a saved config this version cannot read
+ERRORS = (ReportError, RunDirError, ResultsError, CheckpointError, ModelError, ConfigError)
+
 if __name__ == "__main__":
     try:
         main()
-    except (ReportError, RunDirError, ResultsError) as e:
+    except ERRORS as e:
         sys.exit(f"error: {e}")

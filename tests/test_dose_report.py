@@ -153,3 +153,16 @@ def test_a_partial_last_metrics_line_is_left_out_and_a_damaged_one_named(tmp_pat
     metrics.write_text('{"step": 1\n' + metrics.read_text())
     with pytest.raises(dose_report.ReportError, match=r"metrics.jsonl, line 1: not a JSON record"):
         dose_report.read_sweep(str(tmp_path))
+
+
+def test_a_deleted_best_pt_is_one_error_line(tmp_path):
+    """best.pt removed after the evaluation (to save space): the alignment peak cannot be read, said in one
+    `error:` line (was a CheckpointError traceback), and nothing is written."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    write_run(sweep, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    os.remove(sweep / "baseline_s0" / "best.pt")
+    run = subprocess.run([sys.executable, SCRIPT, str(sweep), "--out", str(tmp_path / "o")], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 1 and run.stderr.startswith("error: checkpoint not found: ")
+    assert len(run.stderr.splitlines()) == 1 and not (tmp_path / "o").exists()
