@@ -499,7 +499,10 @@ def method_name(cfg: Config) -> str:
     elif cfg.tweo.enabled:
         default, t = TWEOConfig(), cfg.tweo
         notes = [f"lam {t.lam:g}" if t.lam != default.lam else "", "rescaled" if t.rescale else "",
-                 t.schedule if t.schedule != default.schedule else ""]
+                 t.schedule if t.schedule != default.schedule else "",
+                 # the penalty's shape: a tau or p ablation would otherwise average as seeds of one method
+                 f"p {t.p:g}" if t.p != default.p else "", f"tau {t.tau:g}" if t.tau != default.tau else "",
+                 f"eps {t.eps:g}" if t.eps != default.eps else ""]
         name = "TWEO"
     else:
         return "Baseline"

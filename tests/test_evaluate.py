@@ -188,6 +188,15 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
         evaluate.markdown_table(other_calibration, over_seeds=True)
 
 
+@pytest.mark.parametrize("overrides, name", [(["tweo.tau=6"], "TWEO (tau 6)"), (["tweo.p=2"], "TWEO (p 2)"),
+                                             (["tweo.lam=0.1", "tweo.eps=0.001"], "TWEO (lam 0.1, eps 0.001)"),
+                                             ([], "TWEO")])
+def test_a_tweo_penalty_of_another_shape_is_named(overrides, name):
+    """A tau or p ablation's runs were all 'TWEO': --over-seeds averaged them as the seeds of one method."""
+    cfg = load_config([DEMO_CONFIG], ["tweo.enabled=true", *overrides])
+    assert evaluate.method_name(cfg) == name
+
+
 def test_table_names_a_single_bit_width_other_than_w4a4():
     """Without a bit-width a column reads as the paper's W4A4: results of w6a6 alone are headed RepQ-ViT W6A6."""
     def result(bits):
