@@ -57,7 +57,7 @@ from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
-from quant import evaluate_quantized, parse_bits  # noqa: E402
+from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402
 
 OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
            "remove": ("remove.json", "remove.png"), "energies": ("energies.png", "energies.csv")}
@@ -504,6 +504,10 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     loaded = load(args, images=True)
     cfg, device = loaded.cfg, pick_device(loaded.cfg, args.device)
+    try:  # before any work: repq at w4a16 (weight-only bits) raised deep inside the first quantization
+        PIPELINES[args.pipeline].validate(bits, pipeline_options(cfg, args.pipeline))
+    except ValueError as e:
+        raise MechanismError(f"--pipeline {args.pipeline} --bits {args.bits}: {e}") from None
     model = loaded.model.to(device)
     blocks = select_blocks(ffn_blocks(model), args.blocks)
     ranked, _ = rank_directions(blocks)

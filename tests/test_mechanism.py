@@ -274,6 +274,8 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks", "7"], "--blocks 7: no such block"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "-1"], "--k -1"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"], "--bits w4"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4a16"],  # was a ValueError traceback
+     "--pipeline repq --bits w4a16: repq quantizes activations"),
     (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images: 0: must be at least 1"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--compare", "no.pt"], "--compare no.pt"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"], "one label per model"),
