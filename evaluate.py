@@ -33,6 +33,7 @@ import torch
 
 from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
 from configs.cli import add_config_arguments, parse_known, print_config
+from configs.loader import override_keys
 from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
@@ -433,7 +434,7 @@ def resolve_config(args: argparse.Namespace):
         if not cfg.model.pretrained:
             raise ConfigError("nothing to evaluate: give --checkpoint, or model.pretrained=/path/to/weights "
                               "(with --config for the model and data)")
-    given = {item.partition("=")[0].strip() for item in args.overrides}
+    given = {key for item in args.overrides for key in override_keys(item)}  # quant={pipelines: [..]} too
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored
             raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")

@@ -259,6 +259,7 @@ def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, o
     (["quant.gplq.lr=-1"], "'quant.gplq.lr' must be >= 0"),
     (["quant.pipelines=[percentile]"], "--quant and quant.pipelines= both say what to run: give one of them"),
     (["quant.bits=[w8a8]"], "--bits and quant.bits= both say what to run"),
+    (["quant={pipelines: [percentile]}"], "--quant and quant.pipelines= both say what to run"),  # --quant won
 ])
 def test_option_values_a_pipeline_cannot_use_stop_before_any_work(checkpoint, overrides, message):
     from configs import ConfigError
