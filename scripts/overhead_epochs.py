@@ -5,7 +5,7 @@ the mean over three runs, on Ampere GPUs; time in seconds, memory the peak max_a
 
 Each (method, model, per-GPU batch, run) is one train.py run of `--recipe` (default the DeiT ViT-B recipe)
 into <out>/runs/<model>_bs<b>_<method>_run<r>, with train.batch_size=<global batch>, validation only after
-the last epoch, and the methods' own configs:
+the last epoch, and the methods' own configs (a key=value override of one of these keys is refused):
     baseline    the recipe
     cd          + configs/method/cd.yaml
     tweo        + configs/method/tweo.yaml (our memory-saving TWEO)
@@ -40,6 +40,26 @@ from configs.cli import at_least  # noqa: E402
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
+
+
+# the keys each timed run gets from the protocol (run_config): an override of one would time another run
+# than the row names (every per-GPU batch at one, the report's epochs not the runs')
+PROTOCOL_KEYS = {"model.name": "--models", "train.batch_size": "--global-batch",
+                 "train.batch_size_per_gpu": "--batches / --width-batch", "sched.epochs": "--epochs",
+                 "sched.warmup_epochs": "", "train.eval_every_epochs": "", "train.seed": "--runs",
+                 "out_dir": "--out", "tweo.form": "--methods"}
+
+
+def refuse_protocol_keys(overrides: list[str]) -> None:
+    from configs.loader import override_keys
+
+    for item in overrides:
+        for key in override_keys(item):
+            own = next((k for k in PROTOCOL_KEYS if key == k or k.startswith(key + ".") or key.startswith(k + ".")),
+                       None)
+            if own is not None:
+                flag = f"; use {PROTOCOL_KEYS[own]}" if PROTOCOL_KEYS[own] else ""
+                sys.exit(f"error: {item} would replace {own}, which the protocol sets for every timed run{flag}")
 
 
 def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str) -> tuple[list, list]:
@@ -165,6 +185,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     args = p.parse_intermixed_args(argv)
+    refuse_protocol_keys(args.overrides)
     written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
     from configs import ConfigError, load_config
     from engine.run_dir import RunDirError, refuse_existing_outputs

@@ -100,6 +100,18 @@ def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first
     assert refused.value.code == 2
 
 
+@pytest.mark.parametrize("override, key", [("train.batch_size_per_gpu=8", "train.batch_size_per_gpu"),
+                                           ("sched={epochs: 1}", "sched.epochs"), ("model.name=vit_tiny", "model.name")])
+def test_epochs_protocol_refuses_an_override_of_a_key_it_sets(tmp_path, override, key):
+    """An override for every run came after the protocol's own keys: train.batch_size_per_gpu=8 timed every
+    --batches row at 8, sched.epochs=1 ran 1 epoch under a report of --epochs."""
+    with pytest.raises(SystemExit, match=rf"error: .* would replace {key}, which the protocol sets"):
+        _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml", "--global-batch", "16",
+                       "--batches", "4", "8", "--models", "--methods", "baseline", "--epochs", "2", "--runs", "1",
+                       "--out", str(tmp_path / "ep"), override])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
 @pytest.mark.parametrize("launcher, world", [("", 1), ("torchrun --nproc_per_node=4", 4),
                                              ("torchrun --nnodes 2 --nproc-per-node 8", 16),
                                              ("torchrun --nproc_per_node=gpu", None), ("srun python", None)])
