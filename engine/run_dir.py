@@ -34,7 +34,7 @@ import secrets
 import socket
 import shutil
 from contextlib import ExitStack, contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import yaml
 
@@ -356,9 +356,15 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     return kept
 
 
-def refuse_existing_outputs(paths: list[str], overwrite: bool) -> None:
+def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[str] = ()) -> None:
     """The one rule of the scripts that write tables, figures and benchmark files: no existing file is
-    replaced without --overwrite (a figure or a table is often the only record of how it was made)."""
+    replaced without --overwrite (a figure or a table is often the only record of how it was made), and
+    none of the command's `inputs` ever (--out naming the result file it reads would replace it)."""
+    read = {os.path.realpath(i) for i in inputs}
+    both = [p for p in paths if os.path.realpath(p) in read]
+    if both:
+        raise RunDirError(f"{both[0]} is an input of this command and would be replaced by its output; choose "
+                          f"another --out")
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "

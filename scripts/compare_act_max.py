@@ -116,7 +116,8 @@ def main(argv=None) -> list[dict]:
             sys.exit(f"error: method {method!r} is given twice; give each group its own name")
         groups[method] = paths
     try:
-        refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite)
+        refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite,
+                                inputs=[p for paths in groups.values() for p in paths])
     except RunDirError as e:
         sys.exit(f"error: {e}")
     try:

@@ -88,7 +88,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
     try:
-        refuse_existing_outputs(written, args.overwrite)
+        refuse_existing_outputs(written, args.overwrite, inputs=args.results)
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")

@@ -127,7 +127,7 @@ def main(argv=None) -> str:
         sys.exit(f"error: --out {args.out} is a folder; give the path of the table's file, e.g. "
                  f"{os.path.join(args.out, 'table.md')}")
     try:
-        refuse_existing_outputs([args.out] if args.out else [], args.overwrite)
+        refuse_existing_outputs([args.out] if args.out else [], args.overwrite, inputs=args.results)
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")

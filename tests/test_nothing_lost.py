@@ -427,3 +427,23 @@ def test_a_script_output_under_a_file_is_refused_before_any_work(tmp_path):
         refuse_existing_outputs([str(tmp_path / "afile" / "x" / "out.json")], overwrite=False)
     refuse_existing_outputs([str(tmp_path / "new" / "deeper" / "out.json")], overwrite=False)  # made later
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_table_script_never_writes_over_a_file_it_reads(tmp_path):
+    """paper_table.py r.json --out r.json --overwrite replaced evaluate.py's result file with a table;
+    compare_act_max.py --out <run>/eval_best_act_max --overwrite its input CSV."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import compare_act_max
+    import paper_table
+
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"model": "m", "method": "CD", "fp": {"top1": 80.0},
+                                  "max_act": {"module": 1.0, "block": 1.0}, "quant": {}}))
+    before = result.read_text()
+    with pytest.raises(SystemExit, match=r"r.json is an input of this command and would be replaced"):
+        paper_table.main([str(result), "--out", str(result), "--overwrite"])
+    csv_path = tmp_path / "eval_best_act_max.csv"
+    csv_path.write_text("name,kind,block,type,max\nblocks.0,block,0,block,2.0\n")
+    with pytest.raises(SystemExit, match=r"eval_best_act_max.csv is an input of this command"):
+        compare_act_max.main([f"a={csv_path}", "--out", str(tmp_path / "eval_best_act_max"), "--overwrite"])
+    assert result.read_text() == before and csv_path.read_text().startswith("name,kind")
