@@ -221,7 +221,7 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
 
     base = {role: mean_std([final_energy(r, role) for r in groups["baseline"]])[0] for role in ROLES} \
         if "baseline" in groups else None
-    lines += ["", "Pair energy ||W2 W1n||_F^2 at the last update, mean over the role's 12 pairs"
+    lines += ["", "Pair energy ||W2 W1n||_F^2 at the last update, mean over the role's pairs (one per block)"
               + (" (change against the baseline)" if base else ""), "",
               "| Point | " + " | ".join(ROLES) + " |", "|---|" + "---|" * len(ROLES)]
     for point, runs in groups.items():

@@ -16,9 +16,10 @@ A sweep file (configs/sweeps/*.yaml):
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
                                                 # an override for the whole sweep may not replace
 Overrides given on this command line apply to every run; one that would replace a key a run sets itself (a
-seed, a dose) is refused, as is one (here or in a run) that the 'evaluate' list would replace in evaluate.py. Runs are plain train.py invocations, so a run that stopped resumes when the sweep is
-started again. Every command runs in the repository root: relative paths (out_root, data.root, ...) are
-relative to it, wherever the sweep is started from.
+seed, a dose) is refused, as is one (here or in a run) that the 'evaluate' list would replace in evaluate.py.
+Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
+command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
+the sweep is started from.
 
 With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
 (train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint, or the sweep itself got SIGTERM /

@@ -101,7 +101,8 @@ def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first
 
 
 @pytest.mark.parametrize("override, key", [("train.batch_size_per_gpu=8", "train.batch_size_per_gpu"),
-                                           ("sched={epochs: 1}", "sched.epochs"), ("model.name=vit_tiny", "model.name")])
+                                           ("sched={epochs: 1}", "sched.epochs"),
+                                           ("model.name=vit_tiny", "model.name")])
 def test_epochs_protocol_refuses_an_override_of_a_key_it_sets(tmp_path, override, key):
     """An override for every run came after the protocol's own keys: train.batch_size_per_gpu=8 timed every
     --batches row at 8, sched.epochs=1 ran 1 epoch under a report of --epochs."""

@@ -130,7 +130,8 @@ def test_dynamic_quantizer_per_token_and_per_tensor_match_a_naive_loop():
 
 
 def test_dynamic_per_tensor_results_do_not_depend_on_the_windows_beside_them():
-    """strict with run-time per-tensor ranges: a batch of windows gives each window the logits it gets alone, as in the official one-sequence-per-forward perplexity."""
+    """strict with run-time per-tensor ranges: a batch of windows gives each window the logits it gets alone,
+    as in the official one-sequence-per-forward perplexity."""
     model = with_outliers(gpt())
     calib, windows = tokens(8), tokens(4, seed=3)
     quantized = PIPELINES["smoothquant_strict"](model, calib, "w8a8", {"act_calibration": "dynamic",
