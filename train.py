@@ -382,7 +382,12 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
     if (reason in ("epoch_end", "validate", "finished") and state.epoch < run.epochs
             and state.step < run.total_steps):  # train.max_steps at an epoch's end, or a re-run of a run that
         reason = "max_steps"  # stopped there: not finished, say how to go on
-        log.info(MAX_STEPS_HINT, state.step)
+        if state.step == start_step:  # nothing trained (or written) by this process
+            log.info("the run is at update %d, at or beyond train.max_steps=%s: nothing trained; raise "
+                     "train.max_steps (or drop it) and re-run the same command to continue", state.step,
+                     cfg.train.max_steps)
+        else:
+            log.info(MAX_STEPS_HINT, state.step)
     reason = "finished" if reason in ("epoch_end", "validate") else reason
     if reason == "preempted":
         val = {}

@@ -81,6 +81,9 @@ def test_max_steps_at_an_epoch_end_is_not_called_finished(debug_config, caplog):
         again = train.main(debug_config("train.max_steps=4", name="m"))  # the same command once more
     assert first.reason == again.reason == "max_steps" and first.state.epoch == 1
     assert caplog.text.count("raise train.max_steps (or drop it)") == 2
+    # the second process trained and wrote nothing: it says so, not "checkpoint saved"
+    assert caplog.text.count("checkpoint saved") == 1
+    assert "the run is at update 4, at or beyond train.max_steps=4: nothing trained" in caplog.text
     assert "run summary: finished" not in caplog.text
     assert train.main(debug_config(name="m")).reason == "finished"
 
