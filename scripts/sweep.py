@@ -182,6 +182,11 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
+    if args.only:  # `--only a quant.x=1`: --only takes every item after it; key=value ones are overrides
+        args.overrides += [o for o in args.only if "=" in o]
+        args.only = [o for o in args.only if "=" not in o]
+        if not args.only:
+            sys.exit("error: --only needs the names of runs to keep")
     try:
         shlex.split(args.launcher)
     except ValueError as e:  # e.g. an unclosed quote

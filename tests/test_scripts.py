@@ -171,6 +171,15 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
         sweep.main([lm, "--only"])
 
 
+def test_overrides_after_only_are_overrides_not_run_names(capsys):
+    lm = os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml")
+    assert sweep.main([lm, "--only", "baseline_s0", "train.max_steps=5"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and " train.max_steps=5 " in printed[0], printed
+    with pytest.raises(SystemExit, match="--only needs the names of runs to keep"):
+        sweep.main([lm, "--only", "train.max_steps=5"])
+
+
 @pytest.mark.parametrize("where", ["command line", "run"])
 def test_a_sweep_refuses_an_override_its_evaluate_list_would_replace(tmp_path, where):
     """evaluate.py takes the sweep's evaluate list last: quant.pipelines=[repq,aphq] given on the command line
