@@ -246,6 +246,10 @@ def move_stale_result(json_path: str, checkpoint: str) -> None:
             and os.path.getmtime(json_path) < os.path.getmtime(checkpoint)):
         stamp = datetime.datetime.fromtimestamp(os.path.getmtime(json_path)).strftime("%Y%m%d-%H%M%S")
         stem = os.path.splitext(json_path)[0]
+        base, suffix = stamp, 1
+        while any(os.path.exists(f"{stem}.{stamp}{end}") for end in (".json", "_act_max.csv", "_act_max.png")):
+            suffix += 1  # an earlier move of a file written in the same second: never over it
+            stamp = f"{base}.{suffix}"
         moves = [(json_path, f"{stem}.{stamp}.json")] + [
             (f"{stem}_act_max{ext}", f"{stem}.{stamp}_act_max{ext}") for ext in (".csv", ".png")]
         for source, target in moves:

@@ -309,6 +309,8 @@ def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
     sweep.move_stale_result(str(result), str(checkpoint))
     assert not (tmp_path / "eval_best_act_max.csv").exists()
     assert len(glob.glob(str(tmp_path / "eval_best.*_act_max.csv"))) == 1
+    # written in the same second as the first one moved: both kept, never one over the other
+    assert sorted(open(p).read() for p in glob.glob(str(tmp_path / "eval_best.*.json"))) == ["{}", "{}"]
 
 
 def test_the_sweep_expands_yaml_without_loading_torch():
