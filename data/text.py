@@ -63,8 +63,21 @@ def token_stream(cfg: DataConfig, split: str) -> TokenStream:
         if size == 0 or size % 2:
             raise DataError(f"{path} is empty or has an odd number of bytes ({size}): not a file of uint16 token "
                             "ids (nanoGPT's prepare.py layout)")
-        return TokenStream(np.memmap(path, dtype=np.uint16, mode="r"), None, path)
+        ids = np.memmap(path, dtype=np.uint16, mode="r")
+        check_not_wider_ids(ids, path)
+        return TokenStream(ids, None, path)
     raise DataError(f"data.dataset={cfg.dataset!r} holds images, not text")
+
+
+def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> None:
+    """Refuse a file of uint32 (or int32) ids, which read as uint16 gives a 0 after every id (the high half of a
+    little-endian id below 65536): the model would train on twice as many tokens, half of them id 0. Judged on
+    the first `sample` values: every odd one 0 while the even ones are not."""
+    head = np.asarray(ids[:sample])
+    if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+        raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is 0, as in a file of 32-bit "
+                        "token ids; data.dataset=tokens reads uint16 ids (nanoGPT's prepare.py: "
+                        "np.array(ids, dtype=np.uint16).tofile(...)); write the file with uint16")
 
 
 def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:

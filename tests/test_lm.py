@@ -149,6 +149,9 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
     (tmp_path / "val.bin").write_bytes(b"\x00\x01\x02")
     with pytest.raises(DataError, match="odd number of bytes"):
         token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+    (tmp_path / "val.bin").write_bytes(ids.astype(np.uint32).tobytes())  # 32-bit ids: a 0 after each as uint16
+    with pytest.raises(DataError, match="every second uint16 value .* 32-bit token ids"):
+        token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
 
 
 def test_step_schedule_matches_nanogpt_formula():
