@@ -486,9 +486,10 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
                                 -float(index * world + rank))  # a scalar argument: no host-to-device copy
         top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top5 == targets[:, None]
+        # the count as a fill on the device: torch.tensor(..., device=cuda) is a blocking copy (a host sync)
         sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
                                  F.cross_entropy(logits, targets, reduction="sum"),
-                                 torch.tensor(len(targets), device=device)]).double()
+                                 torch.full((), len(targets), device=device)]).double()
     if batches.stopped:
         return None
     sums[4] = len(unreadable)

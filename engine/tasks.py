@@ -112,8 +112,10 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
         with autocast(amp, device):
             logits = model(ids)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        counts = torch.tensor([targets.numel(), len(targets)], device=device, dtype=torch.float64)
-        sums += torch.cat([loss.double().reshape(1), counts])
+        # counts added as scalars: torch.tensor(..., device=cuda) is a blocking copy (a host sync per batch)
+        sums[0] += loss.double()
+        sums[1] += targets.numel()
+        sums[2] += len(targets)
     if batches.stopped:
         return None
     all_reduce(sums)

@@ -63,3 +63,20 @@ def cpu_pipeline_data(num_images: int = 32, img_size: int = 32, num_classes: int
 def tensors_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter and buffer of `module`."""
     return list(module.named_parameters()) + list(module.named_buffers())
+
+
+class HostCopies(torch.overrides.TorchFunctionMode):
+    """Counts the tensors made from host data (`torch.tensor`, `torch.as_tensor`, `Tensor.new_tensor`) while
+    active. On CUDA each such tensor is a blocking host-to-device copy, which waits for all queued work (a
+    host sync); code that should never wait in a loop makes none per iteration."""
+
+    FUNCTIONS = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FUNCTIONS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -17,7 +17,7 @@ from quant.modes import named_quantizers
 from quant.ptq.repq import RepQPipeline
 from quant.quantizers import UniformQuantizer
 from quant.spec import Bits
-from device_utils import OnCPU, cpu_pipeline_data, tensors_of
+from device_utils import HostCopies, OnCPU, cpu_pipeline_data, tensors_of
 from quant_models import images, tiny_swin, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,3 +134,22 @@ def test_training_windows_draw_their_offset_on_the_cpu():
     with torch.device("meta"):
         x, y = windows[(3, 123)]
     assert x.device.type == "cpu" and torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+
+
+def test_evaluations_copy_nothing_from_the_host_per_batch():
+    """engine.loop.evaluate and the language-model evaluation add each batch's counts on the device: the old
+    code made torch.tensor(count, device=device) per batch, a blocking copy (a host sync on CUDA)."""
+    from engine.tasks import evaluate_language_model
+    from models.gpt import build_gpt
+
+    model = tiny_vit()
+    batches = [(images(4, seed=s), torch.arange(4) % 10) for s in range(3)]
+    with HostCopies() as copies:
+        metrics = evaluate(model, batches, torch.device("cpu"))
+    assert copies.count == 0 and metrics["count"] == 12
+    torch.manual_seed(0)
+    gpt = build_gpt("gpt2_nano", vocab_size=64)
+    windows = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(3)]
+    with HostCopies() as copies:
+        metrics = evaluate_language_model(gpt, windows, torch.device("cpu"))
+    assert copies.count == 0 and metrics["count"] == 6 and metrics["tokens"] == 96
