@@ -111,7 +111,8 @@ class ActivationProbe:
                     x = t.detach().double().flatten()
                     if self._sums is None:
                         self._sums = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
-                    powers = torch.stack([x.new_tensor(float(x.numel())), x.sum(), x.square().sum(),
+                    # the count as a fill: new_tensor is a blocking host-to-device copy (a sync per module)
+                    powers = torch.stack([x.new_full((), float(x.numel())), x.sum(), x.square().sum(),
                                           x.pow(3).sum(), x.square().square().sum()])
                     self._sums[index] += powers
         return hook

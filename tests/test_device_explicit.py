@@ -153,3 +153,14 @@ def test_evaluations_copy_nothing_from_the_host_per_batch():
     with HostCopies() as copies:
         metrics = evaluate_language_model(gpt, windows, torch.device("cpu"))
     assert copies.count == 0 and metrics["count"] == 6 and metrics["tokens"] == 96
+
+
+def test_probe_moments_copy_nothing_from_the_host_per_module():
+    """ActivationProbe(moments=True) (evaluate.py, train.py's act_max validation) counts each output's values on
+    the device: the old code made x.new_tensor(numel) in every hook, a blocking copy per module and batch."""
+    model = tiny_vit()
+    with HostCopies() as copies, ActivationProbe(model, moments=True) as probe:
+        model(images(4))
+    result = probe.result()
+    assert copies.count == 0
+    assert result.module > 0 and all(r["kurtosis"] > 0 for r in result.per_layer)
