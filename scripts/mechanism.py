@@ -181,7 +181,7 @@ def remove_directions(w1: torch.Tensor, directions: Sequence[int]) -> torch.Tens
         return w1.detach().clone()
     w = w1.detach().double()
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
-    idx = torch.tensor(sorted(set(directions)), dtype=torch.long)
+    idx = torch.tensor(sorted(set(directions)), dtype=torch.long, device=w.device)
     return (w - (u[:, idx] * s[idx]) @ vh[idx]).to(w1.dtype)
 
 

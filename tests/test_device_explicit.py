@@ -164,3 +164,21 @@ def test_probe_moments_copy_nothing_from_the_host_per_module():
     result = probe.result()
     assert copies.count == 0
     assert result.module > 0 and all(r["kurtosis"] > 0 for r in result.per_layer)
+
+
+def test_removing_directions_indexes_on_the_weights_device():
+    """scripts/mechanism.py remove_directions (the `remove` command, on --device cuda) indexes the SVD factors
+    with an index on their device. The old index was made on the default device: under this test's meta
+    default, indexing CPU factors with a meta index gave garbage silently (the result is checked, not only
+    its device)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from mechanism import remove_directions
+
+    w1 = tiny_vit().blocks[0].mlp.fc1.weight.detach()
+    expected = remove_directions(w1, [0, 2])
+    with torch.device("meta"):
+        out = remove_directions(w1, [0, 2])
+    assert out.device.type == "cpu" and torch.equal(out, expected)
