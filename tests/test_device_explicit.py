@@ -4,6 +4,8 @@ The trick (tests/device_utils.py): run the code on a CPU model with `meta` as th
 tensor created without an explicit device becomes a meta tensor and the run fails, exactly where a CUDA
 run would have mixed a CPU tensor with GPU data. Each test here fails on the code before the fix.
 """
+import re
+
 import pytest
 import torch
 
@@ -182,3 +184,18 @@ def test_removing_directions_indexes_on_the_weights_device():
     with torch.device("meta"):
         out = remove_directions(w1, [0, 2])
     assert out.device.type == "cpu" and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("meta", "cache_device='meta': the cached unit inputs live on the CPU or a CUDA device"),
+    ("cuda", "cache_device='cuda': no CUDA device is visible"),
+    ("cuda:3", "cache_device='cuda:3': 2 CUDA device(s) are visible (cuda:0 .. cuda:1)"),
+])
+def test_an_aphq_cache_device_this_machine_lacks_is_refused_before_any_work(monkeypatch, value, message):
+    """quant.aphq.cache_device was checked only as a device name: cuda on a machine without a GPU, cuda:3 beside
+    two GPUs, or meta ran the FP evaluation and then failed with a traceback where the first tensor was cached."""
+    count = 2 if value == "cuda:3" else 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PIPELINES["aphq"](None, None, "w4a4", {"cache_device": value}, data=None)
