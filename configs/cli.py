@@ -77,6 +77,27 @@ def at_least(low: float, kind: type = int):
     return parse
 
 
+def torch_device(text: str):
+    """An argparse `type` for a --device that names a torch device: the CPU or a visible CUDA device (cuda,
+    cuda:N), refused by argparse (one usage line naming the flag) otherwise, e.g. `--device gpu`, or `--device
+    cuda` on a machine without a GPU (a traceback from the first tensor moved there)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text}: not a torch device; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text}: " + (f"{count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})" if count
+                               else "no CUDA device is visible; give cpu"))
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: give cpu, cuda or cuda:N")
+    return device
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:
     """--help-config [SECTION] and --print-config, and the list of sections at the end of --help."""
     parser.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",

@@ -36,7 +36,7 @@ from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import at_least  # noqa: E402
+from configs.cli import at_least, torch_device  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--warmup", type=at_least(0), default=1, help="untimed first iterations")
     p.add_argument("--official-iters", type=int, default=20000)
     p.add_argument("--official-images", type=int, default=1024, help="images of the official APH pass")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=torch_device, default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--out", default="", help="JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> dict:
         sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = args.device
     kw = {}
     if args.depth:
         kw["depth"] = args.depth

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import at_least  # noqa: E402
+from configs.cli import at_least, torch_device  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring).
 QUICK = {
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     p.add_argument("--img-size", type=int, default=None, help="override (smoke runs)")
     p.add_argument("--depth", type=int, default=None, help="override (smoke runs)")
     p.add_argument("--embed-dim", type=int, default=None, help="override (smoke runs); heads = dim / 64")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=at_least(1), default=256)
     p.add_argument("--calib", type=at_least(1), default=32)
     p.add_argument("--pipelines", nargs="*", default=["repq", "percentile"], choices=sorted(PIPELINES))
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
         sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = args.device
     torch.manual_seed(0)
     kw = {k: v for k, v in (("img_size", args.img_size), ("depth", args.depth)) if v}
     if args.embed_dim:

@@ -199,3 +199,25 @@ def test_an_aphq_cache_device_this_machine_lacks_is_refused_before_any_work(monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     with pytest.raises(ValueError, match=re.escape(message)):
         PIPELINES["aphq"](None, None, "w4a4", {"cache_device": value}, data=None)
+
+
+@pytest.mark.parametrize("script", ["bench_quant", "bench_aphq_block"])
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "argument --device: gpu: not a torch device; give cpu, cuda or cuda:N"),
+    ("cuda", "argument --device: cuda: no CUDA device is visible; give cpu"),
+    ("meta", "argument --device: meta: give cpu, cuda or cuda:N"),
+])
+def test_a_benchmark_device_this_machine_lacks_is_one_usage_error(monkeypatch, capsys, script, device, message):
+    """scripts/bench_quant.py and bench_aphq_block.py took --device as any text: a name torch does not know, or
+    cuda without a GPU, was a traceback after the model was built."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{script}.py")
+    spec = importlib.util.spec_from_file_location(script, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--device", device, "--model", "vit_tiny_patch16_224", "--img-size", "32", "--depth", "1"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
