@@ -80,3 +80,20 @@ class HostCopies(torch.overrides.TorchFunctionMode):
         if func in self.FUNCTIONS:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values by the host (`item`, `tolist`, `int` / `float` / `bool` / index of a
+    tensor) while active. On CUDA each is a host sync: code that should not wait per iteration makes a number
+    of them that does not grow with its iterations."""
+
+    NAMES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -19,7 +19,7 @@ from quant.modes import named_quantizers
 from quant.ptq.repq import RepQPipeline
 from quant.quantizers import UniformQuantizer
 from quant.spec import Bits
-from device_utils import HostCopies, OnCPU, cpu_pipeline_data, tensors_of
+from device_utils import HostCopies, HostReads, OnCPU, cpu_pipeline_data, tensors_of
 from quant_models import images, tiny_swin, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -221,3 +221,25 @@ def test_a_benchmark_device_this_machine_lacks_is_one_usage_error(monkeypatch, c
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--device", device, "--model", "vit_tiny_patch16_224", "--img-size", "32", "--depth", "1"])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gptq_with_static_groups_reads_the_column_order_once():
+    """quant/gptq/solver.py with static groups read int(perm[j]) for every column (a host sync per column on
+    CUDA); it reads the permutation once. The weights are those of the per-column reads."""
+    from quant.gptq.quantizer import GPTQQuantizer
+    from quant.gptq.solver import gptq_quantize
+
+    reads, results = [], []
+    for columns in (32, 64):
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(8, columns, generator=g), torch.randn(256, columns, generator=g)
+        quantizer = GPTQQuantizer(4, group_size=8)
+        with HostReads() as counter:
+            q, _ = gptq_quantize(w, x.t() @ x, quantizer, blocksize=16, act_order=True, static_groups=True)
+        reads.append(counter.count)
+        groups = [quantizer.range_params(w[:, i:i + 8]) for i in range(0, columns, 8)]
+        results.append(all(torch.allclose(q[:, j], torch.clamp(torch.round(q[:, j] / groups[j // 8][0])
+                                          + groups[j // 8][1], 0, 15).sub(groups[j // 8][1])
+                                          .mul(groups[j // 8][0]), atol=1e-5) for j in range(columns)))
+    assert reads[0] == reads[1], reads  # not one more per column
+    assert all(results)  # every column on the grid of its own (static) group

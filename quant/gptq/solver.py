@@ -86,6 +86,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, quantizer: GPTQQu
 
     Q = torch.zeros_like(W)
     losses = torch.zeros_like(W)
+    # static groups: each column's original position, read once (int(perm[j]) per column waited for the device)
+    order = perm.tolist() if size and static_groups else None
     found = []  # (scale, zero) of each group in the order its first column came up
     for i1 in range(0, columns, blocksize):
         i2 = min(i1 + blocksize, columns)
@@ -98,7 +100,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, quantizer: GPTQQu
                 scale, zero = quantizer.range_params(W[:, (i1 + i):(i1 + i + size)])
                 found.append((scale, zero))
             elif size and static_groups:
-                scale, zero = groups[int(perm[i1 + i]) // size]
+                scale, zero = groups[order[i1 + i] // size]
             q = fake_quant_uniform(w.unsqueeze(1), scale.unsqueeze(1), zero.unsqueeze(1), quantizer.qmin,
                                    quantizer.qmax).flatten()
             Q1[:, i] = q
