@@ -243,3 +243,63 @@ def test_gptq_with_static_groups_reads_the_column_order_once():
                                           .mul(groups[j // 8][0]), atol=1e-5) for j in range(columns)))
     assert reads[0] == reads[1], reads  # not one more per column
     assert all(results)  # every column on the grid of its own (static) group
+
+
+@pytest.mark.parametrize("pipeline, bits, options", [
+    ("rtn", "w4a16", dict(group_size=16, symmetric=True)),
+    ("gptq", "w4a16", dict(act_order=True, static_groups=True, group_size=16)),
+    ("gptq", "w4a16", dict(true_sequential=True, blocksize=8)),
+    ("smoothquant", "w8a8", dict(quantize_bmm="all", act_calibration="static", act_granularity="tensor")),
+    ("smoothquant_strict", "w4a4", None),
+], ids=["rtn", "gptq-static", "gptq-sequential", "smoothquant", "smoothquant_strict"])
+@pytest.mark.parametrize("make_model", [tiny_vit, tiny_swin, "gpt"], ids=["vit", "swin", "gpt"])
+def test_the_language_model_pipelines_create_no_tensor_on_the_default_device(pipeline, bits, options, make_model):
+    """The paper's GPT-2 pipelines (which run on ViTs too) under the meta default, as the four vision ones above
+    (they had no such test)."""
+    if make_model == "gpt":
+        from models.gpt import build_gpt
+
+        torch.manual_seed(0)
+        model = build_gpt("gpt2_nano", vocab_size=64).eval()
+        calib = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+    else:
+        model, calib = make_model(), images(16)
+    with torch.device("meta"):
+        qmodel, _ = PIPELINES[pipeline](model, calib, bits, options)
+        out = qmodel(calib)
+    assert out.device.type == "cpu" and torch.isfinite(out).all()
+    assert [name for name, t in tensors_of(qmodel) if t.device.type != "cpu"] == []
+
+
+def test_the_training_loop_with_every_regularizer_creates_no_tensor_on_the_default_device():
+    """engine.loop.TrainLoop as train.py builds it (CD attached, TWEO's loss, EMA, mixup / cutmix, bf16
+    autocast, clipping, two accumulation steps, per-step schedule) under the meta default: the test above
+    only made one hand-written step."""
+    from timm.data import Mixup
+    from timm.utils import ModelEmaV3
+
+    from device_utils import _FixedOrder
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+
+    model = tiny_vit().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    decay = ColinearityDecay(model, lam=0.01)
+    decay.attach(opt)
+    ema = ModelEmaV3(model, decay=0.9)
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=10)
+    batches = [(images(4, seed=s), torch.arange(4) % 10) for s in range(4)]
+    with TWEO(model, lam=0.01) as tweo:
+        def compute_loss(m, x, y):
+            loss = torch.sum(-y * torch.log_softmax(m(x), dim=-1), dim=-1).mean()
+            return loss + tweo.aux_loss(loss)
+
+        loop = TrainLoop(model=model, optimizer=opt, compute_loss=compute_loss, device=torch.device("cpu"),
+                         amp="bf16", accum_steps=2, clip_grad=1.0, ema=ema, mixup=mixup, log_every=1,
+                         metric_sources=[decay.metrics, tweo.metrics])
+        state = TrainState()
+        with torch.device("meta"):
+            reason = loop.run_epoch(TrainBatches(OnCPU(batches), _FixedOrder()), state, batch_size_per_gpu=4)
+            metrics = evaluate(ema.module, OnCPU(batches), torch.device("cpu"), amp="bf16")
+    assert reason == "epoch_end" and state.step == 2 and decay.metrics()["cd/updates"] == 2
+    assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
+    assert all(t.device.type == "cpu" for _, t in tensors_of(ema.module)) and metrics["count"] == 16
