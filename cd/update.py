@@ -420,7 +420,11 @@ def pair_penalty(
         if not idx:
             continue
         e = _group_energy([pairs[i] for i in idx], grad=True, upstream_grad=upstream_grad)
-        w = torch.tensor([float(weights[i]) for i in idx], dtype=torch.float32, device=e.device)
+        # the weights as fills on the device: torch.tensor(..., device=cuda) is a blocking copy, which made every
+        # forward of a loss-mode run wait for the GPU once per group
+        values = [float(weights[i]) for i in idx]
+        w = (e.new_full((len(idx),), values[0], dtype=torch.float32) if len(set(values)) == 1
+             else torch.stack([e.new_full((), v, dtype=torch.float32) for v in values]))
         term = (e * w).sum()
         total = term if total is None else total + term
     return total if total is not None else torch.zeros((), device=device)

@@ -303,3 +303,22 @@ def test_the_training_loop_with_every_regularizer_creates_no_tensor_on_the_defau
     assert reason == "epoch_end" and state.step == 2 and decay.metrics()["cd/updates"] == 2
     assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
     assert all(t.device.type == "cpu" for _, t in tensors_of(ema.module)) and metrics["count"] == 16
+
+
+@pytest.mark.parametrize("lam_per_role", [{}, {"fc2": 0.03}], ids=["one-strength", "per-role"])
+def test_the_loss_form_of_cd_copies_nothing_from_the_host_per_forward(lam_per_role):
+    """cd.mode=loss: the penalty's per-pair weights were torch.tensor(..., device=e.device) per group and forward,
+    a blocking copy (a host sync on CUDA) inside every training forward. The value is the weighted sum."""
+    from cd.update import pair_energy
+
+    model = tiny_vit().train()
+    decay = ColinearityDecay(model, lam=0.01, lam_per_role=lam_per_role, mode="loss")
+    task_loss = torch.tensor(2.0)
+    with HostCopies() as copies:
+        term = decay.aux_loss(task_loss)
+    assert copies.count == 0
+    energy = pair_energy(decay.pairs)  # mean over each role's pairs
+    counts = {role: sum(p.role == role for p in decay.pairs) for role in energy}
+    expected = sum(energy[r] * counts[r] * lam_per_role.get(r, 0.01) / 0.01 for r in energy)
+    assert torch.allclose(decay._last_penalty, expected, rtol=1e-5)
+    assert torch.allclose(term, decay.loss_coef * task_loss)  # aligned to the task loss (its value)
