@@ -77,25 +77,35 @@ def at_least(low: float, kind: type = int):
     return parse
 
 
-def torch_device(text: str):
-    """An argparse `type` for a --device that names a torch device: the CPU or a visible CUDA device (cuda,
-    cuda:N), refused by argparse (one usage line naming the flag) otherwise, e.g. `--device gpu`, or `--device
-    cuda` on a machine without a GPU (a traceback from the first tensor moved there)."""
+def device_problem(text: str) -> Optional[str]:
+    """Why `text` names no device this process can hold data on (None if it does: the CPU or a visible CUDA
+    device): not a torch device (`gpu`), a device the machine lacks (cuda without a GPU, cuda:3 beside two)
+    or one that holds no data (meta). Such a device fails with a traceback at the first tensor moved there."""
     import torch
 
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text}: not a torch device; give cpu, cuda or cuda:N") from None
+        return "not a torch device; give cpu, cuda or cuda:N"
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
-            raise argparse.ArgumentTypeError(
-                f"{text}: " + (f"{count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})" if count
-                               else "no CUDA device is visible; give cpu"))
+            return (f"{count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})" if count
+                    else "no CUDA device is visible; give cpu")
     elif device.type != "cpu":
-        raise argparse.ArgumentTypeError(f"{text}: give cpu, cuda or cuda:N")
-    return device
+        return "give cpu, cuda or cuda:N"
+    return None
+
+
+def torch_device(text: str):
+    """An argparse `type` for a --device (`device_problem`): refused by argparse, one usage line naming the
+    flag, e.g. `--device gpu`, or `--device cuda` on a machine without a GPU."""
+    import torch
+
+    problem = device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return torch.device(text)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:

@@ -187,7 +187,7 @@ def test_removing_directions_indexes_on_the_weights_device():
 
 
 @pytest.mark.parametrize("value, message", [
-    ("meta", "cache_device='meta': the cached unit inputs live on the CPU or a CUDA device"),
+    ("meta", "cache_device='meta': give cpu, cuda or cuda:N, or null"),
     ("cuda", "cache_device='cuda': no CUDA device is visible"),
     ("cuda:3", "cache_device='cuda:3': 2 CUDA device(s) are visible (cuda:0 .. cuda:1)"),
 ])

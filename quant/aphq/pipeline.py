@@ -33,6 +33,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from configs.cli import device_problem
 from configs.quant import APHQOptions
 from engine.metrics import duration
 
@@ -52,31 +53,6 @@ from .mlp_recon import MLPReconSettings, reconstruct_mlps
 from .reconstruct import ReconSettings, reconstruct_unit
 
 log = logging.getLogger("quant.aphq")
-
-
-def check_cache_device(value: str) -> None:
-    """`cache_device` names a device this process can keep the cached unit inputs on: the CPU or a visible
-    CUDA device. A device the machine lacks (cuda without a GPU, cuda:3 beside two) or one that holds no
-    data (meta) failed with a traceback at the first cached tensor, after the FP evaluation.
-
-    Raises:
-        ValueError: naming the value and what to give instead.
-    """
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ValueError(f"cache_device={value!r} is not a torch device (cpu, cuda, cuda:1) or null (the "
-                         f"model's device)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            visible = f"{count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})" if count else \
-                "no CUDA device is visible"
-            raise ValueError(f"cache_device={value!r}: {visible}; give cpu, a visible cuda device or null (the "
-                             f"model's device)")
-    elif device.type != "cpu":
-        raise ValueError(f"cache_device={value!r}: the cached unit inputs live on the CPU or a CUDA device; give "
-                         f"cpu, cuda, cuda:N or null (the model's device)")
 
 
 class APHQPipeline(Pipeline):
@@ -118,7 +94,9 @@ class APHQPipeline(Pipeline):
                              f"for each of their {zero_points} zero points (a degenerate search): give eq_n >= "
                              f"{2 * zero_points} (default 128)")
         if options.cache_device is not None:
-            check_cache_device(options.cache_device)
+            problem = device_problem(options.cache_device)  # else a traceback after the FP evaluation
+            if problem:
+                raise ValueError(f"cache_device={options.cache_device!r}: {problem}, or null (the model's device)")
         if options.matmul_steps < 2:
             raise ValueError(f"matmul_steps={options.matmul_steps}: the matmul search needs >= 2 candidates per "
                              f"bound (default 129)")
