@@ -252,7 +252,7 @@ def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, o
     (["quant.percentile.act_percentiles=[]"], "quant.percentile: act_percentiles=[]: give at least one level"),
     (["quant.percentile.act_range=minmax", "quant.percentile.act_percentiles=[0.999]"],
      "quant.percentile: act_percentiles=[0.999]: act_range=minmax reads no percentile"),
-    (["quant.aphq.cache_device=foo"], "quant.aphq: cache_device='foo' is not a torch device"),
+    (["quant.aphq.cache_device=foo"], "quant.aphq: cache_device='foo': not a torch device"),
     (["quant.gplq.stage2_images=0"], "'quant.gplq.stage2_images' must be >= 1; got 0"),
     (["quant.aphq.drop_prob=1.5"], "'quant.aphq.drop_prob' must be >= 0 and <= 1; got 1.5"),
     (["quant.aphq.temperature=0"], "'quant.aphq.temperature' must be > 0"),
