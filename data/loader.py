@@ -221,7 +221,9 @@ def _worker_args(cfg: DataConfig) -> dict:
         _told.add(workers)
         log.info("data loading: %d worker process(es) per process (data.num_workers=null: min(8, CPUs per "
                  "process - 1))", workers)
-    return dict(num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+    # pinned only for a process that uses its GPU (the entry points move the model there before building
+    # loaders): with train.device=cpu on a GPU machine, pinning would open a CUDA context on GPU 0 per rank
+    return dict(num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_initialized(),
                 persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 

@@ -153,3 +153,15 @@ def test_a_tar_split_names_its_classes(tmp_path):
     dataset = build_folder_dataset(str(tmp_path), "val")
     labels = {int(dataset[i][1]) for i in range(len(dataset))}
     assert class_names(dataset) == ["cat", "dog"] and sorted(labels) == [0, 1]
+
+
+def test_loaders_pin_memory_only_in_a_process_that_uses_its_gpu(monkeypatch):
+    """train.device=cpu on a GPU machine: pinning would open a CUDA context on GPU 0 in every rank."""
+    from configs.schema import DataConfig
+    from data.loader import _worker_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    for used, pinned in ((False, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: used)
+        assert _worker_args(DataConfig(num_workers=0))["pin_memory"] is pinned
+    assert _worker_args(DataConfig(num_workers=0, pin_memory=False))["pin_memory"] is False
