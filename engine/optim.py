@@ -59,6 +59,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
             raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; "
                              f"use one of {', '.join(FUSED)}")
         kwargs["fused"] = True
+    if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
+        # timm would put every parameter in one layer and only log a warning: no decay would happen
+        raise ValueError(f"optim.layer_decay={cfg.layer_decay:g} would have no effect: {type(model).__name__} has no "
+                         f"layer grouping (timm's group_matcher), so every parameter would get "
+                         f"the same lr; drop optim.layer_decay")
     return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
                                layer_decay=cfg.layer_decay, **kwargs)
 

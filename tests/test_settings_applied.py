@@ -9,7 +9,7 @@ import pytest
 
 import evaluate
 import train
-from configs import Config, load_config
+from configs import Config, ConfigError, load_config
 from configs.loader import IgnoredOverrideError
 from configs.quant import APHQOptions
 from engine.checkpoint import CheckpointError
@@ -96,3 +96,16 @@ def test_image_transform_settings_are_refused_for_synthetic_data_which_has_no_tr
 def test_settings_read_only_beside_another_key_are_refused_without_it(override, decider):
     with pytest.raises(IgnoredOverrideError, match=rf"read only when {decider} is set"):
         load_config([DEBUG_CONFIG], [override])
+
+
+def test_layer_decay_on_a_model_without_layer_grouping_is_refused(tmp_path):
+    """A GPT has no timm group_matcher: timm would put every parameter in one layer (only a warning) and
+    train without layer-wise decay; vision models with one still get it."""
+    with pytest.raises(ConfigError, match=r"optim: optim.layer_decay=0.8 would have no effect: GPT has no layer "):
+        train.main(load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")],
+                               ["optim.layer_decay=0.8", f"out_dir={tmp_path / 'lm'}"]))
+    from engine.optim import build_optimizer
+    from models import build_model
+    cfg = load_config([DEBUG_CONFIG], ["optim.layer_decay=0.8"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 1e-3, 0.05)
+    assert len({g["lr_scale"] for g in optimizer.param_groups}) > 1
