@@ -51,6 +51,11 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,
                     device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    if cfg.name != cfg.name.lower():
+        # timm lower-cases the name itself, but betas / eps / momentum, the fused kernel and the resume
+        # check go by the name as written: AdamW would train with timm's default betas, not the recipe's
+        raise ValueError(f"optim.name={cfg.name}: optimizer names are timm's, in lower case; use "
+                         f"optim.name={cfg.name.lower()}")
     kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ("adamw", "adam", "lamb") else {}
     if cfg.name in ("sgd", "momentum"):
         kwargs["momentum"] = cfg.momentum

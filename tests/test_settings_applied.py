@@ -109,3 +109,13 @@ def test_layer_decay_on_a_model_without_layer_grouping_is_refused(tmp_path):
     cfg = load_config([DEBUG_CONFIG], ["optim.layer_decay=0.8"])
     optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 1e-3, 0.05)
     assert len({g["lr_scale"] for g in optimizer.param_groups}) > 1
+
+
+def test_an_optimizer_name_in_another_case_is_refused_not_built_without_the_recipes_betas(tmp_path):
+    """timm builds AdamW for optim.name=AdamW, but the betas of the recipe (0.9, 0.95) were passed only
+    for the lower-case name: the run trained with (0.9, 0.999)."""
+    cfg = load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")],
+                      ["optim.name=AdamW", "train.max_steps=1", f"out_dir={tmp_path / 'lm'}"])
+    with pytest.raises(ConfigError, match=r"^optim: optim.name=AdamW: optimizer names are timm's, in lower case; "
+                                          r"use optim.name=adamw$"):
+        train.main(cfg)
