@@ -69,8 +69,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
         raise ValueError(f"optim.layer_decay={cfg.layer_decay:g} would have no effect: {type(model).__name__} has no "
                          f"layer grouping (timm's group_matcher), so every parameter would get "
                          f"the same lr; drop optim.layer_decay")
-    return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
-                               layer_decay=cfg.layer_decay, **kwargs)
+    try:
+        return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
+                                   layer_decay=cfg.layer_decay, **kwargs)
+    except (AssertionError, ImportError) as e:  # timm's APEX / bitsandbytes optimizers: CUDA and the package
+        raise ValueError(f"optim.name={cfg.name} cannot be built here ({e}); use another optimizer, "
+                         f"e.g. optim.name=adamw") from e
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_per_epoch: int):

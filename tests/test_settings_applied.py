@@ -119,3 +119,15 @@ def test_an_optimizer_name_in_another_case_is_refused_not_built_without_the_reci
     with pytest.raises(ConfigError, match=r"^optim: optim.name=AdamW: optimizer names are timm's, in lower case; "
                                           r"use optim.name=adamw$"):
         train.main(cfg)
+
+
+@pytest.mark.parametrize("name", ["fusedadamw", "bnbadamw8bit"])
+def test_an_optimizer_that_needs_cuda_or_a_missing_package_is_refused_with_one_line(name):
+    """timm's APEX / bitsandbytes optimizers assert CUDA (and import their package): an AssertionError
+    traceback from train.py before."""
+    from engine.optim import build_optimizer
+    from models import build_model
+    cfg = load_config([DEBUG_CONFIG], [f"optim.name={name}"])
+    with pytest.raises(ValueError, match=rf"^optim.name={name} cannot be built here \(.+\); use another "
+                                         rf"optimizer, e.g. optim.name=adamw$"):
+        build_optimizer(build_model(cfg.model), cfg.optim, 1e-3, 0.05)
