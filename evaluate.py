@@ -485,28 +485,33 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None
 
 
 def method_name(cfg: Config) -> str:
-    """Baseline / CD / TWEO, with the settings that differ from the paper's defaults (so that the rows of
-    an ablation table tell themselves apart), e.g. "CD (lam 0.01)", "CD (targets C)", "CD (loss 0.005)"."""
+    """Baseline / CD / TWEO (CD + TWEO when both are on), with the settings that differ from the paper's
+    defaults (so that the rows of an ablation table tell themselves apart), e.g. "CD (lam 0.01)",
+    "CD (targets C)", "CD (loss 0.005)"."""
     from configs import CDConfig, TWEOConfig
 
+    names = []
     if cfg.cd.enabled:
         default, c = CDConfig(), cfg.cd
-        notes = [f"lam {c.lam:g}" if c.lam != default.lam else "",
-                 f"targets {c.targets}" if c.targets != default.targets else "",
-                 f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
-                 " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
-                 "" if c.budget else "no budget"]
-        name = "CD"
-    elif cfg.tweo.enabled:
+        names.append(_named("CD", [f"lam {c.lam:g}" if c.lam != default.lam else "",
+                                   f"targets {c.targets}" if c.targets != default.targets else "",
+                                   f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
+                                   " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
+                                   "" if c.budget else "no budget"]))
+    if cfg.tweo.enabled:  # also beside CD: such a run is not one of the CD runs (--over-seeds would average it)
         default, t = TWEOConfig(), cfg.tweo
-        notes = [f"lam {t.lam:g}" if t.lam != default.lam else "", "rescaled" if t.rescale else "",
-                 t.schedule if t.schedule != default.schedule else "",
-                 # the penalty's shape: a tau or p ablation would otherwise average as seeds of one method
-                 f"p {t.p:g}" if t.p != default.p else "", f"tau {t.tau:g}" if t.tau != default.tau else "",
-                 f"eps {t.eps:g}" if t.eps != default.eps else ""]
-        name = "TWEO"
-    else:
-        return "Baseline"
+        names.append(_named("TWEO", [f"lam {t.lam:g}" if t.lam != default.lam else "",
+                                     "rescaled" if t.rescale else "",
+                                     t.schedule if t.schedule != default.schedule else "",
+                                     # the penalty's shape: a tau or p ablation would otherwise average as
+                                     # seeds of one method
+                                     f"p {t.p:g}" if t.p != default.p else "",
+                                     f"tau {t.tau:g}" if t.tau != default.tau else "",
+                                     f"eps {t.eps:g}" if t.eps != default.eps else ""]))
+    return " + ".join(names) or "Baseline"
+
+
+def _named(name: str, notes: list[str]) -> str:
     notes = [n for n in notes if n]
     return f"{name} ({', '.join(notes)})" if notes else name
 

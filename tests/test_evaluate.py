@@ -197,6 +197,14 @@ def test_a_tweo_penalty_of_another_shape_is_named(overrides, name):
     assert evaluate.method_name(cfg) == name
 
 
+@pytest.mark.parametrize("overrides, name", [([], "CD + TWEO"),
+                                             (["cd.lam=0.01", "tweo.tau=6"], "CD (lam 0.01) + TWEO (tau 6)")])
+def test_a_run_with_cd_and_tweo_is_named_by_both(overrides, name):
+    """A run with both regularizers was 'CD', one of the CD runs: --over-seeds averaged it with them."""
+    cfg = load_config([DEMO_CONFIG], ["cd.enabled=true", "tweo.enabled=true", *overrides])
+    assert evaluate.method_name(cfg) == name
+
+
 def test_table_names_a_single_bit_width_other_than_w4a4():
     """Without a bit-width a column reads as the paper's W4A4: results of w6a6 alone are headed RepQ-ViT W6A6."""
     def result(bits):
