@@ -72,7 +72,8 @@ def progress_line(step: int, metrics: dict, *, total_steps: int, epochs: int, up
     epoch = metrics["train/epoch"]  # epochs done, fractional: 2.45 is 45% into the third epoch
     current = max(math.ceil(epoch), 1)  # 1-based, the one in progress (or just completed)
     seconds_per_update = batch_size / max(metrics["train/img_per_s"], 1e-9)
-    left_in_epoch = round((current - epoch) * updates_per_epoch)
+    # the run may end inside the epoch (sched.steps, train.max_steps): the epoch then ends with the run
+    left_in_epoch = min(round((current - epoch) * updates_per_epoch), max(total_steps - step, 0))
     speed = (f"{metrics['train/tok_per_s']:.0f} tok/s" if "train/tok_per_s" in metrics  # a language model
              else f"{metrics['train/img_per_s']:.0f} img/s")
     return (f"update {step}/{total_steps}  epoch {current}/{epochs} {epoch - current + 1:.0%}  "

@@ -470,3 +470,17 @@ def test_wandb_run_id_is_new_per_run_kept_on_resume_and_not_shared_with_an_archi
     assert ids[0] == ids[1] != ids[2] and all(ids)
     saved = torch.load(debug_config(name="w").out_dir + "/checkpoint.pt", weights_only=True)
     assert saved["wandb_id"] == ids[2]
+
+
+def test_the_epoch_eta_ends_with_the_run_when_the_run_ends_inside_the_epoch():
+    """A language model's sched.steps=12 inside an epoch of 7,272 updates: 'eta epoch' counted the 7,260
+    updates the run never trains (3 minutes, beside 'run 0:00:00')."""
+    from engine.metrics import progress_line
+
+    metrics = {"train/epoch": 24 / 14544, "train/img_per_s": 16.0, "train/loss": 4.0, "train/lr": 1e-3,
+               "train/data_wait": 0.1, "train/peak_mem_mib": 700.0}  # one update per second
+    line = progress_line(2, metrics, total_steps=12, epochs=1, updates_per_epoch=7272, batch_size=16)
+    assert "eta epoch 0:00:10 run 0:00:10" in line, line
+    metrics["train/epoch"] = 0.5  # the run goes past this epoch: its own end counts
+    line = progress_line(2, metrics, total_steps=12, epochs=3, updates_per_epoch=4, batch_size=16)
+    assert "eta epoch 0:00:02 run 0:00:10" in line, line
