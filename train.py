@@ -400,7 +400,7 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
     if val:
         log.info("%s after %d updates; files in %s", run.task.describe(val), state.step,
                  os.path.abspath(cfg.out_dir))
-        if not run.task.language:
+        if not run.task.language and reason == "finished":  # a stop at train.max_steps may be in its warmup
             warn_if_at_chance(val["val/top1"], cfg.model.num_classes)
     log.info("%s", run_summary(state, reason, run.epochs, wall_seconds,
                                (state.step - start_step) * cfg.train.batch_size, train_seconds, run.task))

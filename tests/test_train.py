@@ -484,3 +484,14 @@ def test_the_epoch_eta_ends_with_the_run_when_the_run_ends_inside_the_epoch():
     metrics["train/epoch"] = 0.5  # the run goes past this epoch: its own end counts
     line = progress_line(2, metrics, total_steps=12, epochs=3, updates_per_epoch=4, batch_size=16)
     assert "eta epoch 0:00:02 run 0:00:10" in line, line
+
+
+def test_a_run_stopped_at_max_steps_is_not_said_to_have_failed_to_learn(debug_config, caplog):
+    """After train.max_steps=1 (inside the warmup) the summary said 'the run did not learn; check the learning
+    rate': the warning is for finished runs."""
+    with caplog.at_level("WARNING"):
+        result = train.main(debug_config("train.max_steps=1"))
+    assert result.reason == "max_steps" and "is at chance level" not in caplog.text
+    with caplog.at_level("WARNING"):
+        result = train.main(debug_config())  # the same run, finished: still at chance on random labels
+    assert result.reason == "finished" and "is at chance level" in caplog.text
