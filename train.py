@@ -409,7 +409,8 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
 
 def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float, samples: int,
                 train_seconds: float, task=ClassificationTask()) -> str:
-    """The last line of every run: how it ended, its best validation, and this process's time and speed."""
+    """The last line of every run: how it ended, its best validation, and this job's time and speed (since it last
+    resumed; images of every process, i.e. updates x the global batch)."""
     ended = {"finished": "finished", "preempted": "stopped by a signal (resumable)",
              "max_steps": "stopped at train.max_steps"}.get(reason, reason)
     best = (f"best {task.score_text(state.best_value)} at epoch {state.best_epoch} (update {state.best_step})"
@@ -417,7 +418,7 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
     unit, rate = ("windows", "windows/s") if task.language else ("images", "img/s")
     speed = f"{samples / train_seconds:.0f} {rate}" if train_seconds > 0 else "no updates trained"
     return (f"run summary: {ended} at update {state.step}, epoch {state.epoch}/{epochs}; {best}; wall time "
-            f"{duration(wall_seconds)}; this process trained {samples} {unit} in {duration(train_seconds)} "
+            f"{duration(wall_seconds)}; this job trained {samples} {unit} in {duration(train_seconds)} "
             f"({speed})")
 
 

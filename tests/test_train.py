@@ -331,7 +331,7 @@ def test_job_logs_have_a_line_per_log_step_and_a_summary_off_a_terminal(tmp_path
     assert re.search(rf"run summary: finished at update 8, epoch 2/2; best val top-1 "
                      rf"{best['val/top1']:.2f}% at epoch {best['step'] // 4} \(update {best['step']}\); "
                      rf"wall time \d+:\d\d:\d\d; "
-                     rf"this process trained 128 images in \d+:\d\d:\d\d \(\d+ img/s\)", summary), summary
+                     rf"this job trained 128 images in \d+:\d\d:\d\d \(\d+ img/s\)", summary), summary
     assert summary.split(" INFO ")[1] in log_file
 
 
