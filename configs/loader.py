@@ -24,7 +24,7 @@ from typing import Annotated, Any, Iterable, Literal, Sequence, Union
 import yaml
 
 from .constraints import check_together
-from .schema import Config
+from .schema import ADAM_OPTIMIZERS, Config
 
 
 class ConfigError(ValueError):
@@ -157,7 +157,7 @@ READ_ONLY_WHEN = [
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
-    (("optim.betas", "optim.eps"), "optim.name", ("adamw", "adam", "lamb")),
+    (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
 ]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline

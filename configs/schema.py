@@ -93,6 +93,10 @@ class DataConfig:
     digits_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
 
 
+# the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
+ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
+
+
 @dataclass
 class OptimConfig:
     """The optimizer (timm), its peak learning rate and weight decay."""
@@ -105,8 +109,9 @@ class OptimConfig:
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
     # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
     weight_decay: Annotated[float, NonNegative] = 0.05
-    betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)  # Adam(W) moments
-    eps: Annotated[float, Positive] = 1e-8  # Adam(W) denominator epsilon
+    # Adam(W) moments and denominator epsilon: read for ADAM_OPTIMIZERS only (timm's others keep their own)
+    betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)
+    eps: Annotated[float, Positive] = 1e-8
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
     # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None

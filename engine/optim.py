@@ -14,7 +14,7 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
-from configs.schema import OptimConfig, SchedConfig
+from configs.schema import ADAM_OPTIMIZERS, OptimConfig, SchedConfig
 
 
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
@@ -56,7 +56,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
         # check go by the name as written: AdamW would train with timm's default betas, not the recipe's
         raise ValueError(f"optim.name={cfg.name}: optimizer names are timm's, in lower case; use "
                          f"optim.name={cfg.name.lower()}")
-    kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ("adamw", "adam", "lamb") else {}
+    default = OptimConfig()
+    if cfg.name not in ADAM_OPTIMIZERS and (tuple(cfg.betas) != default.betas or cfg.eps != default.eps):
+        # a recipe's betas (nanoGPT's 0.95) beside another optimizer: timm's would train with its own (here, at
+        # training time: evaluate.py still reads the configs of runs trained that way)
+        raise ValueError(f"optim.betas={list(cfg.betas)} / optim.eps={cfg.eps:g} are read for "
+                         f"{', '.join(ADAM_OPTIMIZERS)} only, and optim.name={cfg.name} would train with its own; "
+                         f"use one of those, or a recipe without optim.betas / optim.eps")
+    kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ADAM_OPTIMIZERS else {}
     if cfg.name in ("sgd", "momentum"):
         kwargs["momentum"] = cfg.momentum
     if use_fused(cfg, device):

@@ -121,6 +121,21 @@ def test_an_optimizer_name_in_another_case_is_refused_not_built_without_the_reci
         train.main(cfg)
 
 
+@pytest.mark.parametrize("name", ["nadamw", "radam", "lion"])
+def test_a_recipes_betas_beside_an_optimizer_that_does_not_read_them_are_refused(tmp_path, name):
+    """kjv_nano's betas (0.9, 0.95) reach timm for adamw / adam / lamb only: with another Adam-like optimizer
+    the run trained with that optimizer's own betas, without a word."""
+    from engine.optim import build_optimizer
+    from models import build_model
+    cfg = load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")], [f"optim.name={name}"])
+    model = build_model(cfg.model)
+    with pytest.raises(ValueError, match=rf"optim.betas=\[0.9, 0.95\] / optim.eps=1e-08 are read for adamw, adam, "
+                                         rf"lamb only, and optim.name={name} would train with its own"):
+        build_optimizer(model, cfg.optim, lr=1e-3, weight_decay=0.1)
+    plain = load_config([DEBUG_CONFIG], [f"optim.name={name}"])  # the default betas: its own are used
+    build_optimizer(build_model(plain.model), plain.optim, lr=1e-3, weight_decay=0.1)
+
+
 @pytest.mark.parametrize("name", ["fusedadamw", "bnbadamw8bit"])
 def test_an_optimizer_that_needs_cuda_or_a_missing_package_is_refused_with_one_line(name):
     """timm's APEX / bitsandbytes optimizers assert CUDA (and import their package): an AssertionError
