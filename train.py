@@ -417,7 +417,8 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
             if state.best_value is not None else "no validation yet")
     unit, rate = ("windows", "windows/s") if task.language else ("images", "img/s")
     speed = f"{samples / train_seconds:.0f} {rate}" if train_seconds > 0 else "no updates trained"
-    return (f"run summary: {ended} at update {state.step}, epoch {state.epoch}/{epochs}; {best}; wall time "
+    epoch = state.epoch + (state.epoch_batches > 0)  # 1-based, as best_epoch: the one in progress, or just done
+    return (f"run summary: {ended} at update {state.step}, epoch {epoch}/{epochs}; {best}; wall time "
             f"{duration(wall_seconds)}; this job trained {samples} {unit} in {duration(train_seconds)} "
             f"({speed})")
 

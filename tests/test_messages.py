@@ -121,3 +121,13 @@ def test_a_stopping_error_is_in_train_log_as_well_as_on_stderr(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: the training loss is nan")
     assert (out / "train.log").read_text().splitlines()[-1].endswith(f"train ERROR {lines[0]}")  # a job's log says why
+
+
+def test_the_summary_names_the_epoch_in_progress_as_best_epoch_does():
+    """A language model's 12 updates lie inside its first epoch: 'epoch 1/1', not 'epoch 0/1'; a run that
+    ended at an epoch's end names that epoch."""
+    from engine.loop import TrainState
+
+    inside = train.run_summary(TrainState(epoch=0, step=12, epoch_batches=24), "finished", 1, 5.0, 192, 4.0)
+    at_end = train.run_summary(TrainState(epoch=2, step=8, epoch_batches=0), "finished", 2, 5.0, 128, 4.0)
+    assert "finished at update 12, epoch 1/1;" in inside and "finished at update 8, epoch 2/2;" in at_end
