@@ -339,6 +339,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device; use --device cpu --small")
+    if device == "cpu" and args.precision == "tf32":  # the rows would say tf32 over fp32 timings
+        parser.error("--precision tf32 on a CPU: CPUs have no TF32, CD's products run in fp32 there; give "
+                     "--precision fp32 (or auto)")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.amp = args.amp or ("fp16" if device == "cuda" else "bf16")

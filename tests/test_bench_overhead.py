@@ -136,3 +136,11 @@ def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
                 "--depth", "1", "--batch", "2", "--threads", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {framework} |")]
     assert len(rows) == 1 and float(rows[0].split(" | ")[3]) > 0  # the ratio
+
+
+def test_tf32_on_a_cpu_is_a_usage_error_not_a_row_labelled_tf32(tmp_path, capsys):
+    """CPUs have no TF32: the products ran in fp32 under a 'tf32' label."""
+    with pytest.raises(SystemExit):
+        _bench().main(["--device", "cpu", "--small", "--apply-only", "--precision", "tf32", "--out", str(tmp_path)])
+    assert "--precision tf32 on a CPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
