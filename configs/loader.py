@@ -212,6 +212,14 @@ def override_keys(item: str) -> list[str]:
         return [key.strip()]
 
 
+def overlapping_keys(item: str, keys) -> list[str]:
+    """The dotted `keys` that the override `item` sets, however it is spelt: the key itself, a section given as a
+    mapping (train={seed: 7} sets train.seed) or a part of a key's value (cd.lam_per_role.fc2=0.5 changes
+    cd.lam_per_role). In the order of `keys`."""
+    given = override_keys(item)
+    return [k for k in keys if any(a == k or a.startswith(k + ".") or k.startswith(a + ".") for a in given)]
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """'<problem> (line L, column C)' from a PyYAML error, without its multi-line context dump."""
     mark = getattr(e, "problem_mark", None)

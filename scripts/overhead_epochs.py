@@ -51,15 +51,12 @@ PROTOCOL_KEYS = {"model.name": "--models", "train.batch_size": "--global-batch",
 
 
 def refuse_protocol_keys(overrides: list[str]) -> None:
-    from configs.loader import override_keys
+    from configs.loader import overlapping_keys
 
     for item in overrides:
-        for key in override_keys(item):
-            own = next((k for k in PROTOCOL_KEYS if key == k or k.startswith(key + ".") or key.startswith(k + ".")),
-                       None)
-            if own is not None:
-                flag = f"; use {PROTOCOL_KEYS[own]}" if PROTOCOL_KEYS[own] else ""
-                sys.exit(f"error: {item} would replace {own}, which the protocol sets for every timed run{flag}")
+        for own in overlapping_keys(item, PROTOCOL_KEYS)[:1]:
+            flag = f"; use {PROTOCOL_KEYS[own]}" if PROTOCOL_KEYS[own] else ""
+            sys.exit(f"error: {item} would replace {own}, which the protocol sets for every timed run{flag}")
 
 
 def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str) -> tuple[list, list]:

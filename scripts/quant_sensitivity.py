@@ -34,7 +34,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
-from configs.loader import override_keys  # noqa: E402
+from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
@@ -70,8 +70,7 @@ def refuse_variant_keys(overrides: list[str]) -> None:
     variant's change +0.00): the table would compare a setting with itself under the names of two."""
     variant_keys = {k for _, extra in VARIANTS.values() for o in extra for k in override_keys(o)}
     for item in overrides:
-        keys = [k for k in override_keys(item) if any(k == v or k.startswith(v + ".") or v.startswith(k + ".")
-                                                      for v in variant_keys)]
+        keys = overlapping_keys(item, sorted(variant_keys))
         if keys:
             raise ConfigError(f"{item} sets {keys[0]}, which a variant varies ({', '.join(sorted(variant_keys))}): "
                               "the 'official' row would be computed with it; drop it (evaluate.py --out runs one "

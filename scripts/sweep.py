@@ -43,7 +43,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.loader import override_keys, read_yaml_file  # noqa: E402
+from configs.loader import overlapping_keys, override_keys, read_yaml_file  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -118,11 +118,8 @@ def check_field_types(sweep: dict, sweep_path: str) -> None:
 
 
 def sets_any(override: str, keys: set) -> bool:
-    """Whether `override` sets one of the dotted `keys`, however it is spelt: the key itself, a section
-    given as a mapping (train={seed: 7} sets train.seed) or a part of a key's value
-    (cd.lam_per_role.fc2=0.5 changes cd.lam_per_role={fc2: 2.0})."""
-    return any(a == b or a.startswith(b + ".") or b.startswith(a + ".")
-               for a in override_keys(override) for b in keys)
+    """Whether `override` sets one of the dotted `keys` (configs.loader.overlapping_keys)."""
+    return bool(overlapping_keys(override, keys))
 
 
 def keys_of(overrides: list[str]) -> set:
