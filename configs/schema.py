@@ -109,9 +109,8 @@ class OptimConfig:
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
     # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
     weight_decay: Annotated[float, NonNegative] = 0.05
-    # Adam(W) moments and denominator epsilon: read for ADAM_OPTIMIZERS only (timm's others keep their own)
-    betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)
-    eps: Annotated[float, Positive] = 1e-8
+    betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)  # moments: adamw/adam/lamb
+    eps: Annotated[float, Positive] = 1e-8  # denominator epsilon: adamw / adam / lamb (ADAM_OPTIMIZERS)
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
     # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
