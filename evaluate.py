@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from configs import Config, ConfigError, apply_overrides, config_from_dict, load_config, merge_file
+from configs import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config, merge_file
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
@@ -41,7 +41,7 @@ from data.folder import ClassCountError
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError, settings_diff
-from engine.run_dir import RunDirError, prepare_folder
+from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
 from engine.loop import NonFiniteLossError
@@ -130,7 +130,8 @@ def main(args: argparse.Namespace) -> dict:
     paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
              {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
     kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
-    results.update(method=method_name(cfg), fp={k: fp[k] for k in kept if k in fp} |
+    results.update(method=method_name(cfg), recipe=recipe(config_to_dict(cfg)),
+                   fp={k: fp[k] for k in kept if k in fp} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
     # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
     # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
@@ -608,6 +609,14 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
         if len(values) > 1:
             raise ValueError(f"{model} {method}: the results differ in {key} ({' vs '.join(sorted(values))}); "
                              "rows average the seeds of one evaluation: give results evaluated alike")
+    # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
+    # (results written before the recipe was recorded have none and are not compared)
+    recipes = [r for r in group if "recipe" in r]
+    other = next((r for r in recipes if r["recipe"] != recipes[0]["recipe"]), None)
+    if other is not None:
+        raise ValueError(f"{model} {method}: {recipes[0].get('checkpoint')} and {other.get('checkpoint')} were "
+                         f"trained with other settings ({settings_diff(recipes[0]['recipe'], other['recipe'])}); "
+                         "rows average the seeds of one recipe")
     # a cell averages one pipeline's results: a calibration set of 8 beside one of 32 is not a seed's spread
     for pipeline, bits in sorted({(p, b) for r in group for p in r["quant"] for b in r["quant"][p]}):
         entries = [r["quant"][pipeline][bits] for r in group if bits in r["quant"].get(pipeline, {})]

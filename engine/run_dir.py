@@ -85,6 +85,12 @@ def config_changes(saved: dict, current: dict) -> list[str]:
             if old.get(k) != new.get(k) and not _is_environment(k)]
 
 
+def recipe(config: dict) -> dict:
+    """The settings of a run that change what it computes, but its seed: what the seeds of one experiment share
+    (a flat dict; `config_changes` leaves out the same environment keys)."""
+    return {k: v for k, v in _flat(config).items() if not _is_environment(k) and k != "train.seed"}
+
+
 def start_only_changes(saved: dict, current: dict) -> list[str]:
     """'key: old -> new' for every START_ONLY_KEYS setting that differs: a resumed run would not use it."""
     old, new = _flat(saved), _flat(current)

@@ -121,7 +121,7 @@ def main(argv=None) -> str:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--over-seeds", action="store_true",
                    help="rows layout: one row per model and method, mean ± std over its results (the seeds "
-                        "of a sweep)")
+                        "of a sweep: results of other training settings, evaluations or weights are refused)")
     args = p.parse_args(argv)
     if args.out and os.path.isdir(args.out):  # --overwrite replaces a file, never a folder
         sys.exit(f"error: --out {args.out} is a folder; give the path of the table's file, e.g. "

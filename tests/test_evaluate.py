@@ -9,7 +9,7 @@ import pytest
 
 import evaluate
 import train
-from configs import ConfigError, load_config
+from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
 from tests.conftest import DEMO_CONFIG, ROOT
 
@@ -31,6 +31,9 @@ def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     with open(out) as f:
         saved = json.load(f)
     assert saved["model"] == "vit_nano" and saved["method"] == "Baseline" and saved["images"] == 360
+    # the training recipe (the seed and paths left out), for telling seeds from other experiments
+    assert saved["recipe"]["model.name"] == "vit_nano" and saved["recipe"]["optim.name"] == "adamw"
+    assert "train.seed" not in saved["recipe"] and "out_dir" not in saved["recipe"]
     assert 0 <= saved["fp"]["top1"] <= 100 and saved["fp"]["top5"] >= saved["fp"]["top1"]
     assert 0 < saved["max_act"]["module"] and 0 < saved["max_act"]["block"]
     assert os.path.exists(saved["max_act"]["csv"]) and os.path.exists(saved["max_act"]["plot"])
@@ -186,6 +189,16 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     other_calibration[1]["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8}}
     with pytest.raises(ValueError, match="m Baseline: the repq w4a4 results were computed with different settings"):
         evaluate.markdown_table(other_calibration, over_seeds=True)
+    # runs of one method trained with another lr are not seeds; another seed is one
+    from engine.run_dir import recipe
+    configs = {overrides: config_to_dict(load_config([DEMO_CONFIG], list(overrides)))
+               for overrides in (("train.seed=1",), ("train.seed=2",), ("train.seed=3", "optim.lr=0.01"))}
+    runs = [dict(result("Baseline", 80.0, 70.0), fingerprint=str(i), checkpoint=f"{i}/best.pt",
+                 recipe=recipe(config)) for i, config in enumerate(configs.values())]
+    assert "(n=2)" in evaluate.markdown_table(runs[:2], over_seeds=True)
+    with pytest.raises(ValueError, match=r"m Baseline: 0/best.pt and 2/best.pt were trained with other settings "
+                                         r"\(optim.lr 0.002 -> 0.01\)"):
+        evaluate.markdown_table(runs, over_seeds=True)
 
 
 @pytest.mark.parametrize("overrides, name", [(["tweo.tau=6"], "TWEO (tau 6)"), (["tweo.p=2"], "TWEO (p 2)"),
