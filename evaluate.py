@@ -130,7 +130,10 @@ def main(args: argparse.Namespace) -> dict:
     paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
              {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
     kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
-    results.update(method=method_name(cfg), recipe=recipe(config_to_dict(cfg)),
+    # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
+    # evaluated: evaluation overrides (an APHQ data.scale) are no training setting
+    trained = {"recipe": recipe(config_to_dict(config_from_dict(payload["config"])))} if payload else {}
+    results.update(method=method_name(cfg), **trained,
                    fp={k: fp[k] for k in kept if k in fp} |
                    {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
     # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
@@ -611,7 +614,7 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
                              "rows average the seeds of one evaluation: give results evaluated alike")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
-    recipes = [r for r in group if "recipe" in r]
+    recipes = [r for r in group if r.get("recipe")]
     other = next((r for r in recipes if r["recipe"] != recipes[0]["recipe"]), None)
     if other is not None:
         raise ValueError(f"{model} {method}: {recipes[0].get('checkpoint')} and {other.get('checkpoint')} were "
