@@ -1,4 +1,5 @@
-r"""Evaluate a checkpoint: FP accuracy, activation maxima, and fake-quantized accuracy per pipeline.
+r"""Evaluate a checkpoint: FP accuracy (a language model's perplexity), activation maxima, and fake-quantized
+results per pipeline.
 
     python evaluate.py --checkpoint runs/vit_digits/best.pt                    # repq + percentile, W4A4
     python evaluate.py --checkpoint runs/vit_b_cd/best.pt --quant repq aphq --bits w4a4 w6a6 \
@@ -11,8 +12,9 @@ Weights are scored only as they are: a checkpoint or a `model.pretrained` file t
 exactly (a classifier of another size included) is an error, never a model with a new random part.
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
-always works on a copy of the model, calibrated on `quant.calib_images` seeded train images with the
-eval transform; APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
+always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
+transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
+APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run. Writes one JSON
 (default: next to the checkpoint), a per-layer activation-max CSV and plot beside it, and prints a
 markdown row in the layout of the paper's tables.

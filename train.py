@@ -1,4 +1,5 @@
-r"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Decay (CD) or TWEO.
+r"""Train a ViT / DeiT / Swin image classifier or a GPT-2 language model (data.dataset=tokens|kjv), optionally
+with Colinearity Decay (CD) or TWEO.
 
     python train.py                                     # demo: tiny ViT on the embedded digits, CPU, minutes
     python train.py --config configs/debug/tiny.yaml    # seconds: a two-block model on synthetic data
@@ -9,9 +10,10 @@ r"""Train a ViT / DeiT / Swin image classifier, optionally with Colinearity Deca
 
 Config: dataclass defaults (configs/schema.py) < each --config YAML in order < key=value overrides.
 Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
-snapshots/ (train.keep_every_epochs). Re-running the same command with the same out_dir resumes from
-checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT save and exit with code
-75 (docs/operations.md).
+snapshots/ (train.keep_every_epochs); a resume from an earlier point or with changed settings keeps the
+earlier config.yaml / metrics.jsonl / best.pt as *.until_step<N>.*. Re-running the same command with the
+same out_dir resumes from checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT
+save and exit with code 75 (docs/operations.md).
 """
 from __future__ import annotations
 

@@ -233,6 +233,6 @@ class SmoothQuantOptions(FloatEndsOptions):
 class SmoothQuantStrictOptions(SmoothQuantOptions):
     """The paper's SmoothQuant-W8A8-strict: per-tensor static activations and quantized attention matmuls."""
 
-    act_granularity: Literal["token", "tensor"] = "tensor"  # one activation range per tensor
+    act_granularity: Literal["token", "tensor"] = "tensor"  # one activation range per tensor (dynamic: per sample)
     act_calibration: Literal["dynamic", "static"] = "static"  # fixed from the smoothed float model (calibration)
     quantize_bmm: Literal["none", "qkv", "all"] = "all"  # q, k, v and the softmax output quantized too

@@ -83,7 +83,7 @@ class DataConfig:
     label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
     num_workers: Annotated[Optional[int], NonNegative] = None  # per process; null: min(8, CPUs per process - 1)
-    pin_memory: bool = True  # page-locked batches for faster copies to the GPU
+    pin_memory: bool = True  # page-locked batches for faster GPU copies (only in a process that uses its GPU)
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096
     synthetic_val_size: Annotated[int, AtLeastOne] = 512  # images in the synthetic val set
@@ -101,7 +101,7 @@ ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
 class OptimConfig:
     """The optimizer (timm), its peak learning rate and weight decay."""
 
-    name: str = "adamw"  # any timm create_optimizer_v2 name (adamw, sgd, lamb, ...)
+    name: str = "adamw"  # any timm create_optimizer_v2 name, in lower case (adamw, sgd, lamb, ...)
     # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
     lr: Annotated[Optional[float], Positive] = None
     lr_base: Annotated[float, Positive] = 5e-4  # peak lr at a global batch of lr_base_batch
@@ -112,7 +112,7 @@ class OptimConfig:
     betas: Annotated[tuple, Numbers(2, Range(0, 1, high_open=True))] = (0.9, 0.999)  # moments: adamw/adam/lamb
     eps: Annotated[float, Positive] = 1e-8  # denominator epsilon: adamw / adam / lamb (ADAM_OPTIMIZERS)
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
-    # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off
+    # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off; needs timm's layer grouping (refused on a GPT)
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
     # max global L2 norm of the gradients; None: no clipping
     clip_grad: Annotated[Optional[float], Positive] = None
@@ -240,7 +240,7 @@ class QuantConfig:
     # weight / activation bit-widths, e.g. [w4a4, w6a6]: every pipeline at each; [] (default): each
     # pipeline at its own default (w4a4; rtn and gptq w4a16; smoothquant w8a8)
     bits: list = field(default_factory=list)
-    # fixed, seeded subset of the train split (percentile / repq calibration)
+    # fixed, seeded subset of the train split: calibration images (percentile / repq) or token windows (LM)
     calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: Annotated[int, Seed] = 0  # seed choosing the calibration images
     # eval: the eval transform; train: one fixed training augmentation per image, as the QwT / GPLQ lab's

@@ -8,7 +8,10 @@ reference) and at each precision from the same fp32 weights. Two figures per pre
                    s = lr * lam = 1e-3 * 0.005 (DeiT-B's peak lr): below 1, the precision moves the
                    weights less than storing them in fp32 does
 On CUDA every precision runs for real; on a CPU 'tf32' (which CPUs lack) is emulated by rounding the
-products' operands to TF32's 10-bit mantissa before fp32 products, and the output says so.
+products' operands to TF32's 10-bit mantissa before fp32 products, and the output says so. Then, for weights
+stored in fp32, bf16 and fp16 ("bf16-true" training), the share of the decayed matrices' entries that one
+update at the training step changes at all (in half precision most of the step rounds away, which is why
+ColinearityDecay warns about such weights).
 
     python scripts/cd_precision.py                  # cuda if available, else cpu
     python scripts/cd_precision.py --model vit_small_patch16_224 --device cpu
@@ -19,6 +22,7 @@ import argparse
 import copy
 import os
 import sys
+import warnings
 from contextlib import nullcontext
 from unittest import mock
 
@@ -50,6 +54,18 @@ def updated(model: torch.nn.Module, step: float, precision: str, emulate: bool) 
     with patch:
         decay.apply(lr=step)
     return {p.name: p.w2().detach().clone() for p in decay.pairs}
+
+
+def changed_share(model: torch.nn.Module, dtype: torch.dtype, step: float) -> float:
+    """The share of the decayed matrices' entries that one CD update at `step` changes, weights in `dtype`."""
+    model = copy.deepcopy(model).to(dtype)
+    decay = ColinearityDecay(model, lam=1.0)
+    before = [p.w2().detach().clone() for p in decay.pairs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the half-precision warning this measures
+        decay.apply(lr=step)
+    changed = sum(int((p.w2() != b).sum()) for p, b in zip(decay.pairs, before))
+    return changed / sum(b.numel() for b in before)
 
 
 def _ratio(num: list[torch.Tensor], den: list[torch.Tensor]) -> float:
@@ -91,6 +107,11 @@ def main(argv=None) -> list[dict]:
         label = precision + (" (emulated)" if emulate else "")
         print(f"  {label:16s} product error {product_error:.2e}  "
               f"weight error {weight_error:.3f} x fp32 rounding")
+    print(f"entries of the decayed matrices one update at s = {TRAINING_STEP:g} changes, by storage dtype:")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        share = changed_share(model, dtype, TRAINING_STEP)
+        rows.append({"storage": str(dtype).replace("torch.", ""), "changed_share": share})
+        print(f"  {rows[-1]['storage']:16s} {100 * share:.2f} %")
     return rows
 
 

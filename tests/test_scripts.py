@@ -319,3 +319,16 @@ def test_the_sweep_expands_yaml_without_loading_torch():
     code = ("import sys; sys.path.insert(0, 'scripts'); import sweep; "
             "assert 'torch' not in sys.modules, 'sweep imports torch'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
+    """fp32 products move the weights as much as fp32 storage rounding does; weights stored in half precision
+    keep most entries as they were after one update at the training step (what the CD warning is about)."""
+    import cd_precision
+
+    rows = cd_precision.main(["--model", "vit_tiny_patch16_224", "--device", "cpu"])
+    by_precision = {r["precision"]: r for r in rows if "precision" in r}
+    assert by_precision["fp32"]["weight_error_over_fp32_rounding"] == pytest.approx(1.0, abs=0.05)
+    share = {r["storage"]: r["changed_share"] for r in rows if "storage" in r}
+    assert share["float32"] > 0.9 and share["bfloat16"] < 0.1 and share["float16"] < 0.1, share
+    assert "by storage dtype" in capsys.readouterr().out
