@@ -79,9 +79,12 @@ def _written_at_step(path: str) -> Optional[int]:
     """The update at which best.pt was written (its training state), or None: missing or not readable."""
     if not os.path.isfile(path):
         return None
-    try:  # mmap: only the small state is read, not the weights
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - any unreadable file is one that no score describes
-        return None
+    payload = None
+    for mmap in (True, False):  # mmap: only the small state is read; a file system without it reads it all
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            break
+        except Exception:  # noqa: BLE001 - a file unreadable both ways is one that no score describes
+            continue
     state = payload.get("state") if isinstance(payload, dict) else None
     return state.get("step") if isinstance(state, dict) else None

@@ -147,6 +147,24 @@ def test_a_run_resumed_into_a_new_folder_writes_its_own_best(tmp_path):
     assert not any(name.startswith("best.until") for name in os.listdir(tmp_path / "b"))
 
 
+def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
+    """Resume compares best.pt's update with the checkpoint's best: unread, best.pt would be moved aside at
+    every resume."""
+    from engine.best_checkpoint import _written_at_step
+
+    cfg = debug_config("train.max_steps=4", name="nm")
+    run = train.main(cfg)
+    real = torch.load
+
+    def without_mmap(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("mmap is not supported on this file system")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", without_mmap)
+    assert _written_at_step(os.path.join(cfg.out_dir, "best.pt")) == run.state.best_step > 0
+
+
 def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
     cfg = debug_config("train.max_steps=2", name="tmp")
     train.main(cfg)
