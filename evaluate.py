@@ -100,9 +100,9 @@ def main(args: argparse.Namespace) -> dict:
     reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
     if todo and not task.language:
         check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
-    # a language model's calibration windows are a few ids, drawn now: more of them than the train split has
-    # (or ids the model cannot embed) is refused before the FP and maxima passes, not after them
-    calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch and task.language else None
+    # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
+    # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
+    calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
 
     # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
     # the activation maxima in a pass with the probe hooks.
@@ -150,8 +150,6 @@ def main(args: argparse.Namespace) -> dict:
     # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
     # written to the JSON as soon as it is done.
     if todo:  # APHQ and GPLQ on a classifier draw their own images (draws_training_images)
-        if calib is None and reads_batch:
-            calib = calibration_set(cfg, img_size).to(device)
         pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
                          build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
     for name, bits in todo:
