@@ -357,7 +357,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
             val = run.validate(preemption.should_stop) or {}
             if val:
                 state.validation_due = False
-                log.info("epoch %d/%d  update %d  %s", state.epoch + (state.epoch_batches > 0), run.epochs, state.step,
+                log.info("epoch %d/%d  update %d  %s", state.current_epoch, run.epochs, state.step,
                          run.task.score_text(val[run.task.score_key]))
             else:
                 reason = "preempted"  # the signal came during validation
@@ -419,8 +419,7 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
             if state.best_value is not None else "no validation yet")
     unit, rate = ("windows", "windows/s") if task.language else ("images", "img/s")
     speed = f"{samples / train_seconds:.0f} {rate}" if train_seconds > 0 else "no updates trained"
-    epoch = state.epoch + (state.epoch_batches > 0)  # 1-based, as best_epoch: the one in progress, or just done
-    return (f"run summary: {ended} at update {state.step}, epoch {epoch}/{epochs}; {best}; wall time "
+    return (f"run summary: {ended} at update {state.step}, epoch {state.current_epoch}/{epochs}; {best}; wall time "
             f"{duration(wall_seconds)}; this job trained {samples} {unit} in {duration(train_seconds)} "
             f"({speed})")
 

@@ -66,7 +66,7 @@ class BestCheckpoint:
                                              else value >= state.best_value):
             return False
         state.best_value = value
-        state.best_epoch = state.epoch + (state.epoch_batches > 0)  # 1-based: just completed, or in progress
+        state.best_epoch = state.current_epoch
         state.best_step = state.step
         self.save(lambda: {"model": self.model.state_dict(), "config": self.config,
                            "state": state.state_dict(), "metrics": metrics, "classes": self.classes,

@@ -92,6 +92,11 @@ class TrainState:
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
     unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
 
+    @property
+    def current_epoch(self) -> int:
+        """The epoch, 1-based: the one in progress, or the one just completed (best_epoch counts the same way)."""
+        return self.epoch + (self.epoch_batches > 0)
+
     def state_dict(self) -> dict:
         return asdict(self)
 
