@@ -1,8 +1,7 @@
 """Files for the activation-maxima records of `engine.act_max.ActivationProbe`: a CSV and a per-block plot.
 
 The plot draws one line per module type (norm1, attn.qkv, mlp.fc2, ..., block) over the block
-index, on a log scale. It uses matplotlib's object API with the Agg canvas, so it never changes the
-global backend of the calling program and needs no display.
+index, on a log scale (engine.figures: matplotlib's object API on the Agg canvas).
 """
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Union
 
-from engine.preemption import stop_signals_blocked
+from engine.figures import new_figure
 
 FIELDS = ("name", "kind", "block", "type", "max")
 
@@ -42,17 +41,9 @@ def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
 
 def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: str = "") -> Path:
     """Save a PNG/PDF of max |activation| per block for each module type."""
-    # A Ctrl-C that lands inside the initialisation of matplotlib's C extensions can abort the interpreter
-    # with a C-level error instead of raising KeyboardInterrupt; held during the import, it is delivered
-    # (and handled as any stop) right after it.
-    with stop_signals_blocked():
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=(7, 4))
-    FigureCanvasAgg(fig)
+    fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
     for typ, points in sorted(max_by_type(records).items()):
         xs, ys = zip(*points)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import at_least  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
@@ -250,14 +251,10 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [("batch", "batch", "per-device batch size"), ("width", "embed_dim", "hidden size")]
     metrics = [("step_ms", "step time (ms)")] + ([("peak_mib", "peak memory (MiB)")] if has_memory else [])
-    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.6 * len(metrics)), squeeze=False)
+    fig = new_figure(10, 3.6 * len(metrics))
+    axes = fig.subplots(len(metrics), 2, squeeze=False)
     for col, (sweep, xkey, xlabel) in enumerate(panels):
         for row, (ykey, ylabel) in enumerate(metrics):
             ax = axes[row][col]
@@ -273,7 +270,6 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dict:

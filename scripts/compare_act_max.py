@@ -21,6 +21,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 
 
@@ -67,11 +68,7 @@ def summarize(groups: dict[str, list[str]]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4))
-    FigureCanvasAgg(fig)
+    fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
     for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = [r for r in rows if r["method"] == method]

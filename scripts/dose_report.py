@@ -37,7 +37,8 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.eval_results import ResultsError, read_result_file  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
-from scripts.mechanism import ffn_blocks, new_figure, rank_directions  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
+from scripts.mechanism import ffn_blocks, rank_directions  # noqa: E402
 
 ROLES = ("qkv", "proj", "fc1", "fc2")
 QUANT_COLUMNS = (("percentile", "w4a4"), ("repq", "w4a4"), ("percentile", "w3a3"), ("repq", "w3a3"))

@@ -25,7 +25,7 @@ from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, metrics_records,  # noqa: E402
                                  open_sweep, plot_energies, plot_type_maxima, type_maxima)
-from scripts.mechanism import new_figure  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)

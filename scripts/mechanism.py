@@ -53,6 +53,7 @@ from configs.cli import at_least  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from evaluate import calibration_set, load_float_model, method_name, pipeline_options  # noqa: E402
@@ -344,15 +345,6 @@ def val_loader(cfg, img_size: int, batch: int):
 # ------------------------------------------------------------------------------------------------------
 # Figures: matplotlib's object API on the Agg canvas (no display, no global backend change)
 # ------------------------------------------------------------------------------------------------------
-def new_figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def grid(n: int, cols: int = 4) -> tuple[int, int]:
     cols = min(n, cols)
     return math.ceil(n / cols), cols

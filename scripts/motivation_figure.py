@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError, read_result_files  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import nondefault_settings  # noqa: E402
 
@@ -45,15 +46,11 @@ def circle_areas(values: list[float]) -> list[float]:
 
 
 def draw(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     areas = circle_areas([r["max_act"] for r in rows])
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(models)), 4.5))
+    fig = new_figure(max(5.0, 1.8 * len(models)), 4.5)
+    ax = fig.subplots()
     for m_index, method in enumerate(methods):
         offset = (m_index - (len(methods) - 1) / 2) * 0.15  # side by side within a model
         colour = METHOD_COLOURS.get(method.split(" ")[0], f"C{m_index + 3}")
@@ -73,7 +70,6 @@ def draw(rows: list[dict], path: str, title: str) -> None:
         handle.set_sizes([60])
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 def main(argv=None) -> list[dict]:

@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
 from configs.cli import at_least  # noqa: E402
+from engine.figures import new_figure  # noqa: E402
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
@@ -137,12 +138,8 @@ def summarise(runs: list[list[dict]]) -> dict:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
+    fig = new_figure(10, 7)
+    axes = fig.subplots(2, 2, squeeze=False)
     for col, (sweep, xkey, xlabel) in enumerate([("batch", "batch", "per-GPU batch size"),
                                                  ("width", "model", "model (hidden size)")]):
         for row, (ykey, ylabel) in enumerate([("epoch_s", "epoch time (s)"),
@@ -161,7 +158,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
