@@ -86,6 +86,13 @@ def check_together(cfg: Any) -> list[str]:
         problems.append(f"sched.warmup_epochs={sched.warmup_epochs:g} is not shorter than sched.epochs="
                         f"{sched.epochs}: the run would train at warmup learning rates throughout; lower "
                         f"sched.warmup_epochs or raise sched.epochs")
+    if sched.steps is None and not sched.per_step and sched.warmup_epochs != int(sched.warmup_epochs):
+        # timm sets a per-epoch lr at epoch starts t = 0, 1, ...: warmup for every t < warmup_epochs, on the line
+        # from warmup_lr that reaches the peak at warmup_epochs (0.5 is one whole epoch at warmup_lr)
+        problems.append(f"sched.warmup_epochs={sched.warmup_epochs:g} is a fraction of an epoch, but the lr is set "
+                        f"once per epoch (sched.per_step=false): the warmup would be "
+                        f"{math.ceil(sched.warmup_epochs)} whole epoch(s) that never reach the peak lr; set "
+                        f"sched.per_step=true (the lr changes every update) or a whole number of warmup epochs")
     channels = cfg.model.kwargs.get("in_chans", 3)
     if channels != 3:  # every data set here gives RGB images (data/folder.py converts to RGB)
         problems.append(f"model.kwargs.in_chans={channels}: the data pipeline gives 3-channel RGB images "

@@ -34,6 +34,9 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
     ("sched.name=plateau", r"'sched.name' must be one of 'cosine'"),             # never gets its metric
     ("sched.warmup_epochs=2", r"sched.warmup_epochs=2 is not shorter than sched.epochs=2: the run would "
                               r"train at warmup learning rates throughout"),
+    ("sched.warmup_epochs=0.5", r"sched.warmup_epochs=0.5 is a fraction of an epoch, but the lr is set once per "
+                                r"epoch \(sched.per_step=false\): the warmup would be 1 whole epoch\(s\) that never "
+                                r"reach the peak lr; set sched.per_step=true"),
     ("model.kwargs.in_chans=1", r"model.kwargs.in_chans=1: the data pipeline gives 3-channel RGB images"),
 ])
 def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, message):
@@ -43,7 +46,7 @@ def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, mes
 
 def test_values_the_consumers_accept_still_load():
     cfg = load_config([DEBUG_CONFIG], ["data.dataset=digits", "model.num_classes=10", "train.seed=-1",
-                                       "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5",
+                                       "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5", "sched.per_step=true",
                                        "data.interpolation=bilinear", "model.kwargs.in_chans=3"])
     assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0)
 
