@@ -42,7 +42,8 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
 from data.folder import ClassCountError
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
-from engine.eval_results import EvalResults, ResultsError, settings_diff
+from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
+                                 repeated_weights, settings_diff)
 from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
                                 run_on_main)
@@ -600,18 +601,16 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
     """The results averaged into one row (`markdown_table(over_seeds=True)`) must be distinct runs evaluated
     alike: one weights file twice would count as two seeds, and results on other data, of EMA weights, under
     another autocast or quantized with other settings would be averaged as if they were seeds."""
-    seen: dict = {}
-    for r in group:
-        fingerprint = r.get("fingerprint")
-        if fingerprint is not None and fingerprint in seen:
-            raise ValueError(f"{model} {method}: {r.get('checkpoint')} and {seen[fingerprint]} hold the same "
-                             "weights; give each run's result once")
-        seen[fingerprint] = r.get("checkpoint")
-    for key in ("data", "weights", "eval_amp", "images"):
-        values = {json.dumps(r.get(key), sort_keys=True) for r in group}
-        if len(values) > 1:
-            raise ValueError(f"{model} {method}: the results differ in {key} ({' vs '.join(sorted(values))}); "
-                             "rows average the seeds of one evaluation: give results evaluated alike")
+    labelled = [(r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
+    repeated = repeated_weights(labelled)
+    if repeated is not None:
+        raise ValueError(f"{model} {method}: {repeated[0]} and {repeated[1]} hold the same weights; give each "
+                         "run's result once")
+    different = first_difference(labelled)
+    if different is not None:
+        raise ValueError(f"{model} {method}: {different[0]} and {different[1]} were evaluated differently "
+                         f"({different[2]}); rows average the seeds of one evaluation: give results evaluated "
+                         "alike, or --recompute them with one set of settings")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
     recipes = [r for r in group if r.get("recipe")]
@@ -620,15 +619,6 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
         raise ValueError(f"{model} {method}: {recipes[0].get('checkpoint')} and {other.get('checkpoint')} were "
                          f"trained with other settings ({settings_diff(recipes[0]['recipe'], other['recipe'])}); "
                          "rows average the seeds of one recipe")
-    # a cell averages one pipeline's results: a calibration set of 8 beside one of 32 is not a seed's spread
-    for pipeline, bits in sorted({(p, b) for r in group for p in r["quant"] for b in r["quant"][p]}):
-        entries = [r["quant"][pipeline][bits] for r in group if bits in r["quant"].get(pipeline, {})]
-        other = next((e for e in entries if e.get("settings") != entries[0].get("settings")), None)
-        if other is not None:
-            diff = settings_diff(entries[0].get("settings") or {}, other.get("settings") or {})
-            raise ValueError(f"{model} {method}: the {pipeline} {bits} results were computed with different "
-                             f"settings ({diff}); give results evaluated alike, or --recompute them with one set "
-                             "of settings")
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
@@ -644,7 +634,7 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     found = []
     for key, value in (settings.get("options") or {}).items():
         default = defaults["options"].get(key, value)
-        if value != default:
+        if value != default and key not in PLACEMENT_OPTIONS:
             found.append(f"quant.{pipeline}.{key}={value}")
     for key, value in (settings.get("calibration") or {}).items():
         if key in names and value != defaults["calibration"].get(key, value):

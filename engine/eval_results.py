@@ -9,6 +9,9 @@
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
+  Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
+* `evaluation_difference` and `repeated_weights` say whether results can be averaged as seeds (evaluate.py
+  --over-seeds) or compared as points of one sweep (the dose reports).
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -19,7 +22,7 @@ import contextlib
 import datetime
 import json
 import os
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from .run_dir import exclusive_lock, partial_path
 
@@ -28,8 +31,64 @@ class ResultsError(ValueError):
     """An evaluation JSON that cannot take these results (another checkpoint, other settings)."""
 
 
+# what the numbers of a result depend on besides its weights and its quantized entries' settings
+EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
+# pipeline options that place work (where APHQ caches its units' inputs and targets: copies, exact on any
+# device), not what is computed: results with other values are alike
+PLACEMENT_OPTIONS = ("cache_device",)
+
+
 def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
+
+
+def comparable_settings(settings: Optional[dict]) -> dict:
+    """A quantized entry's settings as compared: plain JSON types, without the placement options."""
+    plain = _plain(settings or {})
+    if isinstance(plain.get("options"), dict):
+        plain["options"] = {k: v for k, v in plain["options"].items() if k not in PLACEMENT_OPTIONS}
+    return plain
+
+
+def evaluation_difference(a: dict, b: dict) -> Optional[str]:
+    """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
+    of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
+    quantized entry both hold (as 'key: value vs value'); None when alike."""
+    for key in EVALUATION_KEYS:
+        x, y = _plain(a.get(key)), _plain(b.get(key))
+        if x != y:
+            return f"{key}: {json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}"
+    quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
+    for pipeline in sorted(set(quant_a) & set(quant_b)):
+        for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
+            x, y = (comparable_settings(q[pipeline][bits].get("settings")) for q in (quant_a, quant_b))
+            if x != y:
+                return f"{pipeline} {bits} settings: {settings_diff(x, y)}"
+    return None
+
+
+def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
+    """(label, label, difference) of the first two results evaluated differently (every pair is compared: an
+    entry the first result lacks is compared among the others), or None."""
+    for i, (label, result) in enumerate(labelled):
+        for earlier_label, earlier in labelled[:i]:
+            difference = evaluation_difference(earlier, result)
+            if difference is not None:
+                return earlier_label, label, difference
+    return None
+
+
+def repeated_weights(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
+    """(label, label, fingerprint) of the first two results of one weights file (a run given twice, a copied
+    folder: one run would count as two seeds), or None; results without a fingerprint are not compared."""
+    seen: dict[str, str] = {}
+    for label, result in labelled:
+        fingerprint = result.get("fingerprint")
+        if fingerprint is not None and fingerprint in seen:
+            return seen[fingerprint], label, fingerprint
+        if fingerprint is not None:
+            seen[fingerprint] = label
+    return None
 
 
 class EvalResults:
@@ -51,10 +110,11 @@ class EvalResults:
         entry = self.data["quant"].get(pipeline, {}).get(bits)
         if entry is None or recompute:
             return True
-        if entry.get("settings") == _plain(settings):
+        stored, asked = comparable_settings(entry.get("settings")), comparable_settings(settings)
+        if stored == asked:
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
-                           f"({settings_diff(entry.get('settings') or {}, _plain(settings))}): "
+                           f"({settings_diff(stored, asked)}): "
                            f"use --out for a new file, or --recompute to replace it "
                            f"(the old entry is kept under 'history')")
 

@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs import ConfigError, config_from_dict  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from engine.eval_results import ResultsError, read_result_file  # noqa: E402
+from engine.eval_results import (ResultsError, first_difference, read_result_file,  # noqa: E402
+                                 repeated_weights)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -112,39 +113,19 @@ def read_sweep(root: str) -> list[Run]:
     if not runs:
         raise ReportError(f"{root}: no evaluated run (<point>_s<seed>/eval_best.json); run the sweep with "
                           f"--run --evaluate first")
-    folder_of = {}  # weights fingerprint (evaluate.py's) -> the first folder evaluated with those weights
-    for run in runs:
-        fingerprint = run.result.get("fingerprint")
-        if fingerprint in folder_of:  # a copied folder would count as one more seed
-            raise ReportError(f"{folder_of[fingerprint]} and {run.folder} were evaluated on the same weights "
-                              f"(fingerprint {fingerprint}): one run would count twice; remove the copy")
-        if fingerprint is not None:
-            folder_of[fingerprint] = run.folder
-    check_evaluated_alike(runs)
+    labelled = [(run.folder, run.result) for run in runs]
+    repeated = repeated_weights(labelled)
+    if repeated is not None:  # a copied folder would count as one more seed
+        raise ReportError(f"{repeated[0]} and {repeated[1]} were evaluated on the same weights (fingerprint "
+                          f"{repeated[2]}): one run would count twice; remove the copy")
+    # averaged as seeds and compared as points: runs evaluated differently (bf16 autocast for one seed, another
+    # calibration set for one point) would show a difference of evaluation as one of dose
+    different = first_difference(labelled)
+    if different is not None:
+        raise ReportError(f"{different[0]} and {different[1]} were evaluated differently ({different[2]}); "
+                          f"evaluate every run alike (the same evaluate.py options and overrides) before they are "
+                          f"averaged and compared")
     return runs
-
-
-def evaluation_of(result: dict) -> dict:
-    """What the numbers of one eval_best.json depend on besides the weights: the model, its evaluation (val
-    data, raw or EMA weights, autocast, image count) and the settings of each quantized entry (options,
-    calibration)."""
-    return {**{key: result.get(key) for key in ("model", "data", "weights", "eval_amp", "images")},
-            **{f"{p} {b} settings": entry.get("settings") for p, entries in result["quant"].items()
-               for b, entry in entries.items()}}
-
-
-def check_evaluated_alike(runs: Sequence[Run]) -> None:
-    """The report averages seeds and compares points: runs evaluated differently (bf16 autocast for one seed,
-    another calibration set for one point) would show a difference of evaluation as one of dose."""
-    seen: dict[str, tuple[str, str]] = {}  # what -> (its value as JSON, the first folder with it)
-    for run in runs:
-        for what, value in evaluation_of(run.result).items():
-            text = json.dumps(value, sort_keys=True, default=str)
-            first, folder = seen.setdefault(what, (text, run.folder))
-            if text != first:
-                raise ReportError(f"{folder} and {run.folder} were evaluated differently ({what}: {first} vs "
-                                  f"{text}); evaluate every run alike (the same evaluate.py options and "
-                                  f"overrides) before they are averaged and compared")
 
 
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:

@@ -179,15 +179,17 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     assert cd == "| m | CD (n=1) | 81.00 | 4.00 / 3.00 | 75.00 |"
     # a run given twice, or results of another evaluation, are not seeds
     twice = [dict(result("Baseline", 80.0, 70.0), fingerprint="f", checkpoint=c) for c in ("a/best.pt", "b/best.pt")]
-    with pytest.raises(ValueError, match="m Baseline: b/best.pt and a/best.pt hold the same weights"):
+    with pytest.raises(ValueError, match="m Baseline: a/best.pt and b/best.pt hold the same weights"):
         evaluate.markdown_table(twice, over_seeds=True)
     other_data = [dict(result("Baseline", 80.0, 70.0), data={"dataset": d}) for d in ("folder", "synthetic")]
-    with pytest.raises(ValueError, match="m Baseline: the results differ in data"):
+    with pytest.raises(ValueError, match=r'm Baseline: result 1 and result 2 were evaluated differently \(data: '
+                                         r'{"dataset": "folder"} vs {"dataset": "synthetic"}\)'):
         evaluate.markdown_table(other_data, over_seeds=True)
     assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
     other_calibration = [dict(result("Baseline", 80.0, 70.0), fingerprint=f) for f in ("a", "b")]
     other_calibration[1]["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8}}
-    with pytest.raises(ValueError, match="m Baseline: the repq w4a4 results were computed with different settings"):
+    with pytest.raises(ValueError, match=r"m Baseline: result 1 and result 2 were evaluated differently \(repq w4a4 "
+                                         r"settings: calibration None -> {'images': 8}\)"):
         evaluate.markdown_table(other_calibration, over_seeds=True)
     # runs of one method trained with another lr are not seeds; another seed is one
     from engine.run_dir import recipe
@@ -199,6 +201,35 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     with pytest.raises(ValueError, match=r"m Baseline: 0/best.pt and 2/best.pt were trained with other settings "
                                          r"\(optim.lr 0.002 -> 0.01\)"):
         evaluate.markdown_table(runs, over_seeds=True)
+
+
+def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
+    """quant.aphq.cache_device places copies of the units' inputs (exact on any device): a stored APHQ result
+    is reused under another value, seeds evaluated with different ones average, and no table marks it; an
+    option that changes the numbers (the grid) still counts."""
+    from configs import Config
+    from engine.eval_results import EvalResults, ResultsError, evaluation_difference
+
+    cfg = Config()
+    settings = evaluate.quant_settings(cfg, "aphq")
+    on_cpu = json.loads(json.dumps(settings, default=str))
+    on_cpu["options"]["cache_device"] = "cpu"
+    results = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
+    results.add("aphq", "w4a4", {"top1": 60.0}, on_cpu)
+    results.save()
+    reopened = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
+    assert reopened.plan("aphq", "w4a4", settings, recompute=False) is False  # already there
+    other_grid = json.loads(json.dumps(settings, default=str))
+    other_grid["options"]["iters"] = 7
+    with pytest.raises(ResultsError, match=r"computed with other settings \(options.iters "):
+        reopened.plan("aphq", "w4a4", other_grid, recompute=False)
+
+    def result(aphq_settings):
+        return {"model": "m", "quant": {"aphq": {"w4a4": {"top1": 60.0, "settings": aphq_settings}}}}
+    assert evaluation_difference(result(settings), result(on_cpu)) is None
+    assert evaluation_difference(result(settings), result(other_grid)).startswith("aphq w4a4 settings: options.iters")
+    assert evaluate.nondefault_settings("aphq", on_cpu) == []
+    assert evaluate.nondefault_settings("aphq", other_grid) == ["quant.aphq.iters=7"]
 
 
 @pytest.mark.parametrize("overrides, name", [(["tweo.tau=6"], "TWEO (tau 6)"), (["tweo.p=2"], "TWEO (p 2)"),
