@@ -97,6 +97,11 @@ class GPT(nn.Module):
             transformers' GPT-2 weights were trained with: `model.kwargs.gelu=tanh` reproduces their outputs).
     """
 
+    # the setting that sizes each of these parameters' first dimension: what models.load_pretrained names
+    # when a file's differs (GPT-2's 50,257 ids against the recipe's 50,304, another context)
+    size_settings = {"wte.weight": "model.num_classes", "head.weight": "model.num_classes",
+                     "wpe.weight": "model.kwargs.context"}
+
     def __init__(self, vocab_size: int, context: int, depth: int, num_heads: int, embed_dim: int,
                  bias: bool = True, drop: float = 0.0, gelu: str = "exact"):
         super().__init__()

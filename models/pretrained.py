@@ -70,6 +70,14 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     head_prefixes = _classifier_prefixes(model)
     for key in list(state):
         if key in own and state[key].shape != own[key].shape:
+            setting = getattr(model, "size_settings", {}).get(key)  # a GPT: vocabulary and context sizes
+            if setting is not None and state[key].shape[1:] == own[key].shape[1:]:
+                # e.g. transformers' GPT-2 (50,257 ids) into the recipe's 50,304: the fix is a setting, not
+                # another file; a GPT's LM head is its token embedding, never replaced as a classifier is
+                raise ModelError(f"{path}: '{key}' has {state[key].shape[0]} rows, the model "
+                                 f"{own[key].shape[0]}: set {setting}={state[key].shape[0]} to load it"
+                                 + (" (model.pretrained_strict does not apply: a GPT's LM head is its token "
+                                    "embedding)" if setting == "model.num_classes" else ""))
             if not strict and key.startswith(head_prefixes):
                 skipped.append(key)
                 del state[key]

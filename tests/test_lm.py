@@ -4,6 +4,7 @@ loop, and training + exact resume through train.py on the embedded King James Bi
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -78,6 +79,20 @@ def test_gpt2s_own_tanh_gelu_reproduces_transformers_default_gpt2(tmp_path):
     with pytest.raises(ModelError, match=r"wte.weight and head.weight differ in the file, but the model ties them"):
         build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
                                 pretrained=str(tmp_path / "untied.pt")))
+
+
+@pytest.mark.parametrize("setting, expected", [("num_classes=80", "set model.num_classes=65 to load it"),
+                                               ("kwargs={context: 16}", "set model.kwargs.context=32 to load it")])
+def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_path, setting, expected):
+    # transformers' GPT-2 has 50,257 ids, the gpt2 recipe 50,304: the error named no fix ("a checkpoint of another
+    # model?"), and for the vocabulary model.pretrained_strict=false cannot help (the head is the embedding)
+    from configs.schema import ModelConfig
+    from models import ModelError, build_model
+    torch.save(_nanogpt_names(build_gpt("gpt2_nano", vocab_size=65).state_dict()), tmp_path / "nano.pt")
+    cfg = load_config([NANO], [f"model.pretrained={tmp_path / 'nano.pt'}", f"model.{setting}"]).model
+    with pytest.raises(ModelError, match=re.escape(expected)):
+        build_model(cfg)
+    build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "nano.pt")))
 
 
 def test_nanogpt_layout_loads_and_causality_holds():
