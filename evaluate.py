@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from configs import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config, merge_file
+from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import add_config_arguments, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
@@ -429,10 +429,8 @@ def resolve_config(args: argparse.Namespace):
     payload = None
     if args.checkpoint:
         payload = load_checkpoint(args.checkpoint)
-        cfg = config_from_dict(payload["config"])
-        for path in args.config or ():
-            merge_file(cfg, path)  # e.g. a data preset for another machine
-        cfg = apply_overrides(cfg, args.overrides)
+        # --config: e.g. a data preset for another machine
+        cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
     else:
         cfg = load_config(args.config or [], args.overrides)

@@ -6,12 +6,16 @@ Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
 against the field's annotation. An unknown key is an error that names the key and its closest matches in
 any section; so is a value of the wrong type or outside a `Literal` choice, and a key given twice in one
 YAML mapping. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept any keys, also as dotted
-overrides (`cd.lam_per_role.fc2=0.02`). An override that the resolved config would not read is refused
+overrides (`cd.lam_per_role.fc2=0.02`). A key that the resolved config would not read is refused
 (`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
-optim.lr_base while optim.lr is set, ...), unless the same overrides set the deciding key themselves.
+optim.lr_base while optim.lr is set, ...): every override (unless the overrides switch its section off
+themselves: cd.enabled=false beside cd.lam, a sweep's baseline), and every value a file changes where the
+deciding key comes from what the file is layered over (a layer of image settings over an LM recipe's
+data.dataset=kjv); a deciding key set by the same file or a later layer makes the file's key moot on purpose.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -19,7 +23,7 @@ import os
 import re
 import types
 import typing
-from typing import Annotated, Any, Iterable, Literal, Sequence, Union
+from typing import Annotated, Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import yaml
 
@@ -70,10 +74,7 @@ def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[st
     with each other are checked last (configs/constraints.py `check_together`)."""
     if isinstance(paths, str):
         paths = [paths]
-    cfg = Config()
-    for path in paths or ():
-        merge_file(cfg, path)
-    cfg = apply_overrides(cfg, overrides)
+    cfg = layer_config(Config(), paths or (), overrides)
     problems = check_together(cfg)
     if problems:
         raise ConfigError(problems[0])
@@ -96,15 +97,42 @@ def read_yaml_file(path: str) -> dict:
     return data
 
 
-def merge_file(cfg: Config, path: str) -> Config:
-    """Apply the YAML file at `path` to `cfg` in place (and return it)."""
-    _merge(cfg, read_yaml_file(path), path="", source=path)
+def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) -> Config:
+    """Apply the YAML files `paths` in order, then `overrides`, to `cfg` (the defaults, or a checkpoint's
+    config) in place, and return it. Every override, and every key a file changes from what `cfg` had, must be
+    read by the result (`check_keys_read`): a key a later file or override sets again is checked there."""
+    overrides = list(overrides)
+    before = copy.deepcopy(cfg)
+    layer: dict[str, int] = {}  # dotted key -> the last layer that set it (files 0, 1, ...; the overrides last)
+    values: dict[str, Any] = {}  # dotted key -> the value its last file gives it
+    for index, path in enumerate(paths):
+        data = read_yaml_file(path)
+        _merge(cfg, data, path="", source=path)
+        for key, value in data.items():
+            for dotted, inner in _dotted(str(key), value, cfg).items():
+                layer[dotted], values[dotted] = index, inner
+    cfg = apply_overrides(cfg, overrides)
+    layer.update(dict.fromkeys((key for item in overrides for key in override_keys(item)), len(paths)))
+    from_files = {key: values[key] for key, index in layer.items() if index < len(paths) and _changed(before, cfg, key)}
+    # a deciding key set by the same file or a later layer makes the file's key moot on purpose (a later recipe
+    # or override of data.dataset, cd.enabled=false over cd.yaml, a run's own config.yaml); one that the file
+    # was layered over (defaults or an earlier file) does not
+    check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files},
+                    excused=lambda key, decider: layer.get(decider, -1) >= layer[key])
     return cfg
+
+
+def _changed(before: Config, after: Config, key: str) -> bool:
+    """Whether `key` differs between the two configs (a key new to a free-form dict field does)."""
+    try:
+        return get_key(before, key) != get_key(after, key)
+    except (KeyError, AttributeError):
+        return True
 
 
 def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else; an
-    override that the resulting config would ignore is refused (`check_overrides_read`)."""
+    override that the resulting config would ignore is refused (`check_keys_read`)."""
     given = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -116,7 +144,7 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
         given.update(_dotted(key.strip(), value, cfg))
-    check_overrides_read(cfg, given)
+    check_keys_read(cfg, given)
     return cfg
 
 
@@ -165,21 +193,31 @@ READ_ONLY_WHEN = [
 READ_ALWAYS = {"cd.gated_mlp"}
 
 
-def check_overrides_read(cfg: Config, given: dict) -> None:
-    """Refuse an override (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while
-    data.dataset is digits, or cd.lam while cd.enabled is false. Overrides that switch a section off
-    explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) say what they mean
-    and pass; any other deciding override does not excuse a key it makes unread (data.dataset=kjv next to
-    data.mixup=0.8 is refused)."""
+def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
+                    excused: Optional[Callable[[str, str], bool]] = None) -> None:
+    """Refuse a key (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while data.dataset is
+    digits, or cd.lam while cd.enabled is false, naming its file (`sources`: key -> file; overrides have none).
+    `excused(key, decider)` lets a deciding key make a key moot; by default (overrides) a section switched off
+    explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) says what it means
+    and passes, and any other deciding override does not excuse a key it makes unread (data.dataset=kjv next
+    to data.mixup=0.8 is refused)."""
+    sources = sources or {}
+    if excused is None:
+        def excused(key: str, decider: str) -> bool:
+            return given.get(decider, None) is False
     for keys, decider, read_with in READ_ONLY_WHEN:
         value = get_key(cfg, decider)
-        if _reads(value, read_with) or given.get(decider, None) is False:
+        if _reads(value, read_with):
             continue
         for key in given:
+            if excused(key, decider):
+                continue
             if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+                where = f"{sources[key]}: " if key in sources else ""
+                fix = f"drop it from {sources[key]}" if key in sources else "drop it"
                 raise IgnoredOverrideError(
-                    f"{key}={_show(given[key])} would be ignored: {key} is read only when {decider} is "
-                    f"{' or '.join(map(_show, read_with))}, and it is {_show(value)}; drop it or set "
+                    f"{where}{key}={_show(given[key])} would be ignored: {key} is read only when {decider} is "
+                    f"{' or '.join(map(_show, read_with))}, and it is {_show(value)}; {fix} or set "
                     f"{decider} as well")
 
 

@@ -48,7 +48,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
-from configs import ConfigError, apply_overrides, config_from_dict, load_config, merge_file  # noqa: E402
+from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
 from configs.cli import at_least  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
@@ -237,10 +237,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
             raise MechanismError(f"--checkpoint {args.checkpoint}: no such file; give the best.pt or "
                                  f"checkpoint.pt that train.py wrote")
         payload = load_checkpoint(args.checkpoint)
-        cfg = config_from_dict(payload["config"])
-        for path in args.config or ():
-            merge_file(cfg, path)
-        cfg = apply_overrides(cfg, args.overrides)
+        cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         model = load_float_model(cfg, payload, args)
         source = os.path.abspath(args.checkpoint)
     elif args.model and args.weights:

@@ -194,7 +194,7 @@ def test_a_key_twice_in_a_file_names_the_file_the_key_and_the_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"key 'fc2' appears twice"):  # a value on the command line too
         load_config(None, ["cd.enabled=true", "cd.lam_per_role={fc2: 0.1, fc2: 0.2}"])
     # YAML merge keys may be overridden key by key, as YAML means them to
-    twice.write_text("model:\n  kwargs: &base {depth: 2, embed_dim: 64}\ncd:\n  lam_per_role:\n"
+    twice.write_text("model:\n  kwargs: &base {depth: 2, embed_dim: 64}\ncd:\n  enabled: true\n  lam_per_role:\n"
                      "    <<: *base\n    depth: 3\n")
     assert load_config([str(twice)]).cd.lam_per_role == {"depth": 3, "embed_dim": 64}
 

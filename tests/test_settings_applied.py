@@ -83,6 +83,60 @@ def test_an_override_the_run_would_not_read_is_refused(tmp_path, recipe, overrid
                                        "data.color_jitter=0.4"])
 
 
+def test_a_file_value_the_run_would_not_read_is_refused_naming_the_file(tmp_path):
+    """A YAML layer of another task's recipe (image mixup and crops under a language model's data set) set
+    keys the run never reads: refused like the same override, naming the file (it trained without a word)."""
+    images = tmp_path / "images.yaml"
+    images.write_text("data: {mixup: 0.3}\n")
+    lm = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
+    with pytest.raises(IgnoredOverrideError, match=rf"^{images}: data.mixup=0.3 would be ignored: data.mixup is "
+                                                   rf"read only when data.dataset is folder or digits or synthetic, "
+                                                   rf"and it is kjv; drop it from {images} or set data.dataset"):
+        load_config([lm, str(images)])
+    # the LM recipe layered over the image settings replaces the data set on purpose: they are moot
+    assert load_config([str(images), lm]).data.dataset == "kjv"
+    # an override replacing the file's value is checked as an override; a value the run already has is no change
+    with pytest.raises(IgnoredOverrideError, match=r"^data.mixup=0.5 would be ignored"):
+        load_config([lm, str(images)], ["data.mixup=0.5"])
+    unchanged = tmp_path / "unchanged.yaml"
+    unchanged.write_text(f"data: {{mixup: {Config().data.mixup}}}\n")
+    assert load_config([lm, str(unchanged)]).data.dataset == "kjv"
+    # a file (or override) that switches a section off says what it means: a sweep's baseline over cd.yaml
+    cd = os.path.join(ROOT, "configs", "method", "cd.yaml")
+    off = tmp_path / "off.yaml"
+    off.write_text("cd: {enabled: false}\n")
+    assert load_config([DEMO_CONFIG, cd, str(off)]).cd.enabled is False
+    assert load_config([DEMO_CONFIG, cd], ["cd.enabled=false"]).cd.enabled is False
+    lam = tmp_path / "lam.yaml"
+    lam.write_text("cd: {lam: 0.05}\n")
+    with pytest.raises(IgnoredOverrideError, match=rf"^{lam}: cd.lam=0.05 would be ignored: cd.lam is read only "
+                                                   rf"when cd.enabled is true, and it is false"):
+        load_config([DEMO_CONFIG, str(lam)])
+
+
+def test_a_runs_own_config_yaml_loads_as_a_recipe(tmp_path):
+    """config.yaml of a run (every key, sections switched off included) reproduces the run with --config."""
+    from configs import save_config
+    cd = os.path.join(ROOT, "configs", "method", "cd.yaml")
+    for paths, overrides in (([DEMO_CONFIG, cd], ["cd.enabled=false"]),
+                             ([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")], [])):
+        cfg = load_config(paths, overrides)
+        save_config(cfg, str(tmp_path / "config.yaml"))
+        assert load_config([str(tmp_path / "config.yaml")]) == cfg
+
+
+def test_a_preset_file_on_a_checkpoints_config_is_checked_too(tmp_path):
+    """evaluate.py / mechanism.py layer --config files over a checkpoint's config: a data-root preset on a
+    language model (which reads its embedded text) would be ignored."""
+    from configs import config_from_dict, config_to_dict, layer_config
+    saved = config_to_dict(load_config([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")]))
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("data: {root: /datasets/imagenet}\n")
+    with pytest.raises(IgnoredOverrideError, match=rf"^{preset}: data.root=/datasets/imagenet would be ignored"):
+        layer_config(config_from_dict(saved), [str(preset)], [])
+    assert layer_config(config_from_dict(saved), [], ["quant.calib_images=8"]).quant.calib_images == 8
+
+
 @pytest.mark.parametrize("override", ["data.hflip=1.0", "data.mean=[0.2,0.2,0.2]", "data.auto_augment=rand-m9"])
 def test_image_transform_settings_are_refused_for_synthetic_data_which_has_no_transform(override):
     with pytest.raises(IgnoredOverrideError, match=r"read only when data.dataset is folder or digits, and it "
