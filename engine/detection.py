@@ -22,6 +22,7 @@ import io
 import json
 import os
 import random
+import re
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -309,6 +310,54 @@ def check_backbone_init(cfg: Config) -> None:
                              "the local path")
     if not os.path.isfile(path):
         raise DetectionError(f"{key}={path}: no such file")
+    check_backbone_checkpoint(cfg, path)
+
+
+# keys an ImageNet Swin checkpoint lacks or has beyond the detection backbone, which MMDetection's official
+# recipe leaves so: the norms of the detection outputs (new), the classifier's final norm and the attention
+# masks and indices (buffers, rebuilt by the model)
+NEW_IN_DETECTION = re.compile(r"^norm\d+\.")
+LEFT_BY_DETECTION = re.compile(r"^norm\.|attn_mask$|relative_position_index$")
+
+
+def check_backbone_checkpoint(cfg: Config, path: str) -> None:
+    """Refuse a backbone checkpoint that does not fit the config's backbone, naming the mismatched weights.
+    MMDetection's Swin loads it with `load_state_dict(strict=False)` and says nothing, so weights of another
+    model (a ResNet's: none load, the run trains from random; a Swin-S's into a Swin-T: part of it) would train
+    as if pretrained. The backbone's own loading code runs here (key conversion, bias-table interpolation) and
+    what it would load is compared with the backbone's parameters."""
+    key = "model.backbone.init_cfg.checkpoint"
+    backbone = MODELS.build(copy.deepcopy(cfg.model.backbone))
+    loaded: Dict[str, torch.Tensor] = {}
+    called = []
+
+    def record(state_dict, strict=True):  # instead of loading: what would be loaded is all that matters here
+        loaded.update(state_dict)
+        called.append(True)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    backbone.load_state_dict = record
+    try:
+        backbone.init_weights()
+    except IndexError:  # MMDetection's Swin reads the first backbone weight it found in the file: there is none
+        raise DetectionError(f"{key}={path} holds no weights of model.backbone "
+                             f"({cfg.model.backbone.get('type')}): give the official checkpoint of this backbone") \
+            from None
+    except Exception as e:  # noqa: BLE001 - not a checkpoint, or one the loading code cannot convert
+        raise DetectionError(f"{key}={path}: cannot be loaded into model.backbone ({type(e).__name__}: {e})") \
+            from None
+    if not called:  # a backbone that loads otherwise (MMEngine's PretrainedInit, which logs its mismatches)
+        return
+    own = backbone.state_dict()
+    params = {name for name, _ in backbone.named_parameters()}
+    missing = sorted(k for k in params - set(loaded) if not NEW_IN_DETECTION.match(k))
+    unexpected = sorted(k for k in set(loaded) - set(own) if not LEFT_BY_DETECTION.search(k))
+    shapes = sorted(k for k in set(own) & set(loaded) if tuple(own[k].shape) != tuple(loaded[k].shape))
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                 (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]
+        raise DetectionError(f"{key}={path} does not fit model.backbone ({cfg.model.backbone.get('type')}): "
+                             f"{'; '.join(parts)} weights; give the official checkpoint of this backbone")
 
 
 # -- models --------------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Detection inputs that would not run as asked (scripts/train_detection.py, evaluate_detection.py): each is one
+`error:` line before any work, and the inputs that do fit still pass.
+
+Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.sh).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from detection_runs import SAMPLE_CONFIG
+
+pytestmark = pytest.mark.detection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _error_line(capsys, argv):
+    """The one `error:` line (exit code 2) train_detection.run prints for `argv`."""
+    import train_detection
+    with pytest.raises(SystemExit) as stop:
+        train_detection.run(argv)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _official_swin_checkpoint(path, **backbone):
+    """A checkpoint in the official Swin repository's format (what MMDetection's `convert_weights` reads) for the
+    sample config's backbone with `backbone` changed: its keys renamed back, the ImageNet head and final norm and
+    the shifted blocks' attention masks added, the detection output norms left out."""
+    from engine.detection import load_config
+    from mmdet.registry import MODELS
+    cfg = load_config([SAMPLE_CONFIG])
+    model = MODELS.build({**cfg.model.backbone, **backbone})
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("norm"):  # norm0..norm3: the detection outputs, not in an ImageNet checkpoint
+            continue
+        key = (key.replace("stages", "layers", 1).replace("attn.w_msa.", "attn.").replace("ffn.layers.0.0.", "mlp.fc1.")
+               .replace("ffn.layers.1.", "mlp.fc2.").replace("patch_embed.projection", "patch_embed.proj"))
+        state[key] = value
+        if key.endswith("blocks.1.norm1.weight"):
+            state[key.replace("norm1.weight", "attn_mask")] = torch.zeros(4, 49, 49)
+    dims = model.num_features[-1]
+    state.update({"norm.weight": torch.ones(dims), "norm.bias": torch.zeros(dims),
+                  "head.weight": torch.zeros(1000, dims), "head.bias": torch.zeros(1000)})
+    torch.save({"model": state}, path)
+    return str(path)
+
+
+def _pretrained(cfg, checkpoint):
+    cfg.model.backbone.init_cfg = dict(type="Pretrained", checkpoint=str(checkpoint))
+    return cfg
+
+
+def test_a_backbone_checkpoint_of_another_model_is_refused(mmdet_ready, tmp_path):
+    """MMDetection's Swin loads its init checkpoint with strict=False and says nothing: the official Swin format
+    for this backbone passes (and loads), while another model's weights (none of the backbone's keys: MMDetection
+    would train from random; a deeper Swin's, whose extra blocks its loading code trips on) and a file that is no
+    checkpoint are refused, naming the weights."""
+    from engine.detection import DetectionError, check_backbone_init, load_config
+    from mmdet.registry import MODELS
+    fits = _official_swin_checkpoint(tmp_path / "swin.pth")
+    cfg = _pretrained(load_config([SAMPLE_CONFIG]), fits)
+    check_backbone_init(cfg)
+    backbone = MODELS.build(cfg.model.backbone)
+    backbone.init_weights()  # the accepted file really loads: a block's weights are the file's
+    assert torch.equal(backbone.stages[0].blocks[0].attn.w_msa.qkv.weight,
+                       torch.load(fits)["model"]["layers.0.blocks.0.attn.qkv.weight"])
+
+    resnet = tmp_path / "resnet.pth"
+    torch.save({"state_dict": {"conv1.weight": torch.zeros(8, 3, 7, 7), "fc.weight": torch.zeros(10, 8)}}, resnet)
+    with pytest.raises(DetectionError, match=r"does not fit model.backbone \(SwinTransformer\): \d+ missing"):
+        check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), resnet))
+    deeper = _official_swin_checkpoint(tmp_path / "deeper.pth", depths=[1, 1, 3, 1])
+    with pytest.raises(DetectionError, match=r"cannot be loaded into model.backbone \(KeyError: 'stages.2.blocks.1"):
+        check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), deeper))
+    notes = tmp_path / "notes.pth"
+    notes.write_text("not a checkpoint")
+    with pytest.raises(DetectionError, match="cannot be loaded into model.backbone"):
+        check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), notes))
+
+
+def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(sample, tmp_path, capsys):
+    resnet = tmp_path / "resnet.pth"
+    torch.save({"state_dict": {"conv1.weight": torch.zeros(8, 3, 7, 7)}}, resnet)
+    config = tmp_path / "pretrained.py"
+    config.write_text(f"_base_ = {os.path.join(ROOT, SAMPLE_CONFIG)!r}\nmodel = dict(backbone=dict(init_cfg=dict("
+                      f"_delete_=True, type='Pretrained', checkpoint={str(resnet)!r})))\n")
+    line = _error_line(capsys, ["--config", str(config), "--data-root", sample, "--work-dir", str(tmp_path / "w")])
+    assert f"model.backbone.init_cfg.checkpoint={resnet} does not fit model.backbone" in line, line
+    assert not (tmp_path / "w").exists()
