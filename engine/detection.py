@@ -256,6 +256,19 @@ def annotation_files(cfg: Config) -> List[tuple]:
     return files
 
 
+def image_folders(cfg: Config) -> List[tuple]:
+    """(config key, absolute path) of every image folder the loaders of `cfg` read (`data_prefix`, which
+    MMEngine's datasets join with their data_root)."""
+    folders = []
+    for key in LOADERS:
+        loader = cfg.get(key)
+        for dataset in _datasets(loader["dataset"]) if loader else []:
+            for folder in (dataset.get("data_prefix") or {}).values():
+                if isinstance(folder, str) and folder:
+                    folders.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", folder))))
+    return folders
+
+
 def annotation_paths(cfg: Config, *keys: str) -> List[str]:
     """The paths of `annotation_files` read by the loaders / evaluators `keys` (all of them without keys)."""
     return [path for key, path in annotation_files(cfg) if not keys or key in keys]
@@ -263,8 +276,8 @@ def annotation_paths(cfg: Config, *keys: str) -> List[str]:
 
 def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
     """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
-    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
-    first and last bytes are read: COCO's files are hundreds of MB."""
+    and a missing image folder, naming it; `source` is where its path came from (`--data-root X`; None: the
+    config's own paths). Only the first and last bytes are read: COCO's files are hundreds of MB."""
     for key, path in annotation_files(cfg):
         if not os.path.isfile(path):
             where = f"{source}: " if source else ""
@@ -277,6 +290,12 @@ def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
         if not (head.startswith(b"{") and tail.endswith(b"}")):
             raise DetectionError(f"{key} reads {path}, which is not a JSON object (a truncated or corrupt "
                                  "annotation file?)")
+    # the images are read only when a batch is drawn: a missing val2017/ would fail after a training epoch
+    for key, path in image_folders(cfg):
+        if not os.path.isdir(path):
+            where = f"{source}: " if source else ""
+            fix = "" if source else " (give --data-root: COCO's layout, annotations/, train2017/, val2017/)"
+            raise DetectionError(f"{where}{key} reads its images from {path}, which is no folder{fix}")
 
 
 @contextlib.contextmanager

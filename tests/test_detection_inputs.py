@@ -94,3 +94,29 @@ def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(
     line = _error_line(capsys, ["--config", str(config), "--data-root", sample, "--work-dir", str(tmp_path / "w")])
     assert f"model.backbone.init_cfg.checkpoint={resnet} does not fit model.backbone" in line, line
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("split", ["val2017", "train2017"])
+def test_a_data_root_without_an_image_folder_is_refused_before_training(sample, tmp_path, capsys, split):
+    """The images are read only when a batch is drawn: without val2017/ a run trained a whole epoch and failed
+    with a traceback in its first validation. Refused before the work dir is made."""
+    import shutil
+    root = tmp_path / "coco"
+    shutil.copytree(sample, root)
+    shutil.rmtree(root / split)
+    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    assert f"reads its images from {root / split}, which is no folder" in line, line
+    assert not (tmp_path / "w").exists()
+
+
+def test_evaluation_without_the_val_images_is_refused_before_the_weights_are_read(sample, tmp_path):
+    import shutil
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = tmp_path / "coco"
+    shutil.copytree(sample, root)
+    shutil.rmtree(root / "val2017")
+    with pytest.raises(DetectionError, match="_dataloader reads its images from .*val2017, which is no folder"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
+              "--quant", "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
