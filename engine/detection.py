@@ -123,6 +123,9 @@ def parse_overrides(items):
 
 # keys the entry points set from their own flags: an override of them would be overwritten or never read
 SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "--resume", "data_root": "--data-root"}
+# top-level keys MMEngine's Runner reads from the config besides its arguments (Runner.wrap_model, .train)
+READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "activation_checkpointing",
+                  "efficient_conv_bn_eval", "compile")
 # dicts whose keys their readers take as they come (hook names, environment settings)
 OPEN_DICTS = ("default_hooks", "env_cfg")
 # keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
@@ -132,11 +135,13 @@ BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_
 def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
     """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
     point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
-    MMEngine's Runner knows (a typo such as `max_epoch=3`); and a deeper key the config does not have, unless
+    MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
+    (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config does not have, unless
     what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
     key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
     keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
-    known = set(cfg.keys()) | set(inspect.signature(Runner.__init__).parameters) - {"self"}
+    read = set(inspect.signature(Runner.__init__).parameters) - {"self"} | set(READ_BY_RUNNER)
+    known = set(cfg.keys()) | read
     for key in overrides:
         top = key.split(".")[0]
         if top in SCRIPT_FLAGS:
@@ -146,7 +151,31 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
             close = difflib.get_close_matches(top, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
+        if top not in read:  # a variable of the config files (max_epochs, train_pipeline, ...), or custom_imports
+            uses = _uses(cfg, top, read)
+            hint = f" (e.g. {', '.join(uses[:3])})" if uses else ""
+            raise DetectionError(f"override {key}: '{top}' is read only while the config files are parsed (a variable "
+                                 f"they copy into the keys that use it), so the override would change nothing: "
+                                 f"override the keys that use it{hint}")
         _check_nested_key(cfg, key)
+
+
+def _uses(cfg: Config, variable: str, read: set) -> List[str]:
+    """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable` under
+    a name like it (max_epochs -> train_cfg.max_epochs, train_pipeline -> train_dataloader.dataset.pipeline):
+    where it was copied to."""
+    value, found = cfg[variable], []
+
+    def walk(prefix, node):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for name, inner in items:
+            path, name = f"{prefix}.{name}" if prefix else str(name), str(name)
+            if inner == value and (variable.endswith(name) or name.endswith(variable)):
+                found.append(path)
+            else:
+                walk(path, inner)
+    walk("", {k: v for k, v in cfg.items() if k in read})
+    return found
 
 
 def _check_nested_key(cfg: Config, key: str) -> None:

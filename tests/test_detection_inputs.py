@@ -120,3 +120,26 @@ def test_evaluation_without_the_val_images_is_refused_before_the_weights_are_rea
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
               "--quant", "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("override, uses", [
+    ("max_epochs=1", "train_cfg.max_epochs"),  # the sample trained its 2 epochs
+    ("train_pipeline.2.scale=(32,32)", "train_dataloader.dataset.pipeline"),  # it kept its 64-pixel resize
+    ("classes=('a','b')", "train_dataloader.dataset.metainfo.classes")])
+def test_an_override_of_a_config_variable_is_refused(mmdet_ready, override, uses):
+    """A top-level variable of the config files is copied into the keys that use it while they are parsed, so an
+    override of it changed nothing (MMEngine's --cfg-options says nothing either); refused, naming a key to
+    override instead. The keys MMEngine's Runner reads pass."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    with pytest.raises(DetectionError, match=rf"is read only while the config files are parsed .*e.g. {uses}"):
+        load_config([SAMPLE_CONFIG], parse_overrides([override]))
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides(["train_cfg.max_epochs=1", "find_unused_parameters=True",
+                                                        "randomness.seed=1", "auto_scale_lr.enable=True"]))
+    assert cfg.train_cfg.max_epochs == 1 and cfg.find_unused_parameters is True
+
+
+def test_training_refuses_a_variable_override_before_any_work(sample, tmp_path, capsys):
+    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+                                "max_epochs=1"])
+    assert "override max_epochs" in line and "train_cfg.max_epochs" in line, line
+    assert not (tmp_path / "w").exists()
