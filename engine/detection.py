@@ -244,8 +244,14 @@ def _datasets(dataset: dict) -> List[dict]:
 def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
     """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
     val2017/) and check that the annotation files they read exist. An evaluator's `ann_file` named in `keep`
-    (the user's overrides) stays as given."""
+    (the user's overrides) stays as given; a loader's data_root there is refused."""
     root = os.path.join(os.path.abspath(root), "")
+    # a loader's own data_root would be replaced below: the user asked for two roots of one loader
+    loader_roots = [k for k in keep if k.split(".")[0] in LOADERS and k.split(".")[-1] == "data_root"]
+    if loader_roots:
+        raise DetectionError(f"override {loader_roots[0]}: --data-root sets the data_root of every loader and "
+                             "would replace it; give one of them (a file of another root: the loader's "
+                             "dataset.ann_file / dataset.data_prefix.img as an absolute path)")
     if not os.path.isdir(root):
         raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
                              "val2017/)")

@@ -143,3 +143,15 @@ def test_training_refuses_a_variable_override_before_any_work(sample, tmp_path, 
                                 "max_epochs=1"])
     assert "override max_epochs" in line and "train_cfg.max_epochs" in line, line
     assert not (tmp_path / "w").exists()
+
+
+def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path):
+    """--data-root sets every loader's data_root: a loader's own one given beside it was replaced without a word
+    (the val loader read --data-root's images). Refused; absolute paths of the loader's files are kept."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    with pytest.raises(DetectionError, match="override val_dataloader.dataset.data_root: --data-root sets"):
+        load_config([SAMPLE_CONFIG], parse_overrides([f"val_dataloader.dataset.data_root={tmp_path}"]), sample)
+    ann = os.path.join(sample, "annotations", "instances_val2017.json")
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"val_dataloader.dataset.ann_file={ann}",
+                                                        f"val_evaluator.ann_file={ann}"]), sample)
+    assert cfg.val_dataloader.dataset.ann_file == ann and cfg.val_evaluator.ann_file == ann
