@@ -26,7 +26,8 @@ wait for rank 0 up to --main-rank-wait-hours.
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
 `quant.<pipeline>.<bits>`; a file of other weights, data or config (the merged config's hash, `config_sha256`)
 is refused, later calls add their pipelines.
-Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax).
+Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax): those the
+evaluation reads (model, test_dataloader, test_evaluator, train_dataloader, ...; others are refused).
 """
 from __future__ import annotations
 
@@ -106,7 +107,9 @@ def main(argv=None) -> dict:
         check_stage1_device(torch.device("cpu"))  # before any work
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
-    cfg = load_config(args.config, parse_overrides(args.overrides), args.data_root)
+    overrides = parse_overrides(args.overrides)
+    check_evaluation_overrides(overrides)
+    cfg = load_config(args.config, overrides, args.data_root)
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
     check_evaluator_annotations(cfg)
@@ -162,6 +165,26 @@ def main(argv=None) -> dict:
     say(f"results in {out}")
     cleanup_distributed()
     return results.data
+
+
+# the top-level config keys an evaluation reads: the model, the test loader and metric, the training images
+# (calibration, APHQ's reconstruction, GPLQ's stage 1) and what GPLQ's stage-1 runner takes from the config
+EVALUATION_READS = ("model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
+                    "log_processor", "find_unused_parameters")
+
+
+def check_evaluation_overrides(overrides) -> None:
+    """Refuse an override of a config key the evaluation never reads (a training setting, the val loader,
+    load_from): it would be accepted and change nothing."""
+    from engine.detection import DetectionError
+    for key in overrides:
+        top = key.split(".")[0]
+        if top not in EVALUATION_READS and top != "data_root":  # data_root: load_config points to --data-root
+            instead = {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator",
+                       "load_from": "--checkpoint"}.get(top)
+            raise DetectionError(f"override {key}: the evaluation does not read {top} (it scores --checkpoint on "
+                                 f"test_dataloader with test_evaluator), so it would change nothing; "
+                                 f"{f'give {instead} instead' if instead else 'drop it'}")
 
 
 def config_hash(cfg) -> str:

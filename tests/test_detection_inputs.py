@@ -155,3 +155,18 @@ def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path)
     cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"val_dataloader.dataset.ann_file={ann}",
                                                         f"val_evaluator.ann_file={ann}"]), sample)
     assert cfg.val_dataloader.dataset.ann_file == ann and cfg.val_evaluator.ann_file == ann
+
+
+@pytest.mark.parametrize("override, message", [
+    ("load_from=/elsewhere/epoch_12.pth", "give --checkpoint instead"),
+    ("val_dataloader.dataset.ann_file=annotations/instances_train2017.json", "give test_dataloader instead"),
+    ("train_cfg.max_epochs=3", "does not read train_cfg")])
+def test_evaluation_refuses_overrides_it_does_not_read(sample, tmp_path, override, message):
+    """evaluate_detection.py scores --checkpoint on test_dataloader: an override of another key (the weights to
+    load, the val loader, a training setting) was accepted and changed nothing. Refused before any work."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=f"override {override.split('=')[0]}: .*{message}"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", sample, "--quant",
+              "--out", str(tmp_path / "x.json"), override])
+    assert not (tmp_path / "x.json").exists()
