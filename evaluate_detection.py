@@ -91,6 +91,10 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     bits = [str(parse_bits(b)) for b in args.bits]
+    for flag, values in (("--quant", pipelines), ("--bits", bits)):  # as evaluate.py: each would run twice
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise DetectionError(f"{flag} names {', '.join(twice)} twice: give each once")
     user_options = pipeline_options(args.quant_options, pipelines)
     options = {name: {**detection_defaults(name, args), **user_options.get(name, {})} for name in pipelines}
     for name in pipelines:

@@ -170,3 +170,14 @@ def test_evaluation_refuses_overrides_it_does_not_read(sample, tmp_path, overrid
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", sample, "--quant",
               "--out", str(tmp_path / "x.json"), override])
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("flags", [["--quant", "repq", "repq"], ["--quant", "percentile", "--bits", "w4a4", "w4a4"]])
+def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp_path, flags):
+    """Each was quantized and scored twice, the first result moved to the JSON's history (evaluate.py refuses)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=r"names (repq|w4a4) twice: give each once"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), *flags,
+              "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
