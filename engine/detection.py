@@ -136,8 +136,8 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
     """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
     point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
     MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
-    (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config does not have, unless
-    what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
+    (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config
+    does not have, unless what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
     key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
     keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
     read = set(inspect.signature(Runner.__init__).parameters) - {"self"} | set(READ_BY_RUNNER)
