@@ -71,3 +71,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def adam_step_on_cpu(monkeypatch):
+    """Under the meta default (tests/device_utils.py), torch's own Adam / AdamW state init runs with the CPU
+    as the default device where that torch version leaves the device of `step` to the default (torch 2.11;
+    2.14 gives device="cpu"). Only torch's state init is shielded: this code's tensors stay under test."""
+    from device_utils import adam_step_follows_default_device
+
+    if adam_step_follows_default_device():
+        # Each class: the first torch.compile (tests/test_cd_pairs.py) gives AdamW an _init_group of its own.
+        for cls in (torch.optim.AdamW, torch.optim.Adam):
+            monkeypatch.setattr(cls, "_init_group", _on_cpu(cls._init_group))
+    yield
+
+
+def _on_cpu(init_group):
+    def wrapped(self, *args, **kwargs):
+        with torch.device("cpu"):
+            return init_group(self, *args, **kwargs)
+
+    return wrapped

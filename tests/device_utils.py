@@ -97,3 +97,21 @@ class HostReads(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", "") in self.NAMES:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def adam_step_follows_default_device() -> bool:
+    """Whether torch's Adam / AdamW create their `step` state on the default device.
+
+    Non-fused, non-capturable Adam keeps `step` on the CPU on purpose. torch 2.11 builds it with
+    `torch.tensor(0.0, dtype=...)`, no device given, so under the meta default it is a meta tensor and the
+    first `step.item()` fails inside torch; torch 2.14 passes device="cpu". That is torch's tensor, not one of
+    this code's, so `adam_step_on_cpu` (tests/conftest.py) builds it on the CPU where torch does not."""
+    p = torch.zeros(1, device="cpu", requires_grad=True)
+    p.grad = torch.zeros(1, device="cpu")
+    opt = torch.optim.Adam([p])
+    with torch.device("meta"):
+        try:
+            opt.step()
+        except RuntimeError:
+            return True
+    return opt.state[p]["step"].device.type != "cpu"

@@ -22,7 +22,7 @@ from quant.spec import Bits
 from device_utils import HostCopies, HostReads, OnCPU, cpu_pipeline_data, tensors_of
 from quant_models import images, tiny_swin, tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "adam_step_on_cpu")
 
 FAST = {
     "percentile": None,
