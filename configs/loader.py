@@ -100,25 +100,34 @@ def read_yaml_file(path: str) -> dict:
 def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) -> Config:
     """Apply the YAML files `paths` in order, then `overrides`, to `cfg` (the defaults, or a checkpoint's
     config) in place, and return it. Every override, and every key a file changes from what `cfg` had, must be
-    read by the result (`check_keys_read`): a key a later file or override sets again is checked there."""
+    read by the result (`check_keys_read`; a key a later file or override sets again is checked there), unless
+    the file's key was made moot on purpose: by the same file setting the deciding key (a run's own
+    config.yaml says what it means), or by a later layer changing the deciding key's value or switching its
+    section off (a recipe of another data set over it, cd.enabled=false over cd.yaml). Setting the deciding
+    key again to the value it had does not make a key read."""
     overrides = list(overrides)
     before = copy.deepcopy(cfg)
+    deciders = {decider for _, decider, _ in READ_ONLY_WHEN}
     layer: dict[str, int] = {}  # dotted key -> the last layer that set it (files 0, 1, ...; the overrides last)
     values: dict[str, Any] = {}  # dotted key -> the value its last file gives it
+    decided: list[dict] = []  # per file: the deciding keys' values once that file was applied
     for index, path in enumerate(paths):
         data = read_yaml_file(path)
         _merge(cfg, data, path="", source=path)
         for key, value in data.items():
             for dotted, inner in _dotted(str(key), value, cfg).items():
                 layer[dotted], values[dotted] = index, inner
+        decided.append({decider: copy.deepcopy(get_key(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)
     layer.update(dict.fromkeys((key for item in overrides for key in override_keys(item)), len(paths)))
     from_files = {key: values[key] for key, index in layer.items() if index < len(paths) and _changed(before, cfg, key)}
-    # a deciding key set by the same file or a later layer makes the file's key moot on purpose (a later recipe
-    # or override of data.dataset, cd.enabled=false over cd.yaml, a run's own config.yaml); one that the file
-    # was layered over (defaults or an earlier file) does not
-    check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files},
-                    excused=lambda key, decider: layer.get(decider, -1) >= layer[key])
+
+    def excused(key: str, decider: str) -> bool:
+        own, last = layer[key], layer.get(decider, -1)
+        final = get_key(cfg, decider)
+        return last == own or (last > own and (final != decided[own][decider] or final is False))
+
+    check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files}, excused=excused)
     return cfg
 
 
@@ -149,7 +158,8 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
 
 
 class IgnoredOverrideError(ConfigError):
-    """An override of a key that the config, as resolved, never reads (e.g. data.root for digits)."""
+    """An override, or a value of a config file, of a key that the config, as resolved, never reads (e.g.
+    data.root for digits)."""
 
 
 SET = "set"  # in READ_ONLY_WHEN: any value of the deciding key but null and ""
@@ -213,12 +223,12 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
             if excused(key, decider):
                 continue
             if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
-                where = f"{sources[key]}: " if key in sources else ""
-                fix = f"drop it from {sources[key]}" if key in sources else "drop it"
+                readers = " or ".join(map(_show, read_with))
+                fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
+                       if key in sources else f"drop it or set {decider} as well")
                 raise IgnoredOverrideError(
-                    f"{where}{key}={_show(given[key])} would be ignored: {key} is read only when {decider} is "
-                    f"{' or '.join(map(_show, read_with))}, and it is {_show(value)}; {fix} or set "
-                    f"{decider} as well")
+                    f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
+                    f"{key} is read only when {decider} is {readers}, and it is {_show(value)}; {fix}")
 
 
 def get_key(cfg: Any, key: str) -> Any:
