@@ -34,7 +34,7 @@ class ResultsError(ValueError):
 # what the numbers of a result depend on besides its weights and its quantized entries' settings
 EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
 # pipeline options that place work (where APHQ caches its units' inputs and targets: copies, exact on any
-# device), not what is computed: results with other values are alike
+# device, its batches drawn on the model's device), not what is computed: results with other values are alike
 PLACEMENT_OPTIONS = ("cache_device",)
 
 

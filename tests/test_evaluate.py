@@ -204,7 +204,8 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
 
 
 def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
-    """quant.aphq.cache_device places copies of the units' inputs (exact on any device): a stored APHQ result
+    """quant.aphq.cache_device places copies of the units' inputs (exact on any device; the batches are drawn
+    on the model's device, tests/test_gpu.py checks both placements agree on CUDA): a stored APHQ result
     is reused under another value, seeds evaluated with different ones average, and no table marks it; an
     option that changes the numbers (the grid) still counts."""
     from configs import Config

@@ -120,6 +120,20 @@ def test_pipeline_on_cuda_matches_the_cpu_run(pipeline, make_model):
     assert (on_gpu.argmax(1) == on_cpu.argmax(1)).float().mean().item() >= 0.9
 
 
+@pytest.mark.gpu
+def test_aphq_cache_on_the_cpu_quantizes_as_the_cache_on_the_gpu():
+    """quant.aphq.cache_device places the cached unit inputs / targets only (evaluate.py does not count it as a
+    setting of a result): the batch draws come from the model's device either way, so the two runs take the
+    same samples and end in the same model (up to the float order of the copies: none, they are exact)."""
+    _, default, _ = _quantize("aphq", tiny_vit, CUDA)
+    FAST["aphq"]["cache_device"] = "cpu"
+    try:
+        _, cached_on_cpu, _ = _quantize("aphq", tiny_vit, CUDA)
+    finally:
+        del FAST["aphq"]["cache_device"]
+    assert torch.equal(default, cached_on_cpu)
+
+
 @pytest.mark.parametrize("pipeline", DRAWS_ON_DEVICE)
 def test_runs_with_other_random_draws_pass_the_equally_good_comparison(pipeline):
     """The CPU check of the comparison the CUDA test makes for APHQ and GPLQ: another seed on the same

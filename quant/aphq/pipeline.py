@@ -122,7 +122,7 @@ class APHQPipeline(Pipeline):
             images = data.train_images(options.recon_images, options.data_seed, True)
         calib = images[:options.calib_images]
         with isolated_rng(options.seed, device):
-            gen = torch.Generator(device=cache).manual_seed(options.seed)
+            gen = torch.Generator(device=device).manual_seed(options.seed)  # not the cache's: same draws anywhere
             model, report = self._quantize(fp_model, images, calib, bits, options, timer, device, cache,
                                            bs, gen)
         report["seconds"] = timer.seconds

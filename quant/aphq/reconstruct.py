@@ -87,7 +87,7 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         hessian: [1, ...] APH weight broadcastable to an output batch, or None for plain MSE.
         loss_kind: "weighted_mse" (blocks) or "kl" (head).
         settings: iterations, batch, learning rates, QDrop, rounding schedule.
-        generator: RNG on the cache device for the batch indices.
+        generator: RNG for the batch indices, on the model's device (the cache may live elsewhere).
         name: unit FQN for logs.
         progress: optional callback receiving the logged metrics (tests, custom loggers).
 
@@ -99,8 +99,9 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
     n = fp_in.shape[0]
 
     def reconstruction_error(_it: int) -> torch.Tensor:
-        # a batch of distinct samples, as the official code's randperm(n)[:batch_size]
-        idx = torch.randperm(n, device=fp_in.device, generator=generator)[:settings.batch_size]
+        # a batch of distinct samples, as the official code's randperm(n)[:batch_size], drawn on the generator's
+        # device (the model's) whatever the cache's: where the cache lives must not change which samples train
+        idx = torch.randperm(n, device=generator.device, generator=generator)[:settings.batch_size].to(fp_in.device)
         x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
         if settings.input_mix_prob > 0:
             x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
