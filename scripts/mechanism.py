@@ -340,7 +340,7 @@ def val_loader(cfg, img_size: int, batch: int):
 
 
 # ------------------------------------------------------------------------------------------------------
-# Figures: matplotlib's object API on the Agg canvas (no display, no global backend change)
+# Figures (engine/figures.new_figure) and their tables
 # ------------------------------------------------------------------------------------------------------
 def grid(n: int, cols: int = 4) -> tuple[int, int]:
     cols = min(n, cols)
