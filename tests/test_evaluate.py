@@ -183,13 +183,15 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
         evaluate.markdown_table(twice, over_seeds=True)
     other_data = [dict(result("Baseline", 80.0, 70.0), data={"dataset": d}) for d in ("folder", "synthetic")]
     with pytest.raises(ValueError, match=r'm Baseline: result 1 and result 2 were evaluated differently \(data: '
-                                         r'{"dataset": "folder"} vs {"dataset": "synthetic"}\)'):
+                                         r'{"dataset": "folder"} vs {"dataset": "synthetic"}\); rows average the '
+                                         r'seeds of one evaluation: give results evaluated alike$'):  # another file
         evaluate.markdown_table(other_data, over_seeds=True)
     assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
     other_calibration = [dict(result("Baseline", 80.0, 70.0), fingerprint=f) for f in ("a", "b")]
     other_calibration[1]["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8}}
     with pytest.raises(ValueError, match=r"m Baseline: result 1 and result 2 were evaluated differently \(repq w4a4 "
-                                         r"settings: calibration None -> {'images': 8}\)"):
+                                         r"settings: calibration None -> {'images': 8}\); .* or --recompute them "
+                                         r"with one set of settings$"):
         evaluate.markdown_table(other_calibration, over_seeds=True)
     # runs of one method trained with another lr are not seeds; another seed is one
     from engine.run_dir import recipe
