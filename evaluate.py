@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
-from configs.cli import add_config_arguments, parse_known, print_config
+from configs.cli import add_config_arguments, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
@@ -461,9 +461,9 @@ def resolve_config(args: argparse.Namespace):
     except ValueError as e:
         raise ConfigError(f"--bits / quant.bits: {e}") from None
     for what, values in (("--quant / quant.pipelines", cfg.quant.pipelines), ("--bits / quant.bits", cfg.quant.bits)):
-        twice = sorted({v for v in values if values.count(v) > 1})
-        if twice:
-            raise ConfigError(f"{what} names {', '.join(twice)} twice: give each once")
+        problem = named_twice(what, values)
+        if problem:
+            raise ConfigError(problem)
     for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))

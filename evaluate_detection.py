@@ -72,6 +72,7 @@ def main(argv=None) -> dict:
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
                                   check_annotation_files, check_evaluator_annotations, check_stage1_device,
                                   evaluate_detector, load_config, parse_overrides, train_activation_qat)
+    from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
     from engine.eval_results import EvalResults
@@ -92,9 +93,9 @@ def main(argv=None) -> dict:
                                  f"{', '.join(detection)}")
     bits = [str(parse_bits(b)) for b in args.bits]
     for flag, values in (("--quant", pipelines), ("--bits", bits)):  # as evaluate.py: each would run twice
-        twice = sorted({v for v in values if values.count(v) > 1})
-        if twice:
-            raise DetectionError(f"{flag} names {', '.join(twice)} twice: give each once")
+        problem = named_twice(flag, values)
+        if problem:
+            raise DetectionError(problem)
     user_options = pipeline_options(args.quant_options, pipelines)
     options = {name: {**detection_defaults(name, args), **user_options.get(name, {})} for name in pipelines}
     for name in pipelines:

@@ -77,6 +77,13 @@ def at_least(low: float, kind: type = int):
     return parse
 
 
+def named_twice(what: str, values: list) -> Optional[str]:
+    """'<what> names X twice: give each once' for a list of pipelines or bit-widths that repeats one (each
+    would run twice, the first result moved to the JSON's history), or None."""
+    twice = sorted({v for v in values if values.count(v) > 1})
+    return f"{what} names {', '.join(twice)} twice: give each once" if twice else None
+
+
 def device_problem(text: str) -> Optional[str]:
     """Why `text` names no device this process can hold data on (None if it does: the CPU or a visible CUDA
     device): not a torch device (`gpu`), a device the machine lacks (cuda without a GPU, cuda:3 beside two)
