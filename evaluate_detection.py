@@ -70,8 +70,9 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  check_annotation_files, check_evaluator_annotations, check_stage1_device,
-                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
+                                  check_annotation_files, check_evaluator_annotations, check_image_folders,
+                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
+                                  train_activation_qat)
     from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
@@ -117,6 +118,9 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config, overrides, args.data_root)
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
+    # the test images; the training images only where a pipeline calibrates or trains on them
+    check_image_folders(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",),
+                        args.data_root and f"--data-root {args.data_root}")
     check_evaluator_annotations(cfg)
     dist = init_distributed(args.device, MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours),
                                                       "--main-rank-wait-hours"))

@@ -137,8 +137,8 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
     point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
     MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
     (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config
-    does not have, unless what reads its dict takes it: a dict with a `type` builds a registered class, whose __init__ must take the
-    key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
+    does not have, unless what reads its dict takes it: a dict with a `type` builds a registered class, whose
+    __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
     keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
     read = set(inspect.signature(Runner.__init__).parameters) - {"self"} | set(READ_BY_RUNNER)
     known = set(cfg.keys()) | read
@@ -311,8 +311,8 @@ def annotation_paths(cfg: Config, *keys: str) -> List[str]:
 
 def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
     """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
-    and a missing image folder, naming it; `source` is where its path came from (`--data-root X`; None: the
-    config's own paths). Only the first and last bytes are read: COCO's files are hundreds of MB."""
+    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
+    first and last bytes are read: COCO's files are hundreds of MB."""
     for key, path in annotation_files(cfg):
         if not os.path.isfile(path):
             where = f"{source}: " if source else ""
@@ -325,9 +325,14 @@ def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
         if not (head.startswith(b"{") and tail.endswith(b"}")):
             raise DetectionError(f"{key} reads {path}, which is not a JSON object (a truncated or corrupt "
                                  "annotation file?)")
-    # the images are read only when a batch is drawn: a missing val2017/ would fail after a training epoch
+
+
+def check_image_folders(cfg: Config, loaders: Sequence[str], source: Optional[str] = None) -> None:
+    """Refuse a missing image folder of the `loaders` a command reads (train_dataloader, val_dataloader,
+    test_dataloader), naming it: the images are read only when a batch is drawn, so a missing val2017/ failed
+    after a training epoch. `source` as for `check_annotation_files`."""
     for key, path in image_folders(cfg):
-        if not os.path.isdir(path):
+        if key in loaders and not os.path.isdir(path):
             where = f"{source}: " if source else ""
             fix = "" if source else " (give --data-root: COCO's layout, annotations/, train2017/, val2017/)"
             raise DetectionError(f"{where}{key} reads its images from {path}, which is no folder{fix}")

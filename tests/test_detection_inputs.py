@@ -122,6 +122,24 @@ def test_evaluation_without_the_val_images_is_refused_before_the_weights_are_rea
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_full_precision_evaluation_needs_no_training_images(sample, tmp_path):
+    """Only a pipeline calibrates or trains on train2017/: a bare --quant (full precision) reads the test images
+    alone, so a data root without the training images gets as far as the checkpoint; a pipeline is refused."""
+    import shutil
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = tmp_path / "coco"
+    shutil.copytree(sample, root)
+    shutil.rmtree(root / "train2017")
+    common = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
+              "--out", str(tmp_path / "x.json")]
+    with pytest.raises(DetectionError, match="train_dataloader reads its images from .*train2017, which is no folder"):
+        main(common + ["--quant", "percentile"])
+    with pytest.raises(Exception) as failed:  # past the image check: the checkpoint does not exist
+        main(common + ["--quant"])
+    assert "w.pth" in str(failed.value) and "train2017" not in str(failed.value), failed.value
+
+
 @pytest.mark.parametrize("override, uses", [
     ("max_epochs=1", "train_cfg.max_epochs"),  # the sample trained its 2 epochs
     ("train_pipeline.2.scale=(32,32)", "train_dataloader.dataset.pipeline"),  # it kept its 64-pixel resize
