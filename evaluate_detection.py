@@ -114,8 +114,8 @@ def main(argv=None) -> dict:
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     overrides = parse_overrides(args.overrides)
+    cfg = load_config(args.config, overrides, args.data_root)  # first: a typo gets its "did you mean"
     check_evaluation_overrides(overrides)
-    cfg = load_config(args.config, overrides, args.data_root)
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
     # the test images; the training images only where a pipeline calibrates or trains on them
