@@ -138,8 +138,8 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
     MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
     (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config
     does not have, unless what reads its dict takes it: a dict with a `type` builds a registered class, whose
-    __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without either reads only the
-    keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
+    __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without
+    either reads only the keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
     read = set(inspect.signature(Runner.__init__).parameters) - {"self"} | set(READ_BY_RUNNER)
     known = set(cfg.keys()) | read
     for key in overrides:
@@ -152,7 +152,8 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
         if top not in read:  # a variable of the config files (max_epochs, train_pipeline, ...), or custom_imports
-            uses = _uses(cfg, top, read)
+            # the Swin recipes' `pretrained` URL, which our configs replace by a local backbone file
+            uses = _uses(cfg, top, read) or (["model.backbone.init_cfg.checkpoint"] if top == "pretrained" else [])
             hint = f" (e.g. {', '.join(uses[:3])})" if uses else ""
             raise DetectionError(f"override {key}: '{top}' is read only while the config files are parsed (a variable "
                                  f"they copy into the keys that use it), so the override would change nothing: "
@@ -161,21 +162,33 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
 
 
 def _uses(cfg: Config, variable: str, read: set) -> List[str]:
-    """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable` under
-    a name like it (max_epochs -> train_cfg.max_epochs, train_pipeline -> train_dataloader.dataset.pipeline):
-    where it was copied to."""
-    value, found = cfg[variable], []
+    """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable`: where
+    it was copied to (train_pipeline -> train_dataloader.dataset.pipeline, pretrained ->
+    model.backbone.init_cfg.checkpoint); a number or flag only under a name like the variable's (max_epochs ->
+    train_cfg.max_epochs: another 12 is no copy). MMDetection's base files tag their own dicts with a `_scope_`
+    that the copies lack: it is not compared."""
+    value, found = _unscoped(cfg[variable]), []
+    any_name = isinstance(value, (str, list, dict)) and bool(value)
 
     def walk(prefix, node):
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for name, inner in items:
             path, name = f"{prefix}.{name}" if prefix else str(name), str(name)
-            if inner == value and (variable.endswith(name) or name.endswith(variable)):
+            if _unscoped(inner) == value and (any_name or variable.endswith(name) or name.endswith(variable)):
                 found.append(path)
             else:
                 walk(path, inner)
     walk("", {k: v for k, v in cfg.items() if k in read})
     return found
+
+
+def _unscoped(value: Any) -> Any:
+    """`value` (config dicts and lists, nested) without MMEngine's `_scope_` keys."""
+    if isinstance(value, dict):
+        return {k: _unscoped(v) for k, v in value.items() if k != "_scope_"}
+    if isinstance(value, (list, tuple)):
+        return [_unscoped(v) for v in value]
+    return value
 
 
 def _check_nested_key(cfg: Config, key: str) -> None:

@@ -156,6 +156,15 @@ def test_an_override_of_a_config_variable_is_refused(mmdet_ready, override, uses
     assert cfg.train_cfg.max_epochs == 1 and cfg.find_unused_parameters is True
 
 
+@pytest.mark.parametrize("override, uses", [
+    ("train_pipeline.2.scale=(32,32)", "train_dataloader.dataset.pipeline"),  # the mmdet:: bases' _scope_ tags
+    ("pretrained=/w/swin_tiny.pth", "model.backbone.init_cfg.checkpoint")])
+def test_a_variable_of_the_shipped_configs_names_the_key_to_override(mmdet_ready, override, uses):
+    from engine.detection import DetectionError, load_config, parse_overrides
+    with pytest.raises(DetectionError, match=rf"is read only while the config files are parsed .*e.g. {uses}"):
+        load_config([os.path.join(ROOT, "configs", "detection", "mask_rcnn_swin_t_1x.py")], parse_overrides([override]))
+
+
 def test_training_refuses_a_variable_override_before_any_work(sample, tmp_path, capsys):
     line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
                                 "max_epochs=1"])
