@@ -254,6 +254,11 @@ def _datasets(dataset: dict) -> List[dict]:
     return [dataset] + [d for sub in inner + list(dataset.get("datasets") or []) for d in _datasets(sub)]
 
 
+def loader_datasets(cfg: Config) -> List[tuple]:
+    """(loader key, dataset dict) of every dataset the loaders of `cfg` read, wrapped ones included."""
+    return [(key, dataset) for key in LOADERS if cfg.get(key) for dataset in _datasets(cfg[key]["dataset"])]
+
+
 def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
     """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
     val2017/) and check that the annotation files they read exist. An evaluator's `ann_file` named in `keep`
@@ -269,13 +274,9 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
         raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
                              "val2017/)")
     old = cfg.get("data_root")
-    for key in LOADERS:
-        loader = cfg.get(key)
-        if not loader:
-            continue
-        for dataset in _datasets(loader["dataset"]):
-            if "data_root" in dataset:
-                dataset["data_root"] = root
+    for _, dataset in loader_datasets(cfg):
+        if "data_root" in dataset:
+            dataset["data_root"] = root
     for key in EVALUATORS:
         evaluators = cfg.get(key)
         for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
@@ -291,11 +292,9 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
 def annotation_files(cfg: Config) -> List[tuple]:
     """(config key, absolute path) of every annotation file the loaders and evaluators of `cfg` read."""
     files = []
-    for key in LOADERS:
-        loader = cfg.get(key)
-        for dataset in _datasets(loader["dataset"]) if loader else []:
-            if dataset.get("ann_file"):  # MMDetection's datasets join it with their data_root
-                files.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))))
+    for key, dataset in loader_datasets(cfg):
+        if dataset.get("ann_file"):  # MMDetection's datasets join it with their data_root
+            files.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))))
     for key in EVALUATORS:
         evaluators = cfg.get(key)
         for evaluator in evaluators if isinstance(evaluators, list) else [evaluators] if evaluators else []:
@@ -307,14 +306,9 @@ def annotation_files(cfg: Config) -> List[tuple]:
 def image_folders(cfg: Config) -> List[tuple]:
     """(config key, absolute path) of every image folder the loaders of `cfg` read (`data_prefix`, which
     MMEngine's datasets join with their data_root)."""
-    folders = []
-    for key in LOADERS:
-        loader = cfg.get(key)
-        for dataset in _datasets(loader["dataset"]) if loader else []:
-            for folder in (dataset.get("data_prefix") or {}).values():
-                if isinstance(folder, str) and folder:
-                    folders.append((key, os.path.abspath(os.path.join(dataset.get("data_root") or "", folder))))
-    return folders
+    return [(key, os.path.abspath(os.path.join(dataset.get("data_root") or "", folder)))
+            for key, dataset in loader_datasets(cfg) for folder in (dataset.get("data_prefix") or {}).values()
+            if isinstance(folder, str) and folder]
 
 
 def annotation_paths(cfg: Config, *keys: str) -> List[str]:
