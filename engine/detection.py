@@ -420,10 +420,15 @@ def check_backbone_checkpoint(cfg: Config, path: str) -> None:
     unexpected = sorted(k for k in set(loaded) - set(own) if not LEFT_BY_DETECTION.search(k))
     shapes = sorted(k for k in set(own) & set(loaded) if tuple(own[k].shape) != tuple(loaded[k].shape))
     if missing or unexpected or shapes:
-        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
-                 (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]
         raise DetectionError(f"{key}={path} does not fit model.backbone ({cfg.model.backbone.get('type')}): "
-                             f"{'; '.join(parts)} weights; give the official checkpoint of this backbone")
+                             f"{mismatch(missing, unexpected, shapes)} weights; give the official checkpoint of "
+                             "this backbone")
+
+
+def mismatch(missing: List[str], unexpected: List[str], shapes: List[str]) -> str:
+    """'3 missing (e.g. a, b, c); 1 of another shape (e.g. d)': the keys of a state dict that do not fit."""
+    return "; ".join(f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                     (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v)
 
 
 # -- models --------------------------------------------------------------------------------------------
@@ -451,10 +456,8 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
     unexpected = sorted(set(state) - set(own))
     shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
     if missing or unexpected or shapes:
-        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
-                 (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]
         raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: "
-                             f"{'; '.join(parts)} weights")
+                             f"{mismatch(missing, unexpected, shapes)} weights")
     bad = nonfinite_tensors(state)
     if bad:  # every score would be a chance-level number of broken weights
         raise DetectionError(f"--checkpoint {checkpoint} holds non-finite weights: {'; '.join(bad[:3])}"

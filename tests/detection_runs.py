@@ -45,3 +45,14 @@ def train(sample, work_dir, *overrides, epochs=1, configs=()):
 def trained(sample, tmp_path_factory):
     """The sample detector after 3 epochs (its weights file)."""
     return train(sample, tmp_path_factory.mktemp("run"), epochs=3)
+
+
+def error_line(capsys, argv):
+    """The one `error:` line (exit code 2, no traceback) train_detection.run prints for `argv`."""
+    import train_detection
+    with pytest.raises(SystemExit) as stop:
+        train_detection.run(argv)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]

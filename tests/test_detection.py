@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from detection_runs import SAMPLE_CONFIG, train  # its fixtures (sample, trained) come through conftest.py
+from detection_runs import SAMPLE_CONFIG, error_line, train  # its fixtures (sample, trained) come through conftest.py
 
 pytestmark = pytest.mark.detection
 
@@ -132,7 +132,7 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
     full = ["--config", "configs/detection/mask_rcnn_swin_t_1x.py", "--data-root", sample]
 
     def error(argv):
-        return _error_line(capsys, argv)
+        return error_line(capsys, argv)
 
     unset = error(full + ["--work-dir", str(tmp_path / "a")])
     assert "model.backbone.init_cfg.checkpoint is not set" in unset and "model.backbone.init_cfg=None" in unset
@@ -401,21 +401,10 @@ def test_training_refuses_a_val_evaluator_reading_another_annotation_file(sample
     import shutil
     elsewhere = tmp_path / "instances_val2017.json"
     shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
-    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
                                 f"val_evaluator.ann_file={elsewhere}"])
     assert f"val_evaluator.ann_file={elsewhere} but val_dataloader reads" in line, line
     assert not (tmp_path / "w").exists()
-
-
-def _error_line(capsys, argv):
-    """The one `error:` line (exit code 2, no traceback) train_detection.run prints for `argv`."""
-    import train_detection
-    with pytest.raises(SystemExit) as stop:
-        train_detection.run(argv)
-    assert stop.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def _sample_copy(sample, tmp_path, name, content):
@@ -435,20 +424,20 @@ def test_unreadable_inputs_are_one_error_line_naming_them(sample, tmp_path, caps
     monkeypatch.chdir(tmp_path)  # the config's data/coco/ does not exist here
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = os.path.join(root, SAMPLE_CONFIG)
-    missing = _error_line(capsys, ["--config", config] + work)
+    missing = error_line(capsys, ["--config", config] + work)
     assert "data/coco/annotations/instances_train2017.json, which does not exist (give --data-root" in missing
     for name, text in (("broken.py", "model = dict(\n"), ("notes.txt", "not a config\n")):
         (tmp_path / name).write_text(text)
-        assert f"--config {tmp_path / name}: cannot be read" in _error_line(capsys, ["--config", str(tmp_path / name)]
+        assert f"--config {tmp_path / name}: cannot be read" in error_line(capsys, ["--config", str(tmp_path / name)]
                                                                               + work)
     (tmp_path / "file").write_text("mine")
-    assert "is a file" in _error_line(capsys, ["--config", config, "--data-root", sample, "--work-dir",
+    assert "is a file" in error_line(capsys, ["--config", config, "--data-root", sample, "--work-dir",
                                                str(tmp_path / "file")])
     for content, message in (("{}", "cannot be read as a COCO annotation file (KeyError"),
                              ('{"images": [', "is not a JSON object"),
                              ('{"images": [}', "cannot be read as a COCO annotation file (JSONDecodeError")):
         data = _sample_copy(sample, tmp_path, "instances_train2017.json", content)
-        line = _error_line(capsys, ["--config", config, "--data-root", data, "--work-dir",
+        line = error_line(capsys, ["--config", config, "--data-root", data, "--work-dir",
                                     str(tmp_path / f"w{len(content)}")])
         assert os.path.join(data, "annotations", "instances_train2017.json") in line and message in line, line
     from engine.detection import DetectionError, build_loader, load_config
@@ -472,20 +461,20 @@ def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_
                            (["optim_wrapper.optimizer.lr=0.01"], "optim_wrapper.optimizer.lr (0.001 in the run, "
                                                                  "0.01 now)"),
                            ([f"load_from={run / 'epoch_1.pth'}"], "load_from with --resume")):
-        assert message in _error_line(capsys, same + ["train_cfg.max_epochs=2"] + extra)
+        assert message in error_line(capsys, same + ["train_cfg.max_epochs=2"] + extra)
     other = tmp_path / "other"
     train(sample, other)
     pointer = run / "last_checkpoint"
     own = pointer.read_text()
     pointer.write_text(str(other / "epoch_1.pth"))
-    assert "outside the work dir" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    assert "outside the work dir" in error_line(capsys, same + ["train_cfg.max_epochs=2"])
     pointer.write_text(str(run / "epoch_9.pth"))
-    assert "which does not exist" in _error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    assert "which does not exist" in error_line(capsys, same + ["train_cfg.max_epochs=2"])
     pointer.write_text(own)
     foreign = tmp_path / "foreign"
     shutil.copytree(other, foreign)
     (foreign / "train_detection_config.json").unlink()
-    assert "has no train_detection_config.json" in _error_line(
+    assert "has no train_detection_config.json" in error_line(
         capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(foreign), "--resume"])
     from train_detection import main
     assert main(same + ["train_cfg.max_epochs=2"]) == 0
@@ -497,7 +486,7 @@ def test_a_new_run_never_overwrites_a_file_named_as_its_config_dump(sample, tmp_
     work.mkdir()
     mine = work / "mask_rcnn_swin_sample.py"
     mine.write_text("# my notes\n")
-    assert "would overwrite" in _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample,
+    assert "would overwrite" in error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample,
                                                      "--work-dir", str(work)])
     assert mine.read_text() == "# my notes\n"
 
@@ -511,7 +500,7 @@ def test_quant_none_points_to_a_bare_quant(mmdet_ready, tmp_path):
 
 def test_torchrun_without_a_launcher_is_refused(sample, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w")])
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w")])
     assert "add --launcher pytorch" in line
     assert not (tmp_path / "w").exists()
 

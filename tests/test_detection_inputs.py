@@ -10,22 +10,11 @@ import os
 import pytest
 import torch
 
-from detection_runs import SAMPLE_CONFIG
+from detection_runs import SAMPLE_CONFIG, error_line
 
 pytestmark = pytest.mark.detection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _error_line(capsys, argv):
-    """The one `error:` line (exit code 2) train_detection.run prints for `argv`."""
-    import train_detection
-    with pytest.raises(SystemExit) as stop:
-        train_detection.run(argv)
-    assert stop.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def _official_swin_checkpoint(path, **backbone):
@@ -85,13 +74,13 @@ def test_a_backbone_checkpoint_of_another_model_is_refused(mmdet_ready, tmp_path
         check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), notes))
 
 
-def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(sample, tmp_path, capsys):
+def test_training_from_a_backbone_checkpoint_of_another_model_is_oneerror_line(sample, tmp_path, capsys):
     resnet = tmp_path / "resnet.pth"
     torch.save({"state_dict": {"conv1.weight": torch.zeros(8, 3, 7, 7)}}, resnet)
     config = tmp_path / "pretrained.py"
     config.write_text(f"_base_ = {os.path.join(ROOT, SAMPLE_CONFIG)!r}\nmodel = dict(backbone=dict(init_cfg=dict("
                       f"_delete_=True, type='Pretrained', checkpoint={str(resnet)!r})))\n")
-    line = _error_line(capsys, ["--config", str(config), "--data-root", sample, "--work-dir", str(tmp_path / "w")])
+    line = error_line(capsys, ["--config", str(config), "--data-root", sample, "--work-dir", str(tmp_path / "w")])
     assert f"model.backbone.init_cfg.checkpoint={resnet} does not fit model.backbone" in line, line
     assert not (tmp_path / "w").exists()
 
@@ -104,7 +93,7 @@ def test_a_data_root_without_an_image_folder_is_refused_before_training(sample, 
     root = tmp_path / "coco"
     shutil.copytree(sample, root)
     shutil.rmtree(root / split)
-    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
     assert f"reads its images from {root / split}, which is no folder" in line, line
     assert not (tmp_path / "w").exists()
 
@@ -166,7 +155,7 @@ def test_a_variable_of_the_shipped_configs_names_the_key_to_override(mmdet_ready
 
 
 def test_training_refuses_a_variable_override_before_any_work(sample, tmp_path, capsys):
-    line = _error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
                                 "max_epochs=1"])
     assert "override max_epochs" in line and "train_cfg.max_epochs" in line, line
     assert not (tmp_path / "w").exists()
