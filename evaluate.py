@@ -42,7 +42,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
 from data.folder import ClassCountError
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
-from engine.eval_results import (EVALUATION_KEYS, PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
+from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
                                  repeated_weights, settings_diff)
 from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
@@ -607,8 +607,7 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
     different = first_difference(labelled)
     if different is not None:
         # --recompute replaces a quantized entry; other data, weights or autocast are another file (--out)
-        settings = different[2].split(":", 1)[0] not in EVALUATION_KEYS  # a quantized entry's settings
-        recompute = ", or --recompute them with one set of settings" if settings else ""
+        recompute = ", or --recompute them with one set of settings" if different[2].of_settings else ""
         raise ValueError(f"{model} {method}: {different[0]} and {different[1]} were evaluated differently "
                          f"({different[2]}); rows average the seeds of one evaluation: give results evaluated "
                          f"alike{recompute}")

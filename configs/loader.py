@@ -220,9 +220,9 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
         if _reads(value, read_with):
             continue
         for key in given:
-            if excused(key, decider):
-                continue
-            if key not in READ_ALWAYS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+            if key in READ_ALWAYS or not any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
+                continue  # not a key this decider makes unread
+            if not excused(key, decider):
                 readers = " or ".join(map(_show, read_with))
                 fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
                        if key in sources else f"drop it or set {decider} as well")

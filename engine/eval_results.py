@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from .run_dir import exclusive_lock, partial_path
 
@@ -50,24 +50,36 @@ def comparable_settings(settings: Optional[dict]) -> dict:
     return plain
 
 
-def evaluation_difference(a: dict, b: dict) -> Optional[str]:
+class Difference(NamedTuple):
+    """How two results were evaluated differently: `what` differs (an EVALUATION_KEYS key, or
+    '<pipeline> <bits> settings'), `detail` says how; `of_settings` when it is a quantized entry's settings
+    (evaluate.py --recompute replaces such an entry; other data or weights are another file)."""
+    what: str
+    detail: str
+    of_settings: bool
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.detail}"
+
+
+def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
     of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
-    quantized entry both hold (as 'key: value vs value'); None when alike."""
+    quantized entry both hold; None when alike."""
     for key in EVALUATION_KEYS:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
-            return f"{key}: {json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}"
+            return Difference(key, f"{json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}", False)
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
             x, y = (comparable_settings(q[pipeline][bits].get("settings")) for q in (quant_a, quant_b))
             if x != y:
-                return f"{pipeline} {bits} settings: {settings_diff(x, y)}"
+                return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
 
 
-def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
+def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, Difference]]:
     """(label, label, difference) of the first two results evaluated differently (every pair is compared: an
     entry the first result lacks is compared among the others), or None."""
     for i, (label, result) in enumerate(labelled):

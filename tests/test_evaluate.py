@@ -230,7 +230,9 @@ def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
     def result(aphq_settings):
         return {"model": "m", "quant": {"aphq": {"w4a4": {"top1": 60.0, "settings": aphq_settings}}}}
     assert evaluation_difference(result(settings), result(on_cpu)) is None
-    assert evaluation_difference(result(settings), result(other_grid)).startswith("aphq w4a4 settings: options.iters")
+    difference = evaluation_difference(result(settings), result(other_grid))
+    assert difference.what == "aphq w4a4 settings" and difference.of_settings
+    assert str(difference).startswith("aphq w4a4 settings: options.iters")
     assert evaluate.nondefault_settings("aphq", on_cpu) == []
     assert evaluate.nondefault_settings("aphq", other_grid) == ["quant.aphq.iters=7"]
 
