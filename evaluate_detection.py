@@ -114,8 +114,7 @@ def main(argv=None) -> dict:
     if args.main_rank_wait_hours <= 0:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     overrides = parse_overrides(args.overrides)
-    cfg = load_config(args.config, overrides, args.data_root)  # first: a typo gets its "did you mean"
-    check_evaluation_overrides(overrides)
+    cfg = load_config(args.config, overrides, args.data_root, evaluation_reads())
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
     # the test images; the training images only where a pipeline calibrates or trains on them
@@ -176,24 +175,18 @@ def main(argv=None) -> dict:
     return results.data
 
 
-# the top-level config keys an evaluation reads: the model, the test loader and metric, the training images
-# (calibration, APHQ's reconstruction, GPLQ's stage 1) and what GPLQ's stage-1 runner takes from the config
-EVALUATION_READS = ("model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
-                    "log_processor", "find_unused_parameters")
-
-
-def check_evaluation_overrides(overrides) -> None:
-    """Refuse an override of a config key the evaluation never reads (a training setting, the val loader,
-    load_from): it would be accepted and change nothing."""
-    from engine.detection import DetectionError
-    for key in overrides:
-        top = key.split(".")[0]
-        if top not in EVALUATION_READS and top != "data_root":  # data_root: load_config points to --data-root
-            instead = {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator",
-                       "load_from": "--checkpoint"}.get(top)
-            raise DetectionError(f"override {key}: the evaluation does not read {top} (it scores --checkpoint on "
-                                 f"test_dataloader with test_evaluator), so it would change nothing; "
-                                 f"{f'give {instead} instead' if instead else 'drop it'}")
+def evaluation_reads():
+    """The top-level config keys an evaluation reads (an override of another is refused): the model, the test
+    loader and metric, the training images (calibration, APHQ's reconstruction, GPLQ's stage 1) and what
+    GPLQ's stage-1 runner takes from the config."""
+    from engine.detection import CommandReads  # imports mmdet, an optional dependency
+    return CommandReads(
+        frozenset({"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
+                   "log_processor", "find_unused_parameters"}),
+        "the evaluation scores --checkpoint on test_dataloader with test_evaluator",
+        {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
+         # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
+         "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"})
 
 
 def config_hash(cfg) -> str:

@@ -24,7 +24,7 @@ import os
 import random
 import re
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -59,12 +59,28 @@ class DetectionError(ValueError):
 
 # -- configs -------------------------------------------------------------------------------------------
 
+class CommandReads(NamedTuple):
+    """What a command other than a Runner's training reads of a config (evaluate_detection.py): its top-level
+    `keys`, what it `does` with them (for the message), and `instead`: keys it does not read (a top-level one,
+    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it)."""
+    keys: FrozenSet[str]
+    does: str
+    instead: Mapping[str, str]
+
+    def unread(self, key: str) -> Optional[str]:
+        """The part of the dotted override `key` that the command does not read, or None."""
+        top = key.split(".")[0]
+        named = next((k for k in self.instead if key == k or key.startswith(k + ".")), None)
+        return named or (top if top not in self.keys else None)
+
+
 def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
-                data_root: Optional[str] = None) -> Config:
+                data_root: Optional[str] = None, reads: Optional[CommandReads] = None) -> Config:
     """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
     are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
     `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
-    (dotted keys, as MMEngine's --cfg-options), then `data_root`."""
+    (dotted keys, as MMEngine's --cfg-options), then `data_root`. `reads`: the keys the command reads, where
+    it is not a Runner's training (check_override_keys)."""
     if not paths:
         raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
                              "mask_rcnn_swin_t_1x.py")
@@ -75,7 +91,7 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     for path in paths[1:]:
         merge_fragment(cfg, read_config(path).to_dict())
     if overrides:
-        check_override_keys(cfg, overrides)
+        check_override_keys(cfg, overrides, reads)
         try:
             cfg.merge_from_dict(dict(overrides))
         except TypeError as e:  # a dict given where the config has another value (MMEngine's message says how)
@@ -132,14 +148,16 @@ OPEN_DICTS = ("default_hooks", "env_cfg")
 BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
 
 
-def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
+def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[CommandReads] = None) -> None:
     """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
     point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
     MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
-    (`max_epochs=3`: already copied into train_cfg when the files were parsed); and a deeper key the config
-    does not have, unless what reads its dict takes it: a dict with a `type` builds a registered class, whose
-    __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader arguments; a dict without
-    either reads only the keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would do nothing)."""
+    (`max_epochs=3`: already copied into train_cfg when the files were parsed); a top-level key that a command
+    other than a Runner's training does not read (`reads`: load_from or train_cfg in an evaluation); and a
+    deeper key the config does not have, unless what reads its dict takes it: a dict with a `type` builds a
+    registered class, whose __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader
+    arguments; a dict without either reads only the keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would
+    do nothing)."""
     read = set(inspect.signature(Runner.__init__).parameters) - {"self"} | set(READ_BY_RUNNER)
     known = set(cfg.keys()) | read
     for key in overrides:
@@ -158,6 +176,11 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any]) -> None:
             raise DetectionError(f"override {key}: '{top}' is read only while the config files are parsed (a variable "
                                  f"they copy into the keys that use it), so the override would change nothing: "
                                  f"override the keys that use it{hint}")
+        unread = reads.unread(key) if reads is not None else None
+        if unread is not None:
+            instead = reads.instead.get(unread)
+            raise DetectionError(f"override {key}: {reads.does} and does not read {unread}, so it would change "
+                                 f"nothing; {f'give {instead} instead' if instead else 'drop it'}")
         _check_nested_key(cfg, key)
 
 

@@ -177,10 +177,12 @@ def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path)
     ("load_from=/elsewhere/epoch_12.pth", "give --checkpoint instead"),
     ("val_dataloader.dataset.ann_file=annotations/instances_train2017.json", "give test_dataloader instead"),
     ("train_cfg.max_epochs=3", "does not read train_cfg"),
+    ("train_dataloader.batch_size=4", "does not read train_dataloader.batch_size.*gplq.batch_size_per_gpu=N"),
     ("test_dataloder.batch_size=1", "did you mean test_dataloader")])  # a typo keeps its close matches
 def test_evaluation_refuses_overrides_it_does_not_read(sample, tmp_path, override, message):
     """evaluate_detection.py scores --checkpoint on test_dataloader: an override of another key (the weights to
-    load, the val loader, a training setting) was accepted and changed nothing. Refused before any work."""
+    load, the val loader, a training setting, the batch size GPLQ's stage 1 sets itself) was accepted and changed
+    nothing. Refused before any work."""
     from engine.detection import DetectionError
     from evaluate_detection import main
     with pytest.raises(DetectionError, match=f"override {override.split('=')[0]}: .*{message}"):
