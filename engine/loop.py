@@ -139,6 +139,7 @@ class TrainLoop:
         self._real_steps = 0
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
+        self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
         self.optimizer.register_step_post_hook(self._count_step)
 
     def _count_step(self, optimizer, *_):
@@ -207,8 +208,11 @@ class TrainLoop:
                     scaled = loss / self.accum_steps
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 window.add_loss(loss.detach())
-                if state.initial_loss is None and self._first_loss is None:
-                    self._first_loss = loss.detach().float().reshape(1)
+                if state.initial_loss is None and not self._first_update_done:
+                    # the guard's reference: the first update's loss, the mean over its micro-batches
+                    part = loss.detach().float().reshape(1) / self.accum_steps
+                    self._first_loss = part if self._first_loss is None else self._first_loss + part
+                    self._first_update_done = last
                 if not last:
                     waiting_since = time.perf_counter()
                     continue
@@ -344,7 +348,7 @@ class TrainLoop:
         if self.sample_tokens:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         state.unreadable_images += metrics.get("train/unreadable_images", 0)
-        if state.initial_loss is None and self._first_loss is not None:
+        if state.initial_loss is None and self._first_update_done:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
         if self.divergence is not None:
             self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)

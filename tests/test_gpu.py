@@ -193,7 +193,7 @@ def test_train_matrix(debug_config, variant, device):
     if "tweo.enabled=true" in overrides:
         logged = [r for r in read_metrics(cfg.out_dir) if "tweo/penalty" in r]
         assert logged and all(r["tweo/penalty"] > 0 and r["tweo/lam"] == 10 for r in logged)
-        # the term is in the loss: the first micro-batch (same weights, same data) differs by it
+        # the term is in the loss: the first update (same weights, same data) differs by it
         without = train.main(debug_config(*common, "tweo.enabled=false", name="no_tweo"))
         term = state.initial_loss - without.state.initial_loss
         assert term > 0.5 * 10 * min(r["tweo/penalty"] for r in logged), term

@@ -305,6 +305,26 @@ def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
     assert state.initial_loss == 1.0 and saves == []
 
 
+def test_the_divergence_reference_is_the_first_updates_mean_over_its_micro_batches(debug_config):
+    """With gradient accumulation the reference was the first micro-batch's loss alone (1.0 here, not the
+    update's 2.0): one lucky or unlucky micro-batch moved the threshold of every later window."""
+    cfg = debug_config("data.mixup=0", "data.cutmix=0")
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    losses = iter([1.0, 3.0] + [0.5] * 40)  # update 1 = micro-batches 1.0 and 3.0
+
+    def compute_loss(m, x, y):
+        return m(x).sum() * 0 + next(losses)
+
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2,
+                     compute_loss=compute_loss, device=torch.device("cpu"), log_every=2,
+                     divergence=DivergenceGuard(3.0, 3))
+    state = TrainState()
+    loop.run_epoch(loaders.train, state, batch_size_per_gpu=4)
+    assert state.step >= 2 and state.initial_loss == pytest.approx(2.0)
+
+
 def test_the_nan_message_names_the_update(debug_config):
     cfg = debug_config()
     loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
