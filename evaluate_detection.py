@@ -24,8 +24,9 @@ stage 1 trains on every rank in DDP (batch 1 per GPU, as the paper), its stage 2
 wait for rank 0 up to --main-rank-wait-hours.
 
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
-`quant.<pipeline>.<bits>`; a file of other weights, data or config (the merged config's hash, `config_sha256`)
-is refused, later calls add their pipelines.
+`quant.<pipeline>.<bits>`, `method` (CD, TWEO, Noise or Baseline, from the hooks of the training config the
+checkpoint keeps; null without one); a file of other weights, data or config (the merged config's hash,
+`config_sha256`) is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, train_dataloader, ...; others are refused).
 """
@@ -142,10 +143,16 @@ def main(argv=None) -> dict:
 
     # read once, on rank 0, so that every rank plans the same work
     results, todo = run_on_main(open_results, f"reading {out}", dist.device)
+    # the method the checkpoint was trained with (its training config's hooks), the label of Fig. 1's circles;
+    # recorded also in a file written before it was (no result depends on it)
+    labelled = results.data.get("method") == model.training_method
+    results.update(method=model.training_method)
     if "fp" not in results.data or args.recompute:
         say(f"full precision on {len(loader.dataset)} images ...", flush=True)
         fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
         results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
+        run_on_main(results.save, f"writing {out}", dist.device)
+    elif not labelled:
         run_on_main(results.save, f"writing {out}", dist.device)
     say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
         f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)

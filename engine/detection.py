@@ -489,7 +489,27 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
     meta = payload.get("meta") or {}
     classes = (meta.get("dataset_meta") or {}).get("classes")
     model.dataset_meta = {"classes": tuple(classes)} if classes else None
+    model.training_method = training_method(meta)
     return model.to(device).eval()
+
+
+# the hooks of configs/detection/method/ and the method each stands for (Table 2's rows)
+METHOD_HOOKS = {"ColinearityDecayHook": "CD", "TweoHook": "TWEO", "WeightNoiseHook": "Noise"}
+
+
+def training_method(meta: dict) -> Optional[str]:
+    """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
+    (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), "Baseline" when it ran none of their
+    hooks; None when the checkpoint keeps no readable config (a file converted or written elsewhere)."""
+    text = meta.get("cfg") if isinstance(meta, dict) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        hooks = Config.fromstring(text, ".py").get("custom_hooks") or []
+    except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
+        return None
+    types = [hook.get("type") for hook in hooks if isinstance(hook, dict)]
+    return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"
 
 
 # -- data ----------------------------------------------------------------------------------------------

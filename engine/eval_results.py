@@ -218,10 +218,10 @@ def settings_diff(old: dict, new: dict, prefix: str = "") -> str:
     return "; ".join(diffs[:6])
 
 
-def read_result_files(paths: list[str]) -> list[dict]:
-    """evaluate.py's JSON files, for the scripts that tabulate or plot them; one error names a bad file
-    (unreadable, not JSON, or JSON of another shape) or one given twice (overlapping globs: a row or circle
-    twice)."""
+def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
+    """evaluate.py's JSON files, for the scripts that tabulate or plot them (`detection`: evaluate_detection.py's
+    too); one error names a bad file (unreadable, not JSON, or JSON of another shape) or one given twice
+    (overlapping globs: a row or circle twice)."""
     seen: dict[str, str] = {}  # the file -> the path it was first given as
     for path in paths:
         first = seen.get(os.path.realpath(path))
@@ -229,22 +229,27 @@ def read_result_files(paths: list[str]) -> list[dict]:
             raise ResultsError(f"{path} is given twice{'' if first == path else f' (as {first})'}; give each "
                                "result file once")
         seen[os.path.realpath(path)] = path
-    return [read_result_file(path) for path in paths]
+    return [read_result_file(path, detection=detection) for path in paths]
 
 
-TABLE_FIELDS = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict}
+FIELD_TYPES = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict, "task": str, "config": list}
+TABLE_FIELDS = ("model", "method", "fp", "max_act", "quant")  # an evaluate.py result, as tables and figures read it
+DETECTION_FIELDS = ("task", "config", "fp", "max_act", "quant")  # an evaluate_detection.py result
 
 
-def read_result_file(path: str, fields: tuple = tuple(TABLE_FIELDS)) -> dict:
+def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = False) -> dict:
     """One evaluate.py JSON with the `fields` its reader needs (by default those of the table and figure
-    scripts), or a ResultsError naming it."""
+    scripts), or a ResultsError naming it; with `detection`, an evaluate_detection.py JSON (its "task" says so)
+    is read with DETECTION_FIELDS instead."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
         raise ResultsError(f"cannot read the result file {path} ({e}); give JSON files written by "
                            f"evaluate.py") from None
-    wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), TABLE_FIELDS[k])]
+    if detection and isinstance(data, dict) and data.get("task") == "detection":
+        fields = DETECTION_FIELDS
+    wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), FIELD_TYPES[k])]
     if not wrong and all(isinstance(e, dict) for e in data.get("quant", {}).values()):
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"

@@ -1,11 +1,17 @@
-"""The paper's motivation figure (Fig. 1): quantized accuracy against maximum activation, per model and method.
+"""The paper's motivation figure (Fig. 1): quantized score against maximum activation, per model and method.
 
-For each evaluate.py result: a circle at (model, quantized top-1) whose area is proportional to the
-maximum activation, one colour per method (Baseline, CD, TWEO, ...). The paper's reading: TWEO has the
-smaller circles, CD the higher ones. Writes motivation.png and motivation.csv (model, method, FP top-1,
-quantized top-1, module and block maxima) into --out; an existing file is replaced only with --overwrite.
+For each result: a circle at (model, quantized score) whose area is proportional to the maximum
+activation, one colour per method (Baseline, CD, TWEO, ...). The paper's reading: TWEO has the smaller
+circles, CD the higher ones, most of all in detection. evaluate.py's results (image classifiers: top-1,
+maxima of a block's modules or of block outputs, --max-act) make the classification panel;
+evaluate_detection.py's (box mAP in %, backbone or head maximum, --det-max-act) the detection panel beside
+it. A detector is named by its first config file, its method by what evaluate_detection.py read from the
+checkpoint's training config (CD, TWEO, Noise, Baseline).
+Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
+--out; an existing file is replaced only with --overwrite.
 
-    python scripts/motivation_figure.py runs/pretrain/*/eval_best.json --out results/motivation
+    python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/detection/*/eval_*.json \
+        --out results/motivation
     python scripts/motivation_figure.py runs/sweeps/digits_demo/*/eval_best.json --pipeline repq --bits w4a4 \
         --max-act module --out runs/motivation
 """
@@ -23,19 +29,45 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import nondefault_settings  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
-MAX_AREA = 2000.0  # points^2 of the largest circle; the others scale with their maximum activation
+MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
+FIELDS = ("task", "model", "method", "metric", "fp", "quantized", "max_act", "max_module", "max_block",
+          "max_backbone", "max_head")
 
 
-def points(results: list[dict], pipeline: str, bits: str, max_act: str) -> list[dict]:
-    """One row per result that has the (pipeline, bits) entry, in input order."""
+def is_detection(result: dict) -> bool:
+    return result.get("task") == "detection"
+
+
+def detector_names(path: str, result: dict) -> tuple[str, str]:
+    """(model, method) of an evaluate_detection.py result: its first config file, and the method its checkpoint
+    was trained with (`method`, read from the checkpoint's training config)."""
+    if not result.get("method"):
+        raise ResultsError(f"{path} does not say which method its checkpoint was trained with (a file written "
+                           "before evaluate_detection.py recorded it, or a checkpoint without its training config); "
+                           "run evaluate_detection.py on it again (it adds the method and recomputes nothing), or "
+                           "leave it out")
+    return os.path.splitext(os.path.basename(result["config"][0]))[0], result["method"]
+
+
+def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_act: str,
+           det_max_act: str = "backbone") -> list[dict]:
+    """One row per result that has the (pipeline, bits) entry, in input order: a classifier's top-1, a
+    detector's box mAP (in %, as the paper's Table 2), with the maximum the circle's area stands for."""
     rows = []
-    for r in results:
+    for path, r in zip(paths, results):
         q = r.get("quant", {}).get(pipeline, {}).get(bits)
         if q is None:
             continue
-        rows.append({"model": r["model"], "method": r["method"], "fp_top1": r["fp"]["top1"],
-                     "quant_top1": q["top1"], "max_module": r["max_act"]["module"],
-                     "max_block": r["max_act"]["block"], "max_act": r["max_act"][max_act]})
+        if is_detection(r):
+            model, method = detector_names(path, r)
+            rows.append({"task": "detection", "model": model, "method": method, "metric": "box mAP (%)",
+                         "fp": 100 * r["fp"]["bbox_mAP"], "quantized": 100 * q["bbox_mAP"],
+                         "max_act": r["max_act"][det_max_act], "max_backbone": r["max_act"]["backbone"],
+                         "max_head": r["max_act"]["head"]})
+        else:
+            rows.append({"task": "classification", "model": r["model"], "method": r["method"], "metric": "top-1 (%)",
+                         "fp": r["fp"]["top1"], "quantized": q["top1"], "max_act": r["max_act"][max_act],
+                         "max_module": r["max_act"]["module"], "max_block": r["max_act"]["block"]})
     return rows
 
 
@@ -45,70 +77,89 @@ def circle_areas(values: list[float]) -> list[float]:
     return [MAX_AREA * v / top if top > 0 else MAX_AREA for v in values]
 
 
-def draw(rows: list[dict], path: str, title: str) -> None:
+def draw(rows: list[dict], path: str, title) -> None:
+    """One panel per task present, in input order, circles scaled within each panel; `title(task)`."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    widths = [max(5.0, 1.8 * len({r["model"] for r in rows if r["task"] == t})) for t in tasks]
+    fig = new_figure(sum(widths), 4.5)
+    axes = fig.subplots(1, len(tasks), squeeze=False, gridspec_kw={"width_ratios": widths})[0]
+    for ax, task in zip(axes, tasks):
+        mine = [r for r in rows if r["task"] == task]
+        _panel(ax, mine, title(task))
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def _panel(ax, rows: list[dict], title: str) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     areas = circle_areas([r["max_act"] for r in rows])
-    fig = new_figure(max(5.0, 1.8 * len(models)), 4.5)
-    ax = fig.subplots()
     for m_index, method in enumerate(methods):
         offset = (m_index - (len(methods) - 1) / 2) * 0.15  # side by side within a model
         colour = METHOD_COLOURS.get(method.split(" ")[0], f"C{m_index + 3}")
         mine = [(r, a) for r, a in zip(rows, areas) if r["method"] == method]
-        ax.scatter([models.index(r["model"]) + offset for r, _ in mine], [r["quant_top1"] for r, _ in mine],
+        ax.scatter([models.index(r["model"]) + offset for r, _ in mine], [r["quantized"] for r, _ in mine],
                    s=[a for _, a in mine], c=colour, alpha=0.5, edgecolors="k", label=method)
         for r, _ in mine:
-            ax.annotate(f"{r['max_act']:.1f}", (models.index(r["model"]) + offset, r["quant_top1"]),
+            ax.annotate(f"{r['max_act']:.1f}", (models.index(r["model"]) + offset, r["quantized"]),
                         ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(models)), models)
     ax.set_xlim(-0.6, len(models) - 0.4)
-    ax.set_ylabel("quantized top-1 (%)")
+    ax.margins(y=0.2)  # room for the largest circles above and below
+    ax.set_ylabel(f"quantized {rows[0]['metric']}")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     legend = ax.legend(markerscale=0.3, fontsize=8)
     for handle in legend.legend_handles:
         handle.set_sizes([60])
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
+    p.add_argument("results", nargs="+", help="JSON files written by evaluate.py or evaluate_detection.py")
     p.add_argument("--pipeline", default="repq", help="quantization pipeline (default repq, as the paper)")
     p.add_argument("--bits", default="w4a4")
     p.add_argument("--max-act", choices=["module", "block"], default="module",
-                   help="which maximum sets the circle area (default module)")
+                   help="which maximum of a classifier sets the circle area (default module)")
+    p.add_argument("--det-max-act", choices=["backbone", "head"], default="backbone",
+                   help="which maximum of a detector sets the circle area (default backbone)")
     p.add_argument("--out", default="results/motivation", help="folder for motivation.png / .csv")
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
     args = p.parse_args(argv)
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
     try:
         refuse_existing_outputs(written, args.overwrite, inputs=args.results)
-        results = read_result_files(args.results)
+        results = read_result_files(args.results, detection=True)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
-    language = [path for path, r in zip(args.results, results) if "top1" not in r["fp"]]
+    language = [path for path, r in zip(args.results, results) if not is_detection(r) and "top1" not in r["fp"]]
     if language:  # a language model's result has perplexities: there is no top-1 to draw
         sys.exit(f"error: {language[0]} has no top-1 (a language model's result: perplexity); the figure plots "
-                 "the top-1 of image classifiers: leave the language-model results out")
-    rows = points(results, args.pipeline, args.bits.lower(), args.max_act)
-    lacking = [path for path, r in zip(args.results, results)
-               if args.bits.lower() not in r["quant"].get(args.pipeline, {})]
+                 "the top-1 of image classifiers and the box mAP of detectors: leave the language-model results out")
+    bits = args.bits.lower()
+    lacking = [(path, r) for path, r in zip(args.results, results) if bits not in r["quant"].get(args.pipeline, {})]
     if lacking:  # every result asked for is drawn, or none: a missing circle would look like a finding
+        tool = "evaluate_detection.py" if is_detection(lacking[0][1]) else "evaluate.py"
         sys.exit(f"error: {len(lacking)} of the {len(results)} results lack {args.pipeline} {args.bits} (e.g. "
-                 f"{lacking[0]}); run evaluate.py --quant {args.pipeline} --bits {args.bits} on their checkpoints, "
+                 f"{lacking[0][0]}); run {tool} --quant {args.pipeline} --bits {args.bits} on their checkpoints, "
                  "or leave them out")
-    unusual = sorted({d for r in results for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline]
-                                                                       [args.bits.lower()].get("settings"))})
+    try:
+        rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act)
+    except ResultsError as e:
+        sys.exit(f"error: {e}")
+    # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
+    unusual = sorted({d for r in results if not is_detection(r)
+                      for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"))})
     if unusual:
         print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     with open(written[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         writer.writeheader()
         writer.writerows(rows)
-    draw(rows, written[0], f"{args.pipeline} {args.bits.upper()}: circle area ~ {args.max_act} max activation")
+    which = {"classification": args.max_act, "detection": args.det_max_act}
+    draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {args.bits.upper()}: circle area ~ "
+                                        f"{which[task]} max activation")
     print(f"wrote {written[0]} and {written[1]} ({len(rows)} results)")
     return rows
 

@@ -52,9 +52,17 @@ def test_each_method_config_trains_the_detector(sample, tmp_path, method):
     """configs/detection/method/<method>.py as a second --config: the detector trains an epoch with the method's
     hook on its backbone, and the weights differ from a plain run's from the same seed (TWEO also logs its term;
     CD's fragment lowers the weight decay by lam, the budget rule)."""
-    base = _state(train(sample, tmp_path / "base"))
+    from engine.detection import training_method
+    base_checkpoint = train(sample, tmp_path / "base")
+    base = _state(base_checkpoint)
     work = tmp_path / method
-    with_method = _state(train(sample, work, configs=[f"configs/detection/method/{method}.py"]))
+    method_checkpoint = train(sample, work, configs=[f"configs/detection/method/{method}.py"])
+    with_method = _state(method_checkpoint)
+    # the method as evaluate_detection.py records it, from the training config the checkpoint keeps
+    meta = [torch.load(path, map_location="cpu", weights_only=False)["meta"]
+            for path in (base_checkpoint, method_checkpoint)]
+    assert [training_method(m) for m in meta] == ["Baseline", dict(cd="CD", tweo="TWEO", noise="Noise")[method]]
+    assert training_method({}) is None and training_method({"cfg": "not python ("}) is None
     assert any(not torch.equal(base[k], with_method[k]) for k in base if base[k].is_floating_point())
     assert all(torch.isfinite(v).all() for v in with_method.values() if v.is_floating_point())
     saved = (work / "mask_rcnn_swin_sample.py").read_text()
@@ -86,6 +94,13 @@ def test_evaluate_detection_scores_fp_and_the_detection_pipelines(sample, traine
         entry = data["quant"][pipeline]["w4a4"]
         assert 0.0 <= entry["bbox_mAP"] <= 1.0 and 0.0 <= entry["segm_mAP"] <= 1.0
         assert entry["summary"], entry
+    assert on_disk["method"] == "Baseline"  # from the checkpoint's training config (no method hook)
+    # the file as Fig. 1's detection half reads it (scripts/motivation_figure.py)
+    import motivation_figure
+    row, = motivation_figure.main([str(out), "--out", str(tmp_path / "fig")])
+    assert (row["model"], row["method"]) == ("mask_rcnn_swin_sample", "Baseline")
+    assert row["quantized"] == pytest.approx(100 * data["quant"]["repq"]["w4a4"]["bbox_mAP"])
+    assert row["max_act"] == data["max_act"]["backbone"]
 
 
 def test_max_images_scores_a_marked_partial_set_in_its_own_file(sample, trained, tmp_path):
@@ -94,6 +109,15 @@ def test_max_images_scores_a_marked_partial_set_in_its_own_file(sample, trained,
     data = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant",
                  "--max-images", "2", "--out", str(out)])
     assert data["fp"]["images"] == 2 and data["data"]["partial"] is True and data["quant"] == {}
+    # a file written before the method was recorded: the same command adds it and recomputes nothing
+    old = json.loads(out.read_text())
+    del old["method"]
+    old["fp"]["seconds"] = -1.0  # a recomputed FP pass would replace it
+    out.write_text(json.dumps(old))
+    again = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant",
+                  "--max-images", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["method"] == again["method"] == "Baseline"
+    assert again["fp"]["seconds"] == -1.0
     from engine.eval_results import ResultsError
     with pytest.raises(ResultsError, match="another evaluation"):  # the full set is another evaluation
         main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--quant",

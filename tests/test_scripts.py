@@ -226,7 +226,7 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
         files.append(str(path))
     out = tmp_path / "fig"
     rows = motivation_figure.main([*files, "--max-act", "block", "--out", str(out)])
-    assert [(r["method"], r["quant_top1"], r["max_act"]) for r in rows] == [
+    assert [(r["method"], r["quantized"], r["max_act"]) for r in rows] == [
         ("Baseline", 76.5, 250.6), ("CD", 77.8, 162.4), ("TWEO", 77.0, 30.0)]
     areas = motivation_figure.circle_areas([r["max_act"] for r in rows])
     assert areas[0] == motivation_figure.MAX_AREA and areas[2] == pytest.approx(areas[0] * 30.0 / 250.6)
@@ -250,6 +250,51 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     with pytest.raises(SystemExit, match=r"error: .*gpt.json has no top-1 \(a language model's result"):
         motivation_figure.main([str(language), "--pipeline", "rtn", "--bits", "w4a16", "--out", str(tmp_path / "lm")])
     assert not (tmp_path / "lm").exists()
+
+
+def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
+    """Fig. 1's detection half: evaluate_detection.py's results (box mAP, backbone / head maxima; a detector
+    named by its config, its method as evaluate_detection.py recorded it) in a panel of their own."""
+    import csv
+
+    import motivation_figure
+
+    def detection(name, method, fp, q, backbone, head):
+        result = {"task": "detection", "config": ["/r/configs/detection/mask_rcnn_swin_t_1x.py"],
+                  "fp": {"bbox_mAP": fp, "segm_mAP": fp - 0.04}, "max_act": {"backbone": backbone, "head": head},
+                  "quant": {"repq": {"w4a4": {"bbox_mAP": q, "segm_mAP": q - 0.03}}},
+                  **({"method": method} if method else {})}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(result))
+        return str(path)
+    files = [detection("base", "Baseline", 0.437, 0.351, 480.0, 61.0),
+             detection("cd", "CD", 0.436, 0.402, 420.0, 40.0),
+             detection("tweo", "TWEO", 0.431, 0.377, 120.0, 30.0)]
+    classifier = tmp_path / "vit.json"
+    classifier.write_text(json.dumps({"model": "vit_b", "method": "CD", "fp": {"top1": 81.0},
+                                      "max_act": {"module": 45.6, "block": 162.4},
+                                      "quant": {"repq": {"w4a4": {"top1": 77.8}}}}))
+    out = tmp_path / "fig"
+    rows = motivation_figure.main([str(classifier), *files, "--det-max-act", "head", "--out", str(out)])
+    assert [(r["task"], r["model"], r["method"]) for r in rows] == [
+        ("classification", "vit_b", "CD"), ("detection", "mask_rcnn_swin_t_1x", "Baseline"),
+        ("detection", "mask_rcnn_swin_t_1x", "CD"), ("detection", "mask_rcnn_swin_t_1x", "TWEO")]
+    assert [r["quantized"] for r in rows[1:]] == pytest.approx([35.1, 40.2, 37.7])  # box mAP in %
+    assert [r["max_act"] for r in rows] == [45.6, 61.0, 40.0, 30.0]  # --max-act module, --det-max-act head
+    with open(out / "motivation.csv") as f:
+        table = list(csv.DictReader(f))
+    assert table[0]["max_block"] == "162.4" and table[0]["max_backbone"] == ""
+    assert table[3]["max_backbone"] == "120.0" and table[3]["metric"] == "box mAP (%)"
+    assert (out / "motivation.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match=r"1 of the 1 results lack aphq w4a4 .*run evaluate_detection.py --quant"):
+        motivation_figure.main([files[0], "--pipeline", "aphq", "--out", str(tmp_path / "other")])
+    unlabelled = detection("old", None, 0.437, 0.351, 480.0, 61.0)  # written before the method was recorded
+    with pytest.raises(SystemExit, match=r"old.json does not say which method .*run evaluate_detection.py on it again"):
+        motivation_figure.main([unlabelled, "--out", str(tmp_path / "unlabelled")])
+    assert not (tmp_path / "unlabelled").exists()
+    from engine.eval_results import ResultsError, read_result_files
+    with pytest.raises(ResultsError, match="base.json is not a result file of evaluate.py"):
+        read_result_files([files[0]])  # the table scripts read classifiers' results only
 
 
 @pytest.mark.slow
