@@ -10,7 +10,7 @@ checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
 --out; an existing file is replaced only with --overwrite.
 
-    python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/detection/*/eval_*.json \
+    python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
     python scripts/motivation_figure.py runs/sweeps/digits_demo/*/eval_best.json --pipeline repq --bits w4a4 \
         --max-act module --out runs/motivation
