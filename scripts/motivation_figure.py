@@ -119,9 +119,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py or evaluate_detection.py")
     p.add_argument("--pipeline", default="repq", help="quantization pipeline (default repq, as the paper)")
     p.add_argument("--bits", default="w4a4")
-    p.add_argument("--max-act", choices=["module", "block"], default="module",
+    p.add_argument("--max-act", choices=["module", "block"], default=None,
                    help="which maximum of a classifier sets the circle area (default module)")
-    p.add_argument("--det-max-act", choices=["backbone", "head"], default="backbone",
+    p.add_argument("--det-max-act", choices=["backbone", "head"], default=None,
                    help="which maximum of a detector sets the circle area (default backbone)")
     p.add_argument("--out", default="results/motivation", help="folder for motivation.png / .csv")
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
@@ -136,6 +136,13 @@ def main(argv=None) -> list[dict]:
     if language:  # a language model's result has perplexities: there is no top-1 to draw
         sys.exit(f"error: {language[0]} has no top-1 (a language model's result: perplexity); the figure plots "
                  "the top-1 of image classifiers and the box mAP of detectors: leave the language-model results out")
+    # a choice for a kind of result that is not given would change nothing
+    kinds = {"--max-act": any(not is_detection(r) for r in results), "--det-max-act": any(map(is_detection, results))}
+    for flag, given in (("--max-act", args.max_act), ("--det-max-act", args.det_max_act)):
+        if given is not None and not kinds[flag]:
+            sys.exit(f"error: {flag} {given}: no {'classifier' if flag == '--max-act' else 'detector'}'s result is "
+                     f"given, so it would change nothing; drop it")
+    args.max_act, args.det_max_act = args.max_act or "module", args.det_max_act or "backbone"
     bits = args.bits.lower()
     lacking = [(path, r) for path, r in zip(args.results, results) if bits not in r["quant"].get(args.pipeline, {})]
     if lacking:  # every result asked for is drawn, or none: a missing circle would look like a finding

@@ -288,6 +288,11 @@ def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
     assert (out / "motivation.png").stat().st_size > 0
     with pytest.raises(SystemExit, match=r"1 of the 1 results lack aphq w4a4 .*run evaluate_detection.py --quant"):
         motivation_figure.main([files[0], "--pipeline", "aphq", "--out", str(tmp_path / "other")])
+    for flag, files_given in (("--max-act", files), ("--det-max-act", [str(classifier)])):  # nothing to choose for
+        with pytest.raises(SystemExit, match=f"error: {flag} .*: no .* result is given, so it would change nothing"):
+            motivation_figure.main([*files_given, flag, "block" if flag == "--max-act" else "head",
+                                    "--out", str(tmp_path / "moot")])
+    assert not (tmp_path / "moot").exists()
     unlabelled = detection("old", None, 0.437, 0.351, 480.0, 61.0)  # written before the method was recorded
     with pytest.raises(SystemExit, match=r"old.json does not say which method .*run evaluate_detection.py on it again"):
         motivation_figure.main([unlabelled, "--out", str(tmp_path / "unlabelled")])
