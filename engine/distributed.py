@@ -10,6 +10,7 @@ is sized for that work, not NCCL's 10 minutes, and raise `OtherRankError` if it 
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import logging
 import os
@@ -83,11 +84,21 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
 def cleanup_distributed(wait_for_all: bool = True) -> None:
     """Leave the process group. `wait_for_all`: first wait until every rank is done (a rank that tears its
     group down while another still talks to it can abort the process at exit: "terminate called without
-    an active exception" with gloo); False on error paths, where another rank may never arrive."""
+    an active exception" with gloo); False on error paths, where another rank may never arrive. The
+    group's threads have ended when this returns, unless something still alive holds the group (a DDP
+    wrapper the caller keeps)."""
     global _wait_group
     if dist.is_initialized():
         if wait_for_all:
             barrier()
+        # Garbage first: a finished DDP wrapper sits in a reference cycle (TrainLoop <-> its optimizer's step
+        # hook) and its Reducer holds the gloo group, so destroy_process_group alone leaves the group's worker
+        # threads running until the interpreter's final collection. A worker that is still dropping the
+        # barrier's work then (it holds the tensors of earlier collectives, Python objects) needs the GIL
+        # during finalization and aborts the process ("terminate called without an active exception").
+        # Collected here, the group's last reference goes with destroy_process_group, which joins its
+        # threads with the GIL released.
+        gc.collect()
         dist.destroy_process_group()  # every group, the wait group included
     _wait_group = None
 
