@@ -14,6 +14,8 @@ import gc
 import io
 import logging
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -85,12 +87,19 @@ def cleanup_distributed(wait_for_all: bool = True) -> None:
     """Leave the process group. `wait_for_all`: first wait until every rank is done (a rank that tears its
     group down while another still talks to it can abort the process at exit: "terminate called without
     an active exception" with gloo); False on error paths, where another rank may never arrive. The
-    group's threads have ended when this returns, unless something still alive holds the group (a DDP
-    wrapper the caller keeps)."""
+    group's threads have ended when this returns, unless something still alive holds the group: a DDP
+    wrapper the caller keeps, or a module imported only after the group was made (torch._dynamo, through a
+    late torchvision import, was seen to keep it; the entry points import theirs first)."""
     global _wait_group
     if dist.is_initialized():
         if wait_for_all:
             barrier()
+        handling = sys.exc_info()[2]
+        if handling is not None:
+            # An error path: the exception's traceback keeps the failed frames' locals (the DDP wrapper, the
+            # training loop) alive, so the collection below would free nothing. Their locals go; the frames
+            # still running keep theirs, and the traceback's text is unchanged.
+            traceback.clear_frames(handling)
         # Garbage first: a finished DDP wrapper sits in a reference cycle (TrainLoop <-> its optimizer's step
         # hook) and its Reducer holds the gloo group, so destroy_process_group alone leaves the group's worker
         # threads running until the interpreter's final collection. A worker that is still dropping the

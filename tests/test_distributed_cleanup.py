@@ -32,26 +32,43 @@ def gloo_threads() -> int:
     return sum("gloo" in name for name in names)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from engine.distributed import cleanup_distributed
+def train_a_step(fail: bool) -> int:
+    """One DDP update through a TrainLoop, whose wrapper then waits in the loop <-> optimizer-hook cycle (as
+    after train.main); with `fail`, an error raised from here keeps them in the traceback's frame instead.
+    Returns the gloo threads running."""
     from engine.loop import TrainLoop
-    init_gloo(rank, world, port, timeout_s=60)
     ddp = DDP(torch.nn.Linear(4, 2))
     loop = TrainLoop(model=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1),
                      compute_loss=lambda m, x, y: m(x).sum(), device=torch.device("cpu"))
     ddp(torch.randn(3, 4)).sum().backward()  # a gradient all-reduce, as in training
     loop.optimizer.step()
-    started = gloo_threads()
-    del ddp, loop  # unreachable now, but alive until the collector runs: the optimizer's hook holds the loop
-    cleanup_distributed()
+    if fail:
+        raise RuntimeError("diverged")
+    return gloo_threads()
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
+    from engine.distributed import cleanup_distributed
+    import engine.loop  # noqa: F401  before the group, as the entry points import it
+    init_gloo(rank, world, port, timeout_s=60)
+    if fail:
+        try:
+            train_a_step(fail=True)
+        except RuntimeError:
+            started = gloo_threads()
+            cleanup_distributed(wait_for_all=False)  # as train.main on an error
+    else:
+        started = train_a_step(fail=False)
+        cleanup_distributed()
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
         f.write(f"{started} {gloo_threads()}")
     os._exit(0)  # this test's verdict is written; no interpreter finalization (the abort is not tested here)
 
 
 @pytest.mark.slow
-def test_cleanup_ends_the_groups_threads_while_a_ddp_wrapper_waits_for_the_collector(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_cleanup_ends_the_groups_threads_while_a_ddp_wrapper_waits_for_the_collector(tmp_path, fail):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fail), nprocs=2, join=True)
     for rank in range(2):
         started, left = map(int, (tmp_path / f"rank{rank}").read_text().split())
         assert started > 0 and left == 0, (rank, started, left)
