@@ -28,7 +28,8 @@ The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_ac
 checkpoint keeps; null without one); a file of other weights, data or config (the merged config's hash,
 `config_sha256`) is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax): those the
-evaluation reads (model, test_dataloader, test_evaluator, train_dataloader, ...; others are refused).
+evaluation reads (model, test_dataloader, test_evaluator, train_dataloader but its batch_size, which GPLQ's
+stage 1 sets from gplq.batch_size_per_gpu, ...; others are refused).
 """
 from __future__ import annotations
 

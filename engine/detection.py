@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import tempfile
 import time
 from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence
 
@@ -504,11 +505,15 @@ def training_method(meta: dict) -> Optional[str]:
     text = meta.get("cfg") if isinstance(meta, dict) else None
     if not isinstance(text, str):
         return None
-    try:
-        hooks = Config.fromstring(text, ".py").get("custom_hooks") or []
-    except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
-        return None
-    types = [hook.get("type") for hook in hooks if isinstance(hook, dict)]
+    with tempfile.TemporaryDirectory() as folder:  # Config.fromstring leaves its file behind on an error
+        path = os.path.join(folder, "training_config.py")
+        with open(path, "w") as f:
+            f.write(text)
+        try:  # the hooks are read, not built: their modules (custom_imports) need not be importable here
+            hooks = Config.fromfile(path, import_custom_modules=False).get("custom_hooks") or []
+        except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
+            return None
+    types = [str(hook.get("type")).rsplit(".", 1)[-1] for hook in hooks if isinstance(hook, dict)]  # mmdet.X
     return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"
 
 

@@ -41,6 +41,9 @@ def is_detection(result: dict) -> bool:
 def detector_names(path: str, result: dict) -> tuple[str, str]:
     """(model, method) of an evaluate_detection.py result: its first config file, and the method its checkpoint
     was trained with (`method`, read from the checkpoint's training config)."""
+    if (result.get("data") or {}).get("partial"):  # --max-images: a few images' mAP, not the split's
+        raise ResultsError(f"{path} scores only {result['data'].get('images')} images (evaluate_detection.py "
+                           "--max-images); the figure compares results on the whole val split: leave it out")
     if not result.get("method"):
         raise ResultsError(f"{path} does not say which method its checkpoint was trained with (a file written "
                            "before evaluate_detection.py recorded it, or a checkpoint without its training config); "

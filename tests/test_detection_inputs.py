@@ -200,3 +200,25 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), *flags,
               "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("hooks, method", [
+    ("[]", "Baseline"),
+    ("[dict(type='ColinearityDecayHook', lam=0.005)]", "CD"),
+    ("(dict(type='mmdet.TweoHook', lam=1e-4),)", "TWEO"),  # a scoped type, in a tuple
+    ("[dict(type='ColinearityDecayHook'), dict(type='TweoHook'), dict(type='EMAHook')]", "CD+TWEO"),
+])
+def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_ready, tmp_path, monkeypatch, hooks,
+                                                                       method):
+    """evaluate_detection.py labels a result (Fig. 1's circles) with the method of the hooks in the training
+    config MMEngine keeps in a checkpoint's meta["cfg"]; the hooks' module need not be importable where the
+    evaluation runs, and a config that cannot be read leaves no file behind."""
+    from engine.detection import training_method
+    text = (f"custom_imports = dict(imports=['a_module_not_installed_here'], allow_failed_imports=False)\n"
+            f"custom_hooks = {hooks}\n")
+    assert training_method({"cfg": text}) == method
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    assert training_method({"cfg": "not python ("}) is None and training_method({}) is None
+    assert list(tmp_path.iterdir()) == []

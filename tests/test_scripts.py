@@ -293,6 +293,11 @@ def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
             motivation_figure.main([*files_given, flag, "block" if flag == "--max-act" else "head",
                                     "--out", str(tmp_path / "moot")])
     assert not (tmp_path / "moot").exists()
+    partial = json.loads(open(files[0]).read())
+    partial["data"] = {"partial": True, "images": 2}  # evaluate_detection.py --max-images 2, same default name
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    with pytest.raises(SystemExit, match=r"partial.json scores only 2 images .*leave it out"):
+        motivation_figure.main([*files, str(tmp_path / "partial.json"), "--out", str(tmp_path / "partial")])
     unlabelled = detection("old", None, 0.437, 0.351, 480.0, 61.0)  # written before the method was recorded
     with pytest.raises(SystemExit, match=r"old.json does not say which method .*run evaluate_detection.py on it again"):
         motivation_figure.main([unlabelled, "--out", str(tmp_path / "unlabelled")])
