@@ -45,8 +45,7 @@ from engine.checkpoint import CheckpointError, class_differences, load_checkpoin
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
                                  repeated_weights, settings_diff)
 from engine.run_dir import RunDirError, prepare_folder, recipe
-from engine.distributed import (MainRankWait, OtherRankError, all_reduce, cleanup_distributed, init_distributed,
-                                run_on_main)
+from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError
 from engine.precision import describe_precision
 from engine.tasks import check_model_fits_task, task_for
@@ -70,103 +69,102 @@ def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     cfg, payload = resolve_config(args)
-    dist = init_distributed(cfg.train.device, MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours),
-                                                           "quant.main_rank_wait_hours"))
-    device = dist.device
-    out = args.out or default_out_path(args.checkpoint, cfg.model.name)
-    prepare_folder(os.path.dirname(os.path.abspath(out)))
-    setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
-    log.info("%s", describe_environment(dist))
-    log.info("%s", describe_precision(args.amp, device, key="--amp"))
+    wait = MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours), "quant.main_rank_wait_hours")
+    with process_group(cfg.train.device, wait) as dist:
+        device = dist.device
+        out = args.out or default_out_path(args.checkpoint, cfg.model.name)
+        prepare_folder(os.path.dirname(os.path.abspath(out)))
+        setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
+        log.info("%s", describe_environment(dist))
+        log.info("%s", describe_precision(args.amp, device, key="--amp"))
 
-    model = load_float_model(cfg, payload, args)
-    model.to(device).eval()
-    task = task_for(cfg.data.dataset)
-    check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
-    img_size = input_size(model)  # a language model: its context in tokens
-    val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
-    def open_results() -> tuple[EvalResults, list]:
-        results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
-        if cfg.quant.act_max_csv:
-            check_act_max_files(results.data, os.path.splitext(out)[0])
-        return results, [(name, bits) for name, bits in planned(cfg)
-                         if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+        model = load_float_model(cfg, payload, args)
+        model.to(device).eval()
+        task = task_for(cfg.data.dataset)
+        check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+        img_size = input_size(model)  # a language model: its context in tokens
+        val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
+        def open_results() -> tuple[EvalResults, list]:
+            results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset)))
+            if cfg.quant.act_max_csv:
+                check_act_max_files(results.data, os.path.splitext(out)[0])
+            return results, [(name, bits) for name, bits in planned(cfg)
+                             if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
 
-    # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
-    # folder that is not shared) could plan different work and then wait for each other forever
-    results, todo = run_on_main(open_results, f"reading {out}", device)
-    for name, bits in planned(cfg):
-        if (name, bits) not in todo:
-            log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
-    reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
-    if todo and not task.language:
-        check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
-    # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
-    # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
-    calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
+        # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
+        # folder that is not shared) could plan different work and then wait for each other forever
+        results, todo = run_on_main(open_results, f"reading {out}", device)
+        for name, bits in planned(cfg):
+            if (name, bits) not in todo:
+                log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
+        reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
+        if todo and not task.language:
+            check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
+        # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
+        # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
+        calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
 
-    # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
-    # the activation maxima in a pass with the probe hooks.
-    start = time.perf_counter()
-    fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as quantized ones
-    fp_seconds = time.perf_counter() - start
-    if task.language:  # the paper's Table 8 columns whatever --amp is: fp32 ("ppl") and bf16 ("ppl_bf16")
-        passes = {args.amp: fp}
-        for amp in ("none", "bf16"):
-            if amp not in passes:
-                passes[amp] = task.evaluate(model, val_loader, device, amp,
-                                            progress={"none": "fp32 eval", "bf16": "bf16 eval"}[amp])
-        fp = dict(passes["none"], ppl_bf16=passes["bf16"]["ppl"])
-    start = time.perf_counter()
-    with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
-        task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
-    act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
-    kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
-    max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
-               "seconds": round(time.perf_counter() - start, 3),
-               # modules probed beyond the paper's set: "module" is then the maximum over them too
-               **({"extra_modules": list(cfg.quant.act_max_extra_modules)} if cfg.quant.act_max_extra_modules
-                  else {})}
-    log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
-             fp_seconds)
-    # without the files this time, those an earlier call wrote stay listed: still this result file's own
-    paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
-             {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
-    kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
-    # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
-    # evaluated: evaluation overrides (an APHQ data.scale) are no training setting
-    trained = {"recipe": recipe(config_to_dict(config_from_dict(payload["config"])))} if payload else {}
-    results.update(method=method_name(cfg), **trained,
-                   fp={k: fp[k] for k in kept if k in fp} |
-                   {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
-    # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
-    # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
-    run_on_main(results.save, f"writing {out}", device)
-    if cfg.quant.act_max_csv:
-        title = f"{model_label(cfg.model)} ({method_name(cfg)})"
-        run_on_main(lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
-                             plot_act_max(act.per_layer, paths["plot"], title=title)),
-                    f"writing {paths['csv']} / .png", device)
-
-    # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
-    # written to the JSON as soon as it is done.
-    if todo:  # APHQ and GPLQ on a classifier draw their own images (draws_training_images)
-        pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
-                         build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
-    for name, bits in todo:
-        entry = evaluate_quantized(
-            name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
-            eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
-        entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
-        results.add(name, bits, entry, quant_settings(cfg, name))
+        # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
+        # the activation maxima in a pass with the probe hooks.
+        start = time.perf_counter()
+        fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as quantized ones
+        fp_seconds = time.perf_counter() - start
+        if task.language:  # the paper's Table 8 columns whatever --amp is: fp32 ("ppl") and bf16 ("ppl_bf16")
+            passes = {args.amp: fp}
+            for amp in ("none", "bf16"):
+                if amp not in passes:
+                    passes[amp] = task.evaluate(model, val_loader, device, amp,
+                                                progress={"none": "fp32 eval", "bf16": "bf16 eval"}[amp])
+            fp = dict(passes["none"], ppl_bf16=passes["bf16"]["ppl"])
+        start = time.perf_counter()
+        with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
+            task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
+        act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
+        kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
+        max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
+                   "seconds": round(time.perf_counter() - start, 3),
+                   # modules probed beyond the paper's set: "module" is then the maximum over them too
+                   **({"extra_modules": list(cfg.quant.act_max_extra_modules)} if cfg.quant.act_max_extra_modules
+                      else {})}
+        log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
+                 fp_seconds)
+        # without the files this time, those an earlier call wrote stay listed: still this result file's own
+        paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
+                 {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
+        kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
+        # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
+        # evaluated: evaluation overrides (an APHQ data.scale) are no training setting
+        trained = {"recipe": recipe(config_to_dict(config_from_dict(payload["config"])))} if payload else {}
+        results.update(method=method_name(cfg), **trained,
+                       fp={k: fp[k] for k in kept if k in fp} |
+                       {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
+        # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
+        # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
         run_on_main(results.save, f"writing {out}", device)
-        log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
-                 entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
+        if cfg.quant.act_max_csv:
+            title = f"{model_label(cfg.model)} ({method_name(cfg)})"
+            run_on_main(lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
+                                 plot_act_max(act.per_layer, paths["plot"], title=title)),
+                        f"writing {paths['csv']} / .png", device)
 
-    if dist.is_main:
-        print(markdown_table([results.data]))
-        log.info("wrote %s", out)
-    cleanup_distributed()
+        # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
+        # written to the JSON as soon as it is done.
+        if todo:  # APHQ and GPLQ on a classifier draw their own images (draws_training_images)
+            pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
+                             build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
+        for name, bits in todo:
+            entry = evaluate_quantized(
+                name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
+                eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
+            entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
+            results.add(name, bits, entry, quant_settings(cfg, name))
+            run_on_main(results.save, f"writing {out}", device)
+            log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
+                     entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
+
+        if dist.is_main:
+            print(markdown_table([results.data]))
+            log.info("wrote %s", out)
     return results.data
 
 

@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
                                   train_activation_qat)
     from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
-    from engine.distributed import MainRankWait, cleanup_distributed, init_distributed, run_on_main
+    from engine.distributed import MainRankWait, process_group, run_on_main
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -123,63 +123,62 @@ def main(argv=None) -> dict:
     check_image_folders(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",),
                         args.data_root and f"--data-root {args.data_root}")
     check_evaluator_annotations(cfg)
-    dist = init_distributed(args.device, MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours),
-                                                      "--main-rank-wait-hours"))
-    say = print if dist.is_main else (lambda *_, **__: None)
-    model = build_detector(cfg, args.checkpoint, dist.device)
-    loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
-                                   f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
-    identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
-                "config_sha256": config_hash(cfg),
-                "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
-                "fingerprint": weights_fingerprint(model.state_dict()),
-                "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
-                         "images": len(loader.dataset), "partial": args.max_images is not None}}
+    wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
+    with process_group(args.device, wait) as dist:
+        say = print if dist.is_main else (lambda *_, **__: None)
+        model = build_detector(cfg, args.checkpoint, dist.device)
+        loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
+        out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
+                                       f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
+        identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
+                    "config_sha256": config_hash(cfg),
+                    "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
+                    "fingerprint": weights_fingerprint(model.state_dict()),
+                    "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
+                             "images": len(loader.dataset), "partial": args.max_images is not None}}
 
-    def open_results():
-        results = EvalResults.open(out, identity)
-        return results, [(p, b) for p in pipelines for b in bits
-                         if results.plan(p, b, settings(args, p, user_options.get(p)), args.recompute)]
+        def open_results():
+            results = EvalResults.open(out, identity)
+            return results, [(p, b) for p in pipelines for b in bits
+                             if results.plan(p, b, settings(args, p, user_options.get(p)), args.recompute)]
 
-    # read once, on rank 0, so that every rank plans the same work
-    results, todo = run_on_main(open_results, f"reading {out}", dist.device)
-    # the method the checkpoint was trained with (its training config's hooks), the label of Fig. 1's circles;
-    # recorded also in a file written before it was (no result depends on it)
-    labelled = results.data.get("method") == model.training_method
-    results.update(method=model.training_method)
-    if "fp" not in results.data or args.recompute:
-        say(f"full precision on {len(loader.dataset)} images ...", flush=True)
-        fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
-        results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
-        run_on_main(results.save, f"writing {out}", dist.device)
-    elif not labelled:
-        run_on_main(results.save, f"writing {out}", dist.device)
-    say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
-        f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
+        # read once, on rank 0, so that every rank plans the same work
+        results, todo = run_on_main(open_results, f"reading {out}", dist.device)
+        # the method the checkpoint was trained with (its training config's hooks), the label of Fig. 1's circles;
+        # recorded also in a file written before it was (no result depends on it)
+        labelled = results.data.get("method") == model.training_method
+        results.update(method=model.training_method)
+        if "fp" not in results.data or args.recompute:
+            say(f"full precision on {len(loader.dataset)} images ...", flush=True)
+            fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
+            results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
+            run_on_main(results.save, f"writing {out}", dist.device)
+        elif not labelled:
+            run_on_main(results.save, f"writing {out}", dist.device)
+        say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
+            f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
-    # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
-    needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
-    feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo and needs_feed else None
-    data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
-                        train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1,
-                                                                                               work_dir),
-                        work_prefix=os.path.splitext(out)[0])
-    for name, b in todo:
-        say(f"{name} {b} ...", flush=True)
-        entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
-                                   eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))
-        report = entry.pop("report", {})
-        entry["summary"] = report.get("summary")
-        for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
-            if key in report:
-                entry[key] = report[key]
-        results.add(name, b, entry, settings(args, name, user_options.get(name)))
-        run_on_main(results.save, f"writing {out}", dist.device)
-        say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
-    say(markdown_row(results.data))
-    say(f"results in {out}")
-    cleanup_distributed()
+        # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
+        needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
+        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo and needs_feed else None
+        data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
+                            train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1,
+                                                                                                   work_dir),
+                            work_prefix=os.path.splitext(out)[0])
+        for name, b in todo:
+            say(f"{name} {b} ...", flush=True)
+            entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
+                                       eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))
+            report = entry.pop("report", {})
+            entry["summary"] = report.get("summary")
+            for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
+                if key in report:
+                    entry[key] = report[key]
+            results.add(name, b, entry, settings(args, name, user_options.get(name)))
+            run_on_main(results.save, f"writing {out}", dist.device)
+            say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
+        say(markdown_row(results.data))
+        say(f"results in {out}")
     return results.data
 
 

@@ -41,7 +41,7 @@ from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, save_on_main_rank,
                                training_payload)
-from engine.distributed import DistInfo, all_reduce, cleanup_distributed, init_distributed
+from engine.distributed import DistInfo, all_reduce, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
@@ -79,18 +79,12 @@ def main(cfg: Config) -> RunResult:
             raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
                               "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
                               ) from None
-    dist = init_distributed(cfg.train.device)
-    try:
+    with process_group(cfg.train.device) as dist:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
                 Preemption(dist.device, distributed=dist.distributed) as preemption:
-            result = run_training(cfg, dist, preemption)
-    except BaseException:
-        cleanup_distributed(wait_for_all=False)
-        raise
-    cleanup_distributed()
-    return result
+            return run_training(cfg, dist, preemption)
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:

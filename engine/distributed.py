@@ -9,6 +9,7 @@ is sized for that work, not NCCL's 10 minutes, and raise `OtherRankError` if it 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import io
@@ -17,7 +18,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,19 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 device_id=dev if use_cuda else None)
     return DistInfo(rank, world, local_rank, dev)
+
+
+@contextlib.contextmanager
+def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None) -> Iterator[DistInfo]:
+    """`init_distributed` for the body of an entry point, and `cleanup_distributed` when it ends: after every
+    rank is done when it succeeds, at once when it raises (another rank may never arrive)."""
+    info = init_distributed(device, main_rank_wait)
+    try:
+        yield info
+    except BaseException:
+        cleanup_distributed(wait_for_all=False)
+        raise
+    cleanup_distributed()
 
 
 def cleanup_distributed(wait_for_all: bool = True) -> None:

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
             train_a_step(fail=True)
         except RuntimeError:
             started = gloo_threads()
-            cleanup_distributed(wait_for_all=False)  # as train.main on an error
+            cleanup_distributed(wait_for_all=False)  # as process_group on an error
     else:
         started = train_a_step(fail=False)
         cleanup_distributed()
