@@ -1,5 +1,6 @@
-"""cleanup_distributed ends the process group's threads, even while a finished DDP wrapper waits in a reference
-cycle for the garbage collector (TrainLoop <-> its optimizer's step hook, as after train.main returns).
+"""process_group (engine/distributed.py) ends the process group's threads when its body ends or raises, even
+while a finished DDP wrapper waits in a reference cycle for the garbage collector (TrainLoop <-> its
+optimizer's step hook, as after train.main returns) or in the frames of the error that ended the body.
 
 Why it matters: gloo's worker threads that outlive destroy_process_group run into interpreter finalization,
 where one that drops its last collective's tensors needs the GIL and aborts the process ("terminate called
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import free_port, init_gloo
+from dist_utils import free_port
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 
@@ -32,36 +33,36 @@ def gloo_threads() -> int:
     return sum("gloo" in name for name in names)
 
 
-def train_a_step(fail: bool) -> int:
+def train_a_step(fail: bool, threads: list) -> None:
     """One DDP update through a TrainLoop, whose wrapper then waits in the loop <-> optimizer-hook cycle (as
     after train.main); with `fail`, an error raised from here keeps them in the traceback's frame instead.
-    Returns the gloo threads running."""
+    Appends the gloo threads running to `threads`."""
     from engine.loop import TrainLoop
     ddp = DDP(torch.nn.Linear(4, 2))
     loop = TrainLoop(model=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1),
                      compute_loss=lambda m, x, y: m(x).sum(), device=torch.device("cpu"))
     ddp(torch.randn(3, 4)).sum().backward()  # a gradient all-reduce, as in training
     loop.optimizer.step()
+    threads.append(gloo_threads())
     if fail:
         raise RuntimeError("diverged")
-    return gloo_threads()
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
-    from engine.distributed import cleanup_distributed
+    """Joins as under torchrun, through the entry points' process_group, which leaves the group at the end."""
+    from engine.distributed import process_group
     import engine.loop  # noqa: F401  before the group, as the entry points import it
-    init_gloo(rank, world, port, timeout_s=60)
-    if fail:
-        try:
-            train_a_step(fail=True)
-        except RuntimeError:
-            started = gloo_threads()
-            cleanup_distributed(wait_for_all=False)  # as process_group on an error
-    else:
-        started = train_a_step(fail=False)
-        cleanup_distributed()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    started: list = []
+    try:
+        with process_group("cpu"):
+            train_a_step(fail, started)
+    except RuntimeError:
+        assert fail
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-        f.write(f"{started} {gloo_threads()}")
+        f.write(f"{started[0]} {gloo_threads()}")
     os._exit(0)  # this test's verdict is written; no interpreter finalization (the abort is not tested here)
 
 
