@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import io
 import logging
 import os
-import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
@@ -101,27 +98,12 @@ def cleanup_distributed(wait_for_all: bool = True) -> None:
     """Leave the process group. `wait_for_all`: first wait until every rank is done (a rank that tears its
     group down while another still talks to it can abort the process at exit: "terminate called without
     an active exception" with gloo); False on error paths, where another rank may never arrive. The
-    group's threads have ended when this returns, unless something still alive holds the group: a DDP
-    wrapper the caller keeps, or a module imported only after the group was made (torch._dynamo, through a
-    late torchvision import, was seen to keep it; the entry points import theirs first)."""
+    group's threads end here unless something still alive holds the group (a DDP wrapper the caller keeps,
+    or one in a reference cycle: engine/loop.py's TrainLoop avoids the cycle it made)."""
     global _wait_group
     if dist.is_initialized():
         if wait_for_all:
             barrier()
-        handling = sys.exc_info()[2]
-        if handling is not None:
-            # An error path: the exception's traceback keeps the failed frames' locals (the DDP wrapper, the
-            # training loop) alive, so the collection below would free nothing. Their locals go; the frames
-            # still running keep theirs, and the traceback's text is unchanged.
-            traceback.clear_frames(handling)
-        # Garbage first: a finished DDP wrapper sits in a reference cycle (TrainLoop <-> its optimizer's step
-        # hook) and its Reducer holds the gloo group, so destroy_process_group alone leaves the group's worker
-        # threads running until the interpreter's final collection. A worker that is still dropping the
-        # barrier's work then (it holds the tensors of earlier collectives, Python objects) needs the GIL
-        # during finalization and aborts the process ("terminate called without an active exception").
-        # Collected here, the group's last reference goes with destroy_process_group, which joins its
-        # threads with the GIL released.
-        gc.collect()
         dist.destroy_process_group()  # every group, the wait group included
     _wait_group = None
 

@@ -19,6 +19,7 @@ import math
 import resource
 import sys
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Tuple
@@ -140,7 +141,21 @@ class TrainLoop:
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
-        self.optimizer.register_step_post_hook(self._count_step)
+        # The optimizer holds the hook through a weak reference to the loop. A bound method made loop and
+        # optimizer a reference cycle that kept the loop and its DDP wrapper alive after the run, and the
+        # wrapper's Reducer kept the process group: destroy_process_group then left gloo's worker threads
+        # running into interpreter finalization, where one that drops its last collective's tensors needs the
+        # GIL and aborts the process ("terminate called without an active exception", a few % of two-process
+        # CPU torchrun runs on a loaded machine). A gc.collect() at cleanup would free it too, but it also
+        # collects the loaders' persistent worker iterators from other cycles, whose queues are closed before
+        # the iterator can tell its workers to stop: a 5 s join timeout per worker.
+        loop = weakref.ref(self)
+
+        def count_step(optimizer, *args):
+            me = loop()
+            if me is not None:
+                me._count_step(optimizer, *args)
+        self.optimizer.register_step_post_hook(count_step)
 
     def _count_step(self, optimizer, *_):
         self._real_steps += 1

@@ -1,12 +1,12 @@
-"""process_group (engine/distributed.py) ends the process group's threads when its body ends or raises, even
-while a finished DDP wrapper waits in a reference cycle for the garbage collector (TrainLoop <-> its
-optimizer's step hook, as after train.main returns) or in the frames of the error that ended the body.
+"""process_group (engine/distributed.py) ends the process group's threads when its body ends or raises: a
+finished TrainLoop does not keep its DDP wrapper (and so the group) alive in a reference cycle with its
+optimizer.
 
 Why it matters: gloo's worker threads that outlive destroy_process_group run into interpreter finalization,
 where one that drops its last collective's tensors needs the GIL and aborts the process ("terminate called
 without an active exception", SIGABRT: 3 of 110 two-process CPU torchrun runs of train.py on a 2-core VM with a
-busy process beside them, 0 of 110 with the collection in cleanup_distributed). The abort itself is a race; the
-threads left running are its deterministic precondition, counted here."""
+busy process beside them; docs/measurements.md). The abort itself is a race; the threads left running are its
+deterministic precondition, counted here."""
 from __future__ import annotations
 
 import os
@@ -34,8 +34,8 @@ def gloo_threads() -> int:
 
 
 def train_a_step(fail: bool, threads: list) -> None:
-    """One DDP update through a TrainLoop, whose wrapper then waits in the loop <-> optimizer-hook cycle (as
-    after train.main); with `fail`, an error raised from here keeps them in the traceback's frame instead.
+    """One DDP update through a TrainLoop (whose step hook made a loop <-> optimizer cycle that kept the wrapper
+    alive after the run); with `fail`, an error raised from here keeps them in the traceback's frame instead.
     Appends the gloo threads running to `threads`."""
     from engine.loop import TrainLoop
     ddp = DDP(torch.nn.Linear(4, 2))
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
-def test_cleanup_ends_the_groups_threads_while_a_ddp_wrapper_waits_for_the_collector(tmp_path, fail):
+def test_no_gloo_thread_outlives_the_process_group(tmp_path, fail):
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fail), nprocs=2, join=True)
     for rank in range(2):
         started, left = map(int, (tmp_path / f"rank{rank}").read_text().split())
