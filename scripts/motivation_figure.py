@@ -140,11 +140,11 @@ def main(argv=None) -> list[dict]:
         sys.exit(f"error: {language[0]} has no top-1 (a language model's result: perplexity); the figure plots "
                  "the top-1 of image classifiers and the box mAP of detectors: leave the language-model results out")
     # a choice for a kind of result that is not given would change nothing
-    kinds = {"--max-act": any(not is_detection(r) for r in results), "--det-max-act": any(map(is_detection, results))}
-    for flag, given in (("--max-act", args.max_act), ("--det-max-act", args.det_max_act)):
-        if given is not None and not kinds[flag]:
-            sys.exit(f"error: {flag} {given}: no {'classifier' if flag == '--max-act' else 'detector'}'s result is "
-                     f"given, so it would change nothing; drop it")
+    detectors = [is_detection(r) for r in results]
+    for flag, given, kind, present in (("--max-act", args.max_act, "classifier", not all(detectors)),
+                                       ("--det-max-act", args.det_max_act, "detector", any(detectors))):
+        if given is not None and not present:
+            sys.exit(f"error: {flag} {given}: no {kind}'s result is given, so it would change nothing; drop it")
     args.max_act, args.det_max_act = args.max_act or "module", args.det_max_act or "backbone"
     bits = args.bits.lower()
     lacking = [(path, r) for path, r in zip(args.results, results) if bits not in r["quant"].get(args.pipeline, {})]
