@@ -74,7 +74,7 @@ def test_a_backbone_checkpoint_of_another_model_is_refused(mmdet_ready, tmp_path
         check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), notes))
 
 
-def test_training_from_a_backbone_checkpoint_of_another_model_is_oneerror_line(sample, tmp_path, capsys):
+def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(sample, tmp_path, capsys):
     resnet = tmp_path / "resnet.pth"
     torch.save({"state_dict": {"conv1.weight": torch.zeros(8, 3, 7, 7)}}, resnet)
     config = tmp_path / "pretrained.py"
