@@ -155,7 +155,11 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return fn()
-    group = _main_rank_group()
+    # made now, on every rank (new_group is collective), but looked up where used, never held in a local: a
+    # traceback through this frame (an error on the way to process_group's cleanup) or garbage holding it (a
+    # cycle in a callee's frames, e.g. pyparsing's under matplotlib, keeps its callers' frames) would keep
+    # the gloo group's threads running after destroy_process_group
+    _main_rank_group()
     if dist.get_rank() == 0:
         try:
             result = fn()
@@ -164,15 +168,15 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
             # logged first: if the others are gone, the send below can block until the wait limit
             log.error("%s failed on rank 0: %s: %s", what, type(e).__name__, e)
             try:  # the others learn why before this rank's error ends it
-                _send(_serialize(("error", what, f"{type(e).__name__}: {e}")), group)
+                _send(_serialize(("error", what, f"{type(e).__name__}: {e}")), _main_rank_group())
             except Exception as send_error:  # they may be gone already; keep the first error
                 log.warning("could not tell the other ranks that %s failed: %s", what, send_error)
             raise
-        _send(message, group)
+        _send(message, _main_rank_group())
         return result
     rank = dist.get_rank()
     try:
-        message = _receive(group)
+        message = _receive(_main_rank_group())
     except RuntimeError as e:
         if "timed out" in str(e).lower():
             limit = _main_rank_wait
