@@ -15,7 +15,9 @@ Layouts:
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
               bit-width found. The data set of a result is the last folder name of its data.root
-              (datasets/<name> in configs/sweeps/finetune.yaml).
+              (datasets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
+              on the same data (root, split, transform, image count), and all entries with the same kind
+              of weights (raw or EMA) and autocast: results evaluated otherwise are refused.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from engine.eval_results import ResultsError, read_result_files  # noqa: E402
+from engine.eval_results import ResultsError, first_difference, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import PAPER_NAMES, markdown_table, nondefault_settings  # noqa: E402
 
@@ -40,6 +42,22 @@ def dataset_of(result: dict) -> str:
     if data.get("dataset", "folder") != "folder":
         return data["dataset"]
     return os.path.basename(os.path.normpath(data.get("root", ""))) or "?"
+
+
+# what must match for entries to share the fine-tuning layout: a data set's row compares its methods on the same
+# val images seen the same way; the whole table (its Average) uses one kind of weights (raw or EMA) and autocast
+ROW_KEYS = ("data", "images")
+TABLE_KEYS = ("weights", "eval_amp")
+
+
+def refuse_unlike(results: list[dict], keys: tuple, where: str) -> None:
+    """A ValueError naming the first two of `results` that differ in one of `keys` (evaluate.py's identity fields,
+    compared as evaluate.py --over-seeds compares them)."""
+    found = first_difference([(r.get("checkpoint", r["model"]), {k: r.get(k) for k in keys}) for r in results])
+    if found is not None:
+        first, second, difference = found
+        raise ValueError(f"{first} and {second} were evaluated differently ({difference}); {where} compares "
+                         "results evaluated alike: evaluate them with the same settings, or tabulate them apart")
 
 
 def method_order(method: str) -> tuple:
@@ -66,6 +84,9 @@ def finetune_table(results: list[dict]) -> str:
             raise ValueError(f"two results for data set '{key[0]}' and method '{key[1]}' "
                              f"({cells[key]['checkpoint']} and {r['checkpoint']}); give one per pair")
         cells[key] = r
+    refuse_unlike(results, TABLE_KEYS, "the fine-tuning layout (one Average over its rows)")
+    for d in sorted({d for d, _ in cells}):
+        refuse_unlike([r for (d_, _), r in cells.items() if d_ == d], ROW_KEYS, f"a data set's row ('{d}')")
     datasets = sorted({d for d, _ in cells}, key=lambda d: (list(FINETUNE_DATASETS).index(d)
                                                              if d in FINETUNE_DATASETS else 99, d))
     methods = sorted({m for _, m in cells}, key=method_order)

@@ -154,6 +154,29 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     assert "| CD |" in out.read_text()
 
 
+@pytest.mark.parametrize("change, differs", [
+    ({"data": {"dataset": "folder", "root": "/other/pets"}}, "data"),  # another folder of the same name
+    ({"data": {"dataset": "folder", "root": "/data/pets", "val_split": "train"}}, "data"),
+    ({"images": 100}, "images"),  # a --max-images evaluation
+    ({"weights": "ema"}, "weights"), ({"eval_amp": "bf16"}, "eval_amp")])
+def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently(tmp_path, change, differs):
+    files = []
+    for method, extra in (("Baseline", {}), ("CD", change)):
+        path = tmp_path / f"{method}.json"
+        path.write_text(json.dumps({**_finetune_result("pets", method, 95.0, 94.0), **extra}))
+        files.append(str(path))
+    with pytest.raises(SystemExit, match=rf"error: pets/Baseline and pets/CD were evaluated differently "
+                                         rf"\({differs}: .*evaluate them with the same settings"):
+        paper_table.main(["--layout", "finetune", *files])
+    if differs in ("weights", "eval_amp"):  # across rows too: the Average would mix them
+        (tmp_path / "CD.json").write_text(json.dumps({**_finetune_result("cars", "CD", 95.0, 94.0), **change}))
+        with pytest.raises(SystemExit, match=rf"evaluated differently \({differs}: "):
+            paper_table.main(["--layout", "finetune", *files])
+    else:  # other data (and so another image count) in another row is what the layout is for
+        (tmp_path / "CD.json").write_text(json.dumps({**_finetune_result("cars", "CD", 95.0, 94.0), "images": 100}))
+        assert "| Cars |" in paper_table.main(["--layout", "finetune", *files])
+
+
 def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
     runs = sweep.expand(path, ["model.pretrained=/w/in21k.safetensors"])
