@@ -220,8 +220,8 @@ def settings_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
     """evaluate.py's JSON files, for the scripts that tabulate or plot them (`detection`: evaluate_detection.py's
-    too); one error names a bad file (unreadable, not JSON, or JSON of another shape) or one given twice
-    (overlapping globs: a row or circle twice)."""
+    too); one error names a bad file (unreadable, not JSON, or JSON of another shape), one given twice
+    (overlapping globs: a row or circle twice) or two holding one evaluation of the same weights (a copy)."""
     seen: dict[str, str] = {}  # the file -> the path it was first given as
     for path in paths:
         first = seen.get(os.path.realpath(path))
@@ -229,7 +229,20 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
             raise ResultsError(f"{path} is given twice{'' if first == path else f' (as {first})'}; give each "
                                "result file once")
         seen[os.path.realpath(path)] = path
-    return [read_result_file(path, detection=detection) for path in paths]
+    results = [read_result_file(path, detection=detection) for path in paths]
+    # the same weights evaluated alike: the quantized entries may differ (each file's own pipelines or settings),
+    # the rest is one evaluation; other data, EMA weights or autocast make another result, kept
+    evaluations: dict[tuple, str] = {}
+    for path, result in zip(paths, results):
+        if result.get("fingerprint") is None:  # detection results, and files written before fingerprints
+            continue
+        key = (result["fingerprint"], json.dumps(_plain({k: result.get(k) for k in EVALUATION_KEYS}), sort_keys=True))
+        if key in evaluations:
+            raise ResultsError(f"{evaluations[key]} and {path} hold results of the same weights evaluated alike "
+                               "(a copied file, or two --out files of one checkpoint): each would be a row or "
+                               "circle of its own; give one (evaluate.py adds every pipeline to one file)")
+        evaluations[key] = path
+    return results
 
 
 FIELD_TYPES = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict, "task": str, "config": list}

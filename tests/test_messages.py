@@ -48,6 +48,24 @@ def test_the_table_scripts_refuse_a_result_file_given_twice(tmp_path):
         read_result_files([str(path), os.path.join(str(tmp_path), ".", "r.json")])
 
 
+def test_the_table_scripts_refuse_two_files_of_one_evaluation_of_the_same_weights(tmp_path):
+    """A copied result (or two --out files of one checkpoint) would be two rows or circles of one model."""
+    result = {"model": "m", "method": "CD", "fp": {"top1": 90.0}, "max_act": {}, "fingerprint": "f0",
+              "data": {"dataset": "digits"}, "weights": "raw", "quant": {"repq": {"w4a4": {"top1": 80.0}}}}
+    paths = []
+    for name, content in (("a", result), ("b", {**result, "quant": {"aphq": {"w4a4": {"top1": 85.0}}}})):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(content, f)
+    with pytest.raises(ResultsError, match=rf"{paths[0]} and {paths[1]} hold results of the same weights "
+                                           r"evaluated alike"):
+        read_result_files(paths)
+    for other in ({"weights": "ema"}, {"data": {"dataset": "fashion_mnist"}}, {"fingerprint": "f1"}):
+        with open(paths[1], "w") as f:  # the EMA weights, other data, other weights: another result
+            json.dump({**result, **other}, f)
+        assert len(read_result_files(paths)) == 2
+
+
 @pytest.mark.parametrize("content", [[torch.zeros(2)], {"a": "b"}, 3])
 def test_a_weights_file_of_another_shape_is_one_error_naming_it(tmp_path, debug_config, content):
     path = tmp_path / "w.pth"
