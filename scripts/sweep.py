@@ -16,7 +16,10 @@ A sweep file (configs/sweeps/*.yaml):
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
                                                 # an override for the whole sweep may not replace
 Overrides given on this command line apply to every run; one that would replace a key a run sets itself (a
-seed, a dose) is refused, as is one (here or in a run) that the 'evaluate' list would replace in evaluate.py.
+seed, a dose, or a key its own config files set and other runs set otherwise or not at all: model.name in
+gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline) is refused, as is one (here, in a run or in its own
+config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
+(a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep.
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
 the sweep is started from.
@@ -43,7 +46,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.loader import overlapping_keys, override_keys, read_yaml_file  # noqa: E402
+from configs.loader import _dotted, overlapping_keys, override_keys, read_yaml_file  # noqa: E402
+from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -65,31 +69,40 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
                           f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
     out_root = str(sweep.get("out_root", "runs/sweep"))
-    runs = []
+    base = [str(c) for c in sweep.get("configs") or []]
+    split = {}  # run name -> (its config files, its key=value items)
     for name, items in sweep["runs"].items():
         if items is not None and not isinstance(items, list):  # a string would be read letter by letter
             raise ConfigError(f"{sweep_path}: run '{name}' must list its config files and overrides, e.g. "
                               f"{name}: [{items}], not {type(items).__name__} {items!r}")
         items = [str(i) for i in items or []]
-        configs = list(sweep.get("configs") or []) + [i for i in items if i.endswith(".yaml")]
-        own_items = [i for i in items if not i.endswith(".yaml")]
-        replaced = [o for o in extra_overrides if sets_any(o, keys_of(own_items))]
-        if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run
+        files = [i for i in items if i.endswith(".yaml")]
+        split[name] = (base + files, [i for i in items if i not in files])
+    layer_keys = run_layer_keys({name: configs for name, (configs, _) in split.items()}, base)
+    runs = []
+    for name, (configs, own_items) in split.items():
+        # what the run sets itself: its key=value items, and what its own config files set differently from
+        # other runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
+        own = {**layer_keys[name], **{k: i for i in own_items for k in keys_of([i])}}
+        replaced = [o for o in extra_overrides if sets_any(o, set(own))]
+        if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run, and
+            # model.name=gpt2 would train the gpt2_medium runs as GPT-2 Small under their names
             raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
-                              f"({', '.join(i for i in own_items if sets_any(i, keys_of(replaced)))}); "
-                              f"drop it from the command line, or edit the run in {sweep_path}")
-        overrides = [i for i in items if not i.endswith(".yaml")] + list(extra_overrides)
+                              f"({', '.join(set_by(own, replaced))}); drop it from the command line, or edit the "
+                              f"run in {sweep_path}")
+        overrides = own_items + list(extra_overrides)
         # evaluate.py takes the sweep's 'evaluate' list last: quant.pipelines=[repq,aphq] given here would
         # be evaluated with the list's quant.pipelines=[repq] without a word
-        replaced = [o for o in overrides if sets_any(o, keys_of(eval_overrides))]
+        given = {**own, **{k: o for o in extra_overrides for k in keys_of([o])}}
+        replaced = set_by(given, eval_overrides)
         if replaced:
-            theirs = [e for e in eval_overrides if sets_any(e, keys_of(replaced))]
+            theirs = [e for e in eval_overrides if set_by(given, [e])]
             raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would be replaced in its evaluation by "
                               f"the sweep's evaluate list ({', '.join(theirs)}); drop it, or edit 'evaluate' in "
                               f"{sweep_path}")
-        own = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
-        if own:  # the sweep names every run's folder; this one would be replaced without a word
-            raise ConfigError(f"sweep run '{name}': {own[0]} would be ignored: a sweep writes run <name> to "
+        named = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
+        if named:  # the sweep names every run's folder; this one would be replaced without a word
+            raise ConfigError(f"sweep run '{name}': {named[0]} would be ignored: a sweep writes run <name> to "
                               f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it and set "
                               f"out_root in {sweep_path}")
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
@@ -124,6 +137,38 @@ def sets_any(override: str, keys: set) -> bool:
 
 def keys_of(overrides: list[str]) -> set:
     return {k for o in overrides for k in override_keys(o)}
+
+
+def set_by(settings: dict, overrides: list[str]) -> list[str]:
+    """What in `settings` ({dotted key: the item or file that sets it}) the `overrides` would replace, once each."""
+    return list(dict.fromkeys(where for key, where in settings.items()
+                              if any(sets_any(o, {key}) for o in overrides)))
+
+
+def run_layer_keys(configs: dict, base: list[str]) -> dict:
+    """{run: {dotted key: '<key> in <file>'}} for the keys that a run's own config files (those beyond the
+    sweep's 'configs') set last and that the runs' files do not all set to one value: what makes the run
+    differ from the others (model.name in gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline). A key
+    every run's files set alike (a recipe every run lists, one batch size for all) is common ground that an
+    override for the whole sweep may change."""
+    layered = {}  # run -> {dotted key: (value, the file that sets it last)}
+    for name, files in configs.items():
+        layered[name] = {}
+        for path in files:
+            try:
+                data = read_yaml_file(os.path.join(ROOT, path))
+            except ConfigError as e:
+                raise ConfigError(f"sweep run '{name}': {e}") from e
+            for key, value in data.items():
+                try:  # a section given as a mapping counts by key, as in the loader
+                    dotted = _dotted(str(key), value, Config())
+                except (AttributeError, KeyError, TypeError):  # not a key of the schema: load_config names it
+                    dotted = {str(key): value}
+                layered[name].update({k: (v, path) for k, v in dotted.items()})
+    return {name: {key: f"{key} in {path}" for key, (value, path) in settings.items()
+                   if path not in base and any(key not in other or other[key][0] != value
+                                               for other in layered.values())}
+            for name, settings in layered.items()}
 
 
 def run_folder(name, sweep_path: str) -> str:

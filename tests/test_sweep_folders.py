@@ -1,6 +1,6 @@
 """A sweep refuses, before anything starts, any two runs that would share a run folder (and so one
-checkpoint: the second would resume the first, and the summary call both finished), and a run folder
-that the sweep would not name."""
+checkpoint: the second would resume the first, and the summary call both finished), a run folder
+that the sweep would not name, and an override of what a run's own config files set."""
 import os
 import subprocess
 import sys
@@ -70,3 +70,43 @@ def test_the_command_refuses_before_any_run_starts(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.strip().startswith("error: ") and "share the folder" in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path, extra, message", [
+    # the gpt2_medium runs would train GPT-2 Small under their names
+    ("gpt2_table8.yaml", ["model.name=gpt2"], r"sweep run 'gpt2_small_baseline': model.name=gpt2 would replace "
+                                              r"what the run sets itself \(model.name in configs/lm/gpt2.yaml\)"),
+    # the cd and tweo runs would train baselines under their names
+    ("digits_demo.yaml", ["cd.enabled=false", "tweo.enabled=false"],
+     r"sweep run 'cd': cd.enabled=false would replace what the run sets itself \(cd.enabled in "
+     r"configs/method/cd.yaml\)"),
+])
+def test_an_override_of_what_a_runs_own_config_file_sets_is_refused(path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep.expand(os.path.join(ROOT, "configs", "sweeps", path), extra)
+
+
+def test_a_key_every_run_sets_alike_stays_an_override_for_the_whole_sweep():
+    """gpt2.yaml, listed by every run, and one batch size in every pre-training recipe are common ground."""
+    for path in ("gpt2_table8.yaml", "pretrain_main.yaml"):
+        runs = sweep.expand(os.path.join(ROOT, "configs", "sweeps", path),
+                            ["data.root=/datasets/x", "train.batch_size_per_gpu=64"])
+        assert all("train.batch_size_per_gpu=64" in r["overrides"] for r in runs)
+
+
+@pytest.mark.parametrize("where", ["run", "configs"])
+def test_an_evaluate_entry_replacing_what_a_runs_own_config_file_sets_is_refused(tmp_path, where):
+    """evaluate.py takes the sweep's evaluate list last: run b's quant.bits [w3a3] would be evaluated as
+    [w4a4]. Over the sweep's common 'configs' the list is the sweep's own choice for every run."""
+    layer = tmp_path / "w3a3.yaml"
+    layer.write_text("quant:\n  bits: [w3a3]\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml{', ' + str(layer) if where == 'configs' else ''}]\n"
+                    f"out_root: {tmp_path / 'runs'}\nevaluate: ['quant.bits=[w4a4]']\n"
+                    f"runs:\n  a: []\n  b: [{layer if where == 'run' else 'optim.lr=0.01'}]\n")
+    if where == "configs":
+        assert len(sweep.expand(str(spec), [])) == 2
+        return
+    with pytest.raises(ConfigError, match=r"sweep run 'b': quant.bits in .*w3a3.yaml would be replaced in its "
+                                          r"evaluation by the sweep's evaluate list \(quant.bits=\[w4a4\]\)"):
+        sweep.expand(str(spec), [])
