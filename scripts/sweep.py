@@ -173,11 +173,15 @@ def run_layer_keys(configs: dict, base: list[str]) -> dict:
 
 def run_folder(name, sweep_path: str) -> str:
     """The folder name of run `name` (as YAML typed it: 1.0, true and null are names too), which must be
-    one plain folder: no path separator, not '.' or '..' (the run would write to out_root or beyond)."""
+    one plain folder: no path separator, not '.' or '..' (the run would write to out_root or beyond); and a
+    name that `--only <name>` selects: no '=' (--only reads such a word as an override), no leading '-'
+    (an option)."""
     folder = str(name)
-    if not folder or folder in (".", "..") or "/" in folder or os.sep in folder or "\0" in folder:
-        raise ConfigError(f"{sweep_path}: run name {name!r} is not a folder name; each run writes to "
-                          f"out_root/<name>, so a name is one folder (no '/', not '.' or '..')")
+    if (not folder or folder in (".", "..") or "/" in folder or os.sep in folder or "\0" in folder
+            or "=" in folder or folder.startswith("-")):
+        raise ConfigError(f"{sweep_path}: run name {name!r} is not a folder name that --only can select; each "
+                          f"run writes to out_root/<name> and is picked by --only <name>, so a name is one folder "
+                          f"(no '/', not '.' or '..') with no '=' (an override to --only) and no leading '-'")
     return folder
 
 

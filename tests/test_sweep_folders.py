@@ -1,6 +1,7 @@
 """A sweep refuses, before anything starts, any two runs that would share a run folder (and so one
 checkpoint: the second would resume the first, and the summary call both finished), a run folder
-that the sweep would not name, and an override of what a run's own config files set."""
+that the sweep would not name or --only could not select, and an override of what a run's own config files
+set."""
 import os
 import subprocess
 import sys
@@ -70,6 +71,14 @@ def test_the_command_refuses_before_any_run_starts(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.strip().startswith("error: ") and "share the folder" in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["lam=0.01", "-x"])
+def test_a_name_that_only_cannot_select_is_refused(tmp_path, name):
+    """--only reads a word with '=' as an override and one starting with '-' as an option: such a run could
+    never be selected."""
+    with pytest.raises(ConfigError, match=rf"run name '{name}' is not a folder name that --only can select"):
+        sweep.expand(sweep_file(tmp_path, f"  ok: []\n  '{name}': [optim.lr=0.01]\n"), [])
 
 
 @pytest.mark.parametrize("path, extra, message", [
