@@ -115,7 +115,7 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
         data = read_yaml_file(path)
         _merge(cfg, data, path="", source=path)
         for key, value in data.items():
-            for dotted, inner in _dotted(str(key), value, cfg).items():
+            for dotted, inner in dotted_settings(str(key), value, cfg).items():
                 layer[dotted], values[dotted] = index, inner
         decided.append({decider: copy.deepcopy(get_key(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)
@@ -152,7 +152,7 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
-        given.update(_dotted(key.strip(), value, cfg))
+        given.update(dotted_settings(key.strip(), value, cfg))
     check_keys_read(cfg, given)
     return cfg
 
@@ -243,10 +243,10 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).splitlines()[0]
 
 
-def _dotted(key: str, value: Any, cfg: Config) -> dict:
+def dotted_settings(key: str, value: Any, cfg: Config) -> dict:
     """{dotted key: value} of one override; a section given as a mapping (cd={lam: 0.01}) counts by key."""
     if isinstance(value, dict) and dataclasses.is_dataclass(get_key(cfg, key)):
-        return {k: v for name, sub in value.items() for k, v in _dotted(f"{key}.{name}", sub, cfg).items()}
+        return {k: v for name, sub in value.items() for k, v in dotted_settings(f"{key}.{name}", sub, cfg).items()}
     return {key: value}
 
 
@@ -255,7 +255,7 @@ def override_keys(item: str) -> list[str]:
     (train={seed: 7} sets train.seed); the key itself when the item is malformed (apply_overrides says why)."""
     key, _, raw = item.partition("=")
     try:
-        return list(_dotted(key.strip(), parse_yaml(raw) if raw.strip() else "", Config()))
+        return list(dotted_settings(key.strip(), parse_yaml(raw) if raw.strip() else "", Config()))
     except (yaml.YAMLError, AttributeError, KeyError, TypeError):  # not valid YAML, not a key of the schema
         return [key.strip()]
 

@@ -46,7 +46,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.loader import _dotted, overlapping_keys, override_keys, read_yaml_file  # noqa: E402
+from configs.loader import dotted_settings, overlapping_keys, override_keys, read_yaml_file  # noqa: E402
 from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
@@ -161,7 +161,7 @@ def run_layer_keys(configs: dict, base: list[str]) -> dict:
                 raise ConfigError(f"sweep run '{name}': {e}") from e
             for key, value in data.items():
                 try:  # a section given as a mapping counts by key, as in the loader
-                    dotted = _dotted(str(key), value, Config())
+                    dotted = dotted_settings(str(key), value, Config())
                 except (AttributeError, KeyError, TypeError):  # not a key of the schema: load_config names it
                     dotted = {str(key): value}
                 layered[name].update({k: (v, path) for k, v in dotted.items()})
