@@ -43,7 +43,7 @@ from data.folder import ClassCountError
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
-                                 repeated_weights, settings_diff)
+                                 recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError
@@ -611,12 +611,10 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
                          f"alike{recompute}")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
-    recipes = [r for r in group if r.get("recipe")]
-    other = next((r for r in recipes if r["recipe"] != recipes[0]["recipe"]), None)
+    other = recipe_difference([(r.get("checkpoint"), r) for r in group])
     if other is not None:
-        raise ValueError(f"{model} {method}: {recipes[0].get('checkpoint')} and {other.get('checkpoint')} were "
-                         f"trained with other settings ({settings_diff(recipes[0]['recipe'], other['recipe'])}); "
-                         "rows average the seeds of one recipe")
+        raise ValueError(f"{model} {method}: {other[0]} and {other[1]} were trained with other settings "
+                         f"({other[2]}); rows average the seeds of one recipe")
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:

@@ -10,8 +10,8 @@
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
   Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
-* `evaluation_difference` and `repeated_weights` say whether results can be averaged as seeds (evaluate.py
-  --over-seeds) or compared as points of one sweep (the dose reports).
+* `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
+  seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -87,6 +87,17 @@ def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str
             difference = evaluation_difference(earlier, result)
             if difference is not None:
                 return earlier_label, label, difference
+    return None
+
+
+def recipe_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
+    """(label, label, how) of the first result trained with other settings than the first one (the `recipe`
+    evaluate.py records: every training setting but the seed), or None. Results written before the recipe was
+    recorded have none and are not compared."""
+    recipes = [(label, result["recipe"]) for label, result in labelled if result.get("recipe")]
+    for label, other in recipes[1:]:
+        if other != recipes[0][1]:
+            return recipes[0][0], label, settings_diff(recipes[0][1], other)
     return None
 
 
