@@ -4,8 +4,8 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out docs/figures
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
-(mean ± sample std), and runs evaluated differently (autocast, weights, data, quantization settings) are
-refused. What is read from each run, and what is written:
+(mean ± sample std). Runs evaluated differently (autocast, weights, data, quantization settings), and seeds
+of one point trained with other settings (the recipe their eval_best.json records), are refused. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs import ConfigError, config_from_dict  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.eval_results import (ResultsError, first_difference, read_result_file,  # noqa: E402
-                                 repeated_weights)
+                                 recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -125,6 +125,14 @@ def read_sweep(root: str) -> list[Run]:
         raise ReportError(f"{different[0]} and {different[1]} were evaluated differently ({different[2]}); "
                           f"evaluate every run alike (the same evaluate.py options and overrides) before they are "
                           f"averaged and compared")
+    # averaged as seeds: a run of the point trained with another lr or schedule (the recipe evaluate.py records:
+    # every training setting but the seed) would count as one more seed of the point's settings
+    for point in sorted({run.point for run in runs}):
+        other = recipe_difference([(run.folder, run.result) for run in runs if run.point == point])
+        if other is not None:
+            raise ReportError(f"{other[0]} and {other[1]} are seeds of point {point} but were trained with other "
+                              f"settings ({other[2]}); the seeds of a point are averaged: give a run of other "
+                              f"settings a point of its own (folder <point>_s<seed>)")
     return runs
 
 

@@ -4,7 +4,8 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
     python scripts/lm_study.py runs/sweeps/kjv_lm_dose --out docs/figures
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
-over seeds (mean ± sample std). Written, and never overwritten without --overwrite:
+over seeds (mean ± sample std); runs evaluated differently, and seeds of one point trained with other
+settings, are refused. Written, and never overwritten without --overwrite:
   lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits

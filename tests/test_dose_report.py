@@ -166,3 +166,20 @@ def test_a_deleted_best_pt_is_one_error_line(tmp_path):
                          text=True, cwd=ROOT)
     assert run.returncode == 1 and run.stderr.startswith("error: checkpoint not found: ")
     assert len(run.stderr.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(tmp_path):
+    """The seeds of a point must share every training setting but the seed (the recipe evaluate.py records);
+    points differ (CD's strength) by design."""
+    recipes = {"baseline_s0": {"optim.lr": 3e-4, "cd.lam": 0.0}, "baseline_s1": {"optim.lr": 3e-4, "cd.lam": 0.0},
+               "cd10x_s0": {"optim.lr": 3e-4, "cd.lam": 0.1}, "cd10x_s1": {"optim.lr": 3e-4, "cd.lam": 0.1}}
+    for seed, (name, recipe) in enumerate(recipes.items()):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+        path = tmp_path / name / "eval_best.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "recipe": recipe}))
+    assert len(dose_report.read_sweep(str(tmp_path))) == 4
+    path = tmp_path / "cd10x_s1" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "recipe": {"optim.lr": 1e-3, "cd.lam": 0.1}}))
+    with pytest.raises(dose_report.ReportError, match=r"cd10x_s0 and .*cd10x_s1 are seeds of point cd10x but were "
+                                                      r"trained with other settings \(optim.lr 0.0003 -> 0.001\)"):
+        dose_report.read_sweep(str(tmp_path))

@@ -92,3 +92,20 @@ def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
     write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert "| baseline | - | - | 1.000 (n=1) | - | 0.000 ± 0.000 | - | - | - |" in report  # the W8A5 gap of s0
+
+
+def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(tmp_path):
+    """A seed of the baseline trained with another learning rate is no seed of the baseline (was averaged into
+    one 'baseline | 2' row); points differ in their settings (the CD strength) by design."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    recipes = {"baseline_s0": {"optim.lr": 0.001, "cd.lam": 0.0}, "baseline_s1": {"optim.lr": 0.01, "cd.lam": 0.0},
+               "cd10x_s0": {"optim.lr": 0.001, "cd.lam": 0.05}}
+    for name, recipe in recipes.items():
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+        path = root / name / "eval_best.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "recipe": recipe}))
+    with pytest.raises(lm_study.ReportError, match=r"baseline_s0 and .*baseline_s1 are seeds of point baseline but "
+                                                   r"were trained with other settings \(optim.lr 0.001 -> 0.01\)"):
+        lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
