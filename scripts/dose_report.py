@@ -11,7 +11,8 @@ of one point trained with other settings (the recipe their eval_best.json record
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
   eval_best_act_max.csv  max |activation| per module -> dose_act_max_types.png: the largest value per
                          module type (norm1, attn.qkv, ..., ls2, block output), one bar per point
-  best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end; the
+  best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end (of the
+                         weights eval_best.json scored: a best.pt saved after the evaluation is refused); the
                          start is the pretrained backbone (`model.pretrained` of the runs' config)
   -> dose_report.md      the tables, printed as well
 Files are never overwritten: an existing output is refused unless --overwrite is given.
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs import ConfigError, config_from_dict  # noqa: E402
-from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.eval_results import (ResultsError, first_difference, read_result_file,  # noqa: E402
                                  recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -180,12 +181,34 @@ def alignment_peak(model: torch.nn.Module) -> dict:
     return {k: top[k] for k in ("block", "direction", "row", "alpha", "singular_value")}
 
 
-def model_of(checkpoint: str) -> torch.nn.Module:
+def model_of(checkpoint: str, weights: str = "raw") -> torch.nn.Module:
+    """The model of a train.py checkpoint with its raw or EMA weights, loaded as evaluate.py loads them."""
     payload = load_checkpoint(checkpoint)
+    key = "model_ema" if weights == "ema" else "model"
+    if key not in payload:
+        raise CheckpointError(f"{checkpoint} has no '{key}' weights")
     cfg = config_from_dict(payload["config"])
     model = build_model(dataclasses.replace(cfg.model, pretrained=""))
-    model.load_state_dict(payload["model"])
+    model.load_state_dict(payload[key])
     return model.eval()
+
+
+def evaluated_model(run: Run) -> torch.nn.Module:
+    """The run's best.pt with the weights its eval_best.json scored (raw or EMA), refused when best.pt holds
+    other weights now (a run resumed after its evaluation saves a new best): the report would put the old
+    weights' accuracy and maxima beside the new weights' alignment peak. The JSON records the fingerprint of
+    the weights evaluate.py loaded, the same function of the same state dict."""
+    checkpoint = os.path.join(run.folder, "best.pt")
+    model = model_of(checkpoint, run.result.get("weights", "raw"))
+    scored, now = run.result.get("fingerprint"), weights_fingerprint(model.state_dict())
+    if scored != now:
+        result = os.path.join(run.folder, "eval_best.json")
+        raise ReportError(f"{result} scored other weights than {checkpoint} holds now (fingerprint {scored} in "
+                          f"the file, {now} of best.pt: best.pt was saved after the evaluation); re-evaluate it: "
+                          f"run the sweep again with --run --evaluate (scripts/sweep.py moves an evaluation older "
+                          f"than best.pt aside), or move it and its _act_max files aside and run python "
+                          f"evaluate.py --checkpoint {checkpoint} --out {result} with the sweep's evaluate settings")
+    return model
 
 
 def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
@@ -324,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     with torch.no_grad():
         start = pretrained_model(next(iter(groups.values()))[0])
         start_peak = alignment_peak(start) if start is not None else None
-        peaks = {p: [alignment_peak(model_of(os.path.join(r.folder, "best.pt"))) for r in runs]
+        peaks = {p: [alignment_peak(evaluated_model(r)) for r in runs]
                  for p, runs in groups.items()}
     os.makedirs(args.out, exist_ok=True)
     plot_energies(groups, paths[0])
@@ -336,8 +359,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     return report
 
 
-# the user's mistakes, one `error:` line each: a best.pt deleted or cut short after its evaluation, a
-# pretrained backbone that moved, a saved config this version cannot read
+# the user's mistakes, one `error:` line each: a best.pt deleted or cut short after its evaluation (one saved
+# again after it is refused by evaluated_model), a pretrained backbone that moved, a saved config this version
+# cannot read
 ERRORS = (ReportError, RunDirError, ResultsError, CheckpointError, ModelError, ConfigError)
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from engine.checkpoint import weights_fingerprint
 from tests.conftest import ROOT
 from tests.test_mechanism import make_checkpoint
 
@@ -29,16 +31,18 @@ def write_run(root, name, *, fp, w4, fc2_curve, norm1_max, seed):
                                 "cd/pair_energy/fc2": e}) + "\n")
             f.write(json.dumps({"step": 10 * (k + 1), "val/top1": 50.0}) + "\n")  # no energies: skipped
     quant = {p: {"w4a4": {"top1": w4}, "w3a3": {"top1": w4 - 20}} for p in ("percentile", "repq")}
+    make_checkpoint(folder / "best.pt", seed)
+    # as evaluate.py records the weights it scored: the fingerprint of the checkpoint's state dict
+    fingerprint = weights_fingerprint(torch.load(folder / "best.pt")["model"])
     with open(folder / "eval_best.json", "w") as f:
         json.dump({"fp": {"top1": fp}, "max_act": {"module": 10.0 * norm1_max, "block": 5.0},
-                   "quant": quant}, f)
+                   "quant": quant, "weights": "raw", "fingerprint": fingerprint}, f)
     with open(folder / "eval_best_act_max.csv", "w") as f:
         f.write("name,kind,block,type,max\n")
         f.write(f"blocks.0.norm1,module,0,norm1,{norm1_max}\n")
         f.write(f"blocks.1.norm1,module,1,norm1,{norm1_max / 2}\n")
         f.write("blocks.1,block,1,block,5.0\n")
         f.write("patch_embed,module,-1,patch_embed,999.0\n")  # outside the blocks: not a module type
-    make_checkpoint(folder / "best.pt", seed)
     return folder
 
 
@@ -183,3 +187,36 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
     with pytest.raises(dose_report.ReportError, match=r"cd10x_s0 and .*cd10x_s1 are seeds of point cd10x but were "
                                                       r"trained with other settings \(optim.lr 0.0003 -> 0.001\)"):
         dose_report.read_sweep(str(tmp_path))
+
+
+def test_an_evaluation_of_an_earlier_best_pt_is_refused(tmp_path):
+    """A run resumed after its evaluation saved a new best.pt: its eval_best.json scored other weights, and the
+    report put that accuracy beside the new weights' alignment peak (no check: only a missing or unreadable
+    best.pt was an error). Refused before anything is written, naming the command that re-evaluates it."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        write_run(sweep, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+    make_checkpoint(sweep / "cd10x_s0" / "best.pt", 7)  # the resumed run's new best
+    with pytest.raises(dose_report.ReportError, match=r"cd10x_s0/eval_best.json scored other weights than "
+                                                      r".*cd10x_s0/best.pt holds now .* run python evaluate.py "
+                                                      r"--checkpoint .*cd10x_s0/best.pt --out "):
+        dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):
+    """An evaluation of the EMA weights (evaluate.py --ema) is matched with best.pt's EMA weights, whose
+    alignment peak is reported; the raw weights are other weights."""
+    write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    checkpoint = tmp_path / "baseline_s0" / "best.pt"
+    ema = torch.load(make_checkpoint(tmp_path / "ema.pt", 5))["model"]
+    torch.save({**torch.load(checkpoint), "model_ema": ema}, checkpoint)
+    path = tmp_path / "baseline_s0" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "weights": "ema",
+                                "fingerprint": weights_fingerprint(ema)}))
+    model = dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ema.items())
+    path.write_text(json.dumps({**json.loads(path.read_text()), "weights": "raw"}))
+    with pytest.raises(dose_report.ReportError, match="scored other weights"):
+        dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
