@@ -37,6 +37,7 @@ from configs import ConfigError, config_from_dict  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.eval_results import (ResultsError, first_difference, read_result_file,  # noqa: E402
                                  recipe_difference, repeated_weights)
+from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -81,10 +82,48 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
         for role in ROLES:
             value = record.get(f"cd/pair_energy/{role}")
             if value is not None:
-                energies[role].append((int(record["step"]), float(value)))
-    with open(os.path.join(folder, "eval_best_act_max.csv")) as f:
-        act_max = list(csv.DictReader(f))
+                energies[role].append((record["step"], float(value)))
+    missing = [f"cd/pair_energy/{role}" for role in ROLES if not energies[role]]
+    if missing:  # train.py logs them at every log step, baselines too
+        raise ReportError(f"{os.path.join(folder, 'metrics.jsonl')} has no record of {', '.join(missing)}: not "
+                          "the log of a train.py run that reached a log step")
+    act_max = read_act_max(os.path.join(folder, "eval_best_act_max.csv"))
     return Run(point, seed, folder, dict(energies), result, act_max)
+
+
+def read_act_max(path: str) -> list[dict]:
+    """The rows of a per-layer maxima file of evaluate.py, refused when it lacks a column the reports read or
+    a row's block is not an integer (-1: outside the blocks)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in ACT_MAX_FIELDS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ReportError(f"{path} has no column {', '.join(missing)}: not a per-layer maxima file of "
+                              f"evaluate.py (columns {', '.join(ACT_MAX_FIELDS)}); re-evaluate the run")
+        rows = []
+        for row in reader:
+            if not re.fullmatch(r"-?\d+", row["block"] or ""):
+                raise ReportError(f"{path}, line {reader.line_num}: block {row['block']!r} is not an integer: "
+                                  "not a per-layer maxima file of evaluate.py; re-evaluate the run")
+            rows.append(row)
+    return rows
+
+
+def check_numbers(runs: Sequence[Run], fields: Sequence[str], score: str) -> None:
+    """Refuse a run whose eval_best.json lacks a number a report reads: each of `fields` (dotted paths, e.g.
+    fp.ppl_bf16) and the `score` of every quantized entry. evaluate.py writes them all; a file cut by hand or
+    written by an older version may not have them."""
+    for run in runs:
+        paths = [*fields, *(f"quant.{p}.{b}.{score}" for p, entries in run.result["quant"].items() for b in entries)]
+        for path in paths:
+            value = run.result
+            for key in path.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ReportError(f"{os.path.join(run.folder, 'eval_best.json')} has no number at {path}: "
+                                  f"re-evaluate the run: python evaluate.py --checkpoint "
+                                  f"{os.path.join(run.folder, 'best.pt')} with the sweep's evaluate settings "
+                                  f"(and --recompute for a quantized entry)")
 
 
 def metrics_records(folder: str) -> list[dict]:
@@ -96,10 +135,17 @@ def metrics_records(folder: str) -> list[dict]:
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             if number < len(lines):
                 raise ReportError(f"{path}, line {number}: not a JSON record; the file is damaged") from None
+            continue
+        # every record of train.py is an object with the update it was logged at
+        if not isinstance(record, dict) or isinstance(record.get("step"), bool) or \
+                not isinstance(record.get("step"), int):
+            raise ReportError(f"{path}, line {number}: a record without an integer 'step': not the metrics "
+                              "log of a train.py run")
+        records.append(record)
     return records
 
 
@@ -338,6 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if any("top1" not in r.result["fp"] for r in runs):
         raise ReportError(f"{args.root}: not an image-classifier sweep (its eval_best.json have no top-1); "
                           "scripts/lm_study.py reports language models")
+    check_numbers(runs, ("fp.top1", "max_act.module", "max_act.block"), "top1")
     unevaluated = sorted({f"{p} {b}" for r in runs for p, b in QUANT_COLUMNS if b not in r.result["quant"].get(p, {})})
     if unevaluated:  # before any output is written
         raise ReportError(f"{args.root}: some runs lack {', '.join(unevaluated)}: evaluate every run with "

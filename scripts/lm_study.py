@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, final_energy, fmt, metrics_records,  # noqa: E402
-                                 open_sweep, plot_energies, plot_type_maxima, type_maxima)
+from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_energy, fmt,  # noqa: E402
+                                 metrics_records, open_sweep, plot_energies, plot_type_maxima, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
@@ -39,6 +39,8 @@ ACT_BITS = tuple((p, f"w8a{a}") for p in ("smoothquant_strict", "smoothquant") f
 TYPES = ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp", "block")
 CURVES = (("act/max_block", "max |block output|"), ("act/kurtosis_block", "largest kurtosis of a block output"),
           ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / character)"))
+# the numbers of eval_best.json the tables read, besides each quantized entry's perplexity
+FIELDS = ("fp.ppl", "fp.ppl_bf16", "max_act.module", "max_act.block", "max_act.kurtosis.block")
 OUTPUTS = ("lm_study.md", "lm_study_energy.png", "lm_study_outliers.png", "lm_study_act_max_types.png")
 
 
@@ -139,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
         raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity); "
                           "scripts/dose_report.py reports image classifiers")
+    check_numbers([r for runs in groups.values() for r in runs], FIELDS, "ppl")
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w") as f:

@@ -220,3 +220,16 @@ def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "weights": "raw"}))
     with pytest.raises(dose_report.ReportError, match="scored other weights"):
         dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
+
+
+@pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
+                                        (lambda r: r["quant"]["repq"]["w3a3"].pop("top1"), "quant.repq.w3a3.top1")])
+def test_a_result_without_a_number_the_report_reads_is_named(tmp_path, edit, path):
+    """A cut eval_best.json is one error naming the file and the missing number (was a KeyError traceback)."""
+    write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    result = json.loads((tmp_path / "baseline_s0" / "eval_best.json").read_text())
+    edit(result)
+    (tmp_path / "baseline_s0" / "eval_best.json").write_text(json.dumps(result))
+    with pytest.raises(dose_report.ReportError, match=rf"baseline_s0/eval_best.json has no number at {path}: "):
+        dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

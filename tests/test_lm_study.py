@@ -109,3 +109,35 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
                                                    r"were trained with other settings \(optim.lr 0.001 -> 0.01\)"):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def _edit_result(folder, edit):
+    result = json.loads((folder / "eval_best.json").read_text())
+    edit(result)
+    (folder / "eval_best.json").write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: _edit_result(f, lambda r: r["fp"].pop("ppl_bf16")), r"eval_best.json has no number at fp.ppl_bf16"),
+    (lambda f: _edit_result(f, lambda r: r["max_act"].pop("kurtosis")),
+     r"eval_best.json has no number at max_act.kurtosis.block"),
+    (lambda f: _edit_result(f, lambda r: r["quant"]["rtn"]["w4a16"].pop("ppl")),
+     r"eval_best.json has no number at quant.rtn.w4a16.ppl"),
+    (lambda f: (f / "metrics.jsonl").write_text(""), r"metrics.jsonl has no record of cd/pair_energy/qkv"),
+    (lambda f: (f / "metrics.jsonl").write_text('{"train/loss": 2.0}\n' + (f / "metrics.jsonl").read_text()),
+     r"metrics.jsonl, line 1: a record without an integer 'step'"),
+    (lambda f: (f / "eval_best_act_max.csv").write_text("name,kind,type,max\nblocks.1,block,block,3.0\n"),
+     r"eval_best_act_max.csv has no column block"),
+    (lambda f: (f / "eval_best_act_max.csv").write_text("name,kind,block,type,max\nblocks.1,block,one,block,3.0\n"),
+     r"eval_best_act_max.csv, line 2: block 'one' is not an integer"),
+])
+def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
+    """A result, metrics log or maxima file of another shape is one error naming the file and what it lacks
+    (were KeyError / ValueError tracebacks), before anything is written."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    damage(root / "baseline_s0")
+    with pytest.raises(lm_study.ReportError, match=message):
+        lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
