@@ -5,7 +5,8 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
 (mean ± sample std). Runs evaluated differently (autocast, weights, data, quantization settings), and seeds
-of one point trained with other settings (the recipe their eval_best.json records), are refused. What is read from each run, and what is written:
+of one point trained with other settings (the recipe their eval_best.json records), are refused. What is
+read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
