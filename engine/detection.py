@@ -438,19 +438,22 @@ def check_backbone_checkpoint(cfg: Config, path: str) -> None:
             from None
     if not called:  # a backbone that loads otherwise (MMEngine's PretrainedInit, which logs its mismatches)
         return
-    own = backbone.state_dict()
-    params = {name for name, _ in backbone.named_parameters()}
-    missing = sorted(k for k in params - set(loaded) if not NEW_IN_DETECTION.match(k))
-    unexpected = sorted(k for k in set(loaded) - set(own) if not LEFT_BY_DETECTION.search(k))
-    shapes = sorted(k for k in set(own) & set(loaded) if tuple(own[k].shape) != tuple(loaded[k].shape))
-    if missing or unexpected or shapes:
+    misfit = mismatch(backbone.state_dict(), loaded, needed=[name for name, _ in backbone.named_parameters()],
+                      may_lack=NEW_IN_DETECTION, may_add=LEFT_BY_DETECTION)
+    if misfit:
         raise DetectionError(f"{key}={path} does not fit model.backbone ({cfg.model.backbone.get('type')}): "
-                             f"{mismatch(missing, unexpected, shapes)} weights; give the official checkpoint of "
-                             "this backbone")
+                             f"{misfit} weights; give the official checkpoint of this backbone")
 
 
-def mismatch(missing: List[str], unexpected: List[str], shapes: List[str]) -> str:
-    """'3 missing (e.g. a, b, c); 1 of another shape (e.g. d)': the keys of a state dict that do not fit."""
+def mismatch(own: Dict[str, torch.Tensor], given: Dict[str, torch.Tensor], needed: Optional[List[str]] = None,
+             may_lack: Optional[re.Pattern] = None, may_add: Optional[re.Pattern] = None) -> str:
+    """'3 missing (e.g. a, b, c); 1 of another shape (e.g. d)': the keys of `given` that do not fit the state
+    dict `own`, or '' where it fits. `needed`: the keys `given` must hold (all of `own` if None); keys matching
+    `may_lack` may be missing from it, keys matching `may_add` may be in it beyond `own`."""
+    needed = set(own) if needed is None else set(needed)
+    missing = sorted(k for k in needed - set(given) if not (may_lack and may_lack.search(k)))
+    unexpected = sorted(k for k in set(given) - set(own) if not (may_add and may_add.search(k)))
+    shapes = sorted(k for k in set(own) & set(given) if tuple(own[k].shape) != tuple(given[k].shape))
     return "; ".join(f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
                      (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v)
 
@@ -475,13 +478,9 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
     if not isinstance(state, dict) or not state:
         raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
-    if missing or unexpected or shapes:
-        raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: "
-                             f"{mismatch(missing, unexpected, shapes)} weights")
+    misfit = mismatch(model.state_dict(), state)
+    if misfit:
+        raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: {misfit} weights")
     bad = nonfinite_tensors(state)
     if bad:  # every score would be a chance-level number of broken weights
         raise DetectionError(f"--checkpoint {checkpoint} holds non-finite weights: {'; '.join(bad[:3])}"
