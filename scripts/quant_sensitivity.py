@@ -22,7 +22,8 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
 sensitivity_<bits>.json (a summary of those JSONs; an existing one is replaced only with --overwrite).
 Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies
-is refused.
+is refused, and so is one that no run would read: the options of a pipeline that no variant runs
+(quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
+from quant import PIPELINES  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
@@ -77,6 +79,32 @@ def refuse_variant_keys(overrides: list[str]) -> None:
                               "setting on its own)")
 
 
+def pipelines_run(with_aphq: bool) -> set[str]:
+    """The pipelines that some variant runs (APHQ only with --with-aphq)."""
+    return {p for pipelines, _ in VARIANTS.values() for p in pipelines} | ({"aphq"} if with_aphq else set())
+
+
+# what a run would do with quant.pipelines / quant.bits: the command sets them itself
+SET_BY_COMMAND = {"quant.pipelines": "drop it (--with-aphq adds APHQ)", "quant.bits": "give --bits instead"}
+
+
+def refuse_unread_keys(overrides: list[str], with_aphq: bool) -> None:
+    """An override that no run reads would be recorded in the summary as a setting of results computed
+    without it: a pipeline's options (quant.<pipeline>.*) where no variant runs that pipeline, and the keys
+    that the command sets itself."""
+    ran = pipelines_run(with_aphq)
+    for item in overrides:
+        for key in override_keys(item):
+            parts = key.split(".")
+            if key in SET_BY_COMMAND:
+                raise ConfigError(f"{item}: the variants and --bits set {key}; {SET_BY_COMMAND[key]}")
+            if parts[0] == "quant" and len(parts) > 1 and parts[1] in PIPELINES and parts[1] not in ran:
+                fix = ("add --with-aphq to run APHQ" if parts[1] == "aphq" else
+                       f"drop it (the variants run {', '.join(sorted(ran))})")
+                raise ConfigError(f"{item}: no run of this command quantizes with {parts[1]}, so the override "
+                                  f"would be ignored; {fix}")
+
+
 def markdown(table: dict, bits: str) -> str:
     base = table["official"]
     columns = ALL + [p for p in base if p not in ALL]
@@ -105,6 +133,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
     refuse_variant_keys(args.overrides)
+    refuse_unread_keys(args.overrides, args.with_aphq)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
     table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)

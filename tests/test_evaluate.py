@@ -166,6 +166,22 @@ def test_quant_sensitivity_refuses_an_override_of_a_key_a_variant_varies(tmp_pat
     assert not (tmp_path / "sens").exists()
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("quant.aphq.iters=500", "no run of this command quantizes with aphq.*add --with-aphq"),
+    ("quant={aphq: {iters: 500}}", "no run of this command quantizes with aphq"),
+    ("quant.gptq.act_order=true", "no run of this command quantizes with gptq.*variants run gplq, percentile, repq"),
+    ("quant.bits=[w3a3]", "the variants and --bits set quant.bits; give --bits instead"),
+    ("quant.pipelines=[percentile]", "the variants and --bits set quant.pipelines"),
+])
+def test_quant_sensitivity_refuses_an_override_that_no_run_reads(tmp_path, override, expected):
+    """quant.aphq.iters=500 without --with-aphq ran every variant without APHQ and was recorded in the
+    summary all the same: refused before any evaluation, like every key that no run reads."""
+    sens = load_sensitivity_script()
+    with pytest.raises(ConfigError, match=expected):
+        sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(tmp_path / "sens"), override])
+    assert not (tmp_path / "sens").exists()
+
+
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     def result(method, fp, repq, module=5.0, block=3.0):
         return {"model": "m", "method": method, "fp": {"top1": fp},
