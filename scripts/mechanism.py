@@ -23,7 +23,11 @@ What each subcommand writes into --out (existing files are refused unless --over
 
 Model source: --checkpoint (best.pt / checkpoint.pt of train.py; its saved config gives the model and the
 data), or --model NAME --weights FILE (with --config files and key=value overrides for the data, e.g.
-data.root=/datasets/imagenet model.num_classes=1000). Only `surrogate` and `remove` read images.
+data.root=/datasets/imagenet model.num_classes=1000). Only `surrogate` and `remove` read images, and only
+they take --device (`alignment` and `energies` compute on the CPU). An override of a key that the
+subcommand does not read is refused (`READS`): each reads model.*, `surrogate` and `remove` data.* too, and
+`remove` the calibration settings and quant.<--pipeline>.*; a key a flag sets (quant.bits: --bits) is
+given by the flag.
 Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
 directions i in descending singular value, rows j of FC2.
 """
@@ -50,6 +54,7 @@ from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
 from configs.cli import at_least  # noqa: E402
+from configs.loader import override_keys  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
@@ -238,6 +243,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
                                  f"checkpoint.pt that train.py wrote")
         payload = load_checkpoint(args.checkpoint)
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
+        check_overrides(args)
         model = load_float_model(cfg, payload, args)
         source = os.path.abspath(args.checkpoint)
     elif args.model and args.weights:
@@ -248,6 +254,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
                                               f"model.pretrained={os.path.abspath(args.weights)}",
                                               "model.pretrained_strict=true"])
+        check_overrides(args)
         model = build_model(cfg.model)
         source = f"{args.model} + weights {os.path.abspath(args.weights)}"
     else:
@@ -609,6 +616,30 @@ COMMANDS = {"surrogate": cmd_surrogate, "alignment": cmd_alignment, "remove": cm
 # ------------------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------------------
+# The config keys each subcommand reads (a key, or `section.*`: every key below it); `remove` also reads
+# quant.<--pipeline>.*. An override of any other key would change nothing the subcommand computes (data.root
+# for `alignment`) and is refused, as is one of a key that a flag sets (FLAG_KEYS), which the flag overwrites.
+READS = {"surrogate": ("model.*", "data.*"), "alignment": ("model.*",), "energies": ("model.*",),
+         "remove": ("model.*", "data.*", "train.eval_batch_size_per_gpu", "quant.calib_images", "quant.calib_seed",
+                    "quant.calib_transform", "quant.first_last", "quant.act_max_extra_modules")}
+FLAG_KEYS = {"model.name": "--model", "model.pretrained": "--weights", "model.pretrained_strict": "--weights",
+             "train.device": "--device", "quant.bits": "--bits", "quant.pipelines": "--pipeline"}
+
+
+def check_overrides(args: argparse.Namespace) -> None:
+    """Refuse an override that `args.command` would not read (READS, FLAG_KEYS); after the config loader has
+    checked the overrides against the schema (which names the key meant by a misspelt one)."""
+    reads = READS[args.command] + ((f"quant.{args.pipeline}.*",) if args.command == "remove" else ())
+    for item in args.overrides:
+        for key in override_keys(item):
+            flag = FLAG_KEYS.get(key)
+            if flag and hasattr(args, flag[2:]):  # a flag of this subcommand
+                raise MechanismError(f"{item}: `{args.command}` sets {key} from {flag}; give {flag} instead")
+            if flag or not any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads):
+                raise MechanismError(f"{item}: `{args.command}` does not read {key} (it reads "
+                                     f"{', '.join(reads)}); drop it")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is the one `error:` line every other error here is."""
 
@@ -626,7 +657,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--ema", action="store_true", help="the checkpoint's EMA weights")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    if command in ("surrogate", "remove"):  # the others compute on the CPU
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 5M "
                         "parameters, torch's default otherwise)")
     if command in ("surrogate", "alignment", "remove"):

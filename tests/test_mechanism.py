@@ -284,6 +284,19 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "2"], "unrecognized arguments"),
     (["figures", "--checkpoint", "{ckpt}", "--out", "{out}"], "unknown subcommand 'figures'"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is a file; give a folder"),
+    # a setting the subcommand does not read, or one its own flag sets, is refused (each ran ignoring it)
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "0", "quant.bits=[w3a3]"],
+     "quant.bits=[w3a3]: `remove` sets quant.bits from --bits; give --bits instead"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "quant={{pipelines: [percentile]}}"],
+     "`remove` sets quant.pipelines from --pipeline"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--pipeline", "percentile", "quant.repq.reparam=false"],
+     "`remove` does not read quant.repq.reparam"),
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "train.device=cpu"], "give --device instead"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "data.dataset=folder", "data.root=/nonexistent"],
+     "data.dataset=folder: `alignment` does not read data.dataset (it reads model.*); drop it"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lr=0.01"], "`energies` does not read optim.lr"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cuda"], "unrecognized arguments: --device"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cpu"], "unrecognized arguments: --device"),
 ])
 def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
     argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
@@ -303,3 +316,4 @@ def test_an_existing_output_is_one_error_line_from_the_script(checkpoints, tmp_p
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and "--overwrite" in lines[0]
     assert (out / "alignment.csv").read_text() == "mine" and not (out / "alignment.png").exists()
+
