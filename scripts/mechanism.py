@@ -250,6 +250,9 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         if not os.path.isfile(args.weights):
             raise MechanismError(f"--weights {args.weights}: no such file; give a local .pth, .pt or "
                                  f".safetensors file of {args.model}")
+        if args.ema:
+            raise MechanismError(f"--ema: --weights {args.weights} is one set of weights, with no EMA copy; "
+                                 f"drop --ema, or give the train.py checkpoint that holds them with --checkpoint")
         # strict: the weights as they are, never a random classifier in place of one of another size
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
                                               f"model.pretrained={os.path.abspath(args.weights)}",
@@ -290,6 +293,9 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
     try:
         payload = load_checkpoint(path)
     except CheckpointError:
+        if args.ema:
+            raise MechanismError(f"--ema: --compare {path} is a weights file, with no EMA copy; drop --ema, or "
+                                 f"compare a train.py checkpoint") from None
         cfg = copy.deepcopy(first.cfg)
         cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path), pretrained_strict=True)
         return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))

@@ -317,3 +317,20 @@ def test_an_existing_output_is_one_error_line_from_the_script(checkpoints, tmp_p
     assert lines[0].startswith("error: ") and "--overwrite" in lines[0]
     assert (out / "alignment.csv").read_text() == "mine" and not (out / "alignment.png").exists()
 
+
+def test_ema_without_ema_weights_is_refused(checkpoints, tmp_path, capsys):
+    """--ema beside a bare state dict (--weights, or a --compare weights file) was dropped silently: the
+    numbers were those of the only weights there are."""
+    payload = torch.load(checkpoints[0], weights_only=True)
+    weights, with_ema = tmp_path / "w.pth", tmp_path / "ema.pt"
+    torch.save(payload["model"], weights)
+    torch.save({**payload, "model_ema": payload["model"]}, with_ema)
+    for argv, expected in (
+            (["--model", "vit_nano", "--weights", str(weights), "model.num_classes=10"],
+             f"--ema: --weights {weights} is one set of weights, with no EMA copy"),
+            (["--checkpoint", str(with_ema), "--compare", str(weights)],
+             f"--ema: --compare {weights} is a weights file, with no EMA copy")):
+        assert mechanism.cli(["energies", *argv, "--ema", "--out", str(tmp_path / "o")]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "o").exists()
