@@ -15,7 +15,8 @@ on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Q
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
-e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run. Writes one JSON
+e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
+options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused). Writes one JSON
 (default: next to the checkpoint), a per-layer activation-max CSV and plot beside it, and prints a
 markdown row in the layout of the paper's tables.
 """
@@ -454,6 +455,12 @@ def resolve_config(args: argparse.Namespace):
         fitting = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
         raise ConfigError(f"quant.pipelines: {', '.join(other)} cannot quantize a {task.name} model "
                           f"(data.dataset={cfg.data.dataset}); its pipelines are {', '.join(fitting)}")
+    unread = pipeline_options_unread(args.overrides, cfg.quant.pipelines)
+    if unread:  # e.g. quant.aphq.iters=500 beside --quant repq: the result would not be what the user tuned
+        item, pipeline = unread[0]
+        raise ConfigError(f"{item} would be ignored: it sets options of {pipeline}, which this evaluation does not "
+                          f"run (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}); add {pipeline} to "
+                          f"--quant / quant.pipelines, or drop it")
     try:
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
@@ -468,6 +475,19 @@ def resolve_config(args: argparse.Namespace):
         except ValueError as e:
             raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
+
+
+def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[tuple[str, str]]:
+    """(override, pipeline) for each key=value override that sets options of a pipeline not in `pipelines`
+    (quant.<pipeline>.*: each pipeline reads its own section only); [] when every one is read."""
+    unread = []
+    for item in overrides:
+        for key in override_keys(item):
+            parts = key.split(".")
+            if len(parts) > 2 and parts[0] == "quant" and parts[1] in PIPELINES and parts[1] not in pipelines:
+                unread.append((item, parts[1]))
+                break
+    return unread
 
 
 def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:

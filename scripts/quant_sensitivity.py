@@ -24,6 +24,7 @@ sensitivity_<bits>.json (a summary of those JSONs; an existing one is replaced o
 Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies
 is refused, and so is one that no run would read: the options of a pipeline that no variant runs
 (quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
+The options of one pipeline go to the variants that run it only (evaluate.py refuses them elsewhere).
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
-from quant import PIPELINES  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
@@ -61,7 +61,7 @@ def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, with_aph
             pipelines = [*pipelines, "aphq"]
         path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
         args = evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
-                                    *overrides, *extra, "--quant", *pipelines])
+                                    *variant_overrides(overrides, pipelines), *extra, "--quant", *pipelines])
         result = evaluate.main(args)
         table[variant] = {p: result["quant"][p][bits]["top1"] for p in pipelines}
     return table
@@ -91,18 +91,29 @@ SET_BY_COMMAND = {"quant.pipelines": "drop it (--with-aphq adds APHQ)", "quant.b
 def refuse_unread_keys(overrides: list[str], with_aphq: bool) -> None:
     """An override that no run reads would be recorded in the summary as a setting of results computed
     without it: a pipeline's options (quant.<pipeline>.*) where no variant runs that pipeline, and the keys
-    that the command sets itself."""
-    ran = pipelines_run(with_aphq)
+    that the command sets itself. An override of one pipeline's options goes to the variants that run it
+    (`variant_overrides`), so it must set nothing else."""
+    ran = sorted(pipelines_run(with_aphq))
     for item in overrides:
         for key in override_keys(item):
-            parts = key.split(".")
             if key in SET_BY_COMMAND:
                 raise ConfigError(f"{item}: the variants and --bits set {key}; {SET_BY_COMMAND[key]}")
-            if parts[0] == "quant" and len(parts) > 1 and parts[1] in PIPELINES and parts[1] not in ran:
-                fix = ("add --with-aphq to run APHQ" if parts[1] == "aphq" else
-                       f"drop it (the variants run {', '.join(sorted(ran))})")
-                raise ConfigError(f"{item}: no run of this command quantizes with {parts[1]}, so the override "
-                                  f"would be ignored; {fix}")
+    for item, pipeline in evaluate.pipeline_options_unread(overrides, ran):
+        fix = "add --with-aphq to run APHQ" if pipeline == "aphq" else f"drop it (the variants run {', '.join(ran)})"
+        raise ConfigError(f"{item}: no run of this command quantizes with {pipeline}, so the override would be "
+                          f"ignored; {fix}")
+    for item in overrides:  # quant={gplq: {steps: 50}, calib_images: 64}: a variant would read half of it
+        sections = {tuple(key.split(".")[:2]) for key in override_keys(item)}
+        if evaluate.pipeline_options_unread([item], []) and len(sections) > 1:
+            raise ConfigError(f"{item}: give the options of a pipeline as overrides of their own (quant.<pipeline>"
+                              ".<option>=...): they go to the variants that run that pipeline only")
+
+
+def variant_overrides(overrides: list[str], pipelines: list[str]) -> list[str]:
+    """The overrides a variant running `pipelines` reads: all but the options of the pipelines it does not run
+    (evaluate.py refuses those; the `calib=train` variant runs no GPLQ, for example)."""
+    unread = {item for item, _ in evaluate.pipeline_options_unread(overrides, pipelines)}
+    return [o for o in overrides if o not in unread]
 
 
 def markdown(table: dict, bits: str) -> str:

@@ -172,6 +172,7 @@ def test_quant_sensitivity_refuses_an_override_of_a_key_a_variant_varies(tmp_pat
     ("quant.gptq.act_order=true", "no run of this command quantizes with gptq.*variants run gplq, percentile, repq"),
     ("quant.bits=[w3a3]", "the variants and --bits set quant.bits; give --bits instead"),
     ("quant.pipelines=[percentile]", "the variants and --bits set quant.pipelines"),
+    ("quant={gplq: {steps: 5}, calib_images: 64}", "give the options of a pipeline as overrides of their own"),
 ])
 def test_quant_sensitivity_refuses_an_override_that_no_run_reads(tmp_path, override, expected):
     """quant.aphq.iters=500 without --with-aphq ran every variant without APHQ and was recorded in the
@@ -180,6 +181,24 @@ def test_quant_sensitivity_refuses_an_override_that_no_run_reads(tmp_path, overr
     with pytest.raises(ConfigError, match=expected):
         sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(tmp_path / "sens"), override])
     assert not (tmp_path / "sens").exists()
+
+
+@pytest.mark.parametrize("pipelines, overrides, unread", [
+    (["repq"], ["quant.aphq.iters=500"], "aphq"), (None, ["quant.calib_images=8", "quant.gplq={steps: 5}"], "gplq"),
+    (["percentile"], ["quant={repq: {reparam: false}}"], "repq")])
+def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused(digits_checkpoint, tmp_path, pipelines,
+                                                                       overrides, unread):
+    """quant.aphq.iters=500 beside --quant repq was accepted and ignored (each pipeline reads quant.<its name>
+    only); refused before the model is evaluated, naming the override and the pipelines that run."""
+    quant = ["--quant", *pipelines] if pipelines else []  # None: the default ones, percentile and repq
+    with pytest.raises(ConfigError, match=rf"{re.escape(overrides[-1])} would be ignored: it sets options of "
+                                          rf"{unread}, which this evaluation does not run \(pipelines: "):
+        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--out", str(tmp_path / "e.json"),
+                                           *quant, *overrides]))
+    assert not (tmp_path / "e.json").exists()
+    # the options of a pipeline that runs, and the settings every pipeline shares, are read
+    assert evaluate.pipeline_options_unread(["quant.repq.reparam=false", "quant.calib_images=8",
+                                             "quant.first_last=w8a8"], ["repq"]) == []
 
 
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
