@@ -23,7 +23,11 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
     parser.add_argument("--write", action="store_true", help=f"replace the table in {document.parent.name}/"
                                                               f"{document.name}")
     args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # the tables' figures are measured with this many threads
+    if not threads.isdigit() or int(threads) < 1:  # OpenMP's lists (4,2) and empty values: say which number
+        raise SystemExit(f"error: OMP_NUM_THREADS={threads!r}: give one positive number of threads, or unset it "
+                         "(1 thread)")
+    torch.set_num_threads(int(threads))
     out = table()
     if not args.write:
         print(out)

@@ -58,3 +58,11 @@ def test_write_into_a_document_without_its_markers_is_one_error_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: .*README.md lacks the markers <!-- b --> \.\.\. <!-- e -->"):
         readme_tables.table_command("x", lambda: "new table", doc, "<!-- b -->", "<!-- e -->", ["--write"])
     assert doc.read_text() == "# doc\n<!-- b -->\nold table\n"
+
+
+@pytest.mark.parametrize("threads", ["4,2", "0", ""])
+def test_a_thread_count_torch_cannot_take_is_one_error_line(monkeypatch, threads):
+    """OMP_NUM_THREADS=4,2 (an OpenMP list), 0 or empty was a ValueError traceback from int()."""
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    with pytest.raises(SystemExit, match=rf"^error: OMP_NUM_THREADS='{threads}': give one positive number"):
+        readme_tables.table_command("x", lambda: "table", Path("README.md"), "<!-- b -->", "<!-- e -->", [])
