@@ -161,9 +161,13 @@ def main(argv=None) -> str:
         sys.exit(f"error: {e}")
     print(table)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                f.write(table + "\n")
+        except OSError as e:  # a folder that cannot be made or written (read-only, /proc): the table is printed
+            sys.exit(f"error: --out {args.out}: cannot be written ({e.strerror}); the table is printed above: "
+                     "give a writable path")
     return table
 
 

@@ -145,6 +145,8 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
         paper_table.main([str(a), "--out", str(tmp_path), "--overwrite"])
     with pytest.raises(SystemExit, match="error: --over-seeds is for the rows layout"):
         paper_table.main(["--layout", "finetune", "--over-seeds", str(a)])
+    with pytest.raises(SystemExit, match=r"error: --out /proc/table.md: cannot be written"):  # was a traceback
+        paper_table.main([str(a), "--out", "/proc/table.md"])
     out = tmp_path / "table.md"
     out.write_text("someone's table\n")
     with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
