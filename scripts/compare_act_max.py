@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import hashlib
 import os
 import sys
 from collections import defaultdict
@@ -112,6 +113,17 @@ def main(argv=None) -> list[dict]:
         if method in groups:  # a second group of one name would silently replace the first
             sys.exit(f"error: method {method!r} is given twice; give each group its own name")
         groups[method] = paths
+    seen: dict = {}  # the bytes of each file -> (method, path): one run's maxima must count once
+    for method, paths in groups.items():
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    first = seen.setdefault(hashlib.sha256(f.read()).hexdigest(), (method, path))
+            except OSError as e:  # a folder the glob matched, a file without read permission
+                sys.exit(f"error: {path} ({method}) cannot be read ({e.strerror}): give act_max CSV files")
+            if first != (method, path):
+                sys.exit(f"error: {path} ({method}) holds the same maxima as {first[1]} ({first[0]}): one run "
+                         "would count twice (a file given twice, or a copy); give each run's CSV once")
     try:
         refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite,
                                 inputs=[p for paths in groups.values() for p in paths])

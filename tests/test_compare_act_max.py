@@ -58,6 +58,17 @@ def test_means_ranges_and_refusals(tmp_path, capsys):
         compare.main([f"a={tmp_path}/[ad]*_s*.csv", "--out", str(tmp_path / "mixed")])
     with pytest.raises(SystemExit, match="method 'a' is given twice"):
         compare.main([f"a={tmp_path}/a_s0.csv", f"a={tmp_path}/b_s0.csv", "--out", str(tmp_path / "twice")])
+    # one run as two methods, or a copy of it as a second seed: its maxima would count twice
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "a_s0.csv").write_bytes((tmp_path / "a_s0.csv").read_bytes())
+    for groups in ([f"a={tmp_path}/a_s0.csv", f"b={tmp_path}/a_s*.csv"],
+                   [f"a={tmp_path}/*/a_s0.csv", f"b={tmp_path}/a_s0.csv"]):
+        with pytest.raises(SystemExit, match=r"a_s0.csv \(b\) holds the same maxima as .*a_s0.csv \(a\): one run "
+                                             r"would count twice"):
+            compare.main([*groups, "--out", str(tmp_path / "twice")])
+    with pytest.raises(SystemExit, match=r"copy \(a\) cannot be read"):  # a folder the glob matched
+        compare.main([f"a={tmp_path}/co*", "--out", str(tmp_path / "twice")])
+    assert not os.path.exists(tmp_path / "twice.csv")
 
 
 def test_a_file_that_is_not_an_act_max_csv_is_named(tmp_path):
