@@ -445,8 +445,7 @@ def resolve_config(args: argparse.Namespace):
     if args.bits is not None:
         cfg.quant.bits = list(args.bits)
     task = task_for(cfg.data.dataset)
-    if cfg.quant.pipelines is None:
-        cfg.quant.pipelines = list(DEFAULT_PIPELINES[task.name])
+    cfg.quant.pipelines = evaluation_pipelines(cfg)
     unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
     if unknown:
         raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
@@ -475,6 +474,13 @@ def resolve_config(args: argparse.Namespace):
         except ValueError as e:
             raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
+
+
+def evaluation_pipelines(cfg: Config) -> list[str]:
+    """The pipelines an evaluation of `cfg` runs: quant.pipelines, or the task's own (DEFAULT_PIPELINES)."""
+    if cfg.quant.pipelines is None:
+        return list(DEFAULT_PIPELINES[task_for(cfg.data.dataset).name])
+    return list(cfg.quant.pipelines)
 
 
 def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[tuple[str, str]]:

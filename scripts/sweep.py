@@ -211,11 +211,14 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     cmds = [prefix + ["train.py", *config_args, *run["overrides"]]]
     if evaluate:
         out_dir = out_dir_of(run)
-        data_overrides = [o for o in run["overrides"] if o.startswith(("data.", "quant."))]
         cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
-                              "--out", os.path.join(out_dir, "eval_best.json"), *data_overrides,
-                              *run["evaluate"]])
+                              "--out", os.path.join(out_dir, "eval_best.json"), *evaluation_overrides(run)])
     return cmds
+
+
+def evaluation_overrides(run: dict) -> list[str]:
+    """The overrides of a run's evaluate.py command: its data and quant overrides, then the sweep's list."""
+    return [o for o in run["overrides"] if o.startswith(("data.", "quant."))] + run["evaluate"]
 
 
 def main(argv=None) -> int:
@@ -246,6 +249,11 @@ def main(argv=None) -> int:
         if missing:
             sys.exit(f"error: no run named {missing} in {args.sweep}")
         runs = [r for r in runs if r["name"] in args.only]
+    if args.evaluate:
+        try:
+            refuse_unevaluated_options(runs)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
     if not args.run:
         for run in runs:
             for cmd in commands(run, args.launcher, args.evaluate):
@@ -260,6 +268,23 @@ def main(argv=None) -> int:
                 break
     print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()), flush=True)
     return code
+
+
+def refuse_unevaluated_options(runs: list[dict]) -> None:
+    """evaluate.py refuses an override of the options of a pipeline it does not run (quant.aphq.iters=500
+    where the evaluation runs repq only): say so before the first run trains, not after it."""
+    for run in runs:
+        evaluated = evaluation_overrides(run)
+        if not any(len(k.split(".")) > 2 and k.startswith("quant.") for k in keys_of(evaluated)):
+            continue  # no pipeline's options: nothing to check (and no need to import evaluate.py's stack)
+        import evaluate  # torch and the pipelines: only where a pipeline's options are given
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"] + run["evaluate"])
+        pipelines = evaluate.evaluation_pipelines(cfg)
+        for item, pipeline in evaluate.pipeline_options_unread(evaluated, pipelines):
+            raise ConfigError(f"sweep run '{run['name']}': {item} sets options of {pipeline}, which its evaluation "
+                              f"does not run (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py would "
+                              f"refuse it after the training; add {pipeline} to quant.pipelines (the sweep's "
+                              "evaluate list), or drop it")
 
 
 def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:

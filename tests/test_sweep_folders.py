@@ -119,3 +119,21 @@ def test_an_evaluate_entry_replacing_what_a_runs_own_config_file_sets_is_refused
     with pytest.raises(ConfigError, match=r"sweep run 'b': quant.bits in .*w3a3.yaml would be replaced in its "
                                           r"evaluation by the sweep's evaluate list \(quant.bits=\[w4a4\]\)"):
         sweep.expand(str(spec), [])
+
+
+@pytest.mark.parametrize("given", ["run", "command line"])
+def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused_before_training(tmp_path, capsys, given):
+    """evaluate.py refuses quant.aphq.* where its pipelines are repq only; the sweep said nothing and trained
+    every run first."""
+    spec = tmp_path / "s.yaml"
+    item = "[quant.aphq.iters=5]" if given == "run" else "[]"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
+                    f"evaluate: ['quant.pipelines=[repq]']\nruns:\n  a: {item}\n")
+    extra = ["quant.aphq.iters=5"] if given == "command line" else []
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.aphq.iters=5 sets options of aphq, which "
+                                         r"its evaluation does not run \(pipelines: repq\)"):
+        sweep.main([str(spec), "--evaluate", *extra])
+    assert sweep.main([str(spec), *extra]) == 0  # no evaluation: train.py keeps them in the run's config
+    spec.write_text(spec.read_text().replace("quant.pipelines=[repq]", "quant.pipelines=[repq,aphq]"))
+    assert sweep.main([str(spec), "--evaluate", *extra]) == 0
+    assert "quant.aphq.iters=5" in capsys.readouterr().out.splitlines()[-1]  # the evaluate.py command
