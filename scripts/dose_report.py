@@ -15,7 +15,8 @@ read from each run, and what is written:
   best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end (of the
                          weights eval_best.json scored: a best.pt saved after the evaluation is refused); the
                          start is the pretrained backbone (`model.pretrained` of the runs' config)
-  -> dose_report.md      the tables, printed as well
+  -> dose_report.md      the tables, and each point's training settings beside the first point's
+                         (the recipe in eval_best.json); printed as well
 Files are never overwritten: an existing output is refused unless --overwrite is given.
 """
 from __future__ import annotations
@@ -196,6 +197,25 @@ def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
     return {p: sorted(groups[p], key=lambda r: r.seed) for p in sorted(groups, key=order)}
 
 
+def point_settings(groups: dict[str, list[Run]]) -> list[str]:
+    """The report's section on what its points are: each point's training settings beside the first point's
+    (the baseline), from the recipe each eval_best.json records (every training setting but the seed; the
+    seeds of a point share theirs, read_sweep). A dose shows as cd.lam 0.005 -> 0.05; a point trained at
+    another lr as well shows that too, where a table alone would credit the dose with its effect."""
+    reference, first = next(iter(groups.items()))
+    lines = ["", f"Training settings of each point beside {reference}'s (the recipe in its eval_best.json)", ""]
+    for point, runs in groups.items():
+        recipe, base = runs[0].result.get("recipe"), first[0].result.get("recipe")
+        if not recipe or not base:
+            lines.append(f"- {point}: not recorded (an eval_best.json written before evaluate.py recorded it)")
+            continue
+        changes = [f"{key} {json.dumps(base.get(key))} -> {json.dumps(recipe.get(key))}"
+                   for key in sorted(set(base) | set(recipe)) if base.get(key) != recipe.get(key)]
+        lines.append(f"- {point}: " + ("the reference" if point == reference else
+                                       "; ".join(changes) or "the same settings"))
+    return lines
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     n = len(values)
@@ -307,7 +327,7 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
     for point, runs in groups.items():
         lines.append(f"- {point}: " + "; ".join(f"s{r.seed} {describe_peak(p)}"
                                                  for r, p in zip(runs, peaks[point])))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + point_settings(groups)) + "\n"
 
 
 def describe_peak(peak: dict) -> str:

@@ -10,7 +10,8 @@ settings, are refused. Written, and never overwritten without --overwrite:
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits
                            (where evaluated below 8), and the maxima and
-                           kurtosis per module type (eval_best_act_max.csv); printed as well
+                           kurtosis per module type (eval_best_act_max.csv), and each point's
+                           training settings beside the first point's; printed as well
   lm_study_energy.png      pair energy against update (metrics.jsonl)
   lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
   lm_study_act_max_types.png   the largest max |activation| per module type, one bar per point
@@ -25,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_energy, fmt,  # noqa: E402
-                                 metrics_records, open_sweep, plot_energies, plot_type_maxima, type_maxima)
+                                 metrics_records, open_sweep, plot_energies, plot_type_maxima, point_settings,
+                                 type_maxima)
 from engine.figures import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
@@ -90,7 +92,7 @@ def tables(groups: dict[str, list[Run]]) -> str:
             per_run = [type_maxima(r, column) for r in runs]
             lines.append(f"| {point} | " + " | ".join(
                 cell([m[t] for m in per_run if t in m], runs, 1) for t in TYPES) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + point_settings(groups)) + "\n"
 
 
 def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:

@@ -141,3 +141,24 @@ def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, mes
     with pytest.raises(lm_study.ReportError, match=message):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_the_report_names_what_each_point_changes_beside_the_baseline(tmp_path):
+    """A point trained at another lr as well as another dose shows both: the tables alone credit the dose."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    recipes = {"baseline_s0": {"optim.lr": 0.003, "cd.enabled": False, "cd.lam": 0.005},
+               "cd10x_s0": {"optim.lr": 0.003, "cd.enabled": True, "cd.lam": 0.05},
+               "cd30x_s0": {"optim.lr": 0.001, "cd.enabled": True, "cd.lam": 0.15}, "tweo_s0": None}
+    for name, recipe in recipes.items():
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+        if recipe is not None:
+            path = root / name / "eval_best.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "recipe": recipe}))
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")]).splitlines()
+    section = report[report.index("Training settings of each point beside baseline's (the recipe in its "
+                                  "eval_best.json)"):]
+    assert section[2:] == ["- baseline: the reference",
+                           "- cd10x: cd.enabled false -> true; cd.lam 0.005 -> 0.05",
+                           "- cd30x: cd.enabled false -> true; cd.lam 0.005 -> 0.15; optim.lr 0.003 -> 0.001",
+                           "- tweo: not recorded (an eval_best.json written before evaluate.py recorded it)"]
