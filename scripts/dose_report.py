@@ -84,7 +84,7 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
         for role in ROLES:
             value = record.get(f"cd/pair_energy/{role}")
             if value is not None:
-                energies[role].append((record["step"], float(value)))
+                energies[role].append((record["step"], metric_number(record, f"cd/pair_energy/{role}", folder)))
     missing = [f"cd/pair_energy/{role}" for role in ROLES if not energies[role]]
     if missing:  # train.py logs them at every log step, baselines too
         raise ReportError(f"{os.path.join(folder, 'metrics.jsonl')} has no record of {', '.join(missing)}: not "
@@ -93,9 +93,18 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
     return Run(point, seed, folder, dict(energies), result, act_max)
 
 
+def metric_number(record: dict, key: str, folder: str) -> float:
+    """A number train.py logged in metrics.jsonl, refused when the record holds something else there."""
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReportError(f"{os.path.join(folder, 'metrics.jsonl')}: {key} at update {record['step']} is "
+                          f"{value!r}, not a number: not the log of a train.py run")
+    return float(value)
+
+
 def read_act_max(path: str) -> list[dict]:
-    """The rows of a per-layer maxima file of evaluate.py, refused when it lacks a column the reports read or
-    a row's block is not an integer (-1: outside the blocks)."""
+    """The rows of a per-layer maxima file of evaluate.py, refused when it lacks a column the reports read, a
+    row's block is not an integer (-1: outside the blocks) or its max (or kurtosis) not a number."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in ACT_MAX_FIELDS if c not in (reader.fieldnames or ())]
@@ -107,6 +116,12 @@ def read_act_max(path: str) -> list[dict]:
             if not re.fullmatch(r"-?\d+", row["block"] or ""):
                 raise ReportError(f"{path}, line {reader.line_num}: block {row['block']!r} is not an integer: "
                                   "not a per-layer maxima file of evaluate.py; re-evaluate the run")
+            for column in ("max", "kurtosis")[:2 if "kurtosis" in reader.fieldnames else 1]:
+                try:
+                    float(row[column] or "")
+                except ValueError:
+                    raise ReportError(f"{path}, line {reader.line_num}: {column} {row[column]!r} is not a number: "
+                                      "not a per-layer maxima file of evaluate.py; re-evaluate the run") from None
             rows.append(row)
     return rows
 

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_energy, fmt,  # noqa: E402
-                                 metrics_records, open_sweep, plot_energies, plot_type_maxima, point_settings,
-                                 type_maxima)
+                                 metric_number, metrics_records, open_sweep, plot_energies, plot_type_maxima,
+                                 point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
@@ -51,7 +51,7 @@ def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
     points: dict[int, float] = {}
     for record in metrics_records(run.folder):
         if key in record:
-            points[int(record["step"])] = float(record[key])
+            points[record["step"]] = metric_number(record, key, run.folder)
     return sorted(points.items())
 
 
@@ -144,6 +144,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity); "
                           "scripts/dose_report.py reports image classifiers")
     check_numbers([r for runs in groups.values() for r in runs], FIELDS, "ppl")
+    for run in (r for runs in groups.values() for r in runs):  # the curves' logs, before anything is written
+        for key, *_ in CURVES:
+            validation_curve(run, key)
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w") as f:

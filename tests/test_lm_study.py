@@ -130,6 +130,15 @@ def _edit_result(folder, edit):
      r"eval_best_act_max.csv has no column block"),
     (lambda f: (f / "eval_best_act_max.csv").write_text("name,kind,block,type,max\nblocks.1,block,one,block,3.0\n"),
      r"eval_best_act_max.csv, line 2: block 'one' is not an integer"),
+    (lambda f: (f / "eval_best_act_max.csv").write_text("name,kind,block,type,max\nblocks.1,block,1,block,big\n"),
+     r"eval_best_act_max.csv, line 2: max 'big' is not a number"),
+    (lambda f: (f / "eval_best_act_max.csv").write_text(
+        "name,kind,block,type,max,kurtosis\nblocks.1,block,1,block,3.0,\n"), r"line 2: kurtosis '' is not a number"),
+    (lambda f: (f / "metrics.jsonl").write_text('{"step": 5, "cd/pair_energy/qkv": "8.0"}\n'),
+     r"metrics.jsonl: cd/pair_energy/qkv at update 5 is '8.0', not a number"),
+    (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5',
+                                                                                          '"val/loss": null')),
+     r"metrics.jsonl: val/loss at update 25 is None, not a number"),
 ])
 def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
     """A result, metrics log or maxima file of another shape is one error naming the file and what it lacks
