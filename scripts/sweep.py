@@ -19,7 +19,8 @@ Overrides given on this command line apply to every run; one that would replace 
 seed, a dose, or a key its own config files set and other runs set otherwise or not at all: model.name in
 gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline) is refused, as is one (here, in a run or in its own
 config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
-(a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep.
+(a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep, and so may a key that
+only places work (PLACEMENT_KEYS); with --only, only the runs kept are checked.
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
 the sweep is started from.
@@ -42,6 +43,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from typing import Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -51,7 +53,7 @@ from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
-def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
+def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), all checked by the loader."""
     sweep = read_yaml_file(sweep_path)
     unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
@@ -84,12 +86,15 @@ def expand(sweep_path: str, extra_overrides: list[str]) -> list[dict]:
         # what the run sets itself: its key=value items, and what its own config files set differently from
         # other runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
         own = {**layer_keys[name], **{k: i for i in own_items for k in keys_of([i])}}
-        replaced = [o for o in extra_overrides if sets_any(o, set(own))]
+        # (runs that --only leaves out do not run: what an override would replace in them does not matter)
+        replaced = [o for o in extra_overrides if sets_any(o, set(own))] if only is None or str(name) in only else []
         if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run, and
             # model.name=gpt2 would train the gpt2_medium runs as GPT-2 Small under their names
+            where = set_by(own, replaced)
+            files = sorted({w.split(" in ", 1)[1] for w in where if " in " in w})
             raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
-                              f"({', '.join(set_by(own, replaced))}); drop it from the command line, or edit the "
-                              f"run in {sweep_path}")
+                              f"({', '.join(where)}); drop it from the command line, or edit the run in "
+                              f"{' or '.join([sweep_path, *files])}")
         overrides = own_items + list(extra_overrides)
         # evaluate.py takes the sweep's 'evaluate' list last: quant.pipelines=[repq,aphq] given here would
         # be evaluated with the list's quant.pipelines=[repq] without a word
@@ -166,9 +171,15 @@ def run_layer_keys(configs: dict, base: list[str]) -> dict:
                     dotted = {str(key): value}
                 layered[name].update({k: (v, path) for k, v in dotted.items()})
     return {name: {key: f"{key} in {path}" for key, (value, path) in settings.items()
-                   if path not in base and any(key not in other or other[key][0] != value
-                                               for other in layered.values())}
+                   if path not in base and not key.startswith(PLACEMENT_KEYS)
+                   and any(key not in other or other[key][0] != value for other in layered.values())}
             for name, settings in layered.items()}
+
+
+# keys that place a run's work (loader workers, the eval batch, device, compilation, logging): one value for the
+# whole sweep may replace what a run's config file sets (imagenet.yaml's eval batch), as nothing computed changes
+PLACEMENT_KEYS = ("data.num_workers", "data.pin_memory", "train.eval_batch_size_per_gpu", "train.device",
+                  "train.compile", "log.")
 
 
 def run_folder(name, sweep_path: str) -> str:
@@ -217,8 +228,10 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
 
 
 def evaluation_overrides(run: dict) -> list[str]:
-    """The overrides of a run's evaluate.py command: its data and quant overrides, then the sweep's list."""
-    return [o for o in run["overrides"] if o.startswith(("data.", "quant."))] + run["evaluate"]
+    """The overrides of a run's evaluate.py command: its data and quant overrides (data.root=..., and
+    quant={...} as well as quant.x=...), then the sweep's list."""
+    return [o for o in run["overrides"] if o.split("=", 1)[0].split(".", 1)[0].strip() in ("data", "quant")
+            ] + run["evaluate"]
 
 
 def main(argv=None) -> int:
@@ -241,7 +254,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. an unclosed quote
         sys.exit(f"error: --launcher {args.launcher!r}: {e}")
     try:
-        runs = expand(args.sweep, args.overrides)
+        runs = expand(args.sweep, args.overrides, args.only)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if args.only:

@@ -3,6 +3,7 @@ checkpoint: the second would resume the first, and the summary call both finishe
 that the sweep would not name or --only could not select, and an override of what a run's own config files
 set."""
 import os
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,22 @@ def test_a_key_every_run_sets_alike_stays_an_override_for_the_whole_sweep():
         assert all("train.batch_size_per_gpu=64" in r["overrides"] for r in runs)
 
 
+def test_only_the_runs_kept_by_only_are_checked_and_a_key_that_places_work_may_be_set_for_all(capsys):
+    """finetune.yaml's imagenet preset sets its own batch sizes: train.batch_size_per_gpu=32 for the whole sweep
+    would replace its batch (refused, naming the preset), but not for a run --only keeps that does not set it;
+    the eval batch (where work runs, not what it computes) may be set for every run."""
+    path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'imagenet_baseline': train.batch_size_per_gpu=32 would "
+                                         r"replace .* edit the run in .*finetune.yaml or "
+                                         r"configs/finetune/datasets/imagenet.yaml$"):
+        sweep.main([path, "model.pretrained=/w.safetensors", "train.batch_size_per_gpu=32"])
+    assert sweep.main([path, "model.pretrained=/w.safetensors", "--only", "flowers102_baseline",
+                       "train.batch_size_per_gpu=32"]) == 0
+    assert " train.batch_size_per_gpu=32 " in capsys.readouterr().out
+    runs = sweep.expand(path, ["model.pretrained=/w.safetensors", "train={eval_batch_size_per_gpu: 64}"])
+    assert all("train={eval_batch_size_per_gpu: 64}" in r["overrides"] for r in runs) and len(runs) == 27
+
+
 @pytest.mark.parametrize("where", ["run", "configs"])
 def test_an_evaluate_entry_replacing_what_a_runs_own_config_file_sets_is_refused(tmp_path, where):
     """evaluate.py takes the sweep's evaluate list last: run b's quant.bits [w3a3] would be evaluated as
@@ -121,7 +138,7 @@ def test_an_evaluate_entry_replacing_what_a_runs_own_config_file_sets_is_refused
         sweep.expand(str(spec), [])
 
 
-@pytest.mark.parametrize("given", ["run", "command line"])
+@pytest.mark.parametrize("given", ["run", "command line", "mapping"])
 def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused_before_training(tmp_path, capsys, given):
     """evaluate.py refuses quant.aphq.* where its pipelines are repq only; the sweep said nothing and trained
     every run first."""
@@ -129,11 +146,12 @@ def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused_before_tr
     item = "[quant.aphq.iters=5]" if given == "run" else "[]"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
                     f"evaluate: ['quant.pipelines=[repq]']\nruns:\n  a: {item}\n")
-    extra = ["quant.aphq.iters=5"] if given == "command line" else []
-    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.aphq.iters=5 sets options of aphq, which "
-                                         r"its evaluation does not run \(pipelines: repq\)"):
+    override = "quant={aphq: {iters: 5}}" if given == "mapping" else "quant.aphq.iters=5"
+    extra = [override] if given != "run" else []
+    with pytest.raises(SystemExit, match=rf"error: sweep run 'a': {re.escape(override)} sets options of aphq, "
+                                         r"which its evaluation does not run \(pipelines: repq\)"):
         sweep.main([str(spec), "--evaluate", *extra])
     assert sweep.main([str(spec), *extra]) == 0  # no evaluation: train.py keeps them in the run's config
     spec.write_text(spec.read_text().replace("quant.pipelines=[repq]", "quant.pipelines=[repq,aphq]"))
     assert sweep.main([str(spec), "--evaluate", *extra]) == 0
-    assert "quant.aphq.iters=5" in capsys.readouterr().out.splitlines()[-1]  # the evaluate.py command
+    assert override in capsys.readouterr().out.splitlines()[-1]  # the evaluate.py command
