@@ -498,7 +498,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     check_official(args.official)
     configs = {bits: official_config(args.official, bits) for bits in args.bits}
     torch.set_num_threads(args.threads)
-    eargs = evaluate.parse_args(["--checkpoint", args.checkpoint, *args.overrides])
+    # the pipeline it checks: evaluate.py reads (and accepts overrides of) the options of the pipelines it runs
+    eargs = evaluate.parse_args(["--checkpoint", args.checkpoint, "--quant", "aphq", *args.overrides])
     cfg, payload = evaluate.resolve_config(eargs)
     fp_model = evaluate.load_float_model(cfg, payload, eargs).eval()
     check_model_fits_official(fp_model)

@@ -288,3 +288,26 @@ def test_candidate_steps_of_an_evenly_spaced_stem_follow_the_closed_form():
     for kind in ("matmul_pair", "matmul_one_bound"):
         s = steps[kind]
         assert 0 <= s["min"] <= s["median"] <= s["max"] < float("inf")
+
+
+def test_aphq_options_are_overrides_it_reads(tmp_path, fake_official, monkeypatch):
+    """The script checks APHQ: its quant.aphq.* overrides reach the options it compares (evaluate.py refuses the
+    options of a pipeline it does not run, and the script once resolved the config with the default ones)."""
+    from configs import config_to_dict, load_config
+    from models import build_model
+    from tests.conftest import DEMO_CONFIG
+
+    cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano"])  # an untrained checkpoint: only its config is read
+    checkpoint = str(tmp_path / "best.pt")
+    torch.save({"config": config_to_dict(cfg), "model": build_model(cfg.model).state_dict()}, checkpoint)
+
+    class Reached(Exception):
+        pass
+
+    def stop(model):
+        raise Reached
+
+    monkeypatch.setattr(xc, "check_model_fits_official", stop)  # past the config, before the official code runs
+    with pytest.raises(Reached):
+        xc.main(["--checkpoint", checkpoint, "--official", fake_official, "--out", str(tmp_path / "x.json"),
+                 "quant.aphq.seed=1", "--bits", "w4a4"])
