@@ -639,6 +639,9 @@ def check_overrides(args: argparse.Namespace) -> None:
     for item in args.overrides:
         for key in override_keys(item):
             flag = FLAG_KEYS.get(key)
+            if flag in ("--model", "--weights") and args.checkpoint:
+                raise MechanismError(f"{item}: the model and its weights come from --checkpoint {args.checkpoint}; "
+                                     "drop it")
             if flag and hasattr(args, flag[2:]):  # a flag of this subcommand
                 raise MechanismError(f"{item}: `{args.command}` sets {key} from {flag}; give {flag} instead")
             if flag or not any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads):

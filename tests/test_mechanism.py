@@ -297,6 +297,8 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lr=0.01"], "`energies` does not read optim.lr"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cuda"], "unrecognized arguments: --device"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cpu"], "unrecognized arguments: --device"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "model.name=vit_small_patch16_224"],
+     "model.name=vit_small_patch16_224: the model and its weights come from --checkpoint "),
 ])
 def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
     argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
