@@ -264,15 +264,11 @@ def alignment_peak(model: torch.nn.Module) -> dict:
 
 
 def model_of(checkpoint: str, weights: str = "raw") -> torch.nn.Module:
-    """The model of a train.py checkpoint with its raw or EMA weights, loaded as evaluate.py loads them."""
+    """The model of a train.py checkpoint with its raw or EMA weights, loaded by evaluate.py's own loader."""
+    import evaluate  # the quantization stack behind it: only where a report loads weights
     payload = load_checkpoint(checkpoint)
-    key = "model_ema" if weights == "ema" else "model"
-    if key not in payload:
-        raise CheckpointError(f"{checkpoint} has no '{key}' weights")
-    cfg = config_from_dict(payload["config"])
-    model = build_model(dataclasses.replace(cfg.model, pretrained=""))
-    model.load_state_dict(payload[key])
-    return model.eval()
+    args = evaluate.parse_args(["--checkpoint", checkpoint, *(["--ema"] if weights == "ema" else [])])
+    return evaluate.load_float_model(config_from_dict(payload["config"]), payload, args).eval()
 
 
 def evaluated_model(run: Run) -> torch.nn.Module:
