@@ -148,12 +148,12 @@ def main(argv=None) -> dict:
         # recorded also in a file written before it was (no result depends on it)
         labelled = results.data.get("method") == model.training_method
         results.update(method=model.training_method)
-        if "fp" not in results.data or args.recompute:
+        compute_fp = "fp" not in results.data or args.recompute
+        if compute_fp:
             say(f"full precision on {len(loader.dataset)} images ...", flush=True)
             fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
             results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
-            run_on_main(results.save, f"writing {out}", dist.device)
-        elif not labelled:
+        if compute_fp or not labelled:  # new numbers, or the method added to an older file
             run_on_main(results.save, f"writing {out}", dist.device)
         say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
             f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
