@@ -33,6 +33,16 @@ MODES = ("decoupled", "loss")
 _HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
+def make_step_hooks_run(optimizer: torch.optim.Optimizer) -> None:
+    """Make torch call `optimizer`'s step hooks from its next step on. torch wraps an optimizer class's `step`
+    so that it calls them in Optimizer.__init__, or lazily at the first zero_grad(); an optimizer that skips
+    Optimizer.__init__ (timm's Lookahead) takes hooks without error but calls none of them before its first
+    zero_grad(): CD would miss the first update, and every update in a trainer that only zeroes the model's
+    gradients (Hugging Face's). This is torch's own wrapping (the one zero_grad() does), done now."""
+    if not getattr(type(optimizer).step, "hooked", False):
+        optimizer._patch_step_function()
+
+
 def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch.optim.Optimizer, who: str) -> None:
     """Record that `owner` runs `decay`'s update in `optimizer`'s step, after checking that no other live
     owner there decays one of the same matrices. An owner says which decay it still runs in a step with
@@ -50,6 +60,7 @@ def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch
                                f"ColinearityDecay.attach or a cd.integrations callback) and decays {shared[0]} too; "
                                f"each step would decay it twice. Use one per model (remove the other first)")
     _HOOKED.setdefault(optimizer, weakref.WeakSet()).add(owner)
+    make_step_hooks_run(optimizer)  # the owner's hooks are registered next: they must run from the first step
 
 
 def _parameter_at(root: nn.Module, name: str) -> Optional[Tensor]:

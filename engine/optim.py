@@ -14,6 +14,7 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
+from cd.decay import make_step_hooks_run
 from configs.schema import ADAM_OPTIMIZERS, OptimConfig, SchedConfig
 
 
@@ -77,11 +78,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
                          f"layer grouping (timm's group_matcher), so every parameter would get "
                          f"the same lr; drop optim.layer_decay")
     try:
-        return create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
-                                   layer_decay=cfg.layer_decay, **kwargs)
+        optimizer = create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
+                                        layer_decay=cfg.layer_decay, **kwargs)
     except (AssertionError, ImportError) as e:  # timm's APEX / bitsandbytes optimizers: CUDA and the package
         raise ValueError(f"optim.name={cfg.name} cannot be built here ({e}); use another optimizer, "
                          f"e.g. optim.name=adamw") from e
+    # the loop counts real updates (and CD, TWEO act) in step hooks: from the first step, lookahead_* included
+    make_step_hooks_run(optimizer)
+    return optimizer
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_per_epoch: int):

@@ -80,6 +80,43 @@ def test_apply_leaves_frozen_matrices_alone_and_refuses_a_bad_lr():
 
 # -- rule 2: at most once per real step ------------------------------------------------------------------
 
+@pytest.fixture
+def unhooked_lookahead(monkeypatch):
+    """timm's Lookahead with its class `step` as it is before torch wraps it for hooks (it skips
+    Optimizer.__init__, which wraps; a zero_grad() anywhere in the process wraps the class for good)."""
+    from timm.optim import Lookahead
+    monkeypatch.setattr(Lookahead, "step", getattr(Lookahead.step, "__wrapped__", Lookahead.step))
+    return Lookahead
+
+
+def test_cd_runs_from_the_first_step_of_an_optimizer_that_skips_optimizer_init(unhooked_lookahead):
+    """attach on timm's Lookahead took the hook and never called it before the first zero_grad(): the first
+    update (every update in a trainer that zeroes only the model's gradients) went without CD."""
+    model = tiny_vit().double()
+    opt = unhooked_lookahead(sgd(model.parameters()))
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(opt)
+    step_with_zero_grads(model, opt)  # no zero_grad() before it
+    reference = tiny_vit().double()
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)  # one update by hand
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert decay.metrics()["cd/updates"] == 1
+
+
+def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
+    """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
+    skipped) and CD / TWEO act in them."""
+    from configs.schema import OptimConfig
+    from engine.optim import build_optimizer
+
+    opt = build_optimizer(tiny_vit(), OptimConfig(name="lookahead_adamw"), lr=1e-3, weight_decay=0.05)
+    assert isinstance(opt, unhooked_lookahead)
+    steps = []
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    opt.step()
+    assert steps == [1]
+
+
 def test_attaching_twice_is_refused_and_remove_allows_it_again():
     model = tiny_vit().double()
     opt = sgd(model.parameters())
