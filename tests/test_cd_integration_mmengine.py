@@ -92,14 +92,14 @@ DATASETS.register_module(name="Data", force=True, module=RandomImages)
 
 def config(tmp_path, iters, accum=1, clip=None, amp=False, model=None, resume=None, lam=LAM, **hook):
     """A Runner config as a user writes it: CD by `custom_imports` and `custom_hooks` alone. `model`: the
-    Classifier's config."""
+    Classifier's config (its `type` another registered model)."""
     wrapper = dict(type="CpuAmpOptimWrapper" if amp else "OptimWrapper", accumulative_counts=accum,
                    optimizer=dict(type="AdamW", lr=2e-2, weight_decay=0.1),
                    paramwise_cfg=dict(custom_keys={"qkv.weight": dict(lr_mult=0.25), "fc1.weight": dict(lr_mult=0.25)}))
     if clip:
         wrapper["clip_grad"] = dict(max_norm=clip)
     return dict(
-        model=dict(type="Classifier", **(model or {})), work_dir=str(tmp_path), experiment_name="cd",
+        model={"type": "Classifier", **(model or {})}, work_dir=str(tmp_path), experiment_name="cd",
         train_dataloader=dict(dataset=dict(type="Data"), batch_size=2, num_workers=0,
                               sampler=dict(type="InfiniteSampler", shuffle=False),
                               collate_fn=dict(type="default_collate")),
@@ -139,6 +139,26 @@ def test_runner_with_accumulation_clipping_and_paramwise_lrs_matches_the_referen
               variants=("before_backward", "per_micro_batch", "after_step", "first_group_lr"))
     decay = hook_of(runner, "ColinearityDecayHook").decay
     assert decay.num_updates == 3 and decay.pairs[0].name == "blocks.0.attn.qkv.weight"  # the backbone's
+
+
+@MODELS.register_module(force=True)
+class TwoUpdatesPerIteration(Classifier):
+    """A train_step that updates twice per iteration (inner steps, SAM-like or n-critic loops do)."""
+
+    def train_step(self, data, optim_wrapper):
+        for _ in range(2):
+            losses = self._run_forward(self.data_preprocessor(data, True), mode="loss")
+            loss, log_vars = self.parse_losses(losses)
+            optim_wrapper.update_params(loss)
+        return log_vars
+
+
+def test_every_update_of_an_iteration_gets_cd(tmp_path):
+    """The hook armed CD once per iteration: of two updates in one train_step, the second ran without it."""
+    runner = run(config(tmp_path, iters=3, model=dict(type="TwoUpdatesPerIteration")))
+    optimizer = runner.optim_wrapper.optimizer
+    assert hook_of(runner, "ColinearityDecayHook").decay.num_updates == 6 == optimizer.state[
+        next(iter(optimizer.state))]["step"]  # AdamW's own count of its updates
 
 
 def test_a_step_amp_optim_wrapper_skips_applies_no_cd(tmp_path):

@@ -89,6 +89,7 @@ class OptimizerBinding:
                           "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
         register_step_update(self, decay, self.optimizer, "cd.integrations")
         self._armed = False
+        self._held = False  # armed for every update until disarm() (arm(until_disarmed=True))
         self._stepping = False
         self._applied = False
         self._kwargs: dict = {}
@@ -99,8 +100,11 @@ class OptimizerBinding:
         """The decay this binding runs in `optimizer`'s step, until `remove` (`register_step_update`)."""
         return self.decay if self._handles and optimizer is self.optimizer else None
 
-    def arm(self) -> None:
-        """The framework's event: the update that follows (or is under way, in a closure) is a real one."""
+    def arm(self, until_disarmed: bool = False) -> None:
+        """The framework's event: the update that follows (or is under way, in a closure) is a real one; with
+        `until_disarmed`, every update until `disarm()` is (MMEngine's iteration, whose train_step may update
+        more than once: a step the GradScaler skips never reaches the optimizer there)."""
+        self._held = until_disarmed
         if self._stepping:
             if not self._applied:
                 self._run()
@@ -109,7 +113,7 @@ class OptimizerBinding:
 
     def disarm(self) -> None:
         """The framework's step is over (taken or skipped): nothing is pending."""
-        self._armed = False
+        self._armed = self._held = False
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -122,10 +126,10 @@ class OptimizerBinding:
             self._run()
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self._stepping = self._armed = False
+        self._stepping, self._armed = False, self._held
 
     def _run(self) -> None:
-        self._armed, self._applied = False, True
+        self._armed, self._applied = self._held, True
         self.decay.apply_for(self.optimizer, self._kwargs)
 
 

@@ -9,9 +9,9 @@ Importing this module also registers the baselines' hooks, `TweoHook` (cd/integr
 
 Where it runs in MMEngine's step (0.10): no hook event sits between backward and the optimizer step
 (`run_iter` calls `before_train_iter`, `train_step`, `after_train_iter`, and `OptimWrapper.update_params` does
-backward, clipping and the step inside). So the hook arms CD at `before_train_iter`, and the update runs in a
-step pre-hook of the torch optimizer inside the OptimWrapper: after backward and clipping, right before the
-optimizer reads the weights, once per real update (with `accumulative_counts` the wrapper steps only on the
+backward, clipping and the step inside). So the hook arms CD at `before_train_iter` for the iteration, and the
+update runs in a step pre-hook of the torch optimizer inside the OptimWrapper: after backward and clipping, right
+before the optimizer reads the weights, once per real update (each of them, where a train_step updates twice) (with `accumulative_counts` the wrapper steps only on the
 last micro-batch, and CD with it), and not when `AmpOptimWrapper`'s GradScaler skips the step (inf/NaN
 gradients). Any OptimWrapper type works, since none is replaced: OptimWrapper, AmpOptimWrapper, an
 OptimWrapperDict (each optimizer holding decayed matrices is bound), or your own. Each matrix gets the lr of its
@@ -96,8 +96,8 @@ class ColinearityDecayHook(Hook):
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        for binding in self._bindings.values():
-            binding.arm()
+        for binding in self._bindings.values():  # every update of the iteration (a train_step may make several)
+            binding.arm(until_disarmed=True)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         for binding in self._bindings.values():
