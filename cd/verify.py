@@ -150,6 +150,15 @@ def _meta_slots(root: nn.Module, mode: _Provenance) -> dict[str, Tensor]:
     return slots
 
 
+def _fully_sharded(root: nn.Module) -> bool:
+    """Whether FSDP2's fully_shard wrapped a module of `root` (torch >= 2.6 names the class publicly)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # an older torch, or one built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in root.modules())
+
+
 def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                  example: Optional[Tensor] = None) -> None:
     """Run one meta forward of `root` and check every pair (see the module docstring).
@@ -163,6 +172,11 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     Raises:
         UnsupportedModelError: naming the first failing pair, its block and the block's type.
     """
+    if _fully_sharded(root):  # its meta forward would run FSDP's own hooks, which it leaves in a broken state
+        raise UnsupportedModelError(
+            f"cannot check the CD pairs of {type(root).__name__}: it is sharded by FSDP2 (fully_shard), whose "
+            "hooks the check's meta forward would run and leave broken; check the unsharded model "
+            "(ColinearityDecay(model) before fully_shard) and pass verify=False here")
     example = example_input(root) if example is None else example
     if isinstance(example, Mapping):  # keyword inputs (a transformers model's), tensors made meta
         args, kwargs = (), {k: _meta_like(v) for k, v in example.items()}

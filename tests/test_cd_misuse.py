@@ -117,6 +117,27 @@ def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_look
     assert steps == [1]
 
 
+def test_a_model_sharded_by_fsdp2_is_refused_before_the_check_and_still_runs(tmp_path):
+    """The pair check's meta forward ran FSDP2's hooks, which it left broken: after the refusal the model's next
+    forward raised (AttributeError in FSDPParam). Refused before it now, with the way to check the pairs."""
+    import torch.distributed as dist
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("no public fully_shard in this torch")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_vit()
+        for block in model.blocks:
+            fsdp.fully_shard(block)
+        fsdp.fully_shard(model)
+        with pytest.raises(UnsupportedModelError, match=r"sharded by FSDP2 .*before fully_shard\) and pass "
+                                                        r"verify=False here"):
+            ColinearityDecay(model, lam=0.1)
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_attaching_twice_is_refused_and_remove_allows_it_again():
     model = tiny_vit().double()
     opt = sgd(model.parameters())
