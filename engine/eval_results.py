@@ -93,11 +93,14 @@ def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str
 def recipe_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
     """(label, label, how) of the first result trained with other settings than the first one (the `recipe`
     evaluate.py records: every training setting but the seed), or None. Results written before the recipe was
-    recorded have none and are not compared."""
+    recorded have none and are not compared; nor are keys only one recipe has (a setting added to the config
+    between two evaluate.py versions: the older result could not record it)."""
     recipes = [(label, result["recipe"]) for label, result in labelled if result.get("recipe")]
     for label, other in recipes[1:]:
-        if other != recipes[0][1]:
-            return recipes[0][0], label, settings_diff(recipes[0][1], other)
+        first = recipes[0][1]
+        shared = set(first) & set(other)
+        if any(first[k] != other[k] for k in shared):
+            return recipes[0][0], label, settings_diff({k: first[k] for k in shared}, {k: other[k] for k in shared})
     return None
 
 

@@ -109,6 +109,11 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
                                                    r"were trained with other settings \(optim.lr 0.001 -> 0.01\)"):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+    # a key only one seed's recipe has is a setting added to the config between two evaluate.py versions
+    path = root / "baseline_s1" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "recipe": {"optim.lr": 0.001, "cd.lam": 0.0, "cd.precision": "fp32"}}))
+    assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
 def _edit_result(folder, edit):
