@@ -176,15 +176,18 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
         return result
     rank = dist.get_rank()
     try:
-        message = _receive(_main_rank_group())
+        message, failure = _receive(_main_rank_group()), None
     except RuntimeError as e:
-        if "timed out" in str(e).lower():
+        message, failure = None, str(e)
+    # raised here, not in the except clause: the caught error (its __context__ there) would keep the frames of
+    # _receive and broadcast, and with them the group, alive through process_group's cleanup
+    if failure is not None:
+        if "timed out" in failure.lower():
             limit = _main_rank_wait
             change = f"; raise {limit.setting} if rank 0 is still working" if limit.setting else ""
             raise OtherRankError(f"rank {rank} waited {limit.timeout} for rank 0 to finish {what} and gave "
-                                 f"up{change}") from None
-        raise OtherRankError(f"rank {rank} lost rank 0 while it was {what} ({e}); rank 0's output says why"
-                             ) from None
+                                 f"up{change}")
+        raise OtherRankError(f"rank {rank} lost rank 0 while it was {what} ({failure}); rank 0's output says why")
     try:
         status, sent_for, value = torch.load(io.BytesIO(message), map_location=onto(device), weights_only=False)
     except Exception as e:  # e.g. out of memory on this rank's GPU: not rank 0's fault, say so
