@@ -11,10 +11,11 @@ Where it runs in MMEngine's step (0.10): no hook event sits between backward and
 (`run_iter` calls `before_train_iter`, `train_step`, `after_train_iter`, and `OptimWrapper.update_params` does
 backward, clipping and the step inside). So the hook arms CD at `before_train_iter` for the iteration, and the
 update runs in a step pre-hook of the torch optimizer inside the OptimWrapper: after backward and clipping, right
-before the optimizer reads the weights, once per real update (each of them, where a train_step updates twice) (with `accumulative_counts` the wrapper steps only on the
-last micro-batch, and CD with it), and not when `AmpOptimWrapper`'s GradScaler skips the step (inf/NaN
-gradients). Any OptimWrapper type works, since none is replaced: OptimWrapper, AmpOptimWrapper, an
-OptimWrapperDict (each optimizer holding decayed matrices is bound), or your own. Each matrix gets the lr of its
+before the optimizer reads the weights, once per real update (each of them where a train_step updates more than
+once; with `accumulative_counts` the wrapper steps only on the last micro-batch, and CD with it), and not when
+`AmpOptimWrapper`'s GradScaler skips the step (inf/NaN gradients). Any OptimWrapper type works, since none is
+replaced: OptimWrapper, AmpOptimWrapper, an OptimWrapperDict (each optimizer holding decayed matrices is bound),
+or your own. Each matrix gets the lr of its
 param group at that moment, which MMEngine's param schedulers set.
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
