@@ -484,6 +484,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. data.root=...)")
     args = parser.parse_args(argv)
+    # --bits takes every word after it, so an override written there would reach it as a bit-width
+    swallowed = [b for b in args.bits if "=" in b]
+    if swallowed:
+        raise UserError(f"--bits {' '.join(args.bits)}: {swallowed[0]} is a key=value override; write the "
+                        "overrides before --bits")
     if args.iters < 0:
         raise UserError("--iters must be >= 0")
     if args.threads < 1:
