@@ -266,11 +266,10 @@ def markdown_row(data: dict) -> str:
 
 if __name__ == "__main__":
     from engine.distributed import OtherRankError
+    from engine.runinfo import exit_with_error
     try:
         main()
     except (ValueError, FileNotFoundError) as e:  # DetectionError, ResultsError, a bad override
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(e), code=2)
     except OtherRankError as e:  # rank 0 prints the error itself
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(e), code=2)

@@ -41,10 +41,11 @@ def exit_with_error(message: str, code=None):
             name = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "run"  # train / evaluate
             handler.emit(logging.LogRecord(name, logging.ERROR, __file__, 0, line, None, None))
             handler.flush()
-    if code is None:
-        sys.exit(line)
-    print(line, file=sys.stderr)
-    sys.exit(code)
+    # One write of line and newline: sys.exit(line) and print() each write the text and its newline apart, so
+    # under torchrun two ranks' lines on the shared stderr could run together into one (seen in a test).
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    sys.exit(1 if code is None else code)
 
 
 def git_commit() -> str:

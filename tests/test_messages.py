@@ -149,3 +149,26 @@ def test_the_summary_names_the_epoch_in_progress_as_best_epoch_does():
     inside = train.run_summary(TrainState(epoch=0, step=12, epoch_batches=24), "finished", 1, 5.0, 192, 4.0)
     at_end = train.run_summary(TrainState(epoch=2, step=8, epoch_batches=0), "finished", 2, 5.0, 128, 4.0)
     assert "finished at update 12, epoch 1/1;" in inside and "finished at update 8, epoch 2/2;" in at_end
+
+
+@pytest.mark.parametrize("code", [None, 2, 130])
+def test_an_error_line_is_one_write_so_ranks_sharing_stderr_cannot_run_their_lines_together(monkeypatch, code):
+    """Under torchrun every rank writes to one stderr: a line written as text and newline apart (print, or
+    sys.exit(text)) can end up as two ranks' lines joined into one. exit_with_error writes it in one call."""
+    from engine.runinfo import exit_with_error
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    with pytest.raises(SystemExit) as done:
+        exit_with_error("the disk is on fire", code=code)
+    assert writes == ["error: the disk is on fire\n"]
+    assert done.value.code == (1 if code is None else code)
