@@ -203,8 +203,8 @@ def run(argv=None) -> None:
     try:
         sys.exit(main(argv))
     except ValueError as e:  # DetectionError (engine/detection.py), a bad override (parse_overrides)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        from engine.runinfo import exit_with_error
+        exit_with_error(str(e), code=2)  # one write: under torchrun the ranks share stderr
 
 
 if __name__ == "__main__":
