@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
-from configs.cli import add_config_arguments, named_twice, parse_known, print_config
+from configs.cli import add_config_arguments, move_overrides, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
@@ -691,12 +691,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="key=value config overrides, e.g. data.root=/datasets/imagenet")
     add_config_arguments(parser, "evaluate.py")
     args = parse_known(parser, argv, "evaluate.py", own_flags=FOREIGN_EVAL_FLAGS)
-    # `--quant repq data.root=x` would read data.root=x as a pipeline: key=value items are overrides.
-    for name in ("quant", "bits"):
-        values = getattr(args, name)
-        if values:
-            args.overrides += [v for v in values if "=" in v]
-            setattr(args, name, [v for v in values if "=" not in v])
+    move_overrides(args, "quant", "bits")  # `--quant repq data.root=x`: data.root=x is an override
     if args.print_config:
         print_config(resolve_config(args)[0])
         sys.exit(0)

@@ -77,6 +77,17 @@ def at_least(low: float, kind: type = int):
     return parse
 
 
+def move_overrides(args: argparse.Namespace, *flags: str) -> None:
+    """Move key=value words out of list flags (nargs "+" / "*") into `args.overrides`. Such a flag takes every
+    word after it, so `--bits w4a4 data.root=/d` would read the override as a bit-width: the override is what
+    the user meant, as it is anywhere else on the line. A flag left with no word of its own is empty ([])."""
+    for flag in flags:
+        values = getattr(args, flag, None)
+        if values:
+            args.overrides += [v for v in values if "=" in v]
+            setattr(args, flag, [v for v in values if "=" not in v])
+
+
 def named_twice(what: str, values: list) -> Optional[str]:
     """'<what> names X twice: give each once' for a list of pipelines or bit-widths that repeats one (each
     would run twice, the first result moved to the JSON's history), or None."""

@@ -77,6 +77,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
+from configs.cli import move_overrides  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
@@ -484,11 +485,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. data.root=...)")
     args = parser.parse_args(argv)
-    # --bits takes every word after it, so an override written there would reach it as a bit-width
-    swallowed = [b for b in args.bits if "=" in b]
-    if swallowed:
-        raise UserError(f"--bits {' '.join(args.bits)}: {swallowed[0]} is a key=value override; write the "
-                        "overrides before --bits")
+    move_overrides(args, "bits")  # `--bits w4a4 data.root=d`: data.root=d is an override, as in evaluate.py
+    if not args.bits:
+        raise UserError("--bits needs at least one bit-width, e.g. --bits w4a4")
     if args.iters < 0:
         raise UserError("--iters must be >= 0")
     if args.threads < 1:

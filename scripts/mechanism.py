@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
-from configs.cli import at_least  # noqa: E402
+from configs.cli import at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
@@ -704,12 +704,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.command = argv[0]
     if args.threads is not None and args.threads < 1:
         raise MechanismError(f"--threads {args.threads}: give 1 or more")
-    if getattr(args, "blocks", None):  # `--blocks 1 2 data.root=x`: key=value items are overrides
-        args.overrides += [b for b in args.blocks if "=" in b]
-        args.blocks = [b for b in args.blocks if "=" not in b]
-    if getattr(args, "labels", None):
-        args.overrides += [b for b in args.labels if "=" in b]
-        args.labels = [b for b in args.labels if "=" not in b]
+    move_overrides(args, "blocks", "labels")  # `--blocks 1 2 data.root=x`: data.root=x is an override
     return args
 
 

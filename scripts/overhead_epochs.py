@@ -36,7 +36,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
-from configs.cli import at_least  # noqa: E402
+from configs.cli import at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
@@ -178,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     args = p.parse_intermixed_args(argv)
+    move_overrides(args, "models")  # `--models vit_small_patch16_224 data.root=/d`: data.root=/d is an override
     refuse_protocol_keys(args.overrides)
     written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
     from configs import ConfigError, load_config

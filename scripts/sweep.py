@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
+from configs.cli import move_overrides  # noqa: E402
 from configs.loader import dotted_settings, overlapping_keys, override_keys, read_yaml_file  # noqa: E402
 from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
@@ -245,8 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
     if args.only:  # `--only a quant.x=1`: --only takes every item after it; key=value ones are overrides
-        args.overrides += [o for o in args.only if "=" in o]
-        args.only = [o for o in args.only if "=" not in o]
+        move_overrides(args, "only")
         if not args.only:
             sys.exit("error: --only needs the names of runs to keep")
     try:

@@ -113,6 +113,16 @@ def test_epochs_protocol_refuses_an_override_of_a_key_it_sets(tmp_path, override
     assert not (tmp_path / "ep").exists()  # nothing ran
 
 
+def test_an_override_written_after_the_models_is_an_override_not_a_model(tmp_path):
+    """--models takes every word after it: sched.epochs=1 there was a model name to time (and the override was
+    lost); as an override, it is refused as one of the protocol's keys before anything runs."""
+    with pytest.raises(SystemExit, match=r"error: sched.epochs=1 would replace sched.epochs, which the protocol"):
+        _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml", "--global-batch", "16",
+                       "--batches", "4", "--methods", "baseline", "--epochs", "2", "--runs", "1",
+                       "--out", str(tmp_path / "ep"), "--models", "vit_nano", "sched.epochs=1"])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
 @pytest.mark.parametrize("launcher, world", [("", 1), ("torchrun --nproc_per_node=4", 4),
                                              ("torchrun --nnodes 2 --nproc-per-node 8", 16),
                                              ("torchrun --nproc_per_node=gpu", None), ("srun python", None)])
