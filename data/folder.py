@@ -131,7 +131,7 @@ def unreadable_replacer(dataset: ImageDataset):
         if len(good) == 0:
             raise DataError(f"none of the {len(targets)} images of a training batch could be read (e.g. "
                             f"{', '.join(names[:3])}): check that the files are there and readable")
-        source = good[torch.arange(len(replaced)) % len(good)]
+        source = good[torch.arange(len(replaced), device=good.device) % len(good)]
         images, targets = images.clone(), targets.clone()
         images[replaced], targets[replaced] = images[source], targets[source]
         return images, targets, names

@@ -143,7 +143,8 @@ def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vo
     if count > len(windows):
         raise DataError(f"asked for {count} calibration windows of {context} tokens; the train split has "
                         f"{len(windows)}")
-    chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    # the order is drawn on the CPU, where the windows and their generator are, whatever the default device
+    chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed), device="cpu")[:count].tolist()
     calib = torch.stack([windows[i][0] for i in chosen])
     check_vocabulary(stream, vocab_size, calib.numpy())
     return calib
@@ -245,7 +246,7 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
     dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
         raise DataError(f"{key}={count}: the train split has {len(dataset)} images; give at most that")
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
     seeded = SeededDataset(dataset)
     images, unreadable = [], []
     for index in order:  # an unreadable image (a negative target, data/folder.py) is left out and named

@@ -19,5 +19,5 @@ class SyntheticDataset(Dataset):
         return self.size
 
     def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        return torch.randn(3, self.img_size, self.img_size, generator=g), i % self.num_classes
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)  # a CPU generator: the image is CPU data
+        return torch.randn(3, self.img_size, self.img_size, generator=g, device="cpu"), i % self.num_classes

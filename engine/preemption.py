@@ -156,7 +156,7 @@ class _Agreement:
         self.host = self.event = None
         if device.type == "cuda":
             self.work.wait()  # the current stream waits for the collective; the host does not
-            self.host = torch.empty(1, pin_memory=True)
+            self.host = torch.empty(1, pin_memory=True, device="cpu")
             self.host.copy_(self.flag, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()

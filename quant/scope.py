@@ -43,8 +43,8 @@ def _vit() -> nn.Module:
 
 
 TASKS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor], Dict[str, str]]] = {
-    "GPT-2": (_gpt, lambda g: torch.randint(0, 64, (4, 32), generator=g), LM_PIPELINES),
-    "ViT": (_vit, lambda g: torch.randn(4, 3, 32, 32, generator=g), VISION_PIPELINES),
+    "GPT-2": (_gpt, lambda g: torch.randint(0, 64, (4, 32), generator=g, device="cpu"), LM_PIPELINES),
+    "ViT": (_vit, lambda g: torch.randn(4, 3, 32, 32, generator=g, device="cpu"), VISION_PIPELINES),
 }
 
 _OPERAND_NAMES = {"q": "q", "k": "k", "attn": "softmax output", "v": "v"}

@@ -138,6 +138,41 @@ def test_training_windows_draw_their_offset_on_the_cpu():
     assert x.device.type == "cpu" and torch.equal(x, expected[0]) and torch.equal(y, expected[1])
 
 
+def test_calibration_sets_are_drawn_on_the_cpu(tmp_path):
+    """The calibration windows (GPTQ / SmoothQuant) and images (RepQ-ViT, APHQ) are chosen by a CPU generator
+    and built from CPU data, whatever the default device (the old code drew their order there: a meta tensor,
+    and on a CUDA default a generator of another device)."""
+    import numpy as np
+
+    from configs import DataConfig
+    from data.loader import calibration_images, calibration_windows
+
+    (tmp_path / "t").mkdir()
+    for split in ("train", "val"):
+        np.arange(2_000, dtype=np.uint16).tofile(tmp_path / "t" / f"{split}.bin")
+    tokens, images = DataConfig(dataset="tokens", root=str(tmp_path / "t")), DataConfig(dataset="synthetic")
+    expected = calibration_windows(tokens, 16, 4, 0, vocab_size=2_000), calibration_images(images, 32, 10, 4, 0)
+    with torch.device("meta"):
+        got = calibration_windows(tokens, 16, 4, 0, vocab_size=2_000), calibration_images(images, 32, 10, 4, 0)
+    assert all(g.device.type == "cpu" and torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_unreadable_samples_are_replaced_with_indices_on_the_batch_device():
+    """A training batch's unreadable samples are replaced by readable ones of the same batch, indexed on the
+    batch's device (the old code built the index on the default device)."""
+    from data.folder import unreadable_replacer
+
+    class Files:
+        def filename(self, index, absolute=False):
+            return f"/data/{index}.png"
+
+    images, targets = torch.arange(4.0).view(4, 1), torch.tensor([0, -2, 2, -4])
+    with torch.device("meta"):
+        images, targets, names = unreadable_replacer(Files())(images, targets)
+    assert images.device.type == "cpu" and images.flatten().tolist() == [0.0, 0.0, 2.0, 2.0]
+    assert targets.tolist() == [0, 0, 2, 2] and names == ["/data/1.png", "/data/3.png"]
+
+
 def test_evaluations_copy_nothing_from_the_host_per_batch():
     """engine.loop.evaluate and the language-model evaluation add each batch's counts on the device: the old
     code made torch.tensor(count, device=device) per batch, a blocking copy (a host sync on CUDA)."""
