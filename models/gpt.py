@@ -107,9 +107,14 @@ class GPT(nn.Module):
         super().__init__()
         if gelu not in ("exact", "tanh"):
             raise ValueError(f"gelu={gelu!r}: give exact or tanh")
-        sizes = dict(context=context, num_heads=num_heads)  # divisors and a dimension of the position table
-        if any(v < 1 for v in sizes.values()):  # else a ZeroDivisionError or a torch error further on
-            raise ValueError(", ".join(f"{k}={v}" for k, v in sizes.items() if v < 1) + " must be >= 1")
+        # model.kwargs come from YAML as given: a float (4.0) fails in the first forward, a string bias ("false")
+        # is truthy, a size below 1 is a torch error here or (depth) a model with no block at all
+        sizes = dict(context=context, depth=depth, num_heads=num_heads, embed_dim=embed_dim)
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: give whole numbers >= 1")
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r}: give true or false")
         self.vocab_size, self.context = vocab_size, context
         self.wte = nn.Embedding(vocab_size, embed_dim)
         self.wpe = nn.Embedding(context, embed_dim)

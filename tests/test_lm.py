@@ -209,12 +209,18 @@ def test_model_and_data_must_be_of_one_task(tmp_path):
         train.main(cfg)
 
 
-@pytest.mark.parametrize("size", ["context=0", "context=-5", "num_heads=0"])
-def test_a_gpt_size_below_one_is_a_model_error_not_a_traceback(tmp_path, size):
-    # context=0 divided by zero in data/text.py, a negative one failed in torch, num_heads=0 in the attention
+@pytest.mark.parametrize("size, shown", [("context=0", None), ("context=-5", None), ("num_heads=0", None),
+                                         ("depth=-1", None), ("depth=0", None), ("embed_dim=0", None),
+                                         ("embed_dim=-4", None), ("num_heads=4.0", "num_heads=4.0"),
+                                         ("depth=true", "depth=True"), ("bias='false'", "bias='false'")])
+def test_a_gpt_size_that_is_no_whole_number_from_one_is_a_model_error_before_the_run(tmp_path, size, shown):
+    """context=0 divided by zero in data/text.py, a negative one or embed_dim=-4 failed in torch, num_heads=0
+    in the attention, num_heads=4.0 in the first forward (a traceback at update 1); depth=-1 and
+    embed_dim=0 trained a model without blocks or weights, and bias='false' (a string) one with biases."""
     cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", f"model.kwargs.{size}"])
-    with pytest.raises(ModelError, match=f"{size} must be >= 1"):
+    with pytest.raises(ModelError, match=re.escape(shown or size) + r": give (whole numbers >= 1|true or false)"):
         train.main(cfg)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
 def test_language_model_trains_resumes_exactly_and_keeps_lowest_loss(tmp_path):
