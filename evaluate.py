@@ -41,6 +41,7 @@ from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError
+from data.text import token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
@@ -173,13 +174,13 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
     """The val split, sharded across ranks: token windows of the model's context for a language model (its
     characters must be those the checkpoint was trained on), images else (its classes likewise)."""
     if task.language:
-        loader, vocab = build_token_eval_loader(cfg.data, context=img_size,
-                                                batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
-                                                rank=dist.rank, world_size=dist.world_size,
-                                                vocab_size=cfg.model.num_classes)
-        check_vocabulary_kind(payload, vocab, args.checkpoint or cfg.model.pretrained, cfg.data.dataset)
-        check_classes(payload, vocab, args.checkpoint)
-        return loader
+        stream = token_stream(cfg.data, "val")
+        # the kind of text first: ids of another kind are not a vocabulary to widen (model.num_classes)
+        check_vocabulary_kind(payload, stream.vocab, args.checkpoint or cfg.model.pretrained, cfg.data.dataset)
+        check_classes(payload, stream.vocab, args.checkpoint)
+        return build_token_eval_loader(cfg.data, stream, context=img_size,
+                                       batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                                       rank=dist.rank, world_size=dist.world_size, vocab_size=cfg.model.num_classes)
     try:
         loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                    rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)

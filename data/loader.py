@@ -27,7 +27,7 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
-from .text import TOKEN_DATASETS, TokenWindows, check_vocabulary, token_files_fingerprint, token_stream
+from .text import TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_files_fingerprint, token_stream
 from .transforms import build_transform
 
 log = logging.getLogger(__name__)
@@ -124,14 +124,13 @@ def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: in
                    fingerprint=token_files_fingerprint(cfg))
 
 
-def build_token_eval_loader(cfg: DataConfig, *, context: int, batch_size_per_gpu: int, rank: int,
-                            world_size: int, vocab_size: int) -> tuple[DataLoader, Optional[list]]:
-    """The val split's windows (data.val_windows of them, or all), sharded across ranks without duplicates,
-    and the character vocabulary (None for token files)."""
-    stream = token_stream(cfg, "val")
+def build_token_eval_loader(cfg: DataConfig, stream: TokenStream, *, context: int, batch_size_per_gpu: int,
+                            rank: int, world_size: int, vocab_size: int) -> DataLoader:
+    """The windows of `stream`, the val split (`token_stream(cfg, "val")`: data.val_windows of them, or all),
+    sharded across ranks without duplicates; ids the model cannot embed (`vocab_size`) are refused."""
     check_vocabulary(stream, vocab_size)
     val_set = TokenWindows(stream, context, train=False, limit=cfg.val_windows)
-    return _eval_loader(cfg, val_set, batch_size_per_gpu, rank, world_size), stream.vocab
+    return _eval_loader(cfg, val_set, batch_size_per_gpu, rank, world_size)
 
 
 def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vocab_size: int) -> torch.Tensor:

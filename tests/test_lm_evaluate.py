@@ -78,6 +78,18 @@ def test_a_character_model_on_token_ids_is_refused(kjv_run, tmp_path):
         run_eval("--config", NANO, f"model.pretrained={weights}", "--quant", "rtn", "--out", str(tmp_path / "r.json"))
 
 
+def test_a_token_model_of_fewer_ids_than_the_characters_is_refused_as_the_other_kind(tmp_path):
+    """A token-id model of 64 ids on the 65 characters: the error is the kind of text, not advice to widen
+    model.num_classes to 65 (which then failed as weights of another shape)."""
+    out = tmp_path / "tok"
+    train.main(load_config([NANO], [f"out_dir={out}", "data.dataset=tokens",
+                                    f"data.root={token_folder(tmp_path / 'ids', vocab=64)}", "model.num_classes=64",
+                                    "sched.steps=4", "train.eval_every_steps=4"]))
+    with pytest.raises(DataError, match=r"trained on token ids, data.dataset=kjv gives 65 characters"):
+        run_eval("--checkpoint", str(out / "best.pt"), "--quant", "rtn", "data.dataset=kjv",
+                 "--out", str(tmp_path / "r.json"))
+
+
 def test_a_language_model_on_images_is_refused_before_any_scoring(kjv_run, tmp_path):
     with pytest.raises(ConfigError, match="is a language model, data.dataset=synthetic is images"):
         run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "data.dataset=synthetic",
