@@ -23,7 +23,9 @@ What each subcommand writes into --out (existing files are refused unless --over
 
 Model source: --checkpoint (best.pt / checkpoint.pt of train.py; its saved config gives the model and the
 data), or --model NAME --weights FILE (with --config files and key=value overrides for the data, e.g.
-data.root=/datasets/imagenet model.num_classes=1000). Only `surrogate` and `remove` read images, and only
+data.root=/datasets/imagenet model.num_classes=1000); the file must fit the model, but `alignment` and
+`energies`, which read the blocks' matrices alone, also take a backbone without its classifier (DINOv2's, MAE's)
+and leave the model's own unread. Only `surrogate` and `remove` read images, and only
 they take --device (`alignment` and `energies` compute on the CPU). An override of a key that the
 subcommand does not read is refused (`READS`): each reads model.*, `surrogate` and `remove` data.* too, and
 `remove` the calibration settings and quant.<--pipeline>.*; a key a flag sets (quant.bits: --bits) is
@@ -232,6 +234,11 @@ class Loaded:
     label: str   # Baseline / CD (...) / TWEO, from the checkpoint's config
 
 
+# Subcommands that read the blocks' matrices alone: a weights file without a classifier (a backbone, as DINOv2 and
+# MAE publish theirs) is read as it is, the model's own classifier left unread; the others score or run the model.
+READ_NO_CLASSIFIER = ("alignment", "energies")
+
+
 def load(args: argparse.Namespace, images: bool = False) -> Loaded:
     """The float model (eval mode, on the CPU) and its config, from --checkpoint or --model/--weights; with
     `images`, refused when it is a language model (the subcommand reads val images and scores top-1)."""
@@ -254,9 +261,10 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
             raise MechanismError(f"--ema: --weights {args.weights} is one set of weights, with no EMA copy; "
                                  f"drop --ema, or give the train.py checkpoint that holds them with --checkpoint")
         # strict: the weights as they are, never a random classifier in place of one of another size
+        strict = str(args.command not in READ_NO_CLASSIFIER).lower()
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
                                               f"model.pretrained={os.path.abspath(args.weights)}",
-                                              "model.pretrained_strict=true"])
+                                              f"model.pretrained_strict={strict}"])
         check_overrides(args)
         model = build_model(cfg.model)
         source = f"{args.model} + weights {os.path.abspath(args.weights)}"
@@ -297,7 +305,8 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
             raise MechanismError(f"--ema: --compare {path} is a weights file, with no EMA copy; drop --ema, or "
                                  f"compare a train.py checkpoint") from None
         cfg = copy.deepcopy(first.cfg)
-        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path), pretrained_strict=True)
+        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path),
+                                        pretrained_strict=args.command not in READ_NO_CLASSIFIER)
         return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
     cfg = apply_overrides(config_from_dict(payload["config"]), args.overrides)
     model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))

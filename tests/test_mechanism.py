@@ -266,6 +266,31 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     assert [r["alpha"] for r in a["ranked"]] == [r["alpha"] for r in b["ranked"]]
 
 
+def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not_scored(checkpoints, tmp_path):
+    """Backbones are published without a classifier (DINOv2, MAE): alignment and energies, which read the blocks'
+    matrices alone, take such a file as it is (they refused it as not fitting the model); remove scores top-1 and
+    still refuses it, and so does alignment for a file that lacks a block matrix."""
+    from models import ModelError
+
+    base, _ = checkpoints
+    state = torch.load(base, weights_only=True)["model"]
+    backbone = tmp_path / "backbone.pth"
+    torch.save({k: v for k, v in state.items() if not k.startswith("head.")}, backbone)
+    a = mechanism.main(["alignment", "--checkpoint", base, "--out", str(tmp_path / "a")])
+    b = mechanism.main(["alignment", "--model", "vit_nano", "--weights", str(backbone), "--out", str(tmp_path / "b")])
+    assert [r["alpha"] for r in a["ranked"]] == [r["alpha"] for r in b["ranked"]]
+    e = mechanism.main(["energies", "--checkpoint", base, "--compare", str(backbone), "--out", str(tmp_path / "e")])
+    energies = [[r["energy"] for r in e["rows"] if r["label"] == label] for label in e["labels"]]
+    assert len(energies[0]) == 8 and energies[0] == energies[1]  # vit_nano: 2 blocks x 4 pairs
+    with pytest.raises(ModelError, match=r"does not fit VisionTransformer: missing \['head.weight', 'head.bias'\]"):
+        mechanism.main(["remove", "--model", "vit_nano", "--weights", str(backbone), "model.num_classes=10",
+                        "--out", str(tmp_path / "r")])
+    lacking = tmp_path / "lacking.pth"
+    torch.save({k: v for k, v in state.items() if k != "blocks.0.mlp.fc2.weight"}, lacking)
+    with pytest.raises(ModelError, match=r"missing \['blocks.0.mlp.fc2.weight'\]"):
+        mechanism.main(["alignment", "--model", "vit_nano", "--weights", str(lacking), "--out", str(tmp_path / "l")])
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["alignment", "--checkpoint", "missing.pt", "--out", "{out}"], "--checkpoint missing.pt: no such file"),
     (["alignment", "--out", "{out}"], "nothing to load"),
