@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import types
@@ -386,6 +387,10 @@ def describe_type(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
+class _ValueProblem(ConfigError):
+    """A value of the field's type that the field cannot take (not finite): reported as it is, not as a type."""
+
+
 def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Check `value` against `annotation`; return it in the field's canonical type."""
 
@@ -413,6 +418,8 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
                 continue
             try:
                 return _coerce(value, arg, key, source)
+            except _ValueProblem:  # of the right type but not a usable value: that is the answer
+                raise
             except ConfigError:
                 pass
         fail()
@@ -432,6 +439,8 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         fail()
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # .nan passes every range check (comparisons are False), .inf is no rate
+                raise _ValueProblem(f"{source}: '{key}' must be a finite number; got {value!r}")
             return float(value)
         fail()
     if annotation is str:

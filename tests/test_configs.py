@@ -95,6 +95,13 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     ("data.reprob=1.5", r"must be >= 0 and <= 1"),
     ("tweo.tau=0", r"'tweo.tau' must be > 0"),
     ("optim.lr=[1", "not valid YAML"),
+    # .nan passed every range (comparisons are False): drop_path / hflip / label smoothing turned off, the
+    # divergence guard disarmed, or a traceback deep in timm; .inf is no rate either
+    ("model.drop_path=.nan", r"'model.drop_path' must be a finite number; got nan"),
+    ("data.hflip=.nan", r"'data.hflip' must be a finite number"),
+    ("train.divergence_factor=.nan", r"'train.divergence_factor' must be a finite number"),
+    ("sched.warmup_epochs=.inf", r"'sched.warmup_epochs' must be a finite number; got inf"),
+    ("optim.lr=.inf", r"'optim.lr' must be a finite number"),
 ])
 def test_wrong_values_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
