@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tarfile
 
+import numpy as np
 import torch
 from PIL import Image, ImageFile
 from timm.data import ImageDataset
@@ -86,6 +87,19 @@ def find_split(root: str, split: str) -> str:
                     f"data.train_split / data.val_split")
 
 
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB of `img`. PIL's convert("RGB") clips 16-bit grayscale (mode I;16, a 16-bit PNG) to 0..255,
+    which turns nearly every pixel white: its values are scaled to 8 bits instead (65535 -> 255). 32-bit
+    integer and float pixels (modes I and F, e.g. a TIFF) carry no range to scale from: refused (ValueError),
+    so the file is marked unreadable and named, never read as a guess."""
+    if img.mode.startswith("I;16"):
+        pixels = np.asarray(img).astype(np.float64) / 257.0
+        return Image.fromarray(np.rint(pixels).astype(np.uint8)).convert("RGB")
+    if img.mode in ("I", "F"):
+        raise ValueError(f"{img.mode}-mode pixels (32-bit integer or float) have no 8-bit range to map to")
+    return img.convert("RGB")
+
+
 class ImageFolderDataset(ImageDataset):
     """An ImageDataset whose unreadable images are marked, never silently replaced or fatal.
 
@@ -102,7 +116,7 @@ class ImageFolderDataset(ImageDataset):
         try:
             source, target = self.reader[index][:2]
             with Image.open(source) as opened:
-                img = opened.convert("RGB")  # decodes the pixels: truncated data fails here, not later
+                img = to_rgb(opened)  # decodes the pixels: truncated data fails here, not later
         except Exception:  # noqa: BLE001 - whatever PIL raises for this one file, handled one way
             img, target = Image.new("RGB", (8, 8)), unreadable_target(index)
         finally:

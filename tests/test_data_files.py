@@ -157,3 +157,22 @@ def test_calibration_leaves_out_and_names_failing_images(tmp_path, monkeypatch, 
     assert images.shape[0] == 5 and "a/0.png" in caplog.text
     with pytest.raises(DataError, match="only 5 readable"):
         calibration_images(cfg.data, 32, 2, count=6, seed=0)
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_and_32_bit_pixels_are_refused(tmp_path):
+    """PIL's convert('RGB') clips 16-bit grayscale (I;16) to 0..255: a 16-bit PNG read almost white (mean 254
+    for a gradient whose mean is 127.5). It reads as the 8-bit image of the same values now; 32-bit integer and
+    float pixels have no range to map, so they are refused (a file of them is marked unreadable), not guessed."""
+    from data.folder import build_folder_dataset, to_rgb
+
+    make_folder(tmp_path, {"val": {"a": 1, "b": 1}})
+    wide = np.linspace(0, 65535, 16 * 16).reshape(16, 16).astype(np.uint16)
+    Image.fromarray(wide).save(tmp_path / "val" / "a" / "0.png")
+    dataset = build_folder_dataset(str(tmp_path), "val")
+    gray, target = next((img, t) for i, (img, t) in enumerate(dataset) if dataset.filename(i).startswith("a"))
+    assert target == 0 and gray.mode == "RGB"
+    expected = np.rint(wide / 257.0).astype(np.uint8)  # the 8-bit value of each 16-bit one (65535 -> 255)
+    assert all(np.array_equal(np.asarray(gray)[..., c], expected) for c in range(3))
+    for mode_image in (Image.fromarray(wide.astype(np.float32)), Image.fromarray(wide.astype(np.int32))):
+        with pytest.raises(ValueError, match="have no 8-bit range"):
+            to_rgb(mode_image)
