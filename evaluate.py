@@ -40,7 +40,7 @@ from configs.loader import override_keys
 from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
-from data.folder import ClassCountError
+from data.folder import ClassCountError, check_same_classes
 from data.text import token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
@@ -101,7 +101,8 @@ def main(args: argparse.Namespace) -> dict:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
         reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
         if todo and not task.language:
-            check_train_image_counts(cfg, {name for name, _ in todo}, reads_batch, img_size)
+            check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
+                              dataset_classes(cfg.data, val_loader.dataset))
         # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
         # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
         calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
@@ -351,16 +352,21 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
                               cfg.quant.calib_seed, train_transform=cfg.quant.calib_transform == "train")
 
 
-def check_train_image_counts(cfg: Config, pipelines: set, reads_batch: bool, img_size: int) -> None:
+def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: int,
+                      val_classes: Optional[list]) -> None:
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
-    own), against the split's size: before the FP and maxima passes, not after them."""
+    own), against the split's size, and its classes against the val split's (which are the checkpoint's; GPLQ
+    trains on the split's labels): before the FP and maxima passes, not after them."""
     wanted = {"quant.calib_images": cfg.quant.calib_images} if reads_batch else {}
     for name in sorted(pipelines):
         wanted.update({f"quant.{name}.{key}": count for key, count in
                        PIPELINES[name].train_image_counts(pipeline_options(cfg, name)).items()})
     if not wanted:
         return
-    size = len(build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False))
+    train = build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False)
+    if cfg.data.dataset == "folder":  # label i must name one class in both (the counts agree: build_dataset)
+        check_same_classes(dataset_classes(cfg.data, train), val_classes, cfg.data.root)
+    size = len(train)
     too_many = {key: count for key, count in wanted.items() if count > size}
     if too_many:
         key, count = next(iter(too_many.items()))

@@ -244,3 +244,21 @@ def test_the_num_classes_advice_of_evaluate_never_contradicts_the_weights(tmp_pa
         evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
                                            "data.dataset=digits", "--quant", "--out",
                                            str(tmp_path / "r.json")]))
+
+
+@pytest.mark.parametrize("pipelines", [["gplq"], ["repq"]])
+def test_an_evaluation_whose_train_split_names_other_classes_is_refused_before_any_pass(tmp_path, pipelines):
+    """GPLQ trains on the train split's labels: with train/ holding b, c where the checkpoint's val/ holds a, b,
+    label 0 meant another class there, and the run finished with a score; any pipeline drawing from the split
+    is refused now, as train.py refuses such a folder."""
+    make_folder(tmp_path / "data", two_classes("val") + [f"train/{c}/{i}.png" for c in ("b", "c") for i in range(4)])
+    weights = str(tmp_path / "two.pth")
+    torch.save(build_model(load_config([DEBUG_CONFIG], ["model.num_classes=2"]).model).state_dict(), weights)
+    out = tmp_path / "r.json"
+    with pytest.raises(DataError, match=r"the train and val splits have different class folders \(val lacks "
+                                        r"\['c'\]; val has classes train lacks: \['a'\]\)"):
+        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
+                                           "model.num_classes=2", "data.dataset=folder",
+                                           f"data.root={tmp_path / 'data'}", "data.auto_augment=",
+                                           "quant.calib_images=4", "--quant", *pipelines, "--out", str(out)]))
+    assert not out.exists()
