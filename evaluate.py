@@ -43,7 +43,8 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
 from data.folder import ClassCountError, check_same_classes
 from data.text import token_stream
 from data.transforms import train_transform_settings
-from engine.checkpoint import CheckpointError, class_differences, load_checkpoint, weights_fingerprint
+from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
+                               weights_fingerprint)
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
                                  recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, prepare_folder, recipe
@@ -443,6 +444,12 @@ def resolve_config(args: argparse.Namespace):
         if not cfg.model.pretrained:
             raise ConfigError("nothing to evaluate: give --checkpoint, or model.pretrained=/path/to/weights "
                               "(with --config for the model and data)")
+        if os.path.isfile(cfg.model.pretrained) and is_run_checkpoint(cfg.model.pretrained):
+            # as a weights file its recorded settings would go unchecked: the classes it was trained on, its
+            # attention variant (softmax1 has no parameters to tell it by), its kind of text
+            raise ConfigError(f"model.pretrained={cfg.model.pretrained} is a checkpoint of train.py: give it as "
+                              f"--checkpoint {cfg.model.pretrained}, which evaluates it with the settings it "
+                              f"records (its config, classes and, with --ema, its EMA weights)")
     given = {key for item in args.overrides for key in override_keys(item)}  # quant={pipelines: [..]} too
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored

@@ -93,6 +93,16 @@ def load_checkpoint(path: str) -> dict:
     return payload
 
 
+def is_run_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint of this code base (its `config` and `model` entries), read without loading
+    its tensors (memory-mapped); False for any other file, a safetensors file or one torch cannot map."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a torch zip file (safetensors, an old-format or broken file): not one
+        return False
+    return isinstance(payload, dict) and "model" in payload and "config" in payload
+
+
 def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=None, scheduler=None,
                      extra: dict | None = None) -> dict:
     """Everything an exact resume needs; the model's state dict is taken from the unwrapped module."""

@@ -262,3 +262,26 @@ def test_an_evaluation_whose_train_split_names_other_classes_is_refused_before_a
                                            f"data.root={tmp_path / 'data'}", "data.auto_augment=",
                                            "quant.calib_images=4", "--quant", *pipelines, "--out", str(out)]))
     assert not out.exists()
+
+
+def test_a_train_py_checkpoint_given_as_model_pretrained_to_evaluate_is_refused(checkpoint, tmp_path):
+    """As a weights file, a train.py checkpoint was scored without its recorded settings: on val classes in
+    another order, or as plain softmax attention when it was trained with softmax1 (which has no parameters
+    to tell it by); --checkpoint checks both. Plain weights files, .pth or .safetensors, are still weights."""
+    from safetensors.torch import save_file
+
+    from engine.checkpoint import is_run_checkpoint
+
+    out = tmp_path / "r.json"
+    with pytest.raises(ConfigError, match=rf"model.pretrained={re.escape(checkpoint)} is a checkpoint of train.py: "
+                                          rf"give it as --checkpoint"):
+        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, "model.name=vit_nano", "model.num_classes=10",
+                                           "data.dataset=digits", f"model.pretrained={checkpoint}", "--quant",
+                                           "--out", str(out)]))
+    assert not out.exists()
+    state = torch.load(checkpoint, weights_only=True)["model"]
+    torch.save(state, tmp_path / "w.pth")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "w.safetensors"))
+    torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)  # not memory-mappable
+    assert is_run_checkpoint(checkpoint)
+    assert not any(is_run_checkpoint(str(tmp_path / n)) for n in ("w.pth", "w.safetensors", "legacy.pth"))
