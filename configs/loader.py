@@ -87,8 +87,12 @@ def read_yaml_file(path: str) -> dict:
     YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML text file (not UTF-8 text: a checkpoint or weights file? those "
+                          f"are --checkpoint / model.pretrained)") from None
     try:
         data = parse_yaml(text) or {}
     except yaml.YAMLError as e:
@@ -115,8 +119,17 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
     for index, path in enumerate(paths):
         data = read_yaml_file(path)
         _merge(cfg, data, path="", source=path)
+        spelt: dict[str, str] = {}  # dotted key -> the file's top-level key that set it
         for key, value in data.items():
             for dotted, inner in dotted_settings(str(key), value, cfg).items():
+                # `optim.lr: 0.1` beside `optim: {lr: 0.2}`: the YAML check of repeated keys sees two keys, and
+                # the later spelling would replace the earlier without a word
+                twice = next((k for k in spelt if k == dotted or k.startswith(dotted + ".")
+                              or dotted.startswith(k + ".")), None)
+                if twice is not None:
+                    raise ConfigError(f"{path}: {twice} is set twice, under '{spelt[twice]}' and under '{key}'; "
+                                      f"keep one")
+                spelt[dotted] = str(key)
                 layer[dotted], values[dotted] = index, inner
         decided.append({decider: copy.deepcopy(get_key(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)

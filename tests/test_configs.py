@@ -121,6 +121,27 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
         load_config([str(bad)])
 
 
+@pytest.mark.parametrize("text, message", [
+    ("optim.lr: 0.1\noptim:\n  lr: 0.2\n", r"optim.lr is set twice, under 'optim.lr' and under 'optim'"),
+    ("model:\n  kwargs: {depth: 5}\nmodel.kwargs.depth: 4\n",
+     r"model.kwargs is set twice, under 'model' and under 'model.kwargs.depth'"),
+])
+def test_one_key_spelt_twice_in_one_file_is_an_error(tmp_path, text, message):
+    """The YAML check of repeated keys compares keys as written: the later spelling replaced the earlier."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"twice.yaml: {message}; keep one"):
+        load_config([str(path)])
+
+
+def test_a_config_file_that_is_not_text_is_one_error(tmp_path):
+    """A checkpoint given as --config was a UnicodeDecodeError traceback."""
+    path = tmp_path / "best.pt"
+    path.write_bytes(b"PK\x03\x04\x80\x81\xfe binary")
+    with pytest.raises(ConfigError, match=r"best.pt: not a YAML text file \(not UTF-8 text: a checkpoint"):
+        load_config([str(path)])
+
+
 def test_dict_fields_take_dotted_keys():
     cfg = load_config(None, ["cd.enabled=true", "cd.lam_per_role.fc2=0.02", "model.kwargs.depth=4"])
     assert cfg.cd.lam_per_role == {"fc2": 0.02}
