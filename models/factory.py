@@ -49,6 +49,22 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     return arch, kwargs
 
 
+def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
+    """The input must be whole patches: timm's patch embedding is a strided conv that rounds the grid down, so
+    model.img_size=30 at patch 8 trains on 24 x 24 pixels of every image without a word (and one below the
+    patch size fails in the first forward)."""
+    embed = getattr(model, "patch_embed", None)
+    size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+    if size is None or patch is None or getattr(embed, "dynamic_img_pad", False):
+        return
+    uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
+    if uncovered:
+        s, p = uncovered[0]
+        raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
+                         f"the patch embedding would leave {s % p} pixel rows / columns of every image unseen"
+                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}")
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
     weights, if any."""
@@ -64,10 +80,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         if hub:
             raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
                              f"local file: model.pretrained=/path/to/weights.safetensors") from e
-        if isinstance(e, (AssertionError, ValueError)):  # timm's checks of the values (embed_dim % num_heads)
+        # timm's checks of the values (embed_dim % num_heads), and sizes it divides by (patch_size=0)
+        if isinstance(e, (AssertionError, ValueError, ZeroDivisionError)):
             raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
                              f"{e or type(e).__name__}") from e
         raise
+    check_patch_grid(model, cfg)
     try:
         # after timm's init and hub weights (the variant takes them over, its sink parameters start at
         # zero), before local weights, so that a checkpoint of the variant fits

@@ -39,7 +39,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             and missing attention-sink parameters keep their initial values.
     """
     if not os.path.isfile(path):
-        raise ModelError(f"pretrained weights not found: {path}")
+        raise ModelError(f"pretrained weights not found: {path}" + (" is a folder; give the weights file in it"
+                                                                    if os.path.isdir(path) else ""))
     no_state = (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole "
                 f"nor under 'model' / 'state_dict': give a weights file")
     try:
@@ -63,7 +64,14 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
         # rename them with this flag, which touches no other key
         takes = inspect.signature(filter_fn).parameters
-        state = filter_fn(state, model, **({"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}))
+        try:
+            state = filter_fn(state, model, **({"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}))
+        except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
+            # e.g. resampling a position table whose token layout (class, distillation, register tokens) is not
+            # the model's: a reshape error from deep inside timm
+            raise ModelError(f"{path}: timm's conversion of these weights to {type(model).__name__} failed "
+                             f"({str(e).strip() or type(e).__name__}): weights of another model (another token "
+                             f"layout, e.g. without a class token or with a distillation token)?") from None
     check_tied_weights(model, state, path)
 
     skipped = []
@@ -90,7 +98,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                 raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
                                  f"{tuple(own[key].shape)}: a checkpoint of another model?")
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k in skipped or (not strict and k.startswith(head_prefixes)))]
+    if not strict:  # a file without a classifier (a backbone) gets a new one, logged as one of another size is
+        skipped += [k for k in missing if k.startswith(head_prefixes) and k not in skipped]
+    missing = [k for k in missing if k not in skipped]
     new_sinks = [k for k in missing if not strict and k.rpartition(".")[2] in SINK_PARAMS]
     missing = [k for k in missing if k not in new_sinks]
     if missing or unexpected:

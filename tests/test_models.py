@@ -50,6 +50,22 @@ def test_values_timm_asserts_on_are_a_model_error():
         build_model(model_cfg("model.name=vit_micro", "model.kwargs.embed_dim=35"))
 
 
+def test_a_patch_size_of_zero_is_a_model_error():
+    with pytest.raises(ModelError, match=r"model 'vit_nano' .* rejected its arguments .*division"):
+        build_model(model_cfg("model.name=vit_nano", "model.kwargs.patch_size=0"))
+
+
+@pytest.mark.parametrize("overrides, unseen", [(["model.name=vit_nano", "model.img_size=30"], "6 pixel"),
+                                               (["model.name=vit_nano", "model.img_size=7"], "7 pixel.*all of them"),
+                                               (["model.name=swin_nano", "model.img_size=34"], "2 pixel")])
+def test_an_input_that_is_not_whole_patches_is_refused(overrides, unseen):
+    """timm's patch embedding rounds the grid down: img_size 30 at patch 8 trained on 24 x 24 of every image
+    without a word; one below the patch size failed in the first forward."""
+    with pytest.raises(ModelError, match=rf"not a whole number of patches .* would leave {unseen}"):
+        build_model(model_cfg(*overrides))
+    assert build_model(model_cfg("model.name=vit_nano", "model.img_size=40")).patch_embed.grid_size == (5, 5)
+
+
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ModelError, match="unknown model 'vit_bse_patch16_224'.*vit_base_patch16_224"):
         build_model(model_cfg("model.name=vit_bse_patch16_224"))
@@ -84,6 +100,33 @@ def test_weights_of_another_model_are_refused(tmp_path):
         build_model(model_cfg("model.name=vit_micro", f"model.pretrained={tmp_path / 'w.pth'}"))
     with pytest.raises(ModelError, match="not found"):
         build_model(model_cfg("model.name=vit_micro", "model.pretrained=/no/such/file.pth"))
+
+
+def test_a_backbone_file_without_classifier_is_logged_as_getting_a_new_one(tmp_path, caplog):
+    """A backbone (no head.*) loaded for fine-tuning got a random classifier with only 'loaded <file>' in the
+    log; a head of another size was named. Both are named now; strict loading still refuses the file."""
+    state = {k: v for k, v in build_model(model_cfg("model.name=vit_nano")).state_dict().items()
+             if not k.startswith("head.")}
+    torch.save(state, tmp_path / "backbone.pth")
+    with caplog.at_level("INFO", logger="models.pretrained"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'backbone.pth'}"))
+    assert "(new classifier: head.weight, head.bias)" in caplog.text
+    with pytest.raises(ModelError, match=r"does not fit VisionTransformer: missing \['head.weight', 'head.bias'\]"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'backbone.pth'}",
+                              "model.pretrained_strict=true"))
+
+
+def test_weights_of_another_token_layout_are_a_model_error_not_a_reshape_traceback(tmp_path):
+    """A file of a ViT without a class token resampled its position table by timm's filter into a reshape
+    RuntimeError; and a folder given as weights is named as a folder."""
+    pooled = build_model(model_cfg("model.name=vit_nano", "model.kwargs.class_token=false",
+                                   "model.kwargs.global_pool=avg"))
+    torch.save(pooled.state_dict(), tmp_path / "pooled.pth")
+    with pytest.raises(ModelError, match=r"pooled.pth: timm's conversion of these weights to VisionTransformer "
+                                         r"failed .*another token layout"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'pooled.pth'}"))
+    with pytest.raises(ModelError, match=r"not found: .* is a folder; give the weights file in it"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path}"))
 
 
 def test_official_swin_layout_is_remapped_to_timm(tmp_path):
