@@ -451,6 +451,10 @@ def resolve_config(args: argparse.Namespace):
                               f"--checkpoint {cfg.model.pretrained}, which evaluates it with the settings it "
                               f"records (its config, classes and, with --ema, its EMA weights)")
     given = {key for item in args.overrides for key in override_keys(item)}  # quant={pipelines: [..]} too
+    if "model.pretrained_strict" in given and not cfg.model.pretrained_strict:  # asked, and never done here
+        raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
+                          "classifier of another size is refused, not replaced); drop it, or fine-tune "
+                          "with train.py first")
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored
             raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")

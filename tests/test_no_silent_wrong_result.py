@@ -285,3 +285,15 @@ def test_a_train_py_checkpoint_given_as_model_pretrained_to_evaluate_is_refused(
     torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)  # not memory-mappable
     assert is_run_checkpoint(checkpoint)
     assert not any(is_run_checkpoint(str(tmp_path / n)) for n in ("w.pth", "w.safetensors", "legacy.pth"))
+
+
+def test_evaluate_refuses_model_pretrained_strict_false_which_it_never_applies(tmp_path):
+    """evaluate.py loads weights as they are; model.pretrained_strict=false was accepted and ignored, and the
+    refusal of a classifier of another size then advised the very setting given."""
+    weights = str(tmp_path / "four.pth")
+    torch.save(build_model(load_config([DEBUG_CONFIG]).model).state_dict(), weights)
+    with pytest.raises(ConfigError, match=r"model.pretrained_strict=false: evaluate.py loads weights only as they "
+                                          r"are"):
+        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
+                                           "model.pretrained_strict=false", "--quant",
+                                           "--out", str(tmp_path / "r.json")]))
