@@ -40,10 +40,13 @@ def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_he
     assert weights in lines[-1]
     assert "has 10 outputs, model.num_classes=4: set model.num_classes=10" in lines[-1]
     assert not out.exists()
-    # a fine-tuning config's model.pretrained_strict=false changes nothing for evaluation
+    # a fine-tuning config's model.pretrained_strict=false changes nothing for evaluation (given on the command
+    # line it is refused: test_evaluate_refuses_model_pretrained_strict_false_which_it_never_applies)
+    finetune = tmp_path / "finetune.yaml"
+    finetune.write_text("model:\n  pretrained_strict: false\n")
     with pytest.raises(ModelError, match="has 10 outputs"):
-        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, f"model.pretrained={weights}",
-                                           "model.pretrained_strict=false", "--quant", "--out", str(out)]))
+        evaluate.main(evaluate.parse_args(["--config", DEBUG_CONFIG, "--config", str(finetune),
+                                           f"model.pretrained={weights}", "--quant", "--out", str(out)]))
 
 
 def test_hub_weights_without_a_fitting_classifier_are_refused():
