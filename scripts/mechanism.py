@@ -260,7 +260,8 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         if args.ema:
             raise MechanismError(f"--ema: --weights {args.weights} is one set of weights, with no EMA copy; "
                                  f"drop --ema, or give the train.py checkpoint that holds them with --checkpoint")
-        # strict: the weights as they are, never a random classifier in place of one of another size
+        # strict (the weights as they are, never a random classifier in place of one of another size) wherever
+        # the subcommand runs the model; alignment and energies never read the classifier (READ_NO_CLASSIFIER)
         strict = str(args.command not in READ_NO_CLASSIFIER).lower()
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
                                               f"model.pretrained={os.path.abspath(args.weights)}",
