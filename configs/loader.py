@@ -285,8 +285,11 @@ def overlapping_keys(item: str, keys) -> list[str]:
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """'<problem> (line L, column C)' from a PyYAML error, without its multi-line context dump."""
     mark = getattr(e, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return f"{getattr(e, 'problem', None) or e}{where}"
+    if mark is not None:
+        return f"{getattr(e, 'problem', None) or e} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(e, yaml.reader.ReaderError):  # a control character: PyYAML gives an offset, no line
+        return f"unacceptable character #x{e.character:04x} at character {e.position + 1}"
+    return str(e).splitlines()[0]
 
 
 def config_from_dict(data: dict) -> Config:

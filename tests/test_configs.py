@@ -121,6 +121,15 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
         load_config([str(bad)])
 
 
+def test_a_control_character_in_yaml_is_one_line_naming_its_offset(tmp_path):
+    """PyYAML's reader error carries a multi-line context dump and no line number."""
+    bad = tmp_path / "bell.yaml"
+    bad.write_text("optim:\n  lr: 0.1\x07\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config([str(bad)])
+    assert str(caught.value) == f"{bad}: not valid YAML: unacceptable character #x0007 at character 17"
+
+
 @pytest.mark.parametrize("text, message", [
     ("optim.lr: 0.1\noptim:\n  lr: 0.2\n", r"optim.lr is set twice, under 'optim.lr' and under 'optim'"),
     ("model:\n  kwargs: {depth: 5}\nmodel.kwargs.depth: 4\n",
