@@ -58,7 +58,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                          f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     own = model.state_dict()
-    check_patch_size(state, own, path, strict)
+    resampled = check_patch_size(state, own, path, strict)
     filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
@@ -107,22 +107,25 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
+    if resampled:  # logged once the file has loaded: a file refused below was never resampled into the model
+        log.warning(resampled)
     log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
 
 
-def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> None:
+def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
     """A file of another patch size: timm resamples its patch embedding (FlexiViT's resize) to this model's, which
-    fine-tuning may ask for (logged), but an evaluation (strict) would score weights that are not the file's."""
+    fine-tuning may ask for (the returned line, '' for none, to log once the file has loaded), but an evaluation
+    (strict) would score weights that are not the file's."""
     key = "patch_embed.proj.weight"
     if key not in state or key not in own or state[key].shape[-2:] == own[key].shape[-2:]:
-        return
+        return ""
     size, mine = tuple(state[key].shape[-2:]), tuple(own[key].shape[-2:])
     if strict:
         raise ModelError(f"{path}: its patch embedding has {size} patches, the model {mine}: a checkpoint of another "
                          f"model (set the patch size it was trained with)")
-    log.warning("%s: patch size %s resampled to the model's %s (timm's patch-embedding resize)", path, size, mine)
+    return f"{path}: patch size {size} resampled to the model's {mine} (timm's patch-embedding resize)"
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:

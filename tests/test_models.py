@@ -159,6 +159,10 @@ def test_a_file_of_another_patch_size_is_refused_when_strict_and_resampled_other
     with caplog.at_level("WARNING"):
         model = build_model(model_cfg(*asked))  # fine-tuning: timm's resize, said in the log
     assert model.patch_embed.proj.weight.shape[-2:] == (32, 32) and "resampled" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"), pytest.raises(ModelError, match="a checkpoint of another model"):
+        build_model(model_cfg(*asked, "model.kwargs.embed_dim=96"))  # another width too: refused, nothing resampled
+    assert "resampled" not in caplog.text
 
 
 def test_official_deit3_layer_scale_names_load_into_the_same_outputs(tmp_path):
