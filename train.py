@@ -39,8 +39,8 @@ from configs.loader import IgnoredOverrideError
 from data import DataError, build_loaders, build_token_loaders
 from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
-from engine.checkpoint import (CheckpointError, class_differences, restore_training, save_on_main_rank,
-                               training_payload)
+from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
+                               save_on_main_rank, training_payload)
 from engine.distributed import DistInfo, all_reduce, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, progress_kept_on_error
@@ -179,6 +179,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
+    if not resumed:
+        note_attention_change(cfg.model)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_data(cfg, model, dist, task)
@@ -226,6 +228,17 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
                               key=task.score_key, higher_is_better=task.higher_is_better)
     return run
+
+
+def note_attention_change(model_cfg) -> None:
+    """Fine-tuning a checkpoint of this code base with another `model.attn` is allowed (e.g. softmax1 -> softmax),
+    but softmax1 has no parameters of its own, so nothing in the weights would show that the attention changed."""
+    path = model_cfg.pretrained
+    trained = (run_checkpoint_config(path) or {}).get("model", {}).get("attn", "softmax") \
+        if path and os.path.isfile(path) else model_cfg.attn
+    if trained != model_cfg.attn:
+        log.warning("%s was trained with model.attn=%s; fine-tuning it with model.attn=%s as set (set "
+                    "model.attn=%s to keep its attention)", path, trained, model_cfg.attn, trained)
 
 
 def build_data(cfg: Config, model: nn.Module, dist: DistInfo, task):

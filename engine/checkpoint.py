@@ -93,14 +93,22 @@ def load_checkpoint(path: str) -> dict:
     return payload
 
 
-def is_run_checkpoint(path: str) -> bool:
-    """Whether `path` is a checkpoint of this code base (its `config` and `model` entries), read without loading
-    its tensors (memory-mapped); False for any other file, a safetensors file or one torch cannot map."""
+def run_checkpoint_config(path: str) -> Optional[dict]:
+    """The run config stored in `path` if it is a checkpoint of this code base (its `config` and `model` entries),
+    read without loading its tensors (memory-mapped); None for any other file, a safetensors file or one torch
+    cannot map."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - not a torch zip file (safetensors, an old-format or broken file): not one
-        return False
-    return isinstance(payload, dict) and "model" in payload and "config" in payload
+        return None
+    if isinstance(payload, dict) and "model" in payload and isinstance(payload.get("config"), dict):
+        return payload["config"]
+    return None
+
+
+def is_run_checkpoint(path: str) -> bool:
+    """Whether `path` is a checkpoint of this code base (see run_checkpoint_config)."""
+    return run_checkpoint_config(path) is not None
 
 
 def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=None, scheduler=None,

@@ -208,6 +208,20 @@ def test_train_resume_and_evaluate_rebuild_the_variant(tmp_path, attn_kind):
                                            str(tmp_path / "other.json"), "model.attn=softmax"]))
 
 
+def test_fine_tuning_a_run_with_another_attention_says_so(tmp_path, caplog):
+    """softmax1 has no parameters: its weights load into plain softmax without a mismatch to show it."""
+    common = ["model.name=vit_nano", "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false",
+              "train.max_steps=1"]
+    train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / 'a'}", "model.attn=softmax1"]))
+    ckpt = tmp_path / "a" / "checkpoint.pt"
+    for attn, said in (("softmax", True), ("softmax1", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="train"):
+            train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / attn}", f"model.attn={attn}",
+                                                            f"model.pretrained={ckpt}"]))
+        assert ("was trained with model.attn=softmax1; fine-tuning it with model.attn=softmax" in caplog.text) == said
+
+
 # -- quantization --------------------------------------------------------------------------------------
 FAST = {
     "percentile": None,
