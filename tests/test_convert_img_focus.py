@@ -236,6 +236,33 @@ def test_cli_converts_a_wheel_for_the_repository_loader(tiny, tmp_path, capsys):
     assert torch.equal(built.blocks[1].attn.qkv.weight, native.blocks[1].attn.qkv.weight)
 
 
+def test_half_stores_the_matrices_in_float16_and_checks_both(tiny, tmp_path, capsys):
+    from models.pretrained import load_pretrained
+    from safetensors.torch import load_file
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "half.safetensors"
+    assert conv.main([str(source), "--out", str(out), "--half"]) == 0
+    assert capsys.readouterr().out.count("verify: max |timm - onnx|") == 2  # float32, then float16 matrices
+    written, (full, _) = load_file(str(out)), conv.convert(model)
+    for key, tensor in full.items():
+        matrix = tensor.dim() >= 2 and key.endswith(".weight")  # patch embedding, qkv, proj, fc1, fc2
+        assert written[key].dtype == (torch.float16 if matrix else torch.float32), key
+        assert torch.equal(written[key], tensor.half() if matrix else tensor), key
+    assert {k for k, v in written.items() if v.dtype == torch.float16} >= {"blocks.0.attn.qkv.weight",
+                                                                           "blocks.1.mlp.fc2.weight"}
+    arch = dict(depth=DEPTH, embed_dim=DIM, num_heads=HEADS)
+    loaded = timm.create_model("vit_small_patch14_dinov2", num_classes=0, img_size=GRID * PATCH, **arch)
+    load_pretrained(loaded, str(out), strict=True)  # float32 parameters holding the float16 values
+    assert loaded.blocks[0].attn.qkv.weight.dtype == torch.float32
+    assert torch.equal(loaded.blocks[0].attn.qkv.weight, full["blocks.0.attn.qkv.weight"].half().float())
+    # the float16 check has its own bound: nothing is written when the rounded weights miss it
+    refused = tmp_path / "refused.safetensors"
+    assert conv.main([str(source), "--out", str(refused), "--half", "--half-tolerance", "1e-9"]) == 2
+    assert "--half-tolerance" in capsys.readouterr().err and not refused.exists()
+
+
 def test_mistakes_are_error_lines(tiny, tmp_path, capsys):
     _, model = tiny
     source = tmp_path / "tiny.onnx"
