@@ -165,3 +165,32 @@ def test_arguments_are_checked_when_the_callback_is_made():
         ColinearityDecayCallback(lamda=0.1)
     with pytest.raises(TypeError, match="decoupled update"):
         ColinearityDecayCallback(mode="loss")
+
+
+@pytest.mark.parametrize("added_later", [False, True], ids=["in_callbacks", "add_callback"])
+def test_lookahead_with_fp16_gets_cd_at_every_step_or_an_error(tmp_path, added_later):
+    """accelerate keeps the bound `step` of an fp16 optimizer from `prepare` on; timm's Lookahead skips
+    Optimizer.__init__, so before torch wraps its class's step that saved method calls no step hook."""
+    from timm.optim import Lookahead
+
+    class FreshLookahead(Lookahead):  # a class of its own: torch's wrapping of a step is per class, for good
+        def step(self, closure=None):
+            return super().step(closure)
+
+    model = tiny_gpt2()
+    opt = FreshLookahead(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert not getattr(type(opt).step, "hooked", False)  # the case: hooks not yet called by its step
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", max_grad_norm=0.0)
+    callback = ColinearityDecayCallback(lam=LAM)
+    trainer = Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, None),
+                      callbacks=[] if added_later else [callback])
+    if added_later:  # misses on_init_end: the step method accelerate saves is the unhooked one
+        trainer.add_callback(callback)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    if added_later:
+        with pytest.raises(RuntimeError, match="CD's step hook did not run"):
+            trainer.train()
+    else:
+        trainer.train()
+        assert callback.decay.num_updates == 3

@@ -42,6 +42,7 @@ class Module(L.LightningModule):
         self.automatic_optimization = not manual
         self.example_input_array = torch.zeros(1, 3, 32, 32, dtype=torch.float64)
         self.batches, self.after = [], []
+        self.raw = False  # manual optimization on the torch optimizer itself, around Lightning's step
 
     def forward(self, x):
         return self.net(x)
@@ -54,7 +55,7 @@ class Module(L.LightningModule):
             loss = loss * float("inf")
         if self.automatic_optimization:
             return loss
-        opt = self.optimizers()
+        opt = self.optimizers(use_pl_optimizer=not self.raw)
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
@@ -88,8 +89,8 @@ def loader(n_batches: int, size: int = 2):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=size, shuffle=False)
 
 
-def fit(module, steps, accum=1, clip=None, plugins=None, n_batches=8, ckpt_path=None, callback=None):
-    trainer = L.Trainer(max_steps=steps, accumulate_grad_batches=accum, gradient_clip_val=clip, accelerator="cpu",
+def fit(module, steps, accum=1, clip=None, plugins=None, n_batches=8, ckpt_path=None, callback=None, max_epochs=None):
+    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accumulate_grad_batches=accum, gradient_clip_val=clip, accelerator="cpu",
                         devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, plugins=plugins, precision=None if plugins else "64-true",
                         callbacks=[callback or ColinearityDecayCallback(lam=LAM)])
@@ -141,6 +142,15 @@ def test_manual_optimization_matches_the_reference():
     module = Module(net, steps=2, manual=True)
     fit(module, 2)
     check(initial, module, 2, 1, variants=("before_backward", "after_step", "first_group_lr"))
+
+
+def test_a_step_of_the_raw_torch_optimizer_is_refused_not_taken_without_cd():
+    """Lightning's event (on_before_optimizer_step) comes only through its LightningOptimizer."""
+    module = Module(tiny_vit().double(), steps=2, manual=True)
+    module.raw = True
+    with pytest.raises(RuntimeError, match="took a step without the framework's step event"):
+        fit(module, 2, max_epochs=1)  # the raw steps leave Lightning's step count at 0
+    assert len(module.batches) == 1  # right after the first step
 
 
 def test_resume_from_a_lightning_checkpoint_continues_exactly(tmp_path):

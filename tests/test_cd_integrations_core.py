@@ -34,6 +34,21 @@ def test_armed_before_the_step_it_runs_once_in_the_step_and_not_unarmed():
     assert decay.num_updates == 1
 
 
+def test_a_step_without_the_event_is_an_error_with_strict_steps_and_missed_says_a_step_went_around():
+    model, decay, opt, loss = _setup()
+    binding = OptimizerBinding(decay, opt, strict_steps=True)
+    opt.step()  # no gradient yet: the optimizer changes nothing, nor would CD
+    binding.arm()
+    assert binding.missed()  # armed, no step since
+    loss().backward()
+    opt.step()
+    assert decay.num_updates == 1 and not binding.missed()
+    with pytest.raises(RuntimeError, match="without the framework's step event"):
+        opt.step()  # gradients, but no event: CD would not run
+    binding.arm(until_disarmed=True)
+    assert not binding.missed()  # MMEngine's iteration-long arming: its steps are counted by the hook, not here
+
+
 def test_armed_inside_a_closure_it_runs_once_per_step_before_the_weights_are_read():
     model, decay, opt, loss = _setup(torch.optim.LBFGS, max_iter=3)
     binding = OptimizerBinding(decay, opt)

@@ -75,10 +75,16 @@ class OptimizerBinding:
         optimizer: the framework's optimizer (wrappers are looked through, `torch_optimizer`).
 
     Decayed matrices the optimizer does not hold are left alone, with a warning (as `attach` does).
+
+    A step that should have had CD and did not is an error, never a silent no-op: `missed()` says that the
+    framework's event came and no step of the optimizer ran since (a framework that knows whether its step ran
+    raises then), and with `strict_steps` a step that runs with decayed matrices' gradients but without the
+    framework's event (the optimizer stepped around the framework) raises once it has run.
     """
 
-    def __init__(self, decay: ColinearityDecay, optimizer: Any) -> None:
+    def __init__(self, decay: ColinearityDecay, optimizer: Any, strict_steps: bool = False) -> None:
         self.decay = decay
+        self.strict_steps = strict_steps
         self.optimizer = torch_optimizer(optimizer)
         # the rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices
         # the optimizer changes, so decayed matrices outside it are left alone, with one warning now
@@ -125,16 +131,28 @@ class OptimizerBinding:
         if self._armed:
             self._run()
 
+    def missed(self) -> bool:
+        """Armed for one update, and no step of the optimizer has run since: if the framework says its step ran,
+        the step went around this binding's pre-hook (e.g. a step method saved before the hook existed)."""
+        return self._armed and not self._held
+
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        bypassed = self.strict_steps and not self._applied and any(t.grad is not None for t in self.decay._decayed())
         self._stepping, self._armed = False, self._held
+        if bypassed:
+            raise RuntimeError("cd.integrations: the optimizer took a step without the framework's step event, so "
+                               "CD did not run in it (e.g. Lightning's raw optimizer, "
+                               "self.optimizers(use_pl_optimizer=False)): step through the framework's optimizer")
 
     def _run(self) -> None:
         self._armed, self._applied = self._held, True
         self.decay.apply_for(self.optimizer, self._kwargs)
 
 
-def bind_optimizers(decay: ColinearityDecay, optimizers: list) -> dict[int, OptimizerBinding]:
-    """A binding for each optimizer (of `optimizers`) that holds decayed matrices, by id of its torch optimizer.
+def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: bool = False
+                    ) -> dict[int, OptimizerBinding]:
+    """A binding for each optimizer (of `optimizers`) that holds decayed matrices, by id of its torch optimizer
+    (`strict_steps`: see OptimizerBinding).
 
     Raises:
         ValueError: no optimizer holds them (CD would never run).
@@ -143,7 +161,7 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list) -> dict[int, Opti
     for optimizer in optimizers:
         opt = torch_optimizer(optimizer)
         if holds_pairs(decay, opt) and id(opt) not in bindings:
-            bindings[id(opt)] = OptimizerBinding(decay, opt)
+            bindings[id(opt)] = OptimizerBinding(decay, opt, strict_steps)
     if not bindings:
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
     return bindings

@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from ..decay import ColinearityDecay
-from . import OptimizerBinding, bind_optimizers, check_cd_arguments
+from ..decay import ColinearityDecay, make_step_hooks_run
+from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
 
 
 class ColinearityDecayCallback(TrainerCallback):
@@ -55,11 +55,24 @@ class ColinearityDecayCallback(TrainerCallback):
         self.decay.num_updates = state.global_step  # a resumed run's steps so far (logging only)
         (self._binding,) = bind_optimizers(self.decay, [optimizer]).values()
 
+    def on_init_end(self, args, state, control, optimizer=None, **kwargs):
+        # An optimizer given to the Trainer that skips Optimizer.__init__ (timm's Lookahead) calls step hooks only
+        # once torch has wrapped its class's step; with fp16, accelerate keeps the bound `step` it finds at
+        # `prepare`, before on_train_begin, so the wrapping must come first (on_optimizer_step checks it did)
+        if optimizer is not None:
+            make_step_hooks_run(torch_optimizer(optimizer))
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._binding.arm()
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        missed = self._binding.missed() and not getattr(optimizer, "step_was_skipped", False)
         self._binding.disarm()
+        if missed:
+            raise RuntimeError("ColinearityDecayCallback: the optimizer stepped but CD's step hook did not run (a "
+                               "step method saved before the callback bound it, e.g. timm's Lookahead with fp16 "
+                               "when the callback was added after the Trainer was made): pass the callback in "
+                               "Trainer(callbacks=[...])")
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unbind()

@@ -15,7 +15,10 @@ after the GradScaler's unscale), before gradient clipping and the step:
   optimizer's step pre-hook only if the scaler really steps (it skips the step on inf/NaN gradients).
 Clipping scales the gradients and CD moves weights, so their order does not change the result. With
 `accumulate_grad_batches` Lightning steps once per update, and CD with it; manual optimization (`opt.step()`
-in `training_step`) goes through the same path. Each matrix gets the lr of its param group at that moment.
+in `training_step` on the `LightningOptimizer` that `self.optimizers()` returns) goes through the same path.
+A step of the raw torch optimizer (`self.optimizers(use_pl_optimizer=False)`) bypasses Lightning's event: it is
+refused (a RuntimeError right after that step), not run without CD. Each matrix gets the lr of its param group
+at that moment.
 
 The model is the LightningModule (its `example_input_array` serves the pair check), or the submodule that
 `module=` names (e.g. `module="net"` for a module without `forward`, whose own input size the check can tell);
@@ -61,7 +64,7 @@ class ColinearityDecayCallback(Callback):
         self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
-        self._bindings = bind_optimizers(self.decay, trainer.optimizers)
+        self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         binding = self._bindings.get(id(torch_optimizer(optimizer)))
