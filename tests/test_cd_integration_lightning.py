@@ -182,3 +182,11 @@ def test_module_names_the_part_to_decay_when_the_lightning_module_cannot_run_a_f
     trainer = fit(module, 2, callback=ColinearityDecayCallback(module="net", lam=LAM))  # timm's net tells its own
     check(initial, module, 2, 1, variants=("before_backward", "after_step"))
     assert cd_callback(trainer).decay.pairs[0].name == "blocks.0.attn.qkv.weight"
+
+
+def test_callbacks_on_two_parts_have_their_own_checkpoint_keys_and_module_is_checked():
+    """Lightning refuses two stateful callbacks of one state_key; the whole module's keeps the class name."""
+    whole, a, b = ColinearityDecayCallback(), ColinearityDecayCallback(module="a"), ColinearityDecayCallback(module="b")
+    assert whole.state_key == "ColinearityDecayCallback" and len({whole.state_key, a.state_key, b.state_key}) == 3
+    with pytest.raises(TypeError, match="module must be"):
+        ColinearityDecayCallback(0.005)  # lam by position

@@ -224,3 +224,51 @@ def test_mmdetection_swin_backbone_from_an_mmdet_config_matches_the_reference(tm
     pairs.append(RefPair("stages.0.downsample.reduction.weight", "stages.0.downsample.norm.weight", True))
     reference(Classifier(backbone, 2 * DIM), runner, 2, 1, pairs,
               variants=("before_backward", "after_step", "first_group_lr"))
+
+
+@MODELS.register_module(force=True)
+class TwoTowers(Classifier):
+    """Two ViTs side by side (`backbone` and `neck`), for a CD hook on each part."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.neck = tiny_vit(seed + 1).double()
+
+    def forward(self, inputs, labels=None, mode="tensor"):
+        logits = self.backbone(inputs) + self.neck(inputs)
+        return {"loss": F.cross_entropy(logits, labels)} if mode == "loss" else logits
+
+
+def test_hooks_on_two_parts_keep_their_own_state_across_a_resume(tmp_path, monkeypatch):
+    def two_hooks(cfg):
+        cfg["custom_hooks"] = [dict(type="ColinearityDecayHook", module="backbone", lam=LAM),
+                               dict(type="ColinearityDecayHook", module="neck", lam=2 * LAM)]
+        return cfg
+
+    run(two_hooks(config(tmp_path / "full", iters=2, model=dict(type="TwoTowers"))))
+    checkpoint = tmp_path / "full" / "iter_2.pth"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    assert saved["colinearity_decay:backbone"]["config"]["lam"] == LAM
+    assert saved["colinearity_decay:neck"]["config"]["lam"] == 2 * LAM
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "resuming with a different CD config"
+        warnings.filterwarnings("ignore", module="mmengine")
+        warnings.filterwarnings("ignore", message=".*weights_only.*")
+        resumed = run(two_hooks(config(tmp_path / "resumed", iters=4, model=dict(type="TwoTowers"),
+                                       resume=str(checkpoint))))
+    hooks = [h for h in resumed.hooks if type(h).__name__ == "ColinearityDecayHook"]
+    assert [(h.module, h.decay.lam, h.decay.num_updates) for h in hooks] == [("backbone", LAM, 4), ("neck", 2 * LAM, 4)]
+
+
+def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_path):
+    from cd.integrations.mmengine import ColinearityDecayHook
+    for bad in [("a", "b"), (1, 3, 0, 32), "1,3,32,32", (1.0, 3, 32, 32)]:
+        with pytest.raises(ValueError, match="input_shape must be a sequence of positive ints"):
+            ColinearityDecayHook(input_shape=bad)
+    with pytest.raises(TypeError, match="module must be"):
+        ColinearityDecayHook(module=3)
+    # the tiny ViT states its own 32 px input; a given 48 px batch is what the pair check runs (and fails on)
+    from cd.verify import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match=r"Input height \(48\) doesn't match model \(32\)"):
+        run(config(tmp_path, iters=1, input_shape=(1, 3, 48, 48)))

@@ -197,6 +197,11 @@ def test_tweo_hook_refuses_bad_arguments():
         TweoHook(lam=-1.0)
     with pytest.raises(TypeError, match="nope"):
         TweoHook(nope=1)
+    with pytest.raises(ValueError, match="total_steps=10 sets the length of schedule='cosine'"):
+        TweoHook(total_steps=10)  # the constant schedule would never read it
+    assert TweoHook(total_steps=10, schedule="cosine").total_steps == 10
+    with pytest.raises(TypeError, match="module must be"):
+        TweoHook(module=1)
 
 
 # --- Noise (UNIQ) -----------------------------------------------------------------------------------------------
@@ -320,6 +325,8 @@ def test_weight_noise_hook_refuses_bad_arguments():
         WeightNoiseHook(layer_types=["LayerNorm"])
     with pytest.raises(ValueError, match="seed"):
         WeightNoiseHook(seed=-1)
+    with pytest.raises(TypeError, match="module must be"):
+        WeightNoiseHook(module=["backbone"])
 
 
 # --- MMDetection's Swin and the config fragments ------------------------------------------------------------------

@@ -40,6 +40,15 @@ def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def check_module_name(module: Optional[str], who: str) -> Optional[str]:
+    """`module=` as the integrations take it (see select_module), checked when the callback or hook is made: a
+    number there (e.g. lam given by position) would otherwise fail inside the framework's train start."""
+    if module is not None and not isinstance(module, str):
+        raise TypeError(f"{who}: module must be a dotted submodule name (str) or None, got {module!r}; CD's "
+                        "arguments go by name (lam=...)")
+    return module
+
+
 def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Module:
     """The part of `model` (wrappers looked through) that a regularizer acts on: for `module` None, the
     `backbone` if the model has one (a detector's, as the paper regularizes the backbone), else the whole model;

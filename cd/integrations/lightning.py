@@ -32,7 +32,7 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
-from . import bind_optimizers, check_cd_arguments, select_module, torch_optimizer
+from . import bind_optimizers, check_cd_arguments, check_module_name, select_module, torch_optimizer
 
 
 class ColinearityDecayCallback(Callback):
@@ -49,7 +49,7 @@ class ColinearityDecayCallback(Callback):
     """
 
     def __init__(self, module: str = "", **cd_kwargs: Any) -> None:
-        self.module = module
+        self.module = check_module_name(module, "ColinearityDecayCallback")
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
@@ -82,6 +82,12 @@ class ColinearityDecayCallback(Callback):
         for binding in self._bindings.values():
             binding.remove()
         self._bindings = {}
+
+    @property
+    def state_key(self) -> str:
+        """One key per part in Lightning's checkpoint (Lightning refuses two stateful callbacks of one key), the
+        class name alone for the whole module."""
+        return self._generate_state_key(module=self.module) if self.module else super().state_key
 
     def state_dict(self) -> dict:
         """CD's state (update counter and config, plain values) for Lightning's checkpoint."""

@@ -21,9 +21,10 @@ param group at that moment, which MMEngine's param schedulers set.
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
 model). The pair check runs one forward of that part on the `meta` device; where CD cannot tell the input size
-(MMDetection's Swin has none), `input_shape` gives it. The hook's state (the update counter, plain values) is
-saved in MMEngine's checkpoints under "colinearity_decay" and restored by `resume`; a run that starts from a
-checkpoint with `load_from` (fine-tuning) counts from 0.
+(MMDetection's Swin has none), an image batch (1, 3, 224, 224) serves; `input_shape` gives another (and is then
+used whatever the model says). The hook's state (the update counter, plain values) is saved in MMEngine's
+checkpoints under "colinearity_decay" ("colinearity_decay:<module>" for a hook given `module=`) and restored by
+`resume`; a run that starts from a checkpoint with `load_from` (fine-tuning) counts from 0.
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ from mmengine.registry import HOOKS
 
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError, example_input
-from . import bind_optimizers, check_cd_arguments, select_module
+from . import bind_optimizers, check_cd_arguments, check_module_name, select_module
 
 CHECKPOINT_KEY = "colinearity_decay"
+DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
 
 
 def _optimizers(optim_wrapper: Any) -> list:
@@ -54,8 +56,8 @@ class ColinearityDecayHook(Hook):
     Args:
         module: the part of the model that CD decays: None (default) the `backbone` if the model has one, else
             the whole model; "" the whole model; or a dotted submodule name.
-        input_shape: the shape of one input batch of that part, for the pair check, used when CD cannot tell it
-            from the model; default (1, 3, 224, 224), an image batch.
+        input_shape: the shape of one input batch of that part, for the pair check (positive ints); default: the
+            part's own input size where CD can tell it, else (1, 3, 224, 224), an image batch.
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
             `matmul_precision`, `norms_every`, `verify`); the decoupled update only.
 
@@ -65,10 +67,14 @@ class ColinearityDecayHook(Hook):
 
     priority = "NORMAL"
 
-    def __init__(self, module: Optional[str] = None, input_shape: Sequence[int] = (1, 3, 224, 224),
+    def __init__(self, module: Optional[str] = None, input_shape: Optional[Sequence[int]] = None,
                  **cd_kwargs: Any) -> None:
-        self.module = module
-        self.input_shape = tuple(input_shape)
+        self.module = check_module_name(module, "ColinearityDecayHook")
+        if input_shape is not None and (isinstance(input_shape, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in input_shape)):
+            raise ValueError(f"ColinearityDecayHook: input_shape must be a sequence of positive ints (one input "
+                             f"batch, e.g. (1, 3, 224, 224)), got {input_shape!r}")
+        self.input_shape = None if input_shape is None else tuple(input_shape)
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
@@ -84,11 +90,15 @@ class ColinearityDecayHook(Hook):
         target = self.target(runner.model)
         kwargs = dict(self.cd_kwargs)
         if kwargs.get("example_input") is None and kwargs.get("verify", True):
-            try:
-                example_input(target)
-            except UnsupportedModelError:  # no input size on the model: the configured shape
+            shape = self.input_shape
+            if shape is None:
+                try:
+                    example_input(target)
+                except UnsupportedModelError:  # no input size on the model: an image batch
+                    shape = DEFAULT_INPUT_SHAPE
+            if shape is not None:  # given, or needed: the pair check runs on it
                 dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
-                kwargs["example_input"] = torch.empty(self.input_shape, dtype=dtype, device="meta")
+                kwargs["example_input"] = torch.empty(shape, dtype=dtype, device="meta")
         self.decay = ColinearityDecay(target, **kwargs)
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
         # as for `resume`; only a resumed run stands past iteration 0 here
@@ -109,12 +119,18 @@ class ColinearityDecayHook(Hook):
             binding.remove()
         self._bindings = {}
 
+    @property
+    def checkpoint_key(self) -> str:
+        """Where this hook's state goes in a checkpoint: one key per part, so that hooks on two parts (a backbone
+        and a neck) keep their own counters."""
+        return CHECKPOINT_KEY if self.module is None else f"{CHECKPOINT_KEY}:{self.module}"
+
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         if self.decay is not None:
-            checkpoint[CHECKPOINT_KEY] = self.decay.state_dict()  # plain values: loads with weights_only
+            checkpoint[self.checkpoint_key] = self.decay.state_dict()  # plain values: loads with weights_only
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
-        self._restored = checkpoint.get(CHECKPOINT_KEY)  # applied in before_train, to a resumed run only
+        self._restored = checkpoint.get(self.checkpoint_key)  # applied in before_train, to a resumed run only
 
 
 # The baselines' hooks (TWEO, UNIQ weight noise) register with this module's import, so one custom_imports entry

@@ -19,7 +19,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 from ..noise import WeightNoise, check_arguments
-from . import select_module
+from . import check_module_name, select_module
 
 
 @HOOKS.register_module()
@@ -42,7 +42,8 @@ class WeightNoiseHook(Hook):
     def __init__(self, module: Optional[str] = None, bits: int = 4, layer_types: Sequence[str] = ("Linear",),
                  seed: int = 0) -> None:
         check_arguments(bits, layer_types, seed)  # a bad argument fails when the Runner is built
-        self.module, self.bits, self.layer_types, self.seed = module, bits, tuple(layer_types), seed
+        self.module = check_module_name(module, "WeightNoiseHook")
+        self.bits, self.layer_types, self.seed = bits, tuple(layer_types), seed
         self.noise: Optional[WeightNoise] = None
 
     def before_train(self, runner) -> None:

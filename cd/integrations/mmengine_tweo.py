@@ -37,7 +37,7 @@ from mmengine.registry import HOOKS
 
 from ..tweo import TWEO
 from ..wrappers import unwrap_model
-from . import select_module
+from . import check_module_name, select_module
 
 
 def accumulative_counts(optim_wrapper: Any) -> int:
@@ -78,13 +78,16 @@ class TweoHook(Hook):
             raise ValueError(f"rescale must be True or False, got {rescale!r}")
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps <= 0):
             raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if total_steps is not None and tweo_kwargs.get("schedule", "constant") != "cosine":
+            raise ValueError(f"total_steps={total_steps} sets the length of schedule='cosine'; the schedule is "
+                             f"{tweo_kwargs.get('schedule', 'constant')!r}: drop total_steps or set schedule='cosine'")
         if "model" in tweo_kwargs:
             raise TypeError("TweoHook takes `module=` (the part of the runner's model), not `model=`")
         try:
             inspect.signature(TWEO).bind(None, **tweo_kwargs)
         except TypeError as e:
             raise TypeError(f"TweoHook: TWEO arguments: {e}") from None
-        self.module, self.total_steps = module, total_steps
+        self.module, self.total_steps = check_module_name(module, "TweoHook"), total_steps
         self.kwargs = dict(tweo_kwargs, lam=float(lam), rescale=rescale)
         self.tweo: Optional[TWEO] = None
         self._model: Optional[torch.nn.Module] = None
