@@ -311,6 +311,7 @@ class ColinearityDecay:
                              f"optimizer (not in the optimizer: e.g. {outside[:3]}), so CD would never act; give "
                              f"the optimizer the model's parameters")
         register_step_update(self, self, optimizer, "ColinearityDecay.attach")
+        self._warn_if_all_frozen(index, "ColinearityDecay.attach")
         if outside:
             warnings.warn(f"ColinearityDecay.attach: {len(outside)} decayed matrices are not in the optimizer "
                           f"(e.g. {outside[:3]}); the optimizer never changes them, so CD leaves them alone too",
@@ -364,6 +365,15 @@ class ColinearityDecay:
 
     def _decayed(self) -> list[Tensor]:
         return [t for _, t in self._decayed_named()]
+
+    def _warn_if_all_frozen(self, held: Mapping[int, Any], who: str) -> None:
+        """Warn when every decayed matrix in the optimizer is frozen (requires_grad=False): CD changes only what
+        the optimizer changes, so it would act on none of them (until they are unfrozen: not an error)."""
+        inside = [(name, t) for name, t in self._decayed_named() if id(t) in held]
+        if inside and not any(t.requires_grad for _, t in inside):
+            warnings.warn(f"{who}: all {len(inside)} decayed matrices in the optimizer are frozen "
+                          f"(requires_grad=False, e.g. {inside[0][0]}): CD acts on none of them until they are "
+                          f"unfrozen", stacklevel=3)
 
     def _check_parameters_current(self) -> None:
         """Refuse when the model's parameters are no longer the tensors the pairs hold (the update would

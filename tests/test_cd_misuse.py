@@ -3,6 +3,7 @@ optimizer changes, at most once per real step, and every refusal states its true
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -38,6 +39,21 @@ def test_frozen_matrices_in_the_optimizer_are_left_alone():
     step_with_zero_grads(model, opt)
     moved = changed(model, before)
     assert moved and not any(n.startswith("blocks.0.") for n in moved)
+
+
+def test_every_decayed_matrix_frozen_is_said_not_silent():
+    """A frozen backbone (e.g. MMDetection's frozen_stages) in the optimizer: CD would act on nothing."""
+    from cd.integrations import OptimizerBinding
+    model = tiny_vit()
+    model.blocks.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"all 8 decayed matrices in the optimizer are frozen"):
+        ColinearityDecay(model, lam=0.1).attach(sgd(model.parameters()))
+    with pytest.warns(UserWarning, match=r"cd.integrations: all 8 decayed matrices in the optimizer are frozen"):
+        OptimizerBinding(ColinearityDecay(model, lam=0.1), sgd(model.parameters()))
+    model.blocks[0].requires_grad_(True)  # one frozen block of two: nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ColinearityDecay(model, lam=0.1).attach(sgd(model.parameters()))
 
 
 def test_a_matrix_without_a_gradient_at_this_step_is_left_alone():

@@ -103,6 +103,7 @@ class OptimizerBinding:
             warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
                           "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
         register_step_update(self, decay, self.optimizer, "cd.integrations")
+        decay._warn_if_all_frozen(held, "cd.integrations")
         self._armed = False
         self._held = False  # armed for every update until disarm() (arm(until_disarmed=True))
         self._stepping = False
