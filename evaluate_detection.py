@@ -71,9 +71,9 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
-                                  check_annotation_files, check_evaluator_annotations, check_image_folders,
-                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
-                                  train_activation_qat)
+                                  check_annotation_files, check_categories, check_checkpoint_classes,
+                                  check_evaluator_annotations, check_image_folders, check_stage1_device,
+                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
     from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, process_group, run_on_main
@@ -122,11 +122,13 @@ def main(argv=None) -> dict:
     check_image_folders(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",),
                         args.data_root and f"--data-root {args.data_root}")
     check_evaluator_annotations(cfg)
+    check_categories(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",))
     wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)
         model = build_detector(cfg, args.checkpoint, dist.device)
         loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
+        check_checkpoint_classes(model, loader, args.checkpoint)
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                        f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
         identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],

@@ -379,8 +379,65 @@ def reading_annotations(files: Sequence[str]):
     except DetectionError:
         raise
     except (KeyError, ValueError, TypeError, IndexError) as e:
-        raise DetectionError(f"{', '.join(files)}: cannot be read as a COCO annotation file "
+        named = list(dict.fromkeys(files))  # a file read by several loaders and evaluators is named once
+        raise DetectionError(f"{', '.join(named)}: cannot be read as a COCO annotation file "
                              f"({type(e).__name__}: {e})") from None
+
+
+def dataset_classes(dataset: dict) -> Optional[tuple]:
+    """The class names a loader's COCO dataset dict trains or scores, in label order as the config gives them
+    (its metainfo, else its class's default: COCO's 80), or None for a dataset that is not a CocoDataset."""
+    from mmdet.datasets import CocoDataset
+    kind = DATASETS.get(dataset.get("type")) if isinstance(dataset.get("type"), str) else dataset.get("type")
+    if not (inspect.isclass(kind) and issubclass(kind, CocoDataset)):
+        return None
+    classes = (dataset.get("metainfo") or {}).get("classes") or kind.METAINFO.get("classes")
+    return tuple(classes) if classes else None
+
+
+def label_names(categories: Sequence[dict], classes: Sequence[str]) -> List[str]:
+    """The class each label means where MMDetection's CocoDataset and CocoMetric read a file with `categories`
+    for the config's `classes`: label i is the i-th of the FILE's categories whose name is a class (pycocotools'
+    getCatIds keeps the file's order), which is classes[i] only where the file lists them in that order."""
+    return [str(c.get("name")) for c in categories if c.get("name") in classes]
+
+
+def check_categories(cfg: Config, keys: Sequence[str]) -> None:
+    """Refuse an annotation file of the loaders `keys` whose categories do not give label i to the config's class
+    i (`label_names`): a file without the classes (other names) has no object to train on or score, one with some
+    of them or with them in another order would train or score each class against another's objects. Each file
+    is read once, whole (COCO's train2017 file: seconds), before any dataset is built."""
+    seen = set()
+    for key, dataset in loader_datasets(cfg):
+        path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset.get("ann_file") or ""))
+        classes = dataset_classes(dataset) if key in keys and dataset.get("ann_file") else None
+        if not classes or path in seen:
+            continue
+        seen.add(path)
+        with reading_annotations([path]), open(path) as f:
+            categories = json.load(f)["categories"]
+            names = label_names(categories, classes)
+        if names == list(classes):
+            continue
+        listed = ", ".join(str(c.get("name")) for c in categories[:6]) + (" ..." if len(categories) > 6 else "")
+        what = (f"has none of the config's classes ({', '.join(classes)}); its categories are {listed}"
+                if not names else
+                f"numbers its categories {', '.join(names)} (MMDetection keeps the file's order), but the config's "
+                f"classes are {', '.join(classes)}")
+        raise DetectionError(f"{key} reads {path}, which {what}: give the data set the detector is configured for, "
+                             f"or set {key}.dataset.metainfo.classes to its categories in the file's order")
+
+
+def check_checkpoint_classes(model: nn.Module, loader, checkpoint: str) -> None:
+    """Refuse a checkpoint trained on other classes, or on the same ones in another label order, than the data set
+    `loader` scores (its labels are the config's classes, check_categories): the metric would score each of its
+    predicted labels as another class. A checkpoint that keeps no classes (written elsewhere) is not checked."""
+    trained = (model.dataset_meta or {}).get("classes")
+    scored = tuple(loader.dataset.metainfo.get("classes") or ())
+    if trained and tuple(trained) != scored:
+        raise DetectionError(f"--checkpoint {checkpoint} was trained on the classes {', '.join(trained)} (label "
+                             f"order), but the evaluated data set has {', '.join(scored)}: evaluate it on the data "
+                             "set it was trained for, with that config's classes")
 
 
 def check_backbone_init(cfg: Config) -> None:

@@ -162,7 +162,7 @@ def check_launcher(launcher: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
-    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init,
+    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
                                   check_evaluator_annotations, check_image_folders, load_config, parse_overrides,
                                   reading_annotations)
     from mmengine.runner import Runner
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
         check_annotation_files(cfg)
     check_image_folders(cfg, ("train_dataloader", "val_dataloader"), args.data_root and f"--data-root {args.data_root}")
     check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
+    check_categories(cfg, ("train_dataloader", "val_dataloader"))
     check_work_dir(args.work_dir, args.resume)
     settings = run_settings(cfg)
     if args.resume:

@@ -154,9 +154,11 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
     COCO's files, a work dir holding another run's checkpoints (nothing is overwritten), --resume with nothing
     to resume."""
     full = ["--config", "configs/detection/mask_rcnn_swin_t_1x.py", "--data-root", sample]
+    # the paper's config reads the sample with the sample's classes (its 80 COCO classes are not in the sample)
+    classes = [f"{loader}.dataset.metainfo.classes=('box','disc')" for loader in ("train_dataloader", "val_dataloader")]
 
     def error(argv):
-        return error_line(capsys, argv)
+        return error_line(capsys, argv + (classes if argv[:len(full)] == full else []))
 
     unset = error(full + ["--work-dir", str(tmp_path / "a")])
     assert "model.backbone.init_cfg.checkpoint is not set" in unset and "model.backbone.init_cfg=None" in unset

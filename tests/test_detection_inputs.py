@@ -222,3 +222,57 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     assert training_method({"cfg": "not python ("}) is None and training_method({}) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def _categories_copy(sample, tmp_path, names):
+    """A copy of the sample whose annotation files name their categories (ids 1, 2: box, disc in the sample)
+    `names`, the objects unchanged."""
+    import json
+    import shutil
+    root = tmp_path / "_".join(names)
+    shutil.copytree(sample, root)
+    for split in ("train2017", "val2017"):
+        path = root / "annotations" / f"instances_{split}.json"
+        data = json.loads(path.read_text())
+        assert [c["name"] for c in data["categories"]] == ["box", "disc"]
+        for category, name in zip(data["categories"], names):
+            category["name"] = name
+        path.write_text(json.dumps(data))
+    return str(root)
+
+
+def test_annotation_files_without_the_classes_in_label_order_are_refused_before_any_work(sample, tmp_path, capsys):
+    """MMDetection numbers the classes in the annotation file's order of its categories: other names trained on no
+    object (training ended in 'need at least one array to concatenate', naming the val file 4 times; evaluation in
+    an IndexError after the whole inference), swapped names scored every box as the other class (mAP 0 for a
+    perfect detector). One error line naming the file once, before the work dir or the weights are touched."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    renamed = _categories_copy(sample, tmp_path, ["cat", "dog"])
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", renamed, "--work-dir", str(tmp_path / "w")])
+    train_file = os.path.join(renamed, "annotations", "instances_train2017.json")
+    assert f"train_dataloader reads {train_file}, which has none of the config's classes (box, disc)" in line, line
+    assert line.count("instances_") == 1 and "cat, dog" in line, line
+    assert not (tmp_path / "w").exists()
+    swapped = _categories_copy(sample, tmp_path, ["disc", "box"])
+    with pytest.raises(DetectionError, match=r"test_dataloader reads .*instances_val2017.json, which numbers its "
+                                             r"categories disc, box .* the config's classes are box, disc"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", swapped, "--quant",
+              "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_checkpoint_of_other_classes_is_refused_before_inference(sample, tmp_path):
+    """A checkpoint keeps the classes it was trained on (meta.dataset_meta): scored with the config's classes in
+    another order, each predicted label would count as the other class."""
+    from engine.detection import DetectionError, load_config
+    from evaluate_detection import main
+    from mmdet.registry import MODELS
+    model = MODELS.build(load_config([SAMPLE_CONFIG]).model)
+    path = tmp_path / "swapped.pth"
+    torch.save({"state_dict": model.state_dict(), "meta": {"dataset_meta": {"classes": ("disc", "box")}}}, path)
+    with pytest.raises(DetectionError, match=r"was trained on the classes disc, box .* the evaluated data set has "
+                                             r"box, disc"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(path), "--data-root", sample, "--quant",
+              "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
