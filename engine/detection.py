@@ -668,7 +668,8 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     """GPLQ stage 1 on a detector (quant/gplq/detector.py): train `student` in place on its own detection loss
     with MMEngine's runner over the config's training loader at `batch_size_per_gpu`, AdamW with the given
     param groups at a constant lr, one epoch (or `steps` iterations), AMP as asked; checkpoints every
-    `ckpt_every` iterations into `work_dir`, and a later call with the same identity resumes from them.
+    `ckpt_every` iterations into `work_dir`, and a later call with the same identity resumes from them at the
+    iteration they reached (one whose stage 1 had finished loads its last checkpoint and trains no more).
 
     The folder holds `gplq_stage1.json` (the run's identity: bits, options, float weights, world size); a folder
     written by another run, or one that is not a GPLQ stage-1 folder, is refused and left as it is. Under
@@ -690,9 +691,12 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
 
     loader = copy.deepcopy(cfg.train_dataloader)
     loader["batch_size"] = settings["batch_size_per_gpu"]
-    steps = settings["steps"]
-    train_cfg = (dict(type="EpochBasedTrainLoop", max_epochs=1) if steps is None
-                 else dict(type="IterBasedTrainLoop", max_iters=steps))
+    with reading_annotations(annotation_paths(cfg, "train_dataloader")):  # as the runner builds it, this rank's shard
+        loader = Runner.build_dataloader(loader, seed=settings["seed"])
+    # Always an iteration loop, one epoch being the loader's length: MMEngine 0.10 resumes an epoch loop
+    # checkpointed by iteration at the start of its epoch, so a resumed epoch was trained again from its start.
+    steps = settings["steps"] if settings["steps"] is not None else len(loader)
+    train_cfg = dict(type="IterBasedTrainLoop", max_iters=steps)
     optimizer = torch.optim.AdamW(settings["param_groups"], lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
     amp = settings["amp"]
@@ -719,12 +723,23 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     # quantizers' non-tensor extra state. Under DDP every rank starts from rank 0's parameters all the same.
     runner._init_model_weights = lambda: None
     start = time.perf_counter()
+    if resume and checkpoint_iteration(checkpoint) >= steps:  # a finished stage 1 (a later stage failed): its
+        # weights, without another pass (the loop would also draw every batch it skips)
+        runner.load_checkpoint(checkpoint)
+        return {"steps": checkpoint_iteration(checkpoint), "seconds": round(time.perf_counter() - start, 3),
+                "resumed": True, "loss": None, "world_size": runner.world_size, "work_dir": os.path.abspath(work_dir)}
     runner.train()
     loss = runner.message_hub.get_scalar("train/loss").current() if "train/loss" in runner.message_hub.log_scalars \
         else None
     return {"steps": runner.iter, "seconds": round(time.perf_counter() - start, 3), "resumed": resume,
             "loss": None if loss is None else float(loss), "world_size": runner.world_size,
             "work_dir": os.path.abspath(work_dir)}
+
+
+def checkpoint_iteration(path: str) -> int:
+    """The training iteration an MMEngine checkpoint was saved at (its meta), read without loading its tensors."""
+    payload = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return int((payload.get("meta") or {}).get("iter", 0))
 
 
 def check_stage1_device(device: torch.device) -> None:

@@ -291,6 +291,36 @@ def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compens
     assert not torch.equal(after[key], fp[key].detach())  # lr 1e-3: stage 1 trained the float weights
 
 
+def test_gplq_stage1_of_one_epoch_resumes_at_its_iteration_and_a_finished_one_trains_no_more(sample, tmp_path):
+    """Stage 1 by default trains one epoch: its checkpoints are by iteration, and MMEngine resumed an epoch loop at
+    the start of the epoch (an interrupted stage 1 trained its first iterations twice, a finished one a whole second
+    epoch after a later stage failed: 16 steps recorded for an 8-image epoch). One epoch is the training set's
+    images at batch 1 (counted on the data set itself), however often the run is resumed."""
+    from engine.detection import load_config, train_activation_qat
+    from mmdet.registry import DATASETS, MODELS
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    epoch = len(DATASETS.build(cfg.train_dataloader.dataset))  # images after the config's filter, batch 1
+    model = MODELS.build(cfg.model)
+    settings = {"steps": None, "batch_size_per_gpu": 1, "lr": 1e-4, "weight_decay": 0.0, "amp": "none",
+                "param_groups": [{"params": list(model.parameters())}], "log_every": 100, "ckpt_every": 2,
+                "seed": 0, "identity": {"test": "one epoch"}}
+    work = tmp_path / "stage1"
+    first = train_activation_qat(model, cfg, settings, str(work))
+    assert epoch > 4 and first["steps"] == epoch and not first["resumed"]
+    (work / "last_checkpoint").write_text(str(work / "iter_4.pth"))  # as if stopped after iteration 4
+    resumed = train_activation_qat(model, cfg, settings, str(work))
+    assert resumed["steps"] == epoch and resumed["resumed"]
+    assert not (work / f"iter_{epoch + 2}.pth").exists()
+    latest = _state(work / f"iter_{epoch}.pth")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    again = train_activation_qat(model, cfg, settings, str(work))  # finished: loads its weights, trains nothing
+    assert again["steps"] == epoch and again["resumed"] and again["loss"] is None
+    assert all(torch.equal(value, latest[name]) for name, value in model.state_dict().items())
+    assert not (work / f"iter_{epoch + 2}.pth").exists()
+
+
 def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained, tmp_path):
     from evaluate_detection import main
     base = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(tmp_path / "x.json")]
