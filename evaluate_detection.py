@@ -12,11 +12,13 @@ under the W4A4 pipelines, and the backbone / head activation maxima, into one JS
 The detector is quantized as the official RepQ-ViT / APHQ detection code quantizes it: every Conv2d and
 Linear of the backbone, FPN neck, RPN and RoI heads, and both matmuls of every window attention (quant/spec.py,
 quant/README.md); the mask head's transposed conv stays float. Calibration: `--calib-images` training images
-(default 1, the official RepQ-ViT and APHQ detection setting) with the test pipeline, in one batch. APHQ also
+(default 1, the official RepQ-ViT and APHQ detection setting) with the test pipeline, in one batch (a bare `--quant`
+runs no pipeline and refuses --bits, --calib-images and --calib-seed). APHQ also
 reconstructs on its own training images (quant/aphq/detector.py) and starts from the official detection
 recipe (configs/quant.py APHQ_DETECTION); GPLQ trains the activation quantizers with the detection loss for one
 epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`).
-`--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options.
+`--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options. The calibration batch and
+APHQ's and GPLQ's own image sets are checked against the training split's size before any work.
 
 Under torchrun every rank scores its shard of the val set (the metric is computed once, on all of them);
 percentile, RepQ-ViT and APHQ quantize on rank 0, which hands the quantized detector to the others, and GPLQ's
@@ -50,10 +52,11 @@ def parse_args(argv):
     parser.add_argument("--quant", nargs="*", default=None,
                         help="pipelines (default: every pipeline that quantizes detectors); a bare --quant, "
                              "naming none: FP only")
-    parser.add_argument("--bits", nargs="+", default=["w4a4"], help="bit-widths (default: w4a4)")
-    parser.add_argument("--calib-images", type=int, default=1,
+    # None: not given (a full-precision-only evaluation refuses them); QUANT_DEFAULTS otherwise
+    parser.add_argument("--bits", nargs="+", default=None, help="bit-widths (default: w4a4)")
+    parser.add_argument("--calib-images", type=int, default=None,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
-    parser.add_argument("--calib-seed", type=int, default=0, help="seed drawing the calibration images")
+    parser.add_argument("--calib-seed", type=int, default=None, help="seed drawing the calibration images (default 0)")
     parser.add_argument("--quant-options", nargs="+", default=[], metavar="PIPELINE.KEY=VALUE",
                         help="pipeline options, e.g. aphq.iters=2000 aphq.recon_images=64 (configs/quant.py)")
     parser.add_argument("--max-images", type=int, default=None,
@@ -68,12 +71,48 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+QUANT_DEFAULTS = {"bits": ["w4a4"], "calib_images": 1, "calib_seed": 0}
+# the option of each pipeline that draws its own training images besides the calibration batch
+SAMPLE_OPTIONS = {"aphq": "recon_images", "gplq": "stage2_images"}
+
+
+def quant_flags(args, pipelines) -> None:
+    """Refuse the quantization flags given to an evaluation that runs no pipeline (a bare --quant: they would be
+    ignored), and a calibration batch of no image; then fill in their defaults."""
+    from engine.detection import DetectionError
+    if not pipelines:
+        given = [f"--{k.replace('_', '-')}" for k in QUANT_DEFAULTS if getattr(args, k) is not None]
+        if given:
+            raise DetectionError(f"{', '.join(given)} with a bare --quant: no pipeline runs to use "
+                                 f"{'them' if len(given) > 1 else 'it'}; name the pipelines after --quant, or drop "
+                                 f"{', '.join(given)}")
+    for key, default in QUANT_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.calib_images < 1:
+        raise DetectionError(f"--calib-images {args.calib_images}: give at least 1")
+
+
+def check_image_counts(images, todo, options, calib_images: int) -> None:
+    """Refuse, before any work, a calibration batch or a pipeline's own image set (APHQ's reconstruction, GPLQ's
+    QwT) larger than the training split `images`."""
+    from quant import PIPELINES
+    from quant.pipeline_base import parse_options
+    images.check(calib_images, "--calib-images")
+    for name in dict.fromkeys(p for p, _ in todo):
+        option = SAMPLE_OPTIONS.get(name)
+        parsed = parse_options(PIPELINES[name].Options, options[name])
+        if option and (name != "gplq" or parsed.qwt):  # GPLQ draws its QwT images only with QwT on
+            images.check(getattr(parsed, option), f"--quant-options {name}.{option}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
                                   check_annotation_files, check_categories, check_checkpoint_classes,
                                   check_evaluator_annotations, check_image_folders, check_stage1_device,
-                                  evaluate_detector, load_config, parse_overrides, train_activation_qat)
+                                  evaluate_detector, load_config, parse_overrides, train_activation_qat,
+                                  TrainingImages)
     from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, process_group, run_on_main
@@ -93,6 +132,7 @@ def main(argv=None) -> dict:
         if "detection" not in PIPELINES[name].tasks:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
+    quant_flags(args, pipelines)
     bits = [str(parse_bits(b)) for b in args.bits]
     for flag, values in (("--quant", pipelines), ("--bits", bits)):  # as evaluate.py: each would run twice
         problem = named_twice(flag, values)
@@ -148,6 +188,12 @@ def main(argv=None) -> dict:
         # the method the checkpoint was trained with (its training config's hooks), the label of Fig. 1's circles;
         # recorded also in a file written before it was (no result depends on it)
         labelled = results.data.get("method") == model.training_method
+        # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
+        needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
+        images = TrainingImages(cfg) if todo and needs_feed else None  # read once, its counts checked before work
+        if todo:  # on rank 0, which always reads them; the other ranks fail with it
+            run_on_main(lambda: check_image_counts(images, todo, options, args.calib_images),
+                        "checking the training images", dist.device)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:
@@ -159,14 +205,14 @@ def main(argv=None) -> dict:
         say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
             f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
-        # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
-        needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
-        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed) if todo and needs_feed else None
-        data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
-                            train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1,
-                                                                                                   work_dir),
-                            work_prefix=os.path.splitext(out)[0])
+        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed, images) if images is not None else None
         for name, b in todo:
+            flag = f"--quant-options {name}.{SAMPLE_OPTIONS.get(name)}"
+            data = PipelineData(detector_samples=lambda count, seed, flag=flag: DetectorSamples(cfg, count, seed, flag,
+                                                                                                 images),
+                                train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg,
+                                                                                                       stage1, work_dir),
+                                work_prefix=os.path.splitext(out)[0])
             say(f"{name} {b} ...", flush=True)
             entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
                                        eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))

@@ -587,24 +587,46 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         return Runner.build_dataloader(loader_cfg)
 
 
-def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str) -> tuple:
+class TrainingImages:
+    """The training split with the TEST pipeline (resize, no flip), so that no validation image is seen before
+    scoring: built once (COCO's train2017 annotations take a while) for the counts to be checked before any work
+    and for every pipeline that draws calibration or reconstruction images from it."""
+
+    def __init__(self, cfg: Config) -> None:
+        dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
+        test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
+        for dataset in _datasets(dataset_cfg):
+            if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
+                dataset["pipeline"] = test_pipeline
+        dataset_cfg.pop("indices", None)
+        with reading_annotations(annotation_paths(cfg, "train_dataloader")):
+            self.dataset = DATASETS.build(dataset_cfg)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def check(self, count: int, flag: str) -> None:
+        """Refuse drawing `count` images, `flag` naming the option that asked for them."""
+        if count < 1:
+            raise DetectionError(f"{flag} {count}: give at least 1")
+        if len(self.dataset) < count:
+            raise DetectionError(f"{flag} {count}: the training split has only {len(self.dataset)} images")
+
+    def draw(self, count: int, seed: int, flag: str) -> tuple:
+        """(indices, samples): `count` distinct images drawn with `seed`."""
+        self.check(count, flag)
+        indices = sorted(random.Random(seed).sample(range(len(self.dataset)), count))
+        return indices, [self.dataset[i] for i in indices]
+
+
+def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str,
+                                    images: Optional[TrainingImages] = None) -> tuple:
     """(indices, samples): `count` distinct images of the training split drawn with `seed`, each given the TEST
-    pipeline (resize, no flip), so that no validation image is seen before scoring. `flag` names the option
-    that asked for them in errors."""
-    if count < 1:
+    pipeline (`TrainingImages`; `images`: one already built). `flag` names the option that asked for them in
+    errors."""
+    if count < 1:  # before the split is read
         raise DetectionError(f"{flag} {count}: give at least 1")
-    dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
-    test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
-    for dataset in _datasets(dataset_cfg):
-        if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
-            dataset["pipeline"] = test_pipeline
-    dataset_cfg.pop("indices", None)
-    with reading_annotations(annotation_paths(cfg, "train_dataloader")):
-        dataset = DATASETS.build(dataset_cfg)
-    if len(dataset) < count:
-        raise DetectionError(f"{flag} {count}: the training split has only {len(dataset)} images")
-    indices = sorted(random.Random(seed).sample(range(len(dataset)), count))
-    return indices, [dataset[i] for i in indices]
+    return (images or TrainingImages(cfg)).draw(count, seed, flag)
 
 
 class DetectorFeed:
@@ -618,8 +640,8 @@ class DetectorFeed:
     test pipeline.
     """
 
-    def __init__(self, cfg: Config, count: int, seed: int = 0) -> None:
-        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "--calib-images")
+    def __init__(self, cfg: Config, count: int, seed: int = 0, images: Optional[TrainingImages] = None) -> None:
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "--calib-images", images)
         self.batch = pseudo_collate(images)
         self.count = count
 
@@ -637,12 +659,14 @@ class DetectorFeed:
 
 
 class DetectorSamples:
-    """APHQ's reconstruction images of a detector (`quant.aphq.detector.DetectorSamples`): `count` training
-    images drawn with `seed`, test pipeline, one image per batch (the official optimisation loader has batch 1
-    and takes the first 256 images with the training pipeline)."""
+    """APHQ's reconstruction images of a detector (`quant.aphq.detector.DetectorSamples`), and GPLQ's QwT images:
+    `count` training images drawn with `seed`, test pipeline, one image per batch (the official optimisation
+    loader has batch 1 and takes the first 256 images with the training pipeline). `flag`: the option that set
+    `count`, for errors."""
 
-    def __init__(self, cfg: Config, count: int, seed: int = 0) -> None:
-        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "aphq.recon_images")
+    def __init__(self, cfg: Config, count: int, seed: int = 0, flag: str = "--quant-options aphq.recon_images",
+                 images: Optional[TrainingImages] = None) -> None:
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, flag, images)
         self.batches = [pseudo_collate([image]) for image in images]
 
     def __len__(self) -> int:

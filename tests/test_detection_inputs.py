@@ -276,3 +276,44 @@ def test_a_checkpoint_of_other_classes_is_refused_before_inference(sample, tmp_p
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(path), "--data-root", sample, "--quant",
               "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def _random_detector(tmp_path):
+    """A checkpoint of the sample detector at its initial weights, keeping the sample's classes as training does."""
+    from engine.detection import load_config
+    from mmdet.registry import MODELS
+    model = MODELS.build(load_config([SAMPLE_CONFIG]).model)
+    path = tmp_path / "random.pth"
+    torch.save({"state_dict": model.state_dict(), "meta": {"dataset_meta": {"classes": ("box", "disc")}}}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bits", "w6a6"], "--bits with a bare --quant: no pipeline runs to use it"),
+    (["--calib-images", "4", "--calib-seed", "1"], "--calib-images, --calib-seed with a bare --quant"),
+    (["--quant", "repq", "--calib-images", "0"], "--calib-images 0: give at least 1")])
+def test_quantization_flags_that_would_not_be_honoured_are_refused_before_any_work(mmdet_ready, tmp_path, flags,
+                                                                                   message):
+    """A bare --quant scores full precision only: --bits and the calibration flags were ignored; a calibration
+    batch of no image was refused only after the full-precision evaluation."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--out", str(tmp_path / "x.json")]
+    with pytest.raises(DetectionError, match=message):
+        main(argv + (flags if "--quant" in flags else ["--quant"] + flags))
+
+
+@pytest.mark.parametrize("pipeline, option", [("aphq", "recon_images"), ("gplq", "stage2_images")])
+def test_more_pipeline_images_than_the_training_split_has_are_refused_before_any_work(sample, tmp_path, pipeline,
+                                                                                      option):
+    """APHQ's reconstruction set (default 256) and GPLQ's QwT set (512) come from the 8-image training split: they
+    were refused after the full-precision evaluation (and GPLQ's stage-1 training), GPLQ's naming aphq.recon_images."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+    with pytest.raises(DetectionError, match=rf"^--quant-options {pipeline}.{option} \d+: the training split has only "
+                                             r"8 images"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
+              "--out", str(out), "--quant", pipeline, "--quant-options", f"{pipeline}.iters=1"
+              if pipeline == "aphq" else "gplq.steps=1", "--device", "cpu"])
+    assert not out.exists() and not list(tmp_path.glob("x_*"))
