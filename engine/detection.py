@@ -185,6 +185,22 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
         _check_nested_key(cfg, key)
 
 
+def check_hooks(cfg: Config) -> None:
+    """Refuse a custom hook of `cfg` that cannot be built with its arguments (a typo of the config file or of an
+    override such as `custom_hooks.0.lamm=0.01`), naming it: a hook taking **kwargs (CD's passes them on to
+    ColinearityDecay) checks them only when MMEngine's Runner builds it, with a TypeError. Each is built here
+    once, as the Runner would, and dropped (a hook's constructor only stores and checks its arguments)."""
+    from mmdet.registry import HOOKS
+    for index, hook in enumerate(cfg.get("custom_hooks") or []):
+        hook = copy.deepcopy(hook)
+        hook.pop("priority", None)  # the Runner's, not the hook's
+        try:
+            HOOKS.build(hook)
+        except (TypeError, ValueError, KeyError) as e:
+            raise DetectionError(f"custom_hooks.{index} ({hook.get('type')}) cannot be built with its arguments "
+                                 f"({type(e).__name__}: {e}); fix them in the config file or the override") from None
+
+
 def _uses(cfg: Config, variable: str, read: set) -> List[str]:
     """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable`: where
     it was copied to (train_pipeline -> train_dataloader.dataset.pipeline, pretrained ->
@@ -224,6 +240,11 @@ def _check_nested_key(cfg: Config, key: str) -> None:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
+        elif isinstance(node, list) and part.isdigit():  # MMEngine's merge would fail with a KeyError
+            parent = ".".join(parts[:depth])
+            raise DetectionError(f"override {key}: {parent} has {len(node)} item{'s' if len(node) != 1 else ''} "
+                                 f"(indices from 0), so there is no {parent}.{part}; to add one, give a config file "
+                                 "as a later --config")
         elif isinstance(node, dict) and depth > 0:
             _check_new_key(node, part, ".".join(parts[:depth]), key)
             return

@@ -163,12 +163,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
     from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
-                                  check_evaluator_annotations, check_image_folders, load_config, parse_overrides,
-                                  reading_annotations)
+                                  check_evaluator_annotations, check_hooks, check_image_folders, load_config,
+                                  parse_overrides, reading_annotations)
     from mmengine.runner import Runner
 
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
+    check_hooks(cfg)
     if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
         check_annotation_files(cfg)
     check_image_folders(cfg, ("train_dataloader", "val_dataloader"), args.data_root and f"--data-root {args.data_root}")

@@ -317,3 +317,17 @@ def test_more_pipeline_images_than_the_training_split_has_are_refused_before_any
               "--out", str(out), "--quant", pipeline, "--quant-options", f"{pipeline}.iters=1"
               if pipeline == "aphq" else "gplq.steps=1", "--device", "cpu"])
     assert not out.exists() and not list(tmp_path.glob("x_*"))
+
+
+def test_a_hook_argument_typo_or_a_hook_index_past_the_end_is_one_error_line(sample, tmp_path, capsys):
+    """CD's hook takes **kwargs and checked them only when MMEngine's Runner built it (a TypeError traceback after
+    the work dir was made); an override of a list item past the end failed in MMEngine's merge with a KeyError."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    cd = os.path.join(ROOT, "configs", "detection", "method", "cd.py")
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--config", cd, "--data-root", sample, "--work-dir",
+                               str(tmp_path / "w"), "custom_hooks.0.lamm=0.01"])
+    assert "custom_hooks.0 (ColinearityDecayHook) cannot be built" in line and "'lamm'" in line, line
+    assert not (tmp_path / "w").exists()
+    with pytest.raises(DetectionError, match=r"override custom_hooks.1.lam: custom_hooks has 1 item \(indices from "
+                                             r"0\), so there is no custom_hooks.1"):
+        load_config([SAMPLE_CONFIG, cd], parse_overrides(["custom_hooks.1.lam=0.01"]))
