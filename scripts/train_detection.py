@@ -4,7 +4,8 @@ with this repository's guards (data root, backbone checkpoint, nothing overwritt
     python scripts/train_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
         --config configs/detection/method/cd.py --data-root /datasets/coco --work-dir runs/det_t1x_cd \
         model.backbone.init_cfg.checkpoint=/weights/swin_tiny_patch4_window7_224.pth
-    torchrun --nproc_per_node=8 scripts/train_detection.py --launcher pytorch ...   # the paper's 8 GPUs
+    torchrun --nproc_per_node=8 scripts/train_detection.py --launcher pytorch ...   # the paper's 8 GPUs (MMEngine
+                                                                                   # trains distributed on GPUs only)
     python scripts/train_detection.py ... --resume                                 # continue the same run
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
@@ -151,9 +152,16 @@ def check_config_dump(work_dir: str, cfg) -> None:
 
 def check_launcher(launcher: str) -> None:
     """Refuse --launcher none under torchrun: every rank would train its own copy of the model into one work
-    dir."""
+    dir; and a distributed launcher without a GPU: MMEngine 0.10 trains distributed on GPUs only (its
+    init_dist calls torch.cuda.set_device, a traceback on a CPU machine)."""
     from engine.detection import DetectionError
+    import torch
     world = os.environ.get("WORLD_SIZE", "1")
+    ranks = int(world) if world.isdigit() else 1
+    if (launcher != "none" or ranks > 1) and not torch.cuda.is_available():
+        asked = f"--launcher {launcher}" if launcher != "none" else f"torchrun (WORLD_SIZE={world})"
+        raise DetectionError(f"{asked} but no CUDA device is visible: MMEngine trains distributed on GPUs only; on "
+                             "the CPU train in one process (python scripts/train_detection.py, --launcher none)")
     if launcher == "none" and world.isdigit() and int(world) > 1:
         raise DetectionError(f"--launcher none under torchrun (WORLD_SIZE={world}): every rank would train its own "
                              "copy into one --work-dir; add --launcher pytorch")

@@ -556,8 +556,20 @@ def test_quant_none_points_to_a_bare_quant(mmdet_ready, tmp_path):
 
 def test_torchrun_without_a_launcher_is_refused(sample, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPUs: a distributed run could train
     line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w")])
     assert "add --launcher pytorch" in line
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("launcher, world", [("pytorch", "2"), ("slurm", "1"), ("none", "2")])
+def test_distributed_training_without_a_gpu_is_refused(sample, tmp_path, capsys, monkeypatch, launcher, world):
+    """MMEngine 0.10's init_dist sets a CUDA device: on a CPU machine torchrun ended in 'Found no NVIDIA driver'."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+                               "--launcher", launcher])
+    assert "no CUDA device is visible: MMEngine trains distributed on GPUs only" in line, line
     assert not (tmp_path / "w").exists()
 
 
