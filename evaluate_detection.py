@@ -31,7 +31,8 @@ checkpoint keeps; null without one); a file of other weights, data or config (th
 `config_sha256`) is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, train_dataloader but its batch_size, which GPLQ's
-stage 1 sets from gplq.batch_size_per_gpu, ...; others are refused).
+stage 1 sets from gplq.batch_size_per_gpu, ...; others are refused, and so is model.backbone.init_cfg: every weight
+comes from --checkpoint).
 """
 from __future__ import annotations
 
@@ -239,6 +240,8 @@ def evaluation_reads():
                    "log_processor", "find_unused_parameters"}),
         "the evaluation scores --checkpoint on test_dataloader with test_evaluator",
         {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
+         # the detector is built without it and takes every weight from --checkpoint (build_detector)
+         "model.backbone.init_cfg": "--checkpoint",
          # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
          "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"})
 

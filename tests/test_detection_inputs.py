@@ -331,3 +331,13 @@ def test_a_hook_argument_typo_or_a_hook_index_past_the_end_is_one_error_line(sam
     with pytest.raises(DetectionError, match=r"override custom_hooks.1.lam: custom_hooks has 1 item \(indices from "
                                              r"0\), so there is no custom_hooks.1"):
         load_config([SAMPLE_CONFIG, cd], parse_overrides(["custom_hooks.1.lam=0.01"]))
+
+
+def test_evaluation_refuses_a_backbone_checkpoint_override(mmdet_ready):
+    """The evaluated detector is built without the backbone's init_cfg and takes every weight from --checkpoint:
+    an override of the paper config's backbone checkpoint was accepted and changed nothing."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    with pytest.raises(DetectionError, match="does not read model.backbone.init_cfg.*give --checkpoint instead"):
+        load_config([os.path.join(ROOT, "configs", "detection", "mask_rcnn_swin_t_1x.py")],
+                    parse_overrides(["model.backbone.init_cfg.checkpoint=/w/swin.pth"]), reads=evaluation_reads())
