@@ -157,13 +157,13 @@ def main(argv=None) -> dict:
         raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root, evaluation_reads())
-    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
-        check_annotation_files(cfg)
-    # the test images; the training images only where a pipeline calibrates or trains on them
-    check_image_folders(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",),
-                        args.data_root and f"--data-root {args.data_root}")
+    # the test split; the training split only where a pipeline calibrates or trains on it
+    loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
+    source = args.data_root and f"--data-root {args.data_root}"
+    check_annotation_files(cfg, source, loaders + ("test_evaluator",))
+    check_image_folders(cfg, loaders, source)
     check_evaluator_annotations(cfg)
-    check_categories(cfg, ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",))
+    check_categories(cfg, loaders)
     wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)

@@ -306,8 +306,9 @@ def loader_datasets(cfg: Config) -> List[tuple]:
 
 def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
     """Point every loader and COCO evaluator of `cfg` at `root` (COCO's layout: annotations/, train2017/,
-    val2017/) and check that the annotation files they read exist. An evaluator's `ann_file` named in `keep`
-    (the user's overrides) stays as given; a loader's data_root there is refused."""
+    val2017/); the command checks the annotation files of those it reads (check_annotation_files). An
+    evaluator's `ann_file` named in `keep` (the user's overrides) stays as given; a loader's data_root there is
+    refused."""
     root = os.path.join(os.path.abspath(root), "")
     # a loader's own data_root would be replaced below: the user asked for two roots of one loader
     loader_roots = [k for k in keep if k.split(".")[0] in LOADERS and k.split(".")[-1] == "data_root"]
@@ -331,7 +332,6 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
                     "annotations", os.path.basename(ann))
                 evaluator["ann_file"] = os.path.join(root, rel)
     cfg["data_root"] = root
-    check_annotation_files(cfg, f"--data-root {root}")
 
 
 def annotation_files(cfg: Config) -> List[tuple]:
@@ -361,11 +361,14 @@ def annotation_paths(cfg: Config, *keys: str) -> List[str]:
     return [path for key, path in annotation_files(cfg) if not keys or key in keys]
 
 
-def check_annotation_files(cfg: Config, source: Optional[str] = None) -> None:
+def check_annotation_files(cfg: Config, source: Optional[str] = None, keys: Optional[Sequence[str]] = None) -> None:
     """Refuse a missing annotation file of `cfg`, or one that is not a JSON object (a truncated or corrupt file),
-    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths). Only the
-    first and last bytes are read: COCO's files are hundreds of MB."""
+    naming it; `source` is where its path came from (`--data-root X`; None: the config's own paths); `keys`: the
+    loaders and evaluators the command reads (None: all), so that a root with only the val split serves a
+    full-precision evaluation. Only the first and last bytes are read: COCO's files are hundreds of MB."""
     for key, path in annotation_files(cfg):
+        if keys is not None and key not in keys:
+            continue
         if not os.path.isfile(path):
             where = f"{source}: " if source else ""
             fix = "" if source else " (give --data-root: COCO's layout, annotations/, train2017/, val2017/)"

@@ -178,9 +178,9 @@ def main(argv=None) -> int:
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
     check_hooks(cfg)
-    if args.data_root is None:  # the config's own paths (--data-root checked them otherwise)
-        check_annotation_files(cfg)
-    check_image_folders(cfg, ("train_dataloader", "val_dataloader"), args.data_root and f"--data-root {args.data_root}")
+    source = args.data_root and f"--data-root {args.data_root}"
+    check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
+    check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
     check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
     check_categories(cfg, ("train_dataloader", "val_dataloader"))
     check_work_dir(args.work_dir, args.resume)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     runner = Runner.from_cfg(cfg)
     # The loops read the annotation files when they are built, which runner.train() does unless the properties
     # did it first: here, so that an unreadable file is one error line naming it.
-    with reading_annotations(annotation_paths(cfg)):
+    with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator")):
         runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
     runner.train()
     return 0

@@ -341,3 +341,21 @@ def test_evaluation_refuses_a_backbone_checkpoint_override(mmdet_ready):
     with pytest.raises(DetectionError, match="does not read model.backbone.init_cfg.*give --checkpoint instead"):
         load_config([os.path.join(ROOT, "configs", "detection", "mask_rcnn_swin_t_1x.py")],
                     parse_overrides(["model.backbone.init_cfg.checkpoint=/w/swin.pth"]), reads=evaluation_reads())
+
+
+def test_a_full_precision_evaluation_needs_no_training_annotations(sample, tmp_path):
+    """A root with the val split only (no train2017/, no instances_train2017.json) serves a bare --quant: every
+    loader's annotation file was checked, so it was refused; a pipeline, which reads the training split, is."""
+    import shutil
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = tmp_path / "valonly"
+    shutil.copytree(sample, root)
+    shutil.rmtree(root / "train2017")
+    (root / "annotations" / "instances_train2017.json").unlink()
+    common = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
+              "--out", str(tmp_path / "x.json")]
+    with pytest.raises(DetectionError, match="train_dataloader reads .*instances_train2017.json, which does not exist"):
+        main(common + ["--quant", "repq"])
+    with pytest.raises(DetectionError, match=r"--checkpoint .*w.pth: no such file"):  # past every data check
+        main(common + ["--quant"])
