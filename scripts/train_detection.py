@@ -10,9 +10,9 @@ with this repository's guards (data root, backbone checkpoint, nothing overwritt
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
-dump MMEngine writes there (the first --config's name). A new run records its merged settings in
-`<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only train_cfg.max_epochs
-may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
+dump MMEngine writes there (the first --config's name). A new run records its merged settings, once its runner is
+built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only
+train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
 last_checkpoint that points outside the work dir or to a missing file. The batch per GPU is the config's (2 images,
 16 in all on 8 GPUs, the official setting); with fewer GPUs add `auto_scale_lr.enable=True` to scale the lr.
 """
@@ -77,10 +77,20 @@ def run_settings(cfg) -> dict:
     return flat
 
 
-def record_settings(work_dir: str, settings: dict) -> None:
-    """Write a new run's settings into `work_dir`, never over an existing file: one with the same settings (the
-    same run started again before its first checkpoint, or another rank of it) is kept, another is refused."""
+def check_settings(work_dir: str, settings: dict) -> None:
+    """Refuse a new run in a `work_dir` whose settings file records another run (started, not yet checkpointed)."""
     from engine.detection import DetectionError
+    path = os.path.join(work_dir, SETTINGS_FILE)
+    if os.path.exists(path) and stored_settings(path) != settings:
+        raise DetectionError(f"--work-dir {work_dir} holds {SETTINGS_FILE} of a run with other settings: give a "
+                             "new --work-dir, or move the file away")
+
+
+def record_settings(work_dir: str, settings: dict) -> None:
+    """Write a new run's settings into `work_dir` once its runner has been built (a start that failed before
+    leaves none, so the corrected command may use the same folder), never over an existing file: one with the
+    same settings (the same run started again before its first checkpoint, or another rank of it) is kept,
+    another is refused."""
     path = os.path.join(work_dir, SETTINGS_FILE)
     os.makedirs(work_dir, exist_ok=True)
     if not os.path.exists(path):
@@ -93,9 +103,7 @@ def record_settings(work_dir: str, settings: dict) -> None:
             pass
         finally:
             os.remove(temporary)
-    if stored_settings(path) != settings:
-        raise DetectionError(f"--work-dir {work_dir} holds {SETTINGS_FILE} of a run with other settings: give a "
-                             "new --work-dir, or move the file away")
+    check_settings(work_dir, settings)
 
 
 def stored_settings(path: str) -> dict:
@@ -191,7 +199,7 @@ def main(argv=None) -> int:
     else:
         check_backbone_init(cfg)
         check_config_dump(args.work_dir, cfg)
-        record_settings(args.work_dir, settings)
+        check_settings(args.work_dir, settings)  # written once the runner is built (record_settings)
     cfg.work_dir = args.work_dir
     cfg.launcher = args.launcher
     cfg.resume = args.resume
@@ -204,6 +212,8 @@ def main(argv=None) -> int:
     # did it first: here, so that an unreadable file is one error line naming it.
     with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator")):
         runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
+    if not args.resume:
+        record_settings(args.work_dir, settings)
     runner.train()
     return 0
 

@@ -599,3 +599,24 @@ def test_the_paper_settings_train_with_amp_and_method_fragments_keep_it(config, 
     from engine.detection import load_config
     cfg = load_config([config, "configs/detection/method/cd.py"])
     assert cfg.optim_wrapper.type == wrapper and cfg.optim_wrapper.optimizer.weight_decay == pytest.approx(0.045)
+
+
+def test_a_start_that_failed_before_training_leaves_the_work_dir_to_the_corrected_command(sample, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """The settings file was written before MMEngine's runner was built: after a start that failed there, the
+    corrected command (other settings) into the same --work-dir was refused as 'a run with other settings'."""
+    from mmengine.runner import Runner
+    import train_detection
+    work = tmp_path / "w"
+    argv = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work), "train_cfg.max_epochs=1"]
+    real = Runner.from_cfg
+
+    def failing(cfg):
+        raise ValueError("the runner could not be built")
+    monkeypatch.setattr(Runner, "from_cfg", failing)
+    assert "could not be built" in error_line(capsys, argv + ["optim_wrapper.optimizer.lr=0.01"])
+    monkeypatch.setattr(Runner, "from_cfg", real)
+    monkeypatch.setattr(Runner, "train", lambda self: None)  # built, not trained: the settings are what counts
+    assert train_detection.main(argv) == 0
+    settings = json.loads((work / "train_detection_config.json").read_text())
+    assert settings["optim_wrapper.optimizer.lr"] == "0.001"
