@@ -13,7 +13,9 @@ A work dir that already holds checkpoints is refused unless --resume continues t
 dump MMEngine writes there (the first --config's name). A new run records its merged settings, once its runner is
 built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only
 train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
-last_checkpoint that points outside the work dir or to a missing file. The batch per GPU is the config's (2 images,
+last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the random-number state
+(engine.detection.RngStateHook), so a resumed run in one process ends bit for bit where the uninterrupted one
+does; under torchrun rank 0's state is kept, the other ranks continue from the seed. The batch per GPU is the config's (2 images,
 16 in all on 8 GPUs, the official setting); with fewer GPUs add `auto_scale_lr.enable=True` to scale the lr.
 """
 from __future__ import annotations
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     check_launcher(args.launcher)
     from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
                                   check_evaluator_annotations, check_hooks, check_image_folders, load_config,
-                                  parse_overrides, reading_annotations)
+                                  parse_overrides, reading_annotations, RngStateHook)
     from mmengine.runner import Runner
 
     overrides = parse_overrides(args.overrides)
@@ -208,6 +210,7 @@ def main(argv=None) -> int:
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     runner = Runner.from_cfg(cfg)
+    runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
     # The loops read the annotation files when they are built, which runner.train() does unless the properties
     # did it first: here, so that an unreadable file is one error line naming it.
     with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator")):
