@@ -208,12 +208,11 @@ def main(argv=None) -> dict:
 
         feed = DetectorFeed(cfg, args.calib_images, args.calib_seed, images) if images is not None else None
         for name, b in todo:
-            flag = f"--quant-options {name}.{SAMPLE_OPTIONS.get(name)}"
-            data = PipelineData(detector_samples=lambda count, seed, flag=flag: DetectorSamples(cfg, count, seed, flag,
-                                                                                                 images),
-                                train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg,
-                                                                                                       stage1, work_dir),
-                                work_prefix=os.path.splitext(out)[0])
+            flag = f"--quant-options {name}.{SAMPLE_OPTIONS.get(name)}"  # names the count in errors
+            data = PipelineData(
+                detector_samples=lambda count, seed, flag=flag: DetectorSamples(cfg, count, seed, flag, images),
+                train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1, work_dir),
+                work_prefix=os.path.splitext(out)[0])
             say(f"{name} {b} ...", flush=True)
             entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
                                        eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))

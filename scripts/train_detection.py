@@ -12,11 +12,12 @@ A work dir that already holds checkpoints is refused unless --resume continues t
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
 dump MMEngine writes there (the first --config's name). A new run records its merged settings, once its runner is
 built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only
-train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's own last checkpoint), and a
-last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the random-number state
-(engine.detection.RngStateHook), so a resumed run in one process ends bit for bit where the uninterrupted one
-does; under torchrun rank 0's state is kept, the other ranks continue from the seed. The batch per GPU is the config's (2 images,
-16 in all on 8 GPUs, the official setting); with fewer GPUs add `auto_scale_lr.enable=True` to scale the lr.
+train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's own last
+checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
+random-number state (engine.detection.RngStateHook), so a resumed run in one process ends bit for bit where the
+uninterrupted one does; under torchrun rank 0's state is kept, the other ranks continue from the seed. The batch
+per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
+`auto_scale_lr.enable=True` to scale the lr.
 """
 from __future__ import annotations
 
