@@ -212,7 +212,19 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             failures.append(f"{where}: the input of {p.name} does not come from {p.upstream_name}")
     if failures:
         raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
-                                    + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+                                    + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else "")
+                                    + _adapter_hint(root))
+
+
+def _adapter_hint(root: nn.Module) -> str:
+    """The likely cause when `root` holds PEFT adapters (LoRA's lora.Linear reads a frozen `base_layer` and adds a
+    low-rank term, so the matrix the pair names is not what the forward multiplies): CD decays whole matrices."""
+    adapters = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in root.modules()
+                       if type(m).__module__.startswith("peft.")})
+    if not adapters:
+        return ""
+    return (f"; the model holds PEFT adapters ({', '.join(adapters[:2])}{', ...' if len(adapters) > 2 else ''}), which freeze the weights CD decays and "
+            "train low-rank terms beside them: CD applies to full fine-tuning or training, not to adapters")
 
 
 def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:

@@ -432,8 +432,8 @@ def check_categories(cfg: Config, keys: Sequence[str]) -> None:
     """Refuse an annotation file of the loaders `keys` whose categories do not give label i to the config's class
     i (`label_names`): a file without the classes (other names) has no object to train on or score, one with some
     of them or with them in another order would train or score each class against another's objects. Each file
-    is read once, whole, before any dataset is built (COCO's train2017 file, about 450 MB, is so read twice; the
-    time that takes has not been measured)."""
+    is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read twice in
+    all, here and by the dataset (the time this adds has not been measured)."""
     seen = set()
     for key, dataset in loader_datasets(cfg):
         path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset.get("ann_file") or ""))

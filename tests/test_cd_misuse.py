@@ -445,3 +445,35 @@ def test_weights_stored_in_half_precision_are_warned_about_once(dtype):
         assert len(said) == (0 if kind == torch.float32 else 1), [str(w.message) for w in seen]
         changes[kind] = (model.blocks[0].mlp.fc2.weight != before).float().mean().item()
     assert changes[torch.float32] > 0.9 and changes[dtype] < 0.5, changes
+
+
+class LoraLinear(torch.nn.Module):
+    """A stand-in of PEFT's lora.Linear (the refusal's hint is keyed on the class's module): a frozen base layer,
+    a trained low-rank term, and the base weight exposed as `weight`, as PEFT exposes it."""
+    __module__ = "peft.tuners.lora.layer"
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_a_model_with_lora_adapters_is_refused_naming_them():
+    model = tiny_vit()
+    for block in model.blocks:
+        block.attn.qkv, block.mlp.fc2 = LoraLinear(block.attn.qkv), LoraLinear(block.mlp.fc2)
+    with pytest.raises(UnsupportedModelError, match=r"not used in the forward pass .*PEFT adapters "
+                                                    r"\(peft.tuners.lora.layer.LoraLinear\)"):
+        ColinearityDecay(model)
