@@ -151,6 +151,9 @@ def test_a_step_of_the_raw_torch_optimizer_is_refused_not_taken_without_cd():
     with pytest.raises(RuntimeError, match="took a step without the framework's step event"):
         fit(module, 2, max_epochs=1)  # the raw steps leave Lightning's step count at 0
     assert len(module.batches) == 1  # right after the first step
+    # the failed fit left no CD hook on its optimizer: an attach of the model's own is not a second update
+    from cd import ColinearityDecay
+    ColinearityDecay(module.net, lam=LAM).attach(module.trainer.optimizers[0])
 
 
 def test_resume_from_a_lightning_checkpoint_continues_exactly(tmp_path):

@@ -78,6 +78,11 @@ class ColinearityDecayCallback(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._unbind()
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # a run that failed leaves no hook on its optimizers: a later attach (or fit) on them is not refused as a
+        # second CD update, and no armed update waits for a step of the user's own
+        self._unbind()
+
     def _unbind(self) -> None:
         for binding in self._bindings.values():
             binding.remove()
