@@ -223,8 +223,9 @@ def _adapter_hint(root: nn.Module) -> str:
                        if type(m).__module__.startswith("peft.")})
     if not adapters:
         return ""
-    return (f"; the model holds PEFT adapters ({', '.join(adapters[:2])}{', ...' if len(adapters) > 2 else ''}), which freeze the weights CD decays and "
-            "train low-rank terms beside them: CD applies to full fine-tuning or training, not to adapters")
+    named = ", ".join(adapters[:2]) + (", ..." if len(adapters) > 2 else "")
+    return (f"; the model holds PEFT adapters ({named}), which freeze the weights CD decays and train low-rank "
+            "terms beside them: CD applies to full fine-tuning or training, not to adapters")
 
 
 def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
