@@ -234,8 +234,10 @@ def note_attention_change(model_cfg) -> None:
     """Fine-tuning a checkpoint of this code base with another `model.attn` is allowed (e.g. softmax1 -> softmax),
     but softmax1 has no parameters of its own, so nothing in the weights would show that the attention changed."""
     path = model_cfg.pretrained
-    trained = (run_checkpoint_config(path) or {}).get("model", {}).get("attn", "softmax") \
-        if path and os.path.isfile(path) else model_cfg.attn
+    config = run_checkpoint_config(path) if path and os.path.isfile(path) else None
+    if config is None:  # another file (timm, DeiT, safetensors): it records no attention variant
+        return
+    trained = config.get("model", {}).get("attn", "softmax")
     if trained != model_cfg.attn:
         log.warning("%s was trained with model.attn=%s; fine-tuning it with model.attn=%s as set (set "
                     "model.attn=%s to keep its attention)", path, trained, model_cfg.attn, trained)

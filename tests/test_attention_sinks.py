@@ -220,6 +220,12 @@ def test_fine_tuning_a_run_with_another_attention_says_so(tmp_path, caplog):
             train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / attn}", f"model.attn={attn}",
                                                             f"model.pretrained={ckpt}"]))
         assert ("was trained with model.attn=softmax1; fine-tuning it with model.attn=softmax" in caplog.text) == said
+    torch.save(torch.load(ckpt, weights_only=False)["model"], tmp_path / "weights.pth")  # a plain weights file
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="train"):
+        train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / 'plain'}", "model.attn=softmax1",
+                                                        f"model.pretrained={tmp_path / 'weights.pth'}"]))
+    assert "was trained with" not in caplog.text  # it records no attention variant: nothing to compare
 
 
 # -- quantization --------------------------------------------------------------------------------------
