@@ -378,6 +378,40 @@ def test_method_fragments_add_their_hooks_to_the_earlier_files(mmdet_ready, tmp_
     assert list(cfg.custom_imports.imports) == ["mmdet.models", "cd.integrations.mmengine"]
 
 
+@pytest.mark.parametrize("overrides, weight_decay", [
+    ([], 0.045), (["custom_hooks.0.lam=0.01"], 0.04), (["optim_wrapper.optimizer.weight_decay=0.1"], 0.095),
+    (["cd_budget=False"], 0.05), (["custom_hooks.0.lam_per_role={'fc2':0.02}"], 0.045)])
+def test_the_cd_fragment_lowers_the_weight_decay_by_the_lam_the_command_gives(mmdet_ready, tmp_path, overrides,
+                                                                               weight_decay):
+    """The budget rule (App. A.2) follows the merged config: an override of the hook's lam or of the weight decay
+    moves it (the fragment once held a fixed 0.045, whatever lam ran), cd_budget=False leaves 0.05 (the sample
+    config's), per-role strengths leave it at the base lam; the config MMEngine dumps reloads to the same value."""
+    from engine.detection import load_config, parse_overrides
+    from mmengine.config import Config
+    cfg = load_config([SAMPLE_CONFIG, "configs/detection/method/cd.py"], parse_overrides(overrides))
+    assert Config.fromfile(SAMPLE_CONFIG).optim_wrapper.optimizer.weight_decay == 0.05
+    assert cfg.optim_wrapper.optimizer.weight_decay == weight_decay
+    dump = tmp_path / "dump.py"
+    cfg.dump(str(dump))
+    assert load_config([str(dump)]).optim_wrapper.optimizer.weight_decay == weight_decay
+
+
+@pytest.mark.parametrize("fragment, overrides, message", [
+    ("configs/detection/method/cd.py", ["custom_hooks.0.lam=0.06"],
+     "weight_decay 0.05 - ColinearityDecayHook lam 0.06 < 0"),
+    ("configs/detection/method/cd.py", ["cd_budget=yes"], "cd_budget='yes': give True"),
+    ("custom_hooks = [dict(type='ColinearityDecayHook', lam=0.005), dict(type='ColinearityDecayHook', lam=0.01, "
+     "module='neck')]\ncd_budget = True\n", [], r"2 ColinearityDecayHooks of lam \[0.005, 0.01\]"),
+    ("cd_budget = True\n", [], "cd_budget=True with 0 ColinearityDecayHooks: ")])
+def test_a_budget_that_cannot_be_applied_is_refused(mmdet_ready, tmp_path, fragment, overrides, message):
+    from engine.detection import DetectionError, load_config, parse_overrides
+    if not fragment.endswith(".py"):
+        (tmp_path / "fragment.py").write_text(fragment)
+        fragment = str(tmp_path / "fragment.py")
+    with pytest.raises(DetectionError, match=message):
+        load_config([SAMPLE_CONFIG, fragment], parse_overrides(overrides))
+
+
 @pytest.mark.parametrize("override, message", [
     ("work_dir=/tmp/x", "give --work-dir instead"), ("launcher=pytorch", "give --launcher instead"),
     ("resume=True", "give --resume instead"), ("data_root=/tmp/x", "give --data-root instead"),
