@@ -62,12 +62,15 @@ def check_work_dir(work_dir: str, resume: bool) -> None:
 
 SETTINGS_FILE = "train_detection_config.json"
 SET_BY_SCRIPT = ("work_dir", "launcher", "resume")  # from the flags; not settings of the run
+# what load_config did with it is in optim_wrapper.optimizer.weight_decay, which is compared: a run started before
+# the CD fragment had the key resumes, and one whose weight decay the key would change does not
+NOT_COMPARED = SET_BY_SCRIPT + ("cd_budget",)
 MAY_CHANGE_ON_RESUME = ("train_cfg.max_epochs",)
 
 
 def run_settings(cfg) -> dict:
     """The merged config of a run as flat dotted keys -> repr of the value (dicts flattened, lists whole), the
-    keys this script sets from its flags left out."""
+    keys this script sets from its flags and cd_budget (NOT_COMPARED) left out."""
     flat: dict = {}
 
     def walk(prefix, value):
@@ -76,7 +79,7 @@ def run_settings(cfg) -> dict:
                 walk(f"{prefix}.{key}" if prefix else str(key), inner)
         else:
             flat[prefix] = repr(value)
-    walk("", {k: v for k, v in cfg.to_dict().items() if k not in SET_BY_SCRIPT})
+    walk("", {k: v for k, v in cfg.to_dict().items() if k not in NOT_COMPARED})
     return flat
 
 

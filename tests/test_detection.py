@@ -394,6 +394,9 @@ def test_the_cd_fragment_lowers_the_weight_decay_by_the_lam_the_command_gives(mm
     dump = tmp_path / "dump.py"
     cfg.dump(str(dump))
     assert load_config([str(dump)]).optim_wrapper.optimizer.weight_decay == weight_decay
+    from train_detection import run_settings  # --resume compares the weight decay, not the key's record of it
+    settings = run_settings(cfg)
+    assert "cd_budget" not in settings and settings["optim_wrapper.optimizer.weight_decay"] == repr(weight_decay)
 
 
 @pytest.mark.parametrize("fragment, overrides, message", [
