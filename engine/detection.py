@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cd import ColinearityDecay, budget_weight_decay
+from cd.integrations.mmengine import apply_weight_decay_budget
 from engine.act_max import ActivationProbe
 from engine.distributed import all_reduce, run_on_main
 from models.modules import nonfinite_tensors
@@ -102,7 +102,10 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
             raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
     if data_root is not None:
         set_data_root(cfg, data_root, keep=overrides or {})
-    apply_cd_budget(cfg)
+    try:
+        apply_weight_decay_budget(cfg)  # after the overrides, so that a lam or weight decay given moves it
+    except ValueError as e:
+        raise DetectionError(str(e)) from None
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
 
@@ -132,48 +135,6 @@ def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
         cfg.custom_hooks = list(cfg.get("custom_hooks") or []) + list(hooks)
 
 
-CD_HOOK = "ColinearityDecayHook"
-BUDGET_APPLIED = "applied: "  # cd_budget's value once the weight decay holds the budget (a dumped config)
-
-
-def apply_cd_budget(cfg: Config) -> None:
-    """The paper's regularization-budget rule (App. A.2) for a config with `cd_budget = True` (CD's fragment,
-    configs/detection/method/cd.py): the optimizer's weight decay, as the merged files and overrides leave it,
-    is lowered by the lam of the config's ColinearityDecayHook (its base lam; lam_per_role does not change it,
-    as cd.budget in train.py), so that an override of the hook's lam or of the weight decay moves the budget
-    with it. `cd_budget` then records what was done ("applied: 0.05 - lam 0.005 = 0.045"), which MMEngine's
-    config dump keeps: loading the dump again does not lower the weight decay twice. `cd_budget = False`
-    leaves the weight decay as given."""
-    budget = cfg.get("cd_budget")
-    if budget is None or budget is False or (isinstance(budget, str) and budget.startswith(BUDGET_APPLIED)):
-        return
-    if budget is not True:
-        raise DetectionError(f"cd_budget={budget!r}: give True (lower the weight decay by CD's lam, the budget "
-                             "rule) or False")
-    hooks = [h for h in cfg.get("custom_hooks") or [] if h.get("type") == CD_HOOK]
-    default = inspect.signature(ColinearityDecay).parameters["lam"].default
-    lams = {h.get("lam", default) for h in hooks}
-    if len(lams) != 1:
-        raise DetectionError(f"cd_budget=True with {len(hooks)} {CD_HOOK}s"
-                             f"{f' of lam {sorted(lams)}' if hooks else ''}: the budget rule lowers the weight "
-                             f"decay by one lam; give {CD_HOOK} (configs/detection/method/cd.py) or set "
-                             "cd_budget=False and optim_wrapper.optimizer.weight_decay yourself")
-    lam = lams.pop()
-    optimizer = (cfg.get("optim_wrapper") or {}).get("optimizer") or {}
-    weight_decay = optimizer.get("weight_decay")
-    for name, value in (("optim_wrapper.optimizer.weight_decay", weight_decay), (f"{CD_HOOK} lam", lam)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DetectionError(f"cd_budget=True needs a number as {name}, got {value!r}: set it, or set "
-                                 "cd_budget=False")
-    try:
-        # 12 significant digits: the config (and its dump) reads 0.045, not 0.045000000000000005
-        optimizer["weight_decay"] = float(f"{budget_weight_decay(weight_decay, lam):.12g}")
-    except ValueError:
-        raise DetectionError(f"cd_budget=True: optim_wrapper.optimizer.weight_decay {weight_decay} - {CD_HOOK} lam "
-                             f"{lam} < 0; lower the hook's lam, or set cd_budget=False") from None
-    cfg.cd_budget = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
-
-
 def parse_overrides(items):
     """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
     namespace = argparse.Namespace()
@@ -189,7 +150,7 @@ SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "-
 # top-level keys MMEngine's Runner reads from the config besides its arguments (Runner.wrap_model, .train)
 READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "activation_checkpointing",
                   "efficient_conv_bn_eval", "compile")
-READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_cd_budget reads it after the overrides
+READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_weight_decay_budget reads it after the overrides
 # dicts whose keys their readers take as they come (hook names, environment settings)
 OPEN_DICTS = ("default_hooks", "env_cfg")
 # keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)

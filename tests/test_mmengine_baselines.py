@@ -363,9 +363,11 @@ def test_detection_method_fragments_build_their_hook_and_merge_onto_a_base(tmp_p
                                                                              weight_decay=0.05))))
     base.merge_from_dict(fragment.to_dict())
     assert base.optim_wrapper.optimizer.lr == 1e-4 and base.custom_hooks[0]["type"] == hook
-    if method == "cd":  # the budget rule: weight decay 0.05 - lam
-        from cd import budget_weight_decay
+    if method == "cd":  # the budget rule, applied to the merged config: weight decay 0.05 - lam
+        from cd.integrations.mmengine import apply_weight_decay_budget
 
-        assert base.optim_wrapper.optimizer.weight_decay == pytest.approx(budget_weight_decay(0.05, spec["lam"]))
+        assert base.optim_wrapper.optimizer.weight_decay == 0.05 and base.cd_budget is True
+        apply_weight_decay_budget(base)
+        assert base.optim_wrapper.optimizer.weight_decay == pytest.approx(0.05 - spec["lam"])
     else:
         assert base.optim_wrapper.optimizer.weight_decay == 0.05

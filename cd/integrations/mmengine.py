@@ -28,13 +28,14 @@ checkpoints under "colinearity_decay" ("colinearity_decay:<module>" for a hook g
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from ..decay import ColinearityDecay
+from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
 from . import bind_optimizers, check_cd_arguments, check_module_name, select_module
 
@@ -131,6 +132,50 @@ class ColinearityDecayHook(Hook):
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._restored = checkpoint.get(self.checkpoint_key)  # applied in before_train, to a resumed run only
+
+
+CD_HOOK = "ColinearityDecayHook"
+BUDGET_APPLIED = "applied: "  # cd_budget's value once the weight decay holds the budget (a dumped config)
+
+
+def apply_weight_decay_budget(cfg: Any) -> None:
+    """The paper's regularization-budget rule (App. A.2) for an MMEngine config with `cd_budget = True` (as
+    configs/detection/method/cd.py has): the optimizer's weight decay, as the merged files and overrides leave it,
+    lowered by the lam of the config's ColinearityDecayHook (its base lam; lam_per_role does not change it, as
+    cd.budget in train.py). Call it once the config is complete (scripts/train_detection.py does, through
+    engine.detection.load_config), so that an override of the hook's lam or of the weight decay moves the budget
+    with it; MMEngine alone reads `cd_budget` as an unused variable. `cd_budget` then records what was done
+    ("applied: 0.05 - lam 0.005 = 0.045"), which MMEngine's config dump keeps: loading the dump again does not
+    lower the weight decay twice. `cd_budget = False` (or none) leaves the weight decay as given. Raises
+    ValueError where the rule cannot apply."""
+    budget = cfg.get("cd_budget")
+    if budget is None or budget is False or (isinstance(budget, str) and budget.startswith(BUDGET_APPLIED)):
+        return
+    if budget is not True:
+        raise ValueError(f"cd_budget={budget!r}: give True (lower the weight decay by CD's lam, the budget rule) "
+                         "or False")
+    hooks = [h for h in cfg.get("custom_hooks") or [] if h.get("type") == CD_HOOK]
+    default = inspect.signature(ColinearityDecay).parameters["lam"].default
+    lams = {h.get("lam", default) for h in hooks}
+    if len(lams) != 1:
+        raise ValueError(f"cd_budget=True with {len(hooks)} {CD_HOOK}s{f' of lam {sorted(lams)}' if hooks else ''}: "
+                         f"the budget rule lowers the weight decay by one lam; give one {CD_HOOK} "
+                         "(configs/detection/method/cd.py) or set cd_budget=False and "
+                         "optim_wrapper.optimizer.weight_decay yourself")
+    lam = lams.pop()
+    optimizer = (cfg.get("optim_wrapper") or {}).get("optimizer") or {}
+    weight_decay = optimizer.get("weight_decay")
+    for name, value in (("optim_wrapper.optimizer.weight_decay", weight_decay), (f"{CD_HOOK} lam", lam)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"cd_budget=True needs a number as {name}, got {value!r}: set it, or set "
+                             "cd_budget=False")
+    try:
+        # 12 significant digits: the config (and its dump) reads 0.045, not 0.045000000000000005
+        optimizer["weight_decay"] = float(f"{budget_weight_decay(weight_decay, lam):.12g}")
+    except ValueError:
+        raise ValueError(f"cd_budget=True: optim_wrapper.optimizer.weight_decay {weight_decay} - {CD_HOOK} lam "
+                         f"{lam} < 0; lower the hook's lam, or set cd_budget=False") from None
+    cfg["cd_budget"] = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
 
 
 # The baselines' hooks (TWEO, UNIQ weight noise) register with this module's import, so one custom_imports entry
