@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from cd.integrations.mmengine import apply_weight_decay_budget
 from engine.act_max import ActivationProbe
 from engine.distributed import all_reduce, run_on_main
 from models.modules import nonfinite_tensors
@@ -46,6 +45,8 @@ try:
     from mmengine.optim import AmpOptimWrapper, OptimWrapper
     from mmengine.runner import Runner
     from mmdet.registry import DATASETS, METRICS, MODELS
+
+    from cd.integrations.mmengine import apply_weight_decay_budget  # imports mmengine
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"the detection task needs MMDetection and full mmcv ({e}): "
                       "pip install -r requirements-detection.txt && bash scripts/install_mmcv.sh") from e
