@@ -134,7 +134,7 @@ class ColinearityDecayHook(Hook):
         self._restored = checkpoint.get(self.checkpoint_key)  # applied in before_train, to a resumed run only
 
 
-CD_HOOK = "ColinearityDecayHook"
+CD_HOOK = ColinearityDecayHook.__name__
 BUDGET_APPLIED = "applied: "  # cd_budget's value once the weight decay holds the budget (a dumped config)
 
 
