@@ -259,6 +259,17 @@ def test_gptq_refuses_static_groups_without_groups():
     PIPELINES["gptq"].validate(Bits(4, 16), PIPELINES["gptq"].Options(static_groups=True, group_size=16))
 
 
+def test_a_hessian_that_no_dampening_makes_invertible_is_a_config_error_naming_the_layer():
+    # one window of 32 tokens gives each 32- and 128-column Linear a singular Hessian; a dampening of 1e-12 leaves
+    # it singular in float32: the user's setting, named, and not a traceback from the Cholesky factorization
+    from configs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"quant.gptq.percdamp=1e-12: the dampened Hessian of blocks\.0\.\S+ "
+                                          r"\(\d+ input columns, from 32 calibration tokens\) is not positive"):
+        PIPELINES["gptq"](gpt(), tokens(1), "w4a16", {"percdamp": 1e-12})
+    PIPELINES["gptq"](gpt(), tokens(1), "w4a16")  # the default dampening inverts the same Hessians
+
+
 def test_a16_parses_as_float_activations():
     from quant import parse_bits
 

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from configs import ConfigError
 from configs.quant import GPTQOptions, RTNOptions
 
 from ..calibrate import Images, refit_weight_quantizers, stack_images
@@ -111,7 +112,7 @@ class GPTQPipeline(RTNPipeline):
                 for group in ([[layer] for layer in layers] if options.true_sequential else [layers]):
                     hessians = block_hessians(model, group, tokens, options.batch_size)
                     for name, layer in group:
-                        errors[name] = quantize_layer(layer, hessians[name], options)
+                        errors[name] = quantize_layer(layer, hessians[name], options, name, tokens.numel())
                 log.info("%s: GPTQ of %d layers, error %s (%.1f s)", unit.name, len(layers),
                          " ".join(f"{errors[n]:.4g}" for n, _ in layers), time.perf_counter() - start)
         report = pipeline_report(self.name, model, bits, options, calibration_images=int(tokens.shape[0]),
@@ -130,11 +131,21 @@ def block_hessians(model: nn.Module, layers: List[Tuple[str, nn.Module]], tokens
 
 
 @torch.no_grad()
-def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions) -> float:
-    """GPTQ of one QuantLinear: its weight becomes GPTQ's result, its weight quantizer GPTQ's grid (enabled)."""
-    q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer, blocksize=options.blocksize,
-                             percdamp=options.percdamp, act_order=options.act_order,
-                             static_groups=options.static_groups)
+def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions, name: str = "the layer",
+                   tokens: int = 0) -> float:
+    """GPTQ of one QuantLinear: its weight becomes GPTQ's result, its weight quantizer GPTQ's grid (enabled).
+    `name` and `tokens` (the calibration tokens its Hessian is of) only word the error below."""
+    try:
+        q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer,
+                                 blocksize=options.blocksize, percdamp=options.percdamp,
+                                 act_order=options.act_order, static_groups=options.static_groups)
+    except torch.linalg.LinAlgError:
+        # fewer calibration tokens than input columns leave H singular, and a tiny dampening does not make it
+        # invertible in float32: the user's settings, worded as such rather than a traceback from cholesky
+        raise ConfigError(f"quant.gptq.percdamp={options.percdamp}: the dampened Hessian of {name} "
+                          f"({layer.in_features} input columns, from {tokens} calibration tokens) is not positive "
+                          f"definite, so GPTQ cannot invert it; give a larger quant.gptq.percdamp (default 0.01) "
+                          f"or more calibration windows (quant.calib_images)") from None
     layer.weight.copy_(q)
     layer.weight_quantizer.enabled = True
     layer.weight_quantizer.search_label = "GPTQ"
