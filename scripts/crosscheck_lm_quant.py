@@ -97,12 +97,16 @@ def corpus() -> tuple:
 
 
 def check_counts(args: argparse.Namespace, held_out: torch.Tensor) -> None:
-    """--calib and --eval-windows against what the text holds: before minutes of training, not after them."""
+    """The counts (--calib and --eval-windows against what the text holds) and the training settings: before
+    minutes of training, not after them (a negative --steps would train nothing and save the model as trained)."""
     ctx = GPT_SIZES[args.model]["context"]
     available = len(held_out) // ctx
-    for flag, value in (("--calib", args.calib), ("--eval-windows", args.eval_windows)):
-        if value < 1:
-            raise SystemExit(f"error: {flag} {value}: give at least 1")
+    for flag, value, least in (("--calib", args.calib, 1), ("--eval-windows", args.eval_windows, 1),
+                               ("--batch", args.batch, 1), ("--threads", args.threads, 1), ("--steps", args.steps, 0)):
+        if value < least:
+            raise SystemExit(f"error: {flag} {value}: give at least {least}")
+    if not args.lr > 0:
+        raise SystemExit(f"error: --lr {args.lr}: give a learning rate above 0")
     if args.eval_windows > available:
         raise SystemExit(f"error: --eval-windows {args.eval_windows}: the held-out text has {available} windows of "
                          f"{ctx} tokens ({args.model}); give at most that")
@@ -460,12 +464,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                              f"(--gptq) and mit-han-lab/smoothquant (--smoothquant)")
     if os.path.exists(args.out) and not args.overwrite:
         raise SystemExit(f"error: {args.out} exists; --overwrite replaces it, or give --out another name")
-    torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.perf_counter()
 
     train, held_out = corpus()
     check_counts(args, held_out)
+    torch.set_num_threads(args.threads)
     fp = train_model(args, train)
     ctx = fp.context
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,12 @@ import crosscheck_lm_quant as xc  # noqa: E402
     (["--eval-windows", "5000"], r"--eval-windows 5000: the held-out text has \d+ windows of 128 tokens"),
     (["--eval-windows", "0"], "--eval-windows 0: give at least 1"),
     (["--calib", "0"], "--calib 0: give at least 1"),
+    (["--batch", "0"], "--batch 0: give at least 1"),
+    (["--threads", "0"], "--threads 0: give at least 1"),
+    (["--steps", "-3"], "--steps -3: give at least 0"),
+    (["--lr", "-1"], "--lr -1.0: give a learning rate above 0"),
 ])
-def test_window_counts_the_text_cannot_give_are_one_error_before_training(tmp_path, argv, message):
+def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_one_error_before_training(tmp_path, argv, message):
     # were a traceback (a view of the held-out text, a division by zero, an empty stack) after the training
     for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
                             (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
