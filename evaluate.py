@@ -41,7 +41,7 @@ from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
-from data.text import token_stream
+from data.text import token_file_fingerprint, token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -330,10 +330,13 @@ def check_act_max_files(data: dict, stem: str) -> None:
 
 def text_identity(data) -> dict:
     """Which text a language model's numbers are of: the token files (root, val split, the number of val
-    windows) or the embedded King James Bible's split (its val fraction); the image settings play no part."""
+    windows, and the val file's content: nanoGPT's prepare.py rewrites val.bin in place, and results of the old
+    text must not stand beside numbers of the new) or the embedded King James Bible's split (its val fraction);
+    the image settings play no part."""
     text = {"dataset": data.dataset, "val_windows": data.val_windows}
     if data.dataset == "tokens":
-        return {**text, "root": os.path.abspath(data.root), "val_split": data.val_split}
+        return {**text, "root": os.path.abspath(data.root), "val_split": data.val_split,
+                "val_file": token_file_fingerprint(data, "val")}
     return {**text, "kjv_val_fraction": data.kjv_val_fraction}
 
 
@@ -390,6 +393,8 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                                    "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
+        if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
+            settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
     if not task_for(cfg.data.dataset).language and (PIPELINES[pipeline].draws_training_images or (
             reads_batch and cfg.quant.calib_transform == "train")):
         settings["train_transform"] = training_data(cfg)

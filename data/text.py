@@ -86,13 +86,18 @@ def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:
     None for the embedded text, which the package fixes."""
     if cfg.dataset != "tokens":
         return None
-    out = {}
-    for name in (cfg.train_split, cfg.val_split):
-        path = os.path.join(cfg.root, f"{name}.bin")
-        with open(path, "rb") as f:
-            out[f"{name}.bin"] = {"bytes": os.path.getsize(path),
-                                  "head_sha256": hashlib.sha256(f.read(1 << 20)).hexdigest()}
-    return out
+    return {f"{name}.bin": token_file_fingerprint(cfg, split)
+            for name, split in ((cfg.train_split, "train"), (cfg.val_split, "val"))}
+
+
+def token_file_fingerprint(cfg: DataConfig, split: str) -> Optional[dict]:
+    """The size and the SHA-256 of the first MiB of one split's token file (see `token_files_fingerprint`),
+    e.g. what an evaluation's numbers are of besides the folder's name; None for the embedded text."""
+    if cfg.dataset != "tokens":
+        return None
+    path = os.path.join(cfg.root, f"{cfg.train_split if split == 'train' else cfg.val_split}.bin")
+    with open(path, "rb") as f:
+        return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(f.read(1 << 20)).hexdigest()}
 
 
 def _kjv_text() -> str:

@@ -123,13 +123,36 @@ def test_an_out_file_that_is_not_text_is_refused_unharmed(kjv_run, tmp_path):
     assert binary.read_bytes() == bytes(range(256)) * 4
 
 
-def test_the_identity_of_a_text_evaluation_names_the_text_not_image_settings():
+def test_the_identity_of_a_text_evaluation_names_the_text_not_image_settings(tmp_path):
     kjv = evaluate.text_identity(DataConfig(dataset="kjv", kjv_val_fraction=0.2, val_windows=64))
     assert kjv == {"dataset": "kjv", "val_windows": 64, "kjv_val_fraction": 0.2}
-    tokens = evaluate.text_identity(DataConfig(dataset="tokens", root="/data/owt"))
-    assert tokens["root"] == "/data/owt" and tokens["val_split"] == "val" and "kjv_val_fraction" not in tokens
+    root = token_folder(tmp_path / "owt")
+    tokens = evaluate.text_identity(DataConfig(dataset="tokens", root=str(root)))
+    assert tokens["root"] == str(root) and tokens["val_split"] == "val" and "kjv_val_fraction" not in tokens
     assert "calibration" in evaluate.quant_settings(Config(), "gptq")
     assert "calibration" not in evaluate.quant_settings(Config(), "rtn")
+
+
+def test_results_of_token_files_rewritten_in_place_are_not_kept_beside_numbers_of_the_new_text(tmp_path):
+    # nanoGPT's prepare.py rewrites train.bin / val.bin in their folder: a quantized entry of the old text would
+    # stand in the row beside the FP perplexity of the new one, "already in the file with these settings"
+    root = token_folder(tmp_path / "t", n=6_000)
+    run = tmp_path / "run"
+    train.main(load_config([NANO], [f"out_dir={run}", "data.dataset=tokens", f"data.root={root}", "sched.steps=2",
+                                    "sched.warmup_steps=1", "train.eval_every_steps=2"]))
+    out = tmp_path / "r.json"
+    run_eval("--checkpoint", str(run / "best.pt"), "--quant", "rtn", "gptq", "quant.calib_images=4", "--out", str(out))
+    before = out.read_text()
+    np.random.default_rng(7).integers(0, 65, 4_000, dtype=np.uint16).tofile(root / "val.bin")  # another text
+    with pytest.raises(ResultsError, match="holds results of another evaluation .*val_file"):
+        run_eval("--checkpoint", str(run / "best.pt"), "--quant", "rtn", "--out", str(out))
+    assert out.read_text() == before  # nothing lost either
+    # calibration windows come from train.bin: a GPTQ entry of the old one is another setting, not "already in"
+    token_folder(root, n=6_000, seed=0)  # the val text as it was
+    np.random.default_rng(8).integers(0, 65, 6_000, dtype=np.uint16).tofile(root / "train.bin")
+    with pytest.raises(ResultsError, match="already has gptq w4a16, computed with other settings .*train_file"):
+        run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "quant.calib_images=4", "--out", str(out))
+    run_eval("--checkpoint", str(run / "best.pt"), "--quant", "rtn", "--out", str(out))  # RTN reads no train text
 
 
 def test_a_table_of_language_models_and_classifiers_is_refused():
