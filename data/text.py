@@ -51,22 +51,29 @@ def token_stream(cfg: DataConfig, split: str) -> TokenStream:
     if cfg.dataset == "kjv":
         return _kjv(split, cfg.kjv_val_fraction)
     if cfg.dataset == "tokens":
-        name = cfg.train_split if split == "train" else cfg.val_split
-        path = os.path.join(cfg.root, f"{name}.bin")
-        if not cfg.root or not os.path.isdir(cfg.root):
-            raise DataError(f"data.root={cfg.root!r} is not a folder: give the folder holding nanoGPT's "
-                            f"{cfg.train_split}.bin and {cfg.val_split}.bin")
-        if not os.path.isfile(path):
-            raise DataError(f"{path} not found: data.dataset=tokens reads <data.root>/<split>.bin (uint16 "
-                            "token ids, nanoGPT's prepare.py layout)")
-        size = os.path.getsize(path)
-        if size == 0 or size % 2:
-            raise DataError(f"{path} is empty or has an odd number of bytes ({size}): not a file of uint16 token "
-                            "ids (nanoGPT's prepare.py layout)")
+        path = token_file(cfg, split)
         ids = np.memmap(path, dtype=np.uint16, mode="r")
         check_not_wider_ids(ids, path)
         return TokenStream(ids, None, path)
     raise DataError(f"data.dataset={cfg.dataset!r} holds images, not text")
+
+
+def token_file(cfg: DataConfig, split: str) -> str:
+    """The path of `split`'s token file (data.dataset=tokens), refused unless it is one: a folder, a file, a
+    whole number of uint16 ids."""
+    name = cfg.train_split if split == "train" else cfg.val_split
+    path = os.path.join(cfg.root, f"{name}.bin")
+    if not cfg.root or not os.path.isdir(cfg.root):
+        raise DataError(f"data.root={cfg.root!r} is not a folder: give the folder holding nanoGPT's "
+                        f"{cfg.train_split}.bin and {cfg.val_split}.bin")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} not found: data.dataset=tokens reads <data.root>/<split>.bin (uint16 "
+                        "token ids, nanoGPT's prepare.py layout)")
+    size = os.path.getsize(path)
+    if size == 0 or size % 2:
+        raise DataError(f"{path} is empty or has an odd number of bytes ({size}): not a file of uint16 token "
+                        "ids (nanoGPT's prepare.py layout)")
+    return path
 
 
 def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> None:
@@ -95,7 +102,7 @@ def token_file_fingerprint(cfg: DataConfig, split: str) -> Optional[dict]:
     e.g. what an evaluation's numbers are of besides the folder's name; None for the embedded text."""
     if cfg.dataset != "tokens":
         return None
-    path = os.path.join(cfg.root, f"{cfg.train_split if split == 'train' else cfg.val_split}.bin")
+    path = token_file(cfg, split)
     with open(path, "rb") as f:
         return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(f.read(1 << 20)).hexdigest()}
 

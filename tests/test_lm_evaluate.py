@@ -153,6 +153,9 @@ def test_results_of_token_files_rewritten_in_place_are_not_kept_beside_numbers_o
     with pytest.raises(ResultsError, match="already has gptq w4a16, computed with other settings .*train_file"):
         run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "quant.calib_images=4", "--out", str(out))
     run_eval("--checkpoint", str(run / "best.pt"), "--quant", "rtn", "--out", str(out))  # RTN reads no train text
+    (root / "train.bin").unlink()  # the file a calibrated pipeline reads is missing: the data error, named
+    with pytest.raises(DataError, match="train.bin not found"):
+        run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "--out", str(tmp_path / "r2.json"))
 
 
 def test_a_table_of_language_models_and_classifiers_is_refused():
