@@ -55,7 +55,7 @@ from engine.tasks import check_model_fits_task, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
-from models.modules import nonfinite_tensors
+from models.modules import fqn_matches, nonfinite_tensors
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
@@ -85,6 +85,7 @@ def main(args: argparse.Namespace) -> dict:
         model.to(device).eval()
         task = task_for(cfg.data.dataset)
         check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+        check_extra_modules(model, cfg.quant.act_max_extra_modules)
         img_size = input_size(model)  # a language model: its context in tokens
         val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
         def open_results() -> tuple[EvalResults, list]:
@@ -309,6 +310,17 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                                             "digits_val_fraction": cfg.data.digits_val_fraction}
                                            if cfg.data.dataset == "digits" else {})}
                      if cfg.data.dataset != "synthetic" else {}}}
+
+
+def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
+    """Each quant.act_max_extra_modules pattern must name modules of the model: one that names none (a typo, a
+    name of another architecture) would be recorded in the result file as probed while adding nothing."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in patterns if not any(fqn_matches(name, [p]) for name in names)]
+    if unmatched:
+        raise ConfigError(f"quant.act_max_extra_modules: {unmatched[0]!r} names no module of {type(model).__name__} "
+                          f"(full module names, '*' for one name segment, '**' for several: e.g. "
+                          f"{names[-1]!r}); drop it or fix it")
 
 
 def act_max_paths(stem: str) -> dict[str, str]:

@@ -115,6 +115,18 @@ def test_maxima_files_that_the_result_file_did_not_write_are_not_overwritten(kjv
     assert set(json.loads(out.read_text())["quant"]) == {"rtn", "gptq"}
 
 
+def test_extra_maxima_modules_that_name_no_module_are_refused_before_any_pass(kjv_run, tmp_path):
+    # were recorded under max_act.extra_modules as probed while nothing was added to the maxima
+    out = tmp_path / "r.json"
+    with pytest.raises(ConfigError, match=r"act_max_extra_modules: 'attn.qkv' names no module of GPT"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "quant.act_max_extra_modules=[norm,attn.qkv]",
+                 "--out", str(out))
+    assert not out.exists()
+    data = run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "quant.act_max_extra_modules=[norm,wte]",
+                    "--out", str(out))
+    assert data["max_act"]["extra_modules"] == ["norm", "wte"]
+
+
 def test_an_out_file_that_is_not_text_is_refused_unharmed(kjv_run, tmp_path):
     binary = tmp_path / "weights.json"
     binary.write_bytes(bytes(range(256)) * 4)
