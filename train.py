@@ -48,7 +48,8 @@ from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption
-from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
+from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
+                           resume_position)
 from engine.snapshots import keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes)
@@ -278,6 +279,9 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         raise CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
                               f"({' '.join(str(e).split())[:300]}): not a checkpoint train.py wrote for "
                               f"this model; give another one") from None
+    schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+                else f"sched.epochs={cfg.sched.epochs}, {run.updates_per_epoch} updates each")
+    check_schedule_holds(state.step, run.total_steps, schedule, resume_path)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))
     state.epoch_batches = resume_position(

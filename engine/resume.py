@@ -35,7 +35,8 @@ from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["optimizer_param_names", "restore_optimizer", "epoch_position", "resume_position"]
+__all__ = ["optimizer_param_names", "restore_optimizer", "epoch_position", "resume_position",
+           "check_schedule_holds"]
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -87,6 +88,17 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, saved_names
         raise CheckpointError(f"the checkpoint's optimizer holds state of parameters this model lacks "
                               f"({', '.join(unused[:4])}): resume it with the model it was written with")
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def check_schedule_holds(step: int, total_steps: int, schedule: str, checkpoint: str) -> None:
+    """A checkpoint beyond the end of this run's schedule (a resume with a shorter `sched.epochs` / `sched.steps`)
+    is refused: nothing would train, and config.yaml would record a schedule shorter than the updates the weights
+    have had. The end itself is allowed: a finished run re-run validates again."""
+    if step > total_steps:
+        raise CheckpointError(
+            f"{checkpoint} is at update {step}, beyond the {total_steps} updates of this run's schedule "
+            f"({schedule}): resume with a schedule at least that long, or start a new run from its weights "
+            f"(another out_dir, model.pretrained={checkpoint})")
 
 
 def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: int, accum_steps: int,

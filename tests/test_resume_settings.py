@@ -86,6 +86,20 @@ def test_a_finished_run_extended_by_epochs_follows_the_longer_schedule(debug_con
     assert logged[6] == pytest.approx(cosine_lr(1, base=0.01, t_initial=2, warmup_t=1), rel=1e-12)  # before
 
 
+def test_a_resume_beyond_the_end_of_a_shorter_schedule_is_refused(debug_config):
+    """A checkpoint at update 8 (2 epochs of 4) resumed with sched.epochs=1 (4 updates) used to 'finish' at
+    epoch 2/1 without training and record the 1-epoch schedule in config.yaml as what ran."""
+    first = debug_config(name="s")
+    train.main(first)
+    saved = open(os.path.join(first.out_dir, "config.yaml")).read()
+    with pytest.raises(CheckpointError, match=r"update 8, beyond the 4 updates .*sched.epochs=1"):
+        train.main(debug_config("sched.epochs=1", "sched.warmup_epochs=0", "train.allow_changed_config=true",
+                                name="s"))
+    assert open(os.path.join(first.out_dir, "config.yaml")).read() == saved
+    # the end of the schedule itself is no refusal: a finished run re-run (and one extended) goes on as before
+    assert train.main(debug_config(name="s")).state.step == 8
+
+
 def adam_step(model, optimizer):
     loss = sum((p.float() ** 2).sum() for p in model.parameters())
     loss.backward()
