@@ -406,8 +406,9 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
     reason = "finished" if reason in ("epoch_end", "validate") else reason
     if reason == "preempted":
         val = {}
-    elif not val:  # a finished run re-run
-        val = run.validate(preemption.should_stop, keep_best=False) or {}
+    elif not val:  # a finished run re-run; one whose best.pt is elsewhere or was moved aside (resumed into a new
+        # out_dir, a roll-back: best score cleared) writes best.pt from it, as any resumed run's first validation
+        val = run.validate(preemption.should_stop, keep_best=run.state.best_value is None) or {}
         reason = reason if val else "preempted"
     run.logger.close()
     if run.tweo is not None:

@@ -147,6 +147,20 @@ def test_a_run_resumed_into_a_new_folder_writes_its_own_best(tmp_path):
     assert not any(name.startswith("best.until") for name in os.listdir(tmp_path / "b"))
 
 
+def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_config):
+    """With nothing left to train, the one validation of a finished checkpoint resumed into a new out_dir used
+    to be reported only: the folder got no best.pt and the summary said 'no validation yet'."""
+    source = debug_config(name="a")
+    train.main(source)
+    moved = debug_config(f"train.resume={os.path.join(source.out_dir, 'checkpoint.pt')}", name="b")
+    run = train.main(moved)
+    best = torch.load(os.path.join(moved.out_dir, "best.pt"), weights_only=True)
+    done = torch.load(os.path.join(source.out_dir, "checkpoint.pt"), weights_only=True)
+    assert best["state"]["step"] == run.state.best_step == done["state"]["step"]
+    assert all(torch.equal(best["model"][k], v) for k, v in done["model"].items())
+    assert best["metrics"]["val/top1"] == run.state.best_value == run.metrics["val/top1"]
+
+
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
     """Resume compares best.pt's update with the checkpoint's best: unread, best.pt would be moved aside at
     every resume."""
