@@ -11,9 +11,10 @@ with Colinearity Decay (CD) or TWEO.
 Config: dataclass defaults (configs/schema.py) < each --config YAML in order < key=value overrides.
 Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
 snapshots/ (train.keep_every_epochs); a resume from an earlier point or with changed settings keeps the
-earlier config.yaml / metrics.jsonl / best.pt as *.until_step<N>.*. Re-running the same command with the
-same out_dir resumes from checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT
-save and exit with code 75 (docs/operations.md).
+earlier config.yaml / metrics.jsonl / best.pt (a roll-back also the checkpoint.pt it leaves) as
+*.until_step<N>.*. Re-running the same command with the same out_dir resumes from checkpoint.pt
+(train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT save and exit with code 75
+(docs/operations.md).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
-from engine.snapshots import keep_snapshot, resume_source
+from engine.snapshots import keep_abandoned_checkpoint, keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes)
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
@@ -97,6 +98,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if resume_path is not None:
         resume_run(run, resume_path, payload)
         del payload
+        if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
+            log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
         if kept := run.best.match_file(run.state, dist.is_main, dist.device):
             log.warning("best.pt was not the best validation of the run up to update %d (a roll-back to an "
                         "earlier snapshot, or validations after the last checkpoint): kept as %s; the next "

@@ -337,15 +337,16 @@ def claim_on_main_rank(out_dir: str, config: dict, archive_existing: bool, dist)
         yield
 
 
-def keep_as_until_step(path: str, step: int) -> str:
+def keep_as_until_step(path: str, step: int, keep=os.replace) -> str:
     """Move `path` (out_dir/<stem><ext>) aside as <stem>.until_step<step><ext>: the file as it stood until the
-    run went on from update `step` with other settings or from an earlier point. Returns the new path."""
+    run went on from update `step` with other settings or from an earlier point. Returns the new path.
+    `keep(path, kept)` does the move (another function, e.g. a hard link, keeps `path` in place too)."""
     stem, ext = os.path.splitext(path)
     kept, suffix = f"{stem}.until_step{step}{ext}", 1
     while os.path.exists(kept):  # another change at the same step: never over an earlier record
         suffix += 1
         kept = f"{stem}.until_step{step}.{suffix}{ext}"
-    os.replace(path, kept)
+    keep(path, kept)
     return kept
 
 

@@ -5,6 +5,7 @@
   `train.resume` must not throw away the progress made since: out_dir's own checkpoint.pt wins when it
   descends from PATH (every checkpoint records the file its run started from, `resumed_from`).
   Otherwise PATH wins: resuming from an earlier snapshot of the same folder rolls the run back to it.
+  The checkpoint.pt it leaves is kept as checkpoint.until_step<N>.pt (`keep_abandoned_checkpoint`).
 * Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
   `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
   a copy where the file system has no hard links). The run never deletes or replaces one.
@@ -30,7 +31,7 @@ from models.modules import nonfinite_tensors
 
 from .checkpoint import CheckpointError
 from .distributed import raise_on_every_rank
-from .run_dir import SNAPSHOTS, is_inside, partial_path
+from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,9 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
                                       f"that did not start from it ({problem or 'another start'}), which the "
                                       f"next checkpoint would replace: give a new out_dir, or move "
                                       f"{own} away first")
-            log.warning("%s: %s; continuing from train.resume=%s as asked (checkpoint.pt is replaced at "
-                        "the next checkpoint)", own, problem or "another start than train.resume", resume)
+            log.warning("%s: %s; continuing from train.resume=%s as asked (checkpoint.pt is kept as "
+                        "checkpoint.until_step<N>.pt unless a snapshot holds it)", own,
+                        problem or "another start than train.resume", resume)
         return resume, payload
     if not os.path.isfile(own):
         return None, None
@@ -134,6 +136,40 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
     if payload is None:
         raise unusable(own, problem)
     return own, payload
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """`target` becomes a hard link to `source` (no copy, no extra write time), or a copy written through a
+    temporary file and a rename where the file system has no hard links (some network or FUSE ones)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        tmp = partial_path(target)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+def keep_abandoned_checkpoint(out_dir: str, resume_path: str, step: int, is_main: bool,
+                              device: torch.device) -> Optional[str]:
+    """A run that goes on from another file than out_dir's checkpoint.pt (a roll-back to one of its snapshots;
+    train.resume=PATH beside a checkpoint.pt it could not read) replaces that checkpoint.pt at its first
+    checkpoint: keep it as checkpoint.until_step<step>.pt first (a hard link, so checkpoint.pt stays the
+    resume point until then), unless it is already kept under another name (a snapshot's hard link). Returns
+    the kept path (main rank) or None."""
+    own = os.path.join(out_dir, "checkpoint.pt")
+    kept, error = None, None
+    if is_main and os.path.isfile(own) and not os.path.samefile(own, resume_path) and os.stat(own).st_nlink == 1:
+        try:
+            kept = keep_as_until_step(own, step, keep=link_or_copy)
+        except OSError as e:
+            error = CheckpointError(f"could not keep {own} (the progress of the branch this run leaves) as "
+                                    f"checkpoint.until_step{step}.pt: {e}; nothing was changed")
+    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not keep {own} (its error says why)"))
+    return kept
 
 
 def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.device) -> str:
@@ -150,16 +186,7 @@ def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.devi
     if is_main:
         try:
             os.makedirs(folder, exist_ok=True)
-            try:
-                os.link(checkpoint, path)
-            except OSError:  # no hard links here (some network or FUSE file systems): copy, then rename
-                tmp = partial_path(path)
-                try:
-                    shutil.copyfile(checkpoint, tmp)
-                    os.replace(tmp, path)
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)
+            link_or_copy(checkpoint, path)
         except OSError as e:
             error = CheckpointError(f"could not keep {checkpoint} as {path}: {e}; checkpoint.pt is written, "
                                     f"re-run the same command to continue")

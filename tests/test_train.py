@@ -352,6 +352,29 @@ def test_snapshots_are_kept_and_train_resume_continues_from_one_exactly(debug_co
         train.main(debug_config(f"train.resume={straight.out_dir}/best.pt", name="other"))
 
 
+def test_a_roll_back_to_a_snapshot_keeps_the_abandoned_checkpoint(debug_config):
+    """A roll-back used to replace out_dir's checkpoint.pt (update 6, past the last snapshot) at its first
+    checkpoint: the progress of the branch it left was lost. It is kept as checkpoint.until_step<N>.pt, and a
+    requeue of the same command continues the new branch without keeping anything again."""
+    def config(*extra):
+        return debug_config("sched.epochs=3", "train.keep_every_epochs=1", *extra, name="r")
+
+    first = config("train.max_steps=6")
+    train.main(first)
+    own = os.path.join(first.out_dir, "checkpoint.pt")
+    abandoned = open(own, "rb").read()
+    snapshot = os.path.join(first.out_dir, "snapshots", "epoch0001.pt")
+    assert torch.load(own, weights_only=True)["state"]["step"] == 6
+    assert train.main(config(f"train.resume={snapshot}", "train.max_steps=5")).state.step == 5
+    kept = os.path.join(first.out_dir, "checkpoint.until_step4.pt")
+    assert open(kept, "rb").read() == abandoned
+    assert torch.load(own, weights_only=True)["state"]["step"] == 5
+    assert train.main(config(f"train.resume={snapshot}")).state.step == 12  # the requeue: from update 5
+    names = sorted(os.listdir(first.out_dir))
+    assert [n for n in names if n.startswith("checkpoint")] == ["checkpoint.pt", "checkpoint.until_step4.pt"]
+    assert open(kept, "rb").read() == abandoned
+
+
 def test_train_resume_never_replaces_the_checkpoint_of_another_run_in_out_dir(debug_config):
     x = debug_config("train.seed=1", name="x")
     train.main(x)
