@@ -139,6 +139,7 @@ class Run:
     position: dict  # what engine.resume.epoch_position needs besides the batches consumed
     state: TrainState = dataclasses.field(default_factory=TrainState)
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
+    resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
     wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # new after archiving
     logger: Optional[MetricLogger] = None
     best: Optional[BestCheckpoint] = None
@@ -293,8 +294,9 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     if run.decay is not None and "cd" in payload:
         run.decay.load_state_dict(payload["cd"])
     run.wandb_id = payload.get("wandb_id") or run.wandb_id
-    own = resume_path == run.ckpt_path
+    own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
     run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
+    run.resumed_elsewhere = not own
     log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
 
 
@@ -411,7 +413,10 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
         val = {}
     elif not val:  # a finished run re-run; one whose best.pt is elsewhere or was moved aside (resumed into a new
         # out_dir, a roll-back: best score cleared) writes best.pt from it, as any resumed run's first validation
-        val = run.validate(preemption.should_stop, keep_best=run.state.best_value is None) or {}
+        cleared = run.state.best_value is None
+        val = run.validate(preemption.should_stop, keep_best=cleared) or {}
+        if val and (cleared or run.resumed_elsewhere):  # out_dir's checkpoint.pt: this run's point (not another
+            run.save_checkpoint()  # branch's, not missing), with the best score that best.pt now holds
         reason = reason if val else "preempted"
     run.logger.close()
     if run.tweo is not None:

@@ -149,7 +149,8 @@ def test_a_run_resumed_into_a_new_folder_writes_its_own_best(tmp_path):
 
 def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_config):
     """With nothing left to train, the one validation of a finished checkpoint resumed into a new out_dir used
-    to be reported only: the folder got no best.pt and the summary said 'no validation yet'."""
+    to be reported only: the folder got no best.pt (nor checkpoint.pt) and the summary said 'no validation
+    yet'."""
     source = debug_config(name="a")
     train.main(source)
     moved = debug_config(f"train.resume={os.path.join(source.out_dir, 'checkpoint.pt')}", name="b")
@@ -159,6 +160,14 @@ def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_co
     assert best["state"]["step"] == run.state.best_step == done["state"]["step"]
     assert all(torch.equal(best["model"][k], v) for k, v in done["model"].items())
     assert best["metrics"]["val/top1"] == run.state.best_value == run.metrics["val/top1"]
+    # and the folder is a run folder: its checkpoint.pt (which the requeued command continues) knows that best
+    own = torch.load(os.path.join(moved.out_dir, "checkpoint.pt"), weights_only=True)
+    assert own["state"]["best_step"] == best["state"]["step"] and own["resumed_from"] == done_path(source)
+    assert train.main(debug_config(f"train.resume={done_path(source)}", name="b")).state.best_step == 8
+
+
+def done_path(cfg):
+    return os.path.join(cfg.out_dir, "checkpoint.pt")
 
 
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
