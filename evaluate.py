@@ -533,8 +533,9 @@ def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[
 
 def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:
     """Settings that --config / overrides may not change for a checkpoint: the weights are the checkpoint's
-    (another model.pretrained would be ignored), and the King James Bible's val text must be the one held out
-    from its training (another data.kjv_val_fraction would score on text it was trained on)."""
+    (another model.pretrained would be ignored), and the val split of the embedded data sets must be the one
+    held out from its training (another data.kjv_val_fraction or data.digits_val_fraction would score on text
+    or images it was trained on: the digits split is a seeded stratified split of one set)."""
     if cfg.model.pretrained != saved.get("model", {}).get("pretrained", cfg.model.pretrained):
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
@@ -544,6 +545,11 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None
         raise ConfigError(f"data.kjv_val_fraction={cfg.data.kjv_val_fraction}: {checkpoint} was trained on the text "
                           f"before its last {trained['kjv_val_fraction']}, so another split would score it on text "
                           f"it was trained on; drop the override")
+    if (cfg.data.dataset == "digits" and trained.get("dataset", "digits") == "digits"
+            and trained.get("digits_val_fraction", cfg.data.digits_val_fraction) != cfg.data.digits_val_fraction):
+        raise ConfigError(f"data.digits_val_fraction={cfg.data.digits_val_fraction}: {checkpoint} was trained on "
+                          f"the digits outside a val fraction of {trained['digits_val_fraction']}, so another "
+                          f"split would score it on images it was trained on; drop the override")
 
 
 def method_name(cfg: Config) -> str:

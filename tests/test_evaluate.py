@@ -335,6 +335,22 @@ def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, o
         PIPELINES["aphq"](None, None, "w4a4", options, data=None)
 
 
+def test_another_digits_val_fraction_is_refused_for_a_checkpoint(checkpoint):
+    """Another split of the embedded digits puts images the checkpoint was trained on into the val split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from configs import ConfigError
+
+    # independent of the data code: the images a 0.5 split holds out include many of a 0.2 split's training ones
+    ids, labels = range(len(load_digits().target)), load_digits().target
+    trained_on = set(train_test_split(ids, test_size=0.2, stratify=labels, random_state=0)[0])
+    assert len(trained_on & set(train_test_split(ids, test_size=0.5, stratify=labels, random_state=0)[1])) > 100
+    args = evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "repq", "data.digits_val_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"data.digits_val_fraction=0.5: .* images it was trained on"):
+        evaluate.resolve_config(args)
+    evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "data.digits_val_fraction=0.2"]))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["quant.repq.stem_w_bits=40"], "quant.repq: stem_w_bits=40: give 2..16 bits, 0 (float) or null"),
     (["quant.repq.head_a_bits=1"], "quant.repq: head_a_bits=1: give 2..16 bits"),
