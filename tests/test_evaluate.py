@@ -315,6 +315,8 @@ def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
 @pytest.mark.parametrize("overrides, message", [
     (["quant.aphq.calib_images=64", "quant.aphq.recon_images=32"],
      "quant.aphq: calib_images=64 exceeds recon_images=32"),
+    (["quant.aphq.batch_size=64", "quant.aphq.recon_images=32", "quant.aphq.calib_images=32"],
+     "quant.aphq: batch_size=64 exceeds recon_images=32"),
     (["quant.aphq.eq_n=8"], "quant.aphq: eq_n=8 leaves the 4-bit grids at w4a4 fewer than 2 ranges for each "
                             "of their 16 zero points (a degenerate search): give eq_n >= 32"),
     (["quant.aphq.eq_n=16"], "quant.aphq: eq_n=16 leaves the 4-bit grids at w4a4 fewer than 2 ranges"),

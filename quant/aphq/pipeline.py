@@ -84,6 +84,9 @@ class APHQPipeline(Pipeline):
         if options.calib_images > options.recon_images:
             raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
                              f"(the calibration set is a prefix of the reconstruction set)")
+        if options.batch_size > options.recon_images:  # a batch draws distinct samples: it would shrink silently
+            raise ValueError(f"batch_size={options.batch_size} exceeds recon_images={options.recon_images} (each "
+                             f"batch draws distinct reconstruction images): give batch_size <= recon_images")
         ends = options.resolved(bits)
         widest = max(b for b in (bits.w, bits.a, *ends["stem"].values(), *ends["head"].values()) if b)
         # every grid tries min(16, 2^b) zero points x eq_n // that many ranges (search.py); one range per
