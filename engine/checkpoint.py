@@ -76,6 +76,9 @@ def _write_failure(path: str, error: BaseException) -> str:
 
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by this code base (with its `config` and `model` entries)."""
+    if os.path.isdir(path):  # e.g. a run's out_dir: which of its files is meant is not ours to guess
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file: give a file in it, e.g. "
+                              f"{os.path.join(path, 'best.pt')} or {os.path.join(path, 'checkpoint.pt')}")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     try:

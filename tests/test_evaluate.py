@@ -87,6 +87,8 @@ def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
 
     bad = run("--checkpoint", str(tmp_path / "missing.pt"))
     assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
+    bad = run("--checkpoint", os.path.dirname(digits_checkpoint))  # a run's folder exists: "not found" misleads
+    assert bad.returncode != 0 and bad.stderr.startswith(f"error: {os.path.dirname(digits_checkpoint)} is a folder")
     bad = run("--checkpoint", digits_checkpoint, "--quant", "repqq")
     assert bad.returncode != 0 and "unknown quantization pipeline" in bad.stderr
     bad = run("--config", DEMO_CONFIG)
