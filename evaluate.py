@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> dict:
         prepare_folder(os.path.dirname(os.path.abspath(out)))
         setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
         log.info("%s", describe_environment(dist))
-        log.info("%s", describe_precision(args.amp, device, key="--amp"))
+        log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 
         model = load_float_model(cfg, payload, args)
         model.to(device).eval()

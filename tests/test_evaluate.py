@@ -432,3 +432,23 @@ def test_act_max_files_stay_listed_after_a_call_without_them(checkpoint, tmp_pat
     evaluate.main(evaluate.parse_args(common))  # the plain command again: its own files, not refused
     data = evaluate.main(evaluate.parse_args([*common, "quant.act_max_extra_modules=[patch_embed.proj]"]))
     assert data["max_act"]["extra_modules"] == ["patch_embed.proj"]
+
+
+def test_an_extra_maxima_module_that_names_no_module_is_refused_before_any_work(checkpoint, tmp_path):
+    """The result would list the pattern as probed while its maxima are those of the usual modules."""
+    from configs import ConfigError
+
+    out = tmp_path / "r.json"
+    args = evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant",
+                                "quant.act_max_extra_modules=[patch_embed.proj,blocks.*.attn.qkvv]"])
+    with pytest.raises(ConfigError, match=r"'blocks.\*.attn.qkvv' names no module"):
+        evaluate.main(args)
+    assert not out.exists()
+
+
+def test_the_logged_precision_of_an_evaluation_names_no_grad_scaler(checkpoint, tmp_path, caplog):
+    """An evaluation computes no gradients: its fp16 autocast has no GradScaler to log."""
+    with caplog.at_level("INFO"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(tmp_path / "r.json"),
+                                           "--amp", "fp16", "--quant", "quant.act_max_csv=false"]))
+    assert "precision: fp16 autocast on cpu (--amp=fp16)" in caplog.text and "GradScaler" not in caplog.text
