@@ -152,6 +152,7 @@ SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "-
 READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "activation_checkpointing",
                   "efficient_conv_bn_eval", "compile")
 READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_weight_decay_budget reads it after the overrides
+LOOP_KEYS = ("train_cfg", "val_cfg", "test_cfg")  # MMEngine's loops: epoch, iteration and interval counts
 # dicts whose keys their readers take as they come (hook names, environment settings)
 OPEN_DICTS = ("default_hooks", "env_cfg")
 # keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
@@ -191,7 +192,7 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
             instead = reads.instead.get(unread)
             raise DetectionError(f"override {key}: {reads.does} and does not read {unread}, so it would change "
                                  f"nothing; {f'give {instead} instead' if instead else 'drop it'}")
-        _check_nested_key(cfg, key)
+        _check_nested_key(cfg, key, overrides[key])
 
 
 def check_hooks(cfg: Config) -> None:
@@ -240,8 +241,10 @@ def _unscoped(value: Any) -> Any:
     return value
 
 
-def _check_nested_key(cfg: Config, key: str) -> None:
-    """Walk the dotted `key` through `cfg` (list items by index) and check the first part it does not find."""
+def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
+    """Walk the dotted `key` through `cfg` (list items by index) and check the first part it does not find; a
+    key it finds holding a number or flag refuses a `value` that is text (`train_cfg.max_epochs=abc`: MMEngine
+    would store it and fail far away, e.g. in a dataset's int())."""
     parts = key.split(".")
     node: Any = dict(cfg.items())  # a Config is no dict; its values are ConfigDicts
     for depth, part in enumerate(parts):
@@ -259,6 +262,12 @@ def _check_nested_key(cfg: Config, key: str) -> None:
             return
         else:  # a top-level key of the Runner, or a value (None, a number) that the override replaces whole
             return
+    if isinstance(node, (bool, int, float)) and isinstance(value, str):
+        kind = "true or false" if isinstance(node, bool) else "a number"
+        raise DetectionError(f"override {key}={value}: the config holds {kind} there ({node!r}); give {kind}")
+    if key.split(".")[0] in LOOP_KEYS and type(node) is int and isinstance(value, float) and not value.is_integer():
+        # MMEngine's loops assert whole counts (max_epochs, val_interval, ...), with a traceback
+        raise DetectionError(f"override {key}={value}: {key.split('.')[0]} counts in whole numbers; give one")
 
 
 def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:

@@ -430,6 +430,21 @@ def test_overrides_that_would_be_ignored_are_refused(mmdet_ready, override, mess
         load_config([SAMPLE_CONFIG], parse_overrides([override]))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train_cfg.max_epochs=abc", "override train_cfg.max_epochs=abc: the config holds a number there"),
+    ("model.backbone.with_cp=yes", "override model.backbone.with_cp=yes: the config holds true or false there"),
+    ("train_cfg.max_epochs=2.5", "override train_cfg.max_epochs=2.5: train_cfg counts in whole numbers")])
+def test_an_override_of_the_wrong_type_is_named(sample, tmp_path, capsys, override, message):
+    """Text for a number or flag, or a fraction of an epoch count, is one error line naming the override, before
+    the Runner writes anything into the work dir: MMEngine stored 'abc' and its loop's int() failed while the
+    annotation files were read (blamed on them), and 2.5 failed its loop's assert with a traceback."""
+    from detection_runs import error_line
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir",
+                               str(tmp_path / "run"), override])
+    assert line.startswith(f"error: {message}"), line
+    assert not (tmp_path / "run").exists()
+
+
 def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
     """New keys their readers take (DataLoader arguments, a class's own argument, a hook's) pass; an
     explicit evaluator ann_file stays as given under --data-root instead of being moved into the root."""
