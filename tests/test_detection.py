@@ -556,7 +556,7 @@ def test_unreadable_inputs_are_one_error_line_naming_them(sample, tmp_path, caps
 
 def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_path, capsys):
     """A run records its settings; --resume with other settings (a method fragment, another lr), with load_from,
-    from a last_checkpoint outside the work dir or missing, or in a folder no run of this script wrote is
+    from a last_checkpoint outside the work dir, missing or truncated, or in a folder no run of this script wrote is
     refused; the same settings with more epochs continue it."""
     import shutil
     run = tmp_path / "run"
@@ -578,6 +578,10 @@ def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_
     assert "outside the work dir" in error_line(capsys, same + ["train_cfg.max_epochs=2"])
     pointer.write_text(str(run / "epoch_9.pth"))
     assert "which does not exist" in error_line(capsys, same + ["train_cfg.max_epochs=2"])
+    cut = run / "epoch_1_cut.pth"  # a copy cut off mid-write (a full disk, a killed copy): was a torch traceback
+    cut.write_bytes((run / "epoch_1.pth").read_bytes()[:4096])
+    pointer.write_text(str(cut))
+    assert "is truncated or corrupt" in error_line(capsys, same + ["train_cfg.max_epochs=2"])
     pointer.write_text(own)
     foreign = tmp_path / "foreign"
     shutil.copytree(other, foreign)
