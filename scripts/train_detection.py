@@ -26,6 +26,7 @@ import glob
 import json
 import os
 import sys
+import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -152,7 +153,6 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
         raise DetectionError(f"--resume: {pointer} points to {target}, "
                              f"{'which does not exist' if inside else 'outside the work dir'}: restore the run's "
                              "checkpoint, or start a new --work-dir")
-    import zipfile
     if not zipfile.is_zipfile(target):  # torch.save's zip archive ends with its directory: a cut-off file lacks it
         raise DetectionError(f"--resume: {target} (the run's last checkpoint) is truncated or corrupt, not a torch "
                              "checkpoint: restore it, point last_checkpoint at an earlier epoch_N.pth of the run, "
