@@ -402,7 +402,9 @@ def test_the_cd_fragment_lowers_the_weight_decay_by_the_lam_the_command_gives(mm
 @pytest.mark.parametrize("fragment, overrides, message", [
     ("configs/detection/method/cd.py", ["custom_hooks.0.lam=0.06"],
      "weight_decay 0.05 - ColinearityDecayHook lam 0.06 < 0"),
-    ("configs/detection/method/cd.py", ["cd_budget=yes"], "cd_budget='yes': give True"),
+    ("configs/detection/method/cd.py", ["cd_budget=yes"], "override cd_budget=yes: the config holds true or false"),
+    ("custom_hooks = [dict(type='ColinearityDecayHook', lam=0.005)]\ncd_budget = 'yes'\n", [],
+     "cd_budget='yes': give True"),
     ("custom_hooks = [dict(type='ColinearityDecayHook', lam=0.005), dict(type='ColinearityDecayHook', lam=0.01, "
      "module='neck')]\ncd_budget = True\n", [], r"2 ColinearityDecayHooks of lam \[0.005, 0.01\]"),
     ("cd_budget = True\n", [], "cd_budget=True with 0 ColinearityDecayHooks: ")])
