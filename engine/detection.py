@@ -153,6 +153,7 @@ READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "act
                   "efficient_conv_bn_eval", "compile")
 READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_weight_decay_budget reads it after the overrides
 LOOP_KEYS = ("train_cfg", "val_cfg", "test_cfg")  # MMEngine's loops: epoch, iteration and interval counts
+POSITIVE_LOOP_COUNTS = ("max_epochs", "max_iters", "val_interval")  # counts MMEngine's loops need >= 1
 # dicts whose keys their readers take as they come (hook names, environment settings)
 OPEN_DICTS = ("default_hooks", "env_cfg")
 # keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
@@ -268,6 +269,10 @@ def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
     if key.split(".")[0] in LOOP_KEYS and type(node) is int and isinstance(value, float) and not value.is_integer():
         # MMEngine's loops assert whole counts (max_epochs, val_interval, ...), with a traceback
         raise DetectionError(f"override {key}={value}: {key.split('.')[0]} counts in whole numbers; give one")
+    if (key.split(".")[0] in LOOP_KEYS and parts[-1] in POSITIVE_LOOP_COUNTS and isinstance(value, (int, float))
+            and not isinstance(value, bool) and value < 1):
+        # 0 trains nothing (max_epochs) or fails after a whole epoch (val_interval: a modulo by zero)
+        raise DetectionError(f"override {key}={value}: give at least 1")
 
 
 def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
@@ -412,18 +417,22 @@ def check_image_folders(cfg: Config, loaders: Sequence[str], source: Optional[st
 
 
 @contextlib.contextmanager
-def reading_annotations(files: Sequence[str]):
+def reading_annotations(files: Sequence[str], built: Optional[str] = None):
     """Report an error MMDetection or pycocotools raise while reading the annotation `files` (a file without
     COCO's keys, invalid JSON) as one line naming them: their messages ('categories', 'Expecting value')
-    name no file."""
+    name no file. `built`: the config's parts built inside besides reading the files (where the files have
+    been read whole before, by check_categories), which the line names first: a setting there (a batch size of
+    0, an unknown metric) fails with the same kinds of error."""
     try:
         yield
     except DetectionError:
         raise
     except (KeyError, ValueError, TypeError, IndexError) as e:
-        named = list(dict.fromkeys(files))  # a file read by several loaders and evaluators is named once
-        raise DetectionError(f"{', '.join(named)}: cannot be read as a COCO annotation file "
-                             f"({type(e).__name__}: {e})") from None
+        named = ", ".join(dict.fromkeys(files))  # a file read by several loaders and evaluators is named once
+        if built:
+            raise DetectionError(f"{built} could not be built from the config ({type(e).__name__}: {e}): check "
+                                 f"its settings, and the annotation files it reads ({named})") from None
+        raise DetectionError(f"{named}: cannot be read as a COCO annotation file ({type(e).__name__}: {e})") from None
 
 
 def dataset_classes(dataset: dict) -> Optional[tuple]:

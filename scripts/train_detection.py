@@ -22,6 +22,7 @@ per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -169,6 +170,23 @@ def check_config_dump(work_dir: str, cfg) -> None:
                              "with the run's config: give a new --work-dir, or move the file away")
 
 
+@contextlib.contextmanager
+def removing_failed_start_dump(work_dir: str, cfg, new_run: bool):
+    """A new run whose start fails once the Runner is built (it writes the config dump then, before the loops
+    are built) removes that dump, which this command wrote: left there, check_config_dump would refuse the
+    corrected command in the same --work-dir. The Runner's timestamped log folder stays: it holds the failed
+    start's log and blocks nothing. Rank 0 writes the dump, so rank 0 removes it."""
+    dump = os.path.join(work_dir, os.path.basename(cfg.filename))
+    existed = os.path.exists(dump)
+    try:
+        yield
+    except BaseException:
+        if new_run and not existed and os.environ.get("RANK", "0") == "0":
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(dump)
+        raise
+
+
 def check_launcher(launcher: str) -> None:
     """Refuse --launcher none under torchrun: every rank would train its own copy of the model into one work
     dir; and a distributed launcher without a GPU: MMEngine 0.10 trains distributed on GPUs only (its
@@ -218,14 +236,17 @@ def main(argv=None) -> int:
         # MMEngine 0.10 checkpoints hold numpy / python objects that torch >= 2.6's weights_only load refuses;
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    runner = Runner.from_cfg(cfg)
-    runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
-    # The loops read the annotation files when they are built, which runner.train() does unless the properties
-    # did it first: here, so that an unreadable file is one error line naming it.
-    with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator")):
-        runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
-    if not args.resume:
-        record_settings(args.work_dir, settings)
+    with removing_failed_start_dump(args.work_dir, cfg, new_run=not args.resume):
+        runner = Runner.from_cfg(cfg)
+        runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
+        # The loops read the annotation files when they are built, which runner.train() does unless the
+        # properties did it first: here, so that an unreadable file or a setting that cannot be built is one
+        # error line naming it.
+        with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator"),
+                                 built="train_dataloader, val_dataloader or val_evaluator"):
+            runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
+        if not args.resume:
+            record_settings(args.work_dir, settings)
     runner.train()
     return 0
 

@@ -435,7 +435,9 @@ def test_overrides_that_would_be_ignored_are_refused(mmdet_ready, override, mess
 @pytest.mark.parametrize("override, message", [
     ("train_cfg.max_epochs=abc", "override train_cfg.max_epochs=abc: the config holds a number there"),
     ("model.backbone.with_cp=yes", "override model.backbone.with_cp=yes: the config holds true or false there"),
-    ("train_cfg.max_epochs=2.5", "override train_cfg.max_epochs=2.5: train_cfg counts in whole numbers")])
+    ("train_cfg.max_epochs=2.5", "override train_cfg.max_epochs=2.5: train_cfg counts in whole numbers"),
+    ("train_cfg.val_interval=0", "override train_cfg.val_interval=0: give at least 1"),  # a modulo by zero
+    ("train_cfg.max_epochs=-1", "override train_cfg.max_epochs=-1: give at least 1")])  # after a whole epoch
 def test_an_override_of_the_wrong_type_is_named(sample, tmp_path, capsys, override, message):
     """Text for a number or flag, or a fraction of an epoch count, is one error line naming the override, before
     the Runner writes anything into the work dir: MMEngine stored 'abc' and its loop's int() failed while the
@@ -445,6 +447,23 @@ def test_an_override_of_the_wrong_type_is_named(sample, tmp_path, capsys, overri
                                str(tmp_path / "run"), override])
     assert line.startswith(f"error: {message}"), line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_start_that_fails_once_the_runner_is_built_names_the_setting_and_leaves_the_folder_usable(
+        sample, tmp_path, capsys):
+    """A setting that fails only when the loops are built (a batch size of 0, an unknown metric) was blamed on the
+    annotation files ('cannot be read as a COCO annotation file'), which check_categories had read whole; and the
+    config dump the Runner had written made the corrected command in the same --work-dir a refusal."""
+    from detection_runs import error_line
+    work = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "run")]
+    line = error_line(capsys, [*work, "train_dataloader.batch_size=0"])
+    assert line.startswith("error: train_dataloader, val_dataloader or val_evaluator could not be built from the "
+                           "config (ValueError: batch_size should be a positive integer"), line
+    assert "cannot be read as a COCO annotation file" not in line
+    assert not (tmp_path / "run" / os.path.basename(SAMPLE_CONFIG)).exists()
+    line = error_line(capsys, [*work, "val_evaluator.metric=foo"])  # the same folder: its own error, no refusal
+    assert "could not be built from the config (KeyError" in line and "but got foo" in line, line
+    assert not (tmp_path / "run" / os.path.basename(SAMPLE_CONFIG)).exists()
 
 
 def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
