@@ -266,10 +266,10 @@ def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
     if isinstance(node, (bool, int, float)) and isinstance(value, str):
         kind = "true or false" if isinstance(node, bool) else "a number"
         raise DetectionError(f"override {key}={value}: the config holds {kind} there ({node!r}); give {kind}")
-    if key.split(".")[0] in LOOP_KEYS and type(node) is int and isinstance(value, float) and not value.is_integer():
+    if parts[0] in LOOP_KEYS and type(node) is int and isinstance(value, float) and not value.is_integer():
         # MMEngine's loops assert whole counts (max_epochs, val_interval, ...), with a traceback
-        raise DetectionError(f"override {key}={value}: {key.split('.')[0]} counts in whole numbers; give one")
-    if (key.split(".")[0] in LOOP_KEYS and parts[-1] in POSITIVE_LOOP_COUNTS and isinstance(value, (int, float))
+        raise DetectionError(f"override {key}={value}: {parts[0]} counts in whole numbers; give one")
+    if (parts[0] in LOOP_KEYS and parts[-1] in POSITIVE_LOOP_COUNTS and isinstance(value, (int, float))
             and not isinstance(value, bool) and value < 1):
         # 0 trains nothing (max_epochs) or fails after a whole epoch (val_interval: a modulo by zero)
         raise DetectionError(f"override {key}={value}: give at least 1")
