@@ -101,9 +101,12 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
            "train.batch_size_per_gpu=8", "data.num_workers=1"]
     proc = start(cmd, tmp_path)
     time.sleep(1.0)
-    # the signal lands on rank 1 only, while rank 0 (which writes the checkpoint) knows nothing of it
+    # the signal lands on rank 1 only, while rank 0 (which writes the checkpoint) knows nothing of it; its pid is
+    # found first (a scan of /proc, slow on a loaded machine, while training goes on), so that the last logged
+    # update is read right before the signal
+    rank1 = rank_pid(proc.pid, 1)
     logged = last_logged_step(tmp_path)
-    os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+    os.kill(rank1, signal.SIGTERM)
     output, _ = proc.communicate(timeout=180)
     assert "preempted at update" in output, output[-3000:]
     assert "DataLoader worker" not in output and 'train.py", line' not in output, output[-3000:]
