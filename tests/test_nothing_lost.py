@@ -153,21 +153,18 @@ def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_co
     yet'."""
     source = debug_config(name="a")
     train.main(source)
-    moved = debug_config(f"train.resume={os.path.join(source.out_dir, 'checkpoint.pt')}", name="b")
+    finished = os.path.join(source.out_dir, "checkpoint.pt")
+    moved = debug_config(f"train.resume={finished}", name="b")
     run = train.main(moved)
     best = torch.load(os.path.join(moved.out_dir, "best.pt"), weights_only=True)
-    done = torch.load(os.path.join(source.out_dir, "checkpoint.pt"), weights_only=True)
+    done = torch.load(finished, weights_only=True)
     assert best["state"]["step"] == run.state.best_step == done["state"]["step"]
     assert all(torch.equal(best["model"][k], v) for k, v in done["model"].items())
     assert best["metrics"]["val/top1"] == run.state.best_value == run.metrics["val/top1"]
     # and the folder is a run folder: its checkpoint.pt (which the requeued command continues) knows that best
     own = torch.load(os.path.join(moved.out_dir, "checkpoint.pt"), weights_only=True)
-    assert own["state"]["best_step"] == best["state"]["step"] and own["resumed_from"] == done_path(source)
-    assert train.main(debug_config(f"train.resume={done_path(source)}", name="b")).state.best_step == 8
-
-
-def done_path(cfg):
-    return os.path.join(cfg.out_dir, "checkpoint.pt")
+    assert own["state"]["best_step"] == best["state"]["step"] and own["resumed_from"] == finished
+    assert train.main(debug_config(f"train.resume={finished}", name="b")).state.best_step == 8
 
 
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
