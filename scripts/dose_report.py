@@ -94,11 +94,17 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
 
 
 def metric_number(record: dict, key: str, folder: str) -> float:
-    """A number train.py logged in metrics.jsonl, refused when the record holds something else there."""
+    """A number train.py logged in metrics.jsonl, refused when the record holds something else there, or a
+    NaN / inf (train.py writes those as the strings 'nan' / 'inf'; JSON readers give NaN for a bare NaN):
+    a diverged run, whose curve would be drawn with a silent gap."""
     value = record[key]
+    where = f"{os.path.join(folder, 'metrics.jsonl')}: {key} at update {record['step']} is {value!r}"
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf") or \
+            isinstance(value, float) and not math.isfinite(value):
+        raise ReportError(f"{where}: the run diverged there; leave it out of the sweep folder, or train it again "
+                          "(e.g. with a lower optim.lr)")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ReportError(f"{os.path.join(folder, 'metrics.jsonl')}: {key} at update {record['step']} is "
-                          f"{value!r}, not a number: not the log of a train.py run")
+        raise ReportError(f"{where}, not a number: not the log of a train.py run")
     return float(value)
 
 

@@ -144,6 +144,12 @@ def _edit_result(folder, edit):
     (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5',
                                                                                           '"val/loss": null')),
      r"metrics.jsonl: val/loss at update 25 is None, not a number"),
+    (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5, "act',
+                                                                                          '"val/loss": NaN, "act', 1)),
+     r"baseline_s0.metrics.jsonl: val/loss at update 25 is nan: the run diverged there"),
+    (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5, "act',
+                                                                                          '"val/loss": "inf", "act', 1)),
+     r"baseline_s0.metrics.jsonl: val/loss at update 25 is 'inf': the run diverged there"),
 ])
 def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
     """A result, metrics log or maxima file of another shape is one error naming the file and what it lacks
