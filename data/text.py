@@ -77,14 +77,23 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> None:
-    """Refuse a file of uint32 (or int32) ids, which read as uint16 gives a 0 after every id (the high half of a
-    little-endian id below 65536): the model would train on twice as many tokens, half of them id 0. Judged on
-    the first `sample` values: every odd one 0 while the even ones are not."""
+    """Refuse a file of uint32 (or int32, int64) ids, which read as uint16 gives the high half of a little-endian
+    id after every low half: 0 for an id below 65536, a small number for a larger one (1 for 65536..131071;
+    a vocabulary of 100k or 128k ids). The model would train on twice as many tokens, half of them these
+    high halves, and the low halves of large ids may still fit model.num_classes. Judged on the first `sample`
+    values: every odd one 0 while the even ones are not, or every odd one below 16 (ids below 2^20) while an
+    even one reaches 4096. In a real uint16 stream odd and even positions hold the same kind of text, so
+    neither happens (a vocabulary of fewer than 16 ids has no even value of 4096)."""
     head = np.asarray(ids[:sample])
-    if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
-        raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is 0, as in a file of 32-bit "
-                        "token ids; data.dataset=tokens reads uint16 ids (nanoGPT's prepare.py: "
-                        "np.array(ids, dtype=np.uint16).tofile(...)); write the file with uint16")
+    if len(head) < 64:
+        return
+    high, low = int(head[1::2].max()), int(head[0::2].max())
+    if (high == 0 and low > 0) or (high < 16 and low >= 4096):
+        raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is "
+                        f"{'0' if high == 0 else f'below 16 (at most {high})'} while the others reach {low}, as in "
+                        "a file of 32-bit token ids; data.dataset=tokens reads uint16 ids (nanoGPT's prepare.py: "
+                        "np.array(ids, dtype=np.uint16).tofile(...)); write the file with uint16 (a vocabulary "
+                        "of more than 65,536 ids does not fit uint16 token files)")
 
 
 def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:

@@ -169,6 +169,25 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
         token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
 
 
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_token_file_of_wide_ids_past_65535_is_refused(tmp_path, dtype):
+    """32- or 64-bit ids of a vocabulary past 65,536 (cl100k, Llama 3) read as uint16 give a small high half
+    (1, 2) after each low half, not a 0; with model.num_classes at the vocabulary's size every value fits, so
+    only the file's layout can tell: refused. uint16 files of the same streams' ids, and of a vocabulary of
+    fewer than 16 ids, are read as written."""
+    rng = np.random.default_rng(0)
+    wide = rng.integers(0, 100_277, 4096)
+    wide[:64] = rng.integers(65_536, 100_277, 64)  # a stretch of large ids first: high halves 1 everywhere
+    (tmp_path / "train.bin").write_bytes(wide.astype(dtype).tobytes())
+    (tmp_path / "val.bin").write_bytes(wide.astype(dtype).tobytes())
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path))
+    with pytest.raises(DataError, match=r"every second uint16 value .* below 16 \(at most 1\) .* 32-bit token ids"):
+        token_stream(cfg, "val")
+    for ids in (wide % 50_257, rng.integers(0, 15, 4096), np.arange(4096) % 7):
+        (tmp_path / "val.bin").write_bytes(ids.astype(np.uint16).tobytes())
+        assert token_stream(cfg, "val").ids.tolist() == ids.tolist()
+
+
 def test_step_schedule_matches_nanogpt_formula():
     """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
     get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
