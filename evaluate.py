@@ -51,7 +51,7 @@ from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError
 from engine.precision import describe_precision
-from engine.tasks import check_model_fits_task, task_for
+from engine.tasks import PPL_CAP, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -201,8 +201,8 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
 def score_line(metrics: dict) -> str:
     """'top-1 81.630  top-5 95.700' or 'perplexity 23.70 (bf16 23.71)' for the log."""
     if "ppl" in metrics:
-        bf16 = f" (bf16 {metrics['ppl_bf16']:.2f})" if "ppl_bf16" in metrics else ""
-        return f"perplexity {metrics['ppl']:.2f}{bf16}"
+        bf16 = f" (bf16 {perplexity_text(metrics['ppl_bf16'])})" if "ppl_bf16" in metrics else ""
+        return f"perplexity {perplexity_text(metrics['ppl'])}{bf16}"
     top5 = f"  top-5 {metrics['top5']:.3f}" if "top5" in metrics else ""
     return f"top-1 {metrics['top1']:.3f}{top5}"
 
@@ -621,12 +621,15 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         for (model, method), group in groups.items():
             check_seed_group(model, method, group)
 
-    def fmt(values: list, spec: str, of: int = 0) -> str:
+    def fmt(values: list, spec: str, of: int = 0, ppl: bool = False) -> str:
         """One value, or mean ± sample std; of: the row's result count, named when fewer values make the cell
-        (a pipeline some seeds were not evaluated with)."""
+        (a pipeline some seeds were not evaluated with). ppl: perplexities, where one at the cap (an overflowed
+        exp, engine.tasks.perplexity) makes the cell that bound, not a mean of it."""
         if not values:
             return "-"
         partial = f" (n={len(values)})" if over_seeds and len(values) < of else ""
+        if ppl and max(values) >= PPL_CAP:
+            return perplexity_text(max(values)) + partial
         if len(values) == 1:
             return format(values[0], spec) + partial
         mean = sum(values) / len(values)
@@ -639,7 +642,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     def quantized(group: list, p: str, b: str) -> str:
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
         entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
-        cell = fmt([e[score] for e in entries], spec, of=len(group))
+        cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
         unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
         if unusual:
             cell += "*"
@@ -650,7 +653,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
-        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group))
+        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
+                                                   ppl=language)
                                                for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]

@@ -29,6 +29,21 @@ from .loop import evaluate as evaluate_classifier
 from .precision import autocast
 
 LANGUAGE_DATASETS = ("tokens", "kjv")  # data/text.py TOKEN_DATASETS (engine does not import data/)
+# exp() of a mean loss past 709.78 nats overflows a float (a collapsed model's loss reaches 1e5): the
+# perplexity is recorded as exp(700) from there (the loss beside it is exact) and always printed as that bound
+PPL_CAP_LOSS = 700.0
+PPL_CAP = math.exp(PPL_CAP_LOSS)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(PPL_CAP_LOSS)."""
+    return math.exp(min(loss, PPL_CAP_LOSS))
+
+
+def perplexity_text(ppl: float, spec: str = ".2f") -> str:
+    """A perplexity as text: `spec`, or '>= exp(700) (capped)' for the cap (a finite-looking 305-digit number
+    would hide that the real value overflowed)."""
+    return format(ppl, spec) if ppl < PPL_CAP else f">= exp({PPL_CAP_LOSS:.0f}) (capped)"
 
 
 class ClassificationTask:
@@ -80,12 +95,12 @@ class CausalLMTask:
 
     @staticmethod
     def describe(val: dict) -> str:
-        return (f"val loss {val['val/loss']:.4f} (perplexity {val['val/ppl']:.2f}) on {val['val/count']} "
+        return (f"val loss {val['val/loss']:.4f} (perplexity {perplexity_text(val['val/ppl'])}) on {val['val/count']} "
                 f"windows")
 
     @staticmethod
     def score_text(value: float) -> str:
-        return f"val loss {value:.4f} (perplexity {math.exp(value):.2f})"
+        return f"val loss {value:.4f} (perplexity {perplexity_text(perplexity(value))})"
 
 
 def task_for(dataset: str):
@@ -102,7 +117,7 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
     engine.loop.evaluate: asked before every batch all ranks have; None when it says stop.
 
     Returns:
-        {"loss" (nats per token), "ppl" (exp(loss)), "count" (windows), "tokens"}.
+        {"loss" (nats per token), "ppl" (exp(loss), capped: `perplexity`), "count" (windows), "tokens"}.
     """
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)  # summed loss, tokens, windows
@@ -126,7 +141,7 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
                                  "quantized model) produce non-finite logits (with fp16 autocast an overflow can: "
                                  "try none or bf16)")
     mean = loss / max(tokens, 1.0)
-    return {"loss": mean, "ppl": math.exp(min(mean, 700.0)), "count": int(windows), "tokens": int(tokens)}
+    return {"loss": mean, "ppl": perplexity(mean), "count": int(windows), "tokens": int(tokens)}
 
 
 def check_model_fits_task(model: nn.Module, model_name: str, dataset: str) -> None:

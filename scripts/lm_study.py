@@ -29,6 +29,7 @@ from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_e
                                  metric_number, metrics_records, open_sweep, plot_energies, plot_type_maxima,
                                  point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
+from engine.tasks import PPL_CAP, perplexity_text  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
@@ -57,10 +58,12 @@ def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
 
 def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
     """fmt of the values, '-' for none, and their count when fewer than the point's seeds (a column some runs
-    were not evaluated at): the seeds column counts every run."""
+    were not evaluated at): the seeds column counts every run. A perplexity at the cap (an overflowed exp,
+    engine.tasks.perplexity) makes the cell that bound, not a mean of it."""
     if not values:
         return "-"
-    return fmt(values, digits) + (f" (n={len(values)})" if len(values) < len(runs) else "")
+    text = perplexity_text(max(values)) if max(values) >= PPL_CAP else fmt(values, digits)
+    return text + (f" (n={len(values)})" if len(values) < len(runs) else "")
 
 
 def tables(groups: dict[str, list[Run]]) -> str:
@@ -68,8 +71,8 @@ def tables(groups: dict[str, list[Run]]) -> str:
     lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
              "|---|---|---|---|" + "---|" * len(quant)]
     for point, runs in groups.items():
-        cells = [point, str(len(runs)), fmt([r.result["fp"]["ppl"] for r in runs], 3),
-                 fmt([r.result["fp"]["ppl_bf16"] for r in runs], 3)]
+        cells = [point, str(len(runs)), cell([r.result["fp"]["ppl"] for r in runs], runs),
+                 cell([r.result["fp"]["ppl_bf16"] for r in runs], runs)]
         for pipeline, bits in COLUMNS:
             values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs
                       if bits in r.result["quant"].get(pipeline, {})]

@@ -19,7 +19,7 @@ from data import DataError
 from data.text import TokenStream, TokenWindows, check_vocabulary, token_stream
 from engine.optim import build_scheduler
 from engine.loop import NonFiniteLossError
-from engine.tasks import evaluate_language_model
+from engine.tasks import CausalLMTask, evaluate_language_model
 from models import ModelError
 from models.gpt import build_gpt, checkpoint_filter_fn
 
@@ -220,6 +220,25 @@ def test_perplexity_matches_naive_loop():
     model.head.weight.data[0, 0] = float("nan")  # a NaN weight: an error, never a perplexity of NaN
     with pytest.raises(NonFiniteLossError, match="non-finite"):
         evaluate_language_model(model, loader, torch.device("cpu"))
+
+
+def test_a_collapsed_model_trains_on_and_its_perplexity_reads_as_the_cap(tmp_path, caplog):
+    """lr 30 without clipping or the divergence guard: logits of ~1e5 give a finite val loss of ~9e4 nats,
+    whose exp() overflows a float (math.exp raised OverflowError in the validation's log line: a traceback
+    after best.pt, before checkpoint.pt). The run finishes, and its perplexity is printed as the capped bound
+    with the exact loss, never as the 305-digit exp(700)."""
+    with pytest.raises(OverflowError):
+        math.exp(710.0)  # the closed form the perplexity cannot hold
+    cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "optim.lr=30", "optim.clip_grad=null",
+                               "sched.warmup_steps=0", "train.divergence_factor=null"])
+    with caplog.at_level("INFO"):
+        result = train.main(cfg)
+    assert result.reason == "finished" and (tmp_path / "run" / "checkpoint.pt").exists()
+    assert result.metrics["val/loss"] > 710 and result.metrics["val/ppl"] == math.exp(700.0)
+    lines = [r.getMessage() for r in caplog.records if "perplexity" in r.getMessage()]
+    assert lines and all("perplexity >= exp(700) (capped)" in line for line in lines)
+    assert not any(f"{math.exp(700.0):.2f}"[:20] in line for line in lines)
+    assert CausalLMTask.score_text(2.0) == f"val loss 2.0000 (perplexity {math.exp(2.0):.2f})"
 
 
 def test_model_and_data_must_be_of_one_task(tmp_path):

@@ -179,6 +179,25 @@ def test_a_table_of_language_models_and_classifiers_is_refused():
         evaluate.markdown_table([lm, vit])
 
 
+def test_a_perplexity_at_the_cap_is_printed_as_the_bound_not_a_finite_number():
+    """A collapsed model's perplexity is recorded as exp(700) (exp of its loss overflows): the log line and the
+    table say so instead of printing a 305-digit number, also as one seed of a mean; others read as before."""
+    cap = math.exp(700.0)
+    collapsed = {"model": "gpt2_nano", "method": "Baseline", "fp": {"ppl": cap, "ppl_bf16": cap, "loss": 9e4},
+                 "max_act": {"module": 1e9, "block": 2e9}, "quant": {"rtn": {"w4a16": {"ppl": cap, "loss": 9e4}}}}
+    assert evaluate.score_line(collapsed["fp"]) == "perplexity >= exp(700) (capped) (bf16 >= exp(700) (capped))"
+    assert evaluate.score_line({"ppl": 48.756, "ppl_bf16": 48.8}) == "perplexity 48.76 (bf16 48.80)"
+    healthy = json.loads(json.dumps(collapsed))
+    healthy["fp"].update(ppl=4.0, ppl_bf16=4.5)
+    healthy["quant"]["rtn"]["w4a16"]["ppl"] = 6.0
+    table = evaluate.markdown_table([collapsed, healthy]).splitlines()
+    assert table[2] == ("| gpt2_nano | Baseline | >= exp(700) (capped) | >= exp(700) (capped) | "
+                        "1000000000.00 / 2000000000.00 | >= exp(700) (capped) |")
+    assert table[3] == "| gpt2_nano | Baseline | 4.00 | 4.50 | 1000000000.00 / 2000000000.00 | 6.00 |"
+    over_seeds = evaluate.markdown_table([collapsed, healthy], over_seeds=True).splitlines()
+    assert over_seeds[2].startswith("| gpt2_nano | Baseline (n=2) | >= exp(700) (capped) | >= exp(700) (capped) |")
+
+
 # -- token files --------------------------------------------------------------------------------------------
 
 def test_an_empty_token_file_is_a_data_error(tmp_path):

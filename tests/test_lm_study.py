@@ -2,6 +2,7 @@
 written here (metrics.jsonl, eval_best.json, the activation CSV with kurtosis), its figures, and its
 refusals (an image sweep, existing outputs)."""
 import json
+import math
 import os
 import sys
 
@@ -83,6 +84,20 @@ def test_refuses_existing_outputs_and_image_sweeps(sweep, tmp_path):
         lm_study.main([str(image), "--out", str(tmp_path / "out")])
 
 
+def test_a_perplexity_at_the_cap_is_shown_as_the_bound(tmp_path):
+    """A seed whose model collapsed has the capped perplexity exp(700) (its exp overflowed): the point's cells
+    say so, never a 305-digit mean of it."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    write_run(root, "baseline_s1", ppl=math.exp(700.0), rtn=math.exp(700.0), block_max=30.0, kurtosis=14.0,
+              fc2_final=120.0)
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    capped = ">= exp(700) (capped)"
+    assert f"| baseline | 2 | {capped} | {capped} | {capped} | {capped} | {capped} | - | - | - | - |" in report
+    assert "e+303" not in report and "0000000000" not in report
+
+
 def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
     """The seeds column counts every run of a point; a cell averaged over fewer (a pipeline or bit-width
     some seeds were not evaluated at) says over how many."""
@@ -147,8 +162,8 @@ def _edit_result(folder, edit):
     (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5, "act',
                                                                                           '"val/loss": NaN, "act', 1)),
      r"baseline_s0.metrics.jsonl: val/loss at update 25 is nan: the run diverged there"),
-    (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace('"val/loss": 1.5, "act',
-                                                                                          '"val/loss": "inf", "act', 1)),
+    (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace(
+        '"val/loss": 1.5, "act', '"val/loss": "inf", "act', 1)),
      r"baseline_s0.metrics.jsonl: val/loss at update 25 is 'inf': the run diverged there"),
 ])
 def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
