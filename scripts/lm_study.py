@@ -148,8 +148,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                           "scripts/dose_report.py reports image classifiers")
     check_numbers([r for runs in groups.values() for r in runs], FIELDS, "ppl")
     for run in (r for runs in groups.values() for r in runs):  # the curves' logs, before anything is written
-        for key, *_ in CURVES:
-            validation_curve(run, key)
+        for key, *_ in CURVES:  # a seed without a curve would empty its point's line (steps all seeds have)
+            if not validation_curve(run, key):
+                raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
+                                  f"{OUTPUTS[2]} draws at every validation: train the runs with log.act_max=true "
+                                  "(configs/lm/kjv_cpu.yaml sets it)")
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w") as f:

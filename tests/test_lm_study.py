@@ -165,6 +165,10 @@ def _edit_result(folder, edit):
     (lambda f: (f / "metrics.jsonl").write_text((f / "metrics.jsonl").read_text().replace(
         '"val/loss": 1.5, "act', '"val/loss": "inf", "act', 1)),
      r"baseline_s0.metrics.jsonl: val/loss at update 25 is 'inf': the run diverged there"),
+    (lambda f: (f / "metrics.jsonl").write_text("".join(  # a run trained without log.act_max: an empty curve
+        json.dumps({k: v for k, v in json.loads(line).items() if not k.startswith("act/")}) + "\n"
+        for line in (f / "metrics.jsonl").read_text().splitlines())),
+     r"baseline_s0.metrics.jsonl has no record of act/max_block, which lm_study_outliers.png draws"),
 ])
 def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
     """A result, metrics log or maxima file of another shape is one error naming the file and what it lacks
