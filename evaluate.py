@@ -23,6 +23,7 @@ markdown row in the layout of the paper's tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -41,7 +42,7 @@ from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
-from data.text import token_file_fingerprint, token_stream
+from data.text import VocabularyError, token_file_fingerprint, token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -107,7 +108,8 @@ def main(args: argparse.Namespace) -> dict:
                               dataset_classes(cfg.data, val_loader.dataset))
         # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
         # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
-        calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
+        with text_of_the_weights(args.checkpoint or cfg.model.pretrained):
+            calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
 
         # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
         # the activation maxima in a pass with the probe hooks.
@@ -181,9 +183,10 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
         # the kind of text first: ids of another kind are not a vocabulary to widen (model.num_classes)
         check_vocabulary_kind(payload, stream.vocab, args.checkpoint or cfg.model.pretrained, cfg.data.dataset)
         check_classes(payload, stream.vocab, args.checkpoint)
-        return build_token_eval_loader(cfg.data, stream, context=img_size,
-                                       batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
-                                       rank=dist.rank, world_size=dist.world_size, vocab_size=cfg.model.num_classes)
+        with text_of_the_weights(args.checkpoint or cfg.model.pretrained):
+            return build_token_eval_loader(cfg.data, stream, context=img_size,
+                                           batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=dist.rank,
+                                           world_size=dist.world_size, vocab_size=cfg.model.num_classes)
     try:
         loader = build_eval_loader(cfg.data, img_size=img_size, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
                                    rank=dist.rank, world_size=dist.world_size, num_classes=cfg.model.num_classes)
@@ -196,6 +199,17 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
                         ) from None
     check_classes(payload, dataset_classes(cfg.data, loader.dataset), args.checkpoint)
     return loader
+
+
+@contextlib.contextmanager
+def text_of_the_weights(weights: str):
+    """Ids past the vocabulary of weights that loaded (their model.num_classes) are text of another tokenizer:
+    check_vocabulary's advice to raise model.num_classes (train.py's) would only make the weights not fit."""
+    try:
+        yield
+    except VocabularyError as e:
+        raise DataError(f"{e.problem}, the ids {weights} was trained on: point data.root at the token files it was "
+                        "trained on (their tokenizer)") from None
 
 
 def score_line(metrics: dict) -> str:

@@ -32,9 +32,18 @@ from torch.utils.data import Dataset
 
 from configs.schema import DataConfig
 
-from .folder import DataError
+from .folder import ClassCountError, DataError
 
 TOKEN_DATASETS = ("tokens", "kjv")
+
+
+class VocabularyError(ClassCountError):
+    """Ids past model.num_classes (`found`: the ids they need); `problem` is the message without its advice
+    (more model.num_classes: train.py's; an evaluation's weights fix their vocabulary)."""
+
+    def __init__(self, problem: str, found: int):
+        super().__init__(f"{problem}: set model.num_classes={found} or more", found)
+        self.problem = problem
 
 
 @dataclass
@@ -151,8 +160,8 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
     else:
         size = largest_id(stream.ids if ids is None else ids) + 1
     if size > vocab_size:
-        raise DataError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
-                        f"0..{vocab_size - 1}: set model.num_classes={size} or more")
+        raise VocabularyError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
+                              f"0..{vocab_size - 1}", size)
 
 
 class TokenWindows(Dataset):

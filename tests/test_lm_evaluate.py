@@ -170,6 +170,26 @@ def test_results_of_token_files_rewritten_in_place_are_not_kept_beside_numbers_o
         run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "--out", str(tmp_path / "r2.json"))
 
 
+def test_text_of_a_wider_vocabulary_than_the_weights_is_refused_without_advice_the_weights_contradict(tmp_path):
+    """A checkpoint of 65 ids on token files of ids up to 999 (another tokenizer's): the advice of train.py, 'set
+    model.num_classes=1000', only made the weights not fit; the val file and, for GPTQ, the calibration windows
+    of train.bin are refused pointing at the text it was trained on, before any pass or file."""
+    root = token_folder(tmp_path / "t", n=6_000)
+    run = tmp_path / "run"
+    train.main(load_config([NANO], [f"out_dir={run}", "data.dataset=tokens", f"data.root={root}", "sched.steps=2",
+                                    "sched.warmup_steps=1", "train.eval_every_steps=2"]))
+    wide = np.random.default_rng(3).integers(0, 1000, 6_000, dtype=np.uint16)
+    wide[0] = 999
+    for split in ("val", "train"):
+        wide.tofile(root / f"{split}.bin")
+        with pytest.raises(DataError, match=rf"{split}.bin holds ids up to 9\d\d, model.num_classes=65 embeds 0..64, "
+                                            r"the ids .*best.pt was trained on: point data.root at the token files"):
+            run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "quant.calib_images=4",
+                     "--out", str(tmp_path / "r.json"))
+        assert not (tmp_path / "r.json").exists()
+        token_folder(root, n=6_000)  # the text it was trained on again
+
+
 def test_a_table_of_language_models_and_classifiers_is_refused():
     lm = {"model": "gpt2_nano", "method": "Baseline", "fp": {"ppl": 48.0}, "max_act": {"module": 1, "block": 1},
           "quant": {}}
