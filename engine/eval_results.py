@@ -12,6 +12,8 @@
   Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
+* `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint, beside it, holds other
+  weights now (training went on after the evaluation and saved a new best.pt).
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -24,6 +26,9 @@ import json
 import os
 from typing import Any, NamedTuple, Optional, Sequence
 
+import torch
+
+from .checkpoint import weights_fingerprint
 from .run_dir import exclusive_lock, partial_path
 
 
@@ -278,10 +283,42 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
         fields = DETECTION_FIELDS
     wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), FIELD_TYPES[k])]
     if not wrong and all(isinstance(e, dict) for e in data.get("quant", {}).values()):
+        refuse_stale(path, data)
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
                        f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "
                        f"JSON files written by evaluate.py")
+
+
+def refuse_stale(path: str, result: dict) -> None:
+    """A ResultsError when the checkpoint `result` is of (its file name, in the folder of `path`: a run folder
+    moved or copied whole keeps its JSON beside its best.pt) now holds other weights than those evaluated: a run
+    that trained on after its evaluation saved a new best.pt, and the file's figures are of the old one. Results
+    without a fingerprint (detection, files of older versions) and files that are not train.py checkpoints
+    (model.pretrained weights) are not compared. The checkpoint is memory-mapped: only the weights the
+    fingerprint hashes are read (evaluate.py hashes the same state dict, engine/checkpoint.py)."""
+    scored, checkpoint = result.get("fingerprint"), result.get("checkpoint")
+    if not isinstance(scored, str) or not isinstance(checkpoint, str):
+        return
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(checkpoint))
+    if not os.path.isfile(beside):
+        return
+    try:
+        payload = torch.load(beside, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a torch checkpoint (safetensors weights): not one train.py wrote
+        return
+    if not (isinstance(payload, dict) and isinstance(payload.get("model"), dict)
+            and isinstance(payload.get("config"), dict)):
+        return
+    key = "model_ema" if result.get("weights") == "ema" else "model"
+    now = weights_fingerprint(payload[key]) if isinstance(payload.get(key), dict) else f"no '{key}' weights"
+    if now != scored:
+        raise ResultsError(f"{path} is stale: it scored other weights than {beside} holds now (fingerprint "
+                           f"{scored} in the file, {now} now: the run saved a new {os.path.basename(beside)} "
+                           f"after the evaluation); refresh it: run its sweep again with --run --evaluate "
+                           f"(scripts/sweep.py moves the old file aside), or move {path} and its _act_max files "
+                           f"aside and run python evaluate.py --checkpoint {beside} --out {path} with the same "
+                           f"evaluate settings")
 
 
 def _shape(data: Any) -> str:

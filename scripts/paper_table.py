@@ -6,7 +6,9 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (evaluate.nondefault_settings).
+is marked with * and a note naming them (evaluate.nondefault_settings). A result whose checkpoint beside it
+(the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
+refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
 
 Layouts:
     rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per

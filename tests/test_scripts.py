@@ -156,6 +156,39 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     assert "| CD |" in out.read_text()
 
 
+def test_paper_table_refuses_a_result_of_weights_its_best_pt_no_longer_holds(tmp_path):
+    """Training went on after the evaluation and saved a new best.pt: the table showed the old weights' figures
+    under the run's name. The fingerprint the result records is computed as evaluate.py computes it (the model
+    its loader builds from the checkpoint), not by the check under test."""
+    import evaluate
+    from configs import config_from_dict
+    from engine.checkpoint import load_checkpoint, weights_fingerprint
+    from tests.test_mechanism import make_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint = make_checkpoint(run / "best.pt", 0)
+    payload = load_checkpoint(checkpoint)
+    model = evaluate.load_float_model(config_from_dict(payload["config"]), payload,
+                                      evaluate.parse_args(["--checkpoint", checkpoint]))
+    result = {"model": "vit_nano", "method": "CD", "checkpoint": "/elsewhere/run/best.pt", "weights": "raw",
+              "fingerprint": weights_fingerprint(model.state_dict()), "fp": {"top1": 90.0},
+              "max_act": {"module": 1.0, "block": 2.0}, "quant": {"repq": {"w4a4": {"top1": 80.0}}}}
+    path = run / "eval_best.json"
+    path.write_text(json.dumps(result))  # the run folder moved since: its best.pt is the one beside the file
+    assert "| vit_nano | CD |" in paper_table.main([str(path)])
+    make_checkpoint(run / "best.pt", 1)  # the run trained on and saved a new best
+    with pytest.raises(SystemExit, match=rf"error: {path} is stale: it scored other weights than {run}/best.pt "
+                                         rf"holds now .* python evaluate.py --checkpoint {run}/best.pt --out {path}"):
+        paper_table.main([str(path)])
+    # not compared: a result without a fingerprint (older files, detection), one with no checkpoint beside it
+    path.write_text(json.dumps({k: v for k, v in result.items() if k != "fingerprint"}))
+    assert "| vit_nano | CD |" in paper_table.main([str(path)])
+    other = tmp_path / "r.json"
+    other.write_text(json.dumps(result))
+    assert "| vit_nano | CD |" in paper_table.main([str(other)])
+
+
 @pytest.mark.parametrize("change, differs", [
     ({"data": {"dataset": "folder", "root": "/other/pets"}}, "data"),  # another folder of the same name
     ({"data": {"dataset": "folder", "root": "/data/pets", "val_split": "train"}}, "data"),
