@@ -26,9 +26,12 @@ command runs in the repository root: relative paths (out_root, data.root, ...) a
 the sweep is started from.
 
 With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
+at train.max_steps before its schedule ended (the update it reached and its schedule's length, read from its
+checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was asked for), stopped
 (train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint, or the sweep itself got SIGTERM /
 SIGINT: not evaluated, and no later run starts), failed, or not started. The sweep exits 0 only when every
-run finished; 75 when one stopped, so the same command can be requeued: it continues each unfinished run
+run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be requeued: it
+continues each unfinished run
 (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
 running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON older
 than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
@@ -317,7 +320,34 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         if code:
             print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
             return code, f"failed during {step} (exit code {code})"
+    stopped = stopped_before_schedule_end(out_dir_of(run))
+    if stopped:
+        return 0, f"{stopped}; {'evaluated' if args.evaluate else 'not evaluated'}"
     return 0, "finished and evaluated" if args.evaluate else "finished"
+
+
+def stopped_before_schedule_end(out_dir: str) -> Optional[str]:
+    """How far a run that train.py ended with exit 0 got, when its schedule has not ended (train.max_steps
+    stopped it): e.g. 'stopped at train.max_steps at update 8 of 24, before its schedule ended'; None when it
+    finished. Read from the run's checkpoint.pt as train.py decides it (engine/optim.schedule_length of its saved
+    config and updates per epoch), memory-mapped: its weights are not read."""
+    import torch  # only once a run has trained: expanding a sweep does not need it
+
+    from configs import config_from_dict
+    from engine.optim import schedule_length
+
+    path = os.path.join(ROOT, out_dir, "checkpoint.pt")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = payload["state"]
+        epochs, total, _ = schedule_length(config_from_dict(payload["config"]).sched,
+                                           payload["epoch_position"]["updates_per_epoch"])
+        step, epoch = int(state["step"]), int(state["epoch"])
+    except Exception as e:  # noqa: BLE001 - no checkpoint, or one of an older version: say what is not known
+        return f"trained (exit 0), but {path} does not say whether its schedule ended ({type(e).__name__}: {e})"
+    if epoch < epochs and step < total:  # train.py's own test of a run cut short (train.finish)
+        return f"stopped at train.max_steps at update {step} of {total}, before its schedule ended"
+    return None
 
 
 def move_stale_result(json_path: str, checkpoint: str) -> None:

@@ -82,6 +82,11 @@ def test_a_small_sweep_trains_evaluates_and_tabulates(tmp_path, capsys):
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n"
                     f"  base: []\n  cd: [configs/method/cd.yaml]\n")
     assert sweep.main([str(spec), "--run", "--evaluate", "train.max_steps=2", "quant.pipelines=[repq]"]) == 0
+    # tiny.yaml: 64 images in global batches of 16, 2 epochs = 8 updates; train.max_steps=2 ends each run early
+    # (train.py exits 0), which the summary said was "finished and evaluated"
+    summary = capsys.readouterr().out.split("sweep summary:")[1]
+    for name in ("base", "cd"):
+        assert f"{name}: stopped at train.max_steps at update 2 of 8, before its schedule ended; evaluated" in summary
     results = sorted(glob.glob(str(tmp_path / "runs" / "*" / "eval_best.json")))
     assert len(results) == 2
     table = paper_table.main(results)
@@ -400,8 +405,10 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     again = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "first: finished and evaluated" in again.stdout
-    assert "second: finished and evaluated" in again.stdout
+    # sched.epochs=1000 of 4 updates (64 images, global batch 16): both stop at train.max_steps, long before the end
+    for name in ("first", "second"):
+        assert (f"{name}: stopped at train.max_steps at update {step + 2} of 4000, before its schedule ended; "
+                "evaluated") in again.stdout
     assert f"resumed from {tmp_path}/runs/first/checkpoint.pt at epoch" in again.stdout
     assert len(glob.glob(str(tmp_path / "runs" / "*" / "eval_best.json"))) == 2
 
