@@ -52,7 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import move_overrides  # noqa: E402
-from configs.loader import dotted_settings, overlapping_keys, override_keys, read_yaml_file  # noqa: E402
+from configs.loader import (close_keys, dotted_settings, overlapping_keys, override_keys,  # noqa: E402
+                            read_yaml_file, schema_keys)
 from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
@@ -127,13 +128,19 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
 
 
 def check_field_types(sweep: dict, sweep_path: str) -> None:
-    """'configs', 'evaluate' and 'run_keys' are lists and 'out_root' a folder: a string in place of a list
-    would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ... and so nothing),
-    an empty out_root would become the folder 'None'."""
+    """'configs', 'evaluate' and 'run_keys' are lists, run_keys of config keys, and 'out_root' a folder: a string in
+    place of a list would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ... and so
+    nothing), an empty out_root would become the folder 'None'."""
     for key in ("configs", "evaluate", "run_keys"):
         if sweep.get(key) is not None and not isinstance(sweep[key], list):  # empty (None): none
             raise ConfigError(f"{sweep_path}: '{key}' must be a list, e.g. {key}: [{sweep[key]}], not "
                               f"{type(sweep[key]).__name__} {sweep[key]!r}")
+    # a key the schema lacks (data.rooot) would guard nothing: data.root=x would train every run on x
+    unknown = [k for k in sweep.get("run_keys") or [] if str(k) not in schema_keys()]
+    if unknown:
+        close = close_keys(str(unknown[0]))
+        raise ConfigError(f"{sweep_path}: run_keys: {unknown[0]!r} is not a config key"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
     if "out_root" in sweep and not (isinstance(sweep["out_root"], str) and sweep["out_root"].strip()):
         raise ConfigError(f"{sweep_path}: 'out_root' must be a folder, e.g. out_root: runs/sweeps/mine, not "
                           f"{sweep['out_root']!r}")

@@ -61,6 +61,15 @@ def test_a_sweep_field_of_the_wrong_type_is_refused(tmp_path, field, value):
         sweep.expand(str(bad), ["data.root=/x"] if field == "run_keys" else [])
 
 
+def test_a_sweep_refuses_run_keys_that_are_not_config_keys(tmp_path):
+    """run_keys: [data.rooot] guarded nothing: data.root=/x on the command line then trained every run on /x."""
+    bad = tmp_path / "s.yaml"
+    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nrun_keys: [data.rooot]\n"
+                   "runs:\n  a: [data.root=/a]\n  b: [data.root=/b]\n")
+    with pytest.raises(ConfigError, match=r"run_keys: 'data.rooot' is not a config key; did you mean 'data.root'"):
+        sweep.expand(str(bad), ["data.root=/x"])
+
+
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     bad = tmp_path / "twice.yaml"
     bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: [optim.lr=1e-3]\n  a: [optim.lr=1e-2]\n")
