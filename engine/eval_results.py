@@ -290,6 +290,20 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
                        f"JSON files written by evaluate.py")
 
 
+def missing_number(result: dict, fields: Sequence[str], score: str) -> Optional[str]:
+    """The first of `fields` (dotted paths, e.g. max_act.module) and the `score` of every quantized entry (e.g.
+    quant.repq.w4a4.top1) that is not a number in `result`, or None. evaluate.py writes them all; a file cut by
+    hand or written by an older version may not have them, and a table or report would stop on a traceback."""
+    paths = [*fields, *(f"quant.{p}.{b}.{score}" for p, entries in result["quant"].items() for b in entries)]
+    for path in paths:
+        value = result
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return path
+    return None
+
+
 def refuse_stale(path: str, result: dict) -> None:
     """A ResultsError when the checkpoint `result` is of (its file name, in the folder of `path`: a run folder
     moved or copied whole keeps its JSON beside its best.pt) now holds other weights than those evaluated: a run

@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs import ConfigError, config_from_dict  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
-from engine.eval_results import (ResultsError, first_difference, read_result_file,  # noqa: E402
-                                 recipe_difference, repeated_weights)
+from engine.eval_results import (ResultsError, first_difference, missing_number,  # noqa: E402
+                                 read_result_file, recipe_difference, repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
@@ -137,16 +137,12 @@ def check_numbers(runs: Sequence[Run], fields: Sequence[str], score: str) -> Non
     fp.ppl_bf16) and the `score` of every quantized entry. evaluate.py writes them all; a file cut by hand or
     written by an older version may not have them."""
     for run in runs:
-        paths = [*fields, *(f"quant.{p}.{b}.{score}" for p, entries in run.result["quant"].items() for b in entries)]
-        for path in paths:
-            value = run.result
-            for key in path.split("."):
-                value = value.get(key) if isinstance(value, dict) else None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ReportError(f"{os.path.join(run.folder, 'eval_best.json')} has no number at {path}: "
-                                  f"re-evaluate the run: python evaluate.py --checkpoint "
-                                  f"{os.path.join(run.folder, 'best.pt')} with the sweep's evaluate settings "
-                                  f"(and --recompute for a quantized entry)")
+        path = missing_number(run.result, fields, score)
+        if path is not None:
+            raise ReportError(f"{os.path.join(run.folder, 'eval_best.json')} has no number at {path}: "
+                              f"re-evaluate the run: python evaluate.py --checkpoint "
+                              f"{os.path.join(run.folder, 'best.pt')} with the sweep's evaluate settings "
+                              f"(and --recompute for a quantized entry)")
 
 
 def metrics_records(folder: str) -> list[dict]:

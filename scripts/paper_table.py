@@ -28,7 +28,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from engine.eval_results import ResultsError, first_difference, read_result_files  # noqa: E402
+from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import PAPER_NAMES, markdown_table, nondefault_settings  # noqa: E402
 
@@ -154,6 +154,14 @@ def main(argv=None) -> str:
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
+    for path, result in zip(args.results, results):  # the numbers the tables print (a file cut by hand lacks some)
+        if args.layout == "finetune" and "top1" not in result["fp"]:
+            continue  # a language model's: the fine-tuning layout refuses it as such
+        score = "ppl" if "ppl" in result["fp"] else "top1"
+        missing = missing_number(result, (f"fp.{score}", "max_act.module", "max_act.block"), score)
+        if missing is not None:
+            sys.exit(f"error: {path} has no number at {missing}: re-evaluate it with evaluate.py (--recompute for "
+                     "a quantized entry)")
     if args.over_seeds and args.layout == "finetune":
         sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     try:

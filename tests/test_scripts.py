@@ -203,6 +203,20 @@ def test_paper_table_refuses_a_result_of_weights_its_best_pt_no_longer_holds(tmp
     assert "| vit_nano | CD |" in paper_table.main([str(other)])
 
 
+@pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
+                                        (lambda r: r["fp"].update(top1=None), "fp.top1"),
+                                        (lambda r: r["quant"]["repq"]["w4a4"].pop("top1"), "quant.repq.w4a4.top1")])
+def test_paper_table_names_a_number_missing_from_a_result(tmp_path, edit, path):
+    """A result file cut by hand (or by an older version) stopped the table on a KeyError or TypeError."""
+    result = _finetune_result("pets", "CD", 95.0, 94.0)
+    edit(result)
+    file = tmp_path / "r.json"
+    file.write_text(json.dumps(result))
+    for layout in ("rows", "finetune"):
+        with pytest.raises(SystemExit, match=rf"error: {file} has no number at {path}: re-evaluate it"):
+            paper_table.main(["--layout", layout, str(file)])
+
+
 @pytest.mark.parametrize("change, differs", [
     ({"data": {"dataset": "folder", "root": "/other/pets"}}, "data"),  # another folder of the same name
     ({"data": {"dataset": "folder", "root": "/data/pets", "val_split": "train"}}, "data"),
