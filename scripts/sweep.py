@@ -43,6 +43,7 @@ import argparse
 import datetime
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,9 +261,14 @@ def main(argv=None) -> int:
         if not args.only:
             sys.exit("error: --only needs the names of runs to keep")
     try:
-        shlex.split(args.launcher)
+        launcher = shlex.split(args.launcher)
     except ValueError as e:  # e.g. an unclosed quote
         sys.exit(f"error: --launcher {args.launcher!r}: {e}")
+    # a launcher that cannot be started stopped the sweep on a FileNotFoundError traceback, without its summary
+    # (printed commands may be meant for another machine: checked only where they run)
+    if args.run and launcher and shutil.which(launcher[0]) is None:
+        sys.exit(f"error: --launcher {args.launcher!r}: {launcher[0]!r} is not a command that can be run here "
+                 "(not on PATH, or not an executable file); give e.g. --launcher \"torchrun --nproc_per_node=8\"")
     try:
         runs = expand(args.sweep, args.overrides, args.only)
     except ConfigError as e:

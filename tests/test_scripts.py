@@ -70,6 +70,18 @@ def test_a_sweep_refuses_run_keys_that_are_not_config_keys(tmp_path):
         sweep.expand(str(bad), ["data.root=/x"])
 
 
+@pytest.mark.parametrize("launcher", ["no-such-launcher --nproc_per_node=2", "/"])
+def test_a_sweep_refuses_a_launcher_that_cannot_be_started_before_any_run(tmp_path, launcher):
+    """It was a FileNotFoundError (or PermissionError) traceback at the first run, without the sweep's summary."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n")
+    with pytest.raises(SystemExit, match=rf"error: --launcher '{launcher}': '{launcher.split()[0]}' is not a "
+                                         "command that can be run here"):
+        sweep.main([str(spec), "--run", "--launcher", launcher])
+    assert not (tmp_path / "runs").exists()
+    assert sweep.main([str(spec), "--launcher", launcher]) == 0  # printed for another machine: as given
+
+
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     bad = tmp_path / "twice.yaml"
     bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: [optim.lr=1e-3]\n  a: [optim.lr=1e-2]\n")
