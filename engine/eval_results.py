@@ -314,7 +314,8 @@ def refuse_stale(path: str, result: dict) -> None:
     scored, checkpoint = result.get("fingerprint"), result.get("checkpoint")
     if not isinstance(scored, str) or not isinstance(checkpoint, str):
         return
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(checkpoint))
+    # the folder the file is in, not that of a link to it (results gathered as links in a folder of their own)
+    beside = os.path.join(os.path.dirname(os.path.realpath(path)), os.path.basename(checkpoint))
     if not os.path.isfile(beside):
         return
     try:

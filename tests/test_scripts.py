@@ -207,6 +207,11 @@ def test_paper_table_refuses_a_result_of_weights_its_best_pt_no_longer_holds(tmp
     with pytest.raises(SystemExit, match=rf"error: {path} is stale: it scored other weights than {run}/best.pt "
                                          rf"holds now .* python evaluate.py --checkpoint {run}/best.pt --out {path}"):
         paper_table.main([str(path)])
+    links = tmp_path / "links"  # results gathered as links: the checkpoint is beside the file linked to
+    links.mkdir()
+    (links / "run.json").symlink_to(path)
+    with pytest.raises(SystemExit, match=rf"error: {links}/run.json is stale"):
+        paper_table.main([str(links / "run.json")])
     # not compared: a result without a fingerprint (older files, detection), one with no checkpoint beside it
     path.write_text(json.dumps({k: v for k, v in result.items() if k != "fingerprint"}))
     assert "| vit_nano | CD |" in paper_table.main([str(path)])
