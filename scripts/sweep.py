@@ -83,6 +83,11 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         if items is not None and not isinstance(items, list):  # a string would be read letter by letter
             raise ConfigError(f"{sweep_path}: run '{name}' must list its config files and overrides, e.g. "
                               f"{name}: [{items}], not {type(items).__name__} {items!r}")
+        odd = next((i for i in items or [] if isinstance(i, (list, dict))), None)
+        if odd is not None:  # `- optim.lr: 1` (a colon for '=') or a nested list: read as its Python text
+            example = ", ".join(f"{k}={v}" for k, v in odd.items()) if isinstance(odd, dict) else "optim.lr=1e-3"
+            raise ConfigError(f"{sweep_path}: run '{name}' lists {odd!r}, a YAML {type(odd).__name__}; its items "
+                              f"are config files (.yaml) and key=value overrides, e.g. {name}: [{example}]")
         items = [str(i) for i in items or []]
         files = [i for i in items if i.endswith(".yaml")]
         split[name] = (base + files, [i for i in items if i not in files])

@@ -49,6 +49,18 @@ def test_a_sweep_run_given_as_a_string_is_refused_as_such(tmp_path):
         sweep.expand(str(bad), [])
 
 
+@pytest.mark.parametrize("item, example", [("{optim.lr: 0.01}", r"a: \[optim.lr=0.01\]"),
+                                           ("[optim.lr=0.01]", r"a: \[optim.lr=1e-3\]")])
+def test_a_sweep_run_item_that_is_a_mapping_or_a_list_is_refused_as_such(tmp_path, item, example):
+    """`- optim.lr: 0.01` (a colon for '=') or a nested list was read as its Python text: "unknown config key
+    '['optim.lr'"."""
+    bad = tmp_path / "s.yaml"
+    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nruns:\n  a: [{item}]\n")
+    with pytest.raises(ConfigError, match=rf"run 'a' lists .*, a YAML (dict|list); its items are config files "
+                                          rf"\(.yaml\) and key=value overrides, e.g. {example}"):
+        sweep.expand(str(bad), [])
+
+
 @pytest.mark.parametrize("field, value", [("configs", "configs/debug/tiny.yaml"), ("run_keys", "data.root"),
                                           ("evaluate", "quant.calib_images=8"), ("out_root", "")])
 def test_a_sweep_field_of_the_wrong_type_is_refused(tmp_path, field, value):
