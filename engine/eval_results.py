@@ -146,7 +146,7 @@ class EvalResults:
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
                            f"({settings_diff(stored, asked)}): "
-                           f"use --out for a new file, or --recompute to replace it "
+                           f"give --out another file, or --recompute to replace it "
                            f"(the old entry is kept under 'history')")
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
@@ -179,8 +179,8 @@ class EvalResults:
                 os.remove(tmp)
             state = "the file is unchanged" if os.path.exists(self.path) else "no file was written"
             raise ResultsError(f"could not write {self.path}: {e}; {state}, the results finished so far are "
-                               f"in the log. Fix the folder (or use --out) and re-run: what the file has is "
-                               f"not computed again") from e
+                               f"in the log. Fix the folder (or give --out a file in another one) and re-run: what "
+                               f"the file has is not computed again") from e
         self.data = data
 
     def _merge_into(self, data: dict) -> None:
@@ -206,16 +206,16 @@ def _read(path: str, identity: dict) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not text at all (UnicodeDecodeError)
         raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
-                           f"move it away or use --out") from None
+                           f"move it away or give --out another file") from None
     if not isinstance(data, dict) or not isinstance(data.get("quant", {}), dict) or not all(
             isinstance(entries, dict) for entries in data.get("quant", {}).values()):
         raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
-                           f"away or use --out")
+                           f"away or give --out another file")
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
         raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
-                           f"use --out for a new file")
+                           f"give --out another file")
     data.setdefault("quant", {})
     return data
 

@@ -380,3 +380,15 @@ def test_a_key_value_word_after_quant_or_bits_is_an_override(mmdet_ready, tmp_pa
         main(argv)
     assert not (tmp_path / "x.json").exists()
 
+
+def test_an_out_that_is_no_result_file_names_another_out(sample, tmp_path):
+    """`--out` at an existing file that is not a result JSON (here the checkpoint itself) is refused and left as
+    it is; the fix is another --out path (the message said "use --out", which the user had done)."""
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    checkpoint = _random_detector(tmp_path)
+    before = open(checkpoint, "rb").read()
+    with pytest.raises(ResultsError, match=r"cannot be read as JSON .*; move it away or give --out another file$"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", checkpoint, "--data-root", sample, "--quant",
+              "--out", checkpoint])
+    assert open(checkpoint, "rb").read() == before
