@@ -116,9 +116,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
                                   check_annotation_files, check_categories, check_checkpoint_classes,
-                                  check_evaluator_annotations, check_image_folders, check_stage1_device,
-                                  evaluate_detector, load_config, parse_overrides, train_activation_qat,
-                                  TrainingImages)
+                                  check_evaluator_annotations, check_image_folders, check_pipeline,
+                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
+                                  train_activation_qat, TrainingImages)
     from configs.cli import named_twice
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, process_group, run_on_main
@@ -175,6 +175,7 @@ def main(argv=None) -> dict:
         model = build_detector(cfg, args.checkpoint, dist.device)
         loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
         check_checkpoint_classes(model, loader, args.checkpoint)
+        check_pipeline(loader.dataset, "test_dataloader")  # a setting that fails on an image: before the scoring
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                        f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
         identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],

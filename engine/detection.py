@@ -435,6 +435,45 @@ def reading_annotations(files: Sequence[str], built: Optional[str] = None):
         raise DetectionError(f"{named}: cannot be read as a COCO annotation file ({type(e).__name__}: {e})") from None
 
 
+def _built_datasets(dataset: Any, key: str) -> List[tuple]:
+    """(config key, dataset) of a built dataset and those it wraps (RepeatDataset, ConcatDataset, ...), keyed as
+    `_datasets` walks their config dicts."""
+    found = [(key, dataset)]
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None:
+        found += _built_datasets(inner, f"{key}.dataset")
+    for i, sub in enumerate(getattr(dataset, "datasets", None) or []):
+        found += _built_datasets(sub, f"{key}.datasets.{i}")
+    return found
+
+
+def check_pipeline(dataset: Any, key: str) -> None:
+    """Refuse a transform of the built loader `key`'s dataset that fails on its first image, naming the transform
+    and the image: a transform is built from a setting of the wrong type without a word (Resize keeps
+    scale="abc") and failed with a traceback only on an image, in the first training step or the first
+    evaluation batch, or for the val loader after a training epoch. The image runs through the pipeline one
+    transform at a time, as the dataset's Compose runs it, and the random-number state is put back after, so
+    that training draws what it would have."""
+    for prefix, inner in _built_datasets(dataset, f"{key}.dataset"):
+        transforms = getattr(getattr(inner, "pipeline", None), "transforms", None)
+        if not transforms or not hasattr(inner, "get_data_info") or not len(inner):
+            continue  # a wrapper (its inner dataset has the pipeline), or no image to run
+        state = RngStateHook._state()
+        try:
+            results = inner.get_data_info(0)
+            image = results.get("img_path", "its first image") if isinstance(results, dict) else "its first image"
+            for i, transform in enumerate(transforms):
+                try:
+                    results = transform(results)
+                except (OSError, KeyError, ValueError, TypeError, IndexError, AssertionError, AttributeError) as e:
+                    raise DetectionError(f"{prefix}.pipeline.{i} ({type(transform).__name__}) fails on {image} "
+                                         f"({type(e).__name__}: {e}): check its settings") from None
+                if results is None:  # a transform that drops the image (Compose stops there too)
+                    break
+        finally:
+            RngStateHook._restore(state)
+
+
 def dataset_classes(dataset: dict) -> Optional[tuple]:
     """The class names a loader's COCO dataset dict trains or scores, in label order as the config gives them
     (its metainfo, else its class's default: COCO's 80), or None for a dataset that is not a CocoDataset."""

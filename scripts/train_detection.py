@@ -208,8 +208,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
     from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
-                                  check_evaluator_annotations, check_hooks, check_image_folders, load_config,
-                                  parse_overrides, reading_annotations, RngStateHook)
+                                  check_evaluator_annotations, check_hooks, check_image_folders, check_pipeline,
+                                  load_config, parse_overrides, reading_annotations, RngStateHook)
     from mmengine.runner import Runner
 
     overrides = parse_overrides(args.overrides)
@@ -245,6 +245,10 @@ def main(argv=None) -> int:
         with reading_annotations(annotation_paths(cfg, "train_dataloader", "val_dataloader", "val_evaluator"),
                                  built="train_dataloader, val_dataloader or val_evaluator"):
             runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
+        # a transform's setting of the wrong type fails only on an image: one now, not a traceback at the first
+        # step (or, for the val loader, after an epoch)
+        check_pipeline(runner.train_loop.dataloader.dataset, "train_dataloader")
+        check_pipeline(runner.val_loop.dataloader.dataset, "val_dataloader")
         if not args.resume:
             record_settings(args.work_dir, settings)
     runner.train()

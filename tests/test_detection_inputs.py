@@ -392,3 +392,46 @@ def test_an_out_that_is_no_result_file_names_another_out(sample, tmp_path):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", checkpoint, "--data-root", sample, "--quant",
               "--out", checkpoint])
     assert open(checkpoint, "rb").read() == before
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train_dataloader.dataset.pipeline.2.scale=abc", "train_dataloader.dataset.pipeline.2 (Resize)"),
+    ("val_dataloader.dataset.pipeline.1.scale=abc", "val_dataloader.dataset.pipeline.1 (Resize)")])
+def test_a_transform_setting_that_fails_on_an_image_is_one_error_line_before_training(sample, tmp_path, capsys,
+                                                                                      override, named):
+    """A transform builds from a setting of the wrong type (Resize keeps scale="abc") and failed with mmcv's
+    TypeError traceback at the first step, after the config dump and the settings file were written (the val
+    loader's: after a training epoch). One line names the transform and the image; neither file is left."""
+    work = tmp_path / "w"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work),
+                               "train_cfg.max_epochs=1", override])
+    assert f"error: {named} fails on " in line and "Scale must be a number" in line, line
+    assert not (work / "train_detection_config.json").exists() and not (work / os.path.basename(SAMPLE_CONFIG)).exists()
+
+
+def test_an_evaluation_refuses_a_test_transform_that_fails_on_an_image(sample, tmp_path):
+    """The same for the scored loader: refused before the full-precision evaluation, nothing written."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=r"^test_dataloader.dataset.pipeline.1 \(Resize\) fails on .*val2017"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
+              "--quant", "--out", str(tmp_path / "x.json"), "test_dataloader.dataset.pipeline.1.scale=abc"])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_checking_a_pipeline_leaves_the_random_state_as_it_was(sample):
+    """The check runs an image through the training pipeline (its RandomFlip draws): a run must draw afterwards
+    what it would have drawn without it."""
+    import random
+    import numpy as np
+    from engine.detection import build_loader, check_pipeline, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.test_dataloader = {**cfg.train_dataloader, "sampler": dict(type="DefaultSampler", shuffle=False)}
+    loader = build_loader(cfg, "test")
+    assert any(type(t).__name__ == "RandomFlip" for t in loader.dataset.pipeline.transforms)
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    check_pipeline(loader.dataset, "train_dataloader")
+    after = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    assert torch.equal(after[0], torch.rand(4)) and np.array_equal(after[1], np.random.rand(4))
+    assert after[2] == [random.random() for _ in range(4)]
