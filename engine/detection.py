@@ -92,6 +92,12 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     for path in paths:
         if not os.path.isfile(path):
             raise DetectionError(f"--config {path}: no such file")
+    from configs.cli import named_twice
+    # a method fragment given twice adds its hook twice (merge_fragment): CD failed at the first step, after the
+    # run's config dump and settings file were written
+    problem = named_twice("--config", [os.path.realpath(p) for p in paths])
+    if problem:
+        raise DetectionError(problem)
     cfg = read_config(paths[0])
     for path in paths[1:]:
         merge_fragment(cfg, read_config(path).to_dict())

@@ -435,3 +435,15 @@ def test_checking_a_pipeline_leaves_the_random_state_as_it_was(sample):
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
     assert torch.equal(after[0], torch.rand(4)) and np.array_equal(after[1], np.random.rand(4))
     assert after[2] == [random.random() for _ in range(4)]
+
+
+def test_a_config_file_given_twice_is_refused_before_any_work(sample, tmp_path, capsys):
+    """A method fragment given twice (here under two spellings of its path) added its hook twice: two CD hooks on
+    one backbone failed with a RuntimeError traceback at the first step, after the config dump and the settings
+    file were written (which then refused the corrected command in the same --work-dir)."""
+    cd = os.path.join("configs", "detection", "method", "cd.py")
+    work = tmp_path / "w"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--config", cd, "--config", os.path.join(ROOT, cd),
+                               "--data-root", sample, "--work-dir", str(work), "train_cfg.max_epochs=1"])
+    assert line == f"error: --config names {os.path.realpath(os.path.join(ROOT, cd))} twice: give each once", line
+    assert not work.exists()
