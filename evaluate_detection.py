@@ -158,8 +158,13 @@ def main(argv=None) -> dict:
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     if "gplq" in pipelines and args.device == "cpu":
         check_stage1_device(torch.device("cpu"))  # before any work
-    if args.main_rank_wait_hours <= 0:
-        raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number")
+    try:  # NaN and infinity too: a ValueError or OverflowError naming no flag
+        if not args.main_rank_wait_hours > 0:
+            raise ValueError
+        wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
+    except (ValueError, OverflowError):
+        raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number of "
+                             "hours (at most 2e10)") from None
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root, evaluation_reads())
     # the test split; the training split only where a pipeline calibrates or trains on it
@@ -169,7 +174,6 @@ def main(argv=None) -> dict:
     check_image_folders(cfg, loaders, source)
     check_evaluator_annotations(cfg)
     check_categories(cfg, loaders)
-    wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)
         model = build_detector(cfg, args.checkpoint, dist.device)
@@ -272,7 +276,7 @@ def pipeline_options(items, pipelines) -> dict:
         name, _, option = key.partition(".")
         if "=" not in item or not option or name not in pipelines:
             raise ValueError(f"--quant-options {item}: give PIPELINE.KEY=VALUE for a pipeline that runs "
-                             f"({', '.join(pipelines)})")
+                             f"({', '.join(pipelines) or 'none: a bare --quant scores full precision only'})")
         if option in ("calib_images", "init_images"):
             raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
         try:

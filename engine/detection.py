@@ -741,7 +741,11 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
             raise DetectionError(f"--max-images {max_images}: give at least 1")
         loader_cfg["dataset"]["indices"] = max_images
     with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
-        return Runner.build_dataloader(loader_cfg)
+        loader = Runner.build_dataloader(loader_cfg)
+    if max_images is not None and len(loader.dataset) < max_images:  # MMEngine keeps what there is, silently
+        raise DetectionError(f"--max-images {max_images}: the {split} split has only {len(loader.dataset)} images "
+                             "(drop --max-images to score them all)")
+    return loader
 
 
 class TrainingImages:

@@ -6,6 +6,7 @@ Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.s
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -447,3 +448,34 @@ def test_a_config_file_given_twice_is_refused_before_any_work(sample, tmp_path, 
                                "--data-root", sample, "--work-dir", str(work), "train_cfg.max_epochs=1"])
     assert line == f"error: --config names {os.path.realpath(os.path.join(ROOT, cd))} twice: give each once", line
     assert not work.exists()
+
+
+@pytest.mark.parametrize("hours", ["inf", "nan", "1e300", "0"])
+def test_a_main_rank_wait_that_is_no_positive_number_of_hours_is_one_error(mmdet_ready, tmp_path, hours):
+    """Infinity failed with an OverflowError traceback and NaN with "cannot convert float NaN to integer", naming
+    no flag (in datetime.timedelta)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=rf"^--main-rank-wait-hours {re.escape(str(float(hours)))}: give a positive number"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant",
+              "--main-rank-wait-hours", hours])
+
+
+def test_more_max_images_than_the_test_split_has_are_refused(sample, tmp_path):
+    """MMEngine keeps the images there are: `--max-images 5` on the 4-image split scored all 4 and marked the
+    result partial, another evaluation than the full one of the same images."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=r"^--max-images 5: the test split has only 4 images"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
+              "--quant", "--max-images", "5", "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_pipeline_options_with_a_bare_quant_say_that_no_pipeline_runs(mmdet_ready, tmp_path):
+    """The message listed the pipelines that run as "()"."""
+    from evaluate_detection import main
+    with pytest.raises(ValueError, match=r"for a pipeline that runs \(none: a bare --quant scores full precision "
+                                         r"only\)$"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "--quant-options",
+              "repq.round_zero_point=true"])
