@@ -26,6 +26,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import sys
 import zipfile
 
@@ -158,6 +159,12 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
         raise DetectionError(f"--resume: {target} (the run's last checkpoint) is truncated or corrupt, not a torch "
                              "checkpoint: restore it, point last_checkpoint at an earlier epoch_N.pth of the run, "
                              "or start a new --work-dir")
+    done = re.fullmatch(r"epoch_(\d+)\.pth", os.path.basename(target))  # MMEngine's name: the epochs trained
+    max_epochs = settings.get("train_cfg.max_epochs", "None")
+    if done and max_epochs.isdigit() and int(max_epochs) < int(done.group(1)):  # MMEngine trained none, exit 0
+        raise DetectionError(f"--resume: train_cfg.max_epochs={max_epochs}, but the run in {work_dir} has trained "
+                             f"{done.group(1)} epochs ({os.path.basename(target)}): give train_cfg.max_epochs of at "
+                             f"least {done.group(1)} (more to extend the run)")
 
 
 def check_config_dump(work_dir: str, cfg) -> None:
