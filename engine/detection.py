@@ -101,6 +101,11 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     cfg = read_config(paths[0])
     for path in paths[1:]:
         merge_fragment(cfg, read_config(path).to_dict())
+    model = cfg.get("model")
+    if not isinstance(model, dict) or "type" not in model:  # a method fragment alone, a train.py YAML recipe
+        raise DetectionError(f"--config {' '.join(paths)}: no MMDetection detector in it (a `model` dict with a "
+                             "`type`): give a detector config first, e.g. configs/detection/mask_rcnn_swin_t_1x.py, "
+                             "and a method fragment (configs/detection/method/) after it")
     if overrides:
         check_override_keys(cfg, overrides, reads)
         try:

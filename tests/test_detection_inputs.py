@@ -479,3 +479,17 @@ def test_pipeline_options_with_a_bare_quant_say_that_no_pipeline_runs(mmdet_read
                                          r"only\)$"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "--quant-options",
               "repq.round_zero_point=true"])
+
+
+@pytest.mark.parametrize("config", ["configs/debug/tiny.yaml", "configs/detection/method/cd.py"])
+def test_a_config_without_a_detector_is_one_error_line_before_any_work(sample, tmp_path, capsys, config):
+    """A train.py recipe failed with MMEngine's KeyError traceback (its model has no `type`) after the work dir was
+    made; a method fragment alone with a cd_budget message about a weight decay it never had."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    work = tmp_path / "w"
+    line = error_line(capsys, ["--config", config, "--data-root", sample, "--work-dir", str(work)])
+    assert line.startswith(f"error: --config {config}: no MMDetection detector in it"), line
+    assert not work.exists()
+    with pytest.raises(DetectionError, match=f"^--config {config}: no MMDetection detector in it"):
+        main(["--config", config, "--data-root", sample, "--checkpoint", str(tmp_path / "w.pth"), "--quant"])
