@@ -69,7 +69,7 @@ def parse_args(argv):
     parser.add_argument("--main-rank-wait-hours", type=float, default=24.0,
                         help="under torchrun, how long the other ranks wait while rank 0 quantizes (default 24)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # as evaluate.py: overrides before, between and after the flags
     from configs.cli import move_overrides
     move_overrides(args, "quant", "bits")  # as evaluate.py: `--quant test_dataloader.x=1`: an override, FP only
     if args.bits == []:  # `--bits k=v`: no bit-width named, the default as if --bits were not given

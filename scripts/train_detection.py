@@ -46,7 +46,7 @@ def parse_args(argv):
                         help="pytorch under torchrun, slurm under srun")
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (MMEngine's --cfg-options)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before, between and after the flags, as evaluate.py
 
 
 def check_work_dir(work_dir: str, resume: bool) -> None:

@@ -493,3 +493,14 @@ def test_a_config_without_a_detector_is_one_error_line_before_any_work(sample, t
     assert not work.exists()
     with pytest.raises(DetectionError, match=f"^--config {config}: no MMDetection detector in it"):
         main(["--config", config, "--data-root", sample, "--checkpoint", str(tmp_path / "w.pth"), "--quant"])
+
+
+def test_overrides_may_stand_between_the_flags(mmdet_ready):
+    """`a=b --work-dir w c=d`: argparse took only the first run of overrides and refused the rest as "unrecognized
+    arguments"; evaluate.py (parse_known_intermixed_args) reads them all, and so do the detection scripts."""
+    import train_detection
+    from evaluate_detection import parse_args
+    args = train_detection.parse_args(["--config", "c", "a=1", "--work-dir", "w", "b=2", "--resume", "c=3"])
+    assert (args.work_dir, args.resume, args.overrides) == ("w", True, ["a=1", "b=2", "c=3"])
+    args = parse_args(["--config", "c", "a=1", "--checkpoint", "k", "b=2", "--quant", "repq", "c=3"])
+    assert (args.checkpoint, args.quant, args.overrides) == ("k", ["repq"], ["a=1", "b=2", "c=3"])
