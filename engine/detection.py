@@ -531,6 +531,31 @@ def check_categories(cfg: Config, keys: Sequence[str]) -> None:
                              f"or set {key}.dataset.metainfo.classes to its categories in the file's order")
 
 
+def check_head_classes(cfg: Config, key: str = "train_dataloader") -> None:
+    """Refuse a head of `cfg.model` whose num_classes is not the number of classes the loader `key` trains (the
+    RPN's is class-agnostic): a box head of 5 classes on the sample's 2 trained an epoch and failed with an
+    IndexError traceback in the validation after it."""
+    classes = next((c for k, d in loader_datasets(cfg) if k == key for c in [dataset_classes(d)] if c), None)
+    if not classes:
+        return
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            count = node.get("num_classes")
+            if (isinstance(count, int) and not isinstance(count, bool) and count != len(classes)
+                    and not prefix.startswith("model.rpn_head")):
+                raise DetectionError(f"{prefix}.num_classes={count}, but {key} has {len(classes)} classes "
+                                     f"({', '.join(classes[:6])}{' ...' if len(classes) > 6 else ''}): set "
+                                     f"{prefix}.num_classes={len(classes)}, or the data set's classes "
+                                     f"({key}.dataset.metainfo.classes)")
+            for inner, value in node.items():
+                walk(f"{prefix}.{inner}", value)
+        elif isinstance(node, (list, tuple)):  # a cascade's box heads
+            for index, value in enumerate(node):
+                walk(f"{prefix}.{index}", value)
+    walk("model", cfg.get("model"))
+
+
 def check_checkpoint_classes(model: nn.Module, loader, checkpoint: str) -> None:
     """Refuse a checkpoint trained on other classes, or on the same ones in another label order, than the data set
     `loader` scores (its labels are the config's classes, check_categories): the metric would score each of its

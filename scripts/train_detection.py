@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
     from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
-                                  check_evaluator_annotations, check_hooks, check_image_folders, check_pipeline,
-                                  load_config, parse_overrides, reading_annotations, RngStateHook)
+                                  check_evaluator_annotations, check_head_classes, check_hooks, check_image_folders,
+                                  check_pipeline, load_config, parse_overrides, reading_annotations, RngStateHook)
     from mmengine.runner import Runner
 
     overrides = parse_overrides(args.overrides)
@@ -227,6 +227,7 @@ def main(argv=None) -> int:
     check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
     check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
     check_categories(cfg, ("train_dataloader", "val_dataloader"))
+    check_head_classes(cfg)
     check_work_dir(args.work_dir, args.resume)
     settings = run_settings(cfg)
     if args.resume:

@@ -154,8 +154,10 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
     COCO's files, a work dir holding another run's checkpoints (nothing is overwritten), --resume with nothing
     to resume."""
     full = ["--config", "configs/detection/mask_rcnn_swin_t_1x.py", "--data-root", sample]
-    # the paper's config reads the sample with the sample's classes (its 80 COCO classes are not in the sample)
+    # the paper's config reads the sample with the sample's classes (its 80 COCO classes are not in the sample),
+    # its heads sized for them
     classes = [f"{loader}.dataset.metainfo.classes=('box','disc')" for loader in ("train_dataloader", "val_dataloader")]
+    classes += [f"model.roi_head.{head}.num_classes=2" for head in ("bbox_head", "mask_head")]
 
     def error(argv):
         return error_line(capsys, argv + (classes if argv[:len(full)] == full else []))

@@ -504,3 +504,15 @@ def test_overrides_may_stand_between_the_flags(mmdet_ready):
     assert (args.work_dir, args.resume, args.overrides) == ("w", True, ["a=1", "b=2", "c=3"])
     args = parse_args(["--config", "c", "a=1", "--checkpoint", "k", "b=2", "--quant", "repq", "c=3"])
     assert (args.checkpoint, args.quant, args.overrides) == ("k", ["repq"], ["a=1", "b=2", "c=3"])
+
+
+@pytest.mark.parametrize("override", ["model.roi_head.bbox_head.num_classes=5", "model.roi_head.mask_head.num_classes=3"])
+def test_a_head_of_another_number_of_classes_than_the_data_is_refused_before_training(sample, tmp_path, capsys,
+                                                                                      override):
+    """A box head of 5 classes on the sample's 2 trained an epoch and failed with an IndexError traceback in the
+    validation after it (its checkpoint written)."""
+    key, count = override.split("=")
+    work = tmp_path / "w"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work), override])
+    assert line.startswith(f"error: {override}, but train_dataloader has 2 classes (box, disc): set {key}=2"), line
+    assert not work.exists()
