@@ -211,6 +211,16 @@ def check_launcher(launcher: str) -> None:
                              "copy into one --work-dir; add --launcher pytorch")
 
 
+def check_seed(cfg) -> None:
+    """Refuse a randomness.seed MMEngine's Runner cannot seed numpy with (text, a negative number): a TypeError or
+    ValueError traceback from inside the Runner, naming no setting."""
+    from engine.detection import DetectionError
+    seed = (cfg.get("randomness") or {}).get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32):
+        raise DetectionError(f"randomness.seed={seed!r}: give a whole number from 0 to 2**32 - 1, or None (a seed "
+                             "drawn at random)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
@@ -222,6 +232,7 @@ def main(argv=None) -> int:
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
     check_hooks(cfg)
+    check_seed(cfg)
     source = args.data_root and f"--data-root {args.data_root}"
     check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
     check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)

@@ -516,3 +516,14 @@ def test_a_head_of_another_number_of_classes_than_the_data_is_refused_before_tra
     line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work), override])
     assert line.startswith(f"error: {override}, but train_dataloader has 2 classes (box, disc): set {key}=2"), line
     assert not work.exists()
+
+
+@pytest.mark.parametrize("seed", ["abc", "-1", "4294967296", "1.5"])
+def test_a_seed_numpy_cannot_take_is_one_error_line_before_any_work(sample, tmp_path, capsys, seed):
+    """MMEngine's Runner seeds numpy with randomness.seed: text or a negative number failed with a traceback from
+    inside it, after the work dir was made."""
+    work = tmp_path / "w"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work),
+                               f"randomness.seed={seed}"])
+    assert line.startswith("error: randomness.seed=") and "give a whole number from 0 to 2**32 - 1" in line, line
+    assert not work.exists()
