@@ -139,7 +139,10 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     quant_flags(args, pipelines)
-    bits = [str(parse_bits(b)) for b in args.bits]
+    try:
+        bits = [str(parse_bits(b)) for b in args.bits]
+    except ValueError as e:  # as evaluate.py, the message names the flag
+        raise DetectionError(f"--bits: {e}") from None
     for flag, values in (("--quant", pipelines), ("--bits", bits)):  # as evaluate.py: each would run twice
         problem = named_twice(flag, values)
         if problem:

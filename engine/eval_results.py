@@ -201,6 +201,8 @@ def _read(path: str, identity: dict) -> dict:
     """The record at `path` (a new one if there is none), refused if it is of another evaluation."""
     if not os.path.exists(path):
         return {**identity, "quant": {}}
+    if os.path.isdir(path):  # not "move it away": a folder of the user's (a run's) stays where it is
+        raise ResultsError(f"{path} is a folder: give --out a file path, e.g. {os.path.join(path, 'eval.json')}")
     try:
         with open(path) as f:
             data = json.load(f)

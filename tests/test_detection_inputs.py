@@ -527,3 +527,18 @@ def test_a_seed_numpy_cannot_take_is_one_error_line_before_any_work(sample, tmp_
                                f"randomness.seed={seed}"])
     assert line.startswith("error: randomness.seed=") and "give a whole number from 0 to 2**32 - 1" in line, line
     assert not work.exists()
+
+
+def test_a_bad_bit_width_names_the_flag_and_an_out_folder_is_not_to_be_moved(sample, tmp_path):
+    """`--bits w4` said "bit-width 'w4' is not of the form 'w4a4'" (evaluate.py names --bits); `--out` at a folder
+    (a run's) was told to "move it away"."""
+    from engine.detection import DetectionError
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    with pytest.raises(DetectionError, match=r"^--bits: bit-width 'w4' is not of the form"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "repq", "--bits", "w4"])
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with pytest.raises(ResultsError, match=rf"^{folder} is a folder: give --out a file path, e\.g\. {folder}/eval\.json"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
+              "--out", str(folder)])
