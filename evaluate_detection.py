@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 
 import torch
@@ -120,6 +121,7 @@ def main(argv=None) -> dict:
                                   check_stage1_device, evaluate_detector, load_config, parse_overrides,
                                   train_activation_qat, TrainingImages)
     from configs.cli import named_twice
+    from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import MainRankWait, process_group, run_on_main
     from engine.eval_results import EvalResults
@@ -161,13 +163,11 @@ def main(argv=None) -> dict:
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     if "gplq" in pipelines and args.device == "cpu":
         check_stage1_device(torch.device("cpu"))  # before any work
-    try:  # NaN and infinity too: a ValueError or OverflowError naming no flag
-        if not args.main_rank_wait_hours > 0:
-            raise ValueError
-        wait = MainRankWait(datetime.timedelta(hours=args.main_rank_wait_hours), "--main-rank-wait-hours")
-    except (ValueError, OverflowError):
-        raise DetectionError(f"--main-rank-wait-hours {args.main_rank_wait_hours}: give a positive number of "
-                             "hours (at most 2e10)") from None
+    hours = args.main_rank_wait_hours
+    if WaitHours.violation(hours) is not None or not math.isfinite(hours):  # NaN passes any comparison
+        raise DetectionError(f"--main-rank-wait-hours {hours}: give a positive number of hours, "
+                             f"{WaitHours.describe()} (a gloo timeout past that overflows)")
+    wait = MainRankWait(datetime.timedelta(hours=hours), "--main-rank-wait-hours")
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root, evaluation_reads())
     # the test split; the training split only where a pipeline calibrates or trains on it

@@ -73,6 +73,9 @@ AtLeastOne = Range(1)
 Probability = Range(0, 1)  # also fractions in [0, 1]
 BelowOne = Range(0, 1, high_open=True)  # rates such as drop_path, label smoothing, EMA decay
 Seed = Range(-2 ** 63, 2 ** 63 - 1)  # torch.manual_seed / torch.Generator take a 64-bit integer
+# hours a rank waits for rank 0 (a gloo group's timeout): gloo keeps it in int64 nanoseconds, which overflow
+# past about 2.5e6 hours (an "Invalid timeout" at the first wait), so 1e6 hours (114 years) is the most
+WaitHours = Range(0, 1e6, low_open=True)
 
 
 def check_together(cfg: Any) -> list[str]:

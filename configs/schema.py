@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed
+from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, WaitHours
 from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
                     SmoothQuantOptions, SmoothQuantStrictOptions)
 
@@ -256,7 +256,7 @@ class QuantConfig:
     # evaluate.py under torchrun: each pipeline quantizes once, on rank 0 (GPLQ: its stage 2; stage 1 is
     # data parallel), while the other ranks wait for its model this long before they give up (APHQ:
     # 20,000 iterations for each of a ViT-B's 14 units); NCCL's 10-minute timeout does not apply to it
-    main_rank_wait_hours: Annotated[float, Positive] = 24.0
+    main_rank_wait_hours: Annotated[float, WaitHours] = 24.0
     percentile: PercentileOptions = field(default_factory=PercentileOptions)
     repq: RepQOptions = field(default_factory=RepQOptions)
     # APHQ / GPLQ draw their own training images (train split, seeded; quant.aphq.data_seed, quant.gplq.seed),

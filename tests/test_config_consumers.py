@@ -31,6 +31,7 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
     ("optim.betas=[0.9,1.0]", r"'optim.betas' must be 2 finite numbers"),
     ("optim.eps=0", r"'optim.eps' must be > 0"),                                  # a NaN loss
     ("tweo.eps=-1", r"'tweo.eps' must be >= 0"),
+    ("quant.main_rank_wait_hours=3e6", r"'quant.main_rank_wait_hours' must be > 0 and <= 1e\+06"),  # gloo: overflow
     ("sched.name=plateau", r"'sched.name' must be one of 'cosine'"),             # never gets its metric
     ("sched.warmup_epochs=2", r"sched.warmup_epochs=2 is not shorter than sched.epochs=2: the run would "
                               r"train at warmup learning rates throughout"),
@@ -47,8 +48,9 @@ def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, mes
 def test_values_the_consumers_accept_still_load():
     cfg = load_config([DEBUG_CONFIG], ["data.dataset=digits", "model.num_classes=10", "train.seed=-1",
                                        "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5", "sched.per_step=true",
-                                       "data.interpolation=bilinear", "model.kwargs.in_chans=3"])
-    assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0)
+                                       "data.interpolation=bilinear", "model.kwargs.in_chans=3",
+                                       "quant.main_rank_wait_hours=1e6"])
+    assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0) and cfg.quant.main_rank_wait_hours == 1e6
 
 
 def test_the_command_line_ends_in_one_error_line_and_makes_no_folder(tmp_path):
