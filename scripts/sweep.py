@@ -233,6 +233,23 @@ def refuse_shared_folders(runs: list[dict], sweep_path: str) -> None:
         seen[key] = run["name"]
 
 
+def unrunnable_launcher(launcher: str) -> Optional[str]:
+    """Why the --launcher cannot start a command (None when it can). Its program is resolved as Popen
+    will resolve it: on PATH, or a path relative to the repository root, where every command runs."""
+    if not launcher:
+        return None  # this python
+    words = shlex.split(launcher)
+    if not words:
+        return 'names no program; leave --launcher out to use this python, or give e.g. "torchrun --nproc_per_node=8"'
+    program = words[0]
+    found = (os.path.join(ROOT, os.path.expanduser(program)) if os.sep in program
+             else shutil.which(program))
+    if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        return f"{program!r} is not an executable program" + ("" if os.sep in program else " on PATH") + \
+            " (activate the environment that has it, or give its full path)"
+    return None
+
+
 def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     prefix = shlex.split(launcher) if launcher else [sys.executable]
     config_args = [a for c in run["configs"] for a in ("--config", c)]
@@ -266,14 +283,14 @@ def main(argv=None) -> int:
         if not args.only:
             sys.exit("error: --only needs the names of runs to keep")
     try:
-        launcher = shlex.split(args.launcher)
+        shlex.split(args.launcher)
+        # a launcher that cannot be started stopped the sweep on a FileNotFoundError traceback, without its
+        # summary (printed commands may be meant for another machine: checked only where they run)
+        launcher_problem = unrunnable_launcher(args.launcher) if args.run else None
     except ValueError as e:  # e.g. an unclosed quote
         sys.exit(f"error: --launcher {args.launcher!r}: {e}")
-    # a launcher that cannot be started stopped the sweep on a FileNotFoundError traceback, without its summary
-    # (printed commands may be meant for another machine: checked only where they run)
-    if args.run and launcher and shutil.which(launcher[0]) is None:
-        sys.exit(f"error: --launcher {args.launcher!r}: {launcher[0]!r} is not a command that can be run here "
-                 "(not on PATH, or not an executable file); give e.g. --launcher \"torchrun --nproc_per_node=8\"")
+    if launcher_problem:
+        sys.exit(f"error: --launcher {args.launcher!r}: {launcher_problem}")
     try:
         runs = expand(args.sweep, args.overrides, args.only)
     except ConfigError as e:
