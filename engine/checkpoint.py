@@ -74,6 +74,19 @@ def _write_failure(path: str, error: BaseException) -> str:
             f"the folder) and re-run the same command to resume from the last checkpoint")
 
 
+def not_a_torch_file(path: str) -> Optional[str]:
+    """What the file is when its first bytes show it is no torch.save output (a zip archive, or a pickle
+    in the legacy format); None when it may be one (an empty or cut-short file is left to torch.load)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head or head.startswith((b"PK", b"\x80")):
+        return None
+    if len(head) > 9 and head[8:10] == b'{"':  # 8-byte header length, then the JSON header
+        return f"it is a safetensors weights file; for weights files use model.pretrained={path}"
+    kind = "a JSON file (an evaluation result?)" if head.lstrip()[:1] in (b"{", b"[") else "not a PyTorch file"
+    return f"it is {kind}, starting with {head[:8]!r}"
+
+
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by this code base (with its `config` and `model` entries)."""
     if os.path.isdir(path):  # e.g. a run's out_dir: which of its files is meant is not ours to guess
@@ -81,6 +94,10 @@ def load_checkpoint(path: str) -> dict:
                               f"{os.path.join(path, 'best.pt')} or {os.path.join(path, 'checkpoint.pt')}")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
+    not_torch = not_a_torch_file(path)
+    if not_torch:  # else torch's unpickler error, which advises weights_only=False: no help for a JSON
+        raise CheckpointError(f"{path} is not a checkpoint of this code base: {not_torch}; give a best.pt or "
+                              f"checkpoint.pt written by train.py")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -29,7 +29,7 @@ import torch
 
 from models.modules import nonfinite_tensors
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, not_a_torch_file
 from .distributed import raise_on_every_rank
 from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
@@ -43,6 +43,9 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
     """(payload, "") for a resumable training checkpoint; (None, what is wrong with it) otherwise."""
     if os.path.getsize(path) == 0:
         return None, "it is empty (0 bytes: an interrupted copy, or a full disk)"
+    not_torch = not_a_torch_file(path)
+    if not_torch:  # a JSON or log copied over it: torch's unpickler error would advise weights_only=False
+        return None, not_torch
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's reader raises RuntimeError, pickle and zip errors alike

@@ -83,6 +83,32 @@ def test_a_checkpoint_whose_model_entry_is_not_a_state_dict_is_one_error(checkpo
         evaluate.main(evaluate.parse_args(["--checkpoint", str(bad), "--quant"]))
 
 
+@pytest.mark.parametrize("kind, says", [("json", "a JSON file"), ("log", "not a PyTorch file"),
+                                         ("safetensors", "a safetensors weights file")])
+def test_a_file_that_is_no_torch_file_is_named_as_what_it_is(tmp_path, kind, says):
+    """A JSON, a log or a safetensors file given as a checkpoint (or copied over checkpoint.pt) is named as
+    such, not with torch's unpickler advice to load it with weights_only=False."""
+    from safetensors.torch import save_file
+
+    from engine.checkpoint import load_checkpoint
+    from engine.snapshots import read_training_checkpoint
+    path = tmp_path / f"wrong.{kind}"
+    if kind == "safetensors":
+        save_file({"w": torch.zeros(2)}, str(path))
+    else:
+        path.write_text(json.dumps({"fp": {"top1": 1.0}}) if kind == "json" else "03:24:16 train INFO ...\n")
+    with pytest.raises(CheckpointError, match=rf"^{path} is not a checkpoint of this code base: it is {says}") as e:
+        load_checkpoint(str(path))
+    assert "weights_only" not in str(e.value)
+    payload, problem = read_training_checkpoint(str(path))
+    assert payload is None and problem.startswith(f"it is {says}") and "weights_only" not in problem
+    # torch's own formats still reach torch.load: the zip archive and the legacy pickle
+    for legacy in (False, True):
+        good = tmp_path / f"good{legacy}.pt"
+        torch.save({"model": {"w": torch.zeros(1)}, "config": {}}, good, _use_new_zipfile_serialization=not legacy)
+        assert set(load_checkpoint(str(good))) == {"model", "config"}
+
+
 def test_a_refused_train_resume_file_is_named_not_the_out_dir_checkpoint(debug_config):
     other = debug_config("train.max_steps=1", "model.name=vit_micro", name="other")
     train.main(other)
