@@ -550,7 +550,8 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")
     add_config_arguments(parser, "train.py")
     args = parse_known(parser, argv, "train.py")
-    paths = args.config or [DEFAULT_CONFIG]
+    # the default recipe is the checkout's, wherever train.py is started from (runs/ goes to the working folder)
+    paths = args.config or [os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_CONFIG)]
     try:
         cfg = load_config(paths, args.overrides)
     except IgnoredOverrideError as e:

@@ -157,6 +157,15 @@ def test_other_unknown_flags_stay_argparse_errors(capsys):
     assert done.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
 
 
+def test_train_without_config_runs_the_demo_from_any_working_folder(tmp_path, monkeypatch, capsys):
+    """`python /path/to/train.py` outside the checkout runs the digits demo, not 'config file not found:
+    configs/demo/vit_digits.yaml' (a file the user never named); its run folder is in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run(train, ["--print-config"], capsys)
+    assert code == 0 and os.listdir(tmp_path) == []
+    assert config_from_dict(yaml.safe_load(out)) == load_config([DEMO_CONFIG], ["out_dir=runs/vit_digits"])
+
+
 def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
                                           r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
