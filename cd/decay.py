@@ -102,12 +102,22 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False) -> Callable[[]
     return lambda: energy_metrics(pairs, plan)
 
 
+def _finite_nonnegative(value: object) -> bool:
+    """A real number (not a bool: lam=True is a slip, not 1.0), finite and >= 0."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).
 
-    E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative.
+    E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative, or if either
+    value is not a finite number >= 0 (a NaN would reach AdamW as its weight decay and a negative lam raise it).
     """
+    for name, value in (("weight_decay", weight_decay), ("cd.lam", lam)):
+        if not _finite_nonnegative(value):
+            raise ValueError(f"CD weight-decay budget: {name} must be a finite number >= 0, got {value!r}")
     wd = weight_decay - lam
     if wd < -1e-12:
         raise ValueError(f"CD weight-decay budget: weight_decay {weight_decay} - cd.lam {lam} = {wd} < 0; "
@@ -167,9 +177,9 @@ class ColinearityDecay:
         if unknown:
             raise ValueError(f"cd lam_per_role: unknown role(s) {unknown}; roles are {list(ROLES)}")
         for role, value in {"lam": lam, **lam_per_role}.items():
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not _finite_nonnegative(value):
                 raise ValueError(f"cd {role} must be a finite number >= 0, got {value!r}")
-        if not (isinstance(loss_coef, (int, float)) and math.isfinite(loss_coef) and loss_coef >= 0):
+        if not _finite_nonnegative(loss_coef):
             raise ValueError(f"cd loss_coef must be a finite number >= 0, got {loss_coef!r}")
         self.lam = float(lam)
         self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}

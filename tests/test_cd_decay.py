@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -261,6 +262,18 @@ def test_weight_decay_budget_rule():
     assert budget_weight_decay(0.005, 0.005) == 0.0
     with pytest.raises(ValueError, match="< 0"):
         budget_weight_decay(0.001, 0.005)
+
+
+@pytest.mark.parametrize("weight_decay, lam, name", [
+    (float("nan"), 0.005, "weight_decay"), (0.05, float("nan"), "cd.lam"), (float("inf"), 0.005, "weight_decay"),
+    (0.05, -0.01, "cd.lam"), (-0.01, 0.0, "weight_decay"), (0.05, True, "cd.lam"), ("0.05", 0.005, "weight_decay"),
+])
+def test_weight_decay_budget_refuses_values_that_are_no_budget(weight_decay, lam, name):
+    """A NaN would reach AdamW as its weight decay (NaN weights from the first step) and a negative lam would
+    raise the weight decay: each is refused, naming the value, not returned."""
+    bad = weight_decay if name == "weight_decay" else lam
+    with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0, got {re.escape(repr(bad))}$"):
+        budget_weight_decay(weight_decay, lam)
 
 
 def _tf32_flags() -> tuple:
