@@ -194,6 +194,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not plan:
         sys.exit("error: --batches and --models are both empty: there is nothing to measure")
     check_plan(args, plan)
+    from sweep import unrunnable_launcher  # scripts/: this folder, as this script or bench_overhead.py runs it
+    try:
+        launcher_problem = unrunnable_launcher(args.launcher)
+    except ValueError as e:  # e.g. an unclosed quote
+        launcher_problem = str(e)
+    if launcher_problem:  # now, not as a FileNotFoundError traceback when the first run would start
+        sys.exit(f"error: --launcher {args.launcher!r}: {launcher_problem}")
     rows = []
     for sweep, model, batch in plan:
         for method in args.methods:

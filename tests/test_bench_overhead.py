@@ -76,6 +76,15 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
     assert (out / "epochs.json").exists() and (out / "epochs.png").stat().st_size > 0
 
 
+def test_epochs_protocol_refuses_a_launcher_it_cannot_start_before_the_first_run(tmp_path):
+    bench = _bench()
+    with pytest.raises(SystemExit, match=r"^error: --launcher 'no-such-torchrun --nproc_per_node=4': "
+                                         r"'no-such-torchrun' is not an executable program on PATH"):
+        bench.main(["--protocol", "epochs", "--launcher", "no-such-torchrun --nproc_per_node=4",
+                    "--out", str(tmp_path / "ep")])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
 def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first_run(tmp_path):
     # the paper's 256 per GPU at global batch 1024 needs 4 processes: on 8 it used to fail after the other runs
     bench = _bench()
