@@ -125,6 +125,33 @@ def budget_weight_decay(weight_decay: float, lam: float) -> float:
     return max(wd, 0.0)
 
 
+def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every) -> dict:
+    """The checks of ColinearityDecay's settings that need no model (the framework integrations run them when a
+    callback or hook is made, not at the train start); returns lam_per_role as a dict. Raises ValueError."""
+    if targets not in TARGETS:
+        raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
+    if mode not in MODES:
+        raise ValueError(f"cd mode must be one of {MODES}, got {mode!r}")
+    if lam_per_role is not None and not isinstance(lam_per_role, Mapping):  # e.g. a dict's text from a command line
+        raise ValueError(f"cd lam_per_role must be a mapping of role to strength, e.g. {{'fc2': 0.02}}, got "
+                         f"{lam_per_role!r} ({type(lam_per_role).__name__})")
+    lam_per_role = dict(lam_per_role or {})
+    unknown = sorted(set(lam_per_role) - set(ROLES))
+    if unknown:
+        raise ValueError(f"cd lam_per_role: unknown role(s) {unknown}; roles are {list(ROLES)}")
+    for role, value in {"lam": lam, **lam_per_role}.items():
+        if not _finite_nonnegative(value):
+            raise ValueError(f"cd {role} must be a finite number >= 0, got {value!r}")
+    if not _finite_nonnegative(loss_coef):
+        raise ValueError(f"cd loss_coef must be a finite number >= 0, got {loss_coef!r}")
+    if matmul_precision not in ("auto",) + PRECISIONS:
+        raise ValueError(f"cd matmul_precision must be one of {('auto',) + PRECISIONS}, "
+                         f"got {matmul_precision!r}")
+    if not (isinstance(norms_every, int) and norms_every >= 1):
+        raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
+    return lam_per_role
+
+
 class ColinearityDecay:
     """Colinearity Decay on the matrix pairs of a pre-norm vision Transformer.
 
@@ -168,29 +195,12 @@ class ColinearityDecay:
         gated_mlp: bool = False,
         verify: bool = True,
     ) -> None:
-        if targets not in TARGETS:
-            raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
-        if mode not in MODES:
-            raise ValueError(f"cd mode must be one of {MODES}, got {mode!r}")
-        lam_per_role = dict(lam_per_role or {})
-        unknown = sorted(set(lam_per_role) - set(ROLES))
-        if unknown:
-            raise ValueError(f"cd lam_per_role: unknown role(s) {unknown}; roles are {list(ROLES)}")
-        for role, value in {"lam": lam, **lam_per_role}.items():
-            if not _finite_nonnegative(value):
-                raise ValueError(f"cd {role} must be a finite number >= 0, got {value!r}")
-        if not _finite_nonnegative(loss_coef):
-            raise ValueError(f"cd loss_coef must be a finite number >= 0, got {loss_coef!r}")
+        lam_per_role = check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every)
         self.lam = float(lam)
         self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}
         self.targets = targets
         self.mode = mode
         self.loss_coef = float(loss_coef)
-        if matmul_precision not in ("auto",) + PRECISIONS:
-            raise ValueError(f"cd matmul_precision must be one of {('auto',) + PRECISIONS}, "
-                             f"got {matmul_precision!r}")
-        if not (isinstance(norms_every, int) and norms_every >= 1):
-            raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
         self.norms_every = norms_every
         self.gated_mlp = bool(gated_mlp)
 

@@ -109,6 +109,22 @@ def test_arguments_are_colinearity_decays():
         check_cd_arguments({"mode": "loss"})
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lam": float("nan")}, r"cd lam must be a finite number >= 0, got nan"),
+    ({"lam": -0.1}, r"cd lam must be a finite number >= 0"),
+    ({"lam_per_role": {"mlp": 0.1}}, r"unknown role\(s\) \['mlp'\]"),
+    ({"lam_per_role": "{'fc2': 0.02}"}, r"lam_per_role must be a mapping of role to strength.*\(str\)"),
+    ({"targets": "Z"}, r"cd targets must be one of"),
+    ({"matmul_precision": "fp8"}, r"cd matmul_precision must be one of"),
+    ({"norms_every": 0}, r"cd norms_every must be an integer >= 1"),
+])
+def test_values_that_need_no_model_are_checked_when_the_callback_is_made(kwargs, message):
+    """They were accepted here and refused only at the framework's train start (HF on_train_begin, Lightning
+    setup, MMEngine before_train), after the Trainer / Runner had been built."""
+    with pytest.raises(ValueError, match=message):
+        check_cd_arguments(kwargs)
+
+
 def test_a_binding_beside_an_attach_of_the_same_matrices_is_refused_both_ways():
     # e.g. Lightning's callback and an attach() in configure_optimizers: each step would decay twice
     model, decay, opt, _ = _setup()

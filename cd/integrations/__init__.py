@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..decay import ColinearityDecay, register_step_update
+from ..decay import ColinearityDecay, check_settings, register_step_update
 from ..wrappers import torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
@@ -27,16 +27,19 @@ _LOSS_ONLY = ("mode", "loss_coef")
 
 
 def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked by name now (values are checked when the model
-    is there, before the first step). Raises TypeError for a name `ColinearityDecay` does not take."""
+    """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked now: the names, and the values that need no model
+    (`check_settings`; the rest when the model is there, before the first step). Raises TypeError for a name
+    `ColinearityDecay` does not take, ValueError for a value it refuses."""
     bad = sorted(set(kwargs) & set(_LOSS_ONLY))
     if bad:
         raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "
                         "needs `aux_loss` in your training step")
     try:
-        inspect.signature(ColinearityDecay).bind(None, **kwargs)
+        bound = inspect.signature(ColinearityDecay).bind(None, **kwargs)
     except TypeError as e:
         raise TypeError(f"ColinearityDecay arguments: {e}") from None
+    bound.apply_defaults()  # the values that need no model now (lam=nan, an unknown role), not at the train start
+    check_settings(**{name: bound.arguments[name] for name in inspect.signature(check_settings).parameters})
     return dict(kwargs)
 
 
