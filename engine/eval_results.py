@@ -307,17 +307,21 @@ def missing_number(result: dict, fields: Sequence[str], score: str) -> Optional[
 
 
 def refuse_stale(path: str, result: dict) -> None:
-    """A ResultsError when the checkpoint `result` is of (its file name, in the folder of `path`: a run folder
-    moved or copied whole keeps its JSON beside its best.pt) now holds other weights than those evaluated: a run
-    that trained on after its evaluation saved a new best.pt, and the file's figures are of the old one. Results
-    without a fingerprint (detection, files of older versions) and files that are not train.py checkpoints
-    (model.pretrained weights) are not compared. The checkpoint is memory-mapped: only the weights the
+    """A ResultsError when the checkpoint `result` is of now holds other weights than those evaluated: a run
+    that trained on after its evaluation saved a new best.pt, and the file's figures are of the old one. The
+    checkpoint is the path the result records while it exists (an --out in another folder, even one holding
+    another run's best.pt, is of the recorded file), else the file of its name in the folder of `path` (a run
+    folder moved whole keeps its JSON beside its best.pt). Results without a fingerprint (files of older
+    versions) and files that are not train.py checkpoints (model.pretrained weights, MMEngine's) are not
+    compared. The checkpoint is memory-mapped: only the weights the
     fingerprint hashes are read (evaluate.py hashes the same state dict, engine/checkpoint.py)."""
     scored, checkpoint = result.get("fingerprint"), result.get("checkpoint")
     if not isinstance(scored, str) or not isinstance(checkpoint, str):
         return
-    # the folder the file is in, not that of a link to it (results gathered as links in a folder of their own)
-    beside = os.path.join(os.path.dirname(os.path.realpath(path)), os.path.basename(checkpoint))
+    beside = checkpoint  # the file evaluated, where it still is
+    if not os.path.isfile(beside):  # moved with its run folder: the folder the file is in, not that of a link
+        # to it (results gathered as links in a folder of their own)
+        beside = os.path.join(os.path.dirname(os.path.realpath(path)), os.path.basename(checkpoint))
     if not os.path.isfile(beside):
         return
     try:

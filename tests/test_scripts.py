@@ -238,6 +238,32 @@ def test_paper_table_refuses_a_result_of_weights_its_best_pt_no_longer_holds(tmp
     assert "| vit_nano | CD |" in paper_table.main([str(other)])
 
 
+def test_a_result_written_beside_another_runs_best_pt_is_compared_with_the_checkpoint_it_scored(tmp_path):
+    """evaluate.py --checkpoint A/best.pt --out B/eval_of_A.json: B's own best.pt holds other weights, which made
+    every such file "stale" (and the advice evaluated B's weights into it); A's best.pt, where it still is, is the
+    one compared. The fingerprint is computed as evaluate.py computes it (its loader), not by the check."""
+    import evaluate
+    from configs import config_from_dict
+    from engine.checkpoint import load_checkpoint, weights_fingerprint
+    from tests.test_mechanism import make_checkpoint
+
+    (tmp_path / "A").mkdir(), (tmp_path / "B").mkdir()
+    scored = make_checkpoint(tmp_path / "A" / "best.pt", 0)
+    make_checkpoint(tmp_path / "B" / "best.pt", 1)  # another run's weights
+    payload = load_checkpoint(scored)
+    model = evaluate.load_float_model(config_from_dict(payload["config"]), payload,
+                                      evaluate.parse_args(["--checkpoint", scored]))
+    result = {"model": "vit_nano", "method": "CD", "checkpoint": scored, "weights": "raw",
+              "fingerprint": weights_fingerprint(model.state_dict()), "fp": {"top1": 90.0},
+              "max_act": {"module": 1.0, "block": 2.0}, "quant": {"repq": {"w4a4": {"top1": 80.0}}}}
+    path = tmp_path / "B" / "eval_of_A.json"
+    path.write_text(json.dumps(result))
+    assert "| vit_nano | CD |" in paper_table.main([str(path)])
+    make_checkpoint(tmp_path / "A" / "best.pt", 1)  # run A trained on: its result is stale
+    with pytest.raises(SystemExit, match=rf"error: {path} is stale: it scored other weights than {scored} holds now"):
+        paper_table.main([str(path)])
+
+
 @pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
                                         (lambda r: r["fp"].update(top1=None), "fp.top1"),
                                         (lambda r: r["quant"]["repq"]["w4a4"].pop("top1"), "quant.repq.w4a4.top1")])
