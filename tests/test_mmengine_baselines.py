@@ -371,3 +371,19 @@ def test_detection_method_fragments_build_their_hook_and_merge_onto_a_base(tmp_p
         assert base.optim_wrapper.optimizer.weight_decay == pytest.approx(0.05 - spec["lam"])
     else:
         assert base.optim_wrapper.optimizer.weight_decay == 0.05
+
+
+@pytest.mark.parametrize("weight_decay, lam, named", [(0.05, float("nan"), "ColinearityDecayHook lam"),
+                                                      (0.05, -0.01, "ColinearityDecayHook lam"),
+                                                      (-0.1, 0.005, "optim_wrapper.optimizer.weight_decay"),
+                                                      (float("inf"), 0.005, "optim_wrapper.optimizer.weight_decay")])
+def test_the_budget_names_a_weight_decay_or_lam_that_is_no_finite_number_at_least_0(weight_decay, lam, named):
+    """budget_weight_decay refuses these; the budget said "weight_decay - lam < 0; lower the hook's lam" for each
+    (0.05 - (-0.01) is 0.06, and a NaN lam or a negative weight decay are not fixed by a lower lam)."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    cfg = dict(cd_budget=True, custom_hooks=[dict(type="ColinearityDecayHook", lam=lam)],
+               optim_wrapper=dict(optimizer=dict(type="AdamW", weight_decay=weight_decay)))
+    with pytest.raises(ValueError, match=rf"^cd_budget=True needs a finite number >= 0 as {named}, got "):
+        apply_weight_decay_budget(cfg)
+    assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] is weight_decay and cfg["cd_budget"] is True

@@ -29,6 +29,7 @@ checkpoints under "colinearity_decay" ("colinearity_decay:<module>" for a hook g
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -169,6 +170,9 @@ def apply_weight_decay_budget(cfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"cd_budget=True needs a number as {name}, got {value!r}: set it, or set "
                              "cd_budget=False")
+        if not math.isfinite(value) or value < 0:  # else the "< 0: lower the hook's lam" below, which it is not
+            raise ValueError(f"cd_budget=True needs a finite number >= 0 as {name}, got {value!r}: set it, or "
+                             "set cd_budget=False")
     try:
         # 12 significant digits: the config (and its dump) reads 0.045, not 0.045000000000000005
         optimizer["weight_decay"] = float(f"{budget_weight_decay(weight_decay, lam):.12g}")
