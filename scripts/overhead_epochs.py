@@ -73,7 +73,8 @@ def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str
 
 
 def train_command(args, method: str, model: str, batch: int, run: int, out_dir: str) -> list[str]:
-    prefix = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    from sweep import launcher_prefix  # scripts/: this folder, as this script or bench_overhead.py runs it
+    prefix = launcher_prefix(args.launcher)
     configs, overrides = run_config(args, method, model, batch, run, out_dir)
     return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)], *overrides]
 

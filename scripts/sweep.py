@@ -238,20 +238,29 @@ def unrunnable_launcher(launcher: str) -> Optional[str]:
     will resolve it: on PATH, or a path relative to the repository root, where every command runs."""
     if not launcher:
         return None  # this python
-    words = shlex.split(launcher)
+    words = launcher_prefix(launcher)
     if not words:
         return 'names no program; leave --launcher out to use this python, or give e.g. "torchrun --nproc_per_node=8"'
     program = words[0]
-    found = (os.path.join(ROOT, os.path.expanduser(program)) if os.sep in program
-             else shutil.which(program))
+    found = os.path.join(ROOT, program) if os.sep in program else shutil.which(program)
     if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
         return f"{program!r} is not an executable program" + ("" if os.sep in program else " on PATH") + \
             " (activate the environment that has it, or give its full path)"
     return None
 
 
+def launcher_prefix(launcher: str) -> list[str]:
+    """The words a command starts with: this python without a --launcher, else the launcher's words with a
+    leading ~ of its program read as the home folder (a quoted "~/bin/torchrun ..." reaches us unexpanded, and
+    Popen, which starts it without a shell, would not find it). Raises ValueError for an unclosed quote."""
+    if not launcher:
+        return [sys.executable]
+    words = shlex.split(launcher)
+    return [os.path.expanduser(words[0]), *words[1:]] if words else []
+
+
 def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
-    prefix = shlex.split(launcher) if launcher else [sys.executable]
+    prefix = launcher_prefix(launcher)
     config_args = [a for c in run["configs"] for a in ("--config", c)]
     cmds = [prefix + ["train.py", *config_args, *run["overrides"]]]
     if evaluate:

@@ -116,6 +116,20 @@ def test_a_sweep_refuses_a_launcher_it_cannot_start_before_any_run(tmp_path, cap
     assert sweep.main([str(spec), "--launcher", launcher]) == 0
 
 
+def test_a_sweep_launcher_under_the_home_folder_is_started_from_there(tmp_path, monkeypatch):
+    """--launcher "~/bin/x ..." (quoted: the shell leaves the ~) passed the launcher check, which read ~ as the home
+    folder, and then failed with Popen's FileNotFoundError traceback for '~/bin/x': both read it as the home folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    launcher = tmp_path / "bin" / "x"
+    launcher.write_text('#!/bin/sh\necho "$@" > "$HOME/started"\n')
+    launcher.chmod(0o755)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  base: []\n")
+    sweep.main([str(spec), "--run", "--launcher", "~/bin/x --flag"])
+    assert (tmp_path / "started").read_text().startswith("--flag train.py --config configs/debug/tiny.yaml")
+
+
 def test_a_small_sweep_trains_evaluates_and_tabulates(tmp_path, capsys):
     spec = tmp_path / "tiny_sweep.yaml"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n"
