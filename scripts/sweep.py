@@ -53,8 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import move_overrides  # noqa: E402
-from configs.loader import (close_keys, dotted_settings, overlapping_keys, override_keys,  # noqa: E402
-                            read_yaml_file, schema_keys)
+from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
+                            override_keys, read_yaml_file, schema_keys)
 from configs.schema import Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
@@ -133,6 +133,17 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
     return runs
 
 
+def is_config_key(key: str) -> bool:
+    """A dotted key of the schema, or one into a free-form dict field (model.kwargs.depth, cd.lam_per_role.fc2),
+    which overrides set as any other key."""
+    parts = key.split(".")
+    for end in range(1, len(parts)):
+        prefix = ".".join(parts[:end])
+        if prefix in schema_keys() and isinstance(get_key(Config(), prefix), dict):
+            return True
+    return key in schema_keys()
+
+
 def check_field_types(sweep: dict, sweep_path: str) -> None:
     """'configs', 'evaluate' and 'run_keys' are lists, run_keys of config keys, and 'out_root' a folder: a string in
     place of a list would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ... and so
@@ -142,7 +153,7 @@ def check_field_types(sweep: dict, sweep_path: str) -> None:
             raise ConfigError(f"{sweep_path}: '{key}' must be a list, e.g. {key}: [{sweep[key]}], not "
                               f"{type(sweep[key]).__name__} {sweep[key]!r}")
     # a key the schema lacks (data.rooot) would guard nothing: data.root=x would train every run on x
-    unknown = [k for k in sweep.get("run_keys") or [] if str(k) not in schema_keys()]
+    unknown = [k for k in sweep.get("run_keys") or [] if not is_config_key(str(k))]
     if unknown:
         close = close_keys(str(unknown[0]))
         raise ConfigError(f"{sweep_path}: run_keys: {unknown[0]!r} is not a config key"

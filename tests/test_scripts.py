@@ -80,6 +80,13 @@ def test_a_sweep_refuses_run_keys_that_are_not_config_keys(tmp_path):
                    "runs:\n  a: [data.root=/a]\n  b: [data.root=/b]\n")
     with pytest.raises(ConfigError, match=r"run_keys: 'data.rooot' is not a config key; did you mean 'data.root'"):
         sweep.expand(str(bad), ["data.root=/x"])
+    # a key into a free-form dict field is a key the runs set like any other: it guards the command line
+    good = tmp_path / "g.yaml"
+    good.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nrun_keys: [model.kwargs.depth]\n"
+                    "runs:\n  a: [model.kwargs.depth=2]\n  b: [model.kwargs.depth=3]\n")
+    assert len(sweep.expand(str(good), [])) == 2
+    with pytest.raises(ConfigError, match=r"model.kwargs.depth=5 would replace a key that each run sets itself"):
+        sweep.expand(str(good), ["model.kwargs.depth=5"])
 
 
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
