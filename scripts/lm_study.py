@@ -150,9 +150,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     for run in (r for runs in groups.values() for r in runs):  # the curves' logs, before anything is written
         for key, *_ in CURVES:  # a seed without a curve would empty its point's line (steps all seeds have)
             if not validation_curve(run, key):
+                fix = ("train the runs with log.act_max=true (configs/lm/kjv_cpu.yaml sets it)"
+                       if key.startswith("act/") else
+                       "give runs that validated (a run stopped before its first validation has none)")
                 raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
-                                  f"{OUTPUTS[2]} draws at every validation: train the runs with log.act_max=true "
-                                  "(configs/lm/kjv_cpu.yaml sets it)")
+                                  f"{OUTPUTS[2]} draws at every validation: {fix}")
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w") as f:

@@ -168,7 +168,12 @@ def _edit_result(folder, edit):
     (lambda f: (f / "metrics.jsonl").write_text("".join(  # a run trained without log.act_max: an empty curve
         json.dumps({k: v for k, v in json.loads(line).items() if not k.startswith("act/")}) + "\n"
         for line in (f / "metrics.jsonl").read_text().splitlines())),
-     r"baseline_s0.metrics.jsonl has no record of act/max_block, which lm_study_outliers.png draws"),
+     r"baseline_s0.metrics.jsonl has no record of act/max_block, which lm_study_outliers.png draws at every "
+     r"validation: train the runs with log.act_max=true"),
+    (lambda f: (f / "metrics.jsonl").write_text("".join(  # no validation record at all: log.act_max is no fix
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "val/loss"}) + "\n"
+        for line in (f / "metrics.jsonl").read_text().splitlines())),
+     r"has no record of val/loss, which lm_study_outliers.png draws at every validation: give runs that validated"),
 ])
 def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, message):
     """A result, metrics log or maxima file of another shape is one error naming the file and what it lacks
