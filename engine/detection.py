@@ -531,10 +531,14 @@ def check_categories(cfg: Config, keys: Sequence[str]) -> None:
                              f"or set {key}.dataset.metainfo.classes to its categories in the file's order")
 
 
+CLASS_HEADS = ("bbox_head", "mask_head")  # the heads that predict the data set's classes
+
+
 def check_head_classes(cfg: Config, key: str = "train_dataloader") -> None:
-    """Refuse a head of `cfg.model` whose num_classes is not the number of classes the loader `key` trains (the
-    RPN's is class-agnostic): a box head of 5 classes on the sample's 2 trained an epoch and failed with an
-    IndexError traceback in the validation after it."""
+    """Refuse a box or mask head of `cfg.model` (CLASS_HEADS: one-stage, two-stage and cascade) whose num_classes
+    is not the number of classes the loader `key` trains: a box head of 5 classes on the sample's 2 trained an
+    epoch and failed with an IndexError traceback in the validation after it. Other heads keep their own counts
+    (the RPN's is class-agnostic, an HTC semantic head's counts stuff classes)."""
     classes = next((c for k, d in loader_datasets(cfg) if k == key for c in [dataset_classes(d)] if c), None)
     if not classes:
         return
@@ -542,8 +546,9 @@ def check_head_classes(cfg: Config, key: str = "train_dataloader") -> None:
     def walk(prefix: str, node: Any) -> None:
         if isinstance(node, dict):
             count = node.get("num_classes")
+            named = [part for part in prefix.split(".") if not part.isdigit()][-1]  # a cascade's list index skipped
             if (isinstance(count, int) and not isinstance(count, bool) and count != len(classes)
-                    and not prefix.startswith("model.rpn_head")):
+                    and named in CLASS_HEADS):
                 raise DetectionError(f"{prefix}.num_classes={count}, but {key} has {len(classes)} classes "
                                      f"({', '.join(classes[:6])}{' ...' if len(classes) > 6 else ''}): set "
                                      f"{prefix}.num_classes={len(classes)}, or the data set's classes "

@@ -543,3 +543,17 @@ def test_a_bad_bit_width_names_the_flag_and_an_out_folder_is_not_to_be_moved(sam
     with pytest.raises(ResultsError, match=rf"^{folder} is a folder: give --out a file path, e\.g\. {folder}/eval\.json"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
               "--out", str(folder)])
+
+
+def test_the_class_count_check_reads_box_and_mask_heads_only(mmdet_ready):
+    """A cascade's box heads are checked each; a head that counts other classes (an HTC semantic head's stuff
+    classes) keeps its own count."""
+    from engine.detection import DetectionError, check_head_classes, load_config
+    cfg = load_config([SAMPLE_CONFIG])
+    cfg.model.semantic_head = dict(type="FusedSemanticHead", num_classes=183)
+    check_head_classes(cfg)  # the sample's 2 classes in its box and mask heads
+    box = dict(cfg.model.roi_head.bbox_head)
+    cfg.model.roi_head.bbox_head = [box, {**box, "num_classes": 80}, box]
+    with pytest.raises(DetectionError, match=r"^model\.roi_head\.bbox_head\.1\.num_classes=80, but train_dataloader "
+                                             r"has 2 classes"):
+        check_head_classes(cfg)
