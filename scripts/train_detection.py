@@ -212,13 +212,18 @@ def check_launcher(launcher: str) -> None:
 
 
 def check_seed(cfg) -> None:
-    """Refuse a randomness.seed MMEngine's Runner cannot seed numpy with (text, a negative number): a TypeError or
-    ValueError traceback from inside the Runner, naming no setting."""
+    """Refuse a randomness.seed MMEngine's Runner cannot seed numpy with (text, a negative number, past 2**32 - 1
+    after randomness.diff_rank_seed adds the rank): a TypeError or ValueError traceback from inside the Runner,
+    naming no setting."""
     from engine.detection import DetectionError
-    seed = (cfg.get("randomness") or {}).get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32):
-        raise DetectionError(f"randomness.seed={seed!r}: give a whole number from 0 to 2**32 - 1, or None (a seed "
-                             "drawn at random)")
+    randomness = cfg.get("randomness") or {}
+    seed = randomness.get("seed")
+    # with diff_rank_seed each rank seeds with seed + rank (torchrun sets WORLD_SIZE before this runs)
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if randomness.get("diff_rank_seed") else 1
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2 ** 32 - ranks):
+        raise DetectionError(f"randomness.seed={seed!r}: give a whole number from 0 to 2**32 - {ranks}"
+                             + (f" (randomness.diff_rank_seed adds each of the {ranks} ranks' index)" if ranks > 1
+                                else "") + ", or None (a seed drawn at random)")
 
 
 def main(argv=None) -> int:

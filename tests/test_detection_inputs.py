@@ -557,3 +557,16 @@ def test_the_class_count_check_reads_box_and_mask_heads_only(mmdet_ready):
     with pytest.raises(DetectionError, match=r"^model\.roi_head\.bbox_head\.1\.num_classes=80, but train_dataloader "
                                              r"has 2 classes"):
         check_head_classes(cfg)
+
+
+def test_a_seed_that_diff_rank_seed_carries_past_numpy_s_range_is_refused(mmdet_ready, monkeypatch):
+    """With randomness.diff_rank_seed each rank seeds numpy with seed + rank: 2**32 - 2 on 4 ranks failed inside
+    the Runner of ranks 2 and 3."""
+    from engine.detection import DetectionError
+    from train_detection import check_seed
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_seed({"randomness": {"seed": 2 ** 32 - 4, "diff_rank_seed": True}})
+    check_seed({"randomness": {"seed": 2 ** 32 - 2}})  # one seed for every rank
+    with pytest.raises(DetectionError, match=r"randomness.seed=4294967294: give a whole number from 0 to 2\*\*32 - 4 "
+                                             r"\(randomness.diff_rank_seed adds each of the 4 ranks' index\)"):
+        check_seed({"randomness": {"seed": 2 ** 32 - 2, "diff_rank_seed": True}})
