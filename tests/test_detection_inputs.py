@@ -457,7 +457,8 @@ def test_a_main_rank_wait_that_is_no_positive_number_of_hours_is_one_error(mmdet
     (its timeout in int64 nanoseconds overflows)."""
     from engine.detection import DetectionError
     from evaluate_detection import main
-    with pytest.raises(DetectionError, match=rf"^--main-rank-wait-hours {re.escape(str(float(hours)))}: give a positive number"):
+    with pytest.raises(DetectionError,
+                       match=rf"^--main-rank-wait-hours {re.escape(str(float(hours)))}: give a positive number"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant",
               "--main-rank-wait-hours", hours])
 
@@ -507,7 +508,8 @@ def test_overrides_may_stand_between_the_flags(mmdet_ready):
     assert (args.checkpoint, args.quant, args.overrides) == ("k", ["repq"], ["a=1", "b=2", "c=3"])
 
 
-@pytest.mark.parametrize("override", ["model.roi_head.bbox_head.num_classes=5", "model.roi_head.mask_head.num_classes=3"])
+@pytest.mark.parametrize("override", ["model.roi_head.bbox_head.num_classes=5",
+                                      "model.roi_head.mask_head.num_classes=3"])
 def test_a_head_of_another_number_of_classes_than_the_data_is_refused_before_training(sample, tmp_path, capsys,
                                                                                       override):
     """A box head of 5 classes on the sample's 2 trained an epoch and failed with an IndexError traceback in the
@@ -540,7 +542,8 @@ def test_a_bad_bit_width_names_the_flag_and_an_out_folder_is_not_to_be_moved(sam
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "repq", "--bits", "w4"])
     folder = tmp_path / "run"
     folder.mkdir()
-    with pytest.raises(ResultsError, match=rf"^{folder} is a folder: give --out a file path, e\.g\. {folder}/eval\.json"):
+    with pytest.raises(ResultsError,
+                       match=rf"^{folder} is a folder: give --out a file path, e\.g\. {folder}/eval\.json"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
               "--out", str(folder)])
 
