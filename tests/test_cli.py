@@ -77,7 +77,7 @@ def test_help_config_of_one_section_or_key(capsys):
     assert code == 0 and out.startswith("quant.aphq: APHQ options")
     assert keys_in(out) == [k for k in LEAVES if k.startswith("quant.aphq.")]
     code, out = run(evaluate, ["--help-config", "data.root"], capsys)
-    assert code == 0 and out.startswith("  data.root = ''  (str)\n      data set folder")
+    assert code == 0 and out.startswith("  data.root = ''  (str, a path (~ is the home folder))\n      data set folder")
 
 
 def test_help_config_names_a_wrong_section(capsys):
