@@ -12,8 +12,8 @@
   Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
-* `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint, beside it, holds other
-  weights now (training went on after the evaluation and saved a new best.pt).
+* `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
+  (training went on after the evaluation and saved a new best.pt).
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -313,8 +313,8 @@ def refuse_stale(path: str, result: dict) -> None:
     another run's best.pt, is of the recorded file), else the file of its name in the folder of `path` (a run
     folder moved whole keeps its JSON beside its best.pt). Results without a fingerprint (files of older
     versions) and files that are not train.py checkpoints (model.pretrained weights, MMEngine's) are not
-    compared. The checkpoint is memory-mapped: only the weights the
-    fingerprint hashes are read (evaluate.py hashes the same state dict, engine/checkpoint.py)."""
+    compared. The checkpoint is memory-mapped: only the weights the fingerprint hashes are read (evaluate.py
+    hashes the same state dict, engine/checkpoint.py)."""
     scored, checkpoint = result.get("fingerprint"), result.get("checkpoint")
     if not isinstance(scored, str) or not isinstance(checkpoint, str):
         return
