@@ -52,7 +52,7 @@ from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError
 from engine.precision import describe_precision
-from engine.tasks import PPL_CAP, check_model_fits_task, perplexity_text, task_for
+from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -642,8 +642,9 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         if not values:
             return "-"
         partial = f" (n={len(values)})" if over_seeds and len(values) < of else ""
-        if ppl and max(values) >= PPL_CAP:
-            return perplexity_text(max(values)) + partial
+        capped = capped_cell(values) if ppl else None
+        if capped:
+            return capped + partial
         if len(values) == 1:
             return format(values[0], spec) + partial
         mean = sum(values) / len(values)

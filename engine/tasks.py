@@ -13,7 +13,7 @@ and the data are built by their packages (`models.build_model`, `data.build_load
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,6 +44,12 @@ def perplexity_text(ppl: float, spec: str = ".2f") -> str:
     """A perplexity as text: `spec`, or '>= exp(700) (capped)' for the cap (a finite-looking 305-digit number
     would hide that the real value overflowed)."""
     return format(ppl, spec) if ppl < PPL_CAP else f">= exp({PPL_CAP_LOSS:.0f}) (capped)"
+
+
+def capped_cell(values: Sequence[float]) -> Optional[str]:
+    """The text of a table cell of perplexities (seeds) when one is at the cap: that bound, as a mean of it would
+    be no number; None when none is."""
+    return perplexity_text(max(values)) if values and max(values) >= PPL_CAP else None
 
 
 class ClassificationTask:

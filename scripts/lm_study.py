@@ -29,7 +29,7 @@ from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_e
                                  metric_number, metrics_records, open_sweep, plot_energies, plot_type_maxima,
                                  point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
-from engine.tasks import PPL_CAP, perplexity_text  # noqa: E402
+from engine.tasks import capped_cell  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
@@ -62,7 +62,7 @@ def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
     engine.tasks.perplexity) makes the cell that bound, not a mean of it."""
     if not values:
         return "-"
-    text = perplexity_text(max(values)) if max(values) >= PPL_CAP else fmt(values, digits)
+    text = capped_cell(values) or fmt(values, digits)
     return text + (f" (n={len(values)})" if len(values) < len(runs) else "")
 
 
