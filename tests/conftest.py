@@ -14,6 +14,20 @@ DEMO_CONFIG = os.path.join(ROOT, "configs", "demo", "vit_digits.yaml")
 pytest_plugins = ["detection_runs"]  # the MMDetection tests' sample detector: fixtures sample, trained
 
 
+def one_thread_per_xdist_worker() -> None:
+    """With several pytest-xdist workers (`-n auto`: one per core), torch's default of one thread per core in
+    each worker, and in each process a test starts, puts several busy threads on every core. One thread per
+    worker, inherited by its child processes through OMP_NUM_THREADS, ran test_nothing_lost.py and
+    test_quant_digits.py in 147-213 s against 310-358 s on 2 cores (docs/measurements.md). An
+    OMP_NUM_THREADS the user set is kept."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+one_thread_per_xdist_worker()
+
+
 def make_folder(root, splits: dict, ext: str = ".png") -> None:
     """An ImageNet-style folder: splits = {split: {class: number of images}} of small random images, named
     <i><ext> (the extension picks PIL's format)."""
