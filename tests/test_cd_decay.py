@@ -331,3 +331,28 @@ def test_gated_mlp_config_switch_reaches_the_pairs():
     assert [(p.role, p.name) for p in decay.pairs][2:] == [
         ("fc1", "blocks.0.mlp.fc1_g.weight"), ("fc1", "blocks.0.mlp.fc1_x.weight"), ("fc2", "blocks.0.mlp.fc2.weight")]
     assert decay.state_dict()["config"]["gated_mlp"] is True
+
+
+def test_loss_mode_target_c_differentiates_w1_with_the_normalizer_held_constant():
+    """Target C in loss mode: W1 of a functional pair gets the gradient of ||W2 W1 c||_F^2 at fixed
+    c = sqrt(r)/||W1||_F (as the decoupled target-C update), checked against the closed form 2 c^2 W2^T W2 W1."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.005, mode="loss", loss_coef=0.01, targets="C")
+    P = snapshot(model)
+    task = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    decay.aux_loss(task).backward()
+    assert task.grad is None or float(task.grad) == 0.0  # the alignment factor carries no gradient
+    ratio = 2.5 / decay.metrics()["cd/penalty"]
+    fc1, fc2 = P["blocks.0.mlp.fc1.weight"], P["blocks.0.mlp.fc2.weight"]
+    c2 = fc1.shape[0] / fc1.norm() ** 2
+    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.grad, 0.01 * ratio * 2 * c2 * fc2.T @ fc2 @ fc1)
+    w1n = normalized(fc1)
+    torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.grad, 0.01 * ratio * 2 * fc2 @ w1n @ w1n.T)
+    assert model.blocks[0].norm2.weight.grad is None
+
+
+def test_weight_decay_budget_refuses_any_shortfall():
+    """wd - lam below 0 by more than rounding (here 5e-4) is refused, never clamped to 0 in silence."""
+    with pytest.raises(ValueError, match="< 0"):
+        budget_weight_decay(0.0045, 0.005)
+    assert budget_weight_decay(0.3, 0.1 + 0.2) == 0.0  # float rounding (-5.6e-17) of an exact budget is none

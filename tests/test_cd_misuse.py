@@ -477,3 +477,28 @@ def test_a_model_with_lora_adapters_is_refused_naming_them():
     with pytest.raises(UnsupportedModelError, match=r"not used in the forward pass .*PEFT adapters "
                                                     r"\(peft.tuners.lora.layer.LoraLinear\)"):
         ColinearityDecay(model)
+
+
+def test_target_c_moves_each_upstream_matrix_with_its_own_group_lr_and_only_when_it_trains():
+    """Target C writes W1 too: with the pair's strength and W1's own param-group lr (not W2's), and not at all
+    when W1 is frozen; checked against the closed forms W2 - s2 W2 W1n W1n^T and W1 - s1 c^2 W2^T W2 W1."""
+    from cd_models import normalized
+
+    model = tiny_vit().double()
+    P = snapshot(model)
+    model.blocks[0].mlp.fc1.weight.requires_grad_(False)
+    ColinearityDecay(model, lam=0.1, targets="C").apply(lr=0.5)
+    moved = changed(model, P)
+    assert "blocks.0.mlp.fc1.weight" not in moved and "blocks.0.mlp.fc2.weight" in moved
+    assert "blocks.1.mlp.fc1.weight" in moved
+
+    model = tiny_vit().double()
+    fc1 = model.blocks[1].mlp.fc1.weight
+    opt = torch.optim.SGD([{"params": [p for p in model.parameters() if p is not fc1], "lr": 0.5},
+                           {"params": [fc1], "lr": 0.2}])
+    ColinearityDecay(model, lam=0.1, lam_per_role={"fc2": 0.3}, targets="C").attach(opt)
+    step_with_zero_grads(model, opt)
+    w1, w2 = P["blocks.1.mlp.fc1.weight"], P["blocks.1.mlp.fc2.weight"]
+    w1n, c2 = normalized(w1), w1.shape[0] / w1.norm() ** 2
+    torch.testing.assert_close(model.blocks[1].mlp.fc2.weight.detach(), w2 - 0.15 * w2 @ w1n @ w1n.T)
+    torch.testing.assert_close(fc1.detach(), w1 - 0.06 * c2 * w2.T @ w2 @ w1)

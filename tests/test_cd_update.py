@@ -312,3 +312,58 @@ def test_class_attention_update_matches_float64_reference():
     expected[f"{b}.attn.proj.weight"] = ref_w2(P[f"{b}.attn.proj.weight"], P[f"{b}.attn.v.weight"], s)
     for name, want in expected.items():
         torch.testing.assert_close(params[name].detach(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_target_c_with_tensor_steps_matches_the_closed_form():
+    """Capturable optimizers pass 0-dim tensor steps; target C folds W2's and W1's steps into two factors,
+    which must stay separate: W2 <- W2 - s2 W2 W1n W1n^T and W1 <- W1 - s1 c^2 W2^T W2 W1 (old weights)."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    pairs = [p for p in find_pairs(model) if p.kind == "functional"]
+    s2, s1 = 0.05, 0.03
+    colinearity_decay_(pairs, [torch.tensor(s2, dtype=torch.float64)] * len(pairs),
+                       [torch.tensor(s1, dtype=torch.float64)] * len(pairs), gate=torch.tensor(True))
+    b = "blocks.0"
+    fc1, fc2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"]
+    c2 = fc1.shape[0] / fc1.norm() ** 2
+    torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(), ref_w2(fc2, fc1, s2),
+                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(), fc1 - s1 * c2 * fc2.T @ fc2 @ fc1,
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_precision_really_rounds_the_operands():
+    """precision='bf16' is a speed setting whose error the docs state (about 2^-8 relative): the products must
+    run on bf16-rounded operands, so the delta differs from the float64 reference by more than fp32 rounding,
+    yet stays within that bound."""
+    model = tiny_vit()
+    P = snapshot(model)
+    pairs = [p for p in find_pairs(model) if p.role == "fc2"]
+    colinearity_decay_(pairs, [0.05] * len(pairs), precision="bf16")
+    name = "blocks.0.mlp.fc2.weight"
+    want = ref_w2(P[name], P["blocks.0.mlp.fc1.weight"], 0.05) - P[name].double()
+    got = model.blocks[0].mlp.fc2.weight.detach().double() - P[name].double()
+    err = float((got - want).norm() / want.norm())
+    assert 1e-4 < err < 2e-2, err
+
+
+def test_pair_penalty_weights_each_pair_by_its_own_weight():
+    """pair_penalty(pairs, weights) = sum_k w_k ||W2_k W1n_k||_F^2 (Eq. (23)) with a different weight per
+    pair, also within one batched group (the two fc2 pairs), written out from the parameters."""
+    from cd.update import pair_penalty
+
+    model = tiny_vit().double()
+    P = snapshot(model)
+    pairs = find_pairs(model)
+    weights = [0.5 + k for k in range(len(pairs))]
+    want = 0.0
+    for w, p in zip(weights, pairs):
+        if p.role == "fc2":
+            w1 = P[p.upstream_name]
+        elif p.role == "proj":
+            qkv = P[p.upstream_name]
+            w1 = qkv[2 * qkv.shape[0] // 3:]
+        else:
+            w1 = torch.diag(P[p.upstream_name])
+        want += w * float((P[p.name] @ normalized(w1)).square().sum())
+    assert math.isclose(float(pair_penalty(pairs, weights).detach()), want, rel_tol=1e-12)
