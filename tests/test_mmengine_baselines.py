@@ -387,3 +387,15 @@ def test_the_budget_names_a_weight_decay_or_lam_that_is_no_finite_number_at_leas
     with pytest.raises(ValueError, match=rf"^cd_budget=True needs a finite number >= 0 as {named}, got "):
         apply_weight_decay_budget(cfg)
     assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] is weight_decay and cfg["cd_budget"] is True
+
+
+def test_noise_seeds_are_splitmix64_and_distinct_per_seed_step_and_layer():
+    """noise_seed mixes all of (seed, step, layer index): splitmix64's published first output for state 0
+    (0xE220A8397B1DCDAF) and a grid of triples whose seeds are all distinct (one layer's noise is not
+    another's, one step's not the next's)."""
+    from cd.noise import _splitmix64, noise_seed
+
+    assert _splitmix64(0) == 0xE220A8397B1DCDAF
+    triples = [(s, t, i) for s in range(3) for t in range(6) for i in range(6)]
+    seeds = {noise_seed(*x) for x in triples}
+    assert len(seeds) == len(triples) and all(0 <= v < 2 ** 63 for v in seeds)

@@ -208,3 +208,11 @@ def test_plain_form_has_the_same_value_and_gradient_and_keeps_block_sized_copies
         extra[batch] = sum(saved_storages(True, "plain", batch).values()) - base
     block_output_bytes = 2 * 17 * 32 * 4  # per image: 2 blocks, 17 tokens, width 32, fp32
     assert extra[4] >= 4 * block_output_bytes and extra[8] == 2 * extra[4]
+
+
+@pytest.mark.parametrize("penalty", [tweo_penalty, plain_tweo_penalty])
+def test_both_forms_read_eps_and_tau(penalty):
+    """mean((|a| / (tau + eps))^p) by hand with an eps large enough to show (the default 1e-6 would not)."""
+    a = torch.tensor([[3.0, -6.0], [0.0, 1.5]])
+    hand = (3 ** 3 + 6 ** 3 + 0 + 1.5 ** 3) / (2.0 + 0.5) ** 3 / 4
+    assert math.isclose(float(penalty(a, p=3.0, tau=2.0, eps=0.5)), hand, rel_tol=1e-6)
