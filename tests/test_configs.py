@@ -205,6 +205,17 @@ def test_deit_lr_rule_gives_1e3_at_batch_1024():
             == pytest.approx(1e-3))
 
 
+def test_sqrt_lr_rule_and_a_given_lr():
+    """optim.lr_scaling=sqrt: lr_base * sqrt(global_batch / lr_base_batch) (5e-4 * sqrt(2048/512) = 1e-3); a
+    given optim.lr is the lr whatever the batch."""
+    from configs.schema import OptimConfig
+    from engine.optim import peak_lr
+
+    assert peak_lr(OptimConfig(lr_base=5e-4, lr_base_batch=512, lr_scaling="sqrt"), 2048) == pytest.approx(1e-3)
+    assert peak_lr(OptimConfig(lr_base=5e-4, lr_base_batch=512, lr_scaling="sqrt"), 128) == pytest.approx(2.5e-4)
+    assert peak_lr(OptimConfig(lr=3e-4, lr_base=5e-4, lr_base_batch=512), 2048) == 3e-4
+
+
 def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     import evaluate
 

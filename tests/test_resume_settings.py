@@ -251,3 +251,37 @@ def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, 
     assert [r["step"] for r in read_metrics(split) if "val/top1" in r] == [3, 4, 8]
     for key, value in straight.model.state_dict().items():
         assert torch.allclose(resumed.model.state_dict()[key], value, atol=1e-6, rtol=1e-5), key
+
+
+def test_warmup_prefix_puts_the_whole_cosine_after_the_warmup_and_steps_round_epochs_up():
+    """sched.warmup_prefix (Swin): warmup_epochs of warmup, then a cosine over the remaining epochs that ends at
+    min_lr at sched.epochs (the run's length, warmup included); sched.steps: the epochs that hold them, the
+    last one partial."""
+    from engine.optim import schedule_length
+
+    cfg = load_config([DEBUG_CONFIG], ["sched.name=cosine", "sched.epochs=10", "sched.warmup_epochs=2",
+                                       "sched.warmup_prefix=true", "sched.per_step=false", "sched.min_lr=1e-4",
+                                       "optim.lr=0.01"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.0)
+    scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch=4)
+    for epoch, want in [(2, 0.01), (6, 1e-4 + 0.5 * (0.01 - 1e-4) * (1 + math.cos(math.pi * 4 / 8))), (10, 1e-4)]:
+        scheduler.step(epoch)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-9), epoch
+    assert schedule_length(SchedConfig(steps=10), 4) == (3, 10, True)
+    assert schedule_length(SchedConfig(epochs=3, per_step=False), 4) == (3, 12, False)
+
+
+def test_sgd_takes_the_configured_momentum():
+    cfg = load_config([DEBUG_CONFIG], ["optim.name=sgd", "optim.momentum=0.5", "optim.lr=0.01"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.0)
+    assert {g["momentum"] for g in optimizer.param_groups} == {0.5}
+
+
+def test_fused_kernels_are_the_default_on_cuda_only_and_optim_fused_decides_when_set():
+    from configs.schema import OptimConfig
+    from engine.optim import use_fused
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not use_fused(OptimConfig(name="adamw"), cpu) and use_fused(OptimConfig(name="adamw"), cuda)
+    assert not use_fused(OptimConfig(name="lamb"), cuda)
+    assert use_fused(OptimConfig(name="adamw", fused=True), cpu) and not use_fused(OptimConfig(fused=False), cuda)
