@@ -306,3 +306,12 @@ def test_probe_kurtosis_matches_a_direct_computation():
         assert records[name]["max"] == pytest.approx(x.abs().max().item(), rel=1e-6)
     metrics = probe.result().metrics()
     assert metrics["act/kurtosis_block"] == max(r["kurtosis"] for r in records.values() if r["kind"] == "block")
+
+
+def test_language_model_loss_is_the_mean_over_every_position():
+    """The training loss of CausalLMTask (nanoGPT's): the mean over all B x T positions of -log softmax at
+    the target, written as a loop; a per-window sum or a last-position loss would change the update size."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 5, 7, dtype=torch.float64), torch.randint(0, 7, (3, 5))
+    want = sum(-torch.log_softmax(logits[b, t], -1)[targets[b, t]] for b in range(3) for t in range(5)) / 15
+    assert float(CausalLMTask.criterion()(logits, targets)) == pytest.approx(float(want), rel=1e-12)

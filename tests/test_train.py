@@ -512,3 +512,16 @@ def test_a_run_stopped_at_max_steps_is_not_said_to_have_failed_to_learn(debug_co
     with caplog.at_level("WARNING"):
         result = train.main(debug_config())  # the same run, finished: still at chance on random labels
     assert result.reason == "finished" and "is at chance level" in caplog.text
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_classification_loss_is_label_smoothed_cross_entropy(smoothing):
+    """data.label_smoothing=eps (DeiT's 0.1): (1 - eps) * -log p_y + eps * mean_c(-log p_c), written out."""
+    from engine.tasks import ClassificationTask
+
+    torch.manual_seed(0)
+    logits, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 3, 1, 4])
+    logp = torch.log_softmax(logits, -1)
+    want = sum((1 - smoothing) * -logp[i, y[i]] - smoothing * logp[i].mean() for i in range(4)) / 4
+    got = ClassificationTask.criterion(smoothing, mixup=False)(logits, y)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
