@@ -137,3 +137,48 @@ def test_only_engine_figures_imports_matplotlib():
             if any(n == "matplotlib" or n.startswith("matplotlib.") for n in names):
                 importers.append(name)
     assert sorted(set(importers)) == ["engine/figures.py"], importers
+
+
+def test_kurtosis_metrics_skip_outputs_without_a_kurtosis():
+    """A constant output has no kurtosis (NaN); the largest kurtosis reported is the largest of the others,
+    wherever the NaN sits in the list."""
+    from engine.act_max import ActMaxResult
+
+    nan = float("nan")
+    records = [{"kind": "module", "kurtosis": nan, "max": 1.0}, {"kind": "module", "kurtosis": 4.0, "max": 1.0},
+               {"kind": "block", "kurtosis": 3.5, "max": 2.0}, {"kind": "block", "kurtosis": nan, "max": 2.0}]
+    metrics = ActMaxResult(module=1.0, block=2.0, per_layer=records).metrics()
+    assert metrics == {"act/max_module": 1.0, "act/max_block": 2.0, "act/kurtosis_module": 4.0,
+                       "act/kurtosis_block": 3.5}
+
+
+def test_module_maxima_cover_every_tensor_of_a_tuple_output():
+    """A module inside a block that returns a tuple (an attention returning its weights too): each tensor
+    of it counts toward the module maximum."""
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            return x * 3, -x * 5
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.split = Split()
+
+        def forward(self, x):
+            a, b = self.split(x)
+            return a + b
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block()])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    model = Net()
+    with torch.no_grad(), ActivationProbe(model) as probe:
+        model(torch.tensor([[1.0, -2.0]]))
+    got = probe.result()
+    assert (got.module, got.block) == (10.0, 4.0)  # max(|3x|, |-5x|) = 10; |3x - 5x| = |-2x| <= 4
