@@ -1,0 +1,281 @@
+"""Detection configs: MMDetection config files merged in order (method fragments add their hooks), `key=value`
+overrides parsed as MMEngine's --cfg-options, and the checks that refuse an override or a custom hook that
+would be stored and then ignored or fail far away."""
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import inspect
+import os
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+from mmengine.config import Config, DictAction
+from mmengine.registry import init_default_scope
+from mmengine.runner import Runner
+
+from cd.integrations.mmengine import apply_weight_decay_budget  # imports mmengine
+from engine.detection.data_checks import LOADERS, set_data_root
+from engine.detection.errors import DetectionError
+
+class CommandReads(NamedTuple):
+    """What a command other than a Runner's training reads of a config (evaluate_detection.py): its top-level
+    `keys`, what it `does` with them (for the message), and `instead`: keys it does not read (a top-level one,
+    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it)."""
+    keys: FrozenSet[str]
+    does: str
+    instead: Mapping[str, str]
+
+    def unread(self, key: str) -> Optional[str]:
+        """The part of the dotted override `key` that the command does not read, or None."""
+        top = key.split(".")[0]
+        named = next((k for k in self.instead if key == k or key.startswith(k + ".")), None)
+        return named or (top if top not in self.keys else None)
+
+
+def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
+                data_root: Optional[str] = None, reads: Optional[CommandReads] = None) -> Config:
+    """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
+    are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
+    `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
+    (dotted keys, as MMEngine's --cfg-options), then `data_root`. `reads`: the keys the command reads, where
+    it is not a Runner's training (check_override_keys)."""
+    if not paths:
+        raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
+                             "mask_rcnn_swin_t_1x.py")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DetectionError(f"--config {path}: no such file")
+    from configs.cli import named_twice
+    # a method fragment given twice adds its hook twice (merge_fragment): CD failed at the first step, after the
+    # run's config dump and settings file were written
+    problem = named_twice("--config", [os.path.realpath(p) for p in paths])
+    if problem:
+        raise DetectionError(problem)
+    cfg = read_config(paths[0])
+    for path in paths[1:]:
+        merge_fragment(cfg, read_config(path).to_dict())
+    model = cfg.get("model")
+    if not isinstance(model, dict) or "type" not in model:  # a method fragment alone, a train.py YAML recipe
+        raise DetectionError(f"--config {' '.join(paths)}: no MMDetection detector in it (a `model` dict with a "
+                             "`type`): give a detector config first, e.g. configs/detection/mask_rcnn_swin_t_1x.py, "
+                             "and a method fragment (configs/detection/method/) after it")
+    if overrides:
+        check_override_keys(cfg, overrides, reads)
+        try:
+            cfg.merge_from_dict(dict(overrides))
+        except TypeError as e:  # a dict given where the config has another value (MMEngine's message says how)
+            raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
+    if data_root is not None:
+        set_data_root(cfg, data_root, keep=overrides or {})
+    try:
+        apply_weight_decay_budget(cfg)  # after the overrides, so that a lam or weight decay given moves it
+    except ValueError as e:
+        raise DetectionError(str(e)) from None
+    init_default_scope(cfg.get("default_scope", "mmdet"))
+    return cfg
+
+
+def read_config(path: str) -> Config:
+    """The config file `path`, or one error line naming it."""
+    try:
+        return Config.fromfile(path)
+    except Exception as e:  # noqa: BLE001 - MMEngine executes the file: any error in it (syntax, a missing
+        # _base_, not Python at all) is the same one-line error about that file
+        raise DetectionError(f"--config {path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
+    """Merge a later --config file into `cfg` as MMEngine does, but add its `custom_hooks` to those `cfg` has
+    and join its `custom_imports.imports` with them: MMEngine replaces lists, so the second method fragment
+    (each is a hook) would drop the first one's hook while keeping its other settings."""
+    fragment = copy.deepcopy(fragment)
+    hooks = fragment.pop("custom_hooks", None)
+    imports = fragment.get("custom_imports", {}).get("imports")
+    earlier = (cfg.get("custom_imports") or {}).get("imports") or []
+    if imports is not None:
+        imports = [imports] if isinstance(imports, str) else list(imports)
+        fragment["custom_imports"]["imports"] = list(earlier) + [i for i in imports if i not in earlier]
+    cfg.merge_from_dict(fragment)
+    if hooks:
+        cfg.custom_hooks = list(cfg.get("custom_hooks") or []) + list(hooks)
+
+
+def parse_overrides(items):
+    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
+    namespace = argparse.Namespace()
+    for item in items:
+        if "=" not in item:
+            raise DetectionError(f"{item!r}: config overrides are key=value")
+    DictAction(option_strings=[], dest="options")(None, namespace, items)
+    return getattr(namespace, "options", {})
+
+
+# keys the entry points set from their own flags: an override of them would be overwritten or never read
+SCRIPT_FLAGS = {"work_dir": "--work-dir", "launcher": "--launcher", "resume": "--resume", "data_root": "--data-root"}
+# top-level keys MMEngine's Runner reads from the config besides its arguments (Runner.wrap_model, .train)
+READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "activation_checkpointing",
+                  "efficient_conv_bn_eval", "compile")
+READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_weight_decay_budget reads it after the overrides
+LOOP_KEYS = ("train_cfg", "val_cfg", "test_cfg")  # MMEngine's loops: epoch, iteration and interval counts
+POSITIVE_LOOP_COUNTS = ("max_epochs", "max_iters", "val_interval")  # counts MMEngine's loops need >= 1
+# dicts whose keys their readers take as they come (hook names, environment settings)
+OPEN_DICTS = ("default_hooks", "env_cfg")
+# keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
+BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
+
+
+def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[CommandReads] = None) -> None:
+    """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
+    point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
+    MMEngine's Runner knows (a typo such as `max_epoch=3`); a top-level variable of the config files
+    (`max_epochs=3`: already copied into train_cfg when the files were parsed); a top-level key that a command
+    other than a Runner's training does not read (`reads`: load_from or train_cfg in an evaluation); and a
+    deeper key the config does not have, unless what reads its dict takes it: a dict with a `type` builds a
+    registered class, whose __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader
+    arguments; a dict without either reads only the keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would
+    do nothing)."""
+    read = (set(inspect.signature(Runner.__init__).parameters) - {"self"}) | set(READ_BY_RUNNER + READ_BY_LOAD_CONFIG)
+    known = set(cfg.keys()) | read
+    for key in overrides:
+        top = key.split(".")[0]
+        if top in SCRIPT_FLAGS:
+            raise DetectionError(f"override {key}: {top} is set from the command's {SCRIPT_FLAGS[top]} flag (an "
+                                 f"override of it would be ignored): give {SCRIPT_FLAGS[top]} instead")
+        if top not in known:
+            close = difflib.get_close_matches(top, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise DetectionError(f"override {key}: '{top}' is not a key of the config or of MMEngine's Runner{hint}")
+        if top not in read:  # a variable of the config files (max_epochs, train_pipeline, ...), or custom_imports
+            # the Swin recipes' `pretrained` URL, which our configs replace by a local backbone file
+            uses = _uses(cfg, top, read) or (["model.backbone.init_cfg.checkpoint"] if top == "pretrained" else [])
+            hint = f" (e.g. {', '.join(uses[:3])})" if uses else ""
+            raise DetectionError(f"override {key}: '{top}' is read only while the config files are parsed (a variable "
+                                 f"they copy into the keys that use it), so the override would change nothing: "
+                                 f"override the keys that use it{hint}")
+        unread = reads.unread(key) if reads is not None else None
+        if unread is not None:
+            instead = reads.instead.get(unread)
+            raise DetectionError(f"override {key}: {reads.does} and does not read {unread}, so it would change "
+                                 f"nothing; {f'give {instead} instead' if instead else 'drop it'}")
+        _check_nested_key(cfg, key, overrides[key])
+
+
+def check_hooks(cfg: Config) -> None:
+    """Refuse a custom hook of `cfg` that cannot be built with its arguments (a typo of the config file or of an
+    override such as `custom_hooks.0.lamm=0.01`), naming it: a hook taking **kwargs (CD's passes them on to
+    ColinearityDecay) checks them only when MMEngine's Runner builds it, with a TypeError. Each is built here
+    once, as the Runner would, and dropped (a hook's constructor only stores and checks its arguments)."""
+    from mmdet.registry import HOOKS
+    for index, hook in enumerate(cfg.get("custom_hooks") or []):
+        hook = copy.deepcopy(hook)
+        hook.pop("priority", None)  # the Runner's, not the hook's
+        try:
+            HOOKS.build(hook)
+        except (TypeError, ValueError, KeyError) as e:
+            raise DetectionError(f"custom_hooks.{index} ({hook.get('type')}) cannot be built with its arguments "
+                                 f"({type(e).__name__}: {e}); fix them in the config file or the override") from None
+
+
+def _uses(cfg: Config, variable: str, read: set) -> List[str]:
+    """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable`: where
+    it was copied to (train_pipeline -> train_dataloader.dataset.pipeline, pretrained ->
+    model.backbone.init_cfg.checkpoint); a number or flag only under a name like the variable's (max_epochs ->
+    train_cfg.max_epochs: another 12 is no copy). MMDetection's base files tag their own dicts with a `_scope_`
+    that the copies lack: it is not compared."""
+    value, found = _unscoped(cfg[variable]), []
+    any_name = isinstance(value, (str, list, dict)) and bool(value)
+
+    def walk(prefix, node):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for name, inner in items:
+            path, name = f"{prefix}.{name}" if prefix else str(name), str(name)
+            if _unscoped(inner) == value and (any_name or variable.endswith(name) or name.endswith(variable)):
+                found.append(path)
+            else:
+                walk(path, inner)
+    walk("", {k: v for k, v in cfg.items() if k in read})
+    return found
+
+
+def _unscoped(value: Any) -> Any:
+    """`value` (config dicts and lists, nested) without MMEngine's `_scope_` keys."""
+    if isinstance(value, dict):
+        return {k: _unscoped(v) for k, v in value.items() if k != "_scope_"}
+    if isinstance(value, (list, tuple)):
+        return [_unscoped(v) for v in value]
+    return value
+
+
+def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
+    """Walk the dotted `key` through `cfg` (list items by index) and check the first part it does not find; a
+    key it finds holding a number or flag refuses a `value` that is text (`train_cfg.max_epochs=abc`: MMEngine
+    would store it and fail far away, e.g. in a dataset's int())."""
+    parts = key.split(".")
+    node: Any = dict(cfg.items())  # a Config is no dict; its values are ConfigDicts
+    for depth, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, list) and part.isdigit():  # MMEngine's merge would fail with a KeyError
+            parent = ".".join(parts[:depth])
+            raise DetectionError(f"override {key}: {parent} has {len(node)} item{'s' if len(node) != 1 else ''} "
+                                 f"(indices from 0), so there is no {parent}.{part}; to add one, give a config file "
+                                 "as a later --config")
+        elif isinstance(node, dict) and depth > 0:
+            _check_new_key(node, part, ".".join(parts[:depth]), key)
+            return
+        else:  # a top-level key of the Runner, or a value (None, a number) that the override replaces whole
+            return
+    if isinstance(node, (bool, int, float)) and isinstance(value, str):
+        kind = "true or false" if isinstance(node, bool) else "a number"
+        raise DetectionError(f"override {key}={value}: the config holds {kind} there ({node!r}); give {kind}")
+    if parts[0] in LOOP_KEYS and type(node) is int and isinstance(value, float) and not value.is_integer():
+        # MMEngine's loops assert whole counts (max_epochs, val_interval, ...), with a traceback
+        raise DetectionError(f"override {key}={value}: {parts[0]} counts in whole numbers; give one")
+    if (parts[0] in LOOP_KEYS and parts[-1] in POSITIVE_LOOP_COUNTS and isinstance(value, (int, float))
+            and not isinstance(value, bool) and value < 1):
+        # 0 trains nothing (max_epochs) or fails after a whole epoch (val_interval: a modulo by zero)
+        raise DetectionError(f"override {key}={value}: give at least 1")
+
+
+def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
+    """Refuse the new key `part` of the dict `parent` (`node`) when nothing would read it (check_override_keys)."""
+    top = parent.split(".")[0]
+    if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()) or top in OPEN_DICTS:
+        return
+    if parent in LOADERS:
+        takes, what = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters), "torch's DataLoader"
+    elif node.get("type") is None:
+        close = difflib.get_close_matches(part, [str(k) for k in node], n=3)
+        hint = f" (did you mean {', '.join(parent + '.' + c for c in close)}?)" if close else ""
+        raise DetectionError(f"override {key}: the config has no such key{hint}, and {parent} (a dict without a "
+                             f"`type`) is read for the keys it has only; to add a key its code reads, set it in a "
+                             "config file given as a later --config")
+    else:
+        takes, what = _init_parameters(node["type"]), f"{node['type']} ({parent})"
+    if takes is not None and part not in takes:
+        close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
+        hint = f"; did you mean {', '.join(parent + '.' + c for c in close)}?" if close else ""
+        raise DetectionError(f"override {key}: {what} takes no argument '{part}'{hint}")
+
+
+def _init_parameters(kind: Any) -> Optional[set]:
+    """The keyword arguments the class registered as `kind` takes (in MMDetection's or MMEngine's registries),
+    or None where that is not known: no registered class, a **kwargs, a signature that cannot be read."""
+    from mmengine.registry import Registry
+    import mmdet.registry as registries
+    found = [kind] if callable(kind) else [c for r in vars(registries).values() if isinstance(r, Registry)
+                                           for c in [r.get(kind)] if c is not None]
+    taken: set = set()
+    for builder in found:
+        try:
+            parameters = inspect.signature(builder.__init__ if inspect.isclass(builder) else builder).parameters
+        except (TypeError, ValueError):
+            return None
+        if not found or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return None
+        taken |= set(parameters)
+    return taken or None

@@ -1,0 +1,95 @@
+"""Scoring a detector: COCO box / mask mAP over a loader (MMDetection's CocoMetric, restricted to the images
+scored, gathered across ranks) and the paper's backbone / head activation maxima."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import time
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+from mmengine.config import Config
+from mmengine.evaluator import Evaluator
+from mmdet.registry import METRICS
+
+from engine.act_max import ActivationProbe
+from engine.detection.data_checks import annotation_paths, check_evaluator_annotations, reading_annotations
+from engine.distributed import all_reduce
+
+BACKBONE = ("backbone",)
+HEADS = ("neck", "rpn_head", "roi_head")
+METRIC_KEYS = ("bbox_mAP", "bbox_mAP_50", "bbox_mAP_75", "segm_mAP", "segm_mAP_50", "segm_mAP_75")
+
+
+def _image_ids(dataset) -> List[int]:
+    """The COCO image ids of the images `dataset` holds (only the first N under --max-images)."""
+    return [dataset.get_data_info(i)["img_id"] for i in range(len(dataset))]
+
+
+def _evaluator(cfg: Config, loader) -> Any:
+    """The config's test metrics, scoring the images of `loader` only: MMDetection's CocoMetric scores every
+    image of its annotation file unless its `img_ids` are set, so a partial set (--max-images) would count the
+    images it never saw as missed. Under torchrun they gather the ranks' predictions through the process group
+    (collect_device "gpu": all_gather_object, on gloo too) unless the config sets collect_device: MMEngine's
+    default, "cpu", writes them into a `.dist_test` folder it leaves in the working directory, which every
+    node must share."""
+    check_evaluator_annotations(cfg)
+    metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
+    metrics = [copy.deepcopy(m) for m in metrics]
+    if torch.distributed.is_initialized():
+        for metric in metrics:
+            metric.setdefault("collect_device", "gpu")
+    with reading_annotations(annotation_paths(cfg, "test_evaluator")):
+        built = [METRICS.build(m) for m in metrics]
+    ids = _image_ids(loader.dataset)
+    for metric in built:
+        if getattr(metric, "img_ids", False) is None:  # CocoMetric: None means every image of its ann_file
+            metric.img_ids = ids
+    evaluator = Evaluator(built)
+    evaluator.dataset_meta = loader.dataset.metainfo
+    return evaluator
+
+
+@torch.no_grad()
+def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool = False,
+                      progress: bool = True) -> Dict[str, Any]:
+    """COCO box / mask mAP of `model` on `loader` (pycocotools, through MMDetection's CocoMetric), and with
+    `probe_maxima` the activation maxima of the backbone and of the heads (module outputs, see
+    `activation_maxima`). Returns {"bbox_mAP": .., "segm_mAP": .., ..., "images": N, "seconds": ..}.
+
+    Under torchrun each rank scores its shard of `loader` (MMEngine's DefaultSampler); the evaluator gathers
+    the predictions on rank 0, which computes the metrics for every rank, and the maxima are all-reduced."""
+    evaluator = _evaluator(cfg, loader)
+    model.eval()
+    device = next(model.parameters()).device
+    probe = ActivationProbe(model, blocks=BACKBONE + HEADS) if probe_maxima else None
+    start, images = time.perf_counter(), 0
+    with probe if probe is not None else contextlib.nullcontext():
+        for i, batch in enumerate(loader):
+            outputs = model.test_step(batch)
+            evaluator.process(data_samples=outputs, data_batch=batch)
+            images += len(outputs)
+            if progress and (i + 1) % 50 == 0:  # under torchrun: of this rank's shard
+                print(f"  {images}/{len(loader.sampler)} images", flush=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
+        metrics = evaluator.evaluate(len(loader.dataset))
+    result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}
+    # the sampler pads the last shards with repeated images, which the evaluator drops: count each image once
+    scored = int(all_reduce(torch.tensor([images], device=device)).item())
+    result.update(images=min(scored, len(loader.dataset)), seconds=time.perf_counter() - start)
+    if probe is not None:
+        result["max_act"] = activation_maxima(probe, device)
+    return result
+
+
+def activation_maxima(probe: ActivationProbe, device: torch.device) -> Dict[str, Any]:
+    """The paper's detection "Max. Act. (backbone / head)": max |value| over the outputs of every module in
+    the backbone (blocks and everything in them, patch merging, the output norms), and over those of every
+    module of the neck, RPN and RoI heads, on the evaluated images. (The paper does not define the sets
+    further; this is our reading of "aggregated ... over the backbone and detector head outputs".)"""
+    records = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).per_layer
+    def largest(prefixes):
+        return max((r["max"] for r in records if r["name"].split(".")[0] in prefixes), default=0.0)
+    return {"backbone": largest(BACKBONE), "head": largest(HEADS)}

@@ -1,0 +1,128 @@
+"""Detection images for scoring and quantization: a split's loader, and the training images given the test
+pipeline that quantization calibrates and reconstructs on (`DetectorFeed`, a `quant.calibrate.ModelFeed`;
+`DetectorSamples`, a `quant.units.SampleFeed`): the seam between a detector and quant/."""
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from mmengine.config import Config
+from mmengine.dataset import pseudo_collate
+from mmengine.runner import Runner
+from mmdet.registry import DATASETS
+
+from engine.detection.data_checks import _datasets, annotation_paths, reading_annotations
+from engine.detection.errors import DetectionError
+
+def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None) -> torch.utils.data.DataLoader:
+    """The `split` loader of `cfg` ("test" or "val"); `max_images` keeps the first N images (a partial result,
+    marked as such by the caller)."""
+    loader_cfg = copy.deepcopy(cfg[f"{split}_dataloader"])
+    if max_images is not None:
+        if max_images < 1:
+            raise DetectionError(f"--max-images {max_images}: give at least 1")
+        loader_cfg["dataset"]["indices"] = max_images
+    with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
+        loader = Runner.build_dataloader(loader_cfg)
+    if max_images is not None and len(loader.dataset) < max_images:  # MMEngine keeps what there is, silently
+        raise DetectionError(f"--max-images {max_images}: the {split} split has only {len(loader.dataset)} images "
+                             "(drop --max-images to score them all)")
+    return loader
+
+
+class TrainingImages:
+    """The training split with the TEST pipeline (resize, no flip), so that no validation image is seen before
+    scoring: built once (COCO's train2017 annotations take a while) for the counts to be checked before any work
+    and for every pipeline that draws calibration or reconstruction images from it."""
+
+    def __init__(self, cfg: Config) -> None:
+        dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
+        test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
+        for dataset in _datasets(dataset_cfg):
+            if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
+                dataset["pipeline"] = test_pipeline
+        dataset_cfg.pop("indices", None)
+        with reading_annotations(annotation_paths(cfg, "train_dataloader")):
+            self.dataset = DATASETS.build(dataset_cfg)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def check(self, count: int, flag: str) -> None:
+        """Refuse drawing `count` images, `flag` naming the option that asked for them."""
+        if count < 1:
+            raise DetectionError(f"{flag} {count}: give at least 1")
+        if len(self.dataset) < count:
+            raise DetectionError(f"{flag} {count}: the training split has only {len(self.dataset)} images")
+
+    def draw(self, count: int, seed: int, flag: str) -> tuple:
+        """(indices, samples): `count` distinct images drawn with `seed`."""
+        self.check(count, flag)
+        indices = sorted(random.Random(seed).sample(range(len(self.dataset)), count))
+        return indices, [self.dataset[i] for i in indices]
+
+
+def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str,
+                                    images: Optional[TrainingImages] = None) -> tuple:
+    """(indices, samples): `count` distinct images of the training split drawn with `seed`, each given the TEST
+    pipeline (`TrainingImages`; `images`: one already built). `flag` names the option that asked for them in
+    errors."""
+    if count < 1:  # before the split is read
+        raise DetectionError(f"{flag} {count}: give at least 1")
+    return (images or TrainingImages(cfg)).draw(count, seed, flag)
+
+
+class DetectorFeed:
+    """A detector's calibration set as a `quant.calibrate.ModelFeed` and a one-batch `quant.units.SampleFeed`:
+    `count` images of the training split, drawn with `seed` and given the TEST pipeline (resize, no flip),
+    collated into ONE padded batch, so that a single test step of the detector calibrates every quantizer on
+    all of them at once.
+
+    The official RepQ-ViT and APHQ detection code calibrates on one image at batch 1 (RepQ-ViT: its test
+    loader's first; APHQ: its training loader's first); here the images come from the training split with the
+    test pipeline.
+    """
+
+    def __init__(self, cfg: Config, count: int, seed: int = 0, images: Optional[TrainingImages] = None) -> None:
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, "--calib-images", images)
+        self.batch = pseudo_collate(images)
+        self.count = count
+
+    @torch.no_grad()
+    def feed(self, model: nn.Module) -> int:
+        model.test_step(self.batch)
+        return self.count
+
+    def __len__(self) -> int:
+        return 1
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, index: int) -> Any:
+        return model.test_step(self.batch)
+
+
+class DetectorSamples:
+    """APHQ's reconstruction images of a detector (`quant.aphq.detector.DetectorSamples`), and GPLQ's QwT images:
+    `count` training images drawn with `seed`, test pipeline, one image per batch (the official optimisation
+    loader has batch 1 and takes the first 256 images with the training pipeline). `flag`: the option that set
+    `count`, for errors."""
+
+    def __init__(self, cfg: Config, count: int, seed: int = 0, flag: str = "--quant-options aphq.recon_images",
+                 images: Optional[TrainingImages] = None) -> None:
+        self.indices, images = train_images_with_test_pipeline(cfg, count, seed, flag, images)
+        self.batches = [pseudo_collate([image]) for image in images]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, index: int) -> Any:
+        return model.test_step(self.batches[index])
+
+    def rpn_outputs(self, model: nn.Module, index: int) -> tuple:
+        """The raw RPN outputs (objectness logits, box deltas per FPN level) of image `index`, with gradients."""
+        data = model.data_preprocessor(self.batches[index], False)
+        return model.rpn_head(model.extract_feat(data["inputs"]))

@@ -1,0 +1,160 @@
+"""Detector weights: the backbone's pretrained checkpoint checked against the backbone before training, a
+detector built from an evaluation checkpoint (refused where its weights or classes do not fit), and the
+training method a checkpoint's config names."""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from mmengine.config import Config
+from mmdet.registry import MODELS
+
+from engine.detection.errors import DetectionError
+from models.modules import nonfinite_tensors
+
+def check_checkpoint_classes(model: nn.Module, loader, checkpoint: str) -> None:
+    """Refuse a checkpoint trained on other classes, or on the same ones in another label order, than the data set
+    `loader` scores (its labels are the config's classes, check_categories): the metric would score each of its
+    predicted labels as another class. A checkpoint that keeps no classes (written elsewhere) is not checked."""
+    trained = (model.dataset_meta or {}).get("classes")
+    scored = tuple(loader.dataset.metainfo.get("classes") or ())
+    if trained and tuple(trained) != scored:
+        raise DetectionError(f"--checkpoint {checkpoint} was trained on the classes {', '.join(trained)} (label "
+                             f"order), but the evaluated data set has {', '.join(scored)}: evaluate it on the data "
+                             "set it was trained for, with that config's classes")
+
+
+def check_backbone_init(cfg: Config) -> None:
+    """The backbone starts from a local checkpoint file when the config says it is pretrained (the paper
+    starts from the official Swin ImageNet checkpoints); nothing is downloaded."""
+    init = (cfg.model.get("backbone") or {}).get("init_cfg") or {}
+    if init.get("type") != "Pretrained":
+        return
+    key = "model.backbone.init_cfg.checkpoint"
+    path = init.get("checkpoint")
+    if not path:
+        raise DetectionError(f"{key} is not set: give the official Swin ImageNet checkpoint, e.g. "
+                             f"{key}=/weights/swin_tiny_patch4_window7_224.pth (or {key.rsplit('.', 1)[0]}"
+                             "=None to start from random weights)")
+    if "://" in str(path):
+        raise DetectionError(f"{key}={path} is a URL and nothing is downloaded here: download it and give "
+                             "the local path")
+    if not os.path.isfile(path):
+        raise DetectionError(f"{key}={path}: no such file")
+    check_backbone_checkpoint(cfg, path)
+
+
+# keys an ImageNet Swin checkpoint lacks or has beyond the detection backbone, which MMDetection's official
+# recipe leaves so: the norms of the detection outputs (new), the classifier's final norm and the attention
+# masks and indices (buffers, rebuilt by the model)
+NEW_IN_DETECTION = re.compile(r"^norm\d+\.")
+LEFT_BY_DETECTION = re.compile(r"^norm\.|attn_mask$|relative_position_index$")
+
+
+def check_backbone_checkpoint(cfg: Config, path: str) -> None:
+    """Refuse a backbone checkpoint that does not fit the config's backbone, naming the mismatched weights.
+    MMDetection's Swin loads it with `load_state_dict(strict=False)` and says nothing, so weights of another
+    model (a ResNet's: none load, the run trains from random; a Swin-S's into a Swin-T: part of it) would train
+    as if pretrained. The backbone's own loading code runs here (key conversion, bias-table interpolation) and
+    what it would load is compared with the backbone's parameters."""
+    key = "model.backbone.init_cfg.checkpoint"
+    backbone = MODELS.build(copy.deepcopy(cfg.model.backbone))
+    loaded: Dict[str, torch.Tensor] = {}
+    called = []
+
+    def record(state_dict, strict=True):  # instead of loading: what would be loaded is all that matters here
+        loaded.update(state_dict)
+        called.append(True)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    backbone.load_state_dict = record
+    try:
+        backbone.init_weights()
+    except IndexError:  # MMDetection's Swin reads the first backbone weight it found in the file: there is none
+        raise DetectionError(f"{key}={path} holds no weights of model.backbone "
+                             f"({cfg.model.backbone.get('type')}): give the official checkpoint of this backbone") \
+            from None
+    except Exception as e:  # noqa: BLE001 - not a checkpoint, or one the loading code cannot convert
+        raise DetectionError(f"{key}={path}: cannot be loaded into model.backbone ({type(e).__name__}: {e})") \
+            from None
+    if not called:  # a backbone that loads otherwise (MMEngine's PretrainedInit, which logs its mismatches)
+        return
+    misfit = mismatch(backbone.state_dict(), loaded, needed=[name for name, _ in backbone.named_parameters()],
+                      may_lack=NEW_IN_DETECTION, may_add=LEFT_BY_DETECTION)
+    if misfit:
+        raise DetectionError(f"{key}={path} does not fit model.backbone ({cfg.model.backbone.get('type')}): "
+                             f"{misfit} weights; give the official checkpoint of this backbone")
+
+
+def mismatch(own: Dict[str, torch.Tensor], given: Dict[str, torch.Tensor], needed: Optional[List[str]] = None,
+             may_lack: Optional[re.Pattern] = None, may_add: Optional[re.Pattern] = None) -> str:
+    """'3 missing (e.g. a, b, c); 1 of another shape (e.g. d)': the keys of `given` that do not fit the state
+    dict `own`, or '' where it fits. `needed`: the keys `given` must hold (all of `own` if None); keys matching
+    `may_lack` may be missing from it, keys matching `may_add` may be in it beyond `own`."""
+    needed = set(own) if needed is None else set(needed)
+    missing = sorted(k for k in needed - set(given) if not (may_lack and may_lack.search(k)))
+    unexpected = sorted(k for k in set(given) - set(own) if not (may_add and may_add.search(k)))
+    shapes = sorted(k for k in set(own) & set(given) if tuple(own[k].shape) != tuple(given[k].shape))
+    return "; ".join(f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                     (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v)
+
+
+def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Module:
+    """The detector of `cfg` with the weights of `checkpoint` (an MMEngine checkpoint: `state_dict` and
+    `meta`), in eval mode. Weights of another model are refused with their mismatched keys named."""
+    if not os.path.isfile(checkpoint):
+        raise DetectionError(f"--checkpoint {checkpoint}: no such file")
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.get("backbone", {}).pop("init_cfg", None)  # the checkpoint holds every weight
+    model = MODELS.build(model_cfg)
+    # An MMEngine checkpoint pickles its message hub (mmengine / numpy objects) beside the weights, which
+    # torch >= 2.6's weights_only loader refuses; the file is the one the user names for evaluation.
+    try:
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+        raise DetectionError(f"--checkpoint {checkpoint}: cannot be read ({type(e).__name__}: {e})") from None
+    state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
+    if not isinstance(state, dict) or not state:
+        raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
+    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    misfit = mismatch(model.state_dict(), state)
+    if misfit:
+        raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: {misfit} weights")
+    bad = nonfinite_tensors(state)
+    if bad:  # every score would be a chance-level number of broken weights
+        raise DetectionError(f"--checkpoint {checkpoint} holds non-finite weights: {'; '.join(bad[:3])}"
+                             f"{' ...' if len(bad) > 3 else ''}")
+    model.load_state_dict(state, strict=True)
+    meta = payload.get("meta") or {}
+    classes = (meta.get("dataset_meta") or {}).get("classes")
+    model.dataset_meta = {"classes": tuple(classes)} if classes else None
+    model.training_method = training_method(meta)
+    return model.to(device).eval()
+
+
+# the hooks of configs/detection/method/ and the method each stands for (Table 2's rows)
+METHOD_HOOKS = {"ColinearityDecayHook": "CD", "TweoHook": "TWEO", "WeightNoiseHook": "Noise"}
+
+
+def training_method(meta: dict) -> Optional[str]:
+    """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
+    (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), "Baseline" when it ran none of their
+    hooks; None when the checkpoint keeps no readable config (a file converted or written elsewhere)."""
+    text = meta.get("cfg") if isinstance(meta, dict) else None
+    if not isinstance(text, str):
+        return None
+    with tempfile.TemporaryDirectory() as folder:  # Config.fromstring leaves its file behind on an error
+        path = os.path.join(folder, "training_config.py")
+        with open(path, "w") as f:
+            f.write(text)
+        try:  # the hooks are read, not built: their modules (custom_imports) need not be importable here
+            hooks = Config.fromfile(path, import_custom_modules=False).get("custom_hooks") or []
+        except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
+            return None
+    types = [str(hook.get("type")).rsplit(".", 1)[-1] for hook in hooks if isinstance(hook, dict)]  # mmdet.X
+    return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"
