@@ -29,7 +29,7 @@ from .units import device_of, stream_module_inputs
 @runtime_checkable
 class ModelFeed(Protocol):
     """Calibration inputs that run a model themselves, for models that are not called on one tensor (an
-    MMDetection detector: `engine/detection.py`'s `DetectorFeed` runs its test step on one collated batch of
+    MMDetection detector: `engine/detection/feeds.py`'s `DetectorFeed` runs its test step on one collated batch of
     images with their metadata). `feed(model)` runs ONE forward of `model` on the whole calibration set, so
     that each quantizer fits on all of it at once, and returns how many inputs that was."""
 

@@ -39,7 +39,7 @@ class PipelineData:
         batch (quant.aphq.detector.DetectorSamples; evaluate_detection.py builds it). Given instead of
         train_images for a model that is not called on an image tensor.
     train_detector: (student, settings, work_dir) -> report: trains a detector in place on its own loss
-        with MMDetection's runner (GPLQ stage 1; engine/detection.py `train_activation_qat`), resuming from
+        with MMDetection's runner (GPLQ stage 1; engine/detection/qat.py `train_activation_qat`), resuming from
         the checkpoints in work_dir.
     identity: what the drawn images depend on besides the arguments (the training split and its
         transform): a pipeline that keeps files between runs (GPLQ stage 1) records it, so that a file

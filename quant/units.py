@@ -39,7 +39,7 @@ NECK_PATTERNS = ("neck",)
 
 @runtime_checkable
 class SampleFeed(Protocol):
-    """Inputs of a model that is not called on one tensor (an MMDetection detector: `engine/detection.py`'s
+    """Inputs of a model that is not called on one tensor (an MMDetection detector: `engine/detection/feeds.py`'s
     `DetectorSamples`), as `len(feed)` batches that run the model themselves: `feed.run(model, i)` is one
     forward of batch i. Captures over a feed are per batch."""
 

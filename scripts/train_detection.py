@@ -283,7 +283,7 @@ def run(argv=None) -> None:
     """main() with bad input reported as one `error:` line and exit code 2."""
     try:
         sys.exit(main(argv))
-    except ValueError as e:  # DetectionError (engine/detection.py), a bad override (parse_overrides)
+    except ValueError as e:  # DetectionError (engine/detection/errors.py), a bad override (parse_overrides)
         from engine.runinfo import exit_with_error
         exit_with_error(str(e), code=2)  # one write: under torchrun the ranks share stderr
 

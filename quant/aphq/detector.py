@@ -6,7 +6,7 @@ The classification steps (pipeline.py) with the detection code's differences:
 1. Data: the calibration batch is the entry point's (`evaluate_detection.py --calib-images`, officially one
    image); the reconstruction set is `recon_images` (officially 256) training images, one per batch
    (`PipelineData.detector_samples`). The official code takes the first 256 images of its training loader
-   with the training pipeline; ours are drawn with `data_seed` and get the test pipeline (engine/detection.py).
+   with the training pipeline; ours are drawn with `data_seed` and get the test pipeline (engine/detection/feeds.py).
 2. Layout: APHQ's (pipeline.py), the whole detector in scope: the backbone, the FPN neck and the RPN and
    RoI heads (quant/spec.py `DETECTOR_HEADS`); the stem's image input float.
 3. Calibration (calibration.py with `conv_search="self"`): fold, then every layer on float inputs; the
@@ -52,7 +52,7 @@ MLP_OPTIONS = ("mlp_iters", "mlp_lr", "mlp_clip_percentile", "mlp_clip_weight") 
 @runtime_checkable
 class DetectorSamples(SampleFeed, Protocol):
     """A detector's reconstruction images, one per batch, that also give the raw RPN outputs of an image
-    (with gradients) for the APH weight: engine/detection.py's `DetectorSamples`."""
+    (with gradients) for the APH weight: engine/detection/feeds.py's `DetectorSamples`."""
 
     def rpn_outputs(self, model: nn.Module, index: int) -> RPNOutputs: ...
 

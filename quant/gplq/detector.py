@@ -9,7 +9,7 @@ GPU, no PCA loss. Everything else is the classification procedure (pipeline.py),
 2. LSQ initialisation: one pass over the caller's calibration batch (`evaluate_detection.py --calib-images`,
    so `init_images` is that count), min/max per channel, percentiles for the matmul operands.
 3. Stage 1 (W32A4): every float weight and every LSQ scale trained on the detector's own loss
-   (RPN + RoI box + mask) by MMEngine's runner (`PipelineData.train_detector`, engine/detection.py): AdamW at a
+   (RPN + RoI box + mask) by MMEngine's runner (`PipelineData.train_detector`, engine/detection/qat.py): AdamW at a
    constant lr (default as the paper's GPU table for the global batch), one epoch by default, batch 1 per
    GPU, resumable from the checkpoints in `<work prefix>_gplq_<bits>_stage1/`. Under torchrun every rank
    trains its shard in DDP (the paper: 8 GPUs at batch 1); the steps are per rank.

@@ -4,7 +4,7 @@ on top of an MMDetection config (Mask R-CNN + Swin; AdamW, weight decay 0.05).
 lam = 0.005 and the regularization-budget rule (App. A.2: weight decay 0.05 - lam = 0.045) are our choices: the
 paper gives no detection strengths, so these are its pre-training ones (one tenth of the weight decay). Give it as
 a later --config of scripts/train_detection.py or evaluate_detection.py: they merge it over the earlier files, add
-its hook to theirs (engine/detection.py `merge_fragment`: with tweo.py or noise.py both hooks run) and apply
+its hook to theirs (engine/detection/config.py `merge_fragment`: with tweo.py or noise.py both hooks run) and apply
 `cd_budget` once files and overrides are merged (`cd.integrations.mmengine.apply_weight_decay_budget`): the weight
 decay the config then holds, minus the hook's lam, so `custom_hooks.0.lam=0.01` gives 0.04 and
 `optim_wrapper.optimizer.weight_decay=0.1` gives 0.095; `cd_budget=False` keeps the weight decay as given.

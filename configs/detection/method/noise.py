@@ -1,6 +1,6 @@
 """The Noise baseline on the detector's backbone (paper Sec. "COCO Detection": uniform-noise injection in weights,
 UNIQ, Baskin et al. 2021), an MMEngine config fragment to merge on top of an MMDetection config. Give it as a later
---config of scripts/train_detection.py, which adds its hook to those of the earlier files (engine/detection.py
+--config of scripts/train_detection.py, which adds its hook to those of the earlier files (engine/detection/config.py
 `merge_fragment`: e.g. with cd.py both hooks run). Elsewhere `_base_ = ["<mmdet config>.py", "<this file>"]`
 works when the MMDetection config has no custom_hooks of its own (MMEngine refuses a key two `_base_` files
 share, and `Config.merge_from_dict` would replace the hook list).
