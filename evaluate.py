@@ -50,7 +50,7 @@ from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, f
                                  recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
-from engine.loop import NonFiniteLossError
+from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
@@ -760,7 +760,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 # the user's mistakes: one `error:` line each (scripts that call main() catch the same)
 USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError,
-               NonFiniteLossError)
+               NonFiniteLossError, NothingScoredError)
 
 if __name__ == "__main__":
     try:

@@ -44,7 +44,7 @@ from engine.checkpoint import (CheckpointError, class_differences, restore_train
                                save_on_main_rank, training_payload)
 from engine.distributed import DistInfo, all_reduce, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
-from engine.loop import NonFiniteLossError, TrainLoop, TrainState, progress_kept_on_error
+from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
@@ -572,5 +572,5 @@ if __name__ == "__main__":
         if main(parse_args(sys.argv[1:])).reason == "preempted":
             sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
-            DivergenceError) as e:
+            NothingScoredError, DivergenceError) as e:
         exit_with_error(str(e))  # stderr and train.log

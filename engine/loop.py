@@ -43,6 +43,11 @@ class NonFiniteLossError(RuntimeError):
     logits / loss of an evaluation (nothing is written)."""
 
 
+class NothingScoredError(ValueError):
+    """An evaluation that scored nothing (an empty loader, or every image unreadable): a top-1 of 0 % or a
+    perplexity of 1 made of no data is no result."""
+
+
 # Errors that end a run on purpose, each saying itself what was kept: no emergency checkpoint after them.
 _DELIBERATE = (NonFiniteLossError, DivergenceError)
 
@@ -484,6 +489,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
 
     Returns:
         {"top1", "top5", "loss", "count" (images scored), "excluded" (unreadable images left out)}.
+    Raises NothingScoredError when no image was scored.
     """
     model.eval()
     dataset = getattr(loader, "dataset", None)
@@ -526,8 +532,11 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     if bad < -none_bad or not math.isfinite(sums[2].item()):
         raise NonFiniteLossError(_nonfinite_message(progress, bad, -none_bad, world, batch_size, dataset))
     correct1, correct5, loss, count, excluded = sums.tolist()
-    scored = max(count, 1.0)
-    return {"top1": 100.0 * correct1 / scored, "top5": 100.0 * correct5 / scored, "loss": loss / scored,
+    if count == 0:  # the same sums on every rank: every rank raises
+        raise NothingScoredError(f"{progress or 'evaluation'}: no image was scored: " + (
+            f"all {int(excluded)} image(s) are unreadable (named in the warning above); replace or remove them"
+            if excluded else "the data loader yielded no image; check the split's folder and the data settings"))
+    return {"top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count, "loss": loss / count,
             "count": int(count), "excluded": int(excluded)}
 
 

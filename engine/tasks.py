@@ -24,7 +24,7 @@ from configs import ConfigError
 from models import is_language_model
 
 from .distributed import all_reduce
-from .loop import EvalBatches, NonFiniteLossError
+from .loop import EvalBatches, NonFiniteLossError, NothingScoredError
 from .loop import evaluate as evaluate_classifier
 from .precision import autocast
 
@@ -124,6 +124,7 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
 
     Returns:
         {"loss" (nats per token), "ppl" (exp(loss), capped: `perplexity`), "count" (windows), "tokens"}.
+    Raises NothingScoredError when no window was scored.
     """
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)  # summed loss, tokens, windows
@@ -146,7 +147,10 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
                                  "no perplexity can be computed and nothing is written; the weights (or the "
                                  "quantized model) produce non-finite logits (with fp16 autocast an overflow can: "
                                  "try none or bf16)")
-    mean = loss / max(tokens, 1.0)
+    if tokens == 0:  # a perplexity of 1 over no token is no result (the same sums on every rank)
+        raise NothingScoredError(f"{progress or 'evaluation'}: no token was scored: the data loader yielded no "
+                                 "window; check the split and data.block_size")
+    mean = loss / tokens
     return {"loss": mean, "ppl": perplexity(mean), "count": int(windows), "tokens": int(tokens)}
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from configs import load_config
 from data import DataError, build_eval_loader, build_loaders, calibration_images
-from engine.loop import TrainLoop, TrainState, evaluate
+from engine.loop import NothingScoredError, TrainLoop, TrainState, evaluate
 from tests.conftest import DEBUG_CONFIG, make_folder
 
 
@@ -109,6 +109,18 @@ def test_evaluation_leaves_out_names_and_counts_any_failing_image(tmp_path, how,
         result = evaluate(linear_model(), eval_loader(tmp_path), torch.device("cpu"))
     assert result["count"] == 5 and result["excluded"] == 1
     assert os.path.join("b", "1.png") in caplog.text
+
+
+def test_an_evaluation_that_scores_no_image_is_an_error_not_a_top1_of_zero(tmp_path, caplog):
+    """Every val image unreadable (or an empty loader): train.py logged "val top-1 0.00% on 0 images", called
+    it chance level and kept best.pt; a result made of no image is refused on every rank."""
+    make_folder(tmp_path, {"val": {"a": 2, "b": 1}})
+    for path in (tmp_path / "val").rglob("*.png"):
+        path.write_bytes(b"not an image")
+    with pytest.raises(NothingScoredError, match=r"no image was scored: all 3 image\(s\) are unreadable"):
+        evaluate(linear_model(), eval_loader(tmp_path), torch.device("cpu"))
+    with pytest.raises(NothingScoredError, match="the data loader yielded no image"):
+        evaluate(linear_model(), [], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("how", ["garbage", "bomb"])

@@ -18,7 +18,7 @@ from configs.schema import DataConfig, SchedConfig
 from data import DataError
 from data.text import TokenStream, TokenWindows, check_vocabulary, token_stream
 from engine.optim import build_scheduler
-from engine.loop import NonFiniteLossError
+from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.tasks import CausalLMTask, evaluate_language_model
 from models import ModelError
 from models.gpt import build_gpt, checkpoint_filter_fn
@@ -220,6 +220,9 @@ def test_perplexity_matches_naive_loop():
     model.head.weight.data[0, 0] = float("nan")  # a NaN weight: an error, never a perplexity of NaN
     with pytest.raises(NonFiniteLossError, match="non-finite"):
         evaluate_language_model(model, loader, torch.device("cpu"))
+    # no window at all: an error, never the perfect perplexity of 1 made of no token
+    with pytest.raises(NothingScoredError, match="no token was scored"):
+        evaluate_language_model(model, torch.utils.data.DataLoader([], batch_size=2), torch.device("cpu"))
 
 
 def test_a_collapsed_model_trains_on_and_its_perplexity_reads_as_the_cap(tmp_path, caplog):
