@@ -179,6 +179,12 @@ def read_sweep(root: str) -> list[Run]:
     if not runs:
         raise ReportError(f"{root}: no evaluated run (<point>_s<seed>/eval_best.json); run the sweep with "
                           f"--run --evaluate first")
+    seen = {}
+    for run in runs:  # baseline_s1 and baseline_s01: one seed named twice, shown as "1,1" and averaged as two
+        first = seen.setdefault((run.point, run.seed), run.folder)
+        if first != run.folder:
+            raise ReportError(f"{first} and {run.folder} both name seed {run.seed} of point {run.point}; give "
+                              f"each run of a point its own seed number (folder <point>_s<seed>)")
     labelled = [(run.folder, run.result) for run in runs]
     repeated = repeated_weights(labelled)
     if repeated is not None:  # a copied folder would count as one more seed

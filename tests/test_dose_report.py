@@ -121,6 +121,14 @@ def test_a_copied_run_folder_is_refused_not_counted_as_another_seed(tmp_path):
         dose_report.read_sweep(str(tmp_path))
 
 
+def test_two_folders_naming_one_seed_of_a_point_are_refused(tmp_path):
+    for name, seed in (("baseline_s1", 0), ("baseline_s01", 1), ("cd10x_s1", 2)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+    with pytest.raises(dose_report.ReportError, match=r"baseline_s01 and .*baseline_s1 both name seed 1 of point "
+                                                      r"baseline; give each run"):
+        dose_report.read_sweep(str(tmp_path))
+
+
 @pytest.mark.parametrize("field, other", [
     ("eval_amp", "bf16"),                                                     # one seed under autocast
     ("settings", {"calibration": {"images": 8}}),                             # one calibration set of 8
