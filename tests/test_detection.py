@@ -193,6 +193,13 @@ def test_evaluation_refuses_weights_of_another_model_and_non_finite_weights(samp
                       data_root=sample)
     with pytest.raises(DetectionError, match="does not fit the model"):
         build_detector(cfg, trained, torch.device("cpu"))
+    with pytest.raises(DetectionError, match=r"is a folder: give a checkpoint file in it \(epoch_<N>.pth"):
+        build_detector(cfg, os.path.dirname(trained), torch.device("cpu"))
+    classifier = tmp_path / "best.pt"  # train.py's: the classifier's weights and its config
+    torch.save({"model": {"head.weight": torch.zeros(10, 4)}, "config": {"model": {"name": "vit_nano"}}}, classifier)
+    with pytest.raises(DetectionError, match=r"is a checkpoint of train.py \(an image classifier or language "
+                                             r"model\), not of a detector"):
+        build_detector(cfg, str(classifier), torch.device("cpu"))
     payload = torch.load(trained, map_location="cpu", weights_only=False)
     payload["state_dict"]["backbone.stages.0.blocks.0.ffn.layers.1.weight"][0, 0] = float("nan")
     broken = tmp_path / "nan.pth"

@@ -107,6 +107,9 @@ def mismatch(own: Dict[str, torch.Tensor], given: Dict[str, torch.Tensor], neede
 def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Module:
     """The detector of `cfg` with the weights of `checkpoint` (an MMEngine checkpoint: `state_dict` and
     `meta`), in eval mode. Weights of another model are refused with their mismatched keys named."""
+    if os.path.isdir(checkpoint):  # a work dir: MMEngine names its latest checkpoint in last_checkpoint
+        raise DetectionError(f"--checkpoint {checkpoint} is a folder: give a checkpoint file in it (epoch_<N>.pth, "
+                             "or the one its last_checkpoint names)")
     if not os.path.isfile(checkpoint):
         raise DetectionError(f"--checkpoint {checkpoint}: no such file")
     model_cfg = copy.deepcopy(cfg.model)
@@ -118,6 +121,10 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
         payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
         raise DetectionError(f"--checkpoint {checkpoint}: cannot be read ({type(e).__name__}: {e})") from None
+    if isinstance(payload, dict) and "state_dict" not in payload and isinstance(payload.get("config"), dict):
+        # train.py's checkpoint.pt / best.pt ('model', 'config'): a classifier's or language model's weights
+        raise DetectionError(f"--checkpoint {checkpoint} is a checkpoint of train.py (an image classifier or "
+                             "language model), not of a detector: give the .pth scripts/train_detection.py wrote")
     state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
     if not isinstance(state, dict) or not state:
         raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
