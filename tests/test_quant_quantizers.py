@@ -217,3 +217,79 @@ class TestLogSqrt2:
             errs.append((np.mean((fake_quant_log_sqrt2(x.double(), torch.tensor(d), 3).numpy().ravel()
                                   - xn) ** 2), d))
         assert q.delta.item() == pytest.approx(min(errs)[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_symmetric_grid_is_the_closed_form(bits):
+    # codes -2^(b-1) .. 2^(b-1) - 1, zero point 0, scale = max|x| / (2^(b-1) - 1) with min/max ranges
+    x = torch.randn(300, 5, generator=gen(20 + bits)) * torch.tensor([0.1, 1.0, 3.0, 0.5, 7.0])
+    q = fitted(UniformQuantizer(bits, symmetric=True, channel_dim=-1, search=RangeSearch("minmax")), x)
+    half = 2 ** (bits - 1)
+    want = x.abs().amax(dim=0) / (half - 1)
+    torch.testing.assert_close(q.scale, want, rtol=1e-6, atol=0)
+    assert torch.equal(q.zero_point, torch.zeros(5))
+    unit = UniformQuantizer(bits, symmetric=True)
+    unit.set_params(torch.ones(1), torch.zeros(1))
+    ramp = torch.arange(-half - 3, half + 3, dtype=torch.float32)  # integers: their own codes, then clipped
+    assert unit(ramp).tolist() == ramp.clamp(-half, half - 1).tolist()
+
+
+def test_qdrop_keeps_float_elements_with_probability_drop_prob():
+    # drop_prob is the probability of KEEPING an element in float (QDrop); 0.5 cannot tell it from 1 - p
+    x = torch.randn(20000, generator=gen(13))
+    q = fitted(UniformQuantizer(2), x)
+    q.train()
+    for p in (0.2, 0.9):
+        q.drop_prob = p
+        torch.manual_seed(0)
+        kept = (q(x) == x).float().mean().item()
+        assert abs(kept - p) < 0.02, (p, kept)
+
+
+def test_equal_errors_keep_the_earlier_candidate():
+    # RepQ-ViT's `if err < best_err`: a later candidate must be strictly better to replace the earlier one
+    from quant.ranges import best_per_group
+    first = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.5]])  # [K=3, G=2]
+    second = -first
+    errs = {1.0: 0.2, 3.0: 0.2, 5.0: 0.2, 2.0: 0.3, 4.0: 0.3, 0.5: 0.1}  # group 0 all tied, group 1 last wins
+    a, b, e = best_per_group(lambda s, z: torch.tensor([errs[v] for v in s.tolist()]), first, second)
+    assert a.tolist() == [1.0, 0.5] and b.tolist() == [-1.0, -0.5]
+    assert e.tolist() == pytest.approx([0.2, 0.1])
+
+
+def test_minmax_range_of_positive_data_does_not_reach_zero():
+    # min/max is the raw row range; unlike GPTQ's grid it is not stretched to include 0
+    x = torch.rand(1000, generator=gen(14)) * 4 + 3  # all in [3, 7]
+    q = fitted(UniformQuantizer(8, search=RangeSearch("minmax")), x)
+    scale = (x.max() - x.min()).item() / 255
+    assert q.scale.item() == pytest.approx(scale, rel=1e-6)
+    assert q.zero_point.item() == round(-x.min().item() / scale)
+
+
+def test_training_path_rounds_half_to_even_like_the_inference_path():
+    # ties must not depend on whether gradients are on (LSQ / APHQ train through round_ste)
+    from quant.functional import fake_quant_uniform, round_ste
+    v = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 3.0, 20.0, -10.0])  # the last two clip at 15 and 0
+    assert round_ste(v).tolist() == [0.0, 2.0, 2.0, -0.0, -2.0, 3.0, 20.0, -10.0]
+    scale, zp = torch.tensor([0.25]), torch.tensor([3.0])
+    x = v * 0.25
+    want = (torch.clamp(torch.tensor([0.0, 2.0, 2.0, 0.0, -2.0, 3.0, 20.0, -10.0]) + 3, 0, 15) - 3) * 0.25
+    assert fake_quant_uniform(x, scale, zp, 0, 15, ste=True).tolist() == want.tolist()
+    assert fake_quant_uniform(x, scale, zp, 0, 15).tolist() == want.tolist()
+
+
+def test_log_sqrt2_training_path_matches_inference_and_its_gradient_is_out_over_x():
+    # the STE path (straight-through in the log domain) gives the inference values, 0 for underflow, and
+    # d out / d x = out / x for codes 1 .. 2^b - 2, 0 where x saturates above delta or underflows (an exact
+    # end code sits on the clamp bound, where torch.clamp passes no gradient)
+    d = torch.tensor(0.5)
+    x = torch.tensor([0.6, 0.4, 0.3, 0.1, 0.02, 0.5 * 2 ** -6.6, 0.5 * 2 ** -8.4, 1e-9], requires_grad=True)
+    out = fake_quant_log_sqrt2(x, d, 4, ste=True)
+    with torch.no_grad():
+        want = fake_quant_log_sqrt2(x.detach(), d, 4)
+    assert out.detach().tolist() == pytest.approx(want.tolist(), rel=1e-6, abs=0)
+    assert want[-2:].tolist() == [0.0, 0.0]
+    out.sum().backward()
+    inside = (want > 0) & (x.detach() < d)
+    expected = torch.where(inside, want / x.detach(), torch.zeros_like(want))
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0)
