@@ -146,3 +146,21 @@ def test_sixteen_bit_fold_does_not_warn_but_an_outlying_zero_point_does():
         linear.input_quantizer.zero_point.fill_(2.0 ** 13)
     with pytest.warns(RuntimeWarning, match="mean zero point"):
         fold_layernorm(norm, linear)
+
+
+def test_fold_is_repq_vits_mean_scale_and_zero_point():
+    # zkkli/RepQ-ViT: s~ = mean_c s_c, z~ = mean_c z_c, r_c = s_c / s~; gamma' = gamma / r, W' = W r.
+    # (The code-equality test above holds for ANY positive s~, so it cannot pin the mean down.)
+    _, qmodel = calibrated_repq_copy(tiny_vit, torch.float64)
+    _, norm, _, linear = find_fold_sites(qmodel)[0]
+    iq = linear.input_quantizer
+    s_c, z_c = iq.scale.double().clone(), iq.zero_point.double().clone()
+    gamma, weight = norm.weight.detach().clone(), linear.weight.detach().clone()
+    assert s_c.std() > 0.1 * s_c.mean()  # the channels really differ
+    fold_layernorm(norm, linear)
+    s_t = s_c.mean()
+    assert iq.scale.item() == pytest.approx(float(s_t), rel=1e-6)
+    assert iq.zero_point.item() == pytest.approx(float(z_c.mean()), rel=1e-6)
+    r = s_c / s_t
+    torch.testing.assert_close(norm.weight.detach(), gamma / r, rtol=1e-6, atol=0)
+    torch.testing.assert_close(linear.weight.detach(), weight * r, rtol=1e-6, atol=0)
