@@ -304,3 +304,17 @@ def test_perplexity_of_quantized_gpt_is_finite_and_near_float():
                            ("smoothquant_strict", "w8a8")):
             q = nll(PIPELINES[name](model, calib, bits).model)
             assert math.isfinite(q) and abs(q - base) < 0.05, name
+
+
+def test_symmetric_grid_keeps_lo_zero_for_a_row_without_negative_values():
+    # IST-DASLab/gptq `--sym`: lo = -hi only where the row has a negative value; a non-negative row keeps
+    # [0, hi] (its levels reach about half of hi), an all-zero row gets [-1, 1]
+    w = torch.tensor([[-0.7, 0.2, 0.5, 0.1], [0.3, 0.9, 0.05, 0.6], [0.0, 0.0, 0.0, 0.0]])
+    q = GPTQQuantizer(3, symmetric=True)
+    q.calibrating = True
+    out = q(w)
+    scale, zero = naive_params(w, 3, True)
+    torch.testing.assert_close(q.scale, scale)
+    torch.testing.assert_close(q.zero_point, zero)
+    torch.testing.assert_close(out, naive_round(w, 3, True), rtol=0, atol=1e-6)
+    assert out[1].max() < 0.5  # the positive row's top levels are cut off at about hi / 2
