@@ -293,3 +293,16 @@ def test_log_sqrt2_training_path_matches_inference_and_its_gradient_is_out_over_
     inside = (want > 0) & (x.detach() < d)
     expected = torch.where(inside, want / x.detach(), torch.zeros_like(want))
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0)
+
+
+def test_log_sqrt2_delta_search_is_by_squared_error_not_absolute_error():
+    # data on which the min-MSE and min-MAE candidates differ, so that the criterion itself is pinned down
+    x = torch.softmax(torch.randn(4, 2, 20, 20, generator=gen(2)) * 2, dim=-1)
+    q = fitted(LogSqrt2Quantizer(4), x)
+    xd = x.double()
+    deltas = [np.quantile(xd.numpy().ravel(), p) for p in (0.999, 0.9999, 0.99999)]
+    errors = [fake_quant_log_sqrt2(xd, torch.tensor(d), 4) - xd for d in deltas]
+    mse = [float(e.pow(2).mean()) for e in errors]
+    mae = [float(e.abs().mean()) for e in errors]
+    assert np.argmin(mse) != np.argmin(mae)
+    assert q.delta.item() == pytest.approx(deltas[int(np.argmin(mse))], rel=1e-5)
