@@ -260,3 +260,15 @@ def test_readme_scope_table_is_current():
     assert gptq_lm[0][2:] == ["`blocks.*.attn.qkv`, `blocks.*.attn.proj`, `blocks.*.mlp.fc1`, `blocks.*.mlp.fc2`",
                               "4b asym per-channel (GPTQ)", "float |"]
     assert "`head` (tied to `wte`)" in gptq_lm[1][2] and "attention matmuls" in gptq_lm[1][2]
+
+
+def test_smoothing_statistics_are_the_max_over_every_batch():
+    # batch_size 3 over 8 sequences: the activation max must pool all three batches, not keep the last
+    model, x = with_outliers(gpt()), tokens()
+    act = norm_output_absmax(model, x)
+    smoothed = copy.deepcopy(model)
+    smooth_model(smoothed, x, alpha=0.5, batch_size=3)
+    for i, block in enumerate(model.blocks):
+        w = block.attn.qkv.weight
+        s = act[f"blocks.{i}.norm1"].pow(0.5) / w.abs().amax(0).clamp(min=1e-5).pow(0.5)
+        torch.testing.assert_close(smoothed.blocks[i].norm1.weight, block.norm1.weight / s)
