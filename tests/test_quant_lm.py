@@ -95,9 +95,11 @@ def test_rtn_of_a_model_equals_the_float_model_with_naively_rounded_weights():
 
 
 # -- GPTQ against a direct float64 implementation of its update ----------------------------------------
-def reference_gptq(W, H, bits, *, percdamp=0.01, act_order=False, group=0, symmetric=False, static=False):
+def reference_gptq(W, H, bits, *, percdamp=0.01, act_order=False, group=0, symmetric=False, static=False,
+                   blocksize=0):
     """GPTQ as the paper writes it: columns one at a time, full inverse Hessian, Gaussian elimination of
-    each quantized column (no Cholesky, no blocks, no lazy updates), float64."""
+    each quantized column (no Cholesky, no blocks, no lazy updates), float64. With `blocksize`, a group's range
+    comes from the columns as they stood at the start of their block (the official lazy-batch code's `W`)."""
     W, H = W.double().clone(), H.double().clone()
     cols, maxq = W.shape[1], 2 ** bits - 1
     row_params = naive_params(W, bits, symmetric)  # from the weights as given (dead columns included)
@@ -112,10 +114,12 @@ def reference_gptq(W, H, bits, *, percdamp=0.01, act_order=False, group=0, symme
     Q = torch.zeros_like(W)
     scale, zero = row_params
     for j in range(cols):
+        if blocksize and j % blocksize == 0:
+            block_start = W.clone()
         if group and static:
             scale, zero = static_params[int(perm[j]) // group]
         elif group and j % group == 0:
-            scale, zero = naive_params(W[:, j:j + group], bits, symmetric)
+            scale, zero = naive_params((block_start if blocksize else W)[:, j:j + group], bits, symmetric)
         q = torch.clamp(torch.round(W[:, j] / scale) + zero, 0, maxq)
         Q[:, j] = scale * (q - zero)
         d = Hinv[j, j]
@@ -318,3 +322,15 @@ def test_symmetric_grid_keeps_lo_zero_for_a_row_without_negative_values():
     torch.testing.assert_close(q.zero_point, zero)
     torch.testing.assert_close(out, naive_round(w, 3, True), rtol=0, atol=1e-6)
     assert out[1].max() < 0.5  # the positive row's top levels are cut off at about hi / 2
+
+
+def test_gptq_group_inside_a_block_takes_its_range_from_the_block_start():
+    # groups of 4 in blocks of 6: the groups at columns 4 and 8 start mid-block, where the official code reads
+    # the columns before the current block's updates reached them (the lazy batch refreshes W per block)
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(6, 12, generator=g, dtype=torch.float64)
+    acc = HessianAccumulator(12, torch.device("cpu"), torch.float64)
+    acc.add(correlated_inputs(200, 12, seed=3)[None])
+    Q, _ = gptq_quantize(W, acc.hessian, GPTQQuantizer(3, group_size=4), blocksize=6)
+    torch.testing.assert_close(Q, reference_gptq(W, acc.hessian, 3, group=4, blocksize=6), rtol=0, atol=1e-9)
+    assert not torch.allclose(Q, reference_gptq(W, acc.hessian, 3, group=4), rtol=0, atol=1e-9)
