@@ -272,3 +272,13 @@ def test_smoothing_statistics_are_the_max_over_every_batch():
         w = block.attn.qkv.weight
         s = act[f"blocks.{i}.norm1"].pow(0.5) / w.abs().amax(0).clamp(min=1e-5).pow(0.5)
         torch.testing.assert_close(smoothed.blocks[i].norm1.weight, block.norm1.weight / s)
+
+
+def test_smoothing_scales_clamp_a_zero_weight_column_and_a_tiny_result():
+    # s_j = clamp(max|X_j|^a / clamp(max_i |W_ij| over every weight, 1e-5)^(1-a), 1e-5), written out per channel
+    from quant.smoothquant.smooth import smoothing_scales
+    act = torch.tensor([4.0, 9.0, 1e-12], dtype=torch.float64)
+    w1 = torch.tensor([[0.5, 0.0, 2.0], [-1.0, 0.0, 0.1]], dtype=torch.float64)
+    w2 = torch.tensor([[-3.0, 0.0, 0.0]], dtype=torch.float64)  # a second consumer: the max spans both
+    want = [4.0 ** 0.5 / 3.0 ** 0.5, 9.0 ** 0.5 / 1e-5 ** 0.5, 1e-5]
+    assert smoothing_scales(act, [w1, w2], 0.5).tolist() == pytest.approx(want, rel=1e-12)
