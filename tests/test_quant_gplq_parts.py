@@ -171,3 +171,27 @@ def test_qwt_fits_the_first_block_towards_its_reference(target):
     scale = expected[target].abs().max()
     assert (got - expected[target]).abs().max() < 1e-4 * scale
     assert (got - expected[other]).abs().max() > 1e-2 * scale  # the two references are told apart
+
+
+def test_pca_components_span_the_top_eigenvectors_and_the_loss_is_the_batch_mean():
+    # reference: numpy's eigendecomposition of the (biased) covariance, and the loss written out per sample
+    import numpy as np
+    g = torch.Generator().manual_seed(1)
+    d, n = 64, 3000
+    spectrum = torch.logspace(0, -3, d, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    f = (torch.randn(n, d, generator=g, dtype=torch.float64) * spectrum.sqrt()) @ basis.t() + 5.0
+    pca = components_from_moments(f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64), 0.5, 8)
+    evals, evecs = np.linalg.eigh(np.cov(f.numpy(), rowvar=False, bias=True))
+    top = evecs[:, ::-1][:, :pca.dims]
+    np.testing.assert_allclose(pca.components.double().numpy() @ pca.components.double().numpy().T,
+                               top @ top.T, atol=1e-4)  # same subspace (eigenvector signs are free)
+    assert pca.explained == pytest.approx(evals[::-1][:pca.dims].sum() / evals.sum(), rel=1e-5)
+    # a target between the explained fractions of 32 and 33 components needs 33, i.e. the next multiple, 64
+    cum = np.cumsum(evals[::-1]) / evals.sum()
+    moments = (f.sum(0), f.t() @ f, torch.tensor(float(n), dtype=torch.float64))
+    assert components_from_moments(*moments, float(cum[31] + cum[32]) / 2, 32).dims == 64
+    fs, ft = torch.randn(6, d, generator=g), torch.randn(6, d, generator=g)
+    V, mu = pca.components, pca.mean
+    want = sum(float((((fs[i] - mu) @ V - (ft[i] - mu) @ V) ** 2).sum()) for i in range(6)) / 6
+    assert float(pca_loss(fs, ft, pca)) == pytest.approx(want, rel=1e-5)
