@@ -322,3 +322,17 @@ def test_matmul_search_is_the_official_procedure(rounds):
             lo, hi = cur[which]
             assert float(q.scale[h]) == pytest.approx(float((hi - lo) / 15), rel=1e-4)
             assert float(q.zero_point[h]) == float(-torch.round(lo / ((hi - lo) / 15)))
+
+
+def test_adaround_regularizer_is_the_summed_closed_form():
+    # 0.01-free term of AdaRound's eq. 24: sum over all weights of 1 - |2 h(alpha) - 1|^beta,
+    # h = clamp(sigmoid(alpha) (zeta - gamma) + gamma, 0, 1) with gamma = -0.1, zeta = 1.1
+    layer, q = adaround_layer()
+    q.start_rounding(layer.weight)
+    with torch.no_grad():
+        q.alpha.copy_(torch.linspace(-4, 4, q.alpha.numel()).reshape(q.alpha.shape))
+    a = q.alpha.detach().double()
+    h = (torch.sigmoid(a) * 1.2 - 0.1).clamp(0, 1)
+    for beta in (2.0, 20.0):
+        want = float((1 - (2 * h - 1).abs() ** beta).sum())
+        assert float(q.regularizer(beta)) == pytest.approx(want, rel=1e-5)
