@@ -336,3 +336,29 @@ def test_adaround_regularizer_is_the_summed_closed_form():
     for beta in (2.0, 20.0):
         want = float((1 - (2 * h - 1).abs() ** beta).sum())
         assert float(q.regularizer(beta)) == pytest.approx(want, rel=1e-5)
+
+
+def test_rademacher_aph_is_hutchinsons_estimate_with_one_probe_per_sample_and_batch():
+    # H ~ clamp(mean_i z_i * (H_i z_i), 0) with a fresh +-1 probe z_i per sample (drawn per batch, in order
+    # from the generator); reference: the same probes times the exact Hessian of the batch-mean KL (autograd)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(unit=nn.Linear(5, 4), act=nn.Tanh(), head=nn.Linear(4, 3))).double()
+    x, batch, eps, temp = torch.randn(6, 5, dtype=torch.float64), 3, 1e-4, 2.0
+    logits = model_logits(model, x, batch)
+    h = perturbation_hessian(model, "unit", x, logits, batch, temperature=temp, eps=eps, probe="rademacher",
+                             generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    probes = torch.cat([torch.randint(0, 2, (batch, 4), generator=g).double() * 2 - 1 for _ in range(2)])
+    assert not torch.equal(probes[:batch], probes[batch:])
+    expected = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        outs = model.unit(x)
+    for o, target_logits, z in zip(outs, logits, probes):
+        target = (target_logits / temp).softmax(-1)
+
+        def kl(u, target=target):
+            log_q = (model.head(torch.tanh(u)) / temp).log_softmax(-1)
+            return (target * (target.log() - log_q)).sum() / batch
+
+        expected += z * (torch.autograd.functional.hessian(kl, o) @ z)
+    torch.testing.assert_close(h[0].double(), (expected / x.shape[0]).clamp(min=0), rtol=1e-3, atol=1e-9)
