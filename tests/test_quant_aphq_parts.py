@@ -362,3 +362,26 @@ def test_rademacher_aph_is_hutchinsons_estimate_with_one_probe_per_sample_and_ba
 
         expected += z * (torch.autograd.functional.hessian(kl, o) @ z)
     torch.testing.assert_close(h[0].double(), (expected / x.shape[0]).clamp(min=0), rtol=1e-3, atol=1e-9)
+
+
+def test_linear_search_reports_the_output_mse_of_its_final_quantizers():
+    # data on which the output-MSE round moves the input range away from the input-only choice, so a stale
+    # quantized input would show; reference: the final quantizers' output error, computed here directly
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(40, 6, generator=g) * torch.linspace(0.5, 3, 6) + 0.2
+    torch.manual_seed(13)
+    layer = QuantLinear.from_float(nn.Linear(6, 4, bias=False),
+                                   UniformQuantizer(4, channel_dim=0, num_channels=4), UniformQuantizer(4))
+    W = layer.weight.detach().clone()
+
+    def fq(t, s, z):
+        return (torch.clamp(torch.round(t / s) + z, 0, 15) - z) * s
+
+    a_s, a_z = range_grid(x.reshape(1, -1), layer.input_quantizer, (0.9, 1.0), 32)
+    input_only = min(range(a_s.shape[0]), key=lambda k: float((fq(x, a_s[k, 0], a_z[k, 0]) - x).pow(2).mean()))
+    result = search_linear(layer, x, rounds=1, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=32)
+    iq, wq = layer.input_quantizer, layer.weight_quantizer
+    # the output-MSE round did move the input range
+    assert not (torch.equal(iq.scale, a_s[input_only]) and torch.equal(iq.zero_point, a_z[input_only]))
+    out = fq(x, iq.scale, iq.zero_point) @ fq(W, wq.scale[:, None], wq.zero_point[:, None]).t()
+    assert result["output_mse"] == pytest.approx(float((out - x @ W.t()).pow(2).mean()), rel=1e-5)
