@@ -195,3 +195,18 @@ def test_pca_components_span_the_top_eigenvectors_and_the_loss_is_the_batch_mean
     V, mu = pca.components, pca.mean
     want = sum(float((((fs[i] - mu) @ V - (ft[i] - mu) @ V) ** 2).sum()) for i in range(6)) / 6
     assert float(pca_loss(fs, ft, pca)) == pytest.approx(want, rel=1e-5)
+
+
+def test_qwt_ridge_penalises_the_weight_and_not_the_bias():
+    # ridge with a free intercept: W = (Xc^T Xc + ridge I)^-1 Xc^T Dc on data centred per column, and
+    # bias = mean(D) - mean(X) W (reference written out here; a penalised bias would shrink towards 0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 25, 4, generator=g, dtype=torch.float64) + 3.0  # far from 0: the bias matters
+    d = x @ torch.randn(4, 3, generator=g, dtype=torch.float64) + 5.0
+    fit = fit_block_compensation(x.float(), lambda t: torch.zeros(*t.shape[:-1], 3), lambda t: d.float(), 2,
+                                 ridge=20.0)
+    X, D = x.reshape(-1, 4), d.reshape(-1, 3)
+    Xc, Dc = X - X.mean(0), D - D.mean(0)
+    W = torch.linalg.solve(Xc.t() @ Xc + 20.0 * torch.eye(4, dtype=X.dtype), Xc.t() @ Dc)
+    torch.testing.assert_close(fit.weight.double(), W.t(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fit.bias.double(), D.mean(0) - X.mean(0) @ W, rtol=1e-4, atol=1e-4)
