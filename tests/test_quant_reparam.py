@@ -164,3 +164,19 @@ def test_fold_is_repq_vits_mean_scale_and_zero_point():
     r = s_c / s_t
     torch.testing.assert_close(norm.weight.detach(), gamma / r, rtol=1e-6, atol=0)
     torch.testing.assert_close(linear.weight.detach(), weight * r, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("round_zero_point", [True, False])
+def test_pipeline_honours_round_zero_point_and_quantizes_weights_per_output_channel(round_zero_point):
+    qmodel, report = PIPELINES["repq"](perturb_norms(tiny_vit()), images(8), "w4a4",
+                                       {"round_zero_point": round_zero_point})
+    folded = [name for name, _ in named_quantizers(qmodel)
+              if name.endswith(("attn.qkv.input_quantizer", "mlp.fc1.input_quantizer"))]
+    quantizers = dict(named_quantizers(qmodel))
+    zero_points = torch.cat([quantizers[name].zero_point for name in folded])
+    assert len(folded) == len(report["folded"]) == 4
+    assert torch.equal(zero_points, zero_points.round()) == round_zero_point  # RepQ-ViT's own fold: fractional
+    for name, q in quantizers.items():
+        if name.endswith("weight_quantizer") and not name.startswith(("patch_embed", "head")):
+            layer = qmodel.get_submodule(name.rsplit(".", 1)[0])
+            assert q.channel_dim == 0 and q.scale.numel() == layer.weight.shape[0], name
