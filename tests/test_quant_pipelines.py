@@ -89,3 +89,10 @@ def test_evaluate_quantized():
     assert out["report"]["pipeline"] == "repq"
     with pytest.raises(KeyError, match="known"):
         evaluate_quantized("nope", fp, images(8), "w8a8", eval_fn)
+
+
+def test_percentile_weight_symmetric_gives_signed_codes_with_zero_offset():
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4", {"weight_symmetric": True})
+    blocks = [q for name, q in named_quantizers(model, "weight") if name.startswith("blocks.")]
+    assert blocks and all(q.symmetric and (q.qmin, q.qmax) == (-8, 7) for q in blocks)
+    assert all(torch.equal(q.zero_point, torch.zeros_like(q.zero_point)) for q in blocks)
