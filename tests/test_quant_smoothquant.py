@@ -282,3 +282,12 @@ def test_smoothing_scales_clamp_a_zero_weight_column_and_a_tiny_result():
     w2 = torch.tensor([[-3.0, 0.0, 0.0]], dtype=torch.float64)  # a second consumer: the max spans both
     want = [4.0 ** 0.5 / 3.0 ** 0.5, 9.0 ** 0.5 / 1e-5 ** 0.5, 1e-5]
     assert smoothing_scales(act, [w1, w2], 0.5).tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_smoothquant_pipeline_smooths_with_the_alpha_it_is_given():
+    model, x = with_outliers(gpt()), tokens()
+    act = norm_output_absmax(model, x)
+    qmodel, _ = PIPELINES["smoothquant"](model, x, "w8a8", {"alpha": 0.8})
+    w = model.blocks[0].attn.qkv.weight
+    s = act["blocks.0.norm1"].pow(0.8) / w.abs().amax(0).clamp(min=1e-5).pow(0.2)
+    torch.testing.assert_close(qmodel.blocks[0].norm1.weight, model.blocks[0].norm1.weight / s)
