@@ -291,3 +291,15 @@ def test_smoothquant_pipeline_smooths_with_the_alpha_it_is_given():
     w = model.blocks[0].attn.qkv.weight
     s = act["blocks.0.norm1"].pow(0.8) / w.abs().amax(0).clamp(min=1e-5).pow(0.2)
     torch.testing.assert_close(qmodel.blocks[0].norm1.weight, model.blocks[0].norm1.weight / s)
+
+
+def test_smoothquant_honours_weight_granularity_and_quantize_bmm_qkv():
+    qmodel, _ = PIPELINES["smoothquant"](gpt(), tokens(), "w8a8",
+                                         {"weight_granularity": "tensor", "quantize_bmm": "qkv"})
+    for block in qmodel.blocks:
+        for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
+            q = block.get_submodule(name).weight_quantizer
+            assert q.channel_dim is None and q.scale.numel() == 1, name
+        attn = block.attn
+        assert attn.q_quant is not None and attn.k_quant is not None and attn.v_quant is not None
+        assert attn.attn_quant is None  # "qkv": the softmax output stays float
