@@ -33,7 +33,9 @@ def fake_quant_uniform(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
         scale: step size, broadcastable to x (e.g. [1] per tensor, [C] / [C,1,...] per channel).
         zero_point: same shape as scale.
         qmin, qmax: integer code range (0, 2^b - 1 asymmetric; -2^(b-1), 2^(b-1) - 1 symmetric).
-        ste: differentiable path (straight-through rounding, gradients to x, scale and zero point).
+        ste: differentiable path (straight-through rounding, gradients to x, scale and zero point). torch.clamp
+            passes no gradient at its bounds, so x whose code is exactly qmin or qmax gets none, as if clipped:
+            QDrop's and APHQ's quantizers (round_ste, then clamp to scalar bounds) behave the same.
 
     Returns:
         Tensor like x, in x's dtype promoted with the scale's dtype.
@@ -81,7 +83,9 @@ def fake_quant_log_sqrt2(x: torch.Tensor, delta: torch.Tensor, bits: int, ste: b
         bits: code width.
         ste: differentiable path: the rounding is straight-through in the log domain, so inside the
             representable range d out / d x = out / x (about 1, not exactly 1); 0 where x saturates
-            above delta or underflows to 0; delta gets the gradient of the dequantisation.
+            above delta or underflows to 0, and at the first and last codes themselves (torch.clamp passes no
+            gradient at its bounds, as in the official QDrop / APHQ code); delta gets the gradient of the
+            dequantisation.
 
     Returns:
         Tensor like x.
