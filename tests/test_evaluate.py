@@ -41,6 +41,11 @@ def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
         for bits in ("w8a8", "w4a4"):
             entry = saved["quant"][pipeline][bits]
             assert 0 <= entry["top1"] <= 100 and entry["seconds"] > 0
+            # the cost against the FP pass: quantized eval time over FP eval time; both times are written
+            # rounded to the millisecond and the ratio to 0.01, so it lies within these bounds
+            fp_s, q_s = saved["fp"]["seconds"], entry["eval_seconds"]
+            low, high = (q_s - 5e-4) / (fp_s + 5e-4), (q_s + 5e-4) / max(fp_s - 5e-4, 1e-9)
+            assert low - 0.005 <= entry["eval_vs_fp"] <= high + 0.005
     # 8-bit fake quantization of a trained model keeps its accuracy within a point
     assert abs(saved["quant"]["repq"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
     assert abs(saved["quant"]["percentile"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
@@ -68,15 +73,19 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     model.load_state_dict(payload["model"])
     loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1,
                                num_classes=10)
-    block_max = 0.0
+    block_max, block_kurtosis = 0.0, 0.0
     with torch.no_grad():
-        for x, _ in loader:
+        for x, _ in loader:  # one batch of all 360 images
             h = model.patch_embed(x)
             h = model._pos_embed(h)
             for block in model.blocks:  # direct computation: run the blocks by hand
                 h = block(h)
                 block_max = max(block_max, h.abs().max().item())
+                # Pearson kurtosis of every value of the block's output, centred in float64
+                centred = h.double().flatten() - h.double().mean()
+                block_kurtosis = max(block_kurtosis, (centred ** 4).mean().item() / (centred ** 2).mean().item() ** 2)
     assert result["max_act"]["block"] == pytest.approx(block_max, rel=1e-5)
+    assert result["max_act"]["kurtosis"]["block"] == pytest.approx(block_kurtosis, rel=1e-5)
     assert result["quant"] == {}
 
 
@@ -312,6 +321,40 @@ def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
     rows = evaluate.markdown_table([result(80.0, 60.0), result(82.0, 50.0), result(84.0)], over_seeds=True)
     assert rows.splitlines()[2] == ("| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 "
                                     "| 55.00 ± 7.07 (n=2) |")
+
+
+def test_seeds_are_compared_pairwise_not_only_with_the_first():
+    """The first seed lacks the APHQ entry the two others hold with other settings: they are not averaged."""
+    def result(i, aphq_iters=None):
+        quant = {"repq": {"w4a4": {"top1": 70.0}}}
+        if aphq_iters is not None:
+            quant["aphq"] = {"w4a4": {"top1": 60.0, "settings": {"options": {"iters": aphq_iters}}}}
+        return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": quant, "fingerprint": str(i), "checkpoint": f"s{i}/best.pt"}
+
+    with pytest.raises(ValueError, match=r"m CD: s1/best.pt and s2/best.pt were evaluated differently \(aphq w4a4 "
+                                         r"settings: options.iters 10 -> 20\)"):
+        evaluate.markdown_table([result(0), result(1, 10), result(2, 20)], over_seeds=True)
+
+
+def test_table_columns_cells_and_marks_follow_the_papers_layout():
+    """Columns in the paper's pipeline order (Percentile, RepQ-ViT, APHQ, ...; not alphabetical); a cell over
+    one of three seeds names its count; a result calibrated on another set than the default's is marked."""
+    from configs import Config
+
+    def result(fp, quant, method="CD"):
+        return {"model": "m", "method": method, "fp": {"top1": fp}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": quant}
+
+    header = evaluate.markdown_table([result(80.0, {p: {"w4a4": {"top1": 1.0}} for p in ("aphq", "repq")})])
+    assert header.splitlines()[0].endswith("| RepQ-ViT | APHQ |")
+    rows = evaluate.markdown_table([result(80.0, {"repq": {"w4a4": {"top1": 60.0}}}), result(82.0, {}),
+                                    result(84.0, {})], over_seeds=True)
+    assert rows.splitlines()[2].endswith("| 60.00 (n=1) |")
+    settings = json.loads(json.dumps(evaluate.quant_settings(Config(), "repq"), default=str))
+    assert evaluate.nondefault_settings("repq", settings) == []
+    settings["calibration"]["images"] = Config().quant.calib_images + 1
+    assert evaluate.nondefault_settings("repq", settings) == [f"quant.calib_images={Config().quant.calib_images + 1}"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -58,6 +58,37 @@ def test_fp32_and_bf16_columns_hold_fp32_and_bf16_whatever_amp_the_quantized_eva
     assert under_bf16["fp"]["ppl_bf16"] == plain["fp"]["ppl_bf16"]
     assert under_bf16["fp"]["loss"] == pytest.approx(math.log(under_bf16["fp"]["ppl"]))
     assert plain["quant"]["rtn"]["w4a16"]["settings"].keys() == {"options"}  # RTN reads no calibration data
+    # which pass is which: the mean cross-entropy over every val position, summed by hand in fp32 and under
+    # bf16 autocast (the two differ, so a swap of the columns shows)
+    from configs import config_from_dict
+    from data.text import TokenWindows
+    from models import build_model
+
+    payload = load_checkpoint(str(kjv_run))
+    cfg = config_from_dict(payload["config"])
+    # the device and batches evaluate.py scores on (train.device auto: CUDA where there is one), so bf16 rounds alike
+    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = build_model(cfg.model).eval()
+    model.load_state_dict(payload["model"])
+    model.to(device)
+    windows = TokenWindows(token_stream(cfg.data, "val"), model.context, train=False, limit=cfg.data.val_windows)
+    ids = torch.stack([windows[i][0] for i in range(len(windows))]).long().to(device)
+    targets = torch.stack([windows[i][1] for i in range(len(windows))]).long().to(device)
+    batch = cfg.train.eval_batch_size_per_gpu
+
+    def mean_loss(autocast: bool) -> float:
+        total = 0.0
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            for start in range(0, len(ids), batch):
+                logits = model(ids[start:start + batch]).float()
+                total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[start:start + batch]
+                                                           .flatten(), reduction="sum").double().item()
+        return total / targets.numel()
+
+    fp32, bf16 = mean_loss(False), mean_loss(True)
+    assert plain["fp"]["ppl"] == pytest.approx(math.exp(fp32), rel=1e-6)
+    assert plain["fp"]["ppl_bf16"] == pytest.approx(math.exp(bf16), rel=1e-6)
+    assert abs(fp32 - bf16) > 5e-6  # bf16 rounding moves the loss by more than the tolerance: a swap shows
 
 
 def test_another_kjv_split_than_the_trained_one_is_refused(kjv_run, tmp_path):
