@@ -152,6 +152,25 @@ def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
     assert [(h["pipeline"], h["bits"], h["top1"]) for h in saved["history"]] == [("repq", "w8a8", 49.0)]
 
 
+def test_a_recomputed_entry_is_kept_in_history_once_however_often_the_file_is_saved(tmp_path):
+    """evaluate.py --recompute saves after every pipeline: the replaced entry is history once, not once per save."""
+    path = str(tmp_path / "r.json")
+    identity = {"model": "m", "fingerprint": "f"}
+    results = EvalResults.open(path, identity)
+    results.add("repq", "w4a4", {"top1": 40.0}, {"options": 1})
+    results.save()
+    again = EvalResults.open(path, identity)
+    assert again.plan("repq", "w4a4", {"options": 1}, recompute=True)
+    again.add("repq", "w4a4", {"top1": 41.0}, {"options": 1})
+    again.save()
+    for bits in ("w6a6", "w8a8"):  # the rest of the --recompute run, one save each
+        again.add("repq", bits, {"top1": 50.0}, {"options": 1})
+        again.save()
+    saved = json.load(open(path))
+    assert saved["quant"]["repq"]["w4a4"]["top1"] == 41.0
+    assert [(h["pipeline"], h["bits"], h["top1"]) for h in saved["history"]] == [("repq", "w4a4", 40.0)]
+
+
 def test_results_of_another_eval_transform_or_model_kwargs_are_not_merged(checkpoint, tmp_path):
     out = str(tmp_path / "r.json")
     evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "--out", out]))
