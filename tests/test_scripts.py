@@ -193,6 +193,20 @@ def test_finetune_layout_has_the_papers_rows_entries_and_average(tmp_path, capsy
     assert body[4] == "| Max. Act. (ImageNet-1K) | 103.00 / 203.00 | 104.00 / 204.00 | - |"
 
 
+def test_finetune_layout_makes_one_table_per_bit_width_and_names_rows_by_data_set():
+    """Each (pipeline, bit-width) is a table of its own; a row is the data set: data.root's last folder
+    (a trailing slash too), or the name of a built-in data set."""
+    pets = _finetune_result("pets", "CD", 95.0, 94.0)
+    pets["data"]["root"] = "/data/pets/"
+    pets["quant"]["repq"]["w6a6"] = {"top1": 90.0}
+    digits = dict(_finetune_result("digits", "Baseline", 97.0, 96.0), data={"dataset": "digits"})
+    tables = paper_table.finetune_table([pets, digits]).split("\n\n")
+    assert [t.splitlines()[0] for t in tables[::2]] == ["RepQ-ViT W4A4: FP top-1 / quantized top-1 / drop",
+                                                        "RepQ-ViT W6A6: FP top-1 / quantized top-1 / drop"]
+    assert "| Pets | - | 95.00 / 94.00 / -1.00 |" in tables[1] and "| digits | 97.00 / 96.00 / -1.00 | - |" in tables[1]
+    assert "| Pets | - | 95.00 / 90.00 / -5.00 |" in tables[3] and "| digits | - | - |" in tables[3]
+
+
 def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
@@ -285,8 +299,44 @@ def test_a_result_written_beside_another_runs_best_pt_is_compared_with_the_check
         paper_table.main([str(path)])
 
 
+def test_the_ema_weights_of_a_result_are_compared_with_the_checkpoints_ema_weights(tmp_path):
+    """evaluate.py --ema records the fingerprint of model_ema: the stale check compares that, not the raw weights."""
+    import torch
+
+    from engine.checkpoint import weights_fingerprint
+    from tests.test_mechanism import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "best.pt", 0)
+    payload = torch.load(checkpoint)
+    payload["model_ema"] = {k: v + 1 if v.is_floating_point() else v for k, v in payload["model"].items()}
+    torch.save(payload, checkpoint)
+    result = {"model": "vit_nano", "method": "CD", "checkpoint": checkpoint, "weights": "ema",
+              "fingerprint": weights_fingerprint(payload["model_ema"]), "fp": {"top1": 90.0},
+              "max_act": {"module": 1.0, "block": 2.0}, "quant": {"repq": {"w4a4": {"top1": 80.0}}}}
+    path = tmp_path / "eval_best_ema.json"
+    path.write_text(json.dumps(result))
+    assert "| vit_nano | CD |" in paper_table.main([str(path)])
+    path.write_text(json.dumps(dict(result, weights="raw")))  # the raw weights are other weights
+    with pytest.raises(SystemExit, match=rf"error: {path} is stale"):
+        paper_table.main([str(path)])
+
+
+def test_one_weights_file_evaluated_on_other_data_is_two_rows_not_a_copy(tmp_path):
+    """Results of one fingerprint are a copy only when evaluated alike; on another val set they are two results."""
+    files = []
+    for root in ("pets", "cars"):
+        path = tmp_path / f"{root}.json"
+        path.write_text(json.dumps(dict(_finetune_result(root, "CD", 95.0, 94.0), fingerprint="same")))
+        files.append(str(path))
+    assert len(paper_table.main(files).splitlines()) == 4
+    (tmp_path / "copy.json").write_text((tmp_path / "pets.json").read_text())
+    with pytest.raises(SystemExit, match="hold results of the same weights evaluated alike"):
+        paper_table.main([*files, str(tmp_path / "copy.json")])
+
+
 @pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
                                         (lambda r: r["fp"].update(top1=None), "fp.top1"),
+                                        (lambda r: r["fp"].update(top1=True), "fp.top1"),  # JSON true: no number
                                         (lambda r: r["quant"]["repq"]["w4a4"].pop("top1"), "quant.repq.w4a4.top1")])
 def test_paper_table_names_a_number_missing_from_a_result(tmp_path, edit, path):
     """A result file cut by hand (or by an older version) stopped the table on a KeyError or TypeError."""
