@@ -65,6 +65,15 @@ def test_points_in_dose_order_with_seeds_averaged(sweep):
     assert [r.seed for r in groups["baseline"]] == [0, 1]
 
 
+def test_doses_and_seeds_are_ordered_as_numbers_not_as_text(tmp_path):
+    """cd2x is a lower dose than cd10x, and seed 2 comes before seed 10 in a point's row ("10" < "2" as text)."""
+    for name, seed in (("baseline_s10", 0), ("baseline_s2", 1), ("cd10x_s0", 2), ("cd2x_s0", 3)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+    groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
+    assert list(groups) == ["baseline", "cd2x", "cd10x"]
+    assert [r.seed for r in groups["baseline"]] == [2, 10]
+
+
 def test_report_figures_match_hand_computed_values(sweep, tmp_path):
     report = dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
     first_table = report.split("Pair energy")[0]

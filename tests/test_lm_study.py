@@ -96,6 +96,18 @@ def test_a_perplexity_at_the_cap_is_shown_as_the_bound(tmp_path):
     capped = ">= exp(700) (capped)"
     assert f"| baseline | 2 | {capped} | {capped} | {capped} | {capped} | {capped} | - | - | - | - |" in report
     assert "e+303" not in report and "0000000000" not in report
+    assert "Quantization gap" not in report  # no run was evaluated below 8 activation bits: no such table
+
+
+def test_a_validation_logged_twice_counts_with_its_last_record(tmp_path):
+    """A run resumed from before a validation logs that update again: the curve holds the later record once."""
+    folder = tmp_path / "baseline_s0"
+    folder.mkdir()
+    records = [{"step": 10, "val/loss": 2.0}, {"step": 20, "val/loss": 1.8}, {"step": 10, "val/loss": 1.5},
+               {"step": 20, "train/loss": 1.0}, {"step": 20, "val/loss": 1.2}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = lm_study.Run("baseline", 0, str(folder), {}, {}, [])
+    assert lm_study.validation_curve(run, "val/loss") == [(10, 1.5), (20, 1.2)]
 
 
 def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
