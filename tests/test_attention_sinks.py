@@ -113,6 +113,33 @@ def test_vit_variant_matches_the_reference(cls, fused):
         torch.testing.assert_close(attn(x), reference_heads(attn, x))
 
 
+@pytest.mark.parametrize("cls", [Softmax1Attention, AttnBiasAttention, KVBiasAttention])
+@pytest.mark.parametrize("fused", [True, False])
+def test_vit_variant_is_causal_on_the_tokens_only(cls, fused):
+    """is_causal masks the later tokens (a query sees itself and the earlier ones), never the sink."""
+    torch.manual_seed(0)
+    attn = randomize_sinks(cls(48, num_heads=3, qkv_bias=True)).double().eval()
+    attn.fused_attn = fused
+    x = torch.randn(2, 9, 48, dtype=torch.float64)
+    later = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    causal = torch.zeros(3, 9, 9, dtype=torch.float64).masked_fill(later, float("-inf"))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, is_causal=True), reference_heads(attn, x, causal))
+
+
+@pytest.mark.parametrize("cls", [Softmax1Attention, AttnBiasAttention, KVBiasAttention])
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_dropout_acts_in_training_only(cls, fused):
+    torch.manual_seed(0)
+    attn = randomize_sinks(cls(48, num_heads=3, qkv_bias=True, attn_drop=0.5))
+    attn.fused_attn = fused
+    x = torch.randn(2, 9, 48)
+    with torch.no_grad():
+        evaluation = attn.eval()(x)
+        assert torch.equal(attn(x), evaluation)
+        assert not torch.allclose(attn.train()(x), evaluation)
+
+
 @pytest.mark.parametrize("attn_kind", SINKS)
 def test_swin_variant_matches_the_reference_with_shift_mask(attn_kind):
     model = sink_model(tiny_swin, attn_kind).double()

@@ -108,6 +108,49 @@ def test_nanogpt_layout_loads_and_causality_holds():
     assert model.head.weight is model.wte.weight  # tied, as in GPT-2
 
 
+def test_gpt_initialisation_is_gpt2s():
+    """GPT-2 / nanoGPT: N(0, 0.02) for every weight matrix and embedding, N(0, 0.02 / sqrt(2 * depth)) for the two
+    projections that write into the residual stream, zero biases, LayerNorms at (1, 0)."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_micro", vocab_size=65)  # 4 blocks of width 128: 16k+ values per matrix
+    depth = len(model.blocks)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        elif "norm" in name:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            std = 0.02 / math.sqrt(2 * depth) if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else 0.02
+            assert p.std().item() == pytest.approx(std, rel=0.05), name
+            assert abs(p.mean().item()) < 0.05 * std, name
+
+
+def test_model_drop_is_every_dropout_of_the_gpt():
+    """nanoGPT's `dropout`: after the embeddings, on the attention probabilities, and on both residual branches;
+    model.drop sets them all, and each is applied once per block in training."""
+    from configs.schema import ModelConfig
+    from models import build_model
+    from models.gpt import CausalSelfAttention
+
+    model = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop=0.3, drop_path=0.0)).train()
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    attentions = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    assert len(dropouts) == 1 + 2 * len(model.blocks) and {m.p for m in dropouts} == {0.3}
+    assert [m.attn_drop for m in attentions] == [0.3] * len(model.blocks)
+    calls = []
+    for m in dropouts:
+        m.register_forward_hook(lambda module, inputs, output: calls.append(module))
+    ids = torch.randint(0, 65, (4, 16), generator=torch.Generator().manual_seed(0))
+    model(ids)
+    assert sorted(map(id, calls)) == sorted(map(id, dropouts))  # each applied, once
+    for m in dropouts:  # the attention probabilities' dropout alone still makes training forwards random
+        m.p = 0.0
+    torch.manual_seed(0)
+    train_logits = model(ids)
+    with torch.no_grad():
+        assert not torch.allclose(train_logits, model.eval()(ids))
+
+
 def test_cd_pairs_of_gpt2_match_float64_reference():
     """The paper's GPT-2 pairs (ln_1 -> c_attn, V -> attn.c_proj, ln_2 -> c_fc, c_fc -> mlp.c_proj) and one
     update W2 <- W2 - lr lam W2 W1n W1n^T (W1n = W1 / (||W1||_F / sqrt(rows))) computed in float64."""
