@@ -50,6 +50,15 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     assert cd_columns(out) == cd_columns(want)
 
 
+def test_write_replaces_only_the_text_between_the_markers(tmp_path):
+    """--write puts the new table between the markers; the document before and after them stays as it was."""
+    doc = tmp_path / "README.md"
+    doc.write_text("# doc\n<!-- b -->\nold table\n<!-- e -->\n## more\ntext <!-- e --> again\n")
+    readme_tables.table_command("x", lambda: "new table", doc, "<!-- b -->", "<!-- e -->", ["--write"])
+    assert doc.read_text() == "# doc\n<!-- b -->\nnew table\n<!-- e -->\n## more\ntext <!-- e --> again\n"
+    assert readme_tables.marked_table(doc.read_text(), "<!-- b -->", "<!-- e -->") == "new table"
+
+
 def test_write_into_a_document_without_its_markers_is_one_error_line(tmp_path):
     """readme_tables.table_command --write on a document whose end marker an edit removed: one error line
     and the document as it was (was an IndexError traceback)."""
