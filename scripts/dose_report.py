@@ -209,14 +209,14 @@ def read_sweep(root: str) -> list[Run]:
 
 
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """Points in dose order: baseline, CD by strength (1x, 10x, ...), then the others (TWEO)."""
+    """Points in dose order: baseline, CD by strength (0.5x, 1x, 10x, ...), then the others (TWEO)."""
     groups = defaultdict(list)
     for run in runs:
         groups[run.point].append(run)
 
     def order(point: str):
-        strength = re.fullmatch(r"cd(\d+)x", point)
-        return (0, 0) if point == "baseline" else (1, int(strength[1])) if strength else (2, point)
+        strength = re.fullmatch(r"cd(\d+(?:\.\d+)?)x", point)  # cd0.5x, cd1x, cd10x
+        return (0, 0) if point == "baseline" else (1, float(strength[1])) if strength else (2, point)
     return {p: sorted(groups[p], key=lambda r: r.seed) for p in sorted(groups, key=order)}
 
 

@@ -66,11 +66,13 @@ def test_points_in_dose_order_with_seeds_averaged(sweep):
 
 
 def test_doses_and_seeds_are_ordered_as_numbers_not_as_text(tmp_path):
-    """cd2x is a lower dose than cd10x, and seed 2 comes before seed 10 in a point's row ("10" < "2" as text)."""
-    for name, seed in (("baseline_s10", 0), ("baseline_s2", 1), ("cd10x_s0", 2), ("cd2x_s0", 3)):
+    """cd2x is a lower dose than cd10x, and seed 2 comes before seed 10 in a point's row ("10" < "2" as text);
+    a fractional dose (cd0.5x) sorts by its strength too."""
+    for name, seed in (("baseline_s10", 0), ("baseline_s2", 1), ("cd10x_s0", 2), ("cd2x_s0", 3), ("cd0.5x_s0", 4),
+                       ("tweo_s0", 5)):
         write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
     groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
-    assert list(groups) == ["baseline", "cd2x", "cd10x"]
+    assert list(groups) == ["baseline", "cd0.5x", "cd2x", "cd10x", "tweo"]
     assert [r.seed for r in groups["baseline"]] == [2, 10]
 
 
