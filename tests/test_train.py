@@ -525,3 +525,82 @@ def test_classification_loss_is_label_smoothed_cross_entropy(smoothing):
     want = sum((1 - smoothing) * -logp[i, y[i]] - smoothing * logp[i].mean() for i in range(4)) / 4
     got = ClassificationTask.criterion(smoothing, mixup=False)(logits, y)
     assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+class _FixedOrder:
+    """A sampler stand-in: the batches of the test's list, in order, every epoch."""
+
+    def set_epoch(self, epoch, start=0):
+        self.epoch, self.start = epoch, start
+
+
+def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop():
+    """TrainLoop against plain SGD written out: an update sums the gradients of loss / accum over its micro-
+    batches, clips their global norm to clip * norm / max(norm, clip) (clip_grad_norm_'s rule), steps with the lr
+    the per-step schedule set for it, then updates the EMA with the new weights and the update count; the tail
+    micro-batch that fills no update is not trained on. The logged train/loss is the mean of the window's micro-
+    batch losses, train/grad_norm the last update's norm before clipping, train/epoch the share of the epoch."""
+    torch.manual_seed(0)
+    accum, clip, base_lr, micro_batches = 2, 0.3, 0.5, 7  # 3 updates; the 7th micro-batch is a tail
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))) for _ in range(micro_batches)]
+    model = torch.nn.Linear(3, 2).double()
+    w0 = [p.detach().clone() for p in model.parameters()]
+    lr_of = lambda update: base_lr / (1 + update)  # noqa: E731 - the schedule, per update count
+
+    class Schedule:
+        def step_update(self, update):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_of(update)
+
+    class RecordEma:
+        def __init__(self):
+            self.calls = []
+
+        def update(self, m, step):
+            self.calls.append((step, [p.detach().clone() for p in m.parameters()]))
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=123.0)  # the schedule sets the lr before the first update
+    ema, logged = RecordEma(), []
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
+                     device=torch.device("cpu"), scheduler=Schedule(), per_step_schedule=True, accum_steps=accum,
+                     clip_grad=clip, ema=ema, log_every=2, log=lambda step, metrics: logged.append((step, metrics)))
+    state = TrainState()
+    from engine.loop import TrainBatches
+
+    reason = loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=4)
+    assert reason == "epoch_end" and (state.step, state.epoch, state.epoch_batches) == (3, 1, 0)
+
+    # the reference: plain SGD over the same micro-batches, by autograd on a fresh copy of the start weights
+    weights, losses, norms, after = [w.clone() for w in w0], [], [], []
+    for update in range(micro_batches // accum):
+        grads = [torch.zeros_like(w) for w in weights]
+        for x, y in batches[update * accum:(update + 1) * accum]:
+            leaves = [w.clone().requires_grad_() for w in weights]
+            loss = F_ce(x @ leaves[0].T + leaves[1], y)
+            losses.append(float(loss.detach()))
+            for g, d in zip(grads, torch.autograd.grad(loss / accum, leaves)):
+                g += d
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        norms.append(float(norm))
+        scale = min(1.0, clip / (float(norm) + 1e-6))
+        weights = [w - lr_of(update) * scale * g for w, g in zip(weights, grads)]
+        after.append(weights)
+    for got, want in zip(model.parameters(), weights):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
+    assert [step for step, _ in ema.calls] == [1, 2, 3]
+    for (_, got), want in zip(ema.calls, after):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert [step for step, _ in logged] == [2, 3]  # a log step, then the epoch's last window
+    (_, first), (_, last) = logged
+    # the window sums its losses in float32
+    assert first["train/loss"] == pytest.approx(sum(losses[:4]) / 4, rel=1e-6)
+    assert last["train/loss"] == pytest.approx(sum(losses[4:]) / 2, rel=1e-6)
+    assert first["train/grad_norm"] == pytest.approx(norms[1], rel=1e-9)
+    assert last["train/grad_norm"] == pytest.approx(norms[2], rel=1e-9)
+    assert first["train/epoch"] == pytest.approx(4 / 6) and last["train/epoch"] == pytest.approx(1.0)
+    assert first["train/img_per_s"] > 0 and first["train/skipped_steps"] == 0
+
+
+def F_ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits, y)
