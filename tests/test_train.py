@@ -534,7 +534,8 @@ class _FixedOrder:
         self.epoch, self.start = epoch, start
 
 
-def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop():
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "gradscaler"])
+def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop(scaled):
     """TrainLoop against plain SGD written out: an update sums the gradients of loss / accum over its micro-
     batches, clips their global norm to clip * norm / max(norm, clip) (clip_grad_norm_'s rule), steps with the lr
     the per-step schedule set for it, then updates the EMA with the new weights and the update count; the tail
@@ -562,7 +563,8 @@ def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop():
     optimizer = torch.optim.SGD(model.parameters(), lr=123.0)  # the schedule sets the lr before the first update
     ema, logged = RecordEma(), []
     loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
-                     device=torch.device("cpu"), scheduler=Schedule(), per_step_schedule=True, accum_steps=accum,
+                     device=torch.device("cpu"), scaler=torch.amp.GradScaler("cpu") if scaled else None,
+                     scheduler=Schedule(), per_step_schedule=True, accum_steps=accum,
                      clip_grad=clip, ema=ema, log_every=2, log=lambda step, metrics: logged.append((step, metrics)))
     state = TrainState()
     from engine.loop import TrainBatches
