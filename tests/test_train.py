@@ -606,3 +606,31 @@ def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop(sc
 
 def F_ce(logits, y):
     return torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_evaluate_scores_as_a_naive_per_image_loop():
+    """engine.loop.evaluate against a loop over single images: an image is a top-k hit when fewer than k classes
+    have a larger logit than its label's; the loss is the mean of -log softmax at the label over the images
+    scored; an unreadable sample (target -1 - index) is in no count but `excluded`."""
+    from engine.loop import evaluate
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(5, 8).double()
+    batches = [(torch.randn(n, 5, dtype=torch.float64), torch.randint(0, 8, (n,))) for n in (16, 9, 15)]
+    batches[1][1][0] = -1 - 17  # sample 17 could not be read
+    top1 = top5 = loss = count = 0
+    ranks = set()
+    for images, targets in batches:
+        for x, y in zip(images, targets.tolist()):
+            if y < 0:
+                continue
+            logits = model(x).detach()
+            above = int((logits > logits[y]).sum())
+            ranks.add(above)
+            top1, top5, count = top1 + (above < 1), top5 + (above < 5), count + 1
+            loss -= float(torch.log_softmax(logits, 0)[y])
+    got = evaluate(model, batches, torch.device("cpu"))
+    assert {0, 4, 5} <= ranks and count == 39  # labels at the top, the 5th and the 6th logit
+    assert (got["count"], got["excluded"]) == (39, 1)
+    assert got["top1"] == pytest.approx(100 * top1 / count) and got["top5"] == pytest.approx(100 * top5 / count)
+    assert got["loss"] == pytest.approx(loss / count, rel=1e-6)  # logits are scored in float32
