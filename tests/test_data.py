@@ -165,3 +165,66 @@ def test_loaders_pin_memory_only_in_a_process_that_uses_its_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: used)
         assert _worker_args(DataConfig(num_workers=0))["pin_memory"] is pinned
     assert _worker_args(DataConfig(num_workers=0, pin_memory=False))["pin_memory"] is False
+
+
+def test_digits_images_are_sklearns_digits_upscaled_with_their_own_labels():
+    """Every (image, label) of both splits is an sklearn digit, its 0..16 levels scaled to 0..255 and upscaled
+    bicubically to 32 x 32, with that digit's label; the two splits hold every digit once."""
+    from collections import Counter
+
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    labels_of = {}
+    for image, label in zip(raw.images, raw.target):
+        levels = np.round(image * 255 / 16).astype(np.uint8)
+        key = Image.fromarray(levels).resize((32, 32), Image.BICUBIC).convert("RGB").tobytes()
+        labels_of.setdefault(key, set()).add(int(label))
+    train, val = DigitsDataset("train"), DigitsDataset("val")
+    for split in (train, val):
+        for image, label in zip(split.images, split.targets):
+            assert label in labels_of.get(image.tobytes(), ())
+    assert Counter(train.targets + val.targets) == Counter(raw.target.tolist())
+
+
+def test_sample_seeds_differ_between_epochs_ranks_and_positions():
+    """A sample's augmentation seed is a function of (seed, epoch, rank, position): no two samples of two
+    epochs on two ranks share one, so no position repeats its augmentation across epochs or ranks."""
+    seeds = []
+    for epoch in (0, 1):
+        for rank in (0, 1):
+            sampler = SeededSampler(DistributedSampler(range(40), num_replicas=2, rank=rank, seed=3), seed=3,
+                                    rank=rank)
+            sampler.set_epoch(epoch)
+            seeds += [seed for _, seed in sampler]
+    assert len(seeds) == 80 and len(set(seeds)) == 80
+
+
+def test_mixup_cutmix_and_the_transforms_take_the_configured_settings():
+    """data.mixup / cutmix / mixup_prob / mixup_switch_prob / mixup_mode / label_smoothing reach timm's Mixup,
+    and scale / ratio / hflip / reprob / crop_pct the transforms (eval: resize to floor(img_size / crop_pct))."""
+    from timm.data.random_erasing import RandomErasing
+    from torchvision import transforms as T
+
+    from data.loader import build_mixup
+    from data.transforms import build_transform
+
+    cfg = load_config([DEMO_CONFIG], ["data.mixup=0.3", "data.cutmix=0.7", "data.mixup_prob=0.6",
+                                      "data.mixup_switch_prob=0.2", "data.mixup_mode=elem", "data.label_smoothing=0.05",
+                                      "data.scale=[0.3, 0.9]", "data.ratio=[0.5, 2.0]", "data.hflip=0.2",
+                                      "data.reprob=0.4", "data.crop_pct=0.8"]).data
+    mixup = build_mixup(cfg, num_classes=7)
+    assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.mix_prob, mixup.switch_prob, mixup.mode,
+            mixup.label_smoothing, mixup.num_classes) == (0.3, 0.7, 0.6, 0.2, "elem", 0.05, 7)
+    cfg.mixup = 0.0  # cutmix alone is still on; both off is no mixing at all
+    assert build_mixup(cfg, num_classes=7).cutmix_alpha == 0.7
+    cfg.cutmix = 0.0
+    assert build_mixup(cfg, num_classes=7) is None
+    train = {type(t).__name__: t for t in build_transform(cfg, 32, is_training=True).transforms}
+    crop = train["RandomResizedCropAndInterpolation"]
+    assert tuple(crop.scale) == (0.3, 0.9) and tuple(crop.ratio) == (0.5, 2.0)
+    assert train["RandomHorizontalFlip"].p == 0.2
+    assert next(t for t in train.values() if isinstance(t, RandomErasing)).probability == 0.4
+    evaluation = build_transform(cfg, 32, is_training=False).transforms
+    resize = next(t for t in evaluation if isinstance(t, T.Resize))
+    assert resize.size in (40, [40], (40, 40))  # floor(32 / 0.8)
