@@ -540,7 +540,9 @@ def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop(sc
     batches, clips their global norm to clip * norm / max(norm, clip) (clip_grad_norm_'s rule), steps with the lr
     the per-step schedule set for it, then updates the EMA with the new weights and the update count; the tail
     micro-batch that fills no update is not trained on. The logged train/loss is the mean of the window's micro-
-    batch losses, train/grad_norm the last update's norm before clipping, train/epoch the share of the epoch."""
+    batch losses, train/grad_norm the last update's norm before clipping, train/epoch the share of the epoch; a
+    checkpoint is written every ckpt_every updates. With a GradScaler (scale 2^16, no overflow) the gradients
+    are unscaled before clipping: the same updates."""
     torch.manual_seed(0)
     accum, clip, base_lr, micro_batches = 2, 0.3, 0.5, 7  # 3 updates; the 7th micro-batch is a tail
     batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))) for _ in range(micro_batches)]
@@ -561,16 +563,17 @@ def test_the_loop_matches_a_naive_accumulation_clipping_schedule_and_ema_loop(sc
             self.calls.append((step, [p.detach().clone() for p in m.parameters()]))
 
     optimizer = torch.optim.SGD(model.parameters(), lr=123.0)  # the schedule sets the lr before the first update
-    ema, logged = RecordEma(), []
+    ema, logged, saved_at, state = RecordEma(), [], [], TrainState()
     loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
                      device=torch.device("cpu"), scaler=torch.amp.GradScaler("cpu") if scaled else None,
                      scheduler=Schedule(), per_step_schedule=True, accum_steps=accum,
-                     clip_grad=clip, ema=ema, log_every=2, log=lambda step, metrics: logged.append((step, metrics)))
-    state = TrainState()
+                     clip_grad=clip, ema=ema, log_every=2, log=lambda step, metrics: logged.append((step, metrics)),
+                     ckpt_every=2, save=lambda: saved_at.append(state.step))
     from engine.loop import TrainBatches
 
     reason = loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=4)
     assert reason == "epoch_end" and (state.step, state.epoch, state.epoch_batches) == (3, 1, 0)
+    assert saved_at == [2]  # every ckpt_every updates (the caller saves at the epoch's end)
 
     # the reference: plain SGD over the same micro-batches, by autograd on a fresh copy of the start weights
     weights, losses, norms, after = [w.clone() for w in w0], [], [], []
