@@ -637,3 +637,60 @@ def test_evaluate_scores_as_a_naive_per_image_loop():
     assert (got["count"], got["excluded"]) == (39, 1)
     assert got["top1"] == pytest.approx(100 * top1 / count) and got["top5"] == pytest.approx(100 * top5 / count)
     assert got["loss"] == pytest.approx(loss / count, rel=1e-6)  # logits are scored in float32
+
+
+def test_an_epoch_schedule_sets_the_lr_of_each_epoch_before_its_updates():
+    """sched.per_step=false: the updates of epoch e take the schedule's lr at epoch e (timm's step(e)), checked
+    against plain SGD written out over two epochs."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))) for _ in range(2)]
+    model = torch.nn.Linear(3, 2).double()
+    weights = [p.detach().clone() for p in model.parameters()]
+    lr_of_epoch = {0: 0.5, 1: 0.05}
+
+    class Schedule:
+        def step(self, epoch):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_of_epoch[epoch]
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=123.0)
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
+                     device=torch.device("cpu"), scheduler=Schedule(), log_every=100)
+    state = TrainState()
+    for epoch in (0, 1):
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=4)
+        for x, y in batches:
+            leaves = [w.clone().requires_grad_() for w in weights]
+            grads = torch.autograd.grad(F_ce(x @ leaves[0].T + leaves[1], y), leaves)
+            weights = [w - lr_of_epoch[epoch] * g for w, g in zip(weights, grads)]
+    assert state.epoch == 2
+    for got, want in zip(model.parameters(), weights):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_each_rank_draws_its_own_randomness_at_each_update_and_the_same_again_on_resume():
+    """Mixup, drop path and dropout draw from the main process's RNG, reseeded at every update from (seed, rank,
+    update): two ranks must not draw the same numbers (every rank would mix its batch with the same lambda and
+    drop the same paths), two updates neither, and the same (seed, rank, update) again draws the same."""
+    from engine.loop import TrainBatches
+
+    def draws(rank, start_step=0):
+        seen = []
+        model = torch.nn.Linear(3, 2)
+
+        def compute_loss(m, x, y):
+            seen.append(float(torch.rand(())))
+            return F_ce(m(x), y)
+
+        loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         compute_loss=compute_loss, device=torch.device("cpu"), seed=7, rank=rank, world_size=2,
+                         log_every=100)
+        batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(3)]
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(step=start_step), batch_size_per_gpu=2)
+        return seen
+
+    rank0, rank1 = draws(0), draws(1)
+    assert len(set(rank0 + rank1)) == 6  # no draw shared between ranks or updates
+    assert draws(1, start_step=1)[:2] == rank1[1:]  # updates 2 and 3 of a run resumed after update 1
