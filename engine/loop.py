@@ -322,6 +322,7 @@ class TrainLoop:
         try:
             window.check_finite(state.step)  # never a checkpoint of a diverged run
             self._settle_skipped_steps(state)
+            self._settle_initial_loss(state)
             self.save()
         except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
             log.error("%s at update %d, and checkpoint.pt could not be written (%s); %s", type(error).__name__,
@@ -357,9 +358,17 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _settle_initial_loss(self, state: TrainState) -> None:
+        """Set the divergence guard's reference once the first update is complete (one collective): at log
+        steps and before every checkpoint, so that a checkpoint written before the first log step carries it and
+        a run resumed from it keeps the first update's loss, not that of the first update after the resume."""
+        if state.initial_loss is None and self._first_update_done:
+            state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
+
     def _save(self, window: "_Window", state: TrainState) -> None:
         window.check_finite(state.step)  # never write a checkpoint from a diverged run
         self._settle_skipped_steps(state)
+        self._settle_initial_loss(state)
         if self.save is not None:
             self.save()
 
@@ -368,8 +377,7 @@ class TrainLoop:
         if self.sample_tokens:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         state.unreadable_images += metrics.get("train/unreadable_images", 0)
-        if state.initial_loss is None and self._first_update_done:
-            state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
+        self._settle_initial_loss(state)
         if self.divergence is not None:
             self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)

@@ -694,3 +694,50 @@ def test_each_rank_draws_its_own_randomness_at_each_update_and_the_same_again_on
     rank0, rank1 = draws(0), draws(1)
     assert len(set(rank0 + rank1)) == 6  # no draw shared between ranks or updates
     assert draws(1, start_step=1)[:2] == rank1[1:]  # updates 2 and 3 of a run resumed after update 1
+
+
+def test_a_checkpoint_written_before_the_first_log_step_carries_the_divergence_reference():
+    """train.ckpt_every_steps below train.log_every_steps: checkpoint.pt held no initial loss, so a run resumed
+    from it took the loss of its own first update as the divergence guard's reference (and its state was no
+    longer the uninterrupted run's). Every checkpoint holds the first update's mean loss over its micro-batches."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():  # the reference: the mean loss of update 1's two micro-batches at the start weights
+        first = float(sum(F_ce(model(x), y) for x, y in batches[:2]) / 2)
+    state, saved = TrainState(), []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), accum_steps=2,
+                     log_every=100, ckpt_every=1, save=lambda: saved.append((state.step, state.initial_loss)))
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=4)
+    assert [step for step, _ in saved] == [1, 2, 3]
+    assert all(loss == pytest.approx(first, rel=1e-6) for _, loss in saved), saved
+
+
+def _reference_worker(rank, world, port, out_file):
+    from dist_utils import init_gloo
+    from engine.loop import TrainBatches
+
+    init_gloo(rank, world, port)
+    model = torch.nn.Linear(3, 2)
+    # a loss of (rank + 1) * (micro-batch + 1) on rank `rank`: update 1's mean over ranks and micro-batches is 2.25
+    losses = iter(float((rank + 1) * (m + 1)) for m in range(4))
+    state = TrainState()
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                     compute_loss=lambda m, x, y: m(x).sum() * 0 + next(losses), device=torch.device("cpu"),
+                     rank=rank, world_size=world, accum_steps=2, log_every=1)
+    loop.run_epoch(TrainBatches([(torch.randn(2, 3), torch.zeros(2))] * 4, _FixedOrder()), state,
+                   batch_size_per_gpu=2)
+    with open(out_file.format(rank=rank), "w") as f:
+        f.write(repr(state.initial_loss))
+    leave_and_exit()
+
+
+@pytest.mark.slow
+def test_the_divergence_reference_is_the_mean_over_ranks_of_the_first_update(tmp_path):
+    out = str(tmp_path / "rank{rank}.txt")
+    mp.spawn(_reference_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    # rank 0: (1 + 2) / 2, rank 1: (2 + 4) / 2; their mean
+    assert [float(open(out.format(rank=r)).read()) for r in (0, 1)] == [2.25, 2.25]
