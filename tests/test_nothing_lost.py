@@ -478,6 +478,29 @@ def test_best_checkpoint_is_written_only_when_top1_improves(tmp_path):
     assert not best.offer(state, {"val/top1": 55.0}) and len(written) == 1
 
 
+def test_a_lower_is_better_score_keeps_the_lowest_and_names_its_epoch_and_update(tmp_path):
+    """A language model's val/loss: best.pt is written for each new minimum only (a tie keeps the earlier
+    weights), and best_epoch / best_step name the validation: the epoch in progress (1-based) for a mid-epoch
+    one, the epoch just completed at an epoch end."""
+    from engine.best_checkpoint import BestCheckpoint
+    from engine.loop import TrainState
+
+    written = []
+    best = BestCheckpoint(str(tmp_path / "best.pt"), model=torch.nn.Linear(2, 2), ema=None, config={},
+                          classes=None, save=lambda payload_fn, path: written.append(payload_fn()["metrics"]),
+                          key="val/loss", higher_is_better=False)
+    state = TrainState()
+    offers = []
+    for value, (epoch, epoch_batches, step) in zip([3.0, 2.5, 2.5, 2.7, 1.0],
+                                                   [(0, 4, 2), (1, 0, 4), (1, 2, 5), (1, 4, 6), (2, 6, 11)]):
+        state.epoch, state.epoch_batches, state.step = epoch, epoch_batches, step
+        offers.append(best.offer(state, {"val/loss": value}))
+    assert offers == [True, True, False, False, True] and [m["val/loss"] for m in written] == [3.0, 2.5, 1.0]
+    assert (state.best_value, state.best_epoch, state.best_step) == (1.0, 3, 11)
+    state.epoch, state.epoch_batches, state.step = 3, 0, 12  # an epoch end: epoch 3 just completed
+    assert best.offer(state, {"val/loss": 0.5}) and (state.best_epoch, state.best_step) == (3, 12)
+
+
 def test_a_script_output_under_a_file_is_refused_before_any_work(tmp_path):
     from engine.run_dir import RunDirError, refuse_existing_outputs
     (tmp_path / "afile").write_text("mine")
