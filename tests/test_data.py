@@ -228,3 +228,24 @@ def test_mixup_cutmix_and_the_transforms_take_the_configured_settings():
     evaluation = build_transform(cfg, 32, is_training=False).transforms
     resize = next(t for t in evaluation if isinstance(t, T.Resize))
     assert resize.size in (40, [40], (40, 40))  # floor(32 / 0.8)
+
+
+@pytest.mark.parametrize("repeated_aug", [0, 2, 3])
+def test_the_training_order_follows_train_seed_and_data_repeated_aug(repeated_aug):
+    """Another train.seed deals the images in another order, and data.repeated_aug=k shows each image k times
+    an epoch (DeiT's repeated augmentation; 0 or 1: once)."""
+    from collections import Counter
+
+    from data.loader import build_train_loader
+
+    def order(seed):
+        cfg = load_config([DEMO_CONFIG], [f"data.repeated_aug={repeated_aug}"]).data
+        batches = build_train_loader(cfg, img_size=32, batch_size_per_gpu=8, rank=0, world_size=1, seed=seed,
+                                     num_classes=10)
+        batches.sampler.set_epoch(0)
+        return [index for index, _ in batches.sampler]
+
+    first = order(0)
+    assert order(1) != first
+    # the epoch's last image may be cut short of its k copies
+    assert Counter(Counter(first).values()).most_common(1)[0][0] == max(repeated_aug, 1)
