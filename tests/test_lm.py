@@ -361,3 +361,22 @@ def test_language_model_loss_is_the_mean_over_every_position():
     logits, targets = torch.randn(3, 5, 7, dtype=torch.float64), torch.randint(0, 7, (3, 5))
     want = sum(-torch.log_softmax(logits[b, t], -1)[targets[b, t]] for b in range(3) for t in range(5)) / 15
     assert float(CausalLMTask.criterion()(logits, targets)) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_limited_validation_windows_spread_from_the_first_to_the_last():
+    """data.val_windows=k: k windows spread evenly over the split, from its first window to its last (gaps that
+    differ by at most one window), not the first k."""
+    windows = TokenWindows(TokenStream(np.arange(1000, dtype=np.uint16), None, "test"), 10, train=False, limit=7)
+    starts = [int(windows[i][0][0]) for i in range(len(windows))]
+    assert starts[0] == 0 and starts[-1] == 980  # 99 windows of 10: the last starts at 980
+    assert {b - a for a, b in zip(starts, starts[1:])} <= {160, 170}
+
+
+def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validation():
+    """data.kjv_val_fraction=f: the last f of the text validates, the rest trains, together the whole text."""
+    cfg = DataConfig(dataset="kjv", kjv_val_fraction=0.25)
+    train, val = token_stream(cfg, "train"), token_stream(cfg, "val")
+    assert abs(len(val.ids) / (len(train.ids) + len(val.ids)) - 0.25) < 1e-6
+    whole = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.5), "train").ids
+    assert np.array_equal(train.ids[:len(whole)], whole)  # both heads of one text
+    assert "".join(train.vocab[i] for i in train.ids[:3]) == "In "  # Genesis 1:1 comes first
