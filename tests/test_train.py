@@ -741,3 +741,29 @@ def test_the_divergence_reference_is_the_mean_over_ranks_of_the_first_update(tmp
     mp.spawn(_reference_worker, args=(2, free_port(), out), nprocs=2, join=True)
     # rank 0: (1 + 2) / 2, rank 1: (2 + 4) / 2; their mean
     assert [float(open(out.format(rank=r)).read()) for r in (0, 1)] == [2.25, 2.25]
+
+
+def _reductions_worker(rank, world, port, out_file):
+    from dist_utils import init_gloo
+    from engine.distributed import all_reduce, raise_on_every_rank
+
+    init_gloo(rank, world, port)
+    values = [all_reduce(torch.tensor([rank + 1.0, -3.0 * rank])).tolist(),
+              all_reduce(torch.tensor([rank + 1.0, -3.0 * rank]), op="max").tolist()]
+    try:  # only rank 1 failed: every rank raises, rank 1 its own error
+        raise_on_every_rank(OSError("disk full") if rank == 1 else None, torch.device("cpu"),
+                            lambda: RuntimeError("elsewhere"))
+        values.append("no error")
+    except (OSError, RuntimeError) as e:
+        values.append(str(e))
+    with open(out_file.format(rank=rank), "w") as f:
+        f.write(repr(values))
+    leave_and_exit()
+
+
+@pytest.mark.slow
+def test_the_reductions_sum_and_take_the_maximum_over_ranks(tmp_path):
+    out = str(tmp_path / "rank{rank}.txt")
+    mp.spawn(_reductions_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    got = [eval(open(out.format(rank=r)).read()) for r in (0, 1)]  # noqa: S307 - the workers' own repr
+    assert got == [[[3.0, -3.0], [2.0, 0.0], "elsewhere"], [[3.0, -3.0], [2.0, 0.0], "disk full"]]
