@@ -114,9 +114,12 @@ def world_size() -> int:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce when a process group exists; identity otherwise."""
+    """In-place all-reduce ("sum" or "max") when a process group exists; identity otherwise."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:  # checked in one process too: a "min" or "mean" must not become a MAX on a cluster only
+        raise ValueError(f"all_reduce op must be one of {sorted(ops)}, got {op!r}")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=ops[op])
     return tensor
 
 

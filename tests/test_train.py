@@ -761,6 +761,16 @@ def _reductions_worker(rank, world, port, out_file):
     leave_and_exit()
 
 
+def test_a_reduction_other_than_sum_or_max_is_refused_even_in_one_process():
+    """Any op but "sum" was a MAX: an all_reduce(..., op="min") would be right in one process and wrong on a
+    cluster; it is refused wherever it runs."""
+    from engine.distributed import all_reduce
+
+    assert all_reduce(torch.ones(2), op="max").tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"all_reduce op must be one of \['max', 'sum'\], got 'min'"):
+        all_reduce(torch.ones(2), op="min")
+
+
 @pytest.mark.slow
 def test_the_reductions_sum_and_take_the_maximum_over_ranks(tmp_path):
     out = str(tmp_path / "rank{rank}.txt")
