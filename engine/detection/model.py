@@ -14,6 +14,7 @@ from torch import nn
 from mmengine.config import Config
 from mmdet.registry import MODELS
 
+from engine.checkpoint import is_run_checkpoint
 from engine.detection.errors import DetectionError
 from models.modules import nonfinite_tensors
 
@@ -112,6 +113,9 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
                              "or the one its last_checkpoint names)")
     if not os.path.isfile(checkpoint):
         raise DetectionError(f"--checkpoint {checkpoint}: no such file")
+    if is_run_checkpoint(checkpoint):  # train.py's checkpoint.pt / best.pt: a classifier's or language model's
+        raise DetectionError(f"--checkpoint {checkpoint} is a checkpoint of train.py (an image classifier or "
+                             "language model), not of a detector: give the .pth scripts/train_detection.py wrote")
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.get("backbone", {}).pop("init_cfg", None)  # the checkpoint holds every weight
     model = MODELS.build(model_cfg)
@@ -121,10 +125,6 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
         payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
         raise DetectionError(f"--checkpoint {checkpoint}: cannot be read ({type(e).__name__}: {e})") from None
-    if isinstance(payload, dict) and "state_dict" not in payload and isinstance(payload.get("config"), dict):
-        # train.py's checkpoint.pt / best.pt ('model', 'config'): a classifier's or language model's weights
-        raise DetectionError(f"--checkpoint {checkpoint} is a checkpoint of train.py (an image classifier or "
-                             "language model), not of a detector: give the .pth scripts/train_detection.py wrote")
     state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
     if not isinstance(state, dict) or not state:
         raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
