@@ -3,12 +3,15 @@ really runs (armed before the step; at once inside a closure), never without gra
 arguments are ColinearityDecay's."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cd import ColinearityDecay
 from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments
+from cd.wrappers import torch_optimizer, unwrap_model
 from cd_models import snapshot, tiny_vit
 
 
@@ -139,3 +142,61 @@ def test_a_binding_beside_an_attach_of_the_same_matrices_is_refused_both_ways():
         OptimizerBinding(decay, opt)  # one binding of one decay: still twice
     binding.remove()
     OptimizerBinding(decay, opt)  # a removed binding is gone
+
+
+def test_a_disarmed_binding_leaves_the_next_step_alone():
+    """disarm() after an event whose step never came (a GradScaler skip, an iteration without an update): the
+    next step of the optimizer, outside the framework's event, is the plain optimizer step of a copy."""
+    model, decay, opt, loss = _setup()
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    binding = OptimizerBinding(decay, opt)
+    binding.arm()
+    binding.disarm()
+    loss().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        q.grad = p.grad.clone()
+    opt.step()
+    plain_opt.step()
+    assert decay.num_updates == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+class _Wrapper(torch.nn.Module):
+    """A DDP-style wrapper: its only child is `module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+class _WithAModuleChild(torch.nn.Module):
+    """A model that happens to name one of its parts `module`: no wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.module, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+
+def test_unwrap_model_strips_wrappers_and_compile_in_any_order_and_nothing_else():
+    net = tiny_vit()
+    assert unwrap_model(net) is net
+    assert unwrap_model(_Wrapper(_Wrapper(net))) is net
+    assert unwrap_model(_Wrapper(torch.compile(_Wrapper(net)))) is net  # compile's _orig_mod, between wrappers
+    model = _WithAModuleChild()
+    assert unwrap_model(model) is model and unwrap_model(_Wrapper(model)) is model
+
+
+def test_torch_optimizer_looks_through_framework_wrappers_and_refuses_a_scheduler():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    class Held:  # MMEngine's OptimWrapper, Lightning's LightningOptimizer: `.optimizer` / `._optimizer`
+        def __init__(self, name, inner):
+            setattr(self, name, inner)
+
+    assert torch_optimizer(opt) is opt
+    assert torch_optimizer(Held("optimizer", Held("_optimizer", opt))) is opt
+    with pytest.raises(TypeError, match="an lr scheduler"):
+        torch_optimizer(torch.optim.lr_scheduler.StepLR(opt, 1))
+    with pytest.raises(TypeError, match="got Held"):
+        torch_optimizer(Held("other", opt))
