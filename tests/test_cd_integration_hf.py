@@ -194,3 +194,53 @@ def test_lookahead_with_fp16_gets_cd_at_every_step_or_an_error(tmp_path, added_l
     else:
         trainer.train()
         assert callback.decay.num_updates == 3
+
+
+class StopAt(TrainerCallback):
+    """Raises in `event` at update `step` (a crash, an OOM, a KeyboardInterrupt in a notebook)."""
+
+    def __init__(self, event: str, step: int) -> None:
+        setattr(self, event, self.stop)
+        self.step = step
+
+    def stop(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("stop")
+
+
+@pytest.mark.parametrize("event", ["on_pre_optimizer_step", "on_step_end"])
+def test_a_train_that_raised_leaves_no_cd_on_its_optimizer_for_the_next_train(tmp_path, event):
+    """The Trainer calls no callback when train() raises: the failed run's binding stayed on the optimizer, so a
+    new callback on it was refused as a second CD update, and a run stopped between on_pre_optimizer_step and
+    the step applied the failed run's CD at the next step of that optimizer."""
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", max_grad_norm=0.0)
+    failed = ColinearityDecayCallback(lam=LAM)
+    with pytest.raises(RuntimeError, match="stop"):
+        Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, None),
+                callbacks=[failed, StopAt(event, 1)]).train()
+    done = failed.decay.num_updates
+    again = ColinearityDecayCallback(lam=LAM)
+    Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, None), callbacks=[again]).train()
+    assert failed.decay.num_updates == done and again.decay.num_updates == 3  # once per step, the new one's
+    with pytest.raises(RuntimeError, match="another CD update"):  # two in one Trainer: still refused
+        Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, None),
+                callbacks=[ColinearityDecayCallback(lam=LAM), ColinearityDecayCallback(lam=LAM)]).train()
+
+
+def test_a_finished_train_leaves_no_cd_on_its_optimizer(tmp_path):
+    """After train() the optimizer is the user's again: an attach of their own is not refused as a second CD
+    update, and a step of theirs gets no CD from the callback."""
+    from cd import ColinearityDecay
+    from cd.wrappers import torch_optimizer
+
+    trainer, _, _ = train(tmp_path, steps=1)
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    opt, model = torch_optimizer(trainer.optimizer), trainer.model
+    batch = data(2)[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    opt.step()
+    assert cb.decay.num_updates == 1
+    ColinearityDecay(model, lam=LAM).attach(opt).remove()

@@ -19,6 +19,13 @@ callback is deliberately not one of the Trainer's stateful callbacks: `restore_c
 would replace it by a new instance built from the arguments saved in the checkpoint, dropping changed
 arguments and leaving the caller's object (and its `decay`) unused. The logging counter `cd/updates` starts at
 the Trainer's restored `global_step` instead (which counts the steps fp16 skipped too).
+
+The Trainer has no event for a `train()` that raises (Lightning has `on_exception`): the binding of a failed run
+stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step` and the step. Each `train()`
+has a `TrainerState` of its own, so a binding made for another state belongs to a run that is over, and the next
+`on_train_begin` on that optimizer removes it: a new callback (and Trainer) on the optimizer of a failed run is
+not refused as a second CD update, and the failed run's pending update never runs. Two callbacks in one Trainer
+share the state and are still refused.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from ..decay import ColinearityDecay, make_step_hooks_run
+from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
 from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
 
 
@@ -51,9 +58,13 @@ class ColinearityDecayCallback(TrainerCallback):
             raise RuntimeError("ColinearityDecayCallback: the Trainer passed no model or optimizer to "
                                "on_train_begin")
         self._unbind()
+        for owner in list(_HOOKED.get(torch_optimizer(optimizer), ())):  # a failed train()'s (module doc)
+            if getattr(owner, "trainer_state", state) is not state:
+                owner.remove()
         self.decay = ColinearityDecay(model, **self.cd_kwargs)
         self.decay.num_updates = state.global_step  # a resumed run's steps so far (logging only)
         (self._binding,) = bind_optimizers(self.decay, [optimizer]).values()
+        self._binding.trainer_state = state  # the train() it serves
 
     def on_init_end(self, args, state, control, optimizer=None, **kwargs):
         # An optimizer given to the Trainer that skips Optimizer.__init__ (timm's Lookahead) calls step hooks only
