@@ -16,7 +16,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning")
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from cd import UnsupportedModelError  # noqa: E402
+from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
 from cd.integrations.lightning import ColinearityDecayCallback  # noqa: E402
 from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs  # noqa: E402
 from cd_models import VIT_DEPTH, tiny_vit  # noqa: E402
@@ -193,3 +193,24 @@ def test_callbacks_on_two_parts_have_their_own_checkpoint_keys_and_module_is_che
     assert whole.state_key == "ColinearityDecayCallback" and len({whole.state_key, a.state_key, b.state_key}) == 3
     with pytest.raises(TypeError, match="module must be"):
         ColinearityDecayCallback(0.005)  # lam by position
+
+
+def test_a_finished_fit_leaves_no_cd_on_its_optimizer():
+    """After fit() the optimizer is the user's again: a step of their own is neither refused (strict_steps) nor
+    given the callback's CD, and an attach of their own is not refused as a second CD update."""
+    module = Module(tiny_vit().double(), steps=2)
+    trainer = fit(module, 2)
+    opt = trainer.optimizers[0]
+    F.cross_entropy(module(torch.zeros(2, 3, 32, 32, dtype=torch.float64)), torch.tensor([0, 1])).backward()
+    opt.step()
+    assert cd_callback(trainer).decay.num_updates == 2
+    ColinearityDecay(module.net, lam=LAM).attach(opt).remove()
+
+
+def test_the_lightning_modules_example_input_is_not_given_to_the_part_that_module_names():
+    """module="net": the LightningModule's example_input_array is the whole module's input (here images of
+    another size, which it would resize), not that part's; timm's net tells its own."""
+    module = Module(tiny_vit().double(), steps=1)
+    module.example_input_array = torch.zeros(1, 3, 64, 64, dtype=torch.float64)
+    trainer = fit(module, 1, callback=ColinearityDecayCallback(module="net", lam=LAM))
+    assert cd_callback(trainer).decay.num_updates == 1
