@@ -151,6 +151,18 @@ def test_a_metrics_line_of_another_shape_is_dropped_on_resume_not_a_traceback(tm
     assert "dropped 1 unreadable line" in caplog.text
 
 
+def test_metrics_jsonl_keeps_records_up_to_the_resumed_step_whole_lines_and_non_finite_values(tmp_path):
+    """Records at or before the resumed step are kept, a last record without its newline is still one line
+    when the resumed run appends, and NaN/inf are written as strings (JSON has no NaN)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n{"step": 3, "x": 1}')  # no newline at the end
+    logger = MetricLogger(str(tmp_path), True, tensorboard=False, resume_step=3)
+    logger.log(4, {"train/loss": float("nan"), "train/lr": float("inf"), "t": torch.tensor(0.5)})
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 2}, {"step": 3, "x": 1},
+                       {"step": 4, "train/loss": "nan", "train/lr": "inf", "t": 0.5}]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
 def test_train_device_cuda_without_a_gpu_is_a_config_error_not_a_traceback(debug_config):
     from configs import ConfigError

@@ -305,6 +305,18 @@ def test_divergence_guard_counts_consecutive_high_windows():
     DivergenceGuard(3.0, 1).check(1, 1e9, None)  # no reference yet: nothing to say
 
 
+def test_divergence_guard_threshold_is_strictly_above_factor_times_the_initial_loss():
+    """The rule of engine/divergence.py, naively: a window counts when mean > factor * initial (strictly)."""
+    initial, factor = 0.5, 4.0  # 4 x 0.5 = 2.0; factor + initial would be 4.5
+    guard = DivergenceGuard(factor, windows=1)
+    for loss in (2.0, 1.0, 2.0 - 1e-9):  # at or under the threshold: no window counts
+        guard.check(1, loss, initial)
+    assert guard.streak == 0
+    with pytest.raises(DivergenceError):
+        guard.check(2, 3.0, initial)  # above 4 x 0.5 (under 4 + 0.5)
+    DivergenceGuard(factor, windows=1).check(1, 1e9, 0.0)  # a reference of 0 (no loss yet to scale): no verdict
+
+
 def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
     cfg = debug_config("data.mixup=0", "data.cutmix=0")
     loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,

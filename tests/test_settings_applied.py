@@ -38,6 +38,21 @@ def test_the_precision_that_runs_is_logged_and_fp16_on_a_cpu_is_warned_about(deb
     assert ("fp16 autocast runs several times slower than fp32" in caplog.text) == (amp == "fp16")
 
 
+@pytest.mark.parametrize("amp, dtype, scaler", [("none", "float32", False), ("fp16", "float16", True),
+                                                ("bf16", "bfloat16", False)])
+def test_each_precision_setting_runs_its_own_autocast_dtype_and_only_fp16_has_a_grad_scaler(amp, dtype, scaler):
+    """What train.amp runs, read from torch itself: the dtype of a matmul under the context, and the scaler."""
+    import torch
+
+    from engine.precision import autocast, grad_scaler
+
+    cpu = torch.device("cpu")
+    with autocast(amp, cpu):
+        product = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert str(product.dtype) == f"torch.{dtype}"
+    assert isinstance(grad_scaler(amp, cpu), torch.amp.GradScaler) == scaler
+
+
 def test_a_degenerate_aphq_grid_is_refused_where_it_would_be_degenerate():
     aphq = PIPELINES["aphq"]
     aphq.check(parse_bits("w3a3"), APHQOptions(eq_n=16))  # 8 zero points x 2 ranges: a real search

@@ -503,6 +503,19 @@ def test_the_epoch_eta_ends_with_the_run_when_the_run_ends_inside_the_epoch():
     assert "eta epoch 0:00:02 run 0:00:10" in line, line
 
 
+def test_progress_line_names_the_epoch_and_its_share_and_duration_counts_hours_and_days():
+    from engine.metrics import duration, progress_line
+
+    assert duration(59.6) == "0:01:00" and duration(3725) == "1:02:05"
+    assert duration(2 * 86400 + 3 * 3600 + 4 * 60 + 5) == "2d 3:04:05"
+    metrics = {"train/img_per_s": 16.0, "train/loss": 4.0, "train/lr": 1e-3, "train/data_wait": 0.1,
+               "train/peak_mem_mib": 700.0}
+    for epoch, shown in ((2.45, "epoch 3/5 45%"), (2.0, "epoch 2/5 100%"), (0.0, "epoch 1/5 0%")):
+        line = progress_line(2, dict(metrics, **{"train/epoch": epoch}), total_steps=100, epochs=5,
+                             updates_per_epoch=20, batch_size=16)
+        assert f"update 2/100  {shown}  loss 4.0000" in line, line
+
+
 def test_a_run_stopped_at_max_steps_is_not_said_to_have_failed_to_learn(debug_config, caplog):
     """After train.max_steps=1 (inside the warmup) the summary said 'the run did not learn; check the learning
     rate': the warning is for finished runs."""
