@@ -272,3 +272,29 @@ def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_pa
     from cd.verify import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match=r"Input height \(48\) doesn't match model \(32\)"):
         run(config(tmp_path, iters=1, input_shape=(1, 3, 48, 48)))
+
+
+def test_cd_runs_in_the_iterations_steps_only():
+    """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
+    same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no
+    CD on the optimizer."""
+    from types import SimpleNamespace
+
+    from cd import ColinearityDecay
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    net = tiny_vit()
+    wrapper = OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))
+    runner = SimpleNamespace(model=net, optim_wrapper=wrapper, iter=0)
+    hook = ColinearityDecayHook(lam=0.5, module="")
+    hook.before_train(runner)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
+    for inside in (True, False):
+        if inside:
+            hook.before_train_iter(runner, 0)
+        wrapper.update_params(F.cross_entropy(net(x), y))
+        if inside:
+            hook.after_train_iter(runner, 0)
+        assert hook.decay.num_updates == 1
+    hook.after_train(runner)  # the optimizer is the user's again: an attach of their own is no second update
+    ColinearityDecay(net, lam=0.5).attach(wrapper.optimizer).remove()
