@@ -298,3 +298,32 @@ def test_cd_runs_in_the_iterations_steps_only():
         assert hook.decay.num_updates == 1
     hook.after_train(runner)  # the optimizer is the user's again: an attach of their own is no second update
     ColinearityDecay(net, lam=0.5).attach(wrapper.optimizer).remove()
+
+
+def test_budget_rule_lowers_the_merged_weight_decay_once_by_the_hooks_lam():
+    """App. A.2's budget, on plain config dicts against hand-computed values: weight decay minus the hook's lam
+    (the documented default 0.005 where the hook gives none), zero lam and zero weight decay are budgets (0 is
+    allowed, only a negative number is refused), and a config whose cd_budget records the rule as applied (a
+    dumped config loaded again) is not lowered a second time."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    def config(weight_decay, **hook):
+        return {"cd_budget": True, "custom_hooks": [{"type": "ColinearityDecayHook", **hook}],
+                "optim_wrapper": {"optimizer": {"type": "AdamW", "weight_decay": weight_decay}}}
+
+    for weight_decay, hook, expected in [(0.05, {"lam": 0.01}, 0.04), (0.05, {}, 0.045), (0.05, {"lam": 0.0}, 0.05),
+                                         (0.0, {"lam": 0.0}, 0.0), (0.005, {}, 0.0)]:
+        cfg = config(weight_decay, **hook)
+        apply_weight_decay_budget(cfg)
+        assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == pytest.approx(expected, abs=1e-15), (weight_decay,
+                                                                                                         hook)
+        assert cfg["cd_budget"].startswith("applied: ")
+        apply_weight_decay_budget(cfg)  # the dump of a run, loaded again
+        assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == pytest.approx(expected, abs=1e-15)
+    for weight_decay, lam in [(-0.01, 0.0), (0.05, -0.001), (0.001, 0.005)]:
+        with pytest.raises(ValueError, match="cd_budget=True"):
+            apply_weight_decay_budget(config(weight_decay, lam=lam))
+    untouched = config(0.05, lam=0.01)
+    untouched["cd_budget"] = False
+    apply_weight_decay_budget(untouched)
+    assert untouched["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05
