@@ -144,9 +144,10 @@ def config(tmp_path, hooks, iters=4, accum=1, model=None, resume=None, val=False
 TWEO_VARIANTS = ("paper", "not_rescaled", "whole_model", "iteration_step", "unscaled_by_accum")
 
 
-def tweo_reference(initial, batches, iters, accum, lam, variant):
+def tweo_reference(initial, batches, iters, accum, lam, variant, last_losses=None):
     """float64 plain loop: per micro-batch (CE + lam(t) * L_TWEO * detach(CE / L_TWEO)) / accum, L_TWEO the mean
-    over the backbone's blocks of mean((|A| / 3)^4) (App. A.3), t the update index, cosine lam over the updates."""
+    over the backbone's blocks of mean((|A| / 3)^4) (App. A.3), t the update index, cosine lam over the updates.
+    `last_losses`, a dict, receives the last micro-batch's task loss, L_TWEO and term."""
     net = copy.deepcopy(initial)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
     outs = []
@@ -167,6 +168,8 @@ def tweo_reference(initial, batches, iters, accum, lam, variant):
             lam_t = lam * 0.5 * (1.0 + math.cos(math.pi * min(s, updates) / updates))
             term = lam_t * penalty * (1.0 if variant == "not_rescaled" else task.detach() / penalty.detach())
             (task / accum + (term if variant == "unscaled_by_accum" else term / accum)).backward()
+            if last_losses is not None:
+                last_losses.update(task=task.item(), penalty=penalty.item(), term=term.item())
         opt.step()
         snapshots.append({n: p.detach().clone() for n, p in net.named_parameters()})
     return snapshots
@@ -185,7 +188,12 @@ def test_tweo_hook_matches_the_float64_reference_with_accumulation_and_adds_noth
     assert rec.val_pending and not any(rec.val_pending)
     hub = runner.message_hub
     assert hub.get_scalar("train/tweo_lam").current() == pytest.approx(lam * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
-    assert hub.get_scalar("train/loss_tweo").current() > 0
+    # the last iteration's log variables: `loss` is the total (task + term), the raw penalty and the term
+    want = {}
+    tweo_reference(BaselineNet(), runner.model.batches, 6, 2, lam, "paper", last_losses=want)
+    assert hub.get_scalar("train/loss").current() == pytest.approx(want["task"] + want["term"], rel=1e-9)
+    assert hub.get_scalar("train/loss_tweo").current() == pytest.approx(want["term"], rel=1e-9)
+    assert hub.get_scalar("train/tweo_penalty").current() == pytest.approx(want["penalty"], rel=1e-9)
     assert not any("tweo" in k for k in hub.log_scalars if k.startswith("val/"))
     assert "parse_losses" not in vars(runner.model)  # unwrapped after training
 
