@@ -41,6 +41,7 @@ optimizer and checkpoints only ever hold the clean Parameters.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -51,6 +52,9 @@ from .wrappers import unwrap_model
 
 LAYER_TYPES: dict[str, type] = {"Linear": nn.Linear, "Conv2d": nn.Conv2d}
 _MASK64 = (1 << 64) - 1
+# layer -> the WeightNoise whose hooks are on it. Two on one layer would stack: the second takes the first's noisy
+# tensor for the clean weight and puts it back after the forward, a plain tensor in the Parameter's place.
+_NOISE_ON: "weakref.WeakKeyDictionary[nn.Module, WeightNoise]" = weakref.WeakKeyDictionary()
 
 
 def _splitmix64(x: int) -> int:
@@ -131,6 +135,11 @@ class WeightNoise:
                        if isinstance(m, kinds) and isinstance(m._parameters.get("weight"), nn.Parameter)]
         if not self.layers:
             raise ValueError(f"WeightNoise: no {'/'.join(layer_types)} layer with a weight in {type(model).__name__}")
+        taken = [name for name, m in self.layers if m in _NOISE_ON]
+        if taken:
+            raise RuntimeError(f"WeightNoise: the layers {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} "
+                               "have the hooks of another WeightNoise already: remove() that one first (two would "
+                               "stack their noise and leave a noisy tensor in place of the weight)")
         self._index = {id(m): i for i, (_, m) in enumerate(self.layers)}
         self._clean: dict[int, dict[str, nn.Parameter]] = {}  # id(module) -> its clean parameters, in its forward
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -139,6 +148,7 @@ class WeightNoise:
             self._handles.append(m.register_forward_pre_hook(self._swap_in))
             # always_call: the clean weight comes back even when the forward raises
             self._handles.append(m.register_forward_hook(self._swap_out, always_call=True))
+            _NOISE_ON[m] = self
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -172,6 +182,8 @@ class WeightNoise:
             clean = self._clean.pop(id(m), None)
             if clean is not None:
                 m._parameters.update(clean)
+            if _NOISE_ON.get(m) is self:
+                del _NOISE_ON[m]
 
     def __enter__(self) -> "WeightNoise":
         return self

@@ -324,6 +324,68 @@ def test_weight_noise_same_seed_same_run_other_seed_other_run_and_resume_continu
         assert all(torch.allclose(got[n], want[n], rtol=0, atol=TOL) for n in want)
 
 
+def test_two_weight_noises_on_one_layer_are_refused_and_one_removed_makes_room():
+    """Stacked, the second WeightNoise would take the first's noisy tensor for the clean weight and put it back
+    after the forward: a plain tensor in place of the Parameter the optimizer steps."""
+    from cd.noise import WeightNoise
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).train()
+    weights = [m.weight for m in net]
+    first = WeightNoise(net, seed=0)
+    with pytest.raises(RuntimeError, match="0, 1 have the hooks of another WeightNoise already"):
+        WeightNoise(net, seed=1)
+    with pytest.raises(RuntimeError, match="another WeightNoise"):
+        WeightNoise(net[1], seed=1)  # one layer in common is enough
+    first.remove()
+    with WeightNoise(net, seed=1):
+        net(torch.randn(4, 8)).sum().backward()
+    assert all(m.weight is w and w.grad is not None for m, w in zip(net, weights))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net)
+
+
+@HOOKS.register_module(force=True)
+class FailAt(Hook):
+    """Raises before training iteration `it`: a run that fails with the baselines' hooks on the model."""
+
+    def __init__(self, it: int = 1) -> None:
+        self.it = it
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+        if runner.iter == self.it:
+            raise RuntimeError("a failed run")
+
+
+def test_a_run_after_a_failed_one_on_the_same_model_object_gets_its_own_baselines_only(tmp_path):
+    """MMEngine calls no hook when training raises, so a failed run's noise hooks and TWEO wrapper stay on the
+    model object; a new Runner with the baselines on it removes them: it trains as the same run on a fresh model
+    (one noise, one TWEO term, not two), and leaves nothing on the model when it is done."""
+    from mmengine.runner import Runner
+
+    import cd.integrations.mmengine  # noqa: F401  (registers the hooks; a Runner built in code reads no custom_imports)
+    from cd.noise import _NOISE_ON
+
+    def train(folder, model, hooks):
+        cfg = config(tmp_path / folder, hooks)
+        del cfg["custom_imports"]
+        runner = Runner(**dict(cfg, model=model))
+        runner.train()
+        return hook_of(runner, "Recorder").after
+
+    baselines = [dict(type="WeightNoiseHook", bits=BITS, seed=SEED), dict(type="TweoHook", lam=0.5)]
+    reused = BaselineNet()
+    with pytest.raises(RuntimeError, match="a failed run"):
+        train("failed", reused, [*baselines, dict(type="FailAt")])
+    assert "parse_losses" in vars(reused) and reused.backbone.blocks[0].attn.qkv._forward_pre_hooks  # left behind
+    reused.load_state_dict(BaselineNet().state_dict())  # the failed run's first update undone
+    got, want = train("again", reused, baselines), train("fresh", BaselineNet(), baselines)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert all(torch.equal(g[n], w[n]) for n in w)
+    assert "parse_losses" not in vars(reused)
+    assert not any(m in _NOISE_ON for m in reused.modules())  # no noise hook (the Recorders' pre-hooks stay)
+    assert not any(block._forward_hooks for block in reused.backbone.blocks)  # no TWEO capture
+
+
 def test_weight_noise_hook_refuses_bad_arguments():
     from cd.integrations.mmengine import WeightNoiseHook
 

@@ -10,15 +10,22 @@ go on at `before_train` and off at `after_train`; at `before_train_iter` the noi
 `runner.iter`, so every micro-batch draws fresh noise, a given (seed, iteration) always draws the same, and a
 resumed run (runner.iter restored from the checkpoint) continues with the noise of the uninterrupted run. The
 optimizer, EMA hooks and checkpoints only see the clean weights; validation (eval mode) runs on them.
+
+MMEngine calls no hook when training raises: the hooks of a failed run stay on its model's layers. The next
+`before_train` of a WeightNoiseHook in another Runner on that model removes them (a run that is over), so a new run
+on a reused model instance gets its own noise only. A run without the hook on such a model would still see the
+failed run's noise: call the failed run's `hook.after_train(runner)` first, which removes it.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from ..noise import WeightNoise, check_arguments
+from ..noise import _NOISE_ON, WeightNoise, check_arguments
+from ..wrappers import unwrap_model
 from . import check_module_name, select_module
 
 
@@ -49,8 +56,13 @@ class WeightNoiseHook(Hook):
     def before_train(self, runner) -> None:
         if self.noise is not None:
             self.noise.remove()
-        self.noise = WeightNoise(select_module(runner.model, self.module), bits=self.bits,
-                                 layer_types=self.layer_types, seed=self.seed)
+        part = select_module(runner.model, self.module)
+        for layer in unwrap_model(part).modules():  # a failed run's noise (module doc)
+            other = _NOISE_ON.get(layer)
+            if other is not None and getattr(other, "runner", lambda: runner)() is not runner:
+                other.remove()
+        self.noise = WeightNoise(part, bits=self.bits, layer_types=self.layer_types, seed=self.seed)
+        self.noise.runner = weakref.ref(runner)  # the run it serves
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         self.noise.step = runner.iter

@@ -24,11 +24,16 @@ runner.iter). It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`,
 step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
 A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
 iteration. Validation forwards (eval mode, no grad) capture nothing and add nothing.
+MMEngine calls no hook when training raises: a failed run leaves its `parse_losses` and block hooks on the model.
+The next TweoHook's `before_train` in another Runner on that model object removes them (a run that is over); two
+TweoHooks in one Runner are refused. A run without the hook on such a model would still add the failed run's term:
+call the failed run's `hook.after_train(runner)` first, which removes it.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -101,11 +106,15 @@ class TweoHook(Hook):
         accum = accumulative_counts(runner.optim_wrapper)
         total = self.total_steps or math.ceil(runner.max_iters / accum)
         self._accum = accum
-        self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total, **self.kwargs)
         model = unwrap_model(runner.model)
         if "parse_losses" in vars(model):
-            raise RuntimeError("TweoHook: the model's parse_losses is already replaced on the instance (a second "
-                               "TweoHook?)")
+            owner = getattr(vars(model)["parse_losses"], "tweo_run", None)  # (runner, TWEO) of the hook that set it
+            if owner is None or owner[0]() is runner:
+                raise RuntimeError("TweoHook: the model's parse_losses is already replaced on the instance (a "
+                                   "second TweoHook?)")
+            del vars(model)["parse_losses"]  # a failed run's (module doc)
+            owner[1].remove()
+        self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total, **self.kwargs)
         original = model.parse_losses
 
         def parse_losses(losses):
@@ -121,6 +130,7 @@ class TweoHook(Hook):
             log_vars["tweo_lam"] = loss.new_tensor(metrics["tweo/lam"])
             return total_loss, log_vars
 
+        parse_losses.tweo_run = (weakref.ref(runner), self.tweo)
         model.parse_losses = parse_losses
         self._model = model
 
