@@ -540,3 +540,136 @@ def test_a_table_script_never_writes_over_a_file_it_reads(tmp_path):
     with pytest.raises(SystemExit, match=r"eval_best_act_max.csv is an input of this command"):
         compare_act_max.main([f"a={csv_path}", "--out", str(tmp_path / "eval_best_act_max"), "--overwrite"])
     assert result.read_text() == before and csv_path.read_text().startswith("name,kind")
+
+
+# -- run folders: claim_run_dir's decisions on hand-made folders (no training) ------------------------------
+
+def _folder(path, files):
+    """A folder holding `files` ({name: text}; a name ending in '/' is a folder), as an earlier run left it."""
+    os.makedirs(path, exist_ok=True)
+    for name, text in files.items():
+        if name.endswith("/"):
+            os.makedirs(os.path.join(path, name), exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+            with open(os.path.join(path, name), "w") as f:
+                f.write(text)
+
+
+def _tree(path):
+    """{relative path: text} of every file under `path` (folders by their files)."""
+    out = {}
+    for folder, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(folder, name)
+            with open(full) as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
+CONFIG = {"out_dir": "x", "optim": {"lr": 0.1}, "train": {"seed": 0, "max_steps": None}}
+SAVED = "out_dir: x\noptim:\n  lr: 0.1\ntrain:\n  seed: 0\n  max_steps: null\n"  # CONFIG as config.yaml
+
+
+@pytest.mark.parametrize("files, config, archive_existing, outcome", [
+    ({}, CONFIG, False, "start"),
+    # what a start that failed before its first logged update leaves: archived, whatever the config
+    ({"train.log": "t", "config.yaml": SAVED, "tb/": ""}, {**CONFIG, "optim": {"lr": 9.0}}, False, "archived"),
+    ({"train.log": "t", "config.yaml": SAVED, "metrics.jsonl": ""}, {**CONFIG, "optim": {"lr": 9.0}}, False,
+     "archived"),
+    # the same config restarting after a kill before its first checkpoint: archived; another config: refused
+    ({"train.log": "t", "config.yaml": SAVED, "metrics.jsonl": "{}\n"}, CONFIG, False, "archived"),
+    ({"train.log": "t", "config.yaml": SAVED, "metrics.jsonl": "{}\n"}, {**CONFIG, "optim": {"lr": 9.0}}, False,
+     "refused"),
+    # only paths and limits differ (ENVIRONMENT_KEYS): still the same run
+    ({"config.yaml": SAVED, "metrics.jsonl": "{}\n"}, {**CONFIG, "out_dir": "y", "train": {"seed": 0, "max_steps": 3}},
+     False, "archived"),
+    # a result (best.pt) is never moved without archive_existing, even with the same config and no metrics
+    ({"config.yaml": SAVED, "metrics.jsonl": "{}\n", "best.pt": "w"}, CONFIG, False, "refused"),
+    ({"config.yaml": SAVED, "best.pt": "w"}, CONFIG, False, "refused"),
+    ({"notes.txt": "mine"}, CONFIG, False, "refused"),
+    ({"notes.txt": "mine", "best.pt": "w", "snapshots/": ""}, CONFIG, True, "archived"),
+    # checkpoint.pt: the run resumes, nothing is moved (archive_existing or not)
+    ({"checkpoint.pt": "c", "best.pt": "w", "notes.txt": "mine"}, {**CONFIG, "optim": {"lr": 9.0}}, True, "start"),
+])
+def test_claiming_a_folder_starts_archives_or_refuses_as_the_rules_say(tmp_path, files, config, archive_existing,
+                                                                      outcome):
+    """The decision table of engine/run_dir.py's docstring, on folders made by hand: what is moved goes whole
+    to archive/<time>/ (an earlier archive stays where it is), and nothing is ever deleted."""
+    from engine.run_dir import claim_run_dir
+
+    out = str(tmp_path / "run")
+    _folder(out, {**files, "archive/20000101-000000/best.pt": "older"})
+    before = _tree(out)
+    if outcome == "refused":
+        with pytest.raises(RunDirError, match="holds files of an earlier run"):
+            with claim_run_dir(out, config, archive_existing):
+                pass
+        assert _tree(out) == before
+        return
+    with claim_run_dir(out, config, archive_existing):
+        assert os.path.exists(os.path.join(out, ".run.lock"))
+    after = _tree(out)
+    if outcome == "start":
+        assert after == before
+        return
+    moved = [a for a in os.listdir(os.path.join(out, "archive")) if a != "20000101-000000"]
+    assert len(moved) == 1
+    expected = {"archive/20000101-000000/best.pt": "older",
+                **{f"archive/{moved[0]}/{name}": text for name, text in before.items() if "/" not in name}}
+    assert after == expected  # every file moved, the earlier archive untouched, nothing else left
+    assert sorted(os.listdir(os.path.join(out, "archive", moved[0]))) == sorted(n.rstrip("/") for n in files)
+
+
+def test_archives_made_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch):
+    import datetime as real_datetime
+
+    import engine.run_dir as run_dir
+
+    class Frozen(real_datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2030, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(run_dir.datetime, "datetime", Frozen)
+    out = str(tmp_path / "run")
+    for i in range(3):
+        _folder(out, {"best.pt": f"run {i}"})
+        run_dir.archive(out, ["best.pt"])
+    assert _tree(out) == {"archive/20300102-030405/best.pt": "run 0", "archive/20300102-030405-1/best.pt": "run 1",
+                          "archive/20300102-030405-2/best.pt": "run 2"}
+
+
+def test_each_config_change_at_one_step_is_kept_and_an_unchanged_config_keeps_nothing(tmp_path):
+    out = str(tmp_path / "c")
+    os.makedirs(out)
+    for lr in (0.1, 0.1, 0.2, 0.3, 0.4):  # the second save is the same config: nothing to keep
+        save_config_history(out, {"optim": {"lr": lr}}, step=3)
+    import yaml
+
+    kept = {n: yaml.safe_load(open(os.path.join(out, n)))["optim"]["lr"] for n in os.listdir(out)}
+    assert kept == {"config.until_step3.yaml": 0.1, "config.until_step3.2.yaml": 0.2,
+                    "config.until_step3.3.yaml": 0.3, "config.yaml": 0.4}
+
+
+def test_only_settings_that_change_what_a_run_computes_count_as_changed():
+    """config_changes / start_only_changes / recipe against hand-written lists: paths, limits, logging and the
+    quant section may change on resume (ENVIRONMENT_KEYS, 'log.*' and 'quant.*' as wildcards), free-form
+    dicts compare whole, the seed is not part of a recipe."""
+    from engine.run_dir import config_changes, recipe, start_only_changes
+
+    saved = {"out_dir": "a", "model": {"name": "vit", "pretrained": "", "kwargs": {"depth": 2}},
+             "optim": {"lr": 0.1}, "cd": {"lam_per_role": {"fc2": 1.0}},
+             "train": {"seed": 0, "max_steps": None, "archive_existing": False, "keep_every_epochs": 0},
+             "log": {"tensorboard": True, "act_max": False}, "quant": {"bits": ["w4a4"], "aphq": {"iters": 5}}}
+    current = {"out_dir": "b", "model": {"name": "vit", "pretrained": "w.pt", "kwargs": {"depth": 3}},
+               "optim": {"lr": 0.2}, "cd": {"lam_per_role": {"fc2": 2.0}},
+               "train": {"seed": 1, "max_steps": 4, "archive_existing": True, "keep_every_epochs": 1},
+               "log": {"tensorboard": False, "act_max": True}, "quant": {"bits": ["w3a3"], "aphq": {"iters": 9}}}
+    assert config_changes(saved, current) == ["cd.lam_per_role: {'fc2': 1.0} -> {'fc2': 2.0}",
+                                              "model.kwargs: {'depth': 2} -> {'depth': 3}",
+                                              "optim.lr: 0.1 -> 0.2", "train.seed: 0 -> 1"]
+    assert start_only_changes(saved, current) == ["model.pretrained: '' -> 'w.pt'",
+                                                  "train.archive_existing: False -> True"]
+    assert recipe(current) == {"model.name": "vit", "model.kwargs": {"depth": 3}, "optim.lr": 0.2,
+                               "cd.lam_per_role": {"fc2": 2.0}}
