@@ -366,7 +366,7 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         if i == 1:  # the evaluation of best.pt
             move_stale_result(cmd[cmd.index("--out") + 1], cmd[cmd.index("--checkpoint") + 1])
         print(shlex.join(cmd), flush=True)
-        code = signals.run(cmd)
+        code, killed = shell_status(signals.run(cmd))
         step = "training" if i == 0 else "evaluation"
         if code == EXIT_PREEMPTED or (code and signals.received):
             print(f"sweep: run '{run['name']}' stopped during {step}; run the same command again to continue",
@@ -374,11 +374,24 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
             return EXIT_PREEMPTED, f"stopped during {step} (resumable)"
         if code:
             print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
-            return code, f"failed during {step} (exit code {code})"
+            return code, f"failed during {step} (exit code {code}{killed})"
     stopped = stopped_before_schedule_end(out_dir_of(run))
     if stopped:
         return 0, f"{stopped}; {'evaluated' if args.evaluate else 'not evaluated'}"
     return 0, "finished and evaluated" if args.evaluate else "finished"
+
+
+def shell_status(returncode: int) -> tuple[int, str]:
+    """(exit code, '' or ': killed by SIG...') of a command's Popen returncode. A command killed by signal n
+    (the OOM killer's SIGKILL) has returncode -n: the sweep exits as a shell reports it, 128 + n, since
+    sys.exit(-9) would make the sweep's own exit status 247, which names no signal to a job script."""
+    if returncode >= 0:
+        return returncode, ""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-returncode}"
+    return 128 - returncode, f": killed by {name}"
 
 
 def stopped_before_schedule_end(out_dir: str) -> Optional[str]:

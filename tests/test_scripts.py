@@ -617,3 +617,118 @@ def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path
     spec.write_text("configs: [configs/debug/tiny.yaml]\nout_root: ~/sweeps/x\nruns:\n  a: []\n")
     (run,) = sweep.expand(str(spec), [])
     assert f"out_dir={tmp_path}/sweeps/x/a" in run["overrides"], run["overrides"]
+
+
+# -- the sweep's run states and exit codes, with a stand-in launcher (no training) --------------------------
+
+STAND_IN = """#!/bin/sh
+# stands in for `python`: logs "<script> <run>", exits with the code in $CODES/<run>.<script> (default 0)
+script=$1; name=""
+for a in "$@"; do
+  case "$a" in out_dir=*) name=$(basename "${a#out_dir=}");; */best.pt) name=$(basename "$(dirname "$a")");; esac
+done
+echo "$script $name" >> "$CODES/log"
+if [ -f "$CODES/$name.$script" ]; then
+  code=$(cat "$CODES/$name.$script")
+  if [ "$code" = kill ]; then kill -9 $$; fi
+  exit "$code"
+fi
+exit 0
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """(sweep file of runs a, b, c; codes folder; launcher): the sweep's commands run the stand-in."""
+    codes = tmp_path / "codes"
+    codes.mkdir()
+    launcher = tmp_path / "launcher"
+    launcher.write_text(STAND_IN)
+    launcher.chmod(0o755)
+    monkeypatch.setenv("CODES", str(codes))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n  c: []\n")
+    return str(spec), codes, str(launcher)
+
+
+@pytest.mark.parametrize("script, code, exit_code, state", [
+    ("train.py", "75", 75, "stopped during training (resumable)"),
+    ("evaluate.py", "75", 75, "stopped during evaluation (resumable)"),
+    ("train.py", "3", 3, "failed during training (exit code 3)"),
+    ("evaluate.py", "1", 1, "failed during evaluation (exit code 1)"),
+    # killed by a signal (the OOM killer's SIGKILL): the shell's 128 + 9, not Python's -9 (exit status 247)
+    ("train.py", "kill", 137, "failed during training (exit code 137: killed by SIGKILL)"),
+])
+def test_a_sweep_stops_at_the_first_run_that_does_not_finish_and_exits_with_its_code(stand_in, capsys, script,
+                                                                                     code, exit_code, state):
+    spec, codes, launcher = stand_in
+    (codes / f"b.{script}").write_text(code)
+    assert sweep.main([spec, "--run", "--evaluate", "--launcher", launcher]) == exit_code
+    started = (codes / "log").read_text().splitlines()
+    done_b = ["train.py b"] if script == "train.py" else ["train.py b", "evaluate.py b"]
+    assert started == ["train.py a", "evaluate.py a", *done_b]  # c never starts
+    summary = capsys.readouterr().out.split("sweep summary:\n")[1].splitlines()
+    assert summary[1:] == [f"  b: {state}", "  c: not started"]
+    assert summary[0].startswith("  a: trained (exit 0), but ")  # the stand-in wrote no checkpoint.pt to read
+
+
+def test_a_stop_before_or_between_a_runs_commands_starts_nothing_more(stand_in):
+    import signal
+
+    spec, codes, launcher = stand_in
+    (run, *_) = sweep.expand(spec, [])
+    args = sweep.argparse.Namespace(launcher=launcher, evaluate=True)
+    before = sweep.ForwardedSignals()
+    before.received.append(signal.SIGTERM)
+    assert sweep.run_one(run, args, before) == (75, "not started")
+    assert not (codes / "log").exists()
+
+    class StopAfterTraining(sweep.ForwardedSignals):
+        def run(self, cmd):
+            code = super().run(cmd)
+            self.received.append(signal.SIGTERM)
+            return code
+
+    assert sweep.run_one(run, args, StopAfterTraining()) == (75, "trained, evaluation not started")
+    assert (codes / "log").read_text().splitlines() == ["train.py a"]
+
+
+def test_a_signal_that_came_just_before_a_command_started_reaches_it():
+    import signal
+
+    signals = sweep.ForwardedSignals()
+    signals.received.append(signal.SIGTERM)
+    assert signals.run(["sleep", "30"]) == -signal.SIGTERM  # at once, not after 30 s with exit 0
+
+
+def test_a_sweeps_commands_are_train_then_evaluate_of_best_pt_with_the_runs_data_and_quant_settings(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\n"
+                    f"evaluate: ['quant.bits=[w4a4]']\nruns:\n  a: [configs/method/cd.yaml, optim.lr=0.01]\n")
+    (run,) = sweep.expand(str(spec), ["data.synthetic_val_size=8", "quant.pipelines=[repq]"])
+    out = f"{tmp_path}/runs/a"
+    assert sweep.commands(run, "torchrun --nproc_per_node=2", True) == [
+        ["torchrun", "--nproc_per_node=2", "train.py", "--config", "configs/debug/tiny.yaml", "--config",
+         "configs/method/cd.yaml", "optim.lr=0.01", "data.synthetic_val_size=8", "quant.pipelines=[repq]",
+         f"out_dir={out}"],
+        ["torchrun", "--nproc_per_node=2", "evaluate.py", "--checkpoint", f"{out}/best.pt", "--out",
+         f"{out}/eval_best.json", "data.synthetic_val_size=8", "quant.pipelines=[repq]", "quant.bits=[w4a4]"]]
+
+
+@pytest.mark.parametrize("schedule, step, epoch, says", [
+    ([], 8, 2, None),                                                   # 2 epochs of 4 updates: done
+    ([], 4, 1, "stopped at train.max_steps at update 4 of 8, before its schedule ended"),
+    (["sched.steps=6"], 6, 1, None),                                    # 6 updates end inside epoch 2: done
+    (["sched.steps=6"], 5, 1, "stopped at train.max_steps at update 5 of 6, before its schedule ended"),
+])
+def test_a_run_that_exited_0_is_finished_only_when_its_schedule_ended(tmp_path, schedule, step, epoch, says):
+    """tiny.yaml: 64 images in global batches of 16, 4 updates per epoch, 2 epochs (8 updates); sched.steps=6
+    ends the run at update 6, in its second epoch."""
+    import torch
+
+    from configs import config_to_dict, load_config
+
+    config = config_to_dict(load_config([os.path.join(ROOT, "configs", "debug", "tiny.yaml")], schedule))
+    torch.save({"state": {"step": step, "epoch": epoch}, "config": config,
+                "epoch_position": {"updates_per_epoch": 4}}, tmp_path / "checkpoint.pt")
+    assert sweep.stopped_before_schedule_end(str(tmp_path)) == says
