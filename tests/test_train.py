@@ -790,3 +790,53 @@ def test_the_reductions_sum_and_take_the_maximum_over_ranks(tmp_path):
     mp.spawn(_reductions_worker, args=(2, free_port(), out), nprocs=2, join=True)
     got = [eval(open(out.format(rank=r)).read()) for r in (0, 1)]  # noqa: S307 - the workers' own repr
     assert got == [[[3.0, -3.0], [2.0, 0.0], "elsewhere"], [[3.0, -3.0], [2.0, 0.0], "disk full"]]
+
+
+def _training_checkpoint(path, value):
+    """The smallest file read_training_checkpoint accepts, its weight `value` (nan: one it refuses)."""
+    torch.save({"model": {"w": torch.tensor([value])}, "optimizer": {}, "state": {"step": 1},
+                "config": {s: {} for s in ("model", "data", "optim", "sched", "train")}}, path)
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_snapshots_of_one_epoch_are_all_kept_with_or_without_hard_links(tmp_path, monkeypatch, links):
+    """Roll-backs that pass one epoch three times keep three snapshots: epoch0002.pt, -1, -2, each the
+    checkpoint of its time, where the file system makes hard links and where it only copies."""
+    from engine import snapshots
+
+    if not links:
+        def no_links(source, target):
+            raise OSError(1, "Operation not permitted")
+        monkeypatch.setattr(snapshots.os, "link", no_links)
+    checkpoint = tmp_path / "checkpoint.pt"
+    kept = []
+    for value in (1.0, 2.0, 3.0):
+        _training_checkpoint(tmp_path / "new.pt", value)
+        os.replace(tmp_path / "new.pt", checkpoint)  # as train.py writes checkpoint.pt: a new file, renamed
+        kept.append(snapshots.keep_snapshot(str(checkpoint), 2, True, torch.device("cpu")))
+    assert [os.path.basename(p) for p in kept] == ["epoch0002.pt", "epoch0002-1.pt", "epoch0002-2.pt"]
+    assert sorted(os.listdir(tmp_path / "snapshots")) == ["epoch0002-1.pt", "epoch0002-2.pt", "epoch0002.pt"]
+    assert [torch.load(p, weights_only=True)["model"]["w"].item() for p in kept] == [1.0, 2.0, 3.0]
+
+
+def test_the_last_good_snapshot_is_the_newest_readable_one_that_is_not_the_broken_file(tmp_path):
+    """Newest by modification time (the epoch only breaks ties), skipping files that cannot be resumed and the
+    broken checkpoint.pt itself (a hard link of the newest snapshot)."""
+    from engine.snapshots import last_good_snapshot
+
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    written = {"epoch0005.pt": 100, "epoch0002.pt": 300, "epoch0003.pt": 300, "epoch0004.pt": 400,
+               "epoch0006.pt": 500}
+    for name, mtime in written.items():
+        _training_checkpoint(folder / name, float("nan") if name == "epoch0004.pt" else 1.0)
+        os.utime(folder / name, (mtime, mtime))
+    broken = tmp_path / "checkpoint.pt"
+    os.link(folder / "epoch0006.pt", broken)
+    # 0006: the broken file itself; 0004: NaN weights; 0003 and 0002 written at one time: the later epoch
+    assert os.path.basename(last_good_snapshot(str(tmp_path), str(broken))) == "epoch0003.pt"
+    os.remove(folder / "epoch0003.pt")
+    assert os.path.basename(last_good_snapshot(str(tmp_path), str(broken))) == "epoch0002.pt"
+    for name in ("epoch0002.pt", "epoch0005.pt"):
+        os.remove(folder / name)
+    assert last_good_snapshot(str(tmp_path), str(broken)) is None
