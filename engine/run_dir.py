@@ -14,7 +14,8 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   (`partial_path`), and never another machine's (its writer may live, e.g. an evaluate.py on another node);
 * what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change).
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
-  `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. One case is archived
+  `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
+  folder's own snapshots continues its run (a roll-back), with or without checkpoint.pt. One case is archived
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
   stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
   that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
@@ -315,7 +316,11 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
     prepare_folder(out_dir)
     with lock_folder(out_dir):
         remove_partial_writes(out_dir)
-        if not os.path.exists(os.path.join(out_dir, "checkpoint.pt")):
+        # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
+        # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
+        resume = str((config.get("train") or {}).get("resume") or "")
+        own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
+        if not os.path.exists(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
             check_fresh_start(out_dir, config, archive_existing)
         yield
 

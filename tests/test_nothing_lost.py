@@ -673,3 +673,29 @@ def test_only_settings_that_change_what_a_run_computes_count_as_changed():
                                                   "train.archive_existing: False -> True"]
     assert recipe(current) == {"model.name": "vit", "model.kwargs": {"depth": 3}, "optim.lr": 0.2,
                                "cd.lam_per_role": {"fc2": 2.0}}
+
+
+@pytest.mark.parametrize("archive_existing", [False, True])
+def test_a_roll_back_to_the_folders_own_snapshot_without_checkpoint_pt_is_claimed_as_it_is(tmp_path,
+                                                                                         archive_existing):
+    """checkpoint.pt moved away (the unusable-checkpoint error's advice), then train.resume=<its snapshot>: the
+    folder was refused as another run's, and with train.archive_existing=true its snapshots were archived with
+    the rest, the one to resume from included (then 'no such file'). A resume from anywhere else still counts
+    as a fresh start in that folder."""
+    from engine.run_dir import claim_run_dir
+
+    out = str(tmp_path / "run")
+    _folder(out, {"best.pt": "w", "metrics.jsonl": "{}\n", "config.yaml": SAVED, "snapshots/epoch0001.pt": "s",
+                  "archive/1/checkpoint.pt": "c"})
+    before = _tree(out)
+    own = {**CONFIG, "train": {**CONFIG["train"], "resume": os.path.join(out, "snapshots", "epoch0001.pt")}}
+    with claim_run_dir(out, own, archive_existing):
+        pass
+    assert _tree(out) == before
+    (tmp_path / "elsewhere.pt").write_text("c")
+    for resume in (str(tmp_path / "elsewhere.pt"), os.path.join(out, "archive", "1", "checkpoint.pt")):
+        other = {**CONFIG, "optim": {"lr": 9.0}, "train": {**CONFIG["train"], "resume": resume}}
+        with pytest.raises(RunDirError, match="holds files of an earlier run"):
+            with claim_run_dir(out, other, False):
+                pass
+        assert _tree(out) == before
