@@ -692,6 +692,14 @@ def test_a_stop_before_or_between_a_runs_commands_starts_nothing_more(stand_in):
     assert sweep.run_one(run, args, StopAfterTraining()) == (75, "trained, evaluation not started")
     assert (codes / "log").read_text().splitlines() == ["train.py a"]
 
+    class StopDuringTraining(sweep.ForwardedSignals):
+        def run(self, cmd):
+            self.received.append(signal.SIGINT)  # e.g. a second Ctrl-C: train.py ends without exit 75
+            return super().run(cmd)
+
+    (codes / "a.train.py").write_text("1")
+    assert sweep.run_one(run, args, StopDuringTraining()) == (75, "stopped during training (resumable)")
+
 
 def test_a_signal_that_came_just_before_a_command_started_reaches_it():
     import signal
