@@ -398,6 +398,11 @@ def describe_type(annotation: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe_type(a)
                            for a in typing.get_args(annotation))
+    if origin in (tuple, list) and typing.get_args(annotation):
+        args = typing.get_args(annotation)
+        if origin is list or args[1:] == (Ellipsis,):
+            return f"{origin.__name__} of {describe_type(args[0])}"
+        return f"{origin.__name__} ({', '.join(map(describe_type, args))})"
     if origin in (tuple, list, dict):
         return origin.__name__
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
@@ -467,6 +472,12 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     if annotation in (tuple, list) or origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             fail()
+        args = typing.get_args(annotation)
+        if args:  # list[str], Tuple[float, ...], Tuple[float, float]: each item checked (else a TypeError later)
+            each = args[:1] * len(value) if origin is list or args[1:] == (Ellipsis,) else args
+            if len(each) != len(value):
+                fail()
+            value = [_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, each))]
         return tuple(value) if (annotation is tuple or origin is tuple) else list(value)
     if annotation is dict or origin is dict:
         if value is None:

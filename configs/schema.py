@@ -239,10 +239,10 @@ class QuantConfig:
     # None (default): the task's own, percentile and repq for images, the paper's Table 8 settings for a
     # language model (evaluate.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES:
     # percentile, repq, aphq, gplq (vision), rtn, gptq, smoothquant, smoothquant_strict (LM and vision)
-    pipelines: Optional[list] = None
+    pipelines: Optional[list[str]] = None
     # weight / activation bit-widths, e.g. [w4a4, w6a6]: every pipeline at each; [] (default): each
     # pipeline at its own default (w4a4; rtn and gptq w4a16; smoothquant w8a8)
-    bits: list = field(default_factory=list)
+    bits: list[str] = field(default_factory=list)
     # fixed, seeded subset of the train split: calibration images (percentile / repq) or token windows (LM)
     calib_images: Annotated[int, AtLeastOne] = 32
     calib_seed: Annotated[int, Seed] = 0  # seed choosing the calibration images
@@ -255,7 +255,7 @@ class QuantConfig:
     act_max_csv: bool = True  # evaluate.py: also write the per-layer activation maxima CSV and plot
     # module patterns counted in "max_act/module" besides the block-internal modules (engine/act_max.py),
     # e.g. [layers.*.downsample.norm, layers.*.downsample.reduction]; default: inside blocks only
-    act_max_extra_modules: list = field(default_factory=list)
+    act_max_extra_modules: list[str] = field(default_factory=list)
     # evaluate.py under torchrun: each pipeline quantizes once, on rank 0 (GPLQ: its stage 2; stage 1 is
     # data parallel), while the other ranks wait for its model this long before they give up (APHQ:
     # 20,000 iterations for each of a ViT-B's 14 units); NCCL's 10-minute timeout does not apply to it

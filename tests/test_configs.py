@@ -295,3 +295,26 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
         f"{tmp_path}/runs/x", f"{tmp_path}/c.pt", f"{tmp_path}/data", f"{tmp_path}/w.pth")
     assert cfg.log.wandb_project == "~proj" and cfg.data.train_split == "train"
     assert load_config([], ["model.pretrained=hub"]).model.pretrained == "hub"  # timm's hub weights, no path
+
+
+@pytest.mark.parametrize("override, message", [
+    ("quant.aphq.weight_pct=[a, b]", r"'quant.aphq.weight_pct\[0\]' expects float, got 'a'"),
+    ("quant.aphq.weight_pct=[0.9]", r"'quant.aphq.weight_pct' expects tuple \(float, float\), got \[0.9\]"),
+    ("quant.aphq.act_pct=[0.9, 1.0, 1.0]", r"'quant.aphq.act_pct' expects tuple \(float, float\)"),
+    ("quant.percentile.act_percentiles=[abc]", r"'quant.percentile.act_percentiles' expects tuple of float or null"),
+    ("quant.percentile.weight_percentiles=[0.9, .nan]", r"'quant.percentile.weight_percentiles\[1\]' must be a "
+                                                        r"finite number"),
+    ("quant.bits=[4]", r"'quant.bits\[0\]' expects str, got 4"),
+    ("quant.pipelines=[1]", r"'quant.pipelines' expects list of str or null"),
+    ("quant.act_max_extra_modules=[1]", r"'quant.act_max_extra_modules\[0\]' expects str"),
+])
+def test_the_items_of_a_typed_list_are_checked(override, message):
+    """A list field whose items have a type (Tuple[float, float], list[str]) took any items: a TypeError
+    ('<' between float and str) or 'not enough values to unpack' once evaluate.py read them."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    cfg = load_config(None, ["quant.aphq.weight_pct=[0.8, 1]", "quant.percentile.act_percentiles=[1]",
+                             "quant.bits=[w4a4]", "quant.pipelines=[repq]"])
+    assert cfg.quant.aphq.weight_pct == (0.8, 1.0) and type(cfg.quant.aphq.weight_pct[1]) is float
+    assert cfg.quant.percentile.act_percentiles == (1.0,) and type(cfg.quant.percentile.act_percentiles[0]) is float
+    assert cfg.quant.bits == ["w4a4"] and cfg.quant.pipelines == ["repq"]
