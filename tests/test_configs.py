@@ -6,7 +6,7 @@ import re
 import pytest
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
-from tests.conftest import ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
 
 ALL_YAML = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)
                   if os.sep + "sweeps" + os.sep not in p)  # sweep files are checked in test_scripts.py
@@ -259,6 +259,17 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/method/cd.yaml", ["cd.loss_coef=0.01"], "cd.loss_coef"),  # decoupled mode has no loss
     ("configs/pretrain/vit_b.yaml", ["tweo.lam=0.1"], "tweo.lam"),
     ("configs/pretrain/vit_b.yaml", ["train.ema_decay=0.999"], "train.ema_decay"),
+    ("configs/pretrain/vit_b.yaml", ["model.pretrained_strict=true"], "model.pretrained_strict"),  # "" is unset
+    ("configs/lm/gpt2.yaml", ["data.kjv_val_fraction=0.2"], "data.kjv_val_fraction"),
+    # a deciding override does not excuse a key it makes unread: the LM would train without the mixup asked for
+    ("configs/pretrain/vit_b.yaml", ["data.dataset=kjv", "data.mixup=0.5"], "data.mixup"),
+    ("configs/pretrain/vit_b.yaml", ["data.dataset=synthetic", "data.hflip=0.2"], "data.hflip"),
+    ("configs/lm/gpt2.yaml", ["sched.warmup_epochs=2"], "sched.warmup_epochs"),  # the length is sched.steps
+    ("configs/pretrain/vit_b.yaml", ["sched.warmup_steps=100"], "sched.warmup_steps"),
+    ("configs/pretrain/vit_b.yaml", ["optim.momentum=0.8"], "optim.momentum"),  # adamw
+    ("configs/pretrain/vit_b.yaml", ["optim.name=sgd", "optim.betas=[0.8, 0.9]"], "optim.betas"),
+    ("configs/pretrain/vit_b.yaml", ["data.color_jitter=0.4"], "data.color_jitter"),  # timm: off with a policy
+    ("configs/lm/gpt2.yaml", ["optim.lr_scaling=sqrt"], "optim.lr_scaling"),  # a set optim.lr is the lr
 ]
 
 
@@ -279,6 +290,11 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/method/cd.yaml", ["cd.mode=loss", "cd.loss_coef=0.01"]),
     ("configs/demo/vit_digits.yaml", ["data.mixup_prob=0.5"]),  # mixup details with mixup off: harmless
     ("configs/pretrain/vit_b.yaml", ["cd.gated_mlp=true"]),  # CD off: still picks a baseline's logged pairs
+    ("configs/lm/gpt2.yaml", ["data.root=/datasets/tokens", "data.val_windows=20"]),  # token files
+    ("configs/lm/kjv_nano.yaml", ["data.val_windows=20", "data.kjv_val_fraction=0.2"]),
+    ("configs/pretrain/vit_b.yaml", ["optim.name=momentum", "optim.momentum=0.8"]),
+    ("configs/pretrain/vit_b.yaml", ["optim.name=lamb", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]),
+    ("configs/pretrain/vit_b.yaml", ["data.auto_augment=", "data.color_jitter=0.4"]),
 ])
 def test_an_override_the_config_reads_is_taken(path, overrides):
     load_config([os.path.join(ROOT, path)], overrides)
@@ -318,3 +334,126 @@ def test_the_items_of_a_typed_list_are_checked(override, message):
     assert cfg.quant.aphq.weight_pct == (0.8, 1.0) and type(cfg.quant.aphq.weight_pct[1]) is float
     assert cfg.quant.percentile.act_percentiles == (1.0,) and type(cfg.quant.percentile.act_percentiles[0]) is float
     assert cfg.quant.bits == ["w4a4"] and cfg.quant.pipelines == ["repq"]
+
+
+def test_an_empty_or_comment_only_file_layers_as_nothing(tmp_path):
+    for text in ("", "# nothing set here yet\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        assert load_config([str(empty)]) == Config()
+        assert load_config([DEBUG_CONFIG, str(empty)]) == load_config([DEBUG_CONFIG])
+
+
+def test_a_file_key_that_an_earlier_layer_makes_unread_is_refused_naming_the_file(tmp_path):
+    """A layer of folder-data settings over the digits demo: the demo's data.dataset=digits never reads
+    data.root, so the run would train on the digits while the user's file names a data set folder."""
+    layer = tmp_path / "imagenet_paths.yaml"
+    layer.write_text("data:\n  root: /datasets/imagenet\n")
+    with pytest.raises(ConfigError, match=r"imagenet_paths.yaml: data.root=/datasets/imagenet would be ignored: "
+                                          r"data.root is read only when data.dataset is folder or tokens, and it is "
+                                          r"digits; drop it from .*imagenet_paths.yaml, or layer it over a recipe"):
+        load_config([DEMO_CONFIG, str(layer)])
+    # a later layer that sets the data set again to the value it had does not make data.root read
+    digits = tmp_path / "digits.yaml"
+    digits.write_text("data:\n  dataset: digits\n")
+    with pytest.raises(ConfigError, match=r"imagenet_paths.yaml: data.root=/datasets/imagenet would be ignored"):
+        load_config([DEMO_CONFIG, str(layer), str(digits)])
+    # the same file is read where the later layers read it, and a later layer that switches the data set
+    # away makes it moot on purpose
+    assert load_config([DEMO_CONFIG, str(layer)], ["data.dataset=folder"]).data.root == "/datasets/imagenet"
+    assert load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml"), str(layer), str(digits)]).data.dataset \
+        == "digits"
+
+
+def test_a_dotted_override_into_a_dict_field_keeps_its_other_entries():
+    """cd_finetune.yaml sets lam_per_role {fc2: 0.02}: cd.lam_per_role.fc1=0.01 adds a role, it does not
+    replace the recipe's fc2 strength (the key=value form sets one entry; a mapping value sets them all)."""
+    recipe = os.path.join(ROOT, "configs/method/cd_finetune.yaml")
+    assert load_config([recipe], ["cd.lam_per_role.fc1=0.01"]).cd.lam_per_role == {"fc2": 0.02, "fc1": 0.01}
+    assert load_config([recipe], ["cd.lam_per_role.fc2=0.5"]).cd.lam_per_role == {"fc2": 0.5}
+    assert load_config([recipe], ["cd.lam_per_role={fc1: 0.01}"]).cd.lam_per_role == {"fc1": 0.01}
+
+
+def test_stem_and_head_bits_follow_the_main_bits_unless_set_and_zero_is_float():
+    """FirstLastOptions (configs/quant.py): None takes the main w / a bits, 0 keeps that operand float, any
+    other value is that many bits; at w3a6 a swapped w / a is visible (at w4a4 it is not)."""
+    from types import SimpleNamespace
+
+    from configs.quant import (APHQOptions, FirstLastOptions, GPLQOptions, PercentileOptions, RepQOptions,
+                               RTNOptions, SmoothQuantOptions)
+
+    bits = SimpleNamespace(w=3, a=6)
+    assert FirstLastOptions(stem_w_bits=None, stem_a_bits=5, head_w_bits=0, head_a_bits=None).resolved(bits) == {
+        "stem": {"w": 3, "a": 5}, "head": {"w": None, "a": 6}}
+    assert FirstLastOptions(stem_w_bits=0, stem_a_bits=None, head_w_bits=7, head_a_bits=0).resolved(bits) == {
+        "stem": {"w": None, "a": 6}, "head": {"w": 7, "a": None}}
+    # the official codes' defaults: RepQ-ViT's stem input at 8 bits (percentile and GPLQ alike), APHQ's float
+    # image input, and float ends for the LM pipelines
+    for options in (RepQOptions(), PercentileOptions(), GPLQOptions()):
+        assert options.resolved(bits) == {"stem": {"w": 3, "a": 8}, "head": {"w": 3, "a": 6}}, type(options)
+    assert APHQOptions().resolved(bits) == {"stem": {"w": 3, "a": None}, "head": {"w": 3, "a": 6}}
+    for options in (RTNOptions(), SmoothQuantOptions()):
+        assert options.resolved(bits) == {"stem": {"w": None, "a": None}, "head": {"w": None, "a": None}}
+
+
+def test_a_later_layer_that_switches_a_section_off_explicitly_makes_its_keys_moot(tmp_path):
+    """cd.lam in a file over the defaults (CD off) is refused: the run would be a baseline. A later layer that
+    says cd.enabled: false itself makes it moot on purpose (a sweep's baseline over a strength file), even
+    though CD was off already; one that says nothing about CD does not."""
+    lam, off, other = tmp_path / "lam.yaml", tmp_path / "off.yaml", tmp_path / "other.yaml"
+    lam.write_text("cd:\n  lam: 0.02\n")
+    off.write_text("cd:\n  enabled: false\n")
+    other.write_text("train:\n  seed: 3\n")
+    for layers in ([lam], [lam, other]):
+        with pytest.raises(ConfigError, match=r"lam.yaml: cd.lam=0.02 would be ignored: cd.lam is read only when "
+                                              r"cd.enabled is true, and it is false"):
+            load_config([str(p) for p in layers])
+    cfg = load_config([str(lam), str(off)])
+    assert cfg.cd.enabled is False and cfg.cd.lam == 0.02
+
+
+def test_a_file_that_restates_what_the_config_has_is_not_refused(tmp_path):
+    """Only what a file changes must be read: evaluate.py layers a run's own recipe over its checkpoint's
+    config, and a value the config already has changes nothing that runs."""
+    from configs import layer_config
+
+    same = tmp_path / "same.yaml"
+    same.write_text("cd:\n  lam: 0.005\ndata:\n  root: ''\n")  # the defaults; CD off, the digits read no root
+    assert load_config([DEMO_CONFIG, str(same)]) == load_config([DEMO_CONFIG])
+    demo = load_config([DEMO_CONFIG])
+    assert layer_config(config_from_dict(config_to_dict(demo)), [DEMO_CONFIG], []) == demo
+    changed = tmp_path / "changed.yaml"
+    changed.write_text("cd:\n  lam: 0.01\n")
+    with pytest.raises(ConfigError, match=r"changed.yaml: cd.lam=0.01 would be ignored"):
+        load_config([DEMO_CONFIG, str(changed)])
+
+
+# DeiT's main.py defaults (facebookresearch/deit) and the documented defaults (README.md, docs/lm_study.md) that
+# no recipe restates: the schema's defaults are that recipe (configs/schema.py)
+DOCUMENTED_DEFAULTS = {
+    "optim.eps": 1e-8, "optim.betas": (0.9, 0.999), "optim.momentum": 0.9, "optim.lr_base": 5e-4,
+    "optim.lr_base_batch": 512, "data.color_jitter": 0.3, "data.mixup_prob": 1.0, "data.mixup_switch_prob": 0.5,
+    "data.mixup_mode": "batch", "data.recount": 1, "data.remode": "pixel", "data.hflip": 0.5,
+    "data.scale": (0.08, 1.0), "data.ratio": (3 / 4, 4 / 3), "train.ema_decay": 0.99996, "sched.warmup_lr": 1e-6,
+    "sched.min_lr": 1e-5, "cd.lam": 0.005, "cd.enabled": False, "tweo.enabled": False, "quant.calib_images": 32,
+}
+
+
+@pytest.mark.parametrize("key", sorted(DOCUMENTED_DEFAULTS))
+def test_defaults_are_the_documented_recipe(key):
+    from configs.loader import get_key
+
+    assert get_key(load_config(None), key) == DOCUMENTED_DEFAULTS[key], key
+
+
+def test_an_empty_override_value_is_the_empty_string():
+    """`data.auto_augment=` switches the policy off (colour jitter is then read), `model.pretrained=` clears the
+    weights of a recipe: the empty value is "", as in the schema's defaults, not null."""
+    cfg = load_config([os.path.join(ROOT, "configs/finetune/vit_b_in21k.yaml")],
+                      ["data.auto_augment=", "data.color_jitter=0.4", "model.pretrained= "])
+    assert (cfg.data.auto_augment, cfg.data.color_jitter, cfg.model.pretrained) == ("", 0.4, "")
+
+
+def test_an_override_value_may_hold_an_equals_sign():
+    """Only the first '=' separates key and value: sweep folders are often named after their settings."""
+    assert load_config(None, ["out_dir=runs/lr=1e-3,wd=0.05"]).out_dir == "runs/lr=1e-3,wd=0.05"
