@@ -259,9 +259,18 @@ def _show(value: Any) -> str:
 
 def dotted_settings(key: str, value: Any, cfg: Config) -> dict:
     """{dotted key: value} of one override; a section given as a mapping (cd={lam: 0.01}) counts by key."""
-    if isinstance(value, dict) and dataclasses.is_dataclass(get_key(cfg, key)):
+    if isinstance(value, dict) and dataclasses.is_dataclass(_section(cfg, key)):
         return {k: v for name, sub in value.items() for k, v in dotted_settings(f"{key}.{name}", sub, cfg).items()}
     return {key: value}
+
+
+def _section(cfg: Config, key: str) -> Any:
+    """get_key(cfg, key), or None for a dotted key inside a free-form dict field (model.kwargs.a.b holds the
+    entry 'a.b', not 'a')."""
+    try:
+        return get_key(cfg, key)
+    except (KeyError, AttributeError, TypeError):
+        return None
 
 
 def override_keys(item: str) -> list[str]:

@@ -155,6 +155,13 @@ def test_dict_fields_take_dotted_keys():
     cfg = load_config(None, ["cd.enabled=true", "cd.lam_per_role.fc2=0.02", "model.kwargs.depth=4"])
     assert cfg.cd.lam_per_role == {"fc2": 0.02}
     assert cfg.model.kwargs == {"depth": 4}
+    # a mapping as the value of a dotted key inside a dict field is one entry, as a number is (it was a KeyError)
+    assert load_config(None, ["model.kwargs.mlp.cfg={hidden: 4}"]).model.kwargs == {"mlp.cfg": {"hidden": 4}}
+    assert load_config(None, ["model.kwargs.mlp.cfg=4"]).model.kwargs == {"mlp.cfg": 4}
+    # null or {} clears a recipe's dict
+    recipe = os.path.join(ROOT, "configs/method/cd_finetune.yaml")
+    for empty in ("null", "{}"):
+        assert load_config([recipe], [f"cd.lam_per_role={empty}"]).cd.lam_per_role == {}
 
 
 def test_missing_config_file_is_an_error():
