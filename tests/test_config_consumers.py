@@ -39,10 +39,21 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
                                 r"epoch \(sched.per_step=false\): the warmup would be 1 whole epoch\(s\) that never "
                                 r"reach the peak lr; set sched.per_step=true"),
     ("model.kwargs.in_chans=1", r"model.kwargs.in_chans=1: the data pipeline gives 3-channel RGB images"),
+    # int64 seeds: one past either end is refused
+    ("train.seed=9223372036854775808", r"'train.seed' must be >= -9223372036854775808 and <= 9223372036854775807"),
+    ("train.seed=-9223372036854775809", r"'train.seed' must be >= -9223372036854775808"),
 ])
 def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([DEBUG_CONFIG], [override])
+
+
+def test_a_warmup_as_long_as_the_updates_is_refused():
+    """sched.warmup_steps must stay below sched.steps: at warmup_steps == steps the lr never reaches its peak."""
+    with pytest.raises(ConfigError, match=r"sched.warmup_steps=10 is not below sched.steps=10: the run would never "
+                                          r"leave its warmup"):
+        load_config([DEBUG_CONFIG], ["sched.steps=10", "sched.warmup_steps=10"])
+    assert load_config([DEBUG_CONFIG], ["sched.steps=10", "sched.warmup_steps=9"]).sched.warmup_steps == 9
 
 
 def test_values_the_consumers_accept_still_load():
@@ -50,6 +61,8 @@ def test_values_the_consumers_accept_still_load():
                                        "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5", "sched.per_step=true",
                                        "data.interpolation=bilinear", "model.kwargs.in_chans=3",
                                        "quant.main_rank_wait_hours=1e6"])
+    for seed in (-2 ** 63, 2 ** 63 - 1):  # the ends of int64, which torch.manual_seed takes
+        assert load_config([DEBUG_CONFIG], [f"train.seed={seed}"]).train.seed == seed
     assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0) and cfg.quant.main_rank_wait_hours == 1e6
 
 
