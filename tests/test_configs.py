@@ -85,6 +85,11 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     ("train.amp=fp8", "must be one of"),
     ("cd.targets=D", "must be one of"),
     ("train.compile=1", "expects bool"),
+    # YAML's true / false / no are bools, which Python counts as 0 and 1: not a batch size, a decay or a name
+    ("train.batch_size=true", r"'train.batch_size' expects int, got True \(bool\)"),
+    ("optim.weight_decay=false", r"'optim.weight_decay' expects float, got False \(bool\)"),
+    ("data.auto_augment=no", r"'data.auto_augment' expects str, got False \(bool\)"),
+    ("model.name=123", r"'model.name' expects str, got 123 \(int\)"),
     ("model=vit", "is a section"),
     ("optim.lr.x=1", "has no sub-key"),
     ("no_equals_sign", "key=value"),
