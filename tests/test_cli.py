@@ -132,6 +132,8 @@ def test_evaluate_print_config_resolves_config_files_and_overrides(tmp_path, mon
     (["--optim.lr=1e-3"], "optim.lr=1e-3"),  # one of our keys written as a flag
     (["--model-ema"], "train.ema=true"),
     (["--eval"], "python evaluate.py --checkpoint PATH"),
+    (["--steps", "100"], "sched.steps=100"),  # a training key before quant.gplq.steps of the same name
+    (["--epochs", "optim.lr=1e-3"], "sched.epochs=VALUE;"),  # an override after the flag is not its value
 ])
 def test_timm_and_deit_flags_name_our_equivalent(argv, ours):
     with pytest.raises(ConfigError, match=r"^--[\w.-]+ is not an option of train.py; use ") as refused:
@@ -200,3 +202,18 @@ def test_at_least_refuses_counts_below_the_bound_and_nan():
     parser.add_argument("--repeats", type=at_least(1))
     with pytest.raises(SystemExit):  # argparse: one usage line naming the flag
         parser.parse_args(["--repeats", "x"])
+
+
+def test_a_device_the_machine_lacks_is_named(monkeypatch):
+    """cuda:N exists for N < the visible count (cuda is cuda:0); other kinds than cpu and cuda hold no data."""
+    import torch
+
+    from configs.cli import device_problem
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [device_problem(d) for d in ("cpu", "cuda", "cuda:0", "cuda:1")] == [None] * 4
+    assert device_problem("cuda:2") == "2 CUDA device(s) are visible (cuda:0 .. cuda:1)"
+    assert device_problem("meta") == "give cpu, cuda or cuda:N"
+    assert device_problem("gpu").startswith("not a torch device")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert device_problem("cuda") == "no CUDA device is visible; give cpu"

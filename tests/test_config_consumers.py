@@ -56,6 +56,14 @@ def test_a_warmup_as_long_as_the_updates_is_refused():
     assert load_config([DEBUG_CONFIG], ["sched.steps=10", "sched.warmup_steps=9"]).sched.warmup_steps == 9
 
 
+def test_warmup_epochs_are_not_checked_where_sched_steps_sets_the_length(tmp_path):
+    """With sched.steps the run never reads sched.warmup_epochs: a fraction there (in a file that sets steps
+    itself) is no per-epoch warmup that could miss its peak."""
+    recipe = tmp_path / "steps.yaml"
+    recipe.write_text("sched:\n  steps: 100\n  warmup_steps: 10\n  warmup_epochs: 0.5\n")
+    assert load_config([DEBUG_CONFIG, str(recipe)]).sched.steps == 100
+
+
 def test_values_the_consumers_accept_still_load():
     cfg = load_config([DEBUG_CONFIG], ["data.dataset=digits", "model.num_classes=10", "train.seed=-1",
                                        "data.scale=[1.0,1.0]", "sched.warmup_epochs=1.5", "sched.per_step=true",
