@@ -39,6 +39,16 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
                                 r"epoch \(sched.per_step=false\): the warmup would be 1 whole epoch\(s\) that never "
                                 r"reach the peak lr; set sched.per_step=true"),
     ("model.kwargs.in_chans=1", r"model.kwargs.in_chans=1: the data pipeline gives 3-channel RGB images"),
+    # the end of each range that the consumer cannot take: a val split of all or none of the text, an upscale
+    # below the digits' 8 pixels, all-uniform targets, a penalty exponent below 1, an empty centre crop, a
+    # divergence guard that fires at the first value, SGD momentum that never forgets
+    ("data.kjv_val_fraction=1", r"'data.kjv_val_fraction' must be > 0 and < 1; got 1.0"),
+    ("data.digits_img_size=7", r"'data.digits_img_size' must be >= 8; got 7"),
+    ("data.label_smoothing=1", r"'data.label_smoothing' must be >= 0 and < 1; got 1.0"),
+    ("tweo.p=0.5", r"'tweo.p' must be >= 1; got 0.5"),
+    ("data.crop_pct=0", r"'data.crop_pct' must be > 0 and <= 1; got 0.0"),
+    ("train.divergence_factor=1", r"'train.divergence_factor' must be > 1; got 1.0"),
+    ("optim.momentum=1", r"'optim.momentum' must be >= 0 and < 1; got 1.0"),
     # int64 seeds: one past either end is refused
     ("train.seed=9223372036854775808", r"'train.seed' must be >= -9223372036854775808 and <= 9223372036854775807"),
     ("train.seed=-9223372036854775809", r"'train.seed' must be >= -9223372036854775808"),
