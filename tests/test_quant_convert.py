@@ -11,7 +11,7 @@ from quant.calibrate import calibrate
 from quant.convert import quantized_layers
 from quant.layers import QuantConv2d, QuantLinear
 from quant.modes import describe, named_quantizers, set_quant_state
-from configs.quant import RepQOptions
+from configs.quant import PercentileOptions, RepQOptions
 from models.modules import fqn_matches
 from quant.spec import LinearRule, QuantizerSpec, QuantSpec, parse_bits
 from quant_models import images, tiny_swin, tiny_vit
@@ -64,6 +64,25 @@ def test_expected_layers_are_converted():
     roles = {r["module"]: r["role"] for r in describe(swin)}
     assert roles["layers.1.downsample.reduction"] == "post_norm" and roles["head.fc"] == "head"
 
+
+
+def test_every_classifier_head_gets_the_head_bit_widths():
+    """DeiT-distilled has two classifiers (head, head_dist): both are "head" layers with the head's own weight
+    and input bits, which differ here from each other and from the main w4a4 (hand-listed layers)."""
+    import timm
+
+    torch.manual_seed(0)
+    deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=1,
+                             num_heads=3, num_classes=10).eval()
+    spec = PIPELINES["percentile"].layout(parse_bits("w4a4"),
+                                          PercentileOptions(stem_w_bits=6, stem_a_bits=0, head_w_bits=8, head_a_bits=5))
+    qmodel = quantize_model(deit, spec)
+    bits = {n: (m.quant_role, m.weight_quantizer and m.weight_quantizer.bits,
+                m.input_quantizer and m.input_quantizer.bits) for n, m in quantized_layers(qmodel)}
+    blocks = {f"blocks.0.{s}": ("post_norm" if s in ("attn.qkv", "mlp.fc1") else "block", 4, 4)
+              for s in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    assert bits == {"patch_embed.proj": ("stem", 6, None), "head": ("head", 8, 5), "head_dist": ("head", 8, 5),
+                    **blocks}
 
 def test_strict_spec_names_unmatched_layers():
     model = tiny_vit()
@@ -180,6 +199,28 @@ def test_uncalibrated_model_refuses_to_run():
     calibrate(qmodel, [images(2), (images(2, seed=4), torch.zeros(2))])  # iterable of batches / pairs
     qmodel(images(2))
 
+
+
+def test_calibration_pools_every_batch_in_eval_mode_and_restores_the_mode():
+    """One fit over ALL calibration batches, with dropout off; a model handed over in train mode stays in it.
+    Reference: the closed-form 8-bit min/max grid of the pooled inputs, scale = (max - min) / 255."""
+    from quant.ranges import RangeSearch
+
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    model = quantize_model(nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 3)),
+                           QuantSpec(linears=(LinearRule(("1",), None, minmax),)))
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(5, 4, generator=g), 3.0 + 4.0 * torch.rand(2, 4, generator=g)  # new max
+    second[0, 0] = -7.0  # and a new min, both in the last batch
+    model.train()
+    out = calibrate(model, [first, (second, torch.zeros(2))])
+    assert out["images"] == 7 and model.training and model[0].training and model[1].training
+    pooled = torch.cat([first, second])
+    lo, hi = pooled.min(), pooled.max()
+    scale = (hi - lo) / 255
+    q = model[1].input_quantizer
+    torch.testing.assert_close(q.scale, scale.reshape(1))
+    torch.testing.assert_close(q.zero_point, torch.round(-lo / scale).reshape(1))
 
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])

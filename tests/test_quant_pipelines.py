@@ -17,6 +17,20 @@ def test_registry_and_bits():
         parse_bits("4bit")
 
 
+@pytest.mark.parametrize("text, w, a", [("w2a2", 2, 2), ("W4A8", 4, 8), ("w8a4", 8, 4), ("w4a16", 4, 16),
+                                        ("w16a16", 16, 16)])
+def test_bit_width_is_weights_then_activations_within_2_to_16(text, w, a):
+    bits = parse_bits(text)
+    assert (bits.w, bits.a) == (w, a) and str(bits) == text.lower()
+    assert (bits.float_weights, bits.float_activations) == (w == 16, a == 16)
+
+
+@pytest.mark.parametrize("text", ["w1a4", "w4a1", "w0a8", "w17a4", "w4a17"])
+def test_bit_widths_outside_2_to_16_are_refused(text):
+    with pytest.raises(ValueError, match="2..16"):
+        parse_bits(text)
+
+
 def test_unknown_option_names_close_match():
     with pytest.raises(ValueError, match="round_zero_point"):
         PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"round_zeropoint": True})
