@@ -79,3 +79,56 @@ def test_unlisted_attention_subclass_is_refused(monkeypatch):
     with torch.no_grad():
         assert isinstance(ours, QuantSoftmax1)
         assert not torch.allclose(ours(x), src(x))  # the variant's softmax is used
+
+
+def _operands_by_hand(attn, x):
+    """q, k, v [B, H, N, D] and the softmax probabilities of a timm Attention, from its qkv weights: q | k | v
+    along the output features, heads contiguous within each."""
+    B, N, C = x.shape
+    H = attn.num_heads
+    qkv = x @ attn.qkv.weight.T + attn.qkv.bias
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, N, H, C // H).transpose(1, 2) for i in range(3))
+    probs = torch.softmax(q @ k.transpose(-1, -2) / (C // H) ** 0.5, dim=-1)
+    return {"q": q, "k": k, "attn": probs, "v": v}
+
+
+def test_each_matmul_quantizer_sees_its_own_operand():
+    """q_quant / k_quant take q and k of q·kᵀ (before the softmax scale), attn_quant the softmax output,
+    v_quant v."""
+    attn = quantize_model(tiny_vit(), ATTN_ONLY).blocks[0].attn
+    x = torch.randn(2, 17, 48, generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for op in ("q", "k", "attn", "v"):
+        getattr(attn, f"{op}_quant").register_forward_pre_hook(lambda _m, args, op=op: seen.__setitem__(op, args[0]))
+    with torch.no_grad(), quant_state(attn, activations=False):
+        attn(x)
+        want = _operands_by_hand(attn, x)
+    for op in want:
+        torch.testing.assert_close(seen[op], want[op], rtol=0, atol=1e-5, msg=op)
+
+
+def test_per_head_and_per_token_operand_ranges():
+    """"head" on a [B, H, N, D] operand: one range per head (min/max over B, N, D); "token" (dynamic): one
+    max-abs per (b, n) over all heads and channels. References: min/max per head, a loop over (b, n)."""
+    from quant.calibrate import calibrate
+    from quant.quantizers import DynamicQuantizer
+    from quant.ranges import RangeSearch
+
+    per_head = QuantizerSpec(8, granularity="head", search=RangeSearch("minmax"))
+    per_token = QuantizerSpec(8, kind=DynamicQuantizer, symmetric=True, granularity="token")
+    spec = QuantSpec(linears=(), attentions=(AttentionRule(ATTENTION, q=per_head, k=per_token, attn=None, v=None),),
+                     strict=False)
+    attn = quantize_model(tiny_vit(), spec).blocks[0].attn
+    x = torch.randn(2, 17, 48, generator=torch.Generator().manual_seed(0))
+    calibrate(attn, x)
+    want = _operands_by_hand(attn, x)
+    q, k = want["q"].detach(), want["k"].detach()
+    lo, hi = q.amin(dim=(0, 2, 3)), q.amax(dim=(0, 2, 3))
+    torch.testing.assert_close(attn.q_quant.scale, (hi - lo) / 255)
+    expected = torch.empty_like(k)
+    for b in range(k.shape[0]):
+        for n in range(k.shape[2]):
+            step = k[b, :, n, :].abs().max() / 127
+            expected[b, :, n, :] = torch.round(k[b, :, n, :] / step) * step
+    with torch.no_grad():
+        torch.testing.assert_close(attn.k_quant(k), expected, rtol=0, atol=1e-6)

@@ -104,6 +104,8 @@ def test_granularity_resolution():
     assert qkv.input_quantizer.channel_dim == -1 and qkv.input_quantizer.scale.shape == (48,)
     stem = qmodel.patch_embed.proj
     assert stem.input_quantizer.channel_dim == 1 and stem.input_quantizer.scale.shape == (3,)
+    # sized at conversion (a learnable scale cannot be resized later): one per output channel of the 3->48 conv
+    assert stem.weight_quantizer.channel_dim == 0 and stem.weight_quantizer.scale.shape == (48,)
     with pytest.raises(ValueError, match="granularity"):
         quantize_model(tiny_vit(),
                        QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="head"), None),)))
