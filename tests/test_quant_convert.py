@@ -95,6 +95,16 @@ def test_strict_spec_names_unmatched_layers():
     assert isinstance(qmodel.blocks[0].attn.qkv, QuantLinear) and type(qmodel.blocks[0].mlp.fc1) is nn.Linear
 
 
+
+def test_the_first_matching_rule_wins():
+    """Rules are tried in order: a specific rule placed before a catch-all decides its layers."""
+    spec = QuantSpec(linears=(LinearRule(("blocks.*.attn.qkv",), QuantizerSpec(8), None, role="first"),
+                              LinearRule(("**",), QuantizerSpec(3), None, role="rest")))
+    qmodel = quantize_model(tiny_vit(depth=1), spec)
+    got = {n: (m.quant_role, m.weight_quantizer.bits) for n, m in quantized_layers(qmodel)}
+    assert got == {"blocks.0.attn.qkv": ("first", 8), "patch_embed.proj": ("rest", 3), "head": ("rest", 3),
+                   **{f"blocks.0.{s}": ("rest", 3) for s in ("attn.proj", "mlp.fc1", "mlp.fc2")}}
+
 def test_granularity_resolution():
     w = QuantizerSpec(4, granularity="channel")
     a = QuantizerSpec(4, granularity="channel")
