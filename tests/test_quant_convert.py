@@ -234,6 +234,30 @@ def test_calibration_pools_every_batch_in_eval_mode_and_restores_the_mode():
     torch.testing.assert_close(q.scale, scale.reshape(1))
     torch.testing.assert_close(q.zero_point, torch.round(-lo / scale).reshape(1))
 
+
+def test_static_ranges_from_the_float_model_cover_every_batch():
+    """calibrate_from_float: each activation quantizer takes the min / max of its input over ALL batches of
+    the FLOAT model (weights not quantized), then freezes. Reference: the float layers run by hand."""
+    from quant.calibrate import calibrate_from_float
+    from quant.ranges import RangeSearch
+
+    torch.manual_seed(0)
+    fp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    qmodel = quantize_model(fp, QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(2), minmax),)))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    x[0, 1], x[7, 2] = -12.0, 9.0  # the minimum (largest |x|) in the first batch of 3, the maximum in the last
+    out = calibrate_from_float(qmodel, x, batch_size=3)
+    assert out["images"] == 8 and out["quantizers"] == 2
+    with torch.no_grad():
+        seen = {"0": x, "2": torch.relu(x @ fp[0].weight.T + fp[0].bias)}
+    for name, inputs in seen.items():
+        q = qmodel.get_submodule(name).input_quantizer
+        lo, hi = inputs.min(), inputs.max()
+        assert q.calibrated
+        torch.testing.assert_close(q.scale, ((hi - lo) / 255).reshape(1), msg=name)
+        torch.testing.assert_close(q.zero_point, torch.round(-lo * 255 / (hi - lo)).reshape(1), msg=name)
+
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])
 def test_w8a8_stays_close_to_float(build, pipeline):
