@@ -1,4 +1,6 @@
 """Pipeline registry, options, reports, first/last-layer bits and frozen quantizers at evaluation."""
+import time
+
 import pytest
 import torch
 
@@ -57,6 +59,38 @@ def test_first_last_options():
     assert model.patch_embed.proj.input_quantizer is None
     assert model.head.fc.weight_quantizer.bits == 8
 
+
+
+def test_an_options_object_is_honoured_like_a_mapping():
+    """evaluate.py hands the pipeline its config dataclass: every field of it must reach the model, both
+    through the pipeline call and through evaluate_quantized (8-bit head weights, float stem input)."""
+    from configs.quant import PercentileOptions
+
+    options = PercentileOptions(stem_a_bits=0, head_w_bits=8, act_range="minmax")
+    model, report = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4", options)
+    assert model.patch_embed.proj.input_quantizer is None and model.head.weight_quantizer.bits == 8
+    assert model.blocks[0].mlp.fc2.input_quantizer.search.method == "minmax"
+    assert report["options"]["act_range"] == "minmax" and report["head"] == {"w": 8, "a": 4}
+
+    def eval_fn(qmodel):
+        time.sleep(0.05)  # an evaluation that takes measurable time, kept apart from the quantization time
+        return {"head_w_bits": qmodel.head.weight_quantizer.bits}
+
+    out = evaluate_quantized("percentile", tiny_vit(), images(4), "w4a4", eval_fn, options)
+    assert out["head_w_bits"] == 8 and out["report"]["stem"] == {"w": 4, "a": None}
+    assert out["eval_seconds"] >= 0.05 and abs(out["quantize_seconds"] + out["eval_seconds"] - out["seconds"]) <= 0.002
+
+
+@pytest.mark.parametrize("key", ["stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"])
+def test_stem_and_head_bits_accept_2_to_16_and_0(key):
+    from configs.quant import PercentileOptions
+
+    bits = parse_bits("w4a4")
+    for value in (0, 2, 16):
+        PIPELINES["percentile"].validate(bits, PercentileOptions(**{key: value}))
+    for value in (1, 17):
+        with pytest.raises(ValueError, match=key):
+            PIPELINES["percentile"].validate(bits, PercentileOptions(**{key: value}))
 
 def test_percentile_modes():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w6a6")
