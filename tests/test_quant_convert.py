@@ -121,6 +121,18 @@ def test_granularity_resolution():
                        QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="head"), None),)))
 
 
+
+def test_a_wrapped_conv_keeps_the_float_conv_geometry():
+    """QuantConv2d.from_float with no quantizers is the float conv (stride, padding, dilation, groups, padding
+    mode all carried over), shares its parameters and keeps its mode. Reference: the nn.Conv2d itself."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2, padding_mode="reflect").train()
+    wrapped = QuantConv2d.from_float(conv, None, None)
+    x = torch.randn(2, 4, 9, 9)
+    assert wrapped.weight is conv.weight and wrapped.bias is conv.bias and wrapped.training
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), conv(x), rtol=0, atol=0)
+
 def test_weight_cache_follows_in_place_weight_edits():
     qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
     fc1 = qmodel.blocks[0].mlp.fc1
