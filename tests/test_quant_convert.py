@@ -10,7 +10,7 @@ from quant import PIPELINES, quantize_model
 from quant.calibrate import calibrate
 from quant.convert import quantized_layers
 from quant.layers import QuantConv2d, QuantLinear
-from quant.modes import describe, named_quantizers, set_quant_state
+from quant.modes import describe, named_quantizers, quant_state, set_quant_state
 from configs.quant import PercentileOptions, RepQOptions
 from models.modules import fqn_matches
 from quant.spec import LinearRule, QuantizerSpec, QuantSpec, parse_bits
@@ -246,6 +246,18 @@ def test_calibration_pools_every_batch_in_eval_mode_and_restores_the_mode():
     torch.testing.assert_close(q.scale, scale.reshape(1))
     torch.testing.assert_close(q.zero_point, torch.round(-lo / scale).reshape(1))
 
+
+
+def test_calibration_fits_the_enabled_quantizers_only():
+    """Bypassed quantizers are neither fitted nor required: with weights off, the 6 layer inputs of a one-block
+    ViT (patch_embed.proj, qkv, proj, fc1, fc2, head) are fitted and the 6 weight quantizers stay unfitted."""
+    both = QuantizerSpec(8)
+    qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), both, both),)))
+    with quant_state(qmodel, weights=False):
+        out = calibrate(qmodel, images(2))
+    assert out["quantizers"] == 6
+    assert [q.calibrated for _, q in named_quantizers(qmodel, "activation")] == [True] * 6
+    assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
 
 def test_static_ranges_from_the_float_model_cover_every_batch():
     """calibrate_from_float: each activation quantizer takes the min / max of its input over ALL batches of
