@@ -259,6 +259,18 @@ def test_calibration_fits_the_enabled_quantizers_only():
     assert [q.calibrated for _, q in named_quantizers(qmodel, "activation")] == [True] * 6
     assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
 
+
+def test_quant_state_restores_each_quantizers_own_flag():
+    """Inside the block: weights bypassed, activations on; afterwards every quantizer has its own earlier flag
+    back, including one that was already bypassed before."""
+    both = QuantizerSpec(8)
+    qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), both, both),)))
+    qmodel.head.input_quantizer.enabled = False
+    before = {n: q.enabled for n, q in named_quantizers(qmodel)}
+    with quant_state(qmodel, weights=False, activations=True):
+        assert all(q.enabled == (not n.endswith("weight_quantizer")) for n, q in named_quantizers(qmodel))
+    assert {n: q.enabled for n, q in named_quantizers(qmodel)} == before and not before["head.input_quantizer"]
+
 def test_static_ranges_from_the_float_model_cover_every_batch():
     """calibrate_from_float: each activation quantizer takes the min / max of its input over ALL batches of
     the FLOAT model (weights not quantized), then freezes. Reference: the float layers run by hand."""
