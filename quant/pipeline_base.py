@@ -158,7 +158,6 @@ class StageTimer:
         self.seconds[name] = round(time.perf_counter() - start, 4)
 
 
-@torch.no_grad()
 @contextmanager
 def isolated_rng(seed: int, device: torch.device) -> Iterator[None]:
     """Seed torch's global RNG (and the device's) for a pipeline, restoring the caller's streams on exit."""

@@ -12,6 +12,7 @@ Pipelines build their specs from the pattern groups below; APHQ / GPLQ add their
 """
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Optional, Tuple, Type
@@ -159,6 +160,8 @@ def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
             raise ValueError(f"bit-width {bits!r} is not of the form 'w4a4'")
         w, a = int(m.group(1)), int(m.group(2))
     else:
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in bits):
+            raise ValueError(f"bit-width {tuple(bits)!r}: give whole numbers of bits, e.g. (4, 4)")
         w, a = (int(b) for b in bits)
     if not (MIN_BITS <= w <= MAX_BITS and MIN_BITS <= a <= MAX_BITS):
         raise ValueError(f"bit-width {str(bits)!r}: weight and activation bits must lie in "

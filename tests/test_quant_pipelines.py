@@ -33,6 +33,13 @@ def test_bit_widths_outside_2_to_16_are_refused(text):
         parse_bits(text)
 
 
+@pytest.mark.parametrize("pair", [(4.7, 4), (4, True), ("4", 4)])
+def test_bit_widths_as_a_pair_must_be_whole_numbers(pair):
+    with pytest.raises(ValueError, match="whole numbers of bits"):  # int(4.7) would run w4 without a word
+        parse_bits(pair)
+    assert parse_bits((4, 8)) == (4, 8)
+
+
 def test_unknown_option_names_close_match():
     with pytest.raises(ValueError, match="round_zero_point"):
         PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"round_zeropoint": True})
