@@ -6,7 +6,8 @@ Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
 against the field's annotation. An unknown key is an error that names the key and its closest matches in
 any section; so is a value of the wrong type or outside a `Literal` choice, and a key given twice in one
 YAML mapping. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept any keys, also as dotted
-overrides (`cd.lam_per_role.fc2=0.02`). A key that the resolved config would not read is refused
+overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what earlier layers put there,
+as a section's keys do, and null empties it. A key that the resolved config would not read is refused
 (`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
 optim.lr_base while optim.lr is set, ...): every override (unless the overrides switch its section off
 themselves: cd.enabled=false beside cd.lam, a sweep's baseline), and every value a file changes where the
@@ -347,6 +348,13 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
             raise ConfigError(f"{source}: '{key}' is a section; give its keys, not {value!r}")
         return _merge(current, value, key + ".", source)
     annotation = hints[name]
+    if not rest and isinstance(value, dict) and current and (annotation is dict or _origin(annotation) is dict):
+        # a mapping adds its entries to a dict field, as a section's keys do: a later file's model.kwargs:
+        # {depth: 2} keeps the embed_dim an earlier file gave (replacing would drop it without a word)
+        if not value:
+            raise ConfigError(f"{source}: '{key}' = {{}} changes nothing: a mapping adds its entries to "
+                              f"{_show(current)}; give null to empty it")
+        return setattr(node, name, {**current, **_coerce(value, annotation, key, source)})
     if not rest:
         return setattr(node, name, _coerce(value, annotation, key, source))
     if annotation is dict or _origin(annotation) is dict:

@@ -165,10 +165,25 @@ def test_dict_fields_take_dotted_keys():
     # a mapping as the value of a dotted key inside a dict field is one entry, as a number is (it was a KeyError)
     assert load_config(None, ["model.kwargs.mlp.cfg={hidden: 4}"]).model.kwargs == {"mlp.cfg": {"hidden": 4}}
     assert load_config(None, ["model.kwargs.mlp.cfg=4"]).model.kwargs == {"mlp.cfg": 4}
-    # null or {} clears a recipe's dict
+    # null clears a recipe's dict; {} would add nothing to it, and is refused naming null
     recipe = os.path.join(ROOT, "configs/method/cd_finetune.yaml")
-    for empty in ("null", "{}"):
-        assert load_config([recipe], [f"cd.lam_per_role={empty}"]).cd.lam_per_role == {}
+    assert load_config([recipe], ["cd.lam_per_role=null"]).cd.lam_per_role == {}
+    with pytest.raises(ConfigError, match="changes nothing.*give null to empty it"):
+        load_config([recipe], ["cd.lam_per_role={}"])
+    assert load_config(None, ["model.kwargs={}"]).model.kwargs == {}  # the default's empty dict: nothing to keep
+
+
+def test_a_mapping_for_a_dict_field_adds_to_what_earlier_layers_gave(tmp_path):
+    """As a section's keys do: a later file (or an override) that gives model.kwargs a mapping changes the entries
+    it names and keeps the others, which replacing the dict dropped without a word."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("model: {kwargs: {depth: 5, embed_dim: 64}}\n")
+    second.write_text("model:\n  kwargs: {depth: 2, num_heads: 4}\n")
+    want = {"depth": 2, "embed_dim": 64, "num_heads": 4}
+    assert load_config([str(first), str(second)]).model.kwargs == want
+    assert load_config([str(first)], ["model.kwargs={depth: 2, num_heads: 4}"]).model.kwargs == want
+    assert load_config([str(first)], ["model.kwargs.depth=2", "model.kwargs.num_heads=4"]).model.kwargs == want
+    assert load_config([str(first)], ["model.kwargs=null", "model.kwargs={depth: 2}"]).model.kwargs == {"depth": 2}
 
 
 def test_missing_config_file_is_an_error():
@@ -381,11 +396,13 @@ def test_a_file_key_that_an_earlier_layer_makes_unread_is_refused_naming_the_fil
 
 def test_a_dotted_override_into_a_dict_field_keeps_its_other_entries():
     """cd_finetune.yaml sets lam_per_role {fc2: 0.02}: cd.lam_per_role.fc1=0.01 adds a role, it does not
-    replace the recipe's fc2 strength (the key=value form sets one entry; a mapping value sets them all)."""
+    replace the recipe's fc2 strength; nor does a mapping value (null first empties the dict)."""
     recipe = os.path.join(ROOT, "configs/method/cd_finetune.yaml")
     assert load_config([recipe], ["cd.lam_per_role.fc1=0.01"]).cd.lam_per_role == {"fc2": 0.02, "fc1": 0.01}
     assert load_config([recipe], ["cd.lam_per_role.fc2=0.5"]).cd.lam_per_role == {"fc2": 0.5}
-    assert load_config([recipe], ["cd.lam_per_role={fc1: 0.01}"]).cd.lam_per_role == {"fc1": 0.01}
+    assert load_config([recipe], ["cd.lam_per_role={fc1: 0.01}"]).cd.lam_per_role == {"fc2": 0.02, "fc1": 0.01}
+    assert load_config([recipe], ["cd.lam_per_role=null", "cd.lam_per_role={fc1: 0.01}"]).cd.lam_per_role == {
+        "fc1": 0.01}
 
 
 def test_stem_and_head_bits_follow_the_main_bits_unless_set_and_zero_is_float():
