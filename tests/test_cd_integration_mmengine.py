@@ -327,3 +327,57 @@ def test_budget_rule_lowers_the_merged_weight_decay_once_by_the_hooks_lam():
     untouched["cd_budget"] = False
     apply_weight_decay_budget(untouched)
     assert untouched["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05
+
+
+@MODELS.register_module(force=True)
+class TwoOptimizers(Classifier):
+    """A train_step that steps each optimizer of an OptimWrapperDict (`a`, then `b`) after one backward."""
+
+    def train_step(self, data, optim_wrapper):
+        losses = self._run_forward(self.data_preprocessor(data, True), mode="loss")
+        loss, log_vars = self.parse_losses(losses)
+        optim_wrapper["a"].backward(loss)
+        for name in ("a", "b"):
+            optim_wrapper[name].step()
+        optim_wrapper.zero_grad()
+        return log_vars
+
+
+def test_every_optimizer_of_an_optim_wrapper_dict_gets_cd(tmp_path):
+    """Block 0 (and the rest) in optimizer `a`, block 1 in `b`, of different lrs: each block's pairs get CD with
+    the lr of their own optimizer, as one AdamW with a group per optimizer in the reference loop (AdamW acts per
+    parameter); a hook that bound only the first wrapper leaves block 1 without CD."""
+    from mmengine.optim import OptimWrapperDict
+    from mmengine.runner import Runner
+
+    import cd.integrations.mmengine  # noqa: F401  (registers the hook, as custom_imports does)
+
+    def split(net):
+        b = [p for n, p in net.named_parameters() if n.startswith("backbone.blocks.1.")]
+        return [p for p in net.parameters() if all(p is not q for q in b)], b
+
+    model = MODELS.build(dict(type="TwoOptimizers"))
+    initial = copy.deepcopy(model)
+    a, b = split(model)
+    wrappers = OptimWrapperDict(a=OptimWrapper(torch.optim.AdamW(a, lr=2e-2, weight_decay=0.1)),
+                                b=OptimWrapper(torch.optim.AdamW(b, lr=5e-3, weight_decay=0.1)))
+    cfg = config(tmp_path, iters=3)
+    for key in ("custom_imports", "model", "optim_wrapper", "param_scheduler", "resume", "load_from"):
+        cfg.pop(key)
+    runner = Runner(model=model, optim_wrapper=wrappers, **cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.train()
+    assert not [w for w in caught if "not in the optimizer" in str(w.message)]  # each is in one of them
+    micro = [[batch] for batch in model.batches]
+    after = hook_of(runner, "RecordWeights").after
+
+    def run_ref(variant):
+        net = copy.deepcopy(initial)
+        ref_a, ref_b = split(net)
+        opt = torch.optim.AdamW([{"params": ref_a, "lr": 2e-2}, {"params": ref_b, "lr": 5e-3}], weight_decay=0.1)
+        pairs = [RefPair("backbone." + p.w2, "backbone." + p.w1, p.diag, p.rows) for p in vit_pairs(BLOCKS, DIM)]
+        return reference_run(net, micro, lambda m, x: F.cross_entropy(m(x[0]), x[1]), opt, None, pairs, LAM,
+                             variant=variant)
+
+    assert_matches_reference(after, run_ref, TOL, variants=("after_step", "first_group_lr"))

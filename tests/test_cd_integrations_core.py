@@ -4,6 +4,7 @@ arguments are ColinearityDecay's."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -92,6 +93,25 @@ def test_bind_optimizers_finds_the_optimizer_holding_the_matrices():
     half = torch.optim.SGD(list(model.blocks[0].parameters()), lr=0.1)
     with pytest.warns(UserWarning, match="not in the optimizer"):  # left alone, as attach leaves them
         bind_optimizers(decay, [half])
+
+
+def test_matrices_split_over_several_optimizers_are_not_warned_about_as_left_alone():
+    """Each optimizer of several (an OptimWrapperDict's, a LightningModule's) holds a part of the decayed matrices:
+    CD decays all of them, each in its own optimizer's step, so no warning says any is left alone; a matrix
+    that none of them holds is named, once."""
+    model, decay, _, _ = _setup()
+    first = list(model.blocks[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bind_optimizers(decay, [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)])
+    fc2 = model.blocks[1].mlp.fc2.weight
+    without_fc2 = [p for p in rest if p is not fc2]
+    with pytest.warns(UserWarning) as record:
+        bind_optimizers(ColinearityDecay(model, lam=0.5),
+                        [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(without_fc2, lr=0.1)])
+    assert [str(w.message).split(" (e.g.")[0] for w in record] == ["1 decayed matrices are not in the optimizer"]
+    assert "blocks.1.mlp.fc2.weight" in str(record[0].message)
 
 
 def test_target_c_upstream_matrices_outside_the_optimizer_are_named_like_attach_names_them():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Optional
+from typing import Any, Container, Optional
 
 import torch
 
@@ -94,17 +94,14 @@ class OptimizerBinding:
     framework's event (the optimizer stepped around the framework) raises once it has run.
     """
 
-    def __init__(self, decay: ColinearityDecay, optimizer: Any, strict_steps: bool = False) -> None:
+    def __init__(self, decay: ColinearityDecay, optimizer: Any, strict_steps: bool = False,
+                 warn_outside: bool = True) -> None:
         self.decay = decay
         self.strict_steps = strict_steps
         self.optimizer = torch_optimizer(optimizer)
-        # the rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices
-        # the optimizer changes, so decayed matrices outside it are left alone, with one warning now
         held = decay._group_index(self.optimizer)
-        outside = [name for name, t in decay._decayed_named() if id(t) not in held]
-        if outside:
-            warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
-                          "optimizer never changes them, so CD leaves them alone too", stacklevel=2)
+        if warn_outside:  # bind_optimizers warns once, about the matrices outside all of its optimizers
+            _warn_outside(decay, held)
         register_step_update(self, decay, self.optimizer, "cd.integrations")
         decay._warn_if_all_frozen(held, "cd.integrations")
         self._armed = False
@@ -170,11 +167,24 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
     Raises:
         ValueError: no optimizer holds them (CD would never run).
     """
-    bindings = {}
+    opts = {}
     for optimizer in optimizers:
         opt = torch_optimizer(optimizer)
-        if holds_pairs(decay, opt) and id(opt) not in bindings:
-            bindings[id(opt)] = OptimizerBinding(decay, opt, strict_steps)
-    if not bindings:
+        if holds_pairs(decay, opt):
+            opts.setdefault(id(opt), opt)
+    if not opts:
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
-    return bindings
+    # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
+    # Lightning module's several) gets CD in that optimizer's step, so it is not left alone
+    _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
+    return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False) for key, opt in opts.items()}
+
+
+def _warn_outside(decay: ColinearityDecay, held: Container[int], stacklevel: int = 3) -> None:
+    """The rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices the
+    optimizer changes, so decayed matrices outside it (`held`: ids of the parameters it holds) are left alone,
+    with one warning."""
+    outside = [name for name, t in decay._decayed_named() if id(t) not in held]
+    if outside:
+        warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
+                      "optimizer never changes them, so CD leaves them alone too", stacklevel=stacklevel)
