@@ -306,6 +306,24 @@ def test_weight_noise_hook_is_uniq_in_training_clean_elsewhere_and_matches_the_r
     assert all(torch.equal(saved[n], rec.after[1][n]) for n in rec.after[1])
 
 
+@pytest.mark.parametrize("bits", [2, 8])
+def test_weight_noise_hook_draws_the_noise_of_the_bits_given(tmp_path, bits):
+    """A non-default `bits` in the config is the k = 2^bits of the noise the training forward sees (naive UNIQ map
+    of that k), not the default's: the default's map of the same draws is far from it."""
+    runner = run(config(tmp_path, [dict(type="WeightNoiseHook", bits=bits, seed=SEED)], iters=2))
+    rec = hook_of(runner, "Recorder")
+    assert hook_of(runner, "WeightNoiseHook").noise.bits == bits
+    for i in (0, 1):
+        for index, name in enumerate(linear_names(runner.model)):
+            module = copy.deepcopy(runner.model.backbone.get_submodule(name))
+            for param in ("weight", "bias"):
+                getattr(module, param).data.copy_(rec.clean[i][f"backbone.{name}.{param}"])
+            want, default = naive_uniq(module, i, index, bits=bits), naive_uniq(module, i, index, bits=BITS)
+            seen = rec.seen[i][f"{name}.weight"]
+            assert torch.allclose(seen, want["weight"][0], rtol=0, atol=1e-12), (bits, i, name)
+            assert (seen - default["weight"][0]).abs().max() > 1e-3
+
+
 def test_weight_noise_same_seed_same_run_other_seed_other_run_and_resume_continues(tmp_path, monkeypatch):
     def hooks(seed):
         return [dict(type="WeightNoiseHook", bits=BITS, seed=seed)]
