@@ -5,12 +5,16 @@ They subclass nn.Linear / nn.Conv2d and adopt the original layer's parameters, s
 `...qkv.weight_quantizer.*` and `...qkv.input_quantizer.*`.
 
 Speed: in inference (grad disabled) the fake-quantized weight is computed once and cached. The cache
-is keyed on the storage and version counter of the weight and of the weight quantizer's parameters,
-so in-place edits (the RepQ-ViT LayerNorm fold, loading a state dict, an optimizer step) and device
-moves invalidate it without any host sync in the forward pass.
+is keyed on the tensor objects (weak references), storage and version counter of the weight and of the
+weight quantizer's parameters, so in-place edits (the RepQ-ViT LayerNorm fold, loading a state dict, an
+optimizer step), device moves and a Parameter put in the old one's place (whose storage may reuse the freed
+address, with the same version) invalidate it without any host sync in the forward pass. Inference tensors
+(made under torch.inference_mode) have no version counter, so an in-place edit of one is invisible: a weight
+or quantizer parameter that is one is fake-quantized at every forward, never cached.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -21,8 +25,7 @@ from .quantizers import Quantizer
 
 
 def _version(t: torch.Tensor) -> Tuple[int, int]:
-    # Inference-mode tensors have no version counter; their storage pointer is still a valid key.
-    return t.data_ptr(), (-1 if t.is_inference() else t._version)
+    return t.data_ptr(), t._version
 
 
 class _QuantWeightMixin:
@@ -34,6 +37,7 @@ class _QuantWeightMixin:
     def _init_cache(self) -> None:
         self._wq_cache: Optional[torch.Tensor] = None
         self._wq_key: Optional[tuple] = None
+        self._wq_refs: Optional[list] = None
         self.quant_role = ""  # label of the conversion rule that built this layer (reports, pipelines)
 
     def quantized_weight(self) -> torch.Tensor:
@@ -46,20 +50,25 @@ class _QuantWeightMixin:
         if needs_grad or not wq.calibrated:
             return wq(self.weight)
         tensors = [self.weight, *wq.parameters(recurse=False), *wq.buffers(recurse=False)]
+        if any(t.is_inference() for t in tensors):  # no version counter: an in-place edit would go unseen
+            return wq(self.weight).detach()
         key = tuple(_version(t) for t in tensors)
-        if self._wq_cache is None or key != self._wq_key:
+        # the same objects, not only the same address: a replaced tensor's storage may reuse a freed one
+        refs = getattr(self, "_wq_refs", None)  # absent in a layer pickled before it existed
+        same = refs is not None and len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))
+        if self._wq_cache is None or key != self._wq_key or not same:
             self._wq_cache = wq(self.weight).detach()
-            self._wq_key = key
+            self._wq_key, self._wq_refs = key, [weakref.ref(t) for t in tensors]
         return self._wq_cache
 
     def invalidate_weight_cache(self) -> None:
-        self._wq_cache, self._wq_key = None, None
+        self._wq_cache, self._wq_key, self._wq_refs = None, None, None
 
     def __getstate__(self) -> dict:
         # pickling (run_on_main sends quantized models to the other ranks, torch.save, deepcopy) leaves the
         # cache out: it would double the payload, and its key holds this process's tensor addresses
         state = dict(super().__getstate__())
-        state["_wq_cache"], state["_wq_key"] = None, None
+        state["_wq_cache"], state["_wq_key"], state["_wq_refs"] = None, None, None  # weak references do not pickle
         return state
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001 - nn.Module signature

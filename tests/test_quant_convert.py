@@ -152,6 +152,78 @@ def test_weight_cache_follows_in_place_weight_edits():
         torch.testing.assert_close(fc1(x), want)
 
 
+def _hand_quantized_weight(layer):
+    """The layer's current weight fake-quantized by hand, in its own dtype (UniformQuantizer's map)."""
+    q, w = layer.weight_quantizer, layer.weight.detach()
+    s = q.scale.detach().to(w.dtype).view(-1, *[1] * (w.ndim - 1))
+    z = q.zero_point.detach().to(w.dtype).view_as(s)
+    return (torch.clamp(torch.round(w / s) + z, q.qmin, q.qmax) - z) * s
+
+
+@pytest.mark.parametrize("name", ["blocks.0.mlp.fc1", "patch_embed.proj"])
+def test_weight_cache_follows_dtype_round_trips_and_state_dict_loads(name):
+    """float32 -> float64 -> float32 (-> float16 -> float32), with the weights edited in each dtype, and a
+    state dict loaded in place or by assignment, and a meta round trip: each forward uses the current weight's
+    quantization in its dtype, never a cached copy of another dtype or of older values."""
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    layer = qmodel.get_submodule(name)
+    assert layer.weight_quantizer.channel_dim == 0  # per output channel: scale viewed as [C, 1, ...]
+
+    def check():
+        with torch.no_grad():
+            got = layer.quantized_weight()
+        assert got.dtype == layer.weight.dtype
+        torch.testing.assert_close(got, _hand_quantized_weight(layer), rtol=0, atol=0)
+
+    def edited_state(factor):
+        return {k: v * factor if k == f"{name}.weight" else v for k, v in qmodel.state_dict().items()}
+
+    check()
+    for convert, factor in [(nn.Module.double, 1.7), (nn.Module.float, 0.5), (nn.Module.half, 1.25),
+                            (nn.Module.float, 0.8)]:
+        convert(qmodel)
+        check()
+        with torch.no_grad():
+            layer.weight.mul_(factor)
+        check()
+    qmodel.load_state_dict(edited_state(1.3))
+    check()
+    qmodel.load_state_dict(edited_state(0.9), assign=True)
+    check()
+    state = edited_state(1.1)
+    qmodel.to("meta").to_empty(device="cpu").load_state_dict(state)
+    check()
+
+
+def test_weight_cache_is_not_taken_for_a_new_weight_at_the_old_ones_address():
+    """A Parameter put in the old one's place can have its storage at the old (freed) address and the same
+    version 0 (the CPU and CUDA allocators reuse freed blocks of the size): here made deterministic by two
+    tensors over one numpy buffer, rewritten in between."""
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    fc1 = qmodel.blocks[0].mlp.fc1
+    buffer = fc1.weight.detach().numpy().copy()
+    fc1.weight = nn.Parameter(torch.from_numpy(buffer))
+    with torch.no_grad():
+        fc1.quantized_weight()
+    buffer *= 3.0  # the new weight's values, written where the old one lay
+    fc1.weight = nn.Parameter(torch.from_numpy(buffer))
+    with torch.no_grad():
+        torch.testing.assert_close(fc1.quantized_weight(), _hand_quantized_weight(fc1), rtol=0, atol=0)
+
+
+def test_weight_cache_follows_in_place_edits_of_inference_tensors():
+    """A model made and edited under torch.inference_mode: its inference tensors have no version counter, so an
+    in-place edit (a fold) leaves the old key; the forward still uses the edited weight."""
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    fc1 = qmodel.blocks[0].mlp.fc1
+    with torch.inference_mode():
+        fc1.weight = nn.Parameter(fc1.weight.detach().clone())
+        assert fc1.weight.is_inference()
+        fc1.quantized_weight()
+        fc1.weight.mul_(2.0)
+        torch.testing.assert_close(fc1.quantized_weight(), _hand_quantized_weight(fc1), rtol=0, atol=0)
+
+
 def test_a_pickled_layer_leaves_its_weight_cache_behind():
     """run_on_main pickles quantized models for the other ranks: the cached fake-quantized weight (a
     second copy of every weight, keyed by this process's tensor addresses) must not travel with them."""
