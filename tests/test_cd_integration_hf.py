@@ -35,12 +35,13 @@ def data(n: int = 32) -> list[dict]:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def optimizer_and_schedule(model: torch.nn.Module, steps: int):
+def optimizer_and_schedule(model: torch.nn.Module, steps: int, fused: bool = False):
     """AdamW with the qkv/fc1 matrices in a group of their own lr, and a linear decay: a CD that read another
     group's lr, or the lr after the scheduler's step, would be off."""
     own = [p for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_fc.weight"))]
     rest = [p for p in model.parameters() if all(p is not q for q in own)]
-    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
+    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1,
+                            fused=fused)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
 
 
@@ -72,10 +73,11 @@ class PoisonStep(TrainerCallback):
 
 
 def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool = False, poison: int = -1,
-          resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None, callback=None):
+          resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None, callback=None,
+          fused: bool = False):
     model = model or tiny_gpt2()
     initial = copy.deepcopy(model)
-    opt, sched = optimizer_and_schedule(model, steps)
+    opt, sched = optimizer_and_schedule(model, steps, fused)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=accum,
                              max_steps=steps, max_grad_norm=clip, learning_rate=2e-2, logging_steps=1000,
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -95,14 +97,16 @@ def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool 
     return trainer, initial, recorder
 
 
-def check(initial, recorder, steps, accum, clip=None, skipped=(), variants=None):
+def check(initial, recorder, steps, accum, clip=None, skipped=(), variants=None, fused=False,
+          scheduler_steps_on_skip=False):
     micro = [[recorder.batches[i * accum + k] for k in range(accum)] for i in range(steps)]
 
     def run(variant):
         model = copy.deepcopy(initial)
-        opt, sched = optimizer_and_schedule(model, steps)
+        opt, sched = optimizer_and_schedule(model, steps, fused)
         return reference_run(model, micro, lambda m, b: m(**b).loss, opt, sched, gpt2_hf_pairs(LAYERS, DIM), LAM,
-                             clip=clip, skipped=skipped, variant=variant)
+                             clip=clip, skipped=skipped, scheduler_steps_on_skip=scheduler_steps_on_skip,
+                             variant=variant)
 
     kw = {} if variants is None else {"variants": variants}
     assert_matches_reference(recorder.after, run, TOL, **kw)
@@ -124,6 +128,21 @@ def test_a_step_the_grad_scaler_skips_applies_no_cd(tmp_path):
     check(initial, recorder, 3, 1, skipped=(1,), variants=("on_skipped_step", "after_step"))
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
     assert cb.decay.num_updates == 2
+
+
+def test_a_step_the_grad_scaler_skips_in_a_fused_optimizer_applies_no_cd(tmp_path):
+    """A fused AdamW is stepped on overflow too (GradScaler hands it `found_inf`, its kernel skips): CD is gated
+    on the device the same way, so the skipped step leaves the weights as they were and is not counted in
+    cd/updates. accelerate (1.15) decides "skipped" by whether GradScaler called the optimizer's step, which it
+    always does for a fused optimizer: the Trainer then steps the lr schedule on the skipped step (a framework
+    behaviour, cd/README.md), so the reference's schedule steps there too."""
+    trainer, initial, recorder = train(tmp_path, steps=3, scaler=True, poison=1, fused=True)
+    assert all(torch.equal(recorder.after[0][n], recorder.after[1][n]) for n in recorder.after[0])
+    assert trainer.lr_scheduler.last_epoch == 3  # 3 steps of the schedule for 2 updates
+    check(initial, recorder, 3, 1, skipped=(1,), variants=("on_skipped_step", "after_step"), fused=True,
+          scheduler_steps_on_skip=True)
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    assert cb.decay.metrics()["cd/updates"] == 2 and cb.decay.state_dict()["num_updates"] == 2
 
 
 def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
