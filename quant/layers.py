@@ -24,8 +24,9 @@ from torch import nn
 from .quantizers import Quantizer
 
 
-def _version(t: torch.Tensor) -> Tuple[int, int]:
-    return t.data_ptr(), t._version
+def _version(t: torch.Tensor) -> Tuple[int, Optional[int]]:
+    # None: an inference tensor, which has no version counter (an in-place edit of it would go unseen)
+    return t.data_ptr(), (None if t.is_inference() else t._version)
 
 
 class _QuantWeightMixin:
@@ -50,9 +51,9 @@ class _QuantWeightMixin:
         if needs_grad or not wq.calibrated:
             return wq(self.weight)
         tensors = [self.weight, *wq.parameters(recurse=False), *wq.buffers(recurse=False)]
-        if any(t.is_inference() for t in tensors):  # no version counter: an in-place edit would go unseen
-            return wq(self.weight).detach()
         key = tuple(_version(t) for t in tensors)
+        if any(version is None for _, version in key):
+            return wq(self.weight).detach()
         # the same objects, not only the same address: a replaced tensor's storage may reuse a freed one
         refs = getattr(self, "_wq_refs", None)  # absent in a layer pickled before it existed
         same = refs is not None and len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))
