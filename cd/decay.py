@@ -229,7 +229,9 @@ class ColinearityDecay:
 
         self._model = weakref.ref(unwrap_model(model))  # to tell a replaced parameter from a missing one
         self._handle: Optional[RemovableHandle] = None  # the live optimizer hook, if attached
-        self.num_updates = 0  # optimizer steps on which CD was applied (logging only)
+        # optimizer steps on which CD ran (logging only); with a fused optimizer this includes the steps
+        # GradScaler skipped on the device, which metrics()['cd/updates'] and state_dict() subtract
+        self.num_updates = 0
         self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
