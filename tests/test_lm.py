@@ -81,6 +81,40 @@ def test_gpt2s_own_tanh_gelu_reproduces_transformers_default_gpt2(tmp_path):
                                 pretrained=str(tmp_path / "untied.pt")))
 
 
+def test_hub_gpt2_files_without_lm_head_and_with_mask_buffers_load(tmp_path):
+    """The Hub's GPT-2 files hold GPT2Model's state dict: no `transformer.` prefix, no lm_head (it is wte), and in
+    older files the causal-mask buffers h.N.attn.bias / masked_bias: they load and give transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    from configs.schema import ModelConfig
+    from models import build_model
+    config = transformers.GPT2Config(vocab_size=65, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    state = dict(reference.transformer.state_dict())
+    assert not any(k.startswith(("transformer.", "lm_head.")) for k in state)
+    for i in range(config.n_layer):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(state, tmp_path / "hub.pt")
+    ours = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, kwargs={"gelu": "tanh"},
+                                   pretrained=str(tmp_path / "hub.pt"))).eval()
+    ids = torch.randint(0, 65, (3, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_of_the_whole_context_is_a_forward_and_a_longer_one_is_refused():
+    """The position table has `context` rows: a window of exactly `context` ids (what the token windows of
+    data/text.py give) is scored; one id more is refused naming both lengths."""
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(2, model.context, dtype=torch.long)).shape == (2, model.context, 65)
+        with pytest.raises(ValueError, match=f"{model.context + 1} tokens is longer than the model's context of "
+                                             f"{model.context}"):
+            model(torch.zeros(1, model.context + 1, dtype=torch.long))
+
+
 @pytest.mark.parametrize("setting, expected", [("num_classes=80", "set model.num_classes=65 to load it"),
                                                ("kwargs={context: 16}", "set model.kwargs.context=32 to load it")])
 def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_path, setting, expected):
@@ -149,6 +183,11 @@ def test_model_drop_is_every_dropout_of_the_gpt():
     train_logits = model(ids)
     with torch.no_grad():
         assert not torch.allclose(train_logits, model.eval()(ids))
+    # in evaluation no dropout acts, the attention probabilities' included: the drop=0 model's logits exactly
+    plain = build_gpt("gpt2_nano", vocab_size=65, drop=0.0).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), plain(ids), rtol=0, atol=0)
 
 
 def test_cd_pairs_of_gpt2_match_float64_reference():
@@ -197,6 +236,11 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
         assert torch.equal(y[:-1], x[1:]) and len(x) == 10
         starts.add(int(x[0]))
     assert len(starts) > 3
+    phases = set()  # the offset is drawn from 0..context-1: every phase, and none that repeats the next window's
+    for seed in range(200):
+        torch.manual_seed(seed)
+        phases.add(int(train_windows[3][0][0]) - 30)
+    assert phases == set(range(10))
     assert len(TokenWindows(stream, 10, train=False, limit=7)) == 7
     with pytest.raises(DataError, match="model.num_classes=50"):
         check_vocabulary(TokenStream(np.array([0, 50], dtype=np.uint16), None, "f"), 50)
