@@ -259,11 +259,19 @@ def test_an_empty_token_file_is_a_data_error(tmp_path):
 
 
 def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
-    ids = np.zeros(1000, dtype=np.uint16)
-    ids[-1] = 70  # past any first chunk: a file of billions of ids is read in chunks, all of them
-    assert largest_id(ids, chunk=64) == 70 == int(ids.max())
+    for where in (0, 63, 64, 960, 999):  # the first and last id of a chunk: a file of billions of ids is read in
+        ids = np.zeros(1000, dtype=np.uint16)  # chunks, every id of each
+        ids[where] = 70
+        assert largest_id(ids, chunk=64) == 70, where
+        assert largest_id(ids, chunk=40) == 70, where  # 999: the last of the 25th chunk of 40
     stream = type("S", (), {"ids": ids, "vocab": None, "source": "train.bin"})()
     with pytest.raises(DataError, match="holds ids up to 70, model.num_classes=65"):
+        check_vocabulary(stream, 65)
+    ids[:] = 0
+    ids[5] = 64  # the largest id the model embeds is accepted, one more is not
+    check_vocabulary(stream, 65)
+    ids[5] = 65
+    with pytest.raises(DataError, match="holds ids up to 65, model.num_classes=65"):
         check_vocabulary(stream, 65)
 
 
