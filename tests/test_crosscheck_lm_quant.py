@@ -1,13 +1,17 @@
-"""scripts/crosscheck_lm_quant.py without the official GPTQ / SmoothQuant code: its argument errors."""
+"""scripts/crosscheck_lm_quant.py without the official GPTQ / SmoothQuant code: its argument errors, and the
+perplexity both sides are scored with against a naive loop."""
+import math
 import os
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import crosscheck_lm_quant as xc  # noqa: E402
+from models.gpt import build_gpt  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -31,3 +35,18 @@ def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_o
     with pytest.raises(SystemExit, match=message):
         xc.main(["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s"), "--out", str(out), *argv])
     assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
+
+
+def test_perplexity_is_exp_of_the_mean_nll_of_every_next_token_of_every_window():
+    """exp(mean NLL) over the T - 1 next tokens of each window (the first token has no prediction), each from the
+    prefix alone (no causal mask assumed), summed over windows before the exp: not a mean of per-window exps."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    windows = torch.randint(0, 65, (3, 12), generator=torch.Generator().manual_seed(1))
+    nll = []
+    with torch.no_grad():
+        for w in windows:
+            for t in range(len(w) - 1):
+                logits = model(w[None, :t + 1])[0, -1].double()
+                nll.append(float(torch.logsumexp(logits, -1) - logits[w[t + 1]]))
+    assert xc.perplexity(model, windows) == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
