@@ -149,7 +149,7 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
                                  "try none or bf16)")
     if tokens == 0:  # a perplexity of 1 over no token is no result (the same sums on every rank)
         raise NothingScoredError(f"{progress or 'evaluation'}: no token was scored: the data loader yielded no "
-                                 "window; check the split and data.block_size")
+                                 "window; check the split and the window length (model.kwargs.context)")
     mean = loss / tokens
     return {"loss": mean, "ppl": perplexity(mean), "count": int(windows), "tokens": int(tokens)}
 
