@@ -399,6 +399,21 @@ def test_probe_kurtosis_matches_a_direct_computation():
     assert metrics["act/kurtosis_block"] == max(r["kurtosis"] for r in records.values() if r["kind"] == "block")
 
 
+def test_language_model_evaluation_scores_the_model_without_dropout():
+    """train.py validates a model it trains (train mode, dropout on): the score is that of the same weights with no
+    dropout, the mean NLL of every position under the drop=0 model, written as a loop."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65, drop=0.5).train()
+    plain = build_gpt("gpt2_nano", vocab_size=65, drop=0.0).eval()
+    plain.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    windows = [(torch.randint(0, 65, (8,), generator=g), torch.randint(0, 65, (8,), generator=g)) for _ in range(3)]
+    result = evaluate_language_model(model, torch.utils.data.DataLoader(windows, batch_size=2), torch.device("cpu"))
+    with torch.no_grad():
+        nll = [-torch.log_softmax(plain(x[None])[0, t].double(), -1)[y[t]] for x, y in windows for t in range(8)]
+    assert result["loss"] == pytest.approx(float(sum(nll)) / 24, rel=1e-6)
+
+
 def test_language_model_loss_is_the_mean_over_every_position():
     """The training loss of CausalLMTask (nanoGPT's): the mean over all B x T positions of -log softmax at
     the target, written as a loop; a per-window sum or a last-position loss would change the update size."""
@@ -425,3 +440,5 @@ def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validatio
     whole = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.5), "train").ids
     assert np.array_equal(train.ids[:len(whole)], whole)  # both heads of one text
     assert "".join(train.vocab[i] for i in train.ids[:3]) == "In "  # Genesis 1:1 comes first
+    # nanoGPT's character encoding: id = rank of the character among the sorted characters of the whole text
+    assert train.vocab == val.vocab == sorted(set(train.vocab)) and len(train.vocab) == 65
