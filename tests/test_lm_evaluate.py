@@ -259,8 +259,9 @@ def test_an_empty_token_file_is_a_data_error(tmp_path):
 
 
 def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
-    for where in (0, 63, 64, 960, 999):  # the first and last id of a chunk: a file of billions of ids is read in
-        ids = np.zeros(1000, dtype=np.uint16)  # chunks, every id of each
+    # a file of billions of ids is read in chunks: the first and the last id of a chunk are read too
+    for where in (0, 63, 64, 960, 999):
+        ids = np.zeros(1000, dtype=np.uint16)
         ids[where] = 70
         assert largest_id(ids, chunk=64) == 70, where
         assert largest_id(ids, chunk=40) == 70, where  # 999: the last of the 25th chunk of 40
