@@ -75,6 +75,34 @@ def test_a_backbone_checkpoint_of_another_model_is_refused(mmdet_ready, tmp_path
         check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), notes))
 
 
+def test_a_backbone_checkpoint_of_other_shapes_or_without_a_block_norm_is_refused(mmdet_ready, tmp_path):
+    """Two checkpoints that MMDetection's Swin loads with strict=False without a word: the same layout at another
+    width (every weight of another shape: none would load) and one without a block's norm1 (it would train from
+    random); only the detection output norms (norm0..norm3) may be missing."""
+    from engine.detection import DetectionError, check_backbone_init, load_config
+    wider = _official_swin_checkpoint(tmp_path / "wider.pth", embed_dims=48)
+    with pytest.raises(DetectionError, match=r"does not fit model.backbone \(SwinTransformer\): \d+ of another shape"):
+        check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), wider))
+    path = _official_swin_checkpoint(tmp_path / "swin.pth")
+    state = torch.load(path)
+    del state["model"]["layers.0.blocks.0.norm1.weight"]
+    torch.save(state, path)
+    with pytest.raises(DetectionError, match=r"1 missing \(e.g. stages.0.blocks.0.norm1.weight\)"):
+        check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), path))
+
+
+def test_mismatch_names_missing_unexpected_and_reshaped_keys():
+    """engine.detection.model.mismatch against its definition, on a hand-made state dict."""
+    from engine.detection.model import mismatch
+    own = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "norm0.w": torch.zeros(1)}
+    given = {"a": torch.zeros(3, 2), "b": torch.zeros(4), "x": torch.zeros(1), "mask": torch.zeros(1)}
+    assert mismatch(own, given) == "2 missing (e.g. c, norm0.w); 2 unexpected (e.g. mask, x); 1 of another shape (e.g. a)"
+    import re
+    assert mismatch(own, given, needed=["a", "b"], may_lack=re.compile("^norm"), may_add=re.compile("mask$")) == \
+        "1 unexpected (e.g. x); 1 of another shape (e.g. a)"
+    assert mismatch(own, dict(own)) == ""
+
+
 def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(sample, tmp_path, capsys):
     resnet = tmp_path / "resnet.pth"
     torch.save({"state_dict": {"conv1.weight": torch.zeros(8, 3, 7, 7)}}, resnet)
