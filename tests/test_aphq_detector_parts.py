@@ -221,3 +221,14 @@ def test_detector_options_refuse_mlp_reconstruction_settings_it_never_applies(ke
     check_detector_options(detection)  # the detection recipe passes
     with pytest.raises(ValueError, match=f"{key}={value}: .*MLP settings do not apply"):
         check_detector_options(dataclasses.replace(detection, **{key: value}))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("batch_size", 2, "batch_size=2: .*one image per batch"), ("hessian_probe", "rademacher", "all-ones probe"),
+    ("temperature", 2.0, "temperature=2.0: "), ("mlp_reconstruct", True, "mlp_reconstruct=True: ")])
+def test_detector_options_refuse_what_the_detector_reconstruction_cannot_honour(key, value, message):
+    import dataclasses
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from quant.aphq.detector import check_detector_options
+    with pytest.raises(ValueError, match=message):
+        check_detector_options(dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, key: value}))

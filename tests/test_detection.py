@@ -245,6 +245,90 @@ def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_
         "iters": 2, "recon_images": 2}
 
 
+def test_aphq_weights_backbone_units_by_the_sigmoid_rpn_outputs_and_keeps_qdrop_off_the_neck(sample, monkeypatch):
+    """What APHQ hands each unit's reconstruction, against the official detection code: the APH weight for the
+    backbone units only, computed against the float detector's RPN objectness PROBABILITIES (sigmoid of its
+    logits, the official raw_cls) and box deltas; the neck without APH and without QDrop (set_qdrop reaches no
+    convolution), every other unit with the options' drop_prob."""
+    import quant.aphq.detector as aphq_detector
+    from engine.detection import DetectorFeed, DetectorSamples, load_config
+    from mmdet.registry import MODELS
+    from quant import PIPELINES
+    from quant.calibrate import calibrate
+    from quant.pipeline_data import PipelineData
+    from configs.quant import APHQ_DETECTION
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).eval()
+    made = []
+    data = PipelineData(detector_samples=lambda count, seed: made.append(DetectorSamples(cfg, count, seed)) or made[-1])
+    hessian_calls, recon_calls = [], []
+
+    def hessians(frozen, unit, samples, rpn_outputs, refs, eps):  # only what it is given is checked here
+        hessian_calls.append((unit, refs, eps))
+        return [[torch.ones(1)] for _ in refs]
+
+    def recon(module, fp_calls, q_calls, weights, settings, name=""):
+        recon_calls.append((name, weights is not None, settings.drop_prob))
+        return {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}
+    monkeypatch.setattr(aphq_detector, "detector_hessians", hessians)
+    monkeypatch.setattr(aphq_detector, "reconstruct_unit_calls", recon)
+    # min/max instead of APHQ's search: the search is tested in test_aphq_detector_parts.py
+    monkeypatch.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: calibrate(
+        model, calib))
+    options = {**APHQ_DETECTION, "calib_images": 1, "recon_images": 1, "iters": 1, "log_every": 0, "drop_prob": 0.5}
+    PIPELINES["aphq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
+
+    with torch.no_grad():
+        logits, deltas = made[0].rpn_outputs(model, 0)
+    assert hessian_calls and all(unit.startswith("backbone.") for unit, _, _ in hessian_calls)
+    for _, refs, eps in hessian_calls:
+        (cls, box), = refs
+        assert eps == 1e-3
+        assert all(torch.allclose(c, torch.sigmoid(l)) for c, l in zip(cls, logits))
+        assert all(torch.allclose(b, d) for b, d in zip(box, deltas))
+    assert recon_calls[-1] == ("neck", False, 0.0)
+    assert all(aph and drop == 0.5 for name, aph, drop in recon_calls[:-1]), recon_calls
+
+
+class _Stage1Started(Exception):
+    pass
+
+
+def test_gplq_stage1_trains_lsq_scales_on_float_weights_at_the_papers_lr(sample):
+    """What GPLQ hands its stage 1 on a detector (the paper's W32A4 stage): every weight quantizer off, every
+    activation quantizer on with its scale an nn.Parameter in the scale group, at the paper's lr for the global
+    batch (quant.gplq.pipeline.default_lr) and the scale lr equal to it when none is given."""
+    from engine.detection import DetectorFeed, load_config
+    from mmdet.registry import MODELS
+    from quant import PIPELINES
+    from quant.gplq.pipeline import default_lr
+    from quant.modes import named_quantizers
+    from quant.pipeline_data import PipelineData
+    from configs.quant import GPLQ_DETECTION
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).eval()
+    seen = {}
+
+    def stage1(student, settings, work_dir):
+        seen.update(settings=settings, weight=[q.enabled for _, q in named_quantizers(student, "weight")],
+                    act=[(q.enabled, q.calibrated, isinstance(q.scale, torch.nn.Parameter) and q.scale.requires_grad)
+                         for _, q in named_quantizers(student, "activation")],
+                    scales={id(q.scale) for _, q in named_quantizers(student, "activation")})
+        raise _Stage1Started
+    data = PipelineData(train_detector=stage1, detector_samples=lambda count, seed: None)  # stage 2 never runs
+    with pytest.raises(_Stage1Started):
+        PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", {**GPLQ_DETECTION, "init_images": 1}, data=data)
+    settings = seen["settings"]
+    assert seen["weight"] and not any(seen["weight"])
+    assert seen["act"] and all(all(a) for a in seen["act"]), seen["act"][:3]
+    assert settings["lr"] == pytest.approx(default_lr(1)) and settings["scale_lr"] == settings["lr"]
+    weights, scales = settings["param_groups"]
+    assert {id(p) for p in scales["params"]} == seen["scales"] and scales["lr"] == settings["lr"]
+    assert scales["weight_decay"] == 0.0 and weights["lr"] == settings["lr"]
+
+
 def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compensates_the_backbone(
         sample, trained, tmp_path):
     """GPLQ on the sample detector: stage 1 through MMEngine's runner on the detection loss (lr 0 leaves every
@@ -518,6 +602,49 @@ def test_a_perfect_detector_scores_map_one_on_a_partial_set(sample, max_images):
     result = evaluate_detector(GroundTruthDetector(), cfg, build_loader(cfg, "test", max_images), progress=False)
     assert result["images"] == (max_images or 4)
     assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] == pytest.approx(1.0), result
+
+
+class _Parts(torch.nn.Module):
+    """A detector's top-level parts in plain torch: backbone -> neck -> rpn_head -> roi_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        self.neck = torch.nn.Linear(4, 4)
+        self.rpn_head = torch.nn.Linear(4, 4)
+        self.roi_head = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.roi_head(self.rpn_head(self.neck(self.backbone(x))))
+
+
+@pytest.mark.parametrize("scale", [{"backbone.0": 30.0, "roi_head.0": 5.0}, {"neck": 0.1, "roi_head.0": 40.0}])
+def test_activation_maxima_are_the_largest_outputs_of_the_backbone_and_of_the_heads(scale):
+    """The paper's Max. Act. (backbone / head), against max |output| read by plain forward hooks on every module
+    under `backbone` and under neck / rpn_head / roi_head: the largest output once in the backbone, once in the
+    RoI head (so neither group may borrow the other's, nor leave out the RoI head)."""
+    from engine.act_max import ActivationProbe
+    from engine.detection.evaluation import BACKBONE, HEADS, activation_maxima
+    torch.manual_seed(0)
+    model = _Parts()
+    with torch.no_grad():
+        for name, factor in scale.items():
+            model.get_submodule(name).weight.mul_(factor)
+    seen = {}
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, max(seen.get(n, 0.0),
+                                                                                    float(o.abs().max()))))
+               for n, m in model.named_modules() if n]
+    batches = [torch.randn(3, 4) for _ in range(2)]
+    with ActivationProbe(model, blocks=BACKBONE + HEADS) as probe, torch.no_grad():
+        for x in batches:
+            model(x)
+    for h in handles:
+        h.remove()
+    got = activation_maxima(probe, torch.device("cpu"))
+    backbone = max(v for n, v in seen.items() if n.split(".")[0] == "backbone")
+    head = max(v for n, v in seen.items() if n.split(".")[0] in ("neck", "rpn_head", "roi_head"))
+    assert got["backbone"] == pytest.approx(backbone) and got["head"] == pytest.approx(head)
+    assert got["backbone"] != pytest.approx(got["head"])  # the two groups differ: a swap or a merge shows
 
 
 def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused(sample, tmp_path):

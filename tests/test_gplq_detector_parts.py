@@ -4,6 +4,7 @@ computed directly on the pooled tokens, and a reference that calls the block its
 counted as another call."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,3 +65,18 @@ def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens():
     sse = float((A @ solution - D).pow(2).sum())
     sst = float((D - D.mean(0)).pow(2).sum())
     assert abs(fit.r2 - (1 - sse / sst)) < 1e-6
+
+
+def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch():
+    """GPLQ on a detector trains without the PCA loss and initialises LSQ on the --calib-images batch."""
+    import dataclasses
+    from configs.quant import GPLQ_DETECTION, GPLQOptions
+    from quant.gplq.detector import check_detector_options
+    detection = dataclasses.replace(GPLQOptions(), **GPLQ_DETECTION, init_images=2)
+    check_detector_options(detection, calib_count=2)
+    with pytest.raises(ValueError, match="init_images=2 but the calibration batch holds 1 images"):
+        check_detector_options(detection, calib_count=1)
+    with pytest.raises(ValueError, match="pca_weight=0.5"):
+        check_detector_options(dataclasses.replace(detection, pca_weight=0.5), calib_count=2)
+    with pytest.raises(ValueError, match="stage2_train_transform=True"):
+        check_detector_options(dataclasses.replace(detection, stage2_train_transform=True), calib_count=2)
