@@ -190,6 +190,21 @@ def test_training_refuses_a_variable_override_before_any_work(sample, tmp_path, 
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("old", ["data/coco", "data/coco/"])
+def test_data_root_moves_an_evaluator_file_under_the_configs_root_whatever_its_trailing_slash(mmdet_ready, tmp_path,
+                                                                                               old):
+    """--data-root keeps an evaluator file's path below the config's data_root: written without its trailing
+    slash, the rest began with one and os.path.join dropped the new root (/annotations/...); a sibling folder
+    (data/coco2) is no part of data/coco."""
+    from mmengine.config import Config
+    from engine.detection.data_checks import set_data_root
+    cfg = Config(dict(data_root=old, val_evaluator=dict(ann_file="data/coco/annotations/sub/val.json"),
+                      test_evaluator=dict(ann_file="data/coco2/annotations/test.json")))
+    set_data_root(cfg, str(tmp_path))
+    assert cfg.val_evaluator.ann_file == os.path.join(str(tmp_path), "annotations", "sub", "val.json")
+    assert cfg.test_evaluator.ann_file == os.path.join(str(tmp_path), "annotations", "test.json")
+
+
 def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path):
     """--data-root sets every loader's data_root: a loader's own one given beside it was replaced without a word
     (the val loader read --data-root's images). Refused; absolute paths of the loader's files are kept."""

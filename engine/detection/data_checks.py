@@ -48,6 +48,7 @@ def set_data_root(cfg: Config, root: str, keep: Sequence[str] = ()) -> None:
         raise DetectionError(f"--data-root {root}: no such folder (COCO's layout: annotations/, train2017/, "
                              "val2017/)")
     old = cfg.get("data_root")
+    old = os.path.join(old, "") if old else old  # "data/coco" and "data/coco/" name one folder: cut whole parts
     for _, dataset in loader_datasets(cfg):
         if "data_root" in dataset:
             dataset["data_root"] = root
