@@ -593,7 +593,7 @@ class GroundTruthDetector(torch.nn.Module):
         return samples
 
 
-@pytest.mark.parametrize("max_images", [1, None])
+@pytest.mark.parametrize("max_images", [1, 4, None])  # 4: the whole split, asked for by count
 def test_a_perfect_detector_scores_map_one_on_a_partial_set(sample, max_images):
     """--max-images scores the images it saw: the ground truth as predictions is mAP 1.0 on 1 image as on all
     (CocoMetric would otherwise count the images never fed as missed)."""
