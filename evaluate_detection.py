@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
                     "config_sha256": config_hash(cfg),
                     "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),
                     "fingerprint": weights_fingerprint(model.state_dict()),
-                    "data": {"root": cfg.get("data_root"), "ann_file": cfg.test_evaluator.get("ann_file"),
+                    "data": {"root": cfg.get("data_root"), "ann_file": evaluator_files(cfg),
                              "images": len(loader.dataset), "partial": args.max_images is not None}}
 
         def open_results():
@@ -256,6 +256,14 @@ def evaluation_reads():
          "model.backbone.init_cfg": "--checkpoint",
          # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
          "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"})
+
+
+def evaluator_files(cfg):
+    """The annotation file the test metric reads (as the config gives it), or the list of those of a list of
+    metrics (MMEngine's Evaluator takes either)."""
+    metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
+    files = [metric.get("ann_file") for metric in metrics]
+    return files[0] if len(files) == 1 else files
 
 
 def config_hash(cfg) -> str:

@@ -616,3 +616,16 @@ def test_a_seed_that_diff_rank_seed_carries_past_numpy_s_range_is_refused(mmdet_
     with pytest.raises(DetectionError, match=r"randomness.seed=4294967294: give a whole number from 0 to 2\*\*32 - 4 "
                                              r"\(randomness.diff_rank_seed adds each of the 4 ranks' index\)"):
         check_seed({"randomness": {"seed": 2 ** 32 - 2, "diff_rank_seed": True}})
+
+
+def test_an_evaluation_with_a_list_of_test_metrics_scores(sample, tmp_path):
+    """test_evaluator may be a list of metrics, as MMEngine's Evaluator takes it (the scoring handles one): the
+    result's identity read `.get` of the list and failed with an AttributeError after the weights were read."""
+    from evaluate_detection import main
+    fragment = tmp_path / "metrics.py"
+    fragment.write_text("test_evaluator = [dict(type='CocoMetric', ann_file='data/coco/annotations/"
+                        "instances_val2017.json', metric=['bbox', 'segm'], format_only=False)]\n")
+    data = main(["--config", SAMPLE_CONFIG, "--config", str(fragment), "--checkpoint", _random_detector(tmp_path),
+                 "--data-root", sample, "--quant", "--max-images", "1", "--out", str(tmp_path / "x.json")])
+    assert data["fp"]["images"] == 1 and 0.0 <= data["fp"]["bbox_mAP"] <= 1.0
+    assert data["data"]["ann_file"] == os.path.join(sample, "annotations", "instances_val2017.json")
