@@ -552,7 +552,8 @@ def test_overrides_may_stand_between_the_flags(mmdet_ready):
 
 
 @pytest.mark.parametrize("override", ["model.roi_head.bbox_head.num_classes=5",
-                                      "model.roi_head.mask_head.num_classes=3"])
+                                      "model.roi_head.mask_head.num_classes=3",
+                                      "model.roi_head.bbox_head.num_classes=1"])  # fewer: one class never learnt
 def test_a_head_of_another_number_of_classes_than_the_data_is_refused_before_training(sample, tmp_path, capsys,
                                                                                       override):
     """A box head of 5 classes on the sample's 2 trained an epoch and failed with an IndexError traceback in the
