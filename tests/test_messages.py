@@ -4,6 +4,7 @@ epoch's end says so and how to go on; a full disk is named as a full disk and le
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -129,7 +130,11 @@ def test_max_steps_at_an_epoch_end_is_not_called_finished(debug_config, caplog):
     assert caplog.text.count("checkpoint saved") == 1
     assert "the run is at update 4, at or beyond train.max_steps=4: nothing trained" in caplog.text
     assert "run summary: finished" not in caplog.text
-    assert train.main(debug_config(name="m")).reason == "finished"
+    with caplog.at_level("INFO"):
+        assert train.main(debug_config(name="m")).reason == "finished"
+    # each job counts the images of its own updates (x the global batch of 16), not the run's since update 0
+    assert re.findall(r"this job trained (\d+) images", caplog.text) == ["64", "0", "64"]
+    assert caplog.text.count("(no updates trained)") == 1
 
 
 def test_a_full_disk_is_named_and_leaves_no_probe_file(tmp_path, monkeypatch):
@@ -187,6 +192,20 @@ def test_the_summary_names_the_epoch_in_progress_as_best_epoch_does():
     inside = train.run_summary(TrainState(epoch=0, step=12, epoch_batches=24), "finished", 1, 5.0, 192, 4.0)
     at_end = train.run_summary(TrainState(epoch=2, step=8, epoch_batches=0), "finished", 2, 5.0, 128, 4.0)
     assert "finished at update 12, epoch 1/1;" in inside and "finished at update 8, epoch 2/2;" in at_end
+
+
+def test_the_summary_names_the_best_validation_and_the_speed_of_the_updates_alone():
+    """The best validation's score, epoch and update (not the current ones), the wall time, and the images per
+    second of the time spent in updates (128 images in 4 s: 32 img/s), not of the wall time (12.8 img/s)."""
+    from engine.loop import TrainState
+
+    state = TrainState(epoch=2, step=8, epoch_batches=0, best_value=87.5, best_epoch=1, best_step=4)
+    line = train.run_summary(state, "finished", 2, 10.0, 128, 4.0)
+    assert line == ("run summary: finished at update 8, epoch 2/2; best val top-1 87.50% at epoch 1 (update 4); "
+                    "wall time 0:00:10; this job trained 128 images in 0:00:04 (32 img/s)")
+    resumed = train.run_summary(state, "max_steps", 2, 10.0, 0, 0.0)
+    assert resumed.startswith("run summary: stopped at train.max_steps at update 8")
+    assert resumed.endswith("this job trained 0 images in 0:00:00 (no updates trained)")
 
 
 @pytest.mark.parametrize("code", [None, 2, 130])
