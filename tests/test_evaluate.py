@@ -495,3 +495,52 @@ def test_the_logged_precision_of_an_evaluation_names_no_grad_scaler(checkpoint, 
         evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(tmp_path / "r.json"),
                                            "--amp", "fp16", "--quant", "quant.act_max_csv=false"]))
     assert "precision: fp16 autocast on cpu (--amp=fp16)" in caplog.text and "GradScaler" not in caplog.text
+
+
+def test_ema_and_amp_flags_score_the_ema_weights_under_that_autocast_and_pipelines_score_their_own_model(tmp_path):
+    """--ema scores the checkpoint's EMA weights and --amp the autocast it names (the FP loss against a naive
+    loop over the val images with those weights and that autocast), and the JSON says so; a quantized entry is
+    the score of the quantized copy, not of the float model."""
+    import torch
+
+    from data import build_eval_loader
+    from models import build_model
+    from tests.conftest import DEBUG_CONFIG
+
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "train.ema=true", "train.ema_decay=0.5",
+                                       "train.max_steps=2", "optim.lr=0.01", "sched.warmup_epochs=0",
+                                       "log.tensorboard=false"])
+    train.main(cfg)
+    checkpoint = str(tmp_path / "run" / "best.pt")
+    payload = torch.load(checkpoint, weights_only=True)
+
+    def naive_loss(weights: str, dtype) -> float:
+        model = build_model(cfg.model).eval()
+        model.load_state_dict(payload[weights])
+        loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu,
+                                   rank=0, world_size=1, num_classes=4)
+        total, count = 0.0, 0
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            for images, targets in loader:
+                logits = model(images).float()
+                total += float(-torch.log_softmax(logits, 1).gather(1, targets[:, None]).sum())
+                count += len(targets)
+        return total / count
+
+    expected = {(w, amp): naive_loss("model_ema" if w == "ema" else "model", torch.bfloat16 if amp == "bf16" else None)
+                for w in ("raw", "ema") for amp in ("none", "bf16")}
+    assert abs(expected["raw", "none"] - expected["ema", "none"]) > 1e-3  # the two weights tell themselves apart
+    assert abs(expected["ema", "none"] - expected["ema", "bf16"]) > 5e-5  # ... and so do the two precisions
+    for weights, amp in (("ema", "bf16"), ("raw", "none")):
+        flags = (["--ema"] if weights == "ema" else []) + ["--amp", amp]
+        quant = (["--quant", "percentile", "--bits", "w2a2", "quant.calib_images=8"] if weights == "raw"
+                 else ["--quant"])
+        result = evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out",
+                                                    str(tmp_path / f"{weights}_{amp}.json"), *flags, *quant,
+                                                    "quant.act_max_csv=false"]))
+        saved = json.loads((tmp_path / f"{weights}_{amp}.json").read_text())
+        assert saved["weights"] == weights and saved["eval_amp"] == amp and saved["images"] == 16
+        assert saved["fp"]["loss"] == pytest.approx(expected[weights, amp], rel=1e-5, abs=1e-6)
+        assert result["fp"] == saved["fp"]
+    # 2-bit weights and activations: the quantized copy scores far from the float model it was made from
+    assert abs(saved["quant"]["percentile"]["w2a2"]["loss"] - saved["fp"]["loss"]) > 1e-3
