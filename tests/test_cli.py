@@ -168,6 +168,18 @@ def test_train_without_config_runs_the_demo_from_any_working_folder(tmp_path, mo
     assert config_from_dict(yaml.safe_load(out)) == load_config([DEMO_CONFIG], ["out_dir=runs/vit_digits"])
 
 
+
+def test_the_default_out_dir_joins_every_config_name_and_an_evaluation_lands_beside_its_checkpoint():
+    """README: out_dir defaults to runs/<config names joined by +> (runs/vit_b+cd), so a CD run and its baseline
+    never share a folder; evaluate.py writes eval_<checkpoint name>.json next to the checkpoint (--out aside)."""
+    cd = os.path.join(os.path.dirname(DEBUG_CONFIG), "..", "method", "cd.yaml")
+    assert train.parse_args(["--config", DEBUG_CONFIG, "--config", cd]).out_dir == os.path.join("runs", "tiny+cd")
+    assert train.parse_args(["--config", DEBUG_CONFIG]).out_dir == os.path.join("runs", "tiny")
+    assert train.parse_args(["--config", DEBUG_CONFIG, "out_dir=/x/y"]).out_dir == "/x/y"
+    assert evaluate.default_out_path("runs/a/best.pt", "vit_nano") == os.path.abspath("runs/a/eval_best.json")
+    assert evaluate.default_out_path("runs/a/snapshots/epoch0003.pt", "vit_nano") == \
+        os.path.abspath("runs/a/snapshots/eval_epoch0003.json")
+
 def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
                                           r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
