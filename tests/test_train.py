@@ -840,3 +840,38 @@ def test_the_last_good_snapshot_is_the_newest_readable_one_that_is_not_the_broke
     for name in ("epoch0002.pt", "epoch0005.pt"):
         os.remove(folder / name)
     assert last_good_snapshot(str(tmp_path), str(broken)) is None
+
+
+def test_ema_follows_train_ema_decay_and_val_ema_scores_the_averaged_weights(debug_config):
+    """train.ema_decay=0 makes the average the weights themselves (ema = d * ema + (1 - d) * w); at 0.5 it lags
+    them, and val_ema/* is the score of the averaged weights (a naive loop over the val images with the
+    checkpoint's model_ema), not of the raw ones."""
+    from data import build_eval_loader
+    from models import build_model
+
+    def last_validation(cfg):
+        return [r for r in read_metrics(cfg.out_dir) if "val_ema/loss" in r][-1]
+
+    common = ("train.ema=true", "train.max_steps=2", "optim.lr=0.01", "sched.warmup_epochs=0",
+              "log.tensorboard=false")
+    same = debug_config(*common, "train.ema_decay=0", name="same")
+    train.main(same)
+    ckpt = torch.load(os.path.join(same.out_dir, "checkpoint.pt"), weights_only=True)
+    for key, value in ckpt["model"].items():
+        assert torch.equal(ckpt["model_ema"][key], value), key
+    record = last_validation(same)
+    assert record["val_ema/loss"] == pytest.approx(record["val/loss"], rel=1e-6)
+
+    lagging = debug_config(*common, "train.ema_decay=0.5", name="lagging")
+    train.main(lagging)
+    ckpt = torch.load(os.path.join(lagging.out_dir, "checkpoint.pt"), weights_only=True)
+    model = build_model(lagging.model).eval()
+    model.load_state_dict(ckpt["model_ema"])
+    loader = build_eval_loader(lagging.data, img_size=32, batch_size_per_gpu=16, rank=0, world_size=1, num_classes=4)
+    losses = []
+    with torch.no_grad():
+        for images, targets in loader:
+            losses += (-torch.log_softmax(model(images).float(), 1).gather(1, targets[:, None])).flatten().tolist()
+    record = last_validation(lagging)
+    assert record["val_ema/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert abs(record["val_ema/loss"] - record["val/loss"]) > 1e-3  # the averaged weights are other weights
