@@ -875,3 +875,21 @@ def test_ema_follows_train_ema_decay_and_val_ema_scores_the_averaged_weights(deb
     record = last_validation(lagging)
     assert record["val_ema/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert abs(record["val_ema/loss"] - record["val/loss"]) > 1e-3  # the averaged weights are other weights
+
+
+def test_train_seed_orders_the_training_data():
+    """train.seed seeds the data order as well as the weights: seeds of a sweep see their images in other
+    orders, and one seed sees them in the same order again."""
+    from engine.distributed import DistInfo
+    from engine.tasks import task_for
+    from models import build_model
+
+    def first_batches(seed):
+        cfg = load_config([DEBUG_CONFIG], [f"train.seed={seed}", "data.mixup=0", "data.cutmix=0"])
+        model = build_model(cfg.model)
+        dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        loaders = train.build_data(cfg, model, dist, task_for(cfg.data.dataset))
+        return torch.cat([targets for _, targets in loaders.train.loader])
+
+    assert torch.equal(first_batches(1), first_batches(1))
+    assert not torch.equal(first_batches(0), first_batches(1))
