@@ -737,9 +737,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
     parser.add_argument("--config", action="append", help="YAML file(s): the recipe when there is no "
                         "checkpoint, or a layer on top of the checkpoint's config")
-    parser.add_argument("--quant", nargs="*",
+    # "extend": a repeated flag adds to the list (with "store", `--bits w4a4 --bits w8a8` ran w8a8 alone)
+    parser.add_argument("--quant", nargs="*", action="extend",
                         help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
-    parser.add_argument("--bits", nargs="*", help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
+    parser.add_argument("--bits", nargs="*", action="extend",
+                        help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
     parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "

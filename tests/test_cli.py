@@ -180,6 +180,18 @@ def test_the_default_out_dir_joins_every_config_name_and_an_evaluation_lands_bes
     assert evaluate.default_out_path("runs/a/snapshots/epoch0003.pt", "vit_nano") == \
         os.path.abspath("runs/a/snapshots/eval_epoch0003.json")
 
+
+def test_a_repeated_quant_or_bits_flag_adds_to_the_list():
+    """`--bits w4a4 --bits w8a8` ran w8a8 alone (argparse keeps the last list): every pipeline and bit-width named
+    runs; a flag with no word of its own still means none (or each pipeline's default bits)."""
+    args = evaluate.parse_args(["--checkpoint", "x.pt", "--quant", "repq", "data.root=/d", "--bits", "w4a4",
+                                "--quant", "percentile", "--bits", "w8a8"])
+    assert (args.quant, args.bits, args.overrides) == (["repq", "percentile"], ["w4a4", "w8a8"], ["data.root=/d"])
+    args = evaluate.parse_args(["--checkpoint", "x.pt", "--quant", "--bits"])
+    assert (args.quant, args.bits) == ([], [])
+    args = evaluate.parse_args(["--checkpoint", "x.pt"])
+    assert (args.quant, args.bits) == (None, None)
+
 def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
                                           r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
