@@ -544,3 +544,27 @@ def test_ema_and_amp_flags_score_the_ema_weights_under_that_autocast_and_pipelin
         assert result["fp"] == saved["fp"]
     # 2-bit weights and activations: the quantized copy scores far from the float model it was made from
     assert abs(saved["quant"]["percentile"]["w2a2"]["loss"] - saved["fp"]["loss"]) > 1e-3
+
+
+def test_a_config_file_layers_over_the_checkpoints_config_and_overrides_over_both(checkpoint, tmp_path):
+    """--config beside --checkpoint is a layer on the checkpoint's config (e.g. a data preset for another
+    machine), and key=value overrides come last: checkpoint < --config files < overrides."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("quant:\n  calib_images: 7\n  calib_seed: 3\n")
+    base = ["--checkpoint", checkpoint, "--config", str(preset), "--quant", "repq"]
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(base))
+    assert (cfg.quant.calib_images, cfg.quant.calib_seed, cfg.model.name) == (7, 3, "vit_nano")
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, "quant.calib_images=9"]))
+    assert (cfg.quant.calib_images, cfg.quant.calib_seed) == (9, 3)
+
+
+def test_as_many_calibration_images_as_the_train_split_holds_are_accepted_and_one_more_is_refused():
+    """The tiny config's synthetic train split holds 64 images: quant.calib_images=64 draws each once."""
+    from data import DataError
+    from tests.conftest import DEBUG_CONFIG
+
+    cfg = load_config([DEBUG_CONFIG], ["quant.calib_images=64"])
+    evaluate.check_train_split(cfg, {"repq"}, True, 32, None)
+    cfg.quant.calib_images = 65
+    with pytest.raises(DataError, match=r"quant.calib_images=65: the train split has 64 images"):
+        evaluate.check_train_split(cfg, {"repq"}, True, 32, None)
