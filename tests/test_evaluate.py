@@ -568,3 +568,27 @@ def test_as_many_calibration_images_as_the_train_split_holds_are_accepted_and_on
     cfg.quant.calib_images = 65
     with pytest.raises(DataError, match=r"quant.calib_images=65: the train split has 64 images"):
         evaluate.check_train_split(cfg, {"repq"}, True, 32, None)
+
+
+def test_an_extra_maxima_module_is_probed_and_its_maximum_is_that_of_its_outputs(checkpoint, tmp_path):
+    """quant.act_max_extra_modules adds modules to the probe: the per-layer CSV has a row for each with the max
+    |output| over the val images (a direct computation), and "module" is the maximum over them too."""
+    import csv
+
+    import torch
+
+    from data import build_eval_loader
+    from models import build_model
+
+    out = tmp_path / "r.json"
+    data = evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant",
+                                              "quant.act_max_extra_modules=[patch_embed.proj]"]))
+    rows = {r["name"]: r for r in csv.DictReader(open(data["max_act"]["csv"]))}
+    cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano"])
+    model = build_model(cfg.model).eval()
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1, num_classes=10)
+    with torch.no_grad():
+        direct = max(model.patch_embed.proj(x).abs().max().item() for x, _ in loader)
+    assert float(rows["patch_embed.proj"]["max"]) == pytest.approx(direct, rel=1e-5)
+    assert data["max_act"]["module"] >= float(rows["patch_embed.proj"]["max"]) * (1 - 1e-6)
