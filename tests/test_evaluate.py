@@ -592,3 +592,16 @@ def test_an_extra_maxima_module_is_probed_and_its_maximum_is_that_of_its_outputs
         direct = max(model.patch_embed.proj(x).abs().max().item() for x, _ in loader)
     assert float(rows["patch_embed.proj"]["max"]) == pytest.approx(direct, rel=1e-5)
     assert data["max_act"]["module"] >= float(rows["patch_embed.proj"]["max"]) * (1 - 1e-6)
+
+
+def test_the_calibration_batch_follows_its_seed_and_transform_settings():
+    """quant.calib_seed picks the images (the same seed the same batch again), and quant.calib_transform=train
+    draws them through the training augmentation instead of the eval transform."""
+    import torch
+
+    def batch(*overrides):
+        return evaluate.calibration_set(load_config([DEMO_CONFIG], ["quant.calib_images=8", *overrides]), 32)
+
+    assert torch.equal(batch("quant.calib_seed=1"), batch("quant.calib_seed=1"))
+    assert not torch.equal(batch("quant.calib_seed=0"), batch("quant.calib_seed=1"))
+    assert not torch.equal(batch("quant.calib_seed=1"), batch("quant.calib_seed=1", "quant.calib_transform=train"))
