@@ -383,7 +383,7 @@ def test_a_run_after_a_failed_one_on_the_same_model_object_gets_its_own_baseline
     from cd.noise import _NOISE_ON
 
     def train(folder, model, hooks):
-        cfg = config(tmp_path / folder, hooks)
+        cfg = dict(config(tmp_path / folder, hooks), experiment_name=folder)  # one name per Runner of a second
         del cfg["custom_imports"]
         runner = Runner(**dict(cfg, model=model))
         runner.train()
