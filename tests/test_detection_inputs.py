@@ -630,3 +630,68 @@ def test_an_evaluation_with_a_list_of_test_metrics_scores(sample, tmp_path):
                  "--data-root", sample, "--quant", "--max-images", "1", "--out", str(tmp_path / "x.json")])
     assert data["fp"]["images"] == 1 and 0.0 <= data["fp"]["bbox_mAP"] <= 1.0
     assert data["data"]["ann_file"] == os.path.join(sample, "annotations", "instances_val2017.json")
+
+
+def test_the_training_images_drawn_follow_the_seed_given_and_repeat_with_it(sample):
+    """TrainingImages.draw: `count` distinct images of the training split, the same set for the same seed (also from
+    a split built afresh, as each evaluation builds its own), another for another seed; DetectorFeed (the calibration
+    batch, --calib-seed) and DetectorSamples (APHQ's / GPLQ's own images) draw with the seed they are given."""
+    import json
+
+    from engine.detection import DetectorFeed, DetectorSamples, TrainingImages, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    images = TrainingImages(cfg)
+    with open(os.path.join(sample, "annotations", "instances_train2017.json")) as f:
+        ids = {image["id"] for image in json.load(f)["images"]}  # the split, read outside MMDetection
+    assert len(images) == len(ids) == 8
+
+    def drawn(seed, source=images):
+        indices, samples = source.draw(3, seed, "--calib-images")
+        return indices, [s["data_samples"].img_id for s in samples]
+
+    sets = {}
+    for seed in range(6):
+        indices, img_ids = drawn(seed)
+        assert len(set(indices)) == 3 and len(set(img_ids)) == 3 and set(img_ids) <= ids
+        assert drawn(seed) == (indices, img_ids) == drawn(seed, TrainingImages(cfg))
+        sets[seed] = tuple(indices)
+    assert len(set(sets.values())) > 1  # 6 seeds, C(8, 3) = 56 sets: one set for every seed means the seed is unused
+    for seed in (0, 1, 2):
+        assert tuple(DetectorFeed(cfg, 3, seed, images).indices) == sets[seed]
+        assert tuple(DetectorSamples(cfg, 3, seed, "--quant-options aphq.recon_images", images).indices) == sets[seed]
+
+
+@pytest.mark.parametrize("qwt", [True, False])
+def test_gplq_qwt_images_count_against_the_split_only_with_qwt_on(sample, qwt):
+    """GPLQ draws stage2_images (default 512) only for QwT: with gplq.qwt=false the 8-image split is no reason to
+    refuse it; with QwT on it is refused before any work."""
+    from engine.detection import DetectionError, TrainingImages, load_config
+    from evaluate_detection import check_image_counts
+    images = TrainingImages(load_config([SAMPLE_CONFIG], data_root=sample))
+    todo = [("gplq", "w4a4")]
+    if qwt:
+        with pytest.raises(DetectionError, match=r"^--quant-options gplq.stage2_images 512: the training split has "
+                                                 r"only 8 images"):
+            check_image_counts(images, todo, {"gplq": {"qwt": True}}, 1)
+        check_image_counts(images, todo, {"gplq": {"qwt": True, "stage2_images": 8}}, 1)  # the whole split fits
+    else:
+        check_image_counts(images, todo, {"gplq": {"qwt": False}}, 1)
+    with pytest.raises(DetectionError, match=r"^--calib-images 9: the training split has only 8 images"):
+        check_image_counts(images, todo, {"gplq": {"qwt": qwt, "stage2_images": 1}}, 9)
+
+
+def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mmdet_ready, tmp_path):
+    """A state_dict saved from the DDP-wrapped model has every key under `module.`: build_detector strips that prefix
+    (once, at the start of a key) and loads the same weights as the unwrapped checkpoint's."""
+    from engine.detection import build_detector, load_config
+    cfg = load_config([SAMPLE_CONFIG])
+    payload = torch.load(_random_detector(tmp_path), map_location="cpu", weights_only=False)
+    state = payload["state_dict"]
+    torch.manual_seed(0)  # weights unlike the freshly built model's, so that a load that did nothing shows
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in state.items()}
+    wrapped = tmp_path / "ddp.pth"
+    torch.save({**payload, "state_dict": {f"module.{k}": v for k, v in state.items()}}, wrapped)
+    loaded = build_detector(cfg, str(wrapped), torch.device("cpu")).state_dict()
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
