@@ -132,3 +132,60 @@ def test_per_head_and_per_token_operand_ranges():
             expected[b, :, n, :] = torch.round(k[b, :, n, :] / step) * step
     with torch.no_grad():
         torch.testing.assert_close(attn.k_quant(k), expected, rtol=0, atol=1e-6)
+
+
+def _attention_token_by_token(attn, x, allowed, bias=None, sink_one=False):
+    """A timm Attention's output computed one query token at a time in float64: its keys are the `allowed[i]` ones
+    (bias[i, j] added to their scores), softmax by explicit exp / sum (+1 in the denominator: softmax1's sink)."""
+    x = x.double()
+    B, N, C = x.shape
+    H, D = attn.num_heads, C // attn.num_heads
+    qkv = x @ attn.qkv.weight.double().T + attn.qkv.bias.double()
+    out = torch.zeros(B, N, C, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            q, k, v = (qkv[b, :, i * C + h * D:i * C + (h + 1) * D] for i in range(3))
+            for i in range(N):
+                keys = [j for j in range(N) if allowed[i][j]]
+                scores = torch.stack([q[i] @ k[j] / D ** 0.5 + (0.0 if bias is None else float(bias[i, j]))
+                                      for j in keys])
+                e = torch.exp(scores)
+                p = e / (e.sum() + (1.0 if sink_one else 0.0))
+                out[b, i, h * D:(h + 1) * D] = sum(p_j * v[j] for p_j, j in zip(p, keys))
+    return out @ attn.proj.weight.double().T + attn.proj.bias.double()
+
+
+@pytest.mark.parametrize("variant", ["softmax", "softmax1"])
+def test_is_causal_wins_over_an_attn_mask_given_with_it(variant):
+    """token_mask: with both `attn_mask` and `is_causal` (timm's non-fused path: is_causal takes precedence, as
+    SDPA allows only one of them), query i attends keys 0..i whatever the mask says; each mask alone is applied
+    as given (bool: True where attention is allowed; float: added to the scores). The converted attention (matmul
+    quantizers off) and the float softmax1 variant against a token-by-token loop."""
+    from models.attention_sinks import Softmax1Attention
+
+    torch.manual_seed(0)
+    src = Attention(48, num_heads=3, qkv_bias=True) if variant == "softmax" else \
+        Softmax1Attention(48, num_heads=3, qkv_bias=True)
+    src.eval()
+    modules = [convert_attention(src, {})] + ([src] if variant == "softmax1" else [])
+    N = 7
+    x = torch.randn(2, N, 48, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(N, N, generator=g) > 0.4
+    mask.fill_diagonal_(True)
+    mask[0, 1:] = True  # row 0 sees later tokens: a mask that wins over is_causal shows
+    bias = torch.randn(N, N, generator=g)
+    causal = [[j <= i for j in range(N)] for i in range(N)]
+    every = [[True] * N for _ in range(N)]
+    sink_one = variant == "softmax1"
+    cases = [(dict(attn_mask=mask, is_causal=True), causal, None),
+             (dict(attn_mask=bias, is_causal=True), causal, None),
+             (dict(is_causal=True), causal, None),
+             (dict(attn_mask=mask), mask.tolist(), None),
+             (dict(attn_mask=bias), every, bias)]
+    for module in modules:
+        with torch.no_grad():
+            for kwargs, allowed, add in cases:
+                want = _attention_token_by_token(src, x, allowed, add, sink_one)
+                torch.testing.assert_close(module(x, **kwargs).double(), want, rtol=0, atol=1e-5,
+                                           msg=f"{type(module).__name__} {sorted(kwargs)}")
