@@ -303,3 +303,69 @@ def test_smoothquant_honours_weight_granularity_and_quantize_bmm_qkv():
         attn = block.attn
         assert attn.q_quant is not None and attn.k_quant is not None and attn.v_quant is not None
         assert attn.attn_quant is None  # "qkv": the softmax output stays float
+
+
+# -- the documented option defaults, as evaluate.py reads them -------------------------------------------------
+def _documented_smoothquant_defaults() -> dict:
+    """{pipeline: {option: default}} of smoothquant and smoothquant_strict, read from quant/README.md's options
+    table: `key` (default), or `key` (default / strict: strict default)."""
+    import re
+
+    import yaml
+
+    out = {"smoothquant": {}, "smoothquant_strict": {}}
+    for line in (ROOT / "quant" / "README.md").read_text().splitlines():
+        row = re.match(r"\| [a-z, ]*smoothquant\(_strict\) \| `(\w+)` \(([^)]*)\) \|", line)
+        if row:
+            key, default = row.groups()
+            plain, _, strict = default.partition(" / strict: ")
+            out["smoothquant"][key] = yaml.safe_load(plain)
+            out["smoothquant_strict"][key] = yaml.safe_load(strict or plain)
+    return out
+
+
+def _activation_quantizers(qmodel: nn.Module) -> dict:
+    """{name: quantizer} of every activation quantizer: the block Linears' inputs and the attention operands."""
+    found = {f"{n}.input": layer.input_quantizer for n, layer in quantized_layers(qmodel)}
+    for name, module in qmodel.named_modules():
+        if isinstance(module, QuantCausalAttention):
+            found.update({f"{name}.{op}": getattr(module, f"{op}_quant") for op in ("q", "k", "attn", "v")})
+    return found
+
+
+def test_strict_defaults_are_the_documented_ones_and_quantize_per_tensor_statically_with_the_matmuls():
+    """evaluate.py's options (the config's quant.smoothquant_strict section) are quant/README.md's defaults: strict
+    quantizes every block Linear input and q, k, softmax output and v with one static range per tensor (not a
+    DynamicQuantizer), the non-strict setting per token at run time with the attention matmuls float; a setting
+    the user gives for strict is used, and one given for smoothquant does not reach strict."""
+    import evaluate
+    from configs import load_config
+
+    documented = _documented_smoothquant_defaults()
+    assert set(documented["smoothquant_strict"]) == {"batch_size", "alpha", "weight_granularity", "act_granularity",
+                                                     "act_calibration", "quantize_bmm"}
+    assert documented["smoothquant_strict"]["act_granularity"] == "tensor"  # the table says what strict means
+    cfg = load_config([], [])
+    for name, want in documented.items():
+        options = evaluate.pipeline_options(cfg, name)
+        assert {key: getattr(options, key) for key in want} == want, name
+
+    model, calib = with_outliers(gpt()), tokens()
+    strict = PIPELINES["smoothquant_strict"](model, calib, "w8a8", evaluate.pipeline_options(cfg, "smoothquant_strict"))
+    found = _activation_quantizers(strict.model)
+    assert len(found) == 2 * (4 + 4)  # 2 blocks: qkv, proj, fc1, fc2 inputs and q, k, attn, v
+    for name, quantizer in found.items():
+        assert quantizer is not None and not isinstance(quantizer, DynamicQuantizer), name
+        assert quantizer.scale.numel() == 1, name  # one range for the whole tensor, fixed at calibration
+    plain = PIPELINES["smoothquant"](model, calib, "w8a8", evaluate.pipeline_options(cfg, "smoothquant"))
+    found = _activation_quantizers(plain.model)
+    assert len(found) == 2 * 4 and all(isinstance(q, DynamicQuantizer) for q in found.values())
+
+    told = load_config([], ["quant.smoothquant_strict.act_calibration=dynamic",
+                            "quant.smoothquant_strict.quantize_bmm=qkv", "quant.smoothquant.quantize_bmm=none",
+                            "quant.smoothquant.act_granularity=tensor"])
+    options = evaluate.pipeline_options(told, "smoothquant_strict")
+    assert (options.act_calibration, options.quantize_bmm, options.act_granularity) == ("dynamic", "qkv", "tensor")
+    found = _activation_quantizers(PIPELINES["smoothquant_strict"](model, calib, "w8a8", options).model)
+    assert {n.rsplit(".", 1)[1] for n, q in found.items() if q is None} == {"attn"}  # qkv: probabilities float
+    assert all(isinstance(q, DynamicQuantizer) for q in found.values() if q is not None)
