@@ -104,6 +104,29 @@ def test_changed_settings_on_resume_are_refused_unless_asked_for(debug_config):
     assert "lr: 0.01" in open(os.path.join(cfg.out_dir, "config.yaml")).read()
 
 
+
+def test_a_resume_that_changes_only_train_resume_keeps_the_earlier_config_and_a_repeat_keeps_nothing(debug_config):
+    """config.yaml is the resolved config of the run as last started (docs/operations.md): a restart whose only new
+    value is train.resume writes it there, so the earlier config.yaml (the same run's, train.resume empty) is kept
+    as config.until_step<N>.yaml at the update the run went on from; the same command again (a requeued job)
+    changes nothing and keeps nothing."""
+    import yaml
+
+    cfg = debug_config("train.max_steps=2", "log.tensorboard=false", name="resume_only")
+    train.main(cfg)
+    config = os.path.join(cfg.out_dir, "config.yaml")
+    before = read_bytes(config)
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    again = ("train.max_steps=2", "log.tensorboard=false", f"train.resume={ckpt}")
+    for _ in range(2):
+        assert train.main(debug_config(*again, name="resume_only")).state.step == 2
+        assert sorted(n for n in os.listdir(cfg.out_dir) if n.startswith("config")) == [
+            "config.until_step2.yaml", "config.yaml"]
+        assert read_bytes(os.path.join(cfg.out_dir, "config.until_step2.yaml")) == before
+    old, new = yaml.safe_load(before), yaml.safe_load(open(config))
+    assert (old["train"].pop("resume"), new["train"].pop("resume")) == ("", ckpt)
+    assert new == old
+
 def test_a_roll_back_keeps_the_abandoned_branchs_best_and_metrics(tmp_path, caplog):
     """A roll-back to an earlier checkpoint of the run (a copy in out_dir) used to let the new branch
     overwrite best.pt (or keep the abandoned branch's best.pt under the new branch's summary) and cut
