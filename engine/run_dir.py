@@ -19,7 +19,8 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
   stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
   that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
-  tb/, no metrics: a typo in the model name, the data path or a value), whatever the config.
+  tb/, no metrics: a typo in the model name, the data path or a value), whatever the config. Both include
+  the wandb/ folder a run makes when its config.yaml enables wandb.
 """
 from __future__ import annotations
 
@@ -218,13 +219,13 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     found = earlier_run_files(out_dir)
     if not found:
         return
-    if _start_that_failed(out_dir, found):  # e.g. a typo in a model name, a path or a value: any config
+    saved = _saved_config(out_dir)
+    if _start_that_failed(out_dir, found, saved):  # e.g. a typo in a model name, a path or a value: any config
         log.warning("%s holds only the logs of a start that stopped before its first logged update",
                     out_dir)
         archive(out_dir, found)
         return
-    saved = _saved_config(out_dir)
-    restart = ("best.pt" not in found and set(found) <= {"config.yaml", "metrics.jsonl", "train.log", "tb"}
+    restart = ("best.pt" not in found and set(found) <= _start_logs(saved) | {"metrics.jsonl"}
                and saved is not None and not config_changes(saved, config))
     if archive_existing or restart:
         if restart:
@@ -237,12 +238,19 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                       f"and start afresh")
 
 
-def _start_that_failed(out_dir: str, found: list[str]) -> bool:
+def _start_logs(saved: Optional[dict]) -> set[str]:
+    """What a run writes in out_dir when it starts, before any update: train.log, config.yaml, the TensorBoard
+    folder, and wandb/ where its config.yaml (`saved`) enabled wandb (wandb.init(dir=out_dir) makes it)."""
+    wandb = isinstance(saved, dict) and isinstance(saved.get("log"), dict) and saved["log"].get("wandb") is True
+    return {"train.log", "config.yaml", "tb"} | ({"wandb"} if wandb else set())
+
+
+def _start_that_failed(out_dir: str, found: list[str], saved: Optional[dict]) -> bool:
     """True when `found` (out_dir's files, no checkpoint) is what a run that stopped before its first
-    logged update leaves: a train.log, the config.yaml and TensorBoard folder written at start-up, and no
+    logged update leaves: what it writes at start-up (`_start_logs` of its config.yaml, `saved`) and no
     metrics. Such a start is archived whatever its config, so that the corrected command runs."""
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    return (set(found) <= {"train.log", "config.yaml", "tb", "metrics.jsonl"}
+    return (set(found) <= _start_logs(saved) | {"metrics.jsonl"}
             and (not os.path.exists(metrics) or os.path.getsize(metrics) == 0))
 
 

@@ -77,6 +77,51 @@ def test_the_same_run_restarting_before_its_first_checkpoint_archives_its_logs(d
     assert sum(1 for r in read_metrics(cfg.out_dir) if r["step"] == 2 and "train/loss" in r) == 1
 
 
+
+def _fake_wandb(monkeypatch):
+    """A stand-in for the wandb package (not installed here) that, as wandb.init(dir=out_dir) does, makes
+    out_dir/wandb/ with a run folder in it."""
+    import types
+
+    def init(dir, id=None, **kwargs):
+        os.makedirs(os.path.join(dir, "wandb", f"offline-run-{id}"), exist_ok=True)
+        with open(os.path.join(dir, "wandb", f"offline-run-{id}", "run.wandb"), "w") as f:
+            f.write("events")
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+
+
+@pytest.mark.parametrize("logged", [True, False], ids=["killed_after_logging", "failed_before_logging"])
+def test_a_restart_is_not_refused_for_the_wandb_folder_its_own_run_left(debug_config, monkeypatch, logged):
+    """log.wandb=true makes out_dir/wandb/ when the run starts: a run killed before its first checkpoint (or a start
+    that failed before its first logged update) left it beside its logs, and the same command was refused, naming
+    the folder the run itself made. It is archived with the other logs (nothing deleted); a wandb/ folder in a run
+    that did not enable wandb is still refused."""
+    _fake_wandb(monkeypatch)
+    run = ("log.wandb=true", "log.tensorboard=false", "train.max_steps=2")
+    cfg = debug_config(*run, name="wandb_restart")
+    os.makedirs(cfg.out_dir)
+    save_config_history(cfg.out_dir, config_to_dict(cfg), 0)  # what the killed run wrote before training
+    sys.modules["wandb"].init(dir=cfg.out_dir, id="killed")
+    with open(os.path.join(cfg.out_dir, "train.log"), "w") as f:
+        f.write("started\n")
+    if logged:
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:
+            f.write('{"step": 2, "train/loss": 1.0}\n')
+    assert train.main(debug_config(*run, name="wandb_restart")).state.step == 2
+    archived = os.path.join(cfg.out_dir, "archive")
+    (stamp,) = os.listdir(archived)
+    assert read_bytes(os.path.join(archived, stamp, "wandb", "offline-run-killed", "run.wandb")) == b"events"
+    assert os.path.isfile(os.path.join(cfg.out_dir, "checkpoint.pt"))
+
+    other = debug_config("log.tensorboard=false", "train.max_steps=2", name="not_wandb")  # wandb off
+    os.makedirs(os.path.join(other.out_dir, "wandb"))
+    save_config_history(other.out_dir, config_to_dict(other), 0)
+    with pytest.raises(RunDirError, match=r"holds files of an earlier run \(config.yaml, wandb\)"):
+        train.main(other)
+    assert os.path.isdir(os.path.join(other.out_dir, "wandb"))
+
 def test_a_second_run_in_the_same_folder_is_refused(debug_config):
     cfg = debug_config(name="busy")
     os.makedirs(cfg.out_dir)
