@@ -98,6 +98,9 @@ def quant_flags(args, pipelines) -> None:
             setattr(args, key, default)
     if args.calib_images < 1:
         raise DetectionError(f"--calib-images {args.calib_images}: give at least 1")
+    from configs.constraints import Seed
+    if Seed.violation(args.calib_seed) is not None:  # the range of every other seed (quant.calib_seed, gplq.seed)
+        raise DetectionError(f"--calib-seed {args.calib_seed}: give a seed {Seed.violation(args.calib_seed)}")
 
 
 def check_image_counts(images, todo, options, calib_images: int) -> None:

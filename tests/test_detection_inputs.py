@@ -335,7 +335,9 @@ def _random_detector(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--bits", "w6a6"], "--bits with a bare --quant: no pipeline runs to use it"),
     (["--calib-images", "4", "--calib-seed", "1"], "--calib-images, --calib-seed with a bare --quant"),
-    (["--quant", "repq", "--calib-images", "0"], "--calib-images 0: give at least 1")])
+    (["--quant", "repq", "--calib-images", "0"], "--calib-images 0: give at least 1"),
+    (["--quant", "repq", "--calib-seed", str(2 ** 63)], r"--calib-seed 9223372036854775808: give a seed >= .* and "
+                                                        r"<= 9223372036854775807")])
 def test_quantization_flags_that_would_not_be_honoured_are_refused_before_any_work(mmdet_ready, tmp_path, flags,
                                                                                    message):
     """A bare --quant scores full precision only: --bits and the calibration flags were ignored; a calibration
@@ -656,6 +658,9 @@ def test_the_training_images_drawn_follow_the_seed_given_and_repeat_with_it(samp
         assert drawn(seed) == (indices, img_ids) == drawn(seed, TrainingImages(cfg))
         sets[seed] = tuple(indices)
     assert len(set(sets.values())) > 1  # 6 seeds, C(8, 3) = 56 sets: one set for every seed means the seed is unused
+    negative = {seed: drawn(-seed)[0] for seed in range(1, 6)}  # random.Random(-s) is random.Random(s)
+    assert any(tuple(negative[seed]) != sets[seed] for seed in negative)
+    assert all(drawn(-seed)[0] == negative[seed] for seed in negative)
     for seed in (0, 1, 2):
         assert tuple(DetectorFeed(cfg, 3, seed, images).indices) == sets[seed]
         assert tuple(DetectorSamples(cfg, 3, seed, "--quant-options aphq.recon_images", images).indices) == sets[seed]

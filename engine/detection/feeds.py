@@ -61,7 +61,9 @@ class TrainingImages:
     def draw(self, count: int, seed: int, flag: str) -> tuple:
         """(indices, samples): `count` distinct images drawn with `seed`."""
         self.check(count, flag)
-        indices = sorted(random.Random(seed).sample(range(len(self.dataset)), count))
+        # random.Random seeds with abs(seed), so -s would draw the images of s; modulo 2**64 gives every seed of
+        # configs' Seed range (-2**63 ..) its own non-negative one, as torch.manual_seed does, and keeps s >= 0 as is
+        indices = sorted(random.Random(seed % 2 ** 64).sample(range(len(self.dataset)), count))
         return indices, [self.dataset[i] for i in indices]
 
 
