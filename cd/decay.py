@@ -11,6 +11,7 @@ needs only the config; `state_dict()` carries a logging counter and the config e
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -278,15 +279,27 @@ class ColinearityDecay:
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
         self._apply(lr2, lr1, gate=None)
 
-    def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor]) -> None:
+    def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
+               count: bool = True) -> None:
+        """The update with these per-pair lrs. `reads`: id(matrix) -> the value to read it as (a matrix another
+        optimizer stepped since this update's weights; this update writes none of them). `count`: a new update
+        (False: another optimizer's part of the last one, whose update norms it joins)."""
         steps = [lr * lam for lr, lam in zip(lr2, self._lams)]
         up_steps = [lr * lam for lr, lam in zip(lr1, self._up_lams)]
-        norms = (self.num_updates + 1) % self.norms_every == 0
-        result = colinearity_decay_(self.pairs, steps, up_steps, gate=gate, plan=self._plan,
+        pairs = self.pairs
+        if reads:
+            pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),
+                                         downstream=reads.get(id(p.downstream), p.downstream)) for p in pairs]
+        norms = (self.num_updates + int(count)) % self.norms_every == 0
+        result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan,
                                     precision=self.matmul_precision, norms=norms)
-        if norms:
+        if norms and count:
             self._last_update_norms = result
-        self.num_updates += 1
+        elif norms:  # one role's update over several optimizers: the root of the summed squares
+            last = self._last_update_norms
+            self._last_update_norms = {**last, **{k: v if k not in last else torch.hypot(last[k], v)
+                                                  for k, v in result.items()}}
+        self.num_updates += int(count)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Register the update as a step pre-hook of `optimizer` and return its removable handle.
@@ -410,15 +423,19 @@ class ColinearityDecay:
                              f"since (load_state_dict(assign=True), to_empty(), a new module). Build "
                              f"ColinearityDecay after the model's parameters are final")
 
-    def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None) -> None:
+    def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None,
+                  reads: Optional[Mapping[int, Tensor]] = None, count: bool = True) -> bool:
         """The update that `attach`'s hook makes, for code that owns the moment of the step (`cd.integrations`):
         each pair with the current lr of its param group in `optimizer`, gated on the device by a fused
         optimizer's `found_inf`. Call it once per real update, right before `optimizer` reads the weights.
+        Several optimizers over the decayed matrices make one update together: `reads` gives the matrices that
+        another of them stepped already (id -> their value before), and `count=False` says that this is
+        another optimizer's part of the update counted already (see `_apply`).
 
-        Raises:
-            ValueError: a decayed matrix is not in `optimizer`.
+        Returns:
+            whether the update ran (not when no decayed matrix has a gradient).
         """
-        self._pre_step(optimizer, step_kwargs or {})
+        return self._pre_step(optimizer, step_kwargs or {}, reads, count)
 
     def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         """id(param) -> index of its param group; cached until the groups change."""
@@ -471,15 +488,16 @@ class ColinearityDecay:
                                  f"(e.g. Adafactor(lr=1e-3, relative_step=False)), or call "
                                  f"ColinearityDecay.apply(lr) in your own loop")
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, kwargs: dict,
+                  reads: Optional[Mapping[int, Tensor]] = None, count: bool = True) -> bool:
         if self.mode != "decoupled" or not self._active:
-            return
+            return False
         if "grad_scaler" in kwargs:
             raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy "
                                "custom AMP contract); CD cannot tell whether this step will be skipped")
         self._check_parameters_current()
         if all(t.grad is None for t in self._decayed()):  # the optimizer leaves them all alone: so does CD
-            return
+            return False
         index = self._group_index(optimizer)
         groups = optimizer.param_groups
 
@@ -493,10 +511,11 @@ class ColinearityDecay:
         found_inf = getattr(optimizer, "found_inf", None)
         gate = (found_inf == 0) if isinstance(found_inf, Tensor) else None
         with torch.no_grad():  # step pre-hooks run outside the optimizer's own no_grad
-            self._apply(lr2, lr1, gate)
-        if gate is not None:
+            self._apply(lr2, lr1, gate, reads, count)
+        if gate is not None and count:
             skipped = (~gate).to(torch.int64).reshape(())
             self._gated_skips = skipped if self._gated_skips is None else self._gated_skips + skipped
+        return True
 
     # ----------------------------------------------------------------------------------- loss-form ablation
     def aux_loss(self, task_loss: Tensor) -> Tensor:

@@ -214,3 +214,50 @@ def test_the_lightning_modules_example_input_is_not_given_to_the_part_that_modul
     module.example_input_array = torch.zeros(1, 3, 64, 64, dtype=torch.float64)
     trainer = fit(module, 1, callback=ColinearityDecayCallback(module="net", lam=LAM))
     assert cd_callback(trainer).decay.num_updates == 1
+
+
+def _w1_apart(net):
+    """Each functional pair's W1 (qkv, fc1, with the norms) in the first group, its W2 and the rest in the second."""
+    first = [p for n, p in net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
+                                                                 "norm2.weight"))]
+    return first, [p for p in net.parameters() if all(p is not q for q in first)]
+
+
+class TwoOptimizers(Module):
+    """Manual optimization over two optimizers (a model split between them, as a GAN's generator and
+    discriminator are), stepped `a` then `b` after one backward: `b`'s CD must read the W1s that `a` holds as they
+    were before `a` stepped them."""
+
+    def __init__(self, net, steps: int) -> None:
+        super().__init__(net, steps, manual=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches.append((x.clone(), y.clone()))
+        opts = self.optimizers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x), y))
+        for opt in opts:
+            opt.step()
+
+    def configure_optimizers(self):
+        a, b = _w1_apart(self.net)
+        return [torch.optim.AdamW(a, lr=2e-2, weight_decay=0.1), torch.optim.AdamW(b, lr=5e-3, weight_decay=0.1)]
+
+
+def test_a_pair_split_over_two_optimizers_reads_the_weights_of_before_the_steps():
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = TwoOptimizers(net, steps=3)
+    trainer = fit(module, 6)  # Lightning counts each optimizer's step in manual optimization
+
+    def run(variant):
+        ref = copy.deepcopy(initial)
+        a, b = _w1_apart(ref)
+        opt = torch.optim.AdamW([{"params": a, "lr": 2e-2}, {"params": b, "lr": 5e-3}], weight_decay=0.1)
+        return reference_run(ref, [[batch] for batch in module.batches], lambda m, x: F.cross_entropy(m(x[0]), x[1]),
+                             opt, None, vit_pairs(BLOCKS, DIM), LAM, variant=variant)
+
+    assert_matches_reference(module.after, run, TOL, variants=("after_step", "first_group_lr"))
+    assert cd_callback(trainer).decay.metrics()["cd/updates"] == 3  # one update per iteration, not per optimizer

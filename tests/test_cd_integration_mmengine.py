@@ -343,18 +343,33 @@ class TwoOptimizers(Classifier):
         return log_vars
 
 
-def test_every_optimizer_of_an_optim_wrapper_dict_gets_cd(tmp_path):
-    """Block 0 (and the rest) in optimizer `a`, block 1 in `b`, of different lrs: each block's pairs get CD with
-    the lr of their own optimizer, as one AdamW with a group per optimizer in the reference loop (AdamW acts per
-    parameter); a hook that bound only the first wrapper leaves block 1 without CD."""
+def _blocks_1(net):
+    """Block 1 in optimizer `b`, the rest in `a`: each pair's two matrices in one optimizer."""
+    return [n.startswith("backbone.blocks.1.") for n, _ in net.named_parameters()]
+
+
+def _upstream_apart(net):
+    """Each functional pair split: its W1 (qkv, fc1, with the norms) in `a`, its W2 (proj, fc2) in `b`, which
+    steps after `a`: b's CD must read W1 as it was before `a` stepped it."""
+    return [not n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))
+            for n, _ in net.named_parameters()]
+
+
+@pytest.mark.parametrize("in_b", [_blocks_1, _upstream_apart])
+def test_every_optimizer_of_an_optim_wrapper_dict_gets_cd(tmp_path, in_b):
+    """The parameters split over two optimizers (`in_b`), of different lrs: each pair gets CD with the lr of its
+    W2's optimizer and from the weights of before the iteration's steps, as one AdamW with a group per optimizer
+    in the reference loop (AdamW acts per parameter), counted once per iteration; a hook that bound only the
+    first wrapper leaves the pairs of `b` without CD."""
     from mmengine.optim import OptimWrapperDict
     from mmengine.runner import Runner
 
     import cd.integrations.mmengine  # noqa: F401  (registers the hook, as custom_imports does)
 
     def split(net):
-        b = [p for n, p in net.named_parameters() if n.startswith("backbone.blocks.1.")]
-        return [p for p in net.parameters() if all(p is not q for q in b)], b
+        flags = in_b(net)
+        params = list(net.parameters())
+        return [p for p, f in zip(params, flags) if not f], [p for p, f in zip(params, flags) if f]
 
     model = MODELS.build(dict(type="TwoOptimizers"))
     initial = copy.deepcopy(model)
@@ -381,3 +396,4 @@ def test_every_optimizer_of_an_optim_wrapper_dict_gets_cd(tmp_path):
                              variant=variant)
 
     assert_matches_reference(after, run_ref, TOL, variants=("after_step", "first_group_lr"))
+    assert hook_of(runner, "ColinearityDecayHook").decay.metrics()["cd/updates"] == 3  # one per iteration

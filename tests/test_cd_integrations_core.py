@@ -220,3 +220,45 @@ def test_torch_optimizer_looks_through_framework_wrappers_and_refuses_a_schedule
         torch_optimizer(torch.optim.lr_scheduler.StepLR(opt, 1))
     with pytest.raises(TypeError, match="got Held"):
         torch_optimizer(Held("other", opt))
+
+
+def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_either_step():
+    """Target C over two optimizers, each functional pair split (W1 in `a`, W2 in `b`), stepped `b` then `a` with
+    gradients of zero (SGD then changes nothing): the weights are one CD update of the weights of before the
+    steps, written out here (W2 <- W2 - s W2 W1n W1n^T, W1 <- W1 - s c^2 W2^T W2 W1), counted once."""
+    from cd_models import ref_w2
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5, targets="C")
+    first = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
+                                                                   "norm2.weight"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.02)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    before = snapshot(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    opt_b.step()
+    opt_a.step()
+    for binding in bindings.values():
+        binding.disarm()
+
+    def up(w2, w1, s):  # W1 <- W1 - s c^2 W2^T W2 W1, c = sqrt(r) / ||W1||_F
+        return w1 - s * (w1.shape[0] / torch.linalg.matrix_norm(w1) ** 2) * w2.T @ w2 @ w1
+
+    s_a, s_b, want = 0.1 * 0.5, 0.02 * 0.5, {}
+    for b in ("blocks.0", "blocks.1"):
+        qkv, fc1 = before[f"{b}.attn.qkv.weight"], before[f"{b}.mlp.fc1.weight"]
+        proj, fc2 = before[f"{b}.attn.proj.weight"], before[f"{b}.mlp.fc2.weight"]
+        v = slice(2 * qkv.shape[0] // 3, qkv.shape[0])
+        want[f"{b}.attn.proj.weight"] = ref_w2(proj, qkv[v], s_b)
+        want[f"{b}.mlp.fc2.weight"] = ref_w2(fc2, fc1, s_b)
+        new_qkv = qkv.clone()  # target C leaves the composable pairs alone: only the V rows, as proj's W1
+        new_qkv[v] = up(proj, qkv[v], s_a)
+        want[f"{b}.attn.qkv.weight"] = new_qkv
+        want[f"{b}.mlp.fc1.weight"] = up(fc2, fc1, s_a)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p, want.get(name, before[name]), rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1

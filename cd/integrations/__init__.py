@@ -19,7 +19,7 @@ from typing import Any, Container, Optional
 
 import torch
 
-from ..decay import ColinearityDecay, check_settings, register_step_update
+from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..wrappers import torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
@@ -95,8 +95,9 @@ class OptimizerBinding:
     """
 
     def __init__(self, decay: ColinearityDecay, optimizer: Any, strict_steps: bool = False,
-                 warn_outside: bool = True) -> None:
+                 warn_outside: bool = True, shared: Optional["SharedUpdate"] = None) -> None:
         self.decay = decay
+        self.shared = shared
         self.strict_steps = strict_steps
         self.optimizer = torch_optimizer(optimizer)
         held = decay._group_index(self.optimizer)
@@ -130,11 +131,15 @@ class OptimizerBinding:
     def disarm(self) -> None:
         """The framework's step is over (taken or skipped): nothing is pending."""
         self._armed = self._held = False
+        if self.shared is not None:  # the framework's iteration is over: so is its update
+            self.shared.new_round()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.shared is not None:
+            self.shared.remove()
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._stepping, self._applied, self._kwargs = True, False, kwargs
@@ -156,13 +161,87 @@ class OptimizerBinding:
 
     def _run(self) -> None:
         self._armed, self._applied = self._held, True
-        self.decay.apply_for(self.optimizer, self._kwargs)
+        if self.shared is None:
+            self.decay.apply_for(self.optimizer, self._kwargs)
+        else:
+            self.shared.apply_for(self.optimizer, self._kwargs)
+
+
+class SharedUpdate:
+    """One CD update made by the bindings of several optimizers over one model (an OptimWrapperDict's, a
+    LightningModule's), each writing the decayed matrices that its optimizer holds, in its step.
+
+    As in one optimizer's step (cd/update.py), every pair reads the weights of before the update's steps: where a
+    pair's two matrices are held by different optimizers (a model split over them), the one whose optimizer steps
+    first would otherwise be read stepped by the other's part. So the step pre-hook of each optimizer keeps a copy
+    of the matrices it holds that another optimizer's part reads (none unless a pair is split), until the update
+    is over. The update is one framework iteration (`new_round`, at `disarm`), or a round in it where a train_step
+    steps its optimizers several times: an optimizer that steps a second time starts the next update. It is
+    counted once in `cd/updates`, and each role's update norm covers all of its matrices.
+
+    Args:
+        decay: the CD object of the model.
+        optimizers: the framework's torch optimizers (all of them: one that holds only W1s steps them too).
+    """
+
+    def __init__(self, decay: ColinearityDecay, optimizers: list) -> None:
+        self.decay = decay
+        self._holder: dict[int, torch.optim.Optimizer] = {}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    self._holder.setdefault(id(p), opt)
+        read: dict[int, torch.Tensor] = {}  # matrices that another optimizer's part of the update reads
+        for pair in decay.pairs:
+            w1, w2 = self._holder.get(id(pair.upstream)), self._holder.get(id(pair.downstream))
+            if w1 is not None and w2 is not None and w1 is not w2:
+                read[id(pair.upstream)] = pair.upstream  # W2's update reads W1
+                if decay._upstream:  # target C: W1's update reads W2
+                    read[id(pair.downstream)] = pair.downstream
+        self._kept_of: dict[int, list] = {}
+        for t in read.values():
+            self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
+        self.optimizers = [opt for opt in dict.fromkeys(optimizers)
+                           if holds_pairs(decay, opt) or id(opt) in self._kept_of]
+        self._stepped: set[int] = set()
+        self._kept: dict[int, torch.Tensor] = {}
+        self._counted = False
+        self._handles = []
+        for opt in self.optimizers:  # before the bindings' hooks: the copies are of the weights before CD too
+            make_step_hooks_run(opt)
+            self._handles.append(opt.register_step_pre_hook(self._pre))
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if id(optimizer) in self._stepped:  # a second step of this optimizer: the next update
+            self.new_round()
+        self._stepped.add(id(optimizer))
+        for t in self._kept_of.get(id(optimizer), ()):
+            self._kept[id(t)] = t.detach().clone()
+
+    def apply_for(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
+        """`optimizer`'s part of the update (in its step), on the weights of before the update's steps."""
+        reads = {i: t for i, t in self._kept.items() if self._holder[i] is not optimizer}
+        if self.decay.apply_for(optimizer, kwargs, reads, count=not self._counted):
+            self._counted = True
+
+    def new_round(self) -> None:
+        """The update is over: the next step of any optimizer belongs to the next one."""
+        self._stepped.clear()
+        self._kept.clear()
+        self._counted = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.new_round()
 
 
 def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: bool = False
                     ) -> dict[int, OptimizerBinding]:
     """A binding for each optimizer (of `optimizers`) that holds decayed matrices, by id of its torch optimizer
-    (`strict_steps`: see OptimizerBinding).
+    (`strict_steps`: see OptimizerBinding); with several optimizers, their steps make one update together
+    (`SharedUpdate`).
 
     Raises:
         ValueError: no optimizer holds them (CD would never run).
@@ -177,7 +256,12 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
     # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
     # Lightning module's several) gets CD in that optimizer's step, so it is not left alone
     _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
-    return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False) for key, opt in opts.items()}
+    shared = SharedUpdate(decay, [torch_optimizer(o) for o in optimizers])
+    if len(shared.optimizers) < 2:  # one optimizer's step is the whole update
+        shared.remove()
+        shared = None
+    return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
+            for key, opt in opts.items()}
 
 
 def _warn_outside(decay: ColinearityDecay, held: Container[int], stacklevel: int = 3) -> None:

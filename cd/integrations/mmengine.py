@@ -16,7 +16,9 @@ once; with `accumulative_counts` the wrapper steps only on the last micro-batch,
 `AmpOptimWrapper`'s GradScaler skips the step (inf/NaN gradients). Any OptimWrapper type works, since none is
 replaced: OptimWrapper, AmpOptimWrapper, an OptimWrapperDict (each optimizer holding decayed matrices is bound),
 or your own. Each matrix gets the lr of its
-param group at that moment, which MMEngine's param schedulers set.
+param group at that moment, which MMEngine's param schedulers set. With an OptimWrapperDict the optimizers' steps
+of one iteration make one update (`cd.integrations.SharedUpdate`): every pair reads the weights of before the
+iteration's steps, also a pair whose two matrices are in different optimizers, and `cd/updates` counts it once.
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
