@@ -61,15 +61,22 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
         model: a converted model (see `quantize_model`); run in eval mode, its mode is restored.
         images: model inputs [N, ...] (images [N, C, H, W], token ids [N, T]), or an iterable of such batches
             (or of (inputs, labels) pairs), or a `ModelFeed` (which runs the forward itself).
-        device: where to run; default: the model's device.
+        device: where to run, which must be the model's device (checked; calibration moves the inputs there,
+            never the model); default: the model's device.
 
     Returns:
         {"images": N (inputs: images or token windows), "seconds": wall time, "quantizers": number fitted}.
 
     Raises:
         RuntimeError: some enabled quantizer saw no data (its layer is not on the forward path).
+        ValueError: `device` is not the model's device.
     """
-    device = device or device_of(model)
+    here = device_of(model)
+    device = here if device is None else torch.device(device)
+    if device.type != here.type or device.index not in (None, here.index):
+        raise ValueError(f"calibrate: device={device} but the model is on {here}; calibration moves the inputs "
+                         f"only: move the model first (model.to({str(device)!r})) or leave device unset")
+    device = here
     x = None if isinstance(images, ModelFeed) else stack_images(images).to(device)
     todo = len(uncalibrated(model))
     was_training = model.training

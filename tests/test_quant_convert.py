@@ -378,3 +378,15 @@ def test_w8a8_stays_close_to_float(build, pipeline):
         assert (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.9
         set_quant_state(qmodel, weights=False, activations=False)
         torch.testing.assert_close(qmodel(x), ref, rtol=0, atol=1e-4)  # folds keep the float function
+
+
+def test_calibration_on_another_device_than_the_models_is_refused_before_anything_runs():
+    """`device` names where calibration runs; it moves the inputs there, never the model, so a device the model is
+    not on is refused with both named (it failed inside the forward). A device of the model's own type without an
+    index is the model's."""
+    minmax = QuantizerSpec(8)
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), QuantSpec(linears=(LinearRule(("0",), None, minmax),)))
+    with pytest.raises(ValueError, match=r"device=meta but the model is on cpu.*move the model first"):
+        calibrate(model, torch.randn(5, 4), device="meta")
+    assert not model[0].input_quantizer.calibrated
+    assert calibrate(model, torch.randn(5, 4), device=torch.device("cpu"))["quantizers"] == 1
