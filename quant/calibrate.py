@@ -41,13 +41,22 @@ Images = Union[torch.Tensor, ModelFeed, Iterable[Union[torch.Tensor, Sequence[to
 
 def stack_images(images: Images) -> torch.Tensor:
     """One [N, ...] tensor (images [N, C, H, W], token ids [N, T]) from a tensor or an iterable of tensors /
-    (inputs, labels) batches."""
+    (inputs, labels) batches.
+
+    Raises:
+        ValueError: no input (N = 0; the quantizers' fits would fail on the empty set).
+    """
     if isinstance(images, torch.Tensor):
-        return images
-    batches = [b[0] if isinstance(b, (tuple, list)) else b for b in images]
-    if not batches:
-        raise ValueError("no calibration inputs")
-    return torch.cat(batches, dim=0)
+        x = images
+    else:
+        batches = [b[0] if isinstance(b, (tuple, list)) else b for b in images]
+        if not batches:
+            raise ValueError("no calibration inputs")
+        x = torch.cat(batches, dim=0)
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"no calibration inputs: got a tensor of shape {tuple(x.shape)}; give [N, ...] inputs "
+                         "with N >= 1")
+    return x
 
 
 @torch.no_grad()

@@ -390,3 +390,18 @@ def test_calibration_on_another_device_than_the_models_is_refused_before_anythin
         calibrate(model, torch.randn(5, 4), device="meta")
     assert not model[0].input_quantizer.calibrated
     assert calibrate(model, torch.randn(5, 4), device=torch.device("cpu"))["quantizers"] == 1
+
+
+@pytest.mark.parametrize("inputs", [torch.empty(0, 4), [torch.empty(0, 4)], [(torch.empty(0, 4), torch.zeros(0))]])
+def test_an_empty_calibration_set_is_refused_before_any_quantizer_fits(inputs):
+    """It failed inside a quantizer's fit (an IndexError of amin over no rows), for both calibrations."""
+    from quant.calibrate import calibrate_from_float
+    from quant.ranges import RangeSearch
+
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), QuantSpec(linears=(LinearRule(("0",), None, minmax),)))
+    with pytest.raises(ValueError, match=r"no calibration inputs: got a tensor of shape \(0, 4\)"):
+        calibrate(model, inputs)
+    with pytest.raises(ValueError, match=r"no calibration inputs: got a tensor of shape \(0, 4\)"):
+        calibrate_from_float(model, inputs, batch_size=2)
+    assert not model[0].input_quantizer.calibrated
