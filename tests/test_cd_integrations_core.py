@@ -262,3 +262,29 @@ def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_eit
     for name, p in model.named_parameters():
         assert torch.allclose(p, want.get(name, before[name]), rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
+
+
+def test_the_update_norms_of_a_role_cover_its_matrices_in_every_optimizer():
+    """Block 0 in `a`, block 1 in `b`: the logged update norm of a role is the Frobenius norm of its whole update
+    (both blocks' changes of the weights, measured here), not of the part in the optimizer that stepped last."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5, norms_every=1)
+    first = list(model.blocks[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.02)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    before = snapshot(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    opt_a.step()
+    opt_b.step()
+    metrics = decay.metrics()
+    for role, name in (("qkv", "attn.qkv"), ("proj", "attn.proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
+        after = snapshot(model)
+        change = [after[f"blocks.{i}.{name}.weight"] - before[f"blocks.{i}.{name}.weight"] for i in (0, 1)]
+        assert all(float(c.abs().max()) > 0 for c in change)
+        want = float(torch.sqrt(sum(c.square().sum() for c in change)))
+        assert metrics[f"cd/update_norm/{role}"] == pytest.approx(want, rel=1e-9), role
+    assert metrics["cd/updates"] == 1
