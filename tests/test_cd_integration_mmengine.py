@@ -397,3 +397,10 @@ def test_every_optimizer_of_an_optim_wrapper_dict_gets_cd(tmp_path, in_b):
 
     assert_matches_reference(after, run_ref, TOL, variants=("after_step", "first_group_lr"))
     assert hook_of(runner, "ColinearityDecayHook").decay.metrics()["cd/updates"] == 3  # one per iteration
+
+
+@pytest.mark.parametrize("module", ["neck", "backbone.blocks.7", "backbone.blocks.0.attn.qkv.weight"])
+def test_a_module_that_names_no_submodule_is_refused_naming_the_argument(tmp_path, module):
+    """It failed with torch's AttributeError from get_submodule, which named neither `module=` nor a fix."""
+    with pytest.raises(ValueError, match=rf"module={module!r} names no submodule of the Classifier.*'backbone'"):
+        run(config(tmp_path, iters=1, module=module))

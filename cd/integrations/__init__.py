@@ -55,12 +55,21 @@ def check_module_name(module: Optional[str], who: str) -> Optional[str]:
 def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Module:
     """The part of `model` (wrappers looked through) that a regularizer acts on: for `module` None, the
     `backbone` if the model has one (a detector's, as the paper regularizes the backbone), else the whole model;
-    "" the whole model; otherwise the dotted submodule name."""
+    "" the whole model; otherwise the dotted submodule name.
+
+    Raises:
+        ValueError: `module` names no submodule of the model (naming the model's own submodules).
+    """
     model = unwrap_model(model)
     if module is None:
         backbone = getattr(model, "backbone", None)
         return backbone if isinstance(backbone, torch.nn.Module) else model
-    return model.get_submodule(module) if module else model
+    try:
+        return model.get_submodule(module) if module else model
+    except AttributeError as e:
+        children = [name for name, _ in model.named_children()]
+        raise ValueError(f"module={module!r} names no submodule of the {type(model).__name__} ({e}); give a dotted "
+                         f"submodule name (its own: {children[:8]}) or '' for the whole model") from None
 
 
 def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:
