@@ -288,3 +288,34 @@ def test_the_update_norms_of_a_role_cover_its_matrices_in_every_optimizer():
         want = float(torch.sqrt(sum(c.square().sum() for c in change)))
         assert metrics[f"cd/update_norm/{role}"] == pytest.approx(want, rel=1e-9), role
     assert metrics["cd/updates"] == 1
+
+
+def test_optimizers_that_step_twice_in_one_iteration_make_two_updates():
+    """A train_step that steps `a`, `b`, `a`, `b` (two updates, e.g. an inner loop) with each functional pair split
+    over them: two CD updates, the second from the weights after the first (the hand-written update applied
+    twice), counted twice."""
+    from cd_models import ref_block_update
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    first = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
+                                                                   "norm2.weight"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.05), torch.optim.SGD(rest, lr=0.05)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    want = snapshot(model)
+    for _ in range(2):
+        new = dict(want)
+        for b in ("blocks.0", "blocks.1"):
+            ref_block_update(want, b, 0.05 * 0.5, new)
+        want = new
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    for opt in (opt_a, opt_b, opt_a, opt_b):
+        opt.step()
+    got = snapshot(model)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 2
