@@ -8,8 +8,8 @@ Each takes the arguments of `ColinearityDecay` (`lam`, `lam_per_role`, `targets`
 model and the optimizer itself, and gives the paper's update (Sec. 3.3) exactly where `attach` gives it in a
 plain loop: after the task gradient and clipping, right before the optimizer reads the weights, once per real
 update, not on a step that AMP skips, with the lr of W2's param group. This module holds what the three share,
-`OptimizerBinding`, and `select_module` (which part of the model a regularizer acts on); it needs torch alone,
-and each framework module imports its framework.
+`OptimizerBinding`, `SharedUpdate` (one update over several optimizers), and `select_module` (which part of the
+model a regularizer acts on); it needs torch alone, and each framework module imports its framework.
 """
 from __future__ import annotations
 
