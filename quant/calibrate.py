@@ -60,7 +60,8 @@ def stack_images(images: Images) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] = None) -> Dict[str, float]:
+def calibrate(model: nn.Module, images: Images, device: Optional[Union[str, torch.device]] = None
+              ) -> Dict[str, float]:
     """Fit every uncalibrated quantizer of `model` with one sequential forward pass, then freeze them.
 
     Already-calibrated quantizers are kept (they just quantize), which is how RepQ-ViT's second pass
@@ -87,7 +88,8 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
                          f"only: move the model first (model.to({str(device)!r})) or leave device unset")
     device = here
     x = None if isinstance(images, ModelFeed) else stack_images(images).to(device)
-    todo = len(uncalibrated(model))
+    fitting = set(uncalibrated(model))
+    todo = len(fitting)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
@@ -106,6 +108,12 @@ def calibrate(model: nn.Module, images: Images, device: Optional[torch.device] =
     left = uncalibrated(model)
     if left:
         raise RuntimeError(f"{len(left)} quantizers saw no calibration data: {left[:6]}")
+    # a NaN / inf input or weight fits a NaN range, and the quantized model then computes NaN everywhere
+    bad = [name for name, q in named_quantizers(model) if name in fitting and not all(
+        bool(torch.isfinite(t).all()) for t in (*q.parameters(), *q.buffers()) if t.is_floating_point())]
+    if bad:
+        raise RuntimeError(f"{len(bad)} quantizers fitted non-finite parameters (NaN/inf in the calibration inputs "
+                           f"or the model's weights): {bad[:6]}")
     return {"images": n, "seconds": time.perf_counter() - start, "quantizers": todo}
 
 

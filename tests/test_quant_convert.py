@@ -405,3 +405,22 @@ def test_an_empty_calibration_set_is_refused_before_any_quantizer_fits(inputs):
     with pytest.raises(ValueError, match=r"no calibration inputs: got a tensor of shape \(0, 4\)"):
         calibrate_from_float(model, inputs, batch_size=2)
     assert not model[0].input_quantizer.calibrated
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_calibration_that_fits_non_finite_ranges_is_refused(bad):
+    """A NaN / inf calibration input fitted a NaN range without a word, and every output of the quantized model
+    was NaN; the closed-form min/max fit of the same finite inputs is what a finite set gives."""
+    from quant.ranges import RangeSearch
+
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    spec = QuantSpec(linears=(LinearRule(("0",), None, minmax),))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), spec)
+    poisoned = x.clone()
+    poisoned[2, 1] = bad
+    with pytest.raises(RuntimeError, match=r"1 quantizers fitted non-finite parameters .*\['0.input_quantizer'\]"):
+        calibrate(model, poisoned)
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), spec)
+    calibrate(model, x)
+    torch.testing.assert_close(model[0].input_quantizer.scale, ((x.max() - x.min()) / 255).reshape(1))
