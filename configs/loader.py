@@ -178,10 +178,12 @@ class IgnoredOverrideError(ConfigError):
 
 
 SET = "set"  # in READ_ONLY_WHEN: any value of the deciding key but null and ""
+NONZERO = "nonzero"  # in READ_ONLY_WHEN: any number but 0
 
 
 def _reads(value: Any, read_with: tuple) -> bool:
-    return value in read_with or (SET in read_with and value not in (None, ""))
+    return (value in read_with or (SET in read_with and value not in (None, ""))
+            or (NONZERO in read_with and not isinstance(value, str) and value != 0))
 
 
 # Keys that only some settings read: (keys, the key that decides, the values with which they are read). A
@@ -212,6 +214,12 @@ READ_ONLY_WHEN = [
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
+    (("quant.aphq.mlp_iters", "quant.aphq.mlp_lr", "quant.aphq.mlp_clip_percentile", "quant.aphq.mlp_clip_weight"),
+     "quant.aphq.mlp_reconstruct", (True,)),
+    (("quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"), "quant.gplq.pca_weight",
+     (NONZERO,)),  # no PCA loss, no teacher PCA
+    (("quant.gplq.stage2_images", "quant.gplq.stage2_train_transform", "quant.gplq.qwt_ridge",
+      "quant.gplq.qwt_target"), "quant.gplq.qwt", (True,)),  # stage 2 draws images only for QwT's fits
 ]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.

@@ -299,6 +299,10 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/pretrain/vit_b.yaml", ["optim.name=sgd", "optim.betas=[0.8, 0.9]"], "optim.betas"),
     ("configs/pretrain/vit_b.yaml", ["data.color_jitter=0.4"], "data.color_jitter"),  # timm: off with a policy
     ("configs/lm/gpt2.yaml", ["optim.lr_scaling=sqrt"], "optim.lr_scaling"),  # a set optim.lr is the lr
+    # quantization options whose step is off: APHQ without MLP reconstruction, GPLQ without PCA loss or QwT
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_iters=5"], "quant.aphq.mlp_iters"),
+    ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0", "quant.gplq.pca_images=64"],
+     "quant.gplq.pca_images"),
 ]
 
 
@@ -324,9 +328,26 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/pretrain/vit_b.yaml", ["optim.name=momentum", "optim.momentum=0.8"]),
     ("configs/pretrain/vit_b.yaml", ["optim.name=lamb", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]),
     ("configs/pretrain/vit_b.yaml", ["data.auto_augment=", "data.color_jitter=0.4"]),
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_iters=5"]),
+    ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0.5", "quant.gplq.pca_images=64"]),
+    ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_images=64", "quant.gplq.stage2_images=64"]),  # defaults on
+    ("configs/demo/vit_digits.yaml", ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"]),  # as cd.enabled
 ])
+
+
 def test_an_override_the_config_reads_is_taken(path, overrides):
     load_config([os.path.join(ROOT, path)], overrides)
+
+
+def test_a_gplq_qwt_setting_over_a_config_without_qwt_is_refused(tmp_path):
+    """GPLQ's stage 2 draws images only for QwT's fits: stage2_images over a config whose QwT is off would be
+    ignored (explicit qwt=false beside it passes, as cd.enabled=false beside cd.lam does)."""
+    no_qwt = tmp_path / "no_qwt.yaml"
+    no_qwt.write_text("quant:\n  gplq:\n    qwt: false\n")
+    with pytest.raises(ConfigError, match=r"quant.gplq.stage2_images=64 would be ignored: .* read only when "
+                                          r"quant.gplq.qwt is true, and it is false"):
+        load_config([str(no_qwt)], ["quant.gplq.stage2_images=64"])
+    assert load_config([str(no_qwt)], ["quant.gplq.qwt=true", "quant.gplq.stage2_images=64"]).quant.gplq.qwt
 
 
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
