@@ -48,7 +48,7 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
                                weights_fingerprint)
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
                                  recipe_difference, repeated_weights)
-from engine.run_dir import RunDirError, prepare_folder, recipe
+from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
@@ -64,7 +64,8 @@ from engine.act_max_files import plot as plot_act_max, write_csv as write_act_ma
 log = logging.getLogger("evaluate")
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
                "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
-# quant.pipelines=[] (the default): what a task's checkpoint is scored with (paper Tables 1 and 7)
+# quant.pipelines unset (None, the default): what a task's checkpoint is scored with (the columns of paper
+# Table 6, and of Table 8 for a language model)
 DEFAULT_PIPELINES = {"classification": ["percentile", "repq"],
                      "causal_lm": ["rtn", "gptq", "smoothquant", "smoothquant_strict"]}
 
@@ -470,6 +471,9 @@ def resolve_config(args: argparse.Namespace):
         # --config: e.g. a data preset for another machine
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
+        # what --config files and overrides changed ('key: old -> new'): its method is the checkpoint's own
+        changed = [change.split(": ", 1)[0] for change in
+                   config_changes(config_to_dict(config_from_dict(payload["config"])), config_to_dict(cfg))]
     else:
         cfg = load_config(args.config or [], args.overrides)
         if not cfg.model.pretrained:
@@ -482,6 +486,15 @@ def resolve_config(args: argparse.Namespace):
                               f"--checkpoint {cfg.model.pretrained}, which evaluates it with the settings it "
                               f"records (its config, classes and, with --ema, its EMA weights)")
     given = {key for item in args.overrides for key in override_keys(item)}  # quant={pipelines: [..]} too
+    # a weights file's --config files are its recipe (cd / tweo name its method): its overrides are checked
+    unread = unread_training_settings(sorted(given | set(changed if payload else ())), method_read=not payload)
+    if unread:
+        key = unread[0]
+        raise ConfigError(f"{key}: evaluate.py does not read training settings"
+                          + (f" ({args.checkpoint} is named by the cd / tweo settings it was trained with)"
+                             if key.startswith(("cd.", "tweo.")) else "")
+                          + ("; for an evaluation under autocast give --amp" if key == "train.amp" else "")
+                          + "; drop it")
     if "model.pretrained_strict" in given and not cfg.model.pretrained_strict:  # asked, and never done here
         raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "
@@ -523,6 +536,18 @@ def resolve_config(args: argparse.Namespace):
         except ValueError as e:
             raise ConfigError(f"quant.{name}: {e}") from None
     return cfg, payload
+
+
+# what evaluate.py reads of the training sections: the device and the batch size of its passes
+EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
+
+
+def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
+    """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*
+    and, unless `method_read` (a weights file's recipe names its method), cd.* and tweo.*: given for an
+    evaluation, they would be ignored, or name a checkpoint's result by another method than it was trained with."""
+    sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
+    return [k for k in keys if k.startswith(sections) and k not in EVAL_TRAIN_KEYS]
 
 
 def evaluation_pipelines(cfg: Config) -> list[str]:

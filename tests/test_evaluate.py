@@ -605,3 +605,34 @@ def test_the_calibration_batch_follows_its_seed_and_transform_settings():
     assert torch.equal(batch("quant.calib_seed=1"), batch("quant.calib_seed=1"))
     assert not torch.equal(batch("quant.calib_seed=0"), batch("quant.calib_seed=1"))
     assert not torch.equal(batch("quant.calib_seed=1"), batch("quant.calib_seed=1", "quant.calib_transform=train"))
+
+
+@pytest.mark.parametrize("argv, key", [(["train.amp=bf16"], "train.amp"), (["cd.enabled=true"], "cd.enabled"),
+                                       (["--config", os.path.join(ROOT, "configs/method/cd.yaml")], "cd.enabled"),
+                                       (["tweo={enabled: true}"], "tweo.enabled"), (["optim.lr=0.5"], "optim.lr"),
+                                       (["sched.epochs=3"], "sched.epochs"), (["train.max_steps=5"], "train.max_steps")])
+def test_training_settings_given_for_a_checkpoint_are_refused(checkpoint, argv, key):
+    """evaluate.py reads no training setting: train.amp=bf16 scored under fp32 (--amp is the autocast), and
+    cd.enabled=true labelled a baseline checkpoint's result 'CD'."""
+    import torch
+
+    assert torch.load(checkpoint, weights_only=True)["config"]["cd"]["enabled"] is False  # a baseline
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: evaluate.py does not read training settings"):
+        evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *argv]))
+    # what it does read of the train section: the device and the evaluation batch size
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "train.device=cpu",
+                                                          "train.eval_batch_size_per_gpu=5"]))
+    assert cfg.train.eval_batch_size_per_gpu == 5 and evaluate.method_name(cfg) == "Baseline"
+
+
+def test_a_weights_files_recipe_names_its_method_and_its_training_overrides_are_refused(checkpoint, tmp_path):
+    import torch
+
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.load(checkpoint, weights_only=True)["model"], weights)
+    recipe = ["--config", DEMO_CONFIG, "--config", os.path.join(ROOT, "configs/method/cd.yaml"),
+              "model.name=vit_nano", f"model.pretrained={weights}", "--quant"]
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(recipe))
+    assert evaluate.method_name(cfg) == "CD"
+    with pytest.raises(ConfigError, match=r"^train.amp: .*give --amp"):
+        evaluate.resolve_config(evaluate.parse_args([*recipe, "train.amp=bf16"]))
