@@ -11,7 +11,8 @@ results per pipeline.
 Weights are scored only as they are: a checkpoint or a `model.pretrained` file that does not fit the model
 exactly (a classifier of another size included) is an error, never a model with a new random part.
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
-on another machine, quant.calib_images=128, quant.repq.round_zero_point=true). Quantization
+on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
+not read, are refused: --amp is the evaluation's autocast). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),

@@ -610,7 +610,8 @@ def test_the_calibration_batch_follows_its_seed_and_transform_settings():
 @pytest.mark.parametrize("argv, key", [(["train.amp=bf16"], "train.amp"), (["cd.enabled=true"], "cd.enabled"),
                                        (["--config", os.path.join(ROOT, "configs/method/cd.yaml")], "cd.enabled"),
                                        (["tweo={enabled: true}"], "tweo.enabled"), (["optim.lr=0.5"], "optim.lr"),
-                                       (["sched.epochs=3"], "sched.epochs"), (["train.max_steps=5"], "train.max_steps")])
+                                       (["sched.epochs=3"], "sched.epochs"),
+                                       (["train.max_steps=5"], "train.max_steps")])
 def test_training_settings_given_for_a_checkpoint_are_refused(checkpoint, argv, key):
     """evaluate.py reads no training setting: train.amp=bf16 scored under fp32 (--amp is the autocast), and
     cd.enabled=true labelled a baseline checkpoint's result 'CD'."""
