@@ -509,9 +509,11 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
     own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
-    if any(saved["model"].get(k) != current_d["model"][k] for k in architecture):
-        raise CheckpointError(f"{source} was written for model {saved['model']}, not "
-                              f"{current_d['model']}: {other}, or use the original model settings")
+    differ = [f"model.{k}: {saved['model'].get(k)!r} -> {current_d['model'][k]!r}" for k in architecture
+              if saved["model"].get(k) != current_d["model"][k]]
+    if differ:
+        raise CheckpointError(f"{source} was written for model {saved['model'].get('name')} with other settings "
+                              f"({'; '.join(differ)}): {other}, or use the original model settings")
     if saved["data"]["dataset"] != current.data.dataset:
         raise CheckpointError(f"{source} was trained on data.dataset={saved['data']['dataset']!r}, "
                               f"not {current.data.dataset!r}: {other}")

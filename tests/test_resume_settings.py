@@ -169,6 +169,17 @@ def test_another_optimizer_at_resume_is_refused(debug_config):
         train.main(debug_config("optim.name=sgd", "train.allow_changed_config=true", name="o"))
 
 
+
+def test_a_resume_with_other_model_settings_names_the_settings_that_differ(debug_config):
+    """The refusal printed both model sections whole (nine keys each) and left the reader to find the one that
+    differs."""
+    train.main(debug_config("train.max_steps=1", name="m"))
+    with pytest.raises(CheckpointError, match=r"was written for model vit_nano with other settings "
+                                              r"\(model.drop_path: 0.1 -> 0.2; model.attn: 'softmax' -> 'softmax1'\): "
+                                              r"use another out_dir, or use the original model settings$"):
+        train.main(debug_config("model.drop_path=0.2", "model.attn=softmax1", name="m"))
+
+
 # -- the position within the epoch -------------------------------------------------------------------------
 
 def position(world, per_gpu, accum, upe=4, images=64, seed=0, repeated_aug=0, batches=0):
