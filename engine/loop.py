@@ -62,7 +62,8 @@ class EpochSampler(Protocol):
 class TrainBatches:
     """A rank's training loader (train transform, shuffled, drop_last) and its resumable sampler.
 
-    loader: yields (images [B, 3, H, W], labels [B]) with B = the requested batch size per process.
+    loader: yields (images [B, 3, H, W], labels [B]), or a language model's (ids [B, T], next ids [B, T]),
+    with B = the requested batch size per process.
     sampler: `set_epoch(epoch, start)` fixes order and augmentation of an epoch, skipping `start` samples.
     """
 
