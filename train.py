@@ -508,7 +508,9 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
     current_d = config_to_dict(current)
     own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
-    architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict")]
+    # the model's build (not its start weights, nor its drop rates: they add no parameter, and a change of them
+    # is one more changed setting below)
+    architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict", "drop_path", "drop")]
     differ = [f"model.{k}: {saved['model'].get(k)!r} -> {current_d['model'][k]!r}" for k in architecture
               if saved["model"].get(k) != current_d["model"][k]]
     if differ:

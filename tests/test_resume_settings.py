@@ -175,9 +175,21 @@ def test_a_resume_with_other_model_settings_names_the_settings_that_differ(debug
     differs."""
     train.main(debug_config("train.max_steps=1", name="m"))
     with pytest.raises(CheckpointError, match=r"was written for model vit_nano with other settings "
-                                              r"\(model.drop_path: 0.1 -> 0.2; model.attn: 'softmax' -> 'softmax1'\): "
+                                              r"\(model.img_size: None -> 16; model.attn: 'softmax' -> 'softmax1'\): "
                                               r"use another out_dir, or use the original model settings$"):
-        train.main(debug_config("model.drop_path=0.2", "model.attn=softmax1", name="m"))
+        train.main(debug_config("model.drop_path=0.2", "model.attn=softmax1", "model.img_size=16", name="m"))
+
+
+def test_a_resume_with_other_drop_rates_is_a_changed_setting_not_another_model(debug_config):
+    """Stochastic depth and dropout add no parameter: a run continues with new rates as with any other changed
+    setting (train.allow_changed_config=true), which a model of other parameters can never do."""
+    train.main(debug_config("train.max_steps=1", name="d"))
+    with pytest.raises(CheckpointError, match=r"was written with other settings \(model.drop: 0.0 -> 0.1; "
+                                              r"model.drop_path: 0.1 -> 0.2\): .*train.allow_changed_config=true"):
+        train.main(debug_config("train.max_steps=2", "model.drop_path=0.2", "model.drop=0.1", name="d"))
+    result = train.main(debug_config("train.max_steps=2", "model.drop_path=0.2", "model.drop=0.1",
+                                     "train.allow_changed_config=true", name="d"))
+    assert result.state.step == 2 and result.reason == "max_steps"
 
 
 # -- the position within the epoch -------------------------------------------------------------------------
