@@ -10,6 +10,8 @@ import contextlib
 import errno
 import hashlib
 import os
+import pickle
+import re
 import shutil
 
 from typing import Callable, Optional
@@ -21,7 +23,7 @@ from models.modules import unwrap_model
 from .distributed import raise_on_every_rank
 from .run_dir import partial_path
 
-__all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "training_payload",
+__all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "foreign_objects", "training_payload",
            "restore_training", "save_on_main_rank", "weights_fingerprint"]
 
 
@@ -87,6 +89,24 @@ def not_a_torch_file(path: str) -> Optional[str]:
     return f"it is {kind}, starting with {head[:8]!r}"
 
 
+def foreign_objects(error: Exception) -> Optional[str]:
+    """Why `torch.load(weights_only=True)` refused a file that holds objects of other code (another tool's
+    checkpoint: MMEngine's keeps its logger's buffers), with what to do; None for any other error (a file cut
+    short). train.py saves tensors and plain Python data only."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    if not isinstance(error, pickle.UnpicklingError) or found is None:
+        return None
+    return f"it holds pickled {found.group(1)} objects, which train.py never saves{_other_tool(found.group(1))}"
+
+
+def _other_tool(pickled: str) -> str:
+    """The hint for a checkpoint of another tool, by the module of what it holds."""
+    if pickled.split(".")[0] in ("mmengine", "mmdet", "mmcv"):
+        return ("; it is an MMEngine checkpoint (a detector's: evaluate it with evaluate_detection.py "
+                "--checkpoint)")
+    return "; give a best.pt or checkpoint.pt written by train.py, or plain weights as model.pretrained=FILE"
+
+
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by this code base (with its `config` and `model` entries)."""
     if os.path.isdir(path):  # e.g. a run's out_dir: which of its files is meant is not ours to guess
@@ -101,11 +121,16 @@ def load_checkpoint(path: str) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        foreign = foreign_objects(e)
+        if foreign:
+            raise CheckpointError(f"{path} is not a checkpoint of this code base: {foreign}") from None
         raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path)} bytes): {e}; a file cut short "
                               f"(a copy or a save that did not finish) or corrupted reads so") from e
     if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
-        raise CheckpointError(f"{path} is not a checkpoint of this code base (no 'model'/'config' entries); "
-                              f"for plain weights files use model.pretrained={path}")
+        mmengine = isinstance(payload, dict) and {"meta", "state_dict"} <= set(payload)
+        raise CheckpointError(f"{path} is not a checkpoint of this code base (no 'model'/'config' entries)"
+                              f"{_other_tool('mmengine') if mmengine else ''}; for plain weights files use "
+                              f"model.pretrained={path}")
     # mappings (a state dict may hold a module's non-tensor extra state); loaders check what is in them
     if not all(isinstance(payload.get(k, {}), dict) for k in ("config", "model", "model_ema")):
         raise CheckpointError(f"{path} is not a checkpoint of this code base: its 'model' entry is not a "

@@ -29,7 +29,7 @@ import torch
 
 from models.modules import nonfinite_tensors
 
-from .checkpoint import CheckpointError, not_a_torch_file
+from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file
 from .distributed import raise_on_every_rank
 from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
@@ -49,6 +49,9 @@ def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's reader raises RuntimeError, pickle and zip errors alike
+        foreign = foreign_objects(e)
+        if foreign:
+            return None, foreign
         return None, (f"it cannot be read ({str(e).strip() or type(e).__name__}): a truncated or "
                       f"partly written file reads so")
     missing = [k for k in TRAINING_KEYS if not isinstance(payload, dict) or k not in payload]

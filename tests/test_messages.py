@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -108,6 +109,38 @@ def test_a_file_that_is_no_torch_file_is_named_as_what_it_is(tmp_path, kind, say
         good = tmp_path / f"good{legacy}.pt"
         torch.save({"model": {"w": torch.zeros(1)}, "config": {}}, good, _use_new_zipfile_serialization=not legacy)
         assert set(load_checkpoint(str(good))) == {"model", "config"}
+
+
+@pytest.mark.parametrize("tool", ["mmengine", "othertool"])
+def test_another_tools_checkpoint_is_named_as_such_not_as_a_file_cut_short(tmp_path, monkeypatch, tool):
+    """An MMEngine checkpoint (meta, state_dict, message_hub of pickled HistoryBuffers) given to evaluate.py
+    or copied over checkpoint.pt was 'a file cut short or corrupted', under torch's page of weights_only
+    advice; it is named as what it is, an MMEngine one with the script that reads it."""
+    from engine.checkpoint import load_checkpoint
+    from engine.snapshots import read_training_checkpoint
+    names = [tool, f"{tool}.logging", f"{tool}.logging.history_buffer"]
+    for name in names:  # a module of that name holding the class, as the tool's own would
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    buffer = type("HistoryBuffer", (), {"__module__": names[-1]})  # stands for MMEngine's logger buffer
+    sys.modules[names[-1]].HistoryBuffer = buffer
+    path = tmp_path / "epoch_1.pth"
+    torch.save({"meta": {"epoch": 1}, "state_dict": {"w": torch.zeros(1)}, "message_hub": {"loss": buffer()}},
+               path)
+    hint = ("it is an MMEngine checkpoint (a detector's: evaluate it with evaluate_detection.py --checkpoint)"
+            if tool == "mmengine" else "give a best.pt or checkpoint.pt written by train.py, or plain weights as "
+            "model.pretrained=FILE")
+    says = f"it holds pickled {names[-1]}.HistoryBuffer objects, which train.py never saves; {hint}"
+    with pytest.raises(CheckpointError, match=rf"^{path} is not a checkpoint of this code base: {re.escape(says)}"
+                       ) as e:
+        load_checkpoint(str(path))
+    assert "weights_only" not in str(e.value) and "cut short" not in str(e.value)
+    assert read_training_checkpoint(str(path)) == (None, says)
+    # without the pickled objects (plain data only) MMEngine's entries tell it
+    torch.save({"meta": {"epoch": 1}, "state_dict": {"w": torch.zeros(1)}}, path)
+    with pytest.raises(CheckpointError, match=r"no 'model'/'config' entries\); it is an MMEngine checkpoint \(a "
+                                              r"detector's: evaluate it with evaluate_detection.py --checkpoint\); "
+                                              r"for plain weights files use model.pretrained="):
+        load_checkpoint(str(path))
 
 
 def test_a_refused_train_resume_file_is_named_not_the_out_dir_checkpoint(debug_config):
