@@ -99,10 +99,13 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 def _build_language_model(cfg: ModelConfig) -> GPT:
     """A GPT-2 of `cfg.name`'s size (vocabulary: model.num_classes), with model.kwargs overrides."""
-    if cfg.attn != "softmax" or cfg.img_size is not None or cfg.pretrained == "hub" or cfg.drop_path:
-        raise ModelError(f"model '{cfg.name}' is a language model: model.attn, model.img_size, model.drop_path "
-                         "(stochastic depth; set it to 0) and model.pretrained=hub apply to the timm vision "
-                         "models only")
+    vision_only = {"model.attn": cfg.attn != "softmax", "model.img_size": cfg.img_size is not None,
+                   "model.drop_path": bool(cfg.drop_path), "model.pretrained": cfg.pretrained == "hub"}
+    given = [f"{key}={getattr(cfg, key[len('model.'):])}" for key, set_ in vision_only.items() if set_]
+    if given:
+        raise ModelError(f"model '{cfg.name}' is a language model: {', '.join(given)} "
+                         f"appl{'ies' if len(given) == 1 else 'y'} to the timm vision models only; drop "
+                         f"{'it' if len(given) == 1 else 'them'} (model.drop_path, stochastic depth: set it to 0)")
     try:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
     except TypeError as e:

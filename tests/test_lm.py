@@ -129,6 +129,19 @@ def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_p
     build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "nano.pt")))
 
 
+@pytest.mark.parametrize("overrides, named", [
+    (["model.img_size=64"], "model.img_size=64 applies"),
+    (["model.attn=softmax1", "model.drop_path=0.1"], "model.attn=softmax1, model.drop_path=0.1 apply"),
+    (["model.pretrained=hub"], "model.pretrained=hub applies")])
+def test_a_vision_only_model_setting_on_a_gpt_is_named(overrides, named):
+    """The refusal listed all four vision-only settings whichever one was set."""
+    from models import ModelError, build_model
+    with pytest.raises(ModelError, match=rf"model 'gpt2_nano' is a language model: {re.escape(named)} to the timm "
+                                         r"vision models only; drop (it|them)") as refused:
+        build_model(load_config([NANO], overrides).model)
+    assert str(refused.value).count("model.") == len(overrides) + 1  # + the drop_path hint
+
+
 def test_nanogpt_layout_loads_and_causality_holds():
     torch.manual_seed(0)
     model = build_gpt("gpt2_nano", vocab_size=65).eval()
