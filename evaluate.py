@@ -15,9 +15,10 @@ on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; tr
 not read, are refused: --amp is the evaluation's autocast). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
-APHQ and GPLQ draw their own seeded training images and loader (`build_pipeline_data`),
+APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
-options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused). Writes one JSON
+options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
+where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier). Writes one JSON
 (default: next to the checkpoint), a per-layer activation-max CSV and plot beside it, and prints a
 markdown row in the layout of the paper's tables.
 """
@@ -104,7 +105,7 @@ def main(args: argparse.Namespace) -> dict:
         for name, bits in planned(cfg):
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
-        reads_batch = any(reads_calibration_batch(cfg, name) for name, _ in todo)
+        reads_batch = any(reads_calibration_batch(name, task.language) for name, _ in todo)
         if todo and not task.language:
             check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
                               dataset_classes(cfg.data, val_loader.dataset))
@@ -417,7 +418,7 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
     settings = {"options": dataclasses.asdict(options) if options is not None else {}}
-    reads_batch = reads_calibration_batch(cfg, pipeline)
+    reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                                    "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
@@ -429,11 +430,21 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
 
 
-def reads_calibration_batch(cfg: Config, pipeline: str) -> bool:
-    """Whether `pipeline` reads the calibration batch: RTN reads no data, and APHQ and GPLQ on an image
-    classifier draw their own training images (`draws_training_images`)."""
+CALIBRATION_KEYS = ("quant.calib_images", "quant.calib_seed", "quant.calib_transform")  # the batch's settings
+
+
+def reads_calibration_batch(pipeline: str, language: bool) -> bool:
+    """Whether `pipeline` reads the calibration batch (of a `language` model or an image classifier): RTN reads
+    no data, and APHQ and GPLQ on an image classifier draw their own training images (`draws_training_images`)."""
     p = PIPELINES[pipeline]
-    return p.calibrated and not (p.draws_training_images and not task_for(cfg.data.dataset).language)
+    return p.calibrated and not (p.draws_training_images and not language)
+
+
+def calibration_overrides_unread(overrides: list[str], pipelines: list[str], language: bool) -> list[str]:
+    """The overrides of the calibration batch (quant.calib_*) when none of `pipelines` reads it: [] otherwise."""
+    if any(reads_calibration_batch(p, language) for p in pipelines):
+        return []
+    return [item for item in overrides if any(k in CALIBRATION_KEYS for k in override_keys(item))]
 
 
 def training_data(cfg: Config) -> dict:
@@ -523,6 +534,12 @@ def resolve_config(args: argparse.Namespace):
         raise ConfigError(f"{item} would be ignored: it sets options of {pipeline}, which this evaluation does not "
                           f"run (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}); add {pipeline} to "
                           f"--quant / quant.pipelines, or drop it")
+    batch = calibration_overrides_unread(args.overrides, cfg.quant.pipelines, task.language)
+    if batch:
+        raise ConfigError(f"{batch[0]} would be ignored: no pipeline of this evaluation reads the calibration batch "
+                          f"(pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no data, aphq and gplq "
+                          f"on an image classifier draw their own training images: quant.aphq.calib_images, "
+                          f"quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); drop it")
     try:
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:

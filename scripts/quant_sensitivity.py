@@ -110,9 +110,11 @@ def refuse_unread_keys(overrides: list[str], with_aphq: bool) -> None:
 
 
 def variant_overrides(overrides: list[str], pipelines: list[str]) -> list[str]:
-    """The overrides a variant running `pipelines` reads: all but the options of the pipelines it does not run
-    (evaluate.py refuses those; the `calib=train` variant runs no GPLQ, for example)."""
+    """The overrides a variant running `pipelines` reads: all but the options of the pipelines it does not run,
+    and the calibration batch's where none of them reads it (evaluate.py refuses those; the `calib=train`
+    variant runs no GPLQ, and GPLQ on a classifier draws its own images, for example)."""
     unread = {item for item, _ in evaluate.pipeline_options_unread(overrides, pipelines)}
+    unread |= set(evaluate.calibration_overrides_unread(overrides, pipelines, language=False))
     return [o for o in overrides if o not in unread]
 
 

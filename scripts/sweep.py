@@ -343,11 +343,12 @@ def main(argv=None) -> int:
 
 def refuse_unevaluated_options(runs: list[dict]) -> None:
     """evaluate.py refuses an override of the options of a pipeline it does not run (quant.aphq.iters=500
-    where the evaluation runs repq only): say so before the first run trains, not after it."""
+    where the evaluation runs repq only), and of the calibration batch where no pipeline reads it: say so
+    before the first run trains, not after it."""
     for run in runs:
         evaluated = evaluation_overrides(run)
-        if not any(len(k.split(".")) > 2 and k.startswith("quant.") for k in keys_of(evaluated)):
-            continue  # no pipeline's options: nothing to check (and no need to import evaluate.py's stack)
+        if not any(k.startswith("quant.") for k in keys_of(evaluated)):
+            continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
         import evaluate  # torch and the pipelines: only where a pipeline's options are given
         cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"] + run["evaluate"])
         pipelines = evaluate.evaluation_pipelines(cfg)
@@ -356,6 +357,11 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
                               f"does not run (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py would "
                               f"refuse it after the training; add {pipeline} to quant.pipelines (the sweep's "
                               "evaluate list), or drop it")
+        language = evaluate.task_for(cfg.data.dataset).language
+        for item in evaluate.calibration_overrides_unread(evaluated, pipelines, language):
+            raise ConfigError(f"sweep run '{run['name']}': {item} sets the calibration batch, which no pipeline of "
+                              f"its evaluation reads (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py "
+                              "would refuse it after the training; drop it")
 
 
 def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:

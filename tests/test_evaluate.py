@@ -212,6 +212,35 @@ def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused(digits_ch
                                              "quant.first_last=w8a8"], ["repq"]) == []
 
 
+def test_quant_sensitivity_gives_each_variant_the_overrides_it_reads():
+    """A gplq-only variant reads no calibration batch (GPLQ draws its own images): evaluate.py would refuse
+    quant.calib_images there, so only the variants with percentile or repq get it."""
+    sens = load_sensitivity_script()
+    given = ["quant.calib_images=8", "quant.gplq.steps=5", "quant.first_last=w8a8"]
+    assert sens.variant_overrides(given, ["gplq"]) == ["quant.gplq.steps=5", "quant.first_last=w8a8"]
+    assert sens.variant_overrides(given, ["percentile", "repq"]) == ["quant.calib_images=8", "quant.first_last=w8a8"]
+    assert sens.variant_overrides(given, ["percentile", "repq", "gplq"]) == given
+
+
+@pytest.mark.parametrize("pipelines, override", [(["rtn"], "quant.calib_images=8"),
+                                                (["aphq", "gplq"], "quant.calib_seed=3"),
+                                                (["gplq"], "quant={calib_transform: train}")])
+def test_a_calibration_batch_that_no_pipeline_reads_is_refused(digits_checkpoint, tmp_path, pipelines, override):
+    """RTN reads no data and APHQ and GPLQ draw their own training images on a classifier: quant.calib_* beside
+    them was accepted, and neither used nor recorded in the result."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(override)} would be ignored: no pipeline of this evaluation "
+                                          rf"reads the calibration batch \(pipelines: {', '.join(pipelines)};"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--out", str(tmp_path / "e.json"),
+                                           "--quant", *pipelines, override]))
+    assert not (tmp_path / "e.json").exists()
+    # one pipeline that reads it is enough; a language model's GPTQ reads it, its RTN does not
+    assert evaluate.calibration_overrides_unread([override], [*pipelines, "percentile"], language=False) == []
+    assert evaluate.calibration_overrides_unread(["quant.calib_images=8"], ["gptq"], language=True) == []
+    assert evaluate.calibration_overrides_unread(["quant.calib_images=8", "quant.first_last=w8a8"], ["rtn"],
+                                                 language=True) == ["quant.calib_images=8"]
+    assert evaluate.calibration_overrides_unread(["quant.calib_images=8"], ["gplq"], language=True) == []
+
+
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     def result(method, fp, repq, module=5.0, block=3.0):
         return {"model": "m", "method": method, "fp": {"top1": fp},

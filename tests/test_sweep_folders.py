@@ -155,3 +155,17 @@ def test_options_of_a_pipeline_the_evaluation_does_not_run_are_refused_before_tr
     spec.write_text(spec.read_text().replace("quant.pipelines=[repq]", "quant.pipelines=[repq,aphq]"))
     assert sweep.main([str(spec), "--evaluate", *extra]) == 0
     assert override in capsys.readouterr().out.splitlines()[-1]  # the evaluate.py command
+
+
+def test_a_calibration_batch_no_pipeline_of_the_evaluation_reads_is_refused_before_training(tmp_path):
+    """evaluate.py refuses quant.calib_images where its pipelines read no calibration batch (RTN; APHQ and GPLQ
+    on a classifier); the sweep would train every run first."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
+                    f"evaluate: ['quant.pipelines=[gplq]', 'quant.calib_images=8']\nruns:\n  a: []\n")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.calib_images=8 sets the calibration batch, "
+                                         r"which no pipeline of its evaluation reads \(pipelines: gplq\)"):
+        sweep.main([str(spec), "--evaluate"])
+    assert not (tmp_path / "runs").exists()
+    spec.write_text(spec.read_text().replace("quant.pipelines=[gplq]", "quant.pipelines=[gplq,repq]"))
+    assert sweep.main([str(spec), "--evaluate"]) == 0
