@@ -166,6 +166,33 @@ def test_the_integrations_section_has_an_example_per_framework():
     assert 'custom_hooks=[dict(type="ColinearityDecayHook", lam=0.005)]' in found
 
 
+def test_each_integration_example_needs_only_what_its_install_line_installs():
+    """A user installs the extra that the example's text names (its own `pip install` line, else its framework's
+    row of the table) and pastes the code: every module it imports must come with that install."""
+    import ast
+    import sys
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    with open(os.path.join(ROOT, "cd", "README.md")) as f:
+        section = f.read().split("### In transformers, Lightning and MMEngine", 1)[1].split("\n### ", 1)[0]
+    for code in integration_examples():
+        before = section[:section.index(code)].removesuffix("```python\n").rstrip().rsplit("\n\n", 1)[-1]  # its intro
+        framework = next(n for n in ("hf", "lightning", "mmengine") if f"cd.integrations.{n}" in code)
+        named = re.findall(r'pip install "?\.\[([\w,]+)\]', before)
+        if not named:  # the table's install column: cd.integrations.<name> comes with the extra [<name>]
+            assert f"`pip install .[{framework}]`" in section
+        extras = named[-1].split(",") if named else [framework]
+        installed = {"cd"} | {re.split(r"[<>=! ]", d)[0] for d in project["dependencies"]}
+        for extra in extras:
+            installed |= {re.split(r"[<>=! ]", d)[0] for d in project["optional-dependencies"][extra]}
+        imported = {name.split(".")[0] for node in ast.walk(ast.parse(code))
+                    for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                                 [node.module] if isinstance(node, ast.ImportFrom) else [])}
+        assert imported - sys.stdlib_module_names <= installed, (framework, extras, imported - installed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("code", integration_examples(), ids=["hf", "lightning", "mmengine"])
 def test_integration_examples_run_as_written(code, tmp_path):
