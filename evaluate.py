@@ -19,8 +19,8 @@ APHQ and GPLQ on a classifier draw their own seeded training images and loader (
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
 where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier). Writes one JSON
-(default: next to the checkpoint), a per-layer activation-max CSV and plot beside it, and prints a
-markdown row in the layout of the paper's tables.
+(default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
+and plot beside it, and prints a markdown row in the layout of the paper's tables.
 """
 from __future__ import annotations
 
@@ -785,7 +785,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
     parser.add_argument("--bits", nargs="*", action="extend",
                         help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
-    parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint)")
+    parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint; "
+                                      "without --checkpoint runs/eval/<model.name>.json)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
     parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "
                         "already has again (the old entries are kept under 'history')")

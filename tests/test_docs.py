@@ -221,3 +221,20 @@ def test_files_that_readme_commands_write_are_not_documentation(tmp_path, with_g
         subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
         subprocess.run(["git", "add", "README.md"], cwd=tmp_path, check=True)
     assert repository_markdown(str(tmp_path)) == ["README.md", "docs/a.md"]
+
+
+def test_the_json_of_an_evaluation_without_checkpoint_is_where_the_readme_and_help_say(capsys):
+    """`evaluate.py --config ... model.pretrained=FILE` has no checkpoint folder to write beside: the README's
+    command and `--out`'s help name the file it writes."""
+    import evaluate
+
+    documented = "runs/eval/<model.name>.json"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    line = next(ln for ln in readme.splitlines() if "# your own weights file" in ln)
+    assert documented in line
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--help"])
+    assert documented in " ".join(capsys.readouterr().out.split())
+    assert evaluate.default_out_path(None, "vit_base_patch16_224") == os.path.join(
+        "runs", "eval", "vit_base_patch16_224.json")
