@@ -467,11 +467,12 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
 
 
 def as_config_error(section: str, build, *args, **kwargs):
-    """Call `build`; a ValueError about its settings becomes a ConfigError naming the config section."""
+    """Call `build`; a ValueError about its settings becomes a ConfigError naming the config section (once:
+    the cd package's own messages begin with "cd ")."""
     try:
         return build(*args, **kwargs)
     except ValueError as e:
-        raise ConfigError(f"{section}: {e}") from e
+        raise ConfigError(str(e) if str(e).startswith(f"{section} ") else f"{section}: {e}") from e
 
 
 def reached(step: int, max_steps: int | None) -> bool:

@@ -225,7 +225,7 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("cd.lam_per_role.fc3=0.1", "cd: .*unknown role"),
+    ("cd.lam_per_role.fc3=0.1", r"^cd lam_per_role: unknown role\(s\) \['fc3'\]"),  # was "cd: cd lam_per_role"
     ("cd.lam=0.1", "cd.budget: .*< 0"),  # wd 0.05 - lam 0.1 would be negative
     ("tweo.p=0.5", "'tweo.p' must be >= 1"),
     ("train.eval_every_epochs=0", "eval_every_epochs"),
