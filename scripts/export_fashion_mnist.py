@@ -20,6 +20,7 @@ import argparse
 import gzip
 import os
 import sys
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -53,11 +54,13 @@ def read_idx(path: str) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             data = f.read()
-    except OSError as e:  # e.g. a truncated or non-gzip .gz
-        raise ExportError(f"cannot read {path}: {e}") from e
+    except (OSError, EOFError, zlib.error) as e:  # a non-gzip .gz, one cut short (EOFError), corrupt (zlib)
+        raise ExportError(f"cannot read {path}: {e}") from None
     if len(data) < 4 or data[0] or data[1] or data[2] != IDX_UBYTE or not 1 <= data[3] <= 4:
         raise ExportError(f"{path} is not an idx file of unsigned bytes (header {data[:4].hex()})")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:  # the sizes themselves cut short
+        raise ExportError(f"{path}: the header promises {ndim} sizes, the file ends after {len(data)} bytes")
     shape = tuple(int(s) for s in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     body = data[4 + 4 * ndim:]
     if len(body) != int(np.prod(shape)):
@@ -94,6 +97,8 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
            val_per_class: Optional[int] = None) -> dict:
     """Write OUT/{train,val}/<class>/<index>.png; returns {split: images written}."""
     from PIL import Image
+    if not out:  # os.path.exists("") is False, and every path below would then lie in the current folder
+        raise ExportError("--out is empty; give the folder to write the images in")
     if os.path.isdir(out) and os.listdir(out):
         raise ExportError(f"{out} is not empty; remove it or give another --out")
     if os.path.exists(out) and not os.path.isdir(out):

@@ -104,3 +104,35 @@ def test_bad_inputs_are_error_lines(source, tmp_path, capsys):
     assert fm.main(["--source", folder, "--out", str(tmp_path / "c")]) == 2
     assert "not an idx file of unsigned bytes" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "c")  # everything is read before anything is written
+
+
+@pytest.mark.parametrize("damage", ["sizes cut short", "gzip cut short", "gzip corrupt"])
+def test_a_damaged_idx_file_is_one_error_line(source, tmp_path, capsys, damage):
+    folder, _ = source
+    path = os.path.join(folder, fm.FILES["val"][0])
+    if damage == "sizes cut short":  # 3 dimensions promised, the file ends inside the first size
+        with gzip.open(path, "wb") as f:
+            f.write(b"\x00\x00\x08\x03\x00\x00")
+    else:
+        with gzip.open(path, "rb") as f:
+            data = bytearray(gzip.compress(f.read(), mtime=0))  # a header of 10 bytes, no file name
+        if damage == "gzip cut short":
+            data = data[:len(data) // 2]
+        else:  # the first deflate block of the reserved type 3: zlib's "invalid block type"
+            data[10] = 0b111
+        open(path, "wb").write(bytes(data))
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and path in lines[0], lines
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_empty_out_is_refused_instead_of_writing_into_the_current_folder(source, tmp_path, monkeypatch, capsys):
+    folder, _ = source
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "keep.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    assert fm.main(["--source", folder, "--out", ""]) == 2
+    assert capsys.readouterr().err.startswith("error: --out is empty")
+    assert os.listdir(here) == ["keep.txt"]
