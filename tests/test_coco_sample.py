@@ -70,3 +70,14 @@ def test_a_root_under_a_file_is_one_error_line(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "writable new folder" in lines[0], lines
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_empty_root_is_one_error_line_not_a_write_into_the_current_folder(tmp_path, monkeypatch, capsys):
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "keep.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    assert make_coco_sample.main([""]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "root folder is empty" in lines[0], lines
+    assert os.listdir(here) == ["keep.txt"]
