@@ -39,3 +39,28 @@ def test_above_2_pow_24_elements_matches_numpy():
 def test_rejects_bad_levels():
     with pytest.raises(ValueError):
         quantile(torch.randn(5), [1.5])
+
+
+def test_a_level_exactly_halfway_interpolates_from_the_upper_value_as_numpy_does():
+    # pos = 0.25 * 2 = 0.5: numpy's _lerp takes b - (b - a) * 0.5 there; a + (b - a) * 0.5 differs in the last bit
+    x = torch.tensor([-0.00013210486, 0.012573021, 1.0125730])
+    got = quantile(x, [0.25])
+    assert got.item() == np.quantile(x.numpy(), 0.25)
+    a, b = x[0], x[1]
+    assert got.item() == (b - (b - a) * 0.5).item() != (a + (b - a) * 0.5).item()
+
+
+def test_reduced_dimension_leaves_the_others_in_order():
+    x = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1))
+    for dim in (0, 1, -1):
+        got = quantile(x, [0.2, 0.9], dim=dim)
+        want = np.stack([np.quantile(x.numpy(), q, axis=dim) for q in (0.2, 0.9)])
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_an_empty_tensor_is_a_value_error():
+    with pytest.raises(ValueError, match="empty"):
+        quantile(torch.zeros(0), [0.5])
+    with pytest.raises(ValueError, match="empty"):
+        quantile(torch.zeros(3, 0), [0.5], dim=1)

@@ -306,3 +306,12 @@ def test_log_sqrt2_delta_search_is_by_squared_error_not_absolute_error():
     mae = [float(e.abs().mean()) for e in errors]
     assert np.argmin(mse) != np.argmin(mae)
     assert q.delta.item() == pytest.approx(deltas[int(np.argmin(mse))], rel=1e-5)
+
+
+def test_grad_scale_keeps_the_value_and_scales_the_gradient():
+    from quant.functional import grad_scale
+    x = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)
+    y = grad_scale(x, 0.25)
+    assert torch.equal(y.detach(), x.detach())
+    (g,) = torch.autograd.grad((y * torch.tensor([1.0, 2.0, 3.0])).sum(), x)
+    assert torch.equal(g, torch.tensor([0.25, 0.5, 0.75]))  # d/dx of sum(c * x) = c, times the factor
