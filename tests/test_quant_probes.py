@@ -182,3 +182,38 @@ def test_module_maxima_cover_every_tensor_of_a_tuple_output():
         model(torch.tensor([[1.0, -2.0]]))
     got = probe.result()
     assert (got.module, got.block) == (10.0, 4.0)  # max(|3x|, |-5x|) = 10; |3x - 5x| = |-2x| <= 4
+
+
+RECORDS = [  # as ActivationProbe.result().per_layer lays them out; block -1: a module outside the blocks
+    {"name": "blocks.1", "kind": "block", "block": 1, "type": "block", "max": 8.0, "kurtosis": 3.5},
+    {"name": "blocks.0.mlp.fc2", "kind": "module", "block": 0, "type": "mlp.fc2", "max": 2.0, "kurtosis": 1.0},
+    {"name": "blocks.0", "kind": "block", "block": 0, "type": "block", "max": 4.0, "kurtosis": 2.5},
+    {"name": "head", "kind": "module", "block": -1, "type": "head", "max": 9.0, "kurtosis": 0.5},
+]
+
+
+def test_max_by_type_groups_by_module_type_in_block_order_without_outside_modules():
+    from engine.act_max_files import max_by_type
+    assert max_by_type(RECORDS) == {"block": [(0, 4.0), (1, 8.0)], "mlp.fc2": [(0, 2.0)]}
+
+
+def test_csv_holds_every_record_and_the_kurtosis_column_when_measured(tmp_path):
+    path = write_csv(RECORDS, tmp_path / "new" / "act.csv")  # the folder is created
+    assert path.read_text().splitlines() == [
+        "name,kind,block,type,max,kurtosis", "blocks.1,block,1,block,8.0,3.5", "blocks.0.mlp.fc2,module,0,mlp.fc2,2.0,1.0",
+        "blocks.0,block,0,block,4.0,2.5", "head,module,-1,head,9.0,0.5"]
+    plain = [{k: v for k, v in r.items() if k != "kurtosis"} for r in RECORDS[:1]]
+    assert write_csv(plain, tmp_path / "plain.csv").read_text().splitlines() == [
+        "name,kind,block,type,max", "blocks.1,block,1,block,8.0"]
+
+
+def test_a_figure_is_its_size_in_inches_on_the_agg_canvas(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    from engine.figures import new_figure
+    fig = new_figure(7, 4)
+    assert tuple(fig.get_size_inches()) == (7.0, 4.0) and isinstance(fig.canvas, FigureCanvasAgg)
+    fig.savefig(tmp_path / "f.png", dpi=10)
+    assert Image.open(tmp_path / "f.png").size == (70, 40)
+    assert Image.open(plot(RECORDS, tmp_path / "p.png")).size == tuple(int(v * fig.dpi) for v in (7, 4))

@@ -196,6 +196,12 @@ class TestLogSqrt2:
         want = [0.0, d, d / s2, d / 2, d, smallest, smallest, 0.0, 0.0]
         assert values.tolist() == pytest.approx(want, rel=1e-6, abs=0)
 
+    def test_codes_of_underflowing_inputs_stay_in_the_code_range(self):
+        # the zero mask marks them; their codes are still clamped to the last one (documented: [0, 2^bits - 1])
+        x = torch.tensor([0.0, 1e-12, self.delta * 2 ** -8.4])
+        codes, zero = log_sqrt2_codes(x, torch.tensor(self.delta), 4)
+        assert zero.tolist() == [True, True, True] and codes.tolist() == [15.0, 15.0, 15.0]
+
     def test_quantizer_idempotent_and_bounded(self):
         x = torch.softmax(torch.randn(2, 3, 17, 17, generator=gen(11)) * 3, dim=-1)
         q = fitted(LogSqrt2Quantizer(4), x)
@@ -315,3 +321,13 @@ def test_grad_scale_keeps_the_value_and_scales_the_gradient():
     assert torch.equal(y.detach(), x.detach())
     (g,) = torch.autograd.grad((y * torch.tensor([1.0, 2.0, 3.0])).sum(), x)
     assert torch.equal(g, torch.tensor([0.25, 0.5, 0.75]))  # d/dx of sum(c * x) = c, times the factor
+
+
+
+def test_log_sqrt2_training_path_gradient_of_delta_is_one_per_saturated_element():
+    # out = delta * 2^(-q / 2) with q = round_ste(-2 log2(x / delta)): inside the range d q / d delta =
+    # 2 / (delta ln 2), so the two terms 2^(-q/2) - 2^(-q/2) cancel; above delta q is clamped at 0 and out = delta
+    x = torch.tensor([0.3, 0.1, 0.02, 0.8, 0.9])
+    delta = torch.tensor(0.5, requires_grad=True)
+    (g,) = torch.autograd.grad(fake_quant_log_sqrt2(x, delta, 4, ste=True).sum(), delta)
+    assert g.item() == pytest.approx(2.0, abs=1e-5)  # the two saturated elements
