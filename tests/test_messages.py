@@ -262,3 +262,37 @@ def test_an_error_line_is_one_write_so_ranks_sharing_stderr_cannot_run_their_lin
         exit_with_error("the disk is on fire", code=code)
     assert writes == ["error: the disk is on fire\n"]
     assert done.value.code == (1 if code is None else code)
+
+
+def test_an_error_line_goes_to_stderr_and_the_log_file_once_and_only_the_main_rank_writes_a_log(tmp_path, capsys):
+    import logging
+
+    from engine.runinfo import exit_with_error, setup_logging
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        setup_logging(str(tmp_path), is_main=True)
+        setup_logging(str(tmp_path), is_main=True)  # set up again (a second run in one process): no double lines
+        logging.getLogger("t").info("hello")
+        with pytest.raises(SystemExit):
+            exit_with_error("the disk is on fire")
+        out, err = capsys.readouterr()
+        assert err == "error: the disk is on fire\n"
+        assert out.count("hello") == 1 and "on fire" not in out  # the console gets stderr's line only
+        lines = (tmp_path / "train.log").read_text().splitlines()  # the default file name
+        assert len(lines) == 2 and lines[0].endswith(" t INFO hello"), lines
+        assert lines[1].endswith(" ERROR error: the disk is on fire"), lines  # logger named after the program
+        other = tmp_path / "rank1"
+        other.mkdir()
+        setup_logging(str(other), is_main=False)
+        logging.getLogger("t").info("quiet")
+        logging.getLogger("t").warning("loud")
+        assert os.listdir(other) == [] and root.level == logging.WARNING
+        out = capsys.readouterr().out
+        assert "quiet" not in out and "loud" in out
+    finally:
+        for handler in [h for h in root.handlers if getattr(h, "_cd_run", False)]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
