@@ -81,3 +81,19 @@ def test_an_empty_root_is_one_error_line_not_a_write_into_the_current_folder(tmp
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "root folder is empty" in lines[0], lines
     assert os.listdir(here) == ["keep.txt"]
+
+
+def test_the_command_line_passes_every_setting_and_refuses_with_exit_status_2(tmp_path, capsys):
+    root = tmp_path / "cli"
+    assert make_coco_sample.main([str(root), "--train", "3", "--val", "1", "--size", "40", "--seed", "5"]) == 0
+    assert capsys.readouterr().out.startswith("3 train and 1 val images")
+    assert len(os.listdir(root / "train2017")) == 3 and len(os.listdir(root / "val2017")) == 1
+    write_coco_sample(str(tmp_path / "ref"), train=3, val=1, size=40, seed=5)  # the same set, from the function
+    for split in ("train2017", "val2017"):
+        name = f"annotations/instances_{split}.json"
+        assert (root / name).read_text() == (tmp_path / "ref" / name).read_text()
+    assert Image.open(next((root / "val2017").iterdir())).size == (40, 40)
+    assert make_coco_sample.main([str(root)]) == 2  # not empty
+    assert capsys.readouterr().err.strip().endswith("give a new folder (nothing is overwritten)")
+    assert make_coco_sample.main([str(tmp_path / "bad"), "--size", "8"]) == 2
+    assert capsys.readouterr().err.startswith("error: need 1 <= train")

@@ -136,3 +136,17 @@ def test_an_empty_out_is_refused_instead_of_writing_into_the_current_folder(sour
     assert fm.main(["--source", folder, "--out", ""]) == 2
     assert capsys.readouterr().err.startswith("error: --out is empty")
     assert os.listdir(here) == ["keep.txt"]
+
+
+def test_an_empty_out_folder_and_a_class_of_exactly_n_images_are_accepted(source, tmp_path):
+    folder, _ = source
+    out = tmp_path / "out"
+    out.mkdir()  # "must be empty or absent"
+    assert fm.export(folder, str(out), train_per_class=3, val_per_class=1) == {"train": 30, "val": 10}
+
+
+def test_a_label_beyond_the_ten_classes_is_one_error_line(source, tmp_path, capsys):
+    folder, data = source
+    write_idx(os.path.join(folder, fm.FILES["val"][1]), np.append(data["val"][1][:-1], 10))
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
+    assert "labels go up to 10; Fashion-MNIST has 10 classes" in capsys.readouterr().err
