@@ -249,3 +249,23 @@ def test_the_training_order_follows_train_seed_and_data_repeated_aug(repeated_au
     assert order(1) != first
     # the epoch's last image may be cut short of its k copies
     assert Counter(Counter(first).values()).most_common(1)[0][0] == max(repeated_aug, 1)
+
+
+def test_seed_all_seeds_every_global_generator_as_documented(monkeypatch):
+    import random
+
+    from engine.rng import mix_seed, seed_all
+    seed = 2 ** 40 + 7  # numpy takes it modulo 2^32
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.random.default_generator.manual_seed(seed)
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    cuda_seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", cuda_seeds.append)
+    for cuda in (False, True):
+        seed_all(seed, cuda=cuda)
+        assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+        assert cuda_seeds == ([seed] if cuda else [])  # data workers leave the CUDA generators alone
+    seeds = {mix_seed(a, b) for a in range(40) for b in range(40)}
+    assert len(seeds) == 1600 and all(0 <= s < 2 ** 63 for s in seeds)  # distinct, 63-bit
+    assert mix_seed(1, 2) != mix_seed(2, 1) and mix_seed(3) == mix_seed(3)
