@@ -241,3 +241,20 @@ def test_cli_refuses_families_with_a_model_in_one_error_line(capsys):
     captured = capsys.readouterr()
     assert exit_info.value.code == 2 and captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith("error: --families lists every family, not --model swin_tiny_patch4_window7_224")
+
+
+def test_cli_default_model_table_layout_and_a_typo_with_suggestions(capsys):
+    pairs_main([])  # the documented default: vit_base_patch16_224
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "vit_base_patch16_224:"
+    assert lines[1].split() == ["#", "role", "kind", "W2", "(downstream,", "decayed)", "W2", "shape", "W1",
+                                "(upstream)", "W1", "shape"]
+    assert set(lines[2]) == {"-", " "}  # the rule under the header
+    assert lines[3].split()[:4] == ["0", "qkv", "composable", "blocks.0.attn.qkv.weight"]
+    assert lines[-2].split()[:2] == ["47", "fc2"] and lines[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
+    with pytest.raises(SystemExit) as exit_info:
+        pairs_main(["--model", "vit_base_patch_224"])  # a typo difflib rates 0.947 against the real name
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown timm model 'vit_base_patch_224'; did you mean ") and \
+        "vit_base_patch16_224" in err
