@@ -189,3 +189,16 @@ def test_official_deit3_layer_scale_names_load_into_the_same_outputs(tmp_path):
                                   f"model.pretrained={tmp_path / 'deit3.pth'}", "model.pretrained_strict=true"))
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(model.eval()(x), source(x), atol=0, rtol=0)
+
+
+def test_weights_of_a_model_with_a_compiled_submodule_load(tmp_path):
+    # torch.compile of one block leaves '_orig_mod.' inside the key, where timm's prefix cleaning does not look
+    from models.pretrained import load_pretrained
+    source = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3"))
+    state = {k.replace("blocks.0.", "blocks.0._orig_mod."): v for k, v in source.state_dict().items()}
+    assert any("._orig_mod." in k for k in state)
+    torch.save(state, tmp_path / "w.pth")
+    target = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3"))
+    load_pretrained(target, str(tmp_path / "w.pth"), strict=True)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
