@@ -10,7 +10,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def mix_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (the splitmix64 finalizer folded over the parts)."""
+    """A well-mixed 63-bit seed from integers: each part is xored in and mixed with the constants of
+    splitmix64's finalizer (a variant: the part enters where splitmix64 shifts by 30)."""
     h = 0x9E3779B97F4A7C15
     for p in parts:
         h = (h ^ (int(p) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64

@@ -84,8 +84,9 @@ def fake_quant_log_sqrt2(x: torch.Tensor, delta: torch.Tensor, bits: int, ste: b
         ste: differentiable path: the rounding is straight-through in the log domain, so inside the
             representable range d out / d x = out / x (about 1, not exactly 1); 0 where x saturates
             above delta or underflows to 0, and at the first and last codes themselves (torch.clamp passes no
-            gradient at its bounds, as in the official QDrop / APHQ code); delta gets the gradient of the
-            dequantisation.
+            gradient at its bounds, as in the official QDrop / APHQ code). delta gets 1 per element that
+            saturates at delta and 0 inside the range, where the code's straight-through dependence on delta
+            cancels the dequantisation's.
 
     Returns:
         Tensor like x.
