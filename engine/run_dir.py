@@ -385,6 +385,9 @@ def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[
     if both:
         raise RunDirError(f"{both[0]} is an input of this command and would be replaced by its output; choose "
                           f"another --out")
+    folders = [p for p in paths if os.path.isdir(p)]
+    if folders:  # --overwrite replaces a file; opening a folder for writing is an IsADirectoryError traceback
+        raise RunDirError(f"{folders[0]} is a folder, where this command writes a file; choose another --out")
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "

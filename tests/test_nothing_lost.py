@@ -767,3 +767,15 @@ def test_a_roll_back_to_the_folders_own_snapshot_without_checkpoint_pt_is_claime
             with claim_run_dir(out, other, False):
                 pass
         assert _tree(out) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_where_a_script_writes_a_file_is_refused_even_with_overwrite(tmp_path, overwrite):
+    """compare_act_max.py --out X --overwrite, with a folder named X.csv, ended in an IsADirectoryError
+    traceback after the inputs were read; the folder and what it holds stay as they were."""
+    from engine.run_dir import RunDirError, refuse_existing_outputs
+    (tmp_path / "o.csv").mkdir()
+    (tmp_path / "o.csv" / "mine.txt").write_text("mine")
+    with pytest.raises(RunDirError, match=r"o.csv is a folder, where this command writes a file"):
+        refuse_existing_outputs([str(tmp_path / "o.png"), str(tmp_path / "o.csv")], overwrite=overwrite)
+    assert (tmp_path / "o.csv" / "mine.txt").read_text() == "mine"
