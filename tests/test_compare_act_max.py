@@ -82,3 +82,31 @@ def test_a_file_that_is_not_an_act_max_csv_is_named(tmp_path):
     with pytest.raises(SystemExit, match=r"short.csv is not an act_max CSV of evaluate.py"):
         compare.main([f"a={tmp_path}/short.csv", "--out", str(tmp_path / "o")])
     assert not os.path.exists(tmp_path / "o.csv")
+
+
+def test_the_csv_holds_min_mean_max_over_runs_in_any_order(tmp_path):
+    """Every statistic of the written CSV against values worked out by hand, with the larger run first (the
+    max is not the last run's value) and the module maxima differing between the runs."""
+    compare = load()
+    write(tmp_path / "m_s0.csv", run_rows([9.0, 2.0], [1.0, 8.0], [4.0, 3.0]))
+    write(tmp_path / "m_s1.csv", run_rows([5.0, 6.0], [2.0, 1.0], [7.0, 1.0]))
+    out = str(tmp_path / "cmp")
+    compare.main([f"m={tmp_path}/m_s*.csv", "--out", out])
+    with open(out + ".csv", newline="") as f:
+        got = [{k: (v if k == "method" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+    # block 0: outputs 9, 5; modules max(1, 4) = 4 and max(2, 7) = 7. block 1: outputs 2, 6; modules 8 and 1
+    assert got == [
+        {"method": "m", "block": 0, "runs": 2, "block_mean": 7.0, "block_min": 5.0, "block_max": 9.0,
+         "module_mean": 5.5, "module_min": 4.0, "module_max": 7.0},
+        {"method": "m", "block": 1, "runs": 2, "block_mean": 4.0, "block_min": 2.0, "block_max": 6.0,
+         "module_mean": 4.5, "module_min": 1.0, "module_max": 8.0}]
+
+
+def test_a_shallower_run_of_a_method_is_refused_not_a_traceback(tmp_path):
+    """A later run with fewer blocks than the first (another model) is one error naming it, as a deeper one is."""
+    compare = load()
+    write(tmp_path / "m_s0.csv", run_rows([1.0, 2.0, 3.0], [1.0] * 3, [1.0] * 3))
+    write(tmp_path / "m_s1.csv", run_rows([1.0, 2.0], [1.0] * 2, [1.0] * 2))
+    with pytest.raises(SystemExit, match=r"m_s1.csv has blocks \[0, 1\], .*m_s0.csv has \[0, 1, 2\]"):
+        compare.main([f"m={tmp_path}/m_s*.csv", "--out", str(tmp_path / "cmp")])
+    assert not os.path.exists(tmp_path / "cmp.csv")
