@@ -525,6 +525,33 @@ def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
         read_result_files([files[0]])  # the table scripts read classifiers' results only
 
 
+def test_motivation_figure_reads_bits_in_any_case_names_a_detector_by_its_first_config_and_keeps_its_inputs(
+        tmp_path):
+    """--bits W4A4 is evaluate.py's w4a4 (as --bits is there); a detector given as base + override configs
+    is named by the first (the documented rule); a result file at an output's path is never replaced, even
+    with --overwrite."""
+    import motivation_figure
+
+    classifier = tmp_path / "vit.json"
+    classifier.write_text(json.dumps({"model": "vit_b", "method": "CD", "fp": {"top1": 81.0},
+                                      "max_act": {"module": 45.6, "block": 162.4},
+                                      "quant": {"repq": {"w4a4": {"top1": 77.8}}}}))
+    detector = tmp_path / "det.json"
+    detector.write_text(json.dumps({"task": "detection", "method": "CD",
+                                    "config": ["/r/mask_rcnn_swin_t_1x.py", "/r/override_lr.py"],
+                                    "fp": {"bbox_mAP": 0.4}, "max_act": {"backbone": 5.0, "head": 1.0},
+                                    "quant": {"repq": {"w4a4": {"bbox_mAP": 0.3}}}}))
+    rows = motivation_figure.main([str(classifier), str(detector), "--bits", "W4A4", "--out", str(tmp_path / "f")])
+    assert [(r["model"], r["quantized"]) for r in rows] == [("vit_b", 77.8), ("mask_rcnn_swin_t_1x", 30.0)]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "motivation.csv").write_text(classifier.read_text())  # a result, under the name of an output
+    with pytest.raises(SystemExit, match=r"motivation.csv is an input of this command and would be replaced"):
+        motivation_figure.main([str(kept / "motivation.csv"), "--out", str(kept), "--overwrite"])
+    assert (kept / "motivation.csv").read_text() == classifier.read_text()
+    assert not (kept / "motivation.png").exists()
+
+
 @pytest.mark.slow
 def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(tmp_path):
     """Ctrl-C (SIGINT to the sweep's process group) while the first run trains: the run writes its checkpoint
