@@ -194,6 +194,51 @@ def test_quant_sensitivity_refuses_an_override_that_no_run_reads(tmp_path, overr
     assert not (tmp_path / "sens").exists()
 
 
+def test_quant_sensitivity_runs_the_documented_variants_and_tabulates_their_changes(tmp_path, monkeypatch, capsys):
+    """Without evaluating (evaluate.main stands in, a top-1 per file and pipeline): each variant of the module
+    docstring runs its pipelines with its one setting into its own file, an override of a pipeline's options
+    reaches the variants that run it only, --bits W4A4 is w4a4, the table's change is variant minus official,
+    and the summary records what was asked and is never replaced without --overwrite."""
+    from engine.run_dir import RunDirError
+
+    sens = load_sensitivity_script()
+    official = {"percentile": 50.0, "repq": 60.0, "gplq": 70.0}
+    calls = {}
+
+    def stand_in(args):
+        name = os.path.basename(args.out)
+        calls[name] = (sorted(args.quant), list(args.overrides), args.bits)
+        change = 0.0 if name == "official.json" else 2.5 if name == "first_last-w8a8.json" else -1.25
+        return {"quant": {p: {"w4a4": {"top1": official[p] + change}} for p in args.quant}}
+
+    monkeypatch.setattr(sens.evaluate, "main", stand_in)
+    out = tmp_path / "sens"
+    out.mkdir()  # evaluate.py, which this test does not run, makes it
+    table = sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(out), "--bits", "W4A4",
+                       "quant.gplq.steps=5"])
+    all3, gplq = ["gplq", "percentile", "repq"], ["gplq"]
+    steps = "quant.gplq.steps=5"
+    assert calls == {
+        "official.json": (all3, [steps], ["w4a4"]),
+        "first_last-w8a8.json": (all3, [steps, "quant.first_last=w8a8"], ["w4a4"]),
+        "calib-train.json": (["percentile", "repq"], ["quant.calib_transform=train"], ["w4a4"]),
+        "gplq_operands_float.json": (gplq, [steps, "quant.gplq.matmul_operands=false"], ["w4a4"]),
+        "gplq_lsq_lr_1e-4.json": (gplq, [steps, "quant.gplq.scale_lr=1e-4"], ["w4a4"]),
+        "gplq_qwt_w32a4.json": (gplq, [steps, "quant.gplq.qwt_target=w32a4"], ["w4a4"]),
+        "gplq_qwt_teacher.json": (gplq, [steps, "quant.gplq.qwt_target=teacher"], ["w4a4"]),
+        "gplq_stage2_eval.json": (gplq, [steps, "quant.gplq.stage2_train_transform=false"], ["w4a4"])}
+    printed = capsys.readouterr().out
+    assert "| official | 50.00 | 60.00 | 70.00 |" in printed
+    assert "| first_last=w8a8 | 52.50 (+2.50) | 62.50 (+2.50) | 72.50 (+2.50) |" in printed
+    assert "| calib=train | 48.75 (-1.25) | 58.75 (-1.25) |  |" in printed
+    summary = out / "sensitivity_w4a4.json"
+    saved = json.loads(summary.read_text())
+    assert saved == {"checkpoint": str(tmp_path / "best.pt"), "bits": "w4a4", "overrides": [steps], "top1": table}
+    with pytest.raises(RunDirError, match="sensitivity_w4a4.json already exist"):
+        sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(out)])
+    assert json.loads(summary.read_text()) == saved
+
+
 @pytest.mark.parametrize("pipelines, overrides, unread", [
     (["repq"], ["quant.aphq.iters=500"], "aphq"), (None, ["quant.calib_images=8", "quant.gplq={steps: 5}"], "gplq"),
     (["percentile"], ["quant={repq: {reparam: false}}"], "repq")])
