@@ -369,3 +369,21 @@ def test_strict_defaults_are_the_documented_ones_and_quantize_per_tensor_statica
     found = _activation_quantizers(PIPELINES["smoothquant_strict"](model, calib, "w8a8", options).model)
     assert {n.rsplit(".", 1)[1] for n, q in found.items() if q is None} == {"attn"}  # qkv: probabilities float
     assert all(isinstance(q, DynamicQuantizer) for q in found.values() if q is not None)
+
+
+def test_scope_script_writes_its_table_between_the_markers_of_the_quant_readme(monkeypatch, tmp_path):
+    """--write (the argv given, not the process's) targets quant/README.md, the document that holds the
+    script's markers, and replaces only what lies between them."""
+    spec = importlib.util.spec_from_file_location("quant_scope", ROOT / "scripts" / "quant_scope.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (ROOT / "quant" / "README.md").read_text()
+    assert script.README.resolve() == (ROOT / "quant" / "README.md").resolve()
+    assert script.BEGIN in readme and script.END in readme.split(script.BEGIN, 1)[1]
+    doc = tmp_path / "README.md"
+    doc.write_text(f"a\n{script.BEGIN}\nold\n{script.END}\nb\n")
+    monkeypatch.setattr(script, "README", doc)
+    monkeypatch.setattr(script, "scope_table", lambda: "new")  # the table itself: test_readme_scope_table_is_current
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # leaves torch's threads as they are
+    script.main(["--write"])
+    assert doc.read_text() == f"a\n{script.BEGIN}\nnew\n{script.END}\nb\n"
