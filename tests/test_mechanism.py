@@ -361,3 +361,45 @@ def test_ema_without_ema_weights_is_refused(checkpoints, tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not (tmp_path / "o").exists()
+
+
+def test_strongest_cells_crop_the_rows_of_the_chosen_directions():
+    """The crop's FC2 rows are the strongest among the chosen directions, not over every direction
+    (written out by hand: row 3 peaks in direction 2 only, which is not chosen)."""
+    alpha = torch.tensor([[0.9, 0.0, 0.0, 0.0],
+                          [0.85, 0.1, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.8],
+                          [0.2, 0.2, 0.1, 0.1]], dtype=torch.float64)
+    assert mechanism.strongest_cells(alpha, 2) == ([0, 1], [0, 1])
+
+
+def test_surrogate_stats_match_a_direct_count():
+    """The top-1% sign agreement, maxima and channel figures against a loop over the entries."""
+    gen = torch.Generator().manual_seed(0)
+    real = torch.randn(50, 8, generator=gen, dtype=torch.float64)
+    sur = real.clone()
+    order = real.flatten().abs().argsort(descending=True)
+    flipped = order[:4]  # the top 1% is the 4 largest of 400 entries: flip the signs of 3 of them
+    sur.view(-1)[flipped[1:]] *= -1
+    sur.view(-1)[order[4]] *= -1  # outside the top 1%: must not count
+    sur[:, 5] *= 3.0  # channel 5 carries the surrogate's largest outputs
+    stats = mechanism.surrogate_stats("b", real, sur)
+    assert stats["top1pct_sign_agreement"] == 0.25
+    assert stats["max_abs_real"] == round(max(abs(v) for v in real.flatten().tolist()), 4)
+    assert stats["channel_max_surrogate"] == 5
+    assert stats["channel_max_real"] == max(range(8), key=lambda c: max(abs(v) for v in real[:, c].tolist()))
+    # the real outputs peak in channels 3..7, the surrogate's in 0..4: two of the top five are shared
+    real, sur = torch.zeros(4, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)
+    for c in range(8):
+        real[0, c], sur[1, c] = 10.0 + c, 100.0 - 10 * c
+    assert mechanism.surrogate_stats("b", real, sur)["top5_channels_shared"] == 2
+
+
+def test_remove_reads_the_options_of_the_pipeline_it_runs():
+    """`remove --pipeline percentile` reads quant.percentile.* and not quant.repq.* (the other pipeline's)."""
+    args = mechanism.parse_args(["remove", "--checkpoint", "c.pt", "--out", "o", "--pipeline", "percentile",
+                                 "quant.percentile.act_range=minmax"])
+    mechanism.check_overrides(args)
+    args.overrides = ["quant.repq.reparam=false"]
+    with pytest.raises(mechanism.MechanismError, match="`remove` does not read quant.repq.reparam"):
+        mechanism.check_overrides(args)
