@@ -2,9 +2,11 @@
 and writes its outputs."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
+import subprocess
 
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
@@ -163,3 +165,60 @@ def test_tf32_on_a_cpu_is_a_usage_error_not_a_row_labelled_tf32(tmp_path, capsys
         _bench().main(["--device", "cpu", "--small", "--apply-only", "--precision", "tf32", "--out", str(tmp_path)])
     assert "--precision tf32 on a CPU" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _epochs_script():
+    spec = importlib.util.spec_from_file_location("overhead_epochs",
+                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_epochs_protocol_sets_each_runs_keys_and_summarises_by_hand():
+    """One timed run's config (the docstring's protocol keys, the method's own settings, then the user's), and
+    the summary of epoch records written out by hand: the mean over all epochs, without each run's first, and
+    the peak memory as the maximum over runs."""
+    epochs = _epochs_script()
+    args = argparse.Namespace(recipe="configs/debug/tiny.yaml", global_batch=16, epochs=2, overrides=["data.root=/d"])
+    assert epochs.run_config(args, "tweo_plain", "vit_nano", 8, 2, "/o/r") == (
+        ["configs/debug/tiny.yaml", "configs/method/tweo.yaml"],
+        ["model.name=vit_nano", "train.batch_size=16", "train.batch_size_per_gpu=8", "sched.epochs=2",
+         "sched.warmup_epochs=0", "train.eval_every_epochs=2", "train.seed=2", "out_dir=/o/r", "tweo.form=plain",
+         "data.root=/d"])
+    runs = [[{"epoch/train_seconds": 4.0, "epoch/max_mem_mib": 100.0}, {"epoch/train_seconds": 2.0, "epoch/max_mem_mib": 300.0}],
+            [{"epoch/train_seconds": 6.0, "epoch/max_mem_mib": 200.0}, {"epoch/train_seconds": 3.0},
+             {"epoch/train_seconds": 1.0}]]
+    assert epochs.summarise(runs) == {"epoch_s": 16 / 5, "epoch_s_after_first": 2.0, "peak_mib": 300.0,
+                                      "epochs_timed": [2, 3]}
+
+
+def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch):
+    """--runs 2 with a stand-in for train.py (it writes the epoch times of its seed, and leaves a finished
+    run as it is, as train.py does): each run has its folder, and the ratios are method over baseline."""
+    epochs = _epochs_script()
+    started = []
+
+    def stand_in(cmd, cwd):
+        value = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if "=" in a and not a.startswith("-")}
+        out, seed = value["out_dir"], int(value["train.seed"])
+        started.append(os.path.relpath(out, tmp_path))
+        scale = 2.0 if "configs/method/cd.yaml" in cmd else 1.0
+        os.makedirs(out, exist_ok=True)
+        metrics = os.path.join(out, "metrics.jsonl")
+        if not os.path.exists(metrics):
+            with open(metrics, "w") as f:
+                for seconds in (2 + seed, 1 + seed):
+                    f.write(json.dumps({"epoch/train_seconds": scale * seconds}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(epochs.subprocess, "run", stand_in)
+    report = epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                          "--models", "--methods", "baseline", "cd", "--epochs", "2", "--runs", "2",
+                          "--out", str(tmp_path)])
+    assert started == [f"runs/vit_nano_bs8_{m}_run{r}" for m in ("baseline", "cd") for r in (0, 1)]
+    rows = {r["method"]: r for r in report["rows"]}
+    # baseline: runs [2, 1] and [3, 2]; cd: twice that
+    assert (rows["baseline"]["epoch_s"], rows["baseline"]["epoch_s_after_first"]) == (2.0, 1.5)
+    assert (rows["cd"]["epoch_s"], rows["cd"]["epoch_s_after_first"]) == (4.0, 3.0)
+    assert rows["cd"]["epoch_s_over_baseline"] == 2.0 and rows["baseline"]["epoch_s_over_baseline"] == 1.0
