@@ -636,6 +636,40 @@ def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
     assert "by storage dtype" in capsys.readouterr().out
 
 
+def test_cd_precision_rounds_to_tf32_nearest_with_ties_away_from_zero():
+    """TF32 keeps 10 explicit mantissa bits: values written out in powers of two, both signs, and the emulated
+    product rounds both operands."""
+    import torch
+
+    import cd_precision
+
+    u = 2.0 ** -10  # one unit in the last place of TF32 at 1.0
+    for x, want in ((1 + u / 4, 1.0), (1 + u / 2, 1 + u), (1 + 3 * u / 4, 1 + u), (1 + u, 1 + u),
+                    (1 + 3 * u / 2, 1 + 2 * u), (3.0 + 2 * u / 3, 3.0), (2 ** -20 * (1 + u / 2), 2 ** -20 * (1 + u))):
+        for sign in (1, -1):
+            got = cd_precision.round_to_tf32(torch.tensor([sign * x], dtype=torch.float32))
+            assert got.item() == sign * want, (sign * x, got.item())
+    a = torch.tensor([[1 + u / 2]], dtype=torch.float32)
+    assert cd_precision.emulated_tf32(a, a, "tf32").item() == (1 + u) ** 2
+
+
+def test_cd_precision_computes_each_precision_it_names():
+    """One update of a tiny ViT at s = 1 against float64: fp32 products are closer than emulated TF32 ones (10
+    mantissa bits), and those than bf16 ones (7 bits); a row that ran at another precision would not order so."""
+    import copy
+
+    import cd_precision
+    from cd_models import tiny_vit
+
+    model = tiny_vit()
+    ref = cd_precision.updated(copy.deepcopy(model).double(), 1.0, "fp32", emulate=False)
+
+    def error(got):
+        return max(float((got[n].double() - ref[n]).abs().max()) for n in ref)
+    fp32, tf32, bf16 = (error(cd_precision.updated(model, 1.0, p, emulate=p == "tf32")) for p in ("fp32", "tf32", "bf16"))
+    assert 0 < fp32 < tf32 < bf16, (fp32, tf32, bf16)
+
+
 def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path, monkeypatch):
     """`out_root: ~/sweeps/x` gave out_dir=~/sweeps/x/<name>, which train.py reads as the home folder: the sweep
     must look for the runs' files there too, not in a folder named '~' in the repository."""
