@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from engine.eval_results import ResultsError, read_result_files  # noqa: E402
+from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import nondefault_settings  # noqa: E402
@@ -61,7 +61,15 @@ def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_
         q = r.get("quant", {}).get(pipeline, {}).get(bits)
         if q is None:
             continue
-        if is_detection(r):
+        detection = is_detection(r)
+        fields = ("fp.bbox_mAP", "max_act.backbone", "max_act.head") if detection else (
+            "fp.top1", "max_act.module", "max_act.block")
+        missing = missing_number(r, fields, "bbox_mAP" if detection else "top1")
+        if missing is not None:  # a file cut by hand or written by an older version: not a traceback
+            raise ResultsError(f"{path} has no number at {missing}: re-evaluate it with "
+                               f"{'evaluate_detection.py' if detection else 'evaluate.py'} (--recompute for a "
+                               f"quantized entry)")
+        if detection:
             model, method = detector_names(path, r)
             rows.append({"task": "detection", "model": model, "method": method, "metric": "box mAP (%)",
                          "fp": 100 * r["fp"]["bbox_mAP"], "quantized": 100 * q["bbox_mAP"],

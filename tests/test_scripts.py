@@ -468,6 +468,11 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     with pytest.raises(SystemExit, match=r"error: .*gpt.json has no top-1 \(a language model's result"):
         motivation_figure.main([str(language), "--pipeline", "rtn", "--bits", "w4a16", "--out", str(tmp_path / "lm")])
     assert not (tmp_path / "lm").exists()
+    cut = tmp_path / "cut.json"  # a file cut by hand: a maximum missing (was KeyError: 'module')
+    cut.write_text(json.dumps({**json.loads(open(files[0]).read()), "max_act": {"block": 250.6}}))
+    with pytest.raises(SystemExit, match=r"error: .*cut.json has no number at max_act.module: re-evaluate it"):
+        motivation_figure.main([*files, str(cut), "--out", str(tmp_path / "cut")])
+    assert not (tmp_path / "cut").exists()
 
 
 def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
