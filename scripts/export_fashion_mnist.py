@@ -74,6 +74,8 @@ def load_split(source: str, split: str) -> tuple:
     images, labels = (read_idx(os.path.join(source, name)) for name in FILES[split])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise ExportError(f"{source}: {split} images {images.shape} and labels {labels.shape} do not pair up")
+    if images.shape[1:] != (28, 28) or not len(images):  # what a folder of 28x28 PNGs per class needs
+        raise ExportError(f"{source}: {split} images {images.shape}: Fashion-MNIST holds 28x28 images, at least one")
     if labels.max(initial=0) >= len(CLASSES):
         raise ExportError(f"{source}: {split} labels go up to {labels.max()}; Fashion-MNIST has 10 classes")
     return images, labels

@@ -150,3 +150,14 @@ def test_a_label_beyond_the_ten_classes_is_one_error_line(source, tmp_path, caps
     write_idx(os.path.join(folder, fm.FILES["val"][1]), np.append(data["val"][1][:-1], 10))
     assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
     assert "labels go up to 10; Fashion-MNIST has 10 classes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(10, 1, 784), (0, 28, 28)], ids=["not_28x28", "no_image"])
+def test_images_that_are_not_28x28_or_none_are_one_error_line(source, tmp_path, capsys, shape):
+    """[10, 1, 784] was written as 1x784 PNGs, and an empty split as an empty tree, both with exit 0."""
+    folder, _ = source
+    write_idx(os.path.join(folder, fm.FILES["val"][0]), np.zeros(shape, np.uint8))
+    write_idx(os.path.join(folder, fm.FILES["val"][1]), np.zeros(shape[0], np.uint8))
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
+    assert f"val images {shape}: Fashion-MNIST holds 28x28 images, at least one" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
