@@ -186,7 +186,8 @@ def test_epochs_protocol_sets_each_runs_keys_and_summarises_by_hand():
         ["model.name=vit_nano", "train.batch_size=16", "train.batch_size_per_gpu=8", "sched.epochs=2",
          "sched.warmup_epochs=0", "train.eval_every_epochs=2", "train.seed=2", "out_dir=/o/r", "tweo.form=plain",
          "data.root=/d"])
-    runs = [[{"epoch/train_seconds": 4.0, "epoch/max_mem_mib": 100.0}, {"epoch/train_seconds": 2.0, "epoch/max_mem_mib": 300.0}],
+    runs = [[{"epoch/train_seconds": 4.0, "epoch/max_mem_mib": 100.0},
+             {"epoch/train_seconds": 2.0, "epoch/max_mem_mib": 300.0}],
             [{"epoch/train_seconds": 6.0, "epoch/max_mem_mib": 200.0}, {"epoch/train_seconds": 3.0},
              {"epoch/train_seconds": 1.0}]]
     assert epochs.summarise(runs) == {"epoch_s": 16 / 5, "epoch_s_after_first": 2.0, "peak_mib": 300.0,

@@ -200,7 +200,8 @@ def test_max_by_type_groups_by_module_type_in_block_order_without_outside_module
 def test_csv_holds_every_record_and_the_kurtosis_column_when_measured(tmp_path):
     path = write_csv(RECORDS, tmp_path / "new" / "act.csv")  # the folder is created
     assert path.read_text().splitlines() == [
-        "name,kind,block,type,max,kurtosis", "blocks.1,block,1,block,8.0,3.5", "blocks.0.mlp.fc2,module,0,mlp.fc2,2.0,1.0",
+        "name,kind,block,type,max,kurtosis", "blocks.1,block,1,block,8.0,3.5",
+        "blocks.0.mlp.fc2,module,0,mlp.fc2,2.0,1.0",
         "blocks.0,block,0,block,4.0,2.5", "head,module,-1,head,9.0,0.5"]
     plain = [{k: v for k, v in r.items() if k != "kurtosis"} for r in RECORDS[:1]]
     assert write_csv(plain, tmp_path / "plain.csv").read_text().splitlines() == [

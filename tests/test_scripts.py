@@ -671,7 +671,8 @@ def test_cd_precision_computes_each_precision_it_names():
 
     def error(got):
         return max(float((got[n].double() - ref[n]).abs().max()) for n in ref)
-    fp32, tf32, bf16 = (error(cd_precision.updated(model, 1.0, p, emulate=p == "tf32")) for p in ("fp32", "tf32", "bf16"))
+    fp32, tf32, bf16 = (error(cd_precision.updated(model, 1.0, p, emulate=p == "tf32"))
+                        for p in ("fp32", "tf32", "bf16"))
     assert 0 < fp32 < tf32 < bf16, (fp32, tf32, bf16)
 
 
