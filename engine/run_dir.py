@@ -376,18 +376,23 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     return kept
 
 
-def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[str] = ()) -> None:
-    """The one rule of the scripts that write tables, figures and benchmark files: no existing file is
-    replaced without --overwrite (a figure or a table is often the only record of how it was made), and
-    none of the command's `inputs` ever (--out naming the result file it reads would replace it)."""
+def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[str] = (),
+                            folders: Sequence[str] = ()) -> None:
+    """The one rule of the scripts that write tables, figures and benchmark files: no existing file (of
+    `paths`) or output folder (of `folders`: their files are written again) is replaced without --overwrite (a
+    figure or a table is often the only record of how it was made), and none of the command's `inputs` ever
+    (--out naming the result file it reads would replace it)."""
     read = {os.path.realpath(i) for i in inputs}
     both = [p for p in paths if os.path.realpath(p) in read]
     if both:
         raise RunDirError(f"{both[0]} is an input of this command and would be replaced by its output; choose "
                           f"another --out")
-    folders = [p for p in paths if os.path.isdir(p)]
-    if folders:  # --overwrite replaces a file; opening a folder for writing is an IsADirectoryError traceback
-        raise RunDirError(f"{folders[0]} is a folder, where this command writes a file; choose another --out")
+    wrong = [(p, "a folder", "file") for p in paths if os.path.isdir(p)]
+    wrong += [(p, "a file", "folder") for p in folders if os.path.exists(p) and not os.path.isdir(p)]
+    if wrong:  # --overwrite replaces a file: opening a folder for writing is an IsADirectoryError traceback
+        path, kind, wanted = wrong[0]
+        raise RunDirError(f"{path} is {kind}, where this command writes a {wanted}; choose another --out")
+    paths = [*paths, *folders]
     existing = [p for p in paths if os.path.exists(p)]
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "

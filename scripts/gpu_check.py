@@ -309,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.out = os.path.abspath(args.out)
     logs = os.path.splitext(args.out)[0] + "_logs"
     try:
-        refuse_existing_outputs([args.out, logs], args.overwrite)
+        refuse_existing_outputs([args.out], args.overwrite, folders=[logs])
     except RunDirError as e:
         sys.exit(f"error: {e}")
     os.makedirs(logs, exist_ok=True)

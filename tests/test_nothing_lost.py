@@ -779,3 +779,13 @@ def test_a_folder_where_a_script_writes_a_file_is_refused_even_with_overwrite(tm
     with pytest.raises(RunDirError, match=r"o.csv is a folder, where this command writes a file"):
         refuse_existing_outputs([str(tmp_path / "o.png"), str(tmp_path / "o.csv")], overwrite=overwrite)
     assert (tmp_path / "o.csv" / "mine.txt").read_text() == "mine"
+    # an output folder (gpu_check.py's logs): an existing one is replaced only with --overwrite, a file never
+    folder = str(tmp_path / "o.csv")
+    if overwrite:
+        refuse_existing_outputs([str(tmp_path / "o.json")], overwrite, folders=[folder])
+    else:
+        with pytest.raises(RunDirError, match=r"o.csv already exist\(s\); .* add --overwrite"):
+            refuse_existing_outputs([str(tmp_path / "o.json")], overwrite, folders=[folder])
+    (tmp_path / "logs").write_text("mine")
+    with pytest.raises(RunDirError, match=r"logs is a file, where this command writes a folder"):
+        refuse_existing_outputs([str(tmp_path / "o.json")], overwrite, folders=[str(tmp_path / "logs")])
