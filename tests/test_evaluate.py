@@ -530,11 +530,12 @@ def test_training_transform_settings_are_part_of_an_aphq_result_and_the_batch_is
     assert "calibration" not in settings and settings["train_transform"]["scale"] == list(cfg.data.scale)
     cfg2, _ = evaluate.resolve_config(evaluate.parse_args([*base, "data.scale=[0.5,0.6]"]))
     assert evaluate.quant_settings(cfg2, "aphq") != settings
-    cfg3, _ = evaluate.resolve_config(evaluate.parse_args([*base, "quant.calib_images=7"]))
+    # (beside a pipeline that reads the batch: alone, APHQ would have it refused as ignored)
+    cfg3, _ = evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "repq", "quant.calib_images=7"]))
     assert evaluate.quant_settings(cfg3, "aphq") == settings
     repq = evaluate.quant_settings(cfg, "repq")  # the eval-transform batch: the augmentation plays no part
     assert "calibration" in repq and "train_transform" not in repq
-    cfg4, _ = evaluate.resolve_config(evaluate.parse_args([*base, "quant.calib_transform=train"]))
+    cfg4, _ = evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "repq", "quant.calib_transform=train"]))
     assert "train_transform" in evaluate.quant_settings(cfg4, "repq")
 
 
