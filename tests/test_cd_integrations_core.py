@@ -319,3 +319,36 @@ def test_optimizers_that_step_twice_in_one_iteration_make_two_updates():
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 2
+
+
+def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_the_steps():
+    """Block 1's proj and fc2 join `b` after the binding (add_param_group, as when a stage is unfrozen), while their
+    W1s (qkv V rows, fc1) are in `a`, which steps first: their update reads W1 as it was before `a`'s step, as the
+    one update of the hand-written reference (CD of the weights before, then the SGD step), not W1 after it."""
+    from cd_models import ref_block_update
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    named = dict(model.named_parameters())
+    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    late = [n for n in named if n.startswith("blocks.1.") and n not in first]
+    opt_a = torch.optim.SGD([named[n] for n in first], lr=0.05)
+    opt_b = torch.optim.SGD([p for n, p in named.items() if n not in first and n not in late], lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # block 1's proj and fc2 are in no optimizer yet
+        bindings = bind_optimizers(decay, [opt_a, opt_b])
+    opt_b.add_param_group({"params": [named[n] for n in late]})
+    before = snapshot(model)
+    grads = {n: torch.randn_like(p) for n, p in named.items()}
+    want = dict(before)
+    for b in ("blocks.0", "blocks.1"):
+        ref_block_update(before, b, 0.05 * 0.5, want)
+    for name, p in named.items():
+        p.grad = grads[name].clone()
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    opt_a.step()
+    opt_b.step()
+    for name, p in named.items():
+        assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1

@@ -184,7 +184,8 @@ class SharedUpdate:
     pair's two matrices are held by different optimizers (a model split over them), the one whose optimizer steps
     first would otherwise be read stepped by the other's part. So the step pre-hook of each optimizer keeps a copy
     of the matrices it holds that another optimizer's part reads (none unless a pair is split), until the update
-    is over. The update is one framework iteration (`new_round`, at `disarm`), or a round in it where a train_step
+    is over; who holds what follows the optimizers' param groups (a group added later, as when a stage is
+    unfrozen, may split a pair). The update is one framework iteration (`new_round`, at `disarm`), or a round in it where a train_step
     steps its optimizers several times: an optimizer that steps a second time starts the next update. It is
     counted once in `cd/updates`, and each role's update norm covers all of its matrices.
 
@@ -195,23 +196,9 @@ class SharedUpdate:
 
     def __init__(self, decay: ColinearityDecay, optimizers: list) -> None:
         self.decay = decay
-        self._holder: dict[int, torch.optim.Optimizer] = {}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    self._holder.setdefault(id(p), opt)
-        read: dict[int, torch.Tensor] = {}  # matrices that another optimizer's part of the update reads
-        for pair in decay.pairs:
-            w1, w2 = self._holder.get(id(pair.upstream)), self._holder.get(id(pair.downstream))
-            if w1 is not None and w2 is not None and w1 is not w2:
-                read[id(pair.upstream)] = pair.upstream  # W2's update reads W1
-                if decay._upstream:  # target C: W1's update reads W2
-                    read[id(pair.downstream)] = pair.downstream
-        self._kept_of: dict[int, list] = {}
-        for t in read.values():
-            self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
-        self.optimizers = [opt for opt in dict.fromkeys(optimizers)
-                           if holds_pairs(decay, opt) or id(opt) in self._kept_of]
+        self._all = list(dict.fromkeys(optimizers))
+        self._map()
+        self.optimizers = [opt for opt in self._all if holds_pairs(decay, opt) or id(opt) in self._kept_of]
         self._stepped: set[int] = set()
         self._kept: dict[int, torch.Tensor] = {}
         self._counted = False
@@ -220,7 +207,32 @@ class SharedUpdate:
             make_step_hooks_run(opt)
             self._handles.append(opt.register_step_pre_hook(self._pre))
 
+    def _signature(self) -> tuple:
+        return tuple(len(g["params"]) for opt in self._all for g in opt.param_groups)
+
+    def _map(self) -> None:
+        """Which optimizer holds each parameter, and the matrices that another optimizer's part reads (by the id
+        of their holder), for the optimizers' param groups as they are now (`_signature`)."""
+        self._sig = self._signature()
+        self._holder: dict[int, torch.optim.Optimizer] = {}
+        for opt in self._all:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    self._holder.setdefault(id(p), opt)
+        read: dict[int, torch.Tensor] = {}  # matrices that another optimizer's part of the update reads
+        for pair in self.decay.pairs:
+            w1, w2 = self._holder.get(id(pair.upstream)), self._holder.get(id(pair.downstream))
+            if w1 is not None and w2 is not None and w1 is not w2:
+                read[id(pair.upstream)] = pair.upstream  # W2's update reads W1
+                if self.decay._upstream:  # target C: W1's update reads W2
+                    read[id(pair.downstream)] = pair.downstream
+        self._kept_of: dict[int, list] = {}
+        for t in read.values():
+            self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
+
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._signature() != self._sig:  # a param group added since (e.g. a stage unfrozen): a pair may be split
+            self._map()
         if id(optimizer) in self._stepped:  # a second step of this optimizer: the next update
             self.new_round()
         self._stepped.add(id(optimizer))
