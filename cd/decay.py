@@ -234,6 +234,7 @@ class ColinearityDecay:
         # GradScaler skipped on the device, which metrics()['cd/updates'] and state_dict() subtract
         self.num_updates = 0
         self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
+        self._round_skip: Optional[Tensor] = None  # whether the last counted update was skipped so far
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
         self._gi_cache: Optional[tuple] = None  # (param-group signature, id(param) -> group index)
@@ -512,10 +513,22 @@ class ColinearityDecay:
         gate = (found_inf == 0) if isinstance(found_inf, Tensor) else None
         with torch.no_grad():  # step pre-hooks run outside the optimizer's own no_grad
             self._apply(lr2, lr1, gate, reads, count)
-        if gate is not None and count:
-            skipped = (~gate).to(torch.int64).reshape(())
-            self._gated_skips = skipped if self._gated_skips is None else self._gated_skips + skipped
+        self._count_gated(gate, count)
         return True
+
+    def _count_gated(self, gate: Optional[Tensor], count: bool) -> None:
+        """Keep `cd/updates` to the updates that ran: a counted part that a fused step's gate skipped on the device
+        is subtracted, unless another optimizer's part of the same update (`count=False`) ran: a step of its own
+        (`gate` None: a skipped non-fused step never reaches here) or one its gate lets through. Lazy: no sync."""
+        if count:
+            self._round_skip = None if gate is None else (~gate).to(torch.int64).reshape(())
+            if self._round_skip is not None:
+                self._gated_skips = (self._round_skip if self._gated_skips is None
+                                     else self._gated_skips + self._round_skip)
+        elif self._round_skip is not None:  # skipped so far: skipped still only if this part is skipped too
+            still = None if gate is None else self._round_skip * (~gate).to(torch.int64).reshape(())
+            self._gated_skips = self._gated_skips - self._round_skip + (0 if still is None else still)
+            self._round_skip = still
 
     # ----------------------------------------------------------------------------------- loss-form ablation
     def aux_loss(self, task_loss: Tensor) -> Tensor:
@@ -580,7 +593,7 @@ class ColinearityDecay:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counter; warn if the saved config differs from this object's."""
         self.num_updates = int(state.get("num_updates", 0))
-        self._gated_skips = None
+        self._gated_skips = self._round_skip = None
         saved = state.get("config")
         if saved is not None and saved != self._config():
             warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, "

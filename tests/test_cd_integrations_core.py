@@ -352,3 +352,35 @@ def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_t
     for name, p in named.items():
         assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
+
+
+@pytest.mark.parametrize("inf_in", ["a", "b", "ab"])
+def test_fused_steps_that_the_grad_scaler_skips_count_an_update_only_if_every_part_was_skipped(inf_in):
+    """Fused AdamW under GradScaler steps even on inf gradients (its kernel skips them, and CD's part is gated on
+    the device): an update of which one optimizer's part ran is counted once, whichever optimizer steps first, as
+    when non-fused steps skip (the skipped step never runs); one whose every part was skipped is not counted."""
+    for order in ("ab", "ba"):
+        model = tiny_vit()
+        decay = ColinearityDecay(model, lam=0.5)
+        first = list(model.blocks[0].parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in first)]
+        opts = {"a": torch.optim.AdamW(first, lr=0.1, fused=True), "b": torch.optim.AdamW(rest, lr=0.1, fused=True)}
+        bindings = bind_optimizers(decay, list(opts.values()))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+        scaler.scale(torch.ones(()))  # the scaler's scale, as scaling the loss makes it
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        for name in inf_in:
+            next(iter(opts[name].param_groups[0]["params"])).grad.view(-1)[0] = float("inf")
+        before = snapshot(model)
+        for binding in bindings.values():
+            binding.arm(until_disarmed=True)
+        for name in order:
+            scaler.step(opts[name])
+        for binding in bindings.values():
+            binding.disarm()
+        ran = [name for name, opt in opts.items()
+               if any(not torch.equal(p, before[n]) for n, p in model.named_parameters()
+                      if any(p is q for q in opt.param_groups[0]["params"]))]
+        assert ran == [name for name in "ab" if name not in inf_in]
+        assert decay.metrics()["cd/updates"] == (1 if ran else 0), order
