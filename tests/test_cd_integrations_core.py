@@ -384,3 +384,38 @@ def test_fused_steps_that_the_grad_scaler_skips_count_an_update_only_if_every_pa
                       if any(p is q for q in opt.param_groups[0]["params"]))]
         assert ran == [name for name in "ab" if name not in inf_in]
         assert decay.metrics()["cd/updates"] == (1 if ran else 0), order
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_copy_is_kept_only_of_matrices_that_a_part_still_to_come_reads(order, monkeypatch):
+    """Each functional pair split (W1s in `a`, W2s in `b`): `b`'s part reads the W1s of before `a`'s step, so `a`
+    keeps a copy of each when it steps first (4: qkv and fc1 of two blocks), and none once `b` has stepped (its
+    part has read them already); the update is the hand-written one either way (CD of the weights before, then
+    the SGD step)."""
+    from cd_models import ref_block_update
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    named = dict(model.named_parameters())
+    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    opts = {"a": torch.optim.SGD([named[n] for n in first], lr=0.05),
+            "b": torch.optim.SGD([p for n, p in named.items() if n not in first], lr=0.05)}
+    bindings = bind_optimizers(decay, list(opts.values()))
+    before = snapshot(model)
+    want = dict(before)
+    for b in ("blocks.0", "blocks.1"):
+        ref_block_update(before, b, 0.05 * 0.5, want)
+    grads = {n: torch.randn_like(p) for n, p in named.items()}
+    for name, p in named.items():
+        p.grad = grads[name].clone()
+    copies = []
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t.shape) or clone(t, *a, **k))
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    for name in order:
+        opts[name].step()
+    monkeypatch.undo()
+    assert len(copies) == (4 if order == "ab" else 0)
+    for name, p in named.items():
+        assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name

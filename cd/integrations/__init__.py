@@ -183,11 +183,12 @@ class SharedUpdate:
     As in one optimizer's step (cd/update.py), every pair reads the weights of before the update's steps: where a
     pair's two matrices are held by different optimizers (a model split over them), the one whose optimizer steps
     first would otherwise be read stepped by the other's part. So the step pre-hook of each optimizer keeps a copy
-    of the matrices it holds that another optimizer's part reads (none unless a pair is split), until the update
-    is over; who holds what follows the optimizers' param groups (a group added later, as when a stage is
-    unfrozen, may split a pair). The update is one framework iteration (`new_round`, at `disarm`), or a round in it where a train_step
-    steps its optimizers several times: an optimizer that steps a second time starts the next update. It is
-    counted once in `cd/updates`, and each role's update norm covers all of its matrices.
+    of the matrices it holds that the part of an optimizer still to step reads (none unless a pair is split),
+    until the update is over; who holds what follows the optimizers' param groups (a group added later, as when a
+    stage is unfrozen, may split a pair). The update is one framework iteration (`new_round`, at `disarm`), or a
+    round in it where a train_step steps its optimizers several times: an optimizer that steps a second time
+    starts the next update. It is counted once in `cd/updates`, and each role's update norm covers all of its
+    matrices.
 
     Args:
         decay: the CD object of the model.
@@ -220,12 +221,15 @@ class SharedUpdate:
                 for p in group["params"]:
                     self._holder.setdefault(id(p), opt)
         read: dict[int, torch.Tensor] = {}  # matrices that another optimizer's part of the update reads
+        self._readers: dict[int, set[int]] = {}  # their id -> the ids of the optimizers whose parts read them
         for pair in self.decay.pairs:
             w1, w2 = self._holder.get(id(pair.upstream)), self._holder.get(id(pair.downstream))
             if w1 is not None and w2 is not None and w1 is not w2:
                 read[id(pair.upstream)] = pair.upstream  # W2's update reads W1
+                self._readers.setdefault(id(pair.upstream), set()).add(id(w2))
                 if self.decay._upstream:  # target C: W1's update reads W2
                     read[id(pair.downstream)] = pair.downstream
+                    self._readers.setdefault(id(pair.downstream), set()).add(id(w1))
         self._kept_of: dict[int, list] = {}
         for t in read.values():
             self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
@@ -237,7 +241,8 @@ class SharedUpdate:
             self.new_round()
         self._stepped.add(id(optimizer))
         for t in self._kept_of.get(id(optimizer), ()):
-            self._kept[id(t)] = t.detach().clone()
+            if not self._readers[id(t)] <= self._stepped:  # a part that reads it is still to come: a copy
+                self._kept[id(t)] = t.detach().clone()
 
     def apply_for(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
         """`optimizer`'s part of the update (in its step), on the weights of before the update's steps."""
