@@ -497,9 +497,11 @@ class ColinearityDecay:
             raise RuntimeError("ColinearityDecay: the optimizer receives `grad_scaler` in step() (legacy "
                                "custom AMP contract); CD cannot tell whether this step will be skipped")
         self._check_parameters_current()
-        if all(t.grad is None for t in self._decayed()):  # the optimizer leaves them all alone: so does CD
-            return False
         index = self._group_index(optimizer)
+        # the optimizer leaves them all alone: so does CD (a decayed matrix it does not hold, e.g. another
+        # optimizer's that accumulates, does not make this step an update)
+        if all(t.grad is None or id(t) not in index for t in self._decayed()):
+            return False
         groups = optimizer.param_groups
 
         def lr(t: Tensor):  # the optimizer changes only its parameters that have a gradient (torch.optim)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cd import ColinearityDecay
 from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments
 from cd.wrappers import torch_optimizer, unwrap_model
-from cd_models import snapshot, tiny_vit
+from cd_models import changed, snapshot, tiny_vit
 
 
 def _setup(optimizer_cls=torch.optim.SGD, **kw):
@@ -419,3 +419,22 @@ def test_a_copy_is_kept_only_of_matrices_that_a_part_still_to_come_reads(order, 
     assert len(copies) == (4 if order == "ab" else 0)
     for name, p in named.items():
         assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
+
+
+def test_a_step_of_an_optimizer_whose_decayed_matrices_have_no_gradient_is_no_update():
+    """Block 0 in `a` (accumulating: it has gradients, and does not step), block 1 in `b` without gradients: `b`'s
+    step changes no weight, so it is no CD update, as a step without gradients is none with one optimizer."""
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.5)
+    first = list(model.blocks[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    for p in first:
+        p.grad = torch.randn_like(p)
+    before = snapshot(model)
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+    opt_b.step()
+    assert changed(model, before) == []
+    assert decay.metrics()["cd/updates"] == 0
