@@ -522,13 +522,15 @@ class ColinearityDecay:
         """Keep `cd/updates` to the updates that ran: a counted part that a fused step's gate skipped on the device
         is subtracted, unless another optimizer's part of the same update (`count=False`) ran: a step of its own
         (`gate` None: a skipped non-fused step never reaches here) or one its gate lets through. Lazy: no sync."""
+        skip = None if gate is None else (~gate).to(torch.int64).reshape(())
+        if skip is not None and self._gated_skips is not None:  # one device for the sums: a scaler per optimizer
+            skip = skip.to(self._gated_skips.device)              # may put their gates on different ones
         if count:
-            self._round_skip = None if gate is None else (~gate).to(torch.int64).reshape(())
-            if self._round_skip is not None:
-                self._gated_skips = (self._round_skip if self._gated_skips is None
-                                     else self._gated_skips + self._round_skip)
+            self._round_skip = skip
+            if skip is not None:
+                self._gated_skips = skip if self._gated_skips is None else self._gated_skips + skip
         elif self._round_skip is not None:  # skipped so far: skipped still only if this part is skipped too
-            still = None if gate is None else self._round_skip * (~gate).to(torch.int64).reshape(())
+            still = None if skip is None else self._round_skip * skip
             self._gated_skips = self._gated_skips - self._round_skip + (0 if still is None else still)
             self._round_skip = still
 
