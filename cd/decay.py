@@ -259,7 +259,8 @@ class ColinearityDecay:
         too) or a 0-dim tensor (a tensor's value is not checked: that would wait for the device).
 
         Raises:
-            RuntimeError: the object is attached to an optimizer, whose steps apply the update already.
+            RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
+                steps apply the update already.
             ValueError: lr is negative, NaN or inf, or the model's parameters were replaced after this
                 object found its pairs (the update would write tensors the model no longer uses).
         """
@@ -271,10 +272,11 @@ class ColinearityDecay:
             raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         if self.mode != "decoupled" or not self._active:
             return
-        if self._attached() is not None:
-            raise RuntimeError("ColinearityDecay.apply: this object is attached to an optimizer, whose step() "
-                               "applies the update already; calling apply() too would decay twice per step. Use "
-                               "one of them (handle.remove() detaches)")
+        # its `attach`, or a cd.integrations binding (a callback's, a hook's), whose steps make the update
+        if any(owner._hooked_decay(opt) is self for opt, owners in list(_HOOKED.items()) for owner in list(owners)):
+            raise RuntimeError("ColinearityDecay.apply: this object is attached to an optimizer (by attach() or a "
+                               "cd.integrations callback), whose step() applies the update already; calling apply() "
+                               "too would decay twice per step. Use one of them (handle.remove() detaches)")
         self._check_parameters_current()
         lr2 = [lr if p.downstream.requires_grad else 0.0 for p in self.pairs]
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]

@@ -438,3 +438,17 @@ def test_a_step_of_an_optimizer_whose_decayed_matrices_have_no_gradient_is_no_up
     opt_b.step()
     assert changed(model, before) == []
     assert decay.metrics()["cd/updates"] == 0
+
+
+def test_apply_beside_a_live_binding_is_refused_as_beside_an_attach():
+    """The bindings' steps make the update: apply() too would decay every matrix twice per step (it was taken)."""
+    model, decay, opt, _ = _setup()
+    bindings = bind_optimizers(decay, [opt])
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="would decay twice per step"):
+        decay.apply(0.1)
+    assert changed(model, before) == []
+    for binding in bindings.values():
+        binding.remove()
+    decay.apply(0.1)  # unbound: the caller's own loop
+    assert changed(model, before)
