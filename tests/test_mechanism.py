@@ -3,6 +3,7 @@ models (tests/cd_models.py), and the command line (files written, overwrite refu
 
 References: Sec. 3.1, Eq. (1)-(2); Sec. 3.2, Eq. (7)-(8); App. A.1, Eq. (13); App. A.2, Eq. (23).
 """
+import copy
 import json
 import os
 import subprocess
@@ -244,6 +245,64 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
         assert 0 < r["max_act_ffn"] <= r["max_act_module"] and r["max_act_block"] > 0
     for name in ("surrogate.png", "surrogate.csv", "remove.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
+
+
+def test_remove_takes_out_the_top_k_directions_and_reads_fc2(checkpoints, tmp_path, monkeypatch):
+    """`remove --k 2`: step k zeroes the top k directions of a ranking written here (App. A.1), not only the
+    k-th; FP top-1, the block maximum and max_act_ffn (max |mlp.fc2 output|) are those of a model rebuilt here
+    as U S' V^T; and the quantized model is that same model (the quantization itself is spied out)."""
+    from data import build_eval_loader
+    from models import build_model
+
+    base, _ = checkpoints
+    quantized = []  # the FC1 weights of each model handed to the quantization
+
+    def spy(pipeline, model, *args, **kwargs):
+        quantized.append({f"blocks.{i}": b.mlp.fc1.weight.detach().clone() for i, b in enumerate(model.blocks)})
+        return {"top1": 0.0}
+    monkeypatch.setattr(mechanism, "evaluate_quantized", spy)
+    result = mechanism.main(["remove", "--checkpoint", base, "--out", str(tmp_path / "r"), "--k", "2"])
+    cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano"])  # as make_checkpoint built it
+    model = build_model(cfg.model)
+    model.load_state_dict(torch.load(base, weights_only=True)["model"])
+    model.eval()
+    svd, ranking = {}, []
+    for i, block in enumerate(model.blocks):
+        w1, w2 = block.mlp.fc1.weight.detach().double(), block.mlp.fc2.weight.detach().double()
+        svd[i] = torch.linalg.svd(w1, full_matrices=False)
+        u = svd[i][0]
+        for d in range(u.shape[1]):  # alpha_d = max_j |w2_j . u_d| / |w2_j| (Eq. (13))
+            alpha = max(abs(float(w2[j] @ u[:, d])) / float(w2[j].norm()) for j in range(w2.shape[0]))
+            ranking.append((alpha, i, d))
+    top = [(f"blocks.{i}", d) for _, i, d in sorted(ranking, reverse=True)[:2]]
+    loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1, num_classes=10)
+    assert [r["k"] for r in result["results"]] == [0, 1, 2] and len(quantized) == 3
+    for r, weights in zip(result["results"], quantized):
+        k = r["k"]
+        assert [(x["block"], x["direction"]) for x in r["removed"]] == top[:k]
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            for i, block in enumerate(ref.blocks):
+                u, s, vh = svd[i]
+                s = s.clone()
+                s[[d for b, d in top[:k] if b == f"blocks.{i}"]] = 0
+                block.mlp.fc1.weight.copy_((u @ torch.diag(s) @ vh).float())
+        for name, w in weights.items():
+            torch.testing.assert_close(w, ref.get_submodule(name).mlp.fc1.weight, rtol=0, atol=1e-5)
+        seen = {"fc2": 0.0, "block": 0.0}
+        hooks = [m.register_forward_hook(lambda m, i, o, key=key: seen.__setitem__(
+                 key, max(seen[key], float(o.abs().max())))) for b in ref.blocks for key, m in (("fc2", b.mlp.fc2),
+                                                                                             ("block", b))]
+        correct = total = 0
+        with torch.no_grad():
+            for x, y in loader:
+                correct += int((ref(x).argmax(dim=1) == y).sum())
+                total += len(y)
+        for h in hooks:
+            h.remove()
+        assert r["fp_top1"] == pytest.approx(100 * correct / total, abs=100 / total + 1e-9)
+        assert r["max_act_ffn"] == pytest.approx(seen["fc2"], rel=1e-4)
+        assert r["max_act_block"] == pytest.approx(seen["block"], rel=1e-4)
 
 
 def test_alignment_of_a_swin_with_stages_of_different_widths(tmp_path):
