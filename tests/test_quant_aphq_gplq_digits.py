@@ -165,6 +165,37 @@ def test_pipelines_need_the_training_data(vit):
             PIPELINES[name](model, calib, "w4a4", {})
 
 
+def test_require_data_refuses_exactly_what_a_pipeline_lacks():
+    """quant.pipeline_data.require_data: images (or a detector's samples) for every pipeline that draws its own,
+    a train loader only where asked; the work path is the prefix followed by the suffix, or none."""
+    from quant.pipeline_data import PipelineData, require_data
+
+    def images(count, seed, train_transform):
+        return torch.zeros(count, 3, 8, 8)
+
+    def samples(count, seed):
+        return []
+
+    def loader(batch_size_per_gpu, seed):
+        return []
+
+    for data, needs_loader in ((PipelineData(train_images=images), False),
+                               (PipelineData(detector_samples=samples), False),  # a detector: no image tensor
+                               (PipelineData(train_images=images, train_loader=loader), True)):
+        assert require_data("x", data, loader=needs_loader) is data
+    only_images = PipelineData(train_images=images)
+    assert require_data("x", only_images) is only_images  # no loader asked for by default (APHQ)
+    for data, needs_loader, message in ((None, False, r"pass data=PipelineData\(\.\.\.\)"),
+                                        (PipelineData(train_loader=loader), True, "PipelineData.train_images"),
+                                        (PipelineData(train_images=images), True, "PipelineData.train_loader"),
+                                        (PipelineData(detector_samples=samples), True, "PipelineData.train_loader")):
+        with pytest.raises(ValueError, match=rf"^the 'x' pipeline .*{message}"):
+            require_data("x", data, loader=needs_loader)
+    assert PipelineData(work_prefix="runs/a/eval_best").work_path("_gplq_w4a4_stage1.pt") == \
+        "runs/a/eval_best_gplq_w4a4_stage1.pt"
+    assert PipelineData().work_path("_gplq_w4a4_stage1.pt") is None
+
+
 def test_options_are_typed_config_sections():
     cfg = load_config([], ["quant.aphq.iters=5", "quant.aphq.weight_pct=[0.8, 1.0]", "quant.gplq.steps=7",
                            "quant.gplq.lr=2e-5", "quant.aphq.hessian_probe=rademacher"])
