@@ -296,3 +296,62 @@ def test_an_error_line_goes_to_stderr_and_the_log_file_once_and_only_the_main_ra
             root.removeHandler(handler)
             handler.close()
         root.setLevel(level)
+
+
+def test_git_commit_is_the_checkout_holding_the_code_and_its_tracked_changes(tmp_path, monkeypatch):
+    """engine.runinfo.git_commit (the commit of every log's environment line): the short hash of the repository
+    that holds engine/, whatever the working directory; '+dirty' for a changed tracked file, not for an untracked
+    one; 'unknown' outside a repository."""
+    from engine import runinfo
+
+    def git(repo, *args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    heads = {}
+    for name in ("code", "elsewhere"):
+        (tmp_path / name / "engine").mkdir(parents=True)
+        (tmp_path / name / "engine" / "a.py").write_text(f"name = {name!r}\n")
+        git(tmp_path / name, "init", "-q")
+        git(tmp_path / name, "add", ".")
+        git(tmp_path / name, "commit", "-qm", name)
+        heads[name] = git(tmp_path / name, "rev-parse", "HEAD")
+    monkeypatch.setattr(runinfo, "__file__", str(tmp_path / "code" / "engine" / "runinfo.py"))
+    monkeypatch.chdir(tmp_path / "elsewhere")  # another repository: not the one whose commit is asked
+    commit = runinfo.git_commit()
+    assert 4 <= len(commit) < 40 and heads["code"].startswith(commit), (commit, heads)
+    (tmp_path / "code" / "engine" / "new.py").write_text("")
+    assert runinfo.git_commit() == commit  # untracked files do not make a checkout dirty
+    (tmp_path / "code" / "engine" / "a.py").write_text("changed = True\n")
+    assert runinfo.git_commit() == commit + "+dirty"
+    (tmp_path / "plain" / "engine").mkdir(parents=True)
+    monkeypatch.setattr(runinfo, "__file__", str(tmp_path / "plain" / "engine" / "runinfo.py"))
+    assert runinfo.git_commit() == "unknown"
+
+
+def test_cpu_name_is_the_model_name_line_of_cpuinfo(monkeypatch):
+    """engine.runinfo.cpu_name: the value of /proc/cpuinfo's `model name` line (not of the `model` number line
+    before it); without one, or without the file (macOS), platform.processor(), else 'unknown CPU'."""
+    import io
+    import platform
+
+    from engine import runinfo
+
+    cpuinfo = {"text": "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n"
+                       "model name\t: Intel(R) Xeon(R) Gold 6230 CPU @ 2.10GHz\nstepping\t: 7\n"}
+
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/cpuinfo"
+        if cpuinfo["text"] is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(cpuinfo["text"])
+
+    monkeypatch.setattr(runinfo, "open", fake_open, raising=False)
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    assert runinfo.cpu_name() == "Intel(R) Xeon(R) Gold 6230 CPU @ 2.10GHz"
+    cpuinfo["text"] = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n"  # aarch64: no model name
+    assert runinfo.cpu_name() == "arm"
+    cpuinfo["text"] = None
+    assert runinfo.cpu_name() == "arm"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert runinfo.cpu_name() == "unknown CPU"
