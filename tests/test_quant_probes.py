@@ -217,4 +217,11 @@ def test_a_figure_is_its_size_in_inches_on_the_agg_canvas(tmp_path):
     assert tuple(fig.get_size_inches()) == (7.0, 4.0) and isinstance(fig.canvas, FigureCanvasAgg)
     fig.savefig(tmp_path / "f.png", dpi=10)
     assert Image.open(tmp_path / "f.png").size == (70, 40)
+    # without a dpi, savefig draws at matplotlib's figure.dpi setting (100 unless a matplotlibrc says otherwise)
+    import matplotlib
+    fig.savefig(tmp_path / "d.png")
+    dpi = matplotlib.rcParams["figure.dpi"]
+    assert Image.open(tmp_path / "d.png").size == (round(7 * dpi), round(4 * dpi))
+    new_figure(2.5, 1.5).savefig(tmp_path / "h.png", dpi=10)  # fractional inches (mechanism.py: 8 x 3.4)
+    assert Image.open(tmp_path / "h.png").size == (25, 15)
     assert Image.open(plot(RECORDS, tmp_path / "p.png")).size == tuple(int(v * fig.dpi) for v in (7, 4))
