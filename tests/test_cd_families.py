@@ -75,3 +75,21 @@ def test_a_thread_count_torch_cannot_take_is_one_error_line(monkeypatch, threads
     monkeypatch.setenv("OMP_NUM_THREADS", threads)
     with pytest.raises(SystemExit, match=rf"^error: OMP_NUM_THREADS='{threads}': give one positive number"):
         readme_tables.table_command("x", lambda: "table", Path("README.md"), "<!-- b -->", "<!-- e -->", [])
+
+
+def test_a_missing_library_is_named_in_its_row_and_every_extra_column_reads_not_run(monkeypatch):
+    """cd.families.family_table: a family whose library is not installed keeps its row (the library named, "not
+    run" in each extra column); an extra column's "|" cannot split a row. Written out here for two families."""
+    from cd import families
+
+    def missing():
+        raise ImportError("No module named 'somelib'", name="somelib")
+
+    monkeypatch.setattr(families, "FAMILIES", {"vit": families.FAMILIES["vit"]})
+    monkeypatch.setattr(families, "OTHER_FAMILIES", {"Other (somelib)": ("somelib `Model`", missing)})
+    table = families.family_table({"first": lambda model: "a|b", "second": lambda model: "c"})
+    assert table.splitlines() == [
+        "| family | model | CD pairs per block, by role | first | second |",
+        "|---|---|---|---|---|",
+        "| vit | timm `vit_tiny_patch16_224` | Block (x2): qkv, proj, fc1, fc2 | a/b | c |",
+        "| Other (somelib) | somelib `Model` | not checked: somelib is not installed | not run | not run |"]

@@ -51,3 +51,9 @@ def test_one_update_matches_the_float64_reference(family, pairs, gated):
     reference_cd_(want, pairs, 0.5, {p.w2: 0.1 for p in pairs})
     got = {n: p.double() for n, p in model.named_parameters()}
     assert max_diff(got, dict(want.named_parameters())) < 1e-6  # fp32 update against float64
+
+
+@pytest.mark.parametrize("family", ["vit", "ViT (transformers)"])
+def test_a_family_model_is_built_in_eval_mode(family):
+    """cd.families.build_family returns its model in eval mode (its docstring): timm's and other libraries'."""
+    assert not any(m.training for m in build_family(family).modules())
