@@ -305,6 +305,20 @@ def test_remove_takes_out_the_top_k_directions_and_reads_fc2(checkpoints, tmp_pa
         assert r["max_act_block"] == pytest.approx(seen["block"], rel=1e-4)
 
 
+def test_remove_takes_every_direction_of_the_chosen_blocks_and_refuses_one_more(checkpoints, tmp_path, monkeypatch):
+    """`--k` may be the number of directions of the chosen blocks (vit_nano: 32 per block), not one more; the
+    scoring is stubbed out (this is about the count), so the 33 steps take a second."""
+    base, _ = checkpoints
+    monkeypatch.setattr(mechanism, "evaluate", lambda model, loader, device: {"top1": 0.0})
+    monkeypatch.setattr(mechanism, "evaluate_quantized", lambda *args, **kwargs: {"top1": 0.0})
+    result = mechanism.main(["remove", "--checkpoint", base, "--out", str(tmp_path / "all"), "--blocks", "0",
+                             "--k", "32"])
+    assert [r["k"] for r in result["results"]] == list(range(33))
+    assert sorted(x["direction"] for x in result["results"][-1]["removed"]) == list(range(32))
+    with pytest.raises(mechanism.MechanismError, match=r"^--k 33: the chosen blocks have only 32 directions"):
+        mechanism.main(["remove", "--checkpoint", base, "--out", str(tmp_path / "more"), "--blocks", "0", "--k", "33"])
+
+
 def test_alignment_of_a_swin_with_stages_of_different_widths(tmp_path):
     ckpt = make_checkpoint(tmp_path / "swin.pt", 0, **{"model.name": "swin_nano"})
     result = mechanism.main(["alignment", "--checkpoint", ckpt, "--out", str(tmp_path / "o")])
