@@ -328,8 +328,10 @@ def select_blocks(blocks: list[tuple[str, nn.Module]], wanted: Optional[Sequence
     if not blocks:
         raise MechanismError("the model has no pre-norm block with an mlp.fc1 -> mlp.fc2 FFN (timm ViT / "
                              "DeiT / Swin); these tools need one")
-    if not wanted:
+    if wanted is None:
         return blocks
+    if not wanted:  # `--blocks` with nothing after it: a list cut off, not "all"
+        raise MechanismError("--blocks without a block: give 0-based positions or names, or drop --blocks for all")
     names = [n for n, _ in blocks]
     chosen = []
     for w in wanted:
