@@ -222,6 +222,19 @@ def test_torch_optimizer_looks_through_framework_wrappers_and_refuses_a_schedule
         torch_optimizer(Held("other", opt))
 
 
+def w1s_apart(model: torch.nn.Module) -> tuple[list, list]:
+    """(the W1s and the norms, the rest) of a tiny ViT: every functional pair split over two optimizers."""
+    first = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
+                                                                   "norm2.weight"))]
+    return first, [p for p in model.parameters() if all(p is not q for q in first)]
+
+
+def arm_all(bindings: dict) -> None:
+    """The framework's iteration begins: every binding armed for all of its updates."""
+    for binding in bindings.values():
+        binding.arm(until_disarmed=True)
+
+
 def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_either_step():
     """Target C over two optimizers, each functional pair split (W1 in `a`, W2 in `b`), stepped `b` then `a` with
     gradients of zero (SGD then changes nothing): the weights are one CD update of the weights of before the
@@ -230,16 +243,13 @@ def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_eit
 
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5, targets="C")
-    first = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
-                                                                   "norm2.weight"))]
-    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    first, rest = w1s_apart(model)
     opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.02)
     bindings = bind_optimizers(decay, [opt_a, opt_b])
     before = snapshot(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     opt_b.step()
     opt_a.step()
     for binding in bindings.values():
@@ -276,8 +286,7 @@ def test_the_update_norms_of_a_role_cover_its_matrices_in_every_optimizer():
     before = snapshot(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     opt_a.step()
     opt_b.step()
     metrics = decay.metrics()
@@ -298,9 +307,7 @@ def test_optimizers_that_step_twice_in_one_iteration_make_two_updates():
 
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
-    first = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight",
-                                                                   "norm2.weight"))]
-    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    first, rest = w1s_apart(model)
     opt_a, opt_b = torch.optim.SGD(first, lr=0.05), torch.optim.SGD(rest, lr=0.05)
     bindings = bind_optimizers(decay, [opt_a, opt_b])
     want = snapshot(model)
@@ -311,8 +318,7 @@ def test_optimizers_that_step_twice_in_one_iteration_make_two_updates():
         want = new
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     for opt in (opt_a, opt_b, opt_a, opt_b):
         opt.step()
     got = snapshot(model)
@@ -345,8 +351,7 @@ def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_t
         ref_block_update(before, b, 0.05 * 0.5, want)
     for name, p in named.items():
         p.grad = grads[name].clone()
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     opt_a.step()
     opt_b.step()
     for name, p in named.items():
@@ -373,8 +378,7 @@ def test_fused_steps_that_the_grad_scaler_skips_count_an_update_only_if_every_pa
         for name in inf_in:
             next(iter(opts[name].param_groups[0]["params"])).grad.view(-1)[0] = float("inf")
         before = snapshot(model)
-        for binding in bindings.values():
-            binding.arm(until_disarmed=True)
+        arm_all(bindings)
         for name in order:
             scaler.step(opts[name])
         for binding in bindings.values():
@@ -411,8 +415,7 @@ def test_a_copy_is_kept_only_of_matrices_that_a_part_still_to_come_reads(order, 
     copies = []
     clone = torch.Tensor.clone
     monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t.shape) or clone(t, *a, **k))
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     for name in order:
         opts[name].step()
     monkeypatch.undo()
@@ -433,8 +436,7 @@ def test_a_step_of_an_optimizer_whose_decayed_matrices_have_no_gradient_is_no_up
     for p in first:
         p.grad = torch.randn_like(p)
     before = snapshot(model)
-    for binding in bindings.values():
-        binding.arm(until_disarmed=True)
+    arm_all(bindings)
     opt_b.step()
     assert changed(model, before) == []
     assert decay.metrics()["cd/updates"] == 0
