@@ -28,6 +28,16 @@ def one_thread_per_xdist_worker() -> None:
 one_thread_per_xdist_worker()
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are no package), run fresh at each call."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_folder(root, splits: dict, ext: str = ".png") -> None:
     """An ImageNet-style folder: splits = {split: {class: number of images}} of small random images, named
     <i><ext> (the extension picks PIL's format)."""

@@ -1,21 +1,16 @@
 """scripts/bench_aphq_block.py runs end to end on CPU with a tiny ViT and writes its JSON."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import load_script
 
 
 def test_bench_aphq_block_cpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_aphq_block",
-                                                  os.path.join(ROOT, "scripts", "bench_aphq_block.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_aphq_block")
     out = tmp_path / "block.json"
     threads = torch.get_num_threads()
     try:

@@ -3,7 +3,6 @@ and writes its outputs."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,15 +10,11 @@ import subprocess
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_overhead",
-                                                  os.path.join(ROOT, "scripts", "bench_overhead.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_overhead")
 
 
 def test_bench_overhead_cpu_smoke(tmp_path, capsys):
@@ -101,10 +96,7 @@ def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first
     assert not (tmp_path / "ep").exists()  # nothing ran
     # scripts/overhead_epochs.py run itself, a per-GPU batch of 0 for the width sweep: a usage error, not a
     # ZeroDivisionError in the plan's check
-    spec = importlib.util.spec_from_file_location("overhead_epochs",
-                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
-    epochs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(epochs)
+    epochs = load_script("overhead_epochs")
     with pytest.raises(SystemExit) as refused:
         epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "--models",
                      "vit_nano", "--width-batch", "0", "--out", str(tmp_path / "ep")])
@@ -138,10 +130,7 @@ def test_an_override_written_after_the_models_is_an_override_not_a_model(tmp_pat
                                              ("torchrun --nnodes 2 --nproc-per-node 8", 16),
                                              ("torchrun --nproc_per_node=gpu", None), ("srun python", None)])
 def test_launcher_world_size(launcher, world):
-    spec = importlib.util.spec_from_file_location("overhead_epochs",
-                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("overhead_epochs")
     assert module.launcher_world_size(launcher) == world
 
 
@@ -149,10 +138,7 @@ def test_launcher_world_size(launcher, world):
 def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
     if framework != "plain":
         pytest.importorskip(framework)
-    spec = importlib.util.spec_from_file_location("bench_integrations",
-                                                  os.path.join(ROOT, "scripts", "bench_integrations.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_integrations")
     bench.main(["--frameworks", framework, "--steps", "2", "--warmup", "1", "--repeats", "1", "--width", "32",
                 "--depth", "1", "--batch", "2", "--threads", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {framework} |")]
@@ -168,11 +154,7 @@ def test_tf32_on_a_cpu_is_a_usage_error_not_a_row_labelled_tf32(tmp_path, capsys
 
 
 def _epochs_script():
-    spec = importlib.util.spec_from_file_location("overhead_epochs",
-                                                  os.path.join(ROOT, "scripts", "overhead_epochs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("overhead_epochs")
 
 
 def test_epochs_protocol_sets_each_runs_keys_and_summarises_by_hand():

@@ -2,13 +2,13 @@
 `python -m cd --families` prints its CD column."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 from cd.__main__ import main as cd_main
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -16,10 +16,7 @@ import readme_tables  # noqa: E402
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("cd_families", ROOT / "scripts" / "cd_families.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cd_families")
 
 
 def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):

@@ -1,19 +1,14 @@
 """scripts/compare_act_max.py: per-block maxima averaged over runs, against values written into the CSVs."""
 import csv
-import importlib.util
 import os
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("compare_act_max",
-                                                  os.path.join(ROOT, "scripts", "compare_act_max.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare_act_max")
 
 
 def write(path, rows):

@@ -21,6 +21,7 @@ from quant.quantizers import UniformQuantizer
 from quant.spec import Bits
 from device_utils import HostCopies, HostReads, OnCPU, cpu_pipeline_data, tensors_of
 from quant_models import images, tiny_swin, tiny_vit
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread", "adam_step_on_cpu")
 
@@ -245,13 +246,7 @@ def test_an_aphq_cache_device_this_machine_lacks_is_refused_before_any_work(monk
 def test_a_benchmark_device_this_machine_lacks_is_one_usage_error(monkeypatch, capsys, script, device, message):
     """scripts/bench_quant.py and bench_aphq_block.py took --device as any text: a name torch does not know, or
     cuda without a GPU, was a traceback after the model was built."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{script}.py")
-    spec = importlib.util.spec_from_file_location(script, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(script)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--device", device, "--model", "vit_tiny_patch16_224", "--img-size", "32", "--depth", "1"])

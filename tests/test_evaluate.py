@@ -11,7 +11,7 @@ import evaluate
 import train
 from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
-from tests.conftest import DEMO_CONFIG, ROOT
+from tests.conftest import DEMO_CONFIG, ROOT, load_script
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +127,7 @@ def test_torchrun_evaluation_equals_single_process(digits_checkpoint, tmp_path):
 
 
 def load_sensitivity_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quant_sensitivity",
-                                                  os.path.join(ROOT, "scripts", "quant_sensitivity.py"))
-    sens = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sens)
-    return sens
+    return load_script("quant_sensitivity")
 
 
 def test_quant_sensitivity_runs_each_variant_into_its_own_file(digits_checkpoint, tmp_path, monkeypatch,

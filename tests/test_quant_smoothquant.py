@@ -3,7 +3,6 @@ pipelines on the meta device and on a ViT; the generated scope table of quant/RE
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from quant.smoothquant.smooth import smooth_model
 from quant.spec import ATTENTION, AttentionRule, Bits, QuantSpec
 from device_utils import tensors_of
 from quant_models import perturb_norms
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,9 +249,7 @@ def test_lm_pipelines_create_no_tensor_on_the_default_device(pipeline, make, inp
 
 # -- the scope table ------------------------------------------------------------------------------------------
 def test_readme_scope_table_is_current():
-    spec = importlib.util.spec_from_file_location("quant_scope", ROOT / "scripts" / "quant_scope.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("quant_scope")
     want = script.scope_table()
     got = script.readme_table((ROOT / "quant" / "README.md").read_text())
     assert got == want, "quant/README.md's scope table is stale: run python scripts/quant_scope.py --write"
@@ -374,9 +372,7 @@ def test_strict_defaults_are_the_documented_ones_and_quantize_per_tensor_statica
 def test_scope_script_writes_its_table_between_the_markers_of_the_quant_readme(monkeypatch, tmp_path):
     """--write (the argv given, not the process's) targets quant/README.md, the document that holds the
     script's markers, and replaces only what lies between them."""
-    spec = importlib.util.spec_from_file_location("quant_scope", ROOT / "scripts" / "quant_scope.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("quant_scope")
     readme = (ROOT / "quant" / "README.md").read_text()
     assert script.README.resolve() == (ROOT / "quant" / "README.md").resolve()
     assert script.BEGIN in readme and script.END in readme.split(script.BEGIN, 1)[1]
