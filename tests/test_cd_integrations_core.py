@@ -229,6 +229,17 @@ def w1s_apart(model: torch.nn.Module) -> tuple[list, list]:
     return first, [p for p in model.parameters() if all(p is not q for q in first)]
 
 
+def armed_sgd_pair(decay: ColinearityDecay, first: list, rest: list, lr_a: float, lr_b: float) -> tuple:
+    """SGD over `first` (`a`) and `rest` (`b`) bound to `decay`, every gradient zero (a step then changes only
+    what CD does), armed for the iteration: (opt_a, opt_b, bindings)."""
+    opt_a, opt_b = torch.optim.SGD(first, lr=lr_a), torch.optim.SGD(rest, lr=lr_b)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    for p in [*first, *rest]:
+        p.grad = torch.zeros_like(p)
+    arm_all(bindings)
+    return opt_a, opt_b, bindings
+
+
 def arm_all(bindings: dict) -> None:
     """The framework's iteration begins: every binding armed for all of its updates."""
     for binding in bindings.values():
@@ -244,12 +255,8 @@ def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_eit
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5, targets="C")
     first, rest = w1s_apart(model)
-    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.02)
-    bindings = bind_optimizers(decay, [opt_a, opt_b])
     before = snapshot(model)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    arm_all(bindings)
+    opt_a, opt_b, bindings = armed_sgd_pair(decay, first, rest, 0.1, 0.02)
     opt_b.step()
     opt_a.step()
     for binding in bindings.values():
@@ -281,12 +288,8 @@ def test_the_update_norms_of_a_role_cover_its_matrices_in_every_optimizer():
     decay = ColinearityDecay(model, lam=0.5, norms_every=1)
     first = list(model.blocks[0].parameters())
     rest = [p for p in model.parameters() if all(p is not q for q in first)]
-    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.02)
-    bindings = bind_optimizers(decay, [opt_a, opt_b])
     before = snapshot(model)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    arm_all(bindings)
+    opt_a, opt_b, _ = armed_sgd_pair(decay, first, rest, 0.1, 0.02)
     opt_a.step()
     opt_b.step()
     metrics = decay.metrics()
@@ -308,17 +311,13 @@ def test_optimizers_that_step_twice_in_one_iteration_make_two_updates():
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
     first, rest = w1s_apart(model)
-    opt_a, opt_b = torch.optim.SGD(first, lr=0.05), torch.optim.SGD(rest, lr=0.05)
-    bindings = bind_optimizers(decay, [opt_a, opt_b])
     want = snapshot(model)
     for _ in range(2):
         new = dict(want)
         for b in ("blocks.0", "blocks.1"):
             ref_block_update(want, b, 0.05 * 0.5, new)
         want = new
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    arm_all(bindings)
+    opt_a, opt_b, _ = armed_sgd_pair(decay, first, rest, 0.05, 0.05)
     for opt in (opt_a, opt_b, opt_a, opt_b):
         opt.step()
     got = snapshot(model)
