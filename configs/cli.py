@@ -7,7 +7,8 @@
 The help texts are the schema's own comments (configs/schema.py, configs/quant.py): the comment after a
 field, else the comment lines right above it; a section's line is the first line of its class docstring.
 A flag that users of timm / DeiT type from habit (`--epochs 3`, `--output_dir x`) is refused with our
-spelling of it (`sched.epochs=3`, `out_dir=x`).
+spelling of it (`sched.epochs=3`, `out_dir=x`). Every entry point and script parses its command line with
+`OneLineParser`, whose usage errors are one `error:` line.
 """
 from __future__ import annotations
 
@@ -65,9 +66,21 @@ FOREIGN_FLAGS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage error (an unknown flag, a bad choice or type, a missing argument) is the one
+    `error:` line every other refusal is, `error: PROG: MESSAGE; see PROG --help`, with argparse's exit status
+    2, instead of argparse's usage block and second line. Every entry point builds its parser from it
+    (tests/test_usage_errors.py checks); add_subparsers makes subparsers of the same class."""
+
+    def error(self, message: str):
+        # argparse's messages are one line; a type's own message (ArgumentTypeError) might not be
+        message = " ".join(message.splitlines())
+        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def at_least(low: float, kind: type = int):
     """An argparse `type` for counts, sizes and budgets: a `kind` number >= `low`, refused by argparse (one
-    usage line naming the flag) otherwise, e.g. `--repeats 0`."""
+    `error:` line naming the flag, with OneLineParser) otherwise, e.g. `--repeats 0`."""
     def parse(text: str):
         value = kind(text)
         if not value >= low:  # NaN too
@@ -116,8 +129,8 @@ def device_problem(text: str) -> Optional[str]:
 
 
 def torch_device(text: str):
-    """An argparse `type` for a --device (`device_problem`): refused by argparse, one usage line naming the
-    flag, e.g. `--device gpu`, or `--device cuda` on a machine without a GPU."""
+    """An argparse `type` for a --device (`device_problem`): refused by argparse, one `error:` line naming
+    the flag, e.g. `--device gpu`, or `--device cuda` on a machine without a GPU."""
     import torch
 
     problem = device_problem(text)
