@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
-from configs.cli import add_config_arguments, move_overrides, named_twice, parse_known, print_config
+from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
@@ -775,8 +775,8 @@ FOREIGN_EVAL_FLAGS = {"resume": "--checkpoint {}", "finetune": "--checkpoint {} 
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
     parser.add_argument("--config", action="append", help="YAML file(s): the recipe when there is no "
                         "checkpoint, or a layer on top of the checkpoint's config")

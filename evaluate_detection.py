@@ -45,8 +45,10 @@ import torch
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from configs.cli import OneLineParser
+
+    parser = OneLineParser(description=__doc__.splitlines()[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order")
     parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")

@@ -35,7 +35,7 @@ from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
-from configs.cli import add_config_arguments, parse_known, print_config
+from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError
 from data import DataError, build_loaders, build_token_loaders
 from engine.act_max import ActivationProbe
@@ -548,8 +548,8 @@ def warn_if_at_chance(top1: float, num_classes: int) -> None:
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML recipe; repeat to layer several (default: {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")

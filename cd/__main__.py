@@ -30,8 +30,17 @@ def format_pairs(pairs: list[Pair]) -> str:
     return "\n".join(lines)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error (`--modle`) as one `error:` line with status 2, as configs.cli.OneLineParser makes it for
+    every other entry point: `cd` installs on its own (torch alone), so it cannot import configs."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description="List the CD matrix pairs of a timm model (meta device).")
+    parser = OneLineParser(prog="python -m cd",  # not argparse's default, `__main__.py`
+                           description="List the CD matrix pairs of a timm model (meta device).")
     parser.add_argument("--model", default=None, help="timm model name (default vit_base_patch16_224)")
     parser.add_argument("--families", action="store_true",
                         help="a table of timm's Transformer families: the pairs per block, or why refused")

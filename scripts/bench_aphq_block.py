@@ -36,11 +36,11 @@ from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import at_least, torch_device  # noqa: E402
+from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--depth", type=int, default=None, help="override (smoke tests)")

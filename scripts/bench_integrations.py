@@ -27,7 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cd import ColinearityDecay  # noqa: E402
-from configs.cli import at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least  # noqa: E402
 
 LAM = 0.005
 
@@ -187,7 +187,7 @@ RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine"
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=at_least(0), default=3)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import at_least, torch_device  # noqa: E402
+from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring).
 QUICK = {
@@ -82,7 +82,7 @@ def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224")
     p.add_argument("--img-size", type=int, default=None, help="override (smoke runs)")
     p.add_argument("--depth", type=int, default=None, help="override (smoke runs)")

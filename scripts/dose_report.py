@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs import ConfigError, config_from_dict  # noqa: E402
+from configs.cli import OneLineParser  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.eval_results import (ResultsError, first_difference, missing_number,  # noqa: E402
                                  read_result_file, recipe_difference, repeated_weights)
@@ -406,7 +407,7 @@ def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
                outputs: Sequence[str]) -> tuple[argparse.Namespace, dict[str, list[Run]], list[str]]:
     """The command line of a sweep report: (arguments, the evaluated runs by point, the output paths), the
     outputs refused when present (unless --overwrite)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", help=f"the sweep's out_root, e.g. {example}")
     parser.add_argument("--out", required=True, help=f"folder for {', '.join(outputs)}")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")

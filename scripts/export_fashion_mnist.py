@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs.cli import at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least  # noqa: E402
 
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"
 # (label order of the data set; README of zalandoresearch/fashion-mnist)
@@ -124,7 +124,7 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.add_argument("--source", default=DEFAULT_SOURCE, help=f"folder of the idx .gz files ({DEFAULT_SOURCE})")
     p.add_argument("--train-per-class", type=at_least(1), default=None,

@@ -48,7 +48,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from configs.cli import at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
@@ -281,7 +281,7 @@ def launch(stage: str, args, figures_path: str, log_path: str, budget: float) ->
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_check.json", help="the JSON of figures (its logs go next to it)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
     p.add_argument("--total-budget", type=at_least(1, float), default=570.0,

@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd.pairs import find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
-from configs.cli import at_least, move_overrides  # noqa: E402
+from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe  # noqa: E402
@@ -661,13 +661,6 @@ def check_overrides(args: argparse.Namespace) -> None:
                                      f"{', '.join(reads)}); drop it")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is the one `error:` line every other error here is."""
-
-    def error(self, message: str):
-        raise MechanismError(f"{self.prog}: {message}; see {self.prog} --help")
-
-
 def build_parser(command: str) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=f"mechanism.py {command}", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -710,8 +703,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if argv else 2)
-    if argv[0] not in COMMANDS:
-        raise MechanismError(f"unknown subcommand {argv[0]!r}; give one of {', '.join(COMMANDS)}")
+    if argv[0] not in COMMANDS:  # a usage error as argparse's own: one `error:` line, status 2
+        OneLineParser(prog="mechanism.py").error(f"unknown subcommand {argv[0]!r}; give one of "
+                                                 f"{', '.join(COMMANDS)}")
     args = build_parser(argv[0]).parse_intermixed_args(argv[1:])
     args.command = argv[0]
     if args.threads is not None and args.threads < 1:
@@ -749,7 +743,8 @@ ERRORS = (MechanismError, ConfigError, CheckpointError, DataError, ModelError, R
 
 
 def cli(argv: Sequence[str]) -> int:
-    """main() with every user error as one `error:` line on stderr (exit status 1), no traceback."""
+    """main() with every user error as one `error:` line on stderr (exit status 1), no traceback; a usage error
+    (an unknown flag or subcommand, a bad value) is one such line from OneLineParser, with status 2."""
     try:
         main(argv)
     except ERRORS as e:

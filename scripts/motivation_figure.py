@@ -23,6 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -126,7 +127,7 @@ def _panel(ax, rows: list[dict], title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py or evaluate_detection.py")
     p.add_argument("--pipeline", default="repq", help="quantization pipeline (default repq, as the paper)")
     p.add_argument("--bits", default="w4a4")

@@ -36,7 +36,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
-from configs.cli import at_least, move_overrides  # noqa: E402
+from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
@@ -162,7 +162,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--global-batch", type=at_least(1), default=1024, help="train.batch_size (the paper: 1024)")

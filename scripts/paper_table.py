@@ -28,6 +28,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import PAPER_NAMES, markdown_table, nondefault_settings  # noqa: E402
@@ -137,7 +138,7 @@ def finetune_table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
     p.add_argument("--layout", choices=["rows", "finetune"], default="rows", help="see above (default rows)")
     p.add_argument("--out", help="also write the table to this file (a new file, unless --overwrite)")

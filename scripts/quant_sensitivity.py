@@ -36,6 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
+from configs.cli import OneLineParser  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
@@ -136,7 +137,7 @@ def markdown(table: dict, bits: str) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
     parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and the summary")
     parser.add_argument("--bits", default="w4a4")

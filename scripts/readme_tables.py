@@ -10,6 +10,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from configs.cli import OneLineParser  # the scripts that import this module put the repo root on sys.path
+
 
 def marked_table(text: str, begin: str, end: str) -> str:
     """The text between the markers (what the document holds now)."""
@@ -19,7 +21,7 @@ def marked_table(text: str, begin: str, end: str) -> str:
 def table_command(description: str, table: Callable[[], str], document: Path, begin: str, end: str,
                   argv: Optional[Sequence[str]] = None) -> None:
     """Print the table, or with --write replace the one between the markers of `document`."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     parser.add_argument("--write", action="store_true", help=f"replace the table in {document.parent.name}/"
                                                               f"{document.name}")
     args = parser.parse_args(argv)

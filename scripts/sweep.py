@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
-from configs.cli import move_overrides  # noqa: E402
+from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
 from configs.schema import Config  # noqa: E402
@@ -289,7 +289,7 @@ def evaluation_overrides(run: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file, e.g. configs/sweeps/cd_lambda.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. data.root=...)")
     p.add_argument("--run", action="store_true",

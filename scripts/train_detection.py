@@ -31,11 +31,12 @@ import sys
 import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs.cli import OneLineParser  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__.splitlines()[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order (a method: "
                              "configs/detection/method/*.py)")
