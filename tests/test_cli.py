@@ -3,6 +3,7 @@
 config without running anything, and the timm / DeiT flags get our spelling of them."""
 import dataclasses
 import os
+import sys
 import typing
 
 import pytest
@@ -153,10 +154,12 @@ def test_evaluate_names_its_own_equivalents(argv, ours):
         evaluate.parse_args(["--checkpoint", "runs/x/best.pt", *argv])
 
 
-def test_other_unknown_flags_stay_argparse_errors(capsys):
+def test_other_unknown_flags_stay_argparse_errors(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # argparse names the program after it
     with pytest.raises(SystemExit) as done:
         train.parse_args(["--frobnicate"])
-    assert done.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+    assert done.value.code == 2  # one error line, argparse's usage block left out
+    assert capsys.readouterr().err == "error: train.py: unrecognized arguments: --frobnicate; see train.py --help\n"
 
 
 def test_train_without_config_runs_the_demo_from_any_working_folder(tmp_path, monkeypatch, capsys):
@@ -214,18 +217,20 @@ def test_evaluate_refuses_a_data_override_its_checkpoint_would_ignore(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["best.pt"]  # nothing written next to the checkpoint
 
 
-def test_at_least_refuses_counts_below_the_bound_and_nan():
+def test_at_least_refuses_counts_below_the_bound_and_nan(capsys):
     import argparse
 
-    from configs.cli import at_least
+    from configs.cli import OneLineParser, at_least
     assert at_least(1)("3") == 3 and at_least(0)("0") == 0 and at_least(1, float)("2.5") == 2.5
     for parse, text in ((at_least(1), "0"), (at_least(0), "-1"), (at_least(1, float), "nan")):
         with pytest.raises(argparse.ArgumentTypeError, match="must be at least"):
             parse(text)
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser(prog="bench.py")
     parser.add_argument("--repeats", type=at_least(1))
-    with pytest.raises(SystemExit):  # argparse: one usage line naming the flag
-        parser.parse_args(["--repeats", "x"])
+    for text, says in (("x", "invalid int value: 'x'"), ("0", "0: must be at least 1")):
+        with pytest.raises(SystemExit):  # one error line naming the flag
+            parser.parse_args(["--repeats", text])
+        assert capsys.readouterr().err == f"error: bench.py: argument --repeats: {says}; see bench.py --help\n"
 
 
 def test_a_device_the_machine_lacks_is_named(monkeypatch):

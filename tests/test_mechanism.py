@@ -374,13 +374,9 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"], "--bits w4"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4a16"],  # was a ValueError traceback
      "--pipeline repq --bits w4a16: repq quantizes activations"),
-    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images: 0: must be at least 1"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--compare", "no.pt"], "--compare no.pt"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"], "one label per model"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lrr=1"], "did you mean 'optim.lr'"),
-    (["alignment", "--checkpoint", "{ckpt}"], "the following arguments are required: --out"),
-    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "2"], "unrecognized arguments"),
-    (["figures", "--checkpoint", "{ckpt}", "--out", "{out}"], "unknown subcommand 'figures'"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is a file; give a folder"),
     # a setting the subcommand does not read, or one its own flag sets, is refused (each ran ignoring it)
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "0", "quant.bits=[w3a3]"],
@@ -393,8 +389,6 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "data.dataset=folder", "data.root=/nonexistent"],
      "data.dataset=folder: `alignment` does not read data.dataset (it reads model.*); drop it"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lr=0.01"], "`energies` does not read optim.lr"),
-    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cuda"], "unrecognized arguments: --device"),
-    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cpu"], "unrecognized arguments: --device"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "model.name=vit_small_patch16_224"],
      "model.name=vit_small_patch16_224: the model and its weights come from --checkpoint "),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
@@ -406,6 +400,26 @@ def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, exp
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not (tmp_path / "o").exists()  # a refused command leaves no empty output folder behind
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "--images", "0"], "--images: 0: must be at least 1"),
+    (["alignment", "--checkpoint", "{ckpt}"], "the following arguments are required: --out"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "2"], "unrecognized arguments"),
+    (["figures", "--checkpoint", "{ckpt}", "--out", "{out}"], "unknown subcommand 'figures'"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cuda"], "unrecognized arguments: --device"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cpu"], "unrecognized arguments: --device"),
+])
+def test_usage_errors_are_one_error_line_with_status_2(checkpoints, tmp_path, capsys, argv, expected):
+    """argparse's own refusals (and an unknown subcommand): the same one line, with argparse's status 2."""
+    argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
+    with pytest.raises(SystemExit) as done:
+        mechanism.cli(argv)
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: mechanism.py") and expected in lines[0], lines
+    assert lines[0].endswith(" --help"), lines  # names where the usage is
+    assert not (tmp_path / "o").exists()
 
 
 def test_an_existing_output_is_one_error_line_from_the_script(checkpoints, tmp_path):

@@ -1,0 +1,130 @@
+"""A usage error (an unknown flag, a bad choice, a missing value or subcommand) at any entry point is one
+`error:` line naming the input and pointing at --help, with argparse's exit status 2, as every other refusal
+is; --help still prints the help and exits 0. Every entry point builds its parser from
+configs.cli.OneLineParser (python -m cd from its own copy: `cd` installs without configs)."""
+import ast
+import glob
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+ENTRY_POINTS = sorted({os.path.relpath(p, ROOT) for pattern in ("train.py", "evaluate*.py", "scripts/*.py",
+                                                                 "cd/__main__.py")
+                       for p in glob.glob(os.path.join(ROOT, pattern))})
+
+
+def plain_parsers(path: str) -> list[int]:
+    """Lines of `path` that build a plain argparse.ArgumentParser (a call, not a subclass's base)."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "argparse" and \
+                any(alias.name == "ArgumentParser" for alias in node.names):
+            lines.append(node.lineno)  # `from argparse import ArgumentParser`: a plain one under another name
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "ArgumentParser":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_entry_point_builds_a_plain_argparse_parser():
+    assert {"train.py", "evaluate.py", "evaluate_detection.py", "scripts/sweep.py",
+            "scripts/mechanism.py", "cd/__main__.py"} <= set(ENTRY_POINTS)  # the glob finds them
+    plain = {path: lines for path in ENTRY_POINTS if (lines := plain_parsers(path))}
+    assert not plain, f"argparse.ArgumentParser prints a two-line usage error; use configs.cli.OneLineParser: {plain}"
+
+
+def test_the_check_finds_a_plain_parser(tmp_path):
+    """The AST check above is not blind: it flags each spelling of a plain parser, not a subclass."""
+    for code, found in (("import argparse\np = argparse.ArgumentParser()\n", [2]),
+                        ("from argparse import ArgumentParser\n", [1]),
+                        ("import argparse\nclass P(argparse.ArgumentParser):\n    pass\np = P()\n", [])):
+        (tmp_path / "s.py").write_text(code)
+        assert plain_parsers(str(tmp_path / "s.py")) == found, code
+
+
+def one_error_line(err: str, prog: str, says: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: {prog}: ") and says in lines[0], lines[0]
+    assert lines[0].endswith(f"; see {prog} --help"), lines[0]
+
+
+def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python path *argv`, run in this process (each subprocess would
+    import torch again: seconds each)."""
+    old = sys.argv
+    sys.argv = [os.path.join(ROOT, path), *argv]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    code = done.value.code
+    return (0 if code is None else code), out, err
+
+
+@pytest.mark.parametrize("path, argv, prog, says", [
+    ("train.py", ["--frobnicate"], "train.py", "unrecognized arguments: --frobnicate"),
+    ("train.py", ["--config"], "train.py", "argument --config: expected one argument"),
+    ("evaluate.py", ["--checkpoint", "x.pt", "--frobnicate"], "evaluate.py", "unrecognized arguments: --frobnicate"),
+    ("evaluate.py", ["--amp", "fp8"], "evaluate.py", "argument --amp: invalid choice: 'fp8'"),
+    ("scripts/mechanism.py", ["figures"], "mechanism.py", "unknown subcommand 'figures'; give one of surrogate"),
+    ("scripts/mechanism.py", ["remove", "--out", "o", "--pipeline", "gptq"], "mechanism.py remove",
+     "argument --pipeline: invalid choice: 'gptq'"),
+    ("scripts/mechanism.py", ["energies", "--out", "o", "--device", "cpu"], "mechanism.py energies",
+     "unrecognized arguments: --device"),
+    ("scripts/paper_table.py", ["r.json", "--frobnicate"], "paper_table.py", "unrecognized arguments: --frobnicate"),
+    ("scripts/paper_table.py", ["r.json", "--layout", "columns"], "paper_table.py",
+     "argument --layout: invalid choice: 'columns'"),
+    ("scripts/bench_overhead.py", ["--batches", "0"], "bench_overhead.py", "argument --batches: 0: must be at least"),
+])
+def test_a_usage_error_is_one_error_line_with_status_2(path, argv, prog, says, capsys):
+    code, out, err = run_entry(path, argv, capsys)
+    assert code == 2 and not out
+    one_error_line(err, prog, says)
+
+
+@pytest.mark.parametrize("path, argv", [("train.py", []), ("evaluate.py", []), ("scripts/mechanism.py", ["remove"]),
+                                        ("scripts/paper_table.py", [])])
+def test_help_still_prints_the_help_and_exits_0(path, argv, capsys):
+    code, out, err = run_entry(path, [*argv, "--help"], capsys)
+    assert code == 0 and out.startswith("usage: ") and not err
+
+
+def test_python_m_cd_usage_error_is_one_error_line_with_status_2(capsys):
+    from cd.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--modle", "vit_tiny_patch16_224"])
+    assert done.value.code == 2
+    one_error_line(capsys.readouterr().err, "python -m cd", "unrecognized arguments: --modle")
+
+
+def test_a_subparser_is_a_one_line_parser_too(capsys):
+    """No entry point has subparsers yet; one added with add_subparsers inherits the class."""
+    from configs.cli import OneLineParser
+
+    parser = OneLineParser(prog="tool.py")
+    sub = parser.add_subparsers(dest="command").add_parser("run")
+    sub.add_argument("--k", type=int)
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["run", "--k", "x"])
+    assert done.value.code == 2
+    one_error_line(capsys.readouterr().err, "tool.py run", "argument --k: invalid int value: 'x'")
+
+
+def test_the_whole_process_writes_one_line_and_exits_2():
+    """The real command, in a process of its own: nothing else reaches stderr (no warning, no usage block)."""
+    done = subprocess.run([sys.executable, "train.py", "--frobnicate"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr == "error: train.py: unrecognized arguments: --frobnicate; see train.py --help\n", done.stderr
