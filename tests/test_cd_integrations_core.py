@@ -84,10 +84,10 @@ def test_no_gradient_no_update_and_a_removed_binding_does_nothing():
     assert decay.num_updates == 0
 
 
-def test_bind_optimizers_finds_the_optimizer_holding_the_matrices():
+def test_bind_optimizers_binds_every_optimizer_and_refuses_when_none_holds_the_matrices():
     model, decay, opt, _ = _setup()
     other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    assert list(bind_optimizers(decay, [other, opt])) == [id(opt)]
+    assert list(bind_optimizers(decay, [other, opt])) == [id(other), id(opt)]  # `other` may get some later
     with pytest.raises(ValueError, match="no optimizer holds"):
         bind_optimizers(decay, [other])
     half = torch.optim.SGD(list(model.blocks[0].parameters()), lr=0.1)
@@ -453,3 +453,59 @@ def test_apply_beside_a_live_binding_is_refused_as_beside_an_attach():
         binding.remove()
     decay.apply(0.1)  # unbound: the caller's own loop
     assert changed(model, before)
+
+
+def test_a_stage_unfrozen_into_an_optimizer_that_held_no_decayed_matrix_gets_cd_as_if_it_was_there_from_the_start():
+    """Block 1 frozen for the first update, then unfrozen and added (add_param_group) to `b`, which held only the
+    head when CD was bound (as a fine-tuning schedule unfreezes a stage): the weights after four updates are
+    those of the same run whose `b` held block 1 from the start (frozen, so left alone, for the first update),
+    with real gradients and AdamW; without its CD update block 1 would drift from that reference."""
+    def run(late: bool) -> dict:
+        model = tiny_vit()
+        decay = ColinearityDecay(model, lam=0.5)
+        block1, head = list(model.blocks[1].parameters()), list(model.head.parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in block1 + head)]
+        for p in block1:
+            p.requires_grad_(False)
+        opt_a = torch.optim.AdamW(rest, lr=0.01)
+        opt_b = torch.optim.AdamW(head if late else head + block1, lr=0.01)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # block 1 outside the optimizers, or all frozen there
+            bindings = bind_optimizers(decay, [opt_a, opt_b])
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            if step == 1:  # the stage is unfrozen
+                for p in block1:
+                    p.requires_grad_(True)
+                if late:
+                    opt_b.add_param_group({"params": block1})
+            x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+            F.cross_entropy(model(x), y).backward()
+            arm_all(bindings)
+            opt_a.step()
+            opt_b.step()
+            for binding in bindings.values():
+                binding.disarm()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+        assert decay.metrics()["cd/updates"] == 4
+        return snapshot(model)
+
+    want, got = run(late=False), run(late=True)
+    assert not torch.equal(got["blocks.1.mlp.fc2.weight"], tiny_vit().blocks[1].mlp.fc2.weight)  # it trained
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_raw_step_of_an_optimizer_holding_no_decayed_matrix_is_not_refused_as_a_step_around_cd():
+    """strict_steps refuses a step that ran without the framework's event where CD had a part in it; an optimizer
+    of the head alone has none (bound all the same, for a stage that may join it later), so its step is allowed."""
+    model, decay, _, loss = _setup()
+    head = list(model.head.parameters())
+    opt_a = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in head)], lr=0.1)
+    opt_b = torch.optim.SGD(head, lr=0.1)
+    bind_optimizers(decay, [opt_a, opt_b], strict_steps=True)
+    loss().backward()
+    opt_b.step()  # every decayed matrix has a gradient, none of them in `b`
+    with pytest.raises(RuntimeError, match="without the framework's step event"):
+        opt_a.step()

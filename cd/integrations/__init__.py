@@ -161,12 +161,18 @@ class OptimizerBinding:
         return self._armed and not self._held
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        bypassed = self.strict_steps and not self._applied and any(t.grad is not None for t in self.decay._decayed())
+        bypassed = self.strict_steps and not self._applied and self._holds_gradients()
         self._stepping, self._armed = False, self._held
         if bypassed:
             raise RuntimeError("cd.integrations: the optimizer took a step without the framework's step event, so "
                                "CD did not run in it (e.g. Lightning's raw optimizer, "
                                "self.optimizers(use_pl_optimizer=False)): step through the framework's optimizer")
+
+    def _holds_gradients(self) -> bool:
+        """Whether a decayed matrix that this optimizer holds has a gradient (its step changed it): a step of an
+        optimizer that holds none (a head's) has no CD part to miss."""
+        held = self.decay._group_index(self.optimizer)
+        return any(t.grad is not None and id(t) in held for t in self.decay._decayed())
 
     def _run(self) -> None:
         self._armed, self._applied = self._held, True
@@ -187,8 +193,9 @@ class SharedUpdate:
     until the update is over; who holds what follows the optimizers' param groups (a group added later, as when a
     stage is unfrozen, may split a pair). The update is one framework iteration (`new_round`, at `disarm`), or a
     round in it where a train_step steps its optimizers several times: an optimizer that steps a second time
-    starts the next update. It is counted once in `cd/updates`, and each role's update norm covers all of its
-    matrices.
+    starts the next update. Every optimizer is followed, also one that holds no decayed matrix yet: a param group
+    that adds some later (add_param_group) gets their update from its next step on. The update is counted once in
+    `cd/updates`, and each role's update norm covers all of its matrices.
 
     Args:
         decay: the CD object of the model.
@@ -199,7 +206,8 @@ class SharedUpdate:
         self.decay = decay
         self._all = list(dict.fromkeys(optimizers))
         self._map()
-        self.optimizers = [opt for opt in self._all if holds_pairs(decay, opt) or id(opt) in self._kept_of]
+        # all of them: one that holds no decayed matrix now may get some (add_param_group), and copies with them
+        self.optimizers = self._all
         self._stepped: set[int] = set()
         self._kept: dict[int, torch.Tensor] = {}
         self._counted = False
@@ -233,10 +241,15 @@ class SharedUpdate:
         self._kept_of: dict[int, list] = {}
         for t in read.values():
             self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
+        # the optimizers whose steps are parts of the update: another's steps (a head's) change no matrix CD reads
+        # or writes, so a second one of them starts no next update
+        self._parts = {id(opt) for opt in self._all if holds_pairs(self.decay, opt) or id(opt) in self._kept_of}
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._signature() != self._sig:  # a param group added since (e.g. a stage unfrozen): a pair may be split
             self._map()
+        if id(optimizer) not in self._parts:
+            return
         if id(optimizer) in self._stepped:  # a second step of this optimizer: the next update
             self.new_round()
         self._stepped.add(id(optimizer))
@@ -265,27 +278,25 @@ class SharedUpdate:
 
 def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: bool = False
                     ) -> dict[int, OptimizerBinding]:
-    """A binding for each optimizer (of `optimizers`) that holds decayed matrices, by id of its torch optimizer
-    (`strict_steps`: see OptimizerBinding); with several optimizers, their steps make one update together
-    (`SharedUpdate`).
+    """A binding for each optimizer of `optimizers`, by id of its torch optimizer (`strict_steps`: see
+    OptimizerBinding); with several optimizers, their steps make one update together (`SharedUpdate`). An
+    optimizer that holds no decayed matrix now is bound too: a param group that adds some later (add_param_group,
+    as when a stage is unfrozen) gets their update from its next step on, as if they had been there from the start.
 
     Raises:
-        ValueError: no optimizer holds them (CD would never run).
+        ValueError: no optimizer holds any of them now (an error early, not a run without CD).
     """
     opts = {}
     for optimizer in optimizers:
         opt = torch_optimizer(optimizer)
-        if holds_pairs(decay, opt):
-            opts.setdefault(id(opt), opt)
-    if not opts:
+        opts.setdefault(id(opt), opt)
+    if not any(holds_pairs(decay, opt) for opt in opts.values()):
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
     # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
     # Lightning module's several) gets CD in that optimizer's step, so it is not left alone
     _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
-    shared = SharedUpdate(decay, [torch_optimizer(o) for o in optimizers])
-    if len(shared.optimizers) < 2:  # one optimizer's step is the whole update
-        shared.remove()
-        shared = None
+    # one optimizer's step is the whole update
+    shared = SharedUpdate(decay, list(opts.values())) if len(opts) > 1 else None
     return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
             for key, opt in opts.items()}
 
