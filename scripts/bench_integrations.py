@@ -2,13 +2,16 @@
 
     python scripts/bench_integrations.py                          # all frameworks installed, CPU
     python scripts/bench_integrations.py --frameworks plain hf --steps 30 --threads 2
+    python scripts/bench_integrations.py --norms-every 1 10 100   # CD's update norms on every n-th update
 
 For each framework (a plain loop with `ColinearityDecay.attach` as the reference; transformers' Trainer with
 `cd.integrations.hf`; Lightning; MMEngine's Runner with `ColinearityDecayHook`) it trains the same seeded timm
 ViT (random data, AdamW) for `--warmup` + `--steps` optimizer steps, without CD and with CD, `--repeats` times
 each in turn, and takes each step's time from the framework's own end-of-step event. It prints the median step
 time of the best repeat of each, their ratio, and CD's cost per step (with - without): an integration whose hook
-placement cost anything beyond `attach` would show a larger cost than the plain loop's.
+placement cost anything beyond `attach` would show a larger cost than the plain loop's. With several values of
+`--norms-every` (how often CD computes its update norms, a metric: `ColinearityDecay(norms_every=...)`), the
+runs with CD take each in turn, one row each, all against the same runs without CD.
 """
 from __future__ import annotations
 
@@ -52,11 +55,16 @@ def step_times(stamps: list[float], warmup: int) -> float:
     return statistics.median(gaps)
 
 
+def cd_kwargs(args) -> dict:
+    """CD's arguments in a run with CD: `norms_every` only where given (else each integration's default)."""
+    return {"lam": LAM} if args.norms_every is None else {"lam": LAM, "norms_every": args.norms_every}
+
+
 def run_plain(args, cd: bool) -> float:
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.045)
     if cd:
-        ColinearityDecay(model, lam=LAM).attach(opt)
+        ColinearityDecay(model, **cd_kwargs(args)).attach(opt)
     x, y = data(args, args.total)
     stamps = [time.perf_counter()]
     for i in range(args.total):
@@ -99,7 +107,7 @@ def run_hf(args, cd: bool) -> float:
                               learning_rate=5e-4, weight_decay=0.045, report_to=[], use_cpu=True,
                               save_strategy="no", logging_strategy="no", disable_tqdm=True,
                               dataloader_num_workers=0)
-    callbacks = [Stamp()] + ([ColinearityDecayCallback(lam=LAM)] if cd else [])
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if cd else [])
     trainer = Trainer(model=Wrapped(build_model(args)), args=targs, train_dataset=ds, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # no summary line
     trainer.train()
@@ -136,7 +144,7 @@ def run_lightning(args, cd: bool) -> float:
             stamps.append(time.perf_counter())
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(args, args.total)), batch_size=args.batch)
-    callbacks = [Stamp()] + ([ColinearityDecayCallback(lam=LAM)] if cd else [])
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if cd else [])
     L.Trainer(max_steps=args.total, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(Module(), loader)
     return step_times(stamps, args.warmup)
@@ -178,7 +186,7 @@ def run_mmengine(args, cd: bool) -> float:
                     train_cfg=dict(by_epoch=False, max_iters=args.total),
                     optim_wrapper=dict(optimizer=dict(type="AdamW", lr=5e-4, weight_decay=0.045)),
                     default_hooks=dict(checkpoint=None, logger=None),
-                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", lam=LAM)] if cd else []))
+                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", **cd_kwargs(args))] if cd else []))
     runner.train()
     return step_times(stamps, args.warmup)
 
@@ -195,6 +203,9 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--norms-every", type=at_least(1), nargs="+", default=None, metavar="N",
+                        help="CD's norms_every in the runs with CD, one row per value (default: the integrations' "
+                             "own default)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
@@ -212,17 +223,22 @@ def main(argv=None) -> None:
 
 def _table(args) -> None:
     pairs = len(ColinearityDecay(build_model(args), lam=LAM).pairs)
+    norms_every = args.norms_every or [None]
     print(f"timm ViT width {args.width}, depth {args.depth} ({pairs} pairs), 64 tokens, batch {args.batch}, "
           f"AdamW, CPU, {args.threads} threads; median of {args.steps} steps, best of {args.repeats} runs")
     print("| framework | without CD (ms/step) | with CD (ms/step) | ratio | CD cost (ms/step) |")
     print("|---|---|---|---|---|")
     for name in args.frameworks:
-        off, on = [], []
-        for _ in range(args.repeats):
+        off, on = [], {n: [] for n in norms_every}
+        for _ in range(args.repeats):  # in turn, so that a busy spell of the machine falls on all of them
             off.append(RUNS[name](args, cd=False))
-            on.append(RUNS[name](args, cd=True))
-        a, b = min(off), min(on)
-        print(f"| {name} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f} | {1e3 * (b - a):.1f} |", flush=True)
+            for n in norms_every:
+                on[n].append(RUNS[name](argparse.Namespace(**{**vars(args), "norms_every": n}), cd=True))
+        a = min(off)
+        for n in norms_every:
+            b = min(on[n])
+            label = name if n is None else f"{name}, norms_every {n}"
+            print(f"| {label} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f} | {1e3 * (b - a):.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -145,6 +145,23 @@ def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
     assert len(rows) == 1 and float(rows[0].split(" | ")[3]) > 0  # the ratio
 
 
+def test_bench_integrations_runs_cd_at_each_norms_every_given_one_row_each(capsys, monkeypatch):
+    bench = load_script("bench_integrations")
+    made = []
+
+    class Recorded(bench.ColinearityDecay):  # what the runs with CD were given
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.norms_every)
+
+    monkeypatch.setattr(bench, "ColinearityDecay", Recorded)
+    bench.main(["--frameworks", "plain", "--steps", "2", "--warmup", "1", "--repeats", "1", "--width", "32",
+                "--depth", "1", "--batch", "2", "--norms-every", "1", "7"])
+    rows = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("| plain")]
+    assert rows == ["| plain, norms_every 1", "| plain, norms_every 7"]
+    assert made[1:] == [1, 7]  # the first counts the pairs for the header
+
+
 def test_tf32_on_a_cpu_is_a_usage_error_not_a_row_labelled_tf32(tmp_path, capsys):
     """CPUs have no TF32: the products ran in fp32 under a 'tf32' label."""
     with pytest.raises(SystemExit):
