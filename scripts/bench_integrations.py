@@ -9,9 +9,10 @@ For each framework (a plain loop with `ColinearityDecay.attach` as the reference
 ViT (random data, AdamW) for `--warmup` + `--steps` optimizer steps, without CD and with CD, `--repeats` times
 each in turn, and takes each step's time from the framework's own end-of-step event. It prints the median step
 time of the best repeat of each, their ratio, and CD's cost per step (with - without): an integration whose hook
-placement cost anything beyond `attach` would show a larger cost than the plain loop's. With several values of
-`--norms-every` (how often CD computes its update norms, a metric: `ColinearityDecay(norms_every=...)`), the
-runs with CD take each in turn, one row each, all against the same runs without CD.
+placement cost anything beyond `attach` would show a larger cost than the plain loop's. CD computes its update
+norms (a metric) on every `--norms-every`-th update, by default the integrations' (`cd.integrations.NORMS_EVERY`),
+in the plain loop too; with several values the runs with CD take each in turn, one row each, all against the
+same runs without CD.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cd import ColinearityDecay  # noqa: E402
+from cd.integrations import NORMS_EVERY  # noqa: E402
 from configs.cli import OneLineParser, at_least  # noqa: E402
 
 LAM = 0.005
@@ -56,8 +58,9 @@ def step_times(stamps: list[float], warmup: int) -> float:
 
 
 def cd_kwargs(args) -> dict:
-    """CD's arguments in a run with CD: `norms_every` only where given (else each integration's default)."""
-    return {"lam": LAM} if args.norms_every is None else {"lam": LAM, "norms_every": args.norms_every}
+    """CD's arguments in a run with CD; `norms_every` the integrations' default unless given, in the plain loop too
+    (ColinearityDecay's own default is 1), so that every framework computes the same."""
+    return {"lam": LAM, "norms_every": NORMS_EVERY if args.norms_every is None else args.norms_every}
 
 
 def run_plain(args, cd: bool) -> float:
@@ -205,7 +208,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--norms-every", type=at_least(1), nargs="+", default=None, metavar="N",
                         help="CD's norms_every in the runs with CD, one row per value (default: the integrations' "
-                             "own default)")
+                             f"default, {NORMS_EVERY})")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)

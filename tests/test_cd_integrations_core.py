@@ -132,6 +132,17 @@ def test_arguments_are_colinearity_decays():
         check_cd_arguments({"mode": "loss"})
 
 
+def test_the_update_norms_are_computed_on_train_pys_default_log_interval_unless_norms_every_is_given():
+    """They cost about as much again as the update (cd/README.md): the integrations compute them where train.py
+    does by default, on every `train.log_every_steps`-th update; a given norms_every is honoured."""
+    from cd.integrations import NORMS_EVERY
+    from configs.schema import TrainConfig
+
+    assert NORMS_EVERY == TrainConfig().log_every_steps == 50
+    assert check_cd_arguments({"lam": 0.01}) == {"lam": 0.01, "norms_every": 50}
+    assert check_cd_arguments({"lam": 0.01, "norms_every": 1}) == {"lam": 0.01, "norms_every": 1}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"lam": float("nan")}, r"cd lam must be a finite number >= 0, got nan"),
     ({"lam": -0.1}, r"cd lam must be a finite number >= 0"),

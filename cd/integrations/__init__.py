@@ -24,16 +24,22 @@ from ..wrappers import torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
+# The update norms (`cd/update_norm/<role>` in `metrics()`, a metric only) cost about as much again as the update
+# (cd/README.md, "Cost and precision of the update"), so, as in train.py, they are not computed on every update:
+# by default on every 50th, train.py's default log interval (`train.log_every_steps`, which it passes).
+NORMS_EVERY = 50
 
 
 def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked now: the names, and the values that need no model
-    (`check_settings`; the rest when the model is there, before the first step). Raises TypeError for a name
-    `ColinearityDecay` does not take, ValueError for a value it refuses."""
+    (`check_settings`; the rest when the model is there, before the first step), with `norms_every` NORMS_EVERY
+    unless given. Raises TypeError for a name `ColinearityDecay` does not take, ValueError for a value it
+    refuses."""
     bad = sorted(set(kwargs) & set(_LOSS_ONLY))
     if bad:
         raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "
                         "needs `aux_loss` in your training step")
+    kwargs = {"norms_every": NORMS_EVERY, **kwargs}
     try:
         bound = inspect.signature(ColinearityDecay).bind(None, **kwargs)
     except TypeError as e:

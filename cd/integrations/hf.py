@@ -42,7 +42,9 @@ class ColinearityDecayCallback(TrainerCallback):
 
     Args:
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
-            `matmul_precision`, `norms_every`, `verify`, `example_input`); the decoupled update only.
+            `matmul_precision`, `norms_every`, `verify`, `example_input`); the decoupled update only. The update
+            norms in `decay.metrics()` are computed on every `norms_every`-th update, 50 unless given
+            (`cd.integrations.NORMS_EVERY`): give your log interval, or 1 for every update.
 
     Attributes:
         decay: the `ColinearityDecay` of the model, from `on_train_begin` on (`decay.metrics()` for logging).

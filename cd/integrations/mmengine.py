@@ -63,7 +63,9 @@ class ColinearityDecayHook(Hook):
         input_shape: the shape of one input batch of that part, for the pair check (positive ints); default: the
             part's own input size where CD can tell it, else (1, 3, 224, 224), an image batch.
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
-            `matmul_precision`, `norms_every`, `verify`); the decoupled update only.
+            `matmul_precision`, `norms_every`, `verify`); the decoupled update only. The update norms in
+            `decay.metrics()` are computed on every `norms_every`-th update, 50 unless given
+            (`cd.integrations.NORMS_EVERY`): give your log interval, or 1 for every update.
 
     Attributes:
         decay: the `ColinearityDecay`, from `before_train` on (`decay.metrics()`).
