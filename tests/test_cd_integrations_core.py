@@ -520,3 +520,34 @@ def test_a_raw_step_of_an_optimizer_holding_no_decayed_matrix_is_not_refused_as_
     opt_b.step()  # every decayed matrix has a gradient, none of them in `b`
     with pytest.raises(RuntimeError, match="without the framework's step event"):
         opt_a.step()
+
+
+def test_a_second_step_of_an_optimizer_holding_no_decayed_matrix_does_not_start_the_next_update():
+    """W1s in `a`, W2s in `b`, the head alone in `h`, stepped a, h, h, b (a head updated twice per iteration): `h`
+    takes no part in the update, so its second step leaves the update whole, and `b`'s part reads the W1s of
+    before `a`'s step, as the hand-written update (CD of the weights before, then the SGD step)."""
+    from cd_models import ref_block_update
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    named = dict(model.named_parameters())
+    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    head = [n for n in named if n.startswith("head.")]
+    opts = {"a": torch.optim.SGD([named[n] for n in first], lr=0.05),
+            "b": torch.optim.SGD([p for n, p in named.items() if n not in first and n not in head], lr=0.05),
+            "h": torch.optim.SGD([named[n] for n in head], lr=0.05)}
+    bindings = bind_optimizers(decay, list(opts.values()))
+    before = snapshot(model)
+    want = dict(before)
+    for b in ("blocks.0", "blocks.1"):
+        ref_block_update(before, b, 0.05 * 0.5, want)
+    grads = {n: torch.randn_like(p) for n, p in named.items()}
+    for name, p in named.items():
+        p.grad = grads[name].clone()
+    arm_all(bindings)
+    for name in "ahhb":
+        opts[name].step()
+    for name, p in named.items():
+        steps = 2 if name in head else 1
+        assert torch.allclose(p, want[name] - steps * 0.05 * grads[name], rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1
