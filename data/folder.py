@@ -82,9 +82,22 @@ def find_split(root: str, split: str) -> str:
         raise DataError(f"data.root '{root}' does not exist or is not a folder")
     for candidate in (os.path.join(root, split), os.path.join(root, split + ".tar")):
         if os.path.exists(candidate):
+            check_split_kind(candidate)
             return candidate
     raise DataError(f"no '{split}' split in {root}: found {sorted(os.listdir(root))[:10]}; set "
                     f"data.train_split / data.val_split")
+
+
+def check_split_kind(path: str) -> None:
+    """A split is a folder or a .tar archive, as timm's reader takes them (a .tar by its extension, anything
+    else as a folder): any other file would reach tarfile's or timm's own errors, or read as no images."""
+    if os.path.isdir(path):
+        return
+    if path.endswith(".tar") and tarfile.is_tarfile(path):
+        return
+    what = "not a tar archive" if path.endswith(".tar") else "a file, not a folder"
+    raise DataError(f"{path} is {what}: a split is a folder of class folders (<split>/<class>/<image>) or a "
+                    f"<split>.tar of them; point data.root / data.train_split / data.val_split at one")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -80,6 +80,16 @@ def test_a_tar_split_with_a_skipped_image_is_refused(tmp_path):
                           world_size=1, num_classes=2)
 
 
+@pytest.mark.parametrize("name", ["val", "val.tar"])
+def test_a_split_that_is_neither_a_folder_nor_a_tar_archive_is_refused_with_its_path(tmp_path, name):
+    """data.root/val a plain file, or a val.tar that is no archive: a DataError naming it, not tarfile's
+    ReadError from inside the checks."""
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / name).write_bytes(b"not a folder, not an archive")
+    with pytest.raises(DataError, match=rf"data/{name} is (a file, not a folder|not a tar archive).*<split>\.tar"):
+        eval_loader(tmp_path / "data")
+
+
 # -- class 2: a sample that fails, whatever PIL raises -----------------------------------------------------
 
 def spoil(path, how, monkeypatch):
