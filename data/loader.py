@@ -140,8 +140,8 @@ def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vo
     stream = token_stream(cfg, "train")
     windows = TokenWindows(stream, context, train=False)
     if count > len(windows):
-        raise DataError(f"asked for {count} calibration windows of {context} tokens; the train split has "
-                        f"{len(windows)}")
+        raise DataError(f"quant.calib_images={count}: the train split has {len(windows)} windows of {context} "
+                        f"tokens; give at most that")
     # the order is drawn on the CPU, where the windows and their generator are, whatever the default device
     chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed), device="cpu")[:count].tolist()
     calib = torch.stack([windows[i][0] for i in chosen])

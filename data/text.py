@@ -171,8 +171,11 @@ class TokenWindows(Dataset):
         self.ids, self.context, self.train = stream.ids, context, train
         self.count = (len(self.ids) - 1 - (context if train else 0)) // context
         if self.count < 1:
-            raise DataError(f"{stream.source} has {len(self.ids)} ids, fewer than one window of "
-                            f"{context + 1 + (context if train else 0)}")
+            offset = f" + {context} for its random offset" if train else ""
+            raise DataError(f"{stream.source} has {len(self.ids)} ids, fewer than one {'training ' if train else ''}"
+                            f"window of {context + 1 + (context if train else 0)} (the model's context of {context} "
+                            f"ids + 1 next id{offset}): give a longer text, or a model of a shorter context "
+                            f"(model.kwargs={{context: N}})")
         # evenly spread windows when the validation is limited (data.val_windows)
         self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context
                        if 0 < limit < self.count and not train else None)

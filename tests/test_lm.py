@@ -269,6 +269,18 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
         token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
 
 
+@pytest.mark.parametrize("size, train, need", [(32, False, 33), (64, True, 65)])
+def test_a_text_shorter_than_one_window_is_refused_with_the_fix(size, train, need):
+    """33 ids make one val window of 32 (and its next ids), a training window needs 32 more for its offset:
+    one id fewer is refused, naming what would do (a longer text or a shorter context)."""
+    stream = TokenStream(np.arange(size, dtype=np.uint16), None, "short.bin")
+    with pytest.raises(DataError, match=rf"^short.bin has {size} ids, fewer than one {'training ' * train}window "
+                                        rf"of {need} .*give a longer text, or a model of a shorter context "
+                                        r"\(model.kwargs=\{context: N\}\)"):
+        TokenWindows(stream, 32, train=train)
+    assert len(TokenWindows(TokenStream(np.arange(size + 1, dtype=np.uint16), None, "f"), 32, train=train)) == 1
+
+
 @pytest.mark.parametrize("dtype", [np.uint32, np.int64])
 def test_token_file_of_wide_ids_past_65535_is_refused(tmp_path, dtype):
     """32- or 64-bit ids of a vocabulary past 65,536 (cl100k, Llama 3) read as uint16 give a small high half
