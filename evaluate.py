@@ -12,13 +12,15 @@ Weights are scored only as they are: a checkpoint or a `model.pretrained` file t
 exactly (a classifier of another size included) is an error, never a model with a new random part.
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
-not read, are refused: --amp is the evaluation's autocast). Quantization
+not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
+autocast). Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
-where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier). Writes one JSON
+where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier, and the training augmentation,
+data.scale / reprob / auto_augment and the like, where no pipeline sees training-transform images). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it, and prints a markdown row in the layout of the paper's tables.
 """
@@ -45,7 +47,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
 from data.text import VocabularyError, token_file_fingerprint, token_stream
-from data.transforms import train_transform_settings
+from data.transforms import EVAL_TRANSFORM_KEYS, TRAIN_TRANSFORM_KEYS, train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
@@ -424,8 +426,7 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
                                    "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
         if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
             settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
-    if not task_for(cfg.data.dataset).language and (PIPELINES[pipeline].draws_training_images or (
-            reads_batch and cfg.quant.calib_transform == "train")):
+    if sees_training_transform(cfg, pipeline):
         settings["train_transform"] = training_data(cfg)
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
 
@@ -445,6 +446,23 @@ def calibration_overrides_unread(overrides: list[str], pipelines: list[str], lan
     if any(reads_calibration_batch(p, language) for p in pipelines):
         return []
     return [item for item in overrides if any(k in CALIBRATION_KEYS for k in override_keys(item))]
+
+
+def sees_training_transform(cfg: Config, pipeline: str) -> bool:
+    """Whether `pipeline` calibrates or trains on training-transform images (of an image classifier)."""
+    if task_for(cfg.data.dataset).language:
+        return False
+    return PIPELINES[pipeline].draws_training_images or (
+        reads_calibration_batch(pipeline, False) and cfg.quant.calib_transform == "train")
+
+
+def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[str]:
+    """The overrides of the training transform's own settings (not those the eval transform shares) when no
+    planned pipeline sees training-transform images: [] otherwise."""
+    if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
+        return []
+    own = {f"data.{k}" for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS}
+    return [item for item in overrides if any(k in own for k in override_keys(item))]
 
 
 def training_data(cfg: Config) -> dict:
@@ -540,6 +558,12 @@ def resolve_config(args: argparse.Namespace):
                           f"(pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no data, aphq and gplq "
                           f"on an image classifier draw their own training images: quant.aphq.calib_images, "
                           f"quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); drop it")
+    augmentation = train_transform_overrides_unread(args.overrides, cfg)
+    if augmentation:
+        raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "
+                          f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
+                          f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
+                          f"the val split takes the eval transform; drop it")
     try:
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
@@ -558,14 +582,19 @@ def resolve_config(args: argparse.Namespace):
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes
 EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
+# data settings of the training batches alone: no pass of evaluate.py mixes images, smooths labels or repeats
+# samples (APHQ's and GPLQ's own training images and loader take none of them: build_pipeline_data)
+TRAIN_BATCH_DATA_KEYS = ("data.mixup", "data.cutmix", "data.mixup_prob", "data.mixup_switch_prob", "data.mixup_mode",
+                         "data.label_smoothing", "data.repeated_aug")
 
 
 def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
-    """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*
-    and, unless `method_read` (a weights file's recipe names its method), cd.* and tweo.*: given for an
-    evaluation, they would be ignored, or name a checkpoint's result by another method than it was trained with."""
+    """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*,
+    the data keys of training batches (TRAIN_BATCH_DATA_KEYS) and, unless `method_read` (a weights file's recipe
+    names its method), cd.* and tweo.*: given for an evaluation, they would be ignored, or name a checkpoint's
+    result by another method than it was trained with."""
     sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
-    return [k for k in keys if k.startswith(sections) and k not in EVAL_TRAIN_KEYS]
+    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_DATA_KEYS]
 
 
 def evaluation_pipelines(cfg: Config) -> list[str]:

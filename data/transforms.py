@@ -16,6 +16,9 @@ from configs.schema import DataConfig
 TRAIN_TRANSFORM_KEYS = ("scale", "ratio", "hflip", "color_jitter", "auto_augment", "interpolation", "mean", "std",
                         "reprob", "remode", "recount")
 
+# the DataConfig keys the eval transform reads (build_transform)
+EVAL_TRANSFORM_KEYS = ("interpolation", "mean", "std", "crop_pct", "crop_mode")
+
 
 def train_transform_settings(cfg: DataConfig) -> dict:
     """{key: value} of TRAIN_TRANSFORM_KEYS, as JSON writes them (tuples as lists)."""

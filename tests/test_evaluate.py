@@ -695,6 +695,37 @@ def test_training_settings_given_for_a_checkpoint_are_refused(checkpoint, argv, 
     assert cfg.train.eval_batch_size_per_gpu == 5 and evaluate.method_name(cfg) == "Baseline"
 
 
+@pytest.mark.parametrize("override", ["data.mixup=0.5", "data.cutmix=1.0", "data.label_smoothing=0.2",
+                                      "data.repeated_aug=2"])
+def test_data_settings_of_training_batches_given_for_a_checkpoint_are_refused(checkpoint, override):
+    """No pass of evaluate.py mixes images, smooths labels or repeats samples (APHQ and GPLQ included): such an
+    override would be parsed, written nowhere and applied nowhere."""
+    key = override.split("=")[0]
+    for quant in (["percentile"], ["aphq", "gplq"]):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: evaluate.py does not read training settings"):
+            evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *quant, override]))
+
+
+@pytest.mark.parametrize("override", ["data.reprob=0.5", "data.scale=[0.5,0.6]", "data.hflip=0.5",
+                                      "data.auto_augment=rand-m5"])
+def test_training_transform_settings_are_refused_where_no_pipeline_sees_training_images(checkpoint, override):
+    """Percentile on the eval-transform calibration batch sees no training-transform image: data.reprob=0.5 and
+    the like would be ignored. APHQ draws training-transform images, as does any pipeline with
+    quant.calib_transform=train: there the same override is read (and part of the result's settings)."""
+    base = ["--checkpoint", checkpoint]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(override)} would be ignored: no pipeline of this "
+                                          r"evaluation sees training-transform images"):
+        evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", override]))
+    for seeing in (["--quant", "aphq"], ["--quant", "percentile", "quant.calib_transform=train"]):
+        cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing, override]))
+        default, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing]))
+        name = seeing[1]
+        assert evaluate.quant_settings(cfg, name)["train_transform"] != evaluate.quant_settings(default, name)[
+            "train_transform"]
+    # the settings the eval transform shares stay open to every evaluation
+    evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", "data.interpolation=bilinear"]))
+
+
 def test_a_weights_files_recipe_names_its_method_and_its_training_overrides_are_refused(checkpoint, tmp_path):
     import torch
 
