@@ -80,6 +80,9 @@ def find_split(root: str, split: str) -> str:
                         "e.g. data.root=/datasets/imagenet (or use data.dataset=digits)")
     if not os.path.isdir(root):
         raise DataError(f"data.root '{root}' does not exist or is not a folder")
+    if os.path.normpath(os.path.join(root, split)) == os.path.normpath(root):  # "", ".", "./": root's own folders
+        raise DataError(f"the split name {split!r} names data.root itself, whose folders would be the classes: set "
+                        f"data.train_split / data.val_split to the sub-folder of {root} that holds the class folders")
     for candidate in (os.path.join(root, split), os.path.join(root, split + ".tar")):
         if os.path.exists(candidate):
             check_split_kind(candidate)

@@ -2,6 +2,7 @@
 that cannot be read is handled one way (left out or replaced, named, counted), in evaluation, training and
 calibration alike, whatever PIL raises for it."""
 import os
+import re
 import tarfile
 
 import numpy as np
@@ -20,8 +21,8 @@ def folder_config(root, *overrides):
                                         "data.auto_augment=", "data.mixup=0", "data.cutmix=0", *overrides])
 
 
-def eval_loader(root, batch=4):
-    return build_eval_loader(folder_config(root).data, img_size=32, batch_size_per_gpu=batch, rank=0,
+def eval_loader(root, *overrides, batch=4):
+    return build_eval_loader(folder_config(root, *overrides).data, img_size=32, batch_size_per_gpu=batch, rank=0,
                              world_size=1, num_classes=2)
 
 
@@ -88,6 +89,14 @@ def test_a_split_that_is_neither_a_folder_nor_a_tar_archive_is_refused_with_its_
     (tmp_path / "data" / name).write_bytes(b"not a folder, not an archive")
     with pytest.raises(DataError, match=rf"data/{name} is (a file, not a folder|not a tar archive).*<split>\.tar"):
         eval_loader(tmp_path / "data")
+
+
+@pytest.mark.parametrize("split", ["", ".", "./"])
+def test_a_split_name_that_names_the_root_itself_is_refused(tmp_path, split):
+    """data.val_split= (empty) or '.' would make the split folders train/ and val/ the classes."""
+    make_folder(tmp_path, {"train": {"a": 2, "b": 2}, "val": {"a": 2, "b": 2}})
+    with pytest.raises(DataError, match=rf"the split name '{re.escape(split)}' names data.root itself"):
+        eval_loader(tmp_path, "data.val_split=" + split)
 
 
 # -- class 2: a sample that fails, whatever PIL raises -----------------------------------------------------
