@@ -43,11 +43,12 @@ from configs import Config, ConfigError, config_from_dict, config_to_dict, layer
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
+from configs.schema import EVAL_TRANSFORM_KEYS, TRAIN_BATCH_DATA_KEYS, TRAIN_TRANSFORM_KEYS
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
 from data.text import VocabularyError, token_file_fingerprint, token_stream
-from data.transforms import EVAL_TRANSFORM_KEYS, TRAIN_TRANSFORM_KEYS, train_transform_settings
+from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
@@ -582,19 +583,17 @@ def resolve_config(args: argparse.Namespace):
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes
 EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
-# data settings of the training batches alone: no pass of evaluate.py mixes images, smooths labels or repeats
-# samples (APHQ's and GPLQ's own training images and loader take none of them: build_pipeline_data)
-TRAIN_BATCH_DATA_KEYS = ("data.mixup", "data.cutmix", "data.mixup_prob", "data.mixup_switch_prob", "data.mixup_mode",
-                         "data.label_smoothing", "data.repeated_aug")
+# the data settings of training batches: no pass of evaluate.py reads them (configs/schema.py)
+BATCH_KEYS = tuple(f"data.{k}" for k in TRAIN_BATCH_DATA_KEYS)
 
 
 def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
     """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*,
-    the data keys of training batches (TRAIN_BATCH_DATA_KEYS) and, unless `method_read` (a weights file's recipe
+    the data keys of training batches (BATCH_KEYS) and, unless `method_read` (a weights file's recipe
     names its method), cd.* and tweo.*: given for an evaluation, they would be ignored, or name a checkpoint's
     result by another method than it was trained with."""
     sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
-    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_DATA_KEYS]
+    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in BATCH_KEYS]
 
 
 def evaluation_pipelines(cfg: Config) -> list[str]:

@@ -96,6 +96,20 @@ class DataConfig:
     digits_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
 
 
+# the DataConfig keys the training transform reads (data/transforms.py build_transform): results computed on
+# training-transform images depend on them (evaluate.py records them for APHQ and GPLQ)
+TRAIN_TRANSFORM_KEYS = ("scale", "ratio", "hflip", "color_jitter", "auto_augment", "interpolation", "mean", "std",
+                        "reprob", "remode", "recount")
+# the DataConfig keys the eval transform reads
+EVAL_TRANSFORM_KEYS = ("interpolation", "mean", "std", "crop_pct", "crop_mode")
+# the DataConfig keys of the training batches alone: no pass of evaluate.py mixes images, smooths labels or repeats
+# samples (APHQ's and GPLQ's own training images and loader take none of them)
+TRAIN_BATCH_DATA_KEYS = ("mixup", "cutmix", "mixup_prob", "mixup_switch_prob", "mixup_mode", "label_smoothing",
+                         "repeated_aug")
+# the keys only training reads (a checkpoint's config records their values): the training transform's own and the
+# training batches'
+TRAINING_ONLY_DATA_KEYS = tuple(k for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS) + TRAIN_BATCH_DATA_KEYS
+
 # the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
 ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
 

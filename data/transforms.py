@@ -8,16 +8,9 @@ from __future__ import annotations
 from timm.data import create_transform
 
 from configs import ConfigError
-from configs.schema import DataConfig
+from configs.schema import TRAIN_TRANSFORM_KEYS, DataConfig
 
 
-# the DataConfig keys the training transform reads (build_transform): results computed on training-transform
-# images depend on them (evaluate.py records them for APHQ and GPLQ)
-TRAIN_TRANSFORM_KEYS = ("scale", "ratio", "hflip", "color_jitter", "auto_augment", "interpolation", "mean", "std",
-                        "reprob", "remode", "recount")
-
-# the DataConfig keys the eval transform reads (build_transform)
-EVAL_TRANSFORM_KEYS = ("interpolation", "mean", "std", "crop_pct", "crop_mode")
 
 
 def train_transform_settings(cfg: DataConfig) -> dict:

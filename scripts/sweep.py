@@ -55,7 +55,7 @@ from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
-from configs.schema import Config  # noqa: E402
+from configs.schema import TRAINING_ONLY_DATA_KEYS, Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -283,9 +283,12 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
 
 def evaluation_overrides(run: dict) -> list[str]:
     """The overrides of a run's evaluate.py command: its data and quant overrides (data.root=..., and
-    quant={...} as well as quant.x=...), then the sweep's list."""
+    quant={...} as well as quant.x=...), then the sweep's list. Training's own data settings (data.mixup,
+    data.reprob, ...) stay out: the checkpoint's config holds them as the run trained, and evaluate.py refuses
+    them where none of its passes reads them."""
+    training_only = {f"data.{k}" for k in TRAINING_ONLY_DATA_KEYS}
     return [o for o in run["overrides"] if o.split("=", 1)[0].split(".", 1)[0].strip() in ("data", "quant")
-            ] + run["evaluate"]
+            and not set(override_keys(o)) <= training_only] + run["evaluate"]
 
 
 def main(argv=None) -> int:
@@ -345,8 +348,17 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
     """evaluate.py refuses an override of the options of a pipeline it does not run (quant.aphq.iters=500
     where the evaluation runs repq only), and of the calibration batch where no pipeline reads it: say so
     before the first run trains, not after it."""
+    training_only = {f"data.{k}" for k in TRAINING_ONLY_DATA_KEYS}
     for run in runs:
         evaluated = evaluation_overrides(run)
+        # what is left of training's own data settings: data={root: /x, mixup: 0.5} (evaluate.py needs the root
+        # and refuses the mixup) or an item of the sweep's evaluate list
+        for item in evaluated:
+            mixed = sorted(set(override_keys(item)) & training_only)
+            if mixed:
+                raise ConfigError(f"sweep run '{run['name']}': {item} sets {mixed[0]}, which only training reads "
+                                  "(its evaluation takes it from the checkpoint, and evaluate.py would refuse it "
+                                  f"after the training): give it as a training override of its own ({mixed[0]}=...)")
         if not any(k.startswith("quant.") for k in keys_of(evaluated)):
             continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
         import evaluate  # torch and the pipelines: only where a pipeline's options are given

@@ -169,3 +169,21 @@ def test_a_calibration_batch_no_pipeline_of_the_evaluation_reads_is_refused_befo
     assert not (tmp_path / "runs").exists()
     spec.write_text(spec.read_text().replace("quant.pipelines=[gplq]", "quant.pipelines=[gplq,repq]"))
     assert sweep.main([str(spec), "--evaluate"]) == 0
+
+
+def test_a_runs_training_data_settings_stay_out_of_its_evaluation_command(tmp_path):
+    """evaluate.py refuses data.mixup, data.label_smoothing and the like where no pass of it reads them (the checkpoint's
+    config holds them as the run trained): a sweep that passed a run's training augmentation on to its evaluation
+    would fail after every training. A mapping that mixes them with data.root is refused before training."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
+                    "evaluate: ['quant.pipelines=[repq]']\nruns:\n  a: [data.label_smoothing=0.2]\n")
+    given = ["data.mixup=0.2", "data={cutmix: 0.5, mixup_prob: 0.5}", "data.synthetic_val_size=8"]
+    (run,) = sweep.expand(str(spec), given)
+    train, evaluation = sweep.commands(run, "", True)  # `python train.py ...`, `python evaluate.py ...`
+    assert all(item in train for item in ["data.label_smoothing=0.2", *given])
+    assert [item for item in evaluation if item.startswith("data")] == ["data.synthetic_val_size=8"]
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': data=\{synthetic_val_size: 8, mixup: 0.2\} sets "
+                                         r"data.mixup, which only training reads"):
+        sweep.main([str(spec), "--evaluate", "data={synthetic_val_size: 8, mixup: 0.2}"])
+    assert not (tmp_path / "runs").exists()
