@@ -11,8 +11,6 @@ from configs import ConfigError
 from configs.schema import TRAIN_TRANSFORM_KEYS, DataConfig
 
 
-
-
 def train_transform_settings(cfg: DataConfig) -> dict:
     """{key: value} of TRAIN_TRANSFORM_KEYS, as JSON writes them (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(cfg, k)) for k in TRAIN_TRANSFORM_KEYS)}
