@@ -90,3 +90,33 @@ def test_a_missing_library_is_named_in_its_row_and_every_extra_column_reads_not_
         "|---|---|---|---|---|",
         "| vit | timm `vit_tiny_patch16_224` | Block (x2): qkv, proj, fc1, fc2 | a/b | c |",
         "| Other (somelib) | somelib `Model` | not checked: somelib is not installed | not run | not run |"]
+
+
+
+@pytest.mark.parametrize("column, weights, inputs", [("aphq (start)", "AdaRoundQuantizer", "UniformQuantizer"),
+                                                     ("gplq (start)", "UniformQuantizer", "LSQQuantizer")])
+def test_the_aphq_and_gplq_columns_convert_with_their_own_layout_at_w4a4_and_calibrate(monkeypatch, column,
+                                                                                      weights, inputs):
+    """Each start-of-pipeline column converts the tiny ViT with its own pipeline's layout (APHQ: AdaRound weights;
+    GPLQ: LSQ activations), at 4 bits inside the blocks, and calibrates every quantizer; its unit check refuses a
+    model whose quantizers lie outside every reconstruction unit (here: no units at all)."""
+    from cd.families import build_family
+    from quant.quantizers import Quantizer
+    script = _script()
+    seen, real_calibrate = [], script.calibrate
+
+    def calibrate(model, images):
+        seen.append(model)
+        return real_calibrate(model, images)
+
+    monkeypatch.setattr(script, "calibrate", calibrate)
+    assert script.COLUMNS[column](build_family("vit")) == "supported"
+    (quantized,) = seen
+    qkv = quantized.get_submodule("blocks.0.attn.qkv")
+    assert (type(qkv.weight_quantizer).__name__, qkv.weight_quantizer.bits) == (weights, 4)
+    assert (type(qkv.input_quantizer).__name__, qkv.input_quantizer.bits) == (inputs, 4)
+    quantizers = [m for m in quantized.modules() if isinstance(m, Quantizer) and m.enabled]
+    assert quantizers and all(q.calibrated for q in quantizers)
+    monkeypatch.setattr(script, "find_units", lambda model: [])
+    cell = script.COLUMNS[column](build_family("vit"))
+    assert cell.startswith("refused: ") and cell.endswith("quantizers lie outside every reconstruction unit"), cell
