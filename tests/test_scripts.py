@@ -630,7 +630,10 @@ def test_the_sweep_expands_yaml_without_loading_torch():
 
 def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
     """fp32 products move the weights as much as fp32 storage rounding does; weights stored in half precision
-    keep most entries as they were after one update at the training step (what the CD warning is about)."""
+    keep most entries as they were after one update at the training step (what the CD warning is about).
+    On a CPU the tf32 row is emulated, in both figures, and says so: its product error is of the order of TF32's
+    unit roundoff 2^-11 (10 explicit mantissa bits), between fp32's and bf16's (a tf32 row of plain fp32
+    products, as CPUs compute under torch's 'high' precision, would equal the fp32 row)."""
     import cd_precision
 
     rows = cd_precision.main(["--model", "vit_tiny_patch16_224", "--device", "cpu"])
@@ -638,7 +641,13 @@ def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
     assert by_precision["fp32"]["weight_error_over_fp32_rounding"] == pytest.approx(1.0, abs=0.05)
     share = {r["storage"]: r["changed_share"] for r in rows if "storage" in r}
     assert share["float32"] > 0.9 and share["bfloat16"] < 0.1 and share["float16"] < 0.1, share
-    assert "by storage dtype" in capsys.readouterr().out
+    assert {p: r["emulated"] for p, r in by_precision.items()} == {"fp32": False, "tf32": True, "bf16": False}
+    product = [by_precision[p]["product_error"] for p in ("fp32", "tf32", "bf16")]
+    weight = [by_precision[p]["weight_error_over_fp32_rounding"] for p in ("fp32", "tf32", "bf16")]
+    assert product[0] < product[1] < product[2] and weight[0] < weight[1] < weight[2], (product, weight)
+    assert 2.0 ** -11 / 10 < product[1] < 2 * 2.0 ** -11, product
+    out = capsys.readouterr().out
+    assert "by storage dtype" in out and "  tf32 (emulated)  product error" in out
 
 
 def test_cd_precision_rounds_to_tf32_nearest_with_ties_away_from_zero():
