@@ -59,6 +59,24 @@ def test_hook_applies_one_update_per_step_with_each_groups_current_lr():
     assert decay.metrics()["cd/updates"] == 2
 
 
+
+def test_the_group_lr_follows_params_moved_between_groups_of_the_same_sizes():
+    """The param-group index is cached; a regrouping that keeps every group's length (two blocks' matrices
+    exchanged, or a new optimizer of the same shape at a freed one's address) must not reuse it."""
+    model = tiny_vit().double()
+    lam = 0.2
+    blocks = [[p for n, p in model.named_parameters() if n.startswith(f"blocks.{i}.")] for i in range(VIT_DEPTH)]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    opt = torch.optim.SGD([{"params": blocks[0], "lr": 0.1}, {"params": blocks[1], "lr": 0.5},
+                           {"params": rest, "lr": 0.0}], lr=0.5)
+    ColinearityDecay(model, lam=lam).attach(opt)
+    _zero_grads(model)
+    opt.step()
+    opt.param_groups[0]["params"], opt.param_groups[1]["params"] = blocks[1], blocks[0]
+    P = snapshot(model)
+    opt.step()
+    _assert_cd_applied(model, P, [0.5 * lam, 0.1 * lam])
+
 def test_handle_removes_the_hook_and_lam_zero_hook_is_bit_identical():
     model = tiny_vit()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -508,6 +508,38 @@ def test_a_stage_unfrozen_into_an_optimizer_that_held_no_decayed_matrix_gets_cd_
         assert torch.equal(got[name], want[name]), name
 
 
+
+def test_matrices_exchanged_between_two_optimizers_are_decayed_from_the_weights_before_either_step():
+    """`a` holds block 0's fc1 and block 1's fc2, `b` the other two (each MLP pair split), and after one update
+    the two exchange them, which leaves every group's length as it was: the second update must still read the
+    pre-step copy of what `a` holds now, as one optimizer holding all four does (SGD on zero gradients: only CD
+    moves the weights)."""
+    def run(split: bool) -> dict:
+        model = tiny_vit().double()
+        decay = ColinearityDecay(model, lam=0.5)
+        fc = [(blk.mlp.fc1.weight, blk.mlp.fc2.weight) for blk in model.blocks]
+        groups = [[fc[0][0], fc[1][1]], [fc[0][1], fc[1][0]]]
+        opts = [torch.optim.SGD(g, lr=0.1) for g in groups] if split else [torch.optim.SGD(sum(groups, []), lr=0.1)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # qkv and proj are in no optimizer
+            bindings = bind_optimizers(decay, opts)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for update in range(2):
+            if update == 1 and split:
+                opts[0].param_groups[0]["params"], opts[1].param_groups[0]["params"] = groups[1], groups[0]
+            arm_all(bindings)
+            for opt in opts:
+                opt.step()
+            for binding in bindings.values():
+                binding.disarm()
+        return snapshot(model)
+
+    want, got = run(split=False), run(split=True)
+    assert not torch.equal(want["blocks.0.mlp.fc1.weight"], tiny_vit().double().blocks[0].mlp.fc1.weight)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-14, msg=name)
+
 def test_a_raw_step_of_an_optimizer_holding_no_decayed_matrix_is_not_refused_as_a_step_around_cd():
     """strict_steps refuses a step that ran without the framework's event where CD had a part in it; an optimizer
     of the head alone has none (bound all the same, for a stage that may join it later), so its step is allowed."""

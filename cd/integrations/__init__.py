@@ -223,7 +223,8 @@ class SharedUpdate:
             self._handles.append(opt.register_step_pre_hook(self._pre))
 
     def _signature(self) -> tuple:
-        return tuple(len(g["params"]) for opt in self._all for g in opt.param_groups)
+        # which parameter sits where, not the groups' lengths alone (as ColinearityDecay._group_index keys it)
+        return tuple(tuple(map(id, g["params"])) for opt in self._all for g in opt.param_groups)
 
     def _map(self) -> None:
         """Which optimizer holds each parameter, and the matrices that another optimizer's part reads (by the id
