@@ -294,7 +294,8 @@ def evaluation_overrides(run: dict) -> list[str]:
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep file, e.g. configs/sweeps/cd_lambda.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. data.root=...)")
+    # default=[]: without it, Python 3.11's parse_intermixed_args names `overrides` as required beside `sweep`
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides for every run (e.g. data.root=...)")
     p.add_argument("--run", action="store_true",
                    help="run the commands one after another (default: print them)")
     p.add_argument("--evaluate", action="store_true", help="also evaluate each run's best.pt (evaluate.py)")
