@@ -45,6 +45,7 @@ from .distributed import raise_on_every_rank
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".run.lock"
+PROBE_PREFIX = ".write_test."  # prepare_folder's probe, there for an instant (evaluate.py makes one in a run folder)
 ARCHIVE = "archive"
 SNAPSHOTS = "snapshots"  # train.keep_every_epochs (engine/snapshots.py)
 # Settings that describe where and how a run executes, not what it computes: they may change on resume.
@@ -99,27 +100,45 @@ def start_only_changes(saved: dict, current: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in START_ONLY_KEYS if old.get(k) != new.get(k)]
 
 
-def prepare_folder(out_dir: str) -> None:
-    """Create `out_dir` and check that files can be written there, or raise RunDirError. The probe file is
-    removed whatever happens, and a full disk is named as such (the folder itself is fine)."""
-    probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
+def _unusable(out_dir: str, e: OSError) -> RunDirError:
+    """The one error line for an out_dir that cannot be created or written; a full disk is named as such (the
+    folder itself is fine)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
+        return RunDirError(f"out_dir '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
+                           f"space there, or choose an out_dir on another disk")
+    return RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable out_dir")
+
+
+def make_folder(out_dir: str) -> None:
+    """Create `out_dir` (and its parents), or raise RunDirError."""
     try:
         os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise _unusable(out_dir, e) from None
+
+
+def check_writable(out_dir: str) -> None:
+    """Check that files can be written in the existing folder `out_dir`, or raise RunDirError. The probe file
+    (`PROBE_PREFIX<pid>`) is removed whatever happens."""
+    probe = os.path.join(out_dir, f"{PROBE_PREFIX}{os.getpid()}")
+    try:
         with open(probe, "w") as f:
             f.write("ok")
             f.flush()
             os.fsync(f.fileno())  # a full disk shows here, not at some later write
     except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         with contextlib.suppress(OSError):
             os.remove(probe)
-        if full:
-            free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
-            raise RunDirError(f"out_dir '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
-                              f"space there, or choose an out_dir on another disk") from None
-        raise RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; "
-                          f"choose a writable out_dir") from None
+        raise _unusable(out_dir, e) from None
     os.remove(probe)
+
+
+def prepare_folder(out_dir: str) -> None:
+    """Create `out_dir` and check that files can be written there, or raise RunDirError (see `check_writable`).
+    A run's folder is claimed with `claim_run_dir` instead, which writes nothing there before holding its lock."""
+    make_folder(out_dir)
+    check_writable(out_dir)
 
 
 # Temporary files of atomic writes: `<name>.partial-<host>-<pid>-<8 hex digits>` (<host>: 8 hex digits of the
@@ -182,8 +201,9 @@ def remove_partial_writes(out_dir: str) -> list[str]:
 
 
 def earlier_run_files(out_dir: str) -> list[str]:
-    """Everything in `out_dir` except the lock and the archive (sorted names)."""
-    return sorted(n for n in os.listdir(out_dir) if n not in (LOCK_NAME, ARCHIVE))
+    """Everything in `out_dir` except the lock, the archive and another process's write probe (sorted names)."""
+    return sorted(n for n in os.listdir(out_dir)
+                  if n not in (LOCK_NAME, ARCHIVE) and not re.fullmatch(rf"{re.escape(PROBE_PREFIX)}\d+", n))
 
 
 def archive(out_dir: str, names: list[str]) -> str:
@@ -291,13 +311,13 @@ def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
     handle.seek(0)
     text = handle.read()
     ours = text == "" or text.startswith(LOCK_MARK)
-    if ours:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{LOCK_MARK}pid {os.getpid()} on {socket.gethostname()} "
-                     f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
-        handle.flush()
     try:
+        if ours:  # inside the try: a failed write (a full disk) still removes the file and releases the lock
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{LOCK_MARK}pid {os.getpid()} on {socket.gethostname()} "
+                         f"since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}")
+            handle.flush()
         yield
     finally:
         if ours:
@@ -309,20 +329,28 @@ def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
 
 @contextmanager
 def lock_folder(out_dir: str) -> Iterator[None]:
-    """Hold an exclusive lock on `out_dir` for the duration of the block, or raise RunDirError."""
-    try:
-        with exclusive_lock(os.path.join(out_dir, LOCK_NAME), wait=False):
-            yield
-    except LockBusy as busy:
-        raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
-                          f"wait for it to finish or use another out_dir") from None
+    """Hold an exclusive lock on the existing folder `out_dir` for the duration of the block, or raise
+    RunDirError. A refused caller changes nothing in the folder (it only opens the holder's lock file)."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(os.path.join(out_dir, LOCK_NAME), wait=False))
+        except LockBusy as busy:
+            raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
+                              f"wait for it to finish or use another out_dir") from None
+        except OSError as e:  # the lock file cannot be made: a read-only folder, a full disk
+            raise _unusable(out_dir, e) from None
+        yield
 
 
 @contextmanager
 def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) -> Iterator[None]:
-    """Own `out_dir` for a run (main rank only) for the duration of the block (see module docstring)."""
-    prepare_folder(out_dir)
+    """Own `out_dir` for a run (main rank only) for the duration of the block (see module docstring). Nothing is
+    written into the folder before its lock is held (beyond creating the folder and the lock file): a run
+    started at the same moment in the same folder is refused having changed none of the holder's files, and
+    the holder's look at the folder's files (check_fresh_start) sees no file of the refused one."""
+    make_folder(out_dir)
     with lock_folder(out_dir):
+        check_writable(out_dir)
         remove_partial_writes(out_dir)
         # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
         # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too

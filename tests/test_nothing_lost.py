@@ -131,6 +131,47 @@ def test_a_second_run_in_the_same_folder_is_refused(debug_config):
     assert not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl"))
 
 
+def folder_bytes(folder):
+    """{relative path: bytes} of every file under `folder`, hidden ones included."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder)] = read_bytes(path)
+    return out
+
+
+def test_a_run_started_at_the_same_moment_is_refused_before_it_writes_anything(debug_config, monkeypatch):
+    # The racing order, made deterministic: the winner has claimed the folder and is looking at its files
+    # (check_fresh_start, archiving) while the loser tries to lock it. What the winner sees at that instant,
+    # and the folder after the loser's refusal, must hold the winner's files only, byte for byte.
+    import engine.run_dir as run_dir
+    cfg = debug_config(name="race")
+    with run_dir.claim_run_dir(cfg.out_dir, config_to_dict(cfg)):
+        for name, text in (("config.yaml", "winner: 1\n"), ("train.log", "winner log\n"),
+                           ("metrics.jsonl", '{"step": 1}\n')):
+            with open(os.path.join(cfg.out_dir, name), "w") as f:
+                f.write(text)
+        winners = folder_bytes(cfg.out_dir)
+        seen = []  # the folder as the winner would list it each time the loser has opened a file or asks for the lock
+
+        def after(call):
+            def spy(*args, **kwargs):
+                result = call(*args, **kwargs)
+                seen.append(folder_bytes(cfg.out_dir))
+                return result
+            return spy
+
+        monkeypatch.setattr(run_dir, "open", after(open), raising=False)
+        monkeypatch.setattr(run_dir.fcntl, "flock", after(run_dir.fcntl.flock))
+        with pytest.raises(RunDirError, match=r"in use by another run \(pid \d+"):
+            train.main(cfg)
+        monkeypatch.undo()
+        assert seen and all(state == winners for state in seen)  # at no instant a file of the loser's there
+        assert folder_bytes(cfg.out_dir) == winners
+        assert run_dir.earlier_run_files(cfg.out_dir) == ["config.yaml", "metrics.jsonl", "train.log"]
+
+
 def test_changed_settings_on_resume_are_refused_unless_asked_for(debug_config):
     cfg = debug_config("train.max_steps=2", name="ch")
     train.main(cfg)
@@ -657,6 +698,9 @@ SAVED = "out_dir: x\noptim:\n  lr: 0.1\ntrain:\n  seed: 0\n  max_steps: null\n" 
     ({"config.yaml": SAVED, "best.pt": "w"}, CONFIG, False, "refused"),
     ({"notes.txt": "mine"}, CONFIG, False, "refused"),
     ({"notes.txt": "mine", "best.pt": "w", "snapshots/": ""}, CONFIG, True, "archived"),
+    # the write probe of another process (evaluate.py writing into the folder at that instant) is not an earlier
+    # run's file: neither refused nor moved away from under its writer
+    ({".write_test.4242": "ok"}, CONFIG, False, "start"),
     # checkpoint.pt: the run resumes, nothing is moved (archive_existing or not)
     ({"checkpoint.pt": "c", "best.pt": "w", "notes.txt": "mine"}, {**CONFIG, "optim": {"lr": 9.0}}, True, "start"),
 ])
