@@ -100,22 +100,22 @@ def start_only_changes(saved: dict, current: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in START_ONLY_KEYS if old.get(k) != new.get(k)]
 
 
-def _unusable(out_dir: str, e: OSError) -> RunDirError:
-    """The one error line for an out_dir that cannot be created or written; a full disk is named as such (the
-    folder itself is fine)."""
+def _unusable(out_dir: str, e: OSError, setting: str = "out_dir") -> RunDirError:
+    """The one error line for an out_dir (the folder of `setting`) that cannot be created or written; a full disk
+    is named as such (the folder itself is fine)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
-        return RunDirError(f"out_dir '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
-                           f"space there, or choose an out_dir on another disk")
-    return RunDirError(f"out_dir '{out_dir}' cannot be used: {e.strerror or e}; choose a writable out_dir")
+        return RunDirError(f"{setting} '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
+                           f"space there, or choose a {setting} on another disk")
+    return RunDirError(f"{setting} '{out_dir}' cannot be used: {e.strerror or e}; choose a writable {setting}")
 
 
-def make_folder(out_dir: str) -> None:
-    """Create `out_dir` (and its parents), or raise RunDirError."""
+def make_folder(out_dir: str, setting: str = "out_dir") -> None:
+    """Create `out_dir` (and its parents), or raise RunDirError naming `setting`."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise _unusable(out_dir, e) from None
+        raise _unusable(out_dir, e, setting) from None
 
 
 def check_writable(out_dir: str) -> None:
@@ -328,17 +328,18 @@ def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
 
 
 @contextmanager
-def lock_folder(out_dir: str) -> Iterator[None]:
+def lock_folder(out_dir: str, setting: str = "out_dir") -> Iterator[None]:
     """Hold an exclusive lock on the existing folder `out_dir` for the duration of the block, or raise
-    RunDirError. A refused caller changes nothing in the folder (it only opens the holder's lock file)."""
+    RunDirError naming `setting` (the option that gave the folder). A refused caller changes nothing in the
+    folder (it only opens the holder's lock file)."""
     with ExitStack() as stack:
         try:
             stack.enter_context(exclusive_lock(os.path.join(out_dir, LOCK_NAME), wait=False))
         except LockBusy as busy:
-            raise RunDirError(f"out_dir '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
-                              f"wait for it to finish or use another out_dir") from None
+            raise RunDirError(f"{setting} '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
+                              f"wait for it to finish or use another {setting}") from None
         except OSError as e:  # the lock file cannot be made: a read-only folder, a full disk
-            raise _unusable(out_dir, e) from None
+            raise _unusable(out_dir, e, setting) from None
         yield
 
 

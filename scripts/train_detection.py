@@ -10,10 +10,11 @@ with this repository's guards (data root, backbone checkpoint, nothing overwritt
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
-dump MMEngine writes there (the first --config's name). A new run records its merged settings, once its runner is
-built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings than those (only
-train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's own last
-checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
+dump MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
+(`<work-dir>/.run.lock`, as train.py's out_dir), before it writes anything there. A new run records its merged
+settings, once its runner is built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings
+than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's
+own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
 random-number state (engine.detection.RngStateHook), so a resumed run in one process ends bit for bit where the
 uninterrupted one does; under torchrun rank 0's state is kept, the other ranks continue from the seed. The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
@@ -48,6 +49,22 @@ def parse_args(argv):
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (MMEngine's --cfg-options)")
     return parser.parse_intermixed_args(argv)  # overrides before, between and after the flags, as evaluate.py
+
+
+@contextlib.contextmanager
+def owning_work_dir(work_dir: str):
+    """Hold the work dir's lock (engine/run_dir.py: `<work-dir>/.run.lock`, released when the process ends) on
+    global rank 0 for the duration of the block, or raise RunDirError: a second command in the same work dir
+    (two new runs started at the same moment, or a --resume beside the running run) is refused before it writes
+    anything there, so it neither trains into the other's checkpoints nor removes its config dump
+    (`removing_failed_start_dump`). The other ranks belong to rank 0's run and leave the lock to it."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    from engine.run_dir import lock_folder, make_folder
+    make_folder(work_dir, "--work-dir")
+    with lock_folder(work_dir, "--work-dir"):
+        yield
 
 
 def check_work_dir(work_dir: str, resume: bool) -> None:
@@ -230,10 +247,9 @@ def check_seed(cfg) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
-    from engine.detection import (annotation_paths, check_annotation_files, check_backbone_init, check_categories,
+    from engine.detection import (check_annotation_files, check_backbone_init, check_categories,
                                   check_evaluator_annotations, check_head_classes, check_hooks, check_image_folders,
-                                  check_pipeline, load_config, parse_overrides, reading_annotations, RngStateHook)
-    from mmengine.runner import Runner
+                                  load_config, parse_overrides)
 
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
@@ -245,13 +261,24 @@ def main(argv=None) -> int:
     check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
     check_categories(cfg, ("train_dataloader", "val_dataloader"))
     check_head_classes(cfg)
-    check_work_dir(args.work_dir, args.resume)
+    if not args.resume:
+        check_backbone_init(cfg)
+    check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
+    with owning_work_dir(args.work_dir):
+        check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock
+        return train_in_work_dir(args, cfg, overrides)
+
+
+def train_in_work_dir(args, cfg, overrides) -> int:
+    """The checks of the work dir's files and the training, with the work dir held (`owning_work_dir`)."""
+    from engine.detection import annotation_paths, check_pipeline, reading_annotations, RngStateHook
+    from mmengine.runner import Runner
+
     settings = run_settings(cfg)
     if args.resume:
         check_resume(args.work_dir, settings, overrides)
         cfg.load_from = None  # MMEngine resumes from load_from when it is set, else from last_checkpoint
     else:
-        check_backbone_init(cfg)
         check_config_dump(args.work_dir, cfg)
         check_settings(args.work_dir, settings)  # written once the runner is built (record_settings)
     cfg.work_dir = args.work_dir

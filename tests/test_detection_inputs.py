@@ -114,6 +114,21 @@ def test_training_from_a_backbone_checkpoint_of_another_model_is_one_error_line(
     assert not (tmp_path / "w").exists()
 
 
+def test_a_second_command_in_a_work_dir_a_run_holds_is_refused_before_it_writes_there(sample, tmp_path, capsys):
+    """The racing order of two commands started at the same moment, made deterministic: one has just claimed the
+    work dir (its lock, nothing else yet). The other trained into the same folder (or, refused late, removed the
+    first one's config dump); now it is one error line, and the folder is as the holder left it."""
+    from engine.run_dir import lock_folder
+    work = tmp_path / "held"
+    work.mkdir()
+    with lock_folder(str(work), "--work-dir"):
+        before = {p.name: p.read_bytes() for p in work.iterdir()}
+        line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work),
+                                   "train_cfg.max_epochs=1", "train_cfg.val_interval=100"])
+        assert {p.name: p.read_bytes() for p in work.iterdir()} == before
+    assert re.search(rf"--work-dir '{re.escape(str(work))}' is in use by another run \(pid \d+", line), line
+
+
 @pytest.mark.parametrize("split", ["val2017", "train2017"])
 def test_a_data_root_without_an_image_folder_is_refused_before_training(sample, tmp_path, capsys, split):
     """The images are read only when a batch is drawn: without val2017/ a run trained a whole epoch and failed
