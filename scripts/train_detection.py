@@ -15,8 +15,10 @@ dump MMEngine writes there (the first --config's name); so is a second command w
 settings, once its runner is built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings
 than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's
 own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
-random-number state (engine.detection.RngStateHook), so a resumed run in one process ends bit for bit where the
-uninterrupted one does; under torchrun rank 0's state is kept, the other ranks continue from the seed. The batch
+random-number state (engine.detection.RngStateHook), so a resumed run in one process without persistent loader
+workers ends bit for bit where the uninterrupted one does; under torchrun only rank 0's state is kept (the other
+ranks continue from the seed), and persistent workers start over from their first seeds: such a resume is not
+exact, and says so (docs/operations.md, "Detection runs"). The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
 `auto_scale_lr.enable=True` to scale the lr.
 """

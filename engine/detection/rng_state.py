@@ -9,6 +9,22 @@ import numpy as np
 import torch
 from mmengine.hooks import Hook
 
+def inexact_resume(world_size: int, train_loader) -> list[str]:
+    """Why a resumed run of `world_size` processes reading `train_loader` does not draw the random numbers the
+    uninterrupted run draws (see RngStateHook); empty where it does."""
+    limits = []
+    if world_size > 1:
+        limits.append(f"ranks 1 to {world_size - 1} continue from the run's seed, not from their random-number "
+                      "state at the checkpoint (MMEngine writes checkpoints on rank 0 only), so their RoI samples "
+                      "and dropout differ, and through the averaged gradients every rank's weights")
+    workers = getattr(train_loader, "num_workers", 0)
+    if workers > 0 and getattr(train_loader, "persistent_workers", False):
+        limits.append(f"the train loader's {workers} persistent worker(s) start over from their first seeds, so "
+                      "their augmentation draws (flips, crops) differ; with train_dataloader.persistent_workers=False "
+                      "every epoch's workers start from the same seeds in both runs")
+    return limits
+
+
 class RngStateHook(Hook):
     """Make a resumed training continue exactly: MMEngine 0.10's checkpoints hold no random-number state, so a
     resumed run drew other flips, RoI samples and dropout than the uninterrupted one (110 of the sample
@@ -17,8 +33,19 @@ class RngStateHook(Hook):
     back as they were before it, because it runs after the epoch's checkpoint is saved and would otherwise move
     the training stream on only in the run that was not interrupted.
 
-    MMEngine saves checkpoints on rank 0 only, so under torchrun rank 0's state is kept and restored on rank 0;
-    the other ranks continue from the run's seed."""
+    Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes):
+    * under torchrun: MMEngine calls `before_save_checkpoint` on rank 0 only (its save_checkpoint is
+      master_only), so only rank 0's state is kept and restored. The other ranks continue from the state
+      MMEngine's seeding gave them at the start of the process, as at the run's start: their RoI samples,
+      dropout and drop-path draws differ from the uninterrupted run's, and through the averaged gradients so do
+      every rank's weights after the first resumed update. The data order is the same (MMEngine's sampler
+      shuffles from the seed and the epoch);
+    * with persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the MMDetection COCO
+      configs' setting): MMEngine's `worker_init_fn` seeds each worker once, from (seed, rank, worker index), and
+      the augmentation draws in the workers (random flips, crops) go on from there over the epochs of an
+      uninterrupted run, while a resumed run's new workers start over from those seeds. Workers that are not
+      persistent start from the same seeds every epoch in both runs; with `num_workers=0` the draws are the main
+      process's, whose state is restored (exact: tests/test_detection.py, in one process)."""
 
     priority = "LOWEST"  # restores after every other hook's before_train, saves after theirs
 
@@ -48,7 +75,12 @@ class RngStateHook(Hook):
         self._loaded = checkpoint.get("rng_state")
 
     def before_train(self, runner) -> None:
-        if runner.iter == 0 or runner.rank != 0:  # a new run, seeded by MMEngine; see the class docstring
+        if runner.iter == 0:  # a new run, seeded by MMEngine
+            return
+        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader)):
+            runner.logger.warning("this resumed run does not continue exactly as the uninterrupted one would: "
+                                  f"{'; '.join(limits)} (docs/operations.md, detection runs)")
+        if runner.rank != 0:  # see the class docstring
             return
         if self._loaded is None:
             runner.logger.warning("the checkpoint resumed from holds no random-number state (written without "
