@@ -4,10 +4,11 @@
         ...                                                                        # train
 
 What claiming checks, before any training (so a bad folder costs seconds, not an epoch):
-* the folder can be created and written (a file in the way, a read-only mount, a missing permission);
 * no other run holds it: an exclusive `flock` on `out_dir/.run.lock`, held until the run ends (the
   kernel drops it when the process dies, so a killed run never leaves a stale lock). flock is local to
-  one machine and may not be enforced on some network file systems;
+  one machine and may not be enforced on some network file systems. It is taken first, with nothing but the
+  folder and the lock file made before: a run refused here has written nothing into the holder's folder;
+* the folder can be created and written (a file in the way, a read-only mount, a missing permission);
 * partial writes of an interrupted checkpoint write (`checkpoint.pt.partial-<host>-<pid>-<hex>`, gigabytes at
   ViT-B) whose writer, a process of this machine, is gone are removed: they are never the only copy of
   anything, since writes are atomic renames. Only names this program gives its temporary files are removed
