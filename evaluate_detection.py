@@ -53,15 +53,17 @@ def parse_args(argv):
                         help="MMDetection config; repeat to merge fragments in order")
     parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")
     parser.add_argument("--data-root", help="COCO folder (annotations/, train2017/, val2017/)")
-    parser.add_argument("--quant", nargs="*", default=None,
+    # "extend", as evaluate.py: a repeated flag adds to the list (with "store", `--quant repq --quant aphq` ran
+    # aphq alone and `--bits w4a4 --bits w6a6` w6a6 alone, without a word)
+    parser.add_argument("--quant", nargs="*", action="extend", default=None,
                         help="pipelines (default: every pipeline that quantizes detectors); a bare --quant, "
                              "naming none: FP only")
     # None: not given (a full-precision-only evaluation refuses them); QUANT_DEFAULTS otherwise
-    parser.add_argument("--bits", nargs="+", default=None, help="bit-widths (default: w4a4)")
+    parser.add_argument("--bits", nargs="+", action="extend", default=None, help="bit-widths (default: w4a4)")
     parser.add_argument("--calib-images", type=int, default=None,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
     parser.add_argument("--calib-seed", type=int, default=None, help="seed drawing the calibration images (default 0)")
-    parser.add_argument("--quant-options", nargs="+", default=[], metavar="PIPELINE.KEY=VALUE",
+    parser.add_argument("--quant-options", nargs="+", action="extend", default=[], metavar="PIPELINE.KEY=VALUE",
                         help="pipeline options, e.g. aphq.iters=2000 aphq.recon_images=64 (configs/quant.py)")
     parser.add_argument("--max-images", type=int, default=None,
                         help="score the first N validation images only (a partial result, marked in the JSON)")

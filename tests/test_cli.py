@@ -195,6 +195,22 @@ def test_a_repeated_quant_or_bits_flag_adds_to_the_list():
     args = evaluate.parse_args(["--checkpoint", "x.pt"])
     assert (args.quant, args.bits) == (None, None)
 
+
+def test_a_repeated_flag_of_the_detection_evaluation_adds_to_its_list():
+    """evaluate_detection.py kept the last of a repeated --quant, --bits or --quant-options without a word
+    (`--quant repq --quant aphq` ran APHQ alone): every pipeline, bit-width and option named counts, as in
+    evaluate.py; a bare --quant still means none. Its argument parsing needs no MMDetection."""
+    import evaluate_detection
+    common = ["--config", "c.py", "--checkpoint", "k.pth"]
+    args = evaluate_detection.parse_args(common + ["--quant", "repq", "--bits", "w4a4", "model.x=1", "--quant",
+                                                   "aphq", "--bits", "w6a6", "--quant-options", "aphq.iters=5",
+                                                   "--quant-options", "aphq.recon_images=3"])
+    assert (args.quant, args.bits, args.quant_options, args.overrides) == (
+        ["repq", "aphq"], ["w4a4", "w6a6"], ["aphq.iters=5", "aphq.recon_images=3"], ["model.x=1"])
+    args = evaluate_detection.parse_args(common + ["--quant"])
+    assert (args.quant, args.bits, args.quant_options) == ([], None, [])
+    assert evaluate_detection.parse_args(common).quant is None  # every detection pipeline
+
 def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
                                           r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
