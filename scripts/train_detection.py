@@ -20,7 +20,8 @@ workers ends bit for bit where the uninterrupted one does; under torchrun only r
 ranks continue from the seed), and persistent workers start over from their first seeds: such a resume is not
 exact, and says so (docs/operations.md, "Detection runs"). The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
-`auto_scale_lr.enable=True` to scale the lr.
+`auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP (AmpOptimWrapper), which
+MMEngine runs on a GPU only: on the CPU add `optim_wrapper.type=OptimWrapper` (fp32).
 """
 from __future__ import annotations
 
@@ -231,6 +232,24 @@ def check_launcher(launcher: str) -> None:
                              "copy into one --work-dir; add --launcher pytorch")
 
 
+def check_amp(cfg) -> None:
+    """Refuse an AMP optimizer wrapper (the shipped Swin configs' AmpOptimWrapper: the paper trains with fp16 AMP)
+    on a machine without a device MMEngine's AMP runs on: its constructor asserts one when runner.train() builds
+    it, after the config dump and the settings file were written, with an AssertionError traceback."""
+    from engine.detection import DetectionError
+    from mmengine.device import get_device
+    from mmengine.optim import AmpOptimWrapper
+    kind = (cfg.get("optim_wrapper") or {}).get("type")
+    # by name (`mmengine.AmpOptimWrapper` too): the registry's look-up imports mmdet.engine, which needs compiled
+    # mmcv; a subclass may run elsewhere (a CPU stand-in that skips the assertion) and is left to its constructor
+    name = kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)
+    # the devices AmpOptimWrapper.__init__ asserts (mps is not among them)
+    if name == AmpOptimWrapper.__name__ and get_device() not in ("cuda", "npu", "mlu", "musa"):
+        raise DetectionError(f"optim_wrapper.type={name} trains with AMP, which MMEngine runs on a GPU only, "
+                             "and no GPU is visible: train on a GPU, or give optim_wrapper.type=OptimWrapper to "
+                             "train in fp32 on the CPU")
+
+
 def check_seed(cfg) -> None:
     """Refuse a randomness.seed MMEngine's Runner cannot seed numpy with (text, a negative number, past 2**32 - 1
     after randomness.diff_rank_seed adds the rank): a TypeError or ValueError traceback from inside the Runner,
@@ -257,6 +276,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides, args.data_root)
     check_hooks(cfg)
     check_seed(cfg)
+    check_amp(cfg)
     source = args.data_root and f"--data-root {args.data_root}"
     check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
     check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
