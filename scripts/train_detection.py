@@ -1,5 +1,5 @@
 """Train an MMDetection detector (the paper's COCO study): MMDetection's own Runner on merged config files,
-with this repository's guards (data root, backbone checkpoint, nothing overwritten).
+with this repository's guards (data root, backbone checkpoint and load_from, nothing overwritten).
 
     python scripts/train_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \
         --config configs/detection/method/cd.py --data-root /datasets/coco --work-dir runs/det_t1x_cd \
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     check_launcher(args.launcher)
     from engine.detection import (check_annotation_files, check_backbone_init, check_categories,
                                   check_evaluator_annotations, check_head_classes, check_hooks, check_image_folders,
-                                  load_config, parse_overrides)
+                                  check_load_from, load_config, parse_overrides)
 
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
@@ -285,6 +285,7 @@ def main(argv=None) -> int:
     check_head_classes(cfg)
     if not args.resume:
         check_backbone_init(cfg)
+        check_load_from(cfg)
     check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
     with owning_work_dir(args.work_dir):
         check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock

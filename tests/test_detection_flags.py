@@ -38,3 +38,74 @@ def test_amp_training_on_a_gpu_and_fp32_training_on_the_cpu_pass_the_amp_check(m
         train_detection.check_amp(Config(dict(optim_wrapper=dict(type=kind) if kind else None)))
     with pytest.raises(ValueError, match="optim_wrapper.type=AmpOptimWrapper trains with AMP"):
         train_detection.check_amp(Config(dict(optim_wrapper=dict(type=AmpOptimWrapper))))
+
+
+@pytest.fixture(scope="module")
+def sample_cfg(tmp_path_factory):
+    """The sample detector's config on a written sample data set, with mmcv's compiled ops stood in under
+    mmcv-lite (cd.families.import_mmdet_swin): building the detector calls none of them."""
+    from cd.families import import_mmdet_swin
+    from data.coco_sample import write_coco_sample
+    import_mmdet_swin()
+    root = str(tmp_path_factory.mktemp("coco") / "sample")
+    write_coco_sample(root, train=4, val=2, size=64, seed=0)
+    from engine.detection import load_config
+    return root, lambda *overrides: load_config([SAMPLE_CONFIG], dict(o.split("=", 1) for o in overrides) or None,
+                                                root)
+
+
+def save_detector(cfg, path, **model_changes):
+    """An MMEngine-style checkpoint ({"state_dict", "meta"}) of a freshly built detector of `cfg.model`
+    updated by `model_changes` (backbone / head settings)."""
+    import copy
+    import torch
+    from mmdet.registry import MODELS
+    model_cfg = copy.deepcopy(cfg.model)
+    for key, value in model_changes.items():
+        node = model_cfg
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    torch.save({"state_dict": MODELS.build(model_cfg).state_dict(), "meta": {}}, path)
+    return str(path)
+
+
+def test_a_load_from_that_is_missing_or_a_url_is_one_error_line_before_any_work(sample_cfg, tmp_path, capsys):
+    """MMEngine read load_from inside runner.train(), after the config dump and settings file were written: a
+    missing file was a FileNotFoundError traceback, and a URL was downloaded."""
+    root, _ = sample_cfg
+    work = tmp_path / "work"
+    common = ["--config", SAMPLE_CONFIG, "--data-root", root, "--work-dir", str(work)]
+    missing = tmp_path / "nowhere.pth"
+    assert error_line(capsys, common + [f"load_from={missing}"]) == f"error: load_from={missing}: no such file"
+    line = error_line(capsys, common + ["load_from=https://example.org/mask_rcnn.pth"])
+    assert line.startswith("error: load_from=https://example.org/mask_rcnn.pth is a URL and nothing is downloaded")
+    line = error_line(capsys, common + [f"load_from={tmp_path}"])
+    assert line.startswith(f"error: load_from={tmp_path} is a folder"), line
+    assert not work.exists()
+
+
+def test_a_load_from_of_another_detector_is_refused_and_one_of_other_classes_only_is_taken(sample_cfg, tmp_path):
+    """MMEngine loads load_from with strict=False and only logs what it leaves: a checkpoint of another model
+    trained from random weights. A detector of other backbone widths does not fit; one that differs only in the
+    number of classes (a COCO detector fine-tuned on other classes) does."""
+    from engine.detection import DetectionError, check_load_from
+    _, load = sample_cfg
+    cfg = load()
+    other = save_detector(cfg, tmp_path / "wide.pth", **{"backbone.embed_dims": 32,
+                                                          "neck.in_channels": [32, 64, 128, 256]})
+    with pytest.raises(DetectionError, match=rf"^load_from={other} does not fit the model of --config: "
+                                             r"\d+ of another shape \(e.g. backbone\."):
+        check_load_from(load(f"load_from={other}"))
+    classes3 = save_detector(cfg, tmp_path / "three.pth", **{"roi_head.bbox_head.num_classes": 3,
+                                                             "roi_head.mask_head.num_classes": 3})
+    check_load_from(load(f"load_from={classes3}"))
+    same = save_detector(cfg, tmp_path / "same.pth")
+    check_load_from(load(f"load_from={same}"))
+    import torch
+    state = torch.load(same, weights_only=False)
+    del state["state_dict"]["neck.fpn_convs.0.conv.weight"]
+    torch.save(state, tmp_path / "cut.pth")
+    with pytest.raises(DetectionError, match=r"1 missing \(e.g. neck.fpn_convs.0.conv.weight\)"):
+        check_load_from(load(f"load_from={tmp_path / 'cut.pth'}"))

@@ -9,7 +9,8 @@ activation probes and the quantization seam (`DetectorFeed`, a `quant.calibrate.
 
     config.py       config files merged in order, `key=value` overrides and the checks that refuse ignored ones
     data_checks.py  the loaders' datasets, --data-root, annotation / image-folder / category / pipeline checks
-    model.py        backbone checkpoint checks, `build_detector` from an evaluation checkpoint, training method
+    model.py        backbone checkpoint and load_from checks, `build_detector` from an evaluation checkpoint,
+                    training method
     rng_state.py    `RngStateHook`: the random-number state in training checkpoints, for an exact resume
     feeds.py        loaders, and the training images quantization calibrates on (`DetectorFeed`, ...)
     qat.py          GPLQ stage 1 (`train_activation_qat`) in MMEngine's runner, in a resumable work folder
@@ -35,7 +36,8 @@ try:
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
                                               label_names, loader_datasets, reading_annotations, set_data_root)
     from engine.detection.model import (build_detector, check_backbone_checkpoint, check_backbone_init,
-                                        check_checkpoint_classes, mismatch, training_method)
+                                        check_checkpoint_classes, check_checkpoint_file, check_load_from, mismatch,
+                                        read_state, training_method)
     from engine.detection.rng_state import RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
                                         train_images_with_test_pipeline)
@@ -52,8 +54,8 @@ __all__ = [
     "annotation_files", "annotation_paths", "check_annotation_files", "check_categories",
     "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
     "dataset_classes", "image_folders", "label_names", "loader_datasets", "reading_annotations", "set_data_root",
-    "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes", "mismatch",
-    "training_method",
+    "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
+    "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
     "RngStateHook",
     "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "train_images_with_test_pipeline",
     "check_stage1_device", "checkpoint_iteration", "train_activation_qat",

@@ -1,6 +1,6 @@
-"""Detector weights: the backbone's pretrained checkpoint checked against the backbone before training, a
-detector built from an evaluation checkpoint (refused where its weights or classes do not fit), and the
-training method a checkpoint's config names."""
+"""Detector weights: the backbone's pretrained checkpoint and a training's `load_from` checked against the model
+before training, a detector built from an evaluation checkpoint (refused where its weights or classes do not fit),
+and the training method a checkpoint's config names."""
 from __future__ import annotations
 
 import copy
@@ -105,30 +105,49 @@ def mismatch(own: Dict[str, torch.Tensor], given: Dict[str, torch.Tensor], neede
                      (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v)
 
 
+def check_checkpoint_file(path: str, what: str) -> None:
+    """Refuse, naming it as `what` (`--checkpoint X`, `load_from=X`), a checkpoint path that is a folder, no
+    file, or a checkpoint of train.py: before a detector is built to load it into."""
+    if os.path.isdir(path):  # a work dir: MMEngine names its latest checkpoint in last_checkpoint
+        raise DetectionError(f"{what} is a folder: give a checkpoint file in it (epoch_<N>.pth, or the one its "
+                             "last_checkpoint names)")
+    if not os.path.isfile(path):
+        raise DetectionError(f"{what}: no such file")
+    if is_run_checkpoint(path):  # train.py's checkpoint.pt / best.pt: a classifier's or language model's
+        raise DetectionError(f"{what} is a checkpoint of train.py (an image classifier or language model), not of "
+                             "a detector: give the .pth scripts/train_detection.py wrote")
+
+
+def read_state(path: str, what: str) -> tuple:
+    """(payload, state dict without DDP's `module.` prefixes) of the MMEngine checkpoint at `path`, or one error
+    line naming it as `what`: check_checkpoint_file's cases, an unreadable file, a file holding no state dict."""
+    check_checkpoint_file(path, what)
+    # An MMEngine checkpoint pickles its message hub (mmengine / numpy objects) beside the weights, which
+    # torch >= 2.6's weights_only loader refuses; the file is the one the user names.
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+        raise DetectionError(f"{what}: cannot be read ({type(e).__name__}: {e})") from None
+    state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
+    if not isinstance(state, dict) or not state:
+        raise DetectionError(f"{what}: holds no state_dict")
+    return payload, {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+
+
+def _bare_detector(cfg: Config) -> nn.Module:
+    """The detector of `cfg` without its backbone's init_cfg (the weights come from a checkpoint)."""
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.get("backbone", {}).pop("init_cfg", None)
+    return MODELS.build(model_cfg)
+
+
 def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Module:
     """The detector of `cfg` with the weights of `checkpoint` (an MMEngine checkpoint: `state_dict` and
     `meta`), in eval mode. Weights of another model are refused with their mismatched keys named."""
-    if os.path.isdir(checkpoint):  # a work dir: MMEngine names its latest checkpoint in last_checkpoint
-        raise DetectionError(f"--checkpoint {checkpoint} is a folder: give a checkpoint file in it (epoch_<N>.pth, "
-                             "or the one its last_checkpoint names)")
-    if not os.path.isfile(checkpoint):
-        raise DetectionError(f"--checkpoint {checkpoint}: no such file")
-    if is_run_checkpoint(checkpoint):  # train.py's checkpoint.pt / best.pt: a classifier's or language model's
-        raise DetectionError(f"--checkpoint {checkpoint} is a checkpoint of train.py (an image classifier or "
-                             "language model), not of a detector: give the .pth scripts/train_detection.py wrote")
-    model_cfg = copy.deepcopy(cfg.model)
-    model_cfg.get("backbone", {}).pop("init_cfg", None)  # the checkpoint holds every weight
-    model = MODELS.build(model_cfg)
-    # An MMEngine checkpoint pickles its message hub (mmengine / numpy objects) beside the weights, which
-    # torch >= 2.6's weights_only loader refuses; the file is the one the user names for evaluation.
-    try:
-        payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
-        raise DetectionError(f"--checkpoint {checkpoint}: cannot be read ({type(e).__name__}: {e})") from None
-    state = payload.get("state_dict", payload) if isinstance(payload, dict) else None
-    if not isinstance(state, dict) or not state:
-        raise DetectionError(f"--checkpoint {checkpoint}: holds no state_dict")
-    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    what = f"--checkpoint {checkpoint}"
+    check_checkpoint_file(checkpoint, what)  # before the model is built
+    model = _bare_detector(cfg)
+    payload, state = read_state(checkpoint, what)
     misfit = mismatch(model.state_dict(), state)
     if misfit:
         raise DetectionError(f"--checkpoint {checkpoint} does not fit the model of --config: {misfit} weights")
@@ -142,6 +161,32 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
     model.dataset_meta = {"classes": tuple(classes)} if classes else None
     model.training_method = training_method(meta)
     return model.to(device).eval()
+
+
+# the layers whose shapes follow the number of classes: a detector fine-tuned on another data set from a COCO
+# checkpoint (load_from) starts them anew, as MMEngine does when it skips weights of another shape
+CLASS_LAYERS = re.compile(r"(^|\.)(bbox_head|mask_head)(\.\d+)?\.(fc_cls|fc_reg|conv_logits)\.")
+
+
+def check_load_from(cfg: Config) -> None:
+    """Refuse a `load_from` of a new training run that MMEngine would load with a traceback inside runner.train()
+    (a missing file, a folder), download (a URL: nothing is downloaded here), or load without a word though it
+    does not fit the detector: MMEngine loads with strict=False and only logs the weights it leaves, so another
+    model's checkpoint trained from random weights. Weights of another shape are allowed only in the layers that
+    predict the classes (CLASS_LAYERS: fine-tuning a COCO detector on other classes)."""
+    path = cfg.get("load_from")
+    if not path:
+        return
+    what = f"load_from={path}"
+    if "://" in str(path):
+        raise DetectionError(f"{what} is a URL and nothing is downloaded here: download it and give the local path")
+    _, state = read_state(str(path), what)
+    own = _bare_detector(cfg).state_dict()
+    refit = {k for k in set(own) & set(state) if CLASS_LAYERS.search(k) and own[k].shape != state[k].shape}
+    misfit = mismatch(own, {k: v for k, v in state.items() if k not in refit}, needed=set(own) - refit)
+    if misfit:
+        raise DetectionError(f"{what} does not fit the model of --config: {misfit} weights; give a checkpoint of "
+                             "this detector (or None to train from the backbone's init_cfg)")
 
 
 # the hooks of configs/detection/method/ and the method each stands for (Table 2's rows)
