@@ -109,3 +109,20 @@ def test_a_load_from_of_another_detector_is_refused_and_one_of_other_classes_onl
     torch.save(state, tmp_path / "cut.pth")
     with pytest.raises(DetectionError, match=r"1 missing \(e.g. neck.fpn_convs.0.conv.weight\)"):
         check_load_from(load(f"load_from={tmp_path / 'cut.pth'}"))
+
+
+def test_an_annotation_file_of_no_images_is_one_error_line_naming_it(sample_cfg, tmp_path, capsys):
+    """A training file whose `images` list is empty failed inside MMEngine's sampler with "need at least one array
+    to concatenate", naming neither the file nor the problem."""
+    import json
+    import shutil
+    root, _ = sample_cfg
+    empty = tmp_path / "coco"
+    shutil.copytree(root, empty)
+    path = empty / "annotations" / "instances_train2017.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "images": [], "annotations": []}))
+    work = tmp_path / "work"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(empty), "--work-dir", str(work)])
+    assert line == f"error: train_dataloader reads {path}, which lists no images: give the data set's annotation file"
+    assert not work.exists()

@@ -199,8 +199,8 @@ def label_names(categories: Sequence[dict], classes: Sequence[str]) -> List[str]
 
 
 def check_categories(cfg: Config, keys: Sequence[str]) -> None:
-    """Refuse an annotation file of the loaders `keys` whose categories do not give label i to the config's class
-    i (`label_names`): a file without the classes (other names) has no object to train on or score, one with some
+    """Refuse an annotation file of the loaders `keys` that lists no images, or whose categories do not give label i
+    to the config's class i (`label_names`): a file without the classes (other names) has no object to train on or score, one with some
     of them or with them in another order would train or score each class against another's objects. Each file
     is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read twice in
     all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images, 860,001
@@ -213,8 +213,11 @@ def check_categories(cfg: Config, keys: Sequence[str]) -> None:
             continue
         seen.add(path)
         with reading_annotations([path]), open(path) as f:
-            categories = json.load(f)["categories"]
+            data = json.load(f)
+            categories = data["categories"]
             names = label_names(categories, classes)
+        if data.get("images") == []:  # MMEngine's sampler failed on it with "need at least one array to concatenate"
+            raise DetectionError(f"{key} reads {path}, which lists no images: give the data set's annotation file")
         if names == list(classes):
             continue
         listed = ", ".join(str(c.get("name")) for c in categories[:6]) + (" ..." if len(categories) > 6 else "")
