@@ -126,3 +126,21 @@ def test_an_annotation_file_of_no_images_is_one_error_line_naming_it(sample_cfg,
     line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(empty), "--work-dir", str(work)])
     assert line == f"error: train_dataloader reads {path}, which lists no images: give the data set's annotation file"
     assert not work.exists()
+
+
+def test_a_gplq_stage1_folder_that_is_a_file_or_holds_a_broken_identity_is_one_error_naming_it(tmp_path):
+    """`<out>_gplq_w4a4_stage1` as a file was a FileExistsError traceback (evaluate_detection.py reports
+    ValueErrors only), and a cut-off gplq_stage1.json a JSONDecodeError naming no file; both are left as they were."""
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.write_text("not a folder")
+    with pytest.raises(DetectionError, match=rf"^{folder} \(GPLQ's stage-1 folder, named after --out\) is a file"):
+        _claim_stage1_folder(str(folder), {"bits": "w4a4"})
+    assert folder.read_text() == "not a folder"
+    folder.unlink()
+    folder.mkdir()
+    (folder / STAGE1_IDENTITY).write_text('{"bits": "w4')
+    with pytest.raises(DetectionError, match=rf"^{folder / STAGE1_IDENTITY} cannot be read"):
+        _claim_stage1_folder(str(folder), {"bits": "w4a4"})
+    assert (folder / STAGE1_IDENTITY).read_text() == '{"bits": "w4'

@@ -114,12 +114,19 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
     stage-1 folder (left as it is); write the identity file into a new or empty one. The name is unique, so
     that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):  # os.makedirs below: a FileExistsError traceback
+        raise DetectionError(f"{work_dir} (GPLQ's stage-1 folder, named after --out) is a file: move it away, or "
+                             "give another --out")
     if os.path.isdir(work_dir) and os.listdir(work_dir):
         if not os.path.isfile(identity_path):
             raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
                                  "missing): move it away")
-        with open(identity_path) as f:
-            stored = json.load(f)
+        try:
+            with open(identity_path) as f:
+                stored = json.load(f)
+        except ValueError as e:  # json's message names no file
+            raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
+                                 "anew") from None
         if stored != identity:
             raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
                                  f"settings, or move the folder away to start stage 1 anew (now: {identity})")
