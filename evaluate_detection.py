@@ -29,7 +29,8 @@ The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_ac
 `quant.<pipeline>.<bits>`, `method` (CD, TWEO, Noise or Baseline, from the hooks of the training config the
 checkpoint keeps; null without one); a file of other weights, data or config (the merged config's hash,
 `config_sha256`) is refused, later calls add their pipelines.
-Config entries can be overridden as `key=value` after the flags (MMEngine's --cfg-options syntax): those the
+Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
+take them (the same syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, train_dataloader but its batch_size, which GPLQ's
 stage 1 sets from gplq.batch_size_per_gpu, ...; others are refused, and so is model.backbone.init_cfg: every weight
 comes from --checkpoint).
@@ -74,9 +75,12 @@ def parse_args(argv):
     parser.add_argument("--main-rank-wait-hours", type=float, default=24.0,
                         help="under torchrun, how long the other ranks wait while rank 0 quantizes (default 24)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    parser.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides as MMDetection's tools take them (the same as bare key=value)")
     args = parser.parse_intermixed_args(argv)  # as evaluate.py: overrides before, between and after the flags
     from configs.cli import move_overrides
     move_overrides(args, "quant", "bits")  # as evaluate.py: `--quant test_dataloader.x=1`: an override, FP only
+    args.overrides += args.cfg_options  # MMDetection's spelling, after the bare ones as in train_detection.py
     if args.bits == []:  # `--bits k=v`: no bit-width named, the default as if --bits were not given
         args.bits = None
     return args

@@ -8,6 +8,8 @@ with this repository's guards (data root, backbone checkpoint and load_from, not
                                                                                    # trains distributed on GPUs only)
     python scripts/train_detection.py ... --resume                                 # continue the same run
 
+Overrides are `key=value` words anywhere on the line, or after `--cfg-options` as MMDetection's tools take them.
+
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
 dump MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
@@ -51,7 +53,11 @@ def parse_args(argv):
                         help="pytorch under torchrun, slurm under srun")
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (MMEngine's --cfg-options)")
-    return parser.parse_intermixed_args(argv)  # overrides before, between and after the flags, as evaluate.py
+    parser.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides as MMDetection's tools take them (the same as bare key=value)")
+    args = parser.parse_intermixed_args(argv)  # overrides before, between and after the flags, as evaluate.py
+    args.overrides += args.cfg_options
+    return args
 
 
 @contextlib.contextmanager

@@ -144,3 +144,16 @@ def test_a_gplq_stage1_folder_that_is_a_file_or_holds_a_broken_identity_is_one_e
     with pytest.raises(DetectionError, match=rf"^{folder / STAGE1_IDENTITY} cannot be read"):
         _claim_stage1_folder(str(folder), {"bits": "w4a4"})
     assert (folder / STAGE1_IDENTITY).read_text() == '{"bits": "w4'
+
+
+def test_mmdetection_s_cfg_options_flag_gives_overrides_to_both_entry_points():
+    """MMDetection's tools take `--cfg-options k=v ...`, which its users type from habit: it was refused as an
+    unrecognized argument; the words after it are overrides, as if given bare."""
+    from tests.conftest import load_script
+    import evaluate_detection
+    args = load_script("train_detection").parse_args(["--config", "c.py", "a=1", "--work-dir", "w", "--cfg-options",
+                                                      "b=2", "c=3", "--resume"])
+    assert (args.overrides, args.resume, args.work_dir) == (["a=1", "b=2", "c=3"], True, "w")
+    args = evaluate_detection.parse_args(["--config", "c.py", "--checkpoint", "k.pth", "--cfg-options", "b=2",
+                                          "--quant", "repq", "a=1"])
+    assert (args.overrides, args.quant) == (["a=1", "b=2"], ["repq"])
