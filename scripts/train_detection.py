@@ -61,19 +61,27 @@ def parse_args(argv):
 
 
 @contextlib.contextmanager
-def owning_work_dir(work_dir: str):
+def owning_work_dir(work_dir: str, launcher: str):
     """Hold the work dir's lock (engine/run_dir.py: `<work-dir>/.run.lock`, released when the process ends) on
     global rank 0 for the duration of the block, or raise RunDirError: a second command in the same work dir
     (two new runs started at the same moment, or a --resume beside the running run) is refused before it writes
     anything there, so it neither trains into the other's checkpoints nor removes its config dump
     (`removing_failed_start_dump`). The other ranks belong to rank 0's run and leave the lock to it."""
-    if os.environ.get("RANK", "0") != "0":
+    if launcher_rank(launcher) != "0":
         yield
         return
     from engine.run_dir import lock_folder, make_folder
     make_folder(work_dir, "--work-dir")
     with lock_folder(work_dir, "--work-dir"):
         yield
+
+
+def launcher_rank(launcher: str) -> str:
+    """This process's global rank before MMEngine's Runner starts: torchrun sets RANK, while srun sets only
+    SLURM_PROCID, which MMEngine copies into RANK inside the Runner (init_dist), too late for the work dir's lock."""
+    if "RANK" in os.environ or launcher != "slurm":
+        return os.environ.get("RANK", "0")
+    return os.environ.get("SLURM_PROCID", "0")
 
 
 def check_work_dir(work_dir: str, resume: bool) -> None:
@@ -293,7 +301,7 @@ def main(argv=None) -> int:
         check_backbone_init(cfg)
         check_load_from(cfg)
     check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
-    with owning_work_dir(args.work_dir):
+    with owning_work_dir(args.work_dir, args.launcher):
         check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock
         return train_in_work_dir(args, cfg, overrides)
 

@@ -157,3 +157,25 @@ def test_mmdetection_s_cfg_options_flag_gives_overrides_to_both_entry_points():
     args = evaluate_detection.parse_args(["--config", "c.py", "--checkpoint", "k.pth", "--cfg-options", "b=2",
                                           "--quant", "repq", "a=1"])
     assert (args.overrides, args.quant) == (["a=1", "b=2"], ["repq"])
+
+
+@pytest.mark.parametrize("launcher, procid, holds", [("slurm", "1", False), ("slurm", "0", True),
+                                                      ("none", "1", True)])
+def test_under_srun_only_slurm_rank_zero_takes_the_work_dir_lock(tmp_path, monkeypatch, launcher, procid, holds):
+    """srun starts every task with SLURM_PROCID and no RANK (MMEngine's init_dist sets RANK from it inside the
+    Runner, after the lock): rank 1 taking the lock would find rank 0's and refuse the job's own run. A
+    --launcher none process trains alone, whatever SLURM_PROCID says, so it holds the lock itself."""
+    import train_detection
+    from engine.run_dir import RunDirError, lock_folder
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    work = tmp_path / "work"
+    work.mkdir()
+    with lock_folder(str(work), "--work-dir"):  # the lock as another process (the job's rank 0) holds it
+        if holds:
+            with pytest.raises(RunDirError, match="is in use by another run"):
+                with train_detection.owning_work_dir(str(work), launcher):
+                    pass
+        else:
+            with train_detection.owning_work_dir(str(work), launcher):
+                pass
