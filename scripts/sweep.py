@@ -55,7 +55,7 @@ from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
-from configs.schema import TRAINING_ONLY_DATA_KEYS, Config  # noqa: E402
+from configs.schema import TRAIN_BATCH_DATA_KEYS, TRAINING_ONLY_DATA_KEYS, Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -347,20 +347,32 @@ def main(argv=None) -> int:
 
 def refuse_unevaluated_options(runs: list[dict]) -> None:
     """evaluate.py refuses an override of the options of a pipeline it does not run (quant.aphq.iters=500
-    where the evaluation runs repq only), and of the calibration batch where no pipeline reads it: say so
-    before the first run trains, not after it."""
+    where the evaluation runs repq only), of the calibration batch where no pipeline reads it, of the training
+    batches' data settings (data.mixup, ...) always and of the training transform's (data.reprob, ...) where no
+    pipeline sees training-transform images: say so before the first run trains, not after it."""
     training_only = {f"data.{k}" for k in TRAINING_ONLY_DATA_KEYS}
+    batch_keys = {f"data.{k}" for k in TRAIN_BATCH_DATA_KEYS}
     for run in runs:
         evaluated = evaluation_overrides(run)
-        # what is left of training's own data settings: data={root: /x, mixup: 0.5} (evaluate.py needs the root
-        # and refuses the mixup) or an item of the sweep's evaluate list
-        for item in evaluated:
+        # what is left of the run's own training data settings: data={root: /x, mixup: 0.5} (evaluate.py needs the
+        # root and refuses the mixup)
+        for item in evaluated[:len(evaluated) - len(run["evaluate"])]:
             mixed = sorted(set(override_keys(item)) & training_only)
             if mixed:
                 raise ConfigError(f"sweep run '{run['name']}': {item} sets {mixed[0]}, which only training reads "
                                   "(its evaluation takes it from the checkpoint, and evaluate.py would refuse it "
                                   f"after the training): give it as a training override of its own ({mixed[0]}=...)")
-        if not any(k.startswith("quant.") for k in keys_of(evaluated)):
+        # the sweep's evaluate list goes to evaluate.py alone: the data settings of training batches are read by no
+        # pass of it (the training transform's, by a pipeline that sees training-transform images: below)
+        for item in run["evaluate"]:
+            batch = sorted(set(override_keys(item)) & batch_keys)
+            if batch:
+                raise ConfigError(f"sweep run '{run['name']}': '{item}' in the sweep's evaluate list: no pass of "
+                                  f"evaluate.py reads {batch[0]} (the checkpoint holds the value the run trained "
+                                  "with), and it would refuse it after the training; drop it from 'evaluate' (a "
+                                  "run's own override trains with it)")
+        transform = any(set(override_keys(item)) & training_only for item in run["evaluate"])
+        if not transform and not any(k.startswith("quant.") for k in keys_of(evaluated)):
             continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
         import evaluate  # torch and the pipelines: only where a pipeline's options are given
         cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"] + run["evaluate"])
@@ -370,6 +382,13 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
                               f"does not run (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py would "
                               f"refuse it after the training; add {pipeline} to quant.pipelines (the sweep's "
                               "evaluate list), or drop it")
+        cfg.quant.pipelines = [p for p in pipelines if p in evaluate.PIPELINES]  # an unknown one: evaluate.py's error
+        for item in evaluate.train_transform_overrides_unread(run["evaluate"], cfg):
+            raise ConfigError(f"sweep run '{run['name']}': '{item}' in the sweep's evaluate list: no pipeline of its "
+                              "evaluation sees training-transform images (pipelines: "
+                              f"{', '.join(pipelines) or 'none'}; aphq and gplq draw them, as does a pipeline that "
+                              "reads the calibration batch with quant.calib_transform=train), and evaluate.py would "
+                              "refuse it after the training; drop it from 'evaluate'")
         language = evaluate.task_for(cfg.data.dataset).language
         for item in evaluate.calibration_overrides_unread(evaluated, pipelines, language):
             raise ConfigError(f"sweep run '{run['name']}': {item} sets the calibration batch, which no pipeline of "

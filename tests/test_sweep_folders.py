@@ -187,3 +187,34 @@ def test_a_runs_training_data_settings_stay_out_of_its_evaluation_command(tmp_pa
                                          r"data.mixup, which only training reads"):
         sweep.main([str(spec), "--evaluate", "data={synthetic_val_size: 8, mixup: 0.2}"])
     assert not (tmp_path / "runs").exists()
+
+
+def _evaluate_list_sweep(tmp_path, evaluate_list: str):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
+                    f"evaluate: {evaluate_list}\nruns:\n  a: [data.dataset=digits, model.num_classes=10]\n")
+    return str(spec)
+
+
+def test_the_evaluate_lists_training_transform_setting_is_left_to_a_pipeline_that_reads_it(tmp_path, capsys):
+    """APHQ draws training-transform images: evaluate.py reads data.reprob=0 there (the images it calibrates on),
+    so a sweep whose evaluate list gives it beside aphq prints its commands, the setting in the evaluation's."""
+    spec = _evaluate_list_sweep(tmp_path, "['quant.pipelines=[aphq]', 'data.reprob=0']")
+    assert sweep.main([spec, "--evaluate"]) == 0
+    evaluation = [line for line in capsys.readouterr().out.splitlines() if "evaluate.py" in line]
+    assert len(evaluation) == 1 and evaluation[0].endswith("data.reprob=0"), evaluation
+
+
+@pytest.mark.parametrize("evaluate_list, says", [
+    ("['data.mixup=0']", r"'data.mixup=0' in the sweep's evaluate list: no pass of evaluate.py reads data.mixup "
+                         r".*drop it from 'evaluate'"),
+    ("['quant.pipelines=[repq]', 'data.reprob=0']", r"'data.reprob=0' in the sweep's evaluate list: no pipeline of "
+                                                   r"its evaluation sees training-transform images .*drop it from "
+                                                   r"'evaluate'")])
+def test_the_evaluate_lists_unread_training_setting_is_refused_naming_the_list(tmp_path, evaluate_list, says):
+    """An item of the sweep's evaluate list goes to evaluate.py alone: the fix is to drop it from that list (a
+    training override of the run's would change what the run trains), before any run trains."""
+    spec = _evaluate_list_sweep(tmp_path, evaluate_list)
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': " + says):
+        sweep.main([spec, "--evaluate"])
+    assert not (tmp_path / "runs").exists()
