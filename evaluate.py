@@ -43,7 +43,7 @@ from configs import Config, ConfigError, config_from_dict, config_to_dict, layer
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
-from configs.schema import EVAL_TRANSFORM_KEYS, TRAIN_BATCH_DATA_KEYS, TRAIN_TRANSFORM_KEYS
+from configs.schema import TRAIN_BATCH_DATA_KEYS, TRAIN_TRANSFORM_ONLY_KEYS
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
@@ -462,7 +462,7 @@ def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[
     planned pipeline sees training-transform images: [] otherwise."""
     if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
         return []
-    own = {f"data.{k}" for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS}
+    own = {f"data.{k}" for k in TRAIN_TRANSFORM_ONLY_KEYS}
     return [item for item in overrides if any(k in own for k in override_keys(item))]
 
 

@@ -35,6 +35,7 @@ class OneLineParser(argparse.ArgumentParser):
     every other entry point: `cd` installs on its own (torch alone), so it cannot import configs."""
 
     def error(self, message: str):
+        message = " ".join(message.splitlines())
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 

@@ -237,7 +237,9 @@ class ColinearityDecay:
         self._round_skip: Optional[Tensor] = None  # whether the last counted update was skipped so far
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
-        self._gi_cache: Optional[tuple] = None  # (param-group signature, id(param) -> group index)
+        # id(optimizer) -> (param-group signature, id(param) -> group index): one entry per optimizer, since several
+        # (cd.integrations' bindings) step the same object in turn
+        self._gi_cache: dict[int, tuple] = {}
         self._warned_dtype = False  # `_warn_low_precision_weights` said it once
 
     # ----------------------------------------------------------------------------------- construction
@@ -446,12 +448,15 @@ class ColinearityDecay:
         the same shape at a freed one's id, would otherwise read the old index (another group's lr). Building it
         costs one id per parameter tensor on each step (10 us for a ViT-B's 152 on a 2-core AMD EPYC VM)."""
         sig = (id(optimizer), tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups))
-        if self._gi_cache is not None and self._gi_cache[0] == sig:
-            return self._gi_cache[1]
+        cached = self._gi_cache.get(id(optimizer))
+        if cached is not None and cached[0] == sig:
+            return cached[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._check_group_lrs(optimizer, index)
         self._warn_low_precision_weights()
-        self._gi_cache = (sig, index)
+        if len(self._gi_cache) >= 16:  # optimizers made again and again (a fit() per stage): forget the old ones
+            self._gi_cache.clear()
+        self._gi_cache[id(optimizer)] = (sig, index)
         return index
 
     def _warn_low_precision_weights(self) -> None:

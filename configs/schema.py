@@ -106,9 +106,11 @@ EVAL_TRANSFORM_KEYS = ("interpolation", "mean", "std", "crop_pct", "crop_mode")
 # samples (APHQ's and GPLQ's own training images and loader take none of them)
 TRAIN_BATCH_DATA_KEYS = ("mixup", "cutmix", "mixup_prob", "mixup_switch_prob", "mixup_mode", "label_smoothing",
                          "repeated_aug")
+# the training transform's own keys (the eval transform reads none of them)
+TRAIN_TRANSFORM_ONLY_KEYS = tuple(k for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS)
 # the keys only training reads (a checkpoint's config records their values): the training transform's own and the
 # training batches'
-TRAINING_ONLY_DATA_KEYS = tuple(k for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS) + TRAIN_BATCH_DATA_KEYS
+TRAINING_ONLY_DATA_KEYS = TRAIN_TRANSFORM_ONLY_KEYS + TRAIN_BATCH_DATA_KEYS
 
 # the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
 ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")

@@ -583,3 +583,26 @@ def test_a_second_step_of_an_optimizer_holding_no_decayed_matrix_does_not_start_
         steps = 2 if name in head else 1
         assert torch.allclose(p, want[name] - steps * 0.05 * grads[name], rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
+
+
+def test_two_bound_optimizers_keep_their_param_group_indexes_between_steps():
+    """Each optimizer's index (id(param) -> group) is built once and kept while its groups stay: with one cache
+    entry for all, two optimizers stepped in turn rebuilt it, and rechecked every group's lr, on every step."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    first, rest = w1s_apart(model)
+    built = []
+    check = decay._check_group_lrs
+    decay._check_group_lrs = lambda opt, index: (built.append(id(opt)), check(opt, index))
+    opt_a, opt_b, bindings = armed_sgd_pair(decay, first, rest, 0.1, 0.02)
+    for _ in range(3):
+        arm_all(bindings)
+        opt_a.step()
+        opt_b.step()
+        for binding in bindings.values():
+            binding.disarm()
+    assert sorted(built) == sorted([id(opt_a), id(opt_b)])
+    opt_b.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": 0.5})
+    arm_all(bindings)
+    opt_b.step()
+    assert built[2:] == [id(opt_b)]  # its groups changed: built again, the other's kept
