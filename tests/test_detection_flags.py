@@ -159,6 +159,16 @@ def test_mmdetection_s_cfg_options_flag_gives_overrides_to_both_entry_points():
     assert (args.overrides, args.quant) == (["a=1", "b=2"], ["repq"])
 
 
+
+def test_a_detection_override_given_twice_with_two_values_is_refused():
+    """Bare words and --cfg-options' items reach the config apart (the latter after), so `--cfg-options a=1 ... a=2`
+    ran with a=1 though a=2 came last: two values of one key are refused, the same value twice is one."""
+    from engine.detection import DetectionError, parse_overrides
+    assert parse_overrides(["train_cfg.max_epochs=2", "train_cfg.max_epochs=2"]) == {"train_cfg.max_epochs": 2}
+    with pytest.raises(DetectionError, match=r"^train_cfg.max_epochs is given twice \(train_cfg.max_epochs=2 and "
+                                             r"train_cfg.max_epochs=3\): give it once$"):
+        parse_overrides(["train_cfg.max_epochs=2", "randomness.seed=1", "train_cfg.max_epochs=3"])
+
 @pytest.mark.parametrize("launcher, procid, holds", [("slurm", "1", False), ("slurm", "0", True),
                                                       ("none", "1", True)])
 def test_under_srun_only_slurm_rank_zero_takes_the_work_dir_lock(tmp_path, monkeypatch, launcher, procid, holds):

@@ -103,11 +103,17 @@ def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:
 
 
 def parse_overrides(items):
-    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples)."""
+    """`key=value` items as MMEngine's --cfg-options parses them (numbers, bools, None, lists, tuples). A key given
+    twice with two values is refused: the entry points take bare words and --cfg-options' items apart, so which
+    came last on the command line is not known."""
     namespace = argparse.Namespace()
+    given: Dict[str, str] = {}
     for item in items:
         if "=" not in item:
             raise DetectionError(f"{item!r}: config overrides are key=value")
+        key, value = item.split("=", 1)
+        if given.setdefault(key, value) != value:
+            raise DetectionError(f"{key} is given twice ({key}={given[key]} and {key}={value}): give it once")
     DictAction(option_strings=[], dest="options")(None, namespace, items)
     return getattr(namespace, "options", {})
 
