@@ -257,6 +257,27 @@ def arm_all(bindings: dict) -> None:
         binding.arm(until_disarmed=True)
 
 
+# the W1s of the functional pairs (qkv's V rows and fc1) with the norms in front of them: `a`'s part of a split
+W1_SIDE = ("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight")
+
+
+def one_update_by_hand(model, lr: float = 0.05, lam: float = 0.5) -> tuple[dict, dict]:
+    """Random gradients set on every parameter of the tiny ViT, and the hand-written outcome of one update: CD of
+    the weights of now (cd_models.ref_block_update), then SGD at `lr`. (want, grads): want[name] - lr *
+    grads[name] is each weight after one SGD step."""
+    from cd_models import ref_block_update
+
+    named = dict(model.named_parameters())
+    before = snapshot(model)
+    want = dict(before)
+    for b in ("blocks.0", "blocks.1"):
+        ref_block_update(before, b, lr * lam, want)
+    grads = {n: torch.randn_like(p) for n, p in named.items()}
+    for name, p in named.items():
+        p.grad = grads[name].clone()
+    return want, grads
+
+
 def test_a_pair_split_over_two_optimizers_is_decayed_from_the_weights_before_either_step():
     """Target C over two optimizers, each functional pair split (W1 in `a`, W2 in `b`), stepped `b` then `a` with
     gradients of zero (SGD then changes nothing): the weights are one CD update of the weights of before the
@@ -341,12 +362,10 @@ def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_t
     """Block 1's proj and fc2 join `b` after the binding (add_param_group, as when a stage is unfrozen), while their
     W1s (qkv V rows, fc1) are in `a`, which steps first: their update reads W1 as it was before `a`'s step, as the
     one update of the hand-written reference (CD of the weights before, then the SGD step), not W1 after it."""
-    from cd_models import ref_block_update
-
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
     named = dict(model.named_parameters())
-    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    first = [n for n in named if n.endswith(W1_SIDE)]
     late = [n for n in named if n.startswith("blocks.1.") and n not in first]
     opt_a = torch.optim.SGD([named[n] for n in first], lr=0.05)
     opt_b = torch.optim.SGD([p for n, p in named.items() if n not in first and n not in late], lr=0.05)
@@ -354,13 +373,7 @@ def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_t
         warnings.simplefilter("ignore")  # block 1's proj and fc2 are in no optimizer yet
         bindings = bind_optimizers(decay, [opt_a, opt_b])
     opt_b.add_param_group({"params": [named[n] for n in late]})
-    before = snapshot(model)
-    grads = {n: torch.randn_like(p) for n, p in named.items()}
-    want = dict(before)
-    for b in ("blocks.0", "blocks.1"):
-        ref_block_update(before, b, 0.05 * 0.5, want)
-    for name, p in named.items():
-        p.grad = grads[name].clone()
+    want, grads = one_update_by_hand(model)
     arm_all(bindings)
     opt_a.step()
     opt_b.step()
@@ -406,22 +419,14 @@ def test_a_copy_is_kept_only_of_matrices_that_a_part_still_to_come_reads(order, 
     keeps a copy of each when it steps first (4: qkv and fc1 of two blocks), and none once `b` has stepped (its
     part has read them already); the update is the hand-written one either way (CD of the weights before, then
     the SGD step)."""
-    from cd_models import ref_block_update
-
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
     named = dict(model.named_parameters())
-    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    first = [n for n in named if n.endswith(W1_SIDE)]
     opts = {"a": torch.optim.SGD([named[n] for n in first], lr=0.05),
             "b": torch.optim.SGD([p for n, p in named.items() if n not in first], lr=0.05)}
     bindings = bind_optimizers(decay, list(opts.values()))
-    before = snapshot(model)
-    want = dict(before)
-    for b in ("blocks.0", "blocks.1"):
-        ref_block_update(before, b, 0.05 * 0.5, want)
-    grads = {n: torch.randn_like(p) for n, p in named.items()}
-    for name, p in named.items():
-        p.grad = grads[name].clone()
+    want, grads = one_update_by_hand(model)
     copies = []
     clone = torch.Tensor.clone
     monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t.shape) or clone(t, *a, **k))
@@ -558,24 +563,16 @@ def test_a_second_step_of_an_optimizer_holding_no_decayed_matrix_does_not_start_
     """W1s in `a`, W2s in `b`, the head alone in `h`, stepped a, h, h, b (a head updated twice per iteration): `h`
     takes no part in the update, so its second step leaves the update whole, and `b`'s part reads the W1s of
     before `a`'s step, as the hand-written update (CD of the weights before, then the SGD step)."""
-    from cd_models import ref_block_update
-
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
     named = dict(model.named_parameters())
-    first = [n for n in named if n.endswith(("qkv.weight", "fc1.weight", "norm1.weight", "norm2.weight"))]
+    first = [n for n in named if n.endswith(W1_SIDE)]
     head = [n for n in named if n.startswith("head.")]
     opts = {"a": torch.optim.SGD([named[n] for n in first], lr=0.05),
             "b": torch.optim.SGD([p for n, p in named.items() if n not in first and n not in head], lr=0.05),
             "h": torch.optim.SGD([named[n] for n in head], lr=0.05)}
     bindings = bind_optimizers(decay, list(opts.values()))
-    before = snapshot(model)
-    want = dict(before)
-    for b in ("blocks.0", "blocks.1"):
-        ref_block_update(before, b, 0.05 * 0.5, want)
-    grads = {n: torch.randn_like(p) for n, p in named.items()}
-    for name, p in named.items():
-        p.grad = grads[name].clone()
+    want, grads = one_update_by_hand(model)
     arm_all(bindings)
     for name in "ahhb":
         opts[name].step()
