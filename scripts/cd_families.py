@@ -8,7 +8,8 @@ or the refusal). Quantization columns, W4A4 on the tiny model of each family (`c
 percentile and repq run the whole pipeline on 4 random images and one forward of the result; aphq and
 gplq run the steps they start with (conversion with the pipeline's layout, the unit checks, calibration,
 and, where quant.aphq.mlp_reconstruct is on (off by default), APHQ's MLP-reconstruction requirement),
-not their reconstruction or training stages, which need data. A cell reads "supported" or "refused: <the first clause of the error the pipeline raises>".
+not their reconstruction or training stages, which need data. A cell reads "supported" or "refused: <the first
+clause of the error the pipeline raises>".
 CPU, no downloads, seconds.
 """
 from __future__ import annotations

@@ -279,7 +279,8 @@ def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
 def test_more_calibration_windows_than_the_train_split_has_are_refused_before_any_pass(kjv_run, tmp_path):
     # the classifier's image counts are checked before the FP and maxima passes; so are the LM's windows
     out = tmp_path / "r.json"
-    with pytest.raises(DataError, match=r"^quant.calib_images=1000000: the train split has \d+ windows of 32 tokens; give at most that"):
+    with pytest.raises(DataError, match=r"^quant.calib_images=1000000: the train split has \d+ windows of 32 "
+                                           r"tokens; give at most that"):
         run_eval("--checkpoint", str(kjv_run), "--quant", "gptq", "quant.calib_images=1000000", "--out", str(out))
     assert not out.exists()
 

@@ -172,9 +172,10 @@ def test_a_calibration_batch_no_pipeline_of_the_evaluation_reads_is_refused_befo
 
 
 def test_a_runs_training_data_settings_stay_out_of_its_evaluation_command(tmp_path):
-    """evaluate.py refuses data.mixup, data.label_smoothing and the like where no pass of it reads them (the checkpoint's
-    config holds them as the run trained): a sweep that passed a run's training augmentation on to its evaluation
-    would fail after every training. A mapping that mixes them with data.root is refused before training."""
+    """evaluate.py refuses data.mixup, data.label_smoothing and the like where no pass of it reads them (the
+    checkpoint's config holds them as the run trained): a sweep that passed a run's training augmentation on to its
+    evaluation would fail after every training. A mapping that mixes them with data.root is refused before
+    training."""
     spec = tmp_path / "s.yaml"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
                     "evaluate: ['quant.pipelines=[repq]']\nruns:\n  a: [data.label_smoothing=0.2]\n")

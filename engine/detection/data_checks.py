@@ -200,11 +200,12 @@ def label_names(categories: Sequence[dict], classes: Sequence[str]) -> List[str]
 
 def check_categories(cfg: Config, keys: Sequence[str]) -> None:
     """Refuse an annotation file of the loaders `keys` that lists no images, or whose categories do not give label i
-    to the config's class i (`label_names`): a file without the classes (other names) has no object to train on or score, one with some
-    of them or with them in another order would train or score each class against another's objects. Each file
-    is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read twice in
-    all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images, 860,001
-    polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a torchrun reads it)."""
+    to the config's class i (`label_names`): a file without the classes (other names) has no object to train on or
+    score, one with some of them or with them in another order would train or score each class against another's
+    objects. Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB)
+    is read twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287
+    images, 860,001 polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a
+    torchrun reads it)."""
     seen = set()
     for key, dataset in loader_datasets(cfg):
         path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset.get("ann_file") or ""))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from mmengine.hooks import Hook
 
+
 def inexact_resume(world_size: int, train_loader) -> list[str]:
     """Why a resumed run of `world_size` processes reading `train_loader` does not draw the random numbers the
     uninterrupted run draws (see RngStateHook); empty where it does."""
