@@ -14,9 +14,10 @@ A work dir that already holds checkpoints is refused unless --resume continues t
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
 dump MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
 (`<work-dir>/.run.lock`, as train.py's out_dir), before it writes anything there. A new run records its merged
-settings, once its runner is built, in `<work-dir>/train_detection_config.json`; --resume refuses other settings
-than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it resumes the work dir's
-own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
+settings, once its runner is built, in `<work-dir>/train_detection_config.json` (a start that fails before its
+first checkpoint removes that file and the config dump again, so the corrected command may use the same work dir);
+--resume refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule),
+`load_from` (it resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
 random-number state (engine.detection.RngStateHook), so a resumed run in one process without persistent loader
 workers ends bit for bit where the uninterrupted one does; under torchrun only rank 0's state is kept (the other
 ranks continue from the seed), and persistent workers start over from their first seeds: such a resume is not
@@ -66,7 +67,7 @@ def owning_work_dir(work_dir: str, launcher: str):
     global rank 0 for the duration of the block, or raise RunDirError: a second command in the same work dir
     (two new runs started at the same moment, or a --resume beside the running run) is refused before it writes
     anything there, so it neither trains into the other's checkpoints nor removes its config dump
-    (`removing_failed_start_dump`). The other ranks belong to rank 0's run and leave the lock to it."""
+    (`removing_failed_start_files`). The other ranks belong to rank 0's run and leave the lock to it."""
     if launcher_rank(launcher) != "0":
         yield
         return
@@ -84,12 +85,17 @@ def launcher_rank(launcher: str) -> str:
     return os.environ.get("SLURM_PROCID", "0")
 
 
+def checkpoint_files(work_dir: str) -> list:
+    """The checkpoints MMEngine wrote into `work_dir` (epoch_N.pth, iter_N.pth, its last_checkpoint pointer)."""
+    return glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
+
+
 def check_work_dir(work_dir: str, resume: bool) -> None:
     """Refuse to start a new run over an old one's checkpoints, and to resume where there is nothing."""
     from engine.detection import DetectionError
     if os.path.exists(work_dir) and not os.path.isdir(work_dir):
         raise DetectionError(f"--work-dir {work_dir} is a file: give a folder")
-    checkpoints = glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
+    checkpoints = checkpoint_files(work_dir)
     if checkpoints and not resume:
         raise DetectionError(f"--work-dir {work_dir} holds checkpoints of an earlier run "
                              f"({os.path.basename(sorted(checkpoints)[0])}, ...): give --resume to continue it, "
@@ -131,8 +137,9 @@ def check_settings(work_dir: str, settings: dict) -> None:
 
 
 def record_settings(work_dir: str, settings: dict) -> None:
-    """Write a new run's settings into `work_dir` once its runner has been built (a start that failed before
-    leaves none, so the corrected command may use the same folder), never over an existing file: one with the
+    """Write a new run's settings into `work_dir` once its runner has been built (a start that fails before its
+    first checkpoint removes it again, removing_failed_start_files, so the corrected command may use the same
+    folder), never over an existing file: one with the
     same settings (the same run started again before its first checkpoint, or another rank of it) is kept,
     another is refused."""
     path = os.path.join(work_dir, SETTINGS_FILE)
@@ -213,19 +220,26 @@ def check_config_dump(work_dir: str, cfg) -> None:
 
 
 @contextlib.contextmanager
-def removing_failed_start_dump(work_dir: str, cfg, new_run: bool):
-    """A new run whose start fails once the Runner is built (it writes the config dump then, before the loops
-    are built) removes that dump, which this command wrote: left there, check_config_dump would refuse the
-    corrected command in the same --work-dir. The Runner's timestamped log folder stays: it holds the failed
-    start's log and blocks nothing. Rank 0 writes the dump, so rank 0 removes it."""
-    dump = os.path.join(work_dir, os.path.basename(cfg.filename))
-    existed = os.path.exists(dump)
+def removing_failed_start_files(work_dir: str, cfg, new_run: bool):
+    """A new run that fails before its first checkpoint (while its Runner and loops are built, or inside
+    runner.train(): out of memory, a setting that fails in the first iterations) removes the files of the work
+    dir that this command wrote and that would refuse the corrected command there: MMEngine's config dump (written
+    when the Runner is built; check_config_dump) and the settings file (record_settings; check_settings refuses
+    other settings). A file that existed when the command started was not written by it and stays, and so does
+    everything once a checkpoint exists: --resume continues that run and reads its settings file. The Runner's
+    timestamped log folder stays: it holds the failed start's log and blocks nothing. Rank 0 looks before the
+    Runner is built (its constructor waits for rank 0 to broadcast the log folder's timestamp, so no rank has
+    written either file yet) and removes them."""
+    paths = [os.path.join(work_dir, os.path.basename(cfg.filename)), os.path.join(work_dir, SETTINGS_FILE)]
+    existed = {path: os.path.exists(path) for path in paths}
     try:
         yield
     except BaseException:
-        if new_run and not existed and os.environ.get("RANK", "0") == "0":
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(dump)
+        if new_run and os.environ.get("RANK", "0") == "0" and not checkpoint_files(work_dir):
+            for path in paths:
+                if not existed[path]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
         raise
 
 
@@ -325,7 +339,7 @@ def train_in_work_dir(args, cfg, overrides) -> int:
         # MMEngine 0.10 checkpoints hold numpy / python objects that torch >= 2.6's weights_only load refuses;
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    with removing_failed_start_dump(args.work_dir, cfg, new_run=not args.resume):
+    with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume):
         runner = Runner.from_cfg(cfg)
         runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
         # The loops read the annotation files when they are built, which runner.train() does unless the
@@ -340,7 +354,7 @@ def train_in_work_dir(args, cfg, overrides) -> int:
         check_pipeline(runner.val_loop.dataloader.dataset, "val_dataloader")
         if not args.resume:
             record_settings(args.work_dir, settings)
-    runner.train()
+        runner.train()
     return 0
 
 
