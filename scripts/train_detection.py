@@ -11,17 +11,17 @@ with this repository's guards (data root, backbone checkpoint and load_from, not
 Overrides are `key=value` words anywhere on the line, or after `--cfg-options` as MMDetection's tools take them.
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
-`last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config
-dump MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
+`last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config dump
+MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
 (`<work-dir>/.run.lock`, as train.py's out_dir), before it writes anything there. A new run records its merged
-settings, once its runner is built, in `<work-dir>/train_detection_config.json` (a start that fails before its
-first checkpoint removes that file and the config dump again, so the corrected command may use the same work dir);
---resume refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule),
-`load_from` (it resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing file. Checkpoints keep the
-random-number state (engine.detection.RngStateHook), so a resumed run in one process without persistent loader
-workers ends bit for bit where the uninterrupted one does; under torchrun only rank 0's state is kept (the other
-ranks continue from the seed), and persistent workers start over from their first seeds: such a resume is not
-exact, and says so (docs/operations.md, "Detection runs"). The batch
+settings, once its runner is built, in `<work-dir>/train_detection_config.json` (a start that fails before its first
+checkpoint removes that file and the config dump again, so the corrected command may use the same work dir); --resume
+refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it
+resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
+file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
+without persistent loader workers ends bit for bit where the uninterrupted one does; under torchrun only rank 0's
+state is kept (the other ranks continue from the seed), and persistent workers start over from their first seeds:
+such a resume is not exact, and says so (docs/operations.md, "Detection runs"). The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
 `auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP (AmpOptimWrapper), which
 MMEngine runs on a GPU only: on the CPU add `optim_wrapper.type=OptimWrapper` (fp32).
