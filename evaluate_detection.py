@@ -16,7 +16,8 @@ quant/README.md); the mask head's transposed conv stays float. Calibration: `--c
 runs no pipeline and refuses --bits, --calib-images and --calib-seed). APHQ also
 reconstructs on its own training images (quant/aphq/detector.py) and starts from the official detection
 recipe (configs/quant.py APHQ_DETECTION); GPLQ trains the activation quantizers with the detection loss for one
-epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`).
+epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`, a path
+checked before any scoring).
 `--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options. The calibration batch and
 APHQ's and GPLQ's own image sets are checked against the training split's size before any work.
 
@@ -129,8 +130,8 @@ def main(argv=None) -> dict:
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, build_detector, build_loader,
                                   check_annotation_files, check_categories, check_checkpoint_classes,
                                   check_evaluator_annotations, check_image_folders, check_pipeline,
-                                  check_stage1_device, evaluate_detector, load_config, parse_overrides,
-                                  train_activation_qat, TrainingImages)
+                                  check_stage1_device, check_stage1_folder, evaluate_detector, load_config,
+                                  parse_overrides, train_activation_qat, TrainingImages)
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
@@ -138,7 +139,7 @@ def main(argv=None) -> dict:
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
-    from quant.gplq.detector import check_detector_options as check_gplq_options
+    from quant.gplq.detector import check_detector_options as check_gplq_options, stage1_folder
     from quant.pipeline_base import parse_options
     from quant.pipeline_data import PipelineData
 
@@ -219,6 +220,12 @@ def main(argv=None) -> dict:
         if todo:  # on rank 0, which always reads them; the other ranks fail with it
             run_on_main(lambda: check_image_counts(images, todo, options, args.calib_images),
                         "checking the training images", dist.device)
+        work_prefix = os.path.splitext(out)[0]  # where GPLQ's stage 1 keeps its checkpoints
+        # the folders GPLQ's stage 1 will write, checked (and left as they are) before the full-precision score
+        folders = [stage1_folder(PipelineData(work_prefix=work_prefix), b) for p, b in todo if p == "gplq"]
+        if folders:  # on rank 0, which creates them; the other ranks fail with it
+            run_on_main(lambda: [check_stage1_folder(f) for f in folders] and None,
+                        "checking GPLQ's stage-1 folders", dist.device)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:
@@ -236,7 +243,7 @@ def main(argv=None) -> dict:
             data = PipelineData(
                 detector_samples=lambda count, seed, flag=flag: DetectorSamples(cfg, count, seed, flag, images),
                 train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1, work_dir),
-                work_prefix=os.path.splitext(out)[0])
+                work_prefix=work_prefix)
             say(f"{name} {b} ...", flush=True)
             entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
                                        eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))

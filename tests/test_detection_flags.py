@@ -189,3 +189,28 @@ def test_under_srun_only_slurm_rank_zero_takes_the_work_dir_lock(tmp_path, monke
         else:
             with train_detection.owning_work_dir(str(work), launcher):
                 pass
+
+
+@pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity"])
+def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sample_cfg, tmp_path, monkeypatch, bad):
+    """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO);
+    each is left as it was."""
+    import engine.detection
+    from evaluate_detection import main
+    root, load = sample_cfg
+    checkpoint = save_detector(load(), tmp_path / "w.pth")
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    if bad == "file":
+        folder.write_text("not a folder")
+    else:
+        folder.mkdir()
+        (folder / ("notes.txt" if bad == "foreign folder" else "gplq_stage1.json")).write_text('{"bits": "w4')
+    before = sorted((p.name, p.read_bytes()) for p in ([folder] if folder.is_file() else folder.iterdir()))
+
+    def scored(*args, **kwargs):
+        raise AssertionError("scored before the stage-1 folder was checked")
+    monkeypatch.setattr(engine.detection, "evaluate_detector", scored)
+    with pytest.raises(engine.detection.DetectionError, match=rf"^{folder}"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", checkpoint, "--data-root", root, "--quant", "gplq",
+              "--quant-options", "gplq.stage2_images=2", "--out", str(tmp_path / "eval.json"), "--device", "cpu"])
+    assert sorted((p.name, p.read_bytes()) for p in ([folder] if folder.is_file() else folder.iterdir())) == before

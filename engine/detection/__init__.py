@@ -41,7 +41,8 @@ try:
     from engine.detection.rng_state import RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
                                         train_images_with_test_pipeline)
-    from engine.detection.qat import check_stage1_device, checkpoint_iteration, train_activation_qat
+    from engine.detection.qat import (check_stage1_device, check_stage1_folder, checkpoint_iteration,
+                                      train_activation_qat)
     from engine.detection.evaluation import activation_maxima, evaluate_detector
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"the detection task needs MMDetection and full mmcv ({e}): "
@@ -58,6 +59,6 @@ __all__ = [
     "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
     "RngStateHook",
     "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "train_images_with_test_pipeline",
-    "check_stage1_device", "checkpoint_iteration", "train_activation_qat",
+    "check_stage1_device", "check_stage1_folder", "checkpoint_iteration", "train_activation_qat",
     "activation_maxima", "evaluate_detector",
 ]

@@ -109,31 +109,31 @@ def check_stage1_device(device: torch.device) -> None:
                              "for a CPU run")
 
 
-def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
-    """(checkpoint to resume from or None, run name): refuse a folder of another run, or one that is not a GPLQ
-    stage-1 folder (left as it is); write the identity file into a new or empty one. The name is unique, so
-    that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
+def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None) -> tuple:
+    """(the identity stored in `work_dir`, None for a new or empty folder; the checkpoint to resume from or None):
+    refuse, leaving it as it is, a path that is a file, a folder that is not a GPLQ stage-1 folder, an identity
+    file that cannot be read, one of another run than `identity` (None: not compared), and a last_checkpoint
+    pointing at a missing file. Without `identity` it needs nothing of the run: evaluate_detection.py checks
+    every stage-1 folder it will use so before any scoring, so a bad path costs seconds, not the full-precision
+    evaluation."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
-    if os.path.exists(work_dir) and not os.path.isdir(work_dir):  # os.makedirs below: a FileExistsError traceback
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):  # os.makedirs would be a FileExistsError traceback
         raise DetectionError(f"{work_dir} (GPLQ's stage-1 folder, named after --out) is a file: move it away, or "
                              "give another --out")
-    if os.path.isdir(work_dir) and os.listdir(work_dir):
-        if not os.path.isfile(identity_path):
-            raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
-                                 "missing): move it away")
-        try:
-            with open(identity_path) as f:
-                stored = json.load(f)
-        except ValueError as e:  # json's message names no file
-            raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
-                                 "anew") from None
-        if stored != identity:
-            raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
-                                 f"settings, or move the folder away to start stage 1 anew (now: {identity})")
-    else:
-        os.makedirs(work_dir, exist_ok=True)
-        with open(identity_path, "w") as f:
-            json.dump(identity, f, indent=1)
+    if not (os.path.isdir(work_dir) and os.listdir(work_dir)):
+        return None, None
+    if not os.path.isfile(identity_path):
+        raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
+                             "missing): move it away")
+    try:
+        with open(identity_path) as f:
+            stored = json.load(f)
+    except ValueError as e:  # json's message names no file
+        raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
+                             "anew") from None
+    if identity is not None and stored != identity:
+        raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
+                             f"settings, or move the folder away to start stage 1 anew (now: {identity})")
     last = os.path.join(work_dir, "last_checkpoint")  # MMEngine's pointer to its latest checkpoint
     checkpoint = None
     if os.path.isfile(last):
@@ -142,4 +142,16 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
         if not os.path.isfile(checkpoint):
             raise DetectionError(f"{last} points to {checkpoint}, which does not exist: restore it, or move "
                                  f"{work_dir} away to start stage 1 anew")
+    return stored, checkpoint
+
+
+def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
+    """(checkpoint to resume from or None, run name): refuse a folder of another run, or one that is not a GPLQ
+    stage-1 folder (check_stage1_folder); write the identity file into a new or empty one. The name is unique, so
+    that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
+    stored, checkpoint = check_stage1_folder(work_dir, identity)
+    if stored is None:
+        os.makedirs(work_dir, exist_ok=True)
+        with open(os.path.join(work_dir, STAGE1_IDENTITY), "w") as f:
+            json.dump(identity, f, indent=1)
     return checkpoint, f"gplq_stage1_{time.time_ns() % 10 ** 9}"

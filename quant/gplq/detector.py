@@ -69,6 +69,12 @@ def check_detector_options(options: GPLQOptions, calib_count: Optional[int] = No
                          "--calib-images)")
 
 
+def stage1_folder(data: PipelineData, bits: Bits) -> Optional[str]:
+    """Where stage 1 at `bits` keeps its resumable checkpoints, `<work prefix>_gplq_<bits>_stage1/` (None: no
+    work prefix); the caller checks it before any work."""
+    return data.work_path(f"_gplq_{bits}_stage1")
+
+
 def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: Bits, options: GPLQOptions,
                       data: PipelineData, default_lr) -> PTQResult:
     """GPLQ on a detector (module docstring); `layout` is GPLQPipeline.layout(bits, options), `default_lr` the
@@ -104,7 +110,7 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
                              "options": {f.name: getattr(options, f.name) for f in fields(options)
                                          if f.name in STAGE1_OPTIONS}}}
     with timer("stage1", device):
-        stage1 = data.train_detector(model, settings, data.work_path(f"_gplq_{bits}_stage1"))
+        stage1 = data.train_detector(model, settings, stage1_folder(data, bits))
     model.eval().requires_grad_(False)
     return run_on_main(lambda: _stage2(model, teacher, bits, options, data, timer, device, lr, scale_lr, stage1),
                        f"quantizing gplq {bits} (stage 2)", device)
