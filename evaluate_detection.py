@@ -294,15 +294,24 @@ def config_hash(cfg) -> str:
 def pipeline_options(items, pipelines) -> dict:
     """{pipeline: {key: value}} from `PIPELINE.KEY=VALUE` items, typed and checked by the config schema as
     evaluate.py's `quant.PIPELINE.KEY=VALUE` (configs/loader.py: types, ranges, close matches of a typo). A
-    pipeline that is not run is refused (its option would be ignored), and so are aphq.calib_images and
-    gplq.init_images (the calibration batch is --calib-images)."""
+    pipeline that is not run is refused (its option would be ignored), a word naming no pipeline (a config
+    override typed after the flag) as such, and so are aphq.calib_images and gplq.init_images (the calibration
+    batch is --calib-images)."""
+    import difflib
     from configs.loader import apply_overrides
     from configs.schema import Config
+    from quant import PIPELINES
     typed = Config()
     by_pipeline: dict = {}
     for item in items:
         key = item.partition("=")[0]
         name, _, option = key.partition(".")
+        if "=" in item and name not in PIPELINES:  # `--quant-options aphq.iters=5 test_dataloader.x=1`: the flag
+            # takes every word after it, and a config override typed there is no pipeline option
+            close = difflib.get_close_matches(name, PIPELINES, n=1)
+            raise ValueError(f"--quant-options {item}: {name} is no pipeline"
+                             f"{f' (did you mean {close[0]}?)' if close else ''}; a config override goes after "
+                             "the flags as key=value (or after --cfg-options), not inside --quant-options")
         if "=" not in item or not option or name not in pipelines:
             raise ValueError(f"--quant-options {item}: give PIPELINE.KEY=VALUE for a pipeline that runs "
                              f"({', '.join(pipelines) or 'none: a bare --quant scores full precision only'})")

@@ -214,3 +214,19 @@ def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sam
         main(["--config", SAMPLE_CONFIG, "--checkpoint", checkpoint, "--data-root", root, "--quant", "gplq",
               "--quant-options", "gplq.stage2_images=2", "--out", str(tmp_path / "eval.json"), "--device", "cpu"])
     assert sorted((p.name, p.read_bytes()) for p in ([folder] if folder.is_file() else folder.iterdir())) == before
+
+
+@pytest.mark.parametrize("word, named", [
+    ("test_dataloader.batch_size=2", "test_dataloader is no pipeline; "),
+    ("aphg.iters=5", "aphg is no pipeline (did you mean aphq?); ")])
+def test_a_config_override_inside_quant_options_names_the_word_and_where_overrides_go(tmp_path, word, named):
+    """--quant-options takes every word after it: an override typed there was refused as "give PIPELINE.KEY=VALUE
+    for a pipeline that runs (aphq)", which named neither the problem nor where an override goes."""
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+    with pytest.raises(ValueError) as error:
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "aphq",
+              "--quant-options", "aphq.iters=5", word, "--out", str(out)])
+    assert str(error.value) == (f"--quant-options {word}: {named}a config override goes after the flags as "
+                                "key=value (or after --cfg-options), not inside --quant-options")
+    assert not out.exists()
