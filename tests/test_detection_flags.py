@@ -230,3 +230,22 @@ def test_a_config_override_inside_quant_options_names_the_word_and_where_overrid
     assert str(error.value) == (f"--quant-options {word}: {named}a config override goes after the flags as "
                                 "key=value (or after --cfg-options), not inside --quant-options")
     assert not out.exists()
+
+
+def test_a_gplq_stage1_folder_of_another_run_or_with_a_dangling_pointer_is_refused_and_left_as_it_is(tmp_path):
+    """What the claim of a stage-1 folder refuses besides the path checks: the identity of another run, and a
+    last_checkpoint naming a missing file; the folder's own checkpoint is what it resumes from."""
+    import json
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] is None
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run \({{'bits': 'w4a4'}}\)"):
+        _claim_stage1_folder(str(folder), {"bits": "w6a6"})
+    (folder / "last_checkpoint").write_text(str(folder / "iter_2.pth"))
+    with pytest.raises(DetectionError, match=r"points to .*iter_2.pth, which does not exist"):
+        _claim_stage1_folder(str(folder), {"bits": "w4a4"})
+    (folder / "iter_2.pth").write_bytes(b"weights")
+    assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] == str(folder / "iter_2.pth")
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
