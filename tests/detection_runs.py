@@ -35,9 +35,11 @@ def train(sample, work_dir, *overrides, epochs=1, configs=()):
     """Train the sample detector `epochs` epochs into `work_dir`; the path of its last checkpoint."""
     from train_detection import main
     extra = [a for c in configs for a in ("--config", c)]
+    # validation after the last epoch only, unless the caller sets it (a key given twice is refused)
+    given = {o.split("=", 1)[0] for o in overrides}
+    defaults = [d for d in ("randomness.seed=0", "train_cfg.val_interval=100") if d.split("=", 1)[0] not in given]
     assert main(["--config", SAMPLE_CONFIG, *extra, "--data-root", sample, "--work-dir", str(work_dir),
-                 f"train_cfg.max_epochs={epochs}", "randomness.seed=0", "train_cfg.val_interval=100",
-                 *overrides]) == 0
+                 f"train_cfg.max_epochs={epochs}", *defaults, *overrides]) == 0
     return str(work_dir / f"epoch_{epochs}.pth")
 
 

@@ -158,6 +158,7 @@ def test_training_refuses_what_it_cannot_do_as_asked(sample, tmp_path, capsys):
     # its heads sized for them
     classes = [f"{loader}.dataset.metainfo.classes=('box','disc')" for loader in ("train_dataloader", "val_dataloader")]
     classes += [f"model.roi_head.{head}.num_classes=2" for head in ("bbox_head", "mask_head")]
+    classes += ["optim_wrapper.type=OptimWrapper"]  # its AMP runs on a GPU only (check_amp refuses it first here)
 
     def error(argv):
         return error_line(capsys, argv + (classes if argv[:len(full)] == full else []))
