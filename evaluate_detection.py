@@ -306,8 +306,9 @@ def pipeline_options(items, pipelines) -> dict:
     for item in items:
         key = item.partition("=")[0]
         name, _, option = key.partition(".")
-        if "=" in item and name not in PIPELINES:  # `--quant-options aphq.iters=5 test_dataloader.x=1`: the flag
-            # takes every word after it, and a config override typed there is no pipeline option
+        if "=" in item and option and name not in PIPELINES:  # `--quant-options aphq.iters=5 test_dataloader.x=1`:
+            # the flag takes every word after it, and a config override typed there is no pipeline option (a bare
+            # `iters=1` lacks its pipeline: the message below)
             close = difflib.get_close_matches(name, PIPELINES, n=1)
             raise ValueError(f"--quant-options {item}: {name} is no pipeline"
                              f"{f' (did you mean {close[0]}?)' if close else ''}; a config override goes after "
