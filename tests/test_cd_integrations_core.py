@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cd import ColinearityDecay
-from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments
+from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments, holds_pairs
 from cd.wrappers import torch_optimizer, unwrap_model
 from cd_models import changed, snapshot, tiny_vit
 
@@ -603,3 +603,24 @@ def test_two_bound_optimizers_keep_their_param_group_indexes_between_steps():
     arm_all(bindings)
     opt_b.step()
     assert built[2:] == [id(opt_b)]  # its groups changed: built again, the other's kept
+
+
+def test_an_optimizer_holding_only_w1s_that_cd_never_writes_keeps_its_pre_step_copies():
+    """`a` holds only the LayerNorm scales (the W1s of qkv and fc1, which CD reads and, at the default target, never
+    writes) and steps first: `b`'s part must still read them as they were before `a`'s step, as the hand-written
+    update (CD of the weights before, then the SGD step), not the stepped ones."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    named = dict(model.named_parameters())
+    norms = [n for n in named if n.endswith(("norm1.weight", "norm2.weight"))]
+    opt_a = torch.optim.SGD([named[n] for n in norms], lr=0.05)
+    opt_b = torch.optim.SGD([p for n, p in named.items() if n not in norms], lr=0.05)
+    assert not holds_pairs(decay, opt_a)  # the case: `a` takes part in the update by what it holds for `b` alone
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    want, grads = one_update_by_hand(model)
+    arm_all(bindings)
+    opt_a.step()
+    opt_b.step()
+    for name, p in named.items():
+        assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1
