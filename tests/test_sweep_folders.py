@@ -219,3 +219,18 @@ def test_the_evaluate_lists_unread_training_setting_is_refused_naming_the_list(t
     with pytest.raises(SystemExit, match=r"error: sweep run 'a': " + says):
         sweep.main([spec, "--evaluate"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_evaluate_lists_training_transform_setting_is_checked_against_the_tasks_default_pipelines(tmp_path):
+    """No quant setting anywhere: the evaluation runs the classifier's default pipelines (percentile, repq), neither
+    of which sees training-transform images, so data.reprob=0 alone in the evaluate list is refused before any run
+    trains; with quant.calib_transform=train, percentile's calibration batch is drawn with the training transform
+    and reads it."""
+    spec = _evaluate_list_sweep(tmp_path, "['data.reprob=0']")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': 'data.reprob=0' in the sweep's evaluate list: no "
+                                         r"pipeline of its evaluation sees training-transform images \(pipelines: "
+                                         r"percentile, repq;"):
+        sweep.main([spec, "--evaluate"])
+    assert not (tmp_path / "runs").exists()
+    spec = _evaluate_list_sweep(tmp_path, "['data.reprob=0', 'quant.calib_transform=train']")
+    assert sweep.main([spec, "--evaluate"]) == 0
