@@ -624,3 +624,27 @@ def test_an_optimizer_holding_only_w1s_that_cd_never_writes_keeps_its_pre_step_c
     for name, p in named.items():
         assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
+
+
+def test_a_pair_split_into_an_optimizer_that_held_no_decayed_matrix_reads_the_weights_of_before_its_step():
+    """`b` holds only the head when CD is bound; block 1's W1 side (norms, qkv, fc1) joins it later
+    (add_param_group), which splits block 1's pairs with `a`, and `b` steps first: `a`'s part reads those W1s as
+    they were before `b`'s step, as the hand-written update (CD of the weights before, then the SGD step)."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    named = dict(model.named_parameters())
+    head = [n for n in named if n.startswith("head.")]
+    late = [n for n in named if n.startswith("blocks.1.") and n.endswith(W1_SIDE)]
+    opt_a = torch.optim.SGD([p for n, p in named.items() if n not in head and n not in late], lr=0.05)
+    opt_b = torch.optim.SGD([named[n] for n in head], lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # block 1's qkv and fc1 are in no optimizer yet
+        bindings = bind_optimizers(decay, [opt_a, opt_b])
+    opt_b.add_param_group({"params": [named[n] for n in late]})
+    want, grads = one_update_by_hand(model)
+    arm_all(bindings)
+    opt_b.step()
+    opt_a.step()
+    for name, p in named.items():
+        assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1
