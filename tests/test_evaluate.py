@@ -737,3 +737,23 @@ def test_a_weights_files_recipe_names_its_method_and_its_training_overrides_are_
     assert evaluate.method_name(cfg) == "CD"
     with pytest.raises(ConfigError, match=r"^train.amp: .*give --amp"):
         evaluate.resolve_config(evaluate.parse_args([*recipe, "train.amp=bf16"]))
+
+
+@pytest.mark.parametrize("dataset, pipelines, calib_transform, read", [
+    ("folder", ["repq", "aphq"], "eval", True),  # APHQ draws training-transform images: one such pipeline reads it
+    ("folder", ["percentile"], "train", True),  # percentile's calibration batch drawn with the training transform
+    ("folder", ["percentile", "repq"], "eval", False),
+    ("folder", ["rtn"], "train", False),  # RTN reads no image at all, whatever the calibration batch's transform
+    ("tokens", ["gptq"], "train", False),  # a language model's windows pass through no image transform
+])
+def test_training_transform_overrides_are_unread_unless_a_planned_pipeline_sees_training_images(
+        dataset, pipelines, calib_transform, read):
+    """The rule written out per pipeline (which of them draw training-transform images), on a bare Config: the
+    training transform's own keys are listed where none does, and an eval-transform key (crop_pct) never is."""
+    from configs.schema import Config
+
+    cfg = Config()
+    cfg.data.dataset, cfg.quant.pipelines, cfg.quant.calib_transform = dataset, pipelines, calib_transform
+    given = ["data.reprob=0.5", "data.crop_pct=0.9", "data={hflip: 0.0}"]
+    want = [] if read else ["data.reprob=0.5", "data={hflip: 0.0}"]
+    assert evaluate.train_transform_overrides_unread(given, cfg) == want
