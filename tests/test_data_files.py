@@ -81,13 +81,22 @@ def test_a_tar_split_with_a_skipped_image_is_refused(tmp_path):
                           world_size=1, num_classes=2)
 
 
-@pytest.mark.parametrize("name", ["val", "val.tar"])
-def test_a_split_that_is_neither_a_folder_nor_a_tar_archive_is_refused_with_its_path(tmp_path, name):
-    """data.root/val a plain file, or a val.tar that is no archive: a DataError naming it, not tarfile's
-    ReadError from inside the checks."""
+@pytest.mark.parametrize("name, archive, says", [("val", False, "a file, not a folder"),
+                                                  ("val.tar", False, "not a tar archive"),
+                                                  # timm's reader takes a .tar by its name alone: without it, an
+                                                  # archive is read as a folder
+                                                  ("val", True, "a file, not a folder")])
+def test_a_split_that_is_neither_a_folder_nor_a_tar_archive_is_refused_with_its_path(tmp_path, name, archive, says):
+    """data.root/val a plain file (or an archive without the .tar name), or a val.tar that is no archive: a
+    DataError naming it and what it is, not tarfile's ReadError from inside the checks."""
     os.makedirs(tmp_path / "data")
-    (tmp_path / "data" / name).write_bytes(b"not a folder, not an archive")
-    with pytest.raises(DataError, match=rf"data/{name} is (a file, not a folder|not a tar archive).*<split>\.tar"):
+    if archive:
+        make_folder(tmp_path / "src", {"val": {"a": 2, "b": 2}})
+        with tarfile.open(tmp_path / "data" / name, "w") as tar:
+            tar.add(tmp_path / "src" / "val", arcname=".")
+    else:
+        (tmp_path / "data" / name).write_bytes(b"not a folder, not an archive")
+    with pytest.raises(DataError, match=rf"data/{name} is {says}: .*<split>\.tar"):
         eval_loader(tmp_path / "data")
 
 
