@@ -327,6 +327,37 @@ def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, de
         train.main(debug_config(name="ro"))
 
 
+def test_a_full_disk_found_by_the_write_probe_refuses_the_claim_and_leaves_the_folder_empty(tmp_path, monkeypatch):
+    """The probe's fsync is where a full disk shows (creating the empty lock file still works there): the claim
+    is one error naming the disk, and neither the probe nor the lock file is left behind."""
+    from engine.run_dir import claim_run_dir
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(RunDirError, match=r"out_dir '.*run': the disk is full \(No space left on device"):
+        with claim_run_dir(out, CONFIG):
+            pass
+    monkeypatch.undo()
+    assert os.listdir(out) == []
+
+
+def test_a_lock_file_that_cannot_be_made_names_the_setting_that_gave_the_folder(tmp_path, monkeypatch):
+    """lock_folder's caller names the option (train_detection.py's --work-dir): its error says that option."""
+    import engine.run_dir as run_dir
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(run_dir, "open", read_only, raising=False)
+    with pytest.raises(RunDirError, match=r"^--work-dir '.*' cannot be used: Permission denied; choose a writable "
+                                          r"--work-dir$"):
+        with run_dir.lock_folder(str(tmp_path), "--work-dir"):
+            pass
+
+
 # -- checkpoint writes and metrics ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
@@ -701,6 +732,8 @@ SAVED = "out_dir: x\noptim:\n  lr: 0.1\ntrain:\n  seed: 0\n  max_steps: null\n" 
     # the write probe of another process (evaluate.py writing into the folder at that instant) is not an earlier
     # run's file: neither refused nor moved away from under its writer
     ({".write_test.4242": "ok"}, CONFIG, False, "start"),
+    # a file of that prefix that is not a probe's name (.write_test.<pid>) is a file like any other
+    ({".write_test.notes": "mine"}, CONFIG, False, "refused"),
     # checkpoint.pt: the run resumes, nothing is moved (archive_existing or not)
     ({"checkpoint.pt": "c", "best.pt": "w", "notes.txt": "mine"}, {**CONFIG, "optim": {"lr": 9.0}}, True, "start"),
 ])
