@@ -86,23 +86,38 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> None:
-    """Refuse a file of uint32 (or int32, int64) ids, which read as uint16 gives the high half of a little-endian
-    id after every low half: 0 for an id below 65536, a small number for a larger one (1 for 65536..131071;
-    a vocabulary of 100k or 128k ids). The model would train on twice as many tokens, half of them these
-    high halves, and the low halves of large ids may still fit model.num_classes. Judged on the first `sample`
-    values: every odd one 0 while the even ones are not, or every odd one below 16 (ids below 2^20) while an
-    even one reaches 4096. In a real uint16 stream odd and even positions hold the same kind of text, so
-    neither happens (a vocabulary of fewer than 16 ids has no even value of 4096)."""
+    """Refuse a file of ids of another dtype than uint16, judged on its first `sample` values read as uint16:
+    * uint32 (or int32, int64) ids, little-endian: the high half of an id follows every low half, 0 for an id
+      below 65536, a small number for a larger one (1 for 65536..131071; a vocabulary of 100k or 128k ids).
+      Every odd value 0 while the even ones are not, or every odd value below 16 (ids below 2^20) while an
+      even one reaches 4096.
+    * float32 ids (np.float32(ids).tofile): the high half of a float32 of a whole number in 1..65535 lies in
+      0x3F80..0x477F (16256..18303) and 0.0 is 0, so every nonzero odd value lies in that band (float64 too:
+      its top 16 bits lie in 0x3FF0..0x40EF, its next-to-top ones are 0 for ids below 2^21); and 32-bit ids
+      written big-endian: every even value 0 (the high half first) while the odd ones are not. These read as
+      ids of 16256 and more (or small ids between zeros), so that model.num_classes widened to fit would
+      train on the bits of another number format.
+    The model would train on twice as many tokens, half of them the other halves. In a real uint16 stream odd
+    and even positions hold the same kind of text, so none of these happens (a vocabulary of fewer than 16
+    ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too)."""
     head = np.asarray(ids[:sample])
     if len(head) < 64:
         return
-    high, low = int(head[1::2].max()), int(head[0::2].max())
+    odd, even = head[1::2], head[0::2]
+    high, low = int(odd.max()), int(even.max())
     if (high == 0 and low > 0) or (high < 16 and low >= 4096):
-        raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is "
-                        f"{'0' if high == 0 else f'below 16 (at most {high})'} while the others reach {low}, as in "
-                        "a file of 32-bit token ids; data.dataset=tokens reads uint16 ids (nanoGPT's prepare.py: "
-                        "np.array(ids, dtype=np.uint16).tofile(...)); write the file with uint16 (a vocabulary "
-                        "of more than 65,536 ids does not fit uint16 token files)")
+        wide = f"{'0' if high == 0 else f'below 16 (at most {high})'} while the others reach {low}, as in a file of " \
+               "32-bit token ids"
+    elif 0x3F80 <= high < 0x4780 and int(odd[odd > 0].min()) >= 0x3F80:  # before big-endian: small float ids too
+        wide = ("between 16256 and 18303 or 0 (the high half of a float of a whole number), as in a file of float32 "
+                "(or float64) token ids")
+    elif low == 0 and high > 0:
+        wide = f"0 while the others reach {high}, as in a file of 32-bit token ids written big-endian"
+    else:
+        return
+    raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is {wide}; data.dataset=tokens "
+                    "reads uint16 ids (nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile(...)); write the "
+                    "file with uint16 (a vocabulary of more than 65,536 ids does not fit uint16 token files)")
 
 
 def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:

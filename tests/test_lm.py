@@ -300,6 +300,22 @@ def test_token_file_of_wide_ids_past_65535_is_refused(tmp_path, dtype):
         assert token_stream(cfg, "val").ids.tolist() == ids.tolist()
 
 
+@pytest.mark.parametrize("dtype, named", [("<f4", "float32"), ("<f8", "float32 \\(or float64\\)"),
+                                          (">i4", "32-bit token ids written big-endian")])
+@pytest.mark.parametrize("vocab", [65, 50_257])
+def test_token_file_of_float_or_big_endian_ids_is_refused(tmp_path, dtype, named, vocab):
+    """Float and big-endian 32-bit ids read as uint16 give ids of 16256 and more (or zeros between small ids):
+    with model.num_classes widened to fit they would train on the bits of another number format; refused,
+    and uint16 files of the same ids are read as written."""
+    ids = np.random.default_rng(1).integers(0, vocab, 4096)
+    (tmp_path / "train.bin").write_bytes(ids.astype(np.uint16).tobytes())
+    (tmp_path / "val.bin").write_bytes(ids.astype(dtype).tobytes())
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path))
+    with pytest.raises(DataError, match=rf"every second uint16 value .* {named}"):
+        token_stream(cfg, "val")
+    assert token_stream(cfg, "train").ids.tolist() == ids.tolist()
+
+
 def test_step_schedule_matches_nanogpt_formula():
     """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
     get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
