@@ -4,8 +4,9 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
     python scripts/lm_study.py runs/sweeps/kjv_lm_dose --out docs/figures
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
-over seeds (mean ± sample std); runs evaluated differently, and seeds of one point trained with other
-settings, are refused. Written, and never overwritten without --overwrite:
+over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
+settings, and runs that stopped before their planned updates (sched.steps) are refused. Written, and never
+overwritten without --overwrite:
   lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits
@@ -141,6 +142,19 @@ def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def check_finished(run: Run) -> None:
+    """Refuse a run evaluated before it reached its planned updates (the recipe's sched.steps; train.py
+    validates at its last update): its final pair energies and its best.pt's numbers would be averaged with
+    finished seeds' as one more seed of the point. Runs of an epoch schedule (sched.steps 0) or without a
+    recorded recipe are not judged."""
+    planned = (run.result.get("recipe") or {}).get("sched.steps")
+    reached = max((step for step, _ in validation_curve(run, "val/loss")), default=0)
+    if isinstance(planned, int) and planned > 0 and reached < planned:
+        raise ReportError(f"{run.folder} validated last at update {reached} of its sched.steps={planned}: an "
+                          "unfinished run (stopped, or evaluated while it trained) would count as a seed of its "
+                          "point; finish it (re-run the sweep with --run --evaluate) or move it out of the sweep")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> str:
     args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/kjv_lm_dose", OUTPUTS)
     if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
@@ -155,6 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                        "give runs that validated (a run stopped before its first validation has none)")
                 raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
                                   f"{OUTPUTS[2]} draws at every validation: {fix}")
+    for run in (r for runs in groups.values() for r in runs):
+        check_finished(run)
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w") as f:

@@ -143,6 +143,24 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
     assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
+def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path):
+    """A run evaluated while it trained (last validation at update 50 of 2,000) would count as a seed of its
+    point, its energies and perplexities those of an early model; runs that reached their sched.steps, and
+    runs of an epoch schedule (sched.steps 0), are reported."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name in ("baseline_s0", "cd10x_s0"):  # both validated last at update 50
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    _edit_result(root / "baseline_s0", lambda r: r.update(recipe={"sched.steps": 50}))
+    _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": 2000}))
+    with pytest.raises(lm_study.ReportError, match=r"cd10x_s0 validated last at update 50 of its "
+                                                   r"sched.steps=2000: an unfinished run"):
+        lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": 0}))
+    assert "| cd10x | 1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
+
+
 def _edit_result(folder, edit):
     result = json.loads((folder / "eval_best.json").read_text())
     edit(result)
