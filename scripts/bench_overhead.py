@@ -31,7 +31,6 @@ AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os

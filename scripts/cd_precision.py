@@ -18,7 +18,6 @@ ColinearityDecay warns about such weights).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys

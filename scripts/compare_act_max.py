@@ -13,7 +13,6 @@ and prints a markdown table.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import glob
 import hashlib

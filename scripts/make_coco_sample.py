@@ -5,7 +5,6 @@ configs and for the tests: images, boxes and polygon masks of two shape classes,
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 

@@ -28,7 +28,6 @@ The options of one pipeline go to the variants that run it only (evaluate.py ref
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

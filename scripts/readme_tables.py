@@ -3,7 +3,6 @@ the scripts that generate them (scripts/cd_families.py: cd/README.md; scripts/qu
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence

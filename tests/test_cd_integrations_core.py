@@ -362,21 +362,26 @@ def test_a_pair_split_by_a_param_group_added_later_reads_the_weights_of_before_t
     """Block 1's proj and fc2 join `b` after the binding (add_param_group, as when a stage is unfrozen), while their
     W1s (qkv V rows, fc1) are in `a`, which steps first: their update reads W1 as it was before `a`'s step, as the
     one update of the hand-written reference (CD of the weights before, then the SGD step), not W1 after it."""
+    step_a_late_split(in_a=lambda n: n.endswith(W1_SIDE), in_b=lambda n: not n.endswith(W1_SIDE),
+                      late=lambda n: n.startswith("blocks.1.") and not n.endswith(W1_SIDE), order="ab")
+
+
+def step_a_late_split(in_a, in_b, late, order: str) -> None:
+    """SGD `a` over the parameters `in_a` and `b` over `in_b` names, but those `late` names, which join `b` after
+    CD is bound (add_param_group); one update in `order` matches the hand-written one (one_update_by_hand)."""
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.5)
     named = dict(model.named_parameters())
-    first = [n for n in named if n.endswith(W1_SIDE)]
-    late = [n for n in named if n.startswith("blocks.1.") and n not in first]
-    opt_a = torch.optim.SGD([named[n] for n in first], lr=0.05)
-    opt_b = torch.optim.SGD([p for n, p in named.items() if n not in first and n not in late], lr=0.05)
+    opts = {key: torch.optim.SGD([p for n, p in named.items() if chosen(n) and not late(n)], lr=0.05)
+            for key, chosen in (("a", in_a), ("b", in_b))}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # block 1's proj and fc2 are in no optimizer yet
-        bindings = bind_optimizers(decay, [opt_a, opt_b])
-    opt_b.add_param_group({"params": [named[n] for n in late]})
+        warnings.simplefilter("ignore")  # the late matrices are in no optimizer yet
+        bindings = bind_optimizers(decay, list(opts.values()))
+    opts["b"].add_param_group({"params": [p for n, p in named.items() if late(n)]})
     want, grads = one_update_by_hand(model)
     arm_all(bindings)
-    opt_a.step()
-    opt_b.step()
+    for key in order:
+        opts[key].step()
     for name, p in named.items():
         assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
@@ -630,21 +635,6 @@ def test_a_pair_split_into_an_optimizer_that_held_no_decayed_matrix_reads_the_we
     """`b` holds only the head when CD is bound; block 1's W1 side (norms, qkv, fc1) joins it later
     (add_param_group), which splits block 1's pairs with `a`, and `b` steps first: `a`'s part reads those W1s as
     they were before `b`'s step, as the hand-written update (CD of the weights before, then the SGD step)."""
-    model = tiny_vit().double()
-    decay = ColinearityDecay(model, lam=0.5)
-    named = dict(model.named_parameters())
-    head = [n for n in named if n.startswith("head.")]
-    late = [n for n in named if n.startswith("blocks.1.") and n.endswith(W1_SIDE)]
-    opt_a = torch.optim.SGD([p for n, p in named.items() if n not in head and n not in late], lr=0.05)
-    opt_b = torch.optim.SGD([named[n] for n in head], lr=0.05)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # block 1's qkv and fc1 are in no optimizer yet
-        bindings = bind_optimizers(decay, [opt_a, opt_b])
-    opt_b.add_param_group({"params": [named[n] for n in late]})
-    want, grads = one_update_by_hand(model)
-    arm_all(bindings)
-    opt_b.step()
-    opt_a.step()
-    for name, p in named.items():
-        assert torch.allclose(p, want[name] - 0.05 * grads[name], rtol=0, atol=1e-12), name
-    assert decay.metrics()["cd/updates"] == 1
+    head = lambda n: n.startswith("head.")  # noqa: E731
+    step_a_late_split(in_a=lambda n: not head(n), in_b=head,
+                      late=lambda n: n.startswith("blocks.1.") and n.endswith(W1_SIDE), order="ba")
