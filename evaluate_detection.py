@@ -223,9 +223,12 @@ def main(argv=None) -> dict:
         work_prefix = os.path.splitext(out)[0]  # where GPLQ's stage 1 keeps its checkpoints
         # the folders GPLQ's stage 1 will write, checked (and left as they are) before the full-precision score
         folders = [stage1_folder(PipelineData(work_prefix=work_prefix), b) for p, b in todo if p == "gplq"]
+        def check_folders() -> None:
+            for folder in folders:
+                check_stage1_folder(folder)
+
         if folders:  # on rank 0, which creates them; the other ranks fail with it
-            run_on_main(lambda: [check_stage1_folder(f) for f in folders] and None,
-                        "checking GPLQ's stage-1 folders", dist.device)
+            run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:
