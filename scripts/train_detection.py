@@ -220,7 +220,7 @@ def check_config_dump(work_dir: str, cfg) -> None:
 
 
 @contextlib.contextmanager
-def removing_failed_start_files(work_dir: str, cfg, new_run: bool):
+def removing_failed_start_files(work_dir: str, cfg, new_run: bool, launcher: str):
     """A new run that fails before its first checkpoint (while its Runner and loops are built, or inside
     runner.train(): out of memory, a setting that fails in the first iterations) removes the files of the work
     dir that this command wrote and that would refuse the corrected command there: MMEngine's config dump (written
@@ -235,7 +235,7 @@ def removing_failed_start_files(work_dir: str, cfg, new_run: bool):
     try:
         yield
     except BaseException:
-        if new_run and os.environ.get("RANK", "0") == "0" and not checkpoint_files(work_dir):
+        if new_run and launcher_rank(launcher) == "0" and not checkpoint_files(work_dir):
             for path in paths:
                 if not existed[path]:
                     with contextlib.suppress(FileNotFoundError):
@@ -339,7 +339,7 @@ def train_in_work_dir(args, cfg, overrides) -> int:
         # MMEngine 0.10 checkpoints hold numpy / python objects that torch >= 2.6's weights_only load refuses;
         # these are the run's own files (check_work_dir), so the full unpickler is safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume):
+    with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume, launcher=args.launcher):
         runner = Runner.from_cfg(cfg)
         runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
         # The loops read the annotation files when they are built, which runner.train() does unless the
