@@ -64,6 +64,8 @@ from models.factory import model_kwargs
 from models.modules import fqn_matches, nonfinite_tensors
 from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
+from quant.gplq.pipeline import check_stage1_checkpoint
+from quant.pipeline_base import parse_options
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -117,6 +119,16 @@ def main(args: argparse.Namespace) -> dict:
         with text_of_the_weights(args.checkpoint or cfg.model.pretrained):
             calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
 
+        # APHQ and GPLQ on a classifier draw their own images; a GPLQ stage-1 checkpoint another run left at this
+        # result file's path is refused now, not after the FP pass, the maxima and the pipelines planned before it
+        pipeline_data = (build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0])
+                         if todo and not task.language else None)  # the LM pipelines need the calibration windows
+        for name, bits in todo:
+            if name == "gplq":
+                options = parse_options(PIPELINES[name].Options, pipeline_options(cfg, name))
+                run_on_main(lambda: check_stage1_checkpoint(model, parse_bits(bits), options, pipeline_data),
+                            f"checking the GPLQ stage-1 checkpoint at {bits}", device)
+
         # FP accuracy in a plain pass (its time is the reference for the quantized evaluations' cost), then
         # the activation maxima in a pass with the probe hooks.
         start = time.perf_counter()
@@ -162,9 +174,6 @@ def main(args: argparse.Namespace) -> dict:
 
         # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
         # written to the JSON as soon as it is done.
-        if todo:  # APHQ and GPLQ on a classifier draw their own images (draws_training_images)
-            pipeline_data = (None if task.language else  # the LM pipelines need the calibration windows only
-                             build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0]))
         for name, bits in todo:
             entry = evaluate_quantized(
                 name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,

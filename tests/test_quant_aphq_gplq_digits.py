@@ -222,6 +222,40 @@ def test_evaluate_cli_runs_both_pipelines_with_overrides(vit, tmp_path):
         assert set(json.load(f)["quant"]) == {"aphq", "gplq"}
 
 
+def test_evaluate_refuses_another_runs_stage1_checkpoint_before_the_fp_pass(vit, tmp_path, monkeypatch):
+    """A GPLQ stage-1 checkpoint at the result file's path that another run wrote (here: other stage-1 steps)
+    is refused before the FP pass, not after it, the maxima and the pipelines planned before GPLQ; the file is
+    kept. The same checkpoint with the settings that wrote it is resumed."""
+    from engine.checkpoint import CheckpointError
+    from engine.tasks import ClassificationTask
+
+    model, cfg, _, _, _, _ = vit
+    ckpt = tmp_path / "best.pt"
+    torch.save({"model": model.state_dict(), "config": config_to_dict(cfg)}, ckpt)
+    fast = [f"quant.gplq.{k}={v}" for k, v in GPLQ_FAST.items()] + ["quant.act_max_csv=false"]
+    first = evaluate_entry.main(evaluate_entry.parse_args(
+        ["--checkpoint", str(ckpt), *fast, "--quant", "gplq", "--bits", "w4a4", "--out", str(tmp_path / "a.json")]))
+    assert first["quant"]["gplq"]["w4a4"]["report"]["stage1"]["resumed_from"] is None
+    stage1 = tmp_path / "a_gplq_w4a4_stage1.pt"
+    written = stage1.read_bytes()
+
+    passes = []
+    evaluate_pass = ClassificationTask.evaluate
+    monkeypatch.setattr(ClassificationTask, "evaluate",
+                        lambda self, *a, **k: passes.append(k.get("progress")) or evaluate_pass(self, *a, **k))
+    # percentile is planned first: the refusal comes before it and before the FP pass
+    with pytest.raises(CheckpointError, match=r"a_gplq_w4a4_stage1\.pt was written by a different GPLQ stage-1 run"):
+        evaluate_entry.main(evaluate_entry.parse_args(
+            ["--checkpoint", str(ckpt), *fast, "quant.gplq.steps=4", "--quant", "percentile", "gplq", "--bits",
+             "w4a4", "--out", str(tmp_path / "a.json"), "--recompute"]))
+    assert passes == [] and stage1.read_bytes() == written
+
+    resumed = evaluate_entry.main(evaluate_entry.parse_args(
+        ["--checkpoint", str(ckpt), *fast, "--quant", "gplq", "--bits", "w4a4", "--out", str(tmp_path / "a.json"),
+         "--recompute"]))
+    assert resumed["quant"]["gplq"]["w4a4"]["report"]["stage1"]["resumed_from"] == GPLQ_FAST["steps"]
+
+
 @pytest.mark.parametrize("pipeline, variant", [
     ("aphq", {"hessian_probe": "rademacher", "search_max_rows": 64, "cache_device": "cpu"}),
     ("aphq", {"loss": "mse", "normalize_loss": False, "round_zero_point": False, "stem_a_bits": 8}),

@@ -40,7 +40,9 @@ Details the paper leaves open, our choices (all options; see quant/README.md):
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 from dataclasses import fields
 from typing import Optional
 
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 
 from configs.quant import GPLQOptions
-from engine.checkpoint import weights_fingerprint
+from engine.checkpoint import load_checkpoint, weights_fingerprint
 from engine.distributed import run_on_main, world_size
 
 from ..calibrate import Images, calibrate
@@ -63,7 +65,7 @@ from ..units import capture_unit
 from .detector import quantize_detector
 from .lsq import LSQQuantizer
 from .pca import fit_pca
-from .qat import Stage1Settings, run_stage1
+from .qat import Stage1Settings, refuse_other_run, run_stage1
 from .qwt import CompensationFit, fit_block_compensation
 from .stage2 import FitBlock, quantize_weights_and_compensate
 
@@ -73,6 +75,32 @@ log = logging.getLogger("quant.gplq")
 # options that do not change what stage 1 computes (a resume may change them)
 _NOT_STAGE1 = {"log_every", "ckpt_every", "weight_symmetric", "weight_range", "stage2_images",
                "stage2_train_transform", "qwt", "qwt_ridge", "qwt_target"}
+
+
+def stage1_checkpoint(data: PipelineData, bits: Bits) -> Optional[str]:
+    """Where stage 1 at `bits` keeps its resumable checkpoint, `<work prefix>_gplq_<bits>_stage1.pt` (None: no
+    work prefix, no checkpoint)."""
+    return data.work_path(f"_gplq_{bits}_stage1.pt")
+
+
+def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData) -> dict:
+    """What a resumed stage 1 must share with the run that wrote its checkpoint: the bits, the training data,
+    the float weights, the number of ranks (the global batch, each rank's shard) and the stage-1 options; plain
+    JSON types, comparable with the copy a checkpoint holds."""
+    return json.loads(json.dumps({
+        "pipeline": GPLQPipeline.name, "bits": str(bits), "data": data.identity,
+        "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world_size(),
+        "stage1": {f.name: getattr(options, f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}))
+
+
+def check_stage1_checkpoint(fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData) -> None:
+    """Refuse, before any work, a stage-1 checkpoint at this evaluation's path that another run wrote (other
+    weights, bits, data or stage-1 options): stage 1 would refuse it only when it starts, after the FP pass,
+    the activation maxima and every pipeline planned before GPLQ. Call it on the main rank (the one that decides
+    whether stage 1 resumes)."""
+    path = stage1_checkpoint(data, bits)
+    if path is not None and os.path.exists(path):
+        refuse_other_run(path, load_checkpoint(path)["config"], stage1_identity(fp_model, bits, options, data))
 
 
 def default_lr(global_batch: int) -> float:
@@ -138,10 +166,7 @@ class GPLQPipeline(Pipeline):
                                   weight_decay=options.weight_decay, pca_weight=options.pca_weight,
                                   amp=options.amp, log_every=options.log_every,
                                   ckpt_every=options.ckpt_every, seed=options.seed)
-        config = {"pipeline": self.name, "bits": str(bits), "data": data.identity,
-                  "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world,
-                  "stage1": {f.name: getattr(options, f.name) for f in fields(options)
-                             if f.name not in _NOT_STAGE1}}
+        config = stage1_identity(fp_model, bits, options, data)
 
         def pca():
             with timer("pca", device):
@@ -151,7 +176,7 @@ class GPLQPipeline(Pipeline):
 
         with timer("stage1", device):
             stage1 = run_stage1(model, teacher, pca, data.train_loader(bs, options.seed), settings,
-                                data.work_path(f"_gplq_{bits}_stage1.pt"), config)
+                                stage1_checkpoint(data, bits), config)
         log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
                  stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
 

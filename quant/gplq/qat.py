@@ -79,6 +79,14 @@ def param_groups(student: nn.Module, lr: float, scale_lr: float, weight_decay: f
     return groups
 
 
+def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
+    """A CheckpointError (the entry point's one `error:` line) when the stage-1 checkpoint at `checkpoint` was
+    written with another identity than `config`; the file is kept, it is another run's."""
+    if saved != config:
+        raise CheckpointError(f"{checkpoint} was written by a different GPLQ stage-1 run ({saved}); restore those "
+                              f"settings, or move the file away to start stage 1 anew (now: {config})")
+
+
 def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection],
                batches: TrainBatches, settings: Stage1Settings, checkpoint: Optional[str],
                config: Dict[str, object]) -> Dict[str, object]:
@@ -122,11 +130,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
                          "looking for the GPLQ stage-1 checkpoint", device)
     if resume:
         payload = load_checkpoint(checkpoint)
-        if payload["config"] != config:
-            # a CheckpointError: the entry point's one `error:` line (the file is kept; it is another run's)
-            raise CheckpointError(f"{checkpoint} was written by a different GPLQ stage-1 run "
-                                  f"({payload['config']}); restore those settings, or move the file away to "
-                                  f"start stage 1 anew (now: {config})")
+        refuse_other_run(checkpoint, payload["config"], config)
         restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
         pca = PCAProjection.from_state_dict(payload["pca"], device)
         resumed_from = state.step
