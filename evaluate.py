@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         fp = task.evaluate(model, val_loader, device, args.amp, progress="FP eval")  # under --amp, as quantized ones
         fp_seconds = time.perf_counter() - start
-        if task.language:  # the paper's Table 8 columns whatever --amp is: fp32 ("ppl") and bf16 ("ppl_bf16")
+        if task.language:  # whatever --amp is: bf16 ("ppl_bf16", the paper's Table 8 row) and fp32 ("ppl") beside it
             passes = {args.amp: fp}
             for amp in ("none", "bf16"):
                 if amp not in passes:

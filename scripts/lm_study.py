@@ -7,7 +7,7 @@ Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
 settings, and runs that stopped before their planned updates (sched.steps) are refused. Written, and never
 overwritten without --overwrite:
-  lm_study.md              the paper's Table 8 columns (fp32 / bf16 perplexity, RTN-W4A16, GPTQ-W4A16,
+  lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits
                            (where evaluated below 8), and the maxima and

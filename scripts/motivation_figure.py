@@ -56,7 +56,8 @@ def detector_names(path: str, result: dict) -> tuple[str, str]:
 def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_act: str,
            det_max_act: str = "backbone") -> list[dict]:
     """One row per result that has the (pipeline, bits) entry, in input order: a classifier's top-1, a
-    detector's box mAP (in %, as the paper's Table 2), with the maximum the circle's area stands for."""
+    detector's box mAP (in %, on the top-1 scale; the paper's Table 2 writes mAP as a fraction, 0.344), with the
+    maximum the circle's area stands for."""
     rows = []
     for path, r in zip(paths, results):
         q = r.get("quant", {}).get(pipeline, {}).get(bits)

@@ -1,8 +1,8 @@
 """APHQ-ViT (Wu et al., CVPR 2025) with MLP reconstruction off: RepQ-style layout, output-MSE search,
 block reconstruction.
 
-The Colinearity-Decay paper's APHQ column is "APHQ-style block reconstruction with MLP reconstruction
-turned off" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py`:
+The Colinearity-Decay paper's APHQ column: "we disable MLP reconstruction and keep block reconstruction, in
+order to reduce quantization time" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py`:
 
 1. Data: `recon_images` (1024) train-split images with the TRAINING transform, one fixed augmentation
    each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.

@@ -1,8 +1,8 @@
 """Percentile PTQ: per-tensor activation ranges from percentiles, per-channel weights, no reparameterisation.
 
-What the paper's "percentile PTQ" column is taken to be (CD paper Sec. 4.1): the paper cites
-Banner et al. 2019, which is an analytical-clipping method, not a percentile one, so the citation does
-not define it. The authors' lab (QwT, GPLQ) uses "percentile" for RepQ-ViT's UniformQuantizer without
+What the paper's "percentile PTQ" column is taken to be (CD paper Table 2b, Sec. 4.4, and Table 6, App. A.4):
+the paper cites Banner et al. 2019, which is an analytical-clipping method, not a percentile one, so the
+citation does not define it. The authors' lab (QwT, GPLQ) uses "percentile" for RepQ-ViT's UniformQuantizer without
 reparameterisation and without the log quantizer: GPLQ calls its weight initialiser "Percentile (as in
 RepQ-ViT)", and QwT's "Percentile" baseline is exactly that quantizer with one batch of 32 images.
 We therefore implement (not confirmed by the paper; every item is an option):
