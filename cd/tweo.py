@@ -7,6 +7,9 @@ ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`; not patch merging, not the final 
 over batch x tokens x channels. Defaults p=4, tau=3, eps=1e-6; lam(t) is constant or a cosine from
 lam to 0 over the run. The "rescaled" variant (used by the paper for fine-tuning and detection)
 multiplies the term by detach(L_task / L_TWEO), so its value is lam(t) * L_task.
+Readings of App. A.3, which gives no formula for these: its E[.] is the mean over all elements (as in TWEO
+itself), its "optional cosine schedule" a decay to 0, and "rescaled ... to match the magnitude of the main
+task loss" the detached ratio above.
 
     tweo = TWEO(model, lam=0.01)                   # forward hooks on every block, kept for the run
     loss = criterion(model(x), y)
@@ -19,8 +22,9 @@ block's term is computed in the hook, in fp32 even under fp16/bf16 autocast (fp1
 beyond |A| = 48), by a custom autograd function that saves only the block output itself; that tensor
 is saved anyway by the next layer (its LayerNorm), so the penalty adds no activation memory.
 `form="plain"` computes the same value with ordinary autograd ops instead (`plain_tweo_penalty`), which
-keep their fp32 intermediates for the backward pass: memory that grows with the batch, as in the paper's
-efficiency figure (Fig. 2), which timed TWEO in that form (scripts/bench_overhead.py compares both).
+keep their fp32 intermediates for the backward pass: memory that grows with the batch, as the paper's
+efficiency figure (Fig. 2) shows for TWEO; the paper does not say how its TWEO was written, so that it was
+timed in this form is our reading (scripts/bench_overhead.py compares both).
 """
 from __future__ import annotations
 

@@ -235,13 +235,14 @@ class TWEOConfig:
 
     enabled: bool = False  # add the TWEO loss during training
     lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value
-    p: Annotated[float, Range(1)] = 4.0  # exponent of the penalty mean((|A| / tau)^p)
+    p: Annotated[float, Range(1)] = 4.0  # exponent of the penalty mean((|A| / (tau + eps))^p)
     tau: Annotated[float, Positive] = 3.0  # activation magnitude scale of the penalty
     eps: Annotated[float, NonNegative] = 1e-6  # added to tau
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam
     # same value and gradient; plain = ordinary autograd ops that keep fp32 copies of every block output
-    # for backward (what the paper's efficiency figure timed), memory_saving = saves only the block output
+    # for backward (memory that grows with the batch, as the paper's Fig. 2 shows for TWEO; the paper does
+    # not say how its TWEO was written), memory_saving = saves only the block output
     form: Literal["memory_saving", "plain"] = "memory_saving"
 
 

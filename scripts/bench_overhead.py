@@ -8,7 +8,8 @@ step is an AMP forward + backward + AdamW step on synthetic data:
     baseline    plain step
     cd          + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
     tweo        + TWEO(lam=0.01) auxiliary loss on every block output, our memory-saving form
-    tweo_plain  the same loss as plain autograd ops (`tweo.form=plain`), the form the paper timed
+    tweo_plain  the same loss as plain autograd ops (`tweo.form=plain`), the form we take the paper to have
+                timed (its TWEO memory grows with the batch; it does not say how TWEO was written)
 Reported per configuration: `ColinearityDecay.apply` alone and its floor, the same products as bare
 batched matmuls on pre-stacked copies at the same precision (`product_floor`), with their ratio; the
 median step time over the timed steps (warm-up excluded; on CPU the

@@ -9,7 +9,7 @@ the last epoch, and the methods' own configs (a key=value override of one of the
     baseline    the recipe
     cd          + configs/method/cd.yaml
     tweo        + configs/method/tweo.yaml (our memory-saving TWEO)
-    tweo_plain  + configs/method/tweo.yaml tweo.form=plain (plain autograd, the form the paper timed)
+    tweo_plain  + configs/method/tweo.yaml tweo.form=plain (plain autograd; we take it to be the form the paper timed)
 The loop logs epoch/train_seconds (the epoch's updates, no validation or checkpoint) and, on CUDA,
 epoch/max_mem_mib (rank 0's peak) for every epoch it runs from its start (engine/loop.py); this script
 reads them from metrics.jsonl. Reported per configuration: mean epoch seconds over all epochs and runs,

@@ -146,7 +146,7 @@ TWEO_VARIANTS = ("paper", "not_rescaled", "whole_model", "iteration_step", "unsc
 
 def tweo_reference(initial, batches, iters, accum, lam, variant, last_losses=None):
     """float64 plain loop: per micro-batch (CE + lam(t) * L_TWEO * detach(CE / L_TWEO)) / accum, L_TWEO the mean
-    over the backbone's blocks of mean((|A| / 3)^4) (App. A.3), t the update index, cosine lam over the updates.
+    over the backbone's blocks of mean((|A| / (3 + 1e-6))^4) (App. A.3, Eq. (26)), t the update index, cosine lam over the updates.
     `last_losses`, a dict, receives the last micro-batch's task loss, L_TWEO and term."""
     net = copy.deepcopy(initial)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
