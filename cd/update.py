@@ -1,7 +1,8 @@
 """The CD math as pure functions over matrix pairs: the decoupled update, pair energies, loss-form penalty.
 
 For a pair (W1, W2) with W1 of shape (r, i) and W2 of shape (o, r), the normalized objective is
-(paper App. A.2 ("Normalized CD"), Eq. (23))
+(paper App. A.2 ("Normalized CD"), Eqs. (22)-(23); r is the paper's d_out(W1), W1's output width, which is
+its row count in torch's (out x in) layout)
 
     l(W1, W2) = ||W2 W1n||_F^2,     W1n = W1 / (||W1||_F / sqrt(r)),
 
@@ -11,7 +12,8 @@ and the decoupled update of W2 (Sec. 3.3, Eq. (12) with App. A.2, Eq. (24), fact
 
 For a composable pair W1 = diag(g), so W1n W1n^T = diag(g^2 / mean(g^2)): the columns of W2 are scaled.
 Target set C also decays the upstream matrix of functional pairs with the matching gradient of the same
-objective, the normalization factor c = sqrt(r)/||W1||_F held constant (see `colinearity_decay_`):
+objective, the normalization factor c = sqrt(r)/||W1||_F held constant (see `colinearity_decay_`; the paper
+gives only Eq. (10)'s unnormalized dl/dW1 = 2 W2^T W2 W1, so normalizing it so is our reading):
 
     W1 <- W1 - s * c^2 W2^T W2 W1 = W1 - s * c * W2^T (W2 W1n).
 
@@ -399,7 +401,8 @@ def pair_penalty(
     """Loss-form CD penalty sum_k weights[k] * ||W2_k W1n_k||_F^2 (App. A.2, Eq. (23)), with autograd.
 
     Gradients reach W2 only (W1 and norm scales detached), so that the loss form differs from the
-    decoupled update only in form. With `upstream_grad` the upstream matrix of functional pairs also
+    decoupled update only in form (the paper does not say what its loss form differentiates: our
+    reading). With `upstream_grad` the upstream matrix of functional pairs also
     gets a gradient (target set C); the normalizer ||W1||_F / sqrt(r) is detached in every case.
     Computed in fp32 with autocast disabled.
 
