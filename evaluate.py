@@ -811,7 +811,8 @@ FOREIGN_EVAL_FLAGS = {"resume": "--checkpoint {}", "finetune": "--checkpoint {} 
                       "b": "train.eval_batch_size_per_gpu={}"}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> OneLineParser:
+    """evaluate.py's command line; scripts that run evaluate.py name its options in their --help from it."""
     parser = OneLineParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="best.pt / checkpoint.pt written by train.py")
@@ -833,7 +834,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*",
                         help="key=value config overrides, e.g. data.root=/datasets/imagenet")
     add_config_arguments(parser, "evaluate.py")
-    args = parse_known(parser, argv, "evaluate.py", own_flags=FOREIGN_EVAL_FLAGS)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = parse_known(build_parser(), argv, "evaluate.py", own_flags=FOREIGN_EVAL_FLAGS)
     move_overrides(args, "quant", "bits")  # `--quant repq data.root=x`: data.root=x is an override
     if args.print_config:
         print_config(resolve_config(args)[0])

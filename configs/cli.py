@@ -149,6 +149,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:
     parser.epilog = sections_overview(entry)
 
 
+def passed_on_epilog(parser: argparse.ArgumentParser, target: argparse.ArgumentParser, target_entry: str) -> str:
+    """The end of --help of a script that runs `target_entry` (evaluate.py) with the key=value overrides it is
+    given: where those keys are listed, and which of the target's flags the script has too (with its own
+    meaning, above in its --help) and which it does not take. Read from both parsers, so a flag added to
+    evaluate.py shows up here without a second list to keep."""
+    own = {o for action in parser._actions for o in action.option_strings}
+    flags = [action.option_strings[-1] for action in target._actions
+             if action.option_strings and not isinstance(action, argparse._HelpAction)]
+    shared = [f for f in flags if f in own]
+    other = [f for f in flags if f not in own]
+    return (f"{target_entry}'s options: the key=value overrides go to {target_entry} (`python {target_entry} "
+            f"--help-config` lists every key). Of its flags this command has {', '.join(shared) or 'none'} (see "
+            f"above) and does not take {', '.join(other) or 'any other'}.")
+
+
 def parse_known(parser: argparse.ArgumentParser, argv: list[str], entry: str,
                 own_flags: Optional[dict] = None) -> argparse.Namespace:
     """parser.parse_intermixed_args(argv), except that an unknown flag with a known meaning is a

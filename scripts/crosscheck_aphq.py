@@ -77,7 +77,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
-from configs.cli import OneLineParser, move_overrides  # noqa: E402
+from configs.cli import OneLineParser, move_overrides, passed_on_epilog  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
@@ -484,6 +484,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="also reconstruct ours with this quant.aphq.seed (sampling-noise reference)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. data.root=...)")
+    parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     move_overrides(args, "bits")  # `--bits w4a4 data.root=d`: data.root=d is an override, as in evaluate.py
     if not args.bits:

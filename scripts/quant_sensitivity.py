@@ -35,7 +35,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
@@ -143,6 +143,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--with-aphq", action="store_true", help="also APHQ (official, first_last=w8a8)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing summary JSON")
+    parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
     refuse_variant_keys(args.overrides)

@@ -130,3 +130,22 @@ def test_the_whole_process_writes_one_line_and_exits_2():
                           timeout=120)
     assert done.returncode == 2 and not done.stdout
     assert done.stderr == "error: train.py: unrecognized arguments: --frobnicate; see train.py --help\n", done.stderr
+
+
+@pytest.mark.parametrize("path, prog, required", [
+    ("scripts/quant_sensitivity.py", "quant_sensitivity.py", ["--checkpoint", "c.pt", "--out", "o"]),
+    ("scripts/crosscheck_aphq.py", "crosscheck_aphq.py", ["--checkpoint", "c.pt", "--official", "o", "--out", "o.json"]),
+])
+def test_a_script_that_runs_evaluate_names_its_options_in_help(path, prog, required, capsys):
+    """The key=value overrides these scripts pass on are evaluate.py's: --help says where they are listed and
+    which of evaluate.py's flags the script does not take; such a flag is still a usage error."""
+    code, out, err = run_entry(path, ["--help"], capsys)
+    assert code == 0 and not err
+    epilog = " ".join(out.split("evaluate.py's options:")[1].split())  # argparse wraps it
+    assert "python evaluate.py --help-config" in epilog, out
+    own, _, other = epilog.partition("does not take")
+    assert all(f in own for f in ("--checkpoint", "--out", "--bits")), epilog
+    assert all(f in other for f in ("--ema", "--amp", "--config", "--quant", "--recompute")), epilog
+    code, out, err = run_entry(path, [*required, "--ema"], capsys)
+    assert code == 2 and not out
+    one_error_line(err, prog, "unrecognized arguments: --ema")
