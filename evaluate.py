@@ -43,7 +43,7 @@ from configs import Config, ConfigError, config_from_dict, config_to_dict, layer
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
 from configs.loader import override_keys
 from configs.quant import with_first_last
-from configs.schema import TRAIN_BATCH_DATA_KEYS, TRAIN_TRANSFORM_ONLY_KEYS
+from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
@@ -471,8 +471,7 @@ def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[
     planned pipeline sees training-transform images: [] otherwise."""
     if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
         return []
-    own = {f"data.{k}" for k in TRAIN_TRANSFORM_ONLY_KEYS}
-    return [item for item in overrides if any(k in own for k in override_keys(item))]
+    return [item for item in overrides if any(k in TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS for k in override_keys(item))]
 
 
 def training_data(cfg: Config) -> dict:
@@ -592,17 +591,15 @@ def resolve_config(args: argparse.Namespace):
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes
 EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
-# the data settings of training batches: no pass of evaluate.py reads them (configs/schema.py)
-BATCH_KEYS = tuple(f"data.{k}" for k in TRAIN_BATCH_DATA_KEYS)
 
 
 def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
     """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*,
-    the data keys of training batches (BATCH_KEYS) and, unless `method_read` (a weights file's recipe
+    the data keys of training batches (TRAIN_BATCH_OVERRIDE_KEYS: no pass of evaluate.py reads them) and, unless `method_read` (a weights file's recipe
     names its method), cd.* and tweo.*: given for an evaluation, they would be ignored, or name a checkpoint's
     result by another method than it was trained with."""
     sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
-    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in BATCH_KEYS]
+    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_OVERRIDE_KEYS]
 
 
 def evaluation_pipelines(cfg: Config) -> list[str]:

@@ -108,9 +108,13 @@ TRAIN_BATCH_DATA_KEYS = ("mixup", "cutmix", "mixup_prob", "mixup_switch_prob", "
                          "repeated_aug")
 # the training transform's own keys (the eval transform reads none of them)
 TRAIN_TRANSFORM_ONLY_KEYS = tuple(k for k in TRAIN_TRANSFORM_KEYS if k not in EVAL_TRANSFORM_KEYS)
+# the two sets as key=value overrides spell them (data.mixup, ...): evaluate.py refuses them and scripts/sweep.py
+# checks a sweep for them before training, both from these (sweep.py without importing evaluate.py's torch stack)
+TRAIN_BATCH_OVERRIDE_KEYS = frozenset(f"data.{k}" for k in TRAIN_BATCH_DATA_KEYS)
+TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS = frozenset(f"data.{k}" for k in TRAIN_TRANSFORM_ONLY_KEYS)
 # the keys only training reads (a checkpoint's config records their values): the training transform's own and the
 # training batches'
-TRAINING_ONLY_DATA_KEYS = TRAIN_TRANSFORM_ONLY_KEYS + TRAIN_BATCH_DATA_KEYS
+TRAINING_ONLY_OVERRIDE_KEYS = TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS | TRAIN_BATCH_OVERRIDE_KEYS
 
 # the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
 ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")

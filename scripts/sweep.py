@@ -55,7 +55,7 @@ from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
-from configs.schema import TRAIN_BATCH_DATA_KEYS, TRAINING_ONLY_DATA_KEYS, Config  # noqa: E402
+from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -281,18 +281,13 @@ def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
     return cmds
 
 
-# the data settings only training reads (configs/schema.py), as override keys; those of the training batches alone
-TRAINING_ONLY = frozenset(f"data.{k}" for k in TRAINING_ONLY_DATA_KEYS)
-BATCH_KEYS = frozenset(f"data.{k}" for k in TRAIN_BATCH_DATA_KEYS)
-
-
 def evaluation_overrides(run: dict) -> list[str]:
     """The overrides of a run's evaluate.py command: its data and quant overrides (data.root=..., and
     quant={...} as well as quant.x=...), then the sweep's list. Training's own data settings (data.mixup,
     data.reprob, ...) stay out: the checkpoint's config holds them as the run trained, and evaluate.py refuses
     them where none of its passes reads them."""
     return [o for o in run["overrides"] if o.split("=", 1)[0].split(".", 1)[0].strip() in ("data", "quant")
-            and not set(override_keys(o)) <= TRAINING_ONLY] + run["evaluate"]
+            and not set(override_keys(o)) <= TRAINING_ONLY_OVERRIDE_KEYS] + run["evaluate"]
 
 
 def main(argv=None) -> int:
@@ -359,7 +354,7 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
         # what is left of the run's own training data settings: data={root: /x, mixup: 0.5} (evaluate.py needs the
         # root and refuses the mixup)
         for item in evaluated[:len(evaluated) - len(run["evaluate"])]:
-            mixed = sorted(set(override_keys(item)) & TRAINING_ONLY)
+            mixed = sorted(set(override_keys(item)) & TRAINING_ONLY_OVERRIDE_KEYS)
             if mixed:
                 raise ConfigError(f"sweep run '{run['name']}': {item} sets {mixed[0]}, which only training reads "
                                   "(its evaluation takes it from the checkpoint, and evaluate.py would refuse it "
@@ -367,13 +362,13 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
         # the sweep's evaluate list goes to evaluate.py alone: the data settings of training batches are read by no
         # pass of it (the training transform's, by a pipeline that sees training-transform images: below)
         for item in run["evaluate"]:
-            batch = sorted(set(override_keys(item)) & BATCH_KEYS)
+            batch = sorted(set(override_keys(item)) & TRAIN_BATCH_OVERRIDE_KEYS)
             if batch:
                 raise ConfigError(f"sweep run '{run['name']}': '{item}' in the sweep's evaluate list: no pass of "
                                   f"evaluate.py reads {batch[0]} (the checkpoint holds the value the run trained "
                                   "with), and it would refuse it after the training; drop it from 'evaluate' (a "
                                   "run's own override trains with it)")
-        transform = any(set(override_keys(item)) & TRAINING_ONLY for item in run["evaluate"])
+        transform = any(set(override_keys(item)) & TRAINING_ONLY_OVERRIDE_KEYS for item in run["evaluate"])
         if not transform and not any(k.startswith("quant.") for k in keys_of(evaluated)):
             continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
         import evaluate  # torch and the pipelines: only where a pipeline's options are given
