@@ -5,7 +5,8 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
-settings, and runs that stopped before their planned updates (sched.steps) are refused. Written, and never
+settings, runs that stopped before their planned updates (sched.steps) and an eval_best.json of weights other
+than the run's best.pt holds now (engine/eval_results.refuse_stale) are refused. Written, and never
 overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the

@@ -236,3 +236,34 @@ def test_the_report_names_what_each_point_changes_beside_the_baseline(tmp_path):
                            "- cd10x: cd.enabled false -> true; cd.lam 0.005 -> 0.05",
                            "- cd30x: cd.enabled false -> true; cd.lam 0.005 -> 0.15; optim.lr 0.003 -> 0.001",
                            "- tweo: not recorded (an eval_best.json written before evaluate.py recorded it)"]
+
+
+def test_a_run_evaluated_before_its_best_pt_was_replaced_is_refused_by_name(tmp_path):
+    """A run that trained on after its evaluation holds a newer best.pt than the one its eval_best.json scored:
+    its row would mix the old weights' perplexities with the new run's curves. The file records the weights it
+    scored (evaluate.py's checkpoint path and fingerprint); one that no longer matches best.pt is refused, naming
+    the file and the command that refreshes it, while a file of the current best.pt is read."""
+    import torch
+
+    from engine.checkpoint import weights_fingerprint
+
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name in ("baseline_s0", "baseline_s1"):
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    other_seed, evaluated, newer = ({"w": torch.full((3,), float(v))} for v in range(3))
+    for name, scored, now in (("baseline_s0", other_seed, other_seed), ("baseline_s1", evaluated, newer)):
+        folder = root / name
+        torch.save({"model": now, "config": {}}, folder / "best.pt")
+        result = json.loads((folder / "eval_best.json").read_text())
+        result.update(checkpoint=str(folder / "best.pt"), weights="raw", fingerprint=weights_fingerprint(scored))
+        (folder / "eval_best.json").write_text(json.dumps(result))
+    stale = root / "baseline_s1" / "eval_best.json"
+    with pytest.raises(lm_study.ResultsError) as refused:
+        lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    message = str(refused.value)
+    assert message.startswith(f"{stale} is stale") and "\n" not in message, message
+    assert f"python evaluate.py --checkpoint {root / 'baseline_s1' / 'best.pt'} --out {stale}" in message, message
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    torch.save({"model": evaluated, "config": {}}, root / "baseline_s1" / "best.pt")  # the weights it scored
+    assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
