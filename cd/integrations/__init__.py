@@ -210,10 +210,9 @@ class SharedUpdate:
 
     def __init__(self, decay: ColinearityDecay, optimizers: list) -> None:
         self.decay = decay
-        self._all = list(dict.fromkeys(optimizers))
-        self._map()
         # all of them: one that holds no decayed matrix now may get some (add_param_group), and copies with them
-        self.optimizers = self._all
+        self.optimizers = list(dict.fromkeys(optimizers))
+        self._map()
         self._stepped: set[int] = set()
         self._kept: dict[int, torch.Tensor] = {}
         self._counted = False
@@ -224,14 +223,14 @@ class SharedUpdate:
 
     def _signature(self) -> tuple:
         # which parameter sits where, not the groups' lengths alone (as ColinearityDecay._group_index keys it)
-        return tuple(tuple(map(id, g["params"])) for opt in self._all for g in opt.param_groups)
+        return tuple(tuple(map(id, g["params"])) for opt in self.optimizers for g in opt.param_groups)
 
     def _map(self) -> None:
         """Which optimizer holds each parameter, and the matrices that another optimizer's part reads (by the id
         of their holder), for the optimizers' param groups as they are now (`_signature`)."""
         self._sig = self._signature()
         self._holder: dict[int, torch.optim.Optimizer] = {}
-        for opt in self._all:
+        for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     self._holder.setdefault(id(p), opt)
@@ -250,7 +249,7 @@ class SharedUpdate:
             self._kept_of.setdefault(id(self._holder[id(t)]), []).append(t)
         # the optimizers whose steps are parts of the update: another's steps (a head's) change no matrix CD reads
         # or writes, so a second one of them starts no next update
-        self._parts = {id(opt) for opt in self._all if holds_pairs(self.decay, opt) or id(opt) in self._kept_of}
+        self._parts = {id(opt) for opt in self.optimizers if holds_pairs(self.decay, opt) or id(opt) in self._kept_of}
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._signature() != self._sig:  # a param group added since (e.g. a stage unfrozen): a pair may be split
