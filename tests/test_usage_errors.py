@@ -134,7 +134,8 @@ def test_the_whole_process_writes_one_line_and_exits_2():
 
 @pytest.mark.parametrize("path, prog, required", [
     ("scripts/quant_sensitivity.py", "quant_sensitivity.py", ["--checkpoint", "c.pt", "--out", "o"]),
-    ("scripts/crosscheck_aphq.py", "crosscheck_aphq.py", ["--checkpoint", "c.pt", "--official", "o", "--out", "o.json"]),
+    ("scripts/crosscheck_aphq.py", "crosscheck_aphq.py",
+     ["--checkpoint", "c.pt", "--official", "o", "--out", "o.json"]),
 ])
 def test_a_script_that_runs_evaluate_names_its_options_in_help(path, prog, required, capsys):
     """The key=value overrides these scripts pass on are evaluate.py's: --help says where they are listed and
