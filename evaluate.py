@@ -685,7 +685,9 @@ def default_out_path(checkpoint: str | None, model_name: str) -> str:
 def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
-    language models (Table 8): perplexities, FP32 and BF16 first.
+    language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
+    marked * (`nondefault_settings`), the model of a row evaluated with other model.kwargs than it trained
+    with † (`model_kwargs_changed`), each with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result.
@@ -745,9 +747,14 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     for group in groups.values():
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
-        rows.append([first["model"], method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
-                                                   ppl=language)
-                                               for k, _ in fp_columns),
+        # a model evaluated otherwise than it trained (a model.kwargs override): the row is of another forward
+        changed = sorted({c for r in group if (c := model_kwargs_changed(r))})
+        if changed:
+            notes.append(f"† {first['model']} {first['method']}: evaluated with {'; '.join(changed)}")
+        model = first["model"] + ("†" if changed else "")
+        rows.append([model, method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
+                                          ppl=language)
+                                      for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
                     + [quantized(group, p, b) for p, b in columns])
@@ -799,6 +806,19 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
         if key in names and value != defaults["calibration"].get(key, value):
             found.append(f"{names[key]}={value}")
     return found
+
+
+def model_kwargs_changed(result: dict) -> Optional[str]:
+    """'model.kwargs={...} (trained with {...})' when a result was computed with other model.kwargs than its run
+    trained with (an override at evaluation: the same weights through another forward, e.g. gelu=tanh on a model
+    trained with the exact GELU), else None; a table marks such results. Results without the recipe as trained
+    (a weights file, an older file) are not compared."""
+    recipe = result.get("recipe")
+    if not isinstance(recipe, dict) or "model.kwargs" not in recipe or "model_kwargs" not in result:
+        return None
+    text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as in the file
+    evaluated, trained = text(result["model_kwargs"]), text(recipe["model.kwargs"])
+    return None if evaluated == trained else f"model.kwargs={evaluated} (trained with {trained})"
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)

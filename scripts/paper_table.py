@@ -6,7 +6,9 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (evaluate.nondefault_settings). A result whose checkpoint beside it
+is marked with * and a note naming them (evaluate.nondefault_settings); in the rows layout, a model evaluated
+with other model.kwargs than it was trained with (an override at evaluation) is marked † with a note
+(evaluate.model_kwargs_changed). A result whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
 

@@ -335,3 +335,18 @@ def test_a_truncated_checkpoint_is_named_as_such(kjv_run, tmp_path):
     with pytest.raises(CheckpointError, match=r"cut short .* or corrupted"):
         load_checkpoint(str(cut))
 
+
+
+def test_a_row_evaluated_with_other_model_kwargs_than_trained_is_marked(kjv_run, tmp_path):
+    """model.kwargs given at evaluation (gelu=tanh on a model trained with the exact GELU) runs the same weights
+    through another forward: the result records it, and its table row is marked † with a note naming the
+    evaluated and the trained setting; a row evaluated as trained has no mark."""
+    tanh = run_eval("--checkpoint", str(kjv_run), "--quant", "--out", str(tmp_path / "tanh.json"),
+                    "model.kwargs.gelu=tanh")
+    plain = run_eval("--checkpoint", str(kjv_run), "--quant", "--out", str(tmp_path / "plain.json"))
+    assert tanh["model_kwargs"]["gelu"] == "tanh" and tanh["fp"]["ppl"] != plain["fp"]["ppl"]  # another forward
+    header, _, marked, unmarked, _, note = evaluate.markdown_table([tanh, plain]).splitlines()
+    assert marked.startswith(f"| {tanh['model']}† | ") and unmarked.startswith(f"| {plain['model']} | ")
+    assert note.startswith(f"† {tanh['model']} {tanh['method']}: evaluated with model.kwargs=") and \
+        '"gelu": "tanh"' in note and "trained with" in note and '"gelu": "tanh"' not in note.split("trained with")[1]
+    assert "†" not in evaluate.markdown_table([plain])
