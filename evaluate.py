@@ -779,6 +779,15 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
         raise ValueError(f"{model} {method}: {different[0]} and {different[1]} were evaluated differently "
                          f"({different[2]}); rows average the seeds of one evaluation: give results evaluated "
                          f"alike{recompute}")
+    # the same weights through another forward (model.kwargs given at evaluation, marked † in a row) are another
+    # evaluation; older files and weights files, which record no recipe, are not compared
+    changed = [(label, model_kwargs_changed(r)) for label, r in labelled]
+    unlike = next(((changed[0], c) for c in changed[1:] if c[1] != changed[0][1]), None)
+    if unlike is not None:
+        (a, how_a), (b, how_b) = unlike
+        raise ValueError(f"{model} {method}: {a} and {b} were evaluated with other model.kwargs "
+                         f"({how_a or 'as trained'} vs {how_b or 'as trained'}); rows average the seeds of one "
+                         "evaluation: give results evaluated alike")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
     other = recipe_difference([(r.get("checkpoint"), r) for r in group])

@@ -317,6 +317,15 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     with pytest.raises(ValueError, match=r"m Baseline: 0/best.pt and 2/best.pt were trained with other settings "
                                          r"\(optim.lr 0.002 -> 0.01\)"):
         evaluate.markdown_table(runs, over_seeds=True)
+    # the same recipe evaluated with model.kwargs it was not trained with (gelu=tanh) is another evaluation
+    runs = runs[:2]
+    runs[1] = dict(runs[1], model_kwargs={"gelu": "tanh"})
+    assert runs[0]["recipe"]["model.kwargs"] == {}
+    with pytest.raises(ValueError, match=r'm Baseline: 0/best.pt and 1/best.pt were evaluated with other model.kwargs '
+                                         r'\(as trained vs model.kwargs={"gelu": "tanh"} \(trained with {}\)\)'):
+        evaluate.markdown_table([dict(runs[0], model_kwargs={}), runs[1]], over_seeds=True)
+    both = [dict(r, model_kwargs={"gelu": "tanh"}) for r in runs]
+    assert "(n=2)" in evaluate.markdown_table(both, over_seeds=True)  # alike: averaged, and marked
 
 
 def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
