@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
+from .sharded import any_sharded, block_plans, sharded_colinearity_decay_, sharded_pair_energy
 from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
 from .verify import UnsupportedModelError
 from .wrappers import torch_optimizer, unwrap_model
@@ -80,10 +81,11 @@ def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
 
-def energy_metrics(pairs: list[Pair], plan=None) -> dict[str, float]:
+def energy_metrics(pairs: list[Pair], plan=None, block_plans_=None) -> dict[str, float]:
     """cd/pair_energy/<role>: mean over the role's pairs of ||W2 W1n||_F^2 (a diagnostic for any run,
-    with or without CD; syncs with the device, so call it at log steps only)."""
-    energy = pair_energy(pairs, plan)
+    with or without CD; syncs with the device, so call it at log steps only). `block_plans_`: the pairs are
+    sharded by FSDP2 (`cd.sharded`; a collective then, called on every rank)."""
+    energy = pair_energy(pairs, plan) if block_plans_ is None else sharded_pair_energy(pairs, block_plans_)
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
 
@@ -227,6 +229,14 @@ class ColinearityDecay:
             matmul_precision = "tf32" if self.pairs[0].w2().device.type == "cuda" else "fp32"
         self.matmul_precision = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
+        # FSDP2 (fully_shard): the pairs' matrices are DTensor shards, updated block by block whole (`cd.sharded`)
+        self._sharded = any_sharded(self.all_pairs)
+        self._block_plans = block_plans(self.pairs, [u != 0 for u in self._up_lams]) if self._sharded else None
+        self._all_block_plans = block_plans(self.all_pairs) if self._sharded else None
+        if self._sharded and mode == "loss":
+            raise ValueError("cd mode 'loss' with a model sharded by FSDP2 (fully_shard) is not supported: its "
+                             "penalty's gradient to sharded matrices is not checked against an unsharded run; "
+                             "use mode='decoupled' (the paper's update, exact under FSDP2) or DDP")
 
         self._model = weakref.ref(unwrap_model(model))  # to tell a replaced parameter from a missing one
         self._handle: Optional[RemovableHandle] = None  # the live optimizer hook, if attached
@@ -296,8 +306,12 @@ class ColinearityDecay:
             pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),
                                          downstream=reads.get(id(p.downstream), p.downstream)) for p in pairs]
         norms = (self.num_updates + int(count)) % self.norms_every == 0
-        result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan,
-                                    precision=self.matmul_precision, norms=norms)
+        if self._sharded:
+            result = sharded_colinearity_decay_(pairs, steps, up_steps, self._block_plans, gate=gate,
+                                                precision=self.matmul_precision, norms=norms)
+        else:
+            result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan,
+                                        precision=self.matmul_precision, norms=norms)
         if norms and count:
             self._last_update_norms = result
         elif norms:  # one role's update over several optimizers: the root of the summed squares
@@ -425,8 +439,9 @@ class ColinearityDecay:
         if stale:
             raise ValueError(f"ColinearityDecay: the model's parameter {stale[0]} (and {len(stale) - 1} more) is "
                              f"no longer the tensor this object found its pairs on: the parameters were replaced "
-                             f"since (load_state_dict(assign=True), to_empty(), a new module). Build "
-                             f"ColinearityDecay after the model's parameters are final")
+                             f"since (load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, "
+                             f"FSDP1). Build ColinearityDecay after the model's parameters are final (after "
+                             f"fully_shard; FSDP1 is not supported)")
 
     def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None,
                   reads: Optional[Mapping[int, Tensor]] = None, count: bool = True) -> bool:
@@ -580,7 +595,7 @@ class ColinearityDecay:
             `norms_every`; absent before that.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
         """
-        out = energy_metrics(self.all_pairs, self._all_plan)
+        out = energy_metrics(self.all_pairs, self._all_plan, self._all_block_plans)
         norms = self._last_update_norms
         out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)})
         if self._last_penalty is not None:

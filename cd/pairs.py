@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .verify import UnsupportedModelError, refuse_shared, refuse_split_devices, verify_pairs
+from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -406,9 +406,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
-            MLP, no affine norm, no qkv), or the forward pass contradicts a pair (res-post-norm blocks
+            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), or the forward pass contradicts a pair (res-post-norm blocks
             such as Swin V2); the message names the block and its type.
     """
+    refuse_fsdp1(model)
     root = unwrap_model(model)
     pairs: list[Pair] = []
     types: dict[str, str] = {}

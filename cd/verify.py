@@ -159,6 +159,26 @@ def _fully_sharded(root: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in root.modules())
 
 
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Refuse a model wrapped (whole or in part) by FSDP1's FullyShardedDataParallel: it flattens each wrapped
+    module's parameters into one sharded FlatParameter, so no rank holds a layer's matrix as a 2-D tensor and the
+    optimizer may hold no matrix at all (use_orig_params=False). FSDP2's fully_shard keeps one (DTensor)
+    parameter per matrix, which `cd.sharded` updates exactly.
+
+    Raises:
+        UnsupportedModelError: naming the wrapper and what to use instead.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is wrapped by FSDP1 (FullyShardedDataParallel), which CD does not support: it "
+            "flattens the parameters into sharded FlatParameters that hold no whole matrix to pair. Use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard, then ColinearityDecay(model, verify=False)) or DDP")
+
+
 def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                  example: Optional[Tensor] = None) -> None:
     """Run one meta forward of `root` and check every pair (see the module docstring).
