@@ -159,6 +159,17 @@ def _fully_sharded(root: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in root.modules())
 
 
+def _inside_fsdp1(module: nn.Module, fsdp2: bool) -> bool:
+    """A module inside an FSDP1 wrapper that is not among the model's own modules (a trainer's callback given the
+    inner model), by the mark FSDP1 leaves on it for torch.compile. FSDP2 sets the same mark, with use_orig_params
+    True and DTensor parameters: with FSDP2 in the model (`fsdp2`), a plain parameter is one fully_shard ignores."""
+    if not getattr(module, "_is_fsdp_managed_module", False):
+        return False
+    if getattr(module, "_fsdp_use_orig_params", None) is False:
+        return True
+    return not fsdp2 and any(p is not None for p in module._parameters.values())
+
+
 def refuse_fsdp1(model: nn.Module) -> None:
     """Refuse a model wrapped (whole or in part) by FSDP1's FullyShardedDataParallel: it flattens each wrapped
     module's parameters into one sharded FlatParameter, so no rank holds a layer's matrix as a 2-D tensor and the
@@ -172,7 +183,12 @@ def refuse_fsdp1(model: nn.Module) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # a torch built without distributed
         return
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    fsdp2 = _fully_sharded(model) or any(isinstance(p, DTensor) for p in model.parameters())
+    if any(isinstance(m, FullyShardedDataParallel) or _inside_fsdp1(m, fsdp2) for m in model.modules()):
         raise UnsupportedModelError(
             f"{type(model).__name__} is wrapped by FSDP1 (FullyShardedDataParallel), which CD does not support: it "
             "flattens the parameters into sharded FlatParameters that hold no whole matrix to pair. Use FSDP2 "

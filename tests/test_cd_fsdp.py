@@ -60,11 +60,12 @@ def _fsdp2_case(build, targets: str) -> dict:
             "metrics": metrics, "ref_metrics": ref_metrics}
 
 
-def _fsdp1_refusal(use_orig_params: bool) -> str:
-    wrapped = fsdp.FullyShardedDataParallel(tiny_vit(), use_orig_params=use_orig_params,
-                                            device_id=torch.device("cpu"))
+def _fsdp1_refusal(use_orig_params: bool, inner: bool) -> str:
+    """Bind CD to the wrapper, or (`inner`) to the model inside it, as a trainer's callback may be given."""
+    model = tiny_vit()
+    wrapped = fsdp.FullyShardedDataParallel(model, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
     try:
-        ColinearityDecay(wrapped, lam=0.5)
+        ColinearityDecay(model if inner else wrapped, lam=0.5)
     except UnsupportedModelError as e:
         return str(e)
     return "bound"
@@ -75,7 +76,8 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     try:
         result = {f"fsdp2 {name} {targets}": _fsdp2_case(build, targets)
                   for name, build in (("vit", tiny_vit), ("odd", _odd_vit)) for targets in ("A+B", "C")}
-        result.update({f"fsdp1 use_orig_params={orig}": _fsdp1_refusal(orig) for orig in (True, False)})
+        result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
+                       for orig in (True, False) for inner in (False, True)})
         if rank == 0:
             torch.save(result, out_path)
     except BaseException:
@@ -105,7 +107,8 @@ def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("orig", [True, False])
-def test_fsdp1_is_refused_when_cd_is_bound(fsdp_runs, orig):
-    message = fsdp_runs[f"fsdp1 use_orig_params={orig}"]
+@pytest.mark.parametrize("inner", [False, True])
+def test_fsdp1_is_refused_when_cd_is_bound(fsdp_runs, orig, inner):
+    message = fsdp_runs[f"fsdp1 use_orig_params={orig} inner={inner}"]
     assert "wrapped by FSDP1 (FullyShardedDataParallel)" in message
     assert "Use FSDP2" in message and "\n" not in message
