@@ -190,8 +190,8 @@ def refuse_fsdp1(model: nn.Module) -> None:
     fsdp2 = _fully_sharded(model) or any(isinstance(p, DTensor) for p in model.parameters())
     if any(isinstance(m, FullyShardedDataParallel) or _inside_fsdp1(m, fsdp2) for m in model.modules()):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is wrapped by FSDP1 (FullyShardedDataParallel), which CD does not support: it "
-            "flattens the parameters into sharded FlatParameters that hold no whole matrix to pair. Use FSDP2 "
+            f"CD does not support FSDP1 (FullyShardedDataParallel), which holds {type(model).__name__} or a part of "
+            "it: it flattens the parameters into sharded FlatParameters that hold no whole matrix to pair. Use FSDP2 "
             "(torch.distributed.fsdp.fully_shard, then ColinearityDecay(model, verify=False)) or DDP")
 
 
