@@ -181,7 +181,8 @@ class ColinearityDecay:
 
     Raises:
         UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
-            (the message names the block and its type).
+            (the message names the block and its type), or is wrapped by FSDP1.
+        ValueError: mode='loss' on a model sharded by FSDP2 (the decoupled update is exact there, `cd.sharded`).
     """
 
     def __init__(
