@@ -406,8 +406,8 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
-            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), or the forward pass contradicts a pair (res-post-norm blocks
-            such as Swin V2); the message names the block and its type.
+            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), or the forward pass
+            contradicts a pair (res-post-norm blocks such as Swin V2); the message names the block and its type.
     """
     refuse_fsdp1(model)
     root = unwrap_model(model)
