@@ -74,8 +74,8 @@ def _fsdp2_case(build, targets: str, split: bool = False) -> dict:
         loss_mode = "bound"
     except ValueError as e:
         loss_mode = str(e)
-    return {"loss_mode": loss_mode, "weight_diff": max((weights[n] - q).abs().max().item() for n, q in reference.named_parameters()),
-            "metrics": metrics, "ref_metrics": ref_metrics}
+    diff = max((weights[n] - q).abs().max().item() for n, q in reference.named_parameters())
+    return {"loss_mode": loss_mode, "weight_diff": diff, "metrics": metrics, "ref_metrics": ref_metrics}
 
 
 def _fsdp1_refusal(use_orig_params: bool, inner: bool) -> str:
