@@ -212,7 +212,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         raise UnsupportedModelError(
             f"cannot check the CD pairs of {type(root).__name__}: it is sharded by FSDP2 (fully_shard), whose "
             "hooks the check's meta forward would run and leave broken; check the unsharded model "
-            "(ColinearityDecay(model) before fully_shard) and pass verify=False here")
+            "(find_pairs(model) before fully_shard) and pass verify=False here")
     example = example_input(root) if example is None else example
     if isinstance(example, Mapping):  # keyword inputs (a transformers model's), tensors made meta
         args, kwargs = (), {k: _meta_like(v) for k, v in example.items()}

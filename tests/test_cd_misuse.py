@@ -146,8 +146,8 @@ def test_a_model_sharded_by_fsdp2_is_refused_before_the_check_and_still_runs(tmp
         for block in model.blocks:
             fsdp.fully_shard(block)
         fsdp.fully_shard(model)
-        with pytest.raises(UnsupportedModelError, match=r"sharded by FSDP2 .*before fully_shard\) and pass "
-                                                        r"verify=False here"):
+        with pytest.raises(UnsupportedModelError, match=r"sharded by FSDP2 .*\(find_pairs\(model\) before "
+                                                        r"fully_shard\) and pass verify=False here"):
             ColinearityDecay(model, lam=0.1)
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     finally:
