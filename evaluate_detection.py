@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
-    from quant.gplq.detector import check_detector_options as check_gplq_options, stage1_folder
+    from quant.gplq.detector import check_detector_options as check_gplq_options, stage1_folder, stage1_identity
     from quant.pipeline_base import parse_options
     from quant.pipeline_data import PipelineData
 
@@ -220,14 +220,18 @@ def main(argv=None) -> dict:
         if todo:  # on rank 0, which always reads them; the other ranks fail with it
             run_on_main(lambda: check_image_counts(images, todo, options, args.calib_images),
                         "checking the training images", dist.device)
+        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed, images) if images is not None else None
         work_prefix = os.path.splitext(out)[0]  # where GPLQ's stage 1 keeps its checkpoints
-        # the folders GPLQ's stage 1 will write, checked (and left as they are) before the full-precision score
-        folders = [stage1_folder(PipelineData(work_prefix=work_prefix), b) for p, b in todo if p == "gplq"]
+        # the folders GPLQ's stage 1 will write, checked (and left as they are) before the full-precision score:
+        # one of another run (other weights, bits, calibration images, ranks or stage-1 options) is refused now
+        gplq_bits = [b for p, b in todo if p == "gplq"]
         def check_folders() -> None:
-            for folder in folders:
-                check_stage1_folder(folder)
+            parsed = parse_options(PIPELINES["gplq"].Options, options["gplq"])
+            for b in gplq_bits:
+                check_stage1_folder(stage1_folder(PipelineData(work_prefix=work_prefix), parse_bits(b)),
+                                    stage1_identity(model, parse_bits(b), parsed, feed))
 
-        if folders:  # on rank 0, which creates them; the other ranks fail with it
+        if gplq_bits:  # on rank 0, which creates them; the other ranks fail with it
             run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
@@ -240,7 +244,6 @@ def main(argv=None) -> dict:
         say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
             f"{results.data['max_act']['backbone']:.2f} / {results.data['max_act']['head']:.2f}", flush=True)
 
-        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed, images) if images is not None else None
         for name, b in todo:
             flag = f"--quant-options {name}.{SAMPLE_OPTIONS.get(name)}"  # names the count in errors
             data = PipelineData(

@@ -383,6 +383,11 @@ def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compens
     after = torch.load(written, map_location="cpu", weights_only=False)["state_dict"]
     key = "backbone.stages.0.blocks.0.attn.w_msa.qkv.weight"
     assert not torch.equal(after[key], fp[key].detach())  # lr 1e-3: stage 1 trained the float weights
+    # evaluate_detection's own check before the full-precision score accepts the folder the same settings wrote
+    again = main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
+                  "--quant", "gplq", "--quant-options", "gplq.steps=2", "gplq.stage2_images=2", "gplq.lr=0.001",
+                  "--recompute"])
+    assert again["quant"]["gplq"]["w4a4"]["stage1"]["resumed"] is True
 
 
 def test_gplq_stage1_of_one_epoch_resumes_at_its_iteration_and_a_finished_one_trains_no_more(sample, tmp_path):

@@ -191,10 +191,10 @@ def test_under_srun_only_slurm_rank_zero_takes_the_work_dir_lock(tmp_path, monke
                 pass
 
 
-@pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity"])
+@pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity", "another run"])
 def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sample_cfg, tmp_path, monkeypatch, bad):
-    """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO);
-    each is left as it was."""
+    """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO); a
+    folder of another run (here: other bits) was refused only then; each is left as it was."""
     import engine.detection
     from evaluate_detection import main
     root, load = sample_cfg
@@ -204,7 +204,8 @@ def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sam
         folder.write_text("not a folder")
     else:
         folder.mkdir()
-        (folder / ("notes.txt" if bad == "foreign folder" else "gplq_stage1.json")).write_text('{"bits": "w4')
+        (folder / ("notes.txt" if bad == "foreign folder" else "gplq_stage1.json")).write_text(
+            '{"bits": "w4a4"}' if bad == "another run" else '{"bits": "w4')
     before = sorted((p.name, p.read_bytes()) for p in ([folder] if folder.is_file() else folder.iterdir()))
 
     def scored(*args, **kwargs):

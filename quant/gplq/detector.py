@@ -21,6 +21,7 @@ GPU, no PCA loss. Everything else is the classification procedure (pipeline.py),
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import fields
 from typing import Any, Optional
@@ -75,6 +76,18 @@ def stage1_folder(data: PipelineData, bits: Bits) -> Optional[str]:
     return data.work_path(f"_gplq_{bits}_stage1")
 
 
+def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, calib: Any) -> dict:
+    """What a resumed stage 1 must share with the run that wrote its folder (plain JSON types, as the folder's
+    identity file holds them): the bits, the float weights, the calibration images that set the LSQ start, the
+    number of ranks (the global batch, each rank's shard) and the stage-1 options. evaluate_detection.py compares
+    it with a folder's before the full-precision score."""
+    return json.loads(json.dumps({
+        "pipeline": "gplq", "bits": str(bits), "fp_model": weights_fingerprint(fp_model.state_dict()),
+        "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start
+        "world_size": world_size(),  # the global batch and each rank's shard
+        "options": {f.name: getattr(options, f.name) for f in fields(options) if f.name in STAGE1_OPTIONS}}))
+
+
 def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: Bits, options: GPLQOptions,
                       data: PipelineData, default_lr) -> PTQResult:
     """GPLQ on a detector (module docstring); `layout` is GPLQPipeline.layout(bits, options), `default_lr` the
@@ -103,12 +116,7 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
                 "scale_lr": scale_lr, "weight_decay": options.weight_decay,
                 "param_groups": param_groups(model, lr, scale_lr, options.weight_decay), "amp": options.amp,
                 "log_every": options.log_every, "ckpt_every": options.ckpt_every, "seed": options.seed,
-                "identity": {"pipeline": "gplq", "bits": str(bits),
-                             "fp_model": weights_fingerprint(fp_model.state_dict()),
-                             "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start
-                             "world_size": world,  # the global batch and each rank's shard
-                             "options": {f.name: getattr(options, f.name) for f in fields(options)
-                                         if f.name in STAGE1_OPTIONS}}}
+                "identity": stage1_identity(fp_model, bits, options, calib)}
     with timer("stage1", device):
         stage1 = data.train_detector(model, settings, stage1_folder(data, bits))
     model.eval().requires_grad_(False)
