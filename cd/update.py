@@ -42,6 +42,11 @@ from torch import Tensor
 
 from .pairs import Pair
 
+try:  # torch built without distributed has no DTensor: nothing can be sharded then
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()
+
 Number = Union[float, Tensor]
 
 # Floor of the normalizer ||W1||_F / sqrt(r) (an RMS): an all-zero W1 gives W1n = 0 and no update.
@@ -269,10 +274,21 @@ def colinearity_decay_(
         with `norms`, dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of
         the summed squared per-block norms), plus '<role>_upstream' for target set C; roles that were
         skipped are absent. Without `norms`, {}.
+
+    Raises:
+        ValueError: step_sizes has another length than pairs, or a matrix is an FSDP2 shard (a DTensor: see
+            `cd.sharded`).
     """
     n_pairs = len(pairs)
     if len(step_sizes) != n_pairs:
         raise ValueError(f"step_sizes has {len(step_sizes)} entries for {n_pairs} pairs")
+    # DTensor math on FSDP2 shards runs without an error but loses target C's update of the qkv V rows (a row slice
+    # of a sharded matrix is a copy): cd.sharded gathers each block's matrices whole and calls this on them
+    sharded = next((p for p in pairs if isinstance(p.downstream, DTensor) or isinstance(p.upstream, DTensor)), None)
+    if sharded is not None:
+        raise ValueError(f"colinearity_decay_: {sharded.name} is sharded by FSDP2 (a DTensor), and a pair's update "
+                         "reads whole matrices that no rank holds; use ColinearityDecay(model, verify=False) or "
+                         "cd.sharded.sharded_colinearity_decay_, which gather each block's matrices whole")
     up_steps = list(upstream_step_sizes) if upstream_step_sizes is not None else [0.0] * n_pairs
     if plan is None:
         plan = build_plan(pairs, [not _is_zero(s) for s in up_steps])

@@ -2,8 +2,11 @@
 
 FSDP2 (`fully_shard`, DTensor parameters sharded on dim 0): the CD update, its update norms and the pair energies
 must be those of the unsharded model (the reference run here, without any wrapper), also for target C (which
-writes the V rows of the fused qkv) and for widths that do not split evenly over the ranks. FSDP1
-(FullyShardedDataParallel) must be refused when CD is bound, with the way out, never a silent no-op.
+writes the V rows of the fused qkv), for widths that do not split evenly over the ranks and for a model whose pairs
+are partly sharded (parameters fully_shard ignores, held whole on every rank). A submodule of an FSDP2 model is no
+FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses target C's V rows
+without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never a
+silent no-op.
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from cd import ColinearityDecay, UnsupportedModelError
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs
 from cd.integrations import bind_optimizers
+from cd.sharded import block_plans
+from cd.update import build_plan, colinearity_decay_
 from cd_models import randomize_norms, tiny_vit
 from dist_utils import free_port, init_gloo, leave_and_exit
 
@@ -60,15 +65,23 @@ def _train(model: torch.nn.Module, decay: ColinearityDecay, split: bool) -> dict
     return decay.metrics()
 
 
-def _fsdp2_case(build, targets: str, split: bool = False) -> dict:
+def _shard(model: torch.nn.Module, mixed: bool = False) -> None:
+    """fully_shard each block, then the model. `mixed`: block 0's qkv and fc1 and all of block 1 are ignored
+    (plain parameters on every rank), so block 0's pairs are half sharded and block 1's not at all."""
+    ignored = {model.blocks[0].attn.qkv.weight, model.blocks[0].mlp.fc1.weight, *model.blocks[1].parameters()}
+    for block in model.blocks:
+        if not mixed:
+            fsdp.fully_shard(block)
+    fsdp.fully_shard(model, ignored_params=ignored if mixed else None)
+
+
+def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False) -> dict:
     reference = build()
     ref_metrics = _train(reference, ColinearityDecay(reference, lam=0.5, targets=targets), split)
     model = build()
-    for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+    _shard(model, mixed)
     metrics = _train(model, ColinearityDecay(model, lam=0.5, targets=targets, verify=False), split)
-    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+    weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
     try:
         ColinearityDecay(model, lam=0.5, mode="loss", verify=False)
         loss_mode = "bound"
@@ -89,12 +102,37 @@ def _fsdp1_refusal(use_orig_params: bool, inner: bool) -> str:
     return "bound"
 
 
+def _submodule_pairs() -> str:
+    """The pairs of `model.blocks` when only the model is fully_shard-ed: the blocks hold DTensors and FSDP's marks
+    but no FSDP module (a trainer's callback may be given such an inner model): FSDP2, not refused as FSDP1."""
+    model = tiny_vit()
+    fsdp.fully_shard(model)
+    try:
+        return f"{len(find_pairs(model.blocks, verify=False))} pairs"
+    except UnsupportedModelError as e:
+        return str(e)
+
+
+def _functional_on_shards() -> str:
+    model = tiny_vit()
+    _shard(model)
+    pairs = [p for p in find_pairs(model, verify=False) if p.kind == "functional"]
+    try:
+        colinearity_decay_(pairs, [0.5] * len(pairs), [0.5] * len(pairs))
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     init_gloo(rank, world, port, timeout_s=120)
     try:
         result = {f"fsdp2 {name} {targets}": _fsdp2_case(build, targets)
                   for name, build in (("vit", tiny_vit), ("odd", _odd_vit)) for targets in ("A+B", "C")}
         result["fsdp2 vit C two optimizers"] = _fsdp2_case(tiny_vit, "C", split=True)
+        result["fsdp2 vit C mixed"] = _fsdp2_case(tiny_vit, "C", mixed=True)
+        result["fsdp2 submodule"] = _submodule_pairs()
+        result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
                        for orig in (True, False) for inner in (False, True)})
         if rank == 0:
@@ -114,7 +152,7 @@ def fsdp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2 vit A+B", "fsdp2 vit C", "fsdp2 odd A+B", "fsdp2 odd C",
-                                  "fsdp2 vit C two optimizers"])
+                                  "fsdp2 vit C two optimizers", "fsdp2 vit C mixed"])
 def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     run = fsdp_runs[case]
     # the same kernels on the same whole matrices (measured: bit-identical weights on torch 2.14, gloo; the
@@ -139,3 +177,28 @@ def test_fsdp1_is_refused_when_cd_is_bound(fsdp_runs, orig, inner):
     message = fsdp_runs[f"fsdp1 use_orig_params={orig} inner={inner}"]
     assert message.startswith("CD does not support FSDP1 (FullyShardedDataParallel), which holds ")
     assert "Use FSDP2" in message and "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_submodule_of_an_fsdp2_model_is_not_refused_as_fsdp1(fsdp_runs):
+    assert fsdp_runs["fsdp2 submodule"] == f"{len(find_pairs(tiny_vit().blocks, verify=False))} pairs"
+
+
+@pytest.mark.slow
+def test_the_functional_update_refuses_fsdp2_shards(fsdp_runs):
+    message = fsdp_runs["functional on shards"]
+    assert message.startswith("colinearity_decay_: blocks.0.attn.proj.weight is sharded by FSDP2")
+    assert "\n" not in message
+
+
+def test_block_plans_group_each_blocks_pairs_in_model_order():
+    """One block's matrices gathered at a time (the peak memory of `cd.sharded`): each group is exactly one block's
+    pairs, in model order, with the plan of those pairs alone (target C's upstream writes included)."""
+    pairs = find_pairs(tiny_vit())
+    upstream = [p.kind == "functional" for p in pairs]
+    plans = block_plans(pairs, upstream)
+    blocks = list(dict.fromkeys(p.block for p in pairs))
+    assert len(blocks) > 1
+    assert [idx for idx, _ in plans] == [[i for i, p in enumerate(pairs) if p.block == b] for b in blocks]
+    for idx, plan in plans:
+        assert plan == build_plan([pairs[i] for i in idx], [upstream[i] for i in idx])
