@@ -595,6 +595,9 @@ class ColinearityDecay:
             <role>_upstream for target C), from the last update whose number is a multiple of
             `norms_every`; absent before that.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
+
+        On a model sharded by FSDP2 this is a collective (it gathers each block's matrices for the energies):
+        call it on every rank at the same steps, and log the result from one.
         """
         out = energy_metrics(self.all_pairs, self._all_plan, self._all_block_plans)
         norms = self._last_update_norms
