@@ -387,6 +387,20 @@ def test_table_names_a_single_bit_width_other_than_w4a4():
     assert evaluate.markdown_table([result("w4a4")]).splitlines()[0].endswith("| RepQ-ViT |")
 
 
+def test_model_kwargs_as_trained_are_unchanged_in_any_key_order():
+    """The result file stores model.kwargs sorted, tuples as lists; the recipe keeps the order the run was given them
+    in (model.kwargs.global_pool=avg model.kwargs.gelu=tanh). The same settings are no change (no † mark); another
+    value is; a result without the recipe's model.kwargs is not compared."""
+    trained = {"global_pool": "avg", "gelu": "tanh", "img_mean": (0.5, 0.5, 0.5)}
+    stored = {"gelu": "tanh", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]}
+    assert evaluate.model_kwargs_changed({"model_kwargs": stored, "recipe": {"model.kwargs": trained}}) is None
+    other = dict(stored, gelu="none")
+    assert evaluate.model_kwargs_changed({"model_kwargs": other, "recipe": {"model.kwargs": trained}}) == (
+        'model.kwargs={"gelu": "none", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]} (trained with '
+        '{"gelu": "tanh", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]})')
+    assert evaluate.model_kwargs_changed({"model_kwargs": other, "recipe": {"optim.lr": 0.1}}) is None
+
+
 def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
     """A pipeline some seeds were not evaluated with is averaged over those that were; the row's (n=3)
     counts every seed, so the cell names its own count."""

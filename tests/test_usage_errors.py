@@ -147,6 +147,7 @@ def test_a_script_that_runs_evaluate_names_its_options_in_help(path, prog, requi
     own, _, other = epilog.partition("does not take")
     assert all(f in own for f in ("--checkpoint", "--out", "--bits")), epilog
     assert all(f in other for f in ("--ema", "--amp", "--config", "--quant", "--recompute")), epilog
+    assert "--help " not in epilog and "--help," not in epilog, epilog  # --help-config is a flag, --help is not
     code, out, err = run_entry(path, [*required, "--ema"], capsys)
     assert code == 2 and not out
     one_error_line(err, prog, "unrecognized arguments: --ema")
