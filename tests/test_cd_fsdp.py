@@ -1,12 +1,12 @@
 """CD under FSDP: 2 gloo processes on CPU against one unsharded process on the same weights, lr and data.
 
-FSDP2 (`fully_shard`, DTensor parameters sharded on dim 0): the CD update, its update norms and the pair energies
-must be those of the unsharded model (the reference run here, without any wrapper), also for target C (which
-writes the V rows of the fused qkv), for widths that do not split evenly over the ranks and for a model whose pairs
-are partly sharded (parameters fully_shard ignores, held whole on every rank). A submodule of an FSDP2 model is no
-FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses target C's V rows
-without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never a
-silent no-op.
+FSDP2 (`fully_shard`, DTensor parameters sharded on dim 0, or on dim 1 by a shard_placement_fn): the CD update, its
+update norms and the pair energies must be those of the unsharded model (the reference run here, without any wrapper),
+also for target C (which writes the V rows of the fused qkv), for widths that do not split evenly over the ranks and for
+a model whose pairs are partly sharded (parameters fully_shard ignores, held whole on every rank). A submodule of an
+FSDP2 model is no FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses target
+C's V rows without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never
+a silent no-op.
 """
 from __future__ import annotations
 
@@ -65,21 +65,26 @@ def _train(model: torch.nn.Module, decay: ColinearityDecay, split: bool) -> dict
     return decay.metrics()
 
 
-def _shard(model: torch.nn.Module, mixed: bool = False) -> None:
+def _shard(model: torch.nn.Module, mixed: bool = False, dim1: bool = False) -> None:
     """fully_shard each block, then the model. `mixed`: block 0's qkv and fc1 and all of block 1 are ignored
-    (plain parameters on every rank), so block 0's pairs are half sharded and block 1's not at all."""
+    (plain parameters on every rank), so block 0's pairs are half sharded and block 1's not at all. `dim1`: the
+    blocks' matrices sharded on their columns (Shard(1)) instead of their rows (FSDP2 needs the columns to split
+    evenly: the width-32 ViT)."""
     ignored = {model.blocks[0].attn.qkv.weight, model.blocks[0].mlp.fc1.weight, *model.blocks[1].parameters()}
+    from torch.distributed.tensor import Shard
+
+    columns = dict(shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0)) if dim1 else {}
     for block in model.blocks:
         if not mixed:
-            fsdp.fully_shard(block)
+            fsdp.fully_shard(block, **columns)
     fsdp.fully_shard(model, ignored_params=ignored if mixed else None)
 
 
-def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False) -> dict:
+def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False, dim1: bool = False) -> dict:
     reference = build()
     ref_metrics = _train(reference, ColinearityDecay(reference, lam=0.5, targets=targets), split)
     model = build()
-    _shard(model, mixed)
+    _shard(model, mixed, dim1)
     metrics = _train(model, ColinearityDecay(model, lam=0.5, targets=targets, verify=False), split)
     weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
     try:
@@ -131,6 +136,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
                   for name, build in (("vit", tiny_vit), ("odd", _odd_vit)) for targets in ("A+B", "C")}
         result["fsdp2 vit C two optimizers"] = _fsdp2_case(tiny_vit, "C", split=True)
         result["fsdp2 vit C mixed"] = _fsdp2_case(tiny_vit, "C", mixed=True)
+        result["fsdp2 vit C columns"] = _fsdp2_case(tiny_vit, "C", dim1=True)
         result["fsdp2 submodule"] = _submodule_pairs()
         result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
@@ -152,7 +158,7 @@ def fsdp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2 vit A+B", "fsdp2 vit C", "fsdp2 odd A+B", "fsdp2 odd C",
-                                  "fsdp2 vit C two optimizers", "fsdp2 vit C mixed"])
+                                  "fsdp2 vit C two optimizers", "fsdp2 vit C mixed", "fsdp2 vit C columns"])
 def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     run = fsdp_runs[case]
     # the same kernels on the same whole matrices (measured: bit-identical weights on torch 2.14, gloo; the
