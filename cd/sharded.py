@@ -89,6 +89,7 @@ def sharded_colinearity_decay_(pairs: Sequence[Pair], steps: Sequence, up_steps:
     return {role: sq.sqrt() for role, sq in squares.items()}
 
 
+@torch.no_grad()  # a diagnostic: the gathers would otherwise record a graph nobody uses
 def sharded_pair_energy(pairs: Sequence[Pair], plans: list[tuple[list[int], Plan]]) -> dict[str, Tensor]:
     """`pair_energy` (mean over each role's pairs) of pairs whose matrices may be sharded, block by block."""
     sums: dict[str, Tensor] = {}
