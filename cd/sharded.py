@@ -18,17 +18,7 @@ import torch
 from torch import Tensor
 
 from .pairs import Pair
-from .update import Plan, build_plan, colinearity_decay_, pair_energy
-
-try:  # torch built without distributed has no DTensor: nothing can be sharded then
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover
-    DTensor = None
-
-
-def is_sharded(t: Tensor) -> bool:
-    """Whether `t` is a DTensor (a parameter of a module that FSDP2's fully_shard wrapped)."""
-    return DTensor is not None and isinstance(t, DTensor)
+from .update import Plan, build_plan, colinearity_decay_, is_sharded, pair_energy
 
 
 def any_sharded(pairs: Sequence[Pair]) -> bool:
@@ -61,6 +51,8 @@ def _gathered(pairs: Sequence[Pair]) -> tuple[list[Pair], dict[int, tuple[Tensor
 
 def _write_back(target: Tensor, value: Tensor) -> None:
     """Copy this rank's shard of the whole `value` into the sharded `target` (a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate  # present: `target` is a DTensor
+
     mesh = target.device_mesh
     mine = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
         mesh, target.placements)

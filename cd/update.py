@@ -49,6 +49,11 @@ except ImportError:  # pragma: no cover
 
 Number = Union[float, Tensor]
 
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether `t` is a DTensor (a parameter of a module that FSDP2's fully_shard wrapped: see `cd.sharded`)."""
+    return isinstance(t, DTensor)
+
 # Floor of the normalizer ||W1||_F / sqrt(r) (an RMS): an all-zero W1 gives W1n = 0 and no update.
 _NORM_EPS = 1e-12
 
@@ -284,7 +289,7 @@ def colinearity_decay_(
         raise ValueError(f"step_sizes has {len(step_sizes)} entries for {n_pairs} pairs")
     # DTensor math on FSDP2 shards runs without an error but loses target C's update of the qkv V rows (a row slice
     # of a sharded matrix is a copy): cd.sharded gathers each block's matrices whole and calls this on them
-    sharded = next((p for p in pairs if isinstance(p.downstream, DTensor) or isinstance(p.upstream, DTensor)), None)
+    sharded = next((p for p in pairs if is_sharded(p.downstream) or is_sharded(p.upstream)), None)
     if sharded is not None:
         raise ValueError(f"colinearity_decay_: {sharded.name} is sharded by FSDP2 (a DTensor), and a pair's update "
                          "reads whole matrices that no rank holds; use ColinearityDecay(model, verify=False) or "

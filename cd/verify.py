@@ -183,11 +183,9 @@ def refuse_fsdp1(model: nn.Module) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # a torch built without distributed
         return
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()
-    fsdp2 = _fully_sharded(model) or any(isinstance(p, DTensor) for p in model.parameters())
+    from .update import is_sharded  # here: cd.update imports cd.pairs, which imports this module
+
+    fsdp2 = _fully_sharded(model) or any(is_sharded(p) for p in model.parameters())
     if any(isinstance(m, FullyShardedDataParallel) or _inside_fsdp1(m, fsdp2) for m in model.modules()):
         raise UnsupportedModelError(
             f"CD does not support FSDP1 (FullyShardedDataParallel), which holds {type(model).__name__} or a part of "
