@@ -1,6 +1,7 @@
 """Preemption: SIGTERM / SIGINT to the main process, to the whole process group (DataLoader workers
 included), to one torchrun rank, and during validation all stop within one update (or one validation
 batch), write checkpoint.pt, exit EXIT_PREEMPTED (75) and resume."""
+import contextlib
 import json
 import os
 import re
@@ -19,10 +20,87 @@ from tests.conftest import DEBUG_CONFIG, ROOT
 LONG_RUN = ("sched.epochs=1000", "train.log_every_steps=1", "data.synthetic_train_size=256")
 
 
+# PYTHONFAULTHANDLER: a SIGABRT makes each Python process print every thread's stack (see `output_of`)
+RUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def launch(cmd):
+    """`cmd` in a new session: its own process group (its DataLoader workers included; torchrun gives each
+    rank a session of its own)."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=RUN_ENV)
+
+
+def parents() -> dict:
+    """{pid: parent pid} of every process on the machine (from /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    found[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:  # ended meanwhile
+                pass
+    return found
+
+
+def descendants(pid: int) -> list:
+    """The pids of `pid`'s children, their children, and so on."""
+    parent_of, found = parents(), []
+    frontier = [pid]
+    while frontier:
+        children = [child for child, parent in parent_of.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def describe(pid: int, launcher_pid: int) -> str:
+    """'pid 123 (rank 1)' for a torchrun rank, 'pid 124 (a worker of pid 123)' below one, else 'pid 122'."""
+    parent = parents().get(pid)
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            rank = [v.split(b"=")[1].decode() for v in f.read().split(b"\0") if v.startswith(b"LOCAL_RANK=")]
+    except OSError:
+        rank = []
+    if parent == launcher_pid and rank:
+        return f"pid {pid} (rank {rank[0]})"
+    return f"pid {pid}" + (f" (a worker of pid {parent})" if pid != launcher_pid and parent != launcher_pid else "")
+
+
+def output_of(proc, timeout, out_dir, before=""):
+    """All of `proc`'s output once it has exited. If it is still running after `timeout` seconds, each of its
+    processes in turn (the launcher last) gets SIGABRT, which (PYTHONFAULTHANDLER) prints the Python stack of
+    each of its threads, and the test fails with those stacks (also kept as hang_stacks.txt in `out_dir`): a
+    hang says where each rank and worker waits instead of only that it took too long."""
+    try:
+        return before + proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    family = [*descendants(proc.pid), proc.pid]  # torchrun starts each rank in a session of its own
+    order = [describe(pid, proc.pid) for pid in family]
+    for pid in family:  # one at a time: stacks written at once into the one pipe would interleave
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        time.sleep(1.0)
+    try:
+        output = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output = proc.communicate()[0]
+    output = before + output
+    with open(os.path.join(out_dir, "hang_stacks.txt"), "w") as f:
+        f.write(output)
+    stacks = output.find("Fatal Python error")
+    pytest.fail(f"still running after {timeout} s; the stacks of its processes, aborted in this order: "
+                f"{', '.join(order)}:\n{output[stacks:][:20000] if stacks >= 0 else output[-20000:]}")
+
+
 def start(cmd, out_dir):
-    """Start `cmd` in a new session (its own process group) and wait until it has logged an update."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """Start `cmd` (`launch`) and wait until it has logged an update."""
+    proc = launch(cmd)
     metrics = os.path.join(out_dir, "metrics.jsonl")
     deadline = time.time() + 180
     while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
@@ -61,7 +139,7 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target
         os.killpg(proc.pid, signum)
     else:
         proc.send_signal(signum)
-    output, _ = proc.communicate(timeout=120)
+    output = output_of(proc, 120, tmp_path)
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "preempted at update" in output and "Traceback" not in output
     # no validation pass after the signal (the run summary may still name the best of an earlier one)
@@ -73,18 +151,16 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target
 
 def rank_pid(launcher_pid: int, local_rank: int) -> int:
     """The pid of torchrun's worker process with LOCAL_RANK=`local_rank`."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for pid, parent in parents().items():
+        if parent != launcher_pid:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if parent == launcher_pid and f"LOCAL_RANK={local_rank}".encode() in env:
-            return int(entry)
+        if f"LOCAL_RANK={local_rank}".encode() in env:
+            return pid
     pytest.fail(f"no rank {local_rank} under torchrun {launcher_pid}")
 
 
@@ -107,7 +183,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     rank1 = rank_pid(proc.pid, 1)
     logged = last_logged_step(tmp_path)
     os.kill(rank1, signal.SIGTERM)
-    output, _ = proc.communicate(timeout=180)
+    output = output_of(proc, 180, tmp_path)
     assert "preempted at update" in output, output[-3000:]
     assert "DataLoader worker" not in output and 'train.py", line' not in output, output[-3000:]
     assert "exitcode  : 75" in output  # both ranks exit EXIT_PREEMPTED; torchrun reports it
@@ -124,8 +200,7 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
            "--master_port", str(free_port()),
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "log.tensorboard=false",
            "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch(cmd)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -133,7 +208,7 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
             break
     time.sleep(1.0)
     os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
-    output = "".join(lines) + proc.communicate(timeout=180)[0]
+    output = output_of(proc, 180, tmp_path, before="".join(lines))
     assert "preempted at update 4" in output and "val top-1" not in output, output[-3000:]
     assert "exitcode  : 75" in output and 'train.py", line' not in output, output[-3000:]
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
@@ -144,8 +219,7 @@ def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume
     # 4 updates per epoch, then a validation of 20,000 images (tens of seconds on one CPU thread)
     cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",
                     "log.tensorboard=false")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch(cmd)
     lines = []
     for line in proc.stdout:  # the log line of the epoch's last update comes just before validation
         lines.append(line)
@@ -153,7 +227,7 @@ def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume
             break
     time.sleep(1.0)  # well inside the validation
     proc.send_signal(signal.SIGTERM)
-    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    output = output_of(proc, 120, tmp_path, before="".join(lines))
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "val top-1" not in output and "preempted at update 4" in output, output[-3000:]
     # no "val top-1": the stop ended the validation (a wall-clock bound here failed on a busy machine)
