@@ -89,18 +89,28 @@ def energy_metrics(pairs: list[Pair], plan=None, block_plans_=None) -> dict[str,
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
 
-def pair_energy_source(model: nn.Module, gated_mlp: bool = False) -> Callable[[], dict[str, float]]:
+def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool = True,
+                       example_input: Optional[Tensor] = None) -> Callable[[], dict[str, float]]:
     """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
     so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them).
+
+    `verify` and `example_input` are `find_pairs`'s (as for `ColinearityDecay`). A model sharded by FSDP2
+    (`fully_shard`) takes verify=False (the check's meta forward would run FSDP's hooks); build the source after
+    fully_shard, as ColinearityDecay. Its energies are then those of the unsharded model (each block's matrices
+    gathered whole, `cd.sharded`), and the source is a collective: call it on every rank at the same steps (a call
+    on one rank alone waits for the others forever), and log its result from one.
 
     A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
     without CD all the same: its source logs nothing, with one warning saying why.
     """
     try:
-        pairs = find_pairs(model, gated_mlp=gated_mlp)
+        pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
     except UnsupportedModelError as e:
-        warnings.warn(f"{e} No cd/pair_energy metrics are logged for this model.", stacklevel=2)
+        warnings.warn(f"{str(e).rstrip('.')}; no cd/pair_energy metrics are logged for this model", stacklevel=2)
         return dict
+    if any_sharded(pairs):  # FSDP2: no rank holds a whole matrix; gathered one block at a time
+        plans = block_plans(pairs)
+        return lambda: energy_metrics(pairs, block_plans_=plans)
     plan = build_plan(pairs)
     return lambda: energy_metrics(pairs, plan)
 

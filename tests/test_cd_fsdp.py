@@ -6,7 +6,8 @@ also for target C (which writes the V rows of the fused qkv), for widths that do
 a model whose pairs are partly sharded (parameters fully_shard ignores, held whole on every rank). A submodule of an
 FSDP2 model is no FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses target
 C's V rows without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never
-a silent no-op.
+a silent no-op. A baseline (no CD) sharded by FSDP2 logs, through `pair_energy_source`, the pair energies of the same
+baseline trained unsharded, on every rank.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from cd import ColinearityDecay, UnsupportedModelError, find_pairs
+import warnings
+
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.integrations import bind_optimizers
+from cd.decay import energy_metrics
 from cd.sharded import block_plans
 from cd.update import build_plan, colinearity_decay_
 from cd_models import randomize_norms, tiny_vit
@@ -96,6 +100,34 @@ def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False, d
     return {"loss_mode": loss_mode, "weight_diff": diff, "metrics": metrics, "ref_metrics": ref_metrics}
 
 
+def _baseline_energies(build, mixed: bool = False, dim1: bool = False) -> dict:
+    """A baseline (no CD) trained STEPS SGD steps sharded: `pair_energy_source` against `energy_metrics` of the same
+    baseline trained unsharded (the reference), on every rank (all-gathered); and what the source does when
+    `verify` is left on (the pair check cannot run on a sharded model)."""
+    def train(model: torch.nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(STEPS):
+            x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    reference = build()
+    train(reference)
+    model = build()
+    _shard(model, mixed, dim1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unverified = pair_energy_source(model)()
+    source = pair_energy_source(model, verify=False)  # built after fully_shard, read after the steps
+    train(model)
+    energies = [None] * dist.get_world_size()
+    dist.all_gather_object(energies, source())
+    return {"energies": energies, "ref": energy_metrics(find_pairs(reference)), "unverified": unverified,
+            "warnings": [str(w.message) for w in caught]}
+
+
 def _fsdp1_refusal(use_orig_params: bool, inner: bool) -> str:
     """Bind CD to the wrapper, or (`inner`) to the model inside it, as a trainer's callback may be given."""
     model = tiny_vit()
@@ -137,6 +169,9 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         result["fsdp2 vit C two optimizers"] = _fsdp2_case(tiny_vit, "C", split=True)
         result["fsdp2 vit C mixed"] = _fsdp2_case(tiny_vit, "C", mixed=True)
         result["fsdp2 vit C columns"] = _fsdp2_case(tiny_vit, "C", dim1=True)
+        result.update({f"energy source {name}": _baseline_energies(build, **kw) for name, build, kw in (
+            ("vit", tiny_vit, {}), ("odd", _odd_vit, {}), ("mixed", tiny_vit, {"mixed": True}),
+            ("columns", tiny_vit, {"dim1": True}))})
         result["fsdp2 submodule"] = _submodule_pairs()
         result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
@@ -168,6 +203,25 @@ def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     for key, value in run["ref_metrics"].items():
         assert run["metrics"][key] == pytest.approx(value, rel=1e-5), key
     assert run["metrics"]["cd/updates"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["vit", "odd", "mixed", "columns"])
+def test_a_baseline_sharded_by_fsdp2_logs_the_unsharded_pair_energies(fsdp_runs, case):
+    run = fsdp_runs[f"energy source {case}"]
+    assert set(run["ref"]) == {f"cd/pair_energy/{role}" for role in ("qkv", "proj", "fc1", "fc2")}
+    for rank, energies in enumerate(run["energies"]):  # every rank calls the source (a collective), and gets them
+        assert energies.keys() == run["ref"].keys(), rank
+        for key, value in run["ref"].items():  # the blocks are summed in another order: float rounding only
+            assert energies[key] == pytest.approx(value, rel=1e-6), (rank, key)
+
+
+@pytest.mark.slow
+def test_a_sharded_baselines_energy_source_with_the_check_on_says_how_to_turn_it_off(fsdp_runs):
+    run = fsdp_runs["energy source vit"]
+    assert run["unverified"] == {}  # the pair check cannot run on a sharded model: nothing logged, one warning
+    assert len(run["warnings"]) == 1 and "sharded by FSDP2" in run["warnings"][0]
+    assert "pass verify=False" in run["warnings"][0] and "\n" not in run["warnings"][0]
 
 
 @pytest.mark.slow
