@@ -77,6 +77,25 @@ def _parameter_at(root: nn.Module, name: str) -> Optional[Tensor]:
     return module._parameters.get(attr)
 
 
+def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, Tensor]], who: str) -> None:
+    """Refuse when `root`'s parameters under those names are no longer the tensors found there (`root` None: the
+    model is gone, nothing to check): load_state_dict(assign=True), to_empty() or fully_shard replaced them since,
+    and what reads or writes the old tensors would act on tensors the model does not use, without an error.
+
+    Raises:
+        ValueError: naming the first replaced parameter, the usual causes and the fix.
+    """
+    if root is None:
+        return
+    stale = [name for name, t in named if _parameter_at(root, name) is not t]
+    if stale:
+        raise ValueError(f"{who}: the model's parameter {stale[0]} (and {len(stale) - 1} more) is no longer the "
+                         f"tensor its pairs were found on: the parameters were replaced since "
+                         f"(load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, FSDP1). "
+                         f"Build {who} after the model's parameters are final (after fully_shard; FSDP1 is not "
+                         f"supported)")
+
+
 def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
@@ -101,18 +120,26 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     on one rank alone waits for the others forever), and log its result from one.
 
     A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
-    without CD all the same: its source logs nothing, with one warning saying why.
+    without CD all the same: its source logs nothing, with one warning saying why. A source whose model's
+    parameters were replaced since (made before fully_shard, load_state_dict(assign=True)) raises a ValueError when
+    called, rather than log the old tensors' energies.
     """
     try:
         pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
     except UnsupportedModelError as e:
         warnings.warn(f"{str(e).rstrip('.')}; no cd/pair_energy metrics are logged for this model", stacklevel=2)
         return dict
-    if any_sharded(pairs):  # FSDP2: no rank holds a whole matrix; gathered one block at a time
-        plans = block_plans(pairs)
-        return lambda: energy_metrics(pairs, block_plans_=plans)
-    plan = build_plan(pairs)
-    return lambda: energy_metrics(pairs, plan)
+    plan, plans = (None, block_plans(pairs)) if any_sharded(pairs) else (build_plan(pairs), None)  # FSDP2: by block
+    root = weakref.ref(unwrap_model(model))
+    named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
+
+    def source() -> dict[str, float]:
+        # a source made before fully_shard (or load_state_dict(assign=True)) would log the replaced tensors' energies:
+        # constant curves that look like data
+        check_parameters_current(root(), named, "pair_energy_source")
+        return energy_metrics(pairs, plan, plans)
+
+    return source
 
 
 def _finite_nonnegative(value: object) -> bool:
@@ -443,16 +470,7 @@ class ColinearityDecay:
     def _check_parameters_current(self) -> None:
         """Refuse when the model's parameters are no longer the tensors the pairs hold (the update would
         write tensors the model does not use): e.g. load_state_dict(assign=True) or to_empty() since."""
-        root = self._model()
-        if root is None:
-            return
-        stale = [name for name, t in self._decayed_named() if _parameter_at(root, name) is not t]
-        if stale:
-            raise ValueError(f"ColinearityDecay: the model's parameter {stale[0]} (and {len(stale) - 1} more) is "
-                             f"no longer the tensor this object found its pairs on: the parameters were replaced "
-                             f"since (load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, "
-                             f"FSDP1). Build ColinearityDecay after the model's parameters are final (after "
-                             f"fully_shard; FSDP1 is not supported)")
+        check_parameters_current(self._model(), self._decayed_named(), "ColinearityDecay")
 
     def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None,
                   reads: Optional[Mapping[int, Tensor]] = None, count: bool = True) -> bool:

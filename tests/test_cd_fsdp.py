@@ -128,6 +128,20 @@ def _baseline_energies(build, mixed: bool = False, dim1: bool = False) -> dict:
             "warnings": [str(w.message) for w in caught]}
 
 
+def _source_made_before_sharding() -> str:
+    """A baseline's energy source made before fully_shard (which replaces the parameters) and read after a step."""
+    model = tiny_vit()
+    source = pair_energy_source(model)
+    _shard(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)  # the step: changes the shards, not the tensors the source was made on
+    try:
+        return f"logged {source()}"
+    except ValueError as e:
+        return str(e)
+
+
 def _fsdp1_refusal(use_orig_params: bool, inner: bool) -> str:
     """Bind CD to the wrapper, or (`inner`) to the model inside it, as a trainer's callback may be given."""
     model = tiny_vit()
@@ -172,6 +186,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         result.update({f"energy source {name}": _baseline_energies(build, **kw) for name, build, kw in (
             ("vit", tiny_vit, {}), ("odd", _odd_vit, {}), ("mixed", tiny_vit, {"mixed": True}),
             ("columns", tiny_vit, {"dim1": True}))})
+        result["energy source before fully_shard"] = _source_made_before_sharding()
         result["fsdp2 submodule"] = _submodule_pairs()
         result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
@@ -222,6 +237,14 @@ def test_a_sharded_baselines_energy_source_with_the_check_on_says_how_to_turn_it
     assert run["unverified"] == {}  # the pair check cannot run on a sharded model: nothing logged, one warning
     assert len(run["warnings"]) == 1 and "sharded by FSDP2" in run["warnings"][0]
     assert "pass verify=False" in run["warnings"][0] and "\n" not in run["warnings"][0]
+
+
+@pytest.mark.slow
+def test_an_energy_source_made_before_fully_shard_is_refused_not_logging_the_replaced_tensors(fsdp_runs):
+    message = fsdp_runs["energy source before fully_shard"]
+    assert message.startswith("pair_energy_source: the model's parameter blocks.0.attn.qkv.weight (and ")
+    assert "Build pair_energy_source after the model's parameters are final (after fully_shard" in message
+    assert "\n" not in message
 
 
 @pytest.mark.slow

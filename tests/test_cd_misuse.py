@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cd import ColinearityDecay, UnsupportedModelError, find_pairs
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs
 from cd_models import changed, snapshot, tiny_swin, tiny_vit
 
@@ -321,6 +321,31 @@ def test_replaced_parameters_are_refused_as_replaced_not_as_missing():
         decay.attach(sgd(model.parameters()))
     with pytest.raises(ValueError, match=r"no longer the tensor .* replaced since"):  # not a write to stale tensors
         decay.apply(0.1)
+
+
+def test_a_baselines_energy_source_follows_its_models_weights_and_refuses_replaced_ones():
+    """The source reads the model's tensors at each call: weights changed in place give the new energies; weights
+    replaced (load_state_dict(assign=True), as fully_shard after the source was made) are refused, not logged as
+    the old tensors' energies (constant curves)."""
+    model = tiny_vit()
+    source = pair_energy_source(model)
+    before = source()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    after = source()
+    # W1n is W1 scaled to a fixed norm (App. A.2, Eq. (23)): doubling every weight makes ||W2 W1n||_F^2 four times
+    assert after.keys() == before.keys() and len(after) == 4
+    assert all(after[k] == pytest.approx(4 * before[k], rel=1e-5) for k in before)
+    naive = []  # fc2 pairs by the definition: W2 = fc2, W1 = fc1, W1n = W1 * sqrt(rows(W1)) / ||W1||_F
+    for block in model.blocks:
+        w1, w2 = block.mlp.fc1.weight.detach().double(), block.mlp.fc2.weight.detach().double()
+        naive.append((w2 @ (w1 * w1.shape[0] ** 0.5 / w1.norm())).square().sum().item())
+    assert after["cd/pair_energy/fc2"] == pytest.approx(sum(naive) / len(naive), rel=1e-5)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match=r"^pair_energy_source: the model's parameter blocks\.0\.attn\.qkv\.weight "
+                                         r"\(and \d+ more\) is no longer the tensor .* replaced since"):
+        source()
 
 
 def test_parameters_replaced_after_attach_are_refused_at_the_step():
