@@ -779,21 +779,30 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
         raise ValueError(f"{model} {method}: {different[0]} and {different[1]} were evaluated differently "
                          f"({different[2]}); rows average the seeds of one evaluation: give results evaluated "
                          f"alike{recompute}")
-    # the same weights through another forward (model.kwargs given at evaluation, marked † in a row) are another
-    # evaluation; older files and weights files, which record no recipe, are not compared
-    changed = [(label, model_kwargs_changed(r)) for label, r in labelled]
-    unlike = next(((changed[0], c) for c in changed[1:] if c[1] != changed[0][1]), None)
+    unlike = model_kwargs_unlike(labelled)
     if unlike is not None:
-        (a, how_a), (b, how_b) = unlike
-        raise ValueError(f"{model} {method}: {a} and {b} were evaluated with other model.kwargs "
-                         f"({how_a or 'as trained'} vs {how_b or 'as trained'}); rows average the seeds of one "
-                         "evaluation: give results evaluated alike")
+        raise ValueError(f"{model} {method}: {unlike}; rows average the seeds of one evaluation: give results "
+                         "evaluated alike")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
     other = recipe_difference([(r.get("checkpoint"), r) for r in group])
     if other is not None:
         raise ValueError(f"{model} {method}: {other[0]} and {other[1]} were trained with other settings "
                          f"({other[2]}); rows average the seeds of one recipe")
+
+
+def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:
+    """'<a> and <b> were evaluated with other model.kwargs (...)' for the first two of the (label, result) pairs
+    that `model_kwargs_changed` tells apart, else None. Results to be averaged as seeds (check_seed_group, the
+    dose reports' points) must be alike: the same weights through another forward (model.kwargs given at
+    evaluation, marked † in a row) are another evaluation. Older files and weights files, which record no recipe,
+    are not compared."""
+    changed = [(label, model_kwargs_changed(r)) for label, r in labelled]
+    unlike = next(((changed[0], c) for c in changed[1:] if c[1] != changed[0][1]), None)
+    if unlike is None:
+        return None
+    (a, how_a), (b, how_b) = unlike
+    return f"{a} and {b} were evaluated with other model.kwargs ({how_a or 'as trained'} vs {how_b or 'as trained'})"
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
