@@ -6,9 +6,10 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (evaluate.nondefault_settings); in the rows layout, a model evaluated
-with other model.kwargs than it was trained with (an override at evaluation) is marked † with a note
-(evaluate.model_kwargs_changed). A result whose checkpoint beside it
+is marked with * and a note naming them (evaluate.nondefault_settings); a result evaluated with other model.kwargs
+than it was trained with (an override at evaluation) is marked † with a note (evaluate.model_kwargs_changed): its
+row's model in the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A result
+whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
 
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import PAPER_NAMES, markdown_table, nondefault_settings  # noqa: E402
+from evaluate import PAPER_NAMES, markdown_table, model_kwargs_changed, nondefault_settings  # noqa: E402
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -98,26 +99,34 @@ def finetune_table(results: list[dict]) -> str:
     columns = sorted({(p, b) for r in results for p in r["quant"] for b in r["quant"][p]},
                      key=lambda pb: (list(PAPER_NAMES).index(pb[0]) if pb[0] in PAPER_NAMES else 9, pb))
     line = lambda cells_: "| " + " | ".join(cells_) + " |"
+    # a result evaluated otherwise than it trained (a model.kwargs override): its entries are of another forward
+    changed = {key: how for key, r in cells.items() if (how := model_kwargs_changed(r))}
+    dagger = lambda key: "†" if key in changed else ""
     tables = []
     for pipeline, bits in columns:
         rows = [line(["Dataset"] + methods), line(["---"] * (len(methods) + 1))]
         notes = []
         sums = {m: [] for m in methods}
+        marked = set()  # the methods whose Average takes in a † entry
         for d in datasets:
             row = [FINETUNE_DATASETS.get(d, d)]
             for m in methods:
                 r = cells.get((d, m))
                 q = r and r["quant"].get(pipeline, {}).get(bits)
+                if (d, m) in changed and (q or d == "imagenet"):  # an entry, or the maxima row, shows it
+                    notes.append(f"† {FINETUNE_DATASETS.get(d, d)} {m}: evaluated with {changed[(d, m)]}")
                 if not q:
                     row.append("-")
                     continue
                 fp, qt = r["fp"]["top1"], q["top1"]
                 sums[m].append((fp, qt))
                 unusual = nondefault_settings(pipeline, q.get("settings"))  # marked, as evaluate.py marks them
-                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else ""))
+                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else "") + dagger((d, m)))
                 if unusual:
                     notes.append(f"\\* {FINETUNE_DATASETS.get(d, d)} {m}: not the default settings: "
                                  f"{', '.join(unusual)}")
+                if (d, m) in changed:
+                    marked.add(m)
             rows.append(line(row))
         average = ["Average"]
         for m in methods:
@@ -127,12 +136,13 @@ def finetune_table(results: list[dict]) -> str:
                 continue
             fp, qt = (sum(v[i] for v in sums[m]) / n for i in (0, 1))
             partial = f" (over {n} of {len(datasets)})" if n < len(datasets) else ""
-            average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}")
+            average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}" + ("†" if m in marked else ""))
         rows.append(line(average))
         if any(d == "imagenet" for d, _ in cells):  # the paper measures maxima on the ImageNet-1K run only
             rows.append(line(["Max. Act. (ImageNet-1K)"] + [
                 f"{cells[('imagenet', m)]['max_act']['module']:.2f} / "
-                f"{cells[('imagenet', m)]['max_act']['block']:.2f}" if ("imagenet", m) in cells else "-"
+                f"{cells[('imagenet', m)]['max_act']['block']:.2f}{dagger(('imagenet', m))}"
+                if ("imagenet", m) in cells else "-"
                 for m in methods]))
         title = f"{PAPER_NAMES.get(pipeline, pipeline)} {bits.upper()}: FP top-1 / quantized top-1 / drop"
         tables.append(f"{title}\n\n" + "\n".join(rows + ([""] + notes if notes else [])))

@@ -193,6 +193,31 @@ def test_finetune_layout_has_the_papers_rows_entries_and_average(tmp_path, capsy
     assert body[4] == "| Max. Act. (ImageNet-1K) | 103.00 / 203.00 | 104.00 / 204.00 | - |"
 
 
+def test_finetune_layout_marks_an_entry_evaluated_with_other_model_kwargs_than_trained():
+    """A result evaluated with a model.kwargs override (gelu=tanh on a model trained with the exact GELU) is the
+    same weights through another forward: its entries, the maxima it gives and the Average that takes it in are
+    marked †, with a note naming both settings, as the rows layout marks its row. The same settings in another
+    key order, and a result that records no recipe, are no change."""
+    def result(root, method, evaluated, trained):
+        return dict(_finetune_result(root, method, 90.0, 80.0), model_kwargs=evaluated,
+                    recipe={"model.kwargs": trained})
+    same = {"gelu": "tanh", "global_pool": "avg"}
+    results = [result("pets", "Baseline", {}, {}), result("pets", "CD", {"gelu": "tanh"}, {}),
+               result("imagenet", "CD", dict(reversed(same.items())), same),
+               result("imagenet", "Baseline", {"gelu": "tanh"}, {}),
+               dict(_finetune_result("flowers102", "CD", 90.0, 80.0), model_kwargs={"gelu": "tanh"})]
+    results[3]["quant"] = {"percentile": {"w4a4": {"top1": 70.0}}}  # no RepQ-ViT entry: only its maxima show
+    lines = paper_table.finetune_table(results).splitlines()
+    lines = lines[lines.index("RepQ-ViT W4A4: FP top-1 / quantized top-1 / drop"):]
+    assert lines[4] == "| Flowers102 | - | 90.00 / 80.00 / -10.00 |"
+    assert lines[5] == "| Pets | 90.00 / 80.00 / -10.00 | 90.00 / 80.00 / -10.00† |"
+    assert lines[6] == "| ImageNet-1K | - | 90.00 / 80.00 / -10.00 |"
+    assert lines[7] == "| Average | 90.00 / 80.00 / -10.00 (over 1 of 3) | 90.00 / 80.00 / -10.00† |"
+    assert lines[8] == "| Max. Act. (ImageNet-1K) | 10.00 / 20.00† | 10.00 / 20.00 |"
+    trained_with = 'evaluated with model.kwargs={"gelu": "tanh"} (trained with {})'
+    assert lines[9:] == ["", f"† Pets CD: {trained_with}", f"† ImageNet-1K Baseline: {trained_with}"]
+
+
 def test_finetune_layout_makes_one_table_per_bit_width_and_names_rows_by_data_set():
     """Each (pipeline, bit-width) is a table of its own; a row is the data set: data.root's last folder
     (a trailing slash too), or the name of a built-in data set."""
