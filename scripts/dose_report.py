@@ -5,7 +5,9 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
 (mean ± sample std). Runs evaluated differently (autocast, weights, data, quantization settings), and seeds
-of one point trained with other settings (the recipe their eval_best.json records), are refused. What is
+of one point trained with other settings (the recipe their eval_best.json records) or evaluated with other
+model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained with (an evaluate
+override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming both. What is
 read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
@@ -44,6 +46,7 @@ from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+import evaluate  # noqa: E402
 from scripts.mechanism import ffn_blocks, rank_directions  # noqa: E402
 
 ROLES = ("qkv", "proj", "fc1", "fc2")
@@ -206,7 +209,26 @@ def read_sweep(root: str) -> list[Run]:
             raise ReportError(f"{other[0]} and {other[1]} are seeds of point {point} but were trained with other "
                               f"settings ({other[2]}); the seeds of a point are averaged: give a run of other "
                               f"settings a point of its own (folder <point>_s<seed>)")
+        # averaged as seeds: the same weights through another forward (a model.kwargs override at evaluation) are
+        # another evaluation, compared as evaluate.py --over-seeds compares them; points are marked (evaluated_marks)
+        unlike = evaluate.model_kwargs_unlike([(run.folder, run.result) for run in runs if run.point == point])
+        if unlike is not None:
+            raise ReportError(f"{unlike}; the seeds of point {point} are averaged: evaluate every run alike (the "
+                              f"same evaluate.py model.kwargs overrides)")
     return runs
+
+
+def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
+    """Each point's label in the tables of evaluated numbers, with † when its runs were evaluated with other
+    model.kwargs than they trained with (evaluate.model_kwargs_changed; its seeds alike, read_sweep), and the
+    notes naming how, for below the first such table."""
+    labels, notes = {}, []
+    for point, runs in groups.items():
+        changed = sorted({c for r in runs if (c := evaluate.model_kwargs_changed(r.result))})
+        labels[point] = point + ("†" if changed else "")
+        if changed:
+            notes.append(f"† {point}: evaluated with {'; '.join(changed)}")
+    return labels, notes
 
 
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
@@ -274,7 +296,6 @@ def alignment_peak(model: torch.nn.Module) -> dict:
 
 def model_of(checkpoint: str, weights: str = "raw") -> torch.nn.Module:
     """The model of a train.py checkpoint with its raw or EMA weights, loaded by evaluate.py's own loader."""
-    import evaluate  # the quantization stack behind it: only where a report loads weights
     payload = load_checkpoint(checkpoint)
     args = evaluate.parse_args(["--checkpoint", checkpoint, *(["--ema"] if weights == "ema" else [])])
     return evaluate.load_float_model(config_from_dict(payload["config"]), payload, args).eval()
@@ -310,14 +331,16 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
     head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
         [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    labels, notes = evaluated_marks(groups)
     for point, runs in groups.items():
-        cells = [point, ",".join(str(r.seed) for r in runs),
+        cells = [labels[point], ",".join(str(r.seed) for r in runs),
                  fmt([r.result["fp"]["top1"] for r in runs]),
                  fmt([r.result["max_act"]["module"] for r in runs]),
                  fmt([r.result["max_act"]["block"] for r in runs])]
         for pipeline, bits in QUANT_COLUMNS:
             cells.append(fmt([r.result["quant"][pipeline][bits]["top1"] for r in runs]))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ([""] + notes) if notes else []
 
     base = {role: mean_std([final_energy(r, role) for r in groups["baseline"]])[0] for role in ROLES} \
         if "baseline" in groups else None
@@ -336,7 +359,7 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
               "| Point | " + " | ".join(TYPE_ORDER) + " |", "|---|" + "---|" * len(TYPE_ORDER)]
     for point, runs in groups.items():
         per_type = [type_maxima(r) for r in runs]
-        lines.append(f"| {point} | " + " | ".join(
+        lines.append(f"| {labels[point]} | " + " | ".join(
             f"{mean_std([t[k] for t in per_type])[0]:.1f}" if all(k in t for t in per_type) else "-"
             for k in TYPE_ORDER) + " |")
 

@@ -5,8 +5,10 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
-settings, runs that stopped before their planned updates (sched.steps) and an eval_best.json of weights other
-than the run's best.pt holds now (engine/eval_results.refuse_stale) are refused. Written, and never
+settings or evaluated with other model.kwargs, runs that stopped before their planned updates (sched.steps) and an
+eval_best.json of weights other than the run's best.pt holds now (engine/eval_results.refuse_stale) are refused; a
+point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
+a note naming both. Written, and never
 overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
@@ -27,9 +29,9 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, final_energy, fmt,  # noqa: E402
-                                 metric_number, metrics_records, open_sweep, plot_energies, plot_type_maxima,
-                                 point_settings, type_maxima)
+from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, evaluated_marks,  # noqa: E402
+                                 final_energy, fmt, metric_number, metrics_records, open_sweep, plot_energies,
+                                 plot_type_maxima, point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.tasks import capped_cell  # noqa: E402
 
@@ -72,14 +74,16 @@ def tables(groups: dict[str, list[Run]]) -> str:
     quant = [f"{p} {b.upper()}" for p, b in COLUMNS]
     lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
              "|---|---|---|---|" + "---|" * len(quant)]
+    labels, notes = evaluated_marks(groups)
     for point, runs in groups.items():
-        cells = [point, str(len(runs)), cell([r.result["fp"]["ppl"] for r in runs], runs),
+        cells = [labels[point], str(len(runs)), cell([r.result["fp"]["ppl"] for r in runs], runs),
                  cell([r.result["fp"]["ppl_bf16"] for r in runs], runs)]
         for pipeline, bits in COLUMNS:
             values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs
                       if bits in r.result["quant"].get(pipeline, {})]
             cells.append(cell(values, runs))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ([""] + notes) if notes else []
     lines += ["", "Final pair energy (mean ||W2 W1n||_F^2 over blocks) and activation statistics of best.pt on "
               "the val windows:", "",
               "| Point | " + " | ".join(f"E {r}" for r in ROLES) + " | max module | max block | kurtosis block |",
@@ -88,20 +92,21 @@ def tables(groups: dict[str, list[Run]]) -> str:
         cells = [fmt([final_energy(r, role) for r in runs], 1) for role in ROLES]
         cells += [fmt([r.result["max_act"]["module"] for r in runs]), fmt([r.result["max_act"]["block"] for r in runs]),
                   fmt([r.result["max_act"]["kurtosis"]["block"] for r in runs], 1)]
-        lines.append(f"| {point} | " + " | ".join(cells) + " |")
-    lines += activation_bit_gaps(groups)
+        lines.append(f"| {labels[point]} | " + " | ".join(cells) + " |")  # maxima of the evaluation
+    lines += activation_bit_gaps(groups, labels)
     for column, what in (("max", "Largest max |activation|"), ("kurtosis", "Largest kurtosis")):
         lines += ["", f"{what} per module type over the blocks:", "",
                   "| Point | " + " | ".join(TYPES) + " |", "|---|" + "---|" * len(TYPES)]
         for point, runs in groups.items():
             per_run = [type_maxima(r, column) for r in runs]
-            lines.append(f"| {point} | " + " | ".join(
+            lines.append(f"| {labels[point]} | " + " | ".join(
                 cell([m[t] for m in per_run if t in m], runs, 1) for t in TYPES) + " |")
     return "\n".join(lines + point_settings(groups)) + "\n"
 
 
-def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:
-    """The ACT_BITS table (markdown lines), or nothing when no run was evaluated below 8 activation bits."""
+def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) -> list[str]:
+    """The ACT_BITS table (markdown lines), or nothing when no run was evaluated below 8 activation bits; labels:
+    each point's name in it (evaluated_marks)."""
     def gaps(runs: list[Run], pipeline: str, bits: str) -> list[float]:
         return [r.result["quant"][pipeline][bits]["ppl"] - r.result["fp"]["ppl"] for r in runs
                 if bits in r.result["quant"].get(pipeline, {})]
@@ -113,7 +118,7 @@ def activation_bit_gaps(groups: dict[str, list[Run]]) -> list[str]:
              "|---|" + "---|" * len(ACT_BITS)]
     for point, runs in groups.items():
         cells = [cell(gaps(runs, p, b), runs) for p, b in ACT_BITS]
-        lines.append(f"| {point} | " + " | ".join(cells) + " |")
+        lines.append(f"| {labels[point]} | " + " | ".join(cells) + " |")
     return lines
 
 

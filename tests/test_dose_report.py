@@ -208,6 +208,32 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
         dose_report.read_sweep(str(tmp_path))
 
 
+def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked_and_its_seeds_must_be_alike(tmp_path):
+    """A sweep whose 'evaluate' list overrides model.kwargs (gelu=tanh on runs trained with the exact GELU) scores
+    the same weights through another forward: the point's row in the tables of evaluated numbers is marked †,
+    with a note naming both settings, as evaluate.py's table marks it; training numbers (pair energies) are not.
+    Seeds of one point evaluated with other model.kwargs are not averaged (evaluate.py --over-seeds refuses them)."""
+    tanh = {"gelu": "tanh"}
+    evaluated = {"baseline_s0": {}, "baseline_s1": {}, "cd10x_s0": tanh, "cd10x_s1": tanh}
+    for seed, (name, kwargs) in enumerate(evaluated.items()):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+        path = tmp_path / name / "eval_best.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "model_kwargs": kwargs,
+                                    "recipe": {"model.kwargs": {}}}))
+    report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    first, energies = report.split("Pair energy")[0], report.split("Pair energy")[1].split("Largest")[0]
+    types = report.split("Largest")[1].split("FC1-FC2")[0]
+    assert "| baseline | 0,1 |" in first and "| cd10x† | 0,1 |" in first
+    assert first.strip().splitlines()[-1] == '† cd10x: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})'
+    assert "| cd10x | " in energies and "| baseline | 4.0 | - |" in types and "| cd10x† | 4.0 | - |" in types
+    path = tmp_path / "cd10x_s1" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "model_kwargs": {}}))
+    with pytest.raises(dose_report.ReportError, match=r'cd10x_s0 and .*cd10x_s1 were evaluated with other '
+                                                      r'model.kwargs \(model.kwargs={"gelu": "tanh"} \(trained with '
+                                                      r'{}\) vs as trained\); the seeds of point cd10x are averaged'):
+        dose_report.read_sweep(str(tmp_path))
+
+
 def test_an_evaluation_of_an_earlier_best_pt_is_refused(tmp_path):
     """A run resumed after its evaluation saved a new best.pt: its eval_best.json scored other weights, and the
     report put that accuracy beside the new weights' alignment peak (no check: only a missing or unreadable

@@ -143,6 +143,26 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
     assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
+def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_path):
+    """Runs evaluated with a model.kwargs override (gelu=tanh, trained with the exact GELU) are the same weights
+    through another forward: the point is marked † in every table of evaluated numbers, with a note naming both
+    settings below the first; a seed evaluated as trained beside one evaluated otherwise is refused."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name, kwargs in (("baseline_s0", {}), ("cd10x_s0", {"gelu": "tanh"}), ("cd10x_s1", {"gelu": "tanh"})):
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
+        _edit_result(root / name, lambda r: r.update(model_kwargs=kwargs, recipe={"model.kwargs": {}}))
+    lines = lm_study.main([str(root), "--out", str(tmp_path / "out")]).splitlines()
+    rows = [line for line in lines if line.startswith("| cd10x")]
+    assert len(rows) == 5 and all(line.startswith("| cd10x† | ") for line in rows)  # ppl, maxima, gaps, 2 types
+    assert not any(line.startswith("| baseline†") for line in lines)
+    note = '† cd10x: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})'
+    assert lines.count(note) == 1 and lines.index(note) < lines.index(next(r for r in lines if "Final pair" in r))
+    _edit_result(root / "cd10x_s1", lambda r: r.update(model_kwargs={}))
+    with pytest.raises(lm_study.ReportError, match=r"cd10x_s0 and .*cd10x_s1 were evaluated with other model.kwargs"):
+        lm_study.main([str(root), "--out", str(tmp_path / "out2")])
+
+
 def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path):
     """A run evaluated while it trained (last validation at update 50 of 2,000) would count as a seed of its
     point, its energies and perplexities those of an early model; runs that reached their sched.steps, and
