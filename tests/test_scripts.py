@@ -500,6 +500,28 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
     assert not (tmp_path / "cut").exists()
 
 
+def test_motivation_figure_marks_a_classifier_evaluated_with_other_model_kwargs_than_trained(tmp_path, capsys):
+    """A result evaluated with a model.kwargs override (gelu=tanh on a model trained with the exact GELU) is the
+    same weights through another forward: its model is marked † (its own place on the axis, and in the CSV), with a
+    note naming both settings, as evaluate.py's table marks its row; the model as trained is not."""
+    import csv
+
+    import motivation_figure
+
+    files = []
+    for method, kwargs in (("Baseline", {}), ("CD", {"gelu": "tanh"})):
+        result = {"model": "vit_b", "method": method, "fp": {"top1": 81.0}, "max_act": {"module": 5.0, "block": 9.0},
+                  "quant": {"repq": {"w4a4": {"top1": 70.0}}}, "model_kwargs": kwargs,
+                  "recipe": {"model.kwargs": {}}}
+        files.append(str(tmp_path / f"{method}.json"))
+        open(files[-1], "w").write(json.dumps(result))
+    rows = motivation_figure.main([*files, "--out", str(tmp_path / "fig")])
+    assert [r["model"] for r in rows] == ["vit_b", "vit_b†"]
+    with open(tmp_path / "fig" / "motivation.csv", encoding="utf-8") as f:
+        assert [row["model"] for row in csv.DictReader(f)] == ["vit_b", "vit_b†"]
+    assert 'note: † vit_b CD: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})' in capsys.readouterr().err
+
+
 def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
     """Fig. 1's detection half: evaluate_detection.py's results (box mAP, backbone / head maxima; a detector
     named by its config, its method as evaluate_detection.py recorded it) in a panel of their own."""
