@@ -305,14 +305,20 @@ def evaluated_model(run: Run) -> torch.nn.Module:
     """The run's best.pt with the weights its eval_best.json scored (raw or EMA), refused when best.pt holds
     other weights now (a run resumed after its evaluation saves a new best): the report would put the old
     weights' accuracy and maxima beside the new weights' alignment peak. The JSON records the fingerprint of
-    the weights evaluate.py loaded, the same function of the same state dict."""
+    the weights evaluate.py loaded, the same function of the same state dict. Not the repeat of read_result_file's
+    refuse_stale it looks like: that one checks the checkpoint the file records while it exists (the original run
+    folder, when the sweep was copied), and passes files without a fingerprint; this one checks the best.pt whose
+    weights the report reads."""
     checkpoint = os.path.join(run.folder, "best.pt")
     model = model_of(checkpoint, run.result.get("weights", "raw"))
     scored, now = run.result.get("fingerprint"), weights_fingerprint(model.state_dict())
     if scored != now:
         result = os.path.join(run.folder, "eval_best.json")
-        raise ReportError(f"{result} scored other weights than {checkpoint} holds now (fingerprint {scored} in "
-                          f"the file, {now} of best.pt: best.pt was saved after the evaluation); re-evaluate it: "
+        what = (f"{result} scored other weights than {checkpoint} holds now (fingerprint {scored} in the file, "
+                f"{now} of best.pt: best.pt was saved after the evaluation)" if scored is not None else
+                f"{result} records no weights fingerprint (an older evaluate.py wrote it): whether it scored the "
+                f"weights {checkpoint} holds now is unknown")
+        raise ReportError(f"{what}; re-evaluate it: "
                           f"run the sweep again with --run --evaluate (scripts/sweep.py moves an evaluation older "
                           f"than best.pt aside), or move it and its _act_max files aside and run python "
                           f"evaluate.py --checkpoint {checkpoint} --out {result} with the sweep's evaluate settings")

@@ -3,6 +3,7 @@ folders written here (metrics.jsonl, eval_best.json, the activation-max CSV, bes
 its command line (outputs refused when present, one-line errors)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -250,6 +251,24 @@ def test_an_evaluation_of_an_earlier_best_pt_is_refused(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_copied_sweep_whose_best_pt_changed_is_refused_though_the_recorded_checkpoint_is_unchanged(tmp_path):
+    """read_result_file's refuse_stale checks the checkpoint an eval_best.json records while it exists: in a copy of
+    a sweep, the original run's best.pt. The report reads the copy's best.pt; when that one saved a new best after
+    the copy, evaluated_model's own check is what refuses it (so it is no repeat of refuse_stale)."""
+    original = tmp_path / "a"
+    original.mkdir()
+    write_run(original, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    path = original / "baseline_s0" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "checkpoint": str(original / "baseline_s0" / "best.pt")}))
+    copy = tmp_path / "b"
+    shutil.copytree(original, copy)
+    make_checkpoint(copy / "baseline_s0" / "best.pt", 7)  # the copy's run trained on and saved a new best
+    run = dose_report.read_sweep(str(copy))[0]  # the recorded checkpoint (the original's) holds the scored weights
+    with pytest.raises(dose_report.ReportError, match=r"b/baseline_s0/eval_best.json scored other weights than "
+                                                      r".*b/baseline_s0/best.pt holds now"):
+        dose_report.evaluated_model(run)
+
+
 def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):
     """An evaluation of the EMA weights (evaluate.py --ema) is matched with best.pt's EMA weights, whose
     alignment peak is reported; the raw weights are other weights."""
@@ -264,6 +283,12 @@ def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in ema.items())
     path.write_text(json.dumps({**json.loads(path.read_text()), "weights": "raw"}))
     with pytest.raises(dose_report.ReportError, match="scored other weights"):
+        dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
+    # a file of an older evaluate.py, without a fingerprint: refused as such, not as a best.pt saved after it
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "fingerprint"}))
+    with pytest.raises(dose_report.ReportError, match=r"baseline_s0/eval_best.json records no weights fingerprint "
+                                                      r"\(an older evaluate.py wrote it\): whether it scored .* is "
+                                                      r"unknown; re-evaluate it"):
         dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
 
 
