@@ -259,7 +259,8 @@ def test_a_copied_sweep_whose_best_pt_changed_is_refused_though_the_recorded_che
     original.mkdir()
     write_run(original, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
     path = original / "baseline_s0" / "eval_best.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "checkpoint": str(original / "baseline_s0" / "best.pt")}))
+    recorded = str(original / "baseline_s0" / "best.pt")  # as evaluate.py records it: an absolute path
+    path.write_text(json.dumps({**json.loads(path.read_text()), "checkpoint": recorded}))
     copy = tmp_path / "b"
     shutil.copytree(original, copy)
     make_checkpoint(copy / "baseline_s0" / "best.pt", 7)  # the copy's run trained on and saved a new best

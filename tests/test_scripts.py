@@ -519,7 +519,8 @@ def test_motivation_figure_marks_a_classifier_evaluated_with_other_model_kwargs_
     assert [r["model"] for r in rows] == ["vit_b", "vit_b†"]
     with open(tmp_path / "fig" / "motivation.csv", encoding="utf-8") as f:
         assert [row["model"] for row in csv.DictReader(f)] == ["vit_b", "vit_b†"]
-    assert 'note: † vit_b CD: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})' in capsys.readouterr().err
+    note = 'note: † vit_b CD: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})'
+    assert note in capsys.readouterr().err
 
 
 def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
