@@ -94,8 +94,14 @@ def output_of(proc, timeout, out_dir, before=""):
     with open(os.path.join(out_dir, "hang_stacks.txt"), "w") as f:
         f.write(output)
     stacks = output.find("Fatal Python error")
-    pytest.fail(f"still running after {timeout} s; the stacks of its processes, aborted in this order: "
-                f"{', '.join(order)}:\n{output[stacks:][:20000] if stacks >= 0 else output[-20000:]}")
+    stacks = stacks if stacks >= 0 else len(output)
+    # what the processes printed before (a traceback of a DataLoader worker's queue, a warning), less the
+    # per-update log lines
+    before_stacks = "\n".join(line for line in output[:stacks].splitlines()
+                              if not re.search(r" INFO update \d+/", line))
+    pytest.fail(f"still running after {timeout} s; its output but the per-update lines:\n{before_stacks[-6000:]}\n"
+                f"the stacks of its processes, aborted in this order: {', '.join(order)}:\n"
+                f"{output[stacks:][:20000]}")
 
 
 def start(cmd, out_dir):
@@ -174,7 +180,11 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_port", str(free_port()),
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN,
-           "train.batch_size_per_gpu=8", "data.num_workers=1"]
+           "train.batch_size_per_gpu=8", "data.num_workers=0"]
+    # no DataLoader workers: they are not what this test is about (the group-signal tests above take them), and a
+    # worker that stops delivering would hang both ranks whatever the signal does: multiprocessing.Queue's feeder
+    # thread prints and drops a batch it cannot send (an OSError while passing its tensors, e.g. out of file
+    # descriptors or shared memory on a loaded machine), and torch's DataLoader then waits for it forever
     proc = start(cmd, tmp_path)
     time.sleep(1.0)
     # the signal lands on rank 1 only, while rank 0 (which writes the checkpoint) knows nothing of it; its pid is
@@ -185,7 +195,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     os.kill(rank1, signal.SIGTERM)
     output = output_of(proc, 180, tmp_path)
     assert "preempted at update" in output, output[-3000:]
-    assert "DataLoader worker" not in output and 'train.py", line' not in output, output[-3000:]
+    assert 'train.py", line' not in output, output[-3000:]
     assert "exitcode  : 75" in output  # both ranks exit EXIT_PREEMPTED; torchrun reports it
     step = saved_step(tmp_path)
     # rank 1 is at most one update ahead of rank 0's last log line; the ranks agree one update later
