@@ -763,11 +763,12 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
                      + ([""] + notes if notes else []))
 
 
-def check_seed_group(model: str, method: str, group: list[dict]) -> None:
-    """The results averaged into one row (`markdown_table(over_seeds=True)`) must be distinct runs evaluated
-    alike: one weights file twice would count as two seeds, and results on other data, of EMA weights, under
-    another autocast or quantized with other settings would be averaged as if they were seeds."""
-    labelled = [(r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
+def check_seed_group(model: str, method: str, group: list[dict], labels: Optional[list[str]] = None) -> None:
+    """The results averaged into one row (`markdown_table(over_seeds=True)`, scripts/compare_act_max.py) must be
+    distinct runs evaluated alike: one weights file twice would count as two seeds, and results on other data, of
+    EMA weights, under another autocast or quantized with other settings would be averaged as if they were seeds.
+    labels: how the errors name the results (default: their checkpoints)."""
+    labelled = [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
     repeated = repeated_weights(labelled)
     if repeated is not None:
         raise ValueError(f"{model} {method}: {repeated[0]} and {repeated[1]} hold the same weights; give each "
@@ -785,10 +786,10 @@ def check_seed_group(model: str, method: str, group: list[dict]) -> None:
                          "evaluated alike")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
-    other = recipe_difference([(r.get("checkpoint"), r) for r in group])
+    other = recipe_difference(labelled)
     if other is not None:
         raise ValueError(f"{model} {method}: {other[0]} and {other[1]} were trained with other settings "
-                         f"({other[2]}); rows average the seeds of one recipe")
+                         f"({other[2]}); rows average the seeds of one recipe: give runs trained alike")
 
 
 def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:

@@ -3,7 +3,10 @@
 Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine/act_max_files.py) and
 draws, per block, the maximum |activation| of the block output (solid) and of any module inside the
 block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
-and prints a markdown table.
+and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
+for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
+evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, autocast, model.kwargs, recipe), and a
+method evaluated with other model.kwargs than it trained with is marked † with a note below the table.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
@@ -22,8 +25,12 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
+from engine.eval_results import read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from evaluate import check_seed_group, model_kwargs_changed  # noqa: E402
+
+SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
@@ -44,6 +51,37 @@ def per_block(path: str) -> dict[int, tuple[float, float]]:
         problem = f"no column {e}" if isinstance(e, KeyError) else str(e)
         raise ValueError(f"{path} is not an act_max CSV of evaluate.py ({problem})") from None
     return {b: (block[b], module[b]) for b in sorted(block)}
+
+
+def result_beside(path: str) -> dict:
+    """The evaluate.py result file written with the CSV at `path` (`<stem>.json` beside `<stem>_act_max.csv`):
+    the record of how its maxima were measured; a CSV without one is a ValueError naming it and the fix."""
+    json_path = path[:-len(SUFFIX)] + ".json" if path.endswith(SUFFIX) else None
+    if json_path is None or not os.path.isfile(json_path):
+        raise ValueError(f"{path} has no result file of evaluate.py beside it "
+                         f"({json_path or '<stem>.json for a <stem>' + SUFFIX}), so the settings its maxima were "
+                         f"measured with (autocast, raw or EMA weights, model.kwargs, data) are unknown: give the "
+                         f"CSVs where evaluate.py wrote them, or measure again with python evaluate.py "
+                         f"--checkpoint <run>/best.pt (it writes eval_best.json and eval_best{SUFFIX})")
+    result = read_result_file(json_path)  # a ResultsError (a ValueError) names a file that is not one
+    if "csv" not in result["max_act"]:  # the evaluation recorded there wrote no maxima CSV
+        raise ValueError(f"{json_path} lists no act_max CSV (evaluated with quant.act_max_csv=false), so {path} "
+                         f"is not of its evaluation: measure again with python evaluate.py --out {json_path} "
+                         f"quant.act_max_csv=true and the same settings, or leave the CSV out")
+    return result
+
+
+def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{method: notes} after refusing (ValueError) a method whose files are not distinct runs evaluated alike
+    (`check_seed_group` on their result files); the notes say how a method's model was evaluated with other
+    model.kwargs than it trained with (`model_kwargs_changed`), empty when as trained."""
+    notes = {}
+    for method, paths in groups.items():
+        results = [result_beside(p) for p in paths]
+        # the maxima come from the float pass: the quantized entries' settings play no part in them
+        check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
+        notes[method] = sorted({c for r in results if (c := model_kwargs_changed(r))})
+    return notes
 
 
 def summarize(groups: dict[str, list[str]]) -> list[dict]:
@@ -68,13 +106,14 @@ def summarize(groups: dict[str, list[str]]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, marked: set = frozenset()) -> None:
     fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
     for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = [r for r in rows if r["method"] == method]
         xs = [r["block"] for r in mine]
         color = f"C{k}"
+        method = method + ("†" if method in marked else "")
         ax.plot(xs, [r["block_mean"] for r in mine], color=color, marker="o", label=f"{method} block output")
         ax.fill_between(xs, [r["block_min"] for r in mine], [r["block_max"] for r in mine], color=color,
                         alpha=0.15)
@@ -87,14 +126,18 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path)
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str:
+    """The table of mean maxima per block; a method with notes (other model.kwargs than trained) is marked †
+    and its notes follow the table."""
+    notes = notes or {}
     methods = list(dict.fromkeys(r["method"] for r in rows))
     blocks = sorted({r["block"] for r in rows})
     cell = {(r["method"], r["block"]): f"{r['block_mean']:.1f} / {r['module_mean']:.1f}" for r in rows}
-    lines = ["| block | " + " | ".join(f"{m} (block / module)" for m in methods) + " |",
+    lines = ["| block | " + " | ".join(f"{m}{'†' if notes.get(m) else ''} (block / module)" for m in methods) + " |",
              "|---|" + "---|" * len(methods)]
     lines += [f"| {b} | " + " | ".join(cell.get((m, b), "-") for m in methods) + " |" for b in blocks]
-    return "\n".join(lines)
+    marks = [f"† {m}: evaluated with {'; '.join(notes[m])}" for m in methods if notes.get(m)]
+    return "\n".join(lines + ([""] + marks if marks else []))
 
 
 def main(argv=None) -> list[dict]:
@@ -131,6 +174,7 @@ def main(argv=None) -> list[dict]:
         sys.exit(f"error: {e}")
     try:
         rows = summarize(groups)  # everything that can fail, before an output is opened
+        notes = evaluated_alike(groups)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -138,8 +182,8 @@ def main(argv=None) -> list[dict]:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, args.out + ".png")
-    print(markdown(rows))
+    plot(rows, args.out + ".png", {m for m, n in notes.items() if n})
+    print(markdown(rows, notes))
     print(f"wrote {args.out}.png and {args.out}.csv", file=sys.stderr)
     return rows
 

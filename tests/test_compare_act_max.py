@@ -1,6 +1,9 @@
-"""scripts/compare_act_max.py: per-block maxima averaged over runs, against values written into the CSVs."""
+"""scripts/compare_act_max.py: per-block maxima averaged over runs, against values written into the CSVs, and
+the result files beside them (how each was evaluated) compared before any average."""
 import csv
+import json
 import os
+import re
 
 import pytest
 
@@ -11,11 +14,23 @@ def load():
     return load_script("compare_act_max")
 
 
-def write(path, rows):
+def write(path, rows, result=True, **fields):
+    """The CSV at `path` and, for a `<stem>_act_max.csv` with `result`, the result file `<stem>.json` evaluate.py
+    writes beside it (as an evaluation of the raw weights in fp32 with the model.kwargs trained with; `fields`
+    replace its entries)."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["name", "kind", "block", "type", "max"])
         writer.writeheader()
         writer.writerows(rows)
+    path = str(path)
+    if result and path.endswith("_act_max.csv"):
+        record = {"model": "vit_t", "model_kwargs": {}, "checkpoint": path + ".pt", "weights": "raw",
+                  "eval_amp": "none", "images": 100, "data": {"dataset": "digits"}, "method": "CD",
+                  "recipe": {"model.kwargs": {}, "train.lr": 0.001}, "fp": {"top1": 90.0},
+                  "max_act": {"module": 1.0, "block": 1.0, "csv": path, "plot": path[:-4] + ".png"},
+                  "quant": {}, **fields}
+        with open(path[:-len("_act_max.csv")] + ".json", "w") as f:
+            json.dump(record, f)
 
 
 def run_rows(block_out, norm, fc2):
@@ -29,37 +44,38 @@ def run_rows(block_out, norm, fc2):
 
 def test_means_ranges_and_refusals(tmp_path, capsys):
     compare = load()
-    write(tmp_path / "a_s0.csv", run_rows([1.0, 4.0], [10.0, 2.0], [3.0, 7.0]))
-    write(tmp_path / "a_s1.csv", run_rows([3.0, 6.0], [20.0, 1.0], [5.0, 9.0]))
-    write(tmp_path / "b_s0.csv", run_rows([2.0, 2.0], [1.0, 1.0], [1.0, 1.0]))
+    write(tmp_path / "a_s0_act_max.csv", run_rows([1.0, 4.0], [10.0, 2.0], [3.0, 7.0]))
+    write(tmp_path / "a_s1_act_max.csv", run_rows([3.0, 6.0], [20.0, 1.0], [5.0, 9.0]))
+    write(tmp_path / "b_s0_act_max.csv", run_rows([2.0, 2.0], [1.0, 1.0], [1.0, 1.0]))
     out = str(tmp_path / "cmp")
-    rows = compare.main([f"a={tmp_path}/a_s*.csv", f"b={tmp_path}/b_s*.csv", "--out", out])
+    rows = compare.main([f"a={tmp_path}/a_s*_act_max.csv", f"b={tmp_path}/b_s*_act_max.csv", "--out", out])
     a1 = next(r for r in rows if r["method"] == "a" and r["block"] == 1)
     assert (a1["runs"], a1["block_mean"], a1["block_min"], a1["block_max"]) == (2, 5.0, 4.0, 6.0)
     assert a1["module_mean"] == 8.0  # max over the block's modules (7, 9), then the mean; the final norm
     assert "| 0 | 2.0 / 15.0 | 2.0 / 1.0 |" in capsys.readouterr().out  # (block -1) is not a block
     assert os.path.getsize(out + ".png") > 0 and os.path.exists(out + ".csv")
     with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
-        compare.main([f"a={tmp_path}/a_s*.csv", "--out", out])
+        compare.main([f"a={tmp_path}/a_s*_act_max.csv", "--out", out])
     with pytest.raises(SystemExit, match="names no act_max CSV"):
         compare.main([f"a={tmp_path}/nothing*.csv", "--out", str(tmp_path / "other")])
     good = (tmp_path / "cmp.csv").read_bytes()
-    write(tmp_path / "empty.csv", [])
-    with pytest.raises(SystemExit, match="empty.csv holds no block rows"):
-        compare.main([f"a={tmp_path}/empty.csv", "--out", out, "--overwrite"])
+    write(tmp_path / "empty_act_max.csv", [])
+    with pytest.raises(SystemExit, match="empty_act_max.csv holds no block rows"):
+        compare.main([f"a={tmp_path}/empty_act_max.csv", "--out", out, "--overwrite"])
     assert (tmp_path / "cmp.csv").read_bytes() == good  # a refused run leaves the good output as it was
-    write(tmp_path / "deep_s2.csv", run_rows([1.0, 1.0, 1.0], [1.0] * 3, [1.0] * 3))
-    with pytest.raises(SystemExit, match=r"deep_s2.csv has blocks \[0, 1, 2\].*different models"):
-        compare.main([f"a={tmp_path}/[ad]*_s*.csv", "--out", str(tmp_path / "mixed")])
+    write(tmp_path / "deep_s2_act_max.csv", run_rows([1.0, 1.0, 1.0], [1.0] * 3, [1.0] * 3))
+    with pytest.raises(SystemExit, match=r"deep_s2_act_max.csv has blocks \[0, 1, 2\].*different models"):
+        compare.main([f"a={tmp_path}/[ad]*_s*_act_max.csv", "--out", str(tmp_path / "mixed")])
     with pytest.raises(SystemExit, match="method 'a' is given twice"):
-        compare.main([f"a={tmp_path}/a_s0.csv", f"a={tmp_path}/b_s0.csv", "--out", str(tmp_path / "twice")])
+        compare.main([f"a={tmp_path}/a_s0_act_max.csv", f"a={tmp_path}/b_s0_act_max.csv", "--out",
+                      str(tmp_path / "twice")])
     # one run as two methods, or a copy of it as a second seed: its maxima would count twice
     (tmp_path / "copy").mkdir()
-    (tmp_path / "copy" / "a_s0.csv").write_bytes((tmp_path / "a_s0.csv").read_bytes())
-    for groups in ([f"a={tmp_path}/a_s0.csv", f"b={tmp_path}/a_s*.csv"],
-                   [f"a={tmp_path}/*/a_s0.csv", f"b={tmp_path}/a_s0.csv"]):
-        with pytest.raises(SystemExit, match=r"a_s0.csv \(b\) holds the same maxima as .*a_s0.csv \(a\): one run "
-                                             r"would count twice"):
+    (tmp_path / "copy" / "a_s0_act_max.csv").write_bytes((tmp_path / "a_s0_act_max.csv").read_bytes())
+    for groups in ([f"a={tmp_path}/a_s0_act_max.csv", f"b={tmp_path}/a_s*_act_max.csv"],
+                   [f"a={tmp_path}/*/a_s0_act_max.csv", f"b={tmp_path}/a_s0_act_max.csv"]):
+        with pytest.raises(SystemExit, match=r"a_s0_act_max.csv \(b\) holds the same maxima as .*a_s0_act_max.csv "
+                                             r"\(a\): one run would count twice"):
             compare.main([*groups, "--out", str(tmp_path / "twice")])
     with pytest.raises(SystemExit, match=r"copy \(a\) cannot be read"):  # a folder the glob matched
         compare.main([f"a={tmp_path}/co*", "--out", str(tmp_path / "twice")])
@@ -83,10 +99,10 @@ def test_the_csv_holds_min_mean_max_over_runs_in_any_order(tmp_path):
     """Every statistic of the written CSV against values worked out by hand, with the larger run first (the
     max is not the last run's value) and the module maxima differing between the runs."""
     compare = load()
-    write(tmp_path / "m_s0.csv", run_rows([9.0, 2.0], [1.0, 8.0], [4.0, 3.0]))
-    write(tmp_path / "m_s1.csv", run_rows([5.0, 6.0], [2.0, 1.0], [7.0, 1.0]))
+    write(tmp_path / "m_s0_act_max.csv", run_rows([9.0, 2.0], [1.0, 8.0], [4.0, 3.0]))
+    write(tmp_path / "m_s1_act_max.csv", run_rows([5.0, 6.0], [2.0, 1.0], [7.0, 1.0]))
     out = str(tmp_path / "cmp")
-    compare.main([f"m={tmp_path}/m_s*.csv", "--out", out])
+    compare.main([f"m={tmp_path}/m_s*_act_max.csv", "--out", out])
     with open(out + ".csv", newline="") as f:
         got = [{k: (v if k == "method" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
     # block 0: outputs 9, 5; modules max(1, 4) = 4 and max(2, 7) = 7. block 1: outputs 2, 6; modules 8 and 1
@@ -100,8 +116,79 @@ def test_the_csv_holds_min_mean_max_over_runs_in_any_order(tmp_path):
 def test_a_shallower_run_of_a_method_is_refused_not_a_traceback(tmp_path):
     """A later run with fewer blocks than the first (another model) is one error naming it, as a deeper one is."""
     compare = load()
-    write(tmp_path / "m_s0.csv", run_rows([1.0, 2.0, 3.0], [1.0] * 3, [1.0] * 3))
-    write(tmp_path / "m_s1.csv", run_rows([1.0, 2.0], [1.0] * 2, [1.0] * 2))
-    with pytest.raises(SystemExit, match=r"m_s1.csv has blocks \[0, 1\], .*m_s0.csv has \[0, 1, 2\]"):
-        compare.main([f"m={tmp_path}/m_s*.csv", "--out", str(tmp_path / "cmp")])
+    write(tmp_path / "m_s0_act_max.csv", run_rows([1.0, 2.0, 3.0], [1.0] * 3, [1.0] * 3))
+    write(tmp_path / "m_s1_act_max.csv", run_rows([1.0, 2.0], [1.0] * 2, [1.0] * 2))
+    with pytest.raises(SystemExit, match=r"m_s1_act_max.csv has blocks \[0, 1\], .*m_s0_act_max.csv has "
+                                         r"\[0, 1, 2\]"):
+        compare.main([f"m={tmp_path}/m_s*_act_max.csv", "--out", str(tmp_path / "cmp")])
     assert not os.path.exists(tmp_path / "cmp.csv")
+
+
+@pytest.mark.parametrize("field, value, setting", [
+    ("eval_amp", "bf16", r"eval_amp: \"none\" vs \"bf16\""),
+    ("weights", "ema", r"weights: \"raw\" vs \"ema\""),
+    ("images", 50, "images: 100 vs 50"),
+    ("data", {"dataset": "fashion_mnist"}, "data: "),
+    ("model_kwargs", {"gelu": "tanh"}, r"other model.kwargs \(as trained vs model.kwargs=\{\"gelu\": \"tanh\"\}"),
+    ("recipe", {"model.kwargs": {}, "train.lr": 0.01}, "trained with other settings .*train.lr"),
+    ("fingerprint", "f0", "hold the same weights"),  # one run's best.pt and checkpoint.pt of the same weights
+])
+def test_runs_of_a_method_evaluated_differently_are_refused(tmp_path, field, value, setting):
+    """Two seeds whose maxima were measured otherwise (the result files beside the CSVs differ in one setting)
+    are one error naming both CSVs and the setting, not a mean of unlike numbers (was: averaged silently)."""
+    compare = load()
+    write(tmp_path / "s0_act_max.csv", run_rows([1.0, 2.0], [1.0] * 2, [1.0] * 2),
+          **({"fingerprint": "f0"} if field == "fingerprint" else {}))
+    write(tmp_path / "s1_act_max.csv", run_rows([3.0, 4.0], [1.0] * 2, [1.0] * 2), **{field: value})
+    with pytest.raises(SystemExit) as e:
+        compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "s0_act_max.csv" in message and "s1_act_max.csv" in message
+    assert re.search(setting, message) and re.search(r"[;:] give [^;()]+$", message)  # the setting, then the fix
+    assert not os.path.exists(tmp_path / "cmp.csv")
+
+
+def test_the_settings_of_quantized_entries_do_not_part_runs(tmp_path):
+    """The maxima come from the float pass: seeds whose result files hold a pipeline run with other options are
+    averaged (paper_table --over-seeds would refuse them, for their quantized cells)."""
+    compare = load()
+    entry = lambda iters: {"repq": {"w4a4": {"top1": 50.0, "settings": {"options": {"iters": iters}}}}}
+    write(tmp_path / "s0_act_max.csv", run_rows([1.0], [1.0], [1.0]), quant=entry(1))
+    write(tmp_path / "s1_act_max.csv", run_rows([3.0], [1.0], [1.0]), quant=entry(2))
+    rows = compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    assert [r["block_mean"] for r in rows] == [2.0]
+
+
+def test_a_csv_without_its_result_file_is_refused_with_how_to_measure_again(tmp_path):
+    """The settings of a CSV without evaluate.py's JSON beside it are unknown: one error naming it and the
+    command that writes both (was: averaged as if measured alike)."""
+    compare = load()
+    write(tmp_path / "s0_act_max.csv", run_rows([1.0], [1.0], [1.0]))
+    write(tmp_path / "s1_act_max.csv", run_rows([3.0], [1.0], [1.0]), result=False)
+    with pytest.raises(SystemExit, match=r"^error: .*s1_act_max.csv has no result file of evaluate.py beside it "
+                                         r"\(.*s1.json\).*python evaluate.py --checkpoint"):
+        compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    write(tmp_path / "other.csv", run_rows([3.0], [1.0], [1.0]))  # not named as evaluate.py names them
+    with pytest.raises(SystemExit, match=r"other.csv has no result file of evaluate.py beside it"):
+        compare.main([f"m={tmp_path}/other.csv", "--out", str(tmp_path / "cmp")])
+    # the JSON beside it records an evaluation that wrote no CSV (quant.act_max_csv=false): not this CSV's
+    write(tmp_path / "s2_act_max.csv", run_rows([3.0], [1.0], [1.0]), max_act={"module": 1.0, "block": 1.0})
+    with pytest.raises(SystemExit, match=r"s2.json lists no act_max CSV .*quant.act_max_csv=true"):
+        compare.main([f"m={tmp_path}/s2_act_max.csv", "--out", str(tmp_path / "cmp")])
+    assert not os.path.exists(tmp_path / "cmp.csv")
+
+
+def test_a_method_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_path, capsys):
+    """Seeds alike, but all evaluated with model.kwargs their recipe did not train with: the method's column is
+    marked † with a note naming the kwargs; a method as trained is not (was: no mark)."""
+    compare = load()
+    for seed in (0, 1):
+        write(tmp_path / f"t_s{seed}_act_max.csv", run_rows([1.0 + seed], [1.0], [1.0]), model_kwargs={"gelu": "tanh"})
+    write(tmp_path / "p_s0_act_max.csv", run_rows([5.0], [1.0], [1.0]))
+    compare.main([f"tanh={tmp_path}/t_s*_act_max.csv", f"plain={tmp_path}/p_s*_act_max.csv",
+                  "--out", str(tmp_path / "cmp")])
+    out = capsys.readouterr().out
+    assert "| block | tanh† (block / module) | plain (block / module) |" in out
+    assert '† tanh: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})' in out
+    assert "plain†" not in out and "† plain" not in out
