@@ -24,7 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
 from .sharded import any_sharded, block_plans, sharded_colinearity_decay_, sharded_pair_energy
-from .update import PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, pair_energy, pair_penalty
+from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
+                     pair_penalty)
 from .verify import UnsupportedModelError
 from .wrappers import torch_optimizer, unwrap_model
 
@@ -77,17 +78,28 @@ def _parameter_at(root: nn.Module, name: str) -> Optional[Tensor]:
     return module._parameters.get(attr)
 
 
-def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, Tensor]], who: str) -> None:
+def _gathered_by_fsdp2(found: Tensor, now: Optional[Tensor]) -> bool:
+    """Whether `now` is FSDP2's whole (unsharded) parameter of the shard `found`: fully_shard registers it from a
+    forward until the reshard, and the root module's (reshard_after_forward does not apply to it) stays so after a
+    forward without a backward (an evaluation). The shard holds the same values then."""
+    return is_sharded(found) and now is not None and not is_sharded(now) and now.shape == found.shape
+
+
+def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, Tensor]], who: str,
+                             reads_only: bool = False) -> None:
     """Refuse when `root`'s parameters under those names are no longer the tensors found there (`root` None: the
     model is gone, nothing to check): load_state_dict(assign=True), to_empty() or fully_shard replaced them since,
     and what reads or writes the old tensors would act on tensors the model does not use, without an error.
+    `reads_only`: the caller only reads the tensors, and an FSDP2 shard whose whole parameter the model holds for
+    now (`_gathered_by_fsdp2`) is current.
 
     Raises:
         ValueError: naming the first replaced parameter, the usual causes and the fix.
     """
     if root is None:
         return
-    stale = [name for name, t in named if _parameter_at(root, name) is not t]
+    stale = [name for name, t in named if _parameter_at(root, name) is not t
+             and not (reads_only and _gathered_by_fsdp2(t, _parameter_at(root, name)))]
     if stale:
         raise ValueError(f"{who}: the model's parameter {stale[0]} (and {len(stale) - 1} more) is no longer the "
                          f"tensor its pairs were found on: the parameters were replaced since "
@@ -117,7 +129,8 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     (`fully_shard`) takes verify=False (the check's meta forward would run FSDP's hooks); build the source after
     fully_shard, as ColinearityDecay. Its energies are then those of the unsharded model (each block's matrices
     gathered whole, `cd.sharded`), and the source is a collective: call it on every rank at the same steps (a call
-    on one rank alone waits for the others forever), and log its result from one.
+    on one rank alone waits for the others forever), and log its result from one. It may be called after a forward
+    without a backward (an evaluation), when the root module's parameters are whole: the shards hold the same values.
 
     A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
     without CD all the same: its source logs nothing, with one warning saying why. A source whose model's
@@ -136,7 +149,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     def source() -> dict[str, float]:
         # a source made before fully_shard (or load_state_dict(assign=True)) would log the replaced tensors' energies:
         # constant curves that look like data
-        check_parameters_current(root(), named, "pair_energy_source")
+        check_parameters_current(root(), named, "pair_energy_source", reads_only=True)
         return energy_metrics(pairs, plan, plans)
 
     return source

@@ -128,6 +128,30 @@ def _baseline_energies(build, mixed: bool = False, dim1: bool = False) -> dict:
             "warnings": [str(w.message) for w in caught]}
 
 
+def _energies_after_an_evaluation() -> dict:
+    """A baseline sharded by one fully_shard of the whole model (its matrices in the root's unit, which FSDP2 leaves
+    gathered after a forward) read after an evaluation forward, against the same baseline trained unsharded."""
+    def train(model: torch.nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5)), torch.arange(4)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    reference = tiny_vit()
+    train(reference)
+    model = tiny_vit()
+    fsdp.fully_shard(model)
+    source = pair_energy_source(model, verify=False)
+    train(model)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    try:
+        energies = source()
+    except ValueError as e:
+        energies = str(e)
+    return {"energies": energies, "ref": energy_metrics(find_pairs(reference))}
+
+
 def _source_made_before_sharding() -> str:
     """A baseline's energy source made before fully_shard (which replaces the parameters) and read after a step."""
     model = tiny_vit()
@@ -187,6 +211,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
             ("vit", tiny_vit, {}), ("odd", _odd_vit, {}), ("mixed", tiny_vit, {"mixed": True}),
             ("columns", tiny_vit, {"dim1": True}))})
         result["energy source before fully_shard"] = _source_made_before_sharding()
+        result["energy source after an evaluation"] = _energies_after_an_evaluation()
         result["fsdp2 submodule"] = _submodule_pairs()
         result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
@@ -237,6 +262,15 @@ def test_a_sharded_baselines_energy_source_with_the_check_on_says_how_to_turn_it
     assert run["unverified"] == {}  # the pair check cannot run on a sharded model: nothing logged, one warning
     assert len(run["warnings"]) == 1 and "sharded by FSDP2" in run["warnings"][0]
     assert "pass verify=False" in run["warnings"][0] and "\n" not in run["warnings"][0]
+
+
+@pytest.mark.slow
+def test_a_sharded_baselines_energy_source_reads_after_an_evaluation_forward(fsdp_runs):
+    run = fsdp_runs["energy source after an evaluation"]
+    assert isinstance(run["energies"], dict), run["energies"]  # not refused as replaced parameters
+    assert run["energies"].keys() == run["ref"].keys()
+    for key, value in run["ref"].items():
+        assert run["energies"][key] == pytest.approx(value, rel=1e-6), key
 
 
 @pytest.mark.slow
