@@ -798,7 +798,8 @@ def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:
     dose reports' points) must be alike: the same weights through another forward (model.kwargs given at
     evaluation, marked † in a row) are another evaluation. Older files and weights files, which record no recipe,
     are not compared."""
-    changed = [(label, model_kwargs_changed(r)) for label, r in labelled]
+    # a result that records no recipe is of unknown model.kwargs as trained: not "as trained"
+    changed = [(label, model_kwargs_changed(r)) for label, r in labelled if _trained_kwargs_known(r)]
     unlike = next(((changed[0], c) for c in changed[1:] if c[1] != changed[0][1]), None)
     if unlike is None:
         return None
@@ -827,14 +828,20 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     return found
 
 
+def _trained_kwargs_known(result: dict) -> bool:
+    """Whether a result records the model.kwargs it was evaluated with and those its run trained with."""
+    recipe = result.get("recipe")
+    return isinstance(recipe, dict) and "model.kwargs" in recipe and "model_kwargs" in result
+
+
 def model_kwargs_changed(result: dict) -> Optional[str]:
     """'model.kwargs={...} (trained with {...})' when a result was computed with other model.kwargs than its run
     trained with (an override at evaluation: the same weights through another forward, e.g. gelu=tanh on a model
     trained with the exact GELU), else None; a table marks such results. Results without the recipe as trained
     (a weights file, an older file) are not compared."""
-    recipe = result.get("recipe")
-    if not isinstance(recipe, dict) or "model.kwargs" not in recipe or "model_kwargs" not in result:
+    if not _trained_kwargs_known(result):
         return None
+    recipe = result["recipe"]
     text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as in the file
     evaluated, trained = text(result["model_kwargs"]), text(recipe["model.kwargs"])
     return None if evaluated == trained else f"model.kwargs={evaluated} (trained with {trained})"

@@ -401,6 +401,19 @@ def test_model_kwargs_as_trained_are_unchanged_in_any_key_order():
     assert evaluate.model_kwargs_changed({"model_kwargs": other, "recipe": {"optim.lr": 0.1}}) is None
 
 
+def test_seeds_without_a_recipe_are_not_compared_by_model_kwargs():
+    """A result that records no recipe (an older file, a weights file) is of unknown model.kwargs as trained: beside
+    a seed evaluated with other model.kwargs than trained it is not called 'as trained' and refused; two seeds that
+    record both are still told apart."""
+    changed = {"recipe": {"model.kwargs": {}}, "model_kwargs": {"gelu": "tanh"}}
+    as_trained = {"recipe": {"model.kwargs": {}}, "model_kwargs": {}}
+    older = {"model_kwargs": {"gelu": "tanh"}}
+    assert evaluate.model_kwargs_unlike([("a.pt", changed), ("b.pt", older)]) is None
+    assert evaluate.model_kwargs_unlike([("b.pt", older), ("a.pt", changed), ("c.pt", as_trained)]) == (
+        'a.pt and c.pt were evaluated with other model.kwargs (model.kwargs={"gelu": "tanh"} (trained with {}) vs '
+        'as trained)')
+
+
 def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
     """A pipeline some seeds were not evaluated with is averaged over those that were; the row's (n=3)
     counts every seed, so the cell names its own count."""
