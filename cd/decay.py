@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .pairs import ROLES, Pair, find_pairs
-from .sharded import any_sharded, block_plans, sharded_colinearity_decay_, sharded_pair_energy
+from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
                      pair_penalty)
 from .verify import UnsupportedModelError
@@ -138,6 +138,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     called, rather than log the old tensors' energies.
     """
     try:
+        register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
         pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
     except UnsupportedModelError as e:
         warnings.warn(f"{str(e).rstrip('.')}; no cd/pair_energy metrics are logged for this model", stacklevel=2)
@@ -259,6 +260,7 @@ class ColinearityDecay:
         self.gated_mlp = bool(gated_mlp)
 
         # diagnostics cover every pair
+        register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
         self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]

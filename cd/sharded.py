@@ -15,10 +15,25 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .pairs import Pair
 from .update import Plan, build_plan, colinearity_decay_, is_sharded, pair_energy
+
+
+def register_shards(model: nn.Module) -> None:
+    """Make every FSDP2 unit of `model` hold its shards (`FSDPModule.reshard()`, a no-op on a unit that does). Why:
+    a unit holds its whole parameters from a forward until its reshard, the root's until the next backward (after
+    an evaluation, too); pairs found then would hold tensors FSDP2 frees at that reshard, and an update of them
+    (`ColinearityDecay.apply`) would be lost without an error. Local, no communication; the next forward gathers
+    the whole parameters again."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # an older torch, or one built without distributed: nothing to reshard
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def any_sharded(pairs: Sequence[Pair]) -> bool:
