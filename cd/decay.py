@@ -101,7 +101,8 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
     stale = [name for name, t in named if _parameter_at(root, name) is not t
              and not (reads_only and _gathered_by_fsdp2(t, _parameter_at(root, name)))]
     if stale:
-        raise ValueError(f"{who}: the model's parameter {stale[0]} (and {len(stale) - 1} more) is no longer the "
+        more = f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""
+        raise ValueError(f"{who}: the model's parameter {stale[0]}{more} is no longer the "
                          f"tensor its pairs were found on: the parameters were replaced since "
                          f"(load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, FSDP1). "
                          f"Build {who} after the model's parameters are final (after fully_shard; FSDP1 is not "

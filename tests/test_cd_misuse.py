@@ -306,6 +306,14 @@ def test_a_norm_shared_by_two_blocks_is_a_valid_upstream():
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
+def test_one_replaced_parameter_is_named_alone():
+    model = tiny_vit()
+    decay = ColinearityDecay(model)
+    model.blocks[0].mlp.fc2.weight = torch.nn.Parameter(model.blocks[0].mlp.fc2.weight.detach().clone())
+    with pytest.raises(ValueError, match=r"parameter blocks\.0\.mlp\.fc2\.weight is no longer the tensor"):
+        decay.apply(0.1)
+
+
 def test_a_block_used_twice_has_one_set_of_pairs():
     model = tiny_vit()
     model.blocks[1] = model.blocks[0]
