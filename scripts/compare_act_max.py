@@ -5,8 +5,11 @@ draws, per block, the maximum |activation| of the block output (solid) and of an
 block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
 and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
-evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, autocast, model.kwargs, recipe), and a
-method evaluated with other model.kwargs than it trained with is marked † with a note below the table.
+evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, autocast, model.kwargs, recipe); the methods
+must be measured alike in what sets the float maxima (data, image count, raw or EMA weights, autocast: compared
+as paper_table.py's fine-tuning layout compares its methods, engine/eval_results.first_difference), and a method
+evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
+marks it.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
@@ -25,12 +28,16 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import read_result_file  # noqa: E402
+from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import check_seed_group, model_kwargs_changed  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
+# what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
+# shows a setting's effect as the method's. The model is not: models are
+# compared on purpose, under method names the user chooses
+FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model")
 
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
@@ -74,13 +81,22 @@ def result_beside(path: str) -> dict:
 def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
     """{method: notes} after refusing (ValueError) a method whose files are not distinct runs evaluated alike
     (`check_seed_group` on their result files); the notes say how a method's model was evaluated with other
-    model.kwargs than it trained with (`model_kwargs_changed`), empty when as trained."""
-    notes = {}
+    model.kwargs than it trained with (`model_kwargs_changed`), empty when as trained. Methods measured with other
+    FLOAT_KEYS settings are refused too (the first run of each: a method's runs are alike by then)."""
+    notes, firsts = {}, []
     for method, paths in groups.items():
         results = [result_beside(p) for p in paths]
         # the maxima come from the float pass: the quantized entries' settings play no part in them
         check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
         notes[method] = sorted({c for r in results if (c := model_kwargs_changed(r))})
+        firsts.append((f"{paths[0]} ({method})", {k: results[0].get(k) for k in FLOAT_KEYS}))
+    found = first_difference(firsts)
+    if found is not None:
+        first, second, difference = found
+        raise ValueError(f"{first} and {second} were measured differently ({difference}); methods are compared "
+                         f"on maxima measured alike: give CSVs of evaluations with the same data, images, weights "
+                         f"and autocast (python evaluate.py --checkpoint <run>/best.pt with one set of settings), "
+                         f"or compare those methods in separate figures")
     return notes
 
 

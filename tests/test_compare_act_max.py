@@ -192,3 +192,42 @@ def test_a_method_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_p
     assert "| block | tanh† (block / module) | plain (block / module) |" in out
     assert '† tanh: evaluated with model.kwargs={"gelu": "tanh"} (trained with {})' in out
     assert "plain†" not in out and "† plain" not in out
+
+
+@pytest.mark.parametrize("field, value, setting", [
+    ("eval_amp", "bf16", r"eval_amp: \"none\" vs \"bf16\""),
+    ("weights", "ema", r"weights: \"raw\" vs \"ema\""),
+    ("images", 50, "images: 100 vs 50"),
+    ("data", {"dataset": "fashion_mnist"}, r"data: \{\"dataset\": \"digits\"\} vs \{\"dataset\": \"fashion_mnist\"\}"),
+])
+def test_methods_measured_under_other_settings_are_refused(tmp_path, field, value, setting):
+    """Two methods whose maxima were measured otherwise (e.g. the baseline under bf16 autocast, CD in fp32) are one
+    error naming a CSV of each, the setting and the fix, not drawn side by side (was: a figure mixing the setting's
+    effect into the method's)."""
+    compare = load()
+    write(tmp_path / "base_s0_act_max.csv", run_rows([1.0, 2.0], [1.0] * 2, [1.0] * 2))
+    for seed in (0, 1):
+        write(tmp_path / f"cd_s{seed}_act_max.csv", run_rows([3.0 + seed, 4.0], [1.0] * 2, [1.0] * 2),
+              checkpoint=f"cd_s{seed}.pt", **{field: value})
+    with pytest.raises(SystemExit) as e:
+        compare.main([f"baseline={tmp_path}/base_s*_act_max.csv", f"cd={tmp_path}/cd_s*_act_max.csv",
+                      "--out", str(tmp_path / "cmp")])
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "base_s0_act_max.csv (baseline)" in message and "cd_s0_act_max.csv (cd)" in message
+    assert re.search(setting, message) and re.search(r": give [^;()]+\(python evaluate.py [^;]+, or compare ", message)
+    assert not os.path.exists(tmp_path / "cmp.csv") and not os.path.exists(tmp_path / "cmp.png")
+
+
+def test_methods_of_other_recipes_and_quantized_settings_are_compared(tmp_path):
+    """What makes the methods differ (their recipes: CD's settings, another lr), the quantized entries' settings
+    (not of the float pass) and another model are no setting of the maxima: the methods are drawn side by side."""
+    compare = load()
+    write(tmp_path / "base_s0_act_max.csv", run_rows([1.0], [1.0], [1.0]),
+          quant={"repq": {"w4a4": {"top1": 50.0, "settings": {"options": {"iters": 1}}}}})
+    write(tmp_path / "cd_s0_act_max.csv", run_rows([3.0], [1.0], [1.0]), model="vit_s", checkpoint="cd.pt",
+          recipe={"model.kwargs": {}, "train.lr": 0.01, "cd.lambda": 0.1},
+          quant={"repq": {"w4a4": {"top1": 50.0, "settings": {"options": {"iters": 2}}}}})
+    rows = compare.main([f"baseline={tmp_path}/base_s*_act_max.csv", f"cd={tmp_path}/cd_s*_act_max.csv",
+                         "--out", str(tmp_path / "cmp")])
+    assert [(r["method"], r["block_mean"]) for r in rows] == [("baseline", 1.0), ("cd", 3.0)]
