@@ -94,7 +94,8 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
     now (`_gathered_by_fsdp2`) is current.
 
     Raises:
-        ValueError: naming the first replaced parameter, the usual causes and the fix.
+        ValueError: naming the first replaced parameter, the usual causes and the fix (FSDP2's whole parameter of
+            a shard, held after a forward until the reshard, has its own cause and fix).
     """
     if root is None:
         return
@@ -102,6 +103,14 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
              and not (reads_only and _gathered_by_fsdp2(t, _parameter_at(root, name)))]
     if stale:
         more = f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""
+        gathered = [name for name, t in named if _gathered_by_fsdp2(t, _parameter_at(root, name))]
+        if gathered:  # not replaced: FSDP2 holds the whole parameter of the shard, which building later cannot fix
+            raise ValueError(f"{who}: the model's parameter {gathered[0]} is FSDP2's whole (unsharded) parameter "
+                             f"for now, not the shard its pairs were found on: FSDP2 keeps a unit's whole "
+                             f"parameters from a forward until its reshard, the root unit's until the next backward "
+                             f"(after an evaluation forward, too), and computes with it, not with the shard an update "
+                             f"writes. Call reshard() on the fully_shard-ed module that holds it (e.g. the root "
+                             f"model) or run the backward first, or give {who} the fully_shard-ed root model")
         raise ValueError(f"{who}: the model's parameter {stale[0]}{more} is no longer the "
                          f"tensor its pairs were found on: the parameters were replaced since "
                          f"(load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, FSDP1). "
@@ -485,8 +494,15 @@ class ColinearityDecay:
 
     def _check_parameters_current(self) -> None:
         """Refuse when the model's parameters are no longer the tensors the pairs hold (the update would
-        write tensors the model does not use): e.g. load_state_dict(assign=True) or to_empty() since."""
-        check_parameters_current(self._model(), self._decayed_named(), "ColinearityDecay")
+        write tensors the model does not use): e.g. load_state_dict(assign=True) or to_empty() since. FSDP2 units
+        holding their whole parameters (after an evaluation forward) are resharded first, as at construction."""
+        model, named = self._model(), self._decayed_named()
+        if model is not None and any(_gathered_by_fsdp2(t, _parameter_at(model, name)) for name, t in named):
+            # FSDP2 holds whole parameters after a forward without a backward (an evaluation): an all-gather of
+            # the shards, never written back to them, so registering the shards again now (as FSDP2's own reshard
+            # after the next backward would) loses nothing, and the next forward gathers the updated shards
+            register_shards(model)
+        check_parameters_current(model, named, "ColinearityDecay")
 
     def apply_for(self, optimizer: torch.optim.Optimizer, step_kwargs: Optional[dict] = None,
                   reads: Optional[Mapping[int, Tensor]] = None, count: bool = True) -> bool:

@@ -8,7 +8,9 @@ FSDP2 model is no FSDP1 module; the functional `colinearity_decay_` refuses shar
 C's V rows without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never
 a silent no-op. A baseline (no CD) sharded by FSDP2 logs, through `pair_energy_source`, the pair energies of the same
 baseline trained unsharded, on every rank. After an evaluation forward (FSDP2 holds the root unit's whole
-parameters until the next backward) CD built then updates the shards and a source reads, not refuses.
+parameters until the next backward) CD built then updates the shards and a source reads, not refuses; CD built
+before it reshards the root's unit and updates (by apply() or in the step), and CD given a submodule, which cannot
+reshard the root, refuses with that cause and fix (not "build after fully_shard").
 """
 from __future__ import annotations
 
@@ -173,6 +175,57 @@ def _decay_built_after_an_evaluation() -> float:
     return max((weights[n] - q).abs().max().item() for n, q in reference.items())
 
 
+def _decay_updated_after_an_evaluation(attached: bool):
+    """CD built after fully_shard of the whole model (one unit, the root), then a training forward and backward, an
+    evaluation forward (FSDP2 holds the root's whole parameters until the next backward) and the CD update: by
+    apply() then a plain step, or (`attached`) in the step itself. The weights against the same on an unsharded
+    model, or the refusal's message."""
+    def run(model: torch.nn.Module, sharded: bool):
+        if sharded:
+            fsdp.fully_shard(model)
+        decay = ColinearityDecay(model, lam=0.5, verify=not sharded)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if attached:
+            decay.attach(opt)
+        gen = torch.Generator().manual_seed(5)
+        F.cross_entropy(model(torch.randn(4, 3, 32, 32, generator=gen)), torch.arange(4)).backward()
+        with torch.no_grad():
+            model(torch.randn(2, 3, 32, 32, generator=gen))
+        if not attached:
+            decay.apply(0.1)
+        opt.step()
+        with torch.no_grad():  # the next forward computes with the updated weights
+            out = model(torch.randn(2, 3, 32, 32, generator=gen))
+        return out, {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                     for n, p in model.named_parameters()}
+
+    (ref_out, reference) = run(tiny_vit(), False)
+    try:
+        out, weights = run(tiny_vit(), True)
+    except ValueError as e:
+        return str(e)
+    return max([(out - ref_out).abs().max().item()] + [(weights[n] - q).abs().max().item() for n, q in reference.items()])
+
+
+def _submodule_decay_after_an_evaluation() -> dict:
+    """CD given the blocks of a model whose one fully_shard unit is the root: after an evaluation forward the blocks
+    hold the root's whole parameters, which CD cannot reshard (no FSDP2 module among the blocks): the refusal, then
+    apply() once the root is resharded as it says."""
+    model = tiny_vit()
+    fsdp.fully_shard(model)
+    decay = ColinearityDecay(model.blocks, lam=0.5, verify=False)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    try:
+        decay.apply(0.1)
+        message = "applied"
+    except ValueError as e:
+        message = str(e)
+    model.reshard()
+    decay.apply(0.1)
+    return {"message": message, "after reshard": "applied"}
+
+
 def _source_made_before_sharding() -> str:
     """A baseline's energy source made before fully_shard (which replaces the parameters) and read after a step."""
     model = tiny_vit()
@@ -234,6 +287,9 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         result["energy source before fully_shard"] = _source_made_before_sharding()
         result["energy source after an evaluation"] = _energies_after_an_evaluation()
         result["fsdp2 decay built after an evaluation"] = _decay_built_after_an_evaluation()
+        result.update({f"fsdp2 decay {how} after an evaluation": _decay_updated_after_an_evaluation(how == "attached")
+                       for how in ("applied", "attached")})
+        result["fsdp2 submodule decay after an evaluation"] = _submodule_decay_after_an_evaluation()
         result["fsdp2 submodule"] = _submodule_pairs()
         result["functional on shards"] = _functional_on_shards()
         result.update({f"fsdp1 use_orig_params={orig} inner={inner}": _fsdp1_refusal(orig, inner)
@@ -290,6 +346,27 @@ def test_a_sharded_baselines_energy_source_with_the_check_on_says_how_to_turn_it
 def test_fsdp2_cd_built_after_an_evaluation_forward_updates_the_shards(fsdp_runs):
     # not the whole parameters FSDP2 held after the forward, which it frees at the reshard (the update lost)
     assert fsdp_runs["fsdp2 decay built after an evaluation"] <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["applied", "attached"])
+def test_fsdp2_cd_updates_the_shards_after_an_evaluation_forward(fsdp_runs, how):
+    # not refused as replaced parameters: the root's whole parameters are resharded first, and the update and the
+    # step reach the next forward (both also match the unsharded run)
+    diff = fsdp_runs[f"fsdp2 decay {how} after an evaluation"]
+    assert isinstance(diff, float), diff
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_cd_on_a_submodule_holding_fsdp2_whole_parameters_says_to_reshard(fsdp_runs):
+    run = fsdp_runs["fsdp2 submodule decay after an evaluation"]
+    message = run["message"]
+    assert message.startswith("ColinearityDecay: the model's parameter 0."), message  # a block's matrix
+    assert "is FSDP2's whole (unsharded) parameter for now" in message
+    assert "Call reshard() on the fully_shard-ed module" in message and "Build ColinearityDecay after" not in message
+    assert "\n" not in message
+    assert run["after reshard"] == "applied"
 
 
 @pytest.mark.slow
