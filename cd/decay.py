@@ -99,11 +99,11 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
     """
     if root is None:
         return
-    stale = [name for name, t in named if _parameter_at(root, name) is not t
-             and not (reads_only and _gathered_by_fsdp2(t, _parameter_at(root, name)))]
+    moved = [(name, t, now) for name, t in named if (now := _parameter_at(root, name)) is not t]  # one walk each
+    stale = [name for name, t, now in moved if not (reads_only and _gathered_by_fsdp2(t, now))]
     if stale:
         more = f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""
-        gathered = [name for name, t in named if _gathered_by_fsdp2(t, _parameter_at(root, name))]
+        gathered = [name for name, t, now in moved if _gathered_by_fsdp2(t, now)]
         if gathered:  # not replaced: FSDP2 holds the whole parameter of the shard, which building later cannot fix
             raise ValueError(f"{who}: the model's parameter {gathered[0]} is FSDP2's whole (unsharded) parameter "
                              f"for now, not the shard its pairs were found on: FSDP2 keeps a unit's whole "
@@ -497,7 +497,8 @@ class ColinearityDecay:
         write tensors the model does not use): e.g. load_state_dict(assign=True) or to_empty() since. FSDP2 units
         holding their whole parameters (after an evaluation forward) are resharded first, as at construction."""
         model, named = self._model(), self._decayed_named()
-        if model is not None and any(_gathered_by_fsdp2(t, _parameter_at(model, name)) for name, t in named):
+        if (self._sharded and model is not None  # (unsharded pairs: no FSDP2 unit to reshard, no walk per step)
+                and any(_gathered_by_fsdp2(t, _parameter_at(model, name)) for name, t in named)):
             # FSDP2 holds whole parameters after a forward without a backward (an evaluation): an all-gather of
             # the shards, never written back to them, so registering the shards again now (as FSDP2's own reshard
             # after the next backward would) loses nothing, and the next forward gathers the updated shards
