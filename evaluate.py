@@ -750,7 +750,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         # a model evaluated otherwise than it trained (a model.kwargs override): the row is of another forward
         changed = sorted({c for r in group if (c := model_kwargs_changed(r))})
         if changed:
-            notes.append(f"† {first['model']} {first['method']}: evaluated with {'; '.join(changed)}")
+            notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
         model = first["model"] + ("†" if changed else "")
         rows.append([model, method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
                                           ppl=language)
@@ -845,6 +845,12 @@ def model_kwargs_changed(result: dict) -> Optional[str]:
     text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as in the file
     evaluated, trained = text(result["model_kwargs"]), text(recipe["model.kwargs"])
     return None if evaluated == trained else f"model.kwargs={evaluated} (trained with {trained})"
+
+
+def dagger_note(label: str, changes) -> str:
+    """The note below a table for an entry marked † (`label`, e.g. 'vit_t CD'): how it was evaluated otherwise
+    than trained, one `model_kwargs_changed` text or several (a group's, joined)."""
+    return f"† {label}: evaluated with {changes if isinstance(changes, str) else '; '.join(changes)}"
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)

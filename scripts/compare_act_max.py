@@ -31,7 +31,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import check_seed_group, model_kwargs_changed  # noqa: E402
+from evaluate import check_seed_group, dagger_note, model_kwargs_changed  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
@@ -152,7 +152,7 @@ def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str
     lines = ["| block | " + " | ".join(f"{m}{'†' if notes.get(m) else ''} (block / module)" for m in methods) + " |",
              "|---|" + "---|" * len(methods)]
     lines += [f"| {b} | " + " | ".join(cell.get((m, b), "-") for m in methods) + " |" for b in blocks]
-    marks = [f"† {m}: evaluated with {'; '.join(notes[m])}" for m in methods if notes.get(m)]
+    marks = [dagger_note(m, notes[m]) for m in methods if notes.get(m)]
     return "\n".join(lines + ([""] + marks if marks else []))
 
 

@@ -227,7 +227,7 @@ def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[
         changed = sorted({c for r in runs if (c := evaluate.model_kwargs_changed(r.result))})
         labels[point] = point + ("†" if changed else "")
         if changed:
-            notes.append(f"† {point}: evaluated with {'; '.join(changed)}")
+            notes.append(evaluate.dagger_note(point, changed))
     return labels, notes
 
 

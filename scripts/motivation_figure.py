@@ -30,7 +30,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import model_kwargs_changed, nondefault_settings  # noqa: E402
+from evaluate import dagger_note, model_kwargs_changed, nondefault_settings  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
@@ -180,7 +180,8 @@ def main(argv=None) -> list[dict]:
     for r in results:
         changed = None if is_detection(r) else model_kwargs_changed(r)
         if changed:
-            print(f"note: † {r['model']} {r['method']}: evaluated with {changed}", file=sys.stderr)
+            label = f"{r['model']} {r['method']}"
+            print(f"note: {dagger_note(label, changed)}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     with open(written[1], "w", newline="", encoding="utf-8") as f:  # a † in a model name
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")

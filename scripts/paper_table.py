@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import PAPER_NAMES, markdown_table, model_kwargs_changed, nondefault_settings  # noqa: E402
+from evaluate import PAPER_NAMES, dagger_note, markdown_table, model_kwargs_changed, nondefault_settings  # noqa: E402
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -114,7 +114,7 @@ def finetune_table(results: list[dict]) -> str:
                 r = cells.get((d, m))
                 q = r and r["quant"].get(pipeline, {}).get(bits)
                 if (d, m) in changed and (q or d == "imagenet"):  # an entry, or the maxima row, shows it
-                    notes.append(f"† {FINETUNE_DATASETS.get(d, d)} {m}: evaluated with {changed[(d, m)]}")
+                    notes.append(dagger_note(f"{FINETUNE_DATASETS.get(d, d)} {m}", changed[(d, m)]))
                 if not q:
                     row.append("-")
                     continue
