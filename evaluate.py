@@ -51,7 +51,7 @@ from data.text import VocabularyError, token_file_fingerprint, token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, first_difference,
+from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, extra_modules, first_difference,
                                  recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
@@ -687,7 +687,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
     marked * (`nondefault_settings`), the model of a row evaluated with other model.kwargs than it trained
-    with † (`model_kwargs_changed`), each with a note below the table.
+    with † (`model_kwargs_changed`), a module maximum also over quant.act_max_extra_modules ‡, each with a note
+    below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result.
@@ -752,10 +753,15 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         if changed:
             notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
         model = first["model"] + ("†" if changed else "")
+        # a module maximum also over quant.act_max_extra_modules is not the paper's (inside blocks only): marked ‡
+        # (a group's results are alike in them: check_seed_group)
+        extra = sorted({m for r in group for m in extra_modules(r)})
+        if extra:
+            notes.append(extra_modules_note(f"{first['model']} {first['method']}", extra))
         rows.append([model, method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
                                           ppl=language)
                                       for k, _ in fp_columns),
-                     fmt([r["max_act"]["module"] for r in group], ".2f") + " / "
+                     fmt([r["max_act"]["module"] for r in group], ".2f") + ("‡" if extra else "") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
                     + [quantized(group, p, b) for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
@@ -851,6 +857,13 @@ def dagger_note(label: str, changes) -> str:
     """The note below a table for an entry marked † (`label`, e.g. 'vit_t CD'): how it was evaluated otherwise
     than trained, one `model_kwargs_changed` text or several (a group's, joined)."""
     return f"† {label}: evaluated with {changes if isinstance(changes, str) else '; '.join(changes)}"
+
+
+def extra_modules_note(label: str, patterns: list) -> str:
+    """The note below a table for a maximum marked ‡ (`label`, e.g. 'vit_t CD'): its module maximum also counts
+    modules outside the blocks (quant.act_max_extra_modules), unlike the paper's."""
+    return f"‡ {label}: Max. Act. (mod.) also over modules outside the blocks: " \
+           f"quant.act_max_extra_modules={json.dumps(patterns)}"
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)

@@ -75,6 +75,11 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
             return Difference(key, f"{json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}", False)
+    # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
+    # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
+    x, y = extra_modules(a), extra_modules(b)
+    if x != y:
+        return Difference("max_act.extra_modules", f"{json.dumps(x)} vs {json.dumps(y)}", False)
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
@@ -82,6 +87,12 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
+
+
+def extra_modules(result: dict) -> list:
+    """The quant.act_max_extra_modules a result's activation maxima were measured with ([]: inside blocks only,
+    the paper's set; also for a result without max_act)."""
+    return sorted(_plain((result.get("max_act") or {}).get("extra_modules") or []))
 
 
 def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, Difference]]:

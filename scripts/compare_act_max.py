@@ -5,8 +5,9 @@ draws, per block, the maximum |activation| of the block output (solid) and of an
 block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
 and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
-evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, autocast, model.kwargs, recipe); the methods
-must be measured alike in what sets the float maxima (data, image count, raw or EMA weights, autocast: compared
+evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, autocast, quant.act_max_extra_modules,
+model.kwargs, recipe); the methods must be measured alike in what sets the float maxima (data, image count, raw or
+EMA weights, autocast, the modules counted (quant.act_max_extra_modules): compared
 as paper_table.py's fine-tuning layout compares its methods, engine/eval_results.first_difference), and a method
 evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
 marks it.
@@ -89,14 +90,15 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
         # the maxima come from the float pass: the quantized entries' settings play no part in them
         check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
         notes[method] = sorted({c for r in results if (c := model_kwargs_changed(r))})
-        firsts.append((f"{paths[0]} ({method})", {k: results[0].get(k) for k in FLOAT_KEYS}))
+        # with max_act: its extra_modules say which modules the CSV's module maxima are over
+        firsts.append((f"{paths[0]} ({method})", {k: results[0].get(k) for k in (*FLOAT_KEYS, "max_act")}))
     found = first_difference(firsts)
     if found is not None:
         first, second, difference = found
         raise ValueError(f"{first} and {second} were measured differently ({difference}); methods are compared "
-                         f"on maxima measured alike: give CSVs of evaluations with the same data, images, weights "
-                         f"and autocast (python evaluate.py --checkpoint <run>/best.pt with one set of settings), "
-                         f"or compare those methods in separate figures")
+                         f"on maxima measured alike: give CSVs of evaluations with the same data, images, weights, "
+                         f"autocast and quant.act_max_extra_modules (python evaluate.py --checkpoint "
+                         f"<run>/best.pt with one set of settings), or compare those methods in separate figures")
     return notes
 
 

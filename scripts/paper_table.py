@@ -8,7 +8,9 @@
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
 is marked with * and a note naming them (evaluate.nondefault_settings); a result evaluated with other model.kwargs
 than it was trained with (an override at evaluation) is marked † with a note (evaluate.model_kwargs_changed): its
-row's model in the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A result
+row's model in the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A module
+maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
+with a note naming them; seeds averaged by --over-seeds must have counted the same modules. A result
 whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
@@ -32,9 +34,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
+from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
+                                 read_result_files)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import PAPER_NAMES, dagger_note, markdown_table, model_kwargs_changed, nondefault_settings  # noqa: E402
+from evaluate import (PAPER_NAMES, dagger_note, extra_modules_note, markdown_table, model_kwargs_changed,  # noqa: E402
+                      nondefault_settings)
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -139,8 +143,11 @@ def finetune_table(results: list[dict]) -> str:
             average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}" + ("†" if m in marked else ""))
         rows.append(line(average))
         if any(d == "imagenet" for d, _ in cells):  # the paper measures maxima on the ImageNet-1K run only
+            # a module maximum also over quant.act_max_extra_modules is marked ‡, as evaluate.py's table marks it
+            extra = {m: patterns for m in methods if (patterns := extra_modules(cells.get(("imagenet", m), {})))}
+            notes += [extra_modules_note(f"ImageNet-1K {m}", patterns) for m, patterns in extra.items()]
             rows.append(line(["Max. Act. (ImageNet-1K)"] + [
-                f"{cells[('imagenet', m)]['max_act']['module']:.2f} / "
+                f"{cells[('imagenet', m)]['max_act']['module']:.2f}{'‡' if m in extra else ''} / "
                 f"{cells[('imagenet', m)]['max_act']['block']:.2f}{dagger(('imagenet', m))}"
                 if ("imagenet", m) in cells else "-"
                 for m in methods]))

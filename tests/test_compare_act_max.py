@@ -231,3 +231,38 @@ def test_methods_of_other_recipes_and_quantized_settings_are_compared(tmp_path):
     rows = compare.main([f"baseline={tmp_path}/base_s*_act_max.csv", f"cd={tmp_path}/cd_s*_act_max.csv",
                          "--out", str(tmp_path / "cmp")])
     assert [(r["method"], r["block_mean"]) for r in rows] == [("baseline", 1.0), ("cd", 3.0)]
+
+
+def measured_with_extra_modules(csv_path, patterns):
+    """Rewrite the result file beside `csv_path` as of an evaluation with quant.act_max_extra_modules=patterns."""
+    json_path = str(csv_path)[:-len("_act_max.csv")] + ".json"
+    with open(json_path) as f:
+        record = json.load(f)
+    record["max_act"]["extra_modules"] = patterns
+    with open(json_path, "w") as f:
+        json.dump(record, f)
+
+
+def test_maxima_over_other_extra_modules_are_refused(tmp_path):
+    """A seed, or a method, whose module maxima also count modules outside the blocks
+    (quant.act_max_extra_modules) measured another maximum: one error naming the setting, not a mean or a figure of
+    unlike numbers (was: averaged and drawn silently)."""
+    compare = load()
+    for seed in (0, 1):
+        write(tmp_path / f"a_s{seed}_act_max.csv", run_rows([1.0 + seed], [1.0], [1.0]))
+    measured_with_extra_modules(tmp_path / "a_s1_act_max.csv", ["patch_embed.proj"])
+    with pytest.raises(SystemExit, match=r'^error: .*a_s0_act_max.csv and .*a_s1_act_max.csv were evaluated '
+                                         r'differently \(max_act.extra_modules: \[\] vs \["patch_embed.proj"\]\)'):
+        compare.main([f"m={tmp_path}/a_s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    # the seeds alike, the methods not
+    measured_with_extra_modules(tmp_path / "a_s0_act_max.csv", ["patch_embed.proj"])
+    write(tmp_path / "b_s0_act_max.csv", run_rows([5.0], [1.0], [1.0]), checkpoint="b.pt")
+    with pytest.raises(SystemExit, match=r'were measured differently \(max_act.extra_modules: '
+                                         r'\["patch_embed.proj"\] vs \[\]\); .*quant.act_max_extra_modules'):
+        compare.main([f"a={tmp_path}/a_s*_act_max.csv", f"b={tmp_path}/b_s*_act_max.csv",
+                      "--out", str(tmp_path / "cmp")])
+    assert not os.path.exists(tmp_path / "cmp.csv")
+    measured_with_extra_modules(tmp_path / "b_s0_act_max.csv", ["patch_embed.proj"])  # alike: compared
+    rows = compare.main([f"a={tmp_path}/a_s*_act_max.csv", f"b={tmp_path}/b_s*_act_max.csv",
+                         "--out", str(tmp_path / "cmp")])
+    assert [(r["method"], r["block_mean"]) for r in rows] == [("a", 1.5), ("b", 5.0)]

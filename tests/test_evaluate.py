@@ -328,6 +328,29 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     assert "(n=2)" in evaluate.markdown_table(both, over_seeds=True)  # alike: averaged, and marked
 
 
+def test_table_marks_and_refuses_maxima_over_extra_modules():
+    """A module maximum also over quant.act_max_extra_modules is not the paper's: its cell is marked ‡ with a note
+    naming the patterns; seeds measured over other modules are refused, not averaged (was: neither)."""
+    def result(seed, extra=None):
+        max_act = {"module": 4.0 + seed, "block": 3.0, **({"extra_modules": extra} if extra is not None else {})}
+        return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": max_act, "quant": {},
+                "checkpoint": f"s{seed}/best.pt"}
+
+    _, _, plain, marked, _, note = evaluate.markdown_table([result(0), result(1, ["patch_embed.proj"])]).splitlines()
+    assert plain == "| m | CD | 80.000 | 4.00 / 3.00 |"
+    assert marked == "| m | CD | 80.000 | 5.00‡ / 3.00 |"
+    assert note == ('‡ m CD: Max. Act. (mod.) also over modules outside the blocks: '
+                    'quant.act_max_extra_modules=["patch_embed.proj"]')
+    with pytest.raises(ValueError, match=r'm CD: s0/best.pt and s1/best.pt were evaluated differently '
+                                         r'\(max_act.extra_modules: \[\] vs \["patch_embed.proj"\]\)'):
+        evaluate.markdown_table([result(0, []), result(1, ["patch_embed.proj"])], over_seeds=True)
+    # alike (an empty list is the default, the order of the patterns plays no part): averaged
+    assert evaluate.markdown_table([result(0, []), result(1)], over_seeds=True).splitlines()[2] == \
+        "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71 / 3.00 ± 0.00 |"
+    assert evaluate.markdown_table([result(0, ["a", "b"]), result(1, ["b", "a"])], over_seeds=True).splitlines()[2] \
+        == "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71‡ / 3.00 ± 0.00 |"
+
+
 def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
     """quant.aphq.cache_device places copies of the units' inputs (exact on any device; the batches are drawn
     on the model's device, tests/test_gpu.py checks both placements agree on CUDA): a stored APHQ result

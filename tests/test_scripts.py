@@ -218,6 +218,19 @@ def test_finetune_layout_marks_an_entry_evaluated_with_other_model_kwargs_than_t
     assert lines[9:] == ["", f"† Pets CD: {trained_with}", f"† ImageNet-1K Baseline: {trained_with}"]
 
 
+def test_finetune_layout_marks_maxima_over_extra_modules():
+    """An ImageNet-1K result whose module maximum also counts modules outside the blocks
+    (quant.act_max_extra_modules) is not the paper's maximum: its cell is marked ‡ with a note naming the patterns
+    (was: drawn beside the paper's maxima unmarked)."""
+    base = _finetune_result("imagenet", "Baseline", 82.0, 78.0)
+    cd = _finetune_result("imagenet", "CD", 82.5, 79.5)
+    cd["max_act"]["extra_modules"] = ["layers.*.downsample.reduction"]
+    lines = paper_table.finetune_table([base, cd]).splitlines()
+    assert lines[6] == "| Max. Act. (ImageNet-1K) | 10.00 / 20.00 | 10.00‡ / 20.00 |"
+    assert lines[7:] == ["", '‡ ImageNet-1K CD: Max. Act. (mod.) also over modules outside the blocks: '
+                             'quant.act_max_extra_modules=["layers.*.downsample.reduction"]']
+
+
 def test_finetune_layout_makes_one_table_per_bit_width_and_names_rows_by_data_set():
     """Each (pipeline, bit-width) is a table of its own; a row is the data set: data.root's last folder
     (a trailing slash too), or the name of a built-in data set."""
