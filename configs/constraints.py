@@ -113,8 +113,23 @@ def check_together(cfg: Any) -> list[str]:
                         f"once per epoch (sched.per_step=false): the warmup would be "
                         f"{math.ceil(sched.warmup_epochs)} whole epoch(s) that never reach the peak lr; set "
                         f"sched.per_step=true (the lr changes every update) or a whole number of warmup epochs")
+    if (problem := loader_timeout_problem(cfg.data)) is not None:
+        problems.append(problem)
     channels = cfg.model.kwargs.get("in_chans", 3)
     if channels != 3:  # every data set here gives RGB images (data/folder.py converts to RGB)
         problems.append(f"model.kwargs.in_chans={channels}: the data pipeline gives 3-channel RGB images "
                         f"(with data.mean / data.std of 3 values); drop model.kwargs.in_chans")
     return problems
+
+
+def loader_timeout_problem(data: Any) -> Optional[str]:
+    """The refusal of a positive data.timeout with data.num_workers=0 (`data`: a DataConfig), or None. The
+    timeout limits the wait for worker processes; with none, the main process reads the data itself, nothing
+    limits that, and torch's DataLoader fails at its first batch (an AssertionError from inside it) rather
+    than at construction. data/loader.py checks again for configs that skip `check_together` (a checkpoint's
+    config layered by evaluate.py)."""
+    if data.timeout and data.num_workers == 0:
+        return (f"data.timeout={data.timeout:g} with data.num_workers=0: the timeout limits the wait for a batch "
+                f"from loader worker processes, and with none the main process reads the data itself, which no "
+                f"timeout limits; set data.num_workers to 1 or more, or data.timeout=0")
+    return None

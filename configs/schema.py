@@ -87,6 +87,14 @@ class DataConfig:
     # loading
     num_workers: Annotated[Optional[int], NonNegative] = None  # per process; null: min(8, CPUs per process - 1)
     pin_memory: bool = True  # page-locked batches for faster GPU copies (only in a process that uses its GPU)
+    # seconds a process waits for one batch from its loader workers (torch DataLoader `timeout`) before the run
+    # ends with an error naming a stalled worker; 0: wait forever (torch's, timm's and DeiT's default); null: 300
+    # with workers (LOADER_TIMEOUT_S below says why), 0 without. A positive value with data.num_workers=0 is
+    # refused: the main process then reads the data itself, and torch applies no timeout to that. Detection
+    # runs (scripts/train_detection.py) do not read this key: MMEngine builds their loaders from the config's
+    # train_dataloader / val_dataloader dicts, which take torch's `timeout` themselves
+    # (train_dataloader.timeout=300).
+    timeout: Annotated[Optional[float], NonNegative] = None
     # images in the synthetic train set (dataset=synthetic)
     synthetic_train_size: Annotated[int, AtLeastOne] = 4096
     synthetic_val_size: Annotated[int, AtLeastOne] = 512  # images in the synthetic val set
@@ -95,6 +103,14 @@ class DataConfig:
     # stratified, fixed split of the 1,797 images
     digits_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
 
+
+# the wait of data.timeout=null with loader workers, in seconds. A stalled worker (a hung read on a network file system, a batch that
+# multiprocessing's queue dropped) otherwise hangs a one-process run forever, and a torchrun run until NCCL's
+# watchdog ends it after 10 minutes with an error on the other ranks that does not name the data; 300 s fires
+# before that watchdog, so the stalled rank names the cause itself. A worker reads one batch per request
+# (batch_size_per_gpu images, seconds on a working file system), so 300 s leaves a wide margin for a slow one;
+# when it fires, the run keeps its last checkpoint and the same command resumes. 0 waits without limit.
+LOADER_TIMEOUT_S = 300.0
 
 # the DataConfig keys the training transform reads (data/transforms.py build_transform): results computed on
 # training-transform images depend on them (evaluate.py records them for APHQ and GPLQ)

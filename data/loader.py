@@ -17,7 +17,8 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, DistributedSampler
 
-from configs.schema import DataConfig
+from configs.constraints import loader_timeout_problem
+from configs.schema import LOADER_TIMEOUT_S, DataConfig
 from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed
@@ -186,16 +187,52 @@ def _eval_loader(cfg: DataConfig, dataset, batch_size: int, rank: int, world_siz
                       sampler=ShardedEvalSampler(len(dataset), rank, world_size), **_worker_args(cfg))
 
 
+class LoaderTimeoutError(DataError):
+    """No batch came from a loader's worker processes within data.timeout seconds (a stalled worker)."""
+
+
 class StopSafeDataLoader(DataLoader):
     """A DataLoader whose workers start with SIGTERM / SIGINT blocked (engine/preemption.py
     `stop_signals_blocked`): a scheduler's signal to the process group while workers are starting (the
-    first iteration of a loader, e.g. at the first validation) is a stop request, not a crashed worker."""
+    first iteration of a loader, e.g. at the first validation) is a stop request, not a crashed worker.
+    Its iterators turn torch's timeout (data.timeout) into a LoaderTimeoutError that names the setting."""
 
     def _get_iterator(self):  # where torch starts the workers (once, with persistent_workers)
         if self.num_workers == 0:
             return super()._get_iterator()
         with stop_signals_blocked():
             return super()._get_iterator()
+
+    def __iter__(self):
+        batches = super().__iter__()
+        return _NamedTimeout(batches, self.timeout, self.num_workers) if self.timeout > 0 else batches
+
+
+class _NamedTimeout:
+    """A DataLoader iterator whose timeout error says what it means and what to do: torch's own is a bare
+    RuntimeError ("DataLoader timed out after N seconds") with a traceback, which would end a run without
+    the one line the entry points print for a DataError."""
+
+    def __init__(self, batches, seconds: float, workers: int) -> None:
+        self.batches, self.seconds, self.workers = batches, seconds, workers
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __next__(self):
+        try:
+            return next(self.batches)
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):
+                raise
+            raise LoaderTimeoutError(
+                f"no batch came from the {self.workers} data loader worker process(es) within data.timeout="
+                f"{self.seconds:g} s: a worker stalled (a read that hangs on the data source, or a batch lost "
+                f"between processes); check the data source (file system, network, disk), try fewer "
+                f"data.num_workers, or raise data.timeout if the data is only slow (0 waits forever)") from None
 
 
 def worker_count(num_workers: Optional[int]) -> int:
@@ -224,7 +261,24 @@ def _worker_args(cfg: DataConfig) -> dict:
     # pinned only for a process that uses its GPU (the entry points move the model there before building
     # loaders): with train.device=cpu on a GPU machine, pinning would open a CUDA context on GPU 0 per rank
     return dict(num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_initialized(),
-                persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers > 0 else None)
+                persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                timeout=loader_timeout(cfg, workers))
+
+
+def loader_timeout(cfg: DataConfig, workers: int) -> float:
+    """The DataLoader `timeout` of data.timeout for a loader with `workers` worker processes: null is
+    LOADER_TIMEOUT_S with workers (configs/schema.py says why) and 0 without (torch takes none then). A
+    positive data.timeout with data.num_workers=0 is refused here too: evaluate.py layers overrides over a
+    checkpoint's config without `check_together`."""
+    if (problem := loader_timeout_problem(cfg)) is not None:
+        raise DataError(problem)
+    if workers == 0:
+        if cfg.timeout and "timeout" not in _told:  # data.num_workers=null chose no worker on this machine
+            _told.add("timeout")
+            log.info("data.timeout=%g does not apply: data.num_workers=null gives no worker process here, and "
+                     "the main process reads the data itself", cfg.timeout)
+        return 0.0
+    return LOADER_TIMEOUT_S if cfg.timeout is None else float(cfg.timeout)
 
 
 def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,

@@ -51,7 +51,7 @@ ARCHIVE = "archive"
 SNAPSHOTS = "snapshots"  # train.keep_every_epochs (engine/snapshots.py)
 # Settings that describe where and how a run executes, not what it computes: they may change on resume.
 ENVIRONMENT_KEYS = (
-    "out_dir", "data.root", "data.num_workers", "data.pin_memory", "model.pretrained",
+    "out_dir", "data.root", "data.num_workers", "data.pin_memory", "data.timeout", "model.pretrained",
     "model.pretrained_strict", "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps",
     "train.ckpt_every_steps", "train.eval_every_epochs", "train.device", "train.compile",
     "train.archive_existing", "train.allow_changed_config", "train.divergence_factor", "train.resume",

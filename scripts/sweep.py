@@ -204,10 +204,11 @@ def run_layer_keys(configs: dict, base: list[str]) -> dict:
             for name, settings in layered.items()}
 
 
-# keys that place a run's work (loader workers, the eval batch, device, compilation, logging): one value for the
-# whole sweep may replace what a run's config file sets (imagenet.yaml's eval batch), as nothing computed changes
-PLACEMENT_KEYS = ("data.num_workers", "data.pin_memory", "train.eval_batch_size_per_gpu", "train.device",
-                  "train.compile", "log.")
+# keys that place a run's work (loader workers and their timeout, the eval batch, device, compilation, logging): one
+# value for the whole sweep may replace what a run's config file sets (imagenet.yaml's eval batch), as nothing
+# computed changes
+PLACEMENT_KEYS = ("data.num_workers", "data.pin_memory", "data.timeout", "train.eval_batch_size_per_gpu",
+                  "train.device", "train.compile", "log.")
 
 
 def run_folder(name, sweep_path: str) -> str:

@@ -1,0 +1,113 @@
+"""data.timeout: a loader worker that stops delivering batches ends the run with one `error:` line naming the
+setting, within the timeout, keeping the training done so far; settings torch would not honour are refused
+before anything runs. The stalls are real: a torch DataLoader worker process that sleeps in __getitem__."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from configs import ConfigError, load_config
+from configs.schema import DataConfig
+from data import DataError, build_eval_loader
+from data.loader import LoaderTimeoutError, loader_timeout
+from data.synthetic import SyntheticDataset
+
+from .conftest import DEBUG_CONFIG, ROOT
+
+STALL_S = 60  # a stalled worker's sleep: far beyond every timeout here, so a missing timeout fails the test
+
+
+def stall_in_worker(release: str, call: int) -> None:
+    """Patch SyntheticDataset so that in each DataLoader worker process (never in the main process) the
+    `call`-th __getitem__ sleeps until the file `release` exists, or STALL_S passes."""
+    original = SyntheticDataset.__getitem__
+    calls = {"n": 0}  # per process: each worker counts its own calls
+
+    def stalling(self, i):
+        if torch.utils.data.get_worker_info() is not None:
+            calls["n"] += 1
+            if calls["n"] == call:
+                deadline = time.monotonic() + STALL_S
+                while not os.path.exists(release) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return original(self, i)
+
+    SyntheticDataset.__getitem__ = stalling
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.timeout=-1"], "'data.timeout' must be >= 0"),
+    (["data.timeout=2", "data.num_workers=0"], "data.timeout=2 with data.num_workers=0"),
+])
+def test_a_timeout_torch_would_not_honour_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config([DEBUG_CONFIG], overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_timeout_with_workers_and_none_without_are_accepted():
+    assert load_config([DEBUG_CONFIG], ["data.timeout=2", "data.num_workers=1"]).data.timeout == 2
+    assert load_config([DEBUG_CONFIG], ["data.timeout=0", "data.num_workers=0"]).data.timeout == 0
+
+
+def test_the_loader_refuses_the_pair_a_checkpoints_config_could_bring():
+    # evaluate.py layers overrides over a checkpoint's config without the config-time check
+    with pytest.raises(DataError, match="data.timeout=2 with data.num_workers=0"):
+        loader_timeout(DataConfig(timeout=2, num_workers=0), workers=0)
+    # null: a finite wait with workers, none without (torch refuses a timeout without workers)
+    assert 0 < loader_timeout(DataConfig(num_workers=2), workers=2) < float("inf")
+    assert loader_timeout(DataConfig(num_workers=0), workers=0) == 0
+
+
+def test_a_stalled_worker_ends_the_iteration_within_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
+    stall_in_worker(str(tmp_path / "release"), call=5)  # the first image of the second batch of 4
+    cfg = DataConfig(dataset="synthetic", synthetic_val_size=16, num_workers=1, timeout=1)
+    loader = build_eval_loader(cfg, img_size=8, batch_size_per_gpu=4, rank=0, world_size=1, num_classes=2)
+    assert isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers == 1
+    batches = iter(loader)
+    next(batches)
+    waited = time.monotonic()
+    try:
+        with pytest.raises(LoaderTimeoutError) as stalled:
+            next(batches)
+        waited = time.monotonic() - waited
+    finally:
+        (tmp_path / "release").touch()  # the worker finishes its item and shuts down with the loader
+    assert 1 <= waited < 1 + 10, waited
+    message = str(stalled.value)
+    assert "data.timeout=1 s" in message and "data.num_workers" in message and "data source" in message
+    assert isinstance(stalled.value, DataError)  # the entry points' one-line user errors
+
+
+# the debug recipe (64 train images, batches of 8, two per update) with one worker and a short timeout; the
+# worker's 33rd item is the first image of micro-batch 5, the first of update 3
+TRAIN = textwrap.dedent("""
+    import runpy, sys
+    sys.path.insert(0, {root!r})
+    from tests.test_loader_timeout import stall_in_worker
+    stall_in_worker({release!r}, call=33)
+    sys.argv = ["train.py", "--config", {config!r}, "out_dir=" + {out!r}, "data.num_workers=1",
+                "data.timeout=2", "train.max_steps=6", "log.tensorboard=false"]
+    runpy.run_path("train.py", run_name="__main__")
+""")
+
+
+def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    code = TRAIN.format(root=ROOT, release=str(tmp_path / "never"), config=DEBUG_CONFIG, out=str(out))
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=STALL_S + 120)
+    took = time.monotonic() - started
+    assert took < STALL_S, f"the run waited for the stalled worker ({took:.0f} s)"
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.timeout=2 s" in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
