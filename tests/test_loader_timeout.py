@@ -6,10 +6,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Optional
 
 import pytest
 import torch
 
+import train
 from configs import ConfigError, load_config
 from configs.schema import DataConfig
 from data import DataError, build_eval_loader
@@ -21,14 +23,15 @@ from .conftest import DEBUG_CONFIG, ROOT
 STALL_S = 60  # a stalled worker's sleep: far beyond every timeout here, so a missing timeout fails the test
 
 
-def stall_in_worker(release: str, call: int) -> None:
+def stall_in_worker(release: str, call: int, size: Optional[int] = None) -> None:
     """Patch SyntheticDataset so that in each DataLoader worker process (never in the main process) the
-    `call`-th __getitem__ sleeps until the file `release` exists, or STALL_S passes."""
+    `call`-th __getitem__ (of a set of `size` images only, when given) sleeps until the file `release`
+    exists, or STALL_S passes."""
     original = SyntheticDataset.__getitem__
     calls = {"n": 0}  # per process: each worker counts its own calls
 
     def stalling(self, i):
-        if torch.utils.data.get_worker_info() is not None:
+        if torch.utils.data.get_worker_info() is not None and size in (None, self.size):
             calls["n"] += 1
             if calls["n"] == call:
                 deadline = time.monotonic() + STALL_S
@@ -111,3 +114,18 @@ def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkp
     assert "Traceback" not in run.stderr
     saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
+
+
+def test_a_stalled_worker_in_a_validation_keeps_the_epoch_and_the_resumed_run_validates(debug_config, tmp_path,
+                                                                                      monkeypatch, caplog):
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
+    stall_in_worker(str(tmp_path / "release"), call=1, size=16)  # the val set's first image
+    cfg = debug_config("data.num_workers=1", "data.timeout=2", "train.max_steps=4", "log.tensorboard=false")
+    try:
+        with caplog.at_level("ERROR"), pytest.raises(LoaderTimeoutError, match="data.timeout=2 s"):
+            train.main(cfg)  # 4 updates are the first epoch; its validation stalls
+    finally:
+        (tmp_path / "release").touch()
+    saved = torch.load(os.path.join(cfg.out_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    assert saved["state"]["step"] == 4 and saved["state"]["validation_due"]
+    assert "checkpoint.pt written" in caplog.text
