@@ -267,7 +267,7 @@ def _worker_args(cfg: DataConfig) -> dict:
 
 def loader_timeout(cfg: DataConfig, workers: int) -> float:
     """The DataLoader `timeout` of data.timeout for a loader with `workers` worker processes: null is
-    LOADER_TIMEOUT_S with workers (configs/schema.py says why) and 0 without (torch takes none then). A
+    LOADER_TIMEOUT_S with workers (configs/schema.py says why) and 0 without (torch refuses one then). A
     positive data.timeout with data.num_workers=0 is refused here too: evaluate.py layers overrides over a
     checkpoint's config without `check_together`."""
     if (problem := loader_timeout_problem(cfg)) is not None:
