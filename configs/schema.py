@@ -104,12 +104,12 @@ class DataConfig:
     digits_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
 
 
-# the wait of data.timeout=null with loader workers, in seconds. A stalled worker (a hung read on a network file system, a batch that
-# multiprocessing's queue dropped) otherwise hangs a one-process run forever, and a torchrun run until NCCL's
-# watchdog ends it after 10 minutes with an error on the other ranks that does not name the data; 300 s fires
-# before that watchdog, so the stalled rank names the cause itself. A worker reads one batch per request
-# (batch_size_per_gpu images, seconds on a working file system), so 300 s leaves a wide margin for a slow one;
-# when it fires, the run keeps its last checkpoint and the same command resumes. 0 waits without limit.
+# the wait of data.timeout=null with loader workers, in seconds. A stalled worker (a hung read on a network file
+# system, a batch that multiprocessing's queue dropped) otherwise hangs a one-process run forever, and a torchrun run
+# until NCCL's watchdog ends it after 10 minutes with an error on the other ranks that does not name the data; 300 s
+# fires before that watchdog, so the stalled rank names the cause itself. A worker reads one batch per request
+# (batch_size_per_gpu images, seconds on a working file system), so 300 s leaves a wide margin for a slow one; when
+# it fires, the run keeps its last checkpoint and the same command resumes. 0 waits without limit.
 LOADER_TIMEOUT_S = 300.0
 
 # the DataConfig keys the training transform reads (data/transforms.py build_transform): results computed on

@@ -20,7 +20,9 @@ from data.synthetic import SyntheticDataset
 
 from .conftest import DEBUG_CONFIG, ROOT
 
-STALL_S = 60  # a stalled worker's sleep: far beyond every timeout here, so a missing timeout fails the test
+# a stalled worker's sleep: far beyond every timeout here (3-5 s: generous, so that a worker slowed by a loaded
+# machine is not taken for a stalled one), so a missing timeout fails the test
+STALL_S = 60
 
 
 def stall_in_worker(release: str, call: int, size: Optional[int] = None) -> None:
@@ -69,7 +71,7 @@ def test_the_loader_refuses_the_pair_a_checkpoints_config_could_bring():
 def test_a_stalled_worker_ends_the_iteration_within_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
     stall_in_worker(str(tmp_path / "release"), call=5)  # the first image of the second batch of 4
-    cfg = DataConfig(dataset="synthetic", synthetic_val_size=16, num_workers=1, timeout=1)
+    cfg = DataConfig(dataset="synthetic", synthetic_val_size=16, num_workers=1, timeout=3)
     loader = build_eval_loader(cfg, img_size=8, batch_size_per_gpu=4, rank=0, world_size=1, num_classes=2)
     assert isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers == 1
     batches = iter(loader)
@@ -81,9 +83,9 @@ def test_a_stalled_worker_ends_the_iteration_within_the_timeout(tmp_path, monkey
         waited = time.monotonic() - waited
     finally:
         (tmp_path / "release").touch()  # the worker finishes its item and shuts down with the loader
-    assert 1 <= waited < 1 + 10, waited
+    assert 3 <= waited < 3 + 10, waited
     message = str(stalled.value)
-    assert "data.timeout=1 s" in message and "data.num_workers" in message and "data source" in message
+    assert "data.timeout=3 s" in message and "data.num_workers" in message and "data source" in message
     assert isinstance(stalled.value, DataError)  # the entry points' one-line user errors
 
 
@@ -95,7 +97,7 @@ TRAIN = textwrap.dedent("""
     from tests.test_loader_timeout import stall_in_worker
     stall_in_worker({release!r}, call=33)
     sys.argv = ["train.py", "--config", {config!r}, "out_dir=" + {out!r}, "data.num_workers=1",
-                "data.timeout=2", "train.max_steps=6", "log.tensorboard=false"]
+                "data.timeout=5", "train.max_steps=6", "log.tensorboard=false"]
     runpy.run_path("train.py", run_name="__main__")
 """)
 
@@ -110,7 +112,7 @@ def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkp
     assert took < STALL_S, f"the run waited for the stalled worker ({took:.0f} s)"
     assert run.returncode == 1, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "data.timeout=2 s" in errors[0], run.stderr[-3000:]
+    assert len(errors) == 1 and "data.timeout=5 s" in errors[0], run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
@@ -120,9 +122,9 @@ def test_a_stalled_worker_in_a_validation_keeps_the_epoch_and_the_resumed_run_va
                                                                                       monkeypatch, caplog):
     monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
     stall_in_worker(str(tmp_path / "release"), call=1, size=16)  # the val set's first image
-    cfg = debug_config("data.num_workers=1", "data.timeout=2", "train.max_steps=4", "log.tensorboard=false")
+    cfg = debug_config("data.num_workers=1", "data.timeout=5", "train.max_steps=4", "log.tensorboard=false")
     try:
-        with caplog.at_level("ERROR"), pytest.raises(LoaderTimeoutError, match="data.timeout=2 s"):
+        with caplog.at_level("ERROR"), pytest.raises(LoaderTimeoutError, match="data.timeout=5 s"):
             train.main(cfg)  # 4 updates are the first epoch; its validation stalls
     finally:
         (tmp_path / "release").touch()
