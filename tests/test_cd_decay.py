@@ -154,6 +154,7 @@ def test_fused_optimizer_under_gradscaler_gates_cd_on_device(device):
     scaler.update()
     assert changed(model, P) == []
     assert decay.metrics()["cd/updates"] == 0
+    assert decay.state_dict()["num_updates"] == 0  # a checkpoint does not count the skipped step either
 
     _zero_grads(model)  # Adam on zero gradients without weight decay moves nothing: only CD does
     scaler.step(opt)
@@ -164,6 +165,9 @@ def test_fused_optimizer_under_gradscaler_gates_cd_on_device(device):
     for (n, p), q in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8, msg=n)
     assert changed(model, P) and decay.metrics()["cd/updates"] == 1
+    resumed = ColinearityDecay(model, lam=0.5)
+    resumed.load_state_dict(decay.state_dict())
+    assert resumed.metrics()["cd/updates"] == 1  # one skipped and one real step: 1 after resume too
 
 
 def test_gradient_accumulation_applies_cd_once_per_optimizer_update(monkeypatch):
