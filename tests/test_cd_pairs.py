@@ -258,3 +258,42 @@ def test_cli_default_model_table_layout_and_a_typo_with_suggestions(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: unknown timm model 'vit_base_patch_224'; did you mean ") and \
         "vit_base_patch16_224" in err
+
+
+def _cait() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                             num_classes=3)
+
+
+@pytest.mark.parametrize("build,block,change,match", [
+    (tiny_vit, "blocks.1", lambda b: setattr(b, "norm2", nn.LayerNorm(16)), "affine norm2 .* of mlp.fc1's input"),
+    (tiny_vit, "blocks.1", lambda b: setattr(b.attn, "proj", nn.Linear(16, 32)), "attn.qkv is not 3x attn.proj"),
+    (_cait, "blocks_token_only.0", lambda b: setattr(b.attn, "v", nn.Linear(32, 16)), "attn.v's output width"),
+])
+def test_a_block_whose_widths_do_not_chain_is_refused_by_its_structure(build, block, change, match):
+    """Without the forward check (verify=False trusts the structure) a pair whose matrices cannot be multiplied
+    is refused by name when found, not left to fail as a shape error inside the first update."""
+    model = build()
+    change(model.get_submodule(block))
+    with pytest.raises(UnsupportedModelError, match=rf"'{block}' .*{match}"):
+        find_pairs(model, verify=False)
+
+
+class _NamedBlocks(nn.Module):
+    """Two blocks under names of which one extends the other ('enc', 'enc_late'), not numbered children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        vit = _tiny("vit_tiny_patch16_224", depth=2)
+        self.enc, self.enc_late = vit.blocks[0], vit.blocks[1]
+
+    def forward(self, x):
+        return self.enc_late(self.enc(x))
+
+
+def test_a_block_whose_name_extends_an_earlier_blocks_name_keeps_its_pairs():
+    model = _NamedBlocks()
+    pairs = find_pairs(model, example_input=torch.zeros(1, 5, 32))
+    assert [(p.block, p.role) for p in pairs] == [(b, r) for b in ("enc", "enc_late")
+                                                  for r in ("qkv", "proj", "fc1", "fc2")]
