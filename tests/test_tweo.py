@@ -57,6 +57,17 @@ def test_aux_loss_is_lam_times_mean_over_block_outputs(make):
         assert names == ["blocks.0", "blocks.1"]
 
 
+def test_aux_loss_uses_the_p_tau_and_eps_it_was_given():
+    """Non-default p, tau and eps reach every block's term: mean((|A| / (tau + eps))^p), by hand in float64."""
+    model = tiny_vit()
+    x = torch.randn(2, 3, 32, 32)
+    with TWEO(model, lam=0.02, p=3.0, tau=1.0, eps=0.5) as tweo:
+        y, outs = _block_outputs(model, [b for _, b in tweo.blocks], x)
+        aux = tweo.aux_loss(y.sum(), step=0)
+    want = sum(((o.detach().double().abs() / 1.5) ** 3).mean() for o in outs) / len(outs)
+    assert math.isclose(float(aux.detach()), 0.02 * float(want), rel_tol=1e-5)
+
+
 def test_fp16_activations_of_several_hundred_stay_finite():
     a = torch.tensor([400.0, -350.0, 250.0, 5.0], dtype=torch.float16)
     assert torch.isinf(((a.abs() / 3) ** 4).mean())  # what a naive fp16 penalty does
@@ -115,7 +126,8 @@ def test_hooks_are_removed_and_eval_or_no_grad_forwards_are_not_captured():
 
 
 @pytest.mark.parametrize("kwargs", [dict(lam=float("nan")), dict(lam=float("inf")), dict(p=float("nan")),
-                                    dict(tau=float("nan")), dict(eps=float("inf")), dict(lam=-1.0)])
+                                    dict(tau=float("nan")), dict(eps=float("inf")), dict(lam=-1.0),
+                                    dict(p=0.5)])
 def test_non_finite_or_negative_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="tweo needs finite p >= 1"):
         TWEO(tiny_vit(), **kwargs)
@@ -126,7 +138,8 @@ def test_cosine_schedule():
     assert tweo.lam_at(0) == 0.02
     assert math.isclose(tweo.lam_at(50), 0.01)
     assert math.isclose(tweo.lam_at(25), 0.01 * (1 + math.cos(math.pi / 4)))
-    assert tweo.lam_at(100) == 0.0 and tweo.lam_at(500) == 0.0
+    # 0 after the run, not the cosine rising again (at 150 it would be lam / 2; at odd multiples of 100 it is 0)
+    assert tweo.lam_at(100) == 0.0 and tweo.lam_at(150) == 0.0 and tweo.lam_at(500) == 0.0
     assert TWEO(tiny_vit(), lam=0.02).lam_at(10 ** 6) == 0.02
     with pytest.raises(ValueError, match="total_steps"):
         TWEO(tiny_vit(), schedule="cosine")
