@@ -417,6 +417,26 @@ def test_weight_noise_hook_refuses_bad_arguments():
         WeightNoiseHook(module=["backbone"])
 
 
+def test_weight_noise_perturbs_only_grad_enabled_training_forwards_and_refuses_bits_over_16():
+    """UNIQ noise on a plain Linear (no runner): a training forward with grad sees noisy weights, one under no_grad
+    (e.g. a look at the training model without a backward) the clean ones, compared with F.linear on the clean
+    weights; a parameter of one element has no distribution to fit and stays clean; bits outside [1, 16] refused."""
+    from cd.noise import WeightNoise
+
+    torch.manual_seed(0)
+    layer, single = nn.Linear(8, 6).train(), nn.Linear(1, 1).train()
+    x = torch.randn(3, 8)
+    with WeightNoise(layer, bits=4), WeightNoise(single, bits=4):
+        clean = F.linear(x, layer.weight, layer.bias)
+        assert (layer(x) - clean).abs().max() > 1e-3  # the training forward is perturbed
+        with torch.no_grad():
+            assert torch.equal(layer(x), clean)
+        assert torch.equal(single(x[:, :1]), F.linear(x[:, :1], single.weight, single.bias))
+    for bits in (0, 17):
+        with pytest.raises(ValueError, match="bits must be an int in \\[1, 16\\]"):
+            WeightNoise(nn.Linear(2, 2), bits=bits)
+
+
 # --- MMDetection's Swin and the config fragments ------------------------------------------------------------------
 def test_mmdetection_swin_backbone_gets_both_hooks(tmp_path):
     pytest.importorskip("mmdet")
