@@ -367,3 +367,29 @@ def test_pair_penalty_weights_each_pair_by_its_own_weight():
             w1 = torch.diag(P[p.upstream_name])
         want += w * float((P[p.name] @ normalized(w1)).square().sum())
     assert math.isclose(float(pair_penalty(pairs, weights).detach()), want, rel_tol=1e-12)
+
+
+def test_an_all_zero_upstream_matrix_gives_no_update_and_zero_energy():
+    """A zero norm scale or a zero fc1 (W1 = 0, so W1n = 0: nothing to normalize) leaves its W2 unchanged and
+    has energy 0, not NaN; the other pairs still get the float64 reference update."""
+    model = tiny_vit().double()
+    with torch.no_grad():
+        model.blocks[0].norm1.weight.zero_()
+        model.blocks[1].mlp.fc1.weight.zero_()
+    P = snapshot(model)
+    decay = ColinearityDecay(model, lam=0.1)
+    energy = decay.metrics()
+    # by hand: the mean over the two blocks, one of which is 0
+    want_qkv = (P["blocks.1.attn.qkv.weight"] @ normalized(torch.diag(P["blocks.1.norm1.weight"]))).square().sum() / 2
+    want_fc2 = (P["blocks.0.mlp.fc2.weight"] @ normalized(P["blocks.0.mlp.fc1.weight"])).square().sum() / 2
+    assert math.isclose(energy["cd/pair_energy/qkv"], float(want_qkv), rel_tol=1e-9)
+    assert math.isclose(energy["cd/pair_energy/fc2"], float(want_fc2), rel_tol=1e-9)
+    decay.apply(lr=0.5)
+    params = dict(model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in params.values())
+    for name in ("blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight"):
+        assert torch.equal(params[name], P[name]), name
+    expected = {}
+    ref_block_update(P, "blocks.0", 0.05, expected)
+    torch.testing.assert_close(params["blocks.0.mlp.fc2.weight"], expected["blocks.0.mlp.fc2.weight"])
+    torch.testing.assert_close(params["blocks.0.mlp.fc1.weight"], expected["blocks.0.mlp.fc1.weight"])
