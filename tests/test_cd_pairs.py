@@ -297,3 +297,21 @@ def test_a_block_whose_name_extends_an_earlier_blocks_name_keeps_its_pairs():
     pairs = find_pairs(model, example_input=torch.zeros(1, 5, 32))
     assert [(p.block, p.role) for p in pairs] == [(b, r) for b in ("enc", "enc_late")
                                                   for r in ("qkv", "proj", "fc1", "fc2")]
+
+
+class _SquareMerge(nn.Module):
+    """A pre-norm patch-merging-like layer whose reduction keeps the width: reduction(norm(x)), C -> C."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.reduction = nn.LayerNorm(16), nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.reduction(self.norm(x))
+
+
+def test_a_pre_norm_merging_layer_of_equal_widths_is_paired_not_taken_for_post_norm():
+    """Norm width == reduction output width is post-norm (Swin V2) only when the input width differs; with equal
+    widths the layer is paired, and the forward check agrees."""
+    pairs = find_pairs(nn.Sequential(_SquareMerge()), example_input=torch.zeros(1, 4, 16))
+    assert [(p.name, p.role, p.upstream_name) for p in pairs] == [("0.reduction.weight", "reduction", "0.norm.weight")]
