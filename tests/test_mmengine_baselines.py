@@ -417,10 +417,11 @@ def test_weight_noise_hook_refuses_bad_arguments():
         WeightNoiseHook(module=["backbone"])
 
 
-def test_weight_noise_perturbs_only_grad_enabled_training_forwards_and_refuses_bits_over_16():
+def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_layers():
     """UNIQ noise on a plain Linear (no runner): a training forward with grad sees noisy weights, one under no_grad
     (e.g. a look at the training model without a backward) the clean ones, compared with F.linear on the clean
-    weights; a parameter of one element has no distribution to fit and stays clean; bits outside [1, 16] refused."""
+    weights; a parameter of one element has no distribution to fit and stays clean; bits outside [1, 16] refused;
+    by default only Linear layers get noise."""
     from cd.noise import WeightNoise
 
     torch.manual_seed(0)
@@ -435,6 +436,9 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_and_refuses_b
     for bits in (0, 17):
         with pytest.raises(ValueError, match="bits must be an int in \\[1, 16\\]"):
             WeightNoise(nn.Linear(2, 2), bits=bits)
+    noise = WeightNoise(nn.Sequential(nn.Conv2d(1, 1, 1), nn.Linear(2, 2)))  # the default: Linear layers only
+    assert [name for name, _ in noise.layers] == ["1"]
+    noise.remove()
 
 
 # --- MMDetection's Swin and the config fragments ------------------------------------------------------------------
