@@ -331,3 +331,28 @@ def test_log_sqrt2_training_path_gradient_of_delta_is_one_per_saturated_element(
     delta = torch.tensor(0.5, requires_grad=True)
     (g,) = torch.autograd.grad(fake_quant_log_sqrt2(x, delta, 4, ste=True).sum(), delta)
     assert g.item() == pytest.approx(2.0, abs=1e-5)  # the two saturated elements
+
+
+@pytest.mark.parametrize("levels", [(0.3,), (0.5,), (0.9999, 0.001)])
+def test_percentile_levels_at_or_below_one_half_are_refused(levels):
+    # p <= 0.5 would put the upper end q(p) at or below the lower end q(1 - p): an empty or inverted range
+    with pytest.raises(ValueError, match=r"must lie in \(0.5, 1\]"):
+        RangeSearch("percentile_mse" if len(levels) > 1 else "percentile", levels)
+
+
+def test_loading_a_folded_per_tensor_state_makes_a_per_channel_quantizer_per_tensor():
+    # RepQ-ViT's fold turns a per-channel input quantizer into a per-tensor one; a freshly converted model
+    # (per channel) that loads the folded state must become per tensor too, or a later re-fit would fit one
+    # range per channel again and a second fold would not be refused
+    x = torch.randn(6, 5, 8, generator=gen(15)) * torch.linspace(0.5, 8.0, 8)
+    folded = fitted(UniformQuantizer(4, channel_dim=-1), x)
+    folded.channel_dim = None
+    folded.set_params(folded.scale.mean().reshape(1), folded.zero_point.mean().reshape(1))
+    fresh = UniformQuantizer(4, channel_dim=-1)
+    fresh.load_state_dict(folded.state_dict())
+    assert fresh.channel_dim is None
+    fresh.reset()
+    fitted(fresh, x)
+    reference = fitted(UniformQuantizer(4), x)  # a per-tensor quantizer from scratch
+    assert fresh.scale.shape == (1,) and torch.equal(fresh.scale, reference.scale)
+    assert torch.equal(fresh(x), reference(x))
