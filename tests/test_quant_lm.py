@@ -334,3 +334,26 @@ def test_gptq_group_inside_a_block_takes_its_range_from_the_block_start():
     Q, _ = gptq_quantize(W, acc.hessian, GPTQQuantizer(3, group_size=4), blocksize=6)
     torch.testing.assert_close(Q, reference_gptq(W, acc.hessian, 3, group=4, blocksize=6), rtol=0, atol=1e-9)
     assert not torch.allclose(Q, reference_gptq(W, acc.hessian, 3, group=4), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", ["defaults", "act_order", "groups+act_order"])
+def test_gptq_error_is_half_the_damped_quadratic_form_of_the_weight_change(case):
+    # Optimal Brain Quantization: each column's error (w - q)^2 / (2 [H^-1]_jj) is exactly the rise of the
+    # proxy loss 1/2 (w0 - w) H (w0 - w)^T after the optimal update of the remaining columns, so the sum that
+    # the report shows as `gptq_error` equals the closed form on the final weights (H with GPTQ's dampening)
+    kw = CASES[case]
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    x = correlated_inputs(120, 12, seed=3)
+    x[:, 7] = 0  # a dead input column: its weights are dropped (they multiply a zero input)
+    acc = HessianAccumulator(12, torch.device("cpu"), torch.float64)
+    acc.add(x.view(6, 20, 12))
+    quantizer = GPTQQuantizer(3, group_size=kw.get("group") or None)
+    Q, error = gptq_quantize(W, acc.hessian, quantizer, blocksize=4, act_order=kw.get("act_order", False))
+    H = acc.hessian.clone()
+    H[7, 7] = 1  # GPTQ's dead-column rule, before the dampening's mean of the diagonal
+    H += 0.01 * torch.diag(H).mean() * torch.eye(12, dtype=torch.float64)  # percdamp 0.01
+    D = W.clone()
+    D[:, 7] = 0
+    D -= Q
+    assert error == pytest.approx(0.5 * float(torch.einsum("ri,ij,rj->", D, H, D)), rel=1e-9)
