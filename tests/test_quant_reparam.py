@@ -180,3 +180,55 @@ def test_pipeline_honours_round_zero_point_and_quantizes_weights_per_output_chan
         if name.endswith("weight_quantizer") and not name.startswith(("patch_embed", "head")):
             layer = qmodel.get_submodule(name.rsplit(".", 1)[0])
             assert q.channel_dim == 0 and q.scale.numel() == layer.weight.shape[0], name
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_fold_into_a_bias_free_linear_creates_a_bias_as_trainable_as_the_weight(trainable):
+    # Swin's PatchMerging reduction has no bias; the fold creates one (W' b). A frozen model must stay frozen:
+    # a new bias that requires grad would be trained by whatever collects the trainable parameters afterwards
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    torch.manual_seed(0)
+    norm = perturb_norms(nn.LayerNorm(8)).double()
+    linear = QuantLinear(8, 3, bias=False, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
+    linear.weight.requires_grad_(trainable)
+    x = torch.randn(5, 7, 8, dtype=torch.float64) * torch.linspace(0.5, 4.0, 8, dtype=torch.float64)
+    with torch.no_grad():
+        want = norm(x) @ linear.weight.T  # the float function before the fold
+        linear.input_quantizer.calibrating = True
+        linear.input_quantizer(norm(x))
+        linear.input_quantizer.calibrating = False
+        fold_layernorm(norm, linear)
+        linear.input_quantizer.enabled = False
+        torch.testing.assert_close(linear(norm(x)), want, rtol=1e-9, atol=1e-9)
+    assert linear.bias is not None and linear.bias.requires_grad == trainable
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(8, bias=False), nn.LayerNorm(8, elementwise_affine=False),
+                                  nn.RMSNorm(8)], ids=["no-bias", "no-affine", "rmsnorm"])
+def test_fold_refuses_a_norm_without_weight_and_bias(norm):
+    # the fold's shift b lives in the norm's bias: without one, migrate_scales would scale the weight and
+    # silently drop b (a wrong float function), so anything but an affine LayerNorm is refused up front
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    linear = QuantLinear(8, 3, input_quantizer=UniformQuantizer(4, channel_dim=-1))
+    linear.input_quantizer.calibrating = True
+    linear.input_quantizer(torch.randn(4, 8))
+    linear.input_quantizer.calibrating = False
+    weight = linear.weight.detach().clone()
+    with pytest.raises(TypeError, match="affine LayerNorm"):
+        fold_layernorm(norm, linear)
+    assert torch.equal(linear.weight.detach(), weight)  # refused before anything changed
+
+
+def test_fold_refuses_an_uncalibrated_input_quantizer():
+    # an uncalibrated quantizer holds placeholder ranges (scale 1, zero point 0): folding them would rescale
+    # nothing and freeze a per-tensor range no data ever chose
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    norm = perturb_norms(nn.LayerNorm(8))
+    linear = QuantLinear(8, 3, input_quantizer=UniformQuantizer(4, channel_dim=-1, num_channels=8))
+    gamma = norm.weight.detach().clone()
+    with pytest.raises(ValueError, match="calibrated per-channel"):
+        fold_layernorm(norm, linear)
+    assert torch.equal(norm.weight.detach(), gamma) and linear.input_quantizer.channel_dim == -1
