@@ -383,3 +383,14 @@ def test_scope_script_writes_its_table_between_the_markers_of_the_quant_readme(m
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # leaves torch's threads as they are
     script.main(["--write"])
     assert doc.read_text() == f"a\n{script.BEGIN}\nnew\n{script.END}\nb\n"
+
+
+def test_quantized_gpt_attention_of_a_dropout_model_drops_nothing_in_eval_mode():
+    # a model trained with dropout (drop=0.5) is evaluated deterministically: the converted attention's
+    # probabilities must not be dropped in eval mode, as the float module's SDPA call (dropout_p 0 in eval)
+    torch.manual_seed(0)
+    model, x = perturb_norms(build_gpt("gpt2_nano", vocab_size=VOCAB, drop=0.5)).eval(), tokens(3)
+    converted = quantize_model(model, QuantSpec(linears=(), attentions=(AttentionRule(ATTENTION, None, None, None,
+                                                                                      None),), strict=False))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), model(x), rtol=1e-5, atol=1e-5)
