@@ -424,3 +424,13 @@ def test_a_calibration_that_fits_non_finite_ranges_is_refused(bad):
     model = quantize_model(nn.Sequential(nn.Linear(4, 3)), spec)
     calibrate(model, x)
     torch.testing.assert_close(model[0].input_quantizer.scale, ((x.max() - x.min()) / 255).reshape(1))
+
+
+def test_calibration_on_another_index_of_the_models_device_type_is_refused():
+    """Same type, other index (cuda:1 for a model on cuda:0) is another device: refused, not run on the model's
+    device instead. A CPU model stands in for the GPU case here: its device has no index, so cpu:1 differs."""
+    minmax = QuantizerSpec(8)
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), QuantSpec(linears=(LinearRule(("0",), None, minmax),)))
+    with pytest.raises(ValueError, match=r"device=cpu:1 but the model is on cpu"):
+        calibrate(model, torch.randn(5, 4), device="cpu:1")
+    assert not model[0].input_quantizer.calibrated
