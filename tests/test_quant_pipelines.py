@@ -1,6 +1,7 @@
 """Pipeline registry, options, reports, first/last-layer bits and frozen quantizers at evaluation."""
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +152,31 @@ def test_percentile_weight_symmetric_gives_signed_codes_with_zero_offset():
     blocks = [q for name, q in named_quantizers(model, "weight") if name.startswith("blocks.")]
     assert blocks and all(q.symmetric and (q.qmin, q.qmax) == (-8, 7) for q in blocks)
     assert all(torch.equal(q.zero_point, torch.zeros_like(q.zero_point)) for q in blocks)
+
+
+def naive_repq_rows(w: np.ndarray, bits: int) -> np.ndarray:
+    """RepQ-ViT's UniformQuantizer on each row of w, one row at a time in numpy float32: candidates
+    [q(1 - p), q(p)] for p in 0.999 / 0.9999 / 0.99999, the first of the smallest mean squared errors wins."""
+    out = np.empty_like(w)
+    for r, row in enumerate(w):
+        best = None
+        for p in (0.999, 0.9999, 0.99999):
+            lo, hi = np.float32(np.quantile(row, 1 - p)), np.float32(np.quantile(row, p))
+            scale = np.float32((hi - lo) / np.float32(2 ** bits - 1))
+            zero = np.round(-lo / scale)
+            fq = ((np.clip(np.round(row / scale) + zero, 0, 2 ** bits - 1) - zero) * scale).astype(np.float32)
+            err = float(np.mean((fq - row).astype(np.float64) ** 2))
+            if best is None or err < best[0]:
+                best = (err, fq)
+        out[r] = best[1]
+    return out
+
+
+def test_percentile_weights_are_repq_searched_per_output_channel():
+    # each output row of a block Linear gets its own percentile-MSE range (per tensor would share one range)
+    fp = tiny_vit()
+    model, _ = PIPELINES["percentile"](fp, images(4), "w4a4")
+    for name in ("blocks.0.attn.qkv", "blocks.1.mlp.fc2"):
+        layer = model.get_submodule(name)
+        want = naive_repq_rows(fp.get_submodule(name).weight.detach().numpy(), 4)
+        np.testing.assert_allclose(layer.quantized_weight().detach().numpy(), want, rtol=0, atol=1e-6)
