@@ -8,8 +8,9 @@ from torch import nn
 
 from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
 from quant.aphq.hessian import perturbation_hessian
+from quant import PIPELINES
 from quant.layers import QuantConv2d, QuantLinear
-from quant.quantizers import UniformQuantizer
+from quant.quantizers import Quantizer, UniformQuantizer
 from quant.aphq.search import range_grid, search_linear, search_matmul, search_stem
 from quant.units import find_units, model_logits
 from quant_models import images, tiny_swin, tiny_vit
@@ -385,3 +386,36 @@ def test_linear_search_reports_the_output_mse_of_its_final_quantizers():
     assert not (torch.equal(iq.scale, a_s[input_only]) and torch.equal(iq.zero_point, a_z[input_only]))
     out = fq(x, iq.scale, iq.zero_point) @ fq(W, wq.scale[:, None], wq.zero_point[:, None]).t()
     assert result["output_mse"] == pytest.approx(float((out - x @ W.t()).pow(2).mean()), rel=1e-5)
+
+
+def test_unit_coverage_names_the_enabled_quantizers_outside_every_unit():
+    # APHQ reconstructs unit by unit: an enabled quantizer outside every unit would never be reconstructed
+    from quant.units import check_unit_coverage
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(2), "w4a4")
+    blocks = find_units(model, ("block",))
+    outside = [n for n, m in model.named_modules() if isinstance(m, Quantizer) and not n.startswith("blocks.")]
+    assert outside  # the stem's and the head's quantizers
+    with pytest.raises(ValueError, match=rf"{len(outside)} quantizers lie outside every reconstruction unit"):
+        check_unit_coverage(model, blocks)
+    check_unit_coverage(model, find_units(model))  # stem, blocks and head cover all of them
+    for name in outside:
+        model.get_submodule(name).enabled = False
+    check_unit_coverage(model, blocks)  # a disabled (float) quantizer needs no unit
+
+
+def test_for_each_call_refuses_a_feed_whose_batch_never_reaches_the_unit():
+    # one call of the unit per batch of the feed, or the per-sample statistics would be silently short
+    from quant.units import for_each_call
+
+    class Feed:
+        def __len__(self):
+            return 2
+
+        def run(self, model, index):
+            if index == 0:  # the second batch never runs the model
+                model(images(1))
+
+    seen = []
+    with pytest.raises(RuntimeError, match=r"unit blocks.0 ran 1 times over 2 batches"):
+        for_each_call(tiny_vit(), "blocks.0", Feed(), lambda args, out: seen.append(out))
+    assert len(seen) == 1
