@@ -356,3 +356,37 @@ def test_loading_a_folded_per_tensor_state_makes_a_per_channel_quantizer_per_ten
     reference = fitted(UniformQuantizer(4), x)  # a per-tensor quantizer from scratch
     assert fresh.scale.shape == (1,) and torch.equal(fresh.scale, reference.scale)
     assert torch.equal(fresh(x), reference(x))
+
+
+@pytest.mark.parametrize("options, channel_dim", [({"granularity": "head"}, 1), ({"symmetric": True}, None)],
+                         ids=["per-head", "symmetric"])
+def test_log_sqrt2_quantizer_refuses_a_granularity_or_sign_it_cannot_do(options, channel_dim):
+    # it has one delta per tensor and non-negative codes: a per-head or symmetric request is refused, not
+    # silently run per tensor / one-sided
+    from quant.spec import QuantizerSpec
+    spec = QuantizerSpec(4, kind=LogSqrt2Quantizer, **options)
+    with pytest.raises(ValueError, match="per-tensor and one-sided"):
+        LogSqrt2Quantizer.from_spec(spec, channel_dim)
+
+
+def test_fixed_percentile_takes_exactly_one_level():
+    # 'percentile' has no MSE selection: a second level would be silently ignored
+    with pytest.raises(ValueError, match="exactly one level"):
+        RangeSearch("percentile", (0.999, 0.9999))
+
+
+def test_a_learnable_scale_is_not_resized_behind_the_optimizers_back():
+    # a lazily sized (0-group) scale made learnable, then given 4 groups: replacing the Parameter would leave
+    # an optimizer holding the old one, training nothing
+    q = UniformQuantizer(4, channel_dim=-1)
+    q.make_learnable(scale=True)
+    with pytest.raises(ValueError, match="cannot resize learnable scale"):
+        q.set_params(torch.ones(4), torch.zeros(4))
+    assert isinstance(q.scale, torch.nn.Parameter) and q.scale.shape == (0,)
+
+
+def test_make_learnable_refuses_a_name_that_is_no_parameter_buffer():
+    # a misspelt key would otherwise leave the scale a buffer that no optimizer ever sees
+    q = UniformQuantizer(4)
+    with pytest.raises(KeyError, match="no parameter buffer 'scael'"):
+        q.make_learnable(scael=True)
