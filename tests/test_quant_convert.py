@@ -434,3 +434,30 @@ def test_calibration_on_another_index_of_the_models_device_type_is_refused():
     with pytest.raises(ValueError, match=r"device=cpu:1 but the model is on cpu"):
         calibrate(model, torch.randn(5, 4), device="cpu:1")
     assert not model[0].input_quantizer.calibrated
+
+
+def test_calibration_refuses_a_quantizer_off_the_forward_path():
+    """A quantized layer the forward never calls keeps no range: named, instead of failing at evaluation."""
+    class TwoPaths(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    spec = QuantSpec(linears=(LinearRule(("**",), None, QuantizerSpec(8)),))
+    model = quantize_model(TwoPaths(), spec)
+    with pytest.raises(RuntimeError, match=r"1 quantizers saw no calibration data: \['unused.input_quantizer'\]"):
+        calibrate(model, torch.randn(5, 4))
+
+
+def test_static_calibration_refuses_a_range_rule_it_would_not_apply():
+    """calibrate_from_float takes min / max only: a percentile-MSE quantizer is refused, not fitted min / max."""
+    from quant.calibrate import calibrate_from_float
+
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), QuantSpec(linears=(LinearRule(("0",), None,
+                                                                                          QuantizerSpec(8)),)))
+    with pytest.raises(ValueError, match=r"fits min/max UniformQuantizers only, not: \['0.input_quantizer'\]"):
+        calibrate_from_float(model, torch.randn(5, 4), batch_size=2)
+    assert not model[0].input_quantizer.calibrated
