@@ -357,3 +357,10 @@ def test_gptq_error_is_half_the_damped_quadratic_form_of_the_weight_change(case)
     D[:, 7] = 0
     D -= Q
     assert error == pytest.approx(0.5 * float(torch.einsum("ri,ij,rj->", D, H, D)), rel=1e-9)
+
+
+def test_gptq_grid_refuses_a_granularity_other_than_per_output_channel():
+    # its ranges are per output channel (or group): a per-tensor request is refused, not run per channel
+    from quant.spec import QuantizerSpec
+    with pytest.raises(ValueError, match="per output channel"):
+        GPTQQuantizer.from_spec(QuantizerSpec(4, kind=GPTQQuantizer, granularity="tensor"), None)

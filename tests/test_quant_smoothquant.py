@@ -394,3 +394,13 @@ def test_quantized_gpt_attention_of_a_dropout_model_drops_nothing_in_eval_mode()
                                                                                       None),), strict=False))
     with torch.no_grad():
         torch.testing.assert_close(converted(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"granularity": "channel"}, {"granularity": "tensor", "symmetric": False}],
+                         ids=["per-channel", "asymmetric"])
+def test_dynamic_quantizer_refuses_what_it_cannot_do(options):
+    # SmoothQuant's run-time max-abs ranges are symmetric, per tensor or per token: anything else is refused
+    from quant.spec import QuantizerSpec
+    spec = QuantizerSpec(8, kind=DynamicQuantizer, **{"symmetric": True, **options})
+    with pytest.raises(ValueError, match="symmetric, per tensor or per token"):
+        DynamicQuantizer.from_spec(spec, -1 if options["granularity"] == "channel" else None)
