@@ -404,3 +404,28 @@ def test_dynamic_quantizer_refuses_what_it_cannot_do(options):
     spec = QuantizerSpec(8, kind=DynamicQuantizer, **{"symmetric": True, **options})
     with pytest.raises(ValueError, match="symmetric, per tensor or per token"):
         DynamicQuantizer.from_spec(spec, -1 if options["granularity"] == "channel" else None)
+
+
+def test_dynamic_quantizer_clamps_a_tiny_token_range_at_the_official_1e_5():
+    # smoothquant/fake_quant.py: scale = max(|x|).clamp(min=1e-5) / 127, so a token whose values are all below
+    # 1e-5 is quantized on the 1e-5 / 127 grid (values far below it become 0), not on its own max-abs grid
+    x = torch.tensor([[[3e-7, -3e-8, 2e-6, 0.0]], [[0.5, -2.0, 1.0, 0.25]]], dtype=torch.float64)
+    got = DynamicQuantizer(8, (-1,))(x)
+    tiny = 1e-5 / 127
+    torch.testing.assert_close(got[0, 0], torch.round(x[0, 0] / tiny) * tiny, rtol=0, atol=1e-15)
+    assert got[0, 0, 1].item() == 0.0 and got[0, 0, 0].item() == pytest.approx(4 * tiny)
+    torch.testing.assert_close(got[1, 0], naive_absmax(x[1, 0]), rtol=0, atol=1e-12)
+
+
+def test_smoothing_touches_the_block_norms_only_not_swins_patch_merging():
+    # SmoothQuant smooths norm1 -> qkv and norm2 -> fc1 in every block; PatchMerging's norm -> reduction
+    # (which the RepQ-ViT fold does reparameterise) and every other norm keep their parameters
+    from quant_models import tiny_swin
+    model = perturb_norms(tiny_swin())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pairs = smooth_model(model, images(2), alpha=0.5, batch_size=2)
+    blocks = sorted(n.rsplit(".", 1)[0] for n, m in model.named_modules() if n.endswith(".mlp"))
+    want = [(f"{b}.norm1", f"{b}.attn.qkv") for b in blocks] + [(f"{b}.norm2", f"{b}.mlp.fc1") for b in blocks]
+    assert sorted(pairs) == sorted(want) and len(want) == 8
+    merges = [n for n in before if ".downsample." in n]
+    assert merges and all(torch.equal(model.get_parameter(n), before[n]) for n in merges)
