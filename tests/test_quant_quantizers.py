@@ -390,3 +390,13 @@ def test_make_learnable_refuses_a_name_that_is_no_parameter_buffer():
     q = UniformQuantizer(4)
     with pytest.raises(KeyError, match="no parameter buffer 'scael'"):
         q.make_learnable(scael=True)
+
+
+def test_log_sqrt2_treats_negative_inputs_as_zero():
+    # documented contract of log_sqrt2_codes: a negative entry (log2 undefined) is quantized like 0, never NaN
+    x = torch.tensor([-0.1, -1e-9, 0.0, 0.3])
+    out = fake_quant_log_sqrt2(x, torch.tensor(0.5), 4)
+    assert out[:3].tolist() == [0.0, 0.0, 0.0]
+    assert out[3].item() == pytest.approx(0.5 * 2 ** (-round(-2 * math.log2(0.3 / 0.5)) / 2))
+    codes, zero = log_sqrt2_codes(x, torch.tensor(0.5), 4)
+    assert zero.tolist() == [True, True, True, False] and not torch.isnan(codes).any()
