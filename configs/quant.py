@@ -99,8 +99,10 @@ class APHQOptions(FirstLastOptions):
     beta_start: Annotated[float, Positive] = 20.0  # rounding regulariser exponent at the end of the warm-up
     beta_end: Annotated[float, Positive] = 2.0  # ... at the last iteration (linear decay)
     warmup: Annotated[float, Probability] = 0.2  # fraction of iterations without the rounding regulariser
-    drop_prob: Annotated[float, Probability] = 0.5  # QDrop inside activation quantizers: probability of a float element
-    input_mix_prob: Annotated[float, Probability] = 0.5  # QDrop at the unit input: P(float-input element)
+    # QDrop, as the official `drop_prob` means it (GoatWu/APHQ-ViT, QDrop: where(rand < drop_prob, quantized,
+    # float)): the probability of an element's quantized value, the float one otherwise; 1: QDrop off
+    drop_prob: Annotated[float, Probability] = 0.5  # inside activation quantizers
+    input_mix_prob: Annotated[float, Probability] = 0.5  # at the unit input: P(quantized-prefix input element)
     normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
     loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
     hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal

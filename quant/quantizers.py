@@ -11,7 +11,7 @@ Life cycle of a quantizer (all flags are Python attributes, so forward never syn
 
 Parameters are buffers (`scale`, `zero_point`, `delta`); `make_learnable()` turns them into
 nn.Parameters with the same state-dict names (LSQ / APHQ scale learning). With grad enabled the
-forward uses straight-through rounding; `drop_prob` > 0 in training mode gives QDrop's element-wise
+forward uses straight-through rounding; `drop_prob` < 1 in training mode gives QDrop's element-wise
 mix of quantized and float values. The calibrated flag is saved with the state dict (extra state).
 """
 from __future__ import annotations
@@ -41,7 +41,9 @@ class Quantizer(nn.Module):
         self.enabled = True  # False: identity (float) pass-through
         self.calibrating = False  # True: an uncalibrated quantizer fits itself on its next input
         self.calibrated = False
-        self.drop_prob = 0.0  # QDrop: probability of keeping an element in float (training only)
+        # QDrop (training only): the probability of an element's quantized value, the float one otherwise; 1: off.
+        # The official codes' meaning of `drop_prob` (QDrop's, APHQ-ViT's: where(rand < drop_prob, quant, float))
+        self.drop_prob = 1.0
         self.name = ""  # FQN, set by the converter, for error messages and reports
         self.search_label = ""  # how the parameters were set, when not by `search` (reports only)
 
@@ -66,8 +68,10 @@ class Quantizer(nn.Module):
                 self.fit(x.detach())
             self.calibrated = True
         out = self.quantize(x)
-        if self.training and self.drop_prob > 0.0:
-            out = torch.where(torch.rand_like(x) < self.drop_prob, x, out)
+        if self.training and self.drop_prob < 1.0:
+            # float where rand < 1 - p: P(quantized) = p, as officially (the complement mask of the official
+            # where(rand < p, quant, float), equal in distribution)
+            out = torch.where(torch.rand_like(x) < 1.0 - self.drop_prob, x, out)
         return out
 
     def reset(self) -> None:

@@ -180,8 +180,8 @@ class _Wrap(nn.Module):
         self.conv = conv
 
 
-def recon_settings(iters=1, batch_size=1, mix=0.0):
-    return ReconSettings(iters=iters, batch_size=batch_size, weight_lr=1e-3, act_lr=4e-5, drop_prob=0.0,
+def recon_settings(iters=1, batch_size=1, mix=1.0):  # QDrop off (1: the quantized element always)
+    return ReconSettings(iters=iters, batch_size=batch_size, weight_lr=1e-3, act_lr=4e-5, drop_prob=1.0,
                          input_mix_prob=mix, rounding=RoundingSchedule(iters, 0.2, 20.0, 2.0, 0.01),
                          normalize_loss=True, log_every=0)
 

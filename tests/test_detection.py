@@ -288,7 +288,7 @@ def test_aphq_weights_backbone_units_by_the_sigmoid_rpn_outputs_and_keeps_qdrop_
         assert eps == 1e-3
         assert all(torch.allclose(c, torch.sigmoid(l)) for c, l in zip(cls, logits))
         assert all(torch.allclose(b, d) for b, d in zip(box, deltas))
-    assert recon_calls[-1] == ("neck", False, 0.0)
+    assert recon_calls[-1] == ("neck", False, 1.0)  # 1: every element quantized, QDrop off
     assert all(aph and drop == 0.5 for name, aph, drop in recon_calls[:-1]), recon_calls
 
 

@@ -178,7 +178,7 @@ def test_qdrop_mixes_float_and_quantized_in_training_only():
 
 
 def fake_or(q, x):
-    q.drop_prob = 0.0
+    q.drop_prob = 1.0  # QDrop off
     return q(x)
 
 
@@ -240,16 +240,23 @@ def test_symmetric_grid_is_the_closed_form(bits):
     assert unit(ramp).tolist() == ramp.clamp(-half, half - 1).tolist()
 
 
-def test_qdrop_keeps_float_elements_with_probability_drop_prob():
-    # drop_prob is the probability of KEEPING an element in float (QDrop); 0.5 cannot tell it from 1 - p
+def test_qdrop_keeps_the_quantized_element_with_probability_drop_prob_as_officially():
+    # drop_prob is the probability of an element's QUANTIZED value, as the official QDrop / APHQ-ViT
+    # `torch.where(torch.rand_like(x) < self.drop_prob, x_dequant, x_orig)` has it (1: QDrop off); 0.5 cannot
+    # tell it from 1 - p
     x = torch.randn(20000, generator=gen(13))
     q = fitted(UniformQuantizer(2), x)
+    quantized = fake_or(q, x)
+    assert not torch.isclose(quantized, x).any()  # 2 bits: no element is its own quantized value
     q.train()
     for p in (0.2, 0.9):
         q.drop_prob = p
         torch.manual_seed(0)
-        kept = (q(x) == x).float().mean().item()
-        assert abs(kept - p) < 0.02, (p, kept)
+        out = q(x)
+        assert torch.equal(out == quantized, out != x)  # each element is one or the other
+        assert abs((out == quantized).float().mean().item() - p) < 0.02, p
+    q.drop_prob = 1.0
+    assert torch.equal(q(x), quantized)  # off in training too
 
 
 def test_equal_errors_keep_the_earlier_candidate():

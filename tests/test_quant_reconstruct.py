@@ -8,7 +8,7 @@ from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
 from quant.layers import QuantLinear
 from quant.modes import named_quantizers, set_calibration
 from quant.quantizers import UniformQuantizer
-from quant.aphq.reconstruct import ReconSettings, reconstruct_unit
+from quant.aphq.reconstruct import ReconSettings, mix_inputs, reconstruct_unit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ def two_layer_unit(seed=0):
 
 
 def settings(iters, **kw):
-    base = dict(iters=iters, batch_size=32, weight_lr=1e-2, act_lr=4e-4, drop_prob=0.5, input_mix_prob=0.0,
+    base = dict(iters=iters, batch_size=32, weight_lr=1e-2, act_lr=4e-4, drop_prob=0.5, input_mix_prob=1.0,
                 rounding=RoundingSchedule(iters), normalize_loss=True, log_every=1)
     return ReconSettings(**{**base, **kw})
 
@@ -64,7 +64,7 @@ def test_reconstruction_beats_nearest_rounding_and_leaves_a_clean_unit():
         assert q.alpha is None and torch.allclose(codes, codes.round(), atol=1e-4)
         assert codes.round().min() >= q.qmin and codes.round().max() <= q.qmax
     for name, q in named_quantizers(unit, "activation"):  # frozen, QDrop off, back in eval mode
-        assert not q.scale.requires_grad and q.drop_prob == 0.0 and not q.training, name
+        assert not q.scale.requires_grad and q.drop_prob == 1.0 and not q.training, name
     assert torch.equal(unit[0].bias, float_params["0.bias"])  # biases are not trained
 
 
@@ -98,3 +98,15 @@ def test_kl_head_loss_lowers_the_kl_to_the_float_logits():
     before = kl(unit)
     reconstruct_unit(unit, x, x, target, None, "kl", settings(300), torch.Generator().manual_seed(0))
     assert kl(unit) < before
+
+
+def test_input_mix_takes_the_quantized_prefix_input_with_probability_input_mix_prob_as_officially():
+    """QDrop at a unit's input: an element of the quantized-prefix input with probability input_mix_prob, of the
+    float input otherwise, as the official `torch.where(torch.rand_like(q) < drop_prob, q, fp)` (1: the quantized
+    input alone, QDrop off); 0.5 cannot tell it from 1 - p."""
+    fp, q = torch.zeros(20000), torch.ones(20000)
+    for p in (0.2, 0.9):
+        torch.manual_seed(0)
+        assert abs(mix_inputs(fp, q, p).mean().item() - p) < 0.02, p
+    assert torch.equal(mix_inputs(fp, q, 1.0), q)
+    assert torch.equal(mix_inputs(fp, q, 0.0), fp)

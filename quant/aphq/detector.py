@@ -144,7 +144,7 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
             module = model.get_submodule(unit.name)
             set_quant_state(module, weights=True, activations=True)
             # official set_qdrop reaches Linear and matmul quantizers only: the neck's convolutions get no QDrop
-            unit_settings = dataclasses.replace(settings, drop_prob=0.0) if unit.kind == "neck" else settings
+            unit_settings = dataclasses.replace(settings, drop_prob=1.0) if unit.kind == "neck" else settings
             stats = reconstruct_unit_calls(module, fp_calls, q_calls, hessians, unit_settings, name=unit.name)
             stats = {"unit": unit.name, "kind": unit.kind, "loss": "aph" if hessians else "mse", **stats,
                      "hessian_seconds": hessian_timer.seconds.get("hessian", 0.0)}

@@ -7,8 +7,9 @@ block, patch merging or head) of the quantized model, with cached tensors for th
   activation quantizer (Adam, lr 4e-5, cosine to 0 over all iterations); zero points and weight
   scales stay fixed;
 * each iteration draws `batch_size` distinct random samples; the unit input is an element-wise 50/50 mix of
-  the quantized-prefix input and the float input (QDrop level 1), and every activation quantizer
-  returns its float input with p = 0.5 element-wise (QDrop level 2, `Quantizer.drop_prob`);
+  the quantized-prefix input and the float input (QDrop level 1, `input_mix_prob`), and every activation
+  quantizer returns its quantized value with p = 0.5 element-wise, its float input otherwise (QDrop level 2,
+  `Quantizer.drop_prob`); both probabilities are of the quantized element, as the official `drop_prob` is (1: off);
 * target: the float model's unit output on float inputs;
 * loss: mean((O^ - O)^2 * H) for ordinary units (H: APH weight [1, ...], normalised to mean 1 here,
   which changes nothing below), KL(softmax(O) || softmax(O^)) for the head; then divided by its value
@@ -52,8 +53,8 @@ class ReconSettings:
     batch_size: int
     weight_lr: float
     act_lr: float
-    drop_prob: float  # QDrop inside quantizers: probability of keeping an element float
-    input_mix_prob: float  # QDrop at the unit input: probability of taking the float input element
+    drop_prob: float  # QDrop inside quantizers: probability of an element's quantized value (1: off)
+    input_mix_prob: float  # QDrop at the unit input: probability of the quantized-prefix input element (1: off)
     rounding: RoundingSchedule
     normalize_loss: bool
     log_every: int
@@ -70,6 +71,15 @@ def _act_quantizers(unit: nn.Module) -> List[UniformQuantizer]:
     if bad:
         raise TypeError(f"scale learning needs uniform activation quantizers: {bad[:4]}")
     return qs
+
+
+def mix_inputs(fp: torch.Tensor, q: torch.Tensor, prob: float) -> torch.Tensor:
+    """QDrop at a unit's input: each element from the quantized-prefix input `q` with probability `prob`, else from
+    the float input `fp` (1: `q` alone). The float element where rand < 1 - prob: the complement mask of the
+    official where(rand < drop_prob, quant, float), equal in distribution."""
+    if prob >= 1:
+        return q
+    return torch.where(torch.rand_like(q) < 1.0 - prob, fp, q)
 
 
 def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, target: torch.Tensor,
@@ -103,10 +113,7 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         # device (the model's) whatever the cache's: where the cache lives must not change which samples train
         idx = torch.randperm(n, device=generator.device, generator=generator)[:settings.batch_size].to(fp_in.device)
         x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
-        if settings.input_mix_prob > 0:
-            x = torch.where(torch.rand_like(x_q) < settings.input_mix_prob, x_fp, x_q)
-        else:
-            x = x_q
+        x = mix_inputs(x_fp, x_q, settings.input_mix_prob)
         out = unit(x)
         tgt = target[idx].to(device)
         if loss_kind == "kl":
@@ -141,18 +148,15 @@ def reconstruct_unit_calls(unit: nn.Module, fp_calls: List[UnitCall], q_calls: L
     n = len(fp_calls)
     to_device = functools.partial(map_tensors, fn=lambda t: t.to(device))
 
-    def mix(fp: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        return torch.where(torch.rand_like(q) < settings.input_mix_prob, fp, q)
-
     def reconstruction_error(it: int) -> torch.Tensor:
         i = it % n
         fp_args, q_args = to_device(fp_calls[i].args), to_device(q_calls[i].args)
         first = fp_args[0]
-        if settings.input_mix_prob > 0:
+        if settings.input_mix_prob < 1:
             if isinstance(first, torch.Tensor):
-                first = mix(first, q_args[0])
+                first = mix_inputs(first, q_args[0], settings.input_mix_prob)
             else:
-                first = type(first)(mix(f, q) for f, q in zip(first, q_args[0]))
+                first = type(first)(mix_inputs(f, q, settings.input_mix_prob) for f, q in zip(first, q_args[0]))
         else:
             first = q_args[0]
         outs = output_tensors(unit(first, *fp_args[1:]))
@@ -235,7 +239,7 @@ def optimize_unit(unit: nn.Module, reconstruction_error: Callable[[int], torch.T
     for q in acts:
         q.search_label = "output-MSE search, learned scale"
         q.scale.requires_grad_(False)
-        q.drop_prob = 0.0
+        q.drop_prob = 1.0  # QDrop off
         q.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
