@@ -41,9 +41,11 @@ class BestCheckpoint:
         """Make `state`'s best score that of the best.pt on disk, on every rank alike. best.pt written at
         another update than `state.best_step` (a later one of an abandoned branch, another run's when resumed
         into a new out_dir) is moved aside as best.until_step<state.step>.pt; a missing or moved one clears
-        the score, so the next validation writes best.pt. Returns the kept path (main rank) or None."""
+        the score, so the next validation writes best.pt. A resume point with no validation yet is no exception:
+        a best.pt beside it comes from beyond it (a roll-back to a snapshot written before the first validation),
+        and that validation would overwrite it. Returns the kept path (main rank) or None."""
         kept, error, clear = None, None, 0.0
-        if is_main and state.best_value is not None:
+        if is_main:
             try:
                 written_at = _written_at_step(self.path)
                 if written_at != state.best_step:

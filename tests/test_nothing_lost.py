@@ -866,3 +866,23 @@ def test_a_folder_where_a_script_writes_a_file_is_refused_even_with_overwrite(tm
     (tmp_path / "logs").write_text("mine")
     with pytest.raises(RunDirError, match=r"logs is a file, where this command writes a folder"):
         refuse_existing_outputs([str(tmp_path / "o.json")], overwrite, folders=[str(tmp_path / "logs")])
+
+
+def test_a_roll_back_to_before_the_first_validation_keeps_the_abandoned_best(tmp_path):
+    """A resume point with no validation yet (a snapshot of epoch 1 under train.eval_every_epochs=2) and a best.pt
+    written later by the branch it abandons: best.pt is kept as best.until_step<N>.pt, as after any roll-back,
+    before the resumed run's first validation writes best.pt afresh. The check used to be skipped when the
+    resume point had no best score, and that validation overwrote the abandoned branch's best.pt."""
+    from engine.best_checkpoint import BestCheckpoint
+
+    path = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": {}, "state": TrainState(step=8, best_value=40.0, best_step=8).state_dict()},
+               path)
+    abandoned = read_bytes(path)
+    best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
+                          save=lambda payload_fn, target: None)
+    state = TrainState(step=4)  # resumed at update 4, before any validation
+    kept = best.match_file(state, True, torch.device("cpu"))
+    assert kept == str(tmp_path / "best.until_step4.pt") and read_bytes(kept) == abandoned and not path.exists()
+    assert (state.best_value, state.best_step) == (None, 0)
+    assert best.match_file(TrainState(step=4), True, torch.device("cpu")) is None  # no best.pt: nothing to keep
