@@ -893,3 +893,47 @@ def test_train_seed_orders_the_training_data():
 
     assert torch.equal(first_batches(1), first_batches(1))
     assert not torch.equal(first_batches(0), first_batches(1))
+
+
+def _tiny_loop(**settings):
+    model = torch.nn.Linear(3, 2)
+    return TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), **settings)
+
+
+def test_eval_every_and_max_steps_stop_the_epoch_at_the_documented_updates():
+    """eval_every=2 over an epoch of 5 updates: run_epoch stops for a validation after updates 2 and 4 and ends
+    the epoch after update 5. max_steps inside the epoch stops there ('max_steps', the epoch unfinished); on the
+    epoch's last update it is an epoch end (the epoch advanced, validated by the caller as any epoch end)."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(5)]
+    loop, state, stops = _tiny_loop(eval_every=2, log_every=100), TrainState(), []
+    while state.epoch == 0 and len(stops) < 5:  # a resumed call reads the rest of the epoch, as the sampler skips
+        reason = loop.run_epoch(TrainBatches(batches[state.epoch_batches:], _FixedOrder()), state, 2)
+        stops.append((reason, state.step))
+    assert stops == [("validate", 2), ("validate", 4), ("epoch_end", 5)]
+    for max_steps, want in [(3, ("max_steps", 3, 0, 3)), (5, ("epoch_end", 5, 1, 0))]:
+        state = TrainState()
+        reason = _tiny_loop(max_steps=max_steps, log_every=100).run_epoch(TrainBatches(batches, _FixedOrder()),
+                                                                          state, 2)
+        assert (reason, state.step, state.epoch, state.epoch_batches) == want
+
+
+def test_train_lr_is_the_largest_lr_of_the_groups():
+    """train/lr is the peak lr (the top layer's under layer-wise lr decay), not that of another group."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(first, second)
+    optimizer = torch.optim.SGD([{"params": second.parameters(), "lr": 0.01},
+                                 {"params": first.parameters(), "lr": 0.04},
+                                 {"params": [], "lr": 0.02}])
+    logged = []
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
+                     device=torch.device("cpu"), log_every=1, log=lambda step, metrics: logged.append(metrics))
+    loop.run_epoch(TrainBatches([(torch.randn(2, 3), torch.tensor([0, 1]))], _FixedOrder()), TrainState(), 2)
+    assert [m["train/lr"] for m in logged] == [0.04]
+
