@@ -74,3 +74,17 @@ def test_non_finite_logits_in_an_evaluation_name_the_batch():
     with pytest.raises(NonFiniteLossError, match=r"FP eval: the logits of batch 1 \(first image image 4\) "
                                                  r"are NaN or inf.*nothing is\s+written"):
         evaluate_loader(model, loader, torch.device("cpu"), progress="FP eval")
+
+
+@pytest.mark.parametrize("key", ["model", "model_ema"])
+def test_a_checkpoint_with_non_finite_weights_or_ema_weights_is_not_resumable(tmp_path, key):
+    from engine.snapshots import read_training_checkpoint
+
+    payload = {"model": {"w": torch.ones(2)}, "model_ema": {"w": torch.ones(2)}, "optimizer": {}, "state": {},
+               "config": {s: {} for s in ("model", "data", "optim", "sched", "train")}}
+    torch.save(payload, tmp_path / "good.pt")
+    assert read_training_checkpoint(str(tmp_path / "good.pt"))[0] is not None
+    payload[key]["w"][1] = float("nan")
+    torch.save(payload, tmp_path / "bad.pt")
+    got, problem = read_training_checkpoint(str(tmp_path / "bad.pt"))
+    assert got is None and "NaN or inf values (1 tensors, e.g. w (1 NaN, 0 inf of 2 values))" in problem

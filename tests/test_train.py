@@ -937,3 +937,77 @@ def test_train_lr_is_the_largest_lr_of_the_groups():
     loop.run_epoch(TrainBatches([(torch.randn(2, 3), torch.tensor([0, 1]))], _FixedOrder()), TrainState(), 2)
     assert [m["train/lr"] for m in logged] == [0.04]
 
+
+
+@pytest.mark.parametrize("saved, restored", [(-1.0, None), (0.0, 0.0), (61.5, 61.5)])
+def test_a_checkpoint_that_names_its_best_score_best_top1_restores_it(saved, restored):
+    """Checkpoints written before the task-neutral `best_value` hold `best_top1`, with -1 for "no validation
+    yet": a top-1 of 0 % is a score to beat, -1 none."""
+    from engine.checkpoint import restore_training
+
+    model = torch.nn.Linear(2, 2)
+    state = TrainState()
+    restore_training({"model": model.state_dict(), "state": {"step": 3, "best_top1": saved}}, model=model,
+                     optimizer=None, state=state)
+    assert (state.step, state.best_value) == (3, restored) and "best_top1" not in vars(state)
+
+
+def test_a_training_payload_restores_optimizer_scaler_schedule_ema_and_counters():
+    """training_payload -> restore_training into freshly built objects gives back what an exact resume needs:
+    the weights, the EMA weights, Adam's moments and step, the GradScaler's scale, the schedule's position and
+    the counters; a run that has a GradScaler refuses a checkpoint without one."""
+    from timm.utils import ModelEmaV3
+
+    from engine.checkpoint import restore_training, training_payload
+
+    def build():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return (model, optimizer, torch.amp.GradScaler("cpu"), ModelEmaV3(model, decay=0.5),
+                torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+
+    torch.manual_seed(0)
+    model, optimizer, scaler, ema, scheduler = build()
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()  # lr 0.1 -> 0.05
+    ema.update(model, step=1)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=123.0)
+    state = TrainState(epoch=1, step=7, epoch_batches=4, skipped_steps=2, best_value=0.5, initial_loss=1.25)
+    payload = training_payload(model=model, optimizer=optimizer, state=state, config={"seed": 1}, ema=ema,
+                               scaler=scaler, scheduler=scheduler)
+    torch.manual_seed(1)
+    model2, optimizer2, scaler2, ema2, scheduler2 = build()
+    state2 = TrainState()
+    restore_training(payload, model=model2, optimizer=optimizer2, state=state2, ema=ema2, scaler=scaler2,
+                     scheduler=scheduler2)
+    for got, want in zip([*model2.parameters(), *ema2.module.parameters()], [*model.parameters(),
+                                                                              *ema.module.parameters()]):
+        assert torch.equal(got, want)
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer2.state[p2][key], optimizer.state[p][key])
+    assert scaler2.get_scale() == 123.0 and scheduler2.last_epoch == 1
+    assert optimizer2.param_groups[0]["lr"] == pytest.approx(0.05) and state2 == state
+    del payload["scaler"]
+    with pytest.raises(CheckpointError, match="no 'scaler' state"):
+        restore_training(payload, model=model2, optimizer=None, state=TrainState(), scaler=scaler2)
+
+
+def test_an_abandoned_checkpoint_is_kept_once(tmp_path):
+    """A roll-back keeps the checkpoint.pt it leaves as checkpoint.until_step<N>.pt (a hard link: checkpoint.pt
+    stays in place until the first new checkpoint), unless a snapshot already holds the same file."""
+    from engine import snapshots
+
+    (tmp_path / "snapshots").mkdir()
+    own, resume = tmp_path / "checkpoint.pt", tmp_path / "snapshots" / "epoch0001.pt"
+    _training_checkpoint(own, 2.0)
+    _training_checkpoint(resume, 1.0)
+    os.link(own, tmp_path / "snapshots" / "epoch0002.pt")
+    cpu = torch.device("cpu")
+    assert snapshots.keep_abandoned_checkpoint(str(tmp_path), str(resume), 4, True, cpu) is None
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "snapshots"]
+    os.remove(tmp_path / "snapshots" / "epoch0002.pt")  # checkpoint.pt is now the only copy of that progress
+    kept = snapshots.keep_abandoned_checkpoint(str(tmp_path), str(resume), 4, True, cpu)
+    assert kept == str(tmp_path / "checkpoint.until_step4.pt") and os.path.samefile(kept, own)
