@@ -308,3 +308,40 @@ def test_fused_kernels_are_the_default_on_cuda_only_and_optim_fused_decides_when
     assert not use_fused(OptimConfig(name="adamw"), cpu) and use_fused(OptimConfig(name="adamw"), cuda)
     assert not use_fused(OptimConfig(name="lamb"), cuda)
     assert use_fused(OptimConfig(name="adamw", fused=True), cpu) and not use_fused(OptimConfig(fused=False), cuda)
+
+
+@pytest.mark.parametrize("layer_decay", [None, 0.75])
+def test_weight_decay_skips_biases_norms_and_the_models_no_weight_decay_names(layer_decay):
+    """DeiT/timm's rule, written out: a parameter decays unless it is 1-D (biases, norm scales) or named by the
+    model's no_weight_decay() (pos_embed, cls_token), with or without layer-wise lr decay."""
+    cfg = load_config([DEBUG_CONFIG], [f"optim.layer_decay={'null' if layer_decay is None else layer_decay}"])
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim, 1e-3, 0.05)
+    decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    skip = model.no_weight_decay()
+    assert {"pos_embed", "cls_token"} <= skip
+    for name, p in model.named_parameters():
+        assert decay_of[id(p)] == (0.0 if p.ndim <= 1 or name in skip else 0.05), name
+
+
+def test_a_schedule_in_updates_warms_up_then_decays_over_the_remaining_updates():
+    """sched.steps (nanoGPT): a linear warmup to the peak lr at update warmup_steps, then the cosine over the
+    steps - warmup_steps updates left, reaching min_lr at update `steps`; a warmup as long as the run is
+    refused."""
+    cfg = load_config([DEBUG_CONFIG], ["sched.name=cosine", "sched.steps=10", "sched.warmup_steps=2",
+                                       "sched.min_lr=1e-4", "sched.warmup_lr=0", "optim.lr=0.01"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.0)
+    scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch=4)
+    for update, want in [(1, 0.005), (2, 0.01), (6, 1e-4 + 0.5 * (0.01 - 1e-4) * (1 + math.cos(math.pi * 4 / 8))),
+                         (10, 1e-4)]:
+        scheduler.step_update(update)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-9), update
+    with pytest.raises(ValueError, match="sched.warmup_steps=4 is not below sched.steps=4"):
+        build_scheduler(optimizer, SchedConfig(steps=4, warmup_steps=4), updates_per_epoch=4)
+
+
+def test_a_checkpoint_before_the_first_update_continues_in_another_layout():
+    """Nothing trained yet (step 0): no update count is bound to the schedule, so another batch layout with
+    another number of updates per epoch starts the epoch from its beginning instead of being refused."""
+    assert resume_position(position(2, 8, 1, upe=4), position(1, 4, 1, upe=16), epoch_batches=0, step=0,
+                           checkpoint="c.pt") == 0
