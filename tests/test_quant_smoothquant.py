@@ -429,3 +429,37 @@ def test_smoothing_touches_the_block_norms_only_not_swins_patch_merging():
     assert sorted(pairs) == sorted(want) and len(want) == 8
     merges = [n for n in before if ".downsample." in n]
     assert merges and all(torch.equal(model.get_parameter(n), before[n]) for n in merges)
+
+
+def _operands(qmodel: nn.Module, x: torch.Tensor) -> dict:
+    """{name: (input, output)} of every activation quantizer of `qmodel` on `x` (forward hooks)."""
+    seen, hooks = {}, []
+    for name, quantizer in _activation_quantizers(qmodel).items():
+        if quantizer is not None:
+            hooks.append(quantizer.register_forward_hook(lambda m, a, y, n=name: seen.__setitem__(n, (a[0], y))))
+    with torch.no_grad():
+        qmodel(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_dynamic_ranges_are_one_per_window_or_one_per_token_across_the_heads():
+    """act_calibration=dynamic honours act_granularity: per tensor, every Linear input and q, k, v take one max-abs
+    range per window (the official per_tensor fake quantization, one sequence per forward); per token (with
+    quantize_bmm=qkv) q, k and v take one range per token spanning all heads, as the official quantize_bmm_input
+    quantizes the (B, T, C) projection outputs before they are split into heads."""
+    model, calib, x = with_outliers(gpt()), tokens(), tokens(3, seed=5)
+    for pipeline, options in (("smoothquant_strict", {"act_calibration": "dynamic", "quantize_bmm": "qkv"}),
+                              ("smoothquant", {"quantize_bmm": "qkv"})):
+        per_token = PIPELINES[pipeline].Options(**options).act_granularity == "token"
+        seen = _operands(PIPELINES[pipeline](model, calib, "w8a8", options).model, x)
+        assert {n.rsplit(".", 1)[1] for n in seen} == {"input", "q", "k", "v"}, pipeline
+        for name, (inp, out) in seen.items():
+            matmul = inp.dim() == 4  # q, k, v: [B, H, T, D]; Linear inputs: [B, T, C]
+            for b in range(len(inp)):
+                groups = ([(b, slice(None), t) if matmul else (b, t) for t in range(inp.shape[-2])] if per_token
+                          else [(b,)])
+                for g in groups:
+                    torch.testing.assert_close(out[g].double(), naive_absmax(inp[g]), rtol=0, atol=1e-5,
+                                               msg=f"{pipeline} {name} {g}")
