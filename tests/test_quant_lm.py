@@ -364,3 +364,23 @@ def test_gptq_grid_refuses_a_granularity_other_than_per_output_channel():
     from quant.spec import QuantizerSpec
     with pytest.raises(ValueError, match="per output channel"):
         GPTQQuantizer.from_spec(QuantizerSpec(4, kind=GPTQQuantizer, granularity="tensor"), None)
+
+
+def test_gptq_hessians_of_one_pass_per_block_or_one_pass_per_linear():
+    """true_sequential=false (opt_sequential): every Linear of block 0 is GPTQ'd with the Hessian of its inputs in
+    the float model, fc1 included; true_sequential=true (llama.py's option): fc1's Hessian comes from the inputs it
+    sees once qkv and proj are quantized. Each checked against GPTQ with a Hessian caught by a hook."""
+    model, calib = gpt(), tokens(8)
+
+    def fc1_gptq(source: nn.Module) -> torch.Tensor:
+        acc = HessianAccumulator(32, torch.device("cpu"))
+        handle = source.blocks[0].mlp.fc1.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+        with torch.no_grad():
+            source(calib)
+        handle.remove()
+        return gptq_quantize(model.blocks[0].mlp.fc1.weight.float(), acc.hessian, GPTQQuantizer(4))[0]
+
+    one_pass, _ = PIPELINES["gptq"](model, calib, "w4a16")
+    sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
+    assert torch.equal(fc1_gptq(model), one_pass.blocks[0].mlp.fc1.weight)  # the float block's fc1 inputs
+    assert torch.equal(fc1_gptq(sequential), sequential.blocks[0].mlp.fc1.weight)  # after qkv, proj quantized
