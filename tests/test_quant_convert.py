@@ -461,3 +461,15 @@ def test_static_calibration_refuses_a_range_rule_it_would_not_apply():
     with pytest.raises(ValueError, match=r"fits min/max UniformQuantizers only, not: \['0.input_quantizer'\]"):
         calibrate_from_float(model, torch.randn(5, 4), batch_size=2)
     assert not model[0].input_quantizer.calibrated
+
+
+def test_convert_in_place_reports_every_layer_it_left_float():
+    """Without strict, a layer that matches no rule stays float and is reported as float beside those kept float
+    on purpose: the returned lists together name every Linear of the model once."""
+    from quant.convert import convert_in_place
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    spec = QuantSpec(linears=(LinearRule(("0",), QuantizerSpec(8), None),), keep_float=("2",), strict=False)
+    done = convert_in_place(model, spec)
+    assert done["attention"] == [] and done["linear"] == ["0"] and sorted(done["float"]) == ["1", "2"]
+    assert isinstance(model[0], QuantLinear) and type(model[1]) is nn.Linear and type(model[2]) is nn.Linear
