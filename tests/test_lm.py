@@ -172,6 +172,17 @@ def test_gpt_initialisation_is_gpt2s():
             assert abs(p.mean().item()) < 0.05 * std, name
 
 
+def test_bias_false_leaves_no_bias_anywhere_and_true_one_on_every_norm_and_linear_but_the_head():
+    """model.kwargs.bias (nanoGPT's GPTConfig.bias): false, no Linear or LayerNorm has a bias (the final norm
+    included); true, GPT-2's: all 13 LayerNorms and Linears of a 2-block GPT but the tied head have one."""
+    plain = build_gpt("gpt2_nano", vocab_size=65, bias=False)
+    assert [n for n, _ in plain.named_parameters() if n.endswith("bias")] == []
+    biased = build_gpt("gpt2_nano", vocab_size=65, bias=True)
+    want = {f"blocks.{i}.{m}.bias" for i in range(2)
+            for m in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2")} | {"norm.bias"}
+    assert {n for n, _ in biased.named_parameters() if n.endswith("bias")} == want
+
+
 def test_model_drop_is_every_dropout_of_the_gpt():
     """nanoGPT's `dropout`: after the embeddings, on the attention probabilities, and on both residual branches;
     model.drop sets them all, and each is applied once per block in training."""
