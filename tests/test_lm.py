@@ -321,6 +321,17 @@ def test_token_file_of_wide_ids_past_65535_is_refused(tmp_path, dtype):
         assert token_stream(cfg, "val").ids.tolist() == ids.tolist()
 
 
+@pytest.mark.parametrize("vocab", [200_019, 1 << 20])
+def test_token_file_of_32_bit_ids_of_a_vocabulary_up_to_2_to_the_20_is_refused(tmp_path, vocab):
+    """uint32 ids of any vocabulary below 2^20 (o200k's 200,019 ids: high halves up to 3; 2^20 ids: up to 15) read
+    as uint16 are refused as 32-bit ids, naming the largest high half: the id's top 16 bits."""
+    ids = np.random.default_rng(2).integers(0, vocab, 4096)
+    (tmp_path / "train.bin").write_bytes(ids.astype(np.uint32).tobytes())
+    (tmp_path / "val.bin").write_bytes(ids.astype(np.uint32).tobytes())
+    with pytest.raises(DataError, match=rf"below 16 \(at most {int(ids.max()) >> 16}\) .* 32-bit token ids"):
+        token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+
+
 @pytest.mark.parametrize("dtype, named", [("<f4", "float32"), ("<f8", "float32 \\(or float64\\)"),
                                           (">i4", "32-bit token ids written big-endian")])
 @pytest.mark.parametrize("vocab", [65, 50_257])
