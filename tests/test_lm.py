@@ -3,6 +3,7 @@ against float64, token windows, the step schedule against nanoGPT's formula, per
 loop, and training + exact resume through train.py on the embedded King James Bible."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -439,6 +440,9 @@ def test_language_model_trains_resumes_exactly_and_keeps_lowest_loss(tmp_path):
     assert whole.metrics["val/loss"] < math.log(65)  # learned something beyond uniform over 65 characters
     best = torch.load(tmp_path / "whole" / "best.pt", weights_only=False)
     assert best["metrics"]["val/loss"] == pytest.approx(whole.state.best_value)
+    logged_losses = [json.loads(line)["val/loss"] for line in (tmp_path / "whole" / "metrics.jsonl").read_text()
+                     .splitlines() if '"val/loss"' in line]
+    assert len(logged_losses) == 2 and best["metrics"]["val/loss"] == min(logged_losses)  # steps 6 and 12
     assert best["classes"][:3] == ["\n", " ", "!"]  # the character vocabulary travels with the weights
     logged = (tmp_path / "whole" / "metrics.jsonl").read_text()
     assert all(f'"cd/pair_energy/{role}"' in logged for role in ("qkv", "proj", "fc1", "fc2"))
