@@ -200,21 +200,25 @@ def test_gptq_pipeline_quantizes_block_by_block_onto_the_grid():
     assert max(diff) < 0.01
 
 
+def gptq_with_inputs_in(source: nn.Module, model: nn.Module, layer: str, calib: torch.Tensor) -> torch.Tensor:
+    """GPTQ (4 bits, the defaults) of `model`'s float weight of `layer` with the Hessian of that layer's inputs
+    in `source` on `calib`, caught by a hook: the reference a pipeline's layer must equal."""
+    linear = source.get_submodule(layer)
+    acc = HessianAccumulator(linear.in_features, torch.device("cpu"))
+    handle = linear.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+    with torch.no_grad():
+        source(calib)
+    handle.remove()
+    return gptq_quantize(model.get_submodule(layer).weight.float(), acc.hessian, GPTQQuantizer(4))[0]
+
+
 def test_gptq_later_blocks_see_the_quantized_earlier_blocks():
     """Block 1's Hessian comes from block 0's quantized output: quantizing block 1 alone on float inputs
     gives other weights (true_sequential also changes them: fc1 sees the quantized qkv / proj)."""
     model, calib = gpt(), tokens(8)
     qmodel, _ = PIPELINES["gptq"](model, calib, "w4a16")
 
-    def block1_qkv_gptq(source: nn.Module) -> torch.Tensor:
-        """GPTQ of block 1's float qkv weight with the Hessian of its inputs in `source`."""
-        acc = HessianAccumulator(32, torch.device("cpu"))
-        handle = source.blocks[1].attn.qkv.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
-        with torch.no_grad():
-            source(calib)
-        handle.remove()
-        return gptq_quantize(model.blocks[1].attn.qkv.weight.float(), acc.hessian, GPTQQuantizer(4))[0]
-
+    block1_qkv_gptq = lambda source: gptq_with_inputs_in(source, model, "blocks.1.attn.qkv", calib)
     assert not torch.equal(block1_qkv_gptq(model), qmodel.blocks[1].attn.qkv.weight)  # float inputs
     assert torch.equal(block1_qkv_gptq(qmodel), qmodel.blocks[1].attn.qkv.weight)  # the quantized prefix's
     sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
@@ -371,15 +375,7 @@ def test_gptq_hessians_of_one_pass_per_block_or_one_pass_per_linear():
     the float model, fc1 included; true_sequential=true (llama.py's option): fc1's Hessian comes from the inputs it
     sees once qkv and proj are quantized. Each checked against GPTQ with a Hessian caught by a hook."""
     model, calib = gpt(), tokens(8)
-
-    def fc1_gptq(source: nn.Module) -> torch.Tensor:
-        acc = HessianAccumulator(32, torch.device("cpu"))
-        handle = source.blocks[0].mlp.fc1.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
-        with torch.no_grad():
-            source(calib)
-        handle.remove()
-        return gptq_quantize(model.blocks[0].mlp.fc1.weight.float(), acc.hessian, GPTQQuantizer(4))[0]
-
+    fc1_gptq = lambda source: gptq_with_inputs_in(source, model, "blocks.0.mlp.fc1", calib)
     one_pass, _ = PIPELINES["gptq"](model, calib, "w4a16")
     sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
     assert torch.equal(fc1_gptq(model), one_pass.blocks[0].mlp.fc1.weight)  # the float block's fc1 inputs
