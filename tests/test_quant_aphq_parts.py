@@ -63,13 +63,36 @@ def test_adaround_regularizer_and_gradients():
     assert q.alpha.grad is not None and torch.isfinite(q.alpha.grad).all() and q.alpha.grad.abs().sum() > 0
 
 
-def test_rounding_schedule():
+def official_beta(count, iters, warmup, start_b=20.0, end_b=2.0):
+    """GoatWu/APHQ-ViT utils/block_recon.py: LossFunction.__call__ counts from 1 (count += 1 first), the
+    round loss is off while count < iters * warmup, beta = LinearTempDecay(iters, warmup)(count)."""
+    if count < iters * warmup:
+        return None
+    start_decay = warmup * iters
+    rel_t = (count - start_decay) / (iters - start_decay)
+    return end_b + (start_b - end_b) * max(0.0, 1 - rel_t)
+
+
+@pytest.mark.parametrize("iters, warmup", [(100, 0.2), (4, 0.2), (7, 0.3), (20000, 0.2)])
+def test_rounding_schedule_is_the_official_one_counted_from_one(iters, warmup):
+    sched = RoundingSchedule(iters=iters, warmup=warmup, beta_start=20, beta_end=2)
+    for it in range(iters):
+        want = official_beta(it + 1, iters, warmup)
+        got = sched.beta(it)
+        assert (got is None) == (want is None), it
+        if want is not None:
+            assert got == pytest.approx(want, rel=1e-12), it
+    assert sched.beta(iters - 1) == pytest.approx(2.0)  # the last iteration ends at beta_end
+    betas = [b for b in map(sched.beta, range(iters)) if b is not None]
+    assert betas[0] <= 20.0 and all(a >= b for a, b in zip(betas, betas[1:]))
+
+
+def test_rounding_schedule_hand_values():
     sched = RoundingSchedule(iters=100, warmup=0.2, beta_start=20, beta_end=2)
-    assert sched.beta(0) is None and sched.beta(19) is None
-    assert sched.beta(20) == pytest.approx(20.0)
-    assert sched.beta(99) == pytest.approx(2.0, abs=0.3)
-    betas = [sched.beta(i) for i in range(20, 100)]
-    assert all(a >= b for a, b in zip(betas, betas[1:]))
+    # the official count 20 = 0.2 * 100 is the first with the round loss, at beta 20; count 100 ends at 2
+    assert sched.beta(18) is None and sched.beta(19) == 20.0 and sched.beta(99) == 2.0
+    assert sched.beta(59) == pytest.approx(2 + 18 * (1 - 40 / 80))
+    assert all(RoundingSchedule(iters=10, warmup=1.0).beta(i) is None for i in range(10))  # never on
 
 
 @pytest.mark.parametrize("probe", ["ones", "rademacher"])

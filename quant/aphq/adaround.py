@@ -119,9 +119,15 @@ class RoundingSchedule:
     weight: float = 0.01
 
     def beta(self, it: int) -> Optional[float]:
-        """beta at 0-based iteration `it`, or None during warm-up (regulariser off)."""
-        start = int(self.warmup * self.iters)
-        if it < start:
+        """beta at 0-based iteration `it`, or None during warm-up (regulariser off).
+
+        As GoatWu/APHQ-ViT `LossFunction` / `LinearTempDecay`, which count iterations from 1: with
+        t = it + 1 and t0 = warmup * iters (not rounded), off while t < t0, then
+        beta_end + (beta_start - beta_end) * max(0, 1 - (t - t0) / (iters - t0)), so beta_start at t = t0
+        and exactly beta_end at the last iteration.
+        """
+        t, t0 = it + 1, self.warmup * self.iters
+        if t < t0 or t0 >= self.iters:  # warmup = 1: no regulariser at all (the official code divides by 0)
             return None
-        rel = (it - start) / max(1, self.iters - start)
+        rel = (t - t0) / (self.iters - t0)
         return self.beta_end + (self.beta_start - self.beta_end) * max(0.0, 1.0 - rel)
