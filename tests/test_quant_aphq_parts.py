@@ -55,6 +55,18 @@ def test_adaround_starts_at_the_float_weight_and_bakes_onto_the_grid():
     assert torch.equal(q(layer.weight), layer.weight)  # nearest rounding leaves baked weights unchanged
 
 
+def test_adaround_hard_rounding_takes_ceil_at_alpha_zero():
+    # official quantizers/adaround.py: x_floor + (alpha >= 0); alpha = 0 (h = 0.5) is a tie that rounds up
+    layer, q = adaround_layer()
+    w0 = layer.weight.detach().clone()
+    s, z = q.scale[:, None], q.zero_point[:, None]
+    q.start_rounding(layer.weight)
+    with torch.no_grad():
+        q.alpha.zero_()
+    q.bake(layer)
+    assert torch.equal((layer.weight / s + z).round(), torch.clamp(torch.floor(w0 / s) + 1 + z, q.qmin, q.qmax))
+
+
 def test_adaround_regularizer_and_gradients():
     layer, q = adaround_layer()
     q.start_rounding(layer.weight)
