@@ -67,6 +67,16 @@ def test_adaround_hard_rounding_takes_ceil_at_alpha_zero():
     assert torch.equal((layer.weight / s + z).round(), torch.clamp(torch.floor(w0 / s) + 1 + z, q.qmin, q.qmax))
 
 
+def test_adaround_refuses_a_per_tensor_spec_and_a_weight_of_another_shape():
+    from quant.spec import QuantizerSpec
+    with pytest.raises(ValueError, match="per-output-channel WEIGHT quantizer"):
+        AdaRoundQuantizer.from_spec(QuantizerSpec(4, kind=AdaRoundQuantizer), None)
+    layer, q = adaround_layer()
+    q.start_rounding(layer.weight)
+    with pytest.raises(ValueError, match=r"alpha \(8, 24\) does not match \(8, 12\)"):
+        q(layer.weight[:, :12])  # named shapes, not a broadcasting error from inside the forward
+
+
 def test_adaround_regularizer_and_gradients():
     layer, q = adaround_layer()
     q.start_rounding(layer.weight)
