@@ -509,3 +509,24 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe():
             step = (mr.blocks[i].get_parameter(name) - block.get_parameter(name)).abs().detach()
             assert float(step.max()) == pytest.approx(lr, rel=0.05), name  # Adam's first step: lr * sign(grad)
         assert torch.equal(mr.blocks[i].attn.qkv.weight, block.attn.qkv.weight)  # only norm2, fc1, fc2
+
+
+def test_per_channel_post_norm_fit_minimises_each_channels_activation_mse():
+    # reference: for every channel separately, the grid candidate with the smallest mean squared
+    # fake-quantization error of that channel's values (a plain loop over the candidates)
+    from quant.aphq.search import fit_per_channel
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 150, 5, generator=g) * torch.tensor([0.3, 1.0, 4.0, 0.1, 2.0]) + torch.tensor(
+        [0.0, 1.0, -2.0, 0.5, 0.0])
+    x[0, :2] *= 6.0  # a few outliers per channel: the MSE clips them, the widest range is not the best
+    q = UniformQuantizer(4, channel_dim=-1, num_channels=5)
+    fit_per_channel(q, x, (0.9, 1.0), 64)
+    rows = x.reshape(-1, 5).t()
+    scales, zps = range_grid(rows, q, (0.9, 1.0), 64)
+
+    def mse(c, s, z):
+        return float(((torch.clamp(torch.round(rows[c] / s) + z, 0, 15) - z) * s - rows[c]).pow(2).mean())
+
+    for c in range(5):
+        best = min(mse(c, scales[k, c], zps[k, c]) for k in range(scales.shape[0]))
+        assert mse(c, q.scale[c], q.zero_point[c]) == pytest.approx(best, rel=1e-6, abs=1e-12), c
