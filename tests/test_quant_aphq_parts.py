@@ -530,3 +530,52 @@ def test_per_channel_post_norm_fit_minimises_each_channels_activation_mse():
     for c in range(5):
         best = min(mse(c, scales[k, c], zps[k, c]) for k in range(scales.shape[0]))
         assert mse(c, q.scale[c], q.zero_point[c]) == pytest.approx(best, rel=1e-6, abs=1e-12), c
+
+
+def aphq_converted(model, bits="w4a4", **options):
+    """A model converted to the APHQ layout (post-LN inputs per channel), its units and the options."""
+    from configs.quant import APHQOptions
+    from quant.convert import quantize_model
+    from quant.spec import parse_bits
+    opts = APHQOptions(**options)
+    qmodel = quantize_model(model, PIPELINES["aphq"].layout(parse_bits(bits), opts))
+    return qmodel, find_units(qmodel), opts
+
+
+def search_settings(**kw):
+    from quant.aphq.calibration import SearchSettings
+    base = dict(rounds=2, weight_pct=(0.91, 0.99), act_pct=(0.93, 0.98), eq_n=48, matmul_pct=(0.97, 0.995),
+                matmul_steps=7, max_rows=50, round_zero_point=True, batch_size=4)
+    return SearchSettings(**{**base, **kw})
+
+
+def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
+    # each search of calibrate_aphq must run with the settings it was given (asked is what runs)
+    import quant.aphq.calibration as cal
+    calls = {"linear": [], "matmul": [], "fit": [], "fold": [], "stem": []}
+
+    def spy(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind].append((args, kwargs))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for kind, name in (("linear", "search_linear"), ("matmul", "search_matmul"), ("fit", "fit_per_channel"),
+                       ("fold", "fold_layernorm"), ("stem", "search_stem")):
+        monkeypatch.setattr(cal, name, spy(kind, getattr(cal, name)))
+    model, units, _ = aphq_converted(tiny_vit())
+    settings = search_settings(round_zero_point=False)  # RepQ-ViT's choice, not the default
+    cal.calibrate_aphq(model, units, images(4), settings, generator=torch.Generator().manual_seed(0))
+    assert len(calls["linear"]) == 2 * 4 + 1 and len(calls["matmul"]) == 2 * 2 and len(calls["stem"]) == 1
+    for _, kw in calls["linear"]:
+        assert (kw["rounds"], kw["weight_pct"], kw["act_pct"], kw["eq_n"], kw["max_rows"]) == (
+            2, (0.91, 0.99), (0.93, 0.98), 48, 50)
+    for _, kw in calls["matmul"]:
+        assert (kw["pct"], kw["steps"], kw["rounds"]) == ((0.97, 0.995), 7, 2)
+    assert len(calls["fit"]) == 2 * 2 and all(a[2] == (0.93, 0.98) and kw["eq_n"] == 48 for a, kw in calls["fit"])
+    assert [kw["round_zero_point"] for _, kw in calls["fold"]] == [False] * 4
+    assert all(a[2] == 48 for a, _ in calls["stem"])
+    # q @ k^T pairs q with k, attn @ v pairs attn with v
+    for (qa, qb, *_), _ in calls["matmul"]:
+        assert (qa.name.rsplit(".", 1)[-1], qb.name.rsplit(".", 1)[-1]) in (("q_quant", "k_quant"),
+                                                                            ("attn_quant", "v_quant"))
