@@ -579,3 +579,20 @@ def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
     for (qa, qb, *_), _ in calls["matmul"]:
         assert (qa.name.rsplit(".", 1)[-1], qb.name.rsplit(".", 1)[-1]) in (("q_quant", "k_quant"),
                                                                             ("attn_quant", "v_quant"))
+
+
+def test_calibration_refuses_to_leave_a_quantizer_unsearched():
+    from quant.aphq.calibration import calibrate_aphq
+    model, units, _ = aphq_converted(tiny_vit())
+    blocks = [u for u in units if u.kind == "block"]
+    with pytest.raises(RuntimeError, match=r"quantizers were not reached by the APHQ search: \['patch_embed"):
+        calibrate_aphq(model, blocks, images(4), search_settings())
+
+
+def test_a_unit_holds_its_own_modules_not_those_of_a_unit_whose_name_extends_it():
+    # blocks.1 must not claim blocks.10 / blocks.11 (ViT-B has 12 blocks): their folds would run too early
+    from quant.aphq.calibration import _in_unit
+    from quant.units import Unit
+    unit = Unit("blocks.1", "block")
+    assert _in_unit("blocks.1", unit) and _in_unit("blocks.1.attn.qkv", unit)
+    assert not _in_unit("blocks.10.attn.qkv", unit) and not _in_unit("blocks.11", unit)
