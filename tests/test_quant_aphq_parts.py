@@ -596,3 +596,83 @@ def test_a_unit_holds_its_own_modules_not_those_of_a_unit_whose_name_extends_it(
     unit = Unit("blocks.1", "block")
     assert _in_unit("blocks.1", unit) and _in_unit("blocks.1.attn.qkv", unit)
     assert not _in_unit("blocks.10.attn.qkv", unit) and not _in_unit("blocks.11", unit)
+
+
+def run_aphq_spied(monkeypatch, **options):
+    """The APHQ pipeline on a tiny ViT with its calibration, Hessian and reconstruction calls recorded."""
+    import quant.aphq.pipeline as pipe
+    from quant.pipeline_data import PipelineData
+    calls = {"calib": [], "hessian": [], "recon": [], "mr": []}
+
+    def spy(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind].append((args, kwargs))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for kind, name in (("calib", "calibrate_aphq"), ("hessian", "perturbation_hessian"),
+                       ("recon", "reconstruct_unit"), ("mr", "reconstruct_mlps")):
+        monkeypatch.setattr(pipe, name, spy(kind, getattr(pipe, name)))
+    pool = images(12, seed=7)
+    data = PipelineData(train_images=lambda n, seed, train: pool[:n])
+    model = tiny_vit()
+    opts = dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
+                log_every=0, **options)
+    qmodel, _ = PIPELINES["aphq"](model, None, "w4a4", opts, data=data)
+    return model, qmodel, pool, calls
+
+
+def unit_io(model, unit, x):
+    """(input, output) of submodule `unit` of `model` on x (hooks, no grad)."""
+    seen = {}
+
+    def hook(_m, args, out):
+        seen["in"], seen["out"] = args[0].detach(), out.detach()
+
+    handle = model.get_submodule(unit).register_forward_hook(hook)
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    return seen["in"], seen["out"]
+
+
+def test_aphq_pipeline_gives_each_stage_what_the_options_ask(monkeypatch):
+    fp, qmodel, pool, calls = run_aphq_spied(monkeypatch, warmup=0.3, beta_start=15.0, beta_end=3.0, round_weight=0.02,
+                                    drop_prob=0.7, input_mix_prob=0.6, normalize_loss=False, weight_lr=2e-3,
+                                    act_lr=3e-5, temperature=7.0)
+    (model, units, calib, settings), _ = calls["calib"][0]
+    assert torch.equal(calib, pool[:4])  # the calibration set is the first calib_images of the 8
+    names = [u.name for u in units]
+    assert names == ["patch_embed", "blocks.0", "blocks.1", "head"]
+    recon = [(kw.get("name"), a) for a, kw in calls["recon"]]
+    assert [n for n, _ in recon] == names  # module order
+    for (name, (module, fp_in, q_in, fp_out, weight, loss, st, gen)), unit in zip(recon, units):
+        assert (st.iters, st.batch_size, st.weight_lr, st.act_lr, st.drop_prob, st.input_mix_prob,
+                st.normalize_loss) == (2, 4, 2e-3, 3e-5, 0.7, 0.6, False)
+        r = st.rounding
+        assert (r.iters, r.warmup, r.beta_start, r.beta_end, r.weight) == (2, 0.3, 15.0, 3.0, 0.02)
+        assert loss == ("kl" if unit.kind == "head" else "weighted_mse")
+        assert (weight is None) == (unit.kind == "head")
+    hess = [(a[1], a[4], a[5], a[6], a[7]) for a, kw in calls["hessian"]]  # unit, batch, T, eps, probe
+    assert hess == [(n, 4, 7.0, 1e-6, "ones") for n in names[:-1]]
+    assert all(torch.equal(a[2], pool[:8]) for a, _ in calls["hessian"])  # over the reconstruction set
+    # blocks.1: target = float block on float input; the other input = the quantized prefix's output
+    _, fp_in, q_in, fp_out, *_ = calls["recon"][2][0]
+    fp_block_in, fp_block_out = unit_io(fp, "blocks.1", pool[:8])
+    torch.testing.assert_close(fp_in, fp_block_in)
+    torch.testing.assert_close(fp_out, fp_block_out)
+    q_block_in, _ = unit_io(qmodel, "blocks.1", pool[:8])
+    torch.testing.assert_close(q_in, q_block_in)
+    assert not torch.allclose(q_in, fp_block_in, atol=1e-3)
+
+
+def test_aphq_pipeline_mse_loss_rademacher_eps_and_mlp_options(monkeypatch):
+    fp, _, pool, calls = run_aphq_spied(monkeypatch, loss="mse", hessian_probe="rademacher", mlp_reconstruct=True,
+                                 mlp_iters=3, mlp_lr=1e-3, mlp_clip_percentile=0.95, mlp_clip_weight=1.5)
+    assert all(a[4] is None for a, _ in calls["recon"])  # plain MSE: no APH weight in reconstruction
+    # the APH weights MR asks for: Hutchinson probe with its own default eps
+    assert [(a[6], a[7]) for a, _ in calls["hessian"]] == [(1e-4, "rademacher")] * 2
+    (fp, mr_model, imgs, calib_count, _, st, _), _ = calls["mr"][0]
+    assert (calib_count, st.iters, st.lr, st.clip_percentile, st.clip_weight) == (4, 3, 1e-3, 0.95, 1.5)
+    _, _, _, fp_out, *_ = calls["recon"][1][0]  # blocks.0: the target stays the ORIGINAL (GELU) block's
+    torch.testing.assert_close(fp_out, unit_io(fp, "blocks.0", pool[:8])[1])
