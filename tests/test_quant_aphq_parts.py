@@ -156,6 +156,20 @@ def test_all_ones_aph_equals_the_exact_hessian_row_sums():
     torch.testing.assert_close(h[0].double(), expected / x.shape[0], rtol=1e-3, atol=0)
 
 
+def test_normalized_aph_weight_has_mean_one():
+    from quant.aphq.hessian import normalized_weight
+    h = torch.tensor([[1.0, 3.0, 0.0, 4.0]])
+    assert torch.equal(normalized_weight(h), torch.tensor([[0.5, 1.5, 0.0, 2.0]]))  # h / mean(h), mean 2
+    assert torch.equal(normalized_weight(torch.zeros(1, 3)), torch.zeros(1, 3))  # no 0 / 0
+
+
+def test_hessian_refuses_logits_of_another_length():
+    model = tiny_vit()
+    x = images(4)
+    with pytest.raises(ValueError, match=r"fp_logits has 2 rows for 4 images"):
+        perturbation_hessian(model, "blocks.0", x, model_logits(model, x[:2], 2), batch_size=2)
+
+
 def test_all_ones_perturbation_is_invisible_to_a_pre_layernorm_transformer():
     """Why the official APH is rounding noise (hessian.py docstring): in float64 it vanishes."""
     model = tiny_vit().double()

@@ -59,6 +59,8 @@ def perturbation_hessian(model: nn.Module, unit: str, images: torch.Tensor, fp_l
     """
     if probe not in ("ones", "rademacher"):
         raise ValueError(f"unknown Hessian probe {probe!r}")
+    if fp_logits.shape[0] != images.shape[0]:  # zip over the batches would silently drop the rest
+        raise ValueError(f"fp_logits has {fp_logits.shape[0]} rows for {images.shape[0]} images")
     device = next(model.parameters()).device
     module = model.get_submodule(unit)
     leaf: List[torch.Tensor] = []
