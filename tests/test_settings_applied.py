@@ -3,6 +3,7 @@ start is refused on resume; the precision that runs is logged (and fp16 on a CPU
 APHQ grids are refused before any work, and tables mark results of non-default settings."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -58,6 +59,23 @@ def test_a_degenerate_aphq_grid_is_refused_where_it_would_be_degenerate():
     aphq.check(parse_bits("w3a3"), APHQOptions(eq_n=16))  # 8 zero points x 2 ranges: a real search
     with pytest.raises(ValueError, match="eq_n=16 leaves the 4-bit grids at w4a4 fewer than 2 ranges"):
         aphq.check(parse_bits("w4a4"), APHQOptions(eq_n=16))  # 16 zero points x 1 range
+
+
+@pytest.mark.parametrize("ok, refused, message", [
+    (dict(calib_images=32, recon_images=32), dict(calib_images=33, recon_images=32), "calib_images=33 exceeds"),
+    (dict(batch_size=32, recon_images=32, calib_images=8), dict(batch_size=33, recon_images=32, calib_images=8),
+     "batch_size=33 exceeds"),
+    (dict(eq_n=32), dict(eq_n=31), "eq_n=31 leaves"),
+    (dict(matmul_steps=2), dict(matmul_steps=1), "matmul_steps=1"),
+    (dict(act_pct=(0.9, 0.9)), dict(act_pct=(0.9, 0.89)), "act_pct=[0.9, 0.89]"),
+    (dict(matmul_pct=(0.51, 1.0)), dict(matmul_pct=(0.5, 1.0)), "matmul_pct=[0.5, 1.0]"),
+])
+def test_aphq_option_limits_are_exact(ok, refused, message):
+    # each limit at its edge: the last accepted value runs, the first refused one is named
+    aphq = PIPELINES["aphq"]
+    aphq.check(parse_bits("w4a4"), APHQOptions(**ok))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        aphq.check(parse_bits("w4a4"), APHQOptions(**refused))
 
 
 def settings(pipeline, **changes):
