@@ -234,3 +234,25 @@ def test_the_evaluate_lists_training_transform_setting_is_checked_against_the_ta
     assert not (tmp_path / "runs").exists()
     spec = _evaluate_list_sweep(tmp_path, "['data.reprob=0', 'quant.calib_transform=train']")
     assert sweep.main([spec, "--evaluate"]) == 0
+
+
+def test_a_run_kept_by_only_is_still_checked_for_overrides_that_replace_its_own_keys():
+    """--only narrows the check to the runs kept, it does not switch it off: imagenet_baseline's preset sets
+    its own batch, which train.batch_size_per_gpu=32 for the whole sweep would replace."""
+    path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
+    with pytest.raises(ConfigError, match=r"sweep run 'imagenet_baseline': train.batch_size_per_gpu=32 would "
+                                          r"replace what the run sets itself"):
+        sweep.expand(path, ["model.pretrained=/w.safetensors", "train.batch_size_per_gpu=32"],
+                     only=["imagenet_baseline"])
+
+
+@pytest.mark.parametrize("where", ["run", "run_keys"])
+def test_a_whole_dict_field_given_for_the_sweep_clashes_with_one_entry_a_run_sets(tmp_path, where):
+    """cd.lam_per_role={fc2: 0.5} for every run replaces the fc2 entry that a run sets (cd.lam_per_role.fc2=2.0)
+    or that run_keys guard: the override names the whole field, the run one entry below it."""
+    spec = tmp_path / "s.yaml"
+    guard = "run_keys: [cd.lam_per_role.fc2]\n" if where == "run_keys" else ""
+    spec.write_text(f"configs: [configs/debug/tiny.yaml, configs/method/cd.yaml]\nout_root: {tmp_path}\n{guard}"
+                    f"runs:\n  a: ['cd.lam_per_role.fc2=2.0']\n")
+    with pytest.raises(ConfigError, match=r"cd.lam_per_role=\{fc2: 0.5\} would replace"):
+        sweep.expand(str(spec), ["cd.lam_per_role={fc2: 0.5}"])
