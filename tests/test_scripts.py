@@ -681,6 +681,18 @@ def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
     assert sorted(open(p).read() for p in glob.glob(str(tmp_path / "eval_best.*.json"))) == ["{}", "{}"]
 
 
+def test_a_sweep_keeps_an_evaluation_as_old_as_its_checkpoint(tmp_path):
+    """Only a JSON older than best.pt is stale: one with the same modification time (written in the same tick of
+    a coarse file-system clock, right after training) is this best.pt's evaluation and stays where it is."""
+    result, checkpoint = tmp_path / "eval_best.json", tmp_path / "best.pt"
+    result.write_text("{}")
+    checkpoint.write_bytes(b"weights")
+    for path in (result, checkpoint):
+        os.utime(path, (1_000_000_000, 1_000_000_000))
+    sweep.move_stale_result(str(result), str(checkpoint))
+    assert result.exists() and glob.glob(str(tmp_path / "eval_best.*.json")) == []
+
+
 def test_the_sweep_expands_yaml_without_loading_torch():
     """scripts/sweep.py checks and prints a sweep's commands on a login node without torch's import time
     (engine.exit_codes, not engine.preemption, gives it the stop code)."""
