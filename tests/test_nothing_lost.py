@@ -820,6 +820,36 @@ def test_only_settings_that_change_what_a_run_computes_count_as_changed():
                                "cd.lam_per_role": {"fc2": 2.0}}
 
 
+@pytest.mark.parametrize("key, old, new", [
+    ("model.pretrained", "", "w.pt"), ("model.pretrained_strict", True, False),
+    ("train.archive_existing", False, True)])
+def test_each_setting_only_a_start_reads_is_a_start_only_change(key, old, new):
+    """docs/operations.md names the settings only a run's start reads: model.pretrained, model.pretrained_strict
+    and train.archive_existing. None of them counts as a computed change (a resume may not read them at all), so
+    each must be listed by start_only_changes, or a changed value would be ignored on resume without a word."""
+    from engine.run_dir import config_changes, start_only_changes
+
+    section, name = key.split(".")
+    saved, current = {section: {name: old}}, {section: {name: new}}
+    assert config_changes(saved, current) == []
+    assert start_only_changes(saved, current) == [f"{key}: {old!r} -> {new!r}"]
+
+
+@pytest.mark.parametrize("key, old, new", [
+    ("train.eval_every_epochs", 1, 5), ("train.log_every_steps", 50, 10), ("train.ckpt_every_steps", 0, 100),
+    ("train.divergence_factor", 3.0, None), ("train.divergence_windows", 3, 5),
+    ("train.eval_batch_size_per_gpu", 256, 64), ("train.device", "auto", "cpu"), ("train.compile", False, True),
+    ("data.num_workers", 8, 2), ("data.timeout", None, 60.0), ("data.pin_memory", True, False)])
+def test_when_a_run_reports_checks_and_where_it_runs_may_change_on_resume(key, old, new):
+    """How often a run validates, logs and writes checkpoint.pt, its divergence guard, its eval batch, device,
+    compilation and data loader workers change nothing an update computes: a resume may change them."""
+    from engine.run_dir import config_changes
+
+    section, name = key.split(".")
+    assert config_changes({section: {name: old}, "optim": {"lr": 0.1}},
+                          {section: {name: new}, "optim": {"lr": 0.1}}) == []
+
+
 @pytest.mark.parametrize("archive_existing", [False, True])
 def test_a_roll_back_to_the_folders_own_snapshot_without_checkpoint_pt_is_claimed_as_it_is(tmp_path,
                                                                                          archive_existing):
