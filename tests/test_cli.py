@@ -262,3 +262,11 @@ def test_a_device_the_machine_lacks_is_named(monkeypatch):
     assert device_problem("gpu").startswith("not a torch device")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert device_problem("cuda") == "no CUDA device is visible; give cpu"
+
+
+def test_named_twice_names_each_repeated_item_once_and_passes_distinct_ones():
+    from configs.cli import named_twice
+
+    assert named_twice("--bits", ["w4a4", "w3a3", "w4a4", "w3a3", "w4a4"]) == \
+        "--bits names w3a3, w4a4 twice: give each once"
+    assert named_twice("--pipelines", ["repq", "aphq"]) is None and named_twice("--bits", []) is None

@@ -62,7 +62,8 @@ def test_a_sweep_run_item_that_is_a_mapping_or_a_list_is_refused_as_such(tmp_pat
 
 
 @pytest.mark.parametrize("field, value", [("configs", "configs/debug/tiny.yaml"), ("run_keys", "data.root"),
-                                          ("evaluate", "quant.calib_images=8"), ("out_root", "")])
+                                          ("evaluate", "quant.calib_images=8"), ("out_root", ""),
+                                          ("out_root", "'  '")])  # blank: runs would write to a folder '  '/<name>
 def test_a_sweep_field_of_the_wrong_type_is_refused(tmp_path, field, value):
     """A string where a list belongs would be read letter by letter: run_keys: data.root would guard nothing,
     and data.root=x on the command line would then train every run on x."""
