@@ -9,6 +9,7 @@ from quant.gplq.lsq import LSQQuantizer
 from quant.gplq.pca import PCAProjection, components_from_moments, pca_loss
 from quant.gplq.pipeline import fit_on_images
 from quant.gplq.qwt import add_compensation, fit_block_compensation
+from quant.quantizers import MIN_SCALE
 from quant.gplq.stage2 import compensate_blocks
 from quant.ranges import RangeSearch
 from quant.units import capture_unit, find_units
@@ -48,6 +49,25 @@ def test_lsq_scale_gradient_matches_the_lsq_formula():
     torch.testing.assert_close(x.grad, torch.where(inside, upstream.double(), 0.0).float())
     with torch.no_grad():  # the inference kernel path gives the training path's values
         torch.testing.assert_close(q(x), y.detach(), rtol=0, atol=1e-6)
+
+
+def test_lsq_a_learned_scale_below_the_floor_quantizes_with_the_floor_in_training_and_evaluation():
+    q = LSQQuantizer(4, symmetric=True, channel_dim=-1, num_channels=3, search=RangeSearch("minmax"))
+    x = torch.tensor([[0.3, -2.0, 5e-8], [1.0, 0.5, -3e-8]])
+    q.calibrating = True
+    q(x)
+    q.calibrating = False
+    q.make_learnable(scale=True)
+    with torch.no_grad():
+        q.scale.copy_(torch.tensor([-0.5, 0.0, 0.25]))  # an LSQ step may overshoot zero
+    # reference written out: step max(s, MIN_SCALE), codes clamp(round(x / step), -8, 7)
+    step = torch.tensor([MIN_SCALE, MIN_SCALE, 0.25])
+    want = torch.clamp(torch.round(x / step), -8, 7) * step
+    torch.testing.assert_close(q(x), want)  # training path (learnable scale, grad on)
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), want)  # evaluation path
+    q.scale.requires_grad_(False)
+    torch.testing.assert_close(q(x), want)  # frozen (stage 2)
 
 
 def block_error(x, block, reference, batch_size):

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..functional import grad_scale, round_ste
+from ..functional import fake_quant_uniform, grad_scale, round_ste
 from ..quantizers import MIN_SCALE, UniformQuantizer, _broadcast
 
 
@@ -27,7 +27,11 @@ class LSQQuantizer(UniformQuantizer):
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale
         if not (torch.is_grad_enabled() and scale.requires_grad):
-            return super().quantize(x)
+            # the same floor as the training path below: a scale that an LSQ step took to or past zero
+            # must give the values it was trained with, not a sign-flipped grid (or 0 / 0)
+            s = _broadcast(scale.clamp(min=MIN_SCALE), x.ndim, self.channel_dim)
+            zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
+            return fake_quant_uniform(x, s, zp, self.qmin, self.qmax, ste=self._use_ste(x))
         # elements that share one scale: all of x over the number of groups (Python ints, no sync)
         per_group = max(1, x.numel() // scale.numel())
         g = 1.0 / math.sqrt(per_group * max(1, self.qmax))
