@@ -8,8 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from quant import PIPELINES
+from quant.gplq.detector import stage1_identity as detector_identity
 from quant.gplq.qwt import fit_block_compensation_streamed
-from quant_models import ImageFeed
+from quant.spec import parse_bits
+from quant_models import ImageFeed, tiny_vit
 
 
 class Block(nn.Module):
@@ -80,3 +83,10 @@ def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch(
         check_detector_options(dataclasses.replace(detection, pca_weight=0.5), calib_count=2)
     with pytest.raises(ValueError, match="stage2_train_transform=True"):
         check_detector_options(dataclasses.replace(detection, stage2_train_transform=True), calib_count=2)
+
+
+def test_detector_stage1_identity_holds_every_stage1_option():
+    model, opts = tiny_vit(depth=1), PIPELINES["gplq"].Options
+    base = detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None)
+    for key, value in [("init_images", 7), ("lr", 1e-5), ("seed", 2), ("steps", 3), ("head_a_bits", 8)]:
+        assert detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0, **{key: value}), None) != base, key

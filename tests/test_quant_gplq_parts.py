@@ -1,18 +1,25 @@
-"""GPLQ building blocks: LSQ gradients, QwT compensation on its fitting data, the PCA component rule."""
+"""GPLQ building blocks: LSQ gradients and scale floor, QwT compensation on its fitting data and what it keeps,
+the PCA component rule and subset, and what stage 1 trains (groups, loss, lr rule, resume identity)."""
 import copy
+import logging
 
 import pytest
 import torch
 
 from quant import PIPELINES
 from quant.gplq.lsq import LSQQuantizer
-from quant.gplq.pca import PCAProjection, components_from_moments, pca_loss
-from quant.gplq.pipeline import fit_on_images
-from quant.gplq.qwt import add_compensation, fit_block_compensation
+import quant.gplq.pipeline as gplq_pipeline
+from quant.gplq.pca import PCAProjection, components_from_moments, fit_pca, pca_loss
+from quant.gplq.pipeline import default_lr, fit_on_images, stage1_identity
+from quant.gplq.qat import param_groups
+from quant.gplq.qwt import CompensationFit, add_compensation, fit_block_compensation
+from quant.gplq.stage2 import block_reference, compensate_blocks
+from quant.modes import named_quantizers
 from quant.quantizers import MIN_SCALE
-from quant.gplq.stage2 import compensate_blocks
 from quant.ranges import RangeSearch
+from quant.spec import parse_bits
 from quant.units import capture_unit, find_units
+from device_utils import cpu_pipeline_data
 from quant_models import images, tiny_swin, tiny_vit
 
 
@@ -230,3 +237,130 @@ def test_qwt_ridge_penalises_the_weight_and_not_the_bias():
     W = torch.linalg.solve(Xc.t() @ Xc + 20.0 * torch.eye(4, dtype=X.dtype), Xc.t() @ Dc)
     torch.testing.assert_close(fit.weight.double(), W.t(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fit.bias.double(), D.mean(0) - X.mean(0) @ W, rtol=1e-4, atol=1e-4)
+
+
+def test_stage1_param_groups_give_lsq_scales_their_lr_and_no_decay():
+    model = tiny_vit(depth=1)
+    qmodel, _ = PIPELINES["percentile"](model, images(4), "w4a4")
+    qmodel.requires_grad_(True)
+    scales = [q for _, q in named_quantizers(qmodel, "activation")][:2]
+    for q in scales:
+        q.make_learnable(scale=True)
+    groups = param_groups(qmodel, lr=1e-3, scale_lr=7e-2, weight_decay=0.05)
+    assert len(groups) == 2
+    weights, learned = groups
+    assert {id(p) for p in learned["params"]} == {id(q.scale) for q in scales}
+    assert learned["lr"] == 7e-2 and learned["weight_decay"] == 0.0
+    assert weights["lr"] == 1e-3 and weights["weight_decay"] == 0.05
+    assert {id(p) for p in weights["params"]} == {id(p) for n, p in qmodel.named_parameters()
+                                                  if not n.endswith("quantizer.scale")}
+
+
+@pytest.mark.parametrize("batch, lr", [(1, 1e-6), (63, 1e-6), (64, 2.5e-6), (127, 2.5e-6), (128, 5e-6), (1024, 5e-6)])
+def test_default_stage1_lr_is_the_papers_gpu_table(batch, lr):
+    assert default_lr(batch) == lr
+
+
+def test_stage1_identity_changes_with_stage1_options_only():
+    model, data = tiny_vit(depth=1), cpu_pipeline_data()
+    opts = PIPELINES["gplq"].Options
+    bits = parse_bits("w4a4")
+    base = stage1_identity(model, bits, opts(), data)
+    for key, value in [("lr", 1e-5), ("scale_lr", 1e-4), ("pca_weight", 0.5), ("steps", 7), ("seed", 3)]:
+        assert stage1_identity(model, bits, opts(**{key: value}), data) != base, key
+    for key, value in [("qwt_ridge", 1.0), ("stage2_images", 8), ("qwt", False), ("log_every", 3)]:
+        assert stage1_identity(model, bits, opts(**{key: value}), data) == base, key
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.head.bias.add_(1.0)
+    assert stage1_identity(other, bits, opts(), data) != base  # other float weights
+
+
+def test_pca_fit_uses_exactly_max_images_across_batches():
+    model = tiny_vit(depth=1)
+    x = images(12, seed=4)
+    batches = [(x[i:i + 4], None) for i in range(0, 12, 4)]
+    pca = fit_pca(model, batches, max_images=6, variance=0.6, multiple=8)
+    assert pca.samples == 6
+    with torch.no_grad():
+        f = model.forward_head(model.forward_features(x[:6]), pre_logits=True).double()
+    torch.testing.assert_close(pca.mean.double(), f.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_stage1_loss_is_ce_plus_pca_weight_times_pca(caplog):
+    model, data = tiny_vit(depth=1), cpu_pipeline_data(num_images=16)
+    opts = dict(steps=2, batch_size_per_gpu=4, init_images=8, pca_images=8, stage2_images=8, qwt=False,
+                log_every=2, pca_weight=2.5, lr=1e-3)
+    with caplog.at_level(logging.INFO, logger="quant.gplq"):
+        PIPELINES["gplq"](model, None, "w4a4", opts, data=data)
+    lines = [r for r in caplog.records if r.msg.startswith("GPLQ stage 1 update")]
+    assert lines
+    for r in lines:
+        _, _, loss, ce, lp = r.args[:5]
+        assert lp > 0 and loss == pytest.approx(ce + 2.5 * lp, rel=1e-5)
+
+
+def _fit(r2, before, after, c):
+    return CompensationFit(weight=torch.full((c, c), 0.1), bias=torch.zeros(c), r2=r2, sse_before=before,
+                           sse_after=after)
+
+
+def test_qwt_keeps_only_fits_that_raise_r2_above_0_and_lower_the_error():
+    model = tiny_vit(depth=3)
+    qmodel, _ = PIPELINES["percentile"](model, images(4), "w4a4")
+    c = model.embed_dim
+    fits = {"blocks.0": _fit(-0.2, 1.0, 0.5, c), "blocks.1": _fit(0.3, 1.0, 2.0, c), "blocks.2": _fit(0.3, 2.0, 1.0, c)}
+    stats = compensate_blocks(qmodel, None, PIPELINES["gplq"].Options(), lambda unit, ref: fits[unit])
+    assert [(s["unit"], s["kept"]) for s in stats] == [("blocks.0", False), ("blocks.1", False), ("blocks.2", True)]
+    assert [hasattr(qmodel.blocks[i], "qwt_compensation") for i in range(3)] == [False, False, True]
+
+
+def test_qwt_w32a4_reference_is_the_block_with_float_weights_and_quantized_activations():
+    model = tiny_vit(depth=1)
+    qmodel, _ = PIPELINES["percentile"](model, images(4), "w4a4")
+    x = torch.randn(2, 17, model.embed_dim, generator=torch.Generator().manual_seed(0))
+    block = qmodel.blocks[0]
+    with torch.no_grad():
+        quantized = block(x)
+        float_ = model.blocks[0](x)
+        weights = [q for n, q in block.named_modules() if n.endswith("weight_quantizer")]
+        for q in weights:  # by hand: bypass only the weight quantizers
+            q.enabled = False
+        want = block(x)
+        for q in weights:
+            q.enabled = True
+        opts = PIPELINES["gplq"].Options
+        got = block_reference(qmodel, None, "blocks.0", opts(qwt_target="w32a4"))(x)
+        got_float = block_reference(qmodel, None, "blocks.0", opts(qwt_target="float"))(x)
+        assert torch.equal(block(x), quantized)  # every quantizer back as it was
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_float, float_)
+    assert (want - float_).abs().max() > 1e-3 and (want - quantized).abs().max() > 1e-3  # three different outputs
+
+
+def test_stage1_trains_float_weights_and_lsq_scales_from_training_transform_images(monkeypatch):
+    data = cpu_pipeline_data(num_images=8)
+    drawn = []
+    real_images = data.train_images
+    data.train_images = lambda count, seed, train_transform: drawn.append((count, seed, train_transform)) \
+        or real_images(count, seed, train_transform)
+    seen = {}
+    real_stage1 = gplq_pipeline.run_stage1
+
+    def spy(student, teacher, fit_pca, batches, settings, checkpoint, config):
+        seen["weights_on"] = [q.enabled for _, q in named_quantizers(student, "weight")]
+        acts = [q for _, q in named_quantizers(student, "activation")]
+        seen["acts"] = [(q.enabled, isinstance(q.scale, torch.nn.Parameter) and q.scale.requires_grad) for q in acts]
+        seen["float_trainable"] = all(p.requires_grad for p in student.parameters())
+        seen["settings"] = settings
+        return real_stage1(student, teacher, fit_pca, batches, settings, checkpoint, config)
+
+    monkeypatch.setattr(gplq_pipeline, "run_stage1", spy)
+    opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, stage2_images=4, lr=1e-4,
+                scale_lr=3e-3, seed=5, stage2_train_transform=False)
+    PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", opts, data=data)
+    assert seen["weights_on"] and not any(seen["weights_on"])  # W32 in stage 1
+    assert seen["acts"] and all(on and learnable for on, learnable in seen["acts"])
+    assert seen["float_trainable"]
+    assert (seen["settings"].lr, seen["settings"].scale_lr) == (1e-4, 3e-3)
+    assert drawn == [(4, 5, True), (4, 5, False)]  # LSQ start: training transform; QwT: the option's (False)

@@ -180,3 +180,23 @@ def test_percentile_weights_are_repq_searched_per_output_channel():
         layer = model.get_submodule(name)
         want = naive_repq_rows(fp.get_submodule(name).weight.detach().numpy(), 4)
         np.testing.assert_allclose(layer.quantized_weight().detach().numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_repq_weights_are_repq_searched_per_output_channel_folded_or_not():
+    fp = tiny_vit()
+    model, _ = PIPELINES["repq"](fp, images(4), "w4a4")
+    for name in ("blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.1.mlp.fc1", "blocks.1.mlp.fc2"):
+        layer = model.get_submodule(name)  # qkv / fc1: the weight as rescaled by the LayerNorm fold
+        want = naive_repq_rows(layer.weight.detach().numpy(), 4)
+        np.testing.assert_allclose(layer.quantized_weight().detach().numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_stem_and_head_take_their_own_weight_and_input_bits():
+    opts = {"stem_w_bits": 5, "stem_a_bits": 7, "head_w_bits": 6, "head_a_bits": 3}
+    model, _ = PIPELINES["percentile"](tiny_vit(depth=1), images(4), "w4a4", opts)
+    stem, head = model.patch_embed.proj, model.head
+    assert (stem.weight_quantizer.bits, stem.input_quantizer.bits) == (5, 7)
+    assert (head.weight_quantizer.bits, head.input_quantizer.bits) == (6, 3)
+    # the head's input is a block input (per tensor), not a LayerNorm output with RepQ-ViT's per-channel start
+    repq, _ = PIPELINES["repq"](tiny_vit(depth=1), images(4), "w4a4", opts)
+    assert repq.head.input_quantizer.channel_dim is None and repq.head.input_quantizer.bits == 3
