@@ -26,18 +26,17 @@ class LSQQuantizer(UniformQuantizer):
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale
-        if not (torch.is_grad_enabled() and scale.requires_grad):
-            # the same floor as the training path below: a scale that an LSQ step took to or past zero
-            # must give the values it was trained with, not a sign-flipped grid (or 0 / 0)
-            s = _broadcast(scale.clamp(min=MIN_SCALE), x.ndim, self.channel_dim)
-            zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
-            return fake_quant_uniform(x, s, zp, self.qmin, self.qmax, ste=self._use_ste(x))
-        # elements that share one scale: all of x over the number of groups (Python ints, no sync)
-        per_group = max(1, x.numel() // scale.numel())
-        g = 1.0 / math.sqrt(per_group * max(1, self.qmax))
-        s = grad_scale(scale, g).clamp(min=MIN_SCALE)  # a learned scale may not cross zero
-        s = _broadcast(s, x.ndim, self.channel_dim)
+        learning = torch.is_grad_enabled() and scale.requires_grad
+        if learning:
+            # elements that share one scale: all of x over the number of groups (Python ints, no sync)
+            per_group = max(1, x.numel() // scale.numel())
+            scale = grad_scale(scale, 1.0 / math.sqrt(per_group * max(1, self.qmax)))
+        # a learned scale may not cross zero, in training nor after it: a scale that an LSQ step took to or past
+        # zero gives the values it was trained with, not a sign-flipped grid (or 0 / 0)
+        s = _broadcast(scale.clamp(min=MIN_SCALE), x.ndim, self.channel_dim)
         zp = _broadcast(self.zero_point, x.ndim, self.channel_dim)
+        if not learning:
+            return fake_quant_uniform(x, s, zp, self.qmin, self.qmax, ste=self._use_ste(x))
         # clamp, then round (LSQ's order): an element in the last half step beyond qmax (or qmin) is
         # clipped, so its scale gradient is qmax (qmin) and its input gradient 0, as in LSQ eq. 3;
         # rounding first would give it round(v) - v and pass its input gradient. Same forward value.
