@@ -15,6 +15,15 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
+def qdrop_mix(fp: torch.Tensor, q: torch.Tensor, prob: float) -> torch.Tensor:
+    """QDrop: each element of the quantized `q` with probability `prob`, of the float `fp` otherwise (1: `q`
+    alone), the official `drop_prob` (QDrop, APHQ-ViT: where(rand < drop_prob, quantized, float)). The float
+    element where rand < 1 - prob: the complement mask of the official one, equal in distribution."""
+    if prob >= 1:
+        return q
+    return torch.where(torch.rand_like(q) < 1.0 - prob, fp, q)
+
+
 def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Same value as x, gradient multiplied by `factor` (LSQ's step-size gradient scaling)."""
     return x * factor + (x - x * factor).detach()

@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .functional import fake_quant_log_sqrt2, fake_quant_uniform
+from .functional import fake_quant_log_sqrt2, fake_quant_uniform, qdrop_mix
 from .ranges import RangeSearch, best_per_group, to_rows
 
 MIN_SCALE = 1e-8  # smallest step size: guards constant tensors and learned scales against zero
@@ -68,10 +68,8 @@ class Quantizer(nn.Module):
                 self.fit(x.detach())
             self.calibrated = True
         out = self.quantize(x)
-        if self.training and self.drop_prob < 1.0:
-            # float where rand < 1 - p: P(quantized) = p, as officially (the complement mask of the official
-            # where(rand < p, quant, float), equal in distribution)
-            out = torch.where(torch.rand_like(x) < 1.0 - self.drop_prob, x, out)
+        if self.training:
+            out = qdrop_mix(x, out, self.drop_prob)
         return out
 
     def reset(self) -> None:

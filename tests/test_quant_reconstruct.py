@@ -8,7 +8,8 @@ from quant.aphq.adaround import AdaRoundQuantizer, RoundingSchedule
 from quant.layers import QuantLinear
 from quant.modes import named_quantizers, set_calibration
 from quant.quantizers import UniformQuantizer
-from quant.aphq.reconstruct import ReconSettings, mix_inputs, reconstruct_unit
+from quant.aphq.reconstruct import ReconSettings, reconstruct_unit
+from quant.functional import qdrop_mix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,6 +108,6 @@ def test_input_mix_takes_the_quantized_prefix_input_with_probability_input_mix_p
     fp, q = torch.zeros(20000), torch.ones(20000)
     for p in (0.2, 0.9):
         torch.manual_seed(0)
-        assert abs(mix_inputs(fp, q, p).mean().item() - p) < 0.02, p
-    assert torch.equal(mix_inputs(fp, q, 1.0), q)
-    assert torch.equal(mix_inputs(fp, q, 0.0), fp)
+        assert abs(qdrop_mix(fp, q, p).mean().item() - p) < 0.02, p
+    assert torch.equal(qdrop_mix(fp, q, 1.0), q)
+    assert torch.equal(qdrop_mix(fp, q, 0.0), fp)

@@ -36,6 +36,7 @@ from engine.metrics import duration
 
 from .adaround import AdaRoundQuantizer, RoundingSchedule
 from .hessian import normalized_weight
+from ..functional import qdrop_mix
 from ..layers import QuantConv2d, QuantLinear
 from ..modes import named_quantizers
 from ..quantizers import UniformQuantizer
@@ -73,15 +74,6 @@ def _act_quantizers(unit: nn.Module) -> List[UniformQuantizer]:
     return qs
 
 
-def mix_inputs(fp: torch.Tensor, q: torch.Tensor, prob: float) -> torch.Tensor:
-    """QDrop at a unit's input: each element from the quantized-prefix input `q` with probability `prob`, else from
-    the float input `fp` (1: `q` alone). The float element where rand < 1 - prob: the complement mask of the
-    official where(rand < drop_prob, quant, float), equal in distribution."""
-    if prob >= 1:
-        return q
-    return torch.where(torch.rand_like(q) < 1.0 - prob, fp, q)
-
-
 def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, target: torch.Tensor,
                      hessian: Optional[torch.Tensor], loss_kind: Literal["weighted_mse", "kl"],
                      settings: ReconSettings, generator: torch.Generator, name: str = "",
@@ -113,7 +105,7 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         # device (the model's) whatever the cache's: where the cache lives must not change which samples train
         idx = torch.randperm(n, device=generator.device, generator=generator)[:settings.batch_size].to(fp_in.device)
         x_fp, x_q = fp_in[idx].to(device), q_in[idx].to(device)
-        x = mix_inputs(x_fp, x_q, settings.input_mix_prob)
+        x = qdrop_mix(x_fp, x_q, settings.input_mix_prob)
         out = unit(x)
         tgt = target[idx].to(device)
         if loss_kind == "kl":
@@ -154,9 +146,9 @@ def reconstruct_unit_calls(unit: nn.Module, fp_calls: List[UnitCall], q_calls: L
         first = fp_args[0]
         if settings.input_mix_prob < 1:
             if isinstance(first, torch.Tensor):
-                first = mix_inputs(first, q_args[0], settings.input_mix_prob)
+                first = qdrop_mix(first, q_args[0], settings.input_mix_prob)
             else:
-                first = type(first)(mix_inputs(f, q, settings.input_mix_prob) for f, q in zip(first, q_args[0]))
+                first = type(first)(qdrop_mix(f, q, settings.input_mix_prob) for f, q in zip(first, q_args[0]))
         else:
             first = q_args[0]
         outs = output_tensors(unit(first, *fp_args[1:]))
