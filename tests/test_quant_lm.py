@@ -380,3 +380,14 @@ def test_gptq_hessians_of_one_pass_per_block_or_one_pass_per_linear():
     sequential, _ = PIPELINES["gptq"](model, calib, "w4a16", {"true_sequential": True})
     assert torch.equal(fc1_gptq(model), one_pass.blocks[0].mlp.fc1.weight)  # the float block's fc1 inputs
     assert torch.equal(fc1_gptq(sequential), sequential.blocks[0].mlp.fc1.weight)  # after qkv, proj quantized
+
+
+@pytest.mark.parametrize("pipeline, bits", [("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8")])
+@pytest.mark.parametrize("training", [True, False])
+def test_lm_pipelines_return_the_model_in_the_mode_it_was_given(pipeline, bits, training):
+    # GPTQ gathers its Hessians in evaluation mode (no dropout) but, like rtn and smoothquant, must not hand back
+    # a model in another mode than the float one it was given
+    model = gpt().train(training)
+    qmodel, _ = PIPELINES[pipeline](model, tokens(4), bits)
+    assert [m.training for m in qmodel.modules()] == [training] * len(list(qmodel.modules()))
+    assert all(m.training == training for m in model.modules())  # the float model's mode untouched

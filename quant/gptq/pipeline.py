@@ -115,6 +115,7 @@ class GPTQPipeline(RTNPipeline):
                         errors[name] = quantize_layer(layer, hessians[name], options, name, tokens.numel())
                 log.info("%s: GPTQ of %d layers, error %s (%.1f s)", unit.name, len(layers),
                          " ".join(f"{errors[n]:.4g}" for n, _ in layers), time.perf_counter() - start)
+        model.train(fp_model.training)  # evaluation mode only for the Hessians (no dropout); returned as given, as rtn
         report = pipeline_report(self.name, model, bits, options, calibration_images=int(tokens.shape[0]),
                                  calibration_tokens=int(tokens.numel()), gptq_error=errors, seconds=timer.seconds)
         return PTQResult(model, report)
