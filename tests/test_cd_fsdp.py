@@ -424,3 +424,27 @@ def test_block_plans_group_each_blocks_pairs_in_model_order():
     assert [idx for idx, _ in plans] == [[i for i, p in enumerate(pairs) if p.block == b] for b in blocks]
     for idx, plan in plans:
         assert plan == build_plan([pairs[i] for i in idx], [upstream[i] for i in idx])
+
+
+def test_sharded_pair_energy_is_the_mean_over_each_roles_pairs_when_blocks_hold_unequal_counts():
+    """CaiT's class-attention blocks hold three qkv pairs (q, k, v) and its self-attention block one: the block-by-
+    block energies (`cd.sharded`, run here on plain tensors, which it takes as they are) are the mean over all of a
+    role's pairs, as the unsharded `pair_energy` logs it, not a mean of per-block means. Reference: ||W2 W1n||_F^2
+    (Sec. 3.1, Eq. (2); App. A.2, Eq. (23)) written out in float64."""
+    from cd.sharded import sharded_pair_energy
+    from cd_models import normalized
+
+    torch.manual_seed(0)
+    model = randomize_norms(timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                              num_heads=2, num_classes=3, depth_token_only=2), 0)
+    pairs = find_pairs(model)
+    assert len({sum(p.role == "qkv" for p in pairs if p.block == b) for b in {p.block for p in pairs}}) > 1
+    want: dict[str, list] = {}
+    for p in pairs:
+        w2 = p.w2().detach().double()
+        w1 = torch.diag(p.w1().detach().double()) if p.diagonal else p.w1().detach().double()
+        want.setdefault(p.role, []).append((w2 @ normalized(w1)).square().sum().item())
+    got = sharded_pair_energy(pairs, block_plans(pairs))
+    assert got.keys() == want.keys()
+    for role, energies in want.items():
+        assert got[role].item() == pytest.approx(sum(energies) / len(energies), rel=1e-5), role
