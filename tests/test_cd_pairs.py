@@ -156,6 +156,42 @@ def test_forward_check_catches_a_block_that_does_not_compute_its_pairs(skip, mat
     assert len(find_pairs(model, verify=False)) == 4  # the structure alone would have matched
 
 
+class _Bypass(nn.Module):
+    """A pre-norm-shaped block whose fc2 reads norm2's output, fc1's only added beside it: fc1 runs, but does not
+    feed fc2 (the functional pair's W1 is not upstream of its W2)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x)
+        return x + self.mlp.fc2(h) + self.mlp.fc1(h)
+
+
+def test_forward_check_names_a_functional_pair_whose_upstream_does_not_feed_it():
+    model = _tiny("vit_tiny_patch16_224", depth=2, mlp_ratio=1.0)
+    for i in (0, 1):
+        model.blocks[i] = _Bypass(model.blocks[i])
+    # the functional pair's own message, not the norm's (which is for composable pairs), then how many other pairs
+    # fail: block 1's fc2 (the other pairs hold)
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.0' \(_Bypass\): the fc2 pair: the input of "
+                       r"blocks.0.mlp.fc2.weight does not come from blocks.0.mlp.fc1.weight \(and 1 more\)$"):
+        find_pairs(model)
+
+
+def test_a_non_square_image_size_is_the_example_inputs_height_and_width():
+    """timm's img_size=(H, W): the meta check's batch is (1, C, H, W), which the patch embedding takes (it
+    checks the size), so the pairs of a non-square ViT are found with the check on."""
+    from cd.verify import example_input
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=(16, 32), patch_size=8, embed_dim=32, depth=1,
+                              num_heads=2, num_classes=3)
+    assert tuple(example_input(model).shape) == (1, 3, 16, 32)
+    assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"]
+
+
 class _ItemForward(nn.Module):
     """A user's model whose forward cannot run on the meta device (data-dependent control flow)."""
 
