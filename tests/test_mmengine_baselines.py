@@ -441,6 +441,26 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_lay
     noise.remove()
 
 
+def test_weight_noise_keeps_a_half_precision_layers_dtype_and_takes_both_ends_of_the_bits_range():
+    """The noise is computed in fp32 and cast back (cd/noise.py): a bf16 layer's training forward multiplies bf16
+    weights (an fp32 weight beside a bf16 input is a dtype error in F.linear) and its clean weight gets a bf16
+    gradient; bits 1 and 16, the ends of [1, 16], are taken."""
+    from cd.noise import WeightNoise
+
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 6).to(torch.bfloat16).train()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))  # after the noise's own hook
+    with WeightNoise(layer, bits=4):
+        out = layer(x)
+        out.float().square().sum().backward()
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.bfloat16
+    assert (out - F.linear(x, layer.weight, layer.bias)).abs().max() > 1e-3  # the forward was perturbed
+    for bits in (1, 16):
+        WeightNoise(nn.Linear(2, 2), bits=bits).remove()
+
+
 # --- MMDetection's Swin and the config fragments ------------------------------------------------------------------
 def test_mmdetection_swin_backbone_gets_both_hooks(tmp_path):
     pytest.importorskip("mmdet")
