@@ -192,6 +192,27 @@ def test_a_non_square_image_size_is_the_example_inputs_height_and_width():
     assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"]
 
 
+class _Buffered(nn.Module):
+    """A pre-norm block that copies norm1's output into a buffer of its own (`Tensor.copy_`, an in-place op that
+    only moves values) before qkv reads it."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
+
+    def forward(self, x):
+        h = torch.empty_like(x)
+        h.copy_(self.norm1(x))
+        x = x + self.attn(h)
+        return x + self.mlp(self.norm2(x))
+
+
+def test_a_norm_output_copied_in_place_into_a_buffer_still_feeds_its_composable_pair():
+    model = _tiny("vit_tiny_patch16_224", depth=1)
+    model.blocks[0] = _Buffered(model.blocks[0])
+    assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"]  # the forward check passes
+
+
 class _ItemForward(nn.Module):
     """A user's model whose forward cannot run on the meta device (data-dependent control flow)."""
 

@@ -432,6 +432,9 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_lay
         assert (layer(x) - clean).abs().max() > 1e-3  # the training forward is perturbed
         with torch.no_grad():
             assert torch.equal(layer(x), clean)
+        layer.eval()  # an evaluation forward with grad on (a validation loop without no_grad): clean too
+        assert torch.equal(layer(x), clean)
+        layer.train()
         assert torch.equal(single(x[:, :1]), F.linear(x[:, :1], single.weight, single.bias))
     for bits in (0, 17):
         with pytest.raises(ValueError, match="bits must be an int in \\[1, 16\\]"):
