@@ -58,7 +58,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         import timm  # only the CLI needs timm
     except ImportError:
         parser.exit(2, 'error: python -m cd --model needs timm: pip install timm (or pip install ".[timm]")\n')
-    args.model = args.model or "vit_base_patch16_224"
+    if args.model is None:  # only when not given: an empty --model "$UNSET" is refused below, not the default's table
+        args.model = "vit_base_patch16_224"
     if not timm.is_model(args.model):  # a typo: one line with the closest names, not a traceback
         close = difflib.get_close_matches(args.model, timm.list_models(), n=3, cutoff=0.6)
         parser.exit(2, f"error: unknown timm model {args.model!r}"

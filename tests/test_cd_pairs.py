@@ -317,6 +317,16 @@ def test_cli_default_model_table_layout_and_a_typo_with_suggestions(capsys):
         "vit_base_patch16_224" in err
 
 
+def test_cli_refuses_an_empty_model_name_instead_of_listing_the_defaults_pairs(capsys):
+    """`--model ""` (e.g. from an unset shell variable) names no model: one error line, not vit_base_patch16_224's
+    table under the default's name."""
+    with pytest.raises(SystemExit) as exit_info:
+        pairs_main(["--model", ""])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: unknown timm model ''")
+
+
 def _cait() -> nn.Module:
     torch.manual_seed(0)
     return timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
