@@ -255,7 +255,7 @@ def test_seed_all_seeds_every_global_generator_as_documented(monkeypatch):
     import random
 
     from engine.rng import mix_seed, seed_all
-    seed = 2 ** 40 + 7  # numpy takes it modulo 2^32
+    seed = 2 ** 40 + 2 ** 31 + 7  # numpy takes it modulo 2^32 (bit 31 set: not modulo 2^31)
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.random.default_generator.manual_seed(seed)

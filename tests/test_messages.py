@@ -111,6 +111,14 @@ def test_a_file_that_is_no_torch_file_is_named_as_what_it_is(tmp_path, kind, say
         assert set(load_checkpoint(str(good))) == {"model", "config"}
 
 
+def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder_not_as_missing(tmp_path):
+    """A run's out_dir given for --checkpoint exists: "checkpoint not found" would send the user looking for it."""
+    from engine.checkpoint import load_checkpoint
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path} is a folder, not a checkpoint file: give a file in it, "
+                                              rf"e.g. {tmp_path}/best.pt or {tmp_path}/checkpoint.pt$"):
+        load_checkpoint(str(tmp_path))
+
+
 @pytest.mark.parametrize("tool", ["mmengine", "othertool"])
 def test_another_tools_checkpoint_is_named_as_such_not_as_a_file_cut_short(tmp_path, monkeypatch, tool):
     """An MMEngine checkpoint (meta, state_dict, message_hub of pickled HistoryBuffers) given to evaluate.py

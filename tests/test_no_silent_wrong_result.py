@@ -127,6 +127,9 @@ def test_the_fingerprint_depends_on_the_values_only():
     changed[7, 7] = torch.nextafter(changed[7, 7], torch.tensor(float("inf")))  # one ulp of one weight
     assert weights_fingerprint({**weights, "w": changed}) != reference
     assert weights_fingerprint({"v": weights["w"], "b": weights["b"]}) != reference  # names count
+    # float64 weights that float32 cannot hold are other weights than their float32 rounding
+    third = torch.tensor([1 / 3], dtype=torch.float64)
+    assert weights_fingerprint({"w": third}) != weights_fingerprint({"w": third.float()})
 
 
 # -- files: concurrent writers, user files, config history, failed starts ---------------------------------

@@ -377,6 +377,18 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_leaves_no_partial_file(tmp_pa
     assert read_bytes(path) == good and os.listdir(tmp_path) == ["checkpoint.pt"]
 
 
+def test_a_failed_first_write_says_no_earlier_file_existed_and_leaves_none(tmp_path, monkeypatch):
+    """The message must not promise a previous checkpoint that was never written."""
+    def full_disk(payload, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"the disk is full .*; no earlier file existed and no partial file "
+                                              r"was left"):
+        save_atomic({"model": {"w": torch.ones(3)}, "config": {}}, str(tmp_path / "checkpoint.pt"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_failed_checkpoint_write_stops_training_with_the_old_checkpoint(debug_config, monkeypatch):
     cfg = debug_config("train.max_steps=4", name="fail")
     train.main(debug_config("train.max_steps=2", name="fail"))

@@ -277,6 +277,29 @@ def test_repeated_signals_in_the_window_are_one_request():
         assert preemption.requested
 
 
+def test_ranks_agree_one_call_late_on_updates_and_at_once_at_boundaries(tmp_path):
+    """The documented protocol, in a one-process group: a plain call answers with the agreement the previous
+    call launched (a stop requested after call 1 is seen at call 3, the same call on every rank), a boundary
+    call agrees on the spot."""
+    import torch.distributed as dist
+
+    from engine.preemption import Preemption
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with Preemption(torch.device("cpu"), distributed=True) as preemption:
+            assert preemption.should_stop(step=1) is False
+            preemption.requested = True  # what the signal handler records
+            assert preemption.should_stop(step=2) is False  # the agreement launched at call 1: no stop yet
+            assert preemption.should_stop(step=3) is True
+        with Preemption(torch.device("cpu"), distributed=True) as preemption:
+            assert preemption.should_stop(boundary=True) is False
+            preemption.requested = True
+            assert preemption.should_stop(boundary=True) is True
+    finally:
+        dist.destroy_process_group()
+
+
 RACE_SCRIPT = r"""
 import os, signal, sys, time
 import torch

@@ -162,6 +162,38 @@ def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_pa
                                            f"data.root={tmp_path / 'b'}", "--out", str(tmp_path / "e.json")]))
 
 
+def test_optimizer_state_of_parameters_the_model_lacks_is_refused_naming_them():
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    old = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=0.1)
+    adam_step(torch.nn.ModuleDict({"a": a, "b": b}), old)
+    new = torch.optim.AdamW(a.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match=r"holds state of parameters this model lacks \(b.bias, b.weight\): "
+                                              r"resume it with the model it was written with"):
+        restore_optimizer(new, old.state_dict(), [["a.weight", "a.bias", "b.weight", "b.bias"]],
+                          [["a.weight", "a.bias"]])
+
+
+def test_a_checkpoint_without_parameter_names_restores_by_position_or_refuses_other_group_sizes():
+    """Checkpoints written before the names were saved: the same groups take the state in order; other group
+    sizes (another weight decay) cannot be matched and are refused."""
+    model = torch.nn.Linear(2, 2)
+    old = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}], lr=0.1)
+    adam_step(model, old)
+    names = [["weight"], ["bias"]]
+    same = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}], lr=0.2)
+    restore_optimizer(same, old.state_dict(), None, names)
+    for p in model.parameters():
+        assert torch.equal(same.state[p]["exp_avg_sq"], old.state[p]["exp_avg_sq"])
+    one_group = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match=r"groups of sizes \[1, 1\], this run's \[2\] .*predates the saving "
+                                              r"of parameter names"):
+        restore_optimizer(one_group, old.state_dict(), None, [["weight", "bias"]])
+
+
+def test_a_position_of_an_older_checkpoint_is_its_micro_batches_as_they_are():
+    assert resume_position(None, position(2, 8, 1), epoch_batches=5, step=3, checkpoint="c.pt") == 5
+
+
 def test_another_optimizer_at_resume_is_refused(debug_config):
     train.main(debug_config("train.max_steps=1", name="o"))
     with pytest.raises(CheckpointError, match=r"optim.name=adamw, which optim.name=sgd cannot use.*"

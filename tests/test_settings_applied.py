@@ -229,6 +229,19 @@ def test_a_recipes_betas_beside_an_optimizer_that_does_not_read_them_are_refused
     build_optimizer(build_model(plain.model), plain.optim, lr=1e-3, weight_decay=0.1)
 
 
+def test_an_eps_beside_an_optimizer_that_does_not_read_it_is_refused_with_the_default_betas():
+    """optim.eps alone (betas left at their default) is as unread by sgd as the betas are: refused, not
+    trained with sgd's own settings (the config loader refuses the override; this is the check for configs
+    built in code or read from older runs)."""
+    import torch
+
+    from configs.schema import OptimConfig
+    from engine.optim import build_optimizer
+    with pytest.raises(ValueError, match=r"optim.betas=\[0.9, 0.999\] / optim.eps=1e-06 are read for adamw, adam, "
+                                         r"lamb only, and optim.name=sgd would train with its own"):
+        build_optimizer(torch.nn.Linear(2, 2), OptimConfig(name="sgd", eps=1e-6), lr=1e-3, weight_decay=0.0)
+
+
 @pytest.mark.parametrize("name", ["fusedadamw", "bnbadamw8bit"])
 def test_an_optimizer_that_needs_cuda_or_a_missing_package_is_refused_with_one_line(name):
     """timm's APEX / bitsandbytes optimizers assert CUDA (and import their package): an AssertionError
