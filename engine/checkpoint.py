@@ -67,13 +67,21 @@ def save_on_main_rank(payload_fn: Callable[[], dict], path: str, is_main: bool, 
 
 def _write_failure(path: str, error: BaseException) -> str:
     folder = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(folder).free / 2 ** 20
     # torch's zip writer reports ENOSPC as "unexpected pos"; an OSError carries its errno
     full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
-    reason = f"the disk is full ({free:.0f} MB free in {folder})" if full else f"{error}"
+    reason = f"the disk is full ({_free_space(folder)})" if full else f"{error}"
     previous = "the previous file is unchanged" if os.path.exists(path) else "no earlier file existed"
     return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix "
             f"the folder) and re-run the same command to resume from the last checkpoint")
+
+
+def _free_space(folder: str) -> str:
+    """The free space in `folder`, in words. Probed only for a full disk: the folder of a failed write may itself
+    be gone (a deleted out_dir, a vanished mount), and the probe's own error must not hide the write's."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2 ** 20:.0f} MB free in {folder}"
+    except OSError as e:
+        return f"the free space in {folder} cannot be read: {e}"
 
 
 def not_a_torch_file(path: str) -> Optional[str]:

@@ -389,6 +389,17 @@ def test_a_failed_first_write_says_no_earlier_file_existed_and_leaves_none(tmp_p
     assert os.listdir(tmp_path) == []
 
 
+def test_a_write_into_a_folder_that_vanished_is_a_checkpoint_error_naming_the_write(tmp_path):
+    """out_dir deleted or its mount gone mid-run: the probe of the free space in that folder raised its own
+    FileNotFoundError, which hid the write's error and was no CheckpointError (the other ranks of a DDP run
+    waited at the next collective for the rank that stopped)."""
+    path = tmp_path / "gone" / "checkpoint.pt"
+    with pytest.raises(CheckpointError, match=rf"^could not write {path}: \[Errno 2\] No such file or directory.*; "
+                                              r"no earlier file existed"):
+        save_atomic({"model": {"w": torch.ones(3)}, "config": {}}, str(path))
+    assert not os.path.exists(tmp_path / "gone")
+
+
 def test_a_failed_checkpoint_write_stops_training_with_the_old_checkpoint(debug_config, monkeypatch):
     cfg = debug_config("train.max_steps=4", name="fail")
     train.main(debug_config("train.max_steps=2", name="fail"))
