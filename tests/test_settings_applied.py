@@ -52,6 +52,8 @@ def test_each_precision_setting_runs_its_own_autocast_dtype_and_only_fp16_has_a_
         product = torch.ones(2, 2) @ torch.ones(2, 2)
     assert str(product.dtype) == f"torch.{dtype}"
     assert isinstance(grad_scaler(amp, cpu), torch.amp.GradScaler) == scaler
+    if scaler:  # one that scales on this device: a scaler made for CUDA disables itself on a CPU-only machine
+        assert grad_scaler(amp, cpu).scale(torch.ones(())).item() == 2.0 ** 16  # torch's initial scale
 
 
 def test_a_degenerate_aphq_grid_is_refused_where_it_would_be_degenerate():
