@@ -842,6 +842,23 @@ def test_the_last_good_snapshot_is_the_newest_readable_one_that_is_not_the_broke
     assert last_good_snapshot(str(tmp_path), str(broken)) is None
 
 
+def test_a_requeued_train_resume_given_as_a_relative_path_continues_from_the_progress_made_since(tmp_path,
+                                                                                                 monkeypatch):
+    """train.resume=PATH repeated by a requeued job: out_dir's checkpoint.pt, which records the absolute path
+    of the file its run started from, wins over PATH also when PATH was given relative to the working folder."""
+    from engine.snapshots import resume_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    _training_checkpoint(tmp_path / "start.pt", 1.0)
+    own = tmp_path / "run" / "checkpoint.pt"
+    _training_checkpoint(own, 2.0)
+    payload = torch.load(own, weights_only=True)
+    torch.save({**payload, "resumed_from": str(tmp_path / "start.pt")}, own)
+    path, payload = resume_source(str(tmp_path / "run"), "start.pt")
+    assert path == str(own) and payload["model"]["w"].item() == 2.0
+
+
 def test_ema_follows_train_ema_decay_and_val_ema_scores_the_averaged_weights(debug_config):
     """train.ema_decay=0 makes the average the weights themselves (ema = d * ema + (1 - d) * w); at 0.5 it lags
     them, and val_ema/* is the score of the averaged weights (a naive loop over the val images with the
