@@ -322,7 +322,9 @@ def main(argv=None) -> int:
     if args.only:
         missing = sorted(set(args.only) - {r["name"] for r in runs})
         if missing:
-            sys.exit(f"error: no run named {missing} in {args.sweep}")
+            names = [r["name"] for r in runs]
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            sys.exit(f"error: --only: no run named {', '.join(missing)} in {args.sweep} (its runs: {shown})")
         runs = [r for r in runs if r["name"] in args.only]
     if args.evaluate:
         try:

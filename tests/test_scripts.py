@@ -890,3 +890,12 @@ def test_a_run_that_exited_0_is_finished_only_when_its_schedule_ended(tmp_path, 
     torch.save({"state": {"step": step, "epoch": epoch}, "config": config,
                 "epoch_position": {"updates_per_epoch": 4}}, tmp_path / "checkpoint.pt")
     assert sweep.stopped_before_schedule_end(str(tmp_path)) == says
+
+
+def test_only_with_an_unknown_name_says_which_and_the_sweeps_runs():
+    lm = os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml")
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([lm, "--only", "baseline_s0", "nosuch", "cd10x_s99"])
+    message = str(stop.value)
+    assert message.startswith("error: --only: no run named cd10x_s99, nosuch in ") and "[" not in message, message
+    assert "(its runs: baseline_s0, " in message and " more)" in message and "\n" not in message, message
