@@ -279,7 +279,8 @@ def evaluation_reads():
          # the detector is built without it and takes every weight from --checkpoint (build_detector)
          "model.backbone.init_cfg": "--checkpoint",
          # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
-         "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"})
+         "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"},
+        frozenset({"data_root"}))  # --data-root; it has no --work-dir, --launcher or --resume
 
 
 def evaluator_files(cfg):

@@ -237,7 +237,12 @@ def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path)
     ("val_dataloader.dataset.ann_file=annotations/instances_train2017.json", "give test_dataloader instead"),
     ("train_cfg.max_epochs=3", "does not read train_cfg"),
     ("train_dataloader.batch_size=4", "does not read train_dataloader.batch_size.*gplq.batch_size_per_gpu=N"),
-    ("test_dataloder.batch_size=1", "did you mean test_dataloader")])  # a typo keeps its close matches
+    ("test_dataloder.batch_size=1", "did you mean test_dataloader"),  # a typo keeps its close matches
+    # keys of the training script's flags, which the evaluation does not have: it named --work-dir and the others
+    ("work_dir=/tmp/x", "does not read work_dir, so it would change nothing; drop it"),
+    ("launcher=pytorch", "does not read launcher, so it would change nothing; drop it"),
+    ("resume=True", "does not read resume, so it would change nothing; drop it"),
+    ("data_root=/tmp/x", "data_root is set from the command's --data-root flag .*give --data-root instead")])
 def test_evaluation_refuses_overrides_it_does_not_read(sample, tmp_path, override, message):
     """evaluate_detection.py scores --checkpoint on test_dataloader: an override of another key (the weights to
     load, the val loader, a training setting, the batch size GPLQ's stage 1 sets itself) was accepted and changed

@@ -21,11 +21,14 @@ from engine.detection.errors import DetectionError
 
 class CommandReads(NamedTuple):
     """What a command other than a Runner's training reads of a config (evaluate_detection.py): its top-level
-    `keys`, what it `does` with them (for the message), and `instead`: keys it does not read (a top-level one,
-    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it)."""
+    `keys`, what it `does` with them (for the message), `instead`: keys it does not read (a top-level one,
+    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it), and `flags`:
+    the keys of SCRIPT_FLAGS it sets from a flag of its own (an override of another one is a key it does not
+    read: the flag the message would name is not the command's)."""
     keys: FrozenSet[str]
     does: str
     instead: Mapping[str, str]
+    flags: FrozenSet[str] = frozenset()
 
     def unread(self, key: str) -> Optional[str]:
         """The part of the dotted override `key` that the command does not read, or None."""
@@ -146,7 +149,7 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
     known = set(cfg.keys()) | read
     for key in overrides:
         top = key.split(".")[0]
-        if top in SCRIPT_FLAGS:
+        if top in SCRIPT_FLAGS and (reads is None or top in reads.flags):
             raise DetectionError(f"override {key}: {top} is set from the command's {SCRIPT_FLAGS[top]} flag (an "
                                  f"override of it would be ignored): give {SCRIPT_FLAGS[top]} instead")
         if top not in known:
