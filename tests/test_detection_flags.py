@@ -250,3 +250,29 @@ def test_a_gplq_stage1_folder_of_another_run_or_with_a_dangling_pointer_is_refus
     (folder / "iter_2.pth").write_bytes(b"weights")
     assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] == str(folder / "iter_2.pth")
     assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
+
+
+def test_the_printed_scores_and_table_row_put_each_number_in_its_place():
+    """What evaluate_detection.py prints: box before mask mAP, backbone before head maximum, one Table 2 column per
+    pipeline and bit-width, with distinct numbers so that a swap shows."""
+    from evaluate_detection import markdown_row, score
+    data = {"fp": {"bbox_mAP": 0.412, "segm_mAP": 0.377}, "max_act": {"backbone": 123.456, "head": 7.891},
+            "quant": {"repq": {"w4a4": {"bbox_mAP": 0.25, "segm_mAP": 0.125}},
+                      "aphq": {"w4a4": {"bbox_mAP": 0.3, "segm_mAP": 0.2}, "w6a6": {"bbox_mAP": 0.4}}}}
+    assert score(data["fp"]) == "box mAP 0.412 / mask mAP 0.377"
+    assert score({}) == "box mAP nan / mask mAP nan"
+    assert markdown_row(data).splitlines() == [
+        "| Max. Act. (backbone / head) | FP | repq w4a4 | aphq w4a4 | aphq w6a6 |",
+        "|---|---|---|---|---|",
+        "| 123.46 / 7.89 | 0.412 / 0.377 | 0.250 / 0.125 | 0.300 / 0.200 | 0.400 / nan |"]
+
+
+@pytest.mark.parametrize("change", [{"calib_seed": 1}, {"calib_images": 2}])
+def test_another_calibration_batch_is_another_quantized_result(change):
+    """A result of other calibration images was taken for the one asked for: `--calib-seed 1` after a run with the
+    default seed reused its numbers instead of calibrating on the images it names."""
+    from argparse import Namespace
+    from evaluate_detection import settings
+    asked = Namespace(calib_images=1, calib_seed=0)
+    assert settings(asked, "repq") != settings(Namespace(**{**vars(asked), **change}), "repq")
+    assert settings(asked, "repq") == settings(Namespace(**vars(asked)), "repq")

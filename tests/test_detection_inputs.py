@@ -369,19 +369,23 @@ def test_quantization_flags_that_would_not_be_honoured_are_refused_before_any_wo
         main(argv + (flags if "--quant" in flags else ["--quant"] + flags))
 
 
-@pytest.mark.parametrize("pipeline, option", [("aphq", "recon_images"), ("gplq", "stage2_images")])
+@pytest.mark.parametrize("pipeline, option, given", [("aphq", "recon_images", None), ("gplq", "stage2_images", None),
+                                                     ("aphq", "recon_images", 9)])  # the user's over the recipe's
 def test_more_pipeline_images_than_the_training_split_has_are_refused_before_any_work(sample, tmp_path, pipeline,
-                                                                                      option):
+                                                                                      option, given):
     """APHQ's reconstruction set (default 256) and GPLQ's QwT set (512) come from the 8-image training split: they
-    were refused after the full-precision evaluation (and GPLQ's stage-1 training), GPLQ's naming aphq.recon_images."""
+    were refused after the full-precision evaluation (and GPLQ's stage-1 training), GPLQ's naming aphq.recon_images.
+    A count given in --quant-options is the one checked (and run), not the detection recipe's."""
     from engine.detection import DetectionError
     from evaluate_detection import main
     out = tmp_path / "x.json"
-    with pytest.raises(DetectionError, match=rf"^--quant-options {pipeline}.{option} \d+: the training split has only "
-                                             r"8 images"):
+    count = r"\d+" if given is None else str(given)
+    with pytest.raises(DetectionError, match=rf"^--quant-options {pipeline}.{option} {count}: the training split has "
+                                             r"only 8 images"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
               "--out", str(out), "--quant", pipeline, "--quant-options", f"{pipeline}.iters=1"
-              if pipeline == "aphq" else "gplq.steps=1", "--device", "cpu"])
+              if pipeline == "aphq" else "gplq.steps=1", *([f"{pipeline}.{option}={given}"] if given else []),
+              "--device", "cpu"])
     assert not out.exists() and not list(tmp_path.glob("x_*"))
 
 
@@ -397,6 +401,16 @@ def test_a_hook_argument_typo_or_a_hook_index_past_the_end_is_one_error_line(sam
     with pytest.raises(DetectionError, match=r"override custom_hooks.1.lam: custom_hooks has 1 item \(indices from "
                                              r"0\), so there is no custom_hooks.1"):
         load_config([SAMPLE_CONFIG, cd], parse_overrides(["custom_hooks.1.lam=0.01"]))
+
+
+def test_a_hook_s_priority_is_left_to_the_runner_and_passes_the_hook_check(mmdet_ready):
+    """`priority` is MMEngine's Runner's (register_hook takes it out of the dict): CD's hook passes its keyword
+    arguments on to ColinearityDecay, which takes no priority, so the check must build the hook without it."""
+    from engine.detection import check_hooks, load_config, parse_overrides
+    cd = os.path.join(ROOT, "configs", "detection", "method", "cd.py")
+    cfg = load_config([SAMPLE_CONFIG, cd], parse_overrides(["custom_hooks.0.priority=ABOVE_NORMAL"]))
+    assert cfg.custom_hooks[0].priority == "ABOVE_NORMAL"
+    check_hooks(cfg)
 
 
 def test_evaluation_refuses_a_backbone_checkpoint_override(mmdet_ready):
@@ -684,6 +698,26 @@ def test_the_training_images_drawn_follow_the_seed_given_and_repeat_with_it(samp
     for seed in (0, 1, 2):
         assert tuple(DetectorFeed(cfg, 3, seed, images).indices) == sets[seed]
         assert tuple(DetectorSamples(cfg, 3, seed, "--quant-options aphq.recon_images", images).indices) == sets[seed]
+
+
+def test_the_training_images_quantization_draws_get_the_test_pipeline(sample):
+    """Calibration and reconstruction images come from the training split with the TEST pipeline (no random flip):
+    each is what the config's test transforms, built here one by one, make of that image."""
+    import copy
+    from engine.detection import TrainingImages, load_config
+    from mmdet.registry import TRANSFORMS
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    images = TrainingImages(cfg)
+    transforms = [TRANSFORMS.build(t) for t in copy.deepcopy(cfg.test_dataloader.dataset.pipeline)]
+    for index in range(len(images)):
+        expected = images.dataset.get_data_info(index)
+        for transform in transforms:
+            expected = transform(expected)
+        got = images.dataset[index]
+        assert torch.equal(got["inputs"], expected["inputs"]), index
+        assert got["data_samples"].metainfo == expected["data_samples"].metainfo, index
+    # the whole split may be asked for (--calib-images 8 on these 8 images): every image, once
+    assert images.draw(len(images), 0, "--calib-images")[0] == list(range(len(images)))
 
 
 @pytest.mark.parametrize("qwt", [True, False])

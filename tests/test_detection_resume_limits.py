@@ -53,3 +53,46 @@ def test_a_resume_under_torchrun_warns_once_on_rank_0_and_a_new_run_does_not():
     fresh = runner(0, 0, 2)
     RngStateHook().before_train(fresh)
     assert fresh.logger.warnings == []
+
+
+def _draws():
+    """One number from each generator the hook keeps: torch, numpy, python."""
+    import random
+    import numpy as np
+    import torch
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def test_a_resume_draws_what_the_uninterrupted_run_draws_after_its_checkpoint():
+    """The numbers drawn after a checkpoint, by torch, numpy and python (flips, RoI samples, dropout), are the
+    same in the run that goes on and in a process that resumes from that checkpoint after drawing others."""
+    import random
+    import numpy as np
+    import torch
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    checkpoint: dict = {}
+    RngStateHook().before_save_checkpoint(None, checkpoint)
+    expected = _draws()  # the uninterrupted run's next draws
+    torch.manual_seed(2), np.random.seed(2), random.seed(2)  # a new process, seeded from the run's seed
+    _draws()
+    hook = RngStateHook()
+    hook.after_load_checkpoint(None, checkpoint)
+    hook.before_train(SimpleNamespace(iter=10, rank=0, world_size=1, logger=None, train_dataloader=loader(0, False)))
+    assert _draws() == expected
+
+
+def test_a_validation_inside_training_leaves_the_training_draws_as_they_were():
+    """The validation runs after the epoch's checkpoint in the uninterrupted run only: the draws after it are
+    those a run without it makes."""
+    import random
+    import numpy as np
+    import torch
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    state = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    expected = _draws()
+    torch.set_rng_state(state[0]), np.random.set_state(state[1]), random.setstate(state[2])
+    hook = RngStateHook()
+    hook.before_val(None)
+    _draws()  # the validation's own draws
+    hook.after_val(None)
+    assert _draws() == expected
