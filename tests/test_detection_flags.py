@@ -269,8 +269,8 @@ def test_the_printed_scores_and_table_row_put_each_number_in_its_place():
 
 @pytest.mark.parametrize("change", [{"calib_seed": 1}, {"calib_images": 2}])
 def test_another_calibration_batch_is_another_quantized_result(change):
-    """A result of other calibration images was taken for the one asked for: `--calib-seed 1` after a run with the
-    default seed reused its numbers instead of calibrating on the images it names."""
+    """A result of other calibration images is not the one asked for: `--calib-seed 1` after a run with the default
+    seed calibrates on the images it names instead of reusing the stored numbers."""
     from argparse import Namespace
     from evaluate_detection import settings
     asked = Namespace(calib_images=1, calib_seed=0)
