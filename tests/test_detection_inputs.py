@@ -542,14 +542,16 @@ def test_a_main_rank_wait_that_is_no_positive_number_of_hours_is_one_error(mmdet
               "--main-rank-wait-hours", hours])
 
 
-def test_more_max_images_than_the_test_split_has_are_refused(sample, tmp_path):
+@pytest.mark.parametrize("count, message", [("5", "the test split has only 4 images"),
+                                            ("0", "give at least 1")])  # MMEngine keeps the first 0: none
+def test_more_max_images_than_the_test_split_has_are_refused(sample, tmp_path, count, message):
     """MMEngine keeps the images there are: `--max-images 5` on the 4-image split scored all 4 and marked the
-    result partial, another evaluation than the full one of the same images."""
+    result partial, another evaluation than the full one of the same images; and no image is no evaluation."""
     from engine.detection import DetectionError
     from evaluate_detection import main
-    with pytest.raises(DetectionError, match=r"^--max-images 5: the test split has only 4 images"):
+    with pytest.raises(DetectionError, match=rf"^--max-images {count}: {message}"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
-              "--quant", "--max-images", "5", "--out", str(tmp_path / "x.json")])
+              "--quant", "--max-images", count, "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
 
 
