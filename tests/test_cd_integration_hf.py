@@ -263,3 +263,25 @@ def test_a_finished_train_leaves_no_cd_on_its_optimizer(tmp_path):
     opt.step()
     assert cb.decay.num_updates == 1
     ColinearityDecay(model, lam=LAM).attach(opt).remove()
+
+
+def test_a_callback_reused_after_a_failed_train_leaves_the_failed_runs_optimizer_alone(tmp_path):
+    """The failed train() stopped between on_pre_optimizer_step and the step (CD armed on its optimizer); the same
+    callback object in a new Trainer with another optimizer takes its CD off the first one: a later step of that
+    optimizer is a plain SGD step (w - lr * grad, by hand), with no pending CD update."""
+    model = tiny_gpt2()
+    first, second = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                             use_cpu=True, disable_tqdm=True, save_strategy="no", max_grad_norm=0.0)
+    callback = ColinearityDecayCallback(lam=LAM)
+    with pytest.raises(RuntimeError, match="stop"):
+        Trainer(model=model, args=args, train_dataset=data(), optimizers=(first, None),
+                callbacks=[callback, StopAt("on_pre_optimizer_step", 0)]).train()
+    Trainer(model=model, args=args, train_dataset=data(), optimizers=(second, None), callbacks=[callback]).train()
+    batch = data(2)[0]
+    first.zero_grad()
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    want = {n: (p - 0.1 * p.grad).detach() for n, p in model.named_parameters() if p.grad is not None}
+    first.step()
+    diff = max(float((p - want[n]).abs().max()) for n, p in model.named_parameters() if n in want)
+    assert diff < 1e-12, diff
