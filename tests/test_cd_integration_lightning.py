@@ -261,3 +261,57 @@ def test_a_pair_split_over_two_optimizers_reads_the_weights_of_before_the_steps(
 
     assert_matches_reference(module.after, run, TOL, variants=("after_step", "first_group_lr"))
     assert cd_callback(trainer).decay.metrics()["cd/updates"] == 3  # one update per iteration, not per optimizer
+
+
+class RawAfterLightningsStep(Module):
+    """Manual optimization: in batch 0 a step through Lightning (its loss times inf with `skip`, so that the
+    GradScaler skips it), then a step of the raw torch optimizer, in the same batch or (`skip`) in the next one."""
+
+    def __init__(self, net, skip: bool) -> None:
+        super().__init__(net, steps=2, manual=True)
+        self.skip = skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss * float("inf") if self.skip and batch_idx == 0 else loss)
+        if batch_idx == 0:
+            opt.step()
+        if batch_idx == int(self.skip):
+            self.optimizers(use_pl_optimizer=False).step()
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["same_batch", "batch_after_a_skipped_step"])
+def test_a_raw_step_after_a_step_through_lightning_is_refused_too(skip):
+    """Lightning's event is for its own step only: a raw step later in that batch, or in the batch after a step
+    the GradScaler skipped (whose event armed CD and no step took it), is a step around Lightning, refused."""
+    module = RawAfterLightningsStep(tiny_vit().double(), skip)
+    with pytest.raises(RuntimeError, match="took a step without the framework's step event"):
+        fit(module, 4, max_epochs=1, plugins=[ScalerOnly()] if skip else None)
+
+
+def test_by_default_the_whole_lightning_module_is_decayed_also_one_with_a_backbone():
+    """module="" (the default) is the whole LightningModule, not its `backbone` (MMEngine's default): a block
+    outside the backbone gets CD too."""
+    from types import SimpleNamespace
+
+    from timm.models.vision_transformer import Block
+
+    class WithBackbone(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.neck = tiny_vit(), Block(DIM, 2)
+            self.example_input_array = torch.zeros(1, 3, 32, 32)
+
+        def forward(self, x):
+            return self.neck(self.backbone.forward_features(x))
+
+    module = WithBackbone()
+    callback = ColinearityDecayCallback(lam=LAM)
+    callback.on_train_start(SimpleNamespace(optimizers=[torch.optim.SGD(module.parameters(), lr=0.1)]), module)
+    blocks = [f"backbone.{b}" for b in BLOCKS] + ["neck"]
+    assert [p.name for p in callback.decay.pairs] == [f"{b}.{w}.weight" for b in blocks
+                                                      for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    callback.on_train_end(None, module)
