@@ -404,3 +404,59 @@ def test_a_module_that_names_no_submodule_is_refused_naming_the_argument(tmp_pat
     """It failed with torch's AttributeError from get_submodule, which named neither `module=` nor a fix."""
     with pytest.raises(ValueError, match=rf"module={module!r} names no submodule of the Classifier.*'backbone'"):
         run(config(tmp_path, iters=1, module=module))
+
+
+def test_each_part_has_its_own_checkpoint_key_the_whole_model_too():
+    """module=None (the backbone where there is one) and module="" (the whole model) are different parts: a
+    resume must not hand one part's counter to the other."""
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    keys = [ColinearityDecayHook(module=m).checkpoint_key for m in (None, "", "neck")]
+    assert keys == ["colinearity_decay", "colinearity_decay:", "colinearity_decay:neck"]
+
+
+def test_budget_keeps_twelve_significant_digits_of_the_weight_decay():
+    """0.0123456789 - 0.001 by hand: the rounding only drops float noise (0.045, not 0.045000000000000005),
+    never digits that the config gives."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    cfg = {"cd_budget": True, "custom_hooks": [{"type": "ColinearityDecayHook", "lam": 0.001}],
+           "optim_wrapper": {"optimizer": {"type": "AdamW", "weight_decay": 0.0123456789}}}
+    apply_weight_decay_budget(cfg)
+    assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == 0.0113456789
+
+
+def test_a_part_that_cannot_say_its_input_size_is_checked_on_a_224px_image_batch():
+    """The documented default for the pair check, (1, 3, 224, 224), in the part's dtype (the check's forward
+    records what it was given)."""
+    from types import SimpleNamespace
+
+    from timm.models.vision_transformer import Block
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    class NoInputSize(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.block, self.seen = torch.nn.Conv2d(3, DIM, 8, 8), Block(DIM, 2), []
+
+        def forward(self, x):
+            self.seen.append((tuple(x.shape), x.dtype))
+            return self.block(self.embed(x).flatten(2).transpose(1, 2))
+
+    net = NoInputSize().double()
+    runner = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
+    hook = ColinearityDecayHook(lam=LAM, module="")
+    hook.before_train(runner)
+    hook.after_train(runner)
+    assert net.seen == [((1, 3, 224, 224), torch.float64)] and len(hook.decay.pairs) == 4
+
+
+def test_budget_without_a_cd_hook_is_refused_with_the_fix():
+    """cd_budget=True and no ColinearityDecayHook: no lam to lower the weight decay by (a clear error, not a
+    KeyError from inside)."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    cfg = {"cd_budget": True, "custom_hooks": [], "optim_wrapper": {"optimizer": {"weight_decay": 0.05}}}
+    with pytest.raises(ValueError, match="cd_budget=True with 0 ColinearityDecayHooks.*set cd_budget=False"):
+        apply_weight_decay_budget(cfg)
