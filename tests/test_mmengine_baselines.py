@@ -534,3 +534,85 @@ def test_noise_seeds_are_splitmix64_and_distinct_per_seed_step_and_layer():
     triples = [(s, t, i) for s in range(3) for t in range(6) for i in range(6)]
     seeds = {noise_seed(*x) for x in triples}
     assert len(seeds) == len(triples) and all(0 <= v < 2 ** 63 for v in seeds)
+
+
+def test_weight_noise_in_an_epoch_based_loop_draws_by_the_runs_iteration_not_the_epochs_batch(tmp_path):
+    """In an epoch-based loop `batch_idx` restarts every epoch: the noise of the second epoch's first batch is the
+    draw of run iteration 2 (naive UNIQ map on those draws), not a repeat of iteration 0's."""
+    cfg = config(tmp_path, [dict(type="WeightNoiseHook", bits=BITS, seed=SEED)])
+    cfg["train_dataloader"].update(dataset=dict(type="BaselineData", n=4),
+                                   sampler=dict(type="DefaultSampler", shuffle=False))
+    cfg["train_cfg"] = dict(by_epoch=True, max_epochs=2)
+    cfg["default_hooks"] = dict(logger=None, checkpoint=None)
+    runner = run(cfg)
+    rec = hook_of(runner, "Recorder")
+    assert len(rec.seen) == 4
+    name = linear_names(runner.model)[0]
+    module = copy.deepcopy(runner.model.backbone.get_submodule(name))
+    for param in ("weight", "bias"):
+        getattr(module, param).data.copy_(rec.clean[2][f"backbone.{name}.{param}"])
+    want = naive_uniq(module, 2, 0)["weight"][0]
+    assert torch.allclose(rec.seen[2][f"{name}.weight"], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("iters, accum, total_steps, update", [(3, 2, None, 1), (2, 1, 8, 1)],
+                         ids=["default_length_rounds_up", "total_steps_given"])
+def test_tweo_hook_cosine_runs_over_the_updates_of_the_run_or_the_total_steps_given(tmp_path, iters, accum,
+                                                                                     total_steps, update):
+    """lam(t) = lam * (1 + cos(pi * t / T)) / 2 at the last iteration's update t: T is ceil(max_iters / accum)
+    (3 iterations of 2 micro-batches: 2 updates, the last one partial), or `total_steps` where given."""
+    lam = 0.5
+    hook = dict(type="TweoHook", lam=lam, schedule="cosine", **({"total_steps": total_steps} if total_steps else {}))
+    runner = run(config(tmp_path, [hook], iters=iters, accum=accum))
+    length = total_steps or math.ceil(iters / accum)
+    want = lam * 0.5 * (1 + math.cos(math.pi * update / length))
+    assert runner.message_hub.get_scalar("train/tweo_lam").current() == pytest.approx(want, rel=1e-12)
+
+
+def test_tweo_hook_takes_lam_0_and_refuses_total_steps_0():
+    """lam >= 0 (0 is TWEO off, as in a sweep), total_steps > 0: a total_steps of 0 would otherwise fall back to
+    the run's length unsaid."""
+    from cd.integrations.mmengine import TweoHook
+
+    assert TweoHook(lam=0.0).kwargs["lam"] == 0.0
+    with pytest.raises(ValueError, match="total_steps must be a positive int"):
+        TweoHook(total_steps=0, schedule="cosine")
+
+
+def test_two_tweo_hooks_in_one_runner_are_refused(tmp_path):
+    """The second would take the first's parse_losses wrapper for a failed run's and drop it: one TWEO term."""
+    hooks = [dict(type="TweoHook", lam=0.5), dict(type="TweoHook", lam=0.5)]
+    with pytest.raises(RuntimeError, match="second TweoHook"):
+        run(config(tmp_path, hooks, iters=1))
+
+
+def test_optim_wrappers_that_accumulate_over_different_counts_are_refused():
+    """The update index of a micro-batch (lam(t) of the cosine schedule) has one answer only for one count."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine_tweo import accumulative_counts
+
+    def wrappers(*counts):
+        return SimpleNamespace(optim_wrappers={str(i): SimpleNamespace(_accumulative_counts=c)
+                                               for i, c in enumerate(counts)})
+
+    assert accumulative_counts(wrappers(2, 2)) == 2
+    with pytest.raises(ValueError, match=r"different counts \[1, 2\]"):
+        accumulative_counts(wrappers(1, 2))
+
+
+@MODELS.register_module(force=True)
+class NoParseLosses(BaselineNet):
+    """A train_step of its own that steps on the loss without the model's parse_losses."""
+
+    def train_step(self, data, optim_wrapper):
+        loss = self._run_forward(self.data_preprocessor(data, True), mode="loss")["loss"]
+        optim_wrapper.update_params(loss)
+        return {"loss": loss.detach()}
+
+
+def test_a_train_step_that_never_calls_parse_losses_is_an_error_not_a_run_without_tweo(tmp_path):
+    cfg = config(tmp_path, [dict(type="TweoHook", lam=0.5)], iters=1)
+    cfg["model"] = dict(type="NoParseLosses")
+    with pytest.raises(RuntimeError, match="parse_losses never ran"):
+        run(cfg)
