@@ -32,16 +32,19 @@ checkpoint keeps; null without one); a file of other weights, data or config (th
 `config_sha256`) is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
 take them (the same syntax): those the
-evaluation reads (model, test_dataloader, test_evaluator, train_dataloader but its batch_size, which GPLQ's
-stage 1 sets from gplq.batch_size_per_gpu, ...; others are refused, and so is model.backbone.init_cfg: every weight
-comes from --checkpoint).
+evaluation reads (model, test_dataloader, test_evaluator, ...; of train_dataloader, what its pipelines read:
+nothing without one, the dataset but its pipeline and indices for percentile, RepQ-ViT and APHQ, the loader but its
+batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's stage 1); others are refused, and so is
+model.backbone.init_cfg: every weight comes from --checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import math
 import os
+from typing import Sequence
 
 import torch
 
@@ -181,7 +184,7 @@ def main(argv=None) -> dict:
                              f"{WaitHours.describe()} (a gloo timeout past that overflows)")
     wait = MainRankWait(datetime.timedelta(hours=hours), "--main-rank-wait-hours")
     overrides = parse_overrides(args.overrides)
-    cfg = load_config(args.config, overrides, args.data_root, evaluation_reads())
+    cfg = load_config(args.config, overrides, args.data_root, evaluation_reads(pipelines))
     # the test split; the training split only where a pipeline calibrates or trains on it
     loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
     source = args.data_root and f"--data-root {args.data_root}"
@@ -266,21 +269,36 @@ def main(argv=None) -> dict:
     return results.data
 
 
-def evaluation_reads():
-    """The top-level config keys an evaluation reads (an override of another is refused): the model, the test
-    loader and metric, the training images (calibration, APHQ's reconstruction, GPLQ's stage 1) and what
-    GPLQ's stage-1 runner takes from the config."""
+def evaluation_reads(pipelines: Sequence[str]):
+    """The config keys an evaluation running `pipelines` reads (an override of another is refused): the model,
+    the test loader and metric, what GPLQ's stage-1 runner takes from the config, and of train_dataloader what
+    the pipelines read: nothing without a pipeline; its dataset (without its pipeline and indices: the images
+    are drawn from the whole split and given the test pipeline, engine/detection/feeds.py) for percentile,
+    RepQ-ViT and APHQ; the whole loader but its batch size for GPLQ's stage 1. (A dataset wrapper's inner
+    pipeline is replaced as well; an override of it is not caught here.)"""
     from engine.detection import CommandReads  # imports mmdet, an optional dependency
-    return CommandReads(
-        frozenset({"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
-                   "log_processor", "find_unused_parameters"}),
-        "the evaluation scores --checkpoint on test_dataloader with test_evaluator",
-        {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
-         # the detector is built without it and takes every weight from --checkpoint (build_detector)
-         "model.backbone.init_cfg": "--checkpoint",
-         # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
-         "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"},
-        frozenset({"data_root"}))  # --data-root; it has no --work-dir, --launcher or --resume
+    keys = {"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
+            "log_processor", "find_unused_parameters"}
+    instead = {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
+               # the detector is built without it and takes every weight from --checkpoint (build_detector)
+               "model.backbone.init_cfg": "--checkpoint",
+               # GPLQ's stage 1 trains on train_dataloader (its sampler, workers) with a batch size of its own
+               "train_dataloader.batch_size": "--quant-options gplq.batch_size_per_gpu=N"}
+    does = "the evaluation scores --checkpoint on test_dataloader with test_evaluator"
+    if not pipelines:
+        keys.discard("train_dataloader")
+        del instead["train_dataloader.batch_size"]  # the whole loader is unread
+        does = "an evaluation without a quantization pipeline scores --checkpoint on test_dataloader only"
+    elif "gplq" not in pipelines:
+        loader_args = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters) - {"self", "dataset"}
+        instead.update({f"train_dataloader.{arg}": "" for arg in sorted(loader_args)})
+        instead["train_dataloader.dataset.indices"] = ""
+        instead["train_dataloader.dataset.pipeline"] = "test_dataloader.dataset.pipeline"
+        does = (f"the evaluation ({', '.join(pipelines)}) scores --checkpoint on test_dataloader with test_evaluator "
+                "and draws its calibration images from the whole of train_dataloader.dataset with the test pipeline "
+                "(only GPLQ's stage 1 loads batches with train_dataloader)")
+    return CommandReads(frozenset(keys), does, instead,
+                        frozenset({"data_root"}))  # --data-root; it has no --work-dir, --launcher or --resume
 
 
 def evaluator_files(cfg):

@@ -236,7 +236,9 @@ def test_a_loader_data_root_override_with_data_root_is_refused(sample, tmp_path)
     ("load_from=/elsewhere/epoch_12.pth", "give --checkpoint instead"),
     ("val_dataloader.dataset.ann_file=annotations/instances_train2017.json", "give test_dataloader instead"),
     ("train_cfg.max_epochs=3", "does not read train_cfg"),
-    ("train_dataloader.batch_size=4", "does not read train_dataloader.batch_size.*gplq.batch_size_per_gpu=N"),
+    # a bare --quant scores full precision: the training split is not read at all
+    ("train_dataloader.batch_size=4", "without a quantization pipeline .* does not read train_dataloader, so it "
+                                      "would change nothing; drop it"),
     ("test_dataloder.batch_size=1", "did you mean test_dataloader"),  # a typo keeps its close matches
     # keys of the training script's flags, which the evaluation does not have: it named --work-dir and the others
     ("work_dir=/tmp/x", "does not read work_dir, so it would change nothing; drop it"),
@@ -420,7 +422,8 @@ def test_evaluation_refuses_a_backbone_checkpoint_override(mmdet_ready):
     from evaluate_detection import evaluation_reads
     with pytest.raises(DetectionError, match="does not read model.backbone.init_cfg.*give --checkpoint instead"):
         load_config([os.path.join(ROOT, "configs", "detection", "mask_rcnn_swin_t_1x.py")],
-                    parse_overrides(["model.backbone.init_cfg.checkpoint=/w/swin.pth"]), reads=evaluation_reads())
+                    parse_overrides(["model.backbone.init_cfg.checkpoint=/w/swin.pth"]),
+                    reads=evaluation_reads(["gplq"]))
 
 
 def test_a_full_precision_evaluation_needs_no_training_annotations(sample, tmp_path):
@@ -756,3 +759,36 @@ def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mm
     assert set(loaded) == set(state)
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize("pipelines, override, message", [
+    (["gplq"], "train_dataloader.batch_size=4", "does not read train_dataloader.batch_size.*gplq.batch_size_per_gpu=N"),
+    (["percentile", "repq"], "train_dataloader.num_workers=4", "does not read train_dataloader.num_workers.*drop it"),
+    (["aphq"], "train_dataloader.sampler.shuffle=False", "does not read train_dataloader.sampler.*drop it"),
+    (["repq"], "train_dataloader.dataset.indices=[0]", "does not read train_dataloader.dataset.indices.*drop it"),
+    (["percentile"], "train_dataloader.dataset.pipeline=[]",
+     "test pipeline .*does not read train_dataloader.dataset.pipeline.*give test_dataloader.dataset.pipeline")])
+def test_evaluation_refuses_training_loader_settings_its_pipelines_do_not_read(mmdet_ready, pipelines, override,
+                                                                                message):
+    """Percentile, RepQ-ViT and APHQ draw their images from the whole training dataset with the test pipeline
+    (engine/detection/feeds.py); only GPLQ's stage 1 loads batches with train_dataloader, at a batch size of its
+    own: any other override of the training loader was accepted and changed nothing."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    with pytest.raises(DetectionError, match=f"override {override.split('=')[0]}: .*{message}"):
+        load_config([SAMPLE_CONFIG], parse_overrides([override]), reads=evaluation_reads(pipelines))
+
+
+@pytest.mark.parametrize("pipelines, override", [
+    (["percentile"], "train_dataloader.dataset.ann_file=annotations/instances_val2017.json"),  # which images
+    (["gplq"], "train_dataloader.num_workers=0"),  # GPLQ's stage 1 loads with it
+    (["gplq", "repq"], "train_dataloader.dataset.pipeline=[]")])
+def test_evaluation_takes_training_loader_settings_a_pipeline_reads(mmdet_ready, pipelines, override):
+    from engine.detection import load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    (key, value), = parse_overrides([override]).items()
+    cfg = load_config([SAMPLE_CONFIG], {key: value}, reads=evaluation_reads(pipelines))
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    assert node == value
