@@ -51,8 +51,8 @@ from data.text import VocabularyError, token_file_fingerprint, token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, extra_modules, first_difference,
-                                 recipe_difference, repeated_weights)
+from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, checkpoint_kind, extra_modules,
+                                 first_difference, recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
 from engine.loop import NonFiniteLossError, NothingScoredError
@@ -323,6 +323,8 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
             "checkpoint": checkpoint,
+            # best.pt / checkpoint.pt / a snapshot: seeds of other kinds are not averaged (evaluation_difference)
+            "checkpoint_kind": checkpoint_kind(args.checkpoint, pretrained=not args.checkpoint),
             "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
             "data": text_identity(cfg.data) if task_for(cfg.data.dataset).language else {

@@ -4,7 +4,7 @@
     if results.plan("repq", "w4a4", settings, recompute=False):
         ... results.add("repq", "w4a4", entry); results.save()
 
-* identity: what the numbers are numbers of (model, checkpoint, weights fingerprint, raw/EMA, data).
+* identity: what the numbers are numbers of (model, checkpoint and its kind, weights fingerprint, raw/EMA, data).
   A file with another identity is refused, e.g. when best.pt has changed since it was evaluated.
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from .checkpoint import weights_fingerprint
-from .run_dir import exclusive_lock, partial_path
+from .run_dir import SNAPSHOTS, exclusive_lock, partial_path
 
 
 class ResultsError(ValueError):
@@ -41,6 +41,25 @@ EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
 # pipeline options that place work (where APHQ caches its units' inputs and targets: copies, exact on any
 # device, its batches drawn on the model's device), not what is computed: results with other values are alike
 PLACEMENT_OPTIONS = ("cache_device",)
+
+
+# the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
+# weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation
+CHECKPOINT_KINDS = {"best.pt": "best", "checkpoint.pt": "latest"}
+
+
+def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
+    """Which of a run's files `checkpoint` is: "best" (best.pt), "latest" (checkpoint.pt), "snapshot" (a file in a
+    run's snapshots folder, train.keep_every_epochs), "other" (a file set aside as *.until_step<N>.pt, a renamed
+    copy) or, with `pretrained` (model.pretrained weights, "hub" included), "weights". A link is of the kind of
+    the file it points to (results gathered as links named by seed); the path is normalized (./, .., a trailing
+    separator)."""
+    if pretrained or not checkpoint:
+        return "weights"
+    path = os.path.realpath(checkpoint)
+    if os.path.basename(os.path.dirname(path)) == SNAPSHOTS:
+        return "snapshot"
+    return CHECKPOINT_KINDS.get(os.path.basename(path), "other")
 
 
 def _plain(value: Any) -> Any:
@@ -70,11 +89,18 @@ class Difference(NamedTuple):
 def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
     of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
-    quantized entry both hold; None when alike."""
+    quantized entry both hold, the kind of checkpoint scored; None when alike."""
     for key in EVALUATION_KEYS:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
             return Difference(key, f"{json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}", False)
+    # one seed's best.pt beside another's checkpoint.pt: weights of other updates (the best validation, the last).
+    # Results written before the kind was recorded have none and are not compared (their checkpoint's name would
+    # tell, but a result gathered as a copy records the path it was evaluated at, which may be gone)
+    x, y = a.get("checkpoint_kind"), b.get("checkpoint_kind")
+    if x is not None and y is not None and x != y:
+        return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
+                                             "run (each one's best.pt, or each one's checkpoint.pt)", False)
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
     # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
     x, y = extra_modules(a), extra_modules(b)
@@ -224,6 +250,10 @@ def _read(path: str, identity: dict) -> dict:
             isinstance(entries, dict) for entries in data.get("quant", {}).values()):
         raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
                            f"away or give --out another file")
+    # a file written before the checkpoint's kind was recorded: the kind follows from its checkpoint path, which is
+    # compared, so the file is of this evaluation and takes the field
+    if "checkpoint_kind" in identity and "checkpoint_kind" not in data:
+        data["checkpoint_kind"] = identity["checkpoint_kind"]
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)

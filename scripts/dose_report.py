@@ -4,11 +4,11 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out docs/figures
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
-(mean ± sample std). Runs evaluated differently (autocast, weights, data, quantization settings), and seeds
-of one point trained with other settings (the recipe their eval_best.json records) or evaluated with other
-model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained with (an evaluate
-override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming both. What is
-read from each run, and what is written:
+(mean ± sample std). Runs evaluated differently (autocast, weights and the kind of checkpoint, data, quantization
+settings), and seeds of one point trained with other settings (the recipe their eval_best.json records) or
+evaluated with other model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained
+with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
+both. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3

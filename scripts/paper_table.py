@@ -10,7 +10,8 @@ is marked with * and a note naming them (evaluate.nondefault_settings); a result
 than it was trained with (an override at evaluation) is marked † with a note (evaluate.model_kwargs_changed): its
 row's model in the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
-with a note naming them; seeds averaged by --over-seeds must have counted the same modules. A result
+with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
+kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records). A result
 whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).

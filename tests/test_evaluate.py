@@ -816,3 +816,50 @@ def test_training_transform_overrides_are_unread_unless_a_planned_pipeline_sees_
     given = ["data.reprob=0.5", "data.crop_pct=0.9", "data={hflip: 0.0}"]
     want = [] if read else ["data.reprob=0.5", "data={hflip: 0.0}"]
     assert evaluate.train_transform_overrides_unread(given, cfg) == want
+
+
+def test_the_kind_of_checkpoint_follows_the_file_named_whatever_the_path(tmp_path):
+    """best.pt, checkpoint.pt (the latest) and a snapshot hold weights of other updates of one run; a link is of
+    the kind of the file it names, a file set aside or renamed is "other", model.pretrained weights "weights"."""
+    from engine.eval_results import checkpoint_kind
+
+    run = tmp_path / "run"
+    (run / "snapshots").mkdir(parents=True)
+    for name in ("best.pt", "checkpoint.pt", "snapshots/epoch3.pt", "best.until_step40.pt"):
+        (run / name).write_bytes(b"")
+    os.symlink(run / "best.pt", tmp_path / "seed1.pt")
+    expected = {str(run / "best.pt"): "best", f"{run}/./snapshots/../best.pt": "best",
+                str(run / "checkpoint.pt"): "latest", str(run / "snapshots" / "epoch3.pt"): "snapshot",
+                str(run / "best.until_step40.pt"): "other", str(tmp_path / "seed1.pt"): "best",
+                str(tmp_path / "gone" / "checkpoint.pt"): "latest"}
+    assert {path: checkpoint_kind(path) for path in expected} == expected
+    assert checkpoint_kind("/weights/deit_base.pth", pretrained=True) == "weights"
+    assert checkpoint_kind("hub", pretrained=True) == "weights"
+
+
+def test_seeds_scored_on_other_kinds_of_checkpoint_are_refused_not_averaged():
+    """One seed's best.pt beside another's checkpoint.pt were averaged as seeds (the fingerprints differ); results
+    written before the kind was recorded are not compared."""
+    def result(seed, kind=None):
+        return {"model": "m", "method": "CD", "fp": {"top1": 80.0 + seed}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": {}, "fingerprint": str(seed), "checkpoint": f"s{seed}/x.pt",
+                **({"checkpoint_kind": kind} if kind else {})}
+
+    with pytest.raises(ValueError, match=r'^m CD: s0/x.pt and s1/x.pt were evaluated differently \(checkpoint_kind: '
+                                         r'"best" vs "latest": score the same file of every run'):
+        evaluate.markdown_table([result(0, "best"), result(1, "latest")], over_seeds=True)
+    with pytest.raises(ValueError, match=r'\(checkpoint_kind: "best" vs "snapshot"'):  # pairwise, past an older one
+        evaluate.markdown_table([result(0, "best"), result(1), result(2, "snapshot")], over_seeds=True)
+    rows = evaluate.markdown_table([result(0, "best"), result(1), result(2, "best")], over_seeds=True)
+    assert rows.splitlines()[2].startswith("| m | CD (n=3) | 81.00 ± 1.00 |")
+
+
+def test_results_record_the_kind_of_checkpoint_and_older_files_take_it(checkpoint, tmp_path):
+    out = tmp_path / "r.json"
+    saved = evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant"]))
+    assert os.path.basename(checkpoint) == "best.pt" and saved["checkpoint_kind"] == "best"
+    older = json.loads(out.read_text())
+    del older["checkpoint_kind"]  # a file written before the kind was recorded: still this evaluation's
+    out.write_text(json.dumps(older))
+    evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant"]))
+    assert json.loads(out.read_text())["checkpoint_kind"] == "best"
