@@ -225,3 +225,58 @@ def test_a_figure_is_its_size_in_inches_on_the_agg_canvas(tmp_path):
     new_figure(2.5, 1.5).savefig(tmp_path / "h.png", dpi=10)  # fractional inches (mechanism.py: 8 x 3.4)
     assert Image.open(tmp_path / "h.png").size == (25, 15)
     assert Image.open(plot(RECORDS, tmp_path / "p.png")).size == tuple(int(v * fig.dpi) for v in (7, 4))
+
+
+def test_kurtosis_across_ranks_is_of_the_moment_sums_every_rank_saw():
+    """evaluate.py passes sum_fn (a distributed SUM all-reduce): the kurtosis of an output is then that of the values
+    all ranks saw together. Two probes stand for two ranks; the reference is the kurtosis of the concatenated
+    outputs computed directly (float64, central moments)."""
+    model = tiny_vit(depth=1)
+    batches = [images(2, seed=1), images(2, seed=2) * 3]
+    seen = []
+    hook = model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.double().flatten()))
+    probes = [ActivationProbe(model, moments=True) for _ in batches]
+    with torch.no_grad():
+        for probe, x in zip(probes, batches):
+            with probe:
+                model(x)
+    hook.remove()
+    other = probes[1]._sums.clone()
+    got = probes[0].result(sum_fn=lambda sums: sums + other)
+    x = torch.cat(seen)
+    centred = x - x.mean()
+    expected = ((centred ** 4).mean() / (centred ** 2).mean() ** 2).item()
+    assert {r["name"]: r["kurtosis"] for r in got.per_layer}["blocks.0"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_integer_outputs_and_pass_through_extra_modules_are_not_counted():
+    """An integer tensor a module returns (indices, e.g. a routing choice) is no activation: a block whose module
+    returns x and the argmax index 7 has the maxima of x alone. A pass-through module named in extra_modules adds
+    no target (its output repeats a tensor counted elsewhere, or the input)."""
+    class Route(torch.nn.Module):
+        def forward(self, x):
+            return x * 2, torch.tensor([7])
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.route = Route()
+
+        def forward(self, x):
+            return self.route(x)[0] - x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block()])
+            self.drop = torch.nn.Dropout(0.0)
+
+        def forward(self, x):
+            return self.drop(self.blocks[0](x) * 100)
+
+    model = Net().eval()
+    with torch.no_grad(), ActivationProbe(model, extra_modules=("drop",)) as probe:
+        model(torch.tensor([[1.0, -2.0]]))
+    got = probe.result()
+    assert (got.module, got.block) == (4.0, 2.0)  # |2x| <= 4; |2x - x| <= 2; 7 and |100 x| are not counted
+    assert "drop" not in probe.names()
