@@ -73,18 +73,25 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     model.load_state_dict(payload["model"])
     loader = build_eval_loader(cfg.data, img_size=32, batch_size_per_gpu=360, rank=0, world_size=1,
                                num_classes=10)
-    block_max, block_kurtosis = 0.0, 0.0
+    block_max, block_kurtosis, module_max = 0.0, 0.0, 0.0
     with torch.no_grad():
         for x, _ in loader:  # one batch of all 360 images
             h = model.patch_embed(x)
             h = model._pos_embed(h)
             for block in model.blocks:  # direct computation: run the blocks by hand
+                # the outputs of the modules inside the block (attn: its proj's; mlp: its fc2's)
+                n1 = block.norm1(h)
+                n2 = block.norm2(h + block.attn(n1))
+                fc1 = block.mlp.fc1(n2)
+                outputs = [n1, block.attn.qkv(n1), block.attn(n1), n2, fc1, block.mlp.act(fc1), block.mlp(n2)]
+                module_max = max(module_max, *(t.abs().max().item() for t in outputs))
                 h = block(h)
                 block_max = max(block_max, h.abs().max().item())
                 # Pearson kurtosis of every value of the block's output, centred in float64
                 centred = h.double().flatten() - h.double().mean()
                 block_kurtosis = max(block_kurtosis, (centred ** 4).mean().item() / (centred ** 2).mean().item() ** 2)
     assert result["max_act"]["block"] == pytest.approx(block_max, rel=1e-5)
+    assert result["max_act"]["module"] == pytest.approx(module_max, rel=1e-5)
     assert result["max_act"]["kurtosis"]["block"] == pytest.approx(block_kurtosis, rel=1e-5)
     assert result["quant"] == {}
 
@@ -863,3 +870,29 @@ def test_results_record_the_kind_of_checkpoint_and_older_files_take_it(checkpoin
     out.write_text(json.dumps(older))
     evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant"]))
     assert json.loads(out.read_text())["checkpoint_kind"] == "best"
+
+
+def test_seeds_are_compared_at_every_bit_width_they_share():
+    """Seeds alike at W4A4 but quantized with other settings at W6A6 are no seeds of one evaluation (the comparison
+    stopped at a pipeline's first bit-width)."""
+    def result(i, w6a6_images):
+        settings = {"calibration": {"images": 32}}
+        quant = {"repq": {"w4a4": {"top1": 70.0, "settings": settings},
+                          "w6a6": {"top1": 75.0, "settings": {"calibration": {"images": w6a6_images}}}}}
+        return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": quant, "fingerprint": str(i), "checkpoint": f"s{i}/best.pt"}
+
+    with pytest.raises(ValueError, match=r"m CD: s0/best.pt and s1/best.pt were evaluated differently \(repq w6a6 "
+                                         r"settings: calibration.images 32 -> 8\)"):
+        evaluate.markdown_table([result(0, 32), result(1, 8)], over_seeds=True)
+    assert "(n=2)" in evaluate.markdown_table([result(0, 32), result(1, 32)], over_seeds=True)
+
+
+def test_two_seeds_trained_with_other_settings_are_refused():
+    """The second result is compared with the first too (not only the third on): two runs of another lr are no
+    seeds; a setting only one recipe records (added between versions) is not compared."""
+    from engine.eval_results import recipe_difference
+
+    a, b = {"recipe": {"optim.lr": 0.1, "sched.epochs": 3}}, {"recipe": {"optim.lr": 0.2, "sched.epochs": 3}}
+    assert recipe_difference([("a", a), ("b", b)]) == ("a", "b", "optim.lr 0.1 -> 0.2")
+    assert recipe_difference([("a", a), ("c", {"recipe": {"optim.lr": 0.1, "new.key": 1}})]) is None
