@@ -896,3 +896,13 @@ def test_two_seeds_trained_with_other_settings_are_refused():
     a, b = {"recipe": {"optim.lr": 0.1, "sched.epochs": 3}}, {"recipe": {"optim.lr": 0.2, "sched.epochs": 3}}
     assert recipe_difference([("a", a), ("b", b)]) == ("a", "b", "optim.lr 0.1 -> 0.2")
     assert recipe_difference([("a", a), ("c", {"recipe": {"optim.lr": 0.1, "new.key": 1}})]) is None
+
+
+def test_seeds_scored_on_other_image_counts_are_evaluated_differently():
+    """The image count is part of an evaluation (a val folder that lost or gained images since): two seeds
+    scored on 360 and on 100 images are not averaged."""
+    from engine.eval_results import evaluation_difference
+
+    difference = evaluation_difference({"model": "m", "images": 360}, {"model": "m", "images": 100})
+    assert (difference.what, difference.detail, difference.of_settings) == ("images", "360 vs 100", False)
+    assert evaluation_difference({"model": "m", "images": 360}, {"model": "m", "images": 360}) is None
