@@ -492,3 +492,64 @@ def test_remove_reads_the_options_of_the_pipeline_it_runs():
     args.overrides = ["quant.repq.reparam=false"]
     with pytest.raises(mechanism.MechanismError, match="`remove` does not read quant.repq.reparam"):
         mechanism.check_overrides(args)
+
+
+def test_surrogate_stats_pearson_and_maxima_match_a_direct_computation():
+    """Pearson's r over every entry and each side's largest |value|, against the formulas written out here (a
+    surrogate correlated with the real output but not equal to it, its maximum away from the real one)."""
+    gen = torch.Generator().manual_seed(1)
+    real = torch.randn(30, 6, generator=gen, dtype=torch.float64)
+    sur = 0.5 * real + torch.randn(30, 6, generator=gen, dtype=torch.float64)
+    sur[0, 0] = -7.0
+    stats = mechanism.surrogate_stats("b", real, sur)
+    r, s = real.flatten().tolist(), sur.flatten().tolist()
+    mr, ms = sum(r) / len(r), sum(s) / len(s)
+    cov = sum((a - mr) * (b - ms) for a, b in zip(r, s))
+    pearson = cov / (sum((a - mr) ** 2 for a in r) * sum((b - ms) ** 2 for b in s)) ** 0.5
+    assert 0.2 < pearson < 0.9 and stats["pearson"] == pytest.approx(pearson, abs=6e-5)
+    assert stats["max_abs_surrogate"] == 7.0
+    assert stats["max_abs_real"] == pytest.approx(max(abs(v) for v in r), abs=6e-5)
+
+
+def test_blocks_are_chosen_once_each_by_position_or_name_and_a_negative_position_is_refused():
+    """`--blocks 1 blocks.1 0 1` is blocks.1 then blocks.0, each once (a block named twice would rank its
+    directions twice); -1 is no 0-based position (it read as the last block)."""
+    blocks = mechanism.ffn_blocks(tiny_vit())
+    chosen = mechanism.select_blocks(blocks, ["1", "blocks.1", "0", "1"])
+    assert [name for name, _ in chosen] == ["blocks.1", "blocks.0"]
+    with pytest.raises(mechanism.MechanismError, match=r"^--blocks -1: no such block; give 0\.\.1"):
+        mechanism.select_blocks(blocks, ["-1"])
+
+
+def test_energies_of_two_baselines_print_their_means_and_ratio_and_refuse_another_architecture(checkpoints, tmp_path,
+                                                                                              capsys):
+    """Two checkpoints of one method are told apart by file name; each role's printed mean energy and the ratio
+    second / first are those of direct_energies on the saved weights; a --compare of another architecture
+    (swin_nano beside vit_nano) is refused, not drawn pair by pair against other pairs."""
+    import re
+
+    from models import build_model
+
+    base, _ = checkpoints
+    other = make_checkpoint(tmp_path / "other.pt", 2)
+    result = mechanism.main(["energies", "--checkpoint", base, "--compare", other, "--out", str(tmp_path / "e")])
+    assert result["labels"] == ["Baseline (base.pt)", "Baseline (other.pt)"]
+    printed = capsys.readouterr().out
+    means = []
+    for path in (base, other):
+        model = build_model(load_config([DEMO_CONFIG], ["model.name=vit_nano"]).model)
+        model.load_state_dict(torch.load(path, weights_only=True)["model"])
+        energies = direct_energies(model, ["blocks.0", "blocks.1"])
+        means.append({role: (energies[(role, "blocks.0")][0] + energies[(role, "blocks.1")][0]) / 2
+                      for role in ("qkv", "proj", "fc1", "fc2")})
+    for role in ("qkv", "proj", "fc1", "fc2"):
+        line = re.search(rf"^{role}: mean energy Baseline \(base\.pt\) (\S+), Baseline \(other\.pt\) (\S+) "
+                         rf"\(ratio (\S+)\)$", printed, re.M)
+        assert line, printed
+        first, second, ratio = (float(v) for v in line.groups())
+        assert first == pytest.approx(means[0][role], rel=1e-3) and second == pytest.approx(means[1][role], rel=1e-3)
+        assert ratio == pytest.approx(means[1][role] / means[0][role], abs=1.5e-3)
+    swin = make_checkpoint(tmp_path / "swin.pt", 0, **{"model.name": "swin_nano"})
+    with pytest.raises(mechanism.MechanismError, match=r"--compare .*swin\.pt: its pairs differ from those of the "):
+        mechanism.main(["energies", "--checkpoint", base, "--compare", swin, "--out", str(tmp_path / "s")])
+    assert not (tmp_path / "s").exists()
