@@ -585,11 +585,13 @@ def cmd_remove(args: argparse.Namespace) -> dict:
 
 
 def cmd_energies(args: argparse.Namespace) -> dict:
+    if args.labels == []:  # `--labels` with nothing after it: a list cut off, not "the defaults"
+        raise MechanismError("--labels without a label: give one per model, or drop --labels for the defaults")
     png, csv_path = check_outputs(args.out, OUTPUTS["energies"], args.overwrite)
     models = [load(args)]
     if args.compare:
         models.append(load_compare(args.compare, models[0], args))
-    labels = list(args.labels or [m.label for m in models])
+    labels = list(args.labels if args.labels is not None else [m.label for m in models])
     if len(labels) != len(models):
         raise MechanismError(f"--labels {' '.join(labels)}: give one label per model ({len(models)})")
     if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by file name

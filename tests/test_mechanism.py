@@ -393,6 +393,8 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
      "model.name=vit_small_patch16_224: the model and its weights come from --checkpoint "),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
      "--blocks without a block: give 0-based positions or names, or drop --blocks for all"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels"],  # drew the default labels
+     "--labels without a label: give one per model, or drop --labels for the defaults"),
 ])
 def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
     argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
