@@ -570,6 +570,9 @@ def test_motivation_figure_draws_detectors_beside_classifiers(tmp_path):
         table = list(csv.DictReader(f))
     assert table[0]["max_block"] == "162.4" and table[0]["max_backbone"] == ""
     assert table[3]["max_backbone"] == "120.0" and table[3]["metric"] == "box mAP (%)"
+    # the FP score beside the quantized one: a classifier's top-1 as given, a detector's box mAP in %; both maxima
+    assert float(table[0]["fp"]) == 81.0 and float(table[1]["fp"]) == pytest.approx(43.7)
+    assert (float(table[1]["max_backbone"]), float(table[1]["max_head"])) == (480.0, 61.0)
     assert (out / "motivation.png").stat().st_size > 0
     with pytest.raises(SystemExit, match=r"1 of the 1 results lack aphq w4a4 .*run evaluate_detection.py --quant"):
         motivation_figure.main([files[0], "--pipeline", "aphq", "--out", str(tmp_path / "other")])
