@@ -213,12 +213,17 @@ def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(epochs.subprocess, "run", stand_in)
-    report = epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
-                          "--models", "--methods", "baseline", "cd", "--epochs", "2", "--runs", "2",
-                          "--out", str(tmp_path)])
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8", "--models",
+            "--methods", "baseline", "cd", "--epochs", "2", "--runs", "2", "--out", str(tmp_path)]
+    report = epochs.main(argv)
     assert started == [f"runs/vit_nano_bs8_{m}_run{r}" for m in ("baseline", "cd") for r in (0, 1)]
     rows = {r["method"]: r for r in report["rows"]}
     # baseline: runs [2, 1] and [3, 2]; cd: twice that
     assert (rows["baseline"]["epoch_s"], rows["baseline"]["epoch_s_after_first"]) == (2.0, 1.5)
     assert (rows["cd"]["epoch_s"], rows["cd"]["epoch_s_after_first"]) == (4.0, 3.0)
     assert rows["cd"]["epoch_s_over_baseline"] == 2.0 and rows["baseline"]["epoch_s_over_baseline"] == 1.0
+    # the same command again: the report is never replaced without --overwrite, and no run starts
+    saved = (tmp_path / "epochs.json").read_text()
+    with pytest.raises(SystemExit, match=r"epochs\.json.*already exist.*choose another --out or add --overwrite"):
+        epochs.main(argv)
+    assert (tmp_path / "epochs.json").read_text() == saved and len(started) == 4
