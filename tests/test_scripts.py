@@ -762,6 +762,35 @@ def test_cd_precision_computes_each_precision_it_names():
     assert 0 < fp32 < tf32 < bf16, (fp32, tf32, bf16)
 
 
+def test_cd_precision_product_error_is_relative_to_the_update(monkeypatch):
+    """The fp32 row's product error, ||dW_32 - dW_64||_F / ||dW_64||_F at s = 1 (the module docstring), against one
+    CD update of a tiny ViT computed here in float64 and in fp32 with ColinearityDecay itself (the script's model
+    replaced by the tiny one): relative to the update dW, not to the weights W."""
+    import copy
+
+    import torch
+
+    import cd_precision
+    from cd import ColinearityDecay
+    from cd_models import tiny_vit
+
+    tiny = tiny_vit()
+    monkeypatch.setattr(cd_precision.timm, "create_model", lambda name, num_classes: copy.deepcopy(tiny))
+    rows = cd_precision.main(["--model", "vit_tiny_patch16_224", "--device", "cpu"])
+
+    def one_update(dtype):
+        model = copy.deepcopy(tiny).to(dtype)
+        decay = ColinearityDecay(model, lam=1.0)
+        before = {p.name: p.w2().detach().double().clone() for p in decay.pairs}
+        decay.apply(lr=1.0)
+        return {p.name: p.w2().detach().double() - before[p.name] for p in decay.pairs}
+    d32, d64 = one_update(torch.float32), one_update(torch.float64)
+    num = sum(float((d32[n] - d64[n]).norm() ** 2) for n in d64)
+    den = sum(float(d64[n].norm() ** 2) for n in d64)
+    fp32 = next(r for r in rows if r.get("precision") == "fp32")
+    assert fp32["product_error"] == pytest.approx((num / den) ** 0.5, rel=0.05)
+
+
 def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path, monkeypatch):
     """`out_root: ~/sweeps/x` gave out_dir=~/sweeps/x/<name>, which train.py reads as the home folder: the sweep
     must look for the runs' files there too, not in a folder named '~' in the repository."""
