@@ -906,3 +906,14 @@ def test_seeds_scored_on_other_image_counts_are_evaluated_differently():
     difference = evaluation_difference({"model": "m", "images": 360}, {"model": "m", "images": 100})
     assert (difference.what, difference.detail, difference.of_settings) == ("images", "360 vs 100", False)
     assert evaluation_difference({"model": "m", "images": 360}, {"model": "m", "images": 360}) is None
+
+
+def test_quant_sensitivity_table_has_a_column_for_a_pipeline_beyond_the_three():
+    """APHQ (--with-aphq) gets a column after percentile / repq / gplq; a variant that does not run a pipeline
+    leaves its cell empty; the change is variant minus official (the table written out by hand)."""
+    sens = load_sensitivity_script()
+    table = {"official": {"percentile": 50.0, "repq": 60.0, "gplq": 70.0, "aphq": 65.0},
+             "calib=train": {"percentile": 49.0, "repq": 61.5}}
+    assert sens.markdown(table, "w4a4").splitlines() == [
+        "| variant (w4a4) | percentile | repq | gplq | aphq |", "|---|---|---|---|---|",
+        "| official | 50.00 | 60.00 | 70.00 | 65.00 |", "| calib=train | 49.00 (-1.00) | 61.50 (+1.50) |  |  |"]
