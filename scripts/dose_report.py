@@ -8,7 +8,8 @@ Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of 
 settings), and seeds of one point trained with other settings (the recipe their eval_best.json records) or
 evaluated with other model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained
 with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
-both. What is read from each run, and what is written:
+both; a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's
+set) is marked ‡, with a note naming the patterns. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs import ConfigError, config_from_dict  # noqa: E402
 from configs.cli import OneLineParser  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
-from engine.eval_results import (ResultsError, first_difference, missing_number,  # noqa: E402
+from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_file, recipe_difference, repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -231,6 +232,19 @@ def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[
     return labels, notes
 
 
+def module_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
+    """Each point's mark on its module maximum, ‡ when it also counts modules outside the blocks
+    (quant.act_max_extra_modules; not the paper's maximum; the runs of a sweep are alike in it, read_sweep), and the
+    notes naming the patterns (evaluate.extra_modules_note), for below the table that shows it."""
+    marks, notes = {}, []
+    for point, runs in groups.items():
+        extra = sorted({m for r in runs for m in extra_modules(r.result)})
+        marks[point] = "‡" if extra else ""
+        if extra:
+            notes.append(evaluate.extra_modules_note(point, extra))
+    return marks, notes
+
+
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
     """Points in dose order: baseline, CD by strength (0.5x, 1x, 10x, ...), then the others (TWEO)."""
     groups = defaultdict(list)
@@ -338,10 +352,12 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
         [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     labels, notes = evaluated_marks(groups)
+    marks, extra_notes = module_marks(groups)
+    notes += extra_notes
     for point, runs in groups.items():
         cells = [labels[point], ",".join(str(r.seed) for r in runs),
                  fmt([r.result["fp"]["top1"] for r in runs]),
-                 fmt([r.result["max_act"]["module"] for r in runs]),
+                 fmt([r.result["max_act"]["module"] for r in runs]) + marks[point],
                  fmt([r.result["max_act"]["block"] for r in runs])]
         for pipeline, bits in QUANT_COLUMNS:
             cells.append(fmt([r.result["quant"][pipeline][bits]["top1"] for r in runs]))

@@ -8,8 +8,8 @@ over seeds (mean ± sample std); runs evaluated differently, seeds of one point 
 settings or evaluated with other model.kwargs, runs that stopped before their planned updates (sched.steps) and an
 eval_best.json of weights other than the run's best.pt holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
-a note naming both. Written, and never
-overwritten without --overwrite:
+a note naming both, and a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
+‡, with a note naming the patterns. Written, and never overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, evaluated_marks,  # noqa: E402
-                                 final_energy, fmt, metric_number, metrics_records, open_sweep, plot_energies,
-                                 plot_type_maxima, point_settings, type_maxima)
+                                 final_energy, fmt, metric_number, metrics_records, module_marks, open_sweep,
+                                 plot_energies, plot_type_maxima, point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.tasks import capped_cell  # noqa: E402
 
@@ -88,11 +88,14 @@ def tables(groups: dict[str, list[Run]]) -> str:
               "the val windows:", "",
               "| Point | " + " | ".join(f"E {r}" for r in ROLES) + " | max module | max block | kurtosis block |",
               "|---|" + "---|" * (len(ROLES) + 3)]
+    marks, extra_notes = module_marks(groups)
     for point, runs in groups.items():
         cells = [fmt([final_energy(r, role) for r in runs], 1) for role in ROLES]
-        cells += [fmt([r.result["max_act"]["module"] for r in runs]), fmt([r.result["max_act"]["block"] for r in runs]),
+        cells += [fmt([r.result["max_act"]["module"] for r in runs]) + marks[point],
+                  fmt([r.result["max_act"]["block"] for r in runs]),
                   fmt([r.result["max_act"]["kurtosis"]["block"] for r in runs], 1)]
         lines.append(f"| {labels[point]} | " + " | ".join(cells) + " |")  # maxima of the evaluation
+    lines += ([""] + extra_notes) if extra_notes else []
     lines += activation_bit_gaps(groups, labels)
     for column, what in (("max", "Largest max |activation|"), ("kurtosis", "Largest kurtosis")):
         lines += ["", f"{what} per module type over the blocks:", "",

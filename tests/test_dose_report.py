@@ -304,3 +304,31 @@ def test_a_result_without_a_number_the_report_reads_is_named(tmp_path, edit, pat
     with pytest.raises(dose_report.ReportError, match=rf"baseline_s0/eval_best.json has no number at {path}: "):
         dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
+    """Runs whose module maximum also counts modules outside the blocks (quant.act_max_extra_modules) all alike:
+    not the paper's maximum, so its cell is marked ‡ with a note naming the patterns, as evaluate.py's table marks
+    it (was unmarked: only a mix of such runs was refused); the block maximum and the point label are not."""
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+        path = tmp_path / name / "eval_best.json"
+        result = json.loads(path.read_text())
+        result["max_act"]["extra_modules"] = ["patch_embed.proj"]
+        path.write_text(json.dumps(result))
+    groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
+    peak = {"block": "blocks.0", "direction": 0, "row": 0, "alpha": 1.0}
+    first = dose_report.tables(groups, {p: [peak] * len(rs) for p, rs in groups.items()}, None) \
+        .split("Pair energy")[0]
+    # module maximum 10 * norm1_max = 40.00 (write_run), block 5.00
+    assert "| baseline | 0 | 80.00 | 40.00‡ | 5.00 |" in first and "| cd10x | 0 | 80.00 | 40.00‡ | 5.00 |" in first
+    note = '‡ {}: Max. Act. (mod.) also over modules outside the blocks: quant.act_max_extra_modules=["patch_embed.proj"]'
+    assert first.strip().splitlines()[-2:] == [note.format("baseline"), note.format("cd10x")]
+    for name in ("baseline_s0", "cd10x_s0"):  # the paper's set (none recorded): no mark, no note
+        path = tmp_path / name / "eval_best.json"
+        result = json.loads(path.read_text())
+        del result["max_act"]["extra_modules"]
+        path.write_text(json.dumps(result))
+    groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
+    report = dose_report.tables(groups, {p: [peak] * len(rs) for p, rs in groups.items()}, None)
+    assert "‡" not in report and "| baseline | 0 | 80.00 | 40.00 | 5.00 |" in report

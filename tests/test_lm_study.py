@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import dose_report  # noqa: E402
 import lm_study  # noqa: E402
 
 
@@ -287,3 +288,23 @@ def test_a_run_evaluated_before_its_best_pt_was_replaced_is_refused_by_name(tmp_
     assert not (tmp_path / "out").exists()  # refused before anything is written
     torch.save({"model": evaluated, "config": {}}, root / "baseline_s1" / "best.pt")  # the weights it scored
     assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
+
+
+def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
+    """Runs whose module maximum also counts modules outside the blocks (quant.act_max_extra_modules, e.g. the
+    token embedding) all alike: not the paper's maximum, so its cell is marked ‡ with a note naming the patterns
+    below that table, as evaluate.py's table marks it; the block maximum and the point labels are not."""
+    for name, seed_ppl in (("baseline_s0", 4.0), ("cd10x_s0", 4.1)):
+        write_run(tmp_path, name, ppl=seed_ppl, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+        path = tmp_path / name / "eval_best.json"
+        result = json.loads(path.read_text())
+        result["max_act"]["extra_modules"] = ["wte"]
+        path.write_text(json.dumps(result))
+    report = lm_study.tables(dose_report.by_point(dose_report.read_sweep(str(tmp_path))))
+    second = report.split("Final pair energy")[1].split("per module type")[0]
+    # module maximum 9.0 (write_run), block 20.0, kurtosis 10.0
+    assert "| baseline | 8.0 | 4.0 | 6.0 | 100.0 | 9.00‡ | 20.00 | 10.0 |" in second
+    assert "| cd10x | 8.0 | 4.0 | 6.0 | 100.0 | 9.00‡ | 20.00 | 10.0 |" in second
+    note = '‡ {}: Max. Act. (mod.) also over modules outside the blocks: quant.act_max_extra_modules=["wte"]'
+    assert note.format("baseline") in second.splitlines() and note.format("cd10x") in second.splitlines()
+    assert "‡" not in report.split("Final pair energy")[0] and report.count("‡") == 4
