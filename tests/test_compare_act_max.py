@@ -122,6 +122,15 @@ def test_a_shallower_run_of_a_method_is_refused_not_a_traceback(tmp_path):
                                          r"\[0, 1, 2\]"):
         compare.main([f"m={tmp_path}/m_s*_act_max.csv", "--out", str(tmp_path / "cmp")])
     assert not os.path.exists(tmp_path / "cmp.csv")
+    # as many blocks as the first run, but other ones (a file without block 0's output row): refused by the
+    # blocks it has, not averaged block by block (a KeyError traceback when only the counts were compared)
+    rows = run_rows([1.0, 2.0, 3.0], [1.0] * 3, [1.0] * 3)
+    write(tmp_path / "m_s1_act_max.csv", [r for r in rows if r["name"] != "blocks.0"]
+          + [{"name": "blocks.3", "kind": "block", "block": 3, "type": "block", "max": 4.0}])
+    with pytest.raises(SystemExit, match=r"m_s1_act_max.csv has blocks \[1, 2, 3\], .*m_s0_act_max.csv has "
+                                         r"\[0, 1, 2\]"):
+        compare.main([f"m={tmp_path}/m_s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    assert not os.path.exists(tmp_path / "cmp.csv")
 
 
 @pytest.mark.parametrize("field, value, setting", [
