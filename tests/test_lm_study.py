@@ -182,6 +182,16 @@ def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path
     assert "| cd10x | 1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
+def test_a_run_one_update_short_of_its_schedule_is_unfinished(tmp_path):
+    """The bound of check_finished: a run that validated last at update 50 finished a schedule of 50 updates and
+    did not finish one of 51 (train.py validates at its last update)."""
+    write_run(tmp_path, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    folder = str(tmp_path / "baseline_s0")  # write_run: validations at updates 25 and 50
+    lm_study.check_finished(lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 50}}, []))
+    with pytest.raises(lm_study.ReportError, match=r"validated last at update 50 of its sched.steps=51"):
+        lm_study.check_finished(lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 51}}, []))
+
+
 def _edit_result(folder, edit):
     result = json.loads((folder / "eval_best.json").read_text())
     edit(result)
