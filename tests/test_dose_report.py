@@ -333,3 +333,23 @@ def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
     groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
     report = dose_report.tables(groups, {p: [peak] * len(rs) for p, rs in groups.items()}, None)
     assert "‡" not in report and "| baseline | 0 | 80.00 | 40.00 | 5.00 |" in report
+
+
+def test_each_quantized_number_is_in_the_column_that_names_its_pipeline_and_bits(tmp_path):
+    """Percentile and RepQ-ViT at W4A4 and W3A3 with four different numbers: each sits under the header naming
+    it (write_run gives both pipelines one number, which cannot tell the columns apart)."""
+    write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    path = tmp_path / "baseline_s0" / "eval_best.json"
+    result = json.loads(path.read_text())
+    numbers = {("Percentile", "W4A4"): 61.0, ("RepQ-ViT", "W4A4"): 72.0, ("Percentile", "W3A3"): 13.0,
+               ("RepQ-ViT", "W3A3"): 24.0}
+    result["quant"] = {p: {b: {"top1": numbers[(name, b.upper())]} for b in ("w4a4", "w3a3")}
+                       for p, name in (("percentile", "Percentile"), ("repq", "RepQ-ViT"))}
+    path.write_text(json.dumps(result))
+    groups = dose_report.by_point(dose_report.read_sweep(str(tmp_path)))
+    peak = {"block": "blocks.0", "direction": 0, "row": 0, "alpha": 1.0}
+    head, _, row = dose_report.tables(groups, {"baseline": [peak]}, None).splitlines()[:3]
+    cells = dict(zip([c.strip() for c in head.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    assert {k: cells.pop(f"{k[0]} {k[1]}") for k in numbers} == {k: f"{v:.2f}" for k, v in numbers.items()}
+    assert cells == {"Point": "baseline", "Seeds": "0", "FP Top-1": "80.00", "Max. Act. mod.": "40.00",
+                     "Max. Act. blk.": "5.00"}
