@@ -246,6 +246,22 @@ def test_finetune_layout_makes_one_table_per_bit_width_and_names_rows_by_data_se
     assert "| Pets | - | 95.00 / 90.00 / -5.00 |" in tables[3] and "| digits | - | - |" in tables[3]
 
 
+def test_finetune_layout_orders_tables_by_the_papers_pipelines_and_rows_by_its_data_sets():
+    """Tables in the paper's pipeline order (Percentile, RepQ-ViT, APHQ: not alphabetical), bit-widths ascending;
+    rows in Table 3's order, then data sets it does not list by folder name."""
+    results = []
+    for root in ("zoo", "imagenet", "abc", "pets"):
+        r = _finetune_result(root, "CD", 90.0, 80.0)
+        r["quant"] = {"aphq": {"w4a4": {"top1": 81.0}}, "repq": {"w6a6": {"top1": 85.0}, "w4a4": {"top1": 80.0}},
+                      "percentile": {"w4a4": {"top1": 70.0}}}
+        results.append(r)
+    tables = paper_table.finetune_table(results).split("\n\n")
+    assert [t.splitlines()[0].split(":")[0] for t in tables[::2]] == [
+        "Percentile W4A4", "RepQ-ViT W4A4", "RepQ-ViT W6A6", "APHQ W4A4"]
+    assert [line.split(" | ")[0] for line in tables[1].splitlines()[2:]] == [
+        "| Pets", "| ImageNet-1K", "| abc", "| zoo", "| Average", "| Max. Act. (ImageNet-1K)"]
+
+
 def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
