@@ -353,3 +353,47 @@ def test_each_quantized_number_is_in_the_column_that_names_its_pipeline_and_bits
     assert {k: cells.pop(f"{k[0]} {k[1]}") for k in numbers} == {k: f"{v:.2f}" for k, v in numbers.items()}
     assert cells == {"Point": "baseline", "Seeds": "0", "FP Top-1": "80.00", "Max. Act. mod.": "40.00",
                      "Max. Act. blk.": "5.00"}
+
+
+def test_a_run_not_evaluated_at_a_column_of_the_table_is_refused_before_anything_is_written(tmp_path):
+    """A seed evaluated without RepQ-ViT W3A3 has no number for that column: one error naming what is missing and
+    the evaluate.py options that add it, before any output (without the check: a KeyError in the table, after the
+    figures were written)."""
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+    path = tmp_path / "cd10x_s0" / "eval_best.json"
+    result = json.loads(path.read_text())
+    del result["quant"]["repq"]["w3a3"]
+    path.write_text(json.dumps(result))
+    with pytest.raises(dose_report.ReportError, match=r"some runs lack repq w3a3: evaluate every run with evaluate.py "
+                                                      r"--quant percentile repq --bits w3a3 w4a4"):
+        dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_damaged_line_just_before_the_last_is_named_not_left_out(tmp_path):
+    """Only the last line of metrics.jsonl may be a partial record (one being written); a bad line before it, even
+    the one just before, is damage and named."""
+    folder = tmp_path / "baseline_s0"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 10, "train/loss": 1.0}\n{"step": 20, "tra\n{"step": 30}\n')
+    with pytest.raises(dose_report.ReportError, match=r"metrics.jsonl, line 2: not a JSON record"):
+        dose_report.metrics_records(str(folder))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("-inf")])
+def test_a_non_finite_logged_number_is_named_as_a_divergence(value):
+    """train.py writes a non-finite number as 'nan', 'inf' or '-inf': each one is the run diverging there."""
+    with pytest.raises(dose_report.ReportError, match=r"val/loss at update 5 is .*: the run diverged there"):
+        dose_report.metric_number({"step": 5, "val/loss": value}, "val/loss", "run")
+
+
+def test_a_setting_one_point_records_and_the_reference_lacks_is_shown():
+    """point_settings compares every key of either recipe: a setting only the CD point records (null in the
+    baseline's) is a difference, as one both record with other values is."""
+    def run(point, recipe):
+        return dose_report.Run(point, 0, point, {}, {"recipe": recipe}, [])
+    groups = {"baseline": [run("baseline", {"optim.lr": 0.001})],
+              "cd10x": [run("cd10x", {"optim.lr": 0.002, "cd.lam": 0.05})]}
+    assert dose_report.point_settings(groups)[-2:] == ["- baseline: the reference",
+                                                       "- cd10x: cd.lam null -> 0.05; optim.lr 0.001 -> 0.002"]
