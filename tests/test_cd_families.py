@@ -66,6 +66,16 @@ def test_write_into_a_document_without_its_markers_is_one_error_line(tmp_path):
     assert doc.read_text() == "# doc\n<!-- b -->\nold table\n"
 
 
+def test_write_into_a_document_whose_end_marker_comes_first_is_one_error_line(tmp_path):
+    """An end marker only before the begin marker (an edit moved it) is no pair around a table either: one error
+    line and the document as it was."""
+    doc = tmp_path / "README.md"
+    doc.write_text("# doc\n<!-- e -->\n<!-- b -->\nold table\n")
+    with pytest.raises(SystemExit, match=r"^error: .*README.md lacks the markers <!-- b --> \.\.\. <!-- e -->"):
+        readme_tables.table_command("x", lambda: "new table", doc, "<!-- b -->", "<!-- e -->", ["--write"])
+    assert doc.read_text() == "# doc\n<!-- e -->\n<!-- b -->\nold table\n"
+
+
 @pytest.mark.parametrize("threads", ["4,2", "0", ""])
 def test_a_thread_count_torch_cannot_take_is_one_error_line(monkeypatch, threads):
     """OMP_NUM_THREADS=4,2 (an OpenMP list), 0 or empty was a ValueError traceback from int()."""
