@@ -397,3 +397,9 @@ def test_a_setting_one_point_records_and_the_reference_lacks_is_shown():
               "cd10x": [run("cd10x", {"optim.lr": 0.002, "cd.lam": 0.05})]}
     assert dose_report.point_settings(groups)[-2:] == ["- baseline: the reference",
                                                        "- cd10x: cd.lam null -> 0.05; optim.lr 0.001 -> 0.002"]
+
+
+def test_a_logged_true_is_not_the_number_one():
+    """JSON true where train.py logs a number is no number (Python's bool is an int: it read as 1.0)."""
+    with pytest.raises(dose_report.ReportError, match=r"cd/pair_energy/fc2 at update 5 is True, not a number"):
+        dose_report.metric_number({"step": 5, "cd/pair_energy/fc2": True}, "cd/pair_energy/fc2", "run")

@@ -262,6 +262,17 @@ def test_finetune_layout_orders_tables_by_the_papers_pipelines_and_rows_by_its_d
         "| Pets", "| ImageNet-1K", "| abc", "| zoo", "| Average", "| Max. Act. (ImageNet-1K)"]
 
 
+def test_rows_layout_reads_a_language_models_perplexity_not_a_top1(tmp_path):
+    """A language model's result has a perplexity where a classifier's has a top-1: the rows layout tabulates it
+    (the check of the numbers it prints asks for fp.ppl, not fp.top1)."""
+    path = tmp_path / "lm.json"
+    path.write_text(json.dumps({"model": "gpt", "method": "CD", "checkpoint": "lm/best.pt",
+                                "fp": {"ppl": 4.25, "ppl_bf16": 4.26}, "max_act": {"module": 9.0, "block": 20.0},
+                                "quant": {"rtn": {"w4a16": {"ppl": 5.5}}}}))
+    table = paper_table.main([str(path)])
+    assert "| gpt | CD |" in table and "4.25" in table and "5.5" in table
+
+
 def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
