@@ -6,9 +6,10 @@ block (dashed), mean over a method's files with their min-max range shaded; writ
 and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
 evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
-checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike in what sets the float maxima (data, image count, raw or
-EMA weights, autocast, the modules counted (quant.act_max_extra_modules): compared
-as paper_table.py's fine-tuning layout compares its methods, engine/eval_results.first_difference), and a method
+checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike
+in what sets the float maxima (data, image count, raw or EMA weights, autocast, the kind of checkpoint, the modules
+counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
+engine/eval_results.first_difference), and a method
 evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
 marks it.
 
@@ -36,9 +37,10 @@ from evaluate import check_seed_group, dagger_note, model_kwargs_changed  # noqa
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
-# shows a setting's effect as the method's. The model is not: models are
-# compared on purpose, under method names the user chooses
-FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model")
+# shows a setting's effect as the method's (and on the kind of checkpoint: one method's best.pt beside another's
+# checkpoint.pt compares weights of other updates). The model is not: models are compared on purpose, under method
+# names the user chooses
+FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model") + ("checkpoint_kind",)
 
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
@@ -97,8 +99,8 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
         first, second, difference = found
         raise ValueError(f"{first} and {second} were measured differently ({difference}); methods are compared "
                          f"on maxima measured alike: give CSVs of evaluations with the same data, images, weights, "
-                         f"autocast and quant.act_max_extra_modules (python evaluate.py --checkpoint "
-                         f"<run>/best.pt with one set of settings), or compare those methods in separate figures")
+                         f"autocast and quant.act_max_extra_modules, of the same file of each run (python "
+                         f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or compare those methods in separate figures")
     return notes
 
 

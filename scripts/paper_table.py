@@ -25,7 +25,7 @@ Layouts:
               bit-width found. The data set of a result is the last folder name of its data.root
               (datasets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
               on the same data (root, split, transform, image count), and all entries with the same kind
-              of weights (raw or EMA) and autocast: results evaluated otherwise are refused.
+              of weights (raw or EMA), autocast and kind of checkpoint: results evaluated otherwise are refused.
 """
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ def dataset_of(result: dict) -> str:
 
 
 # what must match for entries to share the fine-tuning layout: a data set's row compares its methods on the same
-# val images seen the same way; the whole table (its Average) uses one kind of weights (raw or EMA) and autocast
+# val images seen the same way; the whole table (its Average) uses one kind of weights (raw or EMA), autocast and
+# kind of checkpoint (every method's best.pt, or every one's checkpoint.pt: weights of the same point of training)
 ROW_KEYS = ("data", "images")
-TABLE_KEYS = ("weights", "eval_amp")
+TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
 
 
 def refuse_unlike(results: list[dict], keys: tuple, where: str) -> None:

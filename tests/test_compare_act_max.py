@@ -24,7 +24,8 @@ def write(path, rows, result=True, **fields):
         writer.writerows(rows)
     path = str(path)
     if result and path.endswith("_act_max.csv"):
-        record = {"model": "vit_t", "model_kwargs": {}, "checkpoint": path + ".pt", "weights": "raw",
+        record = {"model": "vit_t", "model_kwargs": {}, "checkpoint": path + ".pt", "checkpoint_kind": "best",
+                  "weights": "raw",
                   "eval_amp": "none", "images": 100, "data": {"dataset": "digits"}, "method": "CD",
                   "recipe": {"model.kwargs": {}, "train.lr": 0.001}, "fp": {"top1": 90.0},
                   "max_act": {"module": 1.0, "block": 1.0, "csv": path, "plot": path[:-4] + ".png"},
@@ -208,6 +209,7 @@ def test_a_method_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_p
     ("weights", "ema", r"weights: \"raw\" vs \"ema\""),
     ("images", 50, "images: 100 vs 50"),
     ("data", {"dataset": "fashion_mnist"}, r"data: \{\"dataset\": \"digits\"\} vs \{\"dataset\": \"fashion_mnist\"\}"),
+    ("checkpoint_kind", "latest", r"checkpoint_kind: \"best\" vs \"latest\""),  # CD's checkpoint.pt, the best.pt
 ])
 def test_methods_measured_under_other_settings_are_refused(tmp_path, field, value, setting):
     """Two methods whose maxima were measured otherwise (e.g. the baseline under bf16 autocast, CD in fp32) are one

@@ -162,7 +162,7 @@ def test_bench_quant_reports_the_quantized_to_float_ratio():
 
 def _finetune_result(root: str, method: str, fp: float, repq: float, max_act=(10.0, 20.0)) -> dict:
     return {"model": "vit_base_patch16_224.orig_in21k", "method": method, "checkpoint": f"{root}/{method}",
-            "data": {"dataset": "folder", "root": f"/data/{root}"}, "fp": {"top1": fp},
+            "checkpoint_kind": "best", "data": {"dataset": "folder", "root": f"/data/{root}"}, "fp": {"top1": fp},
             "max_act": {"module": max_act[0], "block": max_act[1]},
             "quant": {"repq": {"w4a4": {"top1": repq}}}}
 
@@ -419,7 +419,8 @@ def test_paper_table_names_a_number_missing_from_a_result(tmp_path, edit, path):
     ({"data": {"dataset": "folder", "root": "/other/pets"}}, "data"),  # another folder of the same name
     ({"data": {"dataset": "folder", "root": "/data/pets", "val_split": "train"}}, "data"),
     ({"images": 100}, "images"),  # a --max-images evaluation
-    ({"weights": "ema"}, "weights"), ({"eval_amp": "bf16"}, "eval_amp")])
+    ({"weights": "ema"}, "weights"), ({"eval_amp": "bf16"}, "eval_amp"),
+    ({"checkpoint_kind": "latest"}, "checkpoint_kind")])  # one method's checkpoint.pt beside the others' best.pt
 def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently(tmp_path, change, differs):
     files = []
     for method, extra in (("Baseline", {}), ("CD", change)):
@@ -429,7 +430,7 @@ def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently
     with pytest.raises(SystemExit, match=rf"error: pets/Baseline and pets/CD were evaluated differently "
                                          rf"\({differs}: .*evaluate them with the same settings"):
         paper_table.main(["--layout", "finetune", *files])
-    if differs in ("weights", "eval_amp"):  # across rows too: the Average would mix them
+    if differs in ("weights", "eval_amp", "checkpoint_kind"):  # across rows too: the Average would mix them
         (tmp_path / "CD.json").write_text(json.dumps({**_finetune_result("cars", "CD", 95.0, 94.0), **change}))
         with pytest.raises(SystemExit, match=rf"evaluated differently \({differs}: "):
             paper_table.main(["--layout", "finetune", *files])
