@@ -89,16 +89,19 @@ class Difference(NamedTuple):
 def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
     of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
-    quantized entry both hold, the kind of checkpoint scored; None when alike."""
+    quantized entry both hold, the kind of checkpoint scored (of run files: best.pt, checkpoint.pt, a snapshot, a
+    file set aside); None when alike."""
     for key in EVALUATION_KEYS:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
             return Difference(key, f"{json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}", False)
     # one seed's best.pt beside another's checkpoint.pt: weights of other updates (the best validation, the last).
     # Results written before the kind was recorded have none and are not compared (their checkpoint's name would
-    # tell, but a result gathered as a copy records the path it was evaluated at, which may be gone)
+    # tell, but a result gathered as a copy records the path it was evaluated at, which may be gone); nor are
+    # model.pretrained weights ("weights"): no file of a run, so there is no same file of it to score instead
+    # (a public model's maxima beside a run's, README's `model.pretrained=/weights/deit_base.pth`)
     x, y = a.get("checkpoint_kind"), b.get("checkpoint_kind")
-    if x is not None and y is not None and x != y:
+    if None not in (x, y) and "weights" not in (x, y) and x != y:
         return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
                                              "run (each one's best.pt, or each one's checkpoint.pt)", False)
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure

@@ -244,6 +244,24 @@ def test_methods_of_other_recipes_and_quantized_settings_are_compared(tmp_path):
     assert [(r["method"], r["block_mean"]) for r in rows] == [("baseline", 1.0), ("cd", 3.0)]
 
 
+def test_a_public_model_beside_runs_is_drawn_whatever_file_the_runs_scored(tmp_path):
+    """model.pretrained weights (README: evaluate.py model.pretrained=/weights/deit_base.pth) are no file of a run:
+    beside a run's best.pt or checkpoint.pt they are drawn, not refused for scoring no "same file of each run"
+    (there is none to score instead); runs' best.pt beside checkpoint.pt stay refused."""
+    compare = load()
+    write(tmp_path / "deit_act_max.csv", run_rows([9.0], [1.0], [1.0]), checkpoint="/weights/deit_base.pth",
+          checkpoint_kind="weights", recipe=None, method="vit_t")
+    for kind, block in (("best", 3.0), ("latest", 4.0)):
+        write(tmp_path / f"cd_{kind}_act_max.csv", run_rows([block], [1.0], [1.0]), checkpoint=f"cd/{kind}.pt",
+              checkpoint_kind=kind)
+        rows = compare.main([f"deit={tmp_path}/deit_act_max.csv", f"cd={tmp_path}/cd_{kind}_act_max.csv",
+                             "--out", str(tmp_path / f"cmp_{kind}")])
+        assert [(r["method"], r["block_mean"]) for r in rows] == [("deit", 9.0), ("cd", block)]
+    with pytest.raises(SystemExit, match=r'checkpoint_kind: "best" vs "latest"'):
+        compare.main([f"best={tmp_path}/cd_best_act_max.csv", f"latest={tmp_path}/cd_latest_act_max.csv",
+                      "--out", str(tmp_path / "cmp_mixed")])
+
+
 def measured_with_extra_modules(csv_path, patterns):
     """Rewrite the result file beside `csv_path` as of an evaluation with quant.act_max_extra_modules=patterns."""
     json_path = str(csv_path)[:-len("_act_max.csv")] + ".json"
