@@ -57,9 +57,10 @@ def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
     if pretrained or not checkpoint:
         return "weights"
     path = os.path.realpath(checkpoint)
-    if os.path.basename(os.path.dirname(path)) == SNAPSHOTS:
-        return "snapshot"
-    return CHECKPOINT_KINDS.get(os.path.basename(path), "other")
+    # the name first: a run's own folder may be called snapshots (out_dir=runs/snapshots), and its best.pt is best
+    if os.path.basename(path) in CHECKPOINT_KINDS:
+        return CHECKPOINT_KINDS[os.path.basename(path)]
+    return "snapshot" if os.path.basename(os.path.dirname(path)) == SNAPSHOTS else "other"
 
 
 def _plain(value: Any) -> Any:

@@ -844,6 +844,17 @@ def test_the_kind_of_checkpoint_follows_the_file_named_whatever_the_path(tmp_pat
     assert checkpoint_kind("hub", pretrained=True) == "weights"
 
 
+def test_a_run_folder_named_snapshots_holds_best_and_latest_not_snapshots(tmp_path):
+    """out_dir=runs/snapshots: its best.pt and checkpoint.pt are a run's best and latest, as in any run folder
+    (a snapshot is a file train.keep_every_epochs writes into a run's snapshots folder, epoch<E>.pt)."""
+    from engine.eval_results import checkpoint_kind
+
+    run = tmp_path / "snapshots"
+    assert checkpoint_kind(str(run / "best.pt")) == "best"
+    assert checkpoint_kind(str(run / "checkpoint.pt")) == "latest"
+    assert checkpoint_kind(str(run / "snapshots" / "epoch2.pt")) == "snapshot"
+
+
 def test_seeds_scored_on_other_kinds_of_checkpoint_are_refused_not_averaged():
     """One seed's best.pt beside another's checkpoint.pt were averaged as seeds (the fingerprints differ); results
     written before the kind was recorded are not compared."""
