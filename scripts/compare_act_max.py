@@ -100,7 +100,8 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
         raise ValueError(f"{first} and {second} were measured differently ({difference}); methods are compared "
                          f"on maxima measured alike: give CSVs of evaluations with the same data, images, weights, "
                          f"autocast and quant.act_max_extra_modules, of the same file of each run (python "
-                         f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or compare those methods in separate figures")
+                         f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or compare those "
+                         f"methods in separate figures")
     return notes
 
 
