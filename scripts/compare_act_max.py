@@ -7,8 +7,9 @@ and prints a markdown table. Each CSV is read with the result file evaluate.py w
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
 evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
 checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike
-in what sets the float maxima (data, image count, raw or EMA weights, autocast, the kind of checkpoint, the modules
-counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
+in what sets the float maxima (data, image count, raw or EMA weights, autocast, the kind of a run's checkpoint
+(model.pretrained weights, no file of a run, are drawn beside any), the modules counted
+(quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
 engine/eval_results.first_difference), and a method
 evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
 marks it.
