@@ -51,15 +51,16 @@ CHECKPOINT_KINDS = {"best.pt": "best", "checkpoint.pt": "latest"}
 def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
     """Which of a run's files `checkpoint` is: "best" (best.pt), "latest" (checkpoint.pt), "snapshot" (a file in a
     run's snapshots folder, train.keep_every_epochs), "other" (a file set aside as *.until_step<N>.pt, a renamed
-    copy) or, with `pretrained` (model.pretrained weights, "hub" included), "weights". A link is of the kind of
-    the file it points to (results gathered as links named by seed); the path is normalized (./, .., a trailing
-    separator)."""
+    copy) or, with `pretrained` (model.pretrained weights, "hub" included), "weights". The name given decides
+    when it is best.pt or checkpoint.pt (a run whose files are links into a content-addressed store, DVC or
+    git-annex); any other name is of the kind of the file it links to (results gathered as links named by seed).
+    The path is normalized (./, .., a trailing separator)."""
     if pretrained or not checkpoint:
         return "weights"
-    path = os.path.realpath(checkpoint)
-    # the name first: a run's own folder may be called snapshots (out_dir=runs/snapshots), and its best.pt is best
-    if os.path.basename(path) in CHECKPOINT_KINDS:
-        return CHECKPOINT_KINDS[os.path.basename(path)]
+    for path in (os.path.abspath(checkpoint), os.path.realpath(checkpoint)):
+        # the name first: a run's own folder may be called snapshots (out_dir=runs/snapshots), and its best.pt is best
+        if os.path.basename(path) in CHECKPOINT_KINDS:
+            return CHECKPOINT_KINDS[os.path.basename(path)]
     return "snapshot" if os.path.basename(os.path.dirname(path)) == SNAPSHOTS else "other"
 
 

@@ -840,6 +840,14 @@ def test_the_kind_of_checkpoint_follows_the_file_named_whatever_the_path(tmp_pat
                 str(run / "best.until_step40.pt"): "other", str(tmp_path / "seed1.pt"): "best",
                 str(tmp_path / "gone" / "checkpoint.pt"): "latest"}
     assert {path: checkpoint_kind(path) for path in expected} == expected
+    # a run whose files are links into a content-addressed store (DVC, git-annex): the name given decides
+    (tmp_path / "store").mkdir()
+    (tmp_path / "run2").mkdir()
+    for name, blob in (("best.pt", "ab12cd"), ("checkpoint.pt", "ef34ab")):
+        (tmp_path / "store" / blob).write_bytes(b"")
+        os.symlink(tmp_path / "store" / blob, tmp_path / "run2" / name)
+    assert checkpoint_kind(str(tmp_path / "run2" / "best.pt")) == "best"
+    assert checkpoint_kind(str(tmp_path / "run2" / "checkpoint.pt")) == "latest"
     assert checkpoint_kind("/weights/deit_base.pth", pretrained=True) == "weights"
     assert checkpoint_kind("hub", pretrained=True) == "weights"
 
