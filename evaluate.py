@@ -864,7 +864,8 @@ def dagger_note(label: str, changes) -> str:
 def extra_modules_note(label: str, patterns: list) -> str:
     """The note below a table for a maximum marked ‡ (`label`, e.g. 'vit_t CD'): its module maximum also counts
     modules outside the blocks (quant.act_max_extra_modules), unlike the paper's."""
-    return f"‡ {label}: Max. Act. (mod.) also over modules outside the blocks: " \
+    # worded for any table's column (Max. Act. (mod.), dose_report's Max. Act. mod., lm_study's max module)
+    return f"‡ {label}: the module maximum also counts modules outside the blocks: " \
            f"quant.act_max_extra_modules={json.dumps(patterns)}"
 
 

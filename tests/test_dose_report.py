@@ -322,7 +322,7 @@ def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
         .split("Pair energy")[0]
     # module maximum 10 * norm1_max = 40.00 (write_run), block 5.00
     assert "| baseline | 0 | 80.00 | 40.00‡ | 5.00 |" in first and "| cd10x | 0 | 80.00 | 40.00‡ | 5.00 |" in first
-    note = '‡ {}: Max. Act. (mod.) also over modules outside the blocks: ' \
+    note = '‡ {}: the module maximum also counts modules outside the blocks: ' \
            'quant.act_max_extra_modules=["patch_embed.proj"]'
     assert first.strip().splitlines()[-2:] == [note.format("baseline"), note.format("cd10x")]
     for name in ("baseline_s0", "cd10x_s0"):  # the paper's set (none recorded): no mark, no note

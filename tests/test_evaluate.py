@@ -346,7 +346,7 @@ def test_table_marks_and_refuses_maxima_over_extra_modules():
     _, _, plain, marked, _, note = evaluate.markdown_table([result(0), result(1, ["patch_embed.proj"])]).splitlines()
     assert plain == "| m | CD | 80.000 | 4.00 / 3.00 |"
     assert marked == "| m | CD | 80.000 | 5.00‡ / 3.00 |"
-    assert note == ('‡ m CD: Max. Act. (mod.) also over modules outside the blocks: '
+    assert note == ('‡ m CD: the module maximum also counts modules outside the blocks: '
                     'quant.act_max_extra_modules=["patch_embed.proj"]')
     with pytest.raises(ValueError, match=r'm CD: s0/best.pt and s1/best.pt were evaluated differently '
                                          r'\(max_act.extra_modules: \[\] vs \["patch_embed.proj"\]\)'):

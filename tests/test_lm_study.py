@@ -315,6 +315,6 @@ def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
     # module maximum 9.0 (write_run), block 20.0, kurtosis 10.0
     assert "| baseline | 8.0 | 4.0 | 6.0 | 100.0 | 9.00‡ | 20.00 | 10.0 |" in second
     assert "| cd10x | 8.0 | 4.0 | 6.0 | 100.0 | 9.00‡ | 20.00 | 10.0 |" in second
-    note = '‡ {}: Max. Act. (mod.) also over modules outside the blocks: quant.act_max_extra_modules=["wte"]'
+    note = '‡ {}: the module maximum also counts modules outside the blocks: quant.act_max_extra_modules=["wte"]'
     assert note.format("baseline") in second.splitlines() and note.format("cd10x") in second.splitlines()
     assert "‡" not in report.split("Final pair energy")[0] and report.count("‡") == 4

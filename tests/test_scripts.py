@@ -228,7 +228,7 @@ def test_finetune_layout_marks_maxima_over_extra_modules():
     cd["max_act"]["extra_modules"] = ["layers.*.downsample.reduction"]
     lines = paper_table.finetune_table([base, cd]).splitlines()
     assert lines[6] == "| Max. Act. (ImageNet-1K) | 10.00 / 20.00 | 10.00‡ / 20.00 |"
-    assert lines[7:] == ["", '‡ ImageNet-1K CD: Max. Act. (mod.) also over modules outside the blocks: '
+    assert lines[7:] == ["", '‡ ImageNet-1K CD: the module maximum also counts modules outside the blocks: '
                              'quant.act_max_extra_modules=["layers.*.downsample.reduction"]']
 
 
