@@ -269,3 +269,142 @@ def test_seed_all_seeds_every_global_generator_as_documented(monkeypatch):
     seeds = {mix_seed(a, b) for a in range(40) for b in range(40)}
     assert len(seeds) == 1600 and all(0 <= s < 2 ** 63 for s in seeds)  # distinct, 63-bit
     assert mix_seed(1, 2) != mix_seed(2, 1) and mix_seed(3) == mix_seed(3)
+
+
+def test_a_seeded_sample_runs_under_its_seed_and_leaves_the_global_generators_as_they_were():
+    """SeededDataset[(index, seed)] reads the sample with python, numpy and torch seeded by `seed`, and the caller's
+    generators go on as if it had not run (with data.num_workers=0 the main process reads the samples: its own
+    draws, e.g. dropout, must not restart from the last sample's seed)."""
+    import random
+
+    from data.samplers import SeededDataset
+
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+    def reseed(seed):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    reseed(5)
+    under_seed_5 = Draws()[0]
+    reseed(1)
+    want = Draws()[0]
+    reseed(1)
+    assert SeededDataset(Draws())[(0, 5)] == under_seed_5
+    assert Draws()[0] == want
+
+
+def _synthetic(overrides=()):
+    return load_config(None, ["data.dataset=synthetic", "data.synthetic_train_size=50", "data.repeated_aug=0",
+                              "data.num_workers=0", *overrides]).data
+
+
+def test_training_shards_are_one_shuffled_epoch_dealt_to_the_ranks():
+    """world_size ranks share one permutation of the epoch (seed + epoch), cut to a multiple of world_size
+    (drop_last) and dealt round-robin: no image twice in an epoch over all ranks, none left out but the cut."""
+    from data.loader import build_train_loader
+
+    seed, epoch, world = 7, 2, 3
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(seed + epoch)).tolist()[:48]  # 50 // 3 * 3
+    shards = []
+    for rank in range(world):
+        batches = build_train_loader(_synthetic(), img_size=8, batch_size_per_gpu=4, rank=rank, world_size=world,
+                                     seed=seed, num_classes=3)
+        batches.sampler.set_epoch(epoch)
+        shards.append([index for index, _ in batches.sampler])
+        assert shards[-1] == perm[rank::world]
+    assert sorted(sum(shards, [])) == sorted(perm) and len(set(perm)) == 48
+
+
+def test_training_batches_are_all_full_and_one_batch_per_rank_is_enough():
+    """drop_last: an epoch of 50 images in batches of 8 is 6 full batches (the 2 left over wait for another
+    epoch's shuffle); 8 images make one batch, 7 are refused before the run."""
+    from data.loader import build_train_loader
+
+    batches = build_train_loader(_synthetic(), img_size=8, batch_size_per_gpu=8, rank=0, world_size=1, seed=0,
+                                 num_classes=3)
+    batches.sampler.set_epoch(0)
+    assert [len(y) for _, y in batches.loader] == [8] * 6
+    one = build_train_loader(_synthetic(["data.synthetic_train_size=8"]), img_size=8, batch_size_per_gpu=8, rank=0,
+                             world_size=1, seed=0, num_classes=3)
+    one.sampler.set_epoch(0)
+    assert [len(y) for _, y in one.loader] == [8]
+    with pytest.raises(DataError, match="8 training images give each of 1 processes 8 per epoch, fewer than one "
+                                        "batch of 9"):
+        build_train_loader(_synthetic(["data.synthetic_train_size=8"]), img_size=8, batch_size_per_gpu=9, rank=0,
+                           world_size=1, seed=0, num_classes=3)
+
+
+def test_no_calibration_images_is_refused_naming_the_setting():
+    with pytest.raises(DataError, match=r"^quant.calib_images=0: give at least 1 image"):
+        calibration_images(load_config([DEMO_CONFIG]).data, img_size=32, num_classes=10, count=0, seed=0)
+
+
+@pytest.mark.parametrize("cpus, local, want", [(64, 1, 8), (16, 2, 7), (4, 2, 1), (2, 1, 1), (3, 4, 0)])
+def test_automatic_worker_count_is_the_process_share_of_its_cpus_less_one_at_most_8(monkeypatch, cpus, local, want):
+    """data.num_workers=null: min(8, CPUs this process may run on // processes on this machine - 1), never
+    below 0; a number given is taken as it is."""
+    import os
+
+    from data.loader import worker_count
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    assert worker_count(None) == want
+    assert worker_count(3) == 3 and worker_count(0) == 0
+
+
+def test_every_train_and_eval_transform_setting_reaches_timm():
+    """data.interpolation / mean / std / remode / recount / color_jitter / auto_augment (train) and interpolation /
+    mean / std / crop_mode (eval) are what the pipelines apply, not timm's defaults (bilinear is timm's own, so
+    nearest is asked here)."""
+    from timm.data.auto_augment import RandAugment
+    from timm.data.random_erasing import RandomErasing
+    from torchvision import transforms as T
+
+    from data.transforms import build_transform
+
+    cfg = load_config([DEMO_CONFIG], ["data.interpolation=nearest", "data.mean=[0.1, 0.2, 0.3]",
+                                      "data.std=[0.4, 0.5, 0.6]", "data.remode=rand", "data.recount=3",
+                                      "data.reprob=0.5", "data.crop_mode=squash", "data.color_jitter=0.2",
+                                      "data.auto_augment="]).data
+    nearest = T.InterpolationMode.NEAREST
+
+    def by_type(transform):
+        return {type(t).__name__: t for t in transform.transforms}
+
+    train = by_type(build_transform(cfg, 32, is_training=True))
+    assert train["RandomResizedCropAndInterpolation"].interpolation == nearest
+    assert train["ColorJitter"].brightness == (0.8, 1.2) and train["ColorJitter"].saturation == (0.8, 1.2)
+    erasing = next(t for t in train.values() if isinstance(t, RandomErasing))
+    assert (erasing.mode, erasing.min_count, erasing.max_count) == ("rand", 1, 3)
+    for transform in (train, by_type(build_transform(cfg, 32, is_training=False))):
+        assert transform["Normalize"].mean.tolist() == pytest.approx([0.1, 0.2, 0.3])
+        assert transform["Normalize"].std.tolist() == pytest.approx([0.4, 0.5, 0.6])
+    evaluation = build_transform(cfg, 32, is_training=False).transforms
+    resize = next(t for t in evaluation if isinstance(t, T.Resize))
+    assert resize.interpolation == nearest and resize.size in ((32, 32), [32, 32])  # squash: both sides, no aspect kept
+    cfg.auto_augment = "rand-m9-mstd0.5-inc1"
+    train = build_transform(cfg, 32, is_training=True).transforms
+    assert any(isinstance(t, RandAugment) for t in train)
+
+
+def test_synthetic_images_follow_seed_and_index_and_labels_are_index_mod_classes():
+    """Synthetic sample i is a function of (seed, i), labelled i % num_classes; val (seed 1) holds other
+    images than train (seed 0)."""
+    from data.synthetic import SyntheticDataset
+
+    data = SyntheticDataset(7, 4, num_classes=3, seed=2)
+    assert [data[i][1] for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert torch.equal(data[5][0], SyntheticDataset(9, 4, num_classes=3, seed=2)[5][0])
+    assert not torch.equal(data[5][0], data[4][0])
+    cfg = load_config(None, ["data.dataset=synthetic"]).data
+    train, val = (build_dataset(cfg, split, img_size=4, num_classes=3, train_transform=False) for split in
+                  ("train", "val"))
+    assert not torch.equal(train[0][0], val[0][0])
