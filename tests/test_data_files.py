@@ -216,3 +216,29 @@ def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_and_32_bit_pixels_are_refuse
     for mode_image in (Image.fromarray(wide.astype(np.float32)), Image.fromarray(wide.astype(np.int32))):
         with pytest.raises(ValueError, match="have no 8-bit range"):
             to_rgb(mode_image)
+
+
+def test_unreadable_samples_of_a_batch_are_replaced_by_the_readable_ones_in_turn():
+    """Batch [bad 0, good, bad 2, good, bad 4]: the bad samples become the 1st, 2nd, then again the 1st readable
+    sample (not all the same one), and are named by their files."""
+    from data.folder import unreadable_replacer, unreadable_target
+
+    class Files:
+        def filename(self, index, absolute=False):
+            return f"/d/{index}.png"
+
+    images = torch.arange(5.0).view(5, 1)
+    targets = torch.tensor([unreadable_target(0), 7, unreadable_target(2), 8, unreadable_target(4)])
+    out, labels, names = unreadable_replacer(Files())(images, targets)
+    assert out.flatten().tolist() == [1.0, 1.0, 3.0, 3.0, 1.0] and labels.tolist() == [7, 7, 8, 8, 7]
+    assert names == ["/d/0.png", "/d/2.png", "/d/4.png"]
+    assert images.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]  # the caller's batch is left as it was
+
+
+def test_splits_of_the_same_classes_in_another_order_are_refused():
+    from data.folder import check_same_classes
+
+    check_same_classes(["cat", "dog"], ["cat", "dog"], "root")
+    with pytest.raises(DataError, match=r"root: the train and val splits have different class folders \(other "
+                                        r"order\)"):
+        check_same_classes(["cat", "dog"], ["dog", "cat"], "root")
