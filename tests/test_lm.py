@@ -509,6 +509,22 @@ def test_limited_validation_windows_spread_from_the_first_to_the_last():
     assert {b - a for a, b in zip(starts, starts[1:])} <= {160, 170}
 
 
+def test_the_validation_loader_takes_data_val_windows_windows(tmp_path):
+    """data.val_windows=k: the language model's validation loader scores k windows (0: all 99 of 1,000 ids)."""
+    from data.loader import build_token_loaders
+
+    for split in ("train", "val"):
+        (np.arange(1000, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+
+    def val_windows(k):
+        cfg = DataConfig(dataset="tokens", root=str(tmp_path), val_windows=k, num_workers=0)
+        loaders = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                                      world_size=1, seed=0, vocab_size=50)
+        return len(loaders.val.dataset), sum(len(x) for x, _ in loaders.val)
+
+    assert val_windows(7) == (7, 7) and val_windows(0) == (99, 99)
+
+
 def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validation():
     """data.kjv_val_fraction=f: the last f of the text validates, the rest trains, together the whole text."""
     cfg = DataConfig(dataset="kjv", kjv_val_fraction=0.25)

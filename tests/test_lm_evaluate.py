@@ -352,3 +352,22 @@ def test_a_row_evaluated_with_other_model_kwargs_than_trained_is_marked(kjv_run,
     assert note.startswith(f"† {tanh['model']} {tanh['method']}: evaluated with model.kwargs=") and \
         '"gelu": "tanh"' in note and "trained with" in note and '"gelu": "tanh"' not in note.split("trained with")[1]
     assert "†" not in evaluate.markdown_table([plain])
+
+
+def test_calibration_windows_are_distinct_train_windows_drawn_by_the_seed(tmp_path):
+    """quant.calib_images=k: k of the train split's disjoint windows (id i * context on), in an order the seed
+    draws; all of them are accepted, one more is refused. Only the ids they hold must fit the model (the ids past
+    the last window, 320..329 here, are never fed to it)."""
+    ids = np.arange(330, dtype=np.uint16)  # (330 - 1) // 32 = 10 windows of 32 ids and their next id
+    cfg = DataConfig(dataset="tokens", root=str(token_folder(tmp_path / "t", train_ids=ids)))
+    every = [calibration_windows(cfg, 32, 10, seed, vocab_size=330) for seed in (0, 1)]
+    for windows in every:
+        starts = sorted(int(w[0]) for w in windows)
+        assert starts == list(range(0, 320, 32))
+        assert all(w.tolist() == list(range(int(w[0]), int(w[0]) + 32)) for w in windows)
+    assert not torch.equal(every[0], every[1])  # another seed, another draw
+    with pytest.raises(DataError, match="calib_images=11: the train split has 10 windows of 32 tokens"):
+        calibration_windows(cfg, 32, 11, 0, vocab_size=330)
+    assert calibration_windows(cfg, 32, 10, 0, vocab_size=320).shape == (10, 32)
+    with pytest.raises(DataError, match="holds ids up to 319, model.num_classes=319"):
+        calibration_windows(cfg, 32, 10, 0, vocab_size=319)
