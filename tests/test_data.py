@@ -408,3 +408,8 @@ def test_synthetic_images_follow_seed_and_index_and_labels_are_index_mod_classes
     train, val = (build_dataset(cfg, split, img_size=4, num_classes=3, train_transform=False) for split in
                   ("train", "val"))
     assert not torch.equal(train[0][0], val[0][0])
+
+
+def test_a_digits_split_other_than_train_or_val_is_refused_not_read_as_val():
+    with pytest.raises(ValueError, match="digits has splits 'train' and 'val', not 'test'"):
+        DigitsDataset("test")
