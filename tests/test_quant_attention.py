@@ -189,3 +189,35 @@ def test_is_causal_wins_over_an_attn_mask_given_with_it(variant):
                 want = _attention_token_by_token(src, x, allowed, add, sink_one)
                 torch.testing.assert_close(module(x, **kwargs).double(), want, rtol=0, atol=1e-5,
                                            msg=f"{type(module).__name__} {sorted(kwargs)}")
+
+
+def test_timm_attention_options_are_kept_qk_norm_scale_norm_gate_and_head_dim():
+    """timm's Attention options that change the function: q/k norms, the norm of the attention output
+    (scale_norm), the sigmoid gate on it and a head width other than dim / heads. The converted module (matmul
+    quantizers off) against timm's own fused forward, with non-trivial norm affines."""
+    from torch import nn
+
+    from quant_models import perturb_norms
+
+    torch.manual_seed(0)
+    src = perturb_norms(Attention(48, num_heads=3, attn_head_dim=20, qkv_bias=True, qk_norm=True, scale_norm=True,
+                                  gated=True, norm_layer=nn.LayerNorm).eval())
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(convert_attention(src, {})(x), src(x), rtol=0, atol=1e-5)
+
+
+def test_gpt2_causal_attention_matches_a_token_by_token_loop_and_drops_nothing_in_eval_mode():
+    """models.gpt's CausalSelfAttention (SDPA's default scale 1/sqrt(head dim), attention dropout only while
+    training) converted with its matmul quantizers off, against the token-by-token loop: eval mode with a large
+    attention-dropout probability must still be deterministic and exact."""
+    from models.gpt import CausalSelfAttention
+
+    torch.manual_seed(0)
+    src = CausalSelfAttention(48, 3, bias=True, attn_drop=0.5, proj_drop=0.0).eval()
+    ours = convert_attention(src, {})
+    N = 7
+    x = torch.randn(2, N, 48, generator=torch.Generator().manual_seed(1))
+    want = _attention_token_by_token(src, x, [[j <= i for j in range(N)] for i in range(N)])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).double(), want, rtol=0, atol=1e-5)
