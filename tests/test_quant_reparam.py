@@ -232,3 +232,20 @@ def test_fold_refuses_an_uncalibrated_input_quantizer():
     with pytest.raises(ValueError, match="calibrated per-channel"):
         fold_layernorm(norm, linear)
     assert torch.equal(norm.weight.detach(), gamma) and linear.input_quantizer.channel_dim == -1
+
+
+def test_fold_refuses_a_quantizer_grouped_along_another_dim_than_the_channels():
+    # a per-row (channel_dim=0) input quantizer of a [C, C] input has C scales, as many as the LayerNorm's
+    # channels, but they belong to tokens: folding them into the channels would be silently wrong
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    norm = perturb_norms(nn.LayerNorm(8))
+    linear = QuantLinear(8, 3, input_quantizer=UniformQuantizer(4, channel_dim=0))
+    linear.input_quantizer.calibrating = True
+    linear.input_quantizer(torch.randn(8, 8) * torch.linspace(0.5, 4.0, 8))
+    linear.input_quantizer.calibrating = False
+    assert linear.input_quantizer.scale.numel() == 8
+    gamma = norm.weight.detach().clone()
+    with pytest.raises(ValueError, match="per-channel"):
+        fold_layernorm(norm, linear)
+    assert torch.equal(norm.weight.detach(), gamma) and linear.input_quantizer.channel_dim == 0
