@@ -473,3 +473,20 @@ def test_convert_in_place_reports_every_layer_it_left_float():
     done = convert_in_place(model, spec)
     assert done["attention"] == [] and done["linear"] == ["0"] and sorted(done["float"]) == ["1", "2"]
     assert isinstance(model[0], QuantLinear) and type(model[1]) is nn.Linear and type(model[2]) is nn.Linear
+
+
+def test_describe_and_summarize_name_each_quantizer_once_as_it_runs():
+    """describe: a Linear input quantized per channel (its last dim) reads "per-channel", a bypassed one "float";
+    summarize: one entry per distinct description, in first-seen order (the report's summary)."""
+    from quant.modes import summarize
+    spec = QuantSpec(linears=(LinearRule(("blocks.*.mlp.fc1", "head"), QuantizerSpec(4, symmetric=True,
+                                                                                         granularity="channel"),
+                                         QuantizerSpec(8, granularity="channel"), role="probe"),), strict=False)
+    qmodel = quantize_model(tiny_vit(depth=2), spec)
+    qmodel.head.input_quantizer.enabled = False
+    rows = describe(qmodel)
+    inputs = {r["module"]: r["input"] for r in rows}
+    assert inputs == {"blocks.0.mlp.fc1": "8b asym per-channel (percentile_mse)",
+                      "blocks.1.mlp.fc1": "8b asym per-channel (percentile_mse)", "head": "float"}
+    assert summarize(rows) == {"probe": {"weight": "4b sym per-channel (percentile_mse)",
+                                         "input": "8b asym per-channel (percentile_mse) | float"}}
