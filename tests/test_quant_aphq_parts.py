@@ -690,3 +690,42 @@ def test_aphq_pipeline_mse_loss_rademacher_eps_and_mlp_options(monkeypatch):
     assert (calib_count, st.iters, st.lr, st.clip_percentile, st.clip_weight) == (4, 3, 1e-3, 0.95, 1.5)
     _, _, _, fp_out, *_ = calls["recon"][1][0]  # blocks.0: the target stays the ORIGINAL (GELU) block's
     torch.testing.assert_close(fp_out, unit_io(fp, "blocks.0", pool[:8])[1])
+
+
+def test_units_of_an_mmdetection_detector_in_module_order():
+    """A detector's units by MMDetection's names: its backbone's patch embedding (a stem, as in the official
+    APHQ-ViT detection code), blocks, PatchMerging and the FPN neck; its RPN / RoI heads are no unit."""
+    def tree(**children):
+        module = nn.Module()
+        for name, child in children.items():
+            module.add_module(name, child)
+        return module
+
+    stage = tree(blocks=nn.ModuleList([tree(attn=nn.Linear(4, 4))]), downsample=tree(reduction=nn.Linear(16, 8)))
+    detector = tree(backbone=tree(patch_embed=tree(projection=nn.Conv2d(3, 4, 2)), stages=nn.ModuleList([stage])),
+                    neck=tree(conv=nn.Conv2d(4, 4, 1)), rpn_head=tree(conv=nn.Conv2d(4, 4, 1)))
+    kinds = ("stem", "block", "merge", "head", "neck")
+    assert [(u.name, u.kind) for u in find_units(detector, kinds)] == [
+        ("backbone.patch_embed", "stem"), ("backbone.stages.0.blocks.0", "block"),
+        ("backbone.stages.0.downsample", "merge"), ("neck", "neck")]
+
+
+def test_a_unit_that_skips_a_batch_of_the_feed_is_refused():
+    """for_each_call expects the unit once per batch: a batch whose forward never reaches it would leave that
+    sample out of the reconstruction without a word."""
+    from quant.units import for_each_call
+
+    class Feed:
+        def __len__(self):
+            return 2
+
+        def run(self, model, index):
+            if index == 0:  # the second batch never reaches the unit
+                model.unit(torch.zeros(1, 4))
+
+    model = nn.Module()
+    model.unit = nn.Linear(4, 4)
+    seen = []
+    with pytest.raises(RuntimeError, match="ran 1 times over 2 batches"):
+        for_each_call(model, "unit", Feed(), lambda args, out: seen.append(out))
+    assert len(seen) == 1
