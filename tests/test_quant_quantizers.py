@@ -407,3 +407,19 @@ def test_log_sqrt2_treats_negative_inputs_as_zero():
     assert out[3].item() == pytest.approx(0.5 * 2 ** (-round(-2 * math.log2(0.3 / 0.5)) / 2))
     codes, zero = log_sqrt2_codes(x, torch.tensor(0.5), 4)
     assert zero.tolist() == [True, True, True, False] and not torch.isnan(codes).any()
+
+
+@pytest.mark.parametrize("group_size", [0, -4])
+def test_a_weight_group_of_no_columns_is_refused(group_size):
+    from quant.gptq.quantizer import GPTQQuantizer
+    from quant.spec import QuantizerSpec
+    with pytest.raises(ValueError, match=f"group_size={group_size}: needs a positive size"):
+        QuantizerSpec(4, kind=GPTQQuantizer, group_size=group_size)
+    assert QuantizerSpec(4, kind=GPTQQuantizer, group_size=1).group_size == 1
+
+
+def test_per_token_ranges_of_a_calibrated_quantizer_kind_are_refused():
+    # a static kind fits one range at calibration: "token" (a range per row, at run time) cannot be honoured
+    from quant.spec import QuantizerSpec
+    with pytest.raises(ValueError, match="not a dynamic quantizer kind"):
+        QuantizerSpec(8, granularity="token")
