@@ -200,3 +200,18 @@ def test_stem_and_head_take_their_own_weight_and_input_bits():
     # the head's input is a block input (per tensor), not a LayerNorm output with RepQ-ViT's per-channel start
     repq, _ = PIPELINES["repq"](tiny_vit(depth=1), images(4), "w4a4", opts)
     assert repq.head.input_quantizer.channel_dim is None and repq.head.input_quantizer.bits == 3
+    assert repq.patch_embed.proj.input_quantizer.channel_dim is None  # likewise the image: per tensor
+
+
+@pytest.mark.parametrize("text", ["w4a4x", "xw4a4", "w4a4-strict", "w4a4 a8"])
+def test_a_bit_width_with_anything_around_it_is_refused(text):
+    with pytest.raises(ValueError, match="not of the form"):  # never read as the w4a4 inside it
+        parse_bits(text)
+
+
+def test_only_a_data_parallel_pipeline_records_the_number_of_ranks():
+    # GPLQ trains on every rank (the global batch and each shard depend on it); the others give the same result
+    # on any number of ranks, and a rank count in their settings would split results that are the same
+    from quant.registry import run_settings
+    assert run_settings("gplq") == {"world_size": 1}  # one process, not distributed
+    assert all(run_settings(name) == {} for name in ("percentile", "repq", "aphq", "rtn", "gptq", "smoothquant"))
