@@ -56,6 +56,9 @@ def test_state_dict_keys_of_attention_are_kept():
     qmodel = quantize_model(model, ATTN_ONLY)
     keys = set(qmodel.state_dict())
     assert set(model.state_dict()) <= keys  # relative_position_bias_table, qkv, proj ... keep their names
+    # only quantizer state is added: the index buffer stays out of checkpoints, as timm keeps it
+    assert all(".q_quant." in k or ".k_quant." in k or ".attn_quant." in k or ".v_quant." in k
+               for k in keys - set(model.state_dict()))
 
 
 def test_unlisted_attention_subclass_is_refused(monkeypatch):
