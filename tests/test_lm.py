@@ -105,6 +105,21 @@ def test_hub_gpt2_files_without_lm_head_and_with_mask_buffers_load(tmp_path):
         torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gelu", ["exact", "tanh"])
+def test_model_kwargs_gelu_is_the_activation_of_every_mlp(gelu):
+    """model.kwargs.gelu: exact is x * Phi(x) (erf), tanh GPT-2's 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+    Written out here; at |x| near 2 the two differ by ~1e-3, which the GPT-2 logit checks above (weights of std
+    0.02, pre-activations near 0) cannot see."""
+    x = torch.linspace(-4, 4, 81, dtype=torch.float64)
+    want = {"exact": 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+            "tanh": 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))}
+    other = "tanh" if gelu == "exact" else "exact"
+    assert (want[gelu] - want[other]).abs().max() > 1e-4  # the two forms are told apart at this tolerance
+    model = build_gpt("gpt2_nano", vocab_size=65, gelu=gelu)
+    for block in model.blocks:
+        torch.testing.assert_close(block.mlp.act(x), want[gelu], rtol=0, atol=1e-6)
+
+
 def test_a_window_of_the_whole_context_is_a_forward_and_a_longer_one_is_refused():
     """The position table has `context` rows: a window of exactly `context` ids (what the token windows of
     data/text.py give) is scored; one id more is refused naming both lengths."""
