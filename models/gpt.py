@@ -193,5 +193,6 @@ def checkpoint_filter_fn(state_dict: dict, model: GPT) -> dict:
             if hits:
                 break
         out[key] = value
-    out.setdefault("head.weight", out.get("wte.weight"))  # tied: files may store only one of the two
+    if "wte.weight" in out:  # tied: files may store only one of the two (without either: missing keys, named)
+        out.setdefault("head.weight", out["wte.weight"])
     return out

@@ -131,6 +131,19 @@ def test_a_window_of_the_whole_context_is_a_forward_and_a_longer_one_is_refused(
             model(torch.zeros(1, model.context + 1, dtype=torch.long))
 
 
+def test_a_nanogpt_file_without_the_token_embedding_is_refused_naming_the_missing_keys(tmp_path):
+    """A file in nanoGPT's names that holds the blocks but no wte / lm_head (a partial save): the tied head was
+    filled with None from the absent embedding, and loading ended in AttributeError from deep inside."""
+    from configs.schema import ModelConfig
+    from models import build_model
+    model = build_gpt("gpt2_nano", vocab_size=65)
+    blocks_only = {k: v for k, v in _nanogpt_names(model.state_dict()).items() if k.startswith("transformer.h.")}
+    torch.save(blocks_only, tmp_path / "blocks.pt")
+    with pytest.raises(ModelError, match=r"does not fit GPT: missing \['wte.weight', 'wpe.weight', 'norm.weight', "
+                                         r"'norm.bias', 'head.weight'\]"):
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "blocks.pt")))
+
+
 @pytest.mark.parametrize("setting, expected", [("num_classes=80", "set model.num_classes=65 to load it"),
                                                ("kwargs={context: 16}", "set model.kwargs.context=32 to load it")])
 def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_path, setting, expected):
