@@ -440,6 +440,18 @@ def test_model_and_data_must_be_of_one_task(tmp_path):
         train.main(cfg)
 
 
+@pytest.mark.parametrize("dataset", ["tokens", "kjv"])
+def test_an_image_model_on_text_is_refused_and_on_images_passes(dataset):
+    """The other direction of the check above: a ViT given token windows."""
+    from configs.schema import ModelConfig
+    from engine.tasks import check_model_fits_task
+    from models import build_model
+    vit = build_model(ModelConfig(name="vit_nano", num_classes=10))
+    with pytest.raises(ConfigError, match=f"model.name=vit_nano is an image model, data.dataset={dataset} is text"):
+        check_model_fits_task(vit, "vit_nano", dataset)
+    check_model_fits_task(vit, "vit_nano", "digits")
+
+
 @pytest.mark.parametrize("size, shown", [("context=0", None), ("context=-5", None), ("num_heads=0", None),
                                          ("depth=-1", None), ("depth=0", None), ("embed_dim=0", None),
                                          ("embed_dim=-4", None), ("num_heads=4.0", "num_heads=4.0"),
