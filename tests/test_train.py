@@ -221,6 +221,7 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
     events = EventAccumulator(os.path.join(cfg.out_dir, "tb")).Reload()
     assert [e.step for e in events.Scalars("val/top1")] == [4, 8]
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert "step" not in events.Tags()["scalars"]  # the x axis of every scalar, not a scalar of its own
     assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == [4, 8]
 
 
