@@ -106,13 +106,19 @@ def test_bad_inputs_are_error_lines(source, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "c")  # everything is read before anything is written
 
 
-@pytest.mark.parametrize("damage", ["sizes cut short", "gzip cut short", "gzip corrupt"])
+@pytest.mark.parametrize("damage", ["sizes cut short", "gzip cut short", "gzip corrupt", "one byte short",
+                                    "one byte extra"])
 def test_a_damaged_idx_file_is_one_error_line(source, tmp_path, capsys, damage):
     folder, _ = source
     path = os.path.join(folder, fm.FILES["val"][0])
     if damage == "sizes cut short":  # 3 dimensions promised, the file ends inside the first size
         with gzip.open(path, "wb") as f:
             f.write(b"\x00\x00\x08\x03\x00\x00")
+    elif damage.startswith("one byte"):  # the header's 10 x 28 x 28 sizes kept, the pixel bytes one off
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+        with gzip.open(path, "wb") as f:
+            f.write(data[:-1] if damage == "one byte short" else data + b"\x00")
     else:
         with gzip.open(path, "rb") as f:
             data = bytearray(gzip.compress(f.read(), mtime=0))  # a header of 10 bytes, no file name
