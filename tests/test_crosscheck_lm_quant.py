@@ -50,3 +50,25 @@ def test_perplexity_is_exp_of_the_mean_nll_of_every_next_token_of_every_window()
                 logits = model(w[None, :t + 1])[0, -1].double()
                 nll.append(float(torch.logsumexp(logits, -1) - logits[w[t + 1]]))
     assert xc.perplexity(model, windows) == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+
+
+def test_weight_diff_counts_every_block_matrix_and_reads_split_qkv_in_q_k_v_order():
+    """Two models that differ in one weight of one block Linear: max |diff| is that change, 1 of all block-Linear
+    weights differs (counted here from the parameter shapes), and a copy with q / k / v split from the fused rows
+    compares as identical to its source (the rows concatenated back in q, k, v order)."""
+    torch.manual_seed(0)
+    ours = build_gpt("gpt2_nano", vocab_size=65).eval()
+    theirs = build_gpt("gpt2_nano", vocab_size=65).eval()
+    theirs.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        theirs.blocks[-1].mlp.fc2.weight[3, 5] += 0.25
+    total = sum(b.get_submodule(p).weight.numel() for b in ours.blocks for p in xc.BLOCK_LINEARS)
+    diff = xc.weight_diff(ours, theirs)
+    last = f"blocks.{len(ours.blocks) - 1}.mlp.fc2"
+    assert diff["max_abs"] == pytest.approx(0.25, rel=1e-6)
+    assert diff["differing_fraction"] == 1 / total
+    assert diff["per_layer"][last] == pytest.approx(0.25, rel=1e-6)
+    assert all(v == 0 for k, v in diff["per_layer"].items() if k != last)
+    assert len(diff["per_layer"]) == len(ours.blocks) * len(xc.BLOCK_LINEARS)
+    split = xc.weight_diff(ours, xc.split_qkv(ours))
+    assert split["max_abs"] == 0 and split["differing_fraction"] == 0
