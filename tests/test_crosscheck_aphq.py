@@ -176,6 +176,18 @@ def test_unit_errors_are_zero_for_the_same_model_and_grow_with_a_change():
     assert err["blocks.0"] == 0 and err["blocks.1"] > 0 and err["head"] > 0
 
 
+def test_unit_errors_are_the_summed_squared_error_over_the_summed_squared_output_of_all_images():
+    """One Linear unit, images in batches of 2 of 5: sum ||O_q - O||^2 / sum ||O||^2 over every image (not a mean
+    of squares, not the last batch alone), written out with the two weight matrices."""
+    torch.manual_seed(0)
+    fp, q = nn.Sequential(nn.Linear(3, 4, bias=False)), nn.Sequential(nn.Linear(3, 4, bias=False))
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        ref, out = x @ fp[0].weight.T, x @ q[0].weight.T
+    expected = float(((out - ref) ** 2).sum() / (ref ** 2).sum())
+    assert xc.unit_errors(fp, q, ["0"], x, 2)["0"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_quantizer_comparison_counts_groups_with_another_scale_or_zero_point():
     from quant.aphq.pipeline import APHQPipeline
     from quant.convert import quantize_model
