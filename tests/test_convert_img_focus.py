@@ -407,3 +407,31 @@ def test_the_batch_a_graph_takes_sets_the_verification_images(tiny, tmp_path, ca
     assert conv.main([str(source), "--out", str(tmp_path / "d.safetensors"), "--images",
                       *_pngs(tmp_path, BATCH + 1)]) == 0
     assert seen == [(4, 3, INPUT, INPUT), (BATCH + 1, 3, INPUT, INPUT)]
+
+
+def test_heads_are_read_from_a_reshape_shape_built_by_concat():
+    """torch.onnx with dynamic shapes builds the query's Reshape target as Concat(batch, tokens, [heads],
+    [head_dim]): the heads are the third piece (3 heads of width 8 here, so the two cannot be confused)."""
+    def const(name, values):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(values, np.int64)))
+    nodes = [const("b", [0]), const("n", [0]), const("h", [3]), const("d", [8]),
+             helper.make_node("Concat", ["b", "n", "h", "d"], ["shape"], axis=0),
+             helper.make_node("Add", ["backbone.encoder.layer.0.attention.attention.query.bias", "x"], ["q"]),
+             helper.make_node("Reshape", ["q", "shape"], ["q4"])]
+    bias = numpy_helper.from_array(np.zeros(24, np.float32), "backbone.encoder.layer.0.attention.attention.query.bias")
+    graph = helper.make_graph(nodes, "heads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 24])],
+                              [helper.make_tensor_value_info("q4", TensorProto.FLOAT, None)], [bias])
+    assert conv.num_heads(conv.Graph(helper.make_model(graph))) == 3
+
+
+def test_a_nan_difference_from_the_graph_is_refused_and_nothing_is_written(tiny, tmp_path, capsys, monkeypatch):
+    """A converted model whose output holds NaN is not within any --tolerance: one error line, no file."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    monkeypatch.setattr(conv, "verify", lambda proto, state, heads, images: float("nan"))
+    out = tmp_path / "nan.safetensors"
+    assert conv.main([str(source), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--tolerance" in lines[0], lines
+    assert not out.exists()
