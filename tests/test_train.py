@@ -1029,3 +1029,31 @@ def test_an_abandoned_checkpoint_is_kept_once(tmp_path):
     os.remove(tmp_path / "snapshots" / "epoch0002.pt")  # checkpoint.pt is now the only copy of that progress
     kept = snapshots.keep_abandoned_checkpoint(str(tmp_path), str(resume), 4, True, cpu)
     assert kept == str(tmp_path / "checkpoint.until_step4.pt") and os.path.samefile(kept, own)
+
+
+def test_each_setting_given_reaches_the_object_it_configures(debug_config):
+    """build_run hands every setting to what it configures; read back from the built objects, against the
+    values given (the debug recipe: 64 synthetic images, global batch 16 of 8 per process, 2 epochs)."""
+    from engine.distributed import DistInfo
+
+    cfg = debug_config("optim.weight_decay=0.07", "cd.enabled=true", "cd.budget=false", "cd.lam=0.003",
+                       "tweo.enabled=true", "train.ema=true", "train.ema_decay=0.9", "train.ema_warmup=true",
+                       "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3")
+    run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                          resumed=False)
+    # cd.budget=false: weight decay stays as given (1-D parameters never decay)
+    assert {g["weight_decay"] for g in run.optimizer.param_groups} == {0.0, 0.07}
+    assert run.decay.lam == 0.003 and run.decay.norms_every == 3
+    assert run.accum_steps == 2 and run.updates_per_epoch == 64 // 16
+    assert run.tweo.total_steps == run.total_steps == 2 * (64 // 16)  # the schedule's whole length
+    assert run.ema.decay == 0.9 and run.ema.use_warmup is True
+    assert run.loaders.val.batch_size == 5
+    run.tweo.remove()
+
+
+def test_the_global_batch_splits_over_processes_and_accumulation_steps(debug_config):
+    cfg = debug_config("train.batch_size=48", "train.batch_size_per_gpu=8")
+    assert [train.accumulation_steps(cfg, w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]  # 48 / (8 x w)
+    for world_size in (4, 5):  # 8 x 4 = 32 and 8 x 5 = 40 do not divide 48
+        with pytest.raises(train.ConfigError, match="not a multiple"):
+            train.accumulation_steps(cfg, world_size)
