@@ -143,6 +143,16 @@ def test_timm_and_deit_flags_name_our_equivalent(argv, ours):
 
 
 @pytest.mark.parametrize("argv, ours", [
+    (["-b", "64"], "train.batch_size_per_gpu=64 (per process"),
+    (["-j", "4"], "data.num_workers=4"),
+])
+def test_single_dash_timm_flags_name_our_equivalent(argv, ours):
+    with pytest.raises(ConfigError, match=r"^-\w is not an option of train.py; use ") as refused:
+        train.parse_args(["--config", DEBUG_CONFIG, *argv, "out_dir=runs/x"])
+    assert f"; use {ours}" in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, ours", [
     (["--resume", "runs/x/best.pt"], "use --checkpoint runs/x/best.pt"),
     (["--output_dir", "results"], "use --out results"),
     (["--batch-size", "256"], "use train.eval_batch_size_per_gpu=256"),
