@@ -1057,3 +1057,23 @@ def test_the_global_batch_splits_over_processes_and_accumulation_steps(debug_con
     for world_size in (4, 5):  # 8 x 4 = 32 and 8 x 5 = 40 do not divide 48
         with pytest.raises(train.ConfigError, match="not a multiple"):
             train.accumulation_steps(cfg, world_size)
+
+
+def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(debug_config):
+    """build_loop's TrainLoop: optim.clip_grad, train.max_steps, train.divergence_factor as given, and a loss
+    that is the label-smoothed cross entropy written out here (data.label_smoothing=0.2, no mixing, 4 classes)."""
+    from engine.distributed import DistInfo
+
+    cfg = debug_config("optim.clip_grad=0.7", "train.max_steps=3", "train.divergence_factor=50",
+                       "data.label_smoothing=0.2", "data.mixup=0", "data.cutmix=0")
+    run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                          resumed=False)
+    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False})())
+    assert loop.clip_grad == 0.7 and loop.max_steps == 3 and loop.divergence is not None
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5], [0.0, 1.0, 0.0, 3.0]])
+    targets = torch.tensor([0, 3])
+    logp = torch.log_softmax(logits, dim=1)
+    eps = 0.2  # (1 - eps) on the label, eps spread evenly over the 4 classes
+    expected = -((1 - eps) * logp[torch.arange(2), targets] + eps * logp.mean(dim=1)).mean()
+    loss = loop.compute_loss(lambda x: logits, torch.zeros(2, 3, 32, 32), targets)
+    assert torch.allclose(loss, expected, atol=1e-6)
