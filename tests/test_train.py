@@ -1077,3 +1077,15 @@ def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(deb
     expected = -((1 - eps) * logp[torch.arange(2), targets] + eps * logp.mean(dim=1)).mean()
     loss = loop.compute_loss(lambda x: logits, torch.zeros(2, 3, 32, 32), targets)
     assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_the_chance_warning_covers_up_to_one_and_a_half_times_chance(caplog):
+    """10 classes: chance is 10%, so 15% still warns and 15.1% does not; one class has no chance level."""
+    for top1, warned in ((9.0, True), (15.0, True), (15.1, False), (90.0, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="train"):
+            train.warn_if_at_chance(top1, 10)
+        assert ("is at chance level" in caplog.text) == warned, top1
+    caplog.clear()
+    train.warn_if_at_chance(0.0, 1)
+    assert "chance" not in caplog.text
