@@ -1089,3 +1089,18 @@ def test_the_chance_warning_covers_up_to_one_and_a_half_times_chance(caplog):
     caplog.clear()
     train.warn_if_at_chance(0.0, 1)
     assert "chance" not in caplog.text
+
+
+def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
+    """cd.mode=loss: the added term's value is cd.loss_coef x the task loss (cd/decay.py aux_loss), so the loss
+    build_loop computes is (1 + loss_coef) x the plain cross entropy written here."""
+    from engine.distributed import DistInfo
+
+    cfg = debug_config("cd.enabled=true", "cd.budget=false", "cd.mode=loss", "cd.loss_coef=0.25",
+                       "data.label_smoothing=0", "data.mixup=0", "data.cutmix=0")
+    run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                          resumed=False)
+    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False})())
+    logits, targets = torch.tensor([[2.0, 0.0, -1.0, 0.5]]), torch.tensor([2])
+    expected = 1.25 * -torch.log_softmax(logits, dim=1)[0, 2]
+    assert torch.allclose(loop.compute_loss(lambda x: logits, torch.zeros(1, 3, 32, 32), targets), expected)
