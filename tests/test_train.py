@@ -1104,3 +1104,11 @@ def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
     logits, targets = torch.tensor([[2.0, 0.0, -1.0, 0.5]]), torch.tensor([2])
     expected = 1.25 * -torch.log_softmax(logits, dim=1)[0, 2]
     assert torch.allclose(loop.compute_loss(lambda x: logits, torch.zeros(1, 3, 32, 32), targets), expected)
+
+
+@pytest.mark.parametrize("every, steps", [(1, [4, 8, 12]), (2, [8, 12])])
+def test_validation_runs_every_eval_every_epochs_and_at_the_last_epoch(debug_config, every, steps):
+    """3 epochs of 64 / 16 = 4 updates: validations at every `every`-th epoch's end and at the run's end."""
+    cfg = debug_config("sched.epochs=3", f"train.eval_every_epochs={every}", "log.tensorboard=false")
+    train.main(cfg)
+    assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == steps
