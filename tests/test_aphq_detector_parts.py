@@ -232,3 +232,73 @@ def test_detector_options_refuse_what_the_detector_reconstruction_cannot_honour(
     from quant.aphq.detector import check_detector_options
     with pytest.raises(ValueError, match=message):
         check_detector_options(dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, key: value}))
+
+
+class StagedDetector(nn.Module):
+    """ToyDetector with MMDetection's unit names: backbone.stages.0.blocks.0, then a 1x1-conv neck and RPN."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.backbone = nn.Module()
+        stage = nn.Module()
+        stage.blocks = nn.ModuleList([Block(c)])
+        self.backbone.stages = nn.ModuleList([stage])
+        self.neck = nn.Conv2d(c, c, 1)
+        self.rpn_cls = nn.Conv2d(c, 3, 1)
+        self.rpn_reg = nn.Conv2d(c, 12, 1)
+
+    def forward_image(self, image):
+        b, c, h, w = image.shape
+        x = self.backbone.stages[0].blocks[0](image.flatten(2).transpose(1, 2), (h, w))
+        fmap = self.neck(x.transpose(1, 2).reshape(b, c, h, w))
+        return [self.rpn_cls(fmap)], [self.rpn_reg(fmap)]
+
+
+class CalibFeed(ImageFeed):
+    """A calibration set that is also a quant.calibrate.ModelFeed: one forward per image."""
+
+    def feed(self, model):
+        for i in range(len(self)):
+            self.run(model, i)
+        return len(self)
+
+
+@pytest.mark.parametrize("given", [
+    dict(iters=3, weight_lr=0.011, act_lr=0.022, drop_prob=0.3, input_mix_prob=0.4, warmup=0.3, beta_start=19.0,
+         beta_end=3.0, round_weight=0.05, normalize_loss=False, log_every=7, hessian_eps=2e-3),
+    dict(hessian_eps=None), dict(loss="mse")])
+def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(monkeypatch, given):
+    """What quantize_detector hands each unit's reconstruction is what the options say (a user's setting is never
+    replaced by the recipe's): lrs, QDrop, rounding schedule, normalisation, the APH eps (None: the official
+    detection 1e-3) and the loss (mse: no APH weight for any unit)."""
+    import dataclasses
+    import quant.aphq.detector as aphq_detector
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from quant.calibrate import calibrate
+    from quant.pipeline_data import PipelineData
+    from quant.spec import parse_bits
+    options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 2,
+                                                    "iters": 1, **given})
+    seen_eps, seen = [], []
+    monkeypatch.setattr(aphq_detector, "detector_hessians", lambda frozen, unit, samples, rpn, refs, eps: (
+        seen_eps.append(eps) or [[torch.ones(1)] for _ in refs]))
+    monkeypatch.setattr(aphq_detector, "reconstruct_unit_calls", lambda module, fp, q, weights, settings, name="": (
+        seen.append((name, weights is not None, settings)) or {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}))
+    monkeypatch.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: calibrate(
+        model, calib))
+    torch.manual_seed(0)
+    spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck"),
+                                         QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
+    feed = ImageFeed(images()[:2])
+    aphq_detector.quantize_detector(spec, StagedDetector(), CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+                                    PipelineData(detector_samples=lambda count, seed: feed))
+    assert [(name, aph) for name, aph, _ in seen] == [("backbone.stages.0.blocks.0", options.loss == "aph"),
+                                                      ("neck", False)]
+    assert seen_eps == ([] if options.loss == "mse" else [given.get("hessian_eps", 1e-3) or 1e-3])
+    for name, _, s in seen:
+        assert (s.iters, s.batch_size, s.weight_lr, s.act_lr) == (options.iters, 1, options.weight_lr, options.act_lr)
+        assert s.drop_prob == (1.0 if name == "neck" else options.drop_prob)  # QDrop never inside the neck's convs
+        assert (s.input_mix_prob, s.normalize_loss, s.log_every) == (options.input_mix_prob, options.normalize_loss,
+                                                                      options.log_every)
+        assert s.rounding == RoundingSchedule(options.iters, options.warmup, options.beta_start, options.beta_end,
+                                              options.round_weight)
