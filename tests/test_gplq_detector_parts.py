@@ -79,6 +79,8 @@ def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch(
     check_detector_options(detection, calib_count=2)
     with pytest.raises(ValueError, match="init_images=2 but the calibration batch holds 1 images"):
         check_detector_options(detection, calib_count=1)
+    with pytest.raises(ValueError, match="init_images=2 but the calibration batch holds 3 images"):
+        check_detector_options(detection, calib_count=3)  # a larger batch is refused too, not cut to init_images
     with pytest.raises(ValueError, match="pca_weight=0.5"):
         check_detector_options(dataclasses.replace(detection, pca_weight=0.5), calib_count=2)
     with pytest.raises(ValueError, match="stage2_train_transform=True"):
@@ -88,5 +90,90 @@ def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch(
 def test_detector_stage1_identity_holds_every_stage1_option():
     model, opts = tiny_vit(depth=1), PIPELINES["gplq"].Options
     base = detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None)
-    for key, value in [("init_images", 7), ("lr", 1e-5), ("seed", 2), ("steps", 3), ("head_a_bits", 8)]:
+    for key, value in [("init_images", 7), ("lr", 1e-5), ("seed", 2), ("steps", 3), ("head_a_bits", 8),
+                       ("batch_size_per_gpu", 2), ("scale_lr", 1e-4), ("weight_decay", 0.1), ("amp", "bf16"),
+                       ("matmul_percentile", 0.999)]:
         assert detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0, **{key: value}), None) != base, key
+
+
+@pytest.mark.parametrize("key, value", [("pca_variance", 0.5), ("pca_multiple", 8), ("pca_images", 64)])
+def test_detector_options_refuse_pca_settings_it_never_applies(key, value):
+    import dataclasses
+    from configs.quant import GPLQ_DETECTION, GPLQOptions
+    from quant.gplq.detector import check_detector_options
+    detection = dataclasses.replace(GPLQOptions(), **GPLQ_DETECTION)
+    with pytest.raises(ValueError, match=f"{key}={value}: .*PCA settings do not apply"):
+        check_detector_options(dataclasses.replace(detection, **{key: value}))
+
+
+class SwinBlock(nn.Module):
+    """MMDetection's name of a Swin block's fc2 (ffn.layers.1): forward(x, hw_shape)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.ffn = nn.Module()
+        self.ffn.layers = nn.ModuleList([nn.Identity(), nn.Linear(c, c)])
+
+    def forward(self, x, hw_shape):
+        return x + self.ffn.layers[1](x)
+
+
+class ToyDetector(nn.Module):
+    """A detector's module names (backbone.stages.0.blocks.0, neck) in plain torch."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.backbone = nn.Module()
+        stage = nn.Module()
+        stage.blocks = nn.ModuleList([SwinBlock(c)])
+        self.backbone.stages = nn.ModuleList([stage])
+        self.neck = nn.Sequential(nn.Conv2d(c, c, 1))
+
+    def forward_image(self, image):
+        b, c, h, w = image.shape
+        x = self.backbone.stages[0].blocks[0](image.flatten(2).transpose(1, 2), (h, w))
+        return self.neck(x.transpose(1, 2).reshape(b, c, h, w))
+
+
+class CalibFeed(ImageFeed):
+    def feed(self, model):
+        for i in range(len(self)):
+            self.run(model, i)
+        return len(self)
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("given, world, lr, scale_lr", [
+    (dict(batch_size_per_gpu=16), 4, 2.5e-6, 2.5e-6),  # the paper's lr for a global batch of 64 (16 x 4 ranks)
+    (dict(batch_size_per_gpu=1, steps=5, lr=3e-4, scale_lr=2e-3, weight_decay=0.05, amp="bf16", seed=9,
+          log_every=3, ckpt_every=4), 2, 3e-4, 2e-3)])
+def test_detector_stage1_gets_the_asked_settings_and_the_papers_lr_for_the_global_batch(monkeypatch, given, world,
+                                                                                        lr, scale_lr):
+    import dataclasses
+    import quant.gplq.detector as gplq_detector
+    from configs.quant import GPLQ_DETECTION, GPLQOptions
+    from quant.gplq.pipeline import default_lr
+    from quant.pipeline_data import PipelineData
+    monkeypatch.setattr(gplq_detector, "world_size", lambda: world)
+    options = dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, "init_images": 1, **given})
+    seen = {}
+
+    def stage1(student, settings, work_dir):
+        seen.update(settings)
+        raise _Started
+    torch.manual_seed(0)
+    feed = CalibFeed([torch.randn(1, 4, 3, 2)])
+    with pytest.raises(_Started):
+        gplq_detector.quantize_detector(PIPELINES["gplq"].layout(parse_bits("w4a4"), options), ToyDetector(), feed,
+                                        parse_bits("w4a4"), options, PipelineData(train_detector=stage1,
+                                                                                  detector_samples=lambda c, s: None),
+                                        default_lr)
+    assert seen["lr"] == pytest.approx(lr) and seen["scale_lr"] == pytest.approx(scale_lr)
+    for key in ("steps", "batch_size_per_gpu", "weight_decay", "amp", "seed", "log_every", "ckpt_every"):
+        assert seen[key] == getattr(options, key), key
+    assert seen["identity"]["world_size"] == world
+    weights, scales = seen["param_groups"]
+    assert (weights["lr"], scales["lr"]) == pytest.approx((lr, scale_lr))
