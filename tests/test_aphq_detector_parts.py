@@ -235,7 +235,7 @@ def test_detector_options_refuse_what_the_detector_reconstruction_cannot_honour(
 
 
 class StagedDetector(nn.Module):
-    """ToyDetector with MMDetection's unit names: backbone.stages.0.blocks.0, then a 1x1-conv neck and RPN."""
+    """ToyDetector with MMDetection's unit names: backbone.stages.0.blocks.0, then a 1x1-conv neck and rpn_head."""
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()
@@ -244,14 +244,15 @@ class StagedDetector(nn.Module):
         stage.blocks = nn.ModuleList([Block(c)])
         self.backbone.stages = nn.ModuleList([stage])
         self.neck = nn.Conv2d(c, c, 1)
-        self.rpn_cls = nn.Conv2d(c, 3, 1)
-        self.rpn_reg = nn.Conv2d(c, 12, 1)
+        self.rpn_head = nn.Module()
+        self.rpn_head.cls = nn.Conv2d(c, 3, 1)
+        self.rpn_head.reg = nn.Conv2d(c, 12, 1)
 
     def forward_image(self, image):
         b, c, h, w = image.shape
         x = self.backbone.stages[0].blocks[0](image.flatten(2).transpose(1, 2), (h, w))
         fmap = self.neck(x.transpose(1, 2).reshape(b, c, h, w))
-        return [self.rpn_cls(fmap)], [self.rpn_reg(fmap)]
+        return [self.rpn_head.cls(fmap)], [self.rpn_head.reg(fmap)]
 
 
 class CalibFeed(ImageFeed):
@@ -276,6 +277,7 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
     from configs.quant import APHQ_DETECTION, APHQOptions
     from quant.calibrate import calibrate
     from quant.pipeline_data import PipelineData
+    from quant.modes import named_quantizers, set_quant_state
     from quant.spec import parse_bits
     options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 2,
                                                     "iters": 1, **given})
@@ -284,16 +286,20 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
         seen_eps.append(eps) or [[torch.ones(1)] for _ in refs]))
     monkeypatch.setattr(aphq_detector, "reconstruct_unit_calls", lambda module, fp, q, weights, settings, name="": (
         seen.append((name, weights is not None, settings)) or {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}))
-    monkeypatch.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: calibrate(
-        model, calib))
+    # min/max instead of APHQ's search, every quantizer left off afterwards as calibrate_aphq leaves them
+    monkeypatch.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: (
+        calibrate(model, calib), set_quant_state(model, weights=False, activations=False)))
     torch.manual_seed(0)
-    spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck"),
+    spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck", "rpn_head.*"),
                                          QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
     feed = ImageFeed(images()[:2])
-    aphq_detector.quantize_detector(spec, StagedDetector(), CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+    result = aphq_detector.quantize_detector(spec, StagedDetector(), CalibFeed(images()[:1]), parse_bits("w4a4"), options,
                                     PipelineData(detector_samples=lambda count, seed: feed))
     assert [(name, aph) for name, aph, _ in seen] == [("backbone.stages.0.blocks.0", options.loss == "aph"),
-                                                      ("neck", False)]
+                                                      ("neck", False)]  # the RPN head: calibrated only
+    assert result.report["calibrated_only"] == ["rpn_head"]
+    heads = [q for name, q in named_quantizers(result.model) if name.startswith("rpn_head.")]
+    assert len(heads) == 4 and all(q.enabled and q.calibrated for q in heads)  # switched on at the end
     assert seen_eps == ([] if options.loss == "mse" else [given.get("hessian_eps", 1e-3) or 1e-3])
     for name, _, s in seen:
         assert (s.iters, s.batch_size, s.weight_lr, s.act_lr) == (options.iters, 1, options.weight_lr, options.act_lr)
