@@ -308,3 +308,29 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
                                                                       options.log_every)
         assert s.rounding == RoundingSchedule(options.iters, options.warmup, options.beta_start, options.beta_end,
                                               options.round_weight)
+
+
+def test_per_image_reconstruction_cycles_through_the_images_in_order():
+    """Iteration it reconstructs image it % n (official `idx = it % n`): with both lrs 0 nothing moves, so each
+    iteration's loss is its image's weighted error, computed here image by image."""
+    torch.manual_seed(0)
+    model = ToyDetector()
+    feed = ImageFeed(images())
+    spec = QuantSpec(linears=(LinearRule(("backbone.block.fc",), QuantizerSpec(4, granularity="channel"),
+                                         QuantizerSpec(4)),), strict=False)
+    q = quantize_model(model, spec)
+    fp_calls = capture_unit_calls(model, "backbone.block", feed, outputs=True)
+    from quant.calibrate import calibrate
+    calibrate(q.backbone.block.fc, torch.cat([c.args[0] for c in fp_calls], dim=1))
+    q_calls = capture_unit_calls(q, "backbone.block", feed)
+    hessians = [[torch.rand_like(c.outputs[0]) + 0.5] for c in fp_calls]
+    unit = q.backbone.block
+    with torch.no_grad():
+        per_image = [float(((unit(qc.args[0], qc.args[1]) - fc.outputs[0]).pow(2) * h[0]).sum())
+                     for qc, fc, h in zip(q_calls, fp_calls, hessians)]
+    settings = ReconSettings(iters=5, batch_size=1, weight_lr=0.0, act_lr=0.0, drop_prob=1.0, input_mix_prob=1.0,
+                             rounding=RoundingSchedule(5, 0.2, 20.0, 2.0, 0.01), normalize_loss=False, log_every=1)
+    seen = []
+    reconstruct_unit_calls(unit, fp_calls, q_calls, hessians, settings, progress=lambda m: seen.append(m["rec"]))
+    expected = [per_image[i] for i in (0, 1, 2, 0, 1)]
+    assert seen == pytest.approx(expected, rel=1e-5)
