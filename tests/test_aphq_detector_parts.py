@@ -282,8 +282,9 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
     options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 2,
                                                     "iters": 1, **given})
     seen_eps, seen = [], []
+    seen_refs = []
     monkeypatch.setattr(aphq_detector, "detector_hessians", lambda frozen, unit, samples, rpn, refs, eps: (
-        seen_eps.append(eps) or [[torch.ones(1)] for _ in refs]))
+        seen_eps.append(eps) or seen_refs.append(refs) or [[torch.ones(1)] for _ in refs]))
     monkeypatch.setattr(aphq_detector, "reconstruct_unit_calls", lambda module, fp, q, weights, settings, name="": (
         seen.append((name, weights is not None, settings)) or {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}))
     # min/max instead of APHQ's search, every quantizer left off afterwards as calibrate_aphq leaves them
@@ -293,11 +294,17 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
     spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck", "rpn_head.*"),
                                          QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
     feed = ImageFeed(images()[:2])
-    result = aphq_detector.quantize_detector(spec, StagedDetector(), CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+    detector = StagedDetector()
+    result = aphq_detector.quantize_detector(spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
                                     PipelineData(detector_samples=lambda count, seed: feed))
     assert [(name, aph) for name, aph, _ in seen] == [("backbone.stages.0.blocks.0", options.loss == "aph"),
                                                       ("neck", False)]  # the RPN head: calibrated only
     assert result.report["calibrated_only"] == ["rpn_head"]
+    for refs in seen_refs:  # the float RPN's objectness as probabilities (official raw_cls) and its box deltas
+        with torch.no_grad():
+            for i, ((cls, box), (logits, deltas)) in enumerate(zip(refs, [feed.rpn_outputs(detector, j)
+                                                                        for j in range(len(feed))])):
+                assert torch.allclose(cls[0], torch.sigmoid(logits[0])) and torch.allclose(box[0], deltas[0]), i
     heads = [q for name, q in named_quantizers(result.model) if name.startswith("rpn_head.")]
     assert len(heads) == 4 and all(q.enabled and q.calibrated for q in heads)  # switched on at the end
     assert seen_eps == ([] if options.loss == "mse" else [given.get("hessian_eps", 1e-3) or 1e-3])
