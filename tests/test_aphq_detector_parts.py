@@ -6,7 +6,9 @@ GoatWu/APHQ-ViT `Object-Detection/tools`, on a toy detector in plain torch (no M
 * the convolution search (`search_conv_self`) against the official candidate grid and self-MSE, by loops;
 * per-image reconstruction (`reconstruct_unit_calls`): its first loss is the official formula, and a
   batch above 1 is refused;
-* per-image captures (`capture_unit_calls`) keep each image's shape and the unit's extra arguments.
+* per-image captures (`capture_unit_calls`) keep each image's shape and the unit's extra arguments;
+* `quantize_detector` hands each unit the options' reconstruction settings and the float RPN references, and
+  switches the calibrated-only heads on at the end.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """GPLQ's detector parts in plain torch (no MMDetection needed): QwT fitted by streaming a model through a
 `SampleFeed` (images of different sizes, blocks called as block(x, hw_shape)) equals the least-squares fit
 computed directly on the pooled tokens, and a reference that calls the block itself inside the stream is not
-counted as another call."""
+counted as another call; stage 1 on a detector gets the options it was asked for and the paper's lr for the
+global batch, and its resume identity holds them."""
 from __future__ import annotations
 
 import pytest
