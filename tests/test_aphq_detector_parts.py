@@ -188,14 +188,20 @@ def recon_settings(iters=1, batch_size=1, mix=1.0):  # QDrop off (1: the quantiz
                          normalize_loss=True, log_every=0)
 
 
-def test_per_image_reconstruction_loss_is_the_official_weighted_sum_and_batches_are_refused():
+def quantized_toy_block():
+    """(float ToyDetector, its ImageFeed, the model with backbone.block.fc quantized to W4A4, the float unit's
+    calls with their outputs)."""
     torch.manual_seed(0)
     model = ToyDetector()
     feed = ImageFeed(images())
     spec = QuantSpec(linears=(LinearRule(("backbone.block.fc",), QuantizerSpec(4, granularity="channel"),
                                          QuantizerSpec(4)),), strict=False)
     q = quantize_model(model, spec)
-    fp_calls = capture_unit_calls(model, "backbone.block", feed, outputs=True)
+    return model, feed, q, capture_unit_calls(model, "backbone.block", feed, outputs=True)
+
+
+def test_per_image_reconstruction_loss_is_the_official_weighted_sum_and_batches_are_refused():
+    model, feed, q, fp_calls = quantized_toy_block()
     assert [c.args[0].shape[1] for c in fp_calls] == [48, 24, 32]  # each image keeps its size
     assert [c.args[1] for c in fp_calls] == [(6, 8), (4, 6), (8, 4)]  # hw_shape passed on as it was
     from quant.calibrate import calibrate
@@ -322,13 +328,7 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
 def test_per_image_reconstruction_cycles_through_the_images_in_order():
     """Iteration it reconstructs image it % n (official `idx = it % n`): with both lrs 0 nothing moves, so each
     iteration's loss is its image's weighted error, computed here image by image."""
-    torch.manual_seed(0)
-    model = ToyDetector()
-    feed = ImageFeed(images())
-    spec = QuantSpec(linears=(LinearRule(("backbone.block.fc",), QuantizerSpec(4, granularity="channel"),
-                                         QuantizerSpec(4)),), strict=False)
-    q = quantize_model(model, spec)
-    fp_calls = capture_unit_calls(model, "backbone.block", feed, outputs=True)
+    model, feed, q, fp_calls = quantized_toy_block()
     from quant.calibrate import calibrate
     calibrate(q.backbone.block.fc, torch.cat([c.args[0] for c in fp_calls], dim=1))
     q_calls = capture_unit_calls(q, "backbone.block", feed)
