@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import math
 import os
 from typing import Sequence
@@ -276,7 +275,7 @@ def evaluation_reads(pipelines: Sequence[str]):
     are drawn from the whole split and given the test pipeline, engine/detection/feeds.py) for percentile,
     RepQ-ViT and APHQ; the whole loader but its batch size for GPLQ's stage 1. (A dataset wrapper's inner
     pipeline is replaced as well; an override of it is not caught here.)"""
-    from engine.detection import CommandReads  # imports mmdet, an optional dependency
+    from engine.detection import CommandReads, loader_arguments  # imports mmdet, an optional dependency
     keys = {"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
             "log_processor", "find_unused_parameters"}
     instead = {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
@@ -290,8 +289,7 @@ def evaluation_reads(pipelines: Sequence[str]):
         del instead["train_dataloader.batch_size"]  # the whole loader is unread
         does = "an evaluation without a quantization pipeline scores --checkpoint on test_dataloader only"
     elif "gplq" not in pipelines:
-        loader_args = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters) - {"self", "dataset"}
-        instead.update({f"train_dataloader.{arg}": "" for arg in sorted(loader_args)})
+        instead.update({f"train_dataloader.{arg}": "" for arg in sorted(loader_arguments())})
         instead["train_dataloader.dataset.indices"] = ""
         instead["train_dataloader.dataset.pipeline"] = "test_dataloader.dataset.pipeline"
         does = (f"the evaluation ({', '.join(pipelines)}) scores --checkpoint on test_dataloader with test_evaluator "

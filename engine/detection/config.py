@@ -256,7 +256,7 @@ def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
     if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()) or top in OPEN_DICTS:
         return
     if parent in LOADERS:
-        takes, what = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters), "torch's DataLoader"
+        takes, what = loader_arguments() | {"dataset"}, "torch's DataLoader"
     elif node.get("type") is None:
         close = difflib.get_close_matches(part, [str(k) for k in node], n=3)
         hint = f" (did you mean {', '.join(parent + '.' + c for c in close)}?)" if close else ""
@@ -269,6 +269,11 @@ def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
         close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
         hint = f"; did you mean {', '.join(parent + '.' + c for c in close)}?" if close else ""
         raise DetectionError(f"override {key}: {what} takes no argument '{part}'{hint}")
+
+
+def loader_arguments() -> set:
+    """The arguments of torch's DataLoader that a loader's dict may set besides its dataset (self excluded)."""
+    return set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters) - {"self", "dataset"}
 
 
 def _init_parameters(kind: Any) -> Optional[set]:
