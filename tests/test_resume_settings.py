@@ -377,3 +377,60 @@ def test_a_checkpoint_before_the_first_update_continues_in_another_layout():
     another number of updates per epoch starts the epoch from its beginning instead of being refused."""
     assert resume_position(position(2, 8, 1, upe=4), position(1, 4, 1, upe=16), epoch_batches=0, step=0,
                            checkpoint="c.pt") == 0
+
+
+# -- settings that say when a run validates, and a new train.seed ----------------------------------------------
+
+def test_a_new_train_seed_mid_epoch_is_refused_through_train_py(debug_config):
+    """The data order within an epoch follows train.seed: a run stopped inside an epoch cannot go on under
+    another seed (its next images would repeat some and skip others), even with train.allow_changed_config."""
+    first = debug_config("train.max_steps=3", name="m")  # 3 of epoch 0's 4 updates
+    train.main(first)
+    ckpt = os.path.join(first.out_dir, "checkpoint.pt")
+    before = open(ckpt, "rb").read()
+    with pytest.raises(CheckpointError, match=r"stopped inside an epoch \(48 of its samples done\) whose sample "
+                                              r"order depends on seed 0 \(now 1\).*train.seed"):
+        train.main(debug_config("train.seed=1", "train.allow_changed_config=true", name="m"))
+    assert open(ckpt, "rb").read() == before
+
+
+def test_a_new_train_seed_at_an_epoch_boundary_orders_the_next_epoch_as_a_fresh_run_of_that_seed(
+        debug_config, monkeypatch):
+    """docs/operations.md: with train.allow_changed_config=true a resumed run computes what a fresh run of the
+    NEW config would at that update. For train.seed, from the epoch after the checkpoint: the sample order of a
+    run of the new seed that was never interrupted, each sample's augmentation seed mix_seed(seed, epoch, rank,
+    position) of the new seed (data/samplers.py), and the main process reseeded from (new seed, rank, update)."""
+    import engine.loop
+    from data.samplers import SeededSampler
+    from engine.rng import mix_seed
+
+    samples, reseeds = [], []
+    sampler_iter = SeededSampler.__iter__
+
+    def recording_iter(self):
+        for index, seed in sampler_iter(self):
+            samples.append((self.epoch, index, seed))
+            yield index, seed
+
+    def recording_mix_seed(*parts):
+        reseeds.append(parts)
+        return mix_seed(*parts)
+
+    monkeypatch.setattr(SeededSampler, "__iter__", recording_iter)
+    monkeypatch.setattr(engine.loop, "mix_seed", recording_mix_seed)
+
+    def epoch_1():  # what the run drew in epoch 1 (updates 4 to 7), then forget
+        drawn = ([s for s in samples if s[0] == 1], [p for p in reseeds if p[2] >= 4])
+        samples.clear(), reseeds.clear()
+        return drawn
+
+    train.main(debug_config("train.seed=1", name="fresh"))  # 2 epochs of 4 updates, never interrupted
+    fresh = epoch_1()
+    first = train.main(debug_config("train.max_steps=4", name="r"))  # seed 0, stopped at epoch 0's end
+    assert (first.state.step, first.state.epoch, first.state.epoch_batches) == (4, 1, 0)
+    samples.clear(), reseeds.clear()
+    train.main(debug_config("train.seed=1", "train.allow_changed_config=true", name="r"))
+    resumed = epoch_1()
+    assert [index for _, index, _ in resumed[0]] == [index for _, index, _ in fresh[0]]
+    assert [seed for _, _, seed in resumed[0]] == [mix_seed(1, 1, 0, pos) for pos in range(64)]
+    assert resumed[1] == fresh[1] == [(1, 0, step) for step in range(4, 8)]
