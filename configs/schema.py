@@ -197,7 +197,8 @@ class TrainConfig:
     # stop after this many optimizer updates (debugging); None: full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
     eval_every_epochs: Annotated[int, AtLeastOne] = 1  # validate every N epochs (and after the last)
-    # also validate (and write checkpoint.pt) every N updates; 0: at epoch ends only (nanoGPT: 2000)
+    # also validate (and write checkpoint.pt) at every N-th update of the run; 0: at epoch ends only (nanoGPT:
+    # 2000); a resume may change it (validation then at the new value's multiples)
     eval_every_steps: Annotated[int, NonNegative] = 0
     # also write checkpoint.pt every N updates (0: at epoch ends only)
     ckpt_every_steps: Annotated[int, NonNegative] = 0

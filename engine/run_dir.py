@@ -50,10 +50,15 @@ PROBE_PREFIX = ".write_test."  # prepare_folder's probe, there for an instant (e
 ARCHIVE = "archive"
 SNAPSHOTS = "snapshots"  # train.keep_every_epochs (engine/snapshots.py)
 # Settings that describe where and how a run executes, not what it computes: they may change on resume.
+# The cadences of validation, logging and checkpoint.pt (train.eval_every_*, log_every_steps,
+# ckpt_every_steps) are among them: a stop for any of them is an exact resume point (engine/loop.py
+# reseeds every update; the sampler starts from the position), so the weights are those of any other
+# cadence. best.pt is chosen among the validations made, so which weights it holds depends on the
+# validation cadence, as checkpoint.pt's moment depends on ckpt_every_steps.
 ENVIRONMENT_KEYS = (
     "out_dir", "data.root", "data.num_workers", "data.pin_memory", "data.timeout", "model.pretrained",
     "model.pretrained_strict", "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps",
-    "train.ckpt_every_steps", "train.eval_every_epochs", "train.device", "train.compile",
+    "train.ckpt_every_steps", "train.eval_every_epochs", "train.eval_every_steps", "train.device", "train.compile",
     "train.archive_existing", "train.allow_changed_config", "train.divergence_factor", "train.resume",
     "train.keep_every_epochs",
     "train.divergence_windows", "log.*", "quant.*")

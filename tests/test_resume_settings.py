@@ -381,6 +381,34 @@ def test_a_checkpoint_before_the_first_update_continues_in_another_layout():
 
 # -- settings that say when a run validates, and a new train.seed ----------------------------------------------
 
+def model_and_optimizer(out_dir):
+    ckpt = torch.load(os.path.join(out_dir, "checkpoint.pt"), weights_only=True)
+    flat = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for pid, pstate in ckpt["optimizer"]["state"].items():
+        flat.update({f"opt.{pid}.{k}": torch.as_tensor(v) for k, v in pstate.items()})
+    return flat
+
+
+def test_a_resume_with_a_new_eval_every_steps_validates_at_its_multiples_and_trains_the_same_weights(
+        debug_config):
+    """train.eval_every_steps says when a run validates, not what an update computes: a resume may change it
+    without train.allow_changed_config (it was refused as a changed recipe). Validations come at the multiples
+    of the new value, counted from the run's start as train.eval_every_epochs counts epochs: 2 -> 5 at update 3
+    validates at 5 and 10 (not 8), then at the end (12). The weights and optimizer state are those of a run
+    that validated every 5 updates throughout (best.pt, chosen among the validations made, may differ)."""
+    # 3 epochs of 4 updates; epoch ends validate only at the last (12)
+    common = ("sched.epochs=3", "train.eval_every_epochs=3")
+    train.main(debug_config(*common, "train.eval_every_steps=2", "train.max_steps=3", name="split"))
+    split = debug_config(*common, "train.eval_every_steps=5", name="split")
+    assert train.main(split).state.step == 12
+    straight = debug_config(*common, "train.eval_every_steps=5", name="straight")
+    train.main(straight)
+    validated = [[r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] for cfg in (split, straight)]
+    assert validated == [[2, 3, 5, 10, 12], [5, 10, 12]]  # 2 and 3: before the resume (3: train.max_steps)
+    a, b = model_and_optimizer(split.out_dir), model_and_optimizer(straight.out_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_new_train_seed_mid_epoch_is_refused_through_train_py(debug_config):
     """The data order within an epoch follows train.seed: a run stopped inside an epoch cannot go on under
     another seed (its next images would repeat some and skip others), even with train.allow_changed_config."""
