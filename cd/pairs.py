@@ -273,6 +273,16 @@ class _Block:
     def refuse(self, why: str) -> UnsupportedModelError:
         return _refuse(self.name, self.module, why)
 
+    def refuse_missing(self, paths: str, what: str) -> UnsupportedModelError:
+        """A layer of the layout is absent: name the paths looked for and the layout its children matched, since a
+        block of one's own whose children happen to be another library's (an MLP named `ffn` reads as
+        MMDetection's Swin) would otherwise be told about the wrong part."""
+        own = "" if self.lay.library == "timm" else (
+            "; a block of your own is found under timm's names: norm1, attn.qkv (or attn.q, attn.k, attn.v), "
+            "attn.proj, norm2, mlp.fc1, mlp.fc2")
+        return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
+                           f"the {self.lay.library} block layout{own}")
+
     def refuse_inner_norm(self, layer: str, pair: str) -> None:
         """Refuse a norm between a functional pair's matrices (timm's `norm` child of the attention or MLP,
         set by scale_attn_norm / scale_mlp_norm): it rescales what W1 writes before W2 reads it, so the pair's
@@ -318,8 +328,11 @@ def _attention_pairs(b: _Block) -> list[Pair]:
             raise b.refuse(f"{q_k_v[2]}'s output width is not {lay.proj}'s input width (grouped-query "
                            "attention, where V heads are shared, has no V -> proj pair of the paper's form)")
         return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
-    raise b.refuse(f"attention {type(b.part(lay.proj)).__name__} has neither a fused qkv nor q, k, v "
-                   "Linear layers with a proj")
+    if proj is None:
+        raise b.refuse_missing(lay.proj, "the attention's output layer")
+    fused = [lay.qkv] if lay.qkv else []
+    raise b.refuse_missing(" or ".join(fused + ([", ".join(q_k_v)] if q_k_v else [])),
+                           f"a fused qkv or separate q, k, v Linear layers before {lay.proj}")
 
 
 def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
@@ -336,7 +349,10 @@ def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
         raise b.refuse(f"gated MLP {type(mlp).__name__} (fc2(act(W_gate x) * W_up x), such as "
                        "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
                        "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
-    if fc1 is None or fc2 is None or _width(fc2, lay, 1) != _width(fc1, lay, 0):
+    if fc1 is None or fc2 is None:
+        raise b.refuse_missing(f"{lay.fc1} and {lay.fc2}", f"the Linear layers of an MLP fc2(act(fc1(x))); "
+                               f"the MLP is a {type(mlp).__name__}")
+    if _width(fc2, lay, 1) != _width(fc1, lay, 0):
         raise b.refuse(f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2")]
 

@@ -382,3 +382,38 @@ def test_a_pre_norm_merging_layer_of_equal_widths_is_paired_not_taken_for_post_n
     widths the layer is paired, and the forward check agrees."""
     pairs = find_pairs(nn.Sequential(_SquareMerge()), example_input=torch.zeros(1, 4, 16))
     assert [(p.name, p.role, p.upstream_name) for p in pairs] == [("0.reduction.weight", "reduction", "0.norm.weight")]
+
+
+class _OwnBlock(nn.Module):
+    """A pre-norm block of one's own: timm's attention and norms, the MLP under another name or as a Sequential."""
+
+    def __init__(self, mlp_name: str, sequential: bool) -> None:
+        super().__init__()
+        block = _tiny("vit_tiny_patch16_224", depth=1).blocks[0]
+        self.norm1, self.attn, self.norm2 = block.norm1, block.attn, block.norm2
+        mlp = nn.Sequential(block.mlp.fc1, nn.GELU(), block.mlp.fc2) if sequential else block.mlp
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + getattr(self, self.mlp_name)(self.norm2(x))
+
+
+@pytest.mark.parametrize("mlp_name,sequential,missing", [
+    ("ffn", False, "attn.w_msa.proj"),   # children norm1, attn, norm2, ffn: MMDetection Swin's names
+    ("ffn", True, "attn.w_msa.proj"),
+    ("mlp", True, "mlp.fc1 and mlp.fc2"),
+])
+def test_a_block_of_ones_own_under_other_names_is_refused_naming_the_layers_looked_for(mlp_name, sequential,
+                                                                                         missing):
+    """The attention of these blocks is timm's (attn.qkv, attn.proj): the refusal names the layers CD looked for
+    and the names it finds, not an attention without qkv or an MLP of mismatched widths."""
+    model = nn.Sequential(_OwnBlock(mlp_name, sequential), _OwnBlock(mlp_name, sequential))
+    with pytest.raises(UnsupportedModelError) as refusal:
+        find_pairs(model, example_input=torch.zeros(1, 5, 32))
+    message = str(refusal.value)
+    assert f"found no {missing}" in message
+    if mlp_name == "ffn":  # the names under which a block of one's own is found
+        assert "mlp.fc1" in message and "attn.qkv" in message
+    assert "has neither a fused qkv" not in message and "matching widths" not in message
