@@ -185,7 +185,8 @@ def budget_weight_decay(weight_decay: float, lam: float) -> float:
     wd = weight_decay - lam
     if wd < -1e-12:
         raise ValueError(f"CD weight-decay budget: weight_decay {weight_decay} - cd.lam {lam} = {wd} < 0; "
-                         "lower cd.lam or set cd.budget=false")
+                         "lower cd.lam, or leave the budget rule out (train.py: cd.budget=false; your own code: keep "
+                         "the optimizer's weight decay and do not call budget_weight_decay)")
     return max(wd, 0.0)
 
 

@@ -286,6 +286,15 @@ def test_weight_decay_budget_rule():
         budget_weight_decay(0.001, 0.005)
 
 
+def test_a_budget_below_zero_names_the_fix_outside_train_py_too():
+    """budget_weight_decay is public (the README's own-loop example calls it): an optimizer without weight decay
+    (SGD) has no budget to take lam from, and the message says what to do in one's own code, not only train.py's
+    cd.budget=false."""
+    with pytest.raises(ValueError, match=r"< 0; .*cd\.budget=false.*do not call budget_weight_decay") as refusal:
+        budget_weight_decay(0.0, 0.005)
+    assert "\n" not in str(refusal.value)
+
+
 @pytest.mark.parametrize("weight_decay, lam, name", [
     (float("nan"), 0.005, "weight_decay"), (0.05, float("nan"), "cd.lam"), (float("inf"), 0.005, "weight_decay"),
     (0.05, -0.01, "cd.lam"), (-0.01, 0.0, "weight_decay"), (0.05, True, "cd.lam"), ("0.05", 0.005, "weight_decay"),
