@@ -274,6 +274,20 @@ def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_pa
         run(config(tmp_path, iters=1, input_shape=(1, 3, 48, 48)))
 
 
+@pytest.mark.parametrize("hook, shape", [(dict(module=""), "(1, 3, 224, 224)"),
+                                         (dict(input_shape=(1, 3, 48, 48)), "(1, 3, 48, 48)")])
+def test_a_pair_check_on_the_wrong_input_shape_names_the_hooks_input_shape(tmp_path, hook, shape):
+    """The whole Classifier states no input size, so the hook checks the pairs on its default image batch, which
+    the 32 px ViT inside refuses: the error names that batch and the hook's own argument for the fix (a config
+    file gives input_shape, not the example_input tensor of ColinearityDecay)."""
+    from cd.verify import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError) as refusal:
+        run(config(tmp_path, iters=1, **hook))
+    message = str(refusal.value)
+    assert f"input batch of shape {shape}" in message and "give the hook input_shape=" in message
+    assert "doesn't match model (32)" in message and "\n" not in message
+
+
 def test_cd_runs_in_the_iterations_steps_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
     same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no

@@ -95,6 +95,7 @@ class ColinearityDecayHook(Hook):
             binding.remove()
         target = self.target(runner.model)
         kwargs = dict(self.cd_kwargs)
+        shape = None  # the input batch this hook gives the pair check, if it gives one
         if kwargs.get("example_input") is None and kwargs.get("verify", True):
             shape = self.input_shape
             if shape is None:
@@ -105,7 +106,19 @@ class ColinearityDecayHook(Hook):
             if shape is not None:  # given, or needed: the pair check runs on it
                 dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
                 kwargs["example_input"] = torch.empty(shape, dtype=dtype, device="meta")
-        self.decay = ColinearityDecay(target, **kwargs)
+        try:
+            self.decay = ColinearityDecay(target, **kwargs)
+        except UnsupportedModelError as e:
+            if shape is None or e.__cause__ is None:  # not a forward that failed on this hook's batch
+                raise
+            # the check's own advice (ColinearityDecay's example_input tensor) is not what a config file gives
+            cause = str(e.__cause__).splitlines()[0] if str(e.__cause__) else ""
+            origin = "input_shape" if self.input_shape is not None else "the hook's default: the model states none"
+            raise UnsupportedModelError(
+                f"ColinearityDecayHook: the CD pair check's forward pass of {type(target).__name__} on the meta "
+                f"device failed on an input batch of shape {shape} ({origin}) ({type(e.__cause__).__name__}: "
+                f"{cause}); give the hook input_shape= of one input batch of that part (e.g. input_shape=(1, 3, "
+                f"32, 32)), or verify=False to trust the structure alone") from e.__cause__
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
         # as for `resume`; only a resumed run stands past iteration 0 here
         if self._restored is not None and runner.iter > 0:
