@@ -24,7 +24,6 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 CLASSES = ("box", "disc")
-SPLITS = ("train2017", "val2017")
 
 
 def _polygon(kind: str, cx: float, cy: float, r: float) -> List[Tuple[float, float]]:
