@@ -202,12 +202,6 @@ def layout_of(module: nn.Module) -> Optional[Layout]:
     return next((lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)), None)
 
 
-def is_prenorm_block(module: nn.Module) -> bool:
-    """A timm Transformer block by its children norm1, attn, norm2, mlp (timm ViT/DeiT/Swin `Block`). Whether it
-    really is pre-norm is checked against a forward pass (`cd.verify`)."""
-    return all(_child(module, n) is not None for n in ("norm1", "attn", "norm2", "mlp"))
-
-
 def _is_patch_merging(module: nn.Module) -> bool:
     return _child(module, "norm") is not None and _matrix_weight(_child(module, "reduction")) is not None
 
