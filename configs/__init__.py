@@ -4,11 +4,10 @@ command lines tell about it (`cli.py`: --help-config, --print-config) and the YA
     from configs import load_config
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3"])
 """
-from .loader import (ConfigError, apply_overrides, config_from_dict, config_to_dict, layer_config, load_config,
-                     save_config)
+from .loader import ConfigError, apply_overrides, config_from_dict, config_to_dict, layer_config, load_config
 from .schema import (CDConfig, Config, DataConfig, LogConfig, ModelConfig, OptimConfig, QuantConfig,
                      SchedConfig, TrainConfig, TWEOConfig)
 
 __all__ = ["ConfigError", "load_config", "layer_config", "apply_overrides", "config_from_dict",
-           "config_to_dict", "save_config", "Config", "ModelConfig", "DataConfig", "OptimConfig",
+           "config_to_dict", "Config", "ModelConfig", "DataConfig", "OptimConfig",
            "SchedConfig", "TrainConfig", "LogConfig", "CDConfig", "TWEOConfig", "QuantConfig"]

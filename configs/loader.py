@@ -331,11 +331,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-
-
 def _merge(node: Any, data: dict, path: str, source: str) -> None:
     for key, value in data.items():
         _assign(node, str(key).split("."), value, path, source)

@@ -157,13 +157,15 @@ def test_a_file_value_the_run_would_not_read_is_refused_naming_the_file(tmp_path
 
 def test_a_runs_own_config_yaml_loads_as_a_recipe(tmp_path):
     """config.yaml of a run (every key, sections switched off included) reproduces the run with --config."""
-    from configs import save_config
+    from configs import config_to_dict
+    from engine.run_dir import save_config_history  # what train.py writes config.yaml with
     cd = os.path.join(ROOT, "configs", "method", "cd.yaml")
-    for paths, overrides in (([DEMO_CONFIG, cd], ["cd.enabled=false"]),
-                             ([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")], [])):
+    for i, (paths, overrides) in enumerate((([DEMO_CONFIG, cd], ["cd.enabled=false"]),
+                                            ([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")], []))):
         cfg = load_config(paths, overrides)
-        save_config(cfg, str(tmp_path / "config.yaml"))
-        assert load_config([str(tmp_path / "config.yaml")]) == cfg
+        (tmp_path / str(i)).mkdir()
+        save_config_history(str(tmp_path / str(i)), config_to_dict(cfg), 0)
+        assert load_config([str(tmp_path / str(i) / "config.yaml")]) == cfg
 
 
 def test_a_preset_file_on_a_checkpoints_config_is_checked_too(tmp_path):
