@@ -176,9 +176,9 @@ def dataset_classes(cfg: DataConfig, dataset) -> Optional[list]:
 
 
 def build_eval_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, rank: int, world_size: int,
-                      num_classes: int, split: str = "val") -> DataLoader:
-    """The `split` with the eval transform, sharded across ranks without duplicates."""
-    dataset = build_dataset(cfg, split, img_size, num_classes, train_transform=False)
+                      num_classes: int) -> DataLoader:
+    """The val split with the eval transform, sharded across ranks without duplicates."""
+    dataset = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
     return _eval_loader(cfg, dataset, batch_size_per_gpu, rank, world_size)
 
 
