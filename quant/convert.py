@@ -133,7 +133,6 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
     return new
 
 
-def quantized_layers(model: nn.Module, role: Optional[str] = None) -> List[Tuple[str, nn.Module]]:
-    """(FQN, layer) of the QuantLinear / QuantConv2d layers, optionally only those of one rule role."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, (QuantLinear, QuantConv2d)) and (role is None or m.quant_role == role)]
+def quantized_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(FQN, layer) of the QuantLinear / QuantConv2d layers."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantConv2d))]
