@@ -66,7 +66,7 @@ def _convert_linear(fqn: str, layer: nn.Module, rule: LinearRule) -> nn.Module:
         wq = _make(rule.weight, "weight", f"{fqn}.weight_quantizer", {0: layer.out_features}, device)
         iq = _make(rule.input, "linear_input", f"{fqn}.input_quantizer", {-1: layer.in_features}, device)
         new = QuantLinear.from_float(layer, wq, iq)
-    new.quant_role = rule.role  # plain attribute: lets pipelines and reports find layers by role
+    new.quant_role = rule.role  # plain attribute: reports (quant.modes) name each layer's rule
     return new
 
 

@@ -39,7 +39,7 @@ class _QuantWeightMixin:
         self._wq_cache: Optional[torch.Tensor] = None
         self._wq_key: Optional[tuple] = None
         self._wq_refs: Optional[list] = None
-        self.quant_role = ""  # label of the conversion rule that built this layer (reports, pipelines)
+        self.quant_role = ""  # label of the conversion rule that built this layer (reports)
 
     def quantized_weight(self) -> torch.Tensor:
         """The weight as the forward pass uses it (fake-quantized unless the quantizer is off)."""

@@ -3,7 +3,7 @@ dynamic (SmoothQuant's max-abs ranges per token or per tensor, computed from eve
 
 Life cycle of a quantizer (all flags are Python attributes, so forward never syncs with the device):
 
-* built uncalibrated by the converter (`build_quantizer`);
+* built uncalibrated by the converter (`convert.py`, through its spec kind's `from_spec`);
 * `calibrating = True` (see calibrate.py): the first tensor it sees fits its parameters, then it
   quantizes that same tensor, so downstream quantizers calibrate on already-quantized inputs;
 * afterwards it is frozen: later batches never re-initialise it, and using an uncalibrated quantizer
