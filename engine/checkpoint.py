@@ -183,10 +183,10 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
     return payload
 
 
-def restore_training(payload: dict, *, model, optimizer, state,
-                     ema=None, scaler=None, scheduler=None) -> None:
-    """Load a `training_payload` into freshly built objects (in place). `optimizer=None` / `scheduler=None`
-    leave them as built (train.py restores the optimizer by parameter name, engine/resume.py)."""
+def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None) -> None:
+    """Load a `training_payload` into freshly built objects (in place). `optimizer=None` leaves it as built
+    (train.py restores the optimizer by parameter name); the scheduler is never restored, the fresh one of the
+    config is the right one (engine/resume.py)."""
     unwrap_model(model).load_state_dict(payload["model"])
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
@@ -194,7 +194,7 @@ def restore_training(payload: dict, *, model, optimizer, state,
         if key == "best_top1":  # checkpoints before the task-neutral name; -1 meant "no validation yet"
             key, value = "best_value", (value if value >= 0 else None)
         setattr(state, key, value)
-    for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler), ("scheduler", scheduler)):
+    for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler)):
         if obj is None:
             continue
         if name not in payload:
