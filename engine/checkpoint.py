@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from models.modules import unwrap_model
+from cd.wrappers import unwrap_model
 
 from .distributed import raise_on_every_rank
 from .run_dir import partial_path

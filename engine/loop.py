@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.modules import nonfinite_tensors, unwrap_model
+from cd.wrappers import unwrap_model
+from models.modules import nonfinite_tensors
 
 from .distributed import all_reduce
 from .divergence import DivergenceError, DivergenceGuard

@@ -1,5 +1,5 @@
 """Model construction on timm (ViT, DeiT, Swin and small variants) and GPT-2 (models/gpt.py); knows
-nothing of quant/ (and of cd/ only its `unwrap_model`, re-exported by models/modules.py).
+nothing of cd/ or quant/.
 
     from models import build_model
     model = build_model(cfg.model)

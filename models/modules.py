@@ -13,7 +13,6 @@ from typing import Any, Iterable, List, Mapping
 
 import torch
 
-from cd.wrappers import unwrap_model  # noqa: F401  (one definition, shared with cd/)
 
 # timm's Transformer blocks: ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`
 BLOCK_PATTERNS = ("blocks.*", "layers.*.blocks.*")
