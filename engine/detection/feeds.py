@@ -14,7 +14,7 @@ from mmengine.dataset import pseudo_collate
 from mmengine.runner import Runner
 from mmdet.registry import DATASETS
 
-from engine.detection.data_checks import _datasets, annotation_paths, reading_annotations
+from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
 
 def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None) -> torch.utils.data.DataLoader:
@@ -33,18 +33,31 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
     return loader
 
 
+def _split_images(dataset: dict, pipeline: list) -> dict:
+    """The training `dataset` dict as the images it trains on, each once, given `pipeline`: a wrapper of one
+    dataset (`dataset`: RepeatDataset, ClassBalancedDataset, MultiImageMixDataset) only repeats or mixes that
+    dataset's images, so it is replaced by it (its repeats drew one image several times and counted it as
+    several, and MultiImageMixDataset's own pipeline cannot take an image the test pipeline already packed); a
+    ConcatDataset (`datasets`) keeps every dataset it joins; each dataset is whole (its `indices` dropped)."""
+    if isinstance(dataset.get("dataset"), dict):
+        return _split_images(dataset["dataset"], pipeline)
+    dataset = {k: v for k, v in dataset.items() if k != "indices"}
+    if dataset.get("datasets"):
+        dataset["datasets"] = [_split_images(inner, pipeline) for inner in dataset["datasets"]]
+    else:
+        dataset["pipeline"] = copy.deepcopy(pipeline)
+    return dataset
+
+
 class TrainingImages:
     """The training split with the TEST pipeline (resize, no flip), so that no validation image is seen before
     scoring: built once (COCO's train2017 annotations take a while) for the counts to be checked before any work
-    and for every pipeline that draws calibration or reconstruction images from it."""
+    and for every pipeline that draws calibration or reconstruction images from it. A dataset wrapper's repeats
+    are not drawn: the split is the images of the datasets it wraps, each once, whole (`_split_images`)."""
 
     def __init__(self, cfg: Config) -> None:
-        dataset_cfg = copy.deepcopy(cfg.train_dataloader["dataset"])
-        test_pipeline = copy.deepcopy(cfg.test_dataloader["dataset"]["pipeline"])
-        for dataset in _datasets(dataset_cfg):
-            if "pipeline" in dataset:  # not on wrappers (RepeatDataset, ...), which take none
-                dataset["pipeline"] = test_pipeline
-        dataset_cfg.pop("indices", None)
+        dataset_cfg = _split_images(copy.deepcopy(cfg.train_dataloader["dataset"]),
+                                    cfg.test_dataloader["dataset"]["pipeline"])
         with reading_annotations(annotation_paths(cfg, "train_dataloader")):
             self.dataset = DATASETS.build(dataset_cfg)
 
