@@ -33,9 +33,9 @@ checkpoint keeps; null without one); a file of other weights, data or config (th
 Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
 take them (the same syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, ...; of train_dataloader, what its pipelines read:
-nothing without one, the dataset but its pipeline and indices for percentile, RepQ-ViT and APHQ, the loader but its
-batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's stage 1); others are refused, and so is
-model.backbone.init_cfg: every weight comes from --checkpoint.
+nothing without one, the dataset but its pipeline, indices and a wrapper's repeats (of the datasets it wraps too)
+for percentile, RepQ-ViT and APHQ, the loader but its batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's
+stage 1); others are refused, and so is model.backbone.init_cfg: every weight comes from --checkpoint.
 """
 from __future__ import annotations
 
@@ -271,10 +271,10 @@ def main(argv=None) -> dict:
 def evaluation_reads(pipelines: Sequence[str]):
     """The config keys an evaluation running `pipelines` reads (an override of another is refused): the model,
     the test loader and metric, what GPLQ's stage-1 runner takes from the config, and of train_dataloader what
-    the pipelines read: nothing without a pipeline; its dataset (without its pipeline and indices: the images
-    are drawn from the whole split and given the test pipeline, engine/detection/feeds.py) for percentile,
-    RepQ-ViT and APHQ; the whole loader but its batch size for GPLQ's stage 1. (A dataset wrapper's inner
-    pipeline is replaced as well; an override of it is not caught here.)"""
+    the pipelines read: nothing without a pipeline; its dataset (without its pipeline and indices, nor a
+    wrapper's repeats: the images are drawn from the whole split, each once, and given the test pipeline,
+    engine/detection/feeds.py; the same of every dataset a wrapper holds) for percentile, RepQ-ViT and APHQ; the
+    whole loader but its batch size for GPLQ's stage 1."""
     from engine.detection import CommandReads, loader_arguments  # imports mmdet, an optional dependency
     keys = {"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
             "log_processor", "find_unused_parameters"}
@@ -290,13 +290,18 @@ def evaluation_reads(pipelines: Sequence[str]):
         does = "an evaluation without a quantization pipeline scores --checkpoint on test_dataloader only"
     elif "gplq" not in pipelines:
         instead.update({f"train_dataloader.{arg}": "" for arg in sorted(loader_arguments())})
-        instead["train_dataloader.dataset.indices"] = ""
+        # also of a wrapped dataset (`wrapped` below): RepeatDataset's times, ClassBalancedDataset's oversample_thr
+        # and MultiImageMixDataset's skip_type_keys only repeat or mix images, which the draw takes once each
+        instead.update({f"train_dataloader.dataset.{key}": "" for key in ("indices", "times", "oversample_thr",
+                                                                           "skip_type_keys")})
         instead["train_dataloader.dataset.pipeline"] = "test_dataloader.dataset.pipeline"
         does = (f"the evaluation ({', '.join(pipelines)}) scores --checkpoint on test_dataloader with test_evaluator "
-                "and draws its calibration images from the whole of train_dataloader.dataset with the test pipeline "
-                "(only GPLQ's stage 1 loads batches with train_dataloader)")
+                "and draws its calibration images from the whole of train_dataloader.dataset (each image once, "
+                "whatever a dataset wrapper repeats) with the test pipeline (only GPLQ's stage 1 loads batches with "
+                "train_dataloader)")
     return CommandReads(frozenset(keys), does, instead,
-                        frozenset({"data_root"}))  # --data-root; it has no --work-dir, --launcher or --resume
+                        frozenset({"data_root"}),  # --data-root; it has no --work-dir, --launcher or --resume
+                        wrapped=frozenset({"train_dataloader.dataset"}))
 
 
 def evaluator_files(cfg):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -17,6 +18,15 @@ import torch
 from detection_runs import SAMPLE_CONFIG
 
 pytestmark = pytest.mark.detection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the sample's training dataset, once in a ConcatDataset of a RepeatDataset of a ClassBalancedDataset, once bare
+NESTED = """_base_ = [{base!r}]
+train_dataloader = dict(dataset=dict(_delete_=True, type="ConcatDataset", datasets=[
+    dict(type="RepeatDataset", times=2, dataset=dict(type="ClassBalancedDataset", oversample_thr=0.9,
+                                                    dataset={{{{_base_.train_dataloader.dataset}}}})),
+    {{{{_base_.train_dataloader.dataset}}}}]))
+"""
 
 
 def _wrapped(cfg, kind):
@@ -73,7 +83,7 @@ def test_a_wrapped_training_split_gives_each_of_its_images_once_with_the_test_pi
 
 def test_the_datasets_a_concat_dataset_joins_are_drawn_from_all_and_whole(sample):
     """A ConcatDataset training split is the images of every dataset it joins (here train2017's 8 and val2017's 4),
-    each dataset whole: an `indices` of an inner dataset is dropped
+    each dataset whole: an `indices` of an inner dataset, which the evaluation refuses as an override, is dropped
     as the outer one is (it kept 2 of the 8 images)."""
     from engine.detection import TrainingImages, load_config
     cfg = load_config([SAMPLE_CONFIG], data_root=sample)
@@ -88,3 +98,55 @@ def test_the_datasets_a_concat_dataset_joins_are_drawn_from_all_and_whole(sample
              for s in samples}
     assert drawn == ({("train2017", i) for i in _split_images(sample)}
                      | {("val2017", i) for i in _split_images(sample, "val2017")})
+
+
+def _nested_config(tmp_path):
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED.format(base=os.path.join(ROOT, SAMPLE_CONFIG)))
+    return str(path)
+
+
+INNER = "train_dataloader.dataset.datasets.0.dataset.dataset"  # the CocoDataset under both wrappers
+
+
+@pytest.mark.parametrize("pipelines, override, unread, instead", [
+    (["percentile"], f"{INNER}.pipeline=[]", f"{INNER}.pipeline", "give test_dataloader.dataset.pipeline instead"),
+    (["repq"], f"{INNER}.pipeline.2.scale=(32,32)", f"{INNER}.pipeline", "give test_dataloader.dataset.pipeline"),
+    (["aphq"], "train_dataloader.dataset.datasets.1.pipeline=[]", "train_dataloader.dataset.datasets.1.pipeline",
+     "give test_dataloader.dataset.pipeline"),
+    (["repq", "aphq"], "train_dataloader.dataset.datasets.1.indices=[0]",
+     "train_dataloader.dataset.datasets.1.indices", "drop it"),
+    (["repq"], f"{INNER}.indices=[0]", f"{INNER}.indices", "drop it"),
+    (["percentile"], "train_dataloader.dataset.datasets.0.times=5", "train_dataloader.dataset.datasets.0.times",
+     "drop it"),
+    (["aphq"], "train_dataloader.dataset.datasets.0.dataset.oversample_thr=0.5",
+     "train_dataloader.dataset.datasets.0.dataset.oversample_thr", "drop it")])
+def test_evaluation_refuses_settings_of_wrapped_training_datasets_its_pipelines_do_not_read(mmdet_ready, tmp_path,
+                                                                                            pipelines, override,
+                                                                                            unread, instead):
+    """Percentile, RepQ-ViT and APHQ give every dataset a wrapper holds the test pipeline, whole, and take its images
+    once each (TrainingImages): an override of an inner dataset's pipeline or indices, or of a wrapper's repeats,
+    was accepted and changed nothing, as the same override of an unwrapped dataset is refused for."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    key = override.split("=")[0]
+    with pytest.raises(DetectionError, match=rf"^override {re.escape(key)}: .*test pipeline.* does not read "
+                                             rf"{re.escape(unread)}, so it would change nothing; {instead}"):
+        load_config([_nested_config(tmp_path)], parse_overrides([override]), reads=evaluation_reads(pipelines))
+
+
+@pytest.mark.parametrize("pipelines, override", [
+    (["percentile"], "train_dataloader.dataset.datasets.1.ann_file=annotations/instances_val2017.json"),  # images
+    (["repq"], f"{INNER}.filter_cfg.min_size=4"),  # which images the split keeps
+    (["gplq"], f"{INNER}.pipeline.2.scale=(32,32)"),  # GPLQ's stage 1 trains with the training pipeline
+    (["gplq", "repq"], "train_dataloader.dataset.datasets.0.times=5")])  # and its loader's repeats
+def test_evaluation_takes_settings_of_wrapped_training_datasets_a_pipeline_reads(mmdet_ready, tmp_path, pipelines,
+                                                                                 override):
+    from engine.detection import load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    (key, value), = parse_overrides([override]).items()
+    cfg = load_config([_nested_config(tmp_path)], {key: value}, reads=evaluation_reads(pipelines))
+    node = cfg
+    for part in key.split("."):
+        node = node[int(part)] if part.isdigit() else node[part]
+    assert node == value

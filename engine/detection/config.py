@@ -22,19 +22,45 @@ from engine.detection.errors import DetectionError
 class CommandReads(NamedTuple):
     """What a command other than a Runner's training reads of a config (evaluate_detection.py): its top-level
     `keys`, what it `does` with them (for the message), `instead`: keys it does not read (a top-level one,
-    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it), and `flags`:
+    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it), `flags`:
     the keys of SCRIPT_FLAGS it sets from a flag of its own (an override of another one is a key it does not
-    read: the flag the message would name is not the command's)."""
+    read: the flag the message would name is not the command's), and `wrapped`: dataset keys whose wrapped
+    datasets (`.dataset` of a RepeatDataset, ..., `.datasets.N` of a ConcatDataset, at any depth) the command
+    reads as it reads the dataset itself, so that `instead`'s entries for the dataset cover them too."""
     keys: FrozenSet[str]
     does: str
     instead: Mapping[str, str]
     flags: FrozenSet[str] = frozenset()
+    wrapped: FrozenSet[str] = frozenset()
 
     def unread(self, key: str) -> Optional[str]:
         """The part of the dotted override `key` that the command does not read, or None."""
-        top = key.split(".")[0]
-        named = next((k for k in self.instead if key == k or key.startswith(k + ".")), None)
-        return named or (top if top not in self.keys else None)
+        parts = key.split(".")
+        for end in range(1, len(parts) + 1):
+            part = ".".join(parts[:end])
+            if self._unwrapped(part) in self.instead:
+                return part
+        return parts[0] if parts[0] not in self.keys else None
+
+    def instead_of(self, part: str) -> str:
+        """What to give in place of the unread `part` ('' : nothing)."""
+        return self.instead.get(self._unwrapped(part), "")
+
+    def _unwrapped(self, key: str) -> str:
+        """`key` with the wrapper steps under a `wrapped` dataset left out (train_dataloader.dataset.datasets.1.
+        dataset.pipeline -> train_dataloader.dataset.pipeline)."""
+        for base in self.wrapped:
+            if key.startswith(base + "."):
+                rest = key[len(base) + 1:].split(".")
+                while rest:
+                    if rest[0] == "dataset" and len(rest) > 1:
+                        rest = rest[1:]
+                    elif rest[0] == "datasets" and len(rest) > 2 and rest[1].isdigit():
+                        rest = rest[2:]
+                    else:
+                        break
+                return ".".join([base] + rest)
+        return key
 
 
 def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None,
@@ -165,7 +191,7 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
                                  f"override the keys that use it{hint}")
         unread = reads.unread(key) if reads is not None else None
         if unread is not None:
-            instead = reads.instead.get(unread)
+            instead = reads.instead_of(unread)
             raise DetectionError(f"override {key}: {reads.does} and does not read {unread}, so it would change "
                                  f"nothing; {f'give {instead} instead' if instead else 'drop it'}")
         _check_nested_key(cfg, key, overrides[key])
