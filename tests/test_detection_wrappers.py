@@ -150,3 +150,38 @@ def test_evaluation_takes_settings_of_wrapped_training_datasets_a_pipeline_reads
     for part in key.split("."):
         node = node[int(part)] if part.isdigit() else node[part]
     assert node == value
+
+
+def test_an_image_a_concat_dataset_joins_twice_is_drawn_once(sample):
+    """One dataset given twice in a ConcatDataset (to oversample it) is its 8 images: each drawn and counted once (the
+    16 entries let --calib-images 16 put every image in the calibration batch twice)."""
+    from engine.detection import DetectionError, TrainingImages, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    train = copy.deepcopy(cfg.train_dataloader.dataset)
+    cfg.train_dataloader.dataset = dict(type="ConcatDataset", datasets=[train, dict(type="RepeatDataset", times=2,
+                                                                                      dataset=copy.deepcopy(train))])
+    images = TrainingImages(cfg)
+    assert len(images) == 8
+    for seed in range(3):
+        _, samples = images.draw(5, seed, "--calib-images")
+        assert len({s["data_samples"].img_id for s in samples}) == 5
+    _, samples = images.draw(8, 0, "--calib-images")
+    assert sorted(s["data_samples"].img_id for s in samples) == sorted(_split_images(sample))
+    with pytest.raises(DetectionError, match=r"^--calib-images 9: the training split has only 8 images"):
+        images.draw(9, 0, "--calib-images")
+
+
+def test_an_evaluation_refuses_more_calibration_images_than_a_wrapped_split_has_before_any_work(sample, tmp_path):
+    """The nested wrappers' split is the sample's 8 training images (its entries: 8 * 2 * repeats + 8): --calib-images 9
+    is refused before the full-precision score, and nothing is written."""
+    from engine.detection import DetectionError, load_config
+    from evaluate_detection import main
+    from mmdet.registry import MODELS
+    weights = tmp_path / "random.pth"
+    torch.save({"state_dict": MODELS.build(load_config([SAMPLE_CONFIG]).model).state_dict(),
+                "meta": {"dataset_meta": {"classes": ("box", "disc")}}}, weights)
+    out = tmp_path / "x.json"
+    with pytest.raises(DetectionError, match=r"^--calib-images 9: the training split has only 8 images"):
+        main(["--config", _nested_config(tmp_path), "--checkpoint", str(weights), "--data-root", sample,
+              "--quant", "percentile", "--calib-images", "9", "--out", str(out), "--device", "cpu"])
+    assert not out.exists()

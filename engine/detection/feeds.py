@@ -4,6 +4,7 @@ pipeline that quantization calibrates and reconstructs on (`DetectorFeed`, a `qu
 from __future__ import annotations
 
 import copy
+import os
 import random
 from typing import Any, Optional
 
@@ -60,24 +61,39 @@ class TrainingImages:
                                     cfg.test_dataloader["dataset"]["pipeline"])
         with reading_annotations(annotation_paths(cfg, "train_dataloader")):
             self.dataset = DATASETS.build(dataset_cfg)
+        # the dataset indices drawn from: a ConcatDataset may join an image file twice (one dataset given twice, to
+        # oversample it), which is drawn and counted once
+        self.positions = (_first_of_each_image(self.dataset) if dataset_cfg.get("datasets")
+                          else range(len(self.dataset)))
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.positions)
 
     def check(self, count: int, flag: str) -> None:
         """Refuse drawing `count` images, `flag` naming the option that asked for them."""
         if count < 1:
             raise DetectionError(f"{flag} {count}: give at least 1")
-        if len(self.dataset) < count:
-            raise DetectionError(f"{flag} {count}: the training split has only {len(self.dataset)} images")
+        if len(self) < count:
+            raise DetectionError(f"{flag} {count}: the training split has only {len(self)} images")
 
     def draw(self, count: int, seed: int, flag: str) -> tuple:
         """(indices, samples): `count` distinct images drawn with `seed`."""
         self.check(count, flag)
         # random.Random seeds with abs(seed), so -s would draw the images of s; modulo 2**64 gives every seed of
         # configs' Seed range (-2**63 ..) its own non-negative one, as torch.manual_seed does, and keeps s >= 0 as is
-        indices = sorted(random.Random(seed % 2 ** 64).sample(range(len(self.dataset)), count))
+        indices = sorted(random.Random(seed % 2 ** 64).sample(self.positions, count))
         return indices, [self.dataset[i] for i in indices]
+
+
+def _first_of_each_image(dataset: Any) -> list:
+    """The indices of `dataset` at which each image file it reads comes first."""
+    seen, first = set(), []
+    for index in range(len(dataset)):
+        path = os.path.abspath(dataset.get_data_info(index)["img_path"])
+        if path not in seen:
+            seen.add(path)
+            first.append(index)
+    return first
 
 
 def train_images_with_test_pipeline(cfg: Config, count: int, seed: int, flag: str,
