@@ -185,3 +185,41 @@ def test_an_evaluation_refuses_more_calibration_images_than_a_wrapped_split_has_
         main(["--config", _nested_config(tmp_path), "--checkpoint", str(weights), "--data-root", sample,
               "--quant", "percentile", "--calib-images", "9", "--out", str(out), "--device", "cpu"])
     assert not out.exists()
+
+
+def _wrapped_test_split(cfg, second_pipeline=None):
+    """`cfg` with its test dataset in a ConcatDataset (twice; the second with `second_pipeline` if given)."""
+    first, second = copy.deepcopy(cfg.test_dataloader.dataset), copy.deepcopy(cfg.test_dataloader.dataset)
+    if second_pipeline is not None:
+        second["pipeline"] = second_pipeline
+    cfg.test_dataloader = dict(cfg.test_dataloader, dataset=dict(type="ConcatDataset", datasets=[first, second]))
+    return cfg
+
+
+def test_the_training_images_get_the_pipeline_of_a_wrapped_test_split(sample):
+    """A test split in a ConcatDataset has no pipeline of its own: the training images get that of the datasets it
+    joins (a KeyError traceback before, after the detector was built); datasets of different test pipelines have no
+    one to give, and are one error line naming them."""
+    from engine.detection import DetectionError, TrainingImages, load_config, pipeline_of_test_split
+    plain = load_config([SAMPLE_CONFIG], data_root=sample)
+    expected = [dict(t) for t in plain.test_dataloader.dataset.pipeline]
+    cfg = _wrapped_test_split(copy.deepcopy(plain))
+    assert [dict(t) for t in pipeline_of_test_split(cfg)] == expected
+    got, = TrainingImages(cfg).draw(1, 0, "--calib-images")[1]
+    reference, = TrainingImages(plain).draw(1, 0, "--calib-images")[1]
+    assert torch.equal(got["inputs"], reference["inputs"])
+    other = _wrapped_test_split(copy.deepcopy(plain), expected[:1] + expected[2:])  # no Resize
+    with pytest.raises(DetectionError, match=r"^test_dataloader.dataset.datasets.0.pipeline and "
+                                             r"test_dataloader.dataset.datasets.1.pipeline differ"):
+        TrainingImages(other)
+
+
+def test_max_images_with_a_wrapped_test_split_is_one_error_line(sample):
+    """MMEngine's wrappers take no `indices`: --max-images on a ConcatDataset test split failed with a TypeError
+    reported as an annotation file that cannot be read."""
+    from engine.detection import DetectionError, build_loader, load_config
+    cfg = _wrapped_test_split(load_config([SAMPLE_CONFIG], data_root=sample))
+    with pytest.raises(DetectionError, match=r"^--max-images 1: test_dataloader.dataset is a ConcatDataset, which "
+                                             r"takes no indices; drop --max-images"):
+        build_loader(cfg, "test", 1)
+    assert len(build_loader(cfg, "test").dataset) == 2 * len(_split_images(sample, "val2017"))

@@ -40,7 +40,7 @@ try:
                                         read_state, training_method)
     from engine.detection.rng_state import RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
-                                        train_images_with_test_pipeline)
+                                        pipeline_of_test_split, train_images_with_test_pipeline)
     from engine.detection.qat import (check_stage1_device, check_stage1_folder, checkpoint_iteration,
                                       train_activation_qat)
     from engine.detection.evaluation import activation_maxima, evaluate_detector
@@ -58,7 +58,8 @@ __all__ = [
     "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
     "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
     "RngStateHook",
-    "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "train_images_with_test_pipeline",
+    "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "pipeline_of_test_split",
+    "train_images_with_test_pipeline",
     "check_stage1_device", "check_stage1_folder", "checkpoint_iteration", "train_activation_qat",
     "activation_maxima", "evaluate_detector",
 ]

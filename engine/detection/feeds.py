@@ -25,6 +25,10 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
     if max_images is not None:
         if max_images < 1:
             raise DetectionError(f"--max-images {max_images}: give at least 1")
+        wrapper = loader_cfg["dataset"]
+        if wrapper.get("dataset") or wrapper.get("datasets"):  # MMEngine's wrappers take no indices: a TypeError
+            raise DetectionError(f"--max-images {max_images}: {split}_dataloader.dataset is a {wrapper.get('type')}, "
+                                 "which takes no indices; drop --max-images to score the whole split")
         loader_cfg["dataset"]["indices"] = max_images
     with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
         loader = Runner.build_dataloader(loader_cfg)
@@ -50,6 +54,27 @@ def _split_images(dataset: dict, pipeline: list) -> dict:
     return dataset
 
 
+def pipeline_of_test_split(cfg: Config) -> list:
+    """The pipeline test_dataloader gives its images: its dataset's, or that of every dataset a wrapper of it
+    (ConcatDataset, ...) holds; one error line where those differ, as there is then no one test pipeline."""
+    found = []
+
+    def walk(key: str, dataset: dict) -> None:
+        if dataset.get("dataset"):
+            walk(f"{key}.dataset", dataset["dataset"])
+        elif dataset.get("datasets"):
+            for index, inner in enumerate(dataset["datasets"]):
+                walk(f"{key}.datasets.{index}", inner)
+        else:
+            found.append((f"{key}.pipeline", dataset.get("pipeline") or []))
+    walk("test_dataloader.dataset", cfg.test_dataloader["dataset"])
+    other = next((key for key, pipeline in found if pipeline != found[0][1]), None)
+    if other is not None:
+        raise DetectionError(f"{found[0][0]} and {other} differ: quantization gives its training images the test "
+                             "pipeline, so give the test split's datasets one pipeline")
+    return copy.deepcopy(found[0][1])
+
+
 class TrainingImages:
     """The training split with the TEST pipeline (resize, no flip), so that no validation image is seen before
     scoring: built once (COCO's train2017 annotations take a while) for the counts to be checked before any work
@@ -57,8 +82,7 @@ class TrainingImages:
     are not drawn: the split is the images of the datasets it wraps, each once, whole (`_split_images`)."""
 
     def __init__(self, cfg: Config) -> None:
-        dataset_cfg = _split_images(copy.deepcopy(cfg.train_dataloader["dataset"]),
-                                    cfg.test_dataloader["dataset"]["pipeline"])
+        dataset_cfg = _split_images(copy.deepcopy(cfg.train_dataloader["dataset"]), pipeline_of_test_split(cfg))
         with reading_annotations(annotation_paths(cfg, "train_dataloader")):
             self.dataset = DATASETS.build(dataset_cfg)
         # the dataset indices drawn from: a ConcatDataset may join an image file twice (one dataset given twice, to
