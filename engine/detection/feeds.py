@@ -42,8 +42,8 @@ def _split_images(dataset: dict, pipeline: list) -> dict:
     """The training `dataset` dict as the images it trains on, each once, given `pipeline`: a wrapper of one
     dataset (`dataset`: RepeatDataset, ClassBalancedDataset, MultiImageMixDataset) only repeats or mixes that
     dataset's images, so it is replaced by it (its repeats drew one image several times and counted it as
-    several, and MultiImageMixDataset's own pipeline cannot take an image the test pipeline already packed); a
-    ConcatDataset (`datasets`) keeps every dataset it joins; each dataset is whole (its `indices` dropped)."""
+    several, and a MultiImageMixDataset given the test pipeline too ran it again on the packed image: a KeyError);
+    a ConcatDataset (`datasets`) keeps every dataset it joins; each dataset is whole (its `indices` dropped)."""
     if isinstance(dataset.get("dataset"), dict):
         return _split_images(dataset["dataset"], pipeline)
     dataset = {k: v for k, v in dataset.items() if k != "indices"}
