@@ -1,7 +1,7 @@
 """Training splits given as MMEngine / MMDetection dataset wrappers (RepeatDataset, ClassBalancedDataset,
-MultiImageMixDataset, ConcatDataset): the images quantization draws from them (engine/detection/feeds.py), and
-the overrides of their inner datasets an evaluation refuses because its pipelines do not read them
-(evaluate_detection.evaluation_reads).
+MultiImageMixDataset, ConcatDataset): the images quantization draws from them (engine/detection/feeds.py), the
+overrides of their inner datasets an evaluation refuses because its pipelines do not read them
+(evaluate_detection.evaluation_reads), and a wrapped test split (its pipeline, --max-images).
 
 Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.sh).
 """
