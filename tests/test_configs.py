@@ -245,6 +245,18 @@ def test_sqrt_lr_rule_and_a_given_lr():
     assert peak_lr(OptimConfig(lr=3e-4, lr_base=5e-4, lr_base_batch=512), 2048) == 3e-4
 
 
+def test_the_logged_lr_rule_names_the_lr_that_runs():
+    """The run log's lr line: a given optim.lr as given (not lr_base), else the scaled value with its factors
+    (5e-4 x 1024/512 = 1e-3; 5e-4 x sqrt(2048/512) = 1e-3)."""
+    from configs.schema import OptimConfig
+    from engine.optim import lr_rule
+
+    assert lr_rule(OptimConfig(lr=3e-4, lr_base=5e-4, lr_base_batch=512), 2048) == "lr 0.0003 (given)"
+    assert lr_rule(OptimConfig(lr_base=5e-4, lr_base_batch=512), 1024) == "lr 0.001 = 0.0005 x linear(1024/512)"
+    assert (lr_rule(OptimConfig(lr_base=5e-4, lr_base_batch=512, lr_scaling="sqrt"), 2048)
+            == "lr 0.001 = 0.0005 x sqrt(2048/512)")
+
+
 def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     import evaluate
 

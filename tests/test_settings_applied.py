@@ -39,6 +39,18 @@ def test_the_precision_that_runs_is_logged_and_fp16_on_a_cpu_is_warned_about(deb
     assert ("fp16 autocast runs several times slower than fp32" in caplog.text) == (amp == "fp16")
 
 
+def test_fp16_on_a_gpu_is_described_without_the_cpu_warning(caplog):
+    """The slow-fp16 warning is for CPUs: a GPU recipe's fp16 on a GPU gets the precision line only (a string
+    about a cuda device; nothing runs on it)."""
+    import torch
+
+    from engine.precision import describe_precision
+    with caplog.at_level("WARNING"):
+        line = describe_precision("fp16", torch.device("cuda"))
+    assert line == "precision: fp16 autocast with a GradScaler on cuda (train.amp=fp16)"
+    assert "slower" not in caplog.text
+
+
 @pytest.mark.parametrize("amp, dtype, scaler", [("none", "float32", False), ("fp16", "float16", True),
                                                 ("bf16", "bfloat16", False)])
 def test_each_precision_setting_runs_its_own_autocast_dtype_and_only_fp16_has_a_grad_scaler(amp, dtype, scaler):

@@ -515,6 +515,10 @@ def test_progress_line_names_the_epoch_and_its_share_and_duration_counts_hours_a
         line = progress_line(2, dict(metrics, **{"train/epoch": epoch}), total_steps=100, epochs=5,
                              updates_per_epoch=20, batch_size=16)
         assert f"update 2/100  {shown}  loss 4.0000" in line, line
+    # peak memory in GiB of 1024 MiB (10,240 MiB is 10.0 GiB; a division by 1000 would show 10.2)
+    line = progress_line(2, dict(metrics, **{"train/epoch": 0.5, "train/peak_mem_mib": 10240.0}), total_steps=100,
+                         epochs=5, updates_per_epoch=20, batch_size=16)
+    assert "peak mem 10.0 GiB" in line, line
 
 
 def test_a_run_stopped_at_max_steps_is_not_said_to_have_failed_to_learn(debug_config, caplog):
