@@ -227,3 +227,36 @@ def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match=r"epochs\.json.*already exist.*choose another --out or add --overwrite"):
         epochs.main(argv)
     assert (tmp_path / "epochs.json").read_text() == saved and len(started) == 4
+
+
+def test_reported_step_times_are_medians_and_the_ratios_are_to_the_baseline(monkeypatch):
+    """Scripted timings in place of the clock: each row's step_ms is the median of its timed steps (not the mean
+    or the slowest), CD's apply and floor are the medians of their own interleaved timings, and the table's
+    ratios are method / baseline and apply / floor, computed here by hand."""
+    bench = _bench()
+    steps = {"baseline": [10.0, 11.0, 40.0], "cd": [22.0, 23.0, 90.0], "tweo": [33.0, 30.0, 31.0],
+             "tweo_plain": [55.0, 44.0, 45.0]}  # medians 11, 23, 31, 45
+    taken = {m: iter(v) for m, v in steps.items()}
+    monkeypatch.setattr(bench.Runner, "timed", lambda self, fn: next(taken[self.method]))
+    clock = iter([3.0, 1.0, 4.0, 2.0, 30.0, 9.0])  # apply, floor, apply, ...: medians 4 and 2
+    monkeypatch.setattr(bench, "timed_ms", lambda fn, device: next(clock))
+    args = argparse.Namespace(warmup=0, steps=3, amp="none", precision="fp32")
+    model_kw = dict(embed_dim=64, depth=1, img_size=16, patch_size=8, num_classes=10)
+    rows = bench.measure_config(model_kw, 2, args, "cpu")
+    medians = {"baseline": 11.0, "cd": 23.0, "tweo": 31.0, "tweo_plain": 45.0}
+    assert {r["method"]: r["step_ms"] for r in rows} == medians
+    (cd,) = [r for r in rows if r["method"] == "cd"]
+    assert (cd["cd_apply_ms"], cd["cd_floor_ms"]) == (4.0, 2.0)
+    line = bench.table([dict(r, sweep="batch") for r in rows]).splitlines()[1]
+    ratios = " ".join(format(medians[m] / 11.0, "15.3f") for m in ("cd", "tweo", "tweo_plain"))
+    assert ratios in line and line.endswith(f"{4.0:8.2f} {2.0:8.2f} {2.0:11.2f}"), line
+
+
+def test_apply_only_reports_the_median_apply_over_the_median_floor(tmp_path, monkeypatch):
+    bench = _bench()
+    clock = iter([3.0, 1.0, 4.0, 2.0, 30.0, 9.0])  # apply, floor, apply, ...: medians 4 and 2
+    monkeypatch.setattr(bench, "timed_ms", lambda fn, device: next(clock))
+    report = bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "64", "--warmup", "0",
+                         "--steps", "3", "--out", str(tmp_path)])
+    (row,) = report["apply_only"]
+    assert (row["cd_apply_ms"], row["cd_floor_ms"], row["apply_over_floor"]) == (4.0, 2.0, 2.0)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from configs import ConfigError
 from tests.conftest import ROOT
@@ -158,6 +159,33 @@ def test_bench_quant_reports_the_quantized_to_float_ratio():
     result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--batch", "2",
                                "--calib", "4", "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
     assert result["fp_forward_s"] > 0 and result["pipelines"]["repq"]["ratio_vs_fp"] > 0
+
+
+def test_bench_quant_times_the_median_after_the_warmup(monkeypatch):
+    """timed_forward on a scripted clock: two warm-up passes of 100 s left out, the median of the timed
+    1, 2 and 9 s (not their mean 4, nor the median 9 with the warm-up in)."""
+    import types
+
+    now = [0.0]
+    durations = iter([100.0, 100.0, 1.0, 2.0, 9.0])
+
+    def model(x):
+        now[0] += next(durations)
+
+    monkeypatch.setattr(bench_quant, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    assert bench_quant.timed_forward(model, None, torch.device("cpu"), repeats=3, warmup=2) == 2.0
+
+
+def test_bench_quant_ratio_is_the_quantized_over_the_float_forward(monkeypatch, capsys):
+    """Scripted forward times (float 0.5 s, quantized 1.5 s): the JSON and the printed line say 3x float."""
+    times = iter([0.5, 1.5])
+    monkeypatch.setattr(bench_quant, "timed_forward", lambda *a, **k: next(times))
+    result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--img-size", "32",
+                               "--depth", "1", "--embed-dim", "64", "--batch", "1", "--calib", "2",
+                               "--pipelines", "percentile"])
+    entry = result["pipelines"]["percentile"]
+    assert result["fp_forward_s"] == 0.5 and entry["forward_s"] == 1.5 and entry["ratio_vs_fp"] == 3.0
+    assert "forward 1500.0 ms = 3.00x float" in capsys.readouterr().out
 
 
 def _finetune_result(root: str, method: str, fp: float, repq: float, max_act=(10.0, 20.0)) -> dict:
