@@ -300,6 +300,50 @@ def test_ranks_agree_one_call_late_on_updates_and_at_once_at_boundaries(tmp_path
         dist.destroy_process_group()
 
 
+def test_a_later_sigterm_is_ignored_only_a_later_sigint_stops_at_once():
+    """Past the repeat window a second SIGTERM (a scheduler repeating itself) is no 'now': the stop request
+    stands and nothing is raised; a SIGINT then is (a second Ctrl-C)."""
+    from engine.preemption import Preemption
+
+    with Preemption(torch.device("cpu"), repeat_window_s=0.0) as preemption:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert preemption.requested and preemption.should_stop(step=1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+
+
+def _agreement_worker(rank: int, world: int, port: int, out: str) -> None:
+    from dist_utils import init_gloo, leave_and_exit
+    from engine.preemption import Preemption
+
+    init_gloo(rank, world, port)
+    answers = []
+    with Preemption(torch.device("cpu"), distributed=True) as preemption:
+        preemption.requested = rank == 0  # only rank 0 got the signal
+        answers.append(preemption.should_stop(boundary=True))
+    with Preemption(torch.device("cpu"), distributed=True) as preemption:
+        preemption.requested = rank == 0
+        answers += [preemption.should_stop(step=1), preemption.should_stop(step=2)]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(answers, f)
+    leave_and_exit()
+
+
+def test_a_stop_one_rank_got_is_every_ranks_stop_at_a_boundary_and_one_call_later_on_updates(tmp_path):
+    """Two gloo ranks, the signal on rank 0 only: the boundary call says stop on both (agreed on the spot, not
+    each rank's own flag), and plain calls say no, then stop, on both (the flags' maximum, one call late)."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "answers")
+    mp.spawn(_agreement_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            assert json.load(f) == [True, False, True], rank
+
+
 RACE_SCRIPT = r"""
 import os, signal, sys, time
 import torch
