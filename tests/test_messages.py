@@ -197,6 +197,14 @@ def test_a_metrics_line_of_another_shape_is_dropped_on_resume_not_a_traceback(tm
     assert "dropped 1 unreadable line" in caplog.text
 
 
+def test_a_disabled_metric_logger_writes_nothing(tmp_path):
+    """Only the main rank writes: a logger made with enabled=False (the other ranks) leaves no metrics.jsonl."""
+    logger = MetricLogger(str(tmp_path), False, tensorboard=False)
+    logger.log(1, {"train/loss": 1.0})
+    logger.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_metrics_jsonl_keeps_records_up_to_the_resumed_step_whole_lines_and_non_finite_values(tmp_path):
     """Records at or before the resumed step are kept, a last record without its newline is still one line
     when the resumed run appends, and NaN/inf are written as strings (JSON has no NaN)."""

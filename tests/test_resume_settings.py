@@ -340,6 +340,9 @@ def test_fused_kernels_are_the_default_on_cuda_only_and_optim_fused_decides_when
     assert not use_fused(OptimConfig(name="adamw"), cpu) and use_fused(OptimConfig(name="adamw"), cuda)
     assert not use_fused(OptimConfig(name="lamb"), cuda)
     assert use_fused(OptimConfig(name="adamw", fused=True), cpu) and not use_fused(OptimConfig(fused=False), cuda)
+    # optim.fused=true for an optimizer torch has no fused kernel of: refused by name, not silently unfused
+    with pytest.raises(ValueError, match=r"optim.fused=true: torch has no fused 'lamb'; use one of adamw, "):
+        build_optimizer(torch.nn.Linear(2, 2), OptimConfig(name="lamb", fused=True), 1e-3, 0.0)
 
 
 @pytest.mark.parametrize("layer_decay", [None, 0.75])

@@ -1054,6 +1054,20 @@ def test_each_setting_given_reaches_the_object_it_configures(debug_config):
     run.tweo.remove()
 
 
+@pytest.mark.parametrize("cd, want", [(False, 0.07), (True, 0.07 - 0.003)])
+def test_the_weight_decay_budget_moves_lam_only_when_cd_runs(debug_config, cd, want):
+    """cd.budget is on by default: with CD the decaying groups get wd - lam (0.07 - 0.003), without CD the
+    weight decay as given, budget or not (a baseline has no CD to hand the budget to)."""
+    from engine.distributed import DistInfo
+
+    cfg = debug_config("optim.weight_decay=0.07", f"cd.enabled={str(cd).lower()}", "cd.lam=0.003")
+    assert cfg.cd.budget
+    run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                          resumed=False)
+    decays = sorted({g["weight_decay"] for g in run.optimizer.param_groups})
+    assert decays[0] == 0.0 and decays[1:] == [pytest.approx(want, rel=1e-12)]
+
+
 def test_the_global_batch_splits_over_processes_and_accumulation_steps(debug_config):
     cfg = debug_config("train.batch_size=48", "train.batch_size_per_gpu=8")
     assert [train.accumulation_steps(cfg, w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]  # 48 / (8 x w)
