@@ -309,17 +309,19 @@ def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, 
 
 
 def test_warmup_prefix_puts_the_whole_cosine_after_the_warmup_and_steps_round_epochs_up():
-    """sched.warmup_prefix (Swin): warmup_epochs of warmup, then a cosine over the remaining epochs that ends at
-    min_lr at sched.epochs (the run's length, warmup included); sched.steps: the epochs that hold them, the
-    last one partial."""
+    """sched.warmup_prefix (Swin): warmup_epochs of warmup from sched.warmup_lr, then a cosine over the remaining
+    epochs that ends at min_lr at sched.epochs (the run's length, warmup included); sched.steps: the epochs that
+    hold them, the last one partial."""
     from engine.optim import schedule_length
 
     cfg = load_config([DEBUG_CONFIG], ["sched.name=cosine", "sched.epochs=10", "sched.warmup_epochs=2",
                                        "sched.warmup_prefix=true", "sched.per_step=false", "sched.min_lr=1e-4",
-                                       "optim.lr=0.01"])
+                                       "sched.warmup_lr=1e-3", "optim.lr=0.01"])
     optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.0)
     scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch=4)
-    for epoch, want in [(2, 0.01), (6, 1e-4 + 0.5 * (0.01 - 1e-4) * (1 + math.cos(math.pi * 4 / 8))), (10, 1e-4)]:
+    # the warmup: linear from sched.warmup_lr at epoch 0 to the peak at warmup_epochs (halfway at epoch 1)
+    for epoch, want in [(0, 1e-3), (1, 1e-3 + 0.5 * (0.01 - 1e-3)), (2, 0.01),
+                        (6, 1e-4 + 0.5 * (0.01 - 1e-4) * (1 + math.cos(math.pi * 4 / 8))), (10, 1e-4)]:
         scheduler.step(epoch)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-9), epoch
     assert schedule_length(SchedConfig(steps=10), 4) == (3, 10, True)
