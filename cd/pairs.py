@@ -344,8 +344,13 @@ def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
                        "SwiGLU); the paper's pairs are defined for fc2(act(fc1(x))); gated_mlp=True "
                        "(cd.gated_mlp=true) adds gated pairs, beyond the paper")
     if fc1 is None or fc2 is None:
-        raise b.refuse_missing(f"{lay.fc1} and {lay.fc2}", f"the Linear layers of an MLP fc2(act(fc1(x))); "
-                               f"the MLP is a {type(mlp).__name__}")
+        # a layout without a plain MLP (transformers' Llama) names the layers of its gated one, the gate among
+        # them (its absence is what brought the block here); only the absent layers are named
+        looked = ((lay.fc1, fc1), (lay.fc2, fc2)) if lay.fc1 else ((lay.gate, None), (lay.up, b.matrix(lay.up)),
+                                                                   (lay.fc2, fc2))
+        form = "an MLP fc2(act(fc1(x)))" if lay.fc1 else "the layout's gated MLP fc2(act(W_gate x) * W_up x)"
+        raise b.refuse_missing(" and ".join(path for path, weight in looked if weight is None),
+                               f"the Linear layers of {form}; the MLP is a {type(mlp).__name__}")
     if _width(fc2, lay, 1) != _width(fc1, lay, 0):
         raise b.refuse(f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2")]

@@ -417,3 +417,52 @@ def test_a_block_of_ones_own_under_other_names_is_refused_naming_the_layers_look
     if mlp_name == "ffn":  # the names under which a block of one's own is found
         assert "mlp.fc1" in message and "attn.qkv" in message
     assert "has neither a fused qkv" not in message and "matching widths" not in message
+
+
+class _LlamaNamedBlock(nn.Module):
+    """A pre-norm block under transformers Llama's names whose MLP is plain (up_proj -> ReLU -> down_proj, no
+    gate_proj), or under timm's names with the MLP's output layer renamed (`timm_out`)."""
+
+    def __init__(self, timm_names: bool = False, d: int = 8) -> None:
+        super().__init__()
+        if timm_names:
+            block = _tiny("vit_tiny_patch16_224", depth=1).blocks[0]
+            self.norm1, self.attn, self.norm2 = block.norm1, block.attn, block.norm2
+            self.mlp = nn.Module()
+            self.mlp.fc1, self.mlp.out = block.mlp.fc1, block.mlp.fc2
+            self.parts = (self.norm1, self.attn, self.norm2, lambda x: self.mlp.out(torch.relu(self.mlp.fc1(x))))
+            return
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.self_attn, name, nn.Linear(d, d))
+        self.mlp = nn.Module()
+        self.mlp.up_proj, self.mlp.down_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.parts = (self.input_layernorm, self._attention, self.post_attention_layernorm,
+                      lambda x: self.mlp.down_proj(torch.relu(self.mlp.up_proj(x))))
+
+    def _attention(self, x):
+        a = self.self_attn
+        weights = torch.softmax(a.q_proj(x) @ a.k_proj(x).transpose(-1, -2), -1)
+        return a.o_proj(weights @ a.v_proj(x))
+
+    def forward(self, x):
+        norm1, attention, norm2, mlp = self.parts
+        x = x + attention(norm1(x))
+        return x + mlp(norm2(x))
+
+
+@pytest.mark.parametrize("timm_names,missing,present", [
+    (False, "found no mlp.gate_proj (", "mlp.down_proj"),  # the Llama layout has no plain fc1: its gate is absent
+    (True, "found no mlp.fc2 (", "mlp.fc1 and"),           # fc1 is there: only fc2 is named
+])
+def test_a_refused_mlp_names_only_the_layers_it_lacks(timm_names, missing, present):
+    """The refusal of an MLP without its layout's layers names the absent ones, never a layer the layout has no
+    name for ('found no None and mlp.down_proj' for a Llama-named MLP without gate_proj) nor one that is there."""
+    model = nn.Sequential(_LlamaNamedBlock(timm_names), _LlamaNamedBlock(timm_names))
+    width = 32 if timm_names else 8
+    with pytest.raises(UnsupportedModelError) as refusal:
+        find_pairs(model, example_input=torch.zeros(1, 5, width))
+    message = str(refusal.value)
+    assert missing in message
+    assert "None" not in message and f"found no {present}" not in message
