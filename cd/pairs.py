@@ -324,9 +324,12 @@ def _attention_pairs(b: _Block) -> list[Pair]:
         return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
     if proj is None:
         raise b.refuse_missing(lay.proj, "the attention's output layer")
-    fused = [lay.qkv] if lay.qkv else []
-    raise b.refuse_missing(" or ".join(fused + ([", ".join(q_k_v)] if q_k_v else [])),
-                           f"a fused qkv or separate q, k, v Linear layers before {lay.proj}")
+    # the layout's forms of the attention's input layers, each by the layers it lacks (q and k of separate
+    # layers that are there are not named)
+    missing = [p for p in q_k_v if b.matrix(p) is None]
+    looked = ([lay.qkv] if lay.qkv else []) + ([", ".join(missing)] if missing else [])
+    forms = (["a fused qkv"] if lay.qkv else []) + (["separate q, k, v Linear layers"] if q_k_v else [])
+    raise b.refuse_missing(" or ".join(looked), f"{' or '.join(forms)} before {lay.proj}")
 
 
 def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:

@@ -421,9 +421,10 @@ def test_a_block_of_ones_own_under_other_names_is_refused_naming_the_layers_look
 
 class _LlamaNamedBlock(nn.Module):
     """A pre-norm block under transformers Llama's names whose MLP is plain (up_proj -> ReLU -> down_proj, no
-    gate_proj), or under timm's names with the MLP's output layer renamed (`timm_out`)."""
+    gate_proj) and whose attention may lack its v_proj (`without_v`: v is the input), or under timm's names with
+    the MLP's output layer renamed (mlp.out)."""
 
-    def __init__(self, timm_names: bool = False, d: int = 8) -> None:
+    def __init__(self, timm_names: bool = False, without_v: bool = False, d: int = 8) -> None:
         super().__init__()
         if timm_names:
             block = _tiny("vit_tiny_patch16_224", depth=1).blocks[0]
@@ -434,7 +435,7 @@ class _LlamaNamedBlock(nn.Module):
             return
         self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(d), nn.LayerNorm(d)
         self.self_attn = nn.Module()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in ("q_proj", "k_proj", "o_proj") + (() if without_v else ("v_proj",)):
             setattr(self.self_attn, name, nn.Linear(d, d))
         self.mlp = nn.Module()
         self.mlp.up_proj, self.mlp.down_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -444,7 +445,7 @@ class _LlamaNamedBlock(nn.Module):
     def _attention(self, x):
         a = self.self_attn
         weights = torch.softmax(a.q_proj(x) @ a.k_proj(x).transpose(-1, -2), -1)
-        return a.o_proj(weights @ a.v_proj(x))
+        return a.o_proj(weights @ (a.v_proj(x) if hasattr(a, "v_proj") else x))
 
     def forward(self, x):
         norm1, attention, norm2, mlp = self.parts
@@ -452,17 +453,21 @@ class _LlamaNamedBlock(nn.Module):
         return x + mlp(norm2(x))
 
 
-@pytest.mark.parametrize("timm_names,missing,present", [
-    (False, "found no mlp.gate_proj (", "mlp.down_proj"),  # the Llama layout has no plain fc1: its gate is absent
-    (True, "found no mlp.fc2 (", "mlp.fc1 and"),           # fc1 is there: only fc2 is named
+@pytest.mark.parametrize("timm_names,without_v,missing,present", [
+    (False, False, "found no mlp.gate_proj (", "mlp.down_proj"),  # the Llama layout has no plain fc1: its gate
+    (True, False, "found no mlp.fc2 (", "mlp.fc1 and"),           # fc1 is there: only fc2 is named
+    # q_proj and k_proj are there; the Llama layout has no fused qkv to name
+    (False, True, "found no self_attn.v_proj (separate q, k, v Linear layers before self_attn.o_proj)",
+     "self_attn.q_proj"),
 ])
-def test_a_refused_mlp_names_only_the_layers_it_lacks(timm_names, missing, present):
-    """The refusal of an MLP without its layout's layers names the absent ones, never a layer the layout has no
-    name for ('found no None and mlp.down_proj' for a Llama-named MLP without gate_proj) nor one that is there."""
-    model = nn.Sequential(_LlamaNamedBlock(timm_names), _LlamaNamedBlock(timm_names))
+def test_a_refused_block_names_only_the_layers_it_lacks(timm_names, without_v, missing, present):
+    """The refusal of an MLP or attention without its layout's layers names the absent ones, never a layer the
+    layout has no name for ('found no None and mlp.down_proj' for a Llama-named MLP without gate_proj) nor one
+    that is there, nor a form the layout does not have (a fused qkv of transformers' Llama)."""
+    model = nn.Sequential(_LlamaNamedBlock(timm_names, without_v), _LlamaNamedBlock(timm_names, without_v))
     width = 32 if timm_names else 8
     with pytest.raises(UnsupportedModelError) as refusal:
         find_pairs(model, example_input=torch.zeros(1, 5, width))
     message = str(refusal.value)
     assert missing in message
-    assert "None" not in message and f"found no {present}" not in message
+    assert "None" not in message and f"found no {present}" not in message and "fused" not in message
