@@ -21,8 +21,10 @@ ignored). Other libraries name the same layers differently: `LAYOUTS` maps their
 (transformers' GPT-2, whose `Conv1D` stores weights (in, out), ViT and Llama; MMDetection's Swin).
 Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
 that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
-not matched wrongly. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv,
-grouped-query attention) is refused too: `UnsupportedModelError` names the block and its type.
+not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero
+(`cd/values.py`), so that a qkv laid out per head or in another order is refused. A block that does not
+fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
+`UnsupportedModelError` names the block and its type.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
 
@@ -37,6 +39,7 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
+from .values import check_v_rows
 from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
 
@@ -411,10 +414,13 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         model: a timm ViT/DeiT/Swin (or any model built from pre-norm blocks), possibly wrapped in
             DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`).
         example_input: a tensor of the shape the model takes, a tuple of positional inputs, or a dict of
-            keyword inputs, for the check (`cd.verify`); only shapes and dtypes are used. Default:
+            keyword inputs, for the checks: the meta forward (`cd.verify`) uses shapes and dtypes, the V-row check
+            (`cd.values`) the first sample's values of a real (non-meta) tensor. Default:
             `cd.verify.example_input` (timm's `patch_embed.img_size` / `pretrained_cfg`, a transformers
             model's config).
-        verify: run the check (one forward on the `meta` device: no memory, weights untouched).
+        verify: run the checks: one forward on the `meta` device (no memory, weights untouched), then, for a
+            fused qkv, one real forward of the example with the claimed V rows set to zero (`cd.values`: weights,
+            training flags and random streams untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.
 
@@ -424,8 +430,9 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
-            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), or the forward pass
-            contradicts a pair (res-post-norm blocks such as Swin V2); the message names the block and its type.
+            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
+            contradicts a pair (res-post-norm blocks such as Swin V2), or the rows of a fused qkv paired with proj
+            are not V (a per-head interleaved or reordered layout); the message names the block and its type.
     """
     refuse_fsdp1(model)
     root = unwrap_model(model)
@@ -453,4 +460,5 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     refuse_split_devices(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)
+        check_v_rows(root, pairs, types, example_input)
     return pairs

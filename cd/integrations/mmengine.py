@@ -22,7 +22,8 @@ iteration's steps, also a pair whose two matrices are in different optimizers, a
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
-model). The pair check runs one forward of that part on the `meta` device; where CD cannot tell the input size
+model). The pair check runs one forward of that part on the `meta` device (and one real forward of one sample for
+the V rows of a fused qkv, `cd/values.py`); where CD cannot tell the input size
 (MMDetection's Swin has none), an image batch (1, 3, 224, 224) serves; `input_shape` gives another (and is then
 used whatever the model says). The hook's state (the update counter, plain values) is saved in MMEngine's
 checkpoints under "colinearity_decay" ("colinearity_decay:<module>" for a hook given `module=`) and restored by

@@ -1,0 +1,203 @@
+"""Check that the fused-qkv rows CD pairs with the attention's proj are V: one real forward with V set to zero.
+
+The meta check (`cd/verify.py`) follows whole tensors: it confirms that proj reads something computed from a
+fused qkv, not which of its rows. CD pairs proj with rows [2D:3D] of qkv, the V third of timm's [Q; K; V] layout
+(paper Sec. 3.2). This check runs the model once on real numbers with those rows of qkv's output set to zero and
+requires proj's input to be exactly zero. Softmax attention (with masks, windows, relative position biases, sinks,
+XCiT's channel attention, CaiT's talking heads) mixes V with weights computed from Q and K, so its output is linear
+in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interleaved, as GPT-NeoX and Bloom) or in
+another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero and the pair is refused.
+
+What is set to zero, without touching any weight: the output of each call that multiplies by the qkv weight (the
+layer's own call, or `F.linear` with the weight as timm's BEiT makes it; the bias is in that output), and every
+parameter of the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to
+V; a query or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to
+one sample, on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros
+(token ids: a valid id), a user's real example with its values (token ids, masks). One forward under no_grad, in
+eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves),
+compiled submodules run eagerly: no memory beyond one sample's activations; forward hooks on the model run once, as
+in the meta check.
+
+Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
+such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
+passes whatever its layout, since that parameter is zeroed too. Skipped: a model with a parameter on the `meta` device (no values to
+compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .verify import UnsupportedModelError, example_input
+
+_F = torch.nn.functional
+# calls that multiply by a weight: their output's last dim holds the layer's output features
+_PRODUCTS = frozenset({_F.linear, torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.Tensor.matmul,
+                       torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.addmm})
+# calls that return a weight's values in another layout or dtype (x @ w.t(), F.linear(x, w.to(dtype)))
+_SAME_VALUES = frozenset({"t", "T", "mT", "transpose", "permute", "to", "type_as", "float", "half", "bfloat16",
+                          "contiguous", "detach", "view", "reshape"})
+
+
+def _name(func) -> str:
+    """'t' for Tensor.t, 'T' for the getter of Tensor.T (whose __get__ names no property)."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        return owner.__name__
+    return getattr(func, "__name__", "")
+
+
+class _ZeroV(TorchFunctionMode):
+    """Sets the claimed V columns of every product with a qkv weight to zero, replaces the extra value parameters by
+    zeros, and records for each proj weight whether every product with it had an all-zero input."""
+
+    def __init__(self, rows: dict[int, tuple[int, int, int]], zero: set[int], proj: dict[int, int]):
+        super().__init__()
+        self.rows, self.zero, self.proj = rows, zero, proj  # id(weight) -> (start, stop, rows); ids; id -> pair
+        self.origin: dict[int, int] = {}  # id of a weight's moved copy (w.t(), w.to(dtype)) -> id of the weight
+        self._keep: list[Tensor] = []  # holds the moved copies, so that their ids are not reused
+        self.zeroed: set[int] = set()  # ids of qkv weights whose product was seen
+        self.read: dict[int, bool] = {}  # pair -> proj's input was all zero in every product seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if any(id(t) in self.zero for t in tensors):
+            args, kwargs = tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) and id(t) in self.zero
+                                    else t, (args, kwargs))
+        weights = [(t, self.origin.get(id(t), id(t))) for t in tensors]
+        weights = [(t, w) for t, w in weights if w in self.rows or w in self.proj]
+        product = func in _PRODUCTS
+        for t, w in weights if product else ():
+            if w in self.proj:  # the other operands, but for parameters (a bias), are proj's input
+                k = self.proj[w]
+                inputs = [u for u in tensors if u is not t and not isinstance(u, nn.Parameter)]
+                self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u) == 0 for u in inputs)
+        out = func(*args, **kwargs)
+        for t, w in weights:
+            if w not in self.rows or not isinstance(out, Tensor):
+                if w in self.proj and not product and isinstance(out, Tensor) and _name(func) in _SAME_VALUES:
+                    self.origin[id(out)] = w
+                    self._keep.append(out)
+                continue
+            start, stop, total = self.rows[w]
+            if product and out.dim() >= 1 and out.shape[-1] == total:
+                out = out.clone()
+                out[..., start:stop] = 0
+                self.zeroed.add(w)
+            elif not product and _name(func) in _SAME_VALUES:
+                self.origin[id(out)] = w
+                self._keep.append(out)
+        return out
+
+
+def _probe_input(example, device: torch.device):
+    """The forward's input, from the meta check's example, on `device` and cut to one sample (the first along dim 0
+    of every tensor of two or more dims): a real tensor's values kept (a user's token ids and masks), a meta one
+    made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id)."""
+    def real(x):
+        if not isinstance(x, Tensor):
+            return x
+        if x.dim() >= 2:
+            x = x[:1]
+        if x.device.type != "meta":
+            return x.to(device)
+        if x.is_floating_point():
+            return torch.linspace(-1.0, 1.0, x.numel(), device=device).reshape(x.shape).to(x.dtype)
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    if isinstance(example, Mapping):
+        return (), {k: real(v) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return tuple(real(v) for v in example), {}
+    return (real(example),), {}
+
+
+def _rng_forks(root: nn.Module) -> contextlib.ExitStack:
+    """fork_rng for the CPU and every accelerator the model's parameters lie on (no random stream moves)."""
+    stack = contextlib.ExitStack()
+    by_type: dict[str, set[int]] = {}
+    for p in root.parameters():
+        if p.device.type != "cpu":
+            by_type.setdefault(p.device.type, set()).add(p.device.index or 0)
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    for kind, indices in by_type.items():
+        stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+    return stack
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """Compiled submodules run eagerly (no compilation for one probe forward); torch < 2.6 has no stance."""
+    stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
+def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
+                 example: Optional[object] = None) -> None:
+    """Check every proj pair whose W1 is a row slice of a fused qkv (see the module docstring).
+
+    Args:
+        root: the unwrapped model. pairs: its `Pair`s. block_types: block name -> class name.
+        example: as `verify_pairs` takes it; default `example_input(root)`.
+
+    Raises:
+        UnsupportedModelError: naming the first block whose claimed V rows are not V, or whose qkv weight the
+            forward does not multiply by (so that its rows cannot be told apart).
+    """
+    fused = [k for k, p in enumerate(pairs) if p.role == "proj" and p.upstream_rows is not None]
+    tensors = [*root.parameters(), *root.buffers()]
+    if not fused or not tensors or any(t.device.type == "meta" for t in tensors):
+        return
+    rows: dict[int, tuple[int, int, int]] = {}
+    zero: set[int] = set()
+    proj: dict[int, int] = {}
+    for k in fused:
+        p = pairs[k]
+        start, stop = p.upstream_rows
+        total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
+        rows[id(p.upstream)] = (start, stop, total)
+        proj[id(p.downstream)] = k
+        attn = root.get_submodule(p.upstream_name.rpartition(".")[0].rpartition(".")[0])
+        # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
+        zero |= {id(t) for t in attn._parameters.values() if t is not None and t.numel() == stop - start}
+    args, kwargs = _probe_input(example_input(root) if example is None else example, tensors[0].device)
+    mode = _ZeroV(rows, zero, proj)
+    training = {m: m.training for m in root.modules()}
+    try:
+        with _rng_forks(root), torch.no_grad(), _eager():
+            root.eval()
+            with mode:
+                root(*args, **kwargs)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"cannot check which rows of the fused qkv layers of {type(root).__name__} are V: its forward pass on "
+            f"{tensors[0].device} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass "
+            "example_input= of the right shape, or verify=False to trust the structure alone") from e
+    finally:
+        for m, flag in training.items():
+            m.training = flag
+    for k in fused:
+        p = pairs[k]
+        where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+        qkv, out = p.upstream_name.rpartition(".")[0], p.name.rpartition(".")[0]
+        fix = (f"CD expects the rows of a fused qkv as [Q; K; V] in equal thirds (timm's layout). Give the attention "
+               "separate q, k, v Linear layers (attn.q, attn.k, attn.v), or order qkv's rows [Q; K; V], or pass "
+               f"verify=False to pair {out} with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} unchecked")
+        unread = [name for name, seen in ((p.upstream_name, id(p.upstream) in mode.zeroed), (p.name, k in mode.read))
+                  if not seen]
+        if unread:
+            raise UnsupportedModelError(
+                f"{where}: its forward pass multiplies by {unread[0]} in a way CD does not follow (it follows "
+                f"F.linear, matmul and addmm with the weight or its transpose), so it cannot tell which rows of "
+                f"{qkv} are V. {fix}")
+        if not mode.read[k]:
+            raise UnsupportedModelError(
+                f"{where}: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {qkv}'s output set to zero, the "
+                f"input of {out} is not zero, so those rows are not (all of) V: the fused qkv is laid out otherwise "
+                f"(per head [q_h k_h v_h], as GPT-NeoX and Bloom, or in another order). {fix}")

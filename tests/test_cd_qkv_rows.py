@@ -1,0 +1,137 @@
+"""The V rows of a fused qkv: `find_pairs` refuses a qkv laid out per head or in another order (cd/values.py).
+
+A toy attention block of one's own, in timm's names, whose qkv output is split as [Q; K; V] in thirds, per head
+([q_h k_h v_h], GPT-NeoX / Bloom) or as [K; V; Q]. The reference is the layout the toy's forward actually reads,
+written here independently of cd/: only the thirds layout has V at rows [2D:3D].
+"""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import cd_models  # noqa: F401  (one CPU thread for tiny models)
+from cd import UnsupportedModelError, find_pairs
+from models.attention_sinks import use_sink_attention
+
+D, TOKENS = 12, 5
+
+
+class _Attn(nn.Module):
+    def __init__(self, layout: str, heads: int):
+        super().__init__()
+        self.layout, self.heads = layout, heads
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h, hd = self.heads, D // self.heads
+        y = self.qkv(x)
+        if self.layout == "thirds":  # timm: rows [Q; K; V]
+            q, k, v = y.view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)
+        elif self.layout == "per_head":  # GPT-NeoX / Bloom: rows [q_0 k_0 v_0 q_1 k_1 v_1]
+            q, k, v = y.view(b, n, h, 3, hd).permute(3, 0, 2, 1, 4)
+        else:  # rows [K; V; Q]
+            k, v, q = y.view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)
+        out = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, D))
+
+
+class _Block(nn.Module):
+    def __init__(self, layout: str, heads: int):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(D), _Attn(layout, heads)
+        self.norm2, self.mlp = nn.LayerNorm(D), nn.Module()
+        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.mlp.fc2(self.mlp.act(self.mlp.fc1(self.norm2(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self, layout: str, noisy: bool = False, heads: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.blocks = nn.Sequential(_Block("thirds", heads), _Block(layout, heads))
+        self.noisy = noisy
+
+    def example_input(self) -> torch.Tensor:
+        return torch.empty(1, TOKENS, 3, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.noisy:  # noise in every mode, as an input augmentation inside the model would draw
+            x = x + 0.01 * torch.randn_like(x)
+        return self.blocks(self.embed(x))
+
+
+@pytest.mark.parametrize("layout", ["per_head", "kvq"])
+def test_a_fused_qkv_whose_rows_2d_3d_are_not_v_is_refused_naming_the_block(layout):
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1' \(_Block\).*rows 24:36 of blocks\.1\.attn\."
+                       r"qkv's output set to zero.*\[Q; K; V\].*separate q, k, v.*verify=False"):
+        find_pairs(_Net(layout))
+
+
+def test_the_thirds_layout_passes_and_pairs_proj_with_rows_2d_3d():
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    proj = [p for p in find_pairs(model) if p.role == "proj"]
+    assert [(p.block, p.upstream_rows) for p in proj] == [("blocks.0", (2 * D, 3 * D)), ("blocks.1", (2 * D, 3 * D))]
+
+
+def test_a_per_head_qkv_with_one_head_is_the_thirds_layout_and_passes():
+    torch.manual_seed(0)  # [q_0 k_0 v_0] of one head is [Q; K; V]
+    assert len(find_pairs(_Net("per_head", heads=1))) == 8
+
+
+@pytest.mark.parametrize("layout", ["thirds", "per_head"])
+def test_weights_training_flags_and_random_state_are_unchanged(layout):
+    torch.manual_seed(0)
+    model = _Net(layout, noisy=True).train()
+    model.blocks[0].eval()  # a mix of flags, which one model.train() at the end would not restore
+    flags = [m.training for m in model.modules()]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    try:
+        find_pairs(model)
+    except UnsupportedModelError:
+        assert layout == "per_head"
+    assert [m.training for m in model.modules()] == flags
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_only():
+    with torch.device("meta"):
+        model = _Net("thirds", noisy=True)
+    assert len(find_pairs(model)) == 8
+    with torch.device("meta"):
+        assert len(find_pairs(_Net("per_head"))) == 8  # no values to tell rows apart: the known limit
+
+
+def test_verify_false_skips_the_row_check():
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("kvq"), verify=False)) == 8
+
+
+def test_a_learned_sink_value_and_beits_separate_value_bias_pass():
+    # kv_bias appends a learned value to V, which stays when qkv's V rows are zero; BEiT adds its q and v biases
+    # in F.linear, outside the qkv layer's own call
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    use_sink_attention(vit, "kv_bias")
+    with torch.no_grad():
+        for name, p in vit.named_parameters():
+            if "sink" in name:
+                p.normal_()
+    beit = timm.create_model("beit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                             num_heads=2)
+    with torch.no_grad():
+        for name, p in beit.named_parameters():
+            if name.endswith(("q_bias", "v_bias")):
+                p.normal_()
+    assert len(find_pairs(vit)) == 4 and len(find_pairs(beit)) == 4
