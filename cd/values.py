@@ -8,8 +8,9 @@ XCiT's channel attention, CaiT's talking heads) mixes V with weights computed fr
 in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interleaved, as GPT-NeoX and Bloom) or in
 another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero and the pair is refused.
 
-What is set to zero, without touching any weight: the output of each call that multiplies by the qkv weight (the
-layer's own call, or `F.linear` with the weight as timm's BEiT makes it; the bias is in that output), and every
+What is set to zero, without touching any weight: the V columns of each call that multiplies by the qkv weight (the
+layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added to
+it by hand; a product the check cannot follow, such as an einsum, is refused, not passed), and every
 parameter of the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to
 V; a query or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to
 one sample, on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros
@@ -20,8 +21,9 @@ in the meta check.
 
 Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
 such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
-passes whatever its layout, since that parameter is zeroed too. Skipped: a model with a parameter on the `meta` device (no values to
-compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
+passes whatever its layout, since that parameter is zeroed too. Skipped: a model with a parameter on the `meta`
+device (no values to compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs
+verify=False).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ _F = torch.nn.functional
 _PRODUCTS = frozenset({_F.linear, torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.Tensor.matmul,
                        torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.addmm})
 # calls that return a weight's values in another layout or dtype (x @ w.t(), F.linear(x, w.to(dtype)))
+# calls that add a bias to a product (x @ w.t() + b): the V columns of their output are set to zero again
+_ADDS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
 _SAME_VALUES = frozenset({"t", "T", "mT", "transpose", "permute", "to", "type_as", "float", "half", "bfloat16",
                           "contiguous", "detach", "view", "reshape"})
 
@@ -62,6 +66,7 @@ class _ZeroV(TorchFunctionMode):
         self.origin: dict[int, int] = {}  # id of a weight's moved copy (w.t(), w.to(dtype)) -> id of the weight
         self._keep: list[Tensor] = []  # holds the moved copies, so that their ids are not reused
         self.zeroed: set[int] = set()  # ids of qkv weights whose product was seen
+        self.products: dict[int, int] = {}  # id of a product's output with V set to zero -> id of its qkv weight
         self.read: dict[int, bool] = {}  # pair -> proj's input was all zero in every product seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -72,6 +77,8 @@ class _ZeroV(TorchFunctionMode):
                                     else t, (args, kwargs))
         weights = [(t, self.origin.get(id(t), id(t))) for t in tensors]
         weights = [(t, w) for t, w in weights if w in self.rows or w in self.proj]
+        if _name(func) in _ADDS:  # a bias added to a product by hand: its V columns are V's too
+            weights += [(t, self.products[id(t)]) for t in tensors if id(t) in self.products]
         product = func in _PRODUCTS
         for t, w in weights if product else ():
             if w in self.proj:  # the other operands, but for parameters (a bias), are proj's input
@@ -79,19 +86,19 @@ class _ZeroV(TorchFunctionMode):
                 inputs = [u for u in tensors if u is not t and not isinstance(u, nn.Parameter)]
                 self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u) == 0 for u in inputs)
         out = func(*args, **kwargs)
-        for t, w in weights:
-            if w not in self.rows or not isinstance(out, Tensor):
-                if w in self.proj and not product and isinstance(out, Tensor) and _name(func) in _SAME_VALUES:
-                    self.origin[id(out)] = w
-                    self._keep.append(out)
-                continue
-            start, stop, total = self.rows[w]
-            if product and out.dim() >= 1 and out.shape[-1] == total:
-                out = out.clone()
+        if not isinstance(out, Tensor):
+            return out
+        for _, w in weights:
+            if not product and _name(func) in _SAME_VALUES:  # a copy of the weight's values: followed as the weight
+                self.origin[id(out)] = w
+                self._keep.append(out)
+            elif (product or _name(func) in _ADDS) and w in self.rows and out.dim() >= 1 and \
+                    out.shape[-1] == self.rows[w][2]:
+                start, stop, _ = self.rows[w]
+                out = out.clone()  # a new tensor: a product's output may be a buffer the model keeps
                 out[..., start:stop] = 0
                 self.zeroed.add(w)
-            elif not product and _name(func) in _SAME_VALUES:
-                self.origin[id(out)] = w
+                self.products[id(out)] = w
                 self._keep.append(out)
         return out
 

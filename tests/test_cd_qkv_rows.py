@@ -19,16 +19,21 @@ D, TOKENS = 12, 5
 
 
 class _Attn(nn.Module):
-    def __init__(self, layout: str, heads: int):
+    def __init__(self, layout: str, heads: int, call: str = "layer"):
         super().__init__()
-        self.layout, self.heads = layout, heads
+        self.layout, self.heads, self.call = layout, heads, call
         self.qkv = nn.Linear(D, 3 * D)
         self.proj = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         h, hd = self.heads, D // self.heads
-        y = self.qkv(x)
+        if self.call == "matmul":  # the weight's transpose, as a hand-written attention may multiply
+            y = x @ self.qkv.weight.T + self.qkv.bias
+        elif self.call == "einsum":
+            y = torch.einsum("bnd,ed->bne", x, self.qkv.weight) + self.qkv.bias
+        else:
+            y = self.qkv(x)
         if self.layout == "thirds":  # timm: rows [Q; K; V]
             q, k, v = y.view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)
         elif self.layout == "per_head":  # GPT-NeoX / Bloom: rows [q_0 k_0 v_0 q_1 k_1 v_1]
@@ -40,9 +45,9 @@ class _Attn(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, layout: str, heads: int):
+    def __init__(self, layout: str, heads: int, call: str = "layer"):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(D), _Attn(layout, heads)
+        self.norm1, self.attn = nn.LayerNorm(D), _Attn(layout, heads, call)
         self.norm2, self.mlp = nn.LayerNorm(D), nn.Module()
         self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)
         self.drop = nn.Dropout(0.5)
@@ -53,10 +58,10 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    def __init__(self, layout: str, noisy: bool = False, heads: int = 2):
+    def __init__(self, layout: str, noisy: bool = False, heads: int = 2, call: str = "layer"):
         super().__init__()
         self.embed = nn.Linear(3, D)
-        self.blocks = nn.Sequential(_Block("thirds", heads), _Block(layout, heads))
+        self.blocks = nn.Sequential(_Block("thirds", heads), _Block(layout, heads, call))
         self.noisy = noisy
 
     def example_input(self) -> torch.Tensor:
@@ -74,6 +79,20 @@ def test_a_fused_qkv_whose_rows_2d_3d_are_not_v_is_refused_naming_the_block(layo
     with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1' \(_Block\).*rows 24:36 of blocks\.1\.attn\."
                        r"qkv's output set to zero.*\[Q; K; V\].*separate q, k, v.*verify=False"):
         find_pairs(_Net(layout))
+
+
+def test_a_qkv_weight_multiplied_by_hand_is_checked_too():
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("thirds", call="matmul"))) == 8
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+        find_pairs(_Net("per_head", call="matmul"))
+
+
+def test_a_qkv_weight_multiplied_in_a_way_the_check_cannot_follow_is_refused_not_passed():
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*multiplies by blocks\.1\.attn\.qkv\.weight "
+                       r"in a way CD does not follow.*verify=False"):
+        find_pairs(_Net("per_head", call="einsum"))
 
 
 def test_the_thirds_layout_passes_and_pairs_proj_with_rows_2d_3d():
