@@ -154,3 +154,20 @@ def test_a_learned_sink_value_and_beits_separate_value_bias_pass():
             if name.endswith(("q_bias", "v_bias")):
                 p.normal_()
     assert len(find_pairs(vit)) == 4 and len(find_pairs(beit)) == 4
+
+
+@pytest.mark.parametrize("layout", ["thirds", "per_head"])
+def test_the_probe_makes_its_input_on_the_device_of_the_models_parameters(layout):
+    """With torch's default device set to `meta`, a tensor the check made without naming a device would be a
+    meta tensor fed to a CPU model (a CUDA model's bug, on a CPU): the check still runs and still tells the
+    layouts apart."""
+    model = _Net(layout)
+    torch.set_default_device("meta")
+    try:
+        if layout == "thirds":
+            assert len(find_pairs(model)) == 8
+        else:
+            with pytest.raises(UnsupportedModelError, match="are not \\(all of\\) V"):
+                find_pairs(model)
+    finally:
+        torch.set_default_device(None)
