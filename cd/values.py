@@ -48,6 +48,18 @@ _SAME_VALUES = frozenset({"t", "T", "mT", "transpose", "permute", "to", "type_as
                           "contiguous", "detach", "view", "reshape"})
 
 
+def _factors(func, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The two tensors a product multiplies, not the bias it adds: F.linear(input, weight, bias) and
+    addmm(bias, mat1, mat2) by position or keyword; matmul, mm, bmm and @ take two factors only."""
+    if func is _F.linear:
+        found = [*args[:2], kwargs.get("input"), kwargs.get("weight")]
+    elif func in (torch.addmm, torch.Tensor.addmm):
+        found = [*args[1:3], kwargs.get("mat1"), kwargs.get("mat2")]
+    else:
+        found = [*args, *kwargs.values()]
+    return [u for u in found if isinstance(u, Tensor)]
+
+
 def _name(func) -> str:
     """'t' for Tensor.t, 'T' for the getter of Tensor.T (whose __get__ names no property)."""
     owner = getattr(func, "__self__", None)
@@ -81,9 +93,9 @@ class _ZeroV(TorchFunctionMode):
             weights += [(t, self.products[id(t)]) for t in tensors if id(t) in self.products]
         product = func in _PRODUCTS
         for t, w in weights if product else ():
-            if w in self.proj:  # the other operands, but for parameters (a bias), are proj's input
+            if w in self.proj:  # the other factor is proj's input; a bias, even cast (not a Parameter), is not
                 k = self.proj[w]
-                inputs = [u for u in tensors if u is not t and not isinstance(u, nn.Parameter)]
+                inputs = [u for u in _factors(func, args, kwargs) if u is not t]
                 self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u) == 0 for u in inputs)
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor):

@@ -10,6 +10,7 @@ import pytest
 import timm
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import cd_models  # noqa: F401  (one CPU thread for tiny models)
 from cd import UnsupportedModelError, find_pairs
@@ -32,6 +33,9 @@ class _Attn(nn.Module):
             y = x @ self.qkv.weight.T + self.qkv.bias
         elif self.call == "einsum":
             y = torch.einsum("bnd,ed->bne", x, self.qkv.weight) + self.qkv.bias
+        elif self.call == "cast":  # float32 master weights computed in bfloat16, bias cast too (not a Parameter)
+            x = x.to(torch.bfloat16)
+            y = F.linear(x, self.qkv.weight.to(x.dtype), self.qkv.bias.to(x.dtype))
         else:
             y = self.qkv(x)
         if self.layout == "thirds":  # timm: rows [Q; K; V]
@@ -41,7 +45,10 @@ class _Attn(nn.Module):
         else:  # rows [K; V; Q]
             k, v, q = y.view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)
         out = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, dim=-1) @ v
-        return self.proj(out.transpose(1, 2).reshape(b, n, D))
+        out = out.transpose(1, 2).reshape(b, n, D)
+        if self.call == "cast":
+            return F.linear(out, self.proj.weight.to(out.dtype), self.proj.bias.to(out.dtype)).float()
+        return self.proj(out)
 
 
 class _Block(nn.Module):
@@ -86,6 +93,14 @@ def test_a_qkv_weight_multiplied_by_hand_is_checked_too():
     assert len(find_pairs(_Net("thirds", call="matmul"))) == 8
     with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
         find_pairs(_Net("per_head", call="matmul"))
+
+
+def test_a_bias_cast_to_the_activations_dtype_is_not_taken_for_projs_input():
+    # proj's bias, cast to bfloat16, is a plain tensor, not zero: only what multiplies proj's weight is its input
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("thirds", call="cast"))) == 8
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+        find_pairs(_Net("per_head", call="cast"))
 
 
 def test_a_qkv_weight_multiplied_in_a_way_the_check_cannot_follow_is_refused_not_passed():
