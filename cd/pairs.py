@@ -420,7 +420,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             model's config).
         verify: run the checks: one forward on the `meta` device (no memory, weights untouched), then, for a
             fused qkv, one real forward of the example with the claimed V rows set to zero (`cd.values`: weights,
-            training flags and random streams untouched; skipped for a model on the `meta` device).
+            buffers, training flags and random streams untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.
 

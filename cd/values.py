@@ -16,8 +16,9 @@ V; a query or value bias); a torch function mode does it on the fly. The input i
 one sample, on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros
 (token ids: a valid id), a user's real example with its values (token ids, masks). One forward under no_grad, in
 eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves),
-compiled submodules run eagerly: no memory beyond one sample's activations; forward hooks on the model run once, as
-in the meta check.
+compiled submodules run eagerly, every buffer's values restored after (a forward may update one even in eval mode):
+no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run once, as in the
+meta check.
 
 Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
 such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
@@ -186,6 +187,8 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     args, kwargs = _probe_input(example_input(root) if example is None else example, tensors[0].device)
     mode = _ZeroV(rows, zero, proj)
     training = {m: m.training for m in root.modules()}
+    # a forward may update buffers even in eval mode (an activation probe's running max, a cache): kept to restore
+    buffers = [(m, name, b, b.clone()) for m in root.modules() for name, b in m._buffers.items() if b is not None]
     try:
         with _rng_forks(root), torch.no_grad(), _eager():
             root.eval()
@@ -201,6 +204,10 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     finally:
         for m, flag in training.items():
             m.training = flag
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b  # the same tensor object (an optimizer or hook may hold it), its values back
+                b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
     for k in fused:
         p = pairs[k]
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"

@@ -139,6 +139,26 @@ def test_weights_training_flags_and_random_state_are_unchanged(layout):
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class _Tracker(nn.Module):
+    """Keeps the running max |x| of its input in a buffer, in every mode (as an activation probe does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("amax", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.amax.copy_(torch.maximum(self.amax, x.abs().max()))
+        return x
+
+
+def test_a_buffer_the_forward_updates_in_eval_mode_is_unchanged():
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    model.embed = nn.Sequential(model.embed, _Tracker())
+    assert len(find_pairs(model)) == 8
+    assert model.embed[1].amax.item() == 0.0  # its value before: no forward of the user's ran
+
+
 def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_only():
     with torch.device("meta"):
         model = _Net("thirds", noisy=True)
