@@ -10,15 +10,16 @@ another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input i
 
 What is set to zero, without touching any weight: the V columns of each call that multiplies by the qkv weight (the
 layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added to
-it by hand; a product the check cannot follow, such as an einsum, is refused, not passed), and every
-parameter of the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to
-V; a query or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to
-one sample, on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros
-(token ids: a valid id), a user's real example with its values (token ids, masks). One forward under no_grad, in
+it by hand; a product the check cannot follow, such as an einsum, is refused, not passed), and every parameter of
+the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to V; a query
+or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to one sample,
+on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros (token ids: a
+valid id), a user's real example with its values (token ids, masks). Where one sample fails (a 1-D tensor along the
+batch, such as labels, is not cut with the rest), the whole example runs instead. One forward under no_grad, in
 eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves),
-compiled submodules run eagerly, every buffer's values restored after (a forward may update one even in eval mode):
-no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run once, as in the
-meta check.
+compiled submodules run eagerly, every buffer's values restored after (a forward may update one even in eval
+mode): no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run once
+(twice where the whole example runs), as in the meta check.
 
 Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
 such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
@@ -116,14 +117,14 @@ class _ZeroV(TorchFunctionMode):
         return out
 
 
-def _probe_input(example, device: torch.device):
-    """The forward's input, from the meta check's example, on `device` and cut to one sample (the first along dim 0
-    of every tensor of two or more dims): a real tensor's values kept (a user's token ids and masks), a meta one
-    made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id)."""
+def _probe_input(example, device: torch.device, cut: bool = True):
+    """The forward's input, from the meta check's example, on `device` and, with `cut`, cut to one sample (the first
+    along dim 0 of every tensor of two or more dims): a real tensor's values kept (a user's token ids and masks), a
+    meta one made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id)."""
     def real(x):
         if not isinstance(x, Tensor):
             return x
-        if x.dim() >= 2:
+        if cut and x.dim() >= 2:
             x = x[:1]
         if x.device.type != "meta":
             return x.to(device)
@@ -184,16 +185,30 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         attn = root.get_submodule(p.upstream_name.rpartition(".")[0].rpartition(".")[0])
         # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
         zero |= {id(t) for t in attn._parameters.values() if t is not None and t.numel() == stop - start}
-    args, kwargs = _probe_input(example_input(root) if example is None else example, tensors[0].device)
-    mode = _ZeroV(rows, zero, proj)
+    example = example_input(root) if example is None else example
+    inputs = [_probe_input(example, tensors[0].device)]
+    whole = _probe_input(example, tensors[0].device, cut=False)
+    if [t.shape for t in tree_flatten(whole)[0] if isinstance(t, Tensor)] != \
+            [t.shape for t in tree_flatten(inputs[0])[0] if isinstance(t, Tensor)]:
+        # the whole example, if one sample fails: a 1-D tensor along the batch (labels) is not cut with the rest
+        inputs.append(whole)
     training = {m: m.training for m in root.modules()}
     # a forward may update buffers even in eval mode (an activation probe's running max, a cache): kept to restore
     buffers = [(m, name, b, b.clone()) for m in root.modules() for name, b in m._buffers.items() if b is not None]
     try:
         with _rng_forks(root), torch.no_grad(), _eager():
             root.eval()
-            with mode:
-                root(*args, **kwargs)
+            for i, (args, kwargs) in enumerate(inputs):
+                mode = _ZeroV(rows, zero, proj)
+                try:
+                    with mode:
+                        root(*args, **kwargs)
+                    break
+                except UnsupportedModelError:
+                    raise
+                except Exception:
+                    if i == len(inputs) - 1:
+                        raise
     except UnsupportedModelError:
         raise
     except Exception as e:

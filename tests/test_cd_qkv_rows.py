@@ -159,6 +159,25 @@ def test_a_buffer_the_forward_updates_in_eval_mode_is_unchanged():
     assert model.embed[1].amax.item() == 0.0  # its value before: no forward of the user's ran
 
 
+class _LossNet(_Net):
+    """Returns its loss when given labels: a 1-D tensor along the batch, next to the (batch, tokens, 3) input."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(super().forward(x).mean(dim=1), labels)
+
+
+@pytest.mark.parametrize("layout", ["thirds", "per_head"])
+def test_an_example_with_labels_along_the_batch_is_checked_whole(layout):
+    # one sample of x against 8 labels fails in cross_entropy; the meta check runs the whole example and passes
+    torch.manual_seed(0)
+    example = (torch.randn(8, TOKENS, 3), torch.randint(0, D, (8,)))
+    if layout == "thirds":
+        assert len(find_pairs(_LossNet(layout), example_input=example)) == 8
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+            find_pairs(_LossNet(layout), example_input=example)
+
+
 def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_only():
     with torch.device("meta"):
         model = _Net("thirds", noisy=True)
