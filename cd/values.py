@@ -13,13 +13,16 @@ layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias incl
 it by hand; a product the check cannot follow, such as an einsum, is refused, not passed), and every parameter of
 the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to V; a query
 or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to one sample,
-on the device of the model's parameters: for a meta example a fixed ramp of values (floats) or zeros (token ids: a
-valid id), a user's real example with its values (token ids, masks). Where one sample fails (a 1-D tensor along the
-batch, such as labels, is not cut with the rest), the whole example runs instead. One forward under no_grad, in
-eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves),
-compiled submodules run eagerly, every buffer's values restored after (a forward may update one even in eval
-mode): no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run once
-(twice where the whole example runs), as in the meta check.
+on the device of the model's parameters: for a meta example a fixed ramp of values (floats), zeros (token ids: a
+valid id) or True (boolean masks: attend), a user's real example with its values (token ids, masks). Where one
+sample fails (a 1-D tensor along the batch, such as labels, is not cut with the rest), the whole example runs
+instead. One forward under no_grad, in eval mode (every module's training flag restored after), inside
+`torch.random.fork_rng` (no random stream moves), compiled submodules run eagerly, every buffer's values restored
+after (a forward may update one even in eval mode): no memory beyond one sample's activations and a copy of the
+buffers; forward hooks on the model run once (twice where the whole example runs), as in the meta check.
+
+A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
+whose input has no finite value is refused as unchecked.
 
 Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
 such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
@@ -82,6 +85,7 @@ class _ZeroV(TorchFunctionMode):
         self.zeroed: set[int] = set()  # ids of qkv weights whose product was seen
         self.products: dict[int, int] = {}  # id of a product's output with V set to zero -> id of its qkv weight
         self.read: dict[int, bool] = {}  # pair -> proj's input was all zero in every product seen
+        self.finite: dict[int, bool] = {}  # pair -> proj's input had a finite entry in some product
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -98,7 +102,11 @@ class _ZeroV(TorchFunctionMode):
             if w in self.proj:  # the other factor is proj's input; a bias, even cast (not a Parameter), is not
                 k = self.proj[w]
                 inputs = [u for u in _factors(func, args, kwargs) if u is not t]
-                self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u) == 0 for u in inputs)
+                # a fully masked query row is NaN whatever V is (0 * NaN): only finite entries tell V's rows apart
+                finite = [torch.isfinite(u) for u in inputs]
+                self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u[f]) == 0
+                                                               for u, f in zip(inputs, finite))
+                self.finite[k] = self.finite.get(k, False) or any(bool(f.any()) for f in finite)
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor):
             return out
@@ -120,7 +128,7 @@ class _ZeroV(TorchFunctionMode):
 def _probe_input(example, device: torch.device, cut: bool = True):
     """The forward's input, from the meta check's example, on `device` and, with `cut`, cut to one sample (the first
     along dim 0 of every tensor of two or more dims): a real tensor's values kept (a user's token ids and masks), a
-    meta one made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id)."""
+    meta one made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id, True for a boolean mask)."""
     def real(x):
         if not isinstance(x, Tensor):
             return x
@@ -130,7 +138,8 @@ def _probe_input(example, device: torch.device, cut: bool = True):
             return x.to(device)
         if x.is_floating_point():
             return torch.linspace(-1.0, 1.0, x.numel(), device=device).reshape(x.shape).to(x.dtype)
-        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+        # True for a boolean mask (SDPA's and timm's "attend"): all False would mask every key of every query
+        return (torch.ones if x.dtype == torch.bool else torch.zeros)(x.shape, dtype=x.dtype, device=device)
     if isinstance(example, Mapping):
         return (), {k: real(v) for k, v in example.items()}
     if isinstance(example, (tuple, list)):
@@ -237,6 +246,11 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                 f"{where}: its forward pass multiplies by {unread[0]} in a way CD does not follow (it follows "
                 f"F.linear, matmul and addmm with the weight or its transpose), so it cannot tell which rows of "
                 f"{qkv} are V. {fix}")
+        if not mode.finite[k]:
+            raise UnsupportedModelError(
+                f"cannot check which rows of {qkv} are V: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of its "
+                f"output set to zero, the input of {out} has no finite value (NaN or inf: every query row masked?). "
+                "Pass example_input= with the masks of a real batch, or verify=False to trust the structure alone")
         if not mode.read[k]:
             raise UnsupportedModelError(
                 f"{where}: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {qkv}'s output set to zero, the "

@@ -23,6 +23,7 @@ class _Attn(nn.Module):
     def __init__(self, layout: str, heads: int, call: str = "layer"):
         super().__init__()
         self.layout, self.heads, self.call = layout, heads, call
+        self.masked_rows = 0  # the first queries that every key is masked for (their output: NaN)
         self.qkv = nn.Linear(D, 3 * D)
         self.proj = nn.Linear(D, D)
 
@@ -44,7 +45,9 @@ class _Attn(nn.Module):
             q, k, v = y.view(b, n, h, 3, hd).permute(3, 0, 2, 1, 4)
         else:  # rows [K; V; Q]
             k, v, q = y.view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)
-        out = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, dim=-1) @ v
+        scores = q @ k.transpose(-1, -2) / hd ** 0.5
+        scores[..., :self.masked_rows, :] = float("-inf")
+        out = torch.softmax(scores, dim=-1) @ v
         out = out.transpose(1, 2).reshape(b, n, D)
         if self.call == "cast":
             return F.linear(out, self.proj.weight.to(out.dtype), self.proj.bias.to(out.dtype)).float()
@@ -176,6 +179,48 @@ def test_an_example_with_labels_along_the_batch_is_checked_whole(layout):
     else:
         with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
             find_pairs(_LossNet(layout), example_input=example)
+
+
+@pytest.mark.parametrize("layout", ["thirds", "per_head"])
+def test_a_query_row_with_every_key_masked_is_nan_and_not_taken_for_v(layout):
+    # softmax of a row of -inf is NaN, and NaN * 0 too: the other rows still tell the layouts apart
+    torch.manual_seed(0)
+    model = _Net(layout)
+    model.blocks[1].attn.masked_rows = 1
+    if layout == "thirds":
+        assert len(find_pairs(model)) == 8
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+            find_pairs(model)
+
+
+def test_a_proj_input_with_no_finite_value_is_refused_as_unchecked():
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    model.blocks[1].attn.masked_rows = TOKENS
+    with pytest.raises(UnsupportedModelError, match=r"rows of blocks\.1\.attn\.qkv are V.*no finite value.*"
+                       r"example_input=.*verify=False"):
+        find_pairs(model)
+
+
+def test_a_meta_boolean_mask_attends_every_key():
+    # timm's explicit attention with a boolean mask (True: attend) that the probe made from a meta example
+    class MaskNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(timm.models.vision_transformer.Block(D, 2) for _ in range(2))
+            for block in self.blocks:
+                block.attn.fused_attn = False
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x, attn_mask=mask)
+            return x
+
+    torch.manual_seed(0)
+    example = (torch.empty(2, TOKENS, D, device="meta"), torch.empty(2, 1, TOKENS, TOKENS, dtype=torch.bool,
+                                                                      device="meta"))
+    assert len(find_pairs(MaskNet(), example_input=example)) == 8
 
 
 def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_only():
