@@ -206,7 +206,8 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     buffers = [(m, name, b, b.clone()) for m in root.modules() for name, b in m._buffers.items() if b is not None]
     try:
         with _rng_forks(root), torch.no_grad(), _eager():
-            root.eval()
+            for m in training:  # not root.eval(): a train() override may do more (MMDetection's freezes stages)
+                m.training = False
             for i, (args, kwargs) in enumerate(inputs):
                 mode = _ZeroV(rows, zero, proj)
                 try:

@@ -223,6 +223,22 @@ def test_a_meta_boolean_mask_attends_every_key():
     assert len(find_pairs(MaskNet(), example_input=example)) == 8
 
 
+class _FrozenNet(_Net):
+    """Freezes its embedding in train(), as MMDetection's Swin freezes its first stages (`frozen_stages`)."""
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.embed.requires_grad_(False)
+        return self
+
+
+def test_a_train_override_is_not_called_by_the_check():
+    torch.manual_seed(0)
+    model = _FrozenNet("thirds")
+    assert len(find_pairs(model)) == 8
+    assert all(p.requires_grad for p in model.parameters())  # as built: train() was never called
+
+
 def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_only():
     with torch.device("meta"):
         model = _Net("thirds", noisy=True)
