@@ -123,8 +123,8 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
         return torch.empty(1, *cfg["input_size"], dtype=dtype, device="meta")
     raise UnsupportedModelError(
         f"cannot tell the input size of {type(model).__name__} to check its CD pairs against a forward "
-        "pass; pass example_input= (a tensor the model accepts; only its shape is used), or verify=False to "
-        "trust the structure alone")
+        "pass; pass example_input= (a tensor the model accepts; a meta tensor of its shape will do), or "
+        "verify=False to trust the structure alone")
 
 
 def _meta_slots(root: nn.Module, mode: _Provenance) -> dict[str, Tensor]:
