@@ -125,7 +125,7 @@ class _ZeroV(TorchFunctionMode):
         return out
 
 
-def _probe_input(example, device: torch.device, cut: bool = True):
+def probe_input(example, device: torch.device, cut: bool = True):
     """The forward's input, from the meta check's example, on `device` and, with `cut`, cut to one sample (the first
     along dim 0 of every tensor of two or more dims): a real tensor's values kept (a user's token ids and masks), a
     meta one made real (a ramp in [-1, 1] for floats, zeros for token ids: a valid id, True for a boolean mask)."""
@@ -195,8 +195,8 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
         zero |= {id(t) for t in attn._parameters.values() if t is not None and t.numel() == stop - start}
     example = example_input(root) if example is None else example
-    inputs = [_probe_input(example, tensors[0].device)]
-    whole = _probe_input(example, tensors[0].device, cut=False)
+    inputs = [probe_input(example, tensors[0].device)]
+    whole = probe_input(example, tensors[0].device, cut=False)
     if [t.shape for t in tree_flatten(whole)[0] if isinstance(t, Tensor)] != \
             [t.shape for t in tree_flatten(inputs[0])[0] if isinstance(t, Tensor)]:
         # the whole example, if one sample fails: a 1-D tensor along the batch (labels) is not cut with the rest

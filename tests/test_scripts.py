@@ -13,6 +13,7 @@ from configs import ConfigError
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench_pair_check  # noqa: E402
 import bench_quant  # noqa: E402
 import paper_table  # noqa: E402
 import sweep  # noqa: E402
@@ -159,6 +160,24 @@ def test_bench_quant_reports_the_quantized_to_float_ratio():
     result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--batch", "2",
                                "--calib", "4", "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
     assert result["fp_forward_s"] > 0 and result["pipelines"]["repq"]["ratio_vs_fp"] > 0
+
+
+@pytest.mark.parametrize("argv, pairs", [
+    (["--model", "vit_tiny_patch16_224"], 12 * 4),  # 12 blocks: qkv, proj, fc1, fc2 each
+    (["--lm-config", os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")], 2 * 4),  # gpt2_nano: 2 blocks
+])
+def test_bench_pair_check_times_each_part_of_the_check(argv, pairs, capsys):
+    result = bench_pair_check.main(argv + ["--repeats", "1", "--device", "cpu"])
+    assert result["pairs"] == pairs
+    assert all(result[k] > 0 for k in ("find_pairs_s", "meta_check_s", "no_check_s", "forward_s"))
+    assert f"{pairs} pairs" in capsys.readouterr().out
+
+
+def test_bench_pair_check_refuses_an_lm_config_that_is_not_one(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model: [")
+    with pytest.raises(SystemExit, match="error: bench_pair_check.py: .*x.yaml"):
+        bench_pair_check.main(["--lm-config", str(bad)])
 
 
 def test_bench_quant_times_the_median_after_the_warmup(monkeypatch):

@@ -1,0 +1,90 @@
+"""Time CD's pair checks: `find_pairs` with both checks, the meta forward alone, no check, and one plain forward.
+
+`find_pairs(model)` (and so `ColinearityDecay(model)`) checks its pairs by one forward on the `meta` device
+(cd/verify.py) and, for a fused qkv, one real forward of one sample with V's rows set to zero (cd/values.py). This
+prints the median time of each part on random weights, beside one plain forward of the same one-sample input, so
+that the second check's cost reads as a number of forwards.
+
+    python scripts/bench_pair_check.py                                  # timm ViT-B/16 at 224, CPU
+    python scripts/bench_pair_check.py --lm-config configs/lm/gpt2.yaml  # models/gpt.py's GPT-2 Small, 1x1024
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import timm
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from cd import find_pairs  # noqa: E402
+from cd.values import probe_input  # noqa: E402
+from cd.verify import example_input, verify_pairs  # noqa: E402
+from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
+from engine.runinfo import cpu_name  # noqa: E402
+
+
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build(args) -> tuple[str, torch.nn.Module]:
+    if args.lm_config:
+        from configs import ConfigError, load_config
+        from models import build_model
+        try:
+            cfg = load_config([args.lm_config])  # the model only; no data is read
+        except ConfigError as e:
+            raise SystemExit(f"error: bench_pair_check.py: {e}") from None
+        return f"{cfg.model.name} ({args.lm_config})", build_model(cfg.model)
+    return args.model, timm.create_model(args.model)
+
+
+def main(argv: list[str]) -> dict:
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name (random weights)")
+    p.add_argument("--lm-config", default="", help="a configs/lm/*.yaml whose model to build instead")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed calls of each part (median)")
+    p.add_argument("--device", type=torch_device, default="cpu")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.lm_config and not os.path.isfile(args.lm_config):
+        p.error(f"--lm-config {args.lm_config}: no such file; give a configs/lm/*.yaml")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name, model = build(args)
+    model = model.to(args.device).eval()
+    pairs = find_pairs(model)  # once untimed: the first call's imports and allocations are not the check's cost
+    sample_args, sample_kwargs = probe_input(example_input(model), args.device)
+
+    def plain_forward():
+        with torch.no_grad():
+            model(*sample_args, **sample_kwargs)
+
+    result = {
+        "model": name, "device": str(args.device), "cpu": cpu_name(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "pairs": len(pairs),
+        "find_pairs_s": median_seconds(lambda: find_pairs(model), args.repeats, args.device),
+        "meta_check_s": median_seconds(lambda: verify_pairs(model, pairs, {}), args.repeats, args.device),
+        "no_check_s": median_seconds(lambda: find_pairs(model, verify=False), args.repeats, args.device),
+        "forward_s": median_seconds(plain_forward, args.repeats, args.device),
+    }
+    print(f"{name} on {result['device']} ({result['cpu']}, torch {result['torch']}, {result['threads']} threads), "
+          f"{len(pairs)} pairs, median of {args.repeats}: find_pairs {result['find_pairs_s']:.3f} s, meta check "
+          f"alone {result['meta_check_s']:.3f} s, verify=False {result['no_check_s']:.4f} s; one forward of the "
+          f"check's one-sample input {result['forward_s']:.3f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
