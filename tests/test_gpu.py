@@ -413,3 +413,27 @@ def test_the_weights_fingerprint_is_the_same_on_cuda_and_the_cpu():
 
     state = tiny_vit().state_dict()
     assert weights_fingerprint({k: v.to(CUDA) for k, v in state.items()}) == weights_fingerprint(state)
+
+
+@pytest.mark.parametrize("device", ON_CPU_AND_CUDA)
+def test_the_v_row_check_runs_on_the_models_device_and_moves_no_random_stream(device):
+    """cd/values.py's real forward runs where the model is: a [Q; K; V] qkv passes and a per-head one is refused,
+    and the random streams of the CPU and of the model's device (the toy draws noise in its forward) are where
+    they were, as are the weights."""
+    from cd import UnsupportedModelError
+    from test_cd_qkv_rows import _Net
+
+    for layout in ("thirds", "per_head"):
+        model = _Net(layout, noisy=True).to(device)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        cpu_rng = torch.get_rng_state()
+        device_rng = torch.cuda.get_rng_state(device) if device == "cuda" else None
+        if layout == "thirds":
+            assert len(find_pairs(model)) == 8
+        else:
+            with pytest.raises(UnsupportedModelError, match="not \\(all of\\) V"):
+                find_pairs(model)
+        assert torch.equal(torch.get_rng_state(), cpu_rng)
+        if device == "cuda":
+            assert torch.equal(torch.cuda.get_rng_state(device), device_rng)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
