@@ -46,9 +46,9 @@ _F = torch.nn.functional
 # calls that multiply by a weight: their output's last dim holds the layer's output features
 _PRODUCTS = frozenset({_F.linear, torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.Tensor.matmul,
                        torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.addmm})
-# calls that return a weight's values in another layout or dtype (x @ w.t(), F.linear(x, w.to(dtype)))
 # calls that add a bias to a product (x @ w.t() + b): the V columns of their output are set to zero again
 _ADDS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
+# calls that return a weight's values in another layout or dtype (x @ w.t(), F.linear(x, w.to(dtype)))
 _SAME_VALUES = frozenset({"t", "T", "mT", "transpose", "permute", "to", "type_as", "float", "half", "bfloat16",
                           "contiguous", "detach", "view", "reshape"})
 
