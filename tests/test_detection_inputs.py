@@ -558,6 +558,27 @@ def test_more_max_images_than_the_test_split_has_are_refused(sample, tmp_path, c
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("indices", ["[3,1,2]", "2"])
+def test_max_images_keeps_the_first_images_of_the_test_indices_given(sample, indices):
+    """A test split given `indices` (a list of images, or the first N) is those images: --max-images keeps the first of
+    them. It kept the first of the whole split (`indices=[3,1,2] --max-images 1` scored image 0) and scored 3 images
+    of a 2-image subset."""
+    import json
+    from engine.detection import DetectionError, build_loader, load_config, parse_overrides
+    with open(os.path.join(sample, "annotations", "instances_val2017.json")) as f:
+        ids = [image["id"] for image in json.load(f)["images"]]  # the split in file order, read outside MMDetection
+    asked = [ids[i] for i in json.loads(indices)] if indices.startswith("[") else ids[:int(indices)]
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"test_dataloader.dataset.indices={indices}"]), data_root=sample)
+
+    def scored(max_images):
+        return [s.img_id for batch in build_loader(cfg, "test", max_images) for s in batch["data_samples"]]
+    assert scored(None) == asked
+    assert scored(1) == asked[:1] and scored(2) == asked[:2]
+    with pytest.raises(DetectionError, match=rf"^--max-images {len(asked) + 1}: the test split has only {len(asked)} "
+                                             "images"):
+        build_loader(cfg, "test", len(asked) + 1)
+
+
 def test_pipeline_options_with_a_bare_quant_say_that_no_pipeline_runs(mmdet_ready, tmp_path):
     """The message listed the pipelines that run as "()"."""
     from evaluate_detection import main

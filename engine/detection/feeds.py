@@ -20,7 +20,7 @@ from engine.detection.errors import DetectionError
 
 def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None) -> torch.utils.data.DataLoader:
     """The `split` loader of `cfg` ("test" or "val"); `max_images` keeps the first N images (a partial result,
-    marked as such by the caller)."""
+    marked as such by the caller) of those the split has, or of its dataset's `indices` where it gives them."""
     loader_cfg = copy.deepcopy(cfg[f"{split}_dataloader"])
     if max_images is not None:
         if max_images < 1:
@@ -29,7 +29,12 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         if wrapper.get("dataset") or wrapper.get("datasets"):  # MMEngine's wrappers take no indices: a TypeError
             raise DetectionError(f"--max-images {max_images}: {split}_dataloader.dataset is a {wrapper.get('type')}, "
                                  "which takes no indices; drop --max-images to score the whole split")
-        loader_cfg["dataset"]["indices"] = max_images
+        # an `indices` of the config or an override is the split asked for: the first N are of it (they were of the
+        # whole split, which `test_dataloader.dataset.indices=[2,3] --max-images 1` scored image 0 of)
+        given = wrapper.get("indices")
+        loader_cfg["dataset"]["indices"] = (max_images if given is None
+                                            else min(given, max_images) if isinstance(given, int)  # the first `given`
+                                            else list(given)[:max_images])
     with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
         loader = Runner.build_dataloader(loader_cfg)
     if max_images is not None and len(loader.dataset) < max_images:  # MMEngine keeps what there is, silently
