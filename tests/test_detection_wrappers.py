@@ -223,3 +223,82 @@ def test_max_images_with_a_wrapped_test_split_is_one_error_line(sample):
                                              r"takes no indices; drop --max-images"):
         build_loader(cfg, "test", 1)
     assert len(build_loader(cfg, "test").dataset) == 2 * len(_split_images(sample, "val2017"))
+
+
+def test_an_image_a_concat_dataset_joins_under_a_relative_and_an_absolute_root_is_drawn_once(sample):
+    """A file is one image whichever way its folder is spelled: the sample's training dataset joined once under its
+    absolute root and once under that root relative to the working folder is its 8 images (the annotation file's),
+    each drawn once."""
+    from engine.detection import TrainingImages, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    train = copy.deepcopy(cfg.train_dataloader.dataset)
+    relative = dict(copy.deepcopy(train), data_root=os.path.join(os.path.relpath(sample), ""))
+    cfg.train_dataloader.dataset = dict(type="ConcatDataset", datasets=[train, relative])
+    images = TrainingImages(cfg)
+    assert len(images.dataset) == 16 and len(images) == len(_split_images(sample)) == 8
+    _, samples = images.draw(8, 0, "--calib-images")
+    assert sorted(s["data_samples"].img_id for s in samples) == sorted(_split_images(sample))
+
+
+def test_seeds_apart_by_two_to_the_32_draw_their_own_images(sample):
+    """Seeds are 64-bit (configs' Seed range): a seed and that seed + 2**32 are two seeds, not one. With C(8, 3) = 56
+    sets, four seeds all drawing their partner's set would mean the seed is cut to 32 bits."""
+    from engine.detection import TrainingImages, load_config
+    images = TrainingImages(load_config([SAMPLE_CONFIG], data_root=sample))
+    assert any(images.draw(3, seed, "--calib-images")[0] != images.draw(3, seed + 2 ** 32, "--calib-images")[0]
+               for seed in range(4))
+
+
+MIXED = """_base_ = [{base!r}]
+train_dataloader = dict(dataset=dict(_delete_=True, type="MultiImageMixDataset", pipeline=[],
+                                     dataset={{{{_base_.train_dataloader.dataset}}}}))
+"""
+
+
+@pytest.mark.parametrize("override, unread, instead", [
+    ("train_dataloader.dataset.skip_type_keys=['Resize']", "train_dataloader.dataset.skip_type_keys", "drop it"),
+    ("train_dataloader.dataset.pipeline=[]", "train_dataloader.dataset.pipeline",
+     "give test_dataloader.dataset.pipeline instead"),
+    ("train_dataloader.dataset.dataset.pipeline=[]", "train_dataloader.dataset.dataset.pipeline",
+     "give test_dataloader.dataset.pipeline instead"),
+    ("train_dataloader.dataset.dataset.filter_cfg.min_size=4", None, None)])
+def test_evaluation_refuses_the_mixing_settings_of_a_multi_image_mix_training_split(mmdet_ready, tmp_path, override,
+                                                                                    unread, instead):
+    """A MultiImageMixDataset's images are drawn unmixed with the test pipeline: which transforms skip the mixed
+    images, and either pipeline, change nothing for percentile, RepQ-ViT and APHQ; which images the inner dataset
+    keeps does."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    path = tmp_path / "mixed.py"
+    path.write_text(MIXED.format(base=os.path.join(ROOT, SAMPLE_CONFIG)))
+    (key, value), = parse_overrides([override]).items()
+    if unread is None:
+        cfg = load_config([str(path)], {key: value}, reads=evaluation_reads(["repq"]))
+        assert cfg.train_dataloader.dataset.dataset.filter_cfg.min_size == value
+        return
+    with pytest.raises(DetectionError, match=rf"^override {re.escape(key)}: .* does not read {re.escape(unread)}, so "
+                                             rf"it would change nothing; {instead}"):
+        load_config([str(path)], {key: value}, reads=evaluation_reads(["repq"]))
+
+
+def test_max_images_with_a_test_split_in_a_repeat_dataset_is_one_error_line(sample):
+    """A wrapper of one dataset (RepeatDataset's `dataset`) takes no `indices` either: a TypeError before, reported as
+    an annotation file that cannot be read."""
+    from engine.detection import DetectionError, build_loader, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.test_dataloader = dict(cfg.test_dataloader, dataset=dict(type="RepeatDataset", times=2,
+                                                                 dataset=copy.deepcopy(cfg.test_dataloader.dataset)))
+    with pytest.raises(DetectionError, match=r"^--max-images 1: test_dataloader.dataset is a RepeatDataset, which "
+                                             r"takes no indices; drop --max-images"):
+        build_loader(cfg, "test", 1)
+
+
+def test_the_training_images_get_the_pipeline_of_a_test_split_in_a_repeat_dataset(sample):
+    """A wrapper of one dataset (`dataset`) has no pipeline of its own either: the training images get that of the
+    dataset it wraps."""
+    from engine.detection import load_config, pipeline_of_test_split
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    expected = [dict(t) for t in cfg.test_dataloader.dataset.pipeline]
+    cfg.test_dataloader = dict(cfg.test_dataloader, dataset=dict(type="RepeatDataset", times=2,
+                                                                 dataset=copy.deepcopy(cfg.test_dataloader.dataset)))
+    assert [dict(t) for t in pipeline_of_test_split(cfg)] == expected and expected
