@@ -286,3 +286,68 @@ def test_the_probe_makes_its_input_on_the_device_of_the_models_parameters(layout
                 find_pairs(model)
     finally:
         torch.set_default_device(None)
+
+
+class _EinsumProj(nn.Module):
+    """proj's weight multiplied by an einsum (a product the check cannot follow), bias added by hand."""
+
+    def __init__(self, proj: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = proj.weight, proj.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bnd,ed->bne", x, self.weight) + self.bias
+
+
+def test_a_proj_weight_multiplied_in_a_way_the_check_cannot_follow_is_refused_naming_it():
+    # the meta check follows the einsum; which rows of qkv are V cannot be told without proj's input
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    model.blocks[1].attn.proj = _EinsumProj(model.blocks[1].attn.proj)
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*multiplies by blocks\.1\.attn\.proj\.weight "
+                       r"in a way CD does not follow.*verify=False"):
+        find_pairs(model)
+
+
+class _Recorder(nn.Module):
+    """Records (training flag, batch size) of every forward on real (non-meta) values."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[bool, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            self.seen.append((self.training, x.shape[0]))
+        return x
+
+
+def test_the_check_runs_one_forward_of_one_sample_in_eval_mode_and_leaves_training_on():
+    # a real example of 4 samples: the check's only real forward sees its first sample, with training off
+    torch.manual_seed(0)
+    model = _Net("thirds").train()
+    model.embed = nn.Sequential(_Recorder(), model.embed)
+    assert len(find_pairs(model, example_input=torch.randn(4, TOKENS, 3))) == 8
+    assert model.embed[0].seen == [(False, 1)]
+    assert model.training and model.embed[0].training
+
+
+class _Reassigner(nn.Module):
+    """Keeps the running max |x| of its input in a buffer it reassigns (self.amax = ...), in every mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("amax", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.amax = torch.maximum(self.amax, x.abs().max())
+        return x
+
+
+def test_a_buffer_the_forward_reassigns_is_the_same_tensor_with_its_values_after():
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    model.embed = nn.Sequential(model.embed, _Reassigner())
+    before = model.embed[1].amax
+    assert len(find_pairs(model)) == 8
+    assert model.embed[1].amax is before and before.item() == 0.0  # the tensor an optimizer or hook may hold
