@@ -32,6 +32,8 @@ class _Attn(nn.Module):
         h, hd = self.heads, D // self.heads
         if self.call == "matmul":  # the weight's transpose, as a hand-written attention may multiply
             y = x @ self.qkv.weight.T + self.qkv.bias
+        elif self.call == "left":  # the weight on the left: the product's last dim is the tokens, not qkv's rows
+            y = (self.qkv.weight @ x.transpose(-1, -2)).transpose(-1, -2) + self.qkv.bias
         elif self.call == "einsum":
             y = torch.einsum("bnd,ed->bne", x, self.qkv.weight) + self.qkv.bias
         elif self.call == "cast":  # float32 master weights computed in bfloat16, bias cast too (not a Parameter)
@@ -106,11 +108,14 @@ def test_a_bias_cast_to_the_activations_dtype_is_not_taken_for_projs_input():
         find_pairs(_Net("per_head", call="cast"))
 
 
-def test_a_qkv_weight_multiplied_in_a_way_the_check_cannot_follow_is_refused_not_passed():
+@pytest.mark.parametrize("call", ["einsum", "left"])
+def test_a_qkv_weight_multiplied_in_a_way_the_check_cannot_follow_is_refused_not_passed(call):
+    # with the weight on the left (W @ x^T) the product's columns are tokens: no column is V, none is set to zero,
+    # and a [Q; K; V] qkv is refused as not followed, not as laid out otherwise
     torch.manual_seed(0)
     with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*multiplies by blocks\.1\.attn\.qkv\.weight "
                        r"in a way CD does not follow.*verify=False"):
-        find_pairs(_Net("per_head", call="einsum"))
+        find_pairs(_Net("thirds" if call == "left" else "per_head", call=call))
 
 
 def test_the_thirds_layout_passes_and_pairs_proj_with_rows_2d_3d():
