@@ -6,6 +6,8 @@ written here independently of cd/: only the thirds layout has V at rows [2D:3D].
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import timm
 import torch
@@ -356,3 +358,26 @@ def test_a_buffer_the_forward_reassigns_is_the_same_tensor_with_its_values_after
     before = model.embed[1].amax
     assert len(find_pairs(model)) == 8
     assert model.embed[1].amax is before and before.item() == 0.0  # the tensor an optimizer or hook may hold
+
+
+def test_the_random_streams_forked_are_the_cpus_and_those_of_every_device_the_parameters_lie_on(monkeypatch):
+    # no accelerator is needed to see which streams are forked: stand-in parameters on cuda:1 and cuda:0 (a model
+    # split across two GPUs) and fork_rng recorded, not run
+    from types import SimpleNamespace
+
+    from cd import values
+
+    forked = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices=None, device_type="cuda", **_):
+        forked.append((device_type, list(devices)))
+        yield
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    model = SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(d))
+                                                for d in ("cpu", "cuda:1", "cuda:0", "cuda:1")])
+    with values._rng_forks(model):
+        pass
+    # devices=[]: the CPU's stream alone; then both GPUs' streams, each once
+    assert forked == [("cuda", []), ("cuda", [0, 1])]
