@@ -169,6 +169,27 @@ def test_a_buffer_the_forward_updates_in_eval_mode_is_unchanged():
     assert model.embed[1].amax.item() == 0.0  # its value before: no forward of the user's ran
 
 
+class _Grower(nn.Module):
+    """Appends the max |x| of each input to a buffer it grows in place (set_), as a cache of past steps may."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("history", torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history.set_(torch.cat([self.history, x.abs().max().reshape(1)]))
+        return x
+
+
+def test_a_buffer_the_forward_resizes_in_place_is_given_back_its_shape_and_values():
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    model.embed = nn.Sequential(model.embed, _Grower())
+    before = model.embed[1].history
+    assert len(find_pairs(model)) == 8
+    assert model.embed[1].history is before and before.shape == (0,)
+
+
 class _LossNet(_Net):
     """Returns its loss when given labels: a 1-D tensor along the batch, next to the (batch, tokens, 3) input."""
 
