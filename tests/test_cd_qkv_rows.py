@@ -231,6 +231,17 @@ def test_a_proj_input_with_no_finite_value_is_refused_as_unchecked():
         find_pairs(model)
 
 
+def test_a_meta_example_of_floats_is_made_nonzero_so_that_a_model_without_biases_is_still_told_apart():
+    # without biases a zero input gives zero everywhere, V or not: the probe's values for a meta example are not 0
+    torch.manual_seed(0)
+    model = _Net("per_head")
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.bias = None
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+        find_pairs(model)
+
+
 def test_a_meta_boolean_mask_attends_every_key():
     # timm's explicit attention with a boolean mask (True: attend) that the probe made from a meta example
     class MaskNet(nn.Module):
