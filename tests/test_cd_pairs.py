@@ -336,6 +336,9 @@ def _cait() -> nn.Module:
 @pytest.mark.parametrize("build,block,change,match", [
     (tiny_vit, "blocks.1", lambda b: setattr(b, "norm2", nn.LayerNorm(16)), "affine norm2 .* of mlp.fc1's input"),
     (tiny_vit, "blocks.1", lambda b: setattr(b.attn, "proj", nn.Linear(16, 32)), "attn.qkv is not 3x attn.proj"),
+    # 49 rows: 49 // 3 is proj's input width 16, but 49 rows are not three thirds
+    (tiny_vit, "blocks.1", lambda b: (setattr(b.attn, "qkv", nn.Linear(32, 49)),
+                                      setattr(b.attn, "proj", nn.Linear(16, 32))), "attn.qkv is not 3x attn.proj"),
     (_cait, "blocks_token_only.0", lambda b: setattr(b.attn, "v", nn.Linear(32, 16)), "attn.v's output width"),
 ])
 def test_a_block_whose_widths_do_not_chain_is_refused_by_its_structure(build, block, change, match):
@@ -414,8 +417,9 @@ def test_a_block_of_ones_own_under_other_names_is_refused_naming_the_layers_look
         find_pairs(model, example_input=torch.zeros(1, 5, 32))
     message = str(refusal.value)
     assert f"found no {missing}" in message
-    if mlp_name == "ffn":  # the names under which a block of one's own is found
+    if mlp_name == "ffn":  # the names under which a block of one's own is found, and the children it was taken by
         assert "mlp.fc1" in message and "attn.qkv" in message
+        assert "its children norm1, attn, norm2, ffn are those of the MMDetection Swin block layout" in message
     assert "has neither a fused qkv" not in message and "matching widths" not in message
 
 
