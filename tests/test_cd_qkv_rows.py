@@ -36,6 +36,8 @@ class _Attn(nn.Module):
             y = x @ self.qkv.weight.T + self.qkv.bias
         elif self.call == "left":  # the weight on the left: the product's last dim is the tokens, not qkv's rows
             y = (self.qkv.weight @ x.transpose(-1, -2)).transpose(-1, -2) + self.qkv.bias
+        elif self.call == "addmm":  # bias first, as transformers' Conv1D (GPT-2) multiplies
+            y = torch.addmm(self.qkv.bias, x.reshape(b * n, D), self.qkv.weight.t()).view(b, n, 3 * D)
         elif self.call == "einsum":
             y = torch.einsum("bnd,ed->bne", x, self.qkv.weight) + self.qkv.bias
         elif self.call == "cast":  # float32 master weights computed in bfloat16, bias cast too (not a Parameter)
@@ -55,6 +57,8 @@ class _Attn(nn.Module):
         out = out.transpose(1, 2).reshape(b, n, D)
         if self.call == "cast":
             return F.linear(out, self.proj.weight.to(out.dtype), self.proj.bias.to(out.dtype)).float()
+        if self.call == "addmm":
+            return torch.addmm(self.proj.bias, out.reshape(b * n, D), self.proj.weight.t()).view(b, n, D)
         return self.proj(out)
 
 
@@ -100,6 +104,14 @@ def test_a_qkv_weight_multiplied_by_hand_is_checked_too():
     assert len(find_pairs(_Net("thirds", call="matmul"))) == 8
     with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
         find_pairs(_Net("per_head", call="matmul"))
+
+
+def test_addmms_bias_is_not_taken_for_projs_input():
+    # addmm(bias, x, w): proj's bias (nonzero) is added, not multiplied; only x is proj's input
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("thirds", call="addmm"))) == 8
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+        find_pairs(_Net("per_head", call="addmm"))
 
 
 def test_a_bias_cast_to_the_activations_dtype_is_not_taken_for_projs_input():
