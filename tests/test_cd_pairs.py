@@ -475,3 +475,5 @@ def test_a_refused_block_names_only_the_layers_it_lacks(timm_names, without_v, m
     message = str(refusal.value)
     assert missing in message
     assert "None" not in message and f"found no {present}" not in message and "fused" not in message
+    if not timm_names and not without_v:  # the Llama layout's MLP is gated: that form is named, not fc2(act(fc1(x)))
+        assert "the layout's gated MLP fc2(act(W_gate x) * W_up x)" in message
