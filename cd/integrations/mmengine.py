@@ -116,8 +116,8 @@ class ColinearityDecayHook(Hook):
             cause = str(e.__cause__).splitlines()[0] if str(e.__cause__) else ""
             origin = "input_shape" if self.input_shape is not None else "the hook's default: the model states none"
             raise UnsupportedModelError(
-                f"ColinearityDecayHook: the CD pair check's forward pass of {type(target).__name__} on the meta "
-                f"device failed on an input batch of shape {shape} ({origin}) ({type(e.__cause__).__name__}: "
+                f"ColinearityDecayHook: a CD pair check's forward pass of {type(target).__name__} (on the meta "
+                f"device, or the V-row check's real one) failed on an input batch of shape {shape} ({origin}) ({type(e.__cause__).__name__}: "
                 f"{cause}); give the hook input_shape= of one input batch of that part (e.g. input_shape=(1, 3, "
                 f"32, 32)), or verify=False to trust the structure alone") from e.__cause__
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
