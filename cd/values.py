@@ -10,7 +10,7 @@ another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input i
 
 What is set to zero, without touching any weight: the V columns of each call that multiplies by the qkv weight (the
 layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added to
-it by hand; a product the check cannot follow, such as an einsum, is refused, not passed), and every parameter of
+it by hand, in place too (`y.add_(b)`, `y += b`, `torch.add(y, b, out=y)`); a product the check cannot follow, such as an einsum, is refused, not passed), and every parameter of
 the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to V; a query
 or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to one sample,
 on the device of the model's parameters: for a meta example a fixed ramp of values (floats), zeros (token ids: a
@@ -117,7 +117,11 @@ class _ZeroV(TorchFunctionMode):
             elif (product or _name(func) in _ADDS) and w in self.rows and out.dim() >= 1 and \
                     out.shape[-1] == self.rows[w][2]:
                 start, stop, _ = self.rows[w]
-                out = out.clone()  # a new tensor: a product's output may be a buffer the model keeps
+                # an in-place add (y.add_(b), y += b, torch.add(y, b, out=y)) returns a tensor the caller holds
+                # and reads on, not the value returned here: its V columns are set to zero in that tensor (never in a
+                # Parameter's own values: a weight is not to be changed by the check)
+                if isinstance(out, nn.Parameter) or not any(out is t for t in tensors):
+                    out = out.clone()  # a new tensor: a product's output may be a buffer the model keeps
                 out[..., start:stop] = 0
                 self.zeroed.add(w)
                 self.products[id(out)] = w

@@ -34,6 +34,15 @@ class _Attn(nn.Module):
         h, hd = self.heads, D // self.heads
         if self.call == "matmul":  # the weight's transpose, as a hand-written attention may multiply
             y = x @ self.qkv.weight.T + self.qkv.bias
+        elif self.call == "add_":  # the bias added in place: the caller reads y, not add_'s return value
+            y = x @ self.qkv.weight.t()
+            y.add_(self.qkv.bias)
+        elif self.call == "iadd":
+            y = x @ self.qkv.weight.t()
+            y += self.qkv.bias
+        elif self.call == "add_out":
+            y = x @ self.qkv.weight.t()
+            torch.add(y, self.qkv.bias, out=y)
         elif self.call == "left":  # the weight on the left: the product's last dim is the tokens, not qkv's rows
             y = (self.qkv.weight @ x.transpose(-1, -2)).transpose(-1, -2) + self.qkv.bias
         elif self.call == "addmm":  # bias first, as transformers' Conv1D (GPT-2) multiplies
@@ -104,6 +113,15 @@ def test_a_qkv_weight_multiplied_by_hand_is_checked_too():
     assert len(find_pairs(_Net("thirds", call="matmul"))) == 8
     with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
         find_pairs(_Net("per_head", call="matmul"))
+
+
+@pytest.mark.parametrize("call", ["add_", "iadd", "add_out"])
+def test_a_bias_added_in_place_to_the_product_is_followed(call):
+    # y = x @ w.t(); y.add_(b): the tensor the model reads on is y itself, so its V columns must be zero there
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("thirds", call=call))) == 8
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*rows 24:36 .*not zero"):
+        find_pairs(_Net("per_head", call=call))
 
 
 def test_addmms_bias_is_not_taken_for_projs_input():
