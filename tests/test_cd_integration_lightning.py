@@ -178,13 +178,30 @@ def test_module_names_the_part_to_decay_when_the_lightning_module_cannot_run_a_f
     initial = copy.deepcopy(net)
     module = Module(net, steps=2)
     module.example_input_array = None  # nothing tells CD the LightningModule's input
-    with pytest.raises(UnsupportedModelError, match="cannot tell the input size of Module.*verify=False"):
+    with pytest.raises(UnsupportedModelError, match=r"cannot tell the input size of Module.*set the LightningModule's "
+                       r"example_input_array or pass ColinearityDecayCallback\(example_input=.*verify=False"):
         fit(module, 2)
     module = Module(copy.deepcopy(initial), steps=2)
     module.example_input_array = None
     trainer = fit(module, 2, callback=ColinearityDecayCallback(module="net", lam=LAM))  # timm's net tells its own
     check(initial, module, 2, 1, variants=("before_backward", "after_step"))
     assert cd_callback(trainer).decay.pairs[0].name == "blocks.0.attn.qkv.weight"
+
+
+def test_a_refused_example_names_what_a_lightning_user_sets_and_both_spellings_work():
+    """Lightning users set example_input_array on the LightningModule; the callback's example_input= works too."""
+    module = Module(tiny_vit().double(), steps=1)
+    module.example_input_array = torch.zeros(1, 3, 7, 7, dtype=torch.float64)  # not the net's 32 x 32
+    with pytest.raises(UnsupportedModelError, match=r"set the LightningModule's example_input_array or pass "
+                       r"ColinearityDecayCallback\(example_input=\.\.\.\) of the right shape"):
+        fit(module, 1)
+    module.example_input_array = None
+    callback = ColinearityDecayCallback(lam=LAM, example_input=torch.zeros(1, 3, 32, 32, dtype=torch.float64))
+    assert cd_callback(fit(module, 1, callback=callback)).decay.num_updates == 1
+    with pytest.raises(UnsupportedModelError, match=r"give net's own input as ColinearityDecayCallback\(module='net', "
+                       r"example_input=\.\.\.\) of the right shape"):
+        fit(Module(tiny_vit().double(), steps=1), 1,
+            callback=ColinearityDecayCallback(module="net", example_input=torch.zeros(1, 3, 7, 7, dtype=torch.float64)))
 
 
 def test_callbacks_on_two_parts_have_their_own_checkpoint_keys_and_module_is_checked():

@@ -27,11 +27,13 @@ in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
+from ..verify import UnsupportedModelError
 from . import bind_optimizers, check_cd_arguments, check_module_name, select_module, torch_optimizer
 
 
@@ -63,7 +65,10 @@ class ColinearityDecayCallback(Callback):
         example = getattr(pl_module, "example_input_array", None)
         if kwargs.get("example_input") is None and example is not None and not self.module:
             kwargs["example_input"] = example
-        self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
+        try:
+            self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(_lightning_names(str(e), self.module)) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
         self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
@@ -102,3 +107,15 @@ class ColinearityDecayCallback(Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._restored = state_dict.get("cd")
+
+
+def _lightning_names(message: str, module: str) -> str:
+    """`message` (the pair check's refusal) with its fix `pass example_input=` named as a Lightning user sets it:
+    the LightningModule's `example_input_array` (which the callback passes on for the whole module) or the
+    callback's `example_input=`; for a part (`module=`), the callback's only, since the module's example is the
+    whole module's input, not the part's."""
+    if module:  # the LightningModule's example_input_array is the whole module's input, not given to a part
+        where = f"give {module}'s own input as ColinearityDecayCallback(module={module!r}, example_input=...)"
+    else:
+        where = "set the LightningModule's example_input_array or pass ColinearityDecayCallback(example_input=...)"
+    return re.sub(r"[Pp]ass example_input=", where, message)
