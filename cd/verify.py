@@ -127,6 +127,24 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
         "verify=False to trust the structure alone")
 
 
+def _transformers_lm(root: nn.Module) -> bool:
+    """A transformers model of token ids. Its `attention_mask` is left out of the meta forward: transformers
+    reads the mask's values to choose the mask's form (`.item()`, which a meta tensor has no value for), and the
+    mask weighs attention scores only, so where each layer's input comes from is the same without it; the
+    V-row check (`cd/values.py`) runs with it."""
+    return getattr(root, "main_input_name", None) == "input_ids"
+
+
+def _ids_hint(root: nn.Module, example) -> str:
+    """For a transformers model given 1-D token ids (one sequence without its batch dim, which its LM head
+    cannot index), the form to pass instead; else ''."""
+    ids = example.get("input_ids") if isinstance(example, Mapping) else example
+    if _transformers_lm(root) and isinstance(ids, Tensor) and ids.dim() == 1:
+        return (" (token ids of shape (batch, sequence), not a 1-D sequence: ids[None], or a dict "
+                "{'input_ids': ids[None], 'attention_mask': mask[None]})")
+    return ""
+
+
 def _meta_slots(root: nn.Module, mode: _Provenance) -> dict[str, Tensor]:
     """{name: meta tensor} with one name per (module, attribute) slot and one meta tensor per tensor,
     labelled with every name the tensor has. A module shared by two blocks is one slot (functional_call
@@ -201,7 +219,8 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         root: the unwrapped model. pairs: `Pair`s of `root`. block_types: block name -> class name.
         example: an input of the right shape (any device; only its shape and dtype are used), a tuple or list
             of positional inputs (as Lightning's `example_input_array` gives a forward of several arguments),
-            or a dict of keyword inputs (tensors and flags); default `example_input(root)`.
+            or a dict of keyword inputs (tensors and flags; a transformers language model's `attention_mask` is
+            left out, `_transformers_lm`); default `example_input(root)`.
 
     Raises:
         UnsupportedModelError: naming the first failing pair, its block and the block's type.
@@ -213,7 +232,8 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             "(find_pairs(model) before fully_shard) and pass verify=False here")
     example = example_input(root) if example is None else example
     if isinstance(example, Mapping):  # keyword inputs (a transformers model's), tensors made meta
-        args, kwargs = (), {k: _meta_like(v) for k, v in example.items()}
+        args, kwargs = (), {k: _meta_like(v) for k, v in example.items()
+                            if not (k == "attention_mask" and _transformers_lm(root))}
     elif isinstance(example, (tuple, list)):  # positional inputs, Lightning's convention: forward(*example)
         args, kwargs = tuple(_meta_like(v) for v in example), {}
     else:
@@ -232,7 +252,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         raise UnsupportedModelError(
             f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the "
-            "right shape, or verify=False to trust the structure alone") from e
+            f"right shape{_ids_hint(root, example)}, or verify=False to trust the structure alone") from e
     failures = []
     for k, p in enumerate(pairs):
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"

@@ -285,3 +285,29 @@ def test_a_callback_reused_after_a_failed_train_leaves_the_failed_runs_optimizer
     first.step()
     diff = max(float((p - want[n]).abs().max()) for n, p in model.named_parameters() if n in want)
     assert diff < 1e-12, diff
+
+
+def test_the_pair_check_takes_a_trainer_batch_with_its_attention_mask():
+    """A batch as the Trainer's collator gives it (ids, a padding mask, labels): transformers reads the mask's values,
+    which the meta forward has none of; the pairs found are GPT-2's, as with the model's own example."""
+    from transformers import TrainerState
+    model = tiny_gpt2()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    callback = ColinearityDecayCallback(lam=LAM, example_input=batch)
+    callback.on_train_begin(None, TrainerState(), None, model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1))
+    want = gpt2_hf_pairs(LAYERS, DIM)
+    assert [p.name for p in callback.decay.pairs] == [r.w2 for r in want]
+    assert [p.upstream_rows for p in callback.decay.pairs] == [r.rows for r in want]
+
+
+def test_one_sequence_of_token_ids_without_its_batch_dim_is_refused_naming_the_form_to_pass():
+    from cd import UnsupportedModelError, find_pairs
+    ids = torch.randint(0, VOCAB, (SEQ,))
+    for example in (ids, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):
+        with pytest.raises(UnsupportedModelError, match=r"token ids of shape \(batch, sequence\), not a 1-D sequence: "
+                           r"ids\[None\]"):
+            find_pairs(tiny_gpt2(), example_input=example)
+    assert len(find_pairs(tiny_gpt2(), example_input=ids[None])) == 4 * LAYERS
