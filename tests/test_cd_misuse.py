@@ -173,12 +173,19 @@ def test_attaching_twice_is_refused_and_remove_allows_it_again():
 
 
 def test_two_objects_decaying_one_matrix_through_one_optimizer_are_refused():
-    model = tiny_vit()
+    model = tiny_vit().double()
     opt = sgd(model.parameters())
-    ColinearityDecay(model, lam=0.1).attach(opt)
+    first = ColinearityDecay(model, lam=0.1).attach(opt)
     with pytest.raises(RuntimeError, match=r"another CD update runs in this optimizer's step already .* decays "
                                            r"blocks\.0\.attn\.qkv\.weight"):
         ColinearityDecay(model, lam=0.1).attach(opt)
+    first.remove()  # the first one detached: the second one's step is the only update
+    reference = tiny_vit().double()
+    reference.load_state_dict(model.state_dict())
+    ColinearityDecay(model, lam=0.1).attach(opt)
+    step_with_zero_grads(model, opt)
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)  # one update by hand
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def test_a_closure_step_gets_the_update_after_its_backward_once():
