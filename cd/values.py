@@ -9,17 +9,18 @@ in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interle
 another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero and the pair is refused.
 
 What is set to zero, without touching any weight: the V columns of each call that multiplies by the qkv weight (the
-layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added to
-it by hand, in place too (`y.add_(b)`, `y += b`, `torch.add(y, b, out=y)`); a product the check cannot follow, such as an einsum, is refused, not passed), and every parameter of
-the attention module itself of V's width (a learned sink value, as the kv_bias sink variant appends to V; a query
-or value bias); a torch function mode does it on the fly. The input is the meta check's example, cut to one sample,
-on the device of the model's parameters: for a meta example a fixed ramp of values (floats), zeros (token ids: a
-valid id) or True (boolean masks: attend), a user's real example with its values (token ids, masks). Where one
-sample fails (a 1-D tensor along the batch, such as labels, is not cut with the rest), the whole example runs
-instead. One forward under no_grad, in eval mode (every module's training flag restored after), inside
-`torch.random.fork_rng` (no random stream moves), compiled submodules run eagerly, every buffer's values restored
-after (a forward may update one even in eval mode): no memory beyond one sample's activations and a copy of the
-buffers; forward hooks on the model run once (twice where the whole example runs), as in the meta check.
+layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added
+to it by hand, in place too (`y.add_(b)`, `y += b`, `torch.add(y, b, out=y)`); a product the check cannot follow,
+such as an einsum, is refused, not passed), and every parameter of the attention module itself of V's width (a
+learned sink value, as the kv_bias sink variant appends to V; a query or value bias); a torch function mode does it
+on the fly. The input is the meta check's example, cut to one sample, on the device of the model's parameters: for a
+meta example a fixed ramp of values (floats), zeros (token ids: a valid id) or True (boolean masks: attend), a
+user's real example with its values (token ids, masks). Where one sample fails (a 1-D tensor along the batch, such
+as labels, is not cut with the rest), the whole example runs instead. One forward under no_grad, in eval mode (every
+module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves), compiled submodules
+run eagerly, every buffer's values restored after (a forward may update one even in eval mode): no memory beyond one
+sample's activations and a copy of the buffers; forward hooks on the model run once (twice where the whole example
+runs), as in the meta check.
 
 A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
 whose input has no finite value is refused as unchecked.
