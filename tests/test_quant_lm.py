@@ -200,16 +200,19 @@ def test_gptq_pipeline_quantizes_block_by_block_onto_the_grid():
     assert max(diff) < 0.01
 
 
-def gptq_with_inputs_in(source: nn.Module, model: nn.Module, layer: str, calib: torch.Tensor) -> torch.Tensor:
-    """GPTQ (4 bits, the defaults) of `model`'s float weight of `layer` with the Hessian of that layer's inputs
-    in `source` on `calib`, caught by a hook: the reference a pipeline's layer must equal."""
+def gptq_with_inputs_in(source: nn.Module, model: nn.Module, layer: str, calib: torch.Tensor,
+                        quantizer: GPTQQuantizer = None, **options) -> torch.Tensor:
+    """GPTQ (4 bits, the defaults unless `quantizer` and solver `options` say otherwise) of `model`'s float
+    weight of `layer` with the Hessian of that layer's inputs in `source` on `calib`, caught by a hook: the
+    reference a pipeline's layer must equal."""
     linear = source.get_submodule(layer)
     acc = HessianAccumulator(linear.in_features, torch.device("cpu"))
     handle = linear.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
     with torch.no_grad():
         source(calib)
     handle.remove()
-    return gptq_quantize(model.get_submodule(layer).weight.float(), acc.hessian, GPTQQuantizer(4))[0]
+    return gptq_quantize(model.get_submodule(layer).weight.float(), acc.hessian, quantizer or GPTQQuantizer(4),
+                         **options)[0]
 
 
 def test_gptq_later_blocks_see_the_quantized_earlier_blocks():
@@ -391,3 +394,34 @@ def test_lm_pipelines_return_the_model_in_the_mode_it_was_given(pipeline, bits, 
     qmodel, _ = PIPELINES[pipeline](model, tokens(4), bits)
     assert [m.training for m in qmodel.modules()] == [training] * len(list(qmodel.modules()))
     assert all(m.training == training for m in model.modules())  # the float model's mode untouched
+
+
+@pytest.mark.parametrize("options", [
+    {"act_order": True, "group_size": 12, "blocksize": 8, "percdamp": 0.05, "symmetric": True},
+    {"act_order": True, "group_size": 12, "static_groups": True},
+], ids=["act_order+groups+blocksize", "static_groups"])
+def test_gptq_pipeline_runs_the_solver_with_the_options_it_is_given(options):
+    """Every option reaches each layer's GPTQ: block 0's Linears (float inputs, one pass) equal GPTQ with those
+    options on a Hessian caught by a hook. Groups of 12 in blocks of 8 start mid-block, so the block size moves
+    their ranges (not only the summation order); the report counts windows and their tokens."""
+    model, calib = gpt(), tokens(8)
+    qmodel, report = PIPELINES["gptq"](model, calib, "w4a16", options)
+    solver = {k: options[k] for k in ("act_order", "blocksize", "percdamp", "static_groups") if k in options}
+    for layer in ("blocks.0.attn.qkv", "blocks.0.mlp.fc2"):
+        quantizer = GPTQQuantizer(4, symmetric=options.get("symmetric", False), group_size=options["group_size"])
+        want = gptq_with_inputs_in(model, model, layer, calib, quantizer, **solver)
+        assert torch.equal(qmodel.get_submodule(layer).weight, want), layer
+    assert report["calibration_images"] == 8 and report["calibration_tokens"] == 8 * 32
+
+
+def test_gptq_of_a_dropout_model_in_training_mode_takes_its_hessians_without_dropout():
+    # as the official scripts (model.eval() before opt_sequential): the embedding dropout in front of block 0
+    # would otherwise make the Hessians random; the model comes back in training mode
+    torch.manual_seed(0)
+    model, calib = build_gpt("gpt2_nano", vocab_size=VOCAB, drop=0.5).train(), tokens(8)
+    reference = build_gpt("gpt2_nano", vocab_size=VOCAB, drop=0.5).eval()
+    reference.load_state_dict(model.state_dict())
+    qmodel, _ = PIPELINES["gptq"](model, calib, "w4a16")
+    assert qmodel.training
+    want = gptq_with_inputs_in(reference, reference, "blocks.0.attn.qkv", calib)
+    assert torch.equal(qmodel.blocks[0].attn.qkv.weight, want)
