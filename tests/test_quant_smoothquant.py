@@ -463,3 +463,17 @@ def test_dynamic_ranges_are_one_per_window_or_one_per_token_across_the_heads():
                 for g in groups:
                     torch.testing.assert_close(out[g].double(), naive_absmax(inp[g]), rtol=0, atol=1e-5,
                                                msg=f"{pipeline} {name} {g}")
+
+
+def test_smoothquant_of_a_dropout_model_in_training_mode_takes_its_statistics_without_dropout():
+    # the official get_act_scales runs model.eval(): the embedding dropout in front of block 0 would otherwise
+    # scale norm1's input by 1 / (1 - p) at random and move max |X_j|; the model comes back in training mode
+    torch.manual_seed(0)
+    model = with_outliers(perturb_norms(build_gpt("gpt2_nano", vocab_size=VOCAB, drop=0.5))).train()
+    x = tokens()
+    act = norm_output_absmax(copy.deepcopy(model).eval(), x)
+    qmodel, _ = PIPELINES["smoothquant"](model, x, "w8a8")
+    assert qmodel.training
+    w = model.blocks[0].attn.qkv.weight
+    s = act["blocks.0.norm1"].pow(0.5) / w.abs().amax(0).clamp(min=1e-5).pow(0.5)
+    torch.testing.assert_close(qmodel.blocks[0].norm1.weight, model.blocks[0].norm1.weight / s)
