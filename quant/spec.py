@@ -81,9 +81,12 @@ class QuantizerSpec:
         if self.granularity == "token" and not self.kind.dynamic:
             raise ValueError(f"per-token ranges are computed at run time: {self.kind.__name__} is not a dynamic "
                              "quantizer kind")
-        if self.group_size is not None and (self.group_size < 1 or not self.kind.supports_groups):
-            raise ValueError(f"group_size={self.group_size}: needs a positive size and a kind with groups "
-                             f"({self.kind.__name__} has none)")
+        if self.group_size is not None and not self.kind.supports_groups:
+            raise ValueError(f"group_size={self.group_size}: {self.kind.__name__} has no groups of input "
+                             "columns (GPTQ's grid, the rtn / gptq pipelines, has them)")
+        if self.group_size is not None and self.group_size < 1:
+            # a kind with groups was asked for none: saying it "has none" would send the user to another kind
+            raise ValueError(f"group_size={self.group_size}: needs a positive size (input columns per range)")
 
 
 @dataclass(frozen=True)
