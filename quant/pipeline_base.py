@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import time
+import typing
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Union
 
 import torch
 from torch import nn
 
+from configs.constraints import Range
 from engine.distributed import run_on_main
 
 from .calibrate import Images, calibrate
@@ -50,6 +52,18 @@ def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], An
             close = difflib.get_close_matches(key, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
             raise ValueError(f"unknown option {key!r} for {options_type.__qualname__}{hint}")
+    # the value ranges the config loader checks for evaluate.py (configs/constraints.py), for callers that hand
+    # a mapping over directly: blocksize=0 or batch_size=0 would otherwise be a traceback from inside the run,
+    # and alpha=1.5 a SmoothQuant run outside the method's range with nothing said
+    hints = typing.get_type_hints(options_type, include_extras=True)
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for allowed in getattr(hints[key], "__metadata__", ()):
+            problem = allowed.violation(value) if isinstance(allowed, Range) else None
+            if problem or value != value:  # NaN passes every comparison
+                raise ValueError(f"option {key}={value!r} for {options_type.__qualname__}: give a value "
+                                 f"{problem or 'that is a number'}")
     return options_type(**dict(options))
 
 

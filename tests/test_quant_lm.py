@@ -425,3 +425,18 @@ def test_gptq_of_a_dropout_model_in_training_mode_takes_its_hessians_without_dro
     assert qmodel.training
     want = gptq_with_inputs_in(reference, reference, "blocks.0.attn.qkv", calib)
     assert torch.equal(qmodel.blocks[0].attn.qkv.weight, want)
+
+
+@pytest.mark.parametrize("pipeline, options, message", [
+    ("gptq", {"blocksize": 0}, r"option blocksize=0 for GPTQOptions: give a value >= 1"),
+    ("gptq", {"batch_size": 0}, r"option batch_size=0 for GPTQOptions: give a value >= 1"),
+    ("gptq", {"percdamp": -0.5}, r"option percdamp=-0.5 for GPTQOptions: give a value > 0"),
+    ("smoothquant", {"alpha": 1.5}, r"option alpha=1.5 for SmoothQuantOptions: give a value >= 0 and <= 1"),
+    ("smoothquant_strict", {"alpha": float("nan")}, r"option alpha=nan for SmoothQuantStrictOptions: give a value"),
+])
+def test_lm_pipelines_refuse_option_values_out_of_range_before_any_work(pipeline, options, message):
+    # the ranges configs/quant.py declares, checked for a mapping handed to the pipeline as for evaluate.py's config:
+    # were a "range() arg 3 must not be zero" / split_size traceback, or a SmoothQuant run at alpha 1.5 or NaN
+    bits = "w4a16" if pipeline == "gptq" else "w8a8"
+    with pytest.raises(ValueError, match=message):
+        PIPELINES[pipeline](gpt(), tokens(2), bits, options)
