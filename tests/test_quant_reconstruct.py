@@ -111,3 +111,72 @@ def test_input_mix_takes_the_quantized_prefix_input_with_probability_input_mix_p
         assert abs(qdrop_mix(fp, q, p).mean().item() - p) < 0.02, p
     assert torch.equal(qdrop_mix(fp, q, 1.0), q)
     assert torch.equal(qdrop_mix(fp, q, 0.0), fp)
+
+
+def first_iteration_reference(unit, q_in, target, idx, drop_prob):
+    """The unit's output at iteration 1, written out: AdaRound started at its float init on every weight,
+    activation quantizers quantizing (drop_prob 1) or passing their float input (drop_prob 0)."""
+    import copy
+    ref = copy.deepcopy(unit)
+    for layer in (ref[0], ref[2]):
+        layer.weight_quantizer.start_rounding(layer.weight)
+        if drop_prob == 0.0:
+            layer.input_quantizer.enabled = False
+    with torch.no_grad():
+        return ref(q_in[idx]), target[idx]
+
+
+@pytest.mark.parametrize("loss_kind, drop_prob, normalize", [("weighted_mse", 1.0, True), ("weighted_mse", 0.0, False),
+                                                             ("kl", 1.0, True)])
+def test_first_iteration_loss_is_the_recipe_on_the_quantized_prefix_input(loss_kind, drop_prob, normalize):
+    # reference written out: batch = randperm(n)[:batch_size] of a generator seeded as the caller's; input = the
+    # quantized-prefix input (input_mix_prob 1); rec = mean((O^ - O)^2 * H / mean(H)) or KL(softmax(O) || softmax(O^))
+    # (batchmean); round = 0.01 * sum(1 - |2 frac(w / s) - 1|^beta) at AdaRound's initial alpha, beta at iteration
+    # 1 with warm-up 0 of 5 iterations = 2 + 18 * (1 - 1 / 5); loss = rec / (rec / 2) + round (normalised) or rec + round
+    fp, unit, x = two_layer_unit(seed=3)
+    q_in = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
+    target = fp(x)
+    h = torch.rand(1, 8, generator=torch.Generator().manual_seed(4)) * 3 + 0.1  # mean far from 1
+    st = settings(5, drop_prob=drop_prob, rounding=RoundingSchedule(5, warmup=0.0), normalize_loss=normalize)
+    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:st.batch_size]
+    out, tgt = first_iteration_reference(unit, q_in, target, idx, drop_prob)
+    if loss_kind == "kl":
+        p, log_p, log_q = tgt.softmax(-1), tgt.log_softmax(-1), out.log_softmax(-1)
+        rec = float((p * (log_p - log_q)).sum() / st.batch_size)
+    else:
+        rec = float(((out - tgt) ** 2 * (h / h.mean())).mean())
+    beta, reg = 2 + 18 * (1 - 1 / 5), 0.0
+    for layer in (unit[0], unit[2]):
+        q = layer.weight_quantizer
+        w_s = layer.weight / q.scale[:, None]
+        reg += float((1 - (2 * (w_s - torch.floor(w_s)) - 1).abs() ** beta).sum())
+    logged = []
+    reconstruct_unit(unit, x, q_in, target, None if loss_kind == "kl" else h, loss_kind, st,
+                     torch.Generator().manual_seed(0), progress=logged.append)
+    assert logged[0]["rec"] == pytest.approx(rec, rel=1e-5)
+    assert logged[0]["beta"] == pytest.approx(beta) and logged[0]["round"] == pytest.approx(0.01 * reg, rel=1e-4)
+    assert logged[0]["loss"] == pytest.approx((2.0 if normalize else rec) + 0.01 * reg, rel=1e-5)
+
+
+def test_alphas_train_at_weight_lr_and_activation_scales_at_act_lr_with_cosine_decay(monkeypatch):
+    # every optimiser step records its parameter groups' lr; reference: AdaRound alphas at weight_lr throughout,
+    # activation scales at act_lr * (1 + cos(pi k / iters)) / 2 at step k (cosine to 0 over all iterations)
+    import math
+    steps = []
+    original = torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        steps.append([(tuple(p.shape for p in g["params"]), g["lr"]) for g in self.param_groups])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    fp, unit, x = two_layer_unit(seed=5)
+    iters, w_lr, a_lr = 4, 3e-3, 7e-4
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(iters, weight_lr=w_lr, act_lr=a_lr),
+                     torch.Generator().manual_seed(0))
+    alpha_shapes = ((32, 16), (8, 32))
+    scale_shapes = tuple(tuple(q.scale.shape) for _, q in named_quantizers(unit, "activation"))
+    alpha_lrs = [lr for call in steps for shapes, lr in call if shapes == alpha_shapes]
+    scale_lrs = [lr for call in steps for shapes, lr in call if shapes == scale_shapes]
+    assert alpha_lrs == [w_lr] * iters
+    assert scale_lrs == pytest.approx([a_lr * (1 + math.cos(math.pi * k / iters)) / 2 for k in range(iters)])
