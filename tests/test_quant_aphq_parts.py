@@ -729,3 +729,59 @@ def test_a_unit_that_skips_a_batch_of_the_feed_is_refused():
     with pytest.raises(RuntimeError, match="ran 1 times over 2 batches"):
         for_each_call(model, "unit", Feed(), lambda args, out: seen.append(out))
     assert len(seen) == 1
+
+
+def test_mlp_reconstruction_lr_decays_by_cosine_to_zero_over_its_iterations(monkeypatch):
+    # every Adam step records its lr; reference: lr * (1 + cos(pi k / iters)) / 2 at step k, for each block anew
+    import math
+    from quant.aphq.mlp_recon import MLPReconSettings, reconstruct_mlps
+    lrs = []
+    original = torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    fp = tiny_vit()
+    iters, lr = 3, 1e-3
+    settings = MLPReconSettings(iters=iters, batch_size=4, lr=lr, log_every=0)
+    reconstruct_mlps(fp, copy.deepcopy(fp), images(4), 2, lambda name: torch.ones(1, 17, 48), settings,
+                     torch.Generator().manual_seed(0))
+    want = [lr * (1 + math.cos(math.pi * k / iters)) / 2 for k in range(iters)]
+    assert lrs == pytest.approx(want * 2)  # two blocks
+
+
+def test_linear_search_with_max_rows_searches_that_many_random_rows():
+    # reference: the same search given, explicitly, the max_rows rows randperm(n)[:max_rows] of a generator seeded
+    # as the caller's; a row more or less changes the chosen input range on this data
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(30, 6, generator=g) * torch.linspace(0.5, 3, 6) + 0.2
+    grid = dict(rounds=1, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=32)
+    picked = {}
+    for rows in (7, 8):
+        for subset in (False, True):
+            torch.manual_seed(0)
+            layer = QuantLinear.from_float(nn.Linear(6, 4, bias=False),
+                                           UniformQuantizer(4, channel_dim=0, num_channels=4), UniformQuantizer(4))
+            if subset:
+                search_linear(layer, x[torch.randperm(30, generator=torch.Generator().manual_seed(1))[:rows]], **grid)
+            else:
+                search_linear(layer, x, max_rows=rows, generator=torch.Generator().manual_seed(1), **grid)
+            q = layer.input_quantizer
+            picked[rows, subset] = (q.scale.clone(), q.zero_point.clone())
+        assert all(torch.equal(a, b) for a, b in zip(picked[rows, False], picked[rows, True])), rows
+    assert not all(torch.equal(a, b) for a, b in zip(picked[7, True], picked[8, True]))  # the test can tell
+
+
+def test_calibration_folds_no_layernorm_when_activation_and_weight_bits_differ():
+    # the layout makes post-LayerNorm inputs per tensor at a_bits != w_bits (official: no RepQ fold there), so
+    # the search must leave every LayerNorm as it was and fold nothing
+    from quant.aphq.calibration import calibrate_aphq
+    model, units, _ = aphq_converted(tiny_vit(), "w4a3")
+    norms = {n: (m.weight.clone(), m.bias.clone()) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
+    report = calibrate_aphq(model, units, images(4), search_settings(), generator=torch.Generator().manual_seed(0))
+    assert report["folded"] == []
+    for n, m in model.named_modules():
+        if n in norms:
+            assert torch.equal(m.weight, norms[n][0]) and torch.equal(m.bias, norms[n][1]), n
