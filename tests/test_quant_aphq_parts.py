@@ -299,7 +299,7 @@ def test_stem_search_is_the_official_conv_grid():
     x = torch.randn(6, 3, 16, 16)
     layer = QuantConv2d.from_float(conv, UniformQuantizer(4, channel_dim=0, num_channels=5), None)
     eq_n = 16
-    search_stem(layer, x, eq_n)
+    result = search_stem(layer, x, eq_n)
 
     pct = torch.tensor([0.99 + (0.9999 - 0.99) * (i / (eq_n - 1)) ** 0.5 for i in range(eq_n)] + [1.0],
                        dtype=torch.float64)
@@ -323,6 +323,11 @@ def test_stem_search_is_the_official_conv_grid():
         s = (hi - lo) / 15
         assert float(layer.weight_quantizer.scale[c]) == pytest.approx(float(s), rel=1e-5)
         assert float(layer.weight_quantizer.zero_point[c]) == float(-torch.round(lo / s))
+    # the reported error is the MSE of the whole output with the chosen weights
+    s, z = layer.weight_quantizer.scale.double()[:, None], layer.weight_quantizer.zero_point.double()[:, None]
+    wq = (torch.clamp(torch.round(w / s) + z, 0, 15) - z) * s
+    out = nn.functional.conv2d(x.double(), wq.reshape(5, 3, 4, 4), stride=4)
+    assert result["output_mse"] == pytest.approx(float((out - target).pow(2).mean()), rel=1e-4)
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 2])
