@@ -332,6 +332,11 @@ def test_per_image_reconstruction_cycles_through_the_images_in_order():
     from quant.calibrate import calibrate
     calibrate(q.backbone.block.fc, torch.cat([c.args[0] for c in fp_calls], dim=1))
     q_calls = capture_unit_calls(q, "backbone.block", feed)
+    # the block is the first unit, so its captured quantized-prefix input equals the float one: make it differ, as
+    # behind a quantized prefix, so that reading the float input instead (input_mix_prob 1) shows
+    g = torch.Generator().manual_seed(1)
+    q_calls = [qc._replace(args=(qc.args[0] + 0.3 * torch.randn(qc.args[0].shape, generator=g), *qc.args[1:]))
+               for qc in q_calls]
     hessians = [[torch.rand_like(c.outputs[0]) + 0.5] for c in fp_calls]
     unit = q.backbone.block
     with torch.no_grad():
@@ -343,3 +348,13 @@ def test_per_image_reconstruction_cycles_through_the_images_in_order():
     reconstruct_unit_calls(unit, fp_calls, q_calls, hessians, settings, progress=lambda m: seen.append(m["rec"]))
     expected = [per_image[i] for i in (0, 1, 2, 0, 1)]
     assert seen == pytest.approx(expected, rel=1e-5)
+
+
+def test_binary_kl_clamps_a_saturated_float_objectness():
+    # a float32 sigmoid saturates to exactly 0 or 1 (logits beyond ~17): the official binary_kl clamps both
+    # probabilities to [1e-7, 1 - 1e-7]; reference: the Bernoulli KL of the clamped values, written out in float64
+    pred, target = torch.tensor([0.3, 0.9, 0.5]), torch.sigmoid(torch.tensor([40.0, -120.0, 0.0]))
+    assert target[0] == 1.0 and target[1] == 0.0
+    t, p = target.double().clamp(1e-7, 1 - 1e-7), pred.double()
+    want = (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean()
+    assert float(binary_kl(pred, target)) == pytest.approx(float(want), rel=1e-4)
