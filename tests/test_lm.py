@@ -576,3 +576,50 @@ def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validatio
     assert "".join(train.vocab[i] for i in train.ids[:3]) == "In "  # Genesis 1:1 comes first
     # nanoGPT's character encoding: id = rank of the character among the sorted characters of the whole text
     assert train.vocab == val.vocab == sorted(set(train.vocab)) and len(train.vocab) == 65
+
+
+def _window_nll(model, windows) -> float:
+    """Summed next-token NLL of (x, y) windows, one position at a time in float64: the reference of the tests below."""
+    with torch.no_grad():
+        return float(sum(-torch.log_softmax(model(x[None])[0, t].double(), -1)[y[t]]
+                         for x, y in windows for t in range(len(y))))
+
+
+def test_language_model_evaluation_sums_every_ranks_tokens_before_the_mean(monkeypatch):
+    """Under DDP each rank scores its own windows: the loss is the NLL of every rank's tokens over all their tokens,
+    not this rank's mean nor a mean of the ranks' means (3 windows here, 1 on the other rank). The other rank is an
+    all_reduce that adds its sums, computed as a loop."""
+    import engine.tasks
+
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    g = torch.Generator().manual_seed(3)
+    mine, theirs = [[(torch.randint(0, 65, (8,), generator=g), torch.randint(0, 65, (8,), generator=g))
+                     for _ in range(n)] for n in (3, 1)]
+    other = torch.tensor([_window_nll(model, theirs), 8.0, 1.0], dtype=torch.float64)  # loss, tokens, windows
+
+    def add_other_rank(t, op="sum"):
+        assert op == "sum"
+        return t.add_(other)
+
+    monkeypatch.setattr(engine.tasks, "all_reduce", add_other_rank)
+    result = evaluate_language_model(model, torch.utils.data.DataLoader(mine, batch_size=2), torch.device("cpu"))
+    want = (_window_nll(model, mine) + _window_nll(model, theirs)) / 32
+    assert result["loss"] == pytest.approx(want, rel=1e-6) and result["ppl"] == pytest.approx(math.exp(want), rel=1e-6)
+    assert (result["count"], result["tokens"]) == (4, 32)
+
+
+def test_a_language_model_validation_stopped_midway_gives_no_numbers():
+    """A preemption request during validation: None, never a loss over the windows scored before it."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65).eval()
+    windows = [(torch.randint(0, 65, (8,)), torch.randint(0, 65, (8,))) for _ in range(4)]
+    asked = []
+
+    def stop_at_second_batch():
+        asked.append(1)
+        return len(asked) > 1
+
+    loader = torch.utils.data.DataLoader(windows, batch_size=2)
+    assert evaluate_language_model(model, loader, torch.device("cpu"), should_stop=stop_at_second_batch) is None
+    assert len(asked) == 2
