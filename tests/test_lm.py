@@ -623,3 +623,28 @@ def test_a_language_model_validation_stopped_midway_gives_no_numbers():
     loader = torch.utils.data.DataLoader(windows, batch_size=2)
     assert evaluate_language_model(model, loader, torch.device("cpu"), should_stop=stop_at_second_batch) is None
     assert len(asked) == 2
+
+
+def test_data_val_windows_short_of_all_by_one_scores_that_many():
+    """data.val_windows=k below the split's window count scores k distinct windows, even one fewer than all;
+    k of at least the count (or 0) scores every window once."""
+    stream = TokenStream(np.arange(1000, dtype=np.uint16), None, "test")  # 99 windows of 10
+    for limit, want in ((98, 98), (99, 99), (500, 99), (0, 99)):
+        windows = TokenWindows(stream, 10, train=False, limit=limit)
+        assert len(windows) == want, limit
+        assert len({int(windows[i][0][0]) for i in range(len(windows))}) == want, limit
+
+
+def test_a_validation_split_with_ids_past_the_vocabulary_is_refused_before_training(tmp_path):
+    """The val split's ids are checked with the train split's when the loaders are built, not found by the
+    embedding at the first validation after hours of training."""
+    from data.loader import build_token_loaders
+
+    ids = np.arange(1000, dtype=np.uint16) % 50
+    ids.tofile(tmp_path / "train.bin")
+    ids[-1] = 50  # the last id of the val split only
+    ids.tofile(tmp_path / "val.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
+    with pytest.raises(DataError, match=r"val\.bin holds ids up to 50, model.num_classes=50 embeds 0\.\.49"):
+        build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+                            seed=0, vocab_size=50)
