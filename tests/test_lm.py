@@ -571,6 +571,8 @@ def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validatio
     train, val = token_stream(cfg, "train"), token_stream(cfg, "val")
     assert abs(len(val.ids) / (len(train.ids) + len(val.ids)) - 0.25) < 1e-6
     assert len(train.ids) == int((len(train.ids) + len(val.ids)) * 0.75)  # nanoGPT: data[:int(n * 0.9)], to the id
+    head = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.1), "train")  # 4,137,452 x 0.9 ends in .8:
+    assert len(head.ids) == int((len(train.ids) + len(val.ids)) * 0.9)  # cut down, as int() does, not rounded up
     whole = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.5), "train").ids
     assert np.array_equal(train.ids[:len(whole)], whole)  # both heads of one text
     assert "".join(train.vocab[i] for i in train.ids[:3]) == "In "  # Genesis 1:1 comes first

@@ -265,6 +265,9 @@ def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
         ids[where] = 70
         assert largest_id(ids, chunk=64) == 70, where
         assert largest_id(ids, chunk=40) == 70, where  # 999: the last of the 25th chunk of 40
+    tail = np.zeros(65, dtype=np.uint16)
+    tail[64] = 70  # a last chunk of one id is read too
+    assert largest_id(tail, chunk=64) == 70
     stream = type("S", (), {"ids": ids, "vocab": None, "source": "train.bin"})()
     with pytest.raises(DataError, match="holds ids up to 70, model.num_classes=65"):
         check_vocabulary(stream, 65)
