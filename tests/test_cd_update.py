@@ -162,12 +162,15 @@ def test_pure_function_defers_conflicting_writes():
     s, s1 = 0.05, 0.07
     up = [s1 if p.role == "fc2" else 0.0 for p in pairs]
     colinearity_decay_(pairs, [s] * len(pairs), up)
-    b = "blocks.0"
-    fc1, fc2, g2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"], P[f"{b}.norm2.weight"]
-    w1n = normalized(torch.diag(g2))
-    c2 = fc1.shape[0] / fc1.norm() ** 2
-    want = fc1 - s * fc1 @ w1n @ w1n.T - s1 * c2 * fc2.T @ fc2 @ fc1
-    torch.testing.assert_close(model.blocks[0].mlp.fc1.weight.detach(), want, rtol=1e-10, atol=1e-12)
+    for i in range(VIT_DEPTH):  # every block: the deferred writes of the last one too
+        b = f"blocks.{i}"
+        fc1, fc2, g2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"], P[f"{b}.norm2.weight"]
+        w1n = normalized(torch.diag(g2))
+        c2 = fc1.shape[0] / fc1.norm() ** 2
+        want = fc1 - s * fc1 @ w1n @ w1n.T - s1 * c2 * fc2.T @ fc2 @ fc1
+        torch.testing.assert_close(model.blocks[i].mlp.fc1.weight.detach(), want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(model.blocks[i].mlp.fc2.weight.detach(), ref_w2(fc2, fc1, s),
+                                   rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -393,3 +396,21 @@ def test_an_all_zero_upstream_matrix_gives_no_update_and_zero_energy():
     ref_block_update(P, "blocks.0", 0.05, expected)
     torch.testing.assert_close(params["blocks.0.mlp.fc2.weight"], expected["blocks.0.mlp.fc2.weight"])
     torch.testing.assert_close(params["blocks.0.mlp.fc1.weight"], expected["blocks.0.mlp.fc1.weight"])
+
+
+def test_a_tiny_but_nonzero_upstream_matrix_is_normalized_like_any_other():
+    """W1n (App. A.2, Eq. (22)) does not depend on W1's scale: an fc1 or norm scale of RMS about 1e-11 gives the
+    update of the same matrix at scale 1 (only an all-zero W1 is floored, to no update), float64."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc1.weight.mul_(1e-9)
+        model.blocks[1].norm1.weight.mul_(1e-9)
+    ColinearityDecay(model, lam=0.1).apply(lr=0.5)
+    params = dict(model.named_parameters())
+    torch.testing.assert_close(params["blocks.0.mlp.fc2.weight"].detach(),
+                               ref_w2(P["blocks.0.mlp.fc2.weight"], P["blocks.0.mlp.fc1.weight"], 0.05),
+                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(params["blocks.1.attn.qkv.weight"].detach(),
+                               ref_w2(P["blocks.1.attn.qkv.weight"], torch.diag(P["blocks.1.norm1.weight"]), 0.05),
+                               rtol=1e-10, atol=1e-12)
