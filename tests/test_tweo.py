@@ -175,6 +175,27 @@ def test_from_config():
     assert tweo._penalty is plain_tweo_penalty
 
 
+def test_from_config_honours_p_eps_and_rescale():
+    """tweo.p, tweo.eps and tweo.rescale from the config reach the term: the logged L_TWEO is mean over blocks of
+    mean((|A| / (tau + eps))^p), by hand in float64, and the rescaled term's value is lam * task loss."""
+    from configs import load_config
+
+    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.p=3", "tweo.tau=1", "tweo.eps=0.5",
+                             "tweo.rescale=true"])
+    model = tiny_vit()
+    x = torch.randn(2, 3, 32, 32)
+    tweo = TWEO.from_config(cfg.tweo, model, total_steps=10)
+    try:
+        y, outs = _block_outputs(model, [b for _, b in tweo.blocks], x)
+        task = F.cross_entropy(y, torch.zeros(2, dtype=torch.long))
+        aux = tweo.aux_loss(task, step=0)
+    finally:
+        tweo.remove()
+    want = sum(((o.detach().double().abs() / 1.5) ** 3).mean() for o in outs) / len(outs)
+    assert math.isclose(tweo.metrics()["tweo/penalty"], float(want), rel_tol=1e-5)
+    assert math.isclose(float(aux.detach()), 0.05 * float(task.detach()), rel_tol=1e-6)
+
+
 def saved_storages(use_tweo: bool, form: str = "memory_saving", batch: int = 8) -> dict:
     """Autograd's saved tensors of one training forward, {storage pointer: bytes}."""
     model = tiny_vit()
