@@ -279,6 +279,27 @@ def test_from_config_and_bad_arguments():
         ColinearityDecay(tiny_vit(), lam=-0.1)
 
 
+def test_from_config_honours_loss_coef_and_matmul_precision():
+    """cd.loss_coef scales the loss-form term, whose value is loss_coef * task loss (the stabilized scaling), and
+    cd.matmul_precision=bf16 really rounds the update's operands: off the float64 reference by bf16's error, where
+    fp32 is exact to 1e-6."""
+    cfg = load_config(None, ["cd.enabled=true", "cd.mode=loss", "cd.loss_coef=0.3"])
+    decay = ColinearityDecay.from_config(cfg.cd, tiny_vit())
+    task = torch.tensor(2.5)
+    assert math.isclose(float(decay.aux_loss(task).detach()), 0.3 * 2.5, rel_tol=1e-6)
+
+    cfg = load_config(None, ["cd.enabled=true", "cd.lam=0.1", "cd.matmul_precision=bf16"])
+    model = tiny_vit()
+    P = snapshot(model)
+    ColinearityDecay.from_config(cfg.cd, model).apply(lr=0.5)
+    expected = {}
+    ref_block_update(P, "blocks.0", 0.05, expected)
+    name = "blocks.0.mlp.fc2.weight"  # a functional pair: its products are the ones the precision sets
+    delta_got = dict(model.named_parameters())[name].detach().double() - P[name].double()
+    delta_want = expected[name] - P[name].double()
+    assert (delta_got - delta_want).norm() / delta_want.norm() > 1e-4
+
+
 def test_weight_decay_budget_rule():
     assert math.isclose(budget_weight_decay(0.05, 0.005), 0.045)
     assert budget_weight_decay(0.005, 0.005) == 0.0
