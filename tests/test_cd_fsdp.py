@@ -14,6 +14,8 @@ reshard the root, refuses with that cause and fix (not "build after fully_shard"
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import timm
 import torch
@@ -448,3 +450,30 @@ def test_sharded_pair_energy_is_the_mean_over_each_roles_pairs_when_blocks_hold_
     assert got.keys() == want.keys()
     for role, energies in want.items():
         assert got[role].item() == pytest.approx(sum(energies) / len(energies), rel=1e-5), role
+
+
+def test_the_block_by_block_energy_weights_each_block_by_its_pairs_of_a_role():
+    """`sharded_pair_energy` on whole tensors (no process group needed): a SwiGLU block has two fc1 pairs (norm2 ->
+    fc1_g, fc1_x), so a role's mean over all pairs weights each block's mean by its pair count; by hand in float64."""
+    from timm.layers import SwiGLU
+
+    from cd.sharded import sharded_pair_energy
+    from cd_models import normalized
+
+    torch.manual_seed(0)
+    model = randomize_norms(timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32,
+                                              depth=2, num_heads=2, num_classes=10, mlp_layer=SwiGLU,
+                                              act_layer=torch.nn.SiLU, mlp_ratio=2.0), 0).double()
+    pairs = find_pairs(model, gated_mlp=True)
+    got = sharded_pair_energy(pairs, block_plans(pairs))
+    P = dict(model.named_parameters())
+    want = {}
+    for p in pairs:
+        w1 = P[p.upstream_name].detach()
+        w1 = torch.diag(w1) if w1.dim() == 1 else w1
+        if p.role == "proj":  # the V rows of the fused qkv
+            w1 = w1[2 * w1.shape[0] // 3:]
+        want.setdefault(p.role, []).append(float((P[p.name].detach() @ normalized(w1)).square().sum()))
+    assert len(want["fc1"]) == 4  # two pairs per block: the case where the weighting matters
+    for role, values in want.items():
+        assert math.isclose(float(got[role]), sum(values) / len(values), rel_tol=1e-10), role
