@@ -131,8 +131,18 @@ class WeightNoise:
         check_arguments(bits, layer_types, seed)
         self.bits, self.seed, self.step = bits, seed, 0
         kinds = tuple(LAYER_TYPES[t] for t in layer_types)
-        self.layers = [(name, m) for name, m in unwrap_model(model).named_modules()
-                       if isinstance(m, kinds) and isinstance(m._parameters.get("weight"), nn.Parameter)]
+        chosen = [(name, m) for name, m in unwrap_model(model).named_modules() if isinstance(m, kinds)]
+        # a weight computed at each forward (weight_norm, torch.nn.utils.parametrize) is no Parameter of the layer
+        # for the swap to replace: refused, not left clean while its neighbours are noisy
+        computed = [name or type(m).__name__ for name, m in chosen
+                    if not isinstance(m._parameters.get("weight"), nn.Parameter)]
+        if computed:
+            raise ValueError(
+                f"WeightNoise: the weight of {', '.join(computed[:3])}{' ...' if len(computed) > 3 else ''} is "
+                "computed at each forward (weight_norm or a parametrization), not a Parameter the noise can replace; "
+                "remove it (torch.nn.utils.parametrize.remove_parametrizations, or remove_weight_norm for the old "
+                "torch.nn.utils.weight_norm) or leave that layer type out of layer_types")
+        self.layers = chosen
         if not self.layers:
             raise ValueError(f"WeightNoise: no {'/'.join(layer_types)} layer with a weight in {type(model).__name__}")
         taken = [name for name, m in self.layers if m in _NOISE_ON]
