@@ -353,10 +353,26 @@ class ColinearityDecay:
             raise RuntimeError("ColinearityDecay.apply: this object is attached to an optimizer (by attach() or a "
                                "cd.integrations callback), whose step() applies the update already; calling apply() "
                                "too would decay twice per step. Use one of them (handle.remove() detaches)")
+        self._refuse_matrices_decayed_by_a_step()
         self._check_parameters_current()
         lr2 = [lr if p.downstream.requires_grad else 0.0 for p in self.pairs]
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
         self._apply(lr2, lr1, gate=None)
+
+    def _refuse_matrices_decayed_by_a_step(self) -> None:
+        """Refuse `apply` on a matrix that another object (attached, or a cd.integrations binding) decays in an
+        optimizer's step already: each step would decay it twice. Free when nothing is attached anywhere."""
+        others = {id(decay): decay for opt, owners in list(_HOOKED.items()) for owner in list(owners)
+                  for decay in [owner._hooked_decay(opt)] if decay is not None and decay is not self}
+        if not others:
+            return
+        mine = {id(t): name for name, t in self._decayed_named()}
+        for other in others.values():
+            shared = [mine[id(t)] for t in other._decayed() if id(t) in mine]
+            if shared:
+                raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared[0]} in an optimizer's "
+                                   "step already (its attach() or a cd.integrations callback); apply() too would "
+                                   "decay it twice per step. Use one per model (remove the other first)")
 
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
                count: bool = True) -> None:

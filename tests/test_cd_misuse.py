@@ -188,6 +188,26 @@ def test_two_objects_decaying_one_matrix_through_one_optimizer_are_refused():
     assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def test_apply_of_a_second_object_on_matrices_an_attached_one_decays_is_refused():
+    """A.attach(opt) and B.apply(lr) on one model would decay each matrix twice per step; B on another model, or
+    after A's remove(), is one update (checked against a third object's apply on a copy)."""
+    model = tiny_vit().double()
+    opt = sgd(model.parameters())
+    handle = ColinearityDecay(model, lam=0.1).attach(opt)
+    second = ColinearityDecay(model, lam=0.1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"another CD object decays blocks\.0\.attn\.qkv\.weight in an "
+                                           r"optimizer's step already"):
+        second.apply(lr=0.5)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # refused before any write
+    other = tiny_vit().double()
+    other.load_state_dict(before)
+    ColinearityDecay(other, lam=0.1).apply(lr=0.5)  # another model's matrices: taken
+    handle.remove()
+    second.apply(lr=0.5)
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(model.parameters(), other.parameters()))
+
+
 def test_a_closure_step_gets_the_update_after_its_backward_once():
     model = tiny_vit().double()
     initial = copy.deepcopy(model)
