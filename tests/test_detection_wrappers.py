@@ -302,3 +302,49 @@ def test_the_training_images_get_the_pipeline_of_a_test_split_in_a_repeat_datase
     cfg.test_dataloader = dict(cfg.test_dataloader, dataset=dict(type="RepeatDataset", times=2,
                                                                  dataset=copy.deepcopy(cfg.test_dataloader.dataset)))
     assert [dict(t) for t in pipeline_of_test_split(cfg)] == expected and expected
+
+
+def _mixed_test_split(cfg, wrapper_steps=None, **settings):
+    """`cfg` with its test dataset in a MultiImageMixDataset: the loading transform inside, the rest (or
+    `wrapper_steps`) on the wrapper, as MMDetection's mosaic recipes split them."""
+    inner = copy.deepcopy(cfg.test_dataloader.dataset)
+    pipeline = inner.pop("pipeline")
+    inner["pipeline"] = pipeline[:1]
+    steps = pipeline[1:] if wrapper_steps is None else wrapper_steps
+    cfg.test_dataloader = dict(cfg.test_dataloader, dataset=dict(type="MultiImageMixDataset", dataset=inner,
+                                                                 pipeline=steps, **settings))
+    return cfg
+
+
+def test_the_training_images_get_the_whole_pipeline_of_a_multi_image_mix_test_split(sample):
+    """A MultiImageMixDataset test split runs its dataset's pipeline and then its own: the training images got the
+    inner one alone (LoadImageFromFile: a dict without `inputs`, a KeyError traceback in the calibration step), where
+    the scored images are resized and packed. Its skip_type_keys are left out as MMDetection leaves them out."""
+    from engine.detection import TrainingImages, build_loader, load_config, pipeline_of_test_split
+    plain = load_config([SAMPLE_CONFIG], data_root=sample)
+    expected = [dict(t) for t in plain.test_dataloader.dataset.pipeline]
+    cfg = _mixed_test_split(copy.deepcopy(plain))
+    assert [dict(t) for t in pipeline_of_test_split(cfg)] == expected
+    got, = TrainingImages(cfg).draw(1, 0, "--calib-images")[1]
+    reference, = TrainingImages(plain).draw(1, 0, "--calib-images")[1]
+    assert torch.equal(got["inputs"], reference["inputs"])
+    scored = next(iter(build_loader(cfg, "test")))["inputs"][0]  # the wrapper resizes what the test loop scores
+    assert scored.shape == next(iter(build_loader(plain, "test")))["inputs"][0].shape
+    skipped = _mixed_test_split(copy.deepcopy(plain), skip_type_keys=["Resize"])
+    kept = [t["type"] for t in expected if t["type"] != "Resize"]
+    assert [t["type"] for t in pipeline_of_test_split(skipped)] == kept
+
+
+def test_a_multi_image_mix_test_split_that_mixes_images_is_one_error_line(sample):
+    """A mixing transform (Mosaic) of the test split's wrapper has no one-image form to give the training images;
+    skipped (skip_type_keys), it is not run and not refused."""
+    from engine.detection import DetectionError, load_config, pipeline_of_test_split
+    plain = load_config([SAMPLE_CONFIG], data_root=sample)
+    steps = [dict(type="Mosaic", img_scale=(64, 64))] + list(plain.test_dataloader.dataset.pipeline[1:])
+    cfg = _mixed_test_split(copy.deepcopy(plain), steps)
+    with pytest.raises(DetectionError, match=r"^test_dataloader.dataset.pipeline.0 \(Mosaic\) mixes other test "
+                                             r"images .*skip_type_keys"):
+        pipeline_of_test_split(cfg)
+    skipped = _mixed_test_split(copy.deepcopy(plain), steps, skip_type_keys=["Mosaic"])
+    assert [dict(t) for t in pipeline_of_test_split(skipped)] == [dict(t) for t in
+                                                                   plain.test_dataloader.dataset.pipeline]

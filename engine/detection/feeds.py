@@ -61,23 +61,43 @@ def _split_images(dataset: dict, pipeline: list) -> dict:
 
 def pipeline_of_test_split(cfg: Config) -> list:
     """The pipeline test_dataloader gives its images: its dataset's, or that of every dataset a wrapper of it
-    (ConcatDataset, ...) holds; one error line where those differ, as there is then no one test pipeline."""
+    (ConcatDataset, ...) holds; one error line where those differ, as there is then no one test pipeline. A
+    MultiImageMixDataset runs its own pipeline on what its dataset's made (less its skip_type_keys), so the two
+    are one pipeline; one that mixes in other images (Mosaic, MixUp: a `get_indexes`) is refused, as it has no
+    one-image form."""
     found = []
 
-    def walk(key: str, dataset: dict) -> None:
+    def walk(key: str, dataset: dict, after: list) -> None:
         if dataset.get("dataset"):
-            walk(f"{key}.dataset", dataset["dataset"])
+            walk(f"{key}.dataset", dataset["dataset"], _wrapper_steps(key, dataset) + after)
         elif dataset.get("datasets"):
             for index, inner in enumerate(dataset["datasets"]):
-                walk(f"{key}.datasets.{index}", inner)
+                walk(f"{key}.datasets.{index}", inner, after)
         else:
-            found.append((f"{key}.pipeline", dataset.get("pipeline") or []))
-    walk("test_dataloader.dataset", cfg.test_dataloader["dataset"])
+            found.append((f"{key}.pipeline", list(dataset.get("pipeline") or []) + after))
+    walk("test_dataloader.dataset", cfg.test_dataloader["dataset"], [])
     other = next((key for key, pipeline in found if pipeline != found[0][1]), None)
     if other is not None:
         raise DetectionError(f"{found[0][0]} and {other} differ: quantization gives its training images the test "
                              "pipeline, so give the test split's datasets one pipeline")
     return copy.deepcopy(found[0][1])
+
+
+def _wrapper_steps(key: str, wrapper: dict) -> list:
+    """The transforms the test-split wrapper `wrapper` (at `key`) runs on its dataset's images: a
+    MultiImageMixDataset's `pipeline` but the types in its `skip_type_keys`; none for the others (RepeatDataset,
+    ClassBalancedDataset: no pipeline). A mixing transform is one error line naming it."""
+    from mmdet.registry import TRANSFORMS
+    skip = set(wrapper.get("skip_type_keys") or ())
+    steps = [t for t in wrapper.get("pipeline") or [] if t.get("type") not in skip]
+    for index, step in enumerate(wrapper.get("pipeline") or []):
+        kind = TRANSFORMS.get(step["type"]) if isinstance(step.get("type"), str) else step.get("type")
+        # looked up on the classes: mmcv's cache_randomness descriptor fails when read from a class
+        if step.get("type") not in skip and any("get_indexes" in vars(c) for c in getattr(kind, "__mro__", ())):
+            raise DetectionError(f"{key}.pipeline.{index} ({step.get('type')}) mixes other test images into each "
+                                 "one, which quantization's training images cannot follow: give the test split a "
+                                 f"pipeline of one image at a time (or add it to {key}.skip_type_keys)")
+    return copy.deepcopy(steps)
 
 
 class TrainingImages:
