@@ -33,8 +33,8 @@ checkpoint keeps; null without one); a file of other weights, data or config (th
 Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
 take them (the same syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, ...; of train_dataloader, what its pipelines read:
-nothing without one, the dataset but its pipeline, indices and a wrapper's repeats (of the datasets it wraps too)
-for percentile, RepQ-ViT and APHQ, the loader but its batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's
+nothing without one, the dataset but its pipeline, indices, max_refetch and a wrapper's repeats (of the datasets
+it wraps too) for percentile, RepQ-ViT and APHQ, the loader but its batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's
 stage 1); others are refused, and so is model.backbone.init_cfg: every weight comes from --checkpoint.
 """
 from __future__ import annotations
@@ -291,9 +291,10 @@ def evaluation_reads(pipelines: Sequence[str]):
     elif "gplq" not in pipelines:
         instead.update({f"train_dataloader.{arg}": "" for arg in sorted(loader_arguments())})
         # also of a wrapped dataset (`wrapped` below): RepeatDataset's times, ClassBalancedDataset's oversample_thr
-        # and MultiImageMixDataset's skip_type_keys only repeat or mix images, which the draw takes once each
+        # and MultiImageMixDataset's skip_type_keys only repeat or mix images, which the draw takes once each;
+        # max_refetch bounds the random images put in place of one the pipeline drops, which the draw refuses
         instead.update({f"train_dataloader.dataset.{key}": "" for key in ("indices", "times", "oversample_thr",
-                                                                           "skip_type_keys")})
+                                                                           "skip_type_keys", "max_refetch")})
         instead["train_dataloader.dataset.pipeline"] = "test_dataloader.dataset.pipeline"
         does = (f"the evaluation ({', '.join(pipelines)}) scores --checkpoint on test_dataloader with test_evaluator "
                 "and draws its calibration images from the whole of train_dataloader.dataset (each image once, "

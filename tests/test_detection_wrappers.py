@@ -120,7 +120,8 @@ INNER = "train_dataloader.dataset.datasets.0.dataset.dataset"  # the CocoDataset
     (["percentile"], "train_dataloader.dataset.datasets.0.times=5", "train_dataloader.dataset.datasets.0.times",
      "drop it"),
     (["aphq"], "train_dataloader.dataset.datasets.0.dataset.oversample_thr=0.5",
-     "train_dataloader.dataset.datasets.0.dataset.oversample_thr", "drop it")])
+     "train_dataloader.dataset.datasets.0.dataset.oversample_thr", "drop it"),
+    (["repq"], f"{INNER}.max_refetch=5", f"{INNER}.max_refetch", "drop it")])  # the draw refuses a dropped image
 def test_evaluation_refuses_settings_of_wrapped_training_datasets_its_pipelines_do_not_read(mmdet_ready, tmp_path,
                                                                                             pipelines, override,
                                                                                             unread, instead):
@@ -139,7 +140,8 @@ def test_evaluation_refuses_settings_of_wrapped_training_datasets_its_pipelines_
     (["percentile"], "train_dataloader.dataset.datasets.1.ann_file=annotations/instances_val2017.json"),  # images
     (["repq"], f"{INNER}.filter_cfg.min_size=4"),  # which images the split keeps
     (["gplq"], f"{INNER}.pipeline.2.scale=(32,32)"),  # GPLQ's stage 1 trains with the training pipeline
-    (["gplq", "repq"], "train_dataloader.dataset.datasets.0.times=5")])  # and its loader's repeats
+    (["gplq", "repq"], "train_dataloader.dataset.datasets.0.times=5"),  # and its loader's repeats
+    (["gplq"], f"{INNER}.max_refetch=5")])  # and its refetches of images the training pipeline drops
 def test_evaluation_takes_settings_of_wrapped_training_datasets_a_pipeline_reads(mmdet_ready, tmp_path, pipelines,
                                                                                  override):
     from engine.detection import load_config, parse_overrides
@@ -348,3 +350,47 @@ def test_a_multi_image_mix_test_split_that_mixes_images_is_one_error_line(sample
     skipped = _mixed_test_split(copy.deepcopy(plain), steps, skip_type_keys=["Mosaic"])
     assert [dict(t) for t in pipeline_of_test_split(skipped)] == [dict(t) for t in
                                                                    plain.test_dataloader.dataset.pipeline]
+
+
+def test_a_training_image_the_test_pipeline_drops_is_one_error_line_not_another_image(sample):
+    """The training split is no test-mode dataset: an image its (test) pipeline drops was replaced by a random other
+    one, drawn with numpy's global state up to max_refetch times, so that --calib-images 8 of the sample's 8 images
+    calibrated on 2, 2, 4, 4, 4, 6, 6, 4. Here the image whose boxes are all smallest is dropped by FilterAnnotations
+    and named."""
+    from engine.detection import DetectionError, TrainingImages, load_config
+    with open(os.path.join(sample, "annotations", "instances_train2017.json")) as f:
+        data = json.load(f)
+    widest: dict = {}  # image id -> the largest min(width, height) of its boxes
+    for ann in data["annotations"]:
+        widest[ann["image_id"]] = max(widest.get(ann["image_id"], 0.0), min(ann["bbox"][2:]))
+    (first, low), (_, second) = sorted(widest.items(), key=lambda item: item[1])[:2]
+    assert low < second  # only the first is dropped
+    name = next(image["file_name"] for image in data["images"] if image["id"] == first)
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    pipeline = list(cfg.test_dataloader.dataset.pipeline)  # boxes are filtered before the resize scales them
+    pipeline.insert(1, dict(type="LoadAnnotations", with_bbox=True))
+    pipeline.insert(2, dict(type="FilterAnnotations", min_gt_bbox_wh=((low + second) / 2,) * 2))
+    cfg.test_dataloader.dataset.pipeline = pipeline
+    images = TrainingImages(cfg)
+    with pytest.raises(DetectionError, match=rf"^the test pipeline drops the training image .*{re.escape(name)} "):
+        images.draw(8, 0, "--calib-images")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_lazy_init_of_a_split_gives_the_same_images(sample, split):
+    """MMEngine's lazy_init only puts off reading the annotations to the first use: the scored images under
+    --max-images and the images drawn for calibration are those of the split without it (honoured, not ignored:
+    the indices --max-images sets still apply when the file is read)."""
+    from engine.detection import TrainingImages, build_loader, load_config
+    plain = load_config([SAMPLE_CONFIG], data_root=sample)
+    lazy = copy.deepcopy(plain)
+    lazy[f"{split}_dataloader"].dataset.lazy_init = True
+    if split == "test":
+        got = [b["data_samples"][0].img_id for b in build_loader(lazy, "test", 2)]
+        assert len(got) == 1 and got == [b["data_samples"][0].img_id for b in build_loader(plain, "test", 2)]
+        assert len(build_loader(lazy, "test", 2).dataset) == 2
+    else:
+        drawn = TrainingImages(lazy).draw(3, 1, "--calib-images")
+        reference = TrainingImages(plain).draw(3, 1, "--calib-images")
+        assert drawn[0] == reference[0]
+        assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(drawn[1], reference[1]))

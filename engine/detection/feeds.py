@@ -131,7 +131,23 @@ class TrainingImages:
         # random.Random seeds with abs(seed), so -s would draw the images of s; modulo 2**64 gives every seed of
         # configs' Seed range (-2**63 ..) its own non-negative one, as torch.manual_seed does, and keeps s >= 0 as is
         indices = sorted(random.Random(seed % 2 ** 64).sample(self.positions, count))
-        return indices, [self.dataset[i] for i in indices]
+        return indices, [_prepared(self.dataset, i) for i in indices]
+
+
+def _prepared(dataset: Any, index: int) -> dict:
+    """Image `index` of the training split given its (test) pipeline, or one error line where the pipeline drops it:
+    a training dataset's __getitem__ (test_mode off) would put a random other image in its place, drawn with numpy's
+    global state up to `max_refetch` times, so the images calibrated on were not those drawn, and could repeat."""
+    while getattr(dataset, "datasets", None):  # a ConcatDataset: the dataset holding the image, and its index there
+        which, index = dataset._get_ori_dataset_idx(index)
+        dataset = dataset.datasets[which]
+    data = dataset.prepare_data(index)
+    if data is None:
+        path = dataset.get_data_info(index).get("img_path")
+        raise DetectionError(f"the test pipeline drops the training image {path} (a transform returned None, e.g. "
+                             "FilterAnnotations): quantization gives its training images the test pipeline, so give "
+                             "test_dataloader.dataset.pipeline transforms that keep every image")
+    return data
 
 
 def _first_of_each_image(dataset: Any) -> list:
