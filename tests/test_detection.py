@@ -865,3 +865,24 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(sample,
     assert expected.keys() == resumed.keys()
     differ = [name for name in expected if not torch.equal(expected[name], resumed[name])]
     assert not differ, f"{len(differ)} of {len(expected)} tensors differ, e.g. {differ[:3]}"
+
+
+def test_gplq_stage1_starts_from_the_students_own_weights(sample, tmp_path):
+    """MMEngine's Runner.train() re-initialises a model that was never initialised (init_cfg: FPN xavier, heads
+    normal), which a detector built for a checkpoint's weights never was: stage 1 must train the weights it is
+    handed. At lr 0 one step leaves every weight as it was; a re-initialisation shows."""
+    from engine.detection import load_config, train_activation_qat
+    from mmdet.registry import MODELS
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    torch.manual_seed(0)
+    student = MODELS.build(cfg.model)
+    with torch.no_grad():  # weights unlike any initialisation's
+        for p in student.parameters():
+            p.copy_(torch.randn_like(p) * 0.01 + 0.5)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    settings = dict(identity={"test": 1}, batch_size_per_gpu=1, seed=0, steps=1, lr=0.0, weight_decay=0.0,
+                    param_groups=[{"params": list(student.parameters())}], amp="none", ckpt_every=None, log_every=1)
+    train_activation_qat(student, cfg, settings, str(tmp_path / "stage1"))
+    after = student.state_dict()
+    changed = [k for k, v in before.items() if v.is_floating_point() and not torch.equal(after[k].cpu(), v)]
+    assert not changed, changed[:5]
