@@ -813,3 +813,15 @@ def test_evaluation_takes_training_loader_settings_a_pipeline_reads(mmdet_ready,
     for part in key.split("."):
         node = node[part]
     assert node == value
+
+
+def test_an_evaluator_annotation_file_given_as_an_override_is_kept_under_a_new_root(sample, tmp_path):
+    """--data-root moves every evaluator to the root's annotations/, except one whose ann_file the user overrides:
+    that file is what was asked for (a relabelled copy, say), and it stays as given while the loaders move."""
+    from engine.detection import load_config
+    given = str(tmp_path / "relabelled.json")
+    cfg = load_config([SAMPLE_CONFIG], {"test_evaluator.ann_file": given}, data_root=sample)
+    assert cfg.test_evaluator.ann_file == given
+    assert cfg.val_evaluator.ann_file == os.path.join(os.path.abspath(sample), "annotations",
+                                                      "instances_val2017.json")
+    assert cfg.test_dataloader.dataset.data_root == os.path.join(os.path.abspath(sample), "")
