@@ -34,8 +34,8 @@ Config entries can be overridden as `key=value` after the flags, or after `--cfg
 take them (the same syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, ...; of train_dataloader, what its pipelines read:
 nothing without one, the dataset but its pipeline, indices, max_refetch and a wrapper's repeats (of the datasets
-it wraps too) for percentile, RepQ-ViT and APHQ, the loader but its batch_size, which gplq.batch_size_per_gpu sets, for GPLQ's
-stage 1); others are refused, and so is model.backbone.init_cfg: every weight comes from --checkpoint.
+it wraps too) for percentile, RepQ-ViT and APHQ, the loader but its batch_size, which gplq.batch_size_per_gpu
+sets, for GPLQ's stage 1); others are refused, and so is model.backbone.init_cfg: every weight comes from --checkpoint.
 """
 from __future__ import annotations
 

@@ -132,7 +132,8 @@ def test_first_iteration_loss_is_the_recipe_on_the_quantized_prefix_input(loss_k
     # reference written out: batch = randperm(n)[:batch_size] of a generator seeded as the caller's; input = the
     # quantized-prefix input (input_mix_prob 1); rec = mean((O^ - O)^2 * H / mean(H)) or KL(softmax(O) || softmax(O^))
     # (batchmean); round = 0.01 * sum(1 - |2 frac(w / s) - 1|^beta) at AdaRound's initial alpha, beta at iteration
-    # 1 with warm-up 0 of 5 iterations = 2 + 18 * (1 - 1 / 5); loss = rec / (rec / 2) + round (normalised) or rec + round
+    # 1 with warm-up 0 of 5 iterations = 2 + 18 * (1 - 1 / 5);
+    # loss = rec / (rec / 2) + round (normalised) or rec + round
     fp, unit, x = two_layer_unit(seed=3)
     q_in = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
     target = fp(x)
