@@ -357,9 +357,9 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
         if not value:
             raise ConfigError(f"{source}: '{key}' = {{}} changes nothing: a mapping adds its entries to "
                               f"{_show(current)}; give null to empty it")
-        return setattr(node, name, {**current, **_coerce(value, annotation, key, source)})
+        return setattr(node, name, {**current, **coerce_value(value, annotation, key, source)})
     if not rest:
-        return setattr(node, name, _coerce(value, annotation, key, source))
+        return setattr(node, name, coerce_value(value, annotation, key, source))
     if annotation is dict or _origin(annotation) is dict:
         # a dotted key into a free-form dict field: cd.lam_per_role.fc2=0.02
         setattr(node, name, {**current, ".".join(rest): value})
@@ -432,8 +432,10 @@ class _ValueProblem(ConfigError):
     """A value of the field's type that the field cannot take (not finite): reported as it is, not as a type."""
 
 
-def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
-    """Check `value` against `annotation`; return it in the field's canonical type."""
+def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """Check `value` against `annotation` (its type, and the ranges of an `Annotated` one); return it in the
+    field's canonical type. A ConfigError says `source`, `key`, the value and what the field expects. Used for
+    every config value and for a pipeline's options handed over as a mapping (quant.pipeline_base)."""
 
     def fail(reason: str = ""):
         raise ConfigError(f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
@@ -442,7 +444,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     origin = _origin(annotation)
     if origin is Annotated:  # a value range (constraints.py) on top of the type
         base, *ranges = typing.get_args(annotation)
-        value = _coerce(value, base, key, source)
+        value = coerce_value(value, base, key, source)
         for allowed in ranges:
             value = allowed.normalize(value) if hasattr(allowed, "normalize") else value  # UserPath: ~ expanded
             problem = allowed.violation(value)
@@ -459,7 +461,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key, source)
+                return coerce_value(value, arg, key, source)
             except _ValueProblem:  # of the right type but not a usable value: that is the answer
                 raise
             except ConfigError:
@@ -497,7 +499,7 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
             each = args[:1] * len(value) if origin is list or args[1:] == (Ellipsis,) else args
             if len(each) != len(value):
                 fail()
-            value = [_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, each))]
+            value = [coerce_value(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, each))]
         return tuple(value) if (annotation is tuple or origin is tuple) else list(value)
     if annotation is dict or origin is dict:
         if value is None:
