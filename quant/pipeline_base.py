@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Uni
 import torch
 from torch import nn
 
-from configs.constraints import Range
+from configs.loader import coerce_value
 from engine.distributed import run_on_main
 
 from .calibrate import Images, calibrate
@@ -41,7 +41,10 @@ class PTQResult(NamedTuple):
 
 
 def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], Any]) -> Any:
-    """Build an options dataclass from a mapping; an unknown key is an error naming close matches."""
+    """Build an options dataclass from a mapping; an unknown key is an error naming close matches, and a value of
+    another type than the field's or outside its range (configs/quant.py) is one ValueError naming the option, the
+    value and what the field expects (configs.loader.coerce_value, as for a config's values). An int counts for a
+    float field, never a bool for an int one nor a string for a number."""
     if options is None:
         return options_type()
     if isinstance(options, options_type):
@@ -52,19 +55,12 @@ def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], An
             close = difflib.get_close_matches(key, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
             raise ValueError(f"unknown option {key!r} for {options_type.__qualname__}{hint}")
-    # the value ranges the config loader checks for evaluate.py (configs/constraints.py), for callers that hand
-    # a mapping over directly: blocksize=0 or batch_size=0 would otherwise be a traceback from inside the run,
-    # and alpha=1.5 a SmoothQuant run outside the method's range with nothing said
+    # typed and range-checked by the rule the config loader applies for evaluate.py: a mapping handed over directly
+    # would otherwise run act_order="false" as True (a non-empty string), alpha="0.5" into a traceback from
+    # pow(), blocksize=0 into one from range(), and alpha=1.5 outside SmoothQuant's range with nothing said
     hints = typing.get_type_hints(options_type, include_extras=True)
-    for key, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        for allowed in getattr(hints[key], "__metadata__", ()):
-            problem = allowed.violation(value) if isinstance(allowed, Range) else None
-            if problem or value != value:  # NaN passes every comparison
-                raise ValueError(f"option {key}={value!r} for {options_type.__qualname__}: give a value "
-                                 f"{problem or 'that is a number'}")
-    return options_type(**dict(options))
+    return options_type(**{key: coerce_value(value, hints[key], key, options_type.__qualname__)
+                           for key, value in options.items()})
 
 
 class Pipeline:

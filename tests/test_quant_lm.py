@@ -428,11 +428,11 @@ def test_gptq_of_a_dropout_model_in_training_mode_takes_its_hessians_without_dro
 
 
 @pytest.mark.parametrize("pipeline, options, message", [
-    ("gptq", {"blocksize": 0}, r"option blocksize=0 for GPTQOptions: give a value >= 1"),
-    ("gptq", {"batch_size": 0}, r"option batch_size=0 for GPTQOptions: give a value >= 1"),
-    ("gptq", {"percdamp": -0.5}, r"option percdamp=-0.5 for GPTQOptions: give a value > 0"),
-    ("smoothquant", {"alpha": 1.5}, r"option alpha=1.5 for SmoothQuantOptions: give a value >= 0 and <= 1"),
-    ("smoothquant_strict", {"alpha": float("nan")}, r"option alpha=nan for SmoothQuantStrictOptions: give a value"),
+    ("gptq", {"blocksize": 0}, r"GPTQOptions: 'blocksize' must be >= 1; got 0"),
+    ("gptq", {"batch_size": 0}, r"GPTQOptions: 'batch_size' must be >= 1; got 0"),
+    ("gptq", {"percdamp": -0.5}, r"GPTQOptions: 'percdamp' must be > 0; got -0.5"),
+    ("smoothquant", {"alpha": 1.5}, r"SmoothQuantOptions: 'alpha' must be >= 0 and <= 1; got 1.5"),
+    ("smoothquant_strict", {"alpha": float("nan")}, r"SmoothQuantStrictOptions: 'alpha' must be a finite number"),
 ])
 def test_lm_pipelines_refuse_option_values_out_of_range_before_any_work(pipeline, options, message):
     # the ranges configs/quant.py declares, checked for a mapping handed to the pipeline as for evaluate.py's config:
@@ -440,3 +440,42 @@ def test_lm_pipelines_refuse_option_values_out_of_range_before_any_work(pipeline
     bits = "w4a16" if pipeline == "gptq" else "w8a8"
     with pytest.raises(ValueError, match=message):
         PIPELINES[pipeline](gpt(), tokens(2), bits, options)
+
+
+@pytest.mark.parametrize("pipeline, options, expected", [
+    ("gptq", {"act_order": "yes"}, r"'act_order' expects bool, got 'yes' \(str\)"),
+    ("gptq", {"act_order": "false"}, r"'act_order' expects bool, got 'false' \(str\)"),  # a non-empty string: True
+    ("gptq", {"act_order": 0}, r"'act_order' expects bool, got 0 \(int\)"),
+    ("smoothquant", {"alpha": "0.5"}, r"'alpha' expects float, got '0.5' \(str\)"),
+    ("gptq", {"blocksize": 128.0}, r"'blocksize' expects int, got 128.0 \(float\)"),  # as the config loader
+    ("gptq", {"blocksize": 2.5}, r"'blocksize' expects int, got 2.5 \(float\)"),
+    ("rtn", {"group_size": True}, r"'group_size' expects int or null, got True \(bool\)"),
+    ("smoothquant_strict", {"quantize_bmm": "qk"}, r"'quantize_bmm' must be one of 'none', 'qkv', 'all'; got 'qk'"),
+])
+def test_lm_pipelines_refuse_option_values_of_another_type_before_any_work(pipeline, options, expected):
+    # a mapping handed to the pipeline is typed as evaluate.py's config is (configs/loader.py): one ValueError
+    # naming the option, the value and the type, not a string run as True or a traceback from inside the run
+    bits = "w4a16" if pipeline in ("rtn", "gptq") else "w8a8"
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=expected) as error:
+        PIPELINES[pipeline](model, tokens(2), bits, options)
+    assert len(str(error.value).splitlines()) == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_pipeline_options_take_ints_for_floats_none_for_optional_and_lists_for_tuples():
+    # the values a config file gives these fields (alpha: 1, group_size: null, act_percentiles: [0.99, 1]) pass as
+    # mappings too, in the field's own type, as the config loader stores them
+    from configs.quant import GPTQOptions, PercentileOptions, SmoothQuantOptions
+    from quant.pipeline_base import parse_options
+    smooth = parse_options(SmoothQuantOptions, {"alpha": 1, "batch_size": 2, "head_w_bits": 0})
+    assert (smooth.alpha, smooth.batch_size, smooth.head_w_bits) == (1.0, 2, 0) and type(smooth.alpha) is float
+    gptq = parse_options(GPTQOptions, {"group_size": None, "percdamp": 1, "act_order": False, "blocksize": 4})
+    assert (gptq.group_size, gptq.percdamp, gptq.act_order, gptq.blocksize) == (None, 1.0, False, 4)
+    assert type(gptq.percdamp) is float
+    percentile = parse_options(PercentileOptions, {"act_percentiles": [0.99, 1], "stem_a_bits": None})
+    assert percentile.act_percentiles == (0.99, 1.0) and percentile.stem_a_bits is None
+    assert all(type(p) is float for p in percentile.act_percentiles)
+    _, report = PIPELINES["smoothquant"](gpt(), tokens(2), "w8a8", {"alpha": 1, "batch_size": 1})
+    assert report["options"]["alpha"] == 1.0 and report["options"]["batch_size"] == 1
