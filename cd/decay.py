@@ -362,13 +362,16 @@ class ColinearityDecay:
     def _refuse_matrices_decayed_by_a_step(self) -> None:
         """Refuse `apply` on a matrix that another object (attached, or a cd.integrations binding) decays in an
         optimizer's step already: each step would decay it twice. Free when nothing is attached anywhere."""
-        others = {id(decay): decay for opt, owners in list(_HOOKED.items()) for owner in list(owners)
-                  for decay in [owner._hooked_decay(opt)] if decay is not None and decay is not self}
+        others = [(opt, decay) for opt, owners in list(_HOOKED.items()) for owner in list(owners)
+                  for decay in [owner._hooked_decay(opt)] if decay is not None and decay is not self]
         if not others:
             return
         mine = {id(t): name for name, t in self._decayed_named()}
-        for other in others.values():
-            shared = [mine[id(t)] for t in other._decayed() if id(t) in mine]
+        for opt, other in others:
+            # the other's step decays only the matrices its optimizer holds (rule 1): one outside it, which
+            # another optimizer updates, is this object's alone
+            held = {id(t) for group in opt.param_groups for t in group["params"]}
+            shared = [mine[id(t)] for t in other._decayed() if id(t) in mine and id(t) in held]
             if shared:
                 raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared[0]} in an optimizer's "
                                    "step already (its attach() or a cd.integrations callback); apply() too would "

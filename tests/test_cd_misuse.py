@@ -208,6 +208,31 @@ def test_apply_of_a_second_object_on_matrices_an_attached_one_decays_is_refused(
     assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(model.parameters(), other.parameters()))
 
 
+def test_apply_on_matrices_outside_the_attached_objects_optimizer_is_taken():
+    """A on a model of two ViTs, attached to an optimizer of the first only, decays the second's matrices in no
+    step (they are outside its optimizer): B.apply on the second is its one update (checked against an apply on
+    a copy), while B.apply on the first is still refused."""
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = tiny_vit().double(), tiny_vit().double()
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    model = Two()
+    opt = sgd(model.a.parameters())  # held: a freed optimizer frees its objects
+    with pytest.warns(UserWarning, match="not in the optimizer"):
+        ColinearityDecay(model, lam=0.1, verify=False).attach(opt)
+    copy_of_b, before = copy.deepcopy(model.b), snapshot(model.b)
+    ColinearityDecay(model.b, lam=0.1).apply(lr=0.5)
+    ColinearityDecay(copy_of_b, lam=0.1).apply(lr=0.5)
+    assert changed(model.b, before)  # the update is not a no-op
+    assert all(torch.equal(p, q) for p, q in zip(model.b.parameters(), copy_of_b.parameters()))
+    with pytest.raises(RuntimeError, match=r"another CD object decays blocks\.0\.attn\.qkv\.weight"):
+        ColinearityDecay(model.a, lam=0.1).apply(lr=0.5)
+
+
 def test_a_closure_step_gets_the_update_after_its_backward_once():
     model = tiny_vit().double()
     initial = copy.deepcopy(model)
