@@ -308,7 +308,8 @@ def test_from_config_honours_loss_coef_and_matmul_precision():
     name = "blocks.0.mlp.fc2.weight"  # a functional pair: its products are the ones the precision sets
     delta_got = dict(model.named_parameters())[name].detach().double() - P[name].double()
     delta_want = expected[name] - P[name].double()
-    assert (delta_got - delta_want).norm() / delta_want.norm() > 1e-4
+    error = float((delta_got - delta_want).norm() / delta_want.norm())
+    assert 1e-4 < error < 5e-2  # bf16's rounding (unit 2^-8 = 0.004), not another update (cd.lam dropped: 0.95)
 
 
 def test_weight_decay_budget_rule():
