@@ -111,6 +111,25 @@ def check_arguments(bits: Any, layer_types: Any, seed: Any) -> None:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
 
+def _weight_source(layer: nn.Module) -> tuple[str, str]:
+    """(what makes `layer`'s weight, the fix) for a layer whose weight is no Parameter: the refusal names the true
+    cause, as each of torch's ways of computing a weight at each forward is removed by its own function."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    if parametrize.is_parametrized(layer, "weight"):
+        return ("computed at each forward by a parametrization (parametrizations.weight_norm, spectral_norm, ...)",
+                "remove it with torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')")
+    # the older hook-based APIs compute the weight in a forward pre-hook of these classes
+    for kind, what, fix in ((WeightNorm, "torch.nn.utils.weight_norm", "remove_weight_norm(layer)"),
+                            (SpectralNorm, "torch.nn.utils.spectral_norm", "remove_spectral_norm(layer)"),
+                            (BasePruningMethod, "torch.nn.utils.prune", "prune.remove(layer, 'weight')")):
+        if any(isinstance(hook, kind) for hook in layer._forward_pre_hooks.values()):
+            return f"computed at each forward by {what}", f"remove it with torch.nn.utils.{fix}"
+    return "held or computed outside the layer's parameters", "give WeightNoise layers that hold their own weight"
+
+
 class WeightNoise:
     """UNIQ noise on the weights and biases of a model's layers during its training forwards, by forward hooks.
 
@@ -134,14 +153,13 @@ class WeightNoise:
         chosen = [(name, m) for name, m in unwrap_model(model).named_modules() if isinstance(m, kinds)]
         # a weight computed at each forward (weight_norm, torch.nn.utils.parametrize) is no Parameter of the layer
         # for the swap to replace: refused, not left clean while its neighbours are noisy
-        computed = [name or type(m).__name__ for name, m in chosen
+        computed = [(name or type(m).__name__, m) for name, m in chosen
                     if not isinstance(m._parameters.get("weight"), nn.Parameter)]
         if computed:
-            raise ValueError(
-                f"WeightNoise: the weight of {', '.join(computed[:3])}{' ...' if len(computed) > 3 else ''} is "
-                "computed at each forward (weight_norm or a parametrization), not a Parameter the noise can replace; "
-                "remove it (torch.nn.utils.parametrize.remove_parametrizations, or remove_weight_norm for the old "
-                "torch.nn.utils.weight_norm) or leave that layer type out of layer_types")
+            names = ", ".join(name for name, _ in computed[:3]) + (" ..." if len(computed) > 3 else "")
+            how, fix = _weight_source(computed[0][1])
+            raise ValueError(f"WeightNoise: the weight of {names} is {how}: no Parameter for the noise to replace; "
+                             f"{fix}, or leave that layer type out of layer_types")
         self.layers = chosen
         if not self.layers:
             raise ValueError(f"WeightNoise: no {'/'.join(layer_types)} layer with a weight in {type(model).__name__}")

@@ -361,22 +361,29 @@ def test_two_weight_noises_on_one_layer_are_refused_and_one_removed_makes_room()
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net)
 
 
-@pytest.mark.parametrize("computed", ["parametrizations.weight_norm", "utils.weight_norm"])
-def test_a_layer_whose_weight_is_computed_at_each_forward_is_refused_not_left_clean(computed):
-    """weight_norm (either torch API) makes a Linear's weight from weight_g / weight_v (or original0/1) at each
-    forward: no Parameter in its place for the noise to swap, so the layer would train clean beside noisy ones."""
+@pytest.mark.parametrize("computed, fix", [
+    ("parametrizations.weight_norm", r"parametrize\.remove_parametrizations\(layer, 'weight'\)"),
+    ("utils.weight_norm", r"torch\.nn\.utils\.remove_weight_norm\(layer\)"),
+    ("utils.spectral_norm", r"torch\.nn\.utils\.remove_spectral_norm\(layer\)"),
+    ("prune", r"torch\.nn\.utils\.prune\.remove\(layer, 'weight'\)"),
+])
+def test_a_layer_whose_weight_is_computed_at_each_forward_is_refused_not_left_clean(computed, fix):
+    """weight_norm (either torch API), spectral_norm and pruning make a Linear's weight from other tensors at each
+    forward: no Parameter in its place for the noise to swap, so the layer would train clean beside noisy ones. The
+    refusal names the function that undoes each (remove_parametrizations undoes none of the hook-based ones)."""
     import warnings
+
+    import torch.nn.utils.prune as prune
 
     from cd.noise import WeightNoise
 
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
-        if computed == "utils.weight_norm":
-            torch.nn.utils.weight_norm(net[1])
-        else:
-            torch.nn.utils.parametrizations.weight_norm(net[1])
-    with pytest.raises(ValueError, match="weight of 1 is computed at each forward .*remove_parametrizations"):
+        {"utils.weight_norm": torch.nn.utils.weight_norm, "utils.spectral_norm": torch.nn.utils.spectral_norm,
+         "prune": lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+         "parametrizations.weight_norm": torch.nn.utils.parametrizations.weight_norm}[computed](net[1])
+    with pytest.raises(ValueError, match=f"weight of 1 is computed at each forward .*{fix}"):
         WeightNoise(net)
     assert not net[0]._forward_pre_hooks and not net[0]._forward_hooks  # refused before any layer is hooked
     with WeightNoise(net[0]):  # the plain layer alone is taken
