@@ -433,6 +433,8 @@ def test_gptq_of_a_dropout_model_in_training_mode_takes_its_hessians_without_dro
     ("gptq", {"percdamp": -0.5}, r"GPTQOptions: 'percdamp' must be > 0; got -0.5"),
     ("smoothquant", {"alpha": 1.5}, r"SmoothQuantOptions: 'alpha' must be >= 0 and <= 1; got 1.5"),
     ("smoothquant_strict", {"alpha": float("nan")}, r"SmoothQuantStrictOptions: 'alpha' must be a finite number"),
+    # inf is above every lower bound: the finite-number rule, not the range, refuses it
+    ("gptq", {"percdamp": float("inf")}, r"GPTQOptions: 'percdamp' must be a finite number; got inf"),
 ])
 def test_lm_pipelines_refuse_option_values_out_of_range_before_any_work(pipeline, options, message):
     # the ranges configs/quant.py declares, checked for a mapping handed to the pipeline as for evaluate.py's config:
