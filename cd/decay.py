@@ -375,7 +375,8 @@ class ColinearityDecay:
             if shared:
                 raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared[0]} in an optimizer's "
                                    "step already (its attach() or a cd.integrations callback); apply() too would "
-                                   "decay it twice per step. Use one per model (remove the other first)")
+                                   "decay it twice per step. Use one per model: the other's handle.remove(), or "
+                                   "the end of the framework run whose callback or hook holds it, frees them")
 
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
                count: bool = True) -> None:
