@@ -332,3 +332,16 @@ def test_by_default_the_whole_lightning_module_is_decayed_also_one_with_a_backbo
     assert [p.name for p in callback.decay.pairs] == [f"{b}.{w}.weight" for b in blocks
                                                       for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
     callback.on_train_end(None, module)
+
+
+def test_a_refusal_that_starts_a_sentence_with_its_fix_keeps_the_capital():
+    """cd/values.py's masks refusal starts a sentence with "Pass example_input=": the Lightning wording replaces it
+    as a sentence (capital kept), mid-sentence ones in lower case."""
+    from cd.integrations.lightning import _lightning_names
+
+    got = _lightning_names("No zero. Pass example_input= with masks, or pass example_input= again", "")
+    assert got == ("No zero. Set the LightningModule's example_input_array or pass "
+                   "ColinearityDecayCallback(example_input=...) with masks, or set the LightningModule's "
+                   "example_input_array or pass ColinearityDecayCallback(example_input=...) again")
+    assert _lightning_names("No zero. Pass example_input= now", "net") == (
+        "No zero. Give net's own input as ColinearityDecayCallback(module='net', example_input=...) now")

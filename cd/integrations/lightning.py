@@ -118,4 +118,6 @@ def _lightning_names(message: str, module: str) -> str:
         where = f"give {module}'s own input as ColinearityDecayCallback(module={module!r}, example_input=...)"
     else:
         where = "set the LightningModule's example_input_array or pass ColinearityDecayCallback(example_input=...)"
-    return re.sub(r"[Pp]ass example_input=", where, message)
+    # a sentence's first word keeps its capital ("Pass example_input= with the masks ..." in cd/values.py)
+    return re.sub(r"([Pp])ass example_input=", lambda m: where[0].upper() + where[1:] if m[1] == "P" else where,
+                  message)
