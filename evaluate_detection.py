@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
-    from engine.distributed import MainRankWait, process_group, run_on_main
+    from engine.distributed import MainRankWait, OtherRankError, process_group, raise_on_every_rank, run_on_main
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -216,13 +216,29 @@ def main(argv=None) -> dict:
         # the method the checkpoint was trained with (its training config's hooks), the label of Fig. 1's circles;
         # recorded also in a file written before it was (no result depends on it)
         labelled = results.data.get("method") == model.training_method
-        # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there
-        needs_feed = dist.is_main or any(PIPELINES[p].data_parallel for p, _ in todo)
-        images = TrainingImages(cfg) if todo and needs_feed else None  # read once, its counts checked before work
-        if todo:  # on rank 0, which always reads them; the other ranks fail with it
-            run_on_main(lambda: check_image_counts(images, todo, options, args.calib_images),
-                        "checking the training images", dist.device)
-        feed = DetectorFeed(cfg, args.calib_images, args.calib_seed, images) if images is not None else None
+        def training_feed() -> tuple:
+            """The training split (read once, its counts checked before work) and the calibration batch drawn."""
+            split = TrainingImages(cfg)
+            check_image_counts(split, todo, options, args.calib_images)
+            return split, DetectorFeed(cfg, args.calib_images, args.calib_seed, split)
+
+        # the calibration batch: on rank 0, which quantizes, and on every rank for GPLQ, whose stage 1 starts there;
+        # built where a failure ends every rank (an image the test pipeline drops, a missing file, a refused test
+        # split): rank 0 alone failing left the others scoring, then stuck at a collective with a dead peer
+        images = feed = None
+        if todo and any(PIPELINES[p].data_parallel for p, _ in todo):  # every rank builds it, at the same time
+            error = None
+            try:
+                images, feed = training_feed()
+            except Exception as e:  # raised below on this rank, after every rank knows
+                error = e
+            raise_on_every_rank(error, dist.device, lambda: OtherRankError(
+                f"rank {dist.rank}: another rank failed reading the training images; its output says why"))
+        elif todo:  # rank 0 alone; the others wait in run_on_main, which ends them with its error
+            built: dict = {}
+            run_on_main(lambda: built.update(zip(("images", "feed"), training_feed())),
+                        "reading the training images", dist.device)
+            images, feed = built.get("images"), built.get("feed")
         work_prefix = os.path.splitext(out)[0]  # where GPLQ's stage 1 keeps its checkpoints
         # the folders GPLQ's stage 1 will write, checked (and left as they are) before the full-precision score:
         # one of another run (other weights, bits, calibration images, ranks or stage-1 options) is refused now

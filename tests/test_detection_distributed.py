@@ -2,6 +2,7 @@
 the sample detector: each rank scores its shard and the metric counts every val image once (the numbers equal a
 1-rank run); RepQ-ViT and APHQ quantize on rank 0 only and GPLQ's stage 2 too, every rank scores the very model
 rank 0 made; GPLQ's stage 1 trains on both ranks in DDP and records its world size; rank 0 alone writes.
+A calibration batch rank 0 cannot draw ends both ranks with one error line each.
 
 Marked `detection` (full mmcv), like tests/test_detection.py.
 """
@@ -149,3 +150,46 @@ def test_two_ranks_score_each_image_once_and_quantize_on_rank_0(sample, trained,
     assert single[1]["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
     assert "world_size" not in saved["quant"]["repq"]["w4a4"]["settings"]  # the same on any number of ranks
     assert not [p.name for p in (tmp_path / "two").iterdir() if ".partial-" in p.name]
+
+
+def test_a_calibration_draw_that_fails_on_rank_0_ends_every_rank_with_one_error_line(sample, trained, tmp_path):
+    """The command as users run it, one process per rank (no torchrun agent to stop the others): the training
+    images are gone, so drawing the calibration batch fails on rank 0, which alone draws it for RepQ-ViT. Rank 1
+    went on scoring and then died at the metric's first collective with a gloo traceback (exit 1), or waited there
+    for a peer that was gone; now every rank ends at once with exit code 2 and one `error:` line naming the file."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    root = tmp_path / "coco"
+    shutil.copytree(sample, root)
+    images = root / "train2017"
+    missing = sorted(images.iterdir())
+    for path in missing:
+        path.unlink()
+    argv = [sys.executable, "evaluate_detection.py", "--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint",
+            trained, "--data-root", str(root), "--device", "cpu", "--quant", "repq", "--calib-images", "2",
+            "--out", str(tmp_path / "eval.json"), "--main-rank-wait-hours", "0.05"]
+    port = free_port()
+    ranks = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    ended = []
+    try:
+        for process in ranks:
+            ended.append((process.communicate(timeout=240)[1], process.returncode))
+    finally:
+        for process in ranks:
+            process.kill()  # a rank still waiting (no-op for those that ended)
+    (err0, code0), (err1, code1) = ended
+    assert (code0, code1) == (2, 2), (err0[-3000:], err1[-3000:])
+    assert "Traceback" not in err0 + err1
+    errors = [[line for line in err.splitlines() if line.startswith("error:")] for err in (err0, err1)]
+    assert len(errors[0]) == 1 and "No such file or directory" in errors[0][0], errors
+    assert any(str(path) in errors[0][0] for path in missing), errors
+    assert errors[1] == [f"error: rank 0 failed reading the training images: FileNotFoundError: "
+                         f"{errors[0][0][len('error: '):]}"]
+    assert not (tmp_path / "eval.json").exists()
