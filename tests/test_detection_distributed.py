@@ -193,3 +193,33 @@ def test_a_calibration_draw_that_fails_on_rank_0_ends_every_rank_with_one_error_
     assert errors[1] == [f"error: rank 0 failed reading the training images: FileNotFoundError: "
                          f"{errors[0][0][len('error: '):]}"]
     assert not (tmp_path / "eval.json").exists()
+
+
+def _worker_failing_on_rank_1(rank: int, world: int, port: int, argv: list, work: str) -> None:
+    """`_worker`, with the training split unreadable on rank 1 alone (a file one node lacks)."""
+    if rank == 1:
+        import engine.detection
+        from engine.detection import DetectionError
+
+        class Unreadable(engine.detection.TrainingImages):
+            def __init__(self, cfg) -> None:
+                raise DetectionError("the training split cannot be read on this rank")
+
+        engine.detection.TrainingImages = Unreadable
+    _worker(rank, world, port, argv, work)
+
+
+def test_gplq_training_images_that_fail_on_one_rank_end_every_rank(sample, trained, tmp_path):
+    """GPLQ reads the training images on every rank (its stage 1 starts from the calibration batch): one rank
+    failing there ends the others with an error that says so, instead of leaving them at the next collective
+    with a peer that is gone (rank 0 died with a gloo traceback)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", sample, "--device",
+            "cpu", "--quant", "gplq", "--out", str(tmp_path / "eval.json"), "--quant-options",
+            *[option for option in TINY if option.startswith("gplq.")]]
+    mp.spawn(_worker_failing_on_rank_1, args=(2, free_port(), argv, str(work)), nprocs=2, join=True)
+    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1 == ("DetectionError", "the training split cannot be read on this rank")
+    assert rank0 == ("OtherRankError", "rank 0: another rank failed reading the training images; its output says why")
+    assert not (tmp_path / "eval.json").exists()
