@@ -256,3 +256,16 @@ def test_a_whole_dict_field_given_for_the_sweep_clashes_with_one_entry_a_run_set
                     f"runs:\n  a: ['cd.lam_per_role.fc2=2.0']\n")
     with pytest.raises(ConfigError, match=r"cd.lam_per_role=\{fc2: 0.5\} would replace"):
         sweep.expand(str(spec), ["cd.lam_per_role={fc2: 0.5}"])
+
+
+@pytest.mark.parametrize("key, run_value, sweep_value", [
+    ("train.device", "cpu", "auto"), ("train.compile", "true", "false"), ("data.num_workers", "1", "0")])
+def test_a_key_that_places_work_may_be_set_for_all_over_one_runs_own_file(tmp_path, key, run_value, sweep_value):
+    """Where a run computes (its device), whether it is compiled and how many loader workers feed it change no
+    number it computes: one value for the whole sweep may replace what one run's own file sets, as the eval
+    batch may."""
+    section, name = key.split(".")
+    layer = tmp_path / "placed.yaml"
+    layer.write_text(f"{section}:\n  {name}: {run_value}\n")
+    runs = sweep.expand(sweep_file(tmp_path, f"  a: [{layer}]\n  b: []\n"), [f"{key}={sweep_value}"])
+    assert [r["overrides"][-2] for r in runs] == [f"{key}={sweep_value}"] * 2
