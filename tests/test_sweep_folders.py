@@ -269,3 +269,11 @@ def test_a_key_that_places_work_may_be_set_for_all_over_one_runs_own_file(tmp_pa
     layer.write_text(f"{section}:\n  {name}: {run_value}\n")
     runs = sweep.expand(sweep_file(tmp_path, f"  a: [{layer}]\n  b: []\n"), [f"{key}={sweep_value}"])
     assert [r["overrides"][-2] for r in runs] == [f"{key}={sweep_value}"] * 2
+
+
+def test_only_prints_the_commands_of_the_runs_it_names_and_no_other(tmp_path, capsys):
+    """--only b c: the train.py commands of b and c, in the sweep's order, and none of a or d."""
+    path = sweep_file(tmp_path, "".join(f"  {n}: [optim.lr=0.00{i + 1}]\n" for i, n in enumerate("abcd")))
+    assert sweep.main([path, "--only", "c", "b"]) == 0
+    folders = re.findall(r"out_dir=(\S+)", capsys.readouterr().out)
+    assert folders == [str(tmp_path / "runs" / "b"), str(tmp_path / "runs" / "c")]
