@@ -277,3 +277,13 @@ def test_only_prints_the_commands_of_the_runs_it_names_and_no_other(tmp_path, ca
     assert sweep.main([path, "--only", "c", "b"]) == 0
     folders = re.findall(r"out_dir=(\S+)", capsys.readouterr().out)
     assert folders == [str(tmp_path / "runs" / "b"), str(tmp_path / "runs" / "c")]
+
+
+def test_a_typo_in_the_evaluate_list_is_refused_before_any_run_trains(tmp_path):
+    """The evaluate list is checked with each run's config up front: quant.bitz would otherwise be refused by
+    evaluate.py only once the first run has trained."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nevaluate: ['quant.bitz=[w4a4]']\n"
+                    "runs:\n  a: []\n")
+    with pytest.raises(ConfigError, match=r"sweep run 'a': .*unknown config key 'quant.bitz'"):
+        sweep.expand(str(spec), [])
