@@ -287,3 +287,12 @@ def test_a_typo_in_the_evaluate_list_is_refused_before_any_run_trains(tmp_path):
                     "runs:\n  a: []\n")
     with pytest.raises(ConfigError, match=r"sweep run 'a': .*unknown config key 'quant.bitz'"):
         sweep.expand(str(spec), [])
+
+
+def test_a_misspelt_top_level_key_of_a_sweep_file_is_refused_naming_it(tmp_path):
+    """'run_key' for run_keys would guard nothing (data.root=x given for the sweep would train every run on x)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nrun_key: [data.root]\n"
+                    "runs:\n  a: []\n")
+    with pytest.raises(ConfigError, match=r"unknown keys \['run_key'\]"):
+        sweep.expand(str(spec), [])
