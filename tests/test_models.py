@@ -50,7 +50,8 @@ def test_drop_path_and_dropout_settings_reach_the_model():
 
 
 @pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"), ("drop_rate", "drop"),
-                                       ("num_classes", "num_classes"), ("img_size", "img_size")])
+                                       ("num_classes", "num_classes"), ("img_size", "img_size"),
+                                       ("pretrained", "pretrained")])
 def test_kwargs_that_shadow_a_model_key_are_refused(key, own):
     # before, model.drop_path won over model.kwargs.drop_path_rate and model.kwargs.img_size over model.img_size
     with pytest.raises(ModelError, match=rf"model.kwargs.{key}: set model.{own} instead"):
@@ -202,3 +203,63 @@ def test_weights_of_a_model_with_a_compiled_submodule_load(tmp_path):
     load_pretrained(target, str(tmp_path / "w.pth"), strict=True)
     for name, tensor in source.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name
+
+
+def test_a_train_py_checkpoint_loads_its_model_entry_not_its_ema_weights(tmp_path):
+    """train.py checkpoints hold the raw weights under 'model' and the EMA under 'model_ema'; timm's reader takes
+    the EMA when asked to, so the raw ones must be what arrives."""
+    from models.pretrained import load_pretrained
+    raw = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3")).state_dict()
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in raw.items()}
+    torch.save({"model": raw, "model_ema": ema}, tmp_path / "ckpt.pt")
+    target = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3"))
+    load_pretrained(target, str(tmp_path / "ckpt.pt"), strict=True)
+    for name, tensor in raw.items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+
+
+def test_a_file_with_a_key_too_many_or_a_backbone_key_too_few_is_refused_when_fine_tuning(tmp_path):
+    """Only the classifier may be new when fine-tuning: a deeper model's extra block, or a backbone tensor the file
+    lacks, would be dropped or left at its random init without a word."""
+    deeper = build_model(model_cfg("model.name=vit_nano", "model.kwargs.depth=3")).state_dict()
+    torch.save(deeper, tmp_path / "deeper.pth")
+    with pytest.raises(ModelError, match=r"does not fit VisionTransformer: missing \[\], unexpected \['blocks.2."):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'deeper.pth'}"))
+    partial = build_model(model_cfg("model.name=vit_nano")).state_dict()
+    del partial["blocks.0.attn.qkv.weight"]
+    torch.save(partial, tmp_path / "partial.pth")
+    with pytest.raises(ModelError, match=r"missing \['blocks.0.attn.qkv.weight'\], unexpected \[\]"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'partial.pth'}"))
+
+
+def test_fine_tuning_a_distilled_deit_replaces_both_of_its_classifiers(tmp_path):
+    """A distilled DeiT has two classifiers, `head` and `head_dist` (timm's pretrained_cfg names both): a new class
+    count replaces both, the rest loads as it is, and strict loading refuses either."""
+    arch = ("model.name=deit_tiny_distilled_patch16_224", "model.img_size=32", "model.kwargs.patch_size=8",
+            "model.kwargs.embed_dim=32", "model.kwargs.depth=1", "model.kwargs.num_heads=2")
+    source = build_model(model_cfg(*arch, "model.num_classes=10")).state_dict()
+    torch.save(source, tmp_path / "w.pth")
+    target = build_model(model_cfg(*arch, "model.num_classes=3", f"model.pretrained={tmp_path / 'w.pth'}"))
+    assert target.head.weight.shape == target.head_dist.weight.shape == (3, 32)
+    for name, tensor in source.items():
+        if not name.startswith(("head.", "head_dist.")):
+            assert torch.equal(target.state_dict()[name], tensor), name
+    with pytest.raises(ModelError, match="classifier 'head"):
+        build_model(model_cfg(*arch, "model.num_classes=3", f"model.pretrained={tmp_path / 'w.pth'}",
+                              "model.pretrained_strict=true"))
+
+
+def test_hub_weights_come_from_timm_and_no_local_file_is_read(monkeypatch):
+    """model.pretrained=hub is timm's download (pretrained=True), never a local file named 'hub'."""
+    import timm
+    asked = []
+    real = timm.create_model
+
+    def offline(name, pretrained=False, **kwargs):  # no network in tests: record the flag, build without weights
+        asked.append(pretrained)
+        return real(name, pretrained=False, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    model = build_model(model_cfg("model.name=vit_nano", "model.pretrained=hub"))
+    assert asked == [True] and isinstance(model, torch.nn.Module)
+
