@@ -52,17 +52,20 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
 def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
     """The input must be whole patches: timm's patch embedding is a strided conv that rounds the grid down, so
     model.img_size=30 at patch 8 trains on 24 x 24 pixels of every image without a word (and one below the
-    patch size fails in the first forward)."""
+    patch size fails in the first forward). timm's dynamic_img_pad pads the input to whole patches, but its
+    position table has the rounded-down grid: only with dynamic_img_size (resampled per input) does it fit."""
     embed = getattr(model, "patch_embed", None)
     size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
-    if size is None or patch is None or getattr(embed, "dynamic_img_pad", False):
+    padded = getattr(embed, "dynamic_img_pad", False) and getattr(model, "dynamic_img_size", False)
+    if size is None or patch is None or padded:
         return
     uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
     if uncovered:
         s, p = uncovered[0]
         raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
                          f"the patch embedding would leave {s % p} pixel rows / columns of every image unseen"
-                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}")
+                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}"
+                         f"{' (or model.kwargs.dynamic_img_size=true with dynamic_img_pad)' if embed.dynamic_img_pad else ''}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

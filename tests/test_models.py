@@ -263,3 +263,13 @@ def test_hub_weights_come_from_timm_and_no_local_file_is_read(monkeypatch):
     model = build_model(model_cfg("model.name=vit_nano", "model.pretrained=hub"))
     assert asked == [True] and isinstance(model, torch.nn.Module)
 
+
+def test_an_input_of_part_patches_is_accepted_when_timm_pads_it_and_resizes_the_position_table():
+    """timm's dynamic_img_pad pads the input up to whole patches (30 -> 32 at patch 8: a 4 x 4 grid), but the
+    position table is built for the rounded-down 3 x 3 grid: without dynamic_img_size the first forward failed in
+    a shape error; it is refused when built now, and accepted with dynamic_img_size."""
+    padded = ("model.name=vit_nano", "model.img_size=30", "model.kwargs.dynamic_img_pad=true")
+    with pytest.raises(ModelError, match=r"would leave 6 pixel.*or model.kwargs.dynamic_img_size=true"):
+        build_model(model_cfg(*padded))
+    model = build_model(model_cfg(*padded, "model.kwargs.dynamic_img_size=true", "model.num_classes=3"))
+    assert model(torch.randn(1, 3, 30, 30)).shape == (1, 3)
