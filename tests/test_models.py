@@ -273,3 +273,22 @@ def test_an_input_of_part_patches_is_accepted_when_timm_pads_it_and_resizes_the_
         build_model(model_cfg(*padded))
     model = build_model(model_cfg(*padded, "model.kwargs.dynamic_img_size=true", "model.num_classes=3"))
     assert model(torch.randn(1, 3, 30, 30)).shape == (1, 3)
+
+
+def test_fine_tuning_at_another_resolution_interpolates_the_position_grid_and_keeps_the_class_token(tmp_path):
+    """32 -> 48 pixels at patch 8: the 4 x 4 position grid is resized bicubically to 6 x 6 (timm's filter: antialiased,
+    PIL's kernel), the class token's entry stays first and as it is, every other tensor loads unchanged."""
+    import torch.nn.functional as F
+    source = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3")).state_dict()
+    torch.save(source, tmp_path / "w.pth")
+    target = build_model(model_cfg("model.name=vit_nano", "model.num_classes=3", "model.img_size=48",
+                                   f"model.pretrained={tmp_path / 'w.pth'}")).state_dict()
+    pos, dim = source["pos_embed"], source["pos_embed"].shape[-1]
+    grid = pos[:, 1:].reshape(1, 4, 4, dim).permute(0, 3, 1, 2)  # row-major patches -> (1, D, H, W)
+    expected = F.interpolate(grid, size=(6, 6), mode="bicubic", antialias=True).permute(0, 2, 3, 1)
+    assert target["pos_embed"].shape == (1, 1 + 36, dim)
+    assert torch.equal(target["pos_embed"][:, :1], pos[:, :1])
+    torch.testing.assert_close(target["pos_embed"][:, 1:], expected.reshape(1, 36, dim), atol=1e-6, rtol=1e-5)
+    for name, tensor in source.items():
+        if name != "pos_embed":
+            assert torch.equal(target[name], tensor), name
