@@ -29,6 +29,9 @@ def test_fqn_patterns_match_whole_segments():
     assert fqn_matches("blocks.3", ["blocks.*"]) and not fqn_matches("blocks.3.attn", ["blocks.*"])
     assert fqn_matches("blocks.3.mlp.fc2", ["**.fc[12]"]) and not fqn_matches("head", ["**.fc[12]"])
     assert fqn_matches("head", ["head", "head.fc"]) and fqn_matches("head.fc", ["head", "head.fc"])
+    # `**` is any number of segments, none included: a top-level qkv is a module named qkv too
+    assert fqn_matches("qkv", ["**.qkv"]) and fqn_matches("blocks.3", ["blocks.*.**"])
+    assert not fqn_matches("Blocks.3", ["blocks.*"])  # case-sensitive, as documented
 
 
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
