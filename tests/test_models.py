@@ -292,3 +292,15 @@ def test_fine_tuning_at_another_resolution_interpolates_the_position_grid_and_ke
     for name, tensor in source.items():
         if name != "pos_embed":
             assert torch.equal(target[name], tensor), name
+
+
+def test_weights_of_another_input_channel_count_are_a_model_error(tmp_path):
+    """A grayscale model's patch embedding differs from an RGB one's in its input channels only (dimension 1): the
+    shape check covers every dimension, so this is a ModelError naming the tensor, not torch's size-mismatch
+    traceback."""
+    import timm
+    nano = {k: v for k, v in VARIANTS["vit_nano"].items() if k != "arch"}
+    torch.save(timm.create_model(VARIANTS["vit_nano"]["arch"], in_chans=1, **nano).state_dict(), tmp_path / "gray.pth")
+    with pytest.raises(ModelError, match=r"'patch_embed.proj.weight' has shape \(32, 1, 8, 8\), the model expects "
+                                         r"\(32, 3, 8, 8\): a checkpoint of another model"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'gray.pth'}"))
