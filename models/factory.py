@@ -62,10 +62,12 @@ def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
     uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
     if uncovered:
         s, p = uncovered[0]
+        resize = " (or model.kwargs.dynamic_img_size=true with dynamic_img_pad)" if getattr(
+            embed, "dynamic_img_pad", False) else ""
         raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
                          f"the patch embedding would leave {s % p} pixel rows / columns of every image unseen"
                          f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}"
-                         f"{' (or model.kwargs.dynamic_img_size=true with dynamic_img_pad)' if embed.dynamic_img_pad else ''}")
+                         f"{resize}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
