@@ -304,3 +304,17 @@ def test_weights_of_another_input_channel_count_are_a_model_error(tmp_path):
     with pytest.raises(ModelError, match=r"'patch_embed.proj.weight' has shape \(32, 1, 8, 8\), the model expects "
                                          r"\(32, 3, 8, 8\): a checkpoint of another model"):
         build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'gray.pth'}"))
+
+
+def test_a_vision_file_into_a_language_model_and_a_file_mixing_tensors_with_other_values_are_model_errors(tmp_path):
+    """A ViT file given to a GPT holds a patch embedding the GPT lacks; a file whose mapping holds a number beside
+    its tensors (a training state saved flat) is no state dict: both are one ModelError, never a KeyError or a
+    load of what happens to be a tensor."""
+    from configs.schema import ModelConfig
+    vit = build_model(model_cfg("model.name=vit_nano")).state_dict()
+    torch.save(vit, tmp_path / "vit.pth")
+    with pytest.raises(ModelError, match=r"vit.pth: "):
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "vit.pth")))
+    torch.save({**vit, "epoch": 3}, tmp_path / "flat.pth")
+    with pytest.raises(ModelError, match=r"holds no state dict"):
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'flat.pth'}"))
