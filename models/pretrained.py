@@ -80,6 +80,14 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         if key in own and state[key].shape != own[key].shape:
             setting = getattr(model, "size_settings", {}).get(key)  # a GPT: vocabulary and context sizes
             if setting is not None and state[key].shape[1:] == own[key].shape[1:]:
+                # a file of another architecture may share one such trailing shape (a ViT's 1000-class head.weight
+                # of the GPT's width): its advice would only lead to the next refusal, so its keys are named instead
+                absent, extra = _keys_off(state, own, strict, head_prefixes)
+                if absent or extra:
+                    differ = "; ".join(([f"the model's {_few(absent)} are not in it"] if absent else [])
+                                       + ([f"its {_few(extra)} are not in the model"] if extra else []))
+                    raise ModelError(f"{path}: weights of another architecture than {type(model).__name__} ({differ}): "
+                                     "give weights of this model")
                 # e.g. transformers' GPT-2 (50,257 ids) into the recipe's 50,304: the fix is a setting, not
                 # another file; a GPT's LM head is its token embedding, never replaced as a classifier is
                 raise ModelError(f"{path}: '{key}' has {state[key].shape[0]} rows, the model "
@@ -139,6 +147,18 @@ def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:
         if len(held) > 1 and not all(torch.equal(state[held[0]], state[n]) for n in held[1:]):
             raise ModelError(f"{path}: {' and '.join(held)} differ in the file, but the model ties them (one "
                              f"parameter): a checkpoint of a model with an untied head?")
+
+
+def _keys_off(state: dict, own: dict, strict: bool, head_prefixes: tuple) -> tuple[list, list]:
+    """(the model's keys the file lacks, the file's keys the model lacks), less what loading tolerates when not
+    strict: a classifier (a new one is made) and attention-sink parameters (their zero init)."""
+    tolerated = (lambda k: not strict and (k.startswith(head_prefixes) or k.rpartition(".")[2] in SINK_PARAMS))
+    return [k for k in own if k not in state and not tolerated(k)], [k for k in state if k not in own]
+
+
+def _few(keys: list, shown: int = 5) -> str:
+    """Up to `shown` of `keys`, '...' marking those left out."""
+    return str(keys[:shown]) + ("..." if len(keys) > shown else "")
 
 
 def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:

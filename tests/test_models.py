@@ -309,12 +309,18 @@ def test_weights_of_another_input_channel_count_are_a_model_error(tmp_path):
 def test_a_vision_file_into_a_language_model_and_a_file_mixing_tensors_with_other_values_are_model_errors(tmp_path):
     """A ViT file given to a GPT holds a patch embedding the GPT lacks; a file whose mapping holds a number beside
     its tensors (a training state saved flat) is no state dict: both are one ModelError, never a KeyError or a
-    load of what happens to be a tensor."""
+    load of what happens to be a tensor. The ViT's 1000-class head.weight has the GPT's width, so the refusal
+    advised model.num_classes=1000, under which the file fails again: it names the keys that differ instead."""
     from configs.schema import ModelConfig
     vit = build_model(model_cfg("model.name=vit_nano")).state_dict()
     torch.save(vit, tmp_path / "vit.pth")
-    with pytest.raises(ModelError, match=r"vit.pth: "):
-        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "vit.pth")))
+    for strict in (False, True):
+        with pytest.raises(ModelError, match=r"vit.pth: weights of another architecture than GPT \(the model's "
+                                             r"\['wte.weight', 'wpe.weight'\] are not in it; its \['cls_token', "
+                                             r"'pos_embed', 'patch_embed.proj.weight'") as refused:
+            build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained_strict=strict,
+                                    pretrained=str(tmp_path / "vit.pth")))
+        assert "num_classes" not in str(refused.value)
     torch.save({**vit, "epoch": 3}, tmp_path / "flat.pth")
     with pytest.raises(ModelError, match=r"holds no state dict"):
         build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'flat.pth'}"))
