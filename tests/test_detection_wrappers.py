@@ -394,3 +394,49 @@ def test_lazy_init_of_a_split_gives_the_same_images(sample, split):
         reference = TrainingImages(plain).draw(3, 1, "--calib-images")
         assert drawn[0] == reference[0]
         assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(drawn[1], reference[1]))
+
+
+class _PlainImages(torch.utils.data.Dataset):
+    """A training split as a plain torch Dataset (no MMEngine BaseDataset: no prepare_data, no get_data_info), as a
+    project may register in mmdet's DATASETS: the sorted image files of `folder`, given `pipeline`; `drop` names a
+    file whose item is None, as a pipeline that drops it returns."""
+
+    def __init__(self, folder, pipeline, drop=None):
+        from mmengine.dataset import Compose
+        self.paths = sorted(os.path.join(folder, name) for name in os.listdir(folder))
+        self.pipeline, self.drop = Compose(pipeline), drop
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        if os.path.basename(self.paths[index]) == self.drop:
+            return None
+        return self.pipeline({"img_path": self.paths[index], "img_id": index, "instances": []})
+
+
+def test_a_training_split_that_is_a_plain_torch_dataset_gives_its_items(sample):
+    """A registered dataset without MMEngine's prepare_data (a plain torch Dataset) failed with an AttributeError on
+    the first image drawn: its items are drawn as dataset[i] gives them (each the test transforms, built here one by
+    one, applied to its file), and an item that is None (its pipeline dropped the image) is one error line."""
+    from engine.detection import DetectionError, TrainingImages, load_config
+    from mmdet.registry import DATASETS, TRANSFORMS
+    DATASETS.register_module(name="PlainTrainImages", force=True, module=_PlainImages)
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    folder = os.path.join(sample, "train2017")
+    cfg.train_dataloader.dataset = dict(type="PlainTrainImages", folder=folder)
+    indices, samples = TrainingImages(cfg).draw(3, 0, "--calib-images")
+    paths = sorted(os.path.join(folder, name) for name in os.listdir(folder))
+    transforms = [TRANSFORMS.build(t) for t in copy.deepcopy(cfg.test_dataloader.dataset.pipeline)]
+    assert len(samples) == 3 == len(set(indices))
+    for index, got in zip(indices, samples):
+        expected = {"img_path": paths[index], "img_id": index, "instances": []}
+        for transform in transforms:
+            expected = transform(expected)
+        assert got["data_samples"].img_path == paths[index]
+        assert torch.equal(got["inputs"], expected["inputs"])
+    cfg.train_dataloader.dataset = dict(type="PlainTrainImages", folder=folder,
+                                        drop=os.path.basename(paths[indices[0]]))
+    with pytest.raises(DetectionError, match=rf"^the test pipeline drops training image {indices[0]} of the "
+                                             r"_PlainImages dataset \(its item is None\)"):
+        TrainingImages(cfg).draw(3, 0, "--calib-images")

@@ -137,10 +137,21 @@ class TrainingImages:
 def _prepared(dataset: Any, index: int) -> dict:
     """Image `index` of the training split given its (test) pipeline, or one error line where the pipeline drops it:
     a training dataset's __getitem__ (test_mode off) would put a random other image in its place, drawn with numpy's
-    global state up to `max_refetch` times, so the images calibrated on were not those drawn, and could repeat."""
-    while getattr(dataset, "datasets", None):  # a ConcatDataset: the dataset holding the image, and its index there
+    global state up to `max_refetch` times, so the images calibrated on were not those drawn, and could repeat.
+    A dataset that is no MMEngine BaseDataset (a plain torch Dataset registered in DATASETS) has no prepare_data:
+    its dataset[index] is taken as it is, so a dropped image is caught only where that item is None; one such a
+    dataset replaces by another image cannot be told apart here."""
+    # a ConcatDataset: the dataset holding the image, and its index there
+    while getattr(dataset, "datasets", None) and hasattr(dataset, "_get_ori_dataset_idx"):
         which, index = dataset._get_ori_dataset_idx(index)
         dataset = dataset.datasets[which]
+    if not hasattr(dataset, "prepare_data"):
+        data = dataset[index]
+        if data is None:
+            raise DetectionError(f"the test pipeline drops training image {index} of the {type(dataset).__name__} "
+                                 "dataset (its item is None): quantization gives its training images the test "
+                                 "pipeline, so give test_dataloader.dataset.pipeline transforms that keep every image")
+        return data
     data = dataset.prepare_data(index)
     if data is None:
         path = dataset.get_data_info(index).get("img_path")
