@@ -52,22 +52,28 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
 def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
     """The input must be whole patches: timm's patch embedding is a strided conv that rounds the grid down, so
     model.img_size=30 at patch 8 trains on 24 x 24 pixels of every image without a word (and one below the
-    patch size fails in the first forward). timm's dynamic_img_pad pads the input to whole patches, but its
-    position table has the rounded-down grid: only with dynamic_img_size (resampled per input) does it fit."""
+    patch size fails in the first forward). timm's dynamic_img_pad pads the input to whole patches, but the
+    position table (or rotary table) has the rounded-down grid: it fits with dynamic_img_size (resampled per
+    input) or a model without either table (model.kwargs.pos_embed=none)."""
     embed = getattr(model, "patch_embed", None)
     size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
-    padded = getattr(embed, "dynamic_img_pad", False) and getattr(model, "dynamic_img_size", False)
-    if size is None or patch is None or padded:
+    pads = getattr(embed, "dynamic_img_pad", False)
+    # a table sized by the grid: ViT's pos_embed (None for pos_embed='none'), EVA's rope; a model lacking the
+    # attribute counts as having one (refused rather than failing in its first forward)
+    grid_table = getattr(model, "pos_embed", True) is not None or getattr(model, "rope", None) is not None
+    if size is None or patch is None or (pads and (getattr(model, "dynamic_img_size", False) or not grid_table)):
         return
     uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
     if uncovered:
         s, p = uncovered[0]
-        resize = " (or model.kwargs.dynamic_img_size=true with dynamic_img_pad)" if getattr(
-            embed, "dynamic_img_pad", False) else ""
+        if pads:  # no pixel is left out, but the padded grid does not fit the table
+            raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
+                             f"dynamic_img_pad pads it to {-(-s // p)} patches, but the position table is built for "
+                             f"{s // p}; set model.img_size to a multiple of {p}, or "
+                             "model.kwargs.dynamic_img_size=true (the table resampled to each input's grid)")
         raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
                          f"the patch embedding would leave {s % p} pixel rows / columns of every image unseen"
-                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}"
-                         f"{resize}")
+                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -267,13 +267,30 @@ def test_hub_weights_come_from_timm_and_no_local_file_is_read(monkeypatch):
 def test_an_input_of_part_patches_is_accepted_when_timm_pads_it_and_resizes_the_position_table():
     """timm's dynamic_img_pad pads the input up to whole patches (30 -> 32 at patch 8: a 4 x 4 grid), but the
     position table is built for the rounded-down 3 x 3 grid: without dynamic_img_size the first forward failed in
-    a shape error; it is refused when built now, and accepted with dynamic_img_size."""
+    a shape error; it is refused when built now (naming the grids, not pixels left unseen: the padding covers
+    them), and accepted with dynamic_img_size."""
     padded = ("model.name=vit_nano", "model.img_size=30", "model.kwargs.dynamic_img_pad=true")
-    with pytest.raises(ModelError, match=r"would leave 6 pixel.*or model.kwargs.dynamic_img_size=true"):
+    with pytest.raises(ModelError, match=r"pads it to 4 patches, but the position table is built for 3; .*"
+                                         r"or model\.kwargs\.dynamic_img_size=true") as refused:
         build_model(model_cfg(*padded))
+    assert "unseen" not in str(refused.value)
     model = build_model(model_cfg(*padded, "model.kwargs.dynamic_img_size=true", "model.num_classes=3"))
     assert model(torch.randn(1, 3, 30, 30)).shape == (1, 3)
 
+
+
+def test_an_input_of_part_patches_padded_by_timm_is_accepted_for_a_model_without_a_position_table():
+    """With model.kwargs.pos_embed=none there is no table for the padded grid to miss: dynamic_img_pad alone runs
+    (it was refused, naming pixels left unseen that the padding covers). Reference: the same weights at 32
+    pixels, given the image zero-padded on the right and bottom by hand."""
+    import torch.nn.functional as F
+    common = ("model.name=vit_nano", "model.kwargs.pos_embed=none", "model.num_classes=3")
+    model = build_model(model_cfg(*common, "model.img_size=30", "model.kwargs.dynamic_img_pad=true")).eval()
+    whole = build_model(model_cfg(*common, "model.img_size=32")).eval()
+    whole.load_state_dict(model.state_dict())
+    image = torch.randn(2, 3, 30, 30)
+    with torch.no_grad():
+        torch.testing.assert_close(model(image), whole(F.pad(image, (0, 2, 0, 2))))
 
 def test_fine_tuning_at_another_resolution_interpolates_the_position_grid_and_keeps_the_class_token(tmp_path):
     """32 -> 48 pixels at patch 8: the 4 x 4 position grid is resized bicubically to 6 x 6 (timm's filter: antialiased,
