@@ -51,12 +51,17 @@ def test_an_error_mid_epoch_keeps_the_updates_and_the_same_command_resumes_exact
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_error_inside_the_optimizer_step_saves_nothing_and_says_so(debug_config, caplog):
+@pytest.mark.parametrize("update", [1, 2])
+def test_an_error_inside_the_optimizer_step_saves_nothing_and_says_so(debug_config, caplog, update):
+    """Also after a completed update (2): the weights of a step that broke half-way are never saved."""
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = [0]
 
     def broken(*args, **kwargs):
-        raise RuntimeError("CUDA error: an illegal memory access")
+        steps[0] += 1
+        if steps[0] == update:
+            raise RuntimeError("CUDA error: an illegal memory access")
 
     optimizer.register_step_pre_hook(lambda *a: broken())
     batches = [(torch.randn(2, 4), torch.tensor([0, 1]))] * 4
@@ -68,7 +73,7 @@ def test_an_error_inside_the_optimizer_step_saves_nothing_and_says_so(debug_conf
     sampler = type("S", (), {"set_epoch": lambda self, epoch, start=0: None})()
     with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="illegal memory"):
         loop.run_epoch(TrainBatches(batches, sampler), TrainState(), batch_size_per_gpu=2)
-    assert saves == [] and "inside the optimizer step of update 1" in caplog.text
+    assert saves == [] and f"inside the optimizer step of update {update}" in caplog.text
 
 
 def test_an_error_in_validation_keeps_the_epoch_and_the_resumed_run_validates_first(debug_config,
