@@ -939,3 +939,49 @@ def test_a_roll_back_to_before_the_first_validation_keeps_the_abandoned_best(tmp
     assert kept == str(tmp_path / "best.until_step4.pt") and read_bytes(kept) == abandoned and not path.exists()
     assert (state.best_value, state.best_step) == (None, 0)
     assert best.match_file(TrainState(step=4), True, torch.device("cpu")) is None  # no best.pt: nothing to keep
+
+
+def test_best_pt_of_a_run_with_ema_holds_the_averaged_weights_beside_the_raw_ones(tmp_path):
+    """evaluate.py --ema reads best.pt's model_ema: with train.ema on, best.pt holds the EMA's weights (not the
+    raw ones again) under model_ema, and the raw weights under model."""
+    from timm.utils import ModelEmaV3
+
+    from engine.best_checkpoint import BestCheckpoint
+    from engine.loop import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    ema = ModelEmaV3(model, decay=0.5)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the raw weights move on; the average is half-way (decay 0.5, no warmup)
+    ema.update(model, step=10)
+    want_ema = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    assert not torch.equal(want_ema["weight"], model.weight)
+    written = []
+    best = BestCheckpoint(str(tmp_path / "best.pt"), model=model, ema=ema, config={}, classes=None,
+                          save=lambda payload_fn, path: written.append(payload_fn()))
+    assert best.offer(TrainState(step=10), {"val/top1": 1.0})
+    payload = written[0]
+    assert torch.equal(payload["model"]["weight"], model.weight)
+    for key, value in want_ema.items():
+        assert torch.equal(payload["model_ema"][key], value), key
+
+
+def test_a_resume_keeps_the_best_score_of_the_best_pt_it_wrote(tmp_path):
+    """The same command resumed: best.pt was written at the checkpoint's best_step, so it stays where it is and
+    the score stays the one to beat (a worse validation after the resume must not overwrite it)."""
+    from engine.best_checkpoint import BestCheckpoint
+
+    path = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": {}, "state": TrainState(step=6, best_value=60.0, best_step=6).state_dict()},
+               path)
+    before = read_bytes(path)
+    written = []
+    best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
+                          save=lambda payload_fn, target: written.append(target))
+    state = TrainState(step=9, best_value=60.0, best_epoch=2, best_step=6)  # checkpoint.pt, 3 updates later
+    assert best.match_file(state, True, torch.device("cpu")) is None
+    assert (state.best_value, state.best_epoch, state.best_step) == (60.0, 2, 6) and read_bytes(path) == before
+    assert not best.offer(state, {"val/top1": 55.0}) and not written
+    assert sorted(os.listdir(tmp_path)) == ["best.pt"]
+
