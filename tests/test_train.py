@@ -1129,3 +1129,183 @@ def test_validation_runs_every_eval_every_epochs_and_at_the_last_epoch(debug_con
     cfg = debug_config("sched.epochs=3", f"train.eval_every_epochs={every}", "log.tensorboard=false")
     train.main(cfg)
     assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == steps
+
+
+def test_clipping_bounds_the_norm_of_every_parameter_group_together():
+    """optim.clip_grad clips the global norm over all parameters, whichever group holds them (the no-weight-
+    decay and layer-decay groups are other groups): the reference is the norm of every gradient by autograd,
+    and each weight moves by lr * clip / norm times its gradient."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    model = torch.nn.Linear(3, 2).double()
+    w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}],
+                                lr=0.5)
+    logged = []
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, a, b: F_ce(m(a), b),
+                     device=torch.device("cpu"), clip_grad=0.01, log_every=1,
+                     log=lambda step, metrics: logged.append(metrics))
+    loop.run_epoch(TrainBatches([(x, y)], _FixedOrder()), TrainState(), batch_size_per_gpu=4)
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    gw, gb = torch.autograd.grad(F_ce(x @ w.T + b, y), (w, b))
+    norm = float(torch.sqrt((gw ** 2).sum() + (gb ** 2).sum()))
+    assert norm > 0.01 * 10  # the clip acts
+    assert logged[0]["train/grad_norm"] == pytest.approx(norm, rel=1e-9)
+    scale = 0.01 / (norm + 1e-6)
+    torch.testing.assert_close(model.weight.detach(), w0 - 0.5 * scale * gw, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.bias.detach(), b0 - 0.5 * scale * gb, rtol=1e-10, atol=1e-12)
+
+
+def test_the_micro_batches_of_one_update_draw_their_own_randomness():
+    """The RNG is reseeded once per update, not per micro-batch: with train.accum_steps=2 the two micro-batches
+    of an update must not mix with the same lambda or drop the same paths (their draws differ), and a run
+    resumed after update 1 draws again what updates 2 and 3 drew."""
+    from engine.loop import TrainBatches
+
+    def draws(start_step=0, micro_batches=6):
+        seen = []
+        model = torch.nn.Linear(3, 2)
+
+        def compute_loss(m, x, y):
+            seen.append(float(torch.rand(())))
+            return F_ce(m(x), y)
+
+        loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         compute_loss=compute_loss, device=torch.device("cpu"), seed=3, accum_steps=2,
+                         log_every=100)
+        batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(micro_batches)]
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(step=start_step), batch_size_per_gpu=2)
+        return seen
+
+    whole = draws()
+    assert len(set(whole)) == 6  # no two micro-batches draw the same
+    assert draws(start_step=1, micro_batches=4) == whole[2:]
+
+
+def test_under_ddp_only_the_last_micro_batch_of_an_update_synchronises_its_gradients():
+    """DDP all-reduces the gradients in a backward outside `no_sync()`, and that reduction carries the gradients
+    accumulated under `no_sync()` before it: with train.accum_steps=3 micro-batches 1 and 2 of each update run
+    inside `no_sync()` and micro-batch 3 outside it, so that every rank steps with the sum over all its micro-
+    batches averaged over the ranks (a synchronised first micro-batch and an unsynchronised last one would
+    leave each rank its own last gradient)."""
+    from contextlib import contextmanager
+
+    from engine.loop import TrainBatches
+
+    class FakeDdp(torch.nn.Linear):
+        """A DDP stand-in that records, per forward, whether it runs inside no_sync()."""
+
+        def __init__(self):
+            super().__init__(3, 2)
+            self.inside, self.seen = False, []
+
+        @contextmanager
+        def no_sync(self):
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+
+        def forward(self, x):
+            self.seen.append(self.inside)
+            return super().forward(x)
+
+    model = FakeDdp()
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), accum_steps=3,
+                     log_every=100)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(6)]
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=2)
+    assert model.seen == [True, True, False, True, True, False]
+
+
+def test_train_img_per_s_counts_the_images_of_every_process_and_micro_batch(monkeypatch):
+    """train/img_per_s is the global throughput: a window's updates x batch_size_per_gpu x accum_steps x
+    world_size images over its seconds. The clock is frozen, so the window lasts the loop's floor of 1e-9 s."""
+    import engine.loop
+    from engine.loop import TrainBatches
+
+    monkeypatch.setattr(engine.loop.time, "perf_counter", lambda: 5.0)
+    logged = []
+    loop = _tiny_loop(accum_steps=2, world_size=3, log_every=2, log=lambda step, metrics: logged.append(metrics))
+    batches = [(torch.randn(4, 3), torch.tensor([0, 1, 1, 0])) for _ in range(4)]  # 2 updates, one window
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=4)
+    assert [m["train/img_per_s"] for m in logged] == [pytest.approx(2 * 4 * 2 * 3 / 1e-9)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_nan_or_infinite_loss_stops_before_the_next_checkpoint(bad):
+    """Not only NaN: a loss of +-inf (an fp16 overflow, a log of 0) is no loss either. Updates 1-2 are finite,
+    update 3's loss is `bad`: NonFiniteLossError naming the value, and checkpoints only after updates 1 and 2."""
+    from engine.loop import TrainBatches
+
+    calls, saves = [0], []
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        loss = F_ce(m(x), y)
+        return loss * 0 + bad if calls[0] == 3 else loss
+
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), ckpt_every=1, save=lambda: saves.append(1), log_every=100)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    with pytest.raises(NonFiniteLossError, match=f"the training loss is {bad}"):
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=2)
+    assert len(saves) == 2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_train_skipped_steps_is_logged_at_the_update_the_gradscaler_skipped(fused):
+    """train/skipped_steps counts the skipped updates up to its log step, also with a fused optimizer, whose
+    skips are counted on the device: an inf gradient in update 2 of 3 is logged as 0, 1, 1."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    updates = [0]
+    model.weight.register_hook(lambda g: g * float("inf") if updates[0] == 1 else g)
+    logged = []
+
+    def log(step, metrics):
+        logged.append(metrics["train/skipped_steps"])
+        updates[0] = step
+
+    loop = TrainLoop(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"),
+                     scaler=torch.amp.GradScaler("cpu"), log_every=1, log=log)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(3)]
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=2)
+    assert logged == [0, 1, 1]
+
+
+def test_epoch_costs_are_logged_only_for_an_epoch_run_in_one_go():
+    """epoch/train_seconds is the wall time of a whole epoch (the efficiency protocol compares them): an epoch
+    resumed mid-way logs none, a whole one logs it once, at its end."""
+    from engine.loop import TrainBatches
+
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    for start, want in [(0, 1), (2, 0)]:
+        logged = []
+        loop = _tiny_loop(log_every=100, log_epoch_costs=True, log=lambda step, metrics: logged.append(metrics))
+        state = TrainState(step=start, epoch_batches=start)
+        loop.run_epoch(TrainBatches(batches[start:], _FixedOrder()), state, batch_size_per_gpu=2)
+        assert state.epoch == 1 and sum("epoch/train_seconds" in m for m in logged) == want, start
+
+
+def test_resuming_from_out_dirs_own_checkpoint_keeps_no_copy_of_it(tmp_path):
+    """keep_abandoned_checkpoint keeps checkpoint.pt only when the run goes on from another file: the same
+    command resumed from checkpoint.pt itself leaves no checkpoint.until_step<N>.pt beside it."""
+    from engine.snapshots import keep_abandoned_checkpoint
+
+    own = tmp_path / "checkpoint.pt"
+    own.write_bytes(b"progress")
+    assert keep_abandoned_checkpoint(str(tmp_path), str(own), 5, True, torch.device("cpu")) is None
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]
+    other = tmp_path / "start.pt"
+    other.write_bytes(b"start")
+    kept = keep_abandoned_checkpoint(str(tmp_path), str(other), 5, True, torch.device("cpu"))
+    assert kept == str(tmp_path / "checkpoint.until_step5.pt") and open(kept, "rb").read() == b"progress"
