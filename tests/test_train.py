@@ -1309,3 +1309,21 @@ def test_resuming_from_out_dirs_own_checkpoint_keeps_no_copy_of_it(tmp_path):
     other.write_bytes(b"start")
     kept = keep_abandoned_checkpoint(str(tmp_path), str(other), 5, True, torch.device("cpu"))
     assert kept == str(tmp_path / "checkpoint.until_step5.pt") and open(kept, "rb").read() == b"progress"
+
+
+def test_a_stop_request_ends_the_epoch_after_the_update_that_saw_it():
+    """should_stop (a preemption request) is asked after every update with its count: asked 'stop' at update 2 of
+    an epoch of 4, run_epoch returns 'preempted' there, with the epoch's position kept for the resume."""
+    from engine.loop import TrainBatches
+
+    asked = []
+
+    def should_stop(step):
+        asked.append(step)
+        return step == 2
+
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    state = TrainState()
+    reason = _tiny_loop(should_stop=should_stop, log_every=100).run_epoch(TrainBatches(batches, _FixedOrder()),
+                                                                          state, 2)
+    assert (reason, state.step, state.epoch, state.epoch_batches, asked) == ("preempted", 2, 0, 2, [1, 2])
