@@ -139,9 +139,11 @@ DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.lab
 
 
 @pytest.mark.slow
-def test_ddp_ranks_agree_and_match_one_process(tmp_path):
+@pytest.mark.parametrize("per_gpu", [8, 4], ids=["no_accumulation", "two_accumulation_steps"])
+def test_ddp_ranks_agree_and_match_one_process(tmp_path, per_gpu):
+    # per_gpu 4: each rank accumulates 2 micro-batches of 4 (no_sync on the first), 2 x 2 x 4 = 16 images
     out = str(tmp_path / "weights_{rank}.pt")
-    overrides = [*DETERMINISTIC, f"out_dir={tmp_path / 'ddp'}", "train.batch_size_per_gpu=8"]
+    overrides = [*DETERMINISTIC, f"out_dir={tmp_path / 'ddp'}", f"train.batch_size_per_gpu={per_gpu}"]
     mp.spawn(_ddp_worker, args=(2, free_port(), overrides, out), nprocs=2, join=True)
     rank0, rank1 = torch.load(out.format(rank=0)), torch.load(out.format(rank=1))
     for key in rank0:
