@@ -2,7 +2,7 @@
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and
-resizes position embeddings. On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a
+resizes position embeddings (a resized table is logged with both grids). On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a
 classifier of another shape is dropped when fine-tuning (unless strict), the parameters of an
 attention-sink variant (`attn.sink_*`) may be missing when weights of the plain model are loaded into a
 variant (they keep their zero init; unless strict), and any other missing or unexpected key is an error
@@ -58,7 +58,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                          f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     own = model.state_dict()
-    resampled = check_patch_size(state, own, path, strict)
+    resampled = [line for line in (check_patch_size(state, own, path, strict),
+                                   position_table_resize(state, own, model, path)) if line]
     filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
@@ -115,8 +116,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
-    if resampled:  # logged once the file has loaded: a file refused below was never resampled into the model
-        log.warning(resampled)
+    for line in resampled:  # logged once the file has loaded: a file refused above was never resampled into it
+        log.warning(line)
     log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
@@ -134,6 +135,23 @@ def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
         raise ModelError(f"{path}: its patch embedding has {size} patches, the model {mine}: a checkpoint of another "
                          f"model (set the patch size it was trained with)")
     return f"{path}: patch size {size} resampled to the model's {mine} (timm's patch-embedding resize)"
+
+
+def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> str:
+    """A ViT file whose position table is for another grid (weights trained at another img_size): timm's filter
+    resamples the table (bicubic) to the model's grid. A fine-tune or an evaluation at a new resolution asks for
+    exactly that, so it is not refused even when strict; but the scored table is not the file's, so the returned
+    line ('' for none) says so, with both grids."""
+    key = "pos_embed"
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if key not in state or key not in own or grid is None or state[key].shape[1] == own[key].shape[1]:
+        return ""
+    prefix = own[key].shape[1] - grid[0] * grid[1]  # class/register tokens held in the table (0 for no_embed_class)
+    tokens = state[key].shape[1] - prefix
+    side = int(tokens ** 0.5)
+    theirs = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch"
+    return (f"{path}: position table of a {theirs} grid resampled to the model's {grid[0]}x{grid[1]} (timm's "
+            f"bicubic resize; the weights were trained at another img_size than model.img_size)")
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:

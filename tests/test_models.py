@@ -341,3 +341,23 @@ def test_a_vision_file_into_a_language_model_and_a_file_mixing_tensors_with_othe
     torch.save({**vit, "epoch": 3}, tmp_path / "flat.pth")
     with pytest.raises(ModelError, match=r"holds no state dict"):
         build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'flat.pth'}"))
+
+
+def test_a_file_trained_at_another_img_size_loads_with_its_position_table_resized_and_said(tmp_path, caplog):
+    import timm
+    from timm.layers import resample_abs_pos_embed
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3)  # a 2x2 grid + class token
+    torch.save(source.state_dict(), tmp_path / "at32.pth")
+    asked = ("model.name=vit_tiny_patch16_224", "model.num_classes=3", "model.img_size=64",
+             f"model.pretrained={tmp_path / 'at32.pth'}", "model.pretrained_strict=true")
+    with caplog.at_level("WARNING"):
+        model = build_model(model_cfg(*asked))  # evaluation at 64 px: taken, the resize said
+    assert "position table of a 2x2 grid resampled to the model's 4x4" in caplog.text
+    # the table is timm's bicubic resample of the file's (independent call), not the model's own init
+    expected = resample_abs_pos_embed(source.pos_embed.detach(), (4, 4), num_prefix_tokens=1)
+    assert torch.allclose(model.pos_embed, expected, atol=1e-6)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_model(model_cfg(*asked[:2], "model.img_size=32", *asked[3:]))  # the file's own size: no line
+    assert "resampled" not in caplog.text
