@@ -2,11 +2,11 @@
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and
-resizes position embeddings (a resized table is logged with both grids). On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a
-classifier of another shape is dropped when fine-tuning (unless strict), the parameters of an
-attention-sink variant (`attn.sink_*`) may be missing when weights of the plain model are loaded into a
-variant (they keep their zero init; unless strict), and any other missing or unexpected key is an error
-that names the keys, so a checkpoint of another model fails early.
+resizes position embeddings (a resized table is logged with both grids). On top of that: `_orig_mod.`
+prefixes (compiled models) are stripped, a classifier of another shape is dropped when fine-tuning (unless
+strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights of the
+plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
+unexpected key is an error that names the keys, so a checkpoint of another model fails early.
 """
 from __future__ import annotations
 
