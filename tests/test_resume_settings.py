@@ -384,6 +384,15 @@ def test_a_checkpoint_before_the_first_update_continues_in_another_layout():
                            checkpoint="c.pt") == 0
 
 
+def test_after_a_single_update_another_number_of_updates_per_epoch_is_refused():
+    """The refusal starts at update 1: the checkpoint's one update (16 samples) is a whole update of the new
+    layout too (2 processes x 8), but with 2 updates per epoch instead of 4, update 2 of the run would be the
+    first of epoch 1, not the second of epoch 0, and the lr schedule would no longer match."""
+    saved, now = position(1, 16, 1, upe=4, batches=1), position(2, 8, 1, upe=2)
+    with pytest.raises(CheckpointError, match=r"4 updates per epoch .* 2 updates per epoch.*schedule"):
+        resume_position(saved, now, epoch_batches=1, step=1, checkpoint="c.pt")
+
+
 # -- settings that say when a run validates, and a new train.seed ----------------------------------------------
 
 def model_and_optimizer(out_dir):
