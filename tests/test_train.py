@@ -83,6 +83,18 @@ def test_exact_resume_mid_epoch(debug_config, regularizers):
             == {k: v for k, v in state_b.items() if k not in where_best}) and sched_a == sched_b
 
 
+def test_a_resumed_run_counts_the_cd_updates_made_before_its_checkpoint(debug_config):
+    """cd/updates is the number of CD updates of the whole run: one per optimizer update (no fp16 skips here),
+    so at every logged update it equals that update's number, also after a resume at update 3 (hand count:
+    3 before the checkpoint + the updates after it; a counter restarted at 0 would log step - 3)."""
+    train.main(debug_config("cd.enabled=true", "train.max_steps=3", name="cd_count"))
+    cfg = debug_config("cd.enabled=true", name="cd_count")
+    train.main(cfg)
+    logged = [(r["step"], r["cd/updates"]) for r in read_metrics(cfg.out_dir) if "cd/updates" in r]
+    assert [step for step, _ in logged if step > 3], logged  # records written after the resume
+    assert all(updates == step for step, updates in logged), logged
+
+
 def test_resuming_with_another_model_is_refused(debug_config):
     train.main(debug_config("train.max_steps=1", name="r"))
     with pytest.raises(CheckpointError, match="written for model"):
