@@ -8,6 +8,8 @@ run like a NaN does (no checkpoint is written over the last good one). A healthy
 below its starting value (ln(classes) for a fresh classifier, with or without label smoothing, mixup,
 TWEO or CD's loss form) and a spike recovers within a window or two, so the default (3x for 3
 windows) acts only on diverged runs; `train.divergence_factor=null` turns it off.
+The streak is part of the checkpointed TrainState (engine/loop.py), so a run resumed between log windows
+counts on where it stopped (older checkpoints, without it, resume with 0).
 """
 from __future__ import annotations
 

@@ -98,6 +98,7 @@ class TrainState:
     best_step: int = 0  # ... and its update
     validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
+    divergence_streak: int = 0  # the divergence guard's high log windows in a row, kept across a resume
     unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
 
     @property
@@ -380,8 +381,10 @@ class TrainLoop:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         state.unreadable_images += metrics.get("train/unreadable_images", 0)
         self._settle_initial_loss(state)
-        if self.divergence is not None:
+        if self.divergence is not None:  # the streak so far, also of the run before a resume (0 in older checkpoints)
+            self.divergence.streak = state.divergence_streak
             self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
+            state.divergence_streak = self.divergence.streak
         metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
         metrics["train/epoch"] = (state.epoch
                                   + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps))

@@ -13,7 +13,7 @@ import evaluate
 import train
 from configs import config_to_dict, load_config
 from data import DataError, build_eval_loader, build_loaders
-from engine.checkpoint import CheckpointError, save_atomic
+from engine.checkpoint import CheckpointError, restore_training, save_atomic
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
@@ -498,6 +498,34 @@ def test_a_finite_divergence_stops_training_without_a_checkpoint(debug_config):
     with pytest.raises(DivergenceError, match="at update 4"):
         loop.run_epoch(loaders.train, state, batch_size_per_gpu=8)
     assert state.initial_loss == 1.0 and saves == []
+
+
+def test_a_resumed_run_keeps_the_divergence_streak_and_stops_where_the_uninterrupted_one_does(debug_config):
+    """Losses 1 then 50 (above 3 x 1) with one update per log window and 3 windows to stop: the uninterrupted
+    run stops at update 4 (high windows 2, 3, 4). Interrupted after update 2 (one high window) and resumed from
+    its checkpointed state, it stops at update 4 too, not at 5 as a streak restarted at 0 would."""
+    cfg = debug_config("data.mixup=0", "data.cutmix=0")
+    loaders = build_loaders(cfg.data, img_size=32, batch_size_per_gpu=8, eval_batch_size_per_gpu=8, rank=0,
+                            world_size=1, seed=0, num_classes=4)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    losses = iter([1.0] + [50.0] * 20)
+
+    def loop(**kwargs):
+        return TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                         compute_loss=lambda m, x, y: m(x).sum() * 0 + next(losses), device=torch.device("cpu"),
+                         log_every=1, divergence=DivergenceGuard(3.0, 3), **kwargs)
+
+    state = TrainState()
+    assert loop(max_steps=2).run_epoch(loaders.train, state, batch_size_per_gpu=8) == "max_steps"
+    payload = {"model": model.state_dict(), "state": state.state_dict()}  # what checkpoint.pt keeps of them
+    resumed = TrainState()
+    restore_training(payload, model=model, optimizer=None, state=resumed)
+    with pytest.raises(DivergenceError, match="for 3 log windows .*at update 4"):
+        loop().run_epoch(loaders.train, resumed, batch_size_per_gpu=8)
+    older = {k: v for k, v in state.state_dict().items() if k != "divergence_streak"}  # a checkpoint without it
+    restored = TrainState(divergence_streak=5)
+    restore_training({"model": model.state_dict(), "state": older}, model=model, optimizer=None, state=restored)
+    assert restored.divergence_streak == 5  # untouched: a fresh TrainState of train.py holds 0
 
 
 def test_the_divergence_reference_is_the_first_updates_mean_over_its_micro_batches(debug_config):
