@@ -176,10 +176,14 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
         if not classes:
             raise DataError(f"{path} has no class sub-folders (expected {path}/<class>/<image>)")
     check_skipped_images(path)
+    extensions = read_extensions()
     if os.path.isdir(path):
-        extensions = read_extensions()
         if not any(f.lower().endswith(extensions) for c in classes[:20] for f in os.listdir(c.path)):
             raise DataError(f"the class folders in {path} hold no images ({', '.join(extensions)})")
+    else:  # timm's tar reader fails on an archive without images with a bare 'not enough values to unpack'
+        with tarfile.open(path) as tar:  # stops at the first image, usually the first member
+            if not any(m.isfile() and m.name.lower().endswith(extensions) for m in tar):
+                raise DataError(f"{path} holds no images ({', '.join(extensions)})")
     dataset = ImageFolderDataset(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")

@@ -242,3 +242,16 @@ def test_splits_of_the_same_classes_in_another_order_are_refused():
     with pytest.raises(DataError, match=r"root: the train and val splits have different class folders \(other "
                                         r"order\)"):
         check_same_classes(["cat", "dog"], ["dog", "cat"], "root")
+
+
+@pytest.mark.parametrize("members", [[], ["a/notes.txt", "b/labels.csv"]])
+def test_a_tar_split_without_images_is_refused_with_its_path(tmp_path, members):
+    """A .tar split holding no file timm reads (an empty archive, or only other files) is a DataError naming it,
+    not timm's 'not enough values to unpack' from inside its tar reader."""
+    os.makedirs(tmp_path / "data")
+    with tarfile.open(tmp_path / "data" / "val.tar", "w") as tar:
+        for name in members:
+            (tmp_path / "member").write_text("x")
+            tar.add(tmp_path / "member", arcname=name)
+    with pytest.raises(DataError, match=r"val\.tar holds no images \(\.png"):
+        eval_loader(tmp_path / "data")
