@@ -413,3 +413,14 @@ def test_synthetic_images_follow_seed_and_index_and_labels_are_index_mod_classes
 def test_a_digits_split_other_than_train_or_val_is_refused_not_read_as_val():
     with pytest.raises(ValueError, match="digits has splits 'train' and 'val', not 'test'"):
         DigitsDataset("test")
+
+
+def test_each_rank_of_a_distributed_evaluation_loads_its_own_share_of_the_val_set():
+    """The val loader of rank r of 3 yields the images r, r + 3, ... (synthetic labels are the indices here), so
+    that the ranks together score every image exactly once, not rank 0's share three times."""
+    from data.loader import build_eval_loader
+
+    cfg = _synthetic(["data.synthetic_val_size=11"])
+    labels = [[int(y) for _, ys in build_eval_loader(cfg, img_size=4, batch_size_per_gpu=2, rank=rank, world_size=3,
+                                                      num_classes=100) for y in ys] for rank in range(3)]
+    assert labels == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
