@@ -650,3 +650,32 @@ def test_a_validation_split_with_ids_past_the_vocabulary_is_refused_before_train
     with pytest.raises(DataError, match=r"val\.bin holds ids up to 50, model.num_classes=50 embeds 0\.\.49"):
         build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0, world_size=1,
                             seed=0, vocab_size=50)
+
+
+@pytest.mark.parametrize("at", [0, 5, 8, 9])
+def test_the_largest_id_is_read_across_every_chunk_of_the_file(at):
+    """largest_id reads a token file in chunks; the largest id is found wherever it lies, in the last, shorter
+    chunk too (numpy's max over the whole array as the reference)."""
+    from data.text import largest_id
+
+    ids = np.zeros(10, dtype=np.uint16)
+    ids[at] = 7
+    assert largest_id(ids, chunk=4) == int(ids.max()) == 7
+
+
+def test_calibration_windows_are_distinct_whole_windows_of_the_train_text_chosen_by_the_seed(tmp_path):
+    """calibration_windows: `count` different windows of `context` ids, each starting at a multiple of the
+    context in the train split (ids 0, 1, 2, ... here, so a window shows where it starts); the same seed gives
+    the same windows, another seed others."""
+    from data.loader import calibration_windows
+
+    for split in ("train", "val"):
+        np.arange(2_000, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path))
+    drawn = {seed: calibration_windows(cfg, 16, 6, seed, vocab_size=2_000) for seed in (0, 1, 2)}
+    for windows in drawn.values():
+        starts = windows[:, 0].tolist()
+        assert windows.shape == (6, 16) and len(set(starts)) == 6
+        assert all(s % 16 == 0 and windows[i].tolist() == list(range(s, s + 16)) for i, s in enumerate(starts))
+    assert torch.equal(drawn[1], calibration_windows(cfg, 16, 6, 1, vocab_size=2_000))
+    assert len({tuple(w[:, 0].tolist()) for w in drawn.values()}) == 3
