@@ -1341,3 +1341,29 @@ def test_a_stop_request_ends_the_epoch_after_the_update_that_saw_it():
     reason = _tiny_loop(should_stop=should_stop, log_every=100).run_epoch(TrainBatches(batches, _FixedOrder()),
                                                                           state, 2)
     assert (reason, state.step, state.epoch, state.epoch_batches, asked) == ("preempted", 2, 0, 2, [1, 2])
+
+
+def test_evaluate_sums_every_ranks_counts_before_the_percentages(monkeypatch):
+    """Under DDP each rank scores its own images: top-1 / top-5 / loss are over every rank's images, not this
+    rank's alone. The other rank is an all_reduce that adds its sums (3 images: 1 top-1 hit, 2 top-5 hits, loss
+    sum 6.0); this rank's are counted by a loop over its images."""
+    import engine.loop
+    from engine.loop import evaluate
+
+    torch.manual_seed(2)
+    model = torch.nn.Linear(4, 7).double()
+    images, targets = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 7, (5,))
+    other = torch.tensor([1.0, 2.0, 6.0, 3.0, 0.0], dtype=torch.float64)
+
+    def add_other_rank(t, op="sum"):
+        return t.add_(other) if op == "sum" else t
+
+    monkeypatch.setattr(engine.loop, "all_reduce", add_other_rank)
+    logits = model(images).detach()
+    above = [int((row > row[y]).sum()) for row, y in zip(logits, targets.tolist())]
+    loss = -float(torch.log_softmax(logits, 1)[torch.arange(5), targets].sum())
+    got = evaluate(model, [(images, targets)], torch.device("cpu"))
+    assert got["count"] == 8
+    assert got["top1"] == pytest.approx(100 * (sum(a < 1 for a in above) + 1) / 8)
+    assert got["top5"] == pytest.approx(100 * (sum(a < 5 for a in above) + 2) / 8)
+    assert got["loss"] == pytest.approx((loss + 6.0) / 8, rel=1e-6)
