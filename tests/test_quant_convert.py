@@ -53,6 +53,28 @@ def test_original_model_is_untouched(build):
     assert not any(p1 is p2 for p1 in model.parameters() for p2 in qmodel.parameters())
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_every_converted_module_and_quantizer_keeps_the_float_models_mode(training):
+    # fresh layers and quantizers are built in training mode: an eval model must not come back partly in
+    # training mode (QDrop mixing and dropout follow that flag)
+    spec = QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), QuantizerSpec(8)),), strict=False)
+    qmodel = quantize_model(tiny_vit().train(training), spec)
+    assert quantized_layers(qmodel)
+    assert {m.training for m in qmodel.modules()} == {training}
+
+
+def test_converting_a_converted_model_again_wraps_no_layer_twice():
+    from quant.convert import convert_in_place
+
+    spec = QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), QuantizerSpec(8)),), strict=False)
+    qmodel = quantize_model(tiny_vit(), spec)
+    before = dict(quantized_layers(qmodel))
+    done = convert_in_place(qmodel, spec)
+    assert done["linear"] == []
+    after = dict(quantized_layers(qmodel))
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+
+
 def test_expected_layers_are_converted():
     vit = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4").model
     names = {n for n, _ in quantized_layers(vit)}

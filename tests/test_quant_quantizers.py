@@ -155,6 +155,16 @@ def test_state_dict_round_trip_keeps_calibration_and_lazy_shapes():
     assert fresh.calibrated and torch.equal(fresh.scale, q.scale)
 
 
+def test_loading_an_uncalibrated_state_makes_the_quantizer_refuse_to_run_again():
+    # a checkpoint saved before calibration holds the placeholder scale 1 / zero point 0: loading it must not
+    # leave the receiving quantizer marked calibrated (it would quantize silently on that placeholder grid)
+    q = fitted(UniformQuantizer(4), torch.randn(100, generator=gen(3)))
+    q.load_state_dict(UniformQuantizer(4).state_dict())
+    assert not q.calibrated
+    with pytest.raises(RuntimeError, match="before calibration"):
+        q(torch.randn(10))
+
+
 def test_learnable_scale_gets_gradient_with_ste():
     q = fitted(UniformQuantizer(4), torch.randn(200, generator=gen(8)))
     q.make_learnable(scale=True)
