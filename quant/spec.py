@@ -76,6 +76,9 @@ class QuantizerSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 16:
             raise ValueError(f"bits must be in [1, 16], got {self.bits}")
+        if self.bits < 2 and (self.symmetric or self.kind.dynamic):
+            # a signed 1-bit grid is {-1, 0}: no positive level, so scale = max|x| / 0 is infinite
+            raise ValueError(f"bits={self.bits}: a symmetric grid needs at least 2 bits")
         if self.granularity not in ("tensor", "channel", "head", "token"):
             raise ValueError(f"unknown granularity {self.granularity!r}")
         if self.granularity == "token" and not self.kind.dynamic:

@@ -436,3 +436,23 @@ def test_per_token_ranges_of_a_calibrated_quantizer_kind_are_refused():
     from quant.spec import QuantizerSpec
     with pytest.raises(ValueError, match="not a dynamic quantizer kind"):
         QuantizerSpec(8, granularity="token")
+
+
+@pytest.mark.parametrize("bits", [0, 17])
+def test_a_quantizer_spec_outside_1_to_16_bits_is_refused(bits):
+    from quant.spec import QuantizerSpec
+
+    with pytest.raises(ValueError, match=f"bits must be in \\[1, 16\\], got {bits}"):
+        QuantizerSpec(bits)
+
+
+def test_a_one_bit_symmetric_spec_is_refused_as_its_grid_has_no_positive_level():
+    from quant.quantizers import DynamicQuantizer
+    from quant.spec import QuantizerSpec
+
+    # the grid by hand: codes -2^0 .. 2^0 - 1 = {-1, 0}, so the max-abs scale max|x| / 0 is infinite
+    assert UniformQuantizer(1, symmetric=True).qmax == 0
+    for kwargs in ({"symmetric": True}, {"symmetric": True, "kind": DynamicQuantizer}):
+        with pytest.raises(ValueError, match="bits=1: a symmetric grid needs at least 2 bits"):
+            QuantizerSpec(1, **kwargs)
+    assert QuantizerSpec(1).bits == 1  # asymmetric 1 bit: codes {0, 1}, a valid grid
