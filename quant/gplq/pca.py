@@ -73,8 +73,6 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
     n = torch.zeros((), dtype=torch.float64, device=device)
     seen = 0
     for images, _ in batches:
-        if seen >= max_images:
-            break
         images = images[: max_images - seen].to(device, non_blocking=True)
         with autocast(amp, device):
             f = penultimate(teacher, images)
@@ -83,6 +81,8 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
         s2 = f.t() @ f if s2 is None else s2 + f.t() @ f
         n += f.shape[0]
         seen += images.shape[0]
+        if seen >= max_images:  # stop here: a further batch would be read (decoded, augmented) for nothing
+            break
     if s1 is None:
         raise ValueError("no images for the PCA of the teacher features")
     all_reduce(s1)
