@@ -364,3 +364,116 @@ def test_stage1_trains_float_weights_and_lsq_scales_from_training_transform_imag
     assert seen["float_trainable"]
     assert (seen["settings"].lr, seen["settings"].scale_lr) == (1e-4, 3e-3)
     assert drawn == [(4, 5, True), (4, 5, False)]  # LSQ start: training transform; QwT: the option's (False)
+
+
+def test_stage1_one_update_is_adamw_on_ce_plus_weighted_pca():
+    """run_stage1 with steps=1 on a float student: the logged CE and L_PCA and the one AdamW update, recomputed
+    here with autograd on the loss written out (CE without smoothing + pca_weight * per-sample squared norm of the
+    projected feature difference). AdamW's first step moves each weight by lr * g / (|g| + eps) (bias
+    correction cancels the betas), so the update checks the loss, the trainable parameters and the lr at once."""
+    from quant.gplq.qat import Stage1Settings, run_stage1
+    student, teacher = tiny_vit(depth=1), tiny_vit(seed=1, depth=1)
+    start = copy.deepcopy(student)
+    teacher.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(48, 48, generator=g))
+    pca = PCAProjection(torch.randn(48, generator=g), basis[:, :8].contiguous(), 0.6, 10)
+    batches = cpu_pipeline_data(num_images=8).train_loader(4, 0)  # 2 batches: steps=1 must stop after one
+    x, y = next(iter(batches.loader))
+    lr, weight = 1e-3, 0.7
+    settings = Stage1Settings(steps=1, batch_size_per_gpu=4, lr=lr, scale_lr=lr, weight_decay=0.0, pca_weight=weight,
+                              amp="none", log_every=1, ckpt_every=0, seed=0)
+    out = run_stage1(student, teacher, lambda: pca, batches, settings, None, {})
+
+    ref = copy.deepcopy(start).train()
+    feats = ref.forward_head(ref.forward_features(x), pre_logits=True)
+    logits = ref.head(feats)
+    with torch.no_grad():
+        t_feats = teacher.forward_head(teacher.forward_features(x), pre_logits=True)
+    ce = -torch.log_softmax(logits, dim=1)[torch.arange(4), y].mean()
+    lp = (((feats - t_feats) @ pca.components) ** 2).sum(dim=1).mean()
+    (ce + weight * lp).backward()
+    assert out["steps"] == 1
+    assert out["ce"] == pytest.approx(ce.item(), rel=1e-5)
+    assert out["pca"] == pytest.approx(lp.item(), rel=1e-5)
+    for (name, p0), p1 in zip(ref.named_parameters(), student.parameters()):
+        # |g| near 0 (the key bias, which softmax ignores) leaves the step's size to rounding: only its bound
+        clear = p0.grad.abs() > 1e-5
+        want = p0.detach() - lr * p0.grad / (p0.grad.abs() + 1e-8)
+        torch.testing.assert_close(p1.detach()[clear], want[clear], rtol=0, atol=lr * 1e-2, msg=name)
+        assert ((p1.detach() - p0.detach()).abs() <= lr * 1.001).all(), name
+
+
+def test_pca_fit_draws_no_batch_beyond_max_images():
+    # a loader is one epoch of the training set: the PCA must stop reading it once it has its images
+    model = tiny_vit(depth=1)
+    x = images(16, seed=4)
+    drawn = []
+
+    def batches():
+        for i in range(0, 16, 4):
+            drawn.append(i)
+            yield x[i:i + 4], None
+
+    fit_pca(model, batches(), max_images=8, variance=0.6, multiple=8)
+    assert drawn == [0, 4]
+
+
+def test_pca_sums_the_moments_of_every_rank(monkeypatch):
+    # two ranks with the same features: the summed mean and covariance equal one rank's, written out here
+    import quant.gplq.pca as pca_module
+    monkeypatch.setattr(pca_module, "all_reduce", lambda t: t.mul_(2))
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(50, 6, generator=g, dtype=torch.float64) * torch.arange(1, 7) + 2.0
+
+    class Features(torch.nn.Module):  # penultimate() of this "teacher" returns the rows of f it is given
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward_features(self, i):
+            return f[i]
+
+        def forward_head(self, h, pre_logits):
+            return h
+
+    pca = fit_pca(Features(), [(torch.arange(50), None)], max_images=50, variance=0.8, multiple=1)
+    mean = f.mean(0)
+    cov = (f - mean).t() @ (f - mean) / 50
+    evals, evecs = torch.linalg.eigh(cov)
+    torch.testing.assert_close(pca.mean.double(), mean, rtol=1e-6, atol=1e-6)
+    k = pca.dims
+    assert pca.samples == 100 and k < 6
+    top = evecs.flip(1)[:, :k]
+    torch.testing.assert_close(pca.components.double() @ pca.components.double().t(), top @ top.t(), atol=1e-5,
+                               rtol=0)
+    assert pca.explained == pytest.approx(float(evals.flip(0)[:k].sum() / evals.sum()), rel=1e-5)
+
+
+class _StopAfterStage1Settings(Exception):
+    pass
+
+
+def test_default_stage1_lr_follows_the_global_batch_over_all_ranks(monkeypatch):
+    # 8 ranks x 16: the paper's 8-GPU lr 5e-6, not the 1-GPU 1e-6 of the per-rank batch
+    monkeypatch.setattr(gplq_pipeline, "world_size", lambda: 8)
+    seen = {}
+
+    def stop(student, teacher, fit_pca, batches, settings, checkpoint, config):
+        seen["settings"] = settings
+        raise _StopAfterStage1Settings
+
+    monkeypatch.setattr(gplq_pipeline, "run_stage1", stop)
+    with pytest.raises(_StopAfterStage1Settings):
+        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(batch_size_per_gpu=16, init_images=4),
+                          data=cpu_pipeline_data(num_images=16))
+    assert seen["settings"].lr == 5e-6 and seen["settings"].scale_lr == 5e-6
+
+
+def test_stage1_pca_honours_its_variance_multiple_and_image_count():
+    data = cpu_pipeline_data(num_images=24)
+    opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=20, pca_variance=0.97, pca_multiple=5,
+                qwt=False)
+    _, report = PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", opts, data=data)
+    stage1 = report["stage1"]
+    assert stage1["pca_samples"] == 20 and stage1["pca_dims"] % 5 == 0 and stage1["pca_explained"] >= 0.97
