@@ -12,6 +12,7 @@ from torch import nn
 from quant import PIPELINES
 from quant.gplq.detector import stage1_identity as detector_identity
 from quant.gplq.qwt import fit_block_compensation_streamed
+from quant.modes import named_quantizers
 from quant.spec import parse_bits
 from quant_models import ImageFeed, tiny_vit
 
@@ -164,11 +165,16 @@ def test_detector_stage1_gets_the_asked_settings_and_the_papers_lr_for_the_globa
 
     def stage1(student, settings, work_dir):
         seen.update(settings)
+        seen["weights_on"] = [q.enabled for _, q in named_quantizers(student, "weight")]
+        seen["acts_learnable"] = [q.enabled and q.scale.requires_grad
+                                  for _, q in named_quantizers(student, "activation")]
+        seen["float_trainable"] = all(p.requires_grad for p in student.parameters())
         raise _Started
     torch.manual_seed(0)
     feed = CalibFeed([torch.randn(1, 4, 3, 2)])
+    frozen = ToyDetector().requires_grad_(False)  # as an evaluated model comes: stage 1 must unfreeze it
     with pytest.raises(_Started):
-        gplq_detector.quantize_detector(PIPELINES["gplq"].layout(parse_bits("w4a4"), options), ToyDetector(), feed,
+        gplq_detector.quantize_detector(PIPELINES["gplq"].layout(parse_bits("w4a4"), options), frozen, feed,
                                         parse_bits("w4a4"), options, PipelineData(train_detector=stage1,
                                                                                   detector_samples=lambda c, s: None),
                                         default_lr)
@@ -176,5 +182,8 @@ def test_detector_stage1_gets_the_asked_settings_and_the_papers_lr_for_the_globa
     for key in ("steps", "batch_size_per_gpu", "weight_decay", "amp", "seed", "log_every", "ckpt_every"):
         assert seen[key] == getattr(options, key), key
     assert seen["identity"]["world_size"] == world
+    # W32A4 in stage 1: weight quantizers bypassed, LSQ activation scales and every float weight trained
+    assert seen["weights_on"] and not any(seen["weights_on"])
+    assert seen["acts_learnable"] and all(seen["acts_learnable"]) and seen["float_trainable"]
     weights, scales = seen["param_groups"]
     assert (weights["lr"], scales["lr"]) == pytest.approx((lr, scale_lr))
