@@ -358,7 +358,8 @@ def test_stage1_trains_float_weights_and_lsq_scales_from_training_transform_imag
     monkeypatch.setattr(gplq_pipeline, "run_stage1", spy)
     opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, stage2_images=4, lr=1e-4,
                 scale_lr=3e-3, seed=5, stage2_train_transform=False)
-    PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", opts, data=data)
+    frozen = tiny_vit(depth=1).requires_grad_(False)  # as an evaluated model comes: stage 1 must unfreeze it
+    PIPELINES["gplq"](frozen, None, "w4a4", opts, data=data)
     assert seen["weights_on"] and not any(seen["weights_on"])  # W32 in stage 1
     assert seen["acts"] and all(on and learnable for on, learnable in seen["acts"])
     assert seen["float_trainable"]
