@@ -345,3 +345,15 @@ def test_a_refusal_that_starts_a_sentence_with_its_fix_keeps_the_capital():
                    "example_input_array or pass ColinearityDecayCallback(example_input=...) again")
     assert _lightning_names("No zero. Pass example_input= now", "net") == (
         "No zero. Give net's own input as ColinearityDecayCallback(module='net', example_input=...) now")
+
+
+def test_a_callback_reused_for_a_new_fit_after_a_resumed_one_counts_that_fits_updates_only(tmp_path):
+    """The restored counter belongs to the fit that resumed from the checkpoint: a later fit without ckpt_path
+    (a new run, e.g. the same callback object in a notebook) counts its own updates from 0."""
+    trainer = fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1)
+    trainer.save_checkpoint(tmp_path / "cut.ckpt")
+    callback = ColinearityDecayCallback(lam=LAM)
+    fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "cut.ckpt", callback=callback)
+    assert callback.decay.num_updates == 3  # 2 restored + 1 taken
+    fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1, callback=callback)
+    assert callback.decay.num_updates == 2  # the new run's 2 updates, not 3 + 2

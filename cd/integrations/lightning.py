@@ -71,6 +71,8 @@ class ColinearityDecayCallback(Callback):
             raise UnsupportedModelError(_lightning_names(str(e), self.module)) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
+            # the fit that resumed from the checkpoint: a later fit without ckpt_path is a new run, counted from 0
+            self._restored = None
         self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
