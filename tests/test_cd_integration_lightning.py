@@ -357,3 +357,17 @@ def test_a_callback_reused_for_a_new_fit_after_a_resumed_one_counts_that_fits_up
     assert callback.decay.num_updates == 3  # 2 restored + 1 taken
     fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1, callback=callback)
     assert callback.decay.num_updates == 2  # the new run's 2 updates, not 3 + 2
+
+
+def test_a_fit_after_a_validate_from_a_checkpoint_counts_its_own_updates_only(tmp_path):
+    """validate(ckpt_path=...) restores the callback's state too; the fit that follows without ckpt_path is a new
+    run: its counter counts its own updates."""
+    trainer = fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1)
+    trainer.save_checkpoint(tmp_path / "cut.ckpt")
+    callback = ColinearityDecayCallback(lam=LAM)
+    module = Module(tiny_vit().double(), steps=2)
+    module.validation_step = lambda batch, batch_idx: None
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              precision="64-true", callbacks=[callback]).validate(module, loader(1), ckpt_path=tmp_path / "cut.ckpt")
+    fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1, callback=callback)
+    assert callback.decay.num_updates == 2  # not 2 restored + 2

@@ -59,6 +59,12 @@ class ColinearityDecayCallback(Callback):
         self._restored: Optional[dict] = None
         self._bindings: dict = {}
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # Lightning calls setup before it restores callbacks from ckpt_path, in fit, validate, test and predict: a
+        # counter restored for an earlier call (a resumed fit, a validate(ckpt_path=...)) never reaches a later fit
+        # without ckpt_path, which is a new run counted from 0
+        self._restored = None
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._unbind()
         kwargs = dict(self.cd_kwargs)
@@ -71,8 +77,6 @@ class ColinearityDecayCallback(Callback):
             raise UnsupportedModelError(_lightning_names(str(e), self.module)) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
-            # the fit that resumed from the checkpoint: a later fit without ckpt_path is a new run, counted from 0
-            self._restored = None
         self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
