@@ -249,3 +249,48 @@ def test_fold_refuses_a_quantizer_grouped_along_another_dim_than_the_channels():
     with pytest.raises(ValueError, match="per-channel"):
         fold_layernorm(norm, linear)
     assert torch.equal(norm.weight.detach(), gamma) and linear.input_quantizer.channel_dim == 0
+
+
+@pytest.mark.parametrize("round_zero_point", [True, False])
+def test_fold_is_computed_with_the_scale_and_zero_point_the_quantizer_keeps(round_zero_point):
+    # A half-precision quantizer stores s~ and z~ rounded to float16. The fold must use exactly those stored
+    # values; with the float64 means instead, gamma', beta' and the bias would miss the stored grid by ~1e-4.
+    # 12 channels: a mean of 12 integer zero points is in general no float16 (nor float32) number.
+    # Reference: the fold formulas (module docstring) in float64 from the quantizer's stored parameters.
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    torch.manual_seed(2)
+    norm = perturb_norms(nn.LayerNorm(12)).double()
+    linear = QuantLinear(12, 3, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
+    x = torch.randn(6, 7, 12, dtype=torch.float64) * torch.linspace(0.5, 4.0, 12, dtype=torch.float64) + 0.3
+    iq = linear.input_quantizer
+    with torch.no_grad():
+        iq.calibrating = True
+        iq(norm(x))
+        iq.calibrating = False
+    iq.half()
+    s_c, z_c = iq.scale.double(), iq.zero_point.double()
+    assert z_c.mean() != z_c.mean().half().double()  # else the unrounded case could not tell the two apart
+    gamma, beta = norm.weight.detach().clone(), norm.bias.detach().clone()
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    fold_layernorm(norm, linear, round_zero_point=round_zero_point)
+    assert iq.scale.dtype == torch.float16 and iq.scale.shape == (1,)
+    s_t, z_t = iq.scale.double(), iq.zero_point.double()  # as stored
+    r = s_c / s_t
+    b = s_t * (z_t - z_c)
+    exact = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm.weight.detach(), gamma / r, **exact)
+    torch.testing.assert_close(norm.bias.detach(), beta / r - b, **exact)
+    torch.testing.assert_close(linear.weight.detach(), weight * r, **exact)
+    torch.testing.assert_close(linear.bias.detach(), bias + (weight * r) @ b, **exact)
+
+
+def test_a_mean_zero_point_far_below_the_codes_warns_too():
+    # an all-positive channel far from 0 has a large NEGATIVE zero point (round(-lo / s)); the precision
+    # warning is about |z~|, so it must fire on either side
+    _, qmodel = calibrated_repq_copy(tiny_vit)
+    _, norm, _, linear = find_fold_sites(qmodel)[0]
+    with torch.no_grad():
+        linear.input_quantizer.zero_point.fill_(-2.0 ** 13)
+    with pytest.warns(RuntimeWarning, match="mean zero point"):
+        fold_layernorm(norm, linear)
