@@ -215,3 +215,26 @@ def test_only_a_data_parallel_pipeline_records_the_number_of_ranks():
     from quant.registry import run_settings
     assert run_settings("gplq") == {"world_size": 1}  # one process, not distributed
     assert all(run_settings(name) == {} for name in ("percentile", "repq", "aphq", "rtn", "gptq", "smoothquant"))
+
+
+def test_repq_on_swin_folds_every_block_norm_and_the_patch_merging_norm_into_per_tensor_inputs():
+    # RepQ-ViT reparameterises norm1 -> qkv and norm2 -> fc1 of every block and Swin's PatchMerging
+    # norm -> reduction, never the final norm or patch_embed.norm; afterwards every activation quantizer is
+    # per tensor, every range a {0.999, 0.9999, 0.99999} percentile-MSE search, post-softmax log-sqrt2
+    model, report = PIPELINES["repq"](tiny_swin(), images(4), "w4a4")
+    want = {f"layers.{i}.blocks.{j}.{norm} -> layers.{i}.blocks.{j}.{linear}"
+            for i in (0, 1) for j in (0, 1) for norm, linear in (("norm1", "attn.qkv"), ("norm2", "mlp.fc1"))}
+    want.add("layers.1.downsample.norm -> layers.1.downsample.reduction")
+    assert set(report["folded"]) == want
+    acts = dict(named_quantizers(model, "activation"))
+    assert acts and all(getattr(q, "channel_dim", None) is None for q in acts.values())
+    assert all(q.search.method == "percentile_mse" and q.search.percentiles == (0.999, 0.9999, 0.99999)
+               for q in acts.values())
+    attn = [name for name, q in acts.items() if isinstance(q, LogSqrt2Quantizer)]
+    assert len(attn) == 4 and all(name.endswith("attn.attn_quant") for name in attn)
+
+
+def test_percentile_quantizes_every_activation_per_tensor():
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4")
+    acts = dict(named_quantizers(model, "activation"))
+    assert acts and all(isinstance(q, UniformQuantizer) and q.channel_dim is None for q in acts.values())
