@@ -18,7 +18,10 @@ Discovery is structural, then checked: a block is any module with children `norm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
 variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
 ignored). Other libraries name the same layers differently: `LAYOUTS` maps their names onto these roles
-(transformers' GPT-2, whose `Conv1D` stores weights (in, out), ViT and Llama; MMDetection's Swin).
+(GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin). Each layer's
+storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out), so
+that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a functional pair whose two
+layers are stored differently is refused.
 Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
 that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
 not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero
@@ -150,10 +153,10 @@ def _scale_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
 class Layout:
     """Where one library puts the layers of a pre-norm block: paths relative to the block.
 
-    The pairs are the same in every layout (the table in the module docstring); only the names differ, and
-    whether weights are stored (out, in) as in `nn.Linear` or (in, out) as in transformers' `Conv1D`
-    (`transposed`). A module is a block of the first layout whose top-level children (the first part of
-    each path: `norm1`, `attn`, `norm2`, `mlp` for timm) it has.
+    The pairs are the same in every layout (the table in the module docstring); only the names differ. Whether a
+    weight is stored (out, in) or (in, out) is a property of its layer, not of the layout (`_stored_in_out`):
+    nanoGPT's GPT-2 has transformers' GPT-2 names on `nn.Linear` layers. A module is a block of the first layout
+    whose top-level children (the first part of each path: `norm1`, `attn`, `norm2`, `mlp` for timm) it has.
 
     Attributes:
         library: named in messages and the family table.
@@ -163,7 +166,8 @@ class Layout:
         q_k_v: separate Q, K, V projections (tried when `qkv` is absent), or None.
         fc1: the MLP's input layer (plain MLP; timm's packed GluMlp), or None.
         gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), or None.
-        transposed: weights are stored (in, out).
+        transposed: the storage of a layer that does not tell its own (neither `nn.Linear` nor `Conv1D`-like):
+            True for (in, out).
     """
 
     library: str
@@ -188,7 +192,7 @@ class Layout:
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm", "norm1", "norm2", proj="attn.proj", fc2="mlp.fc2", qkv="attn.qkv",
            q_k_v=("attn.q", "attn.k", "attn.v"), fc1="mlp.fc1", gate="mlp.fc1_g", up="mlp.fc1_x"),
-    Layout("transformers GPT-2", "ln_1", "ln_2", proj="attn.c_proj", fc2="mlp.c_proj", qkv="attn.c_attn",
+    Layout("GPT-2 (transformers, nanoGPT)", "ln_1", "ln_2", proj="attn.c_proj", fc2="mlp.c_proj", qkv="attn.c_attn",
            fc1="mlp.c_fc", transposed=True),
     Layout("transformers ViT", "layernorm_before", "layernorm_after", proj="attention.o_proj", fc2="mlp.fc2",
            q_k_v=("attention.q_proj", "attention.k_proj", "attention.v_proj"), fc1="mlp.fc1"),
@@ -249,9 +253,19 @@ def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"block '{name}' ({type(block).__name__}) is not supported by CD: {why}")
 
 
-def _width(w: nn.Parameter, lay: Layout, dim: int) -> int:
-    """Output (dim 0) or input (dim 1) width of a weight as the layer uses it (Linear layout)."""
-    return w.shape[1 - dim] if lay.transposed else w.shape[dim]
+def _stored_in_out(module: nn.Module, w: nn.Parameter, default: bool) -> bool:
+    """True when `module` stores its weight `w` (in, out) and computes x @ w, as transformers' `Conv1D` (weight
+    (nx, nf), attribute `nf`); False for `nn.Linear` (out, in), x @ w.T. A layer that is neither keeps the
+    layout's `default`. Read per layer because the shape alone cannot tell a square (D x D) projection apart."""
+    if isinstance(module, nn.Linear):
+        return False
+    nf = getattr(module, "nf", None)
+    if isinstance(nf, int) and w.shape[1] == nf:
+        return True
+    return default
+
+
+_STORAGE = {False: "(out, in) as nn.Linear", True: "(in, out) as transformers' Conv1D"}
 
 
 class _Block:
@@ -262,6 +276,16 @@ class _Block:
 
     def matrix(self, path: Optional[str]) -> Optional[nn.Parameter]:
         return _matrix_weight(_module(self.module, path))
+
+    def transposed(self, path: str) -> bool:
+        """Whether the layer at `path` stores its weight (in, out) (`_stored_in_out`)."""
+        module = _module(self.module, path)
+        return _stored_in_out(module, _matrix_weight(module), self.lay.transposed)
+
+    def width(self, path: str, dim: int) -> int:
+        """Output (dim 0) or input (dim 1) width of the layer at `path` as it applies its weight."""
+        w = self.matrix(path)
+        return w.shape[1 - dim] if self.transposed(path) else w.shape[dim]
 
     def part(self, path: str) -> nn.Module:
         """The top-level child holding `path` (the attention or MLP module), for messages."""
@@ -294,16 +318,22 @@ class _Block:
         input width."""
         g = _scale_weight(_module(self.module, norm))
         w = self.matrix(layer)
-        if g is None or w is None or g.shape[0] != _width(w, self.lay, 1):
+        if g is None or w is None or g.shape[0] != self.width(layer, 1):
             raise self.refuse(f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
         return Pair(_join(self.name, layer, "weight"), role, "composable", self.name,
-                    _join(self.name, norm, "weight"), w, g, transposed=self.lay.transposed)
+                    _join(self.name, norm, "weight"), w, g, transposed=self.transposed(layer))
 
     def functional(self, upstream: str, layer: str, role: str, rows: Optional[tuple[int, int]] = None) -> Pair:
-        """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation."""
+        """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation. Both are
+        read through one storage flag (`Pair.transposed`), so two layers stored differently are refused."""
+        up, down = self.transposed(upstream), self.transposed(layer)
+        if up != down:
+            raise self.refuse(f"the {role} pair's layers are stored differently: {upstream} {_STORAGE[up]}, "
+                              f"{layer} {_STORAGE[down]}; CD pairs two layers of one storage (make both "
+                              "nn.Linear or both Conv1D)")
         return Pair(_join(self.name, layer, "weight"), role, "functional", self.name,
                     _join(self.name, upstream, "weight"), self.matrix(layer), self.matrix(upstream), rows,
-                    transposed=self.lay.transposed)
+                    transposed=down)
 
 
 def _attention_pairs(b: _Block) -> list[Pair]:
@@ -314,14 +344,14 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     proj, qkv = b.matrix(lay.proj), b.matrix(lay.qkv)
     if qkv is not None and proj is not None:
         # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).
-        rows = _width(qkv, lay, 0)
-        if rows % 3 or _width(proj, lay, 1) != rows // 3:
+        rows = b.width(lay.qkv, 0)
+        if rows % 3 or b.width(lay.proj, 1) != rows // 3:
             raise b.refuse(f"{lay.qkv} is not 3x {lay.proj}'s input width")
         d = rows // 3
         return [b.composable(lay.norm1, lay.qkv, "qkv"), b.functional(lay.qkv, lay.proj, "proj", (2 * d, 3 * d))]
     q_k_v = lay.q_k_v or ()
     if q_k_v and proj is not None and all(b.matrix(p) is not None for p in q_k_v):
-        if _width(proj, lay, 1) != _width(b.matrix(q_k_v[2]), lay, 0):
+        if b.width(lay.proj, 1) != b.width(q_k_v[2], 0):
             raise b.refuse(f"{q_k_v[2]}'s output width is not {lay.proj}'s input width (grouped-query "
                            "attention, where V heads are shared, has no V -> proj pair of the paper's form)")
         return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
@@ -342,7 +372,7 @@ def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
     b.refuse_inner_norm(lay.fc2, "fc1 -> fc2")
     fc1, fc2 = b.matrix(lay.fc1), b.matrix(lay.fc2)
     gated = _module(b.module, lay.gate) is not None or (
-        fc1 is not None and fc2 is not None and _width(fc1, lay, 0) == 2 * _width(fc2, lay, 1))
+        fc1 is not None and fc2 is not None and b.width(lay.fc1, 0) == 2 * b.width(lay.fc2, 1))
     if gated and gated_mlp:
         return _gated_pairs(b)
     if gated:
@@ -357,7 +387,7 @@ def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
         form = "an MLP fc2(act(fc1(x)))" if lay.fc1 else "the layout's gated MLP fc2(act(W_gate x) * W_up x)"
         raise b.refuse_missing(" and ".join(path for path, weight in looked if weight is None),
                                f"the Linear layers of {form}; the MLP is a {type(mlp).__name__}")
-    if _width(fc2, lay, 1) != _width(fc1, lay, 0):
+    if b.width(lay.fc2, 1) != b.width(lay.fc1, 0):
         raise b.refuse(f"MLP {type(mlp).__name__} is not fc1 -> act -> fc2 with matching widths")
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2")]
 
@@ -377,14 +407,14 @@ def _gated_pairs(b: _Block) -> list[Pair]:
     down = b.matrix(lay.fc2)
     if _module(b.module, lay.gate) is not None:
         up = b.matrix(lay.up)
-        if up is None or down is None or _width(down, lay, 1) != _width(up, lay, 0):
+        if up is None or down is None or b.width(lay.fc2, 1) != b.width(lay.up, 0):
             raise b.refuse(f"gated MLP: {lay.up}'s output width is not {lay.fc2}'s input width")
         return [b.composable(lay.norm2, lay.gate, "fc1"), b.composable(lay.norm2, lay.up, "fc1"),
                 b.functional(lay.up, lay.fc2, "fc2")]
     if getattr(mlp, "chunk_dim", -1) != -1 or not isinstance(getattr(mlp, "gate_last", None), bool):
         raise b.refuse(f"gated MLP {type(mlp).__name__}: cannot tell which half of fc1 is W_up "
                        "(expected timm GluMlp's gate_last and a chunk over the last dim)")
-    h = _width(down, lay, 1)
+    h = b.width(lay.fc2, 1)
     rows = (0, h) if mlp.gate_last else (h, 2 * h)  # GluMlp: x1, x2 = chunk(2); x1 * act(x2) if gate_last
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2", rows)]
 
