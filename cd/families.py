@@ -50,6 +50,12 @@ def _gpt2() -> nn.Module:
         n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
 
 
+def _nanogpt() -> nn.Module:
+    from .family_nanogpt import NanoGPTShaped
+
+    return NanoGPTShaped()
+
+
 def _hf_vit() -> nn.Module:
     import transformers
 
@@ -80,6 +86,7 @@ def _mmdet_swin() -> nn.Module:
 # family -> (model as the table names it, tiny builder): other libraries' Transformers (LAYOUTS in cd/pairs.py)
 OTHER_FAMILIES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "GPT-2 (transformers)": ("transformers `GPT2LMHeadModel`", _gpt2),
+    "GPT-2, nanoGPT-style (nn.Linear c_attn)": ("`cd.family_nanogpt.NanoGPTShaped` (nanoGPT's `GPT`, tiny)", _nanogpt),
     "ViT (transformers)": ("transformers `ViTForImageClassification`", _hf_vit),
     "Llama, multi-head attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(4)),
     "Llama, grouped-query attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(2)),

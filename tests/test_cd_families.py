@@ -27,11 +27,14 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in want.splitlines()[2:]}
     # the families the table must state (issue: vit ... convnext), each supported or refused with a reason
     assert {"vit", "deit (distilled)", "deit3", "dinov2", "dinov2 + registers", "swin", "swinv2", "eva02",
-            "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext", "GPT-2 (transformers)", "ViT (transformers)",
+            "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext", "GPT-2 (transformers)", "GPT-2, nanoGPT-style (nn.Linear c_attn)",
+            "ViT (transformers)",
             "Llama, multi-head attention (transformers)", "Llama, grouped-query attention (transformers)",
             "Swin (MMDetection)"} == set(rows)
     # issue 32's families: GPT-2's Conv1D, transformers' ViT, Llama's gated MLP (opt-in), MMDetection's Swin
     assert rows["GPT-2 (transformers)"].split(" | ")[2] == "GPT2Block (x2): qkv, proj, fc1, fc2"
+    # the same names on nn.Linear layers, stored (out, in) (was refused: the layout assumed Conv1D's (in, out))
+    assert rows["GPT-2, nanoGPT-style (nn.Linear c_attn)"].split(" | ")[2] == "Block (x2): qkv, proj, fc1, fc2"
     assert rows["Llama, multi-head attention (transformers)"].split(" | ")[2].endswith(
         "With cd.gated_mlp=true: LlamaDecoderLayer (x2): qkv x3, proj, fc1 x2, fc2")
     assert "grouped-query attention" in rows["Llama, grouped-query attention (transformers)"]
