@@ -27,8 +27,8 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in want.splitlines()[2:]}
     # the families the table must state (issue: vit ... convnext), each supported or refused with a reason
     assert {"vit", "deit (distilled)", "deit3", "dinov2", "dinov2 + registers", "swin", "swinv2", "eva02",
-            "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext", "GPT-2 (transformers)", "GPT-2, nanoGPT-style (nn.Linear c_attn)",
-            "ViT (transformers)",
+            "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext", "GPT-2 (transformers)",
+            "GPT-2, nanoGPT-style (nn.Linear c_attn)", "ViT (transformers)",
             "Llama, multi-head attention (transformers)", "Llama, grouped-query attention (transformers)",
             "Swin (MMDetection)"} == set(rows)
     # issue 32's families: GPT-2's Conv1D, transformers' ViT, Llama's gated MLP (opt-in), MMDetection's Swin
