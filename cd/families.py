@@ -4,8 +4,8 @@
 
 Each timm family is built from its timm name with a tiny config (32 px, width 32, 1-2 blocks per stage), on
 the CPU in milliseconds and without downloads; the blocks and pairs are those of the full-size model
-(the same classes, fewer of them). Needs timm; the rows of transformers' and MMDetection's models need those
-libraries (`pip install .[hf]`; mmdet), and say so when they are missing.
+(the same classes, fewer of them). Needs timm; the rows of transformers', MMDetection's and torchvision's models
+need those libraries (`pip install .[hf]`; mmdet), and say so when they are missing.
 """
 from __future__ import annotations
 
@@ -83,6 +83,26 @@ def _mmdet_swin() -> nn.Module:
     return model
 
 
+def _tv_vit() -> nn.Module:
+    import torch
+    import torchvision
+
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64, num_classes=3)
+    model.example_input = lambda: torch.zeros(1, 3, 32, 32)  # the size of an image (cd.verify reads timm's names)
+    return model
+
+
+def _tv_swin() -> nn.Module:
+    import torch
+    import torchvision
+
+    model = torchvision.models.SwinTransformer(patch_size=[2, 2], embed_dim=32, depths=[2, 2], num_heads=[2, 4],
+                                               window_size=[4, 4], num_classes=3)
+    model.example_input = lambda: torch.zeros(1, 3, 32, 32)
+    return model
+
+
 # family -> (model as the table names it, tiny builder): other libraries' Transformers (LAYOUTS in cd/pairs.py)
 OTHER_FAMILIES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "GPT-2 (transformers)": ("transformers `GPT2LMHeadModel`", _gpt2),
@@ -91,6 +111,8 @@ OTHER_FAMILIES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "Llama, multi-head attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(4)),
     "Llama, grouped-query attention (transformers)": ("transformers `LlamaForCausalLM`", _llama(2)),
     "Swin (MMDetection)": ("mmdet `SwinTransformer` (backbone)", _mmdet_swin),
+    "ViT (torchvision)": ("torchvision `VisionTransformer`", _tv_vit),
+    "Swin (torchvision)": ("torchvision `SwinTransformer`", _tv_swin),
 }
 
 

@@ -18,9 +18,10 @@ Discovery is structural, then checked: a block is any module with children `norm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
 variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
 ignored). Other libraries name the same layers differently: `LAYOUTS` maps their names onto these roles
-(GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin). Each layer's
-storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out), so
-that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a functional pair whose two
+(GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin; torchvision's
+ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and Swin). Each
+layer's storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out),
+so that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a functional pair whose two
 layers are stored differently is refused.
 Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
 that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
@@ -188,7 +189,7 @@ class Layout:
         return tuple(dict.fromkeys(p.split(".")[0] for p in (self.norm1, self.proj, self.norm2, self.fc2)))
 
 
-# Order matters only where two layouts would share their top-level children (none do).
+# Order matters where two layouts share their top-level children (timm's and torchvision's Swin): `layout_of`.
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm", "norm1", "norm2", proj="attn.proj", fc2="mlp.fc2", qkv="attn.qkv",
            q_k_v=("attn.q", "attn.k", "attn.v"), fc1="mlp.fc1", gate="mlp.fc1_g", up="mlp.fc1_x"),
@@ -201,12 +202,20 @@ LAYOUTS: tuple[Layout, ...] = (
            gate="mlp.gate_proj", up="mlp.up_proj"),
     Layout("MMDetection Swin", "norm1", "norm2", proj="attn.w_msa.proj", fc2="ffn.layers.1",
            qkv="attn.w_msa.qkv", fc1="ffn.layers.0.0"),
+    # nn.MultiheadAttention holds its fused [Q; K; V] as its own Parameter `in_proj_weight`, not a Linear's weight
+    Layout("torchvision ViT", "ln_1", "ln_2", proj="self_attention.out_proj", fc2="mlp.3",
+           qkv="self_attention.in_proj_weight", fc1="mlp.0"),
+    # the children of timm's block (norm1, attn, norm2, mlp): told apart by the MLP's layers (`layout_of`)
+    Layout("torchvision Swin", "norm1", "norm2", proj="attn.proj", fc2="mlp.3", qkv="attn.qkv", fc1="mlp.0"),
 )
 
 
 def layout_of(module: nn.Module) -> Optional[Layout]:
-    """The layout whose block `module` is (by its top-level children), or None."""
-    return next((lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)), None)
+    """The layout whose block `module` is, or None: of the layouts whose top-level children it has, the first whose
+    MLP output layer (`fc2`) it has too (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which then names
+    what is missing)."""
+    fits = [lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)]
+    return next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
 
 
 def _is_patch_merging(module: nn.Module) -> bool:
@@ -225,9 +234,10 @@ def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
             inside = name
 
 
-# Layouts whose blocks return the residual stream as one tensor (TWEO's A_l, App. A.3): timm's blocks and
-# MMDetection's SwinBlock (`stages.N.blocks.M`). transformers' layers return tuples and are not listed.
-_TENSOR_OUTPUT_LIBRARIES = ("timm", "MMDetection Swin")
+# Layouts whose blocks return the residual stream as one tensor (TWEO's A_l, App. A.3): timm's blocks,
+# MMDetection's SwinBlock (`stages.N.blocks.M`) and torchvision's EncoderBlock and SwinTransformerBlock.
+# transformers' layers return tuples and are not listed.
+_TENSOR_OUTPUT_LIBRARIES = ("timm", "MMDetection Swin", "torchvision ViT", "torchvision Swin")
 
 
 def _is_tensor_output_block(module: nn.Module) -> bool:
@@ -237,8 +247,8 @@ def _is_tensor_output_block(module: nn.Module) -> bool:
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The Transformer blocks of `model` in model order, with unwrapped-model names: timm's (children norm1,
-    attn, norm2, mlp) and MMDetection's Swin blocks (norm1, attn, norm2, ffn), whose output is the residual
-    stream.
+    attn, norm2, mlp), MMDetection's Swin blocks (norm1, attn, norm2, ffn) and torchvision's ViT and Swin blocks,
+    whose output is the residual stream.
 
     Used by TWEO (block outputs) and the activation diagnostics. Nested matches inside a block are not searched.
     """
@@ -275,7 +285,18 @@ class _Block:
         self.name, self.module, self.lay = name, module, layout
 
     def matrix(self, path: Optional[str]) -> Optional[nn.Parameter]:
-        return _matrix_weight(_module(self.module, path))
+        """The 2-D weight at `path`: a Linear-like module's `weight`, or a matrix Parameter its parent module holds
+        itself (nn.MultiheadAttention's `in_proj_weight`)."""
+        if not path or _module(self.module, path) is not None:
+            return _matrix_weight(_module(self.module, path))
+        parent, _, attr = path.rpartition(".")
+        owner = _module(self.module, parent) if parent else self.module
+        w = owner._parameters.get(attr) if owner is not None else None
+        return w if w is not None and w.dim() == 2 else None
+
+    def weight_name(self, path: str) -> str:
+        """Full name of the weight at `path`: '<path>.weight' for a layer, '<path>' for a Parameter held itself."""
+        return _join(self.name, path) if _module(self.module, path) is None else _join(self.name, path, "weight")
 
     def transposed(self, path: str) -> bool:
         """Whether the layer at `path` stores its weight (in, out) (`_stored_in_out`)."""
@@ -320,7 +341,7 @@ class _Block:
         w = self.matrix(layer)
         if g is None or w is None or g.shape[0] != self.width(layer, 1):
             raise self.refuse(f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
-        return Pair(_join(self.name, layer, "weight"), role, "composable", self.name,
+        return Pair(self.weight_name(layer), role, "composable", self.name,
                     _join(self.name, norm, "weight"), w, g, transposed=self.transposed(layer))
 
     def functional(self, upstream: str, layer: str, role: str, rows: Optional[tuple[int, int]] = None) -> Pair:
@@ -331,9 +352,8 @@ class _Block:
             raise self.refuse(f"the {role} pair's layers are stored differently: {upstream} {_STORAGE[up]}, "
                               f"{layer} {_STORAGE[down]}; CD pairs two layers of one storage (make both "
                               "nn.Linear or both Conv1D)")
-        return Pair(_join(self.name, layer, "weight"), role, "functional", self.name,
-                    _join(self.name, upstream, "weight"), self.matrix(layer), self.matrix(upstream), rows,
-                    transposed=down)
+        return Pair(self.weight_name(layer), role, "functional", self.name, self.weight_name(upstream),
+                    self.matrix(layer), self.matrix(upstream), rows, transposed=down)
 
 
 def _attention_pairs(b: _Block) -> list[Pair]:
@@ -341,6 +361,10 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v."""
     lay = b.lay
     b.refuse_inner_norm(lay.proj, "V -> proj")
+    if getattr(b.part(lay.proj), "_qkv_same_embed_dim", True) is False:
+        raise b.refuse(f"{type(b.part(lay.proj)).__name__} has kdim or vdim other than embed_dim (separate "
+                       "q_proj_weight, k_proj_weight, v_proj_weight): self-attention reads keys and values from "
+                       "the block's input, of embed_dim width; build it with kdim=vdim=embed_dim (or None)")
     proj, qkv = b.matrix(lay.proj), b.matrix(lay.qkv)
     if qkv is not None and proj is not None:
         # Fused qkv rows are [Q; K; V] in equal thirds (timm reshapes the output to (3, heads, head_dim)).

@@ -22,6 +22,10 @@ run eagerly, every buffer's values restored after (a forward may update one even
 sample's activations and a copy of the buffers; forward hooks on the model run once (twice where the whole example
 runs), as in the meta check.
 
+nn.MultiheadAttention, whose forward this mode sees as one call of F.multi_head_attention_forward (the mode makes it
+leave its native fast path), is followed by that call's arguments: the V rows of in_proj_weight and in_proj_bias are
+set to zero, and proj's input is the call's output with out_proj made the identity.
+
 A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
 whose input has no finite value is refused as unchecked.
 
@@ -34,6 +38,7 @@ verify=False).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -94,6 +99,8 @@ class _ZeroV(TorchFunctionMode):
         if any(id(t) in self.zero for t in tensors):
             args, kwargs = tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) and id(t) in self.zero
                                     else t, (args, kwargs))
+        if func is _F.multi_head_attention_forward:
+            return self._attention(func, args, kwargs)
         weights = [(t, self.origin.get(id(t), id(t))) for t in tensors]
         weights = [(t, w) for t, w in weights if w in self.rows or w in self.proj]
         if _name(func) in _ADDS:  # a bias added to a product by hand: its V columns are V's too
@@ -128,6 +135,30 @@ class _ZeroV(TorchFunctionMode):
                 self.products[id(out)] = w
                 self._keep.append(out)
         return out
+
+
+    def _attention(self, func, args: tuple, kwargs: dict):
+        """F.multi_head_attention_forward (nn.MultiheadAttention's forward), which this mode sees whole, not the
+        products inside it: the claimed V rows of its fused in_proj_weight (and in_proj_bias) are set to zero as a
+        product's V columns are, and proj's input is its output with out_proj made the identity (no bias)."""
+        a = inspect.signature(func).bind(*args, **kwargs).arguments
+        w = a["in_proj_weight"]
+        if w is not None and id(w) in self.rows:
+            start, stop, _ = self.rows[id(w)]
+            for key in ("in_proj_weight", "in_proj_bias"):
+                if a.get(key) is not None:
+                    a[key] = a[key].clone()  # a new tensor: the model's Parameter is not to be changed
+                    a[key][start:stop] = 0
+            self.zeroed.add(id(w))
+        k = self.proj.get(id(a["out_proj_weight"]))
+        if k is not None:
+            out_w = a["out_proj_weight"]
+            identity = torch.eye(out_w.shape[1], dtype=out_w.dtype, device=out_w.device)
+            heads = func(**{**a, "out_proj_weight": identity, "out_proj_bias": None})[0]
+            finite = torch.isfinite(heads)
+            self.read[k] = self.read.get(k, True) and torch.count_nonzero(heads[finite]) == 0
+            self.finite[k] = self.finite.get(k, False) or bool(finite.any())
+        return func(**a)
 
 
 def probe_input(example, device: torch.device, cut: bool = True):
@@ -196,7 +227,10 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
         rows[id(p.upstream)] = (start, stop, total)
         proj[id(p.downstream)] = k
-        attn = root.get_submodule(p.upstream_name.rpartition(".")[0].rpartition(".")[0])
+        owner, _, attr = p.upstream_name.rpartition(".")
+        # the attention: the parent of a qkv layer (attn.qkv.weight), or the module holding the fused weight itself
+        # (nn.MultiheadAttention's in_proj_weight)
+        attn = root.get_submodule(owner.rpartition(".")[0] if attr == "weight" else owner)
         # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
         zero |= {id(t) for t in attn._parameters.values() if t is not None and t.numel() == stop - start}
     example = example_input(root) if example is None else example
@@ -241,7 +275,7 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     for k in fused:
         p = pairs[k]
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
-        qkv, out = p.upstream_name.rpartition(".")[0], p.name.rpartition(".")[0]
+        qkv, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
         fix = (f"CD expects the rows of a fused qkv as [Q; K; V] in equal thirds (timm's layout). Give the attention "
                "separate q, k, v Linear layers (attn.q, attn.k, attn.v), or order qkv's rows [Q; K; V], or pass "
                f"verify=False to pair {out} with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} unchecked")

@@ -30,7 +30,7 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
             "beit", "cait", "xcit", "SwiGLU ViT (aimv2)", "convnext", "GPT-2 (transformers)",
             "GPT-2, nanoGPT-style (nn.Linear c_attn)", "ViT (transformers)",
             "Llama, multi-head attention (transformers)", "Llama, grouped-query attention (transformers)",
-            "Swin (MMDetection)"} == set(rows)
+            "Swin (MMDetection)", "ViT (torchvision)", "Swin (torchvision)"} == set(rows)
     # issue 32's families: GPT-2's Conv1D, transformers' ViT, Llama's gated MLP (opt-in), MMDetection's Swin
     assert rows["GPT-2 (transformers)"].split(" | ")[2] == "GPT2Block (x2): qkv, proj, fc1, fc2"
     # the same names on nn.Linear layers, stored (out, in) (was refused: the layout assumed Conv1D's (in, out))
@@ -39,6 +39,10 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
         "With cd.gated_mlp=true: LlamaDecoderLayer (x2): qkv x3, proj, fc1 x2, fc2")
     assert "grouped-query attention" in rows["Llama, grouped-query attention (transformers)"]
     assert rows["Swin (MMDetection)"].split(" | ")[2] == ("SwinBlock (x4): qkv, proj, fc1, fc2; "
+                                                          "PatchMerging (x1): reduction")
+    # torchvision's: nn.MultiheadAttention's own in_proj_weight as the fused qkv; Swin's MLP by Sequential index
+    assert rows["ViT (torchvision)"].split(" | ")[2] == "EncoderBlock (x2): qkv, proj, fc1, fc2"
+    assert rows["Swin (torchvision)"].split(" | ")[2] == ("SwinTransformerBlock (x4): qkv, proj, fc1, fc2; "
                                                           "PatchMerging (x1): reduction")
     assert rows["swinv2"].split(" | ")[2].startswith("refused: ")
     assert rows["vit"].split(" | ")[2:] == ["Block (x2): qkv, proj, fc1, fc2", "supported", "supported",
