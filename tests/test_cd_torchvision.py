@@ -124,8 +124,9 @@ def test_v_row_check_follows_multihead_attention(mha):
     pairs = find_pairs(model, example_input=torch.randn(2, 3, 32, 32))
     assert [p.upstream_rows for p in pairs if p.role == "proj"] == [(2 * DIM, 3 * DIM)] * 2
     wrong = [dataclasses.replace(p, upstream_rows=(DIM, 2 * DIM)) if p.role == "proj" else p for p in pairs]
-    with pytest.raises(UnsupportedModelError, match=r"rows 32:64 of encoder\.layers\.encoder_layer_0\.self_attention"
-                                                    r"\.in_proj_weight's output set to zero, the input of .* is not zero"):
+    with pytest.raises(UnsupportedModelError, match=r"rows 32:64 of encoder\.layers\.encoder_layer_0\."
+                                                    r"self_attention\.in_proj_weight's output set to zero, the input "
+                                                    r"of .* is not zero"):
         check_v_rows(model, wrong, {}, torch.randn(2, 3, 32, 32))
 
 
