@@ -136,7 +136,6 @@ class _ZeroV(TorchFunctionMode):
                 self._keep.append(out)
         return out
 
-
     def _attention(self, func, args: tuple, kwargs: dict):
         """F.multi_head_attention_forward (nn.MultiheadAttention's forward), which this mode sees whole, not the
         products inside it: the claimed V rows of its fused in_proj_weight (and in_proj_bias) are set to zero as a
