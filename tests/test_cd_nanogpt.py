@@ -8,7 +8,6 @@ attn.c_proj's input width"), its storage taken from the layout's names.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
