@@ -234,25 +234,44 @@ def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
             inside = name
 
 
-# Layouts whose blocks return the residual stream as one tensor (TWEO's A_l, App. A.3): timm's blocks,
-# MMDetection's SwinBlock (`stages.N.blocks.M`) and torchvision's EncoderBlock and SwinTransformerBlock.
-# transformers' layers return tuples and are not listed.
-_TENSOR_OUTPUT_LIBRARIES = ("timm", "MMDetection Swin", "torchvision ViT", "torchvision Swin")
-
-
-def _is_tensor_output_block(module: nn.Module) -> bool:
-    layout = layout_of(module)
-    return layout is not None and layout.library in _TENSOR_OUTPUT_LIBRARIES
-
-
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The Transformer blocks of `model` in model order, with unwrapped-model names: timm's (children norm1,
-    attn, norm2, mlp), MMDetection's Swin blocks (norm1, attn, norm2, ffn) and torchvision's ViT and Swin blocks,
-    whose output is the residual stream.
+    """The pre-norm Transformer blocks of `model` in model order, with unwrapped-model names: the blocks of every
+    layout of `LAYOUTS` (timm's `blocks.N` and `layers.N.blocks.M`, GPT-2's `h.N` as transformers and nanoGPT name
+    it, transformers' ViT and Llama layers, MMDetection's Swin blocks, torchvision's ViT and Swin blocks).
 
-    Used by TWEO (block outputs) and the activation diagnostics. Nested matches inside a block are not searched.
+    Used by TWEO (block outputs A_l, read with `residual_stream`) and scripts/mechanism.py. Whether a block's output
+    is the residual stream is decided per forward, by `residual_stream`, not per library. Nested matches inside a
+    block are not searched.
     """
-    return list(_outermost(unwrap_model(model), _is_tensor_output_block))
+    return list(_outermost(unwrap_model(model), lambda m: layout_of(m) is not None))
+
+
+def residual_stream(name: str, block: nn.Module, args: tuple, output: object) -> torch.Tensor:
+    """The residual stream after `block` (TWEO's A_l, App. A.3) from what its forward returned.
+
+    The rule: a tensor is the stream itself (timm, torchvision, MMDetection's Swin, nanoGPT, and transformers'
+    GPT2Block, ViTLayer and LlamaDecoderLayer in transformers 5.24). A tuple or list is read as transformers 4.x
+    layers return theirs, `(hidden_states, present, attentions)`, where `hidden_states` is the stream after the
+    block; its first element is taken only when it has the shape of the block's first positional input (a block
+    maps the stream to a stream of the same shape), so that a block returning `(weights, x)` or `(x_cls, ...)` is
+    refused, not penalized on the wrong tensor. Anything else raises TypeError naming the block and what it returned.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    what = type(output).__name__
+    if isinstance(output, (tuple, list)) and output:
+        first, stream_in = output[0], args[0] if args else None
+        what = f"a {what} whose first element is {_describe(first)}"
+        if isinstance(first, torch.Tensor) and isinstance(stream_in, torch.Tensor) and first.shape == stream_in.shape:
+            return first
+        what += f", its first positional input {_describe(stream_in)}"
+    raise TypeError(f"TWEO: block '{name}' ({type(block).__name__}) returned {what}; TWEO penalizes the residual "
+                    "stream after the block (App. A.3): return it as a tensor, or first in a tuple with the shape of "
+                    "the block's input")
+
+
+def _describe(x: object) -> str:
+    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _join(prefix: str, *parts: str) -> str:

@@ -3,7 +3,10 @@
     L_total = L_task + lam(t) * L_TWEO,   L_TWEO = (1/L) sum_l mean( (|A_l| / (tau + eps))^p )
 
 A_l is the output of the l-th Transformer block (the residual stream after attention and MLP): timm
-ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`; not patch merging, not the final norm. The mean runs
+ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`, GPT-2 `transformer.h.N` (transformers, nanoGPT), the blocks of
+every layout `cd.pairs.find_blocks` knows; not patch merging, not the final norm. A block that returns a tuple
+gives its first element when that has the shape of the block's input (transformers 4.x layers), and any other
+output is a TypeError naming the block (`cd.pairs.residual_stream`). The mean runs
 over batch x tokens x channels. Defaults p=4, tau=3, eps=1e-6; lam(t) is constant or a cosine from
 lam to 0 over the run. The "rescaled" variant (used by the paper for fine-tuning and detection)
 multiplies the term by detach(L_task / L_TWEO), so its value is lam(t) * L_task.
@@ -29,12 +32,13 @@ timed in this form is our reading (scripts/bench_overhead.py compares both).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .pairs import find_blocks
+from .pairs import find_blocks, residual_stream
 from .update import align_to_task_loss, compute_dtype
 from .wrappers import unwrap_model
 
@@ -114,15 +118,15 @@ class TWEO:
 
         self.blocks = find_blocks(model)
         if not self.blocks:
-            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp) "
-                             f"in {type(model).__name__}")
+            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp, or the same parts "
+                             f"under another library's names: cd.pairs.LAYOUTS) in {type(model).__name__}")
         self._terms: list[Tensor] = []  # per-block terms of the latest training forward
         self._last_penalty: Optional[Tensor] = None
         self._last_lam: Optional[float] = None
         root = unwrap_model(model)
         # A new forward starts a new set of terms: no growth if aux_loss is not called after some forward.
         self._handles = [root.register_forward_pre_hook(self._reset)]
-        self._handles += [block.register_forward_hook(self._capture) for _, block in self.blocks]
+        self._handles += [block.register_forward_hook(partial(self._capture, name)) for name, block in self.blocks]
 
     @classmethod
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
@@ -135,13 +139,10 @@ class TWEO:
     def _reset(self, module: nn.Module, args: Any) -> None:
         self._terms = []
 
-    def _capture(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _capture(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation / no-grad forwards are never penalized
-        if not isinstance(output, Tensor):
-            raise TypeError(f"TWEO: block {type(module).__name__} returned {type(output).__name__}, "
-                            f"expected a Tensor")
-        self._terms.append(self._penalty(output, self.p, self.tau, self.eps))
+        self._terms.append(self._penalty(residual_stream(name, module, args, output), self.p, self.tau, self.eps))
 
     @property
     def pending(self) -> bool:

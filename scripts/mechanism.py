@@ -83,7 +83,9 @@ def ffn_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, block) of every pre-norm block with an ungated FFN mlp.fc1 -> mlp.fc2, in model order."""
     out = []
     for name, block in find_blocks(model):
-        fc1, fc2 = getattr(block.mlp, "fc1", None), getattr(block.mlp, "fc2", None)
+        # blocks of other layouts (MMDetection's `ffn`, GPT-2's `mlp.c_fc`) have no mlp.fc1 and are left out
+        mlp = getattr(block, "mlp", None)
+        fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
         if isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear) and fc2.in_features == fc1.out_features:
             out.append((name, block))
     return out
