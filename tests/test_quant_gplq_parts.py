@@ -478,3 +478,41 @@ def test_stage1_pca_honours_its_variance_multiple_and_image_count():
     _, report = PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", opts, data=data)
     stage1 = report["stage1"]
     assert stage1["pca_samples"] == 20 and stage1["pca_dims"] % 5 == 0 and stage1["pca_explained"] >= 0.97
+
+
+class _StopAtStage1(Exception):
+    pass
+
+
+def test_stage1_matmul_operands_start_from_the_matmul_percentile_range_per_head(monkeypatch):
+    """After the init calibration, q, k, the softmax output and v each start at the symmetric per-head range of
+    [q(1 - p), q(p)] of the operand the calibration pass fed them (p = matmul_percentile): scale =
+    max(|q(1 - p)|, |q(p)|) / 7 at 4 bits, zero point 0, with torch.quantile on the captured operand."""
+    p = 0.95
+    seen = {}
+    real_quantize = gplq_pipeline.quantize_model
+
+    def quantize_and_hook(model, spec):  # capture what each matmul operand quantizer sees at calibration
+        qmodel = real_quantize(model, spec)
+        for name, mod in qmodel.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_quant", "k_quant", "attn_quant", "v_quant"):
+                mod.register_forward_pre_hook(
+                    lambda m, args, name=name: None if name in seen else seen.update({name: (m, args[0].clone())}))
+        return qmodel
+
+    def stop(student, *args):
+        raise _StopAtStage1
+
+    monkeypatch.setattr(gplq_pipeline, "quantize_model", quantize_and_hook)
+    monkeypatch.setattr(gplq_pipeline, "run_stage1", stop)
+    with pytest.raises(_StopAtStage1):
+        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(init_images=4, matmul_percentile=p),
+                          data=cpu_pipeline_data(num_images=8))
+    assert sorted(n.rsplit(".", 1)[-1] for n in seen) == ["attn_quant", "k_quant", "q_quant", "v_quant"]
+    for name, (q, x) in seen.items():
+        rows = x.movedim(1, 0).reshape(x.shape[1], -1)  # [B, H, N, D] -> one row per head
+        lo, hi = torch.quantile(rows, 1 - p, dim=1), torch.quantile(rows, p, dim=1)
+        want = torch.maximum(lo.abs(), hi.abs()) / 7
+        assert (hi < rows.amax(dim=1)).all(), name  # the percentile clips: min-max would give another scale
+        torch.testing.assert_close(q.scale.detach(), want, rtol=1e-5, atol=0, msg=name)
+        assert (q.zero_point == 0).all(), name
