@@ -476,3 +476,21 @@ def test_a_new_train_seed_at_an_epoch_boundary_orders_the_next_epoch_as_a_fresh_
     assert [index for _, index, _ in resumed[0]] == [index for _, index, _ in fresh[0]]
     assert [seed for _, _, seed in resumed[0]] == [mix_seed(1, 1, 0, pos) for pos in range(64)]
     assert resumed[1] == fresh[1] == [(1, 0, step) for step in range(4, 8)]
+
+
+def test_an_older_checkpoint_without_its_epoch_position_resumes_mid_epoch_with_the_remaining_batches(
+        debug_config):
+    """A checkpoint written before `epoch_position` was saved records its place in the epoch only as micro-batches
+    per process (state.epoch_batches). Resumed in the layout it was written in, the run trains exactly the rest of
+    the epoch: its weights and optimizer state equal those of a run that never stopped (re-reading the epoch's
+    first batches, or skipping more, would change them)."""
+    train.main(debug_config("train.max_steps=3", name="split"))  # 4 updates of 2 micro-batches per epoch
+    path = os.path.join(debug_config(name="split").out_dir, "checkpoint.pt")
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["state"]["epoch_batches"] == 6  # stopped inside epoch 0
+    del ckpt["epoch_position"]  # the older layout
+    torch.save(ckpt, path)
+    assert train.main(debug_config(name="split")).state.step == 8
+    train.main(debug_config(name="straight"))
+    a, b = (model_and_optimizer(debug_config(name=n).out_dir) for n in ("split", "straight"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
