@@ -357,6 +357,19 @@ def test_calibration_fits_the_enabled_quantizers_only():
     assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
 
 
+def test_a_quantizer_left_out_of_calibration_is_refused_at_its_first_use_afterwards():
+    """calibrate ends calibration mode: a quantizer bypassed during calibration and switched on later has no range
+    and must say so at its first input, not fit itself silently on that input (an evaluation batch)."""
+    both = QuantizerSpec(8)
+    qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), both, both),)))
+    with quant_state(qmodel, weights=False):
+        calibrate(qmodel, images(2))
+    assert not any(q.calibrating for _, q in named_quantizers(qmodel))
+    with pytest.raises(RuntimeError, match="used before calibration"):
+        qmodel(images(2, seed=3))
+    assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
+
+
 def test_quant_state_restores_each_quantizers_own_flag():
     """Inside the block: weights bypassed, activations on; afterwards every quantizer has its own earlier flag
     back, including one that was already bypassed before."""
