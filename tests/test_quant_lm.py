@@ -84,6 +84,17 @@ def test_rtn_is_naive_per_channel_rounding_of_the_block_linears_only(options):
     assert report["calibration_images"] == 0  # no data
 
 
+def test_a_grouped_weight_quantizer_is_described_by_its_group_size():
+    """Reports (describe, the quant scope table) name the range granularity: one range per group of 16 input
+    columns reads "per-group of 16", one per output channel "per-channel"."""
+    from quant.modes import describe
+    grouped, _ = PIPELINES["rtn"](gpt(), tokens(), "w4a16", {"group_size": 16})
+    channel, _ = PIPELINES["rtn"](gpt(), tokens(), "w4a16")
+    for qmodel, gran in ((grouped, "group of 16"), (channel, "channel")):
+        weights = {r["weight"] for r in describe(qmodel)}
+        assert len(weights) == 1 and weights.pop().startswith(f"4b asym per-{gran} ("), gran
+
+
 def test_rtn_of_a_model_equals_the_float_model_with_naively_rounded_weights():
     model, x = gpt(), tokens(4, seed=3)
     qmodel, _ = PIPELINES["rtn"](model, x, "w3a16")
