@@ -68,6 +68,37 @@ def test_lazily_sized_quantizer_takes_the_device_of_its_data():
     assert torch.isfinite(out).all()
 
 
+class _DeviceSpy(torch.nn.Module):
+    """A model whose parameter lives on `meta` (where its inputs must go) and whose unit records the device of
+    every input it is given; a CPU stand-in for a GPU model fed CPU images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+        self.seen = []
+        self.unit = torch.nn.Identity()
+        self.unit.register_forward_pre_hook(lambda m, args: self.seen.append(args[0].device.type))
+
+    def forward(self, x):
+        return self.unit(x)
+
+
+def test_calibration_and_unit_captures_move_cpu_inputs_to_the_models_device():
+    """calibrate, capture_unit and model_logits move each batch of CPU inputs to the model's device (the model
+    never moves), and capture_unit keeps its captures on `store_device` when one is given."""
+    from quant.calibrate import calibrate
+    from quant.units import capture_unit, model_logits
+    x = images(4)
+    spy = _DeviceSpy()
+    calibrate(spy, x)
+    capture_unit(spy, "unit", x, 2)
+    model_logits(spy, x, 2)
+    assert spy.seen == ["meta"] * 5  # one calibration pass, two batches of each capture
+    on_cpu = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 2))
+    got, out = capture_unit(on_cpu, "1", x, 2, outputs=True, store_device=torch.device("meta"))
+    assert got.device.type == out.device.type == "meta" and got.shape == (4, 3 * 32 * 32)
+
+
 def test_probe_and_evaluation_on_a_quantized_model():
     model, calib = tiny_swin(), images(8)
     qmodel, _ = PIPELINES["repq"](model, calib, "w4a4")
