@@ -41,10 +41,14 @@ class Net(nn.Module):
         return x
 
 
-def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens():
+@pytest.mark.parametrize("own_block", [False, True], ids=["other-block", "same-block"])
+def test_streamed_compensation_is_the_least_squares_fit_on_the_pooled_tokens(own_block):
+    # same-block: the reference runs the fitted block itself (GPLQ's W32A4 / float reference is the block with
+    # its quantizers off), and that inner call must be neither handed on nor counted
     torch.manual_seed(0)
     net = Net().double()
-    reference_block = Block(5).double()  # the "float" block the compensation moves towards
+    other = Block(5).double()  # the "float" block the compensation moves towards
+    reference_block = (lambda x, hw: 0.5 * net.blocks[1](x, hw) + x.cos()) if own_block else other
     images = [torch.randn(1, 3, h, w, dtype=torch.float64) for h, w in ((3, 4), (5, 2), (2, 2))]
     calls = []
 
