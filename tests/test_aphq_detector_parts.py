@@ -6,7 +6,8 @@ GoatWu/APHQ-ViT `Object-Detection/tools`, on a toy detector in plain torch (no M
 * the convolution search (`search_conv_self`) against the official candidate grid and self-MSE, by loops;
 * per-image reconstruction (`reconstruct_unit_calls`): its first loss is the official formula, and a
   batch above 1 is refused;
-* per-image captures (`capture_unit_calls`) keep each image's shape and the unit's extra arguments;
+* per-image captures (`capture_unit_calls`) keep each image's shape, the unit's extra arguments and every tensor
+  of a structured output; a unit that some image never reaches is refused;
 * `quantize_detector` hands each unit the options' reconstruction settings and the float RPN references, and
   switches the calibrated-only heads on at the end.
 """
@@ -358,3 +359,37 @@ def test_binary_kl_clamps_a_saturated_float_objectness():
     t, p = target.double().clamp(1e-7, 1 - 1e-7), pred.double()
     want = (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean()
     assert float(binary_kl(pred, target)) == pytest.approx(float(want), rel=1e-4)
+
+
+class _Levels(nn.Module):
+    """A unit with a structured output, as an FPN neck's tuple of levels or MMDetection's (x, out_size)."""
+
+    def forward(self, x, hw_shape):
+        return (x, (2 * x, x + 1), hw_shape)
+
+
+class _Toy(nn.Module):
+    def __init__(self, skip_wide: bool = False) -> None:
+        super().__init__()
+        self.unit = _Levels()
+        self.skip_wide = skip_wide
+
+    def forward(self, image):
+        x = image.flatten(2).transpose(1, 2)
+        if self.skip_wide and image.shape[-1] > 4:  # a path that does not reach the unit
+            return x
+        return self.unit(x, tuple(image.shape[-2:]))
+
+
+def test_per_image_captures_keep_every_output_tensor_and_refuse_a_unit_that_some_image_skips():
+    images = [torch.randn(1, 3, h, w) for h, w in ((2, 3), (4, 2), (3, 6))]
+    calls = capture_unit_calls(_Toy(), "unit", ImageFeed(images), outputs=True)
+    assert len(calls) == 3
+    for call, image in zip(calls, images):
+        x = image.flatten(2).transpose(1, 2)
+        assert call.args[1] == tuple(image.shape[-2:])
+        assert [t.shape for t in call.outputs] == [x.shape] * 3  # every tensor of the nested tuple, in order
+        for got, want in zip(call.outputs, (x, 2 * x, x + 1)):
+            assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=r"unit ran 2 times over 3 batches"):
+        capture_unit_calls(_Toy(skip_wide=True), "unit", ImageFeed(images))
