@@ -790,3 +790,20 @@ def test_calibration_folds_no_layernorm_when_activation_and_weight_bits_differ()
     for n, m in model.named_modules():
         if n in norms:
             assert torch.equal(m.weight, norms[n][0]) and torch.equal(m.bias, norms[n][1]), n
+
+
+def test_module_input_captures_pool_every_batch_and_refuse_a_module_off_the_forward_path():
+    """capture_module_inputs over 5 images in batches of 2: the inputs of all 5 in order (fc1's input, computed
+    here directly from the block); a watched module that the forward never reaches (stopped at blocks.0) is
+    named in a RuntimeError."""
+    from quant.units import capture_module_inputs
+    model, x = tiny_vit(depth=2), images(5)
+    block = model.blocks[0]
+    got = capture_module_inputs(model, {"fc1": block.mlp.fc1}, "blocks.0", x, batch_size=2)["fc1"]
+    with torch.no_grad():
+        tokens = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+        h = tokens + block.ls1(block.attn(block.norm1(tokens)))
+        want = block.norm2(h)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"modules saw no input before blocks.0 finished: \['later'\]"):
+        capture_module_inputs(model, {"fc1": block.mlp.fc1, "later": model.blocks[1].mlp.fc1}, "blocks.0", x, 2)
