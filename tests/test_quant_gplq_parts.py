@@ -484,18 +484,16 @@ class _StopAtStage1(Exception):
     pass
 
 
-def test_stage1_matmul_operands_start_from_the_matmul_percentile_range_per_head(monkeypatch):
-    """After the init calibration, q, k, the softmax output and v each start at the symmetric per-head range of
-    [q(1 - p), q(p)] of the operand the calibration pass fed them (p = matmul_percentile): scale =
-    max(|q(1 - p)|, |q(p)|) / 7 at 4 bits, zero point 0, with torch.quantile on the captured operand."""
-    p = 0.95
+def _stage1_start(monkeypatch, options, watched):
+    """Run GPLQ on a one-block ViT up to the start of stage 1; {FQN: (quantizer, the input its calibration saw)}
+    for every quantizer whose last name segment is in `watched`."""
     seen = {}
     real_quantize = gplq_pipeline.quantize_model
 
-    def quantize_and_hook(model, spec):  # capture what each matmul operand quantizer sees at calibration
+    def quantize_and_hook(model, spec):  # capture what each watched quantizer sees at calibration
         qmodel = real_quantize(model, spec)
         for name, mod in qmodel.named_modules():
-            if name.rsplit(".", 1)[-1] in ("q_quant", "k_quant", "attn_quant", "v_quant"):
+            if name.rsplit(".", 1)[-1] in watched:
                 mod.register_forward_pre_hook(
                     lambda m, args, name=name: None if name in seen else seen.update({name: (m, args[0].clone())}))
         return qmodel
@@ -506,8 +504,17 @@ def test_stage1_matmul_operands_start_from_the_matmul_percentile_range_per_head(
     monkeypatch.setattr(gplq_pipeline, "quantize_model", quantize_and_hook)
     monkeypatch.setattr(gplq_pipeline, "run_stage1", stop)
     with pytest.raises(_StopAtStage1):
-        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(init_images=4, matmul_percentile=p),
+        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(init_images=4, **options),
                           data=cpu_pipeline_data(num_images=8))
+    return seen
+
+
+def test_stage1_matmul_operands_start_from_the_matmul_percentile_range_per_head(monkeypatch):
+    """After the init calibration, q, k, the softmax output and v each start at the symmetric per-head range of
+    [q(1 - p), q(p)] of the operand the calibration pass fed them (p = matmul_percentile): scale =
+    max(|q(1 - p)|, |q(p)|) / 7 at 4 bits, zero point 0, with torch.quantile on the captured operand."""
+    p = 0.95
+    seen = _stage1_start(monkeypatch, dict(matmul_percentile=p), ("q_quant", "k_quant", "attn_quant", "v_quant"))
     assert sorted(n.rsplit(".", 1)[-1] for n in seen) == ["attn_quant", "k_quant", "q_quant", "v_quant"]
     for name, (q, x) in seen.items():
         rows = x.movedim(1, 0).reshape(x.shape[1], -1)  # [B, H, N, D] -> one row per head
@@ -516,3 +523,16 @@ def test_stage1_matmul_operands_start_from_the_matmul_percentile_range_per_head(
         assert (hi < rows.amax(dim=1)).all(), name  # the percentile clips: min-max would give another scale
         torch.testing.assert_close(q.scale.detach(), want, rtol=1e-5, atol=0, msg=name)
         assert (q.zero_point == 0).all(), name
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+def test_stage1_block_linear_inputs_start_from_their_min_max_at_act_granularity(monkeypatch, granularity):
+    """qkv, proj, fc1 and fc2 inputs start at the symmetric min-max range of what calibration fed them: scale
+    max|x| / 7 per input channel (the paper) or over the whole tensor (act_granularity=tensor)."""
+    seen = _stage1_start(monkeypatch, dict(act_granularity=granularity), ("input_quantizer",))
+    inside = {n: v for n, v in seen.items() if n.startswith("blocks.")}
+    assert len(inside) == 4
+    for name, (q, x) in inside.items():
+        flat = x.reshape(-1, x.shape[-1]).abs()
+        want = (flat.amax(dim=0) if granularity == "channel" else flat.amax().reshape(1)) / 7
+        torch.testing.assert_close(q.scale.detach(), want, rtol=1e-6, atol=0, msg=name)
