@@ -370,6 +370,14 @@ def test_a_quantizer_left_out_of_calibration_is_refused_at_its_first_use_afterwa
     assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
 
 
+def test_named_quantizers_refuses_an_unknown_kind():
+    # "weights" is not "weight": answering with the activation quantizers would switch the wrong ones
+    qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), None),)))
+    assert len(list(named_quantizers(qmodel, "weight"))) == 6
+    with pytest.raises(ValueError, match=r"kind must be all\|weight\|activation, got 'weights'"):
+        list(named_quantizers(qmodel, "weights"))
+
+
 def test_quant_state_restores_each_quantizers_own_flag():
     """Inside the block: weights bypassed, activations on; afterwards every quantizer has its own earlier flag
     back, including one that was already bypassed before."""
