@@ -452,7 +452,8 @@ def test_a_one_bit_symmetric_spec_is_refused_as_its_grid_has_no_positive_level()
 
     # the grid by hand: codes -2^0 .. 2^0 - 1 = {-1, 0}, so the max-abs scale max|x| / 0 is infinite
     assert UniformQuantizer(1, symmetric=True).qmax == 0
-    for kwargs in ({"symmetric": True}, {"symmetric": True, "kind": DynamicQuantizer}):
+    # the dynamic kind is symmetric whatever the spec says (its max-abs grid), so it is refused without the flag too
+    for kwargs in ({"symmetric": True}, {"symmetric": True, "kind": DynamicQuantizer}, {"kind": DynamicQuantizer}):
         with pytest.raises(ValueError, match="bits=1: a symmetric grid needs at least 2 bits"):
             QuantizerSpec(1, **kwargs)
     assert QuantizerSpec(1).bits == 1  # asymmetric 1 bit: codes {0, 1}, a valid grid
