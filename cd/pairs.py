@@ -37,6 +37,7 @@ Print the pairs of any timm model (built on the `meta` device, no weights, no me
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -246,28 +247,44 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return list(_outermost(unwrap_model(model), lambda m: layout_of(m) is not None))
 
 
-def residual_stream(name: str, block: nn.Module, args: tuple, output: object) -> torch.Tensor:
+def residual_stream(name: str, block: nn.Module, args: tuple, output: object,
+                    kwargs: Optional[dict] = None) -> torch.Tensor:
     """The residual stream after `block` (TWEO's A_l, App. A.3) from what its forward returned.
 
     The rule: a tensor is the stream itself (timm, torchvision, MMDetection's Swin, nanoGPT, and transformers'
     GPT2Block, ViTLayer and LlamaDecoderLayer in transformers 5.24). A tuple or list is read as transformers 4.x
     layers return theirs, `(hidden_states, present, attentions)`, where `hidden_states` is the stream after the
-    block; its first element is taken only when it has the shape of the block's first positional input (a block
-    maps the stream to a stream of the same shape), so that a block returning `(weights, x)` or `(x_cls, ...)` is
-    refused, not penalized on the wrong tensor. Anything else raises TypeError naming the block and what it returned.
+    block; its first element is taken only when it has the shape of the block's input, its forward's first
+    parameter passed by position or by keyword (`args`, `kwargs`: a block maps the stream to a stream of the same
+    shape), so that a block returning `(weights, x)` or `(x_cls, ...)` is refused, not penalized on the wrong
+    tensor. Anything else raises TypeError naming the block and what it returned.
     """
     if isinstance(output, torch.Tensor):
         return output
     what = type(output).__name__
     if isinstance(output, (tuple, list)) and output:
-        first, stream_in = output[0], args[0] if args else None
+        first = output[0]
+        input_name, stream_in = _first_input(block, args, kwargs or {})
         what = f"a {what} whose first element is {_describe(first)}"
         if isinstance(first, torch.Tensor) and isinstance(stream_in, torch.Tensor) and first.shape == stream_in.shape:
             return first
-        what += f", its first positional input {_describe(stream_in)}"
+        what += f", the block's first input{input_name} {_describe(stream_in)}"
     raise TypeError(f"TWEO: block '{name}' ({type(block).__name__}) returned {what}; TWEO penalizes the residual "
                     "stream after the block (App. A.3): return it as a tensor, or first in a tuple with the shape of "
                     "the block's input")
+
+
+def _first_input(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, object]:
+    """(' name' or '', value) of the first parameter of `block.forward` in this call; (' ...', None) when absent."""
+    if args:
+        return "", args[0]
+    try:
+        first = next(iter(inspect.signature(block.forward).parameters.values()), None)
+    except (TypeError, ValueError):  # a forward without a readable signature
+        first = None
+    if first is None or first.kind in (first.VAR_POSITIONAL, first.VAR_KEYWORD):
+        return "", None
+    return f" '{first.name}'", kwargs.get(first.name)
 
 
 def _describe(x: object) -> str:

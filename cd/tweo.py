@@ -126,7 +126,9 @@ class TWEO:
         root = unwrap_model(model)
         # A new forward starts a new set of terms: no growth if aux_loss is not called after some forward.
         self._handles = [root.register_forward_pre_hook(self._reset)]
-        self._handles += [block.register_forward_hook(partial(self._capture, name)) for name, block in self.blocks]
+        # with kwargs: a block given the stream by keyword still has its input compared with a tuple's first element
+        self._handles += [block.register_forward_hook(partial(self._capture, name), with_kwargs=True)
+                          for name, block in self.blocks]
 
     @classmethod
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
@@ -139,10 +141,11 @@ class TWEO:
     def _reset(self, module: nn.Module, args: Any) -> None:
         self._terms = []
 
-    def _capture(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+    def _capture(self, name: str, module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation / no-grad forwards are never penalized
-        self._terms.append(self._penalty(residual_stream(name, module, args, output), self.p, self.tau, self.eps))
+        stream = residual_stream(name, module, args, output, kwargs)
+        self._terms.append(self._penalty(stream, self.p, self.tau, self.eps))
 
     @property
     def pending(self) -> bool:

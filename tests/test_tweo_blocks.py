@@ -131,3 +131,39 @@ def test_block_output_that_is_not_the_stream_is_refused_by_name(shape, returned)
     model = _Stack(shape)
     with TWEO(model), pytest.raises(TypeError, match=rf"TWEO: block 'blocks.0' \(_Block\) {returned}"):
         model(torch.randn(2, 5, 8))
+
+
+class _KeywordStack(nn.Module):
+    """Blocks called with the stream as a keyword (`block(x=...)`), returning `(stream, None)` as a 4.x layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(lambda x, stream: (stream, None)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x=x)[0]
+        return x
+
+
+def test_tuple_output_of_a_block_given_the_stream_by_keyword_is_the_stream():
+    """The block's input is its forward's first parameter, passed by position or by keyword (a layer called as
+    `layer(hidden_states=h, ...)`). Was: a TypeError naming 'its first positional input NoneType'."""
+    torch.manual_seed(0)
+    model = _KeywordStack().double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64) * 3
+    with torch.no_grad():
+        outs = [model.blocks[0](x)[0]]
+        outs.append(model.blocks[1](outs[0])[0])
+    with TWEO(model, lam=LAM, p=P, tau=TAU, eps=EPS) as tweo:
+        model(x)
+        aux = tweo.aux_loss(torch.tensor(1.0))
+    assert math.isclose(float(aux.detach()), _app_a3(outs), rel_tol=1e-9)
+
+
+def test_tuple_output_whose_first_element_differs_from_a_keyword_stream_is_refused():
+    model = _KeywordStack()
+    model.blocks[0].shape = lambda x, stream: (stream[:, :1], stream)
+    with TWEO(model), pytest.raises(TypeError, match=r"first element is a tensor of shape \(2, 1, 8\), the block's "
+                                                     r"first input 'x' a tensor of shape \(2, 5, 8\)"):
+        model(torch.randn(2, 5, 8))
