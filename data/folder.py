@@ -63,14 +63,28 @@ def check_skipped_images(path: str) -> None:
                  for folder, _, files in os.walk(path, followlinks=True)  # as timm walks it
                  for f in files if os.path.splitext(f)[1].lower() in skipped_ext]
     else:
-        with tarfile.open(path) as tar:
-            names = [m.name for m in tar if m.isfile() and os.path.splitext(m.name)[1].lower() in skipped_ext]
+        names = [n for n in tar_file_names(path) if os.path.splitext(n)[1].lower() in skipped_ext]
     if names:
         names.sort()
         raise DataError(f"{path}: {len(names)} image file(s) that timm's reader skips (it reads only "
                         f"{', '.join(read_extensions())}), e.g. {', '.join(names[:3])}: they would be left out "
                         f"of every count and score without a word. Convert them to .png or .jpg, or move "
                         f"them out of {path}")
+
+
+def tar_file_names(path: str):
+    """The names of the files in the tar `path` as timm's tar reader sees them, lazily: its members, and for a member
+    .tar (ImageNet's train tar holds one tar per class) the files in that, as `<member>.tar/<name>` (timm reads
+    one level of tars within the tar)."""
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            if os.path.splitext(member.name)[1].lower() != ".tar":
+                yield member.name
+                continue
+            with tarfile.open(fileobj=tar.extractfile(member)) as inner:
+                yield from (f"{member.name}/{m.name}" for m in inner if m.isfile())
 
 
 def find_split(root: str, split: str) -> str:
@@ -181,9 +195,9 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
         if not any(f.lower().endswith(extensions) for c in classes[:20] for f in os.listdir(c.path)):
             raise DataError(f"the class folders in {path} hold no images ({', '.join(extensions)})")
     else:  # timm's tar reader fails on an archive without images with a bare 'not enough values to unpack'
-        with tarfile.open(path) as tar:  # stops at the first image, usually the first member
-            if not any(m.isfile() and m.name.lower().endswith(extensions) for m in tar):
-                raise DataError(f"{path} holds no images ({', '.join(extensions)})")
+        # stops at the first image, usually the first member (of the first class tar)
+        if not any(n.lower().endswith(extensions) for n in tar_file_names(path)):
+            raise DataError(f"{path} holds no images ({', '.join(extensions)})")
     dataset = ImageFolderDataset(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")

@@ -255,3 +255,40 @@ def test_a_tar_split_without_images_is_refused_with_its_path(tmp_path, members):
             tar.add(tmp_path / "member", arcname=name)
     with pytest.raises(DataError, match=r"val\.tar holds no images \(\.png"):
         eval_loader(tmp_path / "data")
+
+
+def _tar_of_class_tars(path, images: dict) -> None:
+    """`path`: a tar of one tar per class (ImageNet's ILSVRC2012_img_train.tar layout), `images` {class: [names]}."""
+    import io
+
+    def add(tar, name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(path, "w") as outer:
+        for cls, names in images.items():
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as tar:
+                for i, name in enumerate(names):
+                    png = io.BytesIO()
+                    Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(png, "PNG")
+                    add(tar, name, png.getvalue())
+            add(outer, f"{cls}.tar", inner.getvalue())
+
+
+def test_a_tar_of_class_tars_is_read_as_timm_reads_it(tmp_path):
+    """timm's tar reader takes a tar of per-class tars (one level down); the split is not refused as holding no
+    images. Was: 'val.tar holds no images' (only the outer tar's own members were looked at)."""
+    os.makedirs(tmp_path / "data")
+    _tar_of_class_tars(tmp_path / "data" / "val.tar", {"cat": ["c0.png", "c1.png"], "dog": ["d0.png", "d1.png"]})
+    loader = eval_loader(tmp_path / "data")
+    targets = torch.cat([t for _, t in loader])
+    assert sorted(targets.tolist()) == [0, 0, 1, 1]
+
+
+def test_images_timm_skips_inside_a_class_tar_are_refused(tmp_path):
+    os.makedirs(tmp_path / "data")
+    _tar_of_class_tars(tmp_path / "data" / "val.tar", {"cat": ["c0.png", "c1.webp"], "dog": ["d0.png"]})
+    with pytest.raises(DataError, match=r"1 image file\(s\) that timm's reader skips .* e\.g\. cat\.tar/c1\.webp"):
+        eval_loader(tmp_path / "data")
