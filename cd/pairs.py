@@ -275,13 +275,17 @@ def residual_stream(name: str, block: nn.Module, args: tuple, output: object,
 
 
 def _first_input(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, object]:
-    """(' name' or '', value) of the first parameter of `block.forward` in this call; (' ...', None) when absent."""
+    """(" 'name'" or '', value) of the first parameter of the block's forward in this call (None when not given).
+
+    The class's forward is read, not the instance's: wrappers that replace `block.forward` (accelerate's hooks,
+    MMEngine's activation checkpointing) take `*args, **kwargs` and hand them on to it unchanged."""
     if args:
         return "", args[0]
     try:
-        first = next(iter(inspect.signature(block.forward).parameters.values()), None)
+        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # after self
     except (TypeError, ValueError):  # a forward without a readable signature
-        first = None
+        params = []
+    first = params[0] if params else None
     if first is None or first.kind in (first.VAR_POSITIONAL, first.VAR_KEYWORD):
         return "", None
     return f" '{first.name}'", kwargs.get(first.name)

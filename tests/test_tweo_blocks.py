@@ -167,3 +167,21 @@ def test_tuple_output_whose_first_element_differs_from_a_keyword_stream_is_refus
     with TWEO(model), pytest.raises(TypeError, match=r"first element is a tensor of shape \(2, 1, 8\), the block's "
                                                      r"first input 'x' a tensor of shape \(2, 5, 8\)"):
         model(torch.randn(2, 5, 8))
+
+
+def test_a_keyword_stream_is_found_through_a_wrapper_that_replaced_the_blocks_forward():
+    """A wrapper of `block.forward` taking `*args, **kwargs` (accelerate's hooks, MMEngine's activation
+    checkpointing) hides the parameter names; the class's forward still names the stream."""
+    torch.manual_seed(0)
+    model = _KeywordStack().double()
+    for block in model.blocks:
+        inner = block.forward
+        block.forward = lambda *args, _inner=inner, **kwargs: _inner(*args, **kwargs)
+    x = torch.randn(2, 5, 8, dtype=torch.float64) * 3
+    with torch.no_grad():
+        outs = [model.blocks[0](x)[0]]
+        outs.append(model.blocks[1](outs[0])[0])
+    with TWEO(model, lam=LAM, p=P, tau=TAU, eps=EPS) as tweo:
+        model(x)
+        aux = tweo.aux_loss(torch.tensor(1.0))
+    assert math.isclose(float(aux.detach()), _app_a3(outs), rel_tol=1e-9)
