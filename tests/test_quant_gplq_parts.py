@@ -420,6 +420,14 @@ def test_pca_fit_draws_no_batch_beyond_max_images():
     assert drawn == [0, 4]
 
 
+@pytest.mark.parametrize("max_images", [0, -3])
+def test_pca_fit_of_no_images_is_refused(max_images):
+    """Was: a NaN projection (the teacher ran on an empty slice of the first batch and its 0 images were divided
+    by), returned without a word."""
+    with pytest.raises(ValueError, match=rf"max_images={max_images}: the PCA needs at least one image"):
+        fit_pca(tiny_vit(depth=1), [(images(4, seed=4), None)], max_images=max_images, variance=0.6, multiple=8)
+
+
 def test_pca_sums_the_moments_of_every_rank(monkeypatch):
     # two ranks with the same features: the summed mean and covariance equal one rank's, written out here
     import quant.gplq.pca as pca_module

@@ -68,6 +68,8 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
     Returns:
         PCAProjection on the teacher's device (float32).
     """
+    if max_images < 1:  # the loop would run the teacher on an empty slice and divide by its 0 images (NaN)
+        raise ValueError(f"max_images={max_images}: the PCA needs at least one image")
     device = next(teacher.parameters()).device
     s1 = s2 = None
     n = torch.zeros((), dtype=torch.float64, device=device)
