@@ -168,8 +168,8 @@ class Layout:
         q_k_v: separate Q, K, V projections (tried when `qkv` is absent), or None.
         fc1: the MLP's input layer (plain MLP; timm's packed GluMlp), or None.
         gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), or None.
-        transposed: the storage of a layer that does not tell its own (neither `nn.Linear` nor `Conv1D`-like):
-            True for (in, out).
+        transposed: the storage of a layer whose type and shape do not tell it (`_Block.storage`) and whose pair
+            partner does not either: True for (in, out).
     """
 
     library: str
@@ -303,16 +303,17 @@ def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"block '{name}' ({type(block).__name__}) is not supported by CD: {why}")
 
 
-def _stored_in_out(module: nn.Module, w: nn.Parameter, default: bool) -> bool:
+def _stored_in_out(module: Optional[nn.Module], w: Optional[nn.Parameter]) -> Optional[bool]:
     """True when `module` stores its weight `w` (in, out) and computes x @ w, as transformers' `Conv1D` (weight
-    (nx, nf), attribute `nf`); False for `nn.Linear` (out, in), x @ w.T. A layer that is neither keeps the
-    layout's `default`. Read per layer because the shape alone cannot tell a square (D x D) projection apart."""
+    (nx, nf), attribute `nf`); False for `nn.Linear` (out, in), x @ w.T; None for a layer that is neither (a wrapper
+    holding the weight: `_Block.storage` reads it off the shape). Read per layer because the shape alone cannot tell
+    a square (D x D) projection apart."""
     if isinstance(module, nn.Linear):
         return False
     nf = getattr(module, "nf", None)
-    if isinstance(nf, int) and w.shape[1] == nf:
+    if isinstance(nf, int) and w is not None and w.shape[1] == nf:
         return True
-    return default
+    return None
 
 
 _STORAGE = {False: "(out, in) as nn.Linear", True: "(in, out) as transformers' Conv1D"}
@@ -338,10 +339,31 @@ class _Block:
         """Full name of the weight at `path`: '<path>.weight' for a layer, '<path>' for a Parameter held itself."""
         return _join(self.name, path) if _module(self.module, path) is None else _join(self.name, path, "weight")
 
+    def storage(self, path: str) -> Optional[bool]:
+        """Whether the layer at `path` stores its weight (in, out): as its type tells (`_stored_in_out`), else as its
+        shape does against the block's width D, the length of the norms' scale (qkv, q, k, v, fc1, W_gate and W_up
+        read D; proj and fc2 write it); None when neither tells (a square weight of a layer of another type)."""
+        w = self.matrix(path)
+        told = _stored_in_out(_module(self.module, path), w)
+        if told is not None or w is None:
+            return told
+        d = next((g.shape[0] for g in (_scale_weight(_module(self.module, n)) for n in (self.lay.norm1, self.lay.norm2))
+                  if g is not None), None)
+        d_dim = 0 if path in (self.lay.proj, self.lay.fc2) else 1  # where D is in an (out, in) weight
+        fits = [t for t in (False, True) if w.shape[1 - d_dim if t else d_dim] == d]
+        return fits[0] if len(fits) == 1 else None
+
     def transposed(self, path: str) -> bool:
-        """Whether the layer at `path` stores its weight (in, out) (`_stored_in_out`)."""
+        """Whether the layer at `path` stores its weight (in, out) (`storage`; the layout's default if untold)."""
+        told = self.storage(path)
+        return self.lay.transposed if told is None else told
+
+    def describe_storage(self, path: str, transposed: bool) -> str:
+        """The storage of the layer at `path` and what tells it, for messages."""
         module = _module(self.module, path)
-        return _stored_in_out(module, _matrix_weight(module), self.lay.transposed)
+        if _stored_in_out(module, self.matrix(path)) is not None:
+            return f"{path} {_STORAGE[transposed]}"
+        return f"{path} {'(in, out)' if transposed else '(out, in)'} as the shape of its {type(module).__name__} reads"
 
     def width(self, path: str, dim: int) -> int:
         """Output (dim 0) or input (dim 1) width of the layer at `path` as it applies its weight."""
@@ -387,11 +409,16 @@ class _Block:
     def functional(self, upstream: str, layer: str, role: str, rows: Optional[tuple[int, int]] = None) -> Pair:
         """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation. Both are
         read through one storage flag (`Pair.transposed`), so two layers stored differently are refused."""
-        up, down = self.transposed(upstream), self.transposed(layer)
+        up, down = self.storage(upstream), self.storage(layer)
+        # a layer whose storage nothing tells (a square proj or fc2 in a wrapper) is read as the one it pairs with
+        up = down if up is None else up
+        down = up if down is None else down
+        if up is None:
+            up = down = self.lay.transposed
         if up != down:
-            raise self.refuse(f"the {role} pair's layers are stored differently: {upstream} {_STORAGE[up]}, "
-                              f"{layer} {_STORAGE[down]}; CD pairs two layers of one storage (make both "
-                              "nn.Linear or both Conv1D)")
+            raise self.refuse(f"the {role} pair's layers are stored differently: "
+                              f"{self.describe_storage(upstream, up)}, {self.describe_storage(layer, down)}; CD pairs "
+                              "two layers of one storage (make both nn.Linear or both Conv1D)")
         return Pair(self.weight_name(layer), role, "functional", self.name, self.weight_name(upstream),
                     self.matrix(layer), self.matrix(upstream), rows, transposed=down)
 

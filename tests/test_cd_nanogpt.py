@@ -159,3 +159,37 @@ def test_a_pair_of_a_conv1d_and_a_linear_is_refused_naming_both():
     with pytest.raises(UnsupportedModelError, match=r"transformer\.h\.0.*attn\.c_attn \(in, out\) as transformers' "
                                                     r"Conv1D, attn\.c_proj \(out, in\) as nn\.Linear"):
         find_pairs(model, example_input=_ids())
+
+
+class _Adapter(nn.Module):
+    """A LoRA-like wrapper of a layer: holds the layer's weight (out, in) itself, as nn.Linear does, and adds a
+    low-rank term; neither nn.Linear nor Conv1D, so its storage is not told by its type."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.lora_a = nn.Parameter(torch.zeros(2, layer.in_features))
+        self.lora_b = nn.Parameter(torch.zeros(layer.out_features, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+@pytest.mark.parametrize("wrapped", [("attn.c_proj",), ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")])
+def test_a_wrapped_layer_is_read_as_it_stores_its_weight(wrapped):
+    """A layer whose type does not tell its storage is read by its shape against the block's width (c_attn
+    (3D, D) reads D), and a square one (c_proj, D x D) as the layer it pairs with: the update is the paper's on
+    the (out, in) matrices. Was: such a layer taken as (in, out), the GPT-2 layout's storage when GPT-2 meant
+    transformers' Conv1D, and the block refused ("attn.c_proj (in, out) as transformers' Conv1D")."""
+    model = TinyGPT()
+    for block in model.transformer.h:
+        for path in wrapped:
+            parent, _, name = path.rpartition(".")
+            setattr(block.get_submodule(parent), name, _Adapter(block.get_submodule(path)))
+    want = _paper_update(model, 0.1 * 0.5)
+    pairs = find_pairs(model, example_input=_ids())
+    assert len(pairs) == 4 * LAYERS and not any(p.transposed for p in pairs)
+    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
+    got = dict(model.named_parameters())
+    for name, value in want.items():
+        assert (got[name].double() - value).abs().max() < 1e-6, name
