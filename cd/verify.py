@@ -96,7 +96,7 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
     """A meta batch of the size and dtype the model expects: the model's own `example_input()` when it has
     one (a language model's token ids), else, for a transformers model, token ids or an image batch from its
     `main_input_name` and config, else an image batch (1, C, H, W) from timm's `patch_embed.img_size` and
-    input channels, else from `pretrained_cfg['input_size']`.
+    input channels, or torchvision ViT's `image_size` and `conv_proj`, else from `pretrained_cfg['input_size']`.
     Raises UnsupportedModelError if none exists."""
     own = getattr(model, "example_input", None)
     if callable(own):
@@ -118,6 +118,10 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
     if size is not None and chans is not None:
         h, w = (size, size) if isinstance(size, int) else tuple(size)
         return torch.empty(1, chans, h, w, dtype=dtype, device="meta")
+    # torchvision's VisionTransformer: its forward takes images of exactly `image_size`, patchified by `conv_proj`
+    size, conv = getattr(model, "image_size", None), getattr(model, "conv_proj", None)
+    if isinstance(size, int) and isinstance(conv, nn.Conv2d):
+        return torch.empty(1, conv.in_channels, size, size, dtype=dtype, device="meta")
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if "input_size" in cfg:
         return torch.empty(1, *cfg["input_size"], dtype=dtype, device="meta")

@@ -15,7 +15,7 @@ from cd import ColinearityDecay, find_pairs
 from cd.families import build_family
 from cd.pairs import find_blocks
 from cd.values import check_v_rows
-from cd.verify import UnsupportedModelError
+from cd.verify import UnsupportedModelError, example_input
 from cd_integration_refs import RefPair, max_diff, reference_cd_
 from cd_models import randomize_norms
 
@@ -176,3 +176,16 @@ def test_blocks_whose_output_is_the_residual_stream(family, blocks):
     for h in hooks:
         h.remove()
     assert all(isinstance(o, torch.Tensor) and o.shape == shape for shape, o in outputs) and len(outputs) == len(blocks)
+
+
+def test_vit_input_size_is_read_off_the_model():
+    """torchvision's VisionTransformer takes images of exactly `image_size` (its forward refuses any other) with its
+    patchify conv's input channels: find_pairs needs no example_input. Was: refused, "pass example_input="."""
+    model = torchvision.models.VisionTransformer(image_size=24, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=DIM, mlp_dim=2 * DIM, num_classes=3)
+    model.conv_proj = nn.Conv2d(1, DIM, kernel_size=8, stride=8)  # one input channel: read, not assumed
+    x = example_input(model)
+    assert (x.shape, x.dtype, x.device.type) == ((1, 1, 24, 24), torch.float32, "meta")
+    with torch.no_grad():
+        assert model(torch.zeros(x.shape)).shape == (1, 3)  # the size it names is one the model takes
+    assert [p.name for p in find_pairs(model)] == [p.w2 for p in _vit_pairs()]
