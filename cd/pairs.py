@@ -37,6 +37,7 @@ Print the pairs of any timm model (built on the `meta` device, no weights, no me
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
@@ -214,9 +215,15 @@ LAYOUTS: tuple[Layout, ...] = (
 def layout_of(module: nn.Module) -> Optional[Layout]:
     """The layout whose block `module` is, or None: of the layouts whose top-level children it has, the first whose
     MLP output layer (`fc2`) it has too (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which then names
-    what is missing)."""
+    what is missing); with an nn.MultiheadAttention as its attention, that module's own qkv and output layer."""
     fits = [lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)]
-    return next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
+    lay = next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
+    attn = lay.proj.rpartition(".")[0] if lay is not None else ""
+    if attn and isinstance(_module(module, attn), nn.MultiheadAttention):
+        # an nn.MultiheadAttention where the layout has its attention (torchvision's ViT, or a block of one's own
+        # under timm's names): its fused [Q; K; V] is its own Parameter `in_proj_weight`, its output layer `out_proj`
+        lay = dataclasses.replace(lay, qkv=f"{attn}.in_proj_weight", proj=f"{attn}.out_proj", q_k_v=None)
+    return lay
 
 
 def _is_patch_merging(module: nn.Module) -> bool:

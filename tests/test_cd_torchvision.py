@@ -189,3 +189,41 @@ def test_vit_input_size_is_read_off_the_model():
     with torch.no_grad():
         assert model(torch.zeros(x.shape)).shape == (1, 3)  # the size it names is one the model takes
     assert [p.name for p in find_pairs(model)] == [p.w2 for p in _vit_pairs()]
+
+
+class _TimmNamedBlock(nn.Module):
+    """A block of one's own under timm's names whose attention is an nn.MultiheadAttention (its fused qkv is its
+    own `in_proj_weight`, its output layer `out_proj`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp.fc2(torch.nn.functional.gelu(self.mlp.fc1(self.norm2(x))))
+
+
+def test_a_timm_named_block_with_multihead_attention_is_paired():
+    """nn.MultiheadAttention as a timm-named block's `attn`: attn.in_proj_weight with norm1, attn.out_proj with its
+    V rows, and the update is the float64 reference's. Was: refused, "found no attn.proj"."""
+    torch.manual_seed(0)
+    model = randomize_norms(nn.Sequential(_TimmNamedBlock(), _TimmNamedBlock()))
+    want = []
+    for b in ("0", "1"):
+        want += [RefPair(f"{b}.attn.in_proj_weight", f"{b}.norm1.weight", True),
+                 RefPair(f"{b}.attn.out_proj.weight", f"{b}.attn.in_proj_weight", False, (2 * DIM, 3 * DIM)),
+                 RefPair(f"{b}.mlp.fc1.weight", f"{b}.norm2.weight", True),
+                 RefPair(f"{b}.mlp.fc2.weight", f"{b}.mlp.fc1.weight", False)]
+    example = torch.randn(2, 5, DIM)
+    pairs = find_pairs(model, example_input=example)
+    assert [(p.name, p.upstream_name, p.diagonal, p.upstream_rows) for p in pairs] == \
+        [(r.w2, r.w1, r.diag, r.rows) for r in want]
+    reference = copy.deepcopy(model).double()
+    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=example).apply(lr=0.1)
+    reference_cd_(reference, want, 0.5, {r.w2: 0.1 for r in want})
+    assert max_diff({n: p.double() for n, p in model.named_parameters()}, dict(reference.named_parameters())) < 1e-6
