@@ -348,6 +348,21 @@ class _Block:
 
     def storage(self, path: str) -> Optional[bool]:
         """Whether the layer at `path` stores its weight (in, out): as its type tells (`_stored_in_out`), else as its
+        shape does (`_shape_storage`), else as the shapes of the block's other layers of its type tell theirs (one
+        wrapper class stores its weight one way: a square fc1 reads as the wrapped qkv does); None when none tells
+        or they disagree."""
+        told = self._shape_storage(path)
+        module = _module(self.module, path)
+        if told is not None or module is None or self.matrix(path) is None:
+            return told
+        paths = (self.lay.qkv, *(self.lay.q_k_v or ()), self.lay.proj, self.lay.fc1, self.lay.gate, self.lay.up,
+                 self.lay.fc2)
+        kin = {self._shape_storage(p) for p in paths if p and p != path and type(_module(self.module, p)) is
+               type(module)} - {None}
+        return kin.pop() if len(kin) == 1 else None
+
+    def _shape_storage(self, path: str) -> Optional[bool]:
+        """Whether the layer at `path` stores its weight (in, out), as its type tells (`_stored_in_out`), else as its
         shape does against the block's width D, the length of the norms' scale (qkv, q, k, v, fc1, W_gate and W_up
         read D; proj and fc2 write it); None when neither tells (a square weight of a layer of another type)."""
         w = self.matrix(path)
@@ -370,7 +385,8 @@ class _Block:
         module = _module(self.module, path)
         if _stored_in_out(module, self.matrix(path)) is not None:
             return f"{path} {_STORAGE[transposed]}"
-        return f"{path} {'(in, out)' if transposed else '(out, in)'} as the shape of its {type(module).__name__} reads"
+        return (f"{path} {'(in, out)' if transposed else '(out, in)'} as the shapes of the block's "
+                f"{type(module).__name__} layers read")
 
     def width(self, path: str, dim: int) -> int:
         """Output (dim 0) or input (dim 1) width of the layer at `path` as it applies its weight."""

@@ -193,3 +193,23 @@ def test_a_wrapped_layer_is_read_as_it_stores_its_weight(wrapped):
     got = dict(model.named_parameters())
     for name, value in want.items():
         assert (got[name].double() - value).abs().max() < 1e-6, name
+
+
+def test_a_wrapped_square_mlp_is_read_as_the_blocks_other_wrapped_layers():
+    """An MLP of hidden width D (c_fc and mlp.c_proj square: their shape cannot tell their storage), each layer in
+    the same wrapper as c_attn, whose (3D, D) shape tells (out, in): the MLP's layers are read as that wrapper
+    stores, and the update is the paper's on the (out, in) matrices. Was: taken as the GPT-2 layout's (in, out),
+    so fc1's and fc2's updates were computed on the transposed matrices, silently."""
+    model = TinyGPT()
+    for block in model.transformer.h:
+        block.mlp.c_fc, block.mlp.c_proj = nn.Linear(D, D), nn.Linear(D, D)
+        for path in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            parent, _, name = path.rpartition(".")
+            setattr(block.get_submodule(parent), name, _Adapter(block.get_submodule(path)))
+    want = _paper_update(model, 0.1 * 0.5)
+    pairs = find_pairs(model, example_input=_ids())
+    assert len(pairs) == 4 * LAYERS and not any(p.transposed for p in pairs)
+    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
+    got = dict(model.named_parameters())
+    for name, value in want.items():
+        assert (got[name].double() - value).abs().max() < 1e-6, name
