@@ -451,8 +451,9 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v."""
     lay = b.lay
     b.refuse_inner_norm(lay.proj, "V -> proj")
-    if getattr(b.part(lay.proj), "_qkv_same_embed_dim", True) is False:
-        raise b.refuse(f"{type(b.part(lay.proj)).__name__} has kdim or vdim other than embed_dim (separate "
+    attn = _module(b.module, lay.proj.rpartition(".")[0])  # the module holding proj (an nn.MultiheadAttention's)
+    if getattr(attn, "_qkv_same_embed_dim", True) is False:
+        raise b.refuse(f"{type(attn).__name__} has kdim or vdim other than embed_dim (separate "
                        "q_proj_weight, k_proj_weight, v_proj_weight): self-attention reads keys and values from "
                        "the block's input, of embed_dim width; build it with kdim=vdim=embed_dim (or None)")
     proj, qkv = b.matrix(lay.proj), b.matrix(lay.qkv)
