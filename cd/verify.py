@@ -120,7 +120,9 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
         return torch.empty(1, chans, h, w, dtype=dtype, device="meta")
     # torchvision's VisionTransformer: its forward takes images of exactly `image_size`, patchified by `conv_proj`
     size, conv = getattr(model, "image_size", None), getattr(model, "conv_proj", None)
-    if isinstance(size, int) and isinstance(conv, nn.Conv2d):
+    # a conv stem (conv_stem_configs) makes conv_proj an nn.Sequential: the input is its first convolution's
+    conv = next((m for m in conv.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv, nn.Module) else None
+    if isinstance(size, int) and conv is not None:
         return torch.empty(1, conv.in_channels, size, size, dtype=dtype, device="meta")
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if "input_size" in cfg:

@@ -227,3 +227,41 @@ def test_a_timm_named_block_with_multihead_attention_is_paired():
     ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=example).apply(lr=0.1)
     reference_cd_(reference, want, 0.5, {r.w2: 0.1 for r in want})
     assert max_diff({n: p.double() for n, p in model.named_parameters()}, dict(reference.named_parameters())) < 1e-6
+
+
+def test_vit_with_a_conv_stem_gets_its_input_size_from_the_stems_first_conv():
+    """torchvision's conv_stem_configs make `conv_proj` an nn.Sequential of convolutions: the input's channels are
+    its first convolution's. Was: refused, "pass example_input="."""
+    from torchvision.models.vision_transformer import ConvStemConfig
+
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=DIM, mlp_dim=2 * DIM, num_classes=3,
+                                                 conv_stem_configs=[ConvStemConfig(8, 3, 2)] * 3)  # 2**3 = patch
+    model.conv_proj[0][0] = nn.Conv2d(1, 8, kernel_size=3, stride=2, padding=1, bias=False)  # read, not assumed
+    x = example_input(model)
+    assert (x.shape, x.dtype, x.device.type) == ((1, 1, 32, 32), torch.float32, "meta")
+    with torch.no_grad():
+        assert model(torch.zeros(x.shape)).shape == (1, 3)  # the size it names is one the model takes
+    assert len(find_pairs(model)) == 8
+
+
+def test_kdim_of_a_multihead_attention_below_the_attention_child_is_refused_as_such():
+    """An nn.MultiheadAttention with kdim != embed_dim inside the attention child (MMDetection's names, attn.w_msa)
+    is refused for its kdim, as one that is the child itself is. Was: "found no attn.w_msa.in_proj_weight"."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+            self.attn = nn.Module()
+            self.attn.w_msa = nn.MultiheadAttention(DIM, 2, kdim=8, vdim=8, batch_first=True)
+            self.ffn = nn.Module()
+            self.ffn.layers = nn.Sequential(nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU()), nn.Linear(2 * DIM, DIM))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm1(x)
+            x = x + self.attn.w_msa(h, h[..., :8], h[..., :8], need_weights=False)[0]
+            return x + self.ffn.layers(self.norm2(x))
+
+    with pytest.raises(UnsupportedModelError, match=r"block '0' .*MultiheadAttention has kdim or vdim other than"):
+        find_pairs(nn.Sequential(Block()), example_input=torch.randn(2, 5, DIM))
