@@ -312,9 +312,9 @@ def _refuse(name: str, block: nn.Module, why: str) -> UnsupportedModelError:
 
 def _stored_in_out(module: Optional[nn.Module], w: Optional[nn.Parameter]) -> Optional[bool]:
     """True when `module` stores its weight `w` (in, out) and computes x @ w, as transformers' `Conv1D` (weight
-    (nx, nf), attribute `nf`); False for `nn.Linear` (out, in), x @ w.T; None for a layer that is neither (a wrapper
-    holding the weight: `_Block.storage` reads it off the shape). Read per layer because the shape alone cannot tell
-    a square (D x D) projection apart."""
+    (nx, nf), attribute `nf`); False for `nn.Linear` (out, in), x @ w.T; None for a layer that is neither (a
+    wrapper holding the weight: `_Block._shape_storage` reads it off the shape). Read per layer because the shape
+    alone cannot tell a square (D x D) projection apart."""
     if isinstance(module, nn.Linear):
         return False
     nf = getattr(module, "nf", None)
