@@ -174,6 +174,17 @@ class _Adapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
 
+def _assert_read_as_out_in(model: nn.Module) -> None:
+    """4 pairs per block, none transposed, and one update equal to the paper's on the (out, in) matrices."""
+    want = _paper_update(model, 0.1 * 0.5)
+    pairs = find_pairs(model, example_input=_ids())
+    assert len(pairs) == 4 * LAYERS and not any(p.transposed for p in pairs)
+    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
+    got = dict(model.named_parameters())
+    for name, value in want.items():
+        assert (got[name].double() - value).abs().max() < 1e-6, name
+
+
 
 @pytest.mark.parametrize("wrapped", [("attn.c_proj",), ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")])
 def test_a_wrapped_layer_is_read_as_it_stores_its_weight(wrapped):
@@ -186,13 +197,7 @@ def test_a_wrapped_layer_is_read_as_it_stores_its_weight(wrapped):
         for path in wrapped:
             parent, _, name = path.rpartition(".")
             setattr(block.get_submodule(parent), name, _Adapter(block.get_submodule(path)))
-    want = _paper_update(model, 0.1 * 0.5)
-    pairs = find_pairs(model, example_input=_ids())
-    assert len(pairs) == 4 * LAYERS and not any(p.transposed for p in pairs)
-    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
-    got = dict(model.named_parameters())
-    for name, value in want.items():
-        assert (got[name].double() - value).abs().max() < 1e-6, name
+    _assert_read_as_out_in(model)
 
 
 def test_a_wrapped_square_mlp_is_read_as_the_blocks_other_wrapped_layers():
@@ -206,10 +211,4 @@ def test_a_wrapped_square_mlp_is_read_as_the_blocks_other_wrapped_layers():
         for path in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             parent, _, name = path.rpartition(".")
             setattr(block.get_submodule(parent), name, _Adapter(block.get_submodule(path)))
-    want = _paper_update(model, 0.1 * 0.5)
-    pairs = find_pairs(model, example_input=_ids())
-    assert len(pairs) == 4 * LAYERS and not any(p.transposed for p in pairs)
-    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
-    got = dict(model.named_parameters())
-    for name, value in want.items():
-        assert (got[name].double() - value).abs().max() < 1e-6, name
+    _assert_read_as_out_in(model)

@@ -107,9 +107,9 @@ class _Stack(nn.Module):
         return x
 
 
-def test_tuple_output_gives_its_first_element_when_that_is_the_stream():
-    torch.manual_seed(0)
-    model = _Stack(lambda x, stream: (stream, None, stream.sum())).double()  # (hidden_states, present, ...)
+def _assert_penalty_of_first_elements(model: nn.Module) -> None:
+    """TWEO's term on a two-block stack equals App. A.3 on each block's first output element, computed by calling
+    the blocks one by one (no TWEO hooks then)."""
     x = torch.randn(2, 5, 8, dtype=torch.float64) * 3
     with torch.no_grad():
         outs = [model.blocks[0](x)[0]]
@@ -118,6 +118,12 @@ def test_tuple_output_gives_its_first_element_when_that_is_the_stream():
         model(x)
         aux = tweo.aux_loss(torch.tensor(1.0))
     assert math.isclose(float(aux.detach()), _app_a3(outs), rel_tol=1e-9)
+
+
+def test_tuple_output_gives_its_first_element_when_that_is_the_stream():
+    torch.manual_seed(0)
+    model = _Stack(lambda x, stream: (stream, None, stream.sum())).double()  # (hidden_states, present, ...)
+    _assert_penalty_of_first_elements(model)
 
 
 @pytest.mark.parametrize("shape, returned", [
@@ -151,14 +157,7 @@ def test_tuple_output_of_a_block_given_the_stream_by_keyword_is_the_stream():
     `layer(hidden_states=h, ...)`). Was: a TypeError naming 'its first positional input NoneType'."""
     torch.manual_seed(0)
     model = _KeywordStack().double()
-    x = torch.randn(2, 5, 8, dtype=torch.float64) * 3
-    with torch.no_grad():
-        outs = [model.blocks[0](x)[0]]
-        outs.append(model.blocks[1](outs[0])[0])
-    with TWEO(model, lam=LAM, p=P, tau=TAU, eps=EPS) as tweo:
-        model(x)
-        aux = tweo.aux_loss(torch.tensor(1.0))
-    assert math.isclose(float(aux.detach()), _app_a3(outs), rel_tol=1e-9)
+    _assert_penalty_of_first_elements(model)
 
 
 def test_tuple_output_whose_first_element_differs_from_a_keyword_stream_is_refused():
@@ -177,11 +176,4 @@ def test_a_keyword_stream_is_found_through_a_wrapper_that_replaced_the_blocks_fo
     for block in model.blocks:
         inner = block.forward
         block.forward = lambda *args, _inner=inner, **kwargs: _inner(*args, **kwargs)
-    x = torch.randn(2, 5, 8, dtype=torch.float64) * 3
-    with torch.no_grad():
-        outs = [model.blocks[0](x)[0]]
-        outs.append(model.blocks[1](outs[0])[0])
-    with TWEO(model, lam=LAM, p=P, tau=TAU, eps=EPS) as tweo:
-        model(x)
-        aux = tweo.aux_loss(torch.tensor(1.0))
-    assert math.isclose(float(aux.detach()), _app_a3(outs), rel_tol=1e-9)
+    _assert_penalty_of_first_elements(model)
