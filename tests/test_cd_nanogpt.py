@@ -174,6 +174,7 @@ class _Adapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
 
+
 def _assert_read_as_out_in(model: nn.Module) -> None:
     """4 pairs per block, none transposed, and one update equal to the paper's on the (out, in) matrices."""
     want = _paper_update(model, 0.1 * 0.5)
@@ -183,7 +184,6 @@ def _assert_read_as_out_in(model: nn.Module) -> None:
     got = dict(model.named_parameters())
     for name, value in want.items():
         assert (got[name].double() - value).abs().max() < 1e-6, name
-
 
 
 @pytest.mark.parametrize("wrapped", [("attn.c_proj",), ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")])
