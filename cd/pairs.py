@@ -17,9 +17,10 @@ Discovery is structural, then checked: a block is any module with children `norm
 `fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
 variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
-ignored). Other libraries name the same layers differently: `LAYOUTS` maps their names onto these roles
-(GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin; torchvision's
-ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and Swin). Each
+ignored). Other libraries name the same layers differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto
+these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin;
+torchvision's ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and
+Swin), and a model with names of its own passes its own `Layout`s as `layouts=`, checked as the built-in ones. Each
 layer's storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out),
 so that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a functional pair whose two
 layers are stored differently is refused.
@@ -40,11 +41,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from .layouts import LAYOUTS, Layout, check_layouts
 from .values import check_v_rows
 from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
@@ -152,71 +154,12 @@ def _scale_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
     return w if isinstance(w, nn.Parameter) and w.dim() == 1 else None
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where one library puts the layers of a pre-norm block: paths relative to the block.
-
-    The pairs are the same in every layout (the table in the module docstring); only the names differ. Whether a
-    weight is stored (out, in) or (in, out) is a property of its layer, not of the layout (`_stored_in_out`):
-    nanoGPT's GPT-2 has transformers' GPT-2 names on `nn.Linear` layers. A module is a block of the first layout
-    whose top-level children (the first part of each path: `norm1`, `attn`, `norm2`, `mlp` for timm) it has.
-
-    Attributes:
-        library: named in messages and the family table.
-        norm1, norm2: the norms before the attention and before the MLP.
-        proj, fc2: the attention's output projection and the MLP's output layer (W_down when gated).
-        qkv: a fused [Q; K; V] projection, or None.
-        q_k_v: separate Q, K, V projections (tried when `qkv` is absent), or None.
-        fc1: the MLP's input layer (plain MLP; timm's packed GluMlp), or None.
-        gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), or None.
-        transposed: the storage of a layer whose type and shape do not tell it (`_Block.storage`) and whose pair
-            partner does not either: True for (in, out).
-    """
-
-    library: str
-    norm1: str
-    norm2: str
-    proj: str
-    fc2: str
-    qkv: Optional[str] = None
-    q_k_v: Optional[tuple[str, str, str]] = None
-    fc1: Optional[str] = None
-    gate: Optional[str] = None
-    up: Optional[str] = None
-    transposed: bool = False
-
-    @property
-    def children(self) -> tuple[str, ...]:
-        """The block's top-level children that identify the layout."""
-        return tuple(dict.fromkeys(p.split(".")[0] for p in (self.norm1, self.proj, self.norm2, self.fc2)))
-
-
-# Order matters where two layouts share their top-level children (timm's and torchvision's Swin): `layout_of`.
-LAYOUTS: tuple[Layout, ...] = (
-    Layout("timm", "norm1", "norm2", proj="attn.proj", fc2="mlp.fc2", qkv="attn.qkv",
-           q_k_v=("attn.q", "attn.k", "attn.v"), fc1="mlp.fc1", gate="mlp.fc1_g", up="mlp.fc1_x"),
-    Layout("GPT-2 (transformers, nanoGPT)", "ln_1", "ln_2", proj="attn.c_proj", fc2="mlp.c_proj", qkv="attn.c_attn",
-           fc1="mlp.c_fc", transposed=True),
-    Layout("transformers ViT", "layernorm_before", "layernorm_after", proj="attention.o_proj", fc2="mlp.fc2",
-           q_k_v=("attention.q_proj", "attention.k_proj", "attention.v_proj"), fc1="mlp.fc1"),
-    Layout("transformers Llama", "input_layernorm", "post_attention_layernorm", proj="self_attn.o_proj",
-           fc2="mlp.down_proj", q_k_v=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-           gate="mlp.gate_proj", up="mlp.up_proj"),
-    Layout("MMDetection Swin", "norm1", "norm2", proj="attn.w_msa.proj", fc2="ffn.layers.1",
-           qkv="attn.w_msa.qkv", fc1="ffn.layers.0.0"),
-    # nn.MultiheadAttention holds its fused [Q; K; V] as its own Parameter `in_proj_weight`, not a Linear's weight
-    Layout("torchvision ViT", "ln_1", "ln_2", proj="self_attention.out_proj", fc2="mlp.3",
-           qkv="self_attention.in_proj_weight", fc1="mlp.0"),
-    # the children of timm's block (norm1, attn, norm2, mlp): told apart by the MLP's layers (`layout_of`)
-    Layout("torchvision Swin", "norm1", "norm2", proj="attn.proj", fc2="mlp.3", qkv="attn.qkv", fc1="mlp.0"),
-)
-
-
-def layout_of(module: nn.Module) -> Optional[Layout]:
-    """The layout whose block `module` is, or None: of the layouts whose top-level children it has, the first whose
-    MLP output layer (`fc2`) it has too (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which then names
-    what is missing); with an nn.MultiheadAttention as its attention, that module's own qkv and output layer."""
-    fits = [lay for lay in LAYOUTS if all(_child(module, c) is not None for c in lay.children)]
+def layout_of(module: nn.Module, layouts: tuple[Layout, ...] = LAYOUTS) -> Optional[Layout]:
+    """The layout of `layouts` whose block `module` is, or None: of the layouts whose top-level children it has, the
+    first whose MLP output layer (`fc2`) it has too (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which
+    then names what is missing); with an nn.MultiheadAttention as its attention, that module's own qkv and output
+    layer."""
+    fits = [lay for lay in layouts if all(_child(module, c) is not None for c in lay.children)]
     lay = next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
     attn = lay.proj.rpartition(".")[0] if lay is not None else ""
     if attn and isinstance(_module(module, attn), nn.MultiheadAttention):
@@ -242,16 +185,18 @@ def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
             inside = name
 
 
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[tuple[str, nn.Module]]:
     """The pre-norm Transformer blocks of `model` in model order, with unwrapped-model names: the blocks of every
-    layout of `LAYOUTS` (timm's `blocks.N` and `layers.N.blocks.M`, GPT-2's `h.N` as transformers and nanoGPT name
-    it, transformers' ViT and Llama layers, MMDetection's Swin blocks, torchvision's ViT and Swin blocks).
+    layout of `layouts` (`cd.layouts`; by default `LAYOUTS`: timm's `blocks.N` and `layers.N.blocks.M`, GPT-2's
+    `h.N` as transformers and nanoGPT name it, transformers' ViT and Llama layers, MMDetection's Swin blocks,
+    torchvision's ViT and Swin blocks).
 
     Used by TWEO (block outputs A_l, read with `residual_stream`) and scripts/mechanism.py. Whether a block's output
     is the residual stream is decided per forward, by `residual_stream`, not per library. Nested matches inside a
     block are not searched.
     """
-    return list(_outermost(unwrap_model(model), lambda m: layout_of(m) is not None))
+    layouts = check_layouts(layouts)
+    return list(_outermost(unwrap_model(model), lambda m: layout_of(m, layouts) is not None))
 
 
 def residual_stream(name: str, block: nn.Module, args: tuple, output: object,
@@ -404,9 +349,13 @@ class _Block:
         """A layer of the layout is absent: name the paths looked for and the layout its children matched, since a
         block of one's own whose children happen to be another library's (an MLP named `ffn` reads as
         MMDetection's Swin) would otherwise be told about the wrong part."""
+        if self.lay.library not in {lay.library for lay in LAYOUTS}:  # a layout given as layouts=
+            return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
+                               f"the layout {self.lay.library!r} given as layouts=: check its paths against the "
+                               "block's module names")
         own = "" if self.lay.library == "timm" else (
             "; a block of your own is found under timm's names: norm1, attn.qkv (or attn.q, attn.k, attn.v), "
-            "attn.proj, norm2, mlp.fc1, mlp.fc2")
+            "attn.proj, norm2, mlp.fc1, mlp.fc2, or under its own names given as layouts=[cd.Layout(...)]")
         return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
                            f"the {self.lay.library} block layout{own}")
 
@@ -534,12 +483,13 @@ def _gated_pairs(b: _Block) -> list[Pair]:
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2", rows)]
 
 
-def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool) -> None:
-    """Append the pairs of every block and patch-merging layer of `root`, in model order (into `pairs`, so
-    that the caller sees those found before a refusal); `types`: block name -> class name."""
-    for name, module in _outermost(root, lambda m: layout_of(m) is not None or _is_patch_merging(m)):
+def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool,
+             layouts: tuple[Layout, ...]) -> None:
+    """Append the pairs of every block (of a layout of `layouts`) and patch-merging layer of `root`, in model order
+    (into `pairs`, so that the caller sees those found before a refusal); `types`: block name -> class name."""
+    for name, module in _outermost(root, lambda m: layout_of(m, layouts) is not None or _is_patch_merging(m)):
         types[name] = type(module).__name__
-        layout = layout_of(module)
+        layout = layout_of(module, layouts)
         if layout is not None:
             block = _Block(name, module, layout)
             pairs += _attention_pairs(block) + _mlp_pairs(block, gated_mlp)
@@ -548,11 +498,29 @@ def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_ml
             raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
                           "a norm with the layer it feeds")
         else:
+            # patch merging is found by its own names (norm, reduction) whatever the layouts
             pairs.append(_Block(name, module, LAYOUTS[0]).composable("norm", "reduction", "reduction"))
 
 
+def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
+    """Why `root` has no pair: the layouts that were tried (the built-in ones, or those given)."""
+    if layouts is LAYOUTS:
+        return (f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
+                "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
+                "ViT/DeiT/Swin, or the same parts under the names of GPT-2, transformers' ViT / GPT-2 / Llama and "
+                "MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m cd --families` lists "
+                "the families and what CD finds in each. A model whose blocks name these layers otherwise gives its "
+                "names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with names of your own\"). Without CD "
+                "(train.py: cd.enabled=false) the model trains as usual.")
+    tried = "; ".join(lay.describe() for lay in layouts)
+    return (f"no matrix pair found in {type(root).__name__} with the layouts given (layouts=): {tried}. No module "
+            "of the model has all the top-level children of one of them, nor is a patch-merging layer (norm, "
+            "reduction): check the paths against the model's module names (print(model)), or add the built-in "
+            "layouts, layouts=[..., *cd.LAYOUTS].")
+
+
 def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tuple, dict]] = None,
-               verify: bool = True, gated_mlp: bool = False) -> list[Pair]:
+               verify: bool = True, gated_mlp: bool = False, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
 
     Args:
@@ -568,23 +536,28 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             buffers, training flags and random streams untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.
+        layouts: the block layouts tried, in order, and no others (`cd.layouts`): default `LAYOUTS`, the built-in
+            ones; a model with names of its own gives its own `Layout`s (add `*LAYOUTS` to try those too).
+            Patch-merging layers (`norm`, `reduction`) are found whatever the layouts.
 
     Returns:
         list of Pair; names are those of the unwrapped model. ViT-T/S/B: 4 pairs per block (48 for
         depth 12); Swin-T: 48 block pairs + 3 patch-merging pairs = 51.
 
     Raises:
+        TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), or the rows of a fused qkv paired with proj
             are not V (a per-head interleaved or reordered layout); the message names the block and its type.
     """
+    layouts = check_layouts(layouts)
     refuse_fsdp1(model)
     root = unwrap_model(model)
     pairs: list[Pair] = []
     types: dict[str, str] = {}
     try:
-        _collect(root, pairs, types, gated_mlp)
+        _collect(root, pairs, types, gated_mlp, layouts)
     except UnsupportedModelError as refusal:
         if verify and pairs:  # report the first block in model order whose pairs the forward contradicts
             try:
@@ -594,13 +567,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
                     raise earlier from None
         raise refusal
     if not pairs:
-        raise UnsupportedModelError(
-            f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
-            "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
-            "ViT/DeiT/Swin, or the same parts under the names of GPT-2, transformers' ViT / GPT-2 / Llama and "
-            "MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m cd --families` lists "
-            "the families and what CD finds in each. Without CD (train.py: cd.enabled=false) the model trains "
-            "as usual.")
+        raise UnsupportedModelError(_no_pair_message(root, layouts))
     refuse_shared(pairs, types)
     refuse_split_devices(pairs, types)
     if verify:
