@@ -16,12 +16,13 @@ import math
 import numbers
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
@@ -131,11 +132,12 @@ def energy_metrics(pairs: list[Pair], plan=None, block_plans_=None) -> dict[str,
 
 
 def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool = True,
-                       example_input: Optional[Tensor] = None) -> Callable[[], dict[str, float]]:
+                       example_input: Optional[Tensor] = None,
+                       layouts: Sequence[Layout] = LAYOUTS) -> Callable[[], dict[str, float]]:
     """A metric source for runs without CD: `energy_metrics` of every pair of `model`, found once here,
     so that baselines log the same cd/pair_energy/<role> curves as CD runs (whose `metrics` include them).
 
-    `verify` and `example_input` are `find_pairs`'s (as for `ColinearityDecay`). A model sharded by FSDP2
+    `verify`, `example_input` and `layouts` are `find_pairs`'s (as for `ColinearityDecay`). A model sharded by FSDP2
     (`fully_shard`) takes verify=False (the check's meta forward would run FSDP's hooks); build the source after
     fully_shard, as ColinearityDecay. Its energies are then those of the unsharded model (each block's matrices
     gathered whole, `cd.sharded`), and the source is a collective: call it on every rank at the same steps (a call
@@ -149,7 +151,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     """
     try:
         register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
-        pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
+        pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp, layouts=layouts)
     except UnsupportedModelError as e:
         warnings.warn(f"{str(e).rstrip('.')}; no cd/pair_energy metrics are logged for this model", stacklevel=2)
         return dict
@@ -240,6 +242,8 @@ class ColinearityDecay:
             for models whose forward cannot run on the `meta` device.
         gated_mlp: also pair gated MLPs (SwiGLU: norm2 -> W_gate, W_up; W_up -> W_down), beyond the
             paper (cd/README.md, "Gated MLPs"); off: a gated MLP is refused.
+        layouts: the block layouts tried (`find_pairs`): default the built-in `cd.LAYOUTS`; a model with names of
+            its own gives its own `cd.Layout`s (cd/README.md, "Blocks with names of your own").
 
     Raises:
         UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
@@ -260,8 +264,10 @@ class ColinearityDecay:
         example_input: Optional[Tensor] = None,
         gated_mlp: bool = False,
         verify: bool = True,
+        layouts: Sequence[Layout] = LAYOUTS,
     ) -> None:
         lam_per_role = check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every)
+        layouts = check_layouts(layouts)
         self.lam = float(lam)
         self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}
         self.targets = targets
@@ -269,10 +275,12 @@ class ColinearityDecay:
         self.loss_coef = float(loss_coef)
         self.norms_every = norms_every
         self.gated_mlp = bool(gated_mlp)
+        self.layouts = layouts
 
         # diagnostics cover every pair
         register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
-        self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp)
+        self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp,
+                                                layouts=layouts)
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]

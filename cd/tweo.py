@@ -4,9 +4,10 @@
 
 A_l is the output of the l-th Transformer block (the residual stream after attention and MLP): timm
 ViT/DeiT `blocks.N`, Swin `layers.N.blocks.M`, GPT-2 `transformer.h.N` (transformers, nanoGPT), the blocks of
-every layout `cd.pairs.find_blocks` knows; not patch merging, not the final norm. A block that returns a tuple
-gives its first element when that has the shape of the block's input (transformers 4.x layers), and any other
-output is a TypeError naming the block (`cd.pairs.residual_stream`). The mean runs
+every layout `cd.pairs.find_blocks` is given (`layouts=`, by default the built-in `cd.LAYOUTS`); not patch
+merging, not the final norm. A block that returns a tuple gives its first element when that has the shape of the
+block's input (transformers 4.x layers), and any other output is a TypeError naming the block
+(`cd.pairs.residual_stream`). The mean runs
 over batch x tokens x channels. Defaults p=4, tau=3, eps=1e-6; lam(t) is constant or a cosine from
 lam to 0 over the run. The "rescaled" variant (used by the paper for fine-tuning and detection)
 multiplies the term by detach(L_task / L_TWEO), so its value is lam(t) * L_task.
@@ -33,11 +34,12 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import find_blocks, residual_stream
 from .update import align_to_task_loss, compute_dtype
 from .wrappers import unwrap_model
@@ -97,11 +99,13 @@ class TWEO:
         rescale: multiply the term by detach(task_loss / penalty) before lam (the "rescaled" variant).
         form: 'memory_saving' (`tweo_penalty`, the default) or 'plain' (`plain_tweo_penalty`): the same
             value and gradient, different activation memory.
+        layouts: the block layouts whose blocks are hooked (`cd.pairs.find_blocks`): default the built-in
+            `cd.LAYOUTS`; a model with names of its own gives its own `cd.Layout`s, as to `ColinearityDecay`.
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
                  eps: float = 1e-6, schedule: str = "constant", total_steps: Optional[int] = None,
-                 rescale: bool = False, form: str = "memory_saving") -> None:
+                 rescale: bool = False, form: str = "memory_saving", layouts: Sequence[Layout] = LAYOUTS) -> None:
         if form not in FORMS:
             raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
         if schedule not in SCHEDULES:
@@ -115,11 +119,14 @@ class TWEO:
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)
         self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty
+        layouts = check_layouts(layouts)
 
-        self.blocks = find_blocks(model)
+        self.blocks = find_blocks(model, layouts)
         if not self.blocks:
-            raise ValueError(f"TWEO: no pre-norm Transformer block (norm1/attn/norm2/mlp, or the same parts "
-                             f"under another library's names: cd.pairs.LAYOUTS) in {type(model).__name__}")
+            tried = ("norm1/attn/norm2/mlp, or the same parts under another library's names: cd.LAYOUTS; a model "
+                     "with names of its own gives layouts=[cd.Layout(...)]" if layouts is LAYOUTS else
+                     "of the layouts given: " + "; ".join(lay.describe() for lay in layouts))
+            raise ValueError(f"TWEO: no pre-norm Transformer block ({tried}) in {type(model).__name__}")
         self._terms: list[Tensor] = []  # per-block terms of the latest training forward
         self._last_penalty: Optional[Tensor] = None
         self._last_lam: Optional[float] = None

@@ -20,6 +20,7 @@ from typing import Any, Container, Optional
 import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
+from ..layouts import check_layouts
 from ..wrappers import torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
@@ -33,8 +34,8 @@ NORMS_EVERY = 50
 def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked now: the names, and the values that need no model
     (`check_settings`; the rest when the model is there, before the first step), with `norms_every` NORMS_EVERY
-    unless given. Raises TypeError for a name `ColinearityDecay` does not take, ValueError for a value it
-    refuses."""
+    unless given, and `layouts` as a tuple of `Layout` (a config file's mappings of its fields made Layouts).
+    Raises TypeError for a name `ColinearityDecay` does not take, ValueError for a value it refuses."""
     bad = sorted(set(kwargs) & set(_LOSS_ONLY))
     if bad:
         raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "
@@ -46,6 +47,8 @@ def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"ColinearityDecay arguments: {e}") from None
     bound.apply_defaults()  # the values that need no model now (lam=nan, an unknown role), not at the train start
     check_settings(**{name: bound.arguments[name] for name in inspect.signature(check_settings).parameters})
+    if "layouts" in kwargs:  # a malformed one now, not at the train start; a config file's mappings made Layouts
+        kwargs["layouts"] = check_layouts(kwargs["layouts"])
     return dict(kwargs)
 
 

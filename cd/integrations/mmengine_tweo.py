@@ -40,6 +40,7 @@ import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
+from ..layouts import check_layouts
 from ..tweo import TWEO
 from ..wrappers import unwrap_model
 from . import check_module_name, select_module
@@ -92,6 +93,8 @@ class TweoHook(Hook):
             inspect.signature(TWEO).bind(None, **tweo_kwargs)
         except TypeError as e:
             raise TypeError(f"TweoHook: TWEO arguments: {e}") from None
+        if "layouts" in tweo_kwargs:  # checked now, as ColinearityDecayHook does; a config file's mappings made Layouts
+            tweo_kwargs["layouts"] = check_layouts(tweo_kwargs["layouts"])
         self.module, self.total_steps = check_module_name(module, "TweoHook"), total_steps
         self.kwargs = dict(tweo_kwargs, lam=float(lam), rescale=rescale)
         self.tweo: Optional[TWEO] = None
