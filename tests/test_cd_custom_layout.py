@@ -1,0 +1,270 @@
+"""CD on a Transformer with names of its own, given as `cd.Layout` (`layouts=`).
+
+The model below names its block's layers `ln_attn`, `attention.qkv_proj`, `attention.out`, `ln_ffn`, `ffn.up`,
+`ffn.down`, none of them a built-in layout's. The references are independent of cd/: the pairs are the parameters
+the model's own forward uses (compared by identity), and the update is paper Eq. (12) with App. A.2's
+normalization, written here in float64.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cd
+from cd import LAYOUTS, TWEO, ColinearityDecay, Layout, UnsupportedModelError, find_pairs
+from cd.integrations import check_cd_arguments
+from cd.pairs import find_blocks
+
+D, HEADS, T, IN = 16, 2, 5, 6
+MINE = Layout("my model", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv_proj", proj="attention.out",
+              fc1="ffn.up", fc2="ffn.down")
+
+
+class Attention(nn.Module):
+    """Self-attention whose fused projection holds its rows in `order` ('qkv': [Q; K; V])."""
+
+    def __init__(self, order: str = "qkv"):
+        super().__init__()
+        self.order = order
+        self.qkv_proj = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        parts = dict(zip(self.order, self.qkv_proj(x).split(D, dim=-1)))
+        q, k, v = (parts[c].view(b, t, HEADS, D // HEADS).transpose(1, 2) for c in "qkv")
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, t, D))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class MyBlock(nn.Module):
+    def __init__(self, order: str = "qkv"):
+        super().__init__()
+        self.ln_attn, self.attention = nn.LayerNorm(D), Attention(order)
+        self.ln_ffn, self.ffn = nn.LayerNorm(D), FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_attn(x))
+        return x + self.ffn(self.ln_ffn(x))
+
+
+class MyModel(nn.Module):
+    def __init__(self, depth: int = 2, order: str = "qkv"):
+        super().__init__()
+        self.embed = nn.Linear(IN, D)
+        self.layers = nn.ModuleList(MyBlock(order) for _ in range(depth))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(1))
+
+
+def _model(**kw) -> MyModel:
+    torch.manual_seed(0)
+    model = MyModel(**kw)
+    with torch.no_grad():  # norm scales other than ones, so that diag(g) is not the identity
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(D))
+    return model
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, T, IN, generator=torch.Generator().manual_seed(1))
+
+
+def test_own_names_give_four_pairs_per_block_with_the_right_parameters():
+    model = _model()
+    pairs = find_pairs(model, _x(), layouts=[MINE])
+    want = []
+    for i, blk in enumerate(model.layers):
+        want += [("qkv", "composable", blk.ln_attn.weight, blk.attention.qkv_proj.weight, None),
+                 ("proj", "functional", blk.attention.qkv_proj.weight, blk.attention.out.weight, (2 * D, 3 * D)),
+                 ("fc1", "composable", blk.ln_ffn.weight, blk.ffn.up.weight, None),
+                 ("fc2", "functional", blk.ffn.up.weight, blk.ffn.down.weight, None)]
+    assert len(pairs) == 4 * len(model.layers)
+    for p, (role, kind, w1, w2, rows) in zip(pairs, want):
+        assert (p.role, p.kind, p.upstream_rows, p.transposed) == (role, kind, rows, False)
+        assert p.upstream is w1 and p.downstream is w2
+    assert [p.block for p in pairs[::4]] == ["layers.0", "layers.1"]
+    assert pairs[1].name == "layers.0.attention.out.weight"
+
+
+def _eq12(w2: torch.Tensor, w1: torch.Tensor, step: float) -> torch.Tensor:
+    """W2 - step * W2 W1n W1n^T, W1n = W1 / (||W1||_F / sqrt(rows W1)) (Eq. (12), App. A.2), float64."""
+    w1n = w1 / (torch.linalg.matrix_norm(w1) / math.sqrt(w1.shape[0]))
+    return w2 - step * w2 @ w1n @ w1n.T
+
+
+def test_one_update_is_eq12_by_hand():
+    model = _model()
+    lr, lam = 0.5, 0.1
+    decay = ColinearityDecay(model, lam=lam, example_input=_x(), layouts=[MINE])
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    want = {}
+    for i in range(len(model.layers)):
+        b = lambda name: before[f"layers.{i}.{name}"]  # noqa: E731
+        want[f"layers.{i}.attention.qkv_proj.weight"] = _eq12(b("attention.qkv_proj.weight"),
+                                                              torch.diag(b("ln_attn.weight")), lr * lam)
+        want[f"layers.{i}.attention.out.weight"] = _eq12(b("attention.out.weight"),
+                                                         b("attention.qkv_proj.weight")[2 * D:], lr * lam)
+        want[f"layers.{i}.ffn.up.weight"] = _eq12(b("ffn.up.weight"), torch.diag(b("ln_ffn.weight")), lr * lam)
+        want[f"layers.{i}.ffn.down.weight"] = _eq12(b("ffn.down.weight"), b("ffn.up.weight"), lr * lam)
+    decay.apply(lr=lr)
+    for name, p in model.named_parameters():
+        got = p.detach().double()
+        if name in want:  # the update itself (new - old) to relative precision, not only the weights
+            delta, want_delta = got - before[name], want[name] - before[name]
+            assert want_delta.abs().max() > 1e-3, name
+            torch.testing.assert_close(delta, want_delta, rtol=1e-4, atol=1e-6, msg=name)
+        else:  # W1s, norms, biases, embedding and head: untouched
+            assert torch.equal(got, before[name]), name
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(norm1=""), "'norm1'"),
+    (dict(proj="attention..out"), "'proj'"),
+    (dict(fc2=None), "'fc2'"),
+    (dict(qkv=None), "'qkv'"),
+    (dict(qkv=None, q_k_v=("a.q", "a.k")), "'q_k_v'"),
+    (dict(fc1=None), "'fc1'"),
+    (dict(gate="ffn.gate"), "'gate' and 'up'"),
+    (dict(fc1="attention.out"), "'proj' and 'fc1'"),
+    (dict(library=""), "'library'"),
+    (dict(transposed="no"), "'transposed'"),
+])
+def test_a_bad_layout_is_refused_naming_the_field(fields, field):
+    good = dict(library="mine", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv_proj", proj="attention.out",
+                fc1="ffn.up", fc2="ffn.down")
+    with pytest.raises(ValueError, match=f"cd.Layout.*{field}"):
+        Layout(**{**good, **fields})
+
+
+@pytest.mark.parametrize("layouts, error, match", [
+    (MINE, TypeError, "sequence of cd.Layout"),  # one Layout, not in a list
+    ("ln_attn", TypeError, "sequence of cd.Layout"),
+    ([], ValueError, "layouts is empty"),
+    ([MINE, "timm"], TypeError, r"layouts\[1\]"),
+    ([{"library": "x", "norm1": "a", "norm2": "b", "proj": "c.p", "fc2": "d.f", "qkv_proj": "c.q"}], ValueError,
+     r"unknown \['qkv_proj'\]"),
+])
+def test_a_bad_layouts_argument_is_refused_before_any_work(layouts, error, match):
+    model = _model()
+    for call in (lambda: find_pairs(model, _x(), layouts=layouts), lambda: find_blocks(model, layouts),
+                 lambda: ColinearityDecay(model, example_input=_x(), layouts=layouts),
+                 lambda: TWEO(model, layouts=layouts), lambda: check_cd_arguments({"layouts": layouts})):
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_a_layout_matching_no_block_names_the_layouts_tried():
+    other = Layout("other lib", norm1="pre", norm2="post", qkv="mix.qkv", proj="mix.o", fc1="mlp.a", fc2="mlp.b")
+    with pytest.raises(UnsupportedModelError, match=r"no matrix pair found in MyModel with the layouts given.*"
+                                                    r"'other lib' \(children pre, mix, post, mlp\)"):
+        find_pairs(_model(), _x(), layouts=[other])
+    # the built-in layouts are not tried when layouts are given: a timm-named block is not found under `MINE` alone
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=D, depth=1, num_heads=2)
+    with pytest.raises(UnsupportedModelError, match=r"'my model' \(children ln_attn, attention, ln_ffn, ffn\)"):
+        find_pairs(vit, layouts=[MINE])
+    assert len(find_pairs(vit, layouts=[MINE, *LAYOUTS])) == 4
+
+
+def test_without_layouts_a_model_of_its_own_names_is_told_about_the_argument():
+    with pytest.raises(UnsupportedModelError, match=r"no matrix pair found in MyModel\. .*layouts=\[cd\.Layout"):
+        find_pairs(_model(), _x())
+    with pytest.raises(ValueError, match=r"TWEO: no pre-norm Transformer block .*layouts=\[cd\.Layout"):
+        TWEO(_model())
+
+
+def test_v_rows_out_of_order_are_refused_by_the_v_row_check():
+    model = _model(order="vqk")  # the fused projection's rows are [V; Q; K]: rows 2D:3D are K, not V
+    with pytest.raises(UnsupportedModelError, match=r"block 'layers.0' \(MyBlock\).*not \(all of\) V"):
+        find_pairs(model, _x(), layouts=[MINE])
+    assert len(find_pairs(model, _x(), layouts=[MINE], verify=False)) == 8  # the structure alone cannot tell
+
+
+def test_the_meta_forward_check_runs_on_a_given_layout():
+    # a layout that swaps the norms: ln_ffn does not feed qkv_proj, which the meta forward tells
+    swapped = Layout("swapped", norm1="ln_ffn", norm2="ln_attn", qkv="attention.qkv_proj", proj="attention.out",
+                     fc1="ffn.up", fc2="ffn.down")
+    with pytest.raises(UnsupportedModelError, match="layers.0"):
+        find_pairs(_model(), _x(), layouts=[swapped])
+
+
+def test_tweo_hooks_the_blocks_of_a_given_layout():
+    model = _model()
+    tweo = TWEO(model, lam=1.0, layouts=[MINE])
+    assert [(n, b) for n, b in tweo.blocks] == [(f"layers.{i}", blk) for i, blk in enumerate(model.layers)]
+    outs = []
+    hooks = [blk.register_forward_hook(lambda m, a, o: outs.append(o.detach().double())) for blk in model.layers]
+    loss = model(_x()).sum()
+    for h in hooks:
+        h.remove()
+    want = sum(((a.abs() / (3.0 + 1e-6)) ** 4).mean() for a in outs) / len(outs)  # App. A.3, p=4, tau=3
+    torch.testing.assert_close(tweo.aux_loss(loss).double(), want, rtol=1e-5, atol=0)
+    tweo.remove()
+
+
+def test_builtin_layouts_are_the_default():
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=D, depth=2, num_heads=2)
+    default, given = find_pairs(vit), find_pairs(vit, layouts=LAYOUTS)
+    assert [(p.name, p.role, p.upstream_name) for p in default] == [(p.name, p.role, p.upstream_name) for p in given]
+    assert [p.name for p in default[:4]] == [f"blocks.0.{n}.weight" for n in ("attn.qkv", "attn.proj", "mlp.fc1",
+                                                                               "mlp.fc2")]
+    assert cd.LAYOUTS is LAYOUTS and LAYOUTS[0].library == "timm"
+
+
+def test_integrations_take_layouts_from_a_config_file_as_mappings():
+    as_config = dict(library="my model", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv_proj",
+                     proj="attention.out", fc1="ffn.up", fc2="ffn.down")
+    kwargs = check_cd_arguments({"lam": 0.01, "layouts": [as_config]})
+    assert kwargs["layouts"] == (MINE,)
+    decay = ColinearityDecay(_model(), example_input=_x(), **kwargs)
+    assert len(decay.pairs) == 8
+
+
+def test_a_path_of_a_given_layout_missing_in_the_block_is_named():
+    typo = Layout("typo", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv", proj="attention.out", fc1="ffn.up",
+                  fc2="ffn.down")
+    with pytest.raises(UnsupportedModelError, match=r"'layers.0' \(MyBlock\).*found no attention.qkv .*layout 'typo' "
+                                                    r"given as layouts="):
+        find_pairs(_model(), _x(), layouts=[typo])
+
+
+def test_the_readme_example_runs_as_written(capsys):
+    text = (Path(__file__).resolve().parents[1] / "cd" / "README.md").read_text()
+    section = text[text.index("### Blocks with names of your own"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    scope: dict = {}
+    exec(compile(code[:code.index("```")], "cd/README.md", "exec"), scope)
+    assert len(scope["pairs"]) == 8 and scope["decay"].num_updates == 1
+    assert "0.attention.out.weight" in capsys.readouterr().out
+
+
+def test_the_tweo_hook_checks_its_layouts_when_it_is_made():
+    pytest.importorskip("mmengine")
+    from cd.integrations.mmengine import TweoHook
+    as_config = dict(library="my model", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv_proj",
+                     proj="attention.out", fc1="ffn.up", fc2="ffn.down")
+    assert TweoHook(layouts=[as_config]).kwargs["layouts"] == (MINE,)
+    with pytest.raises(ValueError, match=r"cd.Layout.*'fc1'"):
+        TweoHook(layouts=[{**as_config, "fc1": None}])
