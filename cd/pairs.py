@@ -26,8 +26,10 @@ so that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a 
 layers are stored differently is refused.
 Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
 that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
-not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero
-(`cd/values.py`), so that a qkv laid out per head or in another order is refused. A block that does not
+not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero, and the
+order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
+laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
+refused. A block that does not
 fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
 `UnsupportedModelError` names the block and its type.
 
@@ -532,8 +534,9 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             `cd.verify.example_input` (timm's `patch_embed.img_size` / `pretrained_cfg`, a transformers
             model's config).
         verify: run the checks: one forward on the `meta` device (no memory, weights untouched), then, for a
-            fused qkv, one real forward of the example with the claimed V rows set to zero (`cd.values`: weights,
-            buffers, training flags and random streams untouched; skipped for a model on the `meta` device).
+            fused qkv, one real forward of the example with the claimed V rows set to zero, and for every V ->
+            proj pair one with some of V's channels set to zero (`cd.values`: weights, buffers, training flags and
+            random streams untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.
         layouts: the block layouts tried, in order, and no others (`cd.layouts`): default `LAYOUTS`, the built-in
@@ -548,8 +551,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
-            contradicts a pair (res-post-norm blocks such as Swin V2), or the rows of a fused qkv paired with proj
-            are not V (a per-head interleaved or reordered layout); the message names the block and its type.
+            contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
+            are not V (a per-head interleaved or reordered layout), or proj does not read V's channel i at its
+            column i (heads merged in another order; XCiT's channel attention); the message names the block and
+            its type.
     """
     layouts = check_layouts(layouts)
     refuse_fsdp1(model)

@@ -1,39 +1,53 @@
-"""Check that the fused-qkv rows CD pairs with the attention's proj are V: one real forward with V set to zero.
+"""Check the V -> proj pairs on real numbers: that the fused-qkv rows CD pairs with proj are V (one forward with V
+set to zero), and that proj reads V's channels in their order (one forward with some of V's channels set to zero).
 
 The meta check (`cd/verify.py`) follows whole tensors: it confirms that proj reads something computed from a
-fused qkv, not which of its rows. CD pairs proj with rows [2D:3D] of qkv, the V third of timm's [Q; K; V] layout
-(paper Sec. 3.2). This check runs the model once on real numbers with those rows of qkv's output set to zero and
-requires proj's input to be exactly zero. Softmax attention (with masks, windows, relative position biases, sinks,
-XCiT's channel attention, CaiT's talking heads) mixes V with weights computed from Q and K, so its output is linear
-in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interleaved, as GPT-NeoX and Bloom) or in
-another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero and the pair is refused.
+fused qkv (or v), not which of its rows, nor in which order. CD pairs proj with rows [2D:3D] of qkv, the V third of
+timm's [Q; K; V] layout, and row i of V with column i of proj (paper Sec. 3.2).
 
-What is set to zero, without touching any weight: the V columns of each call that multiplies by the qkv weight (the
-layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and a bias added
-to it by hand, in place too (`y.add_(b)`, `y += b`, `torch.add(y, b, out=y)`); a product the check cannot follow,
-such as an einsum, is refused, not passed), and every parameter of the attention module itself of V's width (a
-learned sink value, as the kv_bias sink variant appends to V; a query or value bias); a torch function mode does it
-on the fly. The input is the meta check's example, cut to one sample, on the device of the model's parameters: for a
-meta example a fixed ramp of values (floats), zeros (token ids: a valid id) or True (boolean masks: attend), a
-user's real example with its values (token ids, masks). Where one sample fails (a 1-D tensor along the batch, such
-as labels, is not cut with the rest), the whole example runs instead. One forward under no_grad, in eval mode (every
-module's training flag restored after), inside `torch.random.fork_rng` (no random stream moves), compiled submodules
-run eagerly, every buffer's values restored after (a forward may update one even in eval mode): no memory beyond one
-sample's activations and a copy of the buffers; forward hooks on the model run once (twice where the whole example
-runs), as in the meta check.
+Which rows are V (a fused qkv only): the model runs once on real numbers with those rows of qkv's output set to
+zero, and proj's input must be exactly zero. Softmax attention (with masks, windows, relative position biases,
+sinks, CaiT's talking heads, which mix the heads' attention maps, not V) mixes V with weights computed from Q and K,
+so its output is linear in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interleaved, as
+GPT-NeoX and Bloom) or in another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero
+and the pair is refused.
+
+In which order (every proj pair, of a fused qkv or of a separate v): the model runs once more with only the
+channels `order_channels` picks of V set to zero (an irregular pattern: every head's part differs from every other
+head's), and proj's input columns of the same numbers must be exactly zero; its other columns are not judged (a
+V row of zeros in the model makes its column zero too). Attention that mixes tokens keeps each channel apart, so
+those columns are zero. Heads merged in another order or channels permuted between V and proj move the zeros to
+other columns, and some of the picked columns stay nonzero: refused, naming the columns on both sides. So is an
+attention across channels (XCiT's XCA: each output channel a softmax-weighted sum of its head's V channels), where
+proj reads W_V through a data-dependent mixing: W_O M(x) W_V is not the product of the pair CD decays.
+
+What is set to zero, without touching any weight: the chosen V columns of each call that multiplies by the qkv (or
+v) weight (the layer's own call; `F.linear` with the weight, as timm's BEiT makes it, bias included; `x @ w.t()` and
+a bias added to it by hand, in place too (`y.add_(b)`, `y += b`, `torch.add(y, b, out=y)`); a product the check
+cannot follow, such as an einsum, is refused, not passed), and the same entries of every parameter of the attention
+module itself of V's width (a learned sink value, as the kv_bias sink variant appends to V; a query or value bias);
+a torch function mode does it on the fly. The input is the meta check's example, cut to one sample, on the device of
+the model's parameters: for a meta example a fixed ramp of values (floats), zeros (token ids: a valid id) or True
+(boolean masks: attend), a user's real example with its values (token ids, masks). Where one sample fails (a 1-D
+tensor along the batch, such as labels, is not cut with the rest), the whole example runs instead. The forwards run
+under no_grad, in eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random
+stream moves), compiled submodules run eagerly, every buffer's values restored after (a forward may update one even
+in eval mode): no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run
+twice (once for a model with separate v layers only, which has no rows to tell apart; twice as often where the
+whole example runs), as in the meta check.
 
 nn.MultiheadAttention, whose forward this mode sees as one call of F.multi_head_attention_forward (the mode makes it
-leave its native fast path), is followed by that call's arguments: the V rows of in_proj_weight and in_proj_bias are
-set to zero, and proj's input is the call's output with out_proj made the identity.
+leave its native fast path), is followed by that call's arguments: the chosen V rows of in_proj_weight and
+in_proj_bias are set to zero, and proj's input is the call's output with out_proj made the identity.
 
 A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
 whose input has no finite value is refused as unchecked.
 
-Not checked: the order of V's channels as proj reads them (which rows are V is checked, not a permutation within V,
-such as heads merged in another order); an attention whose own parameter of V's width scales its output (a gate)
-passes whatever its layout, since that parameter is zeroed too. Skipped: a model with a parameter on the `meta`
-device (no values to compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs
-verify=False).
+Not checked: an attention whose own parameter of V's width scales its output (a gate) passes whatever its layout,
+since that parameter's entries are zeroed too; a permutation that maps the chosen channels onto themselves (one
+within them and one within the rest; for a head width below log2 of V's width, one of heads whose parts happen to
+match). Skipped: a model with a parameter on the `meta` device (no values to compute with), and wherever
+`find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
 """
 from __future__ import annotations
 
@@ -79,26 +93,77 @@ def _name(func) -> str:
     return getattr(func, "__name__", "")
 
 
-class _ZeroV(TorchFunctionMode):
-    """Sets the claimed V columns of every product with a qkv weight to zero, replaces the extra value parameters by
-    zeros, and records for each proj weight whether every product with it had an all-zero input."""
+def order_channels(width: int) -> list[int]:
+    """The channels of V set to zero in the order forward: the ones of the binary de Bruijn sequence of the least
+    order k with 2**k + k - 1 >= width, cut to `width` bits, whose windows of k bits all differ. For any head width
+    of k or more (k = 10 for 768 channels), every head's part of the pattern differs from every other head's, so
+    that merging whole heads in any other order moves some of these channels. Starting with k zeros and holding
+    ones, it is neither empty nor all of V for a width of two or more (one channel has no order: none)."""
+    k = 1
+    while 2 ** k + k - 1 < width:
+        k += 1
+    bits, seen = [0] * k, {(0,) * k}
+    while len(bits) < width:  # prefer-one: a 1 where its window is new, else a 0 (Martin's construction)
+        tail = bits[len(bits) - k + 1:] if k > 1 else []
+        bit = 1 if tuple(tail + [1]) not in seen else 0
+        seen.add(tuple(tail + [bit]))
+        bits.append(bit)
+    return [j for j, b in enumerate(bits[:width]) if b]
 
-    def __init__(self, rows: dict[int, tuple[int, int, int]], zero: set[int], proj: dict[int, int]):
+
+def _zeroed(t: Tensor, entries: Optional[Sequence[int]]) -> Tensor:
+    """A copy of `t` with `entries` of its flattened values (all, for None) set to zero; `t` itself unchanged."""
+    if entries is None:
+        return torch.zeros_like(t)
+    out = t.clone()
+    out.view(-1)[torch.as_tensor(entries, device=t.device)] = 0
+    return out
+
+
+class _ZeroV(TorchFunctionMode):
+    """Sets the given V columns of every product with a qkv (or v) weight to zero, and the same entries of the extra
+    value parameters, and records for each proj weight which columns of its input had a finite nonzero entry."""
+
+    def __init__(self, rows: dict[int, tuple[list[int], int]], zero: dict[int, Optional[list[int]]],
+                 proj: dict[int, tuple[int, int]]):
         super().__init__()
-        self.rows, self.zero, self.proj = rows, zero, proj  # id(weight) -> (start, stop, rows); ids; id -> pair
+        # id(weight) -> (its output columns to zero, its output width); id(parameter) -> its entries to zero (None:
+        # all); id(proj weight) -> (pair, its input width)
+        self.rows, self.zero, self.proj = rows, zero, proj
         self.origin: dict[int, int] = {}  # id of a weight's moved copy (w.t(), w.to(dtype)) -> id of the weight
         self._keep: list[Tensor] = []  # holds the moved copies, so that their ids are not reused
+        self._index: dict[tuple[int, torch.device], Tensor] = {}  # (id of a qkv weight, device) -> its columns
         self.zeroed: set[int] = set()  # ids of qkv weights whose product was seen
         self.products: dict[int, int] = {}  # id of a product's output with V set to zero -> id of its qkv weight
-        self.read: dict[int, bool] = {}  # pair -> proj's input was all zero in every product seen
+        self.nonzero: dict[int, Tensor] = {}  # pair -> proj's input columns with a finite nonzero entry
         self.finite: dict[int, bool] = {}  # pair -> proj's input had a finite entry in some product
+
+    def _columns(self, w: int, device: torch.device) -> Tensor:
+        """The columns of qkv weight `w`'s output to zero, as an index on `device` (made once per device)."""
+        key = (w, device)
+        if key not in self._index:
+            self._index[key] = torch.as_tensor(self.rows[w][0], dtype=torch.long, device=device)
+        return self._index[key]
+
+    def _read(self, k: int, width: int, u: Tensor, dim: int) -> None:
+        """Records which columns of proj's input `u` (channels along `dim`) hold a finite nonzero value; a fully
+        masked query row is NaN whatever V is (0 * NaN): only finite entries tell V's channels apart."""
+        finite = torch.isfinite(u)
+        hit = (u != 0) & finite
+        if u.dim() >= -dim and u.shape[dim] == width:
+            cols = hit.movedim(dim, -1).reshape(-1, width).any(0)
+        else:  # channels along no dim of proj's width: a nonzero entry counts against every column
+            cols = hit.any().expand(width)
+        seen = self.nonzero.get(k)
+        self.nonzero[k] = cols if seen is None else seen | cols
+        self.finite[k] = self.finite.get(k, False) or bool(finite.any())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         if any(id(t) in self.zero for t in tensors):
-            args, kwargs = tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) and id(t) in self.zero
-                                    else t, (args, kwargs))
+            args, kwargs = tree_map(lambda t: _zeroed(t, self.zero[id(t)]) if isinstance(t, Tensor) and
+                                    id(t) in self.zero else t, (args, kwargs))
         if func is _F.multi_head_attention_forward:
             return self._attention(func, args, kwargs)
         weights = [(t, self.origin.get(id(t), id(t))) for t in tensors]
@@ -108,13 +173,13 @@ class _ZeroV(TorchFunctionMode):
         product = func in _PRODUCTS
         for t, w in weights if product else ():
             if w in self.proj:  # the other factor is proj's input; a bias, even cast (not a Parameter), is not
-                k = self.proj[w]
-                inputs = [u for u in _factors(func, args, kwargs) if u is not t]
-                # a fully masked query row is NaN whatever V is (0 * NaN): only finite entries tell V's rows apart
-                finite = [torch.isfinite(u) for u in inputs]
-                self.read[k] = self.read.get(k, True) and all(torch.count_nonzero(u[f]) == 0
-                                                               for u, f in zip(inputs, finite))
-                self.finite[k] = self.finite.get(k, False) or any(bool(f.any()) for f in finite)
+                k, width = self.proj[w]
+                factors = _factors(func, args, kwargs)
+                at = next((i for i, u in enumerate(factors) if u is t), len(factors))
+                for i, u in enumerate(factors):
+                    # x @ w.t() and F.linear(x, w): channels along x's last dim; w @ x: along its dim -2
+                    if u is not t:
+                        self._read(k, width, u, -1 if i < at else -2)
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor):
             return out
@@ -123,14 +188,13 @@ class _ZeroV(TorchFunctionMode):
                 self.origin[id(out)] = w
                 self._keep.append(out)
             elif (product or _name(func) in _ADDS) and w in self.rows and out.dim() >= 1 and \
-                    out.shape[-1] == self.rows[w][2]:
-                start, stop, _ = self.rows[w]
+                    out.shape[-1] == self.rows[w][1]:
                 # an in-place add (y.add_(b), y += b, torch.add(y, b, out=y)) returns a tensor the caller holds
                 # and reads on, not the value returned here: its V columns are set to zero in that tensor (never in a
                 # Parameter's own values: a weight is not to be changed by the check)
                 if isinstance(out, nn.Parameter) or not any(out is t for t in tensors):
                     out = out.clone()  # a new tensor: a product's output may be a buffer the model keeps
-                out[..., start:stop] = 0
+                out[..., self._columns(w, out.device)] = 0
                 self.zeroed.add(w)
                 self.products[id(out)] = w
                 self._keep.append(out)
@@ -138,25 +202,22 @@ class _ZeroV(TorchFunctionMode):
 
     def _attention(self, func, args: tuple, kwargs: dict):
         """F.multi_head_attention_forward (nn.MultiheadAttention's forward), which this mode sees whole, not the
-        products inside it: the claimed V rows of its fused in_proj_weight (and in_proj_bias) are set to zero as a
+        products inside it: the given V rows of its fused in_proj_weight (and in_proj_bias) are set to zero as a
         product's V columns are, and proj's input is its output with out_proj made the identity (no bias)."""
         a = inspect.signature(func).bind(*args, **kwargs).arguments
         w = a["in_proj_weight"]
         if w is not None and id(w) in self.rows:
-            start, stop, _ = self.rows[id(w)]
             for key in ("in_proj_weight", "in_proj_bias"):
                 if a.get(key) is not None:
                     a[key] = a[key].clone()  # a new tensor: the model's Parameter is not to be changed
-                    a[key][start:stop] = 0
+                    a[key][self._columns(id(w), a[key].device)] = 0
             self.zeroed.add(id(w))
-        k = self.proj.get(id(a["out_proj_weight"]))
-        if k is not None:
+        found = self.proj.get(id(a["out_proj_weight"]))
+        if found is not None:
             out_w = a["out_proj_weight"]
             identity = torch.eye(out_w.shape[1], dtype=out_w.dtype, device=out_w.device)
-            heads = func(**{**a, "out_proj_weight": identity, "out_proj_bias": None})[0]
-            finite = torch.isfinite(heads)
-            self.read[k] = self.read.get(k, True) and torch.count_nonzero(heads[finite]) == 0
-            self.finite[k] = self.finite.get(k, False) or bool(finite.any())
+            heads = func(**{**a, "out_proj_weight": identity, "out_proj_bias": None})[0]  # (L, N, E)
+            self._read(*found, heads, -1)
         return func(**a)
 
 
@@ -201,37 +262,51 @@ def _eager() -> contextlib.AbstractContextManager:
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
+def _plan(root: nn.Module, pairs: Sequence, checked: Sequence[int], channels) -> tuple[dict, dict, dict]:
+    """The settings of one `_ZeroV` forward: for each checked pair, the columns of its qkv (or v) weight's output to
+    set to zero, `channels(width)` of V (relative to V's first row), the same entries of the attention's own
+    parameters of V's width, and proj's input width."""
+    rows: dict[int, tuple[list[int], int]] = {}
+    zero: dict[int, Optional[list[int]]] = {}
+    proj: dict[int, tuple[int, int]] = {}
+    for k in checked:
+        p = pairs[k]
+        total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
+        start, stop = p.upstream_rows or (0, total)
+        chosen = channels(stop - start)
+        rows[id(p.upstream)] = ([start + j for j in chosen], total)
+        proj[id(p.downstream)] = (k, stop - start)
+        owner, _, attr = p.upstream_name.rpartition(".")
+        # the attention: the parent of a qkv layer (attn.qkv.weight), or the module holding the fused weight itself
+        # (nn.MultiheadAttention's in_proj_weight)
+        attn = root.get_submodule(owner.rpartition(".")[0] if attr == "weight" else owner)
+        # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
+        zero.update({id(t): chosen for t in attn._parameters.values() if t is not None and t.numel() == stop - start})
+    return rows, zero, proj
+
+
 def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                  example: Optional[object] = None) -> None:
-    """Check every proj pair whose W1 is a row slice of a fused qkv (see the module docstring).
+    """Check every proj pair: that a fused qkv's claimed rows are V, and that proj reads V's channels in their order
+    (see the module docstring).
 
     Args:
         root: the unwrapped model. pairs: its `Pair`s. block_types: block name -> class name.
         example: as `verify_pairs` takes it; default `example_input(root)`.
 
     Raises:
-        UnsupportedModelError: naming the first block whose claimed V rows are not V, or whose qkv weight the
-            forward does not multiply by (so that its rows cannot be told apart).
+        UnsupportedModelError: naming the first block whose claimed V rows are not V, whose proj reads V's channels
+            in another order or mixed, or whose qkv (or v) weight the forward does not multiply by in a way the
+            check follows (so that its rows cannot be told apart).
     """
-    fused = [k for k, p in enumerate(pairs) if p.role == "proj" and p.upstream_rows is not None]
+    checked = [k for k, p in enumerate(pairs) if p.role == "proj"]
+    fused = [k for k in checked if pairs[k].upstream_rows is not None]
     tensors = [*root.parameters(), *root.buffers()]
-    if not fused or not tensors or any(t.device.type == "meta" for t in tensors):
+    if not checked or not tensors or any(t.device.type == "meta" for t in tensors):
         return
-    rows: dict[int, tuple[int, int, int]] = {}
-    zero: set[int] = set()
-    proj: dict[int, int] = {}
-    for k in fused:
-        p = pairs[k]
-        start, stop = p.upstream_rows
-        total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
-        rows[id(p.upstream)] = (start, stop, total)
-        proj[id(p.downstream)] = k
-        owner, _, attr = p.upstream_name.rpartition(".")
-        # the attention: the parent of a qkv layer (attn.qkv.weight), or the module holding the fused weight itself
-        # (nn.MultiheadAttention's in_proj_weight)
-        attn = root.get_submodule(owner.rpartition(".")[0] if attr == "weight" else owner)
-        # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
-        zero |= {id(t) for t in attn._parameters.values() if t is not None and t.numel() == stop - start}
+    # first V whole (for a fused qkv only: separate v is V whole by the meta check), then the order channels alone
+    plans = ([_plan(root, pairs, fused, lambda n: list(range(n)))] if fused else []) + \
+        [_plan(root, pairs, checked, order_channels)]
     example = example_input(root) if example is None else example
     inputs = [probe_input(example, tensors[0].device)]
     whole = probe_input(example, tensors[0].device, cut=False)
@@ -247,10 +322,11 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             for m in training:  # not root.eval(): a train() override may do more (MMDetection's freezes stages)
                 m.training = False
             for i, (args, kwargs) in enumerate(inputs):
-                mode = _ZeroV(rows, zero, proj)
+                modes = [_ZeroV(*plan) for plan in plans]
                 try:
-                    with mode:
-                        root(*args, **kwargs)
+                    for mode in modes:
+                        with mode:
+                            root(*args, **kwargs)
                     break
                 except UnsupportedModelError:
                     raise
@@ -261,9 +337,10 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         raise
     except Exception as e:
         raise UnsupportedModelError(
-            f"cannot check which rows of the fused qkv layers of {type(root).__name__} are V: its forward pass on "
-            f"{tensors[0].device} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass "
-            "example_input= of the right shape, or verify=False to trust the structure alone") from e
+            f"cannot check which rows of the qkv (or v) layers of {type(root).__name__} are V, in which order: its "
+            f"forward pass on {tensors[0].device} failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the right shape, or verify=False "
+            "to trust the structure alone") from e
     finally:
         for m, flag in training.items():
             m.training = flag
@@ -271,27 +348,83 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             for m, name, b, saved in buffers:
                 m._buffers[name] = b  # the same tensor object (an optimizer or hook may hold it), its values back
                 b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
-    for k in fused:
-        p = pairs[k]
-        where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
-        qkv, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
-        fix = (f"CD expects the rows of a fused qkv as [Q; K; V] in equal thirds (timm's layout). Give the attention "
-               "separate q, k, v Linear layers (attn.q, attn.k, attn.v), or order qkv's rows [Q; K; V], or pass "
-               f"verify=False to pair {out} with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} unchecked")
-        unread = [name for name, seen in ((p.upstream_name, id(p.upstream) in mode.zeroed), (p.name, k in mode.read))
-                  if not seen]
-        if unread:
-            raise UnsupportedModelError(
-                f"{where}: its forward pass multiplies by {unread[0]} in a way CD does not follow (it follows "
-                f"F.linear, matmul and addmm with the weight or its transpose), so it cannot tell which rows of "
-                f"{qkv} are V. {fix}")
-        if not mode.finite[k]:
-            raise UnsupportedModelError(
-                f"cannot check which rows of {qkv} are V: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of its "
-                f"output set to zero, the input of {out} has no finite value (NaN or inf: every query row masked?). "
-                "Pass example_input= with the masks of a real batch, or verify=False to trust the structure alone")
-        if not mode.read[k]:
-            raise UnsupportedModelError(
-                f"{where}: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {qkv}'s output set to zero, the "
-                f"input of {out} is not zero, so those rows are not (all of) V: the fused qkv is laid out otherwise "
-                f"(per head [q_h k_h v_h], as GPT-NeoX and Bloom, or in another order). {fix}")
+    for k in checked:
+        if k in fused:
+            _judge_rows(pairs[k], k, modes[0], block_types)
+        _judge_order(pairs[k], k, modes[-1], block_types)
+
+
+def _unread(p, k: int, mode: _ZeroV, what: str, fix: str, where: str) -> None:
+    """Refuses a pair whose qkv (or v) or proj weight the forward did not multiply by in a way `mode` follows."""
+    unread = [name for name, seen in ((p.upstream_name, id(p.upstream) in mode.zeroed),
+                                      (p.name, k in mode.nonzero)) if not seen]
+    if unread:
+        raise UnsupportedModelError(
+            f"{where}: its forward pass multiplies by {unread[0]} in a way CD does not follow (it follows "
+            f"F.linear, matmul and addmm with the weight or its transpose), so it cannot tell {what}. {fix}")
+
+
+def _judge_rows(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
+    """With the claimed V rows of a fused qkv set to zero, proj's input must be zero."""
+    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+    qkv, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    fix = (f"CD expects the rows of a fused qkv as [Q; K; V] in equal thirds (timm's layout). Give the attention "
+           "separate q, k, v Linear layers (attn.q, attn.k, attn.v), or order qkv's rows [Q; K; V], or pass "
+           f"verify=False to pair {out} with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} unchecked")
+    _unread(p, k, mode, f"which rows of {qkv} are V", fix, where)
+    if not mode.finite[k]:
+        raise UnsupportedModelError(
+            f"cannot check which rows of {qkv} are V: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of its "
+            f"output set to zero, the input of {out} has no finite value (NaN or inf: every query row masked?). "
+            "Pass example_input= with the masks of a real batch, or verify=False to trust the structure alone")
+    if bool(mode.nonzero[k].any()):
+        raise UnsupportedModelError(
+            f"{where}: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {qkv}'s output set to zero, the "
+            f"input of {out} is not zero, so those rows are not (all of) V: the fused qkv is laid out otherwise "
+            f"(per head [q_h k_h v_h], as GPT-NeoX and Bloom, or in another order). {fix}")
+
+
+def _few(columns: Sequence[int]) -> str:
+    """Up to eight channel numbers, and how many more there are."""
+    shown = ", ".join(str(j) for j in columns[:8])
+    return shown if len(columns) <= 8 else f"{shown} and {len(columns) - 8} more"
+
+
+def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
+    """With only V's `order_channels` set to zero, proj's input columns of the same numbers must be zero (paper
+    Sec. 3.2 pairs row i of W_V with column i of W_O); the other columns are not judged (a V row of zeros in the
+    model would make its column zero too)."""
+    width = len(mode.nonzero[k]) if k in mode.nonzero else 0
+    chosen = order_channels(width)
+    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+    v, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {v}" if p.upstream_rows else f"the rows of {v}"
+    fix = (f"Merge the heads back in V's channel order (timm: x.transpose(1, 2).reshape(B, N, C)), or pass "
+           f"verify=False to pair {out} with {rows} unchecked")
+    _unread(p, k, mode, f"in which order {out} reads V's channels", fix, where)
+    if not chosen:  # one channel: no order to get wrong
+        return
+    if not mode.finite[k]:
+        raise UnsupportedModelError(
+            f"cannot check in which order {out} reads V's channels: with channels {_few(chosen)} of V ({rows}) set "
+            f"to zero, the input of {out} has no finite value (NaN or inf: every query row masked?). Pass "
+            "example_input= with the masks of a real batch, or verify=False to trust the structure alone")
+    nonzero = mode.nonzero[k].tolist()
+    bad = [j for j in chosen if nonzero[j]]
+    if not bad:
+        return
+    chosen_set = set(chosen)
+    moved = [j for j in range(width) if j not in chosen_set and not nonzero[j]]
+    said = (f"with channels {_few(chosen)} of V ({rows}'s output) set to zero, columns {_few(bad)} of {out}'s "
+            f"input are not zero")
+    if moved:
+        raise UnsupportedModelError(
+            f"{where}: {out} reads V's channels in another order (heads merged in another order, or channels "
+            f"permuted on the way): {said}, and its columns {_few(moved)}, of channels not set to zero, are zero "
+            f"instead. CD pairs row i of V with column i of {out} (paper Sec. 3.2). {fix}")
+    raise UnsupportedModelError(
+        f"{where}: its attention mixes V's channels on the way to {out} (attention across channels, as XCiT's XCA, "
+        f"where each output channel is a weighted sum of its head's V channels): {said}, and no other column is "
+        f"zero instead. {out} reads W_V through a data-dependent mixing M(x), and W_O M(x) W_V is not the product "
+        f"of the pair (W_V, W_O) that CD decays (paper Sec. 3.2). Pass verify=False to pair {out} with {rows} "
+        "unchecked (beyond the paper)")

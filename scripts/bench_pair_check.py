@@ -1,9 +1,10 @@
 """Time CD's pair checks: `find_pairs` with both checks, the meta forward alone, no check, and one plain forward.
 
 `find_pairs(model)` (and so `ColinearityDecay(model)`) checks its pairs by one forward on the `meta` device
-(cd/verify.py) and, for a fused qkv, one real forward of one sample with V's rows set to zero (cd/values.py). This
-prints the median time of each part on random weights, beside one plain forward of the same one-sample input, so
-that the second check's cost reads as a number of forwards.
+(cd/verify.py) and real forwards of one sample (cd/values.py): for a fused qkv one with V's rows set to zero, and
+for every V -> proj pair one with some of V's channels set to zero. This prints the median time of each part on
+random weights, beside one plain forward of the same one-sample input, so that the real check's cost reads as a
+number of forwards.
 
     python scripts/bench_pair_check.py                                  # timm ViT-B/16 at 224, CPU
     python scripts/bench_pair_check.py --lm-config configs/lm/gpt2.yaml  # models/gpt.py's GPT-2 Small, 1x1024

@@ -463,8 +463,8 @@ def test_a_part_that_cannot_say_its_input_size_is_checked_on_a_224px_image_batch
     hook = ColinearityDecayHook(lam=LAM, module="")
     hook.before_train(runner)
     hook.after_train(runner)
-    # one forward on meta, one real for the V rows of the fused qkv (cd/values.py): both of that batch
-    assert net.seen == [((1, 3, 224, 224), torch.float64)] * 2 and len(hook.decay.pairs) == 4
+    # one forward on meta, two real for the V rows of the fused qkv and their order (cd/values.py): all of that batch
+    assert net.seen == [((1, 3, 224, 224), torch.float64)] * 3 and len(hook.decay.pairs) == 4
 
 
 def test_budget_without_a_cd_hook_is_refused_with_the_fix():

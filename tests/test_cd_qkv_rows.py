@@ -399,13 +399,14 @@ class _Recorder(nn.Module):
         return x
 
 
-def test_the_check_runs_one_forward_of_one_sample_in_eval_mode_and_leaves_training_on():
-    # a real example of 4 samples: the check's only real forward sees its first sample, with training off
+def test_the_check_runs_two_forwards_of_one_sample_in_eval_mode_and_leaves_training_on():
+    # a real example of 4 samples: the check's two real forwards (V whole, then V's order channels) see its first
+    # sample, with training off
     torch.manual_seed(0)
     model = _Net("thirds").train()
     model.embed = nn.Sequential(_Recorder(), model.embed)
     assert len(find_pairs(model, example_input=torch.randn(4, TOKENS, 3))) == 8
-    assert model.embed[0].seen == [(False, 1)]
+    assert model.embed[0].seen == [(False, 1)] * 2
     assert model.training and model.embed[0].training
 
 
