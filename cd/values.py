@@ -115,7 +115,7 @@ def _zeroed(t: Tensor, entries: Optional[Sequence[int]]) -> Tensor:
     """A copy of `t` with `entries` of its flattened values (all, for None) set to zero; `t` itself unchanged."""
     if entries is None:
         return torch.zeros_like(t)
-    out = t.clone()
+    out = t.clone(memory_format=torch.contiguous_format)  # flat order is the logical order
     out.view(-1)[torch.as_tensor(entries, device=t.device)] = 0
     return out
 
