@@ -33,3 +33,36 @@ def leave_and_exit() -> None:
         dist.barrier()
         dist.destroy_process_group()
     os._exit(0)
+
+
+def spawn_within(fn, args: tuple, nprocs: int, seconds: float) -> None:
+    """mp.spawn(fn, args, nprocs) that fails the test when the ranks have not all ended after `seconds` (a rank
+    left waiting in a collective), killing them, instead of stalling the suite until the group's timeout."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the ranks did not end within {seconds} s: one is left waiting for another")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def stay_until_all_recorded(work: str, world: int, seconds: float = 120.0) -> None:
+    """Keep a rank that finished (or failed) alive until every rank wrote `work`/rank<r>.pt, then end it without
+    a group teardown: as a failed rank on another node stays reachable while the others wait for it (a rank
+    that exits early would end their waits with a closed connection, hiding a wait that never ends)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(work, f"rank{r}.pt")) for r in range(world)):
+        time.sleep(0.1)
+    os._exit(0)

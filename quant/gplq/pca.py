@@ -9,7 +9,10 @@ a multiple of 32 (Swin-T 256/768 = 61.3%, DeiT-T 64/192), and train the student 
 both features centred on the TEACHER mean. (The mean cancels in the difference, so L_PCA equals
 mean ||(f_s - f_t) V||^2; we keep the written form.) The rounding rule is "the smallest multiple of 32
 reaching the variance target" (ceil), capped at the feature width: it reproduces both quoted sizes.
-Moments are accumulated in float64 and all-reduced, so every rank of a distributed run gets the same V.
+Moments are accumulated in float64 and all-reduced, so every rank of a distributed run gets the same V: the
+PCA of the union of the ranks' images. A rank whose loader yields no image adds zero moments (the sums are
+unchanged by it); only when no rank has an image does every rank raise. An error reading a rank's images ends
+every rank (the others with OtherRankError) instead of leaving them in the all-reduce.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.distributed import all_reduce
+from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank, world_size
 from engine.precision import autocast
 
 
@@ -55,7 +58,8 @@ def penultimate(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: float = 0.6, multiple: int = 32,
             amp: str = "none") -> PCAProjection:
-    """PCA of the teacher's penultimate features over at most `max_images` images of `batches` (per rank).
+    """PCA of the teacher's penultimate features over at most `max_images` images of `batches` per rank, of the
+    union of every rank's images (a rank whose `batches` yield none adds none).
 
     Args:
         teacher: float model in eval mode.
@@ -71,6 +75,32 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
     if max_images < 1:  # the loop would run the teacher on an empty slice and divide by its 0 images (NaN)
         raise ValueError(f"max_images={max_images}: the PCA needs at least one image")
     device = next(teacher.parameters()).device
+    error = None
+    try:
+        s1, s2, n = _local_moments(teacher, batches, max_images, amp, device)
+    except Exception as e:  # noqa: BLE001 - raised below, on this rank as it is, on the others as OtherRankError
+        error, s1, s2, n = e, None, None, torch.zeros((), dtype=torch.float64, device=device)
+    # every rank reaches the collectives below, also the one whose loader failed: none waits for it forever
+    raise_on_every_rank(error, device, lambda: OtherRankError(
+        "another rank failed reading its images for the GPLQ PCA of the teacher features; its output says why"))
+    # the feature width over ranks (0 where a rank saw no image), so that such a rank adds zero moments
+    width = int(all_reduce(torch.tensor([0 if s1 is None else s1.numel()], device=device), op="max").item())
+    if width == 0:  # the same on every rank: every rank raises
+        raise ValueError("no images for the PCA of the teacher features: the training loader yielded none"
+                         + (" on any rank" if world_size() > 1 else ""))
+    if s1 is None:
+        s1 = torch.zeros(width, dtype=torch.float64, device=device)
+        s2 = torch.zeros(width, width, dtype=torch.float64, device=device)
+    all_reduce(s1)
+    all_reduce(s2)
+    all_reduce(n)
+    return components_from_moments(s1, s2, n, variance, multiple)
+
+
+def _local_moments(teacher: nn.Module, batches: Iterable, max_images: int, amp: str,
+                   device: torch.device) -> tuple:
+    """This rank's summed features s1 [D], summed outer products s2 [D, D] (float64; None without an image) and
+    image count n (a float64 scalar) over at most `max_images` images of `batches`."""
     s1 = s2 = None
     n = torch.zeros((), dtype=torch.float64, device=device)
     seen = 0
@@ -85,12 +115,7 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
         seen += images.shape[0]
         if seen >= max_images:  # stop here: a further batch would be read (decoded, augmented) for nothing
             break
-    if s1 is None:
-        raise ValueError("no images for the PCA of the teacher features")
-    all_reduce(s1)
-    all_reduce(s2)
-    all_reduce(n)
-    return components_from_moments(s1, s2, n, variance, multiple)
+    return s1, s2, n
 
 
 def components_from_moments(s1: torch.Tensor, s2: torch.Tensor, n: torch.Tensor, variance: float,

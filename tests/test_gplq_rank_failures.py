@@ -1,0 +1,93 @@
+"""GPLQ under 2 gloo processes when one rank's data fails or is empty: every rank ends, each with an error that
+says what happened (the failing rank its own, the others one naming it), never one left waiting in a
+collective; a rank without images adds none to the PCA, which is then that of the other ranks' images."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from dist_utils import init_gloo, free_port, spawn_within, stay_until_all_recorded
+
+DEADLINE_S = 90  # far above a passing run (seconds), below the group's timeout (a rank left waiting)
+
+
+class Teacher(nn.Module):
+    """penultimate() of this teacher is a fixed linear map of the flattened images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 5)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.flatten(1))
+
+    def forward_head(self, h: torch.Tensor, pre_logits: bool) -> torch.Tensor:
+        return h
+
+
+def images(seed: int, count: int) -> torch.Tensor:
+    return torch.randn(count, 3, 2, 2, generator=torch.Generator().manual_seed(seed))
+
+
+class Unreadable:
+    """A loader whose second batch fails, as a worker that cannot decode an image raises in the main process."""
+
+    def __iter__(self):
+        yield images(1, 4), None
+        raise OSError("cannot identify image file 'train/3/x.jpg'")
+
+
+def _outcome(fn) -> tuple:
+    try:
+        pca = fn()
+        return ("ok", {"mean": pca.mean, "components": pca.components, "samples": pca.samples})
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return (type(e).__name__, str(e))
+
+
+def _pca_worker(rank: int, world: int, port: int, work: str) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    from quant.gplq.pca import fit_pca
+
+    torch.manual_seed(0)
+    teacher = Teacher().eval()
+    own = [(images(10, 6)[i:i + 3], None) for i in (0, 3)]
+    outcomes = {
+        "rank_1_empty": _outcome(lambda: fit_pca(teacher, own if rank == 0 else [], 64, 0.9, 1)),
+        "all_empty": _outcome(lambda: fit_pca(teacher, [], 64, 0.9, 1)),
+        "rank_1_unreadable": _outcome(lambda: fit_pca(teacher, own if rank == 0 else Unreadable(), 64, 0.9, 1)),
+    }
+    torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+def test_pca_on_two_ranks_with_one_empty_or_failing(tmp_path):
+    spawn_within(_pca_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+    # rank 1 saw no image: both ranks get the PCA of rank 0's six images, computed here in closed form
+    torch.manual_seed(0)
+    with torch.no_grad():
+        f = Teacher().proj(images(10, 6).flatten(1)).double()
+    mean = f.mean(0)
+    evals, evecs = torch.linalg.eigh((f - mean).t() @ (f - mean) / len(f))
+    for status, pca in (rank0["rank_1_empty"], rank1["rank_1_empty"]):
+        assert status == "ok", pca
+        assert pca["samples"] == 6
+        torch.testing.assert_close(pca["mean"].double(), mean, rtol=1e-5, atol=1e-5)
+        k = pca["components"].shape[1]
+        assert 1 <= k < 5 and evals.flip(0)[:k].sum() / evals.sum() >= 0.9
+        top = evecs.flip(1)[:, :k]
+        v = pca["components"].double()
+        torch.testing.assert_close(v @ v.t(), top @ top.t(), rtol=0, atol=1e-4)
+
+    # no rank saw an image: every rank raises the same error
+    for status, message in (rank0["all_empty"], rank1["all_empty"]):
+        assert status == "ValueError" and "no images for the PCA" in message and "on any rank" in message
+
+    # rank 1's loader failed: its own error there, one naming it on rank 0
+    assert rank1["rank_1_unreadable"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
+    status, message = rank0["rank_1_unreadable"]
+    assert status == "OtherRankError" and "another rank failed reading its images for the GPLQ PCA" in message
