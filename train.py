@@ -42,7 +42,7 @@ from engine.act_max import ActivationProbe
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
-from engine.distributed import DistInfo, all_reduce, process_group
+from engine.distributed import DistInfo, OtherRankError, all_reduce, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
@@ -579,3 +579,5 @@ if __name__ == "__main__":
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             NothingScoredError, DivergenceError) as e:
         exit_with_error(str(e))  # stderr and train.log
+    except OtherRankError as e:  # the rank that failed prints its own error (a traceback if it is not the user's)
+        exit_with_error(str(e))

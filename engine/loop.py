@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
-from .distributed import all_reduce
+from .distributed import OtherRankError, all_reduce
 from .divergence import DivergenceError, DivergenceGuard
 from .precision import autocast
 from .rng import mix_seed, seed_all
@@ -209,14 +209,12 @@ class TrainLoop:
         stage = "data"  # what the loop is doing, for an error: data, step (weights half written) or save
         waiting_since = time.perf_counter()  # the time spent waiting for the loader (train/data_wait)
         try:
-            for images, targets in batches.loader:
+            for images, targets in self._rank_batches(batches, window, state):
                 window.data_wait += time.perf_counter() - waiting_since
                 if state.epoch_batches >= total * self.accum_steps:
                     break  # the tail that does not fill a whole update
                 if micro == 0:
                     seed_all(mix_seed(self.seed, self.rank, state.step))
-                if batches.unreadable is not None:
-                    images, targets = self._replace_unreadable(batches, images, targets, window)
                 images = images.to(self.device, non_blocking=True)
                 targets = targets.to(self.device, non_blocking=True)
                 if self.mixup is not None:
@@ -290,6 +288,37 @@ class TrainLoop:
                 reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
         return reason
 
+    def _rank_batches(self, batches: TrainBatches, window: "_Window",
+                      state: TrainState) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches, unreadable samples replaced. Under DDP a batch this rank cannot load (the loader
+        raises, or a batch has no readable image) does not end this rank at once: the others would wait for it
+        in the gradient all-reduce of the update, and no per-update collective exists to tell them. The error
+        goes into the window's sums instead (the loop's next collective: a log step, before a checkpoint, the
+        epoch's end), where every rank raises (the others OtherRankError), and until then this rank trains on
+        its last batch again, so that the ranks keep meeting in the same collectives; the weights updated
+        meanwhile are never saved (every checkpoint is written after those sums). An error before this
+        rank's first batch has nothing to train on: it is raised at once, as in a single process."""
+        loader = iter(batches.loader)
+        last = None
+        while True:
+            if window.data_error is None:
+                try:
+                    images, targets = next(loader)
+                    if batches.unreadable is not None:
+                        images, targets = self._replace_unreadable(batches, images, targets, window)
+                except StopIteration:
+                    return
+                except Exception as error:
+                    if self.world_size == 1 or last is None:
+                        raise
+                    window.data_error = error
+                    log.error("rank %d could not load a batch of update %d (%s: %s); the other ranks learn it at "
+                              "the next log step, checkpoint or epoch end, where every rank stops", self.rank,
+                              state.step + 1, type(error).__name__, error)
+                else:
+                    last = images, targets
+            yield last
+
     def _replace_unreadable(self, batches: TrainBatches, images: torch.Tensor, targets: torch.Tensor,
                             window: "_Window") -> tuple[torch.Tensor, torch.Tensor]:
         """Replace the samples the data set marked unreadable (`batches.unreadable`); name and count them."""
@@ -309,6 +338,8 @@ class TrainLoop:
         if isinstance(error, _DELIBERATE) or self.save is None:
             return  # these say themselves what was kept
         last = "re-run the same command to resume from the last checkpoint.pt"
+        if stage == "save" and (error is window.data_error or isinstance(error, OtherRankError)):
+            stage = "data"  # a rank's failed batch, learnt before the checkpoint was written: nothing was written
         if stage == "save":
             log.error("writing the checkpoint at update %d failed; %s", state.step, last)
             return
@@ -406,6 +437,7 @@ class _Window:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.data_error: Optional[Exception] = None  # this rank's batch that failed to load (TrainLoop._rank_batches)
         self._reset()
 
     def _reset(self):
@@ -431,10 +463,17 @@ class _Window:
     def _global_sums(self) -> tuple[float, float, float]:
         """(sum of losses, micro-batches, unreadable samples) over all ranks: a NaN on any rank stops every
         rank (the NaN gradient was averaged into all of them), and train/loss is the global mean. One
-        collective."""
+        collective, which also carries whether a rank failed to load a batch: then every rank raises (that
+        rank its own error, the others OtherRankError)."""
         totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device),
                               torch.tensor(float(self.unreadable), device=self.device)])
-        loss_sum, micro, unreadable = all_reduce(totals).tolist()
+        totals = torch.cat([totals, torch.tensor([float(self.data_error is not None)], device=self.device)])
+        loss_sum, micro, unreadable, failed = all_reduce(totals).tolist()
+        if self.data_error is not None:
+            raise self.data_error
+        if failed:
+            raise OtherRankError(f"another rank could not load its training batches ({int(failed)} rank(s)); "
+                                 f"its output says why")
         return loss_sum, micro, unreadable
 
     def check_finite(self, step: Optional[int], sums: Optional[tuple] = None) -> float:

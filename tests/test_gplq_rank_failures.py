@@ -91,3 +91,45 @@ def test_pca_on_two_ranks_with_one_empty_or_failing(tmp_path):
     assert rank1["rank_1_unreadable"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
     status, message = rank0["rank_1_unreadable"]
     assert status == "OtherRankError" and "another rank failed reading its images for the GPLQ PCA" in message
+
+
+def _gplq_outcome(data) -> tuple:
+    from quant import PIPELINES
+    from quant_models import tiny_vit
+
+    try:
+        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(steps=2, batch_size_per_gpu=4, init_images=8,
+                                                                pca_images=8, stage2_images=8, qwt=False), data=data)
+        return ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return (type(e).__name__, str(e))
+
+
+def _stage1_worker(rank: int, world: int, port: int, work: str) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    from device_utils import cpu_pipeline_data
+    from engine.loop import TrainBatches
+
+    def unreadable(count, seed, train_transform):
+        raise OSError("cannot identify image file 'train/3/x.jpg'")
+
+    outcomes = {}
+    data = cpu_pipeline_data(num_images=16)
+    if rank == 1:  # the initialisation images cannot be read on this rank alone
+        data.train_images = unreadable
+    outcomes["init_images"] = _gplq_outcome(data)
+    data = cpu_pipeline_data(num_images=16)
+    if rank == 1:  # this rank's stage-1 loader is empty (and so is its PCA's)
+        data.train_loader = lambda batch_size, seed: TrainBatches([], None)
+    outcomes["empty_loader"] = _gplq_outcome(data)
+    torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+def test_gplq_stage1_data_that_fails_on_one_rank_ends_every_rank(tmp_path):
+    spawn_within(_stage1_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank1["init_images"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
+    assert rank0["init_images"][0] == "OtherRankError" and "preparing GPLQ stage 1" in rank0["init_images"][1]
+    assert rank1["empty_loader"] == ("ValueError", "the stage-1 training loader is empty")
+    assert rank0["empty_loader"] == ("OtherRankError", "the stage-1 training loader of another rank is empty")

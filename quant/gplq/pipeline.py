@@ -51,7 +51,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import load_checkpoint, weights_fingerprint
-from engine.distributed import run_on_main, world_size
+from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
 
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
@@ -152,14 +152,22 @@ class GPLQPipeline(Pipeline):
 
         # -- stage 1: W32A4 activation QAT --
         with timer("init", device):
-            model = quantize_model(fp_model, self.layout(bits, options))
-            model.requires_grad_(True)
-            set_quant_state(model, weights=False)  # W32 in stage 1
-            init = data.train_images(options.init_images, options.seed, True)
-            calibrate(model, init)
-            for _, q in named_quantizers(model, "activation"):
-                q.make_learnable(scale=True)
-                q.search_label = "LSQ"
+            error = None
+            try:  # this rank's own images and loader: a failure here ends every rank, not this one alone
+                model = quantize_model(fp_model, self.layout(bits, options))
+                model.requires_grad_(True)
+                set_quant_state(model, weights=False)  # W32 in stage 1
+                init = data.train_images(options.init_images, options.seed, True)
+                calibrate(model, init)
+                for _, q in named_quantizers(model, "activation"):
+                    q.make_learnable(scale=True)
+                    q.search_label = "LSQ"
+                train_batches = data.train_loader(bs, options.seed)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+            raise_on_every_rank(error, device, lambda: OtherRankError(
+                "another rank failed preparing GPLQ stage 1 (its initialisation images or training loader); its "
+                "output says why"))
         lr = options.lr if options.lr is not None else default_lr(bs * world)
         settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr,
                                   scale_lr=options.scale_lr if options.scale_lr is not None else lr,
@@ -168,14 +176,16 @@ class GPLQPipeline(Pipeline):
                                   ckpt_every=options.ckpt_every, seed=options.seed)
         config = stage1_identity(fp_model, bits, options, data)
 
+        def pca_batches():  # the loader is made inside fit_pca, which ends every rank if it fails on one
+            yield from data.train_loader(bs, options.seed + 1).readable()
+
         def pca():
             with timer("pca", device):
-                batches = data.train_loader(bs, options.seed + 1)
-                return fit_pca(teacher, batches.readable(), options.pca_images, options.pca_variance,
+                return fit_pca(teacher, pca_batches(), options.pca_images, options.pca_variance,
                                options.pca_multiple, options.amp)
 
         with timer("stage1", device):
-            stage1 = run_stage1(model, teacher, pca, data.train_loader(bs, options.seed), settings,
+            stage1 = run_stage1(model, teacher, pca, train_batches, settings,
                                 stage1_checkpoint(data, bits), config)
         log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
                  stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])

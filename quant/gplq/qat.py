@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
-from engine.distributed import run_on_main, world_size
+from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.precision import grad_scaler
 
@@ -107,10 +107,11 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         {"steps", "seconds", "resumed_from", "lr", "scale_lr", "world_size", "ddp", "ce", "pca", "pca_dims",
         "pca_explained", "pca_samples"}.
     """
-    if len(batches) == 0:
-        raise ValueError("the stage-1 training loader is empty")
     config = json.loads(json.dumps(config))  # plain types, comparable with a reloaded checkpoint
     device = next(student.parameters()).device
+    # every rank learns it, before the DDP wrapper's first collective (where the others would wait for this rank)
+    raise_on_every_rank(ValueError("the stage-1 training loader is empty") if len(batches) == 0 else None, device,
+                        lambda: OtherRankError("the stage-1 training loader of another rank is empty"))
     world = world_size()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tap = FeatureTap(student)

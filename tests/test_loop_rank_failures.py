@@ -1,0 +1,63 @@
+"""engine.loop.TrainLoop under DDP (2 gloo processes) when one rank cannot load a batch mid-epoch: every rank
+ends at the loop's next collective (the failing rank with its own error, the other with OtherRankError), none
+is left waiting in the gradient all-reduce, and no checkpoint is written after the failed batch."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from dist_utils import free_port, init_gloo, spawn_within, stay_until_all_recorded
+
+DEADLINE_S = 90  # far above a passing run (seconds), below the group's timeout (a rank left waiting)
+
+
+class Sampler:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        pass
+
+
+class FailsAt:
+    """Six batches of 4; the one at `index` raises (a worker that cannot decode an image), when set."""
+
+    def __init__(self, rank: int, index) -> None:
+        self.x = torch.randn(24, 3, generator=torch.Generator().manual_seed(rank))
+        self.index = index
+
+    def __len__(self) -> int:
+        return 6
+
+    def __iter__(self):
+        for i in range(6):
+            if i == self.index:
+                raise OSError("cannot identify image file 'train/3/x.jpg'")
+            yield self.x[4 * i:4 * i + 4], torch.zeros(4, dtype=torch.long)
+
+
+def _worker(rank: int, world: int, port: int, work: str) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    saved = []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: nn.functional.cross_entropy(m(x), y), device=torch.device("cpu"),
+                     rank=rank, world_size=world, log_every=4, ckpt_every=4, save=lambda: saved.append(state.step))
+    state = TrainState()
+    try:  # rank 1's third batch (update 3) fails; the next collective is update 4's log step
+        loop.run_epoch(TrainBatches(FailsAt(rank, 2 if rank == 1 else None), Sampler()), state, 4)
+        outcome = ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "saved": saved}, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+def test_a_batch_that_fails_on_one_rank_ends_every_rank_at_the_next_collective(tmp_path):
+    spawn_within(_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
+    assert rank0["outcome"][0] == "OtherRankError" and "could not load its training batches" in rank0["outcome"][1]
+    assert rank0["saved"] == rank1["saved"] == []  # the checkpoint of update 4 would hold the replayed update
