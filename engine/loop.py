@@ -545,7 +545,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     """
     model.eval()
     dataset = getattr(loader, "dataset", None)
-    sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct@1, correct@5, loss, count, excluded
+    # correct@1, correct@5, loss, count, excluded, ranks whose loader failed
+    sums = torch.zeros(6, device=device, dtype=torch.float64)
     # the first batch with a NaN / inf logit, as -(batch * world + rank) (max-reduced), kept on the device
     none_bad = -float(2 ** 62)
     first_bad = torch.full((), none_bad, device=device, dtype=torch.float64)
@@ -575,15 +576,17 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     if batches.stopped:
         return None
     sums[4] = len(unreadable)
+    sums[5] = float(batches.error is not None)
     if unreadable:
         names = [dataset.filename(i) if hasattr(dataset, "filename") else f"sample {i}" for i in unreadable]
         log.warning("%d unreadable image(s) left out of the evaluation: %s%s", len(names),
                     ", ".join(names[:10]), " ..." if len(names) > 10 else "")
     all_reduce(sums)
+    batches.raise_if_failed(sums[5].item())
     bad = -all_reduce(first_bad, op="max").item()
     if bad < -none_bad or not math.isfinite(sums[2].item()):
         raise NonFiniteLossError(_nonfinite_message(progress, bad, -none_bad, world, batch_size, dataset))
-    correct1, correct5, loss, count, excluded = sums.tolist()
+    correct1, correct5, loss, count, excluded, _ = sums.tolist()
     if count == 0:  # the same sums on every rank: every rank raises
         raise NothingScoredError(f"{progress or 'evaluation'}: no image was scored: " + (
             f"all {int(excluded)} image(s) are unreadable (named in the warning above); replace or remove them"
@@ -602,16 +605,47 @@ class EvalBatches:
                  should_stop: Optional[Callable[[], bool]] = None) -> None:
         self.loader, self.progress, self.should_stop, self.stopped = loader, progress, should_stop, False
         self.common = 0
+        self.error: Optional[Exception] = None  # a batch this rank could not load (several ranks only)
         if should_stop is not None:  # the batches every rank has: -max(-len) = min over ranks
             self.common = -int(all_reduce(torch.tensor([-float(len(loader))], device=device), op="max").item())
 
     def __iter__(self) -> Iterator[tuple]:
-        batches = progress_iter(self.loader, self.progress) if self.progress else self.loader
-        for index, batch in enumerate(batches):
+        """Under several ranks a batch that fails to load ends the iteration with `error` set instead of
+        raising: the caller adds it to the sums it all-reduces at the end, where every rank raises (the
+        others would wait there for this rank). The stop agreements of the batches left are still taken, so
+        that the ranks meet in the same collectives."""
+        batches = iter(progress_iter(self.loader, self.progress) if self.progress else self.loader)
+        index = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as error:
+                if _world_and_rank()[0] == 1:
+                    raise
+                self.error = error
+                log.error("rank %d could not load evaluation batch %d (%s: %s); every rank stops after the "
+                          "evaluation", _world_and_rank()[1], index, type(error).__name__, error)
+                for _ in range(index, self.common):
+                    if self.should_stop():
+                        self.stopped = True
+                        return
+                return
             if index < self.common and self.should_stop():
                 self.stopped = True
                 return
             yield index, batch
+            index += 1
+
+    def raise_if_failed(self, failed_ranks: float) -> None:
+        """After the all-reduce of the sums that carried `error is not None`: this rank's error, or
+        OtherRankError when `failed_ranks` (the sum) says another rank could not load a batch."""
+        if self.error is not None:
+            raise self.error
+        if failed_ranks:
+            raise OtherRankError(f"{self.progress or 'evaluation'}: another rank could not load its batches "
+                                 f"({int(failed_ranks)} rank(s)); its output says why")
 
 
 def _world_and_rank() -> tuple[int, int]:

@@ -127,7 +127,7 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
     Raises NothingScoredError when no window was scored.
     """
     model.eval()
-    sums = torch.zeros(3, device=device, dtype=torch.float64)  # summed loss, tokens, windows
+    sums = torch.zeros(4, device=device, dtype=torch.float64)  # summed loss, tokens, windows, failed ranks
     batches = EvalBatches(loader, device, progress, should_stop)
     for _, (ids, targets) in batches:
         ids, targets = ids.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -140,8 +140,10 @@ def evaluate_language_model(model: nn.Module, loader, device: torch.device, amp:
         sums[2] += len(targets)
     if batches.stopped:
         return None
+    sums[3] = float(batches.error is not None)
     all_reduce(sums)
-    loss, tokens, windows = sums.tolist()
+    batches.raise_if_failed(sums[3].item())
+    loss, tokens, windows, _ = sums.tolist()
     if not math.isfinite(loss):  # class of engine.loop.evaluate's check: never a perplexity of NaN
         raise NonFiniteLossError(f"{progress or 'evaluation'}: the loss over the validation windows is {loss}, so "
                                  "no perplexity can be computed and nothing is written; the weights (or the "

@@ -598,7 +598,8 @@ def test_language_model_evaluation_sums_every_ranks_tokens_before_the_mean(monke
     g = torch.Generator().manual_seed(3)
     mine, theirs = [[(torch.randint(0, 65, (8,), generator=g), torch.randint(0, 65, (8,), generator=g))
                      for _ in range(n)] for n in (3, 1)]
-    other = torch.tensor([_window_nll(model, theirs), 8.0, 1.0], dtype=torch.float64)  # loss, tokens, windows
+    # loss, tokens, windows, no failed batch
+    other = torch.tensor([_window_nll(model, theirs), 8.0, 1.0, 0.0], dtype=torch.float64)
 
     def add_other_rank(t, op="sum"):
         assert op == "sum"

@@ -1,6 +1,7 @@
-"""engine.loop.TrainLoop under DDP (2 gloo processes) when one rank cannot load a batch mid-epoch: every rank
-ends at the loop's next collective (the failing rank with its own error, the other with OtherRankError), none
-is left waiting in the gradient all-reduce, and no checkpoint is written after the failed batch."""
+"""engine.loop under 2 gloo processes when one rank cannot load a batch: in TrainLoop (DDP) every rank ends at
+the loop's next collective (the failing rank with its own error, the other with OtherRankError), none left
+waiting in the gradient all-reduce, and no checkpoint is written after the failed batch; in `evaluate` every
+rank ends at the all-reduce of the sums, also when a stop agreement is taken before every batch."""
 from __future__ import annotations
 
 import os
@@ -61,3 +62,32 @@ def test_a_batch_that_fails_on_one_rank_ends_every_rank_at_the_next_collective(t
     assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
     assert rank0["outcome"][0] == "OtherRankError" and "could not load its training batches" in rank0["outcome"][1]
     assert rank0["saved"] == rank1["saved"] == []  # the checkpoint of update 4 would hold the replayed update
+
+
+def _eval_worker(rank: int, world: int, port: int, work: str) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    import torch.distributed as dist
+    from engine.loop import evaluate
+
+    def agree_not_to_stop() -> bool:  # a collective before every batch, as a preemption request's agreement
+        dist.all_reduce(torch.zeros(1))
+        return False
+
+    outcomes = {}
+    for name, should_stop in (("plain", None), ("agreeing", agree_not_to_stop)):
+        try:
+            evaluate(nn.Linear(3, 2), FailsAt(rank, 1 if rank == 1 else None), torch.device("cpu"),
+                     should_stop=should_stop)
+            outcomes[name] = ("ok", "")
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+            outcomes[name] = (type(e).__name__, str(e))
+    torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+def test_an_evaluation_batch_that_fails_on_one_rank_ends_every_rank(tmp_path):
+    spawn_within(_eval_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    for name in ("plain", "agreeing"):
+        assert rank1[name] == ("OSError", "cannot identify image file 'train/3/x.jpg'"), name
+        assert rank0[name][0] == "OtherRankError" and "could not load its batches" in rank0[name][1], name

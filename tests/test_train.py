@@ -1353,7 +1353,7 @@ def test_evaluate_sums_every_ranks_counts_before_the_percentages(monkeypatch):
     torch.manual_seed(2)
     model = torch.nn.Linear(4, 7).double()
     images, targets = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 7, (5,))
-    other = torch.tensor([1.0, 2.0, 6.0, 3.0, 0.0], dtype=torch.float64)
+    other = torch.tensor([1.0, 2.0, 6.0, 3.0, 0.0, 0.0], dtype=torch.float64)  # ..., no failed batch
 
     def add_other_rank(t, op="sum"):
         return t.add_(other) if op == "sum" else t
