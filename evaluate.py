@@ -54,7 +54,8 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
 from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, checkpoint_kind, extra_modules,
                                  first_difference, recipe_difference, repeated_weights)
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.distributed import MainRankWait, OtherRankError, all_reduce, process_group, run_on_main
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, process_group, raise_on_every_rank,
+                                run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
@@ -111,18 +112,28 @@ def main(args: argparse.Namespace) -> dict:
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
         reads_batch = any(reads_calibration_batch(name, task.language) for name, _ in todo)
-        if todo and not task.language:
-            check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
-                              dataset_classes(cfg.data, val_loader.dataset))
-        # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or windows
-        # than the train split has (or ids the model cannot embed) are refused before the FP and maxima passes
-        with text_of_the_weights(args.checkpoint or cfg.model.pretrained):
-            calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
+        calib = pipeline_data = error = None
+        try:  # every rank reads the train split itself: one that cannot (a node without a file) ends every rank
+            if todo and not task.language:
+                check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
+                                  dataset_classes(cfg.data, val_loader.dataset))
+            # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or
+            # windows than the train split has (or ids the model cannot embed) are refused before the FP and
+            # maxima passes
+            with text_of_the_weights(args.checkpoint or cfg.model.pretrained):
+                calib = calibration_set(cfg, img_size).to(device) if todo and reads_batch else None
 
-        # APHQ and GPLQ on a classifier draw their own images; a GPLQ stage-1 checkpoint another run left at this
-        # result file's path is refused now, not after the FP pass, the maxima and the pipelines planned before it
-        pipeline_data = (build_pipeline_data(cfg, img_size, dist.rank, dist.world_size, os.path.splitext(out)[0])
-                         if todo and not task.language else None)  # the LM pipelines need the calibration windows
+            # APHQ and GPLQ on a classifier draw their own images; a GPLQ stage-1 checkpoint another run left at
+            # this result file's path is refused now, not after the FP pass, the maxima and the pipelines planned
+            # before it
+            pipeline_data = (build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
+                                                 os.path.splitext(out)[0])
+                             if todo and not task.language else None)  # the LM pipelines need the calibration windows
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        raise_on_every_rank(error, device, lambda: OtherRankError(
+            f"rank {dist.rank}: another rank could not read the training split (its calibration batch or "
+            f"images); its output says why"))
         for name, bits in todo:
             if name == "gplq":
                 options = parse_options(PIPELINES[name].Options, pipeline_options(cfg, name))

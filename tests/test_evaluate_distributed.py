@@ -177,3 +177,30 @@ def test_torchrun_prints_one_error_line_per_rank_when_rank_0_cannot_write(checkp
                                 f"error: rank 0 failed writing {out}: ResultsError: could not write"))
                for line in errors), errors
     assert os.path.isdir(f"{out}.lock") and not out.exists()  # nothing of the user's removed
+
+
+def _worker_failing_on_rank_1(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:
+    """`_worker`, with the calibration batch unreadable on rank 1 alone (a file one node lacks)."""
+    if rank == 1:
+        import evaluate
+        from data import DataError
+
+        def unreadable(cfg, img_size):
+            raise DataError("train/3/x.jpg cannot be read on this rank")
+
+        evaluate.calibration_set = unreadable
+    _worker(rank, world, port, argv, work, disk_full)
+
+
+def test_a_calibration_batch_that_fails_on_one_rank_ends_every_rank(checkpoint, tmp_path):
+    """Every rank draws the calibration batch itself: one failing there ends the other with an error that says
+    so, instead of leaving it at the FP pass's all-reduce with a peer that is gone (a gloo traceback)."""
+    out = tmp_path / "eval.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out), "quant.act_max_csv=false"]
+    mp.spawn(_worker_failing_on_rank_1, args=(2, free_port(), argv, str(work), False), nprocs=2, join=True)
+    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1 == ("DataError", "train/3/x.jpg cannot be read on this rank")
+    assert rank0 == ("OtherRankError", "rank 0: another rank could not read the training split (its calibration "
+                                       "batch or images); its output says why")
