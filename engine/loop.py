@@ -466,8 +466,8 @@ class _Window:
         collective, which also carries whether a rank failed to load a batch: then every rank raises (that
         rank its own error, the others OtherRankError)."""
         totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device),
-                              torch.tensor(float(self.unreadable), device=self.device)])
-        totals = torch.cat([totals, torch.tensor([float(self.data_error is not None)], device=self.device)])
+                              torch.tensor(float(self.unreadable), device=self.device),
+                              torch.tensor(float(self.data_error is not None), device=self.device)])
         loss_sum, micro, unreadable, failed = all_reduce(totals).tolist()
         if self.data_error is not None:
             raise self.data_error
