@@ -223,3 +223,29 @@ def test_gplq_training_images_that_fail_on_one_rank_end_every_rank(sample, train
     assert rank1 == ("DetectionError", "the training split cannot be read on this rank")
     assert rank0 == ("OtherRankError", "rank 0: another rank failed reading the training images; its output says why")
     assert not (tmp_path / "eval.json").exists()
+
+
+def _worker_scoring_fails_on_rank_1(rank: int, world: int, port: int, argv: list, work: str) -> None:
+    """`_worker`, with every val image unreadable on rank 1 alone (a file one node cannot decode)."""
+    if rank == 1:
+        import mmdet.datasets
+
+        def undecodable(self, index):
+            raise ValueError("cannot decode val image on this rank")
+
+        mmdet.datasets.CocoDataset.prepare_data = undecodable
+    _worker(rank, world, port, argv, work)
+
+
+def test_a_val_image_that_fails_on_one_rank_ends_every_rank(sample, trained, tmp_path):
+    """Each rank scores its shard: one failing there ends the other with an error that says so, instead of
+    leaving it in the evaluator's gathering of the predictions with a peer that is gone (a gloo traceback)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", sample, "--device",
+            "cpu", "--quant", "--out", str(tmp_path / "eval.json")]  # a bare --quant: FP only
+    mp.spawn(_worker_scoring_fails_on_rank_1, args=(2, free_port(), argv, str(work)), nprocs=2, join=True)
+    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1[0] == "ValueError" and "cannot decode val image on this rank" in rank1[1]
+    assert rank0 == ("OtherRankError", "another rank could not score its share of the val images; its output says why")
+    assert not (tmp_path / "eval.json").exists()

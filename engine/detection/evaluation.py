@@ -16,7 +16,7 @@ from mmdet.registry import METRICS
 
 from engine.act_max import ActivationProbe
 from engine.detection.data_checks import annotation_paths, check_evaluator_annotations, reading_annotations
-from engine.distributed import all_reduce
+from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank
 
 BACKBONE = ("backbone",)
 HEADS = ("neck", "rpn_head", "roi_head")
@@ -65,14 +65,21 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
     model.eval()
     device = next(model.parameters()).device
     probe = ActivationProbe(model, blocks=BACKBONE + HEADS) if probe_maxima else None
-    start, images = time.perf_counter(), 0
+    start, images, error = time.perf_counter(), 0, None
     with probe if probe is not None else contextlib.nullcontext():
-        for i, batch in enumerate(loader):
-            outputs = model.test_step(batch)
-            evaluator.process(data_samples=outputs, data_batch=batch)
-            images += len(outputs)
-            if progress and (i + 1) % 50 == 0:  # under torchrun: of this rank's shard
-                print(f"  {images}/{len(loader.sampler)} images", flush=True)
+        try:
+            for i, batch in enumerate(loader):
+                outputs = model.test_step(batch)
+                evaluator.process(data_samples=outputs, data_batch=batch)
+                images += len(outputs)
+                if progress and (i + 1) % 50 == 0:  # under torchrun: of this rank's shard
+                    print(f"  {images}/{len(loader.sampler)} images", flush=True)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+    # a rank whose shard failed (an image it cannot read) ends every rank, instead of leaving the others in the
+    # evaluator's gathering of the predictions
+    raise_on_every_rank(error, device, lambda: OtherRankError(
+        "another rank could not score its share of the val images; its output says why"))
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
         metrics = evaluator.evaluate(len(loader.dataset))
     result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}
