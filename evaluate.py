@@ -47,7 +47,7 @@ from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERR
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
-from data.text import VocabularyError, token_file_fingerprint, token_stream
+from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -230,12 +230,16 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
 @contextlib.contextmanager
 def text_of_the_weights(weights: str):
     """Ids past the vocabulary of weights that loaded (their model.num_classes) are text of another tokenizer:
-    check_vocabulary's advice to raise model.num_classes (train.py's) would only make the weights not fit."""
+    check_vocabulary's advice to raise model.num_classes (train.py's) would only make the weights not fit; so
+    would TokenWindows' advice of a shorter context for a text shorter than one window."""
     try:
         yield
     except VocabularyError as e:
         raise DataError(f"{e.problem}, the ids {weights} was trained on: point data.root at the token files it was "
                         "trained on (their tokenizer)") from None
+    except ShortTextError as e:  # the weights' position embeddings fix the context: a shorter one does not load
+        raise DataError(f"{e.problem}, the context {weights} was trained with: point data.root (data.train_split, "
+                        "data.val_split) at token files of at least one window") from None
 
 
 def score_line(metrics: dict) -> str:

@@ -46,6 +46,16 @@ class VocabularyError(ClassCountError):
         self.problem = problem
 
 
+class ShortTextError(DataError):
+    """A text shorter than one window of the model's context; `problem` is the message without its advice (a
+    longer text or a shorter context: train.py's; an evaluation's weights fix their context)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}: give a longer text, or a model of a shorter context "
+                         "(model.kwargs={context: N})")
+        self.problem = problem
+
+
 @dataclass
 class TokenStream:
     """The ids of one split and the vocabulary they come from (`vocab`: characters, or None for ids)."""
@@ -190,10 +200,9 @@ class TokenWindows(Dataset):
         self.count = (len(self.ids) - 1 - (context if train else 0)) // context
         if self.count < 1:
             offset = f" + {context} for its random offset" if train else ""
-            raise DataError(f"{stream.source} has {len(self.ids)} ids, fewer than one {'training ' if train else ''}"
-                            f"window of {context + 1 + (context if train else 0)} (the model's context of {context} "
-                            f"ids + 1 next id{offset}): give a longer text, or a model of a shorter context "
-                            f"(model.kwargs={{context: N}})")
+            raise ShortTextError(f"{stream.source} has {len(self.ids)} ids, fewer than one "
+                                 f"{'training ' if train else ''}window of {context + 1 + (context if train else 0)} "
+                                 f"(the model's context of {context} ids + 1 next id{offset})")
         # evenly spread windows when the validation is limited (data.val_windows)
         self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context
                        if 0 < limit < self.count and not train else None)

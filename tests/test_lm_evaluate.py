@@ -221,6 +221,26 @@ def test_text_of_a_wider_vocabulary_than_the_weights_is_refused_without_advice_t
         token_folder(root, n=6_000)  # the text it was trained on again
 
 
+def test_text_shorter_than_the_weights_context_is_refused_without_advice_the_weights_contradict(tmp_path):
+    """A checkpoint of context 32 on a val.bin of 20 ids, or GPTQ's calibration windows from a train.bin of 20:
+    train.py's advice, 'a model of a shorter context (model.kwargs={context: N})', only made the weights not fit
+    (their position embeddings); both are refused pointing at the token files, before any pass or file."""
+    root = token_folder(tmp_path / "t", n=6_000)
+    run = tmp_path / "run"
+    train.main(load_config([NANO], [f"out_dir={run}", "data.dataset=tokens", f"data.root={root}", "sched.steps=2",
+                                    "sched.warmup_steps=1", "train.eval_every_steps=2"]))
+    for split in ("val", "train"):
+        np.arange(20, dtype=np.uint16).tofile(root / f"{split}.bin")
+        with pytest.raises(DataError) as error:
+            run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "quant.calib_images=4",
+                     "--out", str(tmp_path / "r.json"))
+        message = str(error.value)
+        assert message.startswith(f"{root / split}.bin has 20 ids, fewer than one window of 33 ")
+        assert "shorter context" not in message and "point data.root" in message
+        assert not (tmp_path / "r.json").exists()
+        token_folder(root, n=6_000)  # the text it was trained on again
+
+
 def test_a_table_of_language_models_and_classifiers_is_refused():
     lm = {"model": "gpt2_nano", "method": "Baseline", "fp": {"ppl": 48.0}, "max_act": {"module": 1, "block": 1},
           "quant": {}}
