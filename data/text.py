@@ -15,7 +15,8 @@ Sources (`data.dataset`):
 Windows: training sample i is the `context + 1` ids from `i * context + offset`, the offset drawn under the
 sample's seed (data/samplers.py), so every epoch sees each stretch of text at another phase, as nanoGPT's
 random windows do, while order and offsets stay a pure function of (seed, epoch, position) for exact
-resume. Validation windows are disjoint, from offset 0.
+resume. Validation windows are disjoint, from offset 0; the ids after the last whole window (fewer than
+`context`) are not scored.
 """
 from __future__ import annotations
 

@@ -415,6 +415,26 @@ def test_perplexity_matches_naive_loop():
         evaluate_language_model(model, torch.utils.data.DataLoader([], batch_size=2), torch.device("cpu"))
 
 
+def test_the_val_perplexity_of_a_stream_is_exp_of_the_mean_nll_over_its_whole_windows_only():
+    """A val stream of 1,000 ids and a context of 16: 62 disjoint windows from offset 0 predict ids 1..992; the
+    7 ids after them (fewer than a window) are not scored. The perplexity is exp of the mean next-id NLL over
+    exactly those 992 predictions, computed here from the raw ids one position at a time."""
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65, context=16).eval()
+    ids = np.random.default_rng(1).integers(0, 65, 1_000, dtype=np.uint16)
+    windows = TokenWindows(TokenStream(ids, None, "val"), 16, train=False)
+    result = evaluate_language_model(model, torch.utils.data.DataLoader(windows, batch_size=5), torch.device("cpu"))
+    raw = torch.from_numpy(ids.astype(np.int64))
+    nll = []
+    with torch.no_grad():
+        for start in range(0, 62 * 16, 16):
+            logp = torch.log_softmax(model(raw[None, start:start + 16])[0].double(), dim=-1)
+            nll += [-logp[t, raw[start + t + 1]].item() for t in range(16)]
+    assert (result["count"], result["tokens"], len(nll)) == (62, 992, 992)
+    assert result["loss"] == pytest.approx(sum(nll) / 992, rel=1e-6)
+    assert result["ppl"] == pytest.approx(math.exp(sum(nll) / 992), rel=1e-6)
+
+
 def test_a_collapsed_model_trains_on_and_its_perplexity_reads_as_the_cap(tmp_path, caplog):
     """lr 30 without clipping or the divergence guard: logits of ~1e5 give a finite val loss of ~9e4 nats,
     whose exp() overflows a float (math.exp raised OverflowError in the validation's log line: a traceback
