@@ -124,8 +124,11 @@ def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
             saved = torch.load(path, weights_only=True)
             same = saved["settings"] == settings
         except Exception as e:  # noqa: BLE001 (any unreadable file: not one this script wrote)
-            raise SystemExit(f"error: {path} exists and is not a float model of this script ({e}); move it away "
-                             f"or give --out another name")
+            # the reason's first line only: torch.load's weights_only refusal runs over six lines, and the
+            # error is one line
+            reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise SystemExit(f"error: {path} exists and is not a float model of this script ({reason}); move it "
+                             f"away or give --out another name")
         if same:
             model.load_state_dict(saved["model"])
             return model.eval()

@@ -1,5 +1,6 @@
 """scripts/crosscheck_lm_quant.py without the official GPTQ / SmoothQuant code: its argument errors, and the
 perplexity both sides are scored with against a naive loop."""
+import argparse
 import math
 import os
 import sys
@@ -35,6 +36,22 @@ def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_o
     with pytest.raises(SystemExit, match=message):
         xc.main(["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s"), "--out", str(out), *argv])
     assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("content", [b'{"mine": 1}\n', b""])
+def test_a_file_at_the_float_model_path_that_the_script_did_not_write_is_one_error_line_and_kept(tmp_path, content):
+    """<out>.lm.pt of the user's own (JSON: torch.load's weights_only refusal runs over six lines; empty) is
+    refused before any training with a single error line, and the file is left as it was."""
+    mine = tmp_path / "x.lm.pt"
+    mine.write_bytes(content)
+    args = argparse.Namespace(out=str(tmp_path / "x.json"), model="gpt2_nano", steps=1, lr=1e-3, batch=2, seed=0,
+                              overwrite=False)
+    with pytest.raises(SystemExit) as error:
+        xc.train_model(args, torch.zeros(1000, dtype=torch.long))
+    message = str(error.value.code)
+    assert message.startswith(f"error: {mine} exists and is not a float model of this script (")
+    assert "\n" not in message
+    assert mine.read_bytes() == content
 
 
 def test_perplexity_is_exp_of_the_mean_nll_of_every_next_token_of_every_window():
