@@ -288,6 +288,29 @@ def test_a_pair_check_on_the_wrong_input_shape_names_the_hooks_input_shape(tmp_p
     assert "doesn't match model (32)" in message and "\n" not in message
 
 
+def test_a_pair_check_on_the_models_own_wrong_input_size_names_that_size_and_the_hooks_input_shape():
+    """A part whose own input size is not the one its forward takes (here a stated 48 px for the 32 px ViT): the
+    error names that batch and the hook's input_shape= (a config file's fix), not ColinearityDecay's
+    example_input= tensor; the input_shape it names then runs."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+    from cd.verify import UnsupportedModelError
+
+    net = tiny_vit()
+    net.example_input = lambda: torch.empty(1, 3, 48, 48)  # the model's own input size, wrong
+    runner = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
+    with pytest.raises(UnsupportedModelError) as refusal:
+        ColinearityDecayHook(lam=0.5).before_train(runner)
+    message = str(refusal.value)
+    assert "input batch of shape (1, 3, 48, 48) (the model's own input size)" in message
+    assert "give the hook input_shape=" in message and "example_input" not in message
+    hook = ColinearityDecayHook(lam=0.5, input_shape=(1, 3, 32, 32))
+    hook.before_train(runner)
+    assert len(hook.decay.pairs) == 4 * VIT_DEPTH  # qkv, fc1, proj, fc2 of each block
+    hook.after_train(runner)
+
+
 def test_cd_runs_in_the_iterations_steps_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
     same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no

@@ -97,29 +97,34 @@ class ColinearityDecayHook(Hook):
         target = self.target(runner.model)
         kwargs = dict(self.cd_kwargs)
         shape = None  # the input batch this hook gives the pair check, if it gives one
+        tried = origin = None  # the batch shape the pair check runs on, and where it comes from (for its error)
         if kwargs.get("example_input") is None and kwargs.get("verify", True):
-            shape = self.input_shape
+            shape, origin = self.input_shape, "input_shape"
             if shape is None:
                 try:
-                    example_input(target)
+                    own = example_input(target)
                 except UnsupportedModelError:  # no input size on the model: an image batch
-                    shape = DEFAULT_INPUT_SHAPE
+                    shape, origin = DEFAULT_INPUT_SHAPE, "the hook's default: the model states none"
+                else:  # ColinearityDecay makes the model's own again; a batch of token ids (a dict) has no shape
+                    tried = tuple(own.shape) if isinstance(own, torch.Tensor) else None
+                    origin = "the model's own input size"
             if shape is not None:  # given, or needed: the pair check runs on it
+                tried = tuple(shape)
                 dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
                 kwargs["example_input"] = torch.empty(shape, dtype=dtype, device="meta")
         try:
             self.decay = ColinearityDecay(target, **kwargs)
         except UnsupportedModelError as e:
-            if shape is None or e.__cause__ is None:  # not a forward that failed on this hook's batch
+            if tried is None or e.__cause__ is None:  # not a forward that failed on an image batch of the hook's
                 raise
-            # the check's own advice (ColinearityDecay's example_input tensor) is not what a config file gives
+            # the check's own advice (ColinearityDecay's example_input tensor) is not what a config file gives, also
+            # where the model's own input size is the wrong one
             cause = str(e.__cause__).splitlines()[0] if str(e.__cause__) else ""
-            origin = "input_shape" if self.input_shape is not None else "the hook's default: the model states none"
             raise UnsupportedModelError(
                 f"ColinearityDecayHook: a CD pair check's forward pass of {type(target).__name__} (on the meta "
-                f"device, or the V-row check's real one) failed on an input batch of shape {shape} ({origin}) ({type(e.__cause__).__name__}: "
-                f"{cause}); give the hook input_shape= of one input batch of that part (e.g. input_shape=(1, 3, "
-                f"32, 32)), or verify=False to trust the structure alone") from e.__cause__
+                f"device, or the V-row check's real one) failed on an input batch of shape {tried} ({origin}) "
+                f"({type(e.__cause__).__name__}: {cause}); give the hook input_shape= of one input batch of that "
+                "part (e.g. input_shape=(1, 3, 32, 32)), or verify=False to trust the structure alone") from e.__cause__
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
         # as for `resume`; only a resumed run stands past iteration 0 here
         if self._restored is not None and runner.iter > 0:
