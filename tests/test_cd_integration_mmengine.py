@@ -498,3 +498,24 @@ def test_budget_without_a_cd_hook_is_refused_with_the_fix():
     cfg = {"cd_budget": True, "custom_hooks": [], "optim_wrapper": {"optimizer": {"weight_decay": 0.05}}}
     with pytest.raises(ValueError, match="cd_budget=True with 0 ColinearityDecayHooks.*set cd_budget=False"):
         apply_weight_decay_budget(cfg)
+
+
+def test_a_legacy_optimizer_that_amp_optim_wrapper_hands_grad_scaler_is_refused_before_the_first_update(tmp_path):
+    """AmpOptimWrapper's GradScaler passes `grad_scaler=` to an optimizer of the legacy custom AMP contract, which
+    then decides itself whether to skip: CD cannot follow that verdict, so the first update raises rather than
+    decaying on steps the optimizer may skip."""
+    from mmengine.registry import OPTIMIZERS
+
+    @OPTIMIZERS.register_module(name="LegacyScalingAdamW", force=True)
+    class LegacyScalingAdamW(torch.optim.AdamW):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            return super().step(closure)
+
+    cfg = config(tmp_path, iters=1, amp=True)
+    cfg["optim_wrapper"]["optimizer"]["type"] = "LegacyScalingAdamW"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of that contract
+        with pytest.raises(RuntimeError, match="`grad_scaler` in step"):
+            run(cfg)

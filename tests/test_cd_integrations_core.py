@@ -638,3 +638,36 @@ def test_a_pair_split_into_an_optimizer_that_held_no_decayed_matrix_reads_the_we
     head = lambda n: n.startswith("head.")  # noqa: E731
     step_a_late_split(in_a=lambda n: not head(n), in_b=head,
                       late=lambda n: n.startswith("blocks.1.") and n.endswith(W1_SIDE), order="ba")
+
+
+class _LegacyScalingSGD(torch.optim.SGD):
+    """An optimizer of the legacy custom AMP contract: GradScaler hands it `grad_scaler=` in step() and leaves
+    the skip on inf/NaN to it, so CD cannot tell whether the step will change the weights."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("optimizers", [1, 2], ids=["one_optimizer", "shared_update"])
+def test_a_legacy_grad_scaler_keyword_in_the_step_is_refused_through_a_binding(optimizers):
+    """GradScaler.step passes itself as `grad_scaler=` to such an optimizer; a binding (alone, or a part of a
+    SharedUpdate over several optimizers) hands the step's keywords to CD, which refuses it before the weights
+    move, as attach does."""
+    model, decay, _, loss = _setup()
+    heads = [p for n, p in model.named_parameters() if n.startswith("head.")]
+    body = [p for n, p in model.named_parameters() if not n.startswith("head.")]
+    opts = [_LegacyScalingSGD(body if optimizers == 2 else model.parameters(), lr=0.1)]
+    opts += [_LegacyScalingSGD(heads, lr=0.1)] if optimizers == 2 else []
+    bindings = bind_optimizers(decay, opts)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss()).backward()
+    before = snapshot(model)
+    for binding in bindings.values():
+        binding.arm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of that contract
+        with pytest.raises(RuntimeError, match="`grad_scaler` in step"):
+            scaler.step(opts[0])
+    assert changed(model, before) == [] and decay.num_updates == 0
