@@ -645,3 +645,42 @@ def test_a_train_step_that_never_calls_parse_losses_is_an_error_not_a_run_withou
     cfg["model"] = dict(type="NoParseLosses")
     with pytest.raises(RuntimeError, match="parse_losses never ran"):
         run(cfg)
+
+
+def test_tweo_hook_adds_its_term_inside_training_iterations_only():
+    """parse_losses outside a training iteration (a hook's loss before the train loop, a val_step that logs its
+    loss in eval mode, between iterations) returns MMEngine's own result; inside one, the rescaled term makes the
+    loss task * (1 + lam) (lam * L_TWEO * detach(task / L_TWEO), constant schedule)."""
+    from types import SimpleNamespace
+
+    from mmengine.optim import OptimWrapper
+
+    from cd.integrations.mmengine import TweoHook
+
+    lam = 0.5
+    model = BaselineNet()
+    class Runner(SimpleNamespace):  # the hook keeps a weak reference to its runner
+        pass
+
+    runner = Runner(model=model, optim_wrapper=OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1)),
+                    max_iters=2, iter=0)
+    hook = TweoHook(lam=lam)
+    hook.before_train(runner)
+    x, y = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+
+    def loss_and_log(train):
+        model.train(train)
+        with torch.set_grad_enabled(train):
+            losses = model(x, y, mode="loss")
+            return model.parse_losses(losses), BaseModel.parse_losses(model, losses)  # the hook's, MMEngine's
+
+    (loss, log), (task, _) = loss_and_log(True)  # before the train loop
+    assert torch.equal(loss, task) and "loss_tweo" not in log
+    hook.before_train_iter(runner, 0)
+    (loss, log), (task, _) = loss_and_log(True)
+    assert loss.item() == pytest.approx(task.item() * (1 + lam), rel=1e-12) and "loss_tweo" in log
+    hook.after_train_iter(runner, 0)
+    for train in (False, True):  # a validation forward, then one between iterations
+        (loss, log), (task, _) = loss_and_log(train)
+        assert torch.equal(loss, task) and "loss_tweo" not in log
+    hook.after_train(runner)
