@@ -311,6 +311,25 @@ def test_a_pair_check_on_the_models_own_wrong_input_size_names_that_size_and_the
     hook.after_train(runner)
 
 
+def test_verify_false_asks_the_part_nothing_about_its_input():
+    """verify=False trusts the structure alone (the way out where the check cannot run): the hook then builds
+    no input batch either, so a part whose own example_input() fails still gets CD."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    def no_example():
+        raise RuntimeError("this model cannot make an example input")
+
+    net = tiny_vit()
+    net.example_input = no_example
+    runner = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
+    hook = ColinearityDecayHook(lam=0.5, verify=False)
+    hook.before_train(runner)
+    assert len(hook.decay.pairs) == 4 * VIT_DEPTH
+    hook.after_train(runner)
+
+
 def test_cd_runs_in_the_iterations_steps_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
     same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no
