@@ -330,6 +330,34 @@ def test_verify_false_asks_the_part_nothing_about_its_input():
     hook.after_train(runner)
 
 
+def test_a_train_again_after_one_that_raised_gets_one_cd_update_per_step():
+    """MMEngine calls no after_train when training raises: the hook's next before_train (train() again) takes
+    its bindings off the optimizer first, so the new run is not refused as a second CD update and its steps get
+    the new decay's update only, once: W2 - lr * lam * W2 W1n W1n^T from the weights of before the step."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+    from cd_models import ref_w2
+
+    net = tiny_vit().double()
+    wrapper = OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))
+    runner = SimpleNamespace(model=net, optim_wrapper=wrapper, iter=0)
+    hook = ColinearityDecayHook(lam=0.5, module="")
+    hook.before_train(runner)
+    hook.before_train_iter(runner, 0)  # the run raises here: no after_train_iter, no after_train
+    failed = hook.decay
+    hook.before_train(runner)
+    hook.before_train_iter(runner, 0)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)  # SGD then changes only what CD does
+    fc1, fc2 = (net.get_submodule(f"blocks.0.mlp.{n}").weight.detach().clone() for n in ("fc1", "fc2"))
+    wrapper.step()
+    hook.after_train_iter(runner, 0)
+    assert (failed.num_updates, hook.decay.num_updates) == (0, 1)
+    assert torch.allclose(net.blocks[0].mlp.fc2.weight, ref_w2(fc2, fc1, 0.1 * 0.5), rtol=0, atol=1e-12)
+    hook.after_train(runner)
+
+
 def test_cd_runs_in_the_iterations_steps_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
     same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no
