@@ -671,3 +671,30 @@ def test_a_legacy_grad_scaler_keyword_in_the_step_is_refused_through_a_binding(o
         with pytest.raises(RuntimeError, match="`grad_scaler` in step"):
             scaler.step(opts[0])
     assert changed(model, before) == [] and decay.num_updates == 0
+
+
+def test_an_iteration_where_one_optimizer_does_not_step_ends_its_update_at_disarm():
+    """Two optimizers over split pairs (W1s in `a`, the rest in `b`), zero gradients: in the first iteration only
+    `a` steps (CD writes its qkv and fc1), in the second only `b` (an n-critic loop steps them in turns). `b`'s
+    part reads the W1s of before its own iteration's steps, i.e. after `a`'s step of the first, not a copy kept
+    for an update that ended at the first iteration's disarm."""
+    from cd_models import ref_w2
+
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.5)
+    first, rest = w1s_apart(model)
+    opt_a, opt_b, bindings = armed_sgd_pair(decay, first, rest, 0.1, 0.02)
+    opt_a.step()
+    for binding in bindings.values():
+        binding.disarm()
+    between = snapshot(model)
+    arm_all(bindings)
+    opt_b.step()
+    for binding in bindings.values():
+        binding.disarm()
+    for b in ("blocks.0", "blocks.1"):
+        qkv, fc1 = between[f"{b}.attn.qkv.weight"], between[f"{b}.mlp.fc1.weight"]
+        v = slice(2 * qkv.shape[0] // 3, qkv.shape[0])
+        for w2, w1 in ((f"{b}.attn.proj.weight", qkv[v]), (f"{b}.mlp.fc2.weight", fc1)):
+            got = model.get_parameter(w2)
+            assert torch.allclose(got, ref_w2(between[w2], w1, 0.02 * 0.5), rtol=0, atol=1e-12), w2
