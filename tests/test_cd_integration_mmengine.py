@@ -407,6 +407,11 @@ def test_budget_rule_lowers_the_merged_weight_decay_once_by_the_hooks_lam():
     for weight_decay, lam in [(-0.01, 0.0), (0.05, -0.001), (0.001, 0.005)]:
         with pytest.raises(ValueError, match="cd_budget=True"):
             apply_weight_decay_budget(config(weight_decay, lam=lam))
+    # the config and its dump read the decimal budget, not 0.05 - 0.005 in binary (0.045000000000000005)
+    documented = config(0.05)
+    apply_weight_decay_budget(documented)
+    assert documented["optim_wrapper"]["optimizer"]["weight_decay"] == 0.045
+    assert documented["cd_budget"] == "applied: 0.05 - lam 0.005 = 0.045"
     untouched = config(0.05, lam=0.01)
     untouched["cd_budget"] = False
     apply_weight_decay_budget(untouched)
