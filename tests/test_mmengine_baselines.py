@@ -684,3 +684,37 @@ def test_tweo_hook_adds_its_term_inside_training_iterations_only():
         (loss, log), (task, _) = loss_and_log(train)
         assert torch.equal(loss, task) and "loss_tweo" not in log
     hook.after_train(runner)
+
+
+@pytest.mark.parametrize("budget", ["yes", 1, 0, "True"])
+def test_a_cd_budget_that_is_neither_true_nor_false_is_refused_not_read_as_either(budget):
+    """`cd_budget = 1` or "yes" in a config is no bool: refused by one line naming the value and both choices,
+    with the weight decay left as given (not lowered as for True, not kept silently as for False)."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    cfg = dict(cd_budget=budget, custom_hooks=[dict(type="ColinearityDecayHook", lam=0.005)],
+               optim_wrapper=dict(optimizer=dict(type="AdamW", weight_decay=0.05)))
+    with pytest.raises(ValueError, match=rf"^cd_budget={budget!r}: give True .* or False$"):
+        apply_weight_decay_budget(cfg)
+    assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05 and cfg["cd_budget"] == budget
+
+
+def test_weight_noise_hook_trains_again_after_a_run_that_raised():
+    """MMEngine calls no after_train when training raises: the hook's next before_train (train() again on the
+    same runner) removes its own noise first, so the layers get one noise (one set of hooks), not a refusal."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine import WeightNoiseHook
+
+    class Runner(SimpleNamespace):  # the hook keeps a weak reference to its runner
+        pass
+
+    model = BaselineNet()
+    runner = Runner(model=model, iter=0)
+    hook = WeightNoiseHook(seed=0)
+    hook.before_train(runner)
+    hook.before_train(runner)  # no after_train in between
+    linear = model.backbone.blocks[0].mlp.fc1
+    assert len(linear._forward_pre_hooks) == 1  # one noise: the failed run's is off
+    hook.after_train(runner)
+    assert len(linear._forward_pre_hooks) == 0
