@@ -718,3 +718,42 @@ def test_weight_noise_hook_trains_again_after_a_run_that_raised():
     assert len(linear._forward_pre_hooks) == 1  # one noise: the failed run's is off
     hook.after_train(runner)
     assert len(linear._forward_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("rescale", ["False", 0, None])
+def test_tweo_hook_refuses_a_rescale_that_is_no_bool(rescale):
+    """rescale="False" from a config string would otherwise be truthy (the rescaled form), 0 and None falsy."""
+    from cd.integrations.mmengine import TweoHook
+
+    with pytest.raises(ValueError, match=rf"^rescale must be True or False, got {rescale!r}$"):
+        TweoHook(rescale=rescale)
+
+
+def test_tweo_hook_trains_again_after_a_run_that_raised_with_one_term():
+    """MMEngine calls no after_train when training raises: the hook's next before_train (train() again on the
+    same runner) takes its own parse_losses wrapper off first, so it is not refused as a second TweoHook and the
+    loss gets one rescaled term: task * (1 + lam)."""
+    from types import SimpleNamespace
+
+    from mmengine.optim import OptimWrapper
+
+    from cd.integrations.mmengine import TweoHook
+
+    class Runner(SimpleNamespace):  # the hook keeps a weak reference to its runner
+        pass
+
+    lam, model = 0.5, BaselineNet()
+    runner = Runner(model=model, optim_wrapper=OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1)),
+                    max_iters=2, iter=0)
+    hook = TweoHook(lam=lam)
+    hook.before_train(runner)
+    hook.before_train_iter(runner, 0)  # the run raises here
+    hook.before_train(runner)
+    hook.before_train_iter(runner, 0)
+    losses = model(torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2]), mode="loss")
+    loss, _ = model.parse_losses(losses)
+    task, _ = BaseModel.parse_losses(model, losses)
+    assert loss.item() == pytest.approx(task.item() * (1 + lam), rel=1e-12)
+    hook.after_train_iter(runner, 0)
+    hook.after_train(runner)
+    assert "parse_losses" not in vars(model)
