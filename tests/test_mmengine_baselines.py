@@ -757,3 +757,12 @@ def test_tweo_hook_trains_again_after_a_run_that_raised_with_one_term():
     hook.after_train_iter(runner, 0)
     hook.after_train(runner)
     assert "parse_losses" not in vars(model)
+
+
+def test_tweo_hook_given_model_names_its_module_argument():
+    """TWEO's own first argument is `model`; the hook finds the model in the runner and takes the part as
+    `module=`, which the refusal names (TWEO's signature alone would say "multiple values for 'model'")."""
+    from cd.integrations.mmengine import TweoHook
+
+    with pytest.raises(TypeError, match=r"^TweoHook takes `module=` \(the part of the runner's model\), not `model=`$"):
+        TweoHook(model="backbone")
