@@ -698,3 +698,20 @@ def test_an_iteration_where_one_optimizer_does_not_step_ends_its_update_at_disar
         for w2, w1 in ((f"{b}.attn.proj.weight", qkv[v]), (f"{b}.mlp.fc2.weight", fc1)):
             got = model.get_parameter(w2)
             assert torch.allclose(got, ref_w2(between[w2], w1, 0.02 * 0.5), rtol=0, atol=1e-12), w2
+
+
+def test_select_module_takes_a_backbone_submodule_only_and_names_a_missing_part():
+    """module=None: the `backbone` submodule where the model has one, else the whole model, also where
+    `backbone` is some other attribute (a name, a config); "" the whole model; a dotted name that submodule,
+    wrappers looked through; a name of no submodule is an error naming the model's own submodules."""
+    from cd.integrations import select_module
+
+    net = tiny_vit()
+    holder = torch.nn.Module()
+    holder.backbone, holder.head = net, torch.nn.Linear(2, 2)
+    assert select_module(holder, None) is net and select_module(holder, "") is holder
+    assert select_module(torch.nn.parallel.DataParallel(holder), "backbone.blocks.0") is net.blocks[0]
+    net.backbone = "vit_tiny"  # an attribute, no submodule
+    assert select_module(net, None) is net
+    with pytest.raises(ValueError, match=r"module='neck' names no submodule of the Module .*\['backbone', 'head'\]"):
+        select_module(holder, "neck")
