@@ -48,7 +48,7 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 import evaluate  # noqa: E402
-from scripts.mechanism import ffn_blocks, rank_directions  # noqa: E402
+from scripts.mechanism import ffn_pairs, rank_directions  # noqa: E402
 
 ROLES = ("qkv", "proj", "fc1", "fc2")
 QUANT_COLUMNS = (("percentile", "w4a4"), ("repq", "w4a4"), ("percentile", "w3a3"), ("repq", "w3a3"))
@@ -304,7 +304,7 @@ def type_maxima(run: Run, column: str = "max") -> dict[str, float]:
 
 def alignment_peak(model: torch.nn.Module) -> dict:
     """The strongest FC1-FC2 alignment of the model (scripts/mechanism.py `rank_directions`)."""
-    top = rank_directions(ffn_blocks(model))[0][0]
+    top = rank_directions(ffn_pairs(model))[0][0]
     return {k: top[k] for k in ("block", "direction", "row", "alpha", "singular_value")}
 
 

@@ -32,6 +32,14 @@ subcommand does not read is refused (`READS`): each reads model.*, `surrogate` a
 given by the flag.
 Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
 directions i in descending singular value, rows j of FC2.
+
+`alignment`, `energies` and `remove` read each block's FC1 / FC2 (and every other pair) from `cd.find_pairs`, which
+knows each layer's role and storage, so that from Python they take any model CD pairs: a train.py language model,
+transformers' GPT-2 (Conv1D weights stored (in, out), read transposed), ViT, torchvision's ViT / Swin,
+MMDetection's Swin, or blocks of one's own (`ffn_pairs(model, layouts=...)`, `pair_energies(model, layouts=...)`).
+A block CD refuses (a gated MLP such as Llama's) is left out with a warning; a model with none left is refused.
+`surrogate` hooks timm's module names (norm2, mlp) and, like `remove`, reads val images: both refuse a language
+model.
 """
 from __future__ import annotations
 
@@ -52,8 +60,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from cd.pairs import find_blocks, find_pairs  # noqa: E402
+from cd.layouts import LAYOUTS, Layout  # noqa: E402
+from cd.pairs import Pair, find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
+from cd.values import check_v_rows  # noqa: E402
+from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
@@ -71,6 +82,9 @@ OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("align
            "remove": ("remove.json", "remove.png"), "energies": ("energies.png", "energies.csv")}
 
 
+log = logging.getLogger("mechanism")
+
+
 class MechanismError(ValueError):
     """A user error: a bad argument, an existing output file, a model without FFN blocks."""
 
@@ -80,7 +94,8 @@ class MechanismError(ValueError):
 # computation)
 # ------------------------------------------------------------------------------------------------------
 def ffn_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, block) of every pre-norm block with an ungated FFN mlp.fc1 -> mlp.fc2, in model order."""
+    """(name, block) of every pre-norm block with an ungated FFN mlp.fc1 -> mlp.fc2, in model order: the blocks
+    `surrogate` hooks by timm's module names (the weight-only tools read any layout CD pairs: `ffn_pairs`)."""
     out = []
     for name, block in find_blocks(model):
         # blocks of other layouts (MMDetection's `ffn`, GPT-2's `mlp.c_fc`) have no mlp.fc1 and are left out
@@ -89,6 +104,63 @@ def ffn_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear) and fc2.in_features == fc1.out_features:
             out.append((name, block))
     return out
+
+
+def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair]:
+    """CD's matrix pairs of `model` (`cd.find_pairs`, which reads each layer's storage and role off the layer: an
+    nn.Linear (out, in), transformers' Conv1D (in, out)), of every block CD pairs; a block CD refuses (a gated MLP,
+    a norm without an affine scale, ...) is left out with a warning naming it and why, and the model is refused
+    when no block is left. The pairs kept are checked against the model's forward as find_pairs checks its own.
+    """
+    try:
+        return find_pairs(model, layouts=layouts)
+    except UnsupportedModelError as e:
+        whole = e
+    kept: list[Pair] = []
+    types: dict[str, str] = {}
+    left_out = []
+    for name, module in _pairing_units(model, layouts):
+        try:  # one block on its own (names relative to it); checked below, in the whole model's forward
+            pairs = find_pairs(module, verify=False, layouts=layouts)
+        except UnsupportedModelError as refusal:
+            left_out.append(str(refusal).replace("block ''", f"block '{name}'", 1))
+            continue
+        types[name] = type(module).__name__
+        kept += [dataclasses.replace(p, name=f"{name}.{p.name}", block=name,
+                                     upstream_name=f"{name}.{p.upstream_name}") for p in pairs]
+    if not left_out or not kept:  # refused for the whole model (tied weights, ...), or no block is left
+        raise MechanismError(str(whole) if not left_out else
+                             f"no block of {type(model).__name__} is one CD pairs; the first: {left_out[0]}") from None
+    try:
+        verify_pairs(model, kept, types)
+        check_v_rows(model, kept, types)
+    except UnsupportedModelError as e:
+        raise MechanismError(str(e)) from None
+    for why in left_out:
+        log.warning("left out: %s", why)
+    return kept
+
+
+def _pairing_units(model: nn.Module, layouts: Sequence[Layout]) -> list[tuple[str, nn.Module]]:
+    """The blocks of `layouts` and the patch-merging layers (children `norm` and `reduction`) of `model`, in model
+    order: what find_pairs pairs one by one."""
+    blocks = dict(find_blocks(model, layouts))
+    units, inside = [], None
+    for name, module in model.named_modules():
+        if inside is not None and name.startswith(inside + "."):
+            continue
+        merging = isinstance(getattr(module, "norm", None), nn.Module) and \
+            isinstance(getattr(module, "reduction", None), nn.Module)
+        if name in blocks or merging:
+            units.append((name, module))
+            inside = name
+    return units
+
+
+def ffn_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[tuple[str, Pair]]:
+    """(block name, its FC1 -> FC2 pair) of every block CD pairs (`cd_pairs`), in model order. The pair's `w1()` is
+    W_F1 (hidden x dim) and `w2()` W_F2 (dim x hidden) as the layers apply them, whatever their storage."""
+    return [(p.block, p) for p in cd_pairs(model, layouts) if p.role == "fc2"]
 
 
 def ffn_surrogate(mlp: nn.Module, z: torch.Tensor, bias: bool = False) -> torch.Tensor:
@@ -147,9 +219,10 @@ def alignment(w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (w2_hat @ u).abs().T, s
 
 
-def rank_directions(blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def rank_directions(blocks: Sequence[tuple[str, Pair]]) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Every FC1 singular direction (block, i) ranked by its strongest alignment max_j alpha_ij
-    (App. A.1: "aggregate the alignment scores over the selected layers, sort the strongest directions").
+    (App. A.1: "aggregate the alignment scores over the selected layers, sort the strongest directions"), over
+    the (block name, FC1 -> FC2 pair) of `ffn_pairs`.
 
     Returns:
         (rows, alphas): rows sorted by alpha, descending, each {"rank", "block", "block_index",
@@ -157,9 +230,9 @@ def rank_directions(blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[dict]
         own norm included) is the factor of that term in Eq. (1); alphas: {block name: alpha (r, dim)}.
     """
     rows, alphas = [], {}
-    for index, (name, block) in enumerate(blocks):
-        w2 = block.mlp.fc2.weight.detach().double()
-        alpha, s = alignment(block.mlp.fc1.weight, w2)
+    for index, (name, pair) in enumerate(blocks):
+        w2 = pair.w2().detach().double()
+        alpha, s = alignment(pair.w1(), w2)
         alphas[name] = alpha
         best, j = alpha.max(dim=1)
         norms = w2.norm(dim=1)
@@ -195,25 +268,32 @@ def remove_directions(w1: torch.Tensor, directions: Sequence[int]) -> torch.Tens
     return (w - (u[:, idx] * s[idx]) @ vh[idx]).to(w1.dtype)
 
 
-def model_without(model: nn.Module, removed: Sequence[dict]) -> nn.Module:
-    """A copy of `model` whose FC1 weights lack the `removed` directions ({"block", "direction"} dicts)."""
+def model_without(model: nn.Module, removed: Sequence[dict],
+                  blocks: Optional[Sequence[tuple[str, Pair]]] = None) -> nn.Module:
+    """A copy of `model` whose FC1 weights lack the `removed` directions ({"block", "direction"} dicts); `blocks`:
+    the model's `ffn_pairs` (found when not given)."""
+    fc1 = {name: pair for name, pair in (ffn_pairs(model) if blocks is None else blocks)}
     model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
     per_block: dict[str, list[int]] = {}
     for r in removed:
         per_block.setdefault(r["block"], []).append(r["direction"])
     with torch.no_grad():
         for name, directions in per_block.items():
-            fc1 = model.get_submodule(name).mlp.fc1
-            fc1.weight.copy_(remove_directions(fc1.weight, directions))
+            pair = fc1[name]
+            stored = params[pair.upstream_name]
+            w1 = stored.t() if pair.transposed else stored  # W_F1 as applied; a view, so copy_ writes the storage
+            w1.copy_(remove_directions(w1, directions))
     return model
 
 
-def pair_energies(model: nn.Module) -> list[dict]:
-    """Per pair (role, block): the normalised energy ||W2 W1n||_F^2 that CD decays (Sec. 3.1, Eq. (2) with
-    App. A.2, Eq. (23), from cd/update.py `pair_energy`) and the raw ||W2 W1||_F^2 of Eq. (2)."""
+def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[dict]:
+    """Per pair (role, block) of every block CD pairs (`cd_pairs`): the normalised energy ||W2 W1n||_F^2 that CD
+    decays (Sec. 3.1, Eq. (2) with App. A.2, Eq. (23), from cd/update.py `pair_energy`) and the raw ||W2 W1||_F^2
+    of Eq. (2), both of the matrices as the layers apply them (a Conv1D's (in, out) weight transposed)."""
     try:
-        pairs = find_pairs(model)
-    except ValueError as e:  # no pre-norm block at all
+        pairs = cd_pairs(model, layouts)
+    except ValueError as e:  # no pre-norm block at all, or layouts that are not Layouts
         raise MechanismError(str(e)) from None
     rows = []
     for pair in pairs:
@@ -243,7 +323,7 @@ READ_NO_CLASSIFIER = ("alignment", "energies")
 
 def load(args: argparse.Namespace, images: bool = False) -> Loaded:
     """The float model (eval mode, on the CPU) and its config, from --checkpoint or --model/--weights; with
-    `images`, refused when it is a language model (the subcommand reads val images and scores top-1)."""
+    `images`, refused when it is a language model (the subcommand runs the model on val images)."""
     if args.checkpoint and (args.model or args.weights):
         raise MechanismError("give either --checkpoint, or --model NAME --weights FILE, not both")
     if args.checkpoint:
@@ -275,8 +355,11 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         raise MechanismError("nothing to load: give --checkpoint runs/<run>/best.pt, or --model NAME "
                              "--weights FILE")
     if images and is_language_model(model):
-        raise MechanismError(f"{source} is a language model; `{args.command}` reads val images and scores top-1: "
-                             "run it on a vision model (alignment and energies take a GPT too)")
+        reads = "runs the model on" if args.command == "surrogate" else "scores the top-1 of"
+        raise MechanismError(f"`{args.command}`: {source} is a language model (data.dataset={cfg.data.dataset}), and "
+                             f"`{args.command}` {reads} val images of an image classifier; run `alignment` or "
+                             f"`energies` on it (they read its weights alone), or `{args.command}` on a vision "
+                             "checkpoint")
     set_threads(args.threads, model)
     return Loaded(cfg, model.eval(), source, method_name(cfg))
 
@@ -324,12 +407,13 @@ def pick_device(cfg, wanted: str) -> torch.device:
                         else "cpu")
 
 
-def select_blocks(blocks: list[tuple[str, nn.Module]], wanted: Optional[Sequence[str]],
-                  ) -> list[tuple[str, nn.Module]]:
-    """`--blocks`: 0-based positions in model order or block names; all blocks when not given."""
+def select_blocks(blocks: list[tuple[str, object]], wanted: Optional[Sequence[str]],
+                  ) -> list[tuple[str, object]]:
+    """`--blocks`: 0-based positions in model order or block names; all blocks when not given. `blocks`: (name,
+    block module) of `ffn_blocks` or (name, FC1 -> FC2 pair) of `ffn_pairs`."""
     if not blocks:
-        raise MechanismError("the model has no pre-norm block with an mlp.fc1 -> mlp.fc2 FFN (timm ViT / "
-                             "DeiT / Swin); these tools need one")
+        raise MechanismError("the model has no pre-norm block with an FFN fc1 -> fc2 (timm ViT / DeiT / Swin, "
+                             "or a layout of cd.LAYOUTS); these tools need one")
     if wanted is None:
         return blocks
     if not wanted:  # `--blocks` with nothing after it: a list cut off, not "all"
@@ -458,7 +542,7 @@ def cmd_surrogate(args: argparse.Namespace) -> dict:
 def cmd_alignment(args: argparse.Namespace) -> dict:
     png, csv_path = check_outputs(args.out, OUTPUTS["alignment"], args.overwrite)
     loaded = load(args)
-    blocks = select_blocks(ffn_blocks(loaded.model), args.blocks)
+    blocks = select_blocks(ffn_pairs(loaded.model), args.blocks)
     rows, alphas = rank_directions(blocks)
 
     # A 384 x 1536 field of alpha_ij has a few bright pixels that vanish at page size, so the figure shows
@@ -525,7 +609,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     except ValueError as e:
         raise MechanismError(f"--pipeline {args.pipeline} --bits {args.bits}: {e}") from None
     model = loaded.model.to(device)
-    blocks = select_blocks(ffn_blocks(model), args.blocks)
+    blocks = select_blocks(ffn_pairs(model), args.blocks)
     ranked, _ = rank_directions(blocks)
     if args.k > len(ranked):
         raise MechanismError(f"--k {args.k}: the chosen blocks have only {len(ranked)} directions")
@@ -538,7 +622,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         # "sequentially set the corresponding FC1 singular values to zero" (App. A.1): k = 0 is the model
         # itself, k the top-k directions of the ranking of the unmodified model
-        current = model if k == 0 else model_without(model, ranked[:k])
+        current = model if k == 0 else model_without(model, ranked[:k], blocks)
         # one pass gives FP accuracy and the activation maxima (the hooks only read the outputs)
         with ActivationProbe(current, extra_modules=cfg.quant.act_max_extra_modules) as probe:
             fp = evaluate(current, loader, device)

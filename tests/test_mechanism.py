@@ -54,15 +54,14 @@ def test_alignment_matches_a_direct_svd():
 
 def test_ranking_is_by_the_strongest_row_of_each_direction():
     model = tiny_vit()
-    blocks = mechanism.ffn_blocks(model)
-    rows, alphas = mechanism.rank_directions(blocks)
+    rows, alphas = mechanism.rank_directions(mechanism.ffn_pairs(model))
     assert len(rows) == 2 * 32 and [r["rank"] for r in rows] == list(range(64))
     assert all(a["alpha"] >= b["alpha"] for a, b in zip(rows, rows[1:]))
     for r in rows[:5]:
         alpha = alphas[r["block"]]
         assert r["alpha"] == pytest.approx(float(alpha[r["direction"]].max()))
         assert r["row"] == int(alpha[r["direction"]].argmax())
-        w2 = dict(blocks)[r["block"]].mlp.fc2.weight.detach().double()
+        w2 = model.get_submodule(r["block"]).mlp.fc2.weight.detach().double()
         # gain = s_i |w2_j . u_i|, the factor of the term in Eq. (1)
         assert r["gain"] == pytest.approx(r["singular_value"] * r["alpha"] * float(w2[r["row"]].norm()))
 
@@ -229,7 +228,7 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
     lm = tmp_path / "lm"
     train.main(load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")],
                            [f"out_dir={lm}", "sched.steps=2", "sched.warmup_steps=1"]))
-    with pytest.raises(mechanism.MechanismError, match=r"is a language model; `surrogate` reads val images"):
+    with pytest.raises(mechanism.MechanismError, match=r"^`surrogate`: .* is a language model \(data.dataset=kjv\)"):
         mechanism.main(["surrogate", "--checkpoint", str(lm / "best.pt"), "--out", str(tmp_path / "lm_figs" / "a")])
     with pytest.raises(mechanism.MechanismError, match=r"--images 100000: the val split has \d+ images"):
         mechanism.main(["surrogate", "--checkpoint", base, "--out", str(tmp_path / "many"), "--images", "100000"])
