@@ -106,14 +106,15 @@ def ffn_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair]:
+def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_input: object = None) -> list[Pair]:
     """CD's matrix pairs of `model` (`cd.find_pairs`, which reads each layer's storage and role off the layer: an
     nn.Linear (out, in), transformers' Conv1D (in, out)), of every block CD pairs; a block CD refuses (a gated MLP,
     a norm without an affine scale, ...) is left out with a warning naming it and why, and the model is refused
-    when no block is left. The pairs kept are checked against the model's forward as find_pairs checks its own.
+    when no block is left. The pairs kept are checked against the model's forward as find_pairs checks its own, on
+    `example_input` (find_pairs' default when None; a model whose input size it cannot tell needs one).
     """
     try:
-        return find_pairs(model, layouts=layouts)
+        return find_pairs(model, example_input, layouts=layouts)
     except UnsupportedModelError as e:
         whole = e
     kept: list[Pair] = []
@@ -132,8 +133,8 @@ def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair
         raise MechanismError(str(whole) if not left_out else
                              f"no block of {type(model).__name__} is one CD pairs; the first: {left_out[0]}") from None
     try:
-        verify_pairs(model, kept, types)
-        check_v_rows(model, kept, types)
+        verify_pairs(model, kept, types, example_input)
+        check_v_rows(model, kept, types, example_input)
     except UnsupportedModelError as e:
         raise MechanismError(str(e)) from None
     for why in left_out:
@@ -157,10 +158,11 @@ def _pairing_units(model: nn.Module, layouts: Sequence[Layout]) -> list[tuple[st
     return units
 
 
-def ffn_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[tuple[str, Pair]]:
+def ffn_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS,
+              example_input: object = None) -> list[tuple[str, Pair]]:
     """(block name, its FC1 -> FC2 pair) of every block CD pairs (`cd_pairs`), in model order. The pair's `w1()` is
     W_F1 (hidden x dim) and `w2()` W_F2 (dim x hidden) as the layers apply them, whatever their storage."""
-    return [(p.block, p) for p in cd_pairs(model, layouts) if p.role == "fc2"]
+    return [(p.block, p) for p in cd_pairs(model, layouts, example_input) if p.role == "fc2"]
 
 
 def ffn_surrogate(mlp: nn.Module, z: torch.Tensor, bias: bool = False) -> torch.Tensor:
@@ -287,12 +289,12 @@ def model_without(model: nn.Module, removed: Sequence[dict],
     return model
 
 
-def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[dict]:
+def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_input: object = None) -> list[dict]:
     """Per pair (role, block) of every block CD pairs (`cd_pairs`): the normalised energy ||W2 W1n||_F^2 that CD
     decays (Sec. 3.1, Eq. (2) with App. A.2, Eq. (23), from cd/update.py `pair_energy`) and the raw ||W2 W1||_F^2
     of Eq. (2), both of the matrices as the layers apply them (a Conv1D's (in, out) weight transposed)."""
     try:
-        pairs = cd_pairs(model, layouts)
+        pairs = cd_pairs(model, layouts, example_input)
     except ValueError as e:  # no pre-norm block at all, or layouts that are not Layouts
         raise MechanismError(str(e)) from None
     rows = []
