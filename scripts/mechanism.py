@@ -33,10 +33,11 @@ given by the flag.
 Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
 directions i in descending singular value, rows j of FC2.
 
-`alignment`, `energies` and `remove` read each block's FC1 / FC2 (and every other pair) from `cd.find_pairs`, which
-knows each layer's role and storage, so that from Python they take any model CD pairs: a train.py language model,
-transformers' GPT-2 (Conv1D weights stored (in, out), read transposed), ViT, torchvision's ViT / Swin,
-MMDetection's Swin, or blocks of one's own (`ffn_pairs(model, layouts=...)`, `pair_energies(model, layouts=...)`).
+The weight-only math (`alignment`, `energies`, and the FC1 edit of `remove`) reads each block's FC1 / FC2 and every
+other pair from `cd.find_pairs`, which knows each layer's role and storage, so that it takes any model CD pairs: a
+train.py language model on the command line; from Python, transformers' GPT-2 (Conv1D weights stored (in, out), read
+transposed), ViT, torchvision's ViT / Swin, MMDetection's Swin, or blocks of one's own (`ffn_pairs(model,
+layouts=...)`, `pair_energies(model, layouts=...)`, `rank_directions`, `model_without`).
 A block CD refuses (a gated MLP such as Llama's) is left out with a warning; a model with none left is refused.
 `surrogate` hooks timm's module names (norm2, mlp) and, like `remove`, reads val images: both refuse a language
 model.
@@ -65,6 +66,7 @@ from cd.pairs import Pair, find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
 from cd.values import check_v_rows  # noqa: E402
 from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
+from cd.wrappers import unwrap_model  # noqa: E402
 from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
@@ -117,6 +119,7 @@ def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_inpu
         return find_pairs(model, example_input, layouts=layouts)
     except UnsupportedModelError as e:
         whole = e
+    model = unwrap_model(model)  # the names find_pairs gives (DDP's `module.`, torch.compile's `_orig_mod.` dropped)
     kept: list[Pair] = []
     types: dict[str, str] = {}
     left_out = []
@@ -127,8 +130,8 @@ def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_inpu
             left_out.append(str(refusal).replace("block ''", f"block '{name}'", 1))
             continue
         types[name] = type(module).__name__
-        kept += [dataclasses.replace(p, name=f"{name}.{p.name}", block=name,
-                                     upstream_name=f"{name}.{p.upstream_name}") for p in pairs]
+        kept += [dataclasses.replace(p, name=_join(name, p.name), block=name,
+                                     upstream_name=_join(name, p.upstream_name)) for p in pairs]
     if not left_out or not kept:  # refused for the whole model (tied weights, ...), or no block is left
         raise MechanismError(str(whole) if not left_out else
                              f"no block of {type(model).__name__} is one CD pairs; the first: {left_out[0]}") from None
@@ -142,16 +145,21 @@ def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_inpu
     return kept
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _pairing_units(model: nn.Module, layouts: Sequence[Layout]) -> list[tuple[str, nn.Module]]:
     """The blocks of `layouts` and the patch-merging layers (children `norm` and `reduction`) of `model`, in model
     order: what find_pairs pairs one by one."""
     blocks = dict(find_blocks(model, layouts))
     units, inside = [], None
     for name, module in model.named_modules():
-        if inside is not None and name.startswith(inside + "."):
+        if inside is not None and (inside == "" or name.startswith(inside + ".")):  # inside a unit found
             continue
-        merging = isinstance(getattr(module, "norm", None), nn.Module) and \
-            isinstance(getattr(module, "reduction", None), nn.Module)
+        weight = getattr(getattr(module, "reduction", None), "weight", None)
+        merging = isinstance(getattr(module, "norm", None), nn.Module) and isinstance(weight, torch.Tensor) and \
+            weight.dim() == 2
         if name in blocks or merging:
             units.append((name, module))
             inside = name
