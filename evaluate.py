@@ -703,9 +703,9 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
-    marked * (`nondefault_settings`), the model of a row evaluated with other model.kwargs than it trained
-    with † (`model_kwargs_changed`), a module maximum also over quant.act_max_extra_modules ‡, each with a note
-    below the table.
+    marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
+    evaluates (other model.kwargs, another split, an autocast) † (`evaluated_otherwise`), a module maximum also
+    over quant.act_max_extra_modules ‡, each with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result.
@@ -766,7 +766,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         first = group[0]
         method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
         # a model evaluated otherwise than it trained (a model.kwargs override): the row is of another forward
-        changed = sorted({c for r in group if (c := model_kwargs_changed(r))})
+        changed = sorted({c for r in group if (c := evaluated_otherwise(r))})
         if changed:
             notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
         model = first["model"] + ("†" if changed else "")
@@ -868,6 +868,22 @@ def model_kwargs_changed(result: dict) -> Optional[str]:
     text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as in the file
     evaluated, trained = text(result["model_kwargs"]), text(recipe["model.kwargs"])
     return None if evaluated == trained else f"model.kwargs={evaluated} (trained with {trained})"
+
+
+def evaluated_otherwise(result: dict) -> Optional[str]:
+    """How a result was evaluated otherwise than the paper's protocol (the weights as trained, on the validation
+    split, in fp32), or None: `model_kwargs_changed`, a `data.val_split` other than 'val' (scoring the training
+    images gives a number that reads as a validation accuracy) and an `--amp` autocast, joined by '; '. Tables mark
+    such results † with a `dagger_note`; results that do not record a setting (older files) are not marked for it.
+    A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
+    --amp: its row is marked for those."""
+    found = [changed] if (changed := model_kwargs_changed(result)) else []
+    split = (result.get("data") or {}).get("val_split", "val")
+    if split != "val":
+        found.append(f"data.val_split={split!r}")
+    if result.get("eval_amp", "none") != "none":
+        found.append(f"--amp {result['eval_amp']}")
+    return "; ".join(found) or None
 
 
 def dagger_note(label: str, changes) -> str:

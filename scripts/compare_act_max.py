@@ -34,7 +34,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import check_seed_group, dagger_note, model_kwargs_changed  # noqa: E402
+from evaluate import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
@@ -84,15 +84,15 @@ def result_beside(path: str) -> dict:
 
 def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
     """{method: notes} after refusing (ValueError) a method whose files are not distinct runs evaluated alike
-    (`check_seed_group` on their result files); the notes say how a method's model was evaluated with other
-    model.kwargs than it trained with (`model_kwargs_changed`), empty when as trained. Methods measured with other
+    (`check_seed_group` on their result files); the notes say how a method's model was evaluated otherwise than
+    trained or than the paper evaluates (`evaluated_otherwise`: model.kwargs, split, autocast), empty when alike. Methods measured with other
     FLOAT_KEYS settings are refused too (the first run of each: a method's runs are alike by then)."""
     notes, firsts = {}, []
     for method, paths in groups.items():
         results = [result_beside(p) for p in paths]
         # the maxima come from the float pass: the quantized entries' settings play no part in them
         check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
-        notes[method] = sorted({c for r in results if (c := model_kwargs_changed(r))})
+        notes[method] = sorted({c for r in results if (c := evaluated_otherwise(r))})
         # with max_act: its extra_modules say which modules the CSV's module maxima are over
         firsts.append((f"{paths[0]} ({method})", {k: results[0].get(k) for k in (*FLOAT_KEYS, "max_act")}))
     found = first_difference(firsts)

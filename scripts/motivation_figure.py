@@ -8,10 +8,10 @@ evaluate_detection.py's (box mAP in %, backbone or head maximum, --det-max-act) 
 it. A detector is named by its first config file, its method by what evaluate_detection.py read from the
 checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
---out; an existing file is replaced only with --overwrite. A classifier evaluated with other model.kwargs than it
-was trained with (an override at evaluation: the same weights through another forward) is marked † in its model
-name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
-(evaluate.model_kwargs_changed), as evaluate.py's table marks its row.
+--out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
+or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
+autocast) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
+(evaluate.evaluated_otherwise), as evaluate.py's table marks its row.
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
@@ -30,7 +30,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import dagger_note, model_kwargs_changed, nondefault_settings  # noqa: E402
+from evaluate import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
@@ -81,7 +81,7 @@ def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_
                          "max_act": r["max_act"][det_max_act], "max_backbone": r["max_act"]["backbone"],
                          "max_head": r["max_act"]["head"]})
         else:
-            changed = model_kwargs_changed(r)  # another forward of the weights: not a circle of the model as trained
+            changed = evaluated_otherwise(r)  # another forward, split or precision: not a circle of the model as trained
             rows.append({"task": "classification", "model": r["model"] + ("†" if changed else ""),
                          "method": r["method"], "metric": "top-1 (%)",
                          "fp": r["fp"]["top1"], "quantized": q["top1"], "max_act": r["max_act"][max_act],
@@ -178,7 +178,7 @@ def main(argv=None) -> list[dict]:
     if unusual:
         print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
     for r in results:
-        changed = None if is_detection(r) else model_kwargs_changed(r)
+        changed = None if is_detection(r) else evaluated_otherwise(r)
         if changed:
             label = f"{r['model']} {r['method']}"
             print(f"note: {dagger_note(label, changed)}", file=sys.stderr)

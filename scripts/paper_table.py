@@ -6,9 +6,10 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (evaluate.nondefault_settings); a result evaluated with other model.kwargs
-than it was trained with (an override at evaluation) is marked † with a note (evaluate.model_kwargs_changed): its
-row's model in the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A module
+is marked with * and a note naming them (evaluate.nondefault_settings); a result evaluated otherwise than it was
+trained or than the paper evaluates (a model.kwargs override, another data.val_split, an --amp autocast) is marked †
+with a note (evaluate.evaluated_otherwise): its row's model in the rows layout, its entries (and the Average of
+its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records). A result
@@ -38,7 +39,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_files)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import (PAPER_NAMES, dagger_note, extra_modules_note, markdown_table, model_kwargs_changed,  # noqa: E402
+from evaluate import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note, markdown_table,  # noqa: E402
                       nondefault_settings)
 
 # Table 3's row order and names; data sets not listed follow, by folder name
@@ -105,8 +106,8 @@ def finetune_table(results: list[dict]) -> str:
     columns = sorted({(p, b) for r in results for p in r["quant"] for b in r["quant"][p]},
                      key=lambda pb: (list(PAPER_NAMES).index(pb[0]) if pb[0] in PAPER_NAMES else 9, pb))
     line = lambda cells_: "| " + " | ".join(cells_) + " |"
-    # a result evaluated otherwise than it trained (a model.kwargs override): its entries are of another forward
-    changed = {key: how for key, r in cells.items() if (how := model_kwargs_changed(r))}
+    # a result evaluated otherwise than trained or than the paper evaluates (evaluated_otherwise): marked †
+    changed = {key: how for key, r in cells.items() if (how := evaluated_otherwise(r))}
     dagger = lambda key: "†" if key in changed else ""
     tables = []
     for pipeline, bits in columns:

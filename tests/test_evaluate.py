@@ -471,6 +471,34 @@ def test_seeds_are_compared_pairwise_not_only_with_the_first():
         evaluate.markdown_table([result(0), result(1, 10), result(2, 20)], over_seeds=True)
 
 
+def test_table_marks_a_result_scored_on_another_split_or_under_an_autocast():
+    """The paper's numbers are validation accuracies in fp32: a result scored with data.val_split=train (the training
+    images) or under --amp reads as one unless marked. Its row is marked † with a note naming the setting, also in
+    scripts/paper_table.py's fine-tuning layout; results on 'val' in fp32, or older files that record neither, are
+    not (was: no mark)."""
+    def result(method, split=None, amp=None):
+        data = {"dataset": "folder", **({"val_split": split} if split is not None else {})}
+        return {"model": "m", "method": method, "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": {"repq": {"w4a4": {"top1": 60.0}}}, "data": data,
+                **({"eval_amp": amp} if amp is not None else {})}
+
+    results = [result("Baseline", "val", "none"), result("CD", "train", "none"), result("TWEO", "val", "bf16"),
+               result("Old")]
+    _, _, plain, train_split, bf16, old, _, note_split, note_amp = evaluate.markdown_table(results).splitlines()
+    assert plain.startswith("| m | Baseline |") and old.startswith("| m | Old |")
+    assert train_split.startswith("| m† | CD |") and bf16.startswith("| m† | TWEO |")
+    assert note_split == "† m CD: evaluated with data.val_split='train'"
+    assert note_amp == "† m TWEO: evaluated with --amp bf16"
+    assert evaluate.evaluated_otherwise(result("CD", "train", "fp16")) == "data.val_split='train'; --amp fp16"
+    # the fine-tuning layout compares a data set's methods on the same split: both scored on train, both marked
+    on_train = [dict(result(m, "train", "none"), checkpoint=f"{m}/best.pt", data={"dataset": "cifar100",
+                                                                                  "val_split": "train"})
+                for m in ("Baseline", "CD")]
+    table = load_script("paper_table").finetune_table(on_train).splitlines()
+    assert "| cifar100 | 80.00 / 60.00 / -20.00† | 80.00 / 60.00 / -20.00† |" in table
+    assert "† cifar100 CD: evaluated with data.val_split='train'" in table
+
+
 def test_table_columns_cells_and_marks_follow_the_papers_layout():
     """Columns in the paper's pipeline order (Percentile, RepQ-ViT, APHQ, ...; not alphabetical); a cell over
     one of three seeds names its count; a result calibrated on another set than the default's is marked."""
