@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
-from .distributed import OtherRankError, all_reduce
+from .distributed import OtherRankError, all_reduce, raise_on_every_rank
 from .divergence import DivergenceError, DivergenceGuard
 from .precision import autocast
 from .rng import mix_seed, seed_all
@@ -149,6 +149,8 @@ class TrainLoop:
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
+        # this rank's last good (images, targets), kept across epochs: what it trains on after a failed batch
+        self._stand_in: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         # The optimizer holds the hook through a weak reference to the loop. A bound method made loop and
         # optimizer a reference cycle that kept the loop and its DDP wrapper alive after the run, and the
         # wrapper's Reducer kept the process group: destroy_process_group then left gloo's worker threads
@@ -295,29 +297,53 @@ class TrainLoop:
         in the gradient all-reduce of the update, and no per-update collective exists to tell them. The error
         goes into the window's sums instead (the loop's next collective: a log step, before a checkpoint, the
         epoch's end), where every rank raises (the others OtherRankError), and until then this rank trains on
-        its last batch again, so that the ranks keep meeting in the same collectives; the weights updated
-        meanwhile are never saved (every checkpoint is written after those sums). An error before this
-        rank's first batch has nothing to train on: it is raised at once, as in a single process."""
-        loader = iter(batches.loader)
-        last = None
+        its last good batch again, so that the ranks keep meeting in the same collectives; the weights updated
+        meanwhile are never saved (every checkpoint is written after those sums). The last good batch is kept
+        across epochs: one of the previous epoch stands in as well (same loader, so the same shape; its
+        content does not matter, as nothing trained on it is kept). Before this loop's first batch (the run's,
+        also a resumed one's) there is none: that first fetch ends in one agreement (a single all-reduce per
+        run), where a failure on any rank ends every rank."""
+        agree = self.world_size > 1 and self._stand_in is None  # the same on every rank (see the end)
+        loader = None
         while True:
             if window.data_error is None:
                 try:
+                    loader = iter(batches.loader) if loader is None else loader  # a worker may fail to start
                     images, targets = next(loader)
                     if batches.unreadable is not None:
                         images, targets = self._replace_unreadable(batches, images, targets, window)
                 except StopIteration:
+                    if agree:  # the others wait in the agreement for this rank's first batch
+                        self._agree_on_first_batch(None, state)
                     return
                 except Exception as error:
-                    if self.world_size == 1 or last is None:
+                    if self.world_size == 1:
+                        raise
+                    if agree:
+                        self._agree_on_first_batch(error, state)  # raises on every rank
+                    if self._stand_in is None:  # only after a loader that was empty at the agreement
                         raise
                     window.data_error = error
                     log.error("rank %d could not load a batch of update %d (%s: %s); the other ranks learn it at "
                               "the next log step, checkpoint or epoch end, where every rank stops", self.rank,
                               state.step + 1, type(error).__name__, error)
                 else:
-                    last = images, targets
-            yield last
+                    self._stand_in = images, targets
+                    if agree:
+                        agree = False
+                        self._agree_on_first_batch(None, state)
+            # after the agreement every rank holds a batch (or its loader was empty on every rank: the same
+            # lengths under DistributedSampler), so the next run_epoch agrees again on all ranks or on none
+            yield self._stand_in
+
+    def _agree_on_first_batch(self, error: Optional[Exception], state: TrainState) -> None:
+        """One all-reduce of whether any rank failed to load its first batch of this loop: then every rank
+        raises (this rank its own error, the others OtherRankError), before any gradient all-reduce."""
+        if error is not None:
+            log.error("rank %d could not load its first training batch (update %d, %s: %s); every rank stops",
+                      self.rank, state.step + 1, type(error).__name__, error)
+        raise_on_every_rank(error, self.device, lambda: OtherRankError(
+            "another rank could not load its first training batch; its output says why"))
 
     def _replace_unreadable(self, batches: TrainBatches, images: torch.Tensor, targets: torch.Tensor,
                             window: "_Window") -> tuple[torch.Tensor, torch.Tensor]:

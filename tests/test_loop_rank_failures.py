@@ -1,11 +1,14 @@
 """engine.loop under 2 gloo processes when one rank cannot load a batch: in TrainLoop (DDP) every rank ends at
 the loop's next collective (the failing rank with its own error, the other with OtherRankError), none left
-waiting in the gradient all-reduce, and no checkpoint is written after the failed batch; in `evaluate` every
-rank ends at the all-reduce of the sums, also when a stop agreement is taken before every batch."""
+waiting in the gradient all-reduce, and no checkpoint is written after the failed batch; also when the batch is
+the run's first (one agreement at the run's first batch), the first of a later epoch (the last batch of the
+previous one stands in) or a micro-batch inside an accumulated update; in `evaluate` every rank ends at the
+all-reduce of the sums, also when a stop agreement is taken before every batch."""
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -62,6 +65,61 @@ def test_a_batch_that_fails_on_one_rank_ends_every_rank_at_the_next_collective(t
     assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
     assert rank0["outcome"][0] == "OtherRankError" and "could not load its training batches" in rank0["outcome"][1]
     assert rank0["saved"] == rank1["saved"] == []  # the checkpoint of update 4 would hold the replayed update
+
+
+class FailsInEpoch(FailsAt):
+    """FailsAt whose batch `index` raises in epoch `epoch` only (0-based, as `set_epoch` numbers them)."""
+
+    def __init__(self, rank: int, epoch, index) -> None:
+        super().__init__(rank, None)
+        self.fail_epoch, self.fail_index = epoch, index
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.index = self.fail_index if epoch == self.fail_epoch else None
+
+
+# name -> (rank 1's failing (epoch, batch), accum_steps); rank 0 never fails
+SCENARIOS = {"run's first batch": ((0, 0), 1), "epoch 2's first batch": ((1, 0), 1),
+             "second micro-batch of the first update": ((0, 1), 2),
+             "first micro-batch of epoch 2's first update": ((1, 0), 2)}
+
+
+def _epochs_worker(rank: int, world: int, port: int, work: str, scenario: str) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+
+    (fail_epoch, fail_index), accum = SCENARIOS[scenario]
+    data = FailsInEpoch(rank, fail_epoch if rank == 1 else None, fail_index)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    state, saved = TrainState(), []
+
+    def save() -> None:  # what a checkpoint written now would resume from
+        saved.append((state.epoch, state.epoch_batches, state.step))
+
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: nn.functional.cross_entropy(m(x), y), device=torch.device("cpu"),
+                     rank=rank, world_size=world, accum_steps=accum, log_every=100, save=save)
+    try:
+        for _ in range(2):  # as train.py: an epoch, then its checkpoint
+            loop.run_epoch(TrainBatches(data, data), state, 4)
+            save()
+        outcome = ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "saved": saved}, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_batch_of_a_first_update_that_fails_on_one_rank_ends_every_rank(tmp_path, scenario):
+    spawn_within(_epochs_worker, (2, free_port(), str(tmp_path), scenario), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
+    assert rank0["outcome"][0] == "OtherRankError" and "could not load" in rank0["outcome"][1]
+    (fail_epoch, _), accum = SCENARIOS[scenario]
+    # the last checkpoint, the resume point, is the end of the epoch before the failure: none after it
+    assert rank0["saved"] == rank1["saved"] == [(e + 1, 0, 6 // accum * (e + 1)) for e in range(fail_epoch)]
 
 
 def _eval_worker(rank: int, world: int, port: int, work: str) -> None:
