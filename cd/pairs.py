@@ -419,7 +419,9 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     if q_k_v and proj is not None and all(b.matrix(p) is not None for p in q_k_v):
         if b.width(lay.proj, 1) != b.width(q_k_v[2], 0):
             raise b.refuse(f"{q_k_v[2]}'s output width is not {lay.proj}'s input width (grouped-query "
-                           "attention, where V heads are shared, has no V -> proj pair of the paper's form)")
+                           "attention, where V heads are shared, has no V -> proj pair of the paper's form); give "
+                           "the attention as many key/value heads as query heads (transformers: "
+                           "num_key_value_heads=num_attention_heads), or train this model without CD")
         return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
     if proj is None:
         raise b.refuse_missing(lay.proj, "the attention's output layer")

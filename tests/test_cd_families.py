@@ -38,6 +38,7 @@ def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     assert rows["Llama, multi-head attention (transformers)"].split(" | ")[2].endswith(
         "With cd.gated_mlp=true: LlamaDecoderLayer (x2): qkv x3, proj, fc1 x2, fc2")
     assert "grouped-query attention" in rows["Llama, grouped-query attention (transformers)"]
+    assert "num_key_value_heads=num_attention_heads" in rows["Llama, grouped-query attention (transformers)"]
     assert rows["Swin (MMDetection)"].split(" | ")[2] == ("SwinBlock (x4): qkv, proj, fc1, fc2; "
                                                           "PatchMerging (x1): reduction")
     # torchvision's: nn.MultiheadAttention's own in_proj_weight as the fused qkv; Swin's MLP by Sequential index
