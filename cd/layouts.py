@@ -182,4 +182,5 @@ def check_layouts(layouts: Any) -> tuple[Layout, ...]:
         out.append(lay)
     if not out:
         raise ValueError("layouts is empty: give at least one cd.Layout (the default is cd.LAYOUTS, the built-in ones)")
-    return tuple(out)
+    # the built-in layouts given as a copy (a list, a config file's mappings) are the default: its messages
+    return LAYOUTS if tuple(out) == LAYOUTS else tuple(out)

@@ -517,10 +517,10 @@ def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
                 "names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with names of your own\"). Without CD "
                 "(train.py: cd.enabled=false) the model trains as usual.")
     tried = "; ".join(lay.describe() for lay in layouts)
+    built_in = "" if set(LAYOUTS) <= set(layouts) else ", or add the built-in layouts, layouts=[..., *cd.LAYOUTS]"
     return (f"no matrix pair found in {type(root).__name__} with the layouts given (layouts=): {tried}. No module "
             "of the model has all the top-level children of one of them, nor is a patch-merging layer (norm, "
-            "reduction): check the paths against the model's module names (print(model)), or add the built-in "
-            "layouts, layouts=[..., *cd.LAYOUTS].")
+            f"reduction): check the paths against the model's module names (print(model)){built_in}.")
 
 
 def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tuple, dict]] = None,

@@ -268,3 +268,17 @@ def test_the_tweo_hook_checks_its_layouts_when_it_is_made():
     assert TweoHook(layouts=[as_config]).kwargs["layouts"] == (MINE,)
     with pytest.raises(ValueError, match=r"cd.Layout.*'fc1'"):
         TweoHook(layouts=[{**as_config, "fc1": None}])
+
+
+def test_a_no_pair_message_never_asks_for_built_in_layouts_already_given():
+    # the built-in layouts as a list (a copy, or read from a config) are the default, and say so
+    with pytest.raises(UnsupportedModelError, match=r"no matrix pair found in MyModel\. .*layouts=\[cd\.Layout"):
+        find_pairs(_model(), _x(), layouts=list(LAYOUTS))
+    with pytest.raises(ValueError, match=r"TWEO: no pre-norm Transformer block .*layouts=\[cd\.Layout"):
+        TWEO(_model(), layouts=list(LAYOUTS))
+    other = Layout("other lib", norm1="pre", norm2="post", qkv="mix.qkv", proj="mix.o", fc1="mlp.a", fc2="mlp.b")
+    with pytest.raises(UnsupportedModelError, match="'other lib'") as given_with_built_ins:
+        find_pairs(_model(), _x(), layouts=[other, *LAYOUTS])
+    assert "add the built-in layouts" not in str(given_with_built_ins.value)
+    with pytest.raises(UnsupportedModelError, match="add the built-in layouts"):
+        find_pairs(_model(), _x(), layouts=[other])
