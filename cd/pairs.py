@@ -15,9 +15,9 @@ pre-norm block are:
 Discovery is structural, then checked: a block is any module with children `norm1`, `attn` (holding
 `qkv` and `proj`, or class attention's `q`, `k`, `v` and `proj`), `norm2` and `mlp` (holding `fc1` and
 `fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
-ViT/DeiT/BEiT/CaiT/XCiT `blocks.N`, Swin `layers.N.blocks.M` and `layers.N.downsample`, and attention
-variants that keep the `qkv`/`proj` names (extra parameters in `attn`, e.g. attention-sink biases, are
-ignored). Other libraries name the same layers differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto
+ViT/DeiT/BEiT/CaiT/XCiT `blocks.N` (XCiT's XCA blocks then fail the V-order check below), Swin
+`layers.N.blocks.M` and `layers.N.downsample`, and attention variants that keep the `qkv`/`proj` names (extra
+parameters in `attn`, e.g. attention-sink biases, are ignored). Other libraries name the same layers differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto
 these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin;
 torchvision's ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and
 Swin), and a model with names of its own passes its own `Layout`s as `layouts=`, checked as the built-in ones. Each
@@ -29,8 +29,7 @@ that a block with the same names but another computation (res-post-norm, as in S
 not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero, and the
 order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
 laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
-refused. A block that does not
-fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
+refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
 `UnsupportedModelError` names the block and its type.
 
 Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
