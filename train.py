@@ -343,7 +343,7 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
         max_steps=min(run.total_steps, cfg.train.max_steps or sys.maxsize), log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps, save=run.save_checkpoint,
         log=log_step,
-        metric_sources=metric_sources, should_stop=preemption.should_stop,
+        metric_sources=metric_sources, should_stop=preemption.should_stop, request_stop=preemption.request_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
         progress=cfg.log.progress and dist.is_main, log_epoch_costs=True,

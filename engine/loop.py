@@ -135,6 +135,10 @@ class TrainLoop:
     log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
     metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
     should_stop: Optional[Callable[[int], bool]] = None  # (step) -> preemption requested
+    # raises this rank's stop flag, the one `should_stop` agrees on (Preemption.request_stop): called when this
+    # rank cannot load a batch under DDP, so that every rank stops within two updates instead of at the next log
+    # step, checkpoint or epoch end (the loop then raises there, see run_epoch); None: no per-update agreement
+    request_stop: Optional[Callable[[], None]] = None
     divergence: Optional[DivergenceGuard] = None  # stops a run whose loss stays far above its initial value
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
@@ -276,6 +280,9 @@ class TrainLoop:
             raise
         if bar is not None:
             bar.close()
+        # Both read the window's sums (a collective): a batch that a rank could not load raises here on every
+        # rank, also when it ended the loop through `request_stop` (reason 'preempted'), so the caller never
+        # takes that stop for a preemption (no checkpoint of the updates since, no 'preempted' message).
         if window.updates:
             self._log(state, window, None, total)
         window.check_finite(state.step)  # a host sync: the epoch's kernels have finished
@@ -298,7 +305,9 @@ class TrainLoop:
         goes into the window's sums instead (the loop's next collective: a log step, before a checkpoint, the
         epoch's end), where every rank raises (the others OtherRankError), and until then this rank trains on
         its last good batch again, so that the ranks keep meeting in the same collectives; the weights updated
-        meanwhile are never saved (every checkpoint is written after those sums). The last good batch is kept
+        meanwhile are never saved (every checkpoint is written after those sums). With `request_stop` (a
+        Preemption's per-update stop agreement) the rank also raises its stop flag: every rank leaves the
+        loop within two updates, and run_epoch reads the sums at once. The last good batch is kept
         across epochs: one of the previous epoch stands in as well (same loader, so the same shape; its
         content does not matter, as nothing trained on it is kept). Before this loop's first batch (the run's,
         also a resumed one's) there is none: that first fetch ends in one agreement (a single all-reduce per
@@ -324,9 +333,12 @@ class TrainLoop:
                     if self._stand_in is None:  # only after a loader that was empty at the agreement
                         raise
                     window.data_error = error
-                    log.error("rank %d could not load a batch of update %d (%s: %s); the other ranks learn it at "
-                              "the next log step, checkpoint or epoch end, where every rank stops", self.rank,
-                              state.step + 1, type(error).__name__, error)
+                    if self.request_stop is not None:
+                        self.request_stop()
+                    log.error("rank %d could not load a batch of update %d (%s: %s); the other ranks learn it %s, "
+                              "where every rank stops", self.rank, state.step + 1, type(error).__name__, error,
+                              "within two updates (the stop agreement)" if self.request_stop is not None
+                              else "at the next log step, checkpoint or epoch end")
                 else:
                     self._stand_in = images, targets
                     if agree:

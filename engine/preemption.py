@@ -13,6 +13,9 @@ foreground process group. The rule:
   waiting (`async_op`) and read one call later, so it costs no host sync, and every rank stops at the
   same update at most one update after the signal, whichever rank got it. Boundary calls (epoch ends)
   agree at once;
+* the same flag carries a stop the code asks for (`request_stop`): a rank that cannot load a training
+  batch raises it, so that every rank leaves the update loop within two updates and raises there
+  (engine/loop.py), instead of training on until the next log step or checkpoint;
 * DataLoader workers ignore both signals unless their own main process sends them
   (`ignore_stop_signals`, their `worker_init_fn`): a worker killed by the scheduler's SIGTERM would turn
   the request into a crash of the main process. They end with the loader (and exit by themselves if the
@@ -131,6 +134,15 @@ class Preemption:
         if not stop:
             self._pending = _Agreement(self.requested, self.device)
         return stop
+
+    def request_stop(self) -> None:
+        """Raise this rank's stop flag from the code rather than from a signal, so that every rank stops at
+        the next agreed update boundary (at most two updates on). TrainLoop calls it when this rank cannot
+        load a training batch: the stop ends the epoch's loop early, and the loop then raises at its window's
+        sums on every rank (this rank its own error, the others OtherRankError) before any caller reads
+        the stop as a preemption, so nothing is saved and no preemption is logged. Nothing is logged here:
+        the caller says why."""
+        self.requested = True
 
     def restore(self) -> None:
         """Put back the signal handlers that were there before (idempotent)."""

@@ -2,8 +2,10 @@
 the loop's next collective (the failing rank with its own error, the other with OtherRankError), none left
 waiting in the gradient all-reduce, and no checkpoint is written after the failed batch; also when the batch is
 the run's first (one agreement at the run's first batch), the first of a later epoch (the last batch of the
-previous one stands in) or a micro-batch inside an accumulated update; in `evaluate` every rank ends at the
-all-reduce of the sums, also when a stop agreement is taken before every batch."""
+previous one stands in) or a micro-batch inside an accumulated update; with a Preemption, the failing rank
+raises its stop flag and every rank ends within two updates, with no checkpoint and no preemption; in
+`evaluate` every rank ends at the all-reduce of the sums, also when a stop agreement is taken before every
+batch."""
 from __future__ import annotations
 
 import os
@@ -65,6 +67,65 @@ def test_a_batch_that_fails_on_one_rank_ends_every_rank_at_the_next_collective(t
     assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
     assert rank0["outcome"][0] == "OtherRankError" and "could not load its training batches" in rank0["outcome"][1]
     assert rank0["saved"] == rank1["saved"] == []  # the checkpoint of update 4 would hold the replayed update
+
+
+class LongFailsAt(FailsAt):
+    """FailsAt over 20 batches: room for many updates after the failed one."""
+
+    def __init__(self, rank: int, index) -> None:
+        super().__init__(rank, index)
+        self.x = torch.randn(80, 3, generator=torch.Generator().manual_seed(rank))
+
+    def __len__(self) -> int:
+        return 20
+
+    def __iter__(self):
+        for i in range(20):
+            if i == self.index:
+                raise OSError("cannot identify image file 'train/3/x.jpg'")
+            yield self.x[4 * i:4 * i + 4], torch.zeros(4, dtype=torch.long)
+
+
+def _stop_flag_worker(rank: int, world: int, port: int, work: str, stop_flag: bool) -> None:
+    init_gloo(rank, world, port, timeout_s=300)
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+    from engine.preemption import Preemption
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    updates = []  # the optimizer's real steps, counted apart from the loop's own step count
+    optimizer.register_step_post_hook(lambda *_: updates.append(1))
+    state, saved = TrainState(), []
+    with Preemption(torch.device("cpu"), distributed=True) as preemption:
+        loop = TrainLoop(model=model, optimizer=optimizer, device=torch.device("cpu"),
+                         compute_loss=lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+                         rank=rank, world_size=world, log_every=1000, ckpt_every=1000,
+                         save=lambda: saved.append(state.step), should_stop=preemption.should_stop,
+                         request_stop=preemption.request_stop if stop_flag else None)
+        try:  # rank 1's third batch (update 3) fails; log and checkpoint steps are far away
+            reason = loop.run_epoch(TrainBatches(LongFailsAt(rank, 2 if rank == 1 else None), Sampler()), state, 4)
+            if reason == "preempted":  # as train.py: a stop request writes checkpoint.pt
+                saved.append(("preempted", state.step))
+            outcome = ("ok", reason)
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+            outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "saved": saved, "updates": len(updates)}, os.path.join(work, f"rank{rank}.pt"))
+    stay_until_all_recorded(work, world)
+
+
+@pytest.mark.parametrize("stop_flag", [True, False], ids=["stop flag", "no stop flag"])
+def test_a_batch_that_fails_on_one_rank_raises_the_stop_flag_and_every_rank_ends_within_two_updates(
+        tmp_path, stop_flag):
+    spawn_within(_stop_flag_worker, (2, free_port(), str(tmp_path), stop_flag), 2, DEADLINE_S)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank1["outcome"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
+    assert rank0["outcome"][0] == "OtherRankError" and "could not load its training batches" in rank0["outcome"][1]
+    assert rank0["saved"] == rank1["saved"] == []  # neither a checkpoint nor a 'preempted' one
+    assert rank0["updates"] == rank1["updates"]
+    after = rank0["updates"] - 2  # updates 1 and 2 came before the failed batch
+    # with the flag: the failed update and the one the agreement needs; without it: the rest of the epoch
+    assert 1 <= after <= 2 if stop_flag else after == 18
 
 
 class FailsInEpoch(FailsAt):

@@ -1099,7 +1099,8 @@ def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(deb
                        "data.label_smoothing=0.2", "data.mixup=0", "data.cutmix=0")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
-    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False})())
+    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False,
+                                                                "request_stop": lambda *a: None})())
     assert loop.clip_grad == 0.7 and loop.max_steps == 3 and loop.divergence is not None
     logits = torch.tensor([[2.0, 0.0, -1.0, 0.5], [0.0, 1.0, 0.0, 3.0]])
     targets = torch.tensor([0, 3])
@@ -1131,7 +1132,8 @@ def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
                        "data.label_smoothing=0", "data.mixup=0", "data.cutmix=0")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
-    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False})())
+    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False,
+                                                                "request_stop": lambda *a: None})())
     logits, targets = torch.tensor([[2.0, 0.0, -1.0, 0.5]]), torch.tensor([2])
     expected = 1.25 * -torch.log_softmax(logits, dim=1)[0, 2]
     assert torch.allclose(loop.compute_loss(lambda x: logits, torch.zeros(1, 3, 32, 32), targets), expected)
