@@ -22,6 +22,9 @@ D, HEADS, TOKENS = 12, 2, 5
 
 
 class _Attn(nn.Module):
+    """`merge`: how the heads are merged ('timm', 'reversed_heads', 'reversed_within_heads'), with '+left' proj
+    applied as W_O @ x^T, with '+masked' every key of every query masked (softmax of -inf: NaN)."""
+
     def __init__(self, merge: str, separate: bool):
         super().__init__()
         self.merge = merge
@@ -37,12 +40,18 @@ class _Attn(nn.Module):
             q, k, v = self.qkv(x).view(b, n, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
         else:
             q, k, v = (layer(x).view(b, n, HEADS, D // HEADS).transpose(1, 2) for layer in (self.q, self.k, self.v))
-        out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v  # (b, heads, n, head_dim)
-        if self.merge == "reversed_heads":
+        scores = q @ k.transpose(-1, -2)
+        if "+masked" in self.merge:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v  # (b, heads, n, head_dim)
+        if self.merge.startswith("reversed_heads"):
             out = out.flip(1)
-        elif self.merge == "reversed_within_heads":
+        elif self.merge.startswith("reversed_within_heads"):
             out = out.flip(-1)
-        return self.proj(out.transpose(1, 2).reshape(b, n, D))
+        merged = out.transpose(1, 2).reshape(b, n, D)
+        if "+left" in self.merge:  # channels along dim -2 of the factor: (W_O @ x^T)^T = x @ W_O^T
+            return (self.proj.weight @ merged.transpose(-1, -2)).transpose(-1, -2) + self.proj.bias
+        return self.proj(merged)
 
 
 class _Block(nn.Module):
@@ -148,3 +157,52 @@ def test_the_order_channels_are_neither_empty_nor_all_of_v_from_two_channels_on(
     chosen = order_channels(width)
     assert chosen == sorted(set(chosen)) and all(0 <= j < width for j in chosen)
     assert (0 < len(chosen) < width) if width >= 2 else chosen == []
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_proj_applied_with_its_weight_on_the_left_is_read_along_its_channels(separate):
+    # W_O @ x^T: proj's input channels lie along dim -2 of the factor; timm's merge passes, reversed heads do not
+    torch.manual_seed(0)
+    assert len(find_pairs(_Net("timm+left", separate))) == (12 if separate else 8)
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks\.1'.*reads V's channels in another order"):
+        find_pairs(_Net("reversed_heads+left", separate))
+
+
+def test_a_separate_v_whose_proj_input_has_no_finite_value_is_refused_as_unchecked():
+    # separate q, k, v have no row forward: the order forward alone must tell that NaN everywhere checked nothing
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModelError, match=r"cannot check in which order blocks\.1\.attn\.proj reads V's "
+                       r"channels.*no finite value.*verify=False"):
+        find_pairs(_Net("timm+masked", separate=True))
+
+
+def test_a_multiheadattention_with_nonzero_in_proj_bias_passes():
+    # nn.MultiheadAttention starts with in_proj_bias = 0; a trained one has V biases that enter V's channels, so the
+    # forwards must set V's part of in_proj_bias to zero with V's rows of in_proj_weight
+    torch.manual_seed(0)
+    model = _Net(mha=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.in_proj_bias.normal_()
+            block.attn.out_proj.bias.normal_()
+    assert all(b.attn.in_proj_bias[2 * D:].abs().min() > 0 for b in model.blocks)
+    pairs = find_pairs(model)
+    assert [p.name for p in pairs if p.role == "proj"] == [f"blocks.{i}.attn.out_proj.weight" for i in range(2)]
+
+
+def test_every_head_of_a_head_width_of_k_or_more_gets_its_own_part_of_the_order_channels():
+    # the guarantee of order_channels, checked by brute force: k the least with 2**k + k - 1 >= width (a binary de
+    # Bruijn sequence of order k has 2**k windows of k bits, in 2**k + k - 1 bits); for every head width of k or
+    # more that divides the width, the heads' parts are pairwise different, so no merge of whole heads in another
+    # order keeps the chosen channels in place
+    for width in range(2, 520):
+        k = next(k for k in range(1, 64) if 2 ** k + k - 1 >= width)
+        bits = [0] * width
+        for j in order_channels(width):
+            bits[j] = 1
+        windows = [tuple(bits[i:i + k]) for i in range(width - k + 1)]
+        assert len(set(windows)) == len(windows), width
+        for head_dim in range(k, width // 2 + 1):
+            if width % head_dim == 0:
+                parts = [tuple(bits[h:h + head_dim]) for h in range(0, width, head_dim)]
+                assert len(set(parts)) == len(parts), (width, head_dim)
