@@ -149,6 +149,10 @@ def test_one_update_is_eq12_by_hand():
     (dict(fc1="attention.out"), "'proj' and 'fc1'"),
     (dict(library=""), "'library'"),
     (dict(transposed="no"), "'transposed'"),
+    (dict(transposed=1), "'transposed'"),  # 1 == True, but not a bool
+    (dict(proj="attention.out\n"), "'proj'"),  # white space around a name (a YAML block's newline)
+    (dict(fc2="ffn.do wn"), "'fc2'"),
+    (dict(qkv=None, q_k_v=("attention.q", "attention.k", "attention.q")), r"'q_k_v\[0\]' and 'q_k_v\[2\]'"),
 ])
 def test_a_bad_layout_is_refused_naming_the_field(fields, field):
     good = dict(library="mine", norm1="ln_attn", norm2="ln_ffn", qkv="attention.qkv_proj", proj="attention.out",
@@ -164,6 +168,10 @@ def test_a_bad_layout_is_refused_naming_the_field(fields, field):
     ([MINE, "timm"], TypeError, r"layouts\[1\]"),
     ([{"library": "x", "norm1": "a", "norm2": "b", "proj": "c.p", "fc2": "d.f", "qkv_proj": "c.q"}], ValueError,
      r"unknown \['qkv_proj'\]"),
+    ([{"library": "x", "norm1": "a", "norm2": "b", "proj": "c.p", "qkv": "c.q", "fc1": "d.e"}], ValueError,
+     r"missing \['fc2'\]"),
+    ({"library": "x", "norm1": "a", "norm2": "b", "proj": "c.p", "fc2": "d.f", "qkv": "c.q", "fc1": "d.e"},
+     TypeError, "sequence of cd.Layout"),  # one layout's mapping, not in a list
 ])
 def test_a_bad_layouts_argument_is_refused_before_any_work(layouts, error, match):
     model = _model()
@@ -185,6 +193,9 @@ def test_a_layout_matching_no_block_names_the_layouts_tried():
     with pytest.raises(UnsupportedModelError, match=r"'my model' \(children ln_attn, attention, ln_ffn, ffn\)"):
         find_pairs(vit, layouts=[MINE])
     assert len(find_pairs(vit, layouts=[MINE, *LAYOUTS])) == 4
+    with pytest.raises(ValueError, match=r"TWEO: no pre-norm Transformer block \(of the layouts given: 'other lib' "
+                                         r"\(children pre, mix, post, mlp\)\)"):
+        TWEO(_model(), layouts=[other])
 
 
 def test_without_layouts_a_model_of_its_own_names_is_told_about_the_argument():
@@ -282,3 +293,61 @@ def test_a_no_pair_message_never_asks_for_built_in_layouts_already_given():
     assert "add the built-in layouts" not in str(given_with_built_ins.value)
     with pytest.raises(UnsupportedModelError, match="add the built-in layouts"):
         find_pairs(_model(), _x(), layouts=[other])
+
+
+def test_a_config_files_list_of_q_k_v_paths_makes_the_same_layout_as_a_tuple():
+    # YAML and JSON give a list: the Layout made from it equals (and hashes as) the one written with a tuple, and its
+    # q, k, v paths take part in the check that no two layers share a path
+    fields = dict(library="sep", norm1="n1", norm2="n2", proj="a.o", fc1="m.u", fc2="m.d")
+    as_config = {**fields, "q_k_v": ["a.q", "a.k", "a.v"]}
+    layout = check_cd_arguments({"layouts": [as_config]})["layouts"][0]
+    want = Layout(**fields, q_k_v=("a.q", "a.k", "a.v"))
+    assert layout == want and hash(layout) == hash(want)
+    with pytest.raises(ValueError, match=r"'proj' and 'q_k_v\[2\]'"):
+        check_cd_arguments({"layouts": [{**as_config, "q_k_v": ["a.q", "a.k", "a.o"]}]})
+
+
+class TimmNamedSwappedNorms(nn.Module):
+    """A block with timm's children whose `norm2` is the norm before the attention and `norm1` the one before the
+    MLP: under timm's layout its qkv would pair with the wrong norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (u.view(b, t, HEADS, D // HEADS).transpose(1, 2) for u in self.attn.qkv(self.norm2(x)).split(D, -1))
+        x = x + self.attn.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+        return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.norm1(x))))
+
+
+def test_the_layouts_are_tried_in_the_order_given():
+    # the block has timm's children, so both `swapped` and the built-in timm layout fit it: the first in the list
+    # is used. The reference is the block's own forward: norm2 feeds qkv, norm1 feeds fc1.
+    swapped = Layout("swapped norms", norm1="norm2", norm2="norm1", qkv="attn.qkv", proj="attn.proj",
+                     fc1="mlp.fc1", fc2="mlp.fc2")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, D), TimmNamedSwappedNorms())
+    blk = model[1]
+    pairs = find_pairs(model, _x(), layouts=[swapped, *LAYOUTS])
+    assert [(p.role, p.upstream) for p in pairs if p.kind == "composable"] == [("qkv", blk.norm2.weight),
+                                                                               ("fc1", blk.norm1.weight)]
+    with pytest.raises(UnsupportedModelError, match=r"block '1' \(TimmNamedSwappedNorms\)"):
+        find_pairs(model, _x(), layouts=[*LAYOUTS, swapped])  # timm's layout first: norm1 does not feed qkv
+
+
+def test_a_missing_layer_of_a_builtin_layout_is_not_blamed_on_layouts_given():
+    # a timm-named block with an nn.MultiheadAttention (read as timm's layout with the attention's own qkv and
+    # out_proj) whose MLP lacks fc2: the message names timm's layout, not one given as layouts=, which there is not
+    block = nn.Module()
+    block.norm1, block.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+    block.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+    block.mlp = nn.Module()
+    block.mlp.fc1, block.mlp.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+    with pytest.raises(UnsupportedModelError, match=r"found no mlp\.fc2 .*the timm block layout") as refusal:
+        find_pairs(nn.Sequential(block), verify=False)
+    assert "given as layouts=" not in str(refusal.value)
