@@ -19,6 +19,7 @@ not later as a model with no pair.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional
 
@@ -76,7 +77,8 @@ class Layout:
     transposed: bool = False
 
     def __post_init__(self) -> None:
-        if self.q_k_v is not None and not isinstance(self.q_k_v, str):  # a list from a config file: hashable
+        if isinstance(self.q_k_v, Sequence) and not isinstance(self.q_k_v, (str, bytes)):
+            # a list from a config file, made hashable; a mapping or a number is refused below, not iterated
             object.__setattr__(self, "q_k_v", tuple(self.q_k_v))
         for why in self._problems():
             raise ValueError(f"cd.Layout(library={self.library!r}): {why}")
@@ -95,9 +97,9 @@ class Layout:
             if why:
                 yield f"field {name!r} {why}; give a path or None"
         if self.q_k_v is not None:
-            if isinstance(self.q_k_v, str) or len(self.q_k_v) != 3:
-                yield f"field 'q_k_v' must be three paths (q, k, v), got {self.q_k_v!r}"
-            for path in self.q_k_v:
+            if not isinstance(self.q_k_v, tuple) or len(self.q_k_v) != 3:
+                yield f"field 'q_k_v' must be three paths (q, k, v) in a tuple or list, got {self.q_k_v!r}"
+            for path in self.q_k_v if isinstance(self.q_k_v, tuple) else ():
                 why = _bad_path(path)
                 if why:
                     yield f"field 'q_k_v' holds a path that {why}"

@@ -144,6 +144,9 @@ def test_one_update_is_eq12_by_hand():
     (dict(fc2=None), "'fc2'"),
     (dict(qkv=None), "'qkv'"),
     (dict(qkv=None, q_k_v=("a.q", "a.k")), "'q_k_v'"),
+    # q, k, v as a config file's mapping: its keys are no paths; a number is not three of them
+    (dict(qkv=None, q_k_v={"q": "attention.q", "k": "attention.k", "v": "attention.v"}), "'q_k_v'"),
+    (dict(q_k_v=5), "'q_k_v'"),
     (dict(fc1=None), "'fc1'"),
     (dict(gate="ffn.gate"), "'gate' and 'up'"),
     (dict(fc1="attention.out"), "'proj' and 'fc1'"),
