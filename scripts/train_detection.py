@@ -293,6 +293,46 @@ def check_seed(cfg) -> None:
                                 else "") + ", or None (a seed drawn at random)")
 
 
+def start_process_group(launcher: str, cfg) -> None:
+    """Join the run's process group before the work dir is looked at, as MMEngine's Runner would once built
+    (set_multi_processing, then init_dist with the config's env_cfg; the Runner takes a group that exists), so that
+    a refusal on one rank ends every rank (`refuse_on_every_rank`) instead of leaving the others waiting in the
+    Runner for it."""
+    if launcher == "none":
+        return
+    from mmengine.dist import init_dist, is_distributed
+    from mmengine.utils.dl_utils import set_multi_processing
+    if is_distributed():  # a group made by the caller (the CPU tests' gloo group)
+        return
+    env = cfg.get("env_cfg") or {}
+    set_multi_processing(**(env.get("mp_cfg") or {}), distributed=True)
+    init_dist(launcher, **(env.get("dist_cfg") or {}))
+
+
+def refuse_on_every_rank(refusal, resumes_from=None) -> None:
+    """After checks that every rank makes on its own view of the files (a --work-dir on each node's own disk may
+    hold the run on rank 0's node only): raise `refusal` on its rank and, on every other rank, one error naming
+    the rank and its reason; and refuse a --resume whose ranks would continue from different checkpoints
+    (`resumes_from`: this rank's last checkpoint, name and size). One all-gather; a no-op in one process."""
+    import torch.distributed as dist
+    from engine.detection import DetectionError
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if refusal is not None:
+            raise refusal
+        return
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (None if refusal is None else f"{refusal}", resumes_from))
+    if refusal is not None:
+        raise refusal
+    rank, reason = next(((r, reason) for r, (reason, _) in enumerate(seen) if reason is not None), (None, None))
+    if reason is not None:
+        raise DetectionError(f"rank {rank} cannot start: {reason}")
+    if len({checkpoint for _, checkpoint in seen}) > 1:
+        shown = ", ".join(f"rank {r} {name} ({size} bytes)" for r, (_, (name, size)) in enumerate(seen))
+        raise DetectionError(f"--resume: the ranks would continue from different checkpoints: {shown}; give every "
+                             "rank the same --work-dir (a folder all nodes share)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
@@ -302,36 +342,58 @@ def main(argv=None) -> int:
 
     overrides = parse_overrides(args.overrides)
     cfg = load_config(args.config, overrides, args.data_root)
-    check_hooks(cfg)
-    check_seed(cfg)
-    check_amp(cfg)
-    source = args.data_root and f"--data-root {args.data_root}"
-    check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
-    check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
-    check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
-    check_categories(cfg, ("train_dataloader", "val_dataloader"))
-    check_head_classes(cfg)
-    if not args.resume:
-        check_backbone_init(cfg)
-        check_load_from(cfg)
-    check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
-    with owning_work_dir(args.work_dir, args.launcher):
-        check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock
-        return train_in_work_dir(args, cfg, overrides)
+    start_process_group(args.launcher, cfg)
+    refusal = None
+    try:
+        check_hooks(cfg)
+        check_seed(cfg)
+        check_amp(cfg)
+        source = args.data_root and f"--data-root {args.data_root}"
+        check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
+        check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
+        check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
+        check_categories(cfg, ("train_dataloader", "val_dataloader"))
+        check_head_classes(cfg)
+        if not args.resume:
+            check_backbone_init(cfg)
+            check_load_from(cfg)
+        check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
+    except Exception as e:  # every rank ends, each with one error (a rank's own files may differ from rank 0's)
+        refusal = e
+    refuse_on_every_rank(refusal)
+    with contextlib.ExitStack() as held:
+        refusal = settings = resumes_from = None
+        try:
+            held.enter_context(owning_work_dir(args.work_dir, args.launcher))
+            check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock
+            settings, resumes_from = check_work_dir_files(args, cfg, overrides)
+        except Exception as e:
+            refusal = e
+        refuse_on_every_rank(refusal, resumes_from)
+        return train_in_work_dir(args, cfg, settings)
 
 
-def train_in_work_dir(args, cfg, overrides) -> int:
-    """The checks of the work dir's files and the training, with the work dir held (`owning_work_dir`)."""
-    from engine.detection import annotation_paths, check_pipeline, reading_annotations, RngStateHook
-    from mmengine.runner import Runner
-
+def check_work_dir_files(args, cfg, overrides) -> tuple:
+    """The checks of the work dir's files, with the work dir held (`owning_work_dir`): the run's settings, and
+    for --resume the name and size of the checkpoint it continues from (the ranks must agree on it)."""
     settings = run_settings(cfg)
     if args.resume:
         check_resume(args.work_dir, settings, overrides)
+        with open(os.path.join(args.work_dir, "last_checkpoint")) as f:
+            target = f.read().strip()
+        return settings, (os.path.basename(target), os.path.getsize(target))
+    check_config_dump(args.work_dir, cfg)
+    check_settings(args.work_dir, settings)  # written once the runner is built (record_settings)
+    return settings, None
+
+
+def train_in_work_dir(args, cfg, settings: dict) -> int:
+    """The training, with the work dir held and its files checked on every rank."""
+    from engine.detection import annotation_paths, check_pipeline, reading_annotations, RngStateHook
+    from mmengine.runner import Runner
+
+    if args.resume:
         cfg.load_from = None  # MMEngine resumes from load_from when it is set, else from last_checkpoint
-    else:
-        check_config_dump(args.work_dir, cfg)
-        check_settings(args.work_dir, settings)  # written once the runner is built (record_settings)
     cfg.work_dir = args.work_dir
     cfg.launcher = args.launcher
     cfg.resume = args.resume
