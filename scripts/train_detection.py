@@ -19,9 +19,10 @@ checkpoint removes that file and the config dump again, so the corrected command
 refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it
 resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
 file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
-without persistent loader workers ends bit for bit where the uninterrupted one does; under torchrun only rank 0's
-state is kept (the other ranks continue from the seed), and persistent workers start over from their first seeds:
-such a resume is not exact, and says so (docs/operations.md, "Detection runs"). The batch
+without persistent loader workers ends bit for bit where the uninterrupted one does, and so does one under torchrun
+(every rank's state is kept) on the same number of ranks; persistent workers start over from their first seeds: such a
+resume is not exact, and says so (docs/operations.md, "Detection runs"). Under torchrun every rank checks the data
+and the work dir as it sees them, and one rank's refusal ends every rank. The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
 `auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP (AmpOptimWrapper), which
 MMEngine runs on a GPU only: on the CPU add `optim_wrapper.type=OptimWrapper` (fp32).
@@ -403,7 +404,9 @@ def train_in_work_dir(args, cfg, settings: dict) -> int:
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume, launcher=args.launcher):
         runner = Runner.from_cfg(cfg)
-        runner.register_hook(RngStateHook())  # checkpoints keep the random-number state: --resume continues exactly
+        keeper = RngStateHook()  # checkpoints keep every rank's random-number state: --resume continues exactly
+        runner.register_hook(keeper)
+        runner.register_hook(keeper.gatherer)
         # The loops read the annotation files when they are built, which runner.train() does unless the
         # properties did it first: here, so that an unreadable file or a setting that cannot be built is one
         # error line naming it.

@@ -151,7 +151,7 @@ def _saved(path) -> dict:
 def test_a_resume_on_two_ranks_continues_every_rank_from_the_checkpoint(sample, tmp_path):
     """Stopped after epoch 1 (of 4 iterations: 8 images, 2 per rank and iteration) and resumed with the same
     command (train_cfg.max_epochs may grow): both ranks start from epoch_1.pth (its iteration, weights, AdamW
-    moments and CD update count), read the images the uninterrupted run reads, and end with the same weights."""
+    moments and CD update count), read the images the uninterrupted run reads, and end where it ends."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert _run(whole, _argv(sample, whole / "run", 2)) == [("ok", 0)] * 2
     assert _run(parts, _argv(sample, parts / "run", 1)) == [("ok", 0)] * 2
@@ -163,13 +163,10 @@ def test_a_resume_on_two_ranks_continues_every_rank_from_the_checkpoint(sample, 
     done = [torch.load(parts / f"trained_rank{r}.pt") for r in (0, 1)]
     full = [torch.load(whole / f"trained_rank{r}.pt") for r in (0, 1)]
     assert done[0] == done[1]  # DDP kept the ranks together
-    for key in ("iter", "epoch", "cd"):
-        assert done[0][key] == full[0][key] == {"iter": 4, "epoch": 2, "cd": 4}[key]
+    assert (done[0]["iter"], done[0]["epoch"], done[0]["cd"]) == (4, 2, 4)
+    # bit for bit the uninterrupted run: rank 1 drew its RoI samples from its own state at the checkpoint, not
+    # from the seed (its weights and AdamW moments differed)
+    assert done[0] == full[0]
     for r in (0, 1):  # each rank's images, iteration by iteration, epoch 2 from the resumed run
         images = (parts / f"images_rank{r}.txt").read_text().splitlines()
         assert len(images) == 4 and images == (whole / f"images_rank{r}.txt").read_text().splitlines()
-
-    # a resume with other settings is refused on both ranks, with the same line
-    outcomes = _run(parts, _argv(sample, parts / "run", 2, "--resume", "optim_wrapper.optimizer.lr=0.01"))
-    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "DetectionError", outcomes
-    assert "optim_wrapper.optimizer.lr (0.001 in the run, 0.01 now)" in outcomes[0][1]

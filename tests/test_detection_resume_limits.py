@@ -1,6 +1,7 @@
 """Where a resumed detection run cannot continue exactly (engine/detection/rng_state.py), it says so when it
-resumes: under torchrun (rank 0's random-number state only is in MMEngine's checkpoints) and with persistent loader
-workers (seeded once, when they start). Needs mmengine only, not full mmcv."""
+resumes: under torchrun from a checkpoint without every rank's random-number state (one of another number of ranks,
+or written by rank 0 alone) and with persistent loader workers (seeded once, when they start). Needs mmengine only,
+not full mmcv."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,6 +30,18 @@ def test_the_limits_of_an_exact_resume_are_named(world, workers, persistent, nam
     limits = inexact_resume(world, loader(workers, persistent))
     assert len(limits) == len(named)
     assert all(text in limit for text, limit in zip(named, limits)), limits
+
+
+@pytest.mark.parametrize("world, saved, named", [
+    (2, 2, None),  # every rank's state is in the checkpoint (RankRngStates)
+    (8, 8, None),
+    (4, 2, "ranks 1 to 3 continue from the run's seed, not from their random-number state at the checkpoint (it "
+           "holds those of a run of 2 ranks)"),
+    (2, 1, "(it holds rank 0's only)"),
+])
+def test_a_checkpoint_with_every_rank_s_state_resumes_exactly_on_as_many_ranks(world, saved, named):
+    limits = inexact_resume(world, loader(0, False), saved)
+    assert limits == [] if named is None else (len(limits) == 1 and named in limits[0]), limits
 
 
 class Logger:

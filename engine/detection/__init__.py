@@ -11,7 +11,8 @@ activation probes and the quantization seam (`DetectorFeed`, a `quant.calibrate.
     data_checks.py  the loaders' datasets, --data-root, annotation / image-folder / category / pipeline checks
     model.py        backbone checkpoint and load_from checks, `build_detector` from an evaluation checkpoint,
                     training method
-    rng_state.py    `RngStateHook`: the random-number state in training checkpoints, for an exact resume
+    rng_state.py    `RngStateHook` (with `RankRngStates`): every rank's random-number state in training checkpoints,
+                    for an exact resume
     feeds.py        loaders, and the training images quantization calibrates on (`DetectorFeed`, ...)
     qat.py          GPLQ stage 1 (`train_activation_qat`) in MMEngine's runner, in a resumable work folder
     evaluation.py   `evaluate_detector`: COCO mAP and the backbone / head activation maxima
@@ -38,7 +39,7 @@ try:
     from engine.detection.model import (build_detector, check_backbone_checkpoint, check_backbone_init,
                                         check_checkpoint_classes, check_checkpoint_file, check_load_from, mismatch,
                                         read_state, training_method)
-    from engine.detection.rng_state import RngStateHook
+    from engine.detection.rng_state import RankRngStates, RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
                                         pipeline_of_test_split, train_images_with_test_pipeline)
     from engine.detection.qat import (check_stage1_device, check_stage1_folder, checkpoint_iteration,
@@ -57,7 +58,7 @@ __all__ = [
     "dataset_classes", "image_folders", "label_names", "loader_datasets", "reading_annotations", "set_data_root",
     "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
     "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
-    "RngStateHook",
+    "RngStateHook", "RankRngStates",
     "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "pipeline_of_test_split",
     "train_images_with_test_pipeline",
     "check_stage1_device", "check_stage1_folder", "checkpoint_iteration", "train_activation_qat",

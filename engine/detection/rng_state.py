@@ -10,14 +10,16 @@ import torch
 from mmengine.hooks import Hook
 
 
-def inexact_resume(world_size: int, train_loader) -> list[str]:
-    """Why a resumed run of `world_size` processes reading `train_loader` does not draw the random numbers the
-    uninterrupted run draws (see RngStateHook); empty where it does."""
+def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1) -> list[str]:
+    """Why a resumed run of `world_size` processes reading `train_loader`, from a checkpoint holding the
+    random-number states of `saved_ranks` ranks, does not draw the random numbers the uninterrupted run draws (see
+    RngStateHook); empty where it does."""
     limits = []
-    if world_size > 1:
+    if world_size > 1 and saved_ranks != world_size:
+        held = ("rank 0's only" if saved_ranks <= 1 else f"those of a run of {saved_ranks} ranks")
         limits.append(f"ranks 1 to {world_size - 1} continue from the run's seed, not from their random-number "
-                      "state at the checkpoint (MMEngine writes checkpoints on rank 0 only), so their RoI samples "
-                      "and dropout differ, and through the averaged gradients every rank's weights")
+                      f"state at the checkpoint (it holds {held}), so their RoI samples and dropout differ, and "
+                      "through the averaged gradients every rank's weights")
     workers = getattr(train_loader, "num_workers", 0)
     if workers > 0 and getattr(train_loader, "persistent_workers", False):
         limits.append(f"the train loader's {workers} persistent worker(s) start over from their first seeds, so "
@@ -34,25 +36,32 @@ class RngStateHook(Hook):
     back as they were before it, because it runs after the epoch's checkpoint is saved and would otherwise move
     the training stream on only in the run that was not interrupted.
 
-    Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes):
-    * under torchrun: MMEngine calls `before_save_checkpoint` on rank 0 only (its save_checkpoint is
-      master_only), so only rank 0's state is kept and restored. The other ranks continue from the state
-      MMEngine's seeding gave them at the start of the process, as at the run's start: their RoI samples,
-      dropout and drop-path draws differ from the uninterrupted run's, and through the averaged gradients so do
-      every rank's weights after the first resumed update. The data order is the same (MMEngine's sampler
-      shuffles from the seed and the epoch);
-    * with persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the MMDetection COCO
-      configs' setting): MMEngine's `worker_init_fn` seeds each worker once, from (seed, rank, worker index), and
-      the augmentation draws in the workers (random flips, crops) go on from there over the epochs of an
-      uninterrupted run, while a resumed run's new workers start over from those seeds. Workers that are not
-      persistent start from the same seeds every epoch in both runs; with `num_workers=0` the draws are the main
-      process's, whose state is restored (exact: tests/test_detection.py, in one process)."""
+    Under torchrun MMEngine calls `before_save_checkpoint` on rank 0 only (its save_checkpoint is master_only), so
+    the other ranks' states reach the checkpoint through `gatherer` (`RankRngStates`, registered beside this hook),
+    which collects every rank's state just before MMEngine's CheckpointHook saves; each rank restores its own.
+    Without them (a checkpoint of another number of ranks, or one written before they were kept) ranks 1 to N-1
+    continue from the state MMEngine's seeding gave them at the start of the process: their RoI samples, dropout
+    and drop-path draws differ from the uninterrupted run's, and through the averaged gradients so do every rank's
+    weights after the first resumed update (the data order is the same: MMEngine's sampler shuffles from the seed
+    and the epoch).
+
+    Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes): ranks without
+    their state (above), and persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the
+    MMDetection COCO configs' setting): MMEngine's `worker_init_fn` seeds each worker once, from (seed, rank,
+    worker index), and the augmentation draws in the workers (random flips, crops) go on from there over the
+    epochs of an uninterrupted run, while a resumed run's new workers start over from those seeds. Workers that
+    are not persistent start from the same seeds every epoch in both runs; with `num_workers=0` the draws are the
+    main process's, whose state is restored (exact: tests/test_detection.py in one process,
+    tests/test_detection_distributed_resume.py on 2 ranks)."""
 
     priority = "LOWEST"  # restores after every other hook's before_train, saves after theirs
 
     def __init__(self) -> None:
         self._loaded: Optional[dict] = None
+        self._loaded_ranks: Optional[list] = None
+        self._gathered: Optional[list] = None  # every rank's state at the checkpoint about to be saved
         self._before_val: Optional[dict] = None
+        self.gatherer = RankRngStates(self)
 
     @staticmethod
     def _state() -> dict:
@@ -71,17 +80,24 @@ class RngStateHook(Hook):
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         checkpoint["rng_state"] = self._state()
+        if self._gathered is not None:
+            checkpoint["rng_state_ranks"] = self._gathered
+            self._gathered = None
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._loaded = checkpoint.get("rng_state")
+        self._loaded_ranks = checkpoint.get("rng_state_ranks")
 
     def before_train(self, runner) -> None:
         if runner.iter == 0:  # a new run, seeded by MMEngine
             return
-        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader)):
+        saved = len(self._loaded_ranks) if self._loaded_ranks else 1
+        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, saved)):
             runner.logger.warning("this resumed run does not continue exactly as the uninterrupted one would: "
                                   f"{'; '.join(limits)} (docs/operations.md, detection runs)")
-        if runner.rank != 0:  # see the class docstring
+        if runner.rank != 0:  # its own state where the checkpoint holds one for this number of ranks
+            if saved == runner.world_size:
+                self._restore(self._loaded_ranks[runner.rank])
             return
         if self._loaded is None:
             runner.logger.warning("the checkpoint resumed from holds no random-number state (written without "
@@ -97,3 +113,38 @@ class RngStateHook(Hook):
         if self._before_val is not None:
             self._restore(self._before_val)
             self._before_val = None
+
+
+class RankRngStates(Hook):
+    """Every rank's random-number state, collected (one all-gather, on every rank) right before MMEngine's
+    CheckpointHook saves a checkpoint, for `RngStateHook` to write into it on rank 0. Register it beside its
+    RngStateHook (`runner.register_hook(hook.gatherer)`); in one process it does nothing."""
+
+    priority = "LOW"  # after_train_epoch / after_train_iter before CheckpointHook's (VERY_LOW), which saves
+
+    def __init__(self, keeper: RngStateHook) -> None:
+        self.keeper = keeper
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        self._gather_if_saving(runner, by_epoch=False)
+
+    def after_train_epoch(self, runner) -> None:
+        self._gather_if_saving(runner, by_epoch=True)
+
+    def _gather_if_saving(self, runner, by_epoch: bool) -> None:
+        from mmengine.dist import all_gather_object
+        from mmengine.hooks import CheckpointHook
+        if runner.world_size <= 1:
+            return
+        saver = next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+        if saver is None or saver.by_epoch != by_epoch:
+            return
+        # CheckpointHook's own test of whether it saves now (mmengine 0.10 after_train_epoch / after_train_iter)
+        if by_epoch:
+            saves = saver.every_n_epochs(runner, saver.interval, saver.save_begin) or (
+                saver.save_last and saver.is_last_train_epoch(runner))
+        else:
+            saves = saver.every_n_train_iters(runner, saver.interval, saver.save_begin) or (
+                saver.save_last and saver.is_last_train_iter(runner))
+        if saves:
+            self.keeper._gathered = all_gather_object(RngStateHook._state())
