@@ -10,7 +10,6 @@ device ids (a CPU module). Marked `detection` (full mmcv), like tests/test_detec
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
