@@ -23,6 +23,9 @@ where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifie
 data.scale / reprob / auto_augment and the like, where no pipeline sees training-transform images). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it, and prints a markdown row in the layout of the paper's tables.
+GPLQ's stage 1 trains (a resumable checkpoint beside the JSON): a SIGTERM / SIGINT during it writes that
+checkpoint at the next update and exits with code 75; the same command resumes. A signal at any other time ends
+the process at once (Ctrl-C: exit code 130); the JSON keeps every result finished so far.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, proces
                                 run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
+from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
@@ -127,7 +131,8 @@ def main(args: argparse.Namespace) -> dict:
             # this result file's path is refused now, not after the FP pass, the maxima and the pipelines planned
             # before it
             pipeline_data = (build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
-                                                 os.path.splitext(out)[0])
+                                                 os.path.splitext(out)[0],
+                                                 lambda saves: Preemption(device, dist.distributed, saves=saves))
                              if todo and not task.language else None)  # the LM pipelines need the calibration windows
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
@@ -497,13 +502,15 @@ def training_data(cfg: Config) -> dict:
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
-                        work_prefix: str) -> PipelineData:
+                        work_prefix: str, preemption=None) -> PipelineData:
     """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
 
     train_images: seeded train-split images (training or eval transform), the same on every rank.
     train_loader: this rank's shard of the train split with the training transform (no repeated
     augmentation; mixup/cutmix are never applied by pipelines). work_prefix: where GPLQ keeps its
-    resumable stage-1 checkpoint (next to the output JSON).
+    resumable stage-1 checkpoint (next to the output JSON). preemption: (checkpoint path) -> a Preemption
+    (engine/preemption.py) that GPLQ stage 1 alone opens, so that a signal there saves its checkpoint; None:
+    signals keep their default effect.
     """
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
         return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed,
@@ -516,7 +523,7 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
         return train
 
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix,
-                        identity=training_data(cfg))
+                        identity=training_data(cfg), preemption=preemption)
 
 
 def resolve_config(args: argparse.Namespace):
@@ -953,6 +960,8 @@ if __name__ == "__main__":
         exit_with_error(str(e))  # stderr and eval.log
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
         exit_with_error(str(e))
+    except Preempted:  # GPLQ stage 1 logged where it stopped; its checkpoint is written, the same command resumes
+        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)
         exit_with_error("interrupted; the results finished so far are in the JSON, and the same command runs "
                         "only what is missing", code=130)

@@ -48,7 +48,7 @@ from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, Train
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
-from engine.preemption import EXIT_PREEMPTED, Preemption
+from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
 from engine.snapshots import keep_abandoned_checkpoint, keep_snapshot, resume_source
@@ -386,8 +386,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
         if reason == "preempted":
-            log.info("preempted at update %d; checkpoint saved, re-run the same command to resume "
-                     "(exit code %d)", state.step, EXIT_PREEMPTED)
+            log.info("%s", preempted_line(state.step, "checkpoint"))
             break
         if reason == "max_steps":
             log.info(MAX_STEPS_HINT, state.step)

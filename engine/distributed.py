@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from configs import ConfigError
+from engine.preemption import Preempted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,10 +85,14 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
 @contextlib.contextmanager
 def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None) -> Iterator[DistInfo]:
     """`init_distributed` for the body of an entry point, and `cleanup_distributed` when it ends: after every
-    rank is done when it succeeds, at once when it raises (another rank may never arrive)."""
+    rank is done when it succeeds or stops on an agreed stop request (`Preempted`), at once when it raises
+    anything else (another rank may never arrive)."""
     info = init_distributed(device, main_rank_wait)
     try:
         yield info
+    except Preempted:  # every rank stopped at the same agreed update: they all arrive, as after a finished run
+        cleanup_distributed()
+        raise
     except BaseException:
         cleanup_distributed(wait_for_all=False)
         raise

@@ -44,6 +44,18 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402,F401  (re-exported)
 
 
+class Preempted(Exception):
+    """A stage stopped on a stop request after writing its checkpoint (GPLQ stage 1 under evaluate.py): the entry
+    point exits with `EXIT_PREEMPTED`, and the same command resumes. Raised on every rank at the same update (the
+    ranks agreed on the stop), so `engine.distributed.process_group` ends the group as after a finished run."""
+
+
+def preempted_line(step: int, saved: str) -> str:
+    """The one line an entry point logs when it stops on a signal with its checkpoint (`saved`) written."""
+    return (f"preempted at update {step}; {saved} saved, re-run the same command to resume "
+            f"(exit code {EXIT_PREEMPTED})")
+
+
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader `worker_init_fn`: workers leave SIGTERM / SIGINT to the main process.
 
@@ -93,10 +105,12 @@ class Preemption:
         device: the device of this rank's collectives (the flag tensor lives there).
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
+        saves: what the stop writes, for the line logged at the first signal.
     """
 
-    def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0) -> None:
-        self.device, self.distributed = device, distributed
+    def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0,
+                 saves: str = "checkpoint.pt") -> None:
+        self.device, self.distributed, self.saves = device, distributed, saves
         self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
@@ -108,8 +122,8 @@ class Preemption:
         if self.first_signal_at is None:
             self.first_signal_at = now
             self.requested = True
-            log.warning("received %s: stopping at the next update boundary and writing checkpoint.pt",
-                        signal.Signals(signum).name)
+            log.warning("received %s: stopping at the next update boundary and writing %s",
+                        signal.Signals(signum).name, self.saves)
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
             raise KeyboardInterrupt("second interrupt: stopping now, without a new checkpoint")

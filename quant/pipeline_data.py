@@ -44,6 +44,10 @@ class PipelineData:
     identity: what the drawn images depend on besides the arguments (the training split and its
         transform): a pipeline that keeps files between runs (GPLQ stage 1) records it, so that a file
         trained on other data is never resumed.
+    preemption: (path of the checkpoint a stop writes) -> an engine.preemption.Preemption, a context manager
+        (evaluate.py: this rank's, agreeing across ranks): GPLQ stage 1 opens it while it trains, so that
+        SIGTERM / SIGINT write its checkpoint at the next update and raise `Preempted`. None: signals keep
+        their default effect.
     """
 
     train_images: Optional[Callable[[int, int, bool], torch.Tensor]] = None
@@ -52,6 +56,7 @@ class PipelineData:
     detector_samples: Optional[Callable[[int, int], Any]] = None
     train_detector: Optional[Callable[[Any, Dict[str, Any], Optional[str]], Dict[str, Any]]] = None
     identity: Optional[Dict[str, Any]] = None
+    preemption: Optional[Callable[[str], Any]] = None
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

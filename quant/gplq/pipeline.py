@@ -12,7 +12,9 @@ Stage 1, Act-QAT (W32A4), qat.py:
   multiple of 32, components from `pca_images` training images), the float teacher online;
 * AdamW, constant lr (5e-6 at global batch 128; 2.5e-6 at 64; 1e-6 below, the paper's GPU table),
   one epoch by default (`steps` updates otherwise), batch 16 per GPU;
-* run by engine.loop.TrainLoop (AMP, DDP under torchrun, resumable `<work_prefix>_gplq_<bits>_stage1.pt`).
+* run by engine.loop.TrainLoop (AMP, DDP under torchrun, resumable `<work_prefix>_gplq_<bits>_stage1.pt`);
+  with `PipelineData.preemption` (evaluate.py) a SIGTERM / SIGINT during stage 1 writes that checkpoint at the
+  next update boundary and raises engine.preemption.Preempted (exit code 75, the same command resumes).
   Under torchrun stage 1 uses every rank (data parallel); stage 2 runs once, on rank 0, and every rank
   receives its model (engine.distributed.run_on_main).
 
@@ -39,6 +41,7 @@ Details the paper leaves open, our choices (all options; see quant/README.md):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -184,9 +187,12 @@ class GPLQPipeline(Pipeline):
                 return fit_pca(teacher, pca_batches(), options.pca_images, options.pca_variance,
                                options.pca_multiple, options.amp)
 
-        with timer("stage1", device):
-            stage1 = run_stage1(model, teacher, pca, train_batches, settings,
-                                stage1_checkpoint(data, bits), config)
+        checkpoint = stage1_checkpoint(data, bits)
+        # stop signals become a checkpoint at an update boundary only in stage 1 (where a stop can be saved)
+        stops = (data.preemption(checkpoint) if data.preemption is not None and checkpoint
+                 else contextlib.nullcontext())
+        with timer("stage1", device), stops as preemption:
+            stage1 = run_stage1(model, teacher, pca, train_batches, settings, checkpoint, config, preemption)
         log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
                  stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
 

@@ -11,6 +11,10 @@ shared `TrainLoop` (one copy of AMP / accumulation / clipping / reseeding / chec
 file only builds the loss, the optimizer and the checkpoint callback. The checkpoint is a
 `training_payload` (model = the FeatureTap, i.e. keys "model.*"; optimizer; counters; scaler) plus
 the PCA projection and a `config` dict that a resume must match exactly.
+
+With a `Preemption` (evaluate.py opens one around stage 1) a SIGTERM / SIGINT stops training at the next update
+boundary that every rank agrees on, as in train.py: the checkpoint is written at that update and `Preempted`
+is raised, so that the entry point exits with EXIT_PREEMPTED and the same command resumes from there.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch import nn
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
 from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
 from engine.loop import TrainBatches, TrainLoop, TrainState
+from engine.preemption import Preempted, Preemption, preempted_line
 from engine.precision import grad_scaler
 
 from .pca import PCAProjection, pca_loss, penultimate
@@ -89,7 +94,7 @@ def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
 
 def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection],
                batches: TrainBatches, settings: Stage1Settings, checkpoint: Optional[str],
-               config: Dict[str, object]) -> Dict[str, object]:
+               config: Dict[str, object], preemption: Optional[Preemption] = None) -> Dict[str, object]:
     """Train `student` in place (see module docstring); resume from / write `checkpoint` if given.
 
     Args:
@@ -102,11 +107,18 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         checkpoint: path of the resumable stage-1 checkpoint (None: none written, no resume).
         config: identity of the run (bits, stage-1 options, float-model fingerprint); a checkpoint
             written with another config is refused.
+        preemption: stop requests (signals) to honour at update boundaries; needs `checkpoint`, where the
+            stop is saved.
 
     Returns:
         {"steps", "seconds", "resumed_from", "lr", "scale_lr", "world_size", "ddp", "ce", "pca", "pca_dims",
         "pca_explained", "pca_samples"}.
+
+    Raises:
+        Preempted: `preemption` asked to stop, on every rank; `checkpoint` holds the updates done so far.
     """
+    if preemption is not None and not checkpoint:
+        raise ValueError("run_stage1: a preemption stop is saved in the stage-1 checkpoint; pass checkpoint")
     config = json.loads(json.dumps(config))  # plain types, comparable with a reloaded checkpoint
     device = next(student.parameters()).device
     # every rank learns it, before the DDP wrapper's first collective (where the others would wait for this rank)
@@ -175,13 +187,25 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     loop = TrainLoop(model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device,
                      amp=settings.amp, scaler=scaler, seed=settings.seed, rank=rank, world_size=world,
                      max_steps=total, log_every=max(1, settings.log_every), ckpt_every=settings.ckpt_every,
-                     save=save if checkpoint else None, log=report, metric_sources=[parts])
+                     save=save if checkpoint else None, log=report, metric_sources=[parts],
+                     should_stop=preemption.should_stop if preemption is not None else None,
+                     request_stop=preemption.request_stop if preemption is not None else None)
     start = time.perf_counter()
     teacher.eval()
-    while state.step < total:  # one epoch by default; `steps` may span several
-        loop.run_epoch(batches, state, settings.batch_size_per_gpu)
+    stopped = False
+    while state.step < total and not stopped:  # one epoch by default; `steps` may span several
+        stopped = loop.run_epoch(batches, state, settings.batch_size_per_gpu) == "preempted"
     if checkpoint and resumed_from != state.step:
         save()
+    # a request the loop did not act on (it came in the last update, where the loop stops for max_steps before
+    # asking, or during the write) still stops before stage 2: the checkpoint holds the finished stage 1
+    if preemption is not None and not stopped:
+        stopped = preemption.should_stop(state.step, boundary=True)
+    if stopped:
+        log.info("GPLQ stage 1 %s", preempted_line(state.step, checkpoint))
+        # the DDP wrapper must not outlive the stage in this frame, which the exception's traceback keeps
+        train_model = loop = None
+        raise Preempted(f"GPLQ stage 1 stopped at update {state.step}; {checkpoint} saved")
     student.eval()
     return {"steps": state.step, "seconds": round(time.perf_counter() - start, 3),
             "resumed_from": resumed_from, "lr": settings.lr, "scale_lr": settings.scale_lr,
