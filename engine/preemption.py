@@ -8,7 +8,8 @@ foreground process group. The rule:
   `should_stop(step)` after every optimizer update, validation after every batch, and train.py at
   epoch ends; then train.py writes checkpoint.pt first (before any validation or best.pt work) and
   exits with code `EXIT_PREEMPTED` (75), and the same command resumes. A checkpoint write in progress
-  always completes (the handler only records the request);
+  always completes (the handler only records the request). evaluate.py does the same during GPLQ's stage 1
+  (quant/gplq/qat.py): it writes the stage-1 checkpoint and raises `Preempted`, and evaluate.py exits 75;
 * under DDP the ranks agree through an all-reduce of the flag after every update: launched without
   waiting (`async_op`) and read one call later, so it costs no host sync, and every rank stops at the
   same update at most one update after the signal, whichever rank got it. Boundary calls (epoch ends)

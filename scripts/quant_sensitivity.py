@@ -21,6 +21,7 @@ Every variant is one `evaluate.py` run on the same float checkpoint, written to 
 
 Prints a markdown table (variant x pipeline, top-1 and the change from `official`) and writes
 sensitivity_<bits>.json (a summary of those JSONs; an existing one is replaced only with --overwrite).
+A SIGTERM / SIGINT during a GPLQ stage 1 saves it and exits 75, as evaluate.py does; the same command continues.
 Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies
 is refused, and so is one that no run would read: the options of a pipeline that no variant runs
 (quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
@@ -37,6 +38,7 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.cli import OneLineParser, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
+from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
@@ -163,3 +165,5 @@ if __name__ == "__main__":
         main()
     except evaluate.USER_ERRORS as e:
         sys.exit(f"error: {e}")
+    except Preempted:  # a signal in a GPLQ stage 1 (logged); its checkpoint and the variants done so far are kept
+        sys.exit(EXIT_PREEMPTED)
