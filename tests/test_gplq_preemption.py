@@ -126,7 +126,9 @@ def test_sigterm_in_stage1s_last_update_stops_before_stage2_and_resumes_the_fini
 @pytest.mark.slow
 def test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_resumes(checkpoint, tmp_path):
     """Rank 1 alone gets the signal; rank 0 writes the checkpoint: the ranks agree one update later (the stop
-    agreement is read one call late), both exit 75, and the same torchrun command resumes there."""
+    agreement is read one call late) and leave stage 1 after the write; the first rank out exits 75 (torchrun
+    then ends the other, which is past the write, with its closing SIGTERM), and the same torchrun command
+    resumes there."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     out = tmp_path / "ddp.json"
