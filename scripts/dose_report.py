@@ -222,8 +222,7 @@ def read_sweep(root: str) -> list[Run]:
 def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
     """Each point's label in the tables of evaluated numbers, with † when its runs were evaluated otherwise
     than trained or than the paper evaluates (evaluate.evaluated_otherwise: model.kwargs, split, autocast; its seeds
-    alike, read_sweep), and the
-    notes naming how, for below the first such table."""
+    alike, read_sweep), and the notes naming how, for below the first such table."""
     labels, notes = {}, []
     for point, runs in groups.items():
         changed = sorted({c for r in runs if (c := evaluate.evaluated_otherwise(r.result))})

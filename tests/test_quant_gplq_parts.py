@@ -347,7 +347,7 @@ def test_stage1_trains_float_weights_and_lsq_scales_from_training_transform_imag
     seen = {}
     real_stage1 = gplq_pipeline.run_stage1
 
-    def spy(student, teacher, fit_pca, batches, settings, checkpoint, config):
+    def spy(student, teacher, fit_pca, batches, settings, checkpoint, config, preemption=None):
         seen["weights_on"] = [q.enabled for _, q in named_quantizers(student, "weight")]
         acts = [q for _, q in named_quantizers(student, "activation")]
         seen["acts"] = [(q.enabled, isinstance(q.scale, torch.nn.Parameter) and q.scale.requires_grad) for q in acts]
@@ -469,7 +469,7 @@ def test_default_stage1_lr_follows_the_global_batch_over_all_ranks(monkeypatch):
     monkeypatch.setattr(gplq_pipeline, "world_size", lambda: 8)
     seen = {}
 
-    def stop(student, teacher, fit_pca, batches, settings, checkpoint, config):
+    def stop(student, teacher, fit_pca, batches, settings, checkpoint, config, preemption=None):
         seen["settings"] = settings
         raise _StopAfterStage1Settings
 
