@@ -281,10 +281,10 @@ def remove_directions(w1: torch.Tensor, directions: Sequence[int]) -> torch.Tens
 def model_without(model: nn.Module, removed: Sequence[dict],
                   blocks: Optional[Sequence[tuple[str, Pair]]] = None) -> nn.Module:
     """A copy of `model` whose FC1 weights lack the `removed` directions ({"block", "direction"} dicts); `blocks`:
-    the model's `ffn_pairs` (found when not given)."""
+    the model's `ffn_pairs` (found when not given). A wrapped model (DDP, torch.compile) is copied with its wrapper."""
     fc1 = {name: pair for name, pair in (ffn_pairs(model) if blocks is None else blocks)}
     model = copy.deepcopy(model)
-    params = dict(model.named_parameters())
+    params = dict(unwrap_model(model).named_parameters())  # the pairs' names are the unwrapped model's (find_pairs)
     per_block: dict[str, list[int]] = {}
     for r in removed:
         per_block.setdefault(r["block"], []).append(r["direction"])

@@ -93,6 +93,19 @@ def test_model_without_changes_only_the_named_fc1_weights():
     assert int(torch.linalg.matrix_rank(after["blocks.1.mlp.fc1.weight"])) == 31
 
 
+def test_model_without_takes_a_wrapped_model_as_ffn_pairs_does():
+    class Wrapper(nn.Module):  # DDP's layout: the model as the only child `module`
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.module = model
+
+    wrapped = Wrapper(tiny_vit())
+    copy = mechanism.model_without(wrapped, [{"block": "blocks.1", "direction": 3}])
+    before, after = wrapped.state_dict(), copy.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == ["module.blocks.1.mlp.fc1.weight"]
+    assert int(torch.linalg.matrix_rank(after["module.blocks.1.mlp.fc1.weight"])) == 31
+
+
 # --- Sec. 3.2, Eq. (7)-(8): the surrogate ------------------------------------------------------------------
 def test_surrogate_equals_the_ffn_when_the_activation_is_the_identity():
     torch.manual_seed(0)
