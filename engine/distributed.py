@@ -139,9 +139,16 @@ def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
     rank raises (the failing rank its own `error`, the others `elsewhere()`), instead of the others waiting
     at the next collective until it times out. One all-reduce; a no-op without a process group."""
     failed = all_reduce(torch.tensor([float(error is not None)], device=device), op="max")
+    raise_where_failed(error, bool(failed.item()), elsewhere)
+
+
+def raise_where_failed(error: Optional[BaseException], failed_anywhere: bool,
+                       elsewhere: Callable[[], BaseException]) -> None:
+    """The end of `raise_on_every_rank` for a flag carried in a collective the caller makes anyway (a window's
+    sums): this rank's `error`, else `elsewhere()` when `failed_anywhere` (the reduced flag), else nothing."""
     if error is not None:
         raise error
-    if failed.item():
+    if failed_anywhere:
         raise elsewhere()
 
 

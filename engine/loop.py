@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
-from .distributed import OtherRankError, all_reduce, raise_on_every_rank
+from .distributed import OtherRankError, all_reduce, raise_on_every_rank, raise_where_failed
 from .divergence import DivergenceError, DivergenceGuard
 from .precision import autocast
 from .rng import mix_seed, seed_all
@@ -507,11 +507,8 @@ class _Window:
                               torch.tensor(float(self.unreadable), device=self.device),
                               torch.tensor(float(self.data_error is not None), device=self.device)])
         loss_sum, micro, unreadable, failed = all_reduce(totals).tolist()
-        if self.data_error is not None:
-            raise self.data_error
-        if failed:
-            raise OtherRankError(f"another rank could not load its training batches ({int(failed)} rank(s)); "
-                                 f"its output says why")
+        raise_where_failed(self.data_error, bool(failed), lambda: OtherRankError(
+            f"another rank could not load its training batches ({int(failed)} rank(s)); its output says why"))
         return loss_sum, micro, unreadable
 
     def check_finite(self, step: Optional[int], sums: Optional[tuple] = None) -> float:
@@ -679,11 +676,9 @@ class EvalBatches:
     def raise_if_failed(self, failed_ranks: float) -> None:
         """After the all-reduce of the sums that carried `error is not None`: this rank's error, or
         OtherRankError when `failed_ranks` (the sum) says another rank could not load a batch."""
-        if self.error is not None:
-            raise self.error
-        if failed_ranks:
-            raise OtherRankError(f"{self.progress or 'evaluation'}: another rank could not load its batches "
-                                 f"({int(failed_ranks)} rank(s)); its output says why")
+        raise_where_failed(self.error, bool(failed_ranks), lambda: OtherRankError(
+            f"{self.progress or 'evaluation'}: another rank could not load its batches ({int(failed_ranks)} "
+            f"rank(s)); its output says why"))
 
 
 def _world_and_rank() -> tuple[int, int]:
