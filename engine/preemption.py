@@ -106,7 +106,7 @@ class Preemption:
         device: the device of this rank's collectives (the flag tensor lives there).
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
-        saves: what the stop writes, for the line logged at the first signal.
+        saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`).
     """
 
     def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0,
@@ -115,16 +115,20 @@ class Preemption:
         self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
+        self._unannounced: int | None = None  # the first signal, until `should_stop` logs it
         self._pending: _Agreement | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
+        # Only records: the handler runs between any two bytecodes of the main thread, also inside a logging
+        # handler's write to train.log, where logging again is a reentrant call on the same buffered file
+        # ("RuntimeError: reentrant call inside <_io.BufferedWriter>", printed as a logging error). The line
+        # is logged by the next `should_stop`, at most one update later.
         now = time.monotonic()
         if self.first_signal_at is None:
             self.first_signal_at = now
             self.requested = True
-            log.warning("received %s: stopping at the next update boundary and writing %s",
-                        signal.Signals(signum).name, self.saves)
+            self._unannounced = signum
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
             raise KeyboardInterrupt("second interrupt: stopping now, without a new checkpoint")
@@ -140,6 +144,10 @@ class Preemption:
             step: optimizer updates done (for the log; the answer does not depend on it).
             boundary: agree now, waiting for the collective.
         """
+        if self._unannounced is not None:
+            log.warning("received %s: stopping at the next update boundary and writing %s",
+                        signal.Signals(self._unannounced).name, self.saves)
+            self._unannounced = None
         if not self.distributed:
             return self.requested
         previous, self._pending = self._pending, None

@@ -267,6 +267,44 @@ def test_a_second_interrupt_after_the_grace_window_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
+def test_the_signal_handler_only_records_and_the_next_stop_check_logs_it():
+    """The handler runs between any two bytecodes, also inside a logging handler's write to train.log, where
+    logging again is a reentrant call on that buffered file (a 'Logging error' traceback in the run's output):
+    it must not log. Here a logging handler raises if anything is logged while it is already writing, and the
+    signal arrives from inside its emit (was: the handler logged its warning there)."""
+    import logging
+
+    from engine.preemption import Preemption
+
+    class Writer(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.writing, self.lines = False, []
+
+        def emit(self, record):
+            assert not self.writing, f"logged from inside a write: {record.getMessage()}"
+            self.writing = True
+            try:
+                if record.getMessage() == "a line being written":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)  # the handler runs here, inside this write
+                self.lines.append(record.getMessage())
+            finally:
+                self.writing = False
+
+    writer, logger = Writer(), logging.getLogger("engine.preemption")
+    logger.addHandler(writer)
+    try:
+        with Preemption(torch.device("cpu"), saves="stage1.pt") as preemption:
+            logger.warning("a line being written")
+            assert preemption.requested and writer.lines == ["a line being written"]
+            assert preemption.should_stop(step=3)
+            assert writer.lines[1:] == ["received SIGTERM: stopping at the next update boundary and writing stage1.pt"]
+            assert preemption.should_stop(step=4) and len(writer.lines) == 2  # logged once
+    finally:
+        logger.removeHandler(writer)
+
+
 def test_repeated_signals_in_the_window_are_one_request():
     from engine.preemption import Preemption
 
