@@ -2,6 +2,7 @@
 the heading after `#`), and every `train.py` / `evaluate.py` command in the Markdown code blocks parses,
 its config resolved as `--print-config` resolves it where that needs no file a run writes. The files are
 read when the tests are collected, so the checks follow the documents as they change."""
+import argparse
 import fnmatch
 import glob
 import os
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from configs import config_from_dict, load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 
 def repository_markdown(root: str) -> list[str]:
@@ -144,6 +145,131 @@ def test_every_documented_command_parses(path, script, args, monkeypatch, capsys
         assert out.strip()
         return
     config_from_dict(yaml.safe_load(out))  # the printed config is a whole, valid one
+
+
+def documented_command_lines(path: str) -> list[str]:
+    """The shell lines of `path` a user would copy: every line of its code blocks (continuation lines joined)
+    and every inline code span in its prose."""
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    lines = [line for block in FENCE.findall(text) for line in re.sub(r"\\\n", " ", block).splitlines()]
+    return lines + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+
+
+def brace_words(word: str) -> list[str]:
+    """bash's brace expansion of one word: `{a,b}_{x,y}` -> a_x a_y b_x b_y."""
+    m = re.search(r"\{([^{}]*,[^{}]*)\}", word)
+    if not m:
+        return [word]
+    return [w for alt in m.group(1).split(",") for w in brace_words(word[:m.start()] + alt + word[m.end():])]
+
+
+def script_commands(path: str) -> list[tuple[str, list[str], bool]]:
+    """(script name, its arguments, elided) of every `python scripts/<x>.py` (or `torchrun ... scripts/<x>.py`)
+    command in `path`. Words expand as bash expands braces, except a braced subcommand right after the script
+    (`mechanism.py {surrogate,remove} ...`), which stands for one command each; a trailing `...` marks an
+    elided command ("the arguments of the one above"), whose words are checked but not its completeness."""
+    found = []
+    for line in documented_command_lines(path):
+        if not re.search(r"(^|\s)scripts/\w+\.py(\s|$)", line):
+            continue
+        words = shlex.split(line, comments=True)
+        for i, word in enumerate(words):
+            name = re.fullmatch(r"scripts/(\w+)\.py", word)
+            if not name or i == 0 or not (words[i - 1] in ("python", "torchrun") or words[i - 1].startswith("--")):
+                continue  # a script named in prose ("`scripts/sweep.py` prints ..."), not run
+            args = []
+            for arg in words[i + 1:]:
+                if arg in ("&&", ";", "|", "||"):
+                    break
+                args.append(arg)
+            elided = args[-1:] == ["..."]
+            args = args[:-1] if elided else args
+            heads = brace_words(args[0]) if args else [[]]
+            for head in heads:
+                rest = [w for a in args[1:] for w in brace_words(a)]
+                found.append((name.group(1), ([head] if args else []) + rest, elided))
+    return found
+
+
+SCRIPT_COMMANDS = [(path, name, args, elided) for path in MARKDOWN for name, args, elided in script_commands(path)]
+
+
+def test_the_documents_have_script_commands():
+    scripts = {name for _, name, _, _ in SCRIPT_COMMANDS}
+    assert {"sweep", "paper_table", "mechanism", "bench_overhead"} <= scripts, scripts
+
+
+class Parsed(Exception):
+    """Raised in place of a script's work once its own parser has accepted the arguments."""
+
+
+def parse_with_script(name: str, args: list[str], monkeypatch) -> tuple:
+    """Run scripts/<name>.py's main(args) up to the moment its argument parser returns (the parser it builds
+    for itself: flags, choices, types, subcommands), then stop it: (parser, namespace), or (parser, None)
+    where argparse refused the arguments (SystemExit, its one `error:` line on stderr)."""
+    seen = []
+    for method in ("parse_args", "parse_intermixed_args"):
+        original = getattr(argparse.ArgumentParser, method)
+
+        def stop_after(self, *a, _original=original, **kw):
+            seen.append(self)
+            raise Parsed(self, _original(self, *a, **kw))
+        monkeypatch.setattr(argparse.ArgumentParser, method, stop_after)
+    try:
+        load_script(name).main(args)
+    except Parsed as done:
+        return done.args
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise AssertionError(f"scripts/{name}.py {shlex.join(args)} exited before parsing") from e
+        return (seen[-1] if seen else None), None
+    raise AssertionError(f"scripts/{name}.py {shlex.join(args)} returned without parsing its arguments")
+
+
+@pytest.mark.parametrize("path, name, args, elided", SCRIPT_COMMANDS,
+                         ids=[f"{p}: {n} {' '.join(a)}"[:120] for p, n, a, _ in SCRIPT_COMMANDS])
+def test_every_documented_script_command_parses(path, name, args, elided, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    parser, parsed = parse_with_script(name, args, monkeypatch)
+    err = capsys.readouterr().err
+    if parsed is None and elided:  # `mechanism.py alignment ...`: the flags it names must exist
+        assert parser is not None, err
+        assert "the following arguments are required" in err, err
+        unknown = [a.split("=")[0] for a in args
+                   if a.startswith("-") and a.split("=")[0] not in parser._option_string_actions]
+        assert not unknown, f"{path}: scripts/{name}.py has no {unknown}"
+        return
+    assert parsed is not None, f"{path}: scripts/{name}.py {shlex.join(args)}: {err}"
+
+
+def repository_paths(path: str) -> list[str]:
+    """The repository files and folders that the commands of `path` name (a word, or the value of a
+    key=value word, under one of the checkout's own top-level folders, such as configs/, data/ or scripts/);
+    an upper-case placeholder (`configs/detection/SETTING.py`) stands for any name."""
+    tops = {p.split("/")[0] for p in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                                                     text=True).stdout.split() if "/" in p} - {"tests"}
+    named = []
+    for line in documented_command_lines(path):
+        if not re.search(r"(^|\s)(python|torchrun|bash)\s", line):
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # prose that is not a command
+            continue
+        for word in words:
+            value = word.split("=", 1)[1] if re.match(r"[\w.]+=", word) else word
+            for one in brace_words(value):
+                if one.split("/")[0] in tops and "/" in one and "*" not in one:
+                    named.append(one)
+    return named
+
+
+@pytest.mark.parametrize("path", MARKDOWN)
+def test_every_repository_file_a_documented_command_names_exists(path):
+    missing = [p for p in repository_paths(path)
+               if not glob.glob(os.path.join(ROOT, re.sub(r"\b[A-Z][A-Z_]{2,}\b", "*", p)))]
+    assert not missing, f"{path}: {missing}"
 
 
 def integration_examples() -> list[str]:
