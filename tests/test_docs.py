@@ -5,6 +5,7 @@ read when the tests are collected, so the checks follow the documents as they ch
 import argparse
 import fnmatch
 import glob
+import importlib
 import os
 import re
 import shlex
@@ -165,19 +166,24 @@ def brace_words(word: str) -> list[str]:
 
 
 def script_commands(path: str) -> list[tuple[str, list[str], bool]]:
-    """(script name, its arguments, elided) of every `python scripts/<x>.py` (or `torchrun ... scripts/<x>.py`)
-    command in `path`. Words expand as bash expands braces, except a braced subcommand right after the script
-    (`mechanism.py {surrogate,remove} ...`), which stands for one command each; a trailing `...` marks an
-    elided command ("the arguments of the one above"), whose words are checked but not its completeness."""
+    """(script, its arguments, elided) of every `python scripts/<x>.py` (or `torchrun ... scripts/<x>.py`),
+    `evaluate_detection.py` and `python -m cd` command in `path`, the script named by its module (`sweep`,
+    `evaluate_detection`, `cd.__main__`). Words expand as bash expands braces, except a braced subcommand right
+    after the script (`mechanism.py {surrogate,remove} ...`), which stands for one command each; a trailing
+    `...` marks an elided command ("the arguments of the one above"), whose words are checked but not its
+    completeness."""
     found = []
     for line in documented_command_lines(path):
-        if not re.search(r"(^|\s)scripts/\w+\.py(\s|$)", line):
+        if not re.search(r"(^|\s)(scripts/\w+\.py|evaluate_detection\.py|-m cd)(\s|$)", line):
             continue
         words = shlex.split(line, comments=True)
         for i, word in enumerate(words):
-            name = re.fullmatch(r"scripts/(\w+)\.py", word)
-            if not name or i == 0 or not (words[i - 1] in ("python", "torchrun") or words[i - 1].startswith("--")):
+            if i == 0 or not (words[i - 1] in ("python", "torchrun", "-m") or words[i - 1].startswith("--")):
                 continue  # a script named in prose ("`scripts/sweep.py` prints ..."), not run
+            entry = re.fullmatch(r"scripts/(\w+)\.py|(evaluate_detection)\.py|(cd)", word)
+            if not entry or (entry.group(3) and words[i - 1] != "-m"):
+                continue
+            module = entry.group(1) or entry.group(2) or "cd.__main__"
             args = []
             for arg in words[i + 1:]:
                 if arg in ("&&", ";", "|", "||"):
@@ -185,10 +191,9 @@ def script_commands(path: str) -> list[tuple[str, list[str], bool]]:
                 args.append(arg)
             elided = args[-1:] == ["..."]
             args = args[:-1] if elided else args
-            heads = brace_words(args[0]) if args else [[]]
-            for head in heads:
+            for head in (brace_words(args[0]) if args else [None]):
                 rest = [w for a in args[1:] for w in brace_words(a)]
-                found.append((name.group(1), ([head] if args else []) + rest, elided))
+                found.append((module, ([head] if head is not None else []) + rest, elided))
     return found
 
 
@@ -197,7 +202,7 @@ SCRIPT_COMMANDS = [(path, name, args, elided) for path in MARKDOWN for name, arg
 
 def test_the_documents_have_script_commands():
     scripts = {name for _, name, _, _ in SCRIPT_COMMANDS}
-    assert {"sweep", "paper_table", "mechanism", "bench_overhead"} <= scripts, scripts
+    assert {"sweep", "paper_table", "mechanism", "bench_overhead", "evaluate_detection", "cd.__main__"} <= scripts
 
 
 class Parsed(Exception):
@@ -205,7 +210,7 @@ class Parsed(Exception):
 
 
 def parse_with_script(name: str, args: list[str], monkeypatch) -> tuple:
-    """Run scripts/<name>.py's main(args) up to the moment its argument parser returns (the parser it builds
+    """Run the script's main(args) (scripts/<name>.py, or the module `name`) up to the moment its argument parser returns (the parser it builds
     for itself: flags, choices, types, subcommands), then stop it: (parser, namespace), or (parser, None)
     where argparse refused the arguments (SystemExit, its one `error:` line on stderr)."""
     seen = []
@@ -217,14 +222,16 @@ def parse_with_script(name: str, args: list[str], monkeypatch) -> tuple:
             raise Parsed(self, _original(self, *a, **kw))
         monkeypatch.setattr(argparse.ArgumentParser, method, stop_after)
     try:
-        load_script(name).main(args)
+        script = importlib.import_module(name) if name in ("evaluate_detection", "cd.__main__") \
+            else load_script(name)
+        script.main(args)
     except Parsed as done:
         return done.args
     except SystemExit as e:
         if e.code in (0, None):
-            raise AssertionError(f"scripts/{name}.py {shlex.join(args)} exited before parsing") from e
+            raise AssertionError(f"{name} {shlex.join(args)} exited before parsing") from e
         return (seen[-1] if seen else None), None
-    raise AssertionError(f"scripts/{name}.py {shlex.join(args)} returned without parsing its arguments")
+    raise AssertionError(f"{name} {shlex.join(args)} returned without parsing its arguments")
 
 
 @pytest.mark.parametrize("path, name, args, elided", SCRIPT_COMMANDS,
@@ -238,9 +245,23 @@ def test_every_documented_script_command_parses(path, name, args, elided, monkey
         assert "the following arguments are required" in err, err
         unknown = [a.split("=")[0] for a in args
                    if a.startswith("-") and a.split("=")[0] not in parser._option_string_actions]
-        assert not unknown, f"{path}: scripts/{name}.py has no {unknown}"
+        assert not unknown, f"{path}: {name} has no {unknown}"
         return
-    assert parsed is not None, f"{path}: scripts/{name}.py {shlex.join(args)}: {err}"
+    assert parsed is not None, f"{path}: {name} {shlex.join(args)}: {err}"
+
+
+SWEEP_COMMANDS = [c for c in SCRIPT_COMMANDS if c[1] == "sweep" and not c[3]]
+
+
+@pytest.mark.parametrize("path, name, args, elided", SWEEP_COMMANDS,
+                         ids=[f"{p}: {' '.join(a)}"[:120] for p, _, a, _ in SWEEP_COMMANDS])
+def test_every_documented_sweep_expands_into_commands(path, name, args, elided, monkeypatch, capsys):
+    """A sweep's dry path (without --run it checks every run's config and prints the commands): the overrides
+    and run names the document gives are valid for that sweep file; `key=...` stands for a value of yours."""
+    monkeypatch.chdir(ROOT)
+    dry = [re.sub(r"=\.\.\.$", "=placeholder", a) for a in args if a != "--run"]
+    assert load_script("sweep").main(dry) == 0, f"{path}: {capsys.readouterr().err}"
+    assert "train.py" in capsys.readouterr().out
 
 
 def repository_paths(path: str) -> list[str]:
