@@ -91,28 +91,40 @@ def test_every_relative_link_resolves(path):
 PLACEHOLDER_RECIPE = "configs/pretrain/vit_b.yaml"  # what `--config ...` ("your recipe") stands for
 
 
-def commands(path: str) -> list[tuple[str, list[str]]]:
-    """(script, its arguments) of every train.py / evaluate.py command in the code blocks of `path`
-    (continuation lines joined; comments, shell variables and `...` placeholders as a user would fill
-    them in)."""
+def documented_command_lines(path: str) -> list[str]:
+    """The shell lines of `path` a user would copy: every line of its code blocks (continuation lines joined)
+    and every inline code span in its prose."""
     with open(os.path.join(ROOT, path)) as f:
-        blocks = FENCE.findall(f.read())
+        text = f.read()
+    lines = [line for block in FENCE.findall(text) for line in re.sub(r"\\\n", " ", block).splitlines()]
+    return lines + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+
+
+def commands(path: str) -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of every train.py / evaluate.py command in the code blocks and inline code of
+    `path` (continuation lines joined; comments, shell variables and `...` placeholders as a user would fill
+    them in; a command elided to `evaluate.py ...` has nothing to check, and one named in prose, as
+    "`evaluate.py`'s JSON", is no command)."""
     found = []
-    for block in blocks:
-        for line in re.sub(r"\\\n", " ", block).splitlines():
-            if not re.search(r"(^|\s)(train|evaluate)\.py(\s|$)", line):
-                continue
-            words = shlex.split(line, comments=True)
-            for i, word in enumerate(words):
-                if word in ("train.py", "evaluate.py"):
-                    args = []
-                    for arg in words[i + 1:]:
-                        if arg in ("&&", ";", "|", "||"):
-                            break
-                        if arg == "..." and args[-1:] == ["--config"]:
-                            arg = PLACEHOLDER_RECIPE
-                        args.append(re.sub(r"=\.\.\.$", "=placeholder", arg))
-                    found.append((word, args))
+    for line in documented_command_lines(path):
+        if not re.search(r"(^|\s)(train|evaluate)\.py(\s|$)", line):
+            continue
+        words = shlex.split(line, comments=True)
+        for i, word in enumerate(words):
+            if word in ("train.py", "evaluate.py") and i > 0 and (words[i - 1] in ("python", "torchrun")
+                                                                  or words[i - 1].startswith("--")):
+                args = []
+                for arg in words[i + 1:]:
+                    if arg in ("&&", ";", "|", "||"):
+                        break
+                    if arg == "..." and args[-1:] == ["--config"]:
+                        arg = PLACEHOLDER_RECIPE
+                    args.append(re.sub(r"=\.\.\.$", "=placeholder", arg))
+                if args[-1:] == ["..."]:
+                    args = args[:-1]
+                    if not args:
+                        continue
+                found.append((word, args))
     return found
 
 
@@ -146,15 +158,6 @@ def test_every_documented_command_parses(path, script, args, monkeypatch, capsys
         assert out.strip()
         return
     config_from_dict(yaml.safe_load(out))  # the printed config is a whole, valid one
-
-
-def documented_command_lines(path: str) -> list[str]:
-    """The shell lines of `path` a user would copy: every line of its code blocks (continuation lines joined)
-    and every inline code span in its prose."""
-    with open(os.path.join(ROOT, path)) as f:
-        text = f.read()
-    lines = [line for block in FENCE.findall(text) for line in re.sub(r"\\\n", " ", block).splitlines()]
-    return lines + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
 
 
 def brace_words(word: str) -> list[str]:
