@@ -213,9 +213,9 @@ class Parsed(Exception):
 
 
 def parse_with_script(name: str, args: list[str], monkeypatch) -> tuple:
-    """Run the script's main(args) (scripts/<name>.py, or the module `name`) up to the moment its argument parser returns (the parser it builds
-    for itself: flags, choices, types, subcommands), then stop it: (parser, namespace), or (parser, None)
-    where argparse refused the arguments (SystemExit, its one `error:` line on stderr)."""
+    """Run the script's main(args) (scripts/<name>.py, or the module `name`) up to the moment the argument
+    parser it builds for itself (flags, choices, types, subcommands) returns, then stop it: (parser,
+    namespace), or (parser, None) where argparse refused the arguments (SystemExit, one `error:` line)."""
     seen = []
     for method in ("parse_args", "parse_intermixed_args"):
         original = getattr(argparse.ArgumentParser, method)
