@@ -1,6 +1,8 @@
 """The documentation works: every relative link in the repository's Markdown files resolves (the file, and
-the heading after `#`), and every `train.py` / `evaluate.py` command in the Markdown code blocks parses,
-its config resolved as `--print-config` resolves it where that needs no file a run writes. The files are
+the heading after `#`); every `train.py` / `evaluate.py` command in the Markdown code blocks and inline code
+parses, its config resolved as `--print-config` resolves it where that needs no file a run writes; every
+`scripts/<x>.py`, `evaluate_detection.py` and `python -m cd` command parses through that script's own
+parser, and a sweep's through its dry path; every repository file a command names exists. The files are
 read when the tests are collected, so the checks follow the documents as they change."""
 import argparse
 import fnmatch
