@@ -147,8 +147,8 @@ def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
 
 
 CASES = {"defaults": {}, "act_order": dict(act_order=True), "sym": dict(symmetric=True),
-         "groups+act_order": dict(group=4, act_order=True), "static groups+act_order": dict(group=4, static=True,
-                                                                                           act_order=True)}
+         "groups+act_order": dict(group=4, act_order=True), "static groups": dict(group=4, static=True),
+         "static groups+act_order": dict(group=4, static=True, act_order=True)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -375,6 +375,20 @@ def test_gptq_error_is_half_the_damped_quadratic_form_of_the_weight_change(case)
     D[:, 7] = 0
     D -= Q
     assert error == pytest.approx(0.5 * float(torch.einsum("ri,ij,rj->", D, H, D)), rel=1e-9)
+
+
+def test_a_grouped_grid_loaded_into_a_quantizer_built_without_groups_refits_per_group():
+    # the group size travels in the state dict: a re-calibration after loading (reset, then fit) forms the saved
+    # groups of 16 input columns, not one range per output channel
+    w = torch.randn(6, 48, generator=torch.Generator().manual_seed(4))
+    grouped = GPTQQuantizer(4, group_size=16)
+    grouped.calibrating = True
+    grouped(w)
+    fresh = GPTQQuantizer(4)
+    fresh.load_state_dict(grouped.state_dict())
+    fresh.reset()
+    fresh.calibrating = True
+    torch.testing.assert_close(fresh(w * 2), naive_round(w * 2, 4, group=16), rtol=0, atol=1e-6)
 
 
 def test_gptq_grid_refuses_a_granularity_other_than_per_output_channel():
