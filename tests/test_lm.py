@@ -184,6 +184,12 @@ def test_nanogpt_layout_loads_and_causality_holds():
     assert model.head.weight is model.wte.weight  # tied, as in GPT-2
 
 
+def test_a_width_that_the_heads_do_not_divide_is_refused_when_the_gpt_is_built():
+    # 30 channels over 4 heads: refused at construction, naming both sizes, not a view error at the first forward
+    with pytest.raises(ValueError, match=r"embed_dim=30 is not a multiple of num_heads=4"):
+        build_gpt("gpt2_nano", vocab_size=65, embed_dim=30, num_heads=4)
+
+
 def test_gpt_initialisation_is_gpt2s():
     """GPT-2 / nanoGPT: N(0, 0.02) for every weight matrix and embedding, N(0, 0.02 / sqrt(2 * depth)) for the two
     projections that write into the residual stream, zero biases, LayerNorms at (1, 0)."""

@@ -282,6 +282,19 @@ def test_smoothing_scales_clamp_a_zero_weight_column_and_a_tiny_result():
     assert smoothing_scales(act, [w1, w2], 0.5).tolist() == pytest.approx(want, rel=1e-12)
 
 
+def test_smoothing_scales_are_computed_in_the_weights_dtype():
+    # channel_absmax gives float32 statistics; smooth_ln_fcs casts them to the weight's dtype before the power, so a
+    # float64 model's scales are float64 throughout (sqrt(2) and sqrt(3) to 1e-15, not float32's 1e-8) and a
+    # bfloat16 model's scales are bfloat16, as the norm and weight they rescale
+    from quant.smoothquant.smooth import smoothing_scales
+    act = torch.tensor([2.0, 3.0], dtype=torch.float32)
+    w = torch.tensor([[1.0, -0.5], [0.25, 0.125]], dtype=torch.float64)
+    s = smoothing_scales(act, [w], 0.5)
+    assert s.dtype == torch.float64
+    assert s.tolist() == pytest.approx([2.0 ** 0.5 / 1.0, 3.0 ** 0.5 / 0.5 ** 0.5], rel=1e-14)
+    assert smoothing_scales(act, [w.bfloat16()], 0.5).dtype == torch.bfloat16
+
+
 def test_smoothquant_pipeline_smooths_with_the_alpha_it_is_given():
     model, x = with_outliers(gpt()), tokens()
     act = norm_output_absmax(model, x)
