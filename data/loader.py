@@ -119,8 +119,7 @@ def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: in
         check_vocabulary(stream, vocab_size)
     train = _train_batches(cfg, TokenWindows(train_stream, context, train=True), batch_size_per_gpu, rank,
                            world_size, seed, f"training windows of {context} tokens")
-    val_set = TokenWindows(val_stream, context, train=False, limit=cfg.val_windows)
-    val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
+    val = _eval_loader(cfg, _val_windows(cfg, val_stream, context), eval_batch_size_per_gpu, rank, world_size)
     return Loaders(train=train, val=val, mixup=None, classes=train_stream.vocab,
                    fingerprint=token_files_fingerprint(cfg))
 
@@ -130,8 +129,18 @@ def build_token_eval_loader(cfg: DataConfig, stream: TokenStream, *, context: in
     """The windows of `stream`, the val split (`token_stream(cfg, "val")`: data.val_windows of them, or all),
     sharded across ranks without duplicates; ids the model cannot embed (`vocab_size`) are refused."""
     check_vocabulary(stream, vocab_size)
-    val_set = TokenWindows(stream, context, train=False, limit=cfg.val_windows)
-    return _eval_loader(cfg, val_set, batch_size_per_gpu, rank, world_size)
+    return _eval_loader(cfg, _val_windows(cfg, stream, context), batch_size_per_gpu, rank, world_size)
+
+
+def _val_windows(cfg: DataConfig, stream: TokenStream, context: int) -> TokenWindows:
+    """The validation windows of `stream`: data.val_windows of them, or all. The key is "at most" (a recipe's
+    512 fits any split it is given), so more than the split has scores them all; one line says how many,
+    because the number asked for is not the number scored."""
+    windows = TokenWindows(stream, context, train=False, limit=cfg.val_windows)
+    if cfg.val_windows > len(windows):
+        log.info("data.val_windows=%d: %s has %d windows of %d tokens; scoring all %d windows", cfg.val_windows,
+                 stream.source, len(windows), context, len(windows))
+    return windows
 
 
 def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vocab_size: int) -> torch.Tensor:

@@ -591,6 +591,33 @@ def test_the_validation_loader_takes_data_val_windows_windows(tmp_path):
     assert val_windows(7) == (7, 7) and val_windows(0) == (99, 99)
 
 
+def test_more_validation_windows_than_the_split_has_scores_all_and_says_how_many(tmp_path, caplog):
+    """data.val_windows is "at most": 500 of a split of 99 windows scores the 99, and one line says so, in
+    training's loaders and in evaluate.py's alone; a number the split can give says nothing."""
+    from data.loader import build_token_eval_loader, build_token_loaders
+
+    for split in ("train", "val"):
+        (np.arange(1000, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+
+    def said(k, build):
+        cfg = DataConfig(dataset="tokens", root=str(tmp_path), val_windows=k, num_workers=0)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="data.loader"):
+            if build == "train":
+                val = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8,
+                                          rank=0, world_size=1, seed=0, vocab_size=50).val
+            else:
+                val = build_token_eval_loader(cfg, token_stream(cfg, "val"), context=10, batch_size_per_gpu=8,
+                                              rank=0, world_size=1, vocab_size=50)
+        assert len(val.dataset) == min(k, 99)
+        return [r.getMessage() for r in caplog.records if "val_windows" in r.getMessage()]
+
+    for build in ("train", "evaluate"):
+        lines = said(500, build)
+        assert len(lines) == 1 and "data.val_windows=500" in lines[0] and "all 99 windows" in lines[0], lines
+        assert said(99, build) == [] and said(7, build) == []
+
+
 def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validation():
     """data.kjv_val_fraction=f: the last f of the text validates, the rest trains, together the whole text."""
     cfg = DataConfig(dataset="kjv", kjv_val_fraction=0.25)
