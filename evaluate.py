@@ -62,7 +62,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, proces
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
+from engine.tasks import CausalLMTask, ClassificationTask, capped_cell, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -570,6 +570,7 @@ def resolve_config(args: argparse.Namespace):
     if args.bits is not None:
         cfg.quant.bits = list(args.bits)
     task = task_for(cfg.data.dataset)
+    defaulted = cfg.quant.pipelines is None  # the task's own pipelines: the user named none of them
     cfg.quant.pipelines = evaluation_pipelines(cfg)
     unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
     if unknown:
@@ -609,8 +610,24 @@ def resolve_config(args: argparse.Namespace):
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
         except ValueError as e:
-            raise ConfigError(f"quant.{name}: {e}") from None
+            hint = default_pipelines_hint(cfg, task, bits) if defaulted else ""
+            raise ConfigError(f"quant.{name}: {e}{hint}") from None
     return cfg, payload
+
+
+def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask, bits: str) -> str:
+    """The advice for bits that one of the task's default pipelines (no --quant) cannot run: the user asked for
+    the bits, not for that pipeline, so name the --quant of the task's pipelines that take them."""
+    fitting = []
+    for name in sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks):
+        try:
+            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
+            fitting.append(f"--quant {name}")
+        except ValueError:
+            pass
+    advice = f"give {' or '.join(fitting)}, which take {bits}" if fitting else "give --quant with the pipelines to run"
+    return (f"; without --quant {'a language model' if task.language else 'an image classifier'} runs {', '.join(cfg.quant.pipelines)} at every --bits / quant.bits "
+            f"bit-width: {advice}")
 
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes

@@ -299,6 +299,25 @@ def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
         check_vocabulary(stream, 65)
 
 
+def test_bits_the_default_pipelines_cannot_all_run_are_refused_naming_the_quant_that_takes_them(kjv_run, tmp_path):
+    """--bits without --quant runs a language model's four default pipelines at those bits: w3a16 (weight-only)
+    is refused through SmoothQuant, and w8a8 through RTN; the error names the --quant that takes the bits,
+    before any pass. With --quant given, the pipeline's own error is the whole message."""
+    out = tmp_path / "r.json"
+    for bits, fitting, other in (("w3a16", ("rtn", "gptq"), "smoothquant"), ("w8a8", ("smoothquant",
+                                                                              "smoothquant_strict"), "rtn")):
+        with pytest.raises(ConfigError) as e:
+            run_eval("--checkpoint", str(kjv_run), "--bits", bits, "--out", str(out))
+        message = str(e.value)
+        assert message.startswith(f"quant.{other}:") and "without --quant" in message, message
+        assert all(f"--quant {name}" in message for name in fitting), message
+        assert f"--quant {other}" not in message, message
+    with pytest.raises(ConfigError) as e:
+        run_eval("--checkpoint", str(kjv_run), "--quant", "smoothquant", "--bits", "w3a16", "--out", str(out))
+    assert "without --quant" not in str(e.value)
+    assert not out.exists()
+
+
 def test_more_calibration_windows_than_the_train_split_has_are_refused_before_any_pass(kjv_run, tmp_path):
     # the classifier's image counts are checked before the FP and maxima passes; so are the LM's windows
     out = tmp_path / "r.json"
