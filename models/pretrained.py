@@ -83,12 +83,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             if setting is not None and state[key].shape[1:] == own[key].shape[1:]:
                 # a file of another architecture may share one such trailing shape (a ViT's 1000-class head.weight
                 # of the GPT's width): its advice would only lead to the next refusal, so its keys are named instead
-                absent, extra = _keys_off(state, own, strict, head_prefixes)
-                if absent or extra:
-                    differ = "; ".join(([f"the model's {_few(absent)} are not in it"] if absent else [])
-                                       + ([f"its {_few(extra)} are not in the model"] if extra else []))
-                    raise ModelError(f"{path}: weights of another architecture than {type(model).__name__} ({differ}): "
-                                     "give weights of this model")
+                _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
                 # e.g. transformers' GPT-2 (50,257 ids) into the recipe's 50,304: the fix is a setting, not
                 # another file; a GPT's LM head is its token embedding, never replaced as a classifier is
                 raise ModelError(f"{path}: '{key}' has {state[key].shape[0]} rows, the model "
@@ -99,6 +94,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                 skipped.append(key)
                 del state[key]
             elif key.startswith(head_prefixes):  # strict (evaluation): never a random classifier
+                # the reverse of the GPT case above: a GPT file's head.weight (its vocabulary) of the ViT's width
+                _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
                 raise ModelError(f"{path}: its classifier '{key}' has {state[key].shape[0]} outputs, "
                                  f"model.num_classes={own[key].shape[0]}: set model.num_classes="
                                  f"{state[key].shape[0]} to use it as it is (only fine-tuning, with "
@@ -172,6 +169,18 @@ def _keys_off(state: dict, own: dict, strict: bool, head_prefixes: tuple) -> tup
     strict: a classifier (a new one is made) and attention-sink parameters (their zero init)."""
     tolerated = (lambda k: not strict and (k.startswith(head_prefixes) or k.rpartition(".")[2] in SINK_PARAMS))
     return [k for k in own if k not in state and not tolerated(k)], [k for k in state if k not in own]
+
+
+def _refuse_another_architecture(state: dict, own: dict, strict: bool, head_prefixes: tuple, path: str,
+                                 model: nn.Module) -> None:
+    """Raise ModelError naming the keys that differ when the file's keys are not the model's (`_keys_off`): a size
+    setting's advice (model.num_classes=N) would only lead to the next refusal for such a file."""
+    absent, extra = _keys_off(state, own, strict, head_prefixes)
+    if absent or extra:
+        differ = "; ".join(([f"the model's {_few(absent)} are not in it"] if absent else [])
+                           + ([f"its {_few(extra)} are not in the model"] if extra else []))
+        raise ModelError(f"{path}: weights of another architecture than {type(model).__name__} ({differ}): "
+                         "give weights of this model")
 
 
 def _few(keys: list, shown: int = 5) -> str:

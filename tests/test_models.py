@@ -343,6 +343,21 @@ def test_a_vision_file_into_a_language_model_and_a_file_mixing_tensors_with_othe
         build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'flat.pth'}"))
 
 
+def test_a_language_model_file_into_a_vision_model_names_the_keys_not_a_classifier_size(tmp_path):
+    """The reverse: a GPT file's head.weight (65 characters) is a classifier of another size to a ViT, and the
+    evaluation's refusal advised model.num_classes=65, under which the file fails again (no patch embedding):
+    the keys that differ are named instead."""
+    from configs.schema import ModelConfig
+    gpt = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0)).state_dict()
+    torch.save(gpt, tmp_path / "gpt.pth")
+    with pytest.raises(ModelError, match=r"gpt.pth: weights of another architecture than VisionTransformer "
+                                         r"\(the model's \['cls_token', 'pos_embed', 'patch_embed.proj.weight'"
+                                         r".*its \['wte.weight', 'wpe.weight'\] are not in the model") as refused:
+        build_model(model_cfg("model.name=vit_nano", "model.pretrained_strict=true",
+                              f"model.pretrained={tmp_path / 'gpt.pth'}"))
+    assert "num_classes" not in str(refused.value)
+
+
 def test_a_file_trained_at_another_img_size_loads_with_its_position_table_resized_and_said(tmp_path, caplog):
     import timm
     from timm.layers import resample_abs_pos_embed
