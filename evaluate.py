@@ -557,7 +557,9 @@ def resolve_config(args: argparse.Namespace):
                           + (f" ({args.checkpoint} is named by the cd / tweo settings it was trained with)"
                              if key.startswith(("cd.", "tweo.")) else "")
                           + ("; for an evaluation under autocast give --amp" if key == "train.amp" else "")
-                          + "; drop it")
+                          + ("; drop it" if key in given else  # else a --config file over the checkpoint's set it
+                             f"; --config {' '.join(args.config or ())} sets it over {args.checkpoint}'s own: "
+                             "give --config files of evaluation settings only (e.g. data), or key=value overrides"))
     if "model.pretrained_strict" in given and not cfg.model.pretrained_strict:  # asked, and never done here
         raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "

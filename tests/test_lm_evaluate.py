@@ -127,6 +127,20 @@ def test_a_language_model_on_images_is_refused_before_any_scoring(kjv_run, tmp_p
                  "--out", str(tmp_path / "r.json"))
 
 
+def test_a_training_recipe_given_as_config_over_a_checkpoint_is_named_as_the_source_of_its_keys(kjv_run, tmp_path):
+    """A training recipe given as --config over a GPT checkpoint changes optim.lr, which the user never typed: the
+    error names the --config file that sets it, not 'drop it' (there is no optim.lr override to drop)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("optim:\n  lr: 0.5\n")
+    with pytest.raises(ConfigError) as refused:
+        run_eval("--checkpoint", str(kjv_run), "--config", str(recipe), "--quant", "rtn",
+                 "--out", str(tmp_path / "r.json"))
+    assert f"--config {recipe} sets it" in str(refused.value) and "drop it" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"optim.lr: evaluate.py does not read training settings; drop it"):
+        run_eval("--checkpoint", str(kjv_run), "optim.lr=0.1", "--quant", "rtn", "--out", str(tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_other_weights_beside_a_checkpoint_are_refused_not_ignored(kjv_run, tmp_path):
     with pytest.raises(ConfigError, match=r"model.pretrained=.*--checkpoint .* gives the weights"):
         run_eval("--checkpoint", str(kjv_run), f"model.pretrained={kjv_run}", "--quant", "rtn",
