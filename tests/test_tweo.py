@@ -127,15 +127,48 @@ def test_hooks_are_removed_and_eval_or_no_grad_forwards_are_not_captured():
 
 @pytest.mark.parametrize("kwargs", [dict(lam=float("nan")), dict(lam=float("inf")), dict(p=float("nan")),
                                     dict(tau=float("nan")), dict(eps=float("inf")), dict(lam=-1.0),
-                                    dict(p=0.5)])
+                                    dict(p=0.5), dict(tau=0.0, eps=0.0), dict(tau=-1.0, eps=0.5)])
 def test_non_finite_or_negative_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="tweo needs finite p >= 1"):
         TWEO(tiny_vit(), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [(dict(schedule="linear"), "tweo schedule must be one of"),
+                                          (dict(form="fused"), "tweo form must be one of"),
+                                          (dict(schedule="cosine", total_steps=-5), "total_steps > 0")])
+def test_unknown_schedule_or_form_and_a_negative_run_length_are_refused(kwargs, match):
+    """Not silently read as another setting: an unknown schedule would run the cosine, an unknown form the plain
+    penalty, and total_steps=-5 would give lam(t) = 0 at every step."""
+    with pytest.raises(ValueError, match=match):
+        TWEO(tiny_vit(), **kwargs)
+
+
+def test_fp16_block_output_gradient_is_computed_in_fp32():
+    """(|a| / 3)^3 overflows fp16 beyond |a| = 121 although the gradient p (|a| k)^(p-1) k / numel (k = 1/(tau +
+    eps)) fits; the gradient of an fp16 `a` is the float64 autograd one of the formula, in fp16."""
+    a = torch.linspace(-150.0, 150.0, 64).to(torch.float16).requires_grad_(True)
+    tweo_penalty(a).backward()
+    ref = a.detach().double().requires_grad_(True)
+    ((ref.abs() / (3.0 + 1e-6)) ** 4).mean().backward()
+    assert a.grad.dtype == torch.float16 and torch.isfinite(a.grad).all()
+    torch.testing.assert_close(a.grad.double(), ref.grad, rtol=2e-3, atol=1e-3)
+
+
+def test_remove_drops_the_terms_of_a_forward_it_follows():
+    """After remove(), aux_loss refuses (as its message says) instead of adding the terms captured before."""
+    model = tiny_vit()
+    tweo = TWEO(model, lam=0.01)
+    model(torch.randn(2, 3, 32, 32))
+    assert tweo.pending
+    tweo.remove()
+    assert not tweo.pending
+    with pytest.raises(RuntimeError, match="no block output captured"):
+        tweo.aux_loss(torch.tensor(1.0))
+
+
 def test_cosine_schedule():
     tweo = TWEO(tiny_vit(), lam=0.02, schedule="cosine", total_steps=100)
-    assert tweo.lam_at(0) == 0.02
+    assert tweo.lam_at(0) == 0.02 and tweo.lam_at(-10) == 0.02  # a step before the first: t = 0, not cos(-t)
     assert math.isclose(tweo.lam_at(50), 0.01)
     assert math.isclose(tweo.lam_at(25), 0.01 * (1 + math.cos(math.pi / 4)))
     # 0 after the run, not the cosine rising again (at 150 it would be lam / 2; at odd multiples of 100 it is 0)
