@@ -465,9 +465,11 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_lay
         assert torch.equal(layer(x), clean)
         layer.train()
         assert torch.equal(single(x[:, :1]), F.linear(x[:, :1], single.weight, single.bias))
-    for bits in (0, 17):
+    for bits in (0, 17, True, 4.0):  # a bool is no bit-width (True would be read as 1)
         with pytest.raises(ValueError, match="bits must be an int in \\[1, 16\\]"):
             WeightNoise(nn.Linear(2, 2), bits=bits)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        WeightNoise(nn.Linear(2, 2), seed=True)
     noise = WeightNoise(nn.Sequential(nn.Conv2d(1, 1, 1), nn.Linear(2, 2)))  # the default: Linear layers only
     assert [name for name, _ in noise.layers] == ["1"]
     noise.remove()
