@@ -426,6 +426,9 @@ def test_block_plans_group_each_blocks_pairs_in_model_order():
     assert [idx for idx, _ in plans] == [[i for i, p in enumerate(pairs) if p.block == b] for b in blocks]
     for idx, plan in plans:
         assert plan == build_plan([pairs[i] for i in idx], [upstream[i] for i in idx])
+    # without `upstream`, no upstream matrix is written (build_plan's default): the read-only energies' plans
+    for idx, plan in block_plans(pairs):
+        assert plan == build_plan([pairs[i] for i in idx])
 
 
 def test_sharded_pair_energy_is_the_mean_over_each_roles_pairs_when_blocks_hold_unequal_counts():
