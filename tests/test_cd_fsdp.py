@@ -74,12 +74,17 @@ def _train(model: torch.nn.Module, decay: ColinearityDecay, split: bool) -> dict
     return decay.metrics()
 
 
-def _shard(model: torch.nn.Module, mixed: bool = False, dim1: bool = False) -> None:
+def _shard(model: torch.nn.Module, mixed: bool = False, dim1: bool = False, norms: bool = False) -> None:
     """fully_shard each block, then the model. `mixed`: block 0's qkv and fc1 and all of block 1 are ignored
     (plain parameters on every rank), so block 0's pairs are half sharded and block 1's not at all. `dim1`: the
     blocks' matrices sharded on their columns (Shard(1)) instead of their rows (FSDP2 needs the columns to split
-    evenly: the width-32 ViT)."""
+    evenly: the width-32 ViT). `norms`: every Linear is ignored, so only upstream matrices (the norm scales) are
+    sharded."""
     ignored = {model.blocks[0].attn.qkv.weight, model.blocks[0].mlp.fc1.weight, *model.blocks[1].parameters()}
+    if norms:
+        linears = {p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+        fsdp.fully_shard(model, ignored_params=linears)
+        return
     from torch.distributed.tensor import Shard
 
     columns = dict(shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0)) if dim1 else {}
@@ -89,11 +94,12 @@ def _shard(model: torch.nn.Module, mixed: bool = False, dim1: bool = False) -> N
     fsdp.fully_shard(model, ignored_params=ignored if mixed else None)
 
 
-def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False, dim1: bool = False) -> dict:
+def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False, dim1: bool = False,
+                norms: bool = False) -> dict:
     reference = build()
     ref_metrics = _train(reference, ColinearityDecay(reference, lam=0.5, targets=targets), split)
     model = build()
-    _shard(model, mixed, dim1)
+    _shard(model, mixed, dim1, norms)
     metrics = _train(model, ColinearityDecay(model, lam=0.5, targets=targets, verify=False), split)
     weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
     try:
@@ -283,6 +289,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         result["fsdp2 vit C two optimizers"] = _fsdp2_case(tiny_vit, "C", split=True)
         result["fsdp2 vit C mixed"] = _fsdp2_case(tiny_vit, "C", mixed=True)
         result["fsdp2 vit C columns"] = _fsdp2_case(tiny_vit, "C", dim1=True)
+        result["fsdp2 vit C norms only"] = _fsdp2_case(tiny_vit, "C", norms=True)
         result.update({f"energy source {name}": _baseline_energies(build, **kw) for name, build, kw in (
             ("vit", tiny_vit, {}), ("odd", _odd_vit, {}), ("mixed", tiny_vit, {"mixed": True}),
             ("columns", tiny_vit, {"dim1": True}))})
@@ -313,7 +320,8 @@ def fsdp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2 vit A+B", "fsdp2 vit C", "fsdp2 odd A+B", "fsdp2 odd C",
-                                  "fsdp2 vit C two optimizers", "fsdp2 vit C mixed", "fsdp2 vit C columns"])
+                                  "fsdp2 vit C two optimizers", "fsdp2 vit C mixed", "fsdp2 vit C columns",
+                                  "fsdp2 vit C norms only"])
 def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     run = fsdp_runs[case]
     # the same kernels on the same whole matrices (measured: bit-identical weights on torch 2.14, gloo; the
