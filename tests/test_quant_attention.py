@@ -224,3 +224,16 @@ def test_gpt2_causal_attention_matches_a_token_by_token_loop_and_drops_nothing_i
     want = _attention_token_by_token(src, x, [[j <= i for j in range(N)] for i in range(N)])
     with torch.no_grad():
         torch.testing.assert_close(ours(x).double(), want, rtol=0, atol=1e-5)
+
+
+def test_conversion_keeps_the_source_modules_training_mode():
+    """An eval-mode source converts to an eval-mode module: its attention dropout (shared with the source) stays off
+    and the output is timm's own eval output; a training-mode source converts to a training module."""
+    torch.manual_seed(0)
+    src = Attention(48, num_heads=3, qkv_bias=True, attn_drop=0.5).eval()
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(1))
+    ours = convert_attention(src, {})
+    assert not ours.training and not src.attn_drop.training
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), src(x), rtol=0, atol=1e-5)
+    assert convert_attention(Attention(48, num_heads=3).train(), {}).training
