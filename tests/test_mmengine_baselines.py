@@ -475,6 +475,20 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_lay
     noise.remove()
 
 
+def test_a_training_forward_that_raises_leaves_the_clean_parameters_in_place():
+    """The swap-out runs even when the layer's forward raises (a wrong input width here): the layer holds its own
+    Parameters afterwards, not the noisy tensors, and its next training forward runs."""
+    from cd.noise import WeightNoise
+
+    layer = nn.Linear(4, 3).train()
+    weight, bias = layer.weight, layer.bias
+    with WeightNoise(layer, bits=4):
+        with pytest.raises(RuntimeError):
+            layer(torch.randn(2, 5))
+        assert layer._parameters["weight"] is weight and layer._parameters["bias"] is bias
+        layer(torch.randn(2, 4))
+
+
 def test_weight_noise_keeps_a_half_precision_layers_dtype_and_takes_both_ends_of_the_bits_range():
     """The noise is computed in fp32 and cast back (cd/noise.py): a bf16 layer's training forward multiplies bf16
     weights (an fp32 weight beside a bf16 input is a dtype error in F.linear) and its clean weight gets a bf16
