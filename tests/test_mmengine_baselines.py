@@ -8,7 +8,8 @@ Noise (`WeightNoiseHook`): the weights and biases a training forward sees equal 
 (statistics' NormalDist for the CDF and its inverse, UNIQ's clamp to [1e-5, 1 - 1e-5]) on the same generator
 draws; validation, the state dict and checkpoints hold the clean weights; the weights after each update equal a
 plain loop whose gradient at the noisy values reaches the clean ones unchanged (UNIQ's reference code swaps the
-data), not through the map's slope; same seed -> same run, another seed -> another, resume continues exactly. MMDetection's
+data), not through the map's slope; same seed -> same run, another seed -> another, resume continues exactly; a
+layer re-entered inside its own forward is refused with its Parameters left in place. MMDetection's
 Swin backbone gets both hooks. The config fragments in configs/detection/method/ build their hooks.
 """
 from __future__ import annotations
@@ -488,6 +489,29 @@ def test_a_training_forward_that_raises_leaves_the_clean_parameters_in_place():
         assert layer._parameters["weight"] is weight and layer._parameters["bias"] is bias
         layer(torch.randn(2, 4))
 
+
+def test_a_layer_called_inside_its_own_forward_is_refused_and_keeps_its_parameters():
+    """A layer whose forward calls itself (a recursive module) would take, in the inner call, the noisy tensor
+    for the clean weight and put it back after the outer forward: a plain tensor in the Parameter's place, which
+    the optimizer no longer steps. The re-entered training forward is refused, and both the weight and the bias
+    are the layer's own Parameters afterwards (identity, not value); its next plain training forward runs."""
+    from cd.noise import WeightNoise
+
+    class Twice(nn.Linear):
+        """A square Linear applied twice: its forward calls the module itself once more."""
+
+        def forward(self, x, again=True):
+            y = super().forward(x)
+            return self(y, again=False) if again else y
+
+    layer = Twice(4, 4).train()
+    weight, bias = layer.weight, layer.bias
+    with WeightNoise(layer, bits=4):
+        with pytest.raises(RuntimeError, match="Twice called again inside its own forward"):
+            layer(torch.randn(2, 4))
+        assert layer._parameters["weight"] is weight and layer._parameters["bias"] is bias
+        layer(torch.randn(2, 4), again=False).sum().backward()
+    assert layer._parameters["weight"] is weight and isinstance(weight, nn.Parameter) and weight.grad is not None
 
 def test_weight_noise_keeps_a_half_precision_layers_dtype_and_takes_both_ends_of_the_bits_range():
     """The noise is computed in fp32 and cast back (cd/noise.py): a bf16 layer's training forward multiplies bf16
