@@ -2,15 +2,16 @@
 
 FSDP2 (`fully_shard`, DTensor parameters sharded on dim 0, or on dim 1 by a shard_placement_fn): the CD update, its
 update norms and the pair energies must be those of the unsharded model (the reference run here, without any wrapper),
-also for target C (which writes the V rows of the fused qkv), for widths that do not split evenly over the ranks and for
-a model whose pairs are partly sharded (parameters fully_shard ignores, held whole on every rank). A submodule of an
-FSDP2 model is no FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses target
-C's V rows without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way out, never
-a silent no-op. A baseline (no CD) sharded by FSDP2 logs, through `pair_energy_source`, the pair energies of the same
-baseline trained unsharded, on every rank. After an evaluation forward (FSDP2 holds the root unit's whole
-parameters until the next backward) CD built then updates the shards and a source reads, not refuses; CD built
-before it reshards the root's unit and updates (by apply() or in the step), and CD given a submodule, which cannot
-reshard the root, refuses with that cause and fix (not "build after fully_shard").
+also for target C (which writes the V rows of the fused qkv), for widths that do not split evenly over the ranks and
+for a model whose pairs are partly sharded (parameters fully_shard ignores, held whole on every rank), and for bf16
+products behind a fused optimizer's overflow gate (GradScaler's found_inf: a skipped step applies no CD). A submodule
+of an FSDP2 model is no FSDP1 module; the functional `colinearity_decay_` refuses shards (DTensor math on them loses
+target C's V rows without an error). FSDP1 (FullyShardedDataParallel) must be refused when CD is bound, with the way
+out, never a silent no-op. A baseline (no CD) sharded by FSDP2 logs, through `pair_energy_source`, the pair energies of
+the same baseline trained unsharded, on every rank. After an evaluation forward (FSDP2 holds the root unit's whole
+parameters until the next backward) CD built then updates the shards and a source reads, not refuses; CD built before
+it reshards the root's unit and updates (by apply() or in the step), and CD given a submodule, which cannot reshard the
+root, refuses with that cause and fix (not "build after fully_shard").
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ if not hasattr(fsdp, "fully_shard"):
     pytest.skip("no public fully_shard in this torch", allow_module_level=True)
 
 STEPS = 2
+OVERFLOW = (1.0, 0.0)  # the gated case's found_inf per step: the first step overflows, the second runs
 
 
 def _odd_vit() -> torch.nn.Module:
@@ -48,25 +50,35 @@ def _odd_vit() -> torch.nn.Module:
     return randomize_norms(model, 0)
 
 
-def _train(model: torch.nn.Module, decay: ColinearityDecay, split: bool) -> dict[str, float]:
+def _train(model: torch.nn.Module, decay: ColinearityDecay, split: bool, overflow: tuple = ()) -> dict[str, float]:
     """STEPS SGD steps with CD attached, the same batches on every rank (FSDP's mean gradient is then the
     single-process one); returns the CD metrics after them. `split`: the integrations' binding over two optimizers,
-    fc2 in the second (the fc1 -> fc2 pairs are split between them: `SharedUpdate` keeps a copy of fc1)."""
+    fc2 in the second (the fc1 -> fc2 pairs are split between them: `SharedUpdate` keeps a copy of fc1).
+    `overflow`: per step, the `found_inf` GradScaler hands a fused optimizer for the step (1.0: an overflow, the
+    optimizer and CD's device gate skip it; 0.0: both run), with fused AdamW for SGD (DTensor has no fused SGD)."""
     named = list(model.named_parameters())
+
+    def optimizer(params, lr: float) -> torch.optim.Optimizer:
+        if overflow:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+        return torch.optim.SGD(params, lr=lr)
+
     if split:
-        opts = [torch.optim.SGD([p for n, p in named if "fc2" not in n], lr=0.1),
-                torch.optim.SGD([p for n, p in named if "fc2" in n], lr=0.05)]
+        opts = [optimizer([p for n, p in named if "fc2" not in n], 0.1),
+                optimizer([p for n, p in named if "fc2" in n], 0.05)]
         bindings = bind_optimizers(decay, opts).values()
     else:
-        opts, bindings = [torch.optim.SGD(model.parameters(), lr=0.1)], []
+        opts, bindings = [optimizer(model.parameters(), 0.1)], []
         decay.attach(opts[0])
     gen = torch.Generator().manual_seed(5)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
         F.cross_entropy(model(x), y).backward()
         for binding in bindings:  # the framework's event: a real update comes
             binding.arm()
         for opt in opts:
+            if overflow:  # as GradScaler.step sets it on an optimizer that supports AMP scaling
+                opt.found_inf = torch.tensor(overflow[step])
             opt.step()
             opt.zero_grad()
         for binding in bindings:
@@ -95,12 +107,13 @@ def _shard(model: torch.nn.Module, mixed: bool = False, dim1: bool = False, norm
 
 
 def _fsdp2_case(build, targets: str, split: bool = False, mixed: bool = False, dim1: bool = False,
-                norms: bool = False) -> dict:
+                norms: bool = False, precision: str = "fp32", overflow: tuple = ()) -> dict:
+    settings = dict(lam=0.5, targets=targets, matmul_precision=precision)
     reference = build()
-    ref_metrics = _train(reference, ColinearityDecay(reference, lam=0.5, targets=targets), split)
+    ref_metrics = _train(reference, ColinearityDecay(reference, **settings), split, overflow)
     model = build()
     _shard(model, mixed, dim1, norms)
-    metrics = _train(model, ColinearityDecay(model, lam=0.5, targets=targets, verify=False), split)
+    metrics = _train(model, ColinearityDecay(model, verify=False, **settings), split, overflow)
     weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
     try:
         ColinearityDecay(model, lam=0.5, mode="loss", verify=False)
@@ -290,6 +303,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         result["fsdp2 vit C mixed"] = _fsdp2_case(tiny_vit, "C", mixed=True)
         result["fsdp2 vit C columns"] = _fsdp2_case(tiny_vit, "C", dim1=True)
         result["fsdp2 vit C norms only"] = _fsdp2_case(tiny_vit, "C", norms=True)
+        result["fsdp2 vit C bf16 gated"] = _fsdp2_case(tiny_vit, "C", precision="bf16", overflow=OVERFLOW)
         result.update({f"energy source {name}": _baseline_energies(build, **kw) for name, build, kw in (
             ("vit", tiny_vit, {}), ("odd", _odd_vit, {}), ("mixed", tiny_vit, {"mixed": True}),
             ("columns", tiny_vit, {"dim1": True}))})
@@ -321,7 +335,7 @@ def fsdp_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp2 vit A+B", "fsdp2 vit C", "fsdp2 odd A+B", "fsdp2 odd C",
                                   "fsdp2 vit C two optimizers", "fsdp2 vit C mixed", "fsdp2 vit C columns",
-                                  "fsdp2 vit C norms only"])
+                                  "fsdp2 vit C norms only", "fsdp2 vit C bf16 gated"])
 def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     run = fsdp_runs[case]
     # the same kernels on the same whole matrices (measured: bit-identical weights on torch 2.14, gloo; the
@@ -330,7 +344,7 @@ def test_fsdp2_cd_matches_one_unsharded_process(fsdp_runs, case):
     assert run["metrics"].keys() == run["ref_metrics"].keys()
     for key, value in run["ref_metrics"].items():
         assert run["metrics"][key] == pytest.approx(value, rel=1e-5), key
-    assert run["metrics"]["cd/updates"] == STEPS
+    assert run["metrics"]["cd/updates"] == STEPS - (OVERFLOW.count(1.0) if "gated" in case else 0)
 
 
 @pytest.mark.slow
