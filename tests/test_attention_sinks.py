@@ -1,6 +1,6 @@
 """Attention-sink variants (model.attn): each against a float64 reference written out here, gradients and
 weight decay of the sink parameters, CD pairs, train.py / resume / evaluate.py, and every quantization
-pipeline on each variant (ViT and Swin)."""
+pipeline on each variant (ViT and Swin), whose conversion shares the sink parameters with the float module."""
 import math
 import typing
 
@@ -308,3 +308,31 @@ def test_every_pipeline_converts_and_runs_each_variant(attn_kind, build, pipelin
     # 8-bit stem input; RepQ-ViT's log-sqrt2 softmax codes are ~19% apart at any width. Measured: percentile
     # <= 0.024, repq <= 0.066 (the softmax models: 0.020 and 0.038)
     assert err < (0.15 if pipeline == "repq" else 0.05), err
+
+
+@pytest.mark.parametrize("build", [tiny_vit, tiny_swin], ids=["vit", "swin"])
+@pytest.mark.parametrize("attn_kind", ["kv_bias", "attn_bias"])  # softmax1 has no sink parameter
+def test_conversion_shares_the_sink_parameters_so_training_the_converted_module_moves_the_sources(
+        attn_kind, build):
+    """convert_attention keeps the source's parameters, sinks included (quant/README.md, "Attention variants"): the
+    converted module holds the float module's own sink Parameters, and an SGD step on the converted module (its
+    matmul quantizers off, GPLQ-style training) moves them by -lr times the gradient autograd gives through the
+    float module itself. A copy would leave the source's sinks where they were."""
+    from quant.attention import convert_attention
+
+    src = next(m for m in sink_model(build, attn_kind).modules() if type(m) in ATTENTION_TYPES)
+    src.train()
+    n = src.window_size[0] * src.window_size[1] if hasattr(src, "window_size") else 9
+    x = torch.randn(2, n, src.qkv.in_features, generator=torch.Generator().manual_seed(3))
+    names = src.sink_params
+    before = [getattr(src, name).detach().clone() for name in names]
+    grads = torch.autograd.grad(src(x).square().sum(), [getattr(src, name) for name in names])
+    ours = convert_attention(src, {})
+    assert all(getattr(ours, name) is getattr(src, name) for name in names)
+    lr = 10.0  # a sink key's gradient is small (one key of a Swin window's 17): a step it visibly takes
+    optimizer = torch.optim.SGD(ours.parameters(), lr=lr)
+    ours(x).square().sum().backward()
+    optimizer.step()
+    for name, old, grad in zip(names, before, grads):
+        assert (lr * grad).abs().max() > 1e-3, name  # the step really moves the sink
+        torch.testing.assert_close(getattr(src, name).detach(), old - lr * grad, rtol=1e-4, atol=1e-6, msg=name)
