@@ -1,4 +1,5 @@
-"""The explicit-matmul attention equals timm's (fused SDPA for ViT, Swin windows with shift masks)."""
+"""The explicit-matmul attention equals timm's (fused SDPA for ViT, Swin windows with shift masks; in training mode
+its attention dropout too)."""
 import pytest
 import torch
 from timm.models.vision_transformer import Attention
@@ -237,3 +238,30 @@ def test_conversion_keeps_the_source_modules_training_mode():
     with torch.no_grad():
         torch.testing.assert_close(ours(x), src(x), rtol=0, atol=1e-5)
     assert convert_attention(Attention(48, num_heads=3).train(), {}).training
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_a_training_mode_conversion_drops_attention_probabilities_as_timm_does(kind):
+    """Training with the converted attention (GPLQ's stage 1 trains the quantized student) keeps the source's
+    attention dropout: in training mode, under the same seed, the converted module (matmul quantizers off) gives
+    timm's own explicit-path output, whose nn.Dropout acts on the softmax probabilities (`fused_attn` off: the
+    dropout of timm's own code, not of the SDPA kernel); with p = 0.5 that differs from the eval-mode output."""
+    from timm.models.swin_transformer import WindowAttention
+
+    torch.manual_seed(0)
+    if kind == "vit":
+        src, n = Attention(48, num_heads=3, qkv_bias=True, attn_drop=0.5), 9
+    else:
+        src, n = WindowAttention(48, num_heads=3, window_size=3, attn_drop=0.5), 9
+    src.fused_attn = False
+    src.train()
+    x = torch.randn(2, n, 48, generator=torch.Generator().manual_seed(1))
+    ours = convert_attention(src, {})
+    assert ours.training
+    torch.manual_seed(7)
+    want = src(x)
+    torch.manual_seed(7)
+    got = ours(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        assert (got - ours.eval()(x)).abs().max() > 0.1  # the training output really was dropped
