@@ -491,9 +491,9 @@ def test_a_training_forward_that_raises_leaves_the_clean_parameters_in_place():
 
 
 def test_a_layer_called_inside_its_own_forward_is_refused_and_keeps_its_parameters():
-    """A layer whose forward calls itself (a recursive module) would take, in the inner call, the noisy tensor
-    for the clean weight and put it back after the outer forward: a plain tensor in the Parameter's place, which
-    the optimizer no longer steps. The re-entered training forward is refused, and both the weight and the bias
+    """A layer whose forward calls itself (a recursive module): unguarded, the inner call would record the outer
+    call's noisy tensor as the clean weight and put it back, and the outer call find nothing to restore: a plain
+    tensor in the Parameter's place, which the optimizer no longer steps. The re-entered training forward is refused, and both the weight and the bias
     are the layer's own Parameters afterwards (identity, not value); its next plain training forward runs."""
     from cd.noise import WeightNoise
 
