@@ -36,6 +36,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -600,6 +601,12 @@ def resolve_config(args: argparse.Namespace):
                           f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
                           f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
                           f"the val split takes the eval transform; drop it")
+    joined = next((b for b in cfg.quant.bits if joined_bit_widths(b)), None)
+    if joined is not None:  # `--bits w4a16,w8a16`: a list in one word, each part a bit-width of its own
+        every = [part for b in cfg.quant.bits for part in (joined_bit_widths(b) or [b])]
+        given, fix = (("--bits", f"separate them with spaces: --bits {' '.join(every)}") if args.bits is not None
+                      else ("quant.bits", f"give each as an item of the list: quant.bits=[{','.join(every)}]"))
+        raise ConfigError(f"{given}: {joined!r} joins {len(joined_bit_widths(joined))} bit-widths in one value; {fix}")
     try:
         cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
     except ValueError as e:
@@ -615,6 +622,20 @@ def resolve_config(args: argparse.Namespace):
             hint = default_pipelines_hint(cfg, task, bits) if defaulted else ""
             raise ConfigError(f"quant.{name}: {e}{hint}") from None
     return cfg, payload
+
+
+def joined_bit_widths(value) -> list[str]:
+    """The bit-widths of `value` when it is several valid ones joined by commas, semicolons or spaces in one
+    string ('w4a16,w8a16'), else []: such a value is a list the shell or YAML did not split."""
+    parts = [p for p in re.split(r"[,;\s]+", value) if p] if isinstance(value, str) else []
+    if len(parts) < 2:
+        return []
+    try:
+        for part in parts:
+            parse_bits(part)
+    except ValueError:
+        return []
+    return parts
 
 
 def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask, bits: str) -> str:

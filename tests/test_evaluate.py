@@ -594,6 +594,21 @@ def test_a_pipeline_or_bit_width_named_twice_is_refused(checkpoint, argv, messag
         evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *argv]))
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bits", "w4a16,w8a16"], "--bits: 'w4a16,w8a16' joins 2 bit-widths in one value; separate them with spaces: "
+                                "--bits w4a16 w8a16"),
+    (["--bits", "w4a4", "w6a6;w8a8"], "--bits: 'w6a6;w8a8' joins 2 bit-widths in one value; separate them with "
+                                      "spaces: --bits w4a4 w6a6 w8a8"),
+    (["quant.bits=['w4a4,w8a8']"], "quant.bits: 'w4a4,w8a8' joins 2 bit-widths in one value; give each as an item "
+                                   "of the list: quant.bits=[w4a4,w8a8]"),
+    (["--bits", "w4a4,x8"], "--bits / quant.bits: bit-width 'w4a4,x8' is not of the form 'w4a4'"),  # not a list
+])
+def test_bit_widths_joined_in_one_value_are_refused_naming_the_spaced_command(checkpoint, argv, message):
+    with pytest.raises(ConfigError) as refused:
+        evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *argv]))
+    assert str(refused.value) == message
+
 @pytest.mark.parametrize("overrides, message", [
     (["--quant", "repq", "quant.calib_images=100000"], "quant.calib_images=100000: the train split has 1437 images"),
     (["--quant", "aphq", "quant.aphq.recon_images=5000", "quant.aphq.calib_images=8"],
