@@ -619,7 +619,7 @@ def resolve_config(args: argparse.Namespace):
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
         except ValueError as e:
-            hint = default_pipelines_hint(cfg, task, bits) if defaulted else ""
+            hint = default_pipelines_hint(cfg, task) if defaulted else ""
             raise ConfigError(f"quant.{name}: {e}{hint}") from None
     return cfg, payload
 
@@ -638,19 +638,28 @@ def joined_bit_widths(value) -> list[str]:
     return parts
 
 
-def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask, bits: str) -> str:
-    """The advice for bits that one of the task's default pipelines (no --quant) cannot run: the user asked for
-    the bits, not for that pipeline, so name the --quant of the task's pipelines that take them."""
-    fitting = []
-    for name in sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks):
+def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask) -> str:
+    """The advice for --bits that the task's default pipelines (no --quant) cannot all run: the user asked for the
+    bits, not for those pipelines, so for every such bit-width name the --quant of the task's pipelines that take
+    it (w8a8 and w3a16 on a language model: SmoothQuant, and RTN or GPTQ; no one pipeline takes both)."""
+    def takes(name: str, bits: str) -> bool:
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
-            fitting.append(f"--quant {name}")
         except ValueError:
-            pass
-    advice = f"give {' or '.join(fitting)}, which take {bits}" if fitting else "give --quant with the pipelines to run"
-    return (f"; without --quant {'a language model' if task.language else 'an image classifier'} runs {', '.join(cfg.quant.pipelines)} at every --bits / quant.bits "
-            f"bit-width: {advice}")
+            return False
+        return True
+
+    own = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
+    advice = []
+    for bits in cfg.quant.bits:
+        if all(takes(name, bits) for name in cfg.quant.pipelines):
+            continue
+        fitting = [f"--quant {name}" for name in own if takes(name, bits)]
+        advice.append(f"{' or '.join(fitting)} for {bits}" if fitting else f"no pipeline of this task takes {bits}")
+    return (f"; without --quant {'a language model' if task.language else 'an image classifier'} runs "
+            f"{', '.join(cfg.quant.pipelines)} at every --bits / quant.bits bit-width: give "
+            f"{'; '.join(advice)}" + (", in separate evaluations (each runs its --quant at every --bits)"
+                                      if len(advice) > 1 else ""))
 
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes

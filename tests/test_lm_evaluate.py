@@ -332,6 +332,21 @@ def test_bits_the_default_pipelines_cannot_all_run_are_refused_naming_the_quant_
     assert not out.exists()
 
 
+
+def test_several_bits_the_default_pipelines_cannot_run_are_each_named_with_the_quant_that_takes_them(kjv_run,
+                                                                                                      tmp_path):
+    """--bits w8a8 w3a16 without --quant: RTN refuses w8a8 first, and SmoothQuant w3a16 too; no one pipeline takes
+    both, so the advice names the --quant for each width (by hand: SmoothQuant takes w8a8, RTN and GPTQ w3a16),
+    whatever their order, not only for the first that failed."""
+    out = tmp_path / "r.json"
+    for bits in (["w8a8", "w3a16"], ["w3a16", "w8a8"]):
+        with pytest.raises(ConfigError) as e:
+            run_eval("--checkpoint", str(kjv_run), "--bits", *bits, "--out", str(out))
+        advice = str(e.value).split("without --quant", 1)[1]
+        assert "--quant smoothquant or --quant smoothquant_strict for w8a8" in advice, advice
+        assert "--quant gptq or --quant rtn for w3a16" in advice, advice
+    assert not out.exists()
+
 def test_more_calibration_windows_than_the_train_split_has_are_refused_before_any_pass(kjv_run, tmp_path):
     # the classifier's image counts are checked before the FP and maxima passes; so are the LM's windows
     out = tmp_path / "r.json"
