@@ -251,8 +251,11 @@ def _read(path: str, identity: dict) -> dict:
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not text at all (UnicodeDecodeError)
         raise ResultsError(f"{path} exists but cannot be read as JSON ({e}); "
                            f"move it away or give --out another file") from None
-    if not isinstance(data, dict) or not isinstance(data.get("quant", {}), dict) or not all(
-            isinstance(entries, dict) for entries in data.get("quant", {}).values()):
+    # every file evaluate.py writes holds 'quant' and its identity's fields: a JSON object with none of them was
+    # written by something else, and its lack of every field is no 'other evaluation' (checkpoint_kind: see below)
+    recorded = any(k in data for k in identity if k != "checkpoint_kind") if isinstance(data, dict) else False
+    if not recorded or not isinstance(data.get("quant"), dict) or not all(
+            isinstance(entries, dict) for entries in data["quant"].values()):
         raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
                            f"away or give --out another file")
     # a file written before the checkpoint's kind was recorded: the kind follows from its checkpoint path, which is

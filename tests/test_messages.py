@@ -22,7 +22,10 @@ from models import ModelError
 from tests.conftest import DEBUG_CONFIG, ROOT
 
 
-@pytest.mark.parametrize("content", [[1, 2], {"quant": [1]}, "text"])
+# a JSON object of the user's (no field of a result, or 'quant' alone) is no result of another evaluation: it was
+# refused with every identity field listed as 'None in the file'
+@pytest.mark.parametrize("content", [[1, 2], {"quant": [1]}, "text", {"name": "my notes", "values": [1, 2]},
+                                     {"quant": {}}])
 def test_a_result_json_of_another_shape_is_one_error_naming_it(checkpoint, tmp_path, content):
     out = tmp_path / "r.json"
     out.write_text(json.dumps(content))
