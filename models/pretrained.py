@@ -6,7 +6,8 @@ resizes position embeddings (a resized table is logged with both grids). On top 
 prefixes (compiled models) are stripped, a classifier of another shape is dropped when fine-tuning (unless
 strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights of the
 plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
-unexpected key is an error that names the keys, so a checkpoint of another model fails early.
+unexpected key is an error that names the keys, so a checkpoint of another model fails early; a file of the other
+kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead.
 """
 from __future__ import annotations
 
@@ -110,6 +111,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     new_sinks = [k for k in missing if not strict and k.rpartition(".")[2] in SINK_PARAMS]
     missing = [k for k in missing if k not in new_sinks]
     if missing or unexpected:
+        if _other_kind(state, model):  # a language model's file into a ViT (fine-tuning: its head was dropped)
+            _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
@@ -180,7 +183,26 @@ def _refuse_another_architecture(state: dict, own: dict, strict: bool, head_pref
         differ = "; ".join(([f"the model's {_few(absent)} are not in it"] if absent else [])
                            + ([f"its {_few(extra)} are not in the model"] if extra else []))
         raise ModelError(f"{path}: weights of another architecture than {type(model).__name__} ({differ}): "
-                         "give weights of this model")
+                         + (_other_kind(state, model) or "give weights of this model"))
+
+
+# keys only one kind of model has: models/gpt.py's token and position embeddings, a timm vision model's patch
+# embedding (ViT, DeiT, Swin)
+LANGUAGE_KEYS = ("wte.weight", "wpe.weight")
+VISION_KEYS = ("patch_embed.proj.weight",)
+
+
+def _other_kind(state: dict, model: nn.Module) -> str:
+    """What the file `state` is, and the weights to give instead, when it is of the other kind of model than
+    `model` (a language model's weights for a vision model, or the reverse); '' otherwise."""
+    language = all(k in model.state_dict() for k in LANGUAGE_KEYS)
+    if not language and all(k in state for k in LANGUAGE_KEYS):
+        return ("a language model's weights (models/gpt.py's token and position embeddings); give a vision "
+                "checkpoint instead (a train.py run of an image model, or timm weights of model.name)")
+    if language and any(k in state for k in VISION_KEYS):
+        return ("a vision model's weights (a patch embedding); give a language model's instead (a train.py run of "
+                "a GPT, or nanoGPT / transformers GPT-2 weights)")
+    return ""
 
 
 def _few(keys: list, shown: int = 5) -> str:

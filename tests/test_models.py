@@ -358,6 +358,26 @@ def test_a_language_model_file_into_a_vision_model_names_the_keys_not_a_classifi
     assert "num_classes" not in str(refused.value)
 
 
+
+@pytest.mark.parametrize("overrides", [[], ["model.num_classes=65"], ["model.pretrained_strict=true"]])
+def test_a_language_model_file_to_fine_tune_a_vision_model_is_named_with_the_weights_to_give(tmp_path, overrides):
+    """Fine-tuning (train.py: model.pretrained_strict=false) drops the GPT file's head.weight as a classifier, or
+    loads it where model.num_classes is the vocabulary's; what was left ended in 'does not fit VisionTransformer:
+    missing [...], unexpected [...]' with no fix. The file is named as a language model's, with the fix, as an
+    evaluation's (strict) refusal of it is."""
+    from configs.schema import ModelConfig
+    gpt = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0)).state_dict()
+    torch.save(gpt, tmp_path / "gpt.pth")
+    with pytest.raises(ModelError) as refused:
+        build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'gpt.pth'}", *overrides))
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'gpt.pth'}: weights of another architecture than VisionTransformer ("), \
+        message
+    assert "['wte.weight', 'wpe.weight'] are not in the model" in message, message
+    assert message.endswith("a language model's weights (models/gpt.py's token and position embeddings); give a "
+                            "vision checkpoint instead (a train.py run of an image model, or timm weights of "
+                            "model.name)"), message
+
 def test_a_file_trained_at_another_img_size_loads_with_its_position_table_resized_and_said(tmp_path, caplog):
     import timm
     from timm.layers import resample_abs_pos_embed
