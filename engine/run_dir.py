@@ -21,7 +21,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
   that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
   tb/, no metrics: a typo in the model name, the data path or a value), whatever the config. Both include
-  the wandb/ folder a run makes when its config.yaml enables wandb.
+  the wandb/ folder a run makes when its config.yaml enables wandb. A config.yaml that is not a run's whole
+  config (other top-level keys than the schema's sections: a recipe of the user's) is no run's, and the folder
+  is refused naming it, unless `train.archive_existing=true` asks for everything to be moved.
 """
 from __future__ import annotations
 
@@ -246,6 +248,13 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     if not found:
         return
     saved = _saved_config(out_dir)
+    foreign = _foreign_config(out_dir, found, saved, config)
+    # logs only, which the rules below would archive without asking: a config.yaml of the user's is never moved as
+    # if a run had written it (beside a result, the refusal below names the files)
+    if foreign and not archive_existing and set(found) <= _start_logs(saved) | {"metrics.jsonl"}:
+        raise RunDirError(f"out_dir '{out_dir}' holds config.yaml, which is not a config train.py writes "
+                          f"({foreign}); a run moves aside only its own files: move config.yaml out of the folder, "
+                          f"or use another out_dir")
     if _start_that_failed(out_dir, found, saved):  # e.g. a typo in a model name, a path or a value: any config
         log.warning("%s holds only the logs of a start that stopped before its first logged update",
                     out_dir)
@@ -262,6 +271,21 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                       f"checkpoint.pt to resume from: use another out_dir, or re-run with "
                       f"train.archive_existing=true to move them to {out_dir}/{ARCHIVE}/<time>/ "
                       f"and start afresh")
+
+
+def _foreign_config(out_dir: str, found: list[str], saved: Optional[dict], config: dict) -> str:
+    """Why out_dir's config.yaml is not one a run wrote ('' when it is, or there is none): train.py dumps the whole
+    config, every section of the schema (`config`'s keys), so a file of other top-level keys (a recipe of the
+    user's: a few sections), or no mapping at all, is the user's, and no failed start's to archive."""
+    if "config.yaml" not in found or not os.path.isfile(os.path.join(out_dir, "config.yaml")):
+        return ""
+    if saved is None:
+        return "it does not read as a YAML mapping"
+    sections = [k for k, v in config.items() if isinstance(v, dict)]
+    if set(saved) != set(config) or any(not isinstance(saved[k], dict) for k in sections):
+        return (f"its top-level keys {sorted(saved)[:6]}{'...' if len(saved) > 6 else ''} are not those of a run's "
+                f"whole config, {sorted(config)[:6]}{'...' if len(config) > 6 else ''}")
+    return ""
 
 
 def _start_logs(saved: Optional[dict]) -> set[str]:

@@ -817,6 +817,37 @@ def test_claiming_a_folder_starts_archives_or_refuses_as_the_rules_say(tmp_path,
     assert sorted(os.listdir(os.path.join(out, "archive", moved[0]))) == sorted(n.rstrip("/") for n in files)
 
 
+
+@pytest.mark.parametrize("files", [
+    {"config.yaml": "optim:\n  lr: 0.1\n"},  # a recipe of the user's: some sections, not a run's whole config
+    {"config.yaml": "optim:\n  lr: 0.1\n", "train.log": "t", "tb/": ""},
+    {"config.yaml": "- a list\n"},  # YAML, but no mapping
+    {"config.yaml": "out_dir: [unclosed\n"},  # not YAML
+    {"config.yaml": "out_dir: x\noptim: 0.1\ntrain:\n  seed: 0\n"},  # a run's keys, a section that is no mapping
+])
+def test_a_config_yaml_that_no_run_wrote_is_refused_naming_it_and_never_moved(tmp_path, files):
+    """A folder holding only a config.yaml (with or without start logs) looked like a start that failed before its
+    first update and was moved to archive/<time>/ without asking, though the user wrote it. A run dumps its whole
+    config (every section of CONFIG): a file of other top-level keys is refused, naming it, and stays."""
+    from engine.run_dir import claim_run_dir
+
+    out = str(tmp_path / "run")
+    _folder(out, files)
+    before = _tree(out)
+    with pytest.raises(RunDirError, match=r"holds config.yaml, which is not a config train.py writes .*move "
+                                          r"config.yaml out of the folder, or use another out_dir") as refused:
+        with claim_run_dir(out, CONFIG, archive_existing=False):
+            pass
+    assert "\n" not in str(refused.value)
+    assert _tree(out) == before and not os.path.exists(os.path.join(out, "archive"))
+    with pytest.raises(RunDirError, match="holds files of an earlier run"):  # beside a result: the files are named
+        _folder(out, {"best.pt": "w"})
+        with claim_run_dir(out, CONFIG, archive_existing=False):
+            pass
+    with claim_run_dir(out, CONFIG, archive_existing=True):  # asked for: everything is moved, nothing deleted
+        pass
+    assert os.listdir(out) == ["archive"]
+
 def test_archives_made_in_the_same_second_never_share_a_folder(tmp_path, monkeypatch):
     import datetime as real_datetime
 
