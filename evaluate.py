@@ -651,9 +651,7 @@ def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask)
 
     own = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
     advice = []
-    for bits in cfg.quant.bits:
-        if all(takes(name, bits) for name in cfg.quant.pipelines):
-            continue
+    for bits in dict.fromkeys(b for name, b in planned(cfg) if not takes(name, b)):  # each failing width, in order
         fitting = [f"--quant {name}" for name in own if takes(name, bits)]
         advice.append(f"{' or '.join(fitting)} for {bits}" if fitting else f"no pipeline of this task takes {bits}")
     return (f"; without --quant {'a language model' if task.language else 'an image classifier'} runs "
