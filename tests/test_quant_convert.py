@@ -453,6 +453,16 @@ def test_an_empty_calibration_set_is_refused_before_any_quantizer_fits(inputs):
     assert not model[0].input_quantizer.calibrated
 
 
+@pytest.mark.parametrize("inputs", [[], iter(())], ids=["empty-list", "exhausted-iterator"])
+def test_an_iterable_of_no_batches_is_refused_by_name(inputs):
+    """No batch at all (an empty loader) is the same user error as a batch of no rows: one ValueError naming it,
+    not torch.cat's 'expected a non-empty list of Tensors' from inside the calibration."""
+    from quant.calibrate import stack_images
+
+    with pytest.raises(ValueError, match="^no calibration inputs$"):
+        stack_images(inputs)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_calibration_that_fits_non_finite_ranges_is_refused(bad):
     """A NaN / inf calibration input fitted a NaN range without a word, and every output of the quantized model
