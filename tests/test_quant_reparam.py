@@ -294,3 +294,45 @@ def test_a_mean_zero_point_far_below_the_codes_warns_too():
         linear.input_quantizer.zero_point.fill_(-2.0 ** 13)
     with pytest.warns(RuntimeWarning, match="mean zero point"):
         fold_layernorm(norm, linear)
+
+
+@pytest.mark.parametrize("round_zero_point", [True, False])
+def test_folded_layer_equals_the_by_hand_repq_fold_of_a_per_channel_quantized_linear(round_zero_point):
+    # Reference by hand in float64 (no quantizer call): LayerNorm y, per-channel 4-bit codes
+    # clamp(round(y / s_c) + z_c, 0, 15), and RepQ-ViT's fold (module docstring): y' = y / r - b quantized
+    # per tensor with (s~, z~), times W' = W r, plus bias + W' b. With z~ an integer this is exactly the
+    # per-channel quantized linear; unrounded, the per-tensor grid is shifted by frac(z~).
+    from quant.layers import QuantLinear
+    from quant.quantizers import UniformQuantizer
+    torch.manual_seed(4)
+    norm = perturb_norms(nn.LayerNorm(12)).double()
+    linear = QuantLinear(12, 5, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
+    x = torch.randn(6, 7, 12, dtype=torch.float64) * torch.linspace(0.5, 4.0, 12, dtype=torch.float64) + 0.3
+    iq = linear.input_quantizer
+    with torch.no_grad():
+        iq.calibrating = True
+        iq(norm(x))
+        iq.calibrating = False
+    s_c, z_c = iq.scale.detach().double().clone(), iq.zero_point.detach().double().clone()
+    gamma, beta = norm.weight.detach().clone(), norm.bias.detach().clone()
+    w, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    y = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps) * gamma + beta
+    per_channel = ((torch.clamp(torch.round(y / s_c) + z_c, 0, 15) - z_c) * s_c) @ w.T + bias
+
+    s_t = s_c.mean()
+    z_t = z_c.mean().round() if round_zero_point else z_c.mean()
+    r, b = s_c / s_t, s_t * (z_t - z_c)
+    y_folded = y / r - b
+    by_hand = (((torch.clamp(torch.round(y_folded / s_t) + z_t, 0, 15) - z_t) * s_t) @ (w * r).T
+               + bias + (w * r) @ b)
+
+    fold_layernorm(norm, linear, round_zero_point=round_zero_point)
+    with torch.no_grad():
+        got = linear(norm(x))
+        iq.enabled = False
+        torch.testing.assert_close(linear(norm(x)), y @ w.T + bias, rtol=0, atol=1e-12)  # float function kept
+    torch.testing.assert_close(got, by_hand, rtol=0, atol=1e-10)
+    if round_zero_point:
+        torch.testing.assert_close(got, per_channel, rtol=0, atol=1e-10)
+    else:
+        assert (got - per_channel).abs().max() > 1e-3  # a fractional z~ moves the grid: not the same codes
