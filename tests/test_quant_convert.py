@@ -412,6 +412,21 @@ def test_static_ranges_from_the_float_model_cover_every_batch():
         torch.testing.assert_close(q.scale, ((hi - lo) / 255).reshape(1), msg=name)
         torch.testing.assert_close(q.zero_point, torch.round(-lo * 255 / (hi - lo)).reshape(1), msg=name)
 
+
+def test_static_calibration_fits_the_enabled_quantizers_only():
+    """calibrate_from_float, like calibrate, neither fits nor vets a bypassed quantizer: here a percentile-search
+    one (a range rule the static calibration refuses) that is switched off stays unfitted and is no error."""
+    from quant.calibrate import calibrate_from_float
+    from quant.ranges import RangeSearch
+
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    rules = (LinearRule(("0",), None, minmax), LinearRule(("2",), None, QuantizerSpec(8)))
+    qmodel = quantize_model(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), QuantSpec(linears=rules))
+    qmodel[2].input_quantizer.enabled = False
+    out = calibrate_from_float(qmodel, torch.randn(5, 4), batch_size=2)
+    assert out["quantizers"] == 1
+    assert qmodel[0].input_quantizer.calibrated and not qmodel[2].input_quantizer.calibrated
+
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])
 def test_w8a8_stays_close_to_float(build, pipeline):
