@@ -427,6 +427,24 @@ def test_static_calibration_fits_the_enabled_quantizers_only():
     assert out["quantizers"] == 1
     assert qmodel[0].input_quantizer.calibrated and not qmodel[2].input_quantizer.calibrated
 
+
+def test_static_calibration_runs_in_eval_mode_and_restores_the_mode():
+    """A model in train mode: the static ranges are those of the eval-mode float model (dropout off), by hand."""
+    from quant.calibrate import calibrate_from_float
+    from quant.ranges import RangeSearch
+
+    torch.manual_seed(0)
+    fp = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Linear(6, 3))
+    minmax = QuantizerSpec(8, search=RangeSearch("minmax"))
+    qmodel = quantize_model(fp, QuantSpec(linears=(LinearRule(("2",), None, minmax),), strict=False)).train()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    calibrate_from_float(qmodel, x, batch_size=3)
+    assert qmodel.training and qmodel[1].training
+    with torch.no_grad():
+        seen = x @ fp[0].weight.T + fp[0].bias
+    q = qmodel[2].input_quantizer
+    torch.testing.assert_close(q.scale, ((seen.max() - seen.min()) / 255).reshape(1))
+
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])
 def test_w8a8_stays_close_to_float(build, pipeline):
