@@ -370,6 +370,15 @@ def test_a_quantizer_left_out_of_calibration_is_refused_at_its_first_use_afterwa
     assert [q.calibrated for _, q in named_quantizers(qmodel, "weight")] == [False] * 6
 
 
+def test_every_quantizer_is_named_by_its_module_path():
+    """Error messages and warnings (an uncalibrated quantizer, the fold's zero-point warning) name a quantizer by
+    its `name`: it must be the FQN under which the model holds it."""
+    both = QuantizerSpec(8)
+    qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), both, both),)))
+    names = {fqn: q.name for fqn, q in qmodel.named_modules() if fqn.endswith(("weight_quantizer", "input_quantizer"))}
+    assert len(names) == 12 and all(fqn == name for fqn, name in names.items()), names
+
+
 def test_named_quantizers_refuses_an_unknown_kind():
     # "weights" is not "weight": answering with the activation quantizers would switch the wrong ones
     qmodel = quantize_model(tiny_vit(depth=1), QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(8), None),)))
