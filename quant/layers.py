@@ -10,7 +10,9 @@ weight quantizer's parameters, so in-place edits (the RepQ-ViT LayerNorm fold, l
 optimizer step), device moves and a Parameter put in the old one's place (whose storage may reuse the freed
 address, with the same version) invalidate it without any host sync in the forward pass. Inference tensors
 (made under torch.inference_mode) have no version counter, so an in-place edit of one is invisible: a weight
-or quantizer parameter that is one is fake-quantized at every forward, never cached.
+or quantizer parameter that is one is fake-quantized at every forward, never cached. An edit through
+`.data` (`layer.weight.data.mul_(2)`) is not seen either: `.data` is a tensor with a version counter of its own,
+so the cache keeps the old values; edit in place under torch.no_grad() or call `invalidate_weight_cache()`.
 """
 from __future__ import annotations
 

@@ -220,6 +220,23 @@ def test_weight_cache_follows_dtype_round_trips_and_state_dict_loads(name):
     check()
 
 
+def test_weight_cache_follows_an_optimizer_step_on_a_learnable_scale():
+    """A scale made learnable (APHQ/GPLQ: a Parameter, not a buffer) and moved by an optimizer step, then read
+    in inference: the forward quantizes with the new scale, as by hand, not the cached weight of the old one."""
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(), images(8), "w4a4")
+    fc1 = qmodel.blocks[0].mlp.fc1
+    fc1.weight.requires_grad_(False)
+    fc1.weight_quantizer.make_learnable(scale=True)
+    assert isinstance(fc1.weight_quantizer.scale, nn.Parameter)
+    with torch.no_grad():
+        fc1.quantized_weight()  # cached under the old scale
+    optimizer = torch.optim.SGD([fc1.weight_quantizer.scale], lr=0.1)
+    fc1.weight_quantizer.scale.grad = -fc1.weight_quantizer.scale.detach()  # the step scales it by 1.1
+    optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(fc1.quantized_weight(), _hand_quantized_weight(fc1), rtol=0, atol=0)
+
+
 def test_weight_cache_is_not_taken_for_a_new_weight_at_the_old_ones_address():
     """A Parameter put in the old one's place can have its storage at the old (freed) address and the same
     version 0 (the CPU and CUDA allocators reuse freed blocks of the size): here made deterministic by two
