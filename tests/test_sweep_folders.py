@@ -296,3 +296,10 @@ def test_a_misspelt_top_level_key_of_a_sweep_file_is_refused_naming_it(tmp_path)
                     "runs:\n  a: []\n")
     with pytest.raises(ConfigError, match=r"unknown keys \['run_key'\]"):
         sweep.expand(str(spec), [])
+
+
+@pytest.mark.parametrize("runs", ["  {}\n", "", "  - a\n"], ids=["empty", "null", "list"])
+def test_a_sweep_without_a_mapping_of_runs_is_refused(tmp_path, runs):
+    """`runs: {}` would print no command and run nothing, exiting 0 as if the sweep were done."""
+    with pytest.raises(ConfigError, match=r"a sweep has 'configs', 'out_root', a non-empty 'runs' mapping"):
+        sweep.expand(sweep_file(tmp_path, runs), [])
