@@ -280,3 +280,20 @@ def test_named_twice_names_each_repeated_item_once_and_passes_distinct_ones():
     assert named_twice("--bits", ["w4a4", "w3a3", "w4a4", "w3a3", "w4a4"]) == \
         "--bits names w3a3, w4a4 twice: give each once"
     assert named_twice("--pipelines", ["repq", "aphq"]) is None and named_twice("--bits", []) is None
+
+
+def test_a_device_flag_refuses_a_device_the_machine_lacks_in_one_line(monkeypatch, capsys):
+    """torch_device, the --device type of the benchmark scripts: a torch.device for cpu, one `error:` line naming
+    the flag for a device the machine lacks (cuda without a GPU) or no device at all (gpu)."""
+    import torch
+
+    from configs.cli import OneLineParser, torch_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = OneLineParser(prog="bench.py")
+    parser.add_argument("--device", type=torch_device)
+    assert parser.parse_args(["--device", "cpu"]).device == torch.device("cpu")
+    for text, says in (("cuda", "cuda: no CUDA device is visible; give cpu"),
+                       ("gpu", "gpu: not a torch device; give cpu, cuda or cuda:N")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--device", text])
+        assert capsys.readouterr().err == f"error: bench.py: argument --device: {says}; see bench.py --help\n"
