@@ -297,3 +297,14 @@ def test_a_device_flag_refuses_a_device_the_machine_lacks_in_one_line(monkeypatc
         with pytest.raises(SystemExit):
             parser.parse_args(["--device", text])
         assert capsys.readouterr().err == f"error: bench.py: argument --device: {says}; see bench.py --help\n"
+
+
+def test_a_flag_named_like_several_keys_is_left_to_argparse_not_matched_to_one(capsys, monkeypatch):
+    """`--name x` is the last part of model.name, optim.name and sched.name: naming one of them would be a guess,
+    so it is argparse's unrecognized argument, not 'use model.name=x'."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert [k for k in LEAVES if k.rpartition(".")[2] == "name"] == ["model.name", "optim.name", "sched.name"]
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--config", DEBUG_CONFIG, "--name", "x"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == "error: train.py: unrecognized arguments: --name; see train.py --help\n"
