@@ -308,3 +308,24 @@ def test_a_flag_named_like_several_keys_is_left_to_argparse_not_matched_to_one(c
         train.parse_args(["--config", DEBUG_CONFIG, "--name", "x"])
     assert done.value.code == 2
     assert capsys.readouterr().err == "error: train.py: unrecognized arguments: --name; see train.py --help\n"
+
+
+@dataclasses.dataclass
+class _ContinuedThenAbove:
+    """A trailing comment continued on an indented line, followed by fields documented from above."""
+
+    size: int = 3  # images per batch, counted
+    #   over every process
+    # the seed of the shuffle
+    seed: int = 0
+    steps: int = 1  # optimizer steps
+    #   per epoch
+    rate: float = 0.1
+
+
+def test_the_continuation_of_a_field_comment_is_not_the_help_of_the_field_below():
+    """The `#   ` line continues `size`'s comment: it is size's help, not part of the comment above `seed`, and
+    `rate` (nothing above it but that continuation) has no help text."""
+    assert {f.name: field_help(_ContinuedThenAbove, f.name) for f in dataclasses.fields(_ContinuedThenAbove)} == {
+        "size": "images per batch, counted over every process", "seed": "the seed of the shuffle",
+        "steps": "optimizer steps per epoch", "rate": ""}
