@@ -142,6 +142,26 @@ def test_timm_and_deit_flags_name_our_equivalent(argv, ours):
     assert f"; use {ours}" in str(refused.value)
 
 
+KEY_NOTE = "; settings are key=value arguments, python {} --help-config lists them"
+
+
+@pytest.mark.parametrize("entry, argv, message", [
+    # the word after a flag is its value only if it is neither an option nor an override
+    (train, ["--epochs", "--seed", "1"], "--epochs is not an option of train.py; use sched.epochs=VALUE" + KEY_NOTE),
+    # a repeated flag: the first one is named, with the value given after it
+    (train, ["--epochs", "3", "--epochs", "5"], "--epochs is not an option of train.py; use sched.epochs=3" + KEY_NOTE),
+    # a command or a flag of ours is no setting: no word about key=value arguments
+    (train, ["--eval"], "--eval is not an option of train.py; use python evaluate.py --checkpoint PATH"),
+    (evaluate, ["--resume", "runs/x/best.pt"],
+     "--resume is not an option of evaluate.py; use --checkpoint runs/x/best.pt"),
+])
+def test_a_foreign_flag_message_in_full(entry, argv, message):
+    common = ["--config", DEBUG_CONFIG] if entry is train else ["--checkpoint", "runs/x/best.pt"]
+    with pytest.raises(ConfigError) as refused:
+        entry.parse_args([*common, *argv])
+    assert str(refused.value) == message.format(entry.__name__ + ".py")
+
+
 @pytest.mark.parametrize("argv, ours", [
     (["-b", "64"], "train.batch_size_per_gpu=64 (per process"),
     (["-j", "4"], "data.num_workers=4"),
