@@ -171,6 +171,19 @@ def test_a_calibration_batch_no_pipeline_of_the_evaluation_reads_is_refused_befo
     assert sweep.main([str(spec), "--evaluate"]) == 0
 
 
+def test_a_runs_own_calibration_setting_is_checked_after_a_run_without_quantization_settings(tmp_path):
+    """Run a sets nothing of quant (nothing to check); run b's own quant.calib_images goes to its evaluate.py
+    command too, where gplq alone reads no calibration batch: refused before run a trains."""
+    spec = sweep_file(tmp_path, "  a: []\n  b: ['quant.pipelines=[gplq]', quant.calib_images=8]\n")
+    with pytest.raises(SystemExit, match=r"^error: sweep run 'b': quant.calib_images=8 sets the calibration batch, "
+                                         r"which no pipeline of its evaluation reads \(pipelines: gplq\)"):
+        sweep.main([spec, "--evaluate"])
+    assert not (tmp_path / "runs").exists()
+    path = tmp_path / "s.yaml"
+    path.write_text(path.read_text().replace("quant.pipelines=[gplq]", "quant.pipelines=[gplq,repq]"))
+    assert sweep.main([spec, "--evaluate"]) == 0
+
+
 def test_a_runs_training_data_settings_stay_out_of_its_evaluation_command(tmp_path):
     """evaluate.py refuses data.mixup, data.label_smoothing and the like where no pass of it reads them (the
     checkpoint's config holds them as the run trained): a sweep that passed a run's training augmentation on to its
