@@ -251,23 +251,31 @@ def test_fold_refuses_a_quantizer_grouped_along_another_dim_than_the_channels():
     assert torch.equal(norm.weight.detach(), gamma) and linear.input_quantizer.channel_dim == 0
 
 
-@pytest.mark.parametrize("round_zero_point", [True, False])
-def test_fold_is_computed_with_the_scale_and_zero_point_the_quantizer_keeps(round_zero_point):
-    # A half-precision quantizer stores s~ and z~ rounded to float16. The fold must use exactly those stored
-    # values; with the float64 means instead, gamma', beta' and the bias would miss the stored grid by ~1e-4.
-    # 12 channels: a mean of 12 integer zero points is in general no float16 (nor float32) number.
-    # Reference: the fold formulas (module docstring) in float64 from the quantizer's stored parameters.
+def per_channel_fold_site(seed: int, out_features: int):
+    """A float64 LayerNorm(12) (perturbed affine) feeding a QuantLinear whose 4-bit input quantizer is calibrated
+    per channel on its output for inputs x of 12 channels of different spreads, not yet folded: (norm, linear, x)."""
     from quant.layers import QuantLinear
     from quant.quantizers import UniformQuantizer
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     norm = perturb_norms(nn.LayerNorm(12)).double()
-    linear = QuantLinear(12, 3, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
+    linear = QuantLinear(12, out_features, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
     x = torch.randn(6, 7, 12, dtype=torch.float64) * torch.linspace(0.5, 4.0, 12, dtype=torch.float64) + 0.3
     iq = linear.input_quantizer
     with torch.no_grad():
         iq.calibrating = True
         iq(norm(x))
         iq.calibrating = False
+    return norm, linear, x
+
+
+@pytest.mark.parametrize("round_zero_point", [True, False])
+def test_fold_is_computed_with_the_scale_and_zero_point_the_quantizer_keeps(round_zero_point):
+    # A half-precision quantizer stores s~ and z~ rounded to float16. The fold must use exactly those stored
+    # values; with the float64 means instead, gamma', beta' and the bias would miss the stored grid by ~1e-4.
+    # 12 channels: a mean of 12 integer zero points is in general no float16 (nor float32) number.
+    # Reference: the fold formulas (module docstring) in float64 from the quantizer's stored parameters.
+    norm, linear, x = per_channel_fold_site(seed=2, out_features=3)
+    iq = linear.input_quantizer
     iq.half()
     s_c, z_c = iq.scale.double(), iq.zero_point.double()
     assert z_c.mean() != z_c.mean().half().double()  # else the unrounded case could not tell the two apart
@@ -302,17 +310,8 @@ def test_folded_layer_equals_the_by_hand_repq_fold_of_a_per_channel_quantized_li
     # clamp(round(y / s_c) + z_c, 0, 15), and RepQ-ViT's fold (module docstring): y' = y / r - b quantized
     # per tensor with (s~, z~), times W' = W r, plus bias + W' b. With z~ an integer this is exactly the
     # per-channel quantized linear; unrounded, the per-tensor grid is shifted by frac(z~).
-    from quant.layers import QuantLinear
-    from quant.quantizers import UniformQuantizer
-    torch.manual_seed(4)
-    norm = perturb_norms(nn.LayerNorm(12)).double()
-    linear = QuantLinear(12, 5, input_quantizer=UniformQuantizer(4, channel_dim=-1)).double()
-    x = torch.randn(6, 7, 12, dtype=torch.float64) * torch.linspace(0.5, 4.0, 12, dtype=torch.float64) + 0.3
+    norm, linear, x = per_channel_fold_site(seed=4, out_features=5)
     iq = linear.input_quantizer
-    with torch.no_grad():
-        iq.calibrating = True
-        iq(norm(x))
-        iq.calibrating = False
     s_c, z_c = iq.scale.detach().double().clone(), iq.zero_point.detach().double().clone()
     gamma, beta = norm.weight.detach().clone(), norm.bias.detach().clone()
     w, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
