@@ -108,25 +108,37 @@ def commands(path: str) -> list[tuple[str, list[str]]]:
     them in; a command elided to `evaluate.py ...` has nothing to check, and one named in prose, as
     "`evaluate.py`'s JSON", is no command)."""
     found = []
+    for word, launcher, words in invocations(path, r"(train|evaluate)\.py"):
+        if word not in ("train.py", "evaluate.py") or launcher == "-m":
+            continue
+        args = []
+        for arg in words:
+            if arg == "..." and args[-1:] == ["--config"]:
+                arg = PLACEHOLDER_RECIPE
+            args.append(re.sub(r"=\.\.\.$", "=placeholder", arg))
+        if args[-1:] == ["..."]:
+            args = args[:-1]
+            if not args:
+                continue
+        found.append((word, args))
+    return found
+
+
+def invocations(path: str, script: str) -> list[tuple[str, str, list[str]]]:
+    """(word, the word before it, the words after it up to a shell operator) of every word of the documented
+    command lines of `path` that a launcher runs (after `python`, `torchrun`, `-m` or a `--flag` of theirs), on
+    the lines where the regex `script` stands as a word; a script named in prose ("`scripts/sweep.py` prints")
+    is not run."""
+    found = []
     for line in documented_command_lines(path):
-        if not re.search(r"(^|\s)(train|evaluate)\.py(\s|$)", line):
+        if not re.search(rf"(^|\s)({script})(\s|$)", line):
             continue
         words = shlex.split(line, comments=True)
         for i, word in enumerate(words):
-            if word in ("train.py", "evaluate.py") and i > 0 and (words[i - 1] in ("python", "torchrun")
-                                                                  or words[i - 1].startswith("--")):
-                args = []
-                for arg in words[i + 1:]:
-                    if arg in ("&&", ";", "|", "||"):
-                        break
-                    if arg == "..." and args[-1:] == ["--config"]:
-                        arg = PLACEHOLDER_RECIPE
-                    args.append(re.sub(r"=\.\.\.$", "=placeholder", arg))
-                if args[-1:] == ["..."]:
-                    args = args[:-1]
-                    if not args:
-                        continue
-                found.append((word, args))
+            if i > 0 and (words[i - 1] in ("python", "torchrun", "-m") or words[i - 1].startswith("--")):
+                rest = words[i + 1:]
+                ends = [k for k, w in enumerate(rest) if w in ("&&", ";", "|", "||")]
+                found.append((word, words[i - 1], rest[:ends[0]] if ends else rest))
     return found
 
 
@@ -178,27 +190,16 @@ def script_commands(path: str) -> list[tuple[str, list[str], bool]]:
     `...` marks an elided command ("the arguments of the one above"), whose words are checked but not its
     completeness."""
     found = []
-    for line in documented_command_lines(path):
-        if not re.search(r"(^|\s)(scripts/\w+\.py|evaluate_detection\.py|-m cd)(\s|$)", line):
+    for word, launcher, args in invocations(path, r"scripts/\w+\.py|evaluate_detection\.py|-m cd"):
+        entry = re.fullmatch(r"scripts/(\w+)\.py|(evaluate_detection)\.py|(cd)", word)
+        if not entry or (entry.group(3) and launcher != "-m"):
             continue
-        words = shlex.split(line, comments=True)
-        for i, word in enumerate(words):
-            if i == 0 or not (words[i - 1] in ("python", "torchrun", "-m") or words[i - 1].startswith("--")):
-                continue  # a script named in prose ("`scripts/sweep.py` prints ..."), not run
-            entry = re.fullmatch(r"scripts/(\w+)\.py|(evaluate_detection)\.py|(cd)", word)
-            if not entry or (entry.group(3) and words[i - 1] != "-m"):
-                continue
-            module = entry.group(1) or entry.group(2) or "cd.__main__"
-            args = []
-            for arg in words[i + 1:]:
-                if arg in ("&&", ";", "|", "||"):
-                    break
-                args.append(arg)
-            elided = args[-1:] == ["..."]
-            args = args[:-1] if elided else args
-            for head in (brace_words(args[0]) if args else [None]):
-                rest = [w for a in args[1:] for w in brace_words(a)]
-                found.append((module, ([head] if head is not None else []) + rest, elided))
+        module = entry.group(1) or entry.group(2) or "cd.__main__"
+        elided = args[-1:] == ["..."]
+        args = args[:-1] if elided else args
+        for head in (brace_words(args[0]) if args else [None]):
+            rest = [w for a in args[1:] for w in brace_words(a)]
+            found.append((module, ([head] if head is not None else []) + rest, elided))
     return found
 
 
