@@ -1,0 +1,112 @@
+"""Variants of the CD math in cd/update.py that the float64 references of test_cd_update.py do not reach: a call
+from inside an autocast region, the product precision of target C's upstream products, the TF32 setting the
+products see, the loss form's zero weights and stabilized scaling, and a step list of the wrong length.
+
+References are written out here (float64 by hand, `ref_block_update`), or observe what torch.mm receives.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cd import ColinearityDecay, find_pairs
+from cd.update import align_to_task_loss, colinearity_decay_, pair_energy, pair_penalty
+from cd_models import VIT_DEPTH, normalized, ref_block_update, snapshot, tiny_vit
+
+
+def test_an_update_and_energies_from_inside_cpu_autocast_stay_fp32():
+    """A training loop may call `apply` inside `torch.autocast` (bf16): the CD math must not run in bf16 then
+    (Eq. (24) against float64 at fp32 accuracy; bf16 products are off by about 2^-8)."""
+    model = tiny_vit()
+    P = snapshot(model)
+    lr, lam = 0.5, 0.1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ColinearityDecay(model, lam=lam, matmul_precision="fp32").apply(lr=lr)
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", lr * lam, expected)
+    params = dict(model.named_parameters())
+    for name, want in expected.items():
+        delta_want = want - P[name].double()
+        delta_got = params[name].detach().double() - P[name].double()
+        assert float((delta_got - delta_want).norm() / delta_want.norm()) < 1e-5, name
+
+    fc1, fc2 = model.blocks[0].mlp.fc1.weight.detach(), model.blocks[0].mlp.fc2.weight.detach()
+    fc1b, fc2b = model.blocks[1].mlp.fc1.weight.detach(), model.blocks[1].mlp.fc2.weight.detach()
+    want = 0.5 * sum(float((w2.double() @ normalized(w1.double())).square().sum())
+                     for w1, w2 in ((fc1, fc2), (fc1b, fc2b)))  # mean over the two blocks (Eq. (23))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = float(pair_energy(find_pairs(model))["fc2"])
+    assert abs(got - want) / want < 1e-5
+
+
+def _mm_spy(monkeypatch) -> list:
+    """Record, for every torch.mm call, its operands' dtypes and the cuBLAS fp32 setting in force."""
+    calls, mm = [], torch.mm
+
+    def spy(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype, torch.backends.cuda.matmul.fp32_precision))
+        return mm(a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "mm", spy)
+    return calls
+
+
+def test_bf16_precision_rounds_the_operands_of_target_cs_upstream_products_too(monkeypatch):
+    """precision='bf16' is 'of the two products of a functional pair' and of target C's upstream product
+    (W2^T (W2 W1)): every product of the update gets bf16 operands."""
+    model = tiny_vit()
+    pairs = [p for p in find_pairs(model) if p.kind == "functional"]
+    calls = _mm_spy(monkeypatch)
+    colinearity_decay_(pairs, [0.05] * len(pairs), [0.03] * len(pairs), precision="bf16")
+    assert len(calls) == 3 * len(pairs)  # W2 W1, (W2 W1) W1^T and W2^T (W2 W1) per pair
+    assert all(a == b == torch.bfloat16 for a, b, _ in calls), calls
+
+
+@pytest.mark.skipif(getattr(torch.backends.cuda.matmul, "fp32_precision", None) is None,
+                    reason="torch < 2.9 has only the legacy TF32 flag")
+@pytest.mark.parametrize("precision,seen", [("fp32", "ieee"), ("tf32", "tf32")])
+def test_the_products_run_with_the_precisions_tf32_setting_whatever_the_caller_set(monkeypatch, precision, seen):
+    """'fp32' means exact fp32 products even when the caller allowed TF32 globally (train.py may), 'tf32' means
+    TF32 even when the caller did not; the flag is a host setting, so this is observable without CUDA."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    model = tiny_vit()
+    pairs = [p for p in find_pairs(model) if p.kind == "functional"]
+    calls = _mm_spy(monkeypatch)
+    try:
+        matmul.fp32_precision = "ieee" if precision == "tf32" else "tf32"
+        colinearity_decay_(pairs, [0.05] * len(pairs), precision=precision)
+    finally:
+        matmul.fp32_precision = saved
+    assert calls and {flag for _, _, flag in calls} == {seen}
+
+
+def test_a_zero_weight_leaves_its_pair_out_of_the_penalty_graph():
+    """pair_penalty's docstring: 'a weight of 0 leaves the pair out' and all-zero weights give a zero without a
+    graph, so an optimizer sees no (zero) gradient for those matrices."""
+    model = tiny_vit().double()
+    pairs = find_pairs(model)
+    weights = [0.0 if p.role == "fc2" else 1.0 for p in pairs]
+    pair_penalty(pairs, weights).backward()
+    for p in pairs:
+        assert (p.downstream.grad is None) == (p.role == "fc2"), p.name
+    total = pair_penalty(pairs, [0.0] * len(pairs))
+    assert float(total) == 0.0 and not total.requires_grad
+
+
+def test_stabilized_scaling_is_exact_in_float64():
+    """align_to_task_loss(penalty, loss) = penalty * detach(loss / penalty): its value is the task loss and its
+    gradient w.r.t. the penalty is loss / penalty, both at float64 accuracy for float64 inputs."""
+    penalty = torch.tensor(7.0 / 11.0, dtype=torch.float64, requires_grad=True)
+    task = torch.tensor(1.0 / 3.0, dtype=torch.float64)
+    out = align_to_task_loss(penalty, task)
+    out.backward()
+    assert out.dtype == torch.float64
+    assert abs(float(out.detach()) - 1.0 / 3.0) < 1e-15
+    assert abs(float(penalty.grad) - (1.0 / 3.0) / (7.0 / 11.0)) < 1e-15
+
+
+def test_a_step_list_of_another_length_than_the_pairs_is_refused():
+    pairs = find_pairs(tiny_vit())
+    with pytest.raises(ValueError, match=f"step_sizes has 1 entries for {len(pairs)} pairs"):
+        colinearity_decay_(pairs, [0.05])
