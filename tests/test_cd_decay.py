@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,21 @@ def test_handle_removes_the_hook_and_lam_zero_hook_is_bit_identical():
     _zero_grads(model)
     opt.step()
     assert changed(model, P) == []
+
+
+def test_lam_zero_counts_no_update_and_says_nothing_about_weight_precision():
+    """Every strength 0 makes no update (the apply() docstring: 'no work'): cd/updates stays 0 through
+    attached steps, and bf16 weights, whose rounding only matters to an update that runs, are not
+    warned about."""
+    model = tiny_vit().bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    decay = ColinearityDecay(model, lam=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning here fails the test
+        decay.attach(opt)
+        _zero_grads(model)
+        opt.step()
+    assert decay.metrics()["cd/updates"] == 0.0
 
 
 def test_lam_zero_training_is_bit_identical_to_no_cd():
