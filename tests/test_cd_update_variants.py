@@ -1,6 +1,7 @@
 """Variants of the CD math in cd/update.py that the float64 references of test_cd_update.py do not reach: a call
 from inside an autocast region, the product precision of target C's upstream products, the TF32 setting the
-products see, the loss form's zero weights and stabilized scaling, and a step list of the wrong length.
+products see, the loss form's zero weights and stabilized scaling, an upstream step without a downstream one
+(target C) or for a composable pair, and a step list of the wrong length.
 
 References are written out here (float64 by hand, `ref_block_update`), or observe what torch.mm receives.
 """
@@ -110,3 +111,30 @@ def test_a_step_list_of_another_length_than_the_pairs_is_refused():
     pairs = find_pairs(tiny_vit())
     with pytest.raises(ValueError, match=f"step_sizes has 1 entries for {len(pairs)} pairs"):
         colinearity_decay_(pairs, [0.05])
+
+
+def test_target_c_moves_the_upstream_matrix_of_a_pair_whose_downstream_step_is_zero():
+    """A functional pair whose W2 does not move at this step (frozen, no gradient) still decays its W1 under
+    target C: W1 <- W1 - s1 c^2 W2^T W2 W1 with c^2 = r / ||W1||_F^2, W2 unchanged (float64 by hand)."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    pairs = [p for p in find_pairs(model) if p.role == "fc2"]
+    s1 = 0.03
+    colinearity_decay_(pairs, [0.0] * len(pairs), [s1] * len(pairs))
+    for i in range(VIT_DEPTH):
+        b = f"blocks.{i}"
+        fc1, fc2 = P[f"{b}.mlp.fc1.weight"], P[f"{b}.mlp.fc2.weight"]
+        c2 = fc1.shape[0] / fc1.norm() ** 2
+        torch.testing.assert_close(model.blocks[i].mlp.fc1.weight.detach(), fc1 - s1 * c2 * fc2.T @ fc2 @ fc1,
+                                   rtol=1e-10, atol=1e-12)
+        assert torch.equal(model.blocks[i].mlp.fc2.weight.detach(), fc2)
+
+
+def test_upstream_steps_of_composable_pairs_are_ignored():
+    """Norm scales are never decayed: an upstream step given for a composable pair changes nothing, also when
+    its W2 step is 0."""
+    model = tiny_vit().double()
+    P = snapshot(model)
+    pairs = [p for p in find_pairs(model) if p.kind == "composable"]
+    colinearity_decay_(pairs, [0.0] * len(pairs), [0.05] * len(pairs))
+    assert all(torch.equal(t, P[n]) for n, t in model.named_parameters())
