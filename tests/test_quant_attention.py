@@ -265,3 +265,27 @@ def test_a_training_mode_conversion_drops_attention_probabilities_as_timm_does(k
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     with torch.no_grad():
         assert (got - ours.eval()(x)).abs().max() > 0.1  # the training output really was dropped
+
+
+def test_per_channel_post_softmax_operand_has_one_range_per_key():
+    """"channel" on the post-softmax `attn` operand [B, H, N, N]: its last dim is the keys (N of them), not head_dim,
+    so the quantizer is sized by the data (17 tokens here, head_dim 16). Reference: min/max per key column over
+    (B, H, queries), fake-quantized by hand."""
+    from quant.calibrate import calibrate
+    from quant.ranges import RangeSearch
+
+    per_key = QuantizerSpec(8, granularity="channel", search=RangeSearch("minmax"))
+    spec = QuantSpec(linears=(), attentions=(AttentionRule(ATTENTION, q=None, k=None, attn=per_key, v=None),),
+                     strict=False)
+    attn = quantize_model(tiny_vit(), spec).blocks[0].attn
+    assert attn.head_dim == 16
+    x = torch.randn(2, 17, 48, generator=torch.Generator().manual_seed(0))
+    calibrate(attn, x)
+    probs = _operands_by_hand(attn, x)["attn"].detach()
+    lo, hi = probs.amin(dim=(0, 1, 2)), probs.amax(dim=(0, 1, 2))
+    scale = (hi - lo) / 255
+    torch.testing.assert_close(attn.attn_quant.scale.flatten(), scale)
+    zero = torch.round(-lo / scale)
+    expected = (torch.clamp(torch.round(probs / scale) + zero, 0, 255) - zero) * scale
+    with torch.no_grad():
+        torch.testing.assert_close(attn.attn_quant(probs), expected, rtol=0, atol=1e-6)
