@@ -114,6 +114,19 @@ def test_a_file_that_is_no_torch_file_is_named_as_what_it_is(tmp_path, kind, say
         assert set(load_checkpoint(str(good))) == {"model", "config"}
 
 
+def test_a_checkpoint_of_another_training_code_with_a_model_entry_but_no_config_is_refused(tmp_path):
+    """DeiT's and many other training scripts' checkpoints hold {"model": state dict, "epoch": ...} but no
+    run config: a 'model' entry alone does not make a checkpoint of this code base (every reader of a run
+    checkpoint takes its settings from 'config'), so it is refused naming the file and model.pretrained."""
+    from engine.checkpoint import load_checkpoint
+
+    path = tmp_path / "deit_checkpoint.pth"
+    torch.save({"model": {"w": torch.zeros(2)}, "optimizer": {}, "epoch": 3}, path)
+    with pytest.raises(CheckpointError, match=rf"^{path} is not a checkpoint of this code base \(no 'model'/'config' "
+                                              rf"entries\); for plain weights files use model.pretrained={path}$"):
+        load_checkpoint(str(path))
+
+
 def test_a_folder_given_as_a_checkpoint_is_named_as_a_folder_not_as_missing(tmp_path):
     """A run's out_dir given for --checkpoint exists: "checkpoint not found" would send the user looking for it."""
     from engine.checkpoint import load_checkpoint

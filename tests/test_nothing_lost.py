@@ -377,6 +377,32 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_leaves_no_partial_file(tmp_pa
     assert read_bytes(path) == good and os.listdir(tmp_path) == ["checkpoint.pt"]
 
 
+def test_a_checkpoint_is_on_disk_before_its_name_replaces_the_previous_one(tmp_path, monkeypatch):
+    """The order of a durable atomic write, written out: the new bytes go to a file other than checkpoint.pt, that
+    file is flushed to disk (fsync of its descriptor), and only then renamed over checkpoint.pt. Without the fsync
+    a power loss after the rename can leave checkpoint.pt empty: the previous checkpoint is gone and the new one
+    never reached the disk."""
+    path = str(tmp_path / "checkpoint.pt")
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def record_fsync(fd):  # the file by its inode: the descriptor has no name on every system
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def record_replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, str(src), str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    save_atomic({"model": {"w": torch.ones(3)}, "config": {}}, path)
+    assert [e[0] for e in events] == ["fsync", "replace"], events
+    (_, synced), (_, renamed, source, target) = events
+    assert synced == renamed and source != path and target == path
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
 def test_a_failed_first_write_says_no_earlier_file_existed_and_leaves_none(tmp_path, monkeypatch):
     """The message must not promise a previous checkpoint that was never written."""
     def full_disk(payload, f):
