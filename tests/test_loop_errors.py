@@ -105,3 +105,39 @@ def test_a_failed_start_never_leaves_a_folder_that_refuses_the_corrected_command
     archived = os.listdir(os.path.join(corrected.out_dir, "archive"))
     assert sorted(os.listdir(os.path.join(corrected.out_dir, "archive", archived[0]))) == [
         "config.yaml", "metrics.jsonl", "tb", "train.log"]
+
+
+def test_an_error_after_a_non_finite_loss_writes_no_checkpoint():
+    """An exception mid-epoch keeps the updates since the last checkpoint only when they are finite: here update 2's
+    loss is NaN (its weights are NaN) and the loader fails at update 3, before any log step had seen the NaN. No
+    checkpoint may be written (it would replace the last good one with NaN weights), and the loader's error is the
+    one raised."""
+    from engine.loop import TrainBatches
+
+    class FailingLoader:  # two batches, then the file server goes away
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for _ in range(2):
+                yield torch.randn(2, 3), torch.tensor([0, 1])
+            raise OSError("the file server went away")
+
+    class Order:
+        def set_epoch(self, epoch, start=0):
+            pass
+
+    calls, saves = [0], []
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        return loss * float("nan") if calls[0] == 2 else loss
+
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), save=lambda: saves.append(1), log_every=100)
+    with pytest.raises(OSError, match="the file server went away"):
+        loop.run_epoch(TrainBatches(FailingLoader(), Order()), TrainState(), batch_size_per_gpu=2)
+    assert calls[0] == 2 and saves == []
+    assert not torch.isfinite(model.weight).all()  # the premise: the weights are NaN

@@ -1030,6 +1030,26 @@ def test_a_training_payload_restores_optimizer_scaler_ema_and_counters():
         restore_training(payload, model=model2, optimizer=None, state=TrainState(), scaler=scaler2)
 
 
+def test_a_training_payload_holds_the_weights_of_the_wrapped_module_by_their_own_names():
+    """Under DDP (a wrapper whose only child is `module`) the checkpoint's 'model' holds the names of the model
+    itself, 'weight' and 'bias' of a Linear, not 'module.weight': the same file then loads into a one-process run,
+    into evaluate.py and into the unwrapped model of a resumed DDP run."""
+    from engine.checkpoint import restore_training, training_payload
+
+    class Wrapper(torch.nn.Module):  # DDP's shape, without a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = torch.nn.Linear(3, 2)
+    payload = training_payload(model=Wrapper(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               state=TrainState(step=2), config={})
+    assert set(payload["model"]) == {"weight", "bias"}
+    fresh = torch.nn.Linear(3, 2)
+    restore_training(payload, model=fresh, optimizer=None, state=TrainState())
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
 def test_an_abandoned_checkpoint_is_kept_once(tmp_path):
     """A roll-back keeps the checkpoint.pt it leaves as checkpoint.until_step<N>.pt (a hard link: checkpoint.pt
     stays in place until the first new checkpoint), unless a snapshot already holds the same file."""
