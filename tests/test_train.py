@@ -671,6 +671,37 @@ def test_evaluate_scores_as_a_naive_per_image_loop():
     assert got["loss"] == pytest.approx(loss / count, rel=1e-6)  # logits are scored in float32
 
 
+def test_the_loop_trains_in_training_mode_and_evaluate_scores_in_eval_mode():
+    """Dropout and drop path act in training only: run_epoch puts the model in training mode, also after a
+    validation left it in eval mode, and evaluate puts it in eval mode, also when called mid-training. Checked by
+    the mode each forward saw, and by evaluate's loss against the dropout-free logits computed by hand."""
+    from engine.loop import TrainBatches, evaluate
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.dropout, self.modes = torch.nn.Linear(3, 2), torch.nn.Dropout(0.9), []
+
+        def forward(self, x):
+            self.modes.append(self.training)
+            return self.linear(self.dropout(x))
+
+    torch.manual_seed(0)
+    model = Recorder()
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(2)]
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), log_every=100)
+    model.eval()  # as a validation leaves it
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=4)
+    assert model.modes == [True, True]
+    model.train()  # as the loop leaves it
+    got = evaluate(model, batches, torch.device("cpu"))
+    assert model.modes[2:] == [False, False]
+    with torch.no_grad():
+        want = sum(F_ce(model.linear(x), y) * len(y) for x, y in batches) / 8
+    assert got["loss"] == pytest.approx(float(want), rel=1e-6)
+
+
 def test_an_epoch_schedule_sets_the_lr_of_each_epoch_before_its_updates():
     """sched.per_step=false: the updates of epoch e take the schedule's lr at epoch e (timm's step(e)), checked
     against plain SGD written out over two epochs."""
