@@ -141,3 +141,32 @@ def test_an_error_after_a_non_finite_loss_writes_no_checkpoint():
         loop.run_epoch(TrainBatches(FailingLoader(), Order()), TrainState(), batch_size_per_gpu=2)
     assert calls[0] == 2 and saves == []
     assert not torch.isfinite(model.weight).all()  # the premise: the weights are NaN
+
+
+@pytest.mark.parametrize("failing_micro_batch", [1, 2])
+def test_an_error_before_the_first_update_completes_writes_no_checkpoint(failing_micro_batch):
+    """Nothing is trained before the first update completes (2 micro-batches here): an error in either of its
+    micro-batches writes no checkpoint.pt, which would make the corrected command a resume of the untrained
+    weights under the failed settings. The error itself is raised."""
+    from engine.loop import TrainBatches
+
+    class Order:
+        def set_epoch(self, epoch, start=0):
+            pass
+
+    calls, saves = [0], []
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        if calls[0] == failing_micro_batch:
+            raise RuntimeError("a bad batch")
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), accum_steps=2, save=lambda: saves.append(1), log_every=100)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    state = TrainState()
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        loop.run_epoch(TrainBatches(batches, Order()), state, batch_size_per_gpu=2)
+    assert saves == [] and (state.step, state.epoch_batches) == (0, 0)
