@@ -807,3 +807,30 @@ def test_module_input_captures_pool_every_batch_and_refuse_a_module_off_the_forw
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match=r"modules saw no input before blocks.0 finished: \['later'\]"):
         capture_module_inputs(model, {"fc1": block.mlp.fc1, "later": model.blocks[1].mlp.fc1}, "blocks.0", x, 2)
+
+
+def test_candidate_grid_refuses_a_symmetric_quantizer_and_an_eq_n_below_its_zero_points():
+    # the grid's zero points 0..2^b - 1 are those of an asymmetric code; eq_n = 8 at 4 bits would leave no scale
+    # per zero point (an empty grid, then an IndexError deep in the search): both refused with the quantity named
+    rows = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sym = UniformQuantizer(4, symmetric=True, channel_dim=0, num_channels=3)
+    sym.name = "blocks.0.attn.qkv.weight_quantizer"
+    with pytest.raises(ValueError, match=r"blocks.0.attn.qkv.weight_quantizer: the APHQ grid is for asymmetric"):
+        range_grid(rows, sym, (0.9, 1.0), 128)
+    asym = UniformQuantizer(4, channel_dim=0, num_channels=3)
+    with pytest.raises(ValueError, match=r"eq_n=8 is below the 16 zero points of a 4-bit grid"):
+        range_grid(rows, asym, (0.9, 1.0), 8)
+    assert range_grid(rows, asym, (0.9, 1.0), 16)[0].shape == (16, 3)  # one scale per zero point is enough
+
+
+def test_linear_search_refuses_a_per_channel_input_quantizer_and_leaves_it_as_it_was():
+    # the output-MSE input search chooses ONE range for the whole input: a per-channel input quantizer would be
+    # silently resized to one group; refused by name before any quantizer is set
+    layer = QuantLinear.from_float(nn.Linear(6, 4), UniformQuantizer(4, channel_dim=0, num_channels=4),
+                                   UniformQuantizer(4, channel_dim=-1, num_channels=6))
+    layer.input_quantizer.name = "blocks.0.mlp.fc1.input_quantizer"
+    before = layer.input_quantizer.scale.clone()
+    with pytest.raises(ValueError, match=r"blocks.0.mlp.fc1.input_quantizer: the output-MSE input search is per"):
+        search_linear(layer, torch.randn(20, 6), rounds=1, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=32)
+    assert layer.input_quantizer.scale.shape == (6,) and torch.equal(layer.input_quantizer.scale, before)
+    assert not layer.weight_quantizer.calibrated
