@@ -834,3 +834,11 @@ def test_linear_search_refuses_a_per_channel_input_quantizer_and_leaves_it_as_it
         search_linear(layer, torch.randn(20, 6), rounds=1, weight_pct=(0.9, 1.0), act_pct=(0.9, 1.0), eq_n=32)
     assert layer.input_quantizer.scale.shape == (6,) and torch.equal(layer.input_quantizer.scale, before)
     assert not layer.weight_quantizer.calibrated
+
+
+def test_hessian_refuses_an_unknown_probe_by_name():
+    # any probe other than "ones" would otherwise silently run as Hutchinson's ("rademacher")
+    model = tiny_vit()
+    x = images(2)
+    with pytest.raises(ValueError, match=r"unknown Hessian probe 'hutchinson'"):
+        perturbation_hessian(model, "blocks.0", x, model_logits(model, x, 2), batch_size=2, probe="hutchinson")
