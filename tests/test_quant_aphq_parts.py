@@ -842,3 +842,48 @@ def test_hessian_refuses_an_unknown_probe_by_name():
     x = images(2)
     with pytest.raises(ValueError, match=r"unknown Hessian probe 'hutchinson'"):
         perturbation_hessian(model, "blocks.0", x, model_logits(model, x, 2), batch_size=2, probe="hutchinson")
+
+
+def test_unit_coverage_does_not_let_blocks_1_cover_blocks_10():
+    # a ViT-B has blocks.0 .. blocks.11: with blocks.10 missing from the units, its quantizer lies outside every unit
+    # even though its name starts with "blocks.1"
+    from quant.units import Unit, check_unit_coverage
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Module() for _ in range(12)])
+    for block in model.blocks:
+        block.q = UniformQuantizer(4)
+    units = [Unit(f"blocks.{i}", "block") for i in range(12) if i != 10]
+    with pytest.raises(ValueError, match=r"1 quantizers lie outside every reconstruction unit: \['blocks.10.q'\]"):
+        check_unit_coverage(model, units)
+    check_unit_coverage(model, units + [Unit("blocks.10", "block")])
+
+
+def test_map_tensors_keeps_list_and_tuple_types_and_non_tensors():
+    # an FPN's list of levels stays a list, (x, hw_shape) a tuple, and non-tensors pass through untouched
+    from quant.units import map_tensors
+    t = torch.ones(2)
+    got = map_tensors([t, (t, (3, 4)), "name"], lambda x: x * 2)
+    assert type(got) is list and type(got[1]) is tuple
+    assert torch.equal(got[0], torch.full((2,), 2.0)) and torch.equal(got[1][0], torch.full((2,), 2.0))
+    assert got[1][1] == (3, 4) and got[2] == "name"
+
+
+def test_for_each_call_does_not_hand_on_the_consumers_own_calls_of_the_unit():
+    # a consumer that runs the unit itself (a reference forward) sees only the feed's calls: one per batch
+    from quant.units import for_each_call
+
+    class Feed:
+        def __len__(self):
+            return 2
+
+        def run(self, model, index):
+            model(images(1, seed=index))
+
+    model = tiny_vit()
+    seen = []
+
+    def consume(args, out):
+        seen.append(out)
+        model.blocks[0](args[0])  # the reference forward
+
+    assert for_each_call(model, "blocks.0", Feed(), consume) == 2 and len(seen) == 2
