@@ -393,3 +393,133 @@ def test_per_image_captures_keep_every_output_tensor_and_refuse_a_unit_that_some
             assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match=r"unit ran 2 times over 3 batches"):
         capture_unit_calls(_Toy(skip_wide=True), "unit", ImageFeed(images))
+
+
+def test_binary_kl_clamps_a_saturated_perturbed_prediction():
+    # the perturbed model's sigmoid saturates too: the official binary_kl clamps pred as it clamps the target, so
+    # the KL stays finite; reference: the Bernoulli KL of the clamped probabilities, written out in float64
+    pred, target = torch.sigmoid(torch.tensor([40.0, -120.0, 0.0])), torch.tensor([0.3, 0.6, 0.5])
+    assert pred[0] == 1.0 and pred[1] == 0.0
+    p, t = pred.clamp(1e-7, 1 - 1e-7).double(), target.double()
+    want = (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean()
+    got = binary_kl(pred, target)
+    assert torch.isfinite(got) and float(got) == pytest.approx(float(want), rel=1e-4)
+
+
+class _SideBlock(Block):
+    """A unit with a second output tensor that the RPN never reads (as a Swin stage's extra outputs)."""
+
+    def forward(self, x, hw_shape):
+        return super().forward(x, hw_shape), 3 * x
+
+
+class _SideDetector(ToyDetector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone.block = _SideBlock(4)
+
+    def forward_image(self, image):
+        b, c, h, w = image.shape
+        x, _ = self.backbone.block(image.flatten(2).transpose(1, 2), (h, w))
+        fmap = x.transpose(1, 2).reshape(b, c, h, w)
+        levels = [fmap, F.avg_pool2d(fmap, 2)]
+        return [self.rpn_cls(f) for f in levels], [self.rpn_reg(f) for f in levels]
+
+
+def test_detector_aph_weight_of_an_output_the_rpn_never_reads_is_the_plain_mse_weight():
+    # no gradient reaches the second output: its weight is 1 everywhere (plain MSE), not 0 (never reconstructed);
+    # the read output's weight is the official one, computed by the transcription above on the same detector
+    torch.manual_seed(0)
+    model = _SideDetector().double()
+    feed = ImageFeed([img.double() for img in images()])
+    expected, (raw_cls, raw_box) = official_hessians(model, feed)
+    model.requires_grad_(False)
+    got = detector_hessians(model, "backbone.block", feed, feed.rpn_outputs, list(zip(raw_cls, raw_box)), eps=EPS)
+    for (h_read, h_side), e, img in zip(got, expected, feed.images):
+        assert torch.allclose(h_read.double(), e, rtol=1e-5, atol=1e-8)
+        assert h_side.shape == (1, img.shape[2] * img.shape[3], 4) and torch.equal(h_side, torch.ones_like(h_side))
+
+
+def test_per_image_input_mix_takes_the_quantized_prefix_element_with_probability_input_mix_prob():
+    # float input all 0, quantized-prefix input all 1: the mean of the mixed input is the fraction of quantized
+    # elements, which must be input_mix_prob (the official where(rand < drop_prob, quantized, float)); 0.5 could not
+    # tell it from 1 - p
+    from quant.units import UnitCall
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x, hw_shape):
+            seen.append(float(x.mean()))
+            return super().forward(x)
+
+    fp_calls = [UnitCall((torch.zeros(1, 5000, 4), (50, 100)), [torch.zeros(1, 5000, 4)])]
+    q_calls = [UnitCall((torch.ones(1, 5000, 4), (50, 100)), None)]
+    for p in (0.2, 0.9):
+        torch.manual_seed(0)
+        reconstruct_unit_calls(Probe(4, 4), fp_calls, q_calls, None, recon_settings(mix=p))
+        assert abs(seen[-1] - p) < 0.02, p
+
+
+def test_binary_kl_clamps_a_saturated_perturbed_prediction():
+    # the perturbed model's sigmoid saturates too: the official binary_kl clamps pred as it clamps the target, so
+    # the KL stays finite; reference: the Bernoulli KL of the clamped probabilities, written out in float64
+    pred, target = torch.sigmoid(torch.tensor([40.0, -120.0, 0.0])), torch.tensor([0.3, 0.6, 0.5])
+    assert pred[0] == 1.0 and pred[1] == 0.0
+    p, t = pred.clamp(1e-7, 1 - 1e-7).double(), target.double()
+    want = (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean()
+    got = binary_kl(pred, target)
+    assert torch.isfinite(got) and float(got) == pytest.approx(float(want), rel=1e-4)
+
+
+class _SideBlock(Block):
+    """A unit with a second output tensor that the RPN never reads (as a Swin stage's extra outputs)."""
+
+    def forward(self, x, hw_shape):
+        return super().forward(x, hw_shape), 3 * x
+
+
+class _SideDetector(ToyDetector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone.block = _SideBlock(4)
+
+    def forward_image(self, image):
+        b, c, h, w = image.shape
+        x, _ = self.backbone.block(image.flatten(2).transpose(1, 2), (h, w))
+        fmap = x.transpose(1, 2).reshape(b, c, h, w)
+        levels = [fmap, F.avg_pool2d(fmap, 2)]
+        return [self.rpn_cls(f) for f in levels], [self.rpn_reg(f) for f in levels]
+
+
+def test_detector_aph_weight_of_an_output_the_rpn_never_reads_is_the_plain_mse_weight():
+    # no gradient reaches the second output: its weight is 1 everywhere (plain MSE), not 0 (never reconstructed);
+    # the read output's weight is the official one, computed by the transcription above on the same detector
+    torch.manual_seed(0)
+    model = _SideDetector().double()
+    feed = ImageFeed([img.double() for img in images()])
+    expected, (raw_cls, raw_box) = official_hessians(model, feed)
+    model.requires_grad_(False)
+    got = detector_hessians(model, "backbone.block", feed, feed.rpn_outputs, list(zip(raw_cls, raw_box)), eps=EPS)
+    for (h_read, h_side), e, img in zip(got, expected, feed.images):
+        assert torch.allclose(h_read.double(), e, rtol=1e-5, atol=1e-8)
+        assert h_side.shape == (1, img.shape[2] * img.shape[3], 4) and torch.equal(h_side, torch.ones_like(h_side))
+
+
+def test_per_image_input_mix_takes_the_quantized_prefix_element_with_probability_input_mix_prob():
+    # float input all 0, quantized-prefix input all 1: the mean of the mixed input is the fraction of quantized
+    # elements, which must be input_mix_prob (the official where(rand < drop_prob, quantized, float)); 0.5 could not
+    # tell it from 1 - p
+    from quant.units import UnitCall
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x, hw_shape):
+            seen.append(float(x.mean()))
+            return super().forward(x)
+
+    fp_calls = [UnitCall((torch.zeros(1, 5000, 4), (50, 100)), [torch.zeros(1, 5000, 4)])]
+    q_calls = [UnitCall((torch.ones(1, 5000, 4), (50, 100)), None)]
+    for p in (0.2, 0.9):
+        torch.manual_seed(0)
+        reconstruct_unit_calls(Probe(4, 4), fp_calls, q_calls, None, recon_settings(mix=p))
+        assert abs(seen[-1] - p) < 0.02, p
