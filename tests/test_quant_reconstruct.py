@@ -181,3 +181,123 @@ def test_alphas_train_at_weight_lr_and_activation_scales_at_act_lr_with_cosine_d
     scale_lrs = [lr for call in steps for shapes, lr in call if shapes == scale_shapes]
     assert alpha_lrs == [w_lr] * iters
     assert scale_lrs == pytest.approx([a_lr * (1 + math.cos(math.pi * k / iters)) / 2 for k in range(iters)])
+
+
+def test_dropout_inside_the_unit_stays_off_when_the_unit_comes_in_training_mode():
+    # only the quantizers run in train mode (QDrop): a unit handed over in train mode still runs its dropout in eval
+    # mode; reference: the first iteration's output error of the same unit in eval mode, written out as above
+    fp, unit, x = two_layer_unit(seed=6)
+    unit[1] = nn.Sequential(nn.GELU(), nn.Dropout(0.5))
+    target = fp(x)
+    st = settings(1, drop_prob=1.0, normalize_loss=False, rounding=RoundingSchedule(1, warmup=1.0))
+    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:st.batch_size]
+    unit.eval()
+    out, tgt = first_iteration_reference(unit, x, target, idx, 1.0)
+    unit.train()
+    logged = []
+    reconstruct_unit(unit, x, x, target, None, "weighted_mse", st, torch.Generator().manual_seed(0),
+                     progress=logged.append)
+    assert logged[0]["rec"] == pytest.approx(float((out - tgt).pow(2).mean()), rel=1e-5)
+    assert not unit[1][1].training
+
+
+def test_a_disabled_weight_quantizer_keeps_its_float_weight_and_a_log_quantizer_is_refused():
+    # a layer left in float (weight quantizer disabled) gets no rounding variable and no bake: its weight is the
+    # float weight bit for bit afterwards, while the enabled layer's lies on its grid; a non-uniform activation
+    # quantizer (no scale to learn) is refused by name
+    from quant.quantizers import LogSqrt2Quantizer
+    fp, unit, x = two_layer_unit(seed=7)
+    unit[2].weight_quantizer.enabled = False
+    w_float = unit[2].weight.detach().clone()
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(3), torch.Generator().manual_seed(0))
+    assert torch.equal(unit[2].weight, w_float) and unit[2].weight_quantizer.alpha is None
+    q = unit[0].weight_quantizer
+    codes = unit[0].weight / q.scale[:, None] + q.zero_point[:, None]
+    assert torch.allclose(codes, codes.round(), atol=1e-4)
+
+    fp, unit, x = two_layer_unit(seed=7)
+    log_q = LogSqrt2Quantizer(4)
+    log_q.name = "blocks.0.attn.attn_quant"
+    unit[2].input_quantizer = log_q
+    with pytest.raises(TypeError, match=r"scale learning needs uniform activation quantizers: "
+                                        r"\['blocks.0.attn.attn_quant'\]"):
+        reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1), torch.Generator().manual_seed(0))
+    log_q.enabled = False  # a disabled (float) quantizer has nothing to learn: the unit reconstructs
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1), torch.Generator().manual_seed(0))
+
+
+def test_activation_scales_are_learned_and_zero_points_and_weight_scales_are_not():
+    # one iteration: Adam's first step moves every parameter with a nonzero gradient by lr (sign of its gradient), so
+    # each activation scale moves by act_lr; zero points and weight scales are not learned and stay as calibrated
+    fp, unit, x = two_layer_unit(seed=8)
+    acts = [q for _, q in named_quantizers(unit, "activation")]
+    before = [(q.scale.detach().clone(), q.zero_point.clone()) for q in acts]
+    w_before = [unit[i].weight_quantizer.scale.clone() for i in (0, 2)]
+    act_lr = 1e-3
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1, act_lr=act_lr, drop_prob=1.0),
+                     torch.Generator().manual_seed(0))
+    for q, (s0, z0) in zip(acts, before):
+        assert (q.scale.detach() - s0).abs().tolist() == pytest.approx([act_lr] * s0.numel(), rel=1e-3), q.name
+        assert torch.equal(q.zero_point, z0)
+    for i, s0 in zip((0, 2), w_before):
+        assert torch.equal(unit[i].weight_quantizer.scale, s0)
+
+
+def test_dropout_inside_the_unit_stays_off_when_the_unit_comes_in_training_mode():
+    # only the quantizers run in train mode (QDrop): a unit handed over in train mode still runs its dropout in eval
+    # mode; reference: the first iteration's output error of the same unit in eval mode, written out as above
+    fp, unit, x = two_layer_unit(seed=6)
+    unit[1] = nn.Sequential(nn.GELU(), nn.Dropout(0.5))
+    target = fp(x)
+    st = settings(1, drop_prob=1.0, normalize_loss=False, rounding=RoundingSchedule(1, warmup=1.0))
+    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:st.batch_size]
+    unit.eval()
+    out, tgt = first_iteration_reference(unit, x, target, idx, 1.0)
+    unit.train()
+    logged = []
+    reconstruct_unit(unit, x, x, target, None, "weighted_mse", st, torch.Generator().manual_seed(0),
+                     progress=logged.append)
+    assert logged[0]["rec"] == pytest.approx(float((out - tgt).pow(2).mean()), rel=1e-5)
+    assert not unit[1][1].training
+
+
+def test_a_disabled_weight_quantizer_keeps_its_float_weight_and_a_log_quantizer_is_refused():
+    # a layer left in float (weight quantizer disabled) gets no rounding variable and no bake: its weight is the
+    # float weight bit for bit afterwards, while the enabled layer's lies on its grid; a non-uniform activation
+    # quantizer (no scale to learn) is refused by name
+    from quant.quantizers import LogSqrt2Quantizer
+    fp, unit, x = two_layer_unit(seed=7)
+    unit[2].weight_quantizer.enabled = False
+    w_float = unit[2].weight.detach().clone()
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(3), torch.Generator().manual_seed(0))
+    assert torch.equal(unit[2].weight, w_float) and unit[2].weight_quantizer.alpha is None
+    q = unit[0].weight_quantizer
+    codes = unit[0].weight / q.scale[:, None] + q.zero_point[:, None]
+    assert torch.allclose(codes, codes.round(), atol=1e-4)
+
+    fp, unit, x = two_layer_unit(seed=7)
+    log_q = LogSqrt2Quantizer(4)
+    log_q.name = "blocks.0.attn.attn_quant"
+    unit[2].input_quantizer = log_q
+    with pytest.raises(TypeError, match=r"scale learning needs uniform activation quantizers: "
+                                        r"\['blocks.0.attn.attn_quant'\]"):
+        reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1), torch.Generator().manual_seed(0))
+    log_q.enabled = False  # a disabled (float) quantizer has nothing to learn: the unit reconstructs
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1), torch.Generator().manual_seed(0))
+
+
+def test_activation_scales_are_learned_and_zero_points_and_weight_scales_are_not():
+    # one iteration: Adam's first step moves every parameter with a nonzero gradient by lr (sign of its gradient), so
+    # each activation scale moves by act_lr; zero points and weight scales are not learned and stay as calibrated
+    fp, unit, x = two_layer_unit(seed=8)
+    acts = [q for _, q in named_quantizers(unit, "activation")]
+    before = [(q.scale.detach().clone(), q.zero_point.clone()) for q in acts]
+    w_before = [unit[i].weight_quantizer.scale.clone() for i in (0, 2)]
+    act_lr = 1e-3
+    reconstruct_unit(unit, x, x, fp(x), None, "weighted_mse", settings(1, act_lr=act_lr, drop_prob=1.0),
+                     torch.Generator().manual_seed(0))
+    for q, (s0, z0) in zip(acts, before):
+        assert (q.scale.detach() - s0).abs().tolist() == pytest.approx([act_lr] * s0.numel(), rel=1e-3), q.name
+        assert torch.equal(q.zero_point, z0)
+    for i, s0 in zip((0, 2), w_before):
+        assert torch.equal(unit[i].weight_quantizer.scale, s0)
