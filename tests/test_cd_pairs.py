@@ -75,6 +75,28 @@ def test_wrapped_models_give_unwrapped_names():
     assert [p.name for p in find_pairs(_Wrapper(compiled))] == want
 
 
+class _Backbone(nn.Module):
+    """A model whose only child is its backbone (as a detector or a task head around a ViT): no wrapper."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x):
+        return self.backbone(x)
+
+
+def test_a_single_child_not_called_module_keeps_its_name_in_the_pairs():
+    # the names are the model's own parameter names (what the optimizer and the state dict use), under DDP too
+    model = _Backbone(tiny_vit())
+    names = [n for n, _ in model.named_parameters()]
+    want = [f"backbone.blocks.{i}.{w}.weight" for i in range(2) for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    for wrapped in (model, _Wrapper(model), torch.compile(_Wrapper(model))):
+        pairs = find_pairs(wrapped, example_input=torch.zeros(1, 3, 32, 32))
+        assert [p.name for p in pairs] == want and set(want) <= set(names)
+        assert [p.upstream_name for p in pairs][:2] == ["backbone.blocks.0.norm1.weight", "backbone.blocks.0.attn.qkv.weight"]
+
+
 def test_attention_with_extra_parameters_keeps_its_pairs():
     model = tiny_vit()
     model.blocks[0].attn.sink_bias = nn.Parameter(torch.zeros(2))  # attention-sink style extra parameter
