@@ -148,6 +148,10 @@ def test_one_update_is_eq12_by_hand():
     (dict(qkv=None, q_k_v={"q": "attention.q", "k": "attention.k", "v": "attention.v"}), "'q_k_v'"),
     (dict(q_k_v=5), "'q_k_v'"),
     (dict(fc1=None), "'fc1'"),
+    # the optional paths are checked as the required ones when given
+    (dict(fc1=""), "'fc1'"),
+    (dict(qkv="attention. qkv_proj"), "'qkv'"),
+    (dict(fc1=None, gate="ffn.gate", up=5), "'up'"),
     (dict(gate="ffn.gate"), "'gate' and 'up'"),
     (dict(fc1="attention.out"), "'proj' and 'fc1'"),
     (dict(library=""), "'library'"),
