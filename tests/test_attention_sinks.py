@@ -17,8 +17,8 @@ from configs.schema import ModelConfig
 from engine.checkpoint import CheckpointError
 from engine.optim import build_optimizer
 from models import ModelError, build_model
-from models.attention_sinks import (ATTN_CHOICES, AttnBiasAttention, KVBiasAttention, Softmax1Attention,
-                                    softmax_with_sink, use_sink_attention)
+from models.attention_sinks import (ATTN_CHOICES, AttnBiasAttention, KVBiasAttention, KVBiasWindowAttention,
+                                    Softmax1Attention, softmax_with_sink, use_sink_attention)
 from quant import PIPELINES
 from quant.attention import ATTENTION_TYPES
 from quant.modes import quant_state
@@ -192,6 +192,47 @@ def test_variants_relate_to_plain_attention():
         torch.testing.assert_close(kv(x, attn_mask=nothing), kv.proj(kv.sink_v).expand(2, 9, 48))
         kv.fused_attn = not kv.fused_attn  # SDPA and the explicit path agree, masks included
         torch.testing.assert_close(kv(x, attn_mask=nothing), kv.proj(kv.sink_v).expand(2, 9, 48))
+
+
+# -- every option of timm's Attention, against timm's own module --------------------------------------------
+TIMM_OPTIONS = {"qk_norm": dict(qk_norm=True), "scale_norm": dict(scale_norm=True), "gated": dict(gated=True),
+                "head_dim": dict(attn_head_dim=8, dim_out=40)}
+
+
+@pytest.mark.parametrize("masks", ["none", "causal", "bool_mask", "causal_and_mask"])
+@pytest.mark.parametrize("option", sorted(TIMM_OPTIONS))
+def test_a_vanishing_sink_is_timms_attention_with_each_of_its_options(option, masks):
+    """attn_bias with exp(sink_logit) = 0 (a logit of -1e4 in float64) is plain softmax attention, so the variant
+    that took over a timm Attention must give timm's output (its explicit path, float64) for each option timm's
+    module has: q / k norms, a norm of the heads' output, a sigmoid gate, a head and output width of its own; and
+    for each mask: is_causal, a bool attn_mask (True: attend), and both (is_causal wins, as in timm)."""
+    g = torch.Generator().manual_seed(0)
+    plain = Attention(48, num_heads=3, qkv_bias=True, norm_layer=torch.nn.LayerNorm, **TIMM_OPTIONS[option])
+    plain = plain.double().eval()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if "norm" in name:  # not the identity-like init: a norm applied twice or left out shows
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    plain.fused_attn = False
+    variant = AttnBiasAttention.from_module(plain)
+    with torch.no_grad():
+        variant.sink_logit.fill_(-1e4)
+    x = torch.randn(2, 9, 48, generator=g, dtype=torch.float64)
+    allowed = (torch.rand(9, 9, generator=g) > 0.5) | torch.eye(9, dtype=torch.bool)  # no row fully masked
+    kwargs = {"none": {}, "causal": dict(is_causal=True), "bool_mask": dict(attn_mask=allowed),
+              "causal_and_mask": dict(attn_mask=allowed, is_causal=True)}[masks]
+    with torch.no_grad():
+        torch.testing.assert_close(variant(x, **kwargs), plain(x, **kwargs))
+
+
+def test_a_variant_takes_over_only_the_timm_module_it_is_made_for():
+    """from_module copies settings and children by name: a module of another type (Swin's WindowAttention for a ViT
+    variant, or a variant already) would give a module mixing two layouts, so it is a TypeError."""
+    vit = Attention(48, num_heads=3)
+    with pytest.raises(TypeError, match="KVBiasWindowAttention.from_module takes a WindowAttention, not a Attention"):
+        KVBiasWindowAttention.from_module(vit)
+    with pytest.raises(TypeError, match="Softmax1Attention.from_module takes a Attention, not a Softmax1Attention"):
+        Softmax1Attention.from_module(Softmax1Attention.from_module(vit))
 
 
 # -- models, training pieces ---------------------------------------------------------------------------
