@@ -145,10 +145,13 @@ def test_a_nanogpt_file_without_the_token_embedding_is_refused_naming_the_missin
 
 
 @pytest.mark.parametrize("setting, expected", [("num_classes=80", "set model.num_classes=65 to load it"),
-                                               ("kwargs={context: 16}", "set model.kwargs.context=32 to load it")])
+                                               ("kwargs={context: 16}", "set model.kwargs.context=32 to load it"),
+                                               ("kwargs={embed_dim: 64}", "'wte.weight' has shape (65, 32), the model "
+                                                                          "expects (65, 64): a checkpoint of another")])
 def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_path, setting, expected):
     # transformers' GPT-2 has 50,257 ids, the gpt2 recipe 50,304: the error named no fix ("a checkpoint of another
-    # model?"), and for the vocabulary model.pretrained_strict=false cannot help (the head is the embedding)
+    # model?"), and for the vocabulary model.pretrained_strict=false cannot help (the head is the embedding). A file
+    # of another width differs in the embedding's columns, which no vocabulary or context setting changes
     from configs.schema import ModelConfig
     from models import ModelError, build_model
     torch.save(_nanogpt_names(build_gpt("gpt2_nano", vocab_size=65).state_dict()), tmp_path / "nano.pt")
