@@ -338,6 +338,8 @@ def test_a_vision_file_into_a_language_model_and_a_file_mixing_tensors_with_othe
             build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained_strict=strict,
                                     pretrained=str(tmp_path / "vit.pth")))
         assert "num_classes" not in str(refused.value)
+        assert str(refused.value).endswith("a vision model's weights (a patch embedding); give a language model's "
+                                           "instead (a train.py run of a GPT, or nanoGPT / transformers GPT-2 weights)")
     torch.save({**vit, "epoch": 3}, tmp_path / "flat.pth")
     with pytest.raises(ModelError, match=r"holds no state dict"):
         build_model(model_cfg("model.name=vit_nano", f"model.pretrained={tmp_path / 'flat.pth'}"))
@@ -396,3 +398,57 @@ def test_a_file_trained_at_another_img_size_loads_with_its_position_table_resize
     with caplog.at_level("WARNING"):
         build_model(model_cfg(*asked[:2], "model.img_size=32", *asked[3:]))  # the file's own size: no line
     assert "resampled" not in caplog.text
+
+
+@pytest.mark.parametrize("name, blocks, width, heads, patch, grid", [("vit_micro", 6, 96, 3, 4, 8),
+                                                                      ("vit_nano", 2, 32, 2, 8, 4)])
+def test_vit_variants_are_the_documented_architectures(name, blocks, width, heads, patch, grid):
+    """models/variants.py's comments (the demo's 6-block ViT of 8x8 patches of 4 pixels + cls; the 2-block test
+    model), read off the built module rather than off the variant table."""
+    from timm.models.vision_transformer import VisionTransformer
+    model = build_model(model_cfg(f"model.name={name}"))
+    assert type(model) is VisionTransformer and input_size(model) == 32
+    assert len(model.blocks) == blocks and model.embed_dim == width
+    assert [b.attn.num_heads for b in model.blocks] == [heads] * blocks
+    assert model.patch_embed.proj.kernel_size == (patch, patch) and model.patch_embed.grid_size == (grid, grid)
+    assert model.pos_embed.shape == (1, grid * grid + 1, width)  # the patches and the class token
+
+
+@pytest.mark.parametrize("name, depths, heads, width, patch, grid", [("swin_micro", (2, 2, 2), (2, 4, 8), 48, 2, 16),
+                                                                      ("swin_nano", (1, 1), (2, 4), 32, 4, 8)])
+def test_swin_variants_are_the_documented_architectures(name, depths, heads, width, patch, grid):
+    """Swin with windows of 4 on 32-pixel inputs: swin_micro's three stages on 16x16 tokens with two patch mergings,
+    swin_nano's two stages on 8x8 tokens with one."""
+    from timm.models.swin_transformer import PatchMerging, SwinTransformer
+    model = build_model(model_cfg(f"model.name={name}"))
+    assert type(model) is SwinTransformer and input_size(model) == 32 and model.embed_dim == width
+    assert tuple(len(stage.blocks) for stage in model.layers) == depths
+    assert tuple(stage.blocks[0].attn.num_heads for stage in model.layers) == heads
+    assert all(b.attn.window_size == (4, 4) for stage in model.layers for b in stage.blocks)
+    assert model.patch_embed.proj.kernel_size == (patch, patch) and model.patch_embed.grid_size == (grid, grid)
+    assert sum(isinstance(stage.downsample, PatchMerging) for stage in model.layers) == len(depths) - 1
+
+
+def test_the_input_size_of_a_model_without_a_patch_embedding_is_its_pretrained_cfgs():
+    """A timm CNN has no patch_embed: its square input is the side of pretrained_cfg's (3, 224, 224)."""
+    with torch.device("meta"):
+        assert input_size(build_model(model_cfg("model.name=resnet18"))) == 224
+
+
+@pytest.mark.parametrize("kwargs, prefix", [(["model.kwargs.reg_tokens=2"], 3),
+                                            (["model.kwargs.no_embed_class=true"], 0)])
+def test_a_position_table_with_register_tokens_or_no_class_entry_is_resized_on_its_grid(tmp_path, caplog, kwargs,
+                                                                                         prefix):
+    """The table's prefix entries (class and register tokens; none with no_embed_class) are not grid cells: the
+    log names the file's 4x4 grid (32 pixels at patch 8) and the model's 6x6 (48 pixels), and the table is timm's
+    resample of the file's, computed here by an independent call."""
+    from timm.layers import resample_abs_pos_embed
+    source = build_model(model_cfg("model.name=vit_nano", *kwargs))
+    assert source.pos_embed.shape[1] == prefix + 16
+    torch.save(source.state_dict(), tmp_path / "at32.pth")
+    with caplog.at_level("WARNING"):
+        model = build_model(model_cfg("model.name=vit_nano", *kwargs, "model.img_size=48",
+                                      f"model.pretrained={tmp_path / 'at32.pth'}", "model.pretrained_strict=true"))
+    assert "position table of a 4x4 grid resampled to the model's 6x6" in caplog.text
+    expected = resample_abs_pos_embed(source.pos_embed.detach(), (6, 6), num_prefix_tokens=prefix)
+    torch.testing.assert_close(model.pos_embed.detach(), expected, atol=1e-6, rtol=1e-5)
