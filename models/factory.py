@@ -8,6 +8,7 @@ with an attention-sink variant (`model.attn`, models/attention_sinks.py) and loc
 from __future__ import annotations
 
 import difflib
+import math
 
 import timm
 import torch.nn as nn
@@ -66,14 +67,17 @@ def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
     uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
     if uncovered:
         s, p = uncovered[0]
+        # model.img_size is one side for both: with patches of two sides (model.kwargs.patch_size=[8, 6]) only a
+        # multiple of both fits, and naming the one side refused would lead to the next refusal
+        whole = math.lcm(*(int(side) for side in patch))
         if pads:  # no pixel is left out, but the padded grid does not fit the table
             raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
                              f"dynamic_img_pad pads it to {-(-s // p)} patches, but the position table is built for "
-                             f"{s // p}; set model.img_size to a multiple of {p}, or "
+                             f"{s // p}; set model.img_size to a multiple of {whole}, or "
                              "model.kwargs.dynamic_img_size=true (the table resampled to each input's grid)")
         raise ModelError(f"model '{cfg.name}': an input of {s} pixels is not a whole number of patches of {p}: "
                          f"the patch embedding would leave {s % p} pixel rows / columns of every image unseen"
-                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {p}")
+                         f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {whole}")
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -70,13 +70,18 @@ def test_a_patch_size_of_zero_is_a_model_error():
 
 @pytest.mark.parametrize("overrides, unseen", [(["model.name=vit_nano", "model.img_size=30"], "6 pixel"),
                                                (["model.name=vit_nano", "model.img_size=7"], "7 pixel.*all of them"),
-                                               (["model.name=swin_nano", "model.img_size=34"], "2 pixel")])
+                                               (["model.name=swin_nano", "model.img_size=34"], "2 pixel"),
+                                               (["model.name=vit_nano", "model.kwargs.patch_size=[8, 6]"],
+                                                "2 pixel.*multiple of 24$")])
 def test_an_input_that_is_not_whole_patches_is_refused(overrides, unseen):
     """timm's patch embedding rounds the grid down: img_size 30 at patch 8 trained on 24 x 24 of every image
-    without a word; one below the patch size failed in the first forward."""
+    without a word; one below the patch size failed in the first forward. Patches of two sides (8 x 6) are checked
+    on each side, and the fix names a size both divide (model.img_size is one side for both: 24 = lcm(8, 6))."""
     with pytest.raises(ModelError, match=rf"not a whole number of patches .* would leave {unseen}"):
         build_model(model_cfg(*overrides))
     assert build_model(model_cfg("model.name=vit_nano", "model.img_size=40")).patch_embed.grid_size == (5, 5)
+    assert build_model(model_cfg("model.name=vit_nano", "model.img_size=24",
+                                 "model.kwargs.patch_size=[8, 6]")).patch_embed.grid_size == (3, 4)
 
 
 def test_unknown_model_is_a_clear_error():
