@@ -235,6 +235,15 @@ def test_a_variant_takes_over_only_the_timm_module_it_is_made_for():
         Softmax1Attention.from_module(Softmax1Attention.from_module(vit))
 
 
+@pytest.mark.parametrize("cls", [AttnBiasAttention, KVBiasAttention])
+@pytest.mark.parametrize("device, dtype", [("meta", torch.float32), ("cpu", torch.bfloat16)])
+def test_sink_parameters_are_made_on_the_device_and_in_the_dtype_of_the_module_taken_over(cls, device, dtype):
+    """The sink parameters sit beside the module's own weights (meta stands in for a GPU here): on the default
+    device, or in float32 beside bf16 weights, they would split the module across devices / dtypes."""
+    src = Attention(48, num_heads=3, qkv_bias=True, device=device, dtype=dtype)
+    sinks = [getattr(cls.from_module(src), name) for name in cls.sink_params]
+    assert sinks and all(p.device == torch.device(device) and p.dtype == dtype for p in sinks)
+
 # -- models, training pieces ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["vit_nano", "swin_nano"])
 @pytest.mark.parametrize("attn_kind", SINKS)
