@@ -63,6 +63,12 @@ def test_values_timm_asserts_on_are_a_model_error():
         build_model(model_cfg("model.name=vit_micro", "model.kwargs.embed_dim=35"))
 
 
+def test_an_argument_timm_does_not_take_is_a_model_error_naming_it():
+    with pytest.raises(ModelError, match=r"model 'vit_nano' \(vit_tiny_patch16_224\) rejected its arguments .*"
+                                         r"unexpected keyword argument 'depht'"):
+        build_model(model_cfg("model.name=vit_nano", "model.kwargs.depht=3"))
+
+
 def test_a_patch_size_of_zero_is_a_model_error():
     with pytest.raises(ModelError, match=r"model 'vit_nano' .* rejected its arguments .*division"):
         build_model(model_cfg("model.name=vit_nano", "model.kwargs.patch_size=0"))
@@ -296,6 +302,20 @@ def test_an_input_of_part_patches_padded_by_timm_is_accepted_for_a_model_without
     image = torch.randn(2, 3, 30, 30)
     with torch.no_grad():
         torch.testing.assert_close(model(image), whole(F.pad(image, (0, 2, 0, 2))))
+
+def test_an_input_of_part_patches_padded_by_timm_is_refused_for_a_rotary_table_of_the_rounded_down_grid():
+    """EVA without an absolute table (use_abs_pos_emb=false) still has a grid-sized table, its rotary one: timm's
+    model with the same arguments fails in its first forward (the reference), so the build refuses it."""
+    import timm
+    arch = dict(img_size=30, patch_size=8, embed_dim=32, depth=1, num_heads=2, dynamic_img_pad=True,
+                use_abs_pos_emb=False, num_classes=3)
+    with pytest.raises(RuntimeError):
+        timm.create_model("eva02_tiny_patch14_224", **arch)(torch.randn(1, 3, 30, 30))
+    with pytest.raises(ModelError, match=r"pads it to 4 patches, but the position table is built for 3"):
+        build_model(model_cfg("model.name=eva02_tiny_patch14_224", "model.img_size=30", "model.num_classes=3",
+                              "model.kwargs={patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2, "
+                              "dynamic_img_pad: true, use_abs_pos_emb: false}"))
+
 
 def test_fine_tuning_at_another_resolution_interpolates_the_position_grid_and_keeps_the_class_token(tmp_path):
     """32 -> 48 pixels at patch 8: the 4 x 4 position grid is resized bicubically to 6 x 6 (timm's filter: antialiased,
