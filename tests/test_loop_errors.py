@@ -10,6 +10,7 @@ import torch
 import train
 from configs import config_to_dict
 from data.synthetic import SyntheticDataset
+from device_utils import _FixedOrder
 from engine.loop import TrainLoop, TrainState
 from engine.run_dir import claim_run_dir, save_config_history
 
@@ -123,10 +124,6 @@ def test_an_error_after_a_non_finite_loss_writes_no_checkpoint():
                 yield torch.randn(2, 3), torch.tensor([0, 1])
             raise OSError("the file server went away")
 
-    class Order:
-        def set_epoch(self, epoch, start=0):
-            pass
-
     calls, saves = [0], []
 
     def compute_loss(m, x, y):
@@ -138,7 +135,7 @@ def test_an_error_after_a_non_finite_loss_writes_no_checkpoint():
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
                      device=torch.device("cpu"), save=lambda: saves.append(1), log_every=100)
     with pytest.raises(OSError, match="the file server went away"):
-        loop.run_epoch(TrainBatches(FailingLoader(), Order()), TrainState(), batch_size_per_gpu=2)
+        loop.run_epoch(TrainBatches(FailingLoader(), _FixedOrder()), TrainState(), batch_size_per_gpu=2)
     assert calls[0] == 2 and saves == []
     assert not torch.isfinite(model.weight).all()  # the premise: the weights are NaN
 
@@ -149,10 +146,6 @@ def test_an_error_before_the_first_update_completes_writes_no_checkpoint(failing
     micro-batches writes no checkpoint.pt, which would make the corrected command a resume of the untrained
     weights under the failed settings. The error itself is raised."""
     from engine.loop import TrainBatches
-
-    class Order:
-        def set_epoch(self, epoch, start=0):
-            pass
 
     calls, saves = [0], []
 
@@ -168,5 +161,5 @@ def test_an_error_before_the_first_update_completes_writes_no_checkpoint(failing
     batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
     state = TrainState()
     with pytest.raises(RuntimeError, match="a bad batch"):
-        loop.run_epoch(TrainBatches(batches, Order()), state, batch_size_per_gpu=2)
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=2)
     assert saves == [] and (state.step, state.epoch_batches) == (0, 0)
