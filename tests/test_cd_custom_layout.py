@@ -358,3 +358,65 @@ def test_a_missing_layer_of_a_builtin_layout_is_not_blamed_on_layouts_given():
     with pytest.raises(UnsupportedModelError, match=r"found no mlp\.fc2 .*the timm block layout") as refusal:
         find_pairs(nn.Sequential(block), verify=False)
     assert "given as layouts=" not in str(refusal.value)
+
+
+class InOut(nn.Module):
+    """A layer of no known type holding its weight (in, out) and computing x @ W + b, as transformers' Conv1D does
+    but without its `nf`: neither its type nor, when square, its shape tells its storage."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / math.sqrt(n_in))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class InOutBlock(nn.Module):
+    """Separate q, k, v, an output layer and a width-D MLP, all square InOut layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.q, self.attn.k, self.attn.v, self.attn.o = (InOut(D, D) for _ in range(4))
+        self.mlp.a, self.mlp.b = InOut(D, D), InOut(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, HEADS, D // HEADS).transpose(1, 2) for m in (self.attn.q, self.attn.k, self.attn.v))
+        x = x + self.attn.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+        return x + self.mlp.b(F.gelu(self.mlp.a(self.ln2(x))))
+
+
+IN_OUT = Layout("in-out layers", norm1="ln1", norm2="ln2", q_k_v=("attn.q", "attn.k", "attn.v"), proj="attn.o",
+                fc1="mlp.a", fc2="mlp.b", transposed=True)
+
+
+def test_a_layouts_transposed_storage_is_used_where_no_layer_tells_its_own():
+    # Every layer is square and of a type cd does not know, so only the layout's `transposed=True` tells the storage,
+    # for the composable pairs and for the functional ones (proj, fc2) alike. The reference is each layer's own
+    # forward: the (out, in) matrix it applies is the columns of layer(I) - layer(0), the transposed stored weight.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, D), InOutBlock())
+    blk = model[1]
+
+    def applied(layer: InOut) -> torch.Tensor:
+        with torch.no_grad():
+            return (layer(torch.eye(D)) - layer(torch.zeros(D))).T
+
+    pairs = find_pairs(model, _x(), layouts=[IN_OUT])
+    a = blk.attn
+    want = [("qkv", blk.ln1.weight, a.q), ("qkv", blk.ln1.weight, a.k), ("qkv", blk.ln1.weight, a.v),
+            ("proj", a.v, a.o), ("fc1", blk.ln2.weight, blk.mlp.a), ("fc2", blk.mlp.a, blk.mlp.b)]
+    assert [(p.role, p.transposed) for p in pairs] == [(role, True) for role, _, _ in want]
+    for p, (role, up, down) in zip(pairs, want):
+        assert p.downstream is down.weight
+        torch.testing.assert_close(p.w2(), applied(down), rtol=0, atol=1e-6, msg=role)
+        if isinstance(up, InOut):  # functional: W1 as its layer applies it too
+            assert p.upstream is up.weight
+            torch.testing.assert_close(p.w1(), applied(up), rtol=0, atol=1e-6, msg=role)
+        else:
+            assert p.w1() is up
