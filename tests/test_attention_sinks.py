@@ -143,6 +143,24 @@ def test_vit_variant_is_causal_on_the_tokens_only(cls, fused):
 
 
 @pytest.mark.parametrize("cls", [Softmax1Attention, AttnBiasAttention, KVBiasAttention])
+def test_converted_variant_masks_the_tokens_only(cls):
+    """The converted variant (quant/attention.py, no quantizers) with an additive attn_mask or is_causal: the mask
+    covers the token keys, never the sink (kv_bias's extra key slot gets no mask column)."""
+    from quant.attention import convert_attention
+
+    torch.manual_seed(0)
+    attn = randomize_sinks(cls(48, num_heads=3, qkv_bias=True)).double().eval()
+    ours = convert_attention(attn, {})
+    x = torch.randn(2, 9, 48, dtype=torch.float64)
+    bias = torch.randn(9, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    later = torch.ones(9, 9, dtype=torch.bool).triu(1)
+    causal = torch.zeros(3, 9, 9, dtype=torch.float64).masked_fill(later, float("-inf"))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, attn_mask=bias), reference_heads(attn, x, bias.expand(3, 9, 9)))
+        torch.testing.assert_close(ours(x, is_causal=True), reference_heads(attn, x, causal))
+
+
+@pytest.mark.parametrize("cls", [Softmax1Attention, AttnBiasAttention, KVBiasAttention])
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_dropout_acts_in_training_only(cls, fused):
     torch.manual_seed(0)
