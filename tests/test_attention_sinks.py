@@ -144,8 +144,8 @@ def test_vit_variant_is_causal_on_the_tokens_only(cls, fused):
 
 @pytest.mark.parametrize("cls", [Softmax1Attention, AttnBiasAttention, KVBiasAttention])
 def test_converted_variant_masks_the_tokens_only(cls):
-    """The converted variant (quant/attention.py, no quantizers) with an additive attn_mask or is_causal: the mask
-    covers the token keys, never the sink (kv_bias's extra key slot gets no mask column)."""
+    """The converted variant (quant/attention.py, no quantizers) with an additive attn_mask or is_causal: the
+    mask covers the token keys, never the sink (kv_bias's extra key slot gets no mask column)."""
     from quant.attention import convert_attention
 
     torch.manual_seed(0)

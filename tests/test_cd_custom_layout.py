@@ -361,8 +361,8 @@ def test_a_missing_layer_of_a_builtin_layout_is_not_blamed_on_layouts_given():
 
 
 class InOut(nn.Module):
-    """A layer of no known type holding its weight (in, out) and computing x @ W + b, as transformers' Conv1D does
-    but without its `nf`: neither its type nor, when square, its shape tells its storage."""
+    """A layer of no known type holding its weight (in, out) and computing x @ W + b, as transformers' Conv1D
+    does but without its `nf`: neither its type nor, when square, its shape tells its storage."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
@@ -386,19 +386,21 @@ class InOutBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.ln1(x)
-        q, k, v = (m(h).view(b, t, HEADS, D // HEADS).transpose(1, 2) for m in (self.attn.q, self.attn.k, self.attn.v))
+        q, k, v = (m(h).view(b, t, HEADS, D // HEADS).transpose(1, 2)
+                   for m in (self.attn.q, self.attn.k, self.attn.v))
         x = x + self.attn.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
         return x + self.mlp.b(F.gelu(self.mlp.a(self.ln2(x))))
 
 
-IN_OUT = Layout("in-out layers", norm1="ln1", norm2="ln2", q_k_v=("attn.q", "attn.k", "attn.v"), proj="attn.o",
-                fc1="mlp.a", fc2="mlp.b", transposed=True)
+IN_OUT = Layout("in-out layers", norm1="ln1", norm2="ln2", q_k_v=("attn.q", "attn.k", "attn.v"),
+                proj="attn.o", fc1="mlp.a", fc2="mlp.b", transposed=True)
 
 
 def test_a_layouts_transposed_storage_is_used_where_no_layer_tells_its_own():
-    # Every layer is square and of a type cd does not know, so only the layout's `transposed=True` tells the storage,
-    # for the composable pairs and for the functional ones (proj, fc2) alike. The reference is each layer's own
-    # forward: the (out, in) matrix it applies is the columns of layer(I) - layer(0), the transposed stored weight.
+    # Every layer is square and of a type cd does not know, so only the layout's `transposed=True` tells the
+    # storage, for the composable pairs and for the functional ones (proj, fc2) alike. The reference is each
+    # layer's own forward: the (out, in) matrix it applies is layer(I) - layer(0) transposed, which is the
+    # stored weight transposed.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, D), InOutBlock())
     blk = model[1]

@@ -219,7 +219,8 @@ BITS, SEED = 4, 3
 
 def naive_uniq(module, step, index, seed=SEED, bits=BITS, draws=torch.float64):
     """UNIQ's map written out element by element, for the weight and then the bias of `module` on the layer's
-    generator draws r (of dtype `draws`: the layer's compute dtype, fp32 for a half-precision layer): NormalDist fitted to the tensor (mean, unbiased std), u = F(p), u + (r - 1/2) / k clamped
+    generator draws r (of dtype `draws`: the layer's compute dtype, fp32 for a half-precision layer):
+    NormalDist fitted to the tensor (mean, unbiased std), u = F(p), u + (r - 1/2) / k clamped
     to [1e-5, 1 - 1e-5], F^-1. Also the map's slope pdf(p) / pdf(p~). Returns {name: (p~, slope)}, float64."""
     k = 2 ** bits
     gen = torch.Generator().manual_seed(noise_seed(seed, step, index))
@@ -535,9 +536,10 @@ def test_weight_noise_keeps_a_half_precision_layers_dtype_and_takes_both_ends_of
 
 
 def test_a_half_precision_layers_noise_is_uniqs_map_computed_in_fp32_and_rounded_once():
-    """A bf16 layer's noisy weight and bias are naive_uniq's float64 map of its values on fp32 draws (cd/noise.py:
-    fp32 compute for half precision), rounded once to bf16: within half a bf16 step (2^-9 relative) plus a floor
-    for values near 0. A map computed in bf16 (bf16 draws, u, clamp and erfinv) is off by many bf16 steps."""
+    """A bf16 layer's noisy weight and bias are naive_uniq's float64 map of its values on fp32 draws
+    (cd/noise.py: fp32 compute for half precision), rounded once to bf16: within a bf16 step (2^-8
+    relative) plus a floor for values near 0. A map computed in bf16 (bf16 draws, u, clamp and erfinv) is off
+    by many steps."""
     from cd.noise import WeightNoise
 
     torch.manual_seed(0)
@@ -549,7 +551,8 @@ def test_a_half_precision_layers_noise_is_uniqs_map_computed_in_fp32_and_rounded
     seen = {}
     with WeightNoise(layer, bits=BITS, seed=SEED):
         # registered after the noise's own pre-hook, so it sees the noisy parameters
-        layer.register_forward_pre_hook(lambda m, args: seen.update(weight=m.weight.detach(), bias=m.bias.detach()))
+        layer.register_forward_pre_hook(
+            lambda m, args: seen.update(weight=m.weight.detach(), bias=m.bias.detach()))
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
     for name in ("weight", "bias"):
         assert seen[name].dtype == torch.bfloat16
