@@ -179,6 +179,21 @@ def test_an_optimizer_without_any_decayed_matrix_is_an_error_not_a_silent_no_op(
         ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model, optimizer=head_only)
 
 
+def test_a_trainer_event_without_model_or_optimizer_is_refused_and_the_decay_has_the_given_settings():
+    """on_train_begin without the model or the optimizer is one RuntimeError naming what is missing (not a failure
+    inside ColinearityDecay); with them, the decay gets the callback's arguments: norms_every 50 unless given."""
+    from transformers import TrainerState
+    model = tiny_gpt2()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="passed no model or optimizer"):
+        ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model)
+    for given, want in (({}, 50), ({"norms_every": 3}, 3)):
+        callback = ColinearityDecayCallback(lam=LAM, **given)
+        callback.on_train_begin(None, TrainerState(), None, model=model, optimizer=sgd)
+        assert (callback.decay.lam, callback.decay.norms_every) == (LAM, want)
+        callback.on_train_end(None, None, None)
+
+
 def test_arguments_are_checked_when_the_callback_is_made():
     with pytest.raises(TypeError, match="lamda"):
         ColinearityDecayCallback(lamda=0.1)
