@@ -204,6 +204,16 @@ def test_a_refused_example_names_what_a_lightning_user_sets_and_both_spellings_w
             callback=ColinearityDecayCallback(module="net", example_input=torch.zeros(1, 3, 7, 7, dtype=torch.float64)))
 
 
+def test_a_restored_state_that_has_not_trained_yet_is_saved_again_as_restored():
+    """Between Lightning's restore and on_train_start (a validate(ckpt_path=...) followed by save_checkpoint), the
+    callback has no decay yet: its checkpoint state is the one restored, not a lost counter."""
+    saved = {"num_updates": 7, "lam": 0.5}
+    callback = ColinearityDecayCallback(lam=0.5)
+    assert callback.state_dict() == {"cd": None}
+    callback.load_state_dict({"cd": saved})
+    assert callback.state_dict() == {"cd": saved}
+
+
 def test_callbacks_on_two_parts_have_their_own_checkpoint_keys_and_module_is_checked():
     """Lightning refuses two stateful callbacks of one state_key; the whole module's keeps the class name."""
     whole, a, b = ColinearityDecayCallback(), ColinearityDecayCallback(module="a"), ColinearityDecayCallback(module="b")
