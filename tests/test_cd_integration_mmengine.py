@@ -542,6 +542,18 @@ def test_a_part_that_cannot_say_its_input_size_is_checked_on_a_224px_image_batch
     assert net.seen == [((1, 3, 224, 224), torch.float64)] * 3 and len(hook.decay.pairs) == 4
 
 
+def test_a_budget_that_is_not_true_or_false_is_refused_and_the_weight_decay_left_alone():
+    """cd_budget "yes" or 1 (not True) is refused naming the two values it takes; the weight decay is not lowered."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    for budget in ("yes", 1):
+        cfg = {"cd_budget": budget, "custom_hooks": [{"type": "ColinearityDecayHook", "lam": 0.005}],
+               "optim_wrapper": {"optimizer": {"weight_decay": 0.05}}}
+        with pytest.raises(ValueError, match=r"^cd_budget=.*: give True .* or False$"):
+            apply_weight_decay_budget(cfg)
+        assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05
+
+
 def test_budget_without_a_cd_hook_is_refused_with_the_fix():
     """cd_budget=True and no ColinearityDecayHook: no lam to lower the weight decay by (a clear error, not a
     KeyError from inside)."""
