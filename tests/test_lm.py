@@ -3,6 +3,7 @@ against float64, token windows, the step schedule against nanoGPT's formula, per
 loop, and training + exact resume through train.py on the embedded King James Bible."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -384,6 +385,80 @@ def test_token_file_of_float_or_big_endian_ids_is_refused(tmp_path, dtype, named
     with pytest.raises(DataError, match=rf"every second uint16 value .* {named}"):
         token_stream(cfg, "val")
     assert token_stream(cfg, "train").ids.tolist() == ids.tolist()
+
+
+def test_32_bit_ids_whose_low_halves_reach_exactly_4096_are_refused(tmp_path):
+    """The rule for 32-bit ids below 2^20 (every high half below 16 while a low half reaches 4096) includes
+    4096 itself: ids 0..4096 and 65,536..65,600 as uint32 (high halves 0 and 1, low halves up to 4096)."""
+    ids = np.concatenate([np.arange(4097), np.arange(65_536, 65_601)])
+    (tmp_path / "val.bin").write_bytes(ids.astype(np.uint32).tobytes())
+    with pytest.raises(DataError, match=r"below 16 \(at most 1\) while the others reach 4096"):
+        token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+
+
+def test_a_token_file_too_short_to_judge_its_layout_is_read_as_written(tmp_path):
+    """Fewer than 64 ids are too few to tell 32-bit ids from uint16 ones: a short uint16 file whose odd ids
+    happen to be 0 is read as written (np.fromfile as the reference), not refused as 32-bit ids."""
+    ids = np.zeros(40, dtype=np.uint16)
+    ids[0::2] = np.arange(1, 21)
+    ids.tofile(tmp_path / "val.bin")
+    read = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+    assert read.ids.tolist() == np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist()
+
+
+def test_a_data_root_that_is_not_a_folder_is_refused_naming_data_root(tmp_path):
+    """data.dataset=tokens: a data.root that does not exist, or is a file, is named as data.root."""
+    (tmp_path / "file").write_bytes(b"")
+    for root in (tmp_path / "missing", tmp_path / "file"):
+        with pytest.raises(DataError, match=rf"^data.root='{root}' is not a folder: give the folder holding"):
+            token_stream(DataConfig(dataset="tokens", root=str(root)), "train")
+
+
+def test_calibration_windows_check_the_ids_they_hold_not_the_rest_of_the_split(tmp_path):
+    """calibration_windows refuses ids the model cannot embed among the windows it returns (check_vocabulary's
+    `ids`), not ids no window holds: 2,000 ids make 124 windows of 16 (x = ids[16k:16k + 16], k < 124, cut by
+    hand here), so id 1,999 is in none of them, while id 1,000 is in one."""
+    from data.loader import calibration_windows
+
+    ids = np.arange(2_000, dtype=np.uint16)
+    ids[1_999] = 5_000
+    for split in ("train", "val"):
+        ids.tofile(tmp_path / f"{split}.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path))
+    windows = calibration_windows(cfg, 16, 124, 0, vocab_size=2_000)  # every window, in the seed's order
+    by_hand = sorted(ids[16 * k:16 * k + 16].tolist() for k in range(124))
+    assert sorted(windows.tolist()) == by_hand
+    ids[1_000] = 5_000
+    ids.tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError, match="holds ids up to 5000, model.num_classes=2000"):
+        calibration_windows(cfg, 16, 124, 0, vocab_size=2_000)
+
+
+def test_a_character_vocabulary_larger_than_the_model_s_is_refused():
+    """A character stream needs one id per character of its vocabulary: 3 characters fit a model of 3 ids,
+    not one of 2 (even when the stream's ids are below 2: the vocabulary is what a checkpoint decodes)."""
+    stream = TokenStream(np.array([0, 1, 0], dtype=np.uint8), ["a", "b", "c"], "text")
+    check_vocabulary(stream, 3)
+    with pytest.raises(DataError, match=r"text holds ids up to 2, model.num_classes=2 embeds 0\.\.1"):
+        check_vocabulary(stream, 2)
+
+
+def test_token_files_fingerprint_is_each_split_s_size_and_the_sha256_of_its_first_mib(tmp_path):
+    """token_files_fingerprint: per split file, its size and the SHA-256 of its first 2^20 bytes (hashlib on
+    the bytes as the reference); a val file larger than 1 MiB differs from the train file past byte 16."""
+    from data.text import token_files_fingerprint
+
+    rng = np.random.default_rng(0)
+    train_ids = rng.integers(0, 50, 700_000).astype(np.uint16)
+    val_ids = train_ids.copy()
+    val_ids[1_000] += 1  # the same head, another id at byte 2,000
+    train_ids.tofile(tmp_path / "train.bin")
+    val_ids.tofile(tmp_path / "val.bin")
+    got = token_files_fingerprint(DataConfig(dataset="tokens", root=str(tmp_path)))
+    files = {f"{name}.bin": (tmp_path / f"{name}.bin").read_bytes() for name in ("train", "val")}
+    by_hand = {name: {"bytes": len(data), "head_sha256": hashlib.sha256(data[:1 << 20]).hexdigest()}
+               for name, data in files.items()}
+    assert got == by_hand and got["train.bin"] != got["val.bin"]
 
 
 def test_step_schedule_matches_nanogpt_formula():
