@@ -99,6 +99,20 @@ def test_malformed_folders_are_clear_errors(tmp_path, layout, message):
         build_dataset(cfg, "train", img_size=32, num_classes=classes, train_transform=True)
 
 
+@pytest.mark.parametrize("extra, message", [("emu", "class folder\\(s\\) emu hold no images"),
+                                            (".ipynb_checkpoints", "1 image\\(s\\) outside a class folder")])
+def test_an_empty_or_a_hidden_class_folder_is_refused(tmp_path, extra, message):
+    """An empty class folder (timm makes no class of it) or images in a hidden one (timm makes a class of it)
+    would shift every later label: both refused."""
+    make_image_folder(tmp_path)
+    (tmp_path / "train" / extra).mkdir()
+    if extra.startswith("."):
+        Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "train" / extra / "0.png")
+    cfg = load_config(None, [f"data.root={tmp_path}"]).data
+    with pytest.raises(DataError, match=message):
+        build_dataset(cfg, "train", img_size=32, num_classes=2, train_transform=True)
+
+
 def test_empty_root_and_odd_mixup_batch_are_clear_errors():
     with pytest.raises(DataError, match="data.root is empty"):
         build_dataset(load_config(None).data, "train", img_size=32, num_classes=1000, train_transform=True)
