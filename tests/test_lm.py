@@ -461,6 +461,22 @@ def test_token_files_fingerprint_is_each_split_s_size_and_the_sha256_of_its_firs
     assert got == by_hand and got["train.bin"] != got["val.bin"]
 
 
+def test_token_loaders_take_the_eval_batch_size_and_calibration_refuses_one_window_too_many(tmp_path):
+    """The validation loader of text batches eval_batch_size_per_gpu windows (8, not the training's 4); asking
+    calibration for one window more than the train split's 124 (2,000 ids, windows of 16) is refused."""
+    from data.loader import build_token_loaders, calibration_windows
+
+    for split in ("train", "val"):
+        (np.arange(2_000, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
+    loaders = build_token_loaders(cfg, context=16, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                                  world_size=1, seed=0, vocab_size=50)
+    assert len(next(iter(loaders.val))[0]) == 8
+    assert calibration_windows(cfg, 16, 124, 0, vocab_size=50).shape == (124, 16)
+    with pytest.raises(DataError, match="quant.calib_images=125: the train split has 124 windows of 16"):
+        calibration_windows(cfg, 16, 125, 0, vocab_size=50)
+
+
 def test_step_schedule_matches_nanogpt_formula():
     """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
     get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
