@@ -477,6 +477,21 @@ def test_token_loaders_take_the_eval_batch_size_and_calibration_refuses_one_wind
         calibration_windows(cfg, 16, 125, 0, vocab_size=50)
 
 
+def test_a_text_training_epoch_takes_every_window_once_whatever_data_repeated_aug_says(tmp_path):
+    """data.repeated_aug (DeiT's, 3 by default) repeats images, never text windows: one epoch of the text loader
+    is a permutation of the 98 training windows of 1,000 ids (context 10), each once."""
+    from data.loader import build_token_loaders
+
+    for split in ("train", "val"):
+        (np.arange(1000, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
+    assert cfg.repeated_aug > 1
+    loaders = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                                  world_size=1, seed=0, vocab_size=50)
+    loaders.train.sampler.set_epoch(0)
+    assert sorted(index for index, _ in loaders.train.sampler) == list(range(98))
+
+
 def test_step_schedule_matches_nanogpt_formula():
     """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
     get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
