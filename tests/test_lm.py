@@ -478,7 +478,7 @@ def test_token_loaders_take_the_eval_batch_size_and_calibration_refuses_one_wind
 
 
 def test_a_text_training_epoch_takes_every_window_once_whatever_data_repeated_aug_says(tmp_path):
-    """data.repeated_aug (DeiT's, 3 by default) repeats images, never text windows: one epoch of the text loader
+    """data.repeated_aug (DeiT's; default 3) repeats images, never text windows: one epoch of the text loader
     is a permutation of the 98 training windows of 1,000 ids (context 10), each once."""
     from data.loader import build_token_loaders
 
