@@ -158,6 +158,21 @@ def test_class_folders_that_sort_as_one_name_are_refused(tmp_path):
         build_folder_dataset(str(tmp_path), "train")
 
 
+def test_class_names_are_in_label_order_which_is_timm_s_natural_order(tmp_path):
+    # timm numbers class folders by natural_key (c2 before c10, as numbers); the names a checkpoint stores must
+    # follow the labels, not a plain string sort (c10 before c2), or every name after c1 would be another class's.
+    # Reference: the folder each image was read from, against the name class_names gives its label
+    import os
+    from data.folder import build_folder_dataset, class_names
+    make_image_folder(tmp_path, classes=("c10", "c2", "c1"), per_class=1)
+    dataset = build_folder_dataset(str(tmp_path), "val")
+    names = class_names(dataset)
+    assert names == ["c1", "c2", "c10"]
+    for i in range(len(dataset)):
+        folder = os.path.basename(os.path.dirname(dataset.filename(i, absolute=True)))
+        assert names[int(dataset[i][1])] == folder
+
+
 def test_a_tar_split_names_its_classes(tmp_path):
     import tarfile
     from data.folder import build_folder_dataset, class_names
