@@ -534,7 +534,6 @@ def test_weight_noise_keeps_a_half_precision_layers_dtype_and_takes_both_ends_of
         WeightNoise(nn.Linear(2, 2), bits=bits).remove()
 
 
-
 def test_a_half_precision_layers_noise_is_uniqs_map_computed_in_fp32_and_rounded_once():
     """A bf16 layer's noisy weight and bias are naive_uniq's float64 map of its values on fp32 draws
     (cd/noise.py: fp32 compute for half precision), rounded once to bf16: within a bf16 step (2^-8
@@ -557,6 +556,7 @@ def test_a_half_precision_layers_noise_is_uniqs_map_computed_in_fp32_and_rounded
     for name in ("weight", "bias"):
         assert seen[name].dtype == torch.bfloat16
         torch.testing.assert_close(seen[name].double(), want[name][0], rtol=2 ** -8, atol=1e-4, msg=name)
+
 
 # --- MMDetection's Swin and the config fragments ------------------------------------------------------------------
 def test_mmdetection_swin_backbone_gets_both_hooks(tmp_path):

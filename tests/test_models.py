@@ -303,6 +303,7 @@ def test_an_input_of_part_patches_padded_by_timm_is_accepted_for_a_model_without
     with torch.no_grad():
         torch.testing.assert_close(model(image), whole(F.pad(image, (0, 2, 0, 2))))
 
+
 def test_an_input_of_part_patches_padded_by_timm_is_refused_for_a_rotary_table_of_the_rounded_down_grid():
     """EVA without an absolute table (use_abs_pos_emb=false) still has a grid-sized table, its rotary one: timm's
     model with the same arguments fails in its first forward (the reference), so the build refuses it."""
