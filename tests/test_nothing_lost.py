@@ -1026,6 +1026,40 @@ def test_a_roll_back_to_before_the_first_validation_keeps_the_abandoned_best(tmp
     assert best.match_file(TrainState(step=4), True, torch.device("cpu")) is None  # no best.pt: nothing to keep
 
 
+def test_a_best_pt_of_another_update_clears_the_whole_best_score_of_the_resume_point(tmp_path):
+    """The resume point's own best (epoch 1, update 3) does not describe a best.pt written at update 8 of the
+    branch it abandons: that file is kept aside unchanged, and the score, its epoch and its update are all
+    cleared (a checkpoint written before the next validation names no epoch and update of a best.pt gone)."""
+    from engine.best_checkpoint import BestCheckpoint
+
+    path = tmp_path / "best.pt"
+    abandoned_state = TrainState(step=8, best_value=70.0, best_step=8).state_dict()
+    torch.save({"model": {}, "config": {}, "state": abandoned_state}, path)
+    abandoned = read_bytes(path)
+    best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
+                          save=lambda payload_fn, target: None)
+    state = TrainState(step=5, best_value=50.0, best_epoch=1, best_step=3)
+    kept = best.match_file(state, True, torch.device("cpu"))
+    assert kept == str(tmp_path / "best.until_step5.pt") and read_bytes(kept) == abandoned
+    assert not path.exists() and (state.best_value, state.best_epoch, state.best_step) == (None, 0, 0)
+
+
+def test_a_path_is_inside_a_folder_only_below_it_not_beside_it_with_the_same_prefix(tmp_path):
+    """is_inside decides whether train.resume names the folder's own snapshot (a roll-back, never archived):
+    out_dir/snapshots_old/ shares the prefix of out_dir/snapshots but is another folder; a link resolves."""
+    from engine.run_dir import is_inside
+
+    snapshots = tmp_path / "snapshots"
+    for folder in (snapshots, tmp_path / "snapshots_old", tmp_path / "elsewhere"):
+        folder.mkdir()
+    (snapshots / "epoch0001.pt").write_bytes(b"x")
+    (tmp_path / "snapshots_old" / "epoch0001.pt").write_bytes(b"x")
+    os.symlink(snapshots / "epoch0001.pt", tmp_path / "elsewhere" / "link.pt")
+    assert is_inside(str(snapshots / "epoch0001.pt"), str(snapshots))
+    assert not is_inside(str(tmp_path / "snapshots_old" / "epoch0001.pt"), str(snapshots))
+    assert is_inside(str(tmp_path / "elsewhere" / "link.pt"), str(snapshots))
+    assert not is_inside(str(tmp_path), str(snapshots))
+
 def test_best_pt_of_a_run_with_ema_holds_the_averaged_weights_beside_the_raw_ones(tmp_path):
     """evaluate.py --ema reads best.pt's model_ema: with train.ema on, best.pt holds the EMA's weights (not the
     raw ones again) under model_ema, and the raw weights under model."""
