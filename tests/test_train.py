@@ -892,6 +892,18 @@ def test_the_last_good_snapshot_is_the_newest_readable_one_that_is_not_the_broke
     assert last_good_snapshot(str(tmp_path), str(broken)) is None
 
 
+def test_the_command_that_continues_from_a_snapshot_replaces_an_earlier_train_resume(monkeypatch):
+    """The way on from an unusable checkpoint is the user's own command with one train.resume=, the
+    snapshot's, in place of the one the command gave (by hand: argv without it, then the new one)."""
+    from engine.snapshots import rerun_command
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", "train.resume=old.pt", "optim.lr=0.1"])
+    assert rerun_command("runs/a/snapshots/epoch0002.pt") == (
+        "python train.py optim.lr=0.1 train.resume=runs/a/snapshots/epoch0002.pt")
+    monkeypatch.setattr(sys, "argv", ["-c"])  # not train.py (a script calling train.main)
+    assert rerun_command("s.pt") == "your train.py command with train.resume=s.pt"
+
 def test_a_requeued_train_resume_given_as_a_relative_path_continues_from_the_progress_made_since(tmp_path,
                                                                                                  monkeypatch):
     """train.resume=PATH repeated by a requeued job: out_dir's checkpoint.pt, which records the absolute path
