@@ -457,3 +457,88 @@ def test_a_one_bit_symmetric_spec_is_refused_as_its_grid_has_no_positive_level()
         with pytest.raises(ValueError, match="bits=1: a symmetric grid needs at least 2 bits"):
             QuantizerSpec(1, **kwargs)
     assert QuantizerSpec(1).bits == 1  # asymmetric 1 bit: codes {0, 1}, a valid grid
+
+
+def test_a_narrow_but_not_constant_range_keeps_the_repq_percentile_search():
+    # values in [10, 10.1]: a width of 1 % of the distance from 0 is an ordinary range (RepQ-ViT's search),
+    # only near-constant groups (width <= 1e-3 of it) are stretched to include 0
+    x = 10.0 + torch.rand(2000, generator=gen(30), dtype=torch.float64).float() * 0.1
+    q = fitted(UniformQuantizer(4), x)
+    scale, zp = brute_force_pick(x.double().numpy(), 4, (0.999, 0.9999, 0.99999))
+    assert q.scale.item() == pytest.approx(scale, rel=1e-5) and q.zero_point.item() == zp
+    assert q.scale.item() < 0.1 / 15 * 1.01  # stretching to 0 would give a step of about 10.1 / 15
+
+
+def test_half_precision_calibration_data_is_searched_in_float32():
+    # to_rows promises float32 rows: a float16 (autocast) calibration tensor must give the float64 reference's
+    # parameters to float32 precision, not the float16 rounding of its quantiles and errors
+    x = (torch.randn(300, 6, generator=gen(31)) * torch.linspace(0.5, 4.0, 6)).half()
+    q = fitted(UniformQuantizer(4, channel_dim=-1), x)
+    rows = x.double().numpy().T
+    for c in range(6):
+        scale, zp = brute_force_pick(rows[c], 4, (0.999, 0.9999, 0.99999))
+        assert q.scale[c].item() == pytest.approx(scale, rel=1e-5)
+        assert q.zero_point[c].item() == zp
+
+
+def test_codes_use_a_true_division_so_ties_round_half_to_even():
+    # x / s lands exactly on k + 0.5 for these float32 pairs; x * (1 / s) misses the tie in the last bit for
+    # some of them (4 of 16 at s = 0.51), which would round the other way. Reference: numpy float32 true
+    # division, round half to even.
+    from quant.functional import fake_quant_uniform
+    s = np.float32(0.51)
+    k = np.arange(-8, 8, dtype=np.float32)
+    x = ((k + np.float32(0.5)) * s).astype(np.float32)
+    x = x[(x / s) == k + np.float32(0.5)]  # keep the exact ties only
+    z = np.float32(8.0)
+    want = (np.clip(np.round(x / s) + z, 0, 15) - z) * s
+    got = fake_quant_uniform(torch.from_numpy(x), torch.tensor([s]), torch.tensor([z]), 0, 15)
+    assert len(x) >= 8 and got.numpy().tolist() == want.tolist()
+
+
+def test_a_learnable_scale_gets_its_straight_through_gradient_when_the_input_needs_none():
+    # LSQ on a frozen input (an activation scale trained while the data carries no gradient): d out / d s is
+    # round(x/s) - x/s inside the grid, (qmax - z) or (qmin - z) where x is clipped (STE, by hand in float64)
+    x = torch.tensor([-2.0, -0.37, 0.0, 0.26, 0.5, 1.13, 9.0])
+    q = UniformQuantizer(4)
+    q.set_params(torch.tensor([0.25]), torch.tensor([4.0]))
+    q.make_learnable(scale=True)
+    (g,) = torch.autograd.grad(q(x).sum(), q.scale)
+    want = 0.0
+    for v in x.double().tolist():
+        code = round(v / 0.25) + 4
+        want += (15 - 4) if code > 15 else (0 - 4) if code < 0 else round(v / 0.25) - v / 0.25
+    assert g.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_disabled_quantizer_stays_disabled_through_its_state_dict():
+    # a checkpoint of a model with a float (disabled) quantizer loads as float, it does not quantize again
+    x = torch.randn(100, generator=gen(32))
+    q = fitted(UniformQuantizer(4), x)
+    q.enabled = False
+    fresh = UniformQuantizer(4)
+    fresh.load_state_dict(q.state_dict())
+    assert not fresh.enabled and torch.equal(fresh(x), x)
+
+
+def test_dynamic_ranges_below_the_official_floor_use_the_floor():
+    # SmoothQuant clamps the max-abs at 1e-5 before dividing by 2^(b-1) - 1: an all-zero token stays 0 (not
+    # 0 / 0 = NaN), and a token of tiny values is rounded on the 1e-5 / 127 grid (1e-7 * 127 / 1e-5 = 1.27)
+    from quant.quantizers import DynamicQuantizer
+    q = DynamicQuantizer(8, reduce_dims=(-1,))
+    x = torch.tensor([[0.0, 0.0, 0.0], [1e-7, -2e-7, 4e-8]])
+    step = 1e-5 / 127
+    want = [[0.0, 0.0, 0.0], [1 * step, -3 * step, 1 * step]]  # codes 1.27 -> 1, -2.54 -> -3, 0.508 -> 1
+    got = q(x)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*to a meta parameter")  # the values are not copied onto meta
+def test_a_lazily_sized_state_is_loaded_onto_the_receiving_quantizers_device():
+    # a checkpoint from another device (CPU here) resizes the lazy buffers on the device of the quantizer that
+    # loads it (meta stands in for an accelerator), never on the checkpoint's
+    saved = fitted(UniformQuantizer(4, channel_dim=-1), torch.randn(10, 7, generator=gen(33))).state_dict()
+    fresh = UniformQuantizer(4, channel_dim=-1, device=torch.device("meta"))
+    fresh.load_state_dict(saved)
+    assert fresh.scale.device.type == fresh.zero_point.device.type == "meta" and fresh.scale.shape == (7,)
