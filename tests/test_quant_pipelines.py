@@ -238,3 +238,15 @@ def test_percentile_quantizes_every_activation_per_tensor():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4")
     acts = dict(named_quantizers(model, "activation"))
     assert acts and all(isinstance(q, UniformQuantizer) and q.channel_dim is None for q in acts.values())
+
+
+@pytest.mark.parametrize("operand", ["act", "weight"])
+def test_percentile_levels_that_the_range_rule_would_not_read_are_refused(operand):
+    # minmax reads no percentile, and an empty level list has none: either would run silently on other ranges
+    from configs.quant import PercentileOptions
+    bits = parse_bits("w4a4")
+    with pytest.raises(ValueError, match=f"{operand}_percentiles=\\[0.99\\]: {operand}_range=minmax reads no"):
+        PIPELINES["percentile"].validate(bits, PercentileOptions(**{f"{operand}_range": "minmax",
+                                                                    f"{operand}_percentiles": (0.99,)}))
+    with pytest.raises(ValueError, match=f"{operand}_percentiles=\\[\\]: give at least one level"):
+        PIPELINES["percentile"].validate(bits, PercentileOptions(**{f"{operand}_percentiles": ()}))
