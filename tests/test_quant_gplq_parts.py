@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from quant import PIPELINES
+from quant.convert import quantized_layers
 from quant.gplq.lsq import LSQQuantizer
 import quant.gplq.pipeline as gplq_pipeline
 from quant.gplq.pca import PCAProjection, components_from_moments, fit_pca, pca_loss
 from quant.gplq.pipeline import default_lr, fit_on_images, stage1_identity
 from quant.gplq.qat import param_groups
 from quant.gplq.qwt import CompensationFit, add_compensation, fit_block_compensation
-from quant.gplq.stage2 import block_reference, compensate_blocks
-from quant.modes import named_quantizers
+from quant.gplq.stage2 import block_reference, compensate_blocks, quantize_weights_and_compensate
+from quant.modes import named_quantizers, set_quant_state
+from quant.pipeline_base import StageTimer
 from quant.quantizers import MIN_SCALE
 from quant.ranges import RangeSearch
 from quant.spec import parse_bits
@@ -428,6 +430,21 @@ def test_pca_fit_of_no_images_is_refused(max_images):
         fit_pca(tiny_vit(depth=1), [(images(4, seed=4), None)], max_images=max_images, variance=0.6, multiple=8)
 
 
+class _RowFeatures(torch.nn.Module):
+    """A "teacher" whose penultimate() returns the rows of `f` that its "images" (row indices) name."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def forward_features(self, i):
+        return self.f[i]
+
+    def forward_head(self, h, pre_logits):
+        return h
+
+
 def test_pca_sums_the_moments_of_every_rank(monkeypatch):
     # two ranks with the same features: the summed mean and covariance equal one rank's, written out here
     import quant.gplq.pca as pca_module
@@ -435,19 +452,7 @@ def test_pca_sums_the_moments_of_every_rank(monkeypatch):
     monkeypatch.setattr(pca_module, "all_reduce", lambda t, op="sum": t.mul_(2) if op == "sum" else t)
     g = torch.Generator().manual_seed(0)
     f = torch.randn(50, 6, generator=g, dtype=torch.float64) * torch.arange(1, 7) + 2.0
-
-    class Features(torch.nn.Module):  # penultimate() of this "teacher" returns the rows of f it is given
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(()))
-
-        def forward_features(self, i):
-            return f[i]
-
-        def forward_head(self, h, pre_logits):
-            return h
-
-    pca = fit_pca(Features(), [(torch.arange(50), None)], max_images=50, variance=0.8, multiple=1)
+    pca = fit_pca(_RowFeatures(f), [(torch.arange(50), None)], max_images=50, variance=0.8, multiple=1)
     mean = f.mean(0)
     cov = (f - mean).t() @ (f - mean) / 50
     evals, evecs = torch.linalg.eigh(cov)
@@ -545,3 +550,121 @@ def test_stage1_block_linear_inputs_start_from_their_min_max_at_act_granularity(
         flat = x.reshape(-1, x.shape[-1]).abs()
         want = (flat.amax(dim=0) if granularity == "channel" else flat.amax().reshape(1)) / 7
         torch.testing.assert_close(q.scale.detach(), want, rtol=1e-6, atol=0, msg=name)
+
+
+def test_lsq_asymmetric_codes_keep_their_zero_point_and_a_frozen_scale_passes_gradients_straight_through():
+    """Asymmetric codes [0, 15] with a nonzero zero point: (clamp(round(x / s) + z, 0, 15) - z) * s written out in
+    float64, on the training path; with the scale frozen (stage 2) but autograd on, the input gradient is the
+    upstream one for codes strictly inside the range and 0 for codes beyond it (straight-through rounding)."""
+    g = torch.Generator().manual_seed(4)
+    q = LSQQuantizer(4, symmetric=False, channel_dim=-1, num_channels=3, search=RangeSearch("minmax"))
+    x = torch.randn(5, 8, 3, generator=g) + torch.tensor([2.0, -1.0, 0.5])
+    q.calibrating = True
+    q(x)
+    q.calibrating = False
+    q.make_learnable(scale=True)
+    with torch.no_grad():
+        q.scale.mul_(0.7)  # some codes beyond both ends
+    s, z = q.scale.detach().double(), q.zero_point.double()
+    assert (z != 0).all()
+    codes = torch.round(x.double() / s) + z
+    want = (codes.clamp(0, 15) - z) * s
+    torch.testing.assert_close(q(x).double(), want, rtol=0, atol=1e-6)
+    q.scale.requires_grad_(False)
+    x.requires_grad_(True)
+    upstream = torch.randn(x.shape, generator=g)
+    (q(x) * upstream).sum().backward()
+    inside, beyond = (codes > 0) & (codes < 15), (codes < 0) | (codes > 15)
+    assert inside.any() and beyond.any()
+    torch.testing.assert_close(x.grad[inside], upstream[inside])
+    assert (x.grad[beyond] == 0).all()
+
+
+def test_pca_component_rule_at_its_edges():
+    """On a known diagonal covariance (eigenvalues exact): a fraction that equals the target reaches it (the
+    smallest k with ratio >= variance), and a count rounded up past the feature width is capped at the width."""
+    def moments(evals):  # zero mean, covariance diag(evals), from one "sample" per unit of n
+        cov = torch.diag(torch.tensor(evals, dtype=torch.float64))
+        return torch.zeros(len(evals), dtype=torch.float64), cov, torch.tensor(1.0, dtype=torch.float64)
+
+    exact = components_from_moments(*moments([2.0, 1.0, 1.0]), 0.5, 1)  # ratios 0.5, 0.75, 1
+    assert exact.dims == 1 and exact.explained == 0.5
+    width = 40  # not a multiple of 32: the rule's 64 exceeds it
+    capped = components_from_moments(*moments([float(width - i) for i in range(width)]), 0.99, 32)
+    assert capped.dims == width and capped.explained == pytest.approx(1.0)
+
+
+def test_pca_fit_pools_the_covariance_of_every_batch():
+    """Batches of 7, 20 and 33 rows, 50 images used: mean, top subspace and explained fraction equal the
+    eigendecomposition (float64, torch.linalg.eigh) of the biased covariance of the first 50 rows, by hand."""
+    g = torch.Generator().manual_seed(6)
+    f = torch.randn(60, 6, generator=g, dtype=torch.float64) * torch.tensor([6.0, 5, 4, 3, 2, 1]) - 1.0
+    rows = torch.arange(60)
+    batches = [(rows[:7], None), (rows[7:27], None), (rows[27:], None)]
+    pca = fit_pca(_RowFeatures(f), batches, max_images=50, variance=0.7, multiple=1)
+    used = f[:50]
+    mean = used.mean(0)
+    evals, evecs = torch.linalg.eigh((used - mean).t() @ (used - mean) / 50)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    k = int((torch.cumsum(evals, 0) / evals.sum() < 0.7).sum()) + 1
+    assert pca.samples == 50 and pca.dims == k
+    torch.testing.assert_close(pca.mean.double(), mean, rtol=1e-6, atol=1e-6)
+    top = evecs[:, :k]  # signs are free: compare projectors
+    torch.testing.assert_close(pca.components.double() @ pca.components.double().t(), top @ top.t(), rtol=0,
+                               atol=1e-5)
+    assert pca.explained == pytest.approx(float(evals[:k].sum() / evals.sum()), rel=1e-5)
+
+
+def test_pca_projection_loads_onto_the_asked_device_and_of_no_images_is_refused():
+    pca = PCAProjection(torch.randn(4), torch.randn(4, 2), 0.6, 9)
+    moved = PCAProjection.from_state_dict(pca.state_dict(), torch.device("meta"))
+    assert moved.mean.device.type == "meta" and moved.components.device.type == "meta"
+    assert (moved.dims, moved.explained, moved.samples) == (2, 0.6, 9)
+    with pytest.raises(ValueError, match="no images for the PCA"):  # an empty loader
+        fit_pca(tiny_vit(depth=1), [], max_images=4, variance=0.6, multiple=8)
+
+
+def test_qwt_drops_a_fit_whose_r2_is_undefined():
+    """A constant difference has no variance (SST = 0): R^2 is undefined, as 1 - SSE / 0 is in QwT's code, so
+    it counts as not above 0 and the compensation is not kept."""
+    x = torch.randn(2, 10, 4, generator=torch.Generator().manual_seed(3))
+    fit = fit_block_compensation(x, lambda t: torch.zeros(*t.shape[:-1], 3),
+                                 lambda t: torch.full((*t.shape[:-1], 3), 2.0), 2)
+    assert fit.r2 == 0.0 and not fit.keep
+
+
+@pytest.mark.parametrize("qwt", [True, False])
+def test_stage2_freezes_the_model_turns_on_every_weight_quantizer_and_reports_what_it_kept(qwt):
+    """From stage 1's state (W32, training mode, every parameter trainable): afterwards no parameter trains, the
+    model is in eval mode, every weight quantizer is on and puts its layer's weight on its per-output-channel
+    grid (codes w_q / s + z are integers in [qmin, qmax], checked by hand), and the report counts the kept
+    fits; without QwT no block is fitted nor compensated."""
+    qmodel, _ = PIPELINES["percentile"](tiny_vit(depth=3), images(4), "w4a4")
+    set_quant_state(qmodel, weights=False)
+    qmodel.train().requires_grad_(True)
+    c = qmodel.embed_dim
+    fits = {"blocks.0": _fit(-0.2, 1.0, 0.5, c), "blocks.1": _fit(0.3, 1.0, 2.0, c),
+            "blocks.2": _fit(0.3, 2.0, 1.0, c)}
+    asked = []
+    options = PIPELINES["gplq"].Options(qwt=qwt)
+    report = quantize_weights_and_compensate(qmodel, None, options,
+                                             lambda unit, ref: asked.append(unit) or fits[unit], StageTimer(),
+                                             torch.device("cpu"))
+    assert not any(p.requires_grad for p in qmodel.parameters()) and not qmodel.training
+    layers = quantized_layers(qmodel)
+    assert report["weights_refit"] == len(layers)
+    for name, layer in layers:
+        q = layer.weight_quantizer
+        assert q.enabled, name
+        with torch.no_grad():
+            shape = (-1, *[1] * (layer.weight.dim() - 1))
+            codes = (q(layer.weight).double() / q.scale.double().reshape(shape)
+                     + q.zero_point.double().reshape(shape))
+        torch.testing.assert_close(codes, codes.round().clamp(q.qmin, q.qmax), rtol=0, atol=1e-4, msg=name)
+    compensated = [hasattr(b, "qwt_compensation") for b in qmodel.blocks]
+    if qwt:
+        assert asked == ["blocks.0", "blocks.1", "blocks.2"] and compensated == [False, False, True]
+        assert report["qwt"]["kept"] == 1 and report["qwt"]["images"] == options.stage2_images
+    else:
+        assert asked == [] and not any(compensated)
+        assert report["qwt"] == {"blocks": [], "kept": 0, "images": 0, "target": options.qwt_target}
