@@ -375,7 +375,8 @@ def test_stage1_one_update_is_adamw_on_ce_plus_weighted_pca():
     projected feature difference). AdamW's first step moves each weight by lr * g / (|g| + eps) (bias
     correction cancels the betas), so the update checks the loss, the trainable parameters and the lr at once."""
     from quant.gplq.qat import Stage1Settings, run_stage1
-    student, teacher = tiny_vit(depth=1), tiny_vit(seed=1, depth=1)
+    # a teacher with dropout, handed over in training mode: stage 1 must run it in eval mode (deterministic)
+    student, teacher = tiny_vit(depth=1), tiny_vit(seed=1, depth=1, drop_rate=0.5).train()
     start = copy.deepcopy(student)
     teacher.requires_grad_(False)
     g = torch.Generator().manual_seed(0)
@@ -392,11 +393,11 @@ def test_stage1_one_update_is_adamw_on_ce_plus_weighted_pca():
     feats = ref.forward_head(ref.forward_features(x), pre_logits=True)
     logits = ref.head(feats)
     with torch.no_grad():
-        t_feats = teacher.forward_head(teacher.forward_features(x), pre_logits=True)
+        t_feats = teacher.eval().forward_head(teacher.forward_features(x), pre_logits=True)
     ce = -torch.log_softmax(logits, dim=1)[torch.arange(4), y].mean()
     lp = (((feats - t_feats) @ pca.components) ** 2).sum(dim=1).mean()
     (ce + weight * lp).backward()
-    assert out["steps"] == 1
+    assert out["steps"] == 1 and not student.training  # returned ready for stage 2
     assert out["ce"] == pytest.approx(ce.item(), rel=1e-5)
     assert out["pca"] == pytest.approx(lp.item(), rel=1e-5)
     for (name, p0), p1 in zip(ref.named_parameters(), student.parameters()):
