@@ -1,6 +1,7 @@
 """GPLQ building blocks: LSQ gradients and scale floor, QwT compensation on its fitting data and what it keeps,
 the PCA component rule and subset, and what stage 1 trains (groups, loss, lr rule, resume identity)."""
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -12,7 +13,7 @@ from quant.gplq.lsq import LSQQuantizer
 import quant.gplq.pipeline as gplq_pipeline
 from quant.gplq.pca import PCAProjection, components_from_moments, fit_pca, pca_loss
 from quant.gplq.pipeline import default_lr, fit_on_images, stage1_identity
-from quant.gplq.qat import param_groups
+from quant.gplq.qat import Stage1Settings, param_groups, run_stage1
 from quant.gplq.qwt import CompensationFit, add_compensation, fit_block_compensation
 from quant.gplq.stage2 import block_reference, compensate_blocks, quantize_weights_and_compensate
 from quant.modes import named_quantizers, set_quant_state
@@ -263,7 +264,7 @@ def test_default_stage1_lr_is_the_papers_gpu_table(batch, lr):
     assert default_lr(batch) == lr
 
 
-def test_stage1_identity_changes_with_stage1_options_only():
+def test_stage1_identity_changes_with_stage1_options_only(monkeypatch):
     model, data = tiny_vit(depth=1), cpu_pipeline_data()
     opts = PIPELINES["gplq"].Options
     bits = parse_bits("w4a4")
@@ -276,6 +277,8 @@ def test_stage1_identity_changes_with_stage1_options_only():
     with torch.no_grad():
         other.head.bias.add_(1.0)
     assert stage1_identity(other, bits, opts(), data) != base  # other float weights
+    monkeypatch.setattr(gplq_pipeline, "world_size", lambda: 2)
+    assert stage1_identity(model, bits, opts(), data) != base  # other ranks: another global batch and shards
 
 
 def test_pca_fit_uses_exactly_max_images_across_batches():
@@ -360,13 +363,14 @@ def test_stage1_trains_float_weights_and_lsq_scales_from_training_transform_imag
     monkeypatch.setattr(gplq_pipeline, "run_stage1", spy)
     opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, stage2_images=4, lr=1e-4,
                 scale_lr=3e-3, seed=5, stage2_train_transform=False)
-    frozen = tiny_vit(depth=1).requires_grad_(False)  # as an evaluated model comes: stage 1 must unfreeze it
+    frozen = tiny_vit(depth=2).requires_grad_(False)  # as an evaluated model comes: stage 1 must unfreeze it
     PIPELINES["gplq"](frozen, None, "w4a4", opts, data=data)
     assert seen["weights_on"] and not any(seen["weights_on"])  # W32 in stage 1
     assert seen["acts"] and all(on and learnable for on, learnable in seen["acts"])
     assert seen["float_trainable"]
     assert (seen["settings"].lr, seen["settings"].scale_lr) == (1e-4, 3e-3)
-    assert drawn == [(4, 5, True), (4, 5, False)]  # LSQ start: training transform; QwT: the option's (False)
+    # LSQ start: training transform; QwT: the option's (False), drawn once for both blocks
+    assert drawn == [(4, 5, True), (4, 5, False)]
 
 
 def test_stage1_one_update_is_adamw_on_ce_plus_weighted_pca():
@@ -374,7 +378,6 @@ def test_stage1_one_update_is_adamw_on_ce_plus_weighted_pca():
     here with autograd on the loss written out (CE without smoothing + pca_weight * per-sample squared norm of the
     projected feature difference). AdamW's first step moves each weight by lr * g / (|g| + eps) (bias
     correction cancels the betas), so the update checks the loss, the trainable parameters and the lr at once."""
-    from quant.gplq.qat import Stage1Settings, run_stage1
     # a teacher with dropout, handed over in training mode: stage 1 must run it in eval mode (deterministic)
     student, teacher = tiny_vit(depth=1), tiny_vit(seed=1, depth=1, drop_rate=0.5).train()
     start = copy.deepcopy(student)
@@ -669,3 +672,62 @@ def test_stage2_freezes_the_model_turns_on_every_weight_quantizer_and_reports_wh
     else:
         assert asked == [] and not any(compensated)
         assert report["qwt"] == {"blocks": [], "kept": 0, "images": 0, "target": options.qwt_target}
+
+
+def test_stage1_refuses_an_empty_loader_and_a_stop_it_could_not_save():
+    """Both refusals come before any work: fit_pca is never called, and each names what to change."""
+    settings = Stage1Settings(steps=1, batch_size_per_gpu=4, lr=1e-3, scale_lr=1e-3, weight_decay=0.0, pca_weight=1.0,
+                              amp="none", log_every=1, ckpt_every=0, seed=0)
+
+    def no_pca():
+        raise AssertionError("the PCA was fitted")
+
+    student, teacher = tiny_vit(depth=1), tiny_vit(seed=1, depth=1)
+    with pytest.raises(ValueError, match="the stage-1 training loader is empty"):
+        run_stage1(student, teacher, no_pca, [], settings, None, {})
+    batches = cpu_pipeline_data(num_images=8).train_loader(4, 0)
+    with pytest.raises(ValueError, match="pass checkpoint"):
+        run_stage1(student, teacher, no_pca, batches, settings, None, {}, preemption=object())
+
+
+def test_gplq_layout_is_lsq_symmetric_activations_per_channel_and_head_and_weights_per_output_channel():
+    """The paper's layout, read off the quantized model: every block activation quantizer is an LSQQuantizer with
+    symmetric codes [-8, 7] and zero point 0, per input channel (Linear inputs) or per head (q, k, softmax
+    output, v); every block weight quantizer per output channel. The caller's float model (training mode,
+    trainable) comes back as it went in: the teacher is a copy."""
+    model = tiny_vit(depth=1).train()
+    before = copy.deepcopy(model.state_dict())
+    opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, qwt=False)
+    qmodel, _ = PIPELINES["gplq"](model, None, "w4a4", opts, data=cpu_pipeline_data(num_images=8))
+    assert model.training and all(p.requires_grad for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    acts = [(n, q) for n, q in named_quantizers(qmodel, "activation") if n.startswith("blocks.")]
+    heads = [n.rsplit(".", 1)[-1] for n, _ in acts if n.rsplit(".", 1)[-1].endswith("_quant")]
+    assert sorted(heads) == ["attn_quant", "k_quant", "q_quant", "v_quant"] and len(acts) == 8
+    for name, q in acts:
+        assert isinstance(q, LSQQuantizer) and (q.qmin, q.qmax) == (-8, 7) and (q.zero_point == 0).all(), name
+        per_head = name.endswith("_quant")
+        assert q.scale.numel() == (3 if per_head else qmodel.get_submodule(name.rsplit(".", 1)[0]).in_features)
+    weights = [(n, q) for n, q in named_quantizers(qmodel, "weight") if n.startswith("blocks.")]
+    assert len(weights) == 4
+    for name, q in weights:
+        layer = qmodel.get_submodule(name.rsplit(".", 1)[0])
+        assert q.channel_dim == 0 and q.scale.numel() == layer.out_features, name
+
+
+def test_stage1_resumes_with_the_checkpoints_pca_without_refitting_it(tmp_path):
+    settings = Stage1Settings(steps=1, batch_size_per_gpu=4, lr=1e-3, scale_lr=1e-3, weight_decay=0.0, pca_weight=1.0,
+                              amp="none", log_every=1, ckpt_every=0, seed=0)
+    teacher = tiny_vit(seed=1, depth=1).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    pca = PCAProjection(torch.randn(48, generator=g), torch.linalg.qr(torch.randn(48, 8, generator=g))[0], 0.6, 10)
+    batches = cpu_pipeline_data(num_images=8).train_loader(4, 0)
+    path = str(tmp_path / "stage1.pt")
+    run_stage1(tiny_vit(depth=1), teacher, lambda: pca, batches, settings, path, {"run": 1})
+
+    def refit():
+        raise AssertionError("the PCA was fitted again on resume")
+
+    out = run_stage1(tiny_vit(depth=1), teacher, refit, batches, dataclasses.replace(settings, steps=2), path,
+                     {"run": 1})
+    assert (out["resumed_from"], out["steps"], out["pca_samples"], out["pca_dims"]) == (1, 2, 10, 8)
