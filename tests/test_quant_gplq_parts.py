@@ -690,16 +690,21 @@ def test_stage1_refuses_an_empty_loader_and_a_stop_it_could_not_save():
         run_stage1(student, teacher, no_pca, batches, settings, None, {}, preemption=object())
 
 
-def test_gplq_layout_is_lsq_symmetric_activations_per_channel_and_head_and_weights_per_output_channel():
+def test_gplq_layout_is_lsq_symmetric_activations_per_channel_and_head_and_weights_per_output_channel(monkeypatch):
     """The paper's layout, read off the quantized model: every block activation quantizer is an LSQQuantizer with
     symmetric codes [-8, 7] and zero point 0, per input channel (Linear inputs) or per head (q, k, softmax
     output, v); every block weight quantizer per output channel. The caller's float model (training mode,
-    trainable) comes back as it went in: the teacher is a copy."""
+    trainable) comes back as it went in: the teacher is a copy, and the PCA is the float teacher's (no quantizer)."""
     model = tiny_vit(depth=1).train()
     before = copy.deepcopy(model.state_dict())
+    pca_of = []
+    real_fit_pca = gplq_pipeline.fit_pca
+    monkeypatch.setattr(gplq_pipeline, "fit_pca",
+                        lambda teacher, *a: pca_of.append(teacher) or real_fit_pca(teacher, *a))
     opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, qwt=False)
     qmodel, _ = PIPELINES["gplq"](model, None, "w4a4", opts, data=cpu_pipeline_data(num_images=8))
     assert model.training and all(p.requires_grad for p in model.parameters())
+    assert len(pca_of) == 1 and pca_of[0] is not model and not list(named_quantizers(pca_of[0]))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     acts = [(n, q) for n, q in named_quantizers(qmodel, "activation") if n.startswith("blocks.")]
     heads = [n.rsplit(".", 1)[-1] for n, _ in acts if n.rsplit(".", 1)[-1].endswith("_quant")]
