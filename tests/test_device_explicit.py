@@ -235,6 +235,19 @@ def test_probe_moments_copy_nothing_from_the_host_per_module():
     assert result.module > 0 and all(r["kurtosis"] > 0 for r in result.per_layer)
 
 
+
+def test_a_probes_maxima_are_placed_on_the_device_asked():
+    """A rank that saw no batch gives zeros on the device `result(device=...)` names (that of the collective),
+    not on the default device; `maxima(device)` puts seen maxima there too (meta stands for the other device)."""
+    model = tiny_vit(depth=1)
+    probe = ActivationProbe(model)
+    with torch.device("meta"):
+        empty = probe.result(device=torch.device("cpu"))
+    assert (empty.module, empty.block) == (0.0, 0.0)
+    with torch.no_grad(), probe:
+        model(images(2))
+    assert probe.maxima(torch.device("meta")).device.type == "meta" and probe.maxima().device.type == "cpu"
+
 def test_removing_directions_indexes_on_the_weights_device():
     """scripts/mechanism.py remove_directions (the `remove` command, on --device cuda) indexes the SVD factors
     with an index on their device. The old index was made on the default device: under this test's meta

@@ -4,6 +4,7 @@ import csv
 
 import pytest
 import torch
+from timm.layers import DropPath
 
 from engine.act_max_files import plot, write_csv
 from engine.act_max import ActivationProbe
@@ -280,3 +281,96 @@ def test_integer_outputs_and_pass_through_extra_modules_are_not_counted():
     got = probe.result()
     assert (got.module, got.block) == (4.0, 2.0)  # |2x| <= 4; |2x - x| <= 2; 7 and |100 x| are not counted
     assert "drop" not in probe.names()
+
+
+def test_outputs_declared_as_repeats_and_drop_paths_are_not_counted():
+    """A module declaring `repeats_its_input` (quant's quantizers) adds no target and none of its output, even
+    when that output is the largest (here ten times its input); a ViT with stochastic depth has the targets and
+    maxima of one without (DropPath only repeats the branch output, counted as attn / mlp)."""
+    class Echo(torch.nn.Module):
+        repeats_its_input = True
+
+        def forward(self, x):
+            return x * 10
+
+    class Triple(torch.nn.Module):
+        def forward(self, x):
+            return x * 3
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.echo, self.triple = Echo(), Triple()
+
+        def forward(self, x):
+            return self.triple(self.echo(x) / 10) - x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block()])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    model = Net()
+    with torch.no_grad(), ActivationProbe(model) as probe:
+        model(torch.tensor([[1.0, -2.0]]))
+    got = probe.result()
+    assert (got.module, got.block) == (6.0, 4.0)  # |3x| <= 6 (|10x| = 20 not counted); |3x - x| <= 4
+    assert probe.names() == ["blocks.0", "blocks.0.triple"]
+    plain, stochastic = tiny_vit(), tiny_vit(drop_path_rate=0.1)
+    assert any(isinstance(m, DropPath) for m in stochastic.modules())
+    x = images(2)
+    with torch.no_grad():
+        want = direct_vit_maxima(stochastic, x)
+        with ActivationProbe(stochastic) as probe:
+            stochastic(x)
+    assert probe.names() == ActivationProbe(plain).names()
+    assert (probe.result().module, probe.result().block) == pytest.approx(want, rel=1e-6)
+
+
+def test_each_record_names_the_index_of_its_block_in_model_order():
+    """The `block` of a record (the CSV column, the plot's x axis) is the position of its block among all blocks:
+    N for a ViT's blocks.N and everything inside it; Swin's blocks counted across stages; -1 outside blocks."""
+    for record in ActivationProbe(tiny_vit(depth=3)).result().per_layer:
+        assert record["block"] == int(record["name"].split(".")[1]), record
+    swin = ActivationProbe(tiny_swin(), extra_modules=("layers.*.downsample.reduction",)).result().per_layer
+    order = {"layers.0.blocks.0": 0, "layers.0.blocks.1": 1, "layers.1.blocks.0": 2, "layers.1.blocks.1": 3}
+    for record in swin:
+        block = ".".join(record["name"].split(".")[:4])
+        assert record["block"] == order.get(block, -1), record
+
+
+def test_reset_forgets_the_maxima_and_moments_seen_before():
+    """After reset() the probe reports the batches seen since, as a fresh probe would (the reference: the
+    maximum and the central-moment kurtosis of the block output computed directly, float64)."""
+    model = tiny_vit(depth=1)
+    seen = []
+    hook = model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.double()))
+    with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
+        model(images(2, seed=1) * 50)
+        probe.reset()
+        model(images(2, seed=2))
+    hook.remove()
+    out = seen[-1]
+    centred = out - out.mean()
+    got = {r["name"]: r for r in probe.result().per_layer}["blocks.0"]
+    assert got["max"] == pytest.approx(out.abs().max().item(), rel=1e-6)
+    assert got["kurtosis"] == pytest.approx(((centred ** 4).mean() / (centred ** 2).mean() ** 2).item(), rel=1e-9)
+
+
+def test_max_by_type_reads_records_as_a_csv_gives_them_back_and_the_plot_is_log_scaled(tmp_path, monkeypatch):
+    """Records read back from a CSV hold text: the maxima keep their fractions. The plot's y axis is logarithmic
+    (maxima span decades) and its folder is created."""
+    import engine.act_max_files
+    from engine.act_max_files import max_by_type
+
+    path = write_csv([{**r, "max": r["max"] + 0.25} for r in RECORDS], tmp_path / "act.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert max_by_type(rows) == {"block": [(0, 4.25), (1, 8.25)], "mlp.fc2": [(0, 2.25)]}
+    figures = []
+    new_figure = engine.act_max_files.new_figure
+    monkeypatch.setattr(engine.act_max_files, "new_figure", lambda *a: figures.append(new_figure(*a)) or figures[-1])
+    assert plot(RECORDS, tmp_path / "new" / "p.png").is_file()
+    assert [ax.get_yscale() for ax in figures[0].axes] == ["log"]
