@@ -174,15 +174,18 @@ class ActivationProbe:
 
 def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
     """Pearson kurtosis E[(x - mu)^4] / var^2 (3 for a Gaussian) per row of [count, sum x, .. x^4] sums;
-    NaN where a row saw nothing or a constant.
+    NaN where a row saw nothing, a constant, or values so near a constant that the raw moments cannot resolve it.
 
     Raw moments (they sum across batches and ranks with one all-reduce) lose digits to cancellation as
     (|mean| / std)^4 grows: the relative error on 65,536 Gaussian samples is 2e-12 at a mean of 10 std, 2e-9 at
     100 std and 2e-4 at 1,000 std. An output whose mean is over ~300 std (a near-constant) needs shifted moments.
+    The relative error is about eps * (E[x^2] / var)^2: where var <= sqrt(eps) * E[x^2] (a mean over ~10^4 std,
+    a constant's variance of a few ulps either side of zero included) it exceeds the kurtosis itself, so NaN.
     """
     n = sums[:, 0].clamp(min=1)
     m1, m2, m3, m4 = (sums[:, k] / n for k in range(1, 5))
     var = m2 - m1 ** 2
     central4 = m4 - 4 * m1 * m3 + 6 * m1 ** 2 * m2 - 3 * m1 ** 4
-    return torch.where((sums[:, 0] > 0) & (var > 0), central4 / var.clamp(min=1e-300) ** 2,
+    resolved = var > m2 * torch.finfo(torch.float64).eps ** 0.5
+    return torch.where((sums[:, 0] > 0) & resolved, central4 / var.clamp(min=1e-300) ** 2,
                        torch.full_like(var, float("nan")))

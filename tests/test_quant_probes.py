@@ -360,6 +360,24 @@ def test_reset_forgets_the_maxima_and_moments_seen_before():
     assert got["kurtosis"] == pytest.approx(((centred ** 4).mean() / (centred ** 2).mean() ** 2).item(), rel=1e-9)
 
 
+def test_a_constant_output_has_no_kurtosis_whatever_the_rounding_of_its_raw_moments():
+    """A constant has no kurtosis (NaN), as the docstring says: also where the raw moments' rounding leaves a
+    variance of a few ulps above or below zero (a constant 1/3 gave 2.7e16, 1.1 gave -4.5e15)."""
+    from engine.act_max import kurtosis_from_sums
+
+    rows = []
+    for c in (0.0, 0.1, 0.3, 1 / 3, 0.7, 1.1, 5.1, -2.0, 1e-3, 123.456):
+        x = torch.full((7,), c, dtype=torch.float64)
+        rows.append([7.0, x.sum(), x.square().sum(), x.pow(3).sum(), x.square().square().sum()])
+    assert kurtosis_from_sums(torch.tensor(rows, dtype=torch.float64)).isnan().all()
+    # a mean of 1,000 std is still resolved (relative error ~2e-4 from the raw moments' rounding)
+    x = 1000 + torch.randn(65536, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sums = torch.stack([x.new_full((), 65536.0), x.sum(), x.square().sum(), x.pow(3).sum(), x.pow(4).sum()])
+    centred = x - x.mean()
+    want = ((centred ** 4).mean() / (centred ** 2).mean() ** 2).item()
+    assert kurtosis_from_sums(sums[None]).item() == pytest.approx(want, rel=1e-3)
+
+
 def test_max_by_type_reads_records_as_a_csv_gives_them_back_and_the_plot_is_log_scaled(tmp_path, monkeypatch):
     """Records read back from a CSV hold text: the maxima keep their fractions. The plot's y axis is logarithmic
     (maxima span decades) and its folder is created."""
