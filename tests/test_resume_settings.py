@@ -361,6 +361,46 @@ def test_weight_decay_skips_biases_norms_and_the_models_no_weight_decay_names(la
         assert decay_of[id(p)] == (0.0 if p.ndim <= 1 or name in skip else 0.05), name
 
 
+
+def test_layer_decay_scales_each_layers_lr_by_its_depth_below_the_head():
+    """optim.layer_decay d, written out for the two-block debug ViT: the head keeps the lr, blocks.i gets
+    d^(depth - i), the stem (patch_embed, cls_token, pos_embed) d^(depth + 1); every parameter's lr_scale is the one
+    timm's own param_groups_layer_decay gives it (the final norm shares the last block's), and the scheduler
+    multiplies it into each group's lr."""
+    from timm.optim import param_groups_layer_decay
+
+    d = 0.5
+    cfg = load_config([DEBUG_CONFIG], [f"optim.layer_decay={d}", "sched.warmup_epochs=0"])
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim, 1e-3, 0.05)
+    scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
+    depth = len(model.blocks)
+    assert depth == 2
+    for name, p in model.named_parameters():
+        head, block = name.split(".")[0], name.split(".")[1] if name.startswith("blocks.") else None
+        want = {"head": 1.0, "patch_embed": d ** (depth + 1), "cls_token": d ** (depth + 1),
+                "pos_embed": d ** (depth + 1), "blocks": d ** (depth - int(block or 0))}.get(head)
+        if want is not None:
+            assert scale_of[id(p)] == pytest.approx(want, rel=1e-12), name
+    params = dict(model.named_parameters())
+    timm_groups = param_groups_layer_decay(model, weight_decay=0.05, layer_decay=d,
+                                           no_weight_decay_list=model.no_weight_decay())
+    timm_scale = {name: g["lr_scale"] for g in timm_groups for name, p in params.items()
+                  if any(p is q for q in g["params"])}
+    assert {name: scale_of[id(p)] for name, p in params.items()} == pytest.approx(timm_scale, rel=1e-12)
+    scheduler = build_scheduler(optimizer, cfg.sched, updates_per_epoch=4)
+    scheduler.step_update(3)
+    assert len({g["lr"] / g["lr_scale"] for g in optimizer.param_groups}) == 1
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "lamb"])
+def test_adam_optimizers_take_the_configured_betas_and_eps(name):
+    """optim.betas and optim.eps reach every group of the optimizers that read them (configs.schema
+    ADAM_OPTIMIZERS), not timm's defaults (0.9, 0.999) and 1e-8."""
+    cfg = load_config([DEBUG_CONFIG], [f"optim.name={name}", "optim.betas=[0.8,0.95]", "optim.eps=1e-6"])
+    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.05)
+    assert {(tuple(g["betas"]), g["eps"]) for g in optimizer.param_groups} == {((0.8, 0.95), 1e-6)}
+
 def test_a_schedule_in_updates_warms_up_then_decays_over_the_remaining_updates():
     """sched.steps (nanoGPT): a linear warmup to the peak lr at update warmup_steps, then the cosine over the
     steps - warmup_steps updates left, reaching min_lr at update `steps`; a warmup as long as the run is
