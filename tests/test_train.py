@@ -671,6 +671,40 @@ def test_evaluate_scores_as_a_naive_per_image_loop():
     assert got["loss"] == pytest.approx(loss / count, rel=1e-6)  # logits are scored in float32
 
 
+
+def test_evaluate_counts_every_image_in_the_top5_of_fewer_than_six_classes():
+    """With 5 classes (or fewer) every label is among the 5 best: top-5 is 100 %, also for an image whose label
+    has the smallest logit; top-1 as the naive count."""
+    from engine.loop import evaluate
+
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 5).double()
+    images, targets = torch.randn(30, 4, dtype=torch.float64), torch.randint(0, 5, (30,))
+    logits = model(images).detach()
+    above = (logits > logits.gather(1, targets[:, None])).sum(1)
+    assert int(above.max()) == 4  # some label has the smallest logit
+    got = evaluate(model, [(images, targets)], torch.device("cpu"))
+    assert got["top5"] == 100.0 and got["top1"] == pytest.approx(100 * int((above == 0).sum()) / 30)
+
+
+def test_a_bf16_evaluation_scores_its_logits_in_float():
+    """Under bf16 autocast the logits are bf16; the loss is the NLL of those logits computed in float (a bf16 sum
+    keeps 8 bits), against the same logits' NLL in float64 written as a loop."""
+    from engine.loop import evaluate
+
+    torch.manual_seed(4)
+    model = torch.nn.Linear(6, 10)
+    batches = [(torch.randn(n, 6), torch.randint(0, 10, (n,))) for n in (16, 16, 8)]
+    nll = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for x, y in batches:
+            logits = model(x)
+            assert logits.dtype == torch.bfloat16  # what the test is about: bf16 logits
+            logp = torch.log_softmax(logits.double(), -1)
+            nll += sum(-logp[i, y[i]].item() for i in range(len(y)))
+    got = evaluate(model, batches, torch.device("cpu"), amp="bf16")
+    assert got["count"] == 40 and got["loss"] == pytest.approx(nll / 40, rel=1e-6)
+
 def test_the_loop_trains_in_training_mode_and_evaluate_scores_in_eval_mode():
     """Dropout and drop path act in training only: run_epoch puts the model in training mode, also after a
     validation left it in eval mode, and evaluate puts it in eval mode, also when called mid-training. Checked by
