@@ -39,6 +39,21 @@ def test_the_precision_that_runs_is_logged_and_fp16_on_a_cpu_is_warned_about(deb
     assert ("fp16 autocast runs several times slower than fp32" in caplog.text) == (amp == "fp16")
 
 
+
+@pytest.mark.parametrize("amp, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_the_autocast_is_of_the_device_of_the_run(amp, dtype):
+    """A CUDA run's autocast is torch's CUDA autocast (read from the object torch builds; on a machine without
+    CUDA torch only warns that it would be disabled, so this runs on a CPU too)."""
+    import warnings
+
+    import torch
+
+    from engine.precision import autocast
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling autocast."
+        context = autocast(amp, torch.device("cuda"))
+    assert (context.device, str(context.fast_dtype)) == ("cuda", f"torch.{dtype}")
+
 def test_fp16_on_a_gpu_is_described_without_the_cpu_warning(caplog):
     """The slow-fp16 warning is for CPUs: a GPU recipe's fp16 on a GPU gets the precision line only (a string
     about a cuda device; nothing runs on it)."""
