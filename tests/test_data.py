@@ -300,6 +300,25 @@ def test_seed_all_seeds_every_global_generator_as_documented(monkeypatch):
     assert mix_seed(1, 2) != mix_seed(2, 1) and mix_seed(3) == mix_seed(3)
 
 
+def test_mix_seed_is_the_documented_splitmix64_variant():
+    """engine.rng.mix_seed as its docstring gives it, written out with numpy's wrapping uint64 arithmetic over many
+    inputs at once: start at the golden ratio 0x9E3779B97F4A7C15; per part, xor it in, multiply by 0xBF58476D1CE4E5B9,
+    xorshift 27, multiply by 0x94D049BB133111EB, xorshift 31; keep the top 63 bits. The augmentation of every
+    sample is seeded by it, so a run resumed on another version draws the same images only if it stays this."""
+    from engine.rng import mix_seed
+
+    rng = np.random.default_rng(0)
+    parts = rng.integers(0, 2 ** 63, size=(3, 500), dtype=np.uint64)
+    parts[:, :4] = [[0, 1, 2 ** 63 - 1, 7], [0, 0, 5, 2 ** 62], [0, 1, 1, 3]]
+    h = np.full(500, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for p in parts:
+        h = (h ^ p) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = h ^ (h >> np.uint64(31))
+    want = (h >> np.uint64(1)).tolist()
+    assert [mix_seed(*map(int, column)) for column in parts.T] == want
+
+
 def test_a_seeded_sample_runs_under_its_seed_and_leaves_the_global_generators_as_they_were():
     """SeededDataset[(index, seed)] reads the sample with python, numpy and torch seeded by `seed`, and the caller's
     generators go on as if it had not run (with data.num_workers=0 the main process reads the samples: its own
