@@ -923,6 +923,22 @@ def test_seeds_scored_on_other_kinds_of_checkpoint_are_refused_not_averaged():
     assert rows.splitlines()[2].startswith("| m | CD (n=3) | 81.00 ± 1.00 |")
 
 
+
+def test_pretrained_weights_beside_a_run_file_and_results_without_a_fingerprint_are_no_difference_or_copy():
+    """model.pretrained weights (kind "weights") are no file of a run: a public model's result beside a run's
+    best.pt is not refused for its kind (two runs' best.pt and checkpoint.pt are). Results without a fingerprint
+    (older files) are never taken for two results of one weights file; two with the same fingerprint are."""
+    from engine.eval_results import evaluation_difference, repeated_weights
+
+    def result(kind):
+        return {"model": "m", "checkpoint_kind": kind}
+
+    assert evaluation_difference(result("weights"), result("best")) is None
+    assert evaluation_difference(result("latest"), result("weights")) is None
+    assert evaluation_difference(result("best"), result("latest")).what == "checkpoint_kind"
+    assert repeated_weights([("a", {}), ("b", {"fingerprint": None}), ("c", {"fingerprint": "f1"})]) is None
+    assert repeated_weights([("a", {"fingerprint": "f0"}), ("b", {}), ("c", {"fingerprint": "f0"})]) == ("a", "c", "f0")
+
 def test_results_record_the_kind_of_checkpoint_and_older_files_take_it(checkpoint, tmp_path):
     out = tmp_path / "r.json"
     saved = evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out), "--quant"]))
