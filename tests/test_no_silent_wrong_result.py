@@ -155,6 +155,20 @@ def test_two_writers_of_one_result_file_both_keep_their_results(tmp_path):
     assert [(h["pipeline"], h["bits"], h["top1"]) for h in saved["history"]] == [("repq", "w8a8", 49.0)]
 
 
+
+def test_after_a_save_a_writer_plans_with_what_the_other_writers_saved(tmp_path):
+    """save() leaves the object holding the file as written, other processes' results included: a later plan()
+    skips a result another evaluate.py saved meanwhile with the same settings instead of computing it again."""
+    path = str(tmp_path / "r.json")
+    identity = {"model": "m", "fingerprint": "f"}
+    first, second = EvalResults.open(path, identity), EvalResults.open(path, identity)
+    first.add("percentile", "w4a4", {"top1": 40.0}, {"options": 1})
+    first.save()
+    second.add("repq", "w4a4", {"top1": 45.0}, {"options": 2})
+    second.save()
+    assert sorted(second.data["quant"]) == ["percentile", "repq"]
+    assert second.plan("percentile", "w4a4", {"options": 1}, recompute=False) is False
+
 def test_a_recomputed_entry_is_kept_in_history_once_however_often_the_file_is_saved(tmp_path):
     """evaluate.py --recompute saves after every pipeline: the replaced entry is history once, not once per save."""
     path = str(tmp_path / "r.json")
