@@ -233,6 +233,16 @@ def test_metrics_jsonl_keeps_records_up_to_the_resumed_step_whole_lines_and_non_
                        {"step": 4, "train/loss": "nan", "train/lr": "inf", "t": 0.5}]
 
 
+def test_metrics_jsonl_drops_every_record_after_the_resumed_step(tmp_path):
+    """A resume from update 3 of a run that logged every update up to 5 keeps updates 1-3 only (the next record
+    is the resumed run's update 4); the file as it was is kept as metrics.until_step3.jsonl."""
+    before = "".join(f'{{"step": {step}}}\n' for step in range(1, 6))
+    (tmp_path / "metrics.jsonl").write_text(before)
+    MetricLogger(str(tmp_path), True, tensorboard=False, resume_step=3).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert (tmp_path / "metrics.until_step3.jsonl").read_text() == before
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
 def test_train_device_cuda_without_a_gpu_is_a_config_error_not_a_traceback(debug_config):
     from configs import ConfigError
