@@ -486,6 +486,16 @@ def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently
         assert "| Cars |" in paper_table.main(["--layout", "finetune", *files])
 
 
+def test_finetune_layout_checks_every_data_sets_row_not_only_the_first():
+    """Each row is checked on its own: Aircraft's entries evaluated alike, Pets' on other image counts (a
+    --max-images evaluation of its CD entry) are refused, though Aircraft's row, the first in order, is fine."""
+    results = [_finetune_result(root, method, 95.0, 94.0) for root in ("aircraft", "pets")
+               for method in ("Baseline", "CD")]
+    results[3]["images"] = 100
+    with pytest.raises(ValueError, match=r"pets/Baseline and pets/CD were evaluated differently \(images: "):
+        paper_table.finetune_table(results)
+
+
 def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
     runs = sweep.expand(path, ["model.pretrained=/w/in21k.safetensors"])
