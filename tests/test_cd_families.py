@@ -84,6 +84,34 @@ def test_write_into_a_document_whose_end_marker_comes_first_is_one_error_line(tm
     assert doc.read_text() == "# doc\n<!-- e -->\n<!-- b -->\nold table\n"
 
 
+
+def test_write_into_a_document_without_its_begin_marker_is_one_error_line(tmp_path):
+    """A document that lost its begin marker (only the end marker left) is named too, and stays as it was."""
+    doc = tmp_path / "README.md"
+    doc.write_text("# doc\nold table\n<!-- e -->\n")
+    with pytest.raises(SystemExit, match=r"^error: .*README.md lacks the markers <!-- b --> \.\.\. <!-- e -->"):
+        readme_tables.table_command("x", lambda: "new table", doc, "<!-- b -->", "<!-- e -->", ["--write"])
+    assert doc.read_text() == "# doc\nold table\n<!-- e -->\n"
+
+
+@pytest.mark.parametrize("threads, want", [(None, 1), ("3", 3)])
+def test_the_table_is_measured_with_the_threads_omp_num_threads_gives(monkeypatch, threads, want):
+    """The tables' figures are measured with OMP_NUM_THREADS threads, one when it is unset: torch's thread count
+    while the table is made."""
+    import torch
+    if threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        readme_tables.table_command("x", lambda: seen.append(torch.get_num_threads()) or "table", Path("README.md"),
+                                    "<!-- b -->", "<!-- e -->", [])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [want]
+
 @pytest.mark.parametrize("threads", ["4,2", "0", ""])
 def test_a_thread_count_torch_cannot_take_is_one_error_line(monkeypatch, threads):
     """OMP_NUM_THREADS=4,2 (an OpenMP list), 0 or empty was a ValueError traceback from int()."""
