@@ -403,3 +403,36 @@ def test_a_logged_true_is_not_the_number_one():
     """JSON true where train.py logs a number is no number (Python's bool is an int: it read as 1.0)."""
     with pytest.raises(dose_report.ReportError, match=r"cd/pair_energy/fc2 at update 5 is True, not a number"):
         dose_report.metric_number({"step": 5, "cd/pair_energy/fc2": True}, "cd/pair_energy/fc2", "run")
+
+
+def _act_row(block, typ, value, name=None):
+    """A row of eval_best_act_max.csv as read_act_max returns it (strings, as csv.DictReader gives them)."""
+    return {"name": name or f"blocks.{block}.{typ}", "kind": "block" if typ == "block" else "module",
+            "block": str(block), "type": typ, "max": str(value)}
+
+
+def test_a_module_outside_the_blocks_is_no_module_type_even_when_it_shares_a_types_name():
+    """type_maxima is over the blocks: a row at block -1 (quant.act_max_extra_modules) whose type reads like a
+    block's sub-module (a top-level module named norm1) stays out of norm1's maximum. By hand: norm1 over the
+    blocks is max(3, 7) = 7, not the 50 outside them."""
+    run = dose_report.Run("baseline", 0, "run", {}, {}, [
+        _act_row(0, "norm1", 3.0), _act_row(1, "norm1", 7.0), _act_row(1, "block", 9.0),
+        _act_row(-1, "norm1", 50.0, name="norm1")])
+    assert dose_report.type_maxima(run) == {"norm1": 7.0, "block": 9.0}
+
+
+def test_a_type_some_seeds_lack_is_a_dash_not_a_mean_over_the_others():
+    """The per-type table averages a type over a point's seeds only when every seed has it: mlp.fc2 in one seed
+    of two is '-', norm1 in both is their mean by hand, (4 + 6) / 2 = 5.0."""
+    result = {"fp": {"top1": 80.0}, "max_act": {"module": 10.0, "block": 5.0},
+              "quant": {p: {b: {"top1": 60.0} for b in ("w4a4", "w3a3")} for p in ("percentile", "repq")}}
+    energies = {role: [(10, 1.0)] for role in dose_report.ROLES}
+    runs = [dose_report.Run("baseline", 0, "s0", energies, result, [_act_row(0, "norm1", 4.0),
+                                                                     _act_row(0, "mlp.fc2", 8.0)]),
+            dose_report.Run("baseline", 1, "s1", energies, result, [_act_row(0, "norm1", 6.0)])]
+    peak = {"block": "blocks.0", "direction": 0, "row": 0, "alpha": 1.0}
+    types = dose_report.tables({"baseline": runs}, {"baseline": [peak, peak]}, None) \
+        .split("Largest max |activation| per module type")[1].split("FC1-FC2")[0]
+    row = [line for line in types.splitlines() if line.startswith("| baseline |")][0]
+    cells = dict(zip(dose_report.TYPE_ORDER, [c.strip() for c in row.strip("|").split("|")][1:]))
+    assert cells["norm1"] == "5.0" and cells["mlp.fc2"] == "-" and cells["block"] == "-"
