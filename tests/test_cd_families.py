@@ -96,8 +96,8 @@ def test_write_into_a_document_without_its_begin_marker_is_one_error_line(tmp_pa
 
 @pytest.mark.parametrize("threads, want", [(None, 1), ("3", 3)])
 def test_the_table_is_measured_with_the_threads_omp_num_threads_gives(monkeypatch, threads, want):
-    """The tables' figures are measured with OMP_NUM_THREADS threads, one when it is unset: torch's thread count
-    while the table is made."""
+    """The tables' figures are measured with OMP_NUM_THREADS threads, one when it is unset: torch's thread
+    count while the table is made."""
     import torch
     if threads is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -106,8 +106,8 @@ def test_the_table_is_measured_with_the_threads_omp_num_threads_gives(monkeypatc
     seen = []
     before = torch.get_num_threads()
     try:
-        readme_tables.table_command("x", lambda: seen.append(torch.get_num_threads()) or "table", Path("README.md"),
-                                    "<!-- b -->", "<!-- e -->", [])
+        readme_tables.table_command("x", lambda: seen.append(torch.get_num_threads()) or "table",
+                                    Path("README.md"), "<!-- b -->", "<!-- e -->", [])
     finally:
         torch.set_num_threads(before)
     assert seen == [want]

@@ -422,8 +422,8 @@ def test_a_module_outside_the_blocks_is_no_module_type_even_when_it_shares_a_typ
 
 
 def test_a_type_some_seeds_lack_is_a_dash_not_a_mean_over_the_others():
-    """The per-type table averages a type over a point's seeds only when every seed has it: mlp.fc2 in one seed
-    of two is '-', norm1 in both is their mean by hand, (4 + 6) / 2 = 5.0."""
+    """The per-type table averages a type over a point's seeds only when every seed has it: mlp.fc2 in one
+    seed of two is '-', norm1 in both is their mean by hand, (4 + 6) / 2 = 5.0."""
     result = {"fp": {"top1": 80.0}, "max_act": {"module": 10.0, "block": 5.0},
               "quant": {p: {b: {"top1": 60.0} for b in ("w4a4", "w3a3")} for p in ("percentile", "repq")}}
     energies = {role: [(10, 1.0)] for role in dose_report.ROLES}

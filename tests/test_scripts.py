@@ -488,7 +488,8 @@ def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently
 
 def test_finetune_layout_checks_every_data_sets_row_not_only_the_first():
     """Each row is checked on its own: Aircraft's entries evaluated alike, Pets' on other image counts (a
-    --max-images evaluation of its CD entry) are refused, though Aircraft's row, the first in order, is fine."""
+    --max-images evaluation of its CD entry) are refused, though Aircraft's row, the first in order, is
+    fine."""
     results = [_finetune_result(root, method, 95.0, 94.0) for root in ("aircraft", "pets")
                for method in ("Baseline", "CD")]
     results[3]["images"] = 100
