@@ -436,3 +436,22 @@ def test_a_type_some_seeds_lack_is_a_dash_not_a_mean_over_the_others():
     row = [line for line in types.splitlines() if line.startswith("| baseline |")][0]
     cells = dict(zip(dose_report.TYPE_ORDER, [c.strip() for c in row.strip("|").split("|")][1:]))
     assert cells["norm1"] == "5.0" and cells["mlp.fc2"] == "-" and cells["block"] == "-"
+
+
+def test_the_energy_change_is_of_a_points_seed_mean_against_the_baselines():
+    """A point's change against the baseline compares the means over seeds: fc2 baseline (100 + 120) / 2 = 110,
+    cd10x (44 + 66) / 2 = 55, so -50.0 % by hand (its first seed alone would read -60.0 %)."""
+    result = {"fp": {"top1": 80.0}, "max_act": {"module": 10.0, "block": 5.0},
+              "quant": {p: {b: {"top1": 60.0} for b in ("w4a4", "w3a3")} for p in ("percentile", "repq")}}
+
+    def run(point, seed, fc2):
+        energies = {role: [(10, 1.0)] for role in dose_report.ROLES}
+        energies["fc2"] = [(10, 500.0), (20, fc2)]  # the last update's energy counts
+        return dose_report.Run(point, seed, f"{point}_s{seed}", energies, result, [_act_row(0, "norm1", 4.0)])
+    groups = {"baseline": [run("baseline", 0, 100.0), run("baseline", 1, 120.0)],
+              "cd10x": [run("cd10x", 0, 44.0), run("cd10x", 1, 66.0)]}
+    peak = {"block": "blocks.0", "direction": 0, "row": 0, "alpha": 1.0}
+    energy = dose_report.tables(groups, {p: [peak, peak] for p in groups}, None) \
+        .split("Pair energy")[1].split("Largest")[0]
+    assert "| cd10x | 1.0 ± 0.0 (+0.0 %) | 1.0 ± 0.0 (+0.0 %) | 1.0 ± 0.0 (+0.0 %) | 55.0 ± 15.6 (-50.0 %) |" \
+        in energy
