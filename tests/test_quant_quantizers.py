@@ -304,18 +304,20 @@ def test_training_path_rounds_half_to_even_like_the_inference_path():
 def test_log_sqrt2_training_path_matches_inference_and_its_gradient_is_out_over_x():
     # the STE path (straight-through in the log domain) gives the inference values, 0 for underflow, and
     # d out / d x = out / x for codes 1 .. 2^b - 2, 0 where x saturates above delta or underflows (an exact
-    # end code sits on the clamp bound, where torch.clamp passes no gradient)
+    # end code sits on the clamp bound, where torch.clamp passes no gradient); x = 0 exactly (a post-softmax
+    # entry that underflowed in float32) underflows too: value 0 and gradient 0, not the NaN of log2(0)
     d = torch.tensor(0.5)
-    x = torch.tensor([0.6, 0.4, 0.3, 0.1, 0.02, 0.5 * 2 ** -6.6, 0.5 * 2 ** -8.4, 1e-9], requires_grad=True)
+    x = torch.tensor([0.6, 0.4, 0.3, 0.1, 0.02, 0.5 * 2 ** -6.6, 0.5 * 2 ** -8.4, 1e-9, 0.0], requires_grad=True)
     out = fake_quant_log_sqrt2(x, d, 4, ste=True)
     with torch.no_grad():
         want = fake_quant_log_sqrt2(x.detach(), d, 4)
     assert out.detach().tolist() == pytest.approx(want.tolist(), rel=1e-6, abs=0)
-    assert want[-2:].tolist() == [0.0, 0.0]
+    assert want[-3:].tolist() == [0.0, 0.0, 0.0]
     out.sum().backward()
     inside = (want > 0) & (x.detach() < d)
     expected = torch.where(inside, want / x.detach(), torch.zeros_like(want))
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0)
+    assert x.grad[-1].item() == 0.0  # by hand: x = 0 underflows, so its gradient is exactly 0 (finite)
 
 
 def test_log_sqrt2_delta_search_is_by_squared_error_not_absolute_error():
