@@ -333,6 +333,17 @@ def test_log_sqrt2_delta_search_is_by_squared_error_not_absolute_error():
     assert q.delta.item() == pytest.approx(deltas[int(np.argmin(mse))], rel=1e-5)
 
 
+def test_log_sqrt2_delta_of_an_all_zero_map_is_the_smallest_step():
+    # an attention map whose top percentiles are 0 (every entry masked, or underflowed in float32) gets
+    # delta = MIN_SCALE = 1e-8, not 0: zero inputs quantize to 0 (not 0 / 0 = NaN), and later inputs are
+    # coded against 1e-8 (by hand, 4 bits: 1e-8 -> code 0; 0.5e-8 -> code 2; 1e-9 -> round(2 log2 10) = 7)
+    q = fitted(LogSqrt2Quantizer(4), torch.zeros(2, 3, 8, 8))
+    assert q.delta.item() == pytest.approx(1e-8, rel=1e-6)
+    assert q(torch.zeros(2, 3, 8, 8)).abs().max().item() == 0.0
+    got = q(torch.tensor([1e-8, 0.5e-8, 1e-9, 0.0]))
+    assert got.tolist() == pytest.approx([1e-8, 0.5e-8, 1e-8 * 2 ** -3.5, 0.0], rel=1e-6, abs=0)
+
+
 def test_grad_scale_keeps_the_value_and_scales_the_gradient():
     from quant.functional import grad_scale
     x = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)
