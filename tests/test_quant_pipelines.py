@@ -119,6 +119,12 @@ def test_percentile_modes():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4",
                                        {"weight_range": "percentile", "weight_percentiles": [0.99]})
     assert all(q.search.percentiles == (0.99,) for _, q in named_quantizers(model, "weight"))
+    model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4", {"act_range": "percentile",
+                                                                        "act_percentiles": [0.99],
+                                                                        "softmax": "log_sqrt2"})
+    acts = [q for _, q in named_quantizers(model, "activation")]
+    assert any(isinstance(q, LogSqrt2Quantizer) for q in acts)  # the attention quantizer reads them too
+    assert acts and all(q.search.percentiles == (0.99,) for q in acts)
 
 
 @pytest.mark.parametrize("pipeline", ["percentile", "repq"])
