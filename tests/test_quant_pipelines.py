@@ -60,6 +60,25 @@ def test_report_and_default_first_last_bits():
     assert attn.q_quant.channel_dim is None  # matmul operands per tensor in RepQ-ViT
 
 
+def test_repq_layout_is_the_official_one_quantizer_by_quantizer():
+    # zkkli/RepQ-ViT before the fold: every range, weights' and activations' (the attention map's included),
+    # is the percentile-MSE search over 0.999 / 0.9999 / 0.99999; the LayerNorm outputs (qkv and fc1 inputs)
+    # per channel (last dim), every other Linear input and q, k, v per tensor; the attention map log-sqrt2
+    from configs.quant import RepQOptions
+    from quant import quantize_model
+    from quant.ranges import RangeSearch
+    model = quantize_model(tiny_vit(), PIPELINES["repq"].layout(Bits(4, 4), RepQOptions()))
+    official = RangeSearch("percentile_mse", (0.999, 0.9999, 0.99999))
+    quantizers = dict(named_quantizers(model))
+    assert quantizers and all(q.search == official for q in quantizers.values())
+    for name, q in named_quantizers(model, "activation"):
+        per_channel = name.endswith(("attn.qkv.input_quantizer", "mlp.fc1.input_quantizer"))
+        assert getattr(q, "channel_dim", None) == (-1 if per_channel else None), name
+        assert isinstance(q, LogSqrt2Quantizer if name.endswith("attn_quant") else UniformQuantizer), name
+    assert all(q.channel_dim == 0 for _, q in named_quantizers(model, "weight"))  # per output channel
+    assert {"blocks.0.attn.v_quant", "blocks.0.attn.attn_quant", "blocks.1.mlp.fc2.input_quantizer"} <= set(quantizers)
+
+
 def test_first_last_options():
     model, report = PIPELINES["percentile"](tiny_swin(), images(4), "w4a4",
                                             {"stem_a_bits": 0, "head_w_bits": 8, "head_a_bits": 8})
@@ -244,6 +263,9 @@ def test_percentile_quantizes_every_activation_per_tensor():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w4a4")
     acts = dict(named_quantizers(model, "activation"))
     assert acts and all(isinstance(q, UniformQuantizer) and q.channel_dim is None for q in acts.values())
+    # at the a of w4a4: the operands of both attention matmuls included; only the image (stem input) takes 8
+    assert {name: q.bits for name, q in acts.items() if q.bits != 4} == {"patch_embed.proj.input_quantizer": 8}
+    assert {"blocks.0.attn.q_quant", "blocks.0.attn.k_quant", "blocks.0.attn.v_quant"} <= set(acts)
 
 
 @pytest.mark.parametrize("operand", ["act", "weight"])
