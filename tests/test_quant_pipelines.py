@@ -268,6 +268,14 @@ def test_percentile_quantizes_every_activation_per_tensor():
     assert {"blocks.0.attn.q_quant", "blocks.0.attn.k_quant", "blocks.0.attn.v_quant"} <= set(acts)
 
 
+@pytest.mark.parametrize("pipeline", ["percentile", "repq"])
+@pytest.mark.parametrize("text, operand", [("w16a4", "weights"), ("w4a16", "activations")])
+def test_ptq_pipelines_refuse_a_bit_width_that_keeps_an_operand_float(pipeline, text, operand):
+    # both quantize weights and activations: 16 bits (float) on either side would run a different method
+    with pytest.raises(ValueError, match=f"quantizes {operand}: {text} keeps them float"):
+        PIPELINES[pipeline].validate(parse_bits(text), PIPELINES[pipeline].Options())
+
+
 @pytest.mark.parametrize("operand", ["act", "weight"])
 def test_percentile_levels_that_the_range_rule_would_not_read_are_refused(operand):
     # minmax reads no percentile, and an empty level list has none: either would run silently on other ranges
