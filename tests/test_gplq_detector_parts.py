@@ -191,3 +191,89 @@ def test_detector_stage1_gets_the_asked_settings_and_the_papers_lr_for_the_globa
     assert seen["acts_learnable"] and all(seen["acts_learnable"]) and seen["float_trainable"]
     weights, scales = seen["param_groups"]
     assert (weights["lr"], scales["lr"]) == pytest.approx((lr, scale_lr))
+
+
+def _quantize_toy(options, feed, data, model=None):
+    """quantize_detector at W4A4 on a ToyDetector (or `model`) with GPLQ's layout and the paper's lr rule."""
+    import quant.gplq.detector as gplq_detector
+    from quant.gplq.pipeline import default_lr
+    bits = parse_bits("w4a4")
+    return gplq_detector.quantize_detector(PIPELINES["gplq"].layout(bits, options), model or ToyDetector(), feed,
+                                           bits, options, data, default_lr)
+
+
+def _detector_options(**given):
+    import dataclasses
+    from configs.quant import GPLQ_DETECTION, GPLQOptions
+    return dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, **given})
+
+
+def test_detector_stage1_identity_names_the_calibration_images():
+    """A resume with another LSQ-start batch is another run: the batch's dataset indices are in the identity."""
+    from types import SimpleNamespace
+    model, options = tiny_vit(depth=1), PIPELINES["gplq"].Options(pca_weight=0.0)
+    first, other = (detector_identity(model, parse_bits("w4a4"), options, SimpleNamespace(indices=indices))
+                    for indices in ([0, 1], [0, 2]))
+    assert first["init_batch"] == [0, 1] and first != other
+
+
+def test_detector_refuses_an_image_tensor_and_a_missing_trainer_before_any_work():
+    from quant.pipeline_data import PipelineData
+    called = []
+    trainer = PipelineData(train_detector=lambda *a: called.append(a), detector_samples=lambda c, s: None)
+    with pytest.raises(ValueError, match="initialises on a units.SampleFeed"):
+        _quantize_toy(_detector_options(init_images=1), torch.randn(1, 4, 2, 2), trainer)
+    feed = CalibFeed([torch.randn(1, 4, 2, 2)])
+    with pytest.raises(ValueError, match="PipelineData.train_detector is required"):
+        _quantize_toy(_detector_options(init_images=1), feed, PipelineData(detector_samples=lambda c, s: None))
+    assert not called
+
+
+def test_detector_lsq_starts_at_the_calibration_batchs_per_channel_absolute_maximum():
+    """The LSQ start is the calibration batch's min/max: the first block's fc2 sees the image tokens themselves
+    (ToyDetector), so its symmetric 4-bit scale per channel is max |pixel| over both images / 7, by hand."""
+    from quant.pipeline_data import PipelineData
+    torch.manual_seed(0)
+    images = [torch.randn(1, 4, 3, 2), torch.randn(1, 4, 2, 2)]
+    seen = {}
+
+    def stage1(student, settings, work_dir):
+        seen.update(named_quantizers(student, "activation"))
+        raise _Started
+    with pytest.raises(_Started):
+        _quantize_toy(_detector_options(init_images=2), CalibFeed(images),
+                      PipelineData(train_detector=stage1, detector_samples=lambda c, s: None))
+    amax = torch.stack([image.double().abs().amax(dim=(0, 2, 3)) for image in images]).amax(0)
+    scale = seen["backbone.stages.0.blocks.0.ffn.layers.1.input_quantizer"].scale.detach().double().flatten()
+    torch.testing.assert_close(scale, amax / 7, rtol=1e-6, atol=0)
+
+
+def test_detector_stage2_draws_its_images_with_the_seed_and_fits_qwt_to_the_float_teacher():
+    """qwt_target=teacher: each block's QwT reference is the float model's block (a copy taken before
+    quantization, by hand), and the QwT images are drawn with the options' seed."""
+    import copy
+    import quant.gplq.detector as gplq_detector
+    from quant.pipeline_data import PipelineData
+    torch.manual_seed(0)
+    fp = ToyDetector()
+    float_block = copy.deepcopy(fp.backbone.stages[0].blocks[0])
+    options = _detector_options(init_images=1, seed=9, stage2_images=2, qwt_target="teacher")
+    drawn, references = [], []
+
+    def samples(count, seed):
+        drawn.append((count, seed))
+        return CalibFeed([torch.randn(1, 4, 2, 3), torch.randn(1, 4, 3, 3)])
+
+    def fit(model, unit, feed, reference, ridge):
+        references.append(reference)
+        return streamed(model, unit, feed, reference, ridge)
+    streamed = gplq_detector.fit_block_compensation_streamed
+    data = PipelineData(train_detector=lambda student, settings, work_dir: {"steps": 0},
+                        detector_samples=samples)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gplq_detector, "fit_block_compensation_streamed", fit)
+        _quantize_toy(options, CalibFeed([torch.randn(1, 4, 2, 2)]), data, model=fp)
+    assert drawn == [(2, 9)] and len(references) == 1
+    x = torch.randn(1, 6, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(references[0](x, (2, 3)), float_block(x, (2, 3)))
