@@ -825,3 +825,49 @@ def test_an_evaluator_annotation_file_given_as_an_override_is_kept_under_a_new_r
     assert cfg.val_evaluator.ann_file == os.path.join(os.path.abspath(sample), "annotations",
                                                       "instances_val2017.json")
     assert cfg.test_dataloader.dataset.data_root == os.path.join(os.path.abspath(sample), "")
+
+
+def test_a_data_root_that_is_no_folder_is_refused_naming_it(mmdet_ready, tmp_path):
+    from mmengine.config import Config
+    from engine.detection import DetectionError
+    from engine.detection.data_checks import set_data_root
+    missing = tmp_path / "coco"
+    with pytest.raises(DetectionError, match=rf"^--data-root {missing}/: no such folder"):
+        set_data_root(Config(dict(data_root="data/coco/")), str(missing))
+
+
+def test_the_pipeline_check_stops_where_a_transform_drops_the_image(mmdet_ready):
+    """As MMEngine's Compose: a transform that returns None drops the image and the ones after it never run."""
+    from types import SimpleNamespace
+    from engine.detection import check_pipeline
+    ran = []
+
+    def later(results):
+        ran.append(results)
+        return results["img_path"]  # fails on None
+
+    class OneImage:
+        pipeline = SimpleNamespace(transforms=[lambda results: None, later])
+
+        def get_data_info(self, index):
+            return {"img_path": "a.jpg"}
+
+        def __len__(self):
+            return 1
+    dataset = OneImage()
+    check_pipeline(dataset, "train_dataloader")
+    assert ran == []
+
+
+def test_an_evaluator_of_one_of_the_files_a_concatenated_loader_reads_is_not_compared_with_the_first(mmdet_ready):
+    """A loader that concatenates data sets reads several files: its evaluator is not held to the first of them;
+    one loader file and another evaluator file are refused."""
+    from mmengine.config import Config
+    from engine.detection import DetectionError, check_evaluator_annotations
+    concat = Config(dict(test_dataloader=dict(dataset=dict(type="ConcatDataset", datasets=[
+        dict(ann_file="/d/a.json"), dict(ann_file="/d/b.json")])), test_evaluator=dict(ann_file="/d/b.json")))
+    check_evaluator_annotations(concat)
+    single = Config(dict(test_dataloader=dict(dataset=dict(ann_file="/d/a.json")),
+                         test_evaluator=dict(ann_file="/d/b.json")))
+    with pytest.raises(DetectionError, match=r"^test_evaluator.ann_file=/d/b.json but test_dataloader reads /d/a.json"):
+        check_evaluator_annotations(single)
