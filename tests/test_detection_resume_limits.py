@@ -109,3 +109,36 @@ def test_a_validation_inside_training_leaves_the_training_draws_as_they_were():
     _draws()  # the validation's own draws
     hook.after_val(None)
     assert _draws() == expected
+
+
+def test_one_process_resuming_a_checkpoint_of_more_ranks_is_exact():
+    """Rank 0's state is all one process draws from: the other ranks' states in the checkpoint do not matter."""
+    assert inexact_resume(1, loader(0, False), saved_ranks=2) == []
+
+
+def _seeded_state(seed: int) -> dict:
+    import random
+    import numpy as np
+    import torch
+    torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
+    return RngStateHook._state()
+
+
+def test_each_rank_resumes_its_own_state_and_a_checkpoint_keeps_the_states_gathered_for_it():
+    """Rank 1 of 2 continues with the draws of the state saved for rank 1 (not rank 0's); the states gathered for a
+    save go into that checkpoint only."""
+    states = [_seeded_state(10), _seeded_state(11)]
+    expected = _draws()  # rank 1's draws after its saved state (seed 11)
+    hook = RngStateHook()
+    hook._gathered = states
+    checkpoint: dict = {}
+    hook.before_save_checkpoint(None, checkpoint)
+    assert checkpoint["rng_state_ranks"] is states
+    later: dict = {}
+    hook.before_save_checkpoint(None, later)
+    assert "rng_state_ranks" not in later
+    _seeded_state(99)  # a new process
+    resumed = RngStateHook()
+    resumed.after_load_checkpoint(None, checkpoint)
+    resumed.before_train(runner(10, 1, 2))
+    assert _draws() == expected
