@@ -1,0 +1,91 @@
+"""What evaluate.py plans to run and record, checked against hand lists: the (pipeline, bits) pairs of a
+command, which pipelines read the calibration batch, and what a result's settings name. resolve_config is
+called on a weights path that is never opened (it reads no weights), so these tests train nothing."""
+import os
+
+import pytest
+
+import evaluate
+from tests.conftest import DEMO_CONFIG, ROOT
+
+LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
+
+
+CONFIGS = {"classifier": DEMO_CONFIG, "language model": LM_CONFIG}
+
+
+def resolved(task: str, *argv: str):
+    """The config of `evaluate.py --config <the task's config> model.pretrained=<a path never read> *argv`."""
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--config", CONFIGS[task], "model.pretrained=/absent/w.pt",
+                                                          *argv]))
+    return cfg
+
+
+@pytest.mark.parametrize("task, argv, pairs", [
+    # no --quant / --bits: the paper's columns (Table 6 for a classifier, Table 8 for GPT-2) at their bit-widths
+    ("classifier", [], [("percentile", "w4a4"), ("repq", "w4a4")]),
+    ("language model", [],
+     [("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoothquant_strict", "w8a8")]),
+    # each pipeline at each --bits, in the order given (normalised to lower case)
+    ("classifier", ["--quant", "repq", "percentile", "--bits", "W6A6", "w4a4"],
+     [("repq", "w6a6"), ("repq", "w4a4"), ("percentile", "w6a6"), ("percentile", "w4a4")]),
+    ("language model", ["--quant", "rtn", "gptq", "--bits", "w3a16"], [("rtn", "w3a16"), ("gptq", "w3a16")]),
+    # --quant without --bits: each at its own default bit-width
+    ("classifier", ["--quant", "rtn", "smoothquant", "percentile"],
+     [("rtn", "w4a16"), ("smoothquant", "w8a8"), ("percentile", "w4a4")]),
+    # --quant naming nothing: the FP pass and maxima only, not the defaults
+    ("classifier", ["--quant"], []),
+])
+def test_a_command_plans_every_pipeline_at_every_bit_width_it_names(task, argv, pairs):
+    assert evaluate.planned(resolved(task, *argv)) == pairs
+
+
+# by hand from the pipelines' descriptions (module docstring of evaluate.py, quant/README.md): RTN reads no
+# data; APHQ and GPLQ draw their own training images on a classifier; every other pipeline reads the batch
+READS_BATCH = {"percentile": True, "repq": True, "aphq": False, "gplq": False, "rtn": False, "gptq": True,
+               "smoothquant": True, "smoothquant_strict": True}
+
+
+@pytest.mark.parametrize("pipeline", sorted(READS_BATCH))
+def test_which_pipelines_read_the_calibration_batch(pipeline):
+    assert evaluate.reads_calibration_batch(pipeline, language=False) is READS_BATCH[pipeline]
+    # on a language model only RTN reads none: there are no training images of its own to draw
+    assert evaluate.reads_calibration_batch(pipeline, language=True) is (pipeline != "rtn")
+
+
+def test_a_results_settings_name_the_calibration_only_where_it_is_read_and_the_ranks_only_for_gplq():
+    """The settings decide whether a stored result is reused: a calibration batch RTN never reads must not
+    make its stored result 'other settings', and GPLQ's result depends on the number of ranks it trained on."""
+    cfg = resolved("language model")
+    batch = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed, "split": cfg.data.train_split,
+             "transform": cfg.quant.calib_transform}
+    rtn, gptq, gplq = (evaluate.quant_settings(cfg, name) for name in ("rtn", "gptq", "gplq"))
+    assert set(rtn) == {"options"} and set(gptq) == {"options", "calibration"} and gptq["calibration"] == batch
+    assert gplq["world_size"] == 1 and "world_size" not in gptq
+
+
+def test_a_result_file_is_added_to_only_by_the_evaluation_it_records(tmp_path):
+    """A result file written by hand: what it has with these settings is skipped, --recompute runs it again,
+    other settings are refused (not silently replaced), and a file of another checkpoint is refused."""
+    import json
+
+    from engine.eval_results import EvalResults, ResultsError
+
+    identity = {"model": "vit_nano", "checkpoint": "/runs/a/best.pt", "weights": "raw", "fingerprint": "f1"}
+    settings = {"options": {"reparam": True}, "calibration": {"images": 32, "seed": 0}}
+    path = tmp_path / "eval_best.json"
+    path.write_text(json.dumps({**identity, "fp": {"top1": 90.0}, "quant": {
+        "repq": {"w4a4": {"top1": 80.0, "settings": settings}}}}))
+    results = EvalResults.open(str(path), identity)
+    assert results.plan("repq", "w4a4", settings, recompute=False) is False  # there, with these settings
+    assert results.plan("repq", "w4a4", settings, recompute=True) is True
+    assert results.plan("repq", "w6a6", settings, recompute=False) is True  # not there: at another bit-width
+    assert results.plan("percentile", "w4a4", settings, recompute=False) is True
+    other = {**settings, "calibration": {"images": 64, "seed": 0}}
+    with pytest.raises(ResultsError, match=r"already has repq w4a4, computed with other settings "
+                                           r"\(calibration.images 32 -> 64\)"):
+        results.plan("repq", "w4a4", other, recompute=False)
+    assert results.plan("repq", "w4a4", other, recompute=True) is True
+    for key, value in (("checkpoint", "/runs/b/best.pt"), ("model", "vit_tiny"), ("fingerprint", "f2")):
+        with pytest.raises(ResultsError, match=rf"holds results of another evaluation \({key}: "):
+            EvalResults.open(str(path), {**identity, key: value})
