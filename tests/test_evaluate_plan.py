@@ -89,3 +89,19 @@ def test_a_result_file_is_added_to_only_by_the_evaluation_it_records(tmp_path):
     for key, value in (("checkpoint", "/runs/b/best.pt"), ("model", "vit_tiny"), ("fingerprint", "f2")):
         with pytest.raises(ResultsError, match=rf"holds results of another evaluation \({key}: "):
             EvalResults.open(str(path), {**identity, key: value})
+
+
+@pytest.mark.parametrize("task, pipelines, refused, own", [
+    ("language model", ["gptq", "repq", "aphq"], "repq, aphq", "gptq, rtn, smoothquant, smoothquant_strict"),
+    ("classifier", ["repq"], None, None),  # every pipeline quantizes a classifier: the LM ones run on ViTs too
+    ("classifier", ["rtn", "gptq", "smoothquant", "smoothquant_strict", "percentile", "aphq", "gplq"], None, None),
+])
+def test_pipelines_of_another_task_are_refused_naming_the_tasks_own(task, pipelines, refused, own):
+    from configs import ConfigError
+
+    if refused is None:
+        assert resolved(task, "--quant", *pipelines).quant.pipelines == pipelines
+        return
+    with pytest.raises(ConfigError, match=rf"^quant.pipelines: {refused} cannot quantize a causal_lm model "
+                                          rf"\(data.dataset=kjv\); its pipelines are {own}$"):
+        resolved(task, "--quant", *pipelines)
