@@ -153,6 +153,17 @@ def test_kurtosis_metrics_skip_outputs_without_a_kurtosis():
                        "act/kurtosis_block": 3.5}
 
 
+class OneBlockNet(torch.nn.Module):
+    """A model whose only block is `block` (the probe finds blocks under `blocks`)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([block])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
 def test_module_maxima_cover_every_tensor_of_a_tuple_output():
     """A module inside a block that returns a tuple (an attention returning its weights too): each tensor
     of it counts toward the module maximum."""
@@ -170,15 +181,7 @@ def test_module_maxima_cover_every_tensor_of_a_tuple_output():
             a, b = self.split(x)
             return a + b
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([Block()])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
-    model = Net()
+    model = OneBlockNet(Block())
     with torch.no_grad(), ActivationProbe(model) as probe:
         model(torch.tensor([[1.0, -2.0]]))
     got = probe.result()
@@ -305,15 +308,7 @@ def test_outputs_declared_as_repeats_and_drop_paths_are_not_counted():
         def forward(self, x):
             return self.triple(self.echo(x) / 10) - x
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([Block()])
-
-        def forward(self, x):
-            return self.blocks[0](x)
-
-    model = Net()
+    model = OneBlockNet(Block())
     with torch.no_grad(), ActivationProbe(model) as probe:
         model(torch.tensor([[1.0, -2.0]]))
     got = probe.result()
