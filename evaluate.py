@@ -20,7 +20,8 @@ APHQ and GPLQ on a classifier draw their own seeded training images and loader (
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
 where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier, and the training augmentation,
-data.scale / reprob / auto_augment and the like, where no pipeline sees training-transform images). Writes one JSON
+data.scale / reprob / auto_augment and the like, where no pipeline sees training-transform images; the quant.*
+settings a --config file changes are checked as overrides, its other sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it, and prints a markdown row in the layout of the paper's tables.
 GPLQ's stage 1 trains (a resumable checkpoint beside the JSON): a SIGTERM / SIGINT during it writes that
@@ -45,7 +46,7 @@ import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
-from configs.loader import override_keys
+from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
 from configs.quant import with_first_last
 from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
@@ -583,15 +584,20 @@ def resolve_config(args: argparse.Namespace):
         fitting = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
         raise ConfigError(f"quant.pipelines: {', '.join(other)} cannot quantize a {task.name} model "
                           f"(data.dataset={cfg.data.dataset}); its pipelines are {', '.join(fitting)}")
-    unread = pipeline_options_unread(args.overrides, cfg.quant.pipelines)
+    # quant settings that --config files change count as given too (a file's other sections are its recipe:
+    # a recipe's training-transform keys are not refused); `named` says where such an item comes from
+    from_files = config_file_quant_items(args.config or (), payload)
+    items = [*args.overrides, *from_files]
+    named = {item: f"{item} (--config {path})" for item, path in from_files.items()}
+    unread = pipeline_options_unread(items, cfg.quant.pipelines)
     if unread:  # e.g. quant.aphq.iters=500 beside --quant repq: the result would not be what the user tuned
         item, pipeline = unread[0]
-        raise ConfigError(f"{item} would be ignored: it sets options of {pipeline}, which this evaluation does not "
-                          f"run (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}); add {pipeline} to "
-                          f"--quant / quant.pipelines, or drop it")
-    batch = calibration_overrides_unread(args.overrides, cfg.quant.pipelines, task.language)
+        raise ConfigError(f"{named.get(item, item)} would be ignored: it sets options of {pipeline}, which this "
+                          f"evaluation does not run (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}); add "
+                          f"{pipeline} to --quant / quant.pipelines, or drop it")
+    batch = calibration_overrides_unread(items, cfg.quant.pipelines, task.language)
     if batch:
-        raise ConfigError(f"{batch[0]} would be ignored: no pipeline of this evaluation reads the calibration batch "
+        raise ConfigError(f"{named.get(batch[0], batch[0])} would be ignored: no pipeline of this evaluation reads the calibration batch "
                           f"(pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no data, aphq and gplq "
                           f"on an image classifier draw their own training images: quant.aphq.calib_images, "
                           f"quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); drop it")
@@ -691,6 +697,31 @@ def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[
                 unread.append((item, parts[1]))
                 break
     return unread
+
+
+def config_file_quant_items(paths, payload: Optional[dict]) -> dict[str, str]:
+    """{`key=value`: the file} for each quant.* setting that the --config files `paths` give a value other than the
+    checkpoint's config (`payload`) or the defaults have: the last file that sets a key gives its value, as when
+    the files are layered. (An override of the same key comes before these items in the checks, so an error names
+    the override.)"""
+    base = config_from_dict(payload["config"]) if payload else Config()
+    found: dict[str, tuple[str, object]] = {}
+    for path in paths:
+        for top, value in read_yaml_file(path).items():
+            for key, inner in dotted_settings(str(top), value, base).items():
+                if key.startswith("quant."):
+                    found[key] = (path, inner)
+    return {f"{key}={json.dumps(inner)}": path for key, (path, inner) in found.items()
+            if _quant_value(base, key) != inner}
+
+
+def _quant_value(cfg: Config, key: str):
+    """The value of `key` in `cfg`, or a marker no file value equals when the schema has no such key (the
+    layering has refused such a file already; this keeps the check from raising a second, other error)."""
+    try:
+        return get_key(cfg, key)
+    except (KeyError, AttributeError, TypeError):
+        return object()
 
 
 def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:

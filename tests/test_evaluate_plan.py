@@ -2,6 +2,7 @@
 command, which pipelines read the calibration batch, and what a result's settings name. resolve_config is
 called on a weights path that is never opened (it reads no weights), so these tests train nothing."""
 import os
+import re
 
 import pytest
 
@@ -105,3 +106,40 @@ def test_pipelines_of_another_task_are_refused_naming_the_tasks_own(task, pipeli
     with pytest.raises(ConfigError, match=rf"^quant.pipelines: {refused} cannot quantize a causal_lm model "
                                           rf"\(data.dataset=kjv\); its pipelines are {own}$"):
         resolved(task, "--quant", *pipelines)
+
+
+@pytest.mark.parametrize("text, argv, refused", [
+    # options of a pipeline that does not run, as a section or dotted, and a batch no pipeline reads
+    ("quant:\n  aphq:\n    iters: 500\n", ["--quant", "repq"], "quant.aphq.iters=500 (--config {}) would be ignored: "
+                                                                "it sets options of aphq"),
+    ("quant.gplq.steps: 5\n", [], "quant.gplq.steps=5 (--config {}) would be ignored: it sets options of gplq"),
+    ("quant:\n  calib_images: 8\n", ["--quant", "rtn"], "quant.calib_images=8 (--config {}) would be ignored: no "
+                                                        "pipeline of this evaluation reads the calibration batch"),
+])
+def test_quant_settings_a_config_file_gives_are_refused_where_no_pipeline_reads_them(tmp_path, text, argv, refused):
+    """A --config file's quant settings are settings the user gave: as key=value overrides, those no pipeline of the
+    evaluation reads are refused, naming the file (they were ignored without a word)."""
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(text)
+    with pytest.raises(evaluate.ConfigError, match=re.escape(refused.format(extra))):
+        resolved("classifier", "--config", str(extra), *argv)
+
+
+@pytest.mark.parametrize("text, argv", [
+    ("quant:\n  aphq:\n    iters: 500\n", ["--quant", "repq", "aphq"]),  # the pipeline runs: read
+    ("quant:\n  calib_images: 8\n", ["--quant", "rtn", "repq"]),  # repq reads the batch
+    ("quant:\n  aphq:\n    iters: {iters}\n  calib_images: {images}\n", ["--quant", "rtn"]),  # the defaults, restated
+])
+def test_quant_settings_a_config_file_gives_are_accepted_where_they_are_read_or_change_nothing(tmp_path, text, argv):
+    defaults = evaluate.Config().quant
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(text.format(iters=defaults.aphq.iters, images=defaults.calib_images))
+    assert resolved("classifier", "--config", str(extra), *argv).quant.pipelines == argv[1:]
+
+
+def test_a_config_files_quant_setting_that_an_override_sets_again_is_named_as_the_override(tmp_path):
+    """The override is the user's last word on the key: the error names it, not the file's value under it."""
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("quant:\n  aphq:\n    iters: 500\n")
+    with pytest.raises(evaluate.ConfigError, match=r"^quant.aphq.iters=20000 would be ignored"):
+        resolved("classifier", "--config", str(extra), "--quant", "repq", "quant.aphq.iters=20000")
