@@ -903,6 +903,30 @@ def test_snapshots_of_one_epoch_are_all_kept_with_or_without_hard_links(tmp_path
     assert [torch.load(p, weights_only=True)["model"]["w"].item() for p in kept] == [1.0, 2.0, 3.0]
 
 
+def test_a_snapshot_copy_that_fails_midway_leaves_no_partial_snapshot(tmp_path, monkeypatch):
+    """Without hard links a snapshot is a copy: one cut short (a full disk) must leave no file under the snapshot's
+    name, since a later roll-back takes the newest readable snapshot and a truncated one would be a trap."""
+    from engine import snapshots
+
+    def no_links(source, target):
+        raise OSError(1, "Operation not permitted")
+
+    def full_disk(source, target):  # half the bytes reach the disk, then ENOSPC
+        data = open(source, "rb").read()
+        with open(target, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshots.os, "link", no_links)
+    monkeypatch.setattr(snapshots.shutil, "copyfile", full_disk)
+    checkpoint = tmp_path / "checkpoint.pt"
+    _training_checkpoint(checkpoint, 1.0)
+    with pytest.raises(snapshots.CheckpointError, match="No space left on device"):
+        snapshots.keep_snapshot(str(checkpoint), 2, True, torch.device("cpu"))
+    assert os.listdir(tmp_path / "snapshots") == []
+    assert torch.load(checkpoint, weights_only=True)["model"]["w"].item() == 1.0
+
+
 def test_the_last_good_snapshot_is_the_newest_readable_one_that_is_not_the_broken_file(tmp_path):
     """Newest by modification time (the epoch only breaks ties), skipping files that cannot be resumed and the
     broken checkpoint.pt itself (a hard link of the newest snapshot)."""
