@@ -75,6 +75,11 @@ def test_adaround_refuses_a_per_tensor_spec_and_a_weight_of_another_shape():
     q.start_rounding(layer.weight)
     with pytest.raises(ValueError, match=r"alpha \(8, 24\) does not match \(8, 12\)"):
         q(layer.weight[:, :12])  # named shapes, not a broadcasting error from inside the forward
+    # before the search has set the scale, frac(w / s) would be taken on the placeholder scale 1
+    fresh = AdaRoundQuantizer(4, channel_dim=0, num_channels=8)
+    with pytest.raises(RuntimeError, match="set the weight scale before starting AdaRound"):
+        fresh.start_rounding(layer.weight)
+    assert fresh.alpha is None
 
 
 def test_adaround_regularizer_and_gradients():
@@ -110,7 +115,8 @@ def test_rounding_schedule_is_the_official_one_counted_from_one(iters, warmup):
 
 
 def test_rounding_schedule_hand_values():
-    sched = RoundingSchedule(iters=100, warmup=0.2, beta_start=20, beta_end=2)
+    sched = RoundingSchedule(iters=100)  # the defaults are configs/4bit/best.py's: 20% warm-up, beta 20 -> 2
+    assert sched.weight == 0.01
     # the official count 20 = 0.2 * 100 is the first with the round loss, at beta 20; count 100 ends at 2
     assert sched.beta(18) is None and sched.beta(19) == 20.0 and sched.beta(99) == 2.0
     assert sched.beta(59) == pytest.approx(2 + 18 * (1 - 40 / 80))
