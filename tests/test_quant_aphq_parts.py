@@ -491,19 +491,24 @@ def test_for_each_call_refuses_a_feed_whose_batch_never_reaches_the_unit():
     assert len(seen) == 1
 
 
-def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe():
+@pytest.mark.parametrize("batch_size, layer_scale", [(8, None), (3, 0.5)])
+def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, layer_scale):
     # reference written out here: x = the norm2 input of the MR model (earlier blocks already tuned),
-    # target = the ORIGINAL GELU branch, loss = mean(H (relu - t)^2) + w * mean(H (clamp(relu, 0, c) - t)^2)
-    # with H scaled to mean 1 and c the p-th percentile (torch.quantile) of the positive GELU fc2 inputs of
-    # the first calib_count images; one Adam step moves every tuned parameter (norm2, fc1, fc2) by about lr
+    # target = the ORIGINAL GELU branch (times LayerScale's gamma when the model has one), loss =
+    # mean(H (relu - t)^2) + w * mean(H (clamp(relu, 0, c) - t)^2) on the batch randperm(N)[:batch_size] (one
+    # draw per block from the caller's generator), with H scaled to mean 1 and c the p-th percentile
+    # (torch.quantile) of the positive GELU fc2 inputs of the first calib_count images; one Adam step moves
+    # every tuned parameter (norm2, fc1, fc2) by about lr
     import torch.nn.functional as F
     from quant.aphq.mlp_recon import MLPReconSettings, reconstruct_mlps
-    fp = tiny_vit()
+    fp = tiny_vit(init_values=layer_scale)
     mr = copy.deepcopy(fp)
     x_img, calib_count, p, lr, w_clip = images(8), 3, 0.9, 1e-2, 1.5
     g = torch.Generator().manual_seed(3)
     h_weights = {f"blocks.{i}": torch.rand(1, 17, 48, generator=g) + 0.5 for i in range(2)}
-    settings = MLPReconSettings(iters=1, batch_size=8, lr=lr, clip_percentile=p, clip_weight=w_clip, log_every=0)
+    settings = MLPReconSettings(iters=1, batch_size=batch_size, lr=lr, clip_percentile=p, clip_weight=w_clip,
+                                log_every=0)
+    draws = torch.Generator().manual_seed(0)
     stats = reconstruct_mlps(fp, mr, x_img, calib_count, h_weights.__getitem__, settings,
                              torch.Generator().manual_seed(0))
 
@@ -518,13 +523,16 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe():
     for i, row in enumerate(stats):
         block = fp.blocks[i]  # the MR block's weights before its one step are the original ones
         x = norm2_input(mr, i)  # block i's own tuning does not change its norm2 input
+        gamma = 1.0 if layer_scale is None else block.ls2.gamma
+        batch = torch.randperm(8, generator=draws)[:batch_size]
         with torch.no_grad():
             pre = F.linear(block.norm2(x), block.mlp.fc1.weight, block.mlp.fc1.bias)
-            target = F.linear(F.gelu(pre), block.mlp.fc2.weight, block.mlp.fc2.bias)
             gelu_calib = F.gelu(pre[:calib_count])
             c = torch.quantile(gelu_calib[gelu_calib > 0].double(), p).float()
-            relu = F.linear(pre.clamp(min=0), block.mlp.fc2.weight, block.mlp.fc2.bias)
-            clamped = F.linear(pre.clamp(min=0).clamp(max=c), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            pre = pre[batch]
+            target = gamma * F.linear(F.gelu(pre), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            relu = gamma * F.linear(pre.clamp(min=0), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            clamped = gamma * F.linear(pre.clamp(min=0).clamp(max=c), block.mlp.fc2.weight, block.mlp.fc2.bias)
             h = h_weights[row["unit"]] / h_weights[row["unit"]].mean()
             want = (h * (relu - target) ** 2).mean() + w_clip * (h * (clamped - target) ** 2).mean()
         assert row["unit"] == f"blocks.{i}"
