@@ -529,6 +529,11 @@ def test_table_columns_cells_and_marks_follow_the_papers_layout():
     (["quant.aphq.eq_n=16"], "quant.aphq: eq_n=16 leaves the 4-bit grids at w4a4 fewer than 2 ranges"),
     (["quant.aphq.matmul_steps=1"], "quant.aphq: matmul_steps=1: the matmul search needs >= 2 candidates"),
     (["quant.aphq.weight_pct=[1.0,0.9]"], "quant.aphq: weight_pct=[1.0, 0.9]: percentile levels"),
+    # a float weight beside a quantized input: the search would leave the input unsearched after the FP run
+    (["quant.aphq.head_w_bits=0"], "quant.aphq: head_w_bits=0 with the head input at 4 bits: APHQ searches a layer's "
+                                   "input together with its quantized weight; give head_w_bits >= 2 or head_a_bits=0"),
+    (["quant.aphq.stem_w_bits=0", "quant.aphq.stem_a_bits=8"],
+     "quant.aphq: stem_w_bits=0 with the stem input at 8 bits"),
 ])
 def test_aphq_options_that_cannot_go_together_stop_before_any_work(checkpoint, overrides, message):
     from configs import ConfigError

@@ -88,6 +88,13 @@ class APHQPipeline(Pipeline):
             raise ValueError(f"batch_size={options.batch_size} exceeds recon_images={options.recon_images} (each "
                              f"batch draws distinct reconstruction images): give batch_size <= recon_images")
         ends = options.resolved(bits)
+        for end, given in ends.items():
+            # the output-MSE search sets a layer's input range together with its weight grid (search.py): a
+            # float weight beside a quantized input would leave that input unsearched (an error after the FP run)
+            if given["w"] is None and given["a"] is not None:
+                raise ValueError(f"{end}_w_bits=0 with the {end} input at {given['a']} bits: APHQ searches a "
+                                 f"layer's input together with its quantized weight; give {end}_w_bits >= 2 or "
+                                 f"{end}_a_bits=0")
         widest = max(b for b in (bits.w, bits.a, *ends["stem"].values(), *ends["head"].values()) if b)
         # every grid tries min(16, 2^b) zero points x eq_n // that many ranges (search.py); one range per
         # zero point is a degenerate search (only the narrowest range: W4A4 fell to 36% beside a 91% W3A3)
