@@ -582,10 +582,11 @@ def search_settings(**kw):
     return SearchSettings(**{**base, **kw})
 
 
-def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
-    # each search of calibrate_aphq must run with the settings it was given (asked is what runs)
+def spied_calibration(monkeypatch, model, units, x, settings, generator=None):
+    """calibrate_aphq(model, units, x, settings) with the arguments of every search it calls recorded:
+    ({kind: [(args, kwargs)]}, its report)."""
     import quant.aphq.calibration as cal
-    calls = {"linear": [], "matmul": [], "fit": [], "fold": [], "stem": []}
+    calls = {"linear": [], "matmul": [], "fit": [], "fold": [], "stem": [], "conv_self": []}
 
     def spy(kind, fn):
         def wrapped(*args, **kwargs):
@@ -594,11 +595,18 @@ def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
         return wrapped
 
     for kind, name in (("linear", "search_linear"), ("matmul", "search_matmul"), ("fit", "fit_per_channel"),
-                       ("fold", "fold_layernorm"), ("stem", "search_stem")):
+                       ("fold", "fold_layernorm"), ("stem", "search_stem"), ("conv_self", "search_conv_self")):
         monkeypatch.setattr(cal, name, spy(kind, getattr(cal, name)))
+    return calls, cal.calibrate_aphq(model, units, x, settings, generator=generator)
+
+
+def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
+    # each search of calibrate_aphq must run with the settings it was given (asked is what runs)
     model, units, _ = aphq_converted(tiny_vit())
     settings = search_settings(round_zero_point=False)  # RepQ-ViT's choice, not the default
-    cal.calibrate_aphq(model, units, images(4), settings, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    calls, _ = spied_calibration(monkeypatch, model, units, images(4), settings, gen)
+    assert all(kw["generator"] is gen for _, kw in calls["linear"])  # max_rows draws from the caller's generator
     assert len(calls["linear"]) == 2 * 4 + 1 and len(calls["matmul"]) == 2 * 2 and len(calls["stem"]) == 1
     for _, kw in calls["linear"]:
         assert (kw["rounds"], kw["weight_pct"], kw["act_pct"], kw["eq_n"], kw["max_rows"]) == (
@@ -614,12 +622,66 @@ def test_calibration_passes_every_search_setting_to_every_search(monkeypatch):
                                                                             ("attn_quant", "v_quant"))
 
 
+def test_calibration_searches_every_batch_and_each_matmul_on_its_own_product(monkeypatch):
+    # images in batches of 2: every search sees the operands of all 4 images (reference: the float model's own
+    # q, k, attn, v and layer inputs, hooked here); q @ k^T and attn @ v are the products scored; a quantized
+    # stem input (stem_a_bits=4) makes the stem an ordinary output-MSE search (search_stem is for a float input)
+    from quant.modes import set_quant_state
+    model, units, _ = aphq_converted(tiny_vit(), stem_a_bits=4)
+    x = images(4)
+    seen = {}
+
+    def keep(name):
+        return lambda m, args: seen.setdefault(name, []).append(args[0].detach())
+
+    targets = {"blocks.0.attn.q_quant": "q", "blocks.0.attn.k_quant": "k", "blocks.0.attn.attn_quant": "attn",
+               "blocks.0.attn.v_quant": "v", "blocks.0.mlp.fc2": "fc2"}
+    float_copy = copy.deepcopy(model)
+    set_quant_state(float_copy, weights=False, activations=False)  # the float operands
+    handles = [float_copy.get_submodule(n).register_forward_pre_hook(keep(k)) for n, k in targets.items()]
+    with torch.no_grad():
+        float_copy(x)
+    for h in handles:
+        h.remove()
+    calls, report = spied_calibration(monkeypatch, model, units, x, search_settings(batch_size=2))
+    assert len(calls["stem"]) == 0 and len(calls["linear"]) == 2 * 4 + 2 and report["layers"] == 10
+    (qa, qb, a, b, fn), _ = calls["matmul"][0]  # blocks.0: q @ k^T first, then attn @ v
+    torch.testing.assert_close((a, b), (seen["q"][0], seen["k"][0]))
+    torch.testing.assert_close(fn(a, b), a @ b.transpose(-2, -1))
+    (qa, qb, a, b, fn), _ = calls["matmul"][1]
+    torch.testing.assert_close((a, b), (seen["attn"][0], seen["v"][0]))
+    torch.testing.assert_close(fn(a, b), a @ b)
+    fc2 = [args for args, _ in calls["linear"] if args[0] is model.blocks[0].mlp.fc2]
+    assert len(fc2) == 1
+    torch.testing.assert_close(fc2[0][1], seen["fc2"][0])
+    fits = [args for args, _ in calls["fit"]]
+    assert all(args[1].shape[0] == 4 for args in fits)  # the per-channel post-LayerNorm fits too
+
+
+def test_calibration_with_the_detection_convolution_search(monkeypatch):
+    # conv_search="self" sends convolutions (only) to search_conv_self with the weight and input percentiles as
+    # given; every Linear keeps the output-MSE search; every searched quantizer is labelled in the report
+    from quant.modes import named_quantizers
+    model, units, _ = aphq_converted(tiny_vit(), stem_a_bits=4)
+    settings = search_settings(conv_search="self")
+    calls, report = spied_calibration(monkeypatch, model, units, images(4), settings)
+    assert [args[0] for args, _ in calls["conv_self"]] == [model.patch_embed.proj]
+    (_, inputs), kw = calls["conv_self"][0]
+    assert (kw["weight_pct"], kw["act_pct"], kw["eq_n"]) == ((0.91, 0.99), (0.93, 0.98), 48)
+    assert len(calls["linear"]) == 2 * 4 + 1 and report["layers"] == 10
+    assert all(q.search_label == "output-MSE search" for _, q in named_quantizers(model) if q.calibrated)
+
+
 def test_calibration_refuses_to_leave_a_quantizer_unsearched():
     from quant.aphq.calibration import calibrate_aphq
     model, units, _ = aphq_converted(tiny_vit())
     blocks = [u for u in units if u.kind == "block"]
     with pytest.raises(RuntimeError, match=r"quantizers were not reached by the APHQ search: \['patch_embed"):
         calibrate_aphq(model, blocks, images(4), search_settings())
+    model, units, _ = aphq_converted(tiny_vit())
+    model.blocks[1].attn.k_quant = None  # a layout that leaves one matmul operand float
+    with pytest.raises(ValueError, match=r"blocks.1.attn: APHQ quantizes both operands of both matmuls"):
+        calibrate_aphq(model, units, images(4), search_settings())
 
 
 def test_a_unit_holds_its_own_modules_not_those_of_a_unit_whose_name_extends_it():
