@@ -709,7 +709,8 @@ def run_aphq_spied(monkeypatch, **options):
                        ("recon", "reconstruct_unit"), ("mr", "reconstruct_mlps")):
         monkeypatch.setattr(pipe, name, spy(kind, getattr(pipe, name)))
     pool = images(12, seed=7)
-    data = PipelineData(train_images=lambda n, seed, train: pool[:n])
+    draws = calls.setdefault("data", [])
+    data = PipelineData(train_images=lambda n, seed, train: draws.append((n, seed, train)) or pool[:n])
     model = tiny_vit()
     opts = dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
                 log_every=0, **options)
@@ -735,8 +736,13 @@ def test_aphq_pipeline_gives_each_stage_what_the_options_ask(monkeypatch):
     fp, qmodel, pool, calls = run_aphq_spied(monkeypatch, warmup=0.3, beta_start=15.0, beta_end=3.0, round_weight=0.02,
                                     drop_prob=0.7, input_mix_prob=0.6, normalize_loss=False, weight_lr=2e-3,
                                     act_lr=3e-5, temperature=7.0)
+    from quant.modes import named_quantizers
     (model, units, calib, settings), _ = calls["calib"][0]
     assert torch.equal(calib, pool[:4])  # the calibration set is the first calib_images of the 8
+    assert calls["data"] == [(8, 3407, True)]  # recon_images, data_seed, the TRAINING transform
+    # every quantizer is on at the end: 12 per block (4 weights, 4 Linear inputs, q, k, attn, v), the stem
+    # weight (its image input is float) and the head's weight and input
+    assert sorted(q.enabled for _, q in named_quantizers(qmodel)) == [True] * (2 * 12 + 1 + 2)
     names = [u.name for u in units]
     assert names == ["patch_embed", "blocks.0", "blocks.1", "head"]
     recon = [(kw.get("name"), a) for a, kw in calls["recon"]]
