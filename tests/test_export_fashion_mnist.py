@@ -167,3 +167,27 @@ def test_images_that_are_not_28x28_or_none_are_one_error_line(source, tmp_path, 
     assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
     assert f"val images {shape}: Fashion-MNIST holds 28x28 images, at least one" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_labels_that_do_not_pair_with_the_images_are_one_error_line(source, tmp_path, capsys):
+    """10 test images and 9 labels: the last image has no label, so nothing is exported."""
+    folder, data = source
+    write_idx(os.path.join(folder, fm.FILES["val"][1]), data["val"][1][:-1])
+    assert fm.main(["--source", folder, "--out", str(tmp_path / "out")]) == 2
+    assert "val images (10, 28, 28) and labels (9,) do not pair up" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("magic", [b"\x01\x00\x08\x01", b"\x00\x01\x08\x01"], ids=["first_byte", "second_byte"])
+def test_an_idx_header_without_its_two_zero_bytes_is_refused(tmp_path, magic):
+    path = tmp_path / "labels.idx"
+    path.write_bytes(magic + struct.pack(">I", 3) + bytes([1, 2, 3]))
+    with pytest.raises(fm.ExportError, match=f"header {magic.hex()}"):
+        fm.read_idx(str(path))
+
+
+def test_an_uncompressed_idx_file_is_read_too(tmp_path):
+    """read_idx takes the idx format with or without gzip: the bytes written by hand here, not through gzip."""
+    path = tmp_path / "images.idx"
+    path.write_bytes(bytes([0, 0, 8, 2]) + struct.pack(">II", 2, 3) + bytes(range(6)))
+    assert np.array_equal(fm.read_idx(str(path)), np.arange(6, dtype=np.uint8).reshape(2, 3))
