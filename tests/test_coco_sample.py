@@ -99,3 +99,59 @@ def test_the_command_line_passes_every_setting_and_refuses_with_exit_status_2(tm
     assert capsys.readouterr().err.strip().endswith("give a new folder (nothing is overwritten)")
     assert make_coco_sample.main([str(tmp_path / "bad"), "--size", "8"]) == 2
     assert capsys.readouterr().err.startswith("error: need 1 <= train")
+
+
+def test_boxes_are_squares_and_discs_regular_24_gons_in_closed_form(tmp_path):
+    """A box's polygon is its 4 corners: bbox w = h and area w * h. A disc is a regular 24-gon of radius r = w / 2
+    (vertices at 0 and 180 degrees span the width): area 12 r^2 sin(2 pi / 24), bbox h = w. The pixel at an object's
+    centre has every channel far from the background's 60-139: at most 30 or at least 180."""
+    import json
+    root = tmp_path / "s"
+    write_coco_sample(str(root), train=6, val=1, size=96, seed=2)
+    coco = json.loads((root / "annotations" / "instances_train2017.json").read_text())
+    files = {image["id"]: image["file_name"] for image in coco["images"]}
+    anns = coco["annotations"]
+    kinds = {CLASSES[a["category_id"] - 1] for a in anns}
+    assert kinds == {"box", "disc"}  # both shapes occur in this sample
+    for ann in anns:
+        x, y, w, h = ann["bbox"]
+        points = len(ann["segmentation"][0]) // 2
+        if CLASSES[ann["category_id"] - 1] == "box":
+            assert points == 4 and ann["area"] == pytest.approx(w * w, rel=1e-9)
+        else:
+            r = w / 2
+            assert points == 24 and ann["area"] == pytest.approx(12 * r * r * np.sin(2 * np.pi / 24), rel=1e-9)
+        assert h == pytest.approx(w, rel=1e-9), ann
+        pixels = np.asarray(Image.open(root / "train2017" / files[ann["image_id"]]))
+        centre = pixels[int(y + h / 2), int(x + w / 2)]
+        assert all(c <= 30 or c >= 180 for c in centre), (ann, centre)
+
+
+def test_an_image_holds_one_to_three_objects_and_each_count_occurs():
+    """Over 200 seeded draws on a 256-px image, where four objects would fit, the counts are exactly {1, 2, 3}."""
+    import random
+
+    from data.coco_sample import _objects
+    counts = {len(_objects(random.Random(seed), 256)) for seed in range(200)}
+    assert counts == {1, 2, 3}
+
+
+def test_image_and_annotation_ids_are_unique_across_the_splits(tmp_path):
+    """train images are 1, 2, ...; val images 100001, ...; annotations are numbered 1..N over both files."""
+    import json
+    root = tmp_path / "s"
+    counts = write_coco_sample(str(root), train=3, val=2, size=48, seed=4)
+    files = {split: json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+             for split in ("train2017", "val2017")}
+    assert [i["id"] for i in files["train2017"]["images"]] == [1, 2, 3]
+    assert [i["id"] for i in files["val2017"]["images"]] == [100_001, 100_002]
+    ann_ids = [a["id"] for f in files.values() for a in f["annotations"]]
+    assert ann_ids == list(range(1, counts["annotations"] + 1))
+
+
+def test_the_seed_decides_the_set(tmp_path):
+    """The same seed writes the same annotations again; another seed other ones."""
+    def annotations(name, seed):
+        write_coco_sample(str(tmp_path / name), train=2, val=1, size=48, seed=seed)
+        return (tmp_path / name / "annotations" / "instances_train2017.json").read_text()
+    assert annotations("a", 3) == annotations("b", 3) != annotations("c", 4)
