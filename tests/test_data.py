@@ -472,3 +472,20 @@ def test_each_rank_of_a_distributed_evaluation_loads_its_own_share_of_the_val_se
     labels = [[int(y) for _, ys in build_eval_loader(cfg, img_size=4, batch_size_per_gpu=2, rank=rank, world_size=3,
                                                       num_classes=100) for y in ys] for rank in range(3)]
     assert labels == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+
+
+def test_digits_takes_its_image_size_val_fraction_and_transform():
+    """img_size, val_fraction and transform reach the data set: 16-px RGB images, a 10 % val split (sklearn rounds
+    0.1 * 1,797 = 179.7 up to 180 test images), and each item is the transform's output with its label."""
+    val = DigitsDataset("val", img_size=16, val_fraction=0.1, transform=lambda img: ("seen", img.size, img.mode))
+    assert len(val) == 180 and len(DigitsDataset("train", img_size=16, val_fraction=0.1)) == 1797 - 180
+    assert [val[i] for i in (0, 179)] == [(("seen", (16, 16), "RGB"), val.targets[i]) for i in (0, 179)]
+
+
+def test_a_model_of_another_class_count_is_refused_for_digits():
+    """digits has 10 classes: a classifier configured for 9 is refused before training, not trained on labels 0..9."""
+    from configs.schema import DataConfig
+    with pytest.raises(DataError, match="10"):
+        build_dataset(DataConfig(dataset="digits"), "val", img_size=16, num_classes=9, train_transform=False)
+    assert len(build_dataset(DataConfig(dataset="digits"), "val", img_size=16, num_classes=10,
+                             train_transform=False)) == 360
