@@ -66,9 +66,8 @@ class WithDecoder(torch.nn.Module):
         return self.decoder(self.backbone(pixel_values=x).last_hidden_state, x.shape[-1])
 
 
-@pytest.fixture(scope="module")
-def exported():
-    """(Hugging Face model with decoder, its ModelProto)."""
+def export(opset: int = 17):
+    """(Hugging Face model with decoder, the ModelProto torch.onnx makes of it at `opset`)."""
     config = transformers.Dinov2Config(hidden_size=DIM, num_hidden_layers=DEPTH, num_attention_heads=HEADS,
                                        intermediate_size=4 * DIM, patch_size=PATCH, image_size=GRID * PATCH,
                                        layerscale_value=0.5)
@@ -83,8 +82,13 @@ def exported():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
         torch.onnx.export(model, (torch.zeros(2, 3, EXPORT, EXPORT),), buffer, dynamo=False,
-                          input_names=["input_image"], output_names=["saliency"], opset_version=17)
+                          input_names=["input_image"], output_names=["saliency"], opset_version=opset)
     return model, onnx.load_from_string(buffer.getvalue())
+
+
+@pytest.fixture(scope="module")
+def exported():
+    return export()
 
 
 def test_the_exported_graph_has_the_layout_the_converter_is_for(exported):
@@ -150,6 +154,16 @@ def test_verify_reports_the_largest_difference_from_the_graph(exported):
     assert conv.verify(proto, state, heads, x) < 1e-5
     shifted = dict(state, **{"norm.bias": state["norm.bias"] + 0.5 * (torch.arange(DIM) == 7)})
     assert conv.verify(proto, shifted, heads, x) == pytest.approx(0.5, abs=1e-5)
+
+
+def test_a_graph_with_layer_norm_written_out_is_compared_at_the_final_norm_s_output():
+    """Before opset 17 torch.onnx writes LayerNorm out as mean, variance, Mul by the weight and Add of the bias: the
+    backbone's output is that Add's, not the Mul's before it."""
+    _, proto = export(opset=16)
+    assert not any(n.op_type == "LayerNormalization" for n in proto.graph.node)
+    state, heads = conv.convert(proto)
+    x = np.random.default_rng(0).normal(size=(2, 3, EXPORT, EXPORT)).astype(np.float32)
+    assert conv.verify(proto, state, heads, x) < 1e-5
 
 
 def test_the_cli_writes_what_loads_into_timm_and_records_size_and_heads(exported, tmp_path, capsys):
