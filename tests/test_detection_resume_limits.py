@@ -142,3 +142,40 @@ def test_each_rank_resumes_its_own_state_and_a_checkpoint_keeps_the_states_gathe
     resumed.after_load_checkpoint(None, checkpoint)
     resumed.before_train(runner(10, 1, 2))
     assert _draws() == expected
+
+
+@pytest.mark.parametrize("by_epoch, interval, saves", [
+    # (runner.epoch, runner.iter) at each save: after epochs 2 and 4 (4 and 8 iterations done) and the last (save_last)
+    (True, 2, [(1, 4), (3, 8), (4, 10)]),
+    (False, 3, [(1, 2), (2, 5), (4, 8), (4, 9)]),  # after iterations 3, 6, 9 (0-based 2, 5, 8) and the last, 10
+])
+def test_every_rank_s_state_is_gathered_for_each_save_of_mmengine_s_checkpoint_hook_and_at_no_other_step(
+        monkeypatch, by_epoch, interval, saves):
+    """Under torchrun RankRngStates gathers every rank's state (one all-gather) right before each save of MMEngine's
+    own CheckpointHook, by epoch or by iteration as it saves, the last one included, and at no other step: a
+    checkpoint without them resumed ranks 1 to N-1 from the run's seed. The run is 5 epochs of 2 iterations driven
+    through the hooks as MMEngine's loop calls them (the gatherer before the saver); the saver's decisions are
+    MMEngine's own, its writing replaced by the save's before_save_checkpoint call; the saves are listed by hand."""
+    import mmengine.dist
+    from mmengine.hooks import CheckpointHook
+    keeper, saver = RngStateHook(), CheckpointHook(interval=interval, by_epoch=by_epoch, save_last=True)
+    run = runner(0, 0, 2)
+    run.hooks, run.max_epochs, run.max_iters, run.logger.info = [keeper.gatherer, saver], 5, 10, lambda message: None
+    gathers, saved = [], []
+    monkeypatch.setattr(mmengine.dist, "all_gather_object", lambda state: gathers.append(state) or [state, state])
+
+    def save(r):  # what Runner.save_checkpoint asks of the hooks before it writes
+        checkpoint: dict = {}
+        keeper.before_save_checkpoint(r, checkpoint)
+        saved.append((r.epoch, r.iter, len(checkpoint.get("rng_state_ranks") or [])))
+    monkeypatch.setattr(saver, "_save_checkpoint", save)
+    for run.epoch in range(5):
+        for batch in range(2):
+            run.iter = 2 * run.epoch + batch
+            for hook in run.hooks:
+                hook.after_train_iter(run, batch)
+        run.iter = 2 * run.epoch + 2
+        for hook in run.hooks:
+            hook.after_train_epoch(run)
+    assert saved == [(epoch, iteration, 2) for epoch, iteration in saves]  # each save holds both ranks' states
+    assert len(gathers) == len(saves)
