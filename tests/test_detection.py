@@ -566,14 +566,20 @@ def test_a_start_that_fails_once_the_runner_is_built_names_the_setting_and_leave
 
 
 def test_overrides_that_are_read_are_accepted_as_given(sample, tmp_path):
-    """New keys their readers take (DataLoader arguments, a class's own argument, a hook's) pass; an
-    explicit evaluator ann_file stays as given under --data-root instead of being moved into the root."""
+    """New keys their readers take (DataLoader arguments, a class's own argument, a hook's, the optim wrapper's
+    builder's `constructor`, MMEngine's `_scope_` of a module, a setting of the open env_cfg) and a whole count
+    written as a float pass; an explicit evaluator ann_file stays as given under --data-root instead of being
+    moved into the root."""
     import shutil
     from engine.detection import load_config, parse_overrides
     cfg = load_config([SAMPLE_CONFIG], parse_overrides([
-        "train_dataloader.pin_memory=False", "model.backbone.with_cp=False", "train_cfg.max_epochs=1",
-        "default_hooks.checkpoint.max_keep_ckpts=2", "model.test_cfg.rcnn.max_per_img=5"]))
+        "train_dataloader.pin_memory=False", "model.backbone.with_cp=False", "train_cfg.max_epochs=2.0",
+        "default_hooks.checkpoint.max_keep_ckpts=2", "model.test_cfg.rcnn.max_per_img=5",
+        "optim_wrapper.constructor=DefaultOptimWrapperConstructor", "model.neck._scope_=mmdet",
+        "env_cfg.dist_cfg.timeout=1800"]))
     assert cfg.train_dataloader.pin_memory is False and cfg.model.test_cfg.rcnn.max_per_img == 5
+    assert cfg.train_cfg.max_epochs == 2 and cfg.optim_wrapper.constructor == "DefaultOptimWrapperConstructor"
+    assert cfg.model.neck._scope_ == "mmdet" and cfg.env_cfg.dist_cfg.timeout == 1800
     elsewhere = tmp_path / "instances_val2017.json"
     shutil.copy(os.path.join(sample, "annotations", "instances_val2017.json"), elsewhere)
     cfg = load_config([SAMPLE_CONFIG], {"test_evaluator.ann_file": str(elsewhere)}, data_root=sample)
