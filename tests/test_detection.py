@@ -593,9 +593,11 @@ class GroundTruthDetector(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.modes = []  # self.training at each test step
 
     def test_step(self, batch):
         from mmengine.structures import InstanceData
+        self.modes.append(self.training)
         samples = batch["data_samples"]
         for sample in samples:
             gt = sample.gt_instances
@@ -611,9 +613,28 @@ def test_a_perfect_detector_scores_map_one_on_a_partial_set(sample, max_images):
     (CocoMetric would otherwise count the images never fed as missed)."""
     from engine.detection import build_loader, evaluate_detector, load_config
     cfg = load_config([SAMPLE_CONFIG], data_root=sample)
-    result = evaluate_detector(GroundTruthDetector(), cfg, build_loader(cfg, "test", max_images), progress=False)
+    model = GroundTruthDetector().train()  # scored in eval mode whatever mode it comes in
+    result = evaluate_detector(model, cfg, build_loader(cfg, "test", max_images), progress=False)
     assert result["images"] == (max_images or 4)
     assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] == pytest.approx(1.0), result
+    assert model.modes and not any(model.modes)
+
+
+def test_every_test_metric_of_a_list_is_scored_and_a_failed_test_step_is_raised(sample):
+    """A test_evaluator list of a box and a mask metric gives both scores (the perfect detector's 1.0); a test step
+    that fails (an image the model cannot take) ends the evaluation with its own error, not a score of the rest."""
+    import copy
+    from engine.detection import build_loader, evaluate_detector, load_config
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.test_evaluator = [dict(copy.deepcopy(cfg.test_evaluator), metric=metric) for metric in ("bbox", "segm")]
+    result = evaluate_detector(GroundTruthDetector(), cfg, build_loader(cfg, "test"), progress=False)
+    assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] == pytest.approx(1.0), result
+
+    class Failing(GroundTruthDetector):
+        def test_step(self, batch):
+            raise RuntimeError("an image this model cannot take")
+    with pytest.raises(RuntimeError, match="an image this model cannot take"):
+        evaluate_detector(Failing(), cfg, build_loader(cfg, "test"), progress=False)
 
 
 class _Parts(torch.nn.Module):
