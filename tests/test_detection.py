@@ -913,3 +913,30 @@ def test_gplq_stage1_starts_from_the_students_own_weights(sample, tmp_path):
     after = student.state_dict()
     changed = [k for k, v in before.items() if v.is_floating_point() and not torch.equal(after[k].cpu(), v)]
     assert not changed, changed[:5]
+
+
+def test_gplq_stage1_hands_mmengine_the_settings_it_is_given(sample, tmp_path):
+    """What stage 1 trains with, read back from the checkpoints MMEngine writes: AdamW with each param group's own lr
+    and the weight decay given, the seed, one epoch of the training images at `batch_size_per_gpu` a step (the
+    images counted on the data set itself) and a checkpoint every `ckpt_every` iterations; values written by hand."""
+    import math
+    from engine.detection import load_config, train_activation_qat
+    from mmdet.registry import DATASETS, MODELS
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    images = len(DATASETS.build(cfg.train_dataloader.dataset))
+    model = MODELS.build(cfg.model)
+    backbone = list(model.backbone.parameters())
+    rest = [p for name, p in model.named_parameters() if not name.startswith("backbone.")]
+    settings = dict(identity={"test": "settings"}, batch_size_per_gpu=3, seed=7, steps=None, lr=3e-4,
+                    weight_decay=0.02, param_groups=[{"params": backbone, "lr": 1e-3}, {"params": rest}], amp="none",
+                    ckpt_every=1, log_every=1)
+    work = tmp_path / "stage1"
+    result = train_activation_qat(model, cfg, settings, str(work))
+    steps = math.ceil(images / 3)
+    assert images > 3 and result["steps"] == steps
+    assert sorted(p.name for p in work.glob("iter_*.pth")) == sorted(f"iter_{i}.pth" for i in range(1, steps + 1))
+    saved = torch.load(work / f"iter_{steps}.pth", map_location="cpu", weights_only=False)
+    groups = saved["optimizer"]["param_groups"]
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in groups] == [
+        (1e-3, 0.02, len(backbone)), (3e-4, 0.02, len(rest))]
+    assert saved["meta"]["seed"] == 7
