@@ -34,6 +34,16 @@ def test_seeded_sampler_resumes_mid_epoch_with_the_same_samples_and_seeds():
     assert [i for i, _ in sampler] != [i for i, _ in full]  # a new epoch reshuffles
 
 
+def test_a_resume_position_at_or_past_the_end_of_the_epoch_leaves_nothing_to_read():
+    """set_epoch(epoch, start=k) with k at or past the epoch's 10 samples (by hand): no sample and a length of
+    0, not a negative length (a DataLoader refuses one)."""
+    base = DistributedSampler(range(10), num_replicas=1, rank=0, shuffle=True, seed=3)
+    sampler = SeededSampler(base, seed=3, rank=0)
+    for start in (10, 13):
+        sampler.set_epoch(1, start=start)
+        assert list(sampler) == [] and len(sampler) == 0
+
+
 def test_augmentation_does_not_depend_on_the_number_of_workers():
     cfg = load_config([DEMO_CONFIG], ["data.auto_augment=rand-m9-mstd0.5-inc1", "data.reprob=0.5"]).data
     batches = {}

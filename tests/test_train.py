@@ -535,6 +535,28 @@ def test_progress_line_names_the_epoch_and_its_share_and_duration_counts_hours_a
     assert "peak mem 10.0 GiB" in line, line
 
 
+def test_progress_line_etas_count_the_updates_left_and_never_go_below_zero():
+    """At 1 s an update (16 img/s, batches of 16): 'eta epoch' is the epoch's updates left, rounded (2.7 epochs
+    of 10 updates: 3 left, where (3 - 2.7) * 10 is 2.99999... in floats), 'run' the run's; a log step past the
+    planned end shows no time left, not a negative duration; a window of 0 img/s still gives a line; a language
+    model shows tokens per second. By hand."""
+    from engine.metrics import progress_line
+
+    metrics = {"train/img_per_s": 16.0, "train/loss": 4.0, "train/lr": 1e-3, "train/data_wait": 0.1,
+               "train/peak_mem_mib": 700.0, "train/epoch": 2.7}
+    line = progress_line(27, metrics, total_steps=50, epochs=5, updates_per_epoch=10, batch_size=16)
+    assert "eta epoch 0:00:03 run 0:00:23" in line, line
+    line = progress_line(52, dict(metrics, **{"train/epoch": 5.2}), total_steps=50, epochs=5, updates_per_epoch=10,
+                         batch_size=16)
+    assert line.endswith("eta epoch 0:00:00 run 0:00:00"), line
+    line = progress_line(27, dict(metrics, **{"train/img_per_s": 0.0}), total_steps=50, epochs=5,
+                         updates_per_epoch=10, batch_size=16)
+    assert "  0 img/s  " in line, line
+    line = progress_line(27, dict(metrics, **{"train/tok_per_s": 2048.0}), total_steps=50, epochs=5,
+                         updates_per_epoch=10, batch_size=16)
+    assert "  2048 tok/s  " in line and "img/s" not in line, line
+
+
 def test_a_run_stopped_at_max_steps_is_not_said_to_have_failed_to_learn(debug_config, caplog):
     """After train.max_steps=1 (inside the warmup) the summary said 'the run did not learn; check the learning
     rate': the warning is for finished runs."""
@@ -1371,6 +1393,31 @@ def test_train_img_per_s_counts_the_images_of_every_process_and_micro_batch(monk
     batches = [(torch.randn(4, 3), torch.tensor([0, 1, 1, 0])) for _ in range(4)]  # 2 updates, one window
     loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=4)
     assert [m["train/img_per_s"] for m in logged] == [pytest.approx(2 * 4 * 2 * 3 / 1e-9)]
+
+
+def test_a_windows_throughput_and_data_wait_are_its_own_images_and_waits_over_its_own_seconds(monkeypatch):
+    """train/img_per_s is a window's images over the window's seconds and train/data_wait the share of those
+    seconds spent waiting for batches; the next window starts from zero at the previous log step. A hand clock:
+    16 images and 1 s of waiting in 4 s, then 8 images and 0.5 s of waiting in 2 s: 4 img/s and 25 % both times."""
+    import engine.loop
+    from engine.loop import _Window
+
+    clock = [10.0]
+    monkeypatch.setattr(engine.loop.time, "perf_counter", lambda: clock[0])
+    window = _Window(torch.device("cpu"))
+    window.add_loss(torch.tensor(2.0))
+    window.add_update(8, None)
+    window.add_update(8, None)
+    window.data_wait += 1.0
+    clock[0] = 14.0
+    first = window.flush(step=2)
+    window.add_loss(torch.tensor(1.0))
+    window.add_update(8, None)
+    window.data_wait += 0.5
+    clock[0] = 16.0
+    second = window.flush(step=3)
+    assert (first["train/img_per_s"], first["train/data_wait"]) == (4.0, 0.25)
+    assert (second["train/img_per_s"], second["train/data_wait"]) == (4.0, 0.25)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
