@@ -536,18 +536,18 @@ def test_progress_line_names_the_epoch_and_its_share_and_duration_counts_hours_a
 
 
 def test_progress_line_etas_count_the_updates_left_and_never_go_below_zero():
-    """At 1 s an update (16 img/s, batches of 16): 'eta epoch' is the epoch's updates left, rounded (2.7 epochs
-    of 10 updates: 3 left, where (3 - 2.7) * 10 is 2.99999... in floats), 'run' the run's; a log step past the
-    planned end shows no time left, not a negative duration; a window of 0 img/s still gives a line; a language
-    model shows tokens per second. By hand."""
+    """At 1 s an update (16 img/s, batches of 16): 'eta epoch' is the epoch's updates left, rounded (2.7
+    epochs of 10 updates: 3 left, where (3 - 2.7) * 10 is 2.99999... in floats), 'run' the run's; a log step
+    past the planned end shows no time left, not a negative duration; a window of 0 img/s still gives a
+    line; a language model shows tokens per second. By hand."""
     from engine.metrics import progress_line
 
     metrics = {"train/img_per_s": 16.0, "train/loss": 4.0, "train/lr": 1e-3, "train/data_wait": 0.1,
                "train/peak_mem_mib": 700.0, "train/epoch": 2.7}
     line = progress_line(27, metrics, total_steps=50, epochs=5, updates_per_epoch=10, batch_size=16)
     assert "eta epoch 0:00:03 run 0:00:23" in line, line
-    line = progress_line(52, dict(metrics, **{"train/epoch": 5.2}), total_steps=50, epochs=5, updates_per_epoch=10,
-                         batch_size=16)
+    line = progress_line(52, dict(metrics, **{"train/epoch": 5.2}), total_steps=50, epochs=5,
+                         updates_per_epoch=10, batch_size=16)
     assert line.endswith("eta epoch 0:00:00 run 0:00:00"), line
     line = progress_line(27, dict(metrics, **{"train/img_per_s": 0.0}), total_steps=50, epochs=5,
                          updates_per_epoch=10, batch_size=16)
@@ -1397,8 +1397,8 @@ def test_train_img_per_s_counts_the_images_of_every_process_and_micro_batch(monk
 
 def test_a_windows_throughput_and_data_wait_are_its_own_images_and_waits_over_its_own_seconds(monkeypatch):
     """train/img_per_s is a window's images over the window's seconds and train/data_wait the share of those
-    seconds spent waiting for batches; the next window starts from zero at the previous log step. A hand clock:
-    16 images and 1 s of waiting in 4 s, then 8 images and 0.5 s of waiting in 2 s: 4 img/s and 25 % both times."""
+    seconds spent waiting for batches; the next window starts from zero at the previous log step. A hand
+    clock: 16 images and 1 s of waiting in 4 s, then 8 images and 0.5 s in 2 s: 4 img/s and 25 % both times."""
     import engine.loop
     from engine.loop import _Window
 
