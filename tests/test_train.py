@@ -880,6 +880,23 @@ def _reductions_worker(rank, world, port, out_file):
     leave_and_exit()
 
 
+def test_the_rank_is_torchruns_global_rank_and_the_device_index_its_local_rank(monkeypatch):
+    """On the second node of two with two processes each, torchrun gives RANK=3, LOCAL_RANK=1, WORLD_SIZE=4:
+    the process joins as rank 3 of 4 (a rank read from LOCAL_RANK would collide with node 0's rank 1). By
+    hand."""
+    import torch.distributed as dist
+
+    from engine.distributed import DistInfo, init_distributed
+
+    joined = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((backend, kw)))
+    for name, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
+    assert joined == [("gloo", {"rank": 3, "world_size": 4, "device_id": None})]
+
+
 def test_a_reduction_other_than_sum_or_max_is_refused_even_in_one_process():
     """Any op but "sum" was a MAX: an all_reduce(..., op="min") would be right in one process and wrong on a
     cluster; it is refused wherever it runs."""
@@ -1398,7 +1415,7 @@ def test_train_img_per_s_counts_the_images_of_every_process_and_micro_batch(monk
 def test_a_windows_throughput_and_data_wait_are_its_own_images_and_waits_over_its_own_seconds(monkeypatch):
     """train/img_per_s is a window's images over the window's seconds and train/data_wait the share of those
     seconds spent waiting for batches; the next window starts from zero at the previous log step. A hand
-    clock: 16 images and 1 s of waiting in 4 s, then 8 images and 0.5 s in 2 s: 4 img/s and 25 % both times."""
+    clock: 16 images and 1 s of waiting in 4 s, then 8 images and 0.5 s in 2 s: 4 img/s and 25 % twice."""
     import engine.loop
     from engine.loop import _Window
 
