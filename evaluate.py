@@ -712,16 +712,16 @@ def config_file_quant_items(paths, payload: Optional[dict]) -> dict[str, str]:
                 if key.startswith("quant."):
                     found[key] = (path, inner)
     return {f"{key}={json.dumps(inner)}": path for key, (path, inner) in found.items()
-            if _quant_value(base, key) != inner}
+            if _quant_value(base, key) != json.dumps(inner)}
 
 
-def _quant_value(cfg: Config, key: str):
-    """The value of `key` in `cfg`, or a marker no file value equals when the schema has no such key (the
-    layering has refused such a file already; this keeps the check from raising a second, other error)."""
+def _quant_value(cfg: Config, key: str) -> Optional[str]:
+    """The value of `key` in `cfg` as JSON (a tuple of the schema reads as the list a YAML file writes), or None
+    when the schema has no such key (the layering has refused such a file already)."""
     try:
-        return get_key(cfg, key)
+        return json.dumps(get_key(cfg, key))
     except (KeyError, AttributeError, TypeError):
-        return object()
+        return None
 
 
 def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:

@@ -129,11 +129,12 @@ def test_quant_settings_a_config_file_gives_are_refused_where_no_pipeline_reads_
     ("quant:\n  aphq:\n    iters: 500\n", ["--quant", "repq", "aphq"]),  # the pipeline runs: read
     ("quant:\n  calib_images: 8\n", ["--quant", "rtn", "repq"]),  # repq reads the batch
     ("quant:\n  aphq:\n    iters: {iters}\n  calib_images: {images}\n", ["--quant", "rtn"]),  # the defaults, restated
+    ("quant:\n  aphq:\n    act_pct: [{pct[0]}, {pct[1]}]\n", ["--quant", "repq"]),  # a tuple default as a list
 ])
 def test_quant_settings_a_config_file_gives_are_accepted_where_they_are_read_or_change_nothing(tmp_path, text, argv):
     defaults = evaluate.Config().quant
     extra = tmp_path / "extra.yaml"
-    extra.write_text(text.format(iters=defaults.aphq.iters, images=defaults.calib_images))
+    extra.write_text(text.format(iters=defaults.aphq.iters, images=defaults.calib_images, pct=defaults.aphq.act_pct))
     assert resolved("classifier", "--config", str(extra), *argv).quant.pipelines == argv[1:]
 
 
