@@ -9,7 +9,7 @@ GoatWu/APHQ-ViT `Object-Detection/tools`, on a toy detector in plain torch (no M
 * per-image captures (`capture_unit_calls`) keep each image's shape, the unit's extra arguments and every tensor
   of a structured output; a unit that some image never reaches is refused;
 * `quantize_detector` hands each unit the options' reconstruction settings and the float RPN references, and
-  switches the calibrated-only heads on at the end.
+  switches the calibrated-only heads on at the end; it refuses a calibration batch it cannot use.
 """
 from __future__ import annotations
 
@@ -275,12 +275,17 @@ class CalibFeed(ImageFeed):
 
 @pytest.mark.parametrize("given", [
     dict(iters=3, weight_lr=0.011, act_lr=0.022, drop_prob=0.3, input_mix_prob=0.4, warmup=0.3, beta_start=19.0,
-         beta_end=3.0, round_weight=0.05, normalize_loss=False, log_every=7, hessian_eps=2e-3),
+         beta_end=3.0, round_weight=0.05, normalize_loss=False, log_every=7, hessian_eps=2e-3, data_seed=5, seed=9,
+         eq_n=96, weight_pct=(0.99, 1.0), act_pct=(0.98, 0.999), matmul_pct=(0.9, 0.95), matmul_steps=33,
+         search_max_rows=7, round_zero_point=False, calib_images=2),
     dict(hessian_eps=None), dict(loss="mse")])
 def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(monkeypatch, given):
     """What quantize_detector hands each unit's reconstruction is what the options say (a user's setting is never
     replaced by the recipe's): lrs, QDrop, rounding schedule, normalisation, the APH eps (None: the official
-    detection 1e-3) and the loss (mse: no APH weight for any unit)."""
+    detection 1e-3) and the loss (mse: no APH weight for any unit). So do the calibration search (the convolution
+    self-search, one image per batch) and the drawn images (recon_images with data_seed, recorded in the report);
+    each unit is reconstructed with all its quantizers on, against the FLOAT detector's outputs from the inputs
+    of the quantized prefix."""
     import dataclasses
     import quant.aphq.detector as aphq_detector
     from configs.quant import APHQ_DETECTION, APHQOptions
@@ -294,18 +299,21 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
     seen_refs = []
     monkeypatch.setattr(aphq_detector, "detector_hessians", lambda frozen, unit, samples, rpn, refs, eps: (
         seen_eps.append(eps) or seen_refs.append(refs) or [[torch.ones(1)] for _ in refs]))
+    calls, states, searches, draws = {}, {}, [], []
     monkeypatch.setattr(aphq_detector, "reconstruct_unit_calls", lambda module, fp, q, weights, settings, name="": (
-        seen.append((name, weights is not None, settings)) or {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}))
+        calls.update({name: (fp, q)}) or states.update({name: {n: qz.enabled for n, qz in
+                                                                named_quantizers(module)}})
+        or seen.append((name, weights is not None, settings)) or {"rec_first": 0.0, "rec_last": 0.0, "seconds": 0.0}))
     # min/max instead of APHQ's search, every quantizer left off afterwards as calibrate_aphq leaves them
     monkeypatch.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: (
-        calibrate(model, calib), set_quant_state(model, weights=False, activations=False)))
+        searches.append(search), calibrate(model, calib), set_quant_state(model, weights=False, activations=False)))
     torch.manual_seed(0)
     spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck", "rpn_head.*"),
                                          QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
     feed = ImageFeed(images()[:2])
     detector = StagedDetector()
     result = aphq_detector.quantize_detector(spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
-                                    PipelineData(detector_samples=lambda count, seed: feed))
+                                    PipelineData(detector_samples=lambda count, seed: draws.append((count, seed)) or feed))
     assert [(name, aph) for name, aph, _ in seen] == [("backbone.stages.0.blocks.0", options.loss == "aph"),
                                                       ("neck", False)]  # the RPN head: calibrated only
     assert result.report["calibrated_only"] == ["rpn_head"]
@@ -324,6 +332,61 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
                                                                       options.log_every)
         assert s.rounding == RoundingSchedule(options.iters, options.warmup, options.beta_start, options.beta_end,
                                               options.round_weight)
+    assert draws == [(options.recon_images, options.data_seed)]
+    assert {k: result.report["data"][k] for k in ("reconstruction_images", "seed", "transform")} == {
+        "reconstruction_images": 2, "seed": options.data_seed, "transform": "test"}
+    search, = searches
+    assert (search.conv_search, search.batch_size, search.rounds, search.eq_n, search.max_rows) == (
+        "self", 1, options.search_rounds, options.eq_n, options.search_max_rows)
+    assert (search.weight_pct, search.act_pct, search.matmul_pct, search.matmul_steps, search.round_zero_point) == (
+        tuple(options.weight_pct), tuple(options.act_pct), tuple(options.matmul_pct), options.matmul_steps,
+        options.round_zero_point)
+    assert states == {"backbone.stages.0.blocks.0": {"fc.weight_quantizer": True, "fc.input_quantizer": True},
+                      "neck": {"weight_quantizer": True, "input_quantizer": True}}  # W4A4, not W4A16
+    # the float targets and the quantized-prefix inputs, by hand: the float block, and the block of the result
+    # (its quantizers on; the spy changed nothing after the neck's capture)
+    block, q_block = detector.backbone.stages[0].blocks[0], result.model.backbone.stages[0].blocks[0]
+    for i, image in enumerate(feed.images):
+        tokens, (b, c, h, w) = image.flatten(2).transpose(1, 2), image.shape
+        with torch.no_grad():
+            fp_out, q_out = block(tokens, (h, w)), q_block(tokens, (h, w))
+        fp_calls, q_calls = calls["neck"]
+        assert torch.allclose(fp_calls[i].args[0], fp_out.transpose(1, 2).reshape(b, c, h, w)), i
+        assert torch.allclose(q_calls[i].args[0], q_out.transpose(1, 2).reshape(b, c, h, w)), i
+        assert not torch.allclose(q_calls[i].args[0], fp_calls[i].args[0], atol=1e-3), i  # else the check is void
+        with torch.no_grad():
+            assert torch.allclose(fp_calls[i].outputs[0], detector.neck(fp_calls[i].args[0])), i
+
+
+class _RunOnly:
+    """A SampleFeed without `rpn_outputs`: no APH weight could be computed from it."""
+
+    def __len__(self):
+        return 1
+
+    def run(self, model, i):
+        return None
+
+
+def test_quantize_detector_refuses_a_tensor_batch_a_miscounted_one_and_samples_without_rpn_outputs():
+    """Each refusal comes before any work (`detector_samples` is not even called for the first two)."""
+    import dataclasses
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from quant.aphq.detector import quantize_detector
+    from quant.pipeline_data import PipelineData
+    from quant.spec import parse_bits
+    options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 1})
+    unused = PipelineData(detector_samples=lambda count, seed: pytest.fail("drew samples before a refusal"))
+    counted = CalibFeed(images()[:2])
+    counted.count = 2
+    args = (QuantSpec(linears=()), StagedDetector())
+    with pytest.raises(ValueError, match="units.SampleFeed .*not on an image tensor"):
+        quantize_detector(*args, images()[0], parse_bits("w4a4"), options, unused)
+    with pytest.raises(ValueError, match="calib_images=1 but the calibration batch holds 2 images"):
+        quantize_detector(*args, counted, parse_bits("w4a4"), options, unused)
+    with pytest.raises(TypeError, match="must give a quant.aphq.detector.DetectorSamples"):
+        quantize_detector(*args, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+                          PipelineData(detector_samples=lambda count, seed: _RunOnly()))
 
 
 def test_per_image_reconstruction_cycles_through_the_images_in_order():
