@@ -839,6 +839,54 @@ def test_mlp_reconstruction_lr_decays_by_cosine_to_zero_over_its_iterations(monk
     assert lrs == pytest.approx(want * 2)  # two blocks
 
 
+def test_mlp_reconstruction_two_steps_equal_adam_on_the_loss_written_out_in_float64():
+    # reference: the MR loss re-implemented here in float64 on copies of norm2 / fc1 / fc2, two steps of
+    # torch.optim.Adam (fresh gradients each step) at the cosine lrs lr, lr / 2; the batch is the whole set, so
+    # the random draw only permutes rows and the mean is unchanged
+    import math
+    import torch.nn.functional as F
+    from quant.aphq.mlp_recon import MLPReconSettings, reconstruct_mlps
+    fp = tiny_vit(depth=1)
+    mr = copy.deepcopy(fp)
+    x_img, calib_count, p, lr, w_clip = images(4), 2, 0.9, 1e-2, 1.5
+    h = torch.rand(1, 17, 48, generator=torch.Generator().manual_seed(3)) + 0.5
+    settings = MLPReconSettings(iters=2, batch_size=4, lr=lr, clip_percentile=p, clip_weight=w_clip, log_every=0)
+    reconstruct_mlps(fp, mr, x_img, calib_count, lambda name: h, settings, torch.Generator().manual_seed(0))
+
+    block, names = fp.blocks[0], ("norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight",
+                                  "mlp.fc2.bias")
+    seen = []
+    handle = block.norm2.register_forward_hook(lambda m, a, o: seen.append(a[0].detach().double()))
+    with torch.no_grad():
+        fp(x_img)
+    handle.remove()
+    x, hn = seen[0], (h / h.mean()).double()
+    w = {n: block.get_parameter(n).detach().double().clone().requires_grad_(True) for n in names}
+
+    def pre_act(x):  # fc1(norm2(x))
+        normed = F.layer_norm(x, (48,), w["norm2.weight"], w["norm2.bias"], eps=block.norm2.eps)
+        return F.linear(normed, w["mlp.fc1.weight"], w["mlp.fc1.bias"])
+
+    with torch.no_grad():
+        pre = pre_act(x)
+        target = F.linear(F.gelu(pre), w["mlp.fc2.weight"], w["mlp.fc2.bias"])
+        gelu_calib = F.gelu(pre[:calib_count])
+        c = torch.quantile(gelu_calib[gelu_calib > 0], p)
+    opt = torch.optim.Adam(w.values(), lr=lr)
+    for k in range(2):
+        opt.param_groups[0]["lr"] = lr * (1 + math.cos(math.pi * k / 2)) / 2
+        relu = pre_act(x).clamp(min=0)
+        out = F.linear(relu, w["mlp.fc2.weight"], w["mlp.fc2.bias"])
+        clamped = F.linear(relu.clamp(max=c), w["mlp.fc2.weight"], w["mlp.fc2.bias"])
+        loss = (hn * (out - target) ** 2).mean() + w_clip * (hn * (clamped - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for n in names:
+        torch.testing.assert_close(mr.blocks[0].get_parameter(n).detach().double(), w[n].detach(), rtol=0,
+                                   atol=lr * 1e-3, msg=n)
+
+
 def test_linear_search_with_max_rows_searches_that_many_random_rows():
     # reference: the same search given, explicitly, the max_rows rows randperm(n)[:max_rows] of a generator seeded
     # as the caller's; a row more or less changes the chosen input range on this data
