@@ -779,6 +779,27 @@ def test_aphq_pipeline_mse_loss_rademacher_eps_and_mlp_options(monkeypatch):
     torch.testing.assert_close(fp_out, unit_io(fp, "blocks.0", pool[:8])[1])
 
 
+def test_aphq_pipeline_mlp_iters_none_follows_iters(monkeypatch):
+    _, _, _, calls = run_aphq_spied(monkeypatch, mlp_reconstruct=True)  # run_aphq_spied gives iters=2
+    (*_, st, _), _ = calls["mr"][0]
+    assert st.iters == 2
+
+
+def test_aphq_eq_n_limit_counts_the_stem_and_head_bit_widths():
+    # by hand: w3a3's grids have 2^3 = 8 zero points, so eq_n = 16 gives each 2 ranges; an 8-bit stem input has
+    # min(16, 2^8) = 16 zero points and a 5-bit head weight 16, so either asks for eq_n >= 32 (APHQ's stem input
+    # is float by default: 0 bits, no grid)
+    from configs.quant import APHQOptions
+    from quant.spec import parse_bits
+    check = PIPELINES["aphq"].check
+    check(parse_bits("w3a3"), APHQOptions(eq_n=16))
+    with pytest.raises(ValueError, match=r"eq_n=16 leaves the 8-bit grids at w3a3 fewer than 2 ranges for each of "
+                                         r"their 16 zero points \(a degenerate search\): give eq_n >= 32"):
+        check(parse_bits("w3a3"), APHQOptions(eq_n=16, stem_a_bits=8))
+    with pytest.raises(ValueError, match=r"eq_n=16 leaves the 5-bit grids at w3a3 .* give eq_n >= 32"):
+        check(parse_bits("w3a3"), APHQOptions(eq_n=16, head_w_bits=5))
+
+
 def test_units_of_an_mmdetection_detector_in_module_order():
     """A detector's units by MMDetection's names: its backbone's patch embedding (a stem, as in the official
     APHQ-ViT detection code), blocks, PatchMerging and the FPN neck; its RPN / RoI heads are no unit."""
