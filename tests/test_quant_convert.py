@@ -605,3 +605,49 @@ def test_describe_and_summarize_name_each_quantizer_once_as_it_runs():
                       "blocks.1.mlp.fc1": "8b asym per-channel (percentile_mse)", "head": "float"}
     assert summarize(rows) == {"probe": {"weight": "4b sym per-channel (percentile_mse)",
                                          "input": "8b asym per-channel (percentile_mse) | float"}}
+
+
+def test_standard_layout_gives_each_role_its_own_quantizer():
+    """Every role of quant.layout.standard_layout with its own bit-width, checked quantizer by quantizer (by hand):
+    the stem and head copy the weight / block-input quantizers with their own bits (None: float), the post-norm
+    inputs (qkv, fc1), the block inputs (proj, fc2) and q, k, attn, v keep theirs, and a detector's neck and heads
+    take the weight / block-input quantizers."""
+    from quant.layout import standard_layout
+    spec = standard_layout(weight=QuantizerSpec(4, granularity="channel"), post_norm_input=QuantizerSpec(5),
+                           block_input=QuantizerSpec(6), q=QuantizerSpec(7), k=QuantizerSpec(8), attn=QuantizerSpec(9),
+                           v=QuantizerSpec(10), first_last={"stem": {"w": 2, "a": None}, "head": {"w": 11, "a": 12}})
+    vit = {name: q.bits for name, q in named_quantizers(quantize_model(tiny_vit(depth=1), spec))}
+    want = {"patch_embed.proj.weight_quantizer": 2, "head.weight_quantizer": 11, "head.input_quantizer": 12,
+            "blocks.0.attn.q_quant": 7, "blocks.0.attn.k_quant": 8, "blocks.0.attn.attn_quant": 9,
+            "blocks.0.attn.v_quant": 10}
+    for layer, input_bits in (("attn.qkv", 5), ("mlp.fc1", 5), ("attn.proj", 6), ("mlp.fc2", 6)):
+        want.update({f"blocks.0.{layer}.weight_quantizer": 4, f"blocks.0.{layer}.input_quantizer": input_bits})
+    assert vit == want
+    detector = nn.Module()
+    detector.neck, detector.rpn_head = nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1))
+    heads = {name: q.bits for name, q in named_quantizers(quantize_model(detector, spec))}
+    assert heads == {"neck.weight_quantizer": 4, "neck.input_quantizer": 6, "rpn_head.0.weight_quantizer": 4,
+                     "rpn_head.0.input_quantizer": 6}
+
+
+def test_in_block_layout_quantizes_the_block_linears_only():
+    """quant.layout.in_block_layout on a Swin (by hand): qkv and fc1 take the post-norm input quantizer, proj and
+    fc2 the block one, the attention rule its operands; the patch embedding, the PatchMerging reduction and the
+    head stay float (no quantizer), and a rule without an attention leaves the matmuls float."""
+    from quant.attention import QuantAttentionBase
+    from quant.layout import in_block_layout
+    from quant.spec import ATTENTION, AttentionRule
+    rule = AttentionRule(ATTENTION, q=QuantizerSpec(7), k=QuantizerSpec(7), attn=QuantizerSpec(7), v=QuantizerSpec(7))
+    spec = in_block_layout(weight=QuantizerSpec(4, granularity="channel"), post_norm_input=QuantizerSpec(5),
+                           block_input=QuantizerSpec(6), attention=rule)
+    bits = {name: q.bits for name, q in named_quantizers(quantize_model(tiny_swin(), spec))}
+    want = {}
+    for block in ("layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0", "layers.1.blocks.1"):
+        for layer, input_bits in (("attn.qkv", 5), ("mlp.fc1", 5), ("attn.proj", 6), ("mlp.fc2", 6)):
+            want.update({f"{block}.{layer}.weight_quantizer": 4, f"{block}.{layer}.input_quantizer": input_bits})
+        want.update({f"{block}.attn.{operand}_quant": 7 for operand in ("q", "k", "attn", "v")})
+    assert bits == want
+    plain = quantize_model(tiny_swin(), in_block_layout(weight=QuantizerSpec(4), post_norm_input=None,
+                                                        block_input=None))
+    assert not any(isinstance(m, QuantAttentionBase) for m in plain.modules())
+    assert {name for name, _ in named_quantizers(plain)} == {n for n in want if n.endswith("weight_quantizer")}
