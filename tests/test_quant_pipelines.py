@@ -286,3 +286,26 @@ def test_percentile_levels_that_the_range_rule_would_not_read_are_refused(operan
                                                                     f"{operand}_percentiles": (0.99,)}))
     with pytest.raises(ValueError, match=f"{operand}_percentiles=\\[\\]: give at least one level"):
         PIPELINES["percentile"].validate(bits, PercentileOptions(**{f"{operand}_percentiles": ()}))
+
+
+def test_pipeline_data_names_what_a_pipeline_lacks_and_builds_work_paths_only_from_a_prefix():
+    """require_data: not a PipelineData, no image source (train_images or detector_samples), and no train_loader
+    when one is asked for are each refused by what is missing; each source alone is accepted (returned as is)."""
+    from quant.pipeline_data import PipelineData, require_data
+
+    def draw(*args):
+        raise AssertionError("require_data must not draw")
+
+    with pytest.raises(ValueError, match=r"the 'aphq' pipeline draws its own training images: pass data=PipelineData"):
+        require_data("aphq", None)
+    with pytest.raises(ValueError, match=r"PipelineData.train_images \(or detector_samples for a detector\) is required"):
+        require_data("aphq", PipelineData(train_loader=draw))
+    for data in (PipelineData(train_images=draw), PipelineData(detector_samples=draw)):
+        assert require_data("aphq", data) is data
+    with pytest.raises(ValueError, match=r"the 'gplq' pipeline trains: PipelineData.train_loader is required"):
+        require_data("gplq", PipelineData(train_images=draw), loader=True)
+    both = PipelineData(train_images=draw, train_loader=draw)
+    assert require_data("gplq", both, loader=True) is both
+    assert PipelineData().work_path("_gplq_w4a4_stage1.pt") is None  # no prefix: nothing is written
+    assert PipelineData(work_prefix="runs/x/eval_best").work_path("_gplq_w4a4_stage1.pt") == \
+        "runs/x/eval_best_gplq_w4a4_stage1.pt"
