@@ -18,22 +18,23 @@ pytestmark = pytest.mark.detection
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _official_swin_checkpoint(path, **backbone):
+def _official_swin_checkpoint(path, parameters_only=False, **backbone):
     """A checkpoint in the official Swin repository's format (what MMDetection's `convert_weights` reads) for the
     sample config's backbone with `backbone` changed: its keys renamed back, the ImageNet head and final norm and
-    the shifted blocks' attention masks added, the detection output norms left out."""
+    the shifted blocks' attention masks added, the detection output norms left out. `parameters_only`: a
+    weights-only export, without the buffers (relative_position_index, attention masks) the model rebuilds."""
     from engine.detection import load_config
     from mmdet.registry import MODELS
     cfg = load_config([SAMPLE_CONFIG])
     model = MODELS.build({**cfg.model.backbone, **backbone})
     state = {}
-    for key, value in model.state_dict().items():
+    for key, value in (model.named_parameters() if parameters_only else model.state_dict().items()):
         if key.startswith("norm"):  # norm0..norm3: the detection outputs, not in an ImageNet checkpoint
             continue
         key = (key.replace("stages", "layers", 1).replace("attn.w_msa.", "attn.").replace("ffn.layers.0.0.", "mlp.fc1.")
                .replace("ffn.layers.1.", "mlp.fc2.").replace("patch_embed.projection", "patch_embed.proj"))
-        state[key] = value
-        if key.endswith("blocks.1.norm1.weight"):
+        state[key] = value.detach()
+        if key.endswith("blocks.1.norm1.weight") and not parameters_only:
             state[key.replace("norm1.weight", "attn_mask")] = torch.zeros(4, 49, 49)
     dims = model.num_features[-1]
     state.update({"norm.weight": torch.ones(dims), "norm.bias": torch.zeros(dims),
@@ -73,6 +74,24 @@ def test_a_backbone_checkpoint_of_another_model_is_refused(mmdet_ready, tmp_path
     notes.write_text("not a checkpoint")
     with pytest.raises(DetectionError, match="cannot be loaded into model.backbone"):
         check_backbone_init(_pretrained(load_config([SAMPLE_CONFIG]), notes))
+
+
+def test_a_backbone_checkpoint_of_every_weight_but_no_buffers_loads(mmdet_ready, tmp_path):
+    """A weights-only export (every parameter, none of the buffers: relative_position_index, attention masks, which
+    the model builds itself) fits the backbone: it passes, and MMDetection's Swin then holds the file's weights (a
+    first and a later one compared: the backbone is built with other random weights)."""
+    from engine.detection import check_backbone_init, load_config
+    from mmdet.registry import MODELS
+    path = _official_swin_checkpoint(tmp_path / "weights.pth", parameters_only=True)
+    assert not any(k.endswith(("relative_position_index", "attn_mask")) for k in torch.load(path)["model"])
+    cfg = _pretrained(load_config([SAMPLE_CONFIG]), path)
+    check_backbone_init(cfg)
+    backbone = MODELS.build(cfg.model.backbone)
+    backbone.init_weights()
+    file = torch.load(path)["model"]
+    assert torch.equal(backbone.stages[1].blocks[0].attn.w_msa.relative_position_bias_table,
+                       file["layers.1.blocks.0.attn.relative_position_bias_table"])
+    assert torch.equal(backbone.patch_embed.projection.weight, file["patch_embed.proj.weight"])
 
 
 def test_a_backbone_checkpoint_of_other_shapes_or_without_a_block_norm_is_refused(mmdet_ready, tmp_path):
