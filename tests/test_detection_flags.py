@@ -252,6 +252,40 @@ def test_a_gplq_stage1_folder_of_another_run_or_with_a_dangling_pointer_is_refus
     assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
 
 
+def test_an_empty_gplq_stage1_folder_is_claimed_as_a_new_one(tmp_path):
+    """An empty folder at the stage-1 path (made by hand, or by a start that stopped before writing) holds no other
+    run's files: it is claimed as a new folder (the identity written, nothing to resume), not refused as a foreign
+    one; a folder holding any file but the identity is refused."""
+    import json
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] is None
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(DetectionError, match=rf"^{foreign} exists and is not a GPLQ stage-1 folder"):
+        _claim_stage1_folder(str(foreign), {"bits": "w4a4"})
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_gplq_stage1_on_the_cpu_is_refused_only_while_a_gpu_is_visible(monkeypatch):
+    """MMEngine's runner moves the detector to any visible GPU: stage 1 on the CPU is refused then (naming the two
+    ways out), and passes with no GPU visible; stage 1 on a GPU passes."""
+    import torch
+    from engine.detection import DetectionError
+    from engine.detection.qat import check_stage1_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DetectionError, match=r"quantize on the GPU \(--device auto\), or hide the GPUs "
+                                             r"\(CUDA_VISIBLE_DEVICES=\)"):
+        check_stage1_device(torch.device("cpu"))
+    check_stage1_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_stage1_device(torch.device("cpu"))
+
+
 def test_the_printed_scores_and_table_row_put_each_number_in_its_place():
     """What evaluate_detection.py prints: box before mask mAP, backbone before head maximum, one Table 2 column per
     pipeline and bit-width, with distinct numbers so that a swap shows."""
