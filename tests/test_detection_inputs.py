@@ -801,6 +801,35 @@ def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mm
         assert torch.equal(loaded[key], value), key
 
 
+def test_a_detector_built_from_a_checkpoint_is_in_eval_mode(mmdet_ready, tmp_path):
+    """build_detector hands back the detector ready to score or quantize: every module in eval mode (MMDetection
+    builds it in training mode, and a calibration hands a model back in the mode it was given), with the classes
+    its checkpoint keeps."""
+    from engine.detection import build_detector, load_config
+    model = build_detector(load_config([SAMPLE_CONFIG]), _random_detector(tmp_path), torch.device("cpu"))
+    assert [name for name, module in model.named_modules() if module.training] == []
+    assert model.dataset_meta == {"classes": ("box", "disc")}
+
+
+def test_a_backbone_loading_through_mmengine_s_pretrained_init_is_left_to_it(mmdet_ready, tmp_path):
+    """A backbone whose init_weights loads with MMEngine's PretrainedInit (a ResNet: it logs the weights it leaves)
+    never calls the backbone's load_state_dict, so nothing is compared and its own checkpoint passes (it is not
+    refused as holding none of the backbone's weights); the file then really loads into it."""
+    from engine.detection import check_backbone_init, load_config
+    from mmdet.registry import MODELS
+    resnet = dict(type="ResNet", depth=18, num_stages=4, out_indices=(0, 1, 2, 3), norm_eval=True)
+    torch.manual_seed(0)
+    state = MODELS.build(resnet).state_dict()
+    path = tmp_path / "resnet18.pth"
+    torch.save({"state_dict": state}, path)
+    cfg = load_config([SAMPLE_CONFIG])
+    cfg.model.backbone = dict(resnet, init_cfg=dict(type="Pretrained", checkpoint=str(path)))
+    check_backbone_init(cfg)
+    backbone = MODELS.build(cfg.model.backbone)
+    backbone.init_weights()
+    assert torch.equal(backbone.conv1.weight, state["conv1.weight"])
+
+
 @pytest.mark.parametrize("pipelines, override, message", [
     (["gplq"], "train_dataloader.batch_size=4", "does not read train_dataloader.batch_size.*gplq.batch_size_per_gpu=N"),
     (["percentile", "repq"], "train_dataloader.num_workers=4", "does not read train_dataloader.num_workers.*drop it"),
