@@ -745,6 +745,22 @@ def test_the_training_images_drawn_follow_the_seed_given_and_repeat_with_it(samp
         assert tuple(DetectorSamples(cfg, 3, seed, "--quant-options aphq.recon_images", images).indices) == sets[seed]
 
 
+def test_a_calibration_feed_runs_its_images_in_one_test_step_and_counts_them(sample):
+    """DetectorFeed.feed: one test step of the detector on all `count` images at once, and the number of images it
+    calibrated on (what calibrate() reports) is that count; a detector that records its calls stands in."""
+    from engine.detection import DetectorFeed, load_config
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def test_step(self, batch):
+            self.batches.append(len(batch["inputs"]))
+    feed, model = DetectorFeed(load_config([SAMPLE_CONFIG], data_root=sample), 3, 0), Recorder()
+    assert len(feed) == 1 and feed.feed(model) == 3 and model.batches == [3]
+
+
 def test_the_training_images_quantization_draws_get_the_test_pipeline(sample):
     """Calibration and reconstruction images come from the training split with the TEST pipeline (no random flip):
     each is what the config's test transforms, built here one by one, make of that image."""
