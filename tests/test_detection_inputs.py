@@ -607,6 +607,18 @@ def test_pipeline_options_with_a_bare_quant_say_that_no_pipeline_runs(mmdet_read
               "repq.round_zero_point=true"])
 
 
+def test_an_evaluation_without_quant_runs_every_detection_pipeline(mmdet_ready, tmp_path):
+    """Without --quant the evaluation runs every pipeline that quantizes detectors (Table 2's four: percentile,
+    RepQ-ViT, APHQ, GPLQ): the refusal of a --quant-options word that is no PIPELINE.KEY=VALUE lists those that run,
+    before any file is read; a bare --quant runs none."""
+    from evaluate_detection import main
+    common = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant-options", "aphq"]
+    with pytest.raises(ValueError, match=r"for a pipeline that runs \(percentile, repq, aphq, gplq\)$"):
+        main(common)
+    with pytest.raises(ValueError, match=r"for a pipeline that runs \(none: a bare --quant"):
+        main(common + ["--quant"])
+
+
 @pytest.mark.parametrize("config", ["configs/debug/tiny.yaml", "configs/detection/method/cd.py"])
 def test_a_config_without_a_detector_is_one_error_line_before_any_work(sample, tmp_path, capsys, config):
     """A train.py recipe failed with MMEngine's KeyError traceback (its model has no `type`) after the work dir was
