@@ -352,11 +352,12 @@ def test_a_multi_image_mix_test_split_that_mixes_images_is_one_error_line(sample
                                                                    plain.test_dataloader.dataset.pipeline]
 
 
-def test_a_training_image_the_test_pipeline_drops_is_one_error_line_not_another_image(sample):
+@pytest.mark.parametrize("concat", [False, True])
+def test_a_training_image_the_test_pipeline_drops_is_one_error_line_not_another_image(sample, concat):
     """The training split is no test-mode dataset: an image its (test) pipeline drops was replaced by a random other
     one, drawn with numpy's global state up to max_refetch times, so that --calib-images 8 of the sample's 8 images
     calibrated on 2, 2, 4, 4, 4, 6, 6, 4. Here the image whose boxes are all smallest is dropped by FilterAnnotations
-    and named."""
+    and named, also where the split joins it with val2017 in a ConcatDataset (whose own dataset[i] replaces it)."""
     from engine.detection import DetectionError, TrainingImages, load_config
     with open(os.path.join(sample, "annotations", "instances_train2017.json")) as f:
         data = json.load(f)
@@ -371,9 +372,12 @@ def test_a_training_image_the_test_pipeline_drops_is_one_error_line_not_another_
     pipeline.insert(1, dict(type="LoadAnnotations", with_bbox=True))
     pipeline.insert(2, dict(type="FilterAnnotations", min_gt_bbox_wh=((low + second) / 2,) * 2))
     cfg.test_dataloader.dataset.pipeline = pipeline
+    if concat:  # train2017 first: its image is the first dropped one drawn
+        cfg.train_dataloader.dataset = dict(type="ConcatDataset", datasets=[
+            copy.deepcopy(cfg.train_dataloader.dataset), copy.deepcopy(cfg.test_dataloader.dataset)])
     images = TrainingImages(cfg)
     with pytest.raises(DetectionError, match=rf"^the test pipeline drops the training image .*{re.escape(name)} "):
-        images.draw(8, 0, "--calib-images")
+        images.draw(len(images), 0, "--calib-images")
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
