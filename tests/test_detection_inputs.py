@@ -619,6 +619,19 @@ def test_an_evaluation_without_quant_runs_every_detection_pipeline(mmdet_ready, 
         main(common + ["--quant"])
 
 
+def test_device_cuda_without_a_visible_gpu_is_refused_first(mmdet_ready, tmp_path, monkeypatch):
+    """--device cuda on a machine that shows no GPU is refused first, naming the ways out (not a CUDA error from
+    deep inside the model's build, nor an error about a file the run never got to)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DetectionError, match=r"^--device cuda but no CUDA device is visible; use --device cpu or "
+                                             r"auto$"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "--device", "cuda",
+              "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("config", ["configs/debug/tiny.yaml", "configs/detection/method/cd.py"])
 def test_a_config_without_a_detector_is_one_error_line_before_any_work(sample, tmp_path, capsys, config):
     """A train.py recipe failed with MMEngine's KeyError traceback (its model has no `type`) after the work dir was
