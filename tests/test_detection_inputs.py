@@ -632,6 +632,23 @@ def test_device_cuda_without_a_visible_gpu_is_refused_first(mmdet_ready, tmp_pat
     assert not (tmp_path / "x.json").exists()
 
 
+def test_recompute_scores_the_full_precision_detector_again(sample, tmp_path):
+    """--recompute replaces the full-precision score a results file holds (a file whose FP pass is marked by a
+    seconds value no pass takes: -1), and without it the stored score stays."""
+    import json
+    from evaluate_detection import main
+    out = tmp_path / "eval.json"
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
+            "--max-images", "1", "--out", str(out)]
+    main(argv)
+    stored = json.loads(out.read_text())
+    stored["fp"]["seconds"] = -1.0
+    out.write_text(json.dumps(stored))
+    assert main(argv)["fp"]["seconds"] == -1.0
+    assert main(argv + ["--recompute"])["fp"]["seconds"] >= 0.0
+    assert json.loads(out.read_text())["fp"]["seconds"] >= 0.0
+
+
 @pytest.mark.parametrize("config", ["configs/debug/tiny.yaml", "configs/detection/method/cd.py"])
 def test_a_config_without_a_detector_is_one_error_line_before_any_work(sample, tmp_path, capsys, config):
     """A train.py recipe failed with MMEngine's KeyError traceback (its model has no `type`) after the work dir was
