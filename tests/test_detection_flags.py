@@ -301,6 +301,20 @@ def test_the_printed_scores_and_table_row_put_each_number_in_its_place():
         "| 123.46 / 7.89 | 0.412 / 0.377 | 0.250 / 0.125 | 0.300 / 0.200 | 0.400 / nan |"]
 
 
+def test_the_calibration_batch_is_aphq_s_calibration_and_gplq_s_initialisation_images():
+    """APHQ and GPLQ start from their detection recipes with --calib-images as their own count of calibration
+    (APHQ) and LSQ-initialisation (GPLQ) images, which the one calibration batch holds; the other pipelines take
+    no options from it. GPLQ's own default (128 initialisation images) against a batch of 4 is refused only when
+    GPLQ runs, after the full-precision score."""
+    from argparse import Namespace
+    from configs.quant import APHQ_DETECTION, GPLQ_DETECTION
+    from evaluate_detection import detection_defaults
+    args = Namespace(calib_images=4, calib_seed=0)
+    assert detection_defaults("aphq", args) == {**APHQ_DETECTION, "calib_images": 4}
+    assert detection_defaults("gplq", args) == {**GPLQ_DETECTION, "init_images": 4}
+    assert detection_defaults("repq", args) == {} == detection_defaults("percentile", args)
+
+
 @pytest.mark.parametrize("change", [{"calib_seed": 1}, {"calib_images": 2}])
 def test_another_calibration_batch_is_another_quantized_result(change):
     """A result of other calibration images is not the one asked for: `--calib-seed 1` after a run with the default
