@@ -803,6 +803,21 @@ def test_a_calibration_feed_runs_its_images_in_one_test_step_and_counts_them(sam
     assert len(feed) == 1 and feed.feed(model) == 3 and model.batches == [3]
 
 
+def test_the_rpn_outputs_of_a_reconstruction_image_are_those_of_its_test_step_input(sample):
+    """APHQ weighs a unit by the RPN outputs of the image as the detector scores it: the data preprocessor in test
+    mode, so a config's training-only batch augmentation (here a fixed 128-pixel pad) is not applied; the first
+    FPN level (stride 4) of a 64-pixel image padded to a multiple of 32 is 16 x 16, by hand."""
+    from engine.detection import DetectorSamples, load_config
+    from mmdet.registry import MODELS
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.model.data_preprocessor.batch_augments = [dict(type="BatchFixedSizePad", size=(128, 128))]
+    samples = DetectorSamples(cfg, 1, 0)
+    assert tuple(samples.batches[0]["inputs"][0].shape[-2:]) == (64, 64)
+    with torch.no_grad():
+        logits, deltas = samples.rpn_outputs(MODELS.build(cfg.model).eval(), 0)
+    assert tuple(logits[0].shape[-2:]) == (16, 16) == tuple(deltas[0].shape[-2:])
+
+
 def test_the_training_images_quantization_draws_get_the_test_pipeline(sample):
     """Calibration and reconstruction images come from the training split with the TEST pipeline (no random flip):
     each is what the config's test transforms, built here one by one, make of that image."""
