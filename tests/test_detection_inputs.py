@@ -787,6 +787,19 @@ def test_the_training_images_drawn_follow_the_seed_given_and_repeat_with_it(samp
         assert tuple(DetectorSamples(cfg, 3, seed, "--quant-options aphq.recon_images", images).indices) == sets[seed]
 
 
+def test_the_training_split_check_refuses_no_images_and_more_than_it_has(sample):
+    """TrainingImages.check, which evaluate_detection.py runs on each image count before any work: at least 1
+    image, at most the split's 8 (counted by hand in the sample), each refusal naming the flag that asked."""
+    from engine.detection import DetectionError, TrainingImages, load_config
+    images = TrainingImages(load_config([SAMPLE_CONFIG], data_root=sample))
+    images.check(1, "--calib-images")
+    images.check(8, "--calib-images")
+    with pytest.raises(DetectionError, match=r"^--quant-options aphq.recon_images 0: give at least 1$"):
+        images.check(0, "--quant-options aphq.recon_images")
+    with pytest.raises(DetectionError, match=r"^--calib-images 9: the training split has only 8 images$"):
+        images.check(9, "--calib-images")
+
+
 def test_a_calibration_feed_runs_its_images_in_one_test_step_and_counts_them(sample):
     """DetectorFeed.feed: one test step of the detector on all `count` images at once, and the number of images it
     calibrated on (what calibrate() reports) is that count; a detector that records its calls stands in."""
