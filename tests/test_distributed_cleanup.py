@@ -91,3 +91,47 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path, fail):
     for rank in range(2):
         started, left = map(int, (tmp_path / f"rank{rank}").read_text().split())
         assert started > 0 and left == 0, (rank, started, left)
+
+
+def _teardown_worker(rank: int, ports: tuple, out_dir: str) -> None:
+    """Two process_group sessions in one process, as a test runner or a notebook would: one that finishes and
+    one that stops on an agreed stop request (Preempted). In each, rank 1 is still working for a second after
+    rank 0's body ended; the times each rank left its body and left process_group are written down."""
+    import time
+    from engine.distributed import process_group, run_on_main
+    from engine.preemption import Preempted
+    torch.set_num_threads(1)
+    times, results = {}, []
+    for session, port in zip(("finished", "preempted"), ports):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                          LOCAL_RANK=str(rank))
+        try:
+            with process_group("cpu"):
+                # rank 0's work through the wait group: the second session must get a new one
+                results.append(run_on_main(lambda: session, session, torch.device("cpu")))
+                if rank == 1:
+                    time.sleep(1.0)
+                times[f"{session} body ended"] = time.monotonic()
+                if session == "preempted":
+                    raise Preempted("stop request")
+        except Preempted:
+            pass
+        times[f"{session} left"] = time.monotonic()
+    torch.save({"times": times, "results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_process_group_leaves_only_when_every_rank_is_done_and_can_be_entered_again(tmp_path):
+    """A finished or preempted body leaves the group after the slowest rank's body ended (a rank tearing its
+    group down while another still uses it can abort at exit), and a second process_group in the same process
+    runs rank 0's work in a wait group of its own (the first one went with the first group)."""
+    from dist_utils import spawn_within
+    spawn_within(_teardown_worker, ((free_port(), free_port()), str(tmp_path)), nprocs=2, seconds=60)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    for rank in (rank0, rank1):
+        assert rank["results"] == ["finished", "preempted"]
+    for session in ("finished", "preempted"):
+        # rank 1 slept a second after rank 0's body ended: leaving before that end would be no wait at all
+        assert rank1["times"][f"{session} body ended"] - rank0["times"][f"{session} body ended"] > 0.5
+        assert rank0["times"][f"{session} left"] >= rank1["times"][f"{session} body ended"], session
