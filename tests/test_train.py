@@ -1208,16 +1208,25 @@ def test_an_abandoned_checkpoint_is_kept_once(tmp_path):
     assert kept == str(tmp_path / "checkpoint.until_step4.pt") and os.path.samefile(kept, own)
 
 
+def built_loop(run):
+    """train.build_loop's TrainLoop for a run built by hand, with no stop request."""
+    return train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False,
+                                                                "request_stop": lambda *a: None})())
+
+
 def test_each_setting_given_reaches_the_object_it_configures(debug_config):
     """build_run hands every setting to what it configures; read back from the built objects, against the
-    values given (the debug recipe: 64 synthetic images, global batch 16 of 8 per process, 2 epochs)."""
+    values given (the debug recipe: 64 synthetic images, global batch 16 of 8 per process, 2 epochs). The peak
+    lr follows the global batch: optim.lr_base at optim.lr_base_batch, scaled linearly to train.batch_size."""
     from engine.distributed import DistInfo
 
     cfg = debug_config("optim.weight_decay=0.07", "cd.enabled=true", "cd.budget=false", "cd.lam=0.003",
                        "tweo.enabled=true", "train.ema=true", "train.ema_decay=0.9", "train.ema_warmup=true",
-                       "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3")
+                       "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3", "optim.lr=null",
+                       "optim.lr_base=0.002", "optim.lr_base_batch=32")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
+    assert {g["initial_lr"] for g in run.optimizer.param_groups} == {0.002 * 16 / 32}  # the schedule's peak
     # cd.budget=false: weight decay stays as given (1-D parameters never decay)
     assert {g["weight_decay"] for g in run.optimizer.param_groups} == {0.0, 0.07}
     assert run.decay.lam == 0.003 and run.decay.norms_every == 3
@@ -1259,8 +1268,7 @@ def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(deb
                        "data.label_smoothing=0.2", "data.mixup=0", "data.cutmix=0")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
-    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False,
-                                                                "request_stop": lambda *a: None})())
+    loop = built_loop(run)
     assert loop.clip_grad == 0.7 and loop.max_steps == 3 and loop.divergence is not None
     logits = torch.tensor([[2.0, 0.0, -1.0, 0.5], [0.0, 1.0, 0.0, 3.0]])
     targets = torch.tensor([0, 3])
@@ -1270,6 +1278,23 @@ def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(deb
     loss = loop.compute_loss(lambda x: logits, torch.zeros(2, 3, 32, 32), targets)
     assert torch.allclose(loss, expected, atol=1e-6)
 
+
+def test_the_loop_gets_the_seed_precision_mixing_and_cadences_given(debug_config):
+    """build_loop's TrainLoop: the update-level settings as given, none of them its default: train.seed for
+    the per-update randomness, the bf16 autocast, the global batch 16 as 2 micro-batches of 8, timm's mixing
+    at data.mixup, the log / checkpoint / validation cadences in updates, and the divergence guard's windows."""
+    from engine.distributed import DistInfo
+
+    cfg = debug_config("train.seed=5", "train.amp=bf16", "data.mixup=0.3", "train.log_every_steps=3",
+                       "train.ckpt_every_steps=5", "train.eval_every_steps=2", "train.divergence_factor=50",
+                       "train.divergence_windows=4")
+    run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                          resumed=False)
+    loop = built_loop(run)
+    assert loop.seed == 5 and loop.amp == "bf16" and loop.accum_steps == 16 // 8
+    assert loop.mixup.mixup_alpha == 0.3
+    assert (loop.log_every, loop.ckpt_every, loop.eval_every) == (3, 5, 2)
+    assert (loop.divergence.factor, loop.divergence.windows) == (50, 4)
 
 def test_the_chance_warning_covers_up_to_one_and_a_half_times_chance(caplog):
     """10 classes: chance is 10%, so 15% still warns and 15.1% does not; one class has no chance level."""
@@ -1292,8 +1317,7 @@ def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
                        "data.label_smoothing=0", "data.mixup=0", "data.cutmix=0")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
-    loop = train.build_loop(run, preemption=type("NoStop", (), {"should_stop": lambda *a, **k: False,
-                                                                "request_stop": lambda *a: None})())
+    loop = built_loop(run)
     logits, targets = torch.tensor([[2.0, 0.0, -1.0, 0.5]]), torch.tensor([2])
     expected = 1.25 * -torch.log_softmax(logits, dim=1)[0, 2]
     assert torch.allclose(loop.compute_loss(lambda x: logits, torch.zeros(1, 3, 32, 32), targets), expected)
@@ -1301,10 +1325,13 @@ def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
 
 @pytest.mark.parametrize("every, steps", [(1, [4, 8, 12]), (2, [8, 12])])
 def test_validation_runs_every_eval_every_epochs_and_at_the_last_epoch(debug_config, every, steps):
-    """3 epochs of 64 / 16 = 4 updates: validations at every `every`-th epoch's end and at the run's end."""
-    cfg = debug_config("sched.epochs=3", f"train.eval_every_epochs={every}", "log.tensorboard=false")
+    """3 epochs of 64 / 16 = 4 updates: validations at every `every`-th epoch's end and at the run's end; with
+    train.keep_every_epochs=2 the one snapshot is epoch 2's (not the last epoch's: snapshots have no such rule)."""
+    cfg = debug_config("sched.epochs=3", f"train.eval_every_epochs={every}", "log.tensorboard=false",
+                       "train.keep_every_epochs=2")
     train.main(cfg)
     assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == steps
+    assert os.listdir(os.path.join(cfg.out_dir, "snapshots")) == ["epoch0002.pt"]
 
 
 def test_clipping_bounds_the_norm_of_every_parameter_group_together():
