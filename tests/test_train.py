@@ -1223,10 +1223,13 @@ def test_each_setting_given_reaches_the_object_it_configures(debug_config):
     cfg = debug_config("optim.weight_decay=0.07", "cd.enabled=true", "cd.budget=false", "cd.lam=0.003",
                        "tweo.enabled=true", "train.ema=true", "train.ema_decay=0.9", "train.ema_warmup=true",
                        "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3", "optim.lr=null",
-                       "optim.lr_base=0.002", "optim.lr_base_batch=32")
+                       "optim.lr_base=0.002", "optim.lr_base_batch=32", "data.repeated_aug=2", "train.seed=3")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
     assert {g["initial_lr"] for g in run.optimizer.param_groups} == {0.002 * 16 / 32}  # the schedule's peak
+    # what each checkpoint records of the epoch's layout, for a resume in another one (engine/resume.py)
+    assert run.position == {"world_size": 1, "batch_size_per_gpu": 8, "accum_steps": 2, "updates_per_epoch": 4,
+                            "train_images": 64, "seed": 3, "repeated_aug": 2}
     # cd.budget=false: weight decay stays as given (1-D parameters never decay)
     assert {g["weight_decay"] for g in run.optimizer.param_groups} == {0.0, 0.07}
     assert run.decay.lam == 0.003 and run.decay.norms_every == 3
@@ -1281,17 +1284,19 @@ def test_the_loop_gets_the_clip_max_steps_divergence_and_smoothed_loss_given(deb
 
 def test_the_loop_gets_the_seed_precision_mixing_and_cadences_given(debug_config):
     """build_loop's TrainLoop: the update-level settings as given, none of them its default: train.seed for
-    the per-update randomness, the bf16 autocast, the global batch 16 as 2 micro-batches of 8, timm's mixing
-    at data.mixup, the log / checkpoint / validation cadences in updates, and the divergence guard's windows."""
+    the per-update randomness, the fp16 autocast and its GradScaler, the global batch 16 as 2 micro-batches of
+    8, timm's mixing at data.mixup, the log / checkpoint / validation cadences in updates, and the divergence
+    guard's windows."""
     from engine.distributed import DistInfo
 
-    cfg = debug_config("train.seed=5", "train.amp=bf16", "data.mixup=0.3", "train.log_every_steps=3",
+    cfg = debug_config("train.seed=5", "train.amp=fp16", "data.mixup=0.3", "train.log_every_steps=3",
                        "train.ckpt_every_steps=5", "train.eval_every_steps=2", "train.divergence_factor=50",
                        "train.divergence_windows=4")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
     loop = built_loop(run)
-    assert loop.seed == 5 and loop.amp == "bf16" and loop.accum_steps == 16 // 8
+    assert loop.seed == 5 and loop.amp == "fp16" and loop.accum_steps == 16 // 8
+    assert isinstance(loop.scaler, torch.amp.GradScaler)
     assert loop.mixup.mixup_alpha == 0.3
     assert (loop.log_every, loop.ckpt_every, loop.eval_every) == (3, 5, 2)
     assert (loop.divergence.factor, loop.divergence.windows) == (50, 4)
@@ -1326,11 +1331,14 @@ def test_cd_loss_form_adds_loss_coef_times_the_task_loss(debug_config):
 @pytest.mark.parametrize("every, steps", [(1, [4, 8, 12]), (2, [8, 12])])
 def test_validation_runs_every_eval_every_epochs_and_at_the_last_epoch(debug_config, every, steps):
     """3 epochs of 64 / 16 = 4 updates: validations at every `every`-th epoch's end and at the run's end; with
-    train.keep_every_epochs=2 the one snapshot is epoch 2's (not the last epoch's: snapshots have no such rule)."""
+    train.keep_every_epochs=2 the one snapshot is epoch 2's (not the last epoch's: snapshots have no such rule);
+    with log.act_max=true each validation records the activation maxima (a ViT's are above 0)."""
     cfg = debug_config("sched.epochs=3", f"train.eval_every_epochs={every}", "log.tensorboard=false",
-                       "train.keep_every_epochs=2")
+                       "train.keep_every_epochs=2", "log.act_max=true")
     train.main(cfg)
-    assert [r["step"] for r in read_metrics(cfg.out_dir) if "val/top1" in r] == steps
+    validations = [r for r in read_metrics(cfg.out_dir) if "val/top1" in r]
+    assert [r["step"] for r in validations] == steps
+    assert all(r["act/max_module"] > 0 and r["act/max_block"] > 0 for r in validations)
     assert os.listdir(os.path.join(cfg.out_dir, "snapshots")) == ["epoch0002.pt"]
 
 
