@@ -304,6 +304,23 @@ def test_cli_prints_the_table(capsys):
     assert "blocks.11.attn.qkv.weight[1536:2304]" in out and "768x3072" in out
 
 
+def test_cli_table_cells_for_vit_tiny_match_the_pairs_written_by_hand(capsys):
+    """Every cell of every row of vit_tiny_patch16_224's table (dim 192, MLP 768): W2 and W1 names and shapes."""
+    pairs_main(["--model", "vit_tiny_patch16_224"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[3:-1]]  # no cell holds a space; the header and rule come first
+    want = []
+    for i in range(12):
+        b = f"blocks.{i}"
+        want += [["qkv", "composable", f"{b}.attn.qkv.weight", "576x192", f"diag({b}.norm1.weight)", "192x192"],
+                 ["proj", "functional", f"{b}.attn.proj.weight", "192x192", f"{b}.attn.qkv.weight[384:576]",
+                  "192x192"],
+                 ["fc1", "composable", f"{b}.mlp.fc1.weight", "768x192", f"diag({b}.norm2.weight)", "192x192"],
+                 ["fc2", "functional", f"{b}.mlp.fc2.weight", "192x768", f"{b}.mlp.fc1.weight", "768x192"]]
+    assert rows == [[str(k)] + cells for k, cells in enumerate(want)]
+    assert lines[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
+
+
 def test_cli_refuses_swin_v2_with_one_error_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         pairs_main(["--model", "swinv2_tiny_window8_256"])
