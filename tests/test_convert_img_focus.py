@@ -424,6 +424,37 @@ def test_heads_are_read_from_a_reshape_shape_built_by_concat():
     assert conv.num_heads(conv.Graph(helper.make_model(graph))) == 3
 
 
+def _with_heads_shape(model, shape):
+    """A copy of `model` whose query / key / value Reshape targets are `shape` ([B, N, heads, head_dim])."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type == "Constant" and node.name.endswith("/heads"):
+            node.attribute[0].t.CopyFrom(numpy_helper.from_array(np.asarray(shape, np.int64), node.name + "_value"))
+    return copy
+
+
+@pytest.mark.parametrize("shape,heads", [([0, 0, -1, DIM // HEADS], HEADS), ([0, 0, 0, DIM // HEADS], None),
+                                         ([0, 0, -1, 0], None), ([0, 0, -1, 12], None)])
+def test_heads_read_from_the_graph_are_a_count_or_a_request_for_num_heads(tiny, tmp_path, capsys, shape, heads):
+    """A heads entry of -1 is the query's width / head_dim (32 / 16 = 2 here). A 0 (Reshape: keep the input's
+    size), a -1 beside a head_dim of 0 or one that does not divide the width 32 is no count: the one error line
+    asks for --num-heads, and never reports a '--num-heads 0' (or -1) the user did not give."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(_with_heads_shape(model, shape), str(source))
+    out = tmp_path / "w.safetensors"
+    code = conv.main([str(source), "--out", str(out), "--no-verify"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    if heads is not None:
+        assert code == 0 and lines == [] and conv.convert(onnx.load(str(source)))[1] == heads
+        return
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == "error: could not read the number of attention heads from the graph; give --num-heads"
+    assert not out.exists()
+    assert conv.main([str(source), "--out", str(out), "--no-verify", "--num-heads", str(HEADS)]) == 0
+
+
 def test_a_nan_difference_from_the_graph_is_refused_and_nothing_is_written(tiny, tmp_path, capsys, monkeypatch):
     """A converted model whose output holds NaN is not within any --tolerance: one error line, no file."""
     _, model = tiny
