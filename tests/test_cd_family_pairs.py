@@ -134,3 +134,13 @@ def test_each_family_has_the_pairs_written_out_by_hand(family):
         if not p.diagonal:
             up = params[p.upstream_name].t() if p.transposed else params[p.upstream_name]
             assert torch.equal(p.w1(), up[slice(*p.upstream_rows)] if p.upstream_rows else up)
+
+
+@pytest.mark.parametrize("family,t", [("GPT-2 (transformers)", "^T"), ("GPT-2, nanoGPT-style (nn.Linear c_attn)", "")])
+def test_w1_labels_mark_a_matrix_stored_in_out(family, t):
+    """`python -m cd`'s W1 column: a norm scale as diag(...), V's rows of the fused c_attn, and `^T` after the name
+    of a Conv1D weight (stored (in, out)) only; written out by hand for one block of width 32."""
+    pairs = find_pairs(_build(family))
+    b = "transformer.h.0"
+    assert [p.upstream_label for p in pairs[:4]] == [f"diag({b}.ln_1.weight)", f"{b}.attn.c_attn.weight{t}[64:96]",
+                                                     f"diag({b}.ln_2.weight)", f"{b}.mlp.c_fc.weight{t}"]

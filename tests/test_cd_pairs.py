@@ -379,6 +379,8 @@ def _cait() -> nn.Module:
     (tiny_vit, "blocks.1", lambda b: (setattr(b.attn, "qkv", nn.Linear(32, 49)),
                                       setattr(b.attn, "proj", nn.Linear(16, 32))), "attn.qkv is not 3x attn.proj"),
     (_cait, "blocks_token_only.0", lambda b: setattr(b.attn, "v", nn.Linear(32, 16)), "attn.v's output width"),
+    # fc1 writes 128 channels, fc2 reads 96 (not 64 either, which would read as a packed gated MLP)
+    (tiny_vit, "blocks.1", lambda b: setattr(b.mlp, "fc2", nn.Linear(96, 32)), "is not fc1 -> act -> fc2"),
 ])
 def test_a_block_whose_widths_do_not_chain_is_refused_by_its_structure(build, block, change, match):
     """Without the forward check (verify=False trusts the structure) a pair whose matrices cannot be multiplied
@@ -406,6 +408,18 @@ def test_a_block_whose_name_extends_an_earlier_blocks_name_keeps_its_pairs():
     pairs = find_pairs(model, example_input=torch.zeros(1, 5, 32))
     assert [(p.block, p.role) for p in pairs] == [(b, r) for b in ("enc", "enc_late")
                                                   for r in ("qkv", "proj", "fc1", "fc2")]
+
+
+def test_modules_inside_a_block_are_not_searched_for_blocks():
+    """A block holding a module that is itself laid out as a block (here a whole timm Block kept under attn, as an
+    adapter might be) gives its own four pairs only: matches are outermost, in model order (cd.find_blocks)."""
+    from cd.pairs import find_blocks
+
+    model = tiny_vit()
+    model.blocks[0].attn.adapter = _tiny("vit_tiny_patch16_224", depth=1).blocks[0]
+    assert [name for name, _ in find_blocks(model)] == ["blocks.0", "blocks.1"]
+    assert [(p.block, p.role) for p in find_pairs(model, verify=False)] == [
+        (b, r) for b in ("blocks.0", "blocks.1") for r in ("qkv", "proj", "fc1", "fc2")]
 
 
 class _SquareMerge(nn.Module):
