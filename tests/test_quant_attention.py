@@ -42,6 +42,23 @@ def test_swin_window_attention_module_matches_with_shift_mask():
         torch.testing.assert_close(ours(x), block.attn(x), rtol=0, atol=1e-5)
 
 
+def test_window_attention_reads_the_mask_as_query_by_key():
+    """mask[w, i, j] is added to query i's score of key j in every window w of the batch (the windows cycle
+    within each image), as timm's WindowAttention reads it. Swin's shift masks are symmetric, so this mask is
+    not: a mask read transposed, or applied to the wrong windows, shows."""
+    from timm.models.swin_transformer import WindowAttention
+
+    torch.manual_seed(0)
+    src = WindowAttention(48, num_heads=3, window_size=3).eval()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.where(torch.rand(2, 9, 9, generator=g) > 0.5, -100.0, 0.0)
+    mask[:, torch.arange(9), torch.arange(9)] = 0.0  # every query keeps a key
+    assert not torch.equal(mask, mask.transpose(-1, -2)) and not torch.equal(mask[0], mask[1])
+    x = torch.randn(2 * 2, 9, 48, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(convert_attention(src, {})(x, mask=mask), src(x, mask=mask), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("build", [tiny_vit, tiny_swin])
 def test_converted_model_with_quantization_disabled_matches_timm(build):
     model = build()
