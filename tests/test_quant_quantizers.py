@@ -555,3 +555,17 @@ def test_a_lazily_sized_state_is_loaded_onto_the_receiving_quantizers_device():
     fresh = UniformQuantizer(4, channel_dim=-1, device=torch.device("meta"))
     fresh.load_state_dict(saved)
     assert fresh.scale.device.type == fresh.zero_point.device.type == "meta" and fresh.scale.shape == (7,)
+
+
+def test_log_sqrt2_last_code_and_first_underflow_by_hand_in_both_paths_and_the_quantizer():
+    """4 bits: codes 0..15. x = delta 2^-7.5 is code 15 (the last, kept); x = delta 2^-8 is code 16 exactly, the first
+    to underflow to 0, in the inference and the straight-through path alike; a fitted LogSqrt2Quantizer(4) codes
+    with its own 4 bits (code 14, delta 2^-7, is kept, which 3 bits would zero)."""
+    q = fitted(LogSqrt2Quantizer(4), torch.softmax(torch.randn(2, 3, 9, 9, generator=gen(3)), dim=-1))
+    d = q.delta.item()
+    x = torch.tensor([d, d * 2 ** -3.5, d * 2 ** -7, d * 2 ** -7.5, d * 2 ** -8])
+    want = [d, d * 2 ** -3.5, d * 2 ** -7, d * 2 ** -7.5, 0.0]
+    for ste in (False, True):
+        got = fake_quant_log_sqrt2(x.clone().requires_grad_(ste), torch.tensor(d), 4, ste=ste)
+        assert got.tolist() == pytest.approx(want, rel=1e-6, abs=0), ste
+    assert q(x).tolist() == pytest.approx(want, rel=1e-6, abs=0)
