@@ -88,3 +88,20 @@ def test_a_checkpoint_with_non_finite_weights_or_ema_weights_is_not_resumable(tm
     torch.save(payload, tmp_path / "bad.pt")
     got, problem = read_training_checkpoint(str(tmp_path / "bad.pt"))
     assert got is None and "NaN or inf values (1 tensors, e.g. w (1 NaN, 0 inf of 2 values))" in problem
+
+
+def test_nonfinite_tensors_counts_each_tensors_nan_and_inf_in_order():
+    """models.modules.nonfinite_tensors on a state dict written by hand: per floating tensor holding a NaN or an inf,
+    its NaN and inf counts over all its values (a 2x3 matrix: 6), in the dict's order; finite, integer and bool
+    tensors and non-tensor entries (a quantizer's `_extra_state` dict) are passed over."""
+    from models.modules import nonfinite_tensors
+
+    nan, inf = float("nan"), float("inf")
+    state = {"z.weight": torch.tensor([[1.0, nan, inf], [nan, 2.0, 3.0]]),
+             "finite": torch.ones(3),
+             "steps": torch.tensor([7, 8]),
+             "mask": torch.tensor([True, False]),
+             "q._extra_state": {"bits": 4},
+             "a.bias": torch.tensor([-inf, 0.0, inf, 1.0], dtype=torch.float64)}
+    assert nonfinite_tensors(state) == ["z.weight (2 NaN, 1 inf of 6 values)", "a.bias (0 NaN, 2 inf of 4 values)"]
+    assert nonfinite_tensors({"finite": torch.zeros(2, 2)}) == []
