@@ -597,10 +597,11 @@ def resolve_config(args: argparse.Namespace):
                           f"{pipeline} to --quant / quant.pipelines, or drop it")
     batch = calibration_overrides_unread(items, cfg.quant.pipelines, task.language)
     if batch:
-        raise ConfigError(f"{named.get(batch[0], batch[0])} would be ignored: no pipeline of this evaluation reads the calibration batch "
-                          f"(pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no data, aphq and gplq "
-                          f"on an image classifier draw their own training images: quant.aphq.calib_images, "
-                          f"quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); drop it")
+        raise ConfigError(f"{named.get(batch[0], batch[0])} would be ignored: no pipeline of this evaluation reads "
+                          f"the calibration batch (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads "
+                          f"no data, aphq and gplq on an image classifier draw their own training images: "
+                          f"quant.aphq.calib_images, quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); "
+                          f"drop it")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:
         raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "
