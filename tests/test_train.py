@@ -544,16 +544,14 @@ def test_progress_line_etas_count_the_updates_left_and_never_go_below_zero():
 
     metrics = {"train/img_per_s": 16.0, "train/loss": 4.0, "train/lr": 1e-3, "train/data_wait": 0.1,
                "train/peak_mem_mib": 700.0, "train/epoch": 2.7}
-    line = progress_line(27, metrics, total_steps=50, epochs=5, updates_per_epoch=10, batch_size=16)
+    plan = dict(total_steps=50, epochs=5, updates_per_epoch=10, batch_size=16)
+    line = progress_line(27, metrics, **plan)
     assert "eta epoch 0:00:03 run 0:00:23" in line, line
-    line = progress_line(52, dict(metrics, **{"train/epoch": 5.2}), total_steps=50, epochs=5,
-                         updates_per_epoch=10, batch_size=16)
+    line = progress_line(52, dict(metrics, **{"train/epoch": 5.2}), **plan)
     assert line.endswith("eta epoch 0:00:00 run 0:00:00"), line
-    line = progress_line(27, dict(metrics, **{"train/img_per_s": 0.0}), total_steps=50, epochs=5,
-                         updates_per_epoch=10, batch_size=16)
+    line = progress_line(27, dict(metrics, **{"train/img_per_s": 0.0}), **plan)
     assert "  0 img/s  " in line, line
-    line = progress_line(27, dict(metrics, **{"train/tok_per_s": 2048.0}), total_steps=50, epochs=5,
-                         updates_per_epoch=10, batch_size=16)
+    line = progress_line(27, dict(metrics, **{"train/tok_per_s": 2048.0}), **plan)
     assert "  2048 tok/s  " in line and "img/s" not in line, line
 
 
