@@ -37,7 +37,6 @@ import datetime
 import json
 import logging
 import os
-import re
 import sys
 import time
 from typing import Optional
@@ -45,9 +44,8 @@ from typing import Optional
 import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
-from configs.cli import OneLineParser, add_config_arguments, move_overrides, named_twice, parse_known, print_config
+from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
-from configs.quant import with_first_last
 from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
@@ -64,7 +62,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, proces
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from engine.tasks import CausalLMTask, ClassificationTask, capped_cell, check_model_fits_task, perplexity_text, task_for
+from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -73,15 +71,12 @@ from engine.act_max import ActivationProbe
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
+from quant.plan import check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
                "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
-# quant.pipelines unset (None, the default): what a task's checkpoint is scored with (the columns of paper
-# Table 6, and of Table 8 for a language model)
-DEFAULT_PIPELINES = {"classification": ["percentile", "repq"],
-                     "causal_lm": ["rtn", "gptq", "smoothquant", "smoothquant_strict"]}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -256,13 +251,6 @@ def score_line(metrics: dict) -> str:
         return f"perplexity {perplexity_text(metrics['ppl'])}{bf16}"
     top5 = f"  top-5 {metrics['top5']:.3f}" if "top5" in metrics else ""
     return f"top-1 {metrics['top1']:.3f}{top5}"
-
-
-def planned(cfg: Config) -> list[tuple[str, str]]:
-    """(pipeline, bits) to run: every quant.pipelines entry at every quant.bits entry, or, where quant.bits
-    is [], each at its own default bit-width (quant/registry.py)."""
-    return [(name, bits) for name in cfg.quant.pipelines
-            for bits in (cfg.quant.bits or [str(PIPELINES[name].default_bits)])]
 
 
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
@@ -442,12 +430,6 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
         raise DataError(f"{key}={count}: the {cfg.data.train_split} split has {size} images; give at most that")
 
 
-def pipeline_options(cfg: Config, pipeline: str):
-    """The pipeline's `quant.<pipeline>` options with the `quant.first_last` preset applied."""
-    options = getattr(cfg.quant, pipeline, None)
-    return with_first_last(options, cfg.quant.first_last) if options is not None else None
-
-
 def quant_settings(cfg: Config, pipeline: str) -> dict:
     """Everything a quantized result depends on besides the float model and the val set: the options, the
     calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
@@ -576,14 +558,7 @@ def resolve_config(args: argparse.Namespace):
     task = task_for(cfg.data.dataset)
     defaulted = cfg.quant.pipelines is None  # the task's own pipelines: the user named none of them
     cfg.quant.pipelines = evaluation_pipelines(cfg)
-    unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
-    if unknown:
-        raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
-    other = [p for p in cfg.quant.pipelines if task.name not in PIPELINES[p].tasks]
-    if other:
-        fitting = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
-        raise ConfigError(f"quant.pipelines: {', '.join(other)} cannot quantize a {task.name} model "
-                          f"(data.dataset={cfg.data.dataset}); its pipelines are {', '.join(fitting)}")
+    check_pipelines(cfg, task)
     # quant settings that --config files change count as given too (a file's other sections are its recipe:
     # a recipe's training-transform keys are not refused); `named` says where such an item comes from
     from_files = config_file_quant_items(args.config or (), payload)
@@ -608,63 +583,8 @@ def resolve_config(args: argparse.Namespace):
                           f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
                           f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
                           f"the val split takes the eval transform; drop it")
-    joined = next((b for b in cfg.quant.bits if joined_bit_widths(b)), None)
-    if joined is not None:  # `--bits w4a16,w8a16`: a list in one word, each part a bit-width of its own
-        every = [part for b in cfg.quant.bits for part in (joined_bit_widths(b) or [b])]
-        given, fix = (("--bits", f"separate them with spaces: --bits {' '.join(every)}") if args.bits is not None
-                      else ("quant.bits", f"give each as an item of the list: quant.bits=[{','.join(every)}]"))
-        raise ConfigError(f"{given}: {joined!r} joins {len(joined_bit_widths(joined))} bit-widths in one value; {fix}")
-    try:
-        cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
-    except ValueError as e:
-        raise ConfigError(f"--bits / quant.bits: {e}") from None
-    for what, values in (("--quant / quant.pipelines", cfg.quant.pipelines), ("--bits / quant.bits", cfg.quant.bits)):
-        problem = named_twice(what, values)
-        if problem:
-            raise ConfigError(problem)
-    for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
-        try:
-            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
-        except ValueError as e:
-            hint = default_pipelines_hint(cfg, task) if defaulted else ""
-            raise ConfigError(f"quant.{name}: {e}{hint}") from None
+    check_bits(cfg, task, defaulted, flags=True, bits_flag=args.bits is not None)
     return cfg, payload
-
-
-def joined_bit_widths(value) -> list[str]:
-    """The bit-widths of `value` when it is several valid ones joined by commas, semicolons or spaces in one
-    string ('w4a16,w8a16'), else []: such a value is a list the shell or YAML did not split."""
-    parts = [p for p in re.split(r"[,;\s]+", value) if p] if isinstance(value, str) else []
-    if len(parts) < 2:
-        return []
-    try:
-        for part in parts:
-            parse_bits(part)
-    except ValueError:
-        return []
-    return parts
-
-
-def default_pipelines_hint(cfg: Config, task: CausalLMTask | ClassificationTask) -> str:
-    """The advice for --bits that the task's default pipelines (no --quant) cannot all run: the user asked for the
-    bits, not for those pipelines, so for every such bit-width name the --quant of the task's pipelines that take
-    it (w8a8 and w3a16 on a language model: SmoothQuant, and RTN or GPTQ; no one pipeline takes both)."""
-    def takes(name: str, bits: str) -> bool:
-        try:
-            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
-        except ValueError:
-            return False
-        return True
-
-    own = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
-    advice = []
-    for bits in dict.fromkeys(b for name, b in planned(cfg) if not takes(name, b)):  # each failing width, in order
-        fitting = [f"--quant {name}" for name in own if takes(name, bits)]
-        advice.append(f"{' or '.join(fitting)} for {bits}" if fitting else f"no pipeline of this task takes {bits}")
-    return (f"; without --quant {'a language model' if task.language else 'an image classifier'} runs "
-            f"{', '.join(cfg.quant.pipelines)} at every --bits / quant.bits bit-width: give "
-            f"{'; '.join(advice)}" + (", in separate evaluations (each runs its --quant at every --bits)"
-                                      if len(advice) > 1 else ""))
 
 
 # what evaluate.py reads of the training sections: the device and the batch size of its passes
@@ -678,13 +598,6 @@ def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
     would be ignored, or name a checkpoint's result by another method than it was trained with."""
     sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
     return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_OVERRIDE_KEYS]
-
-
-def evaluation_pipelines(cfg: Config) -> list[str]:
-    """The pipelines an evaluation of `cfg` runs: quant.pipelines, or the task's own (DEFAULT_PIPELINES)."""
-    if cfg.quant.pipelines is None:
-        return list(DEFAULT_PIPELINES[task_for(cfg.data.dataset).name])
-    return list(cfg.quant.pipelines)
 
 
 def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[tuple[str, str]]:

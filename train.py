@@ -57,6 +57,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
+from quant.plan import check_quant_plan
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
@@ -81,6 +82,8 @@ def main(cfg: Config) -> RunResult:
             raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
                               "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
                               ) from None
+    # quant.* are the defaults of this run's evaluation (evaluate.py --checkpoint): refused now, not after training
+    check_quant_plan(cfg)
     with process_group(cfg.train.device) as dist:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).

@@ -272,10 +272,12 @@ class QuantConfig:
     """Fake-quantization evaluation (evaluate.py): pipelines, bit-widths, calibration, per-pipeline options.
 
     Each pipeline's options are its own typed section, the Options dataclass in configs/quant.py (e.g.
-    quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8)."""
+    quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8).
+    train.py records them in the run's config.yaml as the defaults of `evaluate.py --checkpoint`, and refuses
+    before training what evaluate.py would refuse of them (quant/plan.py)."""
 
     # None (default): the task's own, percentile and repq for images, the paper's Table 8 settings for a
-    # language model (evaluate.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES:
+    # language model (quant/plan.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES:
     # percentile, repq, aphq, gplq (vision), rtn, gptq, smoothquant, smoothquant_strict (LM and vision)
     pipelines: Optional[list[str]] = None
     # weight / activation bit-widths, e.g. [w4a4, w6a6]: every pipeline at each; [] (default): each

@@ -1,0 +1,146 @@
+"""The evaluation a config's quant section asks for, and the checks that refuse it before any work.
+
+    pipelines = evaluation_pipelines(cfg)      # quant.pipelines, or the task's own (DEFAULT_PIPELINES)
+    planned(cfg)                               # [(pipeline, bits), ...] once cfg.quant.pipelines is resolved
+    check_quant_plan(cfg)                      # raises ConfigError for what evaluate.py would refuse
+
+evaluate.py resolves and checks its plan with these functions. A run's quant.* settings are recorded in its
+config.yaml and checkpoints, where `evaluate.py --checkpoint` reads them as that run's defaults; train.py and
+scripts/sweep.py call `check_quant_plan` so that an unknown pipeline or a malformed bit-width is refused before
+the training, not by the evaluation hours later.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+from configs import Config, ConfigError
+from configs.cli import named_twice
+from configs.quant import with_first_last
+from engine.tasks import task_for
+
+from .registry import PIPELINES
+from .spec import parse_bits
+
+# quant.pipelines unset (None, the default): what a task's checkpoint is scored with (the columns of paper
+# Table 6, and of Table 8 for a language model)
+DEFAULT_PIPELINES = {"classification": ["percentile", "repq"],
+                     "causal_lm": ["rtn", "gptq", "smoothquant", "smoothquant_strict"]}
+
+
+def evaluation_pipelines(cfg: Config) -> list[str]:
+    """The pipelines an evaluation of `cfg` runs: quant.pipelines, or the task's own (DEFAULT_PIPELINES)."""
+    if cfg.quant.pipelines is None:
+        return list(DEFAULT_PIPELINES[task_for(cfg.data.dataset).name])
+    return list(cfg.quant.pipelines)
+
+
+def planned(cfg: Config) -> list[tuple[str, str]]:
+    """(pipeline, bits) to run: every quant.pipelines entry at every quant.bits entry, or, where quant.bits
+    is [], each at its own default bit-width (quant/registry.py)."""
+    return [(name, bits) for name in cfg.quant.pipelines
+            for bits in (cfg.quant.bits or [str(PIPELINES[name].default_bits)])]
+
+
+def pipeline_options(cfg: Config, pipeline: str):
+    """The pipeline's `quant.<pipeline>` options with the `quant.first_last` preset applied."""
+    options = getattr(cfg.quant, pipeline, None)
+    return with_first_last(options, cfg.quant.first_last) if options is not None else None
+
+
+def joined_bit_widths(value) -> list[str]:
+    """The bit-widths of `value` when it is several valid ones joined by commas, semicolons or spaces in one
+    string ('w4a16,w8a16'), else []: such a value is a list the shell or YAML did not split."""
+    parts = [p for p in re.split(r"[,;\s]+", value) if p] if isinstance(value, str) else []
+    if len(parts) < 2:
+        return []
+    try:
+        for part in parts:
+            parse_bits(part)
+    except ValueError:
+        return []
+    return parts
+
+
+def default_pipelines_hint(cfg: Config, task, flags: bool = True) -> str:
+    """The advice for bit-widths that the task's default pipelines (no --quant) cannot all run: the user asked for
+    the bits, not for those pipelines, so for every such bit-width name the --quant of the task's pipelines that
+    take it (w8a8 and w3a16 on a language model: SmoothQuant, and RTN or GPTQ; no one pipeline takes both).
+    `flags`: in evaluate.py's words (--quant, --bits); else in config keys (quant.pipelines, quant.bits)."""
+    def takes(name: str, bits: str) -> bool:
+        try:
+            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
+        except ValueError:
+            return False
+        return True
+
+    pipelines, choose, widths, each = (("--quant", "--quant {}", "--bits / quant.bits", "--quant at every --bits")
+                                       if flags else ("quant.pipelines", "quant.pipelines=[{}]", "quant.bits",
+                                                      "pipelines at every bit-width"))
+    own = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
+    advice = []
+    for bits in dict.fromkeys(b for name, b in planned(cfg) if not takes(name, b)):  # each failing width, in order
+        fitting = [choose.format(name) for name in own if takes(name, bits)]
+        advice.append(f"{' or '.join(fitting)} for {bits}" if fitting else f"no pipeline of this task takes {bits}")
+    model = "a language model" if task.language else "an image classifier"
+    return (f"; without {pipelines} {model} runs {', '.join(cfg.quant.pipelines)} at every {widths} bit-width: "
+            f"give {'; '.join(advice)}"
+            + (f", in separate evaluations (each runs its {each})" if len(advice) > 1 else ""))
+
+
+def check_pipelines(cfg: Config, task) -> None:
+    """cfg.quant.pipelines (resolved: a list) names only known pipelines that quantize `task`'s models."""
+    unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
+    if unknown:
+        raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
+    other = [p for p in cfg.quant.pipelines if task.name not in PIPELINES[p].tasks]
+    if other:
+        fitting = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
+        raise ConfigError(f"quant.pipelines: {', '.join(other)} cannot quantize a {task.name} model "
+                          f"(data.dataset={cfg.data.dataset}); its pipelines are {', '.join(fitting)}")
+
+
+def check_bits(cfg: Config, task, defaulted: bool, flags: bool = False, bits_flag: bool = False) -> None:
+    """cfg.quant.bits are valid bit-widths, named once (and written as parsed, e.g. 'w4a4'), no pipeline is named
+    twice, and each planned (pipeline, bits) takes its options. `defaulted`: the pipelines are the task's own (the
+    user named none: the error says which pipelines take the bits); `flags`: the plan comes from evaluate.py's
+    command line, whose --quant / --bits the messages name (`bits_flag`: --bits gave the bit-widths)."""
+    bits_name, pipelines_name = (("--bits / quant.bits", "--quant / quant.pipelines") if flags
+                                 else ("quant.bits", "quant.pipelines"))
+    joined = next((b for b in cfg.quant.bits if joined_bit_widths(b)), None)
+    if joined is not None:  # `--bits w4a16,w8a16`: a list in one word, each part a bit-width of its own
+        every = [part for b in cfg.quant.bits for part in (joined_bit_widths(b) or [b])]
+        given, fix = (("--bits", f"separate them with spaces: --bits {' '.join(every)}") if bits_flag
+                      else ("quant.bits", f"give each as an item of the list: quant.bits=[{','.join(every)}]"))
+        raise ConfigError(f"{given}: {joined!r} joins {len(joined_bit_widths(joined))} bit-widths in one value; "
+                          f"{fix}")
+    try:
+        cfg.quant.bits = [str(parse_bits(b)) for b in cfg.quant.bits]
+    except ValueError as e:
+        raise ConfigError(f"{bits_name}: {e}") from None
+    for what, values in ((pipelines_name, cfg.quant.pipelines), (bits_name, cfg.quant.bits)):
+        problem = named_twice(what, values)
+        if problem:
+            raise ConfigError(problem)
+    for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
+        try:
+            PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
+        except ValueError as e:
+            hint = default_pipelines_hint(cfg, task, flags) if defaulted else ""
+            raise ConfigError(f"quant.{name}: {e}{hint}") from None
+
+
+def check_quant_plan(cfg: Config) -> None:
+    """Refuse the quant.* settings of `cfg` that evaluate.py would refuse as the defaults of an evaluation of the
+    run (unknown or unfitting pipelines, malformed or repeated bit-widths, options a pipeline cannot take at its
+    bits), naming where they come from. `cfg` itself is left as it is (quant.pipelines stays None where unset)."""
+    plan = copy.deepcopy(cfg)
+    task = task_for(plan.data.dataset)
+    defaulted = plan.quant.pipelines is None
+    plan.quant.pipelines = evaluation_pipelines(plan)
+    try:
+        check_pipelines(plan, task)
+        check_bits(plan, task, defaulted)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (a run records its quant.* settings as the defaults of `evaluate.py --checkpoint`, "
+                          f"which would refuse them after the training)") from None

@@ -1,0 +1,62 @@
+"""A run's quant.* settings are the defaults of its evaluation (`evaluate.py --checkpoint` reads them from the
+checkpoint's config): train.py and scripts/sweep.py refuse what evaluate.py would refuse of them before the
+training starts, not when the evaluation reaches them. Nothing here trains: each refusal comes first."""
+import copy
+import os
+import sys
+
+import pytest
+
+import train
+from configs import ConfigError, load_config
+from quant.plan import check_quant_plan
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import sweep  # noqa: E402
+
+LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    (DEBUG_CONFIG, ["quant.pipelines=[nonsense]"], r"unknown quantization pipeline\(s\) \['nonsense'\]"),
+    (DEBUG_CONFIG, ["quant.bits=[w9z]"], r"quant.bits: bit-width 'w9z' is not of the form 'w4a4'"),
+    (DEBUG_CONFIG, ["quant.bits=[w4a4 w8a8]"], r"give each as an item of the list: quant.bits=\[w4a4,w8a8\]"),
+    (DEBUG_CONFIG, ["quant.bits=[w4a4,W4A4]"], r"quant.bits names w4a4 twice"),
+    # the task's own pipelines (percentile, repq) quantize activations: the fix is named in config keys
+    (DEBUG_CONFIG, ["quant.bits=[w4a16]"],
+     r"quant.percentile: .*without quant.pipelines an image classifier runs percentile, repq at every quant.bits "
+     r"bit-width: give quant.pipelines=\[gptq\] or quant.pipelines=\[rtn\] for w4a16"),
+    (LM_CONFIG, ["quant.pipelines=[gplq]"], r"quant.pipelines: gplq cannot quantize a causal_lm model"),
+], ids=["unknown pipeline", "malformed bits", "joined bits", "bits twice", "default pipelines", "other task"])
+def test_train_refuses_quant_settings_its_evaluation_would_refuse_before_making_a_folder(tmp_path, config,
+                                                                                          overrides, message):
+    out = tmp_path / "run"
+    cfg = load_config([config], [f"out_dir={out}", *overrides])
+    with pytest.raises(ConfigError, match=message) as raised:
+        train.main(cfg)
+    assert "evaluate.py --checkpoint" in str(raised.value)  # says why training refuses an evaluation setting
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config, overrides", [
+    (DEBUG_CONFIG, []),
+    (DEBUG_CONFIG, ["quant.pipelines=[rtn,gptq]", "quant.bits=[W3A16,w4a16]"]),
+    (DEBUG_CONFIG, ["quant.pipelines=[]"]),
+    (LM_CONFIG, []),
+    (LM_CONFIG, ["quant.pipelines=[smoothquant]", "quant.bits=[w8a8,w6a6]"]),
+], ids=["classifier defaults", "weight-only", "none", "lm defaults", "smoothquant"])
+def test_valid_quant_settings_pass_and_the_config_is_left_as_given(config, overrides):
+    cfg = load_config([config], list(overrides))
+    before = copy.deepcopy(cfg)
+    check_quant_plan(cfg)
+    assert cfg == before  # quant.pipelines stays None where unset (config.yaml records what was given)
+
+
+def test_a_sweep_refuses_a_bad_evaluation_setting_before_its_first_run_trains(tmp_path):
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n"
+                    "evaluate: ['quant.bits=[w9z]']\n")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.bits: bit-width 'w9z'"):
+        sweep.main([str(spec), "--run", "--evaluate"])
+    assert not (tmp_path / "runs").exists()
