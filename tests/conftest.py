@@ -49,6 +49,24 @@ def load_script(name: str):
     return module
 
 
+def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python path *argv` (path relative to ROOT), its `__main__` block run
+    in this process: each subprocess would import torch again (seconds each). What the process would print
+    before the block runs (import-time warnings) is not seen: a subprocess test covers that."""
+    import runpy
+
+    old = sys.argv
+    sys.argv = [os.path.join(ROOT, path), *argv]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    code = done.value.code
+    return (0 if code is None else code), out, err
+
+
 def make_folder(root, splits: dict, ext: str = ".png") -> None:
     """An ImageNet-style folder: splits = {split: {class: number of images}} of small random images, named
     <i><ext> (the extension picks PIL's format)."""

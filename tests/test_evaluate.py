@@ -11,7 +11,7 @@ import evaluate
 import train
 from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
-from tests.conftest import DEMO_CONFIG, ROOT, load_script
+from tests.conftest import DEMO_CONFIG, ROOT, load_script, run_entry
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +96,26 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     assert result["quant"] == {}
 
 
-def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path):
-    def run(*argv):
-        return subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path, capsys):
+    """One refusal as the process runs (its whole stderr begins with the error), the others in this process
+    (a process each would import torch again: seconds each)."""
+    folder = os.path.dirname(digits_checkpoint)  # a run's folder exists: "not found" misleads
+    bad = subprocess.run([sys.executable, "evaluate.py", "--checkpoint", folder], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and bad.stderr.startswith(f"error: {folder} is a folder")
 
-    bad = run("--checkpoint", str(tmp_path / "missing.pt"))
-    assert bad.returncode != 0 and "checkpoint not found" in bad.stderr
-    bad = run("--checkpoint", os.path.dirname(digits_checkpoint))  # a run's folder exists: "not found" misleads
-    assert bad.returncode != 0 and bad.stderr.startswith(f"error: {os.path.dirname(digits_checkpoint)} is a folder")
-    bad = run("--checkpoint", digits_checkpoint, "--quant", "repqq")
-    assert bad.returncode != 0 and "unknown quantization pipeline" in bad.stderr
-    bad = run("--config", DEMO_CONFIG)
-    assert bad.returncode != 0 and "nothing to evaluate" in bad.stderr
-    bad = run("--checkpoint", digits_checkpoint, "quant.repq.round_zero_pont=true")
-    assert bad.returncode != 0 and "did you mean 'quant.repq.round_zero_point'" in bad.stderr
+    def run(*argv):
+        code, _, err = run_entry("evaluate.py", list(argv), capsys)
+        return code, err
+
+    code, err = run("--checkpoint", str(tmp_path / "missing.pt"))
+    assert code != 0 and "checkpoint not found" in err
+    code, err = run("--checkpoint", digits_checkpoint, "--quant", "repqq")
+    assert code != 0 and "unknown quantization pipeline" in err
+    code, err = run("--config", DEMO_CONFIG)
+    assert code != 0 and "nothing to evaluate" in err
+    code, err = run("--checkpoint", digits_checkpoint, "quant.repq.round_zero_pont=true")
+    assert code != 0 and "did you mean 'quant.repq.round_zero_point'" in err
 
 
 @pytest.mark.slow

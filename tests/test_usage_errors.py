@@ -5,13 +5,12 @@ configs.cli.OneLineParser (python -m cd from its own copy: `cd` installs without
 import ast
 import glob
 import os
-import runpy
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_entry
 
 ENTRY_POINTS = sorted({os.path.relpath(p, ROOT) for pattern in ("train.py", "evaluate*.py", "scripts/*.py",
                                                                  "cd/__main__.py")
@@ -55,21 +54,6 @@ def one_error_line(err: str, prog: str, says: str) -> None:
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: {prog}: ") and says in lines[0], lines[0]
     assert lines[0].endswith(f"; see {prog} --help"), lines[0]
-
-
-def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python path *argv`, run in this process (each subprocess would
-    import torch again: seconds each)."""
-    old = sys.argv
-    sys.argv = [os.path.join(ROOT, path), *argv]
-    try:
-        with pytest.raises(SystemExit) as done:
-            runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    code = done.value.code
-    return (0 if code is None else code), out, err
 
 
 @pytest.mark.parametrize("path, argv, prog, says", [
