@@ -18,7 +18,7 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
 from engine.run_dir import RunDirError, lock_folder, save_config_history
-from tests.conftest import DEBUG_CONFIG, ROOT, make_folder
+from tests.conftest import DEBUG_CONFIG, ROOT, make_folder, run_entry
 
 
 def read_bytes(path):
@@ -679,9 +679,12 @@ def test_train_user_errors_are_one_error_line(tmp_path, argv, message):
     (["model.name=vit_micro"], "does not fit model 'vit_micro'"),
     (["--ema"], "has no 'model_ema' weights"),
 ])
-def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp_path, extra, message):
+def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp_path, capsys, extra, message):
+    """evaluate.py's `__main__` run in this process (a process each would import torch again: seconds each);
+    tests/test_evaluate.py::test_bad_inputs_are_clear_errors runs a refusal as a process."""
     out = tmp_path / "r.json"
-    code, lines = cli("evaluate.py", "--checkpoint", checkpoint, "--out", str(out), *extra)
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--out", str(out), *extra], capsys)
+    lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
     assert not any("Traceback" in line for line in lines)
     assert not out.exists()  # nothing was evaluated, nothing written
