@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,8 +48,7 @@ def _outcome(fn) -> tuple:
         return (type(e).__name__, str(e))
 
 
-def _pca_worker(rank: int, world: int, port: int, work: str) -> None:
-    init_gloo(rank, world, port, timeout_s=300)
+def _pca_outcomes(rank: int) -> dict:
     from quant.gplq.pca import fit_pca
 
     torch.manual_seed(0)
@@ -59,13 +59,11 @@ def _pca_worker(rank: int, world: int, port: int, work: str) -> None:
         "all_empty": _outcome(lambda: fit_pca(teacher, [], 64, 0.9, 1)),
         "rank_1_unreadable": _outcome(lambda: fit_pca(teacher, own if rank == 0 else Unreadable(), 64, 0.9, 1)),
     }
-    torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
-    stay_until_all_recorded(work, world)
+    return outcomes
 
 
-def test_pca_on_two_ranks_with_one_empty_or_failing(tmp_path):
-    spawn_within(_pca_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+def test_pca_on_two_ranks_with_one_empty_or_failing(outcomes):
+    rank0, rank1 = (outcomes[r]["pca"] for r in (0, 1))
 
     # rank 1 saw no image: both ranks get the PCA of rank 0's six images, computed here in closed form
     torch.manual_seed(0)
@@ -105,8 +103,7 @@ def _gplq_outcome(data) -> tuple:
         return (type(e).__name__, str(e))
 
 
-def _stage1_worker(rank: int, world: int, port: int, work: str) -> None:
-    init_gloo(rank, world, port, timeout_s=300)
+def _stage1_outcomes(rank: int) -> dict:
     from device_utils import cpu_pipeline_data
     from engine.loop import TrainBatches
 
@@ -122,13 +119,28 @@ def _stage1_worker(rank: int, world: int, port: int, work: str) -> None:
     if rank == 1:  # this rank's stage-1 loader is empty (and so is its PCA's)
         data.train_loader = lambda batch_size, seed: TrainBatches([], None)
     outcomes["empty_loader"] = _gplq_outcome(data)
+    return outcomes
+
+
+def _worker(rank: int, world: int, port: int, work: str) -> None:
+    """Both tests' cases in one group (a spawn each would import torch twice again: seconds): each case ends
+    with every rank out of its collectives, so the next starts in step."""
+    init_gloo(rank, world, port, timeout_s=300)
+    outcomes = {"pca": _pca_outcomes(rank), "stage1": _stage1_outcomes(rank)}
     torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
     stay_until_all_recorded(work, world)
 
 
-def test_gplq_stage1_data_that_fails_on_one_rank_ends_every_rank(tmp_path):
-    spawn_within(_stage1_worker, (2, free_port(), str(tmp_path)), 2, DEADLINE_S)
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> list:
+    """Each rank's outcomes of the PCA cases ("pca") and the GPLQ stage-1 cases ("stage1"), rank 0 first."""
+    work = tmp_path_factory.mktemp("gplq_rank_failures")
+    spawn_within(_worker, (2, free_port(), str(work)), 2, DEADLINE_S)
+    return [torch.load(work / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_gplq_stage1_data_that_fails_on_one_rank_ends_every_rank(outcomes):
+    rank0, rank1 = (outcomes[r]["stage1"] for r in (0, 1))
     assert rank1["init_images"] == ("OSError", "cannot identify image file 'train/3/x.jpg'")
     assert rank0["init_images"][0] == "OtherRankError" and "preparing GPLQ stage 1" in rank0["init_images"][1]
     assert rank1["empty_loader"] == ("ValueError", "the stage-1 training loader is empty")
