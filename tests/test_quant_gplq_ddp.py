@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_utils import free_port, init_gloo, leave_and_exit
+from dist_utils import free_port, init_gloo
 
 
-def _worker(rank: int, world: int, port: int, work: str) -> None:
-    init_gloo(rank, world, port, timeout_s=120)
+def _stage1_case(rank: int, world: int, work: str) -> None:
+    """GPLQ with stage 1 on both ranks; rank 0 saves what the ranks held after it in `work`/result.pt."""
     try:
         import evaluate as evaluate_entry
         from models import build_model
@@ -51,10 +51,10 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
                         "same_data": all(torch.equal(shards[0], x) for x in shards[1:]),
                         "world": report["stage1"]["world_size"], "steps": report["stage1"]["steps"],
                         "ddp": report["stage1"]["ddp"]}, os.path.join(work, "result.pt"))
+        gplq_module.run_stage1 = real_stage1
     except BaseException:
         dist.destroy_process_group()
         raise
-    leave_and_exit()
 
 
 def _flat_state(model: torch.nn.Module) -> torch.Tensor:
@@ -62,21 +62,9 @@ def _flat_state(model: torch.nn.Module) -> torch.Tensor:
                       if isinstance(t, torch.Tensor)])
 
 
-@pytest.mark.slow
-def test_gplq_stage1_trains_a_ddp_student_and_ranks_agree(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    result = torch.load(tmp_path / "result.pt")
-    assert result["world"] == 2 and result["steps"] == 3
-    assert result["ddp"]  # the student forward went through DistributedDataParallel
-    assert not result["same_data"]
-    assert result["identical"]
-    assert (tmp_path / "eval_gplq_w4a4_stage1.pt").exists()
-
-
-def _resume_worker(rank: int, world: int, port: int, work: str) -> None:
+def _resume_case(rank: int, world: int, work: str) -> None:
     """Rank 0's folder holds a stage-1 file (unreadable here, so that the run stops right at resume), rank
     1's folder is another (as on nodes that do not share it) and has none."""
-    init_gloo(rank, world, port, timeout_s=60)
     import time
 
     import evaluate as evaluate_entry
@@ -102,16 +90,44 @@ def _resume_worker(rank: int, world: int, port: int, work: str) -> None:
     except (CheckpointError, RuntimeError) as e:
         outcome = (type(e).__name__, str(e))
     torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(work, f"rank{rank}.pt"))
+
+
+def _worker(rank: int, world: int, port: int, work: str) -> None:
+    """Both cases in one group (a spawn each imports torch twice again: seconds); the resume case ends the
+    ranks apart, so it runs last and no group teardown follows it."""
+    init_gloo(rank, world, port, timeout_s=120)
+    _stage1_case(rank, world, os.path.join(work, "stage1"))
+    _resume_case(rank, world, os.path.join(work, "resume"))
     os._exit(0)  # the ranks stopped apart: no group teardown together
 
 
-def test_rank_0_decides_whether_stage1_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The folder of both cases: stage1/ (the DDP run) and resume/ (the resume decision)."""
+    work = tmp_path_factory.mktemp("gplq_ddp")
+    for case in ("stage1", "resume"):
+        os.makedirs(work / case)
+    mp.spawn(_worker, args=(2, free_port(), str(work)), nprocs=2, join=True)
+    return work
+
+
+@pytest.mark.slow
+def test_gplq_stage1_trains_a_ddp_student_and_ranks_agree(work):
+    result = torch.load(work / "stage1" / "result.pt")
+    assert result["world"] == 2 and result["steps"] == 3
+    assert result["ddp"]  # the student forward went through DistributedDataParallel
+    assert not result["same_data"]
+    assert result["identical"]
+    assert (work / "stage1" / "eval_gplq_w4a4_stage1.pt").exists()
+
+
+def test_rank_0_decides_whether_stage1_resumes(work):
     """Ranks that each looked for the file would split: rank 0 resuming, rank 1 fitting the PCA (an
-    all-reduce nobody joins) until the 60 s group timeout. Rank 0 decides; rank 1 fails on its own path."""
-    mp.spawn(_resume_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    all-reduce nobody joins) until the group timeout. Rank 0 decides; rank 1 fails on its own path."""
+    resume = work / "resume"
+    rank0, rank1 = (torch.load(resume / f"rank{r}.pt") for r in (0, 1))
     assert rank0["outcome"][0] == "CheckpointError" and "eval_gplq_w4a4_stage1.pt" in rank0["outcome"][1]
     assert rank1["outcome"][0] == "CheckpointError", rank1
-    # its own CheckpointError, not the group's timeout error: it did not wait for the 60 s timeout (no
+    # its own CheckpointError, not the group's timeout error: it did not wait for the 120 s timeout (no
     # wall-clock bound, which a busy machine could break)
-    assert str(tmp_path / "rank1" / "eval_gplq_w4a4_stage1.pt") in rank1["outcome"][1]
+    assert str(resume / "rank1" / "eval_gplq_w4a4_stage1.pt") in rank1["outcome"][1]
