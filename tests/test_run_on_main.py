@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from dist_utils import free_port, leave_and_exit
+from dist_utils import free_port
 
 
 def _join(rank: int, port: int, wait_s: float) -> None:
@@ -26,10 +26,10 @@ def _join(rank: int, port: int, wait_s: float) -> None:
     init_distributed("cpu", MainRankWait(datetime.timedelta(seconds=wait_s), "quant.main_rank_wait_hours"))
 
 
-def _result_worker(rank: int, port: int, work: str) -> None:
+def _result_case(rank: int, work: str) -> None:
+    """Two calls of run_on_main; each rank saves what it got in `work`/rank<r>.pt."""
     from engine.distributed import run_on_main
 
-    _join(rank, port, wait_s=120)
     torch.manual_seed(rank)  # the ranks' own modules differ: only rank 0's may come back
     layer = nn.Linear(3, 2)
 
@@ -48,13 +48,12 @@ def _result_worker(rank: int, port: int, work: str) -> None:
         torch.set_default_device("cpu")
     torch.save({"weight": got.weight.detach().clone(), "own_weight": layer.weight.detach().clone(),
                 "report": report, "device": str(on_meta.weight.device)}, os.path.join(work, f"rank{rank}.pt"))
-    leave_and_exit()
 
 
-def test_work_runs_once_on_rank_0_and_every_rank_gets_its_result(tmp_path):
-    mp.spawn(_result_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    assert os.path.exists(tmp_path / "ran_on_0") and not os.path.exists(tmp_path / "ran_on_1")
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+def test_work_runs_once_on_rank_0_and_every_rank_gets_its_result(shared):
+    result = shared / "result"
+    assert os.path.exists(result / "ran_on_0") and not os.path.exists(result / "ran_on_1")
+    rank0, rank1 = _load(result)
     assert not torch.equal(rank1["own_weight"], rank0["own_weight"])  # the check below can fail
     assert torch.equal(rank1["weight"], rank0["own_weight"])
     assert rank1["report"]["note"] == "from rank 0" and torch.equal(rank1["report"]["values"], torch.arange(4))
@@ -72,10 +71,10 @@ def test_what_rank_0_held_on_a_gpu_arrives_on_the_receiving_ranks_device():
     assert onto(torch.device("meta"))(storage, "cpu") is storage
 
 
-def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: float, fails: bool) -> None:
+def _error_case(rank: int, work: str, rank0_sleeps: float, fails: bool) -> None:
+    """One call of run_on_main whose work sleeps, fails or returns on rank 0; each rank saves its outcome in
+    `work`/rank<r>.pt."""
     from engine.distributed import OtherRankError, run_on_main
-
-    _join(rank, port, wait_s)
 
     def work_fn():
         if rank0_sleeps:
@@ -94,25 +93,54 @@ def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: 
     except (ValueError, OtherRankError, RuntimeError) as e:
         outcome = (type(e).__name__, str(e))
     torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(work, f"rank{rank}.pt"))
+
+
+def _error_worker(rank: int, port: int, work: str, wait_s: float, rank0_sleeps: float, fails: bool) -> None:
+    _join(rank, port, wait_s)
+    _error_case(rank, work, rank0_sleeps, fails)
     os._exit(0)  # a rank may have given up on the other: no group teardown together
+
+
+def _shared_worker(rank: int, port: int, work: str) -> None:
+    """The cases that leave the ranks in step, one after another in one group (a spawn each imports torch
+    twice again: seconds): the result, an error on rank 0, ranks waiting for other work."""
+    _join(rank, port, wait_s=120)
+    _result_case(rank, os.path.join(work, "result"))
+    _error_case(rank, os.path.join(work, "error"), rank0_sleeps=0, fails=True)
+    _error_case(rank, os.path.join(work, "other work"), rank0_sleeps=0, fails=False)
+    os._exit(0)  # rank 1 failed the last case on its own: no group teardown together
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The folder of _shared_worker's cases: result/, error/, other work/."""
+    work = tmp_path_factory.mktemp("run_on_main")
+    for case in ("result", "error", "other work"):
+        os.makedirs(work / case)
+    mp.spawn(_shared_worker, args=(free_port(), str(work)), nprocs=2, join=True)
+    return work
+
+
+def _load(folder) -> tuple:
+    return tuple(torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
 def _outcomes(tmp_path, wait_s: float, rank0_sleeps: float, fails: bool = True) -> tuple:
     mp.spawn(_error_worker, args=(free_port(), str(tmp_path), wait_s, rank0_sleeps, fails), nprocs=2,
              join=True)
-    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    return _load(tmp_path)
 
 
-def test_an_error_on_rank_0_reaches_the_other_rank(tmp_path):
-    rank0, rank1 = _outcomes(tmp_path, wait_s=120, rank0_sleeps=0)
+def test_an_error_on_rank_0_reaches_the_other_rank(shared):
+    rank0, rank1 = _load(shared / "error")
     assert rank0["outcome"] == ("ValueError", "the disk is on fire")
     kind, message = rank1["outcome"]
     assert kind == "OtherRankError"
     assert message == "rank 0 failed writing results.json: ValueError: the disk is on fire"
 
 
-def test_a_rank_waiting_for_other_work_fails_instead_of_taking_rank_0s_result(tmp_path):
-    rank0, rank1 = _outcomes(tmp_path, wait_s=120, rank0_sleeps=0, fails=False)
+def test_a_rank_waiting_for_other_work_fails_instead_of_taking_rank_0s_result(shared):
+    rank0, rank1 = _load(shared / "other work")
     assert rank0["outcome"] == ("returned", "")
     kind, message = rank1["outcome"]
     assert kind == "OtherRankError"
