@@ -94,14 +94,17 @@ def _calls(work, rank: int) -> list:
 
 
 @pytest.mark.slow
-def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint, tmp_path):
+def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint, tmp_path, one_thread):
+    import evaluate
+
     def argv(name):
         return ["--checkpoint", checkpoint, "--quant", "repq", "aphq", "gplq",
                 "--out", str(tmp_path / name / "eval.json"), *TINY_APHQ, *TINY_GPLQ]
 
-    (single,) = _run(1, tmp_path / "single", argv("single"))
+    os.makedirs(tmp_path / "single")
+    single = evaluate.main(evaluate.parse_args(argv("single")))  # the 1-rank run here: a spawn imports torch again
     rank0, rank1 = _run(2, tmp_path / "two", argv("two"))
-    assert single[0] == rank0[0] == rank1[0] == "ok", (single, rank0, rank1)
+    assert rank0[0] == rank1[0] == "ok", (rank0, rank1)
 
     assert _calls(tmp_path / "two", 0) == ["repq", "aphq", "gplq stage 2"]
     assert _calls(tmp_path / "two", 1) == []  # rank 1 received the models
@@ -117,13 +120,13 @@ def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint
     assert rank1[1]["quant"]["aphq"]["w4a4"]["report"] == saved["quant"]["aphq"]["w4a4"]["report"]
     # GPLQ's result depends on the ranks its stage 1 trained on; the others' do not
     assert saved["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 2
-    assert single[1]["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
+    assert single["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
     assert "world_size" not in saved["quant"]["aphq"]["w4a4"]["settings"]
     # repq and APHQ quantize on rank 0 exactly as one process does (GPLQ's stage 1 trains on 2 shards)
     for pipeline in ("repq", "aphq"):
-        expected = single[1]["quant"][pipeline]["w4a4"]["top1"]
+        expected = single["quant"][pipeline]["w4a4"]["top1"]
         assert saved["quant"][pipeline]["w4a4"]["top1"] == pytest.approx(expected)
-    assert saved["fp"]["top1"] == pytest.approx(single[1]["fp"]["top1"])
+    assert saved["fp"]["top1"] == pytest.approx(single["fp"]["top1"])
     assert os.path.exists(saved["max_act"]["csv"]) and rank1[1]["max_act"]["csv"] == saved["max_act"]["csv"]
 
 
