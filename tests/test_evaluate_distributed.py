@@ -21,8 +21,9 @@ TINY_GPLQ = ["quant.gplq.steps=2", "quant.gplq.batch_size_per_gpu=8", "quant.gpl
              "quant.gplq.pca_images=32", "quant.gplq.stage2_images=16"]
 
 
-def _record_calls(work: str, rank: int) -> None:
-    """Wrap the parts that must run once with a line per call in calls_rank<r>.txt."""
+def _record_calls(work: str, rank: int, patch=setattr) -> None:
+    """Wrap the parts that must run once with a line per call in calls_rank<r>.txt (`patch(owner, name,
+    value)` sets each wrapper)."""
     from quant.aphq.pipeline import APHQPipeline
     from quant.gplq.pipeline import GPLQPipeline
     from quant.ptq.repq import RepQPipeline
@@ -35,7 +36,7 @@ def _record_calls(work: str, rank: int) -> None:
                 f.write(label + "\n")
             return real(*args, **kwargs)
 
-        setattr(owner, attribute, recorded)
+        patch(owner, attribute, recorded)
 
     wrap(RepQPipeline, "run", "repq")
     wrap(APHQPipeline, "run", "aphq")
@@ -58,20 +59,14 @@ def _record_scored_models(work: str, rank: int) -> None:
     engine.tasks.evaluate_classifier = recorded
 
 
-def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:
+def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import evaluate
-    import engine.eval_results
 
     _record_calls(work, rank)
     _record_scored_models(work, rank)
-    if disk_full:
-        def no_space(*args, **kwargs):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        engine.eval_results.json.dump = no_space
     try:
         outcome = ("ok", evaluate.main(evaluate.parse_args(argv)))
     except (evaluate.OtherRankError, *evaluate.USER_ERRORS) as e:
@@ -82,15 +77,75 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str, disk_full: 
     os._exit(0)  # the other rank may have left already: no group teardown together
 
 
-def _run(world: int, work, argv: list, disk_full: bool = False) -> list:
+def _run(world: int, work, argv: list) -> list:
     os.makedirs(work, exist_ok=True)
-    mp.spawn(_worker, args=(world, free_port(), argv, str(work), disk_full), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), argv, str(work)), nprocs=world, join=True)
     return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def _calls(work, rank: int) -> list:
     path = os.path.join(work, f"calls_rank{rank}.txt")
     return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+def _failing_cases_worker(rank: int, world: int, ports: list, cases: list) -> None:
+    """The cases that end in an error, one after another in one pair of processes (a spawn each imports torch
+    twice again: seconds), each in a group of its own on its own port; each rank saves a case's outcome in
+    its folder. A case is (argv, folder, the JSON writes fail, the calibration batch fails on rank 1 alone);
+    what a case patches is undone before the next."""
+    import contextlib
+    from unittest import mock
+
+    torch.set_num_threads(1)
+    import engine.eval_results
+    import evaluate
+    from data import DataError
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def unreadable(cfg, img_size):  # a file one node lacks
+        raise DataError("train/3/x.jpg cannot be read on this rank")
+
+    for port, (argv, work, disk_full, calibration_fails) in zip(ports, cases):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        with contextlib.ExitStack() as undo:
+            def patch(owner, name, value):
+                undo.enter_context(mock.patch.object(owner, name, value))
+
+            _record_calls(work, rank, patch)
+            if disk_full:
+                patch(engine.eval_results.json, "dump", no_space)
+            if calibration_fails and rank == 1:
+                patch(evaluate, "calibration_set", unreadable)
+            try:
+                outcome = ("ok", evaluate.main(evaluate.parse_args(argv)))
+            except (evaluate.OtherRankError, *evaluate.USER_ERRORS) as e:
+                outcome = (type(e).__name__, str(e))
+        torch.save(outcome, os.path.join(work, f"outcome_rank{rank}.pt"))
+    os._exit(0)  # the other rank may have left already: no group teardown together
+
+
+@pytest.fixture(scope="module")
+def failing(checkpoint, tmp_path_factory) -> dict:
+    """{case: (its folder, the path of its JSON, [rank 0's outcome, rank 1's])} of the 2-rank cases that end
+    in an error: "write" (every JSON write fails), "read" (the JSON holds another evaluation), "calibration"
+    (the calibration batch fails on rank 1)."""
+    root = tmp_path_factory.mktemp("failing")
+    folders = {case: root / case for case in ("write", "read", "calibration")}
+    for folder in folders.values():
+        folder.mkdir()
+    outs = {case: folder / "eval.json" for case, folder in folders.items()}
+    outs["read"].write_text(json.dumps({"model": "another model", "quant": {}}))
+    repq = {case: ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out)] for case, out in outs.items()}
+    cases = [(repq["write"] + ["quant.act_max_csv=false"], str(folders["write"]), True, False),
+             (repq["read"], str(folders["read"]), False, False),
+             (repq["calibration"] + ["quant.act_max_csv=false"], str(folders["calibration"]), False, True)]
+    mp.spawn(_failing_cases_worker, args=(2, [free_port() for _ in cases], cases), nprocs=2, join=True)
+    return {case: (folder, outs[case], [torch.load(folder / f"outcome_rank{r}.pt", weights_only=False)
+                                        for r in (0, 1)])
+            for case, folder in folders.items()}
 
 
 @pytest.mark.slow
@@ -131,10 +186,8 @@ def test_each_pipeline_quantizes_once_and_every_rank_scores_its_model(checkpoint
 
 
 @pytest.mark.slow
-def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(checkpoint, tmp_path):
-    out = tmp_path / "eval.json"
-    rank0, rank1 = _run(2, tmp_path, ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out),
-                                      "quant.act_max_csv=false"], disk_full=True)
+def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(failing):
+    tmp_path, out, (rank0, rank1) = failing["write"]
     assert rank0[0] == "ResultsError" and f"could not write {out}: [Errno 28] No space left" in rank0[1]
     assert "no file was written" in rank0[1]
     assert rank1[0] == "OtherRankError"
@@ -143,12 +196,10 @@ def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(checkpoint, tm
     assert _calls(tmp_path, 0) == [] and not out.exists()  # it stopped at the first write, before repq
 
 
-def test_the_result_file_is_read_on_rank_0_only(checkpoint, tmp_path):
+def test_the_result_file_is_read_on_rank_0_only(failing):
     """Its plan is rank 0's: a file rank 0 refuses stops rank 1 with rank 0's reason (a rank that read the
     file itself could plan other work and wait at another collective)."""
-    out = tmp_path / "eval.json"
-    out.write_text(json.dumps({"model": "another model", "quant": {}}))
-    rank0, rank1 = _run(2, tmp_path, ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out)])
+    _, out, (rank0, rank1) = failing["read"]
     assert rank0[0] == "ResultsError" and "holds results of another evaluation" in rank0[1]
     assert rank1 == ("OtherRankError", f"rank 0 failed reading {out}: ResultsError: {rank0[1]}")
     assert json.loads(out.read_text()) == {"model": "another model", "quant": {}}
@@ -182,28 +233,10 @@ def test_torchrun_prints_one_error_line_per_rank_when_rank_0_cannot_write(checkp
     assert os.path.isdir(f"{out}.lock") and not out.exists()  # nothing of the user's removed
 
 
-def _worker_failing_on_rank_1(rank: int, world: int, port: int, argv: list, work: str, disk_full: bool) -> None:
-    """`_worker`, with the calibration batch unreadable on rank 1 alone (a file one node lacks)."""
-    if rank == 1:
-        import evaluate
-        from data import DataError
-
-        def unreadable(cfg, img_size):
-            raise DataError("train/3/x.jpg cannot be read on this rank")
-
-        evaluate.calibration_set = unreadable
-    _worker(rank, world, port, argv, work, disk_full)
-
-
-def test_a_calibration_batch_that_fails_on_one_rank_ends_every_rank(checkpoint, tmp_path):
+def test_a_calibration_batch_that_fails_on_one_rank_ends_every_rank(failing):
     """Every rank draws the calibration batch itself: one failing there ends the other with an error that says
     so, instead of leaving it at the FP pass's all-reduce with a peer that is gone (a gloo traceback)."""
-    out = tmp_path / "eval.json"
-    work = tmp_path / "work"
-    work.mkdir()
-    argv = ["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out), "quant.act_max_csv=false"]
-    mp.spawn(_worker_failing_on_rank_1, args=(2, free_port(), argv, str(work), False), nprocs=2, join=True)
-    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    _, _, (rank0, rank1) = failing["calibration"]
     assert rank1 == ("DataError", "train/3/x.jpg cannot be read on this rank")
     assert rank0 == ("OtherRankError", "rank 0: another rank could not read the training split (its calibration "
                                        "batch or images); its output says why")
