@@ -51,8 +51,9 @@ def load_script(name: str):
 
 def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python path *argv` (path relative to ROOT), its `__main__` block run
-    in this process: each subprocess would import torch again (seconds each). What the process would print
-    before the block runs (import-time warnings) is not seen: a subprocess test covers that."""
+    in this process: each subprocess would import torch again (seconds each). What a process would print
+    before the block runs (warnings at import) is not seen here: a test of that runs the entry point as a
+    process."""
     import runpy
 
     old = sys.argv
