@@ -107,19 +107,24 @@ def test_alignment_peak_is_the_largest_alpha_of_the_model(sweep):
     assert peak["alpha"] == pytest.approx(direct[0]) and peak["block"] == direct[1]
 
 
+def refusal(argv) -> str:
+    """The message of main(argv)'s refusal, checked to be one the script prints as one `error:` line (its
+    ERRORS; that wrapper as a process: test_a_deleted_best_pt_is_one_error_line)."""
+    with pytest.raises(dose_report.ERRORS) as refused:
+        dose_report.main(argv)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
 def test_existing_outputs_are_refused_and_errors_are_one_line(sweep, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "dose_report.md").write_text("mine")
-    run = subprocess.run([sys.executable, SCRIPT, str(sweep), "--out", str(out)], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert run.returncode == 1 and run.stderr.startswith("error: ") and "--overwrite" in run.stderr
+    assert "--overwrite" in refusal([str(sweep), "--out", str(out)])
     assert (out / "dose_report.md").read_text() == "mine"
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = subprocess.run([sys.executable, SCRIPT, str(empty), "--out", str(out / "x")], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert run.returncode == 1 and "no evaluated run" in run.stderr and len(run.stderr.splitlines()) == 1
+    assert "no evaluated run" in refusal([str(empty), "--out", str(out / "x")])
 
 
 def test_a_copied_run_folder_is_refused_not_counted_as_another_seed(tmp_path):
