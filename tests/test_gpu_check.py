@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 SCRIPT = "scripts/gpu_check.py"
 
@@ -49,12 +49,17 @@ def test_smoke_run_writes_every_stage_s_figures(tmp_path):
     assert (tmp_path / stages["quant"]["log"]).read_text()  # each stage's log next to the JSON
 
 
-def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path):
+def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path, capsys):
+    """The driver runs in this process (its command line as a process: the smoke test above); the stage it
+    kills is a process of its own, as always."""
+    gpu_check = load_script("gpu_check")
     out = tmp_path / "gpu_check.json"
-    done = run("--out", str(out), "--stages", "aphq_unit", "--budget", "aphq_unit=0.5")
-    assert done.returncode == 0, done.stderr[-3000:]
+    argv = ["--smoke", *UNHURRIED, "--out", str(out), "--stages", "aphq_unit"]
+    gpu_check.main([*argv, "--budget", "aphq_unit=0.5"])
     entry = json.loads(out.read_text())["stages"]["aphq_unit"]
     # killed at its budget: the status says so; the time only rules out a kill that waited for the stage
     assert entry["status"] == "timeout" and entry["seconds"] < 300 and entry["budget_s"] == 0.5
-    again = run("--out", str(out), "--stages", "aphq_unit")  # never replaces its outputs unasked
-    assert again.returncode != 0 and "--overwrite" in again.stderr
+    with pytest.raises(SystemExit) as refused:  # never replaces its outputs unasked
+        gpu_check.main(argv)
+    assert str(refused.value.code).startswith("error: ") and "--overwrite" in str(refused.value.code)
+    assert json.loads(out.read_text())["stages"]["aphq_unit"] == entry
