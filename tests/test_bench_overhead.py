@@ -18,17 +18,24 @@ def _bench():
 
 
 def test_bench_overhead_cpu_smoke(tmp_path, capsys):
+    """Both sweeps of every method, the plain TWEO form among them, and outputs that are never replaced."""
     bench = _bench()
-    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64",
-                         "--width-batch", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
+    args = ["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
+            "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    report = bench.main(args)
     assert {(r["sweep"], r["method"]) for r in report["rows"]} == {(s, m) for s in ("batch", "width")
-                                                                    for m in bench.METHODS}
+                                                                    for m in ("baseline", "cd", "tweo", "tweo_plain")}
     assert all(r["step_ms"] > 0 and r["peak_mib"] is None for r in report["rows"])
     assert json.load(open(tmp_path / "overhead.json"))["memory"] == "n/a"
     assert (tmp_path / "overhead.png").stat().st_size > 0
-    assert "cd/base" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "cd/base" in printed and "tweo_plain/base" in printed
     cd_rows = [r for r in report["rows"] if r["method"] == "cd"]
     assert all(r["cd_apply_ms"] > 0 and r["cd_floor_ms"] > 0 and r["precision"] == "fp32" for r in cd_rows)
+    written = (tmp_path / "overhead.json").read_text()
+    with pytest.raises(SystemExit, match="overhead.json.*already exist.*choose another --out or add --overwrite"):
+        bench.main(args)
+    assert (tmp_path / "overhead.json").read_text() == written
 
 
 def test_bench_overhead_apply_only(tmp_path):
@@ -38,17 +45,6 @@ def test_bench_overhead_apply_only(tmp_path):
     (row,) = report["apply_only"]
     assert row["precision"] == "bf16" and row["apply_over_floor"] > 0
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
-
-
-def test_plain_tweo_form_is_benchmarked_and_outputs_are_never_replaced(tmp_path, capsys):
-    bench = _bench()
-    args = ["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
-            "--warmup", "0", "--steps", "1", "--out", str(tmp_path)]
-    report = bench.main(args)
-    assert {r["method"] for r in report["rows"]} == {"baseline", "cd", "tweo", "tweo_plain"}
-    assert "tweo_plain/base" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="overhead.json.*already exist.*choose another --out or add --overwrite"):
-        bench.main(args)
 
 
 def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
