@@ -141,8 +141,9 @@ def test_a_sweep_launcher_under_the_home_folder_is_started_from_there(tmp_path, 
 
 
 def test_bench_quant_reports_the_quantized_to_float_ratio():
-    result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--batch", "2",
-                               "--calib", "4", "--repeats", "2", "--warmup", "1", "--pipelines", "repq"])
+    result = bench_quant.main(["--device", "cpu", "--model", "vit_tiny_patch16_224", "--img-size", "32",
+                               "--depth", "2", "--embed-dim", "64", "--batch", "2", "--calib", "4", "--repeats", "2",
+                               "--warmup", "1", "--pipelines", "repq"])
     assert result["fp_forward_s"] > 0 and result["pipelines"]["repq"]["ratio_vs_fp"] > 0
 
 
@@ -693,12 +694,12 @@ def test_motivation_figure_reads_bits_in_any_case_names_a_detector_by_its_first_
 
 
 @pytest.mark.slow
-def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(tmp_path):
+def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(tmp_path, capfd, monkeypatch):
     """Ctrl-C (SIGINT to the sweep's process group) while the first run trains: the run writes its checkpoint
     and is reported as stopped, the sweep exits 75 without evaluating; the same sweep, again, continues it and
     trains the run it had not started. Both stop at train.max_steps: each is evaluated and the sweep goes on
     after the first (the limit was asked for; the summary said "finished and evaluated"), and paper_table
-    tabulates the two."""
+    tabulates the two. The rerun's sweep runs in this process (its runs' commands in their own, as always)."""
     import signal
     import subprocess
 
@@ -727,14 +728,16 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     step = torch.load(tmp_path / "runs" / "first" / "checkpoint.pt", weights_only=True)["state"]["step"]
     assert step >= 6
     # the same sweep, limited to two more updates per run: the first continues, both are evaluated
-    again = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=600, env=env)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    capfd.readouterr()
+    code = sweep.main([*cmd[2:], f"train.max_steps={step + 2}"])
+    again = capfd.readouterr()  # the sweep's lines and those of the commands it started
+    assert code == 0, again.out[-3000:] + again.err[-3000:]
     # sched.epochs=1000 of 4 updates (64 images, global batch 16): both stop at train.max_steps, long before the end
     for name in ("first", "second"):
         assert (f"{name}: stopped at train.max_steps at update {step + 2} of 4000, before its schedule ended; "
-                "evaluated") in again.stdout
-    assert f"resumed from {tmp_path}/runs/first/checkpoint.pt at epoch" in again.stdout
+                "evaluated") in again.out
+    assert f"resumed from {tmp_path}/runs/first/checkpoint.pt at epoch" in again.out
     results = sorted(glob.glob(str(tmp_path / "runs" / "*" / "eval_best.json")))
     assert len(results) == 2
     table = paper_table.main(results)
