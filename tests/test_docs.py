@@ -8,6 +8,7 @@ import argparse
 import fnmatch
 import glob
 import importlib
+import importlib.util
 import os
 import re
 import shlex
