@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from engine.checkpoint import weights_fingerprint
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_entry
 from tests.test_mechanism import make_checkpoint
-from tests.test_usage_errors import run_entry
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dose_report  # noqa: E402
