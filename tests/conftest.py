@@ -53,14 +53,16 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python path *argv` (path relative to ROOT), its `__main__` block run
     in this process: each subprocess would import torch again (seconds each). What a process would print
     before the block runs (warnings at import) is not seen here: a test of that runs the entry point as a
-    process."""
+    process. sys.argv[0] is the script's path relative to the working directory (as `python train.py` from the
+    repository root gives it), so messages that quote the command read as the real process's."""
     import runpy
 
     old = sys.argv
-    sys.argv = [os.path.join(ROOT, path), *argv]
+    script = os.path.relpath(os.path.join(ROOT, path))
+    sys.argv = [script, *argv]
     try:
         with pytest.raises(SystemExit) as done:
-            runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+            runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = old
     out, err = capsys.readouterr()
