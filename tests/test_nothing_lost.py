@@ -661,12 +661,16 @@ def cli(*argv):
     (["train.py", "--config", "BROKEN"], "not valid YAML"),
     (["train.py", "out_dir=FILE/run"], "cannot be used: Not a directory"),
 ])
-def test_train_user_errors_are_one_error_line(tmp_path, argv, message):
+def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
+    """train.py's __main__ in this process (a process of its own would import torch again: seconds each);
+    the real process's exit status and stderr: test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_
+    command_that_continues (test_train.py) and test_the_whole_process_writes_one_line_and_exits_2."""
     broken, blocker = tmp_path / "broken.yaml", tmp_path / "file"
     broken.write_text("model: [vit\n")
     blocker.write_text("")
     argv = [a.replace("BROKEN", str(broken)).replace("FILE", str(blocker)) for a in argv]
-    code, lines = cli(*argv)
+    code, _, err = run_entry(argv[0], argv[1:], capsys)
+    lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
     assert not any("Traceback" in line for line in lines)
 
