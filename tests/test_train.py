@@ -15,7 +15,7 @@ from configs import load_config
 from engine.checkpoint import CheckpointError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
 from dist_utils import free_port, leave_and_exit
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, run_entry
 
 
 def read_metrics(out_dir):
@@ -440,21 +440,28 @@ def test_the_snapshot_suggested_for_an_unusable_checkpoint_is_the_last_good_one_
         train.main(debug_config("train.keep_every_epochs=1", name="s"))
 
 
-def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path):
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}",
-           "log.tensorboard=false", "train.keep_every_epochs=1", "train.max_steps=6"]
-    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300, env=env).returncode == 0
+def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path, capsys,
+                                                                                         caplog):
+    """The first damage is refused by a real train.py process (its exit status and whole stderr); the others,
+    the command the error names and the case without a snapshot run in this process (run_entry, train.main),
+    where the command line each quotes is the same."""
+    args = ["--config", DEBUG_CONFIG, f"out_dir={tmp_path}", "log.tensorboard=false", "train.keep_every_epochs=1",
+            "train.max_steps=6"]
+    assert train.main(train.parse_args(args)).state.step == 6
     ckpt = tmp_path / "checkpoint.pt"
     good = ckpt.read_bytes()
     damage = {"is empty (0 bytes": b"", "cannot be read": good[: len(good) // 2],
               "holds weights only (a best.pt": (tmp_path / "best.pt").read_bytes()}
-    for problem, content in damage.items():
+    for in_process, (problem, content) in enumerate(damage.items()):
         ckpt.write_bytes(content)
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-        assert run.returncode == 1 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+        if in_process:
+            code, _, err = run_entry("train.py", args, capsys)
+        else:
+            run = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            code, err = run.returncode, run.stderr
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 1 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
         assert errors[0].startswith(f"error: cannot resume from {ckpt} ({len(content)} bytes): it")
         assert problem in errors[0]
         snapshot = tmp_path / "snapshots" / "epoch0001.pt"
@@ -464,15 +471,15 @@ def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_con
                                   ), errors[0]
     # the command it names continues from the snapshot (update 4) to train.max_steps
     command = errors[0].split("with: python ", 1)[1].split(" ")
-    continued = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300, env=env)
-    assert continued.returncode == 0, continued.stderr[-3000:]
-    assert f"resumed from {snapshot} at epoch 1, update 4" in continued.stdout
+    assert command[0] == "train.py"
+    with caplog.at_level("INFO"):
+        assert train.main(train.parse_args(command[1:])).state.step == 6
+    assert f"resumed from {snapshot} at epoch 1, update 4" in caplog.text
     assert torch.load(ckpt, weights_only=True)["state"]["step"] == 6
     shutil.rmtree(tmp_path / "snapshots")  # no snapshot: the error says how to start afresh instead
     ckpt.write_bytes(b"")
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert "there is no snapshot in" in run.stderr and "train.archive_existing=true" in run.stderr
+    code, _, err = run_entry("train.py", args, capsys)
+    assert code == 1 and "there is no snapshot in" in err and "train.archive_existing=true" in err
 
 
 def test_wandb_missing_is_a_config_error_before_any_folder(debug_config, monkeypatch):
