@@ -2,9 +2,6 @@
 setting, within the timeout, keeping the training done so far; settings torch would not honour are refused
 before anything runs. The stalls are real: a torch DataLoader worker process that sleeps in __getitem__."""
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from typing import Optional
 
@@ -18,7 +15,7 @@ from data import DataError, build_eval_loader
 from data.loader import LoaderTimeoutError, loader_timeout
 from data.synthetic import SyntheticDataset
 
-from .conftest import DEBUG_CONFIG, ROOT
+from .conftest import DEBUG_CONFIG, run_entry
 
 # a stalled worker's sleep: far beyond every timeout here (3-5 s: generous, so that a worker slowed by a loaded
 # machine is not taken for a stalled one), so a missing timeout fails the test
@@ -89,31 +86,26 @@ def test_a_stalled_worker_ends_the_iteration_within_the_timeout(tmp_path, monkey
     assert isinstance(stalled.value, DataError)  # the entry points' one-line user errors
 
 
-# the debug recipe (64 train images, batches of 8, two per update) with one worker and a short timeout; the
-# worker's 33rd item is the first image of micro-batch 5, the first of update 3
-TRAIN = textwrap.dedent("""
-    import runpy, sys
-    sys.path.insert(0, {root!r})
-    from tests.test_loader_timeout import stall_in_worker
-    stall_in_worker({release!r}, call=33)
-    sys.argv = ["train.py", "--config", {config!r}, "out_dir=" + {out!r}, "data.num_workers=1",
-                "data.timeout=5", "train.max_steps=6", "log.tensorboard=false"]
-    runpy.run_path("train.py", run_name="__main__")
-""")
-
-
-def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkpoint(tmp_path):
+def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """train.py's __main__ in this process (run_entry; its loader workers fork from it, stall included): the
+    debug recipe (64 train images, batches of 8, two per update) with one worker and a short timeout; the
+    worker's 33rd item is the first image of micro-batch 5, the first of update 3."""
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
+    stall_in_worker(str(tmp_path / "release"), call=33)
     out = tmp_path / "run"
-    code = TRAIN.format(root=ROOT, release=str(tmp_path / "never"), config=DEBUG_CONFIG, out=str(out))
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=STALL_S + 120)
-    took = time.monotonic() - started
+    try:
+        code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out}", "data.num_workers=1",
+                                              "data.timeout=5", "train.max_steps=6", "log.tensorboard=false"],
+                                 capsys)
+        took = time.monotonic() - started
+    finally:
+        (tmp_path / "release").touch()
     assert took < STALL_S, f"the run waited for the stalled worker ({took:.0f} s)"
-    assert run.returncode == 1, run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "data.timeout=5 s" in errors[0], run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.timeout=5 s" in errors[0], err[-3000:]
+    assert "Traceback" not in err
     saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
 
