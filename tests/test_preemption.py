@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import train
 from dist_utils import free_port
 from engine.preemption import EXIT_PREEMPTED
 from tests.conftest import DEBUG_CONFIG, ROOT
@@ -129,6 +130,15 @@ def resume_two_more_updates(cmd, out_dir, step):
     assert saved_step(out_dir) == step + 2
 
 
+def resume_in_this_process(cmd, *overrides):
+    """`cmd`'s train.py settings plus `overrides`, trained by train.main in this process: a resume is no
+    process-level behaviour (a process of its own would import torch again, seconds each; the torchrun test
+    resumes in processes). The run must end as train.py's exit status 0 says (not preempted again)."""
+    result = train.main(train.parse_args([*cmd[cmd.index("train.py") + 1:], *overrides]))
+    assert result.reason != "preempted", result.reason
+    return result
+
+
 def train_cmd(out_dir, *overrides):
     return [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out_dir}", *LONG_RUN, *overrides]
 
@@ -138,7 +148,7 @@ def train_cmd(out_dir, *overrides):
     (signal.SIGTERM, "group", 2),  # what SLURM, scancel, timeout and `kill -TERM -- -PGID` do
     (signal.SIGINT, "group", 2),   # Ctrl-C in a terminal
 ], ids=["sigterm-main", "sigterm-group-workers", "sigint-group-workers"])
-def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers):
+def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers, caplog):
     cmd = train_cmd(tmp_path, f"data.num_workers={workers}")
     proc = start(cmd, tmp_path)
     if target == "group":
@@ -153,7 +163,10 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target
     assert not re.search(r"update \d+\s+val top-1", output.split("preempted at update")[1]), output[-3000:]
     step = saved_step(tmp_path)
     assert 1 <= step < 16000  # 16 updates per epoch x 1000 epochs: stopped early
-    resume_two_more_updates(cmd, tmp_path, step)
+    with caplog.at_level("INFO"):
+        resume_in_this_process(cmd, f"train.max_steps={step + 2}")
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at epoch" in caplog.text
+    assert saved_step(tmp_path) == step + 2
 
 
 def rank_pid(launcher_pid: int, local_rank: int) -> int:
@@ -226,7 +239,7 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
 
 
-def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path):
+def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path, caplog):
     # 4 updates per epoch, then a validation of 20,000 images (tens of seconds on one CPU thread)
     cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",
                     "log.tensorboard=false")
@@ -246,10 +259,9 @@ def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
     assert not os.path.exists(os.path.join(tmp_path, "best.pt"))
     # the same command (up to update 4) validates what the stop skipped, then finishes
-    resumed = subprocess.run([*cmd, "train.max_steps=4"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "epoch 1/1000  update 4  val top-1" in resumed.stdout
+    with caplog.at_level("INFO"):
+        assert resume_in_this_process(cmd, "train.max_steps=4").state.step == 4
+    assert "epoch 1/1000  update 4  val top-1" in caplog.text
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["step"] == 4 and not ckpt["state"]["validation_due"]
     assert os.path.exists(os.path.join(tmp_path, "best.pt"))
