@@ -19,7 +19,7 @@ from engine.checkpoint import weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import partial_path, save_config_history
 from models import ModelError, build_model
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT, run_entry
 
 
 def cli(*argv):
@@ -29,13 +29,16 @@ def cli(*argv):
 
 # -- evaluation scores the weights it was given, as they are ------------------------------------------------
 
-def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_head(tmp_path):
+def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_head(tmp_path, capsys):
+    """evaluate.py's __main__ runs in this process (run_entry); its real process's exit status and stderr:
+    test_nothing_lost.py::test_evaluate_user_errors_are_one_error_line_before_any_work."""
     cfg = load_config([DEBUG_CONFIG], ["model.num_classes=10"])
     weights = str(tmp_path / "ten_classes.pth")
     torch.save(build_model(cfg.model).state_dict(), weights)
     out = tmp_path / "r.json"
-    code, lines = cli("evaluate.py", "--config", DEBUG_CONFIG, f"model.pretrained={weights}", "--quant",
-                      "--out", str(out))  # the debug config: model.num_classes=4
+    code, _, err = run_entry("evaluate.py", ["--config", DEBUG_CONFIG, f"model.pretrained={weights}", "--quant",
+                                             "--out", str(out)], capsys)  # the debug config: model.num_classes=4
+    lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and not any("Traceback" in x for x in lines), lines
     assert weights in lines[-1]
     assert "has 10 outputs, model.num_classes=4: set model.num_classes=10" in lines[-1]
