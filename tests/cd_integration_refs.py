@@ -55,6 +55,23 @@ def gpt2_hf_pairs(layers: int, dim: int) -> list[RefPair]:
     return out
 
 
+def vit_optimizer_and_schedule(net: nn.Module, steps: int):
+    """AdamW with a timm ViT's qkv/fc1 matrices in a group of their own lr, and a linear decay of both lrs over
+    twice `steps`: a CD that read another group's lr, or the lr after the scheduler's step, would be off."""
+    own = [p for n, p in net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
+    rest = [p for p in net.parameters() if all(p is not q for q in own)]
+    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
+
+
+def image_loader(n_batches: int, size: int = 2, dtype: torch.dtype = torch.float64) -> torch.utils.data.DataLoader:
+    """`n_batches` seeded batches of `size` 32x32 images with labels of 10 classes, in a fixed order."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n_batches * size, 3, 32, 32, generator=g, dtype=dtype)
+    y = torch.randint(0, 10, (n_batches * size,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=size, shuffle=False)
+
+
 def reference_cd_(model: nn.Module, pairs: Sequence[RefPair], lam: float, lr_of: dict[str, float]) -> None:
     """W2 <- W2 - lr * lam * W2 W1n W1n^T for every pair, all from the weights before the call (float64)."""
     params = dict(model.named_parameters())

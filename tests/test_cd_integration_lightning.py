@@ -18,18 +18,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
 from cd.integrations.lightning import ColinearityDecayCallback  # noqa: E402
-from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs  # noqa: E402
+from cd_integration_refs import (assert_matches_reference, image_loader, reference_run,  # noqa: E402
+                                 vit_optimizer_and_schedule, vit_pairs)
 from cd_models import VIT_DEPTH, tiny_vit  # noqa: E402
 
 LAM, TOL, DIM = 0.5, 1e-10, 32
 BLOCKS = [f"blocks.{i}" for i in range(VIT_DEPTH)]
-
-
-def optimizer_and_schedule(net: torch.nn.Module, steps: int):
-    own = [p for n, p in net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
-    rest = [p for p in net.parameters() if all(p is not q for q in own)]
-    opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
 
 
 class Module(L.LightningModule):
@@ -67,7 +61,7 @@ class Module(L.LightningModule):
         self.after.append({n: p.detach().clone() for n, p in self.net.named_parameters()})
 
     def configure_optimizers(self):
-        opt, sched = optimizer_and_schedule(self.net, self.steps)
+        opt, sched = vit_optimizer_and_schedule(self.net, self.steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -82,19 +76,12 @@ class ScalerOnly(MixedPrecision):
         return contextlib.nullcontext()
 
 
-def loader(n_batches: int, size: int = 2):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n_batches * size, 3, 32, 32, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (n_batches * size,), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=size, shuffle=False)
-
-
 def fit(module, steps, accum=1, clip=None, plugins=None, n_batches=8, ckpt_path=None, callback=None, max_epochs=None):
     trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accumulate_grad_batches=accum, gradient_clip_val=clip,
                         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, plugins=plugins, precision=None if plugins else "64-true",
                         callbacks=[callback or ColinearityDecayCallback(lam=LAM)])
-    trainer.fit(module, loader(n_batches), ckpt_path=ckpt_path)
+    trainer.fit(module, image_loader(n_batches), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -103,7 +90,7 @@ def check(initial, module, steps, accum, clip=None, skipped=(), sched_on_skip=Fa
 
     def run(variant):
         net = copy.deepcopy(initial)
-        opt, sched = optimizer_and_schedule(net, steps)
+        opt, sched = vit_optimizer_and_schedule(net, steps)
         return reference_run(net, micro, lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
                              vit_pairs(BLOCKS, DIM), LAM, clip=clip, skipped=skipped,
                              scheduler_steps_on_skip=sched_on_skip, variant=variant)
@@ -378,6 +365,7 @@ def test_a_fit_after_a_validate_from_a_checkpoint_counts_its_own_updates_only(tm
     module = Module(tiny_vit().double(), steps=2)
     module.validation_step = lambda batch, batch_idx: None
     L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              precision="64-true", callbacks=[callback]).validate(module, loader(1), ckpt_path=tmp_path / "cut.ckpt")
+              precision="64-true", callbacks=[callback]).validate(module, image_loader(1),
+                                                                  ckpt_path=tmp_path / "cut.ckpt")
     fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1, callback=callback)
     assert callback.decay.num_updates == 2  # not 2 restored + 2
