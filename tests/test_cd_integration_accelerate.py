@@ -3,11 +3,13 @@ documentation (`accelerator.accumulate`, `accelerator.backward`, clipping on `sy
 optimizer and lr schedule stepped at every micro-batch). A tiny float64 timm ViT's weights after every update are
 compared with the float64 reference of (task step + CD) in a plain loop (tests/cd_integration_refs.py), which the
 wrong placements of CD miss by far; CD attached to the prepared `AcceleratedOptimizer` and to the raw optimizer
-before `prepare` alike. Under bf16 autocast, CD's own update is checked inside the step."""
+before `prepare` alike. Under bf16 autocast, CD's own update is checked inside the step; on 2 gloo processes,
+against the reference on both ranks' batches; and cd/README.md's example of such a loop runs as written."""
 from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from cd_integration_refs import (assert_matches_reference, image_loader, referen
                                  vit_optimizer_and_schedule, vit_pairs)
 from cd_models import VIT_DEPTH, ref_w2, snapshot, tiny_vit  # noqa: E402
 from dist_utils import free_port, leave_and_exit, spawn_within  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
 
 LAM, TOL, DIM = 0.5, 1e-10, 32
 STEPS, ACCUM, CLIP = 3, 2, 0.5
@@ -160,3 +163,14 @@ def test_bf16_autocast_gets_the_papers_update_once_per_update():
         want = ref_w2(w2, w1, lr * LAM)
         assert not torch.equal(got, w2)
         assert torch.allclose(got.double(), want, rtol=0, atol=1e-6), (t, float((got.double() - want).abs().max()))
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """cd/README.md's custom accelerate loop, pasted as it is: 4 updates, each with CD."""
+    with open(os.path.join(ROOT, "cd", "README.md")) as f:
+        section = f.read().split("#### A custom accelerate loop", 1)[1].split("\n### ", 1)[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "cd/README.md", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert "cd/pair_energy/fc2" in out and "'cd/updates': 4.0" in out, out
