@@ -28,7 +28,7 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
                      pair_penalty)
 from .verify import UnsupportedModelError
-from .wrappers import torch_optimizer, unwrap_model
+from .wrappers import steps_without_hooks, torch_optimizer, unwrap_model
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -436,12 +436,21 @@ class ColinearityDecay:
         Raises:
             TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
             RuntimeError: this object is attached already, or another CD update in `optimizer`'s step
-                decays one of these matrices (the update would run twice per step).
+                decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
+                keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`).
             ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, the
                 model's parameters were replaced after this object found its pairs, or a param group holding a
                 decayed matrix has no lr to follow (None; Adafactor's relative_step=True).
         """
-        optimizer = torch_optimizer(optimizer)
+        given, optimizer = optimizer, torch_optimizer(optimizer)
+        unhooked = steps_without_hooks(given)
+        if unhooked:  # its steps would silently run without CD
+            name = type(optimizer).__name__
+            raise RuntimeError(f"ColinearityDecay.attach: {unhooked[0]} is a `step` of {name} taken before torch "
+                               f"made its class's step call step hooks ({name} skips Optimizer.__init__, as timm's "
+                               f"Lookahead does), and the steps taken through it would run without CD (accelerate "
+                               f"keeps it from prepare on with a GradScaler, i.e. fp16). Attach before wrapping the "
+                               f"optimizer (before accelerator.prepare), or call its zero_grad() once before that")
         attached = self._attached()
         if attached is not None:
             same = "this optimizer" if attached is optimizer else "another optimizer"

@@ -2,6 +2,7 @@
 (CD, TWEO, the integrations and the training code share these definitions)."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -26,6 +27,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
+def wrapper_chain(optimizer: Any) -> list:
+    """`optimizer` and the objects inside it, outermost first, down to the one without an inner optimizer: a
+    framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer`, MMEngine's
+    `OptimWrapper`) holds the torch optimizer as `.optimizer` or `._optimizer`."""
+    chain = [optimizer]
+    while len(chain) <= 8:
+        inner = getattr(chain[-1], "optimizer", None) or getattr(chain[-1], "_optimizer", None)
+        if inner is None or inner is chain[-1]:
+            break
+        chain.append(inner)
+    return chain
+
+
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's
     `LightningOptimizer`, MMEngine's `OptimWrapper`): the object whose `step()` really updates the weights.
@@ -37,12 +51,24 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):  # it holds an optimizer too: a likely mix-up
         raise TypeError(f"CD needs a torch.optim.Optimizer, got {type(optimizer).__name__} (an lr scheduler); "
                         "pass the optimizer")
-    seen = 0
-    while seen < 8:
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer, seen = inner, seen + 1
+    optimizer = wrapper_chain(optimizer)[-1]
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"CD needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return optimizer
+
+
+def steps_without_hooks(optimizer: Any) -> list[str]:
+    """Where `optimizer` (or a wrapper around it, `wrapper_chain`) keeps a bound `step` of the torch optimizer that
+    calls no step hooks: one taken before torch wrapped the optimizer class's `step` to call them, which an optimizer
+    that skips Optimizer.__init__ (timm's Lookahead) has until its first zero_grad(). accelerate's
+    AcceleratedOptimizer with a GradScaler (fp16) keeps the `step` it finds at `prepare` and steps through it (and
+    leaves it on the optimizer after a step): a step pre-hook registered later never runs there.
+
+    Returns:
+        "<type>.<attribute>" of each such method (empty: every step the wrappers take runs the hooks).
+    """
+    chain = wrapper_chain(optimizer)
+    inner = chain[-1]
+    return [f"{type(obj).__name__}.{name}" for obj in chain for name, value in getattr(obj, "__dict__", {}).items()
+            if inspect.ismethod(value) and value.__self__ is inner and value.__func__.__name__ == "step"
+            and not getattr(value.__func__, "hooked", False)]

@@ -4,7 +4,8 @@ optimizer and lr schedule stepped at every micro-batch). A tiny float64 timm ViT
 compared with the float64 reference of (task step + CD) in a plain loop (tests/cd_integration_refs.py), which the
 wrong placements of CD miss by far; CD attached to the prepared `AcceleratedOptimizer` and to the raw optimizer
 before `prepare` alike. Under bf16 autocast, CD's own update is checked inside the step; on 2 gloo processes,
-against the reference on both ranks' batches; and cd/README.md's example of such a loop runs as written."""
+against the reference on both ranks' batches; an attach that accelerate's saved `step` would bypass is refused; and
+cd/README.md's example of such a loop runs as written."""
 from __future__ import annotations
 
 import copy
@@ -163,6 +164,42 @@ def test_bf16_autocast_gets_the_papers_update_once_per_update():
         want = ref_w2(w2, w1, lr * LAM)
         assert not torch.equal(got, w2)
         assert torch.allclose(got.double(), want, rtol=0, atol=1e-6), (t, float((got.double() - want).abs().max()))
+
+
+def test_a_step_that_accelerate_saved_without_hooks_is_refused_at_attach_and_attach_before_prepare_works():
+    """With a GradScaler (fp16; set by hand here: accelerate 1.15 uses none on the CPU), accelerate keeps the
+    optimizer's bound `step` from `prepare` on and steps through it. An optimizer that skips Optimizer.__init__
+    (timm's Lookahead) has a `step` that calls no step hook until torch wraps its class's step: an attach after
+    `prepare` would never run (before: 0 updates of STEPS, silently). Attached before `prepare`, CD runs at each
+    update."""
+    from timm.optim import Lookahead
+
+    for order in ("prepared", "raw_after_a_step", "raw"):
+        class FreshLookahead(Lookahead):  # a class of its own: torch's wrapping of a step is per class, for good
+            def step(self, closure=None):
+                return super().step(closure)
+
+        reset_accelerate()
+        net = tiny_vit()
+        opt = FreshLookahead(torch.optim.AdamW(net.parameters(), lr=1e-2))
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        decay = ColinearityDecay(net, lam=LAM)
+        if order == "raw":
+            decay.attach(opt)
+        model, optimizer, loader = accelerator.prepare(net, opt, image_loader(STEPS, dtype=torch.float32))
+        for i, (x, y) in enumerate(loader):
+            if i == 0 and order == "prepared":
+                with pytest.raises(RuntimeError, match=r"AcceleratedOptimizer\._optimizer_original_step_method is a "
+                                                       r"`step` of FreshLookahead .*\(before accelerator\.prepare"):
+                    decay.attach(optimizer)
+            if i == 1 and order == "raw_after_a_step":  # accelerate left the saved step on the optimizer itself
+                with pytest.raises(RuntimeError, match=r"FreshLookahead\.step is a `step` of FreshLookahead"):
+                    decay.attach(opt)
+            accelerator.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert decay.num_updates == (STEPS if order == "raw" else 0), order
 
 
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):

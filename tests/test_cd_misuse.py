@@ -119,6 +119,30 @@ def test_cd_runs_from_the_first_step_of_an_optimizer_that_skips_optimizer_init(u
     assert decay.metrics()["cd/updates"] == 1
 
 
+def test_a_wrapper_that_saved_a_step_calling_no_hooks_is_refused_at_attach(unhooked_lookahead):
+    """A wrapper that keeps the optimizer's bound `step` from before torch wrapped the class for hooks (as
+    accelerate's AcceleratedOptimizer does with a GradScaler) steps through it: a hook attached later never ran,
+    silently (tests/test_cd_integration_accelerate.py has the real one). Attached to the bare optimizer first, the
+    hook runs in the wrapper's steps."""
+    class Wrapper(torch.optim.Optimizer):  # a subclass without its state, as accelerate's
+        def __init__(self, optimizer):
+            self.optimizer, self.saved_step = optimizer, optimizer.step
+
+        def step(self, closure=None):
+            return self.saved_step(closure)
+
+    model = tiny_vit()
+    wrapped = Wrapper(unhooked_lookahead(sgd(model.parameters())))
+    with pytest.raises(RuntimeError, match=r"Wrapper\.saved_step is a `step` of Lookahead taken before torch made "
+                                           r"its class's step call step hooks"):
+        ColinearityDecay(model, lam=0.1).attach(wrapped)
+    inner = unhooked_lookahead(sgd(model.parameters()))
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(inner)
+    wrapped = Wrapper(inner)
+    step_with_zero_grads(model, wrapped)
+    assert decay.num_updates == 1
+
 def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
     """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
     skipped) and CD / TWEO act in them."""
