@@ -202,6 +202,20 @@ def test_a_step_that_accelerate_saved_without_hooks_is_refused_at_attach_and_att
         assert decay.num_updates == (STEPS if order == "raw" else 0), order
 
 
+def test_register_for_checkpointing_carries_the_update_counter_through_save_and_load_state(tmp_path):
+    """CD's update has no state; its `cd/updates` counter and config echo (state_dict) go into accelerate's
+    save_state as a registered object and come back with load_state, into a new ColinearityDecay."""
+    decay, _, _ = train(tiny_vit().double(), "prepared")
+    accelerator = Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(decay)
+    accelerator.save_state(str(tmp_path / "state"))
+    reset_accelerate()
+    resumed = ColinearityDecay(tiny_vit().double(), lam=LAM)
+    accelerator = Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(resumed)
+    accelerator.load_state(str(tmp_path / "state"))
+    assert resumed.num_updates == STEPS and resumed.metrics()["cd/updates"] == STEPS
+
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
     """cd/README.md's custom accelerate loop, pasted as it is: 4 updates, each with CD."""
     with open(os.path.join(ROOT, "cd", "README.md")) as f:
