@@ -143,6 +143,29 @@ def test_a_wrapper_that_saved_a_step_calling_no_hooks_is_refused_at_attach(unhoo
     step_with_zero_grads(model, wrapped)
     assert decay.num_updates == 1
 
+
+def test_an_lr_scheduler_built_before_attach_on_an_unhooked_optimizer_is_refused(unhooked_lookahead):
+    """A torch lr scheduler replaces the optimizer's `step` by a wrapper of the class's step function of that moment:
+    on a Lookahead not yet wrapped for hooks, CD attached later silently never ran (cd/updates stayed 0). Attached
+    before the scheduler is built, the update runs (one SGD step of lr 0.5 plus CD's, by hand)."""
+    model = tiny_vit().double()
+    opt = unhooked_lookahead(sgd(model.parameters()))
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with pytest.raises(RuntimeError, match=r"Lookahead\.step is a `step` of Lookahead taken before torch made its "
+                                           r"class's step call step hooks.*building an lr scheduler"):
+        ColinearityDecay(model, lam=0.1).attach(opt)
+    model = tiny_vit().double()
+    opt = unhooked_lookahead(sgd(model.parameters()))
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(opt)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    step_with_zero_grads(model, opt)
+    reference = tiny_vit().double()
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert decay.metrics()["cd/updates"] == 1
+
+
 def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
     """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
     skipped) and CD / TWEO act in them."""
