@@ -124,10 +124,13 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         try:
             # strict, up front
-            cfg = load_config([os.path.join(ROOT, c) for c in configs], overrides + eval_overrides)
-            if cfg.quant != Config().quant:  # quant settings given: an unknown pipeline or bit-width ends every
-                from quant.plan import check_quant_plan  # run at its start (torch: only where they are given)
-                check_quant_plan(cfg)
+            # train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the
+            # 'evaluate' list last: each must pass, or every run ends at its start or at its evaluation
+            for given in (overrides, overrides + eval_overrides):
+                cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
+                if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
+                    from quant.plan import check_quant_plan
+                    check_quant_plan(cfg)
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,

@@ -60,3 +60,17 @@ def test_a_sweep_refuses_a_bad_evaluation_setting_before_its_first_run_trains(tm
     with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.bits: bit-width 'w9z'"):
         sweep.main([str(spec), "--run", "--evaluate"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_refuses_a_runs_own_quant_setting_that_train_py_refuses_though_its_evaluate_list_fixes_it(tmp_path):
+    """train.py checks the run's config without the sweep's 'evaluate' list: quant.bits=[w4a16] on a classifier with
+    the task's own pipelines is refused there, even where the list's quant.pipelines=[gptq] would evaluate it. The
+    sweep checked only the two together, passed, and every run would have ended at its start."""
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n"
+                    "  a: ['quant.bits=[w4a16]']\nevaluate: ['quant.pipelines=[gptq]']\n")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.percentile: .*give quant.pipelines=\[gptq\]"):
+        sweep.main([str(spec), "--evaluate"])
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "quant.bits=[w4a16]"])  # train.py, alone
+    with pytest.raises(ConfigError, match=r"quant.percentile"):
+        train.main(cfg)
