@@ -369,3 +369,30 @@ def test_a_fit_after_a_validate_from_a_checkpoint_counts_its_own_updates_only(tm
                                                                   ckpt_path=tmp_path / "cut.ckpt")
     fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1, callback=callback)
     assert callback.decay.num_updates == 2  # not 2 restored + 2
+
+
+def test_a_scheduler_built_on_an_unhooked_lookahead_is_refused_and_zero_grad_first_gets_cd_at_every_update():
+    """configure_optimizers builds the lr scheduler before the callback binds: on timm's Lookahead (it skips
+    Optimizer.__init__) before torch wraps its class's step, the scheduler keeps a `step` that calls no step hooks,
+    and CD silently never ran (cd/updates 0 after every fit). A zero_grad() before the scheduler wraps the class."""
+    from timm.optim import Lookahead
+
+    for zero_grad_first in (False, True):
+        class FreshLookahead(Lookahead):  # a class of its own: torch's wrapping of a step is per class, for good
+            def step(self, closure=None):
+                return super().step(closure)
+
+        class WithLookahead(Module):
+            def configure_optimizers(self):
+                opt = FreshLookahead(torch.optim.SGD(self.net.parameters(), lr=0.1))
+                if zero_grad_first:
+                    opt.zero_grad()
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1)}
+
+        module = WithLookahead(tiny_vit().double(), steps=2)
+        if zero_grad_first:
+            assert cd_callback(fit(module, 2)).decay.num_updates == 2
+        else:
+            with pytest.raises(RuntimeError, match=r"FreshLookahead\.step is a `step` of FreshLookahead taken before "
+                                                   r"torch made its class's step call step hooks.*zero_grad\(\)"):
+                fit(module, 2)

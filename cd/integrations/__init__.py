@@ -21,7 +21,7 @@ import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
-from ..wrappers import torch_optimizer, unwrap_model
+from ..wrappers import steps_without_hooks, torch_optimizer, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -294,11 +294,21 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
 
     Raises:
         ValueError: no optimizer holds any of them now (an error early, not a run without CD).
+        RuntimeError: an optimizer's `step` calls no step hooks (`cd.wrappers.steps_without_hooks`): an lr scheduler
+            built on timm's Lookahead before torch wrapped its class's step (CD would silently never run).
     """
     opts = {}
     for optimizer in optimizers:
         opt = torch_optimizer(optimizer)
         opts.setdefault(id(opt), opt)
+        unhooked = steps_without_hooks(opt)
+        if unhooked:  # a framework builds the scheduler (configure_optimizers) before the callback binds
+            name = type(opt).__name__
+            raise RuntimeError(f"cd.integrations: {unhooked[0]} is a `step` of {name} taken before torch made its "
+                               f"class's step call step hooks ({name} skips Optimizer.__init__, as timm's Lookahead "
+                               f"does; an lr scheduler built on it keeps that step), so CD would never run in its "
+                               f"steps: call the optimizer's zero_grad() once before building its lr scheduler (in "
+                               f"configure_optimizers)")
     if not any(holds_pairs(decay, opt) for opt in opts.values()):
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
     # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
