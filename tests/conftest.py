@@ -54,10 +54,15 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     in this process: each subprocess would import torch again (seconds each). What a process would print
     before the block runs (warnings at import) is not seen here: a test of that runs the entry point as a
     process. sys.argv[0] is the script's path relative to the working directory (as `python train.py` from the
-    repository root gives it), so messages that quote the command read as the real process's."""
+    repository root gives it), so messages that quote the command read as the real process's. The log handlers
+    the run adds (engine.runinfo.setup_logging) end with it, as a process's do: left on the root logger, the one
+    on this test's captured stdout would write later tests' records into a closed stream."""
+    import logging
     import runpy
 
     old = sys.argv
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     script = os.path.relpath(os.path.join(ROOT, path))
     sys.argv = [script, *argv]
     try:
@@ -65,6 +70,10 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
             runpy.run_path(script, run_name="__main__")
     finally:
         sys.argv = old
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
     out, err = capsys.readouterr()
     code = done.value.code
     return (0 if code is None else code), out, err

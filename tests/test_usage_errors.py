@@ -4,13 +4,14 @@ is; --help still prints the help and exits 0. Every entry point builds its parse
 configs.cli.OneLineParser (python -m cd from its own copy: `cd` installs without configs)."""
 import ast
 import glob
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_entry
+from tests.conftest import DEBUG_CONFIG, ROOT, run_entry
 
 ENTRY_POINTS = sorted({os.path.relpath(p, ROOT) for pattern in ("train.py", "evaluate*.py", "scripts/*.py",
                                                                  "cd/__main__.py")
@@ -114,6 +115,19 @@ def test_the_whole_process_writes_one_line_and_exits_2():
                           timeout=120)
     assert done.returncode == 2 and not done.stdout
     assert done.stderr == "error: train.py: unrecognized arguments: --frobnicate; see train.py --help\n", done.stderr
+
+
+def test_an_entry_point_run_in_this_process_leaves_no_log_handler_behind(tmp_path, capsys):
+    """conftest.run_entry stands for a process: the handlers that the run's logging setup adds (stdout as captured
+    for this test, out_dir/train.log) end with it. Left on the root logger, they wrote the log records of later
+    tests into this test's closed capture ('--- Logging error ---' and a traceback on those tests' stderr)."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    (tmp_path / "checkpoint.pt").write_bytes(b"")  # refused once the run's logging is set up
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path}"], capsys)
+    assert code == 1 and "error: cannot resume from" in err, err[-2000:]
+    assert "cannot resume from" in (tmp_path / "train.log").read_text()  # the run had set up its logging
+    assert root.handlers == before and root.level == level
 
 
 @pytest.mark.parametrize("path, prog, required", [
