@@ -2,7 +2,7 @@
 
     pipelines = evaluation_pipelines(cfg)      # quant.pipelines, or the task's own (DEFAULT_PIPELINES)
     planned(cfg)                               # [(pipeline, bits), ...] once cfg.quant.pipelines is resolved
-    check_quant_plan(cfg)                      # raises ConfigError for what evaluate.py would refuse
+    check_quant_plan(cfg)                      # raises ConfigError for what evaluate.py would refuse of the config
 
 evaluate.py resolves and checks its plan with these functions. A run's quant.* settings are recorded in its
 config.yaml and checkpoints, where `evaluate.py --checkpoint` reads them as that run's defaults; train.py and
@@ -133,7 +133,9 @@ def check_bits(cfg: Config, task, defaulted: bool, flags: bool = False, bits_fla
 def check_quant_plan(cfg: Config) -> None:
     """Refuse the quant.* settings of `cfg` that evaluate.py would refuse as the defaults of an evaluation of the
     run (unknown or unfitting pipelines, malformed or repeated bit-widths, options a pipeline cannot take at its
-    bits), naming where they come from. `cfg` itself is left as it is (quant.pipelines stays None where unset)."""
+    bits), naming where they come from. `cfg` itself is left as it is (quant.pipelines stays None where unset).
+    The checks that need the data (image counts against the training split, evaluate.check_train_split) are the
+    evaluation's."""
     plan = copy.deepcopy(cfg)
     task = task_for(plan.data.dataset)
     defaulted = plan.quant.pipelines is None

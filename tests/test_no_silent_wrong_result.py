@@ -30,8 +30,8 @@ def cli(*argv):
 # -- evaluation scores the weights it was given, as they are ------------------------------------------------
 
 def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_head(tmp_path, capsys):
-    """evaluate.py's __main__ runs in this process (run_entry); its real process's exit status and stderr:
-    test_nothing_lost.py::test_evaluate_user_errors_are_one_error_line_before_any_work."""
+    """evaluate.py's __main__ runs in this process (run_entry); a refusal by its real process (exit status and
+    stderr): test_evaluate.py::test_bad_inputs_are_clear_errors."""
     cfg = load_config([DEBUG_CONFIG], ["model.num_classes=10"])
     weights = str(tmp_path / "ten_classes.pth")
     torch.save(build_model(cfg.model).state_dict(), weights)
