@@ -307,8 +307,9 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
             raise RuntimeError(f"cd.integrations: {unhooked[0]} is a `step` of {name} taken before torch made its "
                                f"class's step call step hooks ({name} skips Optimizer.__init__, as timm's Lookahead "
                                f"does; an lr scheduler built on it keeps that step), so CD would never run in its "
-                               f"steps: call the optimizer's zero_grad() once before building its lr scheduler (in "
-                               f"configure_optimizers)")
+                               f"steps: call the optimizer's zero_grad() once before building its lr scheduler (in a "
+                               f"LightningModule's configure_optimizers; before Trainer(optimizers=...) in Hugging "
+                               f"Face's)")
     if not any(holds_pairs(decay, opt) for opt in opts.values()):
         raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
     # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
