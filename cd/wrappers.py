@@ -62,8 +62,8 @@ def steps_without_hooks(optimizer: Any) -> list[str]:
     no step hooks: one taken before torch wrapped the optimizer class's `step` to call them, which an optimizer that
     skips Optimizer.__init__ (timm's Lookahead) has until its first zero_grad(). accelerate's AcceleratedOptimizer
     with a GradScaler (fp16) keeps the bound `step` it finds at `prepare` and steps through it (and leaves it on the
-    optimizer after a step); a torch lr scheduler replaces the optimizer's `step` by a function that calls the class's
-    step function of that moment. Either way a step pre-hook registered later never runs there.
+    optimizer after a step); a torch or MMEngine lr scheduler replaces the optimizer's `step` by a function that
+    calls the class's step function of that moment. Either way a step pre-hook registered later never runs there.
 
     Returns:
         "<type>.<attribute>" of each such method (empty: every step the wrappers take runs the hooks).
@@ -71,13 +71,22 @@ def steps_without_hooks(optimizer: Any) -> list[str]:
     chain = wrapper_chain(optimizer)
     inner = chain[-1]
     return [f"{type(obj).__name__}.{name}" for obj in chain for name, value in getattr(obj, "__dict__", {}).items()
-            if calls_no_hooks(value, inner)]
+            if calls_no_hooks(value, inner, own_step=obj is inner and name == "step")]
 
 
-def calls_no_hooks(value: Any, inner: torch.optim.Optimizer) -> bool:
-    """`value` is a `step` of `inner` that bypasses its step hooks: a bound `step` of it whose function torch has not
-    marked `hooked`, or an lr scheduler's wrapper of such a function (functools.wraps copies the mark)."""
-    if inspect.ismethod(value):
-        return value.__self__ is inner and value.__func__.__name__ == "step" and not getattr(value.__func__, "hooked",
-                                                                                                  False)
-    return bool(getattr(value, "_wrapped_by_lr_sched", False)) and not getattr(value, "hooked", False)
+def calls_no_hooks(value: Any, inner: torch.optim.Optimizer, own_step: bool = False) -> bool:
+    """`value` is a `step` of `inner` that bypasses its step hooks: a bound `step` of it whose function torch has
+    not marked `hooked`, or (`own_step`: `value` is inner's own `step` attribute) a wrapper of one (an lr
+    scheduler's, torch.compile's: functools.wraps, whose `__wrapped__` leads to it and which copies the mark)."""
+    for _ in range(8):  # the wrappers around it, outermost first
+        if getattr(value, "hooked", False):
+            return False
+        if inspect.ismethod(value):
+            return value.__self__ is inner and value.__func__.__name__ == "step" and not getattr(value.__func__,
+                                                                                                  "hooked", False)
+        if not own_step or getattr(value, "__name__", None) != "step":
+            return False
+        if not hasattr(value, "__wrapped__"):  # the class's step function itself, never wrapped for hooks
+            return inspect.isfunction(value)
+        value = value.__wrapped__
+    return False

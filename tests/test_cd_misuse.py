@@ -166,6 +166,22 @@ def test_an_lr_scheduler_built_before_attach_on_an_unhooked_optimizer_is_refused
     assert decay.metrics()["cd/updates"] == 1
 
 
+@pytest.mark.parametrize("wrap", ["mmengine_scheduler", "torch_compile"])
+def test_other_wrappers_of_an_unhooked_step_on_the_optimizer_are_refused(unhooked_lookahead, wrap):
+    """An MMEngine param scheduler built on the torch optimizer, and torch.compile of its bound `step`, put on it a
+    `step` that calls the class's step function of that moment (functools.wraps): on a Lookahead not yet wrapped for
+    hooks, CD attached later would never run."""
+    model = tiny_vit()
+    opt = unhooked_lookahead(sgd(model.parameters()))
+    if wrap == "mmengine_scheduler":
+        scheduler = pytest.importorskip("mmengine.optim.scheduler")
+        scheduler.MultiStepLR(opt, milestones=[1])
+    else:
+        opt.step = torch.compile(opt.step)  # compiled at its first call: never here
+    with pytest.raises(RuntimeError, match=r"Lookahead\.step is a `step` of Lookahead taken before torch made"):
+        ColinearityDecay(model, lam=0.1).attach(opt)
+
+
 def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
     """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
     skipped) and CD / TWEO act in them."""
