@@ -449,9 +449,10 @@ class ColinearityDecay:
             raise RuntimeError(f"ColinearityDecay.attach: {unhooked[0]} is a `step` of {name} taken before torch "
                                f"made its class's step call step hooks ({name} skips Optimizer.__init__, as timm's "
                                f"Lookahead does), and the steps taken through it would run without CD (accelerate "
-                               f"keeps it from prepare on with a GradScaler, i.e. fp16; a torch lr scheduler from its "
-                               f"construction on). Attach before wrapping the optimizer (before accelerator.prepare or "
-                               f"building an lr scheduler on it), or call its zero_grad() once before that")
+                               f"keeps it from prepare on with a GradScaler, i.e. fp16; an lr scheduler or "
+                               f"torch.compile from when it wraps it). Attach before wrapping the optimizer (before "
+                               f"accelerator.prepare or building an lr scheduler on it), or call its zero_grad() once "
+                               f"before that")
         attached = self._attached()
         if attached is not None:
             same = "this optimizer" if attached is optimizer else "another optimizer"
