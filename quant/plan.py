@@ -126,7 +126,9 @@ def check_bits(cfg: Config, task, defaulted: bool, flags: bool = False, bits_fla
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))
         except ValueError as e:
-            hint = default_pipelines_hint(cfg, task, flags) if defaulted else ""
+            # the hint answers bits the user gave to the task's own pipelines; with none given, each pipeline runs
+            # at its own bit-width and the refusal is of an option (quant.first_last=w8a8 on a language model)
+            hint = default_pipelines_hint(cfg, task, flags) if defaulted and cfg.quant.bits else ""
             raise ConfigError(f"quant.{name}: {e}{hint}") from None
 
 

@@ -53,6 +53,18 @@ def test_valid_quant_settings_pass_and_the_config_is_left_as_given(config, overr
     assert cfg == before  # quant.pipelines stays None where unset (config.yaml records what was given)
 
 
+def test_an_option_refused_at_each_pipelines_own_bit_width_gets_no_advice_about_bit_widths(tmp_path):
+    """quant.first_last=w8a8 on a language model without quant.bits: RTN (each pipeline at its own bit-width) refuses
+    the option. The advice for bit-widths given to the task's own pipelines does not apply: no bit-width was given
+    (it said "give no pipeline of this task takes w4a16; no pipeline of this task takes w8a8")."""
+    cfg = load_config([LM_CONFIG], [f"out_dir={tmp_path / 'run'}", "quant.first_last=w8a8"])
+    with pytest.raises(ConfigError) as raised:
+        train.main(cfg)
+    assert str(raised.value).startswith("quant.rtn: stem_w_bits=8: rtn keeps the stem / embeddings and the head "
+                                        "float (0)"), raised.value
+    assert "bit-width" not in str(raised.value) and "no pipeline of this task" not in str(raised.value)
+
+
 def test_a_sweep_refuses_a_bad_evaluation_setting_before_its_first_run_trains(tmp_path):
     spec = tmp_path / "sweep.yaml"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n"
