@@ -66,12 +66,13 @@ from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, ta
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
-from models.modules import fqn_matches, nonfinite_tensors
-from engine.act_max import ActivationProbe
+from models.modules import nonfinite_tensors
+from engine.act_max import ActivationProbe, check_extra_modules
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
-from quant.plan import check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned
+from quant.plan import (check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned,
+                        reads_calibration_batch, too_many_train_images, train_image_demands)
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -353,17 +354,6 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
                      if cfg.data.dataset != "synthetic" else {}}}
 
 
-def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
-    """Each quant.act_max_extra_modules pattern must name modules of the model: one that names none (a typo, a
-    name of another architecture) would be recorded in the result file as probed while adding nothing."""
-    names = [name for name, _ in model.named_modules()]
-    unmatched = [p for p in patterns if not any(fqn_matches(name, [p]) for name in names)]
-    if unmatched:
-        raise ConfigError(f"quant.act_max_extra_modules: {unmatched[0]!r} names no module of {type(model).__name__} "
-                          f"(full module names, '*' for one name segment, '**' for several: e.g. "
-                          f"{names[-1]!r}); drop it or fix it")
-
-
 def act_max_paths(stem: str) -> dict[str, str]:
     """The per-layer maxima files written next to the result file `<stem>.json` (quant.act_max_csv)."""
     return {"csv": stem + "_act_max.csv", "plot": stem + "_act_max.png"}
@@ -414,20 +404,15 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
     own), against the split's size, and its classes against the val split's (which are the checkpoint's; GPLQ
     trains on the split's labels): before the FP and maxima passes, not after them."""
-    wanted = {"quant.calib_images": cfg.quant.calib_images} if reads_batch else {}
-    for name in sorted(pipelines):
-        wanted.update({f"quant.{name}.{key}": count for key, count in
-                       PIPELINES[name].train_image_counts(pipeline_options(cfg, name)).items()})
+    wanted = train_image_demands(cfg, pipelines, reads_batch)
     if not wanted:
         return
     train = build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False)
     if cfg.data.dataset == "folder":  # label i must name one class in both (the counts agree: build_dataset)
         check_same_classes(dataset_classes(cfg.data, train), val_classes, cfg.data.root)
-    size = len(train)
-    too_many = {key: count for key, count in wanted.items() if count > size}
+    too_many = too_many_train_images(wanted, len(train), cfg.data.train_split)
     if too_many:
-        key, count = next(iter(too_many.items()))
-        raise DataError(f"{key}={count}: the {cfg.data.train_split} split has {size} images; give at most that")
+        raise DataError(too_many)
 
 
 def quant_settings(cfg: Config, pipeline: str) -> dict:
@@ -448,13 +433,6 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
 
 
 CALIBRATION_KEYS = ("quant.calib_images", "quant.calib_seed", "quant.calib_transform")  # the batch's settings
-
-
-def reads_calibration_batch(pipeline: str, language: bool) -> bool:
-    """Whether `pipeline` reads the calibration batch (of a `language` model or an image classifier): RTN reads
-    no data, and APHQ and GPLQ on an image classifier draw their own training images (`draws_training_images`)."""
-    p = PIPELINES[pipeline]
-    return p.calibrated and not (p.draws_training_images and not language)
 
 
 def calibration_overrides_unread(overrides: list[str], pipelines: list[str], language: bool) -> list[str]:

@@ -36,9 +36,9 @@ from timm.utils import ModelEmaV3
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
-from configs.loader import IgnoredOverrideError
+from configs.loader import IgnoredOverrideError, get_key
 from data import DataError, build_loaders, build_token_loaders
-from engine.act_max import ActivationProbe
+from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
@@ -57,7 +57,8 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
-from quant.plan import check_quant_plan
+from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
+                        too_many_train_images, train_image_demands)
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
@@ -192,6 +193,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_data(cfg, model, dist, task)
+    check_evaluation_fits(cfg, model, task, len(loaders.train.loader.dataset))
     updates_per_epoch = len(loaders.train) // accum_steps
     if updates_per_epoch == 0:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
@@ -236,6 +238,30 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
                               key=task.score_key, higher_is_better=task.higher_is_better)
     return run
+
+
+def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) -> None:
+    """What `evaluate.py --checkpoint` checks of the run's quant.* settings against its model and its training
+    split (`train_size` samples), refused before the training rather than by the evaluation after it:
+    quant.act_max_extra_modules patterns that name no module, and more calibration / APHQ / GPLQ images than the
+    split holds (check_quant_plan at the start refuses what needs neither). An image count that is the schema's
+    default, with quant.pipelines unset, was given by no one: a warning says what the evaluation will need."""
+    try:
+        check_extra_modules(model, cfg.quant.act_max_extra_modules)
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+    if task.language:  # a language model's calibration windows are counted by data/loader.py alone
+        return
+    pipelines = evaluation_pipelines(cfg)
+    demands = train_image_demands(cfg, pipelines, any(reads_calibration_batch(name, False) for name in pipelines))
+    defaults = Config()
+    given = {key: count for key, count in demands.items()
+             if cfg.quant.pipelines is not None or get_key(defaults, key) != count}
+    if too_many := too_many_train_images(given, train_size, cfg.data.train_split):
+        raise ConfigError(f"{too_many} ({RECORDED_FOR_EVALUATION})")
+    if too_many := too_many_train_images(demands, train_size, cfg.data.train_split):
+        log.warning("%s (here, or to `evaluate.py --checkpoint`, which refuses this default of the run's "
+                    "evaluation otherwise)", too_many)
 
 
 def note_attention_change(model_cfg) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from timm.layers import DropPath
 
+from configs import ConfigError
 from models.modules import BLOCK_PATTERNS, fqn_matches
 
 PASS_THROUGH: Tuple[Type[nn.Module], ...] = (nn.Identity, nn.Dropout, DropPath)
@@ -189,3 +190,16 @@ def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
     resolved = var > m2 * torch.finfo(torch.float64).eps ** 0.5
     return torch.where((sums[:, 0] > 0) & resolved, central4 / var.clamp(min=1e-300) ** 2,
                        torch.full_like(var, float("nan")))
+
+
+def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
+    """Each quant.act_max_extra_modules pattern must name modules of the model: one that names none (a typo, a
+    name of another architecture) would be recorded in the result file as probed while adding nothing.
+    evaluate.py checks before its passes, train.py once its model is built (the run's quant.* settings are the
+    defaults of `evaluate.py --checkpoint`)."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in patterns if not any(fqn_matches(name, [p]) for name in names)]
+    if unmatched:
+        raise ConfigError(f"quant.act_max_extra_modules: {unmatched[0]!r} names no module of {type(model).__name__} "
+                          f"(full module names, '*' for one name segment, '**' for several: e.g. "
+                          f"{names[-1]!r}); drop it or fix it")

@@ -7,12 +7,14 @@
 evaluate.py resolves and checks its plan with these functions. A run's quant.* settings are recorded in its
 config.yaml and checkpoints, where `evaluate.py --checkpoint` reads them as that run's defaults; train.py and
 scripts/sweep.py call `check_quant_plan` so that an unknown pipeline or a malformed bit-width is refused before
-the training, not by the evaluation hours later.
+the training, not by the evaluation hours later; train.py checks the image counts the plan draws from the
+training split (`train_image_demands`, `too_many_train_images`) once its data is built.
 """
 from __future__ import annotations
 
 import copy
 import re
+from typing import Optional
 
 from configs import Config, ConfigError
 from configs.cli import named_twice
@@ -21,6 +23,10 @@ from engine.tasks import task_for
 
 from .registry import PIPELINES
 from .spec import parse_bits
+
+# why train.py refuses a quant.* setting that only evaluate.py reads
+RECORDED_FOR_EVALUATION = ("a run records its quant.* settings as the defaults of `evaluate.py --checkpoint`, "
+                           "which would refuse them after the training")
 
 # quant.pipelines unset (None, the default): what a task's checkpoint is scored with (the columns of paper
 # Table 6, and of Table 8 for a language model)
@@ -146,5 +152,30 @@ def check_quant_plan(cfg: Config) -> None:
         check_pipelines(plan, task)
         check_bits(plan, task, defaulted)
     except ConfigError as e:
-        raise ConfigError(f"{e} (a run records its quant.* settings as the defaults of `evaluate.py --checkpoint`, "
-                          f"which would refuse them after the training)") from None
+        raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+
+
+def reads_calibration_batch(pipeline: str, language: bool) -> bool:
+    """Whether `pipeline` reads the calibration batch (of a `language` model or an image classifier): RTN reads
+    no data, and APHQ and GPLQ on an image classifier draw their own training images (`draws_training_images`)."""
+    p = PIPELINES[pipeline]
+    return p.calibrated and not (p.draws_training_images and not language)
+
+
+def train_image_demands(cfg: Config, pipelines, reads_batch: bool) -> dict[str, int]:
+    """{setting: images} that `pipelines` of an image classifier draw from the training split: the calibration
+    batch (quant.calib_images, when `reads_batch`) and APHQ's and GPLQ's own images."""
+    wanted = {"quant.calib_images": cfg.quant.calib_images} if reads_batch else {}
+    for name in sorted(pipelines):
+        wanted.update({f"quant.{name}.{key}": count for key, count in
+                       PIPELINES[name].train_image_counts(pipeline_options(cfg, name)).items()})
+    return wanted
+
+
+def too_many_train_images(wanted: dict[str, int], size: int, split: str) -> Optional[str]:
+    """The refusal of the first demand of `wanted` (train_image_demands) above the `size` images of the training
+    split `split`, or None when the split holds them all."""
+    for key, count in wanted.items():
+        if count > size:
+            return f"{key}={count}: the {split} split has {size} images; give at most that"
+    return None

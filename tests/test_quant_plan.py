@@ -86,3 +86,42 @@ def test_a_sweep_refuses_a_runs_own_quant_setting_that_train_py_refuses_though_i
     cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "quant.bits=[w4a16]"])  # train.py, alone
     with pytest.raises(ConfigError, match=r"quant.percentile"):
         train.main(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["quant.act_max_extra_modules=[blocks.*.nope]"], r"quant.act_max_extra_modules: 'blocks.\*.nope' names no module"),
+    (["quant.calib_images=65"], r"quant.calib_images=65: the train split has 64 images; give at most that"),
+    (["quant.pipelines=[aphq]"], r"quant.aphq.recon_images=1024: the train split has 64 images"),
+], ids=["extra module", "calibration images", "aphq images"])
+def test_train_refuses_quant_settings_that_do_not_fit_its_model_or_train_split_before_training(
+        tmp_path, monkeypatch, overrides, message):
+    """What evaluate.py checks against the model and the train split (tiny.yaml: 64 synthetic images) is refused
+    once train.py has built them, before the first update."""
+    def trains(*args, **kwargs):
+        raise AssertionError("train.py started training")
+    monkeypatch.setattr(train, "train_epochs", trains)
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError, match=message) as raised:
+        train.main(cfg)
+    assert "evaluate.py --checkpoint" in str(raised.value)
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["quant.calib_images=64", "quant.act_max_extra_modules=[patch_embed.proj]"], None),
+    # quant.calib_images=32 and the pipelines are the defaults, set by no one: the run trains, told what
+    # evaluate.py --checkpoint will need
+    (["data.synthetic_train_size=16"], "quant.calib_images=32: the train split has 16 images; give at most that"),
+], ids=["fits", "default does not fit"])
+def test_quant_settings_that_fit_or_were_not_given_pass_to_training(tmp_path, monkeypatch, caplog, overrides,
+                                                                     warning):
+    class Started(Exception):
+        pass
+
+    def trains(*args, **kwargs):
+        raise Started
+    monkeypatch.setattr(train, "train_epochs", trains)
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", *overrides])
+    with caplog.at_level("WARNING", logger="train"), pytest.raises(Started):
+        train.main(cfg)
+    warned = [r.getMessage() for r in caplog.records if "evaluate.py --checkpoint" in r.getMessage()]
+    assert [w.split(" (")[0] for w in warned] == ([warning] if warning else [])
