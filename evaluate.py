@@ -72,7 +72,8 @@ from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_s
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
 from quant.plan import (check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned,
-                        reads_calibration_batch, too_many_train_images, train_image_demands)
+                        reads_calibration_batch, too_few_for_a_batch, too_many_train_images,
+                        train_image_demands)
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
@@ -118,7 +119,7 @@ def main(args: argparse.Namespace) -> dict:
         try:  # every rank reads the train split itself: one that cannot (a node without a file) ends every rank
             if todo and not task.language:
                 check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
-                                  dataset_classes(cfg.data, val_loader.dataset))
+                                  dataset_classes(cfg.data, val_loader.dataset), dist.world_size)
             # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or
             # windows than the train split has (or ids the model cannot embed) are refused before the FP and
             # maxima passes
@@ -400,9 +401,9 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
 
 
 def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: int,
-                      val_classes: Optional[list]) -> None:
+                      val_classes: Optional[list], world_size: int = 1) -> None:
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
-    own), against the split's size, and its classes against the val split's (which are the checkpoint's; GPLQ
+    own) and the batch of GPLQ's training loader on each of `world_size` processes, against the split's size, and its classes against the val split's (which are the checkpoint's; GPLQ
     trains on the split's labels): before the FP and maxima passes, not after them."""
     wanted = train_image_demands(cfg, pipelines, reads_batch)
     if not wanted:
@@ -410,7 +411,8 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
     train = build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False)
     if cfg.data.dataset == "folder":  # label i must name one class in both (the counts agree: build_dataset)
         check_same_classes(dataset_classes(cfg.data, train), val_classes, cfg.data.root)
-    too_many = too_many_train_images(wanted, len(train), cfg.data.train_split)
+    too_many = (too_many_train_images(wanted, len(train), cfg.data.train_split)
+                or too_few_for_a_batch(cfg, pipelines, len(train), cfg.data.train_split, world_size))
     if too_many:
         raise DataError(too_many)
 

@@ -58,7 +58,7 @@ from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
 from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
-                        too_many_train_images, train_image_demands)
+                        too_few_for_a_batch, too_many_train_images, train_image_demands)
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
@@ -257,7 +257,10 @@ def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) 
     defaults = Config()
     given = {key: count for key, count in demands.items()
              if cfg.quant.pipelines is not None or get_key(defaults, key) != count}
-    if too_many := too_many_train_images(given, train_size, cfg.data.train_split):
+    # a loader batch above the split fits no number of processes (evaluate.py counts its own)
+    if too_many := (too_many_train_images(given, train_size, cfg.data.train_split)
+                    or too_few_for_a_batch(cfg, pipelines if cfg.quant.pipelines is not None else [], train_size,
+                                           cfg.data.train_split, world_size=1)):
         raise ConfigError(f"{too_many} ({RECORDED_FOR_EVALUATION})")
     if too_many := too_many_train_images(demands, train_size, cfg.data.train_split):
         log.warning("%s (here, or to `evaluate.py --checkpoint`, which refuses this default of the run's "

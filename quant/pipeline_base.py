@@ -133,6 +133,11 @@ class Pipeline:
         the entry point to check against the split's size before any work."""
         return {}
 
+    def train_batch_sizes(self, options: Any) -> Dict[str, int]:
+        """{option: per-process batch} of the training loader this pipeline reads (`PipelineData.train_loader`),
+        for the entry point to check against the split's size before any work; {} when it reads none."""
+        return {}
+
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
         raise NotImplementedError

@@ -179,3 +179,16 @@ def too_many_train_images(wanted: dict[str, int], size: int, split: str) -> Opti
         if count > size:
             return f"{key}={count}: the {split} split has {size} images; give at most that"
     return None
+
+
+def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_size: int) -> Optional[str]:
+    """The refusal of the first training-loader batch of `pipelines` (`train_batch_sizes`) above the images each
+    of `world_size` processes gets from the `size` images of the training split `split` (the loader shards them
+    and drops the last partial batch), or None when every batch fits."""
+    per_process = size // world_size
+    for name in sorted(pipelines):
+        for key, batch in PIPELINES[name].train_batch_sizes(pipeline_options(cfg, name)).items():
+            if batch > per_process:
+                return (f"quant.{name}.{key}={batch}: the {split} split has {size} images, {per_process} for each "
+                        f"of {world_size} process(es), fewer than one batch; give at most {per_process}")
+    return None

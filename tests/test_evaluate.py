@@ -758,6 +758,30 @@ def test_as_many_calibration_images_as_the_train_split_holds_are_accepted_and_on
         evaluate.check_train_split(cfg, {"repq"}, True, 32, None)
 
 
+@pytest.mark.parametrize("batch, world_size", [(32, 2), (33, 2), (64, 1), (65, 1), (21, 3), (22, 3)])
+def test_a_gplq_batch_is_refused_before_the_fp_pass_exactly_when_its_training_loader_would_refuse_it(batch,
+                                                                                                      world_size):
+    """GPLQ's stage-1 loader (built after the FP and maxima passes) refused a batch above a process's share of the
+    train split without naming the setting; check_train_split refuses the same batches first, naming it."""
+    from data import DataError, build_train_loader
+    from tests.conftest import DEBUG_CONFIG
+
+    cfg = load_config([DEBUG_CONFIG], ["quant.gplq.init_images=16", "quant.gplq.stage2_images=16",
+                                       f"quant.gplq.batch_size_per_gpu={batch}"])
+    try:  # the reference: the loader evaluate.py's build_pipeline_data gives GPLQ, on rank 0
+        build_train_loader(cfg.data, img_size=32, batch_size_per_gpu=batch, rank=0, world_size=world_size, seed=0,
+                           num_classes=cfg.model.num_classes)
+        loader_refuses = False
+    except DataError:
+        loader_refuses = True
+    if loader_refuses:
+        with pytest.raises(DataError, match=rf"^quant.gplq.batch_size_per_gpu={batch}: the train split has 64 images"):
+            evaluate.check_train_split(cfg, {"gplq"}, False, 32, None, world_size)
+    else:
+        evaluate.check_train_split(cfg, {"gplq"}, False, 32, None, world_size)
+    assert loader_refuses is (batch > 64 // world_size)  # both outcomes are exercised across the cases
+
+
 def test_an_extra_maxima_module_is_probed_and_its_maximum_is_that_of_its_outputs(checkpoint, tmp_path):
     """quant.act_max_extra_modules adds modules to the probe: the per-layer CSV has a row for each with the max
     |output| over the val images (a direct computation), and "module" is the maximum over them too."""

@@ -92,7 +92,9 @@ def test_a_sweep_refuses_a_runs_own_quant_setting_that_train_py_refuses_though_i
     (["quant.act_max_extra_modules=[blocks.*.nope]"], r"quant.act_max_extra_modules: 'blocks.\*.nope' names no module"),
     (["quant.calib_images=65"], r"quant.calib_images=65: the train split has 64 images; give at most that"),
     (["quant.pipelines=[aphq]"], r"quant.aphq.recon_images=1024: the train split has 64 images"),
-], ids=["extra module", "calibration images", "aphq images"])
+    (["quant.pipelines=[gplq]", "quant.gplq.init_images=16", "quant.gplq.stage2_images=16",
+      "quant.gplq.batch_size_per_gpu=65"], r"quant.gplq.batch_size_per_gpu=65: the train split has 64 images"),
+], ids=["extra module", "calibration images", "aphq images", "gplq batch"])
 def test_train_refuses_quant_settings_that_do_not_fit_its_model_or_train_split_before_training(
         tmp_path, monkeypatch, overrides, message):
     """What evaluate.py checks against the model and the train split (tiny.yaml: 64 synthetic images) is refused

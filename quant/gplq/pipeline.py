@@ -134,6 +134,9 @@ class GPLQPipeline(Pipeline):
         # the PCA subset is capped at one epoch of the loader; QwT's images are drawn only with it on
         return {"init_images": options.init_images, **({"stage2_images": options.stage2_images} if options.qwt else {})}
 
+    def train_batch_sizes(self, options: GPLQOptions) -> dict:
+        return {"batch_size_per_gpu": options.batch_size_per_gpu}  # stage 1's and the teacher PCA's loader
+
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPLQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         data = require_data(self.name, data, loader=data is None or data.detector_samples is None)
