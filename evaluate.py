@@ -46,7 +46,7 @@ import torch
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
-from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS
+from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
@@ -565,19 +565,6 @@ def resolve_config(args: argparse.Namespace):
                           f"the val split takes the eval transform; drop it")
     check_bits(cfg, task, defaulted, flags=True, bits_flag=args.bits is not None)
     return cfg, payload
-
-
-# what evaluate.py reads of the training sections: the device and the batch size of its passes
-EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
-
-
-def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
-    """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*,
-    the data keys of training batches (TRAIN_BATCH_OVERRIDE_KEYS: no pass of evaluate.py reads them) and, unless
-    `method_read` (a weights file's recipe names its method), cd.* and tweo.*: given for an evaluation, they
-    would be ignored, or name a checkpoint's result by another method than it was trained with."""
-    sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
-    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_OVERRIDE_KEYS]
 
 
 def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[tuple[str, str]]:

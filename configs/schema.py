@@ -132,6 +132,20 @@ TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS = frozenset(f"data.{k}" for k in TRAIN_TRANSF
 # training batches'
 TRAINING_ONLY_OVERRIDE_KEYS = TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS | TRAIN_BATCH_OVERRIDE_KEYS
 
+# what evaluate.py reads of the training sections: the device and the batch size of its passes
+EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
+
+
+def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
+    """The keys among `keys` that evaluate.py never reads: train.* (but EVAL_TRAIN_KEYS), optim.*, sched.*, log.*,
+    the data keys of training batches (TRAIN_BATCH_OVERRIDE_KEYS: no pass of evaluate.py reads them) and, unless
+    `method_read` (a weights file's recipe names its method), cd.* and tweo.*: given for an evaluation, they
+    would be ignored, or name a checkpoint's result by another method than it was trained with. Here, not in
+    evaluate.py, so that scripts/sweep.py checks a sweep's evaluate list with it without importing torch."""
+    sections = ("train.", "optim.", "sched.", "log.") + (() if method_read else ("cd.", "tweo."))
+    return [k for k in keys if (k.startswith(sections) and k not in EVAL_TRAIN_KEYS) or k in TRAIN_BATCH_OVERRIDE_KEYS]
+
+
 # the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
 ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
 

@@ -55,7 +55,8 @@ from configs import ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
-from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config  # noqa: E402
+from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config,  # noqa: E402
+                            unread_training_settings)
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 
@@ -356,8 +357,9 @@ def main(argv=None) -> int:
 def refuse_unevaluated_options(runs: list[dict]) -> None:
     """evaluate.py refuses an override of the options of a pipeline it does not run (quant.aphq.iters=500
     where the evaluation runs repq only), of the calibration batch where no pipeline reads it, of the training
-    batches' data settings (data.mixup, ...) always and of the training transform's (data.reprob, ...) where no
-    pipeline sees training-transform images: say so before the first run trains, not after it."""
+    batches' data settings (data.mixup, ...) and of the training sections (train.*, optim.*, ...) always, and of
+    the training transform's (data.reprob, ...) where no pipeline sees training-transform images: say so before
+    the first run trains, not after it."""
     for run in runs:
         evaluated = evaluation_overrides(run)
         # what is left of the run's own training data settings: data={root: /x, mixup: 0.5} (evaluate.py needs the
@@ -377,6 +379,11 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
                                   f"evaluate.py reads {batch[0]} (the checkpoint holds the value the run trained "
                                   "with), and it would refuse it after the training; drop it from 'evaluate' (a "
                                   "run's own override trains with it)")
+            unread = unread_training_settings(sorted(override_keys(item)), method_read=False)
+            if unread:  # train.*, optim.*, sched.*, log.*, cd.*, tweo.*
+                raise ConfigError(f"sweep run '{run['name']}': '{item}' in the sweep's evaluate list: evaluate.py does "
+                                  f"not read training settings ({unread[0]}), and it would refuse it after the "
+                                  "training; drop it from 'evaluate' (a run's own override trains with it)")
         transform = any(set(override_keys(item)) & TRAINING_ONLY_OVERRIDE_KEYS for item in run["evaluate"])
         if not transform and not any(k.startswith("quant.") for k in keys_of(evaluated)):
             continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
