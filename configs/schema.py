@@ -288,8 +288,8 @@ class QuantConfig:
     Each pipeline's options are its own typed section, the Options dataclass in configs/quant.py (e.g.
     quant.repq.round_zero_point=true, quant.percentile.act_range=percentile, quant.repq.head_a_bits=8).
     train.py records them in the run's config.yaml as the defaults of `evaluate.py --checkpoint`, and refuses
-    before training what evaluate.py would refuse of them from the config alone (quant/plan.py; image counts
-    against the training split's size are checked by the evaluation)."""
+    before training what evaluate.py would refuse of them from the config alone (quant/plan.py), and once the
+    model and data are built, image counts beyond the training split (a language model's windows: by evaluate.py)."""
 
     # None (default): the task's own, percentile and repq for images, the paper's Table 8 settings for a
     # language model (quant/plan.py DEFAULT_PIPELINES); [] none (FP only); else of quant/registry.py PIPELINES:
