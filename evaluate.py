@@ -46,7 +46,7 @@ import torch
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
-from configs.schema import TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
+from configs.schema import TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
