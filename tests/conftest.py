@@ -1,6 +1,7 @@
 """Shared test helpers: repository paths and small configs that train in seconds on a CPU."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -57,7 +58,6 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     repository root gives it), so messages that quote the command read as the real process's. The log handlers
     the run adds (engine.runinfo.setup_logging) end with it, as a process's do: left on the root logger, the one
     on this test's captured stdout would write later tests' records into a closed stream."""
-    import logging
     import runpy
 
     old = sys.argv
@@ -92,6 +92,19 @@ def make_folder(root, splits: dict, ext: str = ".png") -> None:
             for i in range(count):
                 Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
                     os.path.join(root, split, name, f"{i}{ext}"))
+
+
+@pytest.fixture(autouse=True)
+def end_run_logging():
+    """The log handlers a run's logging setup (engine.runinfo.setup_logging) adds end with the test, as they end with
+    a process: a test that calls train.main or evaluate.main in this process leaves them on the root logger, where
+    the one on that test's captured stdout would take later tests' records into a closed stream (the next run's
+    setup removes them, so a test that compares the root logger's handlers would see them go)."""
+    yield
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, "_cd_run", False)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 @pytest.fixture
