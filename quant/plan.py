@@ -142,8 +142,8 @@ def check_quant_plan(cfg: Config) -> None:
     """Refuse the quant.* settings of `cfg` that evaluate.py would refuse as the defaults of an evaluation of the
     run (unknown or unfitting pipelines, malformed or repeated bit-widths, options a pipeline cannot take at its
     bits), naming where they come from. `cfg` itself is left as it is (quant.pipelines stays None where unset).
-    The checks that need the data (image counts against the training split, evaluate.check_train_split) are the
-    evaluation's."""
+    The checks that need the model and data (image counts against the training split, activation-maxima patterns)
+    run once those are built: train.check_evaluation_fits, evaluate.check_train_split."""
     plan = copy.deepcopy(cfg)
     task = task_for(plan.data.dataset)
     defaulted = plan.quant.pipelines is None
