@@ -403,8 +403,9 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
 def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: int,
                       val_classes: Optional[list], world_size: int = 1) -> None:
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
-    own) and the batch of GPLQ's training loader on each of `world_size` processes, against the split's size, and its classes against the val split's (which are the checkpoint's; GPLQ
-    trains on the split's labels): before the FP and maxima passes, not after them."""
+    own) and the batch of GPLQ's training loader on each of `world_size` processes, against the split's size, and
+    its classes against the val split's (which are the checkpoint's; GPLQ trains on the split's labels): before
+    the FP and maxima passes, not after them."""
     wanted = train_image_demands(cfg, pipelines, reads_batch)
     if not wanted:
         return

@@ -28,7 +28,7 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
                      pair_penalty)
 from .verify import UnsupportedModelError
-from .wrappers import steps_without_hooks, torch_optimizer, unwrap_model
+from .wrappers import steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -445,10 +445,8 @@ class ColinearityDecay:
         given, optimizer = optimizer, torch_optimizer(optimizer)
         unhooked = steps_without_hooks(given)
         if unhooked:  # its steps would silently run without CD
-            name = type(optimizer).__name__
-            raise RuntimeError(f"ColinearityDecay.attach: {unhooked[0]} is a `step` of {name} taken before torch "
-                               f"made its class's step call step hooks ({name} skips Optimizer.__init__, as timm's "
-                               f"Lookahead does), and the steps taken through it would run without CD (accelerate "
+            raise RuntimeError(f"ColinearityDecay.attach: {unhooked_step_text(unhooked[0], optimizer)}), and the "
+                               f"steps taken through it would run without CD (accelerate "
                                f"keeps it from prepare on with a GradScaler, i.e. fp16; an lr scheduler or "
                                f"torch.compile from when it wraps it). Attach before wrapping the optimizer (before "
                                f"accelerator.prepare or building an lr scheduler on it), or call its zero_grad() once "

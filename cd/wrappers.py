@@ -74,6 +74,14 @@ def steps_without_hooks(optimizer: Any) -> list[str]:
             if calls_no_hooks(value, inner, own_step=obj is inner and name == "step")]
 
 
+def unhooked_step_text(where: str, optimizer: torch.optim.Optimizer) -> str:
+    """The start of the refusal of an unhooked `step` (`where`, from steps_without_hooks) of `optimizer`, shared by
+    `ColinearityDecay.attach` and the integrations (each adds its own fix)."""
+    name = type(optimizer).__name__
+    return (f"{where} is a `step` of {name} taken before torch made its class's step call step hooks ({name} skips "
+            f"Optimizer.__init__, as timm's Lookahead does")
+
+
 def calls_no_hooks(value: Any, inner: torch.optim.Optimizer, own_step: bool = False) -> bool:
     """`value` is a `step` of `inner` that bypasses its step hooks: a bound `step` of it whose function torch has
     not marked `hooked`, or (`own_step`: `value` is inner's own `step` attribute) a wrapper of one (an lr

@@ -21,7 +21,7 @@ import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
-from ..wrappers import steps_without_hooks, torch_optimizer, unwrap_model
+from ..wrappers import steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -303,10 +303,8 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
         opts.setdefault(id(opt), opt)
         unhooked = steps_without_hooks(opt)
         if unhooked:  # a framework builds the scheduler (configure_optimizers) before the callback binds
-            name = type(opt).__name__
-            raise RuntimeError(f"cd.integrations: {unhooked[0]} is a `step` of {name} taken before torch made its "
-                               f"class's step call step hooks ({name} skips Optimizer.__init__, as timm's Lookahead "
-                               f"does; an lr scheduler built on it keeps that step), so CD would never run in its "
+            raise RuntimeError(f"cd.integrations: {unhooked_step_text(unhooked[0], opt)}; an lr scheduler built on it "
+                               f"keeps that step), so CD would never run in its "
                                f"steps: call the optimizer's zero_grad() once before building its lr scheduler (in a "
                                f"LightningModule's configure_optimizers; before Trainer(optimizers=...) in Hugging "
                                f"Face's)")
