@@ -37,7 +37,7 @@ from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError, get_key
-from data import DataError, build_loaders, build_token_loaders
+from data import DataError, build_loaders, build_token_loaders, calibration_window_count
 from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
@@ -193,7 +193,9 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_data(cfg, model, dist, task)
-    check_evaluation_fits(cfg, model, task, len(loaders.train.loader.dataset))
+    # what the run's evaluation can draw from the training split: its images, or a language model's windows
+    check_evaluation_fits(cfg, model, task, calibration_window_count(cfg.data, input_size(model)) if task.language
+                          else len(loaders.train.loader.dataset))
     updates_per_epoch = len(loaders.train) // accum_steps
     if updates_per_epoch == 0:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
@@ -242,27 +244,28 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
 
 def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) -> None:
     """What `evaluate.py --checkpoint` checks of the run's quant.* settings against its model and its training
-    split (`train_size` samples), refused before the training rather than by the evaluation after it:
-    quant.act_max_extra_modules patterns that name no module, and more calibration / APHQ / GPLQ images than the
-    split holds (check_quant_plan at the start refuses what needs neither). An image count that is the schema's
-    default, with quant.pipelines unset, was given by no one: a warning says what the evaluation will need."""
+    split (`train_size` samples: images, or a language model's calibration windows), refused before the training
+    rather than by the evaluation after it: quant.act_max_extra_modules patterns that name no module, and more
+    calibration windows or calibration / APHQ / GPLQ images than the split holds (check_quant_plan at the start
+    refuses what needs neither). A count that is the schema's default, with quant.pipelines unset, was given by no
+    one: a warning says what the evaluation will need."""
     try:
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
     except ConfigError as e:
         raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
-    if task.language:  # a language model's calibration windows are counted by data/loader.py alone
-        return
     pipelines = evaluation_pipelines(cfg)
-    demands = train_image_demands(cfg, pipelines, any(reads_calibration_batch(name, False) for name in pipelines))
+    demands = train_image_demands(cfg, pipelines,
+                                  any(reads_calibration_batch(name, task.language) for name in pipelines))
+    unit = f"windows of {input_size(model)} tokens" if task.language else "images"
     defaults = Config()
     given = {key: count for key, count in demands.items()
              if cfg.quant.pipelines is not None or get_key(defaults, key) != count}
     # a loader batch above the split fits no number of processes (evaluate.py counts its own)
-    if too_many := (too_many_train_images(given, train_size, cfg.data.train_split)
+    if too_many := (too_many_train_images(given, train_size, cfg.data.train_split, unit)
                     or too_few_for_a_batch(cfg, pipelines if cfg.quant.pipelines is not None else [], train_size,
                                            cfg.data.train_split, world_size=1)):
         raise ConfigError(f"{too_many} ({RECORDED_FOR_EVALUATION})")
-    if too_many := too_many_train_images(demands, train_size, cfg.data.train_split):
+    if too_many := too_many_train_images(demands, train_size, cfg.data.train_split, unit):
         log.warning("%s (here, or to `evaluate.py --checkpoint`, which refuses this default of the run's "
                     "evaluation otherwise)", too_many)
 

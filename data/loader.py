@@ -143,6 +143,11 @@ def _val_windows(cfg: DataConfig, stream: TokenStream, context: int) -> TokenWin
     return windows
 
 
+def calibration_window_count(cfg: DataConfig, context: int) -> int:
+    """How many distinct windows of `context` ids `calibration_windows` can draw from the training split."""
+    return len(TokenWindows(token_stream(cfg, "train"), context, train=False))
+
+
 def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vocab_size: int) -> torch.Tensor:
     """`count` distinct training windows of `context` ids chosen by `seed` (GPTQ / SmoothQuant calibration:
     random windows of the training text), as a (count, context) int64 tensor; ids the model cannot embed
@@ -150,8 +155,8 @@ def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vo
     stream = token_stream(cfg, "train")
     windows = TokenWindows(stream, context, train=False)
     if count > len(windows):
-        raise DataError(f"quant.calib_images={count}: the train split has {len(windows)} windows of {context} "
-                        f"tokens; give at most that")
+        raise DataError(f"quant.calib_images={count}: the {cfg.train_split} split has {len(windows)} windows of "
+                        f"{context} tokens; give at most that")
     # the order is drawn on the CPU, where the windows and their generator are, whatever the default device
     chosen = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed), device="cpu")[:count].tolist()
     calib = torch.stack([windows[i][0] for i in chosen])

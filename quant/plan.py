@@ -7,8 +7,9 @@
 evaluate.py resolves and checks its plan with these functions. A run's quant.* settings are recorded in its
 config.yaml and checkpoints, where `evaluate.py --checkpoint` reads them as that run's defaults; train.py and
 scripts/sweep.py call `check_quant_plan` so that an unknown pipeline or a malformed bit-width is refused before
-the training, not by the evaluation hours later; train.py checks the image counts the plan draws from the
-training split (`train_image_demands`, `too_many_train_images`) once its data is built.
+the training, not by the evaluation hours later; train.py checks the image counts (a language model's
+calibration windows) the plan draws from the training split (`train_image_demands`, `too_many_train_images`)
+once its data is built.
 """
 from __future__ import annotations
 
@@ -172,12 +173,12 @@ def train_image_demands(cfg: Config, pipelines, reads_batch: bool) -> dict[str, 
     return wanted
 
 
-def too_many_train_images(wanted: dict[str, int], size: int, split: str) -> Optional[str]:
-    """The refusal of the first demand of `wanted` (train_image_demands) above the `size` images of the training
-    split `split`, or None when the split holds them all."""
+def too_many_train_images(wanted: dict[str, int], size: int, split: str, unit: str = "images") -> Optional[str]:
+    """The refusal of the first demand of `wanted` (train_image_demands) above the `size` images (or other
+    `unit`s: a language model's windows) of the training split `split`, or None when the split holds them all."""
     for key, count in wanted.items():
         if count > size:
-            return f"{key}={count}: the {split} split has {size} images; give at most that"
+            return f"{key}={count}: the {split} split has {size} {unit}; give at most that"
     return None
 
 

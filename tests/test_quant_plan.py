@@ -5,6 +5,7 @@ import copy
 import os
 import sys
 
+import numpy as np
 import pytest
 
 import train
@@ -125,5 +126,47 @@ def test_quant_settings_that_fit_or_were_not_given_pass_to_training(tmp_path, mo
     cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", *overrides])
     with caplog.at_level("WARNING", logger="train"), pytest.raises(Started):
         train.main(cfg)
+    warned = [r.getMessage() for r in caplog.records if "evaluate.py --checkpoint" in r.getMessage()]
+    assert [w.split(" (")[0] for w in warned] == ([warning] if warning else [])
+
+
+def _token_split(root, windows: int, context: int = 32) -> None:
+    """train.bin holding exactly `windows` calibration windows of `context` ids ((ids - 1) // context), val.bin two."""
+    ids = np.arange(windows * context + 1, dtype=np.uint16) % 65
+    (root / "train.bin").write_bytes(ids.tobytes())
+    (root / "val.bin").write_bytes(ids[:2 * context + 1].tobytes())
+
+
+@pytest.mark.parametrize("overrides, refused, warning", [
+    (["quant.calib_images=11"], "quant.calib_images=11: the train split has 10 windows of 32 tokens; give at most that",
+     None),
+    (["quant.calib_images=10"], None, None),
+    (["quant.pipelines=[rtn]", "quant.calib_images=11"], None, None),  # RTN reads no calibration windows
+    ([], None, "quant.calib_images=32: the train split has 10 windows of 32 tokens; give at most that"),
+], ids=["too many", "fits", "rtn reads none", "default does not fit"])
+def test_train_counts_a_language_models_calibration_windows_before_training(tmp_path, monkeypatch, caplog,
+                                                                            overrides, refused, warning):
+    """A language model's evaluation draws quant.calib_images windows of its context from the training tokens:
+    more than the split holds is refused before the first update with evaluate.py's own refusal, and the
+    schema's default that does not fit is a warning."""
+    from data import DataError, calibration_windows
+
+    class Started(Exception):
+        pass
+
+    def trains(*args, **kwargs):
+        raise Started
+    monkeypatch.setattr(train, "train_epochs", trains)
+    _token_split(tmp_path, windows=10)
+    cfg = load_config([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")],
+                      [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={tmp_path}", "train.batch_size=8",
+                       *overrides])
+    with caplog.at_level("WARNING", logger="train"), pytest.raises(ConfigError if refused else Started) as raised:
+        train.main(cfg)
+    if refused:
+        assert str(raised.value).startswith(refused) and "evaluate.py --checkpoint" in str(raised.value)
+        with pytest.raises(DataError) as evaluation:  # what the evaluation of the run would say
+            calibration_windows(cfg.data, 32, cfg.quant.calib_images, cfg.quant.calib_seed, vocab_size=65)
+        assert str(evaluation.value) == refused
     warned = [r.getMessage() for r in caplog.records if "evaluate.py --checkpoint" in r.getMessage()]
     assert [w.split(" (")[0] for w in warned] == ([warning] if warning else [])
