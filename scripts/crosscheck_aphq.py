@@ -83,6 +83,7 @@ from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
+from quant.plan import pipeline_options  # noqa: E402
 from quant.aphq.search import matmul_candidates, stem_levels  # noqa: E402
 from quant.attention import QuantAttentionBase  # noqa: E402
 from quant.layers import QuantConv2d, QuantLinear  # noqa: E402
@@ -509,7 +510,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     fp_model = evaluate.load_float_model(cfg, payload, eargs).eval()
     check_model_fits_official(fp_model)
     img_size = input_size(fp_model)
-    options = evaluate.pipeline_options(cfg, "aphq")
+    options = pipeline_options(cfg, "aphq")
     loader = build_eval_loader(cfg.data, img_size=img_size,
                                batch_size_per_gpu=cfg.train.eval_batch_size_per_gpu, rank=0, world_size=1,
                                num_classes=cfg.model.num_classes)

@@ -388,8 +388,9 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
         if not transform and not any(k.startswith("quant.") for k in keys_of(evaluated)):
             continue  # no quantization setting: nothing to check (and no need to import evaluate.py's stack)
         import evaluate  # torch and the pipelines: only where a pipeline's options are given
+        from quant.plan import evaluation_pipelines
         cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"] + run["evaluate"])
-        pipelines = evaluate.evaluation_pipelines(cfg)
+        pipelines = evaluation_pipelines(cfg)
         for item, pipeline in evaluate.pipeline_options_unread(evaluated, pipelines):
             raise ConfigError(f"sweep run '{run['name']}': {item} sets options of {pipeline}, which its evaluation "
                               f"does not run (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py would "

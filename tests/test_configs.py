@@ -259,13 +259,14 @@ def test_the_logged_lr_rule_names_the_lr_that_runs():
 
 def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     import evaluate
+    from quant import plan
 
     cfg = load_config([], ["quant.first_last=w8a8", "quant.repq.head_a_bits=4"])
     for name in ("percentile", "repq", "aphq", "gplq"):
-        options = evaluate.pipeline_options(cfg, name)
+        options = plan.pipeline_options(cfg, name)
         bits = (options.stem_w_bits, options.stem_a_bits, options.head_w_bits, options.head_a_bits)
         assert bits == (8, 8, 8, 8)
-    official = evaluate.pipeline_options(load_config([], []), "aphq")
+    official = plan.pipeline_options(load_config([], []), "aphq")
     assert official.stem_a_bits == 0  # APHQ's own: the image input stays float
     assert evaluate.quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
     with pytest.raises(ConfigError, match="first_last"):

@@ -7,6 +7,7 @@ import re
 import pytest
 
 import evaluate
+from quant import plan
 from tests.conftest import DEMO_CONFIG, ROOT
 
 LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
@@ -38,7 +39,7 @@ def resolved(task: str, *argv: str):
     ("classifier", ["--quant"], []),
 ])
 def test_a_command_plans_every_pipeline_at_every_bit_width_it_names(task, argv, pairs):
-    assert evaluate.planned(resolved(task, *argv)) == pairs
+    assert plan.planned(resolved(task, *argv)) == pairs
 
 
 # by hand from the pipelines' descriptions (module docstring of evaluate.py, quant/README.md): RTN reads no
@@ -49,9 +50,9 @@ READS_BATCH = {"percentile": True, "repq": True, "aphq": False, "gplq": False, "
 
 @pytest.mark.parametrize("pipeline", sorted(READS_BATCH))
 def test_which_pipelines_read_the_calibration_batch(pipeline):
-    assert evaluate.reads_calibration_batch(pipeline, language=False) is READS_BATCH[pipeline]
+    assert plan.reads_calibration_batch(pipeline, language=False) is READS_BATCH[pipeline]
     # on a language model only RTN reads none: there are no training images of its own to draw
-    assert evaluate.reads_calibration_batch(pipeline, language=True) is (pipeline != "rtn")
+    assert plan.reads_calibration_batch(pipeline, language=True) is (pipeline != "rtn")
 
 
 def test_a_results_settings_name_the_calibration_only_where_it_is_read_and_the_ranks_only_for_gplq():

@@ -349,8 +349,8 @@ def test_strict_defaults_are_the_documented_ones_and_quantize_per_tensor_statica
     quantizes every block Linear input and q, k, softmax output and v with one static range per tensor (not a
     DynamicQuantizer), the non-strict setting per token at run time with the attention matmuls float; a setting
     the user gives for strict is used, and one given for smoothquant does not reach strict."""
-    import evaluate
     from configs import load_config
+    from quant import plan
 
     documented = _documented_smoothquant_defaults()
     assert set(documented["smoothquant_strict"]) == {"batch_size", "alpha", "weight_granularity", "act_granularity",
@@ -358,24 +358,24 @@ def test_strict_defaults_are_the_documented_ones_and_quantize_per_tensor_statica
     assert documented["smoothquant_strict"]["act_granularity"] == "tensor"  # the table says what strict means
     cfg = load_config([], [])
     for name, want in documented.items():
-        options = evaluate.pipeline_options(cfg, name)
+        options = plan.pipeline_options(cfg, name)
         assert {key: getattr(options, key) for key in want} == want, name
 
     model, calib = with_outliers(gpt()), tokens()
-    strict = PIPELINES["smoothquant_strict"](model, calib, "w8a8", evaluate.pipeline_options(cfg, "smoothquant_strict"))
+    strict = PIPELINES["smoothquant_strict"](model, calib, "w8a8", plan.pipeline_options(cfg, "smoothquant_strict"))
     found = _activation_quantizers(strict.model)
     assert len(found) == 2 * (4 + 4)  # 2 blocks: qkv, proj, fc1, fc2 inputs and q, k, attn, v
     for name, quantizer in found.items():
         assert quantizer is not None and not isinstance(quantizer, DynamicQuantizer), name
         assert quantizer.scale.numel() == 1, name  # one range for the whole tensor, fixed at calibration
-    plain = PIPELINES["smoothquant"](model, calib, "w8a8", evaluate.pipeline_options(cfg, "smoothquant"))
+    plain = PIPELINES["smoothquant"](model, calib, "w8a8", plan.pipeline_options(cfg, "smoothquant"))
     found = _activation_quantizers(plain.model)
     assert len(found) == 2 * 4 and all(isinstance(q, DynamicQuantizer) for q in found.values())
 
     told = load_config([], ["quant.smoothquant_strict.act_calibration=dynamic",
                             "quant.smoothquant_strict.quantize_bmm=qkv", "quant.smoothquant.quantize_bmm=none",
                             "quant.smoothquant.act_granularity=tensor"])
-    options = evaluate.pipeline_options(told, "smoothquant_strict")
+    options = plan.pipeline_options(told, "smoothquant_strict")
     assert (options.act_calibration, options.quantize_bmm, options.act_granularity) == ("dynamic", "qkv", "tensor")
     found = _activation_quantizers(PIPELINES["smoothquant_strict"](model, calib, "w8a8", options).model)
     assert {n.rsplit(".", 1)[1] for n, q in found.items() if q is None} == {"attn"}  # qkv: probabilities float
