@@ -83,18 +83,34 @@ def unhooked_step_text(where: str, optimizer: torch.optim.Optimizer) -> str:
 
 
 def calls_no_hooks(value: Any, inner: torch.optim.Optimizer, own_step: bool = False) -> bool:
-    """`value` is a `step` of `inner` that bypasses its step hooks: a bound `step` of it whose function torch has
-    not marked `hooked`, or (`own_step`: `value` is inner's own `step` attribute) a wrapper of one (an lr
-    scheduler's, torch.compile's: functools.wraps, whose `__wrapped__` leads to it and which copies the mark)."""
+    """`value` is a `step` of `inner` that bypasses its step hooks: a bound `step` of it whose function is one of
+    its class's step functions not marked `hooked` by torch (`class_steps_without_hooks`), or (`own_step`: `value`
+    is inner's own `step` attribute) a wrapper of one (an lr scheduler's, torch.compile's: functools.wraps, whose
+    `__wrapped__` leads to it and which copies the mark). Any other function (a user's own `step` that forwards to
+    the optimizer's) is not known to bypass the hooks, so it is not reported."""
+    unhooked = class_steps_without_hooks(inner)
     for _ in range(8):  # the wrappers around it, outermost first
         if getattr(value, "hooked", False):
             return False
         if inspect.ismethod(value):
-            return value.__self__ is inner and value.__func__.__name__ == "step" and not getattr(value.__func__,
-                                                                                                  "hooked", False)
-        if not own_step or getattr(value, "__name__", None) != "step":
+            return value.__self__ is inner and any(value.__func__ is f for f in unhooked)
+        if any(value is f for f in unhooked):
+            return own_step
+        if not own_step or getattr(value, "__name__", None) != "step" or not hasattr(value, "__wrapped__"):
             return False
-        if not hasattr(value, "__wrapped__"):  # the class's step function itself, never wrapped for hooks
-            return inspect.isfunction(value)
         value = value.__wrapped__
     return False
+
+
+def class_steps_without_hooks(optimizer: Any) -> list:
+    """The functions of `optimizer`'s class `step` that call no step hooks: the class's step and the functions it
+    wraps (`__wrapped__`: torch.no_grad and other functools.wraps decorators) before torch wraps it for hooks, the
+    ones under torch's wrapper (marked `hooked`) after. A step taken from one of them skips the hooks for good."""
+    found, func = [], getattr(type(optimizer), "step", None)
+    for _ in range(8):
+        if func is None:
+            break
+        if not getattr(func, "hooked", False):
+            found.append(func)
+        func = getattr(func, "__wrapped__", None)
+    return found

@@ -182,6 +182,32 @@ def test_other_wrappers_of_an_unhooked_step_on_the_optimizer_are_refused(unhooke
         ColinearityDecay(model, lam=0.1).attach(opt)
 
 
+@pytest.mark.parametrize("wrap", ["closure", "method"])
+def test_a_users_step_that_forwards_to_the_hooked_step_is_attached_to(wrap):
+    """A user's own `step` put on the optimizer (a closure forwarding to the bound step, or a method calling the
+    class's step) runs torch's hooked step, so CD runs in it; attach refused both as 'a step of SGD taken before
+    torch made its class's step call step hooks'. Reference: one update by hand (SGD moves nothing)."""
+    import types
+    model = tiny_vit().double()
+    opt = sgd(model.parameters())
+    bound = opt.step
+
+    def step(*args, **kwargs):  # closure: forwards to the bound step
+        return bound(*args, **kwargs)
+
+    def method_step(self, closure=None):  # method: calls the class's step
+        return type(self).step(self, closure)
+    method_step.__name__ = "step"
+    opt.step = step if wrap == "closure" else types.MethodType(method_step, opt)
+    decay = ColinearityDecay(model, lam=0.1)
+    decay.attach(opt)
+    step_with_zero_grads(model, opt)
+    reference = tiny_vit().double()
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert decay.metrics()["cd/updates"] == 1
+
+
 def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
     """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
     skipped) and CD / TWEO act in them."""
