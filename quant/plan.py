@@ -85,14 +85,21 @@ def default_pipelines_hint(cfg: Config, task, flags: bool = True) -> str:
                                        if flags else ("quant.pipelines", "quant.pipelines=[{}]", "quant.bits",
                                                       "pipelines at every bit-width"))
     own = sorted(p for p in PIPELINES if task.name in PIPELINES[p].tasks)
-    advice = []
+    advice, untaken = [], []
     for bits in dict.fromkeys(b for name, b in planned(cfg) if not takes(name, b)):  # each failing width, in order
         fitting = [choose.format(name) for name in own if takes(name, bits)]
-        advice.append(f"{' or '.join(fitting)} for {bits}" if fitting else f"no pipeline of this task takes {bits}")
+        if fitting:
+            advice.append(f"{' or '.join(fitting)} for {bits}")
+        else:  # no pipeline to name: the bit-width itself has to go
+            untaken.append(bits)
+    fixes = ([f"give {'; '.join(advice)}"
+              + (f", in separate evaluations (each runs its {each})" if len(advice) > 1 else "")] if advice else [])
+    if untaken:
+        them = "it" if len(untaken) == 1 else "them"
+        fixes.append(f"drop {', '.join(untaken)}: no pipeline of this task takes {them}")
     model = "a language model" if task.language else "an image classifier"
     return (f"; without {pipelines} {model} runs {', '.join(cfg.quant.pipelines)} at every {widths} bit-width: "
-            f"give {'; '.join(advice)}"
-            + (f", in separate evaluations (each runs its {each})" if len(advice) > 1 else ""))
+            f"{'; '.join(fixes)}")
 
 
 def check_pipelines(cfg: Config, task) -> None:

@@ -66,6 +66,20 @@ def test_an_option_refused_at_each_pipelines_own_bit_width_gets_no_advice_about_
     assert "bit-width" not in str(raised.value) and "no pipeline of this task" not in str(raised.value)
 
 
+@pytest.mark.parametrize("bits, advice", [
+    ("[w16a16]", "drop w16a16: no pipeline of this task takes it"),
+    ("[w4a16,w16a16]", "give quant.pipelines=[gptq] or quant.pipelines=[rtn] for w4a16; drop w16a16: no pipeline of "
+                       "this task takes it"),
+], ids=["one", "with a fitting one"])
+def test_a_bit_width_no_pipeline_of_the_task_takes_is_advised_to_be_dropped(bits, advice):
+    """The advice for bit-widths the task's own pipelines cannot all run: for one that none of the task's pipelines
+    takes, it said "give no pipeline of this task takes w16a16"."""
+    cfg = load_config([DEBUG_CONFIG], [f"quant.bits={bits}"])
+    with pytest.raises(ConfigError) as raised:
+        check_quant_plan(cfg)
+    assert f"at every quant.bits bit-width: {advice} (a run records" in str(raised.value), raised.value
+
+
 def test_a_sweep_refuses_a_bad_evaluation_setting_before_its_first_run_trains(tmp_path):
     spec = tmp_path / "sweep.yaml"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n"
