@@ -28,7 +28,7 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
                      pair_penalty)
 from .verify import UnsupportedModelError
-from .wrappers import steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
+from .wrappers import in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -473,6 +473,8 @@ class ColinearityDecay:
                           stacklevel=2)
 
         def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+            if in_outer_step(opt):  # the outer step's hook has made (or will make, in its closure) the update
+                return None
             # torch passes step's own arguments: args = (optimizer, closure?) and kwargs
             closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
             if closure is None:

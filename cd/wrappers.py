@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -114,3 +115,21 @@ def class_steps_without_hooks(optimizer: Any) -> list:
             found.append(func)
         func = getattr(func, "__wrapped__", None)
     return found
+
+
+# the code of torch's wrapper that makes an optimizer class's `step` call the step hooks (one for every class)
+_HOOKED_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def in_outer_step(optimizer: torch.optim.Optimizer) -> bool:
+    """A step hook of `optimizer` runs inside another step of it: a subclass's `step` calling super().step(), where
+    torch has wrapped both classes' steps to call the hooks (the parent's at any instance's Optimizer.__init__),
+    runs them twice per step. Read from the calls under way, so that a step that raised leaves nothing behind."""
+    frame, found = sys._getframe(1), 0
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP_CODE and frame.f_locals.get("self") is optimizer:
+            found += 1
+            if found > 1:
+                return True
+        frame = frame.f_back
+    return False

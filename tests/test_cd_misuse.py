@@ -208,6 +208,35 @@ def test_a_users_step_that_forwards_to_the_hooked_step_is_attached_to(wrap):
     assert decay.metrics()["cd/updates"] == 1
 
 
+class ClippedSGD(torch.optim.SGD):
+    """A user's optimizer subclass whose `step` calls its parent's."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("how", ["attach", "binding", "held binding"])
+def test_a_subclass_step_calling_the_parents_step_gets_one_update_per_step(how):
+    """An optimizer subclass whose `step` calls super().step(): once torch has wrapped both classes' steps for hooks
+    (the parent's at any instance's Optimizer.__init__), a step runs the step hooks twice: attach decayed twice per
+    step, a Lightning binding (strict_steps) raised 'took a step without the framework's step event', an MMEngine
+    one (armed until disarmed) decayed twice. Reference: one update by hand (SGD on zero gradients moves nothing)."""
+    from cd.integrations import OptimizerBinding
+    sgd([torch.nn.Parameter(torch.zeros(1))])  # torch wraps SGD's own step for hooks, for good
+    model = tiny_vit().double()
+    opt = ClippedSGD(model.parameters(), lr=0.5)
+    decay = ColinearityDecay(model, lam=0.1)
+    if how == "attach":
+        decay.attach(opt)
+    else:
+        OptimizerBinding(decay, opt, strict_steps=True).arm(until_disarmed=how == "held binding")
+    step_with_zero_grads(model, opt)
+    reference = tiny_vit().double()
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert decay.metrics()["cd/updates"] == 1
+
+
 def test_the_engines_optimizers_run_step_hooks_from_the_first_step(unhooked_lookahead):
     """optim.name=lookahead_adamw: the loop counts real updates in a step hook (an uncounted one reads as
     skipped) and CD / TWEO act in them."""

@@ -21,7 +21,7 @@ import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
-from ..wrappers import steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
+from ..wrappers import in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -160,6 +160,8 @@ class OptimizerBinding:
             self.shared.remove()
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if in_outer_step(optimizer):  # a subclass's step calling super().step(): the outer step's hooks act
+            return
         self._stepping, self._applied, self._kwargs = True, False, kwargs
         if self._armed:
             self._run()
@@ -170,6 +172,8 @@ class OptimizerBinding:
         return self._armed and not self._held
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if in_outer_step(optimizer):
+            return
         bypassed = self.strict_steps and not self._applied and self._holds_gradients()
         self._stepping, self._armed = False, self._held
         if bypassed:
@@ -255,6 +259,8 @@ class SharedUpdate:
         self._parts = {id(opt) for opt in self.optimizers if holds_pairs(self.decay, opt) or id(opt) in self._kept_of}
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if in_outer_step(optimizer):  # a subclass's step calling super().step(): one step, not a second one
+            return
         if self._signature() != self._sig:  # a param group added since (e.g. a stage unfrozen): a pair may be split
             self._map()
         if id(optimizer) not in self._parts:
