@@ -25,8 +25,8 @@ Run:
     python scripts/bench_overhead.py --out results/overhead                 # GPU, the paper's settings
     python scripts/bench_overhead.py --device cpu --small --out /tmp/ovh    # CPU smoke run, about a minute
     python scripts/bench_overhead.py --device cpu --apply-only --threads 2 --out /tmp/ovh  # apply vs floor
-    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=8" \
-        --out results/overhead_epochs data.root=/datasets/imagenet                         # the paper's
+    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
+        --out results/overhead_epochs data.root=/datasets/imagenet     # the paper's (256 x 4 GPUs = 1024)
     (on a shared or busy CPU add --threads 1: OpenMP contention otherwise makes single steps 10x slower)
 AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 """

@@ -17,8 +17,8 @@ the same without each run's first epoch (cuDNN autotuning, data-loader start), p
 runs), and ratios to the baseline. Re-running the same command reuses finished runs and resumes
 interrupted ones (an epoch cut by the interruption has no timing). Writes epochs.json and epochs.png.
 
-    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=8" \
-        --out results/overhead_epochs data.root=/datasets/imagenet                  # the paper's protocol
+    python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
+        --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
     python scripts/bench_overhead.py --protocol epochs --recipe configs/debug/tiny.yaml --global-batch 16 \
         --batches 8 16 --models vit_nano --width-batch 8 --epochs 2 --runs 1 --out /tmp/ep      # CPU smoke
 """
