@@ -136,6 +136,10 @@ def check_bits(cfg: Config, task, defaulted: bool, flags: bool = False, bits_fla
         problem = named_twice(what, values)
         if problem:
             raise ConfigError(problem)
+    if cfg.quant.bits and not cfg.quant.pipelines:  # no pipeline would read them: asked is not what runs
+        raise ConfigError(f"{bits_name}: {', '.join(cfg.quant.bits)} given, but {pipelines_name} names no pipeline, "
+                          f"so nothing is quantized at them; name the pipelines, or drop the bit-widths for the "
+                          f"float evaluation alone")
     for name, bits in planned(cfg):  # options that cannot go together: now, not after hours of work
         try:
             PIPELINES[name].validate(parse_bits(bits), pipeline_options(cfg, name))

@@ -597,7 +597,10 @@ def test_option_values_a_pipeline_cannot_use_stop_before_any_work(checkpoint, ov
 
 
 @pytest.mark.parametrize("argv, message", [(["--quant", "repq", "repq"], "--quant / quant.pipelines names repq twice"),
-                                           (["--bits", "w4a4", "W4A4"], "--bits / quant.bits names w4a4 twice")])
+                                           (["--bits", "w4a4", "W4A4"], "--bits / quant.bits names w4a4 twice"),
+                                           # `--quant` with no pipeline: the float evaluation alone reads no bits
+                                           (["--quant", "--bits", "w4a4"], "--bits / quant.bits: w4a4 given, but "
+                                            "--quant / quant.pipelines names no pipeline")])
 def test_a_pipeline_or_bit_width_named_twice_is_refused(checkpoint, argv, message):
     from configs import ConfigError
     with pytest.raises(ConfigError, match=re.escape(message)):

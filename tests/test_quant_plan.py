@@ -29,7 +29,10 @@ LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
      r"quant.percentile: .*without quant.pipelines an image classifier runs percentile, repq at every quant.bits "
      r"bit-width: give quant.pipelines=\[gptq\] or quant.pipelines=\[rtn\] for w4a16"),
     (LM_CONFIG, ["quant.pipelines=[gplq]"], r"quant.pipelines: gplq cannot quantize a causal_lm model"),
-], ids=["unknown pipeline", "malformed bits", "joined bits", "bits twice", "default pipelines", "other task"])
+    (DEBUG_CONFIG, ["quant.pipelines=[]", "quant.bits=[w4a4]"],
+     r"quant.bits: w4a4 given, but quant.pipelines names no pipeline, so nothing is quantized at them"),
+], ids=["unknown pipeline", "malformed bits", "joined bits", "bits twice", "default pipelines", "other task",
+        "bits without pipelines"])
 def test_train_refuses_quant_settings_its_evaluation_would_refuse_before_making_a_folder(tmp_path, config,
                                                                                           overrides, message):
     out = tmp_path / "run"
