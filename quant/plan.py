@@ -201,6 +201,7 @@ def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_siz
     for name in sorted(pipelines):
         for key, batch in PIPELINES[name].train_batch_sizes(pipeline_options(cfg, name)).items():
             if batch > per_process:
-                return (f"quant.{name}.{key}={batch}: the {split} split has {size} images, {per_process} for each "
-                        f"of {world_size} process(es), fewer than one batch; give at most {per_process}")
+                shares = f", {per_process} for each of {world_size} processes" if world_size > 1 else ""
+                return (f"quant.{name}.{key}={batch}: the {split} split has {size} images{shares}, fewer than one "
+                        f"batch; give at most {per_process}")
     return None
