@@ -68,6 +68,7 @@ def test_table4a_cd_strengths_with_the_budget_rule():
 
 def test_table4b_update_forms():
     runs = resolved("cd_form.yaml", "data.root=/datasets/imagenet")
+    assert not runs["baseline"].cd.enabled and runs["baseline"].optim.weight_decay == 0.05  # the table's first row
     assert (runs["decay_0.005"].cd.mode, runs["decay_0.005"].cd.lam) == ("decoupled", 0.005)
     for coef in (0.01, 0.005):
         cfg = runs[f"loss_{coef}"]
