@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> dict:
     with process_group(cfg.train.device, wait) as dist:
         device = dist.device
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)
-        prepare_folder(os.path.dirname(os.path.abspath(out)))
+        prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # the default: beside the checkpoint
         setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
         log.info("%s", describe_environment(dist))
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))

@@ -126,9 +126,9 @@ def make_folder(out_dir: str, setting: str = "out_dir") -> None:
         raise _unusable(out_dir, e, setting) from None
 
 
-def check_writable(out_dir: str) -> None:
-    """Check that files can be written in the existing folder `out_dir`, or raise RunDirError. The probe file
-    (`PROBE_PREFIX<pid>`) is removed whatever happens."""
+def check_writable(out_dir: str, setting: str = "out_dir") -> None:
+    """Check that files can be written in the existing folder `out_dir`, or raise RunDirError naming `setting`.
+    The probe file (`PROBE_PREFIX<pid>`) is removed whatever happens."""
     probe = os.path.join(out_dir, f"{PROBE_PREFIX}{os.getpid()}")
     try:
         with open(probe, "w") as f:
@@ -138,15 +138,16 @@ def check_writable(out_dir: str) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(probe)
-        raise _unusable(out_dir, e) from None
+        raise _unusable(out_dir, e, setting) from None
     os.remove(probe)
 
 
-def prepare_folder(out_dir: str) -> None:
-    """Create `out_dir` and check that files can be written there, or raise RunDirError (see `check_writable`).
-    A run's folder is claimed with `claim_run_dir` instead, which writes nothing there before holding its lock."""
-    make_folder(out_dir)
-    check_writable(out_dir)
+def prepare_folder(out_dir: str, setting: str = "out_dir") -> None:
+    """Create `out_dir` and check that files can be written there, or raise RunDirError naming `setting`, the
+    option that chose the folder (see `check_writable`). A run's folder is claimed with `claim_run_dir` instead,
+    which writes nothing there before holding its lock."""
+    make_folder(out_dir, setting)
+    check_writable(out_dir, setting)
 
 
 # Temporary files of atomic writes: `<name>.partial-<host>-<pid>-<8 hex digits>` (<host>: 8 hex digits of the

@@ -452,7 +452,7 @@ def check_outputs(out: str, names: Sequence[str], overwrite: bool) -> list[str]:
         refuse_existing_outputs(paths, overwrite)
     except RunDirError as e:
         raise MechanismError(str(e)) from None
-    prepare_folder(out)
+    prepare_folder(out, setting="--out")
     return paths
 
 

@@ -682,11 +682,15 @@ def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
     (["--quant", "repqq"], "unknown quantization pipeline"),
     (["model.name=vit_micro"], "does not fit model 'vit_micro'"),
     (["--ema"], "has no 'model_ema' weights"),
+    # the result's folder is refused naming the flag that chose it (it said "out_dir", evaluate.py's no option)
+    (["--out", "FILE/r.json"], "cannot be used: File exists; choose a writable --out"),
 ])
 def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp_path, capsys, extra, message):
     """evaluate.py's `__main__` run in this process (a process each would import torch again: seconds each);
     tests/test_evaluate.py::test_bad_inputs_are_clear_errors runs a refusal as a process."""
-    out = tmp_path / "r.json"
+    out, blocker = tmp_path / "r.json", tmp_path / "file"
+    blocker.write_text("")
+    extra = [a.replace("FILE", str(blocker)) for a in extra]
     code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--out", str(out), *extra], capsys)
     lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
