@@ -78,6 +78,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 from quant import PIPELINES  # noqa: E402
 from quant.layers import QuantLinear  # noqa: E402
@@ -466,8 +467,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         if missing:
             raise SystemExit(f"error: {checkout} lacks {', '.join(missing)}: give checkouts of IST-DASLab/gptq "
                              f"(--gptq) and mit-han-lab/smoothquant (--smoothquant)")
-    if os.path.exists(args.out) and not args.overwrite:
-        raise SystemExit(f"error: {args.out} exists; --overwrite replaces it, or give --out another name")
+    try:  # a folder at --out, or a file where its folder goes: one error line now, not a traceback after training
+        refuse_existing_outputs([args.out], args.overwrite)
+    except RunDirError as e:
+        raise SystemExit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.perf_counter()
 

@@ -38,6 +38,34 @@ def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_o
     assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
 
 
+def _empty_checkouts(tmp_path) -> list[str]:
+    """--gptq / --smoothquant arguments naming folders with the files the script looks for (empty)."""
+    for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
+                            (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
+                                              "smoothquant/calibration.py"))):
+        for f in files:
+            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / f).write_text("")
+    return ["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s")]
+
+
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_an_out_path_that_cannot_be_the_json_is_one_error_before_training(tmp_path, where):
+    """--out naming a folder (--overwrite or not: the JSON was opened over it after the training, an
+    IsADirectoryError) or a path under a file (os.makedirs' FileExistsError) is one error line before any
+    training, and nothing is written."""
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "notes").write_text("mine")
+    out = tmp_path / "taken" if where == "folder" else tmp_path / "notes" / "x.json"
+    with pytest.raises(SystemExit) as error:
+        xc.main([*_empty_checkouts(tmp_path), "--out", str(out), "--overwrite", "--model", "gpt2_nano",
+                 "--steps", "1", "--calib", "1", "--eval-windows", "1"])
+    message = str(error.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "choose another --out" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g", "notes", "s", "taken"]  # no <out>.lm.pt
+    assert (tmp_path / "notes").read_text() == "mine" and not any((tmp_path / "taken").iterdir())
+
+
 @pytest.mark.parametrize("content", [b'{"mine": 1}\n', b""])
 def test_a_file_at_the_float_model_path_that_the_script_did_not_write_is_one_error_line_and_kept(tmp_path, content):
     """<out>.lm.pt of the user's own (JSON: torch.load's weights_only refusal runs over six lines; empty) is
