@@ -87,11 +87,13 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
                        world_size: int, seed: int, num_classes: int) -> TrainBatches:
     """The train split with the training transform, shuffled and sharded across ranks (drop_last)."""
     train_set = build_dataset(cfg, "train", img_size, num_classes, train_transform=True)
-    return _train_batches(cfg, train_set, batch_size_per_gpu, rank, world_size, seed, "training images")
+    return _train_batches(cfg, train_set, batch_size_per_gpu, rank, world_size, seed, "training images",
+                          "more training images")
 
 
 def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
-                   what: str) -> TrainBatches:
+                   what: str, more: str) -> TrainBatches:
+    """Seeded, sharded full batches of `train_set` (`what` it holds, for messages; `more`: how to get more of it)."""
     if cfg.repeated_aug > 1 and cfg.dataset not in TOKEN_DATASETS:
         # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
@@ -101,7 +103,8 @@ def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: in
                                   drop_last=True)
     if len(base) < batch_size_per_gpu:
         raise DataError(f"{len(train_set)} {what} give each of {world_size} processes {len(base)} "
-                        f"per epoch, fewer than one batch of {batch_size_per_gpu}")
+                        f"per epoch, fewer than one batch of {batch_size_per_gpu}: give a smaller "
+                        f"train.batch_size_per_gpu, fewer processes or {more}")
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))
@@ -118,7 +121,8 @@ def build_token_loaders(cfg: DataConfig, *, context: int, batch_size_per_gpu: in
     for stream in (train_stream, val_stream):
         check_vocabulary(stream, vocab_size)
     train = _train_batches(cfg, TokenWindows(train_stream, context, train=True), batch_size_per_gpu, rank,
-                           world_size, seed, f"training windows of {context} tokens")
+                           world_size, seed, f"training windows of {context} tokens",
+                           "a longer training text or a model of a shorter context (model.kwargs={context: N})")
     val = _eval_loader(cfg, _val_windows(cfg, val_stream, context), eval_batch_size_per_gpu, rank, world_size)
     return Loaders(train=train, val=val, mixup=None, classes=train_stream.vocab,
                    fingerprint=token_files_fingerprint(cfg))

@@ -815,6 +815,23 @@ def test_a_validation_split_with_ids_past_the_vocabulary_is_refused_before_train
                             seed=0, vocab_size=50)
 
 
+def test_a_text_too_short_for_one_batch_is_refused_naming_the_settings_that_fix_it(tmp_path):
+    """100 ids make (100 - 1 - 10) // 10 = 8 training windows of context 10 (each needs 11 ids and a random
+    offset of up to 10): fewer than one batch of 9. The message named the numbers only; it names the per-process
+    batch, the process count, the text and the context to change."""
+    from data.loader import build_token_loaders
+
+    for split in ("train", "val"):
+        (np.arange(100, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
+    with pytest.raises(DataError) as error:
+        build_token_loaders(cfg, context=10, batch_size_per_gpu=9, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+                            seed=0, vocab_size=50)
+    assert str(error.value) == ("8 training windows of 10 tokens give each of 1 processes 8 per epoch, fewer than one "
+                                "batch of 9: give a smaller train.batch_size_per_gpu, fewer processes or a longer "
+                                "training text or a model of a shorter context (model.kwargs={context: N})")
+
+
 @pytest.mark.parametrize("at", [0, 5, 8, 9])
 def test_the_largest_id_is_read_across_every_chunk_of_the_file(at):
     """largest_id reads a token file in chunks; the largest id is found wherever it lies, in the last, shorter
