@@ -38,6 +38,7 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.cli import OneLineParser, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
+from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
@@ -79,6 +80,19 @@ def refuse_variant_keys(overrides: list[str]) -> None:
             raise ConfigError(f"{item} sets {keys[0]}, which a variant varies ({', '.join(sorted(variant_keys))}): "
                               "the 'official' row would be computed with it; drop it (evaluate.py --out runs one "
                               "setting on its own)")
+
+
+def refuse_language_model(checkpoint: str) -> None:
+    """The variants run the image pipelines (percentile, repq, gplq, aphq): a language model's checkpoint was
+    refused by evaluate.py as a bad quant.pipelines, a setting the user never gave; say what the command is for."""
+    if not os.path.isfile(checkpoint):  # evaluate.py's refusal says what is wrong with it
+        return
+    dataset = load_checkpoint(checkpoint)["config"]["data"]["dataset"]
+    if evaluate.task_for(dataset).language:
+        raise ConfigError(f"{checkpoint} is a language model (data.dataset={dataset}): quant_sensitivity.py varies "
+                          "the W4A4 details of the image pipelines (percentile, repq, gplq, aphq); evaluate it with "
+                          f"evaluate.py --checkpoint {checkpoint} --quant rtn gptq smoothquant smoothquant_strict "
+                          "and their quant.<pipeline>.* options")
 
 
 def pipelines_run(with_aphq: bool) -> set[str]:
@@ -150,6 +164,7 @@ def main(argv=None) -> dict:
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
     refuse_variant_keys(args.overrides)
     refuse_unread_keys(args.overrides, args.with_aphq)
+    refuse_language_model(args.checkpoint)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
     table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)

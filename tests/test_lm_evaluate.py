@@ -443,3 +443,18 @@ def test_calibration_windows_are_distinct_train_windows_drawn_by_the_seed(tmp_pa
     assert calibration_windows(cfg, 32, 10, 0, vocab_size=320).shape == (10, 32)
     with pytest.raises(DataError, match="holds ids up to 319, model.num_classes=319"):
         calibration_windows(cfg, 32, 10, 0, vocab_size=319)
+
+
+def test_quant_sensitivity_refuses_a_language_model_naming_the_checkpoint_and_evaluate_py(kjv_run, tmp_path):
+    """scripts/quant_sensitivity.py varies the image pipelines' W4A4 details; an LM checkpoint was refused by the
+    first variant's evaluate.py as 'quant.pipelines: percentile, repq, gplq cannot quantize a causal_lm model', a
+    setting nobody gave. Now one error before any evaluation, naming the checkpoint and the LM pipelines."""
+    from tests.conftest import load_script
+
+    sensitivity = load_script("quant_sensitivity")
+    with pytest.raises(ConfigError) as error:
+        sensitivity.main(["--checkpoint", str(kjv_run), "--out", str(tmp_path / "sens")])
+    message = str(error.value)
+    assert message.startswith(f"{kjv_run} is a language model (data.dataset=kjv): quant_sensitivity.py")
+    assert "evaluate.py --checkpoint" in message and "quant.pipelines" not in message
+    assert not (tmp_path / "sens").exists()
