@@ -174,16 +174,24 @@ def metrics_records(folder: str) -> list[dict]:
 
 
 def read_sweep(root: str) -> list[Run]:
-    runs = []
+    """The evaluated runs under `root` (folders `<point>_s<seed>`). A run folder without eval_best.json (still
+    training, or not evaluated) is left out, and a warning names it: only the seeds column would show it."""
+    runs, unevaluated = [], []
     for name in sorted(os.listdir(root)):
         match = RUN_NAME.match(name)
         if match and os.path.isdir(os.path.join(root, name)):
             run = read_run(os.path.join(root, name), match["point"], int(match["seed"]))
             if run is not None:
                 runs.append(run)
+            else:
+                unevaluated.append(name)
     if not runs:
         raise ReportError(f"{root}: no evaluated run (<point>_s<seed>/eval_best.json); run the sweep with "
                           f"--run --evaluate first")
+    if unevaluated:
+        print(f"warning: {len(unevaluated)} run folder(s) under {root} have no eval_best.json and are left out of "
+              f"the report: {', '.join(unevaluated)} (evaluate them with the sweep's --run --evaluate to include "
+              f"them)", file=sys.stderr)
     seen = {}
     for run in runs:  # baseline_s1 and baseline_s01: one seed named twice, shown as "1,1" and averaged as two
         first = seen.setdefault((run.point, run.seed), run.folder)

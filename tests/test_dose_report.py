@@ -60,10 +60,14 @@ def sweep(tmp_path_factory):
     return root
 
 
-def test_points_in_dose_order_with_seeds_averaged(sweep):
+def test_points_in_dose_order_with_seeds_averaged(sweep, capsys):
     groups = dose_report.by_point(dose_report.read_sweep(str(sweep)))
     assert list(groups) == ["baseline", "cd10x", "cd100x", "tweo"]
     assert [r.seed for r in groups["baseline"]] == [0, 1]
+    # the run still training is left out, and said to be: only the seeds column would show it
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "are left out of the report: cd1x_s0 (evaluate them with the sweep's --run --evaluate to include them)")
 
 
 def test_doses_and_seeds_are_ordered_as_numbers_not_as_text(tmp_path):
