@@ -1,10 +1,12 @@
 """The documentation works: every relative link in the repository's Markdown files resolves (the file, and
-the heading after `#`); every `train.py` / `evaluate.py` command in the Markdown code blocks and inline code
+the heading after `#`); every `train.py` / `evaluate.py` command in the Markdown code blocks and inline code, in
+the module docstrings of the code (entry points, scripts, packages) and in the comments of the YAML configs
 parses, its config resolved as `--print-config` resolves it where that needs no file a run writes; every
-`scripts/<x>.py`, `evaluate_detection.py` and `python -m cd` command parses through that script's own
+`scripts/<x>.py`, `evaluate_detection.py` and `python -m cd` command there parses through that script's own
 parser, and a sweep's through its dry path; every repository file a command names exists. The files are
 read when the tests are collected, so the checks follow the documents as they change."""
 import argparse
+import ast
 import fnmatch
 import glob
 import importlib
@@ -21,14 +23,14 @@ from configs import config_from_dict, load_config
 from tests.conftest import ROOT, load_script
 
 
-def repository_markdown(root: str) -> list[str]:
-    """The repository's own Markdown files, relative to `root`: what git tracks or would track (untracked
-    but not ignored), so that what a command the README suggests writes into the checkout (build/ and
-    *.egg-info of `pip install .`, runs/, a venv) is never read as documentation. Without git (a copy of
-    the files), every *.md outside hidden folders and the folders .gitignore names."""
+def repository_files(root: str, pattern: str) -> list[str]:
+    """The repository's own files whose name matches `pattern` (`*.md`), relative to `root`: what git tracks or
+    would track (untracked but not ignored), so that what a command the README suggests writes into the checkout
+    (build/ and *.egg-info of `pip install .`, runs/, a venv) is never read as documentation. Without git (a
+    copy of the files), every match outside hidden folders and the folders .gitignore names."""
     try:
         listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--",
-                                 "*.md"], cwd=root, capture_output=True, check=True).stdout.decode()
+                                 pattern], cwd=root, capture_output=True, check=True).stdout.decode()
         if os.path.exists(os.path.join(root, ".git")) or listed:
             return sorted(p for p in listed.split("\0") if p and os.path.isfile(os.path.join(root, p)))
     except (OSError, subprocess.CalledProcessError):
@@ -37,13 +39,18 @@ def repository_markdown(root: str) -> list[str]:
     if os.path.exists(os.path.join(root, ".gitignore")):
         with open(os.path.join(root, ".gitignore")) as f:
             ignored = {line.strip().strip("/") for line in f if line.strip().endswith("/")}
-    paths = (os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", "*.md"), recursive=True))
+    paths = (os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", pattern), recursive=True))
     return sorted(p for p in paths
                   if not any(part.startswith(".") or part in ignored or fnmatch.fnmatch(part, "*.egg-info")
                              for part in p.split(os.sep)[:-1]))
 
 
-MARKDOWN = repository_markdown(ROOT)
+MARKDOWN = repository_files(ROOT, "*.md")
+# The examples outside the Markdown: each module's docstring (entry points open with how to run them; the tests'
+# own docstrings describe what they try, refused commands included) and each YAML config's comments.
+DOCSTRINGS = [p for p in repository_files(ROOT, "*.py") if p.split("/")[0] != "tests"]
+YAML_COMMENTS = repository_files(ROOT, "*.yaml")
+DOCUMENTS = MARKDOWN + DOCSTRINGS + YAML_COMMENTS
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 
@@ -94,11 +101,29 @@ def test_every_relative_link_resolves(path):
 PLACEHOLDER_RECIPE = "configs/pretrain/vit_b.yaml"  # what `--config ...` ("your recipe") stands for
 
 
+def as_markdown(path: str) -> str:
+    """The document `path` as Markdown: a Markdown file as it is; of a Python file its module docstring, its
+    examples indented by 4 spaces or more (`    python train.py ...`) as code blocks, of a YAML file its comments
+    without the `# `, those indented by 2 spaces or more (`#   python train.py ...`) as code blocks; the rest
+    is prose (a list item's continuation, indented less, included)."""
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    if path.endswith(".md"):
+        return text
+    if path.endswith(".py"):
+        text, indent = ast.get_docstring(ast.parse(text)) or "", 4
+    else:
+        text = "\n".join(re.sub(r"^# ?", "", line.strip()) if line.strip().startswith("#") else ""
+                         for line in text.splitlines())
+        indent = 2
+    return re.sub(rf"(?m)((?:^ {{{indent},}}\S.*\n?)+)", lambda m: "```\n" + m.group(1).rstrip("\n") + "\n```\n",
+                  text + "\n")
+
+
 def documented_command_lines(path: str) -> list[str]:
     """The shell lines of `path` a user would copy: every line of its code blocks (continuation lines joined)
     and every inline code span in its prose."""
-    with open(os.path.join(ROOT, path)) as f:
-        text = f.read()
+    text = as_markdown(path)
     lines = [line for block in FENCE.findall(text) for line in re.sub(r"\\\n", " ", block).splitlines()]
     return lines + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
 
@@ -143,16 +168,35 @@ def invocations(path: str, script: str) -> list[tuple[str, str, list[str]]]:
     return found
 
 
-README_COMMANDS = [(path, script, args) for path in MARKDOWN for script, args in commands(path)]
+def once_each(rows: list[tuple]) -> list[tuple]:
+    """`rows` (document, command ...) with each command once, after the documents that show it, joined by ", ": a
+    command that a config's comment, a script's docstring and the README all show is checked once."""
+    shown: dict = {}
+    for path, *command in rows:
+        shown.setdefault(repr(command), (command, {}))[1][path] = None
+    return [(", ".join(paths), *command) for command, paths in shown.values()]
+
+
+DOCUMENTED_COMMANDS = once_each([(path, script, args) for path in DOCUMENTS for script, args in commands(path)])
 
 
 def test_the_readme_has_commands():
-    assert any(path == "README.md" and script == "train.py" for path, script, _ in README_COMMANDS)
-    assert any(path == "README.md" and script == "evaluate.py" for path, script, _ in README_COMMANDS)
+    assert any("README.md" in path.split(", ") and script == "train.py" for path, script, _ in DOCUMENTED_COMMANDS)
+    assert any("README.md" in path.split(", ") and script == "evaluate.py" for path, script, _ in DOCUMENTED_COMMANDS)
 
 
-@pytest.mark.parametrize("path, script, args", README_COMMANDS,
-                         ids=[f"{p}: {s} {' '.join(a)}"[:120] for p, s, a in README_COMMANDS])
+def test_the_docstrings_and_config_comments_have_commands():
+    """The examples outside the Markdown are read: an entry point's docstring (continuation lines joined), a
+    script's, and a config's comment (without its `#`)."""
+    assert ("train.py", ["--config", "configs/pretrain/vit_b.yaml", "data.root=placeholder"]) in commands("train.py")
+    assert ("bench_overhead", ["--device", "cpu", "--small", "--out", "/tmp/ovh"], False) \
+        in script_commands("scripts/bench_overhead.py")
+    assert ("train.py", ["--config", "configs/pretrain/vit_b.yaml", "data.root=/datasets/imagenet"]) \
+        in commands("configs/pretrain/vit_b.yaml")
+
+
+@pytest.mark.parametrize("path, script, args", DOCUMENTED_COMMANDS,
+                         ids=[f"{p}: {s} {' '.join(a)}"[:120] for p, s, a in DOCUMENTED_COMMANDS])
 def test_every_documented_command_parses(path, script, args, monkeypatch, capsys):
     import evaluate
     import train
@@ -187,24 +231,25 @@ def script_commands(path: str) -> list[tuple[str, list[str], bool]]:
     """(script, its arguments, elided) of every `python scripts/<x>.py` (or `torchrun ... scripts/<x>.py`),
     `evaluate_detection.py` and `python -m cd` command in `path`, the script named by its module (`sweep`,
     `evaluate_detection`, `cd.__main__`). Words expand as bash expands braces, except a braced subcommand right
-    after the script (`mechanism.py {surrogate,remove} ...`), which stands for one command each; a trailing
-    `...` marks an elided command ("the arguments of the one above"), whose words are checked but not its
-    completeness."""
+    after the script (`mechanism.py {surrogate,remove} ...`), which stands for one command each; a `...` word
+    marks an elided command ("the arguments of the one above", trailing or as in `train_detection.py ...
+    --resume`), whose other words are checked but not its completeness."""
     found = []
     for word, launcher, args in invocations(path, r"scripts/\w+\.py|evaluate_detection\.py|-m cd"):
         entry = re.fullmatch(r"scripts/(\w+)\.py|(evaluate_detection)\.py|(cd)", word)
         if not entry or (entry.group(3) and launcher != "-m"):
             continue
         module = entry.group(1) or entry.group(2) or "cd.__main__"
-        elided = args[-1:] == ["..."]
-        args = args[:-1] if elided else args
+        elided = "..." in args
+        args = [a for a in args if a != "..."]
         for head in (brace_words(args[0]) if args else [None]):
             rest = [w for a in args[1:] for w in brace_words(a)]
             found.append((module, ([head] if head is not None else []) + rest, elided))
     return found
 
 
-SCRIPT_COMMANDS = [(path, name, args, elided) for path in MARKDOWN for name, args, elided in script_commands(path)]
+SCRIPT_COMMANDS = once_each([(path, name, args, elided) for path in DOCUMENTS
+                             for name, args, elided in script_commands(path)])
 
 
 def test_the_documents_have_script_commands():
@@ -219,7 +264,13 @@ class Parsed(Exception):
 def parse_with_script(name: str, args: list[str], monkeypatch) -> tuple:
     """Run the script's main(args) (scripts/<name>.py, or the module `name`) up to the moment the argument
     parser it builds for itself (flags, choices, types, subcommands) returns, then stop it: (parser,
-    namespace), or (parser, None) where argparse refused the arguments (SystemExit, one `error:` line)."""
+    namespace), or (parser, None) where argparse refused the arguments (SystemExit, one `error:` line).
+    The examples are written for the machines they name: the parser sees one with 8 visible GPUs (as under
+    `torchrun --nproc_per_node=8`), so `--device cuda` is checked for its spelling, not this machine's."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     seen = []
     for method in ("parse_args", "parse_intermixed_args"):
         original = getattr(argparse.ArgumentParser, method)
@@ -298,7 +349,7 @@ def test_the_path_check_reads_the_commands_paths():
     assert {"configs/sweeps/pretrain_main.yaml", "scripts/install_mmcv.sh"} <= set(repository_paths("README.md"))
 
 
-@pytest.mark.parametrize("path", MARKDOWN)
+@pytest.mark.parametrize("path", DOCUMENTS)
 def test_every_repository_file_a_documented_command_names_exists(path):
     missing = [p for p in repository_paths(path)
                if not glob.glob(os.path.join(ROOT, re.sub(r"\b[A-Z][A-Z_]{2,}\b", "*", p)))]
@@ -414,16 +465,17 @@ def test_integration_examples_run_as_written(tmp_path):
 @pytest.mark.parametrize("with_git", [True, False])
 def test_files_that_readme_commands_write_are_not_documentation(tmp_path, with_git):
     """`pip install .` from the checkout (the README suggests it) writes build/lib/cd/README.md, whose
-    relative links break there; runs/ and a venv hold Markdown of their own."""
+    relative links break there, and build/lib/cd/*.py; runs/ and a venv hold Markdown and modules of their own."""
     for rel in ("README.md", "docs/a.md", "build/lib/cd/README.md", "runs/x/notes.md", ".venv/lib/x.md",
-                "colinearity_decay.egg-info/x.md"):
+                "colinearity_decay.egg-info/x.md", "cd/__main__.py", "build/lib/cd/__main__.py", ".venv/lib/x.py"):
         os.makedirs(os.path.dirname(tmp_path / rel) or tmp_path, exist_ok=True)
         (tmp_path / rel).write_text("# x\n")
     (tmp_path / ".gitignore").write_text("runs/\nbuild/\n.venv/\n*.egg-info/\n")
     if with_git:
         subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
         subprocess.run(["git", "add", "README.md"], cwd=tmp_path, check=True)
-    assert repository_markdown(str(tmp_path)) == ["README.md", "docs/a.md"]
+    assert repository_files(str(tmp_path), "*.md") == ["README.md", "docs/a.md"]
+    assert repository_files(str(tmp_path), "*.py") == ["cd/__main__.py"]
 
 
 def test_the_json_of_an_evaluation_without_checkpoint_is_where_the_readme_and_help_say(capsys):
