@@ -322,6 +322,45 @@ def test_every_documented_sweep_expands_into_commands(path, name, args, elided, 
     assert "train.py" in capsys.readouterr().out
 
 
+def runs_the_epochs_protocol(name: str, args: list[str]) -> bool:
+    """Whether a script command runs the epochs protocol (scripts/overhead_epochs.py, directly or as
+    `bench_overhead.py --protocol epochs`)."""
+    return name == "overhead_epochs" or (name == "bench_overhead" and (
+        "--protocol=epochs" in args or any(a == "--protocol" and b == "epochs" for a, b in zip(args, args[1:]))))
+
+
+EPOCHS_COMMANDS = [c for c in SCRIPT_COMMANDS if runs_the_epochs_protocol(c[1], c[2]) and not c[3]]
+
+
+class FirstRun(Exception):
+    """Raised in place of the epochs protocol's first train.py run."""
+
+
+@pytest.mark.parametrize("path, name, args, elided", EPOCHS_COMMANDS,
+                         ids=[f"{p}: {' '.join(a)}"[:120] for p, _, a, _ in EPOCHS_COMMANDS])
+def test_every_documented_epochs_protocol_is_accepted_up_to_its_first_run(path, name, args, elided, monkeypatch,
+                                                                           capsys):
+    """The epochs protocol checks its whole plan before its first run (every run's config, each per-GPU batch
+    on the launcher's processes against the global batch, the launcher's program), as a sweep's dry path
+    does: the document's command gets that far. The first run is stopped; nothing before it writes a file."""
+    import sys
+
+    import engine.run_dir
+
+    monkeypatch.chdir(ROOT)
+    # the environment the example assumes is active (its torchrun on PATH); the outputs this machine already
+    # holds under the example's --out are no concern of the example's
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    monkeypatch.setattr(engine.run_dir, "refuse_existing_outputs", lambda written, overwrite: None)
+
+    def first_run(cmd, **kw):
+        raise FirstRun(cmd)
+    monkeypatch.setattr(subprocess, "run", first_run)
+    with pytest.raises(FirstRun) as started:
+        load_script(name).main(args)
+    assert os.path.join(ROOT, "train.py") in started.value.args[0], f"{path}: {capsys.readouterr().err}"
+
+
 REPOSITORY_FOLDERS = ("cd", "configs", "data", "docs", "engine", "models", "quant", "scripts")  # README's Layout
 
 
