@@ -15,7 +15,7 @@ autocast) is marked † in its model name (a place of its own on the axis, and i
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
-    python scripts/motivation_figure.py runs/sweeps/digits_demo/*/eval_best.json --pipeline repq --bits w4a4 \
+    python scripts/motivation_figure.py runs/sweeps/digits/*/eval_best.json --pipeline repq --bits w4a4 \
         --max-act module --out runs/motivation
 """
 from __future__ import annotations

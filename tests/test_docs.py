@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from configs import config_from_dict, load_config
+from configs.loader import read_yaml_file
 from tests.conftest import ROOT, load_script
 
 
@@ -364,11 +365,10 @@ def test_every_documented_epochs_protocol_is_accepted_up_to_its_first_run(path, 
 REPOSITORY_FOLDERS = ("cd", "configs", "data", "docs", "engine", "models", "quant", "scripts")  # README's Layout
 
 
-def repository_paths(path: str) -> list[str]:
-    """The repository files and folders that the commands of `path` name (a word, or the value of a
-    key=value word, under one of the checkout's own top-level folders, such as configs/, data/ or scripts/);
-    an upper-case placeholder (`configs/detection/SETTING.py`) stands for any name."""
-    named = []
+def command_values(path: str) -> list[str]:
+    """The words of the commands of `path` (its documented lines that run python, torchrun or bash), a key=value
+    word as its value, braces expanded."""
+    values = []
     for line in documented_command_lines(path):
         if not re.search(r"(^|\s)(python|torchrun|bash)\s", line):
             continue
@@ -377,11 +377,16 @@ def repository_paths(path: str) -> list[str]:
         except ValueError:  # prose that is not a command
             continue
         for word in words:
-            value = word.split("=", 1)[1] if re.match(r"[\w.]+=", word) else word
-            for one in brace_words(value):
-                if one.split("/")[0] in REPOSITORY_FOLDERS and "/" in one and "*" not in one:
-                    named.append(one)
-    return named
+            values += brace_words(word.split("=", 1)[1] if re.match(r"[\w.]+=", word) else word)
+    return values
+
+
+def repository_paths(path: str) -> list[str]:
+    """The repository files and folders that the commands of `path` name (a word, or the value of a
+    key=value word, under one of the checkout's own top-level folders, such as configs/, data/ or scripts/);
+    an upper-case placeholder (`configs/detection/SETTING.py`) stands for any name."""
+    return [one for one in command_values(path)
+            if one.split("/")[0] in REPOSITORY_FOLDERS and "/" in one and "*" not in one]
 
 
 def test_the_path_check_reads_the_commands_paths():
@@ -393,6 +398,15 @@ def test_every_repository_file_a_documented_command_names_exists(path):
     missing = [p for p in repository_paths(path)
                if not glob.glob(os.path.join(ROOT, re.sub(r"\b[A-Z][A-Z_]{2,}\b", "*", p)))]
     assert not missing, f"{path}: {missing}"
+
+
+def test_every_sweep_output_a_documented_command_names_is_under_a_sweeps_out_root():
+    """A command that reads a sweep's runs (`paper_table.py runs/sweeps/digits/*/eval_best.json`) names the
+    folder its sweep file writes them to (out_root), not the sweep file's name where the two differ."""
+    roots = [str(read_yaml_file(p).get("out_root")) for p in glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))]
+    wrong = [(path, value) for path in DOCUMENTS for value in command_values(path)
+             if value.startswith("runs/sweeps/") and not any(value == r or value.startswith(r + "/") for r in roots)]
+    assert not wrong, f"no sweep's out_root (configs/sweeps/*.yaml: {sorted(roots)}) holds {wrong}"
 
 
 def integration_examples() -> list[str]:
