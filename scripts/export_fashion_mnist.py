@@ -2,7 +2,7 @@ r"""Export Fashion-MNIST (Debian's dataset-fashion-mnist package) as ImageNet-st
 
     apt-get install -y dataset-fashion-mnist        # idx .gz files in /usr/share/datasets/fashion-mnist
     python scripts/export_fashion_mnist.py --out datasets/fashion_mnist --train-per-class 200 \
-        --val-per-class 100
+        --val-per-class 50
     python train.py --config configs/finetune/fashion_mnist_dinov2_s14.yaml \
         data.root=datasets/fashion_mnist model.pretrained=...
 
