@@ -53,7 +53,7 @@ from engine.resume import (check_schedule_holds, epoch_position, optimizer_param
                            resume_position)
 from engine.snapshots import keep_abandoned_checkpoint, keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
-                            start_only_changes)
+                            start_only_changes, validation_changes)
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
@@ -101,10 +101,17 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     run = build_run(cfg, dist, resumed=resume_path is not None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)
+        other_validation = validation_changes(payload["config"], config_to_dict(cfg))
         del payload
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
-        if kept := run.best.match_file(run.state, dist.is_main, dist.device):
+        # a best score measured on another validation set compares with no new score: best.pt starts afresh
+        kept = run.best.match_file(run.state, dist.is_main, dist.device, other_validation=bool(other_validation))
+        if other_validation:
+            log.warning("resuming with another validation set (%s): best.pt's score does not carry over%s; the "
+                        "next validation writes best.pt", "; ".join(other_validation),
+                        f", best.pt kept as {kept}" if kept else "")
+        elif kept:
             log.warning("best.pt was not the best validation of the run up to update %d (a roll-back to an "
                         "earlier snapshot, or validations after the last checkpoint): kept as %s; the next "
                         "validation writes best.pt", run.state.step, kept)

@@ -9,7 +9,9 @@ validation and the class names of the data set.
 On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`): after a roll-back to
 an earlier snapshot (or a crash after a validation the last checkpoint does not know of) best.pt holds weights
 from beyond the resume point, which the next improvement would overwrite; it is kept aside as
-best.until_step<N>.pt, and best.pt is written afresh by the resumed run's first validation.
+best.until_step<N>.pt, and best.pt is written afresh by the resumed run's first validation. So is a best.pt
+chosen on another validation set (a resume with train.allow_changed_config=true and a new data.val_windows,
+data.val_split, eval crop, ...: engine/run_dir.VALIDATION_KEYS), whose score no new validation can be compared with.
 """
 from __future__ import annotations
 
@@ -37,18 +39,20 @@ class BestCheckpoint:
             path, model, ema, config, classes, save
         self.key, self.higher_is_better = key, higher_is_better
 
-    def match_file(self, state: TrainState, is_main: bool, device: torch.device) -> Optional[str]:
+    def match_file(self, state: TrainState, is_main: bool, device: torch.device,
+                   other_validation: bool = False) -> Optional[str]:
         """Make `state`'s best score that of the best.pt on disk, on every rank alike. best.pt written at
         another update than `state.best_step` (a later one of an abandoned branch, another run's when resumed
-        into a new out_dir) is moved aside as best.until_step<state.step>.pt; a missing or moved one clears
-        the score, so the next validation writes best.pt. A resume point with no validation yet is no exception:
-        a best.pt beside it comes from beyond it (a roll-back to a snapshot written before the first validation),
-        and that validation would overwrite it. Returns the kept path (main rank) or None."""
-        kept, error, clear = None, None, 0.0
+        into a new out_dir), or scored on another validation set (`other_validation`), is moved aside as
+        best.until_step<state.step>.pt; a missing or moved one clears the score, so the next validation writes
+        best.pt. A resume point with no validation yet is no exception: a best.pt beside it comes from beyond it
+        (a roll-back to a snapshot written before the first validation), and that validation would overwrite
+        it. Returns the kept path (main rank) or None."""
+        kept, error, clear = None, None, 1.0 if other_validation else 0.0
         if is_main:
             try:
                 written_at = _written_at_step(self.path)
-                if written_at != state.best_step:
+                if written_at != state.best_step or other_validation:
                     clear = 1.0
                     if os.path.exists(self.path):
                         kept = keep_as_until_step(self.path, state.step)

@@ -71,6 +71,13 @@ ENVIRONMENT_KEYS = (
 START_ONLY_KEYS = ("model.pretrained", "model.pretrained_strict", "train.archive_existing")
 
 
+# Settings that choose the validation set or how its images are prepared: a score measured under other values
+# is not comparable, so best.pt's score does not carry over a resume that changes one (train.py, best_checkpoint).
+VALIDATION_KEYS = ("data.val_split", "data.val_windows", "data.kjv_val_fraction", "data.digits_val_fraction",
+                   "data.digits_img_size", "data.synthetic_val_size", "data.mean", "data.std", "data.interpolation",
+                   "data.crop_pct", "data.crop_mode")
+
+
 class RunDirError(ValueError):
     """An out_dir that cannot be used: not writable, in use, or holding an earlier run's results."""
 
@@ -106,6 +113,12 @@ def start_only_changes(saved: dict, current: dict) -> list[str]:
     """'key: old -> new' for every START_ONLY_KEYS setting that differs: a resumed run would not use it."""
     old, new = _flat(saved), _flat(current)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in START_ONLY_KEYS if old.get(k) != new.get(k)]
+
+
+def validation_changes(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every VALIDATION_KEYS setting that differs: the validation set is another."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in VALIDATION_KEYS if old.get(k) != new.get(k)]
 
 
 def _unusable(out_dir: str, e: OSError, setting: str = "out_dir") -> RunDirError:

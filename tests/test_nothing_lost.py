@@ -238,6 +238,28 @@ def test_a_roll_back_keeps_the_abandoned_branchs_best_and_metrics(tmp_path, capl
     assert [r["step"] for r in read_metrics(out)] == sorted(r["step"] for r in read_metrics(out))
 
 
+def test_a_resume_onto_another_validation_set_keeps_the_old_best_and_scores_anew(tmp_path, caplog):
+    """Resumed with train.allow_changed_config=true and another validation set (data.val_windows 64 -> 8), the
+    run compared the new set's losses with the best of the old set, so best.pt held whichever set scored lower:
+    the old best.pt is kept as best.until_step<N>.pt, and best.pt is chosen among validations on the new set."""
+    out = tmp_path / "lm"
+
+    def config(*extra):
+        return load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={out}", "log.tensorboard=false", *extra])
+
+    train.main(config("train.max_steps=6"))
+    old_best = read_bytes(out / "best.pt")
+    caplog.clear()
+    run = train.main(config("data.val_windows=8", "train.allow_changed_config=true"))
+    assert read_bytes(out / "best.until_step6.pt") == old_best
+    assert "resuming with another validation set (data.val_windows: 64 -> 8)" in caplog.text
+    best = torch.load(out / "best.pt", weights_only=True)
+    new_set = [r for r in read_metrics(out) if "val/loss" in r and r["step"] > 6]  # validations on 8 windows
+    assert [r["step"] for r in new_set] == [12]
+    assert best["state"]["step"] == run.state.best_step == 12
+    assert best["metrics"]["val/loss"] == run.state.best_value == new_set[0]["val/loss"]
+
+
 def test_a_run_resumed_into_a_new_folder_writes_its_own_best(tmp_path):
     """Resumed from another folder's checkpoint, the run's out_dir has no best.pt: its first validation
     writes one (the inherited best score described a file in the other folder)."""
