@@ -89,8 +89,11 @@ def main(args: argparse.Namespace) -> dict:
     with process_group(cfg.train.device, wait) as dist:
         device = dist.device
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)
+        if os.path.basename(out) == EVAL_LOG:  # the log, opened first, would be the file the result is refused by
+            raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
+                              f"the result another name (e.g. eval.json)")
         prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # the default: beside the checkpoint
-        setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename="eval.log")
+        setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename=EVAL_LOG)
         log.info("%s", describe_environment(dist))
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 
@@ -910,6 +913,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # the user's mistakes: one `error:` line each (scripts that call main() catch the same)
+EVAL_LOG = "eval.log"  # evaluate.py's log, beside the result
 USER_ERRORS = (ConfigError, CheckpointError, DataError, ModelError, ResultsError, RunDirError,
                NonFiniteLossError, NothingScoredError)
 

@@ -706,18 +706,21 @@ def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
     (["--ema"], "has no 'model_ema' weights"),
     # the result's folder is refused naming the flag that chose it (it said "out_dir", evaluate.py's no option)
     (["--out", "FILE/r.json"], "cannot be used: File exists; choose a writable --out"),
+    # the log's own name: the log, opened first, was then refused as a result that is not JSON
+    (["--out", "NEW/eval.log"], "evaluate.py writes its log to eval.log in the result's folder; give the result "
+                                "another name"),
 ])
 def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp_path, capsys, extra, message):
     """evaluate.py's `__main__` run in this process (a process each would import torch again: seconds each);
     tests/test_evaluate.py::test_bad_inputs_are_clear_errors runs a refusal as a process."""
     out, blocker = tmp_path / "r.json", tmp_path / "file"
     blocker.write_text("")
-    extra = [a.replace("FILE", str(blocker)) for a in extra]
+    extra = [a.replace("FILE", str(blocker)).replace("NEW", str(tmp_path / "new")) for a in extra]
     code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--out", str(out), *extra], capsys)
     lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
     assert not any("Traceback" in line for line in lines)
-    assert not out.exists()  # nothing was evaluated, nothing written
+    assert not out.exists() and not (tmp_path / "new").exists()  # nothing was evaluated, nothing written
 
 
 def test_best_checkpoint_is_written_only_when_top1_improves(tmp_path):
