@@ -561,6 +561,16 @@ def resolve_config(args: argparse.Namespace):
                           f"no data, aphq and gplq on an image classifier draw their own training images: "
                           f"quant.aphq.calib_images, quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); "
                           f"drop it")
+    # the training split's name is read by the pipelines that draw from it only: another one given to an
+    # evaluation that draws nothing (rtn, or no pipeline) would be ignored, even one that does not exist; the
+    # checkpoint's own value (a sweep passes a run's data overrides on) changes nothing
+    recorded = (payload["config"].get("data") or {}).get("train_split", "train") if payload else None
+    if ("data.train_split" in given and cfg.data.train_split != recorded
+            and not any(reads_calibration_batch(p, task.language) or PIPELINES[p].draws_training_images
+                        for p in cfg.quant.pipelines)):
+        raise ConfigError(f"data.train_split={cfg.data.train_split} would be ignored: no pipeline of this evaluation "
+                          f"reads the training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn "
+                          f"reads no data); drop it")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:
         raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "

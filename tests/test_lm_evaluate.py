@@ -213,6 +213,15 @@ def test_results_of_token_files_rewritten_in_place_are_not_kept_beside_numbers_o
     (root / "train.bin").unlink()  # the file a calibrated pipeline reads is missing: the data error, named
     with pytest.raises(DataError, match="train.bin not found"):
         run_eval("--checkpoint", str(run / "best.pt"), "--quant", "gptq", "--out", str(tmp_path / "r2.json"))
+    # another training split for an evaluation that reads none (RTN) would be ignored, even one that does not
+    # exist; the checkpoint's own value (a sweep passes a run's data overrides on), or a pipeline that reads it, pass
+    def resolve(*argv):
+        return evaluate.resolve_config(evaluate.parse_args(["--checkpoint", str(run / "best.pt"), *argv]))
+    with pytest.raises(ConfigError, match=r"^data.train_split=nonexist would be ignored: no pipeline of this "
+                                          r"evaluation reads the training split \(pipelines: rtn;"):
+        resolve("--quant", "rtn", "data.train_split=nonexist")
+    resolve("--quant", "rtn", "data.train_split=train")
+    resolve("--quant", "gptq", "data.train_split=nonexist")
 
 
 def test_text_of_a_wider_vocabulary_than_the_weights_is_refused_without_advice_the_weights_contradict(tmp_path):
