@@ -307,8 +307,10 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     of the current update), the position within the epoch in samples of any process count."""
     cfg, state = run.cfg, run.state
     check_resumable(payload["config"], cfg, resume_path)
-    saved = payload.get("data_fingerprint")
-    if saved is not None and saved != run.loaders.fingerprint:  # data.root is a path, the files are the data
+    saved, now = payload.get("data_fingerprint"), run.loaders.fingerprint or {}
+    # data.root is a path, the files are the data: a file of the same name must hold the same ids. Compared by
+    # name: another data.val_split (train.allow_changed_config=true) is a changed setting, not changed files
+    if saved is not None and any(saved[name] != now[name] for name in saved.keys() & now.keys()):
         raise CheckpointError(f"{resume_path} was trained on other token files than data.root={cfg.data.root} "
                               f"holds (size and first MiB per split: {saved} then, {run.loaders.fingerprint} "
                               f"now): point data.root at the files it was trained on, or start a new run")

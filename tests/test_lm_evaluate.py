@@ -410,6 +410,22 @@ def test_a_resume_on_other_token_files_is_refused(tmp_path):
     assert train.main(load_config([NANO], common + [f"data.root={moved}"])).state.step == 12
 
 
+def test_a_resume_onto_another_val_split_of_token_files_goes_on_with_a_new_best(tmp_path):
+    """train.allow_changed_config=true with another data.val_split (val.bin -> val2.bin in the same folder) is a
+    resume onto another validation set: it was refused as 'trained on other token files than data.root holds', a
+    setting the user had not changed, since the files were compared as one set of names."""
+    root = token_folder(tmp_path / "a")
+    np.random.default_rng(5).integers(0, 65, 4_000, dtype=np.uint16).tofile(root / "val2.bin")
+    out = tmp_path / "run"
+    common = [f"out_dir={out}", "data.dataset=tokens", f"data.root={root}", "data.val_windows=16",
+              "log.tensorboard=false"]
+    train.main(load_config([NANO], common + ["train.max_steps=6"]))
+    old_best = (out / "best.pt").read_bytes()
+    run = train.main(load_config([NANO], common + ["data.val_split=val2", "train.allow_changed_config=true"]))
+    assert run.state.step == 12 and run.state.best_step == 12  # best.pt chosen among the new split's validations
+    assert (out / "best.until_step6.pt").read_bytes() == old_best
+
+
 def test_a_truncated_checkpoint_is_named_as_such(kjv_run, tmp_path):
     cut = tmp_path / "cut.pt"
     cut.write_bytes(kjv_run.read_bytes()[:5000])
