@@ -577,6 +577,11 @@ def resolve_config(args: argparse.Namespace):
                           f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
                           f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
                           f"the val split takes the eval transform; drop it")
+    if (payload and not cfg.quant.pipelines and args.bits is None
+            and not any("quant.bits" in override_keys(item) for item in items)):
+        # the run's recorded bit-widths are those of the pipelines it would be scored with: a float evaluation
+        # (--quant naming none) reads none of them, and the user gave none to refuse
+        cfg.quant.bits = []
     check_bits(cfg, task, defaulted, flags=True, bits_flag=args.bits is not None)
     return cfg, payload
 

@@ -607,6 +607,21 @@ def test_a_pipeline_or_bit_width_named_twice_is_refused(checkpoint, argv, messag
         evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *argv]))
 
 
+def test_a_float_evaluation_of_a_run_that_records_bit_widths_runs(checkpoint, tmp_path):
+    """A run trained with quant.bits=[w4a4] records them as its evaluation's defaults; `--quant` naming no pipeline
+    asks for the float evaluation alone, which was refused as '--bits / quant.bits: w4a4 given', bits this command
+    never gave. Bits that the command gives itself are still refused."""
+    import torch
+    payload = torch.load(checkpoint, weights_only=True)
+    payload["config"]["quant"]["bits"] = ["w4a4"]  # as train.py records quant.bits=[w4a4]
+    recorded = tmp_path / "best.pt"
+    torch.save(payload, recorded)
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", str(recorded), "--quant"]))
+    assert (cfg.quant.pipelines, cfg.quant.bits) == ([], [])
+    for given in (["--bits", "w4a4"], ["quant.bits=[w4a4]"]):
+        with pytest.raises(ConfigError, match=re.escape("w4a4 given, but --quant / quant.pipelines names no")):
+            evaluate.resolve_config(evaluate.parse_args(["--checkpoint", str(recorded), "--quant", *given]))
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--bits", "w4a16,w8a16"], "--bits: 'w4a16,w8a16' joins 2 bit-widths in one value; separate them with spaces: "
