@@ -26,15 +26,9 @@ from models.gpt import build_gpt  # noqa: E402
 ])
 def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_one_error_before_training(tmp_path, argv, message):
     # were a traceback (a view of the held-out text, a division by zero, an empty stack) after the training
-    for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
-                            (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
-                                              "smoothquant/calibration.py"))):
-        for f in files:
-            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
-            (checkout / f).write_text("")
     out = tmp_path / "o" / "x.json"
     with pytest.raises(SystemExit, match=message):
-        xc.main(["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s"), "--out", str(out), *argv])
+        xc.main([*_empty_checkouts(tmp_path), "--out", str(out), *argv])
     assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
 
 
