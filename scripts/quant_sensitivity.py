@@ -38,7 +38,7 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.cli import OneLineParser, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
-from engine.checkpoint import load_checkpoint  # noqa: E402
+from engine.checkpoint import run_checkpoint_config  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 
@@ -85,9 +85,10 @@ def refuse_variant_keys(overrides: list[str]) -> None:
 def refuse_language_model(checkpoint: str) -> None:
     """The variants run the image pipelines (percentile, repq, gplq, aphq): a language model's checkpoint was
     refused by evaluate.py as a bad quant.pipelines, a setting the user never gave; say what the command is for."""
-    if not os.path.isfile(checkpoint):  # evaluate.py's refusal says what is wrong with it
+    config = run_checkpoint_config(checkpoint) if os.path.isfile(checkpoint) else None  # its config, no tensors
+    if config is None:  # missing, or not a checkpoint of train.py: evaluate.py's refusal says what is wrong with it
         return
-    dataset = load_checkpoint(checkpoint)["config"]["data"]["dataset"]
+    dataset = (config.get("data") or {}).get("dataset", "folder")
     if evaluate.task_for(dataset).language:
         raise ConfigError(f"{checkpoint} is a language model (data.dataset={dataset}): quant_sensitivity.py varies "
                           "the W4A4 details of the image pipelines (percentile, repq, gplq, aphq); evaluate it with "
