@@ -1,7 +1,9 @@
-"""Helpers for the multi-process tests: a free loopback port and joining a gloo process group."""
+"""Helpers for the multi-process tests: starting ranks, a free loopback port and joining a gloo process group."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 
@@ -35,15 +37,65 @@ def leave_and_exit() -> None:
     os._exit(0)
 
 
+# What every rank imports, loaded once per test process by the fork server the ranks start from. A spawned rank
+# imported torch, timm and the engine itself: about 7 s of CPU per rank on a 2-core VM, most of a two-rank test's
+# time (docs/measurements.md, the suite's time).
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "timm", "train", "evaluate"]
+# The environment as the test session started: the fork server keeps the one it starts with (its ranks get the
+# current one from _rank_main), so it starts from this one, not from whatever the first test that needs it set.
+_SESSION_ENVIRON = dict(os.environ)
+
+
+def _ensure_fork_server() -> None:
+    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+        return
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENVIRON)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
+
+
+def _rank_main(rank: int, fn, args: tuple, environ: dict) -> None:
+    # as a spawned process would: the starting test's environment (a forked rank has the fork server's)
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, nprocs: int):
+    """Start fn(rank, *args) in `nprocs` processes, as torch.multiprocessing.spawn(join=False) does, but forked
+    from a server that has imported RANK_PRELOAD once: each starts in a fraction of a second instead of importing
+    torch and timm again. Each sees the environment and working directory of the test that starts it, as a
+    spawned process does; its stdout and stderr are the test process's at the server's start (the ranks of these
+    tests report through files and the exception that join() raises, which holds the rank's traceback)."""
+    import torch.multiprocessing as mp
+
+    _ensure_fork_server()
+    return mp.start_processes(_rank_main, args=(fn, args, dict(os.environ)), nprocs=nprocs, join=False,
+                              start_method="forkserver")
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs, join=True), the ranks started by start_ranks: raises a rank's
+    exception (with its traceback) or its exit code when one fails."""
+    context = start_ranks(fn, args, nprocs)
+    while not context.join():
+        pass
+
+
 def spawn_within(fn, args: tuple, nprocs: int, seconds: float) -> None:
-    """mp.spawn(fn, args, nprocs) that fails the test when the ranks have not all ended after `seconds` (a rank
-    left waiting in a collective), killing them, instead of stalling the suite until the group's timeout."""
+    """spawn_ranks that fails the test when the ranks have not all ended after `seconds` (a rank left waiting in
+    a collective), killing them, instead of stalling the suite until the group's timeout."""
     import time
 
     import pytest
-    import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    context = start_ranks(fn, args, nprocs)
     deadline = time.monotonic() + seconds
     try:
         while not context.join(timeout=1.0):

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cd import TWEO, ColinearityDecay
 from cd_models import tiny_vit
-from dist_utils import free_port, init_gloo, leave_and_exit
+from dist_utils import free_port, init_gloo, leave_and_exit, spawn_ranks
 
 
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
@@ -50,7 +49,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
 @pytest.mark.slow
 def test_ddp_two_ranks_stay_bit_identical_with_cd_and_tweo(tmp_path):
     out = str(tmp_path / "result.pt")
-    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), out), 2)
     result = torch.load(out)
     assert result["identical"]
     assert result["updates"] == 3

@@ -21,7 +21,6 @@ import pytest
 import timm
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import warnings
@@ -32,7 +31,7 @@ from cd.decay import energy_metrics
 from cd.sharded import block_plans
 from cd.update import build_plan, colinearity_decay_
 from cd_models import randomize_norms, tiny_vit
-from dist_utils import free_port, init_gloo, leave_and_exit
+from dist_utils import free_port, init_gloo, leave_and_exit, spawn_ranks
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
@@ -328,7 +327,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp") / "result.pt")
-    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), out), 2)
     return torch.load(out)
 
 

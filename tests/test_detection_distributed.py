@@ -13,10 +13,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from detection_runs import SAMPLE_CONFIG
-from dist_utils import free_port, leave_and_exit
+from dist_utils import free_port, leave_and_exit, spawn_ranks
 
 pytestmark = [pytest.mark.detection, pytest.mark.slow]
 
@@ -87,7 +86,7 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
 
 def _run(world: int, work, argv: list) -> list:
     os.makedirs(work, exist_ok=True)
-    mp.spawn(_worker, args=(world, free_port(), argv, str(work)), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, free_port(), argv, str(work)), world)
     return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -218,7 +217,7 @@ def test_gplq_training_images_that_fail_on_one_rank_end_every_rank(sample, train
     argv = ["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", sample, "--device",
             "cpu", "--quant", "gplq", "--out", str(tmp_path / "eval.json"), "--quant-options",
             *[option for option in TINY if option.startswith("gplq.")]]
-    mp.spawn(_worker_failing_on_rank_1, args=(2, free_port(), argv, str(work)), nprocs=2, join=True)
+    spawn_ranks(_worker_failing_on_rank_1, (2, free_port(), argv, str(work)), 2)
     rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert rank1 == ("DetectionError", "the training split cannot be read on this rank")
     assert rank0 == ("OtherRankError", "rank 0: another rank failed reading the training images; its output says why")
@@ -244,7 +243,7 @@ def test_a_val_image_that_fails_on_one_rank_ends_every_rank(sample, trained, tmp
     work.mkdir()
     argv = ["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", sample, "--device",
             "cpu", "--quant", "--out", str(tmp_path / "eval.json")]  # a bare --quant: FP only
-    mp.spawn(_worker_scoring_fails_on_rank_1, args=(2, free_port(), argv, str(work)), nprocs=2, join=True)
+    spawn_ranks(_worker_scoring_fails_on_rank_1, (2, free_port(), argv, str(work)), 2)
     rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert rank1[0] == "ValueError" and "cannot decode val image on this rank" in rank1[1]
     assert rank0 == ("OtherRankError", "another rank could not score its share of the val images; its output says why")

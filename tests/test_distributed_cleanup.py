@@ -15,10 +15,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import free_port
+from dist_utils import free_port, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 
@@ -87,7 +86,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
 def test_no_gloo_thread_outlives_the_process_group(tmp_path, fail):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), fail), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path), fail), 2)
     for rank in range(2):
         started, left = map(int, (tmp_path / f"rank{rank}").read_text().split())
         assert started > 0 and left == 0, (rank, started, left)

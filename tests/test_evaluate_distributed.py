@@ -10,9 +10,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_utils import free_port, leave_and_exit
+from dist_utils import free_port, leave_and_exit, spawn_ranks
 
 TINY_APHQ = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
              "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
@@ -79,7 +78,7 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
 
 def _run(world: int, work, argv: list) -> list:
     os.makedirs(work, exist_ok=True)
-    mp.spawn(_worker, args=(world, free_port(), argv, str(work)), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, free_port(), argv, str(work)), world)
     return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -142,7 +141,7 @@ def failing(checkpoint, tmp_path_factory) -> dict:
     cases = [(repq["write"] + ["quant.act_max_csv=false"], str(folders["write"]), True, False),
              (repq["read"], str(folders["read"]), False, False),
              (repq["calibration"] + ["quant.act_max_csv=false"], str(folders["calibration"]), False, True)]
-    mp.spawn(_failing_cases_worker, args=(2, [free_port() for _ in cases], cases), nprocs=2, join=True)
+    spawn_ranks(_failing_cases_worker, (2, [free_port() for _ in cases], cases), 2)
     return {case: (folder, outs[case], [torch.load(folder / f"outcome_rank{r}.pt", weights_only=False)
                                         for r in (0, 1)])
             for case, folder in folders.items()}

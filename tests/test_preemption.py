@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from dist_utils import free_port
+from dist_utils import free_port, spawn_ranks
 from engine.preemption import EXIT_PREEMPTED
 from tests.conftest import DEBUG_CONFIG, ROOT
 
@@ -390,10 +390,9 @@ def _agreement_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_a_stop_one_rank_got_is_every_ranks_stop_at_a_boundary_and_one_call_later_on_updates(tmp_path):
     """Two gloo ranks, the signal on rank 0 only: the boundary call says stop on both (agreed on the spot, not
     each rank's own flag), and plain calls say no, then stop, on both (the flags' maximum, one call late)."""
-    import torch.multiprocessing as mp
-
+    
     out = str(tmp_path / "answers")
-    mp.spawn(_agreement_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_agreement_worker, (2, free_port(), out), 2)
     for rank in range(2):
         with open(f"{out}.{rank}") as f:
             assert json.load(f) == [True, False, True], rank

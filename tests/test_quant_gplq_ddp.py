@@ -6,8 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_utils import free_port, init_gloo
+from dist_utils import free_port, init_gloo, spawn_ranks
 
 
 def _stage1_case(rank: int, world: int, work: str) -> None:
@@ -107,7 +106,7 @@ def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("gplq_ddp")
     for case in ("stage1", "resume"):
         os.makedirs(work / case)
-    mp.spawn(_worker, args=(2, free_port(), str(work)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(work)), 2)
     return work
 
 

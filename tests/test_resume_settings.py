@@ -7,7 +7,6 @@ import typing
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import train
 from configs import load_config
@@ -17,7 +16,7 @@ from engine.checkpoint import CheckpointError
 from engine.optim import build_optimizer, build_scheduler
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from models import build_model
-from dist_utils import free_port, leave_and_exit
+from dist_utils import free_port, leave_and_exit, spawn_ranks
 from tests.conftest import DEBUG_CONFIG
 
 
@@ -294,8 +293,7 @@ DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.lab
 @pytest.mark.slow
 def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, one_thread):
     split = str(tmp_path / "split")
-    mp.spawn(_two_process_worker, nprocs=2, join=True,
-             args=(2, free_port(), [*DETERMINISTIC, f"out_dir={split}", "train.max_steps=3"]))
+    spawn_ranks(_two_process_worker, (2, free_port(), [*DETERMINISTIC, f"out_dir={split}", "train.max_steps=3"]), 2)
     ckpt = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["epoch_batches"] == 3 and ckpt["epoch_position"]["world_size"] == 2
     resumed = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={split}"]))

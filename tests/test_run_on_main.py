@@ -10,10 +10,9 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from dist_utils import free_port
+from dist_utils import free_port, spawn_ranks
 
 
 def _join(rank: int, port: int, wait_s: float) -> None:
@@ -117,7 +116,7 @@ def shared(tmp_path_factory):
     work = tmp_path_factory.mktemp("run_on_main")
     for case in ("result", "error", "other work"):
         os.makedirs(work / case)
-    mp.spawn(_shared_worker, args=(free_port(), str(work)), nprocs=2, join=True)
+    spawn_ranks(_shared_worker, (free_port(), str(work)), 2)
     return work
 
 
@@ -126,8 +125,7 @@ def _load(folder) -> tuple:
 
 
 def _outcomes(tmp_path, wait_s: float, rank0_sleeps: float, fails: bool = True) -> tuple:
-    mp.spawn(_error_worker, args=(free_port(), str(tmp_path), wait_s, rank0_sleeps, fails), nprocs=2,
-             join=True)
+    spawn_ranks(_error_worker, (free_port(), str(tmp_path), wait_s, rank0_sleeps, fails), 2)
     return _load(tmp_path)
 
 

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import train
 from configs import load_config
 from engine.checkpoint import CheckpointError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
-from dist_utils import free_port, leave_and_exit
+from dist_utils import free_port, leave_and_exit, spawn_ranks
 from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, run_entry
 
 
@@ -156,7 +155,7 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path, per_gpu):
     # per_gpu 4: each rank accumulates 2 micro-batches of 4 (no_sync on the first), 2 x 2 x 4 = 16 images
     out = str(tmp_path / "weights_{rank}.pt")
     overrides = [*DETERMINISTIC, f"out_dir={tmp_path / 'ddp'}", f"train.batch_size_per_gpu={per_gpu}"]
-    mp.spawn(_ddp_worker, args=(2, free_port(), overrides, out), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), overrides, out), 2)
     rank0, rank1 = torch.load(out.format(rank=0)), torch.load(out.format(rank=1))
     for key in rank0:
         assert torch.equal(rank0[key], rank1[key]), key
@@ -288,7 +287,7 @@ def _nan_worker(rank, world, port, out_file):
 @pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_path):
     out = str(tmp_path / "rank{rank}.txt")
-    mp.spawn(_nan_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_nan_worker, (2, free_port(), out), 2)
     # the NaN (update 3) is seen at the checkpoint check of update 4: no rank writes from NaN weights
     assert [open(out.format(rank=r)).read() for r in (0, 1)] == ["stopped 1", "stopped 1"]
 
@@ -862,7 +861,7 @@ def _reference_worker(rank, world, port, out_file):
 @pytest.mark.slow
 def test_the_divergence_reference_is_the_mean_over_ranks_of_the_first_update(tmp_path):
     out = str(tmp_path / "rank{rank}.txt")
-    mp.spawn(_reference_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_reference_worker, (2, free_port(), out), 2)
     # rank 0: (1 + 2) / 2, rank 1: (2 + 4) / 2; their mean
     assert [float(open(out.format(rank=r)).read()) for r in (0, 1)] == [2.25, 2.25]
 
@@ -915,7 +914,7 @@ def test_a_reduction_other_than_sum_or_max_is_refused_even_in_one_process():
 @pytest.mark.slow
 def test_the_reductions_sum_and_take_the_maximum_over_ranks(tmp_path):
     out = str(tmp_path / "rank{rank}.txt")
-    mp.spawn(_reductions_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_reductions_worker, (2, free_port(), out), 2)
     got = [eval(open(out.format(rank=r)).read()) for r in (0, 1)]  # noqa: S307 - the workers' own repr
     assert got == [[[3.0, -3.0], [2.0, 0.0], "elsewhere"], [[3.0, -3.0], [2.0, 0.0], "disk full"]]
 
