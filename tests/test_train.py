@@ -37,14 +37,15 @@ def test_debug_run_writes_the_documented_files(debug_config):
 
 
 def test_demo_config_trains_on_digits(tmp_path):
-    # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates
+    # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates. Batches of 32, not
+    # the demo's 64: 40 updates take a third of the time of the 60 updates of 64 this test ran before (20.0 %)
     cfg = load_config([os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")],
-                      [f"out_dir={tmp_path}", "train.max_steps=60",
-                       "sched.epochs=3", "sched.warmup_epochs=0"])
+                      [f"out_dir={tmp_path}", "train.max_steps=40", "train.batch_size=32",
+                       "train.batch_size_per_gpu=32", "sched.epochs=3", "sched.warmup_epochs=0"])
     result = train.main(cfg)
-    assert result.state.step == 60
+    assert result.state.step == 40
     assert result.metrics["val/count"] == 360
-    assert result.metrics["val/top1"] > 15.0  # chance is 10%; 20.0% measured (deterministic on CPU)
+    assert result.metrics["val/top1"] > 15.0  # chance is 10%; 20.3% measured (deterministic on CPU)
 
 
 def checkpoint_tensors(path):
