@@ -65,9 +65,11 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     handlers, level = list(root.handlers), root.level
     script = os.path.relpath(os.path.join(ROOT, path))
     sys.argv = [script, *argv]
+    code = None  # a script that returns from its __main__ block ends its process with status 0
     try:
-        with pytest.raises(SystemExit) as done:
-            runpy.run_path(script, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        code = done.code
     finally:
         sys.argv = old
         for handler in [h for h in root.handlers if h not in handlers]:
@@ -75,7 +77,6 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
             handler.close()
         root.setLevel(level)
     out, err = capsys.readouterr()
-    code = done.value.code
     return (0 if code is None else code), out, err
 
 

@@ -5,12 +5,10 @@ The budgets are what the script enforces on a GPU machine; these tests check wha
 each stage a budget no busy CPU reaches (the default smoke budgets are tens of seconds: a loaded 2-core
 machine ran past them), and time only the kill of a stage that is over its budget on purpose."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, load_script
+from tests.conftest import load_script, run_entry
 
 SCRIPT = "scripts/gpu_check.py"
 
@@ -19,16 +17,13 @@ STAGES = ["pytest", "precision", "overhead", "quant", "aphq_unit"]
 UNHURRIED = ["--total-budget", "36000", "--test-timeout", "3600", *[f"--budget={s}=3600" for s in STAGES]]
 
 
-def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, "--smoke", *UNHURRIED, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=36000)
-
-
 @pytest.mark.slow
-def test_smoke_run_writes_every_stage_s_figures(tmp_path):
+def test_smoke_run_writes_every_stage_s_figures(tmp_path, capsys):
+    """The command line runs in this process (run_entry: a process of its own would import torch again, seconds);
+    each stage it starts is a process of its own, as always."""
     out = tmp_path / "gpu_check.json"
-    done = run("--out", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, err = run_entry(SCRIPT, ["--smoke", *UNHURRIED, "--out", str(out)], capsys)
+    assert code == 0, err[-3000:]
     report = json.loads(out.read_text())
     assert report["device"].startswith("cpu") and report["torch"] and report["smoke"] is True
     stages = report["stages"]
