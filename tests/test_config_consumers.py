@@ -2,14 +2,12 @@
 code that reads it needs, at start-up, with one error line naming the key; a start-up error leaves no
 folder that refuses the corrected command."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 import train
 from configs import ConfigError, load_config
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, run_entry
 
 
 @pytest.mark.parametrize("override, message", [
@@ -84,10 +82,12 @@ def test_values_the_consumers_accept_still_load():
     assert cfg.train.seed == -1 and cfg.data.scale == (1.0, 1.0) and cfg.quant.main_rank_wait_hours == 1e6
 
 
-def test_the_command_line_ends_in_one_error_line_and_makes_no_folder(tmp_path):
-    done = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'r'}",
-                           "data.std=[0.5,0,0.5]"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+def test_the_command_line_ends_in_one_error_line_and_makes_no_folder(tmp_path, capsys):
+    """train.py's __main__ in this process (run_entry: a process would import torch again); that a real process
+    adds nothing to stderr: test_usage_errors.py::test_the_whole_process_writes_one_line_and_exits_2."""
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'r'}",
+                                          "data.std=[0.5,0,0.5]"], capsys)
+    assert code == 1 and err.strip().splitlines() == [
         "error: command line: 'data.std' must be 3 finite numbers, each > 0; got (0.5, 0, 0.5)"]
     assert not (tmp_path / "r").exists()
 

@@ -19,7 +19,7 @@ from engine.eval_results import ResultsError, read_result_files
 from engine.metrics import MetricLogger
 from engine.run_dir import RunDirError, prepare_folder
 from models import ModelError
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, run_entry
 
 
 # a JSON object of the user's (no field of a result, or 'quant' alone) is no result of another evaluation: it was
@@ -250,12 +250,14 @@ def test_train_device_cuda_without_a_gpu_is_a_config_error_not_a_traceback(debug
         train.main(debug_config("train.device=cuda"))
 
 
-def test_a_stopping_error_is_in_train_log_as_well_as_on_stderr(tmp_path):
+def test_a_stopping_error_is_in_train_log_as_well_as_on_stderr(tmp_path, capsys):
+    """train.py's __main__ in this process (run_entry: a process would import torch again); that a real process
+    adds nothing to stderr: test_usage_errors.py::test_the_whole_process_writes_one_line_and_exits_2."""
     out = tmp_path / "nan"
-    done = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out}", "optim.lr=1e6",
-                           "sched.epochs=10"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: the training loss is nan")
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out}", "optim.lr=1e6",
+                                          "sched.epochs=10"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: the training loss is nan"), err[-2000:]
     assert (out / "train.log").read_text().splitlines()[-1].endswith(f"train ERROR {lines[0]}")  # a job's log says why
 
 

@@ -2,8 +2,6 @@
 evaluate, a model.pretrained file, a checkpoint to resume), naming the tensor; an evaluation whose logits
 or loss are not finite is an error naming the batch; nothing is written for them."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import train
 from engine.checkpoint import CheckpointError
 from engine.loop import NonFiniteLossError, evaluate as evaluate_loader
 from models import ModelError
-from tests.conftest import ROOT
+from tests.conftest import run_entry
 
 
 def spoiled(path, out, value, key="blocks.0.mlp.fc2.weight"):
@@ -33,12 +31,13 @@ def test_evaluate_refuses_non_finite_weights_naming_the_tensor(checkpoint, tmp_p
     assert not out.exists() and not (tmp_path / "r_act_max.csv").exists()
 
 
-def test_the_command_line_ends_in_one_error_line(checkpoint, tmp_path):
+def test_the_command_line_ends_in_one_error_line(checkpoint, tmp_path, capsys):
+    """evaluate.py's __main__ in this process (run_entry: a process would import torch again); what a real
+    process adds to stderr around it: test_usage_errors.py::test_the_whole_process_writes_one_line_and_exits_2."""
     bad = spoiled(checkpoint, tmp_path / "bad.pt", float("nan"))
-    done = subprocess.run([sys.executable, "evaluate.py", "--checkpoint", bad, "--quant"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert "Traceback" not in done.stderr and not os.path.exists(tmp_path / "eval_bad.json")
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", bad, "--quant"], capsys)
+    assert code == 1 and err.strip().splitlines()[-1].startswith("error: "), err[-2000:]
+    assert "Traceback" not in err and not os.path.exists(tmp_path / "eval_bad.json")
 
 
 def test_a_pretrained_file_with_non_finite_weights_is_refused(checkpoint, tmp_path, debug_config):
