@@ -16,7 +16,7 @@ from engine.loop import TrainLoop
 from engine.preemption import EXIT_PREEMPTED, Preempted
 from dist_utils import free_port
 from quant_models import train_on_digits
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_entry
 
 STEPS = 5
 GPLQ = [f"quant.gplq.{k}={v}" for k, v in dict(steps=STEPS, batch_size_per_gpu=16, init_images=32, pca_images=64,
@@ -81,13 +81,16 @@ def signal_at(monkeypatch, update: int) -> None:
 
 
 def test_sigterm_in_stage1_saves_that_update_exits_75_and_resumes_to_the_uninterrupted_weights(
-        checkpoint, tmp_path, one_thread):
+        checkpoint, tmp_path, monkeypatch, capsys, one_thread):
+    """evaluate.py's __main__ in this process (run_entry: a process would import torch again; the signal handler
+    runs here as in a process); a real process's exit status 75 under torchrun:
+    test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_resumes."""
     stopped_out = tmp_path / "stopped.json"
-    run = subprocess.run([sys.executable, "-c", DRIVER, *command(checkpoint, stopped_out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "STOP_AT": "3"})
-    output = run.stdout + run.stderr
-    assert run.returncode == EXIT_PREEMPTED, output[-3000:]
+    signal_at(monkeypatch, 3)
+    code, out, err = run_entry("evaluate.py", command(checkpoint, stopped_out), capsys)
+    monkeypatch.undo()
+    output = out + err
+    assert code == EXIT_PREEMPTED, output[-3000:]
     assert "GPLQ stage 1 preempted at update 3;" in output and "re-run the same command to resume" in output
     assert "Traceback" not in output, output[-3000:]
     assert stage1(stopped_out)["state"]["step"] == 3  # not the periodic checkpoint of update 2
