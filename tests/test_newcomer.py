@@ -140,9 +140,10 @@ def test_the_number_of_workers_fits_the_machine_unless_set(monkeypatch, cpus, pr
 
 
 def test_aphq_says_how_long_it_will_take_and_shows_progress(checkpoint, tmp_path, caplog):
-    fast = ["quant.aphq.iters=12", "quant.aphq.recon_images=16", "quant.aphq.calib_images=16",
-            "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=5", "quant.aphq.search_rounds=1",
-            "quant.aphq.eq_n=32", "quant.aphq.search_max_rows=64", "quant.aphq.log_every=0"]
+    # the least work that still logs each message (12 iterations: the estimate comes after the first 10)
+    fast = ["quant.aphq.iters=12", "quant.aphq.recon_images=4", "quant.aphq.calib_images=4",
+            "quant.aphq.batch_size=4", "quant.aphq.matmul_steps=2", "quant.aphq.search_rounds=1",
+            "quant.aphq.eq_n=32", "quant.aphq.search_max_rows=8", "quant.aphq.log_every=0"]
     with caplog.at_level("INFO"):
         evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "aphq", "--out",
                                            str(tmp_path / "r.json"), *fast]))
