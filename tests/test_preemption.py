@@ -133,7 +133,9 @@ def resume_two_more_updates(cmd, out_dir, step):
 def resume_in_this_process(cmd, *overrides):
     """`cmd`'s train.py settings plus `overrides`, trained by train.main in this process: a resume is no
     process-level behaviour (a process of its own would import torch again, seconds each; the torchrun test
-    resumes in processes). The run must end as train.py's exit status 0 says (not preempted again)."""
+    resumes in processes). The run must end as train.py's exit status 0 says (not preempted again). Its callers
+    take the one_thread fixture, as the processes they start have OMP_NUM_THREADS=1: the 20,000-image validation
+    took 44 s on two threads of a loaded 2-core machine, 3 s on one."""
     result = train.main(train.parse_args([*cmd[cmd.index("train.py") + 1:], *overrides]))
     assert result.reason != "preempted", result.reason
     return result
@@ -148,7 +150,7 @@ def train_cmd(out_dir, *overrides):
     (signal.SIGTERM, "group", 2),  # what SLURM, scancel, timeout and `kill -TERM -- -PGID` do
     (signal.SIGINT, "group", 2),   # Ctrl-C in a terminal
 ], ids=["sigterm-main", "sigterm-group-workers", "sigint-group-workers"])
-def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers, caplog):
+def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers, caplog, one_thread):
     cmd = train_cmd(tmp_path, f"data.num_workers={workers}")
     proc = start(cmd, tmp_path)
     if target == "group":
@@ -239,7 +241,8 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
 
 
-def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path, caplog):
+def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path, caplog,
+                                                                                          one_thread):
     # 4 updates per epoch, then a validation of 20,000 images (tens of seconds on one CPU thread)
     cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",
                     "log.tensorboard=false")
