@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from dist_utils import free_port, spawn_ranks
+from dist_utils import free_port, leave_and_exit, spawn_ranks
 from engine.preemption import EXIT_PREEMPTED
 from tests.conftest import DEBUG_CONFIG, ROOT
 
@@ -122,11 +122,22 @@ def saved_step(out_dir) -> int:
     return torch.load(os.path.join(out_dir, "checkpoint.pt"), weights_only=True)["state"]["step"]
 
 
-def resume_two_more_updates(cmd, out_dir, step):
-    resumed = subprocess.run([*cmd, f"train.max_steps={step + 2}"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+def _resume_rank(rank: int, world: int, port: int, args: list) -> None:
+    """One rank of `train.py *args`, joined as torchrun would join it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = train.main(train.parse_args(args))
+    assert result.reason != "preempted", result.reason  # as train.py's exit status 0 says
+    leave_and_exit()
+
+
+def resume_two_more_updates_on_two_ranks(cmd, out_dir, step):
+    """`cmd`'s train.py settings plus two more updates, on two ranks started from the test's fork server
+    (spawn_ranks): the resume is the engine's, not torchrun's (three processes importing torch again, seconds)."""
+    spawn_ranks(_resume_rank, (2, free_port(), [*cmd[cmd.index("train.py") + 1:], f"train.max_steps={step + 2}"]), 2)
+    with open(os.path.join(out_dir, "train.log")) as f:
+        assert f"resumed from {os.path.join(out_dir, 'checkpoint.pt')} at epoch" in f.read()
     assert saved_step(out_dir) == step + 2
 
 
@@ -216,7 +227,7 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     step = saved_step(tmp_path)
     # rank 1 is at most one update ahead of rank 0's last log line; the ranks agree one update later
     assert logged <= step <= logged + 3, (logged, step)
-    resume_two_more_updates(cmd, tmp_path, step)
+    resume_two_more_updates_on_two_ranks(cmd, tmp_path, step)
 
 
 @pytest.mark.slow
