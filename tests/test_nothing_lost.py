@@ -615,9 +615,13 @@ def run_eval(*argv):
 
 
 def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_path, monkeypatch):
+    def run_csvless(*argv):
+        # no per-layer CSV and plot (a plot costs most of a second): the merge does not depend on them
+        return run_eval(*argv, "quant.act_max_csv=false")
+
     out = str(tmp_path / "r.json")
-    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)
-    run_eval("--checkpoint", checkpoint, "--quant", "repq", "--bits", "w8a8", "--out", out)
+    run_csvless("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)
+    run_csvless("--checkpoint", checkpoint, "--quant", "repq", "--bits", "w8a8", "--out", out)
     saved = json.load(open(out))
     assert set(saved["quant"]) == {"percentile", "repq"}  # the second call added, it did not replace
     first = saved["quant"]["percentile"]["w8a8"]
@@ -628,14 +632,14 @@ def test_results_are_merged_skipped_and_never_silently_replaced(checkpoint, tmp_
     calls = []
     monkeypatch.setattr(evaluate, "evaluate_quantized",
                         lambda *a, **k: calls.append(a) or pytest.fail("re-ran"))
-    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)  # skipped
+    run_csvless("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out)  # skipped
     monkeypatch.setattr(evaluate, "evaluate_quantized", quant.evaluate_quantized)
     with pytest.raises(ResultsError,
                        match=r"other settings \(options.act_range 'percentile_mse' -> 'minmax'\)"):
-        run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
-                 "quant.percentile.act_range=minmax")
-    run_eval("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
-             "--recompute", "quant.percentile.act_range=minmax")
+        run_csvless("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
+                    "quant.percentile.act_range=minmax")
+    run_csvless("--checkpoint", checkpoint, "--quant", "percentile", "--bits", "w8a8", "--out", out,
+                "--recompute", "quant.percentile.act_range=minmax")
     saved = json.load(open(out))
     assert (saved["history"][0]["pipeline"] == "percentile"
             and saved["history"][0]["written"] == first["written"])
