@@ -19,12 +19,11 @@ import inspect
 import io
 import textwrap
 import tokenize
-import typing
 from typing import Any, Optional
 
 import yaml
 
-from .loader import (ConfigError, close_keys, config_to_dict, describe_type, get_key, plain,
+from .loader import (ConfigError, close_keys, config_to_dict, describe_type, get_key, plain, schema_hints,
                      schema_keys)
 from .schema import Config
 
@@ -247,7 +246,7 @@ def _section_entries(node: Any, prefix: str) -> list[str]:
 
 
 def _key_entry(node: Any, name: str, key: str) -> str:
-    hints = typing.get_type_hints(type(node), include_extras=True)
+    hints = schema_hints(type(node))
     default = yaml.safe_dump(plain(getattr(node, name)), default_flow_style=True)
     head = f"  {key} = {default.splitlines()[0]}  ({describe_type(hints[name])})"
     body = textwrap.fill(field_help(type(node), name), width=100, initial_indent=" " * 6,
