@@ -144,6 +144,8 @@ def test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_res
     assert "exitcode  : 75" in output, output[-3000:]  # torchrun reports a rank's exit code (and its own traceback)
     assert 'evaluate.py", line' not in output and 'qat.py", line' not in output, output[-3000:]
     assert stage1(out)["state"]["step"] == 3
+    # the resume runs under torchrun as well: the suite's one evaluate.py run to a finished evaluation under the
+    # torchrun command (test_evaluate_distributed.py's ranks join through its environment variables instead)
     resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**env, "STOP_AT": "0"})
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]

@@ -3,7 +3,6 @@ divergence, and the one-line errors of train.py and evaluate.py."""
 import errno
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -674,11 +673,6 @@ def test_results_of_other_weights_are_refused(checkpoint, tmp_path):
 
 
 # -- one error line per user error ------------------------------------------------------------------------
-
-def cli(*argv):
-    run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    return run.returncode, run.stderr.strip().splitlines()
-
 
 @pytest.mark.parametrize("argv, message", [
     (["train.py", "optim.lr=-1"], "'optim.lr' must be > 0"),
