@@ -44,10 +44,14 @@ RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "timm", "
 # The environment as the test session started: the fork server keeps the one it starts with (its ranks get the
 # current one from _rank_main), so it starts from this one, not from whatever the first test that needs it set.
 _SESSION_ENVIRON = dict(os.environ)
+_fork_server_started = False
 
 
 def _ensure_fork_server() -> None:
-    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+    """Start this process's fork server once, preloaded and in the session's environment (torch's start_processes
+    then finds it running)."""
+    global _fork_server_started
+    if _fork_server_started:
         return
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     current = dict(os.environ)
@@ -58,6 +62,7 @@ def _ensure_fork_server() -> None:
     finally:
         os.environ.clear()
         os.environ.update(current)
+    _fork_server_started = True
 
 
 def _rank_main(rank: int, fn, args: tuple, environ: dict) -> None:

@@ -405,7 +405,6 @@ def _agreement_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_a_stop_one_rank_got_is_every_ranks_stop_at_a_boundary_and_one_call_later_on_updates(tmp_path):
     """Two gloo ranks, the signal on rank 0 only: the boundary call says stop on both (agreed on the spot, not
     each rank's own flag), and plain calls say no, then stop, on both (the flags' maximum, one call late)."""
-    
     out = str(tmp_path / "answers")
     spawn_ranks(_agreement_worker, (2, free_port(), out), 2)
     for rank in range(2):
