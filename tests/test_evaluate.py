@@ -852,24 +852,9 @@ def test_data_settings_of_training_batches_given_for_a_checkpoint_are_refused(ch
             evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *quant, override]))
 
 
-SEEING_TRAINING_IMAGES = (("--quant", "aphq"), ("--quant", "percentile", "quant.calib_transform=train"))
-
-
-@pytest.fixture(scope="module")
-def default_train_transforms(checkpoint) -> dict:
-    """{evaluation that sees training-transform images: its result's train_transform settings without an override},
-    the reference of each case below: one config resolution (a tenth of a second or more) for all of them."""
-    defaults = {}
-    for seeing in SEEING_TRAINING_IMAGES:
-        cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *seeing]))
-        defaults[seeing] = evaluate.quant_settings(cfg, seeing[1])["train_transform"]
-    return defaults
-
-
 @pytest.mark.parametrize("override", ["data.reprob=0.5", "data.scale=[0.5,0.6]", "data.hflip=0.5",
                                       "data.auto_augment=rand-m5"])
-def test_training_transform_settings_are_refused_where_no_pipeline_sees_training_images(checkpoint, override,
-                                                                                         default_train_transforms):
+def test_training_transform_settings_are_refused_where_no_pipeline_sees_training_images(checkpoint, override):
     """Percentile on the eval-transform calibration batch sees no training-transform image: data.reprob=0.5 and
     the like would be ignored. APHQ draws training-transform images, as does any pipeline with
     quant.calib_transform=train: there the same override is read (and part of the result's settings)."""
@@ -877,9 +862,12 @@ def test_training_transform_settings_are_refused_where_no_pipeline_sees_training
     with pytest.raises(ConfigError, match=rf"^{re.escape(override)} would be ignored: no pipeline of this "
                                           r"evaluation sees training-transform images"):
         evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", override]))
-    for seeing in SEEING_TRAINING_IMAGES:
+    for seeing in (["--quant", "aphq"], ["--quant", "percentile", "quant.calib_transform=train"]):
         cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing, override]))
-        assert evaluate.quant_settings(cfg, seeing[1])["train_transform"] != default_train_transforms[seeing]
+        default, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing]))
+        name = seeing[1]
+        assert evaluate.quant_settings(cfg, name)["train_transform"] != evaluate.quant_settings(default, name)[
+            "train_transform"]
     # the settings the eval transform shares stay open to every evaluation
     evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", "data.interpolation=bilinear"]))
 
