@@ -17,6 +17,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """Set the variables torchrun gives a rank on loopback (the entry points join the group from them) and one
+    torch thread per process (2-core machines)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+
 def init_gloo(rank: int, world: int, port: int, timeout_s: int = 120) -> None:
     """Join a CPU (gloo) process group on loopback, one torch thread per process (2-core machines)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

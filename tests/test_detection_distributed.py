@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from detection_runs import SAMPLE_CONFIG
-from dist_utils import free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 
 pytestmark = [pytest.mark.detection, pytest.mark.slow]
 
@@ -67,9 +67,7 @@ def _record(work: str, rank: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from engine.distributed import OtherRankError
     import evaluate_detection
 

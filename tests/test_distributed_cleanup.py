@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import free_port, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 
@@ -66,9 +66,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fail: bool) -> None:
     import gc
     from engine.distributed import process_group, run_on_main
     import engine.loop  # noqa: F401  before the group, as the entry points import it
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     gc.disable()  # garbage stays until a collection: none runs here, as none need run before an exit
     started: list = []
     try:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 
 TINY_APHQ = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
              "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
@@ -59,9 +59,7 @@ def _record_scored_models(work: str, rank: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     import evaluate
 
     _record_calls(work, rank)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from dist_utils import free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 from engine.preemption import EXIT_PREEMPTED
 from tests.conftest import DEBUG_CONFIG, ROOT
 
@@ -124,9 +124,7 @@ def saved_step(out_dir) -> int:
 
 def _resume_rank(rank: int, world: int, port: int, args: list) -> None:
     """One rank of `train.py *args`, joined as torchrun would join it."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     result = train.main(train.parse_args(args))
     assert result.reason != "preempted", result.reason  # as train.py's exit status 0 says
     leave_and_exit()

@@ -16,7 +16,7 @@ from engine.checkpoint import CheckpointError
 from engine.optim import build_optimizer, build_scheduler
 from engine.resume import epoch_position, optimizer_param_names, restore_optimizer, resume_position
 from models import build_model
-from dist_utils import free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 from tests.conftest import DEBUG_CONFIG
 
 
@@ -278,9 +278,7 @@ def test_at_an_epoch_boundary_any_layout_with_the_same_updates_continues():
 
 
 def _two_process_worker(rank, world, port, overrides):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     train.main(load_config([DEBUG_CONFIG], overrides))
     leave_and_exit()
 

@@ -13,7 +13,7 @@ import train
 from configs import load_config
 from engine.checkpoint import CheckpointError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
-from dist_utils import free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, run_entry
 
 
@@ -134,9 +134,7 @@ def test_non_finite_loss_stops_without_writing_a_checkpoint(debug_config):
 
 def _ddp_worker(rank, world, port, overrides, out_file):
     # train.py joins the group itself, from the variables torchrun would set
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     cfg = load_config([DEBUG_CONFIG], overrides)
     result = train.main(cfg)
     torch.save(result.model.state_dict(), out_file.format(rank=rank))
