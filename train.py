@@ -187,6 +187,18 @@ class Run:
         return metrics
 
 
+def check_snapshots_fit(cfg: Config, ended_epochs: int) -> None:
+    """Refuse a train.keep_every_epochs longer than the run: snapshots are kept at the ends of epochs
+    N, 2N, ..., and a run that ends fewer than N epochs would keep none (the setting would be ignored)."""
+    every = cfg.train.keep_every_epochs
+    if every > ended_epochs:
+        schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+                    else f"sched.epochs={cfg.sched.epochs}")
+        fix = f"set it to {ended_epochs} or fewer, or 0 for none" if ended_epochs else "set it to 0"
+        raise ConfigError(f"train.keep_every_epochs={every}: the run ends {ended_epochs} whole epoch(s) "
+                          f"({schedule}), so it would keep no snapshot; {fix}, or lengthen the run")
+
+
 def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     """Model (the same initial weights on every rank), data, optimizer, schedule, precision, EMA and the
     regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded."""
@@ -208,6 +220,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
                           f"{accum_steps} accumulation steps of one update: lower train.batch_size")
     epochs, total_steps, per_step = schedule_length(cfg.sched, updates_per_epoch)
+    check_snapshots_fit(cfg, total_steps // updates_per_epoch)  # sched.steps: a last part-epoch never ends
 
     # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)

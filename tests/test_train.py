@@ -1,6 +1,7 @@
 """train.py end to end on CPU: outputs, exact resume, DDP (2 gloo processes), non-finite loss (preemption:
 test_preemption.py)."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import train
-from configs import load_config
+from configs import ConfigError, load_config
 from engine.checkpoint import CheckpointError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
 from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
@@ -244,8 +245,6 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
     ("train.eval_every_epochs=0", "eval_every_epochs"),
 ])
 def test_bad_regularizer_and_loop_settings_are_config_errors(debug_config, override, message):
-    from configs import ConfigError
-
     extra = (("cd.enabled=true",) if override.startswith("cd.")
              else ("tweo.enabled=true",) if "tweo" in override else ())
     with pytest.raises(ConfigError, match=message):
@@ -418,6 +417,23 @@ def test_a_checkpoint_that_passes_the_format_check_but_is_broken_is_one_error(de
     torch.save(payload, broken)
     with pytest.raises(CheckpointError, match=message):
         train.main(debug_config(f"train.resume={broken}", name="dst"))
+
+
+def test_snapshots_every_more_epochs_than_the_run_ends_are_refused_before_training(debug_config):
+    """The debug run has 2 epochs of 4 updates; with sched.steps=6 only its first epoch ends (the run stops 2
+    updates into the second), so it keeps one snapshot every epoch and none every second epoch."""
+    cfg = debug_config("sched.steps=6", "sched.warmup_steps=1", "train.keep_every_epochs=1", name="steps")
+    train.main(cfg)
+    assert os.listdir(os.path.join(cfg.out_dir, "snapshots")) == ["epoch0001.pt"]
+    for overrides, ended, fix in ((["sched.steps=6", "sched.warmup_steps=1"], 1, "1 or fewer, or 0 for none"),
+                                  (["sched.steps=3", "sched.warmup_steps=1"], 0, "0"),
+                                  ([], 2, "2 or fewer, or 0 for none")):
+        every = ended + 1
+        cfg = debug_config(*overrides, f"train.keep_every_epochs={every}", name=f"refused{ended}")
+        with pytest.raises(ConfigError, match=rf"^train.keep_every_epochs={every}: the run ends {ended} whole "
+                                              rf"epoch\(s\) .*; set it to {re.escape(fix)}, or lengthen the run$"):
+            train.main(cfg)
+        assert not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt"))
 
 
 def test_the_snapshot_suggested_for_an_unusable_checkpoint_is_the_last_good_one_written(debug_config):
