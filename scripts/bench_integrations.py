@@ -63,10 +63,10 @@ def cd_kwargs(args) -> dict:
     return {"lam": LAM, "norms_every": NORMS_EVERY if args.norms_every is None else args.norms_every}
 
 
-def run_plain(args, cd: bool) -> float:
+def run_plain(args, with_cd: bool) -> float:
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.045)
-    if cd:
+    if with_cd:
         ColinearityDecay(model, **cd_kwargs(args)).attach(opt)
     x, y = data(args, args.total)
     stamps = [time.perf_counter()]
@@ -79,7 +79,7 @@ def run_plain(args, cd: bool) -> float:
     return step_times(stamps, args.warmup)
 
 
-def run_hf(args, cd: bool) -> float:
+def run_hf(args, with_cd: bool) -> float:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from cd.integrations.hf import ColinearityDecayCallback
@@ -110,14 +110,14 @@ def run_hf(args, cd: bool) -> float:
                               learning_rate=5e-4, weight_decay=0.045, report_to=[], use_cpu=True,
                               save_strategy="no", logging_strategy="no", disable_tqdm=True,
                               dataloader_num_workers=0)
-    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if cd else [])
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if with_cd else [])
     trainer = Trainer(model=Wrapped(build_model(args)), args=targs, train_dataset=ds, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # no summary line
     trainer.train()
     return step_times(stamps, args.warmup)
 
 
-def run_lightning(args, cd: bool) -> float:
+def run_lightning(args, with_cd: bool) -> float:
     import lightning as L
 
     from cd.integrations.lightning import ColinearityDecayCallback
@@ -147,18 +147,18 @@ def run_lightning(args, cd: bool) -> float:
             stamps.append(time.perf_counter())
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(args, args.total)), batch_size=args.batch)
-    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if cd else [])
+    callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if with_cd else [])
     L.Trainer(max_steps=args.total, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(Module(), loader)
     return step_times(stamps, args.warmup)
 
 
-def run_mmengine(args, cd: bool) -> float:
+def run_mmengine(args, with_cd: bool) -> float:
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
     from mmengine.runner import Runner
 
-    import cd.integrations.mmengine  # noqa: F401  (registers ColinearityDecayHook)
+    import cd.integrations.mmengine  # noqa: F401  (registers ColinearityDecayHook; binds the name `cd` here)
 
     class Model(BaseModel):
         def __init__(self):
@@ -189,7 +189,8 @@ def run_mmengine(args, cd: bool) -> float:
                     train_cfg=dict(by_epoch=False, max_iters=args.total),
                     optim_wrapper=dict(optimizer=dict(type="AdamW", lr=5e-4, weight_decay=0.045)),
                     default_hooks=dict(checkpoint=None, logger=None),
-                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", **cd_kwargs(args))] if cd else []))
+                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", **cd_kwargs(args))]
+                                              if with_cd else []))
     runner.train()
     return step_times(stamps, args.warmup)
 
@@ -234,9 +235,9 @@ def _table(args) -> None:
     for name in args.frameworks:
         off, on = [], {n: [] for n in norms_every}
         for _ in range(args.repeats):  # in turn, so that a busy spell of the machine falls on all of them
-            off.append(RUNS[name](args, cd=False))
+            off.append(RUNS[name](args, with_cd=False))
             for n in norms_every:
-                on[n].append(RUNS[name](argparse.Namespace(**{**vars(args), "norms_every": n}), cd=True))
+                on[n].append(RUNS[name](argparse.Namespace(**{**vars(args), "norms_every": n}), with_cd=True))
         a = min(off)
         for n in norms_every:
             b = min(on[n])

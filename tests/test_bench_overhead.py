@@ -3,6 +3,7 @@ and writes its outputs."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -139,6 +140,32 @@ def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
                 "--depth", "1", "--batch", "2", "--threads", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {framework} |")]
     assert len(rows) == 1 and float(rows[0].split(" | ")[3]) > 0  # the ratio
+
+
+@pytest.mark.parametrize("framework", ["plain", "hf", "lightning", "mmengine"])
+def test_bench_integrations_runs_without_cd_build_no_cd_and_runs_with_cd_one(framework, monkeypatch):
+    """Counted at ColinearityDecay's construction, which every integration reaches (was: the MMEngine run
+    `import cd.integrations.mmengine` inside a function whose flag was named `cd` replaced the flag by the
+    package, so its runs "without CD" ran with it)."""
+    if framework != "plain":
+        pytest.importorskip({"hf": "transformers"}.get(framework, framework))
+    import cd.decay
+
+    bench = load_script("bench_integrations")
+    built = []
+    original = cd.decay.ColinearityDecay.__init__
+
+    @functools.wraps(original)  # the integrations check their arguments against its signature
+    def counted(self, *args, **kwargs):
+        built.append(framework)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cd.decay.ColinearityDecay, "__init__", counted)
+    args = argparse.Namespace(steps=2, warmup=1, width=32, depth=1, batch=2, threads=1, norms_every=None, total=4)
+    bench.RUNS[framework](args, with_cd=False)
+    assert built == []
+    bench.RUNS[framework](args, with_cd=True)
+    assert built == [framework]
 
 
 def test_bench_integrations_runs_cd_at_each_norms_every_given_one_row_each(capsys, monkeypatch):
