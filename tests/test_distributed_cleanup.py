@@ -132,3 +132,34 @@ def test_process_group_leaves_only_when_every_rank_is_done_and_can_be_entered_ag
         # rank 1 slept a second after rank 0's body ended: leaving before that end would be no wait at all
         assert rank1["times"][f"{session} body ended"] - rank0["times"][f"{session} body ended"] > 0.5
         assert rank0["times"][f"{session} left"] >= rank1["times"][f"{session} body ended"], session
+
+
+def _failing_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0's body raises at once; rank 1 is still working for two seconds and never reaches process_group's
+    end (a rank still busy, or hung, while another failed). Each writes the time it left its body or the
+    group, then stays reachable until both wrote (a rank that exits closes its connections, which would end a
+    wait on it and hide it)."""
+    import time
+    from engine.distributed import process_group
+    from dist_utils import stay_until_all_recorded
+    as_torchrun_rank(rank, 2, port)
+    try:
+        with process_group("cpu"):
+            if rank == 0:
+                raise RuntimeError("diverged")
+            time.sleep(2.0)
+            torch.save({"body ended": time.monotonic()}, os.path.join(out_dir, "rank1.pt"))
+            stay_until_all_recorded(out_dir, 2)
+    except RuntimeError:
+        torch.save({"left": time.monotonic()}, os.path.join(out_dir, "rank0.pt"))
+    stay_until_all_recorded(out_dir, 2)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_body_raised_leaves_the_group_without_waiting_for_the_others(tmp_path):
+    """process_group's error path: another rank may never arrive at the end, so the failed rank tears its
+    group down at once instead of waiting at a barrier (the finished and preempted bodies above wait)."""
+    from dist_utils import spawn_within
+    spawn_within(_failing_worker, (free_port(), str(tmp_path)), nprocs=2, seconds=60)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0["left"] < rank1["body ended"] - 1.0  # rank 1 worked two seconds after rank 0 raised
