@@ -4,6 +4,8 @@ config before anything starts, then print the commands or run them one after ano
     python scripts/sweep.py configs/sweeps/cd_lambda.yaml data.root=/datasets/imagenet          # print
     python scripts/sweep.py configs/sweeps/cd_lambda.yaml --run --evaluate \
         --launcher "torchrun --nproc_per_node=8" data.root=/datasets/imagenet                   # run
+    python scripts/sweep.py configs/sweeps/pretrain_main.yaml --run --evaluate --eval-amp bf16 \
+        --launcher "torchrun --nproc_per_node=8" data.root=/datasets/imagenet   # evaluate under bf16 autocast
     python scripts/sweep.py configs/sweeps/digits_demo.yaml --run --evaluate                      # CPU demo
 
 A sweep file (configs/sweeps/*.yaml):
@@ -36,11 +38,16 @@ continues each unfinished run
 running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON older
 than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
 eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
+--eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
+paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
+a result file only under the autocast it was written with: with --run, a run whose eval_best.json (not older than
+its best.pt) was evaluated under another --amp is refused before anything starts.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shlex
 import shutil
@@ -58,6 +65,10 @@ from configs.loader import (close_keys, dotted_settings, get_key, overlapping_ke
 from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config,  # noqa: E402
                             unread_training_settings)
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
+
+# evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
+# here would import torch and the pipelines (seconds) before --help or the printed commands
+EVAL_AMP_CHOICES = ("none", "fp16", "bf16")
 
 
 def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None) -> list[dict]:
@@ -278,15 +289,24 @@ def launcher_prefix(launcher: str) -> list[str]:
     return [os.path.expanduser(words[0]), *words[1:]] if words else []
 
 
-def commands(run: dict, launcher: str, evaluate: bool) -> list[list[str]]:
+def commands(run: dict, launcher: str, evaluate: bool, eval_amp: Optional[str] = None) -> list[list[str]]:
+    """The run's train.py command, then (with `evaluate`) its evaluate.py command, under --amp `eval_amp` when
+    one is given (none given: evaluate.py's default, and no --amp in the command)."""
     prefix = launcher_prefix(launcher)
     config_args = [a for c in run["configs"] for a in ("--config", c)]
     cmds = [prefix + ["train.py", *config_args, *run["overrides"]]]
     if evaluate:
-        out_dir = out_dir_of(run)
-        cmds.append(prefix + ["evaluate.py", "--checkpoint", os.path.join(out_dir, "best.pt"),
-                              "--out", os.path.join(out_dir, "eval_best.json"), *evaluation_overrides(run)])
+        checkpoint, result = evaluation_paths(run)
+        amp = ["--amp", eval_amp] if eval_amp is not None else []
+        cmds.append(prefix + ["evaluate.py", "--checkpoint", checkpoint, "--out", result, *amp,
+                              *evaluation_overrides(run)])
     return cmds
+
+
+def evaluation_paths(run: dict) -> tuple[str, str]:
+    """(the checkpoint, the result JSON) of a run's evaluation, relative to the repository root."""
+    out_dir = out_dir_of(run)
+    return os.path.join(out_dir, "best.pt"), os.path.join(out_dir, "eval_best.json")
 
 
 def evaluation_overrides(run: dict) -> list[str]:
@@ -306,9 +326,15 @@ def main(argv=None) -> int:
     p.add_argument("--run", action="store_true",
                    help="run the commands one after another (default: print them)")
     p.add_argument("--evaluate", action="store_true", help="also evaluate each run's best.pt (evaluate.py)")
+    # default None, not "none": an --eval-amp given without --evaluate is refused, whatever its value
+    p.add_argument("--eval-amp", choices=EVAL_AMP_CHOICES,
+                   help="autocast of every evaluate.py command (its --amp; default: none, fp32); needs --evaluate")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
+    if args.eval_amp is not None and not args.evaluate:  # no evaluate.py command would take it
+        sys.exit(f"error: --eval-amp {args.eval_amp} sets the autocast of the evaluate.py commands, which only "
+                 "--evaluate adds: add --evaluate, or drop --eval-amp")
     if args.only:  # `--only a quant.x=1`: --only takes every item after it; key=value ones are overrides
         move_overrides(args, "only")
         if not args.only:
@@ -336,11 +362,13 @@ def main(argv=None) -> int:
     if args.evaluate:
         try:
             refuse_unevaluated_options(runs)
+            if args.run:  # (printed commands may be meant for another machine: checked only where they run)
+                refuse_results_of_another_autocast(runs, args.eval_amp)
         except ConfigError as e:
             sys.exit(f"error: {e}")
     if not args.run:
         for run in runs:
-            for cmd in commands(run, args.launcher, args.evaluate):
+            for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
                 print(shlex.join(cmd), flush=True)
         return 0
     states = {r["name"]: "not started" for r in runs}
@@ -412,7 +440,7 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
 
 def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:
     """Train (and evaluate) one run; (exit code for the sweep, 0 to go on; the run's state)."""
-    for i, cmd in enumerate(commands(run, args.launcher, args.evaluate)):
+    for i, cmd in enumerate(commands(run, args.launcher, args.evaluate, args.eval_amp)):
         if signals.received:  # the stop came between two commands
             return EXIT_PREEMPTED, "not started" if i == 0 else "trained, evaluation not started"
         if i == 1:  # the evaluation of best.pt
@@ -470,14 +498,47 @@ def stopped_before_schedule_end(out_dir: str) -> Optional[str]:
     return None
 
 
+def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]) -> None:
+    """evaluate.py refuses a result file written under another --amp (its eval_amp), and --out, which its error
+    offers, is the sweep's to name: a requeued sweep under another --eval-amp would end at the first such run,
+    after its training, as 'failed during evaluation', the later runs not started. Refused before anything starts,
+    saying what to do. Not refused: a file older than the run's best.pt (the sweep moves it aside,
+    move_stale_result), one evaluate.py cannot read as a result (its own error names what is wrong). A run that is
+    to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
+    before it trains, and the file is refused."""
+    amp = eval_amp or "none"  # evaluate.py's default
+    for run in runs:
+        checkpoint, result = evaluation_paths(run)
+        path = os.path.join(ROOT, result)
+        if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
+            continue
+        try:
+            with open(path) as f:
+                recorded = json.load(f).get("eval_amp")
+        except (OSError, ValueError, AttributeError):  # not JSON, or not an object
+            continue
+        if isinstance(recorded, str) and recorded != amp:
+            same = "leave --eval-amp out" if recorded == "none" else f"give --eval-amp {recorded}"
+            stem = os.path.splitext(result)[0]
+            raise ConfigError(f"sweep run '{run['name']}': {result} holds its evaluation under --amp {recorded}, "
+                              f"and evaluate.py adds to a result file only under the --amp it was written with: "
+                              f"{same} to continue it, or move it away (with {stem}_act_max.csv and .png) to "
+                              f"evaluate the run under --eval-amp {amp}")
+
+
+def is_stale_result(json_path: str, checkpoint: str) -> bool:
+    """Whether the result `json_path` is older than `checkpoint` (and so scored an earlier one)."""
+    return (os.path.exists(json_path) and os.path.exists(checkpoint)
+            and os.path.getmtime(json_path) < os.path.getmtime(checkpoint))
+
+
 def move_stale_result(json_path: str, checkpoint: str) -> None:
     """evaluate.py refuses a JSON written for other weights; one older than the checkpoint was (an
     earlier best.pt of this run, e.g. evaluated by hand mid-training): move it aside with the per-layer maxima
     files it wrote beside it (which evaluate.py would refuse to overwrite), nothing is deleted. Paths are
     relative to the repository root, where the commands run."""
     json_path, checkpoint = (os.path.join(ROOT, p) for p in (json_path, checkpoint))
-    if (os.path.exists(json_path) and os.path.exists(checkpoint)
-            and os.path.getmtime(json_path) < os.path.getmtime(checkpoint)):
+    if is_stale_result(json_path, checkpoint):
         stamp = datetime.datetime.fromtimestamp(os.path.getmtime(json_path)).strftime("%Y%m%d-%H%M%S")
         stem = os.path.splitext(json_path)[0]
         base, suffix = stamp, 1

@@ -2,8 +2,10 @@
 checkpoint: the second would resume the first, and the summary call both finished), a run folder
 that the sweep would not name or --only could not select, and an override of what a run's own config files
 set."""
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -322,3 +324,102 @@ def test_a_sweep_without_a_mapping_of_runs_is_refused(tmp_path, runs):
     """`runs: {}` would print no command and run nothing, exiting 0 as if the sweep were done."""
     with pytest.raises(ConfigError, match=r"a sweep has 'configs', 'out_root', a non-empty 'runs' mapping"):
         sweep.expand(sweep_file(tmp_path, runs), [])
+
+
+def _printed(capsys) -> list[list[str]]:
+    """The commands a sweep printed, as words."""
+    return [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16", "none"])
+def test_eval_amp_reaches_every_evaluate_command_and_no_train_command(tmp_path, capsys, amp):
+    """--eval-amp X is evaluate.py's --amp X in every run's evaluation command (a GPU sweep of ViT-B evaluated under
+    bf16 autocast); train.py has its own train.amp and gets nothing."""
+    path = sweep_file(tmp_path, "  a: []\n  b: [optim.lr=0.002]\n")
+    assert sweep.main([path, "--evaluate", "--eval-amp", amp]) == 0
+    printed = _printed(capsys)
+    evaluations = [cmd for cmd in printed if "evaluate.py" in cmd]
+    trainings = [cmd for cmd in printed if "train.py" in cmd]
+    assert len(evaluations) == len(trainings) == 2 and len(printed) == 4
+    for cmd in evaluations:
+        assert cmd.count("--amp") == 1 and cmd[cmd.index("--amp") + 1] == amp, cmd
+    assert sweep.main([path, "--evaluate"]) == 0  # the training commands are those of a sweep without it
+    assert trainings == [cmd for cmd in _printed(capsys) if "train.py" in cmd]
+    assert not any("--amp" in cmd for cmd in trainings)
+
+
+def test_without_eval_amp_the_evaluate_commands_have_no_amp_flag(tmp_path, capsys):
+    """Not given: evaluate.py's default (none, fp32), and the printed commands are those of a sweep without it."""
+    path = sweep_file(tmp_path, "  a: []\n")
+    assert sweep.main([path, "--evaluate"]) == 0
+    (train, evaluation) = _printed(capsys)
+    assert evaluation[1:] == ["evaluate.py", "--checkpoint", str(tmp_path / "runs" / "a" / "best.pt"),
+                              "--out", str(tmp_path / "runs" / "a" / "eval_best.json")]
+    assert "--amp" not in train and train[1] == "train.py"
+
+
+@pytest.mark.parametrize("amp", ["bf16", "none"])
+def test_eval_amp_without_evaluate_is_refused_in_one_line_naming_both_flags(tmp_path, capsys, amp):
+    """Without --evaluate there is no evaluate.py command to take it: refused (an explicit none too), not
+    dropped, before anything is printed or run."""
+    path = sweep_file(tmp_path, "  a: []\n")
+    for run in ([], ["--run"]):
+        with pytest.raises(SystemExit) as stop:
+            sweep.main([path, "--eval-amp", amp, *run])
+        message = str(stop.value.code)
+        assert message.startswith("error: ") and "\n" not in message
+        assert "--eval-amp" in message and "--evaluate" in message
+    assert capsys.readouterr().out == "" and not (tmp_path / "runs").exists()
+
+
+def test_eval_amp_choices_are_evaluate_pys():
+    """sweep.py keeps evaluate.py's --amp choices as a literal (importing evaluate.py imports torch): they must
+    be its parser's, with its default none, which the sweep leaves out of the command."""
+    import evaluate
+
+    (amp,) = [a for a in evaluate.build_parser()._actions if "--amp" in a.option_strings]
+    assert tuple(amp.choices) == sweep.EVAL_AMP_CHOICES and amp.default == "none"
+
+
+def _evaluated_run(tmp_path, recorded: str, older_than_checkpoint: bool = False) -> str:
+    """A sweep of one run 'a' whose eval_best.json was written under --amp `recorded` (optionally before its
+    best.pt)."""
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    result, checkpoint = folder / "eval_best.json", folder / "best.pt"
+    result.write_text(json.dumps({"model": "vit_nano", "eval_amp": recorded, "quant": {}}))
+    checkpoint.write_bytes(b"")
+    stamp = os.path.getmtime(result)
+    os.utime(checkpoint, (stamp + (60 if older_than_checkpoint else -60),) * 2)
+    return sweep_file(tmp_path, "  a: []\n")
+
+
+@pytest.mark.parametrize("recorded, given, says", [
+    ("none", ["--eval-amp", "bf16"], "leave --eval-amp out to continue it"),
+    ("bf16", [], "give --eval-amp bf16 to continue it"),
+    ("bf16", ["--eval-amp", "fp16"], "give --eval-amp bf16 to continue it")])
+def test_a_requeued_sweep_under_another_eval_amp_is_refused_before_anything_starts(tmp_path, capsys, recorded,
+                                                                                   given, says):
+    """evaluate.py refuses a result file written under another --amp, saying to give --out another file, which a
+    sweep names itself: the requeued sweep trained (or validated) the run, then ended as 'failed during evaluation'
+    with the later runs not started. The sweep refuses it up front, in one line saying what to do."""
+    path = _evaluated_run(tmp_path, recorded)
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([path, "--run", "--evaluate", *given])
+    message = str(stop.value.code)
+    result = tmp_path / "runs" / "a" / "eval_best.json"
+    assert message.startswith(f"error: sweep run 'a': {result} holds its evaluation under --amp {recorded}")
+    assert says in message and "move it away" in message and "\n" not in message
+    assert not (tmp_path / "runs" / "a" / "checkpoint.pt").exists() and capsys.readouterr().out == ""
+
+
+def test_a_result_under_the_same_autocast_or_older_than_best_pt_is_not_refused(tmp_path):
+    """The same --amp adds to the file; one older than best.pt is moved aside by the sweep (move_stale_result)."""
+    path = _evaluated_run(tmp_path, "bf16")
+    (run,) = sweep.expand(path, [])
+    sweep.refuse_results_of_another_autocast([run], "bf16")
+    with pytest.raises(ConfigError, match="under --amp bf16"):
+        sweep.refuse_results_of_another_autocast([run], None)
+    os.utime(tmp_path / "runs" / "a" / "best.pt", (os.path.getmtime(tmp_path / "runs" / "a" / "eval_best.json")
+                                                    + 60,) * 2)
+    sweep.refuse_results_of_another_autocast([run], None)
