@@ -265,8 +265,11 @@ def _read(path: str, identity: dict) -> dict:
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
+        # under another autocast alone, the file's own --amp adds to it (scripts/sweep.py: its --eval-amp)
+        same_amp = (f", or --amp {data['eval_amp']} to add to it" if differs == ["eval_amp"]
+                    and isinstance(data.get("eval_amp"), str) else "")
         raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
-                           f"give --out another file")
+                           f"give --out another file{same_amp}")
     data.setdefault("quant", {})
     return data
 

@@ -93,6 +93,24 @@ def test_a_result_file_is_added_to_only_by_the_evaluation_it_records(tmp_path):
             EvalResults.open(str(path), {**identity, key: value})
 
 
+def test_a_result_file_of_another_autocast_names_the_amp_that_adds_to_it(tmp_path):
+    """A file written under --amp bf16 is refused under none, its error naming --amp bf16 beside --out (a sweep
+    names --out itself; its --eval-amp is this --amp); a file that differs in more than the autocast names --out
+    alone."""
+    import json
+
+    from engine.eval_results import EvalResults, ResultsError
+
+    identity = {"model": "vit_nano", "checkpoint": "/runs/a/best.pt", "eval_amp": "bf16"}
+    path = tmp_path / "eval_best.json"
+    path.write_text(json.dumps({**identity, "quant": {}}))
+    with pytest.raises(ResultsError, match=r"\(eval_amp: 'bf16' in the file, 'none' now\); give --out another file, "
+                                           r"or --amp bf16 to add to it$"):
+        EvalResults.open(str(path), {**identity, "eval_amp": "none"})
+    with pytest.raises(ResultsError, match=r"give --out another file$"):
+        EvalResults.open(str(path), {**identity, "eval_amp": "none", "model": "vit_tiny"})
+
+
 @pytest.mark.parametrize("task, pipelines, refused, own", [
     ("language model", ["gptq", "repq", "aphq"], "repq, aphq", "gptq, rtn, smoothquant, smoothquant_strict"),
     ("classifier", ["repq"], None, None),  # every pipeline quantizes a classifier: the LM ones run on ViTs too
