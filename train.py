@@ -175,8 +175,11 @@ class Run:
                           self.ckpt_path)
 
     def validate(self, should_stop, keep_best: bool = True) -> Optional[dict]:
-        """Validate; with `keep_best`, log and update best.pt. None (nothing logged or written) when a stop
-        request ended it."""
+        """Validate (a line says so as it starts); with `keep_best`, log the result and update best.pt. None (no
+        result logged, nothing written) when a stop request ended it."""
+        # a large validation set takes long with nothing else logged: say what the pause in the log is
+        log.info("validation at update %d: %d %s", self.state.step, len(self.loaders.val.dataset),
+                 "windows" if self.task.language else "images")
         with progress_kept_on_error(self.save_checkpoint, self.model, self.state.step, self.dist.distributed,
                                     "validation"):
             metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,

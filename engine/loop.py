@@ -634,7 +634,8 @@ class EvalBatches:
     """(index, batch) over `loader` for an evaluation that runs on every rank, behind a progress bar when
     `progress` is a label. `should_stop` (a preemption request, the same answer on every rank) is asked before
     every batch that all ranks have (shards may differ by one batch; their minimum length is one collective,
-    taken first); when it says stop, the iteration ends and `stopped` is True, so the caller returns None."""
+    taken first); when it says stop, the iteration ends with a line saying after how many batches, and `stopped`
+    is True, so the caller returns None."""
 
     def __init__(self, loader, device: torch.device, progress: str = "",
                  should_stop: Optional[Callable[[], bool]] = None) -> None:
@@ -669,6 +670,9 @@ class EvalBatches:
                 return
             if index < self.common and self.should_stop():
                 self.stopped = True
+                # says that the stop cut an evaluation short (not that it came before or after one), and how far
+                log.info("%s stopped by the stop request after %d of %d batches", self.progress or "evaluation",
+                         index, len(self.loader))
                 return
             yield index, batch
             index += 1

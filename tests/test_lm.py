@@ -566,6 +566,9 @@ def test_a_collapsed_model_trains_on_and_its_perplexity_reads_as_the_cap(tmp_pat
     lines = [r.getMessage() for r in caplog.records if "perplexity" in r.getMessage()]
     assert lines and all("perplexity >= exp(700) (capped)" in line for line in lines)
     assert not any(f"{math.exp(700.0):.2f}"[:20] in line for line in lines)
+    # each validation (train.eval_every_steps=6 of sched.steps=12) is announced in windows (data.val_windows=64)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation at")] == [
+        "validation at update 6: 64 windows", "validation at update 12: 64 windows"]
     assert CausalLMTask.score_text(2.0) == f"val loss 2.0000 (perplexity {math.exp(2.0):.2f})"
 
 
