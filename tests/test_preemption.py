@@ -118,6 +118,28 @@ def start(cmd, out_dir):
     return proc
 
 
+def output_until(proc, marker: str, out_dir) -> str:
+    """`proc`'s output up to and including its first line that holds `marker` (read as it comes); the test
+    fails with the output if the process ends without one."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    pytest.fail(f"no line with {marker!r}:\n{output_of(proc, 60, out_dir, before=''.join(lines))[-3000:]}")
+
+
+# The line an evaluation logs when a stop request ends it (engine/loop.py EvalBatches): a stop at an epoch's end
+# (before its validation) or after the validation logs none.
+CUT_SHORT = re.compile(r"evaluation stopped by the stop request after (\d+) of (\d+) batches")
+
+
+def assert_cut_short(output: str, batches: int) -> None:
+    """The validation of `batches` batches (this process's) was ended by the stop, before its last batch."""
+    cut = CUT_SHORT.findall(output)
+    assert len(cut) == 1 and int(cut[0][0]) < int(cut[0][1]) == batches, (cut, output[-3000:])
+
+
 def saved_step(out_dir) -> int:
     return torch.load(os.path.join(out_dir, "checkpoint.pt"), weights_only=True)["state"]["step"]
 
@@ -236,15 +258,13 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
            "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "log.tensorboard=false",
            "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8"]
     proc = launch(cmd)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "update 4/4000 " in line:  # the epoch's last update: validation comes next
-            break
-    time.sleep(1.0)
+    # rank 0 logs this after the ranks agreed at the epoch's end that no stop was requested: the signal lands
+    # in the validation (which takes seconds), not before it, whatever the CPU's speed
+    before = output_until(proc, "validation at update 4: 20001 images", tmp_path)
     os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
-    output = output_of(proc, 180, tmp_path, before="".join(lines))
+    output = output_of(proc, 180, tmp_path, before=before)
     assert "preempted at update 4" in output and "val top-1" not in output, output[-3000:]
+    assert_cut_short(output, 626)  # rank 0's 10,001 images in batches of 16 (rank 1 has 625)
     assert "exitcode  : 75" in output and 'train.py", line' not in output, output[-3000:]
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
@@ -252,22 +272,18 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
 
 def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path, caplog,
                                                                                           one_thread):
-    # 4 updates per epoch, then a validation of 20,000 images (about 3 s on one thread of a 2-core VM; the stop comes
-    # 1 s into it)
+    # 4 updates per epoch, then a validation of 20,000 images (about 3 s on one thread of a 2-core VM). The line
+    # that announces it comes after the epoch-end stop check: the signal lands in the validation, not before it
+    # (where the run would stop at the epoch boundary, without validating), whatever the CPU's speed
     cmd = train_cmd(tmp_path, "data.synthetic_train_size=64", "data.synthetic_val_size=20000",
                     "log.tensorboard=false")
     proc = launch(cmd)
-    lines = []
-    for line in proc.stdout:  # the log line of the epoch's last update comes just before validation
-        lines.append(line)
-        if "update 4/4000 " in line:
-            break
-    time.sleep(1.0)  # well inside the validation
+    before = output_until(proc, "validation at update 4: 20000 images", tmp_path)
     proc.send_signal(signal.SIGTERM)
-    output = output_of(proc, 120, tmp_path, before="".join(lines))
+    output = output_of(proc, 120, tmp_path, before=before)
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "val top-1" not in output and "preempted at update 4" in output, output[-3000:]
-    # no "val top-1": the stop ended the validation (a wall-clock bound here failed on a busy machine)
+    assert_cut_short(output, 1250)  # the stop ended the validation early (a wall-clock bound failed when busy)
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
     assert not os.path.exists(os.path.join(tmp_path, "best.pt"))
@@ -278,6 +294,32 @@ def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["step"] == 4 and not ckpt["state"]["validation_due"]
     assert os.path.exists(os.path.join(tmp_path, "best.pt"))
+
+
+def test_a_classifier_validation_stopped_midway_says_after_how_many_batches_and_gives_no_numbers(caplog):
+    """A stop request asked before the third of four batches: the evaluation ends there (the model saw two
+    batches), returns None, and its one line names 2 of 4 batches (the process tests above read it)."""
+    from engine.loop import evaluate
+
+    seen = []
+
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            seen.append(len(x))
+            return torch.zeros(len(x), 3)
+
+    asked = []
+
+    def stop_at_third_batch():
+        asked.append(1)
+        return len(asked) == 3
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8).long()),
+                                         batch_size=2)
+    with caplog.at_level("INFO", logger="engine.loop"):
+        assert evaluate(Counting(), loader, torch.device("cpu"), should_stop=stop_at_third_batch) is None
+    assert seen == [2, 2] and len(asked) == 3
+    assert CUT_SHORT.findall(caplog.text) == [("2", "4")], caplog.text
 
 
 def test_a_second_interrupt_after_the_grace_window_stops_at_once():
