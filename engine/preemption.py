@@ -145,7 +145,7 @@ class Preemption:
             boundary: agree now, waiting for the collective.
         """
         if self._unannounced is not None:
-            log.warning("received %s: stopping at the next update boundary and writing %s",
+            log.warning("received %s: stopping at the next update or evaluation batch boundary and writing %s",
                         signal.Signals(self._unannounced).name, self.saves)
             self._unannounced = None
         if not self.distributed:

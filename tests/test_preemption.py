@@ -367,7 +367,8 @@ def test_the_signal_handler_only_records_and_the_next_stop_check_logs_it():
             logger.warning("a line being written")
             assert preemption.requested and writer.lines == ["a line being written"]
             assert preemption.should_stop(step=3)
-            assert writer.lines[1:] == ["received SIGTERM: stopping at the next update boundary and writing stage1.pt"]
+            assert writer.lines[1:] == ["received SIGTERM: stopping at the next update or evaluation batch boundary "
+                                       "and writing stage1.pt"]
             assert preemption.should_stop(step=4) and len(writer.lines) == 2  # logged once
     finally:
         logger.removeHandler(writer)
