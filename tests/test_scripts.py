@@ -938,7 +938,7 @@ def test_a_stop_before_or_between_a_runs_commands_starts_nothing_more(stand_in):
 
     spec, codes, launcher = stand_in
     (run, *_) = sweep.expand(spec, [])
-    args = sweep.argparse.Namespace(launcher=launcher, evaluate=True)
+    args = sweep.argparse.Namespace(launcher=launcher, evaluate=True, eval_amp=None)
     before = sweep.ForwardedSignals()
     before.received.append(signal.SIGTERM)
     assert sweep.run_one(run, args, before) == (75, "not started")
