@@ -396,3 +396,22 @@ def test_a_scheduler_built_on_an_unhooked_lookahead_is_refused_and_zero_grad_fir
             with pytest.raises(RuntimeError, match=r"FreshLookahead\.step is a `step` of FreshLookahead taken before "
                                                    r"torch made its class's step call step hooks.*zero_grad\(\)"):
                 fit(module, 2)
+
+
+class WithACopy(Module):
+    """A LightningModule that keeps a frozen copy of its net (an EMA or a teacher) that its forward never runs."""
+
+    def __init__(self, net, steps: int) -> None:
+        super().__init__(net, steps)
+        self.ema = copy.deepcopy(net).requires_grad_(False)
+
+
+def test_a_copy_that_the_forward_does_not_run_is_refused_naming_module_and_the_parts():
+    """The whole LightningModule is decayed by default: a frozen copy beside the net (an EMA, a teacher) fails the
+    pair check as "not used in the forward pass", which named no fix; the refusal names `module=` and the module's
+    children, and module="net" trains."""
+    with pytest.raises(UnsupportedModelError, match=r"ema\.blocks\.0.*not used in the forward pass.*"
+                       r"ColinearityDecayCallback\(module=\.\.\.\).*\['net', 'ema'\]"):
+        fit(WithACopy(tiny_vit().double(), steps=1), 1)
+    trainer = fit(WithACopy(tiny_vit().double(), steps=1), 1, callback=ColinearityDecayCallback(module="net", lam=LAM))
+    assert cd_callback(trainer).decay.num_updates == 1

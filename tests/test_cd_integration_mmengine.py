@@ -583,3 +583,21 @@ def test_a_legacy_optimizer_that_amp_optim_wrapper_hands_grad_scaler_is_refused_
         warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of that contract
         with pytest.raises(RuntimeError, match="`grad_scaler` in step"):
             run(cfg)
+
+
+@MODELS.register_module(force=True)
+class WithACopy(Classifier):
+    """The Classifier with a frozen copy of its backbone (a teacher, an EMA) that its forward never runs."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.teacher = copy.deepcopy(self.backbone).requires_grad_(False)
+
+
+def test_a_copy_that_the_forward_does_not_run_is_refused_naming_module_and_the_parts(tmp_path):
+    """module="" decays the whole model: a frozen copy beside the backbone fails the pair check as "not used in the
+    forward pass", which named no fix; the refusal names the hook's `module=` and the model's children."""
+    from cd.verify import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match=r"teacher\.blocks\.0.*not used in the forward pass.*"
+                       r"module=\.\.\.\).*'backbone', 'head', 'teacher'\]"):
+        run(config(tmp_path, iters=1, model=dict(type="WithACopy"), module="", input_shape=(1, 3, 32, 32)))

@@ -81,6 +81,22 @@ def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Mod
                          f"submodule name (its own: {children[:8]}) or '' for the whole model") from None
 
 
+UNUSED = "is not used in the forward pass"  # the pair check's refusal of a matrix that the forward never multiplies
+
+
+def name_the_part(message: str, model: torch.nn.Module, argument: str) -> str:
+    """The pair check's refusal `message` of a whole model (a LightningModule's, an MMEngine model's) with the fix
+    where a matrix it holds is not used in the forward (a copy beside the network, e.g. an EMA or a teacher, which
+    the forward never runs): name the part to decay with `argument` (e.g. "ColinearityDecayCallback(module=...)"),
+    among the model's children. Other refusals are returned as they are."""
+    if UNUSED not in message:
+        return message
+    children = [name for name, _ in unwrap_model(model).named_children()]
+    return (f"{message}; CD decays the whole {type(unwrap_model(model)).__name__} here, also a part that its forward "
+            f"does not run (an EMA copy, a teacher): name the part to decay with {argument} (its children: "
+            f"{children[:8]})")
+
+
 def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` holds any matrix that `decay` writes."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -34,7 +34,8 @@ from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError
-from . import bind_optimizers, check_cd_arguments, check_module_name, select_module, torch_optimizer
+from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
+               torch_optimizer)
 
 
 class ColinearityDecayCallback(Callback):
@@ -74,7 +75,10 @@ class ColinearityDecayCallback(Callback):
         try:
             self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
         except UnsupportedModelError as e:
-            raise UnsupportedModelError(_lightning_names(str(e), self.module)) from e
+            message = _lightning_names(str(e), self.module)
+            if not self.module:  # the whole LightningModule: a copy beside the network names `module=` as the fix
+                message = name_the_part(message, pl_module, "ColinearityDecayCallback(module=...)")
+            raise UnsupportedModelError(message) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
         self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)

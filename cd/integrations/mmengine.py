@@ -41,7 +41,8 @@ from mmengine.registry import HOOKS
 
 from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
-from . import bind_optimizers, check_cd_arguments, check_module_name, select_module
+from ..wrappers import unwrap_model
+from . import bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module
 
 CHECKPOINT_KEY = "colinearity_decay"
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
@@ -116,7 +117,12 @@ class ColinearityDecayHook(Hook):
             self.decay = ColinearityDecay(target, **kwargs)
         except UnsupportedModelError as e:
             if tried is None or e.__cause__ is None:  # not a forward that failed on an image batch of the hook's
-                raise
+                message = str(e)
+                if target is unwrap_model(runner.model):  # the whole model: a copy beside the network names module=
+                    message = name_the_part(message, target, 'dict(type="ColinearityDecayHook", module=...)')
+                if message == str(e):
+                    raise
+                raise UnsupportedModelError(message) from e
             # the check's own advice (ColinearityDecay's example_input tensor) is not what a config file gives, also
             # where the model's own input size is the wrong one
             cause = str(e.__cause__).splitlines()[0] if str(e.__cause__) else ""
