@@ -415,3 +415,44 @@ def test_a_copy_that_the_forward_does_not_run_is_refused_naming_module_and_the_p
         fit(WithACopy(tiny_vit().double(), steps=1), 1)
     trainer = fit(WithACopy(tiny_vit().double(), steps=1), 1, callback=ColinearityDecayCallback(module="net", lam=LAM))
     assert cd_callback(trainer).decay.num_updates == 1
+
+
+class FrozenBlocks(Module):
+    """Lightning's BaseFinetuning recipe: the optimizer holds the trainable parameters only (the blocks, frozen by
+    the callback below, are added with add_param_group when they are unfrozen)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_blocks_frozen_out_of_the_optimizer_and_unfrozen_later_get_cd_from_then_on():
+    """It was refused ("no optimizer holds the 8 matrices"), though the binding follows param groups added later:
+    now a warning; while frozen the blocks stay as they were, and each update after the unfreeze gets CD."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.net.blocks)
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            if current_epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.net.blocks, optimizer)
+
+    def fit_two_epochs(lam):
+        module = FrozenBlocks(tiny_vit().double(), steps=4)
+        callback = ColinearityDecayCallback(lam=lam)
+        trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, precision="64-true",
+                            callbacks=[Unfreeze(), callback])
+        trainer.fit(module, image_loader(2))
+        return module, callback
+
+    initial = tiny_vit().double().blocks.state_dict()
+    with pytest.warns(UserWarning, match=r"all 8 matrices CD decays are frozen .* and in no optimizer"):
+        module, callback = fit_two_epochs(LAM)
+    frozen = {n[len("blocks."):]: w for n, w in module.after[1].items() if n.startswith("blocks.")}
+    assert all(torch.equal(frozen[n], initial[n]) for n in initial)  # epoch 0: neither the step nor CD moved them
+    assert callback.decay.num_updates == 2  # the 2 updates of epoch 1
+    plain, _ = fit_two_epochs(0.0)
+    name = "blocks.1.mlp.fc2.weight"
+    assert not torch.allclose(module.after[-1][name], plain.after[-1][name], rtol=0, atol=1e-6)

@@ -315,7 +315,9 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
     as when a stage is unfrozen) gets their update from its next step on, as if they had been there from the start.
 
     Raises:
-        ValueError: no optimizer holds any of them now (an error early, not a run without CD).
+        ValueError: no optimizer holds any of them now and some are trainable (an error early, not a run without
+            CD). All of them frozen and in no optimizer (a stage to unfreeze later, Lightning's BaseFinetuning) is
+            a warning: their update starts once a param group adds them.
         RuntimeError: an optimizer's `step` calls no step hooks (`cd.wrappers.steps_without_hooks`): an lr scheduler
             built on timm's Lookahead before torch wrapped its class's step (CD would silently never run).
     """
@@ -331,10 +333,19 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
                                f"LightningModule's configure_optimizers; before Trainer(optimizers=...) in Hugging "
                                f"Face's)")
     if not any(holds_pairs(decay, opt) for opt in opts.values()):
-        raise ValueError(f"no optimizer holds the {len(decay.pairs)} matrices CD decays (e.g. {decay.pairs[0].name})")
-    # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
-    # Lightning module's several) gets CD in that optimizer's step, so it is not left alone
-    _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
+        named = decay._decayed_named()
+        if any(t.requires_grad for _, t in named):
+            raise ValueError(f"no optimizer holds the {len(named)} matrices CD decays (e.g. {named[0][0]}), so CD "
+                             "would never act: build the optimizer on the parameters of the part CD decays")
+        # all frozen, and left out of the optimizer as frozen parameters are (Lightning's BaseFinetuning): a stage
+        # unfrozen later with add_param_group gets CD from its next step on, as the bindings follow param groups
+        warnings.warn(f"all {len(named)} matrices CD decays are frozen (requires_grad=False, e.g. {named[0][0]}) and "
+                      "in no optimizer: CD acts on each once it is unfrozen into an optimizer (add_param_group)",
+                      stacklevel=3)
+    else:
+        # the matrices that none of them holds: one held by another of the optimizers (an OptimWrapperDict's, a
+        # Lightning module's several) gets CD in that optimizer's step, so it is not left alone
+        _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
     # one optimizer's step is the whole update
     shared = SharedUpdate(decay, list(opts.values())) if len(opts) > 1 else None
     return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
