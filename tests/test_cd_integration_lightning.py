@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
 
 from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
 from cd.integrations.lightning import ColinearityDecayCallback  # noqa: E402
@@ -324,7 +324,9 @@ def test_by_default_the_whole_lightning_module_is_decayed_also_one_with_a_backbo
 
     module = WithBackbone()
     callback = ColinearityDecayCallback(lam=LAM)
-    callback.on_train_start(SimpleNamespace(optimizers=[torch.optim.SGD(module.parameters(), lr=0.1)]), module)
+    trainer = SimpleNamespace(optimizers=[torch.optim.SGD(module.parameters(), lr=0.1)],
+                              precision_plugin=Precision())  # the attributes of a Trainer the callback reads
+    callback.on_train_start(trainer, module)
     blocks = [f"backbone.{b}" for b in BLOCKS] + ["neck"]
     assert [p.name for p in callback.decay.pairs] == [f"{b}.{w}.weight" for b in blocks
                                                       for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
@@ -456,3 +458,15 @@ def test_blocks_frozen_out_of_the_optimizer_and_unfrozen_later_get_cd_from_then_
     plain, _ = fit_two_epochs(0.0)
     name = "blocks.1.mlp.fc2.weight"
     assert not torch.allclose(module.after[-1][name], plain.after[-1][name], rtol=0, atol=1e-6)
+
+
+def test_a_float32_example_input_array_serves_a_true_precision_run_as_lightning_converts_its_batches():
+    """Users write example_input_array in float32; under precision="64-true" (or "bf16-true") Lightning converts
+    every batch to the module's dtype (precision_plugin.convert_input), but the pair check ran the example as given
+    and refused the module ("Input type (float) and bias type (double)", asking for "the right shape")."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=2)
+    module.example_input_array = torch.zeros(1, 3, 32, 32)  # float32
+    fit(module, 2)
+    check(initial, module, 2, 1, variants=("after_step",))

@@ -20,7 +20,8 @@ A step of the raw torch optimizer (`self.optimizers(use_pl_optimizer=False)`) by
 refused (a RuntimeError right after that step), not run without CD. Each matrix gets the lr of its param group
 at that moment.
 
-The model is the LightningModule (its `example_input_array` serves the pair check), or the submodule that
+The model is the LightningModule (its `example_input_array` serves the pair check, converted as Lightning
+converts batches under a "-true" precision), or the submodule that
 `module=` names (e.g. `module="net"` for a module without `forward`, whose own input size the check can tell);
 the optimizers are the Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved
 in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
@@ -72,6 +73,10 @@ class ColinearityDecayCallback(Callback):
         example = getattr(pl_module, "example_input_array", None)
         if kwargs.get("example_input") is None and example is not None and not self.module:
             kwargs["example_input"] = example
+        if kwargs.get("example_input") is not None:
+            # as Lightning hands every batch to the module: "64-true", "bf16-true" and "16-true" convert floating
+            # inputs to the module's dtype, so a float32 example (as users write it) serves those runs too
+            kwargs["example_input"] = trainer.precision_plugin.convert_input(kwargs["example_input"])
         try:
             self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
         except UnsupportedModelError as e:
