@@ -171,6 +171,18 @@ def test_a_resumed_trainer_runs_the_callback_as_given_not_as_saved(tmp_path):
     assert given.decay.lam_per_role == {"fc2": 2 * LAM} and given.decay.num_updates == 4
 
 
+def test_a_resumed_callback_counts_the_restored_steps_as_updates_only_where_cd_updates():
+    """The counter of a resumed run starts at the Trainer's global_step; with lam=0 no step makes a CD update (a
+    fresh run's counter stays 0), so a resumed one's stays 0 too."""
+    from transformers import TrainerState
+    for lam, counted in ((LAM, 2), (0.0, 0)):
+        model = tiny_gpt2()
+        cb = ColinearityDecayCallback(lam=lam)
+        cb.on_train_begin(None, TrainerState(global_step=2), None, model=model,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert cb.decay.num_updates == counted and cb.decay.metrics()["cd/updates"] == counted, lam
+
+
 def test_an_optimizer_without_any_decayed_matrix_is_an_error_not_a_silent_no_op():
     from transformers import TrainerState
     model = tiny_gpt2()

@@ -64,7 +64,8 @@ class ColinearityDecayCallback(TrainerCallback):
             if getattr(owner, "trainer_state", state) is not state:
                 owner.remove()
         self.decay = ColinearityDecay(model, **self.cd_kwargs)
-        self.decay.num_updates = state.global_step  # a resumed run's steps so far (logging only)
+        if self.decay._active:  # a resumed run's steps so far (logging only); lam=0 makes no update to count
+            self.decay.num_updates = state.global_step
         (self._binding,) = bind_optimizers(self.decay, [optimizer]).values()
         self._binding.trainer_state = state  # the train() it serves
 
