@@ -514,7 +514,7 @@ def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
                 "MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m cd --families` lists "
                 "the families and what CD finds in each. A model whose blocks name these layers otherwise gives its "
                 "names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with names of your own\"). Without CD "
-                "(train.py: cd.enabled=false) the model trains as usual.")
+                "(train.py: cd.enabled=false; a framework: no CD callback or hook) the model trains as usual.")
     tried = "; ".join(lay.describe() for lay in layouts)
     built_in = "" if set(LAYOUTS) <= set(layouts) else ", or add the built-in layouts, layouts=[..., *cd.LAYOUTS]"
     return (f"no matrix pair found in {type(root).__name__} with the layouts given (layouts=): {tried}. No module "
