@@ -492,6 +492,44 @@ def test_a_text_training_epoch_takes_every_window_once_whatever_data_repeated_au
     assert sorted(index for index, _ in loaders.train.sampler) == list(range(98))
 
 
+def test_training_windows_come_from_the_train_file_and_validation_windows_from_the_val_file(tmp_path):
+    """train.bin trains and val.bin validates: with even ids in one and odd ids in the other, every training window
+    holds even ids and the validation loader yields val.bin's disjoint windows from offset 0, in order, as sliced
+    here from the raw ids (a loader that scored the training split would report a training loss as val/loss)."""
+    from data.loader import build_token_loaders
+
+    train_ids = (2 * np.arange(1000) % 100).astype(np.uint16)
+    val_ids = (2 * np.arange(500) * 7 % 100 + 1).astype(np.uint16)
+    train_ids.tofile(tmp_path / "train.bin")
+    val_ids.tofile(tmp_path / "val.bin")
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
+    loaders = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                                  world_size=1, seed=0, vocab_size=100)
+    loaders.train.sampler.set_epoch(0)
+    x, y = next(iter(loaders.train.loader))
+    assert x.shape == (4, 10) and bool((x % 2 == 0).all()) and bool((y % 2 == 0).all())
+    xs, ys = zip(*loaders.val)
+    want = torch.from_numpy(val_ids.astype(np.int64))
+    assert torch.equal(torch.cat(xs), torch.stack([want[s:s + 10] for s in range(0, 490, 10)]))
+    assert torch.equal(torch.cat(ys), torch.stack([want[s + 1:s + 11] for s in range(0, 490, 10)]))
+
+
+def test_token_file_ids_past_32767_reach_the_windows_as_written(tmp_path):
+    """GPT-2's BPE ids run to 50,256, stored as uint16: the ids past 32,767 (negative if read as signed 16-bit)
+    reach the windows as written, as int64 ids the embedding and the loss take, and the vocabulary check sees the
+    largest of them."""
+    ids = np.arange(2000, dtype=np.int64) * 7919 % 50304  # every 16-bit range, up to 50,303
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    ids.astype(np.uint16).tofile(tmp_path / "val.bin")
+    stream = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+    x, y = TokenWindows(stream, 32, train=False)[5]
+    assert x.dtype == y.dtype == torch.int64 and int(x.max()) > 32767
+    assert x.tolist() == ids[160:192].tolist() and y.tolist() == ids[161:193].tolist()
+    check_vocabulary(stream, 50304)
+    with pytest.raises(DataError, match=f"holds ids up to {ids.max()}"):
+        check_vocabulary(stream, int(ids.max()))
+
+
 def test_step_schedule_matches_nanogpt_formula():
     """sched.steps: linear warmup to the peak at warmup_steps, then cosine to min_lr at steps (nanoGPT's
     get_lr, whose warmup is (it + 1) / (warmup + 1): ours reaches the peak at the same update)."""
