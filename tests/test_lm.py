@@ -253,6 +253,32 @@ def test_model_drop_is_every_dropout_of_the_gpt():
         torch.testing.assert_close(model.eval()(ids), plain(ids), rtol=0, atol=0)
 
 
+def test_embedding_dropout_masks_the_sum_of_token_and_position_embeddings():
+    """nanoGPT's forward: drop(tok_emb + pos_emb), one mask over the sum (a dropped entry drops both and the kept
+    ones are scaled by 1 / (1 - p)). Written here from the embedding tables under the same seed, with every other
+    dropout off; a dropout of the token embedding alone gives other logits."""
+    from models.gpt import CausalSelfAttention
+
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=65, drop=0.5).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and m is not model.drop:
+            m.p = 0.0
+        if isinstance(m, CausalSelfAttention):
+            m.attn_drop = 0.0
+    ids = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.manual_seed(2)
+        got = model(ids)
+        torch.manual_seed(2)
+        x = F.dropout(model.wte.weight[ids] + model.wpe.weight[:16], p=0.5, training=True)
+        model.eval()
+        for block in model.blocks:
+            x = block(x)
+        want = F.layer_norm(x, (32,), model.norm.weight, model.norm.bias) @ model.wte.weight.T
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cd_pairs_of_gpt2_match_float64_reference():
     """The paper's GPT-2 pairs (ln_1 -> c_attn, V -> attn.c_proj, ln_2 -> c_fc, c_fc -> mlp.c_proj) and one
     update W2 <- W2 - lr lam W2 W1n W1n^T (W1n = W1 / (||W1||_F / sqrt(rows))) computed in float64."""
