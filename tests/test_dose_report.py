@@ -99,6 +99,16 @@ def test_report_figures_match_hand_computed_values(sweep, tmp_path):
     assert "| baseline | 5.0 | - |" in types and "| cd100x | 2.0 | - |" in types and "999" not in types
     for name in dose_report.OUTPUTS:
         assert os.path.getsize(tmp_path / "o" / name) > 0
+    # each seed's alignment peak is of its own best.pt (s0 and s1 hold other weights): the largest alpha over the
+    # blocks, computed here from each checkpoint directly
+    line = next(line for line in report.splitlines() if line.startswith("- baseline: "))
+    parts = line[len("- baseline: "):].split("; ")
+    for seed, part in zip((0, 1), parts):
+        model = dose_report.model_of(str(sweep / f"baseline_s{seed}" / "best.pt"))
+        alpha, block = max((float(mechanism.alignment(b.mlp.fc1.weight, b.mlp.fc2.weight)[0].max()), name)
+                           for name, b in mechanism.ffn_blocks(model))
+        assert part.startswith(f"s{seed} {block} i=") and part.endswith(f" alpha {alpha:.3f}")
+    assert len(parts) == 2 and parts[0].split(" alpha ")[1] != parts[1].split(" alpha ")[1]
     # runs without model.pretrained started from a random initialisation: no backbone peak to report
     assert "- pretrained backbone (start): n/a (the runs start from a random initialisation)" in report
 
