@@ -4,6 +4,7 @@ refusals (an image sweep, existing outputs)."""
 import json
 import math
 import os
+import statistics
 import sys
 
 import pytest
@@ -121,6 +122,24 @@ def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert "| baseline | - | - | 1.000 (n=1) | - | 0.000 ± 0.000 | - | - | - |" in report  # the W8A5 gap of s0
 
+
+def test_type_tables_average_every_seed_and_name_the_count_of_a_type_some_seeds_lack(tmp_path):
+    """The per-type tables are over all seeds of a point: the block type's largest max of 20 and 30 is their mean
+    and sample std, computed here with statistics; a type only one seed of two records (s1's CSV has no mlp.fc2
+    rows) is that seed's value with its count, as the quantized columns name theirs."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
+    csv = root / "baseline_s1" / "eval_best_act_max.csv"
+    csv.write_text("".join(line for line in csv.read_text().splitlines(keepends=True) if ",mlp.fc2," not in line))
+    tables = lm_study.tables(dose_report.by_point(dose_report.read_sweep(str(root))))
+    maxima, kurtosis = (tables.split(what)[1].split("\n\n")[1].splitlines()[-1]
+                        for what in ("Largest max |activation| per module type", "Largest kurtosis per module type"))
+    dashes = " | ".join(["-"] * 7)
+    # s0's mlp.fc2: max(2, 3) over its blocks, kurtosis max(10 + 1, 10); the block output of both seeds
+    assert maxima == f"| baseline | {dashes} | 3.0 (n=1) | - | 25.0 ± {statistics.stdev([20.0, 30.0]):.1f} |"
+    assert kurtosis == f"| baseline | {dashes} | 11.0 (n=1) | - | 12.0 ± {statistics.stdev([10.0, 14.0]):.1f} |"
 
 def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(tmp_path):
     """A seed of the baseline trained with another learning rate is no seed of the baseline (was averaged into
