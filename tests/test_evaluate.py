@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -433,6 +434,21 @@ def test_seeds_without_a_recipe_are_not_compared_by_model_kwargs():
         'a.pt and c.pt were evaluated with other model.kwargs (model.kwargs={"gelu": "tanh"} (trained with {}) vs '
         'as trained)')
 
+
+def test_table_over_seeds_keeps_one_row_per_model_of_a_method():
+    """--over-seeds averages the results of one model and method: the Baseline of two models is two rows, each of
+    its own results (a seed of one model averaged with another model's is no seed of either). By hand: m1's FP
+    80 and 84 give 82 and their sample std, its RepQ 70 and 74 give 72; m2's one result is its own numbers."""
+    def result(model, fp, repq):
+        return {"model": model, "method": "Baseline", "fp": {"top1": fp}, "max_act": {"module": 5.0, "block": 3.0},
+                "quant": {"repq": {"w4a4": {"top1": repq}}}}
+
+    table = evaluate.markdown_table([result("m1", 80.0, 70.0), result("m2", 60.0, 50.0), result("m1", 84.0, 74.0)],
+                                    over_seeds=True)
+    std = f"{statistics.stdev([80.0, 84.0]):.2f}"  # also that of 70 and 74
+    assert table.splitlines()[2:] == [
+        f"| m1 | Baseline (n=2) | 82.00 ± {std} | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± {std} |",
+        "| m2 | Baseline (n=1) | 60.00 | 5.00 / 3.00 | 50.00 |"]
 
 def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
     """A pipeline some seeds were not evaluated with is averaged over those that were; the row's (n=3)
