@@ -715,3 +715,29 @@ def test_select_module_takes_a_backbone_submodule_only_and_names_a_missing_part(
     assert select_module(net, None) is net
     with pytest.raises(ValueError, match=r"module='neck' names no submodule of the Module .*\['backbone', 'head'\]"):
         select_module(holder, "neck")
+
+
+def test_every_decayed_matrix_frozen_and_in_no_optimizer_is_a_warning_and_a_trainable_one_there_an_error():
+    """A stage frozen and left out of the optimizers (Lightning's BaseFinetuning) is said, and CD follows it once
+    it is added; one trainable decayed matrix in no optimizer while none holds any is refused (CD never acts)."""
+    model, _, _, _ = _setup()
+    head = list(model.head.parameters())
+    model.blocks.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"all 8 matrices CD decays are frozen .* and in no optimizer"):
+        bind_optimizers(ColinearityDecay(model, lam=0.5), [torch.optim.SGD(head, lr=0.1)])
+    model.blocks[0].requires_grad_(True)  # half of them trainable, all outside the optimizer
+    with pytest.raises(ValueError, match="no optimizer holds the 8 matrices CD decays"):
+        bind_optimizers(ColinearityDecay(model, lam=0.5), [torch.optim.SGD(head, lr=0.1)])
+
+
+def test_removing_the_bindings_of_several_optimizers_leaves_none_of_their_step_hooks():
+    """Each optimizer's step pre-hooks after every binding is removed are those it had before binding (the shared
+    update's copies of W1s would otherwise go on being taken in every step)."""
+    model, decay, _, _ = _setup()
+    first, rest = w1s_apart(model)
+    opts = [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)]
+    before = [(dict(o._optimizer_step_pre_hooks), dict(o._optimizer_step_post_hooks)) for o in opts]
+    bindings = bind_optimizers(decay, opts)
+    for binding in bindings.values():
+        binding.remove()
+    assert [(dict(o._optimizer_step_pre_hooks), dict(o._optimizer_step_post_hooks)) for o in opts] == before
