@@ -423,3 +423,31 @@ def test_a_result_under_the_same_autocast_or_older_than_best_pt_is_not_refused(t
     os.utime(tmp_path / "runs" / "a" / "best.pt", (os.path.getmtime(tmp_path / "runs" / "a" / "eval_best.json")
                                                     + 60,) * 2)
     sweep.refuse_results_of_another_autocast([run], None)
+
+
+def test_a_command_line_override_of_a_run_key_is_refused_wherever_it_stands(tmp_path):
+    """run_keys guards every override of the command line, not only its first one."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\nrun_keys: [data.root]\n"
+                    "runs:\n  a: [data.root=/x]\n")
+    with pytest.raises(ConfigError, match=r": data\.root=/y would replace a key that each run sets itself "
+                                          r"\(data\.root\)"):
+        sweep.expand(str(path), ["optim.lr=0.1", "data.root=/y"])
+
+
+@pytest.mark.parametrize("given", [[], ["--eval-amp", "none"]])
+def test_a_result_evaluated_without_autocast_is_continued_by_a_sweep_without_eval_amp(tmp_path, given):
+    """eval_best.json of evaluate.py's default (--amp none) is continued by a sweep that leaves --eval-amp out (or
+    gives none): nothing is refused."""
+    path = _evaluated_run(tmp_path, "none")
+    (run,) = sweep.expand(path, [])
+    sweep.refuse_results_of_another_autocast([run], given[1] if given else None)
+
+
+def test_printed_commands_are_not_refused_for_a_result_of_another_autocast(tmp_path, capsys):
+    """Without --run the commands are only printed (perhaps for another machine, with other files): a result file
+    here under another --amp refuses nothing, and the evaluate command carries the --amp given."""
+    path = _evaluated_run(tmp_path, "none")
+    assert sweep.main([path, "--evaluate", "--eval-amp", "bf16"]) == 0
+    evaluate_line = capsys.readouterr().out.splitlines()[1]
+    assert "evaluate.py" in evaluate_line and "--amp bf16" in evaluate_line
