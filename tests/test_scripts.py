@@ -1010,3 +1010,90 @@ def test_only_with_an_unknown_name_says_which_and_the_sweeps_runs():
     message = str(stop.value)
     assert message.startswith("error: --only: no run named cd10x_s99, nosuch in ") and "[" not in message, message
     assert "(its runs: baseline_s0, " in message and " more)" in message and "\n" not in message, message
+
+
+def _checkpoint_of(folder, step: int, epoch: int) -> None:
+    """The fields of checkpoint.pt the sweep reads (its state, sched.epochs=3, 4 updates per epoch: 12 updates)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": {"step": step, "epoch": epoch}, "config": {"sched": {"epochs": 3}},
+                "epoch_position": {"updates_per_epoch": 4}}, folder / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("evaluate, says", [(True, "evaluated"), (False, "not evaluated")])
+def test_the_summary_tells_a_run_stopped_at_max_steps_from_a_finished_one_and_says_if_it_was_evaluated(
+        stand_in, capsys, evaluate, says):
+    """A run that train.py ended with exit 0 before its schedule's end (update 5 of 3 x 4) is reported as stopped
+    at train.max_steps, one at the end of its last epoch as finished; each says whether it was evaluated."""
+    spec, codes, launcher = stand_in
+    import pathlib
+
+    runs = pathlib.Path(spec).parent / "runs"  # the stand-in's out_root
+    _checkpoint_of(runs / "a", step=5, epoch=1)
+    for name in ("b", "c"):
+        _checkpoint_of(runs / name, step=12, epoch=3)
+    assert sweep.main([spec, "--run", "--launcher", launcher, *(["--evaluate"] if evaluate else [])]) == 0
+    summary = capsys.readouterr().out.split("sweep summary:\n")[1].splitlines()
+    finished = "finished and evaluated" if evaluate else "finished"
+    assert summary == [f"  a: stopped at train.max_steps at update 5 of 12, before its schedule ended; {says}",
+                       f"  b: {finished}", f"  c: {finished}"]
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_sweep_alone_reaches_the_running_command_and_the_handlers_are_restored(name):
+    """SIGTERM / SIGINT sent to the sweep's process only (not its process group, as a scheduler may do) reach the
+    command it runs, which ends at once instead of after its 20 s; after the sweep the earlier handlers are back."""
+    import signal
+    import threading
+
+    signum = getattr(signal, name)
+    before = signal.getsignal(signum)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signum))
+    try:
+        with sweep.ForwardedSignals() as signals:
+            timer.start()
+            code = signals.run(["sleep", "20"])
+    except KeyboardInterrupt:
+        pytest.fail(f"{name} stopped the sweep itself instead of reaching its command")
+    finally:
+        timer.cancel()
+    assert code == -signum and signals.received == [signum]
+    assert signal.getsignal(signum) is before
+
+
+def test_evaluations_moved_aside_in_one_second_never_land_on_an_earlier_move(tmp_path):
+    """Three stale evaluations with one modification time go to three names (.<time>, .<time>.2, .<time>.3), and a
+    per-layer maxima file left by an earlier move (its JSON deleted since) is not written over either."""
+    import time
+
+    result, checkpoint = tmp_path / "eval_best.json", tmp_path / "best.pt"
+    checkpoint.write_bytes(b"weights")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_000_000_000))
+    (tmp_path / f"eval_best.{stamp}_act_max.csv").write_text("earlier")  # its JSON was deleted by hand
+    for n in range(3):
+        result.write_text(json.dumps({"n": n}))
+        (tmp_path / "eval_best_act_max.csv").write_text(f"csv {n}")
+        os.utime(result, (1_000_000_000, 1_000_000_000))
+        sweep.move_stale_result(str(result), str(checkpoint))
+    assert (tmp_path / f"eval_best.{stamp}_act_max.csv").read_text() == "earlier"
+    for n, suffix in enumerate((".2", ".3", ".4")):
+        assert json.loads((tmp_path / f"eval_best.{stamp}{suffix}.json").read_text()) == {"n": n}
+        assert (tmp_path / f"eval_best.{stamp}{suffix}_act_max.csv").read_text() == f"csv {n}"
+
+
+def test_a_sweep_moves_a_runs_stale_evaluation_aside_before_evaluating_it(stand_in):
+    """run a's eval_best.json is older than its best.pt (it scored an earlier one): the sweep moves it aside before
+    its evaluate.py command starts (the stand-in writes no new one), and leaves b's, of its current best.pt."""
+    import pathlib
+    import time
+
+    spec, codes, launcher = stand_in
+    runs = pathlib.Path(spec).parent / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "best.pt").write_bytes(b"weights")
+        (runs / name / "eval_best.json").write_text("{}")
+    os.utime(runs / "a" / "eval_best.json", (1_000_000_000, 1_000_000_000))
+    assert sweep.main([spec, "--run", "--evaluate", "--launcher", launcher]) == 0
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_000_000_000))
+    assert sorted(os.listdir(runs / "a")) == ["best.pt", f"eval_best.{stamp}.json"]
+    assert sorted(os.listdir(runs / "b")) == ["best.pt", "eval_best.json"]
