@@ -1608,3 +1608,16 @@ def test_evaluate_sums_every_ranks_counts_before_the_percentages(monkeypatch):
     assert got["top1"] == pytest.approx(100 * (sum(a < 1 for a in above) + 1) / 8)
     assert got["top5"] == pytest.approx(100 * (sum(a < 5 for a in above) + 2) / 8)
     assert got["loss"] == pytest.approx((loss + 6.0) / 8, rel=1e-6)
+
+
+def test_a_snapshot_leaves_the_checkpoint_in_place_and_only_the_main_rank_writes_one(tmp_path):
+    """The snapshot is a second name of checkpoint.pt (a hard link here), which stays the resume point; a rank
+    other than the main one writes nothing but knows the path."""
+    from engine import snapshots
+
+    checkpoint = tmp_path / "checkpoint.pt"
+    _training_checkpoint(checkpoint, 1.0)
+    path = snapshots.keep_snapshot(str(checkpoint), 3, False, torch.device("cpu"))
+    assert path == str(tmp_path / "snapshots" / "epoch0003.pt") and not os.path.exists(path)
+    assert snapshots.keep_snapshot(str(checkpoint), 3, True, torch.device("cpu")) == path
+    assert checkpoint.exists() and os.path.samefile(path, checkpoint)
