@@ -23,6 +23,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+# the refusal of a matrix the forward never multiplies (cd/integrations names `module=` after it)
+UNUSED = "is not used in the forward pass"
+
 # aten ops that only move, copy or select values (the output holds input values, none computed).
 _MOVES = frozenset("""
     view _unsafe_view reshape permute transpose t expand contiguous clone slice select index unbind split
@@ -263,7 +266,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     for k, p in enumerate(pairs):
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"
         if k not in mode.uses:
-            failures.append(f"{where}: {p.name} is not used in the forward pass")
+            failures.append(f"{where}: {p.name} {UNUSED}")
         elif k in mode.bad and p.kind == "composable":
             failures.append(f"{where}: the input of {p.name} is not the output of the norm "
                             f"{p.upstream_name.rpartition('.')[0]} (CD supports pre-norm blocks; res-post-norm "

@@ -21,6 +21,7 @@ import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
+from ..verify import UNUSED
 from ..wrappers import in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
@@ -79,9 +80,6 @@ def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Mod
         children = [name for name, _ in model.named_children()]
         raise ValueError(f"module={module!r} names no submodule of the {type(model).__name__} ({e}); give a dotted "
                          f"submodule name (its own: {children[:8]}) or '' for the whole model") from None
-
-
-UNUSED = "is not used in the forward pass"  # the pair check's refusal of a matrix that the forward never multiplies
 
 
 def name_the_part(message: str, model: torch.nn.Module, argument: str) -> str:
