@@ -198,11 +198,14 @@ class TokenWindows(Dataset):
 
     def __init__(self, stream: TokenStream, context: int, train: bool, limit: int = 0):
         self.ids, self.context, self.train = stream.ids, context, train
-        self.count = (len(self.ids) - 1 - (context if train else 0)) // context
+        # a window is context + 1 ids; a training window starts up to context - 1 ids late (its random offset),
+        # so window i ends by id i * context + 2 * context: (len - context) // context of them fit
+        extra = context - 1 if train else 0
+        self.count = (len(self.ids) - 1 - extra) // context
         if self.count < 1:
-            offset = f" + {context} for its random offset" if train else ""
+            offset = f" + {extra} for its random offset" if train else ""
             raise ShortTextError(f"{stream.source} has {len(self.ids)} ids, fewer than one "
-                                 f"{'training ' if train else ''}window of {context + 1 + (context if train else 0)} "
+                                 f"{'training ' if train else ''}window of {context + 1 + extra} "
                                  f"(the model's context of {context} ids + 1 next id{offset})")
         # evenly spread windows when the validation is limited (data.val_windows)
         self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context

@@ -315,16 +315,16 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
     ids = np.arange(1000, dtype=np.uint16) % 50
     stream = TokenStream(ids, None, "test")
     train_windows, val_windows = TokenWindows(stream, 10, train=True), TokenWindows(stream, 10, train=False)
-    assert len(val_windows) == 99 and len(train_windows) == 98
+    assert len(val_windows) == 99 and len(train_windows) == 99  # the last: ids 980..999 at offset 9
     x, y = val_windows[3]
     assert x.tolist() == list(range(30, 40)) and y.tolist() == list(range(31, 41))  # next-token targets
     starts = set()
-    for seed in range(20):  # the offset follows the sample's seed (SeededDataset), every window in range
-        torch.manual_seed(seed)
+    for seed in range(200):  # the offset follows the sample's seed (SeededDataset): the last window is whole
+        torch.manual_seed(seed)  # at every one of its 10 offsets (a window past the text would come back short)
         x, y = train_windows[len(train_windows) - 1]
-        assert torch.equal(y[:-1], x[1:]) and len(x) == 10
+        assert torch.equal(y[:-1], x[1:]) and len(x) == len(y) == 10
         starts.add(int(x[0]))
-    assert len(starts) > 3
+    assert starts == {i % 50 for i in range(980, 990)}  # ids are i % 50
     phases = set()  # the offset is drawn from 0..context-1: every phase, and none that repeats the next window's
     for seed in range(200):
         torch.manual_seed(seed)
@@ -345,9 +345,9 @@ def test_token_windows_shift_offsets_and_vocabulary(tmp_path):
         token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
 
 
-@pytest.mark.parametrize("size, train, need", [(32, False, 33), (64, True, 65)])
+@pytest.mark.parametrize("size, train, need", [(32, False, 33), (63, True, 64)])
 def test_a_text_shorter_than_one_window_is_refused_with_the_fix(size, train, need):
-    """33 ids make one val window of 32 (and its next ids), a training window needs 32 more for its offset:
+    """33 ids make one val window of 32 (and its next ids), a training window needs 31 more for its offset (0..31):
     one id fewer is refused, naming what would do (a longer text or a shorter context)."""
     stream = TokenStream(np.arange(size, dtype=np.uint16), None, "short.bin")
     with pytest.raises(DataError, match=rf"^short.bin has {size} ids, fewer than one {'training ' * train}window "
@@ -505,7 +505,7 @@ def test_token_loaders_take_the_eval_batch_size_and_calibration_refuses_one_wind
 
 def test_a_text_training_epoch_takes_every_window_once_whatever_data_repeated_aug_says(tmp_path):
     """data.repeated_aug (DeiT's; default 3) repeats images, never text windows: one epoch of the text loader
-    is a permutation of the 98 training windows of 1,000 ids (context 10), each once."""
+    is a permutation of the 99 training windows of 1,000 ids (context 10), each once."""
     from data.loader import build_token_loaders
 
     for split in ("train", "val"):
@@ -515,7 +515,7 @@ def test_a_text_training_epoch_takes_every_window_once_whatever_data_repeated_au
     loaders = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
                                   world_size=1, seed=0, vocab_size=50)
     loaders.train.sampler.set_epoch(0)
-    assert sorted(index for index, _ in loaders.train.sampler) == list(range(98))
+    assert sorted(index for index, _ in loaders.train.sampler) == list(range(99))
 
 
 def test_training_windows_come_from_the_train_file_and_validation_windows_from_the_val_file(tmp_path):
@@ -883,8 +883,8 @@ def test_a_validation_split_with_ids_past_the_vocabulary_is_refused_before_train
 
 
 def test_a_text_too_short_for_one_batch_is_refused_naming_the_settings_that_fix_it(tmp_path):
-    """100 ids make (100 - 1 - 10) // 10 = 8 training windows of context 10 (each needs 11 ids and a random
-    offset of up to 10): fewer than one batch of 9. The message named the numbers only; it names the per-process
+    """100 ids make (100 - 10) // 10 = 9 training windows of context 10 (each needs 11 ids and a random
+    offset of up to 9): fewer than one batch of 10. The message named the numbers only; it names the per-process
     batch, the process count, the text and the context to change."""
     from data.loader import build_token_loaders
 
@@ -892,10 +892,10 @@ def test_a_text_too_short_for_one_batch_is_refused_naming_the_settings_that_fix_
         (np.arange(100, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
     cfg = DataConfig(dataset="tokens", root=str(tmp_path), num_workers=0)
     with pytest.raises(DataError) as error:
-        build_token_loaders(cfg, context=10, batch_size_per_gpu=9, eval_batch_size_per_gpu=8, rank=0, world_size=1,
+        build_token_loaders(cfg, context=10, batch_size_per_gpu=10, eval_batch_size_per_gpu=8, rank=0, world_size=1,
                             seed=0, vocab_size=50)
-    assert str(error.value) == ("8 training windows of 10 tokens give each of 1 processes 8 per epoch, fewer than one "
-                                "batch of 9: give a smaller train.batch_size_per_gpu, fewer processes or a longer "
+    assert str(error.value) == ("9 training windows of 10 tokens give each of 1 processes 9 per epoch, fewer than one "
+                                "batch of 10: give a smaller train.batch_size_per_gpu, fewer processes or a longer "
                                 "training text or a model of a shorter context (model.kwargs={context: N})")
 
 
