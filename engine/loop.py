@@ -663,19 +663,23 @@ class EvalBatches:
                 self.error = error
                 log.error("rank %d could not load evaluation batch %d (%s: %s); every rank stops after the "
                           "evaluation", _world_and_rank()[1], index, type(error).__name__, error)
-                for _ in range(index, self.common):
+                for agreed in range(index, self.common):
                     if self.should_stop():
-                        self.stopped = True
+                        self._cut_short(agreed)
                         return
                 return
             if index < self.common and self.should_stop():
-                self.stopped = True
-                # says that the stop cut an evaluation short (not that it came before or after one), and how far
-                log.info("%s stopped by the stop request after %d of %d batches", self.progress or "evaluation",
-                         index, len(self.loader))
+                self._cut_short(index)
                 return
             yield index, batch
             index += 1
+
+    def _cut_short(self, index: int) -> None:
+        """Marks the evaluation stopped at batch `index` (the same on every rank: the stop is agreed) and says
+        that the stop cut it short (not that it came before or after one), and how far."""
+        self.stopped = True
+        log.info("%s stopped by the stop request after %d of %d batches", self.progress or "evaluation",
+                 index, len(self.loader))
 
     def raise_if_failed(self, failed_ranks: float) -> None:
         """After the all-reduce of the sums that carried `error is not None`: this rank's error, or

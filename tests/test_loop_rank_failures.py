@@ -5,9 +5,10 @@ the run's first (one agreement at the run's first batch), the first of a later e
 previous one stands in) or a micro-batch inside an accumulated update; with a Preemption, the failing rank
 raises its stop flag and every rank ends within two updates, with no checkpoint and no preemption; in
 `evaluate` every rank ends at the all-reduce of the sums, also when a stop agreement is taken before every
-batch."""
+batch, and a stop agreed after the failure ends it on every rank, each saying how far it got."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -17,6 +18,17 @@ from torch import nn
 from dist_utils import free_port, init_gloo, spawn_within, stay_until_all_recorded
 
 DEADLINE_S = 90  # far above a passing run (seconds), below the group's timeout (a rank left waiting)
+
+
+class ListHandler(logging.Handler):
+    """Keeps each record's message in `lines` (a spawned rank has no caplog)."""
+
+    def __init__(self, lines: list) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class Sampler:
@@ -192,14 +204,27 @@ def _eval_worker(rank: int, world: int, port: int, work: str) -> None:
         dist.all_reduce(torch.zeros(1))
         return False
 
+    agreements = []
+
+    def agree_to_stop_at_the_fourth_batch() -> bool:  # a request that arrives during the evaluation
+        dist.all_reduce(torch.zeros(1))
+        agreements.append(None)
+        return len(agreements) == 4
+
+    lines = []
+    logger = logging.getLogger("engine.loop")
+    logger.addHandler(ListHandler(lines))
+    logger.setLevel(logging.INFO)
     outcomes = {}
-    for name, should_stop in (("plain", None), ("agreeing", agree_not_to_stop)):
+    for name, should_stop in (("plain", None), ("agreeing", agree_not_to_stop),
+                              ("stopped", agree_to_stop_at_the_fourth_batch)):
         try:
-            evaluate(nn.Linear(3, 2), FailsAt(rank, 1 if rank == 1 else None), torch.device("cpu"),
-                     should_stop=should_stop)
-            outcomes[name] = ("ok", "")
+            result = evaluate(nn.Linear(3, 2), FailsAt(rank, 1 if rank == 1 else None), torch.device("cpu"),
+                              should_stop=should_stop)
+            outcomes[name] = ("ok", repr(result))
         except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
             outcomes[name] = (type(e).__name__, str(e))
+    outcomes["stop lines"] = [line for line in lines if "stop request" in line]
     torch.save(outcomes, os.path.join(work, f"rank{rank}.pt"))
     stay_until_all_recorded(work, world)
 
@@ -210,3 +235,8 @@ def test_an_evaluation_batch_that_fails_on_one_rank_ends_every_rank(tmp_path):
     for name in ("plain", "agreeing"):
         assert rank1[name] == ("OSError", "cannot identify image file 'train/3/x.jpg'"), name
         assert rank0[name][0] == "OtherRankError" and "could not load its batches" in rank0[name][1], name
+    # a stop agreed at the fourth batch ends the evaluation on both ranks (no score, no rank left waiting), and
+    # each says so, also rank 1, which could not load its second batch and only took the agreements since
+    for rank in (rank0, rank1):
+        assert rank["stopped"] == ("ok", "None")
+        assert rank["stop lines"] == ["evaluation stopped by the stop request after 3 of 6 batches"]
