@@ -741,3 +741,60 @@ def test_removing_the_bindings_of_several_optimizers_leaves_none_of_their_step_h
     for binding in bindings.values():
         binding.remove()
     assert [(dict(o._optimizer_step_pre_hooks), dict(o._optimizer_step_post_hooks)) for o in opts] == before
+
+
+def test_a_step_that_raised_after_its_update_leaves_nothing_armed_for_the_next_step():
+    """One event, one update: a step that raises in the optimizer's own body after the pre-hook has run CD (a
+    transient failure retried by the caller) leaves the binding disarmed, so the retried step takes no second update.
+    Reference: one update by hand (SGD on zero gradients moves nothing, so every change is CD's)."""
+    class FailsOnce(torch.optim.SGD):
+        failed = False
+
+        def step(self, closure=None):
+            if not self.failed:  # after the step pre-hooks, before the post-hooks
+                self.failed = True
+                raise RuntimeError("transient")
+            return super().step(closure)
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # torch wraps SGD's own step for hooks, for good
+    model = tiny_vit().double()
+    reference = copy.deepcopy(model)
+    opt = FailsOnce(model.parameters(), lr=0.5)
+    decay = ColinearityDecay(model, lam=0.1)
+    binding = OptimizerBinding(decay, opt)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    binding.arm()
+    with pytest.raises(RuntimeError, match="transient"):
+        opt.step()
+    opt.step()  # the retry: no event since the update
+    ColinearityDecay(reference, lam=0.1).apply(lr=0.5)
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert decay.num_updates == 1 and not binding.missed()
+
+
+def test_a_subclass_step_calling_its_parents_is_one_step_of_a_split_update():
+    """W1s in `a`, an optimizer subclass whose `step` calls super().step() (the step hooks then run twice per step),
+    W2s in `b`; `a` steps first. Its nested hooks are one step, not a second one starting the next update: `b`'s
+    part still reads the W1s of before `a`'s step, and the update is counted once. Reference: one update of the
+    whole model by hand at the same lr (SGD on zero gradients moves nothing, so every change is CD's)."""
+    class CallsParent(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # torch wraps SGD's own step for hooks, for good
+    model = tiny_vit().double()
+    reference = copy.deepcopy(model)
+    decay = ColinearityDecay(model, lam=0.5)
+    first, rest = w1s_apart(model)
+    opt_a, opt_b = CallsParent(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    arm_all(bindings)
+    opt_a.step()
+    opt_b.step()
+    ColinearityDecay(reference, lam=0.5).apply(lr=0.1)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1
