@@ -798,3 +798,28 @@ def test_a_subclass_step_calling_its_parents_is_one_step_of_a_split_update():
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), name
     assert decay.metrics()["cd/updates"] == 1
+
+
+def test_a_w1_in_two_optimizers_is_read_as_it_was_before_the_first_ones_step():
+    """blocks.0.norm1.weight (only ever a W1 under the default targets) is in `a` and in `b` (torch lets two
+    optimizers share a parameter), its W2 qkv in `b` alone; `a` steps first and moves the norm. qkv's update
+    still reads the norm of before the iteration's steps. Reference: one update of the whole model by hand at the
+    same lr, then the norm's two SGD steps on a gradient of ones (every other gradient zero)."""
+    model = tiny_vit().double()
+    reference = copy.deepcopy(model)
+    decay = ColinearityDecay(model, lam=0.5)
+    norm = model.blocks[0].norm1.weight
+    opt_a, opt_b = torch.optim.SGD([norm], lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    bindings = bind_optimizers(decay, [opt_a, opt_b])
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    norm.grad = torch.ones_like(norm)
+    arm_all(bindings)
+    opt_a.step()
+    opt_b.step()
+    ColinearityDecay(reference, lam=0.5).apply(lr=0.1)
+    with torch.no_grad():
+        reference.blocks[0].norm1.weight -= 2 * 0.1  # one SGD step in each optimizer
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-12), name
+    assert decay.metrics()["cd/updates"] == 1
