@@ -101,6 +101,24 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
         pass
 
 
+def save_outcome_and_exit(work: str, rank: int, outcome: tuple) -> None:
+    """End a rank of run_for_outcomes: write its (kind, value) outcome for the test to read, then leave the group
+    together when it succeeded, or exit at once when it failed (the other rank may have left already: no group
+    teardown together)."""
+    torch.save(outcome, os.path.join(work, f"outcome_rank{rank}.pt"))
+    if outcome[0] == "ok":
+        leave_and_exit()
+    os._exit(0)
+
+
+def run_for_outcomes(worker, world: int, work, argv: list) -> list:
+    """Each rank's outcome (as save_outcome_and_exit wrote it) of `worker(rank, world, port, argv, work)` run on
+    `world` ranks."""
+    os.makedirs(work, exist_ok=True)
+    spawn_ranks(worker, (world, free_port(), argv, str(work)), world)
+    return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
 def spawn_within(fn, args: tuple, nprocs: int, seconds: float) -> None:
     """spawn_ranks that fails the test when the ranks have not all ended after `seconds` (a rank left waiting in
     a collective), killing them, instead of stalling the suite until the group's timeout."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from detection_runs import SAMPLE_CONFIG
-from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, run_for_outcomes, save_outcome_and_exit, spawn_ranks
 
 pytestmark = [pytest.mark.detection, pytest.mark.slow]
 
@@ -76,16 +76,11 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
         outcome = ("ok", evaluate_detection.main(argv))
     except (OtherRankError, ValueError) as e:
         outcome = (type(e).__name__, str(e))
-    torch.save(outcome, os.path.join(work, f"outcome_rank{rank}.pt"))
-    if outcome[0] == "ok":
-        leave_and_exit()
-    os._exit(0)  # the other rank may have left already: no group teardown together
+    save_outcome_and_exit(work, rank, outcome)
 
 
 def _run(world: int, work, argv: list) -> list:
-    os.makedirs(work, exist_ok=True)
-    spawn_ranks(_worker, (world, free_port(), argv, str(work)), world)
-    return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run_for_outcomes(_worker, world, work, argv)
 
 
 def _lines(work, name: str, rank: int) -> list:

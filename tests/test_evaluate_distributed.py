@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, run_for_outcomes, save_outcome_and_exit, spawn_ranks
 
 TINY_APHQ = ["quant.aphq.iters=2", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
              "quant.aphq.batch_size=16", "quant.aphq.matmul_steps=9", "quant.aphq.search_rounds=1",
@@ -68,16 +68,11 @@ def _worker(rank: int, world: int, port: int, argv: list, work: str) -> None:
         outcome = ("ok", evaluate.main(evaluate.parse_args(argv)))
     except (evaluate.OtherRankError, *evaluate.USER_ERRORS) as e:
         outcome = (type(e).__name__, str(e))
-    torch.save(outcome, os.path.join(work, f"outcome_rank{rank}.pt"))
-    if outcome[0] == "ok":
-        leave_and_exit()
-    os._exit(0)  # the other rank may have left already: no group teardown together
+    save_outcome_and_exit(work, rank, outcome)
 
 
 def _run(world: int, work, argv: list) -> list:
-    os.makedirs(work, exist_ok=True)
-    spawn_ranks(_worker, (world, free_port(), argv, str(work)), world)
-    return [torch.load(os.path.join(work, f"outcome_rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run_for_outcomes(_worker, world, work, argv)
 
 
 def _calls(work, rank: int) -> list:
