@@ -37,12 +37,14 @@ log = logging.getLogger("quant.mlp_recon")
 
 @dataclass(frozen=True)
 class MLPReconSettings:
+    """One MLP reconstruction's settings, every one given: their defaults are quant.aphq's (configs/quant.py
+    APHQOptions: mlp_iters, mlp_lr, mlp_clip_percentile, mlp_clip_weight, log_every), in one place."""
     iters: int
     batch_size: int
-    lr: float = 4e-5
-    clip_percentile: float = 0.98
-    clip_weight: float = 2.0
-    log_every: int = 500
+    lr: float
+    clip_percentile: float
+    clip_weight: float
+    log_every: int
 
 
 def _check_mlp(block: nn.Module, name: str) -> Mlp:
