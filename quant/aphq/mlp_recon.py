@@ -37,8 +37,7 @@ log = logging.getLogger("quant.mlp_recon")
 
 @dataclass(frozen=True)
 class MLPReconSettings:
-    """One MLP reconstruction's settings, every one given: their defaults are quant.aphq's (configs/quant.py
-    APHQOptions: mlp_iters, mlp_lr, mlp_clip_percentile, mlp_clip_weight, log_every), in one place."""
+    """Hyper-parameters of the MLP reconstruction (APHQOptions carries the user-facing defaults)."""
     iters: int
     batch_size: int
     lr: float
