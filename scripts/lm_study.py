@@ -107,12 +107,16 @@ def tables(groups: dict[str, list[Run]]) -> str:
     return "\n".join(lines + point_settings(groups)) + "\n"
 
 
+def quantization_gap(run: Run, pipeline: str, bits: str) -> float:
+    """The run's quantized minus fp32 perplexity (its eval_best.json) under `pipeline` at `bits`."""
+    return run.result["quant"][pipeline][bits]["ppl"] - run.result["fp"]["ppl"]
+
+
 def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) -> list[str]:
     """The ACT_BITS table (markdown lines), or nothing when no run was evaluated below 8 activation bits; labels:
     each point's name in it (evaluated_marks)."""
     def gaps(runs: list[Run], pipeline: str, bits: str) -> list[float]:
-        return [r.result["quant"][pipeline][bits]["ppl"] - r.result["fp"]["ppl"] for r in runs
-                if bits in r.result["quant"].get(pipeline, {})]
+        return [quantization_gap(r, pipeline, bits) for r in runs if bits in r.result["quant"].get(pipeline, {})]
 
     if not any(gaps(runs, p, b) for runs in groups.values() for p, b in ACT_BITS if b != "w8a8"):
         return []

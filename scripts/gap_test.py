@@ -1,0 +1,116 @@
+r"""Welch's t-test of the quantization gap between two points of a language-model sweep, per quantized setting.
+
+    python scripts/gap_test.py runs/sweeps/kjv_lm_dose baseline cd10x --seeds 2 3 4 5
+
+A run's gap is its quantized minus its fp32 perplexity (eval_best.json), the number of lm_study.py's
+activation-bit table. For every (pipeline, bits) that each chosen run of both points was evaluated at, it prints
+one markdown row: each point's mean ± sample std, the relative change of the means, Welch's t (first point minus
+second, unequal variances), its Welch-Satterthwaite degrees of freedom and the two-sided p-value (scipy's t
+distribution; scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that only some of the
+chosen runs were evaluated at are named below the table, not tested. Nothing is corrected for multiple
+comparisons: which tests were planned before the numbers were seen is the reader's to say (docs/lm_study.md).
+The runs are read and checked as lm_study.py reads them (finished, not stale, numbers present); nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from typing import Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+from configs.cli import OneLineParser  # noqa: E402
+from engine.eval_results import ResultsError  # noqa: E402
+from engine.run_dir import RunDirError  # noqa: E402
+from engine.tasks import PPL_CAP  # noqa: E402
+from scripts.dose_report import ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
+from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
+
+
+def welch(a: Sequence[float], b: Sequence[float]) -> Optional[tuple[float, float, float]]:
+    """(t, degrees of freedom, two-sided p) of Welch's test of mean(a) = mean(b), t > 0 when a's mean is larger;
+    None when neither sample varies (no test)."""
+    from scipy.stats import t as student_t
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return None
+    t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return t, df, 2 * float(student_t.sf(abs(t), df))
+
+
+def chosen_runs(groups: dict[str, list[Run]], point: str, seeds: Optional[Sequence[int]], root: str) -> list[Run]:
+    """The runs of `point` with the given seeds (all its seeds when None), at least two; every asked seed there."""
+    if point not in groups:
+        raise ReportError(f"{root} has no evaluated runs of point {point!r}; its points: {', '.join(groups)}")
+    runs = [r for r in groups[point] if seeds is None or r.seed in seeds]
+    missing = sorted(set(seeds or ()) - {r.seed for r in runs})
+    if missing:
+        raise ReportError(f"{root}: point {point} has no evaluated run of seed(s) {', '.join(map(str, missing))} "
+                          f"(its seeds: {', '.join(str(r.seed) for r in groups[point])}); give --seeds it has")
+    if len(runs) < 2:
+        raise ReportError(f"{root}: point {point} has {len(runs)} chosen run(s); a sample std needs two or more")
+    return runs
+
+
+def settings_of(run: Run) -> set[tuple[str, str]]:
+    return {(pipeline, bits) for pipeline, by_bits in run.result["quant"].items() for bits in by_bits}
+
+
+def report(a: list[Run], b: list[Run]) -> str:
+    """The markdown table of every setting all runs of a and b share, and a line per setting only some have."""
+    runs = a + b
+    shared = set.intersection(*map(settings_of, runs))
+    partial = sorted(set.union(*map(settings_of, runs)) - shared)
+    capped = sorted(s for s in shared if any(r.result["quant"][s[0]][s[1]]["ppl"] >= PPL_CAP for r in runs))
+    names = (a[0].point, b[0].point)
+    lines = [f"Quantization gap (quantized - fp32 perplexity), {names[0]} (seeds "
+             f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "
+             "Welch's t-test, two-sided, uncorrected:", "",
+             f"| setting | {names[0]} | {names[1]} | change | t | df | p |", "|---|---|---|---|---|---|---|"]
+    for pipeline, bits in sorted(shared - set(capped)):
+        ga, gb = ([quantization_gap(r, pipeline, bits) for r in runs] for runs in (a, b))
+        mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
+        change = f"{(mean_b / mean_a - 1) * 100:+.0f} %" if mean_a else "-"
+        test = welch(ga, gb)
+        tested = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
+        lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.3f} ± {statistics.stdev(ga):.3f} | "
+                     f"{mean_b:.3f} ± {statistics.stdev(gb):.3f} | {change} | {tested} |")
+    for pipeline, bits in capped:
+        lines.append(f"\nnot tested: {pipeline} {bits}: a perplexity at the cap (a bound, not a number)")
+    for pipeline, bits in partial:
+        lacking = [os.path.basename(r.folder) for r in runs if (pipeline, bits) not in settings_of(r)]
+        lines.append(f"\nnot tested: {pipeline} {bits}: not evaluated for {', '.join(lacking)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/kjv_lm_dose")
+    parser.add_argument("points", nargs=2, metavar="POINT", help="the two points, e.g. baseline cd10x")
+    parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of both points to test (default: all)")
+    args = parser.parse_args(argv)
+    if args.points[0] == args.points[1]:
+        raise ReportError(f"{args.points[0]} given twice: give two different points")
+    if not os.path.isdir(args.root):
+        raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
+    groups = by_point(read_sweep(args.root))
+    a, b = (chosen_runs(groups, point, args.seeds, args.root) for point in args.points)
+    if any("ppl" not in r.result["fp"] for r in a + b):
+        raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity)")
+    check_numbers(a + b, FIELDS, "ppl")
+    for run in a + b:
+        check_finished(run)
+    text = report(a, b)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ReportError, RunDirError, ResultsError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,78 @@
+"""scripts/gap_test.py: Welch's t-test of the quantization gap between two points of a language-model sweep, against
+the closed form worked by hand and scipy.stats.ttest_ind(equal_var=False) on gaps computed here, and its
+refusals (a point or seed the sweep lacks, one run, the same point twice)."""
+import math
+import os
+import sys
+
+import pytest
+from scipy import stats
+
+from tests.conftest import ROOT
+from test_lm_study import write_run
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gap_test  # noqa: E402
+
+# (ppl, rtn w4a16 ppl, smoothquant_strict w8a5 ppl or None) per run
+BASELINE = {0: (4.0, 5.0, 5.0), 1: (4.2, 5.4, 5.6), 2: (4.1, 5.0, 5.3), 3: (4.0, 5.3, 5.2)}
+CD = {0: (4.1, 4.5, 4.6), 1: (4.0, 4.6, 4.5), 2: (4.05, 4.4, 4.75), 3: (4.1, 4.9, None)}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gap_sweep")
+    for point, runs in (("baseline", BASELINE), ("cd10x", CD)):
+        for seed, (ppl, rtn, strict_a5) in runs.items():
+            write_run(root, f"{point}_s{seed}", ppl=ppl, rtn=rtn, block_max=10.0, kurtosis=5.0, fc2_final=50.0,
+                      strict_a5=strict_a5)
+    return root
+
+
+def row(report: str, setting: str) -> list[str]:
+    (line,) = [line for line in report.splitlines() if line.startswith(f"| {setting} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_welch_matches_the_closed_form_worked_by_hand():
+    # means 2 and 5, variances 1 and 1: t = -3 / sqrt(1/3 + 1/3), df = (2/3)^2 / (2 * (1/3)^2 / 2) = 4
+    t, df, p = gap_test.welch([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    assert t == pytest.approx(-3 / math.sqrt(2 / 3)) and df == pytest.approx(4.0)
+    assert p == pytest.approx(2 * stats.t.sf(3 / math.sqrt(2 / 3), 4))
+    assert gap_test.welch([1.0, 1.0], [2.0, 2.0]) is None  # no spread: no test
+
+
+def test_rows_match_scipy_on_gaps_computed_here(sweep):
+    report = gap_test.main([str(sweep), "baseline", "cd10x", "--seeds", "0", "1", "2"])
+    base = [rtn - ppl for ppl, rtn, _ in (BASELINE[s] for s in (0, 1, 2))]
+    cd = [rtn - ppl for ppl, rtn, _ in (CD[s] for s in (0, 1, 2))]
+    reference = stats.ttest_ind(base, cd, equal_var=False)
+    cells = row(report, "rtn W4A16")
+    assert cells[1] == f"{sum(base) / 3:.3f} ± {stats.tstd(base):.3f}"
+    assert cells[2] == f"{sum(cd) / 3:.3f} ± {stats.tstd(cd):.3f}"
+    assert cells[3] == f"{(sum(cd) / sum(base) - 1) * 100:+.0f} %"
+    assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
+    assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
+    assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
+    # the seeds 0-2 both points have at strict W8A5 are tested too; gptq's gap is 0.01 in every run: no spread
+    assert row(report, "smoothquant_strict W8A5")[4] != "-"
+    assert row(report, "gptq W4A16")[4:] == ["-", "-", "- (no spread)"]
+    assert "seeds 0, 1, 2" in report and "not tested" not in report
+
+
+def test_a_setting_some_chosen_runs_lack_is_named_not_tested(sweep):
+    report = gap_test.main([str(sweep), "baseline", "cd10x"])  # all seeds: cd10x_s3 has no strict W8A5
+    assert "not tested: smoothquant_strict w8a5: not evaluated for cd10x_s3" in report
+    assert "| smoothquant_strict W8A5 |" not in report and "| rtn W4A16 |" in report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["baseline", "cd1x"], "has no evaluated runs of point 'cd1x'; its points: baseline, cd10x"),
+    (["baseline", "cd10x", "--seeds", "0", "7"], "point baseline has no evaluated run of seed(s) 7"),
+    (["baseline", "cd10x", "--seeds", "0"], "point baseline has 1 chosen run(s); a sample std needs two or more"),
+    (["cd10x", "cd10x"], "cd10x given twice"),
+])
+def test_refusals_name_the_input(sweep, argv, message):
+    with pytest.raises(gap_test.ReportError) as refused:
+        gap_test.main([str(sweep), *argv])
+    assert message in str(refused.value)
