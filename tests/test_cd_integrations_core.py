@@ -756,7 +756,8 @@ def test_a_step_that_raised_after_its_update_leaves_nothing_armed_for_the_next_s
                 raise RuntimeError("transient")
             return super().step(closure)
 
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # torch wraps SGD's own step for hooks, for good
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # wraps SGD.step in the hooks (torch does it at a class's
+    # first construction), so super().step() runs them again inside the subclass's step, whatever test ran first
     model = tiny_vit().double()
     reference = copy.deepcopy(model)
     opt = FailsOnce(model.parameters(), lr=0.5)
@@ -782,7 +783,8 @@ def test_a_subclass_step_calling_its_parents_is_one_step_of_a_split_update():
         def step(self, closure=None):
             return super().step(closure)
 
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # torch wraps SGD's own step for hooks, for good
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # wraps SGD.step in the hooks (torch does it at a class's
+    # first construction), so super().step() runs them again inside the subclass's step, whatever test ran first
     model = tiny_vit().double()
     reference = copy.deepcopy(model)
     decay = ColinearityDecay(model, lam=0.5)
