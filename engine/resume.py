@@ -21,7 +21,7 @@ at that update:
   first k*b*W positions of that permutation are consumed, whatever W was; W' ranks continue with
   k*b*W / W' positions skipped each. A position that does not fall on a whole update of the new layout,
   an epoch with another number of updates (the step counter would no longer match the schedule), or a
-  mid-epoch change of what orders the samples (seed, repeated augmentation, the number of images) is
+  mid-epoch change of what orders the samples (seed, repeated augmentation, the number of training samples) is
   refused with a CheckpointError that names the cause and the fix.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: i
 
 def _layout(p: dict) -> str:
     return (f"{p['world_size']} process(es) x {p['batch_size_per_gpu']} per process x {p['accum_steps']} "
-            f"accumulation step(s), {p['updates_per_epoch']} updates per epoch of {p['train_images']} images")
+            f"accumulation step(s), {p['updates_per_epoch']} updates per epoch of {p['train_images']} training samples")
 
 
 def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, step: int,
@@ -137,13 +137,15 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
     samples = saved["samples"]
     if samples == 0:
         return 0
-    order = [k for k in ("seed", "repeated_aug", "train_images") if saved[k] != now[k]]
+    # train_images counts the training samples: images, or a language model's text windows
+    labels = {"seed": "seed", "repeated_aug": "repeated_aug", "train_images": "training samples"}
+    order = [k for k in labels if saved[k] != now[k]]
     if order:
-        changed = ", ".join(f"{k} {saved[k]} (now {now[k]})" for k in order)
+        changed = ", ".join(f"{labels[k]} {saved[k]} (now {now[k]})" for k in order)
         raise CheckpointError(
             f"{checkpoint} stopped inside an epoch ({samples} of its samples done) whose sample order "
-            f"depends on {changed}: resuming would repeat and skip images. Resume with the "
-            f"checkpoint's train.seed / data.repeated_aug / training images")
+            f"depends on {changed}: resuming would repeat and skip samples. Resume with the "
+            f"checkpoint's train.seed / data.repeated_aug / training data")
     per_batch = now["batch_size_per_gpu"] * now["world_size"]
     if samples % (per_batch * now["accum_steps"]):
         raise CheckpointError(

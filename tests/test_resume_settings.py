@@ -263,7 +263,7 @@ def test_a_position_written_by_two_processes_continues_in_one_without_repeats(re
     (position(1, 16, 2, upe=4), r"not a whole number of updates.*resume with 2 process\(es\) and "
                                 r"train.batch_size_per_gpu=8"),
     (position(1, 8, 2, seed=1), r"sample order depends on seed 0 \(now 1\)"),
-    (position(1, 8, 2, images=80), r"train_images 64 \(now 80\)"),
+    (position(1, 8, 2, images=80), r"training samples 64 \(now 80\).*training data"),
     (position(1, 8, 2, repeated_aug=3), r"repeated_aug 0 \(now 3\)"),
 ])
 def test_a_position_that_cannot_be_mapped_is_refused(now, message):
