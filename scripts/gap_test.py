@@ -22,10 +22,8 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import ResultsError  # noqa: E402
-from engine.run_dir import RunDirError  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
-from scripts.dose_report import ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
+from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
 
 
@@ -112,5 +110,5 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (ReportError, RunDirError, ResultsError) as e:
+    except ERRORS as e:  # the sweep reports' user errors, one line each
         sys.exit(f"error: {e}")
