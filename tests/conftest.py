@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import pytest
@@ -28,6 +29,19 @@ def one_thread_per_xdist_worker() -> None:
 
 
 one_thread_per_xdist_worker()
+
+
+def interrupts_as_in_a_terminal() -> None:
+    """A shell without job control starts a background job (`pytest ... &` in a script) with SIGINT ignored,
+    and every process inherits that: Python then installs no KeyboardInterrupt handler, so evaluate.py ran to
+    the end through the Ctrl-C of test_newcomer, and the handler Preemption restores was SIG_IGN (both tests
+    failed that way). The Ctrl-C tests ask what a terminal's foreground job does: Python's handler here, and
+    through it (a caught signal is reset to the default at exec) Python's handler in every process a test starts."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+interrupts_as_in_a_terminal()
 
 
 def load_script(name: str):
