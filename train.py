@@ -323,18 +323,22 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     of the current update), the position within the epoch in samples of any process count."""
     cfg, state = run.cfg, run.state
     check_resumable(payload["config"], cfg, resume_path)
-    saved, now = payload.get("data_fingerprint"), run.loaders.fingerprint or {}
-    # data.root is a path, the files are the data: a file of the same name must hold the same ids. Compared by
-    # name: another data.val_split (train.allow_changed_config=true) is a changed setting, not changed files
-    if saved is not None and any(saved[name] != now[name] for name in saved.keys() & now.keys()):
-        raise CheckpointError(f"{resume_path} was trained on other token files than data.root={cfg.data.root} "
-                              f"holds (size and first MiB per split: {saved} then, {run.loaders.fingerprint} "
-                              f"now): point data.root at the files it was trained on, or start a new run")
     different = class_differences(payload.get("classes"), run.loaders.classes)
     if different:  # another image data set: each label would name another class
         raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "
                               f"(then vs now: {different}): point data.root at the data set it was trained on, "
                               f"or start a new run")
+    saved, now = payload.get("data_fingerprint"), run.loaders.fingerprint or {}
+    # data.root is a path, the files are the data: a token file of the same name must hold the same ids, a split
+    # folder of the same name the same image names (after the classes: their message is the clearer). Compared
+    # by name: another data.val_split (train.allow_changed_config=true) is a changed setting, not changed files
+    changed = sorted(name for name in (saved or {}).keys() & now.keys() if saved[name] != now[name])
+    if changed:
+        what = "token files" if cfg.data.dataset == "tokens" else "images"
+        then, current = ({name: fingerprint[name] for name in changed} for fingerprint in (saved, now))
+        raise CheckpointError(f"{resume_path} was trained on other {what} than data.root={cfg.data.root} holds "
+                              f"in {', '.join(changed)} ({then} then, {current} now): point data.root at the "
+                              f"data it was trained on, or start a new run")
     try:
         restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
     except RuntimeError as e:  # torch's load_state_dict: weights that do not fit the model the config builds

@@ -16,6 +16,7 @@ the training loop replaces it by another image of its batch, and both name and c
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 
@@ -204,6 +205,21 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
     if os.path.isdir(path):
         check_class_folders(path, dataset)
     return dataset
+
+
+def folder_fingerprint(dataset: ImageDataset) -> dict:
+    """What tells one split's images from another's wherever its folder lies (data.root may move between
+    machines): the number of images and the SHA-256 of their names relative to the split (class folder and
+    file name, in the reader's order), the images a resumed run must find again. Files replaced under the
+    same names are not told apart: reading every image would cost minutes on ImageNet."""
+    reader = dataset.reader
+    if hasattr(reader, "root") and isinstance(reader.samples[0][0], str):  # a folder: absolute paths under root
+        prefix = os.path.join(reader.root, "")  # os.walk joins onto root as given, trailing separator or not
+        # sliced, not os.path.relpath: 0.7 s against 28 s for ImageNet's 1.28 M training images
+        names = [path[len(prefix):] for path, _ in reader.samples]
+    else:  # a .tar: its members' names
+        names = dataset.filenames()
+    return {"images": len(names), "names_sha256": hashlib.sha256("\n".join(names).encode()).hexdigest()}
 
 
 def class_folders(path: str) -> list[str]:

@@ -25,7 +25,7 @@ from engine.rng import mix_seed
 
 from .digits import DigitsDataset
 from .folder import (ClassCountError, DataError, build_folder_dataset, check_same_classes, class_folders,
-                     class_names, find_split, unreadable_replacer)
+                     class_names, find_split, folder_fingerprint, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .text import TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_files_fingerprint, token_stream
@@ -40,7 +40,8 @@ class Loaders:
     val: DataLoader
     mixup: Optional[Mixup]  # applied to (images, targets) on the device; None when off
     classes: Optional[list]  # class names in label order (None for synthetic data); stored in checkpoints
-    fingerprint: Optional[dict] = None  # token files: what a resumed run must find again (data/text.py)
+    # per split, what a resumed run must find again: token files (data/text.py) or a folder's images (data/folder.py)
+    fingerprint: Optional[dict] = None
 
 
 def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, train_transform: bool):
@@ -178,10 +179,13 @@ def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, ev
                                world_size=world_size, seed=seed, num_classes=num_classes)
     val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)
     classes = dataset_classes(cfg, val_set)
+    fingerprint = None
     if cfg.dataset == "folder":
-        check_same_classes(dataset_classes(cfg, train.loader.dataset.base), classes, cfg.root)
+        train_set = train.loader.dataset.base
+        check_same_classes(dataset_classes(cfg, train_set), classes, cfg.root)
+        fingerprint = {cfg.train_split: folder_fingerprint(train_set), cfg.val_split: folder_fingerprint(val_set)}
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
-    return Loaders(train=train, val=val, mixup=mixup, classes=classes)
+    return Loaders(train=train, val=val, mixup=mixup, classes=classes, fingerprint=fingerprint)
 
 
 def dataset_classes(cfg: DataConfig, dataset) -> Optional[list]:

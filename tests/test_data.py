@@ -192,6 +192,13 @@ def test_a_tar_split_names_its_classes(tmp_path):
     dataset = build_folder_dataset(str(tmp_path), "val")
     labels = {int(dataset[i][1]) for i in range(len(dataset))}
     assert class_names(dataset) == ["cat", "dog"] and sorted(labels) == [0, 1]
+    # what a resumed run must find again (train.py): the members' names, as tarfile lists them
+    import hashlib
+    from data.folder import folder_fingerprint
+    with tarfile.open(tmp_path / "val.tar") as tar:
+        names = sorted(m.name for m in tar if m.isfile())
+    assert folder_fingerprint(dataset) == {"images": 4, "names_sha256": hashlib.sha256("\n".join(names).encode())
+                                           .hexdigest()}
 
 
 def test_loaders_pin_memory_only_in_a_process_that_uses_its_gpu(monkeypatch):

@@ -161,6 +161,37 @@ def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_pa
                                            f"data.root={tmp_path / 'b'}", "--out", str(tmp_path / "e.json")]))
 
 
+def test_a_resume_on_other_images_of_the_same_classes_is_refused_and_a_moved_copy_goes_on(debug_config, tmp_path):
+    """A split folder of the same name and classes but other images (a re-exported subset, another val set) was
+    taken as the data the run was trained on: best.pt was then chosen across validations of two sets."""
+    import shutil
+
+    from tests.test_data import make_image_folder
+    make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
+    ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
+    saved = torch.load(ckpt, weights_only=True)["data_fingerprint"]
+    # an independent reference: the names under each split, in timm's (sorted) order
+    import hashlib
+    names = "\n".join(f"{c}/{i}.png" for c in ("cat", "dog") for i in range(4))
+    assert saved == {split: {"images": 8, "names_sha256": hashlib.sha256(names.encode()).hexdigest()}
+                     for split in ("train", "val")}
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    os.remove(tmp_path / "b" / "val" / "dog" / "3.png")  # one val image fewer
+    before = os.path.getmtime(ckpt)
+    with pytest.raises(CheckpointError, match=r"was trained on other images than data.root=.*/b holds in val "
+                                              r"\(\{'val': \{'images': 8, .*\}\} then, \{'val': \{'images': 7, "):
+        train.main(debug_config(*folder, f"data.root={tmp_path / 'b'}", name="c"))
+    os.rename(tmp_path / "b" / "train" / "cat" / "0.png", tmp_path / "b" / "train" / "cat" / "9.png")
+    with pytest.raises(CheckpointError, match=r"in train, val \("):  # a renamed image: as many, other names
+        train.main(debug_config(*folder, f"data.root={tmp_path / 'b'}", name="c"))
+    assert os.path.getmtime(ckpt) == before
+    os.rename(tmp_path / "a", tmp_path / "moved")  # the same images elsewhere: the run goes on
+    run = train.main(debug_config(*folder, f"data.root={tmp_path / 'moved'}/", "train.max_steps=2", name="c"))
+    assert run.state.step == 2
+
+
 def test_optimizer_state_of_parameters_the_model_lacks_is_refused_naming_them():
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     old = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=0.1)
