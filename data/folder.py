@@ -239,9 +239,10 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     folder would change the class set, and so the meaning of every label, without a word.
     """
     reader = dataset.reader
-    names = {index: name for name, index in reader.class_to_idx.items()}
-    outside = [f for f, target in reader.samples if os.path.dirname(f) != os.path.join(path, names[target])
-               or names[target].startswith(".")]
+    # each class's folder joined once, not per image (1.28 M images: about half the time); a hidden one never matches
+    folder_of = {index: os.path.join(path, name) for name, index in reader.class_to_idx.items()
+                 if not name.startswith(".")}
+    outside = [f for f, target in reader.samples if os.path.dirname(f) != folder_of.get(target)]
     if outside:
         raise DataError(f"{path}: {len(outside)} image(s) outside a class folder, e.g. "
                         f"{', '.join(os.path.relpath(f, path) for f in outside[:3])}: images must sit "
