@@ -63,6 +63,7 @@ from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
+from engine.console import console_print
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
@@ -203,7 +204,7 @@ def main(args: argparse.Namespace) -> dict:
                      entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 
         if dist.is_main:
-            print(markdown_table([results.data]))
+            console_print(markdown_table([results.data]))  # its † and ± on an ASCII console, or a closed pipe
             log.info("wrote %s", out)
     return results.data
 

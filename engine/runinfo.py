@@ -12,6 +12,8 @@ import sys
 import timm
 import torch
 
+from engine.console import ConsoleHandler
+
 
 def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
     """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others."""
@@ -21,9 +23,12 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
             root.removeHandler(handler)
             handler.close()
     fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S")
-    handlers = [logging.StreamHandler(sys.stdout)]
+    handlers = [ConsoleHandler(sys.stdout)]  # a closed pipe or an ASCII console ends no run (engine/console.py)
     if is_main:
-        handlers.append(logging.FileHandler(os.path.join(out_dir, filename)))
+        # UTF-8 whatever the locale: a path or a value with a character the locale's encoding lacks would
+        # otherwise lose its line to a "--- Logging error ---" report
+        handlers.append(logging.FileHandler(os.path.join(out_dir, filename), encoding="utf-8",
+                                            errors="backslashreplace"))
     for handler in handlers:
         handler.setFormatter(fmt)
         handler._cd_run = True

@@ -1,0 +1,74 @@
+"""Console output that survives the environment a job runs in: a console whose encoding cannot show a
+character (an ASCII or Latin-1 locale, PYTHONIOENCODING=ascii) gets that character as a backslash escape
+instead of a UnicodeEncodeError, and a console that went away (a closed pipe: `| head -1`, a log reader or
+an ssh session that ended) ends the console output quietly, while the run and its log file go on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional, TextIO
+
+
+def _write(stream: TextIO, text: str) -> None:
+    """Write `text` to `stream`; characters its encoding cannot show become backslash escapes. The first try
+    writes the text as it is, so that the stream's own error handler (surrogateescape on a C-locale console:
+    a path's undecodable bytes) still passes through what it can."""
+    try:
+        stream.write(text)
+    except UnicodeEncodeError:
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+
+
+def _silence(stream: TextIO) -> None:
+    """Point the file descriptor of a stream whose reader has gone at /dev/null, so that later writes and the
+    interpreter's flush at exit do not raise BrokenPipeError ("Exception ignored ..." on stderr)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def console_print(text: str, stream: Optional[TextIO] = None) -> bool:
+    """print(text) to stdout (or `stream`) that neither fails on characters the console cannot encode nor on a
+    closed pipe; False when the reader has gone (the text was not shown)."""
+    stream = sys.stdout if stream is None else stream
+    if stream is None:  # started with stdout closed (`>&-`): there is no console to show it on
+        return False
+    try:
+        _write(stream, text + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        _silence(stream)
+        return False
+    return True
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """The console log handler: each record as console_print writes text. When the reader of the console has
+    gone, the handler writes nothing more and says so once in the other handlers (the run's log file), which
+    keep every record."""
+
+    gone = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.gone:
+            return
+        try:
+            text = self.format(record)
+        except Exception:  # a record whose arguments do not fit its message: logging's usual report
+            self.handleError(record)
+            return
+        if not console_print(text, self.stream):
+            # a flag, not removeHandler: the logger is iterating over its handlers, and removing this one
+            # would skip the next (the log file) for this record
+            self.gone = True
+            logging.getLogger(__name__).warning("the console's reader has gone (a closed pipe); the log goes on "
+                                                "in the log file only")

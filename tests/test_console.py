@@ -1,0 +1,82 @@
+"""The console output of the entry points where the console is hostile: an encoding without the characters of a
+table or a path (an ASCII or Latin-1 locale, PYTHONIOENCODING=ascii), or a reader that went away (`| head -1`,
+an ended ssh session). The run goes on, its log file keeps every line, and no traceback is printed."""
+import contextlib
+import io
+import logging
+import os
+import sys
+
+import pytest
+
+from conftest import DEBUG_CONFIG, run_entry
+from engine.console import console_print
+from engine.runinfo import setup_logging
+
+
+def ascii_console() -> tuple[io.BytesIO, io.TextIOWrapper]:
+    """A console as Python opens stdout under LC_ALL=C with PYTHONUTF8=0: ASCII, strict."""
+    raw = io.BytesIO()
+    return raw, io.TextIOWrapper(raw, encoding="ascii", errors="strict", write_through=True)
+
+
+@pytest.fixture
+def closed_pipe():
+    """A text stream on a real pipe whose reader has closed its end: a write raises BrokenPipeError (Python
+    ignores SIGPIPE), as stdout does under `cmd | head -1` once head has exited."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    stream = open(write_fd, "w", encoding="utf-8")
+    yield stream
+    with contextlib.suppress(OSError):  # a failing test may leave text buffered for the closed pipe
+        stream.close()
+
+
+def test_log_lines_an_ascii_console_cannot_show_are_escaped_there_and_kept_whole_in_the_log_file(
+        tmp_path, monkeypatch, capsys):
+    raw, console = ascii_console()
+    monkeypatch.setattr(sys, "stdout", console)
+    setup_logging(str(tmp_path), is_main=True)
+    logging.getLogger("t").info("gap 0.64 \u00b1 0.03 in /data/\u00fc")
+    assert raw.getvalue().decode("ascii").endswith(" t INFO gap 0.64 \\xb1 0.03 in /data/\\xfc\n")
+    with open(tmp_path / "train.log", "rb") as f:
+        assert f.read().endswith(" t INFO gap 0.64 \u00b1 0.03 in /data/\u00fc\n".encode("utf-8"))
+    assert capsys.readouterr().err == ""  # no "--- Logging error ---" report
+
+
+def test_a_closed_console_ends_the_console_log_quietly_and_the_log_file_keeps_every_line(
+        tmp_path, monkeypatch, capsys, closed_pipe):
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    setup_logging(str(tmp_path), is_main=True)
+    for i in range(3):
+        logging.getLogger("t").info("line %d", i)
+    with open(tmp_path / "train.log", encoding="utf-8") as f:
+        lines = [line.split(" ", 1)[1] for line in f.read().splitlines()]  # without the time
+    assert lines == ["engine.console WARNING the console's reader has gone (a closed pipe); the log goes on in "
+                     "the log file only", "t INFO line 0", "t INFO line 1", "t INFO line 2"]
+    assert capsys.readouterr().err == ""
+    closed_pipe.write("later\n")  # the descriptor now leads to /dev/null: no BrokenPipeError at exit either
+    closed_pipe.flush()
+
+
+def test_console_print_says_whether_the_text_was_shown(closed_pipe):
+    raw, console = ascii_console()
+    assert console_print("a \u2020 b", console) and raw.getvalue() == b"a \\u2020 b\n"
+    assert not console_print("table", closed_pipe)
+
+
+def test_evaluate_prints_its_marked_table_on_an_ascii_console(tmp_path, monkeypatch, capsys):
+    """An evaluation under bf16 autocast marks its row with a dagger: an ASCII console gets it escaped, after
+    the result file is written, and the command exits 0 (it ended in a UnicodeEncodeError traceback)."""
+    run = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={run}", "train.max_steps=1",
+                                          "log.tensorboard=false"], capsys)
+    assert code == 0, err
+    raw, console = ascii_console()
+    monkeypatch.setattr(sys, "stdout", console)
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", str(run / "best.pt"), "--amp", "bf16",
+                                             "quant.pipelines=[]"], capsys)
+    assert code == 0, err
+    shown = raw.getvalue().decode("ascii")
+    assert "| vit_nano\\u2020 | Baseline |" in shown
+    assert "\\u2020 vit_nano Baseline: evaluated with --amp bf16" in shown
