@@ -49,9 +49,9 @@ import torch
 
 
 def parse_args(argv):
-    from configs.cli import OneLineParser
+    from configs.cli import OneLineParser, first_line
 
-    parser = OneLineParser(description=__doc__.splitlines()[0],
+    parser = OneLineParser(description=first_line(__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order")

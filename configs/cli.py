@@ -77,6 +77,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
+def first_line(doc: Optional[str]) -> str:
+    """The first line of a module's docstring, for a parser's description; "" under `python -OO`, which strips
+    docstrings (a script's `__doc__` is None there)."""
+    return (doc or "").split("\n", 1)[0]
+
+
 def at_least(low: float, kind: type = int):
     """An argparse `type` for counts, sizes and budgets: a `kind` number >= `low`, refused by argparse (one
     `error:` line naming the flag, with OneLineParser) otherwise, e.g. `--repeats 0`."""

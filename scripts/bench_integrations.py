@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cd import ColinearityDecay  # noqa: E402
 from cd.integrations import NORMS_EVERY  # noqa: E402
-from configs.cli import OneLineParser, at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
 
 LAM = 0.005
 
@@ -199,7 +199,7 @@ RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine"
 
 
 def main(argv=None) -> None:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=at_least(0), default=3)

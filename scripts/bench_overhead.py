@@ -49,7 +49,7 @@ from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import OneLineParser, at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
@@ -292,7 +292,7 @@ def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dic
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")

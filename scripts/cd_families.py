@@ -33,6 +33,7 @@ from quant.convert import quantize_model  # noqa: E402
 from quant.pipeline_base import parse_options  # noqa: E402
 from quant.spec import parse_bits  # noqa: E402
 from quant.units import check_unit_coverage, find_units  # noqa: E402
+from configs.cli import first_line  # noqa: E402
 from readme_tables import marked_table, table_command  # noqa: E402
 
 README = ROOT / "cd" / "README.md"
@@ -92,7 +93,7 @@ def readme_table(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    table_command(__doc__.splitlines()[0], table, README, BEGIN, END, argv)
+    table_command(first_line(__doc__), table, README, BEGIN, END, argv)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 import cd.update  # noqa: E402
 from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, first_line  # noqa: E402
 
 TRAINING_STEP = 1e-3 * 0.005  # lr * lam
 
@@ -74,7 +74,7 @@ def _ratio(num: list[torch.Tensor], den: list[torch.Tensor]) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--model", default="vit_base_patch16_224")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)

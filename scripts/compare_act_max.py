@@ -30,7 +30,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -164,7 +164,7 @@ def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str
 
 
 def main(argv=None) -> list[dict]:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("groups", nargs="+", help="method=GLOB of act_max CSV files, one per method")
     parser.add_argument("--out", required=True, help="output path without extension (.png and .csv)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")

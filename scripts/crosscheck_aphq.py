@@ -77,7 +77,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
-from configs.cli import OneLineParser, move_overrides, passed_on_epilog  # noqa: E402
+from configs.cli import OneLineParser, first_line, move_overrides, passed_on_epilog  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
@@ -471,7 +471,7 @@ def fixed_pipeline_data(images: torch.Tensor, seed: int) -> PipelineData:
 
 # --------------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py (a timm ViT)")
     parser.add_argument("--official", required=True, help="path of a GoatWu/APHQ-ViT checkout (read only)")
     parser.add_argument("--out", required=True, help="JSON file to write")

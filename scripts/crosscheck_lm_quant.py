@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 from quant import PIPELINES  # noqa: E402
@@ -445,7 +445,7 @@ def norm_diff(ours: nn.Module, theirs: nn.Module) -> float:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--gptq", required=True, help="a checkout of IST-DASLab/gptq")
     parser.add_argument("--smoothquant", required=True, help="a checkout of mit-han-lab/smoothquant")
     parser.add_argument("--out", required=True, help="JSON of the results (the float weights go next to it)")

@@ -10,12 +10,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, first_line  # noqa: E402
 from data.coco_sample import write_coco_sample  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("root", help="a new (or empty) folder")
     parser.add_argument("--train", type=int, default=16, help="training images")
     parser.add_argument("--val", type=int, default=8, help="validation images")

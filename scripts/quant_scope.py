@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # repo root, for `quant`
 sys.path.insert(0, str(ROOT / "scripts"))  # readme_tables
 from quant.scope import scope_table  # noqa: E402
+from configs.cli import first_line  # noqa: E402
 from readme_tables import marked_table, table_command  # noqa: E402
 
 README = ROOT / "quant" / "README.md"
@@ -27,7 +28,7 @@ def readme_table(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    table_command(__doc__.splitlines()[0], scope_table, README, BEGIN, END, argv)
+    table_command(first_line(__doc__), scope_table, README, BEGIN, END, argv)
 
 
 if __name__ == "__main__":

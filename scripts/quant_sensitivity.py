@@ -36,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
-from configs.cli import OneLineParser, passed_on_epilog  # noqa: E402
+from configs.cli import OneLineParser, first_line, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.checkpoint import run_checkpoint_config  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
@@ -153,7 +153,7 @@ def markdown(table: dict, bits: str) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
     parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and the summary")
     parser.add_argument("--bits", default="w4a4")

@@ -39,11 +39,11 @@ import sys
 import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs.cli import OneLineParser  # noqa: E402
+from configs.cli import OneLineParser, first_line  # noqa: E402
 
 
 def parse_args(argv):
-    parser = OneLineParser(description=__doc__.splitlines()[0],
+    parser = OneLineParser(description=first_line(__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order (a method: "

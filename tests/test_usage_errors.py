@@ -151,3 +151,31 @@ def test_a_script_that_runs_evaluate_names_its_options_in_help(path, prog, requi
     code, out, err = run_entry(path, [*required, "--ema"], capsys)
     assert code == 2 and not out
     one_error_line(err, prog, "unrecognized arguments: --ema")
+
+
+
+def docstring_uses(path: str) -> list[int]:
+    """Lines of `path` that take an attribute or item of the module's `__doc__` (`__doc__.splitlines()[0]`),
+    which is None under `python -OO`."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read(), path)
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.value, ast.Name)
+                  and node.value.id == "__doc__")
+
+
+def test_no_entry_point_needs_its_docstring_to_build_its_parser():
+    """`python -OO` (PYTHONOPTIMIZE=2, which some containers and launchers set) strips docstrings: a parser
+    built from `__doc__.splitlines()[0]` ended its script in an AttributeError before any argument was read
+    (twelve entry points did); configs.cli.first_line is the spelling that survives it."""
+    used = {path: lines for path in ENTRY_POINTS if (lines := docstring_uses(path))}
+    assert not used, f"__doc__ is None under python -OO; use configs.cli.first_line(__doc__): {used}"
+
+
+def test_the_docstring_check_finds_each_use_and_first_line_survives_OO(tmp_path):
+    from configs.cli import first_line
+
+    for code, found in (('"""D."""\nd = __doc__.splitlines()[0]\n', [2]), ("d = __doc__[:10]\n", [1]),
+                        ("d = first_line(__doc__)\n", []), ("p = P(description=__doc__)\n", [])):
+        (tmp_path / "s.py").write_text(code)
+        assert docstring_uses(str(tmp_path / "s.py")) == found, code
+    assert first_line(None) == "" and first_line("One.\n\nMore.") == "One."
