@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import sys
 import textwrap
 import tokenize
 from typing import Any, Optional
@@ -75,6 +76,16 @@ class OneLineParser(argparse.ArgumentParser):
         # argparse's messages are one line; a type's own message (ArgumentTypeError) might not be
         message = " ".join(message.splitlines())
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's output (--help, usage, exit messages), with what the console's encoding cannot show as
+        backslash escapes: help texts with ± or † print on an ASCII console (LC_ALL=C with PYTHONUTF8=0,
+        PYTHONIOENCODING=ascii) instead of ending in a UnicodeEncodeError."""
+        try:
+            super()._print_message(message, file)
+        except UnicodeEncodeError:
+            encoding = getattr(file or sys.stderr, "encoding", None) or "ascii"
+            super()._print_message(message.encode(encoding, "backslashreplace").decode(encoding), file)
 
 
 def first_line(doc: Optional[str]) -> str:

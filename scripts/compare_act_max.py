@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from engine.console import console_print  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from evaluate import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
 
@@ -201,12 +202,12 @@ def main(argv=None) -> list[dict]:
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".csv", "w", newline="") as f:
+    with open(args.out + ".csv", "w", newline="", encoding="utf-8") as f:  # a method name may carry any letter
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.out + ".png", {m for m, n in notes.items() if n})
-    print(markdown(rows, notes))
+    console_print(markdown(rows, notes))  # its † on an ASCII console, or a closed pipe
     print(f"wrote {args.out}.png and {args.out}.csv", file=sys.stderr)
     return rows
 

@@ -47,6 +47,7 @@ from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from engine.console import console_print  # noqa: E402
 import evaluate  # noqa: E402
 from scripts.mechanism import ffn_pairs, rank_directions  # noqa: E402
 
@@ -494,9 +495,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     plot_energies(groups, paths[0])
     plot_type_maxima(groups, paths[1])
     report = tables(groups, peaks, start_peak)
-    with open(paths[2], "w") as f:
+    with open(paths[2], "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: the report has ± and †
         f.write(report)
-    print(report)
+    console_print(report)
     return report
 
 

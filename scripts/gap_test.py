@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
+from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
 from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
@@ -103,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     for run in a + b:
         check_finished(run)
     text = report(a, b)
-    print(text)
+    console_print(text)  # its ± on an ASCII console, or a closed pipe
     return text
 
 

@@ -34,6 +34,7 @@ from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, evaluat
                                  plot_energies, plot_type_maxima, point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.tasks import capped_cell  # noqa: E402
+from engine.console import console_print  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
@@ -186,12 +187,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         check_finished(run)
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
-    with open(paths[0], "w") as f:
+    with open(paths[0], "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: the report has ± and †
         f.write(report)
     plot_energies(groups, paths[1], title="Pair energy during training from scratch (char-level GPT)")
     plot_outliers(groups, paths[2])
     plot_type_maxima(groups, paths[3], types=TYPES)
-    print(report)
+    console_print(report)
     return report
 
 

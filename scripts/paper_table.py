@@ -36,6 +36,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
+from engine.console import console_print  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_files)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -192,11 +193,11 @@ def main(argv=None) -> str:
                  else markdown_table(results, over_seeds=args.over_seeds))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    print(table)
+    console_print(table)  # its † and ± on an ASCII console, or a closed pipe
     if args.out:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
+            with open(args.out, "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: † and ±
                 f.write(table + "\n")
         except OSError as e:  # a folder that cannot be made or written (read-only, /proc): the table is printed
             sys.exit(f"error: --out {args.out}: cannot be written ({e.strerror}); the table is printed above: "

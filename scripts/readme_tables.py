@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine.console import console_print
 from configs.cli import OneLineParser  # the scripts that import this module put the repo root on sys.path
 
 
@@ -31,12 +32,12 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
     torch.set_num_threads(int(threads))
     out = table()
     if not args.write:
-        print(out)
+        console_print(out)  # on an ASCII console too
         return
-    text = document.read_text()
+    text = document.read_text(encoding="utf-8")  # the documents are UTF-8 (×, ±), whatever the locale
     if begin not in text or end not in text.split(begin, 1)[1]:  # an edit removed a marker: nothing to replace
         raise SystemExit(f"error: {document} lacks the markers {begin} ... {end} around its table; put them back "
                          "(git diff shows them) and run --write again")
     head, rest = text.split(begin, 1)
-    document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1])
+    document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
     print(f"wrote the table into {document}")

@@ -2,6 +2,7 @@
 table or a path (an ASCII or Latin-1 locale, PYTHONIOENCODING=ascii), or a reader that went away (`| head -1`,
 an ended ssh session). The run goes on, its log file keeps every line, and no traceback is printed."""
 import contextlib
+import ast
 import io
 import logging
 import os
@@ -9,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import DEBUG_CONFIG, run_entry
+from conftest import DEBUG_CONFIG, ROOT, load_script, run_entry
+from configs.cli import OneLineParser
 from engine.console import console_print
 from engine.runinfo import setup_logging
 
@@ -80,3 +82,51 @@ def test_evaluate_prints_its_marked_table_on_an_ascii_console(tmp_path, monkeypa
     shown = raw.getvalue().decode("ascii")
     assert "| vit_nano\\u2020 | Baseline |" in shown
     assert "\\u2020 vit_nano Baseline: evaluated with --amp bf16" in shown
+
+    # paper_table.py on the same console: the table escaped there, its --out file UTF-8 as written
+    raw.seek(0)
+    raw.truncate()
+    table = load_script("paper_table").main([str(run / "eval_best.json"), "--out", str(tmp_path / "t.md")])
+    assert "| vit_nano\\u2020 | Baseline |" in raw.getvalue().decode("ascii")
+    assert (tmp_path / "t.md").read_bytes() == (table + "\n").encode("utf-8") and "\u2020" in table
+
+
+def test_help_with_characters_an_ascii_console_lacks_is_printed_escaped():
+    """--help of paper_table.py (its ± in a flag's help) ended in a UnicodeEncodeError on an ASCII console."""
+    raw, console = ascii_console()
+    parser = OneLineParser(prog="p", description="mean \u00b1 std")
+    parser.print_help(console)
+    assert "mean \\xb1 std" in raw.getvalue().decode("ascii")
+
+
+# The scripts that write reports with ±, † or × (or rewrite a README holding them): each text file they open
+# names its encoding, so that the file is UTF-8 under any locale (ASCII: a UnicodeEncodeError after the work;
+# Latin-1: a report that reads as mojibake elsewhere).
+REPORT_WRITERS = ["paper_table", "dose_report", "lm_study", "compare_act_max", "readme_tables"]
+
+
+def opens_without_encoding(path: str) -> list[int]:
+    """Lines of `path` that open a file for writing in text mode without encoding= (open() or Path.write_text)."""
+    lines = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        keywords = {k.arg for k in node.keywords}
+        modes = [a.value for a in node.args[:2] + [k.value for k in node.keywords if k.arg == "mode"]
+                 if isinstance(a, ast.Constant) and isinstance(a.value, str) and set(a.value) <= set("rwaxbt+")]
+        mode = modes[0] if modes else "r"  # open(path, mode) or path.open(mode)
+        writes = (name == "open" and any(c in mode for c in "wax") and "b" not in mode) or name == "write_text"
+        if writes and "encoding" not in keywords:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_report_writers_write_utf8_whatever_the_locale(tmp_path):
+    found = {name: lines for name in REPORT_WRITERS
+             if (lines := opens_without_encoding(os.path.join(ROOT, "scripts", f"{name}.py")))}
+    assert found == {}
+    check = tmp_path / "s.py"  # the check is not blind
+    check.write_text('open(p, "w")\nopen(p, "wb")\nopen(p, "w", encoding="utf-8")\nP.write_text(t)\nopen(p)\n'
+                     'P.open("a")\nopen(p, mode="w", newline="")\n')
+    assert opens_without_encoding(str(check)) == [1, 4, 6, 7]
