@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,6 +69,21 @@ class Numbers:
         return text + (", the smaller first (min, max)" if self.ordered else "")
 
 
+# A locale without UTF-8 (LC_ALL=C with PYTHONUTF8=0, a Latin-1 one) gives Python a file-system encoding in which
+# some paths cannot be spelt, and a command line whose non-ASCII bytes it cannot decode
+LOCALE_FIX = "run under a UTF-8 locale (LC_ALL=C.UTF-8) or with PYTHONUTF8=1"
+
+
+def nameable(path: str) -> bool:
+    """Whether the operating system can be given `path`: a config file may hold any character, but under a
+    locale without UTF-8 os.makedirs('/data/\\u00fc') ends in a UnicodeEncodeError."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class UserPath:
     """A file or folder path whose leading `~` is the user's home folder: the shell expands `~` in `--out ~/x`
@@ -75,6 +91,9 @@ class UserPath:
     named `~` in the working folder."""
 
     def violation(self, value: Any) -> Optional[str]:
+        if isinstance(value, str) and not nameable(value):
+            return (f"a path the file system's encoding ({sys.getfilesystemencoding()}, from the locale) can "
+                    f"spell; {LOCALE_FIX}")
         return None
 
     def normalize(self, value: Any) -> Any:

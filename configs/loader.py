@@ -23,13 +23,14 @@ import functools
 import math
 import os
 import re
+import sys
 import types
 import typing
 from typing import Annotated, Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import yaml
 
-from .constraints import check_together
+from .constraints import LOCALE_FIX, UserPath, check_together
 from .schema import ADAM_OPTIMIZERS, Config
 
 
@@ -165,6 +166,9 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         try:
             value = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
+            if any("\udc80" <= c <= "\udcff" for c in raw):  # bytes the locale could not decode (PEP 383)
+                raise ConfigError(f"override {item!r}: the command line has bytes the locale's encoding "
+                                  f"({sys.getfilesystemencoding()}) cannot decode; {LOCALE_FIX}") from None
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
         given.update(dotted_settings(key.strip(), value, cfg))
@@ -310,10 +314,13 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return str(e).splitlines()[0]
 
 
+SAVED_CONFIG = "saved config"  # the source of a config rebuilt from a checkpoint or config.yaml
+
+
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from `config_to_dict` output (e.g. stored in a checkpoint), strictly."""
     cfg = Config()
-    _merge(cfg, data, path="", source="saved config")
+    _merge(cfg, data, path="", source=SAVED_CONFIG)
     return cfg
 
 
@@ -454,6 +461,8 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         value = coerce_value(value, base, key, source)
         for allowed in ranges:
             value = allowed.normalize(value) if hasattr(allowed, "normalize") else value  # UserPath: ~ expanded
+            if source == SAVED_CONFIG and isinstance(allowed, UserPath):
+                continue  # a path of the machine and locale the run was saved on: read, not used, here
             problem = allowed.violation(value)
             if problem:
                 raise ConfigError(f"{source}: '{key}' must be {problem}; got {value!r}")
