@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -39,6 +41,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
+def show(text: str) -> None:
+    """Print `text`; a reader that has gone (`python -m cd ... | head -1`) ends the output quietly, as
+    engine/console.py does for the entry points (`cd` installs without engine/): the descriptor is pointed at
+    /dev/null so that neither this write nor the flush at exit ends in a BrokenPipeError traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = OneLineParser(prog="python -m cd",  # not argparse's default, `__main__.py`
                            description="List the CD matrix pairs of a timm model (meta device).")
@@ -52,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.families:
         from cd.families import family_table
 
-        print(family_table())
+        show(family_table())
         return
     try:
         import timm  # only the CLI needs timm
@@ -70,8 +84,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         pairs = find_pairs(model)
     except UnsupportedModelError as e:  # one error line, no traceback: the model is refused, not broken
         parser.exit(2, f"error: {args.model}: {e}\n")
-    print(f"{args.model}:")
-    print(format_pairs(pairs))
+    show(f"{args.model}:\n{format_pairs(pairs)}")
 
 
 if __name__ == "__main__":

@@ -130,3 +130,14 @@ def test_report_writers_write_utf8_whatever_the_locale(tmp_path):
     check.write_text('open(p, "w")\nopen(p, "wb")\nopen(p, "w", encoding="utf-8")\nP.write_text(t)\nopen(p)\n'
                      'P.open("a")\nopen(p, mode="w", newline="")\n')
     assert opens_without_encoding(str(check)) == [1, 4, 6, 7]
+
+
+def test_python_m_cd_into_a_closed_pipe_ends_quietly(monkeypatch, closed_pipe):
+    """`python -m cd ... | head -1` ended in a BrokenPipeError traceback (cd/__main__.py prints without
+    engine/, which `pip install .` does not install)."""
+    from cd.__main__ import main
+
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    main(["--model", "vit_tiny_patch16_224"])
+    closed_pipe.write("later\n")  # as the interpreter's flush at exit: the descriptor leads to /dev/null now
+    closed_pipe.flush()
