@@ -84,11 +84,23 @@ def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[st
     return cfg
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+
+
+def _checkout_hint(path: str) -> str:
+    """When a relative `path` is missing from the working folder but the checkout has it (`configs/...` given
+    from a job's own folder, as schedulers start jobs): a hint naming both."""
+    if os.path.isabs(path) or not os.path.isfile(os.path.join(CHECKOUT, path)):
+        return ""
+    return (f" (a relative path starts at the working folder, {os.getcwd()}); the checkout's file is "
+            f"{os.path.join(CHECKOUT, path)}: give that path")
+
+
 def read_yaml_file(path: str) -> dict:
     """The top-level mapping of the YAML file at `path` (a config or a sweep file); a missing file, invalid
     YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}{_checkout_hint(path)}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

@@ -522,3 +522,16 @@ def test_an_empty_override_value_is_the_empty_string():
 def test_an_override_value_may_hold_an_equals_sign():
     """Only the first '=' separates key and value: sweep folders are often named after their settings."""
     assert load_config(None, ["out_dir=runs/lr=1e-3,wd=0.05"]).out_dir == "runs/lr=1e-3,wd=0.05"
+
+
+def test_a_recipe_path_given_from_another_working_folder_names_the_checkouts_file(tmp_path, monkeypatch):
+    """A scheduler starts the job in its own folder: `--config configs/debug/tiny.yaml` is not found there; the
+    error names the working folder and the checkout's file, and a path the checkout lacks gets no hint."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_config(["configs/debug/tiny.yaml"])
+    assert str(e.value) == (f"config file not found: configs/debug/tiny.yaml (a relative path starts at the working "
+                            f"folder, {tmp_path}); the checkout's file is "
+                            f"{os.path.join(ROOT, 'configs', 'debug', 'tiny.yaml')}: give that path")
+    with pytest.raises(ConfigError, match=r"^config file not found: configs/debug/none\.yaml$"):
+        load_config(["configs/debug/none.yaml"])
