@@ -64,6 +64,7 @@ from configs.loader import (close_keys, dotted_settings, get_key, overlapping_ke
                             override_keys, read_yaml_file, schema_keys)
 from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config,  # noqa: E402
                             unread_training_settings)
+from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
     if not args.run:
         for run in runs:
             for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
-                print(shlex.join(cmd), flush=True)
+                console_print(shlex.join(cmd))
         return 0
     states = {r["name"]: "not started" for r in runs}
     code = 0
@@ -378,7 +379,7 @@ def main(argv=None) -> int:
             code, states[run["name"]] = run_one(run, args, signals)
             if code:
                 break
-    print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()), flush=True)
+    console_print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()))
     return code
 
 
@@ -445,7 +446,7 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
             return EXIT_PREEMPTED, "not started" if i == 0 else "trained, evaluation not started"
         if i == 1:  # the evaluation of best.pt
             move_stale_result(cmd[cmd.index("--out") + 1], cmd[cmd.index("--checkpoint") + 1])
-        print(shlex.join(cmd), flush=True)
+        console_print(shlex.join(cmd))  # a reader that has gone (`| head`) stops no run (engine/console.py)
         code, killed = shell_status(signals.run(cmd))
         step = "training" if i == 0 else "evaluation"
         if code == EXIT_PREEMPTED or (code and signals.received):

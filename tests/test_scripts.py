@@ -1,5 +1,6 @@
 """The tools in scripts/: every sweep expands into valid configs; a small sweep trains, evaluates and
 tabulates end to end; the benchmarks run in their small CPU modes."""
+import contextlib
 import glob
 import json
 import os
@@ -931,6 +932,18 @@ def test_a_sweep_stops_at_the_first_run_that_does_not_finish_and_exits_with_its_
     summary = capsys.readouterr().out.split("sweep summary:\n")[1].splitlines()
     assert summary[1:] == [f"  b: {state}", "  c: not started"]
     assert summary[0].startswith("  a: trained (exit 0), but ")  # the stand-in wrote no checkpoint.pt to read
+
+
+def test_a_sweep_whose_console_reader_has_gone_runs_every_command(stand_in):
+    """`sweep.py ... --run | head -1`: the printed command of the second run met a closed pipe and ended the
+    sweep in a BrokenPipeError traceback, the later runs never started (engine/console.py)."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    spec, codes, launcher = stand_in
+    with open(write_fd, "w") as closed, contextlib.redirect_stdout(closed):
+        sweep.main([spec, "--run", "--evaluate", "--launcher", launcher])
+    assert (codes / "log").read_text().splitlines() == [f"{script} {run}" for run in "abc"
+                                                        for script in ("train.py", "evaluate.py")]
 
 
 def test_a_stop_before_or_between_a_runs_commands_starts_nothing_more(stand_in):
