@@ -1,7 +1,8 @@
 """Console output that survives the environment a job runs in: a console whose encoding cannot show a
 character (an ASCII or Latin-1 locale, PYTHONIOENCODING=ascii) gets that character as a backslash escape
-instead of a UnicodeEncodeError, and a console that went away (a closed pipe: `| head -1`, a log reader or
-an ssh session that ended) ends the console output quietly, while the run and its log file go on.
+instead of a UnicodeEncodeError, and a console that can no longer be written (a closed pipe: `| head -1` or
+a log reader that ended; a terminal that hung up) ends the console output quietly, while the run and its log
+file go on.
 """
 from __future__ import annotations
 
@@ -38,23 +39,29 @@ def _silence(stream: TextIO) -> None:
 
 def console_print(text: str, stream: Optional[TextIO] = None) -> bool:
     """print(text) to stdout (or `stream`) that neither fails on characters the console cannot encode nor on a
-    closed pipe; False when the reader has gone (the text was not shown)."""
+    console that can no longer be written; False when the text was not shown."""
+    return _show(text, stream) is None
+
+
+def _show(text: str, stream: Optional[TextIO]) -> Optional[str]:
+    """console_print's work: None when shown, else why not. Any OSError ends the console: a closed pipe
+    (EPIPE), a terminal that hung up (EIO), a redirect to a full disk (ENOSPC)."""
     stream = sys.stdout if stream is None else stream
     if stream is None:  # started with stdout closed (`>&-`): there is no console to show it on
-        return False
+        return "no console"
     try:
         _write(stream, text + "\n")
         stream.flush()
-    except BrokenPipeError:
+    except OSError as e:
         _silence(stream)
-        return False
-    return True
+        return e.strerror or type(e).__name__
+    return None
 
 
 class ConsoleHandler(logging.StreamHandler):
-    """The console log handler: each record as console_print writes text. When the reader of the console has
-    gone, the handler writes nothing more and says so once in the other handlers (the run's log file), which
-    keep every record."""
+    """The console log handler: each record as console_print writes text. When the console can no longer be
+    written (its reader has gone), the handler writes nothing more and says so once in the other handlers (the
+    run's log file), which keep every record."""
 
     gone = False
 
@@ -66,9 +73,10 @@ class ConsoleHandler(logging.StreamHandler):
         except Exception:  # a record whose arguments do not fit its message: logging's usual report
             self.handleError(record)
             return
-        if not console_print(text, self.stream):
+        problem = _show(text, self.stream)
+        if problem is not None:
             # a flag, not removeHandler: the logger is iterating over its handlers, and removing this one
             # would skip the next (the log file) for this record
             self.gone = True
-            logging.getLogger(__name__).warning("the console's reader has gone (a closed pipe); the log goes on "
-                                                "in the log file only")
+            logging.getLogger(__name__).warning("the console cannot be written any more (%s); the log goes on in "
+                                                "the log file only", problem)

@@ -54,8 +54,8 @@ def test_a_closed_console_ends_the_console_log_quietly_and_the_log_file_keeps_ev
         logging.getLogger("t").info("line %d", i)
     with open(tmp_path / "train.log", encoding="utf-8") as f:
         lines = [line.split(" ", 1)[1] for line in f.read().splitlines()]  # without the time
-    assert lines == ["engine.console WARNING the console's reader has gone (a closed pipe); the log goes on in "
-                     "the log file only", "t INFO line 0", "t INFO line 1", "t INFO line 2"]
+    assert lines == ["engine.console WARNING the console cannot be written any more (Broken pipe); the log goes "
+                     "on in the log file only", "t INFO line 0", "t INFO line 1", "t INFO line 2"]
     assert capsys.readouterr().err == ""
     closed_pipe.write("later\n")  # the descriptor now leads to /dev/null: no BrokenPipeError at exit either
     closed_pipe.flush()
@@ -141,3 +141,17 @@ def test_python_m_cd_into_a_closed_pipe_ends_quietly(monkeypatch, closed_pipe):
     main(["--model", "vit_tiny_patch16_224"])
     closed_pipe.write("later\n")  # as the interpreter's flush at exit: the descriptor leads to /dev/null now
     closed_pipe.flush()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_console_redirected_to_a_full_disk_ends_the_console_log_quietly(tmp_path, monkeypatch, capsys):
+    """`train.py > /dev/full` (stdout to a file on a full disk): ENOSPC ends the console log as a closed pipe
+    does; the log file keeps the record."""
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        setup_logging(str(tmp_path), is_main=True)
+        logging.getLogger("t").info("line")
+        monkeypatch.undo()
+    log = (tmp_path / "train.log").read_text(encoding="utf-8")
+    assert "the console cannot be written any more (No space left on device)" in log and log.endswith("t INFO line\n")
+    assert capsys.readouterr().err == ""
