@@ -69,11 +69,11 @@ class ConsoleHandler(logging.StreamHandler):
         if self.gone:
             return
         try:
-            text = self.format(record)
-        except Exception:  # a record whose arguments do not fit its message: logging's usual report
+            problem = _show(self.format(record), self.stream)
+        except Exception:  # noqa: BLE001 - a record whose arguments do not fit its message, a stream closed by
+            # its owner (ValueError): logging's usual report, as StreamHandler gives; the record never ends the run
             self.handleError(record)
             return
-        problem = _show(text, self.stream)
         if problem is not None:
             # a flag, not removeHandler: the logger is iterating over its handlers, and removing this one
             # would skip the next (the log file) for this record

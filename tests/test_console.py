@@ -155,3 +155,21 @@ def test_a_console_redirected_to_a_full_disk_ends_the_console_log_quietly(tmp_pa
     log = (tmp_path / "train.log").read_text(encoding="utf-8")
     assert "the console cannot be written any more (No space left on device)" in log and log.endswith("t INFO line\n")
     assert capsys.readouterr().err == ""
+
+
+def test_a_stream_closed_by_its_owner_is_logging_s_usual_report_not_an_error_of_the_run(capsys):
+    """A console stream closed under the handler (ValueError, not OSError: e.g. a capture a test or a notebook
+    closed) gets logging's '--- Logging error ---' report on stderr, as StreamHandler gives; the call that
+    logged goes on."""
+    from engine.console import ConsoleHandler
+    stream, log = io.StringIO(), logging.getLogger("test_console.closed")
+    handler = ConsoleHandler(stream)
+    log.addHandler(handler)
+    try:
+        log.warning("shown")
+        assert stream.getvalue() == "shown\n"
+        stream.close()
+        log.warning("not shown")  # raised ValueError out of the logging call
+    finally:
+        log.removeHandler(handler)
+    assert "--- Logging error ---" in capsys.readouterr().err and not handler.gone
