@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,10 +108,11 @@ class Preemption:
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
         saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`).
+        received: stop signals that came before this object existed (train.py's start): the first is a request.
     """
 
     def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0,
-                 saves: str = "checkpoint.pt") -> None:
+                 saves: str = "checkpoint.pt", received: Sequence[int] = ()) -> None:
         self.device, self.distributed, self.saves = device, distributed, saves
         self.repeat_window_s = repeat_window_s
         self.requested = False
@@ -118,6 +120,8 @@ class Preemption:
         self._unannounced: int | None = None  # the first signal, until `should_stop` logs it
         self._pending: _Agreement | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        if received:
+            self._handle(received[0], None)
 
     def _handle(self, signum: int, frame: object) -> None:
         # Only records: the handler runs between any two bytecodes of the main thread, also inside a logging

@@ -489,3 +489,25 @@ def test_a_group_signal_while_workers_start_is_a_stop_request_not_a_crash():
                          text=True, timeout=120, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "safe batches 8 main got ['TERM']" in run.stdout, run.stdout + run.stderr[-2000:]
     assert "plain worker died" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_a_sigterm_while_train_py_imports_is_a_stop_request_exit_75_not_143(tmp_path, one_thread):
+    """A scheduler's SIGTERM in the seconds train.py spends importing (minutes in a multi-node rendezvous) ended
+    the process with status 143, which a requeue script reads as a failure: now the run starts, stops at its
+    first update boundary with checkpoint.pt, and exits 75, like any stopped run. The signal is sent while the
+    process maps libtorch, i.e. inside `import torch`, long before Preemption's own handlers exist."""
+    cmd = train_cmd(tmp_path)
+    proc = launch(cmd)
+    maps, deadline = f"/proc/{proc.pid}/maps", time.time() + 60
+    while proc.poll() is None and time.time() < deadline:
+        with contextlib.suppress(OSError), open(maps) as f:
+            if "libtorch" in f.read():
+                break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    output = output_of(proc, 120, tmp_path)
+    assert proc.returncode == EXIT_PREEMPTED, (proc.returncode, output[-3000:])
+    assert "received SIGTERM" in output and "preempted at update" in output and "Traceback" not in output
+    assert saved_step(tmp_path) <= 1  # stopped at the first boundary: the request came before training
+    result = resume_in_this_process(cmd, "train.max_steps=2")
+    assert result.state.step == 2
