@@ -128,6 +128,8 @@ def _unusable(out_dir: str, e: OSError, setting: str = "out_dir") -> RunDirError
         free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
         return RunDirError(f"{setting} '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
                            f"space there, or choose a {setting} on another disk")
+    if os.path.isfile(out_dir):  # makedirs says only "File exists"
+        return RunDirError(f"{setting} '{out_dir}' is a file, not a folder; choose another {setting}")
     return RunDirError(f"{setting} '{out_dir}' cannot be used: {e.strerror or e}; choose a writable {setting}")
 
 

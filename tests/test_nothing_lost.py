@@ -680,6 +680,7 @@ def test_results_of_other_weights_are_refused(checkpoint, tmp_path):
     (["train.py", "train.batch_size=0"], "'train.batch_size' must be >= 1"),
     (["train.py", "--config", "BROKEN"], "not valid YAML"),
     (["train.py", "out_dir=FILE/run"], "cannot be used: Not a directory"),
+    (["train.py", "out_dir=FILE"], "is a file, not a folder; choose another out_dir"),  # said "File exists"
 ])
 def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
     """train.py's __main__ in this process (a process of its own would import torch again: seconds each);
@@ -703,7 +704,7 @@ def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
     (["model.name=vit_micro"], "does not fit model 'vit_micro'"),
     (["--ema"], "has no 'model_ema' weights"),
     # the result's folder is refused naming the flag that chose it (it said "out_dir", evaluate.py's no option)
-    (["--out", "FILE/r.json"], "cannot be used: File exists; choose a writable --out"),
+    (["--out", "FILE/r.json"], "is a file, not a folder; choose another --out"),
     # the log's own name: the log, opened first, was then refused as a result that is not JSON
     (["--out", "NEW/eval.log"], "evaluate.py writes its log to eval.log in the result's folder; give the result "
                                 "another name"),
