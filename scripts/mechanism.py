@@ -800,7 +800,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        # python -OO strips the docstring: the subcommands at least
+        print(__doc__ or f"usage: mechanism.py {{{','.join(COMMANDS)}}} ... (each has --help)")
         sys.exit(0 if argv else 2)
     if argv[0] not in COMMANDS:  # a usage error as argparse's own: one `error:` line, status 2
         OneLineParser(prog="mechanism.py").error(f"unknown subcommand {argv[0]!r}; give one of "
