@@ -23,23 +23,18 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-# A scheduler's SIGTERM while the process starts (the imports below take seconds, a multi-node rendezvous can take
-# minutes) ended it with status 143, which a requeue script reads as a failure: it is kept here, before the imports,
-# and Preemption takes it over as a stop request (checkpoint, exit 75); once the run has ended, one is ignored
-# (Preemption puts this recorder back), so the run's own exit status stands. Ctrl-C keeps Python's KeyboardInterrupt
-# until Preemption's handler is installed: at a terminal, stopping at once is what is asked.
-SIGTERMS_WHILE_STARTING: list = []
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda signum, frame: SIGTERMS_WHILE_STARTING.append(signum))
+from engine.startup_signals import record_sigterm
 
-import torch  # noqa: E402 - after the SIGTERM recorder
+if __name__ == "__main__":  # before the imports below (seconds): a SIGTERM in them is a stop request, not fatal
+    record_sigterm()
+
+import torch  # noqa: E402 - after record_sigterm
 import torch.nn as nn
 from timm.utils import ModelEmaV3
 
@@ -99,8 +94,7 @@ def main(cfg: Config) -> RunResult:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
-                Preemption(dist.device, distributed=dist.distributed,
-                           received=SIGTERMS_WHILE_STARTING) as preemption:
+                Preemption(dist.device, distributed=dist.distributed) as preemption:
             return run_training(cfg, dist, preemption)
 
 

@@ -33,10 +33,11 @@ import os
 import signal
 import threading
 import time
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from engine import startup_signals
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -108,20 +109,23 @@ class Preemption:
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
         saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`).
-        received: stop signals that came before this object existed (train.py's start): the first is a request.
     """
 
     def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0,
-                 saves: str = "checkpoint.pt", received: Sequence[int] = ()) -> None:
+                 saves: str = "checkpoint.pt") -> None:
         self.device, self.distributed, self.saves = device, distributed, saves
         self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
         self._unannounced: int | None = None  # the first signal, until `should_stop` logs it
         self._pending: _Agreement | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
-        if received:
-            self._handle(received[0], None)
+        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        # a SIGTERM that came while the entry point started (engine/startup_signals.py) is this run's request;
+        # its recorder is not put back: after the run, SIGTERM does what it does by default
+        self._previous = {s: signal.SIG_DFL if startup_signals.is_recorder(h) else h for s, h in previous.items()}
+        if startup_signals.RECEIVED:
+            self._handle(startup_signals.RECEIVED[0], None)
+            startup_signals.RECEIVED.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
         # Only records: the handler runs between any two bytecodes of the main thread, also inside a logging

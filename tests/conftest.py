@@ -77,6 +77,9 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     old = sys.argv
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    # a process's signal handlers end with it: train.py's __main__ installs a SIGTERM recorder
+    # (engine/startup_signals.py) that, left here, would make this test process ignore SIGTERM
+    stop_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     script = os.path.relpath(os.path.join(ROOT, path))
     sys.argv = [script, *argv]
     code = None  # a script that returns from its __main__ block ends its process with status 0
@@ -86,6 +89,8 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
         code = done.code
     finally:
         sys.argv = old
+        for signum, handler in stop_handlers.items():
+            signal.signal(signum, handler)
         for handler in [h for h in root.handlers if h not in handlers]:
             root.removeHandler(handler)
             handler.close()

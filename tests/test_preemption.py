@@ -16,7 +16,7 @@ import torch
 import train
 from dist_utils import as_torchrun_rank, free_port, leave_and_exit, spawn_ranks
 from engine.preemption import EXIT_PREEMPTED
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import DEBUG_CONFIG, ROOT, run_entry
 
 LONG_RUN = ("sched.epochs=1000", "train.log_every_steps=1", "data.synthetic_train_size=256")
 
@@ -511,3 +511,34 @@ def test_a_sigterm_while_train_py_imports_is_a_stop_request_exit_75_not_143(tmp_
     assert saved_step(tmp_path) <= 1  # stopped at the first boundary: the request came before training
     result = resume_in_this_process(cmd, "train.max_steps=2")
     assert result.state.step == 2
+
+
+def test_a_startup_sigterm_becomes_the_request_and_after_the_run_sigterm_has_its_default_action():
+    """engine/startup_signals.py's recorder: a SIGTERM it recorded is the next Preemption's request (taken once),
+    and the Preemption puts SIGTERM's default action back, not the recorder: a process waiting in its teardown
+    (a final barrier) must still end at a plain `kill`, and a test process that ran train.py's __main__ must
+    not go on ignoring SIGTERM."""
+    from engine import startup_signals
+    from engine.preemption import Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        startup_signals.record_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # let the handler run
+        assert startup_signals.RECEIVED == [signal.SIGTERM]
+        with Preemption(torch.device("cpu")) as preemption:
+            assert preemption.requested and startup_signals.RECEIVED == []
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with Preemption(torch.device("cpu")) as preemption:  # nothing recorded since: no request
+            assert not preemption.requested
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        startup_signals.RECEIVED.clear()
+
+
+def test_train_py_run_in_this_process_leaves_the_stop_signal_handlers_as_they_were(capsys):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    code, _, err = run_entry("train.py", ["train.batch_size=0"], capsys)  # refused before any Preemption
+    assert code == 1 and "train.batch_size" in err
+    assert {s: signal.getsignal(s) for s in before} == before
