@@ -40,22 +40,25 @@ def _silence(stream: TextIO) -> None:
 def console_print(text: str, stream: Optional[TextIO] = None) -> bool:
     """print(text) to stdout (or `stream`) that neither fails on characters the console cannot encode nor on a
     console that can no longer be written; False when the text was not shown."""
-    return _show(text, stream) is None
+    return _show(text, stream)[0]
 
 
-def _show(text: str, stream: Optional[TextIO]) -> Optional[str]:
-    """console_print's work: None when shown, else why not. Any OSError ends the console: a closed pipe
-    (EPIPE), a terminal that hung up (EIO), a redirect to a full disk (ENOSPC)."""
+def _show(text: str, stream: Optional[TextIO]) -> tuple[bool, Optional[str]]:
+    """console_print's work: (shown, why the console is gone for good, or None). Any OSError but EAGAIN ends
+    the console: a closed pipe (EPIPE), a terminal that hung up (EIO), a redirect to a full disk (ENOSPC). A
+    non-blocking console that is full for the moment (BlockingIOError, EAGAIN) only misses this text."""
     stream = sys.stdout if stream is None else stream
     if stream is None:  # started with stdout closed (`>&-`): there is no console to show it on
-        return "no console"
+        return False, "no console"
     try:
         _write(stream, text + "\n")
         stream.flush()
+    except BlockingIOError:
+        return False, None
     except OSError as e:
         _silence(stream)
-        return e.strerror or type(e).__name__
-    return None
+        return False, e.strerror or type(e).__name__
+    return True, None
 
 
 class ConsoleHandler(logging.StreamHandler):
@@ -69,7 +72,7 @@ class ConsoleHandler(logging.StreamHandler):
         if self.gone:
             return
         try:
-            problem = _show(self.format(record), self.stream)
+            problem = _show(self.format(record), self.stream)[1]
         except Exception:  # noqa: BLE001 - a record whose arguments do not fit its message, a stream closed by
             # its owner (ValueError): logging's usual report, as StreamHandler gives; the record never ends the run
             self.handleError(record)

@@ -173,3 +173,30 @@ def test_a_stream_closed_by_its_owner_is_logging_s_usual_report_not_an_error_of_
     finally:
         log.removeHandler(handler)
     assert "--- Logging error ---" in capsys.readouterr().err and not handler.gone
+
+
+def test_a_momentarily_full_non_blocking_console_misses_text_but_is_not_given_up():
+    """EAGAIN (a non-blocking pipe or tty that is full for the moment) is no reader gone: the text is not shown,
+    and once the reader has drained the pipe the console shows text again; it was pointed at /dev/null for good."""
+    import fcntl
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, fcntl.F_SETFL, fcntl.fcntl(write_fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    fcntl.fcntl(read_fd, fcntl.F_SETFL, fcntl.fcntl(read_fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    stream = open(write_fd, "w", encoding="utf-8")
+    try:
+        shown = [console_print("x" * 1000, stream) for _ in range(200)]  # 200 kB into a pipe of 64 kB
+        assert True in shown and False in shown
+        with contextlib.suppress(BlockingIOError):
+            while os.read(read_fd, 1 << 16):
+                pass
+        assert console_print("after", stream)
+        assert os.readlink(f"/proc/self/fd/{write_fd}").startswith("pipe:")  # not /dev/null
+        received = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(read_fd, 1 << 16):
+                received += chunk
+        assert received.endswith(b"after\n")
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()
+        os.close(read_fd)
