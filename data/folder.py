@@ -209,17 +209,22 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
 
 def folder_fingerprint(dataset: ImageDataset) -> dict:
     """What tells one split's images from another's wherever its folder lies (data.root may move between
-    machines): the number of images and the SHA-256 of their names relative to the split (class folder and
-    file name, in the reader's order), the images a resumed run must find again. Files replaced under the
-    same names are not told apart: reading every image would cost minutes on ImageNet."""
+    machines): the number of images and the SHA-256 of their sorted names relative to the split (class folder and
+    file name; in a .tar, the member's name after the class tar holding it, if any), the images a resumed run must
+    find again. Sorted: timm's natural-key order ties `1.png` with `01.png`, whose order is then the directory
+    listing's, which a copy may change. Files replaced under the same names are not told apart: reading every
+    image would cost minutes on ImageNet."""
     reader = dataset.reader
     if hasattr(reader, "root") and isinstance(reader.samples[0][0], str):  # a folder: absolute paths under root
         prefix = os.path.join(reader.root, "")  # os.walk joins onto root as given, trailing separator or not
         # sliced, not os.path.relpath: 0.7 s against 28 s for ImageNet's 1.28 M training images
         names = [path[len(prefix):] for path, _ in reader.samples]
-    else:  # a .tar: its members' names
-        names = dataset.filenames()
-    return {"images": len(names), "names_sha256": hashlib.sha256("\n".join(names).encode()).hexdigest()}
+    else:  # a .tar (timm's ReaderImageInTar): (member, tar file, class tar member) per image
+        names = ["/".join(part for part in (tar_file, inner.name if inner else None, member.name) if part)
+                 for member, tar_file, inner in reader.samples]
+    # surrogateescape: a name the locale cannot decode is hashed as its bytes on disk, under any locale
+    text = "\n".join(sorted(names)).encode("utf-8", "surrogateescape")
+    return {"images": len(names), "names_sha256": hashlib.sha256(text).hexdigest()}
 
 
 def class_folders(path: str) -> list[str]:

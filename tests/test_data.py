@@ -201,6 +201,36 @@ def test_a_tar_split_names_its_classes(tmp_path):
                                            .hexdigest()}
 
 
+def test_the_fingerprint_of_a_tar_of_class_tars_names_each_image_with_its_class(tmp_path):
+    """ImageNet's train tar holds one tar per class, whose members are bare file names: each name is hashed after
+    its class tar's (the same file names in two classes are two images). A name the locale cannot decode (bytes
+    of Latin-1 under UTF-8) is hashed as its bytes, not refused in a traceback."""
+    import hashlib
+    import io
+    import os
+    import tarfile
+    from data.folder import build_folder_dataset, folder_fingerprint
+    make_image_folder(tmp_path / "src", classes=("cat", "dog"), per_class=2)
+    raw = os.fsdecode(b"caf\xe9.png")  # a lone surrogate under a UTF-8 locale
+    os.rename(tmp_path / "src" / "val" / "dog" / "1.png", tmp_path / "src" / "val" / "dog" / raw)
+    with tarfile.open(tmp_path / "val.tar", "w") as outer:
+        for c in ("cat", "dog"):
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as tar:
+                for f in sorted(os.listdir(tmp_path / "src" / "val" / c)):
+                    tar.add(tmp_path / "src" / "val" / c / f, arcname=f)
+            info = tarfile.TarInfo(f"{c}.tar")
+            info.size = inner.tell()
+            inner.seek(0)
+            outer.addfile(info, inner)
+    dataset = build_folder_dataset(str(tmp_path), "val")
+    names = sorted(["cat.tar/0.png", "cat.tar/1.png", "dog.tar/0.png", f"dog.tar/{raw}"])
+    expected = hashlib.sha256("\n".join(names).encode("utf-8", "surrogateescape")).hexdigest()
+    assert folder_fingerprint(dataset) == {"images": 4, "names_sha256": expected}
+    folder = build_folder_dataset(str(tmp_path / "src"), "val")  # the folder it came from: no traceback either
+    assert folder_fingerprint(folder)["images"] == 4
+
+
 def test_loaders_pin_memory_only_in_a_process_that_uses_its_gpu(monkeypatch):
     """train.device=cpu on a GPU machine: pinning would open a CUDA context on GPU 0 in every rank."""
     from configs.schema import DataConfig
