@@ -128,8 +128,9 @@ def _unusable(out_dir: str, e: OSError, setting: str = "out_dir") -> RunDirError
         free = shutil.disk_usage(out_dir).free / 2 ** 20 if os.path.isdir(out_dir) else 0.0
         return RunDirError(f"{setting} '{out_dir}': the disk is full ({e.strerror}; {free:.0f} MB free): free "
                            f"space there, or choose a {setting} on another disk")
-    if os.path.isfile(out_dir):  # makedirs says only "File exists"
-        return RunDirError(f"{setting} '{out_dir}' is a file, not a folder; choose another {setting}")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # makedirs says only "File exists"
+        what = "a file" if os.path.isfile(out_dir) else "a device, a pipe or a broken link"
+        return RunDirError(f"{setting} '{out_dir}' is {what}, not a folder; choose another {setting}")
     return RunDirError(f"{setting} '{out_dir}' cannot be used: {e.strerror or e}; choose a writable {setting}")
 
 

@@ -681,6 +681,7 @@ def test_results_of_other_weights_are_refused(checkpoint, tmp_path):
     (["train.py", "--config", "BROKEN"], "not valid YAML"),
     (["train.py", "out_dir=FILE/run"], "cannot be used: Not a directory"),
     (["train.py", "out_dir=FILE"], "is a file, not a folder; choose another out_dir"),  # said "File exists"
+    (["train.py", "out_dir=/dev/null"], "is a device, a pipe or a broken link, not a folder"),
 ])
 def test_train_user_errors_are_one_error_line(tmp_path, argv, message, capsys):
     """train.py's __main__ in this process (a process of its own would import torch again: seconds each);
