@@ -51,25 +51,25 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   calibration_images, calibration_windows, dataset_classes)
 from data.folder import ClassCountError, check_same_classes
 from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
-from data.transforms import train_transform_settings
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import (PLACEMENT_OPTIONS, EvalResults, ResultsError, checkpoint_kind, extra_modules,
-                                 first_difference, recipe_difference, repeated_weights)
+from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, process_group, raise_on_every_rank,
                                 run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from engine.tasks import capped_cell, check_model_fits_task, perplexity_text, task_for
+from engine.quant_settings import quant_settings, sees_training_transform, training_data
+from engine.result_table import markdown_table, method_name
+from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
 from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe, check_extra_modules
-from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits, run_settings
+from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
 from quant.plan import (check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned,
@@ -78,8 +78,6 @@ from quant.plan import (check_bits, check_pipelines, evaluation_pipelines, pipel
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
 log = logging.getLogger("evaluate")
-PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
-               "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -422,23 +420,6 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
         raise DataError(too_many)
 
 
-def quant_settings(cfg: Config, pipeline: str) -> dict:
-    """Everything a quantized result depends on besides the float model and the val set: the options, the
-    calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
-    a classifier), and the training transform where it sees training-transform images."""
-    options = pipeline_options(cfg, pipeline)
-    settings = {"options": dataclasses.asdict(options) if options is not None else {}}
-    reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
-    if reads_batch:
-        settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
-        if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
-            settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
-    if sees_training_transform(cfg, pipeline):
-        settings["train_transform"] = training_data(cfg)
-    return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
-
-
 CALIBRATION_KEYS = ("quant.calib_images", "quant.calib_seed", "quant.calib_transform")  # the batch's settings
 
 
@@ -449,25 +430,12 @@ def calibration_overrides_unread(overrides: list[str], pipelines: list[str], lan
     return [item for item in overrides if any(k in CALIBRATION_KEYS for k in override_keys(item))]
 
 
-def sees_training_transform(cfg: Config, pipeline: str) -> bool:
-    """Whether `pipeline` calibrates or trains on training-transform images (of an image classifier)."""
-    if task_for(cfg.data.dataset).language:
-        return False
-    return PIPELINES[pipeline].draws_training_images or (
-        reads_calibration_batch(pipeline, False) and cfg.quant.calib_transform == "train")
-
-
 def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[str]:
     """The overrides of the training transform's own settings (not those the eval transform shares) when no
     planned pipeline sees training-transform images: [] otherwise."""
     if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
         return []
     return [item for item in overrides if any(k in TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS for k in override_keys(item))]
-
-
-def training_data(cfg: Config) -> dict:
-    """The training split and its transform: what training-transform images depend on besides their seed."""
-    return {"split": cfg.data.train_split, **train_transform_settings(cfg.data)}
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
@@ -646,244 +614,11 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None
                           f"split would score it on images it was trained on; drop the override")
 
 
-def method_name(cfg: Config) -> str:
-    """Baseline / CD / TWEO (CD + TWEO when both are on), with the settings that differ from the paper's
-    defaults (so that the rows of an ablation table tell themselves apart), e.g. "CD (lam 0.01)",
-    "CD (targets C)", "CD (loss 0.005)"."""
-    from configs import CDConfig, TWEOConfig
-
-    names = []
-    if cfg.cd.enabled:
-        default, c = CDConfig(), cfg.cd
-        names.append(_named("CD", [f"lam {c.lam:g}" if c.lam != default.lam else "",
-                                   f"targets {c.targets}" if c.targets != default.targets else "",
-                                   f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
-                                   " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
-                                   "" if c.budget else "no budget"]))
-    if cfg.tweo.enabled:  # also beside CD: such a run is not one of the CD runs (--over-seeds would average it)
-        default, t = TWEOConfig(), cfg.tweo
-        names.append(_named("TWEO", [f"lam {t.lam:g}" if t.lam != default.lam else "",
-                                     "rescaled" if t.rescale else "",
-                                     t.schedule if t.schedule != default.schedule else "",
-                                     # the penalty's shape: a tau or p ablation would otherwise average as
-                                     # seeds of one method
-                                     f"p {t.p:g}" if t.p != default.p else "",
-                                     f"tau {t.tau:g}" if t.tau != default.tau else "",
-                                     f"eps {t.eps:g}" if t.eps != default.eps else ""]))
-    return " + ".join(names) or "Baseline"
-
-
-def _named(name: str, notes: list[str]) -> str:
-    notes = [n for n in notes if n]
-    return f"{name} ({', '.join(notes)})" if notes else name
-
-
 def default_out_path(checkpoint: str | None, model_name: str) -> str:
     if checkpoint:
         return os.path.join(os.path.dirname(os.path.abspath(checkpoint)),
                             f"eval_{os.path.splitext(os.path.basename(checkpoint))[0]}.json")
     return os.path.join("runs", "eval", f"{model_name}.json")
-
-
-def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
-    """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
-    column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
-    language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
-    marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
-    evaluates (other model.kwargs, another split, an autocast) † (`evaluated_otherwise`), a module maximum also
-    over quant.act_max_extra_modules ‡, each with a note below the table.
-
-    over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
-    sweep) and their count, instead of one row per result.
-    """
-    language = all("ppl" in r["fp"] for r in results)
-    if not language and any("ppl" in r["fp"] for r in results):
-        lm = next(r for r in results if "ppl" in r["fp"])["model"]
-        raise ValueError(f"the results mix language models ({lm}: perplexity) and classifiers (top-1), whose "
-                         "columns differ: make one table per task")
-    score, fp_columns = (("ppl", [("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")]) if language
-                         else ("top1", [("top1", "FP Top-1")]))
-    seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
-    order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
-    columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
-    # a header without bits reads as the paper's W4A4: any other bit-width is named, even alone
-    many_bits = language or {b for _, b in columns} - {"w4a4"}
-    header = ["Model", "Method", *(title for _, title in fp_columns), "Max. Act. (mod./blk.)"] + [
-        PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
-    groups: dict = {}
-    for r in results:
-        key = (r["model"], r["method"]) if over_seeds else len(groups)
-        groups.setdefault(key, []).append(r)
-    if over_seeds:
-        for (model, method), group in groups.items():
-            check_seed_group(model, method, group)
-
-    def fmt(values: list, spec: str, of: int = 0, ppl: bool = False) -> str:
-        """One value, or mean ± sample std; of: the row's result count, named when fewer values make the cell
-        (a pipeline some seeds were not evaluated with). ppl: perplexities, where one at the cap (an overflowed
-        exp, engine.tasks.perplexity) makes the cell that bound, not a mean of it."""
-        if not values:
-            return "-"
-        partial = f" (n={len(values)})" if over_seeds and len(values) < of else ""
-        capped = capped_cell(values) if ppl else None
-        if capped:
-            return capped + partial
-        if len(values) == 1:
-            return format(values[0], spec) + partial
-        mean = sum(values) / len(values)
-        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-        return f"{format(mean, spec)} ± {format(std, spec)}{partial}"
-
-    spec = ".2f" if over_seeds or language else ".3f"
-    rows, notes = [], []
-
-    def quantized(group: list, p: str, b: str) -> str:
-        """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
-        entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
-        cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
-        unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
-        if unusual:
-            cell += "*"
-            notes.append(f"\\* {group[0]['model']} {group[0]['method']} {PAPER_NAMES.get(p, p)} {b.upper()}: "
-                         f"not the default settings: {', '.join(unusual)}")
-        return cell
-
-    for group in groups.values():
-        first = group[0]
-        method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
-        # a model evaluated otherwise than it trained (a model.kwargs override): the row is of another forward
-        changed = sorted({c for r in group if (c := evaluated_otherwise(r))})
-        if changed:
-            notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
-        model = first["model"] + ("†" if changed else "")
-        # a module maximum also over quant.act_max_extra_modules is not the paper's (inside blocks only): marked ‡
-        # (a group's results are alike in them: check_seed_group)
-        extra = sorted({m for r in group for m in extra_modules(r)})
-        if extra:
-            notes.append(extra_modules_note(f"{first['model']} {first['method']}", extra))
-        rows.append([model, method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
-                                          ppl=language)
-                                      for k, _ in fp_columns),
-                     fmt([r["max_act"]["module"] for r in group], ".2f") + ("‡" if extra else "") + " / "
-                     + fmt([r["max_act"]["block"] for r in group], ".2f")]
-                    + [quantized(group, p, b) for p, b in columns])
-    line = lambda cells: "| " + " | ".join(cells) + " |"
-    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows]
-                     + ([""] + notes if notes else []))
-
-
-def check_seed_group(model: str, method: str, group: list[dict], labels: Optional[list[str]] = None) -> None:
-    """The results averaged into one row (`markdown_table(over_seeds=True)`, scripts/compare_act_max.py) must be
-    distinct runs evaluated alike: one weights file twice would count as two seeds, and results on other data, of
-    EMA weights, under another autocast or quantized with other settings would be averaged as if they were seeds.
-    labels: how the errors name the results (default: their checkpoints)."""
-    labelled = [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
-    repeated = repeated_weights(labelled)
-    if repeated is not None:
-        raise ValueError(f"{model} {method}: {repeated[0]} and {repeated[1]} hold the same weights; give each "
-                         "run's result once")
-    different = first_difference(labelled)
-    if different is not None:
-        # --recompute replaces a quantized entry; other data, weights or autocast are another file (--out)
-        recompute = ", or --recompute them with one set of settings" if different[2].of_settings else ""
-        raise ValueError(f"{model} {method}: {different[0]} and {different[1]} were evaluated differently "
-                         f"({different[2]}); rows average the seeds of one evaluation: give results evaluated "
-                         f"alike{recompute}")
-    unlike = model_kwargs_unlike(labelled)
-    if unlike is not None:
-        raise ValueError(f"{model} {method}: {unlike}; rows average the seeds of one evaluation: give results "
-                         "evaluated alike")
-    # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
-    # (results written before the recipe was recorded have none and are not compared)
-    other = recipe_difference(labelled)
-    if other is not None:
-        raise ValueError(f"{model} {method}: {other[0]} and {other[1]} were trained with other settings "
-                         f"({other[2]}); rows average the seeds of one recipe: give runs trained alike")
-
-
-def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:
-    """'<a> and <b> were evaluated with other model.kwargs (...)' for the first two of the (label, result) pairs
-    that `model_kwargs_changed` tells apart, else None. Results to be averaged as seeds (check_seed_group, the
-    dose reports' points) must be alike: the same weights through another forward (model.kwargs given at
-    evaluation, marked † in a row) are another evaluation. Older files and weights files, which record no recipe,
-    are not compared."""
-    # a result that records no recipe is of unknown model.kwargs as trained: not "as trained"
-    changed = [(label, model_kwargs_changed(r)) for label, r in labelled if _trained_kwargs_known(r)]
-    unlike = next(((changed[0], c) for c in changed[1:] if c[1] != changed[0][1]), None)
-    if unlike is None:
-        return None
-    (a, how_a), (b, how_b) = unlike
-    return f"{a} and {b} were evaluated with other model.kwargs ({how_a or 'as trained'} vs {how_b or 'as trained'})"
-
-
-def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
-    """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
-    computed with that differs from the default config's; a table marks such results (a degenerate APHQ
-    grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
-    (an older file) are not compared."""
-    if not settings or pipeline not in PIPELINES:
-        return []
-    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
-    settings, defaults = plain(settings), plain(quant_settings(Config(), pipeline))
-    names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
-    found = []
-    for key, value in (settings.get("options") or {}).items():
-        default = defaults["options"].get(key, value)
-        if value != default and key not in PLACEMENT_OPTIONS:
-            found.append(f"quant.{pipeline}.{key}={value}")
-    for key, value in (settings.get("calibration") or {}).items():
-        if key in names and value != defaults["calibration"].get(key, value):
-            found.append(f"{names[key]}={value}")
-    return found
-
-
-def _trained_kwargs_known(result: dict) -> bool:
-    """Whether a result records the model.kwargs it was evaluated with and those its run trained with."""
-    recipe = result.get("recipe")
-    return isinstance(recipe, dict) and "model.kwargs" in recipe and "model_kwargs" in result
-
-
-def model_kwargs_changed(result: dict) -> Optional[str]:
-    """'model.kwargs={...} (trained with {...})' when a result was computed with other model.kwargs than its run
-    trained with (an override at evaluation: the same weights through another forward, e.g. gelu=tanh on a model
-    trained with the exact GELU), else None; a table marks such results. Results without the recipe as trained
-    (a weights file, an older file) are not compared."""
-    if not _trained_kwargs_known(result):
-        return None
-    recipe = result["recipe"]
-    text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as in the file
-    evaluated, trained = text(result["model_kwargs"]), text(recipe["model.kwargs"])
-    return None if evaluated == trained else f"model.kwargs={evaluated} (trained with {trained})"
-
-
-def evaluated_otherwise(result: dict) -> Optional[str]:
-    """How a result was evaluated otherwise than the paper's protocol (the weights as trained, on the validation
-    split, in fp32), or None: `model_kwargs_changed`, a `data.val_split` other than 'val' (scoring the training
-    images gives a number that reads as a validation accuracy) and an `--amp` autocast, joined by '; '. Tables mark
-    such results † with a `dagger_note`; results that do not record a setting (older files) are not marked for it.
-    A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
-    --amp: its row is marked for those."""
-    found = [changed] if (changed := model_kwargs_changed(result)) else []
-    split = (result.get("data") or {}).get("val_split", "val")
-    if split != "val":
-        found.append(f"data.val_split={split!r}")
-    if result.get("eval_amp", "none") != "none":
-        found.append(f"--amp {result['eval_amp']}")
-    return "; ".join(found) or None
-
-
-def dagger_note(label: str, changes) -> str:
-    """The note below a table for an entry marked † (`label`, e.g. 'vit_t CD'): how it was evaluated otherwise
-    than trained, one `model_kwargs_changed` text or several (a group's, joined)."""
-    return f"† {label}: evaluated with {changes if isinstance(changes, str) else '; '.join(changes)}"
-
-
-def extra_modules_note(label: str, patterns: list) -> str:
-    """The note below a table for a maximum marked ‡ (`label`, e.g. 'vit_t CD'): its module maximum also counts
-    modules outside the blocks (quant.act_max_extra_modules), unlike the paper's."""
-    # worded for any table's column (Max. Act. (mod.), dose_report's Max. Act. mod., lm_study's max module)
-    return f"‡ {label}: the module maximum also counts modules outside the blocks: " \
-           f"quant.act_max_extra_modules={json.dumps(patterns)}"
 
 
 # timm / DeiT evaluation flags and ours (configs/cli.py has those shared with train.py)

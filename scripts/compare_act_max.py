@@ -5,7 +5,7 @@ draws, per block, the maximum |activation| of the block output (solid) and of an
 block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
 and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
-evaluated alike (evaluate.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
+evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
 checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike
 in what sets the float maxima (data, image count, raw or EMA weights, autocast, the kind of a run's checkpoint
 (model.pretrained weights, no file of a run, are drawn beside any), the modules counted
@@ -35,7 +35,7 @@ from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_f
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
+from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure

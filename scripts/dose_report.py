@@ -44,6 +44,7 @@ from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerpr
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_file, recipe_difference, repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
+from engine.result_table import dagger_note, evaluated_otherwise, extra_modules_note, model_kwargs_unlike  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -221,7 +222,7 @@ def read_sweep(root: str) -> list[Run]:
                               f"settings a point of its own (folder <point>_s<seed>)")
         # averaged as seeds: the same weights through another forward (a model.kwargs override at evaluation) are
         # another evaluation, compared as evaluate.py --over-seeds compares them; points are marked (evaluated_marks)
-        unlike = evaluate.model_kwargs_unlike([(run.folder, run.result) for run in runs if run.point == point])
+        unlike = model_kwargs_unlike([(run.folder, run.result) for run in runs if run.point == point])
         if unlike is not None:
             raise ReportError(f"{unlike}; the seeds of point {point} are averaged: evaluate every run alike (the "
                               f"same evaluate.py model.kwargs overrides)")
@@ -230,27 +231,27 @@ def read_sweep(root: str) -> list[Run]:
 
 def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
     """Each point's label in the tables of evaluated numbers, with † when its runs were evaluated otherwise
-    than trained or than the paper evaluates (evaluate.evaluated_otherwise: model.kwargs, split, autocast; its seeds
-    alike, read_sweep), and the notes naming how, for below the first such table."""
+    than trained or than the paper evaluates (engine.result_table.evaluated_otherwise: model.kwargs, split,
+    autocast; its seeds alike, read_sweep), and the notes naming how, for below the first such table."""
     labels, notes = {}, []
     for point, runs in groups.items():
-        changed = sorted({c for r in runs if (c := evaluate.evaluated_otherwise(r.result))})
+        changed = sorted({c for r in runs if (c := evaluated_otherwise(r.result))})
         labels[point] = point + ("†" if changed else "")
         if changed:
-            notes.append(evaluate.dagger_note(point, changed))
+            notes.append(dagger_note(point, changed))
     return labels, notes
 
 
 def module_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
     """Each point's mark on its module maximum, ‡ when it also counts modules outside the blocks
     (quant.act_max_extra_modules; not the paper's maximum; the runs of a sweep are alike in it, read_sweep), and the
-    notes naming the patterns (evaluate.extra_modules_note), for below the table that shows it."""
+    notes naming the patterns (engine.result_table.extra_modules_note), for below the table that shows it."""
     marks, notes = {}, []
     for point, runs in groups.items():
         extra = sorted({m for r in runs for m in extra_modules(r.result)})
         marks[point] = "‡" if extra else ""
         if extra:
-            notes.append(evaluate.extra_modules_note(point, extra))
+            notes.append(extra_modules_note(point, extra))
     return marks, notes
 
 

@@ -76,7 +76,8 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
-from evaluate import calibration_set, load_float_model, method_name  # noqa: E402
+from engine.result_table import method_name  # noqa: E402
+from evaluate import calibration_set, load_float_model  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
 from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402

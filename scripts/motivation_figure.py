@@ -11,7 +11,7 @@ Writes motivation.png and motivation.csv (task, model, method, metric, FP and qu
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
 autocast) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
-(evaluate.evaluated_otherwise), as evaluate.py's table marks its row.
+(engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row.
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
@@ -30,7 +30,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
+from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation

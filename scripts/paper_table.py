@@ -6,10 +6,10 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (evaluate.nondefault_settings); a result evaluated otherwise than it was
-trained or than the paper evaluates (a model.kwargs override, another data.val_split, an --amp autocast) is marked †
-with a note (evaluate.evaluated_otherwise): its row's model in the rows layout, its entries (and the Average of
-its column) in the fine-tuning layout. A module
+is marked with * and a note naming them (engine.result_table.nondefault_settings); a result evaluated otherwise
+than it was trained or than the paper evaluates (a model.kwargs override, another data.val_split, an --amp
+autocast) is marked † with a note (engine.result_table.evaluated_otherwise): its row's model in the rows layout, its
+entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records). A result
@@ -19,7 +19,7 @@ refused, naming the command that refreshes it (engine/eval_results.refuse_stale)
 
 Layouts:
     rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per
-              pipeline (and bit-width) (evaluate.markdown_table, the row evaluate.py prints)
+              pipeline (and bit-width) (engine.result_table.markdown_table, the row evaluate.py prints)
     finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
@@ -40,8 +40,8 @@ from engine.console import console_print  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_files)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from evaluate import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note, markdown_table,  # noqa: E402
-                      nondefault_settings)
+from engine.result_table import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note,  # noqa: E402
+                                 markdown_table, nondefault_settings)
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",

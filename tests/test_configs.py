@@ -258,7 +258,7 @@ def test_the_logged_lr_rule_names_the_lr_that_runs():
 
 
 def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
-    import evaluate
+    from engine.quant_settings import quant_settings
     from quant import plan
 
     cfg = load_config([], ["quant.first_last=w8a8", "quant.repq.head_a_bits=4"])
@@ -268,7 +268,7 @@ def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
         assert bits == (8, 8, 8, 8)
     official = plan.pipeline_options(load_config([], []), "aphq")
     assert official.stem_a_bits == 0  # APHQ's own: the image input stays float
-    assert evaluate.quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
+    assert quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
     with pytest.raises(ConfigError, match="first_last"):
         load_config([], ["quant.first_last=w4a4"])
 

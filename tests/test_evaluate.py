@@ -12,6 +12,8 @@ import evaluate
 import train
 from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
+from engine import result_table
+from engine.quant_settings import quant_settings
 from tests.conftest import DEMO_CONFIG, ROOT, load_script, run_entry
 
 
@@ -50,7 +52,7 @@ def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     # 8-bit fake quantization of a trained model keeps its accuracy within a point
     assert abs(saved["quant"]["repq"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
     assert abs(saved["quant"]["percentile"]["w8a8"]["top1"] - saved["fp"]["top1"]) <= 1.0
-    table = evaluate.markdown_table([result,
+    table = result_table.markdown_table([result,
                                      {**result, "method": "CD", "quant": {"repq": result["quant"]["repq"]}}])
     header, _, base, cd = table.splitlines()
     assert "RepQ-ViT W4A4" in header and "Percentile W8A8" in header
@@ -285,45 +287,45 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
 
     results = [result("Baseline", 80.0, 70.0), result("Baseline", 82.0, 74.0), result("Baseline", 84.0, 72.0),
                result("CD", 81.0, 75.0, module=4.0)]
-    header, _, base, cd = evaluate.markdown_table(results, over_seeds=True).splitlines()
+    header, _, base, cd = result_table.markdown_table(results, over_seeds=True).splitlines()
     # mean and sample std (n - 1) of (80, 82, 84) = 82 +- 2; of (70, 74, 72) = 72 +- 2
     assert base == "| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± 2.00 |"
     assert cd == "| m | CD (n=1) | 81.00 | 4.00 / 3.00 | 75.00 |"
     # a run given twice, or results of another evaluation, are not seeds
     twice = [dict(result("Baseline", 80.0, 70.0), fingerprint="f", checkpoint=c) for c in ("a/best.pt", "b/best.pt")]
     with pytest.raises(ValueError, match="m Baseline: a/best.pt and b/best.pt hold the same weights"):
-        evaluate.markdown_table(twice, over_seeds=True)
+        result_table.markdown_table(twice, over_seeds=True)
     other_data = [dict(result("Baseline", 80.0, 70.0), data={"dataset": d}) for d in ("folder", "synthetic")]
     with pytest.raises(ValueError, match=r'm Baseline: result 1 and result 2 were evaluated differently \(data: '
                                          r'{"dataset": "folder"} vs {"dataset": "synthetic"}\); rows average the '
                                          r'seeds of one evaluation: give results evaluated alike$'):  # another file
-        evaluate.markdown_table(other_data, over_seeds=True)
-    assert evaluate.markdown_table(other_data)  # one row per result: nothing is averaged
+        result_table.markdown_table(other_data, over_seeds=True)
+    assert result_table.markdown_table(other_data)  # one row per result: nothing is averaged
     other_calibration = [dict(result("Baseline", 80.0, 70.0), fingerprint=f) for f in ("a", "b")]
     other_calibration[1]["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8}}
     with pytest.raises(ValueError, match=r"m Baseline: result 1 and result 2 were evaluated differently \(repq w4a4 "
                                          r"settings: calibration None -> {'images': 8}\); .* or --recompute them "
                                          r"with one set of settings$"):
-        evaluate.markdown_table(other_calibration, over_seeds=True)
+        result_table.markdown_table(other_calibration, over_seeds=True)
     # runs of one method trained with another lr are not seeds; another seed is one
     from engine.run_dir import recipe
     configs = {overrides: config_to_dict(load_config([DEMO_CONFIG], list(overrides)))
                for overrides in (("train.seed=1",), ("train.seed=2",), ("train.seed=3", "optim.lr=0.01"))}
     runs = [dict(result("Baseline", 80.0, 70.0), fingerprint=str(i), checkpoint=f"{i}/best.pt",
                  recipe=recipe(config)) for i, config in enumerate(configs.values())]
-    assert "(n=2)" in evaluate.markdown_table(runs[:2], over_seeds=True)
+    assert "(n=2)" in result_table.markdown_table(runs[:2], over_seeds=True)
     with pytest.raises(ValueError, match=r"m Baseline: 0/best.pt and 2/best.pt were trained with other settings "
                                          r"\(optim.lr 0.002 -> 0.01\)"):
-        evaluate.markdown_table(runs, over_seeds=True)
+        result_table.markdown_table(runs, over_seeds=True)
     # the same recipe evaluated with model.kwargs it was not trained with (gelu=tanh) is another evaluation
     runs = runs[:2]
     runs[1] = dict(runs[1], model_kwargs={"gelu": "tanh"})
     assert runs[0]["recipe"]["model.kwargs"] == {}
     with pytest.raises(ValueError, match=r'm Baseline: 0/best.pt and 1/best.pt were evaluated with other model.kwargs '
                                          r'\(as trained vs model.kwargs={"gelu": "tanh"} \(trained with {}\)\)'):
-        evaluate.markdown_table([dict(runs[0], model_kwargs={}), runs[1]], over_seeds=True)
+        result_table.markdown_table([dict(runs[0], model_kwargs={}), runs[1]], over_seeds=True)
     both = [dict(r, model_kwargs={"gelu": "tanh"}) for r in runs]
-    assert "(n=2)" in evaluate.markdown_table(both, over_seeds=True)  # alike: averaged, and marked
+    assert "(n=2)" in result_table.markdown_table(both, over_seeds=True)  # alike: averaged, and marked
 
 
 def test_table_marks_and_refuses_maxima_over_extra_modules():
@@ -334,18 +336,18 @@ def test_table_marks_and_refuses_maxima_over_extra_modules():
         return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": max_act, "quant": {},
                 "checkpoint": f"s{seed}/best.pt"}
 
-    _, _, plain, marked, _, note = evaluate.markdown_table([result(0), result(1, ["patch_embed.proj"])]).splitlines()
+    _, _, plain, marked, _, note = result_table.markdown_table([result(0), result(1, ["patch_embed.proj"])]).splitlines()
     assert plain == "| m | CD | 80.000 | 4.00 / 3.00 |"
     assert marked == "| m | CD | 80.000 | 5.00‡ / 3.00 |"
     assert note == ('‡ m CD: the module maximum also counts modules outside the blocks: '
                     'quant.act_max_extra_modules=["patch_embed.proj"]')
     with pytest.raises(ValueError, match=r'm CD: s0/best.pt and s1/best.pt were evaluated differently '
                                          r'\(max_act.extra_modules: \[\] vs \["patch_embed.proj"\]\)'):
-        evaluate.markdown_table([result(0, []), result(1, ["patch_embed.proj"])], over_seeds=True)
+        result_table.markdown_table([result(0, []), result(1, ["patch_embed.proj"])], over_seeds=True)
     # alike (an empty list is the default, the order of the patterns plays no part): averaged
-    assert evaluate.markdown_table([result(0, []), result(1)], over_seeds=True).splitlines()[2] == \
+    assert result_table.markdown_table([result(0, []), result(1)], over_seeds=True).splitlines()[2] == \
         "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71 / 3.00 ± 0.00 |"
-    assert evaluate.markdown_table([result(0, ["a", "b"]), result(1, ["b", "a"])], over_seeds=True).splitlines()[2] \
+    assert result_table.markdown_table([result(0, ["a", "b"]), result(1, ["b", "a"])], over_seeds=True).splitlines()[2] \
         == "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71‡ / 3.00 ± 0.00 |"
 
 
@@ -358,7 +360,7 @@ def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
     from engine.eval_results import EvalResults, ResultsError, evaluation_difference
 
     cfg = Config()
-    settings = evaluate.quant_settings(cfg, "aphq")
+    settings = quant_settings(cfg, "aphq")
     on_cpu = json.loads(json.dumps(settings, default=str))
     on_cpu["options"]["cache_device"] = "cpu"
     results = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
@@ -377,8 +379,8 @@ def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
     difference = evaluation_difference(result(settings), result(other_grid))
     assert difference.what == "aphq w4a4 settings" and difference.of_settings
     assert str(difference).startswith("aphq w4a4 settings: options.iters")
-    assert evaluate.nondefault_settings("aphq", on_cpu) == []
-    assert evaluate.nondefault_settings("aphq", other_grid) == ["quant.aphq.iters=7"]
+    assert result_table.nondefault_settings("aphq", on_cpu) == []
+    assert result_table.nondefault_settings("aphq", other_grid) == ["quant.aphq.iters=7"]
 
 
 @pytest.mark.parametrize("overrides, name", [(["tweo.tau=6"], "TWEO (tau 6)"), (["tweo.p=2"], "TWEO (p 2)"),
@@ -387,7 +389,7 @@ def test_where_aphq_caches_its_units_is_no_setting_of_its_result(tmp_path):
 def test_a_tweo_penalty_of_another_shape_is_named(overrides, name):
     """A tau or p ablation's runs were all 'TWEO': --over-seeds averaged them as the seeds of one method."""
     cfg = load_config([DEMO_CONFIG], ["tweo.enabled=true", *overrides])
-    assert evaluate.method_name(cfg) == name
+    assert result_table.method_name(cfg) == name
 
 
 @pytest.mark.parametrize("overrides, name", [([], "CD + TWEO"),
@@ -395,7 +397,7 @@ def test_a_tweo_penalty_of_another_shape_is_named(overrides, name):
 def test_a_run_with_cd_and_tweo_is_named_by_both(overrides, name):
     """A run with both regularizers was 'CD', one of the CD runs: --over-seeds averaged it with them."""
     cfg = load_config([DEMO_CONFIG], ["cd.enabled=true", "tweo.enabled=true", *overrides])
-    assert evaluate.method_name(cfg) == name
+    assert result_table.method_name(cfg) == name
 
 
 def test_table_names_a_single_bit_width_other_than_w4a4():
@@ -404,8 +406,8 @@ def test_table_names_a_single_bit_width_other_than_w4a4():
         return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
                 "quant": {"repq": {bits: {"top1": 70.0}}}}
 
-    assert evaluate.markdown_table([result("w6a6")]).splitlines()[0].endswith("| RepQ-ViT W6A6 |")
-    assert evaluate.markdown_table([result("w4a4")]).splitlines()[0].endswith("| RepQ-ViT |")
+    assert result_table.markdown_table([result("w6a6")]).splitlines()[0].endswith("| RepQ-ViT W6A6 |")
+    assert result_table.markdown_table([result("w4a4")]).splitlines()[0].endswith("| RepQ-ViT |")
 
 
 def test_model_kwargs_as_trained_are_unchanged_in_any_key_order():
@@ -414,12 +416,12 @@ def test_model_kwargs_as_trained_are_unchanged_in_any_key_order():
     value is; a result without the recipe's model.kwargs is not compared."""
     trained = {"global_pool": "avg", "gelu": "tanh", "img_mean": (0.5, 0.5, 0.5)}
     stored = {"gelu": "tanh", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]}
-    assert evaluate.model_kwargs_changed({"model_kwargs": stored, "recipe": {"model.kwargs": trained}}) is None
+    assert result_table.model_kwargs_changed({"model_kwargs": stored, "recipe": {"model.kwargs": trained}}) is None
     other = dict(stored, gelu="none")
-    assert evaluate.model_kwargs_changed({"model_kwargs": other, "recipe": {"model.kwargs": trained}}) == (
+    assert result_table.model_kwargs_changed({"model_kwargs": other, "recipe": {"model.kwargs": trained}}) == (
         'model.kwargs={"gelu": "none", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]} (trained with '
         '{"gelu": "tanh", "global_pool": "avg", "img_mean": [0.5, 0.5, 0.5]})')
-    assert evaluate.model_kwargs_changed({"model_kwargs": other, "recipe": {"optim.lr": 0.1}}) is None
+    assert result_table.model_kwargs_changed({"model_kwargs": other, "recipe": {"optim.lr": 0.1}}) is None
 
 
 def test_seeds_without_a_recipe_are_not_compared_by_model_kwargs():
@@ -429,8 +431,8 @@ def test_seeds_without_a_recipe_are_not_compared_by_model_kwargs():
     changed = {"recipe": {"model.kwargs": {}}, "model_kwargs": {"gelu": "tanh"}}
     as_trained = {"recipe": {"model.kwargs": {}}, "model_kwargs": {}}
     older = {"model_kwargs": {"gelu": "tanh"}}
-    assert evaluate.model_kwargs_unlike([("a.pt", changed), ("b.pt", older)]) is None
-    assert evaluate.model_kwargs_unlike([("b.pt", older), ("a.pt", changed), ("c.pt", as_trained)]) == (
+    assert result_table.model_kwargs_unlike([("a.pt", changed), ("b.pt", older)]) is None
+    assert result_table.model_kwargs_unlike([("b.pt", older), ("a.pt", changed), ("c.pt", as_trained)]) == (
         'a.pt and c.pt were evaluated with other model.kwargs (model.kwargs={"gelu": "tanh"} (trained with {}) vs '
         'as trained)')
 
@@ -443,7 +445,7 @@ def test_table_over_seeds_keeps_one_row_per_model_of_a_method():
         return {"model": model, "method": "Baseline", "fp": {"top1": fp}, "max_act": {"module": 5.0, "block": 3.0},
                 "quant": {"repq": {"w4a4": {"top1": repq}}}}
 
-    table = evaluate.markdown_table([result("m1", 80.0, 70.0), result("m2", 60.0, 50.0), result("m1", 84.0, 74.0)],
+    table = result_table.markdown_table([result("m1", 80.0, 70.0), result("m2", 60.0, 50.0), result("m1", 84.0, 74.0)],
                                     over_seeds=True)
     std = f"{statistics.stdev([80.0, 84.0]):.2f}"  # also that of 70 and 74
     assert table.splitlines()[2:] == [
@@ -458,7 +460,7 @@ def test_table_over_seeds_names_the_count_of_a_cell_over_fewer_seeds():
         return {"model": "m", "method": "Baseline", "fp": {"top1": fp},
                 "max_act": {"module": 5.0, "block": 3.0}, "quant": quant}
 
-    rows = evaluate.markdown_table([result(80.0, 60.0), result(82.0, 50.0), result(84.0)], over_seeds=True)
+    rows = result_table.markdown_table([result(80.0, 60.0), result(82.0, 50.0), result(84.0)], over_seeds=True)
     assert rows.splitlines()[2] == ("| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 "
                                     "| 55.00 ± 7.07 (n=2) |")
 
@@ -474,7 +476,7 @@ def test_seeds_are_compared_pairwise_not_only_with_the_first():
 
     with pytest.raises(ValueError, match=r"m CD: s1/best.pt and s2/best.pt were evaluated differently \(aphq w4a4 "
                                          r"settings: options.iters 10 -> 20\)"):
-        evaluate.markdown_table([result(0), result(1, 10), result(2, 20)], over_seeds=True)
+        result_table.markdown_table([result(0), result(1, 10), result(2, 20)], over_seeds=True)
 
 
 def test_table_marks_a_result_scored_on_another_split_or_under_an_autocast():
@@ -490,12 +492,12 @@ def test_table_marks_a_result_scored_on_another_split_or_under_an_autocast():
 
     results = [result("Baseline", "val", "none"), result("CD", "train", "none"), result("TWEO", "val", "bf16"),
                result("Old")]
-    _, _, plain, train_split, bf16, old, _, note_split, note_amp = evaluate.markdown_table(results).splitlines()
+    _, _, plain, train_split, bf16, old, _, note_split, note_amp = result_table.markdown_table(results).splitlines()
     assert plain.startswith("| m | Baseline |") and old.startswith("| m | Old |")
     assert train_split.startswith("| m† | CD |") and bf16.startswith("| m† | TWEO |")
     assert note_split == "† m CD: evaluated with data.val_split='train'"
     assert note_amp == "† m TWEO: evaluated with --amp bf16"
-    assert evaluate.evaluated_otherwise(result("CD", "train", "fp16")) == "data.val_split='train'; --amp fp16"
+    assert result_table.evaluated_otherwise(result("CD", "train", "fp16")) == "data.val_split='train'; --amp fp16"
     # the fine-tuning layout compares a data set's methods on the same split: both scored on train, both marked
     on_train = [dict(result(m, "train", "none"), checkpoint=f"{m}/best.pt", data={"dataset": "cifar100",
                                                                                   "val_split": "train"})
@@ -514,15 +516,15 @@ def test_table_columns_cells_and_marks_follow_the_papers_layout():
         return {"model": "m", "method": method, "fp": {"top1": fp}, "max_act": {"module": 5.0, "block": 3.0},
                 "quant": quant}
 
-    header = evaluate.markdown_table([result(80.0, {p: {"w4a4": {"top1": 1.0}} for p in ("aphq", "repq")})])
+    header = result_table.markdown_table([result(80.0, {p: {"w4a4": {"top1": 1.0}} for p in ("aphq", "repq")})])
     assert header.splitlines()[0].endswith("| RepQ-ViT | APHQ |")
-    rows = evaluate.markdown_table([result(80.0, {"repq": {"w4a4": {"top1": 60.0}}}), result(82.0, {}),
+    rows = result_table.markdown_table([result(80.0, {"repq": {"w4a4": {"top1": 60.0}}}), result(82.0, {}),
                                     result(84.0, {})], over_seeds=True)
     assert rows.splitlines()[2].endswith("| 60.00 (n=1) |")
-    settings = json.loads(json.dumps(evaluate.quant_settings(Config(), "repq"), default=str))
-    assert evaluate.nondefault_settings("repq", settings) == []
+    settings = json.loads(json.dumps(quant_settings(Config(), "repq"), default=str))
+    assert result_table.nondefault_settings("repq", settings) == []
     settings["calibration"]["images"] = Config().quant.calib_images + 1
-    assert evaluate.nondefault_settings("repq", settings) == [f"quant.calib_images={Config().quant.calib_images + 1}"]
+    assert result_table.nondefault_settings("repq", settings) == [f"quant.calib_images={Config().quant.calib_images + 1}"]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -658,17 +660,17 @@ def test_training_transform_settings_are_part_of_an_aphq_result_and_the_batch_is
     base = ["--checkpoint", checkpoint, "--quant", "aphq", "quant.aphq.iters=0", "quant.aphq.recon_images=8",
             "quant.aphq.calib_images=8", "quant.aphq.batch_size=4"]
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(base))
-    settings = evaluate.quant_settings(cfg, "aphq")
+    settings = quant_settings(cfg, "aphq")
     assert "calibration" not in settings and settings["train_transform"]["scale"] == list(cfg.data.scale)
     cfg2, _ = evaluate.resolve_config(evaluate.parse_args([*base, "data.scale=[0.5,0.6]"]))
-    assert evaluate.quant_settings(cfg2, "aphq") != settings
+    assert quant_settings(cfg2, "aphq") != settings
     # (beside a pipeline that reads the batch: alone, APHQ would have it refused as ignored)
     cfg3, _ = evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "repq", "quant.calib_images=7"]))
-    assert evaluate.quant_settings(cfg3, "aphq") == settings
-    repq = evaluate.quant_settings(cfg, "repq")  # the eval-transform batch: the augmentation plays no part
+    assert quant_settings(cfg3, "aphq") == settings
+    repq = quant_settings(cfg, "repq")  # the eval-transform batch: the augmentation plays no part
     assert "calibration" in repq and "train_transform" not in repq
     cfg4, _ = evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "repq", "quant.calib_transform=train"]))
-    assert "train_transform" in evaluate.quant_settings(cfg4, "repq")
+    assert "train_transform" in quant_settings(cfg4, "repq")
 
 
 def test_act_max_files_stay_listed_after_a_call_without_them(checkpoint, tmp_path):
@@ -854,7 +856,7 @@ def test_training_settings_given_for_a_checkpoint_are_refused(checkpoint, argv, 
     # what it does read of the train section: the device and the evaluation batch size
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "train.device=cpu",
                                                           "train.eval_batch_size_per_gpu=5"]))
-    assert cfg.train.eval_batch_size_per_gpu == 5 and evaluate.method_name(cfg) == "Baseline"
+    assert cfg.train.eval_batch_size_per_gpu == 5 and result_table.method_name(cfg) == "Baseline"
 
 
 @pytest.mark.parametrize("override", ["data.mixup=0.5", "data.cutmix=1.0", "data.label_smoothing=0.2",
@@ -882,7 +884,7 @@ def test_training_transform_settings_are_refused_where_no_pipeline_sees_training
         cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing, override]))
         default, _ = evaluate.resolve_config(evaluate.parse_args([*base, *seeing]))
         name = seeing[1]
-        assert evaluate.quant_settings(cfg, name)["train_transform"] != evaluate.quant_settings(default, name)[
+        assert quant_settings(cfg, name)["train_transform"] != quant_settings(default, name)[
             "train_transform"]
     # the settings the eval transform shares stay open to every evaluation
     evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", "data.interpolation=bilinear"]))
@@ -896,7 +898,7 @@ def test_a_weights_files_recipe_names_its_method_and_its_training_overrides_are_
     recipe = ["--config", DEMO_CONFIG, "--config", os.path.join(ROOT, "configs/method/cd.yaml"),
               "model.name=vit_nano", f"model.pretrained={weights}", "--quant"]
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(recipe))
-    assert evaluate.method_name(cfg) == "CD"
+    assert result_table.method_name(cfg) == "CD"
     with pytest.raises(ConfigError, match=r"^train.amp: .*give --amp"):
         evaluate.resolve_config(evaluate.parse_args([*recipe, "train.amp=bf16"]))
 
@@ -969,10 +971,10 @@ def test_seeds_scored_on_other_kinds_of_checkpoint_are_refused_not_averaged():
 
     with pytest.raises(ValueError, match=r'^m CD: s0/x.pt and s1/x.pt were evaluated differently \(checkpoint_kind: '
                                          r'"best" vs "latest": score the same file of every run'):
-        evaluate.markdown_table([result(0, "best"), result(1, "latest")], over_seeds=True)
+        result_table.markdown_table([result(0, "best"), result(1, "latest")], over_seeds=True)
     with pytest.raises(ValueError, match=r'\(checkpoint_kind: "best" vs "snapshot"'):  # pairwise, past an older one
-        evaluate.markdown_table([result(0, "best"), result(1), result(2, "snapshot")], over_seeds=True)
-    rows = evaluate.markdown_table([result(0, "best"), result(1), result(2, "best")], over_seeds=True)
+        result_table.markdown_table([result(0, "best"), result(1), result(2, "snapshot")], over_seeds=True)
+    rows = result_table.markdown_table([result(0, "best"), result(1), result(2, "best")], over_seeds=True)
     assert rows.splitlines()[2].startswith("| m | CD (n=3) | 81.00 ± 1.00 |")
 
 
@@ -1015,8 +1017,8 @@ def test_seeds_are_compared_at_every_bit_width_they_share():
 
     with pytest.raises(ValueError, match=r"m CD: s0/best.pt and s1/best.pt were evaluated differently \(repq w6a6 "
                                          r"settings: calibration.images 32 -> 8\)"):
-        evaluate.markdown_table([result(0, 32), result(1, 8)], over_seeds=True)
-    assert "(n=2)" in evaluate.markdown_table([result(0, 32), result(1, 32)], over_seeds=True)
+        result_table.markdown_table([result(0, 32), result(1, 8)], over_seeds=True)
+    assert "(n=2)" in result_table.markdown_table([result(0, 32), result(1, 32)], over_seeds=True)
 
 
 def test_two_seeds_trained_with_other_settings_are_refused():

@@ -7,6 +7,7 @@ import re
 import pytest
 
 import evaluate
+from engine.quant_settings import quant_settings
 from quant import plan
 from tests.conftest import DEMO_CONFIG, ROOT
 
@@ -61,7 +62,7 @@ def test_a_results_settings_name_the_calibration_only_where_it_is_read_and_the_r
     cfg = resolved("language model")
     batch = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed, "split": cfg.data.train_split,
              "transform": cfg.quant.calib_transform}
-    rtn, gptq, gplq = (evaluate.quant_settings(cfg, name) for name in ("rtn", "gptq", "gplq"))
+    rtn, gptq, gplq = (quant_settings(cfg, name) for name in ("rtn", "gptq", "gplq"))
     assert set(rtn) == {"options"} and set(gptq) == {"options", "calibration"} and gptq["calibration"] == batch
     assert gplq["world_size"] == 1 and "world_size" not in gptq
 

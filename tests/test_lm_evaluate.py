@@ -21,6 +21,8 @@ from configs.schema import DataConfig
 from engine.checkpoint import CheckpointError, load_checkpoint
 from engine.eval_results import ResultsError
 from engine.run_dir import RunDirError
+from engine import result_table
+from engine.quant_settings import quant_settings
 from models import ModelError
 
 NANO = "configs/lm/kjv_nano.yaml"
@@ -188,8 +190,8 @@ def test_the_identity_of_a_text_evaluation_names_the_text_not_image_settings(tmp
     root = token_folder(tmp_path / "owt")
     tokens = evaluate.text_identity(DataConfig(dataset="tokens", root=str(root)))
     assert tokens["root"] == str(root) and tokens["val_split"] == "val" and "kjv_val_fraction" not in tokens
-    assert "calibration" in evaluate.quant_settings(Config(), "gptq")
-    assert "calibration" not in evaluate.quant_settings(Config(), "rtn")
+    assert "calibration" in quant_settings(Config(), "gptq")
+    assert "calibration" not in quant_settings(Config(), "rtn")
 
 
 def test_results_of_token_files_rewritten_in_place_are_not_kept_beside_numbers_of_the_new_text(tmp_path):
@@ -272,7 +274,7 @@ def test_a_table_of_language_models_and_classifiers_is_refused():
     vit = {"model": "vit", "method": "Baseline", "fp": {"top1": 90.0}, "max_act": {"module": 1, "block": 1},
            "quant": {}}
     with pytest.raises(ValueError, match="mix language models .* one table per task"):
-        evaluate.markdown_table([lm, vit])
+        result_table.markdown_table([lm, vit])
 
 
 def test_a_perplexity_at_the_cap_is_printed_as_the_bound_not_a_finite_number():
@@ -286,11 +288,11 @@ def test_a_perplexity_at_the_cap_is_printed_as_the_bound_not_a_finite_number():
     healthy = json.loads(json.dumps(collapsed))
     healthy["fp"].update(ppl=4.0, ppl_bf16=4.5)
     healthy["quant"]["rtn"]["w4a16"]["ppl"] = 6.0
-    table = evaluate.markdown_table([collapsed, healthy]).splitlines()
+    table = result_table.markdown_table([collapsed, healthy]).splitlines()
     assert table[2] == ("| gpt2_nano | Baseline | >= exp(700) (capped) | >= exp(700) (capped) | "
                         "1000000000.00 / 2000000000.00 | >= exp(700) (capped) |")
     assert table[3] == "| gpt2_nano | Baseline | 4.00 | 4.50 | 1000000000.00 / 2000000000.00 | 6.00 |"
-    over_seeds = evaluate.markdown_table([collapsed, healthy], over_seeds=True).splitlines()
+    over_seeds = result_table.markdown_table([collapsed, healthy], over_seeds=True).splitlines()
     assert over_seeds[2].startswith("| gpt2_nano | Baseline (n=2) | >= exp(700) (capped) | >= exp(700) (capped) |")
 
 
@@ -446,11 +448,11 @@ def test_a_row_evaluated_with_other_model_kwargs_than_trained_is_marked(kjv_run,
     # (the forwards differ, but on this barely trained model, block outputs below 0.5, the two GELUs can round to
     # the same perplexity: what is checked is the record and the mark)
     assert tanh["model_kwargs"]["gelu"] == "tanh" and "gelu" not in plain["model_kwargs"]
-    header, _, marked, unmarked, _, note = evaluate.markdown_table([tanh, plain]).splitlines()
+    header, _, marked, unmarked, _, note = result_table.markdown_table([tanh, plain]).splitlines()
     assert marked.startswith(f"| {tanh['model']}† | ") and unmarked.startswith(f"| {plain['model']} | ")
     assert note.startswith(f"† {tanh['model']} {tanh['method']}: evaluated with model.kwargs=") and \
         '"gelu": "tanh"' in note and "trained with" in note and '"gelu": "tanh"' not in note.split("trained with")[1]
-    assert "†" not in evaluate.markdown_table([plain])
+    assert "†" not in result_table.markdown_table([plain])
 
 
 def test_calibration_windows_are_distinct_train_windows_drawn_by_the_seed(tmp_path):

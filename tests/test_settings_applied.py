@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
-import evaluate
 import train
 from configs import Config, ConfigError, load_config
 from configs.loader import IgnoredOverrideError
 from configs.quant import APHQOptions
 from engine.checkpoint import CheckpointError
+from engine import result_table
+from engine.quant_settings import quant_settings
 from quant import PIPELINES, parse_bits
 from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
 
@@ -108,7 +109,7 @@ def test_aphq_option_limits_are_exact(ok, refused, message):
 
 
 def settings(pipeline, **changes):
-    plain = json.loads(json.dumps(evaluate.quant_settings(Config(), pipeline), default=str))
+    plain = json.loads(json.dumps(quant_settings(Config(), pipeline), default=str))
     plain["options"].update(changes)
     return plain
 
@@ -121,7 +122,7 @@ def result(method, quant):
 def test_tables_mark_results_of_non_default_settings(tmp_path):
     results = [result("Baseline", {"aphq": {"w4a4": {"top1": 36.0, "settings": settings("aphq", eq_n=16)}}}),
                result("CD", {"aphq": {"w4a4": {"top1": 80.0, "settings": settings("aphq")}}})]
-    table = evaluate.markdown_table(results).splitlines()
+    table = result_table.markdown_table(results).splitlines()
     assert table[2].endswith("| 36.000* |") and table[3].endswith("| 80.000 |")
     assert table[-1] == "\\* m Baseline APHQ W4A4: not the default settings: quant.aphq.eq_n=16"
     sys.path.insert(0, os.path.join(ROOT, "scripts"))

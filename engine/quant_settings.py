@@ -1,0 +1,48 @@
+"""What a quantized result depends on besides the float model and the val set: the settings evaluate.py records
+with every entry of a result file (engine/eval_results.py compares them before it skips or adds a result) and a
+table compares with the defaults (engine/result_table.nondefault_settings).
+
+    settings = quant_settings(cfg, "repq")  # {"options": {...}, "calibration": {...}, ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from configs import Config
+from data.text import token_file_fingerprint
+from data.transforms import train_transform_settings
+from quant import PIPELINES, run_settings
+from quant.plan import pipeline_options, reads_calibration_batch
+
+from .tasks import task_for
+
+
+def quant_settings(cfg: Config, pipeline: str) -> dict:
+    """Everything a quantized result depends on besides the float model and the val set: the options, the
+    calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
+    a classifier), and the training transform where it sees training-transform images."""
+    options = pipeline_options(cfg, pipeline)
+    settings = {"options": dataclasses.asdict(options) if options is not None else {}}
+    reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
+    if reads_batch:
+        settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
+                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
+        if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
+            settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
+    if sees_training_transform(cfg, pipeline):
+        settings["train_transform"] = training_data(cfg)
+    return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
+
+
+def sees_training_transform(cfg: Config, pipeline: str) -> bool:
+    """Whether `pipeline` calibrates or trains on training-transform images (of an image classifier)."""
+    if task_for(cfg.data.dataset).language:
+        return False
+    return PIPELINES[pipeline].draws_training_images or (
+        reads_calibration_batch(pipeline, False) and cfg.quant.calib_transform == "train")
+
+
+def training_data(cfg: Config) -> dict:
+    """The training split and its transform: what training-transform images depend on besides their seed."""
+    return {"split": cfg.data.train_split, **train_transform_settings(cfg.data)}
+
