@@ -4,8 +4,9 @@
     if results.plan("repq", "w4a4", settings, recompute=False):
         ... results.add("repq", "w4a4", entry); results.save()
 
-* identity: what the numbers are numbers of (model, checkpoint and its kind, weights fingerprint, raw/EMA, data).
-  A file with another identity is refused, e.g. when best.pt has changed since it was evaluated.
+* identity: what the numbers are numbers of (model, checkpoint and its kind, weights fingerprint, raw/EMA, data,
+  and for a folder data set the names of its val images). A file with another identity is refused, e.g. when
+  best.pt has changed since it was evaluated, or the val folder was exported again with other images.
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
@@ -42,6 +43,9 @@ EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
 # device, its batches drawn on the model's device), not what is computed: results with other values are alike
 PLACEMENT_OPTIONS = ("cache_device",)
 
+
+# identity fields added after result files were first written: a file without one takes it (see _read)
+LATER_FIELDS = ("checkpoint_kind", "val_names")
 
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation
@@ -92,7 +96,7 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
     of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
     quantized entry both hold, the kind of checkpoint scored (of run files: best.pt, checkpoint.pt, a snapshot, a
-    file set aside); None when alike."""
+    file set aside) and the names of the val images where both record them; None when alike."""
     for key in EVALUATION_KEYS:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
@@ -106,6 +110,12 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     if None not in (x, y) and "weights" not in (x, y) and x != y:
         return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
                                              "run (each one's best.pt, or each one's checkpoint.pt)", False)
+    # the same root, split and image count, other image names (a val folder exported again between two
+    # evaluations); results written before the names were recorded have none and are not compared
+    x, y = a.get("val_names"), b.get("val_names")
+    if None not in (x, y) and x != y:
+        return Difference("val_names", f"{x[:12]}... vs {y[:12]}...: other val images under the same "
+                                       "data.root", False)
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
     # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
     x, y = extra_modules(a), extra_modules(b)
@@ -253,15 +263,18 @@ def _read(path: str, identity: dict) -> dict:
                            f"move it away or give --out another file") from None
     # every file evaluate.py writes holds 'quant' and its identity's fields: a JSON object with none of them was
     # written by something else, and its lack of every field is no 'other evaluation' (checkpoint_kind: see below)
-    recorded = any(k in data for k in identity if k != "checkpoint_kind") if isinstance(data, dict) else False
+    recorded = any(k in data for k in identity if k not in LATER_FIELDS) if isinstance(data, dict) else False
     if not recorded or not isinstance(data.get("quant"), dict) or not all(
             isinstance(entries, dict) for entries in data["quant"].values()):
         raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
                            f"away or give --out another file")
-    # a file written before the checkpoint's kind was recorded: the kind follows from its checkpoint path, which is
-    # compared, so the file is of this evaluation and takes the field
-    if "checkpoint_kind" in identity and "checkpoint_kind" not in data:
-        data["checkpoint_kind"] = identity["checkpoint_kind"]
+    # a file written before a field was recorded takes it. The checkpoint's kind follows from its path, which is
+    # compared. The val images' names cannot be checked: such a file is taken as of the images its root, split
+    # and image count (compared) hold now, as before the names were recorded; refusing it would refuse every
+    # result file of a folder data set written until then
+    for key in LATER_FIELDS:
+        if key in identity and key not in data:
+            data[key] = identity[key]
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
@@ -309,7 +322,8 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
     for path, result in zip(paths, results):
         if result.get("fingerprint") is None:  # detection results, and files written before fingerprints
             continue
-        key = (result["fingerprint"], json.dumps(_plain({k: result.get(k) for k in EVALUATION_KEYS}), sort_keys=True))
+        evaluation = {k: result.get(k) for k in (*EVALUATION_KEYS, "val_names")}  # other val images: not alike
+        key = (result["fingerprint"], json.dumps(_plain(evaluation), sort_keys=True))
         if key in evaluations:
             raise ResultsError(f"{evaluations[key]} and {path} hold results of the same weights evaluated alike "
                                "(a copied file, or two --out files of one checkpoint): each would be a row or "

@@ -192,6 +192,48 @@ def test_a_resume_on_other_images_of_the_same_classes_is_refused_and_a_moved_cop
     assert run.state.step == 2
 
 
+def test_a_result_file_of_other_val_images_under_the_same_root_is_refused_and_an_older_one_takes_their_names(
+        debug_config, tmp_path):
+    """evaluate.py named a folder data set by its root, split and image count: a val folder exported again at the
+    same path with as many other images had its results added to those of the old images."""
+    import hashlib
+    import evaluate
+    from engine.eval_results import ResultsError, evaluation_difference, read_result_files
+    from tests.test_data import make_image_folder
+    make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
+    out = tmp_path / "e.json"
+    score = lambda: evaluate.main(evaluate.parse_args(
+        ["--checkpoint", str(tmp_path / "c" / "best.pt"), "--quant", "quant.act_max_csv=false",
+         f"data.root={tmp_path / 'a'}", "--out", str(out)]))
+    score()
+    names = "\n".join(f"{c}/{i}.png" for c in ("cat", "dog") for i in range(4))  # relative to val/, sorted
+    first = json.loads(out.read_text())
+    assert first["val_names"] == hashlib.sha256(names.encode()).hexdigest() and first["images"] == 8
+    os.rename(tmp_path / "a" / "val" / "dog" / "3.png", tmp_path / "a" / "val" / "dog" / "7.png")  # as many images
+    before = out.read_bytes()
+    with pytest.raises(ResultsError, match=r"holds results of another evaluation \(val_names: '[0-9a-f]{64}' in the "
+                                           r"file, '[0-9a-f]{64}' now\)"):
+        score()
+    assert out.read_bytes() == before
+    # a file written before the names were recorded is taken as of the images there now, and records them
+    out.write_text(json.dumps({k: v for k, v in first.items() if k != "val_names"}))
+    score()
+    renamed = "\n".join(sorted(f"{c}/{i}.png" for c in ("cat", "dog") for i in (0, 1, 2, 3 if c == "cat" else 7)))
+    assert json.loads(out.read_text())["val_names"] == hashlib.sha256(renamed.encode()).hexdigest()
+    # seeds averaged into one row: other names under one root differ; a result without them is not compared
+    second = json.loads(out.read_text())
+    assert evaluation_difference(first, second).what == "val_names"
+    assert evaluation_difference({k: v for k, v in first.items() if k != "val_names"}, second) is None
+    # the same weights scored on the old and the new images are two evaluations, not a copied file
+    (tmp_path / "old.json").write_text(json.dumps(first))
+    assert len(read_result_files([str(tmp_path / "old.json"), str(out)])) == 2
+    (tmp_path / "copy.json").write_text(json.dumps(second))
+    with pytest.raises(ResultsError, match="hold results of the same weights evaluated alike"):
+        read_result_files([str(tmp_path / "copy.json"), str(out)])
+
+
 def test_optimizer_state_of_parameters_the_model_lacks_is_refused_naming_them():
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     old = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=0.1)
