@@ -4,7 +4,8 @@ r"""Welch's t-test of the quantization gap between two points of a language-mode
 
 A run's gap is its quantized minus its fp32 perplexity (eval_best.json), the number of lm_study.py's
 activation-bit table. For every (pipeline, bits) that each chosen run of both points was evaluated at, it prints
-one markdown row: each point's mean ± sample std, the relative change of the means, Welch's t (first point minus
+one markdown row: each point's mean ± sample std, the change of the means (second minus first, and relative to the
+first: of gaps near zero, +100 % may be a few thousandths), Welch's t (first point minus
 second, unequal variances), its Welch-Satterthwaite degrees of freedom and the two-sided p-value (scipy's t
 distribution; scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that only some of the
 chosen runs were evaluated at are named below the table, not tested. Nothing is corrected for multiple
@@ -73,7 +74,8 @@ def report(a: list[Run], b: list[Run]) -> str:
     for pipeline, bits in sorted(shared - set(capped)):
         ga, gb = ([quantization_gap(r, pipeline, bits) for r in runs] for runs in (a, b))
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
-        change = f"{(mean_b / mean_a - 1) * 100:+.0f} %" if mean_a else "-"
+        # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing
+        change = f"{mean_b - mean_a:+.3f}" + (f" ({(mean_b / mean_a - 1) * 100:+.0f} %)" if mean_a else "")
         test = welch(ga, gb)
         tested = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
         lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.3f} ± {statistics.stdev(ga):.3f} | "

@@ -50,7 +50,7 @@ def test_rows_match_scipy_on_gaps_computed_here(sweep):
     cells = row(report, "rtn W4A16")
     assert cells[1] == f"{sum(base) / 3:.3f} ± {stats.tstd(base):.3f}"
     assert cells[2] == f"{sum(cd) / 3:.3f} ± {stats.tstd(cd):.3f}"
-    assert cells[3] == f"{(sum(cd) / sum(base) - 1) * 100:+.0f} %"
+    assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.3f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
     assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
     assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
     assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
