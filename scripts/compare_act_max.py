@@ -7,8 +7,8 @@ and prints a markdown table. Each CSV is read with the result file evaluate.py w
 for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
 evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
 checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike
-in what sets the float maxima (data, image count, raw or EMA weights, autocast, the kind of a run's checkpoint
-(model.pretrained weights, no file of a run, are drawn beside any), the modules counted
+in what sets the float maxima (data, image count, the val images' names, raw or EMA weights, autocast, the kind
+of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside any), the modules counted
 (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
 engine/eval_results.first_difference), and a method
 evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
@@ -40,9 +40,10 @@ from engine.result_table import check_seed_group, dagger_note, evaluated_otherwi
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
 # shows a setting's effect as the method's (and on the kind of checkpoint: one method's best.pt beside another's
-# checkpoint.pt compares weights of other updates). The model is not: models are compared on purpose, under method
-# names the user chooses
-FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model") + ("checkpoint_kind",)
+# checkpoint.pt compares weights of other updates; and on the val images' names where both record them: a val folder
+# exported again at the same path holds other images). The model is not: models are compared on purpose, under
+# method names the user chooses
+FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model") + ("checkpoint_kind", "val_names")
 
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:

@@ -25,8 +25,9 @@ Layouts:
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
               bit-width found. The data set of a result is the last folder name of its data.root
               (datasets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
-              on the same data (root, split, transform, image count), and all entries with the same kind
-              of weights (raw or EMA), autocast and kind of checkpoint: results evaluated otherwise are refused.
+              on the same data (root, split, transform, image count, the val images' names), and all entries
+              with the same kind of weights (raw or EMA), autocast and kind of checkpoint: results evaluated
+              otherwise are refused.
 """
 from __future__ import annotations
 
@@ -58,9 +59,11 @@ def dataset_of(result: dict) -> str:
 
 
 # what must match for entries to share the fine-tuning layout: a data set's row compares its methods on the same
-# val images seen the same way; the whole table (its Average) uses one kind of weights (raw or EMA), autocast and
-# kind of checkpoint (every method's best.pt, or every one's checkpoint.pt: weights of the same point of training)
-ROW_KEYS = ("data", "images")
+# val images seen the same way (val_names: their names, compared where both results record them: a val folder
+# exported again at the same path holds other images); the whole table (its Average) uses one kind of weights (raw
+# or EMA), autocast and kind of checkpoint (every method's best.pt, or every one's checkpoint.pt: weights of the
+# same point of training)
+ROW_KEYS = ("data", "images", "val_names")
 TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
 
 

@@ -295,3 +295,20 @@ def test_maxima_over_other_extra_modules_are_refused(tmp_path):
     rows = compare.main([f"a={tmp_path}/a_s*_act_max.csv", f"b={tmp_path}/b_s*_act_max.csv",
                          "--out", str(tmp_path / "cmp")])
     assert [(r["method"], r["block_mean"]) for r in rows] == [("a", 1.5), ("b", 5.0)]
+
+
+def test_methods_measured_on_other_val_images_under_the_same_root_are_refused(tmp_path):
+    """Two methods' maxima measured on a val folder exported again at the same path with as many other images
+    were drawn side by side as measured alike (val_names was not among the float settings compared); a result
+    that records no names (an older file) is not compared on them."""
+    compare = load()
+    write(tmp_path / "a_s0_act_max.csv", run_rows([1.0], [1.0], [1.0]), val_names="a" * 64)
+    write(tmp_path / "b_s0_act_max.csv", run_rows([5.0], [1.0], [1.0]), checkpoint="b.pt", val_names="b" * 64)
+    methods = [f"a={tmp_path}/a_s0_act_max.csv", f"b={tmp_path}/b_s0_act_max.csv"]
+    with pytest.raises(SystemExit, match=r"were measured differently \(val_names: aaaaaaaaaaaa\.\.\. vs "
+                                         r"bbbbbbbbbbbb\.\.\.: other val images"):
+        compare.main([*methods, "--out", str(tmp_path / "cmp")])
+    assert not os.path.exists(tmp_path / "cmp.csv")
+    write(tmp_path / "b_s0_act_max.csv", run_rows([5.0], [1.0], [1.0]), checkpoint="b.pt")  # records no names
+    rows = compare.main([*methods, "--out", str(tmp_path / "cmp")])
+    assert [(r["method"], r["block_mean"]) for r in rows] == [("a", 1.0), ("b", 5.0)]

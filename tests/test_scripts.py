@@ -483,6 +483,20 @@ def test_finetune_layout_checks_every_data_sets_row_not_only_the_first():
         paper_table.finetune_table(results)
 
 
+def test_finetune_layout_refuses_a_row_scored_on_other_val_images_under_the_same_root():
+    """A data set's val folder exported again at the same path with as many other images between two methods'
+    evaluations: the row compared their numbers as of one val set (val_names was not among its keys). A result
+    that records no names (written before they were recorded) is not compared on them."""
+    results = [dict(_finetune_result("pets", method, 95.0, 94.0), val_names=names)
+               for method, names in (("Baseline", "a" * 64), ("CD", "b" * 64))]
+    with pytest.raises(ValueError, match=r"pets/Baseline and pets/CD were evaluated differently \(val_names: "
+                                         r"aaaaaaaaaaaa\.\.\. vs bbbbbbbbbbbb\.\.\.: other val images"):
+        paper_table.finetune_table(results)
+    assert "| Pets |" in paper_table.finetune_table([results[0], dict(results[1], val_names="a" * 64)])
+    older = {k: v for k, v in results[1].items() if k != "val_names"}
+    assert "| Pets |" in paper_table.finetune_table([results[0], older])
+
+
 def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
     runs = sweep.expand(path, ["model.pretrained=/w/in21k.safetensors"])
