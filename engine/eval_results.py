@@ -318,17 +318,20 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
     results = [read_result_file(path, detection=detection) for path in paths]
     # the same weights evaluated alike: the quantized entries may differ (each file's own pipelines or settings),
     # the rest is one evaluation; other data, EMA weights or autocast make another result, kept
-    evaluations: dict[tuple, str] = {}
+    evaluations: dict[tuple, list[tuple[str, Optional[str]]]] = {}
     for path, result in zip(paths, results):
         if result.get("fingerprint") is None:  # detection results, and files written before fingerprints
             continue
-        evaluation = {k: result.get(k) for k in (*EVALUATION_KEYS, "val_names")}  # other val images: not alike
-        key = (result["fingerprint"], json.dumps(_plain(evaluation), sort_keys=True))
-        if key in evaluations:
-            raise ResultsError(f"{evaluations[key]} and {path} hold results of the same weights evaluated alike "
+        key = (result["fingerprint"], json.dumps(_plain({k: result.get(k) for k in EVALUATION_KEYS}), sort_keys=True))
+        # other val images (val_names) are another evaluation where both record them, as evaluation_difference
+        # compares them: a copy made before its original took the names (a later evaluate.py call) is still a copy
+        names = result.get("val_names")
+        alike = next((p for p, n in evaluations.get(key, []) if None in (n, names) or n == names), None)
+        if alike is not None:
+            raise ResultsError(f"{alike} and {path} hold results of the same weights evaluated alike "
                                "(a copied file, or two --out files of one checkpoint): each would be a row or "
                                "circle of its own; give one (evaluate.py adds every pipeline to one file)")
-        evaluations[key] = path
+        evaluations.setdefault(key, []).append((path, names))
     return results
 
 

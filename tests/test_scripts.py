@@ -433,6 +433,24 @@ def test_one_weights_file_evaluated_on_other_data_is_two_rows_not_a_copy(tmp_pat
         paper_table.main([*files, str(tmp_path / "copy.json")])
 
 
+def test_a_copy_made_before_its_original_recorded_the_val_names_is_still_a_copy(tmp_path):
+    """A result file copied, then its original given one more pipeline by evaluate.py (which has it take the val
+    images' names): the copy without names and the original with them were two rows of one evaluation. Other names
+    in both are two evaluations."""
+    result = dict(_finetune_result("pets", "CD", 95.0, 94.0), fingerprint="same")
+    (tmp_path / "copy.json").write_text(json.dumps(result))
+    (tmp_path / "original.json").write_text(json.dumps(dict(result, val_names="a" * 64)))
+    files = [str(tmp_path / "copy.json"), str(tmp_path / "original.json")]
+    with pytest.raises(SystemExit, match="copy.json and .*original.json hold results of the same weights evaluated "
+                                         "alike"):
+        paper_table.main(files)
+    (tmp_path / "copy.json").write_text(json.dumps(dict(result, val_names="b" * 64)))  # another export of pets/val
+    assert len(paper_table.main(files).splitlines()) == 4
+    (tmp_path / "third.json").write_text(json.dumps(result))  # alike both: named with the first
+    with pytest.raises(SystemExit, match="copy.json and .*third.json hold results of the same weights"):
+        paper_table.main([*files, str(tmp_path / "third.json")])
+
+
 @pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
                                         (lambda r: r["fp"].update(top1=None), "fp.top1"),
                                         (lambda r: r["fp"].update(top1=True), "fp.top1"),  # JSON true: no number
