@@ -11,6 +11,7 @@ dose_report.py build their tables with the same marks and checks.
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional
 
 from configs import Config
@@ -236,7 +237,7 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
     --amp: its row is marked for those."""
     found = [changed] if (changed := model_kwargs_changed(result)) else []
     split = (result.get("data") or {}).get("val_split", "val")
-    if split != "val":
+    if os.path.normpath(str(split)) != "val":  # 'val/' or './val' (find_split joins it onto data.root) is 'val'
         found.append(f"data.val_split={split!r}")
     if result.get("eval_amp", "none") != "none":
         found.append(f"--amp {result['eval_amp']}")

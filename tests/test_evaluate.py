@@ -479,6 +479,15 @@ def test_seeds_are_compared_pairwise_not_only_with_the_first():
         result_table.markdown_table([result(0), result(1, 10), result(2, 20)], over_seeds=True)
 
 
+@pytest.mark.parametrize("split, marked", [("val/", False), ("./val", False), ("val//", False), ("train/", True),
+                                           ("validation", True)])
+def test_a_val_split_spelled_with_a_trailing_slash_is_not_marked_as_another_split(split, marked):
+    """data.val_split='val/' names the same folder as 'val' (data/folder.find_split joins it onto data.root): its
+    row was marked † as evaluated on another split than the validation split."""
+    result = {"data": {"dataset": "folder", "val_split": split}}
+    assert result_table.evaluated_otherwise(result) == (f"data.val_split={split!r}" if marked else None)
+
+
 def test_table_marks_a_result_scored_on_another_split_or_under_an_autocast():
     """The paper's numbers are validation accuracies in fp32: a result scored with data.val_split=train (the training
     images) or under --amp reads as one unless marked. Its row is marked † with a note naming the setting, also in
