@@ -1,0 +1,126 @@
+"""docs/extending.md stays true: its example pipeline runs as written and quantizes what it says (checked against
+per-tensor min/max rounding computed here by hand on the float model's weights and on the inputs its layers see),
+and every pipeline of the registry is listed in the places the guide names (config schema, table column)."""
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+
+from configs import Config, load_config
+from configs.quant import FirstLastOptions
+from configs.schema import QuantConfig
+from data import calibration_images
+from engine.result_table import PAPER_NAMES
+from models import build_model
+from quant import PIPELINES, evaluate_quantized
+from quant.layers import QuantConv2d, QuantLinear
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+GUIDE = os.path.join(ROOT, "docs", "extending.md")
+
+
+def guide_text() -> str:
+    with open(GUIDE) as f:
+        return f.read()
+
+
+def example_namespace() -> dict:
+    """The names the guide's example block defines, after running it as a user would paste it."""
+    section = guide_text().split("### A minimal pipeline", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    assert len(blocks) == 1, "the section shows one example"
+    namespace = {"__name__": "extending_example"}
+    exec(compile(blocks[0], GUIDE, "exec"), namespace)
+    return namespace
+
+
+def min_max_reference(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """x rounded to the nearest of 2^bits levels spanning its own [min, max] (symmetric: [-max|x|, max|x|] on the
+    signed codes, zero point 0), written out from the definition of uniform quantization."""
+    x = x.detach().double()
+    if symmetric:
+        scale = x.abs().max() / (2 ** (bits - 1) - 1)
+        return (torch.round(x / scale).clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1) * scale).float()
+    lo, hi = x.min(), x.max()
+    scale = (hi - lo) / (2 ** bits - 1)
+    zero = torch.round(-lo / scale)
+    return ((torch.round(x / scale) + zero).clamp(0, 2 ** bits - 1) - zero).mul(scale).float()
+
+
+@pytest.fixture(scope="module")
+def debug_model_and_batch():
+    """The debug config's float model (eval mode) and 8 calibration images of its synthetic training split."""
+    cfg = load_config([DEBUG_CONFIG], [])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    calib = calibration_images(cfg.data, 32, cfg.model.num_classes, 8, cfg.quant.calib_seed)
+    return model, calib
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_guides_example_pipeline_rounds_every_weight_and_input_on_its_own_min_max(
+        symmetric, debug_model_and_batch, monkeypatch):
+    fp, calib = debug_model_and_batch
+    example = example_namespace()
+    pipeline = example["MinMaxPipeline"]()
+    monkeypatch.setitem(PIPELINES, pipeline.name, pipeline)  # the guide's registry step
+    before = {k: v.clone() for k, v in fp.state_dict().items()}
+    scored = {}
+
+    def eval_fn(model):
+        scored["model"] = model
+        with torch.no_grad():
+            return {"logit_change": (model(calib) - fp(calib)).abs().max().item()}
+
+    entry = evaluate_quantized("minmax", fp, calib, "w4a8", eval_fn, {"symmetric": symmetric})
+    qmodel = scored["model"]
+    assert entry["report"]["bits"] == "w4a8" and entry["report"]["calibration_images"] == 8
+    assert entry["report"]["options"]["symmetric"] is symmetric
+    assert entry["logit_change"] > 0 and {"seconds", "quantize_seconds", "eval_seconds"} <= set(entry)
+    assert all(torch.equal(before[k], v) for k, v in fp.state_dict().items())  # the float model is untouched
+
+    layers = {n: m for n, m in qmodel.named_modules() if isinstance(m, (QuantLinear, QuantConv2d))}
+    # stem, 2 blocks x (qkv, proj, fc1, fc2), head: every Linear / Conv2d of the two-block ViT
+    assert len(layers) == 10 and sum(isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for m in fp.modules()) == 10
+    float_weights = dict(fp.named_parameters())
+    inputs = {}
+    hooks = [m.input_quantizer.register_forward_pre_hook(lambda mod, args, n=n: inputs.setdefault(n, args[0]))
+             for n, m in layers.items()]
+    with torch.no_grad():
+        qmodel(calib)  # the quantizers are frozen: each sees again the input it was calibrated on
+    for hook in hooks:
+        hook.remove()
+    for name, layer in layers.items():
+        assert layer.weight_quantizer.bits == 4 and layer.input_quantizer.bits == 8, name
+        want = min_max_reference(float_weights[f"{name}.weight"], 4, symmetric)
+        torch.testing.assert_close(layer.quantized_weight(), want, rtol=0, atol=1e-6, msg=name)
+        seen = inputs[name]
+        torch.testing.assert_close(layer.input_quantizer(seen), min_max_reference(seen, 8, symmetric),
+                                   rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_guides_example_options_carry_the_stem_and_head_bits():
+    """pipeline_report and standard_layout read `resolved(bits)`: the guide's options derive from FirstLastOptions."""
+    options = example_namespace()["MinMaxOptions"]
+    assert issubclass(options, FirstLastOptions) and dataclasses.is_dataclass(options)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_every_pipeline_is_listed_where_the_guide_says(name):
+    """Items 3 to 5 of the guide's list: a QuantConfig section of the pipeline's own options under its name (else
+    evaluate.py has no options for it and quant.first_last does not reach it), the registry key, a table column."""
+    pipeline = PIPELINES[name]
+    assert pipeline.name == name
+    sections = {f.name for f in dataclasses.fields(QuantConfig)}
+    assert name in sections, f"configs/schema.py QuantConfig has no section {name}"
+    assert type(getattr(Config().quant, name)) is pipeline.Options
+    assert name in PAPER_NAMES, f"engine/result_table.py PAPER_NAMES has no column for {name}"
+
+
+def test_the_guides_list_names_the_places_the_test_checks():
+    text = guide_text().split("### Where a pipeline is listed", 1)[1].split("\n### ", 1)[0]
+    for place in ("`configs/schema.py`", "`QuantConfig`", "`quant/registry.py`", "`PIPELINES`",
+                  "`engine/result_table.py`", "`PAPER_NAMES`", "`configs/quant.py`"):
+        assert place in text, place
