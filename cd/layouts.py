@@ -12,7 +12,8 @@ torchvision's ViT and Swin). A model with names of its own passes its layouts ex
 
 The layouts given are the layouts tried, in their order, and no others: a block under built-in names that the
 user's list leaves out is not paired, and a refusal names exactly the layouts that were tried. There is no registry
-to add to; the argument is the one place that says which layouts a run uses.
+to add to at run time; the argument is the one place that says which layouts a run uses (train.py passes none:
+its runs use `LAYOUTS`, so a fork training blocks of its own names with train.py adds their Layout to that tuple).
 
 A Layout is checked when it is made (`Layout.__post_init__`): a malformed one is refused then, naming the field,
 not later as a model with no pair.

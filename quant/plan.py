@@ -38,7 +38,12 @@ DEFAULT_PIPELINES = {"classification": ["percentile", "repq"],
 def evaluation_pipelines(cfg: Config) -> list[str]:
     """The pipelines an evaluation of `cfg` runs: quant.pipelines, or the task's own (DEFAULT_PIPELINES)."""
     if cfg.quant.pipelines is None:
-        return list(DEFAULT_PIPELINES[task_for(cfg.data.dataset).name])
+        task = task_for(cfg.data.dataset).name
+        if task not in DEFAULT_PIPELINES:  # a task a fork added without its default pipelines (docs/extending.md)
+            raise ConfigError(f"quant.pipelines: the {task} task has no default pipelines (quant/plan.py "
+                              f"DEFAULT_PIPELINES); name the pipelines to run, e.g. --quant "
+                              f"{' '.join(n for n, p in PIPELINES.items() if task in p.tasks) or '<pipeline>'}")
+        return list(DEFAULT_PIPELINES[task])
     return list(cfg.quant.pipelines)
 
 
@@ -52,6 +57,11 @@ def planned(cfg: Config) -> list[tuple[str, str]]:
 def pipeline_options(cfg: Config, pipeline: str):
     """The pipeline's `quant.<pipeline>` options with the `quant.first_last` preset applied."""
     options = getattr(cfg.quant, pipeline, None)
+    if options is None and pipeline in PIPELINES:  # registered without its config section: a fork's omission
+        raise TypeError(f"the {pipeline} pipeline (quant/registry.py PIPELINES) has no options section in the config "
+                        f"schema: add `{pipeline}: {PIPELINES[pipeline].Options.__name__} = field(default_factory="
+                        f"{PIPELINES[pipeline].Options.__name__})` to QuantConfig in configs/schema.py "
+                        f"(docs/extending.md, 'Where a pipeline is listed')")
     return with_first_last(options, cfg.quant.first_last) if options is not None else None
 
 

@@ -124,3 +124,32 @@ def test_the_guides_list_names_the_places_the_test_checks():
     for place in ("`configs/schema.py`", "`QuantConfig`", "`quant/registry.py`", "`PIPELINES`",
                   "`engine/result_table.py`", "`PAPER_NAMES`", "`configs/quant.py`"):
         assert place in text, place
+
+
+def test_a_pipeline_registered_without_its_config_section_is_named_with_the_fix(monkeypatch):
+    """The guide's step 3 forgotten: pipeline_options had returned None and the layout failed later with
+    "'NoneType' object has no attribute 'symmetric'"."""
+    from quant import plan
+
+    pipeline = example_namespace()["MinMaxPipeline"]()
+    monkeypatch.setitem(PIPELINES, "minmax", pipeline)
+    with pytest.raises(TypeError, match=r"the minmax pipeline .* has no options section in the config schema: add "
+                                        r"`minmax: MinMaxOptions = field\(default_factory=MinMaxOptions\)` to "
+                                        r"QuantConfig in configs/schema.py"):
+        plan.pipeline_options(Config(), "minmax")
+    assert plan.pipeline_options(Config(), "repq") == Config().quant.repq  # a listed one: its section
+
+
+def test_a_task_without_default_pipelines_asks_for_them_by_name(monkeypatch):
+    """A task added without its DEFAULT_PIPELINES entry (the guide's task step 5) ended an evaluation without
+    --quant in a KeyError; now one error naming the pipelines that take the task."""
+    from configs import ConfigError
+    from quant import plan
+
+    monkeypatch.delitem(plan.DEFAULT_PIPELINES, "classification")
+    takes = [name for name in PIPELINES if "classification" in PIPELINES[name].tasks]
+    assert {"percentile", "repq", "aphq", "gplq"} <= set(takes)
+    with pytest.raises(ConfigError, match=r"^quant.pipelines: the classification task has no default pipelines "
+                                          r"\(quant/plan.py DEFAULT_PIPELINES\); name the pipelines to run, e.g. "
+                                          rf"--quant {' '.join(takes)}$"):
+        plan.evaluation_pipelines(Config())
