@@ -281,8 +281,11 @@ def _read(path: str, identity: dict) -> dict:
         # under another autocast alone, the file's own --amp adds to it (scripts/sweep.py: its --eval-amp)
         same_amp = (f", or --amp {data['eval_amp']} to add to it" if differs == ["eval_amp"]
                     and isinstance(data.get("eval_amp"), str) else "")
-        raise ResultsError(f"{path} holds results of another evaluation ({detail}); "
-                           f"give --out another file{same_amp}")
+        fix = f"give --out another file{same_amp}"
+        if differs == ["val_names"]:  # the val folder exported again: a sweep names --out itself, setting aside works
+            fix = ("the val split holds other images now than those its results are of: move the file away to score "
+                   "them into a new one, or give --out another file")
+        raise ResultsError(f"{path} holds results of another evaluation ({detail}); {fix}")
     data.setdefault("quant", {})
     return data
 

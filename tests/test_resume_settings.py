@@ -214,7 +214,9 @@ def test_a_result_file_of_other_val_images_under_the_same_root_is_refused_and_an
     os.rename(tmp_path / "a" / "val" / "dog" / "3.png", tmp_path / "a" / "val" / "dog" / "7.png")  # as many images
     before = out.read_bytes()
     with pytest.raises(ResultsError, match=r"holds results of another evaluation \(val_names: '[0-9a-f]{64}' in the "
-                                           r"file, '[0-9a-f]{64}' now\)"):
+                                           r"file, '[0-9a-f]{64}' now\); the val split holds other images now than "
+                                           r"those its results are of: move the file away to score them into a new "
+                                           r"one, or give --out another file$"):
         score()
     assert out.read_bytes() == before
     # a file written before the names were recorded is taken as of the images there now, and records them
