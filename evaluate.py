@@ -48,7 +48,8 @@ from configs.cli import OneLineParser, add_config_arguments, move_overrides, par
 from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
 from configs.schema import TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
-                  calibration_images, calibration_windows, dataset_classes)
+                  calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
+                  val_fingerprint)
 from data.folder import ClassCountError, check_same_classes, folder_fingerprint
 from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
@@ -103,6 +104,8 @@ def main(args: argparse.Namespace) -> dict:
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
         img_size = input_size(model)  # a language model: its context in tokens
         val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
+        if dist.distributed:  # each rank scores its shard of its own copy of the val split: one split for all
+            check_same_data_on_every_rank(cfg.data, val_fingerprint(cfg.data, val_loader.dataset), device, dist.rank)
         def open_results() -> tuple[EvalResults, list]:
             results = EvalResults.open(out, identity(cfg, args, model, val_loader.dataset))
             if cfg.quant.act_max_csv:

@@ -42,7 +42,8 @@ from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError, get_key
-from data import DataError, build_loaders, build_token_loaders, calibration_window_count
+from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
+                  check_same_data_on_every_rank)
 from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
@@ -220,6 +221,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     loaders = build_data(cfg, model, dist, task)
+    check_same_data_on_every_rank(cfg.data, loaders.fingerprint, device, dist.rank)  # a node's copy may differ
     # what the run's evaluation can draw from the training split: its images, or a language model's windows
     check_evaluation_fits(cfg, model, task, calibration_window_count(cfg.data, input_size(model)) if task.language
                           else len(loaders.train.loader.dataset))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from configs.constraints import loader_timeout_problem
 from configs.schema import LOADER_TIMEOUT_S, DataConfig
+from engine.distributed import same_on_every_rank
 from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed
@@ -28,7 +29,8 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split, folder_fingerprint, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
-from .text import TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_files_fingerprint, token_stream
+from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_file_fingerprint,
+                   token_files_fingerprint, token_stream)
 from .transforms import build_transform
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,35 @@ def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, ev
         fingerprint = {cfg.train_split: folder_fingerprint(train_set), cfg.val_split: folder_fingerprint(val_set)}
     val = _eval_loader(cfg, val_set, eval_batch_size_per_gpu, rank, world_size)
     return Loaders(train=train, val=val, mixup=mixup, classes=classes, fingerprint=fingerprint)
+
+
+def val_fingerprint(cfg: DataConfig, val_set) -> Optional[dict]:
+    """The val split's part of `Loaders.fingerprint` for a val loader built on its own (evaluate.py): the images of
+    a folder data set, the file of a token one; None for the embedded data sets, the same wherever they run."""
+    if cfg.dataset == "folder":
+        return {cfg.val_split: folder_fingerprint(val_set)}
+    if cfg.dataset == "tokens":
+        return {f"{cfg.val_split}.bin": token_file_fingerprint(cfg, "val")}
+    return None
+
+
+def check_same_data_on_every_rank(cfg: DataConfig, fingerprint: Optional[dict], device: torch.device,
+                                  rank: int) -> None:
+    """A DataError on every rank when the ranks read other data under data.root (`fingerprint`: per split, what
+    `Loaders.fingerprint` holds): a node's copy that is incomplete or of another export would train or score other
+    images than the others' without a word, or, of another size, give its rank another number of batches, which
+    leaves the ranks waiting for each other. One collective per split; nothing without a process group or for
+    the embedded data sets (None)."""
+    if fingerprint is None:
+        return
+    differ = [split for split in sorted(fingerprint) if not same_on_every_rank(fingerprint[split], device)]
+    if differ:
+        found = "; ".join(f"{split}: " + ", ".join(f"{k} {str(v)[:16]}" for k, v in (fingerprint[split] or {}).items())
+                          for split in differ)
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise DataError(f"the processes read other data under data.root={cfg.root}: {' and '.join(differ)} {verb} "
+                        f"between ranks (a node's copy incomplete, or of another export); rank {rank} finds {found}: "
+                        f"give every node the same copy")
 
 
 def dataset_classes(cfg: DataConfig, dataset) -> Optional[list]:

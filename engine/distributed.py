@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import io
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -126,6 +128,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=ops[op])
     return tensor
+
+
+def same_on_every_rank(value: Any, device: torch.device) -> bool:
+    """Whether `value` (JSON-able) is the same on every rank: one all-reduce of a 56-bit digest of its JSON and of
+    its negation (the maximum of both is the maximum and minus the minimum: equal on every rank exactly when they
+    agree). True without a process group."""
+    text = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogateescape")
+    digest = int.from_bytes(hashlib.sha256(text).digest()[:7], "big")  # 56 bits: exact in int64, NCCL and gloo alike
+    both = all_reduce(torch.tensor([digest, -digest], dtype=torch.int64, device=device), op="max")
+    return int(both[0]) == -int(both[1])
 
 
 def barrier() -> None:

@@ -1,0 +1,82 @@
+"""Ranks that read other data under one data.root (a node-local copy, incomplete or of another export) are refused
+on every rank, naming the split, before train.py trains or evaluate.py scores; copies of the same images at other
+paths go on. Each rank's data.root is its own here, as each node's would be."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from dist_utils import as_torchrun_rank, free_port, spawn_ranks
+from tests.conftest import DEBUG_CONFIG
+from tests.test_data import make_image_folder
+
+FOLDER = ["data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=2",
+          "train.eval_batch_size_per_gpu=2", "log.tensorboard=false"]
+
+
+def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) -> None:
+    """Each case (name, entry point, argv of rank 0, argv of rank 1) in a group of its own on its own port; the
+    rank's outcome ("ok", "") or (error type, message) saved as <name>_rank<r>.pt."""
+    import evaluate
+    import train
+    from configs import load_config
+
+    for port, (name, entry, argvs) in zip(ports, cases):
+        as_torchrun_rank(rank, world, port)
+        try:
+            if entry == "train":
+                train.main(load_config([DEBUG_CONFIG], argvs[rank]))
+            else:
+                evaluate.main(evaluate.parse_args(argvs[rank]))
+            outcome = ("ok", "")
+        except (evaluate.OtherRankError, *evaluate.USER_ERRORS) as e:
+            outcome = (type(e).__name__, str(e))
+        torch.save(outcome, os.path.join(work, f"{name}_rank{rank}.pt"))
+    os._exit(0)  # a failed case's other rank may have left already: no group teardown together
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    """{case: [rank 0's outcome, rank 1's]} with rank 0 on folder a and rank 1 on: b, a copy of a whose val split
+    has one image renamed (as many images, other names); c, a plain copy of a at another path."""
+    import train
+    from configs import load_config
+
+    work = tmp_path_factory.mktemp("ranks")
+    make_image_folder(work / "a", per_class=4)
+    shutil.copytree(work / "a", work / "b")
+    os.rename(work / "b" / "val" / "dog" / "3.png", work / "b" / "val" / "dog" / "9.png")
+    shutil.copytree(work / "a", work / "c")
+    torch.set_num_threads(1)
+    train.main(load_config([DEBUG_CONFIG], [*FOLDER, f"data.root={work / 'a'}", f"out_dir={work / 'trained'}",
+                                            "train.max_steps=1"]))
+    best = str(work / "trained" / "best.pt")
+    run = lambda name, other: [[*FOLDER, f"data.root={work / root}", f"out_dir={work / name}", "train.max_steps=1"]
+                               for root in ("a", other)]
+    score = lambda name, other: [["--checkpoint", best, "--quant", "quant.act_max_csv=false", f"data.root={work / root}",
+                                  "--out", str(work / f"{name}.json")] for root in ("a", other)]
+    cases = [("train_other", "train", run("train_other", "b")), ("train_copy", "train", run("train_copy", "c")),
+             ("eval_other", "evaluate", score("eval_other", "b")), ("eval_copy", "evaluate", score("eval_copy", "c"))]
+    spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
+    return {name: [torch.load(work / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+            for name, _, _ in cases} | {"work": work}
+
+
+@pytest.mark.parametrize("case", ["train_other", "eval_other"])
+def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_split(outcomes, case):
+    work = outcomes["work"]
+    for rank, (kind, message) in enumerate(outcomes[case]):
+        assert kind == "DataError", message
+        assert message.startswith(f"the processes read other data under data.root={work / ('a', 'b')[rank]}: val "
+                                  f"differs between ranks"), message
+        assert f"rank {rank} finds val: images 8, names_sha256 " in message and "train:" not in message
+    # nothing was trained or scored: no checkpoint, no result file
+    assert not os.path.exists(work / "train_other" / "checkpoint.pt") and not os.path.exists(work / "eval_other.json")
+
+
+@pytest.mark.parametrize("case", ["train_copy", "eval_copy"])
+def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
+    assert outcomes[case] == [("ok", ""), ("ok", "")]
