@@ -204,9 +204,9 @@ def check_same_data_on_every_rank(cfg: DataConfig, fingerprint: Optional[dict], 
                                   rank: int) -> None:
     """A DataError on every rank when the ranks read other data under data.root (`fingerprint`: per split, what
     `Loaders.fingerprint` holds): a node's copy that is incomplete or of another export would train or score other
-    images than the others' without a word, or, of another size, give its rank another number of batches, which
-    leaves the ranks waiting for each other. One collective per split; nothing without a process group or for
-    the embedded data sets (None)."""
+    images than the others' without a word, or, of another size, give its rank another number of batches per
+    epoch than the others (whose collectives then no longer pair up). One collective per split (without a process
+    group, a comparison with itself); nothing for the embedded data sets (None), the same on every node."""
     if fingerprint is None:
         return
     differ = [split for split in sorted(fingerprint) if not same_on_every_rank(fingerprint[split], device)]
