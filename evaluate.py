@@ -57,7 +57,7 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, process_group, raise_on_every_rank,
-                                run_on_main)
+                                run_on_main, same_on_every_rank)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
@@ -99,6 +99,8 @@ def main(args: argparse.Namespace) -> dict:
 
         model = load_float_model(cfg, payload, args)
         model.to(device).eval()
+        if dist.distributed:  # each rank read the weights from its own node's copy of the file
+            check_same_weights_on_every_rank(model, args.checkpoint or cfg.model.pretrained, device, dist.rank)
         task = task_for(cfg.data.dataset)
         check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
@@ -291,6 +293,16 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                               f"values, e.g. {'; '.join(bad[:3])}; nothing was evaluated or written: "
                               f"evaluate an earlier checkpoint of the run")
     return model
+
+
+def check_same_weights_on_every_rank(model: torch.nn.Module, weights: str, device: torch.device, rank: int) -> None:
+    """A CheckpointError on every rank when the ranks loaded other weights (a node's copy of the checkpoint of
+    another update, or half copied): they would score their shards of the val set with other models, and the
+    result file name rank 0's. One all-reduce of the weights' fingerprint."""
+    fingerprint = weights_fingerprint(model.state_dict())
+    if not same_on_every_rank(fingerprint, device):
+        raise CheckpointError(f"the processes loaded other weights from {weights}: rank {rank} holds weights "
+                              f"{fingerprint}, another rank others; give every node the same file")
 
 
 def check_hub_weights_fit(cfg: Config) -> None:

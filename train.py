@@ -57,7 +57,7 @@ from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
-from engine.snapshots import keep_abandoned_checkpoint, keep_snapshot, resume_source
+from engine.snapshots import check_same_start_on_every_rank, keep_abandoned_checkpoint, keep_snapshot, resume_source
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes, validation_changes)
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
@@ -104,6 +104,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     run_started = time.perf_counter()
     setup_process(cfg, dist)
     resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
+    if dist.distributed:  # each rank looked on its own node
+        check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank)
     run = build_run(cfg, dist, resumed=resume_path is not None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)

@@ -9,6 +9,8 @@
 * Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
   `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
   a copy where the file system has no hard links). The run never deletes or replaces one.
+* Every rank finds its resume source itself (out_dir may be a node's own disk by mistake):
+  `check_same_start_on_every_rank` refuses ranks that would start from other points.
 * A latest checkpoint that cannot be resumed (zero bytes, truncated, a best.pt copied over it) is a
   CheckpointError naming the file, its size, what is wrong and the command that continues from the last
   snapshot.
@@ -29,8 +31,8 @@ import torch
 
 from models.modules import nonfinite_tensors
 
-from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file
-from .distributed import raise_on_every_rank
+from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
+from .distributed import raise_on_every_rank, same_on_every_rank
 from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,23 @@ def unusable(path: str, problem: str) -> CheckpointError:
               f"them); move {path} away and start afresh with train.archive_existing=true, or continue "
               f"from another checkpoint with train.resume=PATH")
     return CheckpointError(f"cannot resume from {path} ({os.path.getsize(path)} bytes): {problem}; {way_on}")
+
+
+def check_same_start_on_every_rank(out_dir: str, path: Optional[str], payload: Optional[dict],
+                                   device: torch.device, rank: int) -> None:
+    """A CheckpointError on every rank when the ranks found other resume sources (`resume_source` on each):
+    an out_dir on each node's own disk holds checkpoint.pt on rank 0's node only, and the other nodes' ranks would
+    start afresh beside ranks that resume (other optimizer state, schedule and sample order under one set of
+    weights, without a word). Compared: the update and the weights' fingerprint; one all-reduce."""
+    start = None if payload is None else {"step": payload["state"]["step"],
+                                          "weights": weights_fingerprint(payload["model"])}
+    if same_on_every_rank(start, device):
+        return
+    found = (f"resumes from {path} at update {start['step']} (weights {start['weights']})" if start is not None
+             else f"finds no checkpoint.pt in out_dir={out_dir} and would start afresh")
+    raise CheckpointError(f"the processes would start from other points: rank {rank} {found}, another rank "
+                          f"otherwise; out_dir must be one folder that every node reads (a shared file system), "
+                          f"or train.resume=PATH the same checkpoint on every node")
 
 
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:

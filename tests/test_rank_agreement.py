@@ -1,6 +1,7 @@
-"""Ranks that read other data under one data.root (a node-local copy, incomplete or of another export) are refused
-on every rank, naming the split, before train.py trains or evaluate.py scores; copies of the same images at other
-paths go on. Each rank's data.root is its own here, as each node's would be."""
+"""What each rank reads from its own node must agree, or every rank stops before train.py trains or evaluate.py
+scores: the data under data.root (a copy incomplete or of another export: the split is named), the checkpoint a
+run resumes from (an out_dir on each node's own disk) and the weights evaluate.py loads; copies of the same files at
+other paths go on. Each rank's paths are its own here, as each node's would be."""
 from __future__ import annotations
 
 import os
@@ -41,7 +42,9 @@ def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) ->
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """{case: [rank 0's outcome, rank 1's]} with rank 0 on folder a and rank 1 on: b, a copy of a whose val split
-    has one image renamed (as many images, other names); c, a plain copy of a at another path."""
+    has one image renamed (as many images, other names); c, a plain copy of a at another path. Resume: rank 0's
+    out_dir holds a run's checkpoint.pt, rank 1's nothing. Weights: rank 1's copy of best.pt with one weight
+    changed, or the same bytes at another path."""
     import train
     from configs import load_config
 
@@ -54,12 +57,24 @@ def outcomes(tmp_path_factory) -> dict:
     train.main(load_config([DEBUG_CONFIG], [*FOLDER, f"data.root={work / 'a'}", f"out_dir={work / 'trained'}",
                                             "train.max_steps=1"]))
     best = str(work / "trained" / "best.pt")
+    payload = torch.load(best, weights_only=True)
+    os.makedirs(work / "node2")
+    shutil.copyfile(best, work / "node2" / "best.pt")
+    name = next(k for k, v in payload["model"].items() if v.is_floating_point())
+    payload["model"][name] = payload["model"][name] + 0.001  # a copy of another update
+    torch.save(payload, work / "node2" / "other.pt")
     run = lambda name, other: [[*FOLDER, f"data.root={work / root}", f"out_dir={work / name}", "train.max_steps=1"]
                                for root in ("a", other)]
-    score = lambda name, other: [["--checkpoint", best, "--quant", "quant.act_max_csv=false", f"data.root={work / root}",
-                                  "--out", str(work / f"{name}.json")] for root in ("a", other)]
+    score = lambda name, other, copy=best: [
+        ["--checkpoint", weights, "--quant", "quant.act_max_csv=false", f"data.root={work / root}", "--out",
+         str(work / f"{name}.json")] for root, weights in (("a", best), (other, copy))]
+    resume = [[*FOLDER, f"data.root={work / 'a'}", f"out_dir={work / out}", "train.max_steps=2"]
+              for out in ("trained", "empty")]
     cases = [("train_other", "train", run("train_other", "b")), ("train_copy", "train", run("train_copy", "c")),
-             ("eval_other", "evaluate", score("eval_other", "b")), ("eval_copy", "evaluate", score("eval_copy", "c"))]
+             ("train_start", "train", resume),
+             ("eval_other", "evaluate", score("eval_other", "b")),
+             ("eval_weights", "evaluate", score("eval_weights", "a", str(work / "node2" / "other.pt"))),
+             ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt")))]
     spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
     return {name: [torch.load(work / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
             for name, _, _ in cases} | {"work": work}
@@ -80,3 +95,26 @@ def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_s
 @pytest.mark.parametrize("case", ["train_copy", "eval_copy"])
 def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
     assert outcomes[case] == [("ok", ""), ("ok", "")]
+
+
+def test_ranks_that_would_resume_from_other_points_stop_naming_what_each_found(outcomes):
+    """An out_dir on each node's own disk: rank 0 finds the run's checkpoint.pt, rank 1 nothing. Each had gone on
+    from its own point (rank 1 afresh: other optimizer state, schedule and sample order) under one set of weights."""
+    work = outcomes["work"]
+    (kind0, first), (kind1, second) = outcomes["train_start"]
+    assert kind0 == kind1 == "CheckpointError", (first, second)
+    assert first.startswith(f"the processes would start from other points: rank 0 resumes from "
+                            f"{work / 'trained' / 'checkpoint.pt'} at update 1 (weights "), first
+    assert second.startswith(f"the processes would start from other points: rank 1 finds no checkpoint.pt in "
+                             f"out_dir={work / 'empty'} and would start afresh, another rank otherwise; out_dir must "
+                             f"be one folder that every node reads"), second
+    assert torch.load(work / "trained" / "checkpoint.pt", weights_only=True)["state"]["step"] == 1  # not trained on
+
+
+def test_ranks_that_loaded_other_weights_stop_before_scoring(outcomes):
+    work = outcomes["work"]
+    for rank, (kind, message) in enumerate(outcomes["eval_weights"]):
+        weights = (work / "trained" / "best.pt", work / "node2" / "other.pt")[rank]
+        assert kind == "CheckpointError", message
+        assert message.startswith(f"the processes loaded other weights from {weights}: rank {rank} holds weights "), message
+    assert not os.path.exists(work / "eval_weights.json")
