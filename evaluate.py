@@ -56,8 +56,8 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
                                weights_fingerprint)
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.distributed import (MainRankWait, OtherRankError, all_reduce, process_group, raise_on_every_rank,
-                                run_on_main, same_on_every_rank)
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_same_settings_on_every_rank,
+                                differing_between_ranks, process_group, raise_on_every_rank, run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
@@ -88,6 +88,9 @@ def main(args: argparse.Namespace) -> dict:
     wait = MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours), "quant.main_rank_wait_hours")
     with process_group(cfg.train.device, wait) as dist:
         device = dist.device
+        # the config as resolved (the overrides are in it), and the flags but the paths (a node's own copies)
+        flags = {k: v for k, v in vars(args).items() if k not in ("checkpoint", "config", "out", "overrides")}
+        check_same_settings_on_every_rank({**config_to_dict(cfg), "evaluate.py flags": flags}, device, dist.rank)
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)
         if os.path.basename(out) == EVAL_LOG:  # the log, opened first, would be the file the result is refused by
             raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
@@ -300,7 +303,7 @@ def check_same_weights_on_every_rank(model: torch.nn.Module, weights: str, devic
     another update, or half copied): they would score their shards of the val set with other models, and the
     result file name rank 0's. One all-reduce of the weights' fingerprint."""
     fingerprint = weights_fingerprint(model.state_dict())
-    if not same_on_every_rank(fingerprint, device):
+    if differing_between_ranks({"weights": fingerprint}, device):
         raise CheckpointError(f"the processes loaded other weights from {weights}: rank {rank} holds weights "
                               f"{fingerprint}, another rank others; give every node the same file")
 

@@ -48,7 +48,7 @@ from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
-from engine.distributed import DistInfo, OtherRankError, all_reduce, process_group
+from engine.distributed import DistInfo, OtherRankError, all_reduce, check_same_settings_on_every_rank, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
@@ -92,6 +92,7 @@ def main(cfg: Config) -> RunResult:
     # quant.* are the defaults of this run's evaluation (evaluate.py --checkpoint): refused now, not after training
     check_quant_plan(cfg)
     with process_group(cfg.train.device) as dist:
+        check_same_settings_on_every_rank(config_to_dict(cfg), dist.device, dist.rank)
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \

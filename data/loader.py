@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from configs.constraints import loader_timeout_problem
 from configs.schema import LOADER_TIMEOUT_S, DataConfig
-from engine.distributed import same_on_every_rank
+from engine.distributed import differing_between_ranks
 from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed
@@ -205,11 +205,11 @@ def check_same_data_on_every_rank(cfg: DataConfig, fingerprint: Optional[dict], 
     """A DataError on every rank when the ranks read other data under data.root (`fingerprint`: per split, what
     `Loaders.fingerprint` holds): a node's copy that is incomplete or of another export would train or score other
     images than the others' without a word, or, of another size, give its rank another number of batches per
-    epoch than the others (whose collectives then no longer pair up). One collective per split (without a process
-    group, a comparison with itself); nothing for the embedded data sets (None), the same on every node."""
+    epoch than the others (whose collectives then no longer pair up). One all-reduce (none without a process group);
+    nothing for the embedded data sets (None), the same on every node."""
     if fingerprint is None:
         return
-    differ = [split for split in sorted(fingerprint) if not same_on_every_rank(fingerprint[split], device)]
+    differ = differing_between_ranks({split: fingerprint[split] for split in sorted(fingerprint)}, device)
     if differ:
         found = "; ".join(f"{split}: " + ", ".join(f"{k} {str(v)[:16]}" for k, v in (fingerprint[split] or {}).items())
                           for split in differ)

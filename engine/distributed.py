@@ -17,7 +17,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -130,14 +130,36 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
-def same_on_every_rank(value: Any, device: torch.device) -> bool:
-    """Whether `value` (JSON-able) is the same on every rank: one all-reduce of a 56-bit digest of its JSON and of
-    its negation (the maximum of both is the maximum and minus the minimum: equal on every rank exactly when they
-    agree). True without a process group."""
-    text = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogateescape")
-    digest = int.from_bytes(hashlib.sha256(text).digest()[:7], "big")  # 56 bits: exact in int64, NCCL and gloo alike
-    both = all_reduce(torch.tensor([digest, -digest], dtype=torch.int64, device=device), op="max")
-    return int(both[0]) == -int(both[1])
+def differing_between_ranks(values: Mapping[str, Any], device: torch.device) -> list[str]:
+    """The keys of `values` whose value (JSON-able) is not the same on every rank, in the mapping's order; [] without
+    a process group. One all-reduce of each value's 56-bit digest and of its negation: the maximum of both is the
+    maximum and minus the minimum, equal exactly when every rank has that digest. Every rank passes the same keys in
+    the same order (e.g. a schema's sections, or the splits of a config already compared)."""
+    digests = [int.from_bytes(hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode(
+        "utf-8", "surrogateescape")).digest()[:7], "big") for value in values.values()]  # 56 bits: exact in int64
+    both = all_reduce(torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=device), op="max")
+    return [key for i, key in enumerate(values) if int(both[i]) != -int(both[len(digests) + i])]
+
+
+# settings that name where a file is, not what is computed: a node may reach its own copy by another path (whose
+# content train.py and evaluate.py compare across ranks where they read it: data, resume checkpoint, weights)
+PATH_SETTINGS = ("out_dir", "data.root", "train.resume", "model.pretrained")
+
+
+def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device, rank: int) -> None:
+    """A ConfigError on every rank when the ranks resolved other settings (`settings`: the resolved config by
+    section, and an entry point's own options), paths aside (PATH_SETTINGS): a node whose checkout holds other
+    config files, or that was given another command line, would train or score under other settings, or not meet
+    the others at the same collectives (another train.max_steps, another validation cadence). One all-reduce,
+    before anything is read or written."""
+    compared = {section: dict(value) if isinstance(value, Mapping) else value for section, value in settings.items()}
+    for dotted in PATH_SETTINGS:
+        section, _, key = dotted.rpartition(".")
+        (compared.get(section, {}) if section else compared).pop(key, None)
+    differ = differing_between_ranks(compared, device)
+    if differ:
+        raise ConfigError(f"the processes resolved other settings in {', '.join(differ)} (rank {rank} among them): "
+                          "give every node the same checkout of the configs and the same command line")
 
 
 def barrier() -> None:

@@ -32,7 +32,7 @@ import torch
 from models.modules import nonfinite_tensors
 
 from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
-from .distributed import raise_on_every_rank, same_on_every_rank
+from .distributed import differing_between_ranks, raise_on_every_rank
 from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def check_same_start_on_every_rank(out_dir: str, path: Optional[str], payload: O
     weights, without a word). Compared: the update and the weights' fingerprint; one all-reduce."""
     start = None if payload is None else {"step": payload["state"]["step"],
                                           "weights": weights_fingerprint(payload["model"])}
-    if same_on_every_rank(start, device):
+    if not differing_between_ranks({"start": start}, device):
         return
     found = (f"resumes from {path} at update {start['step']} (weights {start['weights']})" if start is not None
              else f"finds no checkpoint.pt in out_dir={out_dir} and would start afresh")

@@ -1,7 +1,7 @@
 """What each rank reads from its own node must agree, or every rank stops before train.py trains or evaluate.py
-scores: the data under data.root (a copy incomplete or of another export: the split is named), the checkpoint a
-run resumes from (an out_dir on each node's own disk) and the weights evaluate.py loads; copies of the same files at
-other paths go on. Each rank's paths are its own here, as each node's would be."""
+scores: the settings (paths aside), the data under data.root (a copy incomplete or of another export: the split is
+named), the checkpoint a run resumes from (an out_dir on each node's own disk) and the weights evaluate.py loads;
+copies of the same files at other paths go on. Each rank's paths are its own here, as each node's would be."""
 from __future__ import annotations
 
 import os
@@ -72,6 +72,9 @@ def outcomes(tmp_path_factory) -> dict:
               for out in ("trained", "empty")]
     cases = [("train_other", "train", run("train_other", "b")), ("train_copy", "train", run("train_copy", "c")),
              ("train_start", "train", resume),
+             ("train_settings", "train", [[*argv, f"train.max_steps={n}"] for argv, n in zip(run("s", "a"), (1, 2))]),
+             ("eval_settings", "evaluate", [[*argv, *amp] for argv, amp in zip(score("e", "a"),
+                                                                               ([], ["--amp", "bf16"]))]),
              ("eval_other", "evaluate", score("eval_other", "b")),
              ("eval_weights", "evaluate", score("eval_weights", "a", str(work / "node2" / "other.pt"))),
              ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt")))]
@@ -116,5 +119,15 @@ def test_ranks_that_loaded_other_weights_stop_before_scoring(outcomes):
     for rank, (kind, message) in enumerate(outcomes["eval_weights"]):
         weights = (work / "trained" / "best.pt", work / "node2" / "other.pt")[rank]
         assert kind == "CheckpointError", message
-        assert message.startswith(f"the processes loaded other weights from {weights}: rank {rank} holds weights "), message
+        assert message.startswith(f"the processes loaded other weights from {weights}: rank {rank} holds "), message
     assert not os.path.exists(work / "eval_weights.json")
+
+
+@pytest.mark.parametrize("case, section", [("train_settings", "train"), ("eval_settings", "evaluate.py flags")])
+def test_ranks_given_other_settings_stop_naming_the_section(outcomes, case, section):
+    """A node with another checkout of the configs or another command line (here train.max_steps, evaluate.py's
+    --amp): it would stop at another update, or score under another autocast. Paths may differ (the *_copy cases)."""
+    for rank, (kind, message) in enumerate(outcomes[case]):
+        assert (kind, message) == ("ConfigError", f"the processes resolved other settings in {section} (rank {rank} "
+                                                  "among them): give every node the same checkout of the configs "
+                                                  "and the same command line")
