@@ -236,8 +236,11 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
     A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
     --amp: its row is marked for those."""
     found = [changed] if (changed := model_kwargs_changed(result)) else []
-    split = (result.get("data") or {}).get("val_split", "val")
-    if os.path.normpath(str(split)) != "val":  # 'val/' or './val' (find_split joins it onto data.root) is 'val'
+    data = result.get("data") or {}
+    split, root = data.get("val_split", "val"), str(data.get("root") or "")
+    # find_split joins the split onto data.root: 'val/', './val' and data.root's own val folder by its full path
+    # name the validation split
+    if os.path.normpath(os.path.join(root, str(split))) != os.path.normpath(os.path.join(root, "val")):
         found.append(f"data.val_split={split!r}")
     if result.get("eval_amp", "none") != "none":
         found.append(f"--amp {result['eval_amp']}")

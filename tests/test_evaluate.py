@@ -480,11 +480,14 @@ def test_seeds_are_compared_pairwise_not_only_with_the_first():
 
 
 @pytest.mark.parametrize("split, marked", [("val/", False), ("./val", False), ("val//", False), ("train/", True),
-                                           ("validation", True)])
-def test_a_val_split_spelled_with_a_trailing_slash_is_not_marked_as_another_split(split, marked):
-    """data.val_split='val/' names the same folder as 'val' (data/folder.find_split joins it onto data.root): its
-    row was marked † as evaluated on another split than the validation split."""
-    result = {"data": {"dataset": "folder", "val_split": split}}
+                                           ("validation", True), ("/datasets/imagenet/val", False),
+                                           ("/datasets/imagenet/val/", False), ("/datasets/other/val", True),
+                                           ("/datasets/imagenet/train", True)])
+def test_a_val_split_spelled_with_a_trailing_slash_or_its_full_path_is_not_marked_as_another_split(split, marked):
+    """data.val_split='val/' names the same folder as 'val' (data/folder.find_split joins it onto data.root), and
+    so does data.root's val folder by its full path: its row was marked † as evaluated on another split than the
+    validation split."""
+    result = {"data": {"dataset": "folder", "root": "/datasets/imagenet", "val_split": split}}
     assert result_table.evaluated_otherwise(result) == (f"data.val_split={split!r}" if marked else None)
 
 
