@@ -45,7 +45,7 @@ PLACEMENT_OPTIONS = ("cache_device",)
 
 
 # identity fields added after result files were first written: a file without one takes it (see _read)
-LATER_FIELDS = ("checkpoint_kind", "val_names")
+LATER_FIELDS = ("checkpoint_kind", "val_names", "annotations_sha256")
 
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation
@@ -111,11 +111,12 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
         return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
                                              "run (each one's best.pt, or each one's checkpoint.pt)", False)
     # the same root, split and image count, other image names (a val folder exported again between two
-    # evaluations); results written before the names were recorded have none and are not compared
-    x, y = a.get("val_names"), b.get("val_names")
-    if None not in (x, y) and x != y:
-        return Difference("val_names", f"{x[:12]}... vs {y[:12]}...: other val images under the same "
-                                       "data.root", False)
+    # evaluations) or another annotation file's content (detection); results written before these were recorded
+    # have none and are not compared
+    for key, what in (("val_names", "other val images"), ("annotations_sha256", "other annotations")):
+        x, y = a.get(key), b.get(key)
+        if None not in (x, y) and x != y:
+            return Difference(key, f"{x[:12]}... vs {y[:12]}...: {what} under the same data.root", False)
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
     # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
     x, y = extra_modules(a), extra_modules(b)
@@ -269,9 +270,9 @@ def _read(path: str, identity: dict) -> dict:
         raise ResultsError(f"{path} exists but is not a result file of evaluate.py ({_shape(data)}); move it "
                            f"away or give --out another file")
     # a file written before a field was recorded takes it. The checkpoint's kind follows from its path, which is
-    # compared. The val images' names cannot be checked: such a file is taken as of the images its root, split
-    # and image count (compared) hold now, as before the names were recorded; refusing it would refuse every
-    # result file of a folder data set written until then
+    # compared. The val images' names (a detection result's annotation file's content) cannot be checked: such a
+    # file is taken as of the images its root, split and image count (compared) hold now, as before they were
+    # recorded; refusing it would refuse every result file of a folder (a COCO) data set written until then
     for key in LATER_FIELDS:
         if key in identity and key not in data:
             data[key] = identity[key]

@@ -124,6 +124,38 @@ def test_max_images_scores_a_marked_partial_set_in_its_own_file(sample, trained,
               "--out", str(out)])
 
 
+def test_a_result_file_of_other_annotations_at_the_same_path_is_refused_and_an_older_one_takes_their_hash(
+        sample, trained, tmp_path):
+    """The identity named the annotation file by its path: one edited at the same path (another export, a fixed
+    box) had its results added to those scored against the old ground truth."""
+    import hashlib
+    import shutil
+
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    root, out = tmp_path / "coco", tmp_path / "eval.json"
+    shutil.copytree(sample, root)
+    ann = root / "annotations" / "instances_val2017.json"
+    score = lambda: main(["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", str(root), "--quant",
+                          "--max-images", "2", "--out", str(out)])
+    score()
+    first = json.loads(out.read_text())
+    assert first["annotations_sha256"] == hashlib.sha256(ann.read_bytes()).hexdigest()  # by hand
+    original = ann.read_bytes()
+    coco = json.loads(original)
+    coco["annotations"][0]["bbox"][0] += 1.0  # a fixed box: the same images, other ground truth
+    ann.write_text(json.dumps(coco))
+    before = out.read_bytes()
+    with pytest.raises(ResultsError, match=r"another evaluation \(annotations_sha256: '[0-9a-f]{64}' in the file"):
+        score()
+    assert out.read_bytes() == before
+    # a file written before the hash was recorded is taken as of the annotations there now (it takes the hash at
+    # its next write; this call has nothing to add)
+    ann.write_bytes(original)
+    out.write_text(json.dumps({k: v for k, v in first.items() if k != "annotations_sha256"}))
+    assert score()["fp"] == first["fp"]
+
+
 def direct_bbox_map(sample, checkpoint):
     """Box mAP of the checkpoint by pycocotools' COCOeval on its own predictions, outside MMDetection's metric."""
     from pycocotools.coco import COCO
