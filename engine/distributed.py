@@ -130,15 +130,35 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+# the int64 slots of differing_between_ranks' all-reduce: one tensor of this fixed size on every rank, whatever
+# each passes, so that ranks running other versions of the code (another schema: other sections) still meet in
+# one all-reduce of one size (tensors of other sizes abort gloo's process, and leave NCCL's hanging)
+COMPARED_SLOTS = 64
+
+
+def digest(value: Any) -> int:
+    """A 56-bit digest of `value`'s JSON (keys sorted): exact in int64, positive, so that its negation is too."""
+    text = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+
+
 def differing_between_ranks(values: Mapping[str, Any], device: torch.device) -> list[str]:
     """The keys of `values` whose value (JSON-able) is not the same on every rank, in the mapping's order; [] without
-    a process group. One all-reduce of each value's 56-bit digest and of its negation: the maximum of both is the
-    maximum and minus the minimum, equal exactly when every rank has that digest. Every rank passes the same keys in
-    the same order (e.g. a schema's sections, or the splits of a config already compared)."""
-    digests = [int.from_bytes(hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode(
-        "utf-8", "surrogateescape")).digest()[:7], "big") for value in values.values()]  # 56 bits: exact in int64
+    a process group. One all-reduce of COMPARED_SLOTS digests and their negations: the keys' own (in order), then
+    each value's, zeros after; the maximum of a digest and of its negation are the maximum and minus the minimum,
+    equal exactly when every rank has that digest. Ranks that pass other keys (another version of the code) get a
+    ConfigError on every rank that says so."""
+    keys = list(values)
+    if len(keys) >= COMPARED_SLOTS:  # the same keys on every rank in any legitimate call: raised on each
+        raise ValueError(f"differing_between_ranks compares at most {COMPARED_SLOTS - 1} values, got {len(keys)}")
+    digests = [digest(keys)] + [digest(value) for value in values.values()]
+    digests += [0] * (COMPARED_SLOTS - len(digests))
     both = all_reduce(torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=device), op="max")
-    return [key for i, key in enumerate(values) if int(both[i]) != -int(both[len(digests) + i])]
+    differ = [i for i in range(COMPARED_SLOTS) if int(both[i]) != -int(both[COMPARED_SLOTS + i])]
+    if differ and differ[0] == 0:
+        raise ConfigError(f"the processes compare other items (rank {dist.get_rank()}: {', '.join(keys)}): the "
+                          "nodes run other versions of the code; give every node the same checkout")
+    return [keys[i - 1] for i in differ]
 
 
 # settings that name where a file is, not what is computed: a node may reach its own copy by another path (whose

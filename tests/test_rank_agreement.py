@@ -20,16 +20,21 @@ FOLDER = ["data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "t
 
 def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) -> None:
     """Each case (name, entry point, argv of rank 0, argv of rank 1) in a group of its own on its own port; the
-    rank's outcome ("ok", "") or (error type, message) saved as <name>_rank<r>.pt."""
+    rank's outcome ("ok", "") or (error type, message) saved as <name>_rank<r>.pt. Entry point "settings": the
+    "argv" is the settings each rank hands engine.distributed.check_same_settings_on_every_rank."""
     import evaluate
     import train
     from configs import load_config
+    from engine.distributed import check_same_settings_on_every_rank, process_group
 
     for port, (name, entry, argvs) in zip(ports, cases):
         as_torchrun_rank(rank, world, port)
         try:
             if entry == "train":
                 train.main(load_config([DEBUG_CONFIG], argvs[rank]))
+            elif entry == "settings":
+                with process_group("cpu") as group:
+                    check_same_settings_on_every_rank(argvs[rank], group.device, group.rank)
             else:
                 evaluate.main(evaluate.parse_args(argvs[rank]))
             outcome = ("ok", "")
@@ -77,7 +82,9 @@ def outcomes(tmp_path_factory) -> dict:
                                                                                ([], ["--amp", "bf16"]))]),
              ("eval_other", "evaluate", score("eval_other", "b")),
              ("eval_weights", "evaluate", score("eval_weights", "a", str(work / "node2" / "other.pt"))),
-             ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt")))]
+             ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt"))),
+             # rank 1 on a checkout whose schema has one section more
+             ("other_code", "settings", [{"model": {"name": "a"}}, {"model": {"name": "a"}, "new": {"key": 1}}])]
     spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
     return {name: [torch.load(work / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
             for name, _, _ in cases} | {"work": work}
@@ -131,3 +138,13 @@ def test_ranks_given_other_settings_stop_naming_the_section(outcomes, case, sect
         assert (kind, message) == ("ConfigError", f"the processes resolved other settings in {section} (rank {rank} "
                                                   "among them): give every node the same checkout of the configs "
                                                   "and the same command line")
+
+
+def test_ranks_of_other_versions_of_the_code_stop_naming_the_cause(outcomes):
+    """Another schema (a section more) gives the compared settings another number of items: a tensor of another
+    size in the all-reduce aborted gloo's processes (SIGABRT, no error line) and would leave NCCL's hanging."""
+    for rank, (kind, message) in enumerate(outcomes["other_code"]):
+        items = ("model", "model, new")[rank]
+        assert (kind, message) == ("ConfigError", f"the processes compare other items (rank {rank}: {items}): the "
+                                                  "nodes run other versions of the code; give every node the same "
+                                                  "checkout")
