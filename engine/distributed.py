@@ -164,16 +164,21 @@ def differing_between_ranks(values: Mapping[str, Any], device: torch.device) -> 
 # settings that name where a file is, not what is computed: a node may reach its own copy by another path (whose
 # content train.py and evaluate.py compare across ranks where they read it: data, resume checkpoint, weights)
 PATH_SETTINGS = ("out_dir", "data.root", "train.resume", "model.pretrained")
+# settings of a node's own resources, which no result depends on (data/samplers.py seeds each sample's augmentation
+# whatever the number of workers; the progress bar is the main rank's): a launch script may size them per node, e.g.
+# data.num_workers=$CPUS_PER_TASK on nodes with other CPU counts
+NODE_SETTINGS = ("data.num_workers", "data.pin_memory", "data.timeout", "log.progress")
 
 
 def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device, rank: int) -> None:
     """A ConfigError on every rank when the ranks resolved other settings (`settings`: the resolved config by
-    section, and an entry point's own options), paths aside (PATH_SETTINGS): a node whose checkout holds other
+    section, and an entry point's own options), paths and a node's resources aside (PATH_SETTINGS,
+    NODE_SETTINGS): a node whose checkout holds other
     config files, or that was given another command line, would train or score under other settings, or not meet
     the others at the same collectives (another train.max_steps, another validation cadence). One all-reduce,
     before anything is read or written."""
     compared = {section: dict(value) if isinstance(value, Mapping) else value for section, value in settings.items()}
-    for dotted in PATH_SETTINGS:
+    for dotted in PATH_SETTINGS + NODE_SETTINGS:
         section, _, key = dotted.rpartition(".")
         (compared.get(section, {}) if section else compared).pop(key, None)
     differ = differing_between_ranks(compared, device)

@@ -51,7 +51,7 @@ def outcomes(tmp_path_factory) -> dict:
     out_dir holds a run's checkpoint.pt, rank 1's nothing. Weights: rank 1's copy of best.pt with one weight
     changed, or the same bytes at another path."""
     import train
-    from configs import load_config
+    from configs import config_to_dict, load_config
 
     work = tmp_path_factory.mktemp("ranks")
     make_image_folder(work / "a", per_class=4)
@@ -83,6 +83,9 @@ def outcomes(tmp_path_factory) -> dict:
              ("eval_other", "evaluate", score("eval_other", "b")),
              ("eval_weights", "evaluate", score("eval_weights", "a", str(work / "node2" / "other.pt"))),
              ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt"))),
+             # rank 1 given its node's own loader workers, batch wait, page-locking and progress bar
+             ("node_settings", "settings", [config_to_dict(load_config([DEBUG_CONFIG], own)) for own in (
+                 [], ["data.num_workers=6", "data.timeout=60", "data.pin_memory=false", "log.progress=true"])]),
              # rank 1 on a checkout whose schema has one section more
              ("other_code", "settings", [{"model": {"name": "a"}}, {"model": {"name": "a"}, "new": {"key": 1}}])]
     spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
@@ -102,8 +105,10 @@ def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_s
     assert not os.path.exists(work / "train_other" / "checkpoint.pt") and not os.path.exists(work / "eval_other.json")
 
 
-@pytest.mark.parametrize("case", ["train_copy", "eval_copy"])
+@pytest.mark.parametrize("case", ["train_copy", "eval_copy", "node_settings"])
 def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
+    """... and so do ranks given their node's own loader workers, batch wait, page-locking and progress bar (no
+    result depends on them): a launch script may size them per node."""
     assert outcomes[case] == [("ok", ""), ("ok", "")]
 
 
