@@ -55,9 +55,10 @@ from data.text import ShortTextError, VocabularyError, token_file_fingerprint, t
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
+from engine.snapshots import check_same_weights_on_every_rank
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_same_settings_on_every_rank,
-                                differing_between_ranks, process_group, raise_on_every_rank, run_on_main)
+                                process_group, raise_on_every_rank, run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
@@ -296,16 +297,6 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                               f"values, e.g. {'; '.join(bad[:3])}; nothing was evaluated or written: "
                               f"evaluate an earlier checkpoint of the run")
     return model
-
-
-def check_same_weights_on_every_rank(model: torch.nn.Module, weights: str, device: torch.device, rank: int) -> None:
-    """A CheckpointError on every rank when the ranks loaded other weights (a node's copy of the checkpoint of
-    another update, or half copied): they would score their shards of the val set with other models, and the
-    result file name rank 0's. One all-reduce of the weights' fingerprint."""
-    fingerprint = weights_fingerprint(model.state_dict())
-    if differing_between_ranks({"weights": fingerprint}, device):
-        raise CheckpointError(f"the processes loaded other weights from {weights}: rank {rank} holds weights "
-                              f"{fingerprint}, another rank others; give every node the same file")
 
 
 def check_hub_weights_fit(cfg: Config) -> None:

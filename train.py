@@ -57,7 +57,8 @@ from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
-from engine.snapshots import check_same_start_on_every_rank, keep_abandoned_checkpoint, keep_snapshot, resume_source
+from engine.snapshots import (check_same_start_on_every_rank, check_same_weights_on_every_rank,
+                              keep_abandoned_checkpoint, keep_snapshot, resume_source)
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes, validation_changes)
 from engine.runinfo import describe_environment, exit_with_error, setup_logging
@@ -219,6 +220,10 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
+    if dist.distributed and not resumed:  # each rank read model.pretrained on its own node (or none: a path unset)
+        check_same_weights_on_every_rank(model if cfg.model.pretrained else None,
+                                         f"model.pretrained={cfg.model.pretrained}" if cfg.model.pretrained
+                                         else "model.pretrained", device, dist.rank)
     if not resumed:
         note_attention_change(cfg.model)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)

@@ -129,6 +129,23 @@ def check_same_start_on_every_rank(out_dir: str, path: Optional[str], payload: O
                           f"or train.resume=PATH the same checkpoint on every node")
 
 
+def check_same_weights_on_every_rank(model: Optional[torch.nn.Module], weights: str, device: torch.device,
+                                     rank: int) -> None:
+    """A CheckpointError on every rank when the ranks loaded other weights from their nodes' copies of `weights` (a
+    copy of another update, or half copied; `model` None: this rank loaded none, a random start): evaluate.py's
+    ranks would score their shards of the val set with other models under rank 0's name, and train.py's EMA would
+    start from each rank's own weights (DDP copies rank 0's into the model, not into the EMA made before it). One
+    all-reduce of the weights' fingerprint."""
+    fingerprint = None if model is None else weights_fingerprint(model.state_dict())
+    if not differing_between_ranks({"weights": fingerprint}, device):
+        return
+    if fingerprint is None:
+        raise CheckpointError(f"the processes start from other weights: rank {rank} loads none ({weights} unset: "
+                              f"random ones), another rank loads a file; give every node the same {weights}")
+    raise CheckpointError(f"the processes loaded other weights from {weights}: rank {rank} holds weights "
+                          f"{fingerprint}, another rank others; give every node the same file")
+
+
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
     """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
     own = os.path.join(out_dir, "checkpoint.pt")

@@ -1,6 +1,7 @@
 """What each rank reads from its own node must agree, or every rank stops before train.py trains or evaluate.py
 scores: the settings (paths aside), the data under data.root (a copy incomplete or of another export: the split is
-named), the checkpoint a run resumes from (an out_dir on each node's own disk) and the weights evaluate.py loads;
+named), the checkpoint a run resumes from (an out_dir on each node's own disk), the model.pretrained weights a run
+starts from and the weights evaluate.py loads;
 copies of the same files at other paths go on. Each rank's paths are its own here, as each node's would be."""
 from __future__ import annotations
 
@@ -75,7 +76,13 @@ def outcomes(tmp_path_factory) -> dict:
          str(work / f"{name}.json")] for root, weights in (("a", best), (other, copy))]
     resume = [[*FOLDER, f"data.root={work / 'a'}", f"out_dir={work / out}", "train.max_steps=2"]
               for out in ("trained", "empty")]
+    # a fresh start from model.pretrained: rank 1's node copy of best.pt (the same bytes, another update's, none)
+    tune = lambda name, copy: [[*argv, *pretrained] for argv, pretrained in zip(
+        run(name, "a"), ([f"model.pretrained={best}"], [f"model.pretrained={copy}"] if copy else []))]
     cases = [("train_other", "train", run("train_other", "b")), ("train_copy", "train", run("train_copy", "c")),
+             ("tune_copy", "train", tune("tune_copy", work / "node2" / "best.pt")),
+             ("tune_other", "train", tune("tune_other", work / "node2" / "other.pt")),
+             ("tune_unset", "train", tune("tune_unset", None)),
              ("train_start", "train", resume),
              ("train_settings", "train", [[*argv, f"train.max_steps={n}"] for argv, n in zip(run("s", "a"), (1, 2))]),
              ("eval_settings", "evaluate", [[*argv, *amp] for argv, amp in zip(score("e", "a"),
@@ -105,7 +112,7 @@ def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_s
     assert not os.path.exists(work / "train_other" / "checkpoint.pt") and not os.path.exists(work / "eval_other.json")
 
 
-@pytest.mark.parametrize("case", ["train_copy", "eval_copy", "node_settings"])
+@pytest.mark.parametrize("case", ["train_copy", "eval_copy", "tune_copy", "node_settings"])
 def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
     """... and so do ranks given their node's own loader workers, batch wait, page-locking and progress bar (no
     result depends on them): a launch script may size them per node."""
@@ -133,6 +140,26 @@ def test_ranks_that_loaded_other_weights_stop_before_scoring(outcomes):
         assert kind == "CheckpointError", message
         assert message.startswith(f"the processes loaded other weights from {weights}: rank {rank} holds "), message
     assert not os.path.exists(work / "eval_weights.json")
+
+
+def test_a_fresh_start_from_other_pretrained_weights_stops_every_rank(outcomes):
+    """Each rank loads model.pretrained from its own node: DDP would copy rank 0's weights into the others' models,
+    but not into the EMA each made before, and a rank given no model.pretrained (a path, not compared with the
+    settings) would start from random weights beside it."""
+    work = outcomes["work"]
+    for rank, (kind, message) in enumerate(outcomes["tune_other"]):
+        weights = (work / "trained" / "best.pt", work / "node2" / "other.pt")[rank]
+        assert kind == "CheckpointError", message
+        assert message.startswith(f"the processes loaded other weights from model.pretrained={weights}: rank {rank} "
+                                  f"holds weights "), message
+    (kind0, first), (kind1, second) = outcomes["tune_unset"]
+    assert kind0 == kind1 == "CheckpointError", (first, second)
+    assert first.startswith(f"the processes loaded other weights from model.pretrained={work / 'trained' / 'best.pt'}"
+                            f": rank 0 holds weights "), first
+    assert second == ("the processes start from other weights: rank 1 loads none (model.pretrained unset: random "
+                      "ones), another rank loads a file; give every node the same model.pretrained"), second
+    assert not os.path.exists(work / "tune_other" / "checkpoint.pt")
+    assert not os.path.exists(work / "tune_unset" / "checkpoint.pt")
 
 
 @pytest.mark.parametrize("case, section", [("train_settings", "train"), ("eval_settings", "evaluate.py flags")])
