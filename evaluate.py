@@ -57,8 +57,8 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_same_settings_on_every_rank,
-                                process_group, raise_on_every_rank, run_on_main)
+from engine.distributed import (SAME_SETTINGS_FIX, MainRankWait, OtherRankError, all_reduce,
+                                check_same_settings_on_every_rank, process_group, raise_on_every_rank, run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
@@ -91,7 +91,10 @@ def main(args: argparse.Namespace) -> dict:
         device = dist.device
         # the config as resolved (the overrides are in it), and the flags but the paths (a node's own copies)
         flags = {k: v for k, v in vars(args).items() if k not in ("checkpoint", "config", "out", "overrides")}
-        check_same_settings_on_every_rank({**config_to_dict(cfg), "evaluate.py flags": flags}, device, dist.rank)
+        check_same_settings_on_every_rank(  # a checkpoint's config is the base of its settings: a node's copy too
+            {**config_to_dict(cfg), "evaluate.py flags": flags}, device, dist.rank,
+            f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
+            if args.checkpoint else SAME_SETTINGS_FIX)
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)
         if os.path.basename(out) == EVAL_LOG:  # the log, opened first, would be the file the result is refused by
             raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "

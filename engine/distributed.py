@@ -170,13 +170,17 @@ PATH_SETTINGS = ("out_dir", "data.root", "train.resume", "model.pretrained")
 NODE_SETTINGS = ("data.num_workers", "data.pin_memory", "data.timeout", "log.progress")
 
 
-def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device, rank: int) -> None:
+SAME_SETTINGS_FIX = "give every node the same checkout of the configs and the same command line"
+
+
+def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device, rank: int,
+                                      fix: str = SAME_SETTINGS_FIX) -> None:
     """A ConfigError on every rank when the ranks resolved other settings (`settings`: the resolved config by
     section, and an entry point's own options), paths and a node's resources aside (PATH_SETTINGS,
     NODE_SETTINGS): a node whose checkout holds other
     config files, or that was given another command line, would train or score under other settings, or not meet
     the others at the same collectives (another train.max_steps, another validation cadence). One all-reduce,
-    before anything is read or written."""
+    before anything is read or written. `fix`: the error's advice (evaluate.py's settings hold its checkpoint's)."""
     compared = {section: dict(value) if isinstance(value, Mapping) else value for section, value in settings.items()}
     for dotted in PATH_SETTINGS + NODE_SETTINGS:
         section, _, key = dotted.rpartition(".")
@@ -184,7 +188,7 @@ def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch
     differ = differing_between_ranks(compared, device)
     if differ:
         raise ConfigError(f"the processes resolved other settings in {', '.join(differ)} (rank {rank} among them): "
-                          "give every node the same checkout of the configs and the same command line")
+                          f"{fix}")
 
 
 def barrier() -> None:

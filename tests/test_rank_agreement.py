@@ -69,6 +69,8 @@ def outcomes(tmp_path_factory) -> dict:
     name = next(k for k, v in payload["model"].items() if v.is_floating_point())
     payload["model"][name] = payload["model"][name] + 0.001  # a copy of another update
     torch.save(payload, work / "node2" / "other.pt")
+    payload["config"]["optim"]["lr"] = 0.123  # the best.pt of another run (another lr), at the same place
+    torch.save(payload, work / "node2" / "other_run.pt")
     run = lambda name, other: [[*FOLDER, f"data.root={work / root}", f"out_dir={work / name}", "train.max_steps=1"]
                                for root in ("a", other)]
     score = lambda name, other, copy=best: [
@@ -87,6 +89,7 @@ def outcomes(tmp_path_factory) -> dict:
              ("train_settings", "train", [[*argv, f"train.max_steps={n}"] for argv, n in zip(run("s", "a"), (1, 2))]),
              ("eval_settings", "evaluate", [[*argv, *amp] for argv, amp in zip(score("e", "a"),
                                                                                ([], ["--amp", "bf16"]))]),
+             ("eval_other_run", "evaluate", score("eval_other_run", "a", str(work / "node2" / "other_run.pt"))),
              ("eval_other", "evaluate", score("eval_other", "b")),
              ("eval_weights", "evaluate", score("eval_weights", "a", str(work / "node2" / "other.pt"))),
              ("eval_copy", "evaluate", score("eval_copy", "c", str(work / "node2" / "best.pt"))),
@@ -166,10 +169,12 @@ def test_a_fresh_start_from_other_pretrained_weights_stops_every_rank(outcomes):
 def test_ranks_given_other_settings_stop_naming_the_section(outcomes, case, section):
     """A node with another checkout of the configs or another command line (here train.max_steps, evaluate.py's
     --amp): it would stop at another update, or score under another autocast. Paths may differ (the *_copy cases)."""
+    checkpoint = (", and the same --checkpoint file (its config is the base of the settings)"
+                  if case == "eval_settings" else "")
     for rank, (kind, message) in enumerate(outcomes[case]):
         assert (kind, message) == ("ConfigError", f"the processes resolved other settings in {section} (rank {rank} "
                                                   "among them): give every node the same checkout of the configs "
-                                                  "and the same command line")
+                                                  f"and the same command line{checkpoint}")
 
 
 def test_ranks_of_other_versions_of_the_code_stop_naming_the_cause(outcomes):
@@ -180,3 +185,13 @@ def test_ranks_of_other_versions_of_the_code_stop_naming_the_cause(outcomes):
         assert (kind, message) == ("ConfigError", f"the processes compare other items (rank {rank}: {items}): the "
                                                   "nodes run other versions of the code; give every node the same "
                                                   "checkout")
+
+
+def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcomes):
+    """evaluate.py's settings are the checkpoint's config and the command line's: a node's copy of another run's
+    best.pt resolves other settings, and the advice names the checkpoint beside the configs and command line."""
+    for rank, (kind, message) in enumerate(outcomes["eval_other_run"]):
+        assert (kind, message) == ("ConfigError", f"the processes resolved other settings in optim (rank {rank} among "
+                                                  "them): give every node the same checkout of the configs and the "
+                                                  "same command line, and the same --checkpoint file (its config is "
+                                                  "the base of the settings)")
