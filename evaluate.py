@@ -58,7 +58,8 @@ from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import (SAME_SETTINGS_FIX, MainRankWait, OtherRankError, all_reduce,
-                                check_same_settings_on_every_rank, process_group, raise_on_every_rank, run_on_main)
+                                check_same_settings_on_every_rank, failure_on_every_rank, process_group,
+                                raise_on_every_rank, run_on_main)
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
@@ -104,15 +105,17 @@ def main(args: argparse.Namespace) -> dict:
         log.info("%s", describe_environment(dist))
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 
-        model = load_float_model(cfg, payload, args)
-        model.to(device).eval()
+        with failure_on_every_rank(device, "loading the weights"):  # each rank reads its own node's files
+            model = load_float_model(cfg, payload, args)
+            model.to(device).eval()
         if dist.distributed:  # each rank read the weights from its own node's copy of the file
             check_same_weights_on_every_rank(model, args.checkpoint or cfg.model.pretrained, device, dist.rank)
         task = task_for(cfg.data.dataset)
         check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
         img_size = input_size(model)  # a language model: its context in tokens
-        val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
+        with failure_on_every_rank(device, "reading the val split"):
+            val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
         if dist.distributed:  # each rank scores its shard of its own copy of the val split: one split for all
             check_same_data_on_every_rank(cfg.data, val_fingerprint(cfg.data, val_loader.dataset), device, dist.rank)
         def open_results() -> tuple[EvalResults, list]:

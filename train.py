@@ -48,7 +48,8 @@ from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
-from engine.distributed import DistInfo, OtherRankError, all_reduce, check_same_settings_on_every_rank, process_group
+from engine.distributed import (DistInfo, OtherRankError, all_reduce, check_same_settings_on_every_rank,
+                                failure_on_every_rank, process_group)
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
@@ -105,7 +106,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
     run_started = time.perf_counter()
     setup_process(cfg, dist)
-    resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
+    with failure_on_every_rank(dist.device, "finding the checkpoint to resume from"):  # on each node's disk
+        resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
     if dist.distributed:  # each rank looked on its own node
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank)
     run = build_run(cfg, dist, resumed=resume_path is not None)
@@ -219,7 +221,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     accum_steps = accumulation_steps(cfg, dist.world_size)
     task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
+    with failure_on_every_rank(device, "building the model (model.pretrained)"):
+        model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
     if dist.distributed and not resumed:  # each rank read model.pretrained on its own node (or none: a path unset)
         check_same_weights_on_every_rank(model if cfg.model.pretrained else None,
                                          f"model.pretrained={cfg.model.pretrained}" if cfg.model.pretrained
@@ -228,7 +231,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
         note_attention_change(cfg.model)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
-    loaders = build_data(cfg, model, dist, task)
+    with failure_on_every_rank(device, "reading the data under data.root"):
+        loaders = build_data(cfg, model, dist, task)
     check_same_data_on_every_rank(cfg.data, loaders.fingerprint, device, dist.rank)  # a node's copy may differ
     # what the run's evaluation can draw from the training split: its images, or a language model's windows
     check_evaluation_fits(cfg, model, task, calibration_window_count(cfg.data, input_size(model)) if task.language

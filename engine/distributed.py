@@ -205,6 +205,23 @@ def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
     raise_where_failed(error, bool(failed.item()), elsewhere)
 
 
+@contextlib.contextmanager
+def failure_on_every_rank(device: torch.device, what: str) -> Iterator[None]:
+    """Work every rank does on its own (reading its node's files) before a collective: an exception in it is raised
+    on that rank and an OtherRankError ("rank R: another rank failed <what>; its output says why") on the others,
+    after one all-reduce, instead of the others entering the next collective without it (gloo: a traceback when
+    its process ends; NCCL: a wait until the watchdog or torchrun ends them). Names the body assigns exist after the
+    block on the ranks where it succeeded, which are the only ones that go on."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise_on_every_rank(error, device, lambda: OtherRankError(f"rank {rank}: another rank failed {what}; its "
+                                                              f"output says why"))
+
+
 def raise_where_failed(error: Optional[BaseException], failed_anywhere: bool,
                        elsewhere: Callable[[], BaseException]) -> None:
     """The end of `raise_on_every_rank` for a flag carried in a collective the caller makes anyway (a window's

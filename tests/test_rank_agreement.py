@@ -96,6 +96,11 @@ def outcomes(tmp_path_factory) -> dict:
              # rank 1 given its node's own loader workers, batch wait, page-locking and progress bar
              ("node_settings", "settings", [config_to_dict(load_config([DEBUG_CONFIG], own)) for own in (
                  [], ["data.num_workers=6", "data.timeout=60", "data.pin_memory=false", "log.progress=true"])]),
+             # rank 1's node lacks a file: its error there, the others told so, where they had waited in a collective
+             ("train_no_data", "train", run("train_no_data", "missing")),
+             ("eval_no_data", "evaluate", score("eval_no_data", "missing")),
+             ("resume_missing", "train", [[*argv, f"train.resume={path}"] for argv, path in zip(
+                 run("resume_missing", "a"), (work / "trained" / "checkpoint.pt", work / "missing.pt"))]),
              # rank 1 on a checkout whose schema has one section more
              ("other_code", "settings", [{"model": {"name": "a"}}, {"model": {"name": "a"}, "new": {"key": 1}}])]
     spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
@@ -195,3 +200,15 @@ def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcom
                                                   "them): give every node the same checkout of the configs and the "
                                                   "same command line, and the same --checkpoint file (its config is "
                                                   "the base of the settings)")
+
+
+@pytest.mark.parametrize("case, what, error", [
+    ("train_no_data", "reading the data under data.root", ("DataError", "does not exist or is not a folder")),
+    ("eval_no_data", "reading the val split", ("DataError", "does not exist or is not a folder")),
+    ("resume_missing", "finding the checkpoint to resume from", ("CheckpointError", "missing.pt: no such file"))])
+def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_saying_so(outcomes, case, what, error):
+    """Rank 1's node lacks data.root or the train.resume file: it raised alone, and rank 0 went on into the next
+    collective (gloo: a traceback when rank 1's process ended; NCCL: a wait until the watchdog)."""
+    (kind0, first), (kind1, second) = outcomes[case]
+    assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
+    assert kind1 == error[0] and error[1] in second, second
