@@ -138,8 +138,19 @@ COMPARED_SLOTS = 64
 
 def digest(value: Any) -> int:
     """A 56-bit digest of `value`'s JSON (keys sorted): exact in int64, positive, so that its negation is too."""
-    text = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogateescape")
+    text = json.dumps(_text_keys(value), sort_keys=True, default=str).encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+
+
+def _text_keys(value: Any) -> Any:
+    """`value` with every mapping's keys as text, a key of another type tagged with it (1 -> "int:1", kept apart
+    from "1"): json.dumps cannot sort keys of mixed types (a YAML `model.kwargs: {1: 2, a: 3}`), which ended the
+    comparison with a TypeError before the setting's own one-line error."""
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else f"{type(k).__name__}:{k!r}": _text_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_text_keys(v) for v in value]
+    return value
 
 
 def differing_between_ranks(values: Mapping[str, Any], device: torch.device) -> list[str]:

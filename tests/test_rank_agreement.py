@@ -212,3 +212,24 @@ def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_say
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
     assert kind1 == error[0] and error[1] in second, second
+
+
+def test_settings_with_keys_of_mixed_types_are_compared():
+    """json.dumps cannot sort the keys of a mapping holding text and numbers (a YAML `model.kwargs: {1: 2, a: 3}`):
+    the comparison's digest raised TypeError. The digest is of the mapping, whatever the order of its items, and
+    tells the number 1 from the text "1"."""
+    from engine.distributed import digest
+
+    mixed = {"model": {"kwargs": {1: 2, "a": 3}}}
+    assert digest(mixed) == digest({"model": {"kwargs": {"a": 3, 1: 2}}})
+    assert digest(mixed) != digest({"model": {"kwargs": {"1": 2, "a": 3}}})
+
+
+def test_a_model_kwargs_with_a_number_as_key_is_refused_in_one_line(tmp_path, capsys):
+    """The setting's own error (timm takes keyword arguments by name), not a TypeError from the ranks' comparison
+    of the settings that comes first."""
+    from tests.conftest import run_entry
+
+    code, _, err = run_entry("train.py", ["model.kwargs={1: 2, a: 3}", f"out_dir={tmp_path / 'run'}"], capsys)
+    assert code == 1 and err.startswith("error: model 'vit_micro'") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("keywords must be strings"), err
