@@ -162,10 +162,14 @@ def differing_between_ranks(values: Mapping[str, Any], device: torch.device) -> 
     keys = list(values)
     if len(keys) >= COMPARED_SLOTS:  # the same keys on every rank in any legitimate call: raised on each
         raise ValueError(f"differing_between_ranks compares at most {COMPARED_SLOTS - 1} values, got {len(keys)}")
+    if world_size() == 1:  # one process: no hashing, nothing made on (or read back from) the device
+        return []
     digests = [digest(keys)] + [digest(value) for value in values.values()]
     digests += [0] * (COMPARED_SLOTS - len(digests))
-    both = all_reduce(torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=device), op="max")
-    differ = [i for i in range(COMPARED_SLOTS) if int(both[i]) != -int(both[COMPARED_SLOTS + i])]
+    # read back in one copy: an element at a time is a device sync each on CUDA
+    both = all_reduce(torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=device),
+                      op="max").tolist()
+    differ = [i for i in range(COMPARED_SLOTS) if both[i] != -both[COMPARED_SLOTS + i]]
     if differ and differ[0] == 0:
         raise ConfigError(f"the processes compare other items (rank {dist.get_rank()}: {', '.join(keys)}): the "
                           "nodes run other versions of the code; give every node the same checkout")
@@ -222,7 +226,11 @@ def failure_on_every_rank(device: torch.device, what: str) -> Iterator[None]:
     on that rank and an OtherRankError ("rank R: another rank failed <what>; its output says why") on the others,
     after one all-reduce, instead of the others entering the next collective without it (gloo: a traceback when
     its process ends; NCCL: a wait until the watchdog or torchrun ends them). Names the body assigns exist after the
-    block on the ranks where it succeeded, which are the only ones that go on."""
+    block on the ranks where it succeeded, which are the only ones that go on. In one process the body's error
+    passes as it is, with no collective and nothing made on the device (which may be what failed: a CUDA error)."""
+    if world_size() == 1:
+        yield
+        return
     error = None
     try:
         yield

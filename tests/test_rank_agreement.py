@@ -101,6 +101,11 @@ def outcomes(tmp_path_factory) -> dict:
              ("eval_no_data", "evaluate", score("eval_no_data", "missing")),
              ("resume_missing", "train", [[*argv, f"train.resume={path}"] for argv, path in zip(
                  run("resume_missing", "a"), (work / "trained" / "checkpoint.pt", work / "missing.pt"))]),
+             # a mapping with keys of mixed types (json.dumps cannot sort them): the same in another order, and
+             # the number 1 on one rank where the other has the text "1"
+             ("mixed_keys", "settings", [{"model": {"kwargs": kwargs}} for kwargs in ({1: 2, "a": 3}, {"a": 3, 1: 2})]),
+             ("mixed_keys_other", "settings", [{"model": {"kwargs": kwargs}} for kwargs in ({1: 2, "a": 3},
+                                                                                           {"1": 2, "a": 3})]),
              # rank 1 on a checkout whose schema has one section more
              ("other_code", "settings", [{"model": {"name": "a"}}, {"model": {"name": "a"}, "new": {"key": 1}}])]
     spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
@@ -233,3 +238,30 @@ def test_a_model_kwargs_with_a_number_as_key_is_refused_in_one_line(tmp_path, ca
     code, _, err = run_entry("train.py", ["model.kwargs={1: 2, a: 3}", f"out_dir={tmp_path / 'run'}"], capsys)
     assert code == 1 and err.startswith("error: model 'vit_micro'") and err.count("\n") == 1, err
     assert err.rstrip().endswith("keywords must be strings"), err
+
+
+def test_one_process_compares_nothing_and_passes_the_error_of_its_start_work_as_it_is():
+    """Without a process group there is no other rank: the checks make and read back nothing on the device (a
+    meta device, from which nothing can be read back, stands for one in a failed state), and an error in
+    `failure_on_every_rank`'s body reaches the caller unchanged instead of the error of the flag's read-back."""
+    from engine.distributed import check_same_settings_on_every_rank, differing_between_ranks, failure_on_every_rank
+
+    meta = torch.device("meta")
+    assert differing_between_ranks({"a": 1, "b": [2]}, meta) == []
+    check_same_settings_on_every_rank({"train": {"seed": 0}}, meta, 0)
+    with pytest.raises(ValueError, match="^the body's own$"):
+        with failure_on_every_rank(meta, "reading"):
+            raise ValueError("the body's own")
+    with failure_on_every_rank(meta, "reading"):
+        done = True
+    assert done
+
+
+def test_ranks_whose_mappings_differ_in_the_type_of_a_key_stop(outcomes):
+    """The number 1 and the text "1" as keys are other settings (a YAML `{1: x}` and `{'1': x}`); the same mapping
+    in another order is the same. json.dumps could not sort such keys: a TypeError on every rank."""
+    assert outcomes["mixed_keys"] == [("ok", ""), ("ok", "")]
+    for rank, (kind, message) in enumerate(outcomes["mixed_keys_other"]):
+        assert (kind, message) == ("ConfigError", f"the processes resolved other settings in model (rank {rank} "
+                                                  "among them): give every node the same checkout of the configs "
+                                                  "and the same command line")
