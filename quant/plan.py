@@ -40,9 +40,11 @@ def evaluation_pipelines(cfg: Config) -> list[str]:
     if cfg.quant.pipelines is None:
         task = task_for(cfg.data.dataset).name
         if task not in DEFAULT_PIPELINES:  # a task a fork added without its default pipelines (docs/extending.md)
+            # train.py and scripts/sweep.py reach this too: the setting first, evaluate.py's flag beside it
+            names = [n for n, p in PIPELINES.items() if task in p.tasks] or ["<pipeline>"]
             raise ConfigError(f"quant.pipelines: the {task} task has no default pipelines (quant/plan.py "
-                              f"DEFAULT_PIPELINES); name the pipelines to run, e.g. --quant "
-                              f"{' '.join(n for n, p in PIPELINES.items() if task in p.tasks) or '<pipeline>'}")
+                              f"DEFAULT_PIPELINES); name the pipelines to run, e.g. quant.pipelines=[{','.join(names)}]"
+                              f" (evaluate.py: --quant {' '.join(names)})")
         return list(DEFAULT_PIPELINES[task])
     return list(cfg.quant.pipelines)
 

@@ -142,7 +142,8 @@ def test_a_pipeline_registered_without_its_config_section_is_named_with_the_fix(
 
 def test_a_task_without_default_pipelines_asks_for_them_by_name(monkeypatch):
     """A task added without its DEFAULT_PIPELINES entry (the guide's task step 5) ended an evaluation without
-    --quant in a KeyError; now one error naming the pipelines that take the task."""
+    --quant in a KeyError; now one error naming the pipelines that take the task, as the setting (train.py and
+    scripts/sweep.py check the plan too, and have no --quant) and as evaluate.py's flag."""
     from configs import ConfigError
     from quant import plan
 
@@ -151,5 +152,9 @@ def test_a_task_without_default_pipelines_asks_for_them_by_name(monkeypatch):
     assert {"percentile", "repq", "aphq", "gplq"} <= set(takes)
     with pytest.raises(ConfigError, match=r"^quant.pipelines: the classification task has no default pipelines "
                                           r"\(quant/plan.py DEFAULT_PIPELINES\); name the pipelines to run, e.g. "
-                                          rf"--quant {' '.join(takes)}$"):
+                                          rf"quant.pipelines=\[{','.join(takes)}\] \(evaluate.py: --quant "
+                                          rf"{' '.join(takes)}\)$"):
         plan.evaluation_pipelines(Config())
+    # the setting the message names is one train.py takes, and it needs no default
+    assert load_config([], [f"quant.pipelines=[{','.join(takes)}]"]).quant.pipelines == takes
+    assert plan.evaluation_pipelines(load_config([], [f"quant.pipelines=[{','.join(takes)}]"])) == takes
