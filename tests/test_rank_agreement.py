@@ -265,3 +265,18 @@ def test_ranks_whose_mappings_differ_in_the_type_of_a_key_stop(outcomes):
         assert (kind, message) == ("ConfigError", f"the processes resolved other settings in model (rank {rank} "
                                                   "among them): give every node the same checkout of the configs "
                                                   "and the same command line")
+
+
+def test_operations_guide_quotes_what_each_rank_failed_as_the_entry_points_say_it():
+    """docs/operations.md lists the `another rank failed <what>` texts: each `failure_on_every_rank` block of
+    train.py and evaluate.py, in the words the error prints."""
+    import re
+
+    from tests.conftest import ROOT
+
+    read = lambda path: open(os.path.join(ROOT, path), encoding="utf-8").read()
+    guide = " ".join(read("docs/operations.md").split())
+    blocks = [what for path in ("train.py", "evaluate.py")
+              for what in re.findall(r'failure_on_every_rank\([^,]+, "([^"]+)"\)', read(path))]
+    assert len(blocks) == 5, blocks
+    assert [what for what in blocks if f"`{what}`" not in guide and f"failed {what};" not in guide] == []
