@@ -99,6 +99,9 @@ def outcomes(tmp_path_factory) -> dict:
              # rank 1's node lacks a file: its error there, the others told so, where they had waited in a collective
              ("train_no_data", "train", run("train_no_data", "missing")),
              ("eval_no_data", "evaluate", score("eval_no_data", "missing")),
+             # no node has it: each rank its own error, none told of another's
+             ("train_no_data_anywhere", "train", [[*FOLDER, f"data.root={work / 'missing'}",
+                                                   f"out_dir={work / 'nowhere'}", "train.max_steps=1"]] * 2),
              ("resume_missing", "train", [[*argv, f"train.resume={path}"] for argv, path in zip(
                  run("resume_missing", "a"), (work / "trained" / "checkpoint.pt", work / "missing.pt"))]),
              # a mapping with keys of mixed types (json.dumps cannot sort them): the same in another order, and
@@ -280,3 +283,9 @@ def test_operations_guide_quotes_what_each_rank_failed_as_the_entry_points_say_i
               for what in re.findall(r'failure_on_every_rank\([^,]+, "([^"]+)"\)', read(path))]
     assert len(blocks) == 5, blocks
     assert [what for what in blocks if f"`{what}`" not in guide and f"failed {what};" not in guide] == []
+
+
+def test_a_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
+    """failure_on_every_rank raises a rank's own error where the body failed, whatever the others did."""
+    for kind, message in outcomes["train_no_data_anywhere"]:
+        assert kind == "DataError" and "does not exist or is not a folder" in message, message
