@@ -143,7 +143,7 @@ def check_same_weights_on_every_rank(model: Optional[torch.nn.Module], weights: 
         raise CheckpointError(f"the processes start from other weights: rank {rank} loads none ({weights} unset: "
                               f"random ones), another rank loads a file; give every node the same {weights}")
     raise CheckpointError(f"the processes loaded other weights from {weights}: rank {rank} holds weights "
-                          f"{fingerprint}, another rank others; give every node the same file")
+                          f"{fingerprint}, another rank other weights or none; give every node the same file")
 
 
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
