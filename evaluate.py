@@ -100,8 +100,9 @@ def main(args: argparse.Namespace) -> dict:
         if os.path.basename(out) == EVAL_LOG:  # the log, opened first, would be the file the result is refused by
             raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
                               f"the result another name (e.g. eval.json)")
-        prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # the default: beside the checkpoint
-        setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename=EVAL_LOG)
+        with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
+            prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
+            setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename=EVAL_LOG)
         log.info("%s", describe_environment(dist))
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 

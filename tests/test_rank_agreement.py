@@ -59,6 +59,7 @@ def outcomes(tmp_path_factory) -> dict:
     shutil.copytree(work / "a", work / "b")
     os.rename(work / "b" / "val" / "dog" / "3.png", work / "b" / "val" / "dog" / "9.png")
     shutil.copytree(work / "a", work / "c")
+    (work / "a_file").write_text("a file where rank 1 would make --out's folder")
     torch.set_num_threads(1)
     train.main(load_config([DEBUG_CONFIG], [*FOLDER, f"data.root={work / 'a'}", f"out_dir={work / 'trained'}",
                                             "train.max_steps=1"]))
@@ -99,6 +100,9 @@ def outcomes(tmp_path_factory) -> dict:
              # rank 1's node lacks a file: its error there, the others told so, where they had waited in a collective
              ("train_no_data", "train", run("train_no_data", "missing")),
              ("eval_no_data", "evaluate", score("eval_no_data", "missing")),
+             # rank 1's --out lies under a file (a node where that path is not a folder): its folder cannot be made
+             ("eval_no_out", "evaluate", [argv[:-1] + [out] for argv, out in zip(
+                 score("eval_no_out", "a"), (str(work / "eval_no_out.json"), str(work / "a_file" / "e.json")))]),
              # no node has it: each rank its own error, none told of another's
              ("train_no_data_anywhere", "train", [[*FOLDER, f"data.root={work / 'missing'}",
                                                    f"out_dir={work / 'nowhere'}", "train.max_steps=1"]] * 2),
@@ -213,9 +217,10 @@ def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcom
 @pytest.mark.parametrize("case, what, error", [
     ("train_no_data", "reading the data under data.root", ("DataError", "does not exist or is not a folder")),
     ("eval_no_data", "reading the val split", ("DataError", "does not exist or is not a folder")),
+    ("eval_no_out", "making the --out folder", ("RunDirError", "a_file")),
     ("resume_missing", "finding the checkpoint to resume from", ("CheckpointError", "missing.pt: no such file"))])
 def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_saying_so(outcomes, case, what, error):
-    """Rank 1's node lacks data.root or the train.resume file: it raised alone, and rank 0 went on into the next
+    """Rank 1's node lacks data.root or the train.resume file, or cannot make --out's folder: it raised alone, and rank 0 went on into the next
     collective (gloo: a traceback when rank 1's process ended; NCCL: a wait until the watchdog)."""
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
@@ -281,7 +286,7 @@ def test_operations_guide_quotes_what_each_rank_failed_as_the_entry_points_say_i
     guide = " ".join(read("docs/operations.md").split())
     blocks = [what for path in ("train.py", "evaluate.py")
               for what in re.findall(r'failure_on_every_rank\([^,]+, "([^"]+)"\)', read(path))]
-    assert len(blocks) == 5, blocks
+    assert len(blocks) == 6, blocks
     assert [what for what in blocks if f"`{what}`" not in guide and f"failed {what};" not in guide] == []
 
 
