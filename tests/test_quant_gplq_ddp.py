@@ -91,11 +91,47 @@ def _resume_case(rank: int, world: int, work: str) -> None:
     torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(work, f"rank{rank}.pt"))
 
 
+def _copies_case(rank: int, world: int, work: str) -> None:
+    """The stage-1 checkpoint of the stage1 case at each rank's own path (nodes that do not share --out): "alone",
+    on rank 0's node only; "stale", on both, rank 1's of another update. Each rank's outcome in <case>_rank<r>.pt."""
+    import shutil
+
+    import evaluate as evaluate_entry
+    from engine.checkpoint import CheckpointError
+    from models import build_model
+    from quant import PIPELINES
+    from quant_models import digits_config
+
+    written = os.path.join(os.path.dirname(work), "stage1", "eval_gplq_w4a4_stage1.pt")
+    for case in ("alone", "stale"):
+        folder = os.path.join(work, case, f"rank{rank}")
+        os.makedirs(folder)
+        mine = os.path.join(folder, "eval_gplq_w4a4_stage1.pt")
+        if rank == 0:
+            shutil.copyfile(written, mine)
+        elif case == "stale":
+            payload = torch.load(written, weights_only=False)
+            payload["state"]["step"] -= 1
+            torch.save(payload, mine)
+        cfg = digits_config("vit_nano")
+        torch.manual_seed(0)
+        data = evaluate_entry.build_pipeline_data(cfg, 32, rank, world, os.path.join(folder, "eval"))
+        try:
+            PIPELINES["gplq"](build_model(cfg.model).eval(), None, "w4a4",
+                              dict(steps=3, batch_size_per_gpu=8, init_images=16, pca_images=32, stage2_images=16,
+                                   log_every=1), data=data)
+            outcome = ("returned", "")
+        except (CheckpointError, RuntimeError) as e:
+            outcome = (type(e).__name__, str(e))
+        torch.save(outcome, os.path.join(work, f"{case}_rank{rank}.pt"))
+
+
 def _worker(rank: int, world: int, port: int, work: str) -> None:
     """Both cases in one group (a spawn each imports torch twice again: seconds); the resume case ends the
     ranks apart, so it runs last and no group teardown follows it."""
     init_gloo(rank, world, port, timeout_s=120)
     _stage1_case(rank, world, os.path.join(work, "stage1"))
+    _copies_case(rank, world, os.path.join(work, "copies"))
     _resume_case(rank, world, os.path.join(work, "resume"))
     os._exit(0)  # the ranks stopped apart: no group teardown together
 
@@ -104,7 +140,7 @@ def _worker(rank: int, world: int, port: int, work: str) -> None:
 def work(tmp_path_factory):
     """The folder of both cases: stage1/ (the DDP run) and resume/ (the resume decision)."""
     work = tmp_path_factory.mktemp("gplq_ddp")
-    for case in ("stage1", "resume"):
+    for case in ("stage1", "copies", "resume"):
         os.makedirs(work / case)
     spawn_ranks(_worker, (2, free_port(), str(work)), 2)
     return work
@@ -130,3 +166,19 @@ def test_rank_0_decides_whether_stage1_resumes(work):
     # its own CheckpointError, not the group's timeout error: it did not wait for the 120 s timeout (no
     # wall-clock bound, which a busy machine could break)
     assert str(resume / "rank1" / "eval_gplq_w4a4_stage1.pt") in rank1["outcome"][1]
+
+
+def test_ranks_that_read_other_stage1_checkpoints_stop_together(work):
+    """An --out on each node's own disk after a stop in stage 1: rank 0's node holds the checkpoint, rank 1's none
+    (it failed alone while rank 0 went on into stage 1's collectives), or a copy of another update (the loops
+    would run other lengths)."""
+    copies = work / "copies"
+    alone = [torch.load(copies / f"alone_rank{r}.pt") for r in (0, 1)]
+    assert alone[0] == ("OtherRankError", "rank 0: another rank failed reading the GPLQ stage-1 checkpoint; its "
+                                          "output says why"), alone
+    assert alone[1][0] == "CheckpointError" and str(copies / "alone" / "rank1") in alone[1][1], alone
+    for rank in (0, 1):
+        kind, message = torch.load(copies / f"stale_rank{rank}.pt")
+        assert kind == "CheckpointError" and message.startswith(
+            f"the ranks read other GPLQ stage-1 checkpoints at {copies / 'stale' / f'rank{rank}'}"), message
+        assert f"update {3 - rank}, weights " in message and "give --out a folder every node sees" in message

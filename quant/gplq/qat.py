@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
-from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
+from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload,
+                               weights_fingerprint)
+from engine.distributed import (OtherRankError, differing_between_ranks, failure_on_every_rank, raise_on_every_rank,
+                                run_on_main, world_size)
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.preemption import Preempted, Preemption, preempted_line
 from engine.precision import grad_scaler
@@ -142,13 +144,20 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     resume = run_on_main(lambda: bool(checkpoint and os.path.exists(checkpoint)),
                          "looking for the GPLQ stage-1 checkpoint", device)
     if resume:
-        payload = load_checkpoint(checkpoint)
-        refuse_other_run(checkpoint, payload["config"], config)
-        restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
-        pca = PCAProjection.from_state_dict(payload["pca"], device)
+        # each rank reads the file at its own path (an --out on each node's disk: rank 0's alone, or a stale copy)
+        with failure_on_every_rank(device, "reading the GPLQ stage-1 checkpoint"):
+            payload = load_checkpoint(checkpoint)
+            refuse_other_run(checkpoint, payload["config"], config)
+            restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
+            pca = PCAProjection.from_state_dict(payload["pca"], device)
+            start = {"step": state.step, "weights": weights_fingerprint(payload["model"])}
+            del payload
+        if differing_between_ranks({"start": start}, device):  # the loops would run other lengths
+            raise CheckpointError(f"the ranks read other GPLQ stage-1 checkpoints at {checkpoint} (this rank's: update "
+                                  f"{start['step']}, weights {start['weights']}): give --out a folder every node "
+                                  "sees (a shared file system)")
         resumed_from = state.step
         log.info("GPLQ stage 1: resumed from %s at update %d", checkpoint, state.step)
-        del payload
     else:
         pca = fit_pca()
     total = settings.steps if settings.steps is not None else len(batches)
