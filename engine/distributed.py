@@ -215,8 +215,15 @@ def raise_on_every_rank(error: Optional[BaseException], device: torch.device,
                         elsewhere: Callable[[], BaseException]) -> None:
     """After work that only some ranks did (e.g. rank 0 writing a checkpoint): if it failed anywhere, every
     rank raises (the failing rank its own `error`, the others `elsewhere()`), instead of the others waiting
-    at the next collective until it times out. One all-reduce; a no-op without a process group."""
-    failed = all_reduce(torch.tensor([float(error is not None)], device=device), op="max")
+    at the next collective until it times out. One all-reduce; a no-op without a process group. A rank with its
+    own error raises it also when the all-reduce itself fails (another rank's process has ended meanwhile): the
+    cause, not the lost connection."""
+    try:
+        failed = all_reduce(torch.tensor([float(error is not None)], device=device), op="max")
+    except Exception:  # noqa: BLE001 - the collective's error stands only where this rank has none of its own
+        if error is not None:
+            raise error from None
+        raise
     raise_where_failed(error, bool(failed.item()), elsewhere)
 
 

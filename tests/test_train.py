@@ -1621,3 +1621,34 @@ def test_a_snapshot_leaves_the_checkpoint_in_place_and_only_the_main_rank_writes
     assert path == str(tmp_path / "snapshots" / "epoch0003.pt") and not os.path.exists(path)
     assert snapshots.keep_snapshot(str(checkpoint), 3, True, torch.device("cpu")) == path
     assert checkpoint.exists() and os.path.samefile(path, checkpoint)
+
+
+def _peer_gone_worker(rank, world, port, out_file):
+    """Rank 1 ends at once; rank 0, with an error of its own, then reaches raise_on_every_rank's all-reduce."""
+    import time
+
+    from dist_utils import init_gloo
+    from engine.distributed import raise_on_every_rank
+
+    init_gloo(rank, world, port, timeout_s=60)
+    if rank == 1:
+        os._exit(0)
+    time.sleep(1.0)  # rank 1's process has ended (its sockets are closed)
+    try:
+        raise_on_every_rank(OSError("disk full"), torch.device("cpu"), lambda: RuntimeError("elsewhere"))
+        outcome = "no error"
+    except BaseException as e:  # noqa: BLE001 - the test reads which one
+        outcome = f"{type(e).__name__}: {e}"
+    with open(out_file, "w") as f:
+        f.write(outcome)
+    os._exit(0)
+
+
+def test_a_rank_with_its_own_error_raises_it_when_the_other_rank_is_already_gone(tmp_path):
+    """The all-reduce that shares a failure fails itself when the other rank's process has ended: the rank printed
+    gloo's lost connection instead of its own error."""
+    from dist_utils import spawn_within
+
+    out = tmp_path / "rank0.txt"
+    spawn_within(_peer_gone_worker, (2, free_port(), str(out)), 2, seconds=90)
+    assert out.read_text() == "OSError: disk full"
