@@ -112,14 +112,19 @@ def unusable(path: str, problem: str) -> CheckpointError:
     return CheckpointError(f"cannot resume from {path} ({os.path.getsize(path)} bytes): {problem}; {way_on}")
 
 
+def start_point(payload: dict) -> dict:
+    """Where a training checkpoint (`training_payload`) resumes: its update and its weights' fingerprint, what
+    ranks that each read their node's copy must agree on (here, and GPLQ's stage 1)."""
+    return {"step": payload["state"]["step"], "weights": weights_fingerprint(payload["model"])}
+
+
 def check_same_start_on_every_rank(out_dir: str, path: Optional[str], payload: Optional[dict],
                                    device: torch.device, rank: int) -> None:
     """A CheckpointError on every rank when the ranks found other resume sources (`resume_source` on each):
     an out_dir on each node's own disk holds checkpoint.pt on rank 0's node only, and the other nodes' ranks would
     start afresh beside ranks that resume (other optimizer state, schedule and sample order under one set of
     weights, without a word). Compared: the update and the weights' fingerprint; one all-reduce."""
-    start = None if payload is None else {"step": payload["state"]["step"],
-                                          "weights": weights_fingerprint(payload["model"])}
+    start = None if payload is None else start_point(payload)
     if not differing_between_ranks({"start": start}, device):
         return
     found = (f"resumes from {path} at update {start['step']} (weights {start['weights']})" if start is not None

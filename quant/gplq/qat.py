@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import (CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload,
-                               weights_fingerprint)
+from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
 from engine.distributed import (OtherRankError, differing_between_ranks, failure_on_every_rank, raise_on_every_rank,
                                 run_on_main, world_size)
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.preemption import Preempted, Preemption, preempted_line
 from engine.precision import grad_scaler
+from engine.snapshots import start_point
 
 from .pca import PCAProjection, pca_loss, penultimate
 from ..quantizers import Quantizer
@@ -151,7 +151,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
             restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
             pca = PCAProjection.from_state_dict(payload["pca"], device)
             # hashed under torchrun only (ViT-B: about 0.7 s on a CPU); one process compares with nothing
-            start = {"step": state.step, "weights": weights_fingerprint(payload["model"])} if world_size() > 1 else {}
+            start = start_point(payload) if world_size() > 1 else {}
             del payload
         if differing_between_ranks({"start": start}, device):  # the loops would run other lengths
             raise CheckpointError(f"the ranks read other GPLQ stage-1 checkpoints at {checkpoint} (this rank's: update "
