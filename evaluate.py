@@ -50,7 +50,7 @@ from configs.schema import TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_s
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
-from data.folder import ClassCountError, check_same_classes, folder_fingerprint
+from data.folder import ClassCountError, check_same_classes
 from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -117,10 +117,13 @@ def main(args: argparse.Namespace) -> dict:
         img_size = input_size(model)  # a language model: its context in tokens
         with failure_on_every_rank(device, "reading the val split"):
             val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)
-        if dist.distributed:  # each rank scores its shard of its own copy of the val split: one split for all
-            check_same_data_on_every_rank(cfg.data, val_fingerprint(cfg.data, val_loader.dataset), device, dist.rank)
+        # the val split's images (a token file's head), the same on every rank (each scores its shard of its own
+        # copy; one process compares nothing) and named in the result file
+        val_print = val_fingerprint(cfg.data, val_loader.dataset)
+        check_same_data_on_every_rank(cfg.data, val_print, device, dist.rank)
+
         def open_results() -> tuple[EvalResults, list]:
-            results = EvalResults.open(out, identity(cfg, args, model, val_loader.dataset))
+            results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print))
             if cfg.quant.act_max_csv:
                 check_act_max_files(results.data, os.path.splitext(out)[0])
             return results, [(name, bits) for name, bits in planned(cfg)
@@ -348,18 +351,20 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
                         f"was trained on")
 
 
-def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, val_set) -> dict:
+def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int,
+             val_print: Optional[dict]) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py). A folder data set's val
-    images are named by their count and the SHA-256 of their names (`val_names`, data/folder.folder_fingerprint):
-    a val folder re-exported at the same path with as many other images is another evaluation."""
+    images are named by their count and the SHA-256 of their names (`val_names`, from `val_print`:
+    data.loader.val_fingerprint): a val folder re-exported at the same path with as many other images is another
+    evaluation."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
             "checkpoint": checkpoint,
             # best.pt / checkpoint.pt / a snapshot: seeds of other kinds are not averaged (evaluation_difference)
             "checkpoint_kind": checkpoint_kind(args.checkpoint, pretrained=not args.checkpoint),
             "weights": "ema" if args.ema else "raw",
-            "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": len(val_set),
-            **({"val_names": folder_fingerprint(val_set)["names_sha256"]} if cfg.data.dataset == "folder" else {}),
+            "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
+            **({"val_names": val_print[cfg.data.val_split]["names_sha256"]} if cfg.data.dataset == "folder" else {}),
             "data": text_identity(cfg.data) if task_for(cfg.data.dataset).language else {
                      "dataset": cfg.data.dataset,
                      "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
