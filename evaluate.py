@@ -57,9 +57,9 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.distributed import (SAME_SETTINGS_FIX, MainRankWait, OtherRankError, all_reduce,
-                                check_same_settings_on_every_rank, failure_on_every_rank, process_group,
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, failure_on_every_rank, process_group,
                                 raise_on_every_rank, run_on_main)
+from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption

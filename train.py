@@ -48,9 +48,9 @@ from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
-from engine.distributed import (DistInfo, OtherRankError, all_reduce, check_same_settings_on_every_rank,
-                                failure_on_every_rank, process_group)
+from engine.distributed import DistInfo, OtherRankError, all_reduce, failure_on_every_rank, process_group
 from engine.divergence import DivergenceError, DivergenceGuard
+from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused

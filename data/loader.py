@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from configs.constraints import loader_timeout_problem
 from configs.schema import LOADER_TIMEOUT_S, DataConfig
-from engine.distributed import differing_between_ranks
+from engine.rank_agreement import differing_between_ranks
 from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed

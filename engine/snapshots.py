@@ -32,7 +32,8 @@ import torch
 from models.modules import nonfinite_tensors
 
 from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
-from .distributed import differing_between_ranks, raise_on_every_rank
+from .distributed import raise_on_every_rank
+from .rank_agreement import differing_between_ranks
 from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)

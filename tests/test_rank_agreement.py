@@ -22,11 +22,12 @@ FOLDER = ["data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "t
 def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) -> None:
     """Each case (name, entry point, argv of rank 0, argv of rank 1) in a group of its own on its own port; the
     rank's outcome ("ok", "") or (error type, message) saved as <name>_rank<r>.pt. Entry point "settings": the
-    "argv" is the settings each rank hands engine.distributed.check_same_settings_on_every_rank."""
+    "argv" is the settings each rank hands engine.rank_agreement.check_same_settings_on_every_rank."""
     import evaluate
     import train
     from configs import load_config
-    from engine.distributed import check_same_settings_on_every_rank, process_group
+    from engine.distributed import process_group
+    from engine.rank_agreement import check_same_settings_on_every_rank
 
     for port, (name, entry, argvs) in zip(ports, cases):
         as_torchrun_rank(rank, world, port)
@@ -231,7 +232,7 @@ def test_settings_with_keys_of_mixed_types_are_compared():
     """json.dumps cannot sort the keys of a mapping holding text and numbers (a YAML `model.kwargs: {1: 2, a: 3}`):
     the comparison's digest raised TypeError. The digest is of the mapping, whatever the order of its items, and
     tells the number 1 from the text "1"."""
-    from engine.distributed import digest
+    from engine.rank_agreement import digest
 
     mixed = {"model": {"kwargs": {1: 2, "a": 3}}}
     assert digest(mixed) == digest({"model": {"kwargs": {"a": 3, 1: 2}}})
@@ -252,7 +253,8 @@ def test_one_process_compares_nothing_and_passes_the_error_of_its_start_work_as_
     """Without a process group there is no other rank: the checks make and read back nothing on the device (a
     meta device, from which nothing can be read back, stands for one in a failed state), and an error in
     `failure_on_every_rank`'s body reaches the caller unchanged instead of the error of the flag's read-back."""
-    from engine.distributed import check_same_settings_on_every_rank, differing_between_ranks, failure_on_every_rank
+    from engine.distributed import failure_on_every_rank
+    from engine.rank_agreement import check_same_settings_on_every_rank, differing_between_ranks
 
     meta = torch.device("meta")
     assert differing_between_ranks({"a": 1, "b": [2]}, meta) == []

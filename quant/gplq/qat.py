@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointError, load_checkpoint, restore_training, save_on_main_rank, training_payload
-from engine.distributed import (OtherRankError, differing_between_ranks, failure_on_every_rank, raise_on_every_rank,
-                                run_on_main, world_size)
+from engine.distributed import OtherRankError, failure_on_every_rank, raise_on_every_rank, run_on_main, world_size
 from engine.loop import TrainBatches, TrainLoop, TrainState
 from engine.preemption import Preempted, Preemption, preempted_line
 from engine.precision import grad_scaler
+from engine.rank_agreement import differing_between_ranks
 from engine.snapshots import start_point
 
 from .pca import PCAProjection, pca_loss, penultimate
