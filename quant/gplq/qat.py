@@ -150,7 +150,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
             refuse_other_run(checkpoint, payload["config"], config)
             restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
             pca = PCAProjection.from_state_dict(payload["pca"], device)
-            # hashed under torchrun only (ViT-B: about 0.7 s on a CPU); one process compares with nothing
+            # hashed under torchrun only (ViT-B: 0.7 s on a CPU core, docs/measurements.md "Training"); one process
+            # compares with nothing
             start = start_point(payload) if world_size() > 1 else {}
             del payload
         if differing_between_ranks({"start": start}, device):  # the loops would run other lengths
