@@ -110,13 +110,9 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     if None not in (x, y) and "weights" not in (x, y) and x != y:
         return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
                                              "run (each one's best.pt, or each one's checkpoint.pt)", False)
-    # the same root, split and image count, other image names (a val folder exported again between two
-    # evaluations) or another annotation file's content (detection); results written before these were recorded
-    # have none and are not compared
-    for key, what in (("val_names", "other val images"), ("annotations_sha256", "other annotations")):
-        x, y = a.get(key), b.get(key)
-        if None not in (x, y) and x != y:
-            return Difference(key, f"{x[:12]}... vs {y[:12]}...: {what} under the same data.root", False)
+    content = content_difference(a, b)
+    if content is not None:
+        return content
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
     # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
     x, y = extra_modules(a), extra_modules(b)
@@ -128,6 +124,17 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
             x, y = (comparable_settings(q[pipeline][bits].get("settings")) for q in (quant_a, quant_b))
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
+    return None
+
+
+def content_difference(a: dict, b: dict) -> Optional[Difference]:
+    """Other data under the same root, split and image count: other image names (a val folder exported again
+    between two evaluations) or another annotation file's content (detection), or None. Results written before
+    these were recorded have none and are not compared."""
+    for key, what in (("val_names", "other val images"), ("annotations_sha256", "other annotations")):
+        x, y = a.get(key), b.get(key)
+        if None not in (x, y) and x != y:
+            return Difference(key, f"{x[:12]}... vs {y[:12]}...: {what} under the same data.root", False)
     return None
 
 
@@ -322,20 +329,19 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
     results = [read_result_file(path, detection=detection) for path in paths]
     # the same weights evaluated alike: the quantized entries may differ (each file's own pipelines or settings),
     # the rest is one evaluation; other data, EMA weights or autocast make another result, kept
-    evaluations: dict[tuple, list[tuple[str, Optional[str]]]] = {}
+    evaluations: dict[tuple, list[tuple[str, dict]]] = {}
     for path, result in zip(paths, results):
         if result.get("fingerprint") is None:  # detection results, and files written before fingerprints
             continue
         key = (result["fingerprint"], json.dumps(_plain({k: result.get(k) for k in EVALUATION_KEYS}), sort_keys=True))
-        # other val images (val_names) are another evaluation where both record them, as evaluation_difference
-        # compares them: a copy made before its original took the names (a later evaluate.py call) is still a copy
-        names = result.get("val_names")
-        alike = next((p for p, n in evaluations.get(key, []) if None in (n, names) or n == names), None)
+        # other data content is another evaluation where both record it (content_difference): a copy made before
+        # its original took the names (a later evaluate.py call) is still a copy
+        alike = next((p for p, other in evaluations.get(key, []) if content_difference(other, result) is None), None)
         if alike is not None:
             raise ResultsError(f"{alike} and {path} hold results of the same weights evaluated alike "
                                "(a copied file, or two --out files of one checkpoint): each would be a row or "
                                "circle of its own; give one (evaluate.py adds every pipeline to one file)")
-        evaluations.setdefault(key, []).append((path, names))
+        evaluations.setdefault(key, []).append((path, result))
     return results
 
 
