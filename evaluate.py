@@ -57,8 +57,8 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.distributed import (MainRankWait, OtherRankError, all_reduce, failure_on_every_rank, process_group,
-                                raise_on_every_rank, run_on_main)
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, fail_on_every_rank_at_start,
+                                failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
@@ -86,7 +86,10 @@ log = logging.getLogger("evaluate")
 def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
-    cfg, payload = resolve_config(args)
+    try:  # this node's --checkpoint and --config files, read before the ranks meet
+        cfg, payload = resolve_config(args)
+    except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
+        fail_on_every_rank_at_start(e)
     wait = MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours), "quant.main_rank_wait_hours")
     with process_group(cfg.train.device, wait) as dist:
         device = dist.device

@@ -137,7 +137,8 @@ def main(argv=None) -> dict:
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
-    from engine.distributed import MainRankWait, OtherRankError, process_group, raise_on_every_rank, run_on_main
+    from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start, process_group,
+                                    raise_on_every_rank, run_on_main)
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -183,14 +184,17 @@ def main(argv=None) -> dict:
                              f"{WaitHours.describe()} (a gloo timeout past that overflows)")
     wait = MainRankWait(datetime.timedelta(hours=hours), "--main-rank-wait-hours")
     overrides = parse_overrides(args.overrides)
-    cfg = load_config(args.config, overrides, args.data_root, evaluation_reads(pipelines))
-    # the test split; the training split only where a pipeline calibrates or trains on it
-    loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
-    source = args.data_root and f"--data-root {args.data_root}"
-    check_annotation_files(cfg, source, loaders + ("test_evaluator",))
-    check_image_folders(cfg, loaders, source)
-    check_evaluator_annotations(cfg)
-    check_categories(cfg, loaders)
+    try:  # this node's config and data files, read before the ranks meet
+        cfg = load_config(args.config, overrides, args.data_root, evaluation_reads(pipelines))
+        # the test split; the training split only where a pipeline calibrates or trains on it
+        loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
+        source = args.data_root and f"--data-root {args.data_root}"
+        check_annotation_files(cfg, source, loaders + ("test_evaluator",))
+        check_image_folders(cfg, loaders, source)
+        check_evaluator_annotations(cfg)
+        check_categories(cfg, loaders)
+    except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
+        fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)
         model = build_detector(cfg, args.checkpoint, dist.device)

@@ -48,7 +48,8 @@ from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
-from engine.distributed import DistInfo, OtherRankError, all_reduce, failure_on_every_rank, process_group
+from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
+                                failure_on_every_rank, process_group)
 from engine.divergence import DivergenceError, DivergenceGuard
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
@@ -84,15 +85,10 @@ class RunResult:
 
 def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
-    if cfg.log.wandb:  # checked before any folder is made (engine/metrics.py imports it when logging)
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
-                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
-                              ) from None
-    # quant.* are the defaults of this run's evaluation (evaluate.py --checkpoint): refused now, not after training
-    check_quant_plan(cfg)
+    try:  # before the ranks meet: an error on one node's rank (its wandb install) reaches the others there
+        check_before_start(cfg)
+    except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
+        fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
         check_same_settings_on_every_rank(config_to_dict(cfg), dist.device, dist.rank)
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
@@ -100,6 +96,19 @@ def main(cfg: Config) -> RunResult:
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
                 Preemption(dist.device, distributed=dist.distributed) as preemption:
             return run_training(cfg, dist, preemption)
+
+
+def check_before_start(cfg: Config) -> None:
+    """What can be refused before any folder is made: the logger's package, and the quant.* settings (the defaults of
+    this run's evaluation, evaluate.py --checkpoint), now rather than after training."""
+    if cfg.log.wandb:  # engine/metrics.py imports it when logging
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("log.wandb=true but the wandb package is not installed: pip install wandb, or "
+                              "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
+                              ) from None
+    check_quant_plan(cfg)
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
@@ -629,6 +638,17 @@ def warn_if_at_chance(top1: float, num_classes: int) -> None:
                     "check the learning rate and the loss in metrics.jsonl", top1, chance, num_classes)
 
 
+def read_config(paths: list[str], overrides: list[str], default: bool) -> Config:
+    """load_config; `default`: `paths` is the default recipe, which an override that no key reads is told of."""
+    try:
+        return load_config(paths, overrides)
+    except IgnoredOverrideError as e:
+        if not default:
+            raise
+        raise IgnoredOverrideError(f"{e}. No --config was given: the default config is {DEFAULT_CONFIG} "
+                                   f"(digits); pass --config configs/... for another recipe") from None
+
+
 def parse_args(argv: list[str]) -> Config:
     parser = OneLineParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -639,13 +659,10 @@ def parse_args(argv: list[str]) -> Config:
     args = parse_known(parser, argv, "train.py")
     # the default recipe is the checkout's, wherever train.py is started from (runs/ goes to the working folder)
     paths = args.config or [os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_CONFIG)]
-    try:
-        cfg = load_config(paths, args.overrides)
-    except IgnoredOverrideError as e:
-        if args.config:
-            raise
-        raise IgnoredOverrideError(f"{e}. No --config was given: the default config is {DEFAULT_CONFIG} "
-                                   f"(digits); pass --config configs/... for another recipe") from None
+    try:  # this node's --config files, read before the ranks meet
+        cfg = read_config(paths, args.overrides, default=not args.config)
+    except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
+        fail_on_every_rank_at_start(e)
     if not cfg.out_dir:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
     if args.print_config:

@@ -15,7 +15,7 @@ import io
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -83,12 +83,23 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
 
 
 @contextlib.contextmanager
-def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None) -> Iterator[DistInfo]:
+def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None,
+                  failed_at_start: Optional[BaseException] = None) -> Iterator[DistInfo]:
     """`init_distributed` for the body of an entry point, and `cleanup_distributed` when it ends: after every
     rank is done when it succeeds or stops on an agreed stop request (`Preempted`), at once when it raises
-    anything else (another rank may never arrive)."""
+    anything else (another rank may never arrive).
+
+    With several ranks, its first collective asks whether a rank failed before the group formed
+    (`failed_at_start`, given by `fail_on_every_rank_at_start`): that rank raises its error, the others an
+    OtherRankError, instead of waiting in the next collective for a rank that is gone."""
     info = init_distributed(device, main_rank_wait)
     try:
+        if info.distributed:
+            raise_on_every_rank(failed_at_start, info.device, lambda: OtherRankError(
+                f"rank {info.rank}: another rank failed before the ranks met (reading its node's --config files, "
+                f"--checkpoint or data, or checking its settings); its output says why"))
+        elif failed_at_start is not None:
+            raise failed_at_start
         yield info
     except Preempted:  # every rank stopped at the same agreed update: they all arrive, as after a finished run
         cleanup_distributed()
@@ -97,6 +108,23 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
         cleanup_distributed(wait_for_all=False)
         raise
     cleanup_distributed()
+
+
+def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> NoReturn:
+    """Raise `error`, met before the process group formed: under torchrun, after joining the group, so that the
+    other ranks (in `process_group`'s first collective) stop with this rank instead of waiting at the rendezvous
+    or in their first collective until a timeout, the fate of the others when one node lacks a --config file or
+    the --checkpoint that every rank reads before the group forms.
+
+    device: the process group's device as the other ranks resolved it; "auto" where this rank could not read its
+    config (the default of train.device: a cluster whose config names another device gets another backend on
+    this rank, and the others wait for their timeout as before). A rank that cannot join raises its own error."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        # raises `error` once the others know; suppressed too: a rank that cannot join (the rendezvous, the
+        # backend) raises its own cause below, not their complaint
+        with contextlib.suppress(Exception), process_group(device, failed_at_start=error):
+            pass
+    raise error
 
 
 def cleanup_distributed(wait_for_all: bool = True) -> None:

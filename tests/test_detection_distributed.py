@@ -241,3 +241,24 @@ def test_a_val_image_that_fails_on_one_rank_ends_every_rank(sample, trained, tmp
     assert rank1[0] == "ValueError" and "cannot decode val image on this rank" in rank1[1]
     assert rank0 == ("OtherRankError", "another rank could not score its share of the val images; its output says why")
     assert not (tmp_path / "eval.json").exists()
+
+
+def _worker_own_argv(rank: int, world: int, port: int, argvs: list, work: str) -> None:
+    """`_worker`, each rank with its own command line (paths of its own node)."""
+    _worker(rank, world, port, argvs[rank], work)
+
+
+def test_data_one_node_lacks_ends_every_rank_before_the_ranks_meet(sample, trained, tmp_path):
+    """The config, annotation files and image folders are read before the process group forms: rank 1's node
+    without the data raised there, and rank 0 waited at the rendezvous until the group's timeout. Rank 1 joins the
+    group to fail, and rank 0 stops at its first collective with an error that says so."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argvs = [["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", root, "--device",
+              "cpu", "--quant", "--out", str(tmp_path / "eval.json")] for root in (sample, str(tmp_path / "none"))]
+    spawn_ranks(_worker_own_argv, (2, free_port(), argvs, str(work)), 2)
+    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1[0] == "DetectionError" and str(tmp_path / "none") in rank1[1], rank1
+    assert rank0 == ("OtherRankError", "rank 0: another rank failed before the ranks met (reading its node's --config "
+                                        "files, --checkpoint or data, or checking its settings); its output says why")
+    assert not (tmp_path / "eval.json").exists()

@@ -34,6 +34,8 @@ def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) ->
         try:
             if entry == "train":
                 train.main(load_config([DEBUG_CONFIG], argvs[rank]))
+            elif entry == "train_command":  # as train.py's command line: its --config files read first
+                train.main(train.parse_args(argvs[rank]))
             elif entry == "settings":
                 with process_group("cpu") as group:
                     check_same_settings_on_every_rank(argvs[rank], group.device, group.rank)
@@ -104,6 +106,16 @@ def outcomes(tmp_path_factory) -> dict:
              # rank 1's --out lies under a file (a node where that path is not a folder): its folder cannot be made
              ("eval_no_out", "evaluate", [argv[:-1] + [out] for argv, out in zip(
                  score("eval_no_out", "a"), (str(work / "eval_no_out.json"), str(work / "a_file" / "e.json")))]),
+             # rank 1's node lacks a file read before the ranks meet (a --config file, the --checkpoint), or its
+             # settings fail a check made then: its error there, the others told so at their first collective
+             ("train_no_config", "train_command", [["--config", config, *argv] for config, argv in zip(
+                 (DEBUG_CONFIG, str(work / "missing.yaml")), run("train_no_config", "a"))]),
+             ("train_bad_plan", "train", [[*argv, *bits] for argv, bits in zip(
+                 run("train_bad_plan", "a"), ([], ["quant.bits=[w4a4,w4a4]"]))]),
+             ("eval_no_checkpoint", "evaluate", score("eval_no_checkpoint", "a", str(work / "node2" / "none.pt"))),
+             # a --config file that no node has: each rank its own error
+             ("train_no_config_anywhere", "train_command", [["--config", str(work / "missing.yaml"),
+                                                            *run("nowhere2", "a")[0]]] * 2),
              # no node has it: each rank its own error, none told of another's
              ("train_no_data_anywhere", "train", [[*FOLDER, f"data.root={work / 'missing'}",
                                                    f"out_dir={work / 'nowhere'}", "train.max_steps=1"]] * 2),
@@ -226,6 +238,27 @@ def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_say
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
     assert kind1 == error[0] and error[1] in second, second
+
+
+@pytest.mark.parametrize("case, error", [
+    ("train_no_config", ("ConfigError", "missing.yaml")),
+    ("train_bad_plan", ("ConfigError", "w4a4")),
+    ("eval_no_checkpoint", ("CheckpointError", "none.pt"))])
+def test_a_rank_that_fails_before_the_ranks_meet_stops_the_others_at_their_first_collective(outcomes, case, error):
+    """Rank 1's node lacks a --config file or the --checkpoint, or its settings fail a check made before the process
+    group forms: it raised there, and rank 0 waited at the rendezvous (and under NCCL in its first collective) until
+    the group's timeout. Rank 1 now joins the group to fail, and rank 0 raises at its first collective."""
+    (kind0, first), (kind1, second) = outcomes[case]
+    assert (kind0, first) == ("OtherRankError", "rank 0: another rank failed before the ranks met (reading its "
+                                                 "node's --config files, --checkpoint or data, or checking its "
+                                                 "settings); its output says why")
+    assert kind1 == error[0] and error[1] in second, second
+
+
+def test_a_config_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
+    """Every rank failed before the ranks met: each raises its own error, none is told of another's."""
+    for kind, message in outcomes["train_no_config_anywhere"]:
+        assert kind == "ConfigError" and "missing.yaml" in message, message
 
 
 def test_settings_with_keys_of_mixed_types_are_compared():
