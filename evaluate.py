@@ -45,7 +45,7 @@ import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
-from configs.loader import dotted_settings, get_key, override_keys, read_yaml_file
+from configs.loader import device_of_overrides, dotted_settings, get_key, override_keys, read_yaml_file
 from configs.schema import TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> dict:
     try:  # this node's --checkpoint and --config files, read before the ranks meet
         cfg, payload = resolve_config(args)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
-        fail_on_every_rank_at_start(e)
+        fail_on_every_rank_at_start(e, device_of_overrides(args.overrides))
     wait = MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours), "quant.main_rank_wait_hours")
     with process_group(cfg.train.device, wait) as dist:
         device = dist.device

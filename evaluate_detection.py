@@ -131,9 +131,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
                                   build_loader, check_annotation_files, check_categories, check_checkpoint_classes,
-                                  check_evaluator_annotations, check_image_folders, check_pipeline,
-                                  check_stage1_device, check_stage1_folder, evaluate_detector, load_config,
-                                  parse_overrides, train_activation_qat, TrainingImages)
+                                  check_checkpoint_file, check_evaluator_annotations, check_image_folders,
+                                  check_pipeline, check_stage1_device, check_stage1_folder, evaluate_detector,
+                                  load_config, parse_overrides, train_activation_qat, TrainingImages)
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
@@ -184,8 +184,10 @@ def main(argv=None) -> dict:
                              f"{WaitHours.describe()} (a gloo timeout past that overflows)")
     wait = MainRankWait(datetime.timedelta(hours=hours), "--main-rank-wait-hours")
     overrides = parse_overrides(args.overrides)
-    try:  # this node's config and data files, read before the ranks meet
+    try:  # this node's config, checkpoint and data files, looked at before the ranks meet
         cfg = load_config(args.config, overrides, args.data_root, evaluation_reads(pipelines))
+        # here, not only in build_detector: building the detector holds a collective (MMEngine's sync_random_seed)
+        check_checkpoint_file(args.checkpoint, f"--checkpoint {args.checkpoint}")
         # the test split; the training split only where a pipeline calibrates or trains on it
         loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
         source = args.data_root and f"--data-root {args.data_root}"

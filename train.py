@@ -43,7 +43,7 @@ from timm.utils import ModelEmaV3
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from configs import Config, ConfigError, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
-from configs.loader import IgnoredOverrideError, get_key
+from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
 from engine.act_max import ActivationProbe, check_extra_modules
@@ -664,7 +664,7 @@ def parse_args(argv: list[str]) -> Config:
     try:  # this node's --config files, read before the ranks meet
         cfg = read_config(paths, args.overrides, default=not args.config)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
-        fail_on_every_rank_at_start(e)
+        fail_on_every_rank_at_start(e, device_of_overrides(args.overrides))
     if not cfg.out_dir:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
     if args.print_config:

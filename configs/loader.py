@@ -308,6 +308,17 @@ def override_keys(item: str) -> list[str]:
         return [key.strip()]
 
 
+def device_of_overrides(overrides: Iterable[str]) -> str:
+    """train.device as the command line's overrides alone set it, for a process that could not read its --config
+    files (it joins the others' process group on that device's backend); its default, "auto", where they do not
+    set it or their value cannot be read."""
+    given = [item for item in overrides if "train.device" in override_keys(item)]
+    try:
+        return load_config([], given).train.device
+    except Exception:  # noqa: BLE001 - on an error path already: never a second error
+        return "auto"
+
+
 def overlapping_keys(item: str, keys) -> list[str]:
     """The dotted `keys` that the override `item` sets, however it is spelt: the key itself, a section given as a
     mapping (train={seed: 7} sets train.seed) or a part of a key's value (cd.lam_per_role.fc2=0.5 changes

@@ -14,6 +14,7 @@ import datetime
 import io
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from configs import ConfigError
 from engine.preemption import Preempted
+from engine.startup_signals import is_recorder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +54,9 @@ class MainRankWait:
 
 
 _main_rank_wait = MainRankWait()
+# how long a rank that failed before the process group formed waits for the others to join it (they learn of its
+# failure in their first collective): long enough for nodes that start minutes apart
+START_FAILURE_WAIT = datetime.timedelta(minutes=5)
 _wait_group = None  # the gloo group of run_on_main, made on its first use (every rank calls it in step)
 
 
@@ -59,11 +64,13 @@ class OtherRankError(RuntimeError):
     """Raised on the ranks that waited in `run_on_main` when rank 0's work failed or never arrived."""
 
 
-def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None) -> DistInfo:
+def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None,
+                     timeout: Optional[datetime.timedelta] = None) -> DistInfo:
     """Join the process group torchrun describes (if any) and pick this process's device.
 
     main_rank_wait: how long the other ranks wait for work that `run_on_main` gives rank 0 alone
-    (default 24 hours)."""
+    (default 24 hours). timeout: the group's, for the rendezvous and each collective (default torch's: 30 minutes
+    with gloo, 10 with NCCL)."""
     global _main_rank_wait
     _main_rank_wait = main_rank_wait or MainRankWait()
     if device == "cuda" and not torch.cuda.is_available():
@@ -78,7 +85,7 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                device_id=dev if use_cuda else None)
+                                device_id=dev if use_cuda else None, timeout=timeout)
     return DistInfo(rank, world, local_rank, dev)
 
 
@@ -92,7 +99,7 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
     With several ranks, its first collective asks whether a rank failed before the group formed
     (`failed_at_start`, given by `fail_on_every_rank_at_start`): that rank raises its error, the others an
     OtherRankError, instead of waiting in the next collective for a rank that is gone."""
-    info = init_distributed(device, main_rank_wait)
+    info = init_distributed(device, main_rank_wait, START_FAILURE_WAIT if failed_at_start is not None else None)
     try:
         if info.distributed:
             raise_on_every_rank(failed_at_start, info.device, lambda: OtherRankError(
@@ -116,14 +123,23 @@ def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> N
     or in their first collective until a timeout, the fate of the others when one node lacks a --config file or
     the --checkpoint that every rank reads before the group forms.
 
-    device: the process group's device as the other ranks resolved it; "auto" where this rank could not read its
-    config (the default of train.device: a cluster whose config names another device gets another backend on
-    this rank, and the others wait for their timeout as before). A rank that cannot join raises its own error."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        # raises `error` once the others know; suppressed too: a rank that cannot join (the rendezvous, the
-        # backend) raises its own cause below, not their complaint
-        with contextlib.suppress(Exception), process_group(device, failed_at_start=error):
-            pass
+    device: the process group's device as the other ranks resolved it (train.device of the config, or of the
+    command line where this rank could not read its config files). This rank has nothing to save: a SIGTERM ends
+    it at once (not kept as a stop request), and it waits for the others to join at most START_FAILURE_WAIT (a
+    rank that failed before joining, or a node of another code version, never comes); then, or when it cannot
+    join at all, it raises its own error, and the others wait for their own timeout."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        handler = signal.getsignal(signal.SIGTERM)
+        recorded = is_recorder(handler)  # train.py's start-up recorder: this rank has nothing to stop cleanly
+        if recorded:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            # raises `error` once the others know; suppressed too: this rank's cause, not the rendezvous's complaint
+            with contextlib.suppress(Exception), process_group(device, failed_at_start=error):
+                pass
+        finally:
+            if recorded:
+                signal.signal(signal.SIGTERM, handler)
     raise error
 
 

@@ -5,7 +5,8 @@ a SIGTERM then ended the process with status 143, which a requeue script reads a
 called first thing (before torch is imported: this module imports nothing heavy), records it instead; the next
 Preemption takes the recorded signal over as a stop request (checkpoint, exit 75) and, when its run ends, gives
 SIGTERM its default action back (not this recorder), so that a process waiting in its teardown (a final barrier)
-still ends at a plain `kill`. SIGINT is left alone: Ctrl-C at a terminal while the run starts stops at once.
+still ends at a plain `kill`. SIGINT is left alone: Ctrl-C at a terminal while the run starts stops at once (not
+during the rendezvous, where torch's wait acts on no signal: docs/operations.md).
 """
 from __future__ import annotations
 

@@ -342,7 +342,16 @@ def main(argv=None) -> int:
                                   check_load_from, load_config, parse_overrides)
 
     overrides = parse_overrides(args.overrides)
-    cfg = load_config(args.config, overrides, args.data_root)
+    try:  # this node's config files, read before the ranks meet
+        cfg = load_config(args.config, overrides, args.data_root)
+    except Exception as e:  # noqa: BLE001 - under a launcher: raised here after the others know, as the checks below
+        if args.launcher != "none":
+            # the group as MMEngine makes it without the config's env_cfg (NCCL, its default and the configs'); a
+            # rank that cannot join raises its own error, not the rendezvous's
+            with contextlib.suppress(Exception):
+                start_process_group(args.launcher, {})
+                refuse_on_every_rank(e)
+        raise e
     start_process_group(args.launcher, cfg)
     refusal = None
     try:

@@ -169,3 +169,19 @@ def test_a_resume_on_two_ranks_continues_every_rank_from_the_checkpoint(sample, 
     for r in (0, 1):  # each rank's images, iteration by iteration, epoch 2 from the resumed run
         images = (parts / f"images_rank{r}.txt").read_text().splitlines()
         assert len(images) == 4 and images == (whole / f"images_rank{r}.txt").read_text().splitlines()
+
+
+def test_a_config_one_node_lacks_ends_every_rank_before_the_ranks_meet(sample, tmp_path):
+    """The --config files are read before the process group forms: rank 1's node without one raised there, and the
+    others waited for it at the rendezvous (in MMEngine's init_dist) until the group's timeout. Rank 1 joins the
+    group to fail, and the others stop at their first collective naming its cause."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    (nodes[0] / "detector.py").write_text(f"_base_ = [{os.path.abspath(SAMPLE_CONFIG)!r}]\n")  # on node 0 only
+    argv = ["--config", "detector.py", "--data-root", sample, "--work-dir", "run", "--launcher", "pytorch",
+            "train_cfg.max_epochs=1", "randomness.seed=0"]
+    rank0, rank1 = _run(tmp_path / "work", argv, seconds=100, cwds=[str(n) for n in nodes])
+    assert rank1 == ("DetectionError", "--config detector.py: no such file"), rank1
+    assert rank0 == ("DetectionError", "rank 1 cannot start: --config detector.py: no such file"), rank0
+    assert not (nodes[0] / "run").exists() and not (nodes[1] / "run").exists()

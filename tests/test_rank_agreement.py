@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from dist_utils import as_torchrun_rank, free_port, spawn_ranks
+from dist_utils import as_torchrun_rank, free_port, spawn_within
 from tests.conftest import DEBUG_CONFIG
 from tests.test_data import make_image_folder
 
@@ -36,6 +36,14 @@ def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) ->
                 train.main(load_config([DEBUG_CONFIG], argvs[rank]))
             elif entry == "train_command":  # as train.py's command line: its --config files read first
                 train.main(train.parse_args(argvs[rank]))
+            elif entry == "train_command_in_group":  # the same in a process group made before (a harness's)
+                import torch.distributed as dist
+                dist.init_process_group("gloo")
+                try:
+                    train.main(train.parse_args(argvs[rank]))
+                finally:
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
             elif entry == "settings":
                 with process_group("cpu") as group:
                     check_same_settings_on_every_rank(argvs[rank], group.device, group.rank)
@@ -113,6 +121,8 @@ def outcomes(tmp_path_factory) -> dict:
              ("train_bad_plan", "train", [[*argv, *bits] for argv, bits in zip(
                  run("train_bad_plan", "a"), ([], ["quant.bits=[w4a4,w4a4]"]))]),
              ("eval_no_checkpoint", "evaluate", score("eval_no_checkpoint", "a", str(work / "node2" / "none.pt"))),
+             ("train_no_config_in_group", "train_command_in_group", [["--config", config, *argv] for config, argv in zip(
+                 (DEBUG_CONFIG, str(work / "missing.yaml")), run("train_no_config_in_group", "a"))]),
              # a --config file that no node has: each rank its own error
              ("train_no_config_anywhere", "train_command", [["--config", str(work / "missing.yaml"),
                                                             *run("nowhere2", "a")[0]]] * 2),
@@ -128,7 +138,8 @@ def outcomes(tmp_path_factory) -> dict:
                                                                                            {"1": 2, "a": 3})]),
              # rank 1 on a checkout whose schema has one section more
              ("other_code", "settings", [{"model": {"name": "a"}}, {"model": {"name": "a"}, "new": {"key": 1}}])]
-    spawn_ranks(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2)
+    # a deadline: a rank left waiting for the other (a check that one rank skips) fails here, not after gloo's 30 min
+    spawn_within(_cases_worker, (2, [free_port() for _ in cases], cases, str(work)), 2, seconds=300)
     return {name: [torch.load(work / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
             for name, _, _ in cases} | {"work": work}
 
@@ -242,6 +253,7 @@ def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_say
 
 @pytest.mark.parametrize("case, error", [
     ("train_no_config", ("ConfigError", "missing.yaml")),
+    ("train_no_config_in_group", ("ConfigError", "missing.yaml")),
     ("train_bad_plan", ("ConfigError", "w4a4")),
     ("eval_no_checkpoint", ("CheckpointError", "none.pt"))])
 def test_a_rank_that_fails_before_the_ranks_meet_stops_the_others_at_their_first_collective(outcomes, case, error):
@@ -253,6 +265,55 @@ def test_a_rank_that_fails_before_the_ranks_meet_stops_the_others_at_their_first
                                                  "node's --config files, --checkpoint or data, or checking its "
                                                  "settings); its output says why")
     assert kind1 == error[0] and error[1] in second, second
+
+
+def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer_that_never_comes(monkeypatch):
+    """A rank whose peer never joins (it failed before joining, or runs older code) raised its own error only at
+    the group's timeout (30 minutes with gloo), ignoring a SIGTERM meanwhile (train.py's start-up recorder keeps
+    it as a stop request). It now gives up after START_FAILURE_WAIT with its own error, and SIGTERM has its default
+    action while it waits."""
+    import signal
+    import time
+
+    import engine.distributed
+    from engine.distributed import fail_on_every_rank_at_start
+    from engine.startup_signals import is_recorder, record_sigterm
+
+    monkeypatch.setattr(engine.distributed, "START_FAILURE_WAIT", __import__("datetime").timedelta(seconds=2))
+    seen = []
+    real_init = engine.distributed.init_distributed
+
+    def init(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return real_init(*args, **kwargs)
+    monkeypatch.setattr(engine.distributed, "init_distributed", init)
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():  # rank 0, holding the store, never comes
+        monkeypatch.setenv(name, value)
+    before = signal.getsignal(signal.SIGTERM)
+    record_sigterm()
+    try:
+        started = time.monotonic()
+        with pytest.raises(FileNotFoundError, match="^its own$"):
+            fail_on_every_rank_at_start(FileNotFoundError("its own"), "cpu")
+        waited = time.monotonic() - started
+        assert seen == [signal.SIG_DFL], seen
+        assert is_recorder(signal.getsignal(signal.SIGTERM))  # the recorder back for the process's way out
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert 1.5 < waited < 60, waited
+
+
+def test_the_device_of_the_command_line_is_read_without_the_config_files():
+    """A rank that cannot read its --config files joins the others' group on the backend of train.device as the
+    overrides set it; "auto" (the default) where they do not set it or set it to nothing readable."""
+    from configs.loader import device_of_overrides
+
+    assert device_of_overrides(["optim.lr=0.1", "train.device=cpu"]) == "cpu"
+    assert device_of_overrides(["train={seed: 1, device: cuda}", "model.bogus=1"]) == "cuda"
+    assert device_of_overrides(["train.device=cuda", "train.device=cpu"]) == "cpu"  # the last one, as load_config
+    assert device_of_overrides(["optim.lr=0.1"]) == "auto"
+    assert device_of_overrides(["train.device=gpu"]) == "auto"
 
 
 def test_a_config_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):

@@ -913,7 +913,7 @@ def test_the_rank_is_torchruns_global_rank_and_the_device_index_its_local_rank(m
     for name, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):
         monkeypatch.setenv(name, value)
     assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
-    assert joined == [("gloo", {"rank": 3, "world_size": 4, "device_id": None})]
+    assert joined == [("gloo", {"rank": 3, "world_size": 4, "device_id": None, "timeout": None})]  # torch's own
 
 
 def test_a_reduction_other_than_sum_or_max_is_refused_even_in_one_process():
