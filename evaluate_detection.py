@@ -131,14 +131,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
                                   build_loader, check_annotation_files, check_categories, check_checkpoint_classes,
-                                  check_checkpoint_file, check_evaluator_annotations, check_image_folders,
-                                  check_pipeline, check_stage1_device, check_stage1_folder, evaluate_detector,
-                                  load_config, parse_overrides, train_activation_qat, TrainingImages)
+                                  check_evaluator_annotations, check_image_folders, check_pipeline,
+                                  check_stage1_device, check_stage1_folder, evaluate_detector, load_config,
+                                  parse_overrides, train_activation_qat, TrainingImages)
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
-    from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start, process_group,
-                                    raise_on_every_rank, run_on_main)
+    from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start,
+                                    failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
     from engine.eval_results import EvalResults
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -184,10 +184,8 @@ def main(argv=None) -> dict:
                              f"{WaitHours.describe()} (a gloo timeout past that overflows)")
     wait = MainRankWait(datetime.timedelta(hours=hours), "--main-rank-wait-hours")
     overrides = parse_overrides(args.overrides)
-    try:  # this node's config, checkpoint and data files, looked at before the ranks meet
+    try:  # this node's config and data files, read before the ranks meet
         cfg = load_config(args.config, overrides, args.data_root, evaluation_reads(pipelines))
-        # here, not only in build_detector: building the detector holds a collective (MMEngine's sync_random_seed)
-        check_checkpoint_file(args.checkpoint, f"--checkpoint {args.checkpoint}")
         # the test split; the training split only where a pipeline calibrates or trains on it
         loaders = ("test_dataloader", "train_dataloader") if pipelines else ("test_dataloader",)
         source = args.data_root and f"--data-root {args.data_root}"
@@ -199,7 +197,10 @@ def main(argv=None) -> dict:
         fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)
-        model = build_detector(cfg, args.checkpoint, dist.device)
+        # each rank reads its node's copy; no collective inside (build_loader's sampler holds the first:
+        # MMEngine's sync_random_seed, where the others waited for a rank that had failed here)
+        with failure_on_every_rank(dist.device, "loading the --checkpoint"):
+            model = build_detector(cfg, args.checkpoint, dist.device)
         loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
         check_checkpoint_classes(model, loader, args.checkpoint)
         check_pipeline(loader.dataset, "test_dataloader")  # a setting that fails on an image: before the scoring

@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from configs import ConfigError
+from engine.console import console_print
 from engine.preemption import Preempted
-from engine.startup_signals import is_recorder
+from engine.startup_signals import RECEIVED, is_recorder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,13 +126,18 @@ def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> N
     the --checkpoint that every rank reads before the group forms.
 
     device: the process group's device as the other ranks resolved it (train.device of the config, or of the
-    command line where this rank could not read its config files). This rank has nothing to save: a SIGTERM ends
-    it at once (not kept as a stop request), and it waits for the others to join at most START_FAILURE_WAIT (a
-    rank that failed before joining, or a node of another code version, never comes); then, or when it cannot
-    join at all, it raises its own error, and the others wait for their own timeout."""
+    command line where this rank could not read its config files). The error is printed first (a line on stderr
+    that says so), since this rank has nothing to save: a SIGTERM while it waits ends it at once (not kept as a
+    stop request; torch's wait runs no Python handler), and one received before skips the wait. It waits for the
+    others to join at most START_FAILURE_WAIT (a rank that failed before joining, or a node of another code
+    version, never comes; torch's store client may retry once more, up to about twice that); then, or when it
+    cannot join at all, it raises its own error, and the others wait for their own timeout."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         handler = signal.getsignal(signal.SIGTERM)
         recorded = is_recorder(handler)  # train.py's start-up recorder: this rank has nothing to stop cleanly
+        if recorded and RECEIVED:  # asked to stop already (the job is ending): nobody to wait for
+            raise error
+        say_failed_at_start(error)
         if recorded:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
@@ -141,6 +148,13 @@ def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> N
             if recorded:
                 signal.signal(signal.SIGTERM, handler)
     raise error
+
+
+def say_failed_at_start(error: BaseException) -> None:
+    """The line on stderr of a rank that failed before the ranks met, printed before it waits for them to join:
+    a SIGTERM while it waits (a cancelled job) would end it before it could print its error."""
+    console_print(f"rank {os.environ.get('RANK', '?')} failed before the ranks met; telling the others (waiting at "
+                  f"most {START_FAILURE_WAIT.total_seconds():g} s for them to join): {error}", sys.stderr)
 
 
 def cleanup_distributed(wait_for_all: bool = True) -> None:

@@ -346,10 +346,14 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, overrides, args.data_root)
     except Exception as e:  # noqa: BLE001 - under a launcher: raised here after the others know, as the checks below
         if args.launcher != "none":
-            # the group as MMEngine makes it without the config's env_cfg (NCCL, its default and the configs'); a
-            # rank that cannot join raises its own error, not the rendezvous's
+            # the group as MMEngine makes it without the config's env_cfg (NCCL, its default and the configs'),
+            # waiting for the others as long as train.py's and evaluate.py's ranks do; a rank that cannot join
+            # raises its own error, not the rendezvous's
+            from engine.distributed import START_FAILURE_WAIT, say_failed_at_start
+            say_failed_at_start(e)
             with contextlib.suppress(Exception):
-                start_process_group(args.launcher, {})
+                start_process_group(args.launcher, {"env_cfg": {"dist_cfg": {
+                    "timeout": START_FAILURE_WAIT.total_seconds()}}})
                 refuse_on_every_rank(e)
         raise e
     start_process_group(args.launcher, cfg)

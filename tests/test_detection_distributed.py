@@ -249,21 +249,28 @@ def _worker_own_argv(rank: int, world: int, port: int, argvs: list, work: str) -
     _worker(rank, world, port, argvs[rank], work)
 
 
-@pytest.mark.parametrize("lacks", ["data", "checkpoint"])
-def test_a_file_one_node_lacks_ends_every_rank_before_the_ranks_meet(sample, trained, tmp_path, lacks):
-    """The config, annotation files, image folders and the --checkpoint file are looked at before the process
-    group forms: rank 1's node without the data raised there, and rank 0 waited at the rendezvous until the group's
-    timeout (without the checkpoint: rank 0 died with a gloo traceback in the detector's build, MMEngine's
-    sync_random_seed). Rank 1 joins the group to fail, and rank 0 stops at its first collective saying so."""
+@pytest.mark.parametrize("lacks, what", [
+    ("data", "before the ranks met (reading its node's --config files, --checkpoint or data, or checking its "
+             "settings)"),
+    ("checkpoint", "loading the --checkpoint"),
+    ("cut", "loading the --checkpoint")])
+def test_a_file_one_node_lacks_ends_every_rank(sample, trained, tmp_path, lacks, what):
+    """The config, annotation files and image folders are read before the process group forms: rank 1's node
+    without the data raised there, and rank 0 waited at the rendezvous until the group's timeout. Rank 1 joins
+    the group to fail, and rank 0 stops at its first collective saying so. Without the --checkpoint, or with a copy
+    cut short, rank 1 failed in the detector's build while rank 0 went on to the first collective of the loader's
+    sampler (MMEngine's sync_random_seed): a gloo traceback there. Both now stop with one error each."""
     work = tmp_path / "work"
     work.mkdir()
     missing = str(tmp_path / "none")
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(open(trained, "rb").read()[:4096])  # a copy that stopped part-way
+    node1 = {"data": (missing, trained), "checkpoint": (sample, missing), "cut": (sample, str(cut))}[lacks]
     argvs = [["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", checkpoint, "--data-root", root,
               "--device", "cpu", "--quant", "--out", str(tmp_path / "eval.json")]
-             for root, checkpoint in ((sample, trained), (missing, trained) if lacks == "data" else (sample, missing))]
+             for root, checkpoint in ((sample, trained), node1)]
     spawn_within(_worker_own_argv, (2, free_port(), argvs, str(work)), 2, seconds=120)
     rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert rank1[0] == "DetectionError" and missing in rank1[1], rank1
-    assert rank0 == ("OtherRankError", "rank 0: another rank failed before the ranks met (reading its node's --config "
-                                        "files, --checkpoint or data, or checking its settings); its output says why")
+    assert rank1[0] == "DetectionError" and (str(cut) if lacks == "cut" else missing) in rank1[1], rank1
+    assert rank0 == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
     assert not (tmp_path / "eval.json").exists()

@@ -267,15 +267,16 @@ def test_a_rank_that_fails_before_the_ranks_meet_stops_the_others_at_their_first
     assert kind1 == error[0] and error[1] in second, second
 
 
-def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer_that_never_comes(monkeypatch):
+def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer_that_never_comes(monkeypatch, capfd):
     """A rank whose peer never joins (it failed before joining, or runs older code) raised its own error only at
     the group's timeout (30 minutes with gloo), ignoring a SIGTERM meanwhile (train.py's start-up recorder keeps
     it as a stop request). It now gives up after START_FAILURE_WAIT with its own error, and SIGTERM has its default
-    action while it waits."""
+    action while it waits; the error is printed before the wait, and a SIGTERM received already skips it."""
     import signal
     import time
 
     import engine.distributed
+    import engine.startup_signals
     from engine.distributed import fail_on_every_rank_at_start
     from engine.startup_signals import is_recorder, record_sigterm
 
@@ -283,9 +284,10 @@ def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer
     seen = []
     real_init = engine.distributed.init_distributed
 
-    def init(*args, **kwargs):
+    def init(device, main_rank_wait, timeout):  # a mutant without the bound would wait 30 minutes: fail now
+        assert timeout == engine.distributed.START_FAILURE_WAIT, timeout
         seen.append(signal.getsignal(signal.SIGTERM))
-        return real_init(*args, **kwargs)
+        return real_init(device, main_rank_wait, timeout)
     monkeypatch.setattr(engine.distributed, "init_distributed", init)
     for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(free_port())).items():  # rank 0, holding the store, never comes
@@ -299,9 +301,18 @@ def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer
         waited = time.monotonic() - started
         assert seen == [signal.SIG_DFL], seen
         assert is_recorder(signal.getsignal(signal.SIGTERM))  # the recorder back for the process's way out
+        # a SIGTERM already received (the job is being stopped): no wait at all
+        monkeypatch.setattr(engine.startup_signals, "RECEIVED", [signal.SIGTERM])
+        monkeypatch.setattr(engine.distributed, "RECEIVED", engine.startup_signals.RECEIVED)
+        with pytest.raises(FileNotFoundError, match="^its own$"):
+            fail_on_every_rank_at_start(FileNotFoundError("its own"), "cpu")
+        assert len(seen) == 1, seen
     finally:
         signal.signal(signal.SIGTERM, before)
     assert 1.5 < waited < 60, waited
+    # the error was said before the wait, on stderr: a SIGTERM during the wait would end the process without it
+    assert capfd.readouterr().err.startswith("rank 1 failed before the ranks met; telling the others (waiting at "
+                                             "most 2 s for them to join): its own\n")
 
 
 def test_the_device_of_the_command_line_is_read_without_the_config_files():
