@@ -67,7 +67,7 @@ from engine.quant_settings import quant_settings, sees_training_transform, train
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
-from engine.runinfo import describe_environment, exit_with_error, setup_logging
+from engine.runinfo import exit_with_error, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import model_kwargs
 from models.modules import nonfinite_tensors
@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> dict:
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
             setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename=EVAL_LOG)
-        log.info("%s", describe_environment(dist))
+        log_environment(log, dist)
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 
         with failure_on_every_rank(device, "loading the weights"):  # each rank reads its own node's files

@@ -65,7 +65,7 @@ from engine.snapshots import (check_same_start_on_every_rank, check_same_weights
                               keep_abandoned_checkpoint, keep_snapshot, resume_source)
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes, validation_changes)
-from engine.runinfo import describe_environment, exit_with_error, setup_logging
+from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
 from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
@@ -542,7 +542,7 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
 def setup_process(cfg: Config, dist: DistInfo) -> None:
     """Logging to out_dir/train.log (main rank), TF32 matmuls, and deterministic kernels if asked."""
     setup_logging(cfg.out_dir, dist.is_main)
-    log.info("%s", describe_environment(dist))
+    log_environment(log, dist)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

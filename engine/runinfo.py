@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from typing import Optional
 
 import timm
 import torch
@@ -75,6 +76,29 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def lone_slurm_task() -> Optional[str]:
+    """A warning when srun started this command as one of several tasks (SLURM_STEP_NUM_TASKS, which srun sets
+    to its step's task count, above 1) without torchrun's variables: each task is then a run of its own, one
+    process each, not one run over the tasks (train.py and evaluate.py join a process group from torchrun's
+    RANK / WORLD_SIZE only). A warning, not an error: tasks given their own out_dir (a sweep spread over srun's
+    tasks) are such runs on purpose. None otherwise."""
+    tasks, world = os.environ.get("SLURM_STEP_NUM_TASKS", ""), os.environ.get("WORLD_SIZE", "1")
+    if not tasks.isdigit() or int(tasks) < 2 or (world.isdigit() and int(world) > 1):
+        return None
+    return (f"srun started this command as task {os.environ.get('SLURM_PROCID', '?')} of {tasks}, without "
+            "torchrun's RANK / WORLD_SIZE: it runs alone, one process (the tasks do not form one run); for one run "
+            "over the tasks launch srun torchrun ... (one task per node), or set RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT for each task (docs/operations.md)")
+
+
+def log_environment(logger: logging.Logger, dist) -> None:
+    """The environment line at the top of a run's log, and the warning of a task srun started alone."""
+    logger.info("%s", describe_environment(dist))
+    alone = lone_slurm_task()
+    if alone:
+        logger.warning("%s", alone)
 
 
 def describe_environment(dist) -> str:
