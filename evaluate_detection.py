@@ -1,4 +1,4 @@
-"""Evaluate an MMDetection detector (the paper's COCO study, Table 2): box / mask mAP in full precision and
+r"""Evaluate an MMDetection detector (the paper's COCO study, Table 2): box / mask mAP in full precision and
 under the W4A4 pipelines, and the backbone / head activation maxima, into one JSON per checkpoint.
 
     python evaluate_detection.py --config configs/detection/mask_rcnn_swin_t_1x.py \

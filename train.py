@@ -9,8 +9,8 @@ with Colinearity Decay (CD) or TWEO.
     python train.py --config configs/pretrain/vit_b.yaml --config configs/method/cd.yaml   # + CD
 
 Config: dataclass defaults (configs/schema.py) < each --config YAML in order < key=value overrides.
-Training reads no quant.* setting: given here, they are checked at the start and recorded in config.yaml as the
-defaults of `evaluate.py --checkpoint OUT_DIR/best.pt`.
+Training reads no quant.* setting: given here, they are checked before training and recorded with the run
+(config.yaml and its checkpoints) as the defaults of `evaluate.py --checkpoint OUT_DIR/best.pt`.
 Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
 snapshots/ (train.keep_every_epochs); a resume from an earlier point or with changed settings keeps the
 earlier config.yaml / metrics.jsonl / best.pt (a roll-back also the checkpoint.pt it leaves) as

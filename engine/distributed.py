@@ -25,7 +25,7 @@ import torch.distributed as dist
 from configs import ConfigError
 from engine.console import console_print
 from engine.preemption import Preempted
-from engine.startup_signals import RECEIVED, is_recorder
+from engine import startup_signals
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,38 +123,49 @@ def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> N
     """Raise `error`, met before the process group formed: under torchrun, after joining the group, so that the
     other ranks (in `process_group`'s first collective) stop with this rank instead of waiting at the rendezvous
     or in their first collective until a timeout, the fate of the others when one node lacks a --config file or
-    the --checkpoint that every rank reads before the group forms.
+    the --checkpoint that every rank reads before the group forms (`tell_the_others_at_start` says how).
 
     device: the process group's device as the other ranks resolved it (train.device of the config, or of the
-    command line where this rank could not read its config files). The error is printed first (a line on stderr
-    that says so), since this rank has nothing to save: a SIGTERM while it waits ends it at once (not kept as a
-    stop request; torch's wait runs no Python handler), and one received before skips the wait. It waits for the
-    others to join at most START_FAILURE_WAIT (a rank that failed before joining, or a node of another code
-    version, never comes; torch's store client may retry once more, up to about twice that); then, or when it
-    cannot join at all, it raises its own error, and the others wait for their own timeout."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    command line where this rank could not read its config files)."""
+    def join_and_tell() -> None:  # process_group's first collective raises `error` once the others know
+        with process_group(device, failed_at_start=error):
+            pass
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    tell_the_others_at_start(error, join_and_tell, os.environ.get("RANK", "0"), int(world) if world.isdigit() else 1)
+
+
+def tell_the_others_at_start(error: BaseException, join_and_tell: Callable[[], None], rank: str,
+                             world: int) -> NoReturn:
+    """Raise `error`, met before the ranks met, on this rank of `world`; with others, after `join_and_tell()` has
+    joined their group and told them in their first collective (engine/distributed.py's process group, or
+    MMEngine's in scripts/train_detection.py).
+
+    The error is printed first (a line on stderr that says so), since this rank has nothing to save: a SIGTERM
+    while it waits ends it at once (not kept as a stop request by train.py's start-up recorder; torch's wait runs no
+    Python handler), and one received before skips the wait. It waits for the others to join at most
+    START_FAILURE_WAIT (a rank that failed before joining, or a node of another code version, never comes; torch's
+    store client may retry once more, up to about twice that); then, or when it cannot join at all, it raises its
+    own error, and the others wait for their own timeout."""
+    if world > 1:
         handler = signal.getsignal(signal.SIGTERM)
-        recorded = is_recorder(handler)  # train.py's start-up recorder: this rank has nothing to stop cleanly
-        if recorded and RECEIVED:  # asked to stop already (the job is ending): nobody to wait for
+        recorded = startup_signals.is_recorder(handler)
+        if recorded and startup_signals.RECEIVED:  # asked to stop already (the job ends): nobody to wait for
             raise error
-        say_failed_at_start(error)
+        # said now: a SIGTERM while this rank waits (a cancelled job) would end it before it could print its error
+        console_print(f"rank {rank} failed before the ranks met; telling the others (waiting at most "
+                      f"{START_FAILURE_WAIT.total_seconds():g} s for them to join): {error}", sys.stderr)
         if recorded:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            # raises `error` once the others know; suppressed too: this rank's cause, not the rendezvous's complaint
-            with contextlib.suppress(Exception), process_group(device, failed_at_start=error):
-                pass
+            # `error` raised there once the others know; suppressed too: this rank's cause, not the rendezvous's
+            # complaint where it cannot join
+            with contextlib.suppress(Exception):
+                join_and_tell()
         finally:
             if recorded:
                 signal.signal(signal.SIGTERM, handler)
     raise error
-
-
-def say_failed_at_start(error: BaseException) -> None:
-    """The line on stderr of a rank that failed before the ranks met, printed before it waits for them to join:
-    a SIGTERM while it waits (a cancelled job) would end it before it could print its error."""
-    console_print(f"rank {os.environ.get('RANK', '?')} failed before the ranks met; telling the others (waiting at "
-                  f"most {START_FAILURE_WAIT.total_seconds():g} s for them to join): {error}", sys.stderr)
 
 
 def cleanup_distributed(wait_for_all: bool = True) -> None:

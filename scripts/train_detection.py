@@ -86,6 +86,14 @@ def launcher_rank(launcher: str) -> str:
     return os.environ.get("SLURM_PROCID", "0")
 
 
+def launcher_world(launcher: str) -> int:
+    """The number of ranks the launcher started, before MMEngine's init_dist reads it: torchrun's WORLD_SIZE, or
+    srun's SLURM_NTASKS under --launcher slurm (MMEngine sets WORLD_SIZE from it); 1 without either."""
+    value = os.environ.get("SLURM_NTASKS" if launcher == "slurm" and "WORLD_SIZE" not in os.environ
+                           else "WORLD_SIZE", "1")
+    return int(value) if value.isdigit() else 1
+
+
 def checkpoint_files(work_dir: str) -> list:
     """The checkpoints MMEngine wrote into `work_dir` (epoch_N.pth, iter_N.pth, its last_checkpoint pointer)."""
     return glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
@@ -344,18 +352,19 @@ def main(argv=None) -> int:
     overrides = parse_overrides(args.overrides)
     try:  # this node's config files, read before the ranks meet
         cfg = load_config(args.config, overrides, args.data_root)
-    except Exception as e:  # noqa: BLE001 - under a launcher: raised here after the others know, as the checks below
-        if args.launcher != "none":
+    except Exception as e:  # noqa: BLE001 - raised here after the others know, as a refusal of the checks below
+        from engine.distributed import START_FAILURE_WAIT, tell_the_others_at_start
+        error = e
+
+        def join_and_tell() -> None:
             # the group as MMEngine makes it without the config's env_cfg (NCCL, its default and the configs'),
-            # waiting for the others as long as train.py's and evaluate.py's ranks do; a rank that cannot join
-            # raises its own error, not the rendezvous's
-            from engine.distributed import START_FAILURE_WAIT, say_failed_at_start
-            say_failed_at_start(e)
-            with contextlib.suppress(Exception):
-                start_process_group(args.launcher, {"env_cfg": {"dist_cfg": {
-                    "timeout": START_FAILURE_WAIT.total_seconds()}}})
-                refuse_on_every_rank(e)
-        raise e
+            # waiting for the others as long as train.py's and evaluate.py's ranks do
+            start_process_group(args.launcher, {"env_cfg": {"dist_cfg": {
+                "timeout": START_FAILURE_WAIT.total_seconds()}}})
+            refuse_on_every_rank(error)
+
+        tell_the_others_at_start(error, join_and_tell, launcher_rank(args.launcher),
+                                 launcher_world(args.launcher) if args.launcher != "none" else 1)
     start_process_group(args.launcher, cfg)
     refusal = None
     try:

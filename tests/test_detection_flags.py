@@ -191,6 +191,35 @@ def test_under_srun_only_slurm_rank_zero_takes_the_work_dir_lock(tmp_path, monke
                 pass
 
 
+@pytest.mark.parametrize("launcher, env, rank, world", [
+    ("slurm", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "1", 2),  # srun: no RANK before MMEngine's init_dist
+    ("pytorch", {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, "1", 2),
+    ("pytorch", {"RANK": "0", "WORLD_SIZE": "1"}, "0", 1),  # one process under a launcher: no others to tell
+    ("none", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "0", 1)])  # trains alone whatever srun says
+def test_a_config_the_node_lacks_is_told_to_the_ranks_the_launcher_started(monkeypatch, capsys, launcher, env,
+                                                                           rank, world):
+    """A --config file this node lacks: the rank tells the others before raising (engine.distributed.
+    tell_the_others_at_start), with its rank and number of ranks as its launcher gives them before MMEngine's
+    init_dist sets RANK: srun's rank printed as "?" and one process under a launcher said it was telling others."""
+    import engine.distributed
+    import train_detection
+    told = []
+
+    def tell(error, join_and_tell, rank, world):
+        told.append((rank, world))
+        raise error
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train_detection, "check_launcher", lambda launcher: None)  # no GPU needed to get there
+    monkeypatch.setattr(engine.distributed, "tell_the_others_at_start", tell)
+    line = error_line(capsys, ["--config", "/nonexistent/detector.py", "--work-dir", "/nonexistent/work",
+                               "--launcher", launcher])
+    assert line == "error: --config /nonexistent/detector.py: no such file"
+    assert told == [(rank, world)]
+
+
 @pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity", "another run"])
 def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sample_cfg, tmp_path, monkeypatch, bad):
     """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO); a

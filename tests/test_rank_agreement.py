@@ -303,7 +303,6 @@ def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer
         assert is_recorder(signal.getsignal(signal.SIGTERM))  # the recorder back for the process's way out
         # a SIGTERM already received (the job is being stopped): no wait at all
         monkeypatch.setattr(engine.startup_signals, "RECEIVED", [signal.SIGTERM])
-        monkeypatch.setattr(engine.distributed, "RECEIVED", engine.startup_signals.RECEIVED)
         with pytest.raises(FileNotFoundError, match="^its own$"):
             fail_on_every_rank_at_start(FileNotFoundError("its own"), "cpu")
         assert len(seen) == 1, seen
@@ -313,6 +312,17 @@ def test_a_rank_that_fails_before_the_ranks_meet_waits_a_bounded_time_for_a_peer
     # the error was said before the wait, on stderr: a SIGTERM during the wait would end the process without it
     assert capfd.readouterr().err.startswith("rank 1 failed before the ranks met; telling the others (waiting at "
                                              "most 2 s for them to join): its own\n")
+
+
+def test_one_process_raises_its_error_at_once_telling_no_one(capfd):
+    """With no other rank (a launcher's one process) there is nobody to join or tell: the error at once, and no line
+    that says the others are being told."""
+    from engine.distributed import tell_the_others_at_start
+
+    joined = []
+    with pytest.raises(FileNotFoundError, match="^its own$"):
+        tell_the_others_at_start(FileNotFoundError("its own"), lambda: joined.append(1), "0", 1)
+    assert joined == [] and capfd.readouterr().err == ""
 
 
 def test_the_device_of_the_command_line_is_read_without_the_config_files():
