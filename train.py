@@ -120,7 +120,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     with failure_on_every_rank(dist.device, "finding the checkpoint to resume from"):  # on each node's disk
         resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
     if dist.distributed:  # each rank looked on its own node
-        check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank)
+        check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
+                                       cfg.train.resume)
     run = build_run(cfg, dist, resumed=resume_path is not None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)

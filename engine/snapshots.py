@@ -120,19 +120,25 @@ def start_point(payload: dict) -> dict:
 
 
 def check_same_start_on_every_rank(out_dir: str, path: Optional[str], payload: Optional[dict],
-                                   device: torch.device, rank: int) -> None:
+                                   device: torch.device, rank: int, resume: str) -> None:
     """A CheckpointError on every rank when the ranks found other resume sources (`resume_source` on each):
     an out_dir on each node's own disk holds checkpoint.pt on rank 0's node only, and the other nodes' ranks would
     start afresh beside ranks that resume (other optimizer state, schedule and sample order under one set of
-    weights, without a word). Compared: the update and the weights' fingerprint; one all-reduce."""
+    weights, without a word). Compared: the update and the weights' fingerprint; one all-reduce.
+
+    resume: train.resume. Given, it cannot be the way out: a node's out_dir/checkpoint.pt continued from it wins
+    over it there (a requeued job keeps its progress), and each node reads its own copy of it."""
     start = None if payload is None else start_point(payload)
     if not differing_between_ranks({"start": start}, device):
         return
     found = (f"resumes from {path} at update {start['step']} (weights {start['weights']})" if start is not None
              else f"finds no checkpoint.pt in out_dir={out_dir} and would start afresh")
+    way_out = ("or train.resume=PATH the same checkpoint on every node" if not resume else
+               f"with train.resume={resume} each node resumes from its own out_dir/checkpoint.pt where that file "
+               f"continued from it, else from its own copy of {resume}: give every node the same files")
     raise CheckpointError(f"the processes would start from other points: rank {rank} {found}, another rank "
                           f"otherwise; out_dir must be one folder that every node reads (a shared file system), "
-                          f"or train.resume=PATH the same checkpoint on every node")
+                          f"{way_out}")
 
 
 def check_same_weights_on_every_rank(model: Optional[torch.nn.Module], weights: str, device: torch.device,

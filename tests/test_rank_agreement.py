@@ -411,3 +411,25 @@ def test_a_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
     """failure_on_every_rank raises a rank's own error where the body failed, whatever the others did."""
     for kind, message in outcomes["train_no_data_anywhere"]:
         assert kind == "DataError" and "does not exist or is not a folder" in message, message
+
+
+@pytest.mark.parametrize("resume", ["", "/shared/run/snapshots/epoch0004.pt"])
+def test_the_way_out_of_other_start_points_is_one_that_works_with_the_resume_setting(monkeypatch, resume):
+    """Where train.resume is given, a node whose own out_dir/checkpoint.pt continued from it resumes from that file
+    (resume_source), so 'train.resume=PATH the same checkpoint on every node' cannot end the disagreement: the
+    advice then asks for the same files on every node."""
+    import engine.snapshots as snapshots
+    monkeypatch.setattr(snapshots, "differing_between_ranks", lambda items, device: True)  # the other rank differs
+    with pytest.raises(snapshots.CheckpointError) as raised:
+        snapshots.check_same_start_on_every_rank("/node/out", None, None, torch.device("cpu"), 1, resume)
+    message = str(raised.value)
+    assert message.startswith("the processes would start from other points: rank 1 finds no checkpoint.pt in "
+                              "out_dir=/node/out and would start afresh, another rank otherwise; out_dir must be one "
+                              "folder that every node reads (a shared file system), "), message
+    if resume:
+        assert "the same checkpoint on every node" not in message, message
+        assert message.endswith(f"with train.resume={resume} each node resumes from its own out_dir/checkpoint.pt "
+                                f"where that file continued from it, else from its own copy of {resume}: give "
+                                f"every node the same files"), message
+    else:
+        assert message.endswith("or train.resume=PATH the same checkpoint on every node"), message
