@@ -471,9 +471,11 @@ for name in sys.argv[1:]:  # one loader after the other, each hit by a group sig
     cls = StopSafeDataLoader if name == "safe" else DataLoader
     loader = cls(torch.arange(64).float(), batch_size=8, num_workers=2, worker_init_fn=slow_init)
     batches = iter(loader)
-    # the scheduler (another process) signals the whole group while the workers start
-    subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"])
     try:
+        # the scheduler (another process) signals the whole group while the workers start; inside the try: a
+        # worker's death is raised by torch's SIGCHLD handler wherever the main process is, also while it still
+        # waits for kill to end (a slow machine)
+        subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"])
         print(name, "batches", len(list(batches)), "main got", got, flush=True)
     except RuntimeError as e:
         print(name, "worker died:", e, flush=True)
