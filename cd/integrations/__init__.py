@@ -350,11 +350,11 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
             for key, opt in opts.items()}
 
 
-def _warn_outside(decay: ColinearityDecay, held: Container[int], stacklevel: int = 3) -> None:
+def _warn_outside(decay: ColinearityDecay, held: Container[int]) -> None:
     """The rule of ColinearityDecay.attach (cd/README.md, "The API's rules"): CD changes exactly the matrices the
     optimizer changes, so decayed matrices outside it (`held`: ids of the parameters it holds) are left alone,
     with one warning."""
     outside = [name for name, t in decay._decayed_named() if id(t) not in held]
     if outside:
         warnings.warn(f"{len(outside)} decayed matrices are not in the optimizer (e.g. {outside[:3]}); the "
-                      "optimizer never changes them, so CD leaves them alone too", stacklevel=stacklevel)
+                      "optimizer never changes them, so CD leaves them alone too", stacklevel=3)
