@@ -205,9 +205,9 @@ def _other_kind(state: dict, model: nn.Module) -> str:
     return ""
 
 
-def _few(keys: list, shown: int = 5) -> str:
-    """Up to `shown` of `keys`, '...' marking those left out."""
-    return str(keys[:shown]) + ("..." if len(keys) > shown else "")
+def _few(keys: list) -> str:
+    """Up to five of `keys`, '...' marking those left out."""
+    return str(keys[:5]) + ("..." if len(keys) > 5 else "")
 
 
 def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
