@@ -1,5 +1,6 @@
 """engine/tasks.py parts that the training and evaluation tests do not reach: the mixup loss, the capped
-perplexity cell of no value, and the failure flag a language-model evaluation carries to the other ranks."""
+perplexity cell of no value, the failure flag a language-model evaluation carries to the other ranks, and the
+task each data set trains."""
 from __future__ import annotations
 
 import math
@@ -123,3 +124,19 @@ def test_a_bf16_language_model_evaluation_scores_its_logits_in_float():
             logp = torch.log_softmax(logits.double(), -1)
             nll += sum(-logp[b, t, y[b, t]].item() for b in range(2) for t in range(16))
     assert result["tokens"] == 96 and result["loss"] == pytest.approx(nll / 96, rel=1e-6)
+
+
+def test_every_token_data_set_trains_the_language_model_task_and_every_other_one_a_classifier():
+    """engine/tasks.py keeps its own copy of data/text.py's TOKEN_DATASETS (engine/ does not import data/): a token
+    data set added to one list and not the other would train a classifier on token windows. Every data set the
+    schema accepts is checked against data/'s list."""
+    import typing
+    from configs.schema import DataConfig
+    from data import TOKEN_DATASETS
+    from engine.tasks import CausalLMTask, task_for
+
+    accepted = typing.get_args(typing.get_type_hints(DataConfig)["dataset"])
+    assert set(TOKEN_DATASETS) <= set(accepted)
+    for dataset in accepted:
+        task = task_for(dataset)
+        assert isinstance(task, CausalLMTask if dataset in TOKEN_DATASETS else ClassificationTask), dataset
