@@ -68,10 +68,19 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python path *argv` (path relative to ROOT), its `__main__` block run
     in this process: each subprocess would import torch again (seconds each). What a process would print
     before the block runs (warnings at import) is not seen here: a test of that runs the entry point as a
-    process. sys.argv[0] is the script's path relative to the working directory (as `python train.py` from the
-    repository root gives it), so messages that quote the command read as the real process's. The log handlers
-    the run adds (engine.runinfo.setup_logging) end with it, as a process's do: left on the root logger, the one
-    on this test's captured stdout would write later tests' records into a closed stream."""
+    process."""
+    code = run_main(path, argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_main(path: str, argv: list[str]) -> int:
+    """The exit status of `python path *argv` (path relative to ROOT), its `__main__` block run in this process,
+    its output left to the test's capture (run_entry reads it). sys.argv[0] is the script's path relative to the
+    working directory (as `python train.py` from the repository root gives it), so messages that quote the
+    command read as the real process's. The log handlers the run adds (engine.runinfo.setup_logging) end with
+    it, as a process's do: left on the root logger, the one on this test's captured stdout would write later
+    tests' records into a closed stream."""
     import runpy
 
     old = sys.argv
@@ -95,8 +104,7 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
             root.removeHandler(handler)
             handler.close()
         root.setLevel(level)
-    out, err = capsys.readouterr()
-    return (0 if code is None else code), out, err
+    return 0 if code is None else code
 
 
 def make_folder(root, splits: dict, ext: str = ".png") -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configs import ConfigError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_main
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_pair_check  # noqa: E402
@@ -732,7 +732,9 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     and is reported as stopped, the sweep exits 75 without evaluating; the same sweep, again, continues it and
     trains the run it had not started. Both stop at train.max_steps: each is evaluated and the sweep goes on
     after the first (the limit was asked for; the summary said "finished and evaluated"), and paper_table
-    tabulates the two. The rerun's sweep runs in this process (its runs' commands in their own, as always)."""
+    tabulates the two. The rerun's sweep runs in this process, and so do the train.py and evaluate.py commands it
+    starts (conftest.run_main, as the sweep builds them: four processes would import torch again, seconds each);
+    the Ctrl-C, which is about processes, reaches real ones."""
     import signal
     import subprocess
 
@@ -761,7 +763,8 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     step = torch.load(tmp_path / "runs" / "first" / "checkpoint.pt", weights_only=True)["state"]["step"]
     assert step >= 6
     # the same sweep, limited to two more updates per run: the first continues, both are evaluated
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sweep.ForwardedSignals, "run", run_in_this_process)
+    monkeypatch.chdir(ROOT)  # where the sweep starts its commands
     capfd.readouterr()
     code = sweep.main([*cmd[2:], f"train.max_steps={step + 2}"])
     again = capfd.readouterr()  # the sweep's lines and those of the commands it started
@@ -775,6 +778,13 @@ def test_a_stopped_sweep_run_is_reported_not_evaluated_and_a_rerun_finishes_it(t
     assert len(results) == 2
     table = paper_table.main(results)
     assert "| vit_nano | Baseline |" in table and "| vit_nano | CD |" in table and "RepQ-ViT" in table
+
+
+def run_in_this_process(signals, cmd: list[str]) -> int:
+    """ForwardedSignals.run for a sweep without --launcher: the exit status of its command `python script ...`,
+    the script's __main__ block run in this process."""
+    assert cmd[0] == sys.executable, cmd
+    return run_main(cmd[1], cmd[2:])
 
 
 def test_a_sweep_moves_aside_an_evaluation_older_than_its_checkpoint(tmp_path):
