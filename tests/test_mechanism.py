@@ -351,10 +351,27 @@ def test_a_weights_file_with_a_model_name_works(checkpoints, tmp_path):
     assert [r["alpha"] for r in a["ranked"]] == [r["alpha"] for r in b["ranked"]]
 
 
-def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not_scored(checkpoints, tmp_path):
+@pytest.fixture
+def figures_not_drawn(monkeypatch):
+    """The subcommands' figures laid out and saved as empty files: drawing them (tight_layout, savefig: seconds per
+    figure on a busy CPU) is what test_alignment_and_energies_write_their_files_and_refuse_to_overwrite checks; a
+    test of what a subcommand loads and computes does not read them."""
+    from matplotlib.figure import Figure
+
+    def save_empty(self, path, *args, **kwargs):
+        with open(path, "wb"):
+            pass
+
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Figure, "savefig", save_empty)
+
+
+def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not_scored(checkpoints, tmp_path,
+                                                                                        figures_not_drawn):
     """Backbones are published without a classifier (DINOv2, MAE): alignment and energies, which read the blocks'
     matrices alone, take such a file as it is (they refused it as not fitting the model); remove scores top-1 and
-    still refuses it, and so does alignment for a file that lacks a block matrix."""
+    still refuses it, and so does alignment for a file that lacks a block matrix. The figures are not drawn
+    (figures_not_drawn)."""
     from models import ModelError
 
     base, _ = checkpoints
