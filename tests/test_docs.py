@@ -456,12 +456,19 @@ def test_each_integration_example_needs_only_what_its_install_line_installs():
         assert imported - sys.stdlib_module_names <= installed, (framework, extras, imported - installed)
 
 
-# Runs each example file named on its command line in a child forked from an interpreter that has imported torch
-# alone (every example imports it): each has its own module state, globals (those of `python -c`) and working
-# folder, as a fresh `python -c` would, without three starts of torch. Prints each child's exit code.
+# Runs each example file named on its command line in a child forked from an interpreter that has imported torch,
+# torchvision and transformers alone (every example imports them: torch itself, the others through its framework,
+# `python -X importtime` of each; torchvision brings torch._dynamo, seconds): each has its own module state, globals
+# (those of `python -c`) and working folder, as a fresh `python -c` would, without three starts of those. Prints each
+# child's exit code.
 RUN_EACH_IN_A_FORK = r"""
 import os, sys, traceback
 import torch  # noqa: F401
+for name in ("torchvision", "transformers"):
+    try:
+        __import__(name)
+    except ImportError:  # an example that needs it fails in its own child, as it would alone
+        pass
 codes = []
 for path in sys.argv[1:]:
     pid = os.fork()
