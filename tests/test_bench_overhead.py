@@ -7,11 +7,12 @@ import functools
 import json
 import os
 import subprocess
+import sys
 
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import ROOT, load_script, run_main
 
 
 def _bench():
@@ -48,9 +49,23 @@ def test_bench_overhead_apply_only(tmp_path):
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
 
 
-def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path):
+def train_in_this_process(run):
+    """subprocess.run with a `python .../train.py ...` command run in this process (conftest.run_main: the
+    __main__ block of train.py with that command line, a process would import torch again); any other command
+    as `run` runs it."""
+    def run_or_train(cmd, *args, **kwargs):
+        if list(cmd[:1]) == [sys.executable] and os.path.basename(cmd[1]) == "train.py":
+            return subprocess.CompletedProcess(cmd, run_main(cmd[1], list(cmd[2:])))
+        return run(cmd, *args, **kwargs)
+    return run_or_train
+
+
+def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path, monkeypatch):
     """--protocol epochs: train.py runs whose loop logs epoch/train_seconds; two epochs per run, the mean
-    over them, the same without the first, and ratios to the baseline."""
+    over them, the same without the first, and ratios to the baseline. The runs' train.py commands, as the
+    protocol builds them, run in this process (train_in_this_process)."""
+    monkeypatch.setattr(subprocess, "run", train_in_this_process(subprocess.run))
+    monkeypatch.chdir(ROOT)  # where the protocol starts its runs
     out = tmp_path / "ep"
     report = _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml",
                             "--global-batch", "16", "--batches", "8", "--models", "--methods", "baseline",
