@@ -94,7 +94,10 @@ def find_split(root: str, split: str) -> str:
         raise DataError("data.root is empty: set it to a folder holding train/ and val/ class folders, "
                         "e.g. data.root=/datasets/imagenet (or use data.dataset=digits)")
     if not os.path.isdir(root):
-        raise DataError(f"data.root '{root}' does not exist or is not a folder")
+        # name the fix, not only the fault: the newcomer's typical case is a path copied from the docs
+        raise DataError(f"data.root '{root}' does not exist or is not a folder: set data.root to the folder that "
+                        f"holds the {split}/ class folders (<split>/<class>/<image>), or use "
+                        f"data.dataset=digits for the embedded set")
     if os.path.normpath(os.path.join(root, split)) == os.path.normpath(root):  # "", ".", "./": root's own folders
         raise DataError(f"the split name {split!r} names data.root itself, whose folders would be the classes: set "
                         f"data.train_split / data.val_split to the sub-folder of {root} that holds the class folders")

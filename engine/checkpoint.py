@@ -121,7 +121,8 @@ def load_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{path} is a folder, not a checkpoint file: give a file in it, e.g. "
                               f"{os.path.join(path, 'best.pt')} or {os.path.join(path, 'checkpoint.pt')}")
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}; give a best.pt or checkpoint.pt that train.py wrote "
+                              f"(in the run's out_dir)")
     not_torch = not_a_torch_file(path)
     if not_torch:  # else torch's unpickler error, which advises weights_only=False: no help for a JSON
         raise CheckpointError(f"{path} is not a checkpoint of this code base: {not_torch}; give a best.pt or "

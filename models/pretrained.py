@@ -40,8 +40,10 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             and missing attention-sink parameters keep their initial values.
     """
     if not os.path.isfile(path):
-        raise ModelError(f"pretrained weights not found: {path}" + (" is a folder; give the weights file in it"
-                                                                    if os.path.isdir(path) else ""))
+        # both callers read model.pretrained: name the key, and what it takes
+        raise ModelError(f"pretrained weights not found: model.pretrained={path}" + (
+            " is a folder; give the weights file in it" if os.path.isdir(path) else
+            " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
     no_state = (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole "
                 f"nor under 'model' / 'state_dict': give a weights file")
     try:

@@ -64,6 +64,30 @@ def test_a_misspelled_model_name_is_one_line_with_close_names(capsys):
         "vit_base_patch16_xp_224, samvit_base_patch16_224?"]
 
 
+def test_missing_inputs_are_named_with_their_fix(tmp_path):
+    """The README's ImageNet / fine-tuning / evaluation commands on a machine without the data, weights or run:
+    each error names the input and what to give instead (they said only "does not exist" / "not found")."""
+    from torch import nn
+
+    from data.folder import DataError, find_split
+    from engine.checkpoint import CheckpointError, load_checkpoint
+    from models.pretrained import ModelError, load_pretrained
+
+    missing = str(tmp_path / "imagenet")
+    with pytest.raises(DataError) as e:
+        find_split(missing, "val")
+    assert f"data.root '{missing}' does not exist" in str(e.value)
+    assert "set data.root to the folder that holds the val/ class folders" in str(e.value)
+    with pytest.raises(ModelError) as e:
+        load_pretrained(nn.Linear(2, 2), str(tmp_path / "deit_base.pth"))
+    assert f"model.pretrained={tmp_path / 'deit_base.pth'} is no such file" in str(e.value)
+    assert "give the path of a local .pth, .pt or .safetensors weights file" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(tmp_path / "best.pt"))
+    assert str(e.value).startswith(f"checkpoint not found: {tmp_path / 'best.pt'}; ")
+    assert "best.pt or checkpoint.pt that train.py wrote" in str(e.value)
+
+
 def test_ctrl_c_in_evaluate_is_one_line_and_keeps_what_was_written(checkpoint, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", checkpoint, "--out", str(out),
