@@ -1,7 +1,7 @@
-r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml): one table, three figures.
+r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml): tables and two figures.
 
     python scripts/sweep.py configs/sweeps/fashion_mnist_dose.yaml --run --evaluate
-    python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out docs/figures
+    python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out runs/fashion_mnist_dose_report
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
 (mean ± sample std). Runs evaluated differently (autocast, weights and the kind of checkpoint, data, quantization

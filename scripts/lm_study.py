@@ -1,7 +1,7 @@
 r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_dose.yaml): tables and figures.
 
     python scripts/sweep.py configs/sweeps/kjv_lm_dose.yaml --run --evaluate
-    python scripts/lm_study.py runs/sweeps/kjv_lm_dose --out docs/figures
+    python scripts/lm_study.py runs/sweeps/kjv_lm_dose --out runs/kjv_lm_dose_report
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
