@@ -338,3 +338,23 @@ def test_one_sequence_of_token_ids_without_its_batch_dim_is_refused_naming_the_f
                            r"ids\[None\]"):
             find_pairs(tiny_gpt2(), example_input=example)
     assert len(find_pairs(tiny_gpt2(), example_input=ids[None])) == 4 * LAYERS
+
+
+def test_a_data_folder_named_datasets_on_the_path_is_refused_with_the_folder_and_the_fix(tmp_path, monkeypatch):
+    """A folder `datasets/` on sys.path (docs/mini_reproduction.md exports its data sets under the checkout's root)
+    is imported as Hugging Face's `datasets` when that is not installed; the Trainer then failed inside train() with
+    "module 'datasets' has no attribute 'Dataset'". The callback refuses it when made, naming the folder."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec("datasets")
+    if real is not None and real.origin not in (None, "namespace"):
+        pytest.skip("Hugging Face's datasets is installed: a folder cannot shadow it")
+    (tmp_path / "datasets" / "fashion_mnist").mkdir(parents=True)
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))  # also clears the import caches
+    with pytest.raises(RuntimeError) as refused:
+        ColinearityDecayCallback(lam=0.005)
+    message = str(refused.value)
+    assert f"the folder {tmp_path / 'datasets'} is importable as the package `datasets`" in message
+    assert "pip install datasets" in message and "PYTHONPATH" in message

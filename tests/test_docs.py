@@ -509,7 +509,12 @@ def test_integration_examples_run_as_written(tmp_path):
             (tmp_path / name).mkdir()
             paths.append(tmp_path / name / "example.py")
             paths[-1].write_text(code)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    # `cd` alone on the path, as `pip install .` installs it: the checkout's root would also make a data folder
+    # there, such as datasets/ of docs/mini_reproduction.md, importable (as Hugging Face's `datasets`)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "cd").symlink_to(os.path.join(ROOT, "cd"))
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", RUN_EACH_IN_A_FORK, *map(str, paths)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -29,12 +29,30 @@ share the state and are still refused.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Any, Optional
 
 from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
 from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
+
+
+def check_datasets_not_shadowed() -> None:
+    """Refuse a plain folder named `datasets` that Python would import as Hugging Face's `datasets` package (a
+    namespace package: a data folder of that name on sys.path, e.g. under a checkout's root, without the package
+    installed). transformers then takes it for the package and its Trainer fails inside `train()` with
+    "module 'datasets' has no attribute 'Dataset'", which names neither the folder nor the fix."""
+    spec = importlib.util.find_spec("datasets")
+    if spec is None or spec.origin not in (None, "namespace") or not spec.submodule_search_locations:
+        return  # not importable, or a real module / package
+    folder = list(spec.submodule_search_locations)[0]
+    raise RuntimeError(f"ColinearityDecayCallback: the folder {folder} is importable as the package `datasets` "
+                       f"(a folder of that name on sys.path, and Hugging Face's `datasets` is not installed): "
+                       f"transformers' Trainer would take it for that package and fail (\"module 'datasets' has no "
+                       f"attribute 'Dataset'\"); run from a folder that holds no `datasets/` and keep it off "
+                       f"PYTHONPATH, or pip install datasets")
 
 
 class ColinearityDecayCallback(TrainerCallback):
@@ -52,6 +70,7 @@ class ColinearityDecayCallback(TrainerCallback):
 
     def __init__(self, **cd_kwargs: Any) -> None:
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        check_datasets_not_shadowed()
         self.decay: Optional[ColinearityDecay] = None
         self._binding: Optional[OptimizerBinding] = None
 
