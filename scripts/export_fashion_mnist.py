@@ -1,10 +1,10 @@
 r"""Export Fashion-MNIST (Debian's dataset-fashion-mnist package) as ImageNet-style class folders.
 
     apt-get install -y dataset-fashion-mnist        # idx .gz files in /usr/share/datasets/fashion-mnist
-    python scripts/export_fashion_mnist.py --out datasets/fashion_mnist --train-per-class 200 \
+    python scripts/export_fashion_mnist.py --out data_sets/fashion_mnist --train-per-class 200 \
         --val-per-class 50
     python train.py --config configs/finetune/fashion_mnist_dinov2_s14.yaml \
-        data.root=datasets/fashion_mnist model.pretrained=...
+        data.root=data_sets/fashion_mnist model.pretrained=...
 
 Writes OUT/train/<class>/<n>.png from the 60,000 training images and OUT/val/<class>/<n>.png from the
 10,000 test images: 28x28 8-bit grayscale PNGs with the original pixel values (the data loader converts

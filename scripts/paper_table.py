@@ -24,7 +24,7 @@ Layouts:
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
               bit-width found. The data set of a result is the last folder name of its data.root
-              (datasets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
+              (data_sets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
               on the same data (root, split, transform, image count, the val images' names), and all entries
               with the same kind of weights (raw or EMA), autocast and kind of checkpoint: results evaluated
               otherwise are refused.

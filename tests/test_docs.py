@@ -509,8 +509,8 @@ def test_integration_examples_run_as_written(tmp_path):
             (tmp_path / name).mkdir()
             paths.append(tmp_path / name / "example.py")
             paths[-1].write_text(code)
-    # `cd` alone on the path, as `pip install .` installs it: the checkout's root would also make a data folder
-    # there, such as datasets/ of docs/mini_reproduction.md, importable (as Hugging Face's `datasets`)
+    # `cd` alone on the path, as `pip install .` installs it: the checkout's root would also make whatever else lies
+    # there importable (a data folder named datasets/ as Hugging Face's `datasets`)
     site = tmp_path / "site"
     site.mkdir()
     (site / "cd").symlink_to(os.path.join(ROOT, "cd"))
