@@ -495,8 +495,8 @@ print(codes)
 
 @pytest.mark.slow
 def test_integration_examples_run_as_written(tmp_path):
-    """Each complete example of cd/README.md's integrations section runs as pasted (in a folder of its own, the
-    repository on PYTHONPATH as `pip install .` would give `cd`) and logs CD's metrics after its 4 updates."""
+    """Each complete example of cd/README.md's integrations section runs as pasted (in a folder of its own, with
+    only the `cd` package on PYTHONPATH, as `pip install .` gives it) and logs CD's metrics after its 4 updates."""
     import sys
 
     names = ["hf", "lightning", "mmengine"]

@@ -413,23 +413,27 @@ def test_a_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
         assert kind == "DataError" and "does not exist or is not a folder" in message, message
 
 
-@pytest.mark.parametrize("resume", ["", "/shared/run/snapshots/epoch0004.pt"])
-def test_the_way_out_of_other_start_points_is_one_that_works_with_the_resume_setting(monkeypatch, resume):
+def test_the_way_out_of_other_start_points_is_one_that_works_with_the_resume_setting(monkeypatch):
     """Where train.resume is given, a node whose own out_dir/checkpoint.pt continued from it resumes from that file
     (resume_source), so 'train.resume=PATH the same checkpoint on every node' cannot end the disagreement: the
-    advice then asks for the same files on every node."""
+    advice then asks for the same files on every node. Without train.resume, that advice stands."""
     import engine.snapshots as snapshots
     monkeypatch.setattr(snapshots, "differing_between_ranks", lambda items, device: True)  # the other rank differs
-    with pytest.raises(snapshots.CheckpointError) as raised:
-        snapshots.check_same_start_on_every_rank("/node/out", None, None, torch.device("cpu"), 1, resume)
-    message = str(raised.value)
-    assert message.startswith("the processes would start from other points: rank 1 finds no checkpoint.pt in "
-                              "out_dir=/node/out and would start afresh, another rank otherwise; out_dir must be one "
-                              "folder that every node reads (a shared file system), "), message
-    if resume:
-        assert "the same checkpoint on every node" not in message, message
-        assert message.endswith(f"with train.resume={resume} each node resumes from its own out_dir/checkpoint.pt "
-                                f"where that file continued from it, else from its own copy of {resume}: give "
-                                f"every node the same files"), message
-    else:
-        assert message.endswith("or train.resume=PATH the same checkpoint on every node"), message
+    cpu, resume = torch.device("cpu"), "/shared/run/snapshots/epoch0004.pt"
+    with pytest.raises(snapshots.CheckpointError) as continued:  # this node's checkpoint.pt continued from resume
+        snapshots.check_same_start_on_every_rank("/node/out", "/node/out/checkpoint.pt",
+                                                 {"state": {"step": 7}, "model": {"w": torch.ones(2)}}, cpu, 1, resume)
+    message = str(continued.value)
+    assert message.startswith("the processes would start from other points: rank 1 resumes from "
+                              "/node/out/checkpoint.pt at update 7 (weights "), message
+    assert "the same checkpoint on every node" not in message, message
+    assert message.endswith(f"out_dir must be one folder that every node reads (a shared file system), with "
+                            f"train.resume={resume} each node resumes from its own out_dir/checkpoint.pt where that "
+                            f"file continued from it, else from its own copy of {resume}: give every node the same "
+                            f"files"), message
+    with pytest.raises(snapshots.CheckpointError) as afresh:  # no train.resume, no checkpoint.pt on this node
+        snapshots.check_same_start_on_every_rank("/node/out", None, None, cpu, 1, "")
+    assert str(afresh.value) == ("the processes would start from other points: rank 1 finds no checkpoint.pt in "
+                                 "out_dir=/node/out and would start afresh, another rank otherwise; out_dir must be "
+                                 "one folder that every node reads (a shared file system), or train.resume=PATH the "
+                                 "same checkpoint on every node")

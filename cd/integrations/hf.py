@@ -30,7 +30,7 @@ share the state and are still refused.
 from __future__ import annotations
 
 import importlib.util
-
+import os
 from typing import Any, Optional
 
 from transformers import TrainerCallback
@@ -48,11 +48,12 @@ def check_datasets_not_shadowed() -> None:
     if spec is None or spec.origin not in (None, "namespace") or not spec.submodule_search_locations:
         return  # not importable, or a real module / package
     folder = list(spec.submodule_search_locations)[0]
+    # the folder that holds it is on sys.path as the script's own folder, the working folder (python -c, -m,
+    # pytest) or a PYTHONPATH entry: name it, since which one is not known here
     raise RuntimeError(f"ColinearityDecayCallback: the folder {folder} is importable as the package `datasets` "
-                       f"(a folder of that name on sys.path, and Hugging Face's `datasets` is not installed): "
-                       f"transformers' Trainer would take it for that package and fail (\"module 'datasets' has no "
-                       f"attribute 'Dataset'\"); run from a folder that holds no `datasets/` and keep it off "
-                       f"PYTHONPATH, or pip install datasets")
+                       f"({os.path.dirname(folder)} is on sys.path, and Hugging Face's `datasets` is not "
+                       f"installed): transformers' Trainer would take it for that package and fail (\"module "
+                       f"'datasets' has no attribute 'Dataset'\"); rename or move {folder}, or pip install datasets")
 
 
 class ColinearityDecayCallback(TrainerCallback):

@@ -146,6 +146,10 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     if resume:
         # each rank reads the file at its own path (an --out on each node's disk: rank 0's alone, or a stale copy)
         with failure_on_every_rank(device, "reading the GPLQ stage-1 checkpoint"):
+            if not os.path.exists(checkpoint):  # rank 0 found it: this rank's node has another --out folder
+                raise CheckpointError(f"the GPLQ stage-1 checkpoint {checkpoint} that rank 0 resumes from is not on "
+                                      f"this rank's node: give --out a folder every node sees (a shared file "
+                                      f"system)")
             payload = load_checkpoint(checkpoint)
             refuse_other_run(checkpoint, payload["config"], config)
             restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
