@@ -119,6 +119,14 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
     cleanup_distributed()
 
 
+def launched_world_size(variable: str = "WORLD_SIZE") -> int:
+    """The number of processes the launcher started, as `variable` gives it (torchrun's WORLD_SIZE, srun's
+    SLURM_NTASKS / SLURM_STEP_NUM_TASKS); 1 where it is unset or not a number (read on error paths and in warnings,
+    which must not fail on it)."""
+    value = os.environ.get(variable, "1")
+    return int(value) if value.isdigit() else 1
+
+
 def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> NoReturn:
     """Raise `error`, met before the process group formed: under torchrun, after joining the group, so that the
     other ranks (in `process_group`'s first collective) stop with this rank instead of waiting at the rendezvous
@@ -131,8 +139,7 @@ def fail_on_every_rank_at_start(error: BaseException, device: str = "auto") -> N
         with process_group(device, failed_at_start=error):
             pass
 
-    world = os.environ.get("WORLD_SIZE", "1")
-    tell_the_others_at_start(error, join_and_tell, os.environ.get("RANK", "0"), int(world) if world.isdigit() else 1)
+    tell_the_others_at_start(error, join_and_tell, os.environ.get("RANK", "0"), launched_world_size())
 
 
 def tell_the_others_at_start(error: BaseException, join_and_tell: Callable[[], None], rank: str,

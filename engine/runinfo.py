@@ -14,6 +14,7 @@ import timm
 import torch
 
 from engine.console import ConsoleHandler
+from engine.distributed import launched_world_size
 
 
 def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
@@ -84,8 +85,8 @@ def lone_slurm_task() -> Optional[str]:
     process each, not one run over the tasks (train.py and evaluate.py join a process group from torchrun's
     RANK / WORLD_SIZE only). A warning, not an error: tasks given their own out_dir (a sweep spread over srun's
     tasks) are such runs on purpose. None otherwise."""
-    tasks, world = os.environ.get("SLURM_STEP_NUM_TASKS", ""), os.environ.get("WORLD_SIZE", "1")
-    if not tasks.isdigit() or int(tasks) < 2 or (world.isdigit() and int(world) > 1):
+    tasks = launched_world_size("SLURM_STEP_NUM_TASKS")
+    if tasks < 2 or launched_world_size() > 1:
         return None
     return (f"srun started this command as task {os.environ.get('SLURM_PROCID', '?')} of {tasks}, without "
             "torchrun's RANK / WORLD_SIZE: it runs alone, one process (the tasks do not form one run); for one run "

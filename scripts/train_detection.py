@@ -89,9 +89,10 @@ def launcher_rank(launcher: str) -> str:
 def launcher_world(launcher: str) -> int:
     """The number of ranks the launcher started, before MMEngine's init_dist reads it: torchrun's WORLD_SIZE, or
     srun's SLURM_NTASKS under --launcher slurm (MMEngine sets WORLD_SIZE from it); 1 without either."""
-    value = os.environ.get("SLURM_NTASKS" if launcher == "slurm" and "WORLD_SIZE" not in os.environ
-                           else "WORLD_SIZE", "1")
-    return int(value) if value.isdigit() else 1
+    from engine.distributed import launched_world_size
+
+    return launched_world_size("SLURM_NTASKS" if launcher == "slurm" and "WORLD_SIZE" not in os.environ
+                               else "WORLD_SIZE")
 
 
 def checkpoint_files(work_dir: str) -> list:
