@@ -1,10 +1,10 @@
 """The whole GPU check in one command that fits a 10-minute call on one GPU: `pytest -m gpu`, then the
 GPU figures, all written to one JSON.
 
-On a machine with one CUDA GPU, from the repository root, as one command with a 600 s limit (the stages
-take at most --total-budget 570 s; no internet or wandb needed), writing the JSON and its logs under $OUT:
+On a machine with one CUDA GPU, from the repository root, in under 10 minutes (the stages take at most
+--total-budget 570 s; no internet or wandb needed), writing the JSON and its logs into one folder:
 
-    PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out $OUT/gpu_check.json
+    PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check/gpu_check.json
 
     python scripts/gpu_check.py --stages precision overhead --out figures.json   # some stages only
     python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json                # CPU, under a minute

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from configs import ConfigError
+from configs import ConfigError, load_config
 from tests.conftest import ROOT, run_main
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -34,6 +34,26 @@ def test_every_sweep_expands_into_valid_configs(path):
     assert runs and len({r["name"] for r in runs}) == len(runs)
     out_dirs = [o for r in runs for o in r["overrides"] if o.startswith("out_dir=")]
     assert len(set(out_dirs)) == len(runs)  # every run writes to its own folder
+
+
+def test_the_gpu_study_takes_the_offline_copies_for_every_run_and_runs_each_methods_first_seed_first():
+    """docs/mini_reproduction.md "On a GPU": the copied data, the half-precision weights and a shorter
+    schedule are overrides for the whole sweep, and a sweep cut short has compared all four points."""
+    kit = ["data.root=kit/fashion_mnist", "model.pretrained=kit/dinov2_s14_half.safetensors", "sched.epochs=4"]
+    runs = sweep.expand(os.path.join(ROOT, "configs", "sweeps", "fashion_mnist_gpu.yaml"), kit)
+    assert all(run["overrides"][-len(kit) - 1:-1] == kit for run in runs)
+    points = [run["name"].rsplit("_s", 1) for run in runs]
+    assert [p for p, s in points[:4]] == ["baseline", "cd1x", "cd100x", "tweo"]
+    assert [s for p, s in points] == sorted(s for p, s in points)  # seed 0 of every point, then seed 1, ...
+    methods = {}
+    for (point, seed), run in zip(points, runs):
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+        assert (cfg.model.img_size, cfg.data.root, cfg.sched.epochs, cfg.train.seed) == (224, "kit/fashion_mnist", 4,
+                                                                                          int(seed))
+        cd = cfg.cd.enabled and (cfg.cd.lam, cfg.cd.lam_per_role["fc2"], cfg.cd.budget)
+        methods.setdefault(point, set()).add((cd, cfg.tweo.enabled))  # one setting for all seeds of a point
+    assert methods == {"baseline": {(False, False)}, "cd1x": {((0.01, 0.02, True), False)},
+                       "cd100x": {((1.0, 2.0, False), False)}, "tweo": {(False, True)}}
 
 
 def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
