@@ -4,8 +4,10 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out runs/fashion_mnist_dose_report
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
-(mean ± sample std). Runs evaluated differently (autocast, weights and the kind of checkpoint, data, quantization
-settings), and seeds of one point trained with other settings (the recipe their eval_best.json records) or
+(mean ± sample std). A run without eval_best.json, or not evaluated at every quantized column of the table
+(an evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights
+and the kind of checkpoint, data, quantization settings), and seeds of one point trained with other settings
+(the recipe their eval_best.json records) or
 evaluated with other model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained
 with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
 both; a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's
@@ -255,6 +257,27 @@ def module_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str
     return marks, notes
 
 
+def complete_runs(root: str, runs: Sequence[Run]) -> list[Run]:
+    """The runs evaluated at every quantized column of the table (QUANT_COLUMNS). A run without some of them
+    (an evaluation cut short: evaluate.py keeps the entries it finished; or one run with other --quant / --bits)
+    is left out as a run not yet evaluated is, and a warning names it and what it lacks; none left is an
+    error."""
+    lacking = {r.folder: [f"{p} {b}" for p, b in QUANT_COLUMNS if b not in r.result["quant"].get(p, {})]
+               for r in runs}
+    incomplete = "; ".join(f"{os.path.basename(folder)} lacks {', '.join(what)}" for folder, what in lacking.items()
+                           if what)
+    fix = (f"finish their evaluation with the sweep's --run --evaluate (it continues one that was cut short), or "
+           f"python evaluate.py --checkpoint RUN/best.pt --quant {' '.join(sorted({p for p, _ in QUANT_COLUMNS}))} "
+           f"--bits {' '.join(sorted({b for _, b in QUANT_COLUMNS}))}")
+    complete = [r for r in runs if not lacking[r.folder]]
+    if not complete:
+        raise ReportError(f"{root}: no run is evaluated at every column of the table ({incomplete}): {fix}")
+    if incomplete:
+        print(f"warning: left out of the report, not evaluated at every column of the table: {incomplete}; {fix}",
+              file=sys.stderr)
+    return complete
+
+
 def by_point(runs: Sequence[Run]) -> dict[str, list[Run]]:
     """Points in dose order: baseline, CD by strength (0.5x, 1x, 10x, ...), then the others (TWEO)."""
     groups = defaultdict(list)
@@ -481,11 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise ReportError(f"{args.root}: not an image-classifier sweep (its eval_best.json have no top-1); "
                           "scripts/lm_study.py reports language models")
     check_numbers(runs, ("fp.top1", "max_act.module", "max_act.block"), "top1")
-    unevaluated = sorted({f"{p} {b}" for r in runs for p, b in QUANT_COLUMNS if b not in r.result["quant"].get(p, {})})
-    if unevaluated:  # before any output is written
-        raise ReportError(f"{args.root}: some runs lack {', '.join(unevaluated)}: evaluate every run with "
-                          f"evaluate.py --quant {' '.join(sorted({p for p, _ in QUANT_COLUMNS}))} --bits "
-                          f"{' '.join(sorted({b for _, b in QUANT_COLUMNS}))}")
+    groups = by_point(complete_runs(args.root, runs))  # before any output is written
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
         start = pretrained_model(next(iter(groups.values()))[0])

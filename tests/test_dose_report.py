@@ -374,18 +374,38 @@ def test_each_quantized_number_is_in_the_column_that_names_its_pipeline_and_bits
                      "Max. Act. blk.": "5.00"}
 
 
-def test_a_run_not_evaluated_at_a_column_of_the_table_is_refused_before_anything_is_written(tmp_path):
-    """A seed evaluated without RepQ-ViT W3A3 has no number for that column: one error naming what is missing and
-    the evaluate.py options that add it, before any output (without the check: a KeyError in the table, after the
-    figures were written)."""
-    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
-        write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
-    path = tmp_path / "cd10x_s0" / "eval_best.json"
+def drop_entry(folder, pipeline, bits):
+    """The run's eval_best.json without one quantized entry, as evaluate.py leaves it when stopped before it."""
+    path = folder / "eval_best.json"
     result = json.loads(path.read_text())
-    del result["quant"]["repq"]["w3a3"]
+    del result["quant"][pipeline][bits]
     path.write_text(json.dumps(result))
-    with pytest.raises(dose_report.ReportError, match=r"some runs lack repq w3a3: evaluate every run with evaluate.py "
-                                                      r"--quant percentile repq --bits w3a3 w4a4"):
+
+
+def test_a_run_whose_evaluation_was_cut_short_is_left_out_and_named_with_what_it_lacks(tmp_path, capsys):
+    """A seed evaluated without RepQ-ViT W3A3 (a sweep stopped during its evaluation: evaluate.py keeps the entries
+    it finished) has no number for that column: left out of the report as a run not yet evaluated is, and the
+    warning names it, what it lacks and how to finish it (without the check: a KeyError in the table, after the
+    figures were written)."""
+    write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    drop_entry(write_run(tmp_path, "baseline_s1", fp=90.0, w4=70.0, fc2_curve=[100.0], norm1_max=4.0, seed=1),
+               "repq", "w3a3")
+    report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    row = next(line for line in report.splitlines() if line.startswith("| baseline |"))
+    assert row.startswith("| baseline | 0 | 80.00 |")  # seed 1's 90.00 would make it 85.00 ± 7.07 over "0,1"
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")] == [
+        "warning: left out of the report, not evaluated at every column of the table: baseline_s1 lacks repq w3a3; "
+        "finish their evaluation with the sweep's --run --evaluate (it continues one that was cut short), or python "
+        "evaluate.py --checkpoint RUN/best.pt --quant percentile repq --bits w3a3 w4a4"]
+
+
+def test_no_run_evaluated_at_every_column_is_refused_before_anything_is_written(tmp_path):
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        drop_entry(write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed),
+                   "percentile", "w4a4" if seed else "w3a3")
+    with pytest.raises(dose_report.ReportError, match=r"no run is evaluated at every column of the table "
+                                                      r"\(baseline_s0 lacks percentile w3a3; cd10x_s0 lacks "
+                                                      r"percentile w4a4\): finish their evaluation"):
         dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
 
