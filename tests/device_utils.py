@@ -99,6 +99,26 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostSyncsRaise(torch.overrides.TorchFunctionMode):
+    """The CPU stand-in for `torch.cuda.set_sync_debug_mode("error")`: while armed, a tensor made from host data
+    (HostCopies.FUNCTIONS) or a read of a tensor's value by the host (HostReads.NAMES), each a host sync on CUDA,
+    raises RuntimeError naming it. What torch does in C++ (a blocking copy inside an op, nonzero) is not seen
+    here: the CUDA case's debug mode sees that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.armed and (func in HostCopies.FUNCTIONS or name in HostReads.NAMES):
+            raise RuntimeError(f"a host sync ({name}) where none may happen")
+        return func(*args, **(kwargs or {}))
+
+
 def adam_step_follows_default_device() -> bool:
     """Whether torch's Adam / AdamW create their `step` state on the default device.
 

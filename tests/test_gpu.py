@@ -9,6 +9,7 @@ device as a parameter: its `cpu` case runs in the default suite wherever a CPU c
 that the assertions are exercised (and seen to fail on a broken subject) without a GPU. The CPU stand-ins
 for the device bugs these catch are in test_device_explicit.py.
 """
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from engine.optim import build_optimizer
 from engine.precision import grad_scaler
 from models import build_model
 from quant import PIPELINES
-from device_utils import _FixedOrder, cpu_pipeline_data, tensors_of
+from device_utils import HostSyncsRaise, _FixedOrder, cpu_pipeline_data, tensors_of
 from dist_utils import free_port
 from quant_models import images, tiny_swin, tiny_vit
 from test_train import checkpoint_tensors, read_metrics
@@ -278,12 +279,29 @@ def test_resume_on_device(debug_config, deterministic, device):
 FORCED_OVERFLOW = 4  # the update (0-based) whose gradient is made infinite
 
 
+@contextlib.contextmanager
+def host_syncs_are_errors(device: torch.device):
+    """A host sync raises inside: CUDA's sync debug mode, or on a CPU its stand-in (device_utils.HostSyncsRaise:
+    host copies and reads, where CUDA would wait), so that the CPU case checks where the guard ends as well.
+    Yields the function that allows syncs again (the guard stays in place until then)."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield lambda: torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        with HostSyncsRaise() as mode:
+            yield mode.disarm
+
+
 @pytest.mark.parametrize("device", ON_CPU_AND_CUDA)
 def test_fp16_updates_skip_on_overflow_without_host_syncs(device, monkeypatch):
     """Through the project's build_optimizer and TrainLoop with CD attached: the fused kernel is chosen
     (by default on CUDA), an update whose gradient overflows changes no weight (neither CD nor AdamW
-    acts), every other update does (CD included), the skips are counted, and on CUDA the updates issue
-    no synchronising call (engine/optim.py use_fused; the CD gate and the skip count stay on the device)."""
+    acts), every other update does (CD included), the skips are counted, and the updates issue no
+    synchronising call (engine/optim.py use_fused; the CD gate and the skip count stay on the device): on CUDA
+    by its sync debug mode, on a CPU by the stand-in that sees host copies and reads."""
     device = torch.device(device)
     model = tiny_vit().to(device).train()
     cfg = OptimConfig(fused=None if device.type == "cuda" else True)  # CUDA: the automatic choice
@@ -322,22 +340,21 @@ def test_fp16_updates_skip_on_overflow_without_host_syncs(device, monkeypatch):
     state = TrainState()
     initial = flat()
     loop.run_epoch(TrainBatches(batches[:2], _FixedOrder()), state, 16)  # warm-up: lazy initialisations
-    if device.type == "cuda":
-        # The updates of the next epoch run with synchronising calls made errors; the epoch's end (loss
-        # check, skip count) is where the loop syncs on purpose, once.
-        check_finite = loop_module._Window.check_finite
+    # The updates of the next epoch run with synchronising calls made errors. The epoch's end is where the loop
+    # syncs on purpose, and its first read is the window's sums (_Window._global_sums: the epoch's last log
+    # line, then the loss check and the skip count); the guard ends there, after all the updates.
+    global_sums = loop_module._Window._global_sums
+    updates_when_allowed = []
+    with host_syncs_are_errors(device) as allow_syncs:
+        def end_of_updates(window):
+            if not updates_when_allowed:
+                updates_when_allowed.append(len(after_step))
+                allow_syncs()
+            return global_sums(window)
 
-        def end_of_updates(window, step):
-            torch.cuda.set_sync_debug_mode("default")
-            return check_finite(window, step)
-
-        monkeypatch.setattr(loop_module._Window, "check_finite", end_of_updates)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+        monkeypatch.setattr(loop_module._Window, "_global_sums", end_of_updates)
         loop.run_epoch(TrainBatches(batches[2:], _FixedOrder()), state, 16)
-    finally:
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+    assert updates_when_allowed == [8]  # every update of the epoch ran under the guard
 
     skipped = [bool(f > 0) for f in found_inf]
     assert len(skipped) == state.step == 8
