@@ -1,16 +1,20 @@
-r"""Welch's t-test of the quantization gap between two points of a language-model sweep, per quantized setting.
+r"""Welch's t-test of the quantization gap between two points of a sweep, per quantized setting.
 
-    python scripts/gap_test.py runs/sweeps/kjv_lm_dose baseline cd10x --seeds 2 3 4 5
+    python scripts/gap_test.py runs/sweeps/kjv_lm_dose baseline cd10x --seeds 2 3 4 5          # language model
+    python scripts/gap_test.py runs/sweeps/fashion_mnist_scratch baseline cd10x --seeds 2 3 4  # image classifier
 
-A run's gap is its quantized minus its fp32 perplexity (eval_best.json), the number of lm_study.py's
-activation-bit table. For every (pipeline, bits) that each chosen run of both points was evaluated at, it prints
-one markdown row: each point's mean ± sample std, the change of the means (second minus first, and relative to the
-first: of gaps near zero, +100 % may be a few thousandths), Welch's t (first point minus
-second, unequal variances), its Welch-Satterthwaite degrees of freedom and the two-sided p-value (scipy's t
-distribution; scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that only some of the
-chosen runs were evaluated at are named below the table, not tested. Nothing is corrected for multiple
-comparisons: which tests were planned before the numbers were seen is the reader's to say (docs/lm_study.md).
-The runs are read and checked as lm_study.py reads them (finished, not stale, numbers present); nothing is written.
+A run's gap is what quantization costs it, from its eval_best.json: for a language model its quantized minus its
+fp32 perplexity (the number of lm_study.py's activation-bit table), for an image classifier its fp32 minus its
+quantized top-1 (the drop, in points; dose_report.py's sweeps). Larger is worse in both. For every
+(pipeline, bits) that each chosen run of both points was evaluated at, it prints one markdown row: each point's
+mean ± sample std, the change of the means (second minus first, and relative to the first: of gaps near zero,
++100 % may be a few thousandths), Welch's t (first point minus second, unequal variances), its
+Welch-Satterthwaite degrees of freedom and the two-sided p-value (scipy's t distribution;
+scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that only some of the chosen runs were
+evaluated at are named below the table, not tested. Nothing is corrected for multiple comparisons: which tests
+were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). The
+runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
+(numbers present; a language model's runs finished, not stale); nothing is written.
 """
 from __future__ import annotations
 
@@ -27,6 +31,24 @@ from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
 from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
+
+# the score of each kind of sweep (eval_best.json's fp / quant entries) -> the gap table's caption
+CAPTIONS = {"ppl": "Quantization gap (quantized - fp32 perplexity)",
+            "top1": "Top-1 drop (fp32 - quantized top-1, points)"}
+DIGITS = {"ppl": 3, "top1": 2}  # a perplexity to thousandths; a top-1 to hundredths of a point
+
+
+def sweep_score(runs: Sequence[Run]) -> str:
+    """'ppl' for a language-model sweep, 'top1' for an image classifier's, by the first run (check_numbers then
+    asks every run for that number; read_sweep has refused runs evaluated on other data)."""
+    return "ppl" if "ppl" in runs[0].result["fp"] else "top1"
+
+
+def gap(run: Run, pipeline: str, bits: str, score: str) -> float:
+    """What quantization costs the run under `pipeline` at `bits`; larger is worse for both scores."""
+    if score == "ppl":
+        return quantization_gap(run, pipeline, bits)
+    return run.result["fp"]["top1"] - run.result["quant"][pipeline][bits]["top1"]
 
 
 def welch(a: Sequence[float], b: Sequence[float]) -> Optional[tuple[float, float, float]]:
@@ -60,26 +82,28 @@ def settings_of(run: Run) -> set[tuple[str, str]]:
     return {(pipeline, bits) for pipeline, by_bits in run.result["quant"].items() for bits in by_bits}
 
 
-def report(a: list[Run], b: list[Run]) -> str:
-    """The markdown table of every setting all runs of a and b share, and a line per setting only some have."""
+def report(a: list[Run], b: list[Run], score: str) -> str:
+    """The markdown table of every setting all runs of a and b share, and a line per setting only some have;
+    `score`: 'ppl' or 'top1' (sweep_score)."""
     runs = a + b
     shared = set.intersection(*map(settings_of, runs))
     partial = sorted(set.union(*map(settings_of, runs)) - shared)
-    capped = sorted(s for s in shared if any(r.result["quant"][s[0]][s[1]]["ppl"] >= PPL_CAP for r in runs))
-    names = (a[0].point, b[0].point)
-    lines = [f"Quantization gap (quantized - fp32 perplexity), {names[0]} (seeds "
+    capped = sorted(s for s in shared if score == "ppl" and
+                    any(r.result["quant"][s[0]][s[1]]["ppl"] >= PPL_CAP for r in runs))
+    names, d = (a[0].point, b[0].point), DIGITS[score]
+    lines = [f"{CAPTIONS[score]}, {names[0]} (seeds "
              f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "
              "Welch's t-test, two-sided, uncorrected:", "",
              f"| setting | {names[0]} | {names[1]} | change | t | df | p |", "|---|---|---|---|---|---|---|"]
     for pipeline, bits in sorted(shared - set(capped)):
-        ga, gb = ([quantization_gap(r, pipeline, bits) for r in runs] for runs in (a, b))
+        ga, gb = ([gap(r, pipeline, bits, score) for r in runs] for runs in (a, b))
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
         # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing
-        change = f"{mean_b - mean_a:+.3f}" + (f" ({(mean_b / mean_a - 1) * 100:+.0f} %)" if mean_a else "")
+        change = f"{mean_b - mean_a:+.{d}f}" + (f" ({(mean_b / mean_a - 1) * 100:+.0f} %)" if mean_a else "")
         test = welch(ga, gb)
         tested = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
-        lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.3f} ± {statistics.stdev(ga):.3f} | "
-                     f"{mean_b:.3f} ± {statistics.stdev(gb):.3f} | {change} | {tested} |")
+        lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.{d}f} ± {statistics.stdev(ga):.{d}f} | "
+                     f"{mean_b:.{d}f} ± {statistics.stdev(gb):.{d}f} | {change} | {tested} |")
     for pipeline, bits in capped:
         lines.append(f"\nnot tested: {pipeline} {bits}: a perplexity at the cap (a bound, not a number)")
     for pipeline, bits in partial:
@@ -100,12 +124,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
     groups = by_point(read_sweep(args.root))
     a, b = (chosen_runs(groups, point, args.seeds, args.root) for point in args.points)
-    if any("ppl" not in r.result["fp"] for r in a + b):
-        raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity)")
-    check_numbers(a + b, FIELDS, "ppl")
+    score = sweep_score(a + b)
+    check_numbers(a + b, FIELDS if score == "ppl" else ("fp.top1",), score)
     for run in a + b:
-        check_finished(run)
-    text = report(a, b)
+        check_finished(run, "val/loss" if score == "ppl" else "val/top1")
+    text = report(a, b, score)
     console_print(text)  # its ± on an ASCII console, or a closed pipe
     return text
 

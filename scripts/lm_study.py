@@ -156,13 +156,14 @@ def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
-def check_finished(run: Run) -> None:
+def check_finished(run: Run, validation_key: str = "val/loss") -> None:
     """Refuse a run evaluated before it reached its planned updates (the recipe's sched.steps; train.py
-    validates at its last update): its final pair energies and its best.pt's numbers would be averaged with
-    finished seeds' as one more seed of the point. Runs of an epoch schedule (sched.steps 0) or without a
-    recorded recipe are not judged."""
+    validates at its last update, logging `validation_key`: val/loss for a language model, val/top1 for a
+    classifier): its final pair energies and its best.pt's numbers would be averaged with finished seeds' as one
+    more seed of the point. Runs of an epoch schedule (sched.steps 0) or without a recorded recipe are not
+    judged."""
     planned = (run.result.get("recipe") or {}).get("sched.steps")
-    reached = max((step for step, _ in validation_curve(run, "val/loss")), default=0)
+    reached = max((step for step, _ in validation_curve(run, validation_key)), default=0)
     if isinstance(planned, int) and planned > 0 and reached < planned:
         raise ReportError(f"{run.folder} validated last at update {reached} of its sched.steps={planned}: an "
                           "unfinished run (stopped, or evaluated while it trained) would count as a seed of its "

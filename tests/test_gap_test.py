@@ -1,6 +1,8 @@
-"""scripts/gap_test.py: Welch's t-test of the quantization gap between two points of a language-model sweep, against
-the closed form worked by hand and scipy.stats.ttest_ind(equal_var=False) on gaps computed here, and its
-refusals (a point or seed the sweep lacks, one run, the same point twice)."""
+"""scripts/gap_test.py: Welch's t-test of the quantization gap between two points of a language-model sweep (the
+perplexity gap) or of an image-classifier sweep (the top-1 drop), against the closed form worked by hand and
+scipy.stats.ttest_ind(equal_var=False) on gaps computed here, and its refusals (a point or seed the sweep lacks,
+one run, the same point twice, runs of both kinds, an unfinished classifier run)."""
+import json
 import math
 import os
 import sys
@@ -9,6 +11,7 @@ import pytest
 from scipy import stats
 
 from tests.conftest import ROOT
+from test_dose_report import write_run as write_classifier_run
 from test_lm_study import write_run
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -76,3 +79,53 @@ def test_refusals_name_the_input(sweep, argv, message):
     with pytest.raises(gap_test.ReportError) as refused:
         gap_test.main([str(sweep), *argv])
     assert message in str(refused.value)
+
+
+# (fp top-1, top-1 at W4A4 of both pipelines) per classifier run; the fixture's W3A3 is 20 points below W4A4
+CLASSIFIER_BASELINE = {0: (80.0, 70.0), 1: (82.0, 75.5), 2: (81.0, 68.0)}
+CLASSIFIER_CD = {0: (81.5, 79.0), 1: (80.5, 78.5), 2: (81.0, 77.0)}
+
+
+def classifier_sweep(root, recipe=None):
+    for offset, (point, runs) in enumerate((("baseline", CLASSIFIER_BASELINE), ("cd10x", CLASSIFIER_CD))):
+        for seed, (fp, w4) in runs.items():  # weights of their own (a copied run is refused), validations at 10, 20
+            folder = write_classifier_run(root, f"{point}_s{seed}", fp=fp, w4=w4, fc2_curve=[100.0, 90.0],
+                                          norm1_max=4.0, seed=10 * offset + seed)
+            if recipe is not None:
+                result = json.loads((folder / "eval_best.json").read_text())
+                (folder / "eval_best.json").write_text(json.dumps({**result, "recipe": recipe}))
+    return root
+
+
+def test_a_classifier_sweep_tests_the_top1_drop_against_scipy(tmp_path):
+    # sched.steps 20: finished at its last validation, which train.py logs as val/top1 (no val/loss)
+    report = gap_test.main([str(classifier_sweep(tmp_path, {"sched.steps": 20})), "baseline", "cd10x"])
+    assert report.startswith("Top-1 drop (fp32 - quantized top-1, points), baseline (seeds 0, 1, 2) against cd10x")
+    for bits, below in (("W4A4", 0.0), ("W3A3", 20.0)):
+        base = [fp - (w4 - below) for fp, w4 in CLASSIFIER_BASELINE.values()]
+        cd = [fp - (w4 - below) for fp, w4 in CLASSIFIER_CD.values()]
+        reference = stats.ttest_ind(base, cd, equal_var=False)
+        cells = row(report, f"repq {bits}")
+        assert cells[1] == f"{sum(base) / 3:.2f} ± {stats.tstd(base):.2f}"
+        assert cells[2] == f"{sum(cd) / 3:.2f} ± {stats.tstd(cd):.2f}"
+        assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.2f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
+        assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
+        assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
+        assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
+        assert row(report, f"percentile {bits}") == ["percentile " + bits, *cells[1:]]
+
+
+def test_an_unfinished_classifier_run_is_refused(tmp_path):
+    with pytest.raises(gap_test.ReportError) as refused:
+        gap_test.main([str(classifier_sweep(tmp_path, {"sched.steps": 100})), "baseline", "cd10x"])
+    assert "baseline_s0 validated last at update 20 of its sched.steps=100" in str(refused.value)
+
+
+def test_runs_of_a_language_model_and_a_classifier_are_not_tested_together(tmp_path):
+    classifier_sweep(tmp_path)
+    for seed in (0, 1, 2):
+        write_run(tmp_path, f"gpt_s{seed}", ppl=4.0, rtn=5.0, block_max=10.0, kurtosis=5.0, fc2_final=50.0,
+                  strict_a5=None)
+    with pytest.raises(gap_test.ReportError) as refused:
+        gap_test.main([str(tmp_path), "baseline", "gpt"])
+    assert "evaluate every run alike" in str(refused.value)  # the data set differs
