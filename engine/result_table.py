@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from configs import Config
-from quant import PIPELINES
+from quant import PIPELINES, bits_order
 
 from .eval_results import PLACEMENT_OPTIONS, extra_modules, first_difference, recipe_difference, repeated_weights
 from .quant_settings import quant_settings
@@ -77,7 +77,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
                          else ("top1", [("top1", "FP Top-1")]))
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
     order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
-    columns = sorted(seen, key=lambda pb: (order.index(pb[0]), pb[1]))
+    columns = sorted(seen, key=lambda pb: (order.index(pb[0]), bits_order(pb[1])))
     # a header without bits reads as the paper's W4A4: any other bit-width is named, even alone
     many_bits = language or {b for _, b in columns} - {"w4a4"}
     header = ["Model", "Method", *(title for _, title in fp_columns), "Max. Act. (mod./blk.)"] + [

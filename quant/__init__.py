@@ -17,7 +17,7 @@ data set); never data/ or the entry points. See quant/README.md.
 from .convert import quantize_model
 from .pipeline_data import PipelineData
 from .registry import PIPELINES, evaluate_quantized, run_settings
-from .spec import Bits, parse_bits
+from .spec import Bits, bits_order, parse_bits
 
 __all__ = ["PIPELINES", "evaluate_quantized", "run_settings", "PipelineData", "quantize_model", "Bits",
-           "parse_bits"]
+           "bits_order", "parse_bits"]

@@ -173,3 +173,12 @@ def parse_bits(bits: "str | Bits | Tuple[int, int]") -> Bits:
         raise ValueError(f"bit-width {str(bits)!r}: weight and activation bits must lie in "
                          f"{MIN_BITS}..{MAX_BITS}")
     return Bits(w, a)
+
+
+def bits_order(bits: str) -> tuple:
+    """Sort key of bit-width names as numbers, weights then activations: w3a3, w4a4, w4a8, w4a16, w8a8 (as text,
+    w4a16 would come before w4a4); a name that does not parse comes last, by its text."""
+    try:
+        return (0, *parse_bits(bits), "")
+    except ValueError:
+        return (1, 0, 0, bits)

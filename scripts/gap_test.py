@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
+from quant import bits_order  # noqa: E402
 from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
 
@@ -95,7 +96,7 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
              f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "
              "Welch's t-test, two-sided, uncorrected:", "",
              f"| setting | {names[0]} | {names[1]} | change | t | df | p |", "|---|---|---|---|---|---|---|"]
-    for pipeline, bits in sorted(shared - set(capped)):
+    for pipeline, bits in sorted(shared - set(capped), key=lambda pb: (pb[0], bits_order(pb[1]))):
         ga, gb = ([gap(r, pipeline, bits, score) for r in runs] for runs in (a, b))
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
         # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing

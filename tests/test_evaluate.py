@@ -14,6 +14,7 @@ from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
 from engine import result_table
 from engine.quant_settings import quant_settings
+from quant import bits_order
 from tests.conftest import DEMO_CONFIG, ROOT, load_script, run_entry
 
 
@@ -408,6 +409,21 @@ def test_table_names_a_single_bit_width_other_than_w4a4():
 
     assert result_table.markdown_table([result("w6a6")]).splitlines()[0].endswith("| RepQ-ViT W6A6 |")
     assert result_table.markdown_table([result("w4a4")]).splitlines()[0].endswith("| RepQ-ViT |")
+
+
+def test_table_orders_bit_widths_as_numbers():
+    """Columns of one pipeline go by weight bits, then activation bits, as numbers: as text, w4a16 sorted before
+    w4a4 and w16a16 before w3a3."""
+    quant = {"repq": {b: {"top1": 70.0} for b in ("w8a8", "w4a16", "w16a16", "w4a4", "w3a3", "w4a8")}}
+    result = {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": {"module": 5.0, "block": 3.0},
+              "quant": quant}
+    header = result_table.markdown_table([result]).splitlines()[0]
+    assert header.endswith("| RepQ-ViT W3A3 | RepQ-ViT W4A4 | RepQ-ViT W4A8 | RepQ-ViT W4A16 | RepQ-ViT W8A8 | "
+                           "RepQ-ViT W16A16 |")
+
+
+def test_bits_order_puts_a_name_that_does_not_parse_last():
+    assert sorted(["w4a4", "int8", "w3a3"], key=bits_order) == ["w3a3", "w4a4", "int8"]
 
 
 def test_model_kwargs_as_trained_are_unchanged_in_any_key_order():
