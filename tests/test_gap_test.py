@@ -37,6 +37,18 @@ def row(report: str, setting: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
+def assert_row_is_scipys(cells: list[str], base: list[float], cd: list[float], digits: int) -> None:
+    """A table row (row()) holds the means ± sample stds of these three gaps each, their change, and
+    scipy.stats.ttest_ind(equal_var=False)'s t, df and p."""
+    reference = stats.ttest_ind(base, cd, equal_var=False)
+    assert cells[1] == f"{sum(base) / 3:.{digits}f} ± {stats.tstd(base):.{digits}f}"
+    assert cells[2] == f"{sum(cd) / 3:.{digits}f} ± {stats.tstd(cd):.{digits}f}"
+    assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.{digits}f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
+    assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
+    assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
+    assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
+
+
 def test_welch_matches_the_closed_form_worked_by_hand():
     # means 2 and 5, variances 1 and 1: t = -3 / sqrt(1/3 + 1/3), df = (2/3)^2 / (2 * (1/3)^2 / 2) = 4
     t, df, p = gap_test.welch([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
@@ -49,14 +61,7 @@ def test_rows_match_scipy_on_gaps_computed_here(sweep):
     report = gap_test.main([str(sweep), "baseline", "cd10x", "--seeds", "0", "1", "2"])
     base = [rtn - ppl for ppl, rtn, _ in (BASELINE[s] for s in (0, 1, 2))]
     cd = [rtn - ppl for ppl, rtn, _ in (CD[s] for s in (0, 1, 2))]
-    reference = stats.ttest_ind(base, cd, equal_var=False)
-    cells = row(report, "rtn W4A16")
-    assert cells[1] == f"{sum(base) / 3:.3f} ± {stats.tstd(base):.3f}"
-    assert cells[2] == f"{sum(cd) / 3:.3f} ± {stats.tstd(cd):.3f}"
-    assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.3f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
-    assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
-    assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
-    assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
+    assert_row_is_scipys(row(report, "rtn W4A16"), base, cd, digits=3)
     # the seeds 0-2 both points have at strict W8A5 are tested too; gptq's gap is 0.01 in every run: no spread
     assert row(report, "smoothquant_strict W8A5")[4] != "-"
     assert row(report, "gptq W4A16")[4:] == ["-", "-", "- (no spread)"]
@@ -104,14 +109,8 @@ def test_a_classifier_sweep_tests_the_top1_drop_against_scipy(tmp_path):
     for bits, below in (("W4A4", 0.0), ("W3A3", 20.0)):
         base = [fp - (w4 - below) for fp, w4 in CLASSIFIER_BASELINE.values()]
         cd = [fp - (w4 - below) for fp, w4 in CLASSIFIER_CD.values()]
-        reference = stats.ttest_ind(base, cd, equal_var=False)
         cells = row(report, f"repq {bits}")
-        assert cells[1] == f"{sum(base) / 3:.2f} ± {stats.tstd(base):.2f}"
-        assert cells[2] == f"{sum(cd) / 3:.2f} ± {stats.tstd(cd):.2f}"
-        assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.2f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
-        assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
-        assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
-        assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
+        assert_row_is_scipys(cells, base, cd, digits=2)
         assert row(report, f"percentile {bits}") == ["percentile " + bits, *cells[1:]]
 
 
