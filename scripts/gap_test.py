@@ -14,7 +14,8 @@ scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that o
 evaluated at are named below the table, not tested. Nothing is corrected for multiple comparisons: which tests
 were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
-(numbers present; a language model's runs finished, not stale); nothing is written.
+(numbers present, not stale; a run whose recipe sets sched.steps must have validated at its last update);
+nothing is written.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
-from engine.tasks import PPL_CAP  # noqa: E402
+from engine.tasks import PPL_CAP, CausalLMTask, ClassificationTask  # noqa: E402
 from quant import bits_order  # noqa: E402
 from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
@@ -37,6 +38,7 @@ from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E
 CAPTIONS = {"ppl": "Quantization gap (quantized - fp32 perplexity)",
             "top1": "Top-1 drop (fp32 - quantized top-1, points)"}
 DIGITS = {"ppl": 3, "top1": 2}  # a perplexity to thousandths; a top-1 to hundredths of a point
+VALIDATION_KEYS = {"ppl": CausalLMTask.score_key, "top1": ClassificationTask.score_key}  # logged at each validation
 
 
 def sweep_score(runs: Sequence[Run]) -> str:
@@ -128,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     score = sweep_score(a + b)
     check_numbers(a + b, FIELDS if score == "ppl" else ("fp.top1",), score)
     for run in a + b:
-        check_finished(run, "val/loss" if score == "ppl" else "val/top1")
+        check_finished(run, VALIDATION_KEYS[score])
     text = report(a, b, score)
     console_print(text)  # its ± on an ASCII console, or a closed pipe
     return text
