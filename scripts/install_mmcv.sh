@@ -12,7 +12,7 @@
 # the same torch installs in seconds. mmcv-lite, the pure-Python package, is removed first: both
 # provide the `mmcv` module.
 #
-#   bash scripts/install_mmcv.sh          # CPU ops; about 9-14 minutes on 2 cores (docs/measurements.md)
+#   bash scripts/install_mmcv.sh          # CPU ops; 9-14 min on 2 Intel cores, ~36 on 2 slower AMD ones (docs/measurements.md)
 #   FORCE_CUDA=1 bash scripts/install_mmcv.sh   # CUDA ops too (needs nvcc)
 set -euo pipefail
 
