@@ -426,8 +426,8 @@ def schema_keys(node: Any = Config, prefix: str = "") -> tuple:
     return keys
 
 
-def close_keys(key: str, n: int = 3) -> list:
-    """The schema keys closest to the unknown dotted `key`, searched in every section: the last part
+def close_keys(key: str) -> list:
+    """The (at most 3) schema keys closest to the unknown dotted `key`, searched in every section: the last part
     counts most (`train.epochs` -> `sched.epochs`, `epochs` -> `sched.epochs`), the whole key breaks ties
     (`optim.lrr` -> `optim.lr` before `quant.gplq.lr`)."""
     leaf = key.rpartition(".")[2]
@@ -436,7 +436,7 @@ def close_keys(key: str, n: int = 3) -> list:
         ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
         return 0.6 * ratio(leaf, candidate.rpartition(".")[2]) + 0.4 * ratio(key, candidate)
 
-    scored = sorted(((score(c), c) for c in schema_keys()), key=lambda sc: -sc[0])[:n]
+    scored = sorted(((score(c), c) for c in schema_keys()), key=lambda sc: -sc[0])[:3]
     return [c for s, c in scored if s >= max(0.6, scored[0][0] - 0.15)]
 
 

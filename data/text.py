@@ -96,8 +96,11 @@ def token_file(cfg: DataConfig, split: str) -> str:
     return path
 
 
-def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> None:
-    """Refuse a file of ids of another dtype than uint16, judged on its first `sample` values read as uint16:
+ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
+
+
+def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
+    """Refuse a file of ids of another dtype than uint16, judged on its first ID_CHECK_SAMPLE values read as uint16:
     * uint32 (or int32, int64) ids, little-endian: the high half of an id follows every low half, 0 for an id
       below 65536, a small number for a larger one (1 for 65536..131071; a vocabulary of 100k or 128k ids).
       Every odd value 0 while the even ones are not, or every odd value below 16 (ids below 2^20) while an
@@ -111,7 +114,7 @@ def check_not_wider_ids(ids: np.ndarray, path: str, sample: int = 1 << 20) -> No
     The model would train on twice as many tokens, half of them the other halves. In a real uint16 stream odd
     and even positions hold the same kind of text, so none of these happens (a vocabulary of fewer than 16
     ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too)."""
-    head = np.asarray(ids[:sample])
+    head = np.asarray(ids[:ID_CHECK_SAMPLE])
     if len(head) < 64:
         return
     odd, even = head[1::2], head[0::2]

@@ -46,15 +46,15 @@ class ActMaxResult:
     block: float
     per_layer: List[Dict[str, object]] = field(default_factory=list)
 
-    def metrics(self, prefix: str = "act/") -> Dict[str, float]:
+    def metrics(self) -> Dict[str, float]:
         """Flat metrics for logging, e.g. {"act/max_module": .., "act/max_block": ..}; with moments also
         the largest kurtosis of a block output and of a module output (act/kurtosis_block, ..._module)."""
-        out = {f"{prefix}max_module": self.module, f"{prefix}max_block": self.block}
+        out = {"act/max_module": self.module, "act/max_block": self.block}
         for kind in ("module", "block"):
             values = [r["kurtosis"] for r in self.per_layer if r["kind"] == kind and "kurtosis" in r
                       and r["kurtosis"] == r["kurtosis"]]
             if values:
-                out[f"{prefix}kurtosis_{kind}"] = max(values)
+                out[f"act/kurtosis_{kind}"] = max(values)
         return out
 
 

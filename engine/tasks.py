@@ -40,10 +40,10 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, PPL_CAP_LOSS))
 
 
-def perplexity_text(ppl: float, spec: str = ".2f") -> str:
-    """A perplexity as text: `spec`, or '>= exp(700) (capped)' for the cap (a finite-looking 305-digit number
+def perplexity_text(ppl: float) -> str:
+    """A perplexity as text: two decimals, or '>= exp(700) (capped)' for the cap (a finite-looking 305-digit number
     would hide that the real value overflowed)."""
-    return format(ppl, spec) if ppl < PPL_CAP else f">= exp({PPL_CAP_LOSS:.0f}) (capped)"
+    return f"{ppl:.2f}" if ppl < PPL_CAP else f">= exp({PPL_CAP_LOSS:.0f}) (capped)"
 
 
 def capped_cell(values: Sequence[float]) -> Optional[str]:

@@ -233,11 +233,12 @@ def check_categories(cfg: Config, keys: Sequence[str]) -> None:
 CLASS_HEADS = ("bbox_head", "mask_head")  # the heads that predict the data set's classes
 
 
-def check_head_classes(cfg: Config, key: str = "train_dataloader") -> None:
+def check_head_classes(cfg: Config) -> None:
     """Refuse a box or mask head of `cfg.model` (CLASS_HEADS: one-stage, two-stage and cascade) whose num_classes
-    is not the number of classes the loader `key` trains: a box head of 5 classes on the sample's 2 trained an
+    is not the number of classes its train_dataloader trains: a box head of 5 classes on the sample's 2 trained an
     epoch and failed with an IndexError traceback in the validation after it. Other heads keep their own counts
     (the RPN's is class-agnostic, an HTC semantic head's counts stuff classes)."""
+    key = "train_dataloader"
     classes = next((c for k, d in loader_datasets(cfg) if k == key for c in [dataset_classes(d)] if c), None)
     if not classes:
         return

@@ -205,7 +205,7 @@ def stem_levels(eq_n: int) -> list[float]:
 
 
 @torch.no_grad()
-def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int, gram: Optional[bool] = None) -> dict:
+def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int) -> dict:
     """Official weight search of the patch-embedding convolution (float input; see module docstring).
 
     Returns:
@@ -220,7 +220,7 @@ def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int, gram: Optional[boo
     levels = stem_levels(eq_n)
     qs = quantile(W, levels + [1.0 - p for p in levels], dim=1)  # [2L, C_out]
     uppers, lowers = qs[:len(levels)], qs[len(levels):]
-    weight_errors = _weight_output_errors(X, X, W, target, wq, gram)
+    weight_errors = _weight_output_errors(X, X, W, target, wq, None)  # the cheaper of the two forms
 
     def errors(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         return weight_errors(*_official_params(wq, lo, hi))
