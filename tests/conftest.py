@@ -146,6 +146,24 @@ def debug_config(tmp_path):
     return make
 
 
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller, before pytest-xdist starts its workers
+        write_yapf_grammar_cache()
+
+
+def write_yapf_grammar_cache() -> None:
+    """mmengine imports yapf, whose first import in a user account pickles its grammars into the user's cache
+    (~/.cache/YAPF) and renames each file into place before closing it (yapf 0.43, grammar.dump): a process
+    that loads it in that moment reads a truncated pickle. pytest-xdist's workers import mmengine side by side
+    while they collect, and on a fresh machine one of them once failed to collect
+    tests/test_cd_integration_mmengine.py that way (EOFError: Ran out of input). Imported once here, in one
+    process before the workers start, the cache is written before any worker reads it."""
+    import importlib.util
+
+    if importlib.util.find_spec("yapf") is not None:
+        import yapf  # noqa: F401  (the import writes the cache)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests are deselected by default (pyproject); a command line `-m` replaces that, so they are
     also skipped wherever no CUDA device is visible."""
