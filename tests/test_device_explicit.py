@@ -255,10 +255,6 @@ def test_removing_directions_indexes_on_the_weights_device():
     with an index on their device. The old index was made on the default device: under this test's meta
     default, indexing CPU factors with a meta index gave garbage silently (the result is checked, not only
     its device)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from mechanism import remove_directions
 
     w1 = tiny_vit().blocks[0].mlp.fc1.weight.detach()

@@ -14,7 +14,6 @@ from engine.checkpoint import weights_fingerprint
 from tests.conftest import ROOT, run_entry
 from tests.test_mechanism import make_checkpoint
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dose_report  # noqa: E402
 import mechanism  # noqa: E402
 

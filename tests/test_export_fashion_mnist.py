@@ -3,15 +3,11 @@ the exact pixel values, labels as the repository's folder loader reads them, and
 import gzip
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import export_fashion_mnist as fm  # noqa: E402
 
 

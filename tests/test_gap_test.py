@@ -4,17 +4,13 @@ scipy.stats.ttest_ind(equal_var=False) on gaps computed here, and its refusals (
 one run, the same point twice, runs of both kinds, an unfinished classifier run)."""
 import json
 import math
-import os
-import sys
 
 import pytest
 from scipy import stats
 
-from tests.conftest import ROOT
 from test_dose_report import write_run as write_classifier_run
 from test_lm_study import write_run
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gap_test  # noqa: E402
 
 # (ppl, rtn w4a16 ppl, smoothquant_strict w8a5 ppl or None) per run

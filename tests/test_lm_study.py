@@ -5,13 +5,9 @@ import json
 import math
 import os
 import statistics
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dose_report  # noqa: E402
 import lm_study  # noqa: E402
 

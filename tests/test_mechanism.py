@@ -18,7 +18,6 @@ from cd_models import normalized, tiny_swin, tiny_vit
 from configs import load_config
 from tests.conftest import DEMO_CONFIG, ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mechanism  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "mechanism.py")

@@ -9,7 +9,6 @@ import copy
 import csv
 import logging
 import os
-import sys
 
 import pytest
 import timm.layers
@@ -21,7 +20,6 @@ from tests.conftest import ROOT
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mechanism  # noqa: E402
 
 LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")

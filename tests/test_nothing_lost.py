@@ -17,7 +17,7 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
 from engine.run_dir import RunDirError, lock_folder, save_config_history
-from tests.conftest import DEBUG_CONFIG, ROOT, make_folder, run_entry
+from tests.conftest import DEBUG_CONFIG, make_folder, run_entry
 
 
 def read_bytes(path):
@@ -778,7 +778,6 @@ def test_a_script_output_under_a_file_is_refused_before_any_work(tmp_path):
 def test_a_table_script_never_writes_over_a_file_it_reads(tmp_path):
     """paper_table.py r.json --out r.json --overwrite replaced evaluate.py's result file with a table;
     compare_act_max.py --out <run>/eval_best_act_max --overwrite its input CSV."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import compare_act_max
     import paper_table
 

@@ -9,14 +9,12 @@ tests/test_configs.py.
 """
 import os
 import runpy
-import sys
 
 import pytest
 
 from configs import load_config
 from tests.conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import sweep  # noqa: E402
 
 

@@ -3,7 +3,6 @@ checkpoint's config): train.py and scripts/sweep.py refuse what evaluate.py woul
 training starts, not when the evaluation reaches them. Nothing here trains: each refusal comes first."""
 import copy
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ from configs import ConfigError, load_config
 from quant.plan import check_quant_plan
 from tests.conftest import DEBUG_CONFIG, ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import sweep  # noqa: E402
 
 LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")

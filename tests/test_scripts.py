@@ -13,7 +13,6 @@ import torch
 from configs import ConfigError, load_config
 from tests.conftest import ROOT, run_main
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_pair_check  # noqa: E402
 import bench_quant  # noqa: E402
 import paper_table  # noqa: E402

@@ -4,7 +4,6 @@ APHQ grids are refused before any work, and tables mark results of non-default s
 import json
 import os
 import re
-import sys
 
 import pytest
 
@@ -125,7 +124,6 @@ def test_tables_mark_results_of_non_default_settings(tmp_path):
     table = result_table.markdown_table(results).splitlines()
     assert table[2].endswith("| 36.000* |") and table[3].endswith("| 80.000 |")
     assert table[-1] == "\\* m Baseline APHQ W4A4: not the default settings: quant.aphq.eq_n=16"
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import paper_table
 
     finetune = paper_table.finetune_table(results)

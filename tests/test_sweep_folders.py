@@ -14,7 +14,6 @@ import pytest
 from configs import ConfigError
 from tests.conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import sweep  # noqa: E402
 
 
