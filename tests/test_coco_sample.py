@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from data.coco_sample import CLASSES, write_coco_sample
-import make_coco_sample  # noqa: E402
+import make_coco_sample
 
 pycocotools = pytest.importorskip("pycocotools.coco")
 

@@ -14,7 +14,7 @@ from torch import nn
 from tests.conftest import ROOT
 from tests.quant_models import images, tiny_vit
 
-import crosscheck_aphq as xc  # noqa: E402
+import crosscheck_aphq as xc
 
 SCRIPT = os.path.join(ROOT, "scripts", "crosscheck_aphq.py")
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import crosscheck_lm_quant as xc  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
+import crosscheck_lm_quant as xc
+from models.gpt import build_gpt
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -14,8 +14,8 @@ from engine.checkpoint import weights_fingerprint
 from tests.conftest import ROOT, run_entry
 from tests.test_mechanism import make_checkpoint
 
-import dose_report  # noqa: E402
-import mechanism  # noqa: E402
+import dose_report
+import mechanism
 
 SCRIPT = os.path.join(ROOT, "scripts", "dose_report.py")
 

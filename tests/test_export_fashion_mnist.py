@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import export_fashion_mnist as fm  # noqa: E402
+import export_fashion_mnist as fm
 
 
 def write_idx(path, array):

@@ -11,7 +11,7 @@ from scipy import stats
 from test_dose_report import write_run as write_classifier_run
 from test_lm_study import write_run
 
-import gap_test  # noqa: E402
+import gap_test
 
 # (ppl, rtn w4a16 ppl, smoothquant_strict w8a5 ppl or None) per run
 BASELINE = {0: (4.0, 5.0, 5.0), 1: (4.2, 5.4, 5.6), 2: (4.1, 5.0, 5.3), 3: (4.0, 5.3, 5.2)}

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-import dose_report  # noqa: E402
-import lm_study  # noqa: E402
+import dose_report
+import lm_study
 
 
 

@@ -18,7 +18,7 @@ from cd_models import normalized, tiny_swin, tiny_vit
 from configs import load_config
 from tests.conftest import DEMO_CONFIG, ROOT
 
-import mechanism  # noqa: E402
+import mechanism
 
 SCRIPT = os.path.join(ROOT, "scripts", "mechanism.py")
 

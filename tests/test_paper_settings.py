@@ -15,7 +15,7 @@ import pytest
 from configs import load_config
 from tests.conftest import ROOT
 
-import sweep  # noqa: E402
+import sweep
 
 
 def resolved(sweep_file, *overrides):

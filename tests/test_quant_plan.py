@@ -12,7 +12,7 @@ from configs import ConfigError, load_config
 from quant.plan import check_quant_plan
 from tests.conftest import DEBUG_CONFIG, ROOT
 
-import sweep  # noqa: E402
+import sweep
 
 LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
 

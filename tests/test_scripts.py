@@ -13,10 +13,10 @@ import torch
 from configs import ConfigError, load_config
 from tests.conftest import ROOT, run_main
 
-import bench_pair_check  # noqa: E402
-import bench_quant  # noqa: E402
-import paper_table  # noqa: E402
-import sweep  # noqa: E402
+import bench_pair_check
+import bench_quant
+import paper_table
+import sweep
 
 SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 

@@ -14,7 +14,7 @@ import pytest
 from configs import ConfigError
 from tests.conftest import ROOT
 
-import sweep  # noqa: E402
+import sweep
 
 
 def sweep_file(tmp_path, runs: str, out_root=None):
