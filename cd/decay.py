@@ -28,7 +28,8 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
                      pair_penalty)
 from .verify import UnsupportedModelError
-from .wrappers import in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
+from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
+                       unwrap_model)
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -475,24 +476,10 @@ class ColinearityDecay:
         def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
             if in_outer_step(opt):  # the outer step's hook has made (or will make, in its closure) the update
                 return None
-            # torch passes step's own arguments: args = (optimizer, closure?) and kwargs
-            closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-            if closure is None:
+            replaced = closure_then(args, kwargs, lambda: self._pre_step(opt, kwargs))
+            if replaced is None:  # no closure: the gradient exists now
                 self._pre_step(opt, kwargs)
-                return None
-            calls = 0
-
-            def closure_then_decay():  # the gradient exists only after the closure's backward
-                nonlocal calls
-                loss = closure()
-                calls += 1
-                if calls == 1:  # once per step, also for optimizers that call the closure again (LBFGS)
-                    self._pre_step(opt, kwargs)
-                return loss
-
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": closure_then_decay}
-            return (args[0], closure_then_decay, *args[2:]), kwargs
+            return replaced
 
         self._handle = optimizer.register_step_pre_hook(hook)
         self._handle_optimizer = weakref.ref(optimizer)

@@ -522,6 +522,14 @@ def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
             f"reduction): check the paths against the model's module names (print(model)){built_in}.")
 
 
+def check_example_use(example_input: object, verify: bool, who: str) -> None:
+    """Refuse an `example_input` given with verify=False: the example serves the pair checks only, which that
+    skips, so one of the two settings would be silently ignored. Raises ValueError."""
+    if example_input is not None and not verify:
+        raise ValueError(f"{who}: example_input serves the pair checks only, and verify=False skips them: drop "
+                         "example_input, or verify=False to run the checks on it")
+
+
 def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tuple, dict]] = None,
                verify: bool = True, gated_mlp: bool = False, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
@@ -550,6 +558,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
+        ValueError: `example_input` given with verify=False (`check_example_use`).
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
@@ -558,6 +567,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             its type.
     """
     layouts = check_layouts(layouts)
+    check_example_use(example_input, verify, "find_pairs")
     refuse_fsdp1(model)
     root = unwrap_model(model)
     pairs: list[Pair] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -133,3 +133,28 @@ def in_outer_step(optimizer: torch.optim.Optimizer) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+def closure_then(args: tuple, kwargs: dict, after_first_call: Callable[[], None]) -> Optional[tuple[tuple, dict]]:
+    """For a step pre-hook (torch passes step's own arguments: args = (optimizer, closure?), kwargs): the step's
+    (args, kwargs) with its closure replaced by one that calls `after_first_call()` right after the closure's first
+    call returns, or None when the step has no closure. A closure runs the forward and backward inside the step
+    (`optimizer.step(closure)`; Lightning's adds its `on_before_optimizer_step` hooks and the gradient clipping), so
+    the gradient a step-time update needs exists only then, still before the optimizer reads the weights. Once per
+    step, also for optimizers that call the closure again (LBFGS)."""
+    closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+    calls = 0
+
+    def closure_then_update():
+        nonlocal calls
+        loss = closure()
+        calls += 1
+        if calls == 1:
+            after_first_call()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_update}
+    return (args[0], closure_then_update, *args[2:]), kwargs

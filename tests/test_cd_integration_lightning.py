@@ -470,3 +470,39 @@ def test_a_float32_example_input_array_serves_a_true_precision_run_as_lightning_
     module.example_input_array = torch.zeros(1, 3, 32, 32)  # float32
     fit(module, 2)
     check(initial, module, 2, 1, variants=("after_step",))
+
+
+class ModuleHooksAfterTheCallbacks(Module):
+    """Lightning's step calls, after the closure's backward, the callbacks' `on_before_optimizer_step`, then the
+    module's own, then the gradient clipping. This module's hook sets the step's lr to 0 (a warmup written there)
+    and its clipping records the weights it sees (adaptive clipping reads them)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.seen_by_clipping = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-mixed"])
+def test_cd_runs_after_the_modules_own_hook_and_the_clipping_with_the_lr_the_step_uses(precision):
+    """A step whose lr the module's hook sets to 0 moves no weight (AdamW at lr 0, and CD's lr * lam W2 W1n W1n^T
+    at lr 0), and the clipping sees the weights before the update. CD ran in the callbacks' hook when the step had
+    a closure (no GradScaler: 64-true here, as fp32 and bf16), with the lr of before, ahead of clipping."""
+    net = tiny_vit().double()
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    module = ModuleHooksAfterTheCallbacks(net, steps=1)
+    fit(module, 1, plugins=[ScalerOnly()] if precision == "16-mixed" else None)
+    assert all(torch.equal(module.seen_by_clipping[n], initial[n]) for n in initial)
+    assert all(torch.equal(module.after[0][n], initial[n]) for n in initial)
+
+
+def test_verify_false_trains_a_module_with_an_example_input_array():
+    """The module's example_input_array is given to the pair check only when there is one: with verify=False the
+    callback does not pass it on, where ColinearityDecay refuses an example beside verify=False."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=2)
+    fit(module, 2, callback=ColinearityDecayCallback(lam=LAM, verify=False))
+    check(initial, module, 2, 1, variants=("after_step",))

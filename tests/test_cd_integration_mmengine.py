@@ -268,6 +268,11 @@ def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_pa
             ColinearityDecayHook(input_shape=bad)
     with pytest.raises(TypeError, match="module must be"):
         ColinearityDecayHook(module=3)
+    # an input_shape that no check would run on (no check; an example given beside it) is refused, not ignored
+    with pytest.raises(ValueError, match="input_shape serves the pair check only, and verify=False skips it"):
+        ColinearityDecayHook(input_shape=(1, 3, 32, 32), verify=False)
+    with pytest.raises(ValueError, match="input_shape and example_input both give the pair check's input"):
+        ColinearityDecayHook(input_shape=(1, 3, 32, 32), example_input=torch.zeros(1, 3, 32, 32))
     # the tiny ViT states its own 32 px input; a given 48 px batch is what the pair check runs (and fails on)
     from cd.verify import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match=r"Input height \(48\) doesn't match model \(32\)"):

@@ -1,6 +1,6 @@
 """cd.integrations' shared part, torch alone: OptimizerBinding applies CD once per real step, where the step
-really runs (armed before the step; at once inside a closure), never without gradients, and the integrations'
-arguments are ColinearityDecay's."""
+really runs (armed before the step; inside a closure, once the closure returns), never without gradients, and the
+integrations' arguments are ColinearityDecay's."""
 from __future__ import annotations
 
 import copy
@@ -68,6 +68,26 @@ def test_armed_inside_a_closure_it_runs_once_per_step_before_the_weights_are_rea
 
     opt.step(closure)
     assert len(calls) > 1 and decay.num_updates == 1
+
+
+def test_armed_inside_a_closure_it_waits_for_the_rest_of_the_closure():
+    """Lightning's closure arms CD in the callbacks' hook, then runs the LightningModule's own hook and the gradient
+    clipping: what they do (here the step's lr set to 0) comes before the update, which ran at arm() before."""
+    model, decay, opt, loss = _setup()
+    binding = OptimizerBinding(decay, opt)
+    before = snapshot(model)
+
+    def closure():
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        binding.arm()
+        for group in opt.param_groups:  # a warmup set after the callbacks' hook: this step's lr is 0
+            group["lr"] = 0.0
+        return value
+
+    opt.step(closure)
+    assert not changed(model, before) and decay.num_updates == 1
 
 
 def test_no_gradient_no_update_and_a_removed_binding_does_nothing():
@@ -151,6 +171,7 @@ def test_the_update_norms_are_computed_on_train_pys_default_log_interval_unless_
     ({"targets": "Z"}, r"cd targets must be one of"),
     ({"matmul_precision": "fp8"}, r"cd matmul_precision must be one of"),
     ({"norms_every": 0}, r"cd norms_every must be an integer >= 1"),
+    ({"example_input": torch.zeros(1, 3, 32, 32), "verify": False}, r"example_input serves the pair checks only"),
 ])
 def test_values_that_need_no_model_are_checked_when_the_callback_is_made(kwargs, message):
     """They were accepted here and refused only at the framework's train start (HF on_train_begin, Lightning

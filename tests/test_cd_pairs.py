@@ -273,6 +273,15 @@ def test_a_tuple_example_input_is_the_forwards_positional_arguments():
     assert len(ColinearityDecay(model, example_input=example).pairs) == 4
 
 
+def test_an_example_input_beside_verify_false_is_refused_not_ignored():
+    model = _TwoInputs()
+    example = (torch.zeros(1, 3, 32, 32), torch.tensor(2.0))
+    for build in (find_pairs, ColinearityDecay):
+        with pytest.raises(ValueError, match="example_input serves the pair checks only, and verify=False skips"):
+            build(model, example_input=example, verify=False)
+    assert len(find_pairs(model, verify=False)) == 4
+
+
 def test_class_attention_blocks_pair_q_k_v_with_norm1_and_proj_with_v():
     model = timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
                               num_classes=3)

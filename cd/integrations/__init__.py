@@ -21,8 +21,10 @@ import torch
 
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
+from ..pairs import check_example_use
 from ..verify import UNUSED
-from ..wrappers import in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model
+from ..wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
+                        unwrap_model)
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -48,6 +50,7 @@ def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"ColinearityDecay arguments: {e}") from None
     bound.apply_defaults()  # the values that need no model now (lam=nan, an unknown role), not at the train start
     check_settings(**{name: bound.arguments[name] for name in inspect.signature(check_settings).parameters})
+    check_example_use(bound.arguments["example_input"], bound.arguments["verify"], "cd.integrations")
     if "layouts" in kwargs:  # a malformed one now, not at the train start; a config file's mappings made Layouts
         kwargs["layouts"] = check_layouts(kwargs["layouts"])
     return dict(kwargs)
@@ -107,9 +110,11 @@ class OptimizerBinding:
     The framework's event says that a real update comes, after backward, accumulation and clipping: `arm()`.
     The update then runs in the optimizer's step pre-hook, so only if the step really runs (GradScaler skips
     `optimizer.step()` on inf/NaN gradients; a fused optimizer's step is gated on the device instead, see
-    `ColinearityDecay.attach`), once, and before the optimizer reads the weights. When the event comes while
-    the step is already under way (Lightning runs forward and backward inside `optimizer.step(closure)`, and
-    the optimizer calls the closure before it reads the weights), the update runs at once, once per step.
+    `ColinearityDecay.attach`), once, and before the optimizer reads the weights. A step given a closure
+    (Lightning runs forward, backward, its `on_before_optimizer_step` hooks and the gradient clipping inside
+    `optimizer.step(closure)`, and the optimizer calls the closure before it reads the weights) has its update
+    right after the closure returns, if the event came by then: after all that the closure does, as in a step
+    without one (`cd.wrappers.closure_then`).
     Nothing runs when no decayed matrix has a gradient: the optimizer would leave them alone (Lightning skips
     backward when `training_step` returns None). A second CD update in the same optimizer's step that decays
     one of the same matrices (an `attach` of the model's own, another binding) is refused.
@@ -140,6 +145,7 @@ class OptimizerBinding:
         self._armed = False
         self._held = False  # armed for every update until disarm() (arm(until_disarmed=True))
         self._stepping = False
+        self._in_closure = False  # in the step's closure, until its first call returns
         self._applied = False
         self._kwargs: dict = {}
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
@@ -154,10 +160,10 @@ class OptimizerBinding:
         `until_disarmed`, every update until `disarm()` is (MMEngine's iteration, whose train_step may update
         more than once: a step the GradScaler skips never reaches the optimizer there)."""
         self._held = until_disarmed
-        if self._stepping:
+        if self._stepping and not self._in_closure:  # a step under way that has no closure: now, or never
             if not self._applied:
                 self._run()
-        else:
+        else:  # before the step, or inside its closure: the update comes once the closure has returned
             self._armed = True
 
     def disarm(self) -> None:
@@ -173,11 +179,21 @@ class OptimizerBinding:
         if self.shared is not None:
             self.shared.remove()
 
-    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
         if in_outer_step(optimizer):  # a subclass's step calling super().step(): the outer step's hooks act
-            return
+            return None
         self._stepping, self._applied, self._kwargs = True, False, kwargs
-        if self._armed:
+        self._in_closure = True
+        replaced = closure_then(args, kwargs, self._after_closure)
+        if replaced is None:  # no closure: the gradient exists now
+            self._in_closure = False
+            if self._armed:
+                self._run()
+        return replaced
+
+    def _after_closure(self) -> None:
+        self._in_closure = False
+        if self._armed and not self._applied:
             self._run()
 
     def missed(self) -> bool:
@@ -189,7 +205,7 @@ class OptimizerBinding:
         if in_outer_step(optimizer):
             return
         bypassed = self.strict_steps and not self._applied and self._holds_gradients()
-        self._stepping, self._armed = False, self._held
+        self._stepping, self._in_closure, self._armed = False, False, self._held
         if bypassed:
             raise RuntimeError("cd.integrations: the optimizer took a step without the framework's step event, so "
                                "CD did not run in it (e.g. Lightning's raw optimizer, "

@@ -7,13 +7,14 @@
 
 Where it runs in Lightning's step (2.x, automatic optimization): Lightning calls `optimizer.step(closure)`, and
 the closure runs forward and backward; a step pre-hook of the optimizer would therefore run CD before the
-gradient exists, and is not used alone. Lightning calls `on_before_optimizer_step` after the closure (and
-after the GradScaler's unscale), before gradient clipping and the step:
-- without a GradScaler (fp32, bf16, 64-true) it is called inside `optimizer.step(closure)`, after the closure
-  and before the optimizer reads the weights: CD runs then, once per step;
-- with a GradScaler (16-mixed) it is called before `scaler.step(optimizer)`: CD is armed, and runs in the
-  optimizer's step pre-hook only if the scaler really steps (it skips the step on inf/NaN gradients).
-Clipping scales the gradients and CD moves weights, so their order does not change the result. With
+gradient exists, and is not used alone. After the backward (and the GradScaler's unscale) Lightning calls the
+callbacks' `on_before_optimizer_step`, which arms CD, then the LightningModule's own (which may still set the
+step's lr), then the gradient clipping (which may read the weights, as adaptive clipping does):
+- without a GradScaler (fp32, bf16, 64-true) all that runs in the closure, inside `optimizer.step(closure)`: CD
+  runs when the closure returns, before the optimizer reads the weights, once per step;
+- with a GradScaler (16-mixed) it runs before `scaler.step(optimizer)`: CD runs in the optimizer's step
+  pre-hook, only if the scaler really steps (it skips the step on inf/NaN gradients).
+Either way CD comes after the module's hook and the clipping, with the lr the step uses. With
 `accumulate_grad_batches` Lightning steps once per update, and CD with it; manual optimization (`opt.step()`
 in `training_step` on the `LightningOptimizer` that `self.optimizers()` returns) goes through the same path.
 A step of the raw torch optimizer (`self.optimizers(use_pl_optimizer=False)`) bypasses Lightning's event: it is
@@ -71,7 +72,8 @@ class ColinearityDecayCallback(Callback):
         self._unbind()
         kwargs = dict(self.cd_kwargs)
         example = getattr(pl_module, "example_input_array", None)
-        if kwargs.get("example_input") is None and example is not None and not self.module:
+        checked = kwargs.get("verify", True)  # the example serves the pair check only (none with verify=False)
+        if kwargs.get("example_input") is None and example is not None and not self.module and checked:
             kwargs["example_input"] = example
         if kwargs.get("example_input") is not None:
             # as Lightning hands every batch to the module: "64-true", "bf16-true" and "16-true" convert floating

@@ -63,7 +63,8 @@ class ColinearityDecayHook(Hook):
         module: the part of the model that CD decays: None (default) the `backbone` if the model has one, else
             the whole model; "" the whole model; or a dotted submodule name.
         input_shape: the shape of one input batch of that part, for the pair check (positive ints); default: the
-            part's own input size where CD can tell it, else (1, 3, 224, 224), an image batch.
+            part's own input size where CD can tell it, else (1, 3, 224, 224), an image batch. Refused beside
+            `verify=False` (no check) or `example_input` (another input for it).
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
             `matmul_precision`, `norms_every`, `verify`); the decoupled update only. The update norms in
             `decay.metrics()` are computed on every `norms_every`-th update, 50 unless given
@@ -84,6 +85,12 @@ class ColinearityDecayHook(Hook):
                              f"batch, e.g. (1, 3, 224, 224)), got {input_shape!r}")
         self.input_shape = None if input_shape is None else tuple(input_shape)
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        if input_shape is not None and not self.cd_kwargs.get("verify", True):
+            raise ValueError("ColinearityDecayHook: input_shape serves the pair check only, and verify=False skips it: "
+                             "drop input_shape, or verify=False to run the check on it")
+        if input_shape is not None and self.cd_kwargs.get("example_input") is not None:
+            raise ValueError("ColinearityDecayHook: input_shape and example_input both give the pair check's input: "
+                             "give one of them")
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
         self._bindings: dict = {}
