@@ -53,6 +53,7 @@ from engine.checkpoint import (CheckpointError, class_differences, restore_train
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group)
 from engine.divergence import DivergenceError, DivergenceGuard
+from engine.ema import build_ema
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import MetricLogger, duration, progress_line
@@ -266,8 +267,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = as_config_error("sched", build_scheduler, optimizer, cfg.sched, updates_per_epoch)
     log.info("%s", describe_precision(cfg.train.amp, device))
-    ema = (ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
-           if cfg.train.ema else None)
+    ema = build_ema(model, cfg.train)
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
              "%d updates per epoch, %d epochs (%d updates)", cfg.train.batch_size, per_gpu, dist.world_size,
              accum_steps, cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
