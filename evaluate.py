@@ -46,7 +46,7 @@ import torch
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import device_of_overrides, dotted_settings, get_key, override_keys, read_yaml_file
-from configs.schema import TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
+from configs.schema import TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
@@ -539,6 +539,11 @@ def resolve_config(args: argparse.Namespace):
     defaulted = cfg.quant.pipelines is None  # the task's own pipelines: the user named none of them
     cfg.quant.pipelines = evaluation_pipelines(cfg)
     check_pipelines(cfg, task)
+    dropout = sorted(k for k in given | set(changed if payload else ()) if k in TRAIN_MODE_MODEL_KEYS)
+    if dropout and "gplq" not in cfg.quant.pipelines:  # every other pass runs the model in eval mode
+        raise ConfigError(f"{dropout[0]} would be ignored: dropout and stochastic depth act in training only, and "
+                          f"of evaluate.py's passes only GPLQ's stage 1 trains (pipelines: "
+                          f"{', '.join(cfg.quant.pipelines) or 'none'}); drop it")
     # quant settings that --config files change count as given too (a file's other sections are its recipe:
     # a recipe's training-transform keys are not refused); `named` says where such an item comes from
     from_files = config_file_quant_items(args.config or (), payload)

@@ -132,6 +132,9 @@ TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS = frozenset(f"data.{k}" for k in TRAIN_TRANSF
 # training batches'
 TRAINING_ONLY_OVERRIDE_KEYS = TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS | TRAIN_BATCH_OVERRIDE_KEYS
 
+# the model settings that act in training mode only: of evaluate.py's passes, GPLQ's stage 1 alone reads them
+TRAIN_MODE_MODEL_KEYS = frozenset({"model.drop", "model.drop_path"})
+
 # what evaluate.py reads of the training sections: the device and the batch size of its passes
 EVAL_TRAIN_KEYS = ("train.device", "train.eval_batch_size_per_gpu")
 

@@ -115,6 +115,16 @@ def _other_tool(pickled: str) -> str:
     return "; give a best.pt or checkpoint.pt written by train.py, or plain weights as model.pretrained=FILE"
 
 
+# nanoGPT's train.py saves its ckpt.pt with `model` and `config` entries too (its own config: out_dir,
+# eval_interval, ...), beside these, which this code base never writes
+NANOGPT_KEYS = frozenset({"model_args", "iter_num"})
+
+
+def is_nanogpt_checkpoint(payload: object) -> bool:
+    """Whether a loaded `payload` is nanoGPT's ckpt.pt: weights for `model.pretrained`, not a run of train.py."""
+    return isinstance(payload, dict) and NANOGPT_KEYS <= set(payload)
+
+
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint written by this code base (with its `config` and `model` entries)."""
     if os.path.isdir(path):  # e.g. a run's out_dir: which of its files is meant is not ours to guess
@@ -135,6 +145,10 @@ def load_checkpoint(path: str) -> dict:
             raise CheckpointError(f"{path} is not a checkpoint of this code base: {foreign}") from None
         raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path)} bytes): {e}; a file cut short "
                               f"(a copy or a save that did not finish) or corrupted reads so") from e
+    if is_nanogpt_checkpoint(payload):
+        raise CheckpointError(f"{path} is nanoGPT's checkpoint (its model_args and iter_num), not one of train.py: "
+                              f"give it as model.pretrained={path}, with a config of its model (e.g. "
+                              f"configs/lm/gpt2.yaml)")
     if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
         mmengine = isinstance(payload, dict) and {"meta", "state_dict"} <= set(payload)
         raise CheckpointError(f"{path} is not a checkpoint of this code base (no 'model'/'config' entries)"
@@ -149,13 +163,14 @@ def load_checkpoint(path: str) -> dict:
 
 def run_checkpoint_config(path: str) -> Optional[dict]:
     """The run config stored in `path` if it is a checkpoint of this code base (its `config` and `model` entries),
-    read without loading its tensors (memory-mapped); None for any other file, a safetensors file or one torch
-    cannot map."""
+    read without loading its tensors (memory-mapped); None for any other file (nanoGPT's ckpt.pt too), a
+    safetensors file or one torch cannot map."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - not a torch zip file (safetensors, an old-format or broken file): not one
         return None
-    if isinstance(payload, dict) and "model" in payload and isinstance(payload.get("config"), dict):
+    if (isinstance(payload, dict) and "model" in payload and isinstance(payload.get("config"), dict)
+            and not is_nanogpt_checkpoint(payload)):
         return payload["config"]
     return None
 

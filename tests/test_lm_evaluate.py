@@ -113,6 +113,29 @@ def test_a_character_model_on_token_ids_is_refused(kjv_run, tmp_path):
         run_eval("--config", NANO, f"model.pretrained={weights}", "--quant", "rtn", "--out", str(tmp_path / "r.json"))
 
 
+def test_nanogpts_own_checkpoint_is_scored_as_weights_and_refused_as_a_run_checkpoint(tmp_path):
+    """nanoGPT's ckpt.pt holds `model` and its own `config` (out_dir, eval_interval, ...): evaluate.py took it for a
+    checkpoint of train.py, refused it as model.pretrained ("give it as --checkpoint") and, given so, failed on
+    nanoGPT's config keys; the same file scores as the plain weights it holds."""
+    from models.gpt import build_gpt
+    from test_lm import _nanogpt_names
+    root = token_folder(tmp_path / "tokens")
+    model = build_gpt("gpt2_nano", vocab_size=65)
+    state = {f"_orig_mod.{k}": v for k, v in _nanogpt_names(model.state_dict()).items()}  # a compiled run's names
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": state, "optimizer": {}, "model_args": {"n_layer": 2, "vocab_size": 65}, "iter_num": 250,
+                "best_val_loss": torch.tensor(4.0), "config": {"out_dir": "out", "eval_interval": 2000}}, ckpt)
+    data = ["data.dataset=tokens", f"data.root={root}"]
+    with pytest.raises(CheckpointError, match=r"is nanoGPT's checkpoint .*give it as model.pretrained="):
+        run_eval("--checkpoint", str(ckpt), "--quant", "rtn", *data, "--out", str(tmp_path / "c.json"))
+    weights = tmp_path / "weights.pt"
+    torch.save(state, weights)
+    results = [run_eval("--config", NANO, f"model.pretrained={path}", *data, "--quant", "rtn",
+                        "--out", str(tmp_path / f"{path.stem}.json")) for path in (ckpt, weights)]
+    fp, quant = ([r["fp"]["loss"] for r in results], [r["quant"]["rtn"]["w4a16"]["loss"] for r in results])
+    assert fp[0] == fp[1] and quant[0] == quant[1] and math.isfinite(fp[0])
+
+
 def test_a_token_model_of_fewer_ids_than_the_characters_is_refused_as_the_other_kind(tmp_path):
     """A token-id model of 64 ids on the 65 characters: the error is the kind of text, not advice to widen
     model.num_classes to 65 (which then failed as weights of another shape)."""
@@ -142,6 +165,14 @@ def test_a_training_recipe_given_as_config_over_a_checkpoint_is_named_as_the_sou
     assert f"--config {recipe} sets it" in str(refused.value) and "drop it" not in str(refused.value)
     with pytest.raises(ConfigError, match=r"optim.lr: evaluate.py does not read training settings; drop it"):
         run_eval("--checkpoint", str(kjv_run), "optim.lr=0.1", "--quant", "rtn", "--out", str(tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_dropout_rate_for_passes_in_eval_mode_is_refused_not_ignored(kjv_run, tmp_path):
+    """RTN, GPTQ and SmoothQuant score the model in eval mode: model.drop=0.5 gave the perplexity of without it."""
+    with pytest.raises(ConfigError, match=r"model.drop would be ignored: dropout and stochastic depth act in "
+                                          r"training only.*\(pipelines: rtn\); drop it"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "model.drop=0.5", "--out", str(tmp_path / "r.json"))
     assert not (tmp_path / "r.json").exists()
 
 
