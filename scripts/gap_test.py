@@ -7,12 +7,14 @@ A run's gap is what quantization costs it, from its eval_best.json: for a langua
 fp32 perplexity (the number of lm_study.py's activation-bit table), for an image classifier its fp32 minus its
 quantized top-1 (the drop, in points; dose_report.py's sweeps). Larger is worse in both. For every
 (pipeline, bits) that each chosen run of both points was evaluated at, it prints one markdown row: each point's
-mean ± sample std, the change of the means (second minus first, and relative to the first: of gaps near zero,
-+100 % may be a few thousandths), Welch's t (first point minus second, unequal variances), its
+mean ± sample std, the change of the means (second minus first, and relative to the size of the first: of gaps
+near zero, +100 % may be a few thousandths), Welch's t (first point minus second, unequal variances), its
 Welch-Satterthwaite degrees of freedom and the two-sided p-value (scipy's t distribution;
 scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that only some of the chosen runs were
 evaluated at are named below the table, not tested. Nothing is corrected for multiple comparisons: which tests
-were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). The
+were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). A point
+whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the split, --amp) is marked †, with a
+note of how below the table, as dose_report.py and lm_study.py mark it. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
 (numbers present, not stale; a run whose recipe sets sched.steps must have validated at its last update);
 nothing is written.
@@ -31,7 +33,8 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP, CausalLMTask, ClassificationTask  # noqa: E402
 from quant import bits_order  # noqa: E402
-from scripts.dose_report import ERRORS, ReportError, Run, by_point, check_numbers, read_sweep  # noqa: E402
+from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_numbers, evaluated_marks,  # noqa: E402
+                                 read_sweep)
 from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
 
 # the score of each kind of sweep (eval_best.json's fp / quant entries) -> the gap table's caption
@@ -93,7 +96,8 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     partial = sorted(set.union(*map(settings_of, runs)) - shared)
     capped = sorted(s for s in shared if score == "ppl" and
                     any(r.result["quant"][s[0]][s[1]]["ppl"] >= PPL_CAP for r in runs))
-    names, d = (a[0].point, b[0].point), DIGITS[score]
+    labels, notes = evaluated_marks({a[0].point: a, b[0].point: b})  # † and how, as dose_report / lm_study mark
+    names, d = (labels[a[0].point], labels[b[0].point]), DIGITS[score]
     lines = [f"{CAPTIONS[score]}, {names[0]} (seeds "
              f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "
              "Welch's t-test, two-sided, uncorrected:", "",
@@ -102,11 +106,14 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
         ga, gb = ([gap(r, pipeline, bits, score) for r in runs] for runs in (a, b))
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
         # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing
-        change = f"{mean_b - mean_a:+.{d}f}" + (f" ({(mean_b / mean_a - 1) * 100:+.0f} %)" if mean_a else "")
+        # relative to the size of the first gap: a negative one (a quantized top-1 above the fp32 one, a perplexity
+        # below) gives the change its own sign, not the opposite
+        change = f"{mean_b - mean_a:+.{d}f}" + (f" ({(mean_b - mean_a) / abs(mean_a) * 100:+.0f} %)" if mean_a else "")
         test = welch(ga, gb)
         tested = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
         lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.{d}f} ± {statistics.stdev(ga):.{d}f} | "
                      f"{mean_b:.{d}f} ± {statistics.stdev(gb):.{d}f} | {change} | {tested} |")
+    lines += [f"\n{note}" for note in notes]
     for pipeline, bits in capped:
         lines.append(f"\nnot tested: {pipeline} {bits}: a perplexity at the cap (a bound, not a number)")
     for pipeline, bits in partial:

@@ -39,7 +39,8 @@ def assert_row_is_scipys(cells: list[str], base: list[float], cd: list[float], d
     reference = stats.ttest_ind(base, cd, equal_var=False)
     assert cells[1] == f"{sum(base) / 3:.{digits}f} ± {stats.tstd(base):.{digits}f}"
     assert cells[2] == f"{sum(cd) / 3:.{digits}f} ± {stats.tstd(cd):.{digits}f}"
-    assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.{digits}f} ({(sum(cd) / sum(base) - 1) * 100:+.0f} %)"
+    relative = (sum(cd) - sum(base)) / abs(sum(base)) * 100
+    assert cells[3] == f"{(sum(cd) - sum(base)) / 3:+.{digits}f} ({relative:+.0f} %)"
     assert float(cells[4]) == pytest.approx(reference.statistic, abs=0.005)
     assert float(cells[5]) == pytest.approx(reference.df, abs=0.05)
     assert float(cells[6]) == pytest.approx(reference.pvalue, rel=0.05)
@@ -124,3 +125,25 @@ def test_runs_of_a_language_model_and_a_classifier_are_not_tested_together(tmp_p
     with pytest.raises(gap_test.ReportError) as refused:
         gap_test.main([str(tmp_path), "baseline", "gpt"])
     assert "evaluate every run alike" in str(refused.value)  # the data set differs
+
+
+def test_a_negative_first_gap_gives_the_change_its_own_sign(tmp_path):
+    """Quantized above fp32 (a drop of -0.5 points), then a drop of +0.5: the change is +1.00, +200 % of the first
+    gap's size (it read -200 %, the relative change of a ratio of a negative mean)."""
+    for point, w4s in (("baseline", (80.5, 80.7, 80.3)), ("cd10x", (79.5, 79.4, 79.6))):
+        for seed, w4 in enumerate(w4s):
+            write_classifier_run(tmp_path, f"{point}_s{seed}", fp=80.0, w4=w4, fc2_curve=[100.0, 90.0],
+                                 norm1_max=4.0, seed=10 * (point == "cd10x") + seed)
+    cells = row(gap_test.main([str(tmp_path), "baseline", "cd10x"]), "repq W4A4")
+    assert cells[1:4] == ["-0.50 ± 0.20", "0.50 ± 0.10", "+1.00 (+200 %)"]
+
+
+def test_points_evaluated_otherwise_are_marked_and_the_way_is_named(tmp_path):
+    """A gap under --amp bf16 is quantized-under-autocast minus fp32 (a language model's FP32 PPL ignores --amp):
+    the table said nothing of it, where dose_report.py and lm_study.py mark the point †."""
+    root = classifier_sweep(tmp_path, {"sched.steps": 20})
+    for result_file in root.glob("*/eval_best.json"):
+        result_file.write_text(json.dumps({**json.loads(result_file.read_text()), "eval_amp": "bf16"}))
+    report = gap_test.main([str(root), "baseline", "cd10x"])
+    assert "| setting | baseline† | cd10x† |" in report
+    assert "† baseline: evaluated with --amp bf16" in report and "† cd10x: evaluated with --amp bf16" in report
