@@ -27,7 +27,8 @@ data.root=/datasets/imagenet model.num_classes=1000); the file must fit the mode
 `energies`, which read the blocks' matrices alone, also take a backbone without its classifier (DINOv2's, MAE's)
 and leave the model's own unread. Only `surrogate` and `remove` read images, and only
 they take --device (`alignment` and `energies` compute on the CPU). An override of a key that the
-subcommand does not read is refused (`READS`): each reads model.*, `surrogate` and `remove` data.* too, and
+subcommand does not read, or a --config file that changes one over a checkpoint's own config (and --compare's,
+which gets the same layers), is refused (`READS`): each reads model.*, `surrogate` and `remove` data.* too, and
 `remove` the calibration settings and quant.<--pipeline>.*; a key a flag sets (quant.bits: --bits) is
 given by the flag.
 Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
@@ -67,7 +68,7 @@ from cd.update import pair_energy  # noqa: E402
 from cd.values import check_v_rows  # noqa: E402
 from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from cd.wrappers import unwrap_model  # noqa: E402
-from configs import ConfigError, apply_overrides, config_from_dict, layer_config, load_config  # noqa: E402
+from configs import ConfigError, config_from_dict, config_to_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
 from data import DataError, build_eval_loader  # noqa: E402
@@ -75,7 +76,7 @@ from engine.act_max import ActivationProbe  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
-from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
+from engine.run_dir import RunDirError, config_changes, prepare_folder, refuse_existing_outputs  # noqa: E402
 from engine.result_table import method_name  # noqa: E402
 from evaluate import calibration_set, load_float_model  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
@@ -345,6 +346,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         payload = load_checkpoint(args.checkpoint)
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         check_overrides(args)
+        check_config_layers(args, payload["config"], args.checkpoint)
         model = load_float_model(cfg, payload, args)
         source = os.path.abspath(args.checkpoint)
     elif args.model and args.weights:
@@ -406,7 +408,9 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path),
                                         pretrained_strict=args.command not in READ_NO_CLASSIFIER)
         return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
-    cfg = apply_overrides(config_from_dict(payload["config"]), args.overrides)
+    # the --config layers and overrides of the first model, so that both are read alike
+    cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
+    check_config_layers(args, payload["config"], path)
     model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))
     return Loaded(cfg, model.eval(), os.path.abspath(path), method_name(cfg))
 
@@ -682,6 +686,18 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     return {"files": [json_path, png], **summary}
 
 
+def distinct_tails(paths: Sequence[str]) -> list[str]:
+    """The shortest tails of `paths` (their last 1, 2, ... parts) that tell them apart: two runs' best.pt by their
+    run folders ('a/best.pt', 'b/best.pt'), two files of one folder by their names; the whole paths if nothing
+    shorter does."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    for n in range(1, max(map(len, parts)) + 1):
+        tails = ["/".join(p[-n:]) for p in parts]
+        if len(set(tails)) == len(tails):
+            return tails
+    return list(paths)
+
+
 def cmd_energies(args: argparse.Namespace) -> dict:
     if args.labels == []:  # `--labels` with nothing after it: a list cut off, not "the defaults"
         raise MechanismError("--labels without a label: give one per model, or drop --labels for the defaults")
@@ -692,8 +708,8 @@ def cmd_energies(args: argparse.Namespace) -> dict:
     labels = list(args.labels if args.labels is not None else [m.label for m in models])
     if len(labels) != len(models):
         raise MechanismError(f"--labels {' '.join(labels)}: give one label per model ({len(models)})")
-    if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by file name
-        labels = [f"{lab} ({os.path.basename(m.source)})" for lab, m in zip(labels, models)]
+    if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by where their files are
+        labels = [f"{lab} ({where})" for lab, where in zip(labels, distinct_tails([m.source for m in models]))]
     tables = [pair_energies(m.model) for m in models]
     if len(tables) == 2 and [(r["role"], r["w2"]) for r in tables[0]] != [(r["role"], r["w2"])
                                                                          for r in tables[1]]:
@@ -744,10 +760,36 @@ FLAG_KEYS = {"model.name": "--model", "model.pretrained": "--weights", "model.pr
              "train.device": "--device", "quant.bits": "--bits", "quant.pipelines": "--pipeline"}
 
 
+def reads_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The config keys `args.command` reads (READS; `remove` also quant.<--pipeline>.*)."""
+    return READS[args.command] + ((f"quant.{args.pipeline}.*",) if args.command == "remove" else ())
+
+
+def is_read(key: str, reads: Sequence[str]) -> bool:
+    return key not in FLAG_KEYS and any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads)
+
+
+def check_config_layers(args: argparse.Namespace, saved: dict, checkpoint: str) -> None:
+    """Refuse a --config file that changes, over `checkpoint`'s own config (`saved`), a key that `args.command`
+    does not read: as an override of it would be, it changes nothing computed, and of the method's keys (cd.*,
+    tweo.*) it would relabel the checkpoint's weights by another method than they were trained with."""
+    if not args.config:
+        return
+    own = config_to_dict(config_from_dict(saved))
+    layered = config_to_dict(layer_config(config_from_dict(saved), args.config, ()))
+    reads = reads_of(args)
+    for change in config_changes(own, layered):
+        key = change.split(": ", 1)[0]
+        if not is_read(key, reads):
+            raise MechanismError(f"--config {' '.join(args.config)} changes {change} over {checkpoint}'s own, and "
+                                 f"`{args.command}` does not read {key} (it reads {', '.join(reads)}): give --config "
+                                 f"files of those settings only, or key=value overrides")
+
+
 def check_overrides(args: argparse.Namespace) -> None:
     """Refuse an override that `args.command` would not read (READS, FLAG_KEYS); after the config loader has
     checked the overrides against the schema (which names the key meant by a misspelt one)."""
-    reads = READS[args.command] + ((f"quant.{args.pipeline}.*",) if args.command == "remove" else ())
+    reads = reads_of(args)
     for item in args.overrides:
         for key in override_keys(item):
             flag = FLAG_KEYS.get(key)
@@ -756,7 +798,7 @@ def check_overrides(args: argparse.Namespace) -> None:
                                      "drop it")
             if flag and hasattr(args, flag[2:]):  # a flag of this subcommand
                 raise MechanismError(f"{item}: `{args.command}` sets {key} from {flag}; give {flag} instead")
-            if flag or not any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads):
+            if not is_read(key, reads):
                 raise MechanismError(f"{item}: `{args.command}` does not read {key} (it reads "
                                      f"{', '.join(reads)}); drop it")
 

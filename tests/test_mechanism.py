@@ -417,6 +417,9 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "data.dataset=folder", "data.root=/nonexistent"],
      "data.dataset=folder: `alignment` does not read data.dataset (it reads model.*); drop it"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lr=0.01"], "`energies` does not read optim.lr"),
+    # a --config layer over the checkpoint's own: CD's recipe relabelled a baseline's weights "CD"
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--config", "configs/method/cd.yaml"],
+     "--config configs/method/cd.yaml changes cd.enabled: False -> True over "),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "model.name=vit_small_patch16_224"],
      "model.name=vit_small_patch16_224: the model and its weights come from --checkpoint "),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
@@ -583,3 +586,29 @@ def test_energies_of_two_baselines_print_their_means_and_ratio_and_refuse_anothe
     with pytest.raises(mechanism.MechanismError, match=r"--compare .*swin\.pt: its pairs differ from those of the "):
         mechanism.main(["energies", "--checkpoint", base, "--compare", swin, "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()
+
+
+def test_two_runs_of_one_method_are_told_apart_by_their_run_folders(checkpoints, tmp_path):
+    """Each run's file is best.pt: the labels were 'Baseline (best.pt)' twice, in the legend, CSV and printout."""
+    for run, seed in (("a", 0), ("b", 2)):
+        (tmp_path / run).mkdir()
+        make_checkpoint(tmp_path / run / "best.pt", seed)
+    result = mechanism.main(["energies", "--checkpoint", str(tmp_path / "a" / "best.pt"),
+                             "--compare", str(tmp_path / "b" / "best.pt"), "--out", str(tmp_path / "e")])
+    assert result["labels"] == ["Baseline (a/best.pt)", "Baseline (b/best.pt)"]
+    assert mechanism.distinct_tails(["/x/a/best.pt", "/y/a/best.pt"]) == ["x/a/best.pt", "y/a/best.pt"]
+
+
+def test_a_config_layer_reaches_the_compared_checkpoint_too_and_is_checked_there(checkpoints, tmp_path):
+    """--config layers over --checkpoint's config were left off --compare's: the two models were read otherwise.
+    A layer of a key `energies` reads (model.*) that changes nothing here is taken for both."""
+    base, cd = checkpoints
+    layer = tmp_path / "layer.yaml"
+    layer.write_text("model:\n  drop: 0.0\n")
+    result = mechanism.main(["energies", "--checkpoint", base, "--compare", cd, "--config", str(layer),
+                             "--out", str(tmp_path / "e")])
+    assert result["labels"] == ["Baseline", "CD"]
+    layer.write_text("cd:\n  enabled: false\n")  # the baseline's own value, CD's compared checkpoint's not
+    with pytest.raises(mechanism.MechanismError, match=r"changes cd.enabled: True -> False over .*cd\.pt's own"):
+        mechanism.main(["energies", "--checkpoint", base, "--compare", cd, "--config", str(layer),
+                        "--out", str(tmp_path / "f")])
