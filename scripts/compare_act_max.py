@@ -171,6 +171,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", required=True, help="output path without extension (.png and .csv)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
+    name = os.path.basename(args.out)
+    if not name or name.startswith(".") or os.path.isdir(args.out):  # 'DIR/' wrote DIR/.csv and DIR/.png.png
+        sys.exit(f"error: --out {args.out} names a folder, not the path of the two files: give a path without "
+                 f"extension in it, e.g. --out {os.path.join(args.out, 'act_max_compare')}")
+    if name.endswith((".png", ".csv")):  # 'x.png' wrote x.png.png and x.png.csv
+        sys.exit(f"error: --out {args.out}: give the path without extension (.png and .csv are added), e.g. "
+                 f"--out {os.path.splitext(args.out)[0]}")
     groups = {}
     for item in args.groups:
         method, sep, pattern = item.partition("=")

@@ -312,3 +312,15 @@ def test_methods_measured_on_other_val_images_under_the_same_root_are_refused(tm
     write(tmp_path / "b_s0_act_max.csv", run_rows([5.0], [1.0], [1.0]), checkpoint="b.pt")  # records no names
     rows = compare.main([*methods, "--out", str(tmp_path / "cmp")])
     assert [(r["method"], r["block_mean"]) for r in rows] == [("a", 1.0), ("b", 5.0)]
+
+
+@pytest.mark.parametrize("out, expected", [
+    ("{tmp}/", "names a folder, not the path of the two files"),  # wrote {tmp}/.csv and {tmp}/.png.png
+    ("{tmp}", "names a folder, not the path of the two files"),
+    ("{tmp}/cmp.png", "give the path without extension (.png and .csv are added), e.g. --out {tmp}/cmp"),
+])
+def test_an_out_that_is_a_folder_or_has_an_extension_is_refused_before_anything_is_written(tmp_path, out, expected):
+    out, expected = out.format(tmp=tmp_path), expected.format(tmp=tmp_path)
+    with pytest.raises(SystemExit, match=re.escape(expected)):
+        load().main([f"cd={tmp_path / 'none.csv'}", "--out", out])
+    assert list(tmp_path.iterdir()) == []
