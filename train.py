@@ -455,7 +455,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
                                    and state.step < run.total_steps):
         epoch_ended = False
         if not state.validation_due:
-            started = time.perf_counter()
+            started, step_before = time.perf_counter(), state.step
             reason = loop.run_epoch(run.loaders.train, state, cfg.train.batch_size_per_gpu)
             train_seconds += time.perf_counter() - started
             if reason == "max_steps" and not reached(state.step, cfg.train.max_steps):
@@ -463,7 +463,13 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
             epoch_ended = state.epoch_batches == 0
             if epoch_ended and reason == "epoch_end" and preemption.should_stop(state.step, boundary=True):
                 reason = "preempted"  # the signal came at the epoch's last update
-            state.validation_due = (reason in ("max_steps", "validate") or state.step >= run.total_steps
+            # by the step, not by the loop's reason alone: an epoch that ends at a train.eval_every_steps update or
+            # at train.max_steps returns 'epoch_end', and a stop request at such an update 'preempted' (the resumed
+            # run then validates first); the epoch's end alone is validated every train.eval_every_epochs
+            every = cfg.train.eval_every_steps
+            at_step = state.step != step_before and (reached(state.step, cfg.train.max_steps)
+                                                     or bool(every and state.step % every == 0))
+            state.validation_due = (reason in ("max_steps", "validate") or at_step or state.step >= run.total_steps
                                     or (epoch_ended and (state.epoch % cfg.train.eval_every_epochs == 0
                                                          or state.epoch == run.epochs)))
         if state.validation_due and reason != "preempted":

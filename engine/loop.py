@@ -294,7 +294,7 @@ class TrainLoop:
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
             if reason in ("max_steps", "validate"):
-                reason = "epoch_end"  # the caller validates as at any epoch end; it checks max_steps itself
+                reason = "epoch_end"  # the caller validates by the step (eval_every, max_steps) and the epoch
         return reason
 
     def _rank_batches(self, batches: TrainBatches, window: "_Window",
