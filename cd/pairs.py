@@ -527,7 +527,7 @@ def check_example_use(example_input: object, verify: bool, who: str) -> None:
     skips, so one of the two settings would be silently ignored. Raises ValueError."""
     if example_input is not None and not verify:
         raise ValueError(f"{who}: example_input serves the pair checks only, and verify=False skips them: drop "
-                         "example_input, or verify=False to run the checks on it")
+                         "example_input, or drop verify=False to run the checks on it")
 
 
 def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tuple, dict]] = None,

@@ -216,7 +216,7 @@ def test_v_rows_out_of_order_are_refused_by_the_v_row_check():
     model = _model(order="vqk")  # the fused projection's rows are [V; Q; K]: rows 2D:3D are K, not V
     with pytest.raises(UnsupportedModelError, match=r"block 'layers.0' \(MyBlock\).*not \(all of\) V"):
         find_pairs(model, _x(), layouts=[MINE])
-    assert len(find_pairs(model, _x(), layouts=[MINE], verify=False)) == 8  # the structure alone cannot tell
+    assert len(find_pairs(model, layouts=[MINE], verify=False)) == 8  # the structure alone cannot tell
 
 
 def test_the_meta_forward_check_runs_on_a_given_layout():

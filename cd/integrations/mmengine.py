@@ -87,7 +87,7 @@ class ColinearityDecayHook(Hook):
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         if input_shape is not None and not self.cd_kwargs.get("verify", True):
             raise ValueError("ColinearityDecayHook: input_shape serves the pair check only, and verify=False skips it: "
-                             "drop input_shape, or verify=False to run the check on it")
+                             "drop input_shape, or drop verify=False to run the check on it")
         if input_shape is not None and self.cd_kwargs.get("example_input") is not None:
             raise ValueError("ColinearityDecayHook: input_shape and example_input both give the pair check's input: "
                              "give one of them")
