@@ -9,7 +9,8 @@ YAML mapping. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept any 
 overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what earlier layers put there,
 as a section's keys do, and null empties it. A key that the resolved config would not read is refused
 (`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
-optim.lr_base while optim.lr is set, ...): every override (unless the overrides switch its section off
+optim.lr_base while optim.lr is set, data.mixup_prob while mixup and cutmix are both 0, sched.warmup_lr without a
+warmup, log.wandb_* while log.wandb is false, ...): every override (unless the overrides switch its section off
 themselves: cd.enabled=false beside cd.lam, a sweep's baseline), and every value a file changes where the
 deciding key comes from what the file is layered over (a layer of image settings over an LM recipe's
 data.dataset=kjv); a deciding key set by the same file or a later layer makes the file's key moot on purpose.
@@ -145,14 +146,15 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
                                       f"keep one")
                 spelt[dotted] = str(key)
                 layer[dotted], values[dotted] = index, inner
-        decided.append({decider: copy.deepcopy(get_key(cfg, decider)) for decider in deciders})
+        decided.append({decider: copy.deepcopy(decider_value(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)
     layer.update(dict.fromkeys((key for item in overrides for key in override_keys(item)), len(paths)))
     from_files = {key: values[key] for key, index in layer.items() if index < len(paths) and _changed(before, cfg, key)}
 
-    def excused(key: str, decider: str) -> bool:
-        own, last = layer[key], layer.get(decider, -1)
-        final = get_key(cfg, decider)
+    def excused(key: str, decider: Union[str, When]) -> bool:
+        own = layer[key]
+        last = max(layer.get(k, -1) for k in (decider.keys if isinstance(decider, When) else (decider,)))
+        final = decider_value(cfg, decider)
         return last == own or (last > own and (final != decided[own][decider] or final is False))
 
     check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files}, excused=excused)
@@ -197,14 +199,46 @@ SET = "set"  # in READ_ONLY_WHEN: any value of the deciding key but null and ""
 NONZERO = "nonzero"  # in READ_ONLY_WHEN: any number but 0
 
 
+@dataclasses.dataclass(frozen=True)
+class When:
+    """A deciding condition over several keys (READ_ONLY_WHEN's decider where one key's value does not say it):
+    `holds(*values of keys)`, worded as `text` in the refusal."""
+    keys: tuple[str, ...]
+    holds: Callable[..., bool]
+    text: str
+
+    def __str__(self) -> str:
+        return " / ".join(self.keys)
+
+
+def decider_value(cfg: Any, decider: Union[str, When]) -> Any:
+    """The deciding key's value, or the values of a When's keys (a tuple)."""
+    if isinstance(decider, When):
+        return tuple(get_key(cfg, key) for key in decider.keys)
+    return get_key(cfg, decider)
+
+
 def _reads(value: Any, read_with: tuple) -> bool:
     return (value in read_with or (SET in read_with and value not in (None, ""))
             or (NONZERO in read_with and not isinstance(value, str) and value != 0))
 
 
-# Keys that only some settings read: (keys, the key that decides, the values with which they are read). A
-# key ending in "." stands for every key of that section but the deciding one. Mixup / cutmix details with
-# mixup off, wandb details with wandb off and the like are not listed: they change nothing a run computes.
+def _reads_under(decider: Union[str, When], value: Any, read_with: tuple) -> bool:
+    return decider.holds(*value) if isinstance(decider, When) else _reads(value, read_with)
+
+
+# the timm Mixup that data/loader.py builds: none when both alphas are 0, the switch only when both are above 0
+MIXUP_ON = When(("data.mixup", "data.cutmix"), lambda mixup, cutmix: mixup > 0 or cutmix > 0,
+                "data.mixup or data.cutmix is above 0 (a Mixup is built)")
+MIXUP_AND_CUTMIX = When(("data.mixup", "data.cutmix"), lambda mixup, cutmix: mixup > 0 and cutmix > 0,
+                        "data.mixup and data.cutmix are both above 0 (the Mixup switches between them)")
+# engine/optim.py: a warmup from warmup_lr of sched.warmup_steps updates (with sched.steps) or warmup_epochs
+WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
+              lambda steps, warmup_steps, warmup_epochs: (warmup_steps if steps is not None else warmup_epochs) > 0,
+              "the schedule has a warmup (sched.warmup_epochs above 0, or with sched.steps sched.warmup_steps)")
+
+# Keys that only some settings read: (keys, the key that decides, the values with which they are read), or
+# (keys, a When, None). A key ending in "." stands for every key of that section but the deciding one.
 READ_ONLY_WHEN = [
     (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
     (("data.val_windows",), "data.dataset", ("tokens", "kjv")),
@@ -227,6 +261,11 @@ READ_ONLY_WHEN = [
     (("cd.loss_coef",), "cd.mode", ("loss",)),
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
+    (("train.divergence_windows",), "train.divergence_factor", (SET,)),  # the guard is off without a factor
+    (("log.wandb_project", "log.wandb_mode"), "log.wandb", (True,)),
+    (("data.mixup_prob", "data.mixup_mode"), MIXUP_ON, None),
+    (("data.mixup_switch_prob",), MIXUP_AND_CUTMIX, None),
+    (("sched.warmup_lr",), WARMUP, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
@@ -255,19 +294,26 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
         def excused(key: str, decider: str) -> bool:
             return given.get(decider, None) is False
     for keys, decider, read_with in READ_ONLY_WHEN:
-        value = get_key(cfg, decider)
-        if _reads(value, read_with):
+        value = decider_value(cfg, decider)
+        if _reads_under(decider, value, read_with):
             continue
         for key in given:
             if key in READ_ALWAYS or not any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
                 continue  # not a key this decider makes unread
             if not excused(key, decider):
-                readers = " or ".join(map(_show, read_with))
-                fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
-                       if key in sources else f"drop it or set {decider} as well")
+                if isinstance(decider, When):
+                    when, now = decider.text, ", ".join(f"{k}={_show(v)}" for k, v in zip(decider.keys, value))
+                    fix = (f"drop it from {sources[key]}, or layer it over a recipe where {when}"
+                           if key in sources else f"drop it or set {' / '.join(decider.keys)} as well")
+                    why = f"{key} is read only when {when}, and here {now}"
+                else:
+                    readers = " or ".join(map(_show, read_with))
+                    fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
+                           if key in sources else f"drop it or set {decider} as well")
+                    why = f"{key} is read only when {decider} is {readers}, and it is {_show(value)}"
                 raise IgnoredOverrideError(
                     f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
-                    f"{key} is read only when {decider} is {readers}, and it is {_show(value)}; {fix}")
+                    f"{why}; {fix}")
 
 
 def get_key(cfg: Any, key: str) -> Any:

@@ -316,6 +316,15 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_iters=5"], "quant.aphq.mlp_iters"),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0", "quant.gplq.pca_images=64"],
      "quant.gplq.pca_images"),
+    # details of a part that is off: no Mixup is built, no switch between mixup and cutmix, no warmup, no
+    # divergence guard, no wandb (each was taken, recorded in config.yaml, and changed nothing)
+    ("configs/demo/vit_digits.yaml", ["data.mixup_prob=0.5"], "data.mixup_prob"),
+    ("configs/demo/vit_digits.yaml", ["data.mixup_mode=elem"], "data.mixup_mode"),
+    ("configs/pretrain/vit_b.yaml", ["data.mixup=0", "data.mixup_switch_prob=0.2"], "data.mixup_switch_prob"),
+    ("configs/demo/vit_digits.yaml", ["sched.warmup_epochs=0", "sched.warmup_lr=1e-7"], "sched.warmup_lr"),
+    ("configs/pretrain/vit_b.yaml", ["train.divergence_factor=null", "train.divergence_windows=5"],
+     "train.divergence_windows"),
+    ("configs/demo/vit_digits.yaml", ["log.wandb_project=mine"], "log.wandb_project"),
 ]
 
 
@@ -334,7 +343,11 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/pretrain/vit_b.yaml", ["cd={enabled: true, lam: 0.01}"]),
     ("configs/method/cd.yaml", ["cd.enabled=false", "cd.lam=0.01"]),  # says itself that CD is off (sweeps)
     ("configs/method/cd.yaml", ["cd.mode=loss", "cd.loss_coef=0.01"]),
-    ("configs/demo/vit_digits.yaml", ["data.mixup_prob=0.5"]),  # mixup details with mixup off: harmless
+    ("configs/pretrain/vit_b.yaml", ["data.mixup_prob=0.5", "data.mixup_switch_prob=0.2"]),  # both on
+    ("configs/demo/vit_digits.yaml", ["data.mixup=0.2", "data.mixup_prob=0.5"]),  # mixup switched on with it
+    ("configs/pretrain/vit_b.yaml", ["sched.warmup_lr=1e-7"]),  # 5 warmup epochs
+    ("configs/lm/gpt2.yaml", ["sched.warmup_lr=0.0"]),  # its sched.warmup_steps
+    ("configs/demo/vit_digits.yaml", ["log.wandb=true", "log.wandb_project=mine"]),
     ("configs/pretrain/vit_b.yaml", ["cd.gated_mlp=true"]),  # CD off: still picks a baseline's logged pairs
     ("configs/lm/gpt2.yaml", ["data.root=/datasets/tokens", "data.val_windows=20"]),  # token files
     ("configs/lm/kjv_nano.yaml", ["data.val_windows=20", "data.kjv_val_fraction=0.2"]),
@@ -369,7 +382,7 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config([os.path.join(ROOT, "configs", "debug", "tiny.yaml")],
                       ["out_dir=~/runs/x", "train.resume=~/c.pt", "data.dataset=folder", "data.root=~/data",
-                       "model.pretrained=~/w.pth", "log.wandb_project=~proj"])
+                       "model.pretrained=~/w.pth", "log.wandb=true", "log.wandb_project=~proj"])
     assert (cfg.out_dir, cfg.train.resume, cfg.data.root, cfg.model.pretrained) == (
         f"{tmp_path}/runs/x", f"{tmp_path}/c.pt", f"{tmp_path}/data", f"{tmp_path}/w.pth")
     assert cfg.log.wandb_project == "~proj" and cfg.data.train_split == "train"
