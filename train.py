@@ -561,8 +561,12 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     speaks of, so it is fixed and split into processes x per-process batches x accumulation steps."""
     per_gpu = cfg.train.batch_size_per_gpu
     if cfg.train.batch_size % (per_gpu * world_size):
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of batch_size_per_gpu="
-                          f"{per_gpu} x {world_size} processes")
+        step = per_gpu * world_size
+        fits = [d for d in range(per_gpu, 0, -1) if cfg.train.batch_size % (d * world_size) == 0]
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of train.batch_size_per_gpu="
+                          f"{per_gpu} x {world_size} processes: set train.batch_size to a multiple of {step} "
+                          f"(e.g. {max(step, cfg.train.batch_size // step * step)})"
+                          + (f", or train.batch_size_per_gpu={fits[0]}" if fits else ""))
     return cfg.train.batch_size // (per_gpu * world_size)
 
 

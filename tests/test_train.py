@@ -1652,3 +1652,14 @@ def test_a_rank_with_its_own_error_raises_it_when_the_other_rank_is_already_gone
     out = tmp_path / "rank0.txt"
     spawn_within(_peer_gone_worker, (2, free_port(), str(out)), 2, seconds=90)
     assert out.read_text() == "OSError: disk full"
+
+
+def test_a_global_batch_the_processes_do_not_divide_names_both_fixes(debug_config):
+    """It named the numbers only: 12 over per-process batches of 8 on one process; 24 over 8 on 4 processes."""
+    with pytest.raises(ConfigError, match=r"^train.batch_size=12 is not a multiple of train.batch_size_per_gpu=8 x "
+                                          r"1 processes: set train.batch_size to a multiple of 8 \(e.g. 8\), or "
+                                          r"train.batch_size_per_gpu=6$"):
+        train.accumulation_steps(debug_config("train.batch_size=12"), 1)
+    with pytest.raises(ConfigError, match=r"a multiple of 32 \(e.g. 32\), or train.batch_size_per_gpu=6$"):
+        train.accumulation_steps(debug_config("train.batch_size=24", "train.batch_size_per_gpu=8"), 4)
+    assert train.accumulation_steps(debug_config("train.batch_size=12", "train.batch_size_per_gpu=6"), 1) == 2
