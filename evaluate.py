@@ -63,7 +63,7 @@ from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_ever
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
-from engine.quant_settings import quant_settings, sees_training_transform, training_data
+from engine.quant_settings import quant_settings, sees_training_transform, train_mode_settings, training_data
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
@@ -129,6 +129,8 @@ def main(args: argparse.Namespace) -> dict:
             results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print))
             if cfg.quant.act_max_csv:
                 check_act_max_files(results.data, os.path.splitext(out)[0])
+            else:
+                check_listed_act_max_files(results.data, cfg.quant.act_max_extra_modules)
             return results, [(name, bits) for name, bits in planned(cfg)
                              if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
 
@@ -401,6 +403,19 @@ def check_act_max_files(data: dict, stem: str) -> None:
                           f"set quant.act_max_csv=false")
 
 
+def check_listed_act_max_files(data: dict, extra_modules: list) -> None:
+    """Refuse a call without the maxima files (quant.act_max_csv=false) that measures the maxima over other
+    modules than the files the result file lists were of: it keeps listing them (they stay this file's own), and
+    the JSON's max_act would then describe a measurement its CSV and plot do not hold."""
+    listed = data.get("max_act") or {}
+    before = listed.get("extra_modules", [])
+    if "csv" in listed and before != list(extra_modules):
+        raise ResultsError(f"{listed['csv']} holds maxima over quant.act_max_extra_modules={json.dumps(before)}, "
+                           f"this call measures them over {json.dumps(list(extra_modules))}: set "
+                           f"quant.act_max_csv=true to write the files of this measurement, or give the same "
+                           f"quant.act_max_extra_modules")
+
+
 def text_identity(data) -> dict:
     """Which text a language model's numbers are of: the token files (root, val split, the number of val
     windows, and the val file's content: nanoGPT's prepare.py rewrites val.bin in place, and results of the old
@@ -487,7 +502,8 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
         return train
 
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix,
-                        identity=training_data(cfg), preemption=preemption)
+                        identity={**training_data(cfg), "model_training": train_mode_settings(cfg)},
+                        preemption=preemption)
 
 
 def resolve_config(args: argparse.Namespace):
@@ -540,7 +556,7 @@ def resolve_config(args: argparse.Namespace):
     cfg.quant.pipelines = evaluation_pipelines(cfg)
     check_pipelines(cfg, task)
     dropout = sorted(k for k in given | set(changed if payload else ()) if k in TRAIN_MODE_MODEL_KEYS)
-    if dropout and "gplq" not in cfg.quant.pipelines:  # every other pass runs the model in eval mode
+    if dropout and not any(PIPELINES[name].trains_model for name in cfg.quant.pipelines):  # all in eval mode
         raise ConfigError(f"{dropout[0]} would be ignored: dropout and stochastic depth act in training only, and "
                           f"of evaluate.py's passes only GPLQ's stage 1 trains (pipelines: "
                           f"{', '.join(cfg.quant.pipelines) or 'none'}); drop it")

@@ -237,6 +237,17 @@ WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
               lambda steps, warmup_steps, warmup_epochs: (warmup_steps if steps is not None else warmup_epochs) > 0,
               "the schedule has a warmup (sched.warmup_epochs above 0, or with sched.steps sched.warmup_steps)")
 
+# quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss and
+# for the MLP reconstruction only
+APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.mlp_reconstruct"), lambda loss, mlp: loss == "aph" or mlp,
+                    "quant.aphq.loss is aph or quant.aphq.mlp_reconstruct is true (the APH is computed)")
+# the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
+# quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
+FIRST_LAST_KEYS = tuple(f"quant.{section.name}.{option}" for section in dataclasses.fields(Config().quant)
+                        if dataclasses.is_dataclass(getattr(Config().quant, section.name))
+                        for option in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits")
+                        if hasattr(getattr(Config().quant, section.name), option))
+
 # Keys that only some settings read: (keys, the key that decides, the values with which they are read), or
 # (keys, a When, None). A key ending in "." stands for every key of that section but the deciding one.
 READ_ONLY_WHEN = [
@@ -266,6 +277,8 @@ READ_ONLY_WHEN = [
     (("data.mixup_prob", "data.mixup_mode"), MIXUP_ON, None),
     (("data.mixup_switch_prob",), MIXUP_AND_CUTMIX, None),
     (("sched.warmup_lr",), WARMUP, None),
+    (FIRST_LAST_KEYS, "quant.first_last", ("official",)),
+    (("quant.aphq.temperature", "quant.aphq.hessian_probe", "quant.aphq.hessian_eps"), APH_COMPUTED, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy

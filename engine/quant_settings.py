@@ -31,6 +31,8 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
             settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
     if sees_training_transform(cfg, pipeline):
         settings["train_transform"] = training_data(cfg)
+    if PIPELINES[pipeline].trains_model:  # dropout and stochastic depth act in its training
+        settings["model_training"] = train_mode_settings(cfg)
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
 
 
@@ -40,6 +42,11 @@ def sees_training_transform(cfg: Config, pipeline: str) -> bool:
         return False
     return PIPELINES[pipeline].draws_training_images or (
         reads_calibration_batch(pipeline, False) and cfg.quant.calib_transform == "train")
+
+
+def train_mode_settings(cfg: Config) -> dict:
+    """The model's settings that act in training mode only (configs.schema.TRAIN_MODE_MODEL_KEYS)."""
+    return {"drop": cfg.model.drop, "drop_path": cfg.model.drop_path}
 
 
 def training_data(cfg: Config) -> dict:

@@ -76,6 +76,9 @@ class Pipeline:
     # True: on an image classifier it draws its own training-transform images from `data` and leaves the
     # calibration batch unread (APHQ, GPLQ): its results record the training transform, not the batch
     draws_training_images: bool = False
+    # True: it trains the model in training mode (GPLQ's stage 1), so the model's dropout and stochastic depth
+    # (model.drop, model.drop_path) act in it and its results record them
+    trains_model: bool = False
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,

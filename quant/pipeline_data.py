@@ -42,8 +42,8 @@ class PipelineData:
         with MMDetection's runner (GPLQ stage 1; engine/detection/qat.py `train_activation_qat`), resuming from
         the checkpoints in work_dir.
     identity: what the drawn images depend on besides the arguments (the training split and its
-        transform): a pipeline that keeps files between runs (GPLQ stage 1) records it, so that a file
-        trained on other data is never resumed.
+        transform), and the model's training-mode settings (dropout, stochastic depth): a pipeline that keeps
+        files between runs (GPLQ stage 1) records it, so that a file trained otherwise is never resumed.
     preemption: (path of the checkpoint a stop writes) -> an engine.preemption.Preemption, a context manager
         (evaluate.py: this rank's, agreeing across ranks): GPLQ stage 1 opens it while it trains, so that
         SIGTERM / SIGINT write its checkpoint at the next update and raise `Preempted`. None: signals keep

@@ -261,7 +261,7 @@ def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     from engine.quant_settings import quant_settings
     from quant import plan
 
-    cfg = load_config([], ["quant.first_last=w8a8", "quant.repq.head_a_bits=4"])
+    cfg = load_config([], ["quant.first_last=w8a8"])
     for name in ("percentile", "repq", "aphq", "gplq"):
         options = plan.pipeline_options(cfg, name)
         bits = (options.stem_w_bits, options.stem_a_bits, options.head_w_bits, options.head_a_bits)
@@ -271,6 +271,10 @@ def test_first_last_preset_sets_stem_and_head_bits_of_every_pipeline():
     assert quant_settings(cfg, "repq")["options"]["head_w_bits"] == 8  # recorded with the result
     with pytest.raises(ConfigError, match="first_last"):
         load_config([], ["quant.first_last=w4a4"])
+    # a pipeline's own stem / head bits beside the preset, which replaces them, are refused (scored at W8A8)
+    with pytest.raises(ConfigError, match=r"quant.repq.head_a_bits=4 would be ignored: .* quant.first_last is "
+                                          r"official, and it is w8a8"):
+        load_config([], ["quant.first_last=w8a8", "quant.repq.head_a_bits=4"])
 
 
 def test_a_key_twice_in_a_file_names_the_file_the_key_and_the_lines(tmp_path):
@@ -325,6 +329,11 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/pretrain/vit_b.yaml", ["train.divergence_factor=null", "train.divergence_windows=5"],
      "train.divergence_windows"),
     ("configs/demo/vit_digits.yaml", ["log.wandb_project=mine"], "log.wandb_project"),
+    # replaced by the W8A8 preset (configs/quant.py with_first_last): the 4-bit head asked for was scored at 8
+    ("configs/demo/vit_digits.yaml", ["quant.first_last=w8a8", "quant.percentile.head_w_bits=4"],
+     "quant.percentile.head_w_bits"),
+    # the APH is not computed for a plain-MSE reconstruction without the MLP step
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.loss=mse", "quant.aphq.temperature=1"], "quant.aphq.temperature"),
 ]
 
 
@@ -348,6 +357,9 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/pretrain/vit_b.yaml", ["sched.warmup_lr=1e-7"]),  # 5 warmup epochs
     ("configs/lm/gpt2.yaml", ["sched.warmup_lr=0.0"]),  # its sched.warmup_steps
     ("configs/demo/vit_digits.yaml", ["log.wandb=true", "log.wandb_project=mine"]),
+    ("configs/demo/vit_digits.yaml", ["quant.repq.head_a_bits=8"]),  # first_last official: each pipeline's own
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.loss=mse", "quant.aphq.mlp_reconstruct=true",
+                                      "quant.aphq.hessian_probe=rademacher"]),
     ("configs/pretrain/vit_b.yaml", ["cd.gated_mlp=true"]),  # CD off: still picks a baseline's logged pairs
     ("configs/lm/gpt2.yaml", ["data.root=/datasets/tokens", "data.val_windows=20"]),  # token files
     ("configs/lm/kjv_nano.yaml", ["data.val_windows=20", "data.kjv_val_fraction=0.2"]),

@@ -13,6 +13,7 @@ import train
 from configs import ConfigError, config_to_dict, load_config
 from configs.loader import parse_yaml
 from engine import result_table
+from engine.eval_results import ResultsError
 from engine.quant_settings import quant_settings
 from quant import bits_order
 from tests.conftest import DEMO_CONFIG, ROOT, load_script, run_entry
@@ -712,6 +713,24 @@ def test_act_max_files_stay_listed_after_a_call_without_them(checkpoint, tmp_pat
     evaluate.main(evaluate.parse_args(common))  # the plain command again: its own files, not refused
     data = evaluate.main(evaluate.parse_args([*common, "quant.act_max_extra_modules=[patch_embed.proj]"]))
     assert data["max_act"]["extra_modules"] == ["patch_embed.proj"]
+    # without the files, maxima over other modules than the listed files hold: the JSON listed files of another
+    # measurement beside its numbers
+    listed = open(data["max_act"]["csv"]).read()
+    with pytest.raises(ResultsError, match=r"holds maxima over quant.act_max_extra_modules=\["):
+        evaluate.main(evaluate.parse_args([*common, "quant.act_max_csv=false"]))
+    assert open(data["max_act"]["csv"]).read() == listed
+
+
+def test_dropout_settings_are_taken_for_gplq_which_trains_and_are_part_of_its_results_settings(checkpoint):
+    """GPLQ's stage 1 trains the model in training mode: model.drop / model.drop_path act there, so a GPLQ result
+    records them (a result or stage-1 checkpoint of other ones is not reused); no other pipeline reads them."""
+    from configs import ConfigError
+    base = ["--checkpoint", checkpoint, "--out", "unused.json", "model.drop_path=0.3"]
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "gplq"]))
+    assert quant_settings(cfg, "gplq")["model_training"] == {"drop": cfg.model.drop, "drop_path": 0.3}
+    assert "model_training" not in quant_settings(cfg, "repq")
+    with pytest.raises(ConfigError, match=r"model.drop_path would be ignored: .*\(pipelines: repq\); drop it"):
+        evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "repq"]))
 
 
 def test_an_extra_maxima_module_that_names_no_module_is_refused_before_any_work(checkpoint, tmp_path):

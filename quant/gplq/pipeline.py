@@ -116,6 +116,7 @@ class GPLQPipeline(Pipeline):
     Options = GPLQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
     draws_training_images = True
+    trains_model = True  # stage 1: QAT of the student in training mode
     data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
