@@ -192,6 +192,7 @@ def main(argv=None) -> dict:
         check_annotation_files(cfg, source, loaders + ("test_evaluator",))
         check_image_folders(cfg, loaders, source)
         check_evaluator_annotations(cfg)
+        check_scoring_evaluator(cfg)
         check_categories(cfg, loaders)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, args.device)
@@ -328,6 +329,17 @@ def evaluation_reads(pipelines: Sequence[str]):
     return CommandReads(frozenset(keys), does, instead,
                         frozenset({"data_root"}),  # --data-root; it has no --work-dir, --launcher or --resume
                         wrapped=frozenset({"train_dataloader.dataset"}))
+
+
+def check_scoring_evaluator(cfg) -> None:
+    """Refuse a test metric that writes predictions without scoring them (CocoMetric's format_only): the result
+    file would hold an FP entry without an mAP, which a later call takes as computed."""
+    from engine.detection import DetectionError
+    metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
+    if any(metric.get("format_only") for metric in metrics):
+        raise DetectionError("test_evaluator.format_only=True writes the predictions without scoring them, and "
+                             "evaluate_detection.py records mAPs: drop it (for a submission file, run MMDetection's "
+                             "tools/test.py)")
 
 
 def evaluator_files(cfg):

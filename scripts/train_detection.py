@@ -100,6 +100,27 @@ def checkpoint_files(work_dir: str) -> list:
     return glob.glob(os.path.join(work_dir, "*.pth")) + glob.glob(os.path.join(work_dir, "last_checkpoint"))
 
 
+def check_checkpointing(cfg, work_dir: str) -> None:
+    """Refuse checkpoint settings this script's guarantees do not hold for: checkpoints written outside --work-dir
+    (MMEngine's CheckpointHook out_dir puts them into <out_dir>/<name of the work dir>, where another run of that
+    name writes over them and which --resume refuses to read), and iteration checkpoints of an epoch loop
+    (MMEngine 0.10 resumes those at the start of their epoch: the part already trained is trained again)."""
+    from engine.detection import DetectionError
+    hook = (cfg.get("default_hooks") or {}).get("checkpoint") or {}
+    out_dir = hook.get("out_dir")
+    if out_dir and os.path.abspath(os.path.join(out_dir, os.path.basename(os.path.normpath(work_dir)))) != \
+            os.path.abspath(work_dir):
+        raise DetectionError(f"default_hooks.checkpoint.out_dir={out_dir}: the checkpoints would go to "
+                             f"{os.path.join(out_dir, os.path.basename(os.path.normpath(work_dir)))}, outside "
+                             f"--work-dir {work_dir}, where a run of another work dir of that name writes over them "
+                             "and which --resume does not read: drop it (the checkpoints go into --work-dir)")
+    loop = (cfg.get("train_cfg") or {}).get("type", "EpochBasedTrainLoop")
+    if hook.get("by_epoch", True) is False and loop == "EpochBasedTrainLoop":
+        raise DetectionError("default_hooks.checkpoint.by_epoch=False with an EpochBasedTrainLoop: MMEngine resumes "
+                             "an iteration checkpoint at the start of its epoch and trains that epoch's first "
+                             "iterations again; keep checkpoints by epoch, or train with an IterBasedTrainLoop")
+
+
 def check_work_dir(work_dir: str, resume: bool) -> None:
     """Refuse to start a new run over an old one's checkpoints, and to resume where there is nothing."""
     from engine.detection import DetectionError
@@ -181,10 +202,12 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
     """Refuse a --resume that would continue under other settings than the run's, or from another run's
     checkpoint: MMEngine restores the weights, optimizer and scheduler and silently keeps the new config."""
     from engine.detection import DetectionError
-    if "load_from" in overrides:
+    path = os.path.join(work_dir, SETTINGS_FILE)
+    # the load_from the run started from, given again (the same command with --resume), says nothing new
+    if "load_from" in overrides and not (os.path.isfile(path) and
+                                         stored_settings(path).get("load_from") == settings.get("load_from")):
         raise DetectionError("load_from with --resume: --resume continues the run in --work-dir from its own "
                              "last checkpoint; start a new --work-dir to train from other weights")
-    path = os.path.join(work_dir, SETTINGS_FILE)
     if not os.path.isfile(path):
         raise DetectionError(f"--resume: --work-dir {work_dir} has no {SETTINGS_FILE}, so it holds no run of this "
                              "script to continue: give a new --work-dir")
@@ -372,6 +395,7 @@ def main(argv=None) -> int:
         check_hooks(cfg)
         check_seed(cfg)
         check_amp(cfg)
+        check_checkpointing(cfg, args.work_dir)
         source = args.data_root and f"--data-root {args.data_root}"
         check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
         check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
@@ -421,9 +445,10 @@ def train_in_work_dir(args, cfg, settings: dict) -> int:
     cfg.work_dir = args.work_dir
     cfg.launcher = args.launcher
     cfg.resume = args.resume
-    if args.resume:
+    if args.resume or cfg.load_from:
         # MMEngine 0.10 checkpoints hold numpy / python objects that torch >= 2.6's weights_only load refuses;
-        # these are the run's own files (check_work_dir), so the full unpickler is safe here.
+        # these are the run's own files (check_work_dir), or a load_from file that check_load_from has read with
+        # the full unpickler already, so it is no less safe here.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume, launcher=args.launcher):
         runner = Runner.from_cfg(cfg)

@@ -972,3 +972,22 @@ def test_gplq_stage1_hands_mmengine_the_settings_it_is_given(sample, tmp_path):
     assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in groups] == [
         (1e-3, 0.02, len(backbone)), (3e-4, 0.02, len(rest))]
     assert saved["meta"]["seed"] == 7
+
+
+def test_a_run_fine_tuned_from_a_checkpoint_of_this_script_trains_and_its_own_command_resumes(sample, tmp_path,
+                                                                                            capsys, monkeypatch):
+    """load_from=<an epoch_N.pth of this script> ended in an UnpicklingError traceback (torch >= 2.6 loads it
+    weights-only; the full unpickler was allowed for --resume alone), and the run's own command with --resume was
+    refused for its load_from, without it for a load_from unlike the run's: it could never be resumed."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")  # as in a fresh process (a resume here sets it)
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    base = train(sample, tmp_path / "base")
+    tuned = tmp_path / "tuned"
+    train(sample, tuned, f"load_from={base}")
+    command = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tuned), "--resume",
+               "randomness.seed=0", "train_cfg.val_interval=100", "train_cfg.max_epochs=2"]
+    other = train(sample, tmp_path / "other")
+    assert "load_from with --resume" in error_line(capsys, command + [f"load_from={other}"])
+    from train_detection import main
+    assert main(command + [f"load_from={base}"]) == 0
+    assert (tuned / "epoch_2.pth").is_file()

@@ -353,3 +353,40 @@ def test_another_calibration_batch_is_another_quantized_result(change):
     asked = Namespace(calib_images=1, calib_seed=0)
     assert settings(asked, "repq") != settings(Namespace(**{**vars(asked), **change}), "repq")
     assert settings(asked, "repq") == settings(Namespace(**vars(asked)), "repq")
+
+
+@pytest.mark.parametrize("override, named", [
+    # MMEngine writes into <out_dir>/<work dir's name>: a second run of that name wrote over the first one's
+    # epoch_1.pth, whose last_checkpoint then named weights --resume refuses to read
+    ("default_hooks.checkpoint.out_dir={tmp}/ckpt", "default_hooks.checkpoint.out_dir={tmp}/ckpt: the checkpoints "
+                                                    "would go to {tmp}/ckpt/work, outside --work-dir {tmp}/work"),
+    # MMEngine 0.10 resumes an iteration checkpoint at the start of its epoch: trained twice
+    ("default_hooks.checkpoint.by_epoch=False", "default_hooks.checkpoint.by_epoch=False with an EpochBasedTrainLoop"),
+])
+def test_checkpoints_outside_the_work_dir_or_mid_epoch_are_refused_before_any_work(tmp_path, capsys, override, named):
+    work = tmp_path / "work"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(tmp_path), "--work-dir", str(work),
+                               override.format(tmp=tmp_path)])
+    assert line.startswith("error: " + named.format(tmp=tmp_path)), line
+    assert not work.exists()
+
+
+def test_checkpoints_written_into_the_work_dir_itself_are_taken(tmp_path):
+    from mmengine.config import Config
+    from train_detection import check_checkpointing
+    work = tmp_path / "runs" / "w"
+    check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(out_dir=str(tmp_path / "runs"))))), str(work))
+    check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(by_epoch=False, interval=4)),
+                                    train_cfg=dict(type="IterBasedTrainLoop", max_iters=8))), str(work))
+
+
+@pytest.mark.parametrize("evaluator", [dict(type="CocoMetric", format_only=True, outfile_prefix="x"),
+                                       [dict(type="CocoMetric"), dict(type="CocoMetric", format_only=True)]])
+def test_a_test_metric_that_only_writes_predictions_is_refused(evaluator):
+    """It recorded an FP entry with no mAP (nan printed), which the next call took as computed."""
+    from mmengine.config import Config
+    from engine.detection import DetectionError
+    from evaluate_detection import check_scoring_evaluator
+    with pytest.raises(DetectionError, match=r"^test_evaluator.format_only=True writes the predictions without "):
+        check_scoring_evaluator(Config(dict(test_evaluator=evaluator)))
+    check_scoring_evaluator(Config(dict(test_evaluator=dict(type="CocoMetric"))))
