@@ -243,10 +243,10 @@ APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.mlp_reconstruct"), lambda lo
                     "quant.aphq.loss is aph or quant.aphq.mlp_reconstruct is true (the APH is computed)")
 # the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
 # quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
-FIRST_LAST_KEYS = tuple(f"quant.{section.name}.{option}" for section in dataclasses.fields(Config().quant)
-                        if dataclasses.is_dataclass(getattr(Config().quant, section.name))
+FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Config().quant).items()
+                        if dataclasses.is_dataclass(section)
                         for option in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits")
-                        if hasattr(getattr(Config().quant, section.name), option))
+                        if hasattr(section, option))
 
 # Keys that only some settings read: (keys, the key that decides, the values with which they are read), or
 # (keys, a When, None). A key ending in "." stands for every key of that section but the deciding one.
@@ -317,7 +317,7 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                 if isinstance(decider, When):
                     when, now = decider.text, ", ".join(f"{k}={_show(v)}" for k, v in zip(decider.keys, value))
                     fix = (f"drop it from {sources[key]}, or layer it over a recipe where {when}"
-                           if key in sources else f"drop it or set {' / '.join(decider.keys)} as well")
+                           if key in sources else f"drop it or set {decider} as well")
                     why = f"{key} is read only when {when}, and here {now}"
                 else:
                     readers = " or ".join(map(_show, read_with))

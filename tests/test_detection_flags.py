@@ -375,9 +375,10 @@ def test_checkpoints_written_into_the_work_dir_itself_are_taken(tmp_path):
     from mmengine.config import Config
     from train_detection import check_checkpointing
     work = tmp_path / "runs" / "w"
-    check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(out_dir=str(tmp_path / "runs"))))), str(work))
-    check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(by_epoch=False, interval=4)),
-                                    train_cfg=dict(type="IterBasedTrainLoop", max_iters=8))), str(work))
+    assert check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(out_dir=str(tmp_path / "runs"))))),
+                               str(work)) is None
+    assert check_checkpointing(Config(dict(default_hooks=dict(checkpoint=dict(by_epoch=False, interval=4)),
+                                           train_cfg=dict(type="IterBasedTrainLoop", max_iters=8))), str(work)) is None
 
 
 @pytest.mark.parametrize("evaluator", [dict(type="CocoMetric", format_only=True, outfile_prefix="x"),
