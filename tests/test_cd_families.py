@@ -17,6 +17,7 @@ def _script():
     return load_script("cd_families")
 
 
+@pytest.mark.slow  # builds every family's tiny model (about 13 s)
 def test_readme_table_is_current_and_cli_prints_the_cd_column(capsys):
     script = _script()
     want = script.table()

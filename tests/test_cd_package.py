@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +32,7 @@ def _build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_holds_only_cd_and_declares_torch(tmp_path):
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:

@@ -189,6 +189,7 @@ def test_a_failed_write_on_rank_0_stops_every_rank_with_its_error(failing):
     assert _calls(tmp_path, 0) == [] and not out.exists()  # it stopped at the first write, before repq
 
 
+@pytest.mark.slow  # two evaluate.py ranks
 def test_the_result_file_is_read_on_rank_0_only(failing):
     """Its plan is rank 0's: a file rank 0 refuses stops rank 1 with rank 0's reason (a rank that read the
     file itself could plan other work and wait at another collective)."""

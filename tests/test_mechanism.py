@@ -230,6 +230,7 @@ def test_alignment_and_energies_write_their_files_and_refuse_to_overwrite(checkp
         assert len(f.read().splitlines()) == 1 + 8  # one model now
 
 
+@pytest.mark.slow  # scores digits images per removed direction (about 16 s)
 def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
     base, _ = checkpoints
     out = str(tmp_path / "figs")

@@ -88,6 +88,7 @@ def test_missing_inputs_are_named_with_their_fix(tmp_path):
     assert "best.pt or checkpoint.pt that train.py wrote" in str(e.value)
 
 
+@pytest.mark.slow  # an evaluate.py process stopped by a signal
 def test_ctrl_c_in_evaluate_is_one_line_and_keeps_what_was_written(checkpoint, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "evaluate.py", "--checkpoint", checkpoint, "--out", str(out),

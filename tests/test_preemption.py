@@ -178,8 +178,10 @@ def train_cmd(out_dir, *overrides):
 
 @pytest.mark.parametrize("signum, target, workers", [
     (signal.SIGTERM, "main", 0),
-    (signal.SIGTERM, "group", 2),  # what SLURM, scancel, timeout and `kill -TERM -- -PGID` do
-    (signal.SIGINT, "group", 2),   # Ctrl-C in a terminal
+    # to the group with loader workers (slow: 12-26 s each): what SLURM, scancel, timeout and
+    # `kill -TERM -- -PGID` do, and Ctrl-C in a terminal
+    pytest.param(signal.SIGTERM, "group", 2, marks=pytest.mark.slow),
+    pytest.param(signal.SIGINT, "group", 2, marks=pytest.mark.slow),
 ], ids=["sigterm-main", "sigterm-group-workers", "sigint-group-workers"])
 def test_signal_saves_a_checkpoint_exits_75_and_resumes(tmp_path, signum, target, workers, caplog, one_thread):
     cmd = train_cmd(tmp_path, f"data.num_workers={workers}")
@@ -270,6 +272,7 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
 
 
+@pytest.mark.slow  # a train.py process and a 20,000-image validation
 def test_a_stop_during_validation_ends_it_writes_the_checkpoint_first_and_resume_validates(tmp_path, caplog,
                                                                                           one_thread):
     # 4 updates per epoch, then a validation of 20,000 images (about 3 s on one thread of a 2-core VM). The line
@@ -493,6 +496,7 @@ def test_a_group_signal_while_workers_start_is_a_stop_request_not_a_crash():
     assert "plain worker died" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
+@pytest.mark.slow  # train.py processes
 def test_a_sigterm_while_train_py_imports_is_a_stop_request_exit_75_not_143(tmp_path, one_thread):
     """A scheduler's SIGTERM in the seconds train.py spends importing (minutes in a multi-node rendezvous) ended
     the process with status 143, which a requeue script reads as a failure: now the run starts, stops at its

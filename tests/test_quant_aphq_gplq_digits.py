@@ -207,6 +207,7 @@ def test_options_are_typed_config_sections():
             load_config([], [bad])
 
 
+@pytest.mark.slow  # APHQ and GPLQ end to end (about 20 s)
 def test_evaluate_cli_runs_both_pipelines_with_overrides(vit, tmp_path):
     model, cfg, _, _, _, _ = vit
     ckpt = tmp_path / "best.pt"

@@ -144,6 +144,7 @@ def outcomes(tmp_path_factory) -> dict:
             for name, _, _ in cases} | {"work": work}
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case", ["train_other", "eval_other"])
 def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_split(outcomes, case):
     work = outcomes["work"]
@@ -156,6 +157,7 @@ def test_a_rank_on_other_images_under_its_data_root_ends_every_rank_naming_the_s
     assert not os.path.exists(work / "train_other" / "checkpoint.pt") and not os.path.exists(work / "eval_other.json")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case", ["train_copy", "eval_copy", "tune_copy", "node_settings"])
 def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
     """... and so do ranks given their node's own loader workers, batch wait, page-locking and progress bar (no
@@ -163,6 +165,7 @@ def test_copies_of_the_same_images_at_other_paths_go_on(outcomes, case):
     assert outcomes[case] == [("ok", ""), ("ok", "")]
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_ranks_that_would_resume_from_other_points_stop_naming_what_each_found(outcomes):
     """An out_dir on each node's own disk: rank 0 finds the run's checkpoint.pt, rank 1 nothing. Each had gone on
     from its own point (rank 1 afresh: other optimizer state, schedule and sample order) under one set of weights."""
@@ -177,6 +180,7 @@ def test_ranks_that_would_resume_from_other_points_stop_naming_what_each_found(o
     assert torch.load(work / "trained" / "checkpoint.pt", weights_only=True)["state"]["step"] == 1  # not trained on
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_ranks_that_loaded_other_weights_stop_before_scoring(outcomes):
     work = outcomes["work"]
     for rank, (kind, message) in enumerate(outcomes["eval_weights"]):
@@ -186,6 +190,7 @@ def test_ranks_that_loaded_other_weights_stop_before_scoring(outcomes):
     assert not os.path.exists(work / "eval_weights.json")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_a_fresh_start_from_other_pretrained_weights_stops_every_rank(outcomes):
     """Each rank loads model.pretrained from its own node: DDP would copy rank 0's weights into the others' models,
     but not into the EMA each made before, and a rank given no model.pretrained (a path, not compared with the
@@ -206,6 +211,7 @@ def test_a_fresh_start_from_other_pretrained_weights_stops_every_rank(outcomes):
     assert not os.path.exists(work / "tune_unset" / "checkpoint.pt")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case, section", [("train_settings", "train"), ("eval_settings", "evaluate.py flags")])
 def test_ranks_given_other_settings_stop_naming_the_section(outcomes, case, section):
     """A node with another checkout of the configs or another command line (here train.max_steps, evaluate.py's
@@ -218,6 +224,7 @@ def test_ranks_given_other_settings_stop_naming_the_section(outcomes, case, sect
                                                   f"and the same command line{checkpoint}")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_ranks_of_other_versions_of_the_code_stop_naming_the_cause(outcomes):
     """Another schema (a section more) gives the compared settings another number of items: a tensor of another
     size in the all-reduce aborted gloo's processes (SIGABRT, no error line) and would leave NCCL's hanging."""
@@ -228,6 +235,7 @@ def test_ranks_of_other_versions_of_the_code_stop_naming_the_cause(outcomes):
                                                   "checkout")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcomes):
     """evaluate.py's settings are the checkpoint's config and the command line's: a node's copy of another run's
     best.pt resolves other settings, and the advice names the checkpoint beside the configs and command line."""
@@ -238,6 +246,7 @@ def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcom
                                                   "the base of the settings)")
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case, what, error", [
     ("train_no_data", "reading the data under data.root", ("DataError", "does not exist or is not a folder")),
     ("eval_no_data", "reading the val split", ("DataError", "does not exist or is not a folder")),
@@ -251,6 +260,7 @@ def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_say
     assert kind1 == error[0] and error[1] in second, second
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case, error", [
     ("train_no_config", ("ConfigError", "missing.yaml")),
     ("train_no_config_in_group", ("ConfigError", "missing.yaml")),
@@ -337,6 +347,7 @@ def test_the_device_of_the_command_line_is_read_without_the_config_files():
     assert device_of_overrides(["train.device=gpu"]) == "auto"
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_a_config_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
     """Every rank failed before the ranks met: each raises its own error, none is told of another's."""
     for kind, message in outcomes["train_no_config_anywhere"]:
@@ -382,6 +393,7 @@ def test_one_process_compares_nothing_and_passes_the_error_of_its_start_work_as_
     assert done
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_ranks_whose_mappings_differ_in_the_type_of_a_key_stop(outcomes):
     """The number 1 and the text "1" as keys are other settings (a YAML `{1: x}` and `{'1': x}`); the same mapping
     in another order is the same. json.dumps could not sort such keys: a TypeError on every rank."""
@@ -407,6 +419,7 @@ def test_operations_guide_quotes_what_each_rank_failed_as_the_entry_points_say_i
     assert [what for what in blocks if f"`{what}`" not in guide and f"failed {what};" not in guide] == []
 
 
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 def test_a_file_no_node_has_stops_every_rank_with_its_own_error(outcomes):
     """failure_on_every_rank raises a rank's own error where the body failed, whatever the others did."""
     for kind, message in outcomes["train_no_data_anywhere"]:

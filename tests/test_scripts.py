@@ -846,6 +846,7 @@ def test_the_sweep_expands_yaml_without_loading_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
+@pytest.mark.slow  # the precision script on a ViT (about 17 s)
 def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
     """fp32 products move the weights as much as fp32 storage rounding does; weights stored in half precision
     keep most entries as they were after one update at the training step (what the CD warning is about).

@@ -37,6 +37,7 @@ def test_debug_run_writes_the_documented_files(debug_config):
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train_records)
 
 
+@pytest.mark.slow  # trains the Swin demo 40 updates (about 30 s)
 def test_demo_config_trains_on_digits(tmp_path):
     # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates. Batches of 32, not
     # the demo's 64: 40 updates take a third of the time of the 60 updates of 64 this test ran before (20.0 %)
@@ -290,6 +291,7 @@ def test_a_nan_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_path):
     assert [open(out.format(rank=r)).read() for r in (0, 1)] == ["stopped 1", "stopped 1"]
 
 
+@pytest.mark.slow  # two digits runs and a split one
 def test_exact_resume_on_digits_with_augmentation_and_repeated_sampling(tmp_path):
     """The real data path: seeded transforms (RandAugment, random erasing), repeated augmentation,
     mixup/cutmix, the per-epoch schedule, resumed in the middle of an epoch."""
