@@ -33,6 +33,7 @@ from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_o
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
+DEFAULT_LOSS_COEF, DEFAULT_MATMUL_PRECISION = 0.01, "auto"
 # optimizer -> the objects whose CD update runs in its step (`ColinearityDecay.attach`, the integrations'
 # `OptimizerBinding`), weakly held both ways: a matrix that two of them decay would be decayed twice per step
 _HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = weakref.WeakKeyDictionary()
@@ -217,6 +218,15 @@ def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision
                          f"got {matmul_precision!r}")
     if not (isinstance(norms_every, int) and norms_every >= 1):
         raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
+    # a setting of the other form would be silently unused (values compared with the defaults: a default given
+    # explicitly changes nothing either way)
+    if mode == "loss" and matmul_precision != DEFAULT_MATMUL_PRECISION:
+        raise ValueError(f"cd matmul_precision={matmul_precision!r} sets the decoupled update's products; mode='loss' "
+                         "computes its penalty in fp32 under autograd: drop matmul_precision, or use "
+                         "mode='decoupled'")
+    if mode == "decoupled" and loss_coef != DEFAULT_LOSS_COEF:
+        raise ValueError(f"cd loss_coef={loss_coef!r} scales the loss form's term; mode='decoupled' adds no term: drop "
+                         "loss_coef, or use mode='loss'")
     return lam_per_role
 
 
@@ -259,8 +269,8 @@ class ColinearityDecay:
         lam_per_role: Optional[Mapping[str, float]] = None,
         targets: str = "A+B",
         mode: str = "decoupled",
-        loss_coef: float = 0.01,
-        matmul_precision: str = "auto",
+        loss_coef: float = DEFAULT_LOSS_COEF,
+        matmul_precision: str = DEFAULT_MATMUL_PRECISION,
         norms_every: int = 1,
         example_input: Optional[Tensor] = None,
         gated_mlp: bool = False,
@@ -666,7 +676,7 @@ class ColinearityDecay:
             raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts "
                                "through attach()/apply()")
         if not self._active:
-            return torch.zeros((), device=task_loss.device)
+            return torch.zeros((), dtype=torch.float32, device=task_loss.device)
         # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
         weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)

@@ -111,7 +111,7 @@ def check_arguments(bits: Any, layer_types: Any, seed: Any) -> None:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
 
-def _weight_source(layer: nn.Module) -> tuple[str, str]:
+def weight_source(layer: nn.Module) -> tuple[str, str]:
     """(what makes `layer`'s weight, the fix) for a layer whose weight is no Parameter: the refusal names the true
     cause, as each of torch's ways of computing a weight at each forward is removed by its own function."""
     from torch.nn.utils import parametrize
@@ -157,7 +157,7 @@ class WeightNoise:
                     if not isinstance(m._parameters.get("weight"), nn.Parameter)]
         if computed:
             names = ", ".join(name for name, _ in computed[:3]) + (" ..." if len(computed) > 3 else "")
-            how, fix = _weight_source(computed[0][1])
+            how, fix = weight_source(computed[0][1])
             raise ValueError(f"WeightNoise: the weight of {names} is {how}: no Parameter for the noise to replace; "
                              f"{fix}, or leave that layer type out of layer_types")
         self.layers = chosen

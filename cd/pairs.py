@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .layouts import LAYOUTS, Layout, check_layouts
-from .values import check_v_rows
+from .values import check_channel_order
 from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
 
@@ -349,7 +349,17 @@ class _Block:
     def refuse_missing(self, paths: str, what: str) -> UnsupportedModelError:
         """A layer of the layout is absent: name the paths looked for and the layout its children matched, since a
         block of one's own whose children happen to be another library's (an MLP named `ffn` reads as
-        MMDetection's Swin) would otherwise be told about the wrong part."""
+        MMDetection's Swin) would otherwise be told about the wrong part. A layer that is there but whose weight is
+        computed at each forward (a parametrization, weight_norm) is named as such, with the way to remove it."""
+        from .noise import weight_source  # here: noise -> update -> pairs
+        for path in paths.replace(" or ", " and ").split(" and "):
+            layer = _module(self.module, path)
+            if layer is not None and isinstance(getattr(layer, "weight", None), torch.Tensor) and \
+                    not isinstance(layer.weight, nn.Parameter):
+                how, fix = weight_source(layer)
+                if fix.startswith("give WeightNoise"):
+                    fix = "give the layer a weight Parameter of its own"
+                return self.refuse(f"the weight of {path} is {how}, not a Parameter CD can update; {fix}")
         if self.lay.library not in {lay.library for lay in LAYOUTS}:  # a layout given as layouts=
             return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
                                f"the layout {self.lay.library!r} given as layouts=: check its paths against the "
@@ -543,9 +553,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             `cd.verify.example_input` (timm's `patch_embed.img_size` / `pretrained_cfg`, a transformers
             model's config).
         verify: run the checks: one forward on the `meta` device (no memory, weights untouched), then, for a
-            fused qkv, one real forward of the example with the claimed V rows set to zero, and for every V ->
-            proj pair one with some of V's channels set to zero (`cd.values`: weights, buffers, training flags and
-            random streams untouched; skipped for a model on the `meta` device).
+            fused qkv, one real forward of the example with the claimed V rows set to zero, and one with some
+            channels of every pair set to zero (V's, fc1's output, a norm's scale), which must reach W2's input
+            columns of the same numbers (`cd.values`: weights, buffers, training flags and random streams
+            untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
             they are refused.
         layouts: the block layouts tried, in order, and no others (`cd.layouts`): default `LAYOUTS`, the built-in
@@ -562,9 +573,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
-            are not V (a per-head interleaved or reordered layout), or proj does not read V's channel i at its
-            column i (heads merged in another order; XCiT's channel attention); the message names the block and
-            its type.
+            are not V (a per-head interleaved or reordered layout), or W2 does not read W1's channel i at its
+            column i (heads merged in another order; XCiT's channel attention; a sub-LN, a Linear or a permutation
+            inside the MLP; channels rolled between a norm and its layer); the message names the block and its
+            type.
     """
     layouts = check_layouts(layouts)
     check_example_use(example_input, verify, "find_pairs")
@@ -588,5 +600,5 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     refuse_split_devices(pairs, types)
     if verify:
         verify_pairs(root, pairs, types, example_input)
-        check_v_rows(root, pairs, types, example_input)
+        check_channel_order(root, pairs, types, example_input)
     return pairs

@@ -10,7 +10,7 @@ block's input (transformers 4.x layers), and any other output is a TypeError nam
 (`cd.pairs.residual_stream`). The mean runs
 over batch x tokens x channels. Defaults p=4, tau=3, eps=1e-6; lam(t) is constant or a cosine from
 lam to 0 over the run. The "rescaled" variant (used by the paper for fine-tuning and detection)
-multiplies the term by detach(L_task / L_TWEO), so its value is lam(t) * L_task.
+multiplies the term by detach(|L_task| / L_TWEO), so its value is lam(t) * |L_task|.
 Readings of App. A.3, which gives no formula for these: its E[.] is the mean over all elements (as in TWEO
 itself), its "optional cosine schedule" a decay to 0, and "rescaled ... to match the magnitude of the main
 task loss" the detached ratio above.
@@ -96,7 +96,7 @@ class TWEO:
         p, tau, eps: penalty exponent, magnitude scale and its epsilon.
         schedule: 'constant' or 'cosine' (lam(t) = lam * (1 + cos(pi * t / total_steps)) / 2, 0 after).
         total_steps: number of optimizer updates of the run (needed for 'cosine').
-        rescale: multiply the term by detach(task_loss / penalty) before lam (the "rescaled" variant).
+        rescale: multiply the term by detach(|task_loss| / penalty) before lam (the "rescaled" variant).
         form: 'memory_saving' (`tweo_penalty`, the default) or 'plain' (`plain_tweo_penalty`): the same
             value and gradient, different activation memory.
         layouts: the block layouts whose blocks are hooked (`cd.pairs.find_blocks`): default the built-in

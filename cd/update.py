@@ -24,8 +24,10 @@ Implementation notes (why the code looks like this):
 - Same-shaped pairs of one role form a group: their norms and step factors are computed together
   (`torch._foreach_norm`, one stacked tensor), and each pair's two products are then made with `torch.mm`
   in a loop over the group, the second accumulated into W2 in place (`addmm_`), so that no stacked copy
-  of the weights is made. Math is fp32 (TF32 if the caller enabled it) for fp32, bf16 and fp16 parameters
-  (float64 parameters stay float64); results are written back in the parameter dtype.
+  of the weights is made. Math is fp32 for fp32, bf16 and fp16 parameters, its products in the precision
+  `matmul_precision` names whatever the caller set (`_products_in`: 'fp32' runs IEEE even where the trainer
+  enabled TF32; 'auto' is TF32 on CUDA); float64 parameters stay float64; results are written back in the
+  parameter dtype.
 - The product is always evaluated as (W2 W1n) W1n^T (2 o r i flops): W1 is r x i and W2 is o x r, and
   for the paper's pairs (r = i for V -> proj; r = 4i for fc1 -> fc2) it is not more than the other order,
   W2 (W1n W1n^T), at r^2 (i + o).
@@ -119,13 +121,16 @@ def _autocast_off(fn):
 
 
 def align_to_task_loss(penalty: Tensor, task_loss: Tensor) -> Tensor:
-    """The paper's "stabilized" scaling of an auxiliary loss: penalty * detach(task_loss / penalty).
+    """The paper's "stabilized" scaling of an auxiliary loss: penalty * detach(|task_loss| / penalty).
 
-    Its value equals the task loss, its gradient is the penalty's times that constant factor (used by
-    CD's loss form and TWEO's rescaled variant, which then multiply it by a small coefficient).
+    Its value equals the task loss's magnitude, its gradient is the penalty's times that constant, non-negative
+    factor (used by CD's loss form and TWEO's rescaled variant, which then multiply it by a small coefficient).
+    The magnitude, not the signed loss: the paper aligns the term to the task loss's scale, and a negative task loss
+    (a Gaussian NLL, a negative ELBO or similarity) would otherwise flip the term into one that raises the penalty.
     """
     # fp32 at least (an fp16 task loss), float64 for a float64 penalty (exact float64 references)
-    ratio = task_loss.detach().to(compute_dtype(penalty)) / penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
+    ratio = task_loss.detach().abs().to(compute_dtype(penalty)) / \
+        penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
     return penalty * ratio
 
 
@@ -451,4 +456,4 @@ def pair_penalty(
              else torch.stack([e.new_full((), v, dtype=torch.float32) for v in values]))
         term = (e * w).sum()
         total = term if total is None else total + term
-    return total if total is not None else torch.zeros((), device=device)
+    return total if total is not None else torch.zeros((), dtype=compute_dtype(pairs[0].w2()), device=device)

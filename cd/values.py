@@ -1,5 +1,6 @@
-"""Check the V -> proj pairs on real numbers: that the fused-qkv rows CD pairs with proj are V (one forward with V
-set to zero), and that proj reads V's channels in their order (one forward with some of V's channels set to zero).
+"""Check the pairs on real numbers: that the fused-qkv rows CD pairs with proj are V (one forward with V set to
+zero), and that each pair's W2 reads W1's channels in their order (one forward with some channels of every pair set
+to zero: V's for proj, fc1's output for fc2, the norm's scale for a composable pair).
 
 The meta check (`cd/verify.py`) follows whole tensors: it confirms that proj reads something computed from a
 fused qkv (or v), not which of its rows, nor in which order. CD pairs proj with rows [2D:3D] of qkv, the V third of
@@ -39,6 +40,18 @@ whole example runs), as in the meta check.
 nn.MultiheadAttention, whose forward this mode sees as one call of F.multi_head_attention_forward (the mode makes it
 leave its native fast path), is followed by that call's arguments: the chosen V rows of in_proj_weight and
 in_proj_bias are set to zero, and proj's input is the call's output with out_proj made the identity.
+
+The same forward checks the other pairs, each with its own `order_channels`. A composable pair (diag(g), W) (paper
+Eqs. (4)-(5): g's entry i scales W's column i): those entries of the norm's scale g, and of its bias, are set to zero
+wherever a torch function is given them (F.layer_norm, an RMSNorm's `weight * x`), and W's input columns of the same
+numbers must be exactly zero; a roll or permutation of the channels between the norm and W (which the meta check
+takes for a move) puts the zeros elsewhere. An MLP pair (W_F1, W_F2) (Eq. (8)): those channels of fc1's output (of
+the W_up rows of a gated MLP) are set to zero as V's are, and fc2's input columns of the same numbers must hold one
+value in every row (token): act(0) through an elementwise activation, and through any map that keeps each channel
+apart (a per-channel scale, a depthwise conv along the tokens with its bias). A norm over the hidden channels under a
+name of its own (a sub-LN), a Linear or a permutation between fc1 and fc2 makes some of them vary with the token:
+refused, as W_F2 M act(W_F1 x) is not the path of the product CD decays. Judged only where a product read two or
+more rows (one token has no row to differ from). nn.MultiheadAttention's in_proj_weight reads the call's query.
 
 A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
 whose input has no finite value is refused as unchecked.
@@ -133,10 +146,12 @@ class _ZeroV(TorchFunctionMode):
         self.origin: dict[int, int] = {}  # id of a weight's moved copy (w.t(), w.to(dtype)) -> id of the weight
         self._keep: list[Tensor] = []  # holds the moved copies, so that their ids are not reused
         self._index: dict[tuple[int, torch.device], Tensor] = {}  # (id of a qkv weight, device) -> its columns
-        self.zeroed: set[int] = set()  # ids of qkv weights whose product was seen
+        self.zeroed: set[int] = set()  # ids of upstream weights whose product was seen, of norm scales passed
         self.products: dict[int, int] = {}  # id of a product's output with V set to zero -> id of its qkv weight
-        self.nonzero: dict[int, Tensor] = {}  # pair -> proj's input columns with a finite nonzero entry
-        self.finite: dict[int, bool] = {}  # pair -> proj's input had a finite entry in some product
+        self.nonzero: dict[int, Tensor] = {}  # pair -> the reader's input columns with a finite nonzero entry
+        self.varies: dict[int, Tensor] = {}  # pair -> the reader's input columns whose finite entries differ by row
+        self.rows_seen: dict[int, int] = {}  # pair -> the most rows (tokens) of the reader's input in one product
+        self.finite: dict[int, bool] = {}  # pair -> the reader's input had a finite entry in some product
 
     def _columns(self, w: int, device: torch.device) -> Tensor:
         """The columns of qkv weight `w`'s output to zero, as an index on `device` (made once per device)."""
@@ -146,22 +161,29 @@ class _ZeroV(TorchFunctionMode):
         return self._index[key]
 
     def _read(self, k: int, width: int, u: Tensor, dim: int) -> None:
-        """Records which columns of proj's input `u` (channels along `dim`) hold a finite nonzero value; a fully
-        masked query row is NaN whatever V is (0 * NaN): only finite entries tell V's channels apart."""
+        """Records which columns of the reader's input `u` (channels along `dim`) hold a finite nonzero value, and
+        which differ from row to row (token to token); a fully masked query row is NaN whatever V is (0 * NaN):
+        only finite entries tell channels apart."""
         finite = torch.isfinite(u)
         hit = (u != 0) & finite
         if u.dim() >= -dim and u.shape[dim] == width:
             cols = hit.movedim(dim, -1).reshape(-1, width).any(0)
-        else:  # channels along no dim of proj's width: a nonzero entry counts against every column
+            values, ok = u.movedim(dim, -1).reshape(-1, width), finite.movedim(dim, -1).reshape(-1, width)
+            varies = ((values != values[:1]) & ok & ok[:1]).any(0)
+            self.rows_seen[k] = max(self.rows_seen.get(k, 0), values.shape[0])
+        else:  # channels along no dim of the reader's width: a nonzero entry counts against every column
             cols = hit.any().expand(width)
-        seen = self.nonzero.get(k)
-        self.nonzero[k] = cols if seen is None else seen | cols
+            varies = cols
+        for record, new in ((self.nonzero, cols), (self.varies, varies)):
+            seen = record.get(k)
+            record[k] = new if seen is None else seen | new
         self.finite[k] = self.finite.get(k, False) or bool(finite.any())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         if any(id(t) in self.zero for t in tensors):
+            self.zeroed.update(id(t) for t in tensors if id(t) in self.zero)
             args, kwargs = tree_map(lambda t: _zeroed(t, self.zero[id(t)]) if isinstance(t, Tensor) and
                                     id(t) in self.zero else t, (args, kwargs))
         if func is _F.multi_head_attention_forward:
@@ -212,6 +234,9 @@ class _ZeroV(TorchFunctionMode):
                     a[key] = a[key].clone()  # a new tensor: the model's Parameter is not to be changed
                     a[key][self._columns(id(w), a[key].device)] = 0
             self.zeroed.add(id(w))
+        reads = self.proj.get(id(w)) if w is not None else None
+        if reads is not None:  # in_proj_weight paired with a norm's scale: it reads the query (channels last)
+            self._read(*reads, a["query"], -1)
         found = self.proj.get(id(a["out_proj_weight"]))
         if found is not None:
             out_w = a["out_proj_weight"]
@@ -263,44 +288,55 @@ def _eager() -> contextlib.AbstractContextManager:
 
 
 def _plan(root: nn.Module, pairs: Sequence, checked: Sequence[int], channels) -> tuple[dict, dict, dict]:
-    """The settings of one `_ZeroV` forward: for each checked pair, the columns of its qkv (or v) weight's output to
-    set to zero, `channels(width)` of V (relative to V's first row), the same entries of the attention's own
-    parameters of V's width, and proj's input width."""
+    """The settings of one `_ZeroV` forward: for each checked functional pair, the columns of its upstream weight's
+    output to set to zero, `channels(width)` of W1's rows (relative to the first row the pair uses), and for a proj
+    pair the same entries of the attention's own parameters of V's width; for each composable pair, the same
+    entries of the norm's scale and bias; for each pair, its downstream weight and input width (the reader)."""
     rows: dict[int, tuple[list[int], int]] = {}
     zero: dict[int, Optional[list[int]]] = {}
-    proj: dict[int, tuple[int, int]] = {}
+    readers: dict[int, tuple[int, int]] = {}
     for k in checked:
         p = pairs[k]
+        if p.diagonal:  # (diag(g), W): g's entries, and the norm's bias's, set to zero: W's columns read zero
+            chosen = channels(p.upstream.shape[0])
+            zero[id(p.upstream)] = chosen
+            bias = getattr(root.get_submodule(p.upstream_name.rpartition(".")[0]), "bias", None)
+            if isinstance(bias, Tensor) and bias.shape == p.upstream.shape:
+                zero[id(bias)] = chosen
+            readers[id(p.downstream)] = (k, p.upstream.shape[0])
+            continue
         total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
         start, stop = p.upstream_rows or (0, total)
         chosen = channels(stop - start)
         rows[id(p.upstream)] = ([start + j for j in chosen], total)
-        proj[id(p.downstream)] = (k, stop - start)
+        readers[id(p.downstream)] = (k, stop - start)
+        if p.role != "proj":
+            continue
         owner, _, attr = p.upstream_name.rpartition(".")
         # the attention: the parent of a qkv layer (attn.qkv.weight), or the module holding the fused weight itself
         # (nn.MultiheadAttention's in_proj_weight)
         attn = root.get_submodule(owner.rpartition(".")[0] if attr == "weight" else owner)
         # the attention's own parameters of V's width (a learned sink value, a value bias) enter with V
         zero.update({id(t): chosen for t in attn._parameters.values() if t is not None and t.numel() == stop - start})
-    return rows, zero, proj
+    return rows, zero, readers
 
 
-def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
-                 example: Optional[object] = None) -> None:
-    """Check every proj pair: that a fused qkv's claimed rows are V, and that proj reads V's channels in their order
-    (see the module docstring).
+def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
+                        example: Optional[object] = None) -> None:
+    """Check every pair on real numbers: that a fused qkv's claimed rows are V, and that each pair's W2 reads W1's
+    channels in their order (see the module docstring).
 
     Args:
         root: the unwrapped model. pairs: its `Pair`s. block_types: block name -> class name.
         example: as `verify_pairs` takes it; default `example_input(root)`.
 
     Raises:
-        UnsupportedModelError: naming the first block whose claimed V rows are not V, whose proj reads V's channels
-            in another order or mixed, or whose qkv (or v) weight the forward does not multiply by in a way the
-            check follows (so that its rows cannot be told apart).
+        UnsupportedModelError: naming the first block whose claimed V rows are not V, whose W2 reads W1's channels
+            in another order or mixed, or whose weights the forward does not multiply by (or whose norm scale it
+            does not pass) in a way the check follows (so that their channels cannot be told apart).
     """
-    checked = [k for k, p in enumerate(pairs) if p.role == "proj"]
-    fused = [k for k in checked if pairs[k].upstream_rows is not None]
+    checked = list(range(len(pairs)))
+    fused = [k for k, p in enumerate(pairs) if p.role == "proj" and p.upstream_rows is not None]
     tensors = [*root.parameters(), *root.buffers()]
     if not checked or not tensors or any(t.device.type == "meta" for t in tensors):
         return
@@ -337,7 +373,8 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         raise
     except Exception as e:
         raise UnsupportedModelError(
-            f"cannot check which rows of the qkv (or v) layers of {type(root).__name__} are V, in which order: its "
+            f"cannot check which rows of the qkv (or v) layers of {type(root).__name__} are V, nor in which order "
+            f"the pairs' layers read each other's channels: its "
             f"forward pass on {tensors[0].device} failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the right shape, or verify=False "
             "to trust the structure alone") from e
@@ -351,7 +388,9 @@ def check_v_rows(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     for k in checked:
         if k in fused:
             _judge_rows(pairs[k], k, modes[0], block_types)
-        _judge_order(pairs[k], k, modes[-1], block_types)
+        judge = _judge_order if pairs[k].role == "proj" else \
+            _judge_norm_order if pairs[k].diagonal else _judge_mlp_order
+        judge(pairs[k], k, modes[-1], block_types)
 
 
 def _unread(p, k: int, mode: _ZeroV, what: str, fix: str, where: str) -> None:
@@ -360,8 +399,9 @@ def _unread(p, k: int, mode: _ZeroV, what: str, fix: str, where: str) -> None:
                                       (p.name, k in mode.nonzero)) if not seen]
     if unread:
         raise UnsupportedModelError(
-            f"{where}: its forward pass multiplies by {unread[0]} in a way CD does not follow (it follows "
-            f"F.linear, matmul and addmm with the weight or its transpose), so it cannot tell {what}. {fix}")
+            f"{where}: its forward pass {'passes' if unread[0] == p.upstream_name and p.diagonal else 'multiplies by'}"
+            f" {unread[0]} in a way CD does not follow (it follows F.linear, matmul and addmm with the weight or its "
+            f"transpose, and any torch function given the norm's scale), so it cannot tell {what}. {fix}")
 
 
 def _judge_rows(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
@@ -428,3 +468,48 @@ def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
         f"zero instead. {out} reads W_V through a data-dependent mixing M(x), and W_O M(x) W_V is not the product "
         f"of the pair (W_V, W_O) that CD decays (paper Sec. 3.2). Pass verify=False to pair {out} with {rows} "
         "unchecked (beyond the paper)")
+
+
+def _judge_norm_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
+    """(diag(g), W), paper Eqs. (4)-(5): with `order_channels` of the norm's scale g (and of its bias) set to zero, W's
+    input columns of the same numbers must be zero: W reads the norm's channel i at its column i, as the product
+    W diag(g) that CD decays takes it (a roll or permutation of the channels between them moves the zeros)."""
+    width = p.upstream.shape[0]
+    chosen = order_channels(width)
+    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+    norm, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    fix = f"Pass verify=False to pair {out} with diag({p.upstream_name}) unchecked"
+    _unread(p, k, mode, f"in which order {out} reads {norm}'s channels", fix, where)
+    if not chosen or not mode.finite[k]:  # one channel: no order; no finite value: nothing to tell apart
+        return
+    bad = [j for j in chosen if mode.nonzero[k][j]]
+    if bad:
+        raise UnsupportedModelError(
+            f"{where}: with channels {_few(chosen)} of {norm}'s scale (and bias) set to zero, columns {_few(bad)} "
+            f"of {out}'s input are not zero, so {out} does not read {norm}'s channel i at its column i (channels "
+            f"permuted, rolled or mixed between them). CD decays W diag(g) with g's entry i scaling W's column i "
+            f"(paper Eqs. (4)-(5)). {fix} (beyond the paper)")
+
+
+def _judge_mlp_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
+    """(W_F1, W_F2), paper Eqs. (7)-(8): with `order_channels` of fc1's output set to zero, fc2's input columns of the
+    same numbers must be the same in every row (token): act(0) through an elementwise activation (and any
+    per-channel map: a depthwise conv, a per-channel scale). A norm over the hidden channels, a Linear or a channel
+    permutation between them makes some of those columns vary with the token: W_F2 M W_F1 is then not the product
+    of the pair. Judged where some product read two or more rows."""
+    width = len(mode.nonzero[k]) if k in mode.nonzero else 0
+    chosen = order_channels(width)
+    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+    up, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {up}" if p.upstream_rows else f"the rows of {up}"
+    fix = f"Pass verify=False to pair {out} with {rows} unchecked"
+    _unread(p, k, mode, f"in which order {out} reads {up}'s channels", fix, where)
+    if not chosen or not mode.finite[k] or mode.rows_seen.get(k, 0) < 2:
+        return
+    bad = [j for j in chosen if mode.varies[k][j]]
+    if bad:
+        raise UnsupportedModelError(
+            f"{where}: with channels {_few(chosen)} of {up}'s output set to zero, columns {_few(bad)} of {out}'s "
+            f"input still vary from token to token, so {out} does not read {up}'s channel i at its column i through "
+            f"an elementwise activation (a norm over the hidden channels, a Linear or a channel permutation between "
+            f"them). CD decays W_F2 W_F1 (paper Eq. (8)), which is not that path. {fix} (beyond the paper)")

@@ -270,6 +270,7 @@ READ_ONLY_WHEN = [
     (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr
     (("cd.",), "cd.enabled", (True,)),
     (("cd.loss_coef",), "cd.mode", ("loss",)),
+    (("cd.matmul_precision",), "cd.mode", ("decoupled",)),  # the loss form's penalty runs in fp32 under autograd
     (("tweo.",), "tweo.enabled", (True,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
     (("train.divergence_windows",), "train.divergence_factor", (SET,)),  # the guard is off without a factor

@@ -65,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd.layouts import LAYOUTS, Layout  # noqa: E402
 from cd.pairs import Pair, find_blocks, find_pairs  # noqa: E402
 from cd.update import pair_energy  # noqa: E402
-from cd.values import check_v_rows  # noqa: E402
+from cd.values import check_channel_order  # noqa: E402
 from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from cd.wrappers import unwrap_model  # noqa: E402
 from configs import ConfigError, config_from_dict, config_to_dict, layer_config, load_config  # noqa: E402
@@ -140,7 +140,7 @@ def cd_pairs(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_inpu
                              f"no block of {type(model).__name__} is one CD pairs; the first: {left_out[0]}") from None
     try:
         verify_pairs(model, kept, types, example_input)
-        check_v_rows(model, kept, types, example_input)
+        check_channel_order(model, kept, types, example_input)
     except UnsupportedModelError as e:
         raise MechanismError(str(e)) from None
     for why in left_out:

@@ -281,15 +281,16 @@ def test_state_dict_round_trip_and_config_mismatch_warning():
         ColinearityDecay(model, lam=0.02).load_state_dict(state)
 
 
-@pytest.mark.parametrize("changed_setting", [dict(lam=0.02), dict(lam_per_role={"fc2": 0.02}), dict(targets="B"),
-                                             dict(mode="loss"), dict(loss_coef=0.3)])
-def test_resuming_with_any_other_setting_that_changes_cd_warns(changed_setting):
+@pytest.mark.parametrize("saved, changed_setting", [
+    ({}, dict(lam=0.02)), ({}, dict(lam_per_role={"fc2": 0.02})), ({}, dict(targets="B")), ({}, dict(mode="loss")),
+    (dict(mode="loss"), dict(loss_coef=0.3))])
+def test_resuming_with_any_other_setting_that_changes_cd_warns(saved, changed_setting):
     """Each setting that changes the update (or the loss-form term) is in the checkpoint's config echo: resuming
     with another value of it is said, not silent."""
     model = tiny_vit()
-    state = ColinearityDecay(model, lam=0.01).state_dict()
+    state = ColinearityDecay(model, lam=0.01, **saved).state_dict()
     with pytest.warns(UserWarning, match="different CD config"):
-        ColinearityDecay(model, **{"lam": 0.01, **changed_setting}).load_state_dict(state)
+        ColinearityDecay(model, **{"lam": 0.01, **saved, **changed_setting}).load_state_dict(state)
 
 
 def test_from_config_and_bad_arguments():

@@ -3,6 +3,7 @@ optimizer changes, at most once per real step, and every refusal states its true
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -607,6 +608,17 @@ def test_a_non_finite_or_negative_loss_coef_is_refused(coef):
         ColinearityDecay(tiny_vit(), mode="loss", loss_coef=coef)
 
 
+@pytest.mark.parametrize("mode, setting, fix", [
+    ("loss", {"matmul_precision": "bf16"}, "drop matmul_precision, or use mode='decoupled'"),
+    ("decoupled", {"loss_coef": 0.5}, "drop loss_coef, or use mode='loss'"),
+])
+def test_a_setting_of_the_other_form_is_refused_not_ignored(mode, setting, fix):
+    """The loss form's penalty never reads matmul_precision (fp32 under autograd) and the decoupled update adds no
+    term for loss_coef to scale: either would run as if it were not given."""
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        ColinearityDecay(tiny_vit(), mode=mode, **setting)
+
+
 def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
     model = tiny_vit()
     scheduler_by_mistake = torch.optim.lr_scheduler.StepLR(sgd(model.parameters()), 1)
@@ -705,3 +717,17 @@ def test_target_c_moves_each_upstream_matrix_with_its_own_group_lr_and_only_when
     w1n, c2 = normalized(w1), w1.shape[0] / w1.norm() ** 2
     torch.testing.assert_close(model.blocks[1].mlp.fc2.weight.detach(), w2 - 0.15 * w2 @ w1n @ w1n.T)
     torch.testing.assert_close(fc1.detach(), w1 - 0.06 * c2 * w2.T @ w2 @ w1)
+
+
+@pytest.mark.parametrize("target", ["mlp.fc2", "attn.qkv"])
+def test_a_layer_whose_weight_a_parametrization_computes_is_refused_for_that_cause(target):
+    """The layer is there; its weight is computed at each forward (weight_norm), so CD has no Parameter to update:
+    the refusal says so and how to remove it, not that the layer is missing."""
+    from torch.nn.utils.parametrizations import weight_norm
+    model = tiny_vit()
+    weight_norm(model.blocks[0].get_submodule(target))
+    with pytest.raises(UnsupportedModelError) as refused:
+        ColinearityDecay(model)
+    said = str(refused.value)
+    assert f"the weight of {target} is computed at each forward by a parametrization" in said
+    assert "remove_parametrizations" in said and "found no" not in said

@@ -14,7 +14,7 @@ from torch import nn
 from cd import ColinearityDecay, find_pairs
 from cd.families import build_family
 from cd.pairs import find_blocks
-from cd.values import check_v_rows
+from cd.values import check_channel_order
 from cd.verify import UnsupportedModelError, example_input
 from cd_integration_refs import RefPair, max_diff, reference_cd_
 from cd_models import randomize_norms
@@ -127,7 +127,7 @@ def test_v_row_check_follows_multihead_attention(mha):
     with pytest.raises(UnsupportedModelError, match=r"rows 32:64 of encoder\.layers\.encoder_layer_0\."
                                                     r"self_attention\.in_proj_weight's output set to zero, the input "
                                                     r"of .* is not zero"):
-        check_v_rows(model, wrong, {}, torch.randn(2, 3, 32, 32))
+        check_channel_order(model, wrong, {}, torch.randn(2, 3, 32, 32))
 
 
 class _FastPathOnly(nn.MultiheadAttention):
@@ -152,7 +152,7 @@ def test_native_fast_path_is_refused_not_passed():
                                  upstream=fast.in_proj_weight if p.role == "proj" else p.upstream)
              if p.block.endswith("_0") else p for p in pairs]
     with pytest.raises(UnsupportedModelError, match="in a way CD does not follow"):
-        check_v_rows(model, pairs, {}, IMAGE)
+        check_channel_order(model, pairs, {}, IMAGE)
 
 
 def test_kdim_other_than_embed_dim_is_refused():

@@ -107,6 +107,16 @@ def test_stabilized_scaling_is_exact_in_float64():
     assert abs(float(penalty.grad) - (1.0 / 3.0) / (7.0 / 11.0)) < 1e-15
 
 
+def test_stabilized_scaling_follows_the_task_losss_magnitude_not_its_sign():
+    """A negative task loss (a Gaussian NLL, -similarity) must still give a term whose gradient descent lowers the
+    penalty: the factor is |loss| / penalty (value |loss|, gradient |loss| / penalty > 0)."""
+    penalty = torch.tensor(7.0 / 11.0, dtype=torch.float64, requires_grad=True)
+    out = align_to_task_loss(penalty, torch.tensor(-2.0, dtype=torch.float64))
+    out.backward()
+    assert abs(float(out.detach()) - 2.0) < 1e-15
+    assert abs(float(penalty.grad) - 2.0 / (7.0 / 11.0)) < 1e-15
+
+
 def test_a_step_list_of_another_length_than_the_pairs_is_refused():
     pairs = find_pairs(tiny_vit())
     with pytest.raises(ValueError, match=f"step_sizes has 1 entries for {len(pairs)} pairs"):
@@ -138,3 +148,16 @@ def test_upstream_steps_of_composable_pairs_are_ignored():
     pairs = [p for p in find_pairs(model) if p.kind == "composable"]
     colinearity_decay_(pairs, [0.0] * len(pairs), [0.05] * len(pairs))
     assert all(torch.equal(t, P[n]) for n, t in model.named_parameters())
+
+
+def test_a_penalty_of_zero_weights_keeps_the_pairs_compute_dtype_under_another_default_dtype():
+    """The zero returned when every weight is 0 is made in the pairs' compute dtype (fp32 for fp32 weights), not in
+    torch's default dtype: under a float64 default a float64 zero would promote `loss + term` to float64."""
+    pairs = find_pairs(tiny_vit())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        zero = pair_penalty(pairs, [0.0] * len(pairs))
+    finally:
+        torch.set_default_dtype(previous)
+    assert zero.dtype == torch.float32 and float(zero) == 0.0

@@ -1,0 +1,183 @@
+"""The order in which a composable pair's W reads its norm's channels, and fc2 reads fc1's: `find_pairs` refuses a
+block that permutes, rolls or mixes the channels between a pair's two matrices, and passes the paper's paths.
+
+CD decays W diag(g) (paper Eqs. (4)-(5): g's entry i scales W's column i) and W_F2 W_F1 (Eq. (8): fc1's output
+channel i reaches fc2's column i through an elementwise activation). A toy pre-norm block of one's own puts one of
+these maps between the matrices: a channel permutation or roll after norm1 or norm2, or inside the MLP a LayerNorm
+over the hidden channels (a sub-LN under a name of its own), a Linear, a permutation. Each makes the composed map
+W M diag(g) or W_F2 M act(W_F1 x), not the pair's product. What must pass is written here independently of cd/:
+an elementwise activation with act(0) != 0 (sigmoid), a per-channel scale and a depthwise conv along the tokens
+inside the MLP, which keep fc1's channel i at fc2's column i.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import cd_models  # noqa: F401  (one CPU thread for tiny models)
+from cd import UnsupportedModelError, find_pairs
+
+D, HIDDEN, HEADS, TOKENS = 12, 24, 2, 6
+
+
+class _Mlp(nn.Module):
+    """fc2(inner(act(fc1(x)))); `inner` names the map between the matrices."""
+
+    def __init__(self, inner: str):
+        super().__init__()
+        self.fc1, self.fc2, self.inner = nn.Linear(D, HIDDEN), nn.Linear(HIDDEN, D), inner
+        self.act = nn.Sigmoid() if inner == "sigmoid" else nn.GELU()
+        if inner == "sub_ln":
+            self.ffn_layernorm = nn.LayerNorm(HIDDEN)
+        elif inner == "linear":
+            self.mid = nn.Linear(HIDDEN, HIDDEN)
+        elif inner == "scale":
+            self.gamma = nn.Parameter(torch.linspace(0.5, 2.0, HIDDEN))
+        elif inner == "dwconv":
+            self.dwconv = nn.Conv1d(HIDDEN, HIDDEN, 3, padding=1, groups=HIDDEN)
+        self.register_buffer("perm", torch.randperm(HIDDEN, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        if self.inner == "sub_ln":
+            h = self.ffn_layernorm(h)
+        elif self.inner == "linear":
+            h = self.mid(h)
+        elif self.inner == "perm":
+            h = h[..., self.perm]
+        elif self.inner == "scale":
+            h = h * self.gamma
+        elif self.inner == "dwconv":
+            h = self.dwconv(h.transpose(1, 2)).transpose(1, 2)
+        return self.fc2(h)
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, D))
+
+
+class _Block(nn.Module):
+    """A timm-named pre-norm block; `before` maps the norm's output before the layer that reads it ('perm1', 'roll1'
+    after norm1; 'perm2', 'roll2' after norm2)."""
+
+    def __init__(self, inner: str, before: str):
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(D), _Attn(), nn.LayerNorm(D), _Mlp(inner)
+        self.before = before
+        self.register_buffer("perm", torch.randperm(D, generator=torch.Generator().manual_seed(1)))
+
+    def _map(self, h: torch.Tensor, which: str) -> torch.Tensor:
+        if self.before == f"perm{which}":
+            return h[..., self.perm]
+        if self.before == f"roll{which}":
+            return torch.roll(h, 3, dims=-1)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self._map(self.norm1(x), "1"))
+        return x + self.mlp(self._map(self.norm2(x), "2"))
+
+
+class _Net(nn.Module):
+    """Two blocks; the second carries the map under test (the first is the paper's block)."""
+
+    def __init__(self, inner: str = "none", before: str = "none"):
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.blocks = nn.Sequential(_Block("none", "none"), _Block(inner, before))
+        with torch.no_grad():  # norms with scales and biases of their own, as a trained model's
+            for m in self.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.5, 0.5)
+
+    def example_input(self) -> torch.Tensor:
+        return torch.randn(2, TOKENS, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.embed(x))
+
+
+@pytest.mark.parametrize("inner", ["none", "sigmoid", "scale", "dwconv"])
+def test_an_mlp_that_keeps_each_hidden_channel_apart_is_paired(inner):
+    pairs = find_pairs(_Net(inner=inner))
+    assert [(p.role, p.upstream_name) for p in pairs if p.block == "blocks.1" and p.role == "fc2"] == \
+        [("fc2", "blocks.1.mlp.fc1.weight")]
+
+
+@pytest.mark.parametrize("inner", ["sub_ln", "linear", "perm"])
+def test_an_mlp_that_mixes_or_reorders_fc1s_channels_before_fc2_is_refused(inner):
+    with pytest.raises(UnsupportedModelError) as refused:
+        find_pairs(_Net(inner=inner))
+    said = str(refused.value)
+    assert "block 'blocks.1'" in said and "blocks.1.mlp.fc2" in said and "vary from token to token" in said
+    assert "verify=False" in said
+
+
+def test_mlp_check_reference_a_permutation_really_changes_the_product():
+    """The refusal is about the function: with the permutation, fc2(act(fc1 x)) is not what the pair's matrices
+    compute in order (an independent check that the toy's 'perm' is not a no-op)."""
+    net = _Net(inner="perm")
+    mlp, x = net.blocks[1].mlp, torch.randn(1, TOKENS, D)
+    in_order = mlp.fc2(mlp.act(mlp.fc1(x)))
+    assert not torch.allclose(mlp(x), in_order)
+
+
+@pytest.mark.parametrize("before", ["perm1", "roll1", "perm2", "roll2"])
+def test_channels_moved_between_a_norm_and_the_layer_it_feeds_are_refused(before):
+    layer = "blocks.1.attn.qkv" if before.endswith("1") else "blocks.1.mlp.fc1"
+    norm = "blocks.1.norm1" if before.endswith("1") else "blocks.1.norm2"
+    with pytest.raises(UnsupportedModelError) as refused:
+        find_pairs(_Net(before=before))
+    said = str(refused.value)
+    assert f"of {norm}'s scale (and bias) set to zero" in said and f"of {layer}'s input are not zero" in said
+
+
+def test_the_check_leaves_weights_buffers_and_modes_as_they_were():
+    net = _Net().train()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    find_pairs(net)
+    assert net.training and all(m.training for m in net.modules())
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_nn_multihead_attention_in_projection_is_checked_as_the_norms_reader():
+    """torch's TransformerEncoderLayer-style block: the norm's reader is in_proj_weight inside one
+    F.multi_head_attention_forward call; a roll before it is refused, the plain block passes."""
+
+    class Block(nn.Module):
+        def __init__(self, roll: bool):
+            super().__init__()
+            self.norm1, self.norm2, self.roll = nn.LayerNorm(D), nn.LayerNorm(D), roll
+            self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+            self.mlp = _Mlp("none")
+
+        def forward(self, x):
+            y = self.norm1(x)
+            y = torch.roll(y, 2, dims=-1) if self.roll else y
+            x = x + self.attn(y, y, y, need_weights=False)[0]
+            return x + self.mlp(self.norm2(x))
+
+    class Net(nn.Module):
+        def __init__(self, roll: bool):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(False), Block(roll))
+
+        def example_input(self):
+            return torch.randn(2, TOKENS, D)
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    assert len(find_pairs(Net(False))) == 8
+    with pytest.raises(UnsupportedModelError, match="blocks.1.norm1's scale"):
+        find_pairs(Net(True))
