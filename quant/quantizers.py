@@ -67,7 +67,9 @@ class Quantizer(nn.Module):
             with torch.no_grad():
                 self.fit(x.detach())
             self.calibrated = True
-        out = self.quantize(x)
+        # in x's dtype: the parameters are fp32, and a bf16 / fp16 model (or a float64 default dtype) would otherwise
+        # get an fp32 weight or activation its next product refuses to multiply with its own dtype
+        out = self.quantize(x).to(x.dtype)
         if self.training:
             out = qdrop_mix(x, out, self.drop_prob)
         return out
@@ -171,8 +173,8 @@ class UniformQuantizer(Quantizer):
         else:
             self.qmin, self.qmax = 0, 2 ** bits - 1
         groups = 1 if channel_dim is None else (num_channels or 0)
-        self.register_buffer("scale", torch.ones(groups, device=device))
-        self.register_buffer("zero_point", torch.zeros(groups, device=device))
+        self.register_buffer("scale", torch.ones(groups, dtype=torch.float32, device=device))
+        self.register_buffer("zero_point", torch.zeros(groups, dtype=torch.float32, device=device))
 
     def params_from_range(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple:
         """(scale, zero_point) of the given ranges ([G] tensors)."""
@@ -244,7 +246,7 @@ class LogSqrt2Quantizer(Quantizer):
     def __init__(self, bits: int, search: RangeSearch = RangeSearch(),
                  device: Optional[torch.device] = None) -> None:
         super().__init__(bits, search)
-        self.register_buffer("delta", torch.ones(1, device=device))
+        self.register_buffer("delta", torch.ones(1, dtype=torch.float32, device=device))
 
     def fit(self, x: torch.Tensor) -> None:
         rows = to_rows(x, None)

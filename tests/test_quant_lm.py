@@ -506,3 +506,36 @@ def test_pipeline_options_take_ints_for_floats_none_for_optional_and_lists_for_t
     assert all(type(p) is float for p in percentile.act_percentiles)
     _, report = PIPELINES["smoothquant"](gpt(), tokens(2), "w8a8", {"alpha": 1, "batch_size": 1})
     assert report["options"]["alpha"] == 1.0 and report["options"]["batch_size"] == 1
+
+
+LM_SETTINGS = [("rtn", "w4a16", {}), ("gptq", "w4a16", {"group_size": 16, "act_order": True}),
+               ("smoothquant", "w8a8", {"quantize_bmm": "all"}), ("smoothquant_strict", "w8a8", {})]
+
+
+@pytest.mark.parametrize("name, bits, options", LM_SETTINGS, ids=[s[0] for s in LM_SETTINGS])
+def test_a_bf16_model_is_quantized_and_scored_in_bf16(name, bits, options):
+    """A model kept in bf16 (no autocast): the fake-quantized weights and activations keep the model's dtype, so
+    every product multiplies bf16 by bf16 (an fp32 weight from fp32 quantizer parameters would be refused by
+    F.linear). The reference: the same pipeline on the fp32 model, within bf16's rounding."""
+    model, calib, x = gpt(), tokens(4), tokens(2, seed=3)
+    with torch.no_grad():
+        want = PIPELINES[name](model, calib, bits, options).model(x)
+        got = PIPELINES[name](gpt().to(torch.bfloat16), calib, bits, options).model(x)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().mean()) < 0.1 * float(want.abs().mean())
+
+
+@pytest.mark.parametrize("name, bits, options", LM_SETTINGS, ids=[s[0] for s in LM_SETTINGS])
+def test_a_float64_default_dtype_changes_nothing(name, bits, options):
+    """Quantizer parameters are made fp32 whatever torch's default dtype: a float64 default would otherwise give
+    fp32 layers float64 weights their F.linear refuses. Same logits, bit for bit."""
+    model, calib, x = gpt(), tokens(4), tokens(2, seed=3)
+    with torch.no_grad():
+        want = PIPELINES[name](model, calib, bits, options).model(x)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = PIPELINES[name](model, calib, bits, options).model(x)
+        finally:
+            torch.set_default_dtype(previous)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
