@@ -69,7 +69,7 @@ from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
-from models.factory import model_kwargs
+from models.factory import check_recorded_architecture, model_kwargs
 from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe, check_extra_modules
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
@@ -305,6 +305,8 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   f"missing {missing[:4]}, unexpected {unexpected[:4]}, "
                                   f"other shapes {shapes[:4]}; evaluate it with the model settings it was "
                                   f"trained with (drop the model.* overrides)")
+        # shapes alone do not tell a 2-head model from a 4-head one: the config it records does
+        check_recorded_architecture(config_from_dict(payload["config"]).model, model, args.checkpoint)
         model.load_state_dict(saved)
     bad = nonfinite_tensors(model.state_dict())  # every number computed from them would be meaningless
     if bad:
@@ -528,6 +530,11 @@ def resolve_config(args: argparse.Namespace):
             raise ConfigError(f"model.pretrained={cfg.model.pretrained} is a checkpoint of train.py: give it as "
                               f"--checkpoint {cfg.model.pretrained}, which evaluates it with the settings it "
                               f"records (its config, classes and, with --ema, its EMA weights)")
+        if args.ema:  # models/pretrained.py reads a weights file's own entry (timm's 'state_dict' / 'model')
+            raise ConfigError(f"--ema: it scores the EMA weights of a train.py --checkpoint; model.pretrained="
+                              f"{cfg.model.pretrained} is loaded as its plain weights, never an EMA copy in the file: "
+                              f"drop --ema, or save the EMA weights as a file of their own and give that as "
+                              f"model.pretrained")
     given = {key for item in args.overrides for key in override_keys(item)}  # quant={pipelines: [..]} too
     # a weights file's --config files are its recipe (cd / tweo name its method): its overrides are checked
     unread = unread_training_settings(sorted(given | set(changed if payload else ())), method_read=not payload)
@@ -690,7 +697,8 @@ def build_parser() -> OneLineParser:
                         help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint; "
                                       "without --checkpoint runs/eval/<model.name>.json)")
-    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the checkpoint")
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the --checkpoint (a "
+                        "model.pretrained file is read as its plain weights: refused there)")
     parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "
                         "already has again (the old entries are kept under 'history')")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],

@@ -41,7 +41,7 @@ import torch.nn as nn
 from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
-from configs import Config, ConfigError, config_to_dict, load_config
+from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
@@ -69,6 +69,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
+from models.factory import check_recorded_architecture
 from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
                         too_few_for_a_batch, too_many_train_images, train_image_demands)
 
@@ -236,6 +237,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     torch.manual_seed(cfg.train.seed)
     with failure_on_every_rank(device, "building the model (model.pretrained)"):
         model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
+        if not resumed:
+            check_pretrained_architecture(cfg.model, model)
     if dist.distributed and not resumed:  # each rank read model.pretrained on its own node (or none: a path unset)
         check_same_weights_on_every_rank(model if cfg.model.pretrained else None,
                                          f"model.pretrained={cfg.model.pretrained}" if cfg.model.pretrained
@@ -322,6 +325,21 @@ def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) 
     if too_many := too_many_train_images(demands, train_size, cfg.data.train_split, unit):
         log.warning("%s (here, or to `evaluate.py --checkpoint`, which refuses this default of the run's "
                     "evaluation otherwise)", too_many)
+
+
+def check_pretrained_architecture(model_cfg, model: nn.Module) -> None:
+    """A checkpoint of this code base given as model.pretrained records the model it was trained as: its weights
+    loaded (their shapes fit), but a 2-head ViT's have the shapes of a 4-head one, which fine-tuning would start
+    from as another function without a word (models.factory.check_recorded_architecture)."""
+    path = model_cfg.pretrained
+    config = run_checkpoint_config(path) if path and os.path.isfile(path) else None
+    if config is None or not isinstance(config.get("model"), dict):  # another file (timm, DeiT, nanoGPT's)
+        return
+    try:
+        recorded = config_from_dict({"model": config["model"]}).model
+    except ConfigError:  # a record of an older schema: nothing to compare it with (its shapes fit)
+        return
+    check_recorded_architecture(recorded, model, f"model.pretrained={path}")
 
 
 def note_attention_change(model_cfg) -> None:

@@ -28,7 +28,9 @@ class ModelConfig:
     # input resolution; None keeps the variant's / timm's default
     img_size: Annotated[Optional[int], AtLeastOne] = None
     drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
-    drop: Annotated[float, BelowOne] = 0.0  # dropout after MLP / projection layers
+    # dropout after the position embedding (ViT/DeiT), attention output projection and MLP layers, as DeiT's /
+    # official Swin's drop_rate (timm's proj_drop_rate / pos_drop_rate; not timm 1.x's classifier drop_rate)
+    drop: Annotated[float, BelowOne] = 0.0
     # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
     pretrained: Annotated[str, UserPath()] = ""
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)

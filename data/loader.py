@@ -97,7 +97,8 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
 def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
                    what: str, more: str) -> TrainBatches:
     """Seeded, sharded full batches of `train_set` (`what` it holds, for messages; `more`: how to get more of it)."""
-    if cfg.repeated_aug > 1 and cfg.dataset not in TOKEN_DATASETS:
+    repeated = cfg.repeated_aug > 1 and cfg.dataset not in TOKEN_DATASETS
+    if repeated:
         # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                 num_repeats=cfg.repeated_aug)
@@ -105,9 +106,16 @@ def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: in
         base = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                   drop_last=True)
     if len(base) < batch_size_per_gpu:
+        # the repeated-augmentation sampler's epoch is not the set's: it (as DeiT's) draws the set rounded down to
+        # a multiple of 256 images, split over the processes, whatever the repeat count
+        plain = len(train_set) // world_size  # what each process would get without it
+        sampler = (f" (data.repeated_aug={cfg.repeated_aug}: timm's RepeatAugSampler draws the set rounded down to "
+                   f"a multiple of 256 per epoch, split over the processes; data.repeated_aug=0 would give each "
+                   f"{plain})" if repeated else "")
+        off = ", data.repeated_aug=0" if repeated and plain >= batch_size_per_gpu else ""
         raise DataError(f"{len(train_set)} {what} give each of {world_size} processes {len(base)} "
-                        f"per epoch, fewer than one batch of {batch_size_per_gpu}: give a smaller "
-                        f"train.batch_size_per_gpu, fewer processes or {more}")
+                        f"per epoch, fewer than one batch of {batch_size_per_gpu}{sampler}: give a smaller "
+                        f"train.batch_size_per_gpu, fewer processes{off} or {more}")
     sampler = SeededSampler(base, seed=seed, rank=rank)
     loader = StopSafeDataLoader(SeededDataset(train_set), batch_size=batch_size_per_gpu, sampler=sampler,
                         drop_last=True, **_worker_args(cfg))

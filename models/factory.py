@@ -7,10 +7,13 @@ with an attention-sink variant (`model.attn`, models/attention_sinks.py) and loc
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import json
 import math
 
 import timm
+import torch
 import torch.nn as nn
 
 from configs.schema import ModelConfig
@@ -21,9 +24,17 @@ from .pretrained import ModelError, load_pretrained
 from .variants import VARIANTS
 
 
-# timm constructor arguments that ModelConfig sets with keys of its own
-FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "drop_rate": "drop",
-                    "img_size": "img_size", "pretrained": "pretrained"}
+# timm constructor arguments that ModelConfig sets with keys of its own (model.drop's: DROP_ARGS)
+FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size",
+                    "pretrained": "pretrained"}
+
+# model.drop is the dropout of DeiT's / official Swin's `drop_rate`: after the position embedding (pos_drop), the
+# attention's output projection and the MLP. timm 1.x split that rate: its `drop_rate` is the classifier head's
+# dropout alone (which those codes never had), so model.drop sets these arguments instead, per module of timm's
+# model entry points. timm's Swin has no dropout after its (patch) embedding, so only the projection / MLP one.
+DROP_ARGS = {"timm.models.vision_transformer": ("pos_drop_rate", "proj_drop_rate"),
+             "timm.models.deit": ("pos_drop_rate", "proj_drop_rate"),
+             "timm.models.swin_transformer": ("proj_drop_rate",)}
 
 
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
@@ -39,14 +50,22 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)}); "
                              f"timm names like it: {', '.join(close)}")
-    shadowed = sorted(set(cfg.kwargs) & set(FIRST_CLASS_KEYS))
+    drop_args = DROP_ARGS.get(timm.models.model_entrypoint(arch.split(".")[0]).__module__)
+    own_keys = {**FIRST_CLASS_KEYS, **{name: "drop" for name in drop_args or ()}}
+    shadowed = sorted(set(cfg.kwargs) & set(own_keys))
     if shadowed:  # one of the two would be ignored
-        raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{FIRST_CLASS_KEYS[shadowed[0]]} instead (the "
+        raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the "
                          f"model's own key for it)")
+    if cfg.drop and drop_args is None:  # timm's drop_rate means another dropout from model to model
+        raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is no ViT / DeiT / Swin, whose "
+                         f"dropout after the position embedding, attention projection and MLP it sets; set "
+                         f"model.drop=0 and give the model's own dropout arguments as model.kwargs (e.g. "
+                         f"model.kwargs.drop_rate, timm's classifier dropout)")
     if cfg.img_size is not None:
         kwargs["img_size"] = cfg.img_size
     kwargs.update(cfg.kwargs)
-    kwargs.update(num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path, drop_rate=cfg.drop)
+    kwargs.update(num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path)
+    kwargs.update({name: cfg.drop for name in drop_args or ()})
     return arch, kwargs
 
 
@@ -131,6 +150,38 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
     if cfg.pretrained:
         load_pretrained(model, cfg.pretrained, strict=True)  # the LM head is the tied embedding
     return model
+
+
+def attention_heads(model: nn.Module) -> dict[str, int]:
+    """{module name: its head count} for every attention of `model` (timm's ViT / Swin attentions, the sink
+    variants', models/gpt.py's)."""
+    return {name: m.num_heads for name, m in model.named_modules() if isinstance(getattr(m, "num_heads", None), int)}
+
+
+def check_recorded_architecture(recorded: ModelConfig, model: nn.Module, source: str) -> None:
+    """Refuse `model` for the weights of `source` (a run checkpoint) when the model they were trained as (its
+    recorded `recorded` ModelConfig) splits its attentions into other head counts: weights of a 2-head ViT have
+    the shapes of a 4-head one and would load into it as another function without a word. Called once the
+    weights fit `model`'s shapes; settings that fine-tuning or an evaluation may change (num_classes, dropout,
+    img_size) play no part."""
+    with torch.device("meta"):  # the recorded architecture, no memory or init time spent on its weights
+        try:
+            if recorded.name in GPT_SIZES:
+                kwargs = {**GPT_SIZES[recorded.name], **recorded.kwargs}
+                trained = GPT(vocab_size=recorded.num_classes, **kwargs)
+            else:
+                arch, kwargs = model_kwargs(dataclasses.replace(recorded, drop=0.0))
+                trained = timm.create_model(arch, **kwargs)
+        except Exception:  # noqa: BLE001 - a record this code cannot build (another timm): its shapes were checked
+            return
+    heads, own = attention_heads(trained), attention_heads(model)
+    differ = [name for name in own if name in heads and heads[name] != own[name]]
+    if differ:
+        name = differ[0]
+        value = kwargs.get("num_heads", heads[name])  # the variant's / size's own, or timm's (one per block)
+        raise ModelError(f"{source} was trained with {heads[name]} attention heads in '{name}', the model has "
+                         f"{own[name]} (the same weights split another way): set model.kwargs.num_heads="
+                         f"{json.dumps(list(value) if isinstance(value, tuple) else value)} (as trained)")
 
 
 def is_language_model(model: nn.Module) -> bool:

@@ -171,15 +171,28 @@ _SKIP = re.compile(r"\.attn\.(bias|masked_bias)$")  # causal-mask buffers of old
 
 
 def checkpoint_filter_fn(state_dict: dict, model: GPT) -> dict:
-    """Map a nanoGPT or transformers GPT-2 state dict onto `GPT`'s names (ours pass through unchanged).
+    """Map a nanoGPT or transformers GPT-2 state dict onto `GPT`'s names (ours keep theirs), with both names of
+    the tied token embedding / LM head.
 
     transformers' GPT2LMHeadModel stores its four projections as Conv1D, weight (in, out): they are
     transposed to nn.Linear's (out, in). Which layout a file has is read off the qkv weight's shape
     (nanoGPT: (3C, C); transformers: (C, 3C)), so no flag is needed. nanoGPT's `_orig_mod.` prefixes
     (torch.compile) are stripped by the caller.
     """
-    if not any(k.startswith(("transformer.", "h.", "lm_head.")) for k in state_dict):
-        return state_dict
+    foreign = any(k.startswith(("transformer.", "h.", "lm_head.")) for k in state_dict)
+    out = _renamed(state_dict) if foreign else dict(state_dict)
+    # tied: files may store only one of the two, whichever name the writer kept (nanoGPT: both; safetensors'
+    # save_model: head.weight alone); without either, the missing keys are named. A file without a position
+    # embedding is no GPT's: its head.weight (a ViT's classifier) is not taken for a token embedding
+    if "wte.weight" in out:
+        out.setdefault("head.weight", out["wte.weight"])
+    elif "head.weight" in out and "wpe.weight" in out:
+        out["wte.weight"] = out["head.weight"]
+    return out
+
+
+def _renamed(state_dict: dict) -> dict:
+    """A nanoGPT or transformers GPT-2 state dict under our names, Conv1D weights transposed."""
     qkv = next((v for k, v in state_dict.items() if k.endswith("attn.c_attn.weight")), None)
     conv1d = qkv is not None and qkv.shape[1] == 3 * qkv.shape[0]
     out = {}
@@ -193,6 +206,30 @@ def checkpoint_filter_fn(state_dict: dict, model: GPT) -> dict:
             if hits:
                 break
         out[key] = value
-    if "wte.weight" in out:  # tied: files may store only one of the two (without either: missing keys, named)
-        out.setdefault("head.weight", out["wte.weight"])
     return out
+
+
+# nanoGPT's ckpt.pt records the GPTConfig it was built with (`model_args`): each one, the setting of ours that
+# builds the same, and its value in a built GPT. n_head above all: heads split the same weights another way
+NANOGPT_ARGS = {"n_layer": ("model.kwargs.depth", lambda m: len(m.blocks)),
+                "n_head": ("model.kwargs.num_heads", lambda m: m.blocks[0].attn.num_heads),
+                "n_embd": ("model.kwargs.embed_dim", lambda m: m.wte.embedding_dim),
+                "block_size": ("model.kwargs.context", lambda m: m.context),
+                "vocab_size": ("model.num_classes", lambda m: m.vocab_size),
+                "bias": ("model.kwargs.bias", lambda m: m.norm.bias is not None)}
+
+
+def check_recorded_settings(entries: dict, model: GPT) -> str:
+    """What is wrong ('' for nothing) when the file's other entries (`entries`: nanoGPT's `model_args`) record
+    another architecture than `model`: a file of n_head=4 has the shapes of a 2-head model of the same width and
+    would load into it without a word, as another function. nanoGPT's dropout is a training setting: not compared.
+    models.load_pretrained calls this, as it calls `checkpoint_filter_fn`."""
+    recorded = entries.get("model_args")
+    if not isinstance(recorded, dict):
+        return ""
+    for arg, (setting, built) in NANOGPT_ARGS.items():
+        if arg in recorded and recorded[arg] != built(model):
+            value = str(recorded[arg]).lower() if isinstance(recorded[arg], bool) else recorded[arg]
+            return (f"its nanoGPT model_args record {arg}={recorded[arg]}, the model has {built(model)}: "
+                    f"set {setting}={value} to load it as it was trained")
+    return ""

@@ -1,11 +1,11 @@
 """Load weights from a local file into a timm model (.pth/.pt/.safetensors, ours or official ones).
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
-stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and
-resizes position embeddings (a resized table is logged with both grids). On top of that: `_orig_mod.`
-prefixes (compiled models) are stripped, a classifier of another shape is dropped when fine-tuning (unless
-strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights of the
-plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
+stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
+position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows).
+On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
+fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
+of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
 unexpected key is an error that names the keys, so a checkpoint of another model fails early; a file of the other
 kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead.
 """
@@ -60,10 +60,16 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"model.pretrained={path}: {len(bad)} tensor(s) hold NaN or inf values, e.g. "
                          f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
+    family = sys.modules[type(model).__module__]
+    recorded = getattr(family, "check_recorded_settings", None)  # models/gpt.py: nanoGPT's model_args
+    problem = recorded(file_entries(path), model) if recorded is not None else ""
+    if problem:
+        raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()
     resampled = [line for line in (check_patch_size(state, own, path, strict),
-                                   position_table_resize(state, own, model, path)) if line]
-    filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
+                                   position_table_resize(state, own, model, path),
+                                   relative_table_resize(state, own, path)) if line]
+    filter_fn = getattr(family, "checkpoint_filter_fn", None)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
         # rename them with this flag, which touches no other key
@@ -125,6 +131,21 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
              if new_sinks else "")
 
 
+def file_entries(path: str) -> dict:
+    """The entries of a torch file beside its weights that a model family checks (nanoGPT's `model_args`), read
+    memory-mapped (no tensor is read); {} for a safetensors file, one torch cannot map, or no dict. timm's
+    `load_state_dict` keeps only the weights."""
+    if path.endswith(".safetensors"):
+        return {}
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - an old-format or broken file: timm's reader says what is wrong with it
+        return {}
+    if not isinstance(payload, dict):
+        return {}
+    return {k: payload[k] for k in ("model_args",) if k in payload}
+
+
 def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
     """A file of another patch size: timm resamples its patch embedding (FlexiViT's resize) to this model's, which
     fine-tuning may ask for (the returned line, '' for none, to log once the file has loaded), but an evaluation
@@ -154,6 +175,26 @@ def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -
     theirs = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch"
     return (f"{path}: position table of a {theirs} grid resampled to the model's {grid[0]}x{grid[1]} (timm's "
             f"bicubic resize; the weights were trained at another img_size than model.img_size)")
+
+
+def relative_table_resize(state: dict, own: dict, path: str) -> str:
+    """A Swin file of another window size (model.kwargs.window_size): timm's filter resamples each attention's
+    relative position bias table ((2w-1)^2 rows, one column per head) to the model's window, even when strict. As
+    for a ViT's position table (`position_table_resize`) that is what loading at another window asks for, but the
+    scored tables are not the file's: the returned line ('' for none) says so, with both windows."""
+    resized = [k for k in state if k.endswith("relative_position_bias_table") and k in own
+               and state[k].shape != own[k].shape and state[k].shape[1:] == own[k].shape[1:]]
+    if not resized:  # a table of another head count is no resize: the shape check names it
+        return ""
+
+    def window(rows: int) -> str:
+        side = int(round(rows ** 0.5))
+        return f"{(side + 1) // 2}x{(side + 1) // 2}" if side * side == rows and side % 2 else f"{rows}-row"
+
+    key = resized[0]
+    return (f"{path}: relative position bias tables of {len(resized)} attention layer(s) (e.g. '{key}') of "
+            f"{window(state[key].shape[0])} windows resampled to the model's {window(own[key].shape[0])} (timm's "
+            f"resize; the weights were trained with another window size than the model's, model.kwargs.window_size)")
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:

@@ -39,17 +39,19 @@ def test_kwargs_reach_timm():
 
 def test_drop_path_and_dropout_settings_reach_the_model():
     """model.drop_path is stochastic depth rising linearly from 0 at the first block to the rate at the last
-    (DeiT / timm's rule), model.drop the classifier's dropout, model.num_classes the head's outputs."""
+    (DeiT / timm's rule), model.drop the dropout of the blocks (tests/test_model_dropout.py), model.num_classes the
+    head's outputs."""
     model = build_model(model_cfg("model.name=vit_micro", "model.drop_path=0.1", "model.drop=0.2",
                                   "model.num_classes=7"))
     depth = len(model.blocks)
     for block, rate in zip(model.blocks, [0.1 * i / (depth - 1) for i in range(depth)]):
         for path in (block.drop_path1, block.drop_path2):
             assert getattr(path, "drop_prob", 0.0) == pytest.approx(rate)
-    assert model.head_drop.p == 0.2 and model.head.out_features == 7
+    assert model.pos_drop.p == 0.2 and model.head_drop.p == 0.0 and model.head.out_features == 7
 
 
-@pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"), ("drop_rate", "drop"),
+@pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"), ("proj_drop_rate", "drop"),
+                                       ("pos_drop_rate", "drop"),
                                        ("num_classes", "num_classes"), ("img_size", "img_size"),
                                        ("pretrained", "pretrained")])
 def test_kwargs_that_shadow_a_model_key_are_refused(key, own):
