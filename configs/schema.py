@@ -84,7 +84,9 @@ class DataConfig:
     cutmix: Annotated[float, NonNegative] = 1.0  # Beta alpha; 0 disables
     mixup_prob: Annotated[float, Probability] = 1.0  # probability that a batch is mixed at all
     mixup_switch_prob: Annotated[float, Probability] = 0.5  # with both on: probability of cutmix
-    mixup_mode: Literal["batch", "pair", "elem"] = "batch"  # timm Mixup mode
+    # timm Mixup mode; pair and elem build per-sample weights on the host (timm's torch.tensor(..., device=x.device)):
+    # one blocking host-to-device copy per micro-batch on a GPU
+    mixup_mode: Literal["batch", "pair", "elem"] = "batch"
     label_smoothing: Annotated[float, BelowOne] = 0.1  # label smoothing of the targets
     # loading
     num_workers: Annotated[Optional[int], NonNegative] = None  # per process; null: min(8, CPUs per process - 1)

@@ -18,7 +18,9 @@ block, patch merging or head) of the quantized model, with cached tensors for th
 * afterwards: hard rounding baked into the weights, QDrop off, scales frozen, quantizers in eval mode.
 
 Only quantizers run in train mode (for QDrop): dropout / drop path of the model stay in eval mode.
-The loop has no host synchronisation except at logging steps.
+The loop has no host synchronisation except at logging steps while the caches are on the model's device (the
+default); with `cache_device="cpu"` beside a GPU model each iteration copies its batch's indices to the host and
+its inputs and targets to the GPU, four blocking copies that the memory saved costs.
 """
 from __future__ import annotations
 

@@ -133,8 +133,11 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     if world > 1:
         train_model = nn.parallel.DistributedDataParallel(
             tap, device_ids=[device.index] if device.type == "cuda" else None)
+    # fused on CUDA, as train.py's (engine.optim.use_fused): with fp16 the GradScaler then hands the overflow verdict
+    # to the kernel as a device tensor instead of reading it on the host at every update
     optimizer = torch.optim.AdamW(param_groups(student, settings.lr, settings.scale_lr, settings.weight_decay),
-                                  lr=settings.lr, weight_decay=settings.weight_decay)
+                                  lr=settings.lr, weight_decay=settings.weight_decay,
+                                  fused=True if device.type == "cuda" else None)
     scaler = grad_scaler(settings.amp, device)
     state = TrainState()
     resumed_from = None
