@@ -1,11 +1,15 @@
-"""Samplers that make data order and augmentation a pure function of (seed, epoch, rank, position).
+"""Samplers that make data order and augmentation a pure function of (seed, epoch, position in the epoch).
 
 `SeededSampler` wraps a per-epoch deterministic index sampler (DistributedSampler, RepeatAugSampler)
 and yields `(index, sample_seed)` pairs; `SeededDataset` applies its transform under that seed. So the
 augmentation of every sample is fixed by its position in the epoch, whatever the number of workers,
 and a run resumed in the middle of an epoch (`set_epoch(epoch, start=k)`) sees exactly the samples
 and augmentations that the uninterrupted run would have seen. Repeats of one image under repeated
-augmentation sit at different positions, so they get different augmentations, as they should.
+augmentation sit at different positions, so they get different augmentations, as they should. The position is
+the sample's place in the epoch's global order, which both base samplers deal out to the ranks round-robin (rank
+r's k-th sample is the global k * world + r): a sample keeps its seed under any number of processes, so a run
+resumed on another process count, or run on another, sees the same windows and augmentations (the main process's
+randomness, mixup and drop path, is drawn per rank: docs/operations.md).
 
 `ShardedEvalSampler` splits the validation set across ranks without padding or duplicates, so a
 distributed evaluation counts every image exactly once (DeiT's DistributedSampler pads).
@@ -36,10 +40,12 @@ def forked_rng(seed: int):
 
 
 class SeededSampler(Sampler):
-    """Yield `(index, seed)` from `base`, skipping the first `start` positions of the epoch."""
+    """Yield `(index, seed)` from `base`, skipping the first `start` positions of the epoch; the seed is keyed by
+    the global position (`base.num_replicas` ranks, round-robin)."""
 
     def __init__(self, base: Sampler, seed: int, rank: int):
         self.base, self.seed, self.rank = base, seed, rank
+        self.world = int(getattr(base, "num_replicas", 1))  # DistributedSampler's and RepeatAugSampler's
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -53,7 +59,7 @@ class SeededSampler(Sampler):
     def __iter__(self):
         for pos, idx in enumerate(self.base):
             if pos >= self.start:
-                yield int(idx), mix_seed(self.seed, self.epoch, self.rank, pos)
+                yield int(idx), mix_seed(self.seed, self.epoch, 0, pos * self.world + self.rank)
 
     def __len__(self) -> int:
         return max(len(self.base) - self.start, 0)

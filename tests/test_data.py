@@ -276,6 +276,25 @@ def test_sample_seeds_differ_between_epochs_ranks_and_positions():
     assert len(seeds) == 80 and len(set(seeds)) == 80
 
 
+@pytest.mark.parametrize("repeated", [False, True])
+def test_a_samples_seed_is_the_same_under_any_number_of_processes(repeated):
+    """Two ranks' (index, seed) streams, dealt round-robin, are the one-process stream: the same sample at the same
+    global position gets the same augmentation (LM window offset) whatever the process count (an independent
+    reference: the 1-process sampler itself)."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    def stream(rank, world):
+        base = (RepeatAugSampler(range(512), num_replicas=world, rank=rank, num_repeats=3) if repeated else
+                DistributedSampler(range(40), num_replicas=world, rank=rank, seed=3))
+        sampler = SeededSampler(base, seed=3, rank=rank)
+        sampler.set_epoch(2)
+        return list(sampler)
+
+    one, ranks = stream(0, 1), [stream(r, 2) for r in (0, 1)]
+    dealt = [pair for both in zip(*ranks) for pair in both]
+    assert dealt == one[:len(dealt)] and len(dealt) >= len(one) - 1
+
+
 def test_mixup_cutmix_and_the_transforms_take_the_configured_settings():
     """data.mixup / cutmix / mixup_prob / mixup_switch_prob / mixup_mode / label_smoothing reach timm's Mixup,
     and scale / ratio / hflip / reprob / crop_pct the transforms (eval: resize to floor(img_size / crop_pct))."""
