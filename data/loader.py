@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -261,8 +263,18 @@ class StopSafeDataLoader(DataLoader):
     def _get_iterator(self):  # where torch starts the workers (once, with persistent_workers)
         if self.num_workers == 0:
             return super()._get_iterator()
+        # torch installs (once per process) a SIGCHLD handler that raises a dead worker's error in the main thread
+        # wherever it is, mostly inside a forward or backward, past the loop's handling of a failed batch
+        # (engine/loop.py): each rank would end on a traceback, the others on a broken collective. Without it the
+        # iterator itself finds the dead worker and raises from next() ("exited unexpectedly"), where the loop
+        # turns it into its own error and the others' OtherRankError (docs/operations.md).
+        main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD")
+        previous = signal.getsignal(signal.SIGCHLD) if main else None
         with stop_signals_blocked():
-            return super()._get_iterator()
+            batches = super()._get_iterator()
+        if main:
+            signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
+        return batches
 
     def __iter__(self):
         batches = super().__iter__()
