@@ -155,8 +155,10 @@ def test_gplq_end_to_end_and_resume(trained):
         assert torch.allclose(again(xv[:8]), logits, atol=1e-5)
     from engine.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="different GPLQ stage-1 run"):
+    with pytest.raises(CheckpointError, match="different GPLQ stage-1 run") as refused:
         PIPELINES["gplq"](model, calib, "w4a4", {**GPLQ_FAST, "steps": 4}, data=data)
+    said = str(refused.value)  # what differs, then and now, and nothing else of the long identity
+    assert "stage1.steps: 3 then, 4 now" in said and "lr:" not in said, said
 
 
 def test_pipelines_need_the_training_data(vit):

@@ -86,12 +86,28 @@ def param_groups(student: nn.Module, lr: float, scale_lr: float, weight_decay: f
     return groups
 
 
+def _flat(entries: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested dict."""
+    out = {}
+    for key, value in entries.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
     """A CheckpointError (the entry point's one `error:` line) when the stage-1 checkpoint at `checkpoint` was
     written with another identity than `config`; the file is kept, it is another run's."""
-    if saved != config:
-        raise CheckpointError(f"{checkpoint} was written by a different GPLQ stage-1 run ({saved}); restore those "
-                              f"settings, or move the file away to start stage 1 anew (now: {config})")
+    if saved != config:  # only what differs: the identities are long (every option, the data's fingerprints)
+        then, now = _flat(saved), _flat(config)
+        keys = [k for k in {**then, **now} if then.get(k, "(none)") != now.get(k, "(none)")]
+        said = "; ".join(f"{k}: {then.get(k, '(none)')!r} then, {now.get(k, '(none)')!r} now" for k in keys)
+        world = (" (world_size: run it under as many processes as then)"
+                 if any(k.rpartition(".")[2] == "world_size" for k in keys) else "")
+        raise CheckpointError(f"{checkpoint} was written by a different GPLQ stage-1 run ({said}){world}; restore "
+                              "those settings, or move the file away to start stage 1 anew")
 
 
 def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection],
