@@ -290,8 +290,12 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                                   f"model.attn={cfg.model.attn} override")
     if not payload:  # weights file or hub: evaluated only as they are, never with a new classifier
         check_hub_weights_fit(cfg)
-    model = build_model(dataclasses.replace(cfg.model, pretrained="") if payload
-                        else dataclasses.replace(cfg.model, pretrained_strict=True))
+    # dropout acts in training only: unless a pipeline trains (GPLQ's stage 1), the model is built without it, so a
+    # run recorded with a rate this code places otherwise, or refuses for its model (model.drop), still evaluates
+    trains = any(PIPELINES[name].trains_model for name in cfg.quant.pipelines or ())
+    built = cfg.model if trains else dataclasses.replace(cfg.model, drop=0.0)
+    model = build_model(dataclasses.replace(built, pretrained="") if payload
+                        else dataclasses.replace(built, pretrained_strict=True))
     if payload:
         key = "model_ema" if args.ema else "model"
         if key not in payload:

@@ -69,7 +69,8 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
-from models.factory import check_recorded_architecture
+from models.factory import MODEL_DROP_SITES, check_recorded_architecture
+from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
                         too_few_for_a_batch, too_many_train_images, train_image_demands)
 
@@ -193,7 +194,7 @@ class Run:
         extra = {"classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
-                 "resumed_from": self.started_from, "wandb_id": self.wandb_id,
+                 "resumed_from": self.started_from, "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
         self.save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
                                                    config=config_to_dict(self.cfg), ema=self.ema,
@@ -365,6 +366,20 @@ def build_data(cfg: Config, model: nn.Module, dist: DistInfo, task):
     return build_loaders(cfg.data, img_size=input_size(model), num_classes=cfg.model.num_classes, **common)
 
 
+def check_model_drop_sites(payload: dict, cfg: Config, resume_path: str) -> None:
+    """Refuse to continue, under model.drop's present meaning, a timm model's run that trained with model.drop as
+    timm's classifier-head dropout (a checkpoint without `model_drop_sites`): it would resume with dropout at
+    other layers than it trained with. The GPT's dropout has not changed meaning."""
+    if not cfg.model.drop or payload.get("model_drop_sites") == MODEL_DROP_SITES or cfg.model.name in GPT_SIZES:
+        return
+    trained = payload["config"].get("model", {}).get("drop", 0.0)
+    if trained:
+        raise CheckpointError(f"{resume_path} trained with model.drop={trained} as timm's classifier-head dropout "
+                              f"(drop_rate); model.drop now sets the dropout after the position embedding, attention "
+                              f"projection and MLP (DeiT's): to continue as it trained, resume with model.drop=0 "
+                              f"model.kwargs.drop_rate={trained} train.allow_changed_config=true, or start a new run")
+
+
 def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     """Continue from checkpoint.pt of out_dir, or from train.resume=PATH (engine/snapshots.py). The
     checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
@@ -372,6 +387,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     of the current update), the position within the epoch in samples of any process count."""
     cfg, state = run.cfg, run.state
     check_resumable(payload["config"], cfg, resume_path)
+    check_model_drop_sites(payload, cfg, resume_path)
     different = class_differences(payload.get("classes"), run.loaders.classes)
     if different:  # another image data set: each label would name another class
         raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "

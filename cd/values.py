@@ -51,7 +51,10 @@ value in every row (token): act(0) through an elementwise activation, and throug
 apart (a per-channel scale, a depthwise conv along the tokens with its bias). A norm over the hidden channels under a
 name of its own (a sub-LN), a Linear or a permutation between fc1 and fc2 makes some of them vary with the token:
 refused, as W_F2 M act(W_F1 x) is not the path of the product CD decays. Judged only where a product read two or
-more rows (one token has no row to differ from). nn.MultiheadAttention's in_proj_weight reads the call's query.
+more rows (one token has no row to differ from). A per-channel map that treats tokens differently (LeFF's depthwise
+conv over the patch tokens that the class token skips: its bias reaches some tokens only) makes those columns vary
+too and is refused although it keeps the channels apart: verify=False pairs it. nn.MultiheadAttention's
+in_proj_weight reads the call's query.
 
 A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
 whose input has no finite value is refused as unchecked.

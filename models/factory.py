@@ -34,7 +34,13 @@ FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path",
 # model entry points. timm's Swin has no dropout after its (patch) embedding, so only the projection / MLP one.
 DROP_ARGS = {"timm.models.vision_transformer": ("pos_drop_rate", "proj_drop_rate"),
              "timm.models.deit": ("pos_drop_rate", "proj_drop_rate"),
+             "timm.models.vision_transformer_hybrid": ("pos_drop_rate", "proj_drop_rate"),  # timm's VisionTransformer
              "timm.models.swin_transformer": ("proj_drop_rate",)}
+
+
+# recorded in train.py's checkpoints: which dropout model.drop set when they were written (checkpoints without it
+# come from code that passed model.drop to timm's drop_rate, the classifier-head dropout; train.py's resume says so)
+MODEL_DROP_SITES = "pos_proj_mlp"
 
 
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
@@ -51,7 +57,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)}); "
                              f"timm names like it: {', '.join(close)}")
     drop_args = DROP_ARGS.get(timm.models.model_entrypoint(arch.split(".")[0]).__module__)
-    own_keys = {**FIRST_CLASS_KEYS, **{name: "drop" for name in drop_args or ()}}
+    # model.drop's arguments are its own only where it sets them: at 0 a model.kwargs rate of one is the only one
+    own_keys = {**FIRST_CLASS_KEYS, **{name: "drop" for name in (drop_args or ()) if cfg.drop}}
     shadowed = sorted(set(cfg.kwargs) & set(own_keys))
     if shadowed:  # one of the two would be ignored
         raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the "
@@ -65,7 +72,7 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
         kwargs["img_size"] = cfg.img_size
     kwargs.update(cfg.kwargs)
     kwargs.update(num_classes=cfg.num_classes, drop_path_rate=cfg.drop_path)
-    kwargs.update({name: cfg.drop for name in drop_args or ()})
+    kwargs.update({name: cfg.drop for name in drop_args or () if cfg.drop})
     return arch, kwargs
 
 

@@ -43,3 +43,38 @@ def test_model_drop_of_a_model_it_has_no_meaning_for_is_refused():
     with pytest.raises(ModelError, match=r"model.drop=0.1: model 'resnet18' .* set model.drop=0"):
         build_model(model_cfg("model.name=resnet18", "model.drop=0.1", "model.num_classes=3"))
     build_model(model_cfg("model.name=resnet18", "model.num_classes=3"))  # model.drop=0: nothing to set
+
+
+def test_a_rate_of_model_drops_arguments_in_model_kwargs_is_refused_only_beside_model_drop():
+    """With model.drop=0 a model.kwargs.proj_drop_rate is the only rate set (a run recorded so still builds);
+    beside model.drop one of the two would be ignored."""
+    model = build_model(model_cfg("model.name=vit_nano", "model.kwargs.proj_drop_rate=0.2", "model.drop_path=0"))
+    assert {n for n in dropouts_at(model, 0.2)} and all("proj_drop" in n or "mlp.drop" in n
+                                                        for n in dropouts_at(model, 0.2))
+    with pytest.raises(ModelError, match="model.kwargs.proj_drop_rate: set model.drop instead"):
+        build_model(model_cfg("model.name=vit_nano", "model.kwargs.proj_drop_rate=0.2", "model.drop=0.1"))
+
+
+def test_a_hybrid_vit_is_timms_vision_transformer_and_takes_model_drop():
+    model = build_model(model_cfg("model.name=vit_tiny_r_s16_p8_224", "model.drop=0.1", "model.drop_path=0",
+                                  "model.img_size=32", "model.num_classes=3", "model.kwargs.depth=1"))
+    assert "pos_drop" in dropouts_at(model, 0.1) and "head_drop" not in dropouts_at(model, 0.1)
+
+
+def test_a_run_that_trained_with_model_drop_as_the_head_dropout_is_not_resumed_under_the_new_meaning():
+    """A checkpoint without `model_drop_sites` comes from code that passed model.drop to timm's drop_rate (the
+    classifier's dropout): resuming it with model.drop would train on with dropout at other layers. Refused with
+    the settings that continue it as it trained; a checkpoint of the present meaning, a GPT (whose dropout kept its
+    meaning) and a run without model.drop resume."""
+    from configs import config_to_dict
+    from engine.checkpoint import CheckpointError
+    from train import check_model_drop_sites
+
+    cfg = load_config(None, ["model.name=vit_nano", "model.drop=0.1"])
+    old = {"config": config_to_dict(cfg)}
+    with pytest.raises(CheckpointError, match=r"model.drop=0 model.kwargs.drop_rate=0.1 train.allow_changed_config"):
+        check_model_drop_sites(old, cfg, "checkpoint.pt")
+    check_model_drop_sites({**old, "model_drop_sites": "pos_proj_mlp"}, cfg, "checkpoint.pt")
+    check_model_drop_sites(old, load_config(None, ["model.name=vit_nano"]), "checkpoint.pt")
+    gpt = load_config(None, ["model.name=gpt2_nano", "model.drop=0.1"])
+    check_model_drop_sites({"config": config_to_dict(gpt)}, gpt, "checkpoint.pt")

@@ -50,8 +50,7 @@ def test_drop_path_and_dropout_settings_reach_the_model():
     assert model.pos_drop.p == 0.2 and model.head_drop.p == 0.0 and model.head.out_features == 7
 
 
-@pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"), ("proj_drop_rate", "drop"),
-                                       ("pos_drop_rate", "drop"),
+@pytest.mark.parametrize("key, own", [("drop_path_rate", "drop_path"),  # model.drop's: tests/test_model_dropout.py
                                        ("num_classes", "num_classes"), ("img_size", "img_size"),
                                        ("pretrained", "pretrained")])
 def test_kwargs_that_shadow_a_model_key_are_refused(key, own):

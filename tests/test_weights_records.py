@@ -147,3 +147,16 @@ def test_too_few_images_for_a_batch_under_repeated_augmentation_names_the_settin
                                         r"each 150\): .*fewer processes, data.repeated_aug=0 or"):
         loader(3)
     assert len(loader(0).sampler) == 300 // 2  # the advice holds: one batch of 140 from 150 images
+
+
+def test_a_run_recorded_with_dropout_this_code_places_otherwise_still_evaluates(tmp_path):
+    """Dropout acts in training only: a checkpoint recorded with a model.kwargs rate of model.drop's own arguments
+    beside model.drop (which one of them would set twice) is scored with its weights, not refused: the model is
+    built without model.drop when no pipeline trains, and no command-line change could build it otherwise."""
+    trained = ModelConfig(name="vit_nano", num_classes=4, drop_path=0.0, kwargs={"proj_drop_rate": 0.1})
+    payload = torch.load(run_checkpoint(tmp_path / "best.pt", trained), weights_only=False)
+    args = argparse.Namespace(ema=False, checkpoint=str(tmp_path / "best.pt"))
+    cfg = load_config([DEBUG_CONFIG], [])
+    cfg.model = dataclasses.replace(trained, drop=0.1)  # both, as a run of the earlier meaning could record
+    model = evaluate.load_float_model(cfg, payload, args)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in payload["model"].items())
