@@ -473,18 +473,27 @@ def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
         "unchecked (beyond the paper)")
 
 
+def _start_order(p, k: int, mode: _ZeroV, block_types: dict[str, str], width: int, source: str, w1: str):
+    """(the chosen channels, the refusal's opening, its fix, W2's layer) for a pair whose W2 reads `source`'s
+    channels, after refusing a weight the forward did not use in a way the check follows; None when there is
+    nothing to judge (one channel has no order; no finite value tells channels apart)."""
+    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
+    out = p.name.removesuffix(".weight")
+    fix = f"Pass verify=False to pair {out} with {w1} unchecked"
+    _unread(p, k, mode, f"in which order {out} reads {source}'s channels", fix, where)
+    chosen = order_channels(width)
+    return (chosen, where, fix, out) if chosen and mode.finite[k] else None
+
+
 def _judge_norm_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
     """(diag(g), W), paper Eqs. (4)-(5): with `order_channels` of the norm's scale g (and of its bias) set to zero, W's
     input columns of the same numbers must be zero: W reads the norm's channel i at its column i, as the product
     W diag(g) that CD decays takes it (a roll or permutation of the channels between them moves the zeros)."""
-    width = p.upstream.shape[0]
-    chosen = order_channels(width)
-    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
-    norm, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
-    fix = f"Pass verify=False to pair {out} with diag({p.upstream_name}) unchecked"
-    _unread(p, k, mode, f"in which order {out} reads {norm}'s channels", fix, where)
-    if not chosen or not mode.finite[k]:  # one channel: no order; no finite value: nothing to tell apart
+    norm = p.upstream_name.removesuffix(".weight")
+    start = _start_order(p, k, mode, block_types, p.upstream.shape[0], norm, f"diag({p.upstream_name})")
+    if start is None:
         return
+    chosen, where, fix, out = start
     bad = [j for j in chosen if mode.nonzero[k][j]]
     if bad:
         raise UnsupportedModelError(
@@ -500,15 +509,13 @@ def _judge_mlp_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> No
     per-channel map: a depthwise conv, a per-channel scale). A norm over the hidden channels, a Linear or a channel
     permutation between them makes some of those columns vary with the token: W_F2 M W_F1 is then not the product
     of the pair. Judged where some product read two or more rows."""
-    width = len(mode.nonzero[k]) if k in mode.nonzero else 0
-    chosen = order_channels(width)
-    where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
-    up, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    up = p.upstream_name.removesuffix(".weight")
     rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {up}" if p.upstream_rows else f"the rows of {up}"
-    fix = f"Pass verify=False to pair {out} with {rows} unchecked"
-    _unread(p, k, mode, f"in which order {out} reads {up}'s channels", fix, where)
-    if not chosen or not mode.finite[k] or mode.rows_seen.get(k, 0) < 2:
+    width = len(mode.nonzero[k]) if k in mode.nonzero else 0
+    start = _start_order(p, k, mode, block_types, width, up, rows)
+    if start is None or mode.rows_seen.get(k, 0) < 2:
         return
+    chosen, where, fix, out = start
     bad = [j for j in chosen if mode.varies[k][j]]
     if bad:
         raise UnsupportedModelError(
