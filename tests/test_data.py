@@ -264,7 +264,7 @@ def test_digits_images_are_sklearns_digits_upscaled_with_their_own_labels():
 
 
 def test_sample_seeds_differ_between_epochs_ranks_and_positions():
-    """A sample's augmentation seed is a function of (seed, epoch, rank, position): no two samples of two
+    """A sample's augmentation seed is a function of (seed, epoch, global position): no two samples of two
     epochs on two ranks share one, so no position repeats its augmentation across epochs or ranks."""
     seeds = []
     for epoch in (0, 1):

@@ -551,8 +551,9 @@ def test_a_new_train_seed_at_an_epoch_boundary_orders_the_next_epoch_as_a_fresh_
         debug_config, monkeypatch):
     """docs/operations.md: with train.allow_changed_config=true a resumed run computes what a fresh run of the
     NEW config would at that update. For train.seed, from the epoch after the checkpoint: the sample order of a
-    run of the new seed that was never interrupted, each sample's augmentation seed mix_seed(seed, epoch, rank,
-    position) of the new seed (data/samplers.py), and the main process reseeded from (new seed, rank, update)."""
+    run of the new seed that was never interrupted, each sample's augmentation seed mix_seed(seed, epoch, 0,
+    global position) of the new seed (data/samplers.py), and the main process reseeded from (new seed, rank,
+    update)."""
     import engine.loop
     from data.samplers import SeededSampler
     from engine.rng import mix_seed
