@@ -281,6 +281,11 @@ def score_line(metrics: dict) -> str:
     return f"top-1 {metrics['top1']:.3f}{top5}"
 
 
+def a_pipeline_trains(cfg: Config) -> bool:
+    """Whether a pipeline of the run trains the model (GPLQ's stage 1): only then do dropout settings act."""
+    return any(PIPELINES[name].trains_model for name in cfg.quant.pipelines or ())
+
+
 def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
     """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
     if payload:  # softmax1 has no parameters of its own: only the config tells it from softmax
@@ -292,8 +297,7 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         check_hub_weights_fit(cfg)
     # dropout acts in training only: unless a pipeline trains (GPLQ's stage 1), the model is built without it, so a
     # run recorded with a rate this code places otherwise, or refuses for its model (model.drop), still evaluates
-    trains = any(PIPELINES[name].trains_model for name in cfg.quant.pipelines or ())
-    built = cfg.model if trains else dataclasses.replace(cfg.model, drop=0.0)
+    built = cfg.model if a_pipeline_trains(cfg) else dataclasses.replace(cfg.model, drop=0.0)
     model = build_model(dataclasses.replace(built, pretrained="") if payload
                         else dataclasses.replace(built, pretrained_strict=True))
     if payload:
@@ -567,7 +571,7 @@ def resolve_config(args: argparse.Namespace):
     cfg.quant.pipelines = evaluation_pipelines(cfg)
     check_pipelines(cfg, task)
     dropout = sorted(k for k in given | set(changed if payload else ()) if k in TRAIN_MODE_MODEL_KEYS)
-    if dropout and not any(PIPELINES[name].trains_model for name in cfg.quant.pipelines):  # all in eval mode
+    if dropout and not a_pipeline_trains(cfg):  # all in eval mode
         raise ConfigError(f"{dropout[0]} would be ignored: dropout and stochastic depth act in training only, and "
                           f"of evaluate.py's passes only GPLQ's stage 1 trains (pipelines: "
                           f"{', '.join(cfg.quant.pipelines) or 'none'}); drop it")

@@ -238,14 +238,15 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     torch.manual_seed(cfg.train.seed)
     with failure_on_every_rank(device, "building the model (model.pretrained)"):
         model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
-        if not resumed:
-            check_pretrained_architecture(cfg.model, model)
+        recorded = None if resumed else pretrained_run_config(cfg.model)
+        if recorded is not None:
+            check_pretrained_architecture(cfg.model, model, recorded)
     if dist.distributed and not resumed:  # each rank read model.pretrained on its own node (or none: a path unset)
         check_same_weights_on_every_rank(model if cfg.model.pretrained else None,
                                          f"model.pretrained={cfg.model.pretrained}" if cfg.model.pretrained
                                          else "model.pretrained", device, dist.rank)
-    if not resumed:
-        note_attention_change(cfg.model)
+    if recorded is not None:
+        note_attention_change(cfg.model, recorded)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     with failure_on_every_rank(device, "reading the data under data.root"):
@@ -328,32 +329,34 @@ def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) 
                     "evaluation otherwise)", too_many)
 
 
-def check_pretrained_architecture(model_cfg, model: nn.Module) -> None:
-    """A checkpoint of this code base given as model.pretrained records the model it was trained as: its weights
-    loaded (their shapes fit), but a 2-head ViT's have the shapes of a 4-head one, which fine-tuning would start
-    from as another function without a word (models.factory.check_recorded_architecture)."""
+def pretrained_run_config(model_cfg) -> Optional[dict]:
+    """The run config recorded in model.pretrained when it is a checkpoint of this code base (read once, memory-
+    mapped); None for another file (timm, DeiT, nanoGPT's, safetensors) or none."""
     path = model_cfg.pretrained
-    config = run_checkpoint_config(path) if path and os.path.isfile(path) else None
-    if config is None or not isinstance(config.get("model"), dict):  # another file (timm, DeiT, nanoGPT's)
+    return run_checkpoint_config(path) if path and os.path.isfile(path) else None
+
+
+def check_pretrained_architecture(model_cfg, model: nn.Module, config: dict) -> None:
+    """A checkpoint of this code base given as model.pretrained records the model it was trained as (`config`): its
+    weights loaded (their shapes fit), but a 2-head ViT's have the shapes of a 4-head one, which fine-tuning would
+    start from as another function without a word (models.factory.check_recorded_architecture)."""
+    if not isinstance(config.get("model"), dict):
         return
     try:
         recorded = config_from_dict({"model": config["model"]}).model
     except ConfigError:  # a record of an older schema: nothing to compare it with (its shapes fit)
         return
-    check_recorded_architecture(recorded, model, f"model.pretrained={path}")
+    check_recorded_architecture(recorded, model, f"model.pretrained={model_cfg.pretrained}")
 
 
-def note_attention_change(model_cfg) -> None:
-    """Fine-tuning a checkpoint of this code base with another `model.attn` is allowed (e.g. softmax1 -> softmax),
-    but softmax1 has no parameters of its own, so nothing in the weights would show that the attention changed."""
-    path = model_cfg.pretrained
-    config = run_checkpoint_config(path) if path and os.path.isfile(path) else None
-    if config is None:  # another file (timm, DeiT, safetensors): it records no attention variant
-        return
+def note_attention_change(model_cfg, config: dict) -> None:
+    """Fine-tuning a checkpoint of this code base (its recorded `config`) with another `model.attn` is allowed (e.g.
+    softmax1 -> softmax), but softmax1 has no parameters of its own, so nothing in the weights would show that the
+    attention changed."""
     trained = config.get("model", {}).get("attn", "softmax")
     if trained != model_cfg.attn:
         log.warning("%s was trained with model.attn=%s; fine-tuning it with model.attn=%s as set (set "
-                    "model.attn=%s to keep its attention)", path, trained, model_cfg.attn, trained)
+                    "model.attn=%s to keep its attention)", model_cfg.pretrained, trained, model_cfg.attn, trained)
 
 
 def build_data(cfg: Config, model: nn.Module, dist: DistInfo, task):

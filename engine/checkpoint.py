@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from cd.wrappers import unwrap_model
+from models.pretrained import mapped_payload
 
 from .distributed import raise_on_every_rank
 from .run_dir import partial_path
@@ -165,10 +166,7 @@ def run_checkpoint_config(path: str) -> Optional[dict]:
     """The run config stored in `path` if it is a checkpoint of this code base (its `config` and `model` entries),
     read without loading its tensors (memory-mapped); None for any other file (nanoGPT's ckpt.pt too), a
     safetensors file or one torch cannot map."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - not a torch zip file (safetensors, an old-format or broken file): not one
-        return None
+    payload = mapped_payload(path)  # None: not a torch zip file (safetensors, an old-format or broken file)
     if (isinstance(payload, dict) and "model" in payload and isinstance(payload.get("config"), dict)
             and not is_nanogpt_checkpoint(payload)):
         return payload["config"]

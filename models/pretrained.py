@@ -131,16 +131,21 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
              if new_sinks else "")
 
 
-def file_entries(path: str) -> dict:
-    """The entries of a torch file beside its weights that a model family checks (nanoGPT's `model_args`), read
-    memory-mapped (no tensor is read); {} for a safetensors file, one torch cannot map, or no dict. timm's
-    `load_state_dict` keeps only the weights."""
+def mapped_payload(path: str) -> object:
+    """What a torch file holds, its tensors memory-mapped (none is read): for the entries beside the weights (a
+    run's config, nanoGPT's `model_args`). None for a safetensors file or one torch cannot map."""
     if path.endswith(".safetensors"):
-        return {}
+        return None
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - an old-format or broken file: timm's reader says what is wrong with it
-        return {}
+        return None
+
+
+def file_entries(path: str) -> dict:
+    """The entries of a torch file beside its weights that a model family checks (nanoGPT's `model_args`); {} where
+    there are none (`mapped_payload`). timm's `load_state_dict` keeps only the weights."""
+    payload = mapped_payload(path)
     if not isinstance(payload, dict):
         return {}
     return {k: payload[k] for k in ("model_args",) if k in payload}

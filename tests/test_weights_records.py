@@ -118,7 +118,7 @@ def test_fine_tuning_a_run_checkpoint_keeps_its_head_counts_and_may_change_its_d
     train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / 'c'}", f"model.pretrained={ckpt}",
                                                     "model.drop=0.1"]))
     fine_tune = ModelConfig(name="vit_nano", num_classes=7, pretrained=str(ckpt))  # a new classifier
-    train.check_pretrained_architecture(fine_tune, build_model(fine_tune))
+    train.check_pretrained_architecture(fine_tune, build_model(fine_tune), train.pretrained_run_config(fine_tune))
 
 
 def test_a_gpt_saved_with_safetensors_save_model_loads_with_its_tied_head(tmp_path):
