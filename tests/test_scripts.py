@@ -907,7 +907,9 @@ def test_cd_precision_computes_each_precision_it_names():
 def test_cd_precision_product_error_is_relative_to_the_update(monkeypatch):
     """The fp32 row's product error, ||dW_32 - dW_64||_F / ||dW_64||_F at s = 1 (the module docstring), against one
     CD update of a tiny ViT computed here in float64 and in fp32 with ColinearityDecay itself (the script's model
-    replaced by the tiny one): relative to the update dW, not to the weights W."""
+    replaced by the tiny one): relative to the update dW, not to the weights W, and over the functional pairs
+    alone (proj, fc2), whose update is a matrix product; over every pair, the composable ones' product-free
+    updates watered it down (bf16 on vit_tiny: 1.454 x fp32 rounding instead of 1.916)."""
     import copy
 
     import torch
@@ -925,12 +927,13 @@ def test_cd_precision_product_error_is_relative_to_the_update(monkeypatch):
         decay = ColinearityDecay(model, lam=1.0)
         before = {p.name: p.w2().detach().double().clone() for p in decay.pairs}
         decay.apply(lr=1.0)
-        return {p.name: p.w2().detach().double() - before[p.name] for p in decay.pairs}
+        return {p.name: p.w2().detach().double() - before[p.name] for p in decay.pairs if p.kind == "functional"}
     d32, d64 = one_update(torch.float32), one_update(torch.float64)
     num = sum(float((d32[n] - d64[n]).norm() ** 2) for n in d64)
     den = sum(float(d64[n].norm() ** 2) for n in d64)
     fp32 = next(r for r in rows if r.get("precision") == "fp32")
     assert fp32["product_error"] == pytest.approx((num / den) ** 0.5, rel=0.05)
+    assert sorted(fp32["pairs"]) == sorted(d64) and all(n.endswith(("proj.weight", "fc2.weight")) for n in d64)
 
 
 def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path, monkeypatch):
