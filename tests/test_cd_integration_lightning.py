@@ -506,3 +506,53 @@ def test_verify_false_trains_a_module_with_an_example_input_array():
     module = Module(net, steps=2)
     fit(module, 2, callback=ColinearityDecayCallback(lam=LAM, verify=False))
     check(initial, module, 2, 1, variants=("after_step",))
+
+
+class SecondStage(Module):
+    """Lightning's way to switch optimizers during fit: at epoch 1 the Trainer sets up the module's optimizer and
+    schedule again (a second stage's, here a fresh AdamW and a schedule from its start); `late`: at its own
+    on_train_batch_start, after the callbacks' (one batch per epoch)."""
+
+    def __init__(self, net, steps: int, late: bool = False) -> None:
+        super().__init__(net, steps)
+        self.late = late
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1 and not self.late:
+            self.trainer.strategy.setup_optimizers(self.trainer)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 1 and self.late:
+            self.trainer.strategy.setup_optimizers(self.trainer)
+
+
+def test_an_optimizer_set_up_again_during_fit_gets_cd_as_the_first_one_did():
+    """The callback bound the Trainer's optimizers at on_train_start only: the new optimizer's steps had no CD, and
+    no error (it skipped an optimizer it had not bound). Each stage's reference starts a fresh optimizer and
+    schedule on the weights the first left."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = SecondStage(net, steps=2)
+    trainer = fit(module, 4, n_batches=2, max_epochs=2)
+    micro = [[batch] for batch in module.batches]
+
+    def run(variant):
+        ref, out = copy.deepcopy(initial), []
+        for stage in (micro[:2], micro[2:]):
+            opt, sched = vit_optimizer_and_schedule(ref, 2)
+            out += reference_run(ref, stage, lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
+                                 vit_pairs(BLOCKS, DIM), LAM, variant=variant)
+        return out
+
+    assert_matches_reference(module.after, run, TOL, variants=("before_backward", "after_step", "first_group_lr"))
+    assert cd_callback(trainer).decay.num_updates == 4
+
+
+def test_an_optimizer_set_up_after_the_batch_started_is_refused_before_its_step():
+    """Set up after the callback's on_train_batch_start, inside the step CD would come too late: an error before
+    the step (it was stepped without CD, silently), and the weights are those the first stage left."""
+    module = SecondStage(tiny_vit().double(), steps=2, late=True)
+    with pytest.raises(RuntimeError, match="an optimizer that ColinearityDecayCallback has not bound"):
+        fit(module, 2, n_batches=1, max_epochs=2)
+    assert len(module.after) == 1
+    assert all(torch.equal(p, module.after[0][n]) for n, p in module.net.named_parameters())

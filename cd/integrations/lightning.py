@@ -24,8 +24,13 @@ at that moment.
 The model is the LightningModule (its `example_input_array` serves the pair check, converted as Lightning
 converts batches under a "-true" precision), or the submodule that
 `module=` names (e.g. `module="net"` for a module without `forward`, whose own input size the check can tell);
-the optimizers are the Trainer's, bound at `on_train_start`. The callback's state (the update counter) is saved
-in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has no state.
+the optimizers are the Trainer's, bound at `on_train_start`, and bound again at the start of a batch when they are no
+longer the ones bound: an optimizer set up during fit (`trainer.strategy.setup_optimizers(trainer)` in
+`on_train_epoch_start`, Lightning's way to switch to a second stage's optimizer) gets CD as the first one did. One
+set up later in a batch (in the LightningModule's `on_train_batch_start`, which runs after the callbacks', or in
+`training_step`) is refused at its first step, before the step, not stepped without CD. The callback's state (the
+update counter) is saved in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has
+no state.
 """
 from __future__ import annotations
 
@@ -88,12 +93,24 @@ class ColinearityDecayCallback(Callback):
             raise UnsupportedModelError(message) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
-        self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
+        self._bind(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the bindings hold their optimizers, so an id here is of the same object as long as it is bound
+        if set(self._bindings) != {id(torch_optimizer(opt)) for opt in trainer.optimizers}:
+            self._bind(trainer)  # set up again since (a second stage's optimizer): bound as the first ones were
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         binding = self._bindings.get(id(torch_optimizer(optimizer)))
-        if binding is not None:
-            binding.arm()
+        if binding is None:
+            # bound now, it would miss this step: the step has begun (inside optimizer.step(closure), the step
+            # pre-hook that runs CD after the closure is past), so a step without CD is refused before it is taken
+            raise RuntimeError("cd.integrations: Lightning steps an optimizer that ColinearityDecayCallback has not "
+                               "bound, one set up after this batch started (the callback binds the Trainer's "
+                               "optimizers at on_train_start and at each batch's on_train_batch_start), so CD could "
+                               "not run in its step: set up a new optimizer (trainer.strategy.setup_optimizers) in "
+                               "on_train_epoch_start (the LightningModule's or a callback's)")
+        binding.arm()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         for binding in self._bindings.values():
@@ -106,6 +123,11 @@ class ColinearityDecayCallback(Callback):
         # a run that failed leaves no hook on its optimizers: a later attach (or fit) on them is not refused as a
         # second CD update, and no armed update waits for a step of the user's own
         self._unbind()
+
+    def _bind(self, trainer) -> None:
+        """CD bound to the Trainer's optimizers as they are now (and no longer to those bound before)."""
+        self._unbind()
+        self._bindings = bind_optimizers(self.decay, trainer.optimizers, strict_steps=True)
 
     def _unbind(self) -> None:
         for binding in self._bindings.values():
