@@ -423,6 +423,39 @@ def test_budget_rule_lowers_the_merged_weight_decay_once_by_the_hooks_lam():
     assert untouched["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05
 
 
+def test_a_dumped_budget_loaded_again_follows_an_override_of_the_lam_or_of_the_weight_decay(tmp_path):
+    """The dump of a run (what MMEngine's Runner writes to work_dir) loaded again with overrides, as
+    engine.detection.load_config merges them: the record "applied: ..." returned early, so a new lam kept the old
+    budget (lam 0.01 beside weight decay 0.045, not 0.04). Hand-computed: the recorded base 0.05 minus the lam
+    now, or an overridden weight decay (the new base, as in the files) minus it; a record this function did not
+    write is refused."""
+    from mmengine.config import Config
+
+    from cd.integrations.mmengine import apply_weight_decay_budget
+
+    first = Config({"cd_budget": True, "custom_hooks": [{"type": "ColinearityDecayHook", "lam": 0.005}],
+                    "optim_wrapper": {"optimizer": {"type": "AdamW", "lr": 1e-4, "weight_decay": 0.05}}})
+    apply_weight_decay_budget(first)
+    first.dump(tmp_path / "dump.py")
+    for overrides, weight_decay, record in [
+            ({}, 0.045, "0.05 - lam 0.005 = 0.045"),
+            ({"custom_hooks.0.lam": 0.01}, 0.04, "0.05 - lam 0.01 = 0.04"),
+            ({"optim_wrapper.optimizer.weight_decay": 0.1}, 0.095, "0.1 - lam 0.005 = 0.095"),
+            ({"custom_hooks.0.lam": 0.01, "optim_wrapper.optimizer.weight_decay": 0.1}, 0.09, "0.1 - lam 0.01 = 0.09")]:
+        cfg = Config.fromfile(tmp_path / "dump.py")
+        cfg.merge_from_dict(overrides)
+        apply_weight_decay_budget(cfg)
+        assert cfg.optim_wrapper.optimizer.weight_decay == weight_decay, overrides
+        assert cfg.cd_budget == "applied: " + record
+        apply_weight_decay_budget(cfg)  # that run's dump, loaded again: not lowered twice
+        assert cfg.optim_wrapper.optimizer.weight_decay == weight_decay, overrides
+    for record in ("applied: by hand", "applied: 0.05 - lam 0.005 = x"):
+        cfg = Config.fromfile(tmp_path / "dump.py")
+        cfg.cd_budget = record
+        with pytest.raises(ValueError, match="not a record that apply_weight_decay_budget writes"):
+            apply_weight_decay_budget(cfg)
+
+
 @MODELS.register_module(force=True)
 class TwoOptimizers(Classifier):
     """A train_step that steps each optimizer of an OptimWrapperDict (`a`, then `b`) after one backward."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from typing import Any, Optional, Sequence
 
 import torch
@@ -182,13 +183,22 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     cd.budget in train.py). Call it once the config is complete (scripts/train_detection.py does, through
     engine.detection.load_config), so that an override of the hook's lam or of the weight decay moves the budget
     with it; MMEngine alone reads `cd_budget` as an unused variable. `cd_budget` then records what was done
-    ("applied: 0.05 - lam 0.005 = 0.045"), which MMEngine's config dump keeps: loading the dump again does not
-    lower the weight decay twice. `cd_budget = False` (or none) leaves the weight decay as given. Raises
-    ValueError where the rule cannot apply."""
+    ("applied: 0.05 - lam 0.005 = 0.045"), which MMEngine's config dump keeps. Loading the dump again applies the
+    rule to the recorded base (0.05), not to the lowered weight decay, so it is not lowered twice and follows an
+    override there too: of the lam (`custom_hooks.0.lam=0.01`: 0.05 - 0.01 = 0.04), or of the weight decay, then
+    the new base as in the files (`weight_decay=0.1`: 0.1 - lam; a value equal to the recorded result, 0.045,
+    reads as no override). `cd_budget = False` (or none) leaves the weight decay as given. Raises ValueError
+    where the rule cannot apply, or `cd_budget` is a record this function did not write."""
     budget = cfg.get("cd_budget")
-    if budget is None or budget is False or (isinstance(budget, str) and budget.startswith(BUDGET_APPLIED)):
+    if budget is None or budget is False:
         return
-    if budget is not True:
+    optimizer = (cfg.get("optim_wrapper") or {}).get("optimizer") or {}
+    weight_decay = optimizer.get("weight_decay")
+    if isinstance(budget, str) and budget.startswith(BUDGET_APPLIED):
+        base, result = _recorded_budget(budget)
+        if weight_decay == result:  # the dump's weight decay, lowered already: the rule starts from its base
+            weight_decay = base
+    elif budget is not True:
         raise ValueError(f"cd_budget={budget!r}: give True (lower the weight decay by CD's lam, the budget rule) "
                          "or False")
     hooks = [h for h in cfg.get("custom_hooks") or [] if h.get("type") == CD_HOOK]
@@ -200,8 +210,6 @@ def apply_weight_decay_budget(cfg: Any) -> None:
                          "(configs/detection/method/cd.py) or set cd_budget=False and "
                          "optim_wrapper.optimizer.weight_decay yourself")
     lam = lams.pop()
-    optimizer = (cfg.get("optim_wrapper") or {}).get("optimizer") or {}
-    weight_decay = optimizer.get("weight_decay")
     for name, value in (("optim_wrapper.optimizer.weight_decay", weight_decay), (f"{CD_HOOK} lam", lam)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"cd_budget=True needs a number as {name}, got {value!r}: set it, or set "
@@ -216,6 +224,19 @@ def apply_weight_decay_budget(cfg: Any) -> None:
         raise ValueError(f"cd_budget=True: optim_wrapper.optimizer.weight_decay {weight_decay} - {CD_HOOK} lam "
                          f"{lam} < 0; lower the hook's lam, or set cd_budget=False") from None
     cfg["cd_budget"] = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
+
+
+def _recorded_budget(budget: str) -> tuple[float, float]:
+    """The base weight decay and the result in the record `budget` that apply_weight_decay_budget wrote (not its
+    lam: the hook's lam in the config now is the one that applies). Raises ValueError for another text, which would
+    leave unknown what weight decay the budget was taken from."""
+    match = re.fullmatch(rf"{BUDGET_APPLIED}(\S+) - lam \S+ = (\S+)", budget)
+    try:
+        return float(match[1]), float(match[2])
+    except (TypeError, ValueError):  # no match (None[1]), or not numbers
+        raise ValueError(f"cd_budget={budget!r}: not a record that apply_weight_decay_budget writes (e.g. "
+                         f"'{BUDGET_APPLIED}0.05 - lam 0.005 = 0.045'); give True with the weight decay before the "
+                         "budget, or False") from None
 
 
 # The baselines' hooks (TWEO, UNIQ weight noise) register with this module's import, so one custom_imports entry
