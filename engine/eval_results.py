@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -348,6 +349,10 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
 FIELD_TYPES = {"model": str, "method": str, "fp": dict, "max_act": dict, "quant": dict, "task": str, "config": list}
 TABLE_FIELDS = ("model", "method", "fp", "max_act", "quant")  # an evaluate.py result, as tables and figures read it
 DETECTION_FIELDS = ("task", "config", "fp", "max_act", "quant")  # an evaluate_detection.py result
+# fields a result may lack (older files, weights files) but that the readers use as these types where present:
+# a recipe given as a list, a quantized entry or its settings as a number would stop them on a traceback
+OPTIONAL_FIELD_TYPES = {"recipe": dict, "data": dict, "checkpoint": str, "checkpoint_kind": str, "fingerprint": str,
+                        "weights": str, "eval_amp": str}
 
 
 def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = False) -> dict:
@@ -362,8 +367,8 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
                            f"evaluate.py") from None
     if detection and isinstance(data, dict) and data.get("task") == "detection":
         fields = DETECTION_FIELDS
-    wrong = [k for k in fields if not isinstance(data, dict) or not isinstance(data.get(k), FIELD_TYPES[k])]
-    if not wrong and all(isinstance(e, dict) for e in data.get("quant", {}).values()):
+    wrong = odd_fields(data, fields) if isinstance(data, dict) else list(fields)
+    if not wrong:
         refuse_stale(path, data)
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
@@ -371,16 +376,36 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
                        f"JSON files written by evaluate.py")
 
 
+def odd_fields(data: dict, fields: Sequence[str]) -> list[str]:
+    """The dotted names of what a result lacks or holds as another type than evaluate.py writes: each of `fields`,
+    the OPTIONAL_FIELD_TYPES present, every pipeline of "quant" and each of its bit-widths (an object), and the
+    settings of a quantized entry (an object, where present)."""
+    wrong = [k for k in fields if not isinstance(data.get(k), FIELD_TYPES[k])]
+    wrong += [k for k, kind in OPTIONAL_FIELD_TYPES.items()
+              if data.get(k) is not None and not isinstance(data[k], kind)]
+    for pipeline, entries in (data["quant"] if isinstance(data.get("quant"), dict) else {}).items():
+        if not isinstance(entries, dict):
+            wrong.append(f"quant.{pipeline}")
+            continue
+        for bits, entry in entries.items():
+            if not isinstance(entry, dict):
+                wrong.append(f"quant.{pipeline}.{bits}")
+            elif entry.get("settings") is not None and not isinstance(entry["settings"], dict):
+                wrong.append(f"quant.{pipeline}.{bits}.settings")
+    return wrong
+
+
 def missing_number(result: dict, fields: Sequence[str], score: str) -> Optional[str]:
     """The first of `fields` (dotted paths, e.g. max_act.module) and the `score` of every quantized entry (e.g.
-    quant.repq.w4a4.top1) that is not a number in `result`, or None. evaluate.py writes them all; a file cut by
-    hand or written by an older version may not have them, and a table or report would stop on a traceback."""
+    quant.repq.w4a4.top1) that is not a finite number in `result`, or None. evaluate.py writes them all; a file cut
+    by hand or written by an older version may not have them, and a table or report would stop on a traceback; a
+    NaN or inf (JSON readers take a bare NaN) would be printed as a mean of nan."""
     paths = [*fields, *(f"quant.{p}.{b}.{score}" for p, entries in result["quant"].items() for b in entries)]
     for path in paths:
         value = result
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return path
     return None
 

@@ -119,24 +119,32 @@ def metric_number(record: dict, key: str, folder: str) -> float:
 def read_act_max(path: str) -> list[dict]:
     """The rows of a per-layer maxima file of evaluate.py, refused when it lacks a column the reports read, a
     row's block is not an integer (-1: outside the blocks) or its max (or kurtosis) not a number."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in ACT_MAX_FIELDS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise ReportError(f"{path} has no column {', '.join(missing)}: not a per-layer maxima file of "
-                              f"evaluate.py (columns {', '.join(ACT_MAX_FIELDS)}); re-evaluate the run")
-        rows = []
-        for row in reader:
-            if not re.fullmatch(r"-?\d+", row["block"] or ""):
-                raise ReportError(f"{path}, line {reader.line_num}: block {row['block']!r} is not an integer: "
-                                  "not a per-layer maxima file of evaluate.py; re-evaluate the run")
-            for column in ("max", "kurtosis")[:2 if "kurtosis" in reader.fieldnames else 1]:
-                try:
-                    float(row[column] or "")
-                except ValueError:
-                    raise ReportError(f"{path}, line {reader.line_num}: {column} {row[column]!r} is not a number: "
-                                      "not a per-layer maxima file of evaluate.py; re-evaluate the run") from None
-            rows.append(row)
+    try:  # evaluate.py writes module names and numbers: bytes that are not UTF-8, or a NUL, are damage
+        with open(path, newline="", encoding="utf-8") as f:
+            return act_max_rows(csv.DictReader(f), path)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ReportError(f"{path} cannot be read as text ({e}): not a per-layer maxima file of evaluate.py, or a "
+                          "damaged one; re-evaluate the run") from None
+
+
+def act_max_rows(reader: csv.DictReader, path: str) -> list[dict]:
+    """The rows of read_act_max's file, each checked."""
+    missing = [c for c in ACT_MAX_FIELDS if c not in (reader.fieldnames or ())]
+    if missing:
+        raise ReportError(f"{path} has no column {', '.join(missing)}: not a per-layer maxima file of "
+                          f"evaluate.py (columns {', '.join(ACT_MAX_FIELDS)}); re-evaluate the run")
+    rows = []
+    for row in reader:
+        if not re.fullmatch(r"-?\d+", row["block"] or ""):
+            raise ReportError(f"{path}, line {reader.line_num}: block {row['block']!r} is not an integer: "
+                              "not a per-layer maxima file of evaluate.py; re-evaluate the run")
+        for column in ("max", "kurtosis")[:2 if "kurtosis" in reader.fieldnames else 1]:
+            try:
+                float(row[column] or "")
+            except ValueError:
+                raise ReportError(f"{path}, line {reader.line_num}: {column} {row[column]!r} is not a number: "
+                                  "not a per-layer maxima file of evaluate.py; re-evaluate the run") from None
+        rows.append(row)
     return rows
 
 
@@ -157,8 +165,11 @@ def metrics_records(folder: str) -> list[dict]:
     """The records of a run's metrics.jsonl; a last line that is not JSON is a record being written (a run
     still training, or one killed mid-write: train.py drops it when it resumes) and is left out."""
     path = os.path.join(folder, "metrics.jsonl")
-    with open(path) as f:
-        lines = f.read().splitlines()
+    try:  # train.py writes JSON's ASCII: bytes that are not UTF-8 are damage, not a record being written
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{path} cannot be read as text ({e}): the file is damaged") from None
     records = []
     for number, line in enumerate(lines, 1):
         try:

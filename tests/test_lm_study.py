@@ -333,3 +333,36 @@ def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
     note = '‡ {}: the module maximum also counts modules outside the blocks: quant.act_max_extra_modules=["wte"]'
     assert note.format("baseline") in second.splitlines() and note.format("cd10x") in second.splitlines()
     assert "‡" not in report.split("Final pair energy")[0] and report.count("‡") == 4
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (lambda f: (f / "metrics.jsonl").write_bytes(b'{"step": 1, "val/loss": 1.0}\n\xff\xfe\n'), "metrics.jsonl",
+     "cannot be read as text"),
+    (lambda f: (f / "eval_best_act_max.csv").write_bytes(b"name,kind,block,type,max\nblocks.\xff,block,1,block,3\n"),
+     "eval_best_act_max.csv", "cannot be read as text"),
+    (lambda f: _edit_result(f, lambda r: r["quant"].update(rtn={"w4a16": 5.0})), "eval_best.json",
+     "missing or odd: quant.rtn.w4a16)"),
+    (lambda f: _edit_result(f, lambda r: r["quant"]["rtn"]["w4a16"].update(settings=[1])), "eval_best.json",
+     "missing or odd: quant.rtn.w4a16.settings)"),
+    (lambda f: _edit_result(f, lambda r: r.update(recipe=["sched.steps", 50])), "eval_best.json",
+     "missing or odd: recipe)"),
+    (lambda f: _edit_result(f, lambda r: r["fp"].update(ppl=float("nan"))), "eval_best.json",
+     "has no number at fp.ppl:"),
+    (lambda f: _edit_result(f, lambda r: r["max_act"].update(block=float("inf"))), "eval_best.json",
+     "has no number at max_act.block:"),
+])
+def test_a_damaged_run_file_is_one_error_line_naming_the_file_and_the_key(tmp_path, capsys, damage, file, message):
+    """Bytes that are not UTF-8 in metrics.jsonl or the maxima CSV, a quantized entry or a recipe of another type
+    than evaluate.py writes (were UnicodeDecodeError / AttributeError tracebacks), and a NaN or inf where the
+    tables read a number (printed as nan ± nan): one `error:` line naming the file and what is wrong there."""
+    from tests.conftest import run_entry
+
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name in ("baseline_s0", "baseline_s1"):
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    damage(root / "baseline_s1")
+    code, out, err = run_entry("scripts/lm_study.py", [str(root), "--out", str(tmp_path / "out")], capsys)
+    assert isinstance(code, str) and "\n" not in code and not out and not err, (code, err)
+    assert code.startswith("error: ") and str(root / "baseline_s1" / file) in code and message in code, code
+    assert not (tmp_path / "out").exists()
