@@ -5,7 +5,8 @@ the mean over three runs, on Ampere GPUs; time in seconds, memory the peak max_a
 
 Each (method, model, per-GPU batch, run) is one train.py run of `--recipe` (default the DeiT ViT-B recipe)
 into <out>/runs/<model>_bs<b>_<method>_run<r>, with train.batch_size=<global batch>, validation only after
-the last epoch, and the methods' own configs (a key=value override of one of these keys is refused):
+the last epoch, and the methods' own configs (a key=value override of one of these keys, or of cd.enabled /
+tweo.enabled, is refused, and so is a --recipe that turns a method on: a row is timed as the method it names):
     baseline    the recipe
     cd          + configs/method/cd.yaml
     tweo        + configs/method/tweo.yaml (our memory-saving TWEO)
@@ -44,11 +45,12 @@ WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patc
 
 
 # the keys each timed run gets from the protocol (run_config): an override of one would time another run
-# than the row names (every per-GPU batch at one, the report's epochs not the runs')
+# than the row names (every per-GPU batch at one, the report's epochs not the runs'); the methods' identity
+# (cd.enabled, tweo.enabled, tweo.form: set or left off by METHODS) too, or cd.enabled=true times CD under "baseline"
 PROTOCOL_KEYS = {"model.name": "--models", "train.batch_size": "--global-batch",
                  "train.batch_size_per_gpu": "--batches / --width-batch", "sched.epochs": "--epochs",
                  "sched.warmup_epochs": "", "train.eval_every_epochs": "", "train.seed": "--runs",
-                 "out_dir": "--out", "tweo.form": "--methods"}
+                 "out_dir": "--out", "cd.enabled": "--methods", "tweo.enabled": "--methods", "tweo.form": "--methods"}
 
 
 def refuse_protocol_keys(overrides: list[str]) -> None:
@@ -112,9 +114,15 @@ def check_plan(args, plan: list) -> None:
         for method in args.methods:
             configs, overrides = run_config(args, method, model, batch, 0, os.path.join(args.out, "runs", "check"))
             try:
-                load_config([os.path.join(ROOT, c) for c in configs], overrides)
+                cfg = load_config([os.path.join(ROOT, c) for c in configs], overrides)
             except ConfigError as e:
                 sys.exit(f"error: the {method} run of {model} at batch {batch}: {e}")
+            # a recipe that turns a method on (the overrides cannot: PROTOCOL_KEYS) would time it under this name
+            for section, on in (("cd", method == "cd"), ("tweo", method.startswith("tweo"))):
+                if getattr(cfg, section).enabled != on:
+                    sys.exit(f"error: --recipe {args.recipe} sets {section}.enabled="
+                             f"{str(not on).lower()}, so its {method} runs would not be {method}: give a recipe "
+                             f"without a method (the protocol adds each method's config itself)")
 
 
 def epoch_costs(metrics_path: str) -> list[dict]:

@@ -117,14 +117,30 @@ def test_epochs_protocol_refuses_a_plan_the_launcher_cannot_run_before_the_first
 
 @pytest.mark.parametrize("override, key", [("train.batch_size_per_gpu=8", "train.batch_size_per_gpu"),
                                            ("sched={epochs: 1}", "sched.epochs"),
-                                           ("model.name=vit_tiny", "model.name")])
+                                           ("model.name=vit_tiny", "model.name"),
+                                           ("cd.enabled=true", "cd.enabled"),
+                                           ("tweo={enabled: true}", "tweo.enabled")])
 def test_epochs_protocol_refuses_an_override_of_a_key_it_sets(tmp_path, override, key):
     """An override for every run came after the protocol's own keys: train.batch_size_per_gpu=8 timed every
-    --batches row at 8, sched.epochs=1 ran 1 epoch under a report of --epochs."""
+    --batches row at 8, sched.epochs=1 ran 1 epoch under a report of --epochs, cd.enabled=true timed CD in the
+    rows named "baseline"."""
     with pytest.raises(SystemExit, match=rf"error: .* would replace {key}, which the protocol sets"):
         _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml", "--global-batch", "16",
                        "--batches", "4", "8", "--models", "--methods", "baseline", "--epochs", "2", "--runs", "1",
                        "--out", str(tmp_path / "ep"), override])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
+def test_epochs_protocol_refuses_a_recipe_that_turns_a_method_on(tmp_path):
+    """A recipe with CD on made every "baseline" and "tweo" row a CD run: refused before anything runs."""
+    recipe = tmp_path / "tiny_cd.yaml"
+    with open(os.path.join(ROOT, "configs", "debug", "tiny.yaml")) as f:
+        recipe.write_text(f.read() + "cd:\n  enabled: true\n")
+    with pytest.raises(SystemExit, match=r"^error: --recipe .*tiny_cd.yaml sets cd.enabled=true, so its baseline "
+                                         r"runs would not be baseline"):
+        _bench().main(["--protocol", "epochs", "--recipe", str(recipe), "--global-batch", "16", "--batches", "8",
+                       "--models", "--methods", "baseline", "--epochs", "1", "--runs", "1",
+                       "--out", str(tmp_path / "ep")])
     assert not (tmp_path / "ep").exists()  # nothing ran
 
 
