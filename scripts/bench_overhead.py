@@ -305,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps per configuration")
     parser.add_argument("--steps", type=at_least(1), default=None,
                         help="timed steps per configuration (median reported)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"],
                         help="cd.matmul_precision (auto: tf32 on CUDA, fp32 on CPU)")
     parser.add_argument("--apply-only", action="store_true",
@@ -326,6 +326,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         drop |= {i + 1 for i in drop} | {i for i, a in enumerate(argv) if a.startswith("--protocol=")}
         return overhead_epochs.main([a for i, a in enumerate(argv) if i not in drop])
     args = parser.parse_args(argv)
+    if args.apply_only:  # no training step: a flag of the steps would be dropped without a word
+        unused = [flag for flag, value in (("--amp", args.amp), ("--batches", args.batches),
+                                           ("--width-batch", args.width_batch)) if value is not None]
+        if unused:
+            parser.error(f"{unused[0]}: --apply-only times CD's update alone, without training steps, so "
+                         f"{unused[0]} would change nothing; drop it (or --apply-only)")
     written = [os.path.join(args.out, n) for n in
                (("apply.json",) if args.apply_only else ("overhead.json", "overhead.png"))]
     try:
@@ -338,9 +344,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if device == "cpu" and args.precision == "tf32":  # the rows would say tf32 over fp32 timings
         parser.error("--precision tf32 on a CPU: CPUs have no TF32, CD's products run in fp32 there; give "
                      "--precision fp32 (or auto)")
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    args.amp = args.amp or ("fp16" if device == "cuda" else "bf16")
+    args.amp = None if args.apply_only else args.amp or ("fp16" if device == "cuda" else "bf16")
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as in training; CD's fp32 math may use TF32 too
         torch.backends.cudnn.allow_tf32 = True
@@ -358,8 +364,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         args.steps = 20 if args.steps is None else args.steps
 
     hw = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
-    print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, amp {args.amp}, "
-          f"threads {torch.get_num_threads()}, warmup {args.warmup}, timed steps {args.steps}")
+    print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, "
+          f"{'' if args.apply_only else f'amp {args.amp}, '}threads {torch.get_num_threads()}, "
+          f"warmup {args.warmup}, timed steps {args.steps}")
     if args.apply_only:
         return apply_only(base, widths, args, device, hw)
     rows = run_sweep("batch", [(base, b) for b in batches], args, device)

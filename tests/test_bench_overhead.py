@@ -314,3 +314,31 @@ def test_apply_only_reports_the_median_apply_over_the_median_floor(tmp_path, mon
                          "--steps", "3", "--out", str(tmp_path)])
     (row,) = report["apply_only"]
     assert (row["cd_apply_ms"], row["cd_floor_ms"], row["apply_over_floor"]) == (4.0, 2.0, 2.0)
+
+
+@pytest.mark.parametrize("flag", [["--amp", "fp16"], ["--batches", "4"], ["--width-batch", "4"]])
+def test_apply_only_refuses_a_flag_of_the_training_steps(tmp_path, capsys, flag):
+    """--apply-only times no training step: --amp, --batches and --width-batch were dropped without a word (and the
+    header printed an amp that nothing ran under)."""
+    with pytest.raises(SystemExit) as refused:
+        _bench().main(["--device", "cpu", "--small", "--apply-only", "--widths", "64", *flag, "--out", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and f": {flag[0]}: --apply-only times CD's update alone" in lines[0], lines
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_bench_overhead_refuses_a_thread_count_below_one(tmp_path, capsys, threads, monkeypatch):
+    """--threads 0 was dropped (`if args.threads:`) and the run timed on torch's default threads; -1 was a
+    RuntimeError traceback from torch.set_num_threads."""
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set_num_threads({n})"))
+    with pytest.raises(SystemExit) as refused:
+        _bench().main(["--device", "cpu", "--small", "--apply-only", "--widths", "64", "--threads", threads,
+                       "--out", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and f"argument --threads: {threads}: must be at least 1" \
+        in lines[0], lines
+    assert not list(tmp_path.iterdir())
