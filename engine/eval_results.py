@@ -410,23 +410,32 @@ def missing_number(result: dict, fields: Sequence[str], score: str) -> Optional[
     return None
 
 
+def evaluated_checkpoint(path: str, result: dict) -> Optional[str]:
+    """The checkpoint file that the result at `path` is of, where it is now, or None (no checkpoint recorded, or
+    none there). A file of evaluate.py's own name for its checkpoint (eval_<name>.json: eval_best.json of best.pt,
+    as a sweep writes it) is of the checkpoint of that name beside it: a run folder moved or copied whole (a copy
+    of a sweep) keeps its JSON beside its best.pt, and the path the JSON records is the original's. A file of
+    another name (evaluate.py --out elsewhere, even in a folder holding another run's best.pt) is of the path it
+    records while that exists, else of the file of its name beside it. Beside is in the folder of the file itself,
+    not of a link to it (results gathered as links in a folder of their own)."""
+    checkpoint = result.get("checkpoint")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        return None
+    real = os.path.realpath(path)
+    beside = os.path.join(os.path.dirname(real), os.path.basename(checkpoint))
+    own_name = os.path.basename(real) == f"eval_{os.path.splitext(os.path.basename(checkpoint))[0]}.json"
+    return next((p for p in ((beside, checkpoint) if own_name else (checkpoint, beside)) if os.path.isfile(p)), None)
+
+
 def refuse_stale(path: str, result: dict) -> None:
-    """A ResultsError when the checkpoint `result` is of now holds other weights than those evaluated: a run
-    that trained on after its evaluation saved a new best.pt, and the file's figures are of the old one. The
-    checkpoint is the path the result records while it exists (an --out in another folder, even one holding
-    another run's best.pt, is of the recorded file), else the file of its name in the folder of `path` (a run
-    folder moved whole keeps its JSON beside its best.pt). Results without a fingerprint (files of older
+    """A ResultsError when the checkpoint `result` is of now (`evaluated_checkpoint`: the run's best.pt beside
+    its eval_best.json) holds other weights than those evaluated: a run that trained on after its evaluation saved
+    a new best.pt, and the file's figures are of the old one. Results without a fingerprint (files of older
     versions) and files that are not train.py checkpoints (model.pretrained weights, MMEngine's) are not
     compared. The checkpoint is memory-mapped: only the weights the fingerprint hashes are read (evaluate.py
     hashes the same state dict, engine/checkpoint.py)."""
-    scored, checkpoint = result.get("fingerprint"), result.get("checkpoint")
-    if not isinstance(scored, str) or not isinstance(checkpoint, str):
-        return
-    beside = checkpoint  # the file evaluated, where it still is
-    if not os.path.isfile(beside):  # moved with its run folder: the folder the file is in, not that of a link
-        # to it (results gathered as links in a folder of their own)
-        beside = os.path.join(os.path.dirname(os.path.realpath(path)), os.path.basename(checkpoint))
-    if not os.path.isfile(beside):
+    scored, beside = result.get("fingerprint"), evaluated_checkpoint(path, result)
+    if not isinstance(scored, str) or beside is None:
         return
     try:
         payload = torch.load(beside, map_location="cpu", weights_only=True, mmap=True)

@@ -363,9 +363,9 @@ def evaluated_model(run: Run) -> torch.nn.Module:
     other weights now (a run resumed after its evaluation saves a new best): the report would put the old
     weights' accuracy and maxima beside the new weights' alignment peak. The JSON records the fingerprint of
     the weights evaluate.py loaded, the same function of the same state dict. Not the repeat of read_result_file's
-    refuse_stale it looks like: that one checks the checkpoint the file records while it exists (the original run
-    folder, when the sweep was copied), and passes files without a fingerprint; this one checks the best.pt whose
-    weights the report reads."""
+    refuse_stale it looks like: that one checks the checkpoint the file is of (engine.eval_results.
+    evaluated_checkpoint: the one it names, beside it) and passes files without a fingerprint; this one checks the
+    best.pt whose weights the report reads, and refuses a file whose weights are unknown."""
     checkpoint = os.path.join(run.folder, "best.pt")
     model = model_of(checkpoint, run.result.get("weights", "raw"))
     scored, now = run.result.get("fingerprint"), weights_fingerprint(model.state_dict())

@@ -270,9 +270,9 @@ def test_an_evaluation_of_an_earlier_best_pt_is_refused(tmp_path):
 
 
 def test_a_copied_sweep_whose_best_pt_changed_is_refused_though_the_recorded_checkpoint_is_unchanged(tmp_path):
-    """read_result_file's refuse_stale checks the checkpoint an eval_best.json records while it exists: in a copy of
-    a sweep, the original run's best.pt. The report reads the copy's best.pt; when that one saved a new best after
-    the copy, evaluated_model's own check is what refuses it (so it is no repeat of refuse_stale)."""
+    """An eval_best.json records the checkpoint it scored: in a copy of a sweep, the original run's best.pt. The
+    report reads the copy's best.pt, the one beside the file; when that one saved a new best after the copy, the
+    file is refused as stale on reading (engine.eval_results.refuse_stale), as in the original sweep."""
     original = tmp_path / "a"
     original.mkdir()
     write_run(original, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
@@ -281,11 +281,12 @@ def test_a_copied_sweep_whose_best_pt_changed_is_refused_though_the_recorded_che
     path.write_text(json.dumps({**json.loads(path.read_text()), "checkpoint": recorded}))
     copy = tmp_path / "b"
     shutil.copytree(original, copy)
+    dose_report.read_sweep(str(copy))  # the copy as it was: of the weights its best.pt holds
     make_checkpoint(copy / "baseline_s0" / "best.pt", 7)  # the copy's run trained on and saved a new best
-    run = dose_report.read_sweep(str(copy))[0]  # the recorded checkpoint (the original's) holds the scored weights
-    with pytest.raises(dose_report.ReportError, match=r"b/baseline_s0/eval_best.json scored other weights than "
-                                                      r".*b/baseline_s0/best.pt holds now"):
-        dose_report.evaluated_model(run)
+    with pytest.raises(dose_report.ResultsError, match=r"b/baseline_s0/eval_best.json is stale: it scored other "
+                                                       r"weights than .*b/baseline_s0/best.pt holds now"):
+        dose_report.read_sweep(str(copy))
+    dose_report.read_sweep(str(original))  # the original is unchanged
 
 
 def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):

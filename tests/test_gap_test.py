@@ -147,3 +147,16 @@ def test_points_evaluated_otherwise_are_marked_and_the_way_is_named(tmp_path):
     report = gap_test.main([str(root), "baseline", "cd10x"])
     assert "| setting | baseline† | cd10x† |" in report
     assert "† baseline: evaluated with --amp bf16" in report and "† cd10x: evaluated with --amp bf16" in report
+
+
+def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_path):
+    """As lm_study.py: a copy of a sweep whose run saved a new best.pt is refused, though the original best.pt that
+    its eval_best.json records still holds the weights it scored."""
+    from engine.eval_results import ResultsError
+    from test_lm_study import copied_sweep_with_a_new_best
+
+    names = ("baseline_s0", "baseline_s1", "cd10x_s0", "cd10x_s1")
+    original, copy = copied_sweep_with_a_new_best(tmp_path, names)
+    assert "| rtn W4A16 |" in gap_test.main([str(original), "baseline", "cd10x"])
+    with pytest.raises(ResultsError, match=rf"{copy / 'cd10x_s1' / 'eval_best.json'} is stale"):
+        gap_test.main([str(copy), "baseline", "cd10x"])

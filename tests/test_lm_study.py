@@ -366,3 +366,39 @@ def test_a_damaged_run_file_is_one_error_line_naming_the_file_and_the_key(tmp_pa
     assert isinstance(code, str) and "\n" not in code and not out and not err, (code, err)
     assert code.startswith("error: ") and str(root / "baseline_s1" / file) in code and message in code, code
     assert not (tmp_path / "out").exists()
+
+
+def copied_sweep_with_a_new_best(tmp_path, names=("baseline_s0", "baseline_s1")):
+    """(the original sweep, a copy of it whose baseline_s1 saved a new best.pt after the copy): every
+    eval_best.json records the original's best.pt, as evaluate.py records the checkpoint it scored."""
+    import shutil
+
+    import torch
+
+    from engine.checkpoint import weights_fingerprint
+
+    original = tmp_path / "sweep"
+    original.mkdir()
+    for k, name in enumerate(names):
+        write_run(original, name, ppl=4.0 + 0.1 * k, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0,
+                  strict_a5=5.2 + 0.1 * k)
+        weights = {"w": torch.full((3,), float(k))}
+        torch.save({"model": weights, "config": {}}, original / name / "best.pt")
+        _edit_result(original / name, lambda r: r.update(checkpoint=str(original / name / "best.pt"), weights="raw",
+                                                         fingerprint=weights_fingerprint(weights)))
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    torch.save({"model": {"w": torch.full((3,), 9.0)}, "config": {}}, copy / names[-1] / "best.pt")
+    return original, copy
+
+
+def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_path):
+    """The staleness check compared the checkpoint an eval_best.json records while it exists: in a copy of a sweep,
+    the original's best.pt, so a copy whose run trained on was reported with its old evaluation. The best.pt beside
+    the file, which the report's run folder holds, is the one compared."""
+    original, copy = copied_sweep_with_a_new_best(tmp_path)
+    assert "| baseline | 2 |" in lm_study.main([str(original), "--out", str(tmp_path / "out")])
+    stale, now = copy / "baseline_s1" / "eval_best.json", copy / "baseline_s1" / "best.pt"
+    with pytest.raises(lm_study.ResultsError, match=rf"{stale} is stale: it scored other weights than {now} holds now"):
+        lm_study.main([str(copy), "--out", str(tmp_path / "out2")])
+    assert not (tmp_path / "out2").exists()
