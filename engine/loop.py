@@ -153,6 +153,7 @@ class TrainLoop:
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
+        self._update_lr = 0.0  # the largest group lr of the last update (train/lr), set before each log step
         # this rank's last good (images, targets), kept across epochs: what it trains on after a failed batch
         self._stand_in: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         # The optimizer holds the hook through a weak reference to the loop. A bound method made loop and
@@ -251,6 +252,8 @@ class TrainLoop:
                 state.skipped_steps += self._real_steps == steps_before
                 if self.ema is not None:
                     self.ema.update(unwrap_model(self.model), step=state.step)
+                # the lr this update used, logged as train/lr: read before the scheduler moves to the next one's
+                self._update_lr = max(g["lr"] for g in self.optimizer.param_groups)
                 if self.scheduler is not None and self.per_step_schedule:
                     self.scheduler.step_update(state.step)
                 stage = "data"
@@ -454,7 +457,7 @@ class TrainLoop:
             self.divergence.streak = state.divergence_streak
             self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
             state.divergence_streak = self.divergence.streak
-        metrics["train/lr"] = max(g["lr"] for g in self.optimizer.param_groups)
+        metrics["train/lr"] = self._update_lr
         metrics["train/epoch"] = (state.epoch
                                   + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps))
         self._settle_skipped_steps(state)

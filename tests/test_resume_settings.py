@@ -65,9 +65,9 @@ def test_a_resume_with_a_new_lr_weight_decay_and_length_trains_with_them(debug_c
     for g in groups:
         assert g["initial_lr"] == 0.01 and tuple(g["betas"]) == (0.8, 0.9)
         assert g["lr"] == pytest.approx(expected, rel=1e-12)
-    # the lr logged at update 4 (the first log step after the resume) is the new schedule's
+    # the lr logged at update 4 (the first log step after the resume) is the new schedule's at that update (t=3)
     lr4 = [r["train/lr"] for r in read_metrics(cfg.out_dir) if r["step"] == 4 and "train/lr" in r]
-    assert lr4 == [pytest.approx(cosine_lr(4, base=0.01, t_initial=16, warmup_t=4), rel=1e-12)]
+    assert lr4 == [pytest.approx(cosine_lr(3, base=0.01, t_initial=16, warmup_t=4), rel=1e-12)]
     # and equals a fresh optimizer + scheduler of the new config stepped to that update
     fresh = build_optimizer(build_model(cfg.model), cfg.optim, 0.01, 0.02)
     build_scheduler(fresh, cfg.sched, updates_per_epoch=4).step_update(6)

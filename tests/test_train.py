@@ -1136,6 +1136,35 @@ def test_train_lr_is_the_largest_lr_of_the_groups():
 
 
 
+
+def test_train_lr_is_the_lr_the_logged_update_used():
+    """With a per-update schedule, train/lr at update N is the lr that update N stepped with (read off plain
+    SGD's weight change, -lr * grad), not the one the scheduler has set for update N+1 by the time of the log."""
+    from timm.scheduler import CosineLRScheduler
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = CosineLRScheduler(optimizer, t_initial=4, warmup_t=2, warmup_lr_init=0.01, t_in_epochs=False)
+    used = []  # the lr of each update, from the weights: (w_before - w_after) / grad
+
+    def measure(opt, args, kwargs):
+        w, g = model.weight.detach(), model.weight.grad
+        used.append(((measure.before - w) / g).flatten()[0].item())
+
+    model.weight.register_hook(lambda g: setattr(measure, "before", model.weight.detach().clone()))
+    optimizer.register_step_post_hook(measure)
+    logged = []
+    loop = TrainLoop(model=model, optimizer=optimizer, compute_loss=lambda m, x, y: F_ce(m(x), y),
+                     device=torch.device("cpu"), scheduler=scheduler, per_step_schedule=True, log_every=1,
+                     log=lambda step, metrics: logged.append(metrics["train/lr"]))
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), 2)
+    assert len(used) == 4 and used[0] == pytest.approx(0.01, rel=1e-5)  # the warmup's first lr
+    assert logged == pytest.approx(used, rel=1e-5)
+
+
 @pytest.mark.parametrize("saved, restored", [(-1.0, None), (0.0, 0.0), (61.5, 61.5)])
 def test_a_checkpoint_that_names_its_best_score_best_top1_restores_it(saved, restored):
     """Checkpoints written before the task-neutral `best_value` hold `best_top1`, with -1 for "no validation
