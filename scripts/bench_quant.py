@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
-from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring). APHQ's eq_n
@@ -87,9 +87,10 @@ def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
 def main(argv=None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224")
-    p.add_argument("--img-size", type=int, default=None, help="override (smoke runs)")
-    p.add_argument("--depth", type=int, default=None, help="override (smoke runs)")
-    p.add_argument("--embed-dim", type=int, default=None, help="override (smoke runs); heads = dim / 64")
+    p.add_argument("--img-size", type=at_least(1), default=None, help="override (smoke runs)")
+    p.add_argument("--depth", type=at_least(1), default=None, help="override (smoke runs)")
+    p.add_argument("--embed-dim", type=at_least(1), default=None,
+                   help="override (smoke runs); heads = dim // 64 (at least 1), which must divide it")
     p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=at_least(1), default=256)
     p.add_argument("--calib", type=at_least(1), default=32)
@@ -97,12 +98,20 @@ def main(argv=None) -> dict:
     p.add_argument("--bits", default="w4a4")
     p.add_argument("--repeats", type=at_least(1), default=10)
     p.add_argument("--warmup", type=at_least(0), default=3)
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch default)")
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
+        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
+    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
+    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
+        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
+                f"64, or less than 128")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
+        if args.out:  # its folder too: open() after the timings failed on a folder that was not there
+            prepare_folder(os.path.dirname(os.path.abspath(args.out)), setting="--out")
         for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
             PIPELINES[pipeline].validate(parse_bits(args.bits), PIPELINES[pipeline].Options())
     except (RunDirError, ValueError) as e:
@@ -111,11 +120,21 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     device = args.device
     torch.manual_seed(0)
-    kw = {k: v for k, v in (("img_size", args.img_size), ("depth", args.depth)) if v}
-    if args.embed_dim:
-        kw.update(embed_dim=args.embed_dim, num_heads=max(1, args.embed_dim // 64))
-    model = timm.create_model(args.model, num_classes=1000, **kw).to(device).eval()
-    size = model.patch_embed.img_size[0]
+    # `is not None`: a size of 0 is refused by at_least(1) above, never dropped for the model's default
+    kw = {k: v for k, v in (("img_size", args.img_size), ("depth", args.depth)) if v is not None}
+    if args.embed_dim is not None:
+        kw.update(embed_dim=args.embed_dim, num_heads=heads)
+    flags = " / ".join(f"--{k.replace('_', '-')}" for k in ("img_size", "depth", "embed_dim") if k in kw)
+    try:
+        model = timm.create_model(args.model, num_classes=1000, **kw).to(device).eval()
+    except TypeError as e:  # a model whose constructor has no such argument (a CNN: resnet18 and img_size)
+        sys.exit(f"error: --model {args.model} does not take {flags or 'these arguments'} ({e}); drop them, or give "
+                 f"a ViT (e.g. vit_small_patch16_224)")
+    embed = getattr(model, "patch_embed", None)
+    if getattr(embed, "img_size", None) is None:  # the input size is read off the patch embedding
+        sys.exit(f"error: --model {args.model} is no vision Transformer with a patch embedding (a CNN?): this "
+                 f"benchmark times quantized ViTs and Swins; give e.g. vit_small_patch16_224")
+    size = embed.img_size[0]
     x = torch.randn(args.batch, 3, size, size, device=device)
     calib = torch.randn(args.calib, 3, size, size, device=device)
 

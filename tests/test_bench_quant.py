@@ -1,0 +1,62 @@
+"""scripts/bench_quant.py refuses what it cannot time as asked with one `error:` line, before any timing: sizes of 0
+(dropped for the model's defaults), a model timm does not know or that is no ViT, a thread count below 0; and its
+--out folder is made before the timings, not found missing after them."""
+from __future__ import annotations
+
+import json
+import os
+
+import cd_models  # noqa: F401  (one torch thread)
+import pytest
+
+import bench_quant
+
+SMALL = ["--device", "cpu", "--model", "vit_tiny_patch16_224", "--img-size", "32", "--depth", "1", "--embed-dim",
+         "64", "--batch", "1", "--calib", "2", "--pipelines", "percentile"]
+
+
+def refusal(argv, capsys, monkeypatch) -> tuple[object, list[str]]:
+    """(exit status, error lines) of bench_quant.main(argv), which must stop before the first timing."""
+    monkeypatch.setattr(bench_quant, "timed_forward", lambda *a, **k: pytest.fail("timed after all"))
+    with pytest.raises(SystemExit) as done:
+        bench_quant.main(argv)
+    code = done.value.code
+    message = code if isinstance(code, str) else capsys.readouterr().err  # sys.exit(text) prints it at exit
+    return (1 if isinstance(code, str) else code), message.strip().splitlines()
+
+
+@pytest.mark.parametrize("flag", ["--depth", "--img-size", "--embed-dim"])
+def test_a_size_of_zero_is_refused_not_dropped(flag, capsys, monkeypatch):
+    """`if v` dropped --depth 0 / --img-size 0 / --embed-dim 0: a 12-block ViT at 224 was timed under them."""
+    argv = SMALL + [flag, "0"]
+    code, lines = refusal(argv, capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1 and f"argument {flag}: 0: must be at least 1" in lines[0], lines
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "nosuchmodel"], "--model nosuchmodel: not a timm model name"),   # was timm's RuntimeError
+    (["--model", "resnet18"], "--model resnet18 is no vision Transformer"),        # was an AttributeError
+    (["--model", "resnet18", "--img-size", "32"], "--model resnet18 does not take --img-size"),  # was a TypeError
+    (["--threads", "-1"], "argument --threads: -1: must be at least 0"),          # was torch's RuntimeError
+    (["--embed-dim", "200"], "--embed-dim 200: its 3 heads (dim // 64) do not divide it"),  # timm's AssertionError
+])
+def test_what_cannot_be_timed_is_one_error_line(argv, says, capsys, monkeypatch):
+    code, lines = refusal(["--device", "cpu", "--batch", "1", *argv], capsys, monkeypatch)
+    assert code in (1, 2) and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_out_in_a_folder_not_made_yet_is_made_before_the_timings(tmp_path, monkeypatch):
+    """open(--out) after the timings raised FileNotFoundError for a folder that did not exist: the minutes of
+    timing were lost."""
+    out = tmp_path / "new" / "deeper" / "quant.json"
+    folder_at_timing = []
+
+    def timed(*args, **kwargs):
+        folder_at_timing.append(out.parent.is_dir())
+        return 0.5
+
+    monkeypatch.setattr(bench_quant, "timed_forward", timed)
+    bench_quant.main([*SMALL, "--out", str(out)])
+    assert folder_at_timing == [True, True]
+    assert json.loads(out.read_text())["pipelines"]["percentile"]["ratio_vs_fp"] == 1.0
+    assert os.listdir(out.parent) == ["quant.json"]
