@@ -15,6 +15,8 @@
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
 * `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
   (training went on after the evaluation and saved a new best.pt).
+* `refuse_unfinished` (run by the readers that average runs as seeds) refuses a run that stopped before the end
+  of its schedule (train.max_steps), told by its metrics.jsonl.
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -181,6 +183,95 @@ def repeated_weights(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str
         if fingerprint is not None:
             seen[fingerprint] = label
     return None
+
+
+def metrics_records(folder: str) -> list[dict]:
+    """The records of a run's metrics.jsonl; a last line that is not JSON is a record being written (a run
+    still training, or one killed mid-write: train.py drops it when it resumes) and is left out."""
+    path = os.path.join(folder, "metrics.jsonl")
+    try:  # train.py writes JSON's ASCII: bytes that are not UTF-8 are damage, not a record being written
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ResultsError(f"{path} cannot be read as text ({e}): the file is damaged") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number < len(lines):
+                raise ResultsError(f"{path}, line {number}: not a JSON record; the file is damaged") from None
+            continue
+        # every record of train.py is an object with the update it was logged at
+        if not isinstance(record, dict) or isinstance(record.get("step"), bool) or \
+                not isinstance(record.get("step"), int):
+            raise ResultsError(f"{path}, line {number}: a record without an integer 'step': not the metrics "
+                              "log of a train.py run")
+        records.append(record)
+    return records
+
+
+def unfinished_run(folder: str, result: dict) -> Optional[str]:
+    """How far the run in `folder` got when it stopped before the end of its schedule (train.max_steps, a signal,
+    an evaluation while it trained), e.g. 'validated last at update 2 of the 8 of its schedule (sched.epochs=2 of
+    4 updates)'; None when it reached the end, or when its files do not tell. train.py validates at the last update
+    of a schedule (finished or not) and logs it in metrics.jsonl: the run reached the end when its last validation
+    is at the schedule's last update, sched.steps or sched.epochs x the updates of an epoch (the `recipe` of
+    `result`, its eval_best.json, records the schedule it trained with; each logged training record its
+    updates and epochs so far, `train/epoch`, whose ratio is the updates of an epoch). Not told: a folder
+    without metrics.jsonl, a result without a recorded schedule (an older file), an epoch schedule without a
+    training record that counts its epochs (none logged yet)."""
+    recipe = result.get("recipe")
+    if not isinstance(recipe, dict) or not os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+        return None
+    records = metrics_records(folder)
+    steps, epochs = recipe.get("sched.steps"), recipe.get("sched.epochs")
+    if _positive_int(steps):
+        planned, schedule = steps, f"sched.steps={steps}"
+    elif _positive_int(epochs) and (per_epoch := updates_per_epoch(records)) is not None:
+        planned, schedule = epochs * per_epoch, f"sched.epochs={epochs} of {per_epoch} updates"
+    else:
+        return None
+    reached = max((r["step"] for r in records if any(k.startswith("val/") for k in r)), default=0)
+    return None if reached >= planned else \
+        f"validated last at update {reached} of the {planned} of its schedule ({schedule})"
+
+
+def updates_per_epoch(records: Sequence[dict]) -> Optional[int]:
+    """The updates of an epoch by the last training record of metrics.jsonl (its update over its epochs so far,
+    `train/epoch`, fractional), or None without one."""
+    for record in reversed(records):
+        epoch = record.get("train/epoch")
+        if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) and math.isfinite(epoch) and epoch > 0:
+            return max(1, round(record["step"] / epoch))
+    return None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def refuse_unfinished(folder: str, result: dict, leave_out: str) -> None:
+    """A ResultsError when the run in `folder` has not reached the end of its schedule (`unfinished_run`): its
+    numbers, averaged as one more seed of finished runs', would be those of an early model. `leave_out` says how to
+    leave it out of what is averaged (e.g. 'move it out of the sweep root')."""
+    progress = unfinished_run(folder, result)
+    if progress is not None:
+        raise ResultsError(f"{folder} {progress}: an unfinished run (stopped at train.max_steps or by a signal, or "
+                           f"evaluated while it trained) would be averaged as a seed of finished ones; finish it: "
+                           f"re-run its command without train.max_steps (a sweep's: scripts/sweep.py SWEEP.yaml "
+                           f"--run --evaluate, which continues it and evaluates it again), or {leave_out}")
+
+
+def run_folder(path: str, result: dict) -> Optional[str]:
+    """The folder of the run whose end the result at `path` is of: that of its best.pt or checkpoint.pt
+    (`evaluated_checkpoint`), or of the file itself when that checkpoint is gone; None for a result of a snapshot,
+    of a file set aside or of model.pretrained weights, which no run's end is expected of."""
+    kind = result.get("checkpoint_kind") or checkpoint_kind(result.get("checkpoint"))
+    if kind not in ("best", "latest"):
+        return None
+    checkpoint = evaluated_checkpoint(path, result)
+    return os.path.dirname(checkpoint if checkpoint else os.path.realpath(path))
 
 
 class EvalResults:

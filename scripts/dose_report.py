@@ -6,11 +6,13 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
 (mean ± sample std). A run without eval_best.json, or not evaluated at every quantized column of the table
 (an evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights
-and the kind of checkpoint, data, quantization settings), and seeds of one point trained with other settings
-(the recipe their eval_best.json records) or evaluated with other model.kwargs, are refused. A point evaluated with other model.kwargs than it was trained
-with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
-both; a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's
-set) is marked ‡, with a note naming the patterns. What is read from each run, and what is written:
+and the kind of checkpoint, data, quantization settings), seeds of one point trained with other settings (the
+recipe their eval_best.json records) or evaluated with other model.kwargs, and runs that stopped before the end of
+their schedule (train.max_steps: engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
+model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables of
+evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
+(quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns. What is read from
+each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -42,8 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs import ConfigError, config_from_dict  # noqa: E402
 from configs.cli import OneLineParser  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
-from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
-                                 read_result_file, recipe_difference, repeated_weights)
+from engine.eval_results import (ResultsError, extra_modules, first_difference, metrics_records,  # noqa: E402
+                                 missing_number, read_result_file, recipe_difference, refuse_unfinished,
+                                 repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, extra_modules_note, model_kwargs_unlike  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -161,32 +164,6 @@ def check_numbers(runs: Sequence[Run], fields: Sequence[str], score: str) -> Non
                               f"(and --recompute for a quantized entry)")
 
 
-def metrics_records(folder: str) -> list[dict]:
-    """The records of a run's metrics.jsonl; a last line that is not JSON is a record being written (a run
-    still training, or one killed mid-write: train.py drops it when it resumes) and is left out."""
-    path = os.path.join(folder, "metrics.jsonl")
-    try:  # train.py writes JSON's ASCII: bytes that are not UTF-8 are damage, not a record being written
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except UnicodeDecodeError as e:
-        raise ReportError(f"{path} cannot be read as text ({e}): the file is damaged") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number < len(lines):
-                raise ReportError(f"{path}, line {number}: not a JSON record; the file is damaged") from None
-            continue
-        # every record of train.py is an object with the update it was logged at
-        if not isinstance(record, dict) or isinstance(record.get("step"), bool) or \
-                not isinstance(record.get("step"), int):
-            raise ReportError(f"{path}, line {number}: a record without an integer 'step': not the metrics "
-                              "log of a train.py run")
-        records.append(record)
-    return records
-
-
 def read_sweep(root: str) -> list[Run]:
     """The evaluated runs under `root` (folders `<point>_s<seed>`). A run folder without eval_best.json (still
     training, or not evaluated) is left out, and a warning names it: only the seeds column would show it."""
@@ -239,6 +216,13 @@ def read_sweep(root: str) -> list[Run]:
             raise ReportError(f"{unlike}; the seeds of point {point} are averaged: evaluate every run alike (the "
                               f"same evaluate.py model.kwargs overrides)")
     return runs
+
+
+def check_finished(runs: Sequence[Run]) -> None:
+    """Refuse a run that stopped before the end of its schedule (engine.eval_results.refuse_unfinished): the
+    reports average it as one more seed of its point."""
+    for run in runs:
+        refuse_unfinished(run.folder, run.result, "move its folder out of the sweep root")
 
 
 def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
@@ -515,6 +499,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                           "scripts/lm_study.py reports language models")
     check_numbers(runs, ("fp.top1", "max_act.module", "max_act.block"), "top1")
     groups = by_point(complete_runs(args.root, runs))  # before any output is written
+    check_finished([r for rs in groups.values() for r in rs])
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
         start = pretrained_model(next(iter(groups.values()))[0])

@@ -16,7 +16,7 @@ were planned before the numbers were seen is the reader's to say (docs/lm_study.
 whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the split, --amp) is marked †, with a
 note of how below the table, as dose_report.py and lm_study.py mark it. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
-(numbers present, not stale; a run whose recipe sets sched.steps must have validated at its last update);
+(numbers present, not stale, each run at the end of its schedule: engine/eval_results.refuse_unfinished);
 nothing is written.
 """
 from __future__ import annotations
@@ -31,17 +31,16 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
-from engine.tasks import PPL_CAP, CausalLMTask, ClassificationTask  # noqa: E402
+from engine.tasks import PPL_CAP  # noqa: E402
 from quant import bits_order  # noqa: E402
-from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_numbers, evaluated_marks,  # noqa: E402
-                                 read_sweep)
-from scripts.lm_study import FIELDS, check_finished, quantization_gap  # noqa: E402
+from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_finished, check_numbers,  # noqa: E402
+                                 evaluated_marks, read_sweep)
+from scripts.lm_study import FIELDS, quantization_gap  # noqa: E402
 
 # the score of each kind of sweep (eval_best.json's fp / quant entries) -> the gap table's caption
 CAPTIONS = {"ppl": "Quantization gap (quantized - fp32 perplexity)",
             "top1": "Top-1 drop (fp32 - quantized top-1, points)"}
 DIGITS = {"ppl": 3, "top1": 2}  # a perplexity to thousandths; a top-1 to hundredths of a point
-VALIDATION_KEYS = {"ppl": CausalLMTask.score_key, "top1": ClassificationTask.score_key}  # logged at each validation
 
 
 def sweep_score(runs: Sequence[Run]) -> str:
@@ -136,8 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     a, b = (chosen_runs(groups, point, args.seeds, args.root) for point in args.points)
     score = sweep_score(a + b)
     check_numbers(a + b, FIELDS if score == "ppl" else ("fp.top1",), score)
-    for run in a + b:
-        check_finished(run, VALIDATION_KEYS[score])
+    check_finished(a + b)
     text = report(a, b, score)
     console_print(text)  # its ± on an ASCII console, or a closed pipe
     return text

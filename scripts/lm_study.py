@@ -5,8 +5,9 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
-settings or evaluated with other model.kwargs, runs that stopped before their planned updates (sched.steps) and an
-eval_best.json of weights other than the run's best.pt holds now (engine/eval_results.refuse_stale) are refused; a
+settings or evaluated with other model.kwargs, runs that stopped before the end of their schedule (sched.steps or
+sched.epochs; engine/eval_results.refuse_unfinished) and an eval_best.json of weights other than the run's best.pt
+beside it holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
 a note naming both, and a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
 ‡, with a note naming the patterns. Written, and never overwritten without --overwrite:
@@ -29,9 +30,9 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, check_numbers, evaluated_marks,  # noqa: E402
-                                 final_energy, fmt, metric_number, metrics_records, module_marks, open_sweep,
-                                 plot_energies, plot_type_maxima, point_settings, type_maxima)
+from scripts.dose_report import (ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
+                                 evaluated_marks, final_energy, fmt, metric_number, metrics_records, module_marks,
+                                 open_sweep, plot_energies, plot_type_maxima, point_settings, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.tasks import capped_cell  # noqa: E402
 from engine.console import console_print  # noqa: E402
@@ -156,20 +157,6 @@ def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
-def check_finished(run: Run, validation_key: str = "val/loss") -> None:
-    """Refuse a run evaluated before it reached its planned updates (the recipe's sched.steps; train.py
-    validates at its last update, logging `validation_key`: val/loss for a language model, val/top1 for a
-    classifier): its final pair energies and its best.pt's numbers would be averaged with finished seeds' as one
-    more seed of the point. Runs of an epoch schedule (sched.steps 0) or without a recorded recipe are not
-    judged."""
-    planned = (run.result.get("recipe") or {}).get("sched.steps")
-    reached = max((step for step, _ in validation_curve(run, validation_key)), default=0)
-    if isinstance(planned, int) and planned > 0 and reached < planned:
-        raise ReportError(f"{run.folder} validated last at update {reached} of its sched.steps={planned}: an "
-                          "unfinished run (stopped, or evaluated while it trained) would count as a seed of its "
-                          "point; finish it (re-run the sweep with --run --evaluate) or move it out of the sweep")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> str:
     args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/kjv_lm_dose", OUTPUTS)
     if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
@@ -184,8 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                        "give runs that validated (a run stopped before its first validation has none)")
                 raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
                                   f"{OUTPUTS[2]} draws at every validation: {fix}")
-    for run in (r for runs in groups.values() for r in runs):
-        check_finished(run)
+    check_finished([r for runs in groups.values() for r in runs])
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     with open(paths[0], "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: the report has ± and †

@@ -12,7 +12,9 @@ autocast) is marked † with a note (engine.result_table.evaluated_otherwise): i
 entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
-kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records). A result
+kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records), and the run of
+a best.pt or checkpoint.pt must have reached the end of its schedule (a run stopped at train.max_steps is refused,
+as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). A result
 whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
-                                 read_result_files)
+                                 read_result_files, refuse_unfinished, run_folder)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note,  # noqa: E402
                                  markdown_table, nondefault_settings)
@@ -163,6 +165,18 @@ def finetune_table(results: list[dict]) -> str:
     return "\n\n".join(tables)
 
 
+def refuse_unfinished_seeds(paths: list[str], results: list[dict]) -> None:
+    """--over-seeds averages each result as a seed: one of a run that stopped before the end of its schedule
+    (engine.eval_results.refuse_unfinished, told by the run folder of its best.pt or checkpoint.pt) is refused."""
+    try:
+        for path, result in zip(paths, results):
+            folder = run_folder(path, result)
+            if folder is not None:
+                refuse_unfinished(folder, result, f"leave {path} out of --over-seeds")
+    except ResultsError as e:  # also a damaged metrics.jsonl
+        sys.exit(f"error: {e}")
+
+
 def main(argv=None) -> str:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
@@ -191,6 +205,8 @@ def main(argv=None) -> str:
                      "a quantized entry)")
     if args.over_seeds and args.layout == "finetune":
         sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
+    if args.over_seeds:
+        refuse_unfinished_seeds(args.results, results)
     try:
         table = (finetune_table(results) if args.layout == "finetune"
                  else markdown_table(results, over_seeds=args.over_seeds))

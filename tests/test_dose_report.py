@@ -193,7 +193,7 @@ def test_a_partial_last_metrics_line_is_left_out_and_a_damaged_one_named(tmp_pat
     runs = {r.point: r for r in dose_report.read_sweep(str(tmp_path))}
     assert runs["cd10x"].energies["fc2"] == [(10, 100.0), (20, 90.0)]
     metrics.write_text('{"step": 1\n' + metrics.read_text())
-    with pytest.raises(dose_report.ReportError, match=r"metrics.jsonl, line 1: not a JSON record"):
+    with pytest.raises(dose_report.ResultsError, match=r"metrics.jsonl, line 1: not a JSON record"):
         dose_report.read_sweep(str(tmp_path))
 
 
@@ -416,7 +416,7 @@ def test_a_damaged_line_just_before_the_last_is_named_not_left_out(tmp_path):
     folder = tmp_path / "baseline_s0"
     folder.mkdir()
     (folder / "metrics.jsonl").write_text('{"step": 10, "train/loss": 1.0}\n{"step": 20, "tra\n{"step": 30}\n')
-    with pytest.raises(dose_report.ReportError, match=r"metrics.jsonl, line 2: not a JSON record"):
+    with pytest.raises(dose_report.ResultsError, match=r"metrics.jsonl, line 2: not a JSON record"):
         dose_report.metrics_records(str(folder))
 
 
@@ -494,3 +494,27 @@ def test_the_energy_change_is_of_a_points_seed_mean_against_the_baselines():
         .split("Pair energy")[1].split("Largest")[0]
     assert "| cd10x | 1.0 ± 0.0 (+0.0 %) | 1.0 ± 0.0 (+0.0 %) | 1.0 ± 0.0 (+0.0 %) | 55.0 ± 15.6 (-50.0 %) |" \
         in energy
+
+
+def test_a_run_stopped_before_the_end_of_its_epochs_is_refused_not_averaged(tmp_path):
+    """A seed stopped at train.max_steps (an environment key, not in the recipe) under an epoch schedule was
+    averaged with the finished seeds of its point. The run's metrics.jsonl tells how far it got: its last validation
+    against sched.epochs x the updates of an epoch (update 10 at 0.5 epochs: 20). Refused before anything is
+    written, naming the folder, how far it got and the fix."""
+    for name, seed in (("baseline_s0", 0), ("baseline_s1", 1), ("cd10x_s0", 2)):
+        folder = write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0, 90.0], norm1_max=4.0, seed=seed)
+        metrics = folder / "metrics.jsonl"
+        metrics.write_text(metrics.read_text().replace('"train/loss": 1.0', '"train/loss": 1.0, "train/epoch": 0.5', 1))
+        result = json.loads((folder / "eval_best.json").read_text())
+        (folder / "eval_best.json").write_text(json.dumps({**result, "recipe": {"sched.epochs": 1,
+                                                                                "sched.steps": None}}))
+    assert "| baseline | 0,1 |" in dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    metrics = tmp_path / "baseline_s1" / "metrics.jsonl"  # stopped at update 10, validated there
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:2]))
+    with pytest.raises(dose_report.ResultsError) as refused:
+        dose_report.main([str(tmp_path), "--out", str(tmp_path / "o2")])
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'baseline_s1'} validated last at update 10 of the 20 of its schedule "
+                              "(sched.epochs=1 of 20 updates): an unfinished run"), message
+    assert message.endswith("or move its folder out of the sweep root"), message
+    assert not (tmp_path / "o2").exists()

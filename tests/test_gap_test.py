@@ -112,9 +112,28 @@ def test_a_classifier_sweep_tests_the_top1_drop_against_scipy(tmp_path):
 
 
 def test_an_unfinished_classifier_run_is_refused(tmp_path):
-    with pytest.raises(gap_test.ReportError) as refused:
+    from engine.eval_results import ResultsError
+
+    with pytest.raises(ResultsError) as refused:
         gap_test.main([str(classifier_sweep(tmp_path, {"sched.steps": 100})), "baseline", "cd10x"])
-    assert "baseline_s0 validated last at update 20 of its sched.steps=100" in str(refused.value)
+    assert "baseline_s0 validated last at update 20 of the 100 of its schedule (sched.steps=100)" in str(refused.value)
+
+
+def test_a_classifier_run_of_an_epoch_schedule_stopped_at_max_steps_is_refused(tmp_path):
+    """Every classifier config trains for sched.epochs: the check judged sched.steps only, and a seed stopped at
+    train.max_steps (no recipe setting) was tested as one of its point. The updates of an epoch are those its logged
+    training records count (update 10 at 0.5 epochs: 20)."""
+    from engine.eval_results import ResultsError
+
+    root = classifier_sweep(tmp_path, {"sched.steps": None, "sched.epochs": 1})
+    for metrics in root.glob("*/metrics.jsonl"):  # validations at 10 and 20: the end of the one epoch
+        metrics.write_text(metrics.read_text().replace('"train/loss": 1.0', '"train/loss": 1.0, "train/epoch": 0.5', 1))
+    assert "| repq W4A4 |" in gap_test.main([str(root), "baseline", "cd10x"])
+    stopped = root / "cd10x_s1" / "metrics.jsonl"  # stopped at update 10 (train.max_steps=10), validated there
+    stopped.write_text("".join(line + "\n" for line in stopped.read_text().splitlines()[:2]))
+    with pytest.raises(ResultsError, match=r"cd10x_s1 validated last at update 10 of the 20 of its schedule "
+                                           r"\(sched.epochs=1 of 20 updates\): an unfinished run"):
+        gap_test.main([str(root), "baseline", "cd10x"])
 
 
 def test_runs_of_a_language_model_and_a_classifier_are_not_tested_together(tmp_path):

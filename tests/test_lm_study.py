@@ -182,29 +182,29 @@ def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_pa
 def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path):
     """A run evaluated while it trained (last validation at update 50 of 2,000) would count as a seed of its
     point, its energies and perplexities those of an early model; runs that reached their sched.steps, and
-    runs of an epoch schedule (sched.steps 0), are reported."""
+    runs whose log does not tell (an epoch schedule without a training record of its epochs), are reported."""
     root = tmp_path / "sweep"
     root.mkdir()
     for name in ("baseline_s0", "cd10x_s0"):  # both validated last at update 50
         write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     _edit_result(root / "baseline_s0", lambda r: r.update(recipe={"sched.steps": 50}))
     _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": 2000}))
-    with pytest.raises(lm_study.ReportError, match=r"cd10x_s0 validated last at update 50 of its "
-                                                   r"sched.steps=2000: an unfinished run"):
+    with pytest.raises(lm_study.ResultsError, match=r"cd10x_s0 validated last at update 50 of the 2000 of its "
+                                                    r"schedule \(sched.steps=2000\): an unfinished run"):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
-    _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": 0}))
+    _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": None, "sched.epochs": 3}))
     assert "| cd10x | 1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
 def test_a_run_one_update_short_of_its_schedule_is_unfinished(tmp_path):
-    """The bound of check_finished: a run that validated last at update 50 finished a schedule of 50 updates and
+    """The bound of the check: a run that validated last at update 50 finished a schedule of 50 updates and
     did not finish one of 51 (train.py validates at its last update)."""
     write_run(tmp_path, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     folder = str(tmp_path / "baseline_s0")  # write_run: validations at updates 25 and 50
-    lm_study.check_finished(lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 50}}, []))
-    with pytest.raises(lm_study.ReportError, match=r"validated last at update 50 of its sched.steps=51"):
-        lm_study.check_finished(lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 51}}, []))
+    lm_study.check_finished([lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 50}}, [])])
+    with pytest.raises(lm_study.ResultsError, match=r"validated last at update 50 of the 51 of its schedule"):
+        lm_study.check_finished([lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 51}}, [])])
 
 
 def _edit_result(folder, edit):
@@ -258,7 +258,7 @@ def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, mes
     root.mkdir()
     write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     damage(root / "baseline_s0")
-    with pytest.raises(lm_study.ReportError, match=message):
+    with pytest.raises((lm_study.ReportError, lm_study.ResultsError), match=message):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

@@ -1,0 +1,61 @@
+"""Runs that stopped before the end of their schedule (train.max_steps) are refused where results are averaged as
+seeds (engine.eval_results.refuse_unfinished: paper_table.py --over-seeds, dose_report.py, lm_study.py,
+gap_test.py), told from what train.py itself writes: the recipe evaluate.py records and the run's metrics.jsonl.
+The sweep reports' own cases are in their test files (test_dose_report.py, test_lm_study.py, test_gap_test.py)."""
+import json
+import os
+
+import pytest
+
+import evaluate
+import paper_table
+import train
+from engine.eval_results import ResultsError, refuse_unfinished, unfinished_run
+
+
+def evaluated(out_dir: str) -> dict:
+    """The eval_best.json that evaluate.py writes beside the run's best.pt (one quick pipeline)."""
+    evaluate.main(evaluate.parse_args(["--checkpoint", os.path.join(out_dir, "best.pt"), "--quant", "percentile",
+                                       "--bits", "w4a4"]))
+    with open(os.path.join(out_dir, "eval_best.json")) as f:
+        return json.load(f)
+
+
+def test_a_run_of_an_epoch_schedule_stopped_at_max_steps_is_no_seed_until_it_finishes(debug_config):
+    """configs/debug/tiny.yaml: 2 epochs of 4 updates. A seed stopped by train.max_steps=4 at the end of its first
+    epoch has no sched.steps, and train.max_steps is no recipe setting (an environment key): it was averaged with the
+    finished seed as one of two. Refused, naming the folder and how far it got; once the same command without
+    train.max_steps has trained it to the end (a resume), it is a seed again."""
+    runs = {"baseline_s0": debug_config("train.seed=0", name="sweep/baseline_s0"),
+            "baseline_s1": debug_config("train.seed=1", "train.max_steps=4", name="sweep/baseline_s1")}
+    assert [train.main(cfg).state.step for cfg in runs.values()] == [8, 4]
+    results = {name: evaluated(cfg.out_dir) for name, cfg in runs.items()}
+    folder = runs["baseline_s1"].out_dir
+    paths = [os.path.join(cfg.out_dir, "eval_best.json") for cfg in runs.values()]
+    with pytest.raises(SystemExit) as refused:
+        paper_table.main([*paths, "--over-seeds"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {folder} validated last at update 4 of the 8 of its schedule (sched.epochs=2 "
+                              f"of 4 updates): an unfinished run") and "\n" not in message, message
+    assert "re-run its command without train.max_steps" in message, message
+    assert f"leave {paths[1]} out of --over-seeds" in message, message
+    assert "| vit_nano | Baseline |" in paper_table.main(paths)  # one row per result: nothing averaged
+    assert unfinished_run(runs["baseline_s0"].out_dir, results["baseline_s0"]) is None
+    train.main(debug_config("train.seed=1", name="sweep/baseline_s1"))  # resumed to the end of its schedule
+    assert unfinished_run(folder, results["baseline_s1"]) is None
+
+
+def test_the_updates_of_an_epoch_are_told_by_the_training_records_and_a_schedule_in_steps_by_itself(tmp_path):
+    """Without a logged training record an epoch schedule's length in updates is not known: not judged; a schedule
+    in updates (sched.steps) needs none. A result that records no recipe (an older file) is not judged either."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "val/top1": 50.0}) + "\n")
+    epochs = {"recipe": {"sched.epochs": 2, "sched.steps": None}}
+    assert unfinished_run(str(tmp_path), epochs) is None
+    assert unfinished_run(str(tmp_path), {}) is None
+    with pytest.raises(ResultsError, match=r"validated last at update 3 of the 5 of its schedule \(sched.steps=5\)"):
+        refuse_unfinished(str(tmp_path), {"recipe": {"sched.epochs": 2, "sched.steps": 5}}, "leave it out")
+    # 3 updates are 0.75 of an epoch of 4: the schedule is 8 updates long
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "train/loss": 1.0, "train/epoch": 0.75}) + "\n"
+                                            + json.dumps({"step": 3, "val/top1": 50.0}) + "\n")
+    assert unfinished_run(str(tmp_path), epochs) == ("validated last at update 3 of the 8 of its schedule "
+                                                     "(sched.epochs=2 of 4 updates)")
