@@ -11,7 +11,10 @@ Writes motivation.png and motivation.csv (task, model, method, metric, FP and qu
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
 autocast) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
-(engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row.
+(engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row. Classifiers measured differently
+in what sets a maximum (data, image count, val images, raw or EMA weights, autocast, the kind of checkpoint, the
+modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry's quantization settings
+(calibration images, pipeline options) are refused: their circles would show a setting as the method's.
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
@@ -27,10 +30,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import ResultsError, missing_number, read_result_files  # noqa: E402
+from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
+from compare_act_max import FLOAT_KEYS  # noqa: E402  (scripts/: this folder, as this script runs it)
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
@@ -87,6 +91,26 @@ def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_
                          "fp": r["fp"]["top1"], "quantized": q["top1"], "max_act": r["max_act"][max_act],
                          "max_module": r["max_act"]["module"], "max_block": r["max_act"]["block"]})
     return rows
+
+
+def refuse_unlike(paths: list[str], results: list[dict], pipeline: str, bits: str) -> None:
+    """A ResultsError naming the first two classifiers' results measured differently: in what sets a float maximum
+    (compare_act_max.py's FLOAT_KEYS and the modules counted: data, image count, val images, raw or EMA weights,
+    autocast, kind of checkpoint), which compare_act_max.py refuses for the same pair, or in the settings of the
+    drawn quantized entry (calibration images, pipeline options), which set the circle's height. The models
+    are not compared: the figure sets them side by side on purpose. A detector's settings are
+    evaluate_detection.py's own (not compared)."""
+    labelled = [(path, {**{k: r.get(k) for k in (*FLOAT_KEYS, "max_act")},
+                        "quant": {pipeline: {bits: r["quant"][pipeline][bits]}}})
+                for path, r in zip(paths, results) if not is_detection(r)]
+    found = first_difference(labelled)
+    if found is not None:
+        first, second, difference = found
+        raise ResultsError(f"{first} and {second} were measured differently ({difference}); the figure compares "
+                           f"circles measured alike: give results of evaluations with the same data, images, "
+                           f"weights, autocast, quant.act_max_extra_modules and {pipeline} {bits} settings (python "
+                           f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or draw them in "
+                           f"separate figures")
 
 
 def circle_areas(values: list[float]) -> list[float]:
@@ -170,6 +194,7 @@ def main(argv=None) -> list[dict]:
                  "or leave them out")
     try:
         rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act)
+        refuse_unlike(args.results, results, args.pipeline, bits)
     except ResultsError as e:
         sys.exit(f"error: {e}")
     # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
