@@ -93,8 +93,7 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     runs = a + b
     shared = set.intersection(*map(settings_of, runs))
     partial = sorted(set.union(*map(settings_of, runs)) - shared)
-    capped = sorted(s for s in shared if score == "ppl" and
-                    any(r.result["quant"][s[0]][s[1]]["ppl"] >= PPL_CAP for r in runs))
+    capped = sorted(s for s in shared if any(gap(r, *s, score) >= PPL_CAP for r in runs))  # a bound (perplexity)
     labels, notes = evaluated_marks({a[0].point: a, b[0].point: b})  # † and how, as dose_report / lm_study mark
     names, d = (labels[a[0].point], labels[b[0].point]), DIGITS[score]
     lines = [f"{CAPTIONS[score]}, {names[0]} (seeds "

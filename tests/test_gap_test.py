@@ -179,3 +179,18 @@ def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_pa
     assert "| rtn W4A16 |" in gap_test.main([str(original), "baseline", "cd10x"])
     with pytest.raises(ResultsError, match=rf"{copy / 'cd10x_s1' / 'eval_best.json'} is stale"):
         gap_test.main([str(copy), "baseline", "cd10x"])
+
+
+@pytest.mark.parametrize("rtn", [math.exp(700.0), 5.0])
+def test_a_setting_where_a_collapsed_run_has_a_perplexity_at_the_cap_is_not_tested(tmp_path, rtn):
+    """A run whose fp32 perplexity is at the cap exp(700) has no gap but a bound, its quantized perplexity at the
+    cap too (cap - cap was 0) or not (5 - cap was tested as a number): the setting is named below the table, not
+    tested."""
+    for point, runs in (("baseline", BASELINE), ("cd10x", CD)):
+        for seed, (ppl, rtn_ppl, _) in list(runs.items())[:3]:
+            collapsed = point == "cd10x" and seed == 0
+            write_run(tmp_path, f"{point}_s{seed}", ppl=math.exp(700.0) if collapsed else ppl,
+                      rtn=rtn if collapsed else rtn_ppl, block_max=10.0, kurtosis=5.0, fc2_final=50.0)
+    report = gap_test.main([str(tmp_path), "baseline", "cd10x"])
+    assert "not tested: rtn w4a16: a perplexity at the cap (a bound, not a number)" in report
+    assert "| rtn W4A16 |" not in report

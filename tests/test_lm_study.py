@@ -402,3 +402,19 @@ def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_pa
     with pytest.raises(lm_study.ResultsError, match=rf"{stale} is stale: it scored other weights than {now} holds now"):
         lm_study.main([str(copy), "--out", str(tmp_path / "out2")])
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("fp", [math.exp(700.0), 4.2])
+def test_a_gap_with_a_perplexity_at_the_cap_is_that_bound_not_a_number(tmp_path, fp):
+    """A collapsed seed has its quantized perplexity, and possibly its fp32 one, at the cap exp(700): its gap, cap -
+    cap, was averaged as 0 (lowering the point's mean gap), and cap - 4 was averaged as a number. Either makes the
+    cell the bound, as the perplexity tables show it."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
+    write_run(root, "baseline_s1", ppl=fp, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0,
+              strict_a5=math.exp(700.0))
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    gaps = report.split("Quantization gap")[1].split("per module type")[0]
+    assert "| baseline | - | - | >= exp(700) (capped) | - | " in gaps, gaps
+    assert "0.500" not in gaps and "e+30" not in gaps
