@@ -28,9 +28,12 @@ data.root=/datasets/imagenet model.num_classes=1000); the file must fit the mode
 and leave the model's own unread. Only `surrogate` and `remove` read images, and only
 they take --device (`alignment` and `energies` compute on the CPU). An override of a key that the
 subcommand does not read, or a --config file that changes one over a checkpoint's own config (and --compare's,
-which gets the same layers), is refused (`READS`): each reads model.*, `surrogate` and `remove` data.* too, and
-`remove` the calibration settings and quant.<--pipeline>.*; a key a flag sets (quant.bits: --bits) is
-given by the flag.
+which gets the same layers), is refused (`READS`, `unread_keys`): each reads model.* but the training-mode
+model.drop and model.drop_path; `surrogate` and `remove` data.* too, but the training batches' keys (data.mixup,
+data.label_smoothing, ...), the training transform's (data.hflip, data.scale, data.auto_augment, ...; `remove` reads
+them when it calibrates on training-transform images, quant.calib_transform=train) and the text data sets' (they
+refuse a language model), and `surrogate` no train split key; `remove` also the calibration settings and
+quant.<--pipeline>.*; a key a flag sets (quant.bits: --bits) is given by the flag.
 Indices are 0-based: blocks in model order (`blocks.N`, Swin `layers.N.blocks.M` flattened), singular
 directions i in descending singular value, rows j of FC2.
 
@@ -71,8 +74,10 @@ from cd.wrappers import unwrap_model  # noqa: E402
 from configs import ConfigError, config_from_dict, config_to_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from configs.loader import override_keys  # noqa: E402
+from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_MODE_MODEL_KEYS,  # noqa: E402
+                            TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS)
 from data import DataError, build_eval_loader  # noqa: E402
-from engine.act_max import ActivationProbe  # noqa: E402
+from engine.act_max import ActivationProbe, check_extra_modules  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
@@ -345,7 +350,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
                                  f"checkpoint.pt that train.py wrote")
         payload = load_checkpoint(args.checkpoint)
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
-        check_overrides(args)
+        check_overrides(args, cfg)
         check_config_layers(args, payload["config"], args.checkpoint)
         model = load_float_model(cfg, payload, args)
         source = os.path.abspath(args.checkpoint)
@@ -362,7 +367,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         cfg = load_config(args.config or [], [*args.overrides, f"model.name={args.model}",
                                               f"model.pretrained={os.path.abspath(args.weights)}",
                                               f"model.pretrained_strict={strict}"])
-        check_overrides(args)
+        check_overrides(args, cfg)
         model = build_model(cfg.model)
         source = f"{args.model} + weights {os.path.abspath(args.weights)}"
     else:
@@ -624,6 +629,8 @@ def cmd_remove(args: argparse.Namespace) -> dict:
         PIPELINES[args.pipeline].validate(bits, pipeline_options(cfg, args.pipeline))
     except ValueError as e:
         raise MechanismError(f"--pipeline {args.pipeline} --bits {args.bits}: {e}") from None
+    # a pattern that names no module would be recorded in remove.json as probed while adding nothing
+    check_extra_modules(loaded.model, cfg.quant.act_max_extra_modules)
     model = loaded.model.to(device)
     blocks = select_blocks(ffn_pairs(model), args.blocks)
     ranked, _ = rank_directions(blocks)
@@ -658,7 +665,9 @@ def cmd_remove(args: argparse.Namespace) -> dict:
 
     summary = {"source": loaded.source, "model": model_label(cfg.model), "method": loaded.label,
                "pipeline": args.pipeline, "bits": str(bits), "images": len(loader.dataset),
-               "calib_images": cfg.quant.calib_images, "blocks": [n for n, _ in blocks],
+               "calib_images": cfg.quant.calib_images,
+               # which modules max_act_module is over besides those inside blocks (the maxima's own setting)
+               "act_max_extra_modules": list(cfg.quant.act_max_extra_modules), "blocks": [n for n, _ in blocks],
                "results": results, "seconds": round(time.perf_counter() - start, 2)}
     # left: accuracies against k; right: the maxima against k (the paper draws quantized accuracy against
     # the maximum with the marker area proportional to FP accuracy; two plain panels show the same numbers)
@@ -750,23 +759,51 @@ COMMANDS = {"surrogate": cmd_surrogate, "alignment": cmd_alignment, "remove": cm
 # ------------------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------------------
-# The config keys each subcommand reads (a key, or `section.*`: every key below it); `remove` also reads
-# quant.<--pipeline>.*. An override of any other key would change nothing the subcommand computes (data.root
-# for `alignment`) and is refused, as is one of a key that a flag sets (FLAG_KEYS), which the flag overwrites.
+# The config keys each subcommand reads (a key, or `section.*`: every key below it but those of `unread_keys`);
+# `remove` also reads quant.<--pipeline>.*. An override of any other key would change nothing the subcommand
+# computes (data.root for `alignment`, data.hflip for `surrogate`) and is refused, as is one of a key that a flag
+# sets (FLAG_KEYS), which the flag overwrites.
 READS = {"surrogate": ("model.*", "data.*"), "alignment": ("model.*",), "energies": ("model.*",),
          "remove": ("model.*", "data.*", "train.eval_batch_size_per_gpu", "quant.calib_images", "quant.calib_seed",
                     "quant.calib_transform", "quant.first_last", "quant.act_max_extra_modules")}
 FLAG_KEYS = {"model.name": "--model", "model.pretrained": "--weights", "model.pretrained_strict": "--weights",
              "train.device": "--device", "quant.bits": "--bits", "quant.pipelines": "--pipeline"}
+# the text data sets' keys: `surrogate` and `remove` refuse a language model, so an override of one changes nothing
+TEXT_DATA_KEYS = ("data.val_windows", "data.kjv_val_fraction")
+
+
+def unread_keys(command: str, cfg) -> dict[str, str]:
+    """{key: why it is not read} of the keys below a READS section (model.*, data.*) that `command` does not read
+    with the config `cfg` (data.hflip, data.mixup, model.drop_path were accepted and ignored)."""
+    unread = dict.fromkeys(TRAIN_MODE_MODEL_KEYS, "a training-mode setting, and the model is read in eval mode")
+    if command not in ("surrogate", "remove"):
+        return unread
+    unread.update(dict.fromkeys(TRAIN_BATCH_OVERRIDE_KEYS, "a setting of training batches"))
+    unread.update(dict.fromkeys(TEXT_DATA_KEYS, "a language model's data, which it refuses"))
+    if command == "surrogate" or cfg.quant.calib_transform != "train":  # remove's calibration: training transform
+        unread.update(dict.fromkeys(TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, "a setting of the training transform, and "
+                                    "it reads eval-transform images only (quant.calib_transform=eval)"))
+    if command == "surrogate":  # val images only: remove calibrates on train-split images
+        unread.update(dict.fromkeys(("data.train_split", "data.synthetic_train_size"),
+                                    "a setting of the train split, and it reads val images only"))
+    return unread
 
 
 def reads_of(args: argparse.Namespace) -> tuple[str, ...]:
-    """The config keys `args.command` reads (READS; `remove` also quant.<--pipeline>.*)."""
+    """The config keys `args.command` reads (READS; `remove` also quant.<--pipeline>.*); `unread_keys` names those
+    below them that it does not."""
     return READS[args.command] + ((f"quant.{args.pipeline}.*",) if args.command == "remove" else ())
 
 
-def is_read(key: str, reads: Sequence[str]) -> bool:
-    return key not in FLAG_KEYS and any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads)
+def is_read(key: str, reads: Sequence[str], unread: dict) -> bool:
+    return key not in FLAG_KEYS and key not in unread and \
+        any(key == r or (r.endswith(".*") and key.startswith(r[:-1])) for r in reads)
+
+
+def not_read(command: str, key: str, reads: Sequence[str], unread: dict) -> str:
+    """Why `command` does not read `key`: what it reads, or why a key of a section it reads is left unread."""
+    why = unread.get(key) or f"it reads {', '.join(reads)}"
+    return f"`{command}` does not read {key} ({why})"
 
 
 def check_config_layers(args: argparse.Namespace, saved: dict, checkpoint: str) -> None:
@@ -776,20 +813,22 @@ def check_config_layers(args: argparse.Namespace, saved: dict, checkpoint: str) 
     if not args.config:
         return
     own = config_to_dict(config_from_dict(saved))
+    cfg = layer_config(config_from_dict(saved), args.config, args.overrides)  # the config the subcommand reads
     layered = config_to_dict(layer_config(config_from_dict(saved), args.config, ()))
-    reads = reads_of(args)
+    reads, unread = reads_of(args), unread_keys(args.command, cfg)
     for change in config_changes(own, layered):
         key = change.split(": ", 1)[0]
-        if not is_read(key, reads):
+        if not is_read(key, reads, unread):
             raise MechanismError(f"--config {' '.join(args.config)} changes {change} over {checkpoint}'s own, and "
-                                 f"`{args.command}` does not read {key} (it reads {', '.join(reads)}): give --config "
-                                 f"files of those settings only, or key=value overrides")
+                                 f"{not_read(args.command, key, reads, unread)}: give --config files of the "
+                                 f"settings it reads only, or key=value overrides")
 
 
-def check_overrides(args: argparse.Namespace) -> None:
-    """Refuse an override that `args.command` would not read (READS, FLAG_KEYS); after the config loader has
-    checked the overrides against the schema (which names the key meant by a misspelt one)."""
-    reads = reads_of(args)
+def check_overrides(args: argparse.Namespace, cfg) -> None:
+    """Refuse an override that `args.command` would not read with the config `cfg` (READS, unread_keys, FLAG_KEYS);
+    after the config loader has checked the overrides against the schema (which names the key meant by a misspelt
+    one)."""
+    reads, unread = reads_of(args), unread_keys(args.command, cfg)
     for item in args.overrides:
         for key in override_keys(item):
             flag = FLAG_KEYS.get(key)
@@ -798,9 +837,8 @@ def check_overrides(args: argparse.Namespace) -> None:
                                      "drop it")
             if flag and hasattr(args, flag[2:]):  # a flag of this subcommand
                 raise MechanismError(f"{item}: `{args.command}` sets {key} from {flag}; give {flag} instead")
-            if not is_read(key, reads):
-                raise MechanismError(f"{item}: `{args.command}` does not read {key} (it reads "
-                                     f"{', '.join(reads)}); drop it")
+            if not is_read(key, reads, unread):
+                raise MechanismError(f"{item}: {not_read(args.command, key, reads, unread)}; drop it")
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:

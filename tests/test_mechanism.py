@@ -418,6 +418,24 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "data.dataset=folder", "data.root=/nonexistent"],
      "data.dataset=folder: `alignment` does not read data.dataset (it reads model.*); drop it"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lr=0.01"], "`energies` does not read optim.lr"),
+    # keys of a section a subcommand reads that it still does not read (all were accepted and ignored)
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "data.hflip=0"],
+     "data.hflip=0: `surrogate` does not read data.hflip (a setting of the training transform"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "data.scale=[0.5,1.0]"],
+     "`remove` does not read data.scale (a setting of the training transform, and it reads eval-transform images"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "data.auto_augment=''"],
+     "`remove` does not read data.auto_augment"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "data.mixup=0"],
+     "`remove` does not read data.mixup (a setting of training batches)"),
+    (["surrogate", "--checkpoint", "{ckpt}", "--out", "{out}", "data.label_smoothing=0"],
+     "`surrogate` does not read data.label_smoothing (a setting of training batches)"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "model.drop_path=0.2"],
+     "`alignment` does not read model.drop_path (a training-mode setting, and the model is read in eval mode)"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--config", "{drop_path_yaml}"],
+     "changes model.drop_path: 0.0 -> 0.3 over "),
+    # a module pattern that names no module was recorded as probed while adding nothing
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", 'quant.act_max_extra_modules=["nosuch.module"]'],
+     "quant.act_max_extra_modules: 'nosuch.module' names no module of VisionTransformer"),
     # a --config layer over the checkpoint's own: CD's recipe relabelled a baseline's weights "CD"
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--config", "configs/method/cd.yaml"],
      "--config configs/method/cd.yaml changes cd.enabled: False -> True over "),
@@ -429,7 +447,9 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
      "--labels without a label: give one per model, or drop --labels for the defaults"),
 ])
 def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
-    argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0]) for a in argv]
+    drop_path_yaml = tmp_path / "drop_path.yaml"
+    drop_path_yaml.write_text("model:\n  drop_path: 0.3\n")
+    argv = [a.format(out=tmp_path / "o", ckpt=checkpoints[0], drop_path_yaml=drop_path_yaml) for a in argv]
     assert mechanism.cli(argv) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
@@ -518,14 +538,48 @@ def test_surrogate_stats_match_a_direct_count():
     assert mechanism.surrogate_stats("b", real, sur)["top5_channels_shared"] == 2
 
 
+def test_remove_reads_the_training_transform_when_it_calibrates_on_it():
+    """quant.calib_transform=train: remove's calibration images go through the training transform, whose keys it
+    then reads (surrogate, on val images, never does)."""
+    from configs import load_config
+
+    cfg = load_config([], ["quant.calib_transform=train"])
+    args = mechanism.parse_args(["remove", "--checkpoint", "c.pt", "--out", "o", "data.hflip=0", "data.scale=[0.5,1]"])
+    mechanism.check_overrides(args, cfg)
+    args = mechanism.parse_args(["surrogate", "--checkpoint", "c.pt", "--out", "o", "data.hflip=0"])
+    with pytest.raises(mechanism.MechanismError, match="`surrogate` does not read data.hflip"):
+        mechanism.check_overrides(args, cfg)
+    # the train split: remove calibrates on it, surrogate reads val images alone
+    cfg = load_config([], ["data.dataset=synthetic"])
+    mechanism.check_overrides(mechanism.parse_args(["remove", "--checkpoint", "c.pt", "--out", "o",
+                                                    "data.synthetic_train_size=8"]), cfg)
+    args = mechanism.parse_args(["surrogate", "--checkpoint", "c.pt", "--out", "o", "data.synthetic_train_size=8"])
+    with pytest.raises(mechanism.MechanismError, match=r"`surrogate` does not read data.synthetic_train_size \(a "
+                                                       r"setting of the train split, and it reads val images only\)"):
+        mechanism.check_overrides(args, cfg)
+
+
+def test_remove_records_the_extra_modules_its_maxima_are_over(checkpoints, tmp_path, monkeypatch, figures_not_drawn):
+    """quant.act_max_extra_modules sets which modules max_act_module is over: remove.json says so (the quantization
+    is left out: its score is not what this checks)."""
+    monkeypatch.setattr(mechanism, "evaluate_quantized", lambda *args, **kwargs: {"top1": 0.0})
+    out = tmp_path / "r"
+    mechanism.main(["remove", "--checkpoint", checkpoints[0], "--out", str(out), "--k", "0",
+                    'quant.act_max_extra_modules=["head"]'])
+    saved = json.loads((out / "remove.json").read_text())
+    assert saved["act_max_extra_modules"] == ["head"]
+
+
 def test_remove_reads_the_options_of_the_pipeline_it_runs():
     """`remove --pipeline percentile` reads quant.percentile.* and not quant.repq.* (the other pipeline's)."""
+    from configs import Config
+
     args = mechanism.parse_args(["remove", "--checkpoint", "c.pt", "--out", "o", "--pipeline", "percentile",
                                  "quant.percentile.act_range=minmax"])
-    mechanism.check_overrides(args)
+    mechanism.check_overrides(args, Config())
     args.overrides = ["quant.repq.reparam=false"]
     with pytest.raises(mechanism.MechanismError, match="`remove` does not read quant.repq.reparam"):
-        mechanism.check_overrides(args)
+        mechanism.check_overrides(args, Config())
 
 
 def test_surrogate_stats_pearson_and_maxima_match_a_direct_computation():
