@@ -5,8 +5,8 @@ maximum that also counts modules outside the blocks; and the checks that results
 
     print(markdown_table([json.load(open(path)) for path in paths], over_seeds=True))
 
-evaluate.py prints one row per call; scripts/paper_table.py, compare_act_max.py, motivation_figure.py and
-dose_report.py build their tables with the same marks and checks.
+evaluate.py prints one row per call; scripts/paper_table.py, compare_act_max.py, motivation_figure.py and the sweep
+reports (dose_report.py, lm_study.py, gap_test.py) build their tables with the same marks and checks.
 """
 from __future__ import annotations
 
@@ -113,11 +113,10 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
         entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
         cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
-        unusual = sorted({d for e in entries for d in nondefault_settings(p, e.get("settings"))})
+        unusual = entries_nondefault(p, entries)
         if unusual:
             cell += "*"
-            notes.append(f"\\* {group[0]['model']} {group[0]['method']} {PAPER_NAMES.get(p, p)} {b.upper()}: "
-                         f"not the default settings: {', '.join(unusual)}")
+            notes.append(settings_note(f"{group[0]['model']} {group[0]['method']}", p, b, unusual))
         return cell
 
     for group in groups.values():
@@ -207,6 +206,18 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
         if key in names and value != defaults["calibration"].get(key, value):
             found.append(f"{names[key]}={value}")
     return found
+
+
+def entries_nondefault(pipeline: str, entries: list[dict]) -> list[str]:
+    """`nondefault_settings` of any of the quantized `entries` of `pipeline` (the seeds of one cell), sorted."""
+    return sorted({d for e in entries for d in nondefault_settings(pipeline, e.get("settings"))})
+
+
+def settings_note(label: str, pipeline: str, bits: str, unusual: list[str]) -> str:
+    """The note below a table for a quantized cell marked * (`label`, e.g. 'vit_t CD'; a report's points): the
+    settings of `entries_nondefault` it was computed with."""
+    return f"\\* {label} {PAPER_NAMES.get(pipeline, pipeline)} {bits.upper()}: not the default settings: " \
+           f"{', '.join(unusual)}"
 
 
 def _trained_kwargs_known(result: dict) -> bool:

@@ -11,8 +11,9 @@ recipe their eval_best.json records) or evaluated with other model.kwargs, and r
 their schedule (train.max_steps: engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
 model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables of
 evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
-(quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns. What is read from
-each run, and what is written:
+(quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a quantized
+number computed with other settings than the defaults (e.g. quant.calib_images=8) *, with a note naming them, as
+paper_table.py marks them. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -48,7 +49,8 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
                                  missing_number, read_result_file, recipe_difference, refuse_unfinished,
                                  repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
-from engine.result_table import dagger_note, evaluated_otherwise, extra_modules_note, model_kwargs_unlike  # noqa: E402
+from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
+                                 model_kwargs_unlike, settings_note)
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -251,6 +253,22 @@ def module_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str
     return marks, notes
 
 
+def settings_marks(groups: dict[str, list[Run]], columns) -> tuple[dict[tuple[str, str, str], str], list[str]]:
+    """'*' for each (point, pipeline, bits) of `columns` whose results were computed with other settings than the
+    default config's (engine.result_table.entries_nondefault: a smaller calibration set, another APHQ grid), as
+    paper_table.py marks such a cell, and the notes naming them, for below the table: one per pipeline and bits,
+    naming the points that share them (the runs of a sweep are alike in them, read_sweep)."""
+    marks, points = {}, {}
+    for point, runs in groups.items():
+        for pipeline, bits in columns:
+            unusual = entries_nondefault(pipeline, [r.result["quant"][pipeline][bits] for r in runs
+                                                    if bits in r.result["quant"].get(pipeline, {})])
+            if unusual:
+                marks[(point, pipeline, bits)] = "*"
+                points.setdefault((pipeline, bits, tuple(unusual)), []).append(point)
+    return marks, [settings_note(", ".join(names), p, b, list(u)) for (p, b, u), names in points.items()]
+
+
 def complete_runs(root: str, runs: Sequence[Run]) -> list[Run]:
     """The runs evaluated at every quantized column of the table (QUANT_COLUMNS). A run without some of them
     (an evaluation cut short: evaluate.py keeps the entries it finished; or one run with other --quant / --bits)
@@ -380,14 +398,16 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     labels, notes = evaluated_marks(groups)
     marks, extra_notes = module_marks(groups)
-    notes += extra_notes
+    starred, settings_notes = settings_marks(groups, QUANT_COLUMNS)
+    notes += extra_notes + settings_notes
     for point, runs in groups.items():
         cells = [labels[point], ",".join(str(r.seed) for r in runs),
                  fmt([r.result["fp"]["top1"] for r in runs]),
                  fmt([r.result["max_act"]["module"] for r in runs]) + marks[point],
                  fmt([r.result["max_act"]["block"] for r in runs])]
         for pipeline, bits in QUANT_COLUMNS:
-            cells.append(fmt([r.result["quant"][pipeline][bits]["top1"] for r in runs]))
+            cells.append(fmt([r.result["quant"][pipeline][bits]["top1"] for r in runs])
+                         + starred.get((point, pipeline, bits), ""))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ([""] + notes) if notes else []
 

@@ -14,7 +14,8 @@ scipy.stats.ttest_ind(a, b, equal_var=False) computes the same). Settings that o
 evaluated at are named below the table, not tested. Nothing is corrected for multiple comparisons: which tests
 were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). A point
 whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the split, --amp) is marked †, with a
-note of how below the table, as dose_report.py and lm_study.py mark it. The
+note of how below the table, and a setting computed with other settings than the defaults (e.g.
+quant.calib_images=64) *, with a note naming them, as dose_report.py and lm_study.py mark them. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
 (numbers present, not stale, each run at the end of its schedule: engine/eval_results.refuse_unfinished);
 nothing is written.
@@ -34,7 +35,7 @@ from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
 from quant import bits_order  # noqa: E402
 from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_finished, check_numbers,  # noqa: E402
-                                 evaluated_marks, read_sweep)
+                                 evaluated_marks, read_sweep, settings_marks)
 from scripts.lm_study import FIELDS, quantization_gap  # noqa: E402
 
 # the score of each kind of sweep (eval_best.json's fp / quant entries) -> the gap table's caption
@@ -94,13 +95,17 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     shared = set.intersection(*map(settings_of, runs))
     partial = sorted(set.union(*map(settings_of, runs)) - shared)
     capped = sorted(s for s in shared if any(gap(r, *s, score) >= PPL_CAP for r in runs))  # a bound (perplexity)
-    labels, notes = evaluated_marks({a[0].point: a, b[0].point: b})  # † and how, as dose_report / lm_study mark
+    tested = sorted(shared - set(capped), key=lambda pb: (pb[0], bits_order(pb[1])))
+    points = {a[0].point: a, b[0].point: b}
+    labels, notes = evaluated_marks(points)  # † and how, as dose_report / lm_study mark
+    starred, settings_notes = settings_marks(points, tested)  # * and which settings, as they mark them
+    notes += settings_notes
     names, d = (labels[a[0].point], labels[b[0].point]), DIGITS[score]
     lines = [f"{CAPTIONS[score]}, {names[0]} (seeds "
              f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "
              "Welch's t-test, two-sided, uncorrected:", "",
              f"| setting | {names[0]} | {names[1]} | change | t | df | p |", "|---|---|---|---|---|---|---|"]
-    for pipeline, bits in sorted(shared - set(capped), key=lambda pb: (pb[0], bits_order(pb[1]))):
+    for pipeline, bits in tested:
         ga, gb = ([gap(r, pipeline, bits, score) for r in runs] for runs in (a, b))
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
         # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing
@@ -108,9 +113,10 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
         # below) gives the change its own sign, not the opposite
         change = f"{mean_b - mean_a:+.{d}f}" + (f" ({(mean_b - mean_a) / abs(mean_a) * 100:+.0f} %)" if mean_a else "")
         test = welch(ga, gb)
-        tested = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
-        lines.append(f"| {pipeline} {bits.upper()} | {mean_a:.{d}f} ± {statistics.stdev(ga):.{d}f} | "
-                     f"{mean_b:.{d}f} ± {statistics.stdev(gb):.{d}f} | {change} | {tested} |")
+        outcome = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
+        mark = "*" if any((point, pipeline, bits) in starred for point in points) else ""
+        lines.append(f"| {pipeline} {bits.upper()}{mark} | {mean_a:.{d}f} ± {statistics.stdev(ga):.{d}f} | "
+                     f"{mean_b:.{d}f} ± {statistics.stdev(gb):.{d}f} | {change} | {outcome} |")
     lines += [f"\n{note}" for note in notes]
     for pipeline, bits in capped:
         lines.append(f"\nnot tested: {pipeline} {bits}: a perplexity at the cap (a bound, not a number)")

@@ -9,8 +9,10 @@ settings or evaluated with other model.kwargs, runs that stopped before the end 
 sched.epochs; engine/eval_results.refuse_unfinished) and an eval_best.json of weights other than the run's best.pt
 beside it holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
-a note naming both, and a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
-‡, with a note naming the patterns. Written, and never overwritten without --overwrite:
+a note naming both, a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
+‡, with a note naming the patterns, and a quantized number (or gap) computed with other settings than the defaults
+(e.g. quant.calib_images=64) *, with a note naming them, as paper_table.py marks them. Written, and never
+overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
                            final pair energies, the quantization gap at W8 with 8 to 4 activation bits
@@ -32,7 +34,8 @@ from engine.eval_results import ResultsError  # noqa: E402
 from engine.run_dir import RunDirError  # noqa: E402
 from scripts.dose_report import (ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
                                  evaluated_marks, final_energy, fmt, metric_number, metrics_records, module_marks,
-                                 open_sweep, plot_energies, plot_type_maxima, point_settings, type_maxima)
+                                 open_sweep, plot_energies, plot_type_maxima, point_settings, settings_marks,
+                                 type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.tasks import PPL_CAP, capped_cell  # noqa: E402
 from engine.console import console_print  # noqa: E402
@@ -77,13 +80,15 @@ def tables(groups: dict[str, list[Run]]) -> str:
     lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
              "|---|---|---|---|" + "---|" * len(quant)]
     labels, notes = evaluated_marks(groups)
+    starred, settings_notes = settings_marks(groups, COLUMNS)
+    notes += settings_notes
     for point, runs in groups.items():
         cells = [labels[point], str(len(runs)), cell([r.result["fp"]["ppl"] for r in runs], runs),
                  cell([r.result["fp"]["ppl_bf16"] for r in runs], runs)]
         for pipeline, bits in COLUMNS:
             values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs
                       if bits in r.result["quant"].get(pipeline, {})]
-            cells.append(cell(values, runs))
+            cells.append(cell(values, runs) + starred.get((point, pipeline, bits), ""))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ([""] + notes) if notes else []
     lines += ["", "Final pair energy (mean ||W2 W1n||_F^2 over blocks) and activation statistics of best.pt on "
@@ -129,10 +134,11 @@ def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) ->
              "bits (a run with either perplexity at the cap makes its cell that bound):", "",
              "| Point | " + " | ".join(f"{p} {b.upper()}" for p, b in ACT_BITS) + " |",
              "|---|" + "---|" * len(ACT_BITS)]
+    starred, notes = settings_marks(groups, ACT_BITS)
     for point, runs in groups.items():
-        cells = [cell(gaps(runs, p, b), runs) for p, b in ACT_BITS]
+        cells = [cell(gaps(runs, p, b), runs) + starred.get((point, p, b), "") for p, b in ACT_BITS]
         lines.append(f"| {labels[point]} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + ([""] + notes if notes else [])
 
 
 def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:

@@ -518,3 +518,18 @@ def test_a_run_stopped_before_the_end_of_its_epochs_is_refused_not_averaged(tmp_
                               "(sched.epochs=1 of 20 updates): an unfinished run"), message
     assert message.endswith("or move its folder out of the sweep root"), message
     assert not (tmp_path / "o2").exists()
+
+
+def test_quantized_numbers_of_other_settings_than_the_defaults_are_marked_and_named(tmp_path):
+    """Runs calibrated on 8 images (quant.calib_images=8): paper_table.py marks such a cell * with a note naming the
+    setting, and engine/result_table.py said dose_report.py used the same marks; its table showed the numbers as
+    the defaults'. Marked, with one note per pipeline and bits naming the points."""
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        folder = write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+        result = json.loads((folder / "eval_best.json").read_text())
+        result["quant"]["repq"]["w4a4"]["settings"] = {"calibration": {"images": 8, "seed": 0, "split": "train"}}
+        (folder / "eval_best.json").write_text(json.dumps(result))
+    report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    assert "| baseline | 0 | 80.00 | 40.00 | 5.00 | 60.00 | 60.00* | 40.00 | 40.00 |" in report
+    assert "| cd10x | 0 | 80.00 | 40.00 | 5.00 | 60.00 | 60.00* | 40.00 | 40.00 |" in report
+    assert "\\* baseline, cd10x RepQ-ViT W4A4: not the default settings: quant.calib_images=8" in report.splitlines()

@@ -194,3 +194,19 @@ def test_a_setting_where_a_collapsed_run_has_a_perplexity_at_the_cap_is_not_test
     report = gap_test.main([str(tmp_path), "baseline", "cd10x"])
     assert "not tested: rtn w4a16: a perplexity at the cap (a bound, not a number)" in report
     assert "| rtn W4A16 |" not in report
+
+
+def test_a_setting_computed_with_other_settings_than_the_defaults_is_marked_and_named(tmp_path):
+    """A gap of a calibration set of 8 windows (quant.calib_images=8) is marked *, with a note naming the setting, as
+    dose_report.py, lm_study.py and paper_table.py mark it; the settings of the defaults are not."""
+    for point, runs in (("baseline", BASELINE), ("cd10x", CD)):
+        for seed, (ppl, rtn, _) in list(runs.items())[:3]:
+            folder = tmp_path / f"{point}_s{seed}"
+            write_run(tmp_path, folder.name, ppl=ppl, rtn=rtn, block_max=10.0, kurtosis=5.0, fc2_final=50.0)
+            result = json.loads((folder / "eval_best.json").read_text())
+            result["quant"]["smoothquant"]["w8a8"]["settings"] = {"calibration": {"images": 8, "seed": 0}}
+            result["quant"]["rtn"]["w4a16"]["settings"] = {"options": {}}
+            (folder / "eval_best.json").write_text(json.dumps(result))
+    report = gap_test.main([str(tmp_path), "baseline", "cd10x"])
+    assert "| smoothquant W8A8* |" in report and "| rtn W4A16 |" in report
+    assert "\\* baseline, cd10x SmoothQuant W8A8: not the default settings: quant.calib_images=8" in report.splitlines()

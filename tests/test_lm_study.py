@@ -418,3 +418,23 @@ def test_a_gap_with_a_perplexity_at_the_cap_is_that_bound_not_a_number(tmp_path,
     gaps = report.split("Quantization gap")[1].split("per module type")[0]
     assert "| baseline | - | - | >= exp(700) (capped) | - | " in gaps, gaps
     assert "0.500" not in gaps and "e+30" not in gaps
+
+
+def test_quantized_numbers_of_other_settings_than_the_defaults_are_marked_and_named(tmp_path):
+    """Every run calibrated on 64 windows (quant.calib_images=64, the defaults' 32 otherwise): paper_table.py marks
+    such a cell * with a note naming the setting; lm_study.py showed it as the defaults' number. Marked in both
+    tables of quantized numbers, one note per pipeline and bits naming the points."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name in ("baseline_s0", "cd10x_s0"):
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
+        for pipeline, bits in (("gptq", "w4a16"), ("smoothquant_strict", "w8a5")):
+            _edit_result(root / name, lambda r: r["quant"][pipeline][bits].update(
+                settings={"options": {}, "calibration": {"images": 64, "seed": 0, "split": "train"}}))
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert "| baseline | 1 | 4.000 | 4.002 | 5.000 | 4.010* | 4.000 |" in report
+    assert "| cd10x | - | - | 1.000* | - |" in report
+    note = "\\* baseline, cd10x {}: not the default settings: quant.calib_images=64"
+    assert report.splitlines().count(note.format("GPTQ W4A16")) == 1
+    assert report.splitlines().count(note.format("SmoothQuant-strict W8A5")) == 1
+    assert report.count("*") == 4 + 2  # the four cells and the two notes
