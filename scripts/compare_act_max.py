@@ -46,6 +46,12 @@ SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the
 FLOAT_KEYS = tuple(k for k in EVALUATION_KEYS if k != "model") + ("checkpoint_kind", "val_names")
 
 
+def float_settings(result: dict) -> dict:
+    """What sets a result's float maxima: its FLOAT_KEYS and `max_act` (whose extra_modules say which modules the
+    module maxima are over); two results compared side by side must agree on all of it."""
+    return {k: result.get(k) for k in (*FLOAT_KEYS, "max_act")}
+
+
 def per_block(path: str) -> dict[int, tuple[float, float]]:
     """{block: (max of the block output, max over the modules inside the block)} of one CSV; a file that
     cannot be read as one is a ValueError naming it."""
@@ -96,8 +102,7 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
         # the maxima come from the float pass: the quantized entries' settings play no part in them
         check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
         notes[method] = sorted({c for r in results if (c := evaluated_otherwise(r))})
-        # with max_act: its extra_modules say which modules the CSV's module maxima are over
-        firsts.append((f"{paths[0]} ({method})", {k: results[0].get(k) for k in (*FLOAT_KEYS, "max_act")}))
+        firsts.append((f"{paths[0]} ({method})", float_settings(results[0])))
     found = first_difference(firsts)
     if found is not None:
         first, second, difference = found

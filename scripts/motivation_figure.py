@@ -34,7 +34,7 @@ from engine.eval_results import ResultsError, first_difference, missing_number, 
 from engine.figures import new_figure  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
-from compare_act_max import FLOAT_KEYS  # noqa: E402  (scripts/: this folder, as this script runs it)
+from compare_act_max import float_settings  # noqa: E402  (scripts/: this folder, as this script runs it)
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
@@ -100,8 +100,7 @@ def refuse_unlike(paths: list[str], results: list[dict], pipeline: str, bits: st
     drawn quantized entry (calibration images, pipeline options), which set the circle's height. The models
     are not compared: the figure sets them side by side on purpose. A detector's settings are
     evaluate_detection.py's own (not compared)."""
-    labelled = [(path, {**{k: r.get(k) for k in (*FLOAT_KEYS, "max_act")},
-                        "quant": {pipeline: {bits: r["quant"][pipeline][bits]}}})
+    labelled = [(path, {**float_settings(r), "quant": {pipeline: {bits: r["quant"][pipeline][bits]}}})
                 for path, r in zip(paths, results) if not is_detection(r)]
     found = first_difference(labelled)
     if found is not None:
