@@ -83,6 +83,13 @@ def comparable_settings(settings: Optional[dict]) -> dict:
     return plain
 
 
+def settings_change(entry: dict, settings: dict) -> Optional[str]:
+    """How the settings a quantized entry of a result file was computed with differ from `settings` ('key old ->
+    new; ...', the placement options aside), or None when alike: such an entry is no result of `settings`."""
+    stored, asked = comparable_settings(entry.get("settings")), comparable_settings(settings)
+    return None if stored == asked else settings_diff(stored, asked)
+
+
 class Difference(NamedTuple):
     """How two results were evaluated differently: `what` differs (an EVALUATION_KEYS key, or
     '<pipeline> <bits> settings'), `detail` says how; `of_settings` when it is a quantized entry's settings
@@ -293,11 +300,10 @@ class EvalResults:
         entry = self.data["quant"].get(pipeline, {}).get(bits)
         if entry is None or recompute:
             return True
-        stored, asked = comparable_settings(entry.get("settings")), comparable_settings(settings)
-        if stored == asked:
+        change = settings_change(entry, settings)
+        if change is None:
             return False
-        raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings "
-                           f"({settings_diff(stored, asked)}): "
+        raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings ({change}): "
                            f"give --out another file, or --recompute to replace it "
                            f"(the old entry is kept under 'history')")
 

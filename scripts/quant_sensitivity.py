@@ -26,6 +26,11 @@ Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a
 is refused, and so is one that no run would read: the options of a pipeline that no variant runs
 (quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
 The options of one pipeline go to the variants that run it only (evaluate.py refuses them elsewhere).
+Every variant's command is checked as evaluate.py checks it before the first evaluation. The variants are this
+command's list, not settings the user gives: one whose own setting the checkpoint cannot take (calib=train on
+synthetic images, which no transform prepares) is skipped, with a warning line, and listed under "skipped" in the
+summary. A variant whose JSON in --out holds its pipelines computed with other settings (an earlier run of this
+command with other overrides) is refused: give --out another folder, or move that JSON away.
 """
 from __future__ import annotations
 
@@ -39,8 +44,11 @@ from configs import ConfigError  # noqa: E402
 from configs.cli import OneLineParser, first_line, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
 from engine.checkpoint import run_checkpoint_config  # noqa: E402
+from engine.eval_results import ResultsError, settings_change  # noqa: E402
+from engine.quant_settings import quant_settings  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
+from quant.plan import planned  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
@@ -56,18 +64,71 @@ VARIANTS = {
 }
 
 
-def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, with_aphq: bool = False) -> dict:
-    """{variant: {pipeline: top-1}} for every variant (see the module docstring)."""
+def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, variants: dict) -> dict:
+    """{variant: {pipeline: top-1}} for every one of `variants` (`checked_variants`)."""
     table = {}
-    for variant, (pipelines, extra) in VARIANTS.items():
-        if with_aphq and variant in APHQ_VARIANTS:
-            pipelines = [*pipelines, "aphq"]
-        path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
-        args = evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
-                                    *variant_overrides(overrides, pipelines), *extra, "--quant", *pipelines])
-        result = evaluate.main(args)
+    for variant, (pipelines, extra) in variants.items():
+        result = evaluate.main(variant_args(checkpoint, out_dir, overrides, bits, variant, pipelines, extra))
         table[variant] = {p: result["quant"][p][bits]["top1"] for p in pipelines}
     return table
+
+
+def variant_args(checkpoint: str, out_dir: str, overrides: list[str], bits: str, variant: str,
+                 pipelines: list[str], extra: list[str]):
+    """evaluate.py's arguments for `variant` running `pipelines` with its settings `extra`, into its own JSON in
+    `out_dir`."""
+    path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
+    return evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
+                                *variant_overrides(overrides, pipelines), *extra, "--quant", *pipelines])
+
+
+def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: str,
+                     with_aphq: bool) -> tuple[dict, dict]:
+    """({variant: (pipelines, its settings)} to run, {variant: why it is skipped}), every variant's command checked
+    as evaluate.py checks it, before the first evaluation. The variants are this command's list, not the user's
+    ask: one whose own setting this checkpoint cannot take (calib=train on synthetic images, which no transform
+    prepares) is skipped. Any other refusal (of the overrides given) is raised, and so is a variant whose JSON in
+    --out holds its pipelines computed with other settings (`refuse_other_settings`). A checkpoint that is not one
+    of train.py is left to evaluate.py's own refusal."""
+    variants = {v: ([*pipelines, "aphq"] if with_aphq and v in APHQ_VARIANTS else pipelines, extra)
+                for v, (pipelines, extra) in VARIANTS.items()}
+    if not os.path.isfile(checkpoint) or run_checkpoint_config(checkpoint) is None:
+        return variants, {}
+    skipped = {}
+    for variant, (pipelines, extra) in list(variants.items()):
+        args = variant_args(checkpoint, out_dir, overrides, bits, variant, pipelines, extra)
+        try:
+            cfg, _ = evaluate.resolve_config(args)
+        except ConfigError as e:
+            if not extra:
+                raise
+            # refused without the variant's own setting too: the overrides given are what is refused
+            evaluate.resolve_config(variant_args(checkpoint, out_dir, overrides, bits, variant, pipelines, []))
+            skipped[variant] = f"evaluate.py refuses its {' '.join(extra)} for {checkpoint} ({e})"
+            del variants[variant]
+            continue
+        refuse_other_settings(args.out, cfg, variant, out_dir)
+    return variants, skipped
+
+
+def refuse_other_settings(path: str, cfg, variant: str, out_dir: str) -> None:
+    """A ResultsError when the variant's JSON holds one of its (pipeline, bits) computed with other settings than
+    `cfg` (its resolved config) gives: a setting changed since an earlier run of this command into the same --out.
+    evaluate.py would refuse it only once the variants before it were computed, offering its own fixes
+    (--recompute, another --out file), which this command has not. A file evaluate.py cannot read is left to it."""
+    try:
+        with open(path) as f:
+            quant = json.load(f)["quant"]
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not a result file
+        return
+    for pipeline, bits in planned(cfg):
+        entries = quant.get(pipeline) if isinstance(quant, dict) else None
+        entry = entries.get(bits) if isinstance(entries, dict) else None
+        change = settings_change(entry, quant_settings(cfg, pipeline)) if isinstance(entry, dict) else None
+        if change is not None:
+            raise ResultsError(f"{path} holds {pipeline} {bits} of variant '{variant}' computed with other settings "
+                               f"({change}) by an earlier run of this command into --out {out_dir}: give --out "
+                               f"another folder, or move {path} away to compute the variant again")
 
 
 def refuse_variant_keys(overrides: list[str]) -> None:
@@ -168,11 +229,15 @@ def main(argv=None) -> dict:
     refuse_language_model(args.checkpoint)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
-    table = run(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
+    variants, skipped = checked_variants(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
+    for variant, why in skipped.items():
+        print(f"warning: variant '{variant}' skipped: {why}", file=sys.stderr)
+    table = run(args.checkpoint, args.out, args.overrides, args.bits, variants)
     print(markdown(table, args.bits))
     with open(summary, "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
-                   "overrides": args.overrides, "top1": table}, f, indent=1)
+                   "overrides": args.overrides, "top1": table, **({"skipped": skipped} if skipped else {})},
+                  f, indent=1)
     return table
 
 

@@ -1,0 +1,84 @@
+"""scripts/quant_sensitivity.py checks every variant's evaluate.py command before the first evaluation: a variant
+whose own setting the checkpoint cannot take is skipped and said to be, and a variant's JSON in --out computed with
+other settings is refused with this command's fixes. evaluate.main stands in (a top-1 per file and pipeline): the
+checks are what is tested, the variants' evaluations are tests/test_evaluate.py's."""
+import json
+import os
+
+import pytest
+
+import evaluate
+from engine.eval_results import ResultsError
+from engine.quant_settings import quant_settings
+from tests.conftest import load_script, run_entry
+
+
+@pytest.fixture(scope="module")
+def synthetic_checkpoint(tmp_path_factory):
+    """best.pt of configs/debug/tiny.yaml: a vit_nano on synthetic images, which no transform prepares."""
+    import train
+    from configs import load_config
+    from tests.conftest import DEBUG_CONFIG
+
+    out = tmp_path_factory.mktemp("tiny")
+    train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=1", "log.tensorboard=false"]))
+    return str(out / "best.pt")
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """The JSON names evaluate.main was called for, in order (it stands in, computing nothing)."""
+    called = []
+
+    def stand_in(args):
+        called.append(os.path.basename(args.out))
+        return {"quant": {p: {args.bits[0]: {"top1": 50.0}} for p in args.quant}}
+
+    monkeypatch.setattr(evaluate, "main", stand_in)
+    return called
+
+
+def test_a_variant_the_checkpoint_cannot_take_is_skipped_before_any_evaluation(synthetic_checkpoint, tmp_path,
+                                                                               evaluations, capsys):
+    """calib=train adds quant.calib_transform=train itself, which evaluate.py refuses for synthetic images (no
+    transform prepares them): the command died after computing the variants before it, naming a setting the user
+    never gave. The variant list is the command's, not the user's: it is skipped, with a line saying so, and
+    recorded in the summary; the others run."""
+    sens = load_script("quant_sensitivity")
+    out = tmp_path / "sens"
+    out.mkdir()  # evaluate.py, which stands in here, makes it
+    table = sens.main(["--checkpoint", synthetic_checkpoint, "--out", str(out)])
+    assert "calib-train.json" not in evaluations and "official.json" in evaluations and "calib=train" not in table
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings and warnings[0].startswith(f"warning: variant 'calib=train' skipped: evaluate.py refuses its "
+                                               f"quant.calib_transform=train for {synthetic_checkpoint} ("), warnings
+    assert "would be ignored" in warnings[0]
+    summary = json.loads((out / "sensitivity_w4a4.json").read_text())
+    assert set(summary["skipped"]) == {"calib=train"} and summary["top1"] == table
+
+
+def test_a_variant_computed_with_other_settings_in_out_is_refused_with_this_commands_fix(synthetic_checkpoint,
+                                                                                        tmp_path, evaluations,
+                                                                                        capsys):
+    """An earlier run into the same --out with quant.calib_images=8 left official.json of those settings: the
+    refusal offered evaluate.py's fixes, '--recompute' (which this command has not) and 'give --out another file'
+    (its --out is a folder). Refused before the first evaluation, naming the file and this command's fixes."""
+    out = tmp_path / "sens"
+    out.mkdir()
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", synthetic_checkpoint, "--quant",
+                                                          "percentile", "quant.calib_images=8"]))
+    earlier = {"quant": {"percentile": {"w4a4": {"top1": 40.0, "settings": quant_settings(cfg, "percentile")}}}}
+    (out / "official.json").write_text(json.dumps(earlier))
+    code, printed, err = run_entry("scripts/quant_sensitivity.py",
+                                   ["--checkpoint", synthetic_checkpoint, "--out", str(out)], capsys)
+    assert isinstance(code, str) and "\n" not in code and not printed, (code, err)
+    assert code.startswith(f"error: {out / 'official.json'} holds percentile w4a4 of variant 'official' computed "
+                           f"with other settings (calibration.images 8 -> 32) by an earlier run of this command into "
+                           f"--out {out}: give --out another folder, or move {out / 'official.json'} away"), code
+    assert "--recompute" not in code and evaluations == []
+    with pytest.raises(ResultsError, match="give --out another folder"):  # as main() raises it
+        load_script("quant_sensitivity").main(["--checkpoint", synthetic_checkpoint, "--out", str(out)])
+    # the settings it was computed with: the file is the variant's, continued
+    load_script("quant_sensitivity").main(["--checkpoint", synthetic_checkpoint, "--out", str(out),
+                                           "quant.calib_images=8"])
+    assert "official.json" in evaluations
