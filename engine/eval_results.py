@@ -15,8 +15,9 @@
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
 * `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
   (training went on after the evaluation and saved a new best.pt).
-* `refuse_unfinished` (run by the readers that average runs as seeds) refuses a run that stopped before the end
-  of its schedule (train.max_steps), told by its metrics.jsonl.
+* `refuse_unfinished` (run by the readers that average runs as seeds) refuses runs that did not all end alike:
+  one stopped before the end of its schedule (train.max_steps, a signal) beside runs that trained further, told by
+  its metrics.jsonl and config.yaml.
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results.
@@ -31,6 +32,7 @@ import os
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+import yaml
 
 from .checkpoint import weights_fingerprint
 from .run_dir import SNAPSHOTS, exclusive_lock, partial_path
@@ -228,6 +230,13 @@ def unfinished_run(folder: str, result: dict) -> Optional[str]:
     updates and epochs so far, `train/epoch`, whose ratio is the updates of an epoch). Not told: a folder
     without metrics.jsonl, a result without a recorded schedule (an older file), an epoch schedule without a
     training record that counts its epochs (none logged yet)."""
+    end = _run_end(folder, result)
+    return None if end is None else end[0]
+
+
+def _run_end(folder: str, result: dict) -> Optional[tuple[Optional[str], int]]:
+    """(how far the run got, `unfinished_run`'s text or None at its schedule's end; the update it validated last
+    at), or None when its files do not tell."""
     recipe = result.get("recipe")
     if not isinstance(recipe, dict) or not os.path.isfile(os.path.join(folder, "metrics.jsonl")):
         return None
@@ -240,8 +249,9 @@ def unfinished_run(folder: str, result: dict) -> Optional[str]:
     else:
         return None
     reached = max((r["step"] for r in records if any(k.startswith("val/") for k in r)), default=0)
-    return None if reached >= planned else \
-        f"validated last at update {reached} of the {planned} of its schedule ({schedule})"
+    short = None if reached >= planned else f"validated last at update {reached} of the {planned} of its schedule " \
+                                            f"({schedule})"
+    return short, reached
 
 
 def updates_per_epoch(records: Sequence[dict]) -> Optional[int]:
@@ -258,16 +268,51 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def refuse_unfinished(folder: str, result: dict, leave_out: str) -> None:
-    """A ResultsError when the run in `folder` has not reached the end of its schedule (`unfinished_run`): its
-    numbers, averaged as one more seed of finished runs', would be those of an early model. `leave_out` says how to
-    leave it out of what is averaged (e.g. 'move it out of the sweep root')."""
-    progress = unfinished_run(folder, result)
-    if progress is not None:
-        raise ResultsError(f"{folder} {progress}: an unfinished run (stopped at train.max_steps or by a signal, or "
-                           f"evaluated while it trained) would be averaged as a seed of finished ones; finish it: "
-                           f"re-run its command without train.max_steps (a sweep's: scripts/sweep.py SWEEP.yaml "
-                           f"--run --evaluate, which continues it and evaluates it again), or {leave_out}")
+def refuse_unfinished(runs: Sequence[tuple[str, dict, str]]) -> None:
+    """A ResultsError unless the runs, each (folder, result, how to leave it out of what is averaged, e.g. 'move
+    it out of the sweep root'), all ended alike: each at the end of its schedule, or each at one update that its
+    own train.max_steps stops it at (a recipe that ends there on purpose: configs/finetune/datasets/imagenet.yaml
+    stops its 8 epochs at update 20,000). A run short of its schedule's end (`unfinished_run`) and not at its
+    config.yaml's train.max_steps stopped on a signal or was evaluated while it trained; one stopped at a
+    train.max_steps of its own beside runs that trained further was stopped early. Either one's numbers, averaged
+    as one more seed or compared with the others, would be those of an earlier model."""
+    capped, ended = [], []  # (folder, progress, leave_out, update) at their own train.max_steps; (folder, update)
+    for folder, result, leave_out in runs:
+        end = _run_end(folder, result)
+        if end is None:
+            continue  # its files do not tell
+        progress, reached = end
+        if progress is None:
+            ended.append((folder, reached))
+        elif reached == _max_steps(folder):
+            capped.append((folder, progress, leave_out, reached))
+        else:
+            raise ResultsError(f"{folder} {progress}: an unfinished run (stopped by a signal, or evaluated while it "
+                               f"trained) would be averaged as a seed of finished ones; finish it: re-run its "
+                               f"command (a sweep's: scripts/sweep.py SWEEP.yaml --run --evaluate, which continues it "
+                               f"and evaluates it again), or {leave_out}")
+    if not capped:
+        return
+    stopped = min(capped, key=lambda c: c[3])
+    further = next((f for f, reached in ended + [(c[0], c[3]) for c in capped] if reached > stopped[3]), None)
+    if further is not None:
+        raise ResultsError(f"{stopped[0]} {stopped[1]}: an unfinished run (stopped at its train.max_steps="
+                           f"{stopped[3]}, where {further} trained further) would be averaged as a seed of, or "
+                           f"compared with, runs that trained longer; finish it: re-run its command without "
+                           f"train.max_steps (a sweep's: scripts/sweep.py SWEEP.yaml --run --evaluate, which "
+                           f"continues it and evaluates it again), or {stopped[2]}")
+
+
+def _max_steps(folder: str) -> Optional[int]:
+    """The train.max_steps of the run's config.yaml (what its latest command set), None without one."""
+    try:
+        with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    train = config.get("train") if isinstance(config, dict) else None
+    value = train.get("max_steps") if isinstance(train, dict) else None
+    return value if _positive_int(value) else None
 
 
 def run_folder(path: str, result: dict) -> Optional[str]:

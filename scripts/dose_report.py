@@ -221,10 +221,9 @@ def read_sweep(root: str) -> list[Run]:
 
 
 def check_finished(runs: Sequence[Run]) -> None:
-    """Refuse a run that stopped before the end of its schedule (engine.eval_results.refuse_unfinished): the
-    reports average it as one more seed of its point."""
-    for run in runs:
-        refuse_unfinished(run.folder, run.result, "move its folder out of the sweep root")
+    """Refuse runs that did not all end alike (engine.eval_results.refuse_unfinished): one stopped before the end
+    of its schedule beside runs that trained further would be averaged as one more seed of its point."""
+    refuse_unfinished([(run.folder, run.result, "move its folder out of the sweep root") for run in runs])
 
 
 def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:

@@ -169,10 +169,8 @@ def refuse_unfinished_seeds(paths: list[str], results: list[dict]) -> None:
     """--over-seeds averages each result as a seed: one of a run that stopped before the end of its schedule
     (engine.eval_results.refuse_unfinished, told by the run folder of its best.pt or checkpoint.pt) is refused."""
     try:
-        for path, result in zip(paths, results):
-            folder = run_folder(path, result)
-            if folder is not None:
-                refuse_unfinished(folder, result, f"leave {path} out of --over-seeds")
+        refuse_unfinished([(folder, result, f"leave {path} out of --over-seeds") for path, result in zip(paths, results)
+                           if (folder := run_folder(path, result)) is not None])
     except ResultsError as e:  # also a damaged metrics.jsonl
         sys.exit(f"error: {e}")
 

@@ -10,7 +10,9 @@ import pytest
 import evaluate
 import paper_table
 import train
+from configs import load_config
 from engine.eval_results import ResultsError, refuse_unfinished, unfinished_run
+from tests.conftest import DEBUG_CONFIG
 
 
 def evaluated(out_dir: str) -> dict:
@@ -36,7 +38,8 @@ def test_a_run_of_an_epoch_schedule_stopped_at_max_steps_is_no_seed_until_it_fin
         paper_table.main([*paths, "--over-seeds"])
     message = str(refused.value.code)
     assert message.startswith(f"error: {folder} validated last at update 4 of the 8 of its schedule (sched.epochs=2 "
-                              f"of 4 updates): an unfinished run") and "\n" not in message, message
+                              f"of 4 updates): an unfinished run (stopped at its train.max_steps=4, where "
+                              f"{runs['baseline_s0'].out_dir} trained further)") and "\n" not in message, message
     assert "re-run its command without train.max_steps" in message, message
     assert f"leave {paths[1]} out of --over-seeds" in message, message
     assert "| vit_nano | Baseline |" in paper_table.main(paths)  # one row per result: nothing averaged
@@ -53,9 +56,34 @@ def test_the_updates_of_an_epoch_are_told_by_the_training_records_and_a_schedule
     assert unfinished_run(str(tmp_path), epochs) is None
     assert unfinished_run(str(tmp_path), {}) is None
     with pytest.raises(ResultsError, match=r"validated last at update 3 of the 5 of its schedule \(sched.steps=5\)"):
-        refuse_unfinished(str(tmp_path), {"recipe": {"sched.epochs": 2, "sched.steps": 5}}, "leave it out")
+        refuse_unfinished([(str(tmp_path), {"recipe": {"sched.epochs": 2, "sched.steps": 5}}, "leave it out")])
     # 3 updates are 0.75 of an epoch of 4: the schedule is 8 updates long
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "train/loss": 1.0, "train/epoch": 0.75}) + "\n"
                                             + json.dumps({"step": 3, "val/top1": 50.0}) + "\n")
     assert unfinished_run(str(tmp_path), epochs) == ("validated last at update 3 of the 8 of its schedule "
                                                      "(sched.epochs=2 of 4 updates)")
+
+
+def test_runs_that_their_recipe_stops_at_one_max_steps_are_seeds_and_one_stopped_short_of_them_is_not(tmp_path):
+    """configs/finetune/datasets/imagenet.yaml sets train.max_steps=20000 in the recipe itself: 8 epochs of 2,502
+    updates stopped at update 20,000, short of the 20,016 its schedule has. Its finished seeds were refused as
+    unfinished, and the fix named (re-run without train.max_steps) trained nothing: the file sets it. Runs that
+    all stop at the one train.max_steps their config.yaml records ended alike; a seed stopped earlier beside them
+    did not."""
+    recipe = tmp_path / "capped.yaml"
+    recipe.write_text("train:\n  max_steps: 7\n")  # configs/debug/tiny.yaml: 2 epochs of 4 updates
+    runs = [load_config([DEBUG_CONFIG, str(recipe)], [f"out_dir={tmp_path / f'baseline_s{seed}'}", f"train.seed={seed}",
+                                                      *extra])
+            for seed, extra in ((0, ()), (1, ()), (2, ("train.max_steps=5",)))]
+    assert [train.main(cfg).state.step for cfg in runs] == [7, 7, 5]
+    paths = []
+    for cfg in runs:
+        evaluated(cfg.out_dir)
+        paths.append(os.path.join(cfg.out_dir, "eval_best.json"))
+    assert "| vit_nano | Baseline (n=2) |" in paper_table.main([*paths[:2], "--over-seeds"])
+    with pytest.raises(SystemExit) as refused:
+        paper_table.main([*paths, "--over-seeds"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {runs[2].out_dir} validated last at update 5 of the 8 of its schedule "
+                              f"(sched.epochs=2 of 4 updates): an unfinished run (stopped at its train.max_steps=5, "
+                              f"where {runs[0].out_dir} trained further)"), message
