@@ -94,7 +94,8 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     runs = a + b
     shared = set.intersection(*map(settings_of, runs))
     partial = sorted(set.union(*map(settings_of, runs)) - shared)
-    capped = sorted(s for s in shared if any(gap(r, *s, score) >= PPL_CAP for r in runs))  # a bound (perplexity)
+    # a bound or no gap at all (a perplexity at the cap: NaN when the fp32 one is, lm_study.quantization_gap)
+    capped = sorted(s for s in shared if any(not gap(r, *s, score) < PPL_CAP for r in runs))
     tested = sorted(shared - set(capped), key=lambda pb: (pb[0], bits_order(pb[1])))
     points = {a[0].point: a, b[0].point: b}
     labels, notes = evaluated_marks(points)  # † and how, as dose_report / lm_study mark

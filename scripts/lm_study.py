@@ -25,6 +25,7 @@ overwritten without --overwrite:
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -68,10 +69,11 @@ def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
 def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
     """fmt of the values, '-' for none, and their count when fewer than the point's seeds (a column some runs
     were not evaluated at): the seeds column counts every run. A perplexity at the cap (an overflowed exp,
-    engine.tasks.perplexity) makes the cell that bound, not a mean of it."""
+    engine.tasks.perplexity) makes the cell that bound, not a mean of it; a gap of a run whose fp32 perplexity is
+    at the cap (NaN, `quantization_gap`) makes it 'FP32 capped'."""
     if not values:
         return "-"
-    text = capped_cell(values) or fmt(values, digits)
+    text = "FP32 capped" if any(math.isnan(v) for v in values) else capped_cell(values) or fmt(values, digits)
     return text + (f" (n={len(values)})" if len(values) < len(runs) else "")
 
 
@@ -115,11 +117,15 @@ def tables(groups: dict[str, list[Run]]) -> str:
 
 
 def quantization_gap(run: Run, pipeline: str, bits: str) -> float:
-    """The run's quantized minus fp32 perplexity (its eval_best.json) under `pipeline` at `bits`; the cap itself
-    when either is at the cap (an overflowed exp, engine.tasks.perplexity): a collapsed model's cap - cap is no gap
-    of 0, nor cap - 4 a number, but a bound, which `cell` shows as such and gap_test.py does not test."""
+    """The run's quantized minus fp32 perplexity (its eval_best.json) under `pipeline` at `bits`. With the
+    quantized perplexity at the cap (an overflowed exp, engine.tasks.perplexity) the cap itself: the gap is at
+    least about that, a bound, which `cell` shows as such. With the fp32 one at the cap NaN: the float model
+    collapsed, and cap - cap is no gap of 0 nor cap - 4 a gap below -exp(700); `cell` says so. gap_test.py tests
+    neither."""
     quantized, fp = run.result["quant"][pipeline][bits]["ppl"], run.result["fp"]["ppl"]
-    return PPL_CAP if max(quantized, fp) >= PPL_CAP else quantized - fp
+    if fp >= PPL_CAP:
+        return math.nan
+    return PPL_CAP if quantized >= PPL_CAP else quantized - fp
 
 
 def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) -> list[str]:
@@ -131,7 +137,8 @@ def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) ->
     if not any(gaps(runs, p, b) for runs in groups.values() for p, b in ACT_BITS if b != "w8a8"):
         return []
     lines = ["", "Quantization gap (quantized - FP32 perplexity of each run) with 8-bit weights and fewer activation "
-             "bits (a run with either perplexity at the cap makes its cell that bound):", "",
+             "bits (a run with its quantized perplexity at the cap makes its cell that bound; one with its FP32 "
+             "perplexity at the cap has no gap: FP32 capped):", "",
              "| Point | " + " | ".join(f"{p} {b.upper()}" for p, b in ACT_BITS) + " |",
              "|---|" + "---|" * len(ACT_BITS)]
     starred, notes = settings_marks(groups, ACT_BITS)

@@ -404,19 +404,24 @@ def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_pa
     assert not (tmp_path / "out2").exists()
 
 
-@pytest.mark.parametrize("fp", [math.exp(700.0), 4.2])
-def test_a_gap_with_a_perplexity_at_the_cap_is_that_bound_not_a_number(tmp_path, fp):
-    """A collapsed seed has its quantized perplexity, and possibly its fp32 one, at the cap exp(700): its gap, cap -
-    cap, was averaged as 0 (lowering the point's mean gap), and cap - 4 was averaged as a number. Either makes the
-    cell the bound, as the perplexity tables show it."""
+@pytest.mark.parametrize("fp, strict_a5, shown", [
+    (4.2, math.exp(700.0), ">= exp(700) (capped)"),  # quantized at the cap: a gap of at least about that
+    (math.exp(700.0), math.exp(700.0), "FP32 capped"),  # cap - cap: no gap of 0
+    (math.exp(700.0), 4.0, "FP32 capped"),  # 4 - cap: no gap of at least exp(700), nor a number
+])
+def test_a_gap_with_a_perplexity_at_the_cap_is_that_bound_not_a_number(tmp_path, fp, strict_a5, shown):
+    """A collapsed seed has its quantized perplexity, or its fp32 one, at the cap exp(700): its gap, cap - cap, was
+    averaged as 0 (lowering the point's mean gap), cap - 4 was averaged as a number, and 4 - cap shown as a gap of
+    at least exp(700). A quantized perplexity at the cap makes the cell that bound, as the perplexity tables show
+    it; an fp32 one at the cap leaves the run no gap, and the cell says so."""
     root = tmp_path / "sweep"
     root.mkdir()
     write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0, strict_a5=5.0)
     write_run(root, "baseline_s1", ppl=fp, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0,
-              strict_a5=math.exp(700.0))
+              strict_a5=strict_a5)
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
     gaps = report.split("Quantization gap")[1].split("per module type")[0]
-    assert "| baseline | - | - | >= exp(700) (capped) | - | " in gaps, gaps
+    assert f"| baseline | - | - | {shown} | - | " in gaps, gaps
     assert "0.500" not in gaps and "e+30" not in gaps
 
 
