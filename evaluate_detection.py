@@ -140,6 +140,7 @@ def main(argv=None) -> dict:
     from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start,
                                     failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
     from engine.eval_results import EvalResults
+    from mmengine.dist import sync_random_seed
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
     from quant.gplq.detector import check_detector_options as check_gplq_options, stage1_folder, stage1_identity
@@ -198,13 +199,16 @@ def main(argv=None) -> dict:
         fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:
         say = print if dist.is_main else (lambda *_, **__: None)
-        # each rank reads its node's copy; no collective inside (build_loader's sampler holds the first:
-        # MMEngine's sync_random_seed, where the others waited for a rank that had failed here)
+        # each rank reads its node's copy; no collective inside (the others would wait in it for a rank failing here)
         with failure_on_every_rank(dist.device, "loading the --checkpoint"):
             model = build_detector(cfg, args.checkpoint, dist.device)
-        loader = build_loader(cfg, "test", args.max_images)  # under torchrun: this rank's shard
-        check_checkpoint_classes(model, loader, args.checkpoint)
-        check_pipeline(loader.dataset, "test_dataloader")  # a setting that fails on an image: before the scoring
+        # the test sampler's seed (the sampler's own draw is a collective, MMEngine's sync_random_seed): drawn here,
+        # so that the block below holds none and a rank that fails in it ends every rank with one error
+        seed = sync_random_seed()
+        with failure_on_every_rank(dist.device, "reading its test split (test_dataloader)"):
+            loader = build_loader(cfg, "test", args.max_images, seed)  # under torchrun: this rank's shard
+            check_checkpoint_classes(model, loader, args.checkpoint)
+            check_pipeline(loader.dataset, "test_dataloader")  # a setting that fails on an image: before scoring
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
                                        f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
         identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
@@ -216,10 +220,12 @@ def main(argv=None) -> dict:
                     # the ground truth by content: an annotation file edited or exported again at the same path
                     "annotations_sha256": files_sha256(annotation_paths(cfg, "test_dataloader"))}
 
+        test_batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)  # a batch sampler's own
+
         def open_results():
             results = EvalResults.open(out, identity)
             return results, [(p, b) for p in pipelines for b in bits
-                             if results.plan(p, b, settings(args, p, user_options.get(p)), args.recompute)]
+                             if results.plan(p, b, settings(args, p, user_options.get(p), test_batch), args.recompute)]
 
         # read once, on rank 0, so that every rank plans the same work
         results, todo = run_on_main(open_results, f"reading {out}", dist.device)
@@ -286,7 +292,7 @@ def main(argv=None) -> dict:
             for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
                 if key in report:
                     entry[key] = report[key]
-            results.add(name, b, entry, settings(args, name, user_options.get(name)))
+            results.add(name, b, entry, settings(args, name, user_options.get(name), test_batch))
             run_on_main(results.save, f"writing {out}", dist.device)
             say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
         say(markdown_row(results.data))
@@ -296,14 +302,15 @@ def main(argv=None) -> dict:
 
 def evaluation_reads(pipelines: Sequence[str]):
     """The config keys an evaluation running `pipelines` reads (an override of another is refused): the model,
-    the test loader and metric, what GPLQ's stage-1 runner takes from the config, and of train_dataloader what
+    the test loader and metric, what GPLQ's stage-1 runner takes from the config where GPLQ runs (env_cfg,
+    log_processor, and under torchrun find_unused_parameters), and of train_dataloader what
     the pipelines read: nothing without a pipeline; its dataset (without its pipeline and indices, nor a
     wrapper's repeats: the images are drawn from the whole split, each once, and given the test pipeline,
     engine/detection/feeds.py; the same of every dataset a wrapper holds) for percentile, RepQ-ViT and APHQ; the
     whole loader but its batch size for GPLQ's stage 1."""
     from engine.detection import CommandReads, loader_arguments  # imports mmdet, an optional dependency
-    keys = {"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope", "env_cfg",
-            "log_processor", "find_unused_parameters"}
+    from engine.distributed import launched_world_size
+    keys = {"model", "test_dataloader", "test_evaluator", "train_dataloader", "default_scope"}
     instead = {"val_dataloader": "test_dataloader", "val_evaluator": "test_evaluator", "load_from": "--checkpoint",
                # the detector is built without it and takes every weight from --checkpoint (build_detector)
                "model.backbone.init_cfg": "--checkpoint",
@@ -326,6 +333,18 @@ def evaluation_reads(pipelines: Sequence[str]):
                 "and draws its calibration images from the whole of train_dataloader.dataset (each image once, "
                 "whatever a dataset wrapper repeats) with the test pipeline (only GPLQ's stage 1 loads batches with "
                 "train_dataloader)")
+    else:
+        # GPLQ's stage 1 runs MMEngine's Runner (engine/detection/qat.py), which reads env_cfg (not its dist_cfg:
+        # the evaluation's ranks have met already), log_processor, and find_unused_parameters for the DDP wrapper it
+        # makes under torchrun only
+        keys |= {"env_cfg", "log_processor"}
+        instead["env_cfg.dist_cfg"] = ""
+        distributed = launched_world_size() > 1
+        if distributed:
+            keys.add("find_unused_parameters")
+        does = ("the evaluation scores --checkpoint on test_dataloader with test_evaluator and trains GPLQ's stage 1 "
+                "with MMEngine's Runner on the evaluation's ranks "
+                f"({'in DDP' if distributed else 'in this one process, without DDP'})")
     return CommandReads(frozenset(keys), does, instead,
                         frozenset({"data_root"}),  # --data-root; it has no --work-dir, --launcher or --resume
                         wrapped=frozenset({"train_dataloader.dataset"}))
@@ -415,12 +434,18 @@ def detection_defaults(name: str, args) -> dict:
     return {}
 
 
-def settings(args, pipeline: str, options=None) -> dict:
+def settings(args, pipeline: str, options=None, test_batch: int = 1) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result):
-    the calibration batch, the user's options, and for GPLQ the number of ranks its stage 1 trained on."""
+    the calibration batch, the user's options, for GPLQ the number of ranks its stage 1 trained on, and under
+    torchrun at a test batch of more than one image the number of ranks too: each rank batches the images of
+    its shard, other batches than one process's, whose outputs round about 1e-7 apart, enough to flip 4-bit codes
+    (docs/reproduce.md); at batch 1 (the paper configs') the scores are the one-process ones."""
+    from engine.distributed import world_size
     from quant import run_settings
+    ranks = world_size()
     return {"calib_images": args.calib_images, "calib_seed": args.calib_seed,
-            **({"options": options} if options else {}), **run_settings(pipeline)}
+            **({"options": options} if options else {}),
+            **({"world_size": ranks} if ranks > 1 and test_batch > 1 else {}), **run_settings(pipeline)}
 
 
 def score(metrics: dict) -> str:

@@ -8,7 +8,9 @@ with this repository's guards (data root, backbone checkpoint and load_from, not
                                                                                    # trains distributed on GPUs only)
     python scripts/train_detection.py ... --resume                                 # continue the same run
 
-Overrides are `key=value` words anywhere on the line, or after `--cfg-options` as MMDetection's tools take them.
+Overrides are `key=value` words anywhere on the line, or after `--cfg-options` as MMDetection's tools take them;
+those of the test loop (test_dataloader, test_evaluator, test_cfg), which training never builds, are refused (they
+are evaluate_detection.py's), and so is a method's hook given twice (a fragment in a _base_ list and as a --config).
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config dump
@@ -20,8 +22,10 @@ refuses other settings than those (only train_cfg.max_epochs may change, to exte
 resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
 file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
 without persistent loader workers ends bit for bit where the uninterrupted one does, and so does one under torchrun
-(every rank's state is kept) on the same number of ranks; persistent workers start over from their first seeds: such a
-resume is not exact, and says so (docs/operations.md, "Detection runs"). Under torchrun every rank checks the data
+(every rank's state is kept) on the same number of ranks; persistent workers start over from their first seeds, and
+a resume on another number of ranks trains at another global batch: such a resume is not exact, and says so in a
+warning (docs/operations.md, "Detection runs"). A resume takes every weight from the checkpoint and reads no
+backbone file (model.backbone.init_cfg's may have moved). Under torchrun every rank checks the data
 and the work dir as it sees them, and one rank's refusal ends every rank. The batch
 per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
 `auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP (AmpOptimWrapper), which
@@ -375,7 +379,7 @@ def main(argv=None) -> int:
 
     overrides = parse_overrides(args.overrides)
     try:  # this node's config files, read before the ranks meet
-        cfg = load_config(args.config, overrides, args.data_root)
+        cfg = load_config(args.config, overrides, args.data_root, training_reads())
     except Exception as e:  # noqa: BLE001 - raised here after the others know, as a refusal of the checks below
         from engine.distributed import START_FAILURE_WAIT, tell_the_others_at_start
         error = e
@@ -421,6 +425,23 @@ def main(argv=None) -> int:
         return train_in_work_dir(args, cfg, settings)
 
 
+# the test loop's keys: Runner.train() builds the train and val loops only
+TEST_ONLY = {"test_dataloader": "it to evaluate_detection.py, which scores test_dataloader with test_evaluator,",
+             "test_evaluator": "it to evaluate_detection.py, which scores test_dataloader with test_evaluator,",
+             "test_cfg": ""}  # evaluate_detection.py scores in its own loop, without MMEngine's TestLoop
+
+
+def training_reads():
+    """The config keys the training reads (check_override_keys): all a Runner reads but the test loop's, whose
+    overrides were stored and never read."""
+    from engine.detection import CommandReads, runner_keys
+    from engine.detection.config import SCRIPT_FLAGS
+    return CommandReads(frozenset(runner_keys() - set(TEST_ONLY)),
+                        "the training trains on train_dataloader and validates on val_dataloader with val_evaluator "
+                        "(MMEngine's Runner.train() builds no test loop)",
+                        TEST_ONLY, frozenset(SCRIPT_FLAGS))
+
+
 def check_work_dir_files(args, cfg, overrides) -> tuple:
     """The checks of the work dir's files, with the work dir held (`owning_work_dir`): the run's settings, and
     for --resume the name and size of the checkpoint it continues from (the ranks must agree on it)."""
@@ -438,6 +459,8 @@ def check_work_dir_files(args, cfg, overrides) -> tuple:
 def train_in_work_dir(args, cfg, settings: dict) -> int:
     """The training, with the work dir held and its files checked on every rank."""
     from engine.detection import annotation_paths, check_pipeline, reading_annotations, RngStateHook
+    from engine.distributed import failure_on_every_rank
+    from mmengine.dist import get_comm_device
     from mmengine.runner import Runner
 
     if args.resume:
@@ -452,6 +475,11 @@ def train_in_work_dir(args, cfg, settings: dict) -> int:
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with removing_failed_start_files(args.work_dir, cfg, new_run=not args.resume, launcher=args.launcher):
         runner = Runner.from_cfg(cfg)
+        if args.resume:
+            # Runner.train() initialises the weights before it resumes (the backbone from its Pretrained file, which
+            # may have moved since the run started, FileNotFoundError) and then loads every one of them from the
+            # run's own checkpoint, a state_dict of the same model (check_resume): no initialised weight is left
+            runner._init_model_weights = lambda: None
         keeper = RngStateHook()  # checkpoints keep every rank's random-number state: --resume continues exactly
         runner.register_hook(keeper)
         runner.register_hook(keeper.gatherer)
@@ -462,9 +490,11 @@ def train_in_work_dir(args, cfg, settings: dict) -> int:
                                  built="train_dataloader, val_dataloader or val_evaluator"):
             runner.train_loop, runner.val_loop  # noqa: B018 - built for their side effect
         # a transform's setting of the wrong type fails only on an image: one now, not a traceback at the first
-        # step (or, for the val loader, after an epoch)
-        check_pipeline(runner.train_loop.dataloader.dataset, "train_dataloader")
-        check_pipeline(runner.val_loop.dataloader.dataset, "val_dataloader")
+        # step (or, for the val loader, after an epoch); each rank runs its node's first image, and one that fails
+        # ends the others with it (they would wait in the first step's collective for a rank that is gone)
+        with failure_on_every_rank(get_comm_device(), "checking the loaders' pipelines on its first images"):
+            check_pipeline(runner.train_loop.dataloader.dataset, "train_dataloader")
+            check_pipeline(runner.val_loop.dataloader.dataset, "val_dataloader")
         if not args.resume:
             record_settings(args.work_dir, settings)
         runner.train()
@@ -473,9 +503,11 @@ def train_in_work_dir(args, cfg, settings: dict) -> int:
 
 def run(argv=None) -> None:
     """main() with bad input reported as one `error:` line and exit code 2."""
+    from engine.distributed import OtherRankError
     try:
         sys.exit(main(argv))
-    except ValueError as e:  # DetectionError (engine/detection/errors.py), a bad override (parse_overrides)
+    except (ValueError, OtherRankError) as e:  # DetectionError (engine/detection/errors.py), a bad override
+        # (parse_overrides); under torchrun, another rank's failure (that rank prints why)
         from engine.runinfo import exit_with_error
         exit_with_error(str(e), code=2)  # one write: under torchrun the ranks share stderr
 

@@ -92,9 +92,10 @@ def _lines(work, name: str, rank: int) -> list:
 def test_two_ranks_score_each_image_once_and_quantize_on_rank_0(sample, trained, tmp_path, monkeypatch):
     config = os.path.abspath(SAMPLE_CONFIG)
 
-    def argv(name):
+    def argv(name):  # test batch 1, as the paper configs: at 2 the ranks' batches round otherwise (docs/reproduce.md)
         return ["--config", config, "--checkpoint", trained, "--data-root", sample, "--device", "cpu",
-                "--quant", "repq", "aphq", "gplq", "--out", str(tmp_path / name / "eval.json"), *TINY]
+                "test_dataloader.batch_size=1", "--quant", "repq", "aphq", "gplq", "--out",
+                str(tmp_path / name / "eval.json"), *TINY]
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -141,7 +142,7 @@ def test_two_ranks_score_each_image_once_and_quantize_on_rank_0(sample, trained,
     # ... and so does the result: a 1-process GPLQ entry is another result than a 2-rank one
     assert saved["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 2
     assert single[1]["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 1
-    assert "world_size" not in saved["quant"]["repq"]["w4a4"]["settings"]  # the same on any number of ranks
+    assert "world_size" not in saved["quant"]["repq"]["w4a4"]["settings"]  # the same on any number of ranks at batch 1
     assert not [p.name for p in (tmp_path / "two").iterdir() if ".partial-" in p.name]
 
 
@@ -273,4 +274,39 @@ def test_a_file_one_node_lacks_ends_every_rank(sample, trained, tmp_path, lacks,
     rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert rank1[0] == "DetectionError" and (str(cut) if lacks == "cut" else missing) in rank1[1], rank1
     assert rank0 == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
+    assert not (tmp_path / "eval.json").exists()
+
+
+def _worker_test_split_fails_on_rank_1(rank: int, world: int, port: int, argv: list, work: str) -> None:
+    """`_worker`, with the test split failing on rank 1 alone (a file its node lacks or cannot decode): its
+    annotations while the loader is built (before the sampler's collective), or its first image's pipeline."""
+    failing = argv.pop()
+    if rank == 1:
+        from engine.detection import DetectionError
+
+        def fails(*args, **kwargs):
+            raise DetectionError(f"the test split fails in {failing} on this rank")
+        if failing == "loader":
+            import mmdet.datasets
+            mmdet.datasets.CocoDataset.load_data_list = fails
+        else:
+            import engine.detection
+            engine.detection.check_pipeline = fails
+    _worker(rank, world, port, argv, work)
+
+
+@pytest.mark.parametrize("failing", ["loader", "pipeline"])
+def test_a_test_split_that_fails_on_one_rank_ends_every_rank(sample, trained, tmp_path, failing):
+    """The test loader is built and its pipeline checked on each rank once the ranks have met: rank 1 failing
+    there left rank 0 in the sampler's seed broadcast (a gloo traceback) or, past it, waiting in run_on_main for
+    --main-rank-wait-hours. Both now stop with one error each."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["--config", os.path.abspath(SAMPLE_CONFIG), "--checkpoint", trained, "--data-root", sample, "--device",
+            "cpu", "--quant", "--out", str(tmp_path / "eval.json"), "--main-rank-wait-hours", "0.01", failing]
+    spawn_within(_worker_test_split_fails_on_rank_1, (2, free_port(), argv, str(work)), 2, seconds=120)
+    rank0, rank1 = [torch.load(work / f"outcome_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1 == ("DetectionError", f"the test split fails in {failing} on this rank"), rank1
+    assert rank0 == ("OtherRankError", "rank 0: another rank failed reading its test split (test_dataloader); its "
+                                       "output says why"), rank0
     assert not (tmp_path / "eval.json").exists()

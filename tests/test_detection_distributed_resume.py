@@ -185,3 +185,75 @@ def test_a_config_one_node_lacks_ends_every_rank_before_the_ranks_meet(sample, t
     assert rank1 == ("DetectionError", "--config detector.py: no such file"), rank1
     assert rank0 == ("DetectionError", "rank 1 cannot start: --config detector.py: no such file"), rank0
     assert not (nodes[0] / "run").exists() and not (nodes[1] / "run").exists()
+
+
+def _log_text(work_dir) -> str:
+    """Every log MMEngine wrote into `work_dir` (a folder per command, <timestamp>/<timestamp>.log)."""
+    import glob
+    return "".join(open(path).read() for path in sorted(glob.glob(os.path.join(work_dir, "*", "*.log"))))
+
+
+def _as_the_ranks_load_config(monkeypatch) -> None:
+    """load_config in this process as _cpu_ddp's ranks have it (their model_wrapper_cfg is a setting of the run,
+    which --resume compares; MMEngine reads it only under torchrun)."""
+    import engine.detection
+    real_load = engine.detection.load_config
+
+    def load_config(*args, **kwargs):
+        cfg = real_load(*args, **kwargs)
+        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
+                                     find_unused_parameters=True)
+        return cfg
+    monkeypatch.setattr(engine.detection, "load_config", load_config)
+
+
+def test_a_resume_on_another_number_of_ranks_names_the_global_batch_it_changes(sample, tmp_path, monkeypatch):
+    """A run trained on 2 ranks (2 images each: a global batch of 4) resumed in one process without a word: the
+    global batch halved and an epoch took twice the iterations, so the warmup ended elsewhere in the data. Each
+    checkpoint records its ranks, and the resumed run's log names the change, from 2 ranks to 1 and from 1 to 2."""
+    import train_detection
+    _as_the_ranks_load_config(monkeypatch)
+    two = tmp_path / "two" / "run"
+    assert _run(tmp_path / "two", _argv(sample, two, 1)) == [("ok", 0)] * 2
+    assert torch.load(two / "epoch_1.pth", weights_only=False)["world_size"] == 2
+    one_process = [a for a in _argv(sample, two, 2, "--resume") if a not in ("--launcher", "pytorch")]
+    assert train_detection.main(one_process) == 0
+    assert ("the checkpoint was written by a run of 2 rank(s) and this one has 1: the global batch is 2 images "
+            "instead of 4 (2 per rank) and an epoch 4 iterations") in _log_text(two)
+
+    one = tmp_path / "one" / "run"
+    assert train_detection.main([a for a in _argv(sample, one, 1) if a not in ("--launcher", "pytorch")]) == 0
+    assert torch.load(one / "epoch_1.pth", weights_only=False)["world_size"] == 1
+    assert _run(tmp_path / "one", _argv(sample, one, 2, "--resume")) == [("ok", 0)] * 2
+    log = _log_text(one)
+    assert ("the checkpoint was written by a run of 1 rank(s) and this one has 2: the global batch is 4 images "
+            "instead of 2 (2 per rank) and an epoch 2 iterations") in log
+    assert "ranks 1 to 1 continue from the run's seed" in log  # and rank 1 has no state of its own to go on from
+
+
+def _worker_pipeline_fails_on_rank_1(rank: int, world: int, port: int, argv: list, work: str, cwds=None) -> None:
+    """`_worker`, with the loaders' first images failing their pipeline on rank 1 alone (a file its node lacks)."""
+    if rank == 1:
+        import engine.detection
+        from engine.detection import DetectionError
+
+        def fails(dataset, key):
+            raise DetectionError(f"{key}.dataset.pipeline.0 (LoadImageFromFile) fails on this rank's first image")
+        engine.detection.check_pipeline = fails
+    _worker(rank, world, port, argv, work, cwds)
+
+
+def test_a_pipeline_that_fails_on_one_rank_after_the_ranks_met_ends_every_rank_with_one_error(sample, tmp_path):
+    """The pipelines are checked on each rank's first images once the Runner is built, after the ranks agreed to
+    start: rank 1 failing there left rank 0 to go on into training and wait there for it (or die with a gloo
+    traceback once it was gone); now rank 0 stops with one error saying so, and the failed start leaves nothing."""
+    work = tmp_path / "work"
+    os.makedirs(work)
+    spawn_within(_worker_pipeline_fails_on_rank_1, (2, free_port(), _argv(sample, tmp_path / "run", 1), str(work)),
+                 2, seconds=100)
+    rank0, rank1 = [torch.load(work / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert rank1 == ("DetectionError", "train_dataloader.dataset.pipeline.0 (LoadImageFromFile) fails on this "
+                                       "rank's first image"), rank1
+    assert rank0 == ("OtherRankError", "rank 0: another rank failed checking the loaders' pipelines on its first "
+                                        "images; its output says why"), rank0
+    assert not (tmp_path / "run" / "train_detection_config.json").exists()

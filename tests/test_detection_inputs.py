@@ -1005,3 +1005,127 @@ def test_an_evaluator_of_one_of_the_files_a_concatenated_loader_reads_is_not_com
                          test_evaluator=dict(ann_file="/d/b.json")))
     with pytest.raises(DetectionError, match=r"^test_evaluator.ann_file=/d/b.json but test_dataloader reads /d/a.json"):
         check_evaluator_annotations(single)
+
+
+@pytest.mark.parametrize("pipelines, override, world, message", [
+    (["repq"], "env_cfg.cudnn_benchmark=True", "1", "does not read env_cfg"),
+    (["percentile", "aphq"], "log_processor.window_size=5", "1", "does not read log_processor"),
+    ([], "find_unused_parameters=True", "2", "does not read find_unused_parameters"),
+    (["repq"], "find_unused_parameters=True", "2", "does not read find_unused_parameters"),
+    # GPLQ's stage 1 wraps the detector in DDP under torchrun only
+    (["gplq"], "find_unused_parameters=True", "1", r"in this one process, without DDP\) and does not read "
+                                                   "find_unused_parameters"),
+    (["gplq"], "env_cfg.dist_cfg.timeout=60", "2", "does not read env_cfg.dist_cfg")])  # its Runner joins the ranks
+def test_evaluation_refuses_runner_settings_only_gplq_s_stage_1_reads_where_it_would_not_read_them(
+        mmdet_ready, monkeypatch, pipelines, override, world, message):
+    """env_cfg, log_processor and find_unused_parameters are read by GPLQ's stage-1 Runner alone
+    (engine/detection/qat.py): an evaluation without GPLQ took them and changed nothing."""
+    from engine.detection import DetectionError, load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(DetectionError, match=rf"override {override.split('=')[0]}: .*{message}, so it would change "
+                                             "nothing; drop it"):
+        load_config([SAMPLE_CONFIG], parse_overrides([override]), reads=evaluation_reads(pipelines))
+
+
+@pytest.mark.parametrize("pipelines, overrides, world", [
+    (["gplq"], ["env_cfg.cudnn_benchmark=True", "log_processor.window_size=5"], "1"),
+    (["gplq", "repq"], ["find_unused_parameters=True"], "2")])
+def test_evaluation_takes_the_runner_settings_gplq_s_stage_1_reads(mmdet_ready, monkeypatch, pipelines, overrides,
+                                                                   world):
+    from engine.detection import load_config, parse_overrides
+    from evaluate_detection import evaluation_reads
+    monkeypatch.setenv("WORLD_SIZE", world)
+    load_config([SAMPLE_CONFIG], parse_overrides(overrides), reads=evaluation_reads(pipelines))
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("test_dataloader.batch_size=1", "give it to evaluate_detection.py, which scores test_dataloader"),
+    ("test_evaluator.metric=bbox", "give it to evaluate_detection.py"),
+    ("test_cfg.type=TestLoop", "drop it")])
+def test_training_refuses_an_override_of_the_test_loop_it_never_builds(sample, tmp_path, capsys, override, instead):
+    """Runner.train() builds the train and val loops only: a test_* override was stored in the run's settings and
+    read by nothing."""
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "w"),
+                               "train_cfg.max_epochs=1", override])
+    key = override.split("=")[0]
+    assert line.startswith(f"error: override {key}: the training trains on train_dataloader") and \
+        f"does not read {key.split('.')[0]}, so it would change nothing; {instead}" in line, line
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_resume_takes_every_weight_from_the_checkpoint_without_the_backbone_file_the_run_started_from(
+        sample, tmp_path, monkeypatch):
+    """Runner.train() initialises the weights (the backbone from its Pretrained file) before it resumes: a run
+    whose ImageNet checkpoint had moved since it started failed to resume with a FileNotFoundError traceback,
+    though the run's checkpoint holds every weight. It resumes, every weight the checkpoint's, and its config
+    still names the file."""
+    import engine.detection
+    from train_detection import main
+    backbone = _official_swin_checkpoint(tmp_path / "swin.pth")
+    config = tmp_path / "pretrained.py"
+    config.write_text(f"_base_ = {os.path.join(ROOT, SAMPLE_CONFIG)!r}\nmodel = dict(backbone=dict(init_cfg=dict("
+                      f"_delete_=True, type='Pretrained', checkpoint={backbone!r})))\n")
+    work = tmp_path / "run"
+    argv = ["--config", str(config), "--data-root", sample, "--work-dir", str(work), "randomness.seed=0",
+            "train_cfg.val_interval=100"]
+    assert main([*argv, "train_cfg.max_epochs=1"]) == 0
+    os.rename(backbone, tmp_path / "moved.pth")
+    started = {}
+
+    class Recording(engine.detection.RngStateHook):
+        def before_train(self, runner):  # after the resume
+            super().before_train(runner)
+            started.update({k: v.clone() for k, v in runner.model.state_dict().items()})  # training moves them
+    monkeypatch.setattr(engine.detection, "RngStateHook", Recording)
+    assert main([*argv, "train_cfg.max_epochs=2", "--resume"]) == 0
+    saved = torch.load(work / "epoch_1.pth", map_location="cpu", weights_only=False)["state_dict"]
+    assert started.keys() == saved.keys()
+    assert [k for k in saved if not torch.equal(started[k], saved[k])] == []
+    assert backbone in (work / "pretrained.py").read_text()  # the run's config dump keeps the Pretrained file
+
+
+@pytest.mark.parametrize("method, hook", [("cd", "ColinearityDecayHook"), ("noise", "WeightNoiseHook")])
+def test_a_method_hook_given_twice_is_one_error_line_naming_both_files(sample, tmp_path, capsys, method, hook):
+    """A method fragment in the first config's _base_ list and given as a --config as well: both hooks were built
+    and training failed at the first step with a RuntimeError traceback (CD's second update in the optimizer's
+    step, WeightNoise's second hooks on the same layers)."""
+    fragment = os.path.join(ROOT, f"configs/detection/method/{method}.py")
+    config = tmp_path / "with_method.py"
+    config.write_text(f"_base_ = [{os.path.join(ROOT, SAMPLE_CONFIG)!r}, {fragment!r}]\n")
+    line = error_line(capsys, ["--config", str(config), "--config", fragment, "--data-root", sample, "--work-dir",
+                               str(tmp_path / "w"), "train_cfg.max_epochs=1"])
+    assert line == (f"error: custom_hooks.0 and custom_hooks.1 are both {hook}s on backbone (--config {config} adds "
+                    f"one, --config {fragment} another): the method would apply twice in each step; give its fragment "
+                    "once (drop the repeated --config, or the fragment from the _base_ list)"), line
+    assert not (tmp_path / "w").exists()
+
+
+def test_method_hooks_on_parts_that_do_not_overlap_both_run(mmdet_ready, tmp_path):
+    """CD on the backbone and on the neck, the noise on the backbone's Linear and Conv2d layers by two hooks: each
+    applies once; on overlapping parts (the whole model and the backbone) they would not."""
+    from engine.detection import DetectionError, load_config
+    fragment = tmp_path / "two.py"
+    fragment.write_text("custom_hooks = [dict(type='ColinearityDecayHook'), dict(type='ColinearityDecayHook', "
+                        "module='neck'), dict(type='WeightNoiseHook'), dict(type='WeightNoiseHook', "
+                        "layer_types=['Conv2d'])]\n")
+    assert len(load_config([SAMPLE_CONFIG, str(fragment)]).custom_hooks) == 4
+    fragment.write_text("custom_hooks = [dict(type='TweoHook'), dict(type='TweoHook', module='')]\n")
+    with pytest.raises(DetectionError, match=rf"^custom_hooks.0 and custom_hooks.1 are both TweoHooks on backbone and "
+                                             rf"the whole model \(--config {fragment} adds both\)"):
+        load_config([SAMPLE_CONFIG, str(fragment)])
+
+
+@pytest.mark.parametrize("world, test_batch, recorded", [(2, 2, True), (2, 1, False), (1, 2, False)])
+def test_a_quantized_result_at_a_test_batch_over_one_records_the_number_of_ranks(monkeypatch, world, test_batch,
+                                                                                 recorded):
+    """At a test batch of more than one image the ranks batch other images together than one process does, and
+    4-bit codes flip with the rounding (RepQ-ViT W4A4 box mAP 0.013 vs 0.014 on the sample): a one-process entry
+    was taken for a 2-rank run's. At batch 1 the scores are the same, and the entry is shared."""
+    from types import SimpleNamespace
+    import engine.distributed
+    from evaluate_detection import settings
+    monkeypatch.setattr(engine.distributed, "world_size", lambda: world)
+    args = SimpleNamespace(calib_images=1, calib_seed=0)
+    assert settings(args, "repq", None, test_batch) == {"calib_images": 1, "calib_seed": 0,
+                                                        **({"world_size": world} if recorded else {})}

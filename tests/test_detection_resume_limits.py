@@ -84,7 +84,7 @@ def test_a_resume_draws_what_the_uninterrupted_run_draws_after_its_checkpoint():
     import torch
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
     checkpoint: dict = {}
-    RngStateHook().before_save_checkpoint(None, checkpoint)
+    RngStateHook().before_save_checkpoint(runner(10, 0, 1), checkpoint)
     expected = _draws()  # the uninterrupted run's next draws
     torch.manual_seed(2), np.random.seed(2), random.seed(2)  # a new process, seeded from the run's seed
     _draws()
@@ -111,9 +111,38 @@ def test_a_validation_inside_training_leaves_the_training_draws_as_they_were():
     assert _draws() == expected
 
 
-def test_one_process_resuming_a_checkpoint_of_more_ranks_is_exact():
-    """Rank 0's state is all one process draws from: the other ranks' states in the checkpoint do not matter."""
-    assert inexact_resume(1, loader(0, False), saved_ranks=2) == []
+@pytest.mark.parametrize("world, saved, named", [
+    (1, 2, "written by a run of 2 rank(s) and this one has 1: the global batch is 1 images instead of 2 (1 per "
+           "rank) and an epoch 4 iterations"),
+    (2, 1, "written by a run of 1 rank(s) and this one has 2: the global batch is 2 images instead of 1"),
+    (4, 8, "the global batch is 4 images instead of 8")])
+def test_a_resume_on_another_number_of_ranks_than_the_checkpoint_s_names_the_global_batch(world, saved, named):
+    """A run trained on 2 ranks and resumed in one process said nothing (rank 0's random state was all it needed),
+    though the global batch halved and an epoch took twice the iterations: the warmup ended elsewhere."""
+    limits = inexact_resume(world, loader(0, False), saved_ranks=saved, saved_world=saved)
+    assert named in limits[0] and f"resume on {saved} rank(s) to continue the run as it was" in limits[0], limits
+    assert inexact_resume(world, loader(0, False), saved_ranks=world, saved_world=world) == []
+
+
+def test_one_process_resuming_a_checkpoint_of_as_many_is_exact_and_of_more_ranks_says_so():
+    """Rank 0's state is all one process draws from: the other ranks' states do not matter, their batch does."""
+    assert inexact_resume(1, loader(0, False), saved_ranks=1, saved_world=1) == []
+    assert len(inexact_resume(1, loader(0, False), saved_ranks=2, saved_world=2)) == 1
+
+
+@pytest.mark.parametrize("saved, world", [(2, 1), (1, 2)])
+def test_a_checkpoint_records_its_ranks_and_a_resume_on_another_number_warns(saved, world):
+    """From 2 ranks to 1 and from 1 to 2: the checkpoint says how many ranks wrote it, and rank 0 of the
+    resumed run warns once that the global batch changed."""
+    checkpoint: dict = {}
+    RngStateHook().before_save_checkpoint(runner(4, 0, saved), checkpoint)
+    assert checkpoint["world_size"] == saved
+    resumed = RngStateHook()
+    resumed.after_load_checkpoint(None, checkpoint)
+    run = runner(4, 0, world)
+    resumed.before_train(run)
+    assert len(run.logger.warnings) == 1
+    assert f"written by a run of {saved} rank(s) and this one has {world}" in run.logger.warnings[0]
 
 
 def _seeded_state(seed: int) -> dict:
@@ -132,10 +161,10 @@ def test_each_rank_resumes_its_own_state_and_a_checkpoint_keeps_the_states_gathe
     hook = RngStateHook()
     hook._gathered = states
     checkpoint: dict = {}
-    hook.before_save_checkpoint(None, checkpoint)
+    hook.before_save_checkpoint(runner(10, 0, 2), checkpoint)
     assert checkpoint["rng_state_ranks"] is states
     later: dict = {}
-    hook.before_save_checkpoint(None, later)
+    hook.before_save_checkpoint(runner(12, 0, 2), later)
     assert "rng_state_ranks" not in later
     _seeded_state(99)  # a new process
     resumed = RngStateHook()

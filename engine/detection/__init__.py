@@ -30,8 +30,9 @@ try:
     importlib.import_module("mmdet")  # registers MMDetection's modules, transforms and metrics
     # the modules import MMEngine and MMDetection: a missing one is the same message as a missing mmdet
     from engine.detection.errors import DetectionError
-    from engine.detection.config import (CommandReads, check_hooks, check_override_keys, load_config,
-                                         loader_arguments, merge_fragment, parse_overrides, read_config)
+    from engine.detection.config import (CommandReads, check_hooks, check_method_hooks, check_override_keys,
+                                         load_config, loader_arguments, merge_fragment, parse_overrides, read_config,
+                                         runner_keys)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
                                               check_categories, check_evaluator_annotations, check_head_classes,
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
@@ -51,8 +52,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 __all__ = [
     "DetectionError",
-    "CommandReads", "check_hooks", "check_override_keys", "load_config", "loader_arguments", "merge_fragment",
-    "parse_overrides", "read_config",
+    "CommandReads", "check_hooks", "check_method_hooks", "check_override_keys", "load_config", "loader_arguments",
+    "merge_fragment", "parse_overrides", "read_config", "runner_keys",
     "annotation_files", "annotation_paths", "check_annotation_files", "check_categories",
     "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
     "dataset_classes", "image_folders", "label_names", "loader_datasets", "reading_annotations", "set_data_root",

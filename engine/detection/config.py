@@ -15,16 +15,17 @@ from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 from mmengine.runner import Runner
 
-from cd.integrations.mmengine import apply_weight_decay_budget  # imports mmengine
+from cd.integrations.mmengine import CD_HOOK, TweoHook, WeightNoiseHook, apply_weight_decay_budget  # imports mmengine
 from engine.detection.data_checks import LOADERS, set_data_root
 from engine.detection.errors import DetectionError
 
 class CommandReads(NamedTuple):
-    """What a command other than a Runner's training reads of a config (evaluate_detection.py): its top-level
-    `keys`, what it `does` with them (for the message), `instead`: keys it does not read (a top-level one,
-    or a dotted one under a key it reads) with what to give in their place ('' : nothing, drop it), `flags`:
-    the keys of SCRIPT_FLAGS it sets from a flag of its own (an override of another one is a key it does not
-    read: the flag the message would name is not the command's), and `wrapped`: dataset keys whose wrapped
+    """What a command reads of a config (evaluate_detection.py's evaluation; train_detection.py's training, which
+    leaves out the test loop's keys): its top-level `keys`, what it `does` with them (for the message),
+    `instead`: keys it does not read (a top-level one, or a dotted one under a key it reads) with what to give in
+    their place ('' : nothing, drop it), `flags`: the keys of SCRIPT_FLAGS it sets from a flag of its own (an
+    override of another one is a key it does not read: the flag the message would name is not the command's),
+    and `wrapped`: dataset keys whose wrapped
     datasets (`.dataset` of a RepeatDataset, ..., `.datasets.N` of a ConcatDataset, at any depth) the command
     reads as it reads the dataset itself, so that `instead`'s entries for the dataset cover them too."""
     keys: FrozenSet[str]
@@ -68,8 +69,9 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     """The MMDetection config of `paths` merged in order (later files update earlier ones: dicts merge, lists
     are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
     `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
-    (dotted keys, as MMEngine's --cfg-options), then `data_root`. `reads`: the keys the command reads, where
-    it is not a Runner's training (check_override_keys)."""
+    (dotted keys, as MMEngine's --cfg-options), then `data_root`. `reads`: the keys the command reads
+    (check_override_keys; None: all a Runner reads). Where the command runs the config's custom_hooks (`reads`
+    None or holding them), a method's hook given twice is refused (check_method_hooks)."""
     if not paths:
         raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
                              "mask_rcnn_swin_t_1x.py")
@@ -83,8 +85,13 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     if problem:
         raise DetectionError(problem)
     cfg = read_config(paths[0])
+    # which --config brought each hook, for check_method_hooks: the first file's (its _base_ files' included),
+    # then each fragment's, which merge_fragment adds after them
+    sources = [f"--config {paths[0]}"] * len(cfg.get("custom_hooks") or [])
     for path in paths[1:]:
-        merge_fragment(cfg, read_config(path).to_dict())
+        fragment = read_config(path).to_dict()
+        sources += [f"--config {path}"] * len(fragment.get("custom_hooks") or [])
+        merge_fragment(cfg, fragment)
     model = cfg.get("model")
     if not isinstance(model, dict) or "type" not in model:  # a method fragment alone, a train.py YAML recipe
         raise DetectionError(f"--config {' '.join(paths)}: no MMDetection detector in it (a `model` dict with a "
@@ -98,12 +105,63 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
             raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
     if data_root is not None:
         set_data_root(cfg, data_root, keep=overrides or {})
+    if reads is None or "custom_hooks" in reads.keys:
+        if "custom_hooks" in (overrides or {}):  # the whole list, replaced
+            sources = ["the custom_hooks override"] * len(cfg.get("custom_hooks") or [])
+        check_method_hooks(cfg, sources)  # before the budget, which counts CD's hooks without naming their files
     try:
         apply_weight_decay_budget(cfg)  # after the overrides, so that a lam or weight decay given moves it
     except ValueError as e:
         raise DetectionError(str(e)) from None
     init_default_scope(cfg.get("default_scope", "mmdet"))
     return cfg
+
+
+# the methods' hooks (cd.integrations.mmengine): two of one method on the same part of the model apply it twice
+# in each step (TWEO's term doubled without a word) or fail inside training with a RuntimeError traceback (CD's
+# second update in the optimizer's step, WeightNoise's second hooks on the same layers); on parts that do not
+# overlap (CD on the backbone and on the neck) both run as asked
+METHOD_HOOKS = (CD_HOOK, TweoHook.__name__, WeightNoiseHook.__name__)
+
+
+def check_method_hooks(cfg: Config, sources: Sequence[str]) -> None:
+    """Refuse two hooks of one method on overlapping parts of the model in the merged `cfg` (a method fragment
+    given as a --config and also in the first config's _base_ list), naming where each came from: `sources`, the
+    origin of each of cfg.custom_hooks in order (load_config)."""
+    hooks = list(cfg.get("custom_hooks") or [])
+    backbone = "backbone" if isinstance(cfg.get("model"), dict) and "backbone" in cfg.model else ""
+
+    def part(hook) -> str:  # the hooks' `module`: None is the backbone where the model has one
+        module = hook.get("module")
+        return backbone if module is None else str(module)
+
+    def layers(hook) -> set:  # WeightNoiseHook's layer types (its default: Linear); the others take every layer
+        if _hook_name(hook) != WeightNoiseHook.__name__:
+            return {""}
+        types = hook.get("layer_types", ("Linear",))
+        return {types} if isinstance(types, str) else set(types)
+
+    def overlap(a: str, b: str) -> bool:
+        return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    for j, later in enumerate(hooks):
+        for i, earlier in enumerate(hooks[:j]):
+            kind = _hook_name(later)
+            if (kind in METHOD_HOOKS and _hook_name(earlier) == kind and overlap(part(earlier), part(later))
+                    and layers(earlier) & layers(later)):
+                where = [sources[k] if len(sources) == len(hooks) else f"custom_hooks.{k}" for k in (i, j)]
+                origin = f"{where[0]} adds both" if where[0] == where[1] else f"{where[0]} adds one, {where[1]} another"
+                parts = " and ".join(dict.fromkeys(p or "the whole model" for p in (part(earlier), part(later))))
+                raise DetectionError(f"custom_hooks.{i} and custom_hooks.{j} are both {kind}s on {parts} ({origin}): "
+                                     "the method would apply twice in each step; give its fragment once (drop the "
+                                     "repeated --config, or the fragment from the _base_ list)")
+
+
+def _hook_name(hook: Any) -> Optional[str]:
+    """The class name a custom_hooks entry builds (`type` as a name, with or without a registry scope, or a
+    class)."""
+    kind = hook.get("type") if isinstance(hook, dict) else None
+    return kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)
 
 
 def read_config(path: str) -> Config:
@@ -161,6 +219,11 @@ OPEN_DICTS = ("default_hooks", "env_cfg")
 BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
 
 
+def runner_keys() -> set:
+    """The top-level keys MMEngine's Runner reads (its arguments, READ_BY_RUNNER) and load_config's own."""
+    return (set(inspect.signature(Runner.__init__).parameters) - {"self"}) | set(READ_BY_RUNNER + READ_BY_LOAD_CONFIG)
+
+
 def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[CommandReads] = None) -> None:
     """Refuse an override that would be stored and then ignored, each with what to do instead: a key the entry
     point sets from a flag (work_dir, launcher, resume, data_root); a top-level key neither the config nor
@@ -171,7 +234,7 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
     registered class, whose __init__ must take the key (or **kwargs); a loader's dict is torch's DataLoader
     arguments; a dict without either reads only the keys it has (`model.test_cfg.rcnn.max_per_imgg=5` would
     do nothing)."""
-    read = (set(inspect.signature(Runner.__init__).parameters) - {"self"}) | set(READ_BY_RUNNER + READ_BY_LOAD_CONFIG)
+    read = runner_keys()
     known = set(cfg.keys()) | read
     for key in overrides:
         top = key.split(".")[0]

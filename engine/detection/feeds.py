@@ -18,10 +18,15 @@ from mmdet.registry import DATASETS
 from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
 
-def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None) -> torch.utils.data.DataLoader:
+def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = None,
+                 seed: Optional[int] = None) -> torch.utils.data.DataLoader:
     """The `split` loader of `cfg` ("test" or "val"); `max_images` keeps the first N images (a partial result,
-    marked as such by the caller) of those the split has, or of its dataset's `indices` where it gives them."""
+    marked as such by the caller) of those the split has, or of its dataset's `indices` where it gives them.
+    `seed`: the sampler's, where its config gives none (MMEngine's sync_random_seed, which the sampler calls
+    without one, is a collective: under torchrun the caller draws it before work that may fail on one rank)."""
     loader_cfg = copy.deepcopy(cfg[f"{split}_dataloader"])
+    if seed is not None and isinstance(loader_cfg.get("sampler"), dict):
+        loader_cfg["sampler"].setdefault("seed", seed)  # as Runner.build_dataloader's default_args would
     if max_images is not None:
         if max_images < 1:
             raise DetectionError(f"--max-images {max_images}: give at least 1")

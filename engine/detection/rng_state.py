@@ -10,11 +10,20 @@ import torch
 from mmengine.hooks import Hook
 
 
-def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1) -> list[str]:
+def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1, saved_world: Optional[int] = None
+                   ) -> list[str]:
     """Why a resumed run of `world_size` processes reading `train_loader`, from a checkpoint holding the
-    random-number states of `saved_ranks` ranks, does not draw the random numbers the uninterrupted run draws (see
-    RngStateHook); empty where it does."""
+    random-number states of `saved_ranks` ranks and written by a run of `saved_world` ranks (None: not recorded,
+    a checkpoint of an older version), does not continue as the uninterrupted run would; empty where it does."""
     limits = []
+    if saved_world is not None and saved_world != world_size:
+        per_rank = getattr(train_loader.batch_sampler, "batch_size", None) or train_loader.batch_size or 1
+        limits.append(f"the checkpoint was written by a run of {saved_world} rank(s) and this one has {world_size}: "
+                      f"the global batch is {per_rank * world_size} images instead of {per_rank * saved_world} "
+                      f"({per_rank} per rank) and an epoch {len(train_loader)} iterations, while the learning rate "
+                      "and its schedule continue from the checkpoint (as set for the run's batch) and a schedule "
+                      f"counted in iterations (the warmup) ends at another point of the data; resume on {saved_world} "
+                      "rank(s) to continue the run as it was")
     if world_size > 1 and saved_ranks != world_size:
         held = ("rank 0's only" if saved_ranks <= 1 else f"those of a run of {saved_ranks} ranks")
         limits.append(f"ranks 1 to {world_size - 1} continue from the run's seed, not from their random-number "
@@ -39,14 +48,16 @@ class RngStateHook(Hook):
     Under torchrun MMEngine calls `before_save_checkpoint` on rank 0 only (its save_checkpoint is master_only), so
     the other ranks' states reach the checkpoint through `gatherer` (`RankRngStates`, registered beside this hook),
     which collects every rank's state just before MMEngine's CheckpointHook saves; each rank restores its own.
-    Without them (a checkpoint of another number of ranks, or one written before they were kept) ranks 1 to N-1
-    continue from the state MMEngine's seeding gave them at the start of the process: their RoI samples, dropout
-    and drop-path draws differ from the uninterrupted run's, and through the averaged gradients so do every rank's
-    weights after the first resumed update (the data order is the same: MMEngine's sampler shuffles from the seed
-    and the epoch).
+    Each checkpoint also records the number of ranks that wrote it: a resume on another number trains at another
+    global batch, which the warning below names. Without the ranks' states (a checkpoint of another number of
+    ranks, or one written before they were kept) ranks 1 to N-1 continue from the state MMEngine's seeding gave
+    them at the start of the process: their RoI samples, dropout and drop-path draws differ from the uninterrupted
+    run's, and through the averaged gradients so do every rank's weights after the first resumed update (the data
+    order is the same: MMEngine's sampler shuffles from the seed and the epoch).
 
-    Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes): ranks without
-    their state (above), and persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the
+    Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes): another number of
+    ranks than the checkpoint's (another global batch, in one process too), ranks without their state (above),
+    and persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the
     MMDetection COCO configs' setting): MMEngine's `worker_init_fn` seeds each worker once, from (seed, rank,
     worker index), and the augmentation draws in the workers (random flips, crops) go on from there over the
     epochs of an uninterrupted run, while a resumed run's new workers start over from those seeds. Workers that
@@ -59,6 +70,7 @@ class RngStateHook(Hook):
     def __init__(self) -> None:
         self._loaded: Optional[dict] = None
         self._loaded_ranks: Optional[list] = None
+        self._loaded_world: Optional[int] = None  # the ranks of the run that wrote the checkpoint, where recorded
         self._gathered: Optional[list] = None  # every rank's state at the checkpoint about to be saved
         self._before_val: Optional[dict] = None
         self.gatherer = RankRngStates(self)
@@ -80,6 +92,9 @@ class RngStateHook(Hook):
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         checkpoint["rng_state"] = self._state()
+        # the ranks that trained to it (with the per-rank batch of the run's settings: the global batch), for a
+        # resume on another number of ranks to say that it changes them
+        checkpoint["world_size"] = runner.world_size
         if self._gathered is not None:
             checkpoint["rng_state_ranks"] = self._gathered
             self._gathered = None
@@ -87,12 +102,15 @@ class RngStateHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._loaded = checkpoint.get("rng_state")
         self._loaded_ranks = checkpoint.get("rng_state_ranks")
+        # one written before the world size was recorded: that of the ranks' states it holds, where it holds them
+        self._loaded_world = checkpoint.get("world_size", len(self._loaded_ranks) if self._loaded_ranks else None)
 
     def before_train(self, runner) -> None:
         if runner.iter == 0:  # a new run, seeded by MMEngine
             return
         saved = len(self._loaded_ranks) if self._loaded_ranks else 1
-        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, saved)):
+        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, saved,
+                                                          self._loaded_world)):
             runner.logger.warning("this resumed run does not continue exactly as the uninterrupted one would: "
                                   f"{'; '.join(limits)} (docs/operations.md, detection runs)")
         if runner.rank != 0:  # its own state where the checkpoint holds one for this number of ranks
