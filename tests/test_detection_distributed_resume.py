@@ -32,14 +32,7 @@ def _cpu_ddp(rank: int, world: int, port: int, work: str) -> None:
     from engine.checkpoint import weights_fingerprint
 
     train_detection.check_launcher = lambda launcher: None
-    real_load = engine.detection.load_config
-
-    def load_config(*args, **kwargs):
-        cfg = real_load(*args, **kwargs)
-        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
-                                     find_unused_parameters=True)
-        return cfg
-    engine.detection.load_config = load_config
+    engine.detection.load_config = _with_ddp_wrapper(engine.detection.load_config)
 
     def state(runner) -> dict:
         """What this rank trains from or has trained: its iteration, epoch, weights, optimizer and CD state."""
@@ -193,18 +186,21 @@ def _log_text(work_dir) -> str:
     return "".join(open(path).read() for path in sorted(glob.glob(os.path.join(work_dir, "*", "*.log"))))
 
 
+def _with_ddp_wrapper(load_config):
+    """`load_config` whose configs wrap the model in MMEngine's DDP, as _cpu_ddp's ranks train it."""
+    def load(*args, **kwargs):
+        cfg = load_config(*args, **kwargs)
+        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
+                                     find_unused_parameters=True)
+        return cfg
+    return load
+
+
 def _as_the_ranks_load_config(monkeypatch) -> None:
     """load_config in this process as _cpu_ddp's ranks have it (their model_wrapper_cfg is a setting of the run,
     which --resume compares; MMEngine reads it only under torchrun)."""
     import engine.detection
-    real_load = engine.detection.load_config
-
-    def load_config(*args, **kwargs):
-        cfg = real_load(*args, **kwargs)
-        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
-                                     find_unused_parameters=True)
-        return cfg
-    monkeypatch.setattr(engine.detection, "load_config", load_config)
+    monkeypatch.setattr(engine.detection, "load_config", _with_ddp_wrapper(engine.detection.load_config))
 
 
 def test_a_resume_on_another_number_of_ranks_names_the_global_batch_it_changes(sample, tmp_path, monkeypatch):
