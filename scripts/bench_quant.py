@@ -134,7 +134,11 @@ def main(argv=None) -> dict:
     if getattr(embed, "img_size", None) is None:  # the input size is read off the patch embedding
         sys.exit(f"error: --model {args.model} is no vision Transformer with a patch embedding (a CNN?): this "
                  f"benchmark times quantized ViTs and Swins; give e.g. vit_small_patch16_224")
-    size = embed.img_size[0]
+    size, patch = embed.img_size[0], embed.patch_size[0]
+    if size % patch:  # the patch convolution's stride drops the rest: a smaller model than asked would be timed
+        sys.exit(f"error: --img-size {size} is not a multiple of {args.model}'s patch size {patch}: its last "
+                 f"{size % patch} pixel rows and columns would be dropped; give a multiple of {patch} (e.g. "
+                 f"{size - size % patch or patch})")
     x = torch.randn(args.batch, 3, size, size, device=device)
     calib = torch.randn(args.calib, 3, size, size, device=device)
 

@@ -1,6 +1,6 @@
 """scripts/bench_quant.py refuses what it cannot time as asked with one `error:` line, before any timing: sizes of 0
-(dropped for the model's defaults), a model timm does not know or that is no ViT, a thread count below 0; and its
---out folder is made before the timings, not found missing after them."""
+(dropped for the model's defaults), a model timm does not know or that is no ViT, an image size its patches do not
+divide, a thread count below 0; and its --out folder is made before the timings, not found missing after them."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,9 @@ def test_a_size_of_zero_is_refused_not_dropped(flag, capsys, monkeypatch):
     (["--model", "resnet18", "--img-size", "32"], "--model resnet18 does not take --img-size"),  # was a TypeError
     (["--threads", "-1"], "argument --threads: -1: must be at least 0"),          # was torch's RuntimeError
     (["--embed-dim", "200"], "--embed-dim 200: its 3 heads (dim // 64) do not divide it"),  # timm's AssertionError
+    # 30 px in patches of 16: one patch, the other 14 pixel rows and columns dropped, timed as 16 px
+    (["--model", "vit_tiny_patch16_224", "--img-size", "30", "--depth", "1"],
+     "--img-size 30 is not a multiple of vit_tiny_patch16_224's patch size 16"),
 ])
 def test_what_cannot_be_timed_is_one_error_line(argv, says, capsys, monkeypatch):
     code, lines = refusal(["--device", "cpu", "--batch", "1", *argv], capsys, monkeypatch)
