@@ -32,10 +32,9 @@ import os
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
-import yaml
 
 from .checkpoint import weights_fingerprint
-from .run_dir import SNAPSHOTS, exclusive_lock, partial_path
+from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_config
 
 
 class ResultsError(ValueError):
@@ -220,23 +219,16 @@ def metrics_records(folder: str) -> list[dict]:
     return records
 
 
-def unfinished_run(folder: str, result: dict) -> Optional[str]:
-    """How far the run in `folder` got when it stopped before the end of its schedule (train.max_steps, a signal,
-    an evaluation while it trained), e.g. 'validated last at update 2 of the 8 of its schedule (sched.epochs=2 of
-    4 updates)'; None when it reached the end, or when its files do not tell. train.py validates at the last update
-    of a schedule (finished or not) and logs it in metrics.jsonl: the run reached the end when its last validation
+def run_end(folder: str, result: dict) -> Optional[tuple[Optional[str], int]]:
+    """(how far the run in `folder` got when it stopped before the end of its schedule, e.g. 'validated last at
+    update 2 of the 8 of its schedule (sched.epochs=2 of 4 updates)', or None when it reached the end; the update
+    it validated last at), or None when its files do not tell. train.py validates at the last update of a
+    schedule (finished or not) and logs it in metrics.jsonl: the run reached the end when its last validation
     is at the schedule's last update, sched.steps or sched.epochs x the updates of an epoch (the `recipe` of
     `result`, its eval_best.json, records the schedule it trained with; each logged training record its
     updates and epochs so far, `train/epoch`, whose ratio is the updates of an epoch). Not told: a folder
     without metrics.jsonl, a result without a recorded schedule (an older file), an epoch schedule without a
     training record that counts its epochs (none logged yet)."""
-    end = _run_end(folder, result)
-    return None if end is None else end[0]
-
-
-def _run_end(folder: str, result: dict) -> Optional[tuple[Optional[str], int]]:
-    """(how far the run got, `unfinished_run`'s text or None at its schedule's end; the update it validated last
-    at), or None when its files do not tell."""
     recipe = result.get("recipe")
     if not isinstance(recipe, dict) or not os.path.isfile(os.path.join(folder, "metrics.jsonl")):
         return None
@@ -272,13 +264,13 @@ def refuse_unfinished(runs: Sequence[tuple[str, dict, str]]) -> None:
     """A ResultsError unless the runs, each (folder, result, how to leave it out of what is averaged, e.g. 'move
     it out of the sweep root'), all ended alike: each at the end of its schedule, or each at one update that its
     own train.max_steps stops it at (a recipe that ends there on purpose: configs/finetune/datasets/imagenet.yaml
-    stops its 8 epochs at update 20,000). A run short of its schedule's end (`unfinished_run`) and not at its
+    stops its 8 epochs at update 20,000). A run short of its schedule's end (`run_end`) and not at its
     config.yaml's train.max_steps stopped on a signal or was evaluated while it trained; one stopped at a
     train.max_steps of its own beside runs that trained further was stopped early. Either one's numbers, averaged
     as one more seed or compared with the others, would be those of an earlier model."""
     capped, ended = [], []  # (folder, progress, leave_out, update) at their own train.max_steps; (folder, update)
     for folder, result, leave_out in runs:
-        end = _run_end(folder, result)
+        end = run_end(folder, result)
         if end is None:
             continue  # its files do not tell
         progress, reached = end
@@ -306,11 +298,10 @@ def refuse_unfinished(runs: Sequence[tuple[str, dict, str]]) -> None:
 def _max_steps(folder: str) -> Optional[int]:
     """The train.max_steps of the run's config.yaml (what its latest command set), None without one."""
     try:
-        with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as f:
-            config = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        config = saved_config(folder)
+    except UnicodeDecodeError:  # a damaged file tells nothing
         return None
-    train = config.get("train") if isinstance(config, dict) else None
+    train = config.get("train") if config else None
     value = train.get("max_steps") if isinstance(train, dict) else None
     return value if _positive_int(value) else None
 

@@ -250,7 +250,8 @@ def archive(out_dir: str, names: list[str]) -> str:
     return target
 
 
-def _saved_config(out_dir: str) -> Optional[dict]:
+def saved_config(out_dir: str) -> Optional[dict]:
+    """The run's config.yaml as a dict, or None without a readable one."""
     try:
         with open(os.path.join(out_dir, "config.yaml")) as f:
             saved = yaml.safe_load(f)
@@ -264,7 +265,7 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     found = earlier_run_files(out_dir)
     if not found:
         return
-    saved = _saved_config(out_dir)
+    saved = saved_config(out_dir)
     foreign = _foreign_config(out_dir, found, saved, config)
     # logs only, which the rules below would archive without asking: a config.yaml of the user's is never moved as
     # if a run had written it (beside a result, the refusal below names the files)
@@ -443,7 +444,7 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     """Write config.yaml; an existing one with other values is kept as config.until_step<step>.yaml."""
     path = os.path.join(out_dir, "config.yaml")
     kept = None
-    if os.path.exists(path) and _saved_config(out_dir) != config:
+    if os.path.exists(path) and saved_config(out_dir) != config:
         kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
     with open(tmp, "w") as f:

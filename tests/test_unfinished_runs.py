@@ -11,7 +11,7 @@ import evaluate
 import paper_table
 import train
 from configs import load_config
-from engine.eval_results import ResultsError, refuse_unfinished, unfinished_run
+from engine.eval_results import ResultsError, refuse_unfinished, run_end
 from tests.conftest import DEBUG_CONFIG
 
 
@@ -43,9 +43,9 @@ def test_a_run_of_an_epoch_schedule_stopped_at_max_steps_is_no_seed_until_it_fin
     assert "re-run its command without train.max_steps" in message, message
     assert f"leave {paths[1]} out of --over-seeds" in message, message
     assert "| vit_nano | Baseline |" in paper_table.main(paths)  # one row per result: nothing averaged
-    assert unfinished_run(runs["baseline_s0"].out_dir, results["baseline_s0"]) is None
+    assert run_end(runs["baseline_s0"].out_dir, results["baseline_s0"]) == (None, 8)  # at its schedule's end
     train.main(debug_config("train.seed=1", name="sweep/baseline_s1"))  # resumed to the end of its schedule
-    assert unfinished_run(folder, results["baseline_s1"]) is None
+    assert run_end(folder, results["baseline_s1"]) == (None, 8)
 
 
 def test_the_updates_of_an_epoch_are_told_by_the_training_records_and_a_schedule_in_steps_by_itself(tmp_path):
@@ -53,15 +53,15 @@ def test_the_updates_of_an_epoch_are_told_by_the_training_records_and_a_schedule
     in updates (sched.steps) needs none. A result that records no recipe (an older file) is not judged either."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "val/top1": 50.0}) + "\n")
     epochs = {"recipe": {"sched.epochs": 2, "sched.steps": None}}
-    assert unfinished_run(str(tmp_path), epochs) is None
-    assert unfinished_run(str(tmp_path), {}) is None
+    assert run_end(str(tmp_path), epochs) is None
+    assert run_end(str(tmp_path), {}) is None
     with pytest.raises(ResultsError, match=r"validated last at update 3 of the 5 of its schedule \(sched.steps=5\)"):
         refuse_unfinished([(str(tmp_path), {"recipe": {"sched.epochs": 2, "sched.steps": 5}}, "leave it out")])
     # 3 updates are 0.75 of an epoch of 4: the schedule is 8 updates long
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "train/loss": 1.0, "train/epoch": 0.75}) + "\n"
                                             + json.dumps({"step": 3, "val/top1": 50.0}) + "\n")
-    assert unfinished_run(str(tmp_path), epochs) == ("validated last at update 3 of the 8 of its schedule "
-                                                     "(sched.epochs=2 of 4 updates)")
+    assert run_end(str(tmp_path), epochs) == ("validated last at update 3 of the 8 of its schedule (sched.epochs=2 "
+                                              "of 4 updates)", 3)
 
 
 def test_runs_that_their_recipe_stops_at_one_max_steps_are_seeds_and_one_stopped_short_of_them_is_not(tmp_path):
