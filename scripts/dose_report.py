@@ -7,8 +7,8 @@ Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of 
 (mean ± sample std). A run without eval_best.json, or not evaluated at every quantized column of the table
 (an evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights
 and the kind of checkpoint, data, quantization settings), seeds of one point trained with other settings (the
-recipe their eval_best.json records) or evaluated with other model.kwargs, and runs that stopped before the end of
-their schedule (train.max_steps: engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
+recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped before the others'
+end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
 model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables of
 evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
 (quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a quantized

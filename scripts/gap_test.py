@@ -17,7 +17,7 @@ whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the 
 note of how below the table, and a setting computed with other settings than the defaults (e.g.
 quant.calib_images=64) *, with a note naming them, as dose_report.py and lm_study.py mark them. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
-(numbers present, not stale, each run at the end of its schedule: engine/eval_results.refuse_unfinished);
+(numbers present, not stale, the runs ending alike: engine/eval_results.refuse_unfinished);
 nothing is written.
 """
 from __future__ import annotations

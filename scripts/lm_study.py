@@ -5,7 +5,7 @@ r"""Report of a from-scratch language-model dose study (configs/sweeps/kjv_lm_do
 
 Runs are the folders `<point>_s<seed>` under the sweep root (scripts/dose_report.py reads them), averaged
 over seeds (mean ± sample std); runs evaluated differently, seeds of one point trained with other
-settings or evaluated with other model.kwargs, runs that stopped before the end of their schedule (sched.steps or
+settings or evaluated with other model.kwargs, a run that stopped before the others' end (sched.steps or
 sched.epochs; engine/eval_results.refuse_unfinished) and an eval_best.json of weights other than the run's best.pt
 beside it holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with

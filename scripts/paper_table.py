@@ -13,8 +13,8 @@ entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records), and the run of
-a best.pt or checkpoint.pt must have reached the end of its schedule (a run stopped at train.max_steps is refused,
-as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). A result
+a best.pt or checkpoint.pt must have ended as the others did (one stopped at train.max_steps or by a signal before
+the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). A result
 whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
@@ -166,7 +166,7 @@ def finetune_table(results: list[dict]) -> str:
 
 
 def refuse_unfinished_seeds(paths: list[str], results: list[dict]) -> None:
-    """--over-seeds averages each result as a seed: one of a run that stopped before the end of its schedule
+    """--over-seeds averages each result as a seed: one of a run that stopped before the others' end
     (engine.eval_results.refuse_unfinished, told by the run folder of its best.pt or checkpoint.pt) is refused."""
     try:
         refuse_unfinished([(folder, result, f"leave {path} out of --over-seeds") for path, result in zip(paths, results)
