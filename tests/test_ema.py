@@ -1,9 +1,11 @@
-"""train.ema: every parameter of the EMA moves once per update, by the closed form ema <- d * ema + (1 - d) * w,
-also the tied token embedding / LM head of GPT (timm's default walk of the state dict averaged it twice)."""
+"""train.ema: every parameter and floating buffer of the EMA moves once per update, by the closed form
+ema <- d * ema + (1 - d) * w, also the tied token embedding / LM head of GPT (timm's default walk of the state dict
+averages it twice); integer buffers are copied, as timm's default does."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from cd_models import tiny_vit
 from configs.schema import TrainConfig
@@ -36,3 +38,25 @@ def test_the_gpt_head_is_tied_to_the_token_embedding_in_the_ema_too():
     ema = build_ema(model, TrainConfig(ema=True))
     assert ema.module.head.weight is ema.module.wte.weight
     assert build_ema(model, TrainConfig(ema=False)) is None
+
+
+def test_batchnorm_statistics_are_averaged_and_the_batch_count_copied():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(torch.randn(2, 3, 6, 6, dtype=torch.float64))  # materialise the lazy layer before the EMA copies it
+    decay = 0.9
+    ema = build_ema(model, TrainConfig(ema=True, ema_decay=decay))
+    naive = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2, 5):  # step 1 would start the EMA from the raw weights (decay 0)
+        model.train()
+        model(torch.randn(8, 3, 6, 6, dtype=torch.float64) * 5 + 3).square().mean().backward()
+        optimizer.step()
+        ema.update(model, step=step)
+        for key, now in model.state_dict().items():
+            naive[key] = decay * naive[key] + (1 - decay) * now if now.is_floating_point() else now.clone()
+    got = ema.module.state_dict()
+    assert got["1.num_batches_tracked"].item() == 4
+    for key, want in naive.items():
+        assert got[key].dtype == want.dtype, key
+        assert torch.allclose(got[key], want, rtol=0, atol=1e-12), key
