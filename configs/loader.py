@@ -237,10 +237,15 @@ WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
               lambda steps, warmup_steps, warmup_epochs: (warmup_steps if steps is not None else warmup_epochs) > 0,
               "the schedule has a warmup (sched.warmup_epochs above 0, or with sched.steps sched.warmup_steps)")
 
-# quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss and
-# for the MLP reconstruction only
-APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.mlp_reconstruct"), lambda loss, mlp: loss == "aph" or mlp,
-                    "quant.aphq.loss is aph or quant.aphq.mlp_reconstruct is true (the APH is computed)")
+# quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss of a
+# reconstruction that runs (iters above 0) and for the MLP reconstruction only
+APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reconstruct"),
+                    lambda loss, iters, mlp: (loss == "aph" and iters != 0) or mlp,
+                    "quant.aphq.mlp_reconstruct is true or quant.aphq.loss is aph with quant.aphq.iters above 0 (the "
+                    "APH is computed)")
+# APHQ's progress lines come from its block and MLP reconstructions
+APHQ_TRAINS = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct"), lambda iters, mlp: iters != 0 or mlp,
+                   "quant.aphq.iters is above 0 or quant.aphq.mlp_reconstruct is true (something is trained)")
 # the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
 # quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
 FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Config().quant).items()
@@ -280,6 +285,11 @@ READ_ONLY_WHEN = [
     (("sched.warmup_lr",), WARMUP, None),
     (FIRST_LAST_KEYS, "quant.first_last", ("official",)),
     (("quant.aphq.temperature", "quant.aphq.hessian_probe", "quant.aphq.hessian_eps"), APH_COMPUTED, None),
+    # quant.aphq.iters=0 is calibration only: no block reconstruction, nothing captured for it
+    (("quant.aphq.weight_lr", "quant.aphq.act_lr", "quant.aphq.round_weight", "quant.aphq.beta_start",
+      "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
+      "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
+    (("quant.aphq.log_every",), APHQ_TRAINS, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy

@@ -335,6 +335,11 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
      "quant.percentile.head_w_bits"),
     # the APH is not computed for a plain-MSE reconstruction without the MLP step
     ("configs/demo/vit_digits.yaml", ["quant.aphq.loss=mse", "quant.aphq.temperature=1"], "quant.aphq.temperature"),
+    # quant.aphq.iters=0 is calibration only: nothing of the reconstruction, nor the APH, is read
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.weight_lr=0.01"], "quant.aphq.weight_lr"),
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.loss=mse"], "quant.aphq.loss"),
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.hessian_eps=1e-5"], "quant.aphq.hessian_eps"),
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.log_every=10"], "quant.aphq.log_every"),
 ]
 
 
@@ -368,6 +373,9 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/pretrain/vit_b.yaml", ["optim.name=lamb", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]),
     ("configs/pretrain/vit_b.yaml", ["data.auto_augment=", "data.color_jitter=0.4"]),
     ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_iters=5"]),
+    # MR trains (and reads the APH) at quant.aphq.iters=0 too
+    ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true",
+                                      "quant.aphq.temperature=5", "quant.aphq.log_every=10"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0.5", "quant.gplq.pca_images=64"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_images=64", "quant.gplq.stage2_images=64"]),  # defaults on
     ("configs/demo/vit_digits.yaml", ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"]),  # as cd.enabled

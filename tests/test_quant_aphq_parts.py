@@ -712,8 +712,8 @@ def run_aphq_spied(monkeypatch, **options):
     draws = calls.setdefault("data", [])
     data = PipelineData(train_images=lambda n, seed, train: draws.append((n, seed, train)) or pool[:n])
     model = tiny_vit()
-    opts = dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
-                log_every=0, **options)
+    opts = {**dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
+                   log_every=0), **options}
     qmodel, _ = PIPELINES["aphq"](model, None, "w4a4", opts, data=data)
     return model, qmodel, pool, calls
 
@@ -783,6 +783,40 @@ def test_aphq_pipeline_mlp_iters_none_follows_iters(monkeypatch):
     _, _, _, calls = run_aphq_spied(monkeypatch, mlp_reconstruct=True)  # run_aphq_spied gives iters=2
     (*_, st, _), _ = calls["mr"][0]
     assert st.iters == 2
+
+
+def test_aphq_at_zero_iterations_calibrates_only_and_equals_zero_iterations_of_reconstruction(monkeypatch):
+    """iters=0 computes no float logits, unit captures or APH, and its model is the one that reconstructing
+    every unit for 0 iterations gives (the units switched on in order after the calibration)."""
+    import quant.aphq.pipeline as pipe
+    from configs.quant import APHQOptions
+    from quant.aphq.calibration import SearchSettings, calibrate_aphq
+    from quant.aphq.reconstruct import ReconSettings, reconstruct_unit
+    from quant.convert import quantize_model
+    from quant.modes import set_quant_state
+    from quant.spec import parse_bits
+    skipped = []
+    for name in ("model_logits", "capture_unit", "perturbation_hessian"):
+        monkeypatch.setattr(pipe, name, lambda *a, _name=name, **k: skipped.append(_name))
+    fp, qmodel, pool, calls = run_aphq_spied(monkeypatch, iters=0)
+    assert skipped == [] and calls["recon"] == []
+    # the reference: the same calibration, then 0 iterations of reconstruct_unit on each unit in order
+    options = APHQOptions(iters=0, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0,
+                          eq_n=32, log_every=0)
+    ref = quantize_model(copy.deepcopy(fp), PIPELINES["aphq"].layout(parse_bits("w4a4"), options)).eval()
+    ref.requires_grad_(False)
+    units = find_units(ref)
+    calibrate_aphq(ref, units, pool[:4], SearchSettings(
+        rounds=0, weight_pct=options.weight_pct, act_pct=options.act_pct, eq_n=32, matmul_pct=options.matmul_pct,
+        matmul_steps=5, max_rows=None, round_zero_point=True, batch_size=4), generator=torch.Generator().manual_seed(0))
+    none = torch.empty(0)
+    for unit in units:
+        module = ref.get_submodule(unit.name)
+        set_quant_state(module, weights=True, activations=True)
+        reconstruct_unit(module, none, none, none, None, "weighted_mse",
+                         ReconSettings(0, 4, 1e-3, 4e-5, 0.5, 0.5, RoundingSchedule(0), True, 0), torch.Generator())
+    with torch.no_grad():
+        assert torch.equal(qmodel(pool), ref(pool))
 
 
 def test_aphq_eq_n_limit_counts_the_stem_and_head_bit_widths():

@@ -21,7 +21,8 @@ order to reduce quantization time" (CD paper Sec. 4.1). Procedure, after GoatWu/
 A detector (`PipelineData.detector_samples`) follows the official detection code instead: detector.py.
 
 Defaults are the official classification recipe (configs/4bit/best.py): 128 / 1024 images, batch 32,
-20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap.
+20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap; `iters=0` is
+calibration only (steps 1-3, then every unit switched on: no float captures and no APH).
 Under torchrun the whole pipeline runs once, on rank 0; the other ranks receive its model (pipeline_base).
 """
 from __future__ import annotations
@@ -142,8 +143,11 @@ class APHQPipeline(Pipeline):
                   options: APHQOptions, timer: StageTimer, device: torch.device, cache: torch.device, bs: int,
                   gen: torch.Generator) -> Tuple[nn.Module, dict]:
         frozen = copy.deepcopy(fp_model).eval().requires_grad_(False)  # the float reference; never modified
-        with timer("fp_logits", device):
-            fp_logits = model_logits(frozen, images, bs)
+        # the APH needs the float logits; only MR and the APH-weighted reconstruction read it (configs/loader.py
+        # APH_COMPUTED refuses its settings otherwise)
+        if options.mlp_reconstruct or (options.iters > 0 and options.loss == "aph"):
+            with timer("fp_logits", device):
+                fp_logits = model_logits(frozen, images, bs)
         eps = options.hessian_eps if options.hessian_eps is not None else (
             1e-6 if options.hessian_probe == "ones" else 1e-4)
         hessians: Dict[str, torch.Tensor] = {}
@@ -184,7 +188,26 @@ class APHQPipeline(Pipeline):
                 round_zero_point=options.round_zero_point, batch_size=bs),
                 generator=torch.Generator().manual_seed(options.seed))
         # every quantizer is float now; units are switched on as they are reconstructed
+        if options.iters == 0:  # calibration only: 0 iterations would change nothing, so no captures, no APH
+            for unit in units:
+                set_quant_state(model.get_submodule(unit.name), weights=True, activations=True)
+            unit_stats = [{"unit": unit.name, "kind": unit.kind, "iters": 0} for unit in units]
+        else:
+            unit_stats = self._reconstruct(model, frozen, units, images, options, timer, device, cache, bs, gen,
+                                           hessian, hessian_seconds)
+        model.eval()
+        report = pipeline_report(
+            self.name, model, bits, options,
+            data={"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
+                  "seed": options.data_seed, "transform": "train"},
+            calibration=calib_report, units=unit_stats, mlp_reconstruction=mr_stats)
+        return model, report
 
+    @staticmethod
+    def _reconstruct(model: nn.Module, frozen: nn.Module, units: list, images: torch.Tensor, options: APHQOptions,
+                     timer: StageTimer, device: torch.device, cache: torch.device, bs: int, gen: torch.Generator,
+                     hessian, hessian_seconds: StageTimer) -> list:
+        """Reconstruct the units of `model` in order, each switched on as it starts; their stats."""
         settings = ReconSettings(
             iters=options.iters, batch_size=bs, weight_lr=options.weight_lr, act_lr=options.act_lr,
             drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
@@ -218,11 +241,4 @@ class APHQPipeline(Pipeline):
                     log.info("APHQ reconstruction: about %s left for the other %d units", duration(
                         spent / len(unit_stats) * left), left)
                 del fp_in, fp_out, q_in
-        model.eval()
-        report = pipeline_report(
-            self.name, model, bits, options,
-            data={"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
-                  "seed": options.data_seed, "transform": "train"},
-            calibration=calib_report, units=unit_stats, mlp_reconstruction=mr_stats)
-        return model, report
-
+        return unit_stats
