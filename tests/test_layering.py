@@ -1,8 +1,8 @@
 """DESIGN.md's one-way dependencies, read from the import statements of the repository's own files.
 
-models/ knows nothing of cd/ or quant/; cd/ and quant/ never import data/ or the entry points (train.py,
-evaluate.py, evaluate_detection.py, scripts/). `cd/` installing on its own (torch alone) is
-tests/test_cd_package.py's.
+configs/ imports no other package of the project; models/ knows nothing of cd/ or quant/; cd/ and quant/ never
+import data/ or the entry points (train.py, evaluate.py, evaluate_detection.py, scripts/). `cd/` installing on its
+own (torch alone) is tests/test_cd_package.py's.
 """
 import ast
 import subprocess
@@ -32,6 +32,7 @@ def package_files(package: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("package, forbidden", [
+    ("configs", {"cd", "models", "data", "quant", "engine"} | ENTRY_POINTS),
     ("models", {"cd", "quant"}),
     ("cd", {"data"} | ENTRY_POINTS),
     ("quant", {"data"} | ENTRY_POINTS),
