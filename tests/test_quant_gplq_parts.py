@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 from quant import PIPELINES
 from quant.convert import quantized_layers
@@ -718,6 +719,38 @@ def test_gplq_layout_is_lsq_symmetric_activations_per_channel_and_head_and_weigh
     for name, q in weights:
         layer = qmodel.get_submodule(name.rsplit(".", 1)[0])
         assert q.channel_dim == 0 and q.scale.numel() == layer.out_features, name
+
+
+def test_stage1_without_the_pca_loss_fits_no_pca_runs_no_teacher_and_steps_on_the_ce_alone(tmp_path):
+    """pca_weight 0: the teacher PCA is never fitted and the teacher never run (in the first run nor on resume);
+    the update is AdamW's on the CE written out here, and the report has no PCA."""
+    class NoTeacher(nn.Module):
+        def forward(self, x):
+            raise AssertionError("the teacher ran at pca_weight 0")
+
+    def no_pca():
+        raise AssertionError("the teacher PCA was fitted at pca_weight 0")
+
+    student = tiny_vit(depth=1)
+    start = copy.deepcopy(student)
+    batches = cpu_pipeline_data(num_images=8).train_loader(4, 0)
+    x, y = next(iter(batches.loader))
+    lr = 1e-3
+    settings = Stage1Settings(steps=1, batch_size_per_gpu=4, lr=lr, scale_lr=lr, weight_decay=0.0, pca_weight=0.0,
+                              amp="none", log_every=1, ckpt_every=0, seed=0)
+    path = str(tmp_path / "stage1.pt")
+    out = run_stage1(student, NoTeacher(), no_pca, batches, settings, path, {"run": 1})
+    ref = copy.deepcopy(start).train()
+    logits = ref(x)
+    (-torch.log_softmax(logits, dim=1)[torch.arange(4), y].mean()).backward()
+    for (name, p0), p1 in zip(ref.named_parameters(), student.parameters()):
+        clear = p0.grad.abs() > 1e-5  # as in the CE + PCA test: AdamW's first step is lr * sign(g)
+        want = p0.detach() - lr * p0.grad / (p0.grad.abs() + 1e-8)
+        torch.testing.assert_close(p1.detach()[clear], want[clear], rtol=0, atol=lr * 1e-2, msg=name)
+    assert (out["pca"], out["pca_dims"], out["pca_explained"], out["pca_samples"]) == (None,) * 4
+    resumed = run_stage1(tiny_vit(depth=1), NoTeacher(), no_pca, batches, dataclasses.replace(settings, steps=2),
+                         path, {"run": 1})
+    assert (resumed["resumed_from"], resumed["steps"], resumed["pca_dims"]) == (1, 2, None)
 
 
 def test_stage1_resumes_with_the_checkpoints_pca_without_refitting_it(tmp_path):

@@ -197,8 +197,9 @@ class GPLQPipeline(Pipeline):
                  else contextlib.nullcontext())
         with timer("stage1", device), stops as preemption:
             stage1 = run_stage1(model, teacher, pca, train_batches, settings, checkpoint, config, preemption)
-        log.info("GPLQ stage 1: %d updates, lr %.2e, PCA %d dims (%.1f%% variance) [%.1fs]",
-                 stage1["steps"], lr, stage1["pca_dims"], 100 * stage1["pca_explained"], stage1["seconds"])
+        pca_part = (f"PCA {stage1['pca_dims']} dims ({100 * stage1['pca_explained']:.1f}% variance)"
+                    if stage1["pca_dims"] is not None else "no PCA loss")
+        log.info("GPLQ stage 1: %d updates, lr %.2e, %s [%.1fs]", stage1["steps"], lr, pca_part, stage1["seconds"])
 
         return run_on_main(lambda: self._stage2(model, teacher, bits, options, data, timer, device, stage1),
                            f"quantizing gplq {bits} (stage 2)", device)

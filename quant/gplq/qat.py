@@ -5,6 +5,8 @@ and all float weights trainable; the teacher is the untouched float model, run o
 
     loss = CE(student logits, labels) + pca_weight * L_PCA(student features, teacher features)
 
+At pca_weight 0 the loss is the CE alone: neither the teacher PCA nor the teacher's forward is computed.
+
 `FeatureTap` makes one forward of the (possibly DDP-wrapped) student return logits AND penultimate
 features, so gradients are synchronised by DDP as in train.py. The optimizer-update loop is the
 shared `TrainLoop` (one copy of AMP / accumulation / clipping / reseeding / checkpoint logic); this
@@ -118,8 +120,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     Args:
         student: converted model, LSQ scales learnable, weight quantizers bypassed, on its device.
         teacher: float model (eval, no grad) on the same device.
-        fit_pca: computes the teacher PCA projection (called only when not resuming: a resumed run
-            uses the projection stored in the checkpoint).
+        fit_pca: computes the teacher PCA projection (called only when not resuming and pca_weight is not 0: a
+            resumed run uses the projection stored in the checkpoint).
         batches: this rank's training loader and sampler.
         settings: steps, batch, learning rates, loss weight, AMP, logging and checkpoint intervals.
         checkpoint: path of the resumable stage-1 checkpoint (None: none written, no resume).
@@ -130,7 +132,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
 
     Returns:
         {"steps", "seconds", "resumed_from", "lr", "scale_lr", "world_size", "ddp", "ce", "pca", "pca_dims",
-        "pca_explained", "pca_samples"}.
+        "pca_explained", "pca_samples"}; the pca_* entries None at pca_weight 0.
 
     Raises:
         Preempted: `preemption` asked to stop, on every rank; `checkpoint` holds the updates done so far.
@@ -160,6 +162,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     # rank 0 decides whether to resume: ranks that each looked (a folder that is not shared between nodes)
     # could take both branches, fit_pca's all-reduce facing restore_training; a rank that cannot read the
     # file rank 0 sees fails on it, naming it
+    aligned = settings.pca_weight != 0  # else no PCA loss: no teacher PCA, no teacher forward
     resume = run_on_main(lambda: bool(checkpoint and os.path.exists(checkpoint)),
                          "looking for the GPLQ stage-1 checkpoint", device)
     if resume:
@@ -172,7 +175,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
             payload = load_checkpoint(checkpoint)
             refuse_other_run(checkpoint, payload["config"], config)
             restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
-            pca = PCAProjection.from_state_dict(payload["pca"], device)
+            pca = PCAProjection.from_state_dict(payload["pca"], device) if aligned else None
             # hashed under torchrun only (ViT-B: 0.7 s on a CPU core, docs/measurements.md "Training"); one process
             # compares with nothing
             start = start_point(payload) if world_size() > 1 else {}
@@ -184,39 +187,44 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         resumed_from = state.step
         log.info("GPLQ stage 1: resumed from %s at update %d", checkpoint, state.step)
     else:
-        pca = fit_pca()
+        pca = fit_pca() if aligned else None
     total = settings.steps if settings.steps is not None else len(batches)
 
     sums = torch.zeros(3, device=device)  # ce, pca, micro-batches since the last log (no per-step sync)
 
     def compute_loss(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits, feats = model(images)
-        with torch.no_grad():
-            t_feats = penultimate(teacher, images)
-        ce = F.cross_entropy(logits.float(), targets)
-        lp = pca_loss(feats, t_feats, pca)
+        loss = ce = F.cross_entropy(logits.float(), targets)
+        lp = torch.zeros((), device=device)
+        if aligned:
+            with torch.no_grad():
+                t_feats = penultimate(teacher, images)
+            lp = pca_loss(feats, t_feats, pca)
+            loss = ce + settings.pca_weight * lp
         sums.add_(torch.stack([ce.detach(), lp.detach(), torch.ones((), device=device)]))
-        return ce + settings.pca_weight * lp
+        return loss
 
     last: Dict[str, float] = {}
 
     def parts() -> Dict[str, float]:
         ce, lp, n = sums.tolist()
         sums.zero_()
-        last.update({"gplq/ce": ce / max(n, 1.0), "gplq/pca": lp / max(n, 1.0)})
+        last.update({"gplq/ce": ce / max(n, 1.0), **({"gplq/pca": lp / max(n, 1.0)} if aligned else {})})
         return dict(last)
 
     def save() -> None:
         if checkpoint:
             save_on_main_rank(lambda: training_payload(model=train_model, optimizer=optimizer, state=state,
                                                        config=config, scaler=scaler,
-                                                       extra={"pca": pca.state_dict()}),
+                                                       extra={"pca": pca.state_dict() if aligned else None}),
                               checkpoint, rank == 0, device)
 
     def report(step: int, metrics: Dict[str, float]) -> None:
-        log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f  pca %.4f  lr %.2e  %.1f img/s", step, total,
-                 metrics["train/loss"], metrics.get("gplq/ce", float("nan")),
-                 metrics.get("gplq/pca", float("nan")), metrics["train/lr"], metrics["train/img_per_s"])
+        losses = (metrics["train/loss"], metrics.get("gplq/ce", float("nan")))
+        if aligned:
+            losses += (metrics.get("gplq/pca", float("nan")),)
+        log.info("GPLQ stage 1 update %d/%d  loss %.4f  ce %.4f" + ("  pca %.4f" if aligned else "") +
+                 "  lr %.2e  %.1f img/s", step, total, *losses, metrics["train/lr"], metrics["train/img_per_s"])
 
     loop = TrainLoop(model=train_model, optimizer=optimizer, compute_loss=compute_loss, device=device,
                      amp=settings.amp, scaler=scaler, seed=settings.seed, rank=rank, world_size=world,
@@ -244,5 +252,6 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     return {"steps": state.step, "seconds": round(time.perf_counter() - start, 3),
             "resumed_from": resumed_from, "lr": settings.lr, "scale_lr": settings.scale_lr,
             "world_size": world, "ddp": isinstance(train_model, nn.parallel.DistributedDataParallel),
-            "ce": last.get("gplq/ce"), "pca": last.get("gplq/pca"), "pca_dims": pca.dims,
-            "pca_explained": round(pca.explained, 4), "pca_samples": pca.samples}
+            "ce": last.get("gplq/ce"), "pca": last.get("gplq/pca"), "pca_dims": pca.dims if aligned else None,
+            "pca_explained": round(pca.explained, 4) if aligned else None,
+            "pca_samples": pca.samples if aligned else None}
