@@ -379,6 +379,7 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0.5", "quant.gplq.pca_images=64"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_images=64", "quant.gplq.stage2_images=64"]),  # defaults on
     ("configs/demo/vit_digits.yaml", ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"]),  # as cd.enabled
+    ("configs/demo/vit_digits.yaml", ["quant.gplq.matmul_percentile=0.9"]),  # operands quantized by default
 ])
 
 
@@ -395,6 +396,16 @@ def test_a_gplq_qwt_setting_over_a_config_without_qwt_is_refused(tmp_path):
                                           r"quant.gplq.qwt is true, and it is false"):
         load_config([str(no_qwt)], ["quant.gplq.stage2_images=64"])
     assert load_config([str(no_qwt)], ["quant.gplq.qwt=true", "quant.gplq.stage2_images=64"]).quant.gplq.qwt
+
+
+def test_a_gplq_matmul_percentile_over_a_config_with_float_matmuls_is_refused(tmp_path):
+    """GPLQ's matmul_percentile sets the starting range of the q, k, v and softmax quantizers, which
+    matmul_operands=false leaves out: over such a config it would be ignored."""
+    float_matmuls = tmp_path / "float_matmuls.yaml"
+    float_matmuls.write_text("quant:\n  gplq:\n    matmul_operands: false\n")
+    with pytest.raises(ConfigError, match=r"quant.gplq.matmul_percentile=0.9 would be ignored: .* read only when "
+                                          r"quant.gplq.matmul_operands is true, and it is false"):
+        load_config([str(float_matmuls)], ["quant.gplq.matmul_percentile=0.9"])
 
 
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
