@@ -408,9 +408,10 @@ class _Block:
 
 def _attention_pairs(b: _Block) -> list[Pair]:
     """qkv and proj pairs of a fused-qkv attention, or of separate q, k, v layers (class attention: CaiT /
-    XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v."""
+    XCiT `ClassAttn`; transformers' ViT and Llama), where q, k and v each pair with norm1 and proj with v.
+    A `norm` child is read as one between V and proj only once V is found: PVT-v2's and Twins' `norm` normalises
+    the spatially reduced tokens that feed their fused `kv`, an attention refused for having no qkv and no v."""
     lay = b.lay
-    b.refuse_inner_norm(lay.proj, "V -> proj")
     attn = _module(b.module, lay.proj.rpartition(".")[0])  # the module holding proj (an nn.MultiheadAttention's)
     if getattr(attn, "_qkv_same_embed_dim", True) is False:
         raise b.refuse(f"{type(attn).__name__} has kdim or vdim other than embed_dim (separate "
@@ -423,6 +424,7 @@ def _attention_pairs(b: _Block) -> list[Pair]:
         if rows % 3 or b.width(lay.proj, 1) != rows // 3:
             raise b.refuse(f"{lay.qkv} is not 3x {lay.proj}'s input width")
         d = rows // 3
+        b.refuse_inner_norm(lay.proj, "V -> proj")
         return [b.composable(lay.norm1, lay.qkv, "qkv"), b.functional(lay.qkv, lay.proj, "proj", (2 * d, 3 * d))]
     q_k_v = lay.q_k_v or ()
     if q_k_v and proj is not None and all(b.matrix(p) is not None for p in q_k_v):
@@ -431,6 +433,7 @@ def _attention_pairs(b: _Block) -> list[Pair]:
                            "attention, where V heads are shared, has no V -> proj pair of the paper's form); give "
                            "the attention as many key/value heads as query heads (transformers: "
                            "num_key_value_heads=num_attention_heads), or train this model without CD")
+        b.refuse_inner_norm(lay.proj, "V -> proj")
         return [*(b.composable(lay.norm1, p, "qkv") for p in q_k_v), b.functional(q_k_v[2], lay.proj, "proj")]
     if proj is None:
         raise b.refuse_missing(lay.proj, "the attention's output layer")

@@ -124,6 +124,18 @@ def test_a_norm_between_a_functional_pairs_matrices_is_refused(option, pair):
     assert len(find_pairs(_tiny("vit_tiny_patch16_224", depth=1, **{option: False}))) == 4  # Identity: no norm
 
 
+@pytest.mark.parametrize("name,block", [("pvt_v2_b0", "stages.0.blocks.0"), ("twins_pcpvt_small", "blocks.0.0")])
+def test_an_attention_with_k_and_v_fused_in_kv_is_refused_as_such_not_for_its_norm(name, block):
+    # PVT-v2's and Twins' attention: q reads the tokens, kv (K and V in one Linear) reads norm(sr(tokens)), the
+    # spatially reduced ones; its `norm` is on kv's input, not between V and proj. What CD lacks is qkv or a v.
+    attn = _meta(name).get_submodule(block).attn
+    assert isinstance(attn.norm, nn.LayerNorm) and hasattr(attn, "kv") and not hasattr(attn, "v")
+    with pytest.raises(UnsupportedModelError) as info:
+        find_pairs(_meta(name))
+    assert f"'{block}'" in str(info.value) and "found no attn.qkv or attn.k, attn.v" in str(info.value)
+    assert "has a norm before" not in str(info.value)
+
+
 def test_a_pair_split_across_devices_is_refused_naming_both_devices():
     model = tiny_vit()
     model.blocks[1].mlp.fc1.to("meta")  # stands in for another GPU: a block split across devices
