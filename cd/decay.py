@@ -402,8 +402,10 @@ class ColinearityDecay:
         """The update with these per-pair lrs. `reads`: id(matrix) -> the value to read it as (a matrix another
         optimizer stepped since this update's weights; this update writes none of them). `count`: a new update
         (False: another optimizer's part of the last one, whose update norms it joins)."""
-        steps = [lr * lam for lr, lam in zip(lr2, self._lams)]
-        up_steps = [lr * lam for lr, lam in zip(lr1, self._up_lams)]
+        # a zero strength gives a Python 0.0 whatever the lr's type: the update skips only Python zeros
+        # (`cd.update.known_zero`), and a tensor 0 would compute and write target C's term without target C
+        steps = [lr * lam if lam != 0 else 0.0 for lr, lam in zip(lr2, self._lams)]
+        up_steps = [lr * lam if lam != 0 else 0.0 for lr, lam in zip(lr1, self._up_lams)]
         pairs = self.pairs
         if reads:
             pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),

@@ -139,7 +139,9 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _is_zero(x: Number) -> bool:
+def known_zero(x: Number) -> bool:
+    """Whether a step (or lr) is zero as a Python number. A tensor is never known to be zero here: reading its value
+    would wait for the device, so a 0-dim tensor step of 0 runs its products and writes zero deltas."""
     return not isinstance(x, Tensor) and x == 0
 
 
@@ -301,7 +303,7 @@ def colinearity_decay_(
                          "cd.sharded.sharded_colinearity_decay_, which gather each block's matrices whole")
     up_steps = list(upstream_step_sizes) if upstream_step_sizes is not None else [0.0] * n_pairs
     if plan is None:
-        plan = build_plan(pairs, [not _is_zero(s) for s in up_steps])
+        plan = build_plan(pairs, [not known_zero(s) for s in up_steps])
 
     sq_norms: dict[str, Tensor] = {}
     pending: list[tuple[Tensor, Tensor]] = []  # (target, delta) of deferred groups, added at the end
@@ -318,8 +320,8 @@ def colinearity_decay_(
 
     with _products_in(precision):
         for group, deferred in zip(plan.groups, plan.defer):
-            idx2 = [i for i in group if not _is_zero(step_sizes[i])]
-            idx1 = [i for i in group if pairs[i].kind == "functional" and not _is_zero(up_steps[i])]
+            idx2 = [i for i in group if not known_zero(step_sizes[i])]
+            idx1 = [i for i in group if pairs[i].kind == "functional" and not known_zero(up_steps[i])]
             if not idx2 and not idx1:
                 continue
             role = pairs[group[0]].role

@@ -1,0 +1,75 @@
+"""ColinearityDecay's lr in its forms: a 0-dim tensor lr (apply(tensor), an optimizer built with lr=tensor) does what
+the same Python lr does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cd import ColinearityDecay
+from cd_models import VIT_DEPTH, changed, ref_block_update, snapshot, tiny_vit
+
+LAM, LR = 0.2, 0.5
+ROLES = ("qkv", "proj", "fc1", "fc2")
+
+
+def _zero_grads(model):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def _expected(P: dict, step: float) -> dict:
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", step, expected)
+    return expected
+
+
+def _norm_keys(decay: ColinearityDecay) -> set:
+    return {k for k in decay.metrics() if k.startswith("cd/update_norm/")}
+
+
+@pytest.mark.parametrize("targets,written", [("A+B", ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")),
+                                             ("B", ("attn.proj", "mlp.fc2"))])
+def test_a_tensor_lr_writes_only_the_targets_matrices_once_each(targets, written):
+    # without target C no upstream matrix is decayed: a tensor lr must not make a (zero) upstream update, which
+    # would write qkv's V rows and fc1 a second time (under B, at all)
+    model = tiny_vit().double()
+    P = snapshot(model)
+    versions = {n: p._version for n, p in model.named_parameters()}
+    decay = ColinearityDecay(model, lam=LAM, targets=targets)
+    decay.apply(torch.tensor(LR, dtype=torch.float64))
+    writes = {n: p._version - versions[n] for n, p in model.named_parameters()}
+    want = {f"blocks.{i}.{layer}.weight" for i in range(VIT_DEPTH) for layer in written}
+    assert {n: w for n, w in writes.items() if w} == dict.fromkeys(want, 1)
+    roles = [r for r in ROLES if any(layer.endswith(r) for layer in written)]
+    assert _norm_keys(decay) == {f"cd/update_norm/{r}" for r in roles}
+    if targets == "A+B":
+        for name, value in _expected(P, LR * LAM).items():
+            torch.testing.assert_close(dict(model.named_parameters())[name].detach(), value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_tensor_lr_leaves_a_role_of_strength_zero_unwritten():
+    model = tiny_vit().double()
+    versions = {n: p._version for n, p in model.named_parameters()}
+    decay = ColinearityDecay(model, lam=LAM, lam_per_role={"fc2": 0.0})
+    decay.apply(torch.tensor(LR, dtype=torch.float64))
+    assert all(model.blocks[i].mlp.fc2.weight._version == versions[f"blocks.{i}.mlp.fc2.weight"]
+               for i in range(VIT_DEPTH))
+    assert "cd/update_norm/fc2" not in decay.metrics()
+
+
+def test_an_optimizers_tensor_lr_gives_the_update_and_metrics_of_that_lr():
+    model = tiny_vit().double()
+    P = snapshot(model)
+    # SGD without momentum or decay on zero gradients moves nothing: only CD does
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(LR, dtype=torch.float64))
+    decay = ColinearityDecay(model, lam=LAM)
+    decay.attach(opt)
+    _zero_grads(model)
+    opt.step()
+    expected = _expected(P, LR * LAM)
+    for name, value in expected.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), value, rtol=1e-10, atol=1e-12)
+    assert set(changed(model, P)) == set(expected)
+    assert _norm_keys(decay) == {f"cd/update_norm/{r}" for r in ROLES}  # no <role>_upstream: that is target C's
+    assert decay.metrics()["cd/updates"] == 1
