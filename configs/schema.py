@@ -28,8 +28,9 @@ class ModelConfig:
     # input resolution; None keeps the variant's / timm's default
     img_size: Annotated[Optional[int], AtLeastOne] = None
     drop_path: Annotated[float, BelowOne] = 0.1  # stochastic depth rate (linear over blocks, as in DeiT/Swin)
-    # dropout after the position embedding (ViT/DeiT), attention output projection and MLP layers, as DeiT's /
-    # official Swin's drop_rate (timm's proj_drop_rate / pos_drop_rate; not timm 1.x's classifier drop_rate)
+    # dropout after the position embedding, attention output projection and MLP layers of a ViT/DeiT, as DeiT's
+    # drop_rate (timm's pos_drop_rate / proj_drop_rate; not timm 1.x's classifier drop_rate); refused for timm's
+    # Swin, which lacks official Swin's dropout after the patch embedding (model.kwargs.proj_drop_rate: the rest)
     drop: Annotated[float, BelowOne] = 0.0
     # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
     pretrained: Annotated[str, UserPath()] = ""

@@ -28,14 +28,15 @@ from .variants import VARIANTS
 FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size",
                     "pretrained": "pretrained"}
 
-# model.drop is the dropout of DeiT's / official Swin's `drop_rate`: after the position embedding (pos_drop), the
-# attention's output projection and the MLP. timm 1.x split that rate: its `drop_rate` is the classifier head's
-# dropout alone (which those codes never had), so model.drop sets these arguments instead, per module of timm's
-# model entry points. timm's Swin has no dropout after its (patch) embedding, so only the projection / MLP one.
+# model.drop is the dropout of DeiT's `drop_rate`: after the position embedding (pos_drop), the attention's output
+# projection and the MLP. timm 1.x split that rate: its `drop_rate` is the classifier head's dropout alone (which
+# DeiT never had), so model.drop sets these arguments instead, per module of timm's model entry points.
 DROP_ARGS = {"timm.models.vision_transformer": ("pos_drop_rate", "proj_drop_rate"),
              "timm.models.deit": ("pos_drop_rate", "proj_drop_rate"),
-             "timm.models.vision_transformer_hybrid": ("pos_drop_rate", "proj_drop_rate"),  # timm's VisionTransformer
-             "timm.models.swin_transformer": ("proj_drop_rate",)}
+             "timm.models.vision_transformer_hybrid": ("pos_drop_rate", "proj_drop_rate")}  # timm's VisionTransformer
+# official Swin's drop_rate (microsoft/Swin-Transformer) also acts after the patch embedding (pos_drop), where timm's
+# Swin has no dropout: model.drop would build another model than it names there, so it is refused
+TIMM_SWIN = "timm.models.swin_transformer"
 
 
 # recorded in train.py's checkpoints: which dropout model.drop set when they were written (checkpoints without it
@@ -56,7 +57,13 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)}); "
                              f"timm names like it: {', '.join(close)}")
-    drop_args = DROP_ARGS.get(timm.models.model_entrypoint(arch.split(".")[0]).__module__)
+    module = timm.models.model_entrypoint(arch.split(".")[0]).__module__
+    if cfg.drop and module == TIMM_SWIN:
+        raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is timm's Swin, "
+                         f"which has no dropout after the patch embedding, where the official code's drop_rate "
+                         f"(model.drop) has one; set model.drop=0, and for the dropout after the attention "
+                         f"projection and MLP alone model.kwargs.proj_drop_rate={cfg.drop}")
+    drop_args = DROP_ARGS.get(module)
     # model.drop's arguments are its own only where it sets them: at 0 a model.kwargs rate of one is the only one
     own_keys = {**FIRST_CLASS_KEYS, **{name: "drop" for name in (drop_args or ()) if cfg.drop}}
     shadowed = sorted(set(cfg.kwargs) & set(own_keys))
@@ -64,7 +71,7 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
         raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the "
                          f"model's own key for it)")
     if cfg.drop and drop_args is None:  # timm's drop_rate means another dropout from model to model
-        raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is no ViT / DeiT / Swin, whose "
+        raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is no ViT / DeiT, whose "
                          f"dropout after the position embedding, attention projection and MLP it sets; set "
                          f"model.drop=0 and give the model's own dropout arguments as model.kwargs (e.g. "
                          f"model.kwargs.drop_rate, timm's classifier dropout)")

@@ -1,12 +1,18 @@
-"""model.drop is DeiT's / official Swin's drop_rate: dropout after the position embedding (ViT), the attention's
-output projection and the MLP's two layers, never the classifier's (timm 1.x's drop_rate)."""
+"""model.drop is DeiT's drop_rate: dropout after the position embedding, the attention's output projection and the
+MLP's two layers, never the classifier's (timm 1.x's drop_rate). Refused for timm's Swin, which lacks official
+Swin's dropout after the patch embedding."""
+import glob
+import os
 import re
 
 import pytest
+import torch
 import torch.nn as nn
 
 from configs import load_config
 from models import ModelError, build_model
+from models.factory import model_kwargs
+from tests.conftest import ROOT, run_entry
 
 
 def model_cfg(*overrides):
@@ -17,21 +23,52 @@ def dropouts_at(model: nn.Module, p: float) -> set:
     return {name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p == pytest.approx(p)}
 
 
-# where timm 0.3.2's ViT (DeiT's code) and microsoft/Swin-Transformer put their drop_rate, in timm 1.x's module
-# names: ViT's pos_drop, every block's Attention.proj_drop and Mlp's dropout after fc1 and after fc2 (timm's Swin
-# has no dropout after the patch embedding to set)
+# where timm 0.3.2's ViT (DeiT's code) puts its drop_rate, in timm 1.x's module names: ViT's pos_drop, every block's
+# Attention.proj_drop and Mlp's dropout after fc1 and after fc2; microsoft/Swin-Transformer's drop_rate acts at the
+# same block sites of timm's Swin, and at a pos_drop after the patch embedding that timm's Swin does not have
 VIT_DEIT = re.compile(r"pos_drop|blocks\.\d+\.(attn\.proj_drop|mlp\.drop[12])")
-SWIN_OFFICIAL = re.compile(r"layers\.\d+\.blocks\.\d+\.(attn\.proj_drop|mlp\.drop[12])")
+SWIN_BLOCKS = re.compile(r"layers\.\d+\.blocks\.\d+\.(attn\.proj_drop|mlp\.drop[12])")
 
 
-@pytest.mark.parametrize("name, expected", [("vit_nano", VIT_DEIT), ("swin_nano", SWIN_OFFICIAL)],
-                         ids=["vit", "swin"])
-def test_model_drop_sets_the_dropout_of_deit_and_swin_and_not_the_classifiers(name, expected):
-    model = build_model(model_cfg(f"model.name={name}", "model.drop=0.1", "model.drop_path=0"))
+def test_model_drop_sets_the_dropout_of_deit_and_not_the_classifiers():
+    model = build_model(model_cfg("model.name=vit_nano", "model.drop=0.1", "model.drop_path=0"))
     every = {n for n, m in model.named_modules() if isinstance(m, nn.Dropout)}
     at_rate = dropouts_at(model, 0.1)
-    assert at_rate == {n for n in every if expected.fullmatch(n)} and at_rate  # all of those, nothing else
+    assert at_rate == {n for n in every if VIT_DEIT.fullmatch(n)} and at_rate  # all of those, nothing else
     assert dropouts_at(model, 0.0) == every - at_rate  # the head's, attention weights' dropout stay off
+
+
+def test_model_drop_is_refused_for_timms_swin_and_its_block_dropout_is_a_model_kwarg():
+    """Official Swin's drop_rate also drops after the patch embedding; timm's Swin has no module there, so
+    model.drop would train another model than it names. model.kwargs.proj_drop_rate sets the block sites."""
+    with pytest.raises(ModelError, match=r"model.drop=0.1: .* timm's Swin, which has no dropout after the patch "
+                                         r"embedding.* model.kwargs.proj_drop_rate=0.1"):
+        build_model(model_cfg("model.name=swin_nano", "model.drop=0.1"))
+    model = build_model(model_cfg("model.name=swin_nano", "model.kwargs.proj_drop_rate=0.1", "model.drop_path=0"))
+    every = {n for n, m in model.named_modules() if isinstance(m, nn.Dropout)}
+    assert dropouts_at(model, 0.1) == {n for n in every if SWIN_BLOCKS.fullmatch(n)} and dropouts_at(model, 0.1)
+    assert not any("embed" in n or n == "pos_drop" for n in every)  # the official pos_drop has no counterpart
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "swin*.yaml"), recursive=True)),
+                         ids=os.path.basename)
+def test_the_shipped_swin_recipes_build(path):
+    model_kwargs(load_config([path]).model)
+
+
+def test_train_and_evaluate_refuse_model_drop_for_swin_with_one_error_line(tmp_path, capsys):
+    demo = os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")
+    weights = tmp_path / "weights.pt"
+    torch.save(build_model(load_config([demo]).model).state_dict(), weights)
+    commands = [("train.py", ["--config", demo, "model.drop=0.1", f"out_dir={tmp_path / 'run'}"]),
+                ("evaluate.py", ["--config", demo, f"model.pretrained={weights}", "model.drop=0.1",
+                                 "--quant", "gplq", "--out", str(tmp_path / "result.json")])]  # gplq trains
+    for path, argv in commands:
+        code, _, err = run_entry(path, argv, capsys)
+        assert code != 0, path
+        assert err.startswith("error: model.drop=0.1: model 'swin_micro'") and err.count("\n") == 1, (path, err)
+        assert "after the patch embedding" in err and "model.kwargs.proj_drop_rate=0.1" in err, path
+    assert not (tmp_path / "result.json").exists()
 
 
 def test_the_classifier_dropout_is_timms_own_argument():
