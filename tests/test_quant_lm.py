@@ -16,6 +16,7 @@ from quant.gptq.quantizer import GPTQQuantizer
 from quant.gptq.solver import HessianAccumulator, gptq_quantize
 from quant.layers import QuantLinear
 from quant.spec import Bits
+from quant_models import images, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -179,6 +180,7 @@ def test_hessian_is_two_over_n_sum_of_outer_products():
     acc.add(x[2])  # one sequence [T, C]
     flat = x.reshape(-1, 5)
     torch.testing.assert_close(acc.hessian, 2 / 3 * flat.T @ flat)
+    assert acc.rows == 3 * 7  # the input vectors summed, whatever the batch shape
 
 
 def test_gptq_reconstructs_correlated_inputs_better_than_rtn():
@@ -290,6 +292,18 @@ def test_a_hessian_that_no_dampening_makes_invertible_is_a_config_error_naming_t
                                           r"\(\d+ input columns, from 32 calibration tokens\) is not positive"):
         PIPELINES["gptq"](gpt(), tokens(1), "w4a16", {"percdamp": 1e-12})
     PIPELINES["gptq"](gpt(), tokens(1), "w4a16")  # the default dampening inverts the same Hessians
+
+
+def test_gptq_on_a_vit_counts_the_patch_tokens_its_hessians_sum_not_the_pixels():
+    # tiny_vit: 32 px images in 8 px patches, 16 patches + the class token reach every block's Linears
+    from configs import ConfigError
+
+    per_image = (32 // 8) ** 2 + 1
+    _, report = PIPELINES["gptq"](tiny_vit(), images(2), "w4a16")
+    assert report["calibration_images"] == 2 and report["calibration_tokens"] == 2 * per_image
+    # 17 rows leave the 48-column Hessians singular: the error counts the rows they were summed from
+    with pytest.raises(ConfigError, match=rf"\(48 input columns, from {per_image} calibration tokens\)"):
+        PIPELINES["gptq"](tiny_vit(), images(1), "w4a16", {"percdamp": 1e-12})
 
 
 def test_a16_parses_as_float_activations():

@@ -80,7 +80,13 @@ class RTNPipeline(Pipeline):
 
 
 class GPTQPipeline(RTNPipeline):
-    """GPTQ weight-only quantization (the paper's GPTQ-W4A16), block-sequential (see the module docstring)."""
+    """GPTQ weight-only quantization (the paper's GPTQ-W4A16), block-sequential (see the module docstring).
+
+    Its report adds `calibration_images` (N, the calibration inputs), `calibration_tokens` (the input rows the
+    first quantized Linear's Hessian summed: N*T for N windows of T tokens, N*(patches + class token) for N images
+    of a ViT; a later Swin stage sees fewer, its patch merging quartering the tokens) and `gptq_error`
+    ({layer: GPTQ's error}).
+    """
 
     name = "gptq"
     Options = GPTQOptions
@@ -104,6 +110,7 @@ class GPTQPipeline(RTNPipeline):
             model = quantize_model(fp_model, self.layout(bits, options)).eval()
         set_quant_state(model, weights=False)  # every layer float until GPTQ has quantized it
         errors: Dict[str, float] = {}
+        rows: Dict[str, int] = {}
         with timer("gptq", device):
             for unit in find_units(model, ("block",)):
                 start = time.perf_counter()
@@ -112,30 +119,32 @@ class GPTQPipeline(RTNPipeline):
                 for group in ([[layer] for layer in layers] if options.true_sequential else [layers]):
                     hessians = block_hessians(model, group, tokens, options.batch_size)
                     for name, layer in group:
-                        errors[name] = quantize_layer(layer, hessians[name], options, name, tokens.numel())
+                        rows[name] = hessians[name].rows
+                        errors[name] = quantize_layer(layer, hessians[name].hessian, options, name, rows[name])
                 log.info("%s: GPTQ of %d layers, error %s (%.1f s)", unit.name, len(layers),
                          " ".join(f"{errors[n]:.4g}" for n, _ in layers), time.perf_counter() - start)
         model.train(fp_model.training)  # evaluation mode only for the Hessians (no dropout); returned as given, as rtn
         report = pipeline_report(self.name, model, bits, options, calibration_images=int(tokens.shape[0]),
-                                 calibration_tokens=int(tokens.numel()), gptq_error=errors, seconds=timer.seconds)
+                                 calibration_tokens=next(iter(rows.values())), gptq_error=errors,
+                                 seconds=timer.seconds)
         return PTQResult(model, report)
 
 
 def block_hessians(model: nn.Module, layers: List[Tuple[str, nn.Module]], tokens: torch.Tensor,
-                   batch_size: int) -> Dict[str, torch.Tensor]:
-    """GPTQ's Hessian of each layer from the inputs it sees in `model`'s current state (the forward stops
-    after the last of `layers`, which are in execution order)."""
+                   batch_size: int) -> Dict[str, HessianAccumulator]:
+    """GPTQ's Hessian of each layer (and the rows it summed) from the inputs it sees in `model`'s current state
+    (the forward stops after the last of `layers`, which are in execution order)."""
     acc = {name: HessianAccumulator(layer.in_features, layer.weight.device) for name, layer in layers}
     stream_module_inputs(model, dict(layers), layers[-1][0], tokens, batch_size,
                          lambda name, x: acc[name].add(x))
-    return {name: a.hessian for name, a in acc.items()}
+    return acc
 
 
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions, name: str = "the layer",
                    tokens: int = 0) -> float:
     """GPTQ of one QuantLinear: its weight becomes GPTQ's result, its weight quantizer GPTQ's grid (enabled).
-    `name` and `tokens` (the calibration tokens its Hessian is of) only word the error below."""
+    `name` and `tokens` (the input rows its Hessian summed) only word the error below."""
     try:
         q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer,
                                  blocksize=options.blocksize, percdamp=options.percdamp,

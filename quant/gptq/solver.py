@@ -28,11 +28,15 @@ from .quantizer import GPTQQuantizer
 
 
 class HessianAccumulator:
-    """H = 2/n sum x x^T of one Linear's inputs, n counting sequences (GPTQ's `add_batch`, in float32)."""
+    """H = 2/n sum x x^T of one Linear's inputs, n counting sequences (GPTQ's `add_batch`, in float32).
+
+    `rows` counts the input vectors x summed (tokens: a sequence's positions, a ViT's patches and class token),
+    what decides whether H can have full rank."""
 
     def __init__(self, columns: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.hessian = torch.zeros(columns, columns, device=device, dtype=dtype)
         self.samples = 0
+        self.rows = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
@@ -41,6 +45,7 @@ class HessianAccumulator:
             x = x.unsqueeze(0)
         count = x.shape[0]
         x = x.reshape(-1, x.shape[-1]).t()
+        self.rows += x.shape[1]
         self.hessian *= self.samples / (self.samples + count)
         self.samples += count
         x = math.sqrt(2 / self.samples) * x.to(self.hessian.dtype)
