@@ -153,7 +153,7 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
 
     def excused(key: str, decider: Union[str, When]) -> bool:
         own = layer[key]
-        last = max(layer.get(k, -1) for k in (decider.keys if isinstance(decider, When) else (decider,)))
+        last = max(layer.get(k, -1) for k in decider_keys(decider))
         final = decider_value(cfg, decider)
         return last == own or (last > own and (final != decided[own][decider] or final is False))
 
@@ -209,6 +209,11 @@ class When:
 
     def __str__(self) -> str:
         return " / ".join(self.keys)
+
+
+def decider_keys(decider: Union[str, When]) -> tuple[str, ...]:
+    """The keys whose values decide (one, or a When's)."""
+    return decider.keys if isinstance(decider, When) else (decider,)
 
 
 def decider_value(cfg: Any, decider: Union[str, When]) -> Any:
@@ -307,18 +312,18 @@ READ_ALWAYS = {"cd.gated_mlp"}
 
 
 def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
-                    excused: Optional[Callable[[str, str], bool]] = None) -> None:
+                    excused: Optional[Callable[[str, str], bool]] = None, rules: Sequence = READ_ONLY_WHEN) -> None:
     """Refuse a key (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while data.dataset is
     digits, or cd.lam while cd.enabled is false, naming its file (`sources`: key -> file; overrides have none).
     `excused(key, decider)` lets a deciding key make a key moot; by default (overrides) a section switched off
     explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) says what it means
     and passes, and any other deciding override does not excuse a key it makes unread (data.dataset=kjv next
-    to data.mixup=0.8 is refused)."""
+    to data.mixup=0.8 is refused). `rules`: the READ_ONLY_WHEN entries to apply."""
     sources = sources or {}
     if excused is None:
         def excused(key: str, decider: str) -> bool:
             return given.get(decider, None) is False
-    for keys, decider, read_with in READ_ONLY_WHEN:
+    for keys, decider, read_with in rules:
         value = decider_value(cfg, decider)
         if _reads_under(decider, value, read_with):
             continue
@@ -339,6 +344,29 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                 raise IgnoredOverrideError(
                     f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
                     f"{why}; {fix}")
+
+
+def check_options_read(options: Any, given: Iterable[str]) -> None:
+    """Refuse, as an override is refused, an option among `given` (the field names a caller set itself) that
+    `options`, the dataclass of a config section (APHQOptions of quant.aphq), leaves unread: by the READ_ONLY_WHEN
+    entries whose keys and deciding keys all lie in that section. For the Python API (quant/pipeline_base.py
+    parse_options), which has no config around the options; a deciding switch given as false excuses, as there."""
+    given = list(given)
+    for section in config_sections(type(options)):
+        prefix = section + "."
+        rules = [rule for rule in READ_ONLY_WHEN
+                 if all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
+        tree = options
+        for part in reversed(section.split(".")):
+            tree = {part: tree}
+        check_keys_read(tree, {prefix + key: getattr(options, key) for key in given}, rules=rules)
+
+
+@functools.lru_cache(maxsize=None)
+def config_sections(section_type: type) -> tuple:
+    """The dotted keys of the config sections that are `section_type` dataclasses (quant.aphq: APHQOptions)."""
+    cfg = Config()
+    return tuple(key for key in schema_keys() if type(get_key(cfg, key)) is section_type)
 
 
 def get_key(cfg: Any, key: str) -> Any:

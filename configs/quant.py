@@ -106,7 +106,8 @@ class APHQOptions(FirstLastOptions):
     normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
     loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
     hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
-    hessian_eps: Annotated[Optional[float], Positive] = None  # None: 1e-6 (ones, official), 1e-4 (rademacher)
+    # None: 1e-6 (ones, official), 1e-4 (rademacher); on a detector the official detection +-1e-3 (aphq/detector.py)
+    hessian_eps: Annotated[Optional[float], Positive] = None
     temperature: Annotated[float, Positive] = 20.0  # KL temperature of the APH
     # -- MLP reconstruction (quant/aphq/mlp_recon.py), off as in the CD paper --
     mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of norm2 / fc1 / fc2 first
@@ -129,7 +130,6 @@ APHQ_DETECTION = dict(
     weight_pct=(0.999, 1.0),  # calculate_percentile_weight_candidates(l=0.999) of the detection layers
     act_pct=(0.999, 1.0),  # ... activation candidates
     search_rounds=0,  # the output-MSE rounds are commented out in the detection Linear search
-    hessian_eps=1e-3,  # the +-1e-3 of the detection block forwards
     data_seed=0,  # the official code takes the first images of its loader; ours are drawn with this seed
 )
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Uni
 import torch
 from torch import nn
 
-from configs.loader import coerce_value
+from configs.loader import check_options_read, coerce_value
 from engine.distributed import run_on_main
 
 from .calibrate import Images, calibrate
@@ -44,7 +44,9 @@ def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], An
     """Build an options dataclass from a mapping; an unknown key is an error naming close matches, and a value of
     another type than the field's or outside its range (configs/quant.py) is one ValueError naming the option, the
     value and what the field expects (configs.loader.coerce_value, as for a config's values). An int counts for a
-    float field, never a bool for an int one nor a string for a number."""
+    float field, never a bool for an int one nor a string for a number. A key that the options leave unread
+    (mlp_iters without mlp_reconstruct) is refused by the rules evaluate.py applies to its config
+    (configs.loader.check_options_read)."""
     if options is None:
         return options_type()
     if isinstance(options, options_type):
@@ -59,8 +61,10 @@ def parse_options(options_type: Type, options: Union[None, Mapping[str, Any], An
     # would otherwise run act_order="false" as True (a non-empty string), alpha="0.5" into a traceback from
     # pow(), blocksize=0 into one from range(), and alpha=1.5 outside SmoothQuant's range with nothing said
     hints = typing.get_type_hints(options_type, include_extras=True)
-    return options_type(**{key: coerce_value(value, hints[key], key, options_type.__qualname__)
-                           for key, value in options.items()})
+    parsed = options_type(**{key: coerce_value(value, hints[key], key, options_type.__qualname__)
+                             for key, value in options.items()})
+    check_options_read(parsed, options)
+    return parsed
 
 
 class Pipeline:

@@ -712,8 +712,8 @@ def run_aphq_spied(monkeypatch, **options):
     draws = calls.setdefault("data", [])
     data = PipelineData(train_images=lambda n, seed, train: draws.append((n, seed, train)) or pool[:n])
     model = tiny_vit()
-    opts = {**dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
-                   log_every=0), **options}
+    opts = dict(iters=2, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32,
+                log_every=0, **options)
     qmodel, _ = PIPELINES["aphq"](model, None, "w4a4", opts, data=data)
     return model, qmodel, pool, calls
 
@@ -795,14 +795,17 @@ def test_aphq_at_zero_iterations_calibrates_only_and_equals_zero_iterations_of_r
     from quant.convert import quantize_model
     from quant.modes import set_quant_state
     from quant.spec import parse_bits
+    from quant.pipeline_data import PipelineData
     skipped = []
-    for name in ("model_logits", "capture_unit", "perturbation_hessian"):
+    for name in ("model_logits", "capture_unit", "perturbation_hessian", "reconstruct_unit"):
         monkeypatch.setattr(pipe, name, lambda *a, _name=name, **k: skipped.append(_name))
-    fp, qmodel, pool, calls = run_aphq_spied(monkeypatch, iters=0)
-    assert skipped == [] and calls["recon"] == []
+    pool = images(8, seed=7)
+    given = dict(iters=0, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32)
+    fp = tiny_vit()
+    qmodel, _ = PIPELINES["aphq"](fp, None, "w4a4", given, data=PipelineData(train_images=lambda n, s, t: pool[:n]))
+    assert skipped == []
     # the reference: the same calibration, then 0 iterations of reconstruct_unit on each unit in order
-    options = APHQOptions(iters=0, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0,
-                          eq_n=32, log_every=0)
+    options = APHQOptions(**given)
     ref = quantize_model(copy.deepcopy(fp), PIPELINES["aphq"].layout(parse_bits("w4a4"), options)).eval()
     ref.requires_grad_(False)
     units = find_units(ref)
