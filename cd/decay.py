@@ -12,6 +12,7 @@ needs only the config; `state_dict()` carries a logging counter and the config e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -25,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
-from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, pair_energy,
-                     pair_penalty)
+from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, known_zero,
+                     pair_energy, pair_penalty)
 from .verify import UnsupportedModelError
 from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                        unwrap_model)
@@ -176,6 +177,24 @@ def _finite_nonnegative(value: object) -> bool:
             and value >= 0)
 
 
+def _ran_on_device(live: list, gate: Optional[Tensor]) -> Optional[Tensor]:
+    """Whether an update with these lrs (of nonzero strengths, none a Python zero) moves its matrices, as a 0-dim
+    bool tensor where only the device knows (None: it does): a fused step's GradScaler gate, and lrs that are all
+    0-dim tensors, 0 in a warmup from lr 0. Reading either would wait for the device at every step, so such an
+    update runs (its deltas are zero when skipped) and `_count_gated` takes it out of cd/updates lazily."""
+    if not all(isinstance(lr, Tensor) for lr in live):
+        return gate
+    moves = functools.reduce(torch.logical_or, [lr != 0 for lr in {id(lr): lr for lr in live}.values()])
+    return moves if gate is None else gate & moves
+
+
+def _kept_unless(ran: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """`new` where `ran`, else `old`, by arithmetic: a 0-dim `ran` on the CPU (a CPU lr tensor's verdict) enters a
+    CUDA product as a scalar, with no copy to the device and no wait for it."""
+    r = ran.to(new.dtype)
+    return new * r + old * (1 - r)
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).
@@ -323,10 +342,12 @@ class ColinearityDecay:
 
         self._model = weakref.ref(unwrap_model(model))  # to tell a replaced parameter from a missing one
         self._handle: Optional[RemovableHandle] = None  # the live optimizer hook, if attached
-        # optimizer steps on which CD ran (logging only); with a fused optimizer this includes the steps
-        # GradScaler skipped on the device, which metrics()['cd/updates'] and state_dict() subtract
+        # optimizer steps on which CD ran (logging only); this includes the steps skipped on the device (a fused
+        # optimizer's that GradScaler skipped, a tensor lr of 0), which metrics()['cd/updates'] and state_dict()
+        # subtract
         self.num_updates = 0
-        self._gated_skips: Optional[Tensor] = None  # fused path: steps skipped on device, counted lazily
+        # steps skipped on the device (a fused step's gate, a tensor lr of 0), counted lazily
+        self._gated_skips: Optional[Tensor] = None
         self._round_skip: Optional[Tensor] = None  # whether the last counted update was skipped so far
         self._last_update_norms: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
@@ -349,9 +370,12 @@ class ColinearityDecay:
         """One decoupled CD update of every target with step lr * lam (lam_per_role overrides per role).
 
         Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
-        when every strength is 0 (bit-identical, no work) or when lr == 0. Frozen matrices
-        (requires_grad=False) are left alone, as an optimizer leaves them. `lr` is a real number (numpy's
-        too) or a 0-dim tensor (a tensor's value is not checked: that would wait for the device).
+        when every strength is 0 (bit-identical, no work) or when lr == 0: no work, not counted in cd/updates,
+        and the update norms stay those of the last update. Frozen matrices (requires_grad=False) are left alone,
+        as an optimizer leaves them. `lr` is a real number (numpy's too) or a 0-dim tensor (a tensor's value is
+        not checked: that would wait for the device). A tensor lr of 0 is a no-op too, but known on the device
+        only: the update runs, writes zero deltas, and is taken out of cd/updates and the update norms there, as
+        a fused optimizer's step that GradScaler skips.
 
         Raises:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
@@ -398,14 +422,20 @@ class ColinearityDecay:
                                    "the end of the framework run whose callback or hook holds it, frees them")
 
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
-               count: bool = True) -> None:
-        """The update with these per-pair lrs. `reads`: id(matrix) -> the value to read it as (a matrix another
-        optimizer stepped since this update's weights; this update writes none of them). `count`: a new update
-        (False: another optimizer's part of the last one, whose update norms it joins)."""
+               count: bool = True) -> bool:
+        """The update with these per-pair lrs; returns whether it ran (not when every step is a Python zero).
+        `reads`: id(matrix) -> the value to read it as (a matrix another optimizer stepped since this update's
+        weights; this update writes none of them). `count`: a new update (False: another optimizer's part of the
+        last one, whose update norms it joins)."""
+        lrs, lams = lr2 + lr1, self._lams + self._up_lams
+        live = [lr for lr, lam in zip(lrs, lams) if lam != 0 and not known_zero(lr)]
+        if not live:  # apply(0), a warmup from lr 0: no update, not counted, the last update's norms stand
+            return False
         # a zero strength gives a Python 0.0 whatever the lr's type: the update skips only Python zeros
-        # (`cd.update.known_zero`), and a tensor 0 would compute and write target C's term without target C
+        # (`known_zero`), and a tensor 0 would compute and write target C's term without target C
         steps = [lr * lam if lam != 0 else 0.0 for lr, lam in zip(lr2, self._lams)]
         up_steps = [lr * lam if lam != 0 else 0.0 for lr, lam in zip(lr1, self._up_lams)]
+        ran = _ran_on_device(live, gate)
         pairs = self.pairs
         if reads:
             pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),
@@ -418,12 +448,18 @@ class ColinearityDecay:
             result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan,
                                         precision=self.matmul_precision, norms=norms)
         if norms and count:
+            last = self._last_update_norms
+            if ran is not None:  # an update the device skipped keeps the last one's norms (`_kept_unless`)
+                result = {k: _kept_unless(ran, v, last[k]) if k in last else v for k, v in result.items()}
             self._last_update_norms = result
-        elif norms:  # one role's update over several optimizers: the root of the summed squares
+        elif norms:  # one role's update over several optimizers: the root of the summed squares (a part the
+            # device skipped adds a zero norm, which keeps `last`)
             last = self._last_update_norms
             self._last_update_norms = {**last, **{k: v if k not in last else torch.hypot(last[k], v)
                                                   for k, v in result.items()}}
         self.num_updates += int(count)
+        self._count_gated(ran, count)
+        return True
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Register the update as a step pre-hook of `optimizer` and return its removable handle.
@@ -443,8 +479,9 @@ class ColinearityDecay:
         or has no gradient at this step (requires_grad=False, a frozen block), is left alone, as torch's
         optimizers leave such parameters; and at most once per real step: one object attaches to one
         optimizer at a time, and two objects (or an object and a `cd.integrations` callback) may not decay
-        one matrix through the same optimizer. A step in which no decayed matrix has a gradient is not counted
-        in `cd/updates`.
+        one matrix through the same optimizer. A step in which no decayed matrix has a gradient, or whose lrs are
+        0 (a warmup from 0), is not counted in `cd/updates` and leaves the update norms as they were (a tensor lr
+        of 0 as `apply` says).
 
         Raises:
             TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
@@ -554,7 +591,7 @@ class ColinearityDecay:
         another optimizer's part of the update counted already (see `_apply`).
 
         Returns:
-            whether the update ran (not when no decayed matrix has a gradient).
+            whether the update ran (not when no decayed matrix has a gradient, or every lr is a Python 0).
         """
         return self._pre_step(optimizer, step_kwargs or {}, reads, count)
 
@@ -640,15 +677,13 @@ class ColinearityDecay:
         found_inf = getattr(optimizer, "found_inf", None)
         gate = (found_inf == 0) if isinstance(found_inf, Tensor) else None
         with torch.no_grad():  # step pre-hooks run outside the optimizer's own no_grad
-            self._apply(lr2, lr1, gate, reads, count)
-        self._count_gated(gate, count)
-        return True
+            return self._apply(lr2, lr1, gate, reads, count)
 
-    def _count_gated(self, gate: Optional[Tensor], count: bool) -> None:
-        """Keep `cd/updates` to the updates that ran: a counted part that a fused step's gate skipped on the device
-        is subtracted, unless another optimizer's part of the same update (`count=False`) ran: a step of its own
-        (`gate` None: a skipped non-fused step never reaches here) or one its gate lets through. Lazy: no sync."""
-        skip = None if gate is None else (~gate).to(torch.int64).reshape(())
+    def _count_gated(self, ran: Optional[Tensor], count: bool) -> None:
+        """Keep `cd/updates` to the updates that ran: a counted part that the device skipped (`_ran_on_device`) is
+        subtracted, unless another optimizer's part of the same update (`count=False`) ran: a step of its own
+        (`ran` None: a skipped non-fused step never reaches here) or one the device lets through. Lazy: no sync."""
+        skip = None if ran is None else (~ran).to(torch.int64).reshape(())
         if skip is not None and self._gated_skips is not None:  # one device for the sums: a scaler per optimizer
             skip = skip.to(self._gated_skips.device)              # may put their gates on different ones
         if count:
@@ -694,7 +729,8 @@ class ColinearityDecay:
         cd/update_norm/<role>: Frobenius norm of the role's update, all blocks together (also
             <role>_upstream for target C), from the last update whose number is a multiple of
             `norms_every`; absent before that.
-        cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far.
+        cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far
+            (a step with lr 0 or skipped by GradScaler is none).
 
         On a model sharded by FSDP2 this is a collective (it gathers each block's matrices for the energies):
         call it on every rank at the same steps, and log the result from one.

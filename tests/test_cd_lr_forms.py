@@ -1,10 +1,11 @@
 """ColinearityDecay's lr in its forms: a 0-dim tensor lr (apply(tensor), an optimizer built with lr=tensor) does what
-the same Python lr does."""
+the same Python lr does, and an lr of 0 (apply(0), a warmup from 0) is no update: not counted, norms kept."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import cd.decay
 from cd import ColinearityDecay
 from cd_models import VIT_DEPTH, changed, ref_block_update, snapshot, tiny_vit
 
@@ -73,3 +74,92 @@ def test_an_optimizers_tensor_lr_gives_the_update_and_metrics_of_that_lr():
     assert set(changed(model, P)) == set(expected)
     assert _norm_keys(decay) == {f"cd/update_norm/{r}" for r in ROLES}  # no <role>_upstream: that is target C's
     assert decay.metrics()["cd/updates"] == 1
+
+
+def test_apply_with_lr_zero_is_a_no_op_that_keeps_the_counter_and_the_norms(monkeypatch):
+    calls = []
+    real = cd.decay.colinearity_decay_
+    monkeypatch.setattr(cd.decay, "colinearity_decay_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=LAM)
+    P = snapshot(model)
+    decay.apply(0)
+    assert calls == [] and changed(model, P) == []
+    assert decay.metrics()["cd/updates"] == 0 and _norm_keys(decay) == set()
+
+    decay.apply(LR)
+    before = decay.metrics()
+    P = snapshot(model)
+    for zero in (0, 0.0):
+        decay.apply(zero)
+    assert len(calls) == 1 and changed(model, P) == []
+    assert decay.metrics() == before  # cd/updates still 1, every update norm that of the lr-0.5 update
+    assert decay.state_dict()["num_updates"] == 1
+
+
+def test_a_warmup_step_from_lr_zero_is_no_update_through_the_optimizer():
+    model = tiny_vit().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    decay = ColinearityDecay(model, lam=LAM)
+    decay.attach(opt)
+    _zero_grads(model)
+    P = snapshot(model)
+    opt.step()
+    assert changed(model, P) == [] and decay.metrics()["cd/updates"] == 0 and _norm_keys(decay) == set()
+    opt.param_groups[0]["lr"] = LR
+    opt.step()
+    before = decay.metrics()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    assert decay.metrics() == before and before["cd/updates"] == 1
+
+
+def test_a_tensor_lr_of_zero_is_no_update_either_counted_out_on_the_device():
+    # its value is not read on the host (that would wait for the device): the update runs with zero deltas, and
+    # cd/updates and the update norms leave it out as for a step GradScaler skips
+    model = tiny_vit().double()
+    lr = torch.tensor(LR, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    decay = ColinearityDecay(model, lam=LAM)
+    decay.attach(opt)
+    _zero_grads(model)
+    lr.fill_(0.0)
+    P = snapshot(model)
+    opt.step()
+    assert changed(model, P) == [] and decay.metrics()["cd/updates"] == 0
+    lr.fill_(LR)
+    opt.step()
+    before = decay.metrics()
+    lr.fill_(0.0)
+    P = snapshot(model)
+    opt.step()
+    assert changed(model, P) == []
+    assert decay.metrics() == before and before["cd/updates"] == 1
+    assert decay.state_dict()["num_updates"] == 1
+
+    alone = ColinearityDecay(tiny_vit().double(), lam=LAM)
+    alone.apply(torch.tensor(LR, dtype=torch.float64))
+    before = alone.metrics()
+    alone.apply(torch.tensor(0.0, dtype=torch.float64))
+    assert alone.metrics() == before
+
+
+def test_a_fused_step_that_gradscaler_skips_keeps_the_last_update_norms():
+    model = tiny_vit()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0, fused=True)
+    decay = ColinearityDecay(model, lam=LAM)
+    decay.attach(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))  # initialise the scale
+    _zero_grads(model)
+    scaler.step(opt)
+    scaler.update()
+    before = decay.metrics()
+    _zero_grads(model)
+    model.blocks[1].attn.proj.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    after = decay.metrics()
+    assert before["cd/updates"] == after["cd/updates"] == 1
+    assert {k: v for k, v in after.items() if "update_norm" in k} == \
+        {k: v for k, v in before.items() if "update_norm" in k} != {}
