@@ -13,7 +13,7 @@ from quant.layers import QuantConv2d, QuantLinear
 from quant.quantizers import Quantizer, UniformQuantizer
 from quant.aphq.search import range_grid, search_linear, search_matmul, search_stem
 from quant.units import find_units, model_logits
-from quant_models import images, tiny_swin, tiny_vit
+from quant_models import images, perturb_norms, tiny_swin, tiny_vit
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -493,15 +493,15 @@ def test_for_each_call_refuses_a_feed_whose_batch_never_reaches_the_unit():
 
 @pytest.mark.parametrize("batch_size, layer_scale", [(8, None), (3, 0.5)])
 def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, layer_scale):
-    # reference written out here: x = the norm2 input of the MR model (earlier blocks already tuned),
-    # target = the ORIGINAL GELU branch (times LayerScale's gamma when the model has one), loss =
-    # mean(H (relu - t)^2) + w * mean(H (clamp(relu, 0, c) - t)^2) on the batch randperm(N)[:batch_size] (one
-    # draw per block from the caller's generator), with H scaled to mean 1 and c the p-th percentile
-    # (torch.quantile) of the positive GELU fc2 inputs of the first calib_count images; one Adam step moves
-    # every tuned parameter (norm2, fc1, fc2) by about lr
+    # reference written out here: x = the fc1 input of the MR model (earlier blocks already tuned), target = the
+    # ORIGINAL GELU MLP on it (official utils/mlp_recon.py: block.mlp on fc1's raw input, so LayerScale's gamma
+    # and norm2 lie outside), loss = mean(H (relu - t)^2) + w * mean(H (clamp(relu, 0, c) - t)^2) on the batch
+    # randperm(N)[:batch_size] (one draw per block from the caller's generator), with H scaled to mean 1 and c the
+    # p-th percentile (torch.quantile) of the positive GELU fc2 inputs of the first calib_count images; one Adam
+    # step moves every fc1 / fc2 parameter by about lr, and norm2 (listed officially, without a gradient) not
     import torch.nn.functional as F
     from quant.aphq.mlp_recon import MLPReconSettings, reconstruct_mlps
-    fp = tiny_vit(init_values=layer_scale)
+    fp = perturb_norms(tiny_vit(init_values=layer_scale))
     mr = copy.deepcopy(fp)
     x_img, calib_count, p, lr, w_clip = images(8), 3, 0.9, 1e-2, 1.5
     g = torch.Generator().manual_seed(3)
@@ -512,9 +512,9 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, lay
     stats = reconstruct_mlps(fp, mr, x_img, calib_count, h_weights.__getitem__, settings,
                              torch.Generator().manual_seed(0))
 
-    def norm2_input(model, i):
+    def fc1_input(model, i):
         seen = []
-        handle = model.blocks[i].norm2.register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
+        handle = model.blocks[i].mlp.fc1.register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
         with torch.no_grad():
             model(x_img)
         handle.remove()
@@ -522,26 +522,26 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, lay
 
     for i, row in enumerate(stats):
         block = fp.blocks[i]  # the MR block's weights before its one step are the original ones
-        x = norm2_input(mr, i)  # block i's own tuning does not change its norm2 input
-        gamma = 1.0 if layer_scale is None else block.ls2.gamma
+        x = fc1_input(mr, i)  # block i's own tuning does not change its fc1 input (norm2 is not tuned)
         batch = torch.randperm(8, generator=draws)[:batch_size]
         with torch.no_grad():
-            pre = F.linear(block.norm2(x), block.mlp.fc1.weight, block.mlp.fc1.bias)
+            pre = F.linear(x, block.mlp.fc1.weight, block.mlp.fc1.bias)
             gelu_calib = F.gelu(pre[:calib_count])
             c = torch.quantile(gelu_calib[gelu_calib > 0].double(), p).float()
             pre = pre[batch]
-            target = gamma * F.linear(F.gelu(pre), block.mlp.fc2.weight, block.mlp.fc2.bias)
-            relu = gamma * F.linear(pre.clamp(min=0), block.mlp.fc2.weight, block.mlp.fc2.bias)
-            clamped = gamma * F.linear(pre.clamp(min=0).clamp(max=c), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            target = F.linear(F.gelu(pre), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            relu = F.linear(pre.clamp(min=0), block.mlp.fc2.weight, block.mlp.fc2.bias)
+            clamped = F.linear(pre.clamp(min=0).clamp(max=c), block.mlp.fc2.weight, block.mlp.fc2.bias)
             h = h_weights[row["unit"]] / h_weights[row["unit"]].mean()
             want = (h * (relu - target) ** 2).mean() + w_clip * (h * (clamped - target) ** 2).mean()
         assert row["unit"] == f"blocks.{i}"
         assert row["clip"] == pytest.approx(float(c), rel=1e-5)
         assert row["loss_first"] == pytest.approx(float(want), rel=1e-4)
-        for name in ("norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc2.bias"):
+        for name in ("mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"):
             step = (mr.blocks[i].get_parameter(name) - block.get_parameter(name)).abs().detach()
             assert float(step.max()) == pytest.approx(lr, rel=0.05), name  # Adam's first step: lr * sign(grad)
-        assert torch.equal(mr.blocks[i].attn.qkv.weight, block.attn.qkv.weight)  # only norm2, fc1, fc2
+        for name in ("norm2.weight", "norm2.bias", "attn.qkv.weight"):  # only fc1 and fc2 are tuned
+            assert torch.equal(mr.blocks[i].get_parameter(name), block.get_parameter(name)), name
 
 
 def test_per_channel_post_norm_fit_minimises_each_channels_activation_mse():
@@ -898,32 +898,30 @@ def test_mlp_reconstruction_lr_decays_by_cosine_to_zero_over_its_iterations(monk
 
 
 def test_mlp_reconstruction_two_steps_equal_adam_on_the_loss_written_out_in_float64():
-    # reference: the MR loss re-implemented here in float64 on copies of norm2 / fc1 / fc2, two steps of
-    # torch.optim.Adam (fresh gradients each step) at the cosine lrs lr, lr / 2; the batch is the whole set, so
-    # the random draw only permutes rows and the mean is unchanged
+    # reference: the MR loss re-implemented here in float64 on copies of fc1 / fc2 (on fc1's input, as the official
+    # utils/mlp_recon.py), two steps of torch.optim.Adam (fresh gradients each step) at the cosine lrs lr, lr / 2;
+    # the batch is the whole set, so the random draw only permutes rows and the mean is unchanged
     import math
     import torch.nn.functional as F
     from quant.aphq.mlp_recon import MLPReconSettings, reconstruct_mlps
-    fp = tiny_vit(depth=1)
+    fp = perturb_norms(tiny_vit(depth=1))
     mr = copy.deepcopy(fp)
     x_img, calib_count, p, lr, w_clip = images(4), 2, 0.9, 1e-2, 1.5
     h = torch.rand(1, 17, 48, generator=torch.Generator().manual_seed(3)) + 0.5
     settings = MLPReconSettings(iters=2, batch_size=4, lr=lr, clip_percentile=p, clip_weight=w_clip, log_every=0)
     reconstruct_mlps(fp, mr, x_img, calib_count, lambda name: h, settings, torch.Generator().manual_seed(0))
 
-    block, names = fp.blocks[0], ("norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight",
-                                  "mlp.fc2.bias")
+    block, names = fp.blocks[0], ("mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
     seen = []
-    handle = block.norm2.register_forward_hook(lambda m, a, o: seen.append(a[0].detach().double()))
+    handle = block.mlp.fc1.register_forward_hook(lambda m, a, o: seen.append(a[0].detach().double()))
     with torch.no_grad():
         fp(x_img)
     handle.remove()
     x, hn = seen[0], (h / h.mean()).double()
     w = {n: block.get_parameter(n).detach().double().clone().requires_grad_(True) for n in names}
 
-    def pre_act(x):  # fc1(norm2(x))
-        normed = F.layer_norm(x, (48,), w["norm2.weight"], w["norm2.bias"], eps=block.norm2.eps)
-        return F.linear(normed, w["mlp.fc1.weight"], w["mlp.fc1.bias"])
+    def pre_act(x):  # fc1(x)
+        return F.linear(x, w["mlp.fc1.weight"], w["mlp.fc1.bias"])
 
     with torch.no_grad():
         pre = pre_act(x)
@@ -943,6 +941,8 @@ def test_mlp_reconstruction_two_steps_equal_adam_on_the_loss_written_out_in_floa
     for n in names:
         torch.testing.assert_close(mr.blocks[0].get_parameter(n).detach().double(), w[n].detach(), rtol=0,
                                    atol=lr * 1e-3, msg=n)
+    assert torch.equal(mr.blocks[0].norm2.weight, block.norm2.weight)  # no gradient reaches it: not trained
+    assert torch.equal(mr.blocks[0].norm2.bias, block.norm2.bias)
 
 
 def test_linear_search_with_max_rows_searches_that_many_random_rows():

@@ -1,4 +1,4 @@
-"""APHQ-ViT's MLP Reconstruction (MR): GELU -> ReLU, then per-block fine-tuning of norm2, fc1 and fc2.
+"""APHQ-ViT's MLP Reconstruction (MR): GELU -> ReLU, then per-block fine-tuning of fc1 and fc2.
 
 Off by default, as in the Colinearity-Decay paper's APHQ column (CD paper Sec. 4.1). When on,
 it runs on a float copy BEFORE quantization; the float targets of the later block reconstruction stay
@@ -6,15 +6,18 @@ those of the original GELU model.
 
 Per block, in module order (GoatWu/APHQ-ViT `utils/mlp_recon.py`):
 * every MLP activation is replaced by ReLU (all blocks at once, before the first block is tuned);
-* input x: the input of the block's norm2 in the MR model whose earlier blocks are already tuned
-  (sequential, like block reconstruction: later blocks absorb earlier changes; our choice);
-* target: the ORIGINAL block's MLP branch (norm2 -> GELU MLP -> LayerScale if any) on the same x;
+* input x: the input of the block's fc1 (after norm2, as the official `fc1.raw_input`) in the MR model whose
+  earlier blocks are already tuned (sequential, like block reconstruction: later blocks absorb earlier changes;
+  our choice; the official code takes it from the original model);
+* target: the ORIGINAL block's GELU MLP on the same x (`block.mlp`, as officially: LayerScale, if any, and norm2
+  lie outside it);
 * loss: mean(H * (relu_mlp(x) - target)^2) + alpha * mean(H * (relu_mlp_clamped(x) - target)^2),
   alpha = 2, where the clamped branch clips the fc2 input to [0, c] and c is the p-th percentile of
   the positive fc2 inputs of the original model (p = 0.98, the 4-bit config; the paper says 0.99),
   measured on the calibration subset (a 1024-image ViT-B fc2 input has 620 M elements); H is the
   block's APH weight reshaped to the branch output;
-* Adam on norm2, fc1, fc2 (weights and biases), lr 4e-5 with cosine decay to 0, batch 32.
+* Adam on fc1 and fc2 (weights and biases), lr 4e-5 with cosine decay to 0, batch 32. The official optimizer
+  also lists norm2, which gets no gradient (the MLP starts at fc1's input), so norm2 is not trained.
 No loss normalisation is stated for MR; we use none (Adam is invariant to a constant loss scale).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 from torch import nn
@@ -63,15 +66,10 @@ def relu_mlps(model: nn.Module) -> List[str]:
     return names
 
 
-def mlp_branch(block: nn.Module, x: torch.Tensor, clamp_max: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The block's residual MLP branch on x (the norm2 input), optionally clipping the fc2 input to [0, c]."""
-    mlp = block.mlp
-    h = mlp.drop1(mlp.act(mlp.fc1(block.norm2(x))))
-    if clamp_max is not None:
-        h = torch.minimum(h.clamp(min=0.0), clamp_max)
-    out = mlp.drop2(mlp.fc2(mlp.norm(h)))
-    ls2 = getattr(block, "ls2", None)
-    return ls2(out) if ls2 is not None else out
+def clipped_mlp(mlp: Mlp, x: torch.Tensor, clamp_max: torch.Tensor) -> torch.Tensor:
+    """`mlp(x)` (x: fc1's input) with the fc2 input clipped to [0, clamp_max]."""
+    h = torch.minimum(mlp.drop1(mlp.act(mlp.fc1(x))).clamp(min=0.0), clamp_max)
+    return mlp.drop2(mlp.fc2(mlp.norm(h)))
 
 
 def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Tensor, calib_count: int,
@@ -98,14 +96,14 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
         start = time.perf_counter()
         block_fp, block = fp_model.get_submodule(name), mr_model.get_submodule(name)
         _check_mlp(block_fp, name)
-        x = capture_module_inputs(mr_model, {"x": block.norm2}, name, images, settings.batch_size)["x"]
+        x = capture_module_inputs(mr_model, {"x": block.mlp.fc1}, name, images, settings.batch_size)["x"]
         with torch.no_grad():
-            target = torch.cat([mlp_branch(block_fp, c) for c in x.split(settings.batch_size)])
-            h = block_fp.mlp.act(block_fp.mlp.fc1(block_fp.norm2(x[:calib_count])))
+            target = torch.cat([block_fp.mlp(c) for c in x.split(settings.batch_size)])
+            h = block_fp.mlp.act(block_fp.mlp.fc1(x[:calib_count]))
             positive = h[h > 0]
             clip = quantile(positive, [settings.clip_percentile]) if positive.numel() else h.new_ones(1)
         weight = normalized_weight(hessian(name).to(device)).reshape(1, *x.shape[1:])
-        params = [p for m in (block.norm2, block.mlp.fc1, block.mlp.fc2) for p in m.parameters()]
+        params = [p for m in (block.mlp.fc1, block.mlp.fc2) for p in m.parameters()]
         for p in params:
             p.requires_grad_(True)
         opt = torch.optim.Adam(params, lr=settings.lr)
@@ -114,8 +112,8 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
         for it in range(settings.iters):
             idx = torch.randperm(x.shape[0], device=device, generator=generator)[:settings.batch_size]
             xb, tb = x[idx], target[idx]
-            loss = (weight * (mlp_branch(block, xb) - tb).pow(2)).mean() + settings.clip_weight * (
-                weight * (mlp_branch(block, xb, clip) - tb).pow(2)).mean()
+            loss = (weight * (block.mlp(xb) - tb).pow(2)).mean() + settings.clip_weight * (
+                weight * (clipped_mlp(block.mlp, xb, clip) - tb).pow(2)).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
