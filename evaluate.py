@@ -13,7 +13,8 @@ exactly (a classifier of another size included) is an error, never a model with 
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
 not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
-autocast). Quantization
+autocast). A checkpoint is scored on held-out data only: a data.val_split that reads its training split (the folder
+or token file it recorded, or the split of that name under another data.root) is refused. Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
@@ -46,11 +47,13 @@ import torch
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import device_of_overrides, dotted_settings, get_key, override_keys, read_yaml_file
-from configs.schema import TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, unread_training_settings
+from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig,
+                            unread_training_settings)
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
 from data.folder import ClassCountError, check_same_classes
+from data.loader import split_location
 from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -658,12 +661,14 @@ def _quant_value(cfg: Config, key: str) -> Optional[str]:
 
 def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:
     """Settings that --config / overrides may not change for a checkpoint: the weights are the checkpoint's
-    (another model.pretrained would be ignored), and the val split of the embedded data sets must be the one
-    held out from its training (another data.kjv_val_fraction or data.digits_val_fraction would score on text
-    or images it was trained on: the digits split is a seeded stratified split of one set)."""
+    (another model.pretrained would be ignored), and the val split must be held out from its training: not the
+    folder or token file of its training split (`check_not_trained_on`), and for the embedded data sets not
+    another data.kjv_val_fraction or data.digits_val_fraction (it would score on text or images it was trained on:
+    the digits split is a seeded stratified split of one set)."""
     if cfg.model.pretrained != saved.get("model", {}).get("pretrained", cfg.model.pretrained):
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
+    check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint)
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
@@ -675,6 +680,22 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None
         raise ConfigError(f"data.digits_val_fraction={cfg.data.digits_val_fraction}: {checkpoint} was trained on "
                           f"the digits outside a val fraction of {trained['digits_val_fraction']}, so another "
                           f"split would score it on images it was trained on; drop the override")
+
+
+def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str) -> None:
+    """Refuse a val split (of `data`) that reads the training split of the checkpoint's data set (`trained`, its
+    recorded settings): the folder or token file it recorded, links resolved, or the split of that name under
+    another data.root (a copy of the data set on this machine). Any other val split is taken: a held-out folder
+    beside the recorded val one, or another data.root's own."""
+    val = split_location(data, "val")
+    if val is None or trained.dataset != data.dataset:
+        return
+    here = dataclasses.replace(trained, root=data.root)
+    if val in (split_location(trained, "train"), split_location(here, "train")):
+        seen = "text" if data.dataset == "tokens" else "images"
+        raise ConfigError(f"data.val_split={data.val_split}: {val} is the {trained.train_split} split {checkpoint} "
+                          f"was trained on (data.root={trained.root}), so its scores would be of {seen} it was "
+                          f"trained on; score its held-out split (data.val_split={trained.val_split})")
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:

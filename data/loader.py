@@ -31,7 +31,7 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split, folder_fingerprint, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
-from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_file_fingerprint,
+from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_file, token_file_fingerprint,
                    token_files_fingerprint, token_stream)
 from .transforms import build_transform
 
@@ -67,6 +67,20 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         raise ClassCountError(f"the {cfg.dataset} data set has {found} classes but "
                               f"model.num_classes={num_classes}; set model.num_classes={found}", found)
     return dataset
+
+
+def split_location(cfg: DataConfig, split: str) -> Optional[str]:
+    """What `split` ('train' or 'val') of a folder or token data set reads, links resolved (its folder or .tar, its
+    .bin file): two split names that reach the same images compare equal. None for the embedded data sets, whose
+    splits are drawn apart, and for a split that is not there (reading it gives that error)."""
+    if cfg.dataset not in ("folder", "tokens"):
+        return None
+    try:
+        path = (find_split(cfg.root, cfg.train_split if split == "train" else cfg.val_split)
+                if cfg.dataset == "folder" else token_file(cfg, split))
+    except DataError:
+        return None
+    return os.path.realpath(path)
 
 
 def _check_other_split(cfg: DataConfig, split: str, classes: list) -> None:
