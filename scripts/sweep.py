@@ -11,6 +11,7 @@ config before anything starts, then print the commands or run them one after ano
 A sweep file (configs/sweeps/*.yaml):
     configs: [configs/pretrain/vit_b.yaml, configs/method/cd.yaml]   # layered under every run
     out_root: runs/sweeps/cd_lambda                                  # run <name> writes to out_root/<name>
+                                                                     # (an out_dir set anywhere else: refused)
     runs:
       baseline: [cd.enabled=false]              # items ending in .yaml are further --config layers,
       lam0.01: [cd.lam=0.01]                    # the others key=value overrides
@@ -130,9 +131,11 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                               f"the sweep's evaluate list ({', '.join(theirs)}); drop it, or edit 'evaluate' in "
                               f"{sweep_path}")
         named = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
-        if named:  # the sweep names every run's folder; this one would be replaced without a word
-            raise ConfigError(f"sweep run '{name}': {named[0]} would be ignored: a sweep writes run <name> to "
-                              f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it and set "
+        placing = file_setting_out_dir(configs)
+        if named or placing:  # the sweep names every run's folder; this one would be replaced without a word
+            what, where = (named[0], "") if named else (f"{placing[0]}: out_dir={placing[1]}", f" from {placing[0]}")
+            raise ConfigError(f"sweep run '{name}': {what} would be ignored: a sweep writes run <name> to "
+                              f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it{where} and set "
                               f"out_root in {sweep_path}")
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         try:
@@ -150,6 +153,19 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def file_setting_out_dir(configs: list[str]) -> Optional[tuple[str, str]]:
+    """(file, folder) of the last of the config files `configs` that sets out_dir to a folder, or None when the
+    run's folder is left to the default ("", the schema's: runs/<the config names>). A value that is no string
+    is the loader's to refuse."""
+    placing = None
+    for path in configs:
+        data = read_yaml_file(os.path.join(ROOT, path))
+        if "out_dir" in data:  # a later file's value replaces an earlier one's
+            value = data["out_dir"]
+            placing = (path, value) if isinstance(value, str) and value != Config().out_dir else None
+    return placing
 
 
 def is_config_key(key: str) -> bool:

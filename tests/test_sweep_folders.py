@@ -17,9 +17,9 @@ from tests.conftest import ROOT
 import sweep
 
 
-def sweep_file(tmp_path, runs: str, out_root=None):
+def sweep_file(tmp_path, runs: str, out_root=None, configs=("configs/debug/tiny.yaml",)):
     path = tmp_path / "s.yaml"
-    path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {out_root or tmp_path / 'runs'}\n"
+    path.write_text(f"configs: [{', '.join(map(str, configs))}]\nout_root: {out_root or tmp_path / 'runs'}\n"
                     f"runs:\n{runs}")
     return str(path)
 
@@ -65,6 +65,27 @@ def test_an_out_dir_the_sweep_would_replace_is_refused(tmp_path, where):
     extra = ["out_dir=/tmp/mine"] if where == "command line" else []
     with pytest.raises(ConfigError, match=r"out_dir=/tmp/mine would be ignored"):
         sweep.expand(sweep_file(tmp_path, runs), extra)
+
+
+@pytest.mark.parametrize("where", ["sweep configs", "run's own file"])
+def test_an_out_dir_a_config_file_sets_is_refused_naming_the_file(tmp_path, where):
+    placing = tmp_path / "place.yaml"
+    placing.write_text("out_dir: /tmp/mine\n")
+    if where == "sweep configs":
+        path = sweep_file(tmp_path, "  a: [train.seed=1]\n", configs=("configs/debug/tiny.yaml", placing))
+    else:
+        path = sweep_file(tmp_path, f"  a: [train.seed=1, {placing}]\n")
+    with pytest.raises(ConfigError, match=rf"^sweep run 'a': {re.escape(str(placing))}: out_dir=/tmp/mine would be "
+                                          rf"ignored: .*; drop it from {re.escape(str(placing))} and set out_root"):
+        sweep.expand(path, [])
+
+
+def test_a_config_file_that_leaves_out_dir_to_the_default_is_accepted(tmp_path):
+    # "" is the schema's default (runs/<the config names>), which the sweep's out_root/<name> replaces by design
+    default = tmp_path / "default.yaml"
+    default.write_text("out_dir: ''\n")
+    runs = sweep.expand(sweep_file(tmp_path, f"  a: [{default}]\n"), [])
+    assert sweep.out_dir_of(runs[0]) == str(tmp_path / "runs" / "a")
 
 
 def test_the_command_refuses_before_any_run_starts(tmp_path):
