@@ -87,20 +87,30 @@ def block_error(x, block, reference, batch_size):
         return sum(float((reference(c) - block(c)).double().pow(2).sum()) for c in x.split(batch_size))
 
 
-def test_compensation_adds_x_w_plus_b_and_keeps_every_name():
+def test_compensation_adds_x_w_plus_b_in_fp16_in_eval_and_keeps_every_name():
+    """QwT's CompensationBlock.forward: in eval `(x.half() @ W.half()).float() + b`, in training fp32. The
+    reference rounds x and W to fp16 by hand and the exact product (small integers times multiples of 2^-10, exact
+    in fp32) to fp16 once: x carries 2^-12 more than its fp16 value, which only the fp32 form keeps."""
     block = tiny_vit().blocks[0].eval()
+    c = block.norm1.normalized_shape[0]
     g = torch.Generator().manual_seed(1)
-    w, b = (torch.randn(block.norm1.normalized_shape[0], block.norm1.normalized_shape[0], generator=g),
-            torch.randn(block.norm1.normalized_shape[0], generator=g))
-    x = torch.randn(2, 5, w.shape[1], generator=g)
+    w = torch.randint(-3, 4, (c, c), generator=g).float()
+    b = torch.randn(c, generator=g)
+    signs = torch.randint(0, 2, (2, 5, c), generator=g) * 2 - 1
+    halves = torch.randint(1024, 2048, (2, 5, c), generator=g) / 1024 * signs
+    x = halves + halves.sign() * 2.0 ** -12  # rounds to `halves` in fp16 (their spacing is 2^-10)
+    assert torch.equal(x.half().float(), halves)
     with torch.no_grad():
-        expected = block(x) + x @ w.t() + b
+        plain = block(x)
+        expected = plain + ((halves @ w.t()).half().float() + b)
+        expected_train = plain + x @ w.t() + b
     keys = set(block.state_dict())
     add_compensation(block, w, b)
     assert set(block.state_dict()) == keys | {"qwt_compensation.weight", "qwt_compensation.bias"}
     with torch.no_grad():
         torch.testing.assert_close(block(x), expected)
         torch.testing.assert_close(copy.deepcopy(block)(x), expected)  # the hook travels with a copy
+        torch.testing.assert_close(block.train()(x), expected_train)
     with pytest.raises(ValueError, match="already"):
         add_compensation(block, w, b)
 

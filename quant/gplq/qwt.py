@@ -7,7 +7,8 @@ As wujx2001/QwT `QwT-cls-RepQ-ViT` fits it. Blocks are processed in order. For b
     W, c = argmin ||[X 1] [W; c] - D||^2 (+ ridge * ||W||^2; the bias is not penalised)
 
 and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward
-hook). The fit uses the normal equations accumulated in float64 over the fitting images and solved with
+hook; in eval mode x W runs in FP16, as QwT's CompensationBlock runs it in eval, which here includes the
+compensated prefix of the later blocks' fits, where QwT's new blocks are still in training mode, FP32). The fit uses the normal equations accumulated in float64 over the fitting images and solved with
 `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
 R^2 = 1 - sum_c SSE_c / sum_c SST_c, pooled over output channels as QwT's `lienar_regression` computes
 it (each channel centred on its own mean). The
@@ -30,11 +31,17 @@ COMPENSATION = "qwt_compensation"  # child name of the compensation Linear insid
 
 def _add_compensation(block: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
     x = args[0] if args else kwargs["x"]
-    return output + getattr(block, COMPENSATION)(x)
+    linear = getattr(block, COMPENSATION)
+    if block.training:
+        return output + linear(x)
+    # in eval the product runs in FP16 and the bias is added in FP32, as QwT's CompensationBlock.forward:
+    # `out + (x.half() @ lora_weight.half()).float() + self.lora_bias` (its lora_weight is our weight^T)
+    compensation = (x.half() @ linear.weight.t().half()).float() + linear.bias
+    return output + compensation.to(output.dtype)
 
 
 def add_compensation(block: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
-    """Make `block(x)` return block(x) + x W^T + b, in place.
+    """Make `block(x)` return block(x) + x W^T + b, in place; in eval mode x W^T in FP16, as QwT runs it.
 
     The compensation is a float `nn.Linear` child named `qwt_compensation` plus a forward hook, so
     every existing FQN of the model (e.g. `blocks.3.mlp.fc1`) keeps its name and the state dict only
