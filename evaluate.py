@@ -14,7 +14,8 @@ The checkpoint's saved config describes model and data; `key=value` overrides ch
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
 not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
 autocast). A checkpoint is scored on held-out data only: a data.val_split that reads its training split (the folder
-or token file it recorded, or the split of that name under another data.root) is refused. Quantization
+or token file it recorded, or the split of that name under another data.root) is refused, as is a data.train_split
+that reads the val split where a pipeline draws from it. Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
@@ -600,12 +601,18 @@ def resolve_config(args: argparse.Namespace):
     # evaluation that draws nothing (rtn, or no pipeline) would be ignored, even one that does not exist; the
     # checkpoint's own value (a sweep passes a run's data overrides on) changes nothing
     recorded = (payload["config"].get("data") or {}).get("train_split", "train") if payload else None
-    if ("data.train_split" in given and cfg.data.train_split != recorded
-            and not any(reads_calibration_batch(p, task.language) or PIPELINES[p].draws_training_images
-                        for p in cfg.quant.pipelines)):
+    drawing = [p for p in cfg.quant.pipelines
+               if reads_calibration_batch(p, task.language) or PIPELINES[p].draws_training_images]
+    if "data.train_split" in given and cfg.data.train_split != recorded and not drawing:
         raise ConfigError(f"data.train_split={cfg.data.train_split} would be ignored: no pipeline of this evaluation "
                           f"reads the training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn "
                           f"reads no data); drop it")
+    train_split = split_location(cfg.data, "train")
+    if drawing and train_split is not None and train_split == split_location(cfg.data, "val"):
+        seen = "text" if task.language else "images"
+        raise ConfigError(f"data.train_split={cfg.data.train_split}: {train_split} is the val split that is scored "
+                          f"(data.val_split={cfg.data.val_split}), so {', '.join(drawing)} would calibrate (or train) on "
+                          f"the {seen} that are scored; give data.train_split the training split")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:
         raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "

@@ -78,3 +78,25 @@ def test_a_token_checkpoint_is_not_scored_on_its_training_token_file(tmp_path):
                                           r"the train split run.pt was trained on .*of text it was trained on"):
         evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="train"), "run.pt")
     evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="test"), "run.pt")
+
+
+@pytest.mark.parametrize("pipelines, split", [(["percentile"], "val"), (["repq", "gplq"], "{root}/val/"),
+                                              (["aphq"], "./val")])
+def test_a_training_split_that_is_the_scored_val_split_is_refused_before_any_pass(folder_run, tmp_path, pipelines,
+                                                                                 split):
+    """data.train_split=val drew the calibration batch (APHQ's and GPLQ's images and loader) from the 16 images that
+    were then scored: refused, whatever the name of the folder, before anything is written."""
+    checkpoint, root = folder_run
+    split = split.format(root=root)
+    out = tmp_path / "e.json"
+    with pytest.raises(ConfigError, match=rf"^data.train_split={re.escape(split)}: "
+                                          rf"{re.escape(os.path.realpath(os.path.join(root, 'val')))} is the val split "
+                                          rf"that is scored \(data.val_split=val\), so {', '.join(pipelines)} would calibrate \(or "
+                                          rf"train\) on the images that are scored"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *pipelines,
+                                           f"data.train_split={split}", "--out", str(out)]))
+    assert not out.exists() and not (tmp_path / "eval.log").exists()
+    # the training split by another name is drawn from; a pipeline that draws nothing (rtn) reads no split
+    assert resolve(checkpoint, "--quant", "percentile", f"data.train_split={root}/train").data.train_split
+    with pytest.raises(ConfigError, match=r"^data.train_split=val would be ignored: no pipeline"):
+        resolve(checkpoint, "--quant", "rtn", "data.train_split=val")
