@@ -611,8 +611,8 @@ def resolve_config(args: argparse.Namespace):
     if drawing and train_split is not None and train_split == split_location(cfg.data, "val"):
         seen = "text" if task.language else "images"
         raise ConfigError(f"data.train_split={cfg.data.train_split}: {train_split} is the val split that is scored "
-                          f"(data.val_split={cfg.data.val_split}), so {', '.join(drawing)} would calibrate (or train) on "
-                          f"the {seen} that are scored; give data.train_split the training split")
+                          f"(data.val_split={cfg.data.val_split}), so {', '.join(drawing)} would calibrate (or train) "
+                          f"on the {seen} that are scored; give data.train_split the training split")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:
         raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "
