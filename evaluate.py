@@ -21,9 +21,10 @@ transform, or `quant.calib_transform=train`) or, for a language model, as many s
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
-where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier, and the training augmentation,
-data.scale / reprob / auto_augment and the like, where no pipeline sees training-transform images; the quant.*
-settings a --config file changes are checked as overrides, its other sections are its recipe). Writes one JSON
+where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier, quant.first_last where no
+pipeline runs, and the training augmentation, data.scale / reprob / auto_augment and the like, where no pipeline
+sees training-transform images; the quant.* settings a --config file changes are checked as overrides, its
+other sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it, and prints a markdown row in the layout of the paper's tables.
 GPLQ's stage 1 trains (a resumable checkpoint beside the JSON): a SIGTERM / SIGINT during it writes that
@@ -476,14 +477,20 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
         raise DataError(too_many)
 
 
-CALIBRATION_KEYS = ("quant.calib_images", "quant.calib_seed", "quant.calib_transform")  # the batch's settings
+# the settings of no one pipeline's section, each with whether a pipeline (of a language model or not) reads it:
+# the calibration batch's where the pipeline calibrates on it, the stem and head bit-widths wherever one runs
+SHARED_KEYS = {**dict.fromkeys(("quant.calib_images", "quant.calib_seed", "quant.calib_transform"),
+                               reads_calibration_batch),
+               "quant.first_last": lambda pipeline, language: True}
 
 
 def calibration_overrides_unread(overrides: list[str], pipelines: list[str], language: bool) -> list[str]:
-    """The overrides of the calibration batch (quant.calib_*) when none of `pipelines` reads it: [] otherwise."""
-    if any(reads_calibration_batch(p, language) for p in pipelines):
-        return []
-    return [item for item in overrides if any(k in CALIBRATION_KEYS for k in override_keys(item))]
+    """The overrides of settings that no one pipeline's section holds (`SHARED_KEYS`) when none of `pipelines` reads
+    them: the calibration batch's (quant.calib_*) where none reads it, quant.first_last where none runs; []
+    otherwise."""
+    return [item for item in overrides if any(key in SHARED_KEYS and not any(SHARED_KEYS[key](p, language)
+                                                                             for p in pipelines)
+                                              for key in override_keys(item))]
 
 
 def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[str]:
@@ -591,6 +598,10 @@ def resolve_config(args: argparse.Namespace):
                           f"evaluation does not run (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}); add "
                           f"{pipeline} to --quant / quant.pipelines, or drop it")
     batch = calibration_overrides_unread(items, cfg.quant.pipelines, task.language)
+    if batch and not cfg.quant.pipelines:  # quant.first_last is read wherever a pipeline runs
+        raise ConfigError(f"{named.get(batch[0], batch[0])} would be ignored: this evaluation runs no pipeline "
+                          f"(pipelines: none), and only pipelines read the calibration batch and quant.first_last; "
+                          f"name the pipelines with --quant / quant.pipelines, or drop it")
     if batch:
         raise ConfigError(f"{named.get(batch[0], batch[0])} would be ignored: no pipeline of this evaluation reads "
                           f"the calibration batch (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads "

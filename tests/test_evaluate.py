@@ -282,6 +282,25 @@ def test_a_calibration_batch_that_no_pipeline_reads_is_refused(digits_checkpoint
     assert evaluate.calibration_overrides_unread(["quant.calib_images=8"], ["gplq"], language=True) == []
 
 
+def test_first_last_bit_widths_without_a_pipeline_are_refused(checkpoint, tmp_path):
+    """quant.first_last sets the stem and head bit-widths of every pipeline: with --quant naming none it was taken,
+    and neither applied nor recorded; from a --config file likewise. Wherever a pipeline runs it is read (APHQ
+    included, which reads no calibration batch on a classifier)."""
+    base = ["--checkpoint", checkpoint, "--quant"]
+    refused = r"would be ignored: this evaluation runs no pipeline \(pipelines: none\)"
+    with pytest.raises(ConfigError, match=rf"^quant.first_last=w8a8 {refused}"):
+        evaluate.resolve_config(evaluate.parse_args([*base, "quant.first_last=w8a8"]))
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("quant:\n  first_last: w8a8\n")
+    with pytest.raises(ConfigError, match=rf'^quant.first_last="w8a8" \(--config {re.escape(str(extra))}\) {refused}'):
+        evaluate.resolve_config(evaluate.parse_args([*base, "--config", str(extra)]))
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args([*base, "aphq", "quant.first_last=w8a8"]))
+    assert cfg.quant.first_last == "w8a8"
+    assert evaluate.calibration_overrides_unread(["quant={first_last: w8a8}"], [], language=False) == [
+        "quant={first_last: w8a8}"]
+    assert evaluate.calibration_overrides_unread(["quant.first_last=w8a8"], ["aphq"], language=False) == []
+
+
 def test_table_over_seeds_reports_mean_and_sample_std_per_method():
     def result(method, fp, repq, module=5.0, block=3.0):
         return {"model": "m", "method": method, "fp": {"top1": fp},
