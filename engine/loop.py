@@ -568,7 +568,8 @@ def progress_kept_on_error(save: Callable[[], None], model: nn.Module, step: int
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "",
              should_stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
-    """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks.
+    """Top-1 / top-5 (percent) and mean cross-entropy over the whole loader, summed over all ranks. Top-5 only
+    for a model of more than 5 classes: with 5 or fewer every label is among the 5 best, 100 % whatever the model.
 
     With `ShardedEvalSampler` every image is counted exactly once across ranks. A negative target marks
     a sample the data set could not read (data/folder.py: -1 - index): it is excluded from every count,
@@ -578,13 +579,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     ends at once and returns None.
 
     Returns:
-        {"top1", "top5", "loss", "count" (images scored), "excluded" (unreadable images left out)}.
+        {"top1", "top5" (more than 5 classes), "loss", "count" (images scored), "excluded" (unreadable images left
+        out)}.
     Raises NothingScoredError when no image was scored.
     """
     model.eval()
     dataset = getattr(loader, "dataset", None)
-    # correct@1, correct@5, loss, count, excluded, ranks whose loader failed
-    sums = torch.zeros(6, device=device, dtype=torch.float64)
+    # correct@1, correct@5, loss, count, excluded, ranks whose loader failed, batches of more than 5 classes (a rank
+    # without a batch learns the class count from the others)
+    sums = torch.zeros(7, device=device, dtype=torch.float64)
     # the first batch with a NaN / inf logit, as -(batch * world + rank) (max-reduced), kept on the device
     none_bad = -float(2 ** 62)
     first_bad = torch.full((), none_bad, device=device, dtype=torch.float64)
@@ -611,6 +614,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
         sums[:4] += torch.stack([hits[:, 0].sum(), hits.any(1).sum(),
                                  F.cross_entropy(logits, targets, reduction="sum"),
                                  torch.full((), len(targets), device=device)]).double()
+        sums[6] += int(logits.shape[1] > 5)
     if batches.stopped:
         return None
     sums[4] = len(unreadable)
@@ -624,13 +628,13 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str = "none", 
     bad = -all_reduce(first_bad, op="max").item()
     if bad < -none_bad or not math.isfinite(sums[2].item()):
         raise NonFiniteLossError(_nonfinite_message(progress, bad, -none_bad, world, batch_size, dataset))
-    correct1, correct5, loss, count, excluded, _ = sums.tolist()
+    correct1, correct5, loss, count, excluded, _, top5_batches = sums.tolist()
     if count == 0:  # the same sums on every rank: every rank raises
         raise NothingScoredError(f"{progress or 'evaluation'}: no image was scored: " + (
             f"all {int(excluded)} image(s) are unreadable (named in the warning above); replace or remove them"
             if excluded else "the data loader yielded no image; check the split's folder and the data settings"))
-    return {"top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count, "loss": loss / count,
-            "count": int(count), "excluded": int(excluded)}
+    return {"top1": 100.0 * correct1 / count, **({"top5": 100.0 * correct5 / count} if top5_batches else {}),
+            "loss": loss / count, "count": int(count), "excluded": int(excluded)}
 
 
 class EvalBatches:

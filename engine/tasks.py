@@ -74,7 +74,8 @@ class ClassificationTask:
 
     @staticmethod
     def describe(val: dict) -> str:
-        return f"val top-1 {val['val/top1']:.2f}% (top-5 {val['val/top5']:.2f}%) on {val['val/count']} images"
+        top5 = f" (top-5 {val['val/top5']:.2f}%)" if "val/top5" in val else ""  # more than 5 classes only
+        return f"val top-1 {val['val/top1']:.2f}%{top5} on {val['val/count']} images"
 
     @staticmethod
     def score_text(value: float) -> str:

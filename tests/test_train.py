@@ -715,19 +715,24 @@ def test_evaluate_scores_as_a_naive_per_image_loop():
 
 
 
-def test_evaluate_counts_every_image_in_the_top5_of_fewer_than_six_classes():
-    """With 5 classes (or fewer) every label is among the 5 best: top-5 is 100 %, also for an image whose label
-    has the smallest logit; top-1 as the naive count."""
+@pytest.mark.parametrize("classes", [2, 5])
+def test_evaluate_reports_no_top5_of_five_classes_or_fewer(classes):
+    """With 5 classes (or fewer) every label is among the 5 best, also one with the smallest logit: a top-5 of
+    100 % whatever the model was reported, printed and logged. It is left out (the run's last line too); top-1 as the
+    naive count."""
     from engine.loop import evaluate
+    from engine.tasks import ClassificationTask
 
     torch.manual_seed(3)
-    model = torch.nn.Linear(4, 5).double()
-    images, targets = torch.randn(30, 4, dtype=torch.float64), torch.randint(0, 5, (30,))
+    model = torch.nn.Linear(4, classes).double()
+    images, targets = torch.randn(30, 4, dtype=torch.float64), torch.randint(0, classes, (30,))
     logits = model(images).detach()
     above = (logits > logits.gather(1, targets[:, None])).sum(1)
-    assert int(above.max()) == 4  # some label has the smallest logit
+    assert int(above.max()) == classes - 1  # some label has the smallest logit
     got = evaluate(model, [(images, targets)], torch.device("cpu"))
-    assert got["top5"] == 100.0 and got["top1"] == pytest.approx(100 * int((above == 0).sum()) / 30)
+    assert "top5" not in got and got["top1"] == pytest.approx(100 * int((above == 0).sum()) / 30)
+    val = {f"val/{k}": v for k, v in got.items()}
+    assert ClassificationTask.describe(val) == f"val top-1 {got['top1']:.2f}% on 30 images"
 
 
 def test_a_bf16_evaluation_scores_its_logits_in_float():
@@ -1618,14 +1623,15 @@ def test_a_stop_request_ends_the_epoch_after_the_update_that_saw_it():
 def test_evaluate_sums_every_ranks_counts_before_the_percentages(monkeypatch):
     """Under DDP each rank scores its own images: top-1 / top-5 / loss are over every rank's images, not this
     rank's alone. The other rank is an all_reduce that adds its sums (3 images: 1 top-1 hit, 2 top-5 hits, loss
-    sum 6.0); this rank's are counted by a loop over its images."""
+    sum 6.0, in one batch of a 7-class model); this rank's are counted by a loop over its images. A rank without a
+    batch reports the top-5 of the others' images all the same."""
     import engine.loop
     from engine.loop import evaluate
 
     torch.manual_seed(2)
     model = torch.nn.Linear(4, 7).double()
     images, targets = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 7, (5,))
-    other = torch.tensor([1.0, 2.0, 6.0, 3.0, 0.0, 0.0], dtype=torch.float64)  # ..., no failed batch
+    other = torch.tensor([1.0, 2.0, 6.0, 3.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # no failed batch, one batch
 
     def add_other_rank(t, op="sum"):
         return t.add_(other) if op == "sum" else t
@@ -1639,6 +1645,8 @@ def test_evaluate_sums_every_ranks_counts_before_the_percentages(monkeypatch):
     assert got["top1"] == pytest.approx(100 * (sum(a < 1 for a in above) + 1) / 8)
     assert got["top5"] == pytest.approx(100 * (sum(a < 5 for a in above) + 2) / 8)
     assert got["loss"] == pytest.approx((loss + 6.0) / 8, rel=1e-6)
+    alone = evaluate(model, [], torch.device("cpu"))
+    assert (alone["count"], alone["top1"], alone["top5"]) == (3, pytest.approx(100 / 3), pytest.approx(200 / 3))
 
 
 def test_a_snapshot_leaves_the_checkpoint_in_place_and_only_the_main_rank_writes_one(tmp_path):
