@@ -9,7 +9,8 @@ GoatWu/APHQ-ViT `Object-Detection/tools`, on a toy detector in plain torch (no M
 * per-image captures (`capture_unit_calls`) keep each image's shape, the unit's extra arguments and every tensor
   of a structured output; a unit that some image never reaches is refused;
 * `quantize_detector` hands each unit the options' reconstruction settings and the float RPN references, and
-  switches the calibrated-only heads on at the end; it refuses a calibration batch it cannot use.
+  switches the calibrated-only heads on at the end; it refuses a calibration batch it cannot use; at iters=0 it
+  calibrates only, into the detector that 0 reconstruction iterations give.
 """
 from __future__ import annotations
 
@@ -356,6 +357,62 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
         assert not torch.allclose(q_calls[i].args[0], fp_calls[i].args[0], atol=1e-3), i  # else the check is void
         with torch.no_grad():
             assert torch.allclose(fp_calls[i].outputs[0], detector.neck(fp_calls[i].args[0])), i
+
+
+def test_quantize_detector_at_zero_iterations_calibrates_only_and_equals_zero_iterations_of_reconstruction(
+        monkeypatch):
+    """iters=0 computes no float RPN references, APH weights or unit captures, and its detector is the one that
+    reconstructing every unit for 0 iterations gives: APHQ's calibration, then the units switched on in order,
+    each through `reconstruct_unit_calls` with 0 iterations, then the calibrated-only heads."""
+    import dataclasses
+    import quant.aphq.detector as aphq_detector
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from quant.calibrate import calibrate
+    from quant.modes import set_quant_state
+    from quant.pipeline_data import PipelineData
+    from quant.spec import parse_bits
+    from quant.units import find_units
+    options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 2,
+                                                    "iters": 0, "log_every": 0})
+    spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck", "rpn_head.*"),
+                                         QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
+    torch.manual_seed(0)
+    detector = StagedDetector()
+    skipped = []
+
+    class NoReferences(ImageFeed):
+        def rpn_outputs(self, model, i):
+            skipped.append("rpn_outputs")
+            return super().rpn_outputs(model, i)
+
+    for name in ("detector_hessians", "capture_unit_calls", "reconstruct_unit_calls"):
+        monkeypatch.setattr(aphq_detector, name, lambda *a, _name=name, **k: skipped.append(_name))
+
+    def calibrate_then_off(model, units, calib, search=None, generator=None):
+        """min/max instead of APHQ's search (which folds ViT LayerNorms the toy lacks), every quantizer left off
+        as calibrate_aphq leaves them"""
+        calibrate(model, calib)
+        set_quant_state(model, weights=False, activations=False)
+    monkeypatch.setattr(aphq_detector, "calibrate_aphq", calibrate_then_off)
+    result = aphq_detector.quantize_detector(spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+                                             PipelineData(detector_samples=lambda n, seed: NoReferences(images()[:n])))
+    assert skipped == []
+    assert [(u["unit"], u["iters"]) for u in result.report["units"]] == [("backbone.stages.0.blocks.0", 0),
+                                                                        ("neck", 0)]
+    # the reference: the same calibration, then 0 iterations of reconstruct_unit_calls on each unit in order
+    ref = quantize_model(detector, spec).eval().requires_grad_(False)
+    units = find_units(ref, aphq_detector.DETECTOR_UNIT_KINDS)
+    calibrate_then_off(ref, units, CalibFeed(images()[:1]))
+    for unit in units:
+        module = ref.get_submodule(unit.name)
+        set_quant_state(module, weights=True, activations=True)
+        reconstruct_unit_calls(module, [], [], None, recon_settings(iters=0))
+    set_quant_state(ref.rpn_head, weights=True, activations=True)
+    with torch.no_grad():
+        for image in images():
+            got, want = result.model.forward_image(image), ref.forward_image(image)
+            assert all(torch.equal(g, w) for g, w in zip(got[0] + got[1], want[0] + want[1]))
+            assert not torch.allclose(want[0][0], detector.forward_image(image)[0][0])  # else the check is void
 
 
 class _RunOnly:

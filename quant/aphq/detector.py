@@ -19,6 +19,9 @@ The classification steps (pipeline.py) with the detection code's differences:
    Linear and matmul quantizers only, and the neck has convolutions only). The RPN and RoI heads are
    calibrated only: their reconstruction is commented out in the official code, so they are switched on, as
    calibrated, at the end.
+
+`iters=0` is calibration only, as on a classifier: steps 1-3, then every unit and head switched on, without the
+float RPN outputs, captures or APH weights.
 """
 from __future__ import annotations
 
@@ -116,6 +119,27 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
             eq_n=options.eq_n, matmul_pct=tuple(options.matmul_pct), matmul_steps=options.matmul_steps,
             max_rows=options.search_max_rows, round_zero_point=options.round_zero_point, batch_size=1,
             conv_search="self"), generator=torch.Generator().manual_seed(options.seed))
+    # every quantizer is float now; units are switched on as they are reconstructed
+    if options.iters == 0:  # calibration only: 0 iterations change no output, so no RPN references, no APH
+        for unit in units:
+            set_quant_state(model.get_submodule(unit.name), weights=True, activations=True)
+        unit_stats = [{"unit": unit.name, "kind": unit.kind, "iters": 0} for unit in units]
+    else:
+        unit_stats = _reconstruct(model, frozen, units, samples, options, timer, device, cache)
+    for head in heads:
+        set_quant_state(model.get_submodule(head.name), weights=True, activations=True)
+    model.eval()
+    report = pipeline_report(
+        "aphq", model, bits, options,
+        data={"calibration_images": getattr(calib, "count", None), "reconstruction_images": len(samples),
+              "seed": options.data_seed, "transform": "test"},
+        calibration=calib_report, units=unit_stats, calibrated_only=[h.name for h in heads])
+    return model, report
+
+
+def _reconstruct(model: nn.Module, frozen: nn.Module, units: List[Unit], samples: DetectorSamples,
+                 options: APHQOptions, timer: StageTimer, device: torch.device, cache: torch.device) -> list:
+    """Reconstruct the units of `model` in order, each switched on as it starts; their stats."""
     with timer("fp_rpn_outputs", device), torch.no_grad():
         refs: List[RPNOutputs] = []
         for i in range(len(samples)):
@@ -152,13 +176,4 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
                      stats["rec_first"], stats["rec_last"], stats["seconds"], stats["hessian_seconds"])
             unit_stats.append(stats)
             del fp_calls, q_calls, hessians
-    for head in heads:
-        set_quant_state(model.get_submodule(head.name), weights=True, activations=True)
-    model.eval()
-    report = pipeline_report(
-        "aphq", model, bits, options,
-        data={"calibration_images": getattr(calib, "count", None), "reconstruction_images": len(samples),
-              "seed": options.data_seed, "transform": "test"},
-        calibration=calib_report, units=unit_stats, calibrated_only=[h.name for h in heads])
-    return model, report
-
+    return unit_stats
