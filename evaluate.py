@@ -8,8 +8,11 @@ results per pipeline.
     python evaluate.py --config configs/pretrain/vit_b.yaml model.pretrained=/weights/deit_base.pth \
         data.root=/datasets/imagenet                                           # a timm model + weights file
 
-Weights are scored only as they are: a checkpoint or a `model.pretrained` file that does not fit the model
-exactly (a classifier of another size included) is an error, never a model with a new random part.
+Weights are scored as they are: a checkpoint or a `model.pretrained` file that does not fit the model (a classifier
+of another size included) is an error, never a model with a new random part. The one change made to them is timm's:
+a `model.pretrained` file trained at another image size (a Swin at another window size) has its position table
+(relative position bias tables) resampled to the model's grid, with a warning, and the result records it
+(e.g. "pos_embed_resampled": "14x14->16x16").
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
 not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
@@ -376,7 +379,8 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
     """What the numbers of one result file are numbers of (engine/eval_results.py). A folder data set's val
     images are named by their count and the SHA-256 of their names (`val_names`, from `val_print`:
     data.loader.val_fingerprint): a val folder re-exported at the same path with as many other images is another
-    evaluation."""
+    evaluation. A model.pretrained file's resampled position tables are named with both grids
+    (`pos_embed_resampled`, `relative_position_bias_resampled`)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
             "checkpoint": checkpoint,
@@ -384,6 +388,8 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
             "checkpoint_kind": checkpoint_kind(args.checkpoint, pretrained=not args.checkpoint),
             "weights": "ema" if args.ema else "raw",
             "fingerprint": weights_fingerprint(model.state_dict()), "eval_amp": args.amp, "images": images,
+            # a model.pretrained file's position tables that timm resampled to the model's grid (models/pretrained.py)
+            **getattr(model, "pretrained_resampled", {}),
             **({"val_names": val_print[cfg.data.val_split]["names_sha256"]} if cfg.data.dataset == "folder" else {}),
             "data": text_identity(cfg.data) if task_for(cfg.data.dataset).language else {
                      "dataset": cfg.data.dataset,

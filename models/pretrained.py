@@ -2,7 +2,8 @@
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
-position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows).
+position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows,
+and named in the model's `pretrained_resampled`, which evaluate.py records beside its result).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
 fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
 of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
@@ -66,9 +67,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     if problem:
         raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()
-    resampled = [line for line in (check_patch_size(state, own, path, strict),
-                                   position_table_resize(state, own, model, path),
-                                   relative_table_resize(state, own, path)) if line]
+    tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, path)]
+    resampled = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
@@ -126,6 +126,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                          f"{'...' if len(unexpected) > 8 else ''}")
     for line in resampled:  # logged once the file has loaded: a file refused above was never resampled into it
         log.warning(line)
+    # the scored tables are not the file's: what an evaluation of these weights records ({'pos_embed_resampled':
+    # '2x2->4x4'}; {} for none)
+    model.pretrained_resampled = {key: change for record, _ in tables for key, change in record.items()}
     log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
@@ -165,41 +168,45 @@ def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
     return f"{path}: patch size {size} resampled to the model's {mine} (timm's patch-embedding resize)"
 
 
-def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> str:
+def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> tuple[dict, str]:
     """A ViT file whose position table is for another grid (weights trained at another img_size): timm's filter
     resamples the table (bicubic) to the model's grid. A fine-tune or an evaluation at a new resolution asks for
     exactly that, so it is not refused even when strict; but the scored table is not the file's, so the returned
-    line ('' for none) says so, with both grids."""
+    record ({'pos_embed_resampled': '2x2->4x4'}) and line say so, with both grids ({} and '' for none)."""
     key = "pos_embed"
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if key not in state or key not in own or grid is None or state[key].shape[1] == own[key].shape[1]:
-        return ""
+        return {}, ""
     prefix = own[key].shape[1] - grid[0] * grid[1]  # class/register tokens held in the table (0 for no_embed_class)
     tokens = state[key].shape[1] - prefix
     side = int(tokens ** 0.5)
-    theirs = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch"
-    return (f"{path}: position table of a {theirs} grid resampled to the model's {grid[0]}x{grid[1]} (timm's "
-            f"bicubic resize; the weights were trained at another img_size than model.img_size)")
+    theirs, mine = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch", f"{grid[0]}x{grid[1]}"
+    return ({"pos_embed_resampled": f"{theirs}->{mine}"},
+            f"{path}: position table of a {theirs} grid resampled to the model's {mine} (timm's bicubic resize; the "
+            f"weights were trained at another img_size than model.img_size)")
 
 
-def relative_table_resize(state: dict, own: dict, path: str) -> str:
+def relative_table_resize(state: dict, own: dict, path: str) -> tuple[dict, str]:
     """A Swin file of another window size (model.kwargs.window_size): timm's filter resamples each attention's
     relative position bias table ((2w-1)^2 rows, one column per head) to the model's window, even when strict. As
     for a ViT's position table (`position_table_resize`) that is what loading at another window asks for, but the
-    scored tables are not the file's: the returned line ('' for none) says so, with both windows."""
+    scored tables are not the file's: the returned record ({'relative_position_bias_resampled': '7x7->4x4'}) and
+    line say so, with both windows ({} and '' for none)."""
     resized = [k for k in state if k.endswith("relative_position_bias_table") and k in own
                and state[k].shape != own[k].shape and state[k].shape[1:] == own[k].shape[1:]]
     if not resized:  # a table of another head count is no resize: the shape check names it
-        return ""
+        return {}, ""
 
     def window(rows: int) -> str:
         side = int(round(rows ** 0.5))
         return f"{(side + 1) // 2}x{(side + 1) // 2}" if side * side == rows and side % 2 else f"{rows}-row"
 
     key = resized[0]
-    return (f"{path}: relative position bias tables of {len(resized)} attention layer(s) (e.g. '{key}') of "
-            f"{window(state[key].shape[0])} windows resampled to the model's {window(own[key].shape[0])} (timm's "
-            f"resize; the weights were trained with another window size than the model's, model.kwargs.window_size)")
+    theirs, mine = window(state[key].shape[0]), window(own[key].shape[0])
+    return ({"relative_position_bias_resampled": f"{theirs}->{mine}"},
+            f"{path}: relative position bias tables of {len(resized)} attention layer(s) (e.g. '{key}') of {theirs} "
+            f"windows resampled to the model's {mine} (timm's resize; the weights were trained with another window "
+            f"size than the model's, model.kwargs.window_size)")
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:

@@ -421,10 +421,11 @@ def test_a_file_trained_at_another_img_size_loads_with_its_position_table_resize
     # the table is timm's bicubic resample of the file's (independent call), not the model's own init
     expected = resample_abs_pos_embed(source.pos_embed.detach(), (4, 4), num_prefix_tokens=1)
     assert torch.allclose(model.pos_embed, expected, atol=1e-6)
+    assert model.pretrained_resampled == {"pos_embed_resampled": "2x2->4x4"}  # evaluate.py records it
     caplog.clear()
     with caplog.at_level("WARNING"):
-        build_model(model_cfg(*asked[:2], "model.img_size=32", *asked[3:]))  # the file's own size: no line
-    assert "resampled" not in caplog.text
+        own = build_model(model_cfg(*asked[:2], "model.img_size=32", *asked[3:]))  # the file's own size: no line
+    assert "resampled" not in caplog.text and own.pretrained_resampled == {}
 
 
 @pytest.mark.parametrize("name, blocks, width, heads, patch, grid", [("vit_micro", 6, 96, 3, 4, 8),

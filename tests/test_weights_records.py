@@ -48,10 +48,24 @@ def test_swin_weights_of_another_window_size_load_resampled_and_said(tmp_path, c
     expected = resize_rel_pos_bias_table(source.state_dict()[key], new_window_size=(2, 2),
                                          new_bias_shape=(9, 4))  # timm's resize of the file's own table
     assert torch.allclose(model.state_dict()[key], expected)
+    assert model.pretrained_resampled == {"relative_position_bias_resampled": "4x4->2x2"}  # evaluate.py records it
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        build_model(dataclasses.replace(at2, kwargs={}))  # the file's own window: no line
-    assert "resampled" not in caplog.text
+        own = build_model(dataclasses.replace(at2, kwargs={}))  # the file's own window: no line
+    assert "resampled" not in caplog.text and own.pretrained_resampled == {}
+
+
+def test_an_evaluation_of_weights_at_another_img_size_records_their_resampled_position_table(tmp_path):
+    """A weights file of a 32-pixel vit_nano (a 4x4 grid) scored at model.img_size=64 (8x8) is scored with timm's
+    bicubic resample of its table: the result says so (it read as a score of the file's weights); at the file's own
+    size it says nothing."""
+    weights = tmp_path / "at32.pth"
+    torch.save(build_model(ModelConfig(name="vit_nano", num_classes=4)).state_dict(), weights)
+    given = ["--config", DEBUG_CONFIG, f"model.pretrained={weights}", "--quant"]
+    result = evaluate.main(evaluate.parse_args([*given, "model.img_size=64", "--out", str(tmp_path / "r64.json")]))
+    assert result["pos_embed_resampled"] == "4x4->8x8"
+    result = evaluate.main(evaluate.parse_args([*given, "--out", str(tmp_path / "r32.json")]))
+    assert not [key for key in result if "resampled" in key]
 
 
 def nanogpt_checkpoint(path, model, **model_args) -> str:
