@@ -6,8 +6,7 @@ transform, one fixed augmentation each, seed quant.aphq.data_seed), their first 
 (128) as the calibration set, and the val split (eval transform). For every bit-width, two stages:
 
   calibration     scale / zero-point search only. Official: right after QuantCalibrator (test_quant.py
-                  validates the model there); ours: the pipeline with iters=0 (and loss=mse: nothing is
-                  trained, so the Hessian, which only weights the training loss, is skipped)
+                  validates the model there); ours: the pipeline with iters=0 (calibration only)
   reconstruction  block reconstruction with --iters iterations per unit in both
 
 Reported per stage: top-1 of each, per-image agreement (fraction of val images with the same
@@ -567,9 +566,9 @@ def compare_bits(s: Setup, bits: str, config: str, labels: torch.Tensor, args: a
     def errors(model: nn.Module) -> Dict[str, float]:
         return unit_errors(s.fp_model, model, s.units, s.val, bs)
 
-    # calibration stage: ours with iters=0 (loss=mse: no Hessian for nothing to train), official mid-run
-    ours_cal, ours_cal_s, ours_cal_p = run_ours(
-        s.fp_model, dataclasses.replace(s.options, iters=0, loss="mse"), bits, s.data, s.val, bs)
+    # calibration stage: ours with iters=0 (calibration only), official mid-run
+    ours_cal, ours_cal_s, ours_cal_p = run_ours(s.fp_model, dataclasses.replace(s.options, iters=0), bits, s.data,
+                                                s.val, bs)
     kept: dict = {}
 
     def on_calibrated(model: nn.Module, seconds: float) -> None:

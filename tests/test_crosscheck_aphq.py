@@ -330,3 +330,29 @@ def test_aphq_options_are_overrides_it_reads(tmp_path, fake_official, monkeypatc
     with pytest.raises(Reached):
         xc.main(["--checkpoint", checkpoint, "--official", fake_official, "--out", str(tmp_path / "x.json"),
                  "quant.aphq.seed=1", "--bits", "w4a4"])
+
+
+def test_the_calibration_stage_sets_only_options_our_pipeline_reads(fake_official, monkeypatch):
+    """Ours at the calibration stage is the user's options at iters=0: every option the script changes for it is
+    one the pipeline reads there (the Python API's check, configs.loader.check_options_read, passes them)."""
+    import dataclasses
+    from configs.loader import check_options_read
+    from configs.quant import APHQOptions
+
+    class Stop(Exception):
+        pass
+
+    handed = []
+
+    def run_ours(fp_model, options, *args):
+        handed.append(options)
+        raise Stop
+    monkeypatch.setattr(xc, "run_ours", run_ours)
+    options = APHQOptions(iters=5)
+    setup = xc.Setup(tiny_vit(), options, images(8), images(4), images(4), [], None)
+    with pytest.raises(Stop):
+        xc.compare_bits(setup, "w4a4", xc.official_config(fake_official, "w4a4"), torch.zeros(4), SimpleNamespace())
+    calibration, = handed
+    changed = [f.name for f in dataclasses.fields(options) if getattr(calibration, f.name) != getattr(options, f.name)]
+    assert calibration.iters == 0
+    check_options_read(calibration, changed)  # raises on an option the pipeline leaves unread at iters=0
