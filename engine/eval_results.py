@@ -48,8 +48,11 @@ EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
 PLACEMENT_OPTIONS = ("cache_device",)
 
 
-# identity fields added after result files were first written: a file without one takes it (see _read)
-LATER_FIELDS = ("checkpoint_kind", "val_names", "annotations_sha256")
+# identity fields added after result files were first written: a file without one takes it (see _read). A
+# resampled position table's grids (pos_embed_resampled, relative_position_bias_resampled) are also named by the
+# weights' fingerprint, which is compared, so a file written before they were recorded is of the same weights
+LATER_FIELDS = ("checkpoint_kind", "val_names", "annotations_sha256", "pos_embed_resampled",
+                "relative_position_bias_resampled")
 
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation

@@ -4,6 +4,7 @@ a Swin window resize said as a ViT position-table resize is, a tied GPT head sto
 repeated-augmentation epoch named when it leaves less than one batch."""
 import argparse
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -64,6 +65,13 @@ def test_an_evaluation_of_weights_at_another_img_size_records_their_resampled_po
     given = ["--config", DEBUG_CONFIG, f"model.pretrained={weights}", "--quant"]
     result = evaluate.main(evaluate.parse_args([*given, "model.img_size=64", "--out", str(tmp_path / "r64.json")]))
     assert result["pos_embed_resampled"] == "4x4->8x8"
+    # a result file of these weights written before the grids were recorded is this evaluation's (the weights'
+    # fingerprint names them): the same command adds to it, and the file now records the grids
+    older = json.loads((tmp_path / "r64.json").read_text())
+    del older["pos_embed_resampled"]
+    (tmp_path / "r64.json").write_text(json.dumps(older))
+    result = evaluate.main(evaluate.parse_args([*given, "model.img_size=64", "--out", str(tmp_path / "r64.json")]))
+    assert json.loads((tmp_path / "r64.json").read_text())["pos_embed_resampled"] == "4x4->8x8"
     result = evaluate.main(evaluate.parse_args([*given, "--out", str(tmp_path / "r32.json")]))
     assert not [key for key in result if "resampled" in key]
 
