@@ -450,9 +450,11 @@ def refuse_unevaluated_options(runs: list[dict]) -> None:
                               "refuse it after the training; drop it from 'evaluate'")
         language = evaluate.task_for(cfg.data.dataset).language
         for item in evaluate.calibration_overrides_unread(evaluated, pipelines, language):
-            raise ConfigError(f"sweep run '{run['name']}': {item} sets the calibration batch, which no pipeline of "
-                              f"its evaluation reads (pipelines: {', '.join(pipelines) or 'none'}): evaluate.py "
-                              "would refuse it after the training; drop it")
+            what = ("a setting only pipelines read, and its evaluation runs none" if not pipelines else
+                    "the calibration batch, which no pipeline of its evaluation reads")
+            raise ConfigError(f"sweep run '{run['name']}': {item} sets {what} (pipelines: "
+                              f"{', '.join(pipelines) or 'none'}): evaluate.py would refuse it after the training; "
+                              "drop it")
 
 
 def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") -> tuple[int, str]:

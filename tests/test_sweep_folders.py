@@ -193,6 +193,18 @@ def test_a_calibration_batch_no_pipeline_of_the_evaluation_reads_is_refused_befo
     assert sweep.main([str(spec), "--evaluate"]) == 0
 
 
+def test_first_last_bit_widths_in_an_evaluation_without_pipelines_are_refused_before_training(tmp_path):
+    """quant.first_last is read wherever a pipeline runs: in a sweep whose evaluation runs none, it is refused
+    before any run trains, with what it is (not a calibration setting)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path / 'runs'}\n"
+                    f"evaluate: ['quant.pipelines=[]', 'quant.first_last=w8a8']\nruns:\n  a: []\n")
+    with pytest.raises(SystemExit, match=r"error: sweep run 'a': quant.first_last=w8a8 sets a setting only "
+                                         r"pipelines read, and its evaluation runs none \(pipelines: none\)"):
+        sweep.main([str(spec), "--evaluate"])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_runs_own_calibration_setting_is_checked_after_a_run_without_quantization_settings(tmp_path):
     """Run a sets nothing of quant (nothing to check); run b's own quant.calib_images goes to its evaluate.py
     command too, where gplq alone reads no calibration batch: refused before run a trains."""
