@@ -4,11 +4,11 @@
 
 Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
 against the field's annotation. An unknown key is an error that names the key and its closest matches in
-any section; so is a value of the wrong type or outside a `Literal` choice, and a key given twice in one
-YAML mapping. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept any keys, also as dotted
-overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what earlier layers put there,
-as a section's keys do, and null empties it. A key that the resolved config would not read is refused
-(`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
+any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
+YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
+any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what
+earlier layers put there, as a section's keys do, and null empties it. A key that the resolved config would not
+read is refused (`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
 optim.lr_base while optim.lr is set, data.mixup_prob while mixup and cutmix are both 0, sched.warmup_lr without a
 warmup, log.wandb_* while log.wandb is false, ...): every override (unless the overrides switch its section off
 themselves: cd.enabled=false beside cd.lam, a sweep's baseline), and every value a file changes where the
@@ -171,8 +171,13 @@ def _changed(before: Config, after: Config, key: str) -> bool:
 
 def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else; an
-    override that the resulting config would ignore is refused (`check_keys_read`)."""
+    override that the resulting config would ignore is refused (`check_keys_read`), and so is one that sets a key
+    an earlier item set (optim.lr twice, train.seed=5 after train={seed: 2}); emptying a dict field with null
+    before giving its entries is the one order that means both."""
     given = {}
+    # what an earlier item set (override_settings) -> that item; a dict field itself there was emptied by it, and
+    # a later item may give its entries
+    set_by: dict[tuple, str] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -186,8 +191,44 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
         given.update(dotted_settings(key.strip(), value, cfg))
+        for setting in override_settings(key.strip(), value, cfg):
+            # as a key twice in a YAML file: the later item would replace the earlier one without a word
+            twice = [earlier for earlier in set_by if setting[:len(earlier)] == earlier[:len(setting)]
+                     and not (".".join(earlier) in dict_fields() and len(setting) > len(earlier))]
+            if twice:
+                entries_first = ".".join(setting) in dict_fields() and len(twice[0]) > len(setting)
+                raise ConfigError(f"override {item!r} sets {'.'.join(setting)}, which the override "
+                                  f"{set_by[twice[0]]!r} sets already; keep one"
+                                  + (" (or empty the dict before giving its entries)" if entries_first else ""))
+            set_by[setting] = item
     check_keys_read(cfg, given)
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def dict_fields() -> frozenset:
+    """The dotted keys of the free-form dict fields (model.kwargs, cd.lam_per_role)."""
+    cfg = Config()
+    return frozenset(key for key in schema_keys() if isinstance(get_key(cfg, key), dict))
+
+
+def override_settings(key: str, value: Any, cfg: Config) -> list[tuple[str, ...]]:
+    """What the override `key=value` sets, each as the parts of its dotted key: a section given as a mapping
+    (train={seed: 7}) by key, and a free-form dict field by entry, however spelt (model.kwargs={depth: 2} and
+    model.kwargs.depth=2 set the entry depth, model.kwargs.mlp.cfg=4 the entry 'mlp.cfg'); a dict field given
+    null or {} (emptied) is the field itself, and only then."""
+    settings = []
+    for dotted, inner in dotted_settings(key, value, cfg).items():
+        field = next((f for f in dict_fields() if dotted == f or dotted.startswith(f + ".")), None)
+        if field is None:
+            settings.append(tuple(dotted.split(".")))
+        elif dotted != field:
+            settings.append((*field.split("."), dotted[len(field) + 1:]))
+        elif isinstance(inner, dict) and inner:
+            settings += [(*field.split("."), str(entry)) for entry in inner]
+        else:
+            settings.append(tuple(field.split(".")))
+    return settings
 
 
 class IgnoredOverrideError(ConfigError):

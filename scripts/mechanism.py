@@ -344,6 +344,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
     `images`, refused when it is a language model (the subcommand runs the model on val images)."""
     if args.checkpoint and (args.model or args.weights):
         raise MechanismError("give either --checkpoint, or --model NAME --weights FILE, not both")
+    check_flag_overrides(args)
     if args.checkpoint:
         if not os.path.isfile(args.checkpoint):
             raise MechanismError(f"--checkpoint {args.checkpoint}: no such file; give the best.pt or "
@@ -824,11 +825,9 @@ def check_config_layers(args: argparse.Namespace, saved: dict, checkpoint: str) 
                                  f"settings it reads only, or key=value overrides")
 
 
-def check_overrides(args: argparse.Namespace, cfg) -> None:
-    """Refuse an override that `args.command` would not read with the config `cfg` (READS, unread_keys, FLAG_KEYS);
-    after the config loader has checked the overrides against the schema (which names the key meant by a misspelt
-    one)."""
-    reads, unread = reads_of(args), unread_keys(args.command, cfg)
+def check_flag_overrides(args: argparse.Namespace) -> None:
+    """Refuse an override of a key that a flag of `args.command` sets (FLAG_KEYS); before the config is loaded, where
+    the flag's own item (model.name=<--model>) would meet it as a key given twice."""
     for item in args.overrides:
         for key in override_keys(item):
             flag = FLAG_KEYS.get(key)
@@ -837,6 +836,14 @@ def check_overrides(args: argparse.Namespace, cfg) -> None:
                                      "drop it")
             if flag and hasattr(args, flag[2:]):  # a flag of this subcommand
                 raise MechanismError(f"{item}: `{args.command}` sets {key} from {flag}; give {flag} instead")
+
+
+def check_overrides(args: argparse.Namespace, cfg) -> None:
+    """Refuse an override that `args.command` would not read with the config `cfg` (READS, unread_keys); after the
+    config loader has checked the overrides against the schema (which names the key meant by a misspelt one)."""
+    reads, unread = reads_of(args), unread_keys(args.command, cfg)
+    for item in args.overrides:
+        for key in override_keys(item):
             if not is_read(key, reads, unread):
                 raise MechanismError(f"{item}: {not_read(args.command, key, reads, unread)}; drop it")
 

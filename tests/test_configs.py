@@ -150,6 +150,44 @@ def test_one_key_spelt_twice_in_one_file_is_an_error(tmp_path, text, message):
         load_config([str(path)])
 
 
+@pytest.mark.parametrize("overrides, later, key, earlier", [
+    (["optim.lr=1e-3", "optim.lr=5e-2"], "optim.lr=5e-2", "optim.lr", "optim.lr=1e-3"),
+    (["optim.lr=1e-3", "optim.lr=1e-3"], "optim.lr=1e-3", "optim.lr", "optim.lr=1e-3"),
+    (["train={seed: 2}", "train.seed=5"], "train.seed=5", "train.seed", "train={seed: 2}"),
+    (["train.seed=5", "train={seed: 2}"], "train={seed: 2}", "train.seed", "train.seed=5"),
+    (["optim={lr: 1e-3}", "optim={weight_decay: 0, lr: 1e-3}"], "optim={weight_decay: 0, lr: 1e-3}", "optim.lr",
+     "optim={lr: 1e-3}"),
+    (["model.kwargs={depth: 2}", "model.kwargs.depth=3"], "model.kwargs.depth=3", "model.kwargs.depth",
+     "model.kwargs={depth: 2}"),
+    (["model.kwargs=null", "model.kwargs.depth=2", "model={kwargs: {depth: 3}}"], "model={kwargs: {depth: 3}}",
+     "model.kwargs.depth", "model.kwargs.depth=2"),
+    (["model.kwargs=null", "model.kwargs=null"], "model.kwargs=null", "model.kwargs", "model.kwargs=null"),
+])
+def test_one_key_given_twice_in_the_overrides_is_an_error(overrides, later, key, earlier):
+    """As a key twice in a file: the later item replaced the earlier one, whichever spelling each had (optim.lr
+    came out 5e-2, train.seed 5 or 2 by the order of the items)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config([DEBUG_CONFIG], overrides)
+    assert str(caught.value) == f"override {later!r} sets {key}, which the override {earlier!r} sets already; keep one"
+
+
+def test_overrides_of_other_keys_or_dict_entries_are_not_given_twice():
+    """Distinct keys of one section, distinct entries of a dict field (an entry's name may hold a dot: 'mlp' and
+    'mlp.cfg' are two), and a dict emptied by null before its entries are given: each item sets its own."""
+    cfg = load_config([DEBUG_CONFIG], ["train={seed: 2}", "train.device=cpu", "model.kwargs={depth: 2}",
+                                       "model.kwargs.mlp=1", "model.kwargs.mlp.cfg=2"])
+    assert (cfg.train.seed, cfg.train.device) == (2, "cpu")
+    assert cfg.model.kwargs == {"depth": 2, "mlp": 1, "mlp.cfg": 2}
+    recipe = os.path.join(ROOT, "configs/method/cd_finetune.yaml")  # lam_per_role {fc2: 0.02}
+    assert load_config([recipe], ["cd.lam_per_role=null", "cd.lam_per_role.fc1=0.01",
+                                  "cd={lam_per_role: {fc2: 0.5}}"]).cd.lam_per_role == {"fc1": 0.01, "fc2": 0.5}
+    # emptied after an entry was given: the entry would be dropped
+    with pytest.raises(ConfigError, match=r"override 'cd.lam_per_role=null' sets cd.lam_per_role, which the override "
+                                          r"'cd.lam_per_role.fc1=0.01' sets already; keep one \(or empty the dict "
+                                          r"before giving its entries\)$"):
+        load_config([recipe], ["cd.lam_per_role.fc1=0.01", "cd.lam_per_role=null"])
+
+
 def test_a_config_file_that_is_not_text_is_one_error(tmp_path):
     """A checkpoint given as --config was a UnicodeDecodeError traceback."""
     path = tmp_path / "best.pt"

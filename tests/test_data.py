@@ -415,8 +415,11 @@ def test_a_seeded_sample_runs_under_its_seed_and_leaves_the_global_generators_as
 
 
 def _synthetic(overrides=()):
-    return load_config(None, ["data.dataset=synthetic", "data.synthetic_train_size=50", "data.repeated_aug=0",
-                              "data.num_workers=0", *overrides]).data
+    """The data section of synthetic images (50 of them unless `overrides` set another count)."""
+    given = {item.split("=", 1)[0] for item in overrides}
+    size = [] if "data.synthetic_train_size" in given else ["data.synthetic_train_size=50"]
+    return load_config(None, ["data.dataset=synthetic", *size, "data.repeated_aug=0", "data.num_workers=0",
+                              *overrides]).data
 
 
 def test_training_shards_are_one_shuffled_epoch_dealt_to_the_ranks():

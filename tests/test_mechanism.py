@@ -195,7 +195,7 @@ def make_checkpoint(path, seed: int = 0, **overrides) -> str:
     from configs import config_to_dict, load_config
     from models import build_model
 
-    cfg = load_config([DEMO_CONFIG], ["model.name=vit_nano", *[f"{k}={v}" for k, v in overrides.items()]])
+    cfg = load_config([DEMO_CONFIG], [f"{k}={v}" for k, v in {"model.name": "vit_nano", **overrides}.items()])
     torch.manual_seed(seed)
     model = randomize_biases(build_model(cfg.model), seed)
     torch.save({"model": model.state_dict(), "config": config_to_dict(cfg)}, path)
@@ -441,6 +441,9 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
      "--config configs/method/cd.yaml changes cd.enabled: False -> True over "),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "model.name=vit_small_patch16_224"],
      "model.name=vit_small_patch16_224: the model and its weights come from --checkpoint "),
+    # the flag's own model.name item beside the user's: the flag's refusal, not a key given twice
+    (["alignment", "--model", "vit_nano", "--weights", "{ckpt}", "--out", "{out}", "model.name=vit_tiny_patch16_224"],
+     "model.name=vit_tiny_patch16_224: `alignment` sets model.name from --model; give --model instead"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
      "--blocks without a block: give 0-based positions or names, or drop --blocks for all"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels"],  # drew the default labels

@@ -336,7 +336,7 @@ def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, de
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(RunDirError, match="cannot be used: Not a directory"):
-        train.main(debug_config(f"out_dir={blocker}/run"))
+        train.main(load_config([DEBUG_CONFIG], [f"out_dir={blocker}/run"]))
 
     import engine.run_dir as run_dir
 

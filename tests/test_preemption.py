@@ -172,8 +172,15 @@ def resume_in_this_process(cmd, *overrides):
     return result
 
 
+def long_run(*overrides):
+    """LONG_RUN's items but those of a key that `overrides` set, then `overrides` (train.py refuses a key given
+    twice)."""
+    given = {item.split("=", 1)[0] for item in overrides}
+    return [*[item for item in LONG_RUN if item.split("=", 1)[0] not in given], *overrides]
+
+
 def train_cmd(out_dir, *overrides):
-    return [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out_dir}", *LONG_RUN, *overrides]
+    return [sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out_dir}", *long_run(*overrides)]
 
 
 @pytest.mark.parametrize("signum, target, workers", [
@@ -257,8 +264,8 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
     # 20,001 validation images: the two ranks' shards differ by one image (and one batch of 16)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_port", str(free_port()),
-           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *LONG_RUN, "log.tensorboard=false",
-           "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8"]
+           "train.py", "--config", DEBUG_CONFIG, f"out_dir={tmp_path}", *long_run("log.tensorboard=false",
+           "data.synthetic_train_size=64", "data.synthetic_val_size=20001", "train.batch_size_per_gpu=8")]
     proc = launch(cmd)
     # rank 0 logs this after the ranks agreed at the epoch's end that no stop was requested: the signal lands
     # in the validation (which takes seconds), not before it, whatever the CPU's speed

@@ -342,7 +342,7 @@ def test_the_device_of_the_command_line_is_read_without_the_config_files():
 
     assert device_of_overrides(["optim.lr=0.1", "train.device=cpu"]) == "cpu"
     assert device_of_overrides(["train={seed: 1, device: cuda}", "model.bogus=1"]) == "cuda"
-    assert device_of_overrides(["train.device=cuda", "train.device=cpu"]) == "cpu"  # the last one, as load_config
+    assert device_of_overrides(["train.device=cuda", "train.device=cpu"]) == "auto"  # given twice: load_config refuses
     assert device_of_overrides(["optim.lr=0.1"]) == "auto"
     assert device_of_overrides(["train.device=gpu"]) == "auto"
 
