@@ -339,6 +339,7 @@ READ_ONLY_WHEN = [
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
+    (("data.remode", "data.recount"), "data.reprob", (NONZERO,)),  # timm builds no RandomErasing at reprob 0
     (("quant.aphq.mlp_iters", "quant.aphq.mlp_lr", "quant.aphq.mlp_clip_percentile", "quant.aphq.mlp_clip_weight"),
      "quant.aphq.mlp_reconstruct", (True,)),
     (("quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"), "quant.gplq.pca_weight",

@@ -354,6 +354,9 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/pretrain/vit_b.yaml", ["optim.momentum=0.8"], "optim.momentum"),  # adamw
     ("configs/pretrain/vit_b.yaml", ["optim.name=sgd", "optim.betas=[0.8, 0.9]"], "optim.betas"),
     ("configs/pretrain/vit_b.yaml", ["data.color_jitter=0.4"], "data.color_jitter"),  # timm: off with a policy
+    # the demo's data.reprob is 0: timm's train transform has no RandomErasing, whose fill and count these are
+    ("configs/demo/vit_digits.yaml", ["data.remode=const"], "data.remode"),
+    ("configs/demo/vit_digits.yaml", ["data.recount=3"], "data.recount"),
     ("configs/lm/gpt2.yaml", ["optim.lr_scaling=sqrt"], "optim.lr_scaling"),  # a set optim.lr is the lr
     # quantization options whose step is off: APHQ without MLP reconstruction, GPLQ without PCA loss or QwT
     ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_iters=5"], "quant.aphq.mlp_iters"),
@@ -388,6 +391,25 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
         load_config([os.path.join(ROOT, path)], overrides)
 
 
+def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing():
+    """timm's create_transform adds RandomErasing (mode = data.remode, max_count = data.recount) only at re_prob > 0:
+    at data.reprob=0 the two change nothing, and an override of them is refused."""
+    from timm.data.random_erasing import RandomErasing
+
+    from data.transforms import build_transform
+
+    def erasing(overrides):
+        data = load_config([DEMO_CONFIG], overrides).data
+        return [t for t in build_transform(data, 32, is_training=True).transforms if isinstance(t, RandomErasing)]
+
+    assert erasing([]) == []  # the demo's reprob 0
+    (built,) = erasing(["data.reprob=0.5", "data.remode=const", "data.recount=3"])
+    assert (built.probability, built.mode, built.max_count) == (0.5, "const", 3)
+    with pytest.raises(ConfigError, match=r"data.recount=3 would be ignored: data.recount is read only when "
+                                          r"data.reprob is nonzero, and it is 0.0"):
+        load_config([DEMO_CONFIG], ["data.recount=3"])
+
+
 @pytest.mark.parametrize("path, overrides", [
     ("configs/demo/vit_digits.yaml", ["data.dataset=folder", "data.root=/datasets/x"]),  # read once switched
     ("configs/pretrain/vit_b.yaml", ["data.root=/datasets/x", "data.val_split=validation"]),
@@ -410,6 +432,8 @@ def test_an_override_the_config_would_ignore_is_refused(path, overrides, key):
     ("configs/pretrain/vit_b.yaml", ["optim.name=momentum", "optim.momentum=0.8"]),
     ("configs/pretrain/vit_b.yaml", ["optim.name=lamb", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]),
     ("configs/pretrain/vit_b.yaml", ["data.auto_augment=", "data.color_jitter=0.4"]),
+    ("configs/demo/vit_digits.yaml", ["data.reprob=0.5", "data.remode=const", "data.recount=3"]),
+    ("configs/pretrain/vit_b.yaml", ["data={remode: rand, recount: 2}"]),  # its reprob 0.25
     ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_iters=5"]),
     # MR trains (and reads the APH) at quant.aphq.iters=0 too
     ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true",
