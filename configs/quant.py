@@ -225,8 +225,10 @@ class SmoothQuantOptions(FloatEndsOptions):
     #   smoothed float model on the calibration set (get_static_decoder_layer_scales, the real-INT8 path)
     act_calibration: Literal["dynamic", "static"] = "dynamic"
     # attention matmuls: none (float), qkv (q, k, v quantized like the Linear inputs: fake_quant.py's
-    #   quantize_bmm_input), all (also the softmax output, the same way; with a causal mask its max-abs is
-    #   1, i.e. Int8OPTAttention's fixed 8-bit grid 1/127)
+    #   quantize_bmm_input), all (also the softmax output, by the same activation quantizer: per token and
+    #   dynamic, the default, each query token gets its own range from each input, its max over heads and keys;
+    #   per tensor, static or dynamic, one range, whose max-abs a causal plain softmax makes 1 (the first token
+    #   attends to itself alone), i.e. at 8 bits Int8OPTAttention's fixed grid 1/127)
     quantize_bmm: Literal["none", "qkv", "all"] = "none"
     batch_size: Annotated[int, AtLeastOne] = 8  # calibration sequences per forward of the statistics passes
 
