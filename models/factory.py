@@ -128,8 +128,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         if hub:
             raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
                              f"local file: model.pretrained=/path/to/weights.safetensors") from e
-        # timm's checks of the values (embed_dim % num_heads), and sizes it divides by (patch_size=0)
-        if isinstance(e, (AssertionError, ValueError, ZeroDivisionError)):
+        # timm's checks of the values (embed_dim % num_heads), sizes it divides by (patch_size=0), and torch's
+        # refusal of the tensors they size (embed_dim=-8); without hub weights nothing else raises these here
+        if isinstance(e, (AssertionError, ValueError, ZeroDivisionError, RuntimeError)):
             raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
                              f"{e or type(e).__name__}") from e
         raise

@@ -5,6 +5,7 @@ from safetensors.torch import save_file
 
 from configs import load_config
 from models import VARIANTS, ModelError, build_model, input_size
+from tests.conftest import DEBUG_CONFIG, run_entry
 
 
 def model_cfg(*overrides):
@@ -73,6 +74,26 @@ def test_an_argument_timm_does_not_take_is_a_model_error_naming_it():
 def test_a_patch_size_of_zero_is_a_model_error():
     with pytest.raises(ModelError, match=r"model 'vit_nano' .* rejected its arguments .*division"):
         build_model(model_cfg("model.name=vit_nano", "model.kwargs.patch_size=0"))
+
+
+def test_a_size_torch_cannot_allocate_is_a_model_error():
+    with pytest.raises(ModelError, match=r"model 'vit_nano' .* rejected its arguments .*'embed_dim': -8.*negative "
+                                         r"dimension"):
+        build_model(model_cfg("model.name=vit_nano", "model.kwargs.embed_dim=-8"))
+
+
+def test_a_start_refused_for_its_model_arguments_is_one_error_line_and_the_corrected_start_runs(tmp_path, capsys):
+    """The model is built once out_dir is claimed: the failed start leaves its train.log, which the corrected start
+    keeps (archived) while it runs."""
+    out_dir = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out_dir}", "model.kwargs.embed_dim=-8"],
+                             capsys)
+    assert code == 1 and err.startswith("error: model 'vit_nano'") and err.count("\n") == 1, err
+    failed_log = (out_dir / "train.log").read_text()
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out_dir}", "train.max_steps=1"], capsys)
+    assert code == 0, err
+    assert (out_dir / "checkpoint.pt").is_file()
+    assert [p.read_text() for p in out_dir.glob("archive/*/train.log")] == [failed_log]
 
 
 @pytest.mark.parametrize("overrides, unseen", [(["model.name=vit_nano", "model.img_size=30"], "6 pixel"),
