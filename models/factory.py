@@ -44,8 +44,22 @@ TIMM_SWIN = "timm.models.swin_transformer"
 MODEL_DROP_SITES = "pos_proj_mlp"
 
 
+def check_kwargs_given(cfg: ModelConfig) -> None:
+    """Refuse a model.kwargs entry without a value: timm's create_model drops None arguments, so the model would be
+    built with its default (a variant's depth=null: timm's 12 blocks) or without the entry at all, while the config
+    and results record it as set. YAML reads `{num_heads:4}` (no space after the colon) as {'num_heads:4': None}."""
+    empty = [key for key, value in cfg.kwargs.items() if value is None]
+    if empty:
+        key = empty[0]
+        spacing = (f" (YAML reads '{key}' as one key without a value: write a space after the colon, "
+                   f"{{{key.replace(':', ': ', 1)}}})" if ":" in key else "")
+        raise ModelError(f"model.kwargs.{key} is null{spacing}: give it a value, or leave the entry out for the "
+                         f"model's own default")
+
+
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """Resolve `cfg` into (timm architecture name, constructor kwargs)."""
+    check_kwargs_given(cfg)
     kwargs = {}
     if cfg.name in VARIANTS:
         kwargs.update(VARIANTS[cfg.name])
@@ -155,6 +169,7 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
         raise ModelError(f"model '{cfg.name}' is a language model: {', '.join(given)} "
                          f"appl{'ies' if len(given) == 1 else 'y'} to the timm vision models only; drop "
                          f"{'it' if len(given) == 1 else 'them'} (model.drop_path, stochastic depth: set it to 0)")
+    check_kwargs_given(cfg)
     try:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
     except TypeError as e:
