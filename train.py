@@ -69,7 +69,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
-from models.factory import MODEL_DROP_SITES, check_recorded_architecture
+from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
                         too_few_for_a_batch, too_many_train_images, train_image_demands)
@@ -650,11 +650,16 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
     current_d = config_to_dict(current)
     own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
-    # the model's build (not its start weights, nor its drop rates: they add no parameter, and a change of them
-    # is one more changed setting below)
+    # the model's build (not its start weights, nor its drop rates, model.drop(_path)'s or model.kwargs' *drop_rate:
+    # they add no parameter, and a change of them is one more changed setting below)
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict", "drop_path", "drop")]
+
+    def built(model: dict, key: str):
+        value = model.get(key)
+        return without_dropout_rates(value) if key == "kwargs" and isinstance(value, dict) else value
+
     differ = [f"model.{k}: {saved['model'].get(k)!r} -> {current_d['model'][k]!r}" for k in architecture
-              if saved["model"].get(k) != current_d["model"][k]]
+              if built(saved["model"], k) != built(current_d["model"], k)]
     if differ:
         raise CheckpointError(f"{source} was written for model {saved['model'].get('name')} with other settings "
                               f"({'; '.join(differ)}): {other}, or use the original model settings")

@@ -44,6 +44,14 @@ TIMM_SWIN = "timm.models.swin_transformer"
 MODEL_DROP_SITES = "pos_proj_mlp"
 
 
+def without_dropout_rates(kwargs: dict) -> dict:
+    """model.kwargs less timm's dropout rates (drop_rate, pos_drop_rate, proj_drop_rate, attn_drop_rate,
+    patch_drop_rate): the entries that change the model's parameters. A rate adds none, so it may move between
+    model.drop and model.kwargs (timm's Swin takes its block dropout only as model.kwargs.proj_drop_rate) while the
+    weights stay those of the same model."""
+    return {key: value for key, value in kwargs.items() if not key.endswith("drop_rate")}
+
+
 def check_kwargs_given(cfg: ModelConfig) -> None:
     """Refuse a model.kwargs entry without a value: timm's create_model drops None arguments, so the model would be
     built with its default (a variant's depth=null: timm's 12 blocks) or without the entry at all, while the config

@@ -115,3 +115,74 @@ def test_a_run_that_trained_with_model_drop_as_the_head_dropout_is_not_resumed_u
     check_model_drop_sites(old, load_config(None, ["model.name=vit_nano"]), "checkpoint.pt")
     gpt = load_config(None, ["model.name=gpt2_nano", "model.drop=0.1"])
     check_model_drop_sites({"config": config_to_dict(gpt)}, gpt, "checkpoint.pt")
+
+
+def old_record(out_dir, drop, drop_sites=True):
+    """Rewrite the run of `out_dir` as the code before the present model.drop rules recorded it: model.drop=`drop`
+    and no model.kwargs in checkpoint.pt's and config.yaml's config (without `drop_sites`, no model_drop_sites: the
+    code that passed model.drop to timm's drop_rate). The weights are those that code trained."""
+    import yaml
+
+    path = os.path.join(out_dir, "checkpoint.pt")
+    payload = torch.load(path, weights_only=True)
+    payload["config"]["model"].update(drop=drop, kwargs={})
+    if not drop_sites:
+        del payload["model_drop_sites"]
+    torch.save(payload, path)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(payload["config"], f, sort_keys=False)
+
+
+def test_dropout_rates_in_model_kwargs_create_no_parameter():
+    """What lets a resume move a rate between model.drop and model.kwargs: the timm constructors' *drop_rate
+    arguments build the same parameters at any rate."""
+    for name in ("vit_nano", "swin_nano"):
+        plain = build_model(model_cfg(f"model.name={name}", "model.drop_path=0")).state_dict()
+        rates = [f"model.kwargs.{key}=0.2" for key in ("drop_rate", "proj_drop_rate", "attn_drop_rate")]
+        rates += ["model.kwargs.pos_drop_rate=0.2", "model.kwargs.patch_drop_rate=0.2"] if name == "vit_nano" else []
+        dropped = build_model(model_cfg(f"model.name={name}", "model.drop_path=0", *rates)).state_dict()
+        assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in dropped.items()}, name
+
+
+def test_a_swin_run_of_model_drop_resumes_with_its_block_dropout_as_a_model_kwarg(debug_config):
+    """A Swin run recorded with model.drop=0.1 (block dropout, timm's proj_drop_rate) cannot be rebuilt with
+    model.drop, which is refused for timm's Swin; it continues with the same dropout given as
+    model.kwargs.proj_drop_rate under train.allow_changed_config=true. A model.kwargs change of the model's
+    parameters stays another model."""
+    import train
+    from engine.checkpoint import CheckpointError
+
+    swin = ("model.name=swin_nano", "model.drop_path=0")
+    train.main(debug_config(*swin, "model.kwargs.proj_drop_rate=0.1", "train.max_steps=1", name="s"))
+    old_record(debug_config(name="s").out_dir, drop=0.1)
+    with pytest.raises(ModelError, match=r"model.drop=0.1: .*timm's Swin.*model.kwargs.proj_drop_rate=0.1"):
+        train.main(debug_config(*swin, "model.drop=0.1", "train.max_steps=2", name="s"))
+    moved = (*swin, "model.drop=0", "model.kwargs.proj_drop_rate=0.1", "train.max_steps=2")
+    with pytest.raises(CheckpointError, match=r"was written with other settings \(model.drop: 0.1 -> 0.0; "
+                                              r"model.kwargs: \{\} -> \{'proj_drop_rate': 0.1\}\).*"
+                                              r"train.allow_changed_config=true"):
+        train.main(debug_config(*moved, name="s"))
+    with pytest.raises(CheckpointError, match=r"was written for model swin_nano with other settings \(model.kwargs"):
+        train.main(debug_config(*moved, "model.kwargs.mlp_ratio=2", "train.allow_changed_config=true", name="s"))
+    result = train.main(debug_config(*moved, "train.allow_changed_config=true", name="s"))
+    assert result.state.step == 2 and result.reason == "max_steps"
+    assert dropouts_at(result.model, 0.1) == {n for n, m in result.model.named_modules()
+                                              if isinstance(m, nn.Dropout) and SWIN_BLOCKS.fullmatch(n)}
+
+
+def test_a_run_of_model_drop_as_the_head_dropout_resumes_as_check_model_drop_sites_advises(debug_config):
+    """A ViT run recorded before model_drop_sites trained model.drop as timm's drop_rate (the classifier's dropout):
+    the refusal's settings (model.drop=0 model.kwargs.drop_rate=<rate> train.allow_changed_config=true) continue
+    it with that dropout."""
+    import train
+    from engine.checkpoint import CheckpointError
+
+    train.main(debug_config("model.kwargs.drop_rate=0.1", "train.max_steps=1", name="h"))
+    old_record(debug_config(name="h").out_dir, drop=0.1, drop_sites=False)
+    with pytest.raises(CheckpointError, match=r"trained with model.drop=0.1 as timm's classifier-head dropout.* "
+                                              r"resume with model.drop=0 model.kwargs.drop_rate=0.1 "
+                                              r"train.allow_changed_config=true"):
+        train.main(debug_config("model.drop=0.1", "train.max_steps=2", "train.allow_changed_config=true", name="h"))
+    result = train.main(debug_config("model.drop=0", "model.kwargs.drop_rate=0.1", "train.allow_changed_config=true",
+                                     "train.max_steps=2", name="h"))
+    assert result.state.step == 2 and dropouts_at(result.model, 0.1) == {"head_drop"}
