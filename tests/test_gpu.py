@@ -217,7 +217,8 @@ def test_train_matrix(debug_config, variant, device):
         # applied once per update that ran, never on a step the GradScaler skipped
         assert ckpt["cd"]["num_updates"] == state.step - state.skipped_steps
         # and it acted: every decayed product is far smaller than in the same run without CD
-        without = train.main(debug_config(*common, "cd.enabled=false", name="no_cd"))
+        without = train.main(debug_config(*[o for o in common if o != "cd.enabled=true"], "cd.enabled=false",
+                                           name="no_cd"))
         with_cd, without_cd = energy_metrics(find_pairs(result.model)), energy_metrics(find_pairs(without.model))
         assert with_cd.keys() == without_cd.keys()
         for role in with_cd:
@@ -227,7 +228,8 @@ def test_train_matrix(debug_config, variant, device):
         logged = [r for r in read_metrics(cfg.out_dir) if "tweo/penalty" in r]
         assert logged and all(r["tweo/penalty"] > 0 and r["tweo/lam"] == 10 for r in logged)
         # the term is in the loss: the first update (same weights, same data) differs by it
-        without = train.main(debug_config(*common, "tweo.enabled=false", name="no_tweo"))
+        without = train.main(debug_config(*[o for o in common if o != "tweo.enabled=true"], "tweo.enabled=false",
+                                           name="no_tweo"))
         term = state.initial_loss - without.state.initial_loss
         assert term > 0.5 * 10 * min(r["tweo/penalty"] for r in logged), term
 
