@@ -250,7 +250,8 @@ def test_evaluate_refuses_another_runs_stage1_checkpoint_before_the_fp_pass(vit,
     # percentile is planned first: the refusal comes before it and before the FP pass
     with pytest.raises(CheckpointError, match=r"a_gplq_w4a4_stage1\.pt was written by a different GPLQ stage-1 run"):
         evaluate_entry.main(evaluate_entry.parse_args(
-            ["--checkpoint", str(ckpt), *fast, "quant.gplq.steps=4", "--quant", "percentile", "gplq", "--bits",
+            ["--checkpoint", str(ckpt), *[o for o in fast if not o.startswith("quant.gplq.steps=")],
+             "quant.gplq.steps=4", "--quant", "percentile", "gplq", "--bits",
              "w4a4", "--out", str(tmp_path / "a.json"), "--recompute"]))
     assert passes == [] and stage1.read_bytes() == written
 
