@@ -136,7 +136,8 @@ def test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_res
     driver.write_text(DRIVER)
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           str(driver), *command(checkpoint, out), "quant.gplq.batch_size_per_gpu=8"]
+           str(driver), *[item.replace("batch_size_per_gpu=16", "batch_size_per_gpu=8")
+                          for item in command(checkpoint, out)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STOP_AT": "2", "STOP_RANK": "1"}
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     output = run.stdout + run.stderr

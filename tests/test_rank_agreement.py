@@ -98,7 +98,8 @@ def outcomes(tmp_path_factory) -> dict:
              ("tune_other", "train", tune("tune_other", work / "node2" / "other.pt")),
              ("tune_unset", "train", tune("tune_unset", None)),
              ("train_start", "train", resume),
-             ("train_settings", "train", [[*argv, f"train.max_steps={n}"] for argv, n in zip(run("s", "a"), (1, 2))]),
+             ("train_settings", "train", [[*[o for o in argv if o != "train.max_steps=1"], f"train.max_steps={n}"]
+                                                   for argv, n in zip(run("s", "a"), (1, 2))]),
              ("eval_settings", "evaluate", [[*argv, *amp] for argv, amp in zip(score("e", "a"),
                                                                                ([], ["--amp", "bf16"]))]),
              ("eval_other_run", "evaluate", score("eval_other_run", "a", str(work / "node2" / "other_run.pt"))),
