@@ -414,6 +414,8 @@ def pipeline_options(items, pipelines) -> dict:
                              f"({', '.join(pipelines) or 'none: a bare --quant scores full precision only'})")
         if option in ("calib_images", "init_images"):
             raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
+        if option in by_pipeline.get(name, {}):  # one item after the other: the later would replace the earlier
+            raise ValueError(f"--quant-options {key} is given twice; keep one")
         try:
             apply_overrides(typed, [f"quant.{item}"])
         except ValueError as e:  # configs.loader.ConfigError, in the schema's names (quant.aphq.iters ...)

@@ -74,3 +74,15 @@ def test_the_detection_recipes_leave_every_step_switchable(section, recipe, chan
     """evaluate_detection.py hands a pipeline its detection recipe with the user's options on top: no recipe key
     may become unread when the user turns a step off (the user did not give it)."""
     parse_options(OPTIONS[section], {**recipe, **change})
+
+
+@pytest.mark.parametrize("items", [["aphq.iters=5", "aphq.iters=6"], ["gplq.steps=3", "gplq.steps=3"]])
+def test_evaluate_detection_refuses_a_quant_option_given_twice(items):
+    """`--quant-options aphq.iters=5 aphq.iters=6` had run 6 iterations without a word (each item was applied on
+    its own, the later replacing the earlier); evaluate.py's overrides refuse a key given twice the same way."""
+    from evaluate_detection import pipeline_options
+    name = items[0].partition("=")[0]
+    with pytest.raises(ValueError, match=rf"^--quant-options {name} is given twice; keep one$"):
+        pipeline_options(items, ["aphq", "gplq"])
+    assert pipeline_options(items[:1], ["aphq", "gplq"]) == {name.split(".")[0]: {name.split(".")[1]:
+                                                                                  int(items[0].split("=")[1])}}
