@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable, Optional
 
 import timm
 import torch
@@ -39,7 +40,10 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 
-def main(argv: list[str]) -> dict:
+def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -> dict:
+    """The timings as a dict (also printed, and written to --out). on_figures: called with the figures so far
+    after the Hessian batch and after every reconstruction iteration (gpu_check.py keeps them, so that a stage
+    stopped at its time budget leaves what it had measured)."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
     p.add_argument("--img-size", type=int, default=224)
@@ -59,6 +63,9 @@ def main(argv: list[str]) -> dict:
     args = p.parse_args(argv)
     if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
         p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
+    if args.warmup + args.iters < 2:  # an iteration is timed from the one before it (the progress stamps)
+        p.error(f"--warmup {args.warmup} --iters {args.iters}: one iteration in all times none; give --iters 2 "
+                f"or more, or --warmup 1")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
     except RunDirError as e:
@@ -92,29 +99,44 @@ def main(argv: list[str]) -> dict:
         torch.cuda.synchronize(device)
     hessian_batch_s = time.perf_counter() - start
 
-    stamps = []
+    base = {"model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block,
+            "batch": args.batch, "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+    def figures(stamps: list[float]) -> dict:
+        """The result so far: the Hessian batch, and the reconstruction iterations once one is timed."""
+        extrapolated = {}
+        result = dict(base)
+        per_iter = [b - a for a, b in zip(stamps, stamps[1:])][max(0, args.warmup - 1):]
+        if per_iter:
+            per_iter_s = statistics.median(per_iter)
+            result.update(timed_iters=len(per_iter), iter_s=round(per_iter_s, 4),
+                          iter_s_min_max=[round(min(per_iter), 4), round(max(per_iter), 4)])
+            extrapolated["reconstruction_s"] = round(per_iter_s * args.official_iters, 1)
+        result["hessian_batch_s"] = round(hessian_batch_s, 4)
+        extrapolated["hessian_s"] = round(hessian_batch_s * args.official_images / args.batch, 1)
+        if per_iter:  # the unit's total only with both parts
+            extrapolated["unit_s"] = round(sum(extrapolated.values()), 1)
+        result["extrapolated"] = extrapolated
+        return result
+
+    stamps: list[float] = []
+    if on_figures is not None:
+        on_figures(figures(stamps))
+
+    def progress(metrics: dict) -> None:
+        stamps.append(metrics["seconds"])
+        if on_figures is not None:
+            on_figures(figures(stamps))
+
     total = args.warmup + args.iters
     settings = ReconSettings(
         iters=total, batch_size=args.batch, weight_lr=options.weight_lr, act_lr=options.act_lr,
         drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,
         rounding=RoundingSchedule(total, warmup=0.0), normalize_loss=True, log_every=1)
     reconstruct_unit(qmodel.get_submodule(args.block), fp_in, fp_in, fp_out, h, "weighted_mse", settings,
-                     torch.Generator(device=device).manual_seed(0), name=args.block,
-                     progress=lambda m: stamps.append(m["seconds"]))
-    per_iter = [b - a for a, b in zip(stamps, stamps[1:])][max(0, args.warmup - 1):]
-    per_iter_s = statistics.median(per_iter)
-    result = {
-        "model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block,
-        "batch": args.batch, "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "timed_iters": len(per_iter), "iter_s": round(per_iter_s, 4),
-        "iter_s_min_max": [round(min(per_iter), 4), round(max(per_iter), 4)],
-        "hessian_batch_s": round(hessian_batch_s, 4),
-        "extrapolated": {
-            "reconstruction_s": round(per_iter_s * args.official_iters, 1),
-            "hessian_s": round(hessian_batch_s * args.official_images / args.batch, 1),
-        },
-    }
-    result["extrapolated"]["unit_s"] = round(sum(result["extrapolated"].values()), 1)
+                     torch.Generator(device=device).manual_seed(0), name=args.block, progress=progress)
+    result = figures(stamps)
     print(json.dumps(result, indent=2))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import timm
 import torch
@@ -158,15 +158,27 @@ def measure_apply(model_kw: dict, args, device: str) -> dict:
             "precision": decay.matmul_precision}
 
 
-def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
-    """The three methods on one configuration.
+def measure_config(model_kw: dict, batch: int, args, device: str,
+                   on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """The methods on one configuration, one row each (CD's with its `apply` against the floor).
 
     CUDA: one method after the other, each alone on the device, so that its peak memory is its own.
-    CPU: the three models live together and their timed steps are interleaved (baseline, cd, tweo,
+    CPU: the models live together and their timed steps are interleaved (baseline, cd, tweo,
     baseline, ...), so that load from other processes on a shared CPU hits every method alike.
+    on_row: called with each row as soon as it is complete (on CUDA after each method, on a CPU after the
+    interleaved steps), so that a caller stopped midway (gpu_check.py's time budget) keeps the rows so far.
     """
-    times = {m: [] for m in METHODS}
-    peaks: dict[str, Optional[float]] = {m: None for m in METHODS}
+    rows = []
+
+    def finish(method: str, times: list[float], peak: Optional[float]) -> None:
+        row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"],
+               "step_ms": statistics.median(times), "step_ms_all": times, "peak_mib": peak}
+        if method == "cd":
+            row.update(measure_apply(model_kw, args, device))
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     if device == "cuda":
         for method in METHODS:
             r = Runner(method, model_kw, batch, args, device)
@@ -174,27 +186,23 @@ def measure_config(model_kw: dict, batch: int, args, device: str) -> list[dict]:
                 r.step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            times[method] = [r.timed(r.step) for _ in range(args.steps)]
-            peaks[method] = torch.cuda.max_memory_allocated() / 2 ** 20
+            times = [r.timed(r.step) for _ in range(args.steps)]
+            peak = torch.cuda.max_memory_allocated() / 2 ** 20
             r.close()
+            finish(method, times, peak)
     else:
         runners = [Runner(m, model_kw, batch, args, device) for m in METHODS]
         for r in runners:
             for _ in range(args.warmup):
                 r.step()
+        interleaved: dict[str, list[float]] = {m: [] for m in METHODS}
         for _ in range(args.steps):
             for r in runners:
-                times[r.method].append(r.timed(r.step))
+                interleaved[r.method].append(r.timed(r.step))
         for r in runners:
             r.close()
-    rows = []
-    for method in METHODS:
-        row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"],
-               "step_ms": statistics.median(times[method]), "step_ms_all": times[method],
-               "peak_mib": peaks[method]}
-        if method == "cd":
-            row.update(measure_apply(model_kw, args, device))
-        rows.append(row)
+        for method in METHODS:  # no peak memory on a CPU (the module docstring)
+            finish(method, interleaved[method], None)
     return rows
 
 

@@ -8,7 +8,9 @@ RepQ fold) is timed once per pipeline.
 APHQ and GPLQ draw their own training images (here random ones) and run with `QUICK` iteration counts:
 the quantized model they produce, whose forward pass is what is timed, has the same layers and cost
 whatever the counts, but their `calibrate_s` is then not the recipe's (scripts/bench_aphq_block.py
-times APHQ's unit at the official counts). With --out, the JSON is rewritten after each pipeline.
+times APHQ's unit at the official counts). With --out, the JSON is written after the float timing and
+rewritten after each pipeline, each time whole (a temporary file renamed into place): a run stopped at any
+point leaves what it had measured, never a torn file.
 
     python scripts/bench_quant.py                                    # GPU: ViT-B/16 at 224, batch 256
     python scripts/bench_quant.py --pipelines percentile repq gplq aphq   # all four
@@ -148,6 +150,7 @@ def main(argv=None) -> dict:
     result = {"model": args.model, "overrides": kw, "img_size": size, "bits": args.bits, "device": name,
               "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
     print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
+    write_json(args.out, result)
     for pipeline in args.pipelines:
         start = time.perf_counter()
         quick = pipeline in QUICK
@@ -160,10 +163,20 @@ def main(argv=None) -> dict:
         print(f"  {pipeline:>10} {args.bits}: calibration {calibrate_s:.1f} s{' (quick)' if quick else ''}, "
               f"forward {q * 1e3:.1f} ms = {q / fp:.2f}x float", flush=True)
         del qmodel
-        if args.out:  # after each pipeline: a run stopped later keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+        write_json(args.out, result)  # after each pipeline: a run stopped later keeps what it measured
     return result
+
+
+def write_json(path: str, result: dict) -> None:
+    """`result` to `path` (nothing without one), whole or not at all: written to a temporary file, then
+    renamed over `path`, so that a process killed mid-write (gpu_check.py's stage budget) leaves the last
+    complete version."""
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,13 @@ as `failed` or `error` with the tail of its log; the next stage runs either way)
                counts (scripts/bench_aphq_block.py)
 
 The JSON holds the device name, torch, timm and CUDA versions, and per stage its status (ok, failed: a
-test failed, error: the stage raised, timeout, not_run: the total budget was spent), seconds, budget,
-figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`).
+test failed, error: the stage raised or died, timeout, not_run: the total budget was spent), seconds,
+budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`). Every
+stage writes its figures whole (a temporary file renamed into place) as soon as it has each; a figures
+file the driver cannot read is kept there and named in the stage's `figures_error` (a stage that ended
+well is then an error). The stage processes get CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set
+(PyTorch reads it once, at a process's first cuBLAS call: the deterministic CUDA resume test needs it
+from the start; tests/conftest.py sets it for a plain `pytest -m gpu`).
 `--smoke` runs every stage small on a CPU (pytest on one test of tests/test_gpu.py: its CPU case runs,
 its CUDA case skips), in under a minute, to show that the script works end to end.
 """
@@ -68,10 +73,16 @@ class Partial:
 
     def update(self, **figures) -> None:
         self.figures.update(figures)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.figures, f, indent=1)
-        os.replace(tmp, self.path)
+        write_whole(self.path, self.figures)
+
+
+def write_whole(path: str, data: dict) -> None:
+    """`data` as JSON at `path`, whole or not at all: a process killed mid-write (a stage at its budget, or
+    the call's own end) leaves the previous version, never a torn file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------- the stages (child side)
@@ -180,50 +191,51 @@ def stage_precision(args, out: Partial, device: str) -> int:
 
 
 def stage_overhead(args, out: Partial, device: str) -> int:
-    """bench_overhead.measure_config at one configuration: the four methods' steps and CD's apply."""
+    """bench_overhead.measure_config at one configuration: the four methods' steps and CD's apply, each
+    method's row kept as soon as it is measured."""
     sys.path.insert(0, HERE)
     import bench_overhead
 
     kw, batch = (TINY, 4) if args.smoke else (VIT_B, 256)
     options = Namespace(amp="fp16" if device == "cuda" else "bf16", precision="auto",
                         warmup=1 if args.smoke else 3, steps=2 if args.smoke else 10)
-    rows = bench_overhead.measure_config(kw, batch, options, device)
+    rows: list[dict] = []
+
+    def keep(row: dict) -> None:  # each method's row as soon as it is measured
+        rows.append(row)
+        out.update(model=kw, batch=batch, amp=options.amp, rows=rows)
+
+    bench_overhead.measure_config(kw, batch, options, device, on_row=keep)
     by = {r["method"]: r for r in rows}
     base = by["baseline"]["step_ms"]
     cd = by["cd"]
-    out.update(model=kw, batch=batch, amp=options.amp, rows=rows,
-               step_over_baseline={m: r["step_ms"] / base for m, r in by.items() if m != "baseline"},
+    out.update(step_over_baseline={m: r["step_ms"] / base for m, r in by.items() if m != "baseline"},
                cd_apply_ms=cd["cd_apply_ms"], cd_floor_ms=cd["cd_floor_ms"],
                cd_apply_over_floor=cd["cd_apply_ms"] / cd["cd_floor_ms"], cd_precision=cd["precision"])
     return 0
 
 
 def stage_quant(args, out: Partial, device: str) -> int:
-    """bench_quant over the four pipelines (the slow ones last), its JSON rewritten after each."""
+    """bench_quant over the four pipelines (the slow ones last), writing straight into the stage's figures
+    file after the float timing and after each pipeline (whole each time: bench_quant.write_json)."""
     sys.path.insert(0, HERE)
     import bench_quant
 
-    path = out.path + ".bench.json"
     small = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--batch", "4", "--calib", "8",
              "--repeats", "2", "--warmup", "1"] if args.smoke else []
-    argv = ["--device", device, "--pipelines", "percentile", "repq", "gplq", "aphq", "--out", path, *small]
-    try:
-        bench_quant.main(argv)
-    finally:
-        if os.path.exists(path):
-            with open(path) as f:
-                out.update(**json.load(f))
-            os.remove(path)
+    bench_quant.main(["--device", device, "--pipelines", "percentile", "repq", "gplq", "aphq", "--out", out.path,
+                      "--overwrite", *small])  # --overwrite: the file is this stage's own
     return 0
 
 
 def stage_aphq_unit(args, out: Partial, device: str) -> int:
+    """bench_aphq_block: the Hessian batch, then the reconstruction iterations, kept after each."""
     sys.path.insert(0, HERE)
     import bench_aphq_block
 
     small = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1", "--batch", "4",
              "--images", "8", "--iters", "2"] if args.smoke else ["--iters", "50", "--warmup", "3"]
-    out.update(**bench_aphq_block.main(["--device", device, *small]))
+    bench_aphq_block.main(["--device", device, *small], on_figures=lambda figures: out.update(**figures))
     return 0
 
 
@@ -250,11 +262,39 @@ def device_name(smoke: bool) -> str:
     return f"cpu ({cpu_name()})"
 
 
+def stage_env() -> dict:
+    """The environment of a stage's process: this one's, unbuffered, with cuBLAS's deterministic workspace
+    unless one is set. PyTorch reads CUBLAS_WORKSPACE_CONFIG once per process, at its first cuBLAS call:
+    train.py sets it only when its config asks (train.deterministic=true), too late for a test after the
+    stage's first CUDA matmul (tests/test_gpu.py test_resume_on_device[deterministic-cuda])."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return env
+
+
+def collect_figures(path: str) -> tuple[dict, Optional[str]]:
+    """The figures a stage left at `path` (removed once read; {} when it left none) and, when the file cannot be
+    read as a JSON object, why: that file is then kept for a look, and the driver goes on with the next stage."""
+    if os.path.exists(path + ".tmp"):  # a write cut short by the kill: the previous version is at `path`
+        os.remove(path + ".tmp")
+    if not os.path.exists(path):
+        return {}, None
+    try:
+        with open(path) as f:
+            figures = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: json's JSONDecodeError, a UnicodeDecodeError
+        return {}, f"{path} unreadable ({type(e).__name__}: {e}); kept"
+    if not isinstance(figures, dict):
+        return {}, f"{path} holds a JSON {type(figures).__name__}, not the figures' object; kept"
+    os.remove(path)
+    return figures, None
+
+
 def launch(stage: str, args, figures_path: str, log_path: str, budget: float) -> dict:
     """Run one stage in its own process group, killed (with anything it started) at `budget` seconds."""
     cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--stage-out", figures_path,
            "--test-timeout", str(args.test_timeout), *(["--smoke"] if args.smoke else [])]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = stage_env()
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -266,18 +306,43 @@ def launch(stage: str, args, figures_path: str, log_path: str, budget: float) ->
             proc.wait()
             code = None
     seconds = time.perf_counter() - start
-    figures = {}
-    if os.path.exists(figures_path):
-        with open(figures_path) as f:
-            figures = json.load(f)
-        os.remove(figures_path)
+    figures, problem = collect_figures(figures_path)
     status = "timeout" if code is None else "ok" if code == 0 else "failed" if code == 1 else "error"
+    if problem and status == "ok":  # its figures are lost: not a stage that worked
+        status = "error"
     entry = {"status": status, "seconds": round(seconds, 1), "budget_s": round(budget, 1),
-             "log": os.path.relpath(log_path, os.path.dirname(args.out)), "figures": figures}
+             "log": os.path.relpath(log_path, os.path.dirname(args.out)), "figures": figures,
+             **({"figures_error": problem} if problem else {})}
     if status != "ok":
         with open(log_path) as f:
             entry["log_tail"] = f.read()[-3000:]
     return entry
+
+
+def stage_budgets(p: argparse.ArgumentParser, args) -> dict[str, float]:
+    """Each stage's budget: BUDGETS (SMOKE_BUDGETS) with the --budget items over them. Refused: a stage named
+    twice in --stages, a budget of 0 s (a stage that could not start), two budgets for one stage (which one?),
+    and a budget for a stage that --stages leaves out (it would be dropped without a word)."""
+    twice = sorted({s for s in args.stages if args.stages.count(s) > 1})
+    if twice:
+        p.error(f"--stages {' '.join(args.stages)}: {', '.join(twice)} given twice; name each stage once")
+    budgets = dict(SMOKE_BUDGETS if args.smoke else BUDGETS)
+    given: dict[str, str] = {}
+    for item in args.budget:
+        name, _, value = item.partition("=")
+        if name not in STAGES or not value.replace(".", "", 1).isdigit():
+            p.error(f"--budget {item}: expected STAGE=SECONDS with STAGE one of {', '.join(STAGES)}")
+        if float(value) <= 0:
+            p.error(f"--budget {item}: a stage's budget must be more than 0 seconds; give e.g. "
+                    f"{name}={budgets[name]:g}, or leave {name} out of --stages")
+        if name in given:
+            p.error(f"--budget {given[name]} and --budget {item}: two budgets for {name}; give one")
+        if name not in args.stages:
+            p.error(f"--budget {item}: {name} is not among the stages run (--stages {' '.join(args.stages)}); "
+                    f"drop the budget, or add {name} to --stages")
+        given[name] = item
+        budgets[name] = float(value)
+    return budgets
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -298,12 +363,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.stage:
         sys.exit(run_stage(args))
 
-    budgets = dict(SMOKE_BUDGETS if args.smoke else BUDGETS)
-    for item in args.budget:
-        name, _, value = item.partition("=")
-        if name not in STAGES or not value.replace(".", "", 1).isdigit():
-            p.error(f"--budget {item}: expected STAGE=SECONDS with STAGE one of {', '.join(STAGES)}")
-        budgets[name] = float(value)
+    budgets = stage_budgets(p, args)
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA device visible; --smoke runs the stages small on a CPU")
     args.out = os.path.abspath(args.out)
@@ -324,8 +384,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"gpu_check on {report['device']}, torch {report['torch']}, timm {report['timm']}", flush=True)
 
     def write() -> None:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_whole(args.out, report)
 
     for stage in args.stages:
         left = deadline - time.perf_counter()
@@ -356,12 +415,12 @@ def summary(report: dict) -> dict:
         out["pytest"] = fig["pytest"]["counts"]
     if "fp16_over_bf16" in fig.get("precision", {}):
         out["fp16_over_bf16"] = fig["precision"]["fp16_over_bf16"]
-    if "step_over_baseline" in fig.get("overhead", {}):
+    if "step_over_baseline" in fig.get("overhead", {}):  # the stage ran to its end
         out["step_over_baseline"] = fig["overhead"]["step_over_baseline"]
         out["cd_apply_over_floor"] = fig["overhead"]["cd_apply_over_floor"]
     if "pipelines" in fig.get("quant", {}):
         out["quant_over_float"] = {k: v["ratio_vs_fp"] for k, v in fig["quant"]["pipelines"].items()}
-    if "extrapolated" in fig.get("aphq_unit", {}):
+    if "unit_s" in fig.get("aphq_unit", {}).get("extrapolated", {}):  # a stage cut short: the Hessian's only
         out["aphq_unit_s"] = fig["aphq_unit"]["extrapolated"]["unit_s"]
     return out
 

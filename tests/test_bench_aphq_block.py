@@ -29,3 +29,12 @@ def test_bench_aphq_block_cpu_smoke(tmp_path):
     with pytest.raises(SystemExit):  # a Hessian batch of 2 images extrapolated as one of 4
         bench.main([*args[:-2], "--images", "2", "--out", str(tmp_path / "other.json")])
     assert not (tmp_path / "other.json").exists()
+
+
+def test_one_iteration_in_all_is_refused_before_any_timing(tmp_path, capsys):
+    """An iteration is timed from the one before it: --warmup 0 --iters 1 would time none (a median of nothing)."""
+    bench = load_script("bench_aphq_block")
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--warmup", "0", "--iters", "1", "--out", str(tmp_path / "block.json")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "block.json").exists()

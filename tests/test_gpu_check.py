@@ -5,16 +5,27 @@ The budgets are what the script enforces on a GPU machine; these tests check wha
 each stage a budget no busy CPU reaches (the default smoke budgets are tens of seconds: a loaded 2-core
 machine ran past them), and time only the kill of a stage that is over its budget on purpose."""
 import json
+import os
+import stat
+import sys
+from argparse import Namespace
 
 import pytest
 
-from tests.conftest import load_script, run_entry
+from tests.conftest import ROOT, load_script, run_entry
 
 SCRIPT = "scripts/gpu_check.py"
 
 
 STAGES = ["pytest", "precision", "overhead", "quant", "aphq_unit"]
-UNHURRIED = ["--total-budget", "36000", "--test-timeout", "3600", *[f"--budget={s}=3600" for s in STAGES]]
+
+
+def unhurried(*stages: str) -> list[str]:
+    """Budgets no busy CPU reaches, for `stages` (a budget for a stage not run is refused)."""
+    return ["--total-budget", "36000", "--test-timeout", "3600", *[f"--budget={s}=3600" for s in stages]]
+
+
+UNHURRIED = unhurried(*STAGES)
 
 
 @pytest.mark.slow
@@ -49,7 +60,7 @@ def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path, capsys):
     kills is a process of its own, as always."""
     gpu_check = load_script("gpu_check")
     out = tmp_path / "gpu_check.json"
-    argv = ["--smoke", *UNHURRIED, "--out", str(out), "--stages", "aphq_unit"]
+    argv = ["--smoke", *unhurried(), "--out", str(out), "--stages", "aphq_unit"]
     gpu_check.main([*argv, "--budget", "aphq_unit=0.5"])
     entry = json.loads(out.read_text())["stages"]["aphq_unit"]
     # killed at its budget: the status says so; the time only rules out a kill that waited for the stage
@@ -58,3 +69,128 @@ def test_a_stage_past_its_budget_is_killed_and_recorded(tmp_path, capsys):
         gpu_check.main(argv)
     assert str(refused.value.code).startswith("error: ") and "--overwrite" in str(refused.value.code)
     assert json.loads(out.read_text())["stages"]["aphq_unit"] == entry
+
+
+def stand_in_python(tmp_path, monkeypatch, prelude: str) -> None:
+    """The driver starts its stages with sys.executable: here a stand-in that runs `prelude` (Python, with ROOT
+    defined) and then the stage's command line as python would, so that a stage process can be changed."""
+    prelude_path = tmp_path / "prelude.py"
+    prelude_path.write_text(f"import os, runpy, signal, sys\nROOT = {ROOT!r}\n{prelude}\n"
+                            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{prelude_path}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sys, "executable", str(wrapper))
+
+
+def test_a_stage_killed_after_its_first_pipeline_keeps_that_pipeline_s_figures(tmp_path, monkeypatch):
+    """The quant stage's process is killed as the driver kills one at its budget (SIGKILL to its process group:
+    no `finally` runs) while it times the second pipeline: the float timing and the first pipeline's figures,
+    written when they were measured, are in the report, and no temporary file is left."""
+    stand_in_python(tmp_path, monkeypatch, """
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench_quant
+forward, calls = bench_quant.timed_forward, []
+
+def timed_forward(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:  # the float model's and percentile's timings are done: repq's starts
+        os.killpg(0, signal.SIGKILL)
+    return forward(*args, **kwargs)
+
+bench_quant.timed_forward = timed_forward
+""")
+    gpu_check = load_script("gpu_check")
+    out = tmp_path / "gpu_check.json"
+    gpu_check.main(["--smoke", *unhurried("quant"), "--out", str(out), "--stages", "quant"])
+    entry = json.loads(out.read_text())["stages"]["quant"]
+    assert entry["status"] == "error" and "figures_error" not in entry  # ended by the signal, not by itself
+    assert list(entry["figures"]["pipelines"]) == ["percentile"]
+    assert entry["figures"]["fp_forward_s"] > 0 and entry["figures"]["pipelines"]["percentile"]["forward_s"] > 0
+    assert sorted(os.listdir(tmp_path / "gpu_check_logs")) == ["quant.log"]
+
+
+def test_an_unreadable_figures_file_is_recorded_and_the_next_stage_runs(tmp_path, monkeypatch):
+    """A stage that leaves a torn figures file: the driver records why and keeps the file; the next stage runs
+    and its figures are read. Each stage's environment carries CUBLAS_WORKSPACE_CONFIG, set by the driver when
+    unset (PyTorch reads it at a process's first cuBLAS call), kept as given otherwise. The stand-in stages
+    write their figures without Python's start-up."""
+    script = tmp_path / "python"  # $1 the script, $3 the stage, $5 its figures file
+    script.write_text('#!/bin/sh\ncase "$3" in precision) printf \'{"rows": [{"amp"\' > "$5" ;;\n'
+                      '*) printf \'{"cublas": "%s"}\' "$CUBLAS_WORKSPACE_CONFIG" > "$5" ;; esac\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sys, "executable", str(script))
+    gpu_check = load_script("gpu_check")
+    for given, expected in ((None, ":4096:8"), (":16:8", ":16:8")):
+        if given is None:
+            monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+        else:
+            monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", given)
+        out = tmp_path / f"gc_{expected.replace(':', '_')}.json"
+        report = gpu_check.main(["--smoke", *unhurried("precision", "overhead"), "--out", str(out), "--stages",
+                                 "precision", "overhead"])
+        stages = json.loads(out.read_text())["stages"]
+        assert stages == report["stages"]
+        torn = out.parent / f"{out.stem}_logs" / "precision.figures.json"
+        assert stages["precision"]["status"] == "error" and stages["precision"]["figures"] == {}
+        assert str(torn) in stages["precision"]["figures_error"] and torn.read_text() == '{"rows": [{"amp"'
+        assert stages["overhead"] == {**stages["overhead"], "status": "ok", "figures": {"cublas": expected}}
+        if given is None:  # set for the stages only
+            assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+@pytest.mark.parametrize("stage", ["overhead", "aphq_unit"])
+def test_a_stage_keeps_each_figure_as_soon_as_it_is_measured(tmp_path, monkeypatch, stage):
+    """The stage stopped inside its work (here by an exception in the next piece, in this process; in the
+    driver by a SIGKILL): the figures file holds what came before. overhead: the baseline's row, stopped in
+    CD's `apply` timing; aphq_unit: the Hessian batch and the first timed iteration, stopped at the next."""
+    gpu_check = load_script("gpu_check")
+    name = {"overhead": "bench_overhead", "aphq_unit": "bench_aphq_block"}[stage]
+    bench = load_script(name)
+    monkeypatch.setitem(sys.modules, name, bench)  # the module the stage imports
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("stopped")
+
+    if stage == "overhead":
+        monkeypatch.setattr(bench, "measure_apply", stopped)
+    else:
+        reconstruct = bench.reconstruct_unit
+
+        def two_iterations_then_stop(*args, progress, **kwargs):
+            stamps = []
+
+            def each(metrics):
+                if len(stamps) == 2:
+                    stopped()
+                stamps.append(metrics)
+                progress(metrics)
+
+            return reconstruct(*args, progress=each, **kwargs)
+
+        monkeypatch.setattr(bench, "reconstruct_unit", two_iterations_then_stop)
+    path = tmp_path / "figures.json"
+    threads = gpu_check.torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="stopped"):
+            gpu_check.STAGES[stage](Namespace(smoke=True), gpu_check.Partial(str(path)), "cpu")
+    finally:
+        gpu_check.torch.set_num_threads(threads)
+    figures = json.loads(path.read_text())
+    if stage == "overhead":
+        assert [r["method"] for r in figures["rows"]] == ["baseline"] and figures["rows"][0]["step_ms"] > 0
+    else:
+        assert figures["hessian_batch_s"] > 0 and figures["timed_iters"] == 1 and figures["iter_s"] > 0
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--budget", "pytest=0"], "--budget pytest=0: a stage's budget must be more than 0"),
+    (["--stages", "quant", "quant"], "--stages quant quant: quant given twice"),
+    (["--budget", "aphq_unit=30", "--stages", "pytest"], "--budget aphq_unit=30: aphq_unit is not among"),
+    (["--budget", "quant=10", "--budget", "quant=20"], "--budget quant=10 and --budget quant=20: two budgets"),
+], ids=["zero-budget", "stage-twice", "budget-of-a-stage-not-run", "two-budgets-for-one-stage"])
+def test_stages_and_budgets_that_cannot_be_meant_are_refused(tmp_path, capsys, argv, named):
+    out = tmp_path / "gpu_check.json"
+    code, _, err = run_entry(SCRIPT, ["--smoke", "--out", str(out), *argv], capsys)
+    assert code == 2 and err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not (tmp_path / "gpu_check_logs").exists()
