@@ -31,6 +31,18 @@ def one_thread_per_xdist_worker() -> None:
 one_thread_per_xdist_worker()
 
 
+def deterministic_cublas_workspace() -> None:
+    """PyTorch reads CUBLAS_WORKSPACE_CONFIG once per process, at its first cuBLAS call (the workspace size is kept
+    from then on); torch's deterministic mode needs it set by then. train.py sets it (setdefault) only when its
+    config asks for deterministic kernels, which in a pytest process comes after earlier tests' CUDA matmuls:
+    test_gpu.py's deterministic resume test would run on the default workspace. Set here, before any test (and
+    inherited by the processes tests start); a value the user set is kept."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+deterministic_cublas_workspace()
+
+
 def interrupts_as_in_a_terminal() -> None:
     """A shell without job control starts a background job (`pytest ... &` in a script) with SIGINT ignored,
     and every process inherits that: Python then installs no KeyboardInterrupt handler, so evaluate.py ran to

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -196,15 +197,70 @@ MATRIX = {
 CPU_TOO = ("fp16-foreach-cd-ema", "bf16-cd-tweo", "swin-fp16-cd-tweo-clip")  # compile on a CPU takes minutes
 
 
+class TrainingProbe:
+    """What train.py's training forward passes ran under, seen from inside the model: the loop train.py built
+    (its model, compiled or not, and its GradScaler) and, from a forward hook on the first `fc1`, that layer's
+    output dtype (autocast) and the TF32 switches during a training pass. The hook keeps the last training
+    pass's in one attribute: under torch.compile a list it appended to would change size at every call, and
+    dynamo, which guards on it, would recompile each time and fall back to eager after its recompile limit."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.loop: Optional[TrainLoop] = None
+        self.training_pass: Optional[tuple] = None
+        build = train.build_loop
+
+        def build_and_watch(run, *args, **kwargs):
+            self.loop = build(run, *args, **kwargs)
+            fc1 = next(m for name, m in run.model.named_modules() if name.endswith("fc1"))
+            fc1.register_forward_hook(self._record)
+            return self.loop
+
+        monkeypatch.setattr(train, "build_loop", build_and_watch)
+
+    def _record(self, module, inputs, output) -> None:
+        if module.training and torch.is_grad_enabled():  # a training pass, not validation's
+            self.training_pass = (output.dtype, torch.backends.cuda.matmul.allow_tf32,
+                                  torch.backends.cudnn.allow_tf32)
+
+
+def assert_settings_acted(probe: TrainingProbe, overrides, ckpt: dict, compiled_frames: int) -> None:
+    """The run's precision and compile settings took effect, not only that it finished: fc1 computed in the
+    autocast dtype, TF32 was on (train.py turns it on for every run), fp16 came with an enabled GradScaler whose
+    loss scale was applied (a disabled one's scale is 1.0) and bf16 with none, and under train.compile=true the
+    loop trained a dynamo-compiled model that dynamo did compile (`compiled_frames`: its frame counter's rise)."""
+    amp = next(o.split("=")[1] for o in overrides if o.startswith("train.amp="))
+    assert probe.training_pass == ({"fp16": torch.float16, "bf16": torch.bfloat16}[amp], True, True), \
+        probe.training_pass
+    scaler = probe.loop.scaler
+    if amp == "fp16":
+        assert scaler is not None and scaler.is_enabled() and scaler.get_scale() != 1.0
+        assert ckpt["scaler"]["scale"] == scaler.get_scale()
+    else:
+        assert scaler is None and "scaler" not in ckpt
+    compiled = "train.compile=true" in overrides
+    assert isinstance(probe.loop.model, torch._dynamo.eval_frame.OptimizedModule) == compiled
+    assert (compiled_frames > 0) == compiled, compiled_frames
+
+
+def compiled_frames_so_far() -> int:
+    """Frames dynamo has compiled in this process (torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
 @pytest.mark.parametrize("variant,device", [pytest.param(v, "cpu", id=f"{v}-cpu") for v in CPU_TOO]
                          + [pytest.param(v, "cuda", marks=pytest.mark.gpu, id=f"{v}-cuda") for v in MATRIX])
-def test_train_matrix(debug_config, variant, device):
+def test_train_matrix(debug_config, variant, device, monkeypatch):
     overrides = MATRIX[variant]
     fused = "optim.fused=false" not in overrides  # the default on CUDA; asked for explicitly on a CPU
     visible = [o for switch, keys in VISIBLE_WHEN.items() if switch in overrides for o in keys]
     common = (f"train.device={device}", *VISIBLE, *visible, *overrides, *(("optim.fused=true",) if fused else ()))
     cfg = debug_config(*common, name="run")
+    probe = TrainingProbe(monkeypatch)
+    frames = compiled_frames_so_far()
     result = train.main(cfg)
+    frames = compiled_frames_so_far() - frames
     state = result.state
     assert state.step == 8 and 0 <= result.metrics["val/top1"] <= 100
     assert all(p.device.type == device and torch.isfinite(p).all() for p in result.model.parameters())
@@ -212,6 +268,7 @@ def test_train_matrix(debug_config, variant, device):
     # the optimizer really runs the fused kernel (or not): torch records it in every param group
     assert [bool(g["fused"]) for g in ckpt["optimizer"]["param_groups"]] == \
         [fused] * len(ckpt["optimizer"]["param_groups"])
+    assert_settings_acted(probe, overrides, ckpt, frames)
 
     if "cd.enabled=true" in overrides:
         # applied once per update that ran, never on a step the GradScaler skipped
@@ -267,7 +324,7 @@ def assert_resumed_like_straight(straight_dir, split_dir, cfg, exact):
     assert sched_a == sched_b
     scaler_a, scaler_b = (torch.load(os.path.join(d, "checkpoint.pt"), weights_only=True).get("scaler")
                           for d in (straight_dir, split_dir))
-    assert scaler_a == scaler_b  # loss scale and its growth counter
+    assert scaler_a is not None and scaler_a == scaler_b  # fp16 (RESUMED): loss scale and its growth counter
     if exact:
         for key in a:
             assert torch.equal(a[key], b[key]), key
@@ -307,6 +364,15 @@ def test_resume_on_device(debug_config, deterministic, device):
     assert first.state.step == 3 and first.state.epoch_batches == 6  # stopped inside epoch 0
     train.main(split)
     assert_resumed_like_straight(straight.out_dir, split.out_dir, straight, exact=deterministic)
+
+
+def test_the_cublas_workspace_is_set_before_any_test_runs():
+    """PyTorch reads CUBLAS_WORKSPACE_CONFIG once per process, at its first cuBLAS call: the deterministic CUDA
+    resume test above needs it from the start of `pytest -m gpu`, before earlier tests' matmuls, not from train.py
+    (which sets it only when its own config asks). tests/conftest.py sets it when pytest loads it; a value of
+    the user's is kept (the two deterministic ones PyTorch accepts)."""
+    value = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    assert value in (":4096:8", ":16:8"), value
 
 
 # ----------------------------------------------------------------------------------- the sync-free fp16 step
@@ -363,6 +429,8 @@ def test_fp16_updates_skip_on_overflow_without_host_syncs(device, monkeypatch):
         found_inf.append(opt.found_inf.detach().clone().reshape(()))
 
     optimizer.register_step_post_hook(record)
+    dtypes = set()  # fc1's outputs: computed under the loop's fp16 autocast (a dtype is no host sync)
+    model.blocks[0].mlp.fc1.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
     model.head.weight.register_hook(lambda g: g * math.inf if len(after_step) == FORCED_OVERFLOW else g)
 
     pin = device.type == "cuda"
@@ -389,6 +457,7 @@ def test_fp16_updates_skip_on_overflow_without_host_syncs(device, monkeypatch):
         monkeypatch.setattr(loop_module._Window, "_global_sums", end_of_updates)
         loop.run_epoch(TrainBatches(batches[2:], _FixedOrder()), state, 16)
     assert updates_when_allowed == [8]  # every update of the epoch ran under the guard
+    assert dtypes == {torch.float16} and loop.scaler.is_enabled()
 
     skipped = [bool(f > 0) for f in found_inf]
     assert len(skipped) == state.step == 8
