@@ -57,8 +57,8 @@ class Layout:
         q_k_v: separate Q, K, V projections (tried when `qkv` is absent), or None. At least one of qkv, q_k_v.
         fc1: the MLP's input layer (plain MLP; timm's packed GluMlp), or None.
         gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), both or neither. fc1 or both.
-        transposed: the storage of a layer whose type and shape do not tell it (`cd.pairs._Block.storage`) and whose
-            pair partner does not either: True for (in, out).
+        transposed: the storage of a layer whose type and shape do not tell it (`cd.pairs._Block.storage`): True for
+            (in, out). A built-in layout reads such a layer as its pair partner first (`cd.pairs._Block.functional`).
 
     Raises:
         ValueError: a field that cannot describe a block (an empty or non-str path, neither qkv nor q_k_v, neither

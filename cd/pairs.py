@@ -22,10 +22,12 @@ these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and L
 torchvision's ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and
 Swin), and a model with names of its own passes its own `Layout`s as `layouts=`, checked as the built-in ones. Each
 layer's storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out),
-so that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike; a functional pair whose two
-layers are stored differently is refused.
+so that nanoGPT's `c_attn` (nn.Linear) and transformers' (Conv1D) pair alike, and each matrix of a pair is read
+with its own storage; a layer whose type and shape do not tell it takes its layout's `transposed`
+(`_Block.functional`).
 Every pair is then checked against a forward pass on the `meta` device (`cd/verify.py`), so
-that a block with the same names but another computation (res-post-norm, as in Swin V2) is refused,
+that a block with the same names but another computation (res-post-norm, as in Swin V2), or a matrix the forward
+multiplies the other way round from the storage read (`x @ W` for one read as (out, in)), is refused,
 not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero, and the
 order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
 laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
@@ -70,8 +72,10 @@ class Pair:
             matrix for functional ones (for 'proj' the whole fused qkv weight, see upstream_rows).
         upstream_rows: (start, stop) rows of W1 as the layer applies it, or None for all rows
             (the V rows [2D:3D] of the fused qkv weight for the 'proj' pair).
-        transposed: the matrices are stored (in, out), as transformers' `Conv1D` (GPT-2) stores them;
-            `w1()` and `w2()` are then transposed views, so the update is the same (out, in) math.
+        transposed: W2 is stored (in, out), as transformers' `Conv1D` (GPT-2) stores it; `w2()` is then a
+            transposed view, so the update is the same (out, in) math.
+        upstream_transposed: the same for a functional pair's W1 (`w1()`); None (the default) reads it as
+            `transposed` says, and is replaced by that value, so the field is always a bool once made.
     """
 
     name: str
@@ -83,21 +87,27 @@ class Pair:
     upstream: nn.Parameter
     upstream_rows: Optional[tuple[int, int]] = None
     transposed: bool = False
+    upstream_transposed: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.upstream_transposed is None:  # one storage for both matrices unless told otherwise
+            object.__setattr__(self, "upstream_transposed", self.transposed)
 
     @property
     def diagonal(self) -> bool:
         """True when W1 = diag(upstream) (composable pairs: a norm scale)."""
         return self.kind == "composable"
 
-    def _as_used(self, w: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _as_used(w: torch.Tensor, transposed: bool) -> torch.Tensor:
         """A stored weight as the (out, in) matrix the layer applies: a transposed view for (in, out) storage."""
-        return w.t() if self.transposed else w
+        return w.t() if transposed else w
 
     def w1(self) -> torch.Tensor:
         """W1: the scale vector (mid,) if diagonal, else the (mid, in) matrix (a view of the parameter)."""
         if self.diagonal:
             return self.upstream
-        w = self._as_used(self.upstream)
+        w = self._as_used(self.upstream, self.upstream_transposed)
         if self.upstream_rows is None:
             return w
         start, stop = self.upstream_rows
@@ -105,7 +115,7 @@ class Pair:
 
     def w2(self) -> torch.Tensor:
         """W2, shape (out, mid) (a view of the parameter)."""
-        return self._as_used(self.downstream)
+        return self._as_used(self.downstream, self.transposed)
 
     @property
     def w1_shape(self) -> tuple[int, int]:
@@ -125,7 +135,7 @@ class Pair:
         stored (in, out): 'x.attn.c_attn.weight^T[1536:2304]'."""
         if self.diagonal:
             return f"diag({self.upstream_name})"
-        name = self.upstream_name + ("^T" if self.transposed else "")
+        name = self.upstream_name + ("^T" if self.upstream_transposed else "")
         if self.upstream_rows is not None:
             return f"{name}[{self.upstream_rows[0]}:{self.upstream_rows[1]}]"
         return name
@@ -269,7 +279,8 @@ def _stored_in_out(module: Optional[nn.Module], w: Optional[nn.Parameter]) -> Op
     return None
 
 
-_STORAGE = {False: "(out, in) as nn.Linear", True: "(in, out) as transformers' Conv1D"}
+# the names of the built-in layouts (`LAYOUTS`), which tell a layout given as layouts= apart from them
+_BUILT_IN = frozenset(lay.library for lay in LAYOUTS)
 
 
 class _Block:
@@ -325,14 +336,6 @@ class _Block:
         """Whether the layer at `path` stores its weight (in, out) (`storage`; the layout's default if untold)."""
         told = self.storage(path)
         return self.lay.transposed if told is None else told
-
-    def describe_storage(self, path: str, transposed: bool) -> str:
-        """The storage of the layer at `path` and what tells it, for messages."""
-        module = _module(self.module, path)
-        if _stored_in_out(module, self.matrix(path)) is not None:
-            return f"{path} {_STORAGE[transposed]}"
-        return (f"{path} {'(in, out)' if transposed else '(out, in)'} as the shapes of the block's "
-                f"{type(module).__name__} layers read")
 
     def width(self, path: str, dim: int) -> int:
         """Output (dim 0) or input (dim 1) width of the layer at `path` as it applies its weight."""
@@ -390,20 +393,19 @@ class _Block:
                     _join(self.name, norm, "weight"), w, g, transposed=self.transposed(layer))
 
     def functional(self, upstream: str, layer: str, role: str, rows: Optional[tuple[int, int]] = None) -> Pair:
-        """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation. Both are
-        read through one storage flag (`Pair.transposed`), so two layers stored differently are refused."""
+        """(<upstream>.weight[rows], <layer>.weight): W1 feeds W2 through the attention or activation, each read
+        with its own storage (`Pair.transposed`, `Pair.upstream_transposed`)."""
         up, down = self.storage(upstream), self.storage(layer)
-        # a layer whose storage nothing tells (a square proj or fc2 in a wrapper) is read as the one it pairs with
-        up = down if up is None else up
-        down = up if down is None else down
-        if up is None:
-            up = down = self.lay.transposed
-        if up != down:
-            raise self.refuse(f"the {role} pair's layers are stored differently: "
-                              f"{self.describe_storage(upstream, up)}, {self.describe_storage(layer, down)}; CD pairs "
-                              "two layers of one storage (make both nn.Linear or both Conv1D)")
+        if self.lay.library in _BUILT_IN:
+            # a layer whose storage nothing of its own tells (a square proj or fc2 in a wrapper) is read as the one
+            # it pairs with: a built-in layout names the layers of libraries that store them differently (GPT-2's
+            # names: transformers' Conv1D, nanoGPT's nn.Linear), so its `transposed` is a guess the partner beats.
+            # A layout given as layouts= states its model's storage, and comes first.
+            up, down = (down if up is None else up), (up if down is None else down)
+        up = self.lay.transposed if up is None else up
+        down = self.lay.transposed if down is None else down
         return Pair(self.weight_name(layer), role, "functional", self.name, self.weight_name(upstream),
-                    self.matrix(layer), self.matrix(upstream), rows, transposed=down)
+                    self.matrix(layer), self.matrix(upstream), rows, transposed=down, upstream_transposed=up)
 
 
 def _attention_pairs(b: _Block) -> list[Pair]:

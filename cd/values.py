@@ -308,7 +308,7 @@ def _plan(root: nn.Module, pairs: Sequence, checked: Sequence[int], channels) ->
                 zero[id(bias)] = chosen
             readers[id(p.downstream)] = (k, p.upstream.shape[0])
             continue
-        total = p.upstream.shape[1] if p.transposed else p.upstream.shape[0]
+        total = p.upstream.shape[1] if p.upstream_transposed else p.upstream.shape[0]
         start, stop = p.upstream_rows or (0, total)
         chosen = channels(stop - start)
         rows[id(p.upstream)] = ([start + j for j in chosen], total)

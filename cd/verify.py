@@ -11,6 +11,13 @@ from:
   attention output) fails here: its qkv input never went through `norm1`.
 - functional pair (W1, W2): every input of W2's layer depends on the output of W1's layer of the same
   forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation.
+- storage: each matrix of a pair is multiplied as the storage CD reads it with says (`Pair.transposed`,
+  `Pair.upstream_transposed`): one stored (out, in) is contracted over its second axis (`F.linear(x, W)`,
+  `x @ W.T`), one stored (in, out) over its first (`x @ W`, Conv1D's addmm). The mode follows the two axes of
+  every 2-D parameter through the ops that move them (transposes, permutes, views that add or drop axes of
+  size 1, expands, slices, casts) to the matrix products (mm, addmm, bmm, baddbmm, matmul, linear) that take
+  it; a product the axes cannot be followed to is not judged. A square layer of one's own computing `x @ W`,
+  read as (out, in), fails here: CD would decay the transpose of the matrix it applies (paper Eq. (12)).
 
 A pair that fails is an error naming the block and its type (`UnsupportedModelError`).
 """
@@ -34,6 +41,47 @@ _MOVES = frozenset("""
 """.split())
 
 
+# aten ops that move a matrix keeping the position of each of its axes (their outputs have its number of dims)
+_SAME_AXES = frozenset("""
+    contiguous clone _to_copy detach alias lift_fresh slice narrow roll constant_pad_nd split split_with_sizes
+    chunk copy
+""".split())
+# aten ops that only add or drop axes of size 1 (a view that merges or splits an axis loses the matrix's axes)
+_RESHAPES = frozenset("view _unsafe_view reshape squeeze unsqueeze flatten".split())
+# matrix products: {argument index: the axis of that operand the product contracts}
+_PRODUCTS = {"mm": {0: 1, 1: 0}, "addmm": {1: 1, 2: 0}, "_addmm_activation": {1: 1, 2: 0}, "bmm": {0: 2, 1: 1},
+             "baddbmm": {1: 2, 2: 1}, "matmul": {0: -1, 1: -2}, "mv": {0: 1}, "addmv": {1: 1}, "linear": {1: 1}}
+# how a matrix stored (in, out) (True) or (out, in) (False) is multiplied, and its storage, for messages
+_HOW = {True: "x @ W", False: "F.linear(x, W) or x @ W.T"}
+_STORED = {True: "(in, out)", False: "(out, in)"}
+
+
+def _moved_axes(name: str, args: tuple, src: Tensor, out: Tensor, axes: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """Where the two axes of a stored matrix (at positions `axes` of `src`) are in `out`, the output of the move
+    op `name` (args: its arguments), or None where the op mixes or drops them."""
+    if name in _SAME_AXES:
+        return axes if out.dim() == src.dim() else None
+    if name == "t":
+        return (1 - axes[0], 1 - axes[1]) if src.dim() == 2 else None
+    if name == "transpose":
+        d0, d1 = (d % src.dim() for d in args[1:3])
+        return tuple(d1 if a == d0 else d0 if a == d1 else a for a in axes)
+    if name == "permute":
+        dims = [d % src.dim() for d in args[1]]
+        return tuple(dims.index(a) for a in axes)
+    if name == "expand":
+        return tuple(a + out.dim() - src.dim() for a in axes)
+    if name in ("select", "unbind"):
+        d = (args[1] if len(args) > 1 else 0) % src.dim()
+        return None if d in axes else tuple(a - (a > d) for a in axes)
+    if name in _RESHAPES:  # the axes of size > 1 keep their order: map them one to one
+        before = [i for i, n in enumerate(src.shape) if n != 1]
+        after = [i for i, n in enumerate(out.shape) if n != 1]
+        if [src.shape[i] for i in before] == [out.shape[i] for i in after] and all(a in before for a in axes):
+            return tuple(after[before.index(a)] for a in axes)
+    return None
+
+
 class UnsupportedModelError(ValueError):
     """The model has no CD pair, or a block whose computation does not match the pairs CD defines."""
 
@@ -52,6 +100,39 @@ class _Provenance(TorchDispatchMode):
         self.uses: dict[int, int] = {}  # pair index -> ops that used W2
         self.bad: dict[int, int] = {}  # pair index -> uses whose operand lacked the label
         self._keep: list[Tensor] = []  # keeps labelled tensors alive, so that ids are not reused
+        # a 2-D parameter and its moves: id -> positions of the stored matrix's first and second axes
+        self.axes: dict[int, tuple[int, int]] = {}
+        # parameter name -> how products multiplied it: True for over its first stored axis (x @ W: (in, out))
+        self.reads: dict[str, set[bool]] = {}
+
+    def track(self, t: Tensor) -> None:
+        """Follow the axes of `t`, a parameter's meta copy, if it is a matrix."""
+        if t.dim() == 2:
+            self.axes[id(t)] = (0, 1)
+
+    def _follow_axes(self, name: str, args: tuple, ins: list[Tensor], outs: list[Tensor], moves: bool) -> None:
+        """Carry a matrix's axes through a move op, or record how a product contracts it (`reads`)."""
+        if name.endswith("_"):  # an in-place op changes the tensor it returns
+            for t in outs:
+                self.axes.pop(id(t), None)
+            return
+        if moves:
+            axes = self.axes.get(id(ins[0])) if ins and ins[0] is (args[0] if args else None) else None
+            for t in outs if axes is not None else ():
+                moved = _moved_axes(name, args, ins[0], t, axes)
+                if moved is not None:
+                    self.axes[id(t)] = moved
+            return
+        for i, axis in _PRODUCTS.get(name, {}).items():
+            t = args[i] if i < len(args) else None
+            axes = self.axes.get(id(t)) if isinstance(t, Tensor) else None
+            if axes is None:
+                continue
+            axis %= t.dim()
+            if axis in axes:
+                for label in self.moved.get(id(t), ()):
+                    if label.startswith("p:"):
+                        self.reads.setdefault(label[2:], set()).add(axes.index(axis) == 0)
 
     def mark(self, t: Tensor, moved: frozenset, dep: frozenset = frozenset()) -> None:
         self._keep.append(t)
@@ -66,7 +147,9 @@ class _Provenance(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         moved_in = [self.moved.get(id(t), frozenset()) for t in ins]
         dep = frozenset().union(*(self.dep.get(id(t), frozenset()) for t in ins))
-        if func.overloadpacket.__name__.rstrip("_") in _MOVES:
+        name = func.overloadpacket.__name__
+        self._follow_axes(name, args, ins, outs, name.rstrip("_") in _MOVES)
+        if name.rstrip("_") in _MOVES:
             moved = frozenset().union(*moved_in)
         else:
             moved = frozenset()
@@ -171,6 +254,7 @@ def _meta_slots(root: nn.Module, mode: _Provenance) -> dict[str, Tensor]:
             if id(t) not in copies:
                 copies[id(t)] = torch.empty_like(t, device="meta")
             mode.mark(copies[id(t)], frozenset({f"p:{name}"}))
+            mode.track(copies[id(t)])
             if (id(module), attr) not in seen:
                 seen.add((id(module), attr))
                 slots[name] = copies[id(t)]
@@ -265,8 +349,11 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
     failures = []
     for k, p in enumerate(pairs):
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"
+        misread = _misread(mode.reads, p)
         if k not in mode.uses:
             failures.append(f"{where}: {p.name} {UNUSED}")
+        elif misread:
+            failures.append(f"{where}: {misread}")
         elif k in mode.bad and p.kind == "composable":
             failures.append(f"{where}: the input of {p.name} is not the output of the norm "
                             f"{p.upstream_name.rpartition('.')[0]} (CD supports pre-norm blocks; res-post-norm "
@@ -277,6 +364,19 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
                                     + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else "")
                                     + _adapter_hint(root))
+
+
+def _misread(reads: dict[str, set[bool]], p) -> str:
+    """Why the forward's products contradict the storage that pair `p` reads a matrix with, or ''."""
+    matrices = [(p.name, p.transposed)] + ([] if p.diagonal else [(p.upstream_name, p.upstream_transposed)])
+    for name, assumed in matrices:
+        if (not assumed) in reads.get(name, ()):
+            return (f"the forward multiplies {name} as {_HOW[not assumed]}, a weight stored {_STORED[not assumed]}, "
+                    f"but CD reads it as stored {_STORED[assumed]} and would decay the transpose of the matrix the "
+                    "layer applies. A layer whose type and shape do not tell its storage is read with its layout's: "
+                    f"give cd.Layout(..., transposed={not assumed}) (an nn.Linear or Conv1D is read by its type: "
+                    "multiply its weight as its own forward does)")
+    return ""
 
 
 def _adapter_hint(root: nn.Module) -> str:

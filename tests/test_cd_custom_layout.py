@@ -8,6 +8,7 @@ normalization, written here in float64.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,70 @@ def test_a_layouts_transposed_storage_is_used_where_no_layer_tells_its_own():
             torch.testing.assert_close(p.w1(), applied(up), rtol=0, atol=1e-6, msg=role)
         else:
             assert p.w1() is up
+
+
+class SquareOutBlock(nn.Module):
+    """nn.Linear qkv and MLP, with a square output projection stored (in, out) and applied as `o @ W`: an InOut
+    layer (`attn.out`) or a matrix Parameter the attention holds itself (`attn.wo`)."""
+
+    def __init__(self, proj: str):
+        super().__init__()
+        self.ln1, self.ln2, self.attn = nn.LayerNorm(D), nn.LayerNorm(D), nn.Module()
+        self.attn.qkv, self.up, self.down = nn.Linear(D, 3 * D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        if proj == "out":
+            self.attn.out = InOut(D, D)
+        else:
+            self.attn.wo = nn.Parameter(torch.randn(D, D) / math.sqrt(D))
+        with torch.no_grad():  # norm scales other than ones
+            self.ln1.weight.copy_(1 + 0.5 * torch.randn(D))
+
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        return self.attn.out(o) if hasattr(self.attn, "out") else o @ self.attn.wo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, HEADS, -1).transpose(1, 2) for y in self.attn.qkv(self.ln1(x)).split(D, -1))
+        x = x + self.project(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+def _square_out(proj: str, transposed: bool) -> tuple[nn.Module, Layout]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, D), SquareOutBlock(proj)).double()
+    return model, Layout("square out", norm1="ln1", norm2="ln2", qkv="attn.qkv", proj=f"attn.{proj}", fc1="up",
+                         fc2="down", transposed=transposed)
+
+
+@pytest.mark.parametrize("proj", ["out", "wo"])
+def test_a_square_in_out_proj_beside_a_linear_qkv_gets_eq12_with_the_layouts_transposed(proj):
+    # The proj's own type and shape do not tell its storage; its partner's (nn.Linear qkv, (out, in)) is not its
+    # storage: the layout's transposed=True is. Reference: W2 is the matrix the block applies (probed through its
+    # own forward), W1 the V rows of qkv, Eq. (12) with App. A.2's normalization in float64.
+    model, layout = _square_out(proj, transposed=True)
+    blk = model[1]
+
+    def applied() -> torch.Tensor:
+        with torch.no_grad():
+            eye = torch.eye(D, dtype=torch.float64)
+            return (blk.project(eye) - blk.project(torch.zeros_like(eye))).T
+
+    x = _x().double()
+    pair = next(p for p in find_pairs(model, x, layouts=[layout]) if p.role == "proj")
+    assert (pair.transposed, pair.upstream_transposed) == (True, False)
+    w2, v = applied(), blk.attn.qkv.weight.detach()[2 * D:].clone()
+    v_n = v / (torch.linalg.matrix_norm(v) / math.sqrt(D))
+    lr, lam = 0.1, 0.5
+    want = w2 - lr * lam * w2 @ v_n @ v_n.T
+    ColinearityDecay(model, lam=lam, example_input=x, layouts=[layout]).apply(lr)
+    torch.testing.assert_close(applied(), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("proj", ["out", "wo"])
+def test_a_square_in_out_proj_read_as_out_in_is_refused_with_the_fix(proj):
+    # Without transposed=True the proj is read (out, in): CD would decay the transpose of the matrix the block
+    # applies, so the meta check, which sees the forward multiply it as x @ W, refuses it.
+    model, layout = _square_out(proj, transposed=False)
+    name = "1.attn.out.weight" if proj == "out" else "1.attn.wo"
+    with pytest.raises(UnsupportedModelError, match=rf"block '1'.*the proj pair: the forward multiplies "
+                                                    rf"{re.escape(name)} as x @ W.*transposed=True"):
+        ColinearityDecay(model, lam=0.5, example_input=_x().double(), layouts=[layout])

@@ -150,15 +150,26 @@ def test_one_update_is_the_paper_update_and_the_timm_named_one(bias):
         assert torch.equal(p, q), (name, timm_name)
 
 
-def test_a_pair_of_a_conv1d_and_a_linear_is_refused_naming_both():
-    """c_attn stored (in, out) (transformers' Conv1D) and c_proj (out, in) (nn.Linear): one storage flag cannot
-    read both, so the proj pair is refused with the two layers named (before: refused for a width mismatch
-    that did not name the cause)."""
+def test_a_conv1d_qkv_feeding_a_linear_proj_is_read_with_each_layers_storage():
+    """c_attn stored (in, out) (transformers' Conv1D, holding the nn.Linear's weight transposed: the same map)
+    and c_proj (out, in) (nn.Linear): each matrix of the proj pair is read with its own storage, and the update
+    is the paper's on the (out, in) matrices the layers apply, those of the all-nn.Linear model. Was: refused,
+    one storage flag reading both."""
     conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
-    model = TinyGPT(qkv=conv1d(3 * D, D))
-    with pytest.raises(UnsupportedModelError, match=r"transformer\.h\.0.*attn\.c_attn \(in, out\) as transformers' "
-                                                    r"Conv1D, attn\.c_proj \(out, in\) as nn\.Linear"):
-        find_pairs(model, example_input=_ids())
+    model = TinyGPT()
+    want = _paper_update(model, 0.1 * 0.5)
+    for block in model.transformer.h:
+        linear, block.attn.c_attn = block.attn.c_attn, conv1d(3 * D, D)
+        with torch.no_grad():
+            block.attn.c_attn.weight.copy_(linear.weight.t())
+            block.attn.c_attn.bias.copy_(linear.bias)
+    proj = next(p for p in find_pairs(model, example_input=_ids()) if p.role == "proj")
+    assert (proj.transposed, proj.upstream_transposed) == (False, True)
+    ColinearityDecay(model, lam=0.5, matmul_precision="fp32", example_input=_ids()).apply(lr=0.1)
+    got = {n: p.detach().double() for n, p in model.named_parameters()}
+    for name, value in want.items():
+        as_applied = got[name].t() if name.endswith("c_attn.weight") else got[name]
+        assert (as_applied - value).abs().max() < 1e-6, name
 
 
 class _Adapter(nn.Module):
