@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -599,12 +600,23 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     per_gpu = cfg.train.batch_size_per_gpu
     if cfg.train.batch_size % (per_gpu * world_size):
         step = per_gpu * world_size
-        fits = [d for d in range(per_gpu, 0, -1) if cfg.train.batch_size % (d * world_size) == 0]
+        fits = (largest_divisor_at_most(cfg.train.batch_size // world_size, per_gpu)
+                if cfg.train.batch_size % world_size == 0 else None)
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not a multiple of train.batch_size_per_gpu="
                           f"{per_gpu} x {world_size} processes: set train.batch_size to a multiple of {step} "
                           f"(e.g. {max(step, cfg.train.batch_size // step * step)})"
-                          + (f", or train.batch_size_per_gpu={fits[0]}" if fits else ""))
+                          + (f", or train.batch_size_per_gpu={fits}" if fits else ""))
     return cfg.train.batch_size // (per_gpu * world_size)
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of `n` (>= 1) that is at most `limit` (>= 1), in min(limit, sqrt(n)) trial divisions:
+    a typo such as train.batch_size_per_gpu=100000000 is told at once, not after a count down from it."""
+    root = math.isqrt(n)
+    if limit <= root:
+        return next(d for d in range(limit, 0, -1) if n % d == 0)  # ends at 1 at the latest
+    small = [i for i in range(1, root + 1) if n % i == 0]  # each divisor is one of these or n // one of them
+    return max(d for i in small for d in (i, n // i) if d <= limit)
 
 
 def as_config_error(section: str, build, *args, **kwargs):

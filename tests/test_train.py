@@ -1702,3 +1702,22 @@ def test_a_global_batch_the_processes_do_not_divide_names_both_fixes(debug_confi
     with pytest.raises(ConfigError, match=r"a multiple of 32 \(e.g. 32\), or train.batch_size_per_gpu=6$"):
         train.accumulation_steps(debug_config("train.batch_size=24", "train.batch_size_per_gpu=8"), 4)
     assert train.accumulation_steps(debug_config("train.batch_size=12", "train.batch_size_per_gpu=6"), 1) == 2
+
+
+def test_a_huge_batch_size_per_gpu_is_told_at_once_with_the_largest_per_gpu_batch_that_fits(debug_config):
+    """The suggested train.batch_size_per_gpu is the largest d <= the given one with d x processes dividing
+    train.batch_size (checked by counting down, for small values); a huge per-process batch (a typo) is refused
+    without counting down from it."""
+    for batch, per_gpu, world in [(12, 8, 1), (24, 8, 4), (36, 5, 1), (36, 40, 1), (49, 48, 1), (97, 96, 1),
+                                  (60, 7, 2), (30, 100, 3)]:
+        want = next(d for d in range(per_gpu, 0, -1) if batch % (d * world) == 0)
+        with pytest.raises(ConfigError, match=rf", or train.batch_size_per_gpu={want}$"):
+            train.accumulation_steps(debug_config(f"train.batch_size={batch}", f"train.batch_size_per_gpu={per_gpu}"),
+                                     world)
+    for per_gpu in (10**12, 2**63):
+        with pytest.raises(ConfigError, match=rf"^train.batch_size=16 is not a multiple of train.batch_size_per_gpu="
+                                              rf"{per_gpu} x 1 processes: .*, or train.batch_size_per_gpu=16$"):
+            train.accumulation_steps(debug_config("train.batch_size=16", f"train.batch_size_per_gpu={per_gpu}"), 1)
+    big = 6 * 10**11 + 2  # below 10**12: the largest per-process batch that fits is the global batch itself
+    with pytest.raises(ConfigError, match=rf", or train.batch_size_per_gpu={big}$"):
+        train.accumulation_steps(debug_config(f"train.batch_size={big}", "train.batch_size_per_gpu=1000000000000"), 1)
