@@ -99,6 +99,9 @@ class _Provenance(TorchDispatchMode):
         self.sources, self.sinks = sources, sinks
         self.uses: dict[int, int] = {}  # pair index -> ops that used W2
         self.bad: dict[int, int] = {}  # pair index -> uses whose operand lacked the label
+        # composable pair index -> bad uses whose operand depends on the norm's output all the same (its scale
+        # reached W2's input through another computation than x_hat * weight: (1 + weight), a further factor)
+        self.computed: dict[int, int] = {}
         self._keep: list[Tensor] = []  # keeps labelled tensors alive, so that ids are not reused
         # a 2-D parameter and its moves: id -> positions of the stored matrix's first and second axes
         self.axes: dict[int, tuple[int, int]] = {}
@@ -167,6 +170,8 @@ class _Provenance(TorchDispatchMode):
                     self.uses[k] = self.uses.get(k, 0) + 1
                     if not any(str(k) in table.get(id(t), frozenset()) for t in others):
                         self.bad[k] = self.bad.get(k, 0) + 1
+                        if composable and any(str(k) in self.dep.get(id(t), frozenset()) for t in others):
+                            self.computed[k] = self.computed.get(k, 0) + 1
         if dep or moved:
             for t in outs:
                 self.mark(t, moved, dep)
@@ -354,6 +359,13 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             failures.append(f"{where}: {p.name} {UNUSED}")
         elif misread:
             failures.append(f"{where}: {misread}")
+        elif k in mode.bad and p.kind == "composable" and mode.computed.get(k) == mode.bad[k]:
+            failures.append(f"{where}: the input of {p.name} depends on the output of the norm "
+                            f"{p.upstream_name.rpartition('.')[0]}, but the norm's scale reaches it through a "
+                            "computation other than a multiplication by its weight (such as x_hat * (1 + weight), "
+                            "as Gemma's RMSNorm scales, or a further factor after x_hat * weight); the composable "
+                            f"pair W2 diag(g) (paper Eqs. (4)-(5)) needs {p.name} to read x_hat * weight, moved "
+                            "only: give the norm a scale it multiplies by directly, or train this model without CD")
         elif k in mode.bad and p.kind == "composable":
             failures.append(f"{where}: the input of {p.name} is not the output of the norm "
                             f"{p.upstream_name.rpartition('.')[0]} (CD supports pre-norm blocks; res-post-norm "

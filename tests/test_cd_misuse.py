@@ -731,3 +731,71 @@ def test_a_layer_whose_weight_a_parametrization_computes_is_refused_for_that_cau
     said = str(refused.value)
     assert f"the weight of {target} is computed at each forward by a parametrization" in said
     assert "remove_parametrizations" in said and "found no" not in said
+
+
+class _ScaledNorm(torch.nn.Module):
+    """An RMSNorm whose scale reaches its output through another computation than x_hat * weight: Gemma's
+    x_hat * (1 + weight) ("one_plus"), or x_hat * weight * 2.0 ("doubled")."""
+
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.how, self.weight = how, torch.nn.Parameter(torch.zeros(d) if how == "one_plus" else torch.ones(d))
+
+    def forward(self, x):
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x_hat * (1 + self.weight) if self.how == "one_plus" else x_hat * self.weight * 2.0
+
+
+class _NormBlock(torch.nn.Module):
+    """A timm-named block, pre-norm with `norm` as its norms, or post-norm (each norm after its branch)."""
+
+    def __init__(self, norm, post: bool = False, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.post, self.heads = post, heads
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn, self.mlp = torch.nn.Module(), torch.nn.Module()
+        self.attn.qkv, self.attn.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp.fc1, self.mlp.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def _attn(self, x):
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.attn.qkv(x).split(d, -1))
+        return self.attn.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x):
+        if self.post:
+            x = x + self.norm1(self._attn(x))
+            return x + self.norm2(self.mlp.fc2(F.gelu(self.mlp.fc1(x))))
+        x = x + self._attn(self.norm1(x))
+        return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.norm2(x))))
+
+
+@pytest.mark.parametrize("how", ["one_plus", "doubled"])
+def test_a_norm_scaling_otherwise_than_by_its_weight_is_refused_for_that_not_as_post_norm(how):
+    model = torch.nn.Sequential(_NormBlock(lambda: _ScaledNorm(8, how)))
+    with pytest.raises(UnsupportedModelError) as refusal:
+        find_pairs(model, torch.randn(1, 5, 8))
+    said = str(refusal.value)
+    assert re.search(r"the qkv pair: the input of 0\.attn\.qkv\.weight depends on the output of the norm 0\.norm1, "
+                     r"but the norm's scale reaches it through a computation other than a multiplication by its "
+                     r"weight \(such as x_hat \* \(1 \+ weight\)", said), said
+    assert "post-norm" not in said, said
+
+
+def test_a_post_norm_block_is_still_refused_as_one():
+    model = torch.nn.Sequential(_NormBlock(lambda: torch.nn.LayerNorm(8), post=True))
+    with pytest.raises(UnsupportedModelError, match=r"the qkv pair: the input of 0\.attn\.qkv\.weight is not the "
+                                                    r"output of the norm 0\.norm1 \(CD supports pre-norm blocks"):
+        find_pairs(model, torch.randn(1, 5, 8))
+
+
+def test_transformers_gemma_is_refused_for_its_one_plus_weight_norm():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg)
+    with pytest.raises(UnsupportedModelError, match=r"'model\.layers\.0' \(GemmaDecoderLayer\): the qkv pair: the "
+                                                    r"input of model\.layers\.0\.self_attn\.q_proj\.weight depends on "
+                                                    r"the output of the norm model\.layers\.0\.input_layernorm, but"):
+        find_pairs(model, torch.zeros(1, 8, dtype=torch.long), gated_mlp=True)
