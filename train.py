@@ -97,6 +97,7 @@ def main(cfg: Config) -> RunResult:
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
         check_same_settings_on_every_rank(config_to_dict(cfg), dist.device, dist.rank)
+        check_device_settings(cfg, dist.device)
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
@@ -115,6 +116,17 @@ def check_before_start(cfg: Config) -> None:
                               "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
                               ) from None
     check_quant_plan(cfg)
+
+
+def check_device_settings(cfg: Config, device: torch.device) -> None:
+    """What only a CUDA device acts on, refused on the device the run resolved to (train.device, auto: cuda when
+    visible) before any folder is made: cd.matmul_precision=tf32 elsewhere would run the update in fp32 while the
+    run's config.yaml records tf32 (CPUs have no TF32; cd/update.py `_products_in`). Its default, auto, is tf32 on
+    CUDA and fp32 elsewhere."""
+    if cfg.cd.enabled and cfg.cd.matmul_precision == "tf32" and device.type != "cuda":
+        raise ConfigError(f"cd.matmul_precision=tf32 but the run is on the {device.type}, which has no TF32 (the "
+                          f"update would run in fp32): set cd.matmul_precision=fp32 or auto there, or train on a GPU "
+                          f"(train.device=cuda)")
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:

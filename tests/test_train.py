@@ -1721,3 +1721,16 @@ def test_a_huge_batch_size_per_gpu_is_told_at_once_with_the_largest_per_gpu_batc
     big = 6 * 10**11 + 2  # below 10**12: the largest per-process batch that fits is the global batch itself
     with pytest.raises(ConfigError, match=rf", or train.batch_size_per_gpu={big}$"):
         train.accumulation_steps(debug_config(f"train.batch_size={big}", "train.batch_size_per_gpu=1000000000000"), 1)
+
+
+def test_cd_tf32_products_on_a_cpu_run_are_refused_before_any_folder(debug_config):
+    """CPUs have no TF32: cd.matmul_precision=tf32 there would train in fp32 under a config.yaml that says tf32."""
+    cfg = debug_config("train.device=cpu", "cd.enabled=true", "cd.matmul_precision=tf32")
+    with pytest.raises(ConfigError, match=r"^cd.matmul_precision=tf32 but the run is on the cpu, which has no TF32 "
+                                          r".*set cd.matmul_precision=fp32 or auto"):
+        train.main(cfg)
+    assert not os.path.exists(cfg.out_dir)
+    for precision in ("auto", "fp32", "bf16"):  # what a CPU computes as named (auto: fp32 there)
+        train.check_device_settings(debug_config("cd.enabled=true", f"cd.matmul_precision={precision}"),
+                                    torch.device("cpu"))
+    train.check_device_settings(cfg, torch.device("cuda", 0))  # a GPU run's TF32 is real
