@@ -431,6 +431,8 @@ class ColinearityDecay:
         live = [lr for lr, lam in zip(lrs, lams) if lam != 0 and not known_zero(lr)]
         if not live:  # apply(0), a warmup from lr 0: no update, not counted, the last update's norms stand
             return False
+        # here, where every update runs (apply, a step): the weights' dtype may change after attach (model.half())
+        self._warn_low_precision_weights()
         # a zero strength gives a Python 0.0 whatever the lr's type: the update skips only Python zeros
         # (`known_zero`), and a tensor 0 would compute and write target C's term without target C
         steps = [lr * lam if lam != 0 else 0.0 for lr, lam in zip(lr2, self._lams)]
@@ -606,7 +608,6 @@ class ColinearityDecay:
             return cached[1]
         index = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._check_group_lrs(optimizer, index)
-        self._warn_low_precision_weights()
         if len(self._gi_cache) >= 16:  # optimizers made again and again (a fit() per stage): forget the old ones
             self._gi_cache.clear()
         self._gi_cache[id(optimizer)] = (sig, index)
@@ -619,8 +620,7 @@ class ColinearityDecay:
         as decoupled weight decay does there. Mixed precision keeps fp32 weights and is not affected."""
         if self._warned_dtype or not self._active or self.mode != "decoupled":
             return
-        low = sorted({str(w.dtype) for p in self.pairs for w in (p.w2(),) if w.dtype in (torch.bfloat16,
-                                                                                          torch.float16)})
+        low = sorted({str(p.downstream.dtype) for p in self.pairs} & {"torch.bfloat16", "torch.float16"})
         if low:
             self._warned_dtype = True
             warnings.warn(f"ColinearityDecay: decayed matrices are stored in {', '.join(low)}; CD's per-step change "

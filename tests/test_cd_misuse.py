@@ -799,3 +799,31 @@ def test_transformers_gemma_is_refused_for_its_one_plus_weight_norm():
                                                     r"input of model\.layers\.0\.self_attn\.q_proj\.weight depends on "
                                                     r"the output of the norm model\.layers\.0\.input_layernorm, but"):
         find_pairs(model, torch.zeros(1, 8, dtype=torch.long), gated_mlp=True)
+
+
+def _low_precision_warnings(seen) -> int:
+    return sum("below that format's resolution" in str(w.message) for w in seen)
+
+
+def test_apply_on_weights_stored_in_bf16_is_warned_about_once():
+    model = tiny_vit().bfloat16()
+    decay = ColinearityDecay(model, lam=0.005)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        decay.apply(1e-3)
+        decay.apply(1e-3)
+    assert _low_precision_warnings(seen) == 1, [str(w.message) for w in seen]
+
+
+def test_weights_cast_to_bf16_after_attach_are_warned_about_at_the_next_step():
+    model = tiny_vit()
+    opt = sgd(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ColinearityDecay(model, lam=0.005).attach(opt)
+        step_with_zero_grads(model, opt)
+        assert _low_precision_warnings(seen) == 0, [str(w.message) for w in seen]
+        model.bfloat16()  # the same Parameters, now stored in bf16: the optimizer's groups are unchanged
+        step_with_zero_grads(model, opt)
+        step_with_zero_grads(model, opt)
+    assert _low_precision_warnings(seen) == 1, [str(w.message) for w in seen]
