@@ -66,11 +66,39 @@ FOREIGN_FLAGS = {
 }
 
 
+# argparse actions that keep one value: given twice, the last replaces the first
+SINGLE_VALUE = (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage error (an unknown flag, a bad choice or type, a missing argument) is the one
     `error:` line every other refusal is, `error: PROG: MESSAGE; see PROG --help`, with argparse's exit status
     2, instead of argparse's usage block and second line. Every entry point builds its parser from it
-    (tests/test_usage_errors.py checks); add_subparsers makes subparsers of the same class."""
+    (tests/test_usage_errors.py checks); add_subparsers makes subparsers of the same class.
+
+    An option that holds one value (store, store_const, store_true/false, BooleanOptionalAction) given more
+    than once is refused, under any spelling (`--out x`, `--out=x`, an alias, an abbreviation): argparse
+    keeps the last silently, so `--checkpoint A --checkpoint B` would score B alone, as a key=value given
+    twice is refused (configs/loader.py). append, extend and count options take repeats: that is their use."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        outer, self._given = getattr(self, "_given", None), {}
+        try:
+            namespace, extras = super().parse_known_args(args, namespace)
+            twice = [f"{'/'.join(a.option_strings)} is given {'twice' if n == 2 else f'{n} times'}"
+                     for a, n in self._given.values() if n > 1]
+            if twice:
+                self.error(f"{'; '.join(twice)}; give {'it' if len(twice) == 1 else 'each'} once")
+            return namespace, extras
+        finally:
+            self._given = outer  # a parse inside a parse (a subparser has its own instance; this is cheap)
+
+    def _get_values(self, action, arg_strings):
+        # argparse calls this once per option occurrence, after resolving aliases, abbreviations and `--x=v`
+        if action.option_strings and isinstance(action, SINGLE_VALUE) and self._given is not None:
+            _, n = self._given.get(id(action), (action, 0))
+            self._given[id(action)] = (action, n + 1)
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str):
         # argparse's messages are one line; a type's own message (ArgumentTypeError) might not be

@@ -211,7 +211,9 @@ def test_every_documented_command_parses(path, script, args, monkeypatch, capsys
             return
     asks_help = any(a in ("-h", "--help", "--help-config") for a in args)
     with pytest.raises(SystemExit) as done:
-        (train if script == "train.py" else evaluate).parse_args(args if asks_help else [*args, "--print-config"])
+        # (--print-config once: a flag given twice is refused)
+        given = args if asks_help or "--print-config" in args else [*args, "--print-config"]
+        (train if script == "train.py" else evaluate).parse_args(given)
     assert done.value.code in (0, None)
     out = capsys.readouterr().out
     if asks_help:  # help prints text and exits 0; a section that does not exist is an error, not help

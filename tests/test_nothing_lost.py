@@ -716,7 +716,8 @@ def test_evaluate_user_errors_are_one_error_line_before_any_work(checkpoint, tmp
     out, blocker = tmp_path / "r.json", tmp_path / "file"
     blocker.write_text("")
     extra = [a.replace("FILE", str(blocker)).replace("NEW", str(tmp_path / "new")) for a in extra]
-    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--out", str(out), *extra], capsys)
+    given_out = [] if "--out" in extra else ["--out", str(out)]  # a flag given twice is refused
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, *given_out, *extra], capsys)
     lines = err.strip().splitlines()
     assert code == 1 and lines[-1].startswith("error: ") and message in lines[-1], lines[-5:]
     assert not any("Traceback" in line for line in lines)

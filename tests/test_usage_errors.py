@@ -109,6 +109,77 @@ def test_a_subparser_is_a_one_line_parser_too(capsys):
     one_error_line(capsys.readouterr().err, "tool.py run", "argument --k: invalid int value: 'x'")
 
 
+@pytest.mark.parametrize("path, argv, prog, says", [
+    # argparse kept the last of a repeated single-value flag without a word: B alone was scored
+    ("evaluate.py", ["--checkpoint", "A/best.pt", "--checkpoint", "B/best.pt", "--quant", "percentile", "--bits",
+                     "w8a8"], "evaluate.py", "--checkpoint is given twice; give it once"),
+    ("evaluate.py", ["--checkpoint", "A/best.pt", "--out=a.json", "--out", "b.json"], "evaluate.py",
+     "--out is given twice"),
+    ("evaluate.py", ["--checkpoint", "A/best.pt", "--amp", "fp16", "--am", "none"], "evaluate.py",
+     "--amp is given twice"),  # an abbreviation is the same flag
+    ("train.py", ["--print-config", "--config", DEBUG_CONFIG, "--print-config", "--print-config"], "train.py",
+     "--print-config is given 3 times"),
+    ("scripts/sweep.py", ["configs/sweeps/digits_demo.yaml", "--only", "baseline", "--only", "cd"], "sweep.py",
+     "--only is given twice"),
+    ("scripts/gap_test.py", ["ROOT", "base", "other", "--seeds", "0", "--seeds", "5"], "gap_test.py",
+     "--seeds is given twice"),
+    ("scripts/paper_table.py", ["r.json", "--layout", "rows", "--layout", "rows"], "paper_table.py",
+     "--layout is given twice"),
+])
+def test_a_single_value_flag_given_twice_is_refused(path, argv, prog, says, capsys):
+    code, out, err = run_entry(path, argv, capsys)
+    assert code == 2 and not out
+    one_error_line(err, prog, says)
+
+
+def test_every_spelling_of_a_flag_counts_and_flags_that_collect_take_repeats(capsys):
+    """An alias, `--flag=value`, an abbreviation and the --no- form of a BooleanOptionalAction are the flag given
+    again; append, extend and count options collect their repeats (that is what they are for), and a subparser
+    counts its own flags."""
+    import argparse
+
+    import evaluate
+    from configs.cli import OneLineParser
+
+    def parser():
+        p = OneLineParser(prog="tool.py")
+        p.add_argument("-o", "--out")
+        p.add_argument("--fast", action=argparse.BooleanOptionalAction)
+        p.add_argument("--fp16", dest="amp", action="store_const", const="fp16")
+        p.add_argument("--tag", action="append")
+        p.add_argument("--item", nargs="+", action="extend")
+        p.add_argument("-v", action="count")
+        p.add_argument("words", nargs="*")
+        return p
+
+    for argv, says in ((["-o", "a", "--out", "b"], "-o/--out is given twice"),
+                       (["--out=a", "--ou", "b"], "-o/--out is given twice"),
+                       (["--fast", "--no-fast"], "--fast/--no-fast is given twice"),
+                       (["--fp16", "x", "--fp16"], "--fp16 is given twice"),
+                       (["-o", "a", "-o", "b", "--fast", "--fast"],
+                        "-o/--out is given twice; --fast/--no-fast is given twice; give each once")):
+        for parse in (parser().parse_args, parser().parse_intermixed_args):
+            with pytest.raises(SystemExit) as done:
+                parse(argv)
+            assert done.value.code == 2
+            one_error_line(capsys.readouterr().err, "tool.py", says)
+    args = parser().parse_intermixed_args(["--tag", "a", "w", "--tag", "b", "--item", "x", "--item", "y", "-vv",
+                                           "-v", "--out", "o", "z"])
+    assert (args.tag, args.item, args.v, args.out, args.words) == (["a", "b"], ["x", "y"], 3, "o", ["w", "z"])
+    sub = OneLineParser(prog="tool.py")
+    sub.add_argument("--k")
+    run = sub.add_subparsers(dest="command").add_parser("run")
+    run.add_argument("--k")
+    assert sub.parse_args(["--k", "1", "run", "--k", "2"]).command == "run"  # one each: two parsers' flags
+    with pytest.raises(SystemExit):
+        sub.parse_args(["run", "--k", "2", "--k", "3"])
+    one_error_line(capsys.readouterr().err, "tool.py run", "--k is given twice")
+    # evaluate.py's collecting flags: both config layers, both pipelines
+    args = evaluate.parse_args(["--checkpoint", "c.pt", "--config", "a.yaml", "--config", "b.yaml", "--quant",
+                                "repq", "--quant", "aphq", "--bits", "w4a4", "--bits", "w8a8"])
+    assert (args.config, args.quant, args.bits) == (["a.yaml", "b.yaml"], ["repq", "aphq"], ["w4a4", "w8a8"])
+
+
 @pytest.mark.parametrize("command, prog", [(["train.py"], "train.py"), (["-m", "cd"], "python -m cd")])
 def test_the_whole_process_writes_one_line_and_exits_2(command, prog):
     """The real command, in a process of its own: nothing else reaches stderr (no warning, no usage block; an
