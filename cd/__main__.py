@@ -1,8 +1,14 @@
-"""List the CD matrix pairs of any timm model, built on the `meta` device (no weights, no memory):
+"""List the CD matrix pairs of any timm model, built on the `meta` device (no weights, no memory for them):
 
     python -m cd --model vit_base_patch16_224
     python -m cd --model swin_tiny_patch4_window7_224
     python -m cd --families        # what CD makes of each timm family (cd/families.py)
+
+The table is the full-size model's, checked by the meta forward. The checks on real numbers (which rows of a fused
+qkv are V, in which order W2 reads W1's channels: `cd/values.py`), which a meta model has no values for, run on a
+small copy built on the CPU: the family's tiny config where `cd/families.py` has one for the model, else the model
+with one block per stage (`depth=1`, `depths=(1, ...)`) or at 128 px; a model refused there is refused here, and
+where no small copy builds and runs, a line says that those checks were not run.
 """
 from __future__ import annotations
 
@@ -10,9 +16,10 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+from torch import nn
 
 from cd.pairs import ROLES, Pair, find_pairs
 from cd.verify import UnsupportedModelError
@@ -53,6 +60,52 @@ def show(text: str) -> None:
         os.close(devnull)
 
 
+# a small copy's settings beyond a family's tiny config, tried in order: one block per stage, or a smaller image
+_SMALL = (dict(depth=1), *(dict(depths=(1,) * n) for n in (4, 3, 2)), dict(img_size=128))
+
+
+def _small_copies(name: str) -> Iterator[tuple[str, Callable[[], nn.Module], object]]:
+    """(settings, builder, example input or None) of each small CPU copy of timm model `name` to try."""
+    import timm
+
+    from cd.families import FAMILIES, build_family
+
+    for family, (timm_name, kwargs) in FAMILIES.items():
+        if timm_name == name:
+            yield f"cd/families.py's tiny {family} config", lambda family=family: build_family(family), None
+    for kwargs in _SMALL:
+        size = kwargs.get("img_size")  # the example's size: a model's own default may be the full size's
+        example = None if size is None else torch.empty(1, 3, size, size, device="meta")
+        yield (", ".join(f"{k}={v}" for k, v in kwargs.items()),
+               lambda kwargs=kwargs: timm.create_model(name, pretrained=False, **kwargs).eval(), example)
+
+
+def check_small_copy(name: str) -> Optional[str]:
+    """Run `find_pairs` with its checks on real numbers on the first small CPU copy of timm model `name` that
+    builds and runs (`_small_copies`), or return why none was checked.
+
+    Raises:
+        UnsupportedModelError: the copy's pairs are refused (a contradicted pair, not a forward that failed).
+    """
+    for settings, build, example in _small_copies(name):
+        with torch.random.fork_rng(devices=[]):  # the caller's random streams untouched (main runs in tests)
+            torch.manual_seed(0)
+            try:
+                model = build()
+            except Exception:  # settings the model does not take (depth for a staged model): the next ones
+                continue
+            try:
+                find_pairs(model, example)
+            except UnsupportedModelError as e:
+                if e.__cause__ is not None:  # its forward failed (a size it cannot take): not a refusal
+                    continue
+                raise UnsupportedModelError(f"{e} (found by the checks on real numbers, run on a copy built on the "
+                                            f"CPU with {settings})") from None
+        return None
+    return (f"note: {name}: the checks on real numbers (V rows, channel order) were not run: no small copy of it "
+            "could be built and run on the CPU; find_pairs(model) on the real model runs them")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = OneLineParser(prog="python -m cd",  # not argparse's default, `__main__.py`
                            description="List the CD matrix pairs of a timm model (meta device).")
@@ -81,10 +134,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     with torch.device("meta"):  # shapes only: no weights, no memory, no download
         model = timm.create_model(args.model, pretrained=False)
     try:
-        pairs = find_pairs(model)
+        pairs = find_pairs(model)  # on the meta device: the structure and the meta forward's checks
+        note = check_small_copy(args.model)
     except UnsupportedModelError as e:  # one error line, no traceback: the model is refused, not broken
         parser.exit(2, f"error: {args.model}: {e}\n")
     show(f"{args.model}:\n{format_pairs(pairs)}")
+    if note:
+        print(note, file=sys.stderr)
 
 
 if __name__ == "__main__":

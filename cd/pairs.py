@@ -34,7 +34,8 @@ laid out per head or in another order, heads merged in another order, or channel
 refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
 `UnsupportedModelError` names the block and its type.
 
-Print the pairs of any timm model (built on the `meta` device, no weights, no memory):
+Print the pairs of any timm model (built on the `meta` device, no weights; a small CPU copy runs the checks on
+real numbers, `cd/__main__.py`):
 
     python -m cd --model vit_base_patch16_224
     python -m cd --model swin_tiny_patch4_window7_224

@@ -64,6 +64,36 @@ def test_a_misspelled_model_name_is_one_line_with_close_names(capsys):
         "vit_base_patch16_xp_224, samvit_base_patch16_224?"]
 
 
+@pytest.mark.parametrize("name,how,start", [
+    ("xcit_nano_12_p16_224", "cd/families.py's tiny xcit config", "block 'blocks.0' (XCABlock)"),
+    ("davit_tiny", "depths=(1, 1, 1, 1)", "block 'stages.0.blocks.0.1' (ChannelBlock)"),
+    ("mvitv2_tiny", "img_size=128", "block 'stages.0.blocks.0' (MultiScaleBlock)"),
+])
+def test_a_model_the_checks_on_real_numbers_refuse_is_refused_by_the_cli(capsys, name, how, start):
+    """The meta model has no values for the V-row and channel-order checks (its table was printed, status 0): a
+    small CPU copy runs them, and the refusal is one `error:` line with status 2, as find_pairs' on the model."""
+    from cd.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--model", name])
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith(f"error: {name}: {start} is not supported by CD: ") and \
+        err.endswith(f"(found by the checks on real numbers, run on a copy built on the CPU with {how})\n"), err
+
+
+def test_a_model_without_a_small_copy_says_the_checks_on_real_numbers_were_not_run(capsys, monkeypatch):
+    import cd.__main__
+
+    monkeypatch.setattr(cd.__main__, "_SMALL", ())  # vit_small is in no family's tiny config: no copy to try
+    cd.__main__.main(["--model", "vit_small_patch16_224"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
+    assert err.splitlines() == ["note: vit_small_patch16_224: the checks on real numbers (V rows, channel order) "
+                                "were not run: no small copy of it could be built and run on the CPU; "
+                                "find_pairs(model) on the real model runs them"]
+
+
 def test_missing_inputs_are_named_with_their_fix(tmp_path):
     """The README's ImageNet / fine-tuning / evaluation commands on a machine without the data, weights or run:
     each error names the input and what to give instead (they said only "does not exist" / "not found")."""
