@@ -104,6 +104,7 @@ def check_plan(args, plan: list) -> None:
     """Every run's config, and its per-GPU batch against the global batch on the launcher's processes, before
     the first run starts (a run refused later would leave the report unwritten after hours of runs)."""
     from configs import ConfigError, load_config
+    from sweep import check_model  # scripts/: this folder, as this script or bench_overhead.py runs it
     world = launcher_world_size(args.launcher)
     for _, model, batch in plan:
         if world is not None and args.global_batch % (batch * world):
@@ -115,6 +116,7 @@ def check_plan(args, plan: list) -> None:
             configs, overrides = run_config(args, method, model, batch, 0, os.path.join(args.out, "runs", "check"))
             try:
                 cfg = load_config([os.path.join(ROOT, c) for c in configs], overrides)
+                check_model(cfg.model)  # an unknown name in the last row: refused before the first run trains
             except ConfigError as e:
                 sys.exit(f"error: the {method} run of {model} at batch {batch}: {e}")
             # a recipe that turns a method on (the overrides cannot: PROTOCOL_KEYS) would time it under this name

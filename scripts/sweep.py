@@ -147,12 +147,28 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                 if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
                     from quant.plan import check_quant_plan
                     check_quant_plan(cfg)
+            check_model(cfg.model)
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def check_model(model_cfg) -> None:
+    """What train.py's build_model refuses first, before anything is built: model.name resolved (a timm name, a
+    variant, a GPT size) and model.kwargs checked (models.factory.model_kwargs), so that an unknown name in the
+    last run is refused before the first one trains. Raises ConfigError (imports timm and torch)."""
+    from models.factory import ModelError, model_kwargs
+    from models.gpt import GPT_SIZES
+
+    if model_cfg.name in GPT_SIZES:  # build_model's language models: no timm name to resolve
+        return
+    try:
+        model_kwargs(model_cfg)
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
 
 
 def file_setting_out_dir(configs: list[str]) -> Optional[tuple[str, str]]:

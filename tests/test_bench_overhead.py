@@ -144,6 +144,17 @@ def test_epochs_protocol_refuses_a_recipe_that_turns_a_method_on(tmp_path):
     assert not (tmp_path / "ep").exists()  # nothing ran
 
 
+def test_epochs_protocol_refuses_an_unknown_model_before_the_first_run(tmp_path, capsys):
+    """The plan's check read each run's config but not its model name: the batch sweep's runs trained, then the
+    width sweep's unknown model failed in train.py."""
+    with pytest.raises(SystemExit, match=r"^error: the baseline run of no_such_model at batch 8: unknown model "
+                                         r"'no_such_model'.*\)$"):
+        _epochs_script().main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                               "--models", "no_such_model", "--width-batch", "8", "--methods", "baseline",
+                               "--epochs", "1", "--runs", "1", "--out", str(tmp_path / "ep")])
+    assert not (tmp_path / "ep").exists()  # nothing ran
+
+
 def test_an_override_written_after_the_models_is_an_override_not_a_model(tmp_path):
     """--models takes every word after it: sched.epochs=1 there was a model name to time (and the override was
     lost); as an override, it is refused as one of the protocol's keys before anything runs."""

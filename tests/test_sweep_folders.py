@@ -96,6 +96,26 @@ def test_the_command_refuses_before_any_run_starts(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_unknown_model_in_a_later_run_is_refused_before_the_first_run_trains(tmp_path):
+    """The sweep trained run a, then failed at run b's model.name: the name is resolved as train.py resolves it
+    (a timm name, a variant, a GPT size) for every run before anything starts, and so are the model.kwargs."""
+    path = sweep_file(tmp_path, "  a: []\n  b: [model.name=no_such_model]\n")
+    done = subprocess.run([sys.executable, "scripts/sweep.py", path, "--run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and not done.stdout, done.stdout
+    assert done.stderr.startswith("error: sweep run 'b': unknown model 'no_such_model'") and \
+        len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.rstrip().endswith(")")  # no "timm names like it: " with nothing after it
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match=r"sweep run 'b': unknown model .*; timm names like it: vit_tiny_patch16_224"):
+        sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=vit_tiny_patch16_22]\n"), [])
+    with pytest.raises(ConfigError, match=r"sweep run 'b': model.kwargs.depth is null"):
+        sweep.expand(sweep_file(tmp_path, "  a: [model.name=gpt2_nano]\n  b: ['model.kwargs={depth: null}']\n"),
+                     [])
+    assert [r["name"] for r in sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=vit_tiny_patch16_224]\n"),
+                                            [])] == ["a", "b"]  # a timm name, and the config's variant
+
+
 @pytest.mark.parametrize("name", ["lam=0.01", "-x"])
 def test_a_name_that_only_cannot_select_is_refused(tmp_path, name):
     """--only reads a word with '=' as an override and one starting with '-' as an option: such a run could
