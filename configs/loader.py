@@ -3,8 +3,9 @@
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3", "out_dir=runs/x"])
 
 Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
-against the field's annotation. An unknown key is an error that names the key and its closest matches in
-any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
+against the field's annotation; an override value that YAML would cut at an
+unquoted ` #` (a comment) is refused, a quoted one keeps it. An unknown key is an error that names the key and its
+closest matches in any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
 YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
 any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what
 earlier layers put there, as a section's keys do, and null empties it. A key that the resolved config would not
@@ -189,6 +190,12 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
                 raise ConfigError(f"override {item!r}: the command line has bytes the locale's encoding "
                                   f"({sys.getfilesystemencoding()}) cannot decode; {LOCALE_FIX}") from None
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
+        if raw.strip() and _drops_a_comment(raw):
+            # `out_dir=/runs/exp #2` would be read as out_dir=/runs/exp: another run's folder, resumed silently
+            quoted = "'" + raw.strip().replace("'", "''") + "'"
+            raise ConfigError(f"override {item!r}: YAML reads ' #' and what follows as a comment, so the value "
+                              f"would be {_show(value)}; quote the value to keep the '#' "
+                              f"({key.strip()}={quoted}, inside the shell's quotes), or drop the comment")
         _assign(cfg, key.strip().split("."), value, path="", source="command line")
         given.update(dotted_settings(key.strip(), value, cfg))
         for setting in override_settings(key.strip(), value, cfg):
@@ -203,6 +210,13 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
             set_by[setting] = item
     check_keys_read(cfg, given)
     return cfg
+
+
+def _drops_a_comment(raw: str) -> bool:
+    """Whether parsing `raw` as YAML skips a comment: a '#' after whitespace outside quotes (the scanner puts
+    comments, and nothing else but whitespace, between its tokens)."""
+    tokens = list(yaml.scan(raw, Loader=_YamlLoader))
+    return any("#" in raw[a.end_mark.index:b.start_mark.index] for a, b in zip(tokens, tokens[1:]))
 
 
 @functools.lru_cache(maxsize=None)

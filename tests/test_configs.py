@@ -642,3 +642,32 @@ def test_a_recipe_path_given_from_another_working_folder_names_the_checkouts_fil
                             f"{os.path.join(ROOT, 'configs', 'debug', 'tiny.yaml')}: give that path")
     with pytest.raises(ConfigError, match=r"^config file not found: configs/debug/none\.yaml$"):
         load_config(["configs/debug/none.yaml"])
+
+
+@pytest.mark.parametrize("override, read", [
+    ("out_dir=/tmp/my #1 run", "/tmp/my"),
+    ("quant.bits=[w4a4] # the main setting", "[w4a4]"),
+    ("out_dir= # nothing", "null"),
+])
+def test_an_override_whose_value_yaml_cuts_at_a_comment_is_refused(override, read):
+    """`out_dir=/runs/exp #2` was read as out_dir=/runs/exp (YAML drops ' #...' as a comment) and resumed that run's
+    folder: refused in one line that names the override, the value it would have been, and the quoting."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as refusal:
+        load_config(None, [override])
+    message = str(refusal.value)
+    assert message.startswith(f"override {override!r}: YAML reads ' #' and what follows as a comment, so the value "
+                              f"would be {read}; quote the value to keep the '#' ({key}='")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("override, value", [
+    ("out_dir='/tmp/my #1 run'", "/tmp/my #1 run"),
+    ('out_dir="/tmp/my #1 run"', "/tmp/my #1 run"),
+    ("out_dir='it''s #1'", "it's #1"),
+    ("out_dir=/tmp/run#1", "/tmp/run#1"),  # a '#' without whitespace before it is no comment
+    ("quant.bits=['w4a4 #x']", ["w4a4 #x"]),
+])
+def test_a_quoted_override_value_keeps_its_hash(override, value):
+    cfg = load_config(None, [override])
+    assert (cfg.quant.bits if override.startswith("quant.") else cfg.out_dir) == value
