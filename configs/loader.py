@@ -297,6 +297,10 @@ WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
               lambda steps, warmup_steps, warmup_epochs: (warmup_steps if steps is not None else warmup_epochs) > 0,
               "the schedule has a warmup (sched.warmup_epochs above 0, or with sched.steps sched.warmup_steps)")
 
+# timm's transforms_imagenet_train turns colour jitter off under an auto_augment policy, unless the policy names
+# DeiT III's 3-Augment ('3a' in the string), which keeps the ColorJitter of data.color_jitter
+COLOR_JITTER_ON = When(("data.auto_augment",), lambda policy: policy == "" or "3a" in policy,
+                       "data.auto_augment is \"\" or holds 3a (timm builds a ColorJitter)")
 # quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss of a
 # reconstruction that runs (iters above 0) and for the MLP reconstruction only
 APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reconstruct"),
@@ -352,7 +356,7 @@ READ_ONLY_WHEN = [
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
-    (("data.color_jitter",), "data.auto_augment", ("",)),  # timm turns colour jitter off with a policy
+    (("data.color_jitter",), COLOR_JITTER_ON, None),
     (("data.remode", "data.recount"), "data.reprob", (NONZERO,)),  # timm builds no RandomErasing at reprob 0
     (("quant.aphq.mlp_iters", "quant.aphq.mlp_lr", "quant.aphq.mlp_clip_percentile", "quant.aphq.mlp_clip_weight"),
      "quant.aphq.mlp_reconstruct", (True,)),

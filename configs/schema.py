@@ -73,8 +73,9 @@ class DataConfig:
     # RandomResizedCrop aspect-ratio range
     ratio: Annotated[tuple, Numbers(2, Positive, ordered=True)] = (0.75, 1.3333333333333333)
     hflip: Annotated[float, Probability] = 0.5  # horizontal flip probability
-    auto_augment: str = "rand-m9-mstd0.5-inc1"  # "" disables; timm turns color jitter off when set
-    color_jitter: Annotated[float, NonNegative] = 0.3  # strength; used only without auto_augment
+    # "" disables; timm turns color jitter off with a policy, but for DeiT III's 3-Augment ("3a" in it)
+    auto_augment: str = "rand-m9-mstd0.5-inc1"
+    color_jitter: Annotated[float, NonNegative] = 0.3  # strength; read with auto_augment "" or a "3a" policy
     reprob: Annotated[float, Probability] = 0.25  # random erasing probability
     remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill
     recount: Annotated[int, AtLeastOne] = 1  # random erasing: regions per image

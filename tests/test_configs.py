@@ -671,3 +671,18 @@ def test_an_override_whose_value_yaml_cuts_at_a_comment_is_refused(override, rea
 def test_a_quoted_override_value_keeps_its_hash(override, value):
     cfg = load_config(None, [override])
     assert (cfg.quant.bits if override.startswith("quant.") else cfg.out_dir) == value
+
+
+@pytest.mark.parametrize("policy, jitter_read", [
+    ("", True), ("3a", True), ("rand-m9-mstd0.5-inc1", False), ("augmix-m5-w4-d2", False), ("v0", False)])
+def test_color_jitter_is_read_without_a_policy_and_with_deit3s_three_augment(policy, jitter_read):
+    """timm's transforms_imagenet_train keeps colour jitter under a policy that holds '3a' (DeiT III's 3-Augment;
+    disable_color_jitter = not (force_color_jitter or '3a' in auto_augment)) and drops it under any other."""
+    overrides = [f"data.auto_augment={policy}", "data.color_jitter=0"]
+    if jitter_read:
+        assert load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")], overrides).data.color_jitter == 0
+    else:
+        with pytest.raises(ConfigError, match=r"data.color_jitter=0 would be ignored: data.color_jitter is read only "
+                                              r"when data.auto_augment is \"\" or holds 3a .*; drop it or set "
+                                              r"data.auto_augment as well"):
+            load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")], overrides)

@@ -512,6 +512,26 @@ def test_every_train_and_eval_transform_setting_reaches_timm():
     assert any(isinstance(t, RandAugment) for t in train)
 
 
+@pytest.mark.parametrize("jitter", [0.0, 0.1])
+def test_color_jitter_reaches_the_colorjitter_of_deit3s_three_augment(jitter):
+    """data.auto_augment=3a (DeiT III's 3-Augment) keeps timm's colour jitter on: the ColorJitter built holds
+    data.color_jitter for brightness, contrast and saturation (torchvision: (1 - s, 1 + s), None at 0), not timm's
+    0.3, and follows the 3-Augment policy."""
+    from timm.data.auto_augment import AutoAugment
+    from torchvision import transforms as T
+
+    from data.transforms import build_transform
+
+    cfg = load_config([DEMO_CONFIG], ["data.auto_augment=3a", f"data.color_jitter={jitter}"]).data
+    train = build_transform(cfg, 32, is_training=True).transforms
+    (jitters,) = [t for t in train if isinstance(t, T.ColorJitter)]
+    want = None if jitter == 0 else (1 - jitter, 1 + jitter)
+    for factor in (jitters.brightness, jitters.contrast, jitters.saturation):
+        assert factor == (pytest.approx(want) if want else None)
+    assert jitters.hue is None
+    assert [type(t) for t in train].index(AutoAugment) < train.index(jitters)
+
+
 def test_synthetic_images_follow_seed_and_index_and_labels_are_index_mod_classes():
     """Synthetic sample i is a function of (seed, i), labelled i % num_classes; val (seed 1) holds other
     images than train (seed 0)."""
