@@ -341,6 +341,9 @@ READ_ONLY_WHEN = [
     (("cd.loss_coef",), "cd.mode", ("loss",)),
     (("cd.matmul_precision",), "cd.mode", ("decoupled",)),  # the loss form's penalty runs in fp32 under autograd
     (("tweo.",), "tweo.enabled", (True,)),
+    # the rescaled term lam * P * detach(|L| / P) has the gradient lam * |L| * grad(P) / P, and P's factor
+    # (tau + eps)^-p cancels in grad(P) / P: tau and eps change only the logged tweo/penalty, not what trains
+    (("tweo.tau", "tweo.eps"), "tweo.rescale", (False,)),
     (("train.ema_decay", "train.ema_warmup"), "train.ema", (True,)),
     (("train.divergence_windows",), "train.divergence_factor", (SET,)),  # the guard is off without a factor
     (("log.wandb_project", "log.wandb_mode"), "log.wandb", (True,)),

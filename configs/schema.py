@@ -280,7 +280,8 @@ class TWEOConfig:
     enabled: bool = False  # add the TWEO loss during training
     lam: Annotated[float, NonNegative] = 0.01  # lambda(t) peak value
     p: Annotated[float, Range(1)] = 4.0  # exponent of the penalty mean((|A| / (tau + eps))^p)
-    tau: Annotated[float, Positive] = 3.0  # activation magnitude scale of the penalty
+    # activation magnitude scale of the penalty; with rescale its factor cancels, so tau and eps are refused there
+    tau: Annotated[float, Positive] = 3.0
     eps: Annotated[float, NonNegative] = 1e-6  # added to tau
     schedule: Literal["constant", "cosine"] = "constant"  # cosine: lambda decays from lam to 0 over training
     rescale: bool = False  # "rescaled" variant: penalty aligned to the task-loss magnitude, then x lam

@@ -686,3 +686,18 @@ def test_color_jitter_is_read_without_a_policy_and_with_deit3s_three_augment(pol
                                               r"when data.auto_augment is \"\" or holds 3a .*; drop it or set "
                                               r"data.auto_augment as well"):
             load_config([os.path.join(ROOT, "configs/pretrain/vit_b.yaml")], overrides)
+
+
+def test_tweo_tau_and_eps_are_refused_under_the_rescaled_variant():
+    """rescale=true divides the penalty by its own detached value: tau and eps scale it by (tau + eps)^-p, which
+    cancels (tests/test_tweo.py shows the gradient unchanged); tweo.p still acts."""
+    on = ["tweo.enabled=true", "tweo.rescale=true"]
+    for key in ("tweo.tau=30", "tweo.eps=0.5"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} would be ignored: tweo\.\w+ is read only when "
+                                              r"tweo.rescale is false, and it is true; drop it or set tweo.rescale"):
+            load_config(None, [*on, key])
+    assert load_config(None, [*on, "tweo.p=3"]).tweo.p == 3.0
+    assert load_config(None, ["tweo.enabled=true", "tweo.tau=30", "tweo.eps=0.5"]).tweo.tau == 30.0
+    # the recipes: tweo.yaml's tau is the default, so tweo_finetune.yaml over it sets nothing unread
+    assert load_config([os.path.join(ROOT, p) for p in ("configs/method/tweo.yaml",
+                                                         "configs/method/tweo_finetune.yaml")]).tweo.rescale

@@ -208,25 +208,67 @@ def test_from_config():
     assert tweo._penalty is plain_tweo_penalty
 
 
-def test_from_config_honours_p_eps_and_rescale():
-    """tweo.p, tweo.eps and tweo.rescale from the config reach the term: the logged L_TWEO is mean over blocks of
-    mean((|A| / (tau + eps))^p), by hand in float64, and the rescaled term's value is lam * task loss."""
+def _term_and_grads(overrides, x, target):
+    """TWEO built from the config with `overrides` on a float64 tiny_vit: the block outputs (the test's own hooks),
+    the task loss, the TWEO term and its gradient w.r.t. every parameter (what trains)."""
     from configs import load_config
 
-    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", "tweo.p=3", "tweo.tau=1", "tweo.eps=0.5",
-                             "tweo.rescale=true"])
-    model = tiny_vit()
-    x = torch.randn(2, 3, 32, 32)
+    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.05", *overrides])
+    model = tiny_vit().double()
     tweo = TWEO.from_config(cfg.tweo, model, total_steps=10)
     try:
         y, outs = _block_outputs(model, [b for _, b in tweo.blocks], x)
-        task = F.cross_entropy(y, torch.zeros(2, dtype=torch.long))
+        task = F.cross_entropy(y, target)
         aux = tweo.aux_loss(task, step=0)
     finally:
         tweo.remove()
-    want = sum(((o.detach().double().abs() / 1.5) ** 3).mean() for o in outs) / len(outs)
-    assert math.isclose(tweo.metrics()["tweo/penalty"], float(want), rel_tol=1e-5)
-    assert math.isclose(float(aux.detach()), 0.05 * float(task.detach()), rel_tol=1e-6)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(aux, params, retain_graph=True, allow_unused=True, materialize_grads=True)
+    return outs, task, aux, params, torch.cat([g.flatten() for g in grads]), tweo
+
+
+def _flat_grad(value, params):
+    grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True, materialize_grads=True)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def test_from_config_trains_with_p_tau_and_eps():
+    """tweo.p, tweo.tau and tweo.eps from the config reach what trains: the term's gradient is that of
+    lam * mean over blocks of mean((|A| / (tau + eps))^p), by hand in float64 (p 3, tau + eps 1.5), not of the
+    defaults (p 4, tau 3); the logged L_TWEO is that mean."""
+    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    outs, _, aux, params, g, tweo = _term_and_grads(["tweo.p=3", "tweo.tau=1", "tweo.eps=0.5"], x, target)
+    hand = sum(((o.abs() / 1.5) ** 3).mean() for o in outs) / len(outs)
+    assert math.isclose(tweo.metrics()["tweo/penalty"], float(hand.detach()), rel_tol=1e-12)
+    assert math.isclose(float(aux.detach()), 0.05 * float(hand.detach()), rel_tol=1e-12)
+    torch.testing.assert_close(g, _flat_grad(0.05 * hand, params), rtol=1e-10, atol=1e-16)
+    defaults = sum(((o.abs() / (3 + 1e-6)) ** 4).mean() for o in outs) / len(outs)
+    assert not torch.allclose(g, _flat_grad(0.05 * defaults, params), rtol=1e-3)
+
+
+def test_the_rescaled_term_trains_with_p_and_not_with_tau_or_eps():
+    """rescale=true: the term lam * P * detach(|L| / P) has the gradient lam * |L| * grad(Q) / Q with
+    Q = mean over blocks of mean(|A|^p), the (tau + eps)^-p of P cancelling: the gradient follows tweo.p (by hand,
+    float64) and is the same for every tau and eps (which the config refuses there); its value is lam * |L|."""
+    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    outs, task, aux, params, g, _ = _term_and_grads(["tweo.rescale=true", "tweo.p=3"], x, target)
+    assert math.isclose(float(aux.detach()), 0.05 * float(task.detach()), rel_tol=1e-12)
+    q = sum((o.abs() ** 3).mean() for o in outs) / len(outs)
+    torch.testing.assert_close(g, _flat_grad(0.05 * float(task.detach()) / float(q.detach()) * q, params),
+                               rtol=1e-10, atol=1e-16)
+    _, _, _, _, g4, _ = _term_and_grads(["tweo.rescale=true", "tweo.p=4"], x, target)
+    assert not torch.allclose(g, g4, rtol=1e-3)
+
+    def direct(**settings):  # TWEO itself: the config refuses tau and eps beside rescale
+        model = tiny_vit().double()
+        with TWEO(model, lam=0.05, rescale=True, **settings) as tweo:
+            term = tweo.aux_loss(F.cross_entropy(model(x), target))
+        return _flat_grad(term, list(model.parameters()))
+
+    base = direct(p=3.0)
+    torch.testing.assert_close(base, g, rtol=1e-12, atol=1e-16)
+    for settings in (dict(tau=30.0), dict(tau=0.5), dict(eps=2.0)):
+        torch.testing.assert_close(direct(p=3.0, **settings), base, rtol=1e-12, atol=1e-16)
 
 
 def saved_storages(use_tweo: bool, form: str = "memory_saving", batch: int = 8) -> dict:
