@@ -154,7 +154,10 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
 
     def excused(key: str, decider: Union[str, When]) -> bool:
         own = layer[key]
-        last = max(layer.get(k, -1) for k in decider_keys(decider))
+        # a key among its When's other keys (cd.lam in CD_LAM_READ) is not excused by its own layer; the deciding
+        # key of a section ("cd." under cd.enabled) is
+        keys = [k for k in decider_keys(decider) if k != key] or decider_keys(decider)
+        last = max(layer.get(k, -1) for k in keys)
         final = decider_value(cfg, decider)
         return last == own or (last > own and (final != decided[own][decider] or final is False))
 
@@ -257,10 +260,12 @@ NONZERO = "nonzero"  # in READ_ONLY_WHEN: any number but 0
 @dataclasses.dataclass(frozen=True)
 class When:
     """A deciding condition over several keys (READ_ONLY_WHEN's decider where one key's value does not say it):
-    `holds(*values of keys)`, worded as `text` in the refusal."""
+    `holds(*values of keys)`, worded as `text` in the refusal; `fix`, where given, replaces the refusal's
+    "drop it or set <keys> as well" (a When over the key's own value, whose fix is another key)."""
     keys: tuple[str, ...]
     holds: Callable[..., bool]
     text: str
+    fix: str = ""
 
     def __str__(self) -> str:
         return " / ".join(self.keys)
@@ -301,6 +306,16 @@ WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
 # DeiT III's 3-Augment ('3a' in the string), which keeps the ColorJitter of data.color_jitter
 COLOR_JITTER_ON = When(("data.auto_augment",), lambda policy: policy == "" or "3a" in policy,
                        "data.auto_augment is \"\" or holds 3a (timm builds a ColorJitter)")
+# cd/decay.py aux_loss: the loss form weighs each pair by lam_role / lam and aligns the weighted penalty P to the
+# task loss (loss_coef * P * detach(|L| / P)), so scaling every weight by one factor cancels: without the budget
+# rule (wd -> wd - lam) cd.lam acts only as the base of cd.lam_per_role's weights, and as 0, which switches the
+# term off (with no cd.lam_per_role) or leaves the roles without an entry out
+CD_LAM_READ = When(("cd.enabled", "cd.mode", "cd.budget", "cd.lam_per_role", "cd.lam"),
+                   lambda enabled, mode, budget, per_role, lam: (not enabled or mode != "loss" or budget
+                                                                 or bool(per_role) or lam == 0),
+                   "cd.mode is decoupled, cd.budget is true (wd -> wd - lam), cd.lam_per_role is set (lam is its "
+                   "weights' base) or cd.lam is 0 (the loss form aligns its term to the task loss: lam's size cancels)",
+                   "drop it: cd.loss_coef scales the loss term")
 # quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss of a
 # reconstruction that runs (iters above 0) and for the MLP reconstruction only
 APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reconstruct"),
@@ -339,6 +354,7 @@ READ_ONLY_WHEN = [
     (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr
     (("cd.",), "cd.enabled", (True,)),
     (("cd.loss_coef",), "cd.mode", ("loss",)),
+    (("cd.lam",), CD_LAM_READ, None),
     (("cd.matmul_precision",), "cd.mode", ("decoupled",)),  # the loss form's penalty runs in fp32 under autograd
     (("tweo.",), "tweo.enabled", (True,)),
     # the rescaled term lam * P * detach(|L| / P) has the gradient lam * |L| * grad(P) / P, and P's factor
@@ -397,7 +413,7 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                 if isinstance(decider, When):
                     when, now = decider.text, ", ".join(f"{k}={_show(v)}" for k, v in zip(decider.keys, value))
                     fix = (f"drop it from {sources[key]}, or layer it over a recipe where {when}"
-                           if key in sources else f"drop it or set {decider} as well")
+                           if key in sources else decider.fix or f"drop it or set {decider} as well")
                     why = f"{key} is read only when {when}, and here {now}"
                 else:
                     readers = " or ".join(map(_show, read_with))

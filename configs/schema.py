@@ -258,7 +258,9 @@ class CDConfig:
     """Colinearity Decay, the method (paper Sec. 3.3, App. A.2 ("Normalized CD")); see cd/README.md."""
 
     enabled: bool = False  # apply CD during training
-    lam: Annotated[float, NonNegative] = 0.005  # lambda_cd: the update step is lr * lam
+    # lambda_cd: the update step is lr * lam. Loss mode: the budget's lam and the base of lam_per_role's weights only
+    # (the term is aligned to the task loss; loss_coef scales it), so without budget or lam_per_role only 0 acts
+    lam: Annotated[float, NonNegative] = 0.005
     lam_per_role: dict = field(default_factory=dict)  # per-role override, e.g. {fc2: 0.02}
     # A composable, B functional, C both matrices of functional
     targets: Literal["A", "B", "C", "A+B"] = "A+B"

@@ -701,3 +701,68 @@ def test_tweo_tau_and_eps_are_refused_under_the_rescaled_variant():
     # the recipes: tweo.yaml's tau is the default, so tweo_finetune.yaml over it sets nothing unread
     assert load_config([os.path.join(ROOT, p) for p in ("configs/method/tweo.yaml",
                                                          "configs/method/tweo_finetune.yaml")]).tweo.rescale
+
+
+@pytest.mark.parametrize("overrides, read", [
+    (["cd.mode=loss", "cd.budget=false", "cd.lam=0.5"], False),
+    (["cd={mode: loss, budget: false, lam: 0.5}"], False),
+    (["cd.mode=loss", "cd.budget=false", "cd.lam=0"], True),  # 0 switches the term off
+    (["cd.mode=loss", "cd.budget=false", "cd.lam=0.5", "cd.lam_per_role.fc2=0.02"], True),  # fc2's weight 0.04
+    (["cd.mode=loss", "cd.lam=0.5"], True),  # the budget rule takes lam from the weight decay
+    (["cd.budget=false", "cd.lam=0.5"], True),  # decoupled: the step is lr * lam
+    (["cd.enabled=false", "cd.mode=loss", "cd.budget=false", "cd.lam=0.5"], True),  # a baseline says CD is off
+])
+def test_cd_lam_is_refused_where_the_loss_form_cancels_it(overrides, read):
+    """cd.mode=loss with cd.budget=false: the term loss_coef * P * detach(|L| / P) with P weighted by lam_role / lam
+    does not change with lam (tests below: the gradient is the same at 0.005 and 0.5), so a given cd.lam is refused
+    naming cd.loss_coef; with cd.lam_per_role, or lam 0, it is read."""
+    cd_yaml = os.path.join(ROOT, "configs/method/cd.yaml")
+    if read:
+        load_config([DEMO_CONFIG, cd_yaml], overrides)
+    else:
+        with pytest.raises(ConfigError, match=r"^cd.lam=0.5 would be ignored: cd.lam is read only when cd.mode is "
+                                              r"decoupled, cd.budget is true .* and here cd.enabled=true, "
+                                              r"cd.mode=loss, cd.budget=false, cd.lam_per_role=\{\}, cd.lam=0.5; "
+                                              r"drop it: cd.loss_coef scales the loss term$"):
+            load_config([DEMO_CONFIG, cd_yaml], overrides)
+
+
+def test_a_cd_lam_file_layer_over_a_loss_form_without_budget_is_refused_naming_the_file(tmp_path):
+    """A layer that sets cd.lam over one that chose the loss form without the budget rule is refused, as other
+    keys an earlier layer makes unread; a layer that sets the loss form itself says what it means."""
+    form = tmp_path / "loss_form.yaml"
+    form.write_text("cd:\n  enabled: true\n  mode: loss\n  budget: false\n")
+    lam = tmp_path / "lam.yaml"
+    lam.write_text("cd:\n  lam: 0.5\n")
+    with pytest.raises(ConfigError, match=r"lam.yaml: cd.lam=0.5 would be ignored: cd.lam is read only when "):
+        load_config([DEMO_CONFIG, str(form), str(lam)])
+    both = tmp_path / "both.yaml"
+    both.write_text("cd:\n  enabled: true\n  mode: loss\n  budget: false\n  lam: 0.5\n")
+    assert load_config([DEMO_CONFIG, str(both)]).cd.lam == 0.5
+
+
+def test_the_loss_form_without_budget_trains_alike_at_any_nonzero_cd_lam():
+    """The reason cd.lam is refused there: cd/decay.py's loss term at lam 0.005 and 0.5 has the same gradient
+    (float64), with cd.lam_per_role a different one, and at lam 0 none."""
+    import torch
+
+    from cd import ColinearityDecay
+    from tests.cd_models import tiny_vit
+
+    def grads(lam, lam_per_role=None):
+        torch.manual_seed(0)
+        model = tiny_vit().double()
+        decay = ColinearityDecay(model, lam=lam, lam_per_role=lam_per_role or {}, mode="loss", loss_coef=0.01)
+        task = model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).square().mean()
+        term = decay.aux_loss(task)
+        if not term.requires_grad:
+            return None
+        params = [p for p in model.parameters()]
+        return torch.cat([g.flatten() for g in torch.autograd.grad(term, params, allow_unused=True,
+                                                                   materialize_grads=True)])
+
+    small, large = grads(0.005), grads(0.5)
+    torch.testing.assert_close(small, large, rtol=1e-12, atol=0)
+    assert small.abs().max() > 0
+    assert not torch.allclose(grads(0.005, {"fc2": 0.02}), grads(0.5, {"fc2": 0.02}))
+    assert grads(0.0) is None
