@@ -48,6 +48,14 @@ def _number(x: float) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"  # seeds' int64 bounds in full, not as 9.22e+18
 
 
+def finite(value: float) -> bool:
+    """math.isfinite, False for an integer beyond the float range (10**400), where math.isfinite raises."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class Numbers:
     """A list of `length` finite numbers, each in `each`, in increasing order when `ordered` (a (min, max)
@@ -58,7 +66,7 @@ class Numbers:
     ordered: bool = False
 
     def violation(self, value: Any) -> Optional[str]:
-        numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool) and finite(v)]
         ok = (len(value) == self.length == len(numbers)
               and (self.each is None or all(self.each.violation(v) is None for v in numbers))
               and (not self.ordered or numbers == sorted(numbers)))

@@ -3,7 +3,7 @@
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3", "out_dir=runs/x"])
 
 Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
-against the field's annotation; an override value that YAML would cut at an
+against the field's annotation (an int also against int64's range); an override value that YAML would cut at an
 unquoted ` #` (a comment) is refused, a quoted one keeps it. An unknown key is an error that names the key and its
 closest matches in any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
 YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import difflib
 import functools
-import math
 import os
 import re
 import sys
@@ -32,7 +31,7 @@ from typing import Annotated, Any, Callable, Iterable, Literal, Optional, Sequen
 
 import yaml
 
-from .constraints import LOCALE_FIX, UserPath, check_together
+from .constraints import LOCALE_FIX, Range, UserPath, check_together, finite
 from .schema import ADAM_OPTIMIZERS, Config
 
 
@@ -643,8 +642,12 @@ def describe_type(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
+INT64 = Range(-2 ** 63, 2 ** 63 - 1)  # the range of every int value (up to sys.maxsize on 64-bit Python)
+
+
 class _ValueProblem(ConfigError):
-    """A value of the field's type that the field cannot take (not finite): reported as it is, not as a type."""
+    """A value of the field's type that the field cannot take (not finite, beyond int64): reported as it is, not as a
+    type."""
 
 
 def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
@@ -696,11 +699,15 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         fail()
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if INT64.violation(value):  # islice, torch, numpy and timm's samplers take C integers
+                raise _ValueProblem(f"{source}: '{key}' must be {INT64.describe()} (a 64-bit integer); got {value!r}")
             return value
         fail()
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):  # .nan passes every range check (comparisons are False), .inf is no rate
+            # .nan passes every range check (comparisons are False), .inf is no rate, 1e400 written as an integer
+            # has no float
+            if not finite(value):
                 raise _ValueProblem(f"{source}: '{key}' must be a finite number; got {value!r}")
             return float(value)
         fail()

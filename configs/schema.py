@@ -79,8 +79,10 @@ class DataConfig:
     reprob: Annotated[float, Probability] = 0.25  # random erasing probability
     remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill
     recount: Annotated[int, AtLeastOne] = 1  # random erasing: regions per image
-    # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off
-    repeated_aug: Annotated[int, NonNegative] = 3
+    # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off. At most 64 (batch augmentation
+    # studies go to tens; DeiT uses 3): timm's sampler lists len(train set) x repeats indices in every process each
+    # epoch (ImageNet-1K at 64: 82 M Python integers, about 3 GB), and an epoch then sees 1/repeats of the images
+    repeated_aug: Annotated[int, Range(0, 64)] = 3
     # batch-level mixing (timm Mixup); label smoothing is applied inside it or in the loss
     mixup: Annotated[float, NonNegative] = 0.8  # Beta alpha; 0 disables
     cutmix: Annotated[float, NonNegative] = 1.0  # Beta alpha; 0 disables

@@ -766,3 +766,40 @@ def test_the_loss_form_without_budget_trains_alike_at_any_nonzero_cd_lam():
     assert small.abs().max() > 0
     assert not torch.allclose(grads(0.005, {"fc2": 0.02}), grads(0.5, {"fc2": 0.02}))
     assert grads(0.0) is None
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.eval_batch_size_per_gpu=9223372036854775808", "train.eval_batch_size_per_gpu"),  # islice: ValueError
+    ("data.synthetic_train_size=9223372036854775808", "data.synthetic_train_size"),  # OverflowError
+    ("data.synthetic_val_size=99999999999999999999", "data.synthetic_val_size"),
+    ("sched.steps=9223372036854775808", "sched.steps"),  # Optional[int]: the range, not "int or null"
+    ("train.seed=-9223372036854775809", "train.seed"),
+    ("quant.aphq.iters=9223372036854775808", "quant.aphq.iters"),  # a pipeline's options too
+])
+def test_an_integer_beyond_64_bits_is_refused_at_load(override, key):
+    with pytest.raises(ConfigError, match=rf"^command line: '{re.escape(key)}' must be >= -9223372036854775808 and "
+                                          r"<= 9223372036854775807 \(a 64-bit integer\); got -?\d+$"):
+        load_config([DEBUG_CONFIG], [override])
+
+
+def test_the_largest_64_bit_integer_loads():
+    assert load_config(None, ["train.eval_batch_size_per_gpu=9223372036854775807"]).train.eval_batch_size_per_gpu \
+        == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.weight_decay=1" + "0" * 400, r"'optim.weight_decay' must be a finite number; got 10{400}$"),
+    ("data.mean=[1" + "0" * 400 + ", 0, 0]", r"'data.mean' must be 3 finite numbers"),
+])
+def test_an_integer_beyond_the_float_range_in_a_float_field_is_refused(override, message):
+    """math.isfinite(10**400) raises OverflowError: that was a traceback from the loader."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_repeated_aug_is_at_most_64():
+    """timm's RepeatAugSampler lists len(train set) x repeats indices per process and epoch: 10**9 repeats asked
+    for 512 GB; the schema stops at 64."""
+    assert load_config(None, ["data.repeated_aug=64"]).data.repeated_aug == 64
+    with pytest.raises(ConfigError, match=r"'data.repeated_aug' must be >= 0 and <= 64; got 1000000000$"):
+        load_config(None, ["data.repeated_aug=1000000000"])
