@@ -46,40 +46,59 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     stopped at its time budget leaves what it had measured)."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--depth", type=int, default=None, help="override (smoke tests)")
-    p.add_argument("--embed-dim", type=int, default=None, help="override (smoke tests); heads = dim / 64")
+    p.add_argument("--img-size", type=at_least(1), default=224)
+    p.add_argument("--depth", type=at_least(1), default=None, help="override (smoke tests)")
+    p.add_argument("--embed-dim", type=at_least(1), default=None,
+                   help="override (smoke tests); heads = dim // 64 (at least 1), which must divide it")
     p.add_argument("--block", default="blocks.5", help="unit to reconstruct")
     p.add_argument("--batch", type=at_least(1), default=32, help="reconstruction batch (official 32)")
-    p.add_argument("--images", type=int, default=64, help="cached images (timing does not depend on it)")
+    p.add_argument("--images", type=at_least(1), default=64, help="cached images (timing does not depend on it)")
     p.add_argument("--iters", type=at_least(1), default=5, help="timed reconstruction iterations")
     p.add_argument("--warmup", type=at_least(0), default=1, help="untimed first iterations")
-    p.add_argument("--official-iters", type=int, default=20000)
-    p.add_argument("--official-images", type=int, default=1024, help="images of the official APH pass")
+    p.add_argument("--official-iters", type=at_least(1), default=20000)
+    p.add_argument("--official-images", type=at_least(1), default=1024, help="images of the official APH pass")
     p.add_argument("--device", type=torch_device, default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--threads", type=at_least(1), default=None,
+                   help="torch CPU threads (default: torch's; 1 on a shared machine)")
     p.add_argument("--out", default="", help="JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
+        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
+    if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
+        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
+    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
+    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
+        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
+                f"64, or less than 128")
     if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
         p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
-    if args.warmup + args.iters < 2:  # an iteration is timed from the one before it (the progress stamps)
-        p.error(f"--warmup {args.warmup} --iters {args.iters}: one iteration in all times none; give --iters 2 "
-                f"or more, or --warmup 1")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
     except RunDirError as e:
         sys.exit(f"error: {e}")
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = args.device
-    kw = {}
-    if args.depth:
-        kw["depth"] = args.depth
-    if args.embed_dim:
-        kw.update(embed_dim=args.embed_dim, num_heads=max(1, args.embed_dim // 64))
+    # `is not None`: a size of 0 is refused by at_least(1) above, never dropped for the model's default
+    kw = {"depth": args.depth} if args.depth is not None else {}
+    if args.embed_dim is not None:
+        kw.update(embed_dim=args.embed_dim, num_heads=heads)
     torch.manual_seed(0)
-    fp = timm.create_model(args.model, img_size=args.img_size, **kw).to(device).eval().requires_grad_(False)
+    try:
+        fp = timm.create_model(args.model, img_size=args.img_size, **kw)
+    except TypeError as e:  # a model whose constructor has no such argument (a CNN: resnet18 and img_size)
+        sys.exit(f"error: --model {args.model} does not take --img-size / --depth / --embed-dim ({e}); give a ViT "
+                 f"(e.g. vit_small_patch16_224)")
+    embed = getattr(fp, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    if patch is None:  # the input size is read off the patch embedding
+        sys.exit(f"error: --model {args.model} is no vision Transformer with a patch embedding (a CNN?): this "
+                 f"benchmark times an APHQ unit of a ViT; give e.g. vit_small_patch16_224")
+    if args.img_size % patch[0]:  # a conv error below one patch; above, a smaller model than asked timed
+        sys.exit(f"error: --img-size {args.img_size} is not a multiple of {args.model}'s patch size {patch[0]}; "
+                 f"give a multiple of {patch[0]} (e.g. {args.img_size - args.img_size % patch[0] or patch[0]})")
+    fp = fp.to(device).eval().requires_grad_(False)
     if args.block not in dict(fp.named_modules()):
         p.error(f"--block {args.block}: {args.model} has no such module (its blocks: blocks.0 ... "
                 f"blocks.{len(getattr(fp, 'blocks', [])) - 1})")
@@ -107,7 +126,9 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
         """The result so far: the Hessian batch, and the reconstruction iterations once one is timed."""
         extrapolated = {}
         result = dict(base)
-        per_iter = [b - a for a, b in zip(stamps, stamps[1:])][max(0, args.warmup - 1):]
+        # each stamp counts from one taken before the first iteration (quant/aphq/reconstruct.py's `start`):
+        # iteration 1 took stamps[0], iteration i stamps[i - 1] - stamps[i - 2]; the first --warmup are not timed
+        per_iter = [b - a for a, b in zip([0.0, *stamps], stamps)][args.warmup:]
         if per_iter:
             per_iter_s = statistics.median(per_iter)
             result.update(timed_iters=len(per_iter), iter_s=round(per_iter_s, 4),

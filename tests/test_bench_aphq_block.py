@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -31,10 +32,59 @@ def test_bench_aphq_block_cpu_smoke(tmp_path):
     assert not (tmp_path / "other.json").exists()
 
 
-def test_one_iteration_in_all_is_refused_before_any_timing(tmp_path, capsys):
-    """An iteration is timed from the one before it: --warmup 0 --iters 1 would time none (a median of nothing)."""
+SMALL = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1", "--batch", "4",
+         "--images", "8", "--threads", "1"]
+
+
+@pytest.mark.parametrize("warmup, iters", [(0, 1), (0, 3), (2, 2)])
+def test_every_iteration_after_the_warmup_is_timed_the_first_from_the_start(monkeypatch, warmup, iters):
+    """The progress stamps count from a stamp taken before the first iteration: --warmup 0 --iters 3 timed 2
+    iterations (each from the one before it), and --warmup 0 --iters 1 none (a StatisticsError)."""
     bench = load_script("bench_aphq_block")
-    with pytest.raises(SystemExit) as refused:
-        bench.main(["--warmup", "0", "--iters", "1", "--out", str(tmp_path / "block.json")])
-    assert refused.value.code == 2
-    assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "block.json").exists()
+    reconstruct, seconds = bench.reconstruct_unit, []
+
+    def recording(*args, progress, **kwargs):
+        def each(metrics):
+            seconds.append(metrics["seconds"])
+            progress(metrics)
+        return reconstruct(*args, progress=each, **kwargs)
+
+    monkeypatch.setattr(bench, "reconstruct_unit", recording)
+    threads = torch.get_num_threads()
+    try:
+        result = bench.main([*SMALL, "--warmup", str(warmup), "--iters", str(iters)])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seconds) == warmup + iters
+    ends = seconds[warmup:]
+    durations = [ends[0] - (seconds[warmup - 1] if warmup else 0.0)] + [b - a for a, b in zip(ends, ends[1:])]
+    assert result["timed_iters"] == iters
+    assert result["iter_s"] == round(statistics.median(durations), 4) > 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--depth", "0"], "argument --depth: 0: must be at least 1"),  # was the model's default depth
+    (["--embed-dim", "0"], "argument --embed-dim: 0: must be at least 1"),  # was the model's default width
+    (["--img-size", "0"], "argument --img-size: 0: must be at least 1"),
+    (["--img-size", "8"], "--img-size 8 is not a multiple of vit_base_patch16_224's patch size 16"),
+    (["--model", "nonexistent_model"], "--model nonexistent_model: not a timm model name"),
+    (["--model", "resnet18"], "--model resnet18 does not take"),
+    (["--embed-dim", "129"], "--embed-dim 129: its 2 heads (dim // 64) do not divide it"),
+    (["--threads", "-1"], "argument --threads: -1: must be at least 1"),
+    (["--threads", "0"], "argument --threads: 0: must be at least 1"),  # was torch's default, silently
+    (["--official-iters", "-5"], "argument --official-iters: -5: must be at least 1"),  # negative seconds
+    (["--official-images", "-8"], "argument --official-images: -8: must be at least 1"),
+    (["--images", "0"], "argument --images: 0: must be at least 1"),
+    (["--overwrite"], "--overwrite replaces the --out file, and no --out is given"),  # was ignored
+])
+def test_bad_values_are_one_error_line_before_any_timing(monkeypatch, capsys, argv, says):
+    bench = load_script("bench_aphq_block")
+    monkeypatch.setattr(bench, "perturbation_hessian", None)  # reached: a TypeError, not the refusal
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    message = str(refused.value.code) if isinstance(refused.value.code, str) else capsys.readouterr().err
+    assert message.startswith("error: ") and says in message and len(message.strip().splitlines()) == 1, message
