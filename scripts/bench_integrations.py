@@ -204,15 +204,20 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=at_least(0), default=3)
     parser.add_argument("--repeats", type=at_least(1), default=3, help="runs without and with CD, alternating")
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--width", type=at_least(1), default=192,
+                        help="embed dim; heads = width // 64 (at least 1), which must divide it")
+    parser.add_argument("--depth", type=at_least(1), default=4)
+    parser.add_argument("--batch", type=at_least(1), default=8)
     parser.add_argument("--norms-every", type=at_least(1), nargs="+", default=None, metavar="N",
                         help="CD's norms_every in the runs with CD, one row per value (default: the integrations' "
                              f"default, {NORMS_EVERY})")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
+    heads = max(1, args.width // 64)  # build_model's
+    if args.width % heads:  # timm's AssertionError traceback otherwise
+        parser.error(f"--width {args.width}: its {heads} heads (width // 64) do not divide it; give a multiple of "
+                     f"64, or less than 128")
     args.total = args.warmup + args.steps + 1
     torch.set_num_threads(args.threads)
     quiet = logging.root.manager.disable
