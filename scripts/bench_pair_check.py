@@ -61,6 +61,8 @@ def main(argv: list[str]) -> dict:
     args = p.parse_args(argv)
     if args.lm_config and not os.path.isfile(args.lm_config):
         p.error(f"--lm-config {args.lm_config}: no such file; give a configs/lm/*.yaml")
+    if not args.lm_config and not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
+        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
     if args.threads:
         torch.set_num_threads(args.threads)
     name, model = build(args)

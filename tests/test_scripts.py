@@ -185,6 +185,15 @@ def test_bench_pair_check_refuses_an_lm_config_that_is_not_one(tmp_path):
         bench_pair_check.main(["--lm-config", str(bad)])
 
 
+def test_bench_pair_check_refuses_a_model_timm_does_not_have(capsys):
+    """An unknown --model was timm's RuntimeError traceback."""
+    with pytest.raises(SystemExit) as refused:
+        bench_pair_check.main(["--model", "nonexistent"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "--model nonexistent: not a timm model name" in err
+
+
 def test_bench_quant_times_the_median_after_the_warmup(monkeypatch):
     """timed_forward on a scripted clock: two warm-up passes of 100 s left out, the median of the timed
     1, 2 and 9 s (not their mean 4, nor the median 9 with the warm-up in)."""
