@@ -445,18 +445,32 @@ def main(argv=None) -> int:
     p.add_argument("--num-heads", type=int, default=None,
                    help="attention heads (default: read from the graph)")
     p.add_argument("--no-verify", action="store_true", help="skip the comparison with the ONNX backbone")
-    p.add_argument("--images", nargs="*", default=[],
+    # default None (--images, --tolerance, --half-tolerance): given with --no-verify (or the last without --half)
+    # they would be ignored, so they are refused, which needs to know whether they were given
+    p.add_argument("--images", nargs="*", default=None,
                    help="image files for the comparison and the activation maxima (default: 4 synthetic)")
-    p.add_argument("--tolerance", type=float, default=1e-3,
+    p.add_argument("--tolerance", type=float, default=None,
                    help="largest accepted max |timm - onnx| (default 1e-3; a correct conversion gives ~1e-5)")
     p.add_argument("--half", action="store_true",
                    help="store the weight matrices (patch embedding, qkv, proj, fc1, fc2) in float16: 45 MB instead "
                         "of 88 MB, outputs within ~5e-3 of the float32 file's (checked like them)")
-    p.add_argument("--half-tolerance", type=float, default=2e-2,
+    p.add_argument("--half-tolerance", type=float, default=None,
                    help="with --half, the largest accepted max |timm - onnx| of the float16 weights (default 2e-2)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     args = p.parse_args(argv)
     try:
+        given = [flag for flag, value in (("--images", args.images), ("--tolerance", args.tolerance),
+                                          ("--half-tolerance", args.half_tolerance)) if value is not None]
+        if args.no_verify and given:  # settings of the comparison that --no-verify skips
+            raise ConversionError(f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} the comparison "
+                                  f"with the ONNX backbone, which --no-verify skips; drop --no-verify, or "
+                                  f"{'it' if len(given) == 1 else 'them'}")
+        if args.half_tolerance is not None and not args.half:
+            raise ConversionError("--half-tolerance checks the float16 weights of --half, and --half is not given; "
+                                  "add --half, or drop --half-tolerance")
+        args.images = args.images or []
+        args.tolerance = 1e-3 if args.tolerance is None else args.tolerance
+        args.half_tolerance = 2e-2 if args.half_tolerance is None else args.half_tolerance
         if not args.out.endswith(".safetensors"):
             raise ConversionError(f"--out {args.out}: give a .safetensors path "
                                   f"(what models/pretrained.py reads)")

@@ -516,6 +516,28 @@ def test_a_graph_without_layerscale_is_one_error_line_naming_the_missing_keys(ti
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--no-verify", "--tolerance", "1e-12", "--images", "/nonexist.png"],
+     "--images and --tolerance set the comparison with the ONNX backbone, which --no-verify skips"),
+    (["--no-verify", "--images"], "--images sets the comparison"),
+    (["--no-verify", "--half", "--half-tolerance", "1e-12"], "--half-tolerance sets the comparison"),
+    (["--half-tolerance", "1e-12"], "--half-tolerance checks the float16 weights of --half, and --half is not given"),
+])
+def test_a_setting_of_a_step_not_taken_is_one_error_line_and_nothing_is_written(tiny, tmp_path, capsys, extra,
+                                                                                  says):
+    """--no-verify skips the comparison: its tolerance and images were ignored (a missing image file too) and the
+    file written; --half-tolerance without --half bounded nothing."""
+    _, model = tiny
+    source, out = tmp_path / "tiny.onnx", tmp_path / "a.safetensors"
+    onnx.save(model, str(source))
+    assert conv.main([str(source), "--out", str(out), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not out.exists()
+    # the defaults still apply when the flags are not given: the comparison runs at 1e-3 and passes
+    assert conv.main([str(source), "--out", str(out)]) == 0 and out.exists()
+
+
 @pytest.mark.parametrize("size", ["0", "-14"])
 def test_an_img_size_below_one_is_one_error_line(tiny, tmp_path, capsys, size):
     """-14 and 0 are multiples of the patch size too: they are refused as sizes, not resampled to."""
