@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
+        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
     if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
         p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
     heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None

@@ -185,6 +185,8 @@ def main(argv=None) -> str:
                    help="rows layout: one row per model and method, mean ± std over its results (the seeds "
                         "of a sweep: results of other training settings, evaluations or weights are refused)")
     args = p.parse_args(argv)
+    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
+        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
     if args.out and os.path.isdir(args.out):  # --overwrite replaces a file, never a folder
         sys.exit(f"error: --out {args.out} is a folder; give the path of the table's file, e.g. "
                  f"{os.path.join(args.out, 'table.md')}")

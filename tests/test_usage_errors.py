@@ -132,6 +132,17 @@ def test_a_single_value_flag_given_twice_is_refused(path, argv, prog, says, caps
     one_error_line(err, prog, says)
 
 
+@pytest.mark.parametrize("path, argv", [("scripts/paper_table.py", ["r.json"]),
+                                        # (a model that fails fast where the flag would be ignored again)
+                                        ("scripts/bench_quant.py", ["--model", "nosuchmodel"]),
+                                        ("scripts/bench_aphq_block.py", ["--model", "nosuchmodel"])])
+def test_overwrite_without_out_is_refused(path, argv, capsys):
+    """--overwrite replaces the --out file: without an --out it was ignored (the table printed, the timings ran)."""
+    code, out, err = run_entry(path, [*argv, "--overwrite"], capsys)
+    assert code == 2 and not out
+    one_error_line(err, os.path.basename(path), "--overwrite replaces the --out file, and no --out is given")
+
+
 def test_every_spelling_of_a_flag_counts_and_flags_that_collect_take_repeats(capsys):
     """An alias, `--flag=value`, an abbreviation and the --no- form of a BooleanOptionalAction are the flag given
     again; append, extend and count options collect their repeats (that is what they are for), and a subparser
