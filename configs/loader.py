@@ -315,6 +315,19 @@ CD_LAM_READ = When(("cd.enabled", "cd.mode", "cd.budget", "cd.lam_per_role", "cd
                    "cd.mode is decoupled, cd.budget is true (wd -> wd - lam), cd.lam_per_role is set (lam is its "
                    "weights' base) or cd.lam is 0 (the loss form aligns its term to the task loss: lam's size cancels)",
                    "drop it: cd.loss_coef scales the loss term")
+# models/pretrained.py loads a GPT's weights strictly whatever pretrained_strict says: its LM head is its token
+# embedding, no classifier to drop (models imports configs.schema: GPT_SIZES is imported when the rule runs)
+PRETRAINED_STRICT_READ = When(("model.pretrained", "model.name"),
+                              lambda pretrained, name: pretrained not in (None, "") and not _is_gpt(name),
+                              "model.pretrained is set and model.name is a vision model (a GPT loads its weights "
+                              "strictly: its LM head is its token embedding)")
+
+
+def _is_gpt(name: str) -> bool:
+    from models.gpt import GPT_SIZES
+    return name in GPT_SIZES
+
+
 # quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss of a
 # reconstruction that runs (iters above 0) and for the MLP reconstruction only
 APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reconstruct"),
@@ -347,7 +360,7 @@ READ_ONLY_WHEN = [
      ("folder", "digits", "synthetic")),  # sampling and targets of images: a language model reads none of them
     (("sched.epochs", "sched.warmup_epochs", "sched.per_step", "sched.warmup_prefix"), "sched.steps", (None,)),
     (("sched.warmup_steps",), "sched.steps", (SET,)),
-    (("model.pretrained_strict",), "model.pretrained", (SET,)),
+    (("model.pretrained_strict",), PRETRAINED_STRICT_READ, None),
     (("data.synthetic_train_size", "data.synthetic_val_size"), "data.dataset", ("synthetic",)),
     (("data.digits_img_size", "data.digits_val_fraction"), "data.dataset", ("digits",)),
     (("optim.lr_base", "optim.lr_base_batch", "optim.lr_scaling"), "optim.lr", (None,)),  # a set lr is the lr

@@ -926,3 +926,17 @@ def test_calibration_windows_are_distinct_whole_windows_of_the_train_text_chosen
         assert all(s % 16 == 0 and windows[i].tolist() == list(range(s, s + 16)) for i, s in enumerate(starts))
     assert torch.equal(drawn[1], calibration_windows(cfg, 16, 6, 1, vocab_size=2_000))
     assert len({tuple(w[:, 0].tolist()) for w in drawn.values()}) == 3
+
+
+@pytest.mark.parametrize("strict", ["true", "false"])
+def test_pretrained_strict_for_a_gpt_is_refused_as_ignored(strict):
+    """A GPT loads its weights strictly whatever model.pretrained_strict says (its LM head is its token
+    embedding, no classifier to drop): the key had been accepted and recorded for a GPT and changed nothing."""
+    from configs import load_config
+    from configs.loader import ConfigError
+    with pytest.raises(ConfigError, match=rf"model.pretrained_strict={strict} would be ignored: .*a GPT loads its "
+                                          "weights strictly"):
+        load_config(["configs/lm/kjv_nano.yaml"], ["model.pretrained=/w/best.pt", f"model.pretrained_strict={strict}"])
+    vision = load_config(["configs/debug/tiny.yaml"],
+                         ["model.pretrained=/w/best.pt", f"model.pretrained_strict={strict}"])
+    assert vision.model.pretrained_strict is (strict == "true")
