@@ -9,9 +9,10 @@ On a machine with one CUDA GPU, from the repository root, in under 10 minutes (t
     python scripts/gpu_check.py --stages precision overhead --out figures.json   # some stages only
     python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json                # CPU, under a minute
 
-Stages, in this order, each in its own process with its own time budget (a stage that runs past it is
-killed and recorded as `timeout`, with whatever it had measured so far; a stage that fails is recorded
-as `failed` or `error` with the tail of its log; the next stage runs either way):
+Stages, in this order (also where --stages names them in another), each in its own process with its own
+time budget (a stage that runs past it is killed and recorded as `timeout`, with whatever it had measured
+so far; a stage that fails is recorded as `failed` or `error` with the tail of its log; the next stage runs
+either way):
 
     pytest     `pytest -m gpu` over tests/, each test stopped after --test-timeout seconds; the outcome,
                duration and skip reason or failure of every test
@@ -386,7 +387,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     def write() -> None:
         write_whole(args.out, report)
 
-    for stage in args.stages:
+    for stage in [s for s in STAGES if s in args.stages]:  # the tests first: a later stage's figures mean less
         left = deadline - time.perf_counter()
         if left < 5:
             report["stages"][stage] = {"status": "not_run", "reason": "the total budget was spent"}

@@ -194,3 +194,17 @@ def test_stages_and_budgets_that_cannot_be_meant_are_refused(tmp_path, capsys, a
     code, _, err = run_entry(SCRIPT, ["--smoke", "--out", str(out), *argv], capsys)
     assert code == 2 and err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "gpu_check_logs").exists()
+
+
+def test_stages_run_in_the_documented_order_whatever_the_order_of_stages(tmp_path, monkeypatch):
+    """`--stages quant pytest` had run quant first: the tests run first, as the docstring says (a stand-in
+    python records the order in which the stages start)."""
+    order = tmp_path / "order"
+    script = tmp_path / "python"  # $3 the stage, $5 its figures file
+    script.write_text(f'#!/bin/sh\necho "$3" >> {order}\nprintf "{{}}" > "$5"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sys, "executable", str(script))
+    gpu_check = load_script("gpu_check")
+    report = gpu_check.main(["--smoke", "--out", str(tmp_path / "gc.json"), "--stages", "aphq_unit", "quant",
+                             "pytest"])
+    assert order.read_text().split() == ["pytest", "quant", "aphq_unit"] == list(report["stages"])
