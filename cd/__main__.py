@@ -48,6 +48,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
+class StoreOnce(argparse.Action):
+    """A single-value option given twice is refused (`--model a --model b` had listed b's pairs alone), as
+    configs.cli.OneLineParser refuses it for the other entry points."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            parser.error(f"{self.option_strings[0]} is given twice; give it once")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def show(text: str) -> None:
     """Print `text`; a reader that has gone (`python -m cd ... | head -1`) ends the output quietly, as
     engine/console.py does for the entry points (`cd` installs without engine/): the descriptor is pointed at
@@ -109,7 +121,7 @@ def check_small_copy(name: str) -> Optional[str]:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = OneLineParser(prog="python -m cd",  # not argparse's default, `__main__.py`
                            description="List the CD matrix pairs of a timm model (meta device).")
-    parser.add_argument("--model", default=None, help="timm model name (default vit_base_patch16_224)")
+    parser.add_argument("--model", default=None, action=StoreOnce, help="timm model name (default vit_base_patch16_224)")
     parser.add_argument("--families", action="store_true",
                         help="a table of timm's Transformer families: the pairs per block, or why refused")
     args = parser.parse_args(argv)

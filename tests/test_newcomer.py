@@ -64,6 +64,18 @@ def test_a_misspelled_model_name_is_one_line_with_close_names(capsys):
         "vit_base_patch16_xp_224, samvit_base_patch16_224?"]
 
 
+@pytest.mark.parametrize("argv", [["--model", "vit_tiny_patch16_224", "--model", "deit_tiny_patch16_224"],
+                                  ["--model=vit_tiny_patch16_224", "--mod", "deit_tiny_patch16_224"]])
+def test_a_model_given_twice_is_one_line(capsys, argv):
+    """`--model a --model b` had listed b's pairs alone, without a word."""
+    from cd.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "error: python -m cd: --model is given twice; give it once; see python -m cd --help"]
+
+
 @pytest.mark.parametrize("name,how,start", [
     ("xcit_nano_12_p16_224", "cd/families.py's tiny xcit config", "block 'blocks.0' (XCABlock)"),
     ("davit_tiny", "depths=(1, 1, 1, 1)", "block 'stages.0.blocks.0.1' (ChannelBlock)"),
