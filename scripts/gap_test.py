@@ -5,7 +5,8 @@ r"""Welch's t-test of the quantization gap between two points of a sweep, per qu
 
 A run's gap is what quantization costs it, from its eval_best.json: for a language model its quantized minus its
 fp32 perplexity (the number of lm_study.py's activation-bit table), for an image classifier its fp32 minus its
-quantized top-1 (the drop, in points; dose_report.py's sweeps). Larger is worse in both. For every
+quantized top-1 (the drop, in points; dose_report.py's sweeps), exact where the result records the count of images
+it scored (seeds that lose the same number of images have the same drop, no spread). Larger is worse in both. For every
 (pipeline, bits) that each chosen run of both points was evaluated at, it prints one markdown row: each point's
 mean ± sample std, the change of the means (second minus first, and relative to the size of the first: of gaps
 near zero, +100 % may be a few thousandths), Welch's t (first point minus second, unequal variances), its
@@ -27,6 +28,7 @@ import math
 import os
 import statistics
 import sys
+from fractions import Fraction
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
@@ -54,20 +56,44 @@ def gap(run: Run, pipeline: str, bits: str, score: str) -> float:
     """What quantization costs the run under `pipeline` at `bits`; larger is worse for both scores."""
     if score == "ppl":
         return quantization_gap(run, pipeline, bits)
-    return run.result["fp"]["top1"] - run.result["quant"][pipeline][bits]["top1"]
+    fp, quantized = run.result["fp"], run.result["quant"][pipeline][bits]
+    exact = [counted_top1(entry) for entry in (fp, quantized)]
+    if None not in exact:  # the same images lost, the same drop: 100 * 403 / 500 - 100 * 402 / 500 is not 0.2
+        return float(exact[0] - exact[1])
+    return fp["top1"] - quantized["top1"]
+
+
+def counted_top1(entry: dict) -> Optional[Fraction]:
+    """An evaluate.py top-1 as the exact 100 * correct / count (engine/loop.py computes it so) where the entry
+    records the count of images it scored; None without a count, or a top-1 that is no share of it."""
+    count = entry.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return None
+    correct = entry["top1"] * count / 100
+    if abs(correct - round(correct)) > 1e-6:  # not a count of images (a number edited by hand): the float it is
+        return None
+    return Fraction(100 * round(correct), count)
 
 
 def welch(a: Sequence[float], b: Sequence[float]) -> Optional[tuple[float, float, float]]:
     """(t, degrees of freedom, two-sided p) of Welch's test of mean(a) = mean(b), t > 0 when a's mean is larger;
-    None when neither sample varies (no test)."""
+    None when neither sample varies (no test): a sample whose values differ by float rounding alone (`varies`)
+    has no variance."""
     from scipy.stats import t as student_t
 
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    va, vb = (statistics.variance(x) / len(x) if varies(x) else 0.0 for x in (a, b))
     if va + vb == 0:
         return None
     t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     return t, df, 2 * float(student_t.sf(abs(t), df))
+
+
+def varies(x: Sequence[float]) -> bool:
+    """Whether the values differ by more than float rounding: gaps subtracted from scores of the same resolution
+    (a top-1 of 500 images without its count: 0.2 reads 0.20000000000000284 or 0.19999999999998863) differ by
+    ~1e-14, and a variance of 1e-28 made a t of 4e13; 1e-9 of the largest is far below any score's resolution."""
+    return max(x) - min(x) > 1e-9 * max(1.0, max(map(abs, x)))
 
 
 def chosen_runs(groups: dict[str, list[Run]], point: str, seeds: Optional[Sequence[int]], root: str) -> list[Run]:

@@ -210,3 +210,31 @@ def test_a_setting_computed_with_other_settings_than_the_defaults_is_marked_and_
     report = gap_test.main([str(tmp_path), "baseline", "cd10x"])
     assert "| smoothquant W8A8* |" in report and "| rtn W4A16 |" in report
     assert "\\* baseline, cd10x SmoothQuant W8A8: not the default settings: quant.calib_images=8" in report.splitlines()
+
+
+@pytest.mark.parametrize("count", [500, None])
+def test_drops_of_the_same_number_of_images_in_every_seed_have_no_spread(tmp_path, count):
+    """Of 500 images the baseline loses none in every seed and cd10x exactly one: no spread. The drops computed from
+    the top-1s, 100 * k / 500 - 100 * (k - 1) / 500, came out 0.20000000000000284 or 0.19999999999998863 as k
+    varied, and the test of a variance of 1e-28 read t ~ -4e13, p ~ 1e-28. With the image count evaluate.py records
+    the drop is exact; without it (an older file) a spread within float rounding is none."""
+    for point, lost in (("baseline", 0), ("cd10x", 1)):
+        for seed, k in enumerate((400, 403, 427)):  # images right in fp32: noisy drops of 1 image at each
+            folder = write_classifier_run(tmp_path, f"{point}_s{seed}", fp=80.0, w4=80.0, fc2_curve=[100.0, 90.0],
+                                          norm1_max=4.0, seed=10 * (point == "cd10x") + seed)
+            result = json.loads((folder / "eval_best.json").read_text())
+            counted = {"count": count} if count else {}
+            result["fp"] = {"top1": 100.0 * k / 500, **counted}
+            result["quant"] = {p: {b: {"top1": 100.0 * (k - lost) / 500, **counted} for b in ("w4a4", "w3a3")}
+                               for p in ("percentile", "repq")}
+            (folder / "eval_best.json").write_text(json.dumps(result))
+    report = gap_test.main([str(tmp_path), "baseline", "cd10x"])
+    for setting in ("repq W4A4", "percentile W3A3"):
+        assert row(report, setting)[1:] == ["0.00 ± 0.00", "0.20 ± 0.00", "+0.20", "-", "-", "- (no spread)"]
+
+
+def test_a_spread_within_float_rounding_is_no_spread_and_a_small_real_one_is_tested():
+    assert gap_test.welch([0.0, 0.0, 0.0], [0.20000000000000284, 0.19999999999998863, 0.20000000000000284]) is None
+    t, df, p = gap_test.welch([0.0, 0.0, 0.0], [0.2, 0.2, 0.2 + 1e-6])  # one sample varies: tested
+    reference = stats.ttest_ind([0.0, 0.0, 0.0], [0.2, 0.2, 0.2 + 1e-6], equal_var=False)
+    assert (t, df, p) == pytest.approx((reference.statistic, reference.df, reference.pvalue))
