@@ -14,7 +14,9 @@ maximum that also counts modules outside the blocks (quant.act_max_extra_modules
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records), and the run of
 a best.pt or checkpoint.pt must have ended as the others did (one stopped at train.max_steps or by a signal before
-the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). A result
+the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). In
+every layout a result of a run that stopped short of its schedule's end other than at its own train.max_steps (by a
+signal, or evaluated while it trained) is refused: the numbers of an earlier model beside finished ones. A result
 whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
@@ -165,12 +167,18 @@ def finetune_table(results: list[dict]) -> str:
     return "\n\n".join(tables)
 
 
-def refuse_unfinished_seeds(paths: list[str], results: list[dict]) -> None:
-    """--over-seeds averages each result as a seed: one of a run that stopped before the others' end
-    (engine.eval_results.refuse_unfinished, told by the run folder of its best.pt or checkpoint.pt) is refused."""
+def refuse_unfinished_runs(paths: list[str], results: list[dict], over_seeds: bool) -> None:
+    """A result of a run that stopped before its end is refused (engine.eval_results.refuse_unfinished, told by the
+    run folder of its best.pt or checkpoint.pt): --over-seeds averages each result as a seed, and one that stopped
+    before the others' end is refused; in a table of one result per row or entry each run is judged alone (the runs
+    of other recipes end at other updates), and one stopped by a signal or evaluated while it trained is refused,
+    one its own train.max_steps stops is not."""
+    where = "--over-seeds" if over_seeds else "the table"
+    runs = [(folder, result, f"leave {path} out of {where}") for path, result in zip(paths, results)
+            if (folder := run_folder(path, result)) is not None]
     try:
-        refuse_unfinished([(folder, result, f"leave {path} out of --over-seeds") for path, result in zip(paths, results)
-                           if (folder := run_folder(path, result)) is not None])
+        for group in ([runs] if over_seeds else [[run] for run in runs]):
+            refuse_unfinished(group)
     except ResultsError as e:  # also a damaged metrics.jsonl
         sys.exit(f"error: {e}")
 
@@ -205,8 +213,7 @@ def main(argv=None) -> str:
                      "a quantized entry)")
     if args.over_seeds and args.layout == "finetune":
         sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
-    if args.over_seeds:
-        refuse_unfinished_seeds(args.results, results)
+    refuse_unfinished_runs(args.results, results, args.over_seeds)
     try:
         table = (finetune_table(results) if args.layout == "finetune"
                  else markdown_table(results, over_seeds=args.over_seeds))

@@ -87,3 +87,29 @@ def test_runs_that_their_recipe_stops_at_one_max_steps_are_seeds_and_one_stopped
     assert message.startswith(f"error: {runs[2].out_dir} validated last at update 5 of the 8 of its schedule "
                               f"(sched.epochs=2 of 4 updates): an unfinished run (stopped at its train.max_steps=5, "
                               f"where {runs[0].out_dir} trained further)"), message
+
+
+def test_a_run_stopped_by_a_signal_is_refused_in_the_rows_and_finetune_layouts_too(debug_config, monkeypatch):
+    """A run stopped by a signal at update 6 of 8 (its best.pt of update 4) was tabulated beside a finished run in
+    the rows and fine-tuning layouts with no mark, where --over-seeds, dose_report.py and gap_test.py refuse it. A run
+    its own train.max_steps stops is a row of its own there (the first test)."""
+    from engine.preemption import Preemption
+
+    finished = debug_config("train.seed=0", name="table/finished")
+    assert train.main(finished).state.step == 8
+    monkeypatch.setattr(Preemption, "should_stop", lambda self, step=0, boundary=False: step >= 6)  # a SIGTERM
+    stopped = debug_config("train.seed=1", name="table/stopped")
+    assert train.main(stopped).state.step == 6
+    monkeypatch.undo()
+    paths = []
+    for cfg in (finished, stopped):
+        evaluated(cfg.out_dir)
+        paths.append(os.path.join(cfg.out_dir, "eval_best.json"))
+    assert "| vit_nano | Baseline |" in paper_table.main(paths[:1])
+    for layout in (["--layout", "rows"], ["--layout", "finetune"], []):
+        with pytest.raises(SystemExit) as refused:
+            paper_table.main([*(paths if layout != ["--layout", "finetune"] else paths[1:]), *layout])
+        message = str(refused.value.code)
+        assert message.startswith(f"error: {stopped.out_dir} validated last at update 4 of the 8 of its schedule "
+                                  "(sched.epochs=2 of 4 updates): an unfinished run (stopped by a signal"), message
+        assert message.endswith(f"leave {paths[1]} out of the table") and "\n" not in message, message
