@@ -11,6 +11,7 @@ import fnmatch
 import glob
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -560,3 +561,41 @@ def test_the_json_of_an_evaluation_without_checkpoint_is_where_the_readme_and_he
     assert documented in " ".join(capsys.readouterr().out.split())
     assert evaluate.default_out_path(None, "vit_base_patch16_224") == os.path.join(
         "runs", "eval", "vit_base_patch16_224.json")
+
+
+def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study_writes(tmp_path):
+    """docs/figures/lm_study.md is lm_study.py's report of configs/sweeps/kjv_lm_dose (its run folders are not
+    kept): written again for runs of its points and seed counts evaluated as the sweep evaluates them (its
+    `evaluate:` settings, quant.calib_images=64), the report has the same tables, marks (* of a quantized number
+    of other settings than the defaults), notes and captions; only the numbers differ. The committed file was
+    written before lm_study.py marked such numbers and had none. Its section on the points' training settings
+    (the recipe of each eval_best.json, which the file predates) is not compared."""
+    from engine.quant_settings import quant_settings
+    from tests.test_lm_study import write_run
+
+    lm_study, dose_report = load_script("lm_study"), load_script("dose_report")
+    with open(os.path.join(ROOT, "docs", "figures", "lm_study.md"), encoding="utf-8") as f:
+        committed = f.read()
+    first_table = committed.split("\n\n")[0].splitlines()[2:]
+    seeds = {line.split(" | ")[0].strip("| "): int(line.split(" | ")[1]) for line in first_table}
+    sweep = read_yaml_file(os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml"))
+    cfg = load_config([os.path.join(ROOT, path) for path in sweep["configs"]], sweep["evaluate"])
+    for point, count in seeds.items():
+        for seed in range(count):
+            folder = tmp_path / f"{point}_s{seed}"
+            write_run(tmp_path, folder.name, ppl=4.0 + seed / 100, rtn=5.0, block_max=20.0, kurtosis=10.0,
+                      fc2_final=100.0)
+            result = json.loads((folder / "eval_best.json").read_text())
+            for pipeline, bits in lm_study.COLUMNS + lm_study.ACT_BITS:  # as evaluate.py records each entry
+                settings = json.loads(json.dumps(quant_settings(cfg, pipeline), default=str))
+                result["quant"].setdefault(pipeline, {})[bits] = {"ppl": 4.5, "settings": settings}
+            (folder / "eval_best.json").write_text(json.dumps(result))
+    written = lm_study.tables(dose_report.by_point(dose_report.read_sweep(str(tmp_path))))
+
+    def skeleton(text: str) -> list[str]:
+        """The lines, a table row's cells reduced to its point and each cell's marks."""
+        return [" | ".join([cells[0]] + [re.sub(r"[^*†‡]", "", c) for c in cells[1:]])
+                if (cells := line.strip("| ").split(" | ")) and line.startswith("| ") and line[2:7] != "Point" else line
+                for line in text.split("\n\nTraining settings of each point")[0].splitlines()]
+
+    assert skeleton(committed) == skeleton(written)
