@@ -462,7 +462,7 @@ def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained
                              (["aphq.iters=abc"], "'aphq.iters' expects int"),
                              (["repq.x=1"], "for a pipeline that runs"),
                              (["gplq.pca_weight=1.0"], "without the PCA loss"),
-                             (["gplq.pca_images=100"], "PCA settings do not apply"),
+                             (["gplq.pca_images=100"], "pca_images is read only when quant.gplq.pca_weight is nonzero"),
                              (["aphq.temperature=10"], "has none"),
                              (["gplq.init_images=4"], "--calib-images"),
                              (["iters=1"], "PIPELINE.KEY=VALUE")):
