@@ -315,18 +315,13 @@ CD_LAM_READ = When(("cd.enabled", "cd.mode", "cd.budget", "cd.lam_per_role", "cd
                    "cd.mode is decoupled, cd.budget is true (wd -> wd - lam), cd.lam_per_role is set (lam is its "
                    "weights' base) or cd.lam is 0 (the loss form aligns its term to the task loss: lam's size cancels)",
                    "drop it: cd.loss_coef scales the loss term")
+LM_DATA = ("tokens", "kjv")  # the data sets of a language model (a GPT), read as token windows
 # models/pretrained.py loads a GPT's weights strictly whatever pretrained_strict says: its LM head is its token
-# embedding, no classifier to drop (models imports configs.schema: GPT_SIZES is imported when the rule runs)
-PRETRAINED_STRICT_READ = When(("model.pretrained", "model.name"),
-                              lambda pretrained, name: pretrained not in (None, "") and not _is_gpt(name),
-                              "model.pretrained is set and model.name is a vision model (a GPT loads its weights "
+# embedding, no classifier to drop (a GPT is what trains on the token data sets)
+PRETRAINED_STRICT_READ = When(("model.pretrained", "data.dataset"),
+                              lambda pretrained, dataset: pretrained not in (None, "") and dataset not in LM_DATA,
+                              "model.pretrained is set and the model is a vision model (a GPT loads its weights "
                               "strictly: its LM head is its token embedding)")
-
-
-def _is_gpt(name: str) -> bool:
-    from models.gpt import GPT_SIZES
-    return name in GPT_SIZES
-
 
 # quant/aphq/pipeline.py computes the APH (its probes, eps and KL temperature) for the APH-weighted loss of a
 # reconstruction that runs (iters above 0) and for the MLP reconstruction only
@@ -348,7 +343,7 @@ FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Confi
 # (keys, a When, None). A key ending in "." stands for every key of that section but the deciding one.
 READ_ONLY_WHEN = [
     (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
-    (("data.val_windows",), "data.dataset", ("tokens", "kjv")),
+    (("data.val_windows",), "data.dataset", LM_DATA),
     # a language model calibrates on token windows and synthetic images get no transform either
     (("quant.calib_transform",), "data.dataset", ("folder", "digits")),
     (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
