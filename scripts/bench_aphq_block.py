@@ -25,6 +25,8 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `quant`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_quant
+from bench_quant import refuse_unbuildable  # noqa: E402
 from quant.aphq.adaround import RoundingSchedule  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
 from quant.convert import quantize_model  # noqa: E402
@@ -63,14 +65,7 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     p.add_argument("--out", default="", help="JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
-        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
-    if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
-        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
-    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
-    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
-        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
-                f"64, or less than 128")
+    heads = refuse_unbuildable(p, args)
     if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
         p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
     try:

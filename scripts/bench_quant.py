@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import timm
 import torch
@@ -86,6 +87,20 @@ def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def refuse_unbuildable(p, args) -> Optional[int]:
+    """Usage errors of the ViT benchmarks' shared flags (this script's and bench_aphq_block.py's), each one line
+    before any timing; the heads of an --embed-dim override (None without one)."""
+    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
+        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
+    if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
+        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
+    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
+    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
+        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
+                f"64, or less than 128")
+    return heads
+
+
 def main(argv=None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_base_patch16_224")
@@ -104,14 +119,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
-        p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
-    if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
-        p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
-    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
-    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
-        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
-                f"64, or less than 128")
+    heads = refuse_unbuildable(p, args)
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
         if args.out:  # its folder too: open() after the timings failed on a folder that was not there
