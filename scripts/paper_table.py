@@ -178,7 +178,8 @@ def refuse_unfinished_runs(paths: list[str], results: list[dict], over_seeds: bo
             if (folder := run_folder(path, result)) is not None]
     try:
         for group in ([runs] if over_seeds else [[run] for run in runs]):
-            refuse_unfinished(group)
+            refuse_unfinished(group, use="averaged as a seed of finished ones" if over_seeds
+                              else "tabulated as a finished run's")
     except ResultsError as e:  # also a damaged metrics.jsonl
         sys.exit(f"error: {e}")
 

@@ -113,3 +113,4 @@ def test_a_run_stopped_by_a_signal_is_refused_in_the_rows_and_finetune_layouts_t
         assert message.startswith(f"error: {stopped.out_dir} validated last at update 4 of the 8 of its schedule "
                                   "(sched.epochs=2 of 4 updates): an unfinished run (stopped by a signal"), message
         assert message.endswith(f"leave {paths[1]} out of the table") and "\n" not in message, message
+        assert "would be tabulated as a finished run's" in message and "seed" not in message, message  # one per row
