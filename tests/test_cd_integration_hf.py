@@ -35,14 +35,14 @@ def data(n: int = 32) -> list[dict]:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def optimizer_and_schedule(model: torch.nn.Module, steps: int, fused: bool = False):
+def optimizer_and_schedule(model: torch.nn.Module, steps: int, fused: bool = False, schedule=None):
     """AdamW with the qkv/fc1 matrices in a group of their own lr, and a linear decay: a CD that read another
-    group's lr, or the lr after the scheduler's step, would be off."""
+    group's lr, or the lr after the scheduler's step, would be off. `schedule`: another lr factor of the step."""
     own = [p for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_fc.weight"))]
     rest = [p for p in model.parameters() if all(p is not q for q in own)]
     opt = torch.optim.AdamW([{"params": rest, "lr": 2e-2}, {"params": own, "lr": 5e-3}], weight_decay=0.1,
                             fused=fused)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule or (lambda s: 1.0 - s / (2 * steps)))
 
 
 class Recorder(TrainerCallback):
@@ -74,10 +74,10 @@ class PoisonStep(TrainerCallback):
 
 def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool = False, poison: int = -1,
           resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None, callback=None,
-          fused: bool = False):
+          fused: bool = False, schedule=None):
     model = model or tiny_gpt2()
     initial = copy.deepcopy(model)
-    opt, sched = optimizer_and_schedule(model, steps, fused)
+    opt, sched = optimizer_and_schedule(model, steps, fused, schedule)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=accum,
                              max_steps=steps, max_grad_norm=clip, learning_rate=2e-2, logging_steps=1000,
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -159,6 +159,43 @@ def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
     # the checkpoint's arguments: this one is not among them, so the object given is the one that ran
     assert given in trainer.callback_handler.callbacks and given.decay is not None
     assert given.decay.num_updates == 4  # the counter starts at the restored global_step
+
+
+def warmup(step: int) -> float:
+    """A linear warmup over 2 steps, as TrainingArguments(warmup_steps=2) makes it: step 0 has lr 0."""
+    return min(1.0, step / 2)
+
+
+def test_a_resumed_run_after_a_warmup_from_lr_0_counts_and_computes_norms_as_an_uninterrupted_one(tmp_path):
+    """Step 0 of the warmup has lr 0, which is no CD update: 4 steps make 3 (the steps of lr > 0), and a run resumed
+    from the checkpoint of step 2 (1 update so far, not its global_step 2) counts 3 too. The update norms, computed
+    on every 2nd update, then come from the same update (the one of step 2) as in the uninterrupted run."""
+    steps, every = 4, 2
+    nonzero = sum(warmup(s) > 0 for s in range(steps))  # the updates CD makes: 3
+    full_trainer, initial, _ = train(tmp_path / "full", steps=steps, schedule=warmup, cd_kwargs={"norms_every": every})
+    full = next(c for c in full_trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    train(tmp_path / "cut", steps=steps, save_steps=2, model=copy.deepcopy(initial), schedule=warmup)
+    given = ColinearityDecayCallback(lam=LAM, norms_every=every)
+    train(tmp_path / "cut", steps=steps, resume=str(tmp_path / "cut" / "checkpoint-2"), model=copy.deepcopy(initial),
+          callback=given, schedule=warmup)
+    want, got = full.decay.metrics(), given.decay.metrics()
+    assert want["cd/updates"] == got["cd/updates"] == nonzero
+    norms = sorted(k for k in want if k.startswith("cd/update_norm/"))
+    assert norms and norms == sorted(k for k in got if k.startswith("cd/update_norm/"))
+    assert all(abs(got[k] - want[k]) <= 1e-9 * want[k] for k in norms), [(k, got[k], want[k]) for k in norms]
+
+
+def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step(tmp_path):
+    """A checkpoint saved before the counter was saved with it (no entry in trainer_state.json's
+    stateful_callbacks): the counter starts at the restored global_step, as it did then."""
+    train(tmp_path, steps=4, save_steps=2, schedule=warmup)
+    path = tmp_path / "checkpoint-2" / "trainer_state.json"
+    saved = json.loads(path.read_text())
+    saved["stateful_callbacks"] = {k: v for k, v in saved["stateful_callbacks"].items() if "ColinearityDecay" not in k}
+    path.write_text(json.dumps(saved))
+    given = ColinearityDecayCallback(lam=LAM)
+    train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given, schedule=warmup)
+    assert given.decay.num_updates == 2 + 2
 
 
 def test_a_resumed_trainer_runs_the_callback_as_given_not_as_saved(tmp_path):

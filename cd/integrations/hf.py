@@ -17,8 +17,13 @@ The model and the optimizer come from the Trainer (`on_train_begin`). The update
 gives the same weights as an uninterrupted one, with the callback as it is given to the resumed Trainer. The
 callback is deliberately not one of the Trainer's stateful callbacks: `restore_callback_states_from_checkpoint=True`
 would replace it by a new instance built from the arguments saved in the checkpoint, dropping changed
-arguments and leaving the caller's object (and its `decay`) unused. The logging counter `cd/updates` starts at
-the Trainer's restored `global_step` instead (which counts the steps fp16 skipped too).
+arguments and leaving the caller's object (and its `decay`) unused. The logging counter `cd/updates` (which also
+sets the steps whose update norms are computed, `norms_every`) is saved in the checkpoint's `trainer_state.json`
+instead, as a plain entry of its `stateful_callbacks` under `COUNTER_KEY` (not a callback's class name, so the
+Trainer rebuilds nothing from it; with `restore_callback_states_from_checkpoint=True` it logs that entry as a
+callback "not included in current configuration", and it is restored all the same). A checkpoint without that
+entry (saved by an earlier version of this callback) starts the counter at the restored `global_step`, which
+also counts the steps of lr 0 (a warmup's first) and those fp16 skipped: too high by those steps.
 
 The Trainer has no event for a `train()` that raises (Lightning has `on_exception`): the binding of a failed run
 stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step` and the step. Each `train()`
@@ -37,6 +42,9 @@ from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
 from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
+
+# the entry of TrainerState.stateful_callbacks that holds the counter: {"num_updates": n, "global_step": step}
+COUNTER_KEY = "cd.integrations.hf.ColinearityDecayCallback"
 
 
 def check_datasets_not_shadowed() -> None:
@@ -84,8 +92,7 @@ class ColinearityDecayCallback(TrainerCallback):
             if getattr(owner, "trainer_state", state) is not state:
                 owner.remove()
         self.decay = ColinearityDecay(model, **self.cd_kwargs)
-        if self.decay._active:  # a resumed run's steps so far (logging only); lam=0 makes no update to count
-            self.decay.num_updates = state.global_step
+        self._restore_counter(state)
         (self._binding,) = bind_optimizers(self.decay, [optimizer]).values()
         self._binding.trainer_state = state  # the train() it serves
 
@@ -108,8 +115,26 @@ class ColinearityDecayCallback(TrainerCallback):
                                "when the callback was added after the Trainer was made): pass the callback in "
                                "Trainer(callbacks=[...])")
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # every step, since a save may come after it (by step, by epoch, at the best eval, a callback's request)
+        # and the Trainer calls no callback before writing trainer_state.json; the count reads the device only
+        # where it counts there (a fused optimizer's steps under GradScaler, whose scale accelerate reads at
+        # every step anyway)
+        if state.stateful_callbacks is not None:
+            state.stateful_callbacks[COUNTER_KEY] = {"num_updates": self.decay.state_dict()["num_updates"],
+                                                     "global_step": state.global_step}
+
     def on_train_end(self, args, state, control, **kwargs):
         self._unbind()
+
+    def _restore_counter(self, state) -> None:
+        """The counter of a resumed run: the saved one, when it was saved at the step the Trainer restored;
+        else (a checkpoint without it) the restored global_step, where CD updates at all (lam=0 counts none)."""
+        saved = (state.stateful_callbacks or {}).get(COUNTER_KEY)
+        if isinstance(saved, dict) and saved.get("global_step") == state.global_step:
+            self.decay.load_state_dict({"num_updates": saved["num_updates"]})
+        elif self.decay._active:
+            self.decay.num_updates = state.global_step
 
     def _unbind(self) -> None:
         if self._binding is not None:
