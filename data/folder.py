@@ -3,7 +3,8 @@
 A missing root, a missing split folder or a split without class folders is a clear error here rather
 than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
 its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
-either would change the class set silently. timm's reader also accepts a .tar per split.
+either would change the class set silently. timm's reader also accepts a .tar per split, checked by the same
+rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar).
 
 The images are exactly the files timm's reader reads (its extensions, `read_extensions`): what is checked,
 counted and reported is what is read. An image file that timm would skip without a word (a .webp, .bmp,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import tarfile
 
 import numpy as np
@@ -205,8 +207,7 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
     dataset = ImageFolderDataset(path, transform=transform)
     if len(dataset) == 0:
         raise DataError(f"{path} holds no images")
-    if os.path.isdir(path):
-        check_class_folders(path, dataset)
+    check_class_folders(path, dataset)
     return dataset
 
 
@@ -231,40 +232,83 @@ def folder_fingerprint(dataset: ImageDataset) -> dict:
 
 
 def class_folders(path: str) -> list[str]:
-    """The class names of the split folder `path` by the rule `check_class_folders` enforces: its sub-folders
-    (hidden ones, such as .ipynb_checkpoints, aside), sorted as timm numbers them."""
+    """The class names of the split `path` by the rule `check_class_folders` enforces, sorted as timm numbers them:
+    a folder's sub-folders, a .tar's top-level folders and the class tars it holds (`tar_class_folders`); hidden
+    ones, such as .ipynb_checkpoints, aside."""
     from timm.utils.misc import natural_key
 
-    return sorted((d.name for d in os.scandir(path) if d.is_dir() and not d.name.startswith(".")),
-                  key=natural_key)
+    names = ([d.name for d in os.scandir(path) if d.is_dir()] if os.path.isdir(path) else tar_class_folders(path))
+    return sorted((name for name in set(names) if not name.startswith(".")), key=natural_key)
+
+
+def tar_class_folders(path: str) -> set[str]:
+    """The class folders of the tar split `path`: the first folder of every member's path, and the name of each
+    top-level .tar (a class tar, read by timm as a folder of that name). Only the outer tar's headers are read:
+    a pass over a tar of class tars skips over their contents."""
+    folders = set()
+    with tarfile.open(path) as tar:
+        for member in tar:
+            parts = tar_path(member.name).split("/")
+            if member.isdir() or len(parts) > 1:
+                folders.add(parts[0])
+            elif member.isfile() and os.path.splitext(parts[0])[1].lower() == ".tar":
+                folders.add(os.path.splitext(parts[0])[0])
+    folders.discard(".")  # the tar's root, as `tar -C split .` stores it
+    return folders
+
+
+def tar_path(name: str) -> str:
+    """A tar member's name as a path in the split, "./" and a leading "/" aside (`tar -C split .` writes ./cat/x)."""
+    return posixpath.normpath(name).lstrip("/")
+
+
+def images_outside_class_folders(path: str, dataset: ImageDataset) -> list[str]:
+    """The images of the split `path` that do not sit directly in the class folder timm labels them with, as paths
+    relative to the split (in a .tar, its members' names after their class tar's, as `folder_fingerprint`)."""
+    reader = dataset.reader
+    if os.path.isdir(path):
+        # each class's folder joined once, not per image (1.28 M images: about half the time); a hidden one never
+        # matches
+        folder_of = {index: os.path.join(path, name) for name, index in reader.class_to_idx.items()
+                     if not name.startswith(".")}
+        return [os.path.relpath(f, path) for f, target in reader.samples if os.path.dirname(f) != folder_of.get(target)]
+    # a .tar: timm labels an image by the last folder of its path, a class tar counting as a folder of its name,
+    # so an image at the root is class '' (or '.') and cat/nested/x.png class 'nested', merged with any other
+    # nested/. Each image must be <class>/<image>, or <class>.tar holding <image>, and labelled <class>.
+    outside = []
+    for (member, _, inner), target in zip(reader.samples, reader.targets):
+        folder = os.path.splitext(inner.name)[0] if inner is not None else ""
+        parts = tar_path(posixpath.join(folder, member.name)).split("/")
+        if len(parts) != 2 or parts[0].startswith(".") or parts[0] != reader.class_idx_to_name[int(target)]:
+            outside.append("/".join(n.name for n in (inner, member) if n is not None))
+    return outside
 
 
 def check_class_folders(path: str, dataset: ImageDataset) -> None:
-    """The classes of a split are its sub-folders, each holding its images directly, or a DataError.
+    """The classes of a split (a folder or a .tar) are its class folders, each holding its images directly, or a
+    DataError.
 
-    timm makes a class of every folder that holds an image, at any depth, and of none that holds no image:
-    an image directly under the split (class ''), one in a nested or hidden folder, or an empty class
-    folder would change the class set, and so the meaning of every label, without a word.
+    timm makes a class of every folder that holds an image, at any depth (in a .tar, of the last folder's name), and
+    of none that holds no image: an image directly under the split (class ''), one in a nested or hidden folder, or
+    an empty class folder would change the class set, and so the meaning of every label, without a word.
     """
-    reader = dataset.reader
-    # each class's folder joined once, not per image (1.28 M images: about half the time); a hidden one never matches
-    folder_of = {index: os.path.join(path, name) for name, index in reader.class_to_idx.items()
-                 if not name.startswith(".")}
-    outside = [f for f, target in reader.samples if os.path.dirname(f) != folder_of.get(target)]
+    outside = images_outside_class_folders(path, dataset)
     if outside:
+        where = f"{path}/<class>/" if os.path.isdir(path) else f"a top-level <class>/ folder or <class>.tar of {path}"
         raise DataError(f"{path}: {len(outside)} image(s) outside a class folder, e.g. "
-                        f"{', '.join(os.path.relpath(f, path) for f in outside[:3])}: images must sit "
-                        f"directly in {path}/<class>/; anywhere else timm would count them as a class of "
-                        f"their own. Move them into their class folder or out of {path}")
+                        f"{', '.join(outside[:3])}: images must sit directly in {where}; anywhere else timm would "
+                        f"count them as a class of their own. Move them into their class folder or out of {path}")
     from timm.utils.misc import natural_key
     keys: dict = {}
-    for name in class_folders(path):  # timm sorts by natural_key; a tie's order would follow the hash seed
+    folders = class_folders(path)
+    for name in folders:  # timm sorts by natural_key; a tie's order would follow the hash seed
         keys.setdefault(tuple(natural_key(name)), []).append(name)
     tied = next((names for names in keys.values() if len(names) > 1), None)
     if tied:
         raise DataError(f"{path}: class folders {', '.join(tied)} sort as one name (case and leading zeros aside), "
                         f"so their label order would change from process to process: rename them apart")
-    empty = [name for name in class_folders(path) if name not in reader.class_to_idx]
+    labelled = set(class_names(dataset))
+    empty = [name for name in folders if name not in labelled]
     if empty:
         raise DataError(f"{path}: class folder(s) {', '.join(empty[:5])} hold no images, so they would not "
                         f"be classes and every later label would shift: add their images or remove the "
