@@ -1,13 +1,18 @@
 """The embedded real data set: scikit-learn's 1,797 handwritten 8x8 digits (10 classes, no download).
 
 Images are upscaled (bicubic) to a small square RGB image so that tiny ViTs/Swins and the ordinary
-timm transform pipeline apply unchanged. The train/val split is stratified and fixed (seed 0).
+timm transform pipeline apply unchanged. The train/val split is stratified and fixed (seed 0): each split
+needs at least one image per class, which bounds data.digits_val_fraction (`check_val_fraction`).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
+
+from configs import ConfigError
 
 
 class DigitsDataset(Dataset):
@@ -22,6 +27,7 @@ class DigitsDataset(Dataset):
         if split not in ("train", "val"):
             raise ValueError(f"digits has splits 'train' and 'val', not '{split}'")
         digits = load_digits()
+        check_val_fraction(val_fraction, len(digits.target), len(set(digits.target.tolist())))
         images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
         idx_train, idx_val = train_test_split(np.arange(len(images)), test_size=val_fraction,
                                               stratify=digits.target, random_state=0)
@@ -37,3 +43,18 @@ class DigitsDataset(Dataset):
     def __getitem__(self, i: int):
         img = self.images[i]
         return (self.transform(img) if self.transform else img), self.targets[i]
+
+
+def check_val_fraction(val_fraction: float, images: int, classes: int) -> None:
+    """A ConfigError unless `val_fraction` of `images` leaves at least `classes` images in each split: a stratified
+    split (sklearn's train_test_split) needs one image per class in each, or it ends in a ValueError naming its own
+    arguments. It takes ceil(val_fraction * images) images for val, the rest for train."""
+    val = math.ceil(val_fraction * images)
+    if classes <= val <= images - classes:
+        return
+    # the closed range of 4-decimal values that fit, each bound rounded inwards: (classes - 1) / images < fraction
+    # <= (images - classes) / images
+    low, high = math.floor((classes - 1) / images * 1e4 + 1) / 1e4, math.floor((images - classes) / images * 1e4) / 1e4
+    raise ConfigError(f"data.digits_val_fraction={val_fraction} leaves {val} of the {images} digits images for val "
+                      f"and {images - val} for train; a stratified split needs at least {classes} (one per class) in "
+                      f"each: set data.digits_val_fraction between {low} and {high}")
