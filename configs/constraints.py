@@ -142,11 +142,28 @@ def check_together(cfg: Any) -> list[str]:
                         f"sched.per_step=true (the lr changes every update) or a whole number of warmup epochs")
     if (problem := loader_timeout_problem(cfg.data)) is not None:
         problems.append(problem)
+    if (problem := kwargs_without_value_problem(cfg.model)) is not None:
+        problems.append(problem)
     channels = cfg.model.kwargs.get("in_chans", 3)
     if channels != 3:  # every data set here gives RGB images (data/folder.py converts to RGB)
         problems.append(f"model.kwargs.in_chans={channels}: the data pipeline gives 3-channel RGB images "
                         f"(with data.mean / data.std of 3 values); drop model.kwargs.in_chans")
     return problems
+
+
+def kwargs_without_value_problem(model: Any) -> Optional[str]:
+    """The refusal of a model.kwargs entry without a value (`model`: a ModelConfig), or None. timm's create_model
+    drops None arguments, so the model would be built with its default (a variant's depth=null: timm's 12 blocks)
+    or without the entry at all, while the config and results record it as set. YAML reads `{num_heads:4}` (no
+    space after the colon) as {'num_heads:4': None}. models/factory.py checks again for configs that skip
+    `check_together` (a ModelConfig made in code, a checkpoint's config)."""
+    empty = [key for key, value in model.kwargs.items() if value is None]
+    if not empty:
+        return None
+    key = empty[0]
+    spacing = (f" (YAML reads '{key}' as one key without a value: write a space after the colon, "
+               f"{{{key.replace(':', ': ', 1)}}})" if ":" in key else "")
+    return f"model.kwargs.{key} is null{spacing}: give it a value, or leave the entry out for the model's own default"
 
 
 def loader_timeout_problem(data: Any) -> Optional[str]:

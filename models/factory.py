@@ -16,6 +16,7 @@ import timm
 import torch
 import torch.nn as nn
 
+from configs.constraints import kwargs_without_value_problem
 from configs.schema import ModelConfig
 
 from .attention_sinks import use_sink_attention
@@ -53,16 +54,10 @@ def without_dropout_rates(kwargs: dict) -> dict:
 
 
 def check_kwargs_given(cfg: ModelConfig) -> None:
-    """Refuse a model.kwargs entry without a value: timm's create_model drops None arguments, so the model would be
-    built with its default (a variant's depth=null: timm's 12 blocks) or without the entry at all, while the config
-    and results record it as set. YAML reads `{num_heads:4}` (no space after the colon) as {'num_heads:4': None}."""
-    empty = [key for key, value in cfg.kwargs.items() if value is None]
-    if empty:
-        key = empty[0]
-        spacing = (f" (YAML reads '{key}' as one key without a value: write a space after the colon, "
-                   f"{{{key.replace(':', ': ', 1)}}})" if ":" in key else "")
-        raise ModelError(f"model.kwargs.{key} is null{spacing}: give it a value, or leave the entry out for the "
-                         f"model's own default")
+    """Refuse a model.kwargs entry without a value (configs.constraints.kwargs_without_value_problem), which
+    load_config refuses already: here for a ModelConfig that did not come through it."""
+    if (problem := kwargs_without_value_problem(cfg)) is not None:
+        raise ModelError(problem)
 
 
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
