@@ -1,5 +1,6 @@
 """Figures that the documentation and the configs' comments state agree with the records they come from: a
-timing in a config's comment is a row of docs/measurements.md (named by its commit)."""
+timing in a config's comment is a row of docs/measurements.md (named by its commit), and the wording of
+docs/mini_reproduction.md's comparison of CD with the baseline holds for the numbers of its own table."""
 import glob
 import os
 import re
@@ -32,3 +33,33 @@ def test_a_timing_in_a_configs_comment_is_a_measurement_row_that_it_names():
             if not any(re.search(rf"(?<![\d.]){re.escape(number)} ?{unit}\b", row) for row in named):
                 unbacked.append(f"{os.path.relpath(path, ROOT)}: {number} {unit}")
     assert not unbacked, unbacked
+
+
+def results_table(text: str) -> dict[str, list[str]]:
+    """method -> its cells in the first results table of docs/mini_reproduction.md."""
+    table = text[text.index("## Results"):]
+    return {cells[1]: cells[2:-1] for line in table.splitlines()[:8] if line.startswith("| ")
+            for cells in [[c.strip() for c in line.split("|")]]}
+
+
+def means(cell: str) -> list[float]:
+    """The means of a "mean ± std" cell, or of each part of "a ± s / b ± t"."""
+    return [float(part.split("±")[0]) for part in cell.split("/")]
+
+
+def test_the_mini_reproduction_states_cds_difference_from_the_baseline_as_its_table_shows_it():
+    with open(os.path.join(ROOT, "docs", "mini_reproduction.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = results_table(text)
+    base, cd = table["Baseline"], table["CD (lam 0.01, fc2 0.02)"]
+    float_gap = abs(means(base[0])[0] - means(cd[0])[0])
+    max_gap = max(abs(a - b) for a, b in zip(means(base[1]), means(cd[1])))
+    sentence = " ".join(text[text.index("Float accuracy"):].split(";")[0].split())
+    if "Float accuracy matches the baseline exactly" in sentence:
+        assert float_gap == 0, (sentence, float_gap)
+    if "match the baseline to two decimals" in sentence:  # float accuracy and every maximum, as the table prints
+        assert float_gap == 0 and max_gap == 0, (sentence, float_gap, max_gap)
+    bound = re.search(r"every maximum (?:to )?within (\d+(?:\.\d+)?)", sentence)
+    if bound is not None:
+        assert max_gap <= float(bound.group(1)) + 1e-9, (sentence, max_gap)
+    assert bound is not None or "to two decimals" in sentence, sentence  # a stated gap that this test checks
