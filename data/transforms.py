@@ -2,8 +2,12 @@
 
 Train: RandomResizedCrop (bicubic), flip, RandAugment, normalize, random erasing. Eval: resize to
 img_size / crop_pct, center crop, normalize. RandAugment switches colour jitter off inside timm.
+data.auto_augment is checked section by section against what timm's parser reads (`check_auto_augment`): timm
+skips a section it does not read without a word.
 """
 from __future__ import annotations
+
+import re
 
 from timm.data import create_transform
 
@@ -29,14 +33,68 @@ def build_transform(cfg: DataConfig, img_size: int, is_training: bool):
                             crop_mode=cfg.crop_mode)
 
 
+# What timm's parser of each policy family (timm.data.auto_augment; create_transform picks the family by the
+# policy's start) reads from a '-' section: a key followed by a number. Any other section is skipped without a word
+# (rand-m9-inc, a forgotten value, trains the non-increasing set), so it is refused here.
+POLICY_KEYS = {
+    "rand": ("m", "n", "p", "mstd", "mmax", "inc"),  # rand_augment_transform
+    "augmix": ("m", "w", "d", "a", "b", "mstd"),  # augment_and_mix_transform
+    "auto": ("mstd",),  # auto_augment_transform: original, originalr, v0, v0r, 3a
+}
+# RandAugment's t<name> section picks a transform set by name; timm takes any name it does not know (a typo too)
+# for its default set
+RAND_TRANSFORM_SETS = ("weights", "3aw", "3a")
+FAMILY_NAMES = {"rand": "RandAugment", "augmix": "AugMix", "auto": "AutoAugment"}
+
+
+def policy_family(policy: str) -> str:
+    """The parser timm's create_transform hands `policy` to: 'rand', 'augmix' or 'auto' (AutoAugment)."""
+    return "rand" if policy.startswith("rand") else "augmix" if policy.startswith("augmix") else "auto"
+
+
 def check_auto_augment(policy: str) -> None:
     """data.auto_augment as timm parses it (rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, ...): a policy timm
-    cannot read is a ConfigError naming the key, not an AssertionError from inside timm."""
+    cannot read is a ConfigError naming the key, not an AssertionError from inside timm, and so is one with a
+    section that timm would skip or overrule without a word (`check_policy_sections`)."""
     if not policy:
         return
+    check_policy_sections(policy)
     try:
         create_transform(32, is_training=True, auto_augment=policy)
     except Exception as e:  # noqa: BLE001 - timm asserts, or raises KeyError / ValueError, by policy part
         raise ConfigError(f"data.auto_augment={policy!r} is not a policy timm can read ({type(e).__name__}: "
                           f"{e}); e.g. rand-m9-mstd0.5-inc1 (RandAugment), augmix-m5-w4-d2, v0, or \"\" for none"
                           ) from None
+
+
+def check_policy_sections(policy: str) -> None:
+    """Each '-' section after the policy's name must be one timm's parser for its family reads: a key of
+    POLICY_KEYS with a number (m9, mstd0.5, inc1), or for RandAugment t<name> naming one of RAND_TRANSFORM_SETS;
+    each key once (timm keeps the first mstd and the last of the others). Else a ConfigError naming the section."""
+    family = policy_family(policy)
+    keys = POLICY_KEYS[family]
+    readable = ", ".join([f"{k}<number>" for k in keys] + (["t<set>"] if family == "rand" else []))
+
+    def refused(section: str, why: str) -> ConfigError:
+        return ConfigError(f"data.auto_augment={policy!r} is not a policy timm can read: section {section!r} {why}")
+
+    seen: dict[str, str] = {}
+    for section in policy.split("-")[1:]:
+        if family == "rand" and section.startswith("t"):  # as timm reads it: t<name> before any number
+            key = "t"
+            if section[1:] not in RAND_TRANSFORM_SETS:
+                sets = ", ".join(f"t{name}" for name in RAND_TRANSFORM_SETS)
+                raise refused(section, f"names no transform set timm has ({sets}); timm would use its default set "
+                                       f"instead")
+        else:
+            key, number, _ = (re.split(r"(\d.*)", section) + ["", ""])[:3]  # timm's split: key, then from the digit
+            parser = f"timm's {FAMILY_NAMES[family]} parser"
+            if not number:
+                raise refused(section, f"has no number, so {parser} would skip it without a word (it reads "
+                                       f"{readable})")
+            if key not in keys:
+                raise refused(section, f"is no setting {parser} reads ({readable})")
+        if key in seen:
+            raise refused(section, f"sets {key} again after {seen[key]!r}, and timm would keep only one of them: "
+                                   f"give it once")
+        seen[key] = section
