@@ -114,6 +114,20 @@ def quant_flags(args, pipelines) -> None:
         raise DetectionError(f"--calib-seed {args.calib_seed}: give a seed {Seed.violation(args.calib_seed)}")
 
 
+def check_head_options(name: str, options) -> None:
+    """Refuse a head bit-width for a detector: head_w_bits / head_a_bits set a classifier's head (quant/spec.py
+    HEAD: timm's head, head.fc, head_dist), a module no MMDetection detector has, so the option would be recorded
+    in the result's settings and change nothing (the detector's RPN and RoI heads are quantized at the main
+    bit-width, its mask head's ConvTranspose2d stays float)."""
+    given = [f"{key}={getattr(options, key)}" for key in ("head_w_bits", "head_a_bits")
+             if getattr(options, key, None) is not None]
+    if given:
+        from engine.detection import DetectionError
+        raise DetectionError(f"--quant-options {', '.join(f'{name}.{item}' for item in given)}: the bit-width of a "
+                             "classifier's head (timm's head / head.fc), which a detector does not have (its RPN and "
+                             "RoI heads take the main bit-width); drop it")
+
+
 def check_image_counts(images, todo, options, calib_images: int) -> None:
     """Refuse, before any work, a calibration batch or a pipeline's own image set (APHQ's reconstruction, GPLQ's
     QwT) larger than the training split `images`."""
@@ -173,6 +187,7 @@ def main(argv=None) -> dict:
             check_aphq_options(parsed)
         if name == "gplq":
             check_gplq_options(parsed)
+        check_head_options(name, parsed)
         for b in bits:
             PIPELINES[name].validate(parse_bits(b), parsed)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,36 @@
+"""Detection options that would be recorded but change nothing, refused before any model or data set is built
+(so with mmcv-lite: part of the default suite)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mmdet")
+
+from detection_runs import SAMPLE_CONFIG  # noqa: E402
+
+
+@pytest.mark.parametrize("pipeline", ["percentile", "repq", "aphq", "gplq"])
+@pytest.mark.parametrize("option", ["head_w_bits=8", "head_a_bits=8", "head_w_bits=0", "head_a_bits=4"])
+def test_a_classifier_head_bit_width_is_refused_for_every_detection_pipeline(tmp_path, pipeline, option):
+    """The head rule matches timm's head / head.fc / head_dist, which no MMDetection detector has: the option was
+    written into the result's settings and quantized nothing differently. The config and checkpoint are never
+    read (neither exists), so the refusal comes before any work."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "none.pth"), "--data-root",
+            str(tmp_path / "none"), "--out", str(out), "--quant", pipeline, "--quant-options", f"{pipeline}.{option}"]
+    with pytest.raises(DetectionError) as refused:
+        main(argv)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"--quant-options {pipeline}.{option}: ") and "detector does not have" in message
+    assert not out.exists()
+
+
+def test_a_head_bit_width_left_at_its_default_passes_the_head_check():
+    """null is the default (the main bit-width for a classifier): it changes nothing and is not refused."""
+    from configs.quant import FirstLastOptions
+    from evaluate_detection import check_head_options
+    check_head_options("repq", FirstLastOptions())
+    check_head_options("repq", FirstLastOptions(stem_w_bits=8, stem_a_bits=8))  # the stem is the detector's too
