@@ -10,8 +10,10 @@ at that update:
   parameter NAME; the hyperparameters of every group (lr, initial_lr, weight_decay, betas, eps, momentum,
   lr_scale, fused, ...) are those of the freshly built optimizer. Groups may therefore change (weight
   decay 0 <-> > 0 and layer decay on / off regroup the parameters). Group-level state that some timm
-  optimizers keep in the group (Lamb's `step`) is carried over. A change of optimizer (`optim.name`) is
-  refused by train.py: adamw's moments are meaningless to sgd.
+  optimizers keep in the group is carried over: keys the fresh group lacks (Lamb's and Adan's `step`, made at
+  their first step), and the step counters (`step`, `*_step`: Lookahead's `lookahead_step`, which a fresh
+  Lookahead puts into every group as 0), whose saved count wins over the fresh one. A change of optimizer
+  (`optim.name`) is refused by train.py: adamw's moments are meaningless to sgd.
 * schedule: not restored at all. timm schedulers are pure functions of their settings and the update /
   epoch number, and the loop sets the lr of the current update at the start of every epoch
   (engine/loop.py), so the fresh scheduler of the new config is the right one.
@@ -35,7 +37,7 @@ from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["optimizer_param_names", "restore_optimizer", "epoch_position", "resume_position",
+__all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "resume_position",
            "check_schedule_holds"]
 
 
@@ -78,7 +80,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, saved_names
         new_group = dict(group)  # the fresh settings, with the fresh indices in "params"
         olds = [saved_groups[group_of[n]] for n in group_names if n in group_of]
         if olds:  # state kept in the group itself (e.g. timm's Lamb 'step'): from the saved group
-            new_group.update({k: v for k, v in olds[0].items() if k not in group and k != "param_names"})
+            new_group.update({k: v for k, v in olds[0].items()
+                              if (k not in group or is_group_counter(k, v)) and k != "param_names"})
         for index, name in zip(group["params"], group_names):
             if name in by_name:
                 state[index] = by_name[name]
@@ -88,6 +91,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, saved_names
         raise CheckpointError(f"the checkpoint's optimizer holds state of parameters this model lacks "
                               f"({', '.join(unused[:4])}): resume it with the model it was written with")
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def is_group_counter(key: str, value) -> bool:
+    """Whether a group entry is a step count the optimizer advances (timm's Lamb / Adan `step`, Lookahead's
+    `lookahead_step`), state to carry over, not a setting of the config: named `step` or `*_step`, and a number
+    (a plain int or a tensor; a bool such as Adafactor's `relative_step` is a setting)."""
+    return ((key == "step" or key.endswith("_step")) and not isinstance(value, bool)
+            and isinstance(value, (int, torch.Tensor)))
 
 
 def check_schedule_holds(step: int, total_steps: int, schedule: str, checkpoint: str) -> None:

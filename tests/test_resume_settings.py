@@ -141,6 +141,25 @@ def test_a_group_level_step_counter_is_carried_over():
     assert new.param_groups[0]["step"] == 7 and new.param_groups[0]["lr"] == 0.5
 
 
+def test_a_group_counter_that_a_fresh_optimizer_also_holds_is_the_saved_one():
+    """timm's Lookahead puts lookahead_step=0 into every group of a fresh optimizer and pulls the weights back at
+    every lookahead_k-th update it counts: the saved count wins over that 0 (a restarted count pulls back at other
+    updates), while its settings (lookahead_k, lookahead_alpha, lr) and a bool such as Adafactor's relative_step
+    stay those of the fresh optimizer."""
+    from timm.optim.lookahead import Lookahead
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    names = optimizer_param_names(model, torch.optim.SGD(model.parameters(), lr=1))
+    saved = Lookahead(torch.optim.SGD(model.parameters(), lr=1.0), k=5).state_dict()
+    saved["param_groups"][0].update(lookahead_step=7, relative_step=False)
+    new = Lookahead(torch.optim.SGD(model.parameters(), lr=0.5), k=6)
+    new.param_groups[0]["relative_step"] = True
+    assert new.param_groups[0]["lookahead_step"] == 0
+    restore_optimizer(new, saved, names, names)
+    group = new.param_groups[0]
+    assert (group["lookahead_step"], group["lookahead_k"], group["lr"], group["relative_step"]) == (7, 6, 0.5, True)
+
+
 def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_path):
     from tests.test_data import make_image_folder
     make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)

@@ -62,8 +62,11 @@ def checkpoint_tensors(path):
 @pytest.mark.parametrize("regularizers",
                          [(), ("cd.enabled=true", "tweo.enabled=true", "tweo.schedule=cosine"),
                           ("cd.enabled=true", "cd.mode=loss"),
-                          ("cd.enabled=true", "train.amp=fp16", "optim.fused=true")],
-                         ids=["plain", "cd+tweo", "cd_loss", "cd+fp16+fused"])
+                          ("cd.enabled=true", "train.amp=fp16", "optim.fused=true"),
+                          # timm's Lookahead counts its updates in the groups (lookahead_step) and pulls the weights
+                          # back every 6th: from update 6 on a counter restarted at the resume (update 3) shows
+                          ("optim.name=lookahead_adamw", "optim.lr=1e-3")],
+                         ids=["plain", "cd+tweo", "cd_loss", "cd+fp16+fused", "lookahead"])
 def test_exact_resume_mid_epoch(debug_config, regularizers):
     # mixup/cutmix (DeiT defaults), drop path 0.1, 2 accumulation steps and EMA all draw randomness or state
     common = ("train.ema=true", "train.ema_decay=0.9", "sched.per_step=true", *regularizers)
@@ -83,6 +86,10 @@ def test_exact_resume_mid_epoch(debug_config, regularizers):
     where_best = ("best_epoch", "best_step")
     assert ({k: v for k, v in state_a.items() if k not in where_best}
             == {k: v for k, v in state_b.items() if k not in where_best}) and sched_a == sched_b
+    # the groups' settings and the counters some optimizers keep in them (Lookahead's lookahead_step)
+    groups_a, groups_b = (torch.load(os.path.join(cfg.out_dir, "checkpoint.pt"), weights_only=True)["optimizer"]
+                          ["param_groups"] for cfg in (straight, split))
+    assert groups_a == groups_b
 
 
 def test_a_resumed_run_counts_the_cd_updates_made_before_its_checkpoint(debug_config):
