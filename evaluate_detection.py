@@ -367,13 +367,21 @@ def evaluation_reads(pipelines: Sequence[str]):
 
 def check_scoring_evaluator(cfg) -> None:
     """Refuse a test metric that writes predictions without scoring them (CocoMetric's format_only): the result
-    file would hold an FP entry without an mAP, which a later call takes as computed."""
+    file would hold an FP entry without an mAP, which a later call takes as computed. Refuse one that dumps its
+    predictions to a fixed place (outfile_prefix) too: every scoring of a call, full precision and each pipeline
+    and bit-width, would write PREFIX.bbox.json ... over the one before, and over files already there."""
     from engine.detection import DetectionError
     metrics = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [cfg.test_evaluator]
     if any(metric.get("format_only") for metric in metrics):
         raise DetectionError("test_evaluator.format_only=True writes the predictions without scoring them, and "
                              "evaluate_detection.py records mAPs: drop it (for a submission file, run MMDetection's "
                              "tools/test.py)")
+    prefixes = [metric["outfile_prefix"] for metric in metrics if metric.get("outfile_prefix") is not None]
+    if prefixes:
+        raise DetectionError(f"test_evaluator.outfile_prefix={prefixes[0]}: each scoring of the call (full precision, "
+                             "then every pipeline and bit-width) would write its predictions over the files there "
+                             "and over the last scoring's: drop it (to dump one model's predictions, run "
+                             "MMDetection's tools/test.py)")
 
 
 def evaluator_files(cfg):

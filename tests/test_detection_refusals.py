@@ -1,5 +1,6 @@
 """Detection options that would be recorded but change nothing, refused before any model or data set is built
-(so with mmcv-lite: part of the default suite)."""
+(so with mmcv-lite: part of the default suite; the one marked `detection` reads the config's test metric, which
+needs full mmcv)."""
 from __future__ import annotations
 
 import pytest
@@ -34,3 +35,27 @@ def test_a_head_bit_width_left_at_its_default_passes_the_head_check():
     from evaluate_detection import check_head_options
     check_head_options("repq", FirstLastOptions())
     check_head_options("repq", FirstLastOptions(stem_w_bits=8, stem_a_bits=8))  # the stem is the detector's too
+
+
+@pytest.mark.detection  # the config's test metric is read after the data set's files are checked: full mmcv
+@pytest.mark.parametrize("evaluator", ["test_evaluator.outfile_prefix={prefix}",
+                                       "test_evaluator.outfile_prefix={prefix} test_evaluator.format_only=False"])
+def test_a_test_metric_that_dumps_its_predictions_to_a_prefix_is_refused_before_any_work(sample, tmp_path, evaluator):
+    """CocoMetric writes PREFIX.bbox.json / PREFIX.segm.json at every scoring: over files already there, and each
+    quantized scoring over the full-precision one's. The files there are left as they were, no result is written."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    prefix = tmp_path / "dump" / "preds"
+    prefix.parent.mkdir()
+    kept = prefix.parent / "preds.bbox.json"
+    kept.write_text("[]")  # someone's earlier dump
+    out = tmp_path / "x.json"
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "none.pth"), "--data-root", sample,
+            "--out", str(out), "--quant", "repq", *evaluator.format(prefix=prefix).split()]
+    with pytest.raises(DetectionError) as refused:
+        main(argv)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"test_evaluator.outfile_prefix={prefix}: ")
+    assert "tools/test.py" in message
+    assert kept.read_text() == "[]" and sorted(p.name for p in prefix.parent.iterdir()) == ["preds.bbox.json"]
+    assert not out.exists()
