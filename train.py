@@ -48,7 +48,7 @@ from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
 from engine.act_max import ActivationProbe, check_extra_modules
-from engine.best_checkpoint import BestCheckpoint
+from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
                                save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
@@ -146,15 +146,13 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
         # a best score measured on another validation set compares with no new score: best.pt starts afresh
-        kept = run.best.match_file(run.state, dist.is_main, dist.device, other_validation=bool(other_validation))
+        best = run.best.match_file(run.state, dist.is_main, dist.device, other_validation=bool(other_validation))
         if other_validation:
             log.warning("resuming with another validation set (%s): best.pt's score does not carry over%s; the "
                         "next validation writes best.pt", "; ".join(other_validation),
-                        f", best.pt kept as {kept}" if kept else "")
-        elif kept:
-            log.warning("best.pt was not the best validation of the run up to update %d (a roll-back to an "
-                        "earlier snapshot, or validations after the last checkpoint): kept as %s; the next "
-                        "validation writes best.pt", run.state.step, kept)
+                        f", best.pt kept as {best.kept}" if best.kept else "")
+        elif best.kept or best.restored:
+            log.warning("%s", best_match_line(best, run.state.step, cfg.out_dir))
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)):
         log.info("config.yaml of the run so far kept as %s", kept)
     run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
@@ -164,6 +162,21 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     start_step = run.state.step
     reason, val, train_seconds = train_epochs(run, build_loop(run, preemption), preemption)
     return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds)
+
+
+def best_match_line(best: BestMatch, step: int, out_dir: str) -> str:
+    """The log line of a resume whose best.pt was not the resumed state's (`BestCheckpoint.match_file`): where it
+    was kept, and whether the state's own best.pt is back, or its weights are gone (evaluate.py must not score
+    another branch's best.pt as this one's)."""
+    kept = (f"best.pt was not the best validation of the run up to update {step} (a roll-back to an earlier "
+            f"snapshot, a return to the branch one left, or validations after the last checkpoint): kept as "
+            f"{best.kept}; " if best.kept else "")
+    if best.restored:
+        return f"{kept}the run's own best.pt is back, linked from {best.restored}"
+    if best.lost is not None:
+        return (f"{kept}the weights of the run's best validation (update {best.lost}) are no longer in {out_dir}: "
+                f"the next validation writes best.pt")
+    return f"{kept}the next validation writes best.pt"
 
 
 @dataclass

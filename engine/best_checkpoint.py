@@ -6,26 +6,50 @@ overwrites best.pt when it beats every validation of the run before it. The payl
 reads: the (unwrapped) model, its EMA if any, the run's config, the training state, the metrics of that
 validation and the class names of the data set.
 
-On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`): after a roll-back to
-an earlier snapshot (or a crash after a validation the last checkpoint does not know of) best.pt holds weights
-from beyond the resume point, which the next improvement would overwrite; it is kept aside as
-best.until_step<N>.pt, and best.pt is written afresh by the resumed run's first validation. So is a best.pt
-chosen on another validation set (a resume with train.allow_changed_config=true and a new data.val_windows,
-data.val_split, eval crop, ...: engine/run_dir.VALIDATION_KEYS), whose score no new validation can be compared with.
+On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`). Which write of best.pt
+a score describes is told by the fingerprint of its weights (`TrainState.best_fingerprint`, recorded in the
+checkpoint and in best.pt's own state), not by its update alone: two branches of a run (a roll-back to a snapshot
+and a return to the branch it left) may both validate at the same update. After a roll-back to an earlier
+snapshot (or a crash after a validation the last checkpoint does not know of) best.pt holds weights from beyond
+the resume point, which the next improvement would overwrite; it is kept aside as best.until_step<N>.pt. The
+resumed state's own best.pt, if an earlier move kept it so (a return to the branch a roll-back left), becomes
+best.pt again (a hard link); otherwise the score is cleared and best.pt is written afresh by the resumed run's
+first validation. So is a best.pt chosen on another validation set (a resume with train.allow_changed_config=true
+and a new data.val_windows, data.val_split, eval crop, ...: engine/run_dir.VALIDATION_KEYS), whose score no new
+validation can be compared with. A checkpoint or best.pt written before the fingerprint was recorded is matched
+by the update at which best.pt was written.
 """
 from __future__ import annotations
 
+import glob
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
+from .checkpoint import weights_fingerprint
 from .distributed import all_reduce, raise_on_every_rank
 from .loop import TrainState
 from .run_dir import RunDirError, keep_as_until_step
+from .snapshots import link_or_copy
 
-__all__ = ["BestCheckpoint"]
+__all__ = ["BestCheckpoint", "BestMatch"]
+
+
+@dataclass(frozen=True)
+class BestMatch:
+    """What `BestCheckpoint.match_file` did (on the main rank; None everywhere on the others).
+
+    kept: where a best.pt that was not the resumed state's was moved (best.until_step<N>.pt).
+    restored: the kept file of the resumed state's own best validation, linked back as best.pt.
+    lost: the update of the resumed state's best validation when no file in the folder holds its weights (the
+        score is cleared; the next validation writes best.pt)."""
+
+    kept: Optional[str] = None
+    restored: Optional[str] = None
+    lost: Optional[int] = None
 
 
 class BestCheckpoint:
@@ -40,29 +64,45 @@ class BestCheckpoint:
         self.key, self.higher_is_better = key, higher_is_better
 
     def match_file(self, state: TrainState, is_main: bool, device: torch.device,
-                   other_validation: bool = False) -> Optional[str]:
-        """Make `state`'s best score that of the best.pt on disk, on every rank alike. best.pt written at
-        another update than `state.best_step` (a later one of an abandoned branch, another run's when resumed
-        into a new out_dir), or scored on another validation set (`other_validation`), is moved aside as
-        best.until_step<state.step>.pt; a missing or moved one clears the score, so the next validation writes
-        best.pt. A resume point with no validation yet is no exception: a best.pt beside it comes from beyond it
-        (a roll-back to a snapshot written before the first validation), and that validation would overwrite
-        it. Returns the kept path (main rank) or None."""
-        kept, error, clear = None, None, 1.0 if other_validation else 0.0
+                   other_validation: bool = False) -> BestMatch:
+        """Make `state`'s best score that of the best.pt on disk, on every rank alike. A best.pt that is not the
+        one `state`'s best validation wrote (`_describes`: another branch's, one from beyond the resume point,
+        another run's when resumed into a new out_dir), or one scored on another validation set
+        (`other_validation`), is moved aside as best.until_step<state.step>.pt. The file of `state`'s own best
+        validation, found among the kept best.until_step*.pt, is linked back as best.pt; without one the score
+        is cleared, so the next validation writes best.pt. A resume point with no validation yet is no
+        exception: a best.pt beside it comes from beyond it (a roll-back to a snapshot written before the first
+        validation), and that validation would overwrite it."""
+        match, error, clear = BestMatch(), None, 1.0 if other_validation else 0.0
         if is_main:
             try:
-                written_at = _written_at_step(self.path)
-                if written_at != state.best_step or other_validation:
-                    clear = 1.0
-                    if os.path.exists(self.path):
-                        kept = keep_as_until_step(self.path, state.step)
+                if other_validation or not _describes(_recorded_state(self.path), state):
+                    kept = keep_as_until_step(self.path, state.step) if os.path.exists(self.path) else None
+                    # a best scored on another validation set is no score to restore
+                    restored = None if other_validation else self._restore(state)
+                    clear = 0.0 if restored else 1.0
+                    lost = None if restored or other_validation or state.best_value is None else state.best_step
+                    match = BestMatch(kept=kept, restored=restored, lost=lost)
             except OSError as e:
                 error = RunDirError(f"cannot move {self.path} aside before resuming: {e}")
         raise_on_every_rank(error, device, lambda: RunDirError(f"rank 0 could not move {self.path} aside (its "
                                                                f"error says why)"))
         if all_reduce(torch.tensor([clear], device=device)).item() > 0:
-            state.best_value, state.best_epoch, state.best_step = None, 0, 0
-        return kept
+            state.best_value, state.best_epoch, state.best_step, state.best_fingerprint = None, 0, 0, None
+        return match
+
+    def _restore(self, state: TrainState) -> Optional[str]:
+        """Link the kept best.until_step*.pt that `state`'s best validation wrote back as best.pt (a return to the
+        branch a roll-back left kept it so); its path, or None where no kept file is that write."""
+        if state.best_value is None or state.best_fingerprint is None:
+            return None
+        stem, ext = os.path.splitext(self.path)
+        for path in sorted(glob.glob(f"{glob.escape(stem)}.until_step*{ext}")):
+            recorded = _recorded_state(path)
+            if recorded is not None and recorded.get("best_fingerprint") == state.best_fingerprint:
+                link_or_copy(path, self.path)  # a link: best.pt is replaced by new files, the kept one stays
+                return path
+        return None
 
     def offer(self, state: TrainState, metrics: dict) -> bool:
         """Write best.pt if metrics[key] beats state.best_value (which then becomes it); True if written.
@@ -74,6 +114,8 @@ class BestCheckpoint:
         state.best_value = value
         state.best_epoch = state.current_epoch
         state.best_step = state.step
+        # which write this is, by its weights: deterministic, so an exact resume keeps the same state
+        state.best_fingerprint = weights_fingerprint(self.model.state_dict())
         self.save(lambda: {"model": self.model.state_dict(), "config": self.config,
                            "state": state.state_dict(), "metrics": metrics, "classes": self.classes,
                            **({"model_ema": self.ema.module.state_dict()} if self.ema is not None else {})},
@@ -81,8 +123,19 @@ class BestCheckpoint:
         return True
 
 
-def _written_at_step(path: str) -> Optional[int]:
-    """The update at which best.pt was written (its training state), or None: missing or not readable."""
+def _describes(recorded: Optional[dict], state: TrainState) -> bool:
+    """Whether best.pt, whose training state is `recorded` (None: missing or unreadable), is the file that
+    `state`'s best validation wrote: by the weights' fingerprint both record; by the update for files of
+    before it (where neither records one)."""
+    if recorded is None or state.best_value is None:
+        return False
+    if recorded.get("best_fingerprint") is not None or state.best_fingerprint is not None:
+        return recorded.get("best_fingerprint") == state.best_fingerprint
+    return recorded.get("step") == state.best_step
+
+
+def _recorded_state(path: str) -> Optional[dict]:
+    """The training state a best.pt was written with, or None: missing or not readable."""
     if not os.path.isfile(path):
         return None
     payload = None
@@ -93,4 +146,9 @@ def _written_at_step(path: str) -> Optional[int]:
         except Exception:  # noqa: BLE001 - a file unreadable both ways is one that no score describes
             continue
     state = payload.get("state") if isinstance(payload, dict) else None
-    return state.get("step") if isinstance(state, dict) else None
+    return state if isinstance(state, dict) else None
+
+
+def _written_at_step(path: str) -> Optional[int]:
+    """The update at which best.pt was written (its training state), or None: missing or not readable."""
+    return (_recorded_state(path) or {}).get("step")

@@ -96,6 +96,9 @@ class TrainState:
     best_value: Optional[float] = None  # the best validation score so far (the task's score_key)
     best_epoch: int = 0  # the epoch (1-based; the one in progress for a mid-epoch validation) of best_value
     best_step: int = 0  # ... and its update
+    # weights_fingerprint of the weights best.pt holds for best_value: which write of best.pt the score describes
+    # (two branches of a run may validate at the same update); None before the first, or in older checkpoints
+    best_fingerprint: Optional[str] = None
     validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
     divergence_streak: int = 0  # the divergence guard's high log windows in a row, kept across a resume

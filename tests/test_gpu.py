@@ -306,9 +306,9 @@ RESUMED = ("train.amp=fp16", "cd.enabled=true", "train.ema=true", "train.ema_dec
 
 
 def without_best(state: dict) -> dict:
-    """The counters without where the best validation was: the split run also validated at its stop
-    (train.max_steps), so its best may sit at another update."""
-    return {k: v for k, v in state.items() if k not in ("best_epoch", "best_step")}
+    """The counters without where the best validation was (its update, epoch and weights' fingerprint): the split
+    run also validated at its stop (train.max_steps), so its best may sit at another update."""
+    return {k: v for k, v in state.items() if k not in ("best_epoch", "best_step", "best_fingerprint")}
 
 
 def assert_resumed_like_straight(straight_dir, split_dir, cfg, exact):

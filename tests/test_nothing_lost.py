@@ -1056,10 +1056,10 @@ def test_a_roll_back_to_before_the_first_validation_keeps_the_abandoned_best(tmp
     best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
                           save=lambda payload_fn, target: None)
     state = TrainState(step=4)  # resumed at update 4, before any validation
-    kept = best.match_file(state, True, torch.device("cpu"))
+    kept = best.match_file(state, True, torch.device("cpu")).kept
     assert kept == str(tmp_path / "best.until_step4.pt") and read_bytes(kept) == abandoned and not path.exists()
     assert (state.best_value, state.best_step) == (None, 0)
-    assert best.match_file(TrainState(step=4), True, torch.device("cpu")) is None  # no best.pt: nothing to keep
+    assert best.match_file(TrainState(step=4), True, torch.device("cpu")).kept is None  # no best.pt: nothing to keep
 
 
 def test_a_best_pt_of_another_update_clears_the_whole_best_score_of_the_resume_point(tmp_path):
@@ -1075,7 +1075,7 @@ def test_a_best_pt_of_another_update_clears_the_whole_best_score_of_the_resume_p
     best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
                           save=lambda payload_fn, target: None)
     state = TrainState(step=5, best_value=50.0, best_epoch=1, best_step=3)
-    kept = best.match_file(state, True, torch.device("cpu"))
+    kept = best.match_file(state, True, torch.device("cpu")).kept
     assert kept == str(tmp_path / "best.until_step5.pt") and read_bytes(kept) == abandoned
     assert not path.exists() and (state.best_value, state.best_epoch, state.best_step) == (None, 0, 0)
 
@@ -1135,7 +1135,7 @@ def test_a_resume_keeps_the_best_score_of_the_best_pt_it_wrote(tmp_path):
     best = BestCheckpoint(str(path), model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
                           save=lambda payload_fn, target: written.append(target))
     state = TrainState(step=9, best_value=60.0, best_epoch=2, best_step=6)  # checkpoint.pt, 3 updates later
-    assert best.match_file(state, True, torch.device("cpu")) is None
+    assert best.match_file(state, True, torch.device("cpu")).kept is None
     assert (state.best_value, state.best_epoch, state.best_step) == (60.0, 2, 6) and read_bytes(path) == before
     assert not best.offer(state, {"val/top1": 55.0}) and not written
     assert sorted(os.listdir(tmp_path)) == ["best.pt"]
