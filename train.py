@@ -434,7 +434,8 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
                               f"in {', '.join(changed)} ({then} then, {current} now): point data.root at the "
                               f"data it was trained on, or start a new run")
     try:
-        restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler)
+        restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler,
+                         source=resume_path)
     except RuntimeError as e:  # torch's load_state_dict: weights that do not fit the model the config builds
         if "Error(s) in loading state_dict" not in str(e):
             raise

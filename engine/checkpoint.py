@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -23,6 +24,8 @@ from models.pretrained import mapped_payload
 
 from .distributed import raise_on_every_rank
 from .run_dir import partial_path
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "foreign_objects", "training_payload",
            "restore_training", "save_on_main_rank", "weights_fingerprint"]
@@ -197,10 +200,19 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
     return payload
 
 
-def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None) -> None:
+def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None,
+                     source: Optional[str] = None) -> None:
     """Load a `training_payload` into freshly built objects (in place). `optimizer=None` leaves it as built
     (train.py restores the optimizer by parameter name); the scheduler is never restored, the fresh one of the
-    config is the right one (engine/resume.py)."""
+    config is the right one (engine/resume.py). `source`: the checkpoint's path, for the messages.
+
+    A setting turned on at the resume (train.allow_changed_config=true) whose state the checkpoint lacks:
+    train.amp=fp16's GradScaler starts at its initial scale, as a fresh fp16 run's does (the scale is rescaled
+    away before each step; a too large one skips the first updates while it backs off, as at a fresh start);
+    train.ema=true is refused: an average started now from the checkpoint's weights is not the EMA a run with
+    train.ema=true holds at this update, and evaluate.py --ema would score it as that. State of a setting turned
+    off (an EMA, a loss scale) is left unread."""
+    where = source or "the checkpoint"
     unwrap_model(model).load_state_dict(payload["model"])
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
@@ -208,13 +220,20 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
         if key == "best_top1":  # checkpoints before the task-neutral name; -1 meant "no validation yet"
             key, value = "best_value", (value if value >= 0 else None)
         setattr(state, key, value)
-    for name, obj in (("model_ema", ema and ema.module), ("scaler", scaler)):
-        if obj is None:
-            continue
-        if name not in payload:
-            raise CheckpointError(f"the checkpoint has no '{name}' state but this run uses one; resume with "
-                                  f"the settings it was written with (see config.yaml next to it)")
-        obj.load_state_dict(payload[name])
+    if ema is not None:
+        if "model_ema" not in payload:
+            raise CheckpointError(f"{where} was written without an EMA of the weights and this run keeps one "
+                                  f"(train.ema=true): an average begun at its update {state.step} is not the one a "
+                                  f"run with train.ema=true from the start holds there; resume with "
+                                  f"train.ema=false, or start a new run from its weights (another out_dir, "
+                                  f"model.pretrained={source or 'FILE'})")
+        ema.module.load_state_dict(payload["model_ema"])
+    if scaler is not None:
+        if "scaler" in payload:
+            scaler.load_state_dict(payload["scaler"])
+        else:
+            log.info("%s trained without train.amp=fp16: the fp16 loss scale starts at its initial %g, as a "
+                     "fresh fp16 run's", where, scaler.get_scale())
 
 
 def class_differences(trained, now) -> Optional[str]:

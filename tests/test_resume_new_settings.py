@@ -1,0 +1,61 @@
+"""Settings a resume may change that come with state of their own (docs/operations.md, Resume): train.amp=fp16's
+loss scale and train.ema's average, turned on or off with train.allow_changed_config=true."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from engine.checkpoint import CheckpointError
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+
+def load(out_dir, name):
+    return torch.load(os.path.join(out_dir, name), weights_only=True)
+
+
+def test_fp16_turned_on_at_a_resume_starts_a_fresh_loss_scale_and_turned_off_drops_it(debug_config):
+    """train.amp=fp16 from a checkpoint written without it: the GradScaler is a fresh fp16 run's (its initial
+    scale, 2**16, then its own growth and back-off); train.amp=bf16 after fp16 leaves the saved scale unread and
+    writes none."""
+    train.main(debug_config("train.max_steps=3", name="to_fp16"))
+    resumed = train.main(debug_config("train.amp=fp16", "train.allow_changed_config=true", name="to_fp16"))
+    assert resumed.state.step == 8 and resumed.reason == "finished"
+    scaler = load(debug_config(name="to_fp16").out_dir, "checkpoint.pt")["scaler"]
+    # a GradScaler halves its scale at each skipped update and doubles it after growth_interval (2000) good ones
+    assert scaler["scale"] == 2.0 ** 16 * 0.5 ** resumed.state.skipped_steps
+
+    train.main(debug_config("train.amp=fp16", "train.max_steps=3", name="from_fp16"))
+    assert "scaler" in load(debug_config(name="from_fp16").out_dir, "checkpoint.pt")
+    resumed = train.main(debug_config("train.amp=bf16", "train.allow_changed_config=true", name="from_fp16"))
+    assert resumed.state.step == 8 and "scaler" not in load(debug_config(name="from_fp16").out_dir, "checkpoint.pt")
+
+
+def test_ema_turned_on_at_a_resume_is_refused_in_one_line_naming_train_ema(debug_config):
+    """An EMA begun at the resume is not the average a run with train.ema=true holds at that update (and
+    evaluate.py --ema would score it as one): refused, naming train.ema and the ways on, before anything in
+    out_dir changes. train.ema=false after an EMA run drops the average."""
+    cfg = debug_config("train.max_steps=3")
+    train.main(cfg)
+    files = sorted(os.listdir(cfg.out_dir))
+    checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
+    with pytest.raises(CheckpointError) as refused:
+        train.main(debug_config("train.ema=true", "train.allow_changed_config=true"))
+    assert str(refused.value) == (
+        f"{checkpoint} was written without an EMA of the weights and this run keeps one (train.ema=true): an average "
+        f"begun at its update 3 is not the one a run with train.ema=true from the start holds there; resume with "
+        f"train.ema=false, or start a new run from its weights (another out_dir, model.pretrained={checkpoint})")
+    assert sorted(os.listdir(cfg.out_dir)) == files
+
+    run = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={cfg.out_dir}",
+                          "log.tensorboard=false", "train.ema=true", "train.allow_changed_config=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(f"error: {checkpoint} was written "
+                                                                                  f"without an EMA")
+
+    train.main(debug_config("train.ema=true", "train.max_steps=3", name="ema"))
+    resumed = train.main(debug_config("train.ema=false", "train.allow_changed_config=true", name="ema"))
+    assert resumed.state.step == 8 and "model_ema" not in load(debug_config(name="ema").out_dir, "checkpoint.pt")
