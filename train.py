@@ -49,8 +49,8 @@ from data import (DataError, build_loaders, build_token_loaders, calibration_win
                   check_same_data_on_every_rank)
 from engine.act_max import ActivationProbe, check_extra_modules
 from engine.best_checkpoint import BestCheckpoint, BestMatch
-from engine.checkpoint import (CheckpointError, class_differences, restore_training, run_checkpoint_config,
-                               save_on_main_rank, training_payload)
+from engine.checkpoint import (CheckpointError, class_differences, record_quant_settings, restore_training,
+                               run_checkpoint_config, save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group)
 from engine.divergence import DivergenceError, DivergenceGuard
@@ -153,6 +153,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                         f", best.pt kept as {best.kept}" if best.kept else "")
         elif best.kept or best.restored:
             log.warning("%s", best_match_line(best, run.state.step, cfg.out_dir))
+        if recorded := record_quant_in_checkpoints(run):
+            log.info("quant.* settings changed: recorded in %s, the defaults of evaluate.py --checkpoint",
+                     " and ".join(recorded))
     if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)):
         log.info("config.yaml of the run so far kept as %s", kept)
     run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
@@ -177,6 +180,17 @@ def best_match_line(best: BestMatch, step: int, out_dir: str) -> str:
         return (f"{kept}the weights of the run's best validation (update {best.lost}) are no longer in {out_dir}: "
                 f"the next validation writes best.pt")
     return f"{kept}the next validation writes best.pt"
+
+
+def record_quant_in_checkpoints(run: "Run") -> list[str]:
+    """A resume may change quant.* (no training setting reads them): record the run's quant settings in best.pt,
+    and in checkpoint.pt when the run resumed from it (another resume point's leaves it as the branch it left), now
+    rather than at their next write, which a finished run re-run never makes (evaluate.py --checkpoint reads its
+    defaults from the file it is given). The names of the files rewritten (main rank)."""
+    quant = config_to_dict(run.cfg)["quant"]
+    files = [run.best.path] + ([] if run.resumed_elsewhere else [run.ckpt_path])
+    return [os.path.basename(path) for path in files
+            if record_quant_settings(path, quant, run.dist.is_main, run.dist.device)]
 
 
 @dataclass

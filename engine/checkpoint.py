@@ -28,7 +28,7 @@ from .run_dir import partial_path
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "foreign_objects", "training_payload",
-           "restore_training", "save_on_main_rank", "weights_fingerprint"]
+           "restore_training", "save_on_main_rank", "weights_fingerprint", "record_quant_settings"]
 
 
 class CheckpointError(ValueError):
@@ -234,6 +234,32 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
         else:
             log.info("%s trained without train.amp=fp16: the fp16 loss scale starts at its initial %g, as a "
                      "fresh fp16 run's", where, scaler.get_scale())
+
+
+def record_quant_settings(path: str, quant: dict, is_main: bool, device: torch.device) -> bool:
+    """Make the quant section of the config recorded in `path` (a best.pt or checkpoint.pt of this run) `quant`,
+    the run's own now: evaluate.py --checkpoint takes its defaults from the file's config, and a resume may change
+    quant.* (no training setting reads them). Only that section is replaced; the weights, the training settings and
+    the state stay the file's. Rewritten atomically on the main rank (a new file: a hard link to the old one, a
+    snapshot or a kept best.until_step<N>.pt, keeps it as it was); True where it was rewritten. A file that is
+    missing or no checkpoint of this code base is left alone."""
+    error, rewritten = None, False
+    if is_main and os.path.isfile(path):
+        try:
+            config = run_checkpoint_config(path)  # memory-mapped: most resumes change nothing
+            if config is not None and config.get("quant") != quant:
+                payload = torch.load(path, map_location="cpu", weights_only=True)
+                payload["config"] = {**payload["config"], "quant": quant}
+                save_atomic(payload, path)
+                rewritten = True
+        except CheckpointError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - torch.load of a file that changed since: stop on every rank
+            error = CheckpointError(f"cannot record the quant.* settings in {path}: {e}; the file is unchanged")
+    raise_on_every_rank(error, device,
+                        lambda: CheckpointError(f"rank 0 could not record the quant.* settings in {path} (its "
+                                                f"error says why)"))
+    return rewritten
 
 
 def class_differences(trained, now) -> Optional[str]:

@@ -1,5 +1,6 @@
-"""Settings a resume may change that come with state of their own (docs/operations.md, Resume): train.amp=fp16's
-loss scale and train.ema's average, turned on or off with train.allow_changed_config=true."""
+"""Settings a resume may change that come with state or records of their own (docs/operations.md, Resume): quant.*,
+recorded in best.pt and checkpoint.pt as the defaults of `evaluate.py --checkpoint`; train.amp=fp16's loss scale
+and train.ema's average, turned on or off with train.allow_changed_config=true."""
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import evaluate
 import train
 from engine.checkpoint import CheckpointError
 from tests.conftest import DEBUG_CONFIG, ROOT
@@ -14,6 +16,30 @@ from tests.conftest import DEBUG_CONFIG, ROOT
 
 def load(out_dir, name):
     return torch.load(os.path.join(out_dir, name), weights_only=True)
+
+
+def test_quant_settings_changed_at_a_resume_become_the_defaults_of_evaluating_best_pt_and_checkpoint_pt(
+        debug_config):
+    """A finished run re-run with new quant.* writes no checkpoint and no best.pt (nothing improves): both files
+    still get the new quant section, and evaluate.py --checkpoint of either resolves it as its defaults. The rest
+    of each file (weights, state, the training settings) is as it was; the epoch's snapshot, a record of the run
+    as it stood, keeps the quant settings it was written with."""
+    first = debug_config("train.keep_every_epochs=1")
+    train.main(first)
+    names = ("best.pt", "checkpoint.pt")
+    before = {name: load(first.out_dir, name) for name in names}
+    assert before["best.pt"]["config"]["quant"]["pipelines"] is None  # the task's: percentile and repq, w4a4
+    train.main(debug_config("train.keep_every_epochs=1", "quant.pipelines=[percentile]", "quant.bits=[w8a8]"))
+    for name in names:
+        after = load(first.out_dir, name)
+        assert (after["config"]["quant"]["pipelines"], after["config"]["quant"]["bits"]) == (["percentile"], ["w8a8"])
+        assert ({k: v for k, v in after["config"].items() if k != "quant"}
+                == {k: v for k, v in before[name]["config"].items() if k != "quant"}), name
+        assert after["state"] == before[name]["state"] and after.keys() == before[name].keys(), name
+        assert all(torch.equal(v, before[name]["model"][k]) for k, v in after["model"].items()), name
+        cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", os.path.join(first.out_dir, name)]))
+        assert (cfg.quant.pipelines, cfg.quant.bits) == (["percentile"], ["w8a8"]), name
+    assert load(first.out_dir, os.path.join("snapshots", "epoch0002.pt"))["config"]["quant"]["pipelines"] is None
 
 
 def test_fp16_turned_on_at_a_resume_starts_a_fresh_loss_scale_and_turned_off_drops_it(debug_config):
