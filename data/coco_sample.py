@@ -76,6 +76,8 @@ def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, 
     if not (1 <= train <= 100_000 and val >= 1 and 32 <= size <= MAX_SIZE):
         raise ValueError(f"need 1 <= train <= 100000, val >= 1 and 32 <= size <= {MAX_SIZE} "
                          f"(got {train}, {val}, {size})")
+    if seed < 0:  # random.Random seeds with abs(seed): -1 would write seed 1's set as if it were another
+        raise ValueError(f"seed {seed}: give a seed >= 0 (a negative one draws the set of {-seed})")
     if not root:  # os.path.exists("") is False, and every path below would then lie in the current folder
         raise ValueError("the root folder is empty; give a new folder to write the set in")
     if os.path.exists(root) and os.listdir(root):

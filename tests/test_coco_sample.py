@@ -3,6 +3,7 @@ and nothing is written over an existing folder."""
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import pytest
@@ -60,6 +61,18 @@ def test_settings_out_of_range_are_refused_before_anything_is_written(tmp_path, 
     with pytest.raises(ValueError, match="need 1 <= train <= 100000"):
         write_coco_sample(str(tmp_path / "new"), **kwargs)
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("seed", [-1, -5])
+def test_a_negative_seed_is_one_error_line_before_anything_is_written(tmp_path, capsys, seed):
+    """random.Random seeds with the seed's absolute value, so a negative seed silently wrote the set of -seed."""
+    assert random.Random(seed).random() == random.Random(-seed).random()  # why it is refused, not mapped
+    assert make_coco_sample.main([str(tmp_path / "new"), "--seed", str(seed)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: seed {seed}: give a seed >= 0"), lines
+    assert not (tmp_path / "new").exists()
+    assert make_coco_sample.main([str(tmp_path / "zero"), "--train", "1", "--val", "1", "--size", "32",
+                                  "--seed", "0"]) == 0  # 0, the default, is a seed
 
 
 def test_a_root_under_a_file_is_one_error_line(tmp_path, capsys):
