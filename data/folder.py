@@ -4,7 +4,8 @@ A missing root, a missing split folder or a split without class folders is a cle
 than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
 its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
 either would change the class set silently. timm's reader also accepts a .tar per split, checked by the same
-rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar).
+rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar),
+below the folders all its images share, if any (`tar cf train.tar train/` stores train/<class>/<image>).
 
 The images are exactly the files timm's reader reads (its extensions, `read_extensions`): what is checked,
 counted and reported is what is read. An image file that timm would skip without a word (a .webp, .bmp,
@@ -21,6 +22,7 @@ import hashlib
 import os
 import posixpath
 import tarfile
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -242,19 +244,43 @@ def class_folders(path: str) -> list[str]:
 
 
 def tar_class_folders(path: str) -> set[str]:
-    """The class folders of the tar split `path`: the first folder of every member's path, and the name of each
-    top-level .tar (a class tar, read by timm as a folder of that name). Only the outer tar's headers are read:
-    a pass over a tar of class tars skips over their contents."""
-    folders = set()
+    """The class folders of the tar split `path` (`tar_layout`)."""
+    return tar_layout(path)[1]
+
+
+def tar_layout(path: str) -> tuple[list[str], set[str]]:
+    """(wrapper, class folders) of the tar split `path`. The wrapper is the folders every image's path starts with
+    above its class folder, [] but for `tar cf train.tar train/` (members train/<class>/<image>), whose images timm
+    labels by their last folder all the same. The class folders are the first folder below the wrapper of every
+    member's path, and the name of each .tar directly in the wrapper (a class tar, read by timm as a folder of that
+    name). Only the outer tar's headers are read: a pass over a tar of class tars skips over their contents."""
+    images, others, extensions = [], [], read_extensions()
     with tarfile.open(path) as tar:
         for member in tar:
             parts = tar_path(member.name).split("/")
-            if member.isdir() or len(parts) > 1:
-                folders.add(parts[0])
-            elif member.isfile() and os.path.splitext(parts[0])[1].lower() == ".tar":
-                folders.add(os.path.splitext(parts[0])[0])
-    folders.discard(".")  # the tar's root, as `tar -C split .` stores it
-    return folders
+            if parts == ["."]:  # the tar's root, as `tar -C split .` stores it
+                continue
+            stem, ext = os.path.splitext(parts[-1])
+            if member.isfile() and ext.lower() == ".tar":
+                images.append(parts[:-1] + [stem, "<image>"])  # a class tar: a folder of its images
+            elif member.isfile() and ext.lower() in extensions:
+                images.append(parts)
+            else:
+                others.append(parts if member.isfile() else parts + ["<dir>"])
+    wrapper = common_wrapper(images)
+    depth = len(wrapper)
+    folders = {parts[depth] for parts in images + others if len(parts) > depth + 1 and parts[:depth] == wrapper}
+    return wrapper, folders
+
+
+def common_wrapper(paths: list[list[str]]) -> list[str]:
+    """The leading folders that all `paths` (split into parts) share with at least a class folder and a file below
+    them: ['train'] for train/<class>/<image>, [] once two images sit in different top folders or one sits at most
+    a folder deep."""
+    depth = 0
+    while paths and all(len(p) >= depth + 3 for p in paths) and len({p[depth] for p in paths}) == 1:
+        depth += 1
+    return paths[0][:depth] if paths else []
 
 
 def tar_path(name: str) -> str:
@@ -262,9 +288,10 @@ def tar_path(name: str) -> str:
     return posixpath.normpath(name).lstrip("/")
 
 
-def images_outside_class_folders(path: str, dataset: ImageDataset) -> list[str]:
+def images_outside_class_folders(path: str, dataset: ImageDataset, wrapper: Sequence[str] = ()) -> list[str]:
     """The images of the split `path` that do not sit directly in the class folder timm labels them with, as paths
-    relative to the split (in a .tar, its members' names after their class tar's, as `folder_fingerprint`)."""
+    relative to the split (in a .tar, its members' names after their class tar's, as `folder_fingerprint`; below
+    the tar's `wrapper` folders, see `tar_layout`)."""
     reader = dataset.reader
     if os.path.isdir(path):
         # each class's folder joined once, not per image (1.28 M images: about half the time); a hidden one never
@@ -279,6 +306,8 @@ def images_outside_class_folders(path: str, dataset: ImageDataset) -> list[str]:
     for (member, _, inner), target in zip(reader.samples, reader.targets):
         folder = os.path.splitext(inner.name)[0] if inner is not None else ""
         parts = tar_path(posixpath.join(folder, member.name)).split("/")
+        if wrapper and parts[:len(wrapper)] == list(wrapper):
+            parts = parts[len(wrapper):]
         if len(parts) != 2 or parts[0].startswith(".") or parts[0] != reader.class_idx_to_name[int(target)]:
             outside.append("/".join(n.name for n in (inner, member) if n is not None))
     return outside
@@ -292,9 +321,11 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     of none that holds no image: an image directly under the split (class ''), one in a nested or hidden folder, or
     an empty class folder would change the class set, and so the meaning of every label, without a word.
     """
-    outside = images_outside_class_folders(path, dataset)
+    wrapper = [] if os.path.isdir(path) else tar_layout(path)[0]
+    outside = images_outside_class_folders(path, dataset, wrapper)
     if outside:
-        where = f"{path}/<class>/" if os.path.isdir(path) else f"a top-level <class>/ folder or <class>.tar of {path}"
+        where = (f"{path}/<class>/" if os.path.isdir(path) else
+                 f"a top-level <class>/ folder or <class>.tar of {path} (or of one folder holding them all)")
         raise DataError(f"{path}: {len(outside)} image(s) outside a class folder, e.g. "
                         f"{', '.join(outside[:3])}: images must sit directly in {where}; anywhere else timm would "
                         f"count them as a class of their own. Move them into their class folder or out of {path}")

@@ -125,3 +125,29 @@ def test_a_tar_of_class_tars_names_its_classes_after_them(tmp_path):
     stored = sorted((inner.name, class_names(dataset)[int(target)])
                     for (_, _, inner), target in zip(dataset.reader.samples, dataset.reader.targets))
     assert stored == [("a.tar", "a"), ("b.tar", "b"), ("b.tar", "b")]
+
+
+@pytest.mark.parametrize("wrapper", ["train", "data/imagenet/train"])
+def test_a_tar_of_the_split_folder_itself_reads_its_class_folders(tmp_path, wrapper):
+    """`tar cf train.tar train/` stores train/<class>/<image>: timm labels each image by its last folder, so the
+    classes are the class folders under the one folder every member sits in; the rules apply below it."""
+    write(tmp_path / "src" / wrapper, TWO_CLASSES + ["README.txt"])
+    (tmp_path / "tar").mkdir()
+    with tarfile.open(tmp_path / "tar" / "train.tar", "w") as tar:
+        tar.add(tmp_path / "src" / wrapper.split("/")[0], arcname=wrapper.split("/")[0])
+    dataset = build_folder_dataset(str(tmp_path / "tar"), "train")
+    names = class_names(dataset)
+    assert names == ["a", "b"] and len(dataset) == 4
+    for i in range(len(dataset)):
+        assert names[int(dataset[i][1])] == os.path.normpath(dataset.filename(i)).split(os.sep)[-2]
+    write(tmp_path / "src" / wrapper, ["a/more/x.png"])  # below the wrapper, a nested folder is refused again
+    with tarfile.open(tmp_path / "tar" / "train.tar", "w") as tar:
+        tar.add(tmp_path / "src" / wrapper.split("/")[0], arcname=wrapper.split("/")[0])
+    with pytest.raises(DataError, match=rf"1 image\(s\) outside a class folder, e.g. {wrapper}/a/more/x\.png"):
+        build_folder_dataset(str(tmp_path / "tar"), "train")
+
+
+def test_a_wrapper_folder_of_class_tars_names_its_classes_after_them(tmp_path):
+    class_tars(tmp_path / "train.tar", {"train/b.tar": ["0.png"], "train/a.tar": ["0.png", "1.png"]})
+    dataset = build_folder_dataset(str(tmp_path), "train")
+    assert class_names(dataset) == ["a", "b"] and len(dataset) == 3
