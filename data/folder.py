@@ -237,9 +237,14 @@ def class_folders(path: str) -> list[str]:
     """The class names of the split `path` by the rule `check_class_folders` enforces, sorted as timm numbers them:
     a folder's sub-folders, a .tar's top-level folders and the class tars it holds (`tar_class_folders`); hidden
     ones, such as .ipynb_checkpoints, aside."""
+    names = ([d.name for d in os.scandir(path) if d.is_dir()] if os.path.isdir(path) else tar_class_folders(path))
+    return visible_in_label_order(names)
+
+
+def visible_in_label_order(names) -> list[str]:
+    """Folder names without the hidden ones, sorted as timm numbers the classes (natural_key)."""
     from timm.utils.misc import natural_key
 
-    names = ([d.name for d in os.scandir(path) if d.is_dir()] if os.path.isdir(path) else tar_class_folders(path))
     return sorted((name for name in set(names) if not name.startswith(".")), key=natural_key)
 
 
@@ -321,7 +326,9 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     of none that holds no image: an image directly under the split (class ''), one in a nested or hidden folder, or
     an empty class folder would change the class set, and so the meaning of every label, without a word.
     """
-    wrapper = [] if os.path.isdir(path) else tar_layout(path)[0]
+    # a tar's headers are read once for both (a pass over a flat tar of ImageNet's images is not free)
+    wrapper, folders = ([], class_folders(path)) if os.path.isdir(path) else tar_layout(path)
+    folders = visible_in_label_order(folders)
     outside = images_outside_class_folders(path, dataset, wrapper)
     if outside:
         where = (f"{path}/<class>/" if os.path.isdir(path) else
@@ -331,7 +338,6 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
                         f"count them as a class of their own. Move them into their class folder or out of {path}")
     from timm.utils.misc import natural_key
     keys: dict = {}
-    folders = class_folders(path)
     for name in folders:  # timm sorts by natural_key; a tie's order would follow the hash seed
         keys.setdefault(tuple(natural_key(name)), []).append(name)
     tied = next((names for names in keys.values() if len(names) > 1), None)
