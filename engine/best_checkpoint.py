@@ -147,8 +147,3 @@ def _recorded_state(path: str) -> Optional[dict]:
             continue
     state = payload.get("state") if isinstance(payload, dict) else None
     return state if isinstance(state, dict) else None
-
-
-def _written_at_step(path: str) -> Optional[int]:
-    """The update at which best.pt was written (its training state), or None: missing or not readable."""
-    return (_recorded_state(path) or {}).get("step")

@@ -300,7 +300,7 @@ def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_co
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
     """Resume compares best.pt's update with the checkpoint's best: unread, best.pt would be moved aside at
     every resume."""
-    from engine.best_checkpoint import _written_at_step
+    from engine.best_checkpoint import _recorded_state
 
     cfg = debug_config("train.max_steps=4", name="nm")
     run = train.main(cfg)
@@ -312,7 +312,7 @@ def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_confi
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", without_mmap)
-    assert _written_at_step(os.path.join(cfg.out_dir, "best.pt")) == run.state.best_step > 0
+    assert _recorded_state(os.path.join(cfg.out_dir, "best.pt"))["step"] == run.state.best_step > 0
 
 
 def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
