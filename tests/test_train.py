@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -237,6 +238,10 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train.main(debug_config("train.max_steps=4", name="tb"))  # epoch 0 ends at update 4: validated there
+    # TensorBoard reads a folder's event files in name order, events.out.tfevents.<second>.<host>.<pid>.<n>: two
+    # writers of one process in one second are ordered by <n> as text (10 before 9, whichever pytest-xdist ran
+    # before), so the resumed run's file starts in a later second, as any resume after a real stop does
+    time.sleep(1.01 - time.time() % 1)
     cfg = debug_config(name="tb")
     train.main(cfg)
     events = EventAccumulator(os.path.join(cfg.out_dir, "tb")).Reload()
