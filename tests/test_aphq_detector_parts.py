@@ -361,9 +361,10 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
 
 def test_quantize_detector_at_zero_iterations_calibrates_only_and_equals_zero_iterations_of_reconstruction(
         monkeypatch):
-    """iters=0 computes no float RPN references, APH weights or unit captures, and its detector is the one that
-    reconstructing every unit for 0 iterations gives: APHQ's calibration, then the units switched on in order,
-    each through `reconstruct_unit_calls` with 0 iterations, then the calibrated-only heads."""
+    """iters=0 draws no reconstruction images, computes no float RPN references, APH weights or unit captures,
+    and its detector is the one that reconstructing every unit for 0 iterations gives: APHQ's calibration, then
+    the units switched on in order, each through `reconstruct_unit_calls` with 0 iterations, then the
+    calibrated-only heads."""
     import dataclasses
     import quant.aphq.detector as aphq_detector
     from configs.quant import APHQ_DETECTION, APHQOptions
@@ -394,9 +395,12 @@ def test_quantize_detector_at_zero_iterations_calibrates_only_and_equals_zero_it
         calibrate(model, calib)
         set_quant_state(model, weights=False, activations=False)
     monkeypatch.setattr(aphq_detector, "calibrate_aphq", calibrate_then_off)
+    draws = []
     result = aphq_detector.quantize_detector(spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
-                                             PipelineData(detector_samples=lambda n, seed: NoReferences(images()[:n])))
-    assert skipped == []
+                                             PipelineData(detector_samples=lambda n, seed: draws.append(n)
+                                                          or NoReferences(images()[:n])))
+    assert skipped == [] and draws == []  # no reconstruction images are drawn (a COCO read for nothing)
+    assert result.report["data"]["reconstruction_images"] == 0
     assert [(u["unit"], u["iters"]) for u in result.report["units"]] == [("backbone.stages.0.blocks.0", 0),
                                                                         ("neck", 0)]
     # the reference: the same calibration, then 0 iterations of reconstruct_unit_calls on each unit in order

@@ -94,17 +94,19 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     timer = StageTimer()
     device = next(fp_model.parameters()).device
     cache = torch.device(options.cache_device) if options.cache_device else device
-    with timer("data", device):
-        samples = data.detector_samples(options.recon_images, options.data_seed)
-    if not isinstance(samples, DetectorSamples):
-        raise TypeError("PipelineData.detector_samples must give a quant.aphq.detector.DetectorSamples")
+    samples = None  # iters=0 reconstructs nothing, so it draws no reconstruction images (the calibration is calib's)
+    if options.iters > 0:
+        with timer("data", device):
+            samples = data.detector_samples(options.recon_images, options.data_seed)
+        if not isinstance(samples, DetectorSamples):
+            raise TypeError("PipelineData.detector_samples must give a quant.aphq.detector.DetectorSamples")
     with isolated_rng(options.seed, device):
         model, report = _quantize(layout, fp_model, calib, samples, bits, options, timer, device, cache)
     report["seconds"] = timer.seconds
     return PTQResult(model, report)
 
 
-def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples: DetectorSamples, bits: Bits,
+def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples: DetectorSamples | None, bits: Bits,
               options: APHQOptions, timer: StageTimer, device: torch.device, cache: torch.device):
     frozen = copy.deepcopy(fp_model).eval().requires_grad_(False)  # the float reference; never modified
     with timer("convert", device):
@@ -131,8 +133,9 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
     model.eval()
     report = pipeline_report(
         "aphq", model, bits, options,
-        data={"calibration_images": getattr(calib, "count", None), "reconstruction_images": len(samples),
-              "seed": options.data_seed, "transform": "test"},
+        data={"calibration_images": getattr(calib, "count", None),
+              "reconstruction_images": 0 if samples is None else len(samples), "seed": options.data_seed,
+              "transform": "test"},
         calibration=calib_report, units=unit_stats, calibrated_only=[h.name for h in heads])
     return model, report
 
