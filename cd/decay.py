@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .layouts import LAYOUTS, Layout, check_layouts
-from .pairs import ROLES, Pair, find_pairs
+from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, known_zero,
                      pair_energy, pair_penalty)
@@ -213,9 +213,11 @@ def budget_weight_decay(weight_decay: float, lam: float) -> float:
     return max(wd, 0.0)
 
 
-def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every) -> dict:
+def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every, gated_mlp=False,
+                   verify=True) -> dict:
     """The checks of ColinearityDecay's settings that need no model (the framework integrations run them when a
     callback or hook is made, not at the train start); returns lam_per_role as a dict. Raises ValueError."""
+    check_switches("cd", gated_mlp=gated_mlp, verify=verify)
     if targets not in TARGETS:
         raise ValueError(f"cd targets must be one of {TARGETS}, got {targets!r}")
     if mode not in MODES:
@@ -296,7 +298,8 @@ class ColinearityDecay:
         verify: bool = True,
         layouts: Sequence[Layout] = LAYOUTS,
     ) -> None:
-        lam_per_role = check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every)
+        lam_per_role = check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision, norms_every,
+                                      gated_mlp, verify)
         layouts = check_layouts(layouts)
         self.lam = float(lam)
         self.lam_per_role = {k: float(v) for k, v in lam_per_role.items()}
@@ -304,7 +307,7 @@ class ColinearityDecay:
         self.mode = mode
         self.loss_coef = float(loss_coef)
         self.norms_every = norms_every
-        self.gated_mlp = bool(gated_mlp)
+        self.gated_mlp = gated_mlp
         self.layouts = layouts
 
         # diagnostics cover every pair

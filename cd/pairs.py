@@ -546,6 +546,15 @@ def check_example_use(example_input: object, verify: bool, who: str) -> None:
                          "example_input, or drop verify=False to run the checks on it")
 
 
+def check_switches(who: str, **switches: object) -> None:
+    """Refuse a switch (`verify`, `gated_mlp`) that is not a bool: a string from a config or a command line such as
+    'false' is true in Python and would silently turn the switch on. Raises ValueError naming the switch."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{who} {name} must be True or False, got {value!r} ({type(value).__name__}; a "
+                             f"string such as 'false' would count as true)")
+
+
 def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tuple, dict]] = None,
                verify: bool = True, gated_mlp: bool = False, layouts: Sequence[Layout] = LAYOUTS) -> list[Pair]:
     """All CD matrix pairs of `model`, in model order (paper Sec. 3.2), checked against its forward pass.
@@ -575,7 +584,8 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
-        ValueError: `example_input` given with verify=False (`check_example_use`).
+        ValueError: `example_input` given with verify=False (`check_example_use`); `verify` or `gated_mlp` is not a
+            bool (`check_switches`).
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
@@ -584,6 +594,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             inside the MLP; channels rolled between a norm and its layer); the message names the block and its
             type.
     """
+    check_switches("find_pairs:", verify=verify, gated_mlp=gated_mlp)
     layouts = check_layouts(layouts)
     check_example_use(example_input, verify, "find_pairs")
     refuse_fsdp1(model)

@@ -1,0 +1,53 @@
+"""CD's settings take the types they name: a switch is a bool and a count or a step size a number, never a string
+that Python reads as true ('false') nor a bool that it reads as 1 (True). Each is refused naming the setting."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from cd import ColinearityDecay, find_pairs, pair_energy_source
+from cd.families import build_family
+from cd.integrations import check_cd_arguments
+from cd_models import tiny_vit
+
+
+@pytest.fixture(scope="module")
+def swiglu_vit():
+    """timm's AIMv2 (a SwiGLU MLP), refused unless gated_mlp=True."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_family("SwiGLU ViT (aimv2)")
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, None])
+def test_gated_mlp_that_is_not_a_bool_is_refused_not_taken_as_true(swiglu_vit, value):
+    # 'false' switched the gated pairs on (10 pairs, config gated_mlp True) where False refuses the model
+    message = rf"gated_mlp must be True or False, got {value!r}"
+    with pytest.raises(ValueError, match=message):
+        ColinearityDecay(swiglu_vit, gated_mlp=value)
+    with pytest.raises(ValueError, match=message):
+        find_pairs(swiglu_vit, gated_mlp=value)
+    with pytest.raises(ValueError, match=message):
+        pair_energy_source(swiglu_vit, gated_mlp=value)
+    with pytest.raises(ValueError, match=rf"^cd {message}"):  # the callbacks and hooks, when they are made
+        check_cd_arguments({"gated_mlp": value})
+
+
+def test_gated_mlp_true_still_pairs_the_swiglu_blocks(swiglu_vit):
+    # cd/README.md's family table: "Block (x2): qkv, proj, fc1 x2, fc2", five pairs in each of two blocks
+    decay = ColinearityDecay(swiglu_vit, gated_mlp=True)
+    assert len(decay.all_pairs) == 10 and decay.gated_mlp is True
+    assert decay.state_dict()["config"]["gated_mlp"] is True
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_verify_that_is_not_a_bool_is_refused(value):
+    message = rf"verify must be True or False, got {value!r}"
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=message):
+        ColinearityDecay(model, verify=value)
+    with pytest.raises(ValueError, match=message):
+        find_pairs(model, verify=value)
+    with pytest.raises(ValueError, match=rf"^cd {message}"):
+        check_cd_arguments({"verify": value})
