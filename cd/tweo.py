@@ -33,6 +33,7 @@ timed in this form is our reading (scripts/bench_overhead.py compares both).
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 from typing import Any, Optional, Sequence
 
@@ -87,6 +88,21 @@ def plain_tweo_penalty(a: Tensor, p: float = 4.0, tau: float = 3.0, eps: float =
     return (a.to(compute_dtype(a)).abs() / (tau + eps)).pow(p).mean()
 
 
+def _check_types(lam: object, p: object, tau: object, eps: object, total_steps: object, rescale: object) -> None:
+    """Refuse settings of the wrong type before their values are compared: a bool is an int in Python (lam=True
+    would be 1.0, total_steps=True a schedule of one step), a string is no number (its comparison fails with a
+    TypeError naming no setting) and a string switch such as rescale='false' is true. Raises ValueError."""
+    for name, value in (("lam", lam), ("p", p), ("tau", tau), ("eps", eps)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise ValueError(f"tweo {name} must be a real number, got {value!r} ({type(value).__name__})")
+    if total_steps is not None and (not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool)):
+        raise ValueError(f"tweo total_steps must be a positive integer (optimizer updates of the run) or None, got "
+                         f"{total_steps!r} ({type(total_steps).__name__})")
+    if not isinstance(rescale, bool):
+        raise ValueError(f"tweo rescale must be True or False, got {rescale!r} ({type(rescale).__name__}; a string "
+                         f"such as 'false' would count as true)")
+
+
 class TWEO:
     """TWEO auxiliary loss on block outputs, through forward hooks kept for the run.
 
@@ -101,6 +117,11 @@ class TWEO:
             value and gradient, different activation memory.
         layouts: the block layouts whose blocks are hooked (`cd.pairs.find_blocks`): default the built-in
             `cd.LAYOUTS`; a model with names of its own gives its own `cd.Layout`s, as to `ColinearityDecay`.
+
+    Raises:
+        ValueError: naming the setting: lam, p, tau or eps not a real number (a bool, a string) or out of range,
+            total_steps not an integer (a bool) or not > 0 for 'cosine', rescale not a bool, an unknown schedule or
+            form, or no pre-norm block in the model.
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
@@ -110,14 +131,15 @@ class TWEO:
             raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if schedule == "cosine" and not (total_steps and total_steps > 0):
+        _check_types(lam=lam, p=p, tau=tau, eps=eps, total_steps=total_steps, rescale=rescale)
+        if schedule == "cosine" and not (total_steps is not None and total_steps > 0):
             raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
         # NaN passes every comparison: checked as not finite, or the loss would be NaN from the first step
         if not all(math.isfinite(v) for v in (lam, p, tau, eps)) or p < 1 or tau + eps <= 0 or lam < 0:
             raise ValueError(f"tweo needs finite p >= 1, tau + eps > 0, lam >= 0; "
                              f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
-        self.schedule, self.total_steps, self.rescale = schedule, total_steps, bool(rescale)
+        self.schedule, self.total_steps, self.rescale = schedule, total_steps, rescale
         self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty
         layouts = check_layouts(layouts)
 
