@@ -122,6 +122,23 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
                          f"supported)")
 
 
+def refuse_meta(pairs: list[Pair], who: str) -> None:
+    """Refuse pairs whose matrices lie on the `meta` device: they have shapes but no values, so there is nothing to
+    update or measure (torch fails inside the update with an error that names neither the model nor the cause), and
+    materialising them later (`to_empty`) replaces the tensors the pairs hold. `find_pairs` itself takes a meta model
+    (its structure and the meta forward need no values: `python -m cd` lists a model's pairs so).
+
+    Raises:
+        ValueError: naming the first matrix on the meta device and the fix.
+    """
+    named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
+    on_meta = [name for name, t in named if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"{who}: the model's parameters are on the meta device (no values, e.g. {on_meta[0]}), so "
+                         f"there is nothing to update or measure: materialise them first (model.to_empty(device=...), "
+                         f"then initialise or load the weights) and build {who} after that")
+
+
 def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
@@ -148,7 +165,8 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     without a backward (an evaluation), when the root module's parameters are whole: the shards hold the same values.
 
     A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
-    without CD all the same: its source logs nothing, with one warning saying why. A source whose model's
+    without CD all the same: its source logs nothing, with one warning saying why. A model whose parameters are on
+    the meta device (no values to measure) is a ValueError here (`refuse_meta`). A source whose model's
     parameters were replaced since (made before fully_shard, load_state_dict(assign=True)) raises a ValueError when
     called, rather than log the old tensors' energies.
     """
@@ -158,6 +176,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     except UnsupportedModelError as e:
         warnings.warn(f"{str(e).rstrip('.')}; no cd/pair_energy metrics are logged for this model", stacklevel=2)
         return dict
+    refuse_meta(pairs, "pair_energy_source")
     plan, plans = (None, block_plans(pairs)) if any_sharded(pairs) else (build_plan(pairs), None)  # FSDP2: by block
     root = weakref.ref(unwrap_model(model))
     named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
@@ -280,7 +299,9 @@ class ColinearityDecay:
     Raises:
         UnsupportedModelError (a ValueError): the model has no pair, or a block CD does not support
             (the message names the block and its type), or is wrapped by FSDP1.
-        ValueError: mode='loss' on a model sharded by FSDP2 (the decoupled update is exact there, `cd.sharded`).
+        ValueError: mode='loss' on a model sharded by FSDP2 (the decoupled update is exact there, `cd.sharded`); a
+            model whose parameters are on the meta device (`refuse_meta`: no values to update); a setting of the
+            wrong type or out of range (`check_settings`), naming it.
     """
 
     def __init__(
@@ -314,6 +335,7 @@ class ColinearityDecay:
         register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
         self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp,
                                                 layouts=layouts)
+        refuse_meta(self.all_pairs, "ColinearityDecay")
         kinds = {"A": ("composable",), "B": ("functional",), "C": ("functional",),
                  "A+B": ("composable", "functional")}[targets]
         self.pairs: list[Pair] = [p for p in self.all_pairs if p.kind in kinds]

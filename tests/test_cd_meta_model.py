@@ -1,0 +1,73 @@
+"""A model on the `meta` device has shapes and no values: `find_pairs` lists its pairs, while `ColinearityDecay` and
+`pair_energy_source`, which update or measure values, refuse it once, with its cause and fix (they failed later, in
+apply, metrics or aux_loss, with torch's "unsupported scalarType" from inside an autocast on `meta`). A CPU model
+under torch's default device `meta` is no meta model and is updated as any other."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cd import ColinearityDecay, find_pairs, pair_energy_source
+from cd_models import VIT_DEPTH, randomize_norms, ref_block_update, snapshot, tiny_vit
+
+MESSAGE = r"the model's parameters are on the meta device \(no values, e.g. blocks\.0\..*materialise them first"
+
+
+def _meta_vit() -> torch.nn.Module:
+    with torch.device("meta"):
+        return tiny_vit(randomize=False)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"mode": "loss"}, {"verify": False}])
+def test_a_meta_model_is_refused_by_colinearity_decay_with_its_cause(kwargs):
+    with pytest.raises(ValueError, match=rf"^ColinearityDecay: {MESSAGE}.*build ColinearityDecay after that"):
+        ColinearityDecay(_meta_vit(), lam=0.005, **kwargs)
+
+
+def test_a_meta_model_is_refused_by_pair_energy_source():
+    with pytest.raises(ValueError, match=rf"^pair_energy_source: {MESSAGE}"):
+        pair_energy_source(_meta_vit())
+
+
+def test_find_pairs_still_lists_a_meta_models_pairs():
+    # a ViT has 4 pairs per block (qkv, proj, fc1, fc2: paper Sec. 3.2)
+    assert len(find_pairs(_meta_vit())) == 4 * VIT_DEPTH
+
+
+def test_the_model_materialised_with_to_empty_is_taken_and_updated_exactly():
+    model = _meta_vit().to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    randomize_norms(model)
+    P = snapshot(model)
+    ColinearityDecay(model, lam=0.1, matmul_precision="fp32").apply(lr=0.5)
+    expected: dict = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", 0.05, expected)  # the float64 reference, lr * lam = 0.05
+    for name, want in expected.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cpu_model_under_the_default_device_meta_is_updated_and_measured():
+    model, reference = tiny_vit(), tiny_vit()
+    P = snapshot(reference)
+    torch.set_default_device("meta")
+    try:
+        decay = ColinearityDecay(model, lam=0.1, matmul_precision="fp32")
+        decay.apply(lr=0.5)
+        energies = decay.metrics()
+        source = pair_energy_source(model)()
+        loss_form = ColinearityDecay(model, lam=0.1, mode="loss")
+        term = loss_form.aux_loss(torch.tensor(2.0, device="cpu"))
+    finally:
+        torch.set_default_device(None)
+    expected: dict = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", 0.05, expected)
+    for name, want in expected.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].double(), want, rtol=1e-5, atol=1e-6)
+    assert energies["cd/updates"] == 1.0 and source.keys() <= energies.keys() and source
+    # the loss form's term is loss_coef * |task loss| (cd/README.md): 0.01 * 2
+    assert term.device.type == "cpu" and abs(float(term.detach()) - 0.02) < 1e-6
