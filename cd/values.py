@@ -56,8 +56,8 @@ conv over the patch tokens that the class token skips: its bias reaches some tok
 too and is refused although it keeps the channels apart: verify=False pairs it. nn.MultiheadAttention's
 in_proj_weight reads the call's query.
 
-A query row whose every key is masked is NaN whatever V is: only proj's finite inputs are judged, and a proj
-whose input has no finite value is refused as unchecked.
+A query row whose every key is masked is NaN whatever V is: only the finite inputs of a pair's W2 (proj, the norm's
+layer, fc2) are judged, and a W2 whose input has no finite value (a NaN or inf example) is refused as unchecked.
 
 Not checked: an attention whose own parameter of V's width scales its output (a gate) passes whatever its layout,
 since that parameter's entries are zeroed too; a permutation that maps the chosen channels onto themselves (one
@@ -475,14 +475,23 @@ def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
 
 def _start_order(p, k: int, mode: _ZeroV, block_types: dict[str, str], width: int, source: str, w1: str):
     """(the chosen channels, the refusal's opening, its fix, W2's layer) for a pair whose W2 reads `source`'s
-    channels, after refusing a weight the forward did not use in a way the check follows; None when there is
-    nothing to judge (one channel has no order; no finite value tells channels apart)."""
+    channels, after refusing a weight the forward did not use in a way the check follows and a W2 whose input had no
+    finite value (nothing tells the channels apart: unchecked, as `_judge_order` refuses it); None when there is
+    nothing to judge (one channel has no order)."""
     where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
     out = p.name.removesuffix(".weight")
     fix = f"Pass verify=False to pair {out} with {w1} unchecked"
     _unread(p, k, mode, f"in which order {out} reads {source}'s channels", fix, where)
     chosen = order_channels(width)
-    return (chosen, where, fix, out) if chosen and mode.finite[k] else None
+    if not chosen:
+        return None
+    if not mode.finite[k]:  # a NaN or inf example (or one the model turns into such values) would pass unjudged
+        raise UnsupportedModelError(
+            f"cannot check in which order {out} reads {source}'s channels: with channels {_few(chosen)} of "
+            f"{source} set to zero, the input of {out} has no finite value (NaN or inf: an example_input of NaN or "
+            "inf, or masks that leave no finite value?). Pass example_input= of finite values (a real batch), or "
+            "verify=False to trust the structure alone")
+    return chosen, where, fix, out
 
 
 def _judge_norm_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:

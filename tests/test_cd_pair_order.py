@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cd_models  # noqa: F401  (one CPU thread for tiny models)
@@ -181,3 +182,34 @@ def test_nn_multihead_attention_in_projection_is_checked_as_the_norms_reader():
     assert len(find_pairs(Net(False))) == 8
     with pytest.raises(UnsupportedModelError, match="blocks.1.norm1's scale"):
         find_pairs(Net(True))
+
+
+
+class _SdpaAttn(_Attn):
+    """_Attn through F.scaled_dot_product_attention (timm's and cd/README.md's attention), whose CPU kernel gives
+    zeros, not NaN, for NaN queries and keys: proj's input stays finite when the block's input is NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, D))
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+@pytest.mark.parametrize("before, inner", [("roll1", "none"), ("roll2", "none"), ("none", "perm")])
+def test_an_example_without_finite_values_is_refused_as_unchecked_not_passed(fill, before, inner):
+    """Each of these blocks is refused with a real example (above); an example of NaN or inf reaches the norm's layer
+    (and fc2) without a finite value, which tells no channel from another, so their order would go unchecked:
+    refused as such, as a proj whose input has no finite value is, never passed."""
+    net = _Net(inner=inner, before=before)
+    for block in net.blocks:  # the same weights, through SDPA: proj's input finite (zeros), as in timm's ViT
+        sdpa = _SdpaAttn()
+        sdpa.load_state_dict(block.attn.state_dict())
+        block.attn = sdpa
+    with pytest.raises(UnsupportedModelError, match="is not supported by CD"):
+        find_pairs(net)
+    with pytest.raises(UnsupportedModelError) as refused:
+        find_pairs(net, torch.full((2, TOKENS, 3), fill))
+    said = str(refused.value)
+    assert said.startswith("cannot check in which order blocks.0.") and "has no finite value" in said
+    assert "Pass example_input= of finite values" in said and "verify=False" in said
