@@ -187,7 +187,8 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
     """A meta batch of the size and dtype the model expects: the model's own `example_input()` when it has
     one (a language model's token ids), else, for a transformers model, token ids or an image batch from its
     `main_input_name` and config, else an image batch (1, C, H, W) from timm's `patch_embed.img_size` and
-    input channels, or torchvision ViT's `image_size` and `conv_proj`, else from `pretrained_cfg['input_size']`.
+    input channels (its first convolution's: a hybrid's CNN stem), or torchvision ViT's `image_size` and
+    `conv_proj`, else from `pretrained_cfg['input_size']`.
     Raises UnsupportedModelError if none exists."""
     own = getattr(model, "example_input", None)
     if callable(own):
@@ -204,8 +205,11 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
                            device="meta")
     pe = getattr(model, "patch_embed", None)
     size = getattr(pe, "img_size", None)
-    proj = getattr(pe, "proj", None)
-    chans = getattr(proj, "in_channels", None)
+    # the image enters the first convolution: `proj` in timm's PatchEmbed, the CNN backbone's stem (registered
+    # before `proj`, which sees its feature channels) in the hybrids' HybridEmbed
+    first_conv = (next((m for m in pe.modules() if isinstance(m, nn.Conv2d)), None)
+                  if isinstance(pe, nn.Module) else None)
+    chans = getattr(first_conv or getattr(pe, "proj", None), "in_channels", None)
     if size is not None and chans is not None:
         h, w = (size, size) if isinstance(size, int) else tuple(size)
         return torch.empty(1, chans, h, w, dtype=dtype, device="meta")

@@ -227,6 +227,20 @@ def test_a_non_square_image_size_is_the_example_inputs_height_and_width():
     assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"]
 
 
+def test_a_hybrid_vits_example_input_has_the_images_channels_not_those_its_proj_sees():
+    """timm's hybrid ViTs (vit_*_r*): HybridEmbed's `proj` convolves the CNN backbone's feature maps (64 channels
+    here), so the meta batch takes its channel count from the image's first convolution, the stem's 3; the pairs
+    are then the ones an explicit image batch gives."""
+    from cd.verify import example_input
+
+    model = timm.create_model("vit_tiny_r_s16_p8_224", img_size=64, depth=2, num_classes=3)
+    assert model.patch_embed.proj.in_channels != 3  # else this test checks nothing
+    assert tuple(example_input(model).shape) == (1, 3, 64, 64)
+    given = find_pairs(model, torch.randn(1, 3, 64, 64))
+    assert [(p.role, p.block) for p in find_pairs(model)] == [(p.role, p.block) for p in given]
+    assert len(given) == 8
+
+
 class _Buffered(nn.Module):
     """A pre-norm block that copies norm1's output into a buffer of its own (`Tensor.copy_`, an in-place op that
     only moves values) before qkv reads it."""
