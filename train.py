@@ -42,6 +42,7 @@ import torch.nn as nn
 from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
+from cd.update import check_tf32_device
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
@@ -122,11 +123,13 @@ def check_device_settings(cfg: Config, device: torch.device) -> None:
     """What only a CUDA device acts on, refused on the device the run resolved to (train.device, auto: cuda when
     visible) before any folder is made: cd.matmul_precision=tf32 elsewhere would run the update in fp32 while the
     run's config.yaml records tf32 (CPUs have no TF32; cd/update.py `_products_in`). Its default, auto, is tf32 on
-    CUDA and fp32 elsewhere."""
-    if cfg.cd.enabled and cfg.cd.matmul_precision == "tf32" and device.type != "cuda":
-        raise ConfigError(f"cd.matmul_precision=tf32 but the run is on the {device.type}, which has no TF32 (the "
-                          f"update would run in fp32): set cd.matmul_precision=fp32 or auto there, or train on a GPU "
-                          f"(train.device=cuda)")
+    CUDA and fp32 elsewhere. The check is ColinearityDecay's at its first update, made here before the run starts."""
+    if cfg.cd.enabled:
+        try:
+            check_tf32_device(cfg.cd.matmul_precision, device.type, "cd.matmul_precision", "the run is",
+                              "set cd.matmul_precision=fp32 or auto there, or train on a GPU (train.device=cuda)")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:

@@ -26,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
-from .update import (PRECISIONS, align_to_task_loss, build_plan, colinearity_decay_, is_sharded, known_zero,
-                     pair_energy, pair_penalty)
+from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
+                     known_zero, pair_energy, pair_penalty)
 from .verify import UnsupportedModelError
 from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                        unwrap_model)
@@ -284,7 +284,9 @@ class ColinearityDecay:
             `aux_loss`; `attach`/`apply` then do nothing).
         loss_coef: loss mode only: coefficient of the penalty after aligning it to the task-loss magnitude.
         matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 when
-            the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md.
+            the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md. An explicit
+            'tf32' with the decayed matrices off CUDA (which has no TF32: fp32 products) is refused at the first
+            update, so that a model moved to a GPU after CD is built takes it.
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
             materialised delta per pair, so the trainer passes its log interval.
         example_input: a tensor of the model's input shape (a tuple of positional inputs, a dict of keyword
@@ -352,6 +354,9 @@ class ColinearityDecay:
         self._up_lams = [lam if self._upstream else 0.0 for lam in self._lams]
         self._active = any(v != 0 for v in self._lams)
         self._plan = build_plan(self.pairs, [u != 0 for u in self._up_lams])
+        # an explicit tf32 is checked against the matrices' device at the first update, not here: the model may be
+        # moved to a GPU (model.cuda()) after CD is built
+        self._tf32_to_check = matmul_precision == "tf32"
         if matmul_precision == "auto":  # the measured choice (cd/README.md): TF32 where it exists
             matmul_precision = "tf32" if self.pairs[0].w2().device.type == "cuda" else "fp32"
         self.matmul_precision = matmul_precision
@@ -406,7 +411,8 @@ class ColinearityDecay:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
                 steps apply the update already.
             ValueError: lr is negative, NaN or inf, or the model's parameters were replaced after this
-                object found its pairs (the update would write tensors the model no longer uses).
+                object found its pairs (the update would write tensors the model no longer uses), or
+                matmul_precision='tf32' was given and a decayed matrix is not on CUDA at the first update.
         """
         if isinstance(lr, Tensor):
             if lr.dim() != 0 or not lr.is_floating_point():
@@ -456,6 +462,8 @@ class ColinearityDecay:
         live = [lr for lr, lam in zip(lrs, lams) if lam != 0 and not known_zero(lr)]
         if not live:  # apply(0), a warmup from lr 0: no update, not counted, the last update's norms stand
             return False
+        if self._tf32_to_check:
+            self._refuse_tf32_off_cuda()
         # here, where every update runs (apply, a step): the weights' dtype may change after attach (model.half())
         self._warn_low_precision_weights()
         # a zero strength gives a Python 0.0 whatever the lr's type: the update skips only Python zeros
@@ -487,6 +495,15 @@ class ColinearityDecay:
         self.num_updates += int(count)
         self._count_gated(ran, count)
         return True
+
+    def _refuse_tf32_off_cuda(self) -> None:
+        """Refuse an explicit matmul_precision='tf32' at the first update when a decayed matrix is not on CUDA: its
+        products would run in fp32 (CPUs have no TF32) while the setting says tf32 (`check_tf32_device`)."""
+        for t in self._decayed():
+            check_tf32_device("tf32", t.device.type, "ColinearityDecay: matmul_precision", "the decayed matrices are",
+                              "pass matmul_precision='fp32', or 'auto' (tf32 on CUDA, fp32 elsewhere), or move the "
+                              "model to a GPU (model.cuda()) before its first update")
+        self._tf32_to_check = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Register the update as a step pre-hook of `optimizer` and return its removable handle.

@@ -164,6 +164,20 @@ def _normalized_scale_sq(g: Tensor) -> Tensor:
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
+def check_tf32_device(precision: str, device_type: str, setting: str, where: str, fix: str) -> None:
+    """Refuse TF32 products asked for on a device without TF32 (anything but CUDA: CPUs have none, and
+    `_products_in` runs them in fp32 there) while the setting, and the config that records it, says tf32. One check
+    for `ColinearityDecay`'s first update and train.py's before a run starts; each names its own setting (`setting`,
+    e.g. 'cd.matmul_precision'), what is on the device (`where`, e.g. 'the run is') and the fix.
+
+    Raises:
+        ValueError: `precision` is 'tf32' and `device_type` is not 'cuda'.
+    """
+    if precision == "tf32" and device_type != "cuda":
+        raise ValueError(f"{setting}=tf32 but {where} on the {device_type}, which has no TF32 (the update would run "
+                         f"in fp32): {fix}")
+
+
 @contextlib.contextmanager
 def _products_in(precision: str):
     """Matmul precision of the CD products, whatever the caller set (train.py allows TF32 globally).

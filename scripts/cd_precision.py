@@ -54,7 +54,9 @@ def emulated_tf32(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Ten
 def updated(model: torch.nn.Module, step: float, precision: str, emulate: bool) -> dict[str, torch.Tensor]:
     """The decayed matrices after one CD update (step lr * lam = `step`) of a copy of `model`."""
     model = copy.deepcopy(model)
-    decay = ColinearityDecay(model, lam=1.0, matmul_precision=precision)
+    # emulated TF32 rounds the operands in `emulated_tf32`, then multiplies in fp32: ColinearityDecay refuses 'tf32'
+    # off CUDA (no TF32 there), and its 'fp32' products are the exact fp32 ones the emulation needs
+    decay = ColinearityDecay(model, lam=1.0, matmul_precision="fp32" if emulate else precision)
     patch = mock.patch.object(cd.update, "_product", emulated_tf32) if emulate else nullcontext()
     with patch:
         decay.apply(lr=step)

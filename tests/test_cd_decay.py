@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import cd.decay
-from cd import ColinearityDecay, budget_weight_decay
+from cd import ColinearityDecay, budget_weight_decay, find_pairs
+from cd.update import colinearity_decay_
 from cd_models import VIT_DEPTH, changed, normalized, ref_block_update, snapshot, tiny_vit
 from configs import load_config
 
@@ -372,7 +373,9 @@ def _tf32_flags() -> tuple:
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(api, value, precision):
     # torch >= 2.9: a caller setting TF32 through fp32_precision made the legacy read in CD raise at the
-    # first optimizer.step(). The flags are process-wide host settings, so this runs without CUDA.
+    # first optimizer.step(). The flags are process-wide host settings, so this runs without CUDA; ColinearityDecay
+    # refuses an explicit tf32 off CUDA at the first update (tests/test_cd_tf32_device.py), so the tf32 products
+    # run through the pure function on this CPU model.
     matmul = torch.backends.cuda.matmul
     if api == "new" and getattr(matmul, "fp32_precision", None) is None:
         pytest.skip("torch < 2.9 has only the legacy TF32 flag")
@@ -384,12 +387,16 @@ def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(ap
             matmul.fp32_precision = value
         before = _tf32_flags()
         model = tiny_vit()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        decay = ColinearityDecay(model, lam=0.005, matmul_precision=precision)
-        decay.attach(opt)
-        model(torch.randn(2, 3, 32, 32)).sum().backward()
-        opt.step()
-        assert decay.num_updates == 1
+        if precision == "tf32":
+            pairs = find_pairs(model)
+            colinearity_decay_(pairs, [5e-6] * len(pairs), precision=precision)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            decay = ColinearityDecay(model, lam=0.005, matmul_precision=precision)
+            decay.attach(opt)
+            model(torch.randn(2, 3, 32, 32)).sum().backward()
+            opt.step()
+            assert decay.num_updates == 1
         assert _tf32_flags() == before  # read back through each API as the caller set it
     finally:
         if saved[0] != "raises":
