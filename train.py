@@ -68,6 +68,7 @@ from engine.snapshots import (check_same_start_on_every_rank, check_same_weights
                               keep_abandoned_checkpoint, keep_snapshot, resume_source)
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
                             start_only_changes, validation_changes)
+from engine.running_stats import average_running_stats
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from models import ModelError, build_model, describe, input_size, model_label
@@ -252,6 +253,9 @@ class Run:
                  "windows" if self.task.language else "images")
         with progress_kept_on_error(self.save_checkpoint, self.model, self.state.step, self.dist.distributed,
                                     "validation"):
+            # under DDP each rank holds its own BatchNorm statistics: the same ones on every rank before scoring, and
+            # before best.pt and checkpoint.pt are written from this model, so the weights saved are those scored
+            average_running_stats(self.model, self.ema)
             metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,
                                self.cfg.train.amp, self.cfg.log.act_max, should_stop=should_stop)
         if metrics is not None and keep_best:
