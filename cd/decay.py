@@ -256,7 +256,8 @@ def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision
     if matmul_precision not in ("auto",) + PRECISIONS:
         raise ValueError(f"cd matmul_precision must be one of {('auto',) + PRECISIONS}, "
                          f"got {matmul_precision!r}")
-    if not (isinstance(norms_every, int) and norms_every >= 1):
+    # a bool is an int in Python: norms_every=True would be 1
+    if not (isinstance(norms_every, int) and not isinstance(norms_every, bool) and norms_every >= 1):
         raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
     # a setting of the other form would be silently unused (values compared with the defaults: a default given
     # explicitly changes nothing either way)
@@ -410,7 +411,7 @@ class ColinearityDecay:
         Raises:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
                 steps apply the update already.
-            ValueError: lr is negative, NaN or inf, or the model's parameters were replaced after this
+            ValueError: lr is negative, NaN or inf, or a bool, or the model's parameters were replaced after this
                 object found its pairs (the update would write tensors the model no longer uses), or
                 matmul_precision='tf32' was given and a decayed matrix is not on CUDA at the first update.
         """
@@ -418,7 +419,7 @@ class ColinearityDecay:
             if lr.dim() != 0 or not lr.is_floating_point():
                 raise ValueError(f"ColinearityDecay.apply: a tensor lr must be a 0-dim float tensor, got "
                                  f"shape {tuple(lr.shape)} {lr.dtype}")
-        elif not (isinstance(lr, numbers.Real) and math.isfinite(lr) and lr >= 0):
+        elif not _finite_nonnegative(lr):  # a bool too: apply(True) would be a step with lr 1.0
             raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         if self.mode != "decoupled" or not self._active:
             return

@@ -9,7 +9,7 @@ import pytest
 from cd import ColinearityDecay, find_pairs, pair_energy_source
 from cd.families import build_family
 from cd.integrations import check_cd_arguments
-from cd_models import tiny_vit
+from cd_models import snapshot, tiny_vit
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +51,23 @@ def test_verify_that_is_not_a_bool_is_refused(value):
         find_pairs(model, verify=value)
     with pytest.raises(ValueError, match=rf"^cd {message}"):
         check_cd_arguments({"verify": value})
+
+
+def test_norms_every_true_is_refused_not_taken_as_1():
+    with pytest.raises(ValueError, match=r"cd norms_every must be an integer >= 1, got True"):
+        ColinearityDecay(tiny_vit(), norms_every=True)
+    with pytest.raises(ValueError, match=r"cd norms_every must be an integer >= 1, got True"):
+        check_cd_arguments({"norms_every": True})
+    assert ColinearityDecay(tiny_vit(), norms_every=1).norms_every == 1
+
+
+@pytest.mark.parametrize("lr", [True, False])
+def test_apply_with_a_bool_lr_is_refused_and_moves_nothing(lr):
+    # apply(True) made a step with lr 1.0, a thousand times a typical lr of 1e-3; apply(False) a silent no-op
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.005)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr}"):
+        decay.apply(lr)
+    assert all((p == before[n]).all() for n, p in model.named_parameters())
+    assert decay.num_updates == 0
