@@ -79,7 +79,7 @@ from engine.runinfo import exit_with_error, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import check_recorded_architecture, model_kwargs
 from models.modules import nonfinite_tensors
-from engine.act_max import ActivationProbe, check_extra_modules
+from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
@@ -124,6 +124,8 @@ def main(args: argparse.Namespace) -> dict:
             check_same_weights_on_every_rank(model, args.checkpoint or cfg.model.pretrained, device, dist.rank)
         task = task_for(cfg.data.dataset)
         check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+        check_has_blocks(model, cfg.model.name, "evaluate.py measures them in every evaluation: give it a ViT, DeiT, "
+                         "Swin or GPT-2 (a block layout of your own: docs/extending.md)")
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
         img_size = input_size(model)  # a language model: its context in tokens
         with failure_on_every_rank(device, "reading the val split"):

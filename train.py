@@ -48,7 +48,7 @@ from configs.cli import OneLineParser, add_config_arguments, parse_known, print_
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
-from engine.act_max import ActivationProbe, check_extra_modules
+from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, class_differences, record_quant_settings, restore_training,
                                run_checkpoint_config, save_on_main_rank, training_payload)
@@ -295,6 +295,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     if recorded is not None:
         note_attention_change(cfg.model, recorded)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+    if cfg.log.act_max:  # measured at every validation: refused now, not by the first one after the training
+        check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     with failure_on_every_rank(device, "reading the data under data.root"):
         loaders = build_data(cfg, model, dist, task)

@@ -80,7 +80,7 @@ class ActivationProbe:
         self.moments = moments  # also the kurtosis of every output (four raw moments, float64)
         # (name, kind, block index, module type relative to its block, module)
         self.targets: List[Tuple[str, str, int, str, nn.Module]] = []
-        block_names = [n for n, _ in model.named_modules() if fqn_matches(n, blocks)]
+        block_names = names_of_blocks(model, blocks)
         if not block_names:
             raise ValueError(f"no Transformer blocks match {tuple(blocks)}; pass the unwrapped model "
                              "(model.module for DDP, model._orig_mod for torch.compile)")
@@ -190,6 +190,21 @@ def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
     resolved = var > m2 * torch.finfo(torch.float64).eps ** 0.5
     return torch.where((sums[:, 0] > 0) & resolved, central4 / var.clamp(min=1e-300) ** 2,
                        torch.full_like(var, float("nan")))
+
+
+def names_of_blocks(model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS) -> List[str]:
+    """The names of the model's Transformer blocks, the modules whose outputs are the "block" maxima."""
+    return [name for name, _ in model.named_modules() if fqn_matches(name, blocks)]
+
+
+def check_has_blocks(model: nn.Module, model_name: str, fix: str) -> None:
+    """The activation maxima are measured over Transformer blocks (`BLOCK_PATTERNS`): a model that train.py trains
+    but that has none (a timm ResNet) is refused before the work, not by `ActivationProbe` after the training or the
+    FP pass. `fix`: how this entry point does without the maxima."""
+    if not names_of_blocks(model):
+        patterns = " or ".join(repr(p) for p in BLOCK_PATTERNS)
+        raise ConfigError(f"model.name={model_name}: {type(model).__name__} has no Transformer blocks (modules named "
+                          f"{patterns}) to measure the activation maxima over; {fix}")
 
 
 def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
