@@ -56,11 +56,11 @@ class LiveStorage(TorchDispatchMode):
         self._counted.discard(ptr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--model", default="vit_base_patch16_224", help="a timm model name (random weights)")
     parser.add_argument("--device", type=torch_device, default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import timm
     try:
         model = timm.create_model(args.model)
