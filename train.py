@@ -516,7 +516,8 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
     metric_sources = [decay.metrics if decay is not None else pair_energy_source(run.model, cfg.cd.gated_mlp)]
     if tweo is not None:
-        metric_sources.append(tweo.metrics)
+        # every rank's micro-batches of the window, as train/loss (the loop calls its sources on every rank)
+        metric_sources.append(lambda: tweo.metrics(sum_fn=all_reduce))
     return TrainLoop(
         model=train_model, optimizer=run.optimizer, compute_loss=compute_loss, device=dist.device,
         amp=cfg.train.amp, scaler=run.scaler, scheduler=run.scheduler, per_step_schedule=run.per_step_schedule,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -150,7 +150,10 @@ class TWEO:
                      "of the layouts given: " + "; ".join(lay.describe() for lay in layouts))
             raise ValueError(f"TWEO: no pre-norm Transformer block ({tried}) in {type(model).__name__}")
         self._terms: list[Tensor] = []  # per-block terms of the latest training forward
-        self._last_penalty: Optional[Tensor] = None
+        # L_TWEO of the forwards since the last `metrics()` (sum, count), and the mean that call gave
+        self._window_sum: Optional[Tensor] = None
+        self._window_count = 0
+        self._last_penalty: Optional[float] = None
         self._last_lam: Optional[float] = None
         root = unwrap_model(model)
         # A new forward starts a new set of terms: no growth if aux_loss is not called after some forward.
@@ -204,15 +207,30 @@ class TWEO:
         penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
         self._terms = []
         lam = self.lam_at(step)
-        self._last_penalty, self._last_lam = penalty.detach(), lam
+        detached = penalty.detach()  # summed on its device: no host sync per forward
+        self._window_sum = detached if self._window_sum is None else self._window_sum + detached
+        self._window_count += 1
+        self._last_lam = lam
         return lam * (align_to_task_loss(penalty, task_loss) if self.rescale else penalty)
 
-    def metrics(self) -> dict[str, float]:
-        """tweo/penalty (the last L_TWEO, before lam) and tweo/lam (the last lam(t));
-        empty before aux_loss."""
+    def metrics(self, sum_fn: Optional[Callable[[Tensor], Tensor]] = None) -> dict[str, float]:
+        """tweo/penalty: the mean L_TWEO (before lam) over the training forwards since the last call (every
+        micro-batch of a logging window; the previous call's value if there was none since), and tweo/lam: the
+        last lam(t); empty before aux_loss.
+
+        Args:
+            sum_fn: a distributed SUM all-reduce (`torch.distributed.all_reduce` in place, returning the tensor)
+                to make the mean over every rank's forwards, as a trainer's loss is; every rank must call
+                `metrics` together then. None: this process's forwards only.
+        """
+        if self._window_count:
+            totals = torch.stack([self._window_sum, self._window_sum.new_tensor(float(self._window_count))])
+            penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()
+            self._last_penalty = penalty_sum / count
+            self._window_sum, self._window_count = None, 0
         if self._last_penalty is None:
             return {}
-        return {"tweo/penalty": float(self._last_penalty), "tweo/lam": float(self._last_lam)}
+        return {"tweo/penalty": self._last_penalty, "tweo/lam": float(self._last_lam)}
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""

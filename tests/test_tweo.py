@@ -325,3 +325,31 @@ def test_both_forms_read_eps_and_tau(penalty):
     a = torch.tensor([[3.0, -6.0], [0.0, 1.5]])
     hand = (3 ** 3 + 6 ** 3 + 0 + 1.5 ** 3) / (2.0 + 0.5) ** 3 / 4
     assert math.isclose(float(penalty(a, p=3.0, tau=2.0, eps=0.5)), hand, rel_tol=1e-6)
+
+
+def test_the_logged_penalty_is_the_mean_over_the_forwards_since_the_last_call_and_over_the_ranks():
+    """tweo/penalty is the window's mean of L_TWEO (by hand from each forward's block outputs: mean over blocks of
+    mean((|A| / (tau + eps))^p)), not the last forward's; `sum_fn` (a SUM all-reduce) adds the other ranks' sums
+    and counts, so the mean is over every rank's forwards; with no forward since, the previous value stays."""
+    torch.manual_seed(0)
+    model = tiny_vit().double()
+    tweo = TWEO(model, lam=0.01)
+    hands = []
+    try:
+        for _ in range(3):  # three micro-batches of one logging window
+            _, outs = _block_outputs(model, [b for _, b in tweo.blocks], torch.randn(2, 3, 32, 32, dtype=torch.float64))
+            hands.append(float(sum(((o.abs() / (3 + 1e-6)) ** 4).mean() for o in outs) / len(outs)))
+            tweo.aux_loss(torch.ones((), dtype=torch.float64), step=0)
+        assert len(set(hands)) == 3  # else a mean and the last value cannot be told apart
+        assert math.isclose(tweo.metrics()["tweo/penalty"], sum(hands) / 3, rel_tol=1e-6)
+        assert math.isclose(tweo.metrics()["tweo/penalty"], sum(hands) / 3, rel_tol=1e-6)  # nothing since: kept
+        _, outs = _block_outputs(model, [b for _, b in tweo.blocks], torch.randn(2, 3, 32, 32, dtype=torch.float64))
+        mine = float(sum(((o.abs() / (3 + 1e-6)) ** 4).mean() for o in outs) / len(outs))
+        tweo.aux_loss(torch.ones((), dtype=torch.float64), step=1)
+        other_rank = torch.tensor([0.5 * 3, 3.0])  # another rank's window: 3 forwards of mean 0.5
+        seen = []
+        merged = tweo.metrics(sum_fn=lambda t: seen.append(t.clone()) or t.add_(other_rank.to(t)))
+        assert seen[0][1].item() == 1.0  # this rank's count since the last call
+        assert math.isclose(merged["tweo/penalty"], (mine + 1.5) / 4, rel_tol=1e-6)
+    finally:
+        tweo.remove()
