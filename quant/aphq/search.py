@@ -8,7 +8,8 @@ vectorised over channels / heads:
   `num_zp = min(16, 2^b)` absolute zero points, the integers in [2^(b-1) - num_zp/2, 2^(b-1) + num_zp/2)
   (0..15 at 4 bits, 0..7 at 3 bits), each with `eq_n // num_zp` scales whose ranges run linearly from
   [q(1 - p_lo), q(p_lo)] to [q(1 - p_hi), q(p_hi)] of the row, scale = range / (2^b - 1) (officially
-  p in [0.9, 1.0] for weights and for every input grid; eq_n = 128 gives 8 scales x 16 zero points).
+  p in [0.9, 1.0] for weights and for every input grid; eq_n = 128 gives 8 scales x 16 zero points);
+  an input grid's scales are at least 1e-4 (`ACT_MIN_SCALE`, the official clamp), a weight grid's are not.
 * `search_linear`: the official order (`AsymmetricallyBatchingQuantLinear.hyperparameter_searching`):
   weights per output channel by the weight-only MSE, the per-tensor input by the input-only MSE, then
   `rounds` (3) rounds of [weights by the output MSE per output channel, the input by the output MSE
@@ -40,10 +41,16 @@ from ..quantile import quantile
 from ..quantizers import MIN_SCALE, UniformQuantizer
 from ..ranges import best_per_group, to_rows
 
-
+# The official input (activation) candidate scales are floored at 1e-4: GoatWu/APHQ-ViT quant_layers/linear.py
+# `calculate_percentile_activation_candidates` (`.clamp(min=1e-4)`), and the same in the detection code's
+# Object-Detection/tools/quant_layers/{linear,conv}.py. A near-constant or all-but-zero input channel thus gets a
+# step of 1e-4, not a narrower one. Weight candidates and the matmul operands' are not clamped there (MIN_SCALE
+# only guards a constant row against a zero step).
+ACT_MIN_SCALE = 1e-4
 
 def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float],
-               eq_n: int, num_zp: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               eq_n: int, num_zp: Optional[int] = None,
+               min_scale: float = MIN_SCALE) -> Tuple[torch.Tensor, torch.Tensor]:
     """Candidate (scale, zero point) per row, the official grid (see module docstring).
 
     Args:
@@ -52,6 +59,7 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
         pct: (p_lo, p_hi) upper percentile levels of the narrowest and widest range, e.g. (0.9, 1.0).
         eq_n: candidates in all (official `eq_n`): min(16, 2^b) zero points x eq_n // that many scales.
         num_zp: zero points instead of min(16, 2^b) (the official detection convolutions take 2^(b-1)).
+        min_scale: the smallest candidate scale: MIN_SCALE for weights, ACT_MIN_SCALE for inputs (as officially).
 
     Returns:
         (scales, zero_points), each [K, G], zero-point-major (all scales of the first zero point first).
@@ -67,7 +75,7 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
     qs = quantile(rows, [p_lo, 1.0 - p_lo, p_hi, 1.0 - p_hi], dim=1)  # [4, G]
     t = torch.linspace(0.0, 1.0, num_scales, device=rows.device, dtype=rows.dtype)[:, None]
     width = (qs[0] - qs[1]) + t * ((qs[2] - qs[3]) - (qs[0] - qs[1]))  # [S, G], linear in the range
-    scale = (width / (levels - 1)).clamp_min(MIN_SCALE)
+    scale = (width / (levels - 1)).clamp_min(min_scale)
     zero_points = torch.arange(levels // 2 - num_zp // 2, levels // 2 + num_zp // 2, device=rows.device,
                                dtype=rows.dtype)
     scales = scale.repeat(num_zp, 1)  # [num_zp * S, G]
@@ -99,7 +107,7 @@ def fit_per_channel(q: UniformQuantizer, x: torch.Tensor, pct: Tuple[float, floa
         x: [..., C] float inputs of the quantizer.
     """
     rows = to_rows(x, -1)  # [C, M]
-    scales, zps = range_grid(rows, q, pct, eq_n)
+    scales, zps = range_grid(rows, q, pct, eq_n, min_scale=ACT_MIN_SCALE)
     s, z, _ = best_per_group(
         lambda s, z: (_fq(rows, s[:, None], z[:, None], q) - rows).pow_(2).mean(dim=1), scales, zps)
     q.set_params(s, z)
@@ -178,7 +186,7 @@ def search_linear(layer: nn.Module, x: torch.Tensor, *, rounds: int, weight_pct:
     if aq is not None:
         if aq.channel_dim is not None:
             raise ValueError(f"{aq.name}: the output-MSE input search is per tensor")
-        a_scales, a_zps = range_grid(X.reshape(1, -1), aq, act_pct, eq_n)  # [K, 1]
+        a_scales, a_zps = range_grid(X.reshape(1, -1), aq, act_pct, eq_n, min_scale=ACT_MIN_SCALE)  # [K, 1]
         a_s, a_z, _ = best_per_group(lambda s, z: (_fq(X, s, z, aq) - X).pow_(2).mean().reshape(1),
                                      a_scales, a_zps)
         Xq = _fq(X, a_s, a_z, aq)
@@ -338,7 +346,8 @@ def search_conv_self(layer: nn.Module, inputs: List[torch.Tensor], *, weight_pct
         # candidates from the percentiles of every value of every call; the error summed over the calls of
         # each call's mean (the official code sums its per-call similarity)
         pooled = torch.cat([x.reshape(-1) for x in xs]).reshape(1, -1)
-        a_scales, a_zps = range_grid(pooled, aq, act_pct, eq_n, num_zp=2 ** (aq.bits - 1))
+        a_scales, a_zps = range_grid(pooled, aq, act_pct, eq_n, num_zp=2 ** (aq.bits - 1),
+                                     min_scale=ACT_MIN_SCALE)
         a_s, a_z, a_err = best_per_group(
             lambda s, z: sum((_fq(x, s, z, aq) - x).pow_(2).mean() for x in xs).reshape(1), a_scales, a_zps)
         aq.set_params(a_s, a_z)
