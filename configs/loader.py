@@ -391,6 +391,7 @@ READ_ONLY_WHEN = [
     (("quant.gplq.stage2_images", "quant.gplq.stage2_train_transform", "quant.gplq.qwt_ridge",
       "quant.gplq.qwt_target"), "quant.gplq.qwt", (True,)),  # stage 2 draws images only for QwT's fits
     (("quant.gplq.matmul_percentile",), "quant.gplq.matmul_operands", (True,)),  # the float matmuls have no range
+    (("quant.repq.round_zero_point",), "quant.repq.reparam", (True,)),  # the LayerNorm fold is its only reader
 ]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.
