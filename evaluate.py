@@ -83,8 +83,8 @@ from engine.act_max import ActivationProbe, check_extra_modules, check_has_block
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
-from quant.plan import (check_bits, check_pipelines, evaluation_pipelines, pipeline_options, planned,
-                        reads_calibration_batch, too_few_for_a_batch, too_many_train_images,
+from quant.plan import (check_bits, check_model_converts, check_pipelines, evaluation_pipelines, pipeline_options,
+                        planned, reads_calibration_batch, too_few_for_a_batch, too_many_train_images,
                         train_image_demands)
 from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
 
@@ -127,6 +127,7 @@ def main(args: argparse.Namespace) -> dict:
         check_has_blocks(model, cfg.model.name, "evaluate.py measures them in every evaluation: give it a ViT, DeiT, "
                          "Swin or GPT-2 (a block layout of your own: docs/extending.md)")
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
+        check_model_converts(model, cfg)
         img_size = input_size(model)  # a language model: its context in tokens
         with failure_on_every_rank(device, "reading the val split"):
             val_loader = build_val_loader(cfg, args, img_size, dist, payload, task)

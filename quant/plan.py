@@ -17,6 +17,8 @@ import copy
 import re
 from typing import Optional
 
+from torch import nn
+
 from configs import Config, ConfigError
 from configs.cli import named_twice
 from configs.quant import with_first_last
@@ -177,6 +179,25 @@ def check_quant_plan(cfg: Config) -> None:
         check_bits(plan, task, defaulted)
     except ConfigError as e:
         raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+
+
+def check_model_converts(model: nn.Module, cfg: Config) -> None:
+    """Convert a copy of `model` with the layout of every planned (pipeline, bits), as each pipeline's first
+    step does, and drop it: a model the pipelines cannot quantize (an attention class with no quantized version,
+    such as EVA's or CaiT's, or layers no rule covers) is refused with one ConfigError naming model.name
+    before the float and maxima passes (an ImageNet pass each), not by a traceback after them."""
+    from .convert import quantize_model
+    from .pipeline_base import isolated_rng, parse_options
+
+    device = next(model.parameters()).device
+    for name, bits in planned(cfg):
+        pipeline = PIPELINES[name]
+        spec = pipeline.layout(parse_bits(bits), parse_options(pipeline.Options, pipeline_options(cfg, name)))
+        try:
+            with isolated_rng(0, device):  # a layer built in the conversion draws nothing from the run's streams
+                quantize_model(model, spec)  # the converted copy is dropped
+        except (TypeError, ValueError) as e:  # convert.py's refusals: an unknown attention, an uncovered layer
+            raise ConfigError(f"model.name={cfg.model.name}: {name} {bits} cannot quantize it: {e}") from None
 
 
 def reads_calibration_batch(pipeline: str, language: bool) -> bool:

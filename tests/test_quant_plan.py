@@ -185,3 +185,29 @@ def test_train_counts_a_language_models_calibration_windows_before_training(tmp_
         assert str(evaluation.value) == refused
     warned = [r.getMessage() for r in caplog.records if "evaluate.py --checkpoint" in r.getMessage()]
     assert [w.split(" (")[0] for w in warned] == ([warning] if warning else [])
+
+
+def test_a_model_the_pipelines_cannot_convert_is_refused_naming_it_and_a_vit_passes_without_drawing_randomness():
+    """check_model_converts converts a copy with each planned layout, as the pipelines' first step does: EVA's
+    attention has no quantized version, so evaluate.py is refused before its float pass (one ConfigError naming
+    model.name); a tiny ViT converts for every vision pipeline, the model and the global RNG left as they were."""
+    import timm
+    import torch
+
+    from models import build_model
+    from quant.plan import check_model_converts
+
+    eva = timm.create_model("eva02_tiny_patch14_224", img_size=28, num_classes=4)
+    cfg = load_config([DEBUG_CONFIG], ["model.name=eva02_tiny_patch14_224", "quant.pipelines=[repq]"])
+    with pytest.raises(ConfigError, match=r"^model.name=eva02_tiny_patch14_224: repq w4a4 cannot quantize it: "
+                                          r"no quantized attention for timm.models.eva.EvaAttention"):
+        check_model_converts(eva, cfg)
+    cfg = load_config([DEBUG_CONFIG], ["quant.pipelines=[percentile,repq,aphq,gplq]"])
+    vit = build_model(cfg.model)
+    before = copy.deepcopy(vit.state_dict())
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    check_model_converts(vit, cfg)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(v, vit.state_dict()[k]) for k, v in before.items())
+    assert not any("Quant" in type(m).__name__ for m in vit.modules())  # the original is not converted
