@@ -14,7 +14,8 @@ Zero point of the fold: the official code keeps the mean zero point z~ unrounded
 (`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline.
 `round_zero_point=True` makes the per-tensor codes exactly equal to the per-channel ones
 (tests/test_quant_reparam.py). `reparam=False` keeps per-channel post-LN activations (the not
-hardware-friendly variant of zkkli/RepQ-ViT issue #11), for ablations.
+hardware-friendly variant of zkkli/RepQ-ViT issue #11), for ablations; it reads no `round_zero_point`, and a
+non-default one beside it is refused.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ class RepQPipeline(Pipeline):
             block_input=act, q=act, k=act, v=act,
             attn=QuantizerSpec(bits.a, kind=LogSqrt2Quantizer, search=search),
             first_last=options.resolved(bits))
+
+    def check(self, bits: Bits, options: RepQOptions) -> None:
+        super().check(bits, options)
+        # the mean zero point is computed by the fold alone (reparam.fold_layernorm): without it the per-channel
+        # zero points stay as calibrated, and the result would record a setting that changed nothing
+        if not options.reparam and options.round_zero_point != RepQOptions.round_zero_point:
+            raise ValueError(f"round_zero_point={options.round_zero_point} is read only by the LayerNorm fold, and "
+                             f"reparam=False turns the fold off: drop it, or set reparam=True")
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
