@@ -171,7 +171,8 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
     if given:
         raise ModelError(f"model '{cfg.name}' is a language model: {', '.join(given)} "
                          f"appl{'ies' if len(given) == 1 else 'y'} to the timm vision models only; drop "
-                         f"{'it' if len(given) == 1 else 'them'} (model.drop_path, stochastic depth: set it to 0)")
+                         f"{'it' if len(given) == 1 else 'them'}"
+                         + (" (model.drop_path, stochastic depth: set it to 0)" if cfg.drop_path else ""))
     check_kwargs_given(cfg)
     try:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
