@@ -96,7 +96,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, updates_
         if cfg.warmup_steps >= cfg.steps:
             raise ValueError(f"sched.warmup_steps={cfg.warmup_steps} is not below sched.steps={cfg.steps}: "
                              "the run would never leave its warmup")
-        # nanoGPT's shape: warmup to the peak lr at update warmup_steps, then the decay over the rest
+        # nanoGPT's shape: warmup to the peak lr at update warmup_steps, then the decay over the rest. The
+        # warmup is timm's, counted from update 1 at warmup_lr (lr 0 with the LM recipes' warmup_lr 0: that
+        # update moves no weight), warmup_lr + (t-1)/W * (lr - warmup_lr) at update t; nanoGPT's get_lr gives
+        # lr * t/(W+1) there. From update W+1 on the two schedules agree.
         scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.name, num_epochs=cfg.steps - cfg.warmup_steps,
                                            warmup_epochs=cfg.warmup_steps, warmup_lr=cfg.warmup_lr,
                                            min_lr=cfg.min_lr, warmup_prefix=True, step_on_epochs=False,
