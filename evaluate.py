@@ -645,6 +645,11 @@ def resolve_config(args: argparse.Namespace):
         # (--quant naming none) reads none of them, and the user gave none to refuse
         cfg.quant.bits = []
     check_bits(cfg, task, defaulted, flags=True, bits_flag=args.bits is not None)
+    unread_bits = options_unread_at_planned_bits(items, cfg)
+    if unread_bits:  # e.g. quant.aphq.round_zero_point at w4a8 alone: APHQ folds no LayerNorm there
+        item, why, widths = unread_bits[0]
+        raise ConfigError(f"{named.get(item, item)} would be ignored: {why}, and every bit-width it runs at has "
+                          f"a_bits != w_bits ({', '.join(widths)}); drop it, or add a bit-width with a_bits == w_bits")
     return cfg, payload
 
 
@@ -657,6 +662,27 @@ def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[
             parts = key.split(".")
             if len(parts) > 2 and parts[0] == "quant" and parts[1] in PIPELINES and parts[1] not in pipelines:
                 unread.append((item, parts[1]))
+                break
+    return unread
+
+
+def options_unread_at_planned_bits(overrides: list[str], cfg: Config) -> list[tuple[str, str, list[str]]]:
+    """(override, why, the pipeline's bit-widths) for each key=value override of a pipeline option that none of
+    the pipeline's planned runs reads at its bit-width (the pipeline's `unread_at`, e.g. APHQ's round_zero_point
+    where every run has a_bits != w_bits); [] when each is read by some run."""
+    widths: dict[str, list[str]] = {}
+    for name, bits in planned(cfg):
+        widths.setdefault(name, []).append(bits)
+    unread = []
+    for item in overrides:
+        for key in override_keys(item):
+            parts = key.split(".")
+            if len(parts) != 3 or parts[0] != "quant" or parts[1] not in widths:
+                continue
+            unread_at = getattr(PIPELINES[parts[1]], "unread_at", None)
+            reasons = [unread_at(parse_bits(bits)).get(parts[2]) for bits in widths[parts[1]]] if unread_at else []
+            if reasons and all(reasons):
+                unread.append((item, f"{key} {reasons[0]}", widths[parts[1]]))
                 break
     return unread
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from ..layout import standard_layout
 from ..modes import set_quant_state
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
 from ..pipeline_data import PipelineData, require_data
-from ..spec import Bits, QuantizerSpec, QuantSpec
+from ..spec import Bits, QuantizerSpec, QuantSpec, parse_bits
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
 from .adaround import AdaRoundQuantizer, RoundingSchedule
 from .calibration import SearchSettings, calibrate_aphq
@@ -76,6 +76,25 @@ class APHQPipeline(Pipeline):
             q=QuantizerSpec(bits.a, granularity="head"), k=QuantizerSpec(bits.a, granularity="head"),
             attn=QuantizerSpec(bits.a, granularity="head"), v=QuantizerSpec(bits.a, granularity="head"),
             first_last=options.resolved(bits))
+
+    def unread_at(self, bits: Bits) -> Dict[str, str]:
+        """{option: why ("is read only ...")} for the options that a run at `bits` does not read, whatever their
+        value: the zero point of the LayerNorm fold where there is no fold (a_bits != w_bits, as officially; see
+        `layout`). The entry points refuse such an option where the user gave it and no run reads it (evaluate.py
+        over every planned bit-width, `__call__` for its one)."""
+        if bits.a == bits.w:
+            return {}
+        return {"round_zero_point": "is read only by the LayerNorm fold, which APHQ does only when a_bits == w_bits"}
+
+    def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
+                 options: Optional[Mapping[str, Any]] = None, data: Optional[PipelineData] = None) -> PTQResult:
+        """As `Pipeline.__call__`; an option given in the mapping that these bits leave unread is refused first."""
+        if isinstance(options, Mapping):
+            parsed = parse_bits(bits)
+            for key, why in self.unread_at(parsed).items():
+                if key in options:
+                    raise ValueError(f"{key}={options[key]} would be ignored at {parsed}: {key} {why}; drop it")
+        return super().__call__(fp_model, calib_images, bits, options, data)
 
     def train_image_counts(self, options: APHQOptions) -> dict:
         return {"recon_images": options.recon_images}  # calib_images are its first ones
