@@ -71,6 +71,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.running_stats import average_running_stats
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
+from engine.training_checks import check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
 from models.gpt import GPT_SIZES
@@ -108,8 +109,9 @@ def main(cfg: Config) -> RunResult:
 
 
 def check_before_start(cfg: Config) -> None:
-    """What can be refused before any folder is made: the logger's package, and the quant.* settings (the defaults of
-    this run's evaluation, evaluate.py --checkpoint), now rather than after training."""
+    """What can be refused before any folder is made: the logger's package, the quant.* settings (the defaults of
+    this run's evaluation, evaluate.py --checkpoint), now rather than after training, and CD's settings and
+    optim.name (engine/training_checks.py), now rather than once the model and the data are built."""
     if cfg.log.wandb:  # engine/metrics.py imports it when logging
         try:
             import wandb  # noqa: F401
@@ -118,6 +120,7 @@ def check_before_start(cfg: Config) -> None:
                               "set log.wandb=false (metrics.jsonl and TensorBoard are written either way)"
                               ) from None
     check_quant_plan(cfg)
+    check_training_settings(cfg)  # CD's settings and optim.name, before the model, the data and the optimizer
 
 
 def check_device_settings(cfg: Config, device: torch.device) -> None:

@@ -144,6 +144,8 @@ def check_together(cfg: Any) -> list[str]:
         problems.append(problem)
     if (problem := kwargs_without_value_problem(cfg.model)) is not None:
         problems.append(problem)
+    if (problem := batch_split_problem(cfg.train)) is not None:
+        problems.append(problem)
     channels = cfg.model.kwargs.get("in_chans", 3)
     if channels != 3:  # every data set here gives RGB images (data/folder.py converts to RGB)
         problems.append(f"model.kwargs.in_chans={channels}: the data pipeline gives 3-channel RGB images "
@@ -177,3 +179,22 @@ def loader_timeout_problem(data: Any) -> Optional[str]:
                 f"from loader worker processes, and with none the main process reads the data itself, which no "
                 f"timeout limits; set data.num_workers to 1 or more, or data.timeout=0")
     return None
+
+
+def batch_split_problem(train: Any) -> Optional[str]:
+    """The refusal of a global batch that no number of processes can split into per-process batches (`train`: a
+    TrainConfig), or None. train.py splits train.batch_size into processes x train.batch_size_per_gpu x accumulation
+    steps, so it must be a multiple of train.batch_size_per_gpu whatever the world size; train.py checks the
+    multiple of the world size itself once the processes are known."""
+    per_gpu = train.batch_size_per_gpu
+    if train.batch_size % per_gpu == 0:
+        return None
+    # the largest per-process batch below it that divides the global one, looked for among the next 10000 only (a
+    # typo such as 100000000 is told at once, not after a count down from it)
+    start = min(per_gpu, train.batch_size)
+    fits = next((d for d in range(start, max(start - 10_000, 0), -1) if train.batch_size % d == 0), None)
+    return (f"train.batch_size={train.batch_size} is not a multiple of train.batch_size_per_gpu={per_gpu}: every "
+            f"process runs whole batches of train.batch_size_per_gpu; set train.batch_size to a multiple of {per_gpu} "
+            f"(e.g. {max(per_gpu, train.batch_size // per_gpu * per_gpu)})"
+            + (f", or train.batch_size_per_gpu={fits}" if fits else ""))
+

@@ -148,6 +148,8 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                     from quant.plan import check_quant_plan
                     check_quant_plan(cfg)
             check_model(cfg.model)
+            from engine.training_checks import check_training_settings  # torch: not for --help
+            check_training_settings(cfg)
         except ConfigError as e:
             raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,

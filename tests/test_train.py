@@ -252,7 +252,7 @@ def test_tensorboard_keeps_the_records_up_to_the_resumed_step(debug_config):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("cd.lam_per_role.fc3=0.1", r"^cd lam_per_role: unknown role\(s\) \['fc3'\]"),  # was "cd: cd lam_per_role"
+    ("cd.lam_per_role.fc3=0.1", r"^cd.lam_per_role.fc3: unknown role; the roles are qkv, proj, fc1, fc2, reduction"),
     ("cd.lam=0.1", "cd.budget: .*< 0"),  # wd 0.05 - lam 0.1 would be negative
     ("tweo.p=0.5", "'tweo.p' must be >= 1"),
     ("train.eval_every_epochs=0", "eval_every_epochs"),
@@ -1720,15 +1720,27 @@ def test_a_rank_with_its_own_error_raises_it_when_the_other_rank_is_already_gone
     assert out.read_text() == "OSError: disk full"
 
 
+def batches(debug_config, *overrides: str):
+    """The debug config with the batch sizes `overrides` set after loading: a global batch that is no multiple of the
+    per-process one is refused as the config loads (configs/constraints.py), and the rest of the check, which needs
+    the number of processes, is accumulation_steps'."""
+    cfg = debug_config()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        setattr(cfg.train, key.split(".")[1], int(value))
+    return cfg
+
+
 def test_a_global_batch_the_processes_do_not_divide_names_both_fixes(debug_config):
     """It named the numbers only: 12 over per-process batches of 8 on one process; 24 over 8 on 4 processes."""
     with pytest.raises(ConfigError, match=r"^train.batch_size=12 is not a multiple of train.batch_size_per_gpu=8 x "
                                           r"1 processes: set train.batch_size to a multiple of 8 \(e.g. 8\), or "
                                           r"train.batch_size_per_gpu=6$"):
-        train.accumulation_steps(debug_config("train.batch_size=12"), 1)
+        train.accumulation_steps(batches(debug_config, "train.batch_size=12"), 1)
     with pytest.raises(ConfigError, match=r"a multiple of 32 \(e.g. 32\), or train.batch_size_per_gpu=6$"):
-        train.accumulation_steps(debug_config("train.batch_size=24", "train.batch_size_per_gpu=8"), 4)
-    assert train.accumulation_steps(debug_config("train.batch_size=12", "train.batch_size_per_gpu=6"), 1) == 2
+        train.accumulation_steps(batches(debug_config, "train.batch_size=24", "train.batch_size_per_gpu=8"), 4)
+    cfg = batches(debug_config, "train.batch_size=12", "train.batch_size_per_gpu=6")
+    assert train.accumulation_steps(cfg, 1) == 2
 
 
 def test_a_huge_batch_size_per_gpu_is_told_at_once_with_the_largest_per_gpu_batch_that_fits(debug_config):
@@ -1739,15 +1751,17 @@ def test_a_huge_batch_size_per_gpu_is_told_at_once_with_the_largest_per_gpu_batc
                                   (60, 7, 2), (30, 100, 3)]:
         want = next(d for d in range(per_gpu, 0, -1) if batch % (d * world) == 0)
         with pytest.raises(ConfigError, match=rf", or train.batch_size_per_gpu={want}$"):
-            train.accumulation_steps(debug_config(f"train.batch_size={batch}", f"train.batch_size_per_gpu={per_gpu}"),
-                                     world)
+            cfg = batches(debug_config, f"train.batch_size={batch}", f"train.batch_size_per_gpu={per_gpu}")
+            train.accumulation_steps(cfg, world)
     for per_gpu in (10**12, 2**63 - 1):  # the largest the schema takes
         with pytest.raises(ConfigError, match=rf"^train.batch_size=16 is not a multiple of train.batch_size_per_gpu="
                                               rf"{per_gpu} x 1 processes: .*, or train.batch_size_per_gpu=16$"):
-            train.accumulation_steps(debug_config("train.batch_size=16", f"train.batch_size_per_gpu={per_gpu}"), 1)
+            cfg = batches(debug_config, "train.batch_size=16", f"train.batch_size_per_gpu={per_gpu}")
+            train.accumulation_steps(cfg, 1)
     big = 6 * 10**11 + 2  # below 10**12: the largest per-process batch that fits is the global batch itself
     with pytest.raises(ConfigError, match=rf", or train.batch_size_per_gpu={big}$"):
-        train.accumulation_steps(debug_config(f"train.batch_size={big}", "train.batch_size_per_gpu=1000000000000"), 1)
+        cfg = batches(debug_config, f"train.batch_size={big}", "train.batch_size_per_gpu=1000000000000")
+        train.accumulation_steps(cfg, 1)
 
 
 def test_cd_tf32_products_on_a_cpu_run_are_refused_before_any_folder(debug_config):

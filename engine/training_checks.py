@@ -1,0 +1,67 @@
+"""Training settings refused before a run builds anything: the checks that need the cd package or timm, which the
+config loader (configs/, which imports no other package of the project) cannot make.
+
+    check_training_settings(cfg)   # ConfigError naming the config key
+
+train.py runs them before its processes meet and before out_dir is claimed, and scripts/sweep.py for every run
+before the first one trains: otherwise cd.lam_per_role.fc3 or optim.name=sgdd would be refused only once that run's
+model, data loaders and optimizer are built, after a sweep's earlier runs trained. The checks themselves stay where
+the settings are used (cd.decay.check_settings, timm's optimizer registry); only the messages name the config keys.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from cd.decay import check_settings
+from cd.pairs import ROLES
+from configs import ConfigError
+
+
+def check_training_settings(cfg: Any) -> None:
+    """Refuse (ConfigError, one line naming the key and the fix) a CD setting ColinearityDecay would refuse before
+    it looks at the model, and an optim.name timm's registry does not have."""
+    if cfg.cd.enabled:
+        check_cd_settings(cfg.cd)
+    check_optimizer_name(cfg.optim.name)
+
+
+def check_cd_settings(cd: Any) -> None:
+    """cd.decay.check_settings on a CDConfig: cd.lam_per_role is a free-form mapping, so its roles and strengths
+    pass the schema."""
+    try:
+        # norms_every is train.log_every_steps, which the schema checks; 1 passes
+        check_settings(cd.lam, cd.lam_per_role, cd.targets, cd.mode, cd.loss_coef, cd.matmul_precision, 1,
+                       gated_mlp=cd.gated_mlp)
+    except ValueError as e:
+        raise ConfigError(cd_key_message(str(e), cd.lam_per_role)) from None
+
+
+def cd_key_message(message: str, lam_per_role: dict) -> str:
+    """`message` of cd.decay.check_settings ("cd <setting> ...", the Python API's names) with the config key in
+    place of "cd <setting>": a role's strength is cd.lam_per_role.<role>, and an unknown role is named by its own
+    key (cd.lam_per_role.fc3), the entry to drop or rename."""
+    head, _, rest = message.partition(" ")
+    setting, _, rest = rest.partition(" ")
+    if head != "cd" or not setting:
+        return message
+    name = setting.rstrip(":")
+    if name == "lam_per_role" and "unknown role" in rest:
+        unknown = sorted(str(role) for role in lam_per_role if role not in ROLES)
+        return (f"cd.lam_per_role.{unknown[0]}: unknown role; the roles are {', '.join(ROLES)}: drop the entry or "
+                f"give one of those")
+    key = f"cd.lam_per_role.{name}" if name in lam_per_role and name != "lam" else f"cd.{name}"
+    return f"{key}{setting[len(name):]} {rest}"
+
+
+def check_optimizer_name(name: str) -> None:
+    """optim.name resolved in timm's optimizer registry as create_optimizer_v2 resolves it (a `lookahead_` prefix,
+    then the name after the last '_'; engine/optim.py refuses upper case itself)."""
+    from timm.optim import list_optimizers
+
+    base = name.lower().split("_")[-1]
+    known = list_optimizers()
+    if base not in known:
+        close = difflib.get_close_matches(base, known, n=3)
+        raise ConfigError(f"optim.name={name}: timm has no optimizer '{base}'; "
+                          + (f"did you mean {', '.join(close)}?" if close else "e.g. optim.name=adamw"))

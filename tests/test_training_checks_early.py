@@ -1,0 +1,89 @@
+"""Settings that training refuses are refused before anything runs: CD's roles and strengths and optim.name by
+train.py before its model and data (and by a sweep before its first run trains), and a global batch that no number
+of processes splits into per-process batches as the config loads."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import sweep  # noqa: E402
+
+TINY = os.path.join(ROOT, "configs/debug/tiny.yaml")
+CD = os.path.join(ROOT, "configs/method/cd.yaml")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cd.lam_per_role.fc3=0.02", "cd.lam_per_role.fc3"),  # not a role
+    ("cd.lam_per_role.fc2=abc", "cd.lam_per_role.fc2"),   # not a number
+    ("cd.lam_per_role.proj=-1", "cd.lam_per_role.proj"),  # below 0
+])
+def test_a_cd_setting_training_refuses_is_refused_naming_its_key(override, key):
+    from engine.training_checks import check_training_settings
+
+    cfg = load_config([TINY, CD], [override])
+    with pytest.raises(ConfigError) as e:
+        check_training_settings(cfg)
+    assert str(e.value).startswith(key) and "\n" not in str(e.value)
+
+
+def test_the_roles_and_strengths_cd_takes_pass():
+    from engine.training_checks import check_training_settings
+
+    roles = ("qkv", "proj", "fc1", "fc2", "reduction")  # the paper's roles (cd/README.md)
+    check_training_settings(load_config([TINY, CD], [f"cd.lam_per_role.{r}=0.02" for r in roles]))
+
+
+@pytest.mark.parametrize("name, known", [("adamw", True), ("sgd", True), ("lookahead_adamw", True),
+                                         ("sgdd", False), ("adamww", False)])
+def test_optim_name_is_resolved_in_timms_registry(name, known):
+    from timm.optim import list_optimizers  # the registry train.py's optimizer is built from
+
+    from engine.training_checks import check_training_settings
+
+    assert (name.split("_")[-1] in list_optimizers()) is known  # the reference
+    cfg = load_config([TINY], [f"optim.name={name}"])
+    if known:
+        check_training_settings(cfg)
+    else:
+        with pytest.raises(ConfigError, match=f"^optim.name={name}: timm has no optimizer"):
+            check_training_settings(cfg)
+
+
+@pytest.mark.parametrize("batch, per_gpu", [(20, 8), (16, 8), (7, 3), (12, 12), (12, 5), (3, 4)])
+def test_a_global_batch_must_be_a_multiple_of_the_per_process_batch(batch, per_gpu):
+    overrides = [f"train.batch_size={batch}", f"train.batch_size_per_gpu={per_gpu}"]
+    if batch % per_gpu == 0:  # one process runs batch / per_gpu accumulation steps
+        load_config([TINY], overrides)
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config([TINY], overrides)
+    message = str(e.value)
+    assert message.startswith(f"train.batch_size={batch} is not a multiple of train.batch_size_per_gpu={per_gpu}")
+    suggested = int(message.rpartition("train.batch_size_per_gpu=")[2])
+    # the largest per-process batch up to the given one that divides the global batch, found naively
+    assert suggested == max(d for d in range(1, per_gpu + 1) if batch % d == 0 and d <= batch)
+
+
+@pytest.mark.parametrize("item, key", [("cd.lam_per_role.fc3=0.02", "cd.lam_per_role.fc3"),
+                                       ("optim.name=sgdd", "optim.name"),
+                                       ("train.batch_size=20", "train.batch_size")])
+def test_a_sweep_refuses_a_later_runs_setting_before_the_first_run(tmp_path, item, key):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\n"
+                    f"runs:\n  baseline: []\n  bad: [configs/method/cd.yaml, '{item}']\n")
+    with pytest.raises(ConfigError, match=f"^sweep run 'bad': {key}"):
+        sweep.expand(str(path), [])
+
+
+def test_train_refuses_a_cd_role_before_claiming_its_folder(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "cd.enabled=true",
+                           "cd.lam_per_role.fc2=abc", f"out_dir={out}"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == "error: cd.lam_per_role.fc2 must be a finite number >= 0, got 'abc'"
+    assert not out.exists()  # refused before the run's folder, model and data
