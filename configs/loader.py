@@ -2,8 +2,9 @@
 
     cfg = load_config(["configs/pretrain/vit_b.yaml"], ["optim.lr=1e-3", "out_dir=runs/x"])
 
-Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work) and checked
-against the field's annotation (an int also against int64's range); an override value that YAML would cut at an
+Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work; numbers as YAML 1.2 reads them, and a number
+field refuses `010` and `1:30`, which YAML 1.1 reads as octal 8 and base-60 90) and checked against the field's
+annotation (an int also against int64's range); an override value that YAML would cut at an
 unquoted ` #` (a comment) is refused, a quoted one keeps it. An unknown key is an error that names the key and its
 closest matches in any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
 YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
@@ -40,9 +41,9 @@ class ConfigError(ValueError):
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` and `5E4` as floats (YAML 1.1 wants `1.0e-3`), and refuses a key
-    given twice in one mapping (PyYAML keeps the last one silently: a second `optim:` section would drop
-    the first one's keys)."""
+    """SafeLoader with YAML 1.2's numbers (below: `1e-3` and `5E4` are floats, 010 and 1:30 no YAML 1.1 octal or
+    base-60 integers), that refuses a key given twice in one mapping (PyYAML keeps the last one silently: a second
+    `optim:` section would drop the first one's keys)."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -61,11 +62,31 @@ class _YamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                  |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+class AmbiguousNumber(str):
+    """A plain scalar that YAML versions read as different numbers: a leading zero (010: octal 8 in YAML 1.1, 10 in
+    YAML 1.2) or digits with colons (1:30: base 60, 90, in YAML 1.1). Kept as its text, which a text field takes as
+    it is; a number field refuses it (`coerce_value`) rather than read it as YAML 1.2 would: a recipe written for
+    YAML 1.1 means 8, and other readers of the same file (PyYAML's safe_load in a user's script) still read 8."""
+
+
+AMBIGUOUS_NUMBER = "tag:config,ambiguous-number"
+_NUMBER_START = list("-+0123456789.")
+# SafeLoader's YAML 1.1 int and float resolvers read 010 as 8 and 1:30 as 90, and its float wants `1.0e-3`; in
+# their place (the first match wins, so the ambiguous forms come first): YAML 1.2's integers (decimal, 0x hex,
+# 0o octal, with 1.1's `_` separators), floats with a point or an exponent (`1e-3` and `5E4` too), and the rest
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if first not in _NUMBER_START or tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_NUMBER_RESOLVERS = [(tag, re.compile(pattern, re.X)) for tag, pattern in (
+    (AMBIGUOUS_NUMBER, r"^[-+]?(?:0[0-9_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$"),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|0o[0-7_]+)$"),
+    ("tag:yaml.org,2002:float", r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+
+                                 |\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF))|\.(?:nan|NaN|NAN))$"""))]
+for _first in _NUMBER_START:  # before the others (timestamps: 2024-01-31) for these first characters
+    _YamlLoader.yaml_implicit_resolvers[_first] = [*_NUMBER_RESOLVERS,
+                                                   *_YamlLoader.yaml_implicit_resolvers.get(_first, [])]
+_YamlLoader.add_constructor(AMBIGUOUS_NUMBER, lambda loader, node: AmbiguousNumber(loader.construct_scalar(node)))
 
 
 def parse_yaml(text: str) -> Any:
@@ -585,6 +606,7 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
         return setattr(node, name, coerce_value(value, annotation, key, source))
     if annotation is dict or _origin(annotation) is dict:
         # a dotted key into a free-form dict field: cd.lam_per_role.fc2=0.02
+        refuse_ambiguous_numbers(value, ".".join([key, *rest]), source)
         setattr(node, name, {**current, ".".join(rest): value})
         return
     raise ConfigError(f"{source}: '{key}' is {describe_type(annotation)}; it has no sub-key '{rest[0]}'")
@@ -668,6 +690,12 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         raise ConfigError(f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
                           f" ({type(value).__name__}){reason}")
 
+    if isinstance(value, AmbiguousNumber):  # text where text is taken; a number field cannot know which is meant
+        try:
+            return coerce_value(str(value), annotation, key, source)
+        except ConfigError:
+            raise ConfigError(ambiguous_number_message(value, key, source)) from None
+
     origin = _origin(annotation)
     if origin is Annotated:  # a value range (constraints.py) on top of the type
         base, *ranges = typing.get_args(annotation)
@@ -739,5 +767,34 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
             return {}
         if not isinstance(value, dict):
             fail()
+        for entry, item in value.items():  # free-form entries reach timm (model.kwargs) or CD as they are
+            refuse_ambiguous_numbers(item, f"{key}.{entry}", source)
         return dict(value)
     raise ConfigError(f"{source}: '{key}' has an unsupported annotation {annotation!r}")
+
+
+def ambiguous_number_message(value: str, key: str, source: str) -> str:
+    """The refusal of `value`, an AmbiguousNumber given to the number field `key`: naming both readings and the fix."""
+    digits = value.replace("_", "")
+    if ":" in digits:
+        whole, _, fraction = digits.lstrip("+-").partition(".")
+        base60 = functools.reduce(lambda total, part: total * 60 + int(part), whole.split(":"), 0)
+        return (f"{source}: '{key}' = {value}: YAML 1.1 reads digits with colons as a base-60 number ({value} is "
+                f"{'-' if digits.startswith('-') else ''}{base60}{'.' + fraction if fraction else ''}); write the "
+                f"number itself")
+    sign = "-" if digits.startswith("-") else ""
+    octal = (f", or {sign}0o{digits.lstrip('+-0') or 0} for octal {int(digits, 8)}"
+             if set(digits.lstrip("+-")) <= set("01234567") else "")
+    return (f"{source}: '{key}' = {value}: YAML 1.1 reads a leading zero as octal, YAML 1.2 as decimal; write "
+            f"{int(digits)} for decimal{octal}")
+
+
+def refuse_ambiguous_numbers(value: Any, key: str, source: str) -> None:
+    """Refuse an AmbiguousNumber anywhere in `value` (an entry of a free-form dict field, `key`): its field has no
+    type that says whether text or a number is meant."""
+    if isinstance(value, AmbiguousNumber):
+        message = ambiguous_number_message(value, key, source)
+        raise ConfigError(message.replace("; write", "; quote it for text, or write"))
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for part, item in items:
+        refuse_ambiguous_numbers(item, f"{key}.{part}" if isinstance(value, dict) else f"{key}[{part}]", source)
