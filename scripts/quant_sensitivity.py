@@ -76,10 +76,10 @@ def run(checkpoint: str, out_dir: str, overrides: list[str], bits: str, variants
 def variant_args(checkpoint: str, out_dir: str, overrides: list[str], bits: str, variant: str,
                  pipelines: list[str], extra: list[str]):
     """evaluate.py's arguments for `variant` running `pipelines` with its settings `extra`, into its own JSON in
-    `out_dir`."""
+    `out_dir`. The overrides come before --bits and --quant, whose lists (nargs="*") would take a word of theirs."""
     path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
-    return evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, "--bits", bits,
-                                *variant_overrides(overrides, pipelines), *extra, "--quant", *pipelines])
+    return evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, *variant_overrides(overrides, pipelines),
+                                *extra, "--bits", bits, "--quant", *pipelines])
 
 
 def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: str,
@@ -224,6 +224,10 @@ def main(argv=None) -> dict:
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
+    word = next((o for o in args.overrides if "=" not in o), None)
+    if word is not None:  # `--bits w4a4 w3a3`: w3a3 lands here, and evaluate.py's --bits list would take it
+        parser.error(f"{word!r} is not a key=value override; --bits takes one bit-width per invocation: run the "
+                     f"script once for each bit-width")
     refuse_variant_keys(args.overrides)
     refuse_unread_keys(args.overrides, args.with_aphq)
     refuse_language_model(args.checkpoint)
