@@ -155,17 +155,19 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
     for index, path in enumerate(paths):
         data = read_yaml_file(path)
         _merge(cfg, data, path="", source=path)
-        spelt: dict[str, str] = {}  # dotted key -> the file's top-level key that set it
+        spelt: dict[tuple, str] = {}  # what the file set (override_settings) -> its top-level key that set it
         for key, value in data.items():
-            for dotted, inner in dotted_settings(str(key), value, cfg).items():
-                # `optim.lr: 0.1` beside `optim: {lr: 0.2}`: the YAML check of repeated keys sees two keys, and
-                # the later spelling would replace the earlier without a word
-                twice = next((k for k in spelt if k == dotted or k.startswith(dotted + ".")
-                              or dotted.startswith(k + ".")), None)
+            # `optim.lr: 0.1` beside `optim: {lr: 0.2}`: the YAML check of repeated keys sees two keys, and the later
+            # spelling would replace the earlier without a word. A dict field counts by entry, as for overrides:
+            # `model: {kwargs: {depth: 3}}` beside `model.kwargs.embed_dim: 64` sets two entries
+            for setting in override_settings(str(key), value, cfg):
+                twice = next((earlier for earlier in spelt if setting[:len(earlier)] == earlier[:len(setting)]
+                              and not (".".join(earlier) in dict_fields() and len(setting) > len(earlier))), None)
                 if twice is not None:
-                    raise ConfigError(f"{path}: {twice} is set twice, under '{spelt[twice]}' and under '{key}'; "
-                                      f"keep one")
-                spelt[dotted] = str(key)
+                    raise ConfigError(f"{path}: {'.'.join(min(twice, setting, key=len))} is set twice, under "
+                                      f"'{spelt[twice]}' and under '{key}'; keep one")
+                spelt[setting] = str(key)
+            for dotted, inner in dotted_settings(str(key), value, cfg).items():
                 layer[dotted], values[dotted] = index, inner
         decided.append({decider: copy.deepcopy(decider_value(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)

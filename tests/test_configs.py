@@ -138,7 +138,7 @@ def test_a_control_character_in_yaml_is_one_line_naming_its_offset(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("optim.lr: 0.1\noptim:\n  lr: 0.2\n", r"optim.lr is set twice, under 'optim.lr' and under 'optim'"),
     ("model:\n  kwargs: {depth: 5}\nmodel.kwargs.depth: 4\n",
-     r"model.kwargs is set twice, under 'model' and under 'model.kwargs.depth'"),
+     r"model.kwargs.depth is set twice, under 'model' and under 'model.kwargs.depth'"),
     ("model.kwargs.depth: 4\nmodel:\n  kwargs: {depth: 5}\n",  # the longer spelling first
      r"model.kwargs.depth is set twice, under 'model.kwargs.depth' and under 'model'"),
 ])
