@@ -4,13 +4,16 @@ the scripts that generate them (scripts/cd_families.py: cd/README.md; scripts/qu
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # repo root, for `engine` and `configs`, also when this file is run by mistake
+import torch  # noqa: E402
 
-from engine.console import console_print
-from configs.cli import OneLineParser  # the scripts that import this module put the repo root on sys.path
+from configs.cli import OneLineParser  # noqa: E402
+from engine.console import console_print  # noqa: E402
 
 
 def marked_table(text: str, begin: str, end: str) -> str:
@@ -41,3 +44,10 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
     head, rest = text.split(begin, 1)
     document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
     print(f"wrote the table into {document}")
+
+
+if __name__ == "__main__":
+    # a library: its command line is that of the scripts built on it
+    print("error: scripts/readme_tables.py is a library used by scripts/cd_families.py and scripts/quant_scope.py; "
+          "run one of those (--help says how)", file=sys.stderr)
+    sys.exit(2)
