@@ -145,6 +145,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if dist.distributed:  # each rank looked on its own node
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
                                        cfg.train.resume)
+    if resume_path is not None:  # settings the checkpoint cannot continue with: refused before the model and data
+        check_resumable(payload["config"], cfg, resume_path)
     run = build_run(cfg, dist, resumed=resume_path is not None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)
@@ -440,8 +442,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
     parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the lr
     of the current update), the position within the epoch in samples of any process count."""
-    cfg, state = run.cfg, run.state
-    check_resumable(payload["config"], cfg, resume_path)
+    cfg, state = run.cfg, run.state  # check_resumable(payload["config"], cfg, ...) passed before the run was built
     check_model_drop_sites(payload, cfg, resume_path)
     different = class_differences(payload.get("classes"), run.loaders.classes)
     if different:  # another image data set: each label would name another class

@@ -625,3 +625,14 @@ def test_an_older_checkpoint_without_its_epoch_position_resumes_mid_epoch_with_t
     train.main(debug_config(name="straight"))
     a, b = (model_and_optimizer(debug_config(name=n).out_dir) for n in ("split", "straight"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_with_changed_settings_is_refused_before_the_model_and_the_data_are_built(debug_config, monkeypatch):
+    """check_resumable compares configs only: the refusal comes before build_run (on ImageNet a folder scan and
+    a model build, and the claim of out_dir's files), not after them."""
+    train.main(debug_config("train.max_steps=1", name="early"))
+    built = []
+    monkeypatch.setattr(train, "build_run", lambda *a, **k: built.append(a) or pytest.fail("build_run was reached"))
+    with pytest.raises(CheckpointError, match=r"was written with other settings \(train.seed: 0 -> 1\)"):
+        train.main(debug_config("train.seed=1", name="early"))
+    assert built == []
