@@ -103,6 +103,24 @@ def _check_types(lam: object, p: object, tau: object, eps: object, total_steps: 
                          f"such as 'false' would count as true)")
 
 
+def check_tweo_settings(lam: object, p: object, tau: object, eps: object, schedule: object, total_steps: object,
+                        rescale: object, form: object) -> None:
+    """Refuse TWEO settings that cannot run, without a model: what `TWEO` checks first, for the integrations to
+    check when they are built (a hook in a Runner's config) rather than when training starts. Raises ValueError
+    naming the setting."""
+    if form not in FORMS:
+        raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _check_types(lam=lam, p=p, tau=tau, eps=eps, total_steps=total_steps, rescale=rescale)
+    if schedule == "cosine" and not (total_steps is not None and total_steps > 0):
+        raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
+    # NaN passes every comparison: checked as not finite, or the loss would be NaN from the first step
+    if not all(math.isfinite(v) for v in (lam, p, tau, eps)) or p < 1 or tau + eps <= 0 or lam < 0:
+        raise ValueError(f"tweo needs finite p >= 1, tau + eps > 0, lam >= 0; "
+                         f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
+
+
 class TWEO:
     """TWEO auxiliary loss on block outputs, through forward hooks kept for the run.
 
@@ -127,17 +145,8 @@ class TWEO:
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
                  eps: float = 1e-6, schedule: str = "constant", total_steps: Optional[int] = None,
                  rescale: bool = False, form: str = "memory_saving", layouts: Sequence[Layout] = LAYOUTS) -> None:
-        if form not in FORMS:
-            raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"tweo schedule must be one of {SCHEDULES}, got {schedule!r}")
-        _check_types(lam=lam, p=p, tau=tau, eps=eps, total_steps=total_steps, rescale=rescale)
-        if schedule == "cosine" and not (total_steps is not None and total_steps > 0):
-            raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
-        # NaN passes every comparison: checked as not finite, or the loss would be NaN from the first step
-        if not all(math.isfinite(v) for v in (lam, p, tau, eps)) or p < 1 or tau + eps <= 0 or lam < 0:
-            raise ValueError(f"tweo needs finite p >= 1, tau + eps > 0, lam >= 0; "
-                             f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
+        check_tweo_settings(lam=lam, p=p, tau=tau, eps=eps, schedule=schedule, total_steps=total_steps,
+                            rescale=rescale, form=form)
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale = schedule, total_steps, rescale
         self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty

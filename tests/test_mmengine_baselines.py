@@ -213,6 +213,21 @@ def test_tweo_hook_refuses_bad_arguments():
         TweoHook(module=1)
 
 
+@pytest.mark.parametrize("given, refused", [
+    (dict(p=-1.0), "finite p >= 1"), (dict(p=float("nan")), "finite p >= 1"), (dict(tau=-5.0), "tau \\+ eps > 0"),
+    (dict(tau="3"), "tau must be a real number"), (dict(eps=True), "eps must be a real number"),
+    (dict(schedule="cosin"), "schedule must be one of"), (dict(form="x"), "form must be one of"),
+    (dict(total_steps=True, schedule="cosine"), "total_steps must be a positive integer")])
+def test_tweo_hook_refuses_the_values_tweo_refuses_when_it_is_built(given, refused):
+    """What TWEO refuses once the runner trains (its model is made then) is refused when the hook is built, as the
+    Runner builds it from its config: before the model, the data and the work_dir."""
+    from cd.integrations.mmengine import TweoHook
+
+    with pytest.raises(ValueError, match=refused):
+        TweoHook(**given)
+    assert TweoHook(schedule="cosine").total_steps is None  # the run's length is filled in at before_train
+
+
 # --- Noise (UNIQ) -----------------------------------------------------------------------------------------------
 BITS, SEED = 4, 3
 

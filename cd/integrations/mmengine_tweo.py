@@ -41,7 +41,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 from ..layouts import check_layouts
-from ..tweo import TWEO
+from ..tweo import TWEO, check_tweo_settings
 from ..wrappers import unwrap_model
 from . import check_module_name, select_module
 
@@ -90,9 +90,16 @@ class TweoHook(Hook):
         if "model" in tweo_kwargs:
             raise TypeError("TweoHook takes `module=` (the part of the runner's model), not `model=`")
         try:
-            inspect.signature(TWEO).bind(None, **tweo_kwargs)
+            bound = inspect.signature(TWEO).bind(None, **tweo_kwargs)
         except TypeError as e:
             raise TypeError(f"TweoHook: TWEO arguments: {e}") from None
+        bound.apply_defaults()
+        given = bound.arguments
+        # the values TWEO refuses, now rather than in before_train (after the model, data and work_dir are made);
+        # total_steps left None for 'cosine' is the hook's max_iters / accumulation, so a placeholder of 1 here
+        check_tweo_settings(lam=lam, p=given["p"], tau=given["tau"], eps=given["eps"], schedule=given["schedule"],
+                            total_steps=total_steps or (1 if given["schedule"] == "cosine" else None),
+                            rescale=rescale, form=given["form"])
         if "layouts" in tweo_kwargs:  # checked now, as ColinearityDecayHook does; a config file's mappings made Layouts
             tweo_kwargs["layouts"] = check_layouts(tweo_kwargs["layouts"])
         self.module, self.total_steps = check_module_name(module, "TweoHook"), total_steps
