@@ -46,17 +46,24 @@ log = logging.getLogger("quant.gplq")
 
 
 class FeatureTap(nn.Module):
-    """Wraps a timm classifier: forward(x) -> (logits [B, classes], penultimate features [B, D])."""
+    """Wraps a timm classifier: forward(x) -> (logits [B, classes], penultimate features [B, D]).
+
+    The logits are the model's own head on the features (model(x) exactly); the features are timm's pre-logits
+    (pca.penultimate, what the teacher PCA is fitted on). A distilled DeiT has two classifiers, on the class and
+    the distillation token, and averages their logits: its pre-logits are the mean of the two tokens, so the PCA
+    loss mimics that mean, as the teacher's features are that mean too.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, x: torch.Tensor) -> tuple:
-        # timm's forward_head(pre_logits=True) stops just before the classifier (ViT: after pooling,
-        # fc_norm and head dropout; Swin: after pooling and dropout), so classifier(pre) = forward_head(feats)
-        pre = self.model.forward_head(self.model.forward_features(x), pre_logits=True)
-        return self.model.get_classifier()(pre), pre
+        # the head, not get_classifier()(pre): a distilled DeiT's get_classifier() is a tuple, and no one classifier
+        # of the two tokens' mean gives its logits. The body runs once; its two heads are a pooling and a Linear
+        # (with head dropout each call draws its own mask, which leaves the expected loss as it is)
+        feats = self.model.forward_features(x)
+        return self.model.forward_head(feats), self.model.forward_head(feats, pre_logits=True)
 
 
 @dataclass(frozen=True)
