@@ -32,11 +32,15 @@ own forward runs (nn.MultiheadAttention reads `out_proj.weight` directly: no noi
 
 Where the noise comes from: each layer's forward draws from a `torch.Generator` on the weight's device, seeded
 from (seed, step, layer index) (`noise_seed`), so a run is reproducible and a resumed run draws what the
-uninterrupted run drew, activation checkpointing's recomputation sees the same noisy weights, and every DDP
-rank perturbs its replica identically. The swap is done by forward hooks (`module._parameters["weight"]`
-and `["bias"]` hold the noisy tensors during that module's forward only, as `torch.func.functional_call` does):
-the module code is untouched, evaluation and no-grad forwards see the clean weights, and the state dict, the
-optimizer and checkpoints only ever hold the clean Parameters.
+uninterrupted run drew, and every DDP rank perturbs its replica identically. Every forward of a layer in training
+mode gets the noise, with grad or under no_grad; eval mode gets the clean weights. So every forward of a layer at
+one `step` (with its clean weights unchanged) sees the same noisy weights: activation checkpointing's recomputation
+in the backward sees the weights its forward saw, reentrant (`use_reentrant=True`, MMDetection's `with_cp`, whose
+forward runs under no_grad) or not, and gives the loss and gradients of the run without checkpointing; a layer
+called twice in one training forward gets the same noise both times. The swap is done by forward hooks
+(`module._parameters["weight"]` and `["bias"]` hold the noisy tensors during that module's forward only, as
+`torch.func.functional_call` does): the module code is untouched, and the state dict, the optimizer and checkpoints
+only ever hold the clean Parameters.
 """
 from __future__ import annotations
 
@@ -184,8 +188,12 @@ class WeightNoise:
         return self._generators[device]
 
     def _swap_in(self, module: nn.Module, args: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return  # evaluation and no-grad forwards use the clean weights
+        # Training forwards under no_grad get the noise too: reentrant activation checkpointing
+        # (torch.utils.checkpoint(use_reentrant=True), MMDetection's `with_cp`) runs its first forward, the one the
+        # loss comes from, under no_grad and recomputes it with grad in the backward; both must see the same noisy
+        # weights, which they do as the draws are a function of (seed, step, layer) and the clean weights.
+        if not module.training:
+            return  # evaluation forwards use the clean weights
         key = id(module)
         if key in self._clean:
             raise RuntimeError(f"WeightNoise: {type(module).__name__} called again inside its own forward")

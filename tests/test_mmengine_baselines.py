@@ -463,11 +463,12 @@ def test_weight_noise_hook_refuses_bad_arguments():
         WeightNoiseHook(module=["backbone"])
 
 
-def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_layers():
-    """UNIQ noise on a plain Linear (no runner): a training forward with grad sees noisy weights, one under no_grad
-    (e.g. a look at the training model without a backward) the clean ones, compared with F.linear on the clean
-    weights; a parameter of one element has no distribution to fit and stays clean; bits outside [1, 16] refused;
-    by default only Linear layers get noise."""
+def test_weight_noise_perturbs_only_training_forwards_of_linear_layers():
+    """UNIQ noise on a plain Linear (no runner): a training forward sees noisy weights, with grad or under no_grad
+    (reentrant checkpointing's first forward: the same noise at one step, tests/test_noise_checkpoint.py), an
+    evaluation forward the clean ones, compared with F.linear on the clean weights; a parameter of one element has
+    no distribution to fit and stays clean; bits outside [1, 16] refused; by default only Linear layers get
+    noise."""
     from cd.noise import WeightNoise
 
     torch.manual_seed(0)
@@ -475,9 +476,10 @@ def test_weight_noise_perturbs_only_grad_enabled_training_forwards_of_linear_lay
     x = torch.randn(3, 8)
     with WeightNoise(layer, bits=4), WeightNoise(single, bits=4):
         clean = F.linear(x, layer.weight, layer.bias)
-        assert (layer(x) - clean).abs().max() > 1e-3  # the training forward is perturbed
+        noisy = layer(x)
+        assert (noisy - clean).abs().max() > 1e-3  # the training forward is perturbed
         with torch.no_grad():
-            assert torch.equal(layer(x), clean)
+            assert torch.equal(layer(x), noisy)
         layer.eval()  # an evaluation forward with grad on (a validation loop without no_grad): clean too
         assert torch.equal(layer(x), clean)
         layer.train()
