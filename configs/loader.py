@@ -355,6 +355,12 @@ APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reco
 # APHQ's progress lines come from its block and MLP reconstructions
 APHQ_TRAINS = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct"), lambda iters, mlp: iters != 0 or mlp,
                    "quant.aphq.iters is above 0 or quant.aphq.mlp_reconstruct is true (something is trained)")
+# quant/gplq/qat.py at quant.gplq.steps=0 makes no update: its loss, and so the teacher PCA, is never computed; a
+# pca_weight of 0 says as much (GPLQ's detection recipe gives it) and passes
+GPLQ_PCA_WEIGHT_READ = When(("quant.gplq.steps", "quant.gplq.pca_weight"),
+                            lambda steps, weight: steps != 0 or weight == 0,
+                            "quant.gplq.steps is not 0 (stage 1 makes updates) or quant.gplq.pca_weight is 0",
+                            "drop it, or give quant.gplq.steps above 0 (stage 1 makes no update at 0)")
 # the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
 # quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
 FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Config().quant).items()
@@ -411,6 +417,11 @@ READ_ONLY_WHEN = [
      "quant.aphq.mlp_reconstruct", (True,)),
     (("quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"), "quant.gplq.pca_weight",
      (NONZERO,)),  # no PCA loss, no teacher PCA
+    # stage 1's optimizer, AMP, logs, checkpoint interval and PCA loss; with no update (steps 0) none of them acts
+    (("quant.gplq.lr", "quant.gplq.scale_lr", "quant.gplq.weight_decay", "quant.gplq.amp", "quant.gplq.log_every",
+      "quant.gplq.ckpt_every", "quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"),
+     "quant.gplq.steps", (NONZERO,)),
+    (("quant.gplq.pca_weight",), GPLQ_PCA_WEIGHT_READ, None),
     (("quant.gplq.stage2_images", "quant.gplq.stage2_train_transform", "quant.gplq.qwt_ridge",
       "quant.gplq.qwt_target"), "quant.gplq.qwt", (True,)),  # stage 2 draws images only for QwT's fits
     (("quant.gplq.matmul_percentile",), "quant.gplq.matmul_operands", (True,)),  # the float matmuls have no range

@@ -139,7 +139,9 @@ class GPLQOptions(FirstLastOptions):
     """GPLQ options (defaults: the paper's recipe where stated, else our documented choice)."""
 
     # -- stage 1: activation QAT (quant/gplq/qat.py) --
-    steps: Annotated[Optional[int], NonNegative] = None  # optimizer updates; None: one epoch of the training loader
+    # optimizer updates; None: one epoch of the training loader; 0: none (the LSQ initialisation alone: the options
+    # below that only updates read, lr to ckpt_every and the PCA's, are then refused)
+    steps: Annotated[Optional[int], NonNegative] = None
     batch_size_per_gpu: Annotated[int, AtLeastOne] = 16  # paper: 8 GPUs x 16 = global 128
     lr: Annotated[Optional[float], NonNegative] = None  # None: 5e-6 (global >= 128), 2.5e-6 (>= 64), else 1e-6
     scale_lr: Annotated[Optional[float], NonNegative] = None  # LSQ scales; None: lr (not stated in the paper)

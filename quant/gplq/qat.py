@@ -5,7 +5,8 @@ and all float weights trainable; the teacher is the untouched float model, run o
 
     loss = CE(student logits, labels) + pca_weight * L_PCA(student features, teacher features)
 
-At pca_weight 0 the loss is the CE alone: neither the teacher PCA nor the teacher's forward is computed.
+At pca_weight 0 the loss is the CE alone: neither the teacher PCA nor the teacher's forward is computed. At steps 0
+(no update, the LSQ initialisation alone) no loss is computed, and no teacher PCA for it.
 
 `FeatureTap` makes one forward of the (possibly DDP-wrapped) student return logits AND penultimate
 features, so gradients are synchronised by DDP as in train.py. The optimizer-update loop is the
@@ -127,8 +128,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     Args:
         student: converted model, LSQ scales learnable, weight quantizers bypassed, on its device.
         teacher: float model (eval, no grad) on the same device.
-        fit_pca: computes the teacher PCA projection (called only when not resuming and pca_weight is not 0: a
-            resumed run uses the projection stored in the checkpoint).
+        fit_pca: computes the teacher PCA projection (called only when not resuming, with updates to make and
+            pca_weight not 0: a resumed run uses the projection stored in the checkpoint).
         batches: this rank's training loader and sampler.
         settings: steps, batch, learning rates, loss weight, AMP, logging and checkpoint intervals.
         checkpoint: path of the resumable stage-1 checkpoint (None: none written, no resume).
@@ -139,7 +140,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
 
     Returns:
         {"steps", "seconds", "resumed_from", "lr", "scale_lr", "world_size", "ddp", "ce", "pca", "pca_dims",
-        "pca_explained", "pca_samples"}; the pca_* entries None at pca_weight 0.
+        "pca_explained", "pca_samples"}; the pca_* entries None at pca_weight 0 or steps 0.
 
     Raises:
         Preempted: `preemption` asked to stop, on every rank; `checkpoint` holds the updates done so far.
@@ -169,7 +170,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     # rank 0 decides whether to resume: ranks that each looked (a folder that is not shared between nodes)
     # could take both branches, fit_pca's all-reduce facing restore_training; a rank that cannot read the
     # file rank 0 sees fails on it, naming it
-    aligned = settings.pca_weight != 0  # else no PCA loss: no teacher PCA, no teacher forward
+    # else no PCA loss: no teacher PCA, no teacher forward (at steps 0 no loss at all, so no PCA for it either)
+    aligned = settings.pca_weight != 0 and settings.steps != 0
     resume = run_on_main(lambda: bool(checkpoint and os.path.exists(checkpoint)),
                          "looking for the GPLQ stage-1 checkpoint", device)
     if resume:
