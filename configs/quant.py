@@ -111,7 +111,8 @@ class APHQOptions(FirstLastOptions):
     temperature: Annotated[float, Positive] = 20.0  # KL temperature of the APH
     # -- MLP reconstruction (quant/aphq/mlp_recon.py), off as in the CD paper --
     mlp_reconstruct: bool = False  # GELU -> ReLU and per-block tuning of fc1 / fc2 first
-    mlp_iters: Annotated[Optional[int], NonNegative] = None  # iterations per block; None: same as iters
+    # iterations per block; None: same as iters. 0 in effect is refused: the GELU -> ReLU model would go untuned
+    mlp_iters: Annotated[Optional[int], NonNegative] = None
     mlp_lr: Annotated[float, NonNegative] = 4e-5  # Adam lr of MR (cosine to 0)
     mlp_clip_percentile: Annotated[float, Probability] = 0.98  # fc2-input clip (4-bit config; paper text: 0.99)
     mlp_clip_weight: Annotated[float, NonNegative] = 2.0  # weight of the clipped-branch term

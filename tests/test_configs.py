@@ -435,9 +435,10 @@ def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing
     ("configs/demo/vit_digits.yaml", ["data.reprob=0.5", "data.remode=const", "data.recount=3"]),
     ("configs/pretrain/vit_b.yaml", ["data={remode: rand, recount: 2}"]),  # its reprob 0.25
     ("configs/demo/vit_digits.yaml", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_iters=5"]),
-    # MR trains (and reads the APH) at quant.aphq.iters=0 too
+    # MR trains (and reads the APH) at quant.aphq.iters=0 too, for its own mlp_iters
     ("configs/demo/vit_digits.yaml", ["quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true",
-                                      "quant.aphq.temperature=5", "quant.aphq.log_every=10"]),
+                                      "quant.aphq.mlp_iters=5", "quant.aphq.temperature=5",
+                                      "quant.aphq.log_every=10"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0.5", "quant.gplq.pca_images=64"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_images=64", "quant.gplq.stage2_images=64"]),  # defaults on
     ("configs/demo/vit_digits.yaml", ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"]),  # as cd.enabled

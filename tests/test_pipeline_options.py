@@ -25,7 +25,7 @@ CASES = [
     ("aphq", {"iters": 0, "weight_lr": 0.01}, "weight_lr"),
     ("aphq", {"iters": 0, "drop_prob": 1.0}, "drop_prob"),
     ("aphq", {"iters": 0, "log_every": 0}, "log_every"),
-    ("aphq", {"iters": 0, "mlp_reconstruct": True, "temperature": 5.0, "log_every": 0}, None),
+    ("aphq", {"iters": 0, "mlp_reconstruct": True, "mlp_iters": 5, "temperature": 5.0, "log_every": 0}, None),
     ("aphq", {"iters": 0, "recon_images": 8, "calib_images": 4, "batch_size": 4, "search_rounds": 0}, None),
     ("gplq", {"pca_weight": 0.0, "pca_images": 16}, "pca_images"),
     ("gplq", {"pca_weight": 0.5, "pca_images": 16}, None),

@@ -56,6 +56,11 @@ from .reconstruct import ReconSettings, reconstruct_unit
 log = logging.getLogger("quant.aphq")
 
 
+def mlp_iterations(options: APHQOptions) -> int:
+    """The MLP reconstruction's iterations per block: mlp_iters, or iters where it is None."""
+    return options.mlp_iters if options.mlp_iters is not None else options.iters
+
+
 class APHQPipeline(Pipeline):
     name = "aphq"
     Options = APHQOptions
@@ -111,6 +116,13 @@ class APHQPipeline(Pipeline):
         if options.calib_images > options.recon_images:
             raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
                              f"(the calibration set is a prefix of the reconstruction set)")
+        if options.mlp_reconstruct and mlp_iterations(options) == 0:
+            # reconstruct_mlps swaps every GELU for a ReLU before its first iteration: with none, the model scored is
+            # that swapped float model, never tuned back towards the GELU one
+            given = ("mlp_iters=0" if options.mlp_iters is not None
+                     else "iters=0 and mlp_iters=null (which follows iters)")
+            raise ValueError(f"mlp_reconstruct=True with {given}: the MLP reconstruction would swap GELU for ReLU "
+                             f"and tune nothing; give mlp_iters above 0, or mlp_reconstruct=False")
         if options.batch_size > options.recon_images:  # a batch draws distinct samples: it would shrink silently
             raise ValueError(f"batch_size={options.batch_size} exceeds recon_images={options.recon_images} (each "
                              f"batch draws distinct reconstruction images): give batch_size <= recon_images")
@@ -196,7 +208,7 @@ class APHQPipeline(Pipeline):
                 mr_stats = reconstruct_mlps(
                     frozen, source, images, options.calib_images, hessian,
                     MLPReconSettings(
-                        iters=options.mlp_iters if options.mlp_iters is not None else options.iters,
+                        iters=mlp_iterations(options),
                         batch_size=bs, lr=options.mlp_lr, clip_percentile=options.mlp_clip_percentile,
                         clip_weight=options.mlp_clip_weight, log_every=options.log_every),
                     torch.Generator(device=device).manual_seed(options.seed + 1))

@@ -1,0 +1,52 @@
+"""APHQ's MLP reconstruction swaps every GELU for a ReLU and then tunes fc1 / fc2 for mlp_iters iterations (iters where
+mlp_iters is null). With none, the model scored would be the swapped float model, never tuned: mlp_reconstruct=True
+whose MLP iterations come to 0 is refused before any work, by the API and by evaluate.py with one error line."""
+import pytest
+import torch
+
+from device_utils import cpu_pipeline_data
+from quant import PIPELINES
+from quant_models import images, tiny_vit
+from tests.conftest import DEMO_CONFIG, run_entry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(recon_images=8, calib_images=8, batch_size=4)
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"iters": 0}, r"iters=0 and mlp_iters=null \(which follows iters\)"),
+    ({"iters": 3, "mlp_iters": 0}, "mlp_iters=0"),
+    ({"iters": 0, "mlp_iters": 0}, "mlp_iters=0"),
+])
+def test_the_api_refuses_mlp_reconstruction_without_iterations_before_any_work(given, named):
+    drawn = []
+    data = cpu_pipeline_data(num_images=16)
+    data.train_images = lambda count, seed, train_transform: drawn.append(count)
+    with pytest.raises(ValueError, match=f"mlp_reconstruct=True with {named}: .*give mlp_iters above 0, or "
+                                         f"mlp_reconstruct=False"):
+        PIPELINES["aphq"](tiny_vit(), images(2), "w4a4", {**SMALL, **given, "mlp_reconstruct": True}, data=data)
+    assert drawn == []
+
+
+def test_mlp_iterations_at_iters_0_tune_the_relu_mlps():
+    """iters=0 (calibration only) with mlp_iters=2: the MLPs get ReLU and two iterations each, so their weights
+    move away from the float model's (which the refused case would have kept under the ReLU)."""
+    fp = tiny_vit()
+    model, report = PIPELINES["aphq"](fp, images(2), "w4a4", {**SMALL, "iters": 0, "mlp_reconstruct": True,
+                                                              "mlp_iters": 2}, data=cpu_pipeline_data(num_images=16))
+    rows = report["mlp_reconstruction"]
+    assert [r["iters"] for r in rows] == [2] * len(fp.blocks)
+    for block, fp_block in zip(model.blocks, fp.blocks):
+        assert isinstance(block.mlp.act, torch.nn.ReLU)
+        assert not torch.equal(block.mlp.fc1.weight, fp_block.mlp.fc1.weight)
+
+
+def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
+    code, _, err = run_entry("evaluate.py", [
+        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "aphq", "--bits", "w4a4",
+        "quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true", "--out", str(tmp_path / "r.json")], capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1, err
+    assert lines[0].startswith("error: quant.aphq: mlp_reconstruct=True with iters=0 and mlp_iters=null")
+    assert "give mlp_iters above 0" in lines[0]
