@@ -355,6 +355,11 @@ APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reco
 # APHQ's progress lines come from its block and MLP reconstructions
 APHQ_TRAINS = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct"), lambda iters, mlp: iters != 0 or mlp,
                    "quant.aphq.iters is above 0 or quant.aphq.mlp_reconstruct is true (something is trained)")
+# quant/aphq/adaround.py RoundingSchedule: the rounding regulariser is off for the first warmup * iters iterations,
+# so at warmup 1 it never acts and its weight and exponents are never read
+APHQ_ROUNDING_ACTS = When(("quant.aphq.warmup",), lambda warmup: warmup < 1,
+                          "quant.aphq.warmup is below 1 (the rounding regulariser acts after the warm-up)",
+                          "drop it, or give quant.aphq.warmup below 1")
 # quant/gplq/qat.py at quant.gplq.steps=0 makes no update: its loss, and so the teacher PCA, is never computed; a
 # pca_weight of 0 says as much (GPLQ's detection recipe gives it) and passes
 GPLQ_PCA_WEIGHT_READ = When(("quant.gplq.steps", "quant.gplq.pca_weight"),
@@ -409,6 +414,7 @@ READ_ONLY_WHEN = [
       "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
       "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
+    (("quant.aphq.round_weight", "quant.aphq.beta_start", "quant.aphq.beta_end"), APHQ_ROUNDING_ACTS, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), COLOR_JITTER_ON, None),

@@ -98,7 +98,8 @@ class APHQOptions(FirstLastOptions):
     round_weight: Annotated[float, NonNegative] = 0.01  # rounding regulariser weight (summed over the unit)
     beta_start: Annotated[float, Positive] = 20.0  # rounding regulariser exponent at the end of the warm-up
     beta_end: Annotated[float, Positive] = 2.0  # ... at the last iteration (linear decay)
-    warmup: Annotated[float, Probability] = 0.2  # fraction of iterations without the rounding regulariser
+    # fraction of iterations without the rounding regulariser; 1: none with it (round_weight, beta_* refused)
+    warmup: Annotated[float, Probability] = 0.2
     # QDrop, as the official `drop_prob` means it (GoatWu/APHQ-ViT, QDrop: where(rand < drop_prob, quantized,
     # float)): the probability of an element's quantized value, the float one otherwise; 1: QDrop off
     drop_prob: Annotated[float, Probability] = 0.5  # inside activation quantizers
