@@ -355,6 +355,15 @@ APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reco
 # APHQ's progress lines come from its block and MLP reconstructions
 APHQ_TRAINS = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct"), lambda iters, mlp: iters != 0 or mlp,
                    "quant.aphq.iters is above 0 or quant.aphq.mlp_reconstruct is true (something is trained)")
+# quant/aphq/pipeline.py and detector.py draw random numbers from quant.aphq.seed only in a reconstruction (batch
+# draws, QDrop masks, Rademacher probes; the MLP reconstruction's too) and for search_max_rows' row subsets: a
+# calibration-only run (iters 0) without either is the same under any seed
+APHQ_SEED_READ = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct", "quant.aphq.search_max_rows"),
+                      lambda iters, mlp, rows: iters != 0 or mlp or rows is not None,
+                      "quant.aphq.iters is above 0, quant.aphq.mlp_reconstruct is true or quant.aphq.search_max_rows "
+                      "is set (something is drawn at random)",
+                      "drop it: a calibration-only run (quant.aphq.iters=0) without quant.aphq.search_max_rows draws "
+                      "nothing at random")
 # quant/aphq/adaround.py RoundingSchedule: the rounding regulariser is off for the first warmup * iters iterations,
 # so at warmup 1 it never acts and its weight and exponents are never read
 APHQ_ROUNDING_ACTS = When(("quant.aphq.warmup",), lambda warmup: warmup < 1,
@@ -414,6 +423,7 @@ READ_ONLY_WHEN = [
       "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
       "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
+    (("quant.aphq.seed",), APHQ_SEED_READ, None),
     (("quant.aphq.round_weight", "quant.aphq.beta_start", "quant.aphq.beta_end"), APHQ_ROUNDING_ACTS, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),

@@ -119,7 +119,9 @@ class APHQOptions(FirstLastOptions):
     mlp_clip_weight: Annotated[float, NonNegative] = 2.0  # weight of the clipped-branch term
     # -- run --
     log_every: Annotated[int, NonNegative] = 1000  # log loss and time every N iterations and at each unit end (0: not)
-    seed: Annotated[int, Seed] = 0  # QDrop masks, batch draws, Rademacher probes
+    # QDrop masks, batch draws, Rademacher probes, search_max_rows' row subsets (iters=0 without MR or
+    # search_max_rows draws nothing: a seed given there is refused)
+    seed: Annotated[int, Seed] = 0
     cache_device: Optional[str] = None  # where cached unit inputs/targets live; None: the model's device
 
 
