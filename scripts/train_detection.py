@@ -315,6 +315,22 @@ def check_amp(cfg) -> None:
                              "train in fp32 on the CPU")
 
 
+def check_accumulation(cfg) -> None:
+    """Refuse an optim_wrapper.accumulative_counts that is no whole number of at least 1 (0, -1, a bool, 2.0):
+    MMEngine's OptimWrapper asserts a positive count when runner.train() builds it, after the config dump and the
+    log folder were written, with an AssertionError traceback; a bool or a float it takes, and counts with."""
+    from engine.detection import DetectionError
+    wrapper = cfg.get("optim_wrapper") or {}
+    # one wrapper, or MMEngine's several (an OptimWrapperDict's, one sub-dict per part of the model)
+    found = [("optim_wrapper", wrapper)] + [(f"optim_wrapper.{key}", value) for key, value in wrapper.items()
+                                            if isinstance(value, dict) and "accumulative_counts" in value]
+    for name, part in found:
+        counts = part.get("accumulative_counts", 1)
+        if isinstance(counts, bool) or not isinstance(counts, int) or counts < 1:
+            raise DetectionError(f"{name}.accumulative_counts={counts!r}: give a whole number of at least 1 (the "
+                                 "iterations whose gradients add up to one optimizer step; 1 steps every iteration)")
+
+
 def check_seed(cfg) -> None:
     """Refuse a randomness.seed MMEngine's Runner cannot seed numpy with (text, a negative number, past 2**32 - 1
     after randomness.diff_rank_seed adds the rank): a TypeError or ValueError traceback from inside the Runner,
@@ -399,6 +415,7 @@ def main(argv=None) -> int:
         check_hooks(cfg)
         check_seed(cfg)
         check_amp(cfg)
+        check_accumulation(cfg)
         check_checkpointing(cfg, args.work_dir)
         source = args.data_root and f"--data-root {args.data_root}"
         check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))

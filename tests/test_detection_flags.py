@@ -40,6 +40,31 @@ def test_amp_training_on_a_gpu_and_fp32_training_on_the_cpu_pass_the_amp_check(m
         train_detection.check_amp(Config(dict(optim_wrapper=dict(type=AmpOptimWrapper))))
 
 
+@pytest.mark.parametrize("counts", ["0", "-1", "True", "2.0"])
+def test_an_accumulation_count_that_is_no_whole_number_of_at_least_1_is_one_error_line_before_any_work(
+        sample_cfg, tmp_path, capsys, counts):
+    """MMEngine's OptimWrapper asserts accumulative_counts > 0 inside runner.train(), after the Runner had made its
+    timestamped log folder in the work dir: an AssertionError traceback; a bool or a float it took and counted
+    with. Refused before the Runner is built, on a sample it could train on: nothing in the work dir."""
+    root, _ = sample_cfg
+    work = tmp_path / "work"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", root, "--work-dir", str(work),
+                               f"optim_wrapper.accumulative_counts={counts}"])
+    assert line == (f"error: optim_wrapper.accumulative_counts={counts}: give a whole number of at least 1 (the "
+                    "iterations whose gradients add up to one optimizer step; 1 steps every iteration)"), line
+    assert not work.exists()
+
+
+def test_accumulation_counts_of_one_wrapper_or_of_each_of_several_are_checked():
+    from mmengine.config import Config
+    import train_detection
+    for wrapper in (None, dict(type="OptimWrapper"), dict(accumulative_counts=1), dict(accumulative_counts=4),
+                    dict(generator=dict(accumulative_counts=2), discriminator=dict(type="OptimWrapper"))):
+        train_detection.check_accumulation(Config(dict(optim_wrapper=wrapper)))
+    with pytest.raises(ValueError, match=r"^optim_wrapper.generator.accumulative_counts=0: give a whole number"):
+        train_detection.check_accumulation(Config(dict(optim_wrapper=dict(generator=dict(accumulative_counts=0)))))
+
+
 @pytest.fixture(scope="module")
 def sample_cfg(tmp_path_factory):
     """The sample detector's config on a written sample data set, with mmcv's compiled ops stood in under
