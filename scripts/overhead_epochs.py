@@ -16,7 +16,11 @@ epoch/max_mem_mib (rank 0's peak) for every epoch it runs from its start (engine
 reads them from metrics.jsonl. Reported per configuration: mean epoch seconds over all epochs and runs,
 the same without each run's first epoch (cuDNN autotuning, data-loader start), peak memory (max over
 runs), and ratios to the baseline. Re-running the same command reuses finished runs and resumes
-interrupted ones (an epoch cut by the interruption has no timing). Writes epochs.json and epochs.png.
+interrupted ones (an epoch cut by the interruption has no timing), whose reported times are then those of the
+earlier jobs too: a run folder is reused only under a launcher of as many processes as the one recorded beside it
+(runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher) and with the
+settings its config.yaml holds; any other is refused before the first run starts. A run that train.py refuses or
+that fails ends the protocol with train.py's error. Writes epochs.json and epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -127,6 +131,46 @@ def check_plan(args, plan: list) -> None:
                              f"without a method (the protocol adds each method's config itself)")
 
 
+def run_dir(args, model: str, batch: int, method: str, run: int) -> str:
+    """The folder of one timed run: its settings but the launcher's (overhead_run_folders records that beside it)."""
+    return os.path.join(args.out, "runs", f"{model}_bs{batch}_{method}_run{run}")
+
+
+def check_run_folders(args, plan: list) -> None:
+    """Every run folder that a run would continue, before the first run starts: one timed under a launcher of
+    another number of processes, or of settings other than its run's, is refused (overhead_run_folders)."""
+    from configs import config_to_dict, load_config
+    from overhead_run_folders import reuse_problem  # scripts/: this folder, as this script or bench_overhead.py runs it
+    for _, model, batch in plan:
+        for method, run in ((m, r) for m in args.methods for r in range(args.runs)):
+            out_dir = run_dir(args, model, batch, method, run)
+            if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")):
+                continue  # nothing to continue: the run starts afresh (or train.py refuses the folder itself)
+            configs, overrides = run_config(args, method, model, batch, run, out_dir)
+            config = config_to_dict(load_config([os.path.join(ROOT, c) for c in configs], overrides))
+            problem = reuse_problem(out_dir, args.launcher, config, launcher_world_size)
+            if problem:
+                sys.exit(f"error: {problem}")
+
+
+def failed_run_line(out_dir: str, returncode: int) -> tuple[int, str]:
+    """(exit status, the line to end with) when train.py did not finish the run in `out_dir`. Its own error line is
+    above when it exited 1 (a refusal at its start, or an error while it trained): this line only says which run,
+    and claims no resume (the same command may be refused again). Stopped by a signal after its checkpoint
+    (EXIT_PREEMPTED), or killed, it printed none: the line is the error, and the same command continues the run."""
+    from engine.exit_codes import EXIT_PREEMPTED
+    from sweep import shell_status  # scripts/: this folder, as this script or bench_overhead.py runs it
+    code, killed = shell_status(returncode)
+    if code == EXIT_PREEMPTED:
+        return code, (f"error: the run in {out_dir} stopped on a signal after writing its checkpoint.pt; re-running "
+                      f"the same command continues it")
+    if killed:
+        return code, (f"error: the run in {out_dir} was{killed[1:]}; re-running the same command continues it from "
+                      f"its last checkpoint.pt (from its start if it wrote none)")
+    return code, (f"overhead_epochs: the run in {out_dir} failed (train.py exit status {code}); its output above "
+                  f"says why")
+
+
 def epoch_costs(metrics_path: str) -> list[dict]:
     """The epoch/* records of one run's metrics.jsonl, in order."""
     rows = []
@@ -212,17 +256,22 @@ def main(argv: Optional[list[str]] = None) -> dict:
         launcher_problem = str(e)
     if launcher_problem:  # now, not as a FileNotFoundError traceback when the first run would start
         sys.exit(f"error: --launcher {args.launcher!r}: {launcher_problem}")
+    check_run_folders(args, plan)
+    from overhead_run_folders import write_launcher  # scripts/, as for reuse_problem
     rows = []
     for sweep, model, batch in plan:
         for method in args.methods:
             runs = []
             for run in range(args.runs):
-                out_dir = os.path.join(args.out, "runs", f"{model}_bs{batch}_{method}_run{run}")
+                out_dir = run_dir(args, model, batch, method, run)
                 cmd = train_command(args, method, model, batch, run, out_dir)
                 print(shlex.join(cmd), flush=True)
-                if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-                    sys.exit(f"error: the run in {out_dir} failed; its train.log says why (re-running the "
-                             f"same command resumes it)")
+                write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
+                returncode = subprocess.run(cmd, cwd=ROOT).returncode
+                if returncode != 0:
+                    code, line = failed_run_line(out_dir, returncode)
+                    print(line, file=sys.stderr, flush=True)
+                    sys.exit(code)
                 runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))
             rows.append({"sweep": sweep, "model": model, "batch": batch, "method": method, **summarise(runs)})
     for row in rows:

@@ -1,0 +1,84 @@
+"""Which run folders of the epochs protocol (scripts/overhead_epochs.py) a new job may reuse.
+
+A re-run of the protocol reuses the folders of finished runs and resumes interrupted ones, and reports the epoch
+times in their metrics.jsonl. Those times are of the processes that trained the run, which nothing in the folder's
+config.yaml records: each run's launcher is recorded beside its folder, in `<folder>.launcher.json` (train.py owns
+the folder itself, and would take a file of ours there for an earlier run's). A folder that holds a run to continue
+(checkpoint.pt) is reused only when its recorded launcher starts as many processes as this job's, and its
+config.yaml holds the settings this job gives the run: otherwise the report would give another job's times under
+this job's launcher, or train.py would refuse the run after the runs before it had trained.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from engine.run_dir import config_changes, saved_config, start_only_changes
+
+RECORD_SUFFIX = ".launcher.json"
+
+
+def record_path(out_dir: str) -> str:
+    """Where the launcher of the run in `out_dir` is recorded: beside the folder, not in it."""
+    return os.path.normpath(out_dir) + RECORD_SUFFIX
+
+
+def write_launcher(out_dir: str, launcher: str, world_size: Optional[int]) -> None:
+    """Record the launcher that is about to train the run in `out_dir` (before it starts: a job killed while it
+    trains leaves its record too)."""
+    os.makedirs(os.path.dirname(record_path(out_dir)) or ".", exist_ok=True)
+    with open(record_path(out_dir), "w") as f:
+        json.dump({"launcher": launcher, "processes": world_size}, f)
+
+
+def recorded_launcher(out_dir: str) -> Optional[str]:
+    """The launcher recorded for the run in `out_dir`; None without a readable record."""
+    try:
+        with open(record_path(out_dir)) as f:
+            launcher = json.load(f).get("launcher")
+    except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
+        return None
+    return launcher if isinstance(launcher, str) else None
+
+
+def same_processes(recorded: str, launcher: str, world_size) -> bool:
+    """Whether `launcher` trains as the `recorded` one did: by their numbers of processes (`world_size`:
+    overhead_epochs.launcher_world_size) where both launchers state theirs, else (srun: the allocation decides) only
+    when the launcher is the same one."""
+    then, now = world_size(recorded), world_size(launcher)
+    if then is not None and now is not None:
+        return then == now
+    return recorded.strip() == launcher.strip()
+
+
+def processes_text(launcher: str, world_size) -> str:
+    n = world_size(launcher)
+    return "processes it does not state" if n is None else f"{n} process{'es' if n != 1 else ''}"
+
+
+def reuse_problem(out_dir: str, launcher: str, config: dict, world_size) -> Optional[str]:
+    """Why this job may not continue the run in `out_dir` (None when it may, or when the folder holds no run to
+    continue: train.py then starts it, or refuses the folder itself). `config`: the run's whole config as this job
+    gives it (config_to_dict); `world_size`: launcher -> its number of processes, or None."""
+    if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")):
+        return None
+    recorded = recorded_launcher(out_dir)
+    if recorded is None:
+        return (f"{out_dir} holds a run whose launcher is not recorded ({record_path(out_dir)} is missing or "
+                f"unreadable), so its epoch times may be of another number of processes: move the folder away to "
+                f"time the run again, or give another --out")
+    if not same_processes(recorded, launcher, world_size):
+        return (f"{out_dir} holds a run timed under --launcher {recorded!r} ({processes_text(recorded, world_size)}),"
+                f" not {launcher!r} ({processes_text(launcher, world_size)}): its epoch times would be reported as "
+                f"this launcher's; give --launcher {recorded!r} to reuse it, or another --out")
+    saved = saved_config(out_dir)
+    if saved is None:  # no readable config.yaml: train.py compares the checkpoint's own config
+        return None
+    changes = start_only_changes(saved, config)
+    if not config.get("train", {}).get("allow_changed_config"):  # train.py continues a run with new values then
+        changes = config_changes(saved, config) + changes
+    if changes:
+        return (f"{out_dir} holds a run of other settings ({'; '.join(changes)}), which train.py would refuse to "
+                f"continue: give the protocol options it ran with, or another --out")
+    return None
