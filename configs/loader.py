@@ -387,8 +387,9 @@ FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Confi
 READ_ONLY_WHEN = [
     (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
     (("data.val_windows",), "data.dataset", LM_DATA),
-    # a language model calibrates on token windows and synthetic images get no transform either
-    (("quant.calib_transform",), "data.dataset", ("folder", "digits")),
+    # a language model calibrates on token windows and synthetic images get no transform either (GPLQ's QwT images
+    # likewise: a classifier's are train-split images, which on synthetic data are the same under both transforms)
+    (("quant.calib_transform", "quant.gplq.stage2_train_transform"), "data.dataset", ("folder", "digits")),
     (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
     (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.crop_mode", "data.scale",
       "data.ratio", "data.hflip", "data.auto_augment", "data.color_jitter", "data.reprob", "data.remode",

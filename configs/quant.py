@@ -166,7 +166,8 @@ class GPLQOptions(FirstLastOptions):
     weight_symmetric: bool = True  # per-channel weights symmetric (paper) or asymmetric (RepQ-ViT)
     weight_range: Literal["percentile_mse", "percentile", "minmax"] = "percentile_mse"  # MSE-based (79.5) ...
     stage2_images: Annotated[int, AtLeastOne] = 512  # images for QwT's least-squares fits
-    stage2_train_transform: bool = True  # training augmentation, as QwT draws them from its train loader
+    # training augmentation, as QwT draws them from its train loader (refused on synthetic images: no transform)
+    stage2_train_transform: bool = True
     qwt: bool = True  # per-block linear compensation
     qwt_ridge: Annotated[float, NonNegative] = 0.0  # L2 penalty of the fit (0: plain least squares as QwT's script)
     # reference block: the stage-1 block fully float (QwT disables every quantizer of the block), the

@@ -27,10 +27,10 @@ is refused, and so is one that no run would read: the options of a pipeline that
 (quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
 The options of one pipeline go to the variants that run it only (evaluate.py refuses them elsewhere).
 Every variant's command is checked as evaluate.py checks it before the first evaluation. The variants are this
-command's list, not settings the user gives: one whose own setting the checkpoint cannot take (calib=train on
-synthetic images, which no transform prepares) is skipped, with a warning line, and listed under "skipped" in the
-summary. A variant whose JSON in --out holds its pipelines computed with other settings (an earlier run of this
-command with other overrides) is refused: give --out another folder, or move that JSON away.
+command's list, not settings the user gives: one whose own setting the checkpoint cannot take (calib=train or gplq
+stage2 eval on synthetic images, which no transform prepares) is skipped, with a warning line, and listed under
+"skipped" in the summary. A variant whose JSON in --out holds its pipelines computed with other settings (an
+earlier run of this command with other overrides) is refused: give --out another folder, or move that JSON away.
 """
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: 
                      with_aphq: bool) -> tuple[dict, dict]:
     """({variant: (pipelines, its settings)} to run, {variant: why it is skipped}), every variant's command checked
     as evaluate.py checks it, before the first evaluation. The variants are this command's list, not the user's
-    ask: one whose own setting this checkpoint cannot take (calib=train on synthetic images, which no transform
-    prepares) is skipped. Any other refusal (of the overrides given) is raised, and so is a variant whose JSON in
-    --out holds its pipelines computed with other settings (`refuse_other_settings`). A checkpoint that is not one
-    of train.py is left to evaluate.py's own refusal."""
+    ask: one whose own setting this checkpoint cannot take (calib=train or gplq stage2 eval on synthetic
+    images, which no transform prepares) is skipped. Any other refusal (of the overrides given) is raised, and so
+    is a variant whose JSON in --out holds its pipelines computed with other settings (`refuse_other_settings`). A
+    checkpoint that is not one of train.py is left to evaluate.py's own refusal."""
     variants = {v: ([*pipelines, "aphq"] if with_aphq and v in APHQ_VARIANTS else pipelines, extra)
                 for v, (pipelines, extra) in VARIANTS.items()}
     if not os.path.isfile(checkpoint) or run_checkpoint_config(checkpoint) is None:

@@ -43,7 +43,8 @@ def test_a_variant_the_checkpoint_cannot_take_is_skipped_before_any_evaluation(s
     """calib=train adds quant.calib_transform=train itself, which evaluate.py refuses for synthetic images (no
     transform prepares them): the command died after computing the variants before it, naming a setting the user
     never gave. The variant list is the command's, not the user's: it is skipped, with a line saying so, and
-    recorded in the summary; the others run."""
+    recorded in the summary; the others run. So is 'gplq stage2 eval' (quant.gplq.stage2_train_transform=false),
+    refused for synthetic images alike."""
     sens = load_script("quant_sensitivity")
     out = tmp_path / "sens"
     out.mkdir()  # evaluate.py, which stands in here, makes it
@@ -54,7 +55,10 @@ def test_a_variant_the_checkpoint_cannot_take_is_skipped_before_any_evaluation(s
                                                f"quant.calib_transform=train for {synthetic_checkpoint} ("), warnings
     assert "would be ignored" in warnings[0]
     summary = json.loads((out / "sensitivity_w4a4.json").read_text())
-    assert set(summary["skipped"]) == {"calib=train"} and summary["top1"] == table
+    assert set(summary["skipped"]) == {"calib=train", "gplq stage2 eval"} and summary["top1"] == table
+    assert "gplq_stage2_eval.json" not in evaluations and "gplq stage2 eval" not in table
+    assert any(line.startswith("warning: variant 'gplq stage2 eval' skipped: evaluate.py refuses its "
+                               "quant.gplq.stage2_train_transform=false") for line in warnings), warnings
 
 
 def test_a_variant_computed_with_other_settings_in_out_is_refused_with_this_commands_fix(synthetic_checkpoint,
