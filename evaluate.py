@@ -208,7 +208,9 @@ def main(args: argparse.Namespace) -> dict:
         # without the files this time, those an earlier call wrote stay listed: still this result file's own
         paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
                  {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
-        kept = ("loss", "ppl", "ppl_bf16", "tokens") if task.language else ("top1", "top5", "loss", "excluded")
+        # a classifier's count of images scored: the top-1 is 100 * right / count, which gap_test.py reads exactly
+        kept = (("loss", "ppl", "ppl_bf16", "tokens") if task.language
+                else ("top1", "top5", "loss", "count", "excluded"))
         # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
         # evaluated: evaluation overrides (an APHQ data.scale) are no training setting
         trained = {"recipe": recipe(config_to_dict(config_from_dict(payload["config"])))} if payload else {}
