@@ -8,7 +8,13 @@ here). The layout is COCO's, so MMDetection's `CocoDataset` and pycocotools read
 
 Each image is a textured background with 1-3 objects of two classes, "box" (a filled rectangle) and
 "disc" (a filled 24-gon), in random colours; the mask of an object is its polygon, the box its bounds,
-the area the polygon's. Objects do not overlap, so every mask is exactly what is drawn.
+the area the polygon's. Objects do not overlap, and each is drawn as its mask up to the outline: PIL's fill also
+paints pixels on the polygon's outline that pycocotools' rasterisation of it (`annToMask`) leaves out (and the
+two round a few edge pixels apart). Every drawn pixel of an object lies within one pixel (its 3x3 neighbourhood)
+of its mask, and every mask pixel within one pixel of a drawn one. The intersection over union of drawn pixels
+and mask is lowest for the smallest boxes and grows with the side; measured over seeds 0-9 (50 images each), at
+64-pixel images (the default) it is at least 0.765 (a 14-pixel square mask drawn 16 pixels wide), about 0.92 on
+average; over seeds 0-4 at least 0.669 at 32 pixels and 0.918 at 256.
 
     python scripts/make_coco_sample.py /tmp/coco_sample --train 16 --val 8 --size 64
 """
