@@ -29,8 +29,10 @@ The options of one pipeline go to the variants that run it only (evaluate.py ref
 Every variant's command is checked as evaluate.py checks it before the first evaluation. The variants are this
 command's list, not settings the user gives: one whose own setting the checkpoint cannot take (calib=train or gplq
 stage2 eval on synthetic images, which no transform prepares) is skipped, with a warning line, and listed under
-"skipped" in the summary. A variant whose JSON in --out holds its pipelines computed with other settings (an
-earlier run of this command with other overrides) is refused: give --out another folder, or move that JSON away.
+"skipped" in the summary. A variant whose JSON in --out holds results of other weights (an earlier run of this
+command with another --checkpoint, or of a checkpoint trained again since) or its pipelines computed with other
+settings (an earlier run with other overrides) is refused before the first evaluation: give --out another folder,
+or move that JSON away.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import evaluate  # noqa: E402
 from configs import ConfigError  # noqa: E402
 from configs.cli import OneLineParser, first_line, passed_on_epilog  # noqa: E402
 from configs.loader import overlapping_keys, override_keys  # noqa: E402
-from engine.checkpoint import run_checkpoint_config  # noqa: E402
+from engine.checkpoint import run_checkpoint_config, weights_fingerprint  # noqa: E402
 from engine.eval_results import ResultsError, settings_change  # noqa: E402
 from engine.quant_settings import quant_settings  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
@@ -94,11 +96,11 @@ def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: 
                 for v, (pipelines, extra) in VARIANTS.items()}
     if not os.path.isfile(checkpoint) or run_checkpoint_config(checkpoint) is None:
         return variants, {}
-    skipped = {}
+    skipped, printed = {}, {}
     for variant, (pipelines, extra) in list(variants.items()):
         args = variant_args(checkpoint, out_dir, overrides, bits, variant, pipelines, extra)
         try:
-            cfg, _ = evaluate.resolve_config(args)
+            cfg, payload = evaluate.resolve_config(args)
         except ConfigError as e:
             if not extra:
                 raise
@@ -107,20 +109,36 @@ def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: 
             skipped[variant] = f"evaluate.py refuses its {' '.join(extra)} for {checkpoint} ({e})"
             del variants[variant]
             continue
-        refuse_other_settings(args.out, cfg, variant, out_dir)
+        refuse_other_settings(args.out, cfg, variant, out_dir, checkpoint,
+                              lambda: weights_print(printed, cfg, payload, args))
     return variants, skipped
 
 
-def refuse_other_settings(path: str, cfg, variant: str, out_dir: str) -> None:
-    """A ResultsError when the variant's JSON holds one of its (pipeline, bits) computed with other settings than
-    `cfg` (its resolved config) gives: a setting changed since an earlier run of this command into the same --out.
-    evaluate.py would refuse it only once the variants before it were computed, offering its own fixes
-    (--recompute, another --out file), which this command has not. A file evaluate.py cannot read is left to it."""
+def weights_print(cache: dict, cfg, payload, args) -> str:
+    """The fingerprint evaluate.py records of the checkpoint's weights (every variant's), computed once into
+    `cache`: the float model is built only for a result file that records one."""
+    if "fingerprint" not in cache:
+        cache["fingerprint"] = weights_fingerprint(evaluate.load_float_model(cfg, payload, args).state_dict())
+    return cache["fingerprint"]
+
+
+def refuse_other_settings(path: str, cfg, variant: str, out_dir: str, checkpoint: str, fingerprint) -> None:
+    """A ResultsError when the variant's JSON holds results of other weights (`other_weights`: an earlier run of
+    this command into the same --out with another --checkpoint, or a checkpoint trained again in place), or one of
+    its (pipeline, bits) computed with other settings than `cfg` (its resolved config) gives: a setting changed
+    since an earlier run into the same --out. evaluate.py would refuse it only once the variants before it were
+    computed, offering its own fixes (--recompute, another --out file: the file names are this command's), which
+    this command has not. A file evaluate.py cannot read is left to it."""
     try:
         with open(path) as f:
-            quant = json.load(f)["quant"]
+            data = json.load(f)
+        quant = data["quant"]
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or not a result file
         return
+    other = other_weights(data, checkpoint, fingerprint)
+    if other:
+        raise ResultsError(f"{path} holds results of another evaluation ({other}) by an earlier run of this command "
+                           f"into --out {out_dir}: give --out another folder, or move {path} away")
     for pipeline, bits in planned(cfg):
         entries = quant.get(pipeline) if isinstance(quant, dict) else None
         entry = entries.get(bits) if isinstance(entries, dict) else None
@@ -129,6 +147,16 @@ def refuse_other_settings(path: str, cfg, variant: str, out_dir: str) -> None:
             raise ResultsError(f"{path} holds {pipeline} {bits} of variant '{variant}' computed with other settings "
                                f"({change}) by an earlier run of this command into --out {out_dir}: give --out "
                                f"another folder, or move {path} away to compute the variant again")
+
+
+def other_weights(data: dict, checkpoint: str, fingerprint) -> str:
+    """'field: file's value in the file, ours now' for each of the result file `data`'s checkpoint, weights (raw:
+    the command evaluates no EMA) and fingerprint that is not those of `checkpoint`, as evaluate.py's identity
+    records them ('' when none differs; a field the file lacks is left to evaluate.py). `fingerprint`: () -> the
+    weights' fingerprint, called only when the file records one."""
+    now = {"checkpoint": lambda: os.path.abspath(checkpoint), "weights": lambda: "raw", "fingerprint": fingerprint}
+    differ = [(key, data[key], value()) for key, value in now.items() if key in data]
+    return "; ".join(f"{key}: {then!r} in the file, {value!r} now" for key, then, value in differ if then != value)
 
 
 def refuse_variant_keys(overrides: list[str]) -> None:
