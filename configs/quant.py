@@ -153,7 +153,9 @@ class GPLQOptions(FirstLastOptions):
     pca_weight: Annotated[float, NonNegative] = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
     pca_variance: Annotated[float, Range(0, 1, low_open=True)] = 0.6  # explained-variance target of the kept components
     pca_multiple: Annotated[int, AtLeastOne] = 32  # component count rounded up to a multiple of this
-    pca_images: Annotated[int, AtLeastOne] = 10000  # training images (per rank, at most one epoch) for the teacher PCA
+    # training images per rank for the teacher PCA, from one epoch of the training loader; None: up to 10000, fewer
+    # where one epoch holds fewer (only this default is capped: a count given above the images is refused)
+    pca_images: Annotated[Optional[int], AtLeastOne] = None
     init_images: Annotated[int, AtLeastOne] = 128  # training images of the LSQ initialisation pass
     act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
     matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls

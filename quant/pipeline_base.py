@@ -145,6 +145,12 @@ class Pipeline:
         for the entry point to check against the split's size before any work; {} when it reads none."""
         return {}
 
+    def train_loader_images(self, options: Any) -> Dict[str, int]:
+        """{option: images} this pipeline reads from one epoch of each process's training loader (the one of
+        `train_batch_sizes`), for the entry point to check against the full batches of a process's shard before any
+        work; {} when it reads none, or reads at most what one epoch holds (a default that is capped there)."""
+        return {}
+
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
         raise NotImplementedError

@@ -229,12 +229,23 @@ def too_many_train_images(wanted: dict[str, int], size: int, split: str, unit: s
 def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_size: int) -> Optional[str]:
     """The refusal of the first training-loader batch of `pipelines` (`train_batch_sizes`) above the images each
     of `world_size` processes gets from the `size` images of the training split `split` (the loader shards them
-    and drops the last partial batch), or None when every batch fits."""
+    and drops the last partial batch), or of the first count of images read from one epoch of that loader
+    (`train_loader_images`) above what its full batches hold; None when every batch and count fits."""
     per_process = size // world_size
+    shares = f", {per_process} for each of {world_size} processes" if world_size > 1 else ""
     for name in sorted(pipelines):
-        for key, batch in PIPELINES[name].train_batch_sizes(pipeline_options(cfg, name)).items():
+        options = pipeline_options(cfg, name)
+        batches = PIPELINES[name].train_batch_sizes(options)
+        for key, batch in batches.items():
             if batch > per_process:
-                shares = f", {per_process} for each of {world_size} processes" if world_size > 1 else ""
                 return (f"quant.{name}.{key}={batch}: the {split} split has {size} images{shares}, fewer than one "
                         f"batch; give at most {per_process}")
+        for key, count in PIPELINES[name].train_loader_images(options).items():
+            # the loader's batch (GPLQ reads one loader; with several, the one whose epoch holds the fewest)
+            held, batch = min((per_process // b * b, b) for b in batches.values())
+            if count > held:
+                each = " each process" if world_size > 1 else ""
+                return (f"quant.{name}.{key}={count}: the {split} split has {size} images{shares}, and one epoch of "
+                        f"the training loader gives{each} {held} of them (full batches of {batch}); give at most "
+                        f"{held}")
     return None

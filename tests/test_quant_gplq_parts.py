@@ -711,7 +711,7 @@ def test_gplq_layout_is_lsq_symmetric_activations_per_channel_and_head_and_weigh
     pca_of = []
     real_fit_pca = gplq_pipeline.fit_pca
     monkeypatch.setattr(gplq_pipeline, "fit_pca",
-                        lambda teacher, *a: pca_of.append(teacher) or real_fit_pca(teacher, *a))
+                        lambda teacher, *a, **kw: pca_of.append(teacher) or real_fit_pca(teacher, *a, **kw))
     opts = dict(steps=1, batch_size_per_gpu=4, init_images=4, pca_images=4, qwt=False)
     qmodel, _ = PIPELINES["gplq"](model, None, "w4a4", opts, data=cpu_pipeline_data(num_images=8))
     assert model.training and all(p.requires_grad for p in model.parameters())

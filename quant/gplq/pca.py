@@ -27,6 +27,10 @@ from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank, 
 from engine.precision import autocast
 
 
+# GPLQOptions.pca_images=None: up to this many images per rank, fewer where one epoch of the loader holds fewer
+DEFAULT_IMAGES = 10_000
+
+
 @dataclass
 class PCAProjection:
     """Teacher mean [D], kept components [D, k] (columns, descending variance), explained fraction."""
@@ -57,7 +61,7 @@ def penultimate(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: float = 0.6, multiple: int = 32,
-            amp: str = "none") -> PCAProjection:
+            amp: str = "none", exact: bool = False) -> PCAProjection:
     """PCA of the teacher's penultimate features over at most `max_images` images of `batches` per rank, of the
     union of every rank's images (a rank whose `batches` yield none adds none).
 
@@ -68,6 +72,8 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
         variance: explained-variance target.
         multiple: component counts are multiples of this (capped at the feature width).
         amp: autocast mode of the teacher forward.
+        exact: `max_images` is a count the user gave: a rank whose `batches` end before it is a ValueError on
+            every rank (naming the images that rank had), not a smaller PCA subset.
 
     Returns:
         PCAProjection on the teacher's device (float32).
@@ -88,6 +94,12 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
     if width == 0:  # the same on every rank: every rank raises
         raise ValueError("no images for the PCA of the teacher features: the training loader yielded none"
                          + (" on any rank" if world_size() > 1 else ""))
+    if exact:  # the rank with the fewest images, as a shortfall (max_images - n), so that a "max" finds it
+        short = int(all_reduce((max_images - n).reshape(1), op="max").item())
+        if short > 0:  # the same on every rank: every rank raises
+            raise ValueError(f"pca_images={max_images}: one epoch of the training loader gives "
+                             f"{'a rank' if world_size() > 1 else 'it'} {max_images - short} images; give at most "
+                             f"that, or null (up to {DEFAULT_IMAGES} images, capped at one epoch)")
     if s1 is None:
         s1 = torch.zeros(width, dtype=torch.float64, device=device)
         s2 = torch.zeros(width, width, dtype=torch.float64, device=device)
