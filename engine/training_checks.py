@@ -16,6 +16,7 @@ from typing import Any
 from cd.decay import check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
+from engine.optim import lr_rule, peak_lr
 
 
 def check_training_settings(cfg: Any) -> None:
@@ -24,6 +25,24 @@ def check_training_settings(cfg: Any) -> None:
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
+    check_schedule_ends(cfg)
+
+
+def check_schedule_ends(cfg: Any) -> None:
+    """Refuse a schedule whose absolute ends lie above its peak: sched.min_lr (every schedule decays to it) or, with a
+    warmup, sched.warmup_lr. Both are absolute while the peak scales with the batch (optim.lr_base), so a small
+    batch can put the peak below them: the "decay" would then rise to min_lr (5e-4 x 8/512 = 7.8e-6 < 1e-5), the
+    warmup start above the peak (DeiT's main.py would run it so). The model's own layer-decay groups keep their
+    scaled peaks, as in timm and BEiT: the check is on the schedule's peak."""
+    peak = peak_lr(cfg.optim, cfg.train.batch_size)
+    rule = lr_rule(cfg.optim, cfg.train.batch_size)
+    warmup = cfg.sched.warmup_steps > 0 if cfg.sched.steps is not None else cfg.sched.warmup_epochs > 0
+    for key, value, what in (("sched.min_lr", cfg.sched.min_lr, "the schedule would rise to it, not decay"),
+                             ("sched.warmup_lr", cfg.sched.warmup_lr if warmup else None,
+                              "the warmup would start above the peak and fall to it")):
+        if value is not None and value > peak:
+            raise ConfigError(f"{key}={value:g} is above the peak learning rate ({rule}): {what}; give {key} "
+                              f"below {peak:g}, or a larger optim.lr")
 
 
 def check_cd_settings(cd: Any) -> None:

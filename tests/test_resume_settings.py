@@ -164,7 +164,8 @@ def test_a_resume_on_a_data_set_of_other_classes_is_refused(debug_config, tmp_pa
     from tests.test_data import make_image_folder
     make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
     make_image_folder(tmp_path / "b", classes=("car", "ship"), per_class=4)
-    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4",
+              "optim.lr=1e-4")  # lr_base would scale to 3.9e-6 at batch 4, below sched.min_lr
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
     ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
     before = os.path.getmtime(ckpt)
@@ -187,7 +188,8 @@ def test_a_resume_on_other_images_of_the_same_classes_is_refused_and_a_moved_cop
 
     from tests.test_data import make_image_folder
     make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
-    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4",
+              "optim.lr=1e-4")  # lr_base would scale to 3.9e-6 at batch 4, below sched.min_lr
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
     ckpt = os.path.join(tmp_path, "c", "checkpoint.pt")
     saved = torch.load(ckpt, weights_only=True)["data_fingerprint"]
@@ -220,7 +222,8 @@ def test_a_result_file_of_other_val_images_under_the_same_root_is_refused_and_an
     from engine.eval_results import ResultsError, evaluation_difference, read_result_files
     from tests.test_data import make_image_folder
     make_image_folder(tmp_path / "a", classes=("cat", "dog"), per_class=4)
-    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4")
+    folder = ("data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=4",
+              "optim.lr=1e-4")  # lr_base would scale to 3.9e-6 at batch 4, below sched.min_lr
     train.main(debug_config(*folder, f"data.root={tmp_path / 'a'}", "train.max_steps=1", name="c"))
     out = tmp_path / "e.json"
     score = lambda: evaluate.main(evaluate.parse_args(

@@ -87,3 +87,47 @@ def test_train_refuses_a_cd_role_before_claiming_its_folder(tmp_path):
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == "error: cd.lam_per_role.fc2 must be a finite number >= 0, got 'abc'"
     assert not out.exists()  # refused before the run's folder, model and data
+
+
+def schedule_lrs(cfg, updates_per_epoch=2):
+    """The lr of every update of cfg's schedule, through timm's scheduler as train.py builds it (the reference for
+    where the schedule starts, peaks and ends)."""
+    import torch
+
+    from engine.optim import build_optimizer, build_scheduler, peak_lr
+
+    peak = peak_lr(cfg.optim, cfg.train.batch_size)
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg.optim, peak, cfg.optim.weight_decay)
+    sched = build_scheduler(opt, cfg.sched, updates_per_epoch)
+    lrs = []
+    for epoch in range(cfg.sched.epochs):
+        sched.step(epoch)
+        lrs.append(opt.param_groups[0]["lr"])
+    return peak, lrs
+
+
+@pytest.mark.parametrize("overrides, key", [
+    # lr_base 5e-4 at a global batch of 8: peak 7.8e-6, below the absolute min_lr 1e-5 the schedule decays to
+    (["optim.lr_base=5e-4", "optim.lr=null", "sched.min_lr=1e-5", "sched.warmup_lr=0"], "sched.min_lr"),
+    (["optim.lr=1e-3", "sched.warmup_lr=0.05", "sched.warmup_epochs=1"], "sched.warmup_lr"),
+])
+def test_a_schedule_end_above_the_peak_is_refused_where_the_schedule_would_climb_to_it(overrides, key):
+    from engine.training_checks import check_training_settings
+
+    cfg = load_config([TINY], ["train.batch_size=8", "train.batch_size_per_gpu=8", "sched.epochs=6", *overrides])
+    peak, lrs = schedule_lrs(cfg)
+    assert max(lrs) > peak  # the reference: timm's schedule goes above the peak somewhere
+    with pytest.raises(ConfigError) as e:
+        check_training_settings(cfg)
+    assert str(e.value).startswith(f"{key}=") and "above the peak learning rate" in str(e.value)
+
+
+def test_schedule_ends_at_the_peak_pass():
+    from engine.training_checks import check_training_settings
+
+    base = [TINY], ["train.batch_size=8", "train.batch_size_per_gpu=8", "sched.epochs=6", "optim.lr=1e-3"]
+    for extra in (["sched.min_lr=1e-3"], ["sched.warmup_lr=1e-3", "sched.warmup_epochs=1"]):
+        cfg = load_config(base[0], base[1] + extra)
+        peak, lrs = schedule_lrs(cfg)
+        assert max(lrs) <= peak * (1 + 1e-12)
+        check_training_settings(cfg)
