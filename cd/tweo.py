@@ -212,7 +212,10 @@ class TWEO:
         """
         if not self._terms:
             raise RuntimeError("TWEO.aux_loss: no block output captured; call it after a training-mode "
-                               "forward with grad enabled (and before remove())")
+                               "forward with grad enabled (and before remove()). Blocks under reentrant activation "
+                               "checkpointing (torch.utils.checkpoint(use_reentrant=True), timm's "
+                               "set_reentrant_ckpt(True)) run that forward without grad: checkpoint with "
+                               "use_reentrant=False")
         penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
         self._terms = []
         lam = self.lam_at(step)

@@ -353,3 +353,31 @@ def test_the_logged_penalty_is_the_mean_over_the_forwards_since_the_last_call_an
         assert math.isclose(merged["tweo/penalty"], (mine + 1.5) / 4, rel_tol=1e-6)
     finally:
         tweo.remove()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_plain_runs_term_or_a_refusal_naming_it(reentrant):
+    """Every block under torch.utils.checkpoint (as timm's set_grad_checkpointing runs them): non-reentrant, TWEO's
+    term and its gradient equal those of the run without checkpointing (the reference); reentrant runs the blocks'
+    forward without grad, where no term can be taken: aux_loss refuses, naming use_reentrant=False."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = tiny_vit()
+        model.train()
+        tweo = TWEO(model, lam=0.5)
+        x = model._pos_embed(model.patch_embed(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))))
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant) if checkpointed else block(x)
+        aux = tweo.aux_loss(torch.tensor(1.0))
+        aux.backward()
+        return aux.detach(), model.blocks[0].mlp.fc1.weight.grad
+
+    reference = run(False)
+    if reentrant:
+        with pytest.raises(RuntimeError, match="no block output captured.*use_reentrant=False"):
+            run(True)
+    else:
+        aux, grad = run(True)
+        assert torch.equal(aux, reference[0]) and torch.allclose(grad, reference[1], rtol=1e-5, atol=1e-7)
