@@ -22,12 +22,16 @@ from configs.schema import ModelConfig
 from .attention_sinks import use_sink_attention
 from .gpt import GPT, GPT_SIZES, build_gpt
 from .pretrained import ModelError, load_pretrained
+from .timm_build_args import build_args_problem
 from .variants import VARIANTS
 
 
-# timm constructor arguments that ModelConfig sets with keys of its own (model.drop's: DROP_ARGS)
+# timm constructor arguments that ModelConfig sets with keys of its own (model.drop's: DROP_ARGS); timm's
+# create_model loads a checkpoint_path itself (timm's load_checkpoint: a train.py checkpoint's EMA weights, none of
+# models/pretrained.py's checks), and timm's pretrained_strict applies to its hub weights alone
 FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path", "img_size": "img_size",
-                    "pretrained": "pretrained"}
+                    "pretrained": "pretrained", "checkpoint_path": "pretrained",
+                    "pretrained_strict": "pretrained_strict"}
 
 # model.drop is the dropout of DeiT's `drop_rate`: after the position embedding (pos_drop), the attention's output
 # projection and the MLP. timm 1.x split that rate: its `drop_rate` is the classifier head's dropout alone (which
@@ -87,6 +91,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     if shadowed:  # one of the two would be ignored
         raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the "
                          f"model's own key for it)")
+    if problem := build_args_problem(cfg.kwargs):  # timm's building would consume it itself
+        raise ModelError(problem)
     if cfg.drop and drop_args is None:  # timm's drop_rate means another dropout from model to model
         raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is no ViT / DeiT, whose "
                          f"dropout after the position embedding, attention projection and MLP it sets; set "
