@@ -74,10 +74,11 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     else:
         arch = cfg.name
         if not timm.is_model(arch.split(".")[0]):
-            close = difflib.get_close_matches(arch, timm.list_models(), n=6, cutoff=0.6)
+            # the variants and GPT sizes too: a typo of vit_nano is nearer to it than to any timm name
+            close = difflib.get_close_matches(arch, [*VARIANTS, *GPT_SIZES, *timm.list_models()], n=6, cutoff=0.6)
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)})"
-                             + (f"; timm names like it: {', '.join(close)}" if close else ""))
+                             + (f"; names like it: {', '.join(close)}" if close else ""))
     module = timm.models.model_entrypoint(arch.split(".")[0]).__module__
     if cfg.drop and module == TIMM_SWIN:
         raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is timm's Swin, "
