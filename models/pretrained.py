@@ -175,7 +175,12 @@ def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -
     record ({'pos_embed_resampled': '2x2->4x4'}) and line say so, with both grids ({} and '' for none)."""
     key = "pos_embed"
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
-    if key not in state or key not in own or grid is None or state[key].shape[1] == own[key].shape[1]:
+    if key not in state or key not in own or grid is None:
+        return {}, ""
+    if state[key].dim() != own[key].dim():  # no table of tokens to resample (a scalar has no token count to read)
+        raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
+                         f"{tuple(own[key].shape)}: a checkpoint of another model?")
+    if state[key].shape[1] == own[key].shape[1]:
         return {}, ""
     prefix = own[key].shape[1] - grid[0] * grid[1]  # class/register tokens held in the table (0 for no_embed_class)
     tokens = state[key].shape[1] - prefix
