@@ -7,8 +7,9 @@ and named in the model's `pretrained_resampled`, which evaluate.py records besid
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
 fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
 of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
-unexpected key is an error that names the keys, so a checkpoint of another model fails early; a file of the other
-kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead.
+unexpected key is an error that names the keys, so a checkpoint of another model fails early (a Swin of more blocks
+or stages too, whose conversion by timm fails on an attention the model lacks); a file of the other kind of model (a
+GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead.
 """
 from __future__ import annotations
 
@@ -70,22 +71,27 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, path)]
     resampled = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
+    head_prefixes = _classifier_prefixes(model)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
         # rename them with this flag, which touches no other key
         takes = inspect.signature(filter_fn).parameters
+        filter_args = {"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}
         try:
-            state = filter_fn(state, model, **({"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}))
-        except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
+            state = filter_fn(state, model, **filter_args)
+        except FILTER_ERRORS as e:
+            if isinstance(e, AttributeError):  # a module of the file the model lacks: the keys that differ say which
+                _refuse_another_architecture(_converted_without_foreign_tables(filter_fn, state, model, filter_args),
+                                             own, strict, head_prefixes, path, model)
             # e.g. resampling a position table whose token layout (class, distillation, register tokens) is not
             # the model's: a reshape error from deep inside timm
             raise ModelError(f"{path}: timm's conversion of these weights to {type(model).__name__} failed "
-                             f"({str(e).strip() or type(e).__name__}): weights of another model (another token "
-                             f"layout, e.g. without a class token or with a distillation token)?") from None
+                             f"({str(e).strip() or type(e).__name__}): weights of another model"
+                             + (" (another token layout, e.g. without a class token or with a distillation token)"
+                                if "pos_embed" in own else "") + "?") from None
     check_tied_weights(model, state, path)
 
     skipped = []
-    head_prefixes = _classifier_prefixes(model)
     for key in list(state):
         if key in own and state[key].shape != own[key].shape:
             setting = getattr(model, "size_settings", {}).get(key)  # a GPT: vocabulary and context sizes
@@ -132,6 +138,32 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
+
+
+# what timm's checkpoint_filter_fn raises for weights of another model: a reshape of a table of another token
+# layout, an assertion on a table's shape, or (Swin) the lookup of an attention the model lacks (get_submodule)
+FILTER_ERRORS = (RuntimeError, ValueError, AssertionError, KeyError, IndexError, AttributeError)
+
+
+def _converted_without_foreign_tables(filter_fn, state: dict, model: nn.Module, filter_args: dict) -> dict:
+    """`state` in timm's layout (`filter_fn`'s conversion), for naming the keys that differ from the model's when the
+    conversion failed on a module the model lacks. timm's Swin filter looks up the attention of each relative
+    position bias table in the file, so a file of more blocks or stages (swin_small's weights for swin_tiny) fails
+    there; converted without those tables (added back as they are), an official-layout file's keys are compared in
+    timm's layout, not as renamed downsample and head keys. The file's own keys where the conversion fails again."""
+    def foreign(key: str) -> bool:
+        try:
+            model.get_submodule(key.rpartition(".")[0])
+        except AttributeError:
+            return True
+        return False
+
+    tables = {k: v for k, v in state.items() if k.endswith("relative_position_bias_table") and foreign(k)}
+    try:
+        converted = filter_fn({k: v for k, v in state.items() if k not in tables}, model, **filter_args)
+    except FILTER_ERRORS:
+        return state
+    return {**converted, **tables}
 
 
 def mapped_payload(path: str) -> object:
