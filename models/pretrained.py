@@ -9,13 +9,16 @@ fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.
 of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
 unexpected key is an error that names the keys, so a checkpoint of another model fails early (a Swin of more blocks
 or stages too, whose conversion by timm fails on an attention the model lacks); a file of the other kind of model (a
-GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead.
+GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead. A file torch's
+weights-only reader refuses (a safetensors file under another name, Python objects beside the tensors) is named
+with what to do about it.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import os
+import re
 import sys
 
 import torch
@@ -53,8 +56,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping
         raise ModelError(no_state) from None
     except Exception as e:  # torch / safetensors readers raise RuntimeError, pickle and zip errors alike
-        raise ModelError(f"model.pretrained={path} cannot be read as weights: {str(e).strip() or type(e).__name__}"
-                         ) from None
+        raise ModelError(unreadable(path, e)) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelError(no_state)
     bad = nonfinite_tensors(state)
@@ -164,6 +166,33 @@ def _converted_without_foreign_tables(filter_fn, state: dict, model: nn.Module, 
     except FILTER_ERRORS:
         return state
     return {**converted, **tables}
+
+
+def unreadable(path: str, error: Exception) -> str:
+    """The error line for a weights file that timm's `load_state_dict` cannot read (`error`), with advice a user can
+    follow: torch's own ('retry with weights_only=False') is no setting here."""
+    if not path.endswith(".safetensors") and _is_safetensors(path):  # timm picks the reader by the file name
+        return (f"model.pretrained={path} is a safetensors file under another name, which torch's reader cannot "
+                f"read: give it the .safetensors extension")
+    reason = " ".join(str(error).split()) or type(error).__name__
+    if "weights_only" in reason:  # torch's weights-only unpickler met a Python object beside the tensors
+        found = re.search(r"Unsupported globals?: (?:GLOBAL )?([\w.]+(?:, [\w.]+)*)", reason)
+        return (f"model.pretrained={path} holds Python objects beside its tensors"
+                + (f" ({found.group(1).rstrip('.')})" if found else "")
+                + " that weights-only loading refuses: if the file is trusted, load it with torch.load(..., "
+                  "weights_only=False), save its state dict alone with torch.save and give that file")
+    return f"model.pretrained={path} cannot be read as weights: {reason}"
+
+
+def _is_safetensors(path: str) -> bool:
+    """Whether `path` holds a safetensors file: an 8-byte little-endian header length, then the JSON header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    return len(head) == 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:] == b"{"
 
 
 def mapped_payload(path: str) -> object:
