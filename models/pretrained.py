@@ -2,8 +2,9 @@
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
-position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows,
-and named in the model's `pretrained_resampled`, which evaluate.py records beside its result).
+position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows
+and its cause, another window size or a window timm shrank to the feature map of a smaller img_size, and named in
+the model's `pretrained_resampled`, which evaluate.py records beside its result).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
 fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
 of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
@@ -70,7 +71,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     if problem:
         raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()
-    tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, path)]
+    tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, model, path)]
     resampled = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
     head_prefixes = _classifier_prefixes(model)
@@ -252,27 +253,64 @@ def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -
             f"weights were trained at another img_size than model.img_size)")
 
 
-def relative_table_resize(state: dict, own: dict, path: str) -> tuple[dict, str]:
+def relative_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> tuple[dict, str]:
     """A Swin file of another window size (model.kwargs.window_size): timm's filter resamples each attention's
     relative position bias table ((2w-1)^2 rows, one column per head) to the model's window, even when strict. As
     for a ViT's position table (`position_table_resize`) that is what loading at another window asks for, but the
     scored tables are not the file's: the returned record ({'relative_position_bias_resampled': '7x7->4x4'}) and
-    line say so, with both windows ({} and '' for none)."""
+    line say so, with both windows ({} and '' for none). timm also shrinks a window to its stage's feature map, so a
+    file trained at a larger img_size has larger windows in the late stages than the model at the same
+    window_size: the line names those tables' cause as model.img_size (`_window_shrunk_to`)."""
     resized = [k for k in state if k.endswith("relative_position_bias_table") and k in own
                and state[k].shape != own[k].shape and state[k].shape[1:] == own[k].shape[1:]]
     if not resized:  # a table of another head count is no resize: the shape check names it
         return {}, ""
-
-    def window(rows: int) -> str:
-        side = int(round(rows ** 0.5))
-        return f"{(side + 1) // 2}x{(side + 1) // 2}" if side * side == rows and side % 2 else f"{rows}-row"
-
+    shrunk = {k: m for k in resized if (m := _window_shrunk_to(model, k, _window_side(state[k].shape[0])))}
+    parts = []
+    if other_window := [k for k in resized if k not in shrunk]:
+        parts.append(_tables_resized(other_window, state, own, "the weights were trained with another window size "
+                                                               "than the model's, model.kwargs.window_size"))
+    if shrunk:
+        (height, width), pixels = next(iter(shrunk.values())), model.patch_embed.img_size
+        parts.append(_tables_resized(list(shrunk), state, own, f"timm shrinks a window to its stage's feature map, "
+                                     f"{height}x{width} at an input of {pixels[0]}x{pixels[1]} pixels "
+                                     f"(model.img_size): the weights were trained at a larger img_size"))
     key = resized[0]
-    theirs, mine = window(state[key].shape[0]), window(own[key].shape[0])
-    return ({"relative_position_bias_resampled": f"{theirs}->{mine}"},
-            f"{path}: relative position bias tables of {len(resized)} attention layer(s) (e.g. '{key}') of {theirs} "
-            f"windows resampled to the model's {mine} (timm's resize; the weights were trained with another window "
-            f"size than the model's, model.kwargs.window_size)")
+    return ({"relative_position_bias_resampled": f"{_window(state[key].shape[0])}->{_window(own[key].shape[0])}"},
+            f"{path}: " + "; ".join(parts))
+
+
+def _tables_resized(keys: list, state: dict, own: dict, cause: str) -> str:
+    """The log line's account of the relative position bias tables `keys` resampled for one `cause`."""
+    return (f"relative position bias tables of {len(keys)} attention layer(s) (e.g. '{keys[0]}') of "
+            f"{_window(state[keys[0]].shape[0])} windows resampled to the model's {_window(own[keys[0]].shape[0])} "
+            f"(timm's resize; {cause})")
+
+
+def _window_side(rows: int):
+    """The side w of the square window of a relative position bias table of (2w-1)^2 rows; None for another count."""
+    side = int(round(rows ** 0.5))
+    return (side + 1) // 2 if side * side == rows and side % 2 else None
+
+
+def _window(rows: int) -> str:
+    """A table's window as logged and recorded: '4x4', or '40-row' for a table of no square window."""
+    side = _window_side(rows)
+    return f"{side}x{side}" if side else f"{rows}-row"
+
+
+def _window_shrunk_to(model: nn.Module, key: str, file_side) -> tuple:
+    """The feature map (h, w) of the Swin block of the table `key` when timm shrank the block's window to it and the
+    file's window (`file_side`) is larger: no window_size setting gives the model the file's window there, only a
+    larger img_size does. () otherwise (and for a block of no such attributes)."""
+    try:
+        block = model.get_submodule(key.rpartition(".")[0].rpartition(".")[0])  # layers.1.blocks.0(.attn.<table>)
+    except AttributeError:
+        return ()
+    window, feature_map = getattr(block, "window_size", None), getattr(block, "input_resolution", None)
+    if file_side is None or window is None or feature_map is None or getattr(block, "always_partition", False):
+        return ()
+    return tuple(feature_map) if any(w == r < file_side for w, r in zip(window, feature_map)) else ()
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:
