@@ -146,8 +146,8 @@ def main(argv=None) -> dict:
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
                                   build_loader, check_annotation_files, check_categories, check_checkpoint_classes,
                                   check_evaluator_annotations, check_image_folders, check_pipeline,
-                                  check_stage1_device, check_stage1_folder, evaluate_detector, load_config,
-                                  parse_overrides, train_activation_qat, TrainingImages)
+                                  check_stage1_amp, check_stage1_device, check_stage1_folder, evaluate_detector,
+                                  load_config, parse_overrides, train_activation_qat, TrainingImages)
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
@@ -192,8 +192,12 @@ def main(argv=None) -> dict:
             PIPELINES[name].validate(parse_bits(b), parsed)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-    if "gplq" in pipelines and args.device == "cpu":
-        check_stage1_device(torch.device("cpu"))  # before any work
+    if "gplq" in pipelines:  # before any work
+        if args.device == "cpu":
+            check_stage1_device(torch.device("cpu"))
+        on_cpu = args.device == "cpu" or not torch.cuda.is_available()  # where --device puts stage 1
+        check_stage1_amp(parse_options(PIPELINES["gplq"].Options, options["gplq"]).amp,
+                         torch.device("cpu" if on_cpu else "cuda"), "--quant-options gplq.amp")
     hours = args.main_rank_wait_hours
     if WaitHours.violation(hours) is not None or not math.isfinite(hours):  # NaN passes any comparison
         raise DetectionError(f"--main-rank-wait-hours {hours}: give a positive number of hours, "

@@ -248,7 +248,8 @@ def test_a_config_the_node_lacks_is_told_to_the_ranks_the_launcher_started(monke
 @pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity", "another run"])
 def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sample_cfg, tmp_path, monkeypatch, bad):
     """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO); a
-    folder of another run (here: other bits) was refused only then; each is left as it was."""
+    folder of another run (here: other bits) that holds its checkpoints was refused only then; each is left as it
+    was."""
     import engine.detection
     from evaluate_detection import main
     root, load = sample_cfg
@@ -260,6 +261,9 @@ def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sam
         folder.mkdir()
         (folder / ("notes.txt" if bad == "foreign folder" else "gplq_stage1.json")).write_text(
             '{"bits": "w4a4"}' if bad == "another run" else '{"bits": "w4')
+        if bad == "another run":  # its training: a folder of another run without a checkpoint is taken over
+            (folder / "iter_2.pth").write_bytes(b"weights")
+            (folder / "last_checkpoint").write_text(str(folder / "iter_2.pth"))
     before = sorted((p.name, p.read_bytes()) for p in ([folder] if folder.is_file() else folder.iterdir()))
 
     def scored(*args, **kwargs):
@@ -288,20 +292,21 @@ def test_a_config_override_inside_quant_options_names_the_word_and_where_overrid
 
 
 def test_a_gplq_stage1_folder_of_another_run_or_with_a_dangling_pointer_is_refused_and_left_as_it_is(tmp_path):
-    """What the claim of a stage-1 folder refuses besides the path checks: the identity of another run, and a
-    last_checkpoint naming a missing file; the folder's own checkpoint is what it resumes from."""
+    """What the claim of a stage-1 folder refuses besides the path checks: the identity of another run whose
+    checkpoints it holds, and a last_checkpoint naming a missing file; the folder's own checkpoint is what it resumes
+    from."""
     import json
     from engine.detection import DetectionError
     from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder
     folder = tmp_path / "eval_gplq_w4a4_stage1"
     assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] is None
     assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
-    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run \({{'bits': 'w4a4'}}\)"):
-        _claim_stage1_folder(str(folder), {"bits": "w6a6"})
     (folder / "last_checkpoint").write_text(str(folder / "iter_2.pth"))
     with pytest.raises(DetectionError, match=r"points to .*iter_2.pth, which does not exist"):
         _claim_stage1_folder(str(folder), {"bits": "w4a4"})
     (folder / "iter_2.pth").write_bytes(b"weights")
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run \({{'bits': 'w4a4'}}\)"):
+        _claim_stage1_folder(str(folder), {"bits": "w6a6"})
     assert _claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] == str(folder / "iter_2.pth")
     assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
 

@@ -43,8 +43,8 @@ try:
     from engine.detection.rng_state import RankRngStates, RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
                                         pipeline_of_test_split, train_images_with_test_pipeline)
-    from engine.detection.qat import (check_stage1_device, check_stage1_folder, checkpoint_iteration,
-                                      train_activation_qat)
+    from engine.detection.qat import (check_stage1_amp, check_stage1_device, check_stage1_folder,
+                                      checkpoint_iteration, train_activation_qat)
     from engine.detection.evaluation import activation_maxima, evaluate_detector
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"the detection task needs MMDetection and full mmcv ({e}): "
@@ -62,6 +62,6 @@ __all__ = [
     "RngStateHook", "RankRngStates",
     "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "pipeline_of_test_split",
     "train_images_with_test_pipeline",
-    "check_stage1_device", "check_stage1_folder", "checkpoint_iteration", "train_activation_qat",
+    "check_stage1_amp", "check_stage1_device", "check_stage1_folder", "checkpoint_iteration", "train_activation_qat",
     "activation_maxima", "evaluate_detector",
 ]

@@ -30,7 +30,9 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     iteration they reached (one whose stage 1 had finished loads its last checkpoint and trains no more).
 
     The folder holds `gplq_stage1.json` (the run's identity: bits, options, float weights, world size); a folder
-    written by another run, or one that is not a GPLQ stage-1 folder, is refused and left as it is. Under
+    holding another run's checkpoints, or one that is not a GPLQ stage-1 folder, is refused and left as it is (one
+    whose other run stopped before its first checkpoint is taken over: check_stage1_folder). AMP on the CPU is
+    refused before the folder is touched (check_stage1_amp). Under
     torchrun every rank calls this: rank 0 checks the folder, and the runner trains in DDP, each rank on its
     shard of the training loader (the global batch is `batch_size_per_gpu` x world size).
     """
@@ -39,6 +41,7 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     identity = json.loads(json.dumps(settings["identity"]))  # plain types, comparable with the stored file
     device = next(student.parameters()).device
     check_stage1_device(device)
+    check_stage1_amp(settings["amp"], device)
     # rank 0 checks (and claims) the folder; every rank learns the checkpoint to resume from (rank 0's latest:
     # a rank that cannot read that file fails instead of starting over alone) and the run's name
     checkpoint, name = run_on_main(lambda: _claim_stage1_folder(work_dir, identity), f"preparing {work_dir}",
@@ -109,11 +112,24 @@ def check_stage1_device(device: torch.device) -> None:
                              "for a CPU run")
 
 
+def check_stage1_amp(amp: str, device: torch.device, option: str = "amp") -> None:
+    """Refuse AMP (`amp` fp16 / bf16) for a stage 1 on the CPU: MMEngine's AmpOptimWrapper asserts a GPU (or another
+    accelerator) in its constructor, which was an AssertionError traceback after the full-precision score, with
+    the stage-1 folder already claimed. `option` names the setting in the message (evaluate_detection.py:
+    `--quant-options gplq.amp`)."""
+    if amp != "none" and device.type == "cpu":
+        raise DetectionError(f"{option}={amp} on the CPU: MMEngine trains with AMP on a GPU only; drop {option} "
+                             "(stage 1 then trains in fp32), or quantize on a GPU")
+
+
 def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None) -> tuple:
     """(the identity stored in `work_dir`, None for a new or empty folder; the checkpoint to resume from or None):
     refuse, leaving it as it is, a path that is a file, a folder that is not a GPLQ stage-1 folder, an identity
-    file that cannot be read, one of another run than `identity` (None: not compared), and a last_checkpoint
-    pointing at a missing file. Without `identity` it needs nothing of the run: evaluate_detection.py checks
+    file that cannot be read, one of another run than `identity` (None: not compared) whose folder holds a
+    checkpoint, and a last_checkpoint pointing at a missing file. A folder of another run that holds no checkpoint
+    (that run stopped before its first one: a refused AMP, a failed first iteration) counts as new, (None, None),
+    so that the claim writes this run's identity over it: the identity file is the command's own, no training is
+    lost, and MMEngine's log folders of that start stay where they are. Without `identity` it needs nothing of the run: evaluate_detection.py checks
     every stage-1 folder it will use so before any scoring, so a bad path costs seconds, not the full-precision
     evaluation."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
@@ -132,6 +148,8 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
         raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
                              "anew") from None
     if identity is not None and stored != identity:
+        if not _holds_checkpoint(work_dir):  # nothing trained to lose: taken over (docstring)
+            return None, None
         raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "
                              f"settings, or move the folder away to start stage 1 anew (now: {identity})")
     last = os.path.join(work_dir, "last_checkpoint")  # MMEngine's pointer to its latest checkpoint
@@ -145,9 +163,16 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
     return stored, checkpoint
 
 
+def _holds_checkpoint(work_dir: str) -> bool:
+    """Whether MMEngine wrote a checkpoint into `work_dir`: its pointer (last_checkpoint) or a `.pth` file (saved
+    before the pointer, when a run stopped between the two)."""
+    return any(name == "last_checkpoint" or name.endswith(".pth") for name in os.listdir(work_dir))
+
+
 def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
     """(checkpoint to resume from or None, run name): refuse a folder of another run, or one that is not a GPLQ
-    stage-1 folder (check_stage1_folder); write the identity file into a new or empty one. The name is unique, so
+    stage-1 folder (check_stage1_folder); write the identity file into a new or empty one, or over the identity of
+    another run that wrote no checkpoint. The name is unique, so
     that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
     stored, checkpoint = check_stage1_folder(work_dir, identity)
     if stored is None:

@@ -1,0 +1,90 @@
+"""How a detector's GPLQ stage 1 starts (engine/detection/qat.py): AMP on the CPU is one error before any work, in
+evaluate_detection.py and in `train_activation_qat`, and a stage-1 folder whose run stopped before its first
+checkpoint is taken over by a run of other settings, while one holding another run's checkpoints stays refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("mmdet")
+
+from detection_runs import SAMPLE_CONFIG  # noqa: E402
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_gplq_amp_on_the_cpu_is_refused_before_any_work(tmp_path, monkeypatch, device):
+    """MMEngine's AmpOptimWrapper asserts a GPU in its constructor: gplq.amp=bf16 on the CPU was an AssertionError
+    traceback after the full-precision score, with the stage-1 folder already claimed."""
+    import engine.detection
+    from evaluate_detection import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device auto: the CPU
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the config was loaded before the AMP check")
+    monkeypatch.setattr(engine.detection, "load_config", loaded)
+    out = tmp_path / "eval.json"
+    with pytest.raises(engine.detection.DetectionError) as error:
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant", "gplq",
+              "--quant-options", "gplq.steps=1", "gplq.amp=bf16", "--out", str(out), "--device", device])
+    assert str(error.value) == ("--quant-options gplq.amp=bf16 on the CPU: MMEngine trains with AMP on a GPU only; "
+                                "drop --quant-options gplq.amp (stage 1 then trains in fp32), or quantize on a GPU")
+    assert list(tmp_path.iterdir()) == []  # no result file, no stage-1 folder
+
+
+def test_gplq_amp_on_a_gpu_and_fp32_on_the_cpu_pass_the_amp_check():
+    from engine.detection.qat import check_stage1_amp
+    for amp in ("fp16", "bf16"):
+        check_stage1_amp(amp, torch.device("cuda", 0))
+    check_stage1_amp("none", torch.device("cpu"))
+
+
+def test_train_activation_qat_refuses_amp_on_the_cpu_before_claiming_its_folder(tmp_path, monkeypatch):
+    """The API path (quant/gplq/detector.py through PipelineData.train_detector) gets the same refusal, before the
+    folder and its identity are written."""
+    from engine.detection import DetectionError
+    from engine.detection.qat import train_activation_qat
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    with pytest.raises(DetectionError, match=r"^amp=fp16 on the CPU: MMEngine trains with AMP on a GPU only; drop amp"):
+        train_activation_qat(nn.Linear(2, 2), None, {"identity": {"bits": "w4a4"}, "amp": "fp16"}, str(folder))
+    assert not folder.exists()
+
+
+def test_a_stage1_folder_without_a_checkpoint_is_taken_over_by_a_run_of_other_settings(tmp_path):
+    """A start that stopped before its first checkpoint (a refused AMP, a failed first iteration) leaves the identity
+    file and MMEngine's log folder only: the rerun with corrected settings was refused as "another run" though no
+    training would be lost. It takes the folder over (its identity written, the logs left); the check before the
+    full-precision score leaves the folder as it is."""
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder, check_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    (folder / STAGE1_IDENTITY).write_text(json.dumps({"bits": "w4a4", "amp": "bf16"}))
+    (folder / "20250101_000000").mkdir()  # the failed start's log folder
+    (folder / "20250101_000000" / "20250101_000000.log").write_text("log")
+    assert check_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"}) == (None, None)
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4", "amp": "bf16"}  # only checked
+    checkpoint, _ = _claim_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"})
+    assert checkpoint is None
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4", "amp": "none"}
+    assert (folder / "20250101_000000" / "20250101_000000.log").read_text() == "log"
+
+
+@pytest.mark.parametrize("written", [["iter_1.pth", "last_checkpoint"], ["iter_1.pth"]],
+                         ids=["checkpoint", "checkpoint-without-pointer"])
+def test_a_stage1_folder_holding_a_checkpoint_of_another_run_is_refused_and_left_as_it_is(tmp_path, written):
+    """A checkpoint is trained work: a folder holding one (also one saved before MMEngine's last_checkpoint pointer
+    was written) stays another run's."""
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    (folder / STAGE1_IDENTITY).write_text(json.dumps({"bits": "w4a4", "amp": "bf16"}))
+    for name in written:
+        (folder / name).write_text(str(folder / "iter_1.pth") if name == "last_checkpoint" else "weights")
+    before = sorted((p.name, p.read_bytes()) for p in folder.iterdir())
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
+        _claim_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"})
+    assert sorted((p.name, p.read_bytes()) for p in folder.iterdir()) == before
