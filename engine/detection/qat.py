@@ -129,9 +129,9 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
     checkpoint, and a last_checkpoint pointing at a missing file. A folder of another run that holds no checkpoint
     (that run stopped before its first one: a refused AMP, a failed first iteration) counts as new, (None, None),
     so that the claim writes this run's identity over it: the identity file is the command's own, no training is
-    lost, and MMEngine's log folders of that start stay where they are. Without `identity` it needs nothing of the run: evaluate_detection.py checks
-    every stage-1 folder it will use so before any scoring, so a bad path costs seconds, not the full-precision
-    evaluation."""
+    lost, and MMEngine's log folders of that start stay where they are. Without `identity` it needs nothing of the
+    run: evaluate_detection.py checks every stage-1 folder it will use so before any scoring, so a bad path costs
+    seconds, not the full-precision evaluation."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
     if os.path.exists(work_dir) and not os.path.isdir(work_dir):  # os.makedirs would be a FileExistsError traceback
         raise DetectionError(f"{work_dir} (GPLQ's stage-1 folder, named after --out) is a file: move it away, or "
