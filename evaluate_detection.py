@@ -19,7 +19,8 @@ recipe (configs/quant.py APHQ_DETECTION); GPLQ trains the activation quantizers 
 epoch (quant/gplq/detector.py, GPLQ_DETECTION; its resumable checkpoints go to `<out>_gplq_<bits>_stage1/`, a path
 checked before any scoring).
 `--quant-options aphq.iters=2000 gplq.steps=500 ...` overrides pipeline options. The calibration batch and
-APHQ's and GPLQ's own image sets are checked against the training split's size before any work.
+APHQ's and GPLQ's own image sets (where they are drawn: APHQ's at aphq.iters > 0, GPLQ's with QwT) are checked
+against the training split's size before any work.
 
 Under torchrun every rank scores its shard of the val set (the metric is computed once, on all of them);
 percentile, RepQ-ViT and APHQ quantize on rank 0, which hands the quantized detector to the others, and GPLQ's
@@ -130,15 +131,34 @@ def check_head_options(name: str, options) -> None:
 
 def check_image_counts(images, todo, options, calib_images: int) -> None:
     """Refuse, before any work, a calibration batch or a pipeline's own image set (APHQ's reconstruction, GPLQ's
-    QwT) larger than the training split `images`."""
+    QwT) larger than the training split `images`; a set the pipeline will not draw is not checked."""
     from quant import PIPELINES
     from quant.pipeline_base import parse_options
     images.check(calib_images, "--calib-images")
     for name in dict.fromkeys(p for p, _ in todo):
         option = SAMPLE_OPTIONS.get(name)
         parsed = parse_options(PIPELINES[name].Options, options[name])
-        if option and (name != "gplq" or parsed.qwt):  # GPLQ draws its QwT images only with QwT on
+        # APHQ draws its reconstruction images only to reconstruct (iters > 0), GPLQ its QwT images only with QwT on
+        draws = parsed.iters > 0 if name == "aphq" else parsed.qwt if name == "gplq" else False
+        if option and draws:
             images.check(getattr(parsed, option), f"--quant-options {name}.{option}")
+
+
+# APHQ's options that only a detector's reconstruction reads (quant/aphq/detector.py draws no images at iters=0)
+RECONSTRUCTION_DATA = ("recon_images", "data_seed")
+
+
+def check_reconstruction_data(given: dict, options) -> None:
+    """Refuse aphq.recon_images and aphq.data_seed where the user gave them (`given`: their --quant-options, not
+    the detection defaults) with aphq.iters=0: they set the reconstruction images, which iters=0 does not draw (the
+    calibration batch is --calib-images, --calib-seed), so they would be recorded in the result's settings and
+    change nothing."""
+    unread = [f"aphq.{key}={given[key]}" for key in RECONSTRUCTION_DATA if key in given]
+    if options.iters == 0 and unread:
+        from engine.detection import DetectionError
+        raise DetectionError(f"--quant-options {' '.join(unread)} with aphq.iters=0: read only by the "
+                             f"reconstruction, which iters=0 skips (the calibration batch is --calib-images, "
+                             f"--calib-seed); drop {'them' if len(unread) > 1 else 'it'}, or give aphq.iters>0")
 
 
 def main(argv=None) -> dict:
@@ -185,11 +205,12 @@ def main(argv=None) -> dict:
         parsed = parse_options(PIPELINES[name].Options, options[name])
         if name == "aphq":
             check_aphq_options(parsed)
+            check_reconstruction_data(user_options.get(name, {}), parsed)
         if name == "gplq":
             check_gplq_options(parsed)
         check_head_options(name, parsed)
         for b in bits:
-            PIPELINES[name].validate(parse_bits(b), parsed)
+            PIPELINES[name].validate(parse_bits(b), parsed, detection=True)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DetectionError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     if "gplq" in pipelines:  # before any work

@@ -104,7 +104,8 @@ class Pipeline:
             PTQResult(model, report), the same on every rank of a distributed run.
         """
         bits, options = parse_bits(bits), parse_options(self.Options, options)
-        self.validate(bits, options)  # on every rank, before any work
+        # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
+        self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
@@ -124,10 +125,12 @@ class Pipeline:
             raise ValueError(f"{self.name} quantizes activations: {bits} keeps them float (16 bits); weight-only "
                              "quantization (wNa16) is rtn / gptq")
 
-    def validate(self, bits: Bits, options: Any) -> None:
+    def validate(self, bits: Bits, options: Any, detection: bool = False) -> None:
         """Everything a run will read, checked before any work (entry points call this for every pipeline and
         bit-width): `check`, the stem / head bit-widths, and the values its layout's quantizers and range
-        rules take (building the layout raises ValueError for those they cannot use)."""
+        rules take (building the layout raises ValueError for those they cannot use). `detection`: the run
+        quantizes a detector (evaluate_detection.py, `PipelineData.detector_samples`), whose data a pipeline may
+        draw otherwise than a classifier's (APHQ overrides this)."""
         self.check(bits, options)
         for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
             value = getattr(options, key, None)

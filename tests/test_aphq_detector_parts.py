@@ -401,6 +401,7 @@ def test_quantize_detector_at_zero_iterations_calibrates_only_and_equals_zero_it
                                                           or NoReferences(images()[:n])))
     assert skipped == [] and draws == []  # no reconstruction images are drawn (a COCO read for nothing)
     assert result.report["data"]["reconstruction_images"] == 0
+    assert result.report["data"]["seed"] is None  # data_seed is not read: no image is drawn with it
     assert [(u["unit"], u["iters"]) for u in result.report["units"]] == [("backbone.stages.0.blocks.0", 0),
                                                                         ("neck", 0)]
     # the reference: the same calibration, then 0 iterations of reconstruct_unit_calls on each unit in order

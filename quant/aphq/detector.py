@@ -21,7 +21,8 @@ The classification steps (pipeline.py) with the detection code's differences:
    calibrated, at the end.
 
 `iters=0` is calibration only, as on a classifier: steps 1-3, then every unit and head switched on, without the
-float RPN outputs, captures or APH weights.
+float RPN outputs, captures or APH weights; it draws no reconstruction images, so `recon_images` and `data_seed`
+go unread (evaluate_detection.py refuses them there, and the report's data seed is null).
 """
 from __future__ import annotations
 
@@ -134,7 +135,9 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
     report = pipeline_report(
         "aphq", model, bits, options,
         data={"calibration_images": getattr(calib, "count", None),
-              "reconstruction_images": 0 if samples is None else len(samples), "seed": options.data_seed,
+              # iters=0 draws no reconstruction images: their seed went unread
+              "reconstruction_images": 0 if samples is None else len(samples),
+              "seed": None if samples is None else options.data_seed,
               "transform": "test"},
         calibration=calib_report, units=unit_stats, calibrated_only=[h.name for h in heads])
     return model, report

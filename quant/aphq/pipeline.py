@@ -111,11 +111,18 @@ class APHQPipeline(Pipeline):
     def train_image_counts(self, options: APHQOptions) -> dict:
         return {"recon_images": options.recon_images}  # calib_images are its first ones
 
-    def check(self, bits: Bits, options: APHQOptions) -> None:
-        super().check(bits, options)
-        if options.calib_images > options.recon_images:
+    def validate(self, bits: Bits, options: APHQOptions, detection: bool = False) -> None:
+        """As `Pipeline.validate`, and on a classifier the calibration set within the reconstruction set: there it
+        is that set's first `calib_images` images (`run`). A detector's calibration batch is the caller's
+        (evaluate_detection.py --calib-images, --calib-seed), drawn apart from its reconstruction images
+        (`recon_images`, `data_seed`: detector.py), so no count bounds the other."""
+        super().validate(bits, options, detection)
+        if not detection and options.calib_images > options.recon_images:
             raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
                              f"(the calibration set is a prefix of the reconstruction set)")
+
+    def check(self, bits: Bits, options: APHQOptions) -> None:
+        super().check(bits, options)
         if options.mlp_reconstruct and mlp_iterations(options) == 0:
             # reconstruct_mlps swaps every GELU for a ReLU before its first iteration: with none, the model scored is
             # that swapped float model, never tuned back towards the GELU one
