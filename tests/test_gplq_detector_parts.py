@@ -231,19 +231,28 @@ def test_detector_refuses_an_image_tensor_and_a_missing_trainer_before_any_work(
 
 def test_detector_lsq_starts_at_the_calibration_batchs_per_channel_absolute_maximum():
     """The LSQ start is the calibration batch's min/max: the first block's fc2 sees the image tokens themselves
-    (ToyDetector), so its symmetric 4-bit scale per channel is max |pixel| over both images / 7, by hand."""
+    (ToyDetector), so its symmetric 4-bit scale per channel is max |pixel| over both images / 7, by hand. The batch
+    runs in one forward, as DetectorFeed's one padded batch (a quantizer fits on its first call: a feed running one
+    forward per image would start it from the first image alone, tests/test_shared_layer_calibration.py)."""
     from quant.pipeline_data import PipelineData
     torch.manual_seed(0)
-    images = [torch.randn(1, 4, 3, 2), torch.randn(1, 4, 2, 2)]
+    images = [torch.randn(1, 4, 2, 2), torch.randn(1, 4, 2, 2)]
     seen = {}
+
+    class OneBatch(CalibFeed):
+        def feed(self, model):
+            model.forward_image(torch.cat(self.images))
+            return len(self)
 
     def stage1(student, settings, work_dir):
         seen.update(named_quantizers(student, "activation"))
         raise _Started
     with pytest.raises(_Started):
-        _quantize_toy(_detector_options(init_images=2), CalibFeed(images),
+        _quantize_toy(_detector_options(init_images=2), OneBatch(images),
                       PipelineData(train_detector=stage1, detector_samples=lambda c, s: None))
-    amax = torch.stack([image.double().abs().amax(dim=(0, 2, 3)) for image in images]).amax(0)
+    per_image = torch.stack([image.double().abs().amax(dim=(0, 2, 3)) for image in images])
+    assert (per_image[1] > per_image[0]).any()  # the second image sets some channel: the pooling shows
+    amax = per_image.amax(0)
     scale = seen["backbone.stages.0.blocks.0.ffn.layers.1.input_quantizer"].scale.detach().double().flatten()
     torch.testing.assert_close(scale, amax / 7, rtol=1e-6, atol=0)
 

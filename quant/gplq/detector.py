@@ -7,7 +7,9 @@ GPU, no PCA loss. Everything else is the classification procedure (pipeline.py),
    (quant/spec.py `DETECTOR_HEADS`): LSQ activations, symmetric per channel (conv inputs: per input
    channel), matmul operands per head; the stem's image input at 8 bits (FirstLastOptions).
 2. LSQ initialisation: one pass over the caller's calibration batch (`evaluate_detection.py --calib-images`,
-   so `init_images` is that count), min/max per channel, percentiles for the matmul operands.
+   so `init_images` is that count), min/max per channel, percentiles for the matmul operands, each quantizer
+   on its first call (quant/calibrate.py): a layer called once per FPN level (the shared RPN head's rpn_conv,
+   rpn_cls, rpn_reg) starts from P2's range alone.
 3. Stage 1 (W32A4): every float weight and every LSQ scale trained on the detector's own loss
    (RPN + RoI box + mask) by MMEngine's runner (`PipelineData.train_detector`, engine/detection/qat.py): AdamW at a
    constant lr (default as the paper's GPU table for the global batch), one epoch by default, batch 1 per
