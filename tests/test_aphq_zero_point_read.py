@@ -1,7 +1,5 @@
 """APHQ folds the post-LayerNorm quantizers (the only reader of round_zero_point) only when a_bits == w_bits, as
 the official utils/wrap_net.py: a round_zero_point given where no run folds is refused, before any work."""
-import dataclasses
-
 import pytest
 
 from configs.quant import APHQOptions
@@ -41,13 +39,11 @@ def test_the_api_refuses_it_at_unequal_bits_before_any_work():
     assert PIPELINES["aphq"].unread_at(parse_bits("w4a4")) == {}  # equal bits fold: it is read
 
 
-def test_the_api_refuses_an_options_dataclass_that_changes_it_at_unequal_bits():
-    """An APHQOptions whose round_zero_point differs from the default is the user's choice, as a mapping key is;
-    the default (the user changed nothing) passes on to the next check (the training data APHQ draws)."""
-    changed = APHQOptions(round_zero_point=not APHQOptions().round_zero_point, iters=0, calib_images=2, recon_images=2,
-                          batch_size=1)
-    with pytest.raises(ValueError, match="round_zero_point=False would be ignored at w4a8"):
-        PIPELINES["aphq"](tiny_vit(), images(2), "w4a8", changed)
-    default = dataclasses.replace(changed, round_zero_point=APHQOptions().round_zero_point)
+def test_an_options_dataclass_runs_at_unequal_bits_as_evaluate_py_passes_it_to_each_planned_width():
+    """evaluate.py --bits w4a4 w4a8 quant.aphq.round_zero_point=false: the option is read at w4a4, and the same
+    APHQOptions goes to the w4a8 run, which must run (it reaches the next check, the training data APHQ draws),
+    not be refused after w4a4 was scored."""
+    options = APHQOptions(round_zero_point=not APHQOptions().round_zero_point, iters=0, calib_images=2,
+                          recon_images=2, batch_size=1)
     with pytest.raises(ValueError, match="draws its own training images"):
-        PIPELINES["aphq"](tiny_vit(), images(2), "w4a8", default)
+        PIPELINES["aphq"](tiny_vit(), images(2), "w4a8", options)
