@@ -71,7 +71,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, sav
 from engine.running_stats import average_running_stats
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
-from engine.training_checks import check_training_settings
+from engine.training_checks import check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
 from models.gpt import GPT_SIZES
@@ -147,6 +147,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                                        cfg.train.resume)
     if resume_path is not None:  # settings the checkpoint cannot continue with: refused before the model and data
         check_resumable(payload["config"], cfg, resume_path)
+    # the schedule check, which check_before_start leaves to here where a checkpoint may be continued (may_resume)
+    check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
     run = build_run(cfg, dist, resumed=resume_path is not None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)

@@ -11,20 +11,48 @@ the settings are used (cd.decay.check_settings, timm's optimizer registry); only
 from __future__ import annotations
 
 import difflib
-from typing import Any
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any, Optional
 
 from cd.decay import check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
 from engine.optim import lr_rule, peak_lr
 
+log = logging.getLogger(__name__)
+
 
 def check_training_settings(cfg: Any) -> None:
     """Refuse (ConfigError, one line naming the key and the fix) a CD setting ColinearityDecay would refuse before
-    it looks at the model, and an optim.name timm's registry does not have."""
+    it looks at the model, an optim.name timm's registry does not have, and a schedule whose ends lie above its peak
+    (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has read it
+    (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
+    if not may_resume(cfg):
+        check_schedule_ends(cfg)
+
+
+def may_resume(cfg: Any) -> bool:
+    """Whether train.py will look for a checkpoint to continue: train.resume given, or out_dir holding one."""
+    return bool(cfg.train.resume) or os.path.isfile(os.path.join(cfg.out_dir, "checkpoint.pt"))
+
+
+def check_schedule_on_resume(cfg: Any, saved: Optional[dict]) -> None:
+    """`check_schedule_ends` for a run that may continue a checkpoint, once train.py has read it: a fresh start
+    (`saved`, the checkpoint's config dict, None) is checked as any; a resume only where the checkpoint's own
+    settings pass, so that a run written before the check existed (batch 8 at the default lr_base: min_lr above its
+    peak) continues as it started, which the resume check (settings unchanged) would otherwise leave no way to do."""
+    if saved is not None:
+        try:
+            check_schedule_ends(SimpleNamespace(**{section: SimpleNamespace(**saved[section])
+                                                   for section in ("optim", "sched", "train")}))
+        except ConfigError as e:
+            log.warning("%s (the checkpoint's own settings: the run continues as it was written)", e)
+            return
     check_schedule_ends(cfg)
 
 

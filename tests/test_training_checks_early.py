@@ -131,3 +131,24 @@ def test_schedule_ends_at_the_peak_pass():
         peak, lrs = schedule_lrs(cfg)
         assert max(lrs) <= peak * (1 + 1e-12)
         check_training_settings(cfg)
+
+
+def test_a_run_written_before_the_schedule_check_resumes_and_a_fresh_one_is_refused(tmp_path, capsys, monkeypatch):
+    """A checkpoint of batch 8 at the default lr_base (peak 7.8e-6, min_lr 1e-5 above it), as a run started before
+    the check existed wrote it, continues as written (the resume check refuses changed settings, so it had no other
+    way); a fresh run of the same settings is refused before its out_dir is made."""
+    import engine.training_checks as checks
+    from tests.conftest import run_entry
+
+    settings = ["--config", TINY, "train.batch_size=8", "train.batch_size_per_gpu=8", "optim.lr=null"]
+    monkeypatch.setattr(checks, "check_schedule_ends", lambda cfg: None)  # the code before the check
+    code, _, err = run_entry("train.py", [*settings, f"out_dir={tmp_path / 'old'}", "train.max_steps=1"], capsys)
+    assert code == 0, err
+    monkeypatch.undo()
+    code, out, err = run_entry("train.py", [*settings, f"out_dir={tmp_path / 'old'}", "train.max_steps=2"], capsys)
+    assert code == 0, err
+    assert "sched.min_lr=1e-05 is above the peak learning rate" in out + err and "continues as it was written" in out + err
+    code, _, err = run_entry("train.py", [*settings, f"out_dir={tmp_path / 'new'}", "train.max_steps=1"], capsys)
+    assert code == 1 and err.strip().startswith("error: sched.min_lr=1e-05 is above the peak") and len(
+        err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
