@@ -101,10 +101,11 @@ def test_a_degenerate_aphq_grid_is_refused_where_it_would_be_degenerate():
 ])
 def test_aphq_option_limits_are_exact(ok, refused, message):
     # each limit at its edge: the last accepted value runs, the first refused one is named
+    # (validate: what the entry points call; the calibration-prefix limit is a classifier's, checked there)
     aphq = PIPELINES["aphq"]
-    aphq.check(parse_bits("w4a4"), APHQOptions(**ok))
+    aphq.validate(parse_bits("w4a4"), APHQOptions(**ok))
     with pytest.raises(ValueError, match=re.escape(message)):
-        aphq.check(parse_bits("w4a4"), APHQOptions(**refused))
+        aphq.validate(parse_bits("w4a4"), APHQOptions(**refused))
 
 
 def settings(pipeline, **changes):
