@@ -45,7 +45,7 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -156,7 +156,8 @@ def main(args: argparse.Namespace) -> dict:
         try:  # every rank reads the train split itself: one that cannot (a node without a file) ends every rank
             if todo and not task.language:
                 check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
-                                  dataset_classes(cfg.data, val_loader.dataset), dist.world_size)
+                                  dataset_classes(cfg.data, val_loader.dataset), dist.world_size,
+                                  given_quant_keys(args, payload))
             # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or
             # windows than the train split has (or ids the model cannot embed) are refused before the FP and
             # maxima passes
@@ -471,11 +472,12 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
 
 
 def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: int,
-                      val_classes: Optional[list], world_size: int = 1) -> None:
+                      val_classes: Optional[list], world_size: int = 1, given: Collection[str] = ()) -> None:
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
     own) and the batch of GPLQ's training loader on each of `world_size` processes, against the split's size, and
     its classes against the val split's (which are the checkpoint's; GPLQ trains on the split's labels): before
-    the FP and maxima passes, not after them."""
+    the FP and maxima passes, not after them. `given`: the quant.* keys the command set (`given_quant_keys`), whose
+    counts from one epoch of that loader are checked even at their default (which is capped there)."""
     wanted = train_image_demands(cfg, pipelines, reads_batch)
     if not wanted:
         return
@@ -483,7 +485,7 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
     if cfg.data.dataset == "folder":  # label i must name one class in both (the counts agree: build_dataset)
         check_same_classes(dataset_classes(cfg.data, train), val_classes, cfg.data.root)
     too_many = (too_many_train_images(wanted, len(train), cfg.data.train_split)
-                or too_few_for_a_batch(cfg, pipelines, len(train), cfg.data.train_split, world_size))
+                or too_few_for_a_batch(cfg, pipelines, len(train), cfg.data.train_split, world_size, given))
     if too_many:
         raise DataError(too_many)
 
@@ -687,6 +689,14 @@ def options_unread_at_planned_bits(overrides: list[str], cfg: Config) -> list[tu
                 unread.append((item, f"{key} {reasons[0]}", widths[parts[1]]))
                 break
     return unread
+
+
+def given_quant_keys(args: argparse.Namespace, payload: Optional[dict]) -> set[str]:
+    """The quant.* keys this command sets, as resolve_config finds them: its key=value overrides and the settings
+    its --config files change (`config_file_quant_items`). A checkpoint's own config sets none: its values are
+    defaults of this evaluation (an old run's recorded quant.gplq.pca_images=10000 is capped, not refused)."""
+    items = [*args.overrides, *config_file_quant_items(args.config or (), payload)]
+    return {key for item in items for key in override_keys(item) if key.startswith("quant.")}
 
 
 def config_file_quant_items(paths, payload: Optional[dict]) -> dict[str, str]:

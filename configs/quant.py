@@ -153,9 +153,10 @@ class GPLQOptions(FirstLastOptions):
     pca_weight: Annotated[float, NonNegative] = 1.0  # weight of L_PCA next to CE (camera-ready: 1:1)
     pca_variance: Annotated[float, Range(0, 1, low_open=True)] = 0.6  # explained-variance target of the kept components
     pca_multiple: Annotated[int, AtLeastOne] = 32  # component count rounded up to a multiple of this
-    # training images per rank for the teacher PCA, from one epoch of the training loader; None: up to 10000, fewer
-    # where one epoch holds fewer (only this default is capped: a count given above the images is refused)
-    pca_images: Annotated[Optional[int], AtLeastOne] = None
+    # training images per rank for the teacher PCA, from one epoch of the training loader. The default is capped at
+    # one epoch (fewer where the split is small); a count given (another value, or this one named by the caller) is
+    # used as it is, so one above the full batches of a rank's epoch is refused
+    pca_images: Annotated[int, AtLeastOne] = 10000
     init_images: Annotated[int, AtLeastOne] = 128  # training images of the LSQ initialisation pass
     act_granularity: Literal["channel", "tensor"] = "channel"  # Linear-input scales (per-tensor: ablation)
     matmul_operands: bool = True  # quantize q, k, v and softmax output per head (LSQ); False: float matmuls

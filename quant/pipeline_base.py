@@ -18,7 +18,7 @@ import difflib
 import time
 import typing
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Union
+from typing import Any, Collection, Dict, Iterator, Mapping, NamedTuple, Optional, Type, Union
 
 import torch
 from torch import nn
@@ -148,10 +148,12 @@ class Pipeline:
         for the entry point to check against the split's size before any work; {} when it reads none."""
         return {}
 
-    def train_loader_images(self, options: Any) -> Dict[str, int]:
+    def train_loader_images(self, options: Any, given: Collection[str] = ()) -> Dict[str, int]:
         """{option: images} this pipeline reads from one epoch of each process's training loader (the one of
         `train_batch_sizes`), for the entry point to check against the full batches of a process's shard before any
-        work; {} when it reads none, or reads at most what one epoch holds (a default that is capped there)."""
+        work; {} when it reads none, or reads at most what one epoch holds (a default that is capped there).
+        `given`: the option names the user set (an evaluation's overrides and --config files), whose value counts
+        as chosen even where it equals the default."""
         return {}
 
     def layout(self, bits: Bits, options: Any) -> QuantSpec:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Optional
+from typing import Collection, Optional
 
 from torch import nn
 
@@ -226,11 +226,13 @@ def too_many_train_images(wanted: dict[str, int], size: int, split: str, unit: s
     return None
 
 
-def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_size: int) -> Optional[str]:
+def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_size: int,
+                        given: Collection[str] = ()) -> Optional[str]:
     """The refusal of the first training-loader batch of `pipelines` (`train_batch_sizes`) above the images each
     of `world_size` processes gets from the `size` images of the training split `split` (the loader shards them
     and drops the last partial batch), or of the first count of images read from one epoch of that loader
-    (`train_loader_images`) above what its full batches hold; None when every batch and count fits."""
+    (`train_loader_images`, of the dotted keys the user set in `given` and values of their own) above what its full
+    batches hold, naming that maximum; None when every batch and count fits."""
     per_process = size // world_size
     shares = f", {per_process} for each of {world_size} processes" if world_size > 1 else ""
     for name in sorted(pipelines):
@@ -240,7 +242,8 @@ def too_few_for_a_batch(cfg: Config, pipelines, size: int, split: str, world_siz
             if batch > per_process:
                 return (f"quant.{name}.{key}={batch}: the {split} split has {size} images{shares}, fewer than one "
                         f"batch; give at most {per_process}")
-        for key, count in PIPELINES[name].train_loader_images(options).items():
+        own = {key.split(".", 2)[2] for key in given if key.startswith(f"quant.{name}.")}
+        for key, count in PIPELINES[name].train_loader_images(options, own).items():
             # the loader's batch (GPLQ reads one loader; with several, the one whose epoch holds the fewest)
             held, batch = min((per_process // b * b, b) for b in batches.values())
             if count > held:

@@ -27,10 +27,6 @@ from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank, 
 from engine.precision import autocast
 
 
-# GPLQOptions.pca_images=None: up to this many images per rank, fewer where one epoch of the loader holds fewer
-DEFAULT_IMAGES = 10_000
-
-
 @dataclass
 class PCAProjection:
     """Teacher mean [D], kept components [D, k] (columns, descending variance), explained fraction."""
@@ -99,7 +95,7 @@ def fit_pca(teacher: nn.Module, batches: Iterable, max_images: int, variance: fl
         if short > 0:  # the same on every rank: every rank raises
             raise ValueError(f"pca_images={max_images}: one epoch of the training loader gives "
                              f"{'a rank' if world_size() > 1 else 'it'} {max_images - short} images; give at most "
-                             f"that, or null (up to {DEFAULT_IMAGES} images, capped at one epoch)")
+                             f"that, or leave pca_images out (its default is capped at one epoch)")
     if s1 is None:
         s1 = torch.zeros(width, dtype=torch.float64, device=device)
         s2 = torch.zeros(width, width, dtype=torch.float64, device=device)

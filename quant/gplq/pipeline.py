@@ -9,8 +9,8 @@ Stage 1, Act-QAT (W32A4), qat.py:
   1st / 99th percentiles for the matmul operands;
 * all float weights trainable, weight quantizers bypassed;
 * loss CE + 1.0 * L_PCA (pca.py: penultimate features, teacher mean, ~60% variance rounded up to a
-  multiple of 32, components from `pca_images` training images per rank: by default up to 10,000, at most one
-  epoch), the float teacher online;
+  multiple of 32, components from `pca_images` training images per rank: the default, 10,000, capped at one
+  epoch; a count the caller gives above one epoch refused), the float teacher online;
 * AdamW, constant lr (5e-6 at global batch 128; 2.5e-6 at 64; 1e-6 below, the paper's GPU table),
   one epoch by default (`steps` updates otherwise), batch 16 per GPU;
 * run by engine.loop.TrainLoop (AMP, DDP under torchrun, resumable `<work_prefix>_gplq_<bits>_stage1.pt`);
@@ -48,7 +48,7 @@ import json
 import logging
 import os
 from dataclasses import fields
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 from torch import nn
@@ -68,7 +68,8 @@ from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import capture_unit
 from .detector import quantize_detector
 from .lsq import LSQQuantizer
-from .pca import DEFAULT_IMAGES as DEFAULT_PCA_IMAGES, fit_pca
+from .pca import fit_pca
+from .pca_images import given_for_this_call, pca_images_exact, pca_images_given
 from .qat import Stage1Settings, refuse_other_run, run_stage1
 from .qwt import CompensationFit, fit_block_compensation
 from .stage2 import FitBlock, quantize_weights_and_compensate
@@ -132,17 +133,22 @@ class GPLQPipeline(Pipeline):
         return standard_layout(weight=weight, post_norm_input=act, block_input=act, q=mm, k=mm, attn=mm, v=mm,
                                first_last=options.resolved(bits))
 
-    def train_image_counts(self, options: GPLQOptions) -> dict:
-        # QwT's images are drawn only with it on; the PCA's come from the loader (train_loader_images), at most the
-        # split's images too
-        return {"init_images": options.init_images, **({"stage2_images": options.stage2_images} if options.qwt else {}),
-                **self.train_loader_images(options)}
+    def __call__(self, fp_model, calib_images, bits="w4a4", options=None, data=None) -> PTQResult:
+        # the options become a dataclass before `run`: whether the caller chose pca_images is read here (pca_images.py)
+        with given_for_this_call(options):
+            return super().__call__(fp_model, calib_images, bits, options, data)
 
-    def train_loader_images(self, options: GPLQOptions) -> dict:
-        # the teacher PCA's images, read for a PCA loss that some update reads; only a count the user gave is one to
-        # check (the default is capped at one epoch of the loader)
-        read = options.pca_images is not None and options.pca_weight != 0 and options.steps != 0
-        return {"pca_images": options.pca_images} if read else {}
+    def train_image_counts(self, options: GPLQOptions) -> dict:
+        # QwT's images are drawn only with it on; the PCA's come from the loader (train_loader_images: one check
+        # against one epoch's full batches, which the split's size bounds too)
+        return {"init_images": options.init_images, **({"stage2_images": options.stage2_images} if options.qwt else {})}
+
+    def train_loader_images(self, options: GPLQOptions, given: Collection[str] = ()) -> dict:
+        # the teacher PCA's images, read for a PCA loss that some update reads; only a count the user chose is one
+        # to check (the default is capped at one epoch of the loader)
+        read = options.pca_weight != 0 and options.steps != 0
+        chosen = "pca_images" in given or pca_images_given(options)
+        return {"pca_images": options.pca_images} if read and chosen else {}
 
     def train_batch_sizes(self, options: GPLQOptions) -> dict:
         return {"batch_size_per_gpu": options.batch_size_per_gpu}  # stage 1's and the teacher PCA's loader
@@ -197,9 +203,8 @@ class GPLQPipeline(Pipeline):
 
         def pca():
             with timer("pca", device):
-                given = options.pca_images is not None
-                return fit_pca(teacher, pca_batches(), options.pca_images if given else DEFAULT_PCA_IMAGES,
-                               options.pca_variance, options.pca_multiple, options.amp, exact=given)
+                return fit_pca(teacher, pca_batches(), options.pca_images, options.pca_variance, options.pca_multiple,
+                               options.amp, exact=pca_images_exact(options))
 
         checkpoint = stage1_checkpoint(data, bits)
         # stop signals become a checkpoint at an update boundary only in stage 1 (where a stop can be saved)
