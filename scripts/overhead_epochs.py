@@ -18,8 +18,9 @@ the same without each run's first epoch (cuDNN autotuning, data-loader start), p
 runs), and ratios to the baseline. Re-running the same command reuses finished runs and resumes
 interrupted ones (an epoch cut by the interruption has no timing), whose reported times are then those of the
 earlier jobs too: a run folder is reused only under a launcher of as many processes as the one recorded beside it
-(runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher) and with the
-settings its config.yaml holds; any other is refused before the first run starts. A run that train.py refuses or
+(runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher; without that record,
+as many as every job in the folder's train.log states) and with the settings its config.yaml holds; any other is
+refused before the first run starts. A run that train.py refuses or
 that fails ends the protocol with train.py's error. Writes epochs.json and epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \

@@ -6,17 +6,26 @@ config.yaml records: each run's launcher is recorded beside its folder, in `<fol
 the folder itself, and would take a file of ours there for an earlier run's). A folder that holds a run to continue
 (checkpoint.pt) is reused only when its recorded launcher starts as many processes as this job's, and its
 config.yaml holds the settings this job gives the run: otherwise the report would give another job's times under
-this job's launcher, or train.py would refuse the run after the runs before it had trained.
+this job's launcher, or train.py would refuse the run after the runs before it had trained. A folder without that
+record (written before the protocol recorded launchers) is reused when every job its train.log holds states as many
+processes as this job's launcher starts.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 from engine.run_dir import config_changes, saved_config, start_only_changes
 
 RECORD_SUFFIX = ".launcher.json"
+
+# The environment line train.py writes at the start of each job into the run's train.log (engine/runinfo.py:
+# describe_environment after setup_logging's "time logger level" prefix; only rank 0 writes the file). A resumed run
+# holds one such line per job, oldest first.
+ENVIRONMENT_LINE = re.compile(r"^\S+ \S+ INFO commit \S+, torch \S+, timm \S+, python \S+, (\d+) process\(es\), "
+                              r"rank \d+ on ")
 
 
 def record_path(out_dir: str) -> str:
@@ -57,6 +66,40 @@ def processes_text(launcher: str, world_size) -> str:
     return "processes it does not state" if n is None else f"{n} process{'es' if n != 1 else ''}"
 
 
+def logged_processes(out_dir: str) -> list[int]:
+    """The number of processes each job that trained the run in `out_dir` states in its train.log, oldest job first;
+    empty without a readable train.log or without such a line."""
+    try:
+        # train.py writes UTF-8 (backslashreplace); a damaged byte elsewhere in the log must not hide the lines
+        with open(os.path.join(out_dir, "train.log"), encoding="utf-8", errors="replace") as f:
+            return [int(m.group(1)) for m in map(ENVIRONMENT_LINE.match, f) if m]
+    except OSError:
+        return []
+
+
+def unrecorded_problem(out_dir: str, launcher: str, world_size) -> Optional[str]:
+    """Why this job may not continue the run in `out_dir`, which has no launcher record (a folder written before the
+    protocol recorded them), by the processes its train.log states: None when every job there ran as many as
+    `launcher` starts. A log that states none, jobs of different counts (their epoch times mix both) or a launcher
+    that does not state its count are refused: nothing then says the times are of this launcher's processes."""
+    counts = logged_processes(out_dir)
+    if not counts:
+        return (f"{out_dir} holds a run whose launcher is not recorded ({record_path(out_dir)} is missing or "
+                f"unreadable, and its train.log states no number of processes), so its epoch times may be of another "
+                f"number of processes: move the folder away to time the run again, or give another --out")
+    if len(set(counts)) > 1:
+        return (f"{out_dir} holds a run trained by jobs of {', '.join(map(str, counts))} processes (its train.log; "
+                f"its launcher is not recorded), so its epoch times mix them: move the folder away to time the run "
+                f"again, or give another --out")
+    then, now = counts[-1], world_size(launcher)
+    if now == then:
+        return None
+    then_text = f"{then} process{'es' if then != 1 else ''}"
+    return (f"{out_dir} holds a run of {then_text} (its train.log; its launcher is not recorded), not --launcher "
+            f"{launcher!r} ({processes_text(launcher, world_size)}): its epoch times would be reported as this "
+            f"launcher's; give a launcher of {then_text} to reuse it, or another --out")
+
+
 def reuse_problem(out_dir: str, launcher: str, config: dict, world_size) -> Optional[str]:
     """Why this job may not continue the run in `out_dir` (None when it may, or when the folder holds no run to
     continue: train.py then starts it, or refuses the folder itself). `config`: the run's whole config as this job
@@ -65,10 +108,10 @@ def reuse_problem(out_dir: str, launcher: str, config: dict, world_size) -> Opti
         return None
     recorded = recorded_launcher(out_dir)
     if recorded is None:
-        return (f"{out_dir} holds a run whose launcher is not recorded ({record_path(out_dir)} is missing or "
-                f"unreadable), so its epoch times may be of another number of processes: move the folder away to "
-                f"time the run again, or give another --out")
-    if not same_processes(recorded, launcher, world_size):
+        problem = unrecorded_problem(out_dir, launcher, world_size)
+        if problem:
+            return problem
+    elif not same_processes(recorded, launcher, world_size):
         return (f"{out_dir} holds a run timed under --launcher {recorded!r} ({processes_text(recorded, world_size)}),"
                 f" not {launcher!r} ({processes_text(launcher, world_size)}): its epoch times would be reported as "
                 f"this launcher's; give --launcher {recorded!r} to reuse it, or another --out")

@@ -5,12 +5,14 @@ that fails adds no second error line, and no claim that the same command resumes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
+import torch
 
 from tests.conftest import ROOT, load_script
 from tests.test_bench_overhead import train_in_this_process
@@ -129,3 +131,77 @@ def test_a_run_stopped_by_a_signal_or_killed_is_one_error_saying_the_command_con
     code, line = epochs.failed_run_line("runs/r", -9)
     assert code == 137 and line.startswith("error: the run in runs/r was killed by SIGKILL; re-running the same "
                                            "command continues it")
+
+
+def logged_run(folder, *worlds: int):
+    """A run folder as train.py leaves it after one job per entry of `worlds` (that many processes each): its
+    train.log written by engine/runinfo.py's own logging, and a checkpoint.pt to continue (no launcher record)."""
+    from engine.distributed import DistInfo
+    from engine.runinfo import log_environment, setup_logging
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.pt").write_bytes(b"")
+    try:
+        for world in worlds:
+            setup_logging(str(folder), is_main=True)
+            log_environment(logging.getLogger("train"), DistInfo(0, world, 0, torch.device("cpu")))
+    finally:
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_cd_run", False)]:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    return str(folder)
+
+
+def test_a_folder_without_its_launcher_record_is_reused_when_its_train_log_states_as_many_processes(finished):
+    """A folder written before the protocol recorded launchers (no runs/<folder>.launcher.json) was refused, so an
+    interrupted run could only be trained again from scratch. Its train.log states the processes of each job (1
+    here): a launcher of 1 process continues the run, nothing is trained again, and the report gives its times."""
+    launcher = ""  # one process (the protocol's default)
+    run_dir = finished / "runs" / "vit_nano_bs8_baseline_run0"
+    os.remove(f"{run_dir}.launcher.json")
+    assert ", 1 process(es), rank 0 on " in (run_dir / "train.log").read_text()
+    seconds = timed_seconds(run_dir)
+    report = load_script("bench_overhead").main(protocol(finished, "--epochs", "2", "--launcher", launcher,
+                                                         "--overwrite"))
+    assert timed_seconds(run_dir) == seconds and (run_dir / "train.log").read_text().count(" process(es), ") == 2
+    assert report["rows"][0]["epoch_s"] == pytest.approx(sum(seconds) / 2)
+    assert json.load(open(f"{run_dir}.launcher.json")) == {"launcher": launcher, "processes": 1}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "unstated"])
+def test_a_folder_without_its_launcher_record_is_refused_when_its_train_log_states_other_processes(
+        finished, tmp_path, monkeypatch, launcher):
+    """The same folder without its record under a launcher of 2 processes, or of a number it does not state: its
+    train.log's 1 process is not this launcher's, so the run is refused before any run, in one error line."""
+    launcher = f"{TORCHRUN} --nproc_per_node=2" if launcher == "torchrun" else one_process_launcher(tmp_path)
+    run_dir = finished / "runs" / "vit_nano_bs8_baseline_run0"
+    os.remove(f"{run_dir}.launcher.json")
+    started = recorded_runs(monkeypatch)
+    with pytest.raises(SystemExit) as refused:
+        load_script("bench_overhead").main(protocol(finished, "--epochs", "2", "--launcher", launcher,
+                                                    "--overwrite"))
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {run_dir} holds a run of 1 process (its train.log; its launcher is not "
+                              f"recorded), not --launcher {launcher!r} (") and "\n" not in message, message
+    assert message.endswith("give a launcher of 1 process to reuse it, or another --out") and started == []
+
+
+def test_an_unrecorded_folder_is_judged_by_every_job_in_its_train_log(tmp_path):
+    """A run resumed several times holds one environment line per job: the last job's count decides, and jobs of
+    different counts (epoch times of both) or a log that states none are refused."""
+    folders = load_script("overhead_run_folders")
+    world = load_script("overhead_epochs").launcher_world_size
+    two = "torchrun --nproc_per_node=2"
+    resumed = logged_run(tmp_path / "resumed", 2, 2, 2)
+    assert folders.logged_processes(resumed) == [2, 2, 2]
+    assert folders.unrecorded_problem(resumed, two, world) is None
+    assert "holds a run of 2 processes" in folders.unrecorded_problem(resumed, "", world)
+    mixed = logged_run(tmp_path / "mixed", 2, 1)
+    assert folders.logged_processes(mixed) == [2, 1]
+    assert "jobs of 2, 1 processes" in folders.unrecorded_problem(mixed, "", world)
+    assert "jobs of 2, 1 processes" in folders.unrecorded_problem(mixed, two, world)
+    silent = logged_run(tmp_path / "silent")
+    (tmp_path / "silent" / "train.log").write_text("12:00:00 train INFO position within epoch: 8 samples, written "
+                                                   "by 1 process(es) x 8 per process\n")
+    assert folders.logged_processes(silent) == []
+    assert "its train.log states no number of processes" in folders.unrecorded_problem(silent, "", world)
+    assert "its train.log states no number of processes" in folders.unrecorded_problem(str(tmp_path), "", world)
