@@ -15,8 +15,9 @@ from dist_utils import as_torchrun_rank, free_port, spawn_within
 from tests.conftest import DEBUG_CONFIG
 from tests.test_data import make_image_folder
 
+# optim.lr given: lr_base would scale to 3.9e-6 at batch 4, below sched.min_lr (refused as a rising schedule)
 FOLDER = ["data.dataset=folder", "model.num_classes=2", "train.batch_size=4", "train.batch_size_per_gpu=2",
-          "train.eval_batch_size_per_gpu=2", "log.tensorboard=false"]
+          "train.eval_batch_size_per_gpu=2", "log.tensorboard=false", "optim.lr=1e-4"]
 
 
 def _cases_worker(rank: int, world: int, ports: list, cases: list, work: str) -> None:
