@@ -229,3 +229,19 @@ def _on_cpu(init_group):
             return init_group(self, *args, **kwargs)
 
     return wrapped
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """The JSON names evaluate.main is called for from now on, in order: it stands in, computing nothing (for
+    scripts that call it per variant, scripts/quant_sensitivity.py)."""
+    import evaluate
+
+    called = []
+
+    def stand_in(args):
+        called.append(os.path.basename(args.out))
+        return {"quant": {p: {args.bits[0]: {"top1": 50.0}} for p in args.quant}}
+
+    monkeypatch.setattr(evaluate, "main", stand_in)
+    return called

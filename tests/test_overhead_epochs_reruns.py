@@ -61,6 +61,16 @@ def one_process_launcher(folder) -> str:
     return str(path)
 
 
+def refusal_under(finished, launcher: str, monkeypatch) -> tuple:
+    """(the error message, the runs started) of the protocol re-run over `finished` under `launcher`, which must
+    refuse it (SystemExit)."""
+    started = recorded_runs(monkeypatch)
+    with pytest.raises(SystemExit) as refused:
+        load_script("bench_overhead").main(protocol(finished, "--epochs", "2", "--launcher", launcher,
+                                                    "--overwrite"))
+    return str(refused.value.code), started
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "unstated"])
 def test_a_run_timed_under_another_launcher_is_refused_before_any_run(finished, tmp_path, monkeypatch, launcher):
     """The same protocol under a launcher of 2 processes (or of a number it does not state) resumed the finished
@@ -68,11 +78,7 @@ def test_a_run_timed_under_another_launcher_is_refused_before_any_run(finished, 
     launcher = f"{TORCHRUN} --nproc_per_node=2" if launcher == "torchrun" else one_process_launcher(tmp_path)
     run_dir = finished / "runs" / "vit_nano_bs8_baseline_run0"
     before, report = timed_seconds(run_dir), (finished / "epochs.json").read_text()
-    started = recorded_runs(monkeypatch)
-    with pytest.raises(SystemExit) as refused:
-        load_script("bench_overhead").main(protocol(finished, "--epochs", "2", "--launcher", launcher,
-                                                    "--overwrite"))
-    message = str(refused.value.code)
+    message, started = refusal_under(finished, launcher, monkeypatch)
     assert message.startswith(f"error: {run_dir} holds a run timed under --launcher '' (1 process), not "
                               f"{launcher!r} (") and "\n" not in message, message
     assert "give --launcher '' to reuse it, or another --out" in message
@@ -175,11 +181,7 @@ def test_a_folder_without_its_launcher_record_is_refused_when_its_train_log_stat
     launcher = f"{TORCHRUN} --nproc_per_node=2" if launcher == "torchrun" else one_process_launcher(tmp_path)
     run_dir = finished / "runs" / "vit_nano_bs8_baseline_run0"
     os.remove(f"{run_dir}.launcher.json")
-    started = recorded_runs(monkeypatch)
-    with pytest.raises(SystemExit) as refused:
-        load_script("bench_overhead").main(protocol(finished, "--epochs", "2", "--launcher", launcher,
-                                                    "--overwrite"))
-    message = str(refused.value.code)
+    message, started = refusal_under(finished, launcher, monkeypatch)
     assert message.startswith(f"error: {run_dir} holds a run of 1 process (its train.log; its launcher is not "
                               f"recorded), not --launcher {launcher!r} (") and "\n" not in message, message
     assert message.endswith("give a launcher of 1 process to reuse it, or another --out") and started == []

@@ -3,7 +3,6 @@ whose own setting the checkpoint cannot take is skipped and said to be, and a va
 other settings is refused with this command's fixes. evaluate.main stands in (a top-1 per file and pipeline): the
 checks are what is tested, the variants' evaluations are tests/test_evaluate.py's."""
 import json
-import os
 
 import pytest
 
@@ -23,19 +22,6 @@ def synthetic_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=1", "log.tensorboard=false"]))
     return str(out / "best.pt")
-
-
-@pytest.fixture
-def evaluations(monkeypatch):
-    """The JSON names evaluate.main was called for, in order (it stands in, computing nothing)."""
-    called = []
-
-    def stand_in(args):
-        called.append(os.path.basename(args.out))
-        return {"quant": {p: {args.bits[0]: {"top1": 50.0}} for p in args.quant}}
-
-    monkeypatch.setattr(evaluate, "main", stand_in)
-    return called
 
 
 def test_a_variant_the_checkpoint_cannot_take_is_skipped_before_any_evaluation(synthetic_checkpoint, tmp_path,

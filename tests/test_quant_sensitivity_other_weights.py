@@ -4,7 +4,6 @@ command's fixes: its --out is a folder whose file names the command sets, so eva
 the variants before it ran, said "give --out another file". The earlier JSON is written by evaluate.py itself;
 evaluate.main then stands in for the variants' evaluations (the checks are what is tested)."""
 import json
-import os
 import shutil
 
 import pytest
@@ -37,19 +36,6 @@ def official_of(checkpoint: str, out) -> dict:
     EVALUATE(evaluate.parse_args(["--checkpoint", checkpoint, "--out", str(out / "official.json"), "--bits", "w4a4",
                                   "--quant", "percentile"]))
     return json.loads((out / "official.json").read_text())
-
-
-@pytest.fixture
-def evaluations(monkeypatch):
-    """The JSON names evaluate.main is called for from now on, in order (it stands in, computing nothing)."""
-    called = []
-
-    def stand_in(args):
-        called.append(os.path.basename(args.out))
-        return {"quant": {p: {args.bits[0]: {"top1": 50.0}} for p in args.quant}}
-
-    monkeypatch.setattr(evaluate, "main", stand_in)
-    return called
 
 
 def test_a_variant_json_of_another_checkpoint_is_refused_before_any_evaluation(two_checkpoints, tmp_path,
