@@ -1,6 +1,7 @@
 """Check the pairs on real numbers: that the fused-qkv rows CD pairs with proj are V (one forward with V set to
-zero), and that each pair's W2 reads W1's channels in their order (one forward with some channels of every pair set
-to zero: V's for proj, fc1's output for fc2, the norm's scale for a composable pair).
+zero), and that each pair's W2 reads W1's channels in their order (one forward per bit of the widest pair's channel
+index, each with some channels of every pair set to zero: V's for proj, fc1's output for fc2, the norm's scale for a
+composable pair).
 
 The meta check (`cd/verify.py`) follows whole tensors: it confirms that proj reads something computed from a
 fused qkv (or v), not which of its rows, nor in which order. CD pairs proj with rows [2D:3D] of qkv, the V third of
@@ -13,12 +14,14 @@ so its output is linear in V and zero V gives zero. A fused qkv laid out per hea
 GPT-NeoX and Bloom) or in another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero
 and the pair is refused.
 
-In which order (every proj pair, of a fused qkv or of a separate v): the model runs once more with only the
-channels `order_channels` picks of V set to zero (an irregular pattern: every head's part differs from every other
-head's), and proj's input columns of the same numbers must be exactly zero; its other columns are not judged (a
-V row of zeros in the model makes its column zero too). Attention that mixes tokens keeps each channel apart, so
+In which order (every proj pair, of a fused qkv or of a separate v): the model runs once more for each bit b of
+V's channel index (ceil(log2 width) forwards, `order_patterns`), with only the channels of V whose bit b is set set
+to zero, and proj's input columns of the same numbers must be exactly zero; its other columns are not judged (a V
+row of zeros in the model makes its column zero too). Attention that mixes tokens keeps each channel apart, so
 those columns are zero. Heads merged in another order or channels permuted between V and proj move the zeros to
-other columns, and some of the picked columns stay nonzero: refused, naming the columns on both sides. So is an
+other columns: every permutation but the identity moves some channel out of some pattern (one pattern alone misses
+a swap within its zeroed set or within the rest), and some of that pattern's columns stay nonzero: refused, naming
+the columns on both sides. So is an
 attention across channels (XCiT's XCA: each output channel a softmax-weighted sum of its head's V channels), where
 proj reads W_V through a data-dependent mixing: W_O M(x) W_V is not the product of the pair CD decays.
 
@@ -34,36 +37,35 @@ tensor along the batch, such as labels, is not cut with the rest), the whole exa
 under no_grad, in eval mode (every module's training flag restored after), inside `torch.random.fork_rng` (no random
 stream moves), compiled submodules run eagerly, every buffer's values restored after (a forward may update one even
 in eval mode): no memory beyond one sample's activations and a copy of the buffers; forward hooks on the model run
-twice (once for a model with separate v layers only, which has no rows to tell apart; twice as often where the
-whole example runs), as in the meta check.
+once per forward: 1 + ceil(log2) of the widest pair's channels (13 for ViT-B/16, whose fc1 has 3,072 outputs; one
+fewer for a model with separate v layers only, which has no rows to tell apart; twice as many where the whole
+example runs), as in the meta check.
 
 nn.MultiheadAttention, whose forward this mode sees as one call of F.multi_head_attention_forward (the mode makes it
 leave its native fast path), is followed by that call's arguments: the chosen V rows of in_proj_weight and
 in_proj_bias are set to zero, and proj's input is the call's output with out_proj made the identity.
 
-The same forward checks the other pairs, each with its own `order_channels`. A composable pair (diag(g), W) (paper
-Eqs. (4)-(5): g's entry i scales W's column i): those entries of the norm's scale g, and of its bias, are set to zero
-wherever a torch function is given them (F.layer_norm, an RMSNorm's `weight * x`), and W's input columns of the same
-numbers must be exactly zero; a roll or permutation of the channels between the norm and W (which the meta check
-takes for a move) puts the zeros elsewhere. An MLP pair (W_F1, W_F2) (Eq. (8)): those channels of fc1's output (of
-the W_up rows of a gated MLP) are set to zero as V's are, and fc2's input columns of the same numbers must hold one
-value in every row (token): act(0) through an elementwise activation, and through any map that keeps each channel
-apart (a per-channel scale, a depthwise conv along the tokens with its bias). A norm over the hidden channels under a
-name of its own (a sub-LN), a Linear or a permutation between fc1 and fc2 makes some of them vary with the token:
-refused, as W_F2 M act(W_F1 x) is not the path of the product CD decays. Judged only where a product read two or
-more rows (one token has no row to differ from). A per-channel map that treats tokens differently (LeFF's depthwise
-conv over the patch tokens that the class token skips: its bias reaches some tokens only) makes those columns vary
-too and is refused although it keeps the channels apart: verify=False pairs it. nn.MultiheadAttention's
-in_proj_weight reads the call's query.
+The same forwards check the other pairs, each with its own `order_patterns` (a pair of fewer channels takes part in
+fewer of them). A composable pair (diag(g), W) (paper Eqs. (4)-(5): g's entry i scales W's column i): those entries
+of the norm's scale g, and of its bias, are set to zero wherever a torch function is given them (F.layer_norm, an
+RMSNorm's `weight * x`), and W's input columns of the same numbers must be exactly zero; a roll or permutation of
+the channels between the norm and W (which the meta check takes for a move) puts the zeros elsewhere in some
+pattern. An MLP pair (W_F1, W_F2) (Eq. (8)): those channels of fc1's output (of the W_up rows of a gated MLP) are
+set to zero as V's are, and fc2's input columns of the same numbers must hold one value in every row (token): act(0)
+through an elementwise activation, and through any map that keeps each channel apart (a per-channel scale, a
+depthwise conv along the tokens with its bias). A norm over the hidden channels under a name of its own (a sub-LN),
+a Linear or a permutation between fc1 and fc2 makes some of them vary with the token: refused, as W_F2 M act(W_F1 x)
+is not the path of the product CD decays. Judged only where a product read two or more rows (one token has no row to
+differ from). A per-channel map that treats tokens differently (LeFF's depthwise conv over the patch tokens that the
+class token skips: its bias reaches some tokens only) makes those columns vary too and is refused although it keeps
+the channels apart: verify=False pairs it. nn.MultiheadAttention's in_proj_weight reads the call's query.
 
 A query row whose every key is masked is NaN whatever V is: only the finite inputs of a pair's W2 (proj, the norm's
 layer, fc2) are judged, and a W2 whose input has no finite value (a NaN or inf example) is refused as unchecked.
 
 Not checked: an attention whose own parameter of V's width scales its output (a gate) passes whatever its layout,
-since that parameter's entries are zeroed too; a permutation that maps the chosen channels onto themselves (one
-within them and one within the rest; for a head width below log2 of V's width, one of heads whose parts happen to
-match). Skipped: a model with a parameter on the `meta` device (no values to compute with), and wherever
-`find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
+since that parameter's entries are zeroed too. Skipped: a model with a parameter on the `meta` device (no values to
+compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
 """
 from __future__ import annotations
 
@@ -109,22 +111,21 @@ def _name(func) -> str:
     return getattr(func, "__name__", "")
 
 
-def order_channels(width: int) -> list[int]:
-    """The channels of V set to zero in the order forward: the ones of the binary de Bruijn sequence of the least
-    order k with 2**k + k - 1 >= width, cut to `width` bits, whose windows of k bits all differ. For any head width
-    of k or more (k = 10 for 768 channels), every head's part of the pattern differs from every other head's, so
-    that merging whole heads in any other order moves some of these channels. Starting with k zeros and holding
-    ones, it is neither empty nor all of V for a width of two or more (one channel has no order: none)."""
-    k = 1
-    while 2 ** k + k - 1 < width:
-        k += 1
-    bits, seen = [0] * k, {(0,) * k}
-    while len(bits) < width:  # prefer-one: a 1 where its window is new, else a 0 (Martin's construction)
-        tail = bits[len(bits) - k + 1:] if k > 1 else []
-        bit = 1 if tuple(tail + [1]) not in seen else 0
-        seen.add(tuple(tail + [bit]))
-        bits.append(bit)
-    return [j for j, b in enumerate(bits[:width]) if b]
+def order_patterns(width: int) -> list[list[int]]:
+    """The channels set to zero in each order forward: for each bit b of the channel index below ceil(log2 width),
+    the channels whose bit b is set (none for one channel, which has no order). Each is neither empty nor all of
+    the channels (channel 0 is in none). A W2 that reads W1's channel pi(j) at its column j passes every pattern
+    (the pattern's columns read zero) only if pi is the identity: passing means that every bit set in j is set in
+    pi(j), so pi(j) holds all of j's bits and, as pi maps the channels onto themselves (the counts of set bits
+    sum to the same), no more: pi(j) = j. One zero/nonzero pattern alone cannot do this: a permutation that keeps
+    its zeroed set (a swap within it, or within the rest) passes it."""
+    return [[j for j in range(width) if j >> b & 1] for b in range((width - 1).bit_length())] if width > 1 else []
+
+
+def _pattern(width: int, plane: int) -> list[int]:
+    """Order forward `plane`'s channels of a W1 of `width` channels: none where it has fewer patterns."""
+    patterns = order_patterns(width)
+    return patterns[plane] if plane < len(patterns) else []
 
 
 def _zeroed(t: Tensor, entries: Optional[Sequence[int]]) -> Tensor:
@@ -132,7 +133,7 @@ def _zeroed(t: Tensor, entries: Optional[Sequence[int]]) -> Tensor:
     if entries is None:
         return torch.zeros_like(t)
     out = t.clone(memory_format=torch.contiguous_format)  # flat order is the logical order
-    out.view(-1)[torch.as_tensor(entries, device=t.device)] = 0
+    out.view(-1)[torch.as_tensor(entries, dtype=torch.long, device=t.device)] = 0
     return out
 
 
@@ -290,6 +291,14 @@ def _eager() -> contextlib.AbstractContextManager:
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
+def _width(p) -> int:
+    """The channels W1 gives W2 in pair `p`: the norm's scale's, or the rows of W1 the pair uses."""
+    if p.diagonal:
+        return p.upstream.shape[0]
+    start, stop = p.upstream_rows or (0, p.upstream.shape[1] if p.upstream_transposed else p.upstream.shape[0])
+    return stop - start
+
+
 def _plan(root: nn.Module, pairs: Sequence, checked: Sequence[int], channels) -> tuple[dict, dict, dict]:
     """The settings of one `_ZeroV` forward: for each checked functional pair, the columns of its upstream weight's
     output to set to zero, `channels(width)` of W1's rows (relative to the first row the pair uses), and for a proj
@@ -343,9 +352,14 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
     tensors = [*root.parameters(), *root.buffers()]
     if not checked or not tensors or any(t.device.type == "meta" for t in tensors):
         return
-    # first V whole (for a fused qkv only: separate v is V whole by the meta check), then the order channels alone
+    # first V whole (for a fused qkv only: separate v is V whole by the meta check), then one order forward per bit
+    # of the widest pair's channel index, each pair with its own pattern of that bit while it has one (every pair in
+    # the first, so that a weight the forward does not use in a way the check follows is refused even at width 1)
+    widths = [_width(p) for p in pairs]
+    planes = [[k for k in checked if plane < max(1, len(order_patterns(widths[k])))]
+              for plane in range(max(1, *(len(order_patterns(w)) for w in widths)))]
     plans = ([_plan(root, pairs, fused, lambda n: list(range(n)))] if fused else []) + \
-        [_plan(root, pairs, checked, order_channels)]
+        [_plan(root, pairs, ks, lambda n, plane=plane: _pattern(n, plane)) for plane, ks in enumerate(planes)]
     example = example_input(root) if example is None else example
     inputs = [probe_input(example, tensors[0].device)]
     whole = probe_input(example, tensors[0].device, cut=False)
@@ -388,12 +402,15 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
             for m, name, b, saved in buffers:
                 m._buffers[name] = b  # the same tensor object (an optimizer or hook may hold it), its values back
                 b.set_(saved) if b.shape != saved.shape else b.copy_(saved)
+    order_modes = modes[len(plans) - len(planes):]
     for k in checked:
         if k in fused:
             _judge_rows(pairs[k], k, modes[0], block_types)
         judge = _judge_order if pairs[k].role == "proj" else \
             _judge_norm_order if pairs[k].diagonal else _judge_mlp_order
-        judge(pairs[k], k, modes[-1], block_types)
+        for plane, (ks, mode) in enumerate(zip(planes, order_modes)):
+            if k in ks:
+                judge(pairs[k], k, mode, plane, block_types)
 
 
 def _unread(p, k: int, mode: _ZeroV, what: str, fix: str, where: str) -> None:
@@ -433,12 +450,12 @@ def _few(columns: Sequence[int]) -> str:
     return shown if len(columns) <= 8 else f"{shown} and {len(columns) - 8} more"
 
 
-def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
-    """With only V's `order_channels` set to zero, proj's input columns of the same numbers must be zero (paper
-    Sec. 3.2 pairs row i of W_V with column i of W_O); the other columns are not judged (a V row of zeros in the
-    model would make its column zero too)."""
+def _judge_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str, str]) -> None:
+    """With only V's channels of order pattern `plane` set to zero, proj's input columns of the same numbers must be
+    zero (paper Sec. 3.2 pairs row i of W_V with column i of W_O); the other columns are not judged (a V row of
+    zeros in the model would make its column zero too)."""
     width = len(mode.nonzero[k]) if k in mode.nonzero else 0
-    chosen = order_channels(width)
+    chosen = _pattern(width, plane)
     where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
     v, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
     rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {v}" if p.upstream_rows else f"the rows of {v}"
@@ -473,7 +490,8 @@ def _judge_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
         "unchecked (beyond the paper)")
 
 
-def _start_order(p, k: int, mode: _ZeroV, block_types: dict[str, str], width: int, source: str, w1: str):
+def _start_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str, str], width: int, source: str,
+                 w1: str):
     """(the chosen channels, the refusal's opening, its fix, W2's layer) for a pair whose W2 reads `source`'s
     channels, after refusing a weight the forward did not use in a way the check follows and a W2 whose input had no
     finite value (nothing tells the channels apart: unchecked, as `_judge_order` refuses it); None when there is
@@ -482,7 +500,7 @@ def _start_order(p, k: int, mode: _ZeroV, block_types: dict[str, str], width: in
     out = p.name.removesuffix(".weight")
     fix = f"Pass verify=False to pair {out} with {w1} unchecked"
     _unread(p, k, mode, f"in which order {out} reads {source}'s channels", fix, where)
-    chosen = order_channels(width)
+    chosen = _pattern(width, plane)
     if not chosen:
         return None
     if not mode.finite[k]:  # a NaN or inf example (or one the model turns into such values) would pass unjudged
@@ -494,12 +512,13 @@ def _start_order(p, k: int, mode: _ZeroV, block_types: dict[str, str], width: in
     return chosen, where, fix, out
 
 
-def _judge_norm_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
-    """(diag(g), W), paper Eqs. (4)-(5): with `order_channels` of the norm's scale g (and of its bias) set to zero, W's
-    input columns of the same numbers must be zero: W reads the norm's channel i at its column i, as the product
-    W diag(g) that CD decays takes it (a roll or permutation of the channels between them moves the zeros)."""
+def _judge_norm_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str, str]) -> None:
+    """(diag(g), W), paper Eqs. (4)-(5): with order pattern `plane` of the norm's scale g (and of its bias) set to
+    zero, W's input columns of the same numbers must be zero: W reads the norm's channel i at its column i, as the
+    product W diag(g) that CD decays takes it (a roll or permutation of the channels between them moves the zeros
+    in some pattern)."""
     norm = p.upstream_name.removesuffix(".weight")
-    start = _start_order(p, k, mode, block_types, p.upstream.shape[0], norm, f"diag({p.upstream_name})")
+    start = _start_order(p, k, mode, plane, block_types, p.upstream.shape[0], norm, f"diag({p.upstream_name})")
     if start is None:
         return
     chosen, where, fix, out = start
@@ -512,16 +531,16 @@ def _judge_norm_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> N
             f"(paper Eqs. (4)-(5)). {fix} (beyond the paper)")
 
 
-def _judge_mlp_order(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
-    """(W_F1, W_F2), paper Eqs. (7)-(8): with `order_channels` of fc1's output set to zero, fc2's input columns of the
-    same numbers must be the same in every row (token): act(0) through an elementwise activation (and any
+def _judge_mlp_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str, str]) -> None:
+    """(W_F1, W_F2), paper Eqs. (7)-(8): with order pattern `plane` of fc1's output set to zero, fc2's input columns
+    of the same numbers must be the same in every row (token): act(0) through an elementwise activation (and any
     per-channel map: a depthwise conv, a per-channel scale). A norm over the hidden channels, a Linear or a channel
-    permutation between them makes some of those columns vary with the token: W_F2 M W_F1 is then not the product
-    of the pair. Judged where some product read two or more rows."""
+    permutation between them makes some of those columns vary with the token in some pattern: W_F2 M W_F1 is then
+    not the product of the pair. Judged where some product read two or more rows."""
     up = p.upstream_name.removesuffix(".weight")
     rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {up}" if p.upstream_rows else f"the rows of {up}"
     width = len(mode.nonzero[k]) if k in mode.nonzero else 0
-    start = _start_order(p, k, mode, block_types, width, up, rows)
+    start = _start_order(p, k, mode, plane, block_types, width, up, rows)
     if start is None or mode.rows_seen.get(k, 0) < 2:
         return
     chosen, where, fix, out = start

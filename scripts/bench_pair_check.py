@@ -2,7 +2,7 @@
 
 `find_pairs(model)` (and so `ColinearityDecay(model)`) checks its pairs by one forward on the `meta` device
 (cd/verify.py) and real forwards of one sample (cd/values.py): for a fused qkv one with V's rows set to zero, and
-for every V -> proj pair one with some of V's channels set to zero. This prints the median time of each part on
+one per bit of the widest pair's channel index with some channels of every pair set to zero. This prints the median time of each part on
 random weights, beside one plain forward of the same one-sample input, so that the real check's cost reads as a
 number of forwards.
 

@@ -576,8 +576,9 @@ def test_a_part_that_cannot_say_its_input_size_is_checked_on_a_224px_image_batch
     hook = ColinearityDecayHook(lam=LAM, module="")
     hook.before_train(runner)
     hook.after_train(runner)
-    # one forward on meta, two real for the V rows of the fused qkv and their order (cd/values.py): all of that batch
-    assert net.seen == [((1, 3, 224, 224), torch.float64)] * 3 and len(hook.decay.pairs) == 4
+    # one forward on meta, and real ones (cd/values.py): one for the V rows of the fused qkv, one per bit of the
+    # widest pair's channel index (fc1's 4 * DIM = 128 outputs: 7 bits); all of that batch
+    assert net.seen == [((1, 3, 224, 224), torch.float64)] * (1 + 1 + 7) and len(hook.decay.pairs) == 4
 
 
 def test_a_budget_that_is_not_true_or_false_is_refused_and_the_weight_decay_left_alone():

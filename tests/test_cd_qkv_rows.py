@@ -399,14 +399,14 @@ class _Recorder(nn.Module):
         return x
 
 
-def test_the_check_runs_two_forwards_of_one_sample_in_eval_mode_and_leaves_training_on():
-    # a real example of 4 samples: the check's two real forwards (V whole, then V's order channels) see its first
-    # sample, with training off
+def test_the_check_runs_its_forwards_on_one_sample_in_eval_mode_and_leaves_training_on():
+    # a real example of 4 samples: the check's real forwards (V whole, then one per bit of the widest pair's channel
+    # index: fc1's 2 * D = 24 outputs, 5 bits) see its first sample, with training off
     torch.manual_seed(0)
     model = _Net("thirds").train()
     model.embed = nn.Sequential(_Recorder(), model.embed)
     assert len(find_pairs(model, example_input=torch.randn(4, TOKENS, 3))) == 8
-    assert model.embed[0].seen == [(False, 1)] * 2
+    assert model.embed[0].seen == [(False, 1)] * (1 + 5)
     assert model.training and model.embed[0].training
 
 
