@@ -12,7 +12,9 @@ zero, and proj's input must be exactly zero. Softmax attention (with masks, wind
 sinks, CaiT's talking heads, which mix the heads' attention maps, not V) mixes V with weights computed from Q and K,
 so its output is linear in V and zero V gives zero. A fused qkv laid out per head ([q_h k_h v_h] interleaved, as
 GPT-NeoX and Bloom) or in another order (k, v, q) has rows of Q or K there and V elsewhere: proj's input is not zero
-and the pair is refused.
+and the pair is refused. So is an attention whose proj reads more than V (MViTv2's residual pooling adds q to the
+attention's output; a norm with a bias on V maps zero to its bias): one forward cannot tell this from a layout, and
+the refusal names both causes.
 
 In which order (every proj pair, of a fused qkv or of a separate v): the model runs once more for each bit b of
 V's channel index (ceil(log2 width) forwards, `order_patterns`), with only the channels of V whose bit b is set set
@@ -428,20 +430,28 @@ def _judge_rows(p, k: int, mode: _ZeroV, block_types: dict[str, str]) -> None:
     """With the claimed V rows of a fused qkv set to zero, proj's input must be zero."""
     where = f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD"
     qkv, out = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+    rows = f"rows {p.upstream_rows[0]}:{p.upstream_rows[1]}"
     fix = (f"CD expects the rows of a fused qkv as [Q; K; V] in equal thirds (timm's layout). Give the attention "
            "separate q, k, v Linear layers (attn.q, attn.k, attn.v), or order qkv's rows [Q; K; V], or pass "
-           f"verify=False to pair {out} with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} unchecked")
+           f"verify=False to pair {out} with {rows} unchecked")
     _unread(p, k, mode, f"which rows of {qkv} are V", fix, where)
     if not mode.finite[k]:
         raise UnsupportedModelError(
-            f"cannot check which rows of {qkv} are V: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of its "
+            f"cannot check which rows of {qkv} are V: with {rows} of its "
             f"output set to zero, the input of {out} has no finite value (NaN or inf: every query row masked?). "
             "Pass example_input= with the masks of a real batch, or verify=False to trust the structure alone")
     if bool(mode.nonzero[k].any()):
+        # what was measured has two causes the check cannot tell apart (MViTv2 splits qkv as [Q; K; V] and adds
+        # q after the attention): the message names both, and asserts neither
         raise UnsupportedModelError(
-            f"{where}: with rows {p.upstream_rows[0]}:{p.upstream_rows[1]} of {qkv}'s output set to zero, the "
-            f"input of {out} is not zero, so those rows are not (all of) V: the fused qkv is laid out otherwise "
-            f"(per head [q_h k_h v_h], as GPT-NeoX and Bloom, or in another order). {fix}")
+            f"{where}: with {rows} of {qkv}'s output set to zero, the input of {out} is not zero: something other "
+            f"than V reaches {out} (a term added after the attention, as MViTv2's residual pooling x + q; a norm "
+            f"with a bias, or a pool, on V), or {qkv} is laid out otherwise than [Q; K; V] in equal thirds (per "
+            f"head [q_h k_h v_h], as GPT-NeoX and Bloom, or in another order). CD decays W_O W_V, the product of "
+            f"{out} with V's rows, which is {out}'s path only where its input is V mixed by attention alone (paper "
+            f"Sec. 3.2). If the layout is the cause, order qkv's rows [Q; K; V] or give the attention separate q, "
+            f"k, v Linear layers (attn.q, attn.k, attn.v); otherwise pass verify=False to pair {out} with {rows} "
+            f"unchecked (beyond the paper: CD then decays that product although {out} reads more than V)")
 
 
 def _few(columns: Sequence[int]) -> str:
