@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.startup_signals import record_sigterm
 
@@ -225,6 +225,7 @@ class Run:
     ema: Optional[ModelEmaV3]
     decay: Optional[ColinearityDecay]
     tweo: Optional[TWEO]
+    pair_energies: Callable[[], dict]  # cd/pair_energy/<role>: CD's metrics, or a baseline's pair_energy_source
     position: dict  # what engine.resume.epoch_position needs besides the batches consumed
     state: TrainState = dataclasses.field(default_factory=TrainState)
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
@@ -342,6 +343,9 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     if decay is not None:
         decay.attach(optimizer)
         log.info("%r", decay)
+    # a baseline finds its pairs here too: a cd.gated_mlp it would not read is refused before the run's files
+    pair_energies = (decay.metrics if decay is not None
+                     else as_config_error("cd", pair_energy_source, model, cfg.cd.gated_mlp))
     tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=total_steps)
             if cfg.tweo.enabled else None)
     position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
@@ -350,7 +354,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     run = Run(cfg=cfg, dist=dist, task=task, model=model, loaders=loaders, accum_steps=accum_steps,
               updates_per_epoch=updates_per_epoch, epochs=epochs, total_steps=total_steps,
               per_step_schedule=per_step, optimizer=optimizer, scheduler=scheduler,
-              scaler=grad_scaler(cfg.train.amp, device), ema=ema, decay=decay, tweo=tweo, position=position)
+              scaler=grad_scaler(cfg.train.amp, device), ema=ema, decay=decay, tweo=tweo,
+              pair_energies=pair_energies, position=position)
     run.best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
                               key=task.score_key, higher_is_better=task.higher_is_better)
@@ -520,7 +525,7 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
                                          batch_size=cfg.train.batch_size))
 
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    metric_sources = [decay.metrics if decay is not None else pair_energy_source(run.model, cfg.cd.gated_mlp)]
+    metric_sources = [run.pair_energies]
     if tweo is not None:
         # every rank's micro-batches of the window, as train/loss (the loop calls its sources on every rank)
         metric_sources.append(lambda: tweo.metrics(sum_fn=all_reduce))

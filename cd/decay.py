@@ -166,7 +166,8 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
 
     A model CD does not support (no pairs, e.g. a ConvNeXt, or a refused block such as Swin V2's) trains
     without CD all the same: its source logs nothing, with one warning saying why. A model whose parameters are on
-    the meta device (no values to measure) is a ValueError here (`refuse_meta`). A source whose model's
+    the meta device (no values to measure) is a ValueError here (`refuse_meta`), and so is gated_mlp=True on a
+    model without a gated MLP (`find_pairs`: the switch would change no pair). A source whose model's
     parameters were replaced since (made before fully_shard, load_state_dict(assign=True)) raises a ValueError when
     called, rather than log the old tensors' energies.
     """

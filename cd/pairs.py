@@ -448,14 +448,22 @@ def _attention_pairs(b: _Block) -> list[Pair]:
     raise b.refuse_missing(" or ".join(looked), f"{' or '.join(forms)} before {lay.proj}")
 
 
+def _has_gated_mlp(b: _Block) -> bool:
+    """Whether the block's MLP is gated: the layout's gate layer is there, or fc1 is twice as wide as fc2's input (the
+    packed [W_gate; W_up] of timm's GluMlp)."""
+    lay = b.lay
+    fc1, fc2 = b.matrix(lay.fc1), b.matrix(lay.fc2)
+    return _module(b.module, lay.gate) is not None or (
+        fc1 is not None and fc2 is not None and b.width(lay.fc1, 0) == 2 * b.width(lay.fc2, 1))
+
+
 def _mlp_pairs(b: _Block, gated_mlp: bool) -> list[Pair]:
     """fc1 and fc2 pairs of a plain MLP fc2(act(fc1(x))); gated MLPs with `gated_mlp` (`_gated_pairs`)."""
     lay = b.lay
     mlp = b.part(lay.fc2)
     b.refuse_inner_norm(lay.fc2, "fc1 -> fc2")
     fc1, fc2 = b.matrix(lay.fc1), b.matrix(lay.fc2)
-    gated = _module(b.module, lay.gate) is not None or (
-        fc1 is not None and fc2 is not None and b.width(lay.fc1, 0) == 2 * b.width(lay.fc2, 1))
+    gated = _has_gated_mlp(b)
     if gated and gated_mlp:
         return _gated_pairs(b)
     if gated:
@@ -503,15 +511,18 @@ def _gated_pairs(b: _Block) -> list[Pair]:
 
 
 def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool,
-             layouts: tuple[Layout, ...]) -> None:
+             layouts: tuple[Layout, ...]) -> bool:
     """Append the pairs of every block (of a layout of `layouts`) and patch-merging layer of `root`, in model order
-    (into `pairs`, so that the caller sees those found before a refusal); `types`: block name -> class name."""
+    (into `pairs`, so that the caller sees those found before a refusal); `types`: block name -> class name.
+    Returns whether a block has a gated MLP."""
+    gated = False
     for name, module in _outermost(root, lambda m: layout_of(m, layouts) is not None or _is_patch_merging(m)):
         types[name] = type(module).__name__
         layout = layout_of(module, layouts)
         if layout is not None:
             block = _Block(name, module, layout)
             pairs += _attention_pairs(block) + _mlp_pairs(block, gated_mlp)
+            gated = gated or _has_gated_mlp(block)
         elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
                 module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
             raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
@@ -519,6 +530,7 @@ def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_ml
         else:
             # patch merging is found by its own names (norm, reduction) whatever the layouts
             pairs.append(_Block(name, module, LAYOUTS[0]).composable("norm", "reduction", "reduction"))
+    return gated
 
 
 def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
@@ -573,7 +585,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             columns of the same numbers (`cd.values`: weights, buffers, training flags and random streams
             untouched; skipped for a model on the `meta` device).
         gated_mlp: pair gated MLPs (SwiGLU) as `_gated_pairs` defines (beyond the paper); otherwise
-            they are refused.
+            they are refused. A model without one refuses it: it would pair nothing more.
         layouts: the block layouts tried, in order, and no others (`cd.layouts`): default `LAYOUTS`, the built-in
             ones; a model with names of its own gives its own `Layout`s (add `*LAYOUTS` to try those too).
             Patch-merging layers (`norm`, `reduction`) are found whatever the layouts.
@@ -585,7 +597,8 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     Raises:
         TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
         ValueError: `example_input` given with verify=False (`check_example_use`); `verify` or `gated_mlp` is not a
-            bool (`check_switches`).
+            bool (`check_switches`); gated_mlp=True on a model none of whose blocks has a gated MLP (the switch
+            would change no pair).
         UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
@@ -602,7 +615,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     pairs: list[Pair] = []
     types: dict[str, str] = {}
     try:
-        _collect(root, pairs, types, gated_mlp, layouts)
+        gated = _collect(root, pairs, types, gated_mlp, layouts)
     except UnsupportedModelError as refusal:
         if verify and pairs:  # report the first block in model order whose pairs the forward contradicts
             try:
@@ -613,6 +626,9 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         raise refusal
     if not pairs:
         raise UnsupportedModelError(_no_pair_message(root, layouts))
+    if gated_mlp and not gated:  # a plain ValueError: pair_energy_source warns on UnsupportedModelError and goes on
+        raise ValueError(f"gated_mlp=True (cd.gated_mlp=true): {type(root).__name__} has no gated MLP "
+                         "(W_down (act(W_gate x) * W_up x), such as SwiGLU), so the switch adds no pair; drop it")
     refuse_shared(pairs, types)
     refuse_split_devices(pairs, types)
     if verify:
