@@ -682,11 +682,11 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 
 def as_config_error(section: str, build, *args, **kwargs):
     """Call `build`; a ValueError about its settings becomes a ConfigError naming the config section (once:
-    the cd package's own messages begin with "cd ")."""
+    the cd package's own messages begin with "cd ", and one that names a key of the section, "cd.lam=", names it)."""
     try:
         return build(*args, **kwargs)
     except ValueError as e:
-        raise ConfigError(str(e) if str(e).startswith(f"{section} ") else f"{section}: {e}") from e
+        raise ConfigError(str(e) if str(e).startswith((f"{section} ", f"{section}.")) else f"{section}: {e}") from e
 
 
 def reached(step: int, max_steps: int | None) -> bool:

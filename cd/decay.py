@@ -34,7 +34,7 @@ from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_o
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
-DEFAULT_LOSS_COEF, DEFAULT_MATMUL_PRECISION = 0.01, "auto"
+DEFAULT_LAM, DEFAULT_LOSS_COEF, DEFAULT_MATMUL_PRECISION = 0.005, 0.01, "auto"
 # optimizer -> the objects whose CD update runs in its step (`ColinearityDecay.attach`, the integrations'
 # `OptimizerBinding`), weakly held both ways: a matrix that two of them decay would be decayed twice per step
 _HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet]" = weakref.WeakKeyDictionary()
@@ -311,7 +311,7 @@ class ColinearityDecay:
     def __init__(
         self,
         model: nn.Module,
-        lam: float = 0.005,
+        lam: float = DEFAULT_LAM,
         lam_per_role: Optional[Mapping[str, float]] = None,
         targets: str = "A+B",
         mode: str = "decoupled",
@@ -392,10 +392,27 @@ class ColinearityDecay:
     @classmethod
     def from_config(cls, cfg_cd: Any, model: nn.Module, norms_every: int = 1) -> "ColinearityDecay":
         """Build from a `CDConfig` (lam, lam_per_role, targets, mode, loss_coef, matmul_precision, gated_mlp).
-        `enabled` and `budget` are the trainer's switches (see `budget_weight_decay`), not read here."""
-        return cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
-                   mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef, matmul_precision=cfg_cd.matmul_precision,
-                   norms_every=norms_every, gated_mlp=cfg_cd.gated_mlp)
+        `enabled` and `budget` are the trainer's switches (see `budget_weight_decay`); `budget` is read here only
+        to tell whether anything reads cd.lam: a cd.lam other than its default that neither the budget rule nor a
+        pair reads (cd.lam_per_role gives every decayed role its own strength) is refused, naming it."""
+        decay = cls(model, lam=cfg_cd.lam, lam_per_role=cfg_cd.lam_per_role, targets=cfg_cd.targets,
+                    mode=cfg_cd.mode, loss_coef=cfg_cd.loss_coef, matmul_precision=cfg_cd.matmul_precision,
+                    norms_every=norms_every, gated_mlp=cfg_cd.gated_mlp)
+        if not cfg_cd.budget and not decay.reads_lam and cfg_cd.lam != DEFAULT_LAM:
+            # the config path alone: a library caller may pass its lam on to budget_weight_decay itself
+            roles = sorted({p.role for p in decay.pairs}, key=ROLES.index)
+            raise ValueError(f"cd.lam={cfg_cd.lam} would be ignored: cd.lam_per_role gives every role this model's "
+                             f"CD decays ({', '.join(roles)}) its own strength, and with cd.budget=false the weight "
+                             f"decay does not read it either; drop cd.lam (or give it its default {DEFAULT_LAM}), or "
+                             f"drop a role's cd.lam_per_role entry to give that role cd.lam")
+        return decay
+
+    @property
+    def reads_lam(self) -> bool:
+        """Whether `lam` acts on the run: some decayed pair's role has no `lam_per_role` entry and falls back to it.
+        In loss mode too: there the strengths weigh the penalty relative to `lam`, and a factor common to every
+        weight cancels in its alignment to the task loss."""
+        return any(p.role not in self.lam_per_role for p in self.pairs)
 
     # ----------------------------------------------------------------------------------- decoupled update
     def apply(self, lr: Union[float, Tensor]) -> None:
