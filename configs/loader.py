@@ -11,8 +11,9 @@ YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwarg
 any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what
 earlier layers put there, as a section's keys do, and null empties it. A key that the resolved config would not
 read is refused (`READ_ONLY_WHEN`: data.root while data.dataset is digits or synthetic, cd.* while cd.enabled is false,
-optim.lr_base while optim.lr is set, data.mixup_prob while mixup and cutmix are both 0, sched.warmup_lr without a
-warmup, log.wandb_* while log.wandb is false, ...): every override (unless the overrides switch its section off
+optim.lr_base while optim.lr is set, data.mixup_prob while mixup and cutmix are both 0, data.mixup while
+data.mixup_prob is 0, sched.warmup_lr or sched.warmup_prefix without a warmup, log.wandb_* while log.wandb is false,
+...): every override (unless the overrides switch its section off
 themselves: cd.enabled=false beside cd.lam, a sweep's baseline), and every value a file changes where the
 deciding key comes from what the file is layered over (a layer of image settings over an LM recipe's
 data.dataset=kjv); a deciding key set by the same file or a later layer makes the file's key moot on purpose.
@@ -319,6 +320,12 @@ MIXUP_ON = When(("data.mixup", "data.cutmix"), lambda mixup, cutmix: mixup > 0 o
                 "data.mixup or data.cutmix is above 0 (a Mixup is built)")
 MIXUP_AND_CUTMIX = When(("data.mixup", "data.cutmix"), lambda mixup, cutmix: mixup > 0 and cutmix > 0,
                         "data.mixup and data.cutmix are both above 0 (the Mixup switches between them)")
+# timm's Mixup at data.mixup_prob 0 mixes no batch: its lam stays 1, so the alphas change no image and no target;
+# mixup and cutmix both 0 still say that no Mixup is built (the plain label-smoothing loss, any batch size)
+MIXUP_DRAWN = When(("data.mixup_prob", "data.mixup", "data.cutmix"),
+                   lambda prob, mixup, cutmix: prob > 0 or (mixup <= 0 and cutmix <= 0),
+                   "data.mixup_prob is above 0 (a batch is mixed) or data.mixup and data.cutmix are both 0 (no Mixup "
+                   "is built)", "drop it, or give data.mixup_prob above 0 (at 0 no batch is mixed)")
 # engine/optim.py: a warmup from warmup_lr of sched.warmup_steps updates (with sched.steps) or warmup_epochs
 WARMUP = When(("sched.steps", "sched.warmup_steps", "sched.warmup_epochs"),
               lambda steps, warmup_steps, warmup_epochs: (warmup_steps if steps is not None else warmup_epochs) > 0,
@@ -391,9 +398,12 @@ READ_ONLY_WHEN = [
     # likewise: a classifier's are train-split images, which on synthetic data are the same under both transforms)
     (("quant.calib_transform", "quant.gplq.stage2_train_transform"), "data.dataset", ("folder", "digits")),
     (("data.kjv_val_fraction",), "data.dataset", ("kjv",)),
-    (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.crop_mode", "data.scale",
+    (("data.mean", "data.std", "data.interpolation", "data.crop_pct", "data.scale",
       "data.ratio", "data.hflip", "data.auto_augment", "data.color_jitter", "data.reprob", "data.remode",
       "data.recount"), "data.dataset", ("folder", "digits")),  # image transforms: synthetic images get none
+    # timm's eval crop modes differ only on an image that is not square: every digits image is (digits_img_size on
+    # each side), so center, squash and border give the same pixels
+    (("data.crop_mode",), "data.dataset", ("folder",)),
     (("data.repeated_aug", "data.mixup", "data.cutmix", "data.mixup_prob", "data.mixup_switch_prob",
       "data.mixup_mode", "data.label_smoothing"), "data.dataset",
      ("folder", "digits", "synthetic")),  # sampling and targets of images: a language model reads none of them
@@ -416,7 +426,10 @@ READ_ONLY_WHEN = [
     (("log.wandb_project", "log.wandb_mode"), "log.wandb", (True,)),
     (("data.mixup_prob", "data.mixup_mode"), MIXUP_ON, None),
     (("data.mixup_switch_prob",), MIXUP_AND_CUTMIX, None),
-    (("sched.warmup_lr",), WARMUP, None),
+    (("data.mixup", "data.cutmix"), MIXUP_DRAWN, None),
+    (("data.mixup_switch_prob", "data.mixup_mode"), "data.mixup_prob", (NONZERO,)),  # no batch mixed: lam stays 1
+    # engine/optim.py: warmup_prefix puts the cosine after warmup_epochs, which moves nothing at 0
+    (("sched.warmup_lr", "sched.warmup_prefix"), WARMUP, None),
     (FIRST_LAST_KEYS, "quant.first_last", ("official",)),
     (("quant.aphq.temperature", "quant.aphq.hessian_probe", "quant.aphq.hessian_eps"), APH_COMPUTED, None),
     # quant.aphq.iters=0 is calibration only: no block reconstruction, nothing captured for it
