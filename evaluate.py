@@ -621,16 +621,19 @@ def resolve_config(args: argparse.Namespace):
                           f"no data, aphq and gplq on an image classifier draw their own training images: "
                           f"quant.aphq.calib_images, quant.aphq.data_seed, quant.gplq.init_images, quant.gplq.seed); "
                           f"drop it")
-    # the training split's name is read by the pipelines that draw from it only: another one given to an
-    # evaluation that draws nothing (rtn, or no pipeline) would be ignored, even one that does not exist; the
-    # checkpoint's own value (a sweep passes a run's data overrides on) changes nothing
-    recorded = (payload["config"].get("data") or {}).get("train_split", "train") if payload else None
+    # the training split's name, and the size of the synthetic one, are read by the pipelines that draw from it
+    # only: another one given to an evaluation that draws nothing (rtn, or no pipeline) would be ignored, even a
+    # split that does not exist; the checkpoint's own value (a sweep passes a run's data overrides on) changes nothing
+    recorded = (payload["config"].get("data") or {}) if payload else None
     drawing = [p for p in cfg.quant.pipelines
                if reads_calibration_batch(p, task.language) or PIPELINES[p].draws_training_images]
-    if "data.train_split" in given and cfg.data.train_split != recorded and not drawing:
-        raise ConfigError(f"data.train_split={cfg.data.train_split} would be ignored: no pipeline of this evaluation "
-                          f"reads the training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn "
-                          f"reads no data); drop it")
+    for name in ("train_split", "synthetic_train_size"):
+        value = getattr(cfg.data, name)
+        if (f"data.{name}" in given and not drawing
+                and (recorded is None or value != recorded.get(name, getattr(DataConfig(), name)))):
+            raise ConfigError(f"data.{name}={value} would be ignored: no pipeline of this evaluation reads the "
+                              f"training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no "
+                              f"data); drop it")
     train_split = split_location(cfg.data, "train")
     if drawing and train_split is not None and train_split == split_location(cfg.data, "val"):
         seen = "text" if task.language else "images"
