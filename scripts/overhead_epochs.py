@@ -21,7 +21,9 @@ earlier jobs too: a run folder is reused only under a launcher of as many proces
 (runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher; without that record,
 as many as every job in the folder's train.log states) and with the settings its config.yaml holds; any other is
 refused before the first run starts. A run that train.py refuses or
-that fails ends the protocol with train.py's error. Writes epochs.json and epochs.png.
+that fails ends the protocol with train.py's error; one stopped by a signal after its checkpoint (train.py's exit
+75, or a launcher's other code where the run's train.log records the stop: torchrun exits 1) ends it with exit 75,
+and the same command continues it. Writes epochs.json and epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -44,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from launchers import launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
@@ -84,25 +87,6 @@ def train_command(args, method: str, model: str, batch: int, run: int, out_dir: 
     prefix = launcher_prefix(args.launcher)
     configs, overrides = run_config(args, method, model, batch, run, out_dir)
     return prefix + [os.path.join(ROOT, "train.py"), *[a for c in configs for a in ("--config", c)], *overrides]
-
-
-def launcher_world_size(launcher: str) -> Optional[int]:
-    """Processes a torchrun launcher starts (--nnodes x --nproc_per_node); 1 without one; None when the
-    launcher does not say (e.g. srun: the job's allocation decides)."""
-    if not launcher:
-        return 1
-    words = shlex.split(launcher)
-    if not words or os.path.basename(words[0]) != "torchrun":
-        return None
-    sizes = {"nproc_per_node": 1, "nnodes": 1}
-    for i, word in enumerate(words):
-        name, eq, value = word.lstrip("-").replace("-", "_").partition("=")
-        if name in sizes:
-            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-            if not value.isdigit():  # auto, gpu, 1:4 (elastic): not a number known here
-                return None
-            sizes[name] = int(value)
-    return sizes["nproc_per_node"] * sizes["nnodes"]
 
 
 def check_plan(args, plan: list) -> None:
@@ -154,17 +138,18 @@ def check_run_folders(args, plan: list) -> None:
                 sys.exit(f"error: {problem}")
 
 
-def failed_run_line(out_dir: str, returncode: int) -> tuple[int, str]:
+def failed_run_line(out_dir: str, returncode: int, stopped: bool = False) -> tuple[int, str]:
     """(exit status, the line to end with) when train.py did not finish the run in `out_dir`. Its own error line is
     above when it exited 1 (a refusal at its start, or an error while it trained): this line only says which run,
     and claims no resume (the same command may be refused again). Stopped by a signal after its checkpoint
-    (EXIT_PREEMPTED), or killed, it printed none: the line is the error, and the same command continues the run."""
+    (EXIT_PREEMPTED, or `stopped`: its train.log says so where the launcher reports another code, as torchrun's 1),
+    or killed, it printed none: the line is the error, and the same command continues the run."""
     from engine.exit_codes import EXIT_PREEMPTED
     from sweep import shell_status  # scripts/: this folder, as this script or bench_overhead.py runs it
     code, killed = shell_status(returncode)
-    if code == EXIT_PREEMPTED:
-        return code, (f"error: the run in {out_dir} stopped on a signal after writing its checkpoint.pt; re-running "
-                      f"the same command continues it")
+    if code == EXIT_PREEMPTED or stopped:
+        return EXIT_PREEMPTED, (f"error: the run in {out_dir} stopped on a signal after writing its checkpoint.pt; "
+                                f"re-running the same command continues it")
     if killed:
         return code, (f"error: the run in {out_dir} was{killed[1:]}; re-running the same command continues it from "
                       f"its last checkpoint.pt (from its start if it wrote none)")
@@ -268,9 +253,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 cmd = train_command(args, method, model, batch, run, out_dir)
                 print(shlex.join(cmd), flush=True)
                 write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
+                log = os.path.join(ROOT, out_dir, "train.log")  # (the command runs in ROOT)
+                mark = log_mark(log)
                 returncode = subprocess.run(cmd, cwd=ROOT).returncode
                 if returncode != 0:
-                    code, line = failed_run_line(out_dir, returncode)
+                    code, line = failed_run_line(out_dir, returncode, stopped_on_signal(log, mark))
                     print(line, file=sys.stderr, flush=True)
                     sys.exit(code)
                 runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))

@@ -53,7 +53,7 @@ def recorded_launcher(out_dir: str) -> Optional[str]:
 
 def same_processes(recorded: str, launcher: str, world_size) -> bool:
     """Whether `launcher` trains as the `recorded` one did: by their numbers of processes (`world_size`:
-    overhead_epochs.launcher_world_size) where both launchers state theirs, else (srun: the allocation decides) only
+    launchers.launcher_world_size) where both launchers state theirs, else (srun: the allocation decides) only
     when the launcher is the same one."""
     then, now = world_size(recorded), world_size(launcher)
     if then is not None and now is not None:

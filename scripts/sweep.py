@@ -31,8 +31,10 @@ the sweep is started from.
 With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
 at train.max_steps before its schedule ended (the update it reached and its schedule's length, read from its
 checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was asked for), stopped
-(train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint, or the sweep itself got SIGTERM /
-SIGINT: not evaluated, and no later run starts), failed, or not started. The sweep exits 0 only when every
+(train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint; or its launcher exited otherwise, as
+torchrun exits 1 when its processes exit 75, and the lines this command added to the run's train.log record the
+stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; or the sweep itself got SIGTERM / SIGINT: not
+evaluated, and no later run starts), failed, or not started. The sweep exits 0 only when every
 run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be requeued: it
 continues each unfinished run
 (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
@@ -67,6 +69,7 @@ from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KE
                             unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
+from launchers import log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
 # here would import torch and the pipelines (seconds) before --help or the printed commands
@@ -483,9 +486,13 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         if i == 1:  # the evaluation of best.pt
             move_stale_result(cmd[cmd.index("--out") + 1], cmd[cmd.index("--checkpoint") + 1])
         console_print(shlex.join(cmd))  # a reader that has gone (`| head`) stops no run (engine/console.py)
+        # a launcher may not pass the command's EXIT_PREEMPTED on (torchrun exits 1 when its processes exit 75):
+        # the command's own log, as far as this command wrote it, says whether a stop request ended it
+        log = os.path.join(ROOT, out_dir_of(run), "train.log" if i == 0 else "eval.log")
+        mark = log_mark(log)
         code, killed = shell_status(signals.run(cmd))
         step = "training" if i == 0 else "evaluation"
-        if code == EXIT_PREEMPTED or (code and signals.received):
+        if code == EXIT_PREEMPTED or (code and (signals.received or stopped_on_signal(log, mark))):
             print(f"sweep: run '{run['name']}' stopped during {step}; run the same command again to continue",
                   file=sys.stderr, flush=True)
             return EXIT_PREEMPTED, f"stopped during {step} (resumable)"

@@ -1,0 +1,74 @@
+"""What the scripts that start train.py and evaluate.py commands (sweep.py, overhead_epochs.py) know of a launcher:
+how many processes it starts, and whether a command it ran stopped on a stop request.
+
+A command stopped by SIGTERM / SIGINT writes its checkpoint and exits with EXIT_PREEMPTED (75), and the same command
+resumes it. A launcher does not pass that code on: torchrun reports a worker's 75 as a failure and exits 1. What the
+command itself records says it: the line its job log ends with (`log_mark` before the command starts,
+`stopped_on_signal` after it ends; only lines written in between count, so an earlier job's stop is not taken for
+this one's). Imports nothing heavy: sweep.py expands a sweep without torch.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from typing import Optional
+
+from engine.exit_codes import EXIT_PREEMPTED
+
+# The lines a job logs when a stop request ended it (after setup_logging's "time logger level" prefix): train.py's
+# run summary (train.run_summary of a run that ended "preempted", after its checkpoint.pt was written, or after a
+# validation the stop ended), and GPLQ stage 1's under evaluate.py (engine.preemption.preempted_line, after its
+# stage-1 checkpoint was written).
+STOPPED_LINES = {
+    "train.log": re.compile(r"^\S+ \S+ INFO run summary: stopped by a signal \(resumable\) at update \d+"),
+    "eval.log": re.compile(r"^\S+ \S+ INFO GPLQ stage 1 preempted at update \d+; .+ saved, re-run the same command "
+                           rf"to resume \(exit code {EXIT_PREEMPTED}\)$"),
+}
+
+
+def launcher_world_size(launcher: str) -> Optional[int]:
+    """Processes a torchrun launcher starts (--nnodes x --nproc_per_node); 1 without one; None when the
+    launcher does not say (e.g. srun: the job's allocation decides)."""
+    if not launcher:
+        return 1
+    words = shlex.split(launcher)
+    if not words or os.path.basename(words[0]) != "torchrun":
+        return None
+    sizes = {"nproc_per_node": 1, "nnodes": 1}
+    for i, word in enumerate(words):
+        name, eq, value = word.lstrip("-").replace("-", "_").partition("=")
+        if name in sizes:
+            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
+            if not value.isdigit():  # auto, gpu, 1:4 (elastic): not a number known here
+                return None
+            sizes[name] = int(value)
+    return sizes["nproc_per_node"] * sizes["nnodes"]
+
+
+def log_mark(log_path: str) -> Optional[tuple[int, int, int]]:
+    """Where the log `log_path` (a run's train.log, an evaluation's eval.log) ends before a command starts: (device,
+    inode, size), or None while there is none."""
+    try:
+        st = os.stat(log_path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def stopped_on_signal(log_path: str, mark: Optional[tuple[int, int, int]]) -> bool:
+    """Whether the lines written to `log_path` since `mark` (`log_mark` before the command started) say that a stop
+    request ended the job, its checkpoint written: the same command resumes it, whatever exit code the launcher
+    gave. A log that is another file than the marked one (the run moved the earlier logs to archive/, or made the
+    first) is read whole; an appended one only past the mark."""
+    pattern = STOPPED_LINES[os.path.basename(log_path)]
+    try:
+        with open(log_path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if mark is not None and (st.st_dev, st.st_ino) == mark[:2] and st.st_size >= mark[2]:
+                f.seek(mark[2])
+            # train.py writes UTF-8 (backslashreplace); a damaged byte elsewhere must not hide the line
+            written = f.read().decode("utf-8", errors="replace")
+    except OSError:  # no log: the command ended before it opened one
+        return False
+    return any(pattern.match(line) for line in written.splitlines())
