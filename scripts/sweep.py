@@ -1,5 +1,6 @@
 r"""Config-driven ablation sweeps: expand a sweep file into train (and evaluate) commands, check every run's
-config before anything starts, then print the commands or run them one after another.
+config (with --only, every run it keeps) before anything starts, then print the commands or run them one after
+another.
 
     python scripts/sweep.py configs/sweeps/cd_lambda.yaml data.root=/datasets/imagenet          # print
     python scripts/sweep.py configs/sweeps/cd_lambda.yaml --run --evaluate \
@@ -77,7 +78,8 @@ EVAL_AMP_CHOICES = ("none", "fp16", "bf16")
 
 
 def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None) -> list[dict]:
-    """One dict per run: name, config files, overrides (out_dir included), all checked by the loader."""
+    """One dict per run: name, config files, overrides (out_dir included), each run that `only` keeps (all
+    without it) checked by the loader."""
     sweep = read_yaml_file(sweep_path)
     unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
@@ -111,11 +113,13 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
     layer_keys = run_layer_keys({name: configs for name, (configs, _) in split.items()}, base)
     runs = []
     for name, (configs, own_items) in split.items():
+        # runs that --only leaves out do not run: their settings are not checked (their folders are, below: a
+        # kept run must not share one)
+        kept = only is None or str(name) in only
         # what the run sets itself: its key=value items, and what its own config files set differently from
         # other runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
         own = {**layer_keys[name], **{k: i for i in own_items for k in keys_of([i])}}
-        # (runs that --only leaves out do not run: what an override would replace in them does not matter)
-        replaced = [o for o in extra_overrides if sets_any(o, set(own))] if only is None or str(name) in only else []
+        replaced = [o for o in extra_overrides if sets_any(o, set(own))] if kept else []
         if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run, and
             # model.name=gpt2 would train the gpt2_medium runs as GPT-2 Small under their names
             where = set_by(own, replaced)
@@ -127,34 +131,35 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         # evaluate.py takes the sweep's 'evaluate' list last: quant.pipelines=[repq,aphq] given here would
         # be evaluated with the list's quant.pipelines=[repq] without a word
         given = {**own, **{k: o for o in extra_overrides for k in keys_of([o])}}
-        replaced = set_by(given, eval_overrides)
+        replaced = set_by(given, eval_overrides) if kept else []
         if replaced:
             theirs = [e for e in eval_overrides if set_by(given, [e])]
             raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would be replaced in its evaluation by "
                               f"the sweep's evaluate list ({', '.join(theirs)}); drop it, or edit 'evaluate' in "
                               f"{sweep_path}")
         named = [o for o in overrides if o.split("=", 1)[0].strip() == "out_dir"]
-        placing = file_setting_out_dir(configs)
-        if named or placing:  # the sweep names every run's folder; this one would be replaced without a word
+        placing = file_setting_out_dir(configs) if kept else None
+        if kept and (named or placing):  # the sweep names every run's folder; this one would be replaced silently
             what, where = (named[0], "") if named else (f"{placing[0]}: out_dir={placing[1]}", f" from {placing[0]}")
             raise ConfigError(f"sweep run '{name}': {what} would be ignored: a sweep writes run <name> to "
                               f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it{where} and set "
                               f"out_root in {sweep_path}")
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
-        try:
-            # strict, up front
-            # train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the
-            # 'evaluate' list last: each must pass, or every run ends at its start or at its evaluation
-            for given in (overrides, overrides + eval_overrides):
-                cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
-                if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
-                    from quant.plan import check_quant_plan
-                    check_quant_plan(cfg)
-            check_model(cfg.model)
-            from engine.training_checks import check_training_settings  # torch: not for --help
-            check_training_settings(cfg)
-        except ConfigError as e:
-            raise ConfigError(f"sweep run '{name}': {e}") from e
+        if kept:
+            try:
+                # strict, up front
+                # train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the
+                # 'evaluate' list last: each must pass, or every run ends at its start or at its evaluation
+                for given in (overrides, overrides + eval_overrides):
+                    cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
+                    if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
+                        from quant.plan import check_quant_plan
+                        check_quant_plan(cfg)
+                check_model(cfg.model)
+                from engine.training_checks import check_training_settings  # torch: not for --help
+                check_training_settings(cfg)
+            except ConfigError as e:
+                raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
