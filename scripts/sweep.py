@@ -24,7 +24,9 @@ seed, a dose, or a key its own config files set and other runs set otherwise or 
 gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline) is refused, as is one (here, in a run or in its own
 config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
 (a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep, and so may a key that
-only places work (PLACEMENT_KEYS); with --only, only the runs kept are checked.
+only places work (PLACEMENT_KEYS); with --only, only the runs kept are checked. With --run under a launcher that
+states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M), a run whose train.batch_size does not
+split into them (processes x train.batch_size_per_gpu x accumulation steps, as train.py splits it) is refused too.
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
 the sweep is started from.
@@ -70,16 +72,17 @@ from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KE
                             unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
-from launchers import log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
+from launchers import launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
 # here would import torch and the pipelines (seconds) before --help or the printed commands
 EVAL_AMP_CHOICES = ("none", "fp16", "bf16")
 
 
-def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None) -> list[dict]:
+def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None,
+           world_size: Optional[int] = None) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), each run that `only` keeps (all
-    without it) checked by the loader."""
+    without it) checked by the loader, and with `world_size` against that many processes."""
     sweep = read_yaml_file(sweep_path)
     unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
@@ -147,23 +150,32 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         if kept:
             try:
-                # strict, up front
-                # train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the
-                # 'evaluate' list last: each must pass, or every run ends at its start or at its evaluation
-                for given in (overrides, overrides + eval_overrides):
-                    cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
-                    if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
-                        from quant.plan import check_quant_plan
-                        check_quant_plan(cfg)
-                check_model(cfg.model)
-                from engine.training_checks import check_training_settings  # torch: not for --help
-                check_training_settings(cfg)
+                check_run_config(configs, overrides, eval_overrides, world_size)
             except ConfigError as e:
                 raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],
+                     world_size: Optional[int]) -> None:
+    """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError).
+    train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the 'evaluate' list
+    last: each must pass, or the run ends at its start or at its evaluation. With `world_size` (the processes the
+    launcher starts), the global batch must split into them as train.py splits it (train.accumulation_steps)."""
+    for given in (overrides, overrides + eval_overrides):
+        cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
+        if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
+            from quant.plan import check_quant_plan
+            check_quant_plan(cfg)
+    check_model(cfg.model)
+    from engine.training_checks import check_training_settings  # torch: not for --help
+    check_training_settings(cfg)
+    if world_size is not None:
+        from train import accumulation_steps  # (torch, as check_model)
+        accumulation_steps(cfg, world_size)
 
 
 def check_model(model_cfg) -> None:
@@ -392,7 +404,10 @@ def main(argv=None) -> int:
     if launcher_problem:
         sys.exit(f"error: --launcher {args.launcher!r}: {launcher_problem}")
     try:
-        runs = expand(args.sweep, args.overrides, args.only)
+        # with --run, a batch that does not split into the launcher's processes is refused before the first run
+        # trains, not at the start of its own run after the earlier runs trained
+        world_size = launcher_world_size(args.launcher) if args.run else None
+        runs = expand(args.sweep, args.overrides, args.only, world_size)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if args.only:
