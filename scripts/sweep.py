@@ -62,6 +62,8 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
+import yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import ConfigError, load_config  # noqa: E402
@@ -104,10 +106,10 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
     for name, items in sweep["runs"].items():
         if items is not None and not isinstance(items, list):  # a string would be read letter by letter
             raise ConfigError(f"{sweep_path}: run '{name}' must list its config files and overrides, e.g. "
-                              f"{name}: [{items}], not {type(items).__name__} {items!r}")
+                              f"{name}: [{example_items(items, str(items))}], not {type(items).__name__} {items!r}")
         odd = next((i for i in items or [] if isinstance(i, (list, dict))), None)
         if odd is not None:  # `- optim.lr: 1` (a colon for '=') or a nested list: read as its Python text
-            example = ", ".join(f"{k}={v}" for k, v in odd.items()) if isinstance(odd, dict) else "optim.lr=1e-3"
+            example = example_items(odd, "optim.lr=1e-3") if isinstance(odd, dict) else "optim.lr=1e-3"
             raise ConfigError(f"{sweep_path}: run '{name}' lists {odd!r}, a YAML {type(odd).__name__}; its items "
                               f"are config files (.yaml) and key=value overrides, e.g. {name}: [{example}]")
         items = [str(i) for i in items or []]
@@ -217,14 +219,49 @@ def is_config_key(key: str) -> bool:
     return key in schema_keys()
 
 
+def example_items(value, default: str) -> str:
+    """The items of a sweep-file list that `value` was probably meant as, for an error's example: a mapping's as
+    key=value words (`{optim.lr: 0.001}`: optim.lr=0.001), a list's as its words; `default` for any other value.
+    Each is written as it can stand in a YAML flow list (`[...]`), quoted where it holds a bracket, a comma, ..."""
+    if isinstance(value, dict):
+        words = [f"{k}={v}" for k, v in value.items()]
+    elif isinstance(value, list):
+        words = [str(v) for v in value]
+    else:
+        words = []
+    return ", ".join(map(flow_item, words or [default]))
+
+
+def flow_item(word: str) -> str:
+    """`word` as an item of a YAML flow list that reads back as that string: plain where it does, else quoted
+    (quant.pipelines=[repq] plain would be read as the word quant.pipelines= and a list)."""
+    try:
+        if yaml.safe_load(f"[{word}]") == [word]:
+            return word
+    except yaml.YAMLError:
+        pass
+    return json.dumps(word)  # a JSON string is a YAML double-quoted one
+
+
+# what the items of a sweep file's lists are, with an example of one
+LIST_ITEMS = {"configs": ("config files", "configs/pretrain/vit_b.yaml"),
+              "evaluate": ("key=value overrides", "quant.pipelines=[repq]"),
+              "run_keys": ("config keys", "data.root")}
+
+
 def check_field_types(sweep: dict, sweep_path: str) -> None:
-    """'configs', 'evaluate' and 'run_keys' are lists, run_keys of config keys, and 'out_root' a folder: a string in
-    place of a list would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ... and so
-    nothing), an empty out_root would become the folder 'None'."""
-    for key in ("configs", "evaluate", "run_keys"):
+    """'configs', 'evaluate' and 'run_keys' are lists of strings, run_keys of config keys, and 'out_root' a folder: a
+    string in place of a list would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ...
+    and so nothing), a nested list or a mapping as its Python text (configs: [[a.yaml]] as the file "['a.yaml']"), an
+    empty out_root would become the folder 'None'."""
+    for key, (what, default) in LIST_ITEMS.items():
         if sweep.get(key) is not None and not isinstance(sweep[key], list):  # empty (None): none
             raise ConfigError(f"{sweep_path}: '{key}' must be a list, e.g. {key}: [{sweep[key]}], not "
                               f"{type(sweep[key]).__name__} {sweep[key]!r}")
+        odd = next((i for i in sweep.get(key) or [] if not isinstance(i, str)), None)
+        if odd is not None:
+            raise ConfigError(f"{sweep_path}: '{key}' lists {odd!r}, a YAML {type(odd).__name__}; its items are "
+                              f"{what}, e.g. {key}: [{example_items(odd, default)}]")
     # a key the schema lacks (data.rooot) would guard nothing: data.root=x would train every run on x
     unknown = [k for k in sweep.get("run_keys") or [] if not is_config_key(str(k))]
     if unknown:
