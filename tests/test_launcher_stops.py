@@ -58,7 +58,8 @@ def training_stop_lines(folder) -> str:
 def evaluation_stop_lines(folder) -> str:
     """What evaluate.py logs as a stop request ends GPLQ's stage 1 (quant/gplq/qat.py)."""
     from engine.preemption import preempted_line
-    return logged_lines(folder, "quant.gplq.qat", "GPLQ stage 1 " + preempted_line(12, "/r/eval_best_gplq_w4a4_stage1.pt"))
+    stage1 = "/r/eval_best_gplq_w4a4_stage1.pt"
+    return logged_lines(folder, "quant.gplq.qat", "GPLQ stage 1 " + preempted_line(12, stage1))
 
 
 @pytest.fixture
