@@ -389,6 +389,9 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
     (`pos_embed_resampled`, `relative_position_bias_resampled`)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
+            # a model.img_size given at evaluation (the same weights at another grid: Swin's tables keep their
+            # shapes) is marked against the recipe's, as model.kwargs are (engine/result_table.evaluated_otherwise)
+            "model_img_size": cfg.model.img_size,
             "checkpoint": checkpoint,
             # best.pt / checkpoint.pt / a snapshot: seeds of other kinds are not averaged (evaluation_difference)
             "checkpoint_kind": checkpoint_kind(args.checkpoint, pretrained=not args.checkpoint),
