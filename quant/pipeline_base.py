@@ -83,6 +83,10 @@ class Pipeline:
     # True: it trains the model in training mode (GPLQ's stage 1), so the model's dropout and stochastic depth
     # (model.drop, model.drop_path) act in it and its results record them
     trains_model: bool = False
+    # True: it trains float32 state of its own on the model's weights (APHQ's AdaRound rounding variables and
+    # activation scales, GPLQ's LSQ step sizes and weights under AdamW) and draws float32 images for it, so a model
+    # whose weights are another dtype is refused (`check_model`); it may autocast, as the official code
+    float32_weights: bool = False
 
     def __call__(self, fp_model: nn.Module, calib_images: Images, bits: Union[str, Bits] = "w4a4",
                  options: Optional[Mapping[str, Any]] = None,
@@ -91,7 +95,7 @@ class Pipeline:
 
         Args:
             fp_model: float timm ViT/DeiT/Swin or models.gpt.GPT, on the device to calibrate on (left
-                untouched).
+                untouched); its weights float32 for a `float32_weights` pipeline (APHQ, GPLQ: `check_model`).
             calib_images: the calibration inputs as a tensor or iterable of batches, passed to the model as
                 they are: [N, 3, H, W] images (eval transform) or [N, T] token windows (a LongTensor);
                 the entry point picks them.
@@ -106,6 +110,7 @@ class Pipeline:
         bits, options = parse_bits(bits), parse_options(self.Options, options)
         # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
         self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
+        self.check_model(fp_model)
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
@@ -137,6 +142,20 @@ class Pipeline:
             if value not in (None, 0) and not 2 <= value <= 16:
                 raise ValueError(f"{key}={value}: give 2..16 bits, 0 (float) or null (the main bit-width)")
         self.layout(bits, options)
+
+    def check_model(self, fp_model: nn.Module) -> None:
+        """Raise ValueError for a model this pipeline cannot quantize as it is, on every rank before any work: for a
+        `float32_weights` pipeline, floating weights other than float32 (a bf16 model met its float32 images in a
+        traceback from the first convolution; rounding variables, step sizes and optimizer state in bf16 would
+        not train as the official code's, which keeps float32 weights and autocasts at most)."""
+        if not self.float32_weights:
+            return
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in fp_model.parameters()
+                         if p.is_floating_point() and p.dtype != torch.float32})
+        if dtypes:
+            raise ValueError(f"the model's weights are {', '.join(dtypes)}: {self.name} trains float32 state on them "
+                             "and feeds them float32 images; keep the weights float32 (model.float()) and autocast for "
+                             "lower precision (evaluate.py --amp keeps the weights float32)")
 
     def train_image_counts(self, options: Any) -> Dict[str, int]:
         """{option: images} this pipeline draws from the training split itself (`draws_training_images`), for

@@ -66,6 +66,7 @@ class APHQPipeline(Pipeline):
     Options = APHQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
     draws_training_images = True
+    float32_weights = True  # AdaRound's rounding variables and the activation scales train in float32
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
         """APHQ's converted layout before the fold (post-LN inputs still per channel).

@@ -118,6 +118,7 @@ class GPLQPipeline(Pipeline):
     Options = GPLQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
     draws_training_images = True
+    float32_weights = True  # the LSQ step sizes and the weights train in float32 (amp autocasts)
     trains_model = True  # stage 1: QAT of the student in training mode
     data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
 
