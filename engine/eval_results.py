@@ -373,9 +373,11 @@ class EvalResults:
                 with open(tmp, "w") as f:
                     json.dump(data, f, indent=2, default=str)
                 os.replace(tmp, self.path)
-        except OSError as e:  # a full disk, a read-only folder: the file as it was stays, our temp goes
+        except BaseException as e:  # a full disk, a read-only folder, Ctrl-C: the file as it was stays, our temp goes
             with contextlib.suppress(OSError):
                 os.remove(tmp)
+            if not isinstance(e, OSError):  # an interrupt (or a bug) goes on as it came, minus the temp in --out
+                raise
             state = "the file is unchanged" if os.path.exists(self.path) else "no file was written"
             raise ResultsError(f"could not write {self.path}: {e}; {state}, the results finished so far are "
                                f"in the log. Fix the folder (or give --out a file in another one) and re-run: what "
