@@ -330,7 +330,8 @@ class SplitAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-            scores = scores + torch.full((t, t), float("-inf")).triu_(1)
+            # the causal mask on the scores' device and dtype (a mask on the default device fails on another)
+            scores = scores + scores.new_full((t, t), float("-inf")).triu_(1)
             y = (scores.softmax(-1).mul(127).round().div(127)) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 

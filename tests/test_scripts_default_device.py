@@ -1,0 +1,47 @@
+"""Scripts create their tensors on the device of the data they belong to, checked with the meta-default trick of
+tests/device_utils.py (a tensor made on the default device becomes a meta tensor and the run fails, where a CUDA
+run would have mixed a CPU tensor with GPU data). Results are checked against naive references, not only their
+device."""
+import pytest
+import torch
+
+from models.gpt import build_gpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def naive_int8_probability_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    """SplitAttention with prob_bits set, one query at a time: a softmax over the keys up to the query's position,
+    probabilities rounded to k / 127, then the output projection."""
+    b, t, c = x.shape
+    heads = attn.num_heads
+    d = c // heads
+    q, k, v = (getattr(attn, n)(x).view(b, t, heads, d) for n in ("q_proj", "k_proj", "v_proj"))
+    y = torch.zeros(b, t, heads, d, dtype=x.dtype)
+    for i in range(t):
+        scores = torch.einsum("bhd,bjhd->bhj", q[:, i], k[:, :i + 1]) / d ** 0.5
+        p = (scores.softmax(-1) * 127).round() / 127
+        y[:, i] = torch.einsum("bhj,bjhd->bhd", p, v[:, :i + 1])
+    return attn.proj(y.reshape(b, t, c))
+
+
+def test_crosscheck_int8_probability_attention_masks_on_the_scores_device():
+    """scripts/crosscheck_lm_quant.py SplitAttention (adaptation 4, int8 probabilities): the causal mask was made
+    on the default device."""
+    import crosscheck_lm_quant as xc
+
+    torch.manual_seed(0)
+    model = xc.split_qkv(build_gpt("gpt2_nano", vocab_size=64).eval()).double()
+    for block in model.blocks:
+        block.attn.prob_bits = 8
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 16, model.blocks[0].attn.q_proj.in_features, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = naive_int8_probability_attention(model.blocks[0].attn, x)
+        with torch.device("meta"):
+            attended = model.blocks[0].attn(x)
+            logits = model(tokens)
+    assert attended.device.type == "cpu" and torch.allclose(attended, expected, atol=1e-10)
+    assert logits.device.type == "cpu" and logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
+
