@@ -514,7 +514,9 @@ def plot_points(real: torch.Tensor, sur: torch.Tensor, limit: int, seed: int = 0
     if r.numel() <= limit:
         return s, r
     big = torch.maximum(r.abs(), s.abs()).topk(limit // 10).indices
-    rest = torch.randperm(r.numel(), generator=torch.Generator().manual_seed(seed))[:limit - len(big)]
+    # drawn on the CPU whatever the default device (the same sample on any device), then moved beside `big`
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    rest = torch.randperm(r.numel(), generator=generator, device="cpu")[:limit - len(big)].to(r.device)
     idx = torch.cat([big, rest])
     return s[idx], r[idx]
 

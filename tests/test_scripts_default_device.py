@@ -45,3 +45,23 @@ def test_crosscheck_int8_probability_attention_masks_on_the_scores_device():
     assert attended.device.type == "cpu" and torch.allclose(attended, expected, atol=1e-10)
     assert logits.device.type == "cpu" and logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
 
+
+def test_plot_points_draws_its_sample_on_the_cpu():
+    """scripts/mechanism.py plot_points (the `surrogate` figure): the seeded sample of the points was drawn on
+    the default device. The points are the largest tenth by magnitude plus that sample, each a (surrogate,
+    real) pair of the same position, and the same points under any default device."""
+    from mechanism import plot_points
+
+    g = torch.Generator().manual_seed(0)
+    real, sur = torch.randn(40, 25, generator=g), torch.randn(40, 25, generator=g)
+    limit = 100
+    expected = plot_points(real, sur, limit, seed=3)
+    with torch.device("meta"):
+        s, r = plot_points(real, sur, limit, seed=3)
+    assert s.device.type == r.device.type == "cpu" and len(s) == len(r) == limit
+    assert torch.equal(s, expected[0]) and torch.equal(r, expected[1])
+    pairs = {(float(a), float(b)) for a, b in zip(sur.flatten(), real.flatten())}
+    assert all((float(a), float(b)) in pairs for a, b in zip(s, r))
+    magnitude = torch.maximum(real.abs(), sur.abs()).flatten()
+    largest = {float(m) for m in magnitude.sort(descending=True).values[:limit // 10]}
+    assert largest <= {float(m) for m in torch.maximum(r.abs(), s.abs())}
