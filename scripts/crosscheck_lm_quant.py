@@ -315,7 +315,9 @@ class SplitAttention(nn.Module):
         self.num_heads, self.proj = src.num_heads, src.proj
         c = src.qkv.in_features
         for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            lin = nn.Linear(c, c, bias=src.qkv.bias is not None)
+            # on the fused weight's device and dtype: a model split on a GPU or in bf16 keeps them
+            lin = nn.Linear(c, c, bias=src.qkv.bias is not None, device=src.qkv.weight.device,
+                            dtype=src.qkv.weight.dtype)
             lin.weight.data.copy_(src.qkv.weight.data[i * c:(i + 1) * c])
             if src.qkv.bias is not None:
                 lin.bias.data.copy_(src.qkv.bias.data[i * c:(i + 1) * c])

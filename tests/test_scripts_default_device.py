@@ -65,3 +65,22 @@ def test_plot_points_draws_its_sample_on_the_cpu():
     magnitude = torch.maximum(real.abs(), sur.abs()).flatten()
     largest = {float(m) for m in magnitude.sort(descending=True).values[:limit // 10]}
     assert largest <= {float(m) for m in torch.maximum(r.abs(), s.abs())}
+
+
+def test_split_qkv_makes_its_projections_on_the_fused_weights_device_and_dtype():
+    """scripts/crosscheck_lm_quant.py split_qkv: the q / k / v Linears were made on the default device in float32,
+    so a model split on a GPU or in bf16 got CPU fp32 projections beside its own weights. Each projection holds
+    its third of the fused qkv's rows, bit for bit, in the fused weight's dtype."""
+    import crosscheck_lm_quant as xc
+
+    torch.manual_seed(0)
+    model = build_gpt("gpt2_nano", vocab_size=64).eval().to(torch.bfloat16)
+    with torch.device("meta"):
+        split = xc.split_qkv(model)
+    fused, attn = model.blocks[0].attn.qkv, split.blocks[0].attn
+    c = fused.in_features
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        lin = getattr(attn, name)
+        assert lin.weight.device.type == "cpu" and lin.weight.dtype == torch.bfloat16
+        assert torch.equal(lin.weight, fused.weight[i * c:(i + 1) * c])
+        assert torch.equal(lin.bias, fused.bias[i * c:(i + 1) * c])
