@@ -39,7 +39,7 @@ import secrets
 import socket
 import shutil
 from contextlib import ExitStack, contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import yaml
 
@@ -481,3 +481,17 @@ def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[
         if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
             raise RunDirError(f"cannot write under {parent}: {above} is "
                               f"{'not a folder' if not os.path.isdir(above) else 'not writable'}; choose another --out")
+
+
+def write_whole(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes an output to `tmp` (a `partial_path` of `path`), which is then renamed to `path`: a
+    reader never sees a torn file, and on any exception (a full disk, Ctrl-C) the temporary is removed and
+    `path` keeps what it held. The temporary name is never a user's file (`<path>.tmp` could be one)."""
+    tmp = partial_path(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

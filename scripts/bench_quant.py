@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
-from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
+from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs, write_whole  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring). APHQ's eq_n
@@ -180,13 +180,15 @@ def main(argv=None) -> dict:
 def write_json(path: str, result: dict) -> None:
     """`result` to `path` (nothing without one), whole or not at all: written to a temporary file, then
     renamed over `path`, so that a process killed mid-write (gpu_check.py's stage budget) leaves the last
-    complete version."""
+    complete version (write_whole: the temporary is no user's file, and an interrupt removes it)."""
     if not path:
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, path)
+    write_whole(path, lambda tmp: dump_json(result, tmp, indent=2))
+
+
+def dump_json(data: dict, path: str, indent: int) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=indent)
 
 
 if __name__ == "__main__":

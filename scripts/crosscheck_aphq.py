@@ -79,7 +79,7 @@ import evaluate  # noqa: E402
 from configs.cli import OneLineParser, first_line, move_overrides, passed_on_epilog  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
-from engine.run_dir import refuse_existing_outputs  # noqa: E402
+from engine.run_dir import refuse_existing_outputs, write_whole  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
@@ -604,12 +604,16 @@ def compare_bits(s: Setup, bits: str, config: str, labels: torch.Tensor, args: a
 
 
 def write_json(path: str, result: dict) -> None:
+    """`result` at `path`, whole or not at all (write_whole: the temporary is no user's file, and an interrupt
+    removes it)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+    write_whole(path, lambda tmp: dump_json(result, tmp))
+
+
+def dump_json(data: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

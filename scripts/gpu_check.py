@@ -39,6 +39,7 @@ its CUDA case skips), in under a minute, to show that the script works end to en
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -55,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least  # noqa: E402
+from engine import run_dir  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
@@ -79,11 +81,14 @@ class Partial:
 
 def write_whole(path: str, data: dict) -> None:
     """`data` as JSON at `path`, whole or not at all: a process killed mid-write (a stage at its budget, or
-    the call's own end) leaves the previous version, never a torn file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    the call's own end) leaves the previous version, never a torn file (run_dir.write_whole: the temporary is
+    no user's file, and an exception removes it; a kill's leftover is removed by collect_figures)."""
+    run_dir.write_whole(path, lambda tmp: dump_json(data, tmp))
+
+
+def dump_json(data: dict, path: str) -> None:
+    with open(path, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------- the stages (child side)
@@ -276,8 +281,9 @@ def stage_env() -> dict:
 def collect_figures(path: str) -> tuple[dict, Optional[str]]:
     """The figures a stage left at `path` (removed once read; {} when it left none) and, when the file cannot be
     read as a JSON object, why: that file is then kept for a look, and the driver goes on with the next stage."""
-    if os.path.exists(path + ".tmp"):  # a write cut short by the kill: the previous version is at `path`
-        os.remove(path + ".tmp")
+    # a write cut short by the kill leaves its temporary (partial_path); the last whole version is at `path`
+    for cut in glob.glob(glob.escape(path) + ".partial-*"):
+        os.remove(cut)
     if not os.path.exists(path):
         return {}, None
     try:
