@@ -1,5 +1,6 @@
 """What the scripts that start train.py and evaluate.py commands (sweep.py, overhead_epochs.py) know of a launcher:
-how many processes it starts, and whether a command it ran stopped on a stop request.
+how many processes it starts, whether a command it ran stopped on a stop request, and the passing on of a stop
+request to the running command (`ForwardedSignals`).
 
 A command stopped by SIGTERM / SIGINT writes its checkpoint and exits with EXIT_PREEMPTED (75), and the same command
 resumes it. A launcher does not pass that code on: torchrun reports a worker's 75 as a failure and exits 1. What the
@@ -12,9 +13,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
+import subprocess
 from typing import Optional
 
 from engine.exit_codes import EXIT_PREEMPTED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The lines a job logs when a stop request ended it (after setup_logging's "time logger level" prefix): train.py's
 # run summary (train.run_summary of a run that ended "preempted", after its checkpoint.pt was written, or after a
@@ -72,3 +77,37 @@ def stopped_on_signal(log_path: str, mark: Optional[tuple[int, int, int]]) -> bo
     except OSError:  # no log: the command ended before it opened one
         return False
     return any(pattern.match(line) for line in written.splitlines())
+
+
+class ForwardedSignals:
+    """While active, SIGTERM / SIGINT to this script (sweep.py, overhead_epochs.py) are passed on to the running
+    command, and the script waits for it (train.py writes its checkpoint, then exits with EXIT_PREEMPTED); no
+    further command starts. (subprocess.run would kill the command 0.25 s after a KeyboardInterrupt, mid-write.)"""
+
+    def __init__(self, cwd: str = ROOT) -> None:
+        self.cwd = cwd  # where the commands run (the repository: their paths are relative to it)
+        self.received: list[int] = []
+        self.child: "subprocess.Popen | None" = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)  # a child in our process group may have it already: train.py
+            # takes a repeat within 2 s as the same request
+
+    def run(self, cmd: list[str]) -> int:
+        self.child = subprocess.Popen(cmd, cwd=self.cwd)
+        if self.received:  # a signal just before the start: the command must hear of it too
+            self.child.send_signal(self.received[-1])
+        try:
+            return self.child.wait()
+        finally:
+            self.child = None
+
+    def __enter__(self) -> "ForwardedSignals":
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

@@ -37,7 +37,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 from typing import Optional
 
@@ -46,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
-from launchers import launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
+from launchers import ForwardedSignals, launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
@@ -245,23 +244,33 @@ def main(argv: Optional[list[str]] = None) -> dict:
     check_run_folders(args, plan)
     from overhead_run_folders import write_launcher  # scripts/, as for reuse_problem
     rows = []
-    for sweep, model, batch in plan:
-        for method in args.methods:
-            runs = []
-            for run in range(args.runs):
-                out_dir = run_dir(args, model, batch, method, run)
-                cmd = train_command(args, method, model, batch, run, out_dir)
-                print(shlex.join(cmd), flush=True)
-                write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
-                log = os.path.join(ROOT, out_dir, "train.log")  # (the command runs in ROOT)
-                mark = log_mark(log)
-                returncode = subprocess.run(cmd, cwd=ROOT).returncode
-                if returncode != 0:
-                    code, line = failed_run_line(out_dir, returncode, stopped_on_signal(log, mark))
-                    print(line, file=sys.stderr, flush=True)
-                    sys.exit(code)
-                runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))
-            rows.append({"sweep": sweep, "model": model, "batch": batch, "method": method, **summarise(runs)})
+    # SIGINT / SIGTERM reach the running train.py, and this script waits while it writes its checkpoint
+    # (subprocess.run killed it 0.25 s after Ctrl-C, mid-write, and the run's last epoch was lost)
+    with ForwardedSignals(cwd=ROOT) as signals:
+        for sweep, model, batch in plan:
+            for method in args.methods:
+                runs = []
+                for run in range(args.runs):
+                    out_dir = run_dir(args, model, batch, method, run)
+                    if signals.received:  # the stop came between two runs: no further one starts
+                        from engine.exit_codes import EXIT_PREEMPTED
+                        print(f"error: stopped on a signal before the run in {out_dir} started; re-running the "
+                              f"same command continues the protocol", file=sys.stderr, flush=True)
+                        sys.exit(EXIT_PREEMPTED)
+                    cmd = train_command(args, method, model, batch, run, out_dir)
+                    print(shlex.join(cmd), flush=True)
+                    write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
+                    log = os.path.join(ROOT, out_dir, "train.log")  # (the command runs in ROOT)
+                    mark = log_mark(log)
+                    returncode = signals.run(cmd)
+                    if returncode != 0:
+                        stopped = bool(signals.received) or stopped_on_signal(log, mark)
+                        code, line = failed_run_line(out_dir, returncode, stopped)
+                        print(line, file=sys.stderr, flush=True)
+                        sys.exit(code)
+                    runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))
+                rows.append({"sweep": sweep, "model": model, "batch": batch, "method": method,
+                             **summarise(runs)})
     for row in rows:
         base = next(r for r in rows if (r["sweep"], r["model"], r["batch"], r["method"])
                     == (row["sweep"], row["model"], row["batch"], "baseline")) if "baseline" in args.methods \

@@ -58,7 +58,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -74,7 +73,7 @@ from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KE
                             unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
-from launchers import launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/: this folder)
+from launchers import ForwardedSignals, launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/)
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
 # here would import torch and the pipelines (seconds) before --help or the printed commands
@@ -653,39 +652,6 @@ def move_stale_result(json_path: str, checkpoint: str) -> None:
                 os.replace(source, target)
         print(f"sweep: {json_path} was written for an earlier {os.path.basename(checkpoint)}; moved to "
               f"{moves[0][1]} (with its _act_max files)", file=sys.stderr, flush=True)
-
-
-class ForwardedSignals:
-    """While active, SIGTERM / SIGINT to the sweep are passed on to the running command, and the sweep
-    waits for it (train.py writes its checkpoint, then exits with EXIT_PREEMPTED); no further command
-    starts. (subprocess.run would kill the command 0.25 s after a KeyboardInterrupt, mid-write.)"""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.child: "subprocess.Popen | None" = None
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)  # a child in our process group may have it already: train.py
-            # takes a repeat within 2 s as the same request
-
-    def run(self, cmd: list[str]) -> int:
-        self.child = subprocess.Popen(cmd, cwd=ROOT)
-        if self.received:  # a signal just before the start: the command must hear of it too
-            self.child.send_signal(self.received[-1])
-        try:
-            return self.child.wait()
-        finally:
-            self.child = None
-
-    def __enter__(self) -> "ForwardedSignals":
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

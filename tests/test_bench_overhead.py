@@ -49,6 +49,13 @@ def test_bench_overhead_apply_only(tmp_path):
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
 
 
+def run_commands_with(monkeypatch, run) -> None:
+    """The protocol's train.py commands go to `run(cmd, cwd=...)` (a subprocess.run stand-in) instead of
+    launchers.ForwardedSignals.run, which starts them in a process of their own."""
+    import launchers
+    monkeypatch.setattr(launchers.ForwardedSignals, "run", lambda self, cmd: run(cmd, cwd=self.cwd).returncode)
+
+
 def train_in_this_process(run):
     """subprocess.run with a `python .../train.py ...` command run in this process (conftest.run_main: the
     __main__ block of train.py with that command line, a process would import torch again); any other command
@@ -64,7 +71,7 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path, monkeypatch):
     """--protocol epochs: train.py runs whose loop logs epoch/train_seconds; two epochs per run, the mean
     over them, the same without the first, and ratios to the baseline. The runs' train.py commands, as the
     protocol builds them, run in this process (train_in_this_process)."""
-    monkeypatch.setattr(subprocess, "run", train_in_this_process(subprocess.run))
+    run_commands_with(monkeypatch, train_in_this_process(subprocess.run))
     monkeypatch.chdir(ROOT)  # where the protocol starts its runs
     out = tmp_path / "ep"
     report = _bench().main(["--protocol", "epochs", "--recipe", "configs/debug/tiny.yaml",
@@ -277,7 +284,7 @@ def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch)
                     f.write(json.dumps({"epoch/train_seconds": scale * seconds}) + "\n")
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(epochs.subprocess, "run", stand_in)
+    run_commands_with(monkeypatch, stand_in)
     argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8", "--models",
             "--methods", "baseline", "cd", "--epochs", "2", "--runs", "2", "--out", str(tmp_path)]
     report = epochs.main(argv)

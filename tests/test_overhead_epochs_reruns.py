@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, load_script
-from tests.test_bench_overhead import train_in_this_process
+from tests.test_bench_overhead import run_commands_with, train_in_this_process
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -34,7 +34,7 @@ def timed_seconds(run_dir) -> list[float]:
 @pytest.fixture
 def finished(tmp_path, monkeypatch):
     """The protocol's folder after one job without a launcher (one process): its run finished, 2 epochs timed."""
-    monkeypatch.setattr(subprocess, "run", train_in_this_process(subprocess.run))
+    run_commands_with(monkeypatch, train_in_this_process(subprocess.run))
     monkeypatch.chdir(ROOT)  # where the protocol starts its runs
     out = tmp_path / "ep"
     load_script("bench_overhead").main(protocol(out, "--epochs", "2"))
@@ -49,7 +49,7 @@ def recorded_runs(monkeypatch) -> list:
         started.append(cmd)
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(subprocess, "run", stand_in)
+    run_commands_with(monkeypatch, stand_in)
     return started
 
 

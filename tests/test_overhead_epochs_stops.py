@@ -1,0 +1,79 @@
+"""A stop request (Ctrl-C, a scheduler's SIGTERM) to scripts/overhead_epochs.py reaches the train.py it runs, and the
+protocol waits while that run writes its checkpoint: it then ends with one `error:` line and exit status 75 (the same
+command continues it), as scripts/sweep.py does. subprocess.run killed the run 0.25 s after the KeyboardInterrupt,
+before its checkpoint was written."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import ROOT, load_script
+
+# A train.py stand-in: on SIGINT / SIGTERM it takes a while to write its checkpoint, then exits 75 (EXIT_PREEMPTED)
+STAND_IN = """
+import os, signal, sys, time
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+def stop(signum, frame):
+    time.sleep(1.0)  # longer than subprocess.run's 0.25 s grace
+    open(os.path.join(out, "checkpoint.pt"), "w").write("saved")
+    sys.exit(75)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(out, "started"), "w").close()
+time.sleep(30)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_request_lets_the_running_training_write_its_checkpoint(name, tmp_path, monkeypatch, capsys):
+    epochs = load_script("overhead_epochs")
+    monkeypatch.setattr(epochs, "train_command",
+                        lambda args, method, model, batch, run, out_dir: [sys.executable, "-c", STAND_IN, out_dir])
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ep"
+    run = out / "runs" / "vit_nano_bs8_baseline_run0"
+    signum = getattr(signal, name)
+
+    def interrupted(signum, frame):  # as SIGINT's default; SIGTERM's would end pytest on a regression
+        raise KeyboardInterrupt
+
+    before = signal.signal(signum, interrupted)
+    try:
+        stopped_run(epochs, signum, run, out)
+        assert signal.getsignal(signum) is interrupted  # the handler in place before the protocol is back
+    finally:
+        signal.signal(signum, before)
+    assert (run / "checkpoint.pt").read_text() == "saved"  # the run wrote its checkpoint before it ended
+    assert not (out / "runs" / "vit_nano_bs8_baseline_run1").exists()  # no further run started
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(run) in errors[0] and "continues" in errors[0], errors
+
+
+def stopped_run(epochs, signum, run, out) -> None:
+    """Run the protocol (two runs) and send `signum` to this process once the first run has started: the protocol
+    must end with exit status 75, not with the KeyboardInterrupt."""
+
+    def stop_when_started():
+        deadline = time.monotonic() + 20
+        while not (run / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)  # to the protocol's process only: it must pass the request on
+
+    stopper = threading.Thread(target=stop_when_started, daemon=True)
+    stopper.start()
+    try:
+        with pytest.raises(SystemExit) as done:
+            epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                         "--models", "--methods", "baseline", "--runs", "2", "--out", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("the stop request ended the protocol itself instead of reaching its training")
+    finally:
+        stopper.join()
+    assert done.value.code == 75
