@@ -259,7 +259,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         sys.exit(EXIT_PREEMPTED)
                     cmd = train_command(args, method, model, batch, run, out_dir)
                     print(shlex.join(cmd), flush=True)
-                    write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
+                    try:  # under the run folder's lock: never over the record of a job that trains the run now
+                        write_launcher(out_dir, args.launcher, launcher_world_size(args.launcher))
+                    except RunDirError as e:
+                        sys.exit(f"error: {e}")
                     log = os.path.join(ROOT, out_dir, "train.log")  # (the command runs in ROOT)
                     mark = log_mark(log)
                     returncode = signals.run(cmd)

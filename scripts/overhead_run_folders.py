@@ -17,7 +17,7 @@ import os
 import re
 from typing import Optional
 
-from engine.run_dir import config_changes, saved_config, start_only_changes
+from engine.run_dir import config_changes, lock_folder, make_folder, saved_config, start_only_changes, write_whole
 
 RECORD_SUFFIX = ".launcher.json"
 
@@ -33,12 +33,19 @@ def record_path(out_dir: str) -> str:
     return os.path.normpath(out_dir) + RECORD_SUFFIX
 
 
-def write_launcher(out_dir: str, launcher: str, world_size: Optional[int]) -> None:
+def write_launcher(out_dir: str, launcher: str, world_size: Optional[int], setting: str = "--out") -> None:
     """Record the launcher that is about to train the run in `out_dir` (before it starts: a job killed while it
-    trains leaves its record too)."""
-    os.makedirs(os.path.dirname(record_path(out_dir)) or ".", exist_ok=True)
-    with open(record_path(out_dir), "w") as f:
-        json.dump({"launcher": launcher, "processes": world_size}, f)
+    trains leaves its record too), while holding the folder's lock (the one train.py holds while it trains): a
+    folder in use by another job (the same --out under another launcher) is refused with RunDirError, its record
+    left as it is; otherwise that job's run would be recorded as this job's launcher's."""
+    make_folder(out_dir, setting)
+    with lock_folder(out_dir, setting):
+        write_whole(record_path(out_dir), lambda tmp: _dump(tmp, {"launcher": launcher, "processes": world_size}))
+
+
+def _dump(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f)
 
 
 def recorded_launcher(out_dir: str) -> Optional[str]:
