@@ -483,15 +483,54 @@ def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[
                               f"{'not a folder' if not os.path.isdir(above) else 'not writable'}; choose another --out")
 
 
-def write_whole(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` writes an output to `tmp` (a `partial_path` of `path`), which is then renamed to `path`: a
-    reader never sees a torn file, and on any exception (a full disk, Ctrl-C) the temporary is removed and
-    `path` keeps what it held. The temporary name is never a user's file (`<path>.tmp` could be one)."""
+def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True) -> None:
+    """`write(tmp)` writes an output to `tmp` (a `partial_path` of `path`), which then appears at `path` whole: a
+    reader never sees a torn file, and on any exception (a full disk, Ctrl-C) the temporary is removed and `path`
+    keeps what it held. The temporary name is never a user's file (`<path>.tmp` could be one).
+
+    With `overwrite` it replaces what is at `path`. Without (a script's output without --overwrite), it appears
+    only where no file is: a hard link, which fails atomically where one exists, so that of two commands given the
+    same output, both past `refuse_existing_outputs` at their start, the later writer is refused (RunDirError
+    naming `path` and --overwrite) and the earlier one's file stays. A script that rewrites its output as it goes
+    passes `overwrite=True` after its first write: the file is then its own."""
     tmp = partial_path(path)
     try:
         write(tmp)
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            _publish_new(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def _publish_new(tmp: str, path: str) -> None:
+    """`tmp` becomes `path` where no file is at `path`, else RunDirError; `tmp` is removed either way."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise _written_meanwhile(path) from None
+    except OSError:
+        # a file system without hard links (some network or FUSE ones): an exclusive create claims the name
+        # (refused where a file is, as the link), then the rename fills it. Not atomic for a reader, who may see
+        # an empty file for that moment, but of two writers still only one gets the name.
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            raise _written_meanwhile(path) from None
+        try:
+            os.replace(tmp, path)
+        except BaseException:  # the empty placeholder is no output: it would refuse the next command
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            raise
+        return
+    os.remove(tmp)
+
+
+def _written_meanwhile(path: str) -> RunDirError:
+    return RunDirError(f"{path} was written by another command after this one started (the same output given "
+                       f"twice?); that file is kept and this command's output is not written: choose another --out, "
+                       f"or add --overwrite to replace it")

@@ -33,7 +33,6 @@ AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -48,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from engine.outputs import save_figure, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
@@ -258,7 +258,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
+def plot(rows: list[dict], path: str, has_memory: bool, title: str, overwrite: bool) -> None:
     panels = [("batch", "batch", "per-device batch size"), ("width", "embed_dim", "hidden size")]
     metrics = [("step_ms", "step time (ms)")] + ([("peak_mib", "peak memory (MiB)")] if has_memory else [])
     fig = new_figure(10, 3.6 * len(metrics))
@@ -277,7 +277,7 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str) -> None:
             ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, overwrite, dpi=120)
 
 
 def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dict:
@@ -293,8 +293,10 @@ def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dic
     report = {"device": device, "hardware": hw, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "model": base,
               "apply_only": rows}
-    with open(os.path.join(args.out, "apply.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    try:  # never over an apply.json another command wrote since this one started
+        write_json(os.path.join(args.out, "apply.json"), report, args.overwrite, indent=1)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {os.path.join(args.out, 'apply.json')}")
     return report
 
@@ -390,10 +392,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "amp": args.amp, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
               "small": args.small, "model": base,
               "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
-    with open(os.path.join(args.out, "overhead.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",
-         title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO (memory-saving / plain)")
+    try:  # never over an output another command wrote since this one started
+        write_json(os.path.join(args.out, "overhead.json"), report, args.overwrite, indent=1)
+        plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",
+             title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO (memory-saving / plain)", overwrite=args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {os.path.join(args.out, 'overhead.json')} and overhead.png")
     return report
 

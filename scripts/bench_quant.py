@@ -160,7 +160,10 @@ def main(argv=None) -> dict:
     result = {"model": args.model, "overrides": kw, "img_size": size, "bits": args.bits, "device": name,
               "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
     print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
-    write_json(args.out, result)
+    try:  # the first write: never over a file another command wrote since this one started
+        write_json(args.out, result, args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     for pipeline in args.pipelines:
         start = time.perf_counter()
         quick = pipeline in QUICK
@@ -173,17 +176,19 @@ def main(argv=None) -> dict:
         print(f"  {pipeline:>10} {args.bits}: calibration {calibrate_s:.1f} s{' (quick)' if quick else ''}, "
               f"forward {q * 1e3:.1f} ms = {q / fp:.2f}x float", flush=True)
         del qmodel
-        write_json(args.out, result)  # after each pipeline: a run stopped later keeps what it measured
+        write_json(args.out, result, True)  # after each pipeline (over its own file): a run stopped later keeps
+        # what it measured
     return result
 
 
-def write_json(path: str, result: dict) -> None:
+def write_json(path: str, result: dict, overwrite: bool) -> None:
     """`result` to `path` (nothing without one), whole or not at all: written to a temporary file, then
     renamed over `path`, so that a process killed mid-write (gpu_check.py's stage budget) leaves the last
-    complete version (write_whole: the temporary is no user's file, and an interrupt removes it)."""
+    complete version (write_whole: the temporary is no user's file, and an interrupt removes it). Without
+    `overwrite`, a file at `path` (another command's, written since this one started) is refused: RunDirError."""
     if not path:
         return
-    write_whole(path, lambda tmp: dump_json(result, tmp, indent=2))
+    write_whole(path, lambda tmp: dump_json(result, tmp, indent=2), overwrite)
 
 
 def dump_json(data: dict, path: str, indent: int) -> None:

@@ -532,9 +532,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "fp_top1": round(top1(predict(fp_model, val, options.batch_size), labels), 3), "bits": {}}
     log.info("FP top-1 %.2f on %d val images; %d / %d calibration / reconstruction images",
              result["fp_top1"], len(val), options.calib_images, options.recon_images)
-    for bits in args.bits:
+    for i, bits in enumerate(args.bits):
         result["bits"][bits] = res = compare_bits(setup, bits, configs[bits], labels, args)
-        write_json(args.out, result)
+        # the first write never over a file another command wrote since this one started; later ones over its own
+        write_json(args.out, result, overwrite=args.overwrite or i > 0)
         for stage, r in res.items():
             if stage == "option_differences":
                 continue
@@ -603,12 +604,12 @@ def compare_bits(s: Setup, bits: str, config: str, labels: torch.Tensor, args: a
     return res
 
 
-def write_json(path: str, result: dict) -> None:
+def write_json(path: str, result: dict, overwrite: bool) -> None:
     """`result` at `path`, whole or not at all (write_whole: the temporary is no user's file, and an interrupt
-    removes it)."""
+    removes it); without `overwrite` only where no file is (RunDirError)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    write_whole(path, lambda tmp: dump_json(result, tmp))
+    write_whole(path, lambda tmp: dump_json(result, tmp), overwrite)
 
 
 def dump_json(data: dict, path: str) -> None:

@@ -79,11 +79,11 @@ class Partial:
         write_whole(self.path, self.figures)
 
 
-def write_whole(path: str, data: dict) -> None:
+def write_whole(path: str, data: dict, overwrite: bool = True) -> None:
     """`data` as JSON at `path`, whole or not at all: a process killed mid-write (a stage at its budget, or
     the call's own end) leaves the previous version, never a torn file (run_dir.write_whole: the temporary is
     no user's file, and an exception removes it; a kill's leftover is removed by collect_figures)."""
-    run_dir.write_whole(path, lambda tmp: dump_json(data, tmp))
+    run_dir.write_whole(path, lambda tmp: dump_json(data, tmp), overwrite)
 
 
 def dump_json(data: dict, path: str) -> None:
@@ -390,8 +390,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     deadline = start + args.total_budget
     print(f"gpu_check on {report['device']}, torch {report['torch']}, timm {report['timm']}", flush=True)
 
-    def write() -> None:
-        write_whole(args.out, report)
+    written = []
+
+    def write() -> None:  # the first write never over a file another command wrote since this one started
+        try:
+            write_whole(args.out, report, overwrite=args.overwrite or bool(written))
+        except RunDirError as e:
+            sys.exit(f"error: {e}")
+        written.append(True)
 
     for stage in [s for s in STAGES if s in args.stages]:  # the tests first: a later stage's figures mean less
         left = deadline - time.perf_counter()

@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from engine.outputs import save_figure, write_json  # noqa: E402
 from launchers import ForwardedSignals, launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
@@ -177,7 +178,7 @@ def summarise(runs: list[list[dict]]) -> dict:
             "peak_mib": max(memory) if memory else None, "epochs_timed": [len(r) for r in runs]}
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, overwrite: bool) -> None:
     fig = new_figure(10, 7)
     axes = fig.subplots(2, 2, squeeze=False)
     for col, (sweep, xkey, xlabel) in enumerate([("batch", "batch", "per-GPU batch size"),
@@ -197,7 +198,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, overwrite, dpi=120)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -292,9 +293,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     report = {"protocol": "epochs", "recipe": args.recipe, "launcher": args.launcher,
               "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
               "overrides": args.overrides, "rows": rows}
-    with open(written[0], "w") as f:
-        json.dump(report, f, indent=1)
-    plot(rows, written[1], f"global batch {args.global_batch}, {args.epochs} epochs x {args.runs} runs")
+    try:  # never over an output another command wrote since this one started
+        write_json(written[0], report, args.overwrite, indent=1)
+        plot(rows, written[1], f"global batch {args.global_batch}, {args.epochs} epochs x {args.runs} runs",
+             args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {written[0]} and {written[1]}")
     return report
 

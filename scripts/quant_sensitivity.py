@@ -49,6 +49,7 @@ from engine.checkpoint import run_checkpoint_config, weights_fingerprint  # noqa
 from engine.eval_results import ResultsError, settings_change  # noqa: E402
 from engine.quant_settings import quant_settings  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
+from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from quant.plan import planned  # noqa: E402
 
@@ -266,10 +267,10 @@ def main(argv=None) -> dict:
         print(f"warning: variant '{variant}' skipped: {why}", file=sys.stderr)
     table = run(args.checkpoint, args.out, args.overrides, args.bits, variants)
     print(markdown(table, args.bits))
-    with open(summary, "w") as f:
-        json.dump({"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
-                   "overrides": args.overrides, "top1": table, **({"skipped": skipped} if skipped else {})},
-                  f, indent=1)
+    # never over a summary another command wrote since this one started (RunDirError: one error line)
+    write_json(summary, {"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
+                         "overrides": args.overrides, "top1": table, **({"skipped": skipped} if skipped else {})},
+               args.overwrite, indent=1)
     return table
 
 

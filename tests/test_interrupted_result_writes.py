@@ -39,7 +39,8 @@ def script_writers():
     import bench_quant
     import crosscheck_aphq
     import gpu_check
-    return [("bench_quant", bench_quant.write_json), ("crosscheck_aphq", crosscheck_aphq.write_json),
+    return [("bench_quant", lambda path, data: bench_quant.write_json(path, data, True)),
+            ("crosscheck_aphq", lambda path, data: crosscheck_aphq.write_json(path, data, True)),
             ("gpu_check", gpu_check.write_whole)]
 
 

@@ -1,0 +1,37 @@
+"""Writing a script's outputs (tables, figures, benchmark files) so that a second command given the same output
+cannot replace it without --overwrite.
+
+`refuse_existing_outputs` refuses an existing output when a script starts; an output is written minutes or hours
+later, and another command given the same --out meanwhile may have written it. Each output is therefore written
+to a temporary file and then published by `run_dir.write_whole`: without --overwrite it appears only where no
+file is (atomically), and otherwise the command stops with one RunDirError naming the file and --overwrite.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from .run_dir import write_whole
+
+
+def write_json(path: str, data: Any, overwrite: bool, **dump_options) -> None:
+    """`data` as JSON at `path` (json.dump's `dump_options`, e.g. indent)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, **dump_options)
+    write_whole(path, write, overwrite)
+
+
+def write_text(path: str, text: str, overwrite: bool, newline: Optional[str] = None) -> None:
+    """`text` at `path`, UTF-8 whatever the locale (tables hold ± and †)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline=newline) as f:
+            f.write(text)
+    write_whole(path, write, overwrite)
+
+
+def save_figure(fig, path: str, overwrite: bool, **savefig_options) -> None:
+    """`fig.savefig` to `path`, in the format its extension names (the temporary's name has none)."""
+    fmt = os.path.splitext(path)[1][1:].lower() or None
+    write_whole(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_options), overwrite)

@@ -1,0 +1,133 @@
+"""A script's output that another command wrote after this one started (both given the same --out, both past the
+check at their start) is kept: without --overwrite this command is refused with one `error:` line naming the file
+and --overwrite, and leaves no temporary; with --overwrite it replaces it. Checked at the writer
+(run_dir.write_whole, also on a file system without hard links) and in the scripts whose outputs cost most."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from engine import run_dir
+from engine.run_dir import RunDirError, write_whole
+from tests.conftest import load_script
+
+THEIRS = "the other command's output"
+
+
+def write(text: str):
+    def to(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+    return to
+
+
+@pytest.fixture(params=["hard links", "no hard links"])
+def file_system(request, monkeypatch):
+    """Both kinds of file system: one without hard links (os.link fails with EPERM, as on some FUSE mounts)."""
+    if request.param == "no hard links":
+        def no_link(src, dst, **kw):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(run_dir.os, "link", no_link)
+    return request.param
+
+
+def test_a_new_output_is_written(tmp_path, file_system):
+    path = tmp_path / "out.json"
+    write_whole(str(path), write("ours"), overwrite=False)
+    assert path.read_text() == "ours" and os.listdir(tmp_path) == ["out.json"]
+
+
+def test_an_output_written_meanwhile_is_kept_without_overwrite(tmp_path, file_system):
+    path = tmp_path / "out.json"
+    path.write_text(THEIRS)
+    with pytest.raises(RunDirError) as refused:
+        write_whole(str(path), write("ours"), overwrite=False)
+    assert str(path) in str(refused.value) and "--overwrite" in str(refused.value)
+    assert path.read_text() == THEIRS and os.listdir(tmp_path) == ["out.json"]
+
+
+def test_overwrite_replaces_it(tmp_path, file_system):
+    path = tmp_path / "out.json"
+    path.write_text(THEIRS)
+    write_whole(str(path), write("ours"), overwrite=True)
+    assert path.read_text() == "ours" and os.listdir(tmp_path) == ["out.json"]
+
+
+def written_after_the_check(module, monkeypatch) -> None:
+    """The script's start-up check passes, then another command writes each output it checked."""
+    if not hasattr(module, "refuse_existing_outputs"):  # imported inside main(): from engine.run_dir then
+        module = run_dir
+    check = module.refuse_existing_outputs
+
+    def then_another_command_writes(paths, overwrite, *args, **kwargs):
+        check(paths, overwrite, *args, **kwargs)
+        for path in paths:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(THEIRS)
+    monkeypatch.setattr(module, "refuse_existing_outputs", then_another_command_writes)
+
+
+def refused_line(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    code = refused.value.code
+    message = code if isinstance(code, str) else capsys.readouterr().err.strip()
+    assert code not in (0, None) and "\n" not in message.strip(), message
+    return message
+
+
+def test_bench_overhead_keeps_an_apply_json_written_meanwhile(tmp_path, monkeypatch, capsys):
+    bench = load_script("bench_overhead")
+    written_after_the_check(bench, monkeypatch)
+    argv = ["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
+            "--threads", "1", "--out", str(tmp_path)]
+    message = refused_line(bench.main, argv, capsys)
+    assert message.startswith(f"error: {tmp_path / 'apply.json'} ") and "--overwrite" in message, message
+    assert (tmp_path / "apply.json").read_text() == THEIRS and os.listdir(tmp_path) == ["apply.json"]
+
+
+def test_overhead_epochs_keeps_outputs_written_meanwhile(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tests.conftest import ROOT
+    from tests.test_bench_overhead import run_commands_with
+
+    epochs = load_script("overhead_epochs")
+    written_after_the_check(epochs, monkeypatch)
+
+    def finished_run(cmd, cwd):  # a train.py stand-in: a run that timed its epochs
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir="))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch/train_seconds": 1.0}) + "\n")
+        return type("Done", (), {"returncode": 0})()
+
+    run_commands_with(monkeypatch, finished_run)
+    monkeypatch.chdir(ROOT)
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8", "--models",
+            "--methods", "baseline", "--epochs", "1", "--runs", "1", "--out", str(tmp_path)]
+    message = refused_line(epochs.main, argv, capsys)
+    assert message.startswith(f"error: {tmp_path / 'epochs.json'} ") and "--overwrite" in message, message
+    assert (tmp_path / "epochs.json").read_text() == THEIRS and (tmp_path / "epochs.png").read_text() == THEIRS
+    assert sorted(os.listdir(tmp_path)) == ["epochs.json", "epochs.png", "runs"]
+
+
+def test_bench_quant_keeps_a_file_written_meanwhile(tmp_path, monkeypatch, capsys):
+    from tests.test_bench_quant import SMALL
+    bench_quant = load_script("bench_quant")
+    written_after_the_check(bench_quant, monkeypatch)
+    out = tmp_path / "q.json"
+    message = refused_line(bench_quant.main, SMALL + ["--out", str(out)], capsys)
+    assert message.startswith(f"error: {out} ") and "--overwrite" in message, message
+    assert out.read_text() == THEIRS and os.listdir(tmp_path) == ["q.json"]
+
+
+def test_with_overwrite_the_script_replaces_it(tmp_path, monkeypatch):
+    bench = load_script("bench_overhead")
+    written_after_the_check(bench, monkeypatch)
+    bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
+                "--threads", "1", "--out", str(tmp_path), "--overwrite"])
+    assert (tmp_path / "apply.json").read_text() != THEIRS and os.listdir(tmp_path) == ["apply.json"]
