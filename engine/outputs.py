@@ -8,6 +8,7 @@ file is (atomically), and otherwise the command stops with one RunDirError namin
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 from typing import Any, Optional
@@ -28,6 +29,16 @@ def write_text(path: str, text: str, overwrite: bool, newline: Optional[str] = N
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8", newline=newline) as f:
             f.write(text)
+    write_whole(path, write, overwrite)
+
+
+def write_csv(path: str, rows: list[dict], fieldnames: list[str], overwrite: bool, **writer_options) -> None:
+    """`rows` as CSV with a header at `path`, UTF-8 (a method or model name may carry any letter, or a †)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames, **writer_options)
+            writer.writeheader()
+            writer.writerows(rows)
     write_whole(path, write, overwrite)
 
 

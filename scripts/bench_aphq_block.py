@@ -38,6 +38,7 @@ from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
+from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
@@ -156,8 +157,10 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     print(json.dumps(result, indent=2))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        try:  # never over a file another command wrote since this one started
+            write_json(args.out, result, args.overwrite, indent=2)
+        except RunDirError as e:
+            sys.exit(f"error: {e}")
     return result
 
 

@@ -34,6 +34,7 @@ from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
+from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
 
@@ -136,7 +137,7 @@ def summarize(groups: dict[str, list[str]]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str, marked: set = frozenset()) -> None:
+def plot(rows: list[dict], path: str, marked: set = frozenset(), overwrite: bool = False) -> None:
     fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
     for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
@@ -153,7 +154,7 @@ def plot(rows: list[dict], path: str, marked: set = frozenset()) -> None:
     ax.set_ylabel("max |activation| (mean over runs)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path, overwrite)
 
 
 def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str:
@@ -215,11 +216,11 @@ def main(argv=None) -> list[dict]:
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".csv", "w", newline="", encoding="utf-8") as f:  # a method name may carry any letter
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, args.out + ".png", {m for m, n in notes.items() if n})
+    try:  # never over a file another command wrote since this one started
+        write_csv(args.out + ".csv", rows, list(rows[0]), args.overwrite)  # a method name may carry any letter
+        plot(rows, args.out + ".png", {m for m, n in notes.items() if n}, args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     console_print(markdown(rows, notes))  # its † on an ASCII console, or a closed pipe
     print(f"wrote {args.out}.png and {args.out}.csv", file=sys.stderr)
     return rows

@@ -51,6 +51,7 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
                                  model_kwargs_unlike, settings_note)
+from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -445,7 +446,7 @@ def describe_peak(peak: dict) -> str:
     return f"{peak['block']} i={peak['direction']} j={peak['row']} alpha {peak['alpha']:.3f}"
 
 
-def plot_energies(groups: dict[str, list[Run]], path: str,
+def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool,
                   title: str = "Pair energy during fine-tuning (DINOv2 ViT-S/14, Fashion-MNIST 28 px)") -> None:
     """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded)."""
     fig = new_figure(11, 6.4)
@@ -469,10 +470,11 @@ def plot_energies(groups: dict[str, list[Run]], path: str,
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
 
 
-def plot_type_maxima(groups: dict[str, list[Run]], path: str, types: Sequence[str] = TYPE_ORDER) -> None:
+def plot_type_maxima(groups: dict[str, list[Run]], path: str, overwrite: bool,
+                     types: Sequence[str] = TYPE_ORDER) -> None:
     """One group of bars per module type, one bar per point (mean over seeds, seed range as error bar)."""
     fig = new_figure(11, 3.8)
     ax = fig.add_subplot(1, 1, 1)
@@ -491,7 +493,7 @@ def plot_type_maxima(groups: dict[str, list[Run]], path: str, types: Sequence[st
     ax.grid(axis="y", alpha=0.3)
     ax.set_title("Activation maxima by module type (val set, best.pt)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
 
 
 def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
@@ -526,11 +528,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         peaks = {p: [alignment_peak(evaluated_model(r)) for r in runs]
                  for p, runs in groups.items()}
     os.makedirs(args.out, exist_ok=True)
-    plot_energies(groups, paths[0])
-    plot_type_maxima(groups, paths[1])
+    plot_energies(groups, paths[0], args.overwrite)
+    plot_type_maxima(groups, paths[1], args.overwrite)
     report = tables(groups, peaks, start_peak)
-    with open(paths[2], "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: the report has ± and †
-        f.write(report)
+    write_text(paths[2], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
     console_print(report)
     return report
 

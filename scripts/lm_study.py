@@ -38,6 +38,7 @@ from scripts.dose_report import (ROLES, ReportError, Run, check_finished, check_
                                  open_sweep, plot_energies, plot_type_maxima, point_settings, settings_marks,
                                  type_maxima)
 from engine.figures import new_figure  # noqa: E402
+from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.tasks import PPL_CAP, capped_cell  # noqa: E402
 from engine.console import console_print  # noqa: E402
 
@@ -148,7 +149,7 @@ def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) ->
     return lines + ([""] + notes if notes else [])
 
 
-def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
+def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool) -> None:
     """The validation curves of CURVES, one line per point (mean over its seeds, the seeds' range shaded)."""
     fig = new_figure(11, 6.4)
     for k, (key, title) in enumerate(CURVES):
@@ -171,7 +172,7 @@ def plot_outliers(groups: dict[str, list[Run]], path: str) -> None:
             ax.legend(fontsize=7)
     fig.suptitle("Outliers during training from scratch (char-level GPT, King James Bible)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
@@ -191,11 +192,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     check_finished([r for runs in groups.values() for r in runs])
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
-    with open(paths[0], "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: the report has ± and †
-        f.write(report)
-    plot_energies(groups, paths[1], title="Pair energy during training from scratch (char-level GPT)")
-    plot_outliers(groups, paths[2])
-    plot_type_maxima(groups, paths[3], types=TYPES)
+    write_text(paths[0], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
+    plot_energies(groups, paths[1], args.overwrite,
+                  title="Pair energy during training from scratch (char-level GPT)")
+    plot_outliers(groups, paths[2], args.overwrite)
+    plot_type_maxima(groups, paths[3], args.overwrite, types=TYPES)
     console_print(report)
     return report
 

@@ -24,7 +24,6 @@ modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry'
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
+from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
 from compare_act_max import float_settings  # noqa: E402  (scripts/: this folder, as this script runs it)
@@ -118,7 +118,7 @@ def circle_areas(values: list[float]) -> list[float]:
     return [MAX_AREA * v / top if top > 0 else MAX_AREA for v in values]
 
 
-def draw(rows: list[dict], path: str, title) -> None:
+def draw(rows: list[dict], path: str, title, overwrite: bool) -> None:
     """One panel per task present, in input order, circles scaled within each panel; `title(task)`."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     widths = [max(5.0, 1.8 * len({r["model"] for r in rows if r["task"] == t})) for t in tasks]
@@ -128,7 +128,7 @@ def draw(rows: list[dict], path: str, title) -> None:
         mine = [r for r in rows if r["task"] == task]
         _panel(ax, mine, title(task))
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path, overwrite, dpi=130)
 
 
 def _panel(ax, rows: list[dict], title: str) -> None:
@@ -207,13 +207,13 @@ def main(argv=None) -> list[dict]:
             label = f"{r['model']} {r['method']}"
             print(f"note: {dagger_note(label, changed)}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    with open(written[1], "w", newline="", encoding="utf-8") as f:  # a † in a model name
-        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
     which = {"classification": args.max_act, "detection": args.det_max_act}
-    draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {args.bits.upper()}: circle area ~ "
-                                        f"{which[task]} max activation")
+    try:  # never over a file another command wrote since this one started
+        write_csv(written[1], rows, FIELDS, args.overwrite, restval="")  # a † in a model name
+        draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {args.bits.upper()}: circle area ~ "
+                                            f"{which[task]} max activation", args.overwrite)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {written[0]} and {written[1]} ({len(rows)} results)")
     return rows
 

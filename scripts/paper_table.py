@@ -44,6 +44,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
                                  read_result_files, refuse_unfinished, run_folder)
+from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note,  # noqa: E402
                                  markdown_table, nondefault_settings)
@@ -224,8 +225,9 @@ def main(argv=None) -> str:
     if args.out:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w", encoding="utf-8") as f:  # UTF-8 whatever the locale: † and ±
-                f.write(table + "\n")
+            write_text(args.out, table + "\n", args.overwrite)  # never over a file another command wrote meanwhile
+        except RunDirError as e:
+            sys.exit(f"error: {e}; the table is printed above")
         except OSError as e:  # a folder that cannot be made or written (read-only, /proc): the table is printed
             sys.exit(f"error: --out {args.out}: cannot be written ({e.strerror}); the table is printed above: "
                      "give a writable path")

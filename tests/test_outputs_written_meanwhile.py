@@ -131,3 +131,18 @@ def test_with_overwrite_the_script_replaces_it(tmp_path, monkeypatch):
     bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
                 "--threads", "1", "--out", str(tmp_path), "--overwrite"])
     assert (tmp_path / "apply.json").read_text() != THEIRS and os.listdir(tmp_path) == ["apply.json"]
+
+
+def test_compare_act_max_keeps_a_table_and_figure_written_meanwhile(tmp_path, monkeypatch, capsys):
+    from tests.test_compare_act_max import run_rows
+    from tests.test_compare_act_max import write as write_run
+    compare = load_script("compare_act_max")
+    written_after_the_check(compare, monkeypatch)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write_run(runs / "m_s0_act_max.csv", run_rows([9.0, 2.0], [1.0, 8.0], [4.0, 3.0]))
+    out = tmp_path / "cmp"
+    message = refused_line(compare.main, [f"m={runs}/m_s*_act_max.csv", "--out", str(out)], capsys)
+    assert message.startswith(f"error: {out}.csv ") and "--overwrite" in message, message
+    assert (tmp_path / "cmp.csv").read_text() == THEIRS and (tmp_path / "cmp.png").read_text() == THEIRS
+    assert sorted(os.listdir(tmp_path)) == ["cmp.csv", "cmp.png", "runs"]
