@@ -61,7 +61,6 @@ import copy
 import glob
 import importlib
 import io
-import json
 import math
 import os
 import platform
@@ -78,6 +77,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
+from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 from quant import PIPELINES  # noqa: E402
@@ -520,8 +520,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "train_bytes": len(train), "steps": args.steps, "calib_windows": args.calib,
                         "eval_windows": len(windows), "threads": args.threads, "seconds": time.perf_counter() - start,
                         "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    try:  # never over a file another command wrote since this one started
+        write_json(args.out, results, args.overwrite, indent=1)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {args.out}")
 
 
