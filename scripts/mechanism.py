@@ -51,9 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import csv
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -81,6 +79,8 @@ from engine.act_max import ActivationProbe, check_extra_modules  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
+from engine import outputs  # noqa: E402
+from engine.outputs import save_figure  # noqa: E402
 from engine.run_dir import RunDirError, config_changes, prepare_folder, refuse_existing_outputs  # noqa: E402
 from engine.result_table import method_name  # noqa: E402
 from evaluate import calibration_set, load_float_model  # noqa: E402
@@ -480,11 +480,10 @@ def grid(n: int, cols: int = 4) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
-def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str], overwrite: bool) -> None:
+    """The table at `path`; without `overwrite` never over a file another command wrote since this one started
+    (check_outputs looked at the start only): RunDirError then."""
+    outputs.write_csv(path, list(rows), list(fields), overwrite, extrasaction="ignore")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -554,8 +553,8 @@ def cmd_surrogate(args: argparse.Namespace) -> dict:
     fig.suptitle(f"FFN branch vs no-activation surrogate, {args.images} val images\n{loaded.source}",
                  fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    write_csv(csv_path, rows, list(rows[0]))
+    save_figure(fig, png, args.overwrite, dpi=120)
+    write_csv(csv_path, rows, list(rows[0]), args.overwrite)
     for r in rows:
         print(f"{r['block']}: pearson {r['pearson']:.3f}, max |real| {r['max_abs_real']:.2f}, "
               f"max |surrogate| {r['max_abs_surrogate']:.2f}, "
@@ -608,9 +607,9 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
     fig.suptitle(f"FC1-FC2 alignment (App. A.1, Eq. (13)): {loaded.source}", fontsize=8)
     fig.tight_layout()
     # files only once everything is computed and drawn: a failure leaves no partial output to refuse later
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png, args.overwrite, dpi=120)
     write_csv(csv_path, rows, ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value",
-                               "gain"])
+                               "gain"], args.overwrite)
     for r in rows[:5]:
         print(f"#{r['rank']}: {r['block']} direction {r['direction']} row {r['row']}: "
               f"alpha {r['alpha']:.3f}, s {r['singular_value']:.3f}")
@@ -692,9 +691,8 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     ax.legend(fontsize=8)
     fig.suptitle(f"removing aligned directions (App. A.1): {loaded.source}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    with open(json_path, "w") as f:
-        json.dump(summary, f, indent=1)
+    save_figure(fig, png, args.overwrite, dpi=120)
+    outputs.write_json(json_path, summary, args.overwrite, indent=1)
     return {"files": [json_path, png], **summary}
 
 
@@ -745,8 +743,9 @@ def cmd_energies(args: argparse.Namespace) -> dict:
             ax.legend(fontsize=7)
     fig.suptitle("pair energies (Sec. 3.1, Eq. (2); normalised as App. A.2, Eq. (23))", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"])
+    save_figure(fig, png, args.overwrite, dpi=120)
+    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"],
+              args.overwrite)
     for role in roles:
         means = [sum(r["energy"] for r in t if r["role"] == role) / sum(r["role"] == role for r in t)
                  for t in tables]
