@@ -72,6 +72,7 @@ compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, whi
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Mapping, Optional, Sequence
 
@@ -121,13 +122,23 @@ def order_patterns(width: int) -> list[list[int]]:
     pi(j), so pi(j) holds all of j's bits and, as pi maps the channels onto themselves (the counts of set bits
     sum to the same), no more: pi(j) = j. One zero/nonzero pattern alone cannot do this: a permutation that keeps
     its zeroed set (a swap within it, or within the rest) passes it."""
-    return [[j for j in range(width) if j >> b & 1] for b in range((width - 1).bit_length())] if width > 1 else []
+    return [list(_pattern(width, b)) for b in range(_planes(width))]
 
 
-def _pattern(width: int, plane: int) -> list[int]:
-    """Order forward `plane`'s channels of a W1 of `width` channels: none where it has fewer patterns."""
-    patterns = order_patterns(width)
-    return patterns[plane] if plane < len(patterns) else []
+def _planes(width: int) -> int:
+    """How many order patterns `width` channels have: ceil(log2 width), none for one channel."""
+    return (width - 1).bit_length() if width > 1 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern(width: int, plane: int) -> tuple[int, ...]:
+    """Order forward `plane`'s channels of a W1 of `width` channels (those whose bit `plane` is set: runs of
+    2**plane from 2**plane on, every 2**(plane + 1)): none where it has fewer patterns. Cached: every pair of a
+    width, and its judge, asks for the same few."""
+    if plane >= _planes(width):
+        return ()
+    run = 1 << plane
+    return tuple(j for start in range(run, width, 2 * run) for j in range(start, min(start + run, width)))
 
 
 def _zeroed(t: Tensor, entries: Optional[Sequence[int]]) -> Tensor:
@@ -170,9 +181,20 @@ class _ZeroV(TorchFunctionMode):
         """Records which columns of the reader's input `u` (channels along `dim`) hold a finite nonzero value, and
         which differ from row to row (token to token); a fully masked query row is NaN whatever V is (0 * NaN):
         only finite entries tell channels apart."""
+        along = u.dim() >= -dim and u.shape[dim] == width
+        if along and u.is_floating_point() and u.numel():
+            values = u.movedim(dim, -1).reshape(-1, width)
+            # each column's largest |entry| (amax keeps NaN and inf): when all are finite, so is every entry, and
+            # the whole input's isfinite (several times a product's cost on the CPU, in every order forward) and
+            # its masks are not needed
+            peak = values.abs().amax(0)
+            if bool(torch.isfinite(peak).all()):
+                self._record(k, peak > 0, (values != values[:1]).any(0), True)
+                self.rows_seen[k] = max(self.rows_seen.get(k, 0), values.shape[0])
+                return
         finite = torch.isfinite(u)
         hit = (u != 0) & finite
-        if u.dim() >= -dim and u.shape[dim] == width:
+        if along:
             cols = hit.movedim(dim, -1).reshape(-1, width).any(0)
             values, ok = u.movedim(dim, -1).reshape(-1, width), finite.movedim(dim, -1).reshape(-1, width)
             varies = ((values != values[:1]) & ok & ok[:1]).any(0)
@@ -180,10 +202,14 @@ class _ZeroV(TorchFunctionMode):
         else:  # channels along no dim of the reader's width: a nonzero entry counts against every column
             cols = hit.any().expand(width)
             varies = cols
+        self._record(k, cols, varies, bool(finite.any()))
+
+    def _record(self, k: int, cols: Tensor, varies: Tensor, finite: bool) -> None:
+        """Adds one product's findings for pair `k`: its nonzero and varying columns, whether it had a finite entry."""
         for record, new in ((self.nonzero, cols), (self.varies, varies)):
             seen = record.get(k)
             record[k] = new if seen is None else seen | new
-        self.finite[k] = self.finite.get(k, False) or bool(finite.any())
+        self.finite[k] = self.finite.get(k, False) or finite
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -358,8 +384,8 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
     # of the widest pair's channel index, each pair with its own pattern of that bit while it has one (every pair in
     # the first, so that a weight the forward does not use in a way the check follows is refused even at width 1)
     widths = [_width(p) for p in pairs]
-    planes = [[k for k in checked if plane < max(1, len(order_patterns(widths[k])))]
-              for plane in range(max(1, *(len(order_patterns(w)) for w in widths)))]
+    planes = [[k for k in checked if plane < max(1, _planes(widths[k]))]
+              for plane in range(max(1, *(_planes(w) for w in widths)))]
     plans = ([_plan(root, pairs, fused, lambda n: list(range(n)))] if fused else []) + \
         [_plan(root, pairs, ks, lambda n, plane=plane: _pattern(n, plane)) for plane, ks in enumerate(planes)]
     example = example_input(root) if example is None else example
@@ -532,7 +558,8 @@ def _judge_norm_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str
     if start is None:
         return
     chosen, where, fix, out = start
-    bad = [j for j in chosen if mode.nonzero[k][j]]
+    nonzero = mode.nonzero[k].tolist()  # one list, not a tensor indexed per channel
+    bad = [j for j in chosen if nonzero[j]]
     if bad:
         raise UnsupportedModelError(
             f"{where}: with channels {_few(chosen)} of {norm}'s scale (and bias) set to zero, columns {_few(bad)} "
@@ -554,7 +581,8 @@ def _judge_mlp_order(p, k: int, mode: _ZeroV, plane: int, block_types: dict[str,
     if start is None or mode.rows_seen.get(k, 0) < 2:
         return
     chosen, where, fix, out = start
-    bad = [j for j in chosen if mode.varies[k][j]]
+    varies = mode.varies[k].tolist()  # one list, not a tensor indexed per channel
+    bad = [j for j in chosen if varies[j]]
     if bad:
         raise UnsupportedModelError(
             f"{where}: with channels {_few(chosen)} of {up}'s output set to zero, columns {_few(bad)} of {out}'s "
