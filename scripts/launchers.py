@@ -6,7 +6,9 @@ A command stopped by SIGTERM / SIGINT writes its checkpoint and exits with EXIT_
 resumes it. A launcher does not pass that code on: torchrun reports a worker's 75 as a failure and exits 1. What the
 command itself records says it: the line its job log ends with (`log_mark` before the command starts,
 `stopped_on_signal` after it ends; only lines written in between count, so an earlier job's stop is not taken for
-this one's). Imports nothing heavy: sweep.py expands a sweep without torch.
+this one's). `stopped_after_checkpoint` decides it from the exit code and that line: a stop request the script
+itself received does not say that the command wrote its checkpoint. Imports nothing heavy: sweep.py expands a sweep
+without torch.
 """
 from __future__ import annotations
 
@@ -77,6 +79,15 @@ def stopped_on_signal(log_path: str, mark: Optional[tuple[int, int, int]]) -> bo
     except OSError:  # no log: the command ended before it opened one
         return False
     return any(pattern.match(line) for line in written.splitlines())
+
+
+def stopped_after_checkpoint(code: int, log_path: str, mark: Optional[tuple[int, int, int]]) -> bool:
+    """Whether a command that ended with `code` was ended by a stop request after writing its checkpoint, so that
+    the same command resumes it: its own EXIT_PREEMPTED, or another non-zero code (a launcher's: torchrun exits 1)
+    where `stopped_on_signal(log_path, mark)` finds the stop in its log. A signal this script received is not
+    enough: a second Ctrl-C ends train.py at once, without a new checkpoint, and so does a signal that came before
+    the command set up its handlers."""
+    return code == EXIT_PREEMPTED or (code != 0 and stopped_on_signal(log_path, mark))
 
 
 class ForwardedSignals:

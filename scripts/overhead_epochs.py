@@ -23,7 +23,8 @@ as many as every job in the folder's train.log states) and with the settings its
 refused before the first run starts. A run that train.py refuses or
 that fails ends the protocol with train.py's error; one stopped by a signal after its checkpoint (train.py's exit
 75, or a launcher's other code where the run's train.log records the stop: torchrun exits 1) ends it with exit 75,
-and the same command continues it. Writes epochs.json and epochs.png.
+and the same command continues it; one a signal ended without that record (a second Ctrl-C ends train.py at once,
+without a new checkpoint) ends it with train.py's own exit status. Writes epochs.json and epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -46,7 +47,8 @@ sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
-from launchers import ForwardedSignals, launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/)
+from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
+                       stopped_after_checkpoint)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
@@ -138,12 +140,15 @@ def check_run_folders(args, plan: list) -> None:
                 sys.exit(f"error: {problem}")
 
 
-def failed_run_line(out_dir: str, returncode: int, stopped: bool = False) -> tuple[int, str]:
+def failed_run_line(out_dir: str, returncode: int, stopped: bool = False,
+                    interrupted: bool = False) -> tuple[int, str]:
     """(exit status, the line to end with) when train.py did not finish the run in `out_dir`. Its own error line is
     above when it exited 1 (a refusal at its start, or an error while it trained): this line only says which run,
     and claims no resume (the same command may be refused again). Stopped by a signal after its checkpoint
     (EXIT_PREEMPTED, or `stopped`: its train.log says so where the launcher reports another code, as torchrun's 1),
-    or killed, it printed none: the line is the error, and the same command continues the run."""
+    killed, or `interrupted` (this script got a stop request, and train.py ended with another code and no record
+    of the stop: a second Ctrl-C ends it without a new checkpoint), it printed none: the line is the error, and
+    the same command continues the run; only a stop after its checkpoint exits 75."""
     from engine.exit_codes import EXIT_PREEMPTED
     from sweep import shell_status  # scripts/: this folder, as this script or bench_overhead.py runs it
     code, killed = shell_status(returncode)
@@ -153,6 +158,10 @@ def failed_run_line(out_dir: str, returncode: int, stopped: bool = False) -> tup
     if killed:
         return code, (f"error: the run in {out_dir} was{killed[1:]}; re-running the same command continues it from "
                       f"its last checkpoint.pt (from its start if it wrote none)")
+    if interrupted:
+        return code, (f"error: the run in {out_dir} was interrupted by a signal and ended without writing a "
+                      f"checkpoint.pt on the stop (train.py exit status {code}); re-running the same command continues "
+                      f"it from its last checkpoint.pt (from its start if it wrote none)")
     return code, (f"overhead_epochs: the run in {out_dir} failed (train.py exit status {code}); its output above "
                   f"says why")
 
@@ -268,8 +277,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     mark = log_mark(log)
                     returncode = signals.run(cmd)
                     if returncode != 0:
-                        stopped = bool(signals.received) or stopped_on_signal(log, mark)
-                        code, line = failed_run_line(out_dir, returncode, stopped)
+                        # only the run's exit code or its train.log says its checkpoint was written: a second
+                        # Ctrl-C ends train.py at once, without one
+                        stopped = stopped_after_checkpoint(returncode, log, mark)
+                        code, line = failed_run_line(out_dir, returncode, stopped, bool(signals.received))
                         print(line, file=sys.stderr, flush=True)
                         sys.exit(code)
                     runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))

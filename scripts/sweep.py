@@ -36,8 +36,10 @@ at train.max_steps before its schedule ended (the update it reached and its sche
 checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was asked for), stopped
 (train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint; or its launcher exited otherwise, as
 torchrun exits 1 when its processes exit 75, and the lines this command added to the run's train.log record the
-stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; or the sweep itself got SIGTERM / SIGINT: not
-evaluated, and no later run starts), failed, or not started. The sweep exits 0 only when every
+stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; not evaluated, and no later run starts),
+interrupted (the sweep got SIGTERM / SIGINT, and the command ended with another code and no record of the stop, as
+after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed, or
+not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0 only when every
 run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be requeued: it
 continues each unfinished run
 (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
@@ -73,7 +75,8 @@ from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KE
                             unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
-from launchers import ForwardedSignals, launcher_world_size, log_mark, stopped_on_signal  # noqa: E402  (scripts/)
+from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
+                       stopped_after_checkpoint)
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
 # here would import torch and the pipelines (seconds) before --help or the printed commands
@@ -548,10 +551,14 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         mark = log_mark(log)
         code, killed = shell_status(signals.run(cmd))
         step = "training" if i == 0 else "evaluation"
-        if code == EXIT_PREEMPTED or (code and (signals.received or stopped_on_signal(log, mark))):
+        if stopped_after_checkpoint(code, log, mark):
             print(f"sweep: run '{run['name']}' stopped during {step}; run the same command again to continue",
                   file=sys.stderr, flush=True)
             return EXIT_PREEMPTED, f"stopped during {step} (resumable)"
+        if code and signals.received:  # e.g. a second Ctrl-C: the command ended at once, without a checkpoint
+            print(f"sweep: run '{run['name']}' was interrupted during {step} before it wrote a checkpoint ({code}); "
+                  "stopping", file=sys.stderr, flush=True)
+            return code, f"interrupted during {step}, no checkpoint written on the stop (exit code {code}{killed})"
         if code:
             print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
             return code, f"failed during {step} (exit code {code}{killed})"

@@ -166,3 +166,49 @@ def test_only_the_lines_written_after_the_mark_count_and_a_new_log_counts_whole(
     # a job that ended otherwise
     log.write_text(logged_lines(tmp_path / "other", "train", "run summary: finished at update 8, epoch 2/2; ..."))
     assert not stopped_on_signal(str(log), None)
+
+
+def test_a_run_counts_as_stopped_after_its_checkpoint_only_on_its_75_or_its_logs_record(tmp_path):
+    """stopped_after_checkpoint: exit 75, or another non-zero code with the stop in the lines logged since the
+    mark; exit 0 (finished) never, whatever the log holds."""
+    from launchers import log_mark, stopped_after_checkpoint
+
+    log = tmp_path / "run" / "train.log"
+    mark = log_mark(str(log))
+    assert stopped_after_checkpoint(75, str(log), mark)
+    assert not stopped_after_checkpoint(1, str(log), mark)  # no log: e.g. a second Ctrl-C before any was written
+    assert not stopped_after_checkpoint(-2, str(log), mark)  # killed by SIGINT
+    (tmp_path / "run").mkdir()
+    log.write_text(training_stop_lines(tmp_path / "made"))
+    assert stopped_after_checkpoint(1, str(log), mark)  # torchrun's 1 after its processes exited 75
+    assert not stopped_after_checkpoint(0, str(log), mark)
+    assert not stopped_after_checkpoint(1, str(log), log_mark(str(log)))  # the stop is an earlier job's
+
+
+def test_a_sweep_run_a_signal_ended_without_a_record_of_its_stop_is_interrupted_not_stopped(tmp_path, launcher,
+                                                                                          capsys, monkeypatch):
+    """A stop request the sweep received does not make a launcher's 1 a stop: without the log's record (a second
+    Ctrl-C ends train.py without a new checkpoint) the run is interrupted, and the sweep exits with its code."""
+    import signal
+
+    import sweep
+
+    path, lines = launcher
+
+    def run_after_a_stop(self, cmd):
+        self.received.append(signal.SIGINT)
+        return subprocess_run(cmd, self.cwd)
+
+    monkeypatch.setattr(sweep.ForwardedSignals, "run", run_after_a_stop)
+    spec = sweep_file(tmp_path)
+    assert sweep.main([spec, "--run", "--launcher", path]) == 1
+    assert summary(capsys.readouterr().out) == [
+        "  a: interrupted during training, no checkpoint written on the stop (exit code 1)", "  b: not started"]
+    (lines / "train.log").write_text(training_stop_lines(tmp_path / "made"))  # its log records the stop: stopped
+    assert sweep.main([spec, "--run", "--launcher", path]) == 75
+    assert summary(capsys.readouterr().out) == ["  a: stopped during training (resumable)", "  b: not started"]
+
+
+def subprocess_run(cmd: list[str], cwd: str) -> int:
+    import subprocess
+    return subprocess.run(cmd, cwd=cwd).returncode

@@ -77,3 +77,70 @@ def stopped_run(epochs, signum, run, out) -> None:
     finally:
         stopper.join()
     assert done.value.code == 75
+
+
+# A train.py stand-in for a second Ctrl-C: the first SIGINT starts a checkpoint write that takes a while, and a second
+# one ends it at once (engine/preemption.py raises KeyboardInterrupt), before the checkpoint is written; it then
+# exits 1, or as Python ends on an uncaught KeyboardInterrupt (killed by SIGINT)
+TWICE = """
+import os, signal, sys, time
+out, ending = sys.argv[1], sys.argv[2]
+os.makedirs(out, exist_ok=True)
+def now(signum, frame):
+    if ending == "exit1":
+        sys.exit(1)
+    raise KeyboardInterrupt
+def stop(signum, frame):
+    signal.signal(signal.SIGINT, now)
+    open(os.path.join(out, "writing"), "w").close()
+    time.sleep(20)
+    open(os.path.join(out, "checkpoint.pt"), "w").write("saved")
+    sys.exit(75)
+signal.signal(signal.SIGINT, stop)
+open(os.path.join(out, "started"), "w").close()
+time.sleep(30)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("ending, code, says", [
+    ("exit1", 1, "interrupted by a signal and ended without writing a checkpoint.pt on the stop (train.py exit "
+                 "status 1)"),
+    ("uncaught", 128 + signal.SIGINT, "was killed by SIGINT"),
+])
+def test_a_second_ctrl_c_that_ends_the_training_before_its_checkpoint_is_not_reported_as_a_stop(
+        ending, code, says, tmp_path, monkeypatch, capsys):
+    """Only the run's own exit 75 (or its train.log's record of the stop) says its checkpoint.pt was written: a
+    stop request the protocol received does not. The run ended with its own code, and so does the protocol."""
+    epochs = load_script("overhead_epochs")
+    monkeypatch.setattr(epochs, "train_command", lambda args, method, model, batch, run, out_dir:
+                        [sys.executable, "-c", TWICE, out_dir, ending])
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ep"
+    run = out / "runs" / "vit_nano_bs8_baseline_run0"
+
+    def twice():
+        deadline = time.monotonic() + 20
+        while not (run / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+        while not (run / "writing").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the checkpoint is being written
+
+    stopper = threading.Thread(target=twice, daemon=True)
+    stopper.start()
+    try:
+        with pytest.raises(SystemExit) as done:
+            epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                         "--models", "--methods", "baseline", "--runs", "2", "--out", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("the stop request ended the protocol itself instead of reaching its training")
+    finally:
+        stopper.join()
+    assert not (run / "checkpoint.pt").exists()
+    assert done.value.code == code
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(run) in errors[0] and says in errors[0], errors
+    assert "after writing its checkpoint" not in errors[0]
+    assert not (out / "runs" / "vit_nano_bs8_baseline_run1").exists()  # no further run started

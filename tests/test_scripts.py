@@ -1042,10 +1042,16 @@ def test_a_stop_before_or_between_a_runs_commands_starts_nothing_more(stand_in):
 
     class StopDuringTraining(sweep.ForwardedSignals):
         def run(self, cmd):
-            self.received.append(signal.SIGINT)  # e.g. a second Ctrl-C: train.py ends without exit 75
-            return super().run(cmd)
+            code = super().run(cmd)
+            self.received.append(signal.SIGINT)  # came while it ran (the command got it from the terminal too)
+            return code
 
+    # e.g. a second Ctrl-C: train.py ends at once with another code than 75 and no record of a stop, no checkpoint
+    # written on it; the run is not "stopped"
     (codes / "a.train.py").write_text("1")
+    assert sweep.run_one(run, args, StopDuringTraining()) == (
+        1, "interrupted during training, no checkpoint written on the stop (exit code 1)")
+    (codes / "a.train.py").write_text("75")  # its own 75: stopped after its checkpoint
     assert sweep.run_one(run, args, StopDuringTraining()) == (75, "stopped during training (resumable)")
 
 
