@@ -137,7 +137,8 @@ def main(args: argparse.Namespace) -> dict:
         check_same_data_on_every_rank(cfg.data, val_print, device, dist.rank)
 
         def open_results() -> tuple[EvalResults, list]:
-            results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print))
+            results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print,
+                                                     trained_input_size(payload, task.language)))
             if cfg.quant.act_max_csv:
                 check_act_max_files(results.data, os.path.splitext(out)[0])
             else:
@@ -380,8 +381,18 @@ def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoi
                         f"was trained on")
 
 
+def trained_input_size(payload: Optional[dict], language: bool) -> Optional[int]:
+    """The input size a checkpoint's run trained at: its config's model built on the meta device (no weights, no
+    memory; model.img_size null is the model's own size), or None for a weights file or a language model."""
+    if payload is None or language:
+        return None
+    trained = dataclasses.replace(config_from_dict(payload["config"]).model, pretrained="")
+    with torch.device("meta"):
+        return input_size(build_model(trained))
+
+
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int,
-             val_print: Optional[dict]) -> dict:
+             val_print: Optional[dict], trained_size: Optional[int] = None) -> dict:
     """What the numbers of one result file are numbers of (engine/eval_results.py). A folder data set's val
     images are named by their count and the SHA-256 of their names (`val_names`, from `val_print`:
     data.loader.val_fingerprint): a val folder re-exported at the same path with as many other images is another
@@ -389,9 +400,11 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
     (`pos_embed_resampled`, `relative_position_bias_resampled`)."""
     checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else cfg.model.pretrained
     return {"model": model_label(cfg.model), "model_kwargs": _plain_kwargs(cfg.model.kwargs),
-            # a model.img_size given at evaluation (the same weights at another grid: Swin's tables keep their
-            # shapes) is marked against the recipe's, as model.kwargs are (engine/result_table.evaluated_otherwise)
-            "model_img_size": cfg.model.img_size,
+            # a checkpoint scored at another input size than it trained at (model.img_size given at evaluation:
+            # Swin's tables keep their shapes, so the weights load) is marked, as model.kwargs are
+            # (engine/result_table.evaluated_otherwise); None: at its own size, or a weights file
+            "img_size_changed": (f"{input_size(model)} (trained at {trained_size})"
+                                 if trained_size is not None and trained_size != input_size(model) else None),
             "checkpoint": checkpoint,
             # best.pt / checkpoint.pt / a snapshot: seeds of other kinds are not averaged (evaluation_difference)
             "checkpoint_kind": checkpoint_kind(args.checkpoint, pretrained=not args.checkpoint),

@@ -50,9 +50,10 @@ PLACEMENT_OPTIONS = ("cache_device",)
 
 # identity fields added after result files were first written: a file without one takes it (see _read). A
 # resampled position table's grids (pos_embed_resampled, relative_position_bias_resampled) are also named by the
-# weights' fingerprint, which is compared, so a file written before they were recorded is of the same weights
+# weights' fingerprint, which is compared, so a file written before they were recorded is of the same weights. An
+# input size other than the one trained at (img_size_changed) is also data.eval_transform's img_size, compared
 LATER_FIELDS = ("checkpoint_kind", "val_names", "annotations_sha256", "pos_embed_resampled",
-                "relative_position_bias_resampled")
+                "relative_position_bias_resampled", "img_size_changed")
 
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation

@@ -241,21 +241,15 @@ def model_kwargs_changed(result: dict) -> Optional[str]:
 
 def evaluated_otherwise(result: dict) -> Optional[str]:
     """How a result was evaluated otherwise than the paper's protocol (the weights as trained, on the validation
-    split, in fp32), or None: `model_kwargs_changed`, a model.img_size other than the recipe's, a `data.val_split`
+    split, in fp32), or None: `model_kwargs_changed`, an input size other than the one trained at, a `data.val_split`
     other than 'val' (scoring the training images gives a number that reads as a validation accuracy) and an
-    `--amp` autocast, joined by '; '. Tables mark
-    such results † with a `dagger_note`; results that do not record a setting (older files) are not marked for it.
+    `--amp` autocast, joined by '; '. Tables mark such results † with a `dagger_note`; results that do not record
+    a setting (older files) are not marked for it.
     A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
     --amp: its row is marked for those."""
     found = [changed] if (changed := model_kwargs_changed(result)) else []
-    recipe = result.get("recipe")
-    # model.img_size given at evaluation: the same weights at another input size (a result or recipe that does
-    # not record it, an older file or a weights file, is not compared)
-    if isinstance(recipe, dict) and "model.img_size" in recipe and "model_img_size" in result \
-            and result["model_img_size"] != recipe["model.img_size"]:
-        trained = recipe["model.img_size"]
-        found.append(f"model.img_size={result['model_img_size']} (trained with "
-                     f"{'the model default' if trained is None else trained})")
+    if result.get("img_size_changed"):  # model.img_size given at evaluation: the weights at another input size
+        found.append(f"model.img_size={result['img_size_changed']}")
     data = result.get("data") or {}
     split, root = data.get("val_split", "val"), str(data.get("root") or "")
     # find_split joins the split onto data.root: 'val/', './val' and data.root's own val folder by its full path
