@@ -19,7 +19,7 @@ from .run_dir import write_whole
 def write_json(path: str, data: Any, overwrite: bool, **dump_options) -> None:
     """`data` as JSON at `path` (json.dump's `dump_options`, e.g. indent)."""
     def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, **dump_options)
     write_whole(path, write, overwrite)
 
