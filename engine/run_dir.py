@@ -469,18 +469,38 @@ def refuse_existing_outputs(paths: list[str], overwrite: bool, inputs: Sequence[
     if wrong:  # --overwrite replaces a file: opening a folder for writing is an IsADirectoryError traceback
         path, kind, wanted = wrong[0]
         raise RunDirError(f"{path} is {kind}, where this command writes a {wanted}; choose another --out")
-    paths = [*paths, *folders]
-    existing = [p for p in paths if os.path.exists(p)]
+    for p in paths:  # a link is written through (output_target): one that leads nowhere writable, refused now
+        problem = output_target(p)[1]
+        if problem:
+            raise RunDirError(problem)
+    existing = [p for p in [*paths, *folders] if os.path.exists(p)]  # a link to a file counts as that file
     if existing and not overwrite:
         raise RunDirError(f"{', '.join(existing)} already exist(s); choose another --out or add --overwrite "
                           f"to replace")
-    for parent in {os.path.dirname(os.path.abspath(p)) for p in paths}:
+    written = [*(output_target(p)[0] for p in paths), *folders]  # a link's file is written where its target is
+    for parent in {os.path.dirname(os.path.abspath(p)) for p in written}:
         above = parent
         while not os.path.exists(above):  # the folder is made later; what exists of its path must be folders
             above = os.path.dirname(above)
         if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
             raise RunDirError(f"cannot write under {parent}: {above} is "
                               f"{'not a folder' if not os.path.isdir(above) else 'not writable'}; choose another --out")
+
+
+def output_target(path: str) -> tuple[str, Optional[str]]:
+    """(the file an output at `path` is written to, None) or (`path`, why it cannot be). A symbolic link at `path`
+    is written through, as open(path, "w") writes: its target (links resolved) is the output, also where none
+    exists yet (a dangling link), and the link stays; a link often places an output into another tree, a paper's
+    sources. Why not: a link whose target's folder does not exist, or a loop of links (open raised an OSError)."""
+    if not os.path.islink(path):
+        return path, None
+    target = os.path.realpath(path)
+    if os.path.islink(target):  # realpath stops where links go round
+        return path, f"{path} is a link that never reaches a file (a loop of links); remove it or choose another --out"
+    if not os.path.isdir(os.path.dirname(target)):
+        return path, (f"{path} is a link to {target}, whose folder does not exist; make that folder or choose "
+                      f"another --out")
+    return target, None
 
 
 def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True) -> None:
@@ -492,7 +512,13 @@ def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True)
     only where no file is: a hard link, which fails atomically where one exists, so that of two commands given the
     same output, both past `refuse_existing_outputs` at their start, the later writer is refused (RunDirError
     naming `path` and --overwrite) and the earlier one's file stays. A script that rewrites its output as it goes
-    passes `overwrite=True` after its first write: the file is then its own."""
+    passes `overwrite=True` after its first write: the file is then its own.
+
+    A symbolic link at `path` is written through (`output_target`): its target is published, the temporary beside
+    it (a rename stays on one file system), and the link is kept."""
+    path, problem = output_target(path)
+    if problem:
+        raise RunDirError(problem)
     tmp = partial_path(path)
     try:
         write(tmp)

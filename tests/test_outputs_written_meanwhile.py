@@ -146,3 +146,77 @@ def test_compare_act_max_keeps_a_table_and_figure_written_meanwhile(tmp_path, mo
     assert message.startswith(f"error: {out}.csv ") and "--overwrite" in message, message
     assert (tmp_path / "cmp.csv").read_text() == THEIRS and (tmp_path / "cmp.png").read_text() == THEIRS
     assert sorted(os.listdir(tmp_path)) == ["cmp.csv", "cmp.png", "runs"]
+
+
+# A symbolic link as the output is written through, as open(path, "w") writes: its target gets the output and the
+# link stays (a link often places a table into a paper's sources)
+
+def linked(tmp_path, target_text=None):
+    """(the link out/table.md, its target paper/table.md, holding `target_text` where given)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "paper").mkdir()
+    target = tmp_path / "paper" / "table.md"
+    if target_text is not None:
+        target.write_text(target_text)
+    link = tmp_path / "out" / "table.md"
+    link.symlink_to(target)
+    return link, target
+
+
+def test_overwrite_writes_through_a_link_to_its_target(tmp_path, file_system):
+    from engine.outputs import write_text
+
+    link, target = linked(tmp_path, "old")
+    run_dir.refuse_existing_outputs([str(link)], overwrite=True)
+    write_text(str(link), "new\n", True)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new\n"
+    assert os.listdir(tmp_path / "out") == ["table.md"] and os.listdir(tmp_path / "paper") == ["table.md"]
+
+
+def test_a_link_to_a_file_is_an_existing_output(tmp_path, file_system):
+    link, target = linked(tmp_path, THEIRS)
+    with pytest.raises(RunDirError) as refused:  # at the start
+        run_dir.refuse_existing_outputs([str(link)], overwrite=False)
+    assert str(link) in str(refused.value) and "--overwrite" in str(refused.value)
+    with pytest.raises(RunDirError) as refused:  # at the write (another command made the target meanwhile)
+        write_whole(str(link), write("ours"), overwrite=False)
+    assert str(target) in str(refused.value) and "--overwrite" in str(refused.value)
+    assert link.is_symlink() and target.read_text() == THEIRS
+    assert os.listdir(tmp_path / "out") == ["table.md"] and os.listdir(tmp_path / "paper") == ["table.md"]
+
+
+def test_a_dangling_link_without_overwrite_gets_its_target_written(tmp_path, file_system):
+    link, target = linked(tmp_path)
+    run_dir.refuse_existing_outputs([str(link)], overwrite=False)  # no file there yet: not an existing output
+    write_whole(str(link), write("ours"), overwrite=False)
+    assert link.is_symlink() and target.read_text() == "ours"
+    assert os.listdir(tmp_path / "paper") == ["table.md"]
+
+
+def test_a_link_that_leads_to_no_folder_or_round_is_refused_by_name(tmp_path):
+    (tmp_path / "nowhere.md").symlink_to(tmp_path / "missing" / "table.md")
+    (tmp_path / "a.md").symlink_to(tmp_path / "b.md")
+    (tmp_path / "b.md").symlink_to(tmp_path / "a.md")
+    for name, says in (("nowhere.md", "folder does not exist"), ("a.md", "loop")):
+        path = str(tmp_path / name)
+        for refuse in (lambda: run_dir.refuse_existing_outputs([path], overwrite=True),
+                       lambda: write_whole(path, write("ours"), overwrite=True)):
+            with pytest.raises(RunDirError) as refused:
+                refuse()
+            assert str(refused.value).startswith(f"{path} is a link") and says in str(refused.value)
+    assert sorted(os.listdir(tmp_path)) == ["a.md", "b.md", "nowhere.md"]
+    assert all(os.path.islink(tmp_path / n) for n in ("a.md", "b.md", "nowhere.md"))
+
+
+def test_a_scripts_output_that_is_a_link_is_written_through_with_overwrite(tmp_path):
+    bench = load_script("bench_overhead")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "kept").mkdir()
+    target = tmp_path / "kept" / "apply.json"
+    target.write_text("old")
+    (tmp_path / "out" / "apply.json").symlink_to(target)
+    bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
+                "--threads", "1", "--out", str(tmp_path / "out"), "--overwrite"])
+    assert (tmp_path / "out" / "apply.json").is_symlink()
+    assert target.read_text().lstrip().startswith("{")  # the new JSON, through the link
