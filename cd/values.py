@@ -170,6 +170,14 @@ class _ZeroV(TorchFunctionMode):
         self.rows_seen: dict[int, int] = {}  # pair -> the most rows (tokens) of the reader's input in one product
         self.finite: dict[int, bool] = {}  # pair -> the reader's input had a finite entry in some product
 
+    def release(self) -> None:
+        """Drops what only the forward needed (the moved copies and products it holds, so that their ids are not
+        reused during it), keeping the findings the judges read."""
+        self.origin.clear()
+        self._keep.clear()
+        self._index.clear()
+        self.products.clear()
+
     def _columns(self, w: int, device: torch.device) -> Tensor:
         """The columns of qkv weight `w`'s output to zero, as an index on `device` (made once per device)."""
         key = (w, device)
@@ -408,6 +416,7 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
                     for mode in modes:
                         with mode:
                             root(*args, **kwargs)
+                        mode.release()  # one forward's tensors at a time, however many forwards run
                     break
                 except UnsupportedModelError:
                     raise

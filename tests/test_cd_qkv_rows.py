@@ -7,6 +7,7 @@ written here independently of cd/: only the thirds layout has V at rows [2D:3D].
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 import timm
@@ -408,6 +409,18 @@ def test_the_check_runs_its_forwards_on_one_sample_in_eval_mode_and_leaves_train
     assert len(find_pairs(model, example_input=torch.randn(4, TOKENS, 3))) == 8
     assert model.embed[0].seen == [(False, 1)] * (1 + 5)
     assert model.training and model.embed[0].training
+
+
+def test_the_check_holds_one_forwards_tensors_at_a_time():
+    # the forwards are many (one per bit of the widest pair's channel index): a product output with V's columns set
+    # to zero that the check kept from one forward (it follows tensors by id) must not live on through the others
+    torch.manual_seed(0)
+    model = _Net("thirds")
+    outputs, alive = [], []
+    model.blocks[1].attn.qkv.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    model.embed.register_forward_pre_hook(lambda module, args: alive.append(sum(r() is not None for r in outputs)))
+    assert len(find_pairs(model)) == 8
+    assert alive == [0] * (1 + 1 + 5)  # the meta forward, V whole, then fc1's 24 channels: 5 bits
 
 
 class _Reassigner(nn.Module):
