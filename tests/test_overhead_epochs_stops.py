@@ -66,7 +66,13 @@ def stopped_run(epochs, signum, run, out) -> None:
             time.sleep(0.05)
         os.kill(os.getpid(), signum)  # to the protocol's process only: it must pass the request on
 
-    stopper = threading.Thread(target=stop_when_started, daemon=True)
+    assert protocol_exit_while(stop_when_started, epochs, out) == 75
+
+
+def protocol_exit_while(signaller, epochs, out) -> int:
+    """The protocol's exit status (two runs) while `signaller` runs in a thread and sends its signals to this
+    process; a KeyboardInterrupt out of the protocol itself fails the test."""
+    stopper = threading.Thread(target=signaller, daemon=True)
     stopper.start()
     try:
         with pytest.raises(SystemExit) as done:
@@ -76,7 +82,7 @@ def stopped_run(epochs, signum, run, out) -> None:
         pytest.fail("the stop request ended the protocol itself instead of reaching its training")
     finally:
         stopper.join()
-    assert done.value.code == 75
+    return done.value.code
 
 
 # A train.py stand-in for a second Ctrl-C: the first SIGINT starts a checkpoint write that takes a while, and a second
@@ -128,18 +134,8 @@ def test_a_second_ctrl_c_that_ends_the_training_before_its_checkpoint_is_not_rep
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the checkpoint is being written
 
-    stopper = threading.Thread(target=twice, daemon=True)
-    stopper.start()
-    try:
-        with pytest.raises(SystemExit) as done:
-            epochs.main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
-                         "--models", "--methods", "baseline", "--runs", "2", "--out", str(out)])
-    except KeyboardInterrupt:
-        pytest.fail("the stop request ended the protocol itself instead of reaching its training")
-    finally:
-        stopper.join()
+    assert protocol_exit_while(twice, epochs, out) == code
     assert not (run / "checkpoint.pt").exists()
-    assert done.value.code == code
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(run) in errors[0] and says in errors[0], errors
     assert "after writing its checkpoint" not in errors[0]
