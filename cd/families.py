@@ -135,7 +135,7 @@ def describe_pairs(model: nn.Module) -> str:
         refused = "refused: " + str(e).split(". ")[0]
     try:
         return f"{refused}. With cd.gated_mlp=true: {_pairs_by_block(model, gated_mlp=True)}"
-    except UnsupportedModelError:
+    except (UnsupportedModelError, ValueError):  # ValueError: a model with no gated MLP refuses the switch itself
         return refused
 
 
