@@ -19,7 +19,6 @@ point leaves what it had measured, never a torn file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
-from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs, write_whole  # noqa: E402
+from engine import outputs  # noqa: E402
+from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring). APHQ's eq_n
@@ -188,12 +188,7 @@ def write_json(path: str, result: dict, overwrite: bool) -> None:
     `overwrite`, a file at `path` (another command's, written since this one started) is refused: RunDirError."""
     if not path:
         return
-    write_whole(path, lambda tmp: dump_json(result, tmp, indent=2), overwrite)
-
-
-def dump_json(data: dict, path: str, indent: int) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=indent)
+    outputs.write_json(path, result, overwrite, indent=2)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -79,7 +78,8 @@ import evaluate  # noqa: E402
 from configs.cli import OneLineParser, first_line, move_overrides, passed_on_epilog  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
-from engine.run_dir import refuse_existing_outputs, write_whole  # noqa: E402
+from engine import outputs  # noqa: E402
+from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
@@ -609,12 +609,7 @@ def write_json(path: str, result: dict, overwrite: bool) -> None:
     removes it); without `overwrite` only where no file is (RunDirError)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    write_whole(path, lambda tmp: dump_json(result, tmp), overwrite)
-
-
-def dump_json(data: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    outputs.write_json(path, result, overwrite, indent=1)
 
 
 if __name__ == "__main__":

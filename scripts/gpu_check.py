@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least  # noqa: E402
-from engine import run_dir  # noqa: E402
+from engine import outputs  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
@@ -81,14 +81,9 @@ class Partial:
 
 def write_whole(path: str, data: dict, overwrite: bool = True) -> None:
     """`data` as JSON at `path`, whole or not at all: a process killed mid-write (a stage at its budget, or
-    the call's own end) leaves the previous version, never a torn file (run_dir.write_whole: the temporary is
+    the call's own end) leaves the previous version, never a torn file (engine.outputs.write_json: the temporary is
     no user's file, and an exception removes it; a kill's leftover is removed by collect_figures)."""
-    run_dir.write_whole(path, lambda tmp: dump_json(data, tmp), overwrite)
-
-
-def dump_json(data: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    outputs.write_json(path, data, overwrite, indent=1)
 
 
 # ----------------------------------------------------------------------------------- the stages (child side)

@@ -17,7 +17,8 @@ import os
 import re
 from typing import Optional
 
-from engine.run_dir import config_changes, lock_folder, make_folder, saved_config, start_only_changes, write_whole
+from engine.outputs import write_json
+from engine.run_dir import config_changes, lock_folder, make_folder, saved_config, start_only_changes
 
 RECORD_SUFFIX = ".launcher.json"
 
@@ -40,12 +41,7 @@ def write_launcher(out_dir: str, launcher: str, world_size: Optional[int], setti
     left as it is; otherwise that job's run would be recorded as this job's launcher's."""
     make_folder(out_dir, setting)
     with lock_folder(out_dir, setting):
-        write_whole(record_path(out_dir), lambda tmp: _dump(tmp, {"launcher": launcher, "processes": world_size}))
-
-
-def _dump(path: str, record: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(record, f)
+        write_json(record_path(out_dir), {"launcher": launcher, "processes": world_size}, overwrite=True)
 
 
 def recorded_launcher(out_dir: str) -> Optional[str]:
