@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
+from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
 from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
@@ -149,7 +150,6 @@ def failed_run_line(out_dir: str, returncode: int, stopped: bool = False,
     killed, or `interrupted` (this script got a stop request, and train.py ended with another code and no record
     of the stop: a second Ctrl-C ends it without a new checkpoint), it printed none: the line is the error, and
     the same command continues the run; only a stop after its checkpoint exits 75."""
-    from engine.exit_codes import EXIT_PREEMPTED
     from sweep import shell_status  # scripts/: this folder, as this script or bench_overhead.py runs it
     code, killed = shell_status(returncode)
     if code == EXIT_PREEMPTED or stopped:
@@ -263,7 +263,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 for run in range(args.runs):
                     out_dir = run_dir(args, model, batch, method, run)
                     if signals.received:  # the stop came between two runs: no further one starts
-                        from engine.exit_codes import EXIT_PREEMPTED
                         print(f"error: stopped on a signal before the run in {out_dir} started; re-running the "
                               f"same command continues the protocol", file=sys.stderr, flush=True)
                         sys.exit(EXIT_PREEMPTED)
