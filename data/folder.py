@@ -127,10 +127,11 @@ def check_split_kind(path: str) -> None:
 
 def to_rgb(img: Image.Image) -> Image.Image:
     """8-bit RGB of `img`. PIL's convert("RGB") clips 16-bit grayscale (mode I;16, a 16-bit PNG) to 0..255,
-    which turns nearly every pixel white: its values are scaled to 8 bits instead (65535 -> 255). 32-bit
-    integer and float pixels (modes I and F, e.g. a TIFF) carry no range to scale from: refused (ValueError),
-    so the file is marked unreadable and named, never read as a guess."""
-    if img.mode.startswith("I;16"):
+    which turns nearly every pixel white: its values are scaled to 8 bits instead (65535 -> 255). Pillow
+    before 10.3 opens a 16-bit grayscale PNG as mode I, scaled the same way (a PNG holds at most 16 bits per
+    sample). Other 32-bit integer and float pixels (modes I and F, e.g. a TIFF) carry no range to scale from:
+    refused (ValueError), so the file is marked unreadable and named, never read as a guess."""
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG"):
         pixels = np.asarray(img).astype(np.float64) / 257.0
         return Image.fromarray(np.rint(pixels).astype(np.uint8)).convert("RGB")
     if img.mode in ("I", "F"):
