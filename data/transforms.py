@@ -3,11 +3,12 @@
 Train: RandomResizedCrop (bicubic), flip, RandAugment, normalize, random erasing. Eval: resize to
 img_size / crop_pct, center crop, normalize. RandAugment switches colour jitter off inside timm.
 data.auto_augment is checked section by section against what timm's parser reads (`check_auto_augment`): timm
-skips a section it does not read without a word.
+skips a section it does not read without a word, and clips a magnitude or probability beyond its range.
 """
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 from timm.data import create_transform
 
@@ -45,6 +46,9 @@ POLICY_KEYS = {
 # for its default set
 RAND_TRANSFORM_SETS = ("weights", "3aw", "3a")
 FAMILY_NAMES = {"rand": "RandAugment", "augmix": "AugMix", "auto": "AutoAugment"}
+# timm's AugmentOp clips every magnitude it draws to [0, mmax or 10] (its _LEVEL_DENOM); AugMix's parser reads no
+# mmax, so its cap is always 10
+MAGNITUDE_CAP = 10
 
 
 def policy_family(policy: str) -> str:
@@ -70,7 +74,8 @@ def check_auto_augment(policy: str) -> None:
 def check_policy_sections(policy: str) -> None:
     """Each '-' section after the policy's name must be one timm's parser for its family reads: a key of
     POLICY_KEYS with a number (m9, mstd0.5, inc1), or for RandAugment t<name> naming one of RAND_TRANSFORM_SETS;
-    each key once (timm keeps the first mstd and the last of the others). Else a ConfigError naming the section."""
+    each key once (timm keeps the first mstd and the last of the others); a value timm takes without overruling it
+    (`overruled_value_problem`). Else a ConfigError naming the section."""
     family = policy_family(policy)
     keys = POLICY_KEYS[family]
     readable = ", ".join([f"{k}<number>" for k in keys] + (["t<set>"] if family == "rand" else []))
@@ -98,3 +103,40 @@ def check_policy_sections(policy: str) -> None:
             raise refused(section, f"sets {key} again after {seen[key]!r}, and timm would keep only one of them: "
                                    f"give it once")
         seen[key] = section
+    problem = overruled_value_problem(family, {key: section[len(key):] for key, section in seen.items()})
+    if problem is not None:
+        raise refused(*problem)
+
+
+def overruled_value_problem(family: str, values: dict) -> Optional[tuple]:
+    """(section, why) of a value timm takes and then overrules without a word, or None. `values`: {key: its
+    number as written} of a policy of `family`. timm clips a magnitude above its cap (mmax, else 10) to the cap, so
+    rand-m30 trains as rand-m10; reads mmax0 as no cap (10); and applies an op of probability 1 or more always, so
+    p5 trains as p1. A number timm cannot read is left to timm's parser (check_auto_augment names it)."""
+    def read(key, kind):
+        try:
+            return kind(values[key]) if key in values else None
+        except ValueError:
+            return None
+
+    magnitude = read("m", int)
+    cap = read("mmax", int) if family == "rand" else None
+    if "mmax" in values and cap is None:  # timm's int() fails on it: check_auto_augment names that error
+        return None
+    if cap == 0:
+        return f"mmax{values['mmax']}", (f"is read by timm as no cap, which is {MAGNITUDE_CAP}: give mmax above 0 "
+                                          f"(the highest magnitude), or leave it out")
+    if magnitude is not None and magnitude > (cap or MAGNITUDE_CAP):
+        if family == "rand":
+            raise_cap = f"mmax{magnitude} instead of mmax{values['mmax']}" if cap else f"mmax{magnitude} with it"
+            fix = f"give {raise_cap} (timm's cap), or m{cap or MAGNITUDE_CAP}"
+        else:
+            fix = f"give m{MAGNITUDE_CAP} or lower (timm's AugMix reads no mmax)"
+        return f"m{values['m']}", (f"is above timm's magnitude cap {cap or MAGNITUDE_CAP}, to which timm clips every "
+                                    f"magnitude it draws without a word; {fix}")
+    probability = read("p", float) if family == "rand" else None
+    if probability is not None and not 0 <= probability <= 1:
+        return f"p{values['p']}", ("is no probability: timm applies each op always at p1 or more, so it would train "
+                                   "as p1; give p between 0 and 1")
+    return None
+
