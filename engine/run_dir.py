@@ -23,7 +23,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   tb/, no metrics: a typo in the model name, the data path or a value), whatever the config. Both include
   the wandb/ folder a run makes when its config.yaml enables wandb. A config.yaml that is not a run's whole
   config (other top-level keys than the schema's sections: a recipe of the user's) is no run's, and the folder
-  is refused naming it, unless `train.archive_existing=true` asks for everything to be moved.
+  is refused naming it, unless `train.archive_existing=true` asks for everything to be moved. Nothing is moved
+  when a file the run reads lies among those files (model.pretrained or train.resume naming out_dir/best.pt, a
+  link in the folder, a file through a link to it): the folder is refused naming the setting (`check_inputs_stay`).
 """
 from __future__ import annotations
 
@@ -250,6 +252,60 @@ def archive(out_dir: str, names: list[str]) -> str:
     return target
 
 
+# Files a run reads that may lie in its out_dir (an earlier run's best.pt as the weights to start from): archiving
+# the folder's files must not move them away before they are read. (setting, what the file is, for the advice)
+INPUT_FILES = (("model.pretrained", "the weights"), ("train.resume", "the checkpoint"))
+
+
+def check_inputs_stay(out_dir: str, names: list[str], config: dict, mover: str) -> None:
+    """Raise RunDirError before anything is moved when a file the run reads (INPUT_FILES) lies among the `names` of
+    `out_dir` that archiving would move to out_dir/archive/<time>/ (`mover` says who): the run would then fail on a
+    path that no longer exists, its weights archived. Paths are compared as the file system resolves them (relative
+    paths, links to or in the folder: `_lookup_path`)."""
+    settings = _flat(config)
+    folder = os.path.realpath(out_dir)
+    for setting, what in INPUT_FILES:
+        value = settings.get(setting)
+        if not value or not isinstance(value, str):
+            continue
+        passed = _lookup_path(value)
+        moved = [n for n in names if any(_under(p, os.path.join(folder, n)) for p in passed)]
+        if moved:
+            raise RunDirError(f"{setting}={value} lies in out_dir '{out_dir}' among the files {mover} to "
+                              f"{out_dir}/{ARCHIVE}/<time>/ ({moved[0]}): use another out_dir, or move {what} out "
+                              f"of it first")
+
+
+def _under(path: str, folder: str) -> bool:
+    """Whether the resolved path `path` is `folder` or lies below it (neither is resolved again)."""
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _lookup_path(path: str, max_links: int = 40) -> list[str]:
+    """Every place the lookup of `path` passes through, component by component as the kernel resolves it: each
+    symbolic link met (its own location, its folder resolved) and the resolved file at the end. Archiving a link
+    breaks the path as moving its target does, so both count (os.path.realpath gives only the end)."""
+    passed = []
+    current, pending, links = os.sep, os.path.join(os.getcwd(), path).split(os.sep), 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":  # after the links before it are resolved, as the kernel does (not lexically)
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        if os.path.islink(candidate) and links < max_links:
+            links += 1
+            passed.append(candidate)
+            target = os.readlink(candidate)
+            current = os.sep if os.path.isabs(target) else current
+            pending = target.split(os.sep) + pending
+        else:
+            current = candidate
+    return passed + [current]
+
+
 def saved_config(out_dir: str) -> Optional[dict]:
     """The run's config.yaml as a dict, or None without a readable one."""
     try:
@@ -274,6 +330,7 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                           f"({foreign}); a run moves aside only its own files: move config.yaml out of the folder, "
                           f"or use another out_dir")
     if _start_that_failed(out_dir, found, saved):  # e.g. a typo in a model name, a path or a value: any config
+        check_inputs_stay(out_dir, found, config, "a fresh start moves (the logs of a start that failed)")
         log.warning("%s holds only the logs of a start that stopped before its first logged update",
                     out_dir)
         archive(out_dir, found)
@@ -281,6 +338,8 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
     restart = ("best.pt" not in found and set(found) <= _start_logs(saved) | {"metrics.jsonl"}
                and saved is not None and not config_changes(saved, config))
     if archive_existing or restart:
+        check_inputs_stay(out_dir, found, config, "train.archive_existing=true would move" if archive_existing
+                          else "a restart of the same run moves (its logs)")
         if restart:
             log.warning("%s holds the logs of this same run, stopped before its first checkpoint", out_dir)
         archive(out_dir, found)
