@@ -63,7 +63,8 @@ class DataConfig:
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
     mean: Annotated[tuple, Numbers(3)] = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
     std: Annotated[tuple, Numbers(3, Positive)] = (0.229, 0.224, 0.225)  # per-channel normalization std
-    # resize interpolation (train and eval; timm's PIL modes)
+    # resize interpolation (train and eval; timm's PIL modes). box, hamming and lanczos only with a data.auto_augment
+    # policy without rotate, shear or translate ops (3a, rand-t3a): PIL's affine transforms take no other filter
     interpolation: Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"] = "bicubic"
     # eval: resize to img_size / crop_pct, then center crop
     crop_pct: Annotated[float, Range(0, 1, low_open=True)] = 0.875

@@ -3,13 +3,16 @@
 Train: RandomResizedCrop (bicubic), flip, RandAugment, normalize, random erasing. Eval: resize to
 img_size / crop_pct, center crop, normalize. RandAugment switches colour jitter off inside timm.
 data.auto_augment is checked section by section against what timm's parser reads (`check_auto_augment`): timm
-skips a section it does not read without a word, and clips a magnitude or probability beyond its range.
+skips a section it does not read without a word, and clips a magnitude or probability beyond its range. A policy
+whose rotate, shear or translate ops would resample with a filter PIL's affine transforms refuse (box, hamming,
+lanczos) is refused with the filter (`check_policy_interpolation`).
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
 
+from timm.data import auto_augment as timm_aa
 from timm.data import create_transform
 
 from configs import ConfigError
@@ -24,6 +27,7 @@ def train_transform_settings(cfg: DataConfig) -> dict:
 def build_transform(cfg: DataConfig, img_size: int, is_training: bool):
     if is_training:
         check_auto_augment(cfg.auto_augment)
+        check_policy_interpolation(cfg.auto_augment, cfg.interpolation)
         return create_transform(
             img_size, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,
             color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment or None,
@@ -49,6 +53,12 @@ FAMILY_NAMES = {"rand": "RandAugment", "augmix": "AugMix", "auto": "AutoAugment"
 # timm's AugmentOp clips every magnitude it draws to [0, mmax or 10] (its _LEVEL_DENOM); AugMix's parser reads no
 # mmax, so its cap is always 10
 MAGNITUDE_CAP = 10
+# PIL's affine transforms (Image.transform, Image.rotate), which timm's rotate, shear and translate ops call with
+# data.interpolation as their resampling filter, take these filters only: any other is a ValueError at the op's
+# first draw, in the middle of training, from inside a loader worker
+AFFINE_INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
+AFFINE_OPS = (timm_aa.rotate, timm_aa.shear_x, timm_aa.shear_y, timm_aa.translate_x_abs, timm_aa.translate_y_abs,
+              timm_aa.translate_x_rel, timm_aa.translate_y_rel)
 
 
 def policy_family(policy: str) -> str:
@@ -140,3 +150,27 @@ def overruled_value_problem(family: str, values: dict) -> Optional[tuple]:
                                    "as p1; give p between 0 and 1")
     return None
 
+
+def policy_ops(policy: str) -> list:
+    """The ops (timm AugmentOp) of the transform timm builds for `policy`, a policy check_auto_augment passed."""
+    family = policy_family(policy)
+    if family == "rand":
+        return list(timm_aa.rand_augment_transform(policy, {}).ops)
+    if family == "augmix":
+        return list(timm_aa.augment_and_mix_transform(policy, {}).ops)
+    return [op for sub_policy in timm_aa.auto_augment_transform(policy, {}).policy for op in sub_policy]
+
+
+def check_policy_interpolation(policy: str, interpolation: str) -> None:
+    """data.interpolation with data.auto_augment: timm hands the interpolation to the policy's ops as their
+    resampling filter, and PIL's affine transforms (rotate, shear, translate) take AFFINE_INTERPOLATIONS only. A
+    policy with such an op under any other filter is a ConfigError naming both keys; one without (3a, rand-t3a)
+    passes, and so does every filter for the eval transform, which resizes only."""
+    if not policy or interpolation in AFFINE_INTERPOLATIONS:
+        return
+    affine = sorted({op.name for op in policy_ops(policy) if op.aug_fn in AFFINE_OPS})
+    if affine:
+        raise ConfigError(f"data.interpolation={interpolation} with data.auto_augment={policy!r}: the policy's "
+                          f"{', '.join(affine)} ops resample through PIL's affine transforms, which take "
+                          f"{', '.join(AFFINE_INTERPOLATIONS)} only (a ValueError in the middle of training); set "
+                          f"data.interpolation to one of those, or data.auto_augment=\"\" for no policy")
