@@ -427,12 +427,16 @@ def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
 
 def refuse_split_devices(pairs: Sequence, block_types: dict[str, str]) -> None:
     """Refuse a pair whose two matrices lie on different devices (a block split across GPUs): its products
-    need both on one device, and CD moves no weights between devices.
+    need both on one device, and CD moves no weights between devices. A matrix on the `meta` device is passed over:
+    it has no values at all (a model partly materialised), which the callers that need values refuse with that
+    cause and its fix (`cd.decay.refuse_meta`: materialise, then build), not with "keep each block on one device".
 
     Raises:
         UnsupportedModelError: naming the pair, its block and both devices.
     """
     for p in pairs:
+        if p.downstream.is_meta or p.upstream.is_meta:
+            continue
         if p.downstream.device != p.upstream.device:
             raise UnsupportedModelError(
                 f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} pair has "

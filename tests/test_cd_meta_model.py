@@ -1,8 +1,11 @@
 """A model on the `meta` device has shapes and no values: `find_pairs` lists its pairs, while `ColinearityDecay` and
 `pair_energy_source`, which update or measure values, refuse it once, with its cause and fix (they failed later, in
 apply, metrics or aux_loss, with torch's "unsupported scalarType" from inside an autocast on `meta`). A CPU model
-under torch's default device `meta` is no meta model and is updated as any other."""
+under torch's default device `meta` is no meta model and is updated as any other. A model partly on `meta` (one
+matrix of a pair not yet materialised) is refused with the same cause and fix, not as a block split across devices."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -71,3 +74,31 @@ def test_a_cpu_model_under_the_default_device_meta_is_updated_and_measured():
     assert energies["cd/updates"] == 1.0 and source.keys() <= energies.keys() and source
     # the loss form's term is loss_coef * |task loss| (cd/README.md): 0.01 * 2
     assert term.device.type == "cpu" and abs(float(term.detach()) - 0.02) < 1e-6
+
+
+def _partly_meta_vit(module: str) -> torch.nn.Module:
+    """tiny_vit with the weight of `module` alone on the meta device (a model partly materialised)."""
+    model = tiny_vit()
+    part = model.get_submodule(module)
+    part.weight = torch.nn.Parameter(torch.empty_like(part.weight, device="meta"))
+    return model
+
+
+# fc2: the W2 of one pair; qkv: the W2 of one pair and the W1 of another; norm2: the W1 of one pair only
+PARTS = ["blocks.1.mlp.fc2", "blocks.0.attn.qkv", "blocks.1.norm2"]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("module", PARTS)
+def test_a_partly_meta_model_is_refused_with_the_materialise_fix_not_as_split_across_devices(module, verify):
+    partly = rf"the model's parameters are on the meta device \(no values, e.g. {re.escape(module)}\.weight\)"
+    with pytest.raises(ValueError, match=rf"^ColinearityDecay: {partly}.*materialise them first") as refused:
+        ColinearityDecay(_partly_meta_vit(module), lam=0.005, verify=verify)
+    assert "one device" not in str(refused.value)  # the meta matrix has no device to move it to, only values to get
+    with pytest.raises(ValueError, match=rf"^pair_energy_source: {partly}.*materialise them first"):
+        pair_energy_source(_partly_meta_vit(module))
+
+
+@pytest.mark.parametrize("module", PARTS)
+def test_find_pairs_lists_a_partly_meta_models_pairs_as_a_whole_meta_models(module):
+    assert len(find_pairs(_partly_meta_vit(module))) == 4 * VIT_DEPTH
