@@ -6,13 +6,15 @@
 
 For each framework (a plain loop with `ColinearityDecay.attach` as the reference; transformers' Trainer with
 `cd.integrations.hf`; Lightning; MMEngine's Runner with `ColinearityDecayHook`) it trains the same seeded timm
-ViT (random data, AdamW) for `--warmup` + `--steps` optimizer steps, without CD and with CD, `--repeats` times
-each in turn, and takes each step's time from the framework's own end-of-step event. It prints the median step
-time of the best repeat of each, their ratio, and CD's cost per step (with - without): an integration whose hook
-placement cost anything beyond `attach` would show a larger cost than the plain loop's. CD computes its update
-norms (a metric) on every `--norms-every`-th update, by default the integrations' (`cd.integrations.NORMS_EVERY`),
-in the plain loop too; with several values the runs with CD take each in turn, one row each, all against the
-same runs without CD.
+ViT (random data, AdamW) for 1 + `--warmup` + `--steps` optimizer steps, without CD and with CD, `--repeats` times
+each in turn, and takes each step's time as the gap between two of the framework's own end-of-step events. So
+the first step is never timed, in every runner alike: in the frameworks it holds their start and, with CD, CD's
+one-time pair check (built at train start; the plain loop builds it before its loop). The `--warmup` steps after
+it are untimed too. It prints the median over the `--steps` timed steps of the best repeat of each, their ratio,
+and CD's cost per step (with - without): an integration whose hook placement cost anything beyond `attach` would
+show a larger cost than the plain loop's. CD computes its update norms (a metric) on every `--norms-every`-th
+update, by default the integrations' (`cd.integrations.NORMS_EVERY`), in the plain loop too; with several values
+the runs with CD take each in turn, one row each, all against the same runs without CD.
 """
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ def data(args, n_steps: int):
 
 
 def step_times(stamps: list[float], warmup: int) -> float:
-    """Median seconds per step after `warmup` steps, from end-of-step time stamps."""
+    """Median seconds per step from end-of-step time stamps, one per step: the gaps between consecutive stamps,
+    without the first `warmup`. The first step ends at the first stamp and has no gap, so what ran before it (the
+    framework's start, CD's pair check) is in none; `len(stamps) - 1 - warmup` steps are timed."""
     gaps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
     return statistics.median(gaps)
 
@@ -69,7 +73,7 @@ def run_plain(args, with_cd: bool) -> float:
     if with_cd:
         ColinearityDecay(model, **cd_kwargs(args)).attach(opt)
     x, y = data(args, args.total)
-    stamps = [time.perf_counter()]
+    stamps: list[float] = []  # at the end of each step only, as in the frameworks (step_times)
     for i in range(args.total):
         xb, yb = x[i * args.batch:(i + 1) * args.batch], y[i * args.batch:(i + 1) * args.batch]
         opt.zero_grad()
@@ -96,11 +100,8 @@ def run_hf(args, with_cd: bool) -> float:
 
     stamps: list[float] = []
 
-    class Stamp(TrainerCallback):
+    class Stamp(TrainerCallback):  # no stamp at train begin: CD's pair check runs there (step_times)
         def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-
-        def on_train_begin(self, *a, **k):
             stamps.append(time.perf_counter())
 
     x, y = data(args, args.total)
@@ -139,10 +140,7 @@ def run_lightning(args, with_cd: bool) -> float:
 
     stamps: list[float] = []
 
-    class Stamp(L.Callback):
-        def on_train_start(self, *a):
-            stamps.append(time.perf_counter())
-
+    class Stamp(L.Callback):  # no stamp at train start: CD's pair check runs there (step_times)
         def on_train_batch_end(self, *a):
             stamps.append(time.perf_counter())
 
@@ -174,10 +172,7 @@ def run_mmengine(args, with_cd: bool) -> float:
 
     stamps: list[float] = []
 
-    class Stamp(Hook):
-        def before_train(self, runner):
-            stamps.append(time.perf_counter())
-
+    class Stamp(Hook):  # no stamp before train: CD's pair check runs there (step_times)
         def after_train_iter(self, runner, *a, **k):
             stamps.append(time.perf_counter())
 
@@ -202,7 +197,9 @@ def main(argv=None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
-    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--warmup", type=at_least(0), default=3,
+                        help="untimed steps before the timed ones, after the first step, which is never timed (it "
+                             "holds the framework's start and CD's one-time pair check)")
     parser.add_argument("--repeats", type=at_least(1), default=3, help="runs without and with CD, alternating")
     parser.add_argument("--width", type=at_least(1), default=192,
                         help="embed dim; heads = width // 64 (at least 1), which must divide it")
@@ -218,7 +215,7 @@ def main(argv=None) -> None:
     if args.width % heads:  # timm's AssertionError traceback otherwise
         parser.error(f"--width {args.width}: its {heads} heads (width // 64) do not divide it; give a multiple of "
                      f"64, or less than 128")
-    args.total = args.warmup + args.steps + 1
+    args.total = 1 + args.warmup + args.steps  # the first step only ends at the first time stamp (step_times)
     torch.set_num_threads(args.threads)
     quiet = logging.root.manager.disable
     logging.disable(logging.WARNING)  # the frameworks' start-up messages
