@@ -10,10 +10,12 @@ at that update:
   parameter NAME; the hyperparameters of every group (lr, initial_lr, weight_decay, betas, eps, momentum,
   lr_scale, fused, ...) are those of the freshly built optimizer. Groups may therefore change (weight
   decay 0 <-> > 0 and layer decay on / off regroup the parameters). Group-level state that some timm
-  optimizers keep in the group is carried over: keys the fresh group lacks (Lamb's and Adan's `step`, made at
-  their first step), and the step counters (`step`, `*_step`: Lookahead's `lookahead_step`, which a fresh
-  Lookahead puts into every group as 0), whose saved count wins over the fresh one. A change of optimizer
-  (`optim.name`) is refused by train.py: adamw's moments are meaningless to sgd.
+  optimizers keep in the group is carried over, and only that: the step counters (`step`, `*_step`: Lamb's
+  and Adan's `step`, made at their first step, and Lookahead's `lookahead_step`, which a fresh Lookahead puts
+  into every group as 0), whose saved count wins over the fresh one. Any other saved key is a setting and
+  stays behind, also where the fresh group lacks it (layer decay's `lr_scale` after optim.layer_decay is
+  turned off). A change of optimizer (`optim.name`) is refused by train.py: adamw's moments are meaningless
+  to sgd.
 * schedule: not restored at all. timm schedulers are pure functions of their settings and the update /
   epoch number, and the loop sets the lr of the current update at the start of every epoch
   (engine/loop.py), so the fresh scheduler of the new config is the right one.
@@ -80,8 +82,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, saved_names
         new_group = dict(group)  # the fresh settings, with the fresh indices in "params"
         olds = [saved_groups[group_of[n]] for n in group_names if n in group_of]
         if olds:  # state kept in the group itself (e.g. timm's Lamb 'step'): from the saved group
-            new_group.update({k: v for k, v in olds[0].items()
-                              if (k not in group or is_group_counter(k, v)) and k != "param_names"})
+            # only the counters: any other saved key is a setting of the old config (layer decay's lr_scale,
+            # turned off now, would keep scaling this group's lr), which the fresh group gives or leaves out
+            new_group.update({k: v for k, v in olds[0].items() if is_group_counter(k, v)})
         for index, name in zip(group["params"], group_names):
             if name in by_name:
                 state[index] = by_name[name]
