@@ -162,6 +162,10 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
     """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
     own = os.path.join(out_dir, "checkpoint.pt")
     if resume:
+        if os.path.isdir(resume):  # e.g. a run's out_dir: which of its checkpoints is meant is not ours to guess
+            raise CheckpointError(f"train.resume={resume} is a folder, not a checkpoint file: give a file in it, e.g. "
+                                  f"{os.path.join(resume, 'checkpoint.pt')} or a snapshot "
+                                  f"({os.path.join(resume, SNAPSHOTS, 'epoch<E>.pt')})")
         if not os.path.isfile(resume):
             raise CheckpointError(f"train.resume={resume}: no such file; give a checkpoint.pt or a snapshot "
                                   f"(out_dir/{SNAPSHOTS}/epoch<E>.pt) written by train.py")
