@@ -4,7 +4,9 @@ Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw 
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
 position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows
 and its cause, another window size or a window timm shrank to the feature map of a smaller img_size, and named in
-the model's `pretrained_resampled`, which evaluate.py records beside its result).
+the model's `pretrained_resampled`, which evaluate.py records beside its result). Tensors the conversion leaves
+out (a layer the model lacks, such as an old in21k ViT's pre-logits layer; not the buffers the model rebuilds) are
+named: logged when fine-tuning, refused when strict (models/dropped_keys.py).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
 fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
 of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
@@ -27,6 +29,7 @@ import torch.nn as nn
 from timm.models import load_state_dict
 
 from .attention_sinks import SINK_PARAMS
+from .dropped_keys import dropped_by_filter
 from .modules import nonfinite_tensors
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()
     tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, model, path)]
-    resampled = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
+    # lines to log once the file has loaded: tables resampled, tensors timm's conversion left out
+    notes = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
     head_prefixes = _classifier_prefixes(model)
     if filter_fn is not None:
@@ -80,6 +84,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         # rename them with this flag, which touches no other key
         takes = inspect.signature(filter_fn).parameters
         filter_args = {"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}
+        before = dict(state)  # the filter may pop keys of the dict it is given (DINOv2's conversion does)
         try:
             state = filter_fn(state, model, **filter_args)
         except FILTER_ERRORS as e:
@@ -92,6 +97,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                              f"({str(e).strip() or type(e).__name__}): weights of another model"
                              + (" (another token layout, e.g. without a class token or with a distillation token)"
                                 if "pos_embed" in own else "") + "?") from None
+        notes += check_dropped(dropped_by_filter(before, state), strict, path, model)
     check_tied_weights(model, state, path)
 
     skipped = []
@@ -133,7 +139,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
-    for line in resampled:  # logged once the file has loaded: a file refused above was never resampled into it
+    for line in notes:  # logged once the file has loaded: a file refused above was never resampled into it
         log.warning(line)
     # the scored tables are not the file's: what an evaluation of these weights records ({'pos_embed_resampled':
     # '2x2->4x4'}; {} for none)
@@ -311,6 +317,22 @@ def _window_shrunk_to(model: nn.Module, key: str, file_side) -> tuple:
     if file_side is None or window is None or feature_map is None or getattr(block, "always_partition", False):
         return ()
     return tuple(feature_map) if any(w == r < file_side for w, r in zip(window, feature_map)) else ()
+
+
+def check_dropped(dropped: list[str], strict: bool, path: str, model: nn.Module) -> list[str]:
+    """The file's tensors timm's conversion left out (`dropped_by_filter`: a layer the model lacks, e.g. an old
+    in21k ViT's pre-logits layer): the model would not compute what the file's did. An evaluation (strict) is
+    refused; fine-tuning loads the rest, the returned line naming every key left out ([] for none)."""
+    if not dropped:
+        return []
+    if strict:
+        raise ModelError(f"{path}: timm's conversion of these weights to {type(model).__name__} leaves out "
+                         f"{len(dropped)} tensor(s) the model has no place for ({_few(dropped)}), so the model would "
+                         f"not compute what the file's did: give weights of this model, or fine-tune from them "
+                         f"without those tensors (model.pretrained_strict=false)")
+    return [f"{path}: {len(dropped)} tensor(s) of the file have no place in {type(model).__name__} and were left "
+            f"out by timm's conversion (a layer the model lacks, e.g. an old in21k ViT's pre-logits layer): "
+            f"{', '.join(dropped)}"]
 
 
 def check_tied_weights(model: nn.Module, state: dict, path: str) -> None:

@@ -1,0 +1,81 @@
+"""Tensors of a weights file that timm's conversion (`checkpoint_filter_fn`) leaves out are named: logged when
+fine-tuning, refused when strict. An old in21k ViT file's pre-logits layer vanished without a word, even strict;
+renames, copies in another layout and the buffers a model rebuilds are no loss and are not named."""
+import logging
+import re
+
+import pytest
+import timm
+import torch
+
+from configs.schema import ModelConfig
+from models import ModelError, build_model
+
+PRE_LOGITS = ("pre_logits.fc.weight", "pre_logits.fc.bias")
+
+
+def with_pre_logits(tmp_path) -> tuple[str, dict]:
+    """A vit_nano file (7 classes) with an in21k-style pre-logits layer, and its state dict."""
+    torch.manual_seed(0)
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in build_model(ModelConfig(name="vit_nano", num_classes=7)).state_dict().items()}
+    state.update({PRE_LOGITS[0]: torch.randn(32, 32), PRE_LOGITS[1]: torch.randn(32)})
+    path = str(tmp_path / "in21k_style.pth")
+    torch.save(state, path)
+    return path, state
+
+
+def test_a_pre_logits_layer_is_named_when_fine_tuning_and_the_rest_loads(tmp_path, caplog):
+    path, state = with_pre_logits(tmp_path)
+    with caplog.at_level(logging.INFO, logger="models.pretrained"):
+        model = build_model(ModelConfig(name="vit_nano", num_classes=7, pretrained=path))
+    left_out = [r.getMessage() for r in caplog.records if "left out by timm's conversion" in r.getMessage()]
+    assert len(left_out) == 1 and left_out[0].endswith(": " + ", ".join(PRE_LOGITS)), caplog.text
+    for key, value in model.state_dict().items():  # every tensor the model has is the file's
+        assert torch.equal(value, state[key]), key
+
+
+def test_a_pre_logits_layer_is_refused_when_strict_with_one_line_naming_the_keys_and_the_fix(tmp_path):
+    path, _ = with_pre_logits(tmp_path)
+    with pytest.raises(ModelError) as refused:
+        build_model(ModelConfig(name="vit_nano", num_classes=7, pretrained=path, pretrained_strict=True))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path}: timm's conversion of these weights")
+    assert f"({list(PRE_LOGITS)})" in message and "model.pretrained_strict=false" in message
+
+
+def test_dropped_by_filter_counts_renames_views_copies_and_rebuilt_buffers_as_carried():
+    """The diff on its own: a rename (same tensor), a view (a transpose), a copy in another layout (transposed
+    and made contiguous) and the harmless buffers are carried; a tensor whose values are nowhere is dropped,
+    also when another output has its size."""
+    from models.dropped_keys import dropped_by_filter
+    a, b, c, d, e = (torch.randn(3, 4) for _ in range(5))
+    before = {"a": a, "renamed": b, "viewed": c, "copied": d, "gone": e, "blocks.0.attn.bias": torch.ones(1, 1),
+              "mask_token": torch.zeros(1, 4), "layers.0.blocks.0.attn.relative_position_index": torch.arange(9),
+              "layers.0.blocks.0.attn_mask": torch.zeros(2, 2)}
+    after = {"a": a, "new_name": b, "c_t": c.t(), "d_t": d.t().contiguous(), "other": torch.randn(3, 4)}
+    assert dropped_by_filter(before, after) == ["gone"]
+
+
+def test_official_layouts_that_timm_converts_load_strict_without_a_line(tmp_path, caplog):
+    """DINOv2's layout with registers (register_tokens renamed, mask_token dropped, the class entry folded) and
+    transformers' GPT-2 (Conv1D weights copied transposed, its causal-mask buffers dropped) lose nothing."""
+    transformers = pytest.importorskip("transformers")
+    kw = {"embed_dim": 32, "depth": 2, "num_heads": 2}
+    reference = timm.create_model("vit_small_patch14_reg4_dinov2", img_size=28, num_classes=0, **kw).state_dict()
+    cls_entry = torch.randn(1, 1, 32)
+    official = {k: v for k, v in reference.items() if k not in ("reg_token", "pos_embed", "cls_token")}
+    official.update(register_tokens=reference["reg_token"], mask_token=torch.zeros(1, 32),
+                    pos_embed=torch.cat([cls_entry, reference["pos_embed"]], 1),
+                    cls_token=reference["cls_token"] - cls_entry)
+    torch.save(official, tmp_path / "dinov2.pth")
+    config = transformers.GPT2Config(vocab_size=65, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    gpt2 = transformers.GPT2LMHeadModel(config).state_dict()
+    gpt2.update({f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 32, 32) for i in range(2)})  # older files' mask
+    torch.save(gpt2, tmp_path / "gpt2.pt")
+    with caplog.at_level(logging.WARNING):
+        build_model(ModelConfig(name="vit_small_patch14_reg4_dinov2", img_size=28, num_classes=0, kwargs=kw,
+                                pretrained=str(tmp_path / "dinov2.pth"), pretrained_strict=True))
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
+                                pretrained=str(tmp_path / "gpt2.pt"), pretrained_strict=True))
+    assert not re.search("left out|no place", caplog.text), caplog.text
