@@ -4,8 +4,9 @@ Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw 
 stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
 position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows
 and its cause, another window size or a window timm shrank to the feature map of a smaller img_size, and named in
-the model's `pretrained_resampled`, which evaluate.py records beside its result). Tensors the conversion leaves
-out (a layer the model lacks, such as an old in21k ViT's pre-logits layer; not the buffers the model rebuilds) are
+the model's `pretrained_resampled`, which evaluate.py records beside its result; a table is compared in the layout
+the conversion gives it, e.g. DINOv2's with registers without its class entry). Tensors the conversion leaves out
+(a layer the model lacks, such as an old in21k ViT's pre-logits layer; not the buffers the model rebuilds) are
 named: logged when fine-tuning, refused when strict (models/dropped_keys.py).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
 fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
@@ -248,15 +249,24 @@ def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -
     if state[key].dim() != own[key].dim():  # no table of tokens to resample (a scalar has no token count to read)
         raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
                          f"{tuple(own[key].shape)}: a checkpoint of another model?")
-    if state[key].shape[1] == own[key].shape[1]:
+    converted = state[key].shape[1] - _entries_folded(state)  # the table as timm's filter resizes it
+    if converted == own[key].shape[1]:
         return {}, ""
     prefix = own[key].shape[1] - grid[0] * grid[1]  # class/register tokens held in the table (0 for no_embed_class)
-    tokens = state[key].shape[1] - prefix
+    tokens = converted - prefix
     side = int(tokens ** 0.5)
     theirs, mine = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch", f"{grid[0]}x{grid[1]}"
     return ({"pos_embed_resampled": f"{theirs}->{mine}"},
             f"{path}: position table of a {theirs} grid resampled to the model's {mine} (timm's bicubic resize; the "
             f"weights were trained at another img_size than model.img_size)")
+
+
+def _entries_folded(state: dict) -> int:
+    """Entries of the file's position table that timm's filter takes out before it compares the table with the
+    model's and resizes it: DINOv2's official layout with registers (mask_token and register_tokens beside it) holds
+    the class token's entry, which timm's `_convert_dinov2` adds to cls_token, its model's table holding the
+    patches alone. A position table is compared in the layout the filter gives it, not the file's."""
+    return 1 if "mask_token" in state and "register_tokens" in state else 0
 
 
 def relative_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> tuple[dict, str]:
