@@ -8,14 +8,15 @@ the model's `pretrained_resampled`, which evaluate.py records beside its result;
 the conversion gives it, e.g. DINOv2's with registers without its class entry). Tensors the conversion leaves out
 (a layer the model lacks, such as an old in21k ViT's pre-logits layer; not the buffers the model rebuilds) are
 named: logged when fine-tuning, refused when strict (models/dropped_keys.py).
-On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape is dropped when
-fine-tuning (unless strict), the parameters of an attention-sink variant (`attn.sink_*`) may be missing when weights
-of the plain model are loaded into a variant (they keep their zero init; unless strict), and any other missing or
-unexpected key is an error that names the keys, so a checkpoint of another model fails early (a Swin of more blocks
-or stages too, whose conversion by timm fails on an attention the model lacks); a file of the other kind of model (a
-GPT's weights given to a ViT, or the reverse) is named as such, with the weights to give instead. A file torch's
-weights-only reader refuses (a safetensors file under another name, Python objects beside the tensors) is named
-with what to do about it.
+On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape (any of its
+keys: another number of outputs or input width) is dropped as a whole, weight and bias, when fine-tuning (unless
+strict, where the error names what differs), the parameters of an attention-sink variant (`attn.sink_*`) may
+be missing when weights of the plain model are loaded into a variant (they keep their zero init; unless strict),
+and any other missing or unexpected key is an error that names the keys, so a checkpoint of another model fails
+early (a Swin of more blocks or stages too, whose conversion by timm fails on an attention the model lacks); a file
+of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
+give instead. A file torch's weights-only reader refuses (a safetensors file under another name, Python objects
+beside the tensors) is named with what to do about it.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
 
     skipped = []
     for key in list(state):
-        if key in own and state[key].shape != own[key].shape:
+        if key in state and key in own and state[key].shape != own[key].shape:  # (a classifier's keys go together)
             setting = getattr(model, "size_settings", {}).get(key)  # a GPT: vocabulary and context sizes
             if setting is not None and state[key].shape[1:] == own[key].shape[1:]:
                 # a file of another architecture may share one such trailing shape (a ViT's 1000-class head.weight
@@ -115,16 +116,16 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                                  f"{own[key].shape[0]}: set {setting}={state[key].shape[0]} to load it"
                                  + (" (model.pretrained_strict does not apply: a GPT's LM head is its token "
                                     "embedding)" if setting == "model.num_classes" else ""))
-            if not strict and key.startswith(head_prefixes):
-                skipped.append(key)
-                del state[key]
-            elif key.startswith(head_prefixes):  # strict (evaluation): never a random classifier
-                # the reverse of the GPT case above: a GPT file's head.weight (its vocabulary) of the ViT's width
-                _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
-                raise ModelError(f"{path}: its classifier '{key}' has {state[key].shape[0]} outputs, "
-                                 f"model.num_classes={own[key].shape[0]}: set model.num_classes="
-                                 f"{state[key].shape[0]} to use it as it is (only fine-tuning, with "
-                                 f"model.pretrained_strict=false, replaces it by a new classifier)")
+            if key.startswith(head_prefixes):
+                # the whole classifier (weight and bias): a file's bias beside a new weight is no classifier of either
+                head = max((p for p in head_prefixes if key.startswith(p)), key=len)
+                if strict:  # an evaluation: never a random classifier
+                    # the reverse of the GPT case above: a GPT file's head.weight (its vocabulary) of the ViT's width
+                    _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
+                    raise ModelError(classifier_mismatch(head, state, own, path))
+                for k in [k for k in state if k.startswith(head)]:
+                    skipped.append(k)
+                    del state[k]
             else:
                 raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
                                  f"{tuple(own[key].shape)}: a checkpoint of another model?")
@@ -327,6 +328,26 @@ def _window_shrunk_to(model: nn.Module, key: str, file_side) -> tuple:
     if file_side is None or window is None or feature_map is None or getattr(block, "always_partition", False):
         return ()
     return tuple(feature_map) if any(w == r < file_side for w, r in zip(window, feature_map)) else ()
+
+
+def classifier_mismatch(head: str, state: dict, own: dict, path: str) -> str:
+    """The error line for a file whose classifier (the keys under `head`, e.g. 'head.') has other shapes than the
+    model's: another number of outputs alone is a setting (model.num_classes); another input width (or outputs that
+    its own keys disagree on) is a classifier of other features, which no setting of the classifier fixes."""
+    keys = [k for k in state if k.startswith(head) and k in own]
+    differ = [k for k in keys if state[k].shape != own[k].shape]
+    outputs = {state[k].shape[0] for k in keys if state[k].dim()}
+    refit = " (only fine-tuning, with model.pretrained_strict=false, replaces it by a new classifier)"
+    if len(outputs) == 1 and all(state[k].shape[1:] == own[k].shape[1:] for k in differ):
+        key = differ[0]
+        return (f"{path}: its classifier '{key}' has {state[key].shape[0]} outputs, model.num_classes="
+                f"{own[key].shape[0]}: set model.num_classes={state[key].shape[0]} to use it as it is{refit}")
+    shapes = "; ".join(f"'{k}' has shape {tuple(state[k].shape)}, the model expects {tuple(own[k].shape)}"
+                       for k in differ)
+    what = ("takes other features than the model's" if any(state[k].shape[1:] != own[k].shape[1:] for k in differ)
+            else f"has no one number of outputs ({', '.join(map(str, sorted(outputs)))})")
+    return (f"{path}: its classifier {what} ({shapes}), which no model.num_classes fixes: weights of another "
+            f"model?{refit}")
 
 
 def check_dropped(dropped: list[str], strict: bool, path: str, model: nn.Module) -> list[str]:
