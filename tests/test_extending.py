@@ -1,6 +1,8 @@
 """docs/extending.md stays true: its example pipeline runs as written and quantizes what it says (checked against
 per-tensor min/max rounding computed here by hand on the float model's weights and on the inputs its layers see),
 and every pipeline of the registry is listed in the places the guide names (config schema, table column)."""
+import __future__
+import ast
 import dataclasses
 import os
 import re
@@ -8,6 +10,7 @@ import re
 import pytest
 import torch
 
+import configs.quant
 from configs import Config, load_config
 from configs.quant import FirstLastOptions
 from configs.schema import QuantConfig
@@ -26,14 +29,42 @@ def guide_text() -> str:
         return f.read()
 
 
-def example_namespace() -> dict:
-    """The names the guide's example block defines, after running it as a user would paste it."""
+def example_blocks() -> tuple[str, str]:
+    """The guide's two example blocks: the options dataclass for configs/quant.py, then the pipeline module."""
     section = guide_text().split("### A minimal pipeline", 1)[1].split("\n### ", 1)[0]
     blocks = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
-    assert len(blocks) == 1, "the section shows one example"
+    assert len(blocks) == 2, "the section shows the options (configs/quant.py), then the pipeline module"
+    return blocks[0], blocks[1]
+
+
+def example_namespace() -> dict:
+    """The names the guide's example defines, after pasting it where the guide says: the options block runs as
+    the end of configs/quant.py (that module's names and `from __future__ import annotations`, not the module
+    itself, so the test leaves it as it is), the pipeline block as a module of its own that imports the options
+    from configs.quant, which for that import alone holds the class the first block defined."""
+    options_block, pipeline_block = example_blocks()
+    in_configs = dict(vars(configs.quant))
+    future = __future__.annotations.compiler_flag
+    exec(compile(options_block, GUIDE, "exec", flags=future, dont_inherit=True), in_configs)
+    options = in_configs["MinMaxOptions"]
     namespace = {"__name__": "extending_example"}
-    exec(compile(blocks[0], GUIDE, "exec"), namespace)
+    # raising=False: a fork that followed the guide has the class in configs/quant.py already
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(configs.quant, "MinMaxOptions", options, raising=False)
+        exec(compile(pipeline_block, GUIDE, "exec"), namespace)
     return namespace
+
+
+def imports(code: str) -> set[tuple[str, str]]:
+    """(module, name) for every name a code block imports absolutely: `import a.b` gives ("a.b", ""), `from a.b
+    import C` gives ("a.b", "C")."""
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found.update((a.name, "") for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.update((node.module, a.name) for a in node.names)
+    return found
 
 
 def min_max_reference(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
@@ -105,6 +136,21 @@ def test_the_guides_example_options_carry_the_stem_and_head_bits():
     """pipeline_report and standard_layout read `resolved(bits)`: the guide's options derive from FirstLastOptions."""
     options = example_namespace()["MinMaxOptions"]
     assert issubclass(options, FirstLastOptions) and dataclasses.is_dataclass(options)
+
+
+def test_the_guides_example_keeps_its_options_in_configs_and_the_pipeline_imports_them():
+    """Steps 1 and 2 of the guide's list, as its example shows them: the options block is a part of configs/quant.py,
+    so it imports no other package of the project (tests/test_layering.py) and no torch (scripts/sweep.py reads
+    configs without it), and the pipeline module takes the class from configs.quant instead of defining its own."""
+    options_block, pipeline_block = example_blocks()
+    packages = {module.split(".")[0] for module, _ in imports(options_block)}
+    assert not packages & {"cd", "models", "data", "quant", "engine", "torch"}, packages
+    assert re.search(r"^class MinMaxOptions\(FirstLastOptions\):", options_block, re.M)
+    assert ("configs.quant", "MinMaxOptions") in imports(pipeline_block)
+    defined = [node.name for node in ast.parse(pipeline_block).body if isinstance(node, ast.ClassDef)]
+    assert defined == ["MinMaxPipeline"], defined
+    options = example_namespace()["MinMaxPipeline"].Options
+    assert options.__name__ == "MinMaxOptions" and options.__module__ == "configs.quant"
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
