@@ -172,18 +172,31 @@ def test_the_guides_list_names_the_places_the_test_checks():
         assert place in text, place
 
 
-def test_a_pipeline_registered_without_its_config_section_is_named_with_the_fix(monkeypatch):
+@pytest.mark.parametrize("guide_followed", [False, True])
+def test_a_pipeline_registered_without_its_config_section_is_named_with_the_fix(guide_followed, monkeypatch):
     """The guide's step 3 forgotten: pipeline_options had returned None and the layout failed later with
-    "'NoneType' object has no attribute 'symmetric'"."""
+    "'NoneType' object has no attribute 'symmetric'". The pipeline is the guide's example under a name no config
+    section has, so that the test holds in a fork that followed the guide too, whose QuantConfig has a `minmax`
+    section (guide_followed: this config is given one); that section is then what `minmax` gets."""
     from quant import plan
 
-    pipeline = example_namespace()["MinMaxPipeline"]()
-    monkeypatch.setitem(PIPELINES, "minmax", pipeline)
-    with pytest.raises(TypeError, match=r"the minmax pipeline .* has no options section in the config schema: add "
-                                        r"`minmax: MinMaxOptions = field\(default_factory=MinMaxOptions\)` to "
-                                        r"QuantConfig in configs/schema.py"):
-        plan.pipeline_options(Config(), "minmax")
-    assert plan.pipeline_options(Config(), "repq") == Config().quant.repq  # a listed one: its section
+    example = example_namespace()
+
+    class UnlistedPipeline(example["MinMaxPipeline"]):
+        name = "minmax_unlisted"
+
+    cfg = Config()
+    if guide_followed:
+        cfg.quant.minmax = example["MinMaxOptions"](symmetric=True)  # step 3, on this config alone
+        monkeypatch.setitem(PIPELINES, "minmax", example["MinMaxPipeline"]())  # step 4
+        assert plan.pipeline_options(cfg, "minmax") == example["MinMaxOptions"](symmetric=True)
+    assert not hasattr(cfg.quant, UnlistedPipeline.name), "the refused pipeline needs a name no config section has"
+    monkeypatch.setitem(PIPELINES, UnlistedPipeline.name, UnlistedPipeline())
+    with pytest.raises(TypeError, match=r"^the minmax_unlisted pipeline .* has no options section in the config "
+                                        r"schema: add `minmax_unlisted: MinMaxOptions = field\(default_factory="
+                                        r"MinMaxOptions\)` to QuantConfig in configs/schema.py"):
+        plan.pipeline_options(cfg, UnlistedPipeline.name)
+    assert plan.pipeline_options(cfg, "repq") == cfg.quant.repq  # a listed one: its section
 
 
 def test_a_task_without_default_pipelines_asks_for_them_by_name(monkeypatch):
