@@ -2,6 +2,8 @@
 refused blocks, errors, CLI."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import timm
 import torch
 import pytest
@@ -10,6 +12,7 @@ from torch import nn
 
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.__main__ import main as pairs_main
+from cd.verify import refuse_split_devices
 from cd_models import tiny_swin, tiny_vit
 
 
@@ -136,12 +139,22 @@ def test_an_attention_with_k_and_v_fused_in_kv_is_refused_as_such_not_for_its_no
     assert "has a norm before" not in str(info.value)
 
 
+class _OnAnotherGpu:
+    """Stands in for a parameter on a second GPU (this test runs on a CPU): the split-device check reads only
+    `device` and `is_meta`. The meta device cannot stand in: a meta matrix is refused as unmaterialised instead."""
+
+    device = torch.device("cuda", 1)
+    is_meta = False
+
+
 def test_a_pair_split_across_devices_is_refused_naming_both_devices():
-    model = tiny_vit()
-    model.blocks[1].mlp.fc1.to("meta")  # stands in for another GPU: a block split across devices
-    with pytest.raises(UnsupportedModelError, match=r"'blocks.1'.*fc1 pair has blocks.1.mlp.fc1.weight on meta and "
-                                                    r"blocks.1.norm2.weight on cpu"):
-        find_pairs(model, verify=False)
+    pairs = find_pairs(tiny_vit(), verify=False)
+    split = [SimpleNamespace(**{**vars(p), "downstream": _OnAnotherGpu()}) if p.name == "blocks.1.mlp.fc1.weight"
+             else p for p in pairs]
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.1' \(Block\).*fc1 pair has blocks.1.mlp.fc1.weight "
+                                                    r"on cuda:1 and blocks.1.norm2.weight on cpu"):
+        refuse_split_devices(split, {"blocks.1": "Block"})
+    refuse_split_devices(pairs, {})  # every pair on one device: nothing to refuse
 
 
 def _tiny(name: str, **kw) -> nn.Module:
