@@ -145,8 +145,9 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
 
 def check_seed_group(model: str, method: str, group: list[dict], labels: Optional[list[str]] = None) -> None:
     """The results averaged into one row (`markdown_table(over_seeds=True)`, scripts/compare_act_max.py) must be
-    distinct runs evaluated alike: one weights file twice would count as two seeds, and results on other data, of
-    EMA weights, under another autocast or quantized with other settings would be averaged as if they were seeds.
+    distinct runs of one method evaluated alike: one weights file twice would count as two seeds, and results on
+    other data, of EMA weights, under another autocast or quantized with other settings, or of another method or
+    recipe (the `method` and `recipe` evaluate.py records) would be averaged as if they were seeds.
     labels: how the errors name the results (default: their checkpoints)."""
     labelled = [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
     repeated = repeated_weights(labelled)
@@ -164,6 +165,11 @@ def check_seed_group(model: str, method: str, group: list[dict], labels: Optiona
     if unlike is not None:
         raise ValueError(f"{model} {method}: {unlike}; rows average the seeds of one evaluation: give results "
                          "evaluated alike")
+    # seeds of one method: results without a recipe (older files) would otherwise pass as seeds of any method
+    other_method = method_difference(labelled)
+    if other_method is not None:
+        raise ValueError(f"{model} {method}: {other_method}; rows average the seeds of one method: give each "
+                         "method's results in a group of their own")
     # seeds of one recipe: runs trained with another lr or schedule under the same method name are not seeds
     # (results written before the recipe was recorded have none and are not compared)
     other = recipe_difference(labelled)
@@ -185,6 +191,20 @@ def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:
         return None
     (a, how_a), (b, how_b) = unlike
     return f"{a} and {b} were evaluated with other model.kwargs ({how_a or 'as trained'} vs {how_b or 'as trained'})"
+
+
+def method_difference(labelled: list[tuple[str, dict]]) -> Optional[str]:
+    """'<a> and <b> are results of other methods (X vs Y)' for the first two of the (label, result) pairs whose
+    `method` differs, else None. evaluate.py writes `method_name` of the run's config (Baseline, CD or TWEO with the
+    settings that set it apart from the defaults, never the seed), so the seeds of one run's settings share it; the
+    recipe tells runs apart too, but a result that records none (written before evaluate.py recorded it) is not
+    compared by `recipe_difference`, and would be averaged as one more seed of any method. Results without a
+    method (a file cut by hand) are not compared."""
+    named = [(label, r["method"]) for label, r in labelled if isinstance(r.get("method"), str)]
+    other = next(((label, m) for label, m in named[1:] if m != named[0][1]), None)
+    if other is None:
+        return None
+    return f"{named[0][0]} and {other[0]} are results of other methods ({named[0][1]!r} vs {other[1]!r})"
 
 
 def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:

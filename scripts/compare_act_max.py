@@ -1,18 +1,17 @@
 """Per-block activation maxima of several methods side by side, each averaged over its runs (seeds).
 
-Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine/act_max_files.py) and
-draws, per block, the maximum |activation| of the block output (solid) and of any module inside the
-block (dashed), mean over a method's files with their min-max range shaded; writes the PNG and a CSV,
-and prints a markdown table. Each CSV is read with the result file evaluate.py wrote beside it (`<stem>.json`
-for `<stem>_act_max.csv`), which says how its maxima were measured: the runs of a method must be distinct runs
-evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt,
-checkpoint.pt), autocast, quant.act_max_extra_modules, model.kwargs, recipe); the methods must be measured alike
-in what sets the float maxima (data, image count, the val images' names, raw or EMA weights, autocast, the kind
-of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside any), the modules counted
-(quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
-engine/eval_results.first_difference), and a method
-evaluated with other model.kwargs than it trained with is marked † with a note below the table, as paper_table.py
-marks it.
+Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine/act_max_files.py) and draws, per
+block, the maximum |activation| of the block output (solid) and of any module inside the block (dashed), mean over
+a method's files with their min-max range shaded; writes the PNG and a CSV, and prints a markdown table. Each CSV
+is read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how
+its maxima were measured: the runs of a method must be distinct runs evaluated alike
+(engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt, checkpoint.pt),
+autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result files record); the
+methods must be measured alike in what sets the float maxima (data, image count, the val images' names, raw or EMA
+weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
+any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
+its methods, engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained
+with is marked † with a note below the table, as paper_table.py marks it.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\

@@ -3,14 +3,14 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/sweep.py configs/sweeps/fashion_mnist_dose.yaml --run --evaluate
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out runs/fashion_mnist_dose_report
 
-Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged
-(mean ± sample std). A run without eval_best.json, or not evaluated at every quantized column of the table
-(an evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights
-and the kind of checkpoint, data, quantization settings), seeds of one point trained with other settings (the
-recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped before the others'
-end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
-model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables of
-evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
+Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged (mean ±
+sample std). A run without eval_best.json, or not evaluated at every quantized column of the table (an evaluation
+cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights and the kind of
+checkpoint, data, quantization settings), seeds of one point of other methods or trained with other settings (the
+method and recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped before
+the others' end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point evaluated
+with other model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables
+of evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
 (quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a quantized
 number computed with other settings than the defaults (e.g. quant.calib_images=8) *, with a note naming them, as
 paper_table.py marks them. What is read from each run, and what is written:
@@ -50,7 +50,7 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
                                  repeated_weights)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
-                                 model_kwargs_unlike, settings_note)
+                                 method_difference, model_kwargs_unlike, settings_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
@@ -207,6 +207,12 @@ def read_sweep(root: str) -> list[Run]:
     # averaged as seeds: a run of the point trained with another lr or schedule (the recipe evaluate.py records:
     # every training setting but the seed) would count as one more seed of the point's settings
     for point in sorted({run.point for run in runs}):
+        # the method evaluate.py records (Baseline, CD with its strength, TWEO) tells the seeds of results that
+        # record no recipe apart too (written before evaluate.py recorded it: recipe_difference passes them)
+        other_method = method_difference([(run.folder, run.result) for run in runs if run.point == point])
+        if other_method is not None:
+            raise ReportError(f"{other_method}, but both are seeds of point {point}; the seeds of a point are "
+                              f"averaged: give a run of another method a point of its own (folder <point>_s<seed>)")
         other = recipe_difference([(run.folder, run.result) for run in runs if run.point == point])
         if other is not None:
             raise ReportError(f"{other[0]} and {other[1]} are seeds of point {point} but were trained with other "
