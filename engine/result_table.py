@@ -23,6 +23,9 @@ from .tasks import capped_cell
 
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
                "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
+# the float columns of a table, by the score of its results (perplexity for a language model, top-1 for a
+# classifier): (key in a result's `fp`, header); scripts/paper_table.py checks each one it will print
+FP_COLUMNS = {"ppl": (("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")), "top1": (("top1", "FP Top-1"),)}
 
 
 def method_name(cfg: Config) -> str:
@@ -73,8 +76,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         lm = next(r for r in results if "ppl" in r["fp"])["model"]
         raise ValueError(f"the results mix language models ({lm}: perplexity) and classifiers (top-1), whose "
                          "columns differ: make one table per task")
-    score, fp_columns = (("ppl", [("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")]) if language
-                         else ("top1", [("top1", "FP Top-1")]))
+    score = "ppl" if language else "top1"
+    fp_columns = FP_COLUMNS[score]
     seen = {(p, b) for r in results for p in r["quant"] for b in r["quant"][p]}
     order = list(PAPER_NAMES) + sorted({p for p, _ in seen} - set(PAPER_NAMES))
     columns = sorted(seen, key=lambda pb: (order.index(pb[0]), bits_order(pb[1])))

@@ -46,8 +46,8 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
                                  read_result_files, refuse_unfinished, run_folder)
 from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from engine.result_table import (PAPER_NAMES, dagger_note, evaluated_otherwise, extra_modules_note,  # noqa: E402
-                                 markdown_table, nondefault_settings)
+from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
+                                 extra_modules_note, markdown_table, nondefault_settings)
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -209,7 +209,10 @@ def main(argv=None) -> str:
         if args.layout == "finetune" and "top1" not in result["fp"]:
             continue  # a language model's: the fine-tuning layout refuses it as such
         score = "ppl" if "ppl" in result["fp"] else "top1"
-        missing = missing_number(result, (f"fp.{score}", "max_act.module", "max_act.block"), score)
+        # every float column the table prints of the result (a language model's BF16 PPL beside its FP32 one), and
+        # the score itself even where absent; an older file without ppl_bf16 shows '-' there
+        printed = [f"fp.{k}" for k, _ in FP_COLUMNS[score] if k == score or k in result["fp"]]
+        missing = missing_number(result, (*printed, "max_act.module", "max_act.block"), score)
         if missing is not None:
             sys.exit(f"error: {path} has no number at {missing}: re-evaluate it with evaluate.py (--recompute for "
                      "a quantized entry)")
