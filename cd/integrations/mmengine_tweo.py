@@ -23,7 +23,17 @@ accumulative_counts, the index of the optimizer update the micro-batch belongs t
 runner.iter). It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
 step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
 A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
-iteration. Validation forwards (eval mode, no grad) capture nothing and add nothing.
+iteration, as it does when blocks ran again after the term was added. Validation forwards (eval mode, no grad)
+capture nothing and add nothing.
+`rescale=True` refuses `tau` and `eps`: the rescaled term lam * P * detach(|L| / P) has the gradient
+lam * |L| * grad(P) / P, from which P's factor (tau + eps)^-p cancels, so they would change only the logged
+`tweo_penalty` (train.py refuses `tweo.tau` beside `tweo.rescale=true` alike).
+MMEngine's `activation_checkpointing` (the Runner's config key) wraps each module it names in
+torch.utils.checkpoint's reentrant form (MMEngine passes no use_reentrant): the module's forward runs without grad
+and again, with grad, in the backward pass. A named module that strictly contains a penalized block would leave
+that block out of L_TWEO and capture it after the loss, so `before_train` refuses it; a block named itself, or a
+part inside one, keeps the block's forward hook outside the checkpoint (MMDetection's Swin `with_cp=True`
+checkpoints inside each block), and the penalty and gradients stay those of a run without checkpointing.
 MMEngine calls no hook when training raises: a failed run leaves its `parse_losses` and block hooks on the model.
 The next TweoHook's `before_train` in another Runner on that model object removes them (a run that is over); two
 TweoHooks in one Runner are refused. A run without the hook on such a model would still add the failed run's term:
@@ -34,13 +44,15 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
-from typing import Any, Optional
+from operator import attrgetter
+from typing import Any, Optional, Sequence
 
 import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from ..layouts import check_layouts
+from ..layouts import LAYOUTS, check_layouts
+from ..pairs import find_blocks
 from ..tweo import TWEO, check_tweo_settings
 from ..wrappers import unwrap_model
 from . import check_module_name, select_module
@@ -58,6 +70,30 @@ def accumulative_counts(optim_wrapper: Any) -> int:
     return counts.pop()
 
 
+def checkpointing_refusal(model: torch.nn.Module, names: Any, blocks: Sequence[torch.nn.Module]) -> Optional[str]:
+    """The refusal of MMEngine's `activation_checkpointing` `names` (a module name or a list of them, resolved in the
+    unwrapped `model` as MMEngine's Runner resolves them) where one names a module that strictly contains one of
+    `blocks` (the blocks TWEO penalizes), or None. Names that resolve to no module are left to the Runner."""
+    names = [names] if isinstance(names, str) else list(names or [])
+    model = unwrap_model(model)
+    penalized = {id(block) for block in blocks}
+    for name in names:
+        try:
+            part = attrgetter(name)(model)
+        except (AttributeError, TypeError):
+            continue
+        if not isinstance(part, torch.nn.Module) or isinstance(part, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue  # a container list has no forward of its own: checkpointing it wraps nothing that runs
+        inside = next((f"{name}.{inner}" for inner, m in part.named_modules() if inner and id(m) in penalized), None)
+        if inside is not None:
+            return (f"activation_checkpointing names {name}, which contains the block {inside} that TweoHook "
+                    "penalizes: MMEngine checkpoints it with torch.utils.checkpoint's reentrant form, which runs its "
+                    "forward without grad (L_TWEO would leave its blocks out) and again in the backward pass (after "
+                    f"the loss); checkpoint the blocks themselves (activation_checkpointing=['{inside}', ...]) or "
+                    "inside them (MMDetection's Swin: model.backbone.with_cp=True)")
+    return None
+
+
 @HOOKS.register_module()
 class TweoHook(Hook):
     """TWEO's auxiliary loss on a part of an MMEngine model (the detector's backbone by default).
@@ -68,7 +104,8 @@ class TweoHook(Hook):
         lam: lambda_TWEO (default 1e-4, in the paper's detection range).
         rescale: the rescaled variant, term * detach(L_task / L_TWEO) (default True, the paper's detection form).
         total_steps: optimizer updates of the run, for `schedule="cosine"`; default: max_iters / accumulation.
-        **tweo_kwargs: TWEO's other arguments (`p`, `tau`, `eps`, `schedule`, `form`).
+        **tweo_kwargs: TWEO's other arguments (`p`, `tau`, `eps`, `schedule`, `form`, `layouts`); `tau` and `eps`
+            only with rescale=False (the rescaled form's gradient does not depend on them: refused).
 
     Attributes:
         tweo: the `TWEO` object, from `before_train` on (`tweo.blocks`, `tweo.metrics()`).
@@ -100,6 +137,14 @@ class TweoHook(Hook):
         check_tweo_settings(lam=lam, p=given["p"], tau=given["tau"], eps=given["eps"], schedule=given["schedule"],
                             total_steps=total_steps or (1 if given["schedule"] == "cosine" else None),
                             rescale=rescale, form=given["form"])
+        ignored = [key for key in ("tau", "eps") if key in tweo_kwargs]
+        if rescale and ignored:  # the rescaled term's gradient does not depend on them (module doc)
+            shown, keys = ", ".join(f"{key}={tweo_kwargs[key]!r}" for key in ignored), " and ".join(ignored)
+            one = len(ignored) == 1
+            raise ValueError(f"TweoHook {shown} would be ignored: {keys} {'is' if one else 'are'} read only when "
+                             "rescale=False (the rescaled term's gradient lam * |L_task| * grad(P) / P does not "
+                             f"depend on {'it' if one else 'them'}), and here rescale=True; drop {keys}, or give "
+                             "rescale=False")
         if "layouts" in tweo_kwargs:  # checked now, as ColinearityDecayHook does; a config file's mappings made Layouts
             tweo_kwargs["layouts"] = check_layouts(tweo_kwargs["layouts"])
         self.module, self.total_steps = check_module_name(module, "TweoHook"), total_steps
@@ -108,6 +153,7 @@ class TweoHook(Hook):
         self._model: Optional[torch.nn.Module] = None
         self._step = 0
         self._armed = False
+        self._added = False  # whether this iteration's parse_losses added the term
 
     def before_train(self, runner) -> None:
         self._unwrap_parse_losses()
@@ -124,6 +170,10 @@ class TweoHook(Hook):
                                    "second TweoHook?)")
             del vars(model)["parse_losses"]  # a failed run's (module doc)
             owner[1].remove()
+        cfg = getattr(runner, "cfg", None)  # MMEngine has applied its activation_checkpointing by now
+        refusal = self.checkpointing_refusal(model, cfg.get("activation_checkpointing") if cfg is not None else None)
+        if refusal is not None:  # before any hook or wrapper is put on the model
+            raise ValueError(refusal)
         self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total, **self.kwargs)
         original = model.parse_losses
 
@@ -132,6 +182,7 @@ class TweoHook(Hook):
             if not self._armed:  # a parse_losses call outside a training iteration is left alone
                 return loss, log_vars
             term = self.tweo.aux_loss(loss, self._step)
+            self._added = True
             metrics = self.tweo.metrics()
             total_loss = loss + term
             log_vars["loss"] = total_loss
@@ -144,16 +195,33 @@ class TweoHook(Hook):
         model.parse_losses = parse_losses
         self._model = model
 
+    def checkpointing_refusal(self, model: torch.nn.Module, names: Any) -> Optional[str]:
+        """`checkpointing_refusal` of MMEngine's activation_checkpointing `names` for the blocks this hook penalizes
+        in `model` (wrappers looked through): for a check of a config before its Runner is built, too."""
+        blocks = find_blocks(select_module(model, self.module), self.kwargs.get("layouts", LAYOUTS))
+        return checkpointing_refusal(model, names, [block for _, block in blocks])
+
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         self._step = runner.iter // self._accum  # the optimizer update this micro-batch belongs to
         self._armed = True
+        self._added = False
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         self._armed = False
-        if self.tweo is not None and self.tweo.pending:
-            raise RuntimeError(f"TweoHook: block outputs were captured at iteration {runner.iter} but the model's "
-                               "parse_losses never ran, so no TWEO term was added (does the model override "
-                               "train_step without calling parse_losses?)")
+        if self.tweo is None or not self.tweo.pending:
+            return
+        if self._added:  # the term was added, and blocks ran again after it: most likely in the backward pass
+            raise RuntimeError(f"TweoHook: block outputs were captured at iteration {runner.iter} after the TWEO "
+                               "term was added, so they are not in it: blocks ran again after the model's "
+                               "parse_losses, e.g. recomputed during the backward pass by reentrant activation "
+                               "checkpointing of a module that contains them (torch.utils.checkpoint with "
+                               "use_reentrant=True, which runs their first forward without grad, so L_TWEO left "
+                               "them out); checkpoint the blocks themselves or inside them, or use "
+                               "use_reentrant=False")
+        raise RuntimeError(f"TweoHook: block outputs were captured at iteration {runner.iter} but the model's "
+                           "parse_losses never ran, so no TWEO term was added (does the model override train_step "
+                           "without calling parse_losses? or were the blocks recomputed during the backward pass "
+                           "by reentrant activation checkpointing of a module that contains them?)")
 
     def after_train(self, runner) -> None:
         self._unwrap_parse_losses()
