@@ -264,16 +264,38 @@ def check_hooks(cfg: Config) -> None:
     """Refuse a custom hook of `cfg` that cannot be built with its arguments (a typo of the config file or of an
     override such as `custom_hooks.0.lamm=0.01`), naming it: a hook taking **kwargs (CD's passes them on to
     ColinearityDecay) checks them only when MMEngine's Runner builds it, with a TypeError. Each is built here
-    once, as the Runner would, and dropped (a hook's constructor only stores and checks its arguments)."""
+    once, as the Runner would, and dropped (a hook's constructor only stores and checks its arguments); a TweoHook's
+    clash with activation_checkpointing is refused too (check_tweo_checkpointing)."""
     from mmdet.registry import HOOKS
     for index, hook in enumerate(cfg.get("custom_hooks") or []):
         hook = copy.deepcopy(hook)
         hook.pop("priority", None)  # the Runner's, not the hook's
         try:
-            HOOKS.build(hook)
+            built = HOOKS.build(hook)
         except (TypeError, ValueError, KeyError) as e:
             raise DetectionError(f"custom_hooks.{index} ({hook.get('type')}) cannot be built with its arguments "
                                  f"({type(e).__name__}: {e}); fix them in the config file or the override") from None
+        if isinstance(built, TweoHook):
+            check_tweo_checkpointing(cfg, built)
+
+
+def check_tweo_checkpointing(cfg: Config, hook: TweoHook) -> None:
+    """Refuse an `activation_checkpointing` entry of `cfg` (read by MMEngine's Runner.train) naming a module that
+    strictly contains a block the TweoHook `hook` penalizes, as the hook's before_train would once the Runner, the
+    data and the work dir are made (cd/integrations/mmengine_tweo.py: reentrant checkpointing leaves those blocks out
+    of the term and runs them again in the backward pass). The module names are those of the built detector: it is
+    built here for them, on the CPU and only when both settings are given (under a second for Swin-T)."""
+    names = cfg.get("activation_checkpointing")
+    if not names:
+        return
+    from mmdet.registry import MODELS
+    try:
+        model = MODELS.build(copy.deepcopy(cfg.model))
+        refusal = hook.checkpointing_refusal(model, names)
+    except Exception:  # noqa: BLE001 - a model that cannot be built, or a module= it lacks, is the Runner's error
+        return
+    if refusal is not None:
+        raise DetectionError(refusal)
 
 
 def _uses(cfg: Config, variable: str, read: set) -> List[str]:
