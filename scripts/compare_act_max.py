@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import glob
 import hashlib
+import math
 import os
 import sys
 from collections import defaultdict
@@ -54,21 +55,29 @@ def float_settings(result: dict) -> dict:
 
 def per_block(path: str) -> dict[int, tuple[float, float]]:
     """{block: (max of the block output, max over the modules inside the block)} of one CSV; a file that
-    cannot be read as one is a ValueError naming it."""
-    block, module = {}, defaultdict(float)
+    cannot be read as one, or a max that is not a finite number, is a ValueError naming it."""
+    rows = []  # (line, block, kind, max)
     try:
         with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                b = int(row["block"])
-                if b < 0:
-                    continue
-                if row["kind"] == "block":
-                    block[b] = float(row["max"])
-                else:
-                    module[b] = max(module[b], float(row["max"]))
+            reader = csv.DictReader(f)
+            for row in reader:
+                rows.append((reader.line_num, int(row["block"]), row["kind"], float(row["max"])))
     except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a short row (None for a column)
         problem = f"no column {e}" if isinstance(e, KeyError) else str(e)
         raise ValueError(f"{path} is not an act_max CSV of evaluate.py ({problem})") from None
+    block, module = {}, defaultdict(float)
+    for line, b, kind, value in rows:
+        # a NaN drops out of max() (it compares false) and the mean would be of the other modules' maxima
+        if not math.isfinite(value):
+            raise ValueError(f"{path}, line {line}: max {value} is not a finite number: the model's activations "
+                             f"overflowed there (a diverged run); leave the run out, or train it again (e.g. with a "
+                             f"lower optim.lr)")
+        if b < 0:
+            continue
+        if kind == "block":
+            block[b] = value
+        else:
+            module[b] = max(module[b], value)
     return {b: (block[b], module[b]) for b in sorted(block)}
 
 

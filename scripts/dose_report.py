@@ -124,7 +124,9 @@ def metric_number(record: dict, key: str, folder: str) -> float:
 
 def read_act_max(path: str) -> list[dict]:
     """The rows of a per-layer maxima file of evaluate.py, refused when it lacks a column the reports read, a
-    row's block is not an integer (-1: outside the blocks) or its max (or kurtosis) not a number."""
+    row's block is not an integer (-1: outside the blocks), its kurtosis not a number (NaN is one: an output too
+    near a constant to resolve, engine.act_max.kurtosis_from_sums) or its max not a finite number (a NaN or inf
+    activation: a model that diverged)."""
     try:  # evaluate.py writes module names and numbers: bytes that are not UTF-8, or a NUL, are damage
         with open(path, newline="", encoding="utf-8") as f:
             return act_max_rows(csv.DictReader(f), path)
@@ -146,10 +148,16 @@ def act_max_rows(reader: csv.DictReader, path: str) -> list[dict]:
                               "not a per-layer maxima file of evaluate.py; re-evaluate the run")
         for column in ("max", "kurtosis")[:2 if "kurtosis" in reader.fieldnames else 1]:
             try:
-                float(row[column] or "")
+                value = float(row[column] or "")
             except ValueError:
                 raise ReportError(f"{path}, line {reader.line_num}: {column} {row[column]!r} is not a number: "
                                   "not a per-layer maxima file of evaluate.py; re-evaluate the run") from None
+            # a NaN max would drop out of every largest-value-per-type (NaN compares false) and the table would
+            # show the others' maximum as the run's
+            if column == "max" and not math.isfinite(value):
+                raise ReportError(f"{path}, line {reader.line_num}: max {row[column]!r} is not a finite number: "
+                                  f"the model's activations overflowed there (a diverged run); leave the run out "
+                                  f"of the sweep folder, or train it again (e.g. with a lower optim.lr)")
         rows.append(row)
     return rows
 
@@ -345,11 +353,17 @@ def final_energy(run: Run, role: str) -> float:
 
 
 def type_maxima(run: Run, column: str = "max") -> dict[str, float]:
-    """The largest value of `column` (max |activation|, or kurtosis) of each module type over all blocks."""
+    """The largest value of `column` (max |activation|, or kurtosis) of each module type over all blocks. A NaN
+    kurtosis (an output too near a constant to resolve: engine.act_max.kurtosis_from_sums) is no value and left
+    out; a max is finite in every row read_act_max passes."""
     out: dict[str, float] = {}
     for row in run.act_max:
-        if int(row["block"]) >= 0 and row.get(column) not in (None, "", "nan"):
-            out[row["type"]] = max(out.get(row["type"], float("-inf")), float(row[column]))
+        value = row.get(column)
+        if int(row["block"]) < 0 or value in (None, ""):  # outside the blocks; a file without kurtosis
+            continue
+        if column == "kurtosis" and math.isnan(float(value)):
+            continue
+        out[row["type"]] = max(out.get(row["type"], float("-inf")), float(value))
     return out
 
 
