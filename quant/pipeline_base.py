@@ -111,6 +111,7 @@ class Pipeline:
         # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
         self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
         self.check_model(fp_model)
+        self.check_input_size(fp_model, bits, options)
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
@@ -156,6 +157,11 @@ class Pipeline:
             raise ValueError(f"the model's weights are {', '.join(dtypes)}: {self.name} trains float32 state on them "
                              "and feeds them float32 images; keep the weights float32 (model.float()) and autocast for "
                              "lower precision (evaluate.py --amp keeps the weights float32)")
+
+    def check_input_size(self, fp_model: nn.Module, bits: Bits, options: Any) -> None:
+        """Raise ValueError for a model whose input size these steps cannot take without changing its float function
+        (RepQ-ViT's LayerNorm fold on a Swin whose windows are zero-padded: fold_windows.py), on every rank before
+        any work; the entry points also call it (quant.plan.check_model_converts). The default: any size."""
 
     def train_image_counts(self, options: Any) -> Dict[str, int]:
         """{option: images} this pipeline draws from the training split itself (`draws_training_images`), for

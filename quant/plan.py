@@ -184,18 +184,21 @@ def check_quant_plan(cfg: Config) -> None:
 def check_model_converts(model: nn.Module, cfg: Config) -> None:
     """Convert a copy of `model` with the layout of every planned (pipeline, bits), as each pipeline's first
     step does, and drop it: a model the pipelines cannot quantize (an attention class with no quantized version,
-    such as EVA's or CaiT's, or layers no rule covers) is refused with one ConfigError naming model.name
-    before the float and maxima passes (an ImageNet pass each), not by a traceback after them."""
+    such as EVA's or CaiT's, or layers no rule covers), or one at an input size the pipeline cannot take
+    (`Pipeline.check_input_size`: RepQ-ViT's fold on a Swin with padded windows), is refused with one ConfigError
+    naming model.name before the float and maxima passes (an ImageNet pass each), not by a traceback after them."""
     from .convert import quantize_model
     from .pipeline_base import isolated_rng, parse_options
 
     device = next(model.parameters()).device
     for name, bits in planned(cfg):
         pipeline = PIPELINES[name]
-        spec = pipeline.layout(parse_bits(bits), parse_options(pipeline.Options, pipeline_options(cfg, name)))
+        options = parse_options(pipeline.Options, pipeline_options(cfg, name))
+        spec = pipeline.layout(parse_bits(bits), options)
         try:
             with isolated_rng(0, device):  # a layer built in the conversion draws nothing from the run's streams
                 quantize_model(model, spec)  # the converted copy is dropped
+            pipeline.check_input_size(model, parse_bits(bits), options)
         except (TypeError, ValueError) as e:  # convert.py's refusals: an unknown attention, an uncovered layer
             raise ConfigError(f"model.name={cfg.model.name}: {name} {bits} cannot quantize it: {e}") from None
 

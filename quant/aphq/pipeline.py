@@ -8,7 +8,8 @@ order to reduce quantization time" (CD paper Sec. 4.1). Procedure, after GoatWu/
    each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.
 2. Layout: weights asymmetric per output channel (AdaRound kind); post-LayerNorm inputs (qkv, fc1,
    Swin reduction) per channel, folded into the LayerNorm (RepQ-ViT) and then per tensor (only when
-   a_bits == w_bits, as officially; otherwise per tensor without a fold); proj, fc2 and
+   a_bits == w_bits, as officially; otherwise per tensor without a fold; a timm Swin whose windows are padded
+   at its input size is then refused, as for RepQ-ViT: quant/fold_windows.py); proj, fc2 and
    head inputs asymmetric per tensor; q, k, attn, v asymmetric uniform PER HEAD (also the softmax
    output, no log quantizer); the image input of the patch embedding float (`stem_a_bits=0`).
 3. Calibration (aphq_calibration.py): fold and output-MSE searches, layer by layer on float inputs.
@@ -40,6 +41,7 @@ from engine.metrics import duration
 
 from ..calibrate import Images
 from ..convert import quantize_model
+from ..fold_windows import check_fold_windows
 from ..layout import standard_layout
 from ..modes import set_quant_state
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
@@ -104,6 +106,12 @@ class APHQPipeline(Pipeline):
                 if key in options:
                     raise ValueError(f"{key}={options[key]} would be ignored at {parsed}: {key} {why}; drop it")
         return super().__call__(fp_model, calib_images, bits, options, data)
+
+    def check_input_size(self, fp_model: nn.Module, bits: Bits, options: APHQOptions) -> None:
+        """The RepQ-ViT fold (at a_bits == w_bits, `layout`) keeps a Swin's float function only where its norm1
+        output fills whole windows (quant/fold_windows.py); APHQ has no option that turns the fold off."""
+        if bits.a == bits.w:
+            check_fold_windows(fp_model, self.name)
 
     def train_image_counts(self, options: APHQOptions) -> dict:
         return {"recon_images": options.recon_images}  # calib_images are its first ones

@@ -16,6 +16,10 @@ Zero point of the fold: the official code keeps the mean zero point z~ unrounded
 (tests/test_quant_reparam.py). `reparam=False` keeps per-channel post-LN activations (the not
 hardware-friendly variant of zkkli/RepQ-ViT issue #11), for ablations; it reads no `round_zero_point`, and a
 non-default one beside it is refused.
+
+The fold is exact only where Swin's window attention pads nothing after norm1: a timm Swin whose stage grids are
+not multiples of its windows at the model's input size is refused before any work (fold_windows.py, quant/README.md);
+a detector's Swin pads at every image's own grid and is folded as the official detection code folds it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from torch import nn
 from configs.quant import RepQOptions
 
 from ..calibrate import Images, refit_weight_quantizers
+from ..fold_windows import check_fold_windows
 from ..layout import standard_layout
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, convert_and_calibrate, pipeline_report
 from ..pipeline_data import PipelineData
@@ -58,6 +63,13 @@ class RepQPipeline(Pipeline):
         if not options.reparam and options.round_zero_point != RepQOptions.round_zero_point:
             raise ValueError(f"round_zero_point={options.round_zero_point} is read only by the LayerNorm fold, and "
                              f"reparam=False turns the fold off: drop it, or set reparam=True")
+
+    def check_input_size(self, fp_model: nn.Module, bits: Bits, options: RepQOptions) -> None:
+        """The fold keeps a Swin's float function only where its norm1 output fills whole windows (fold_windows.py);
+        without the fold (reparam=False) any input size."""
+        if options.reparam:
+            check_fold_windows(fp_model, self.name, "reparam=False (quant.repq.reparam=false: no fold, the "
+                                                    "post-LayerNorm inputs stay per channel)")
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: RepQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
