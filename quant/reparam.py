@@ -13,9 +13,11 @@ y'_c / s~ = y_c / s_c + (z_c - z~), an integer z~ makes the per-tensor codes equ
 codes exactly; RepQ-ViT's code keeps z~ unrounded (a grid shifted by frac(z~), same MSE to ~3 digits).
 Afterwards the consumer's weight quantizer must be re-fitted on W' (see calibrate.refit_weight_quantizers).
 
-Sites are (parent pattern, norm name, linear name) triples over FQNs. Swin pads the LN output with
-zeros when a resolution is not a multiple of the window (not the case for the standard 224 models);
-padded positions would not be exactly folded, because 0 in y' stands for y = r * b in y.
+Sites are (parent pattern, norm name, linear name) triples over FQNs. Swin pads the norm1 output with
+zeros when a stage's grid is not a multiple of its window (not the case for the shipped geometries);
+padded positions are not exactly folded, because 0 in y' stands for y = r * b in y. The pipelines refuse
+such a timm Swin before any work (fold_windows.py); a detector's Swin pads at each image's own grid and is
+folded as the official detection code folds it (quant/README.md).
 """
 from __future__ import annotations
 
