@@ -166,7 +166,7 @@ ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
 class OptimConfig:
     """The optimizer (timm), its peak learning rate and weight decay."""
 
-    name: str = "adamw"  # any timm create_optimizer_v2 name, in lower case (adamw, sgd, lamb, ...)
+    name: str = "adamw"  # a timm optimizer name, in lower case (adamw, sgd, lamb, ...), or lookahead_ and one
     # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
     lr: Annotated[Optional[float], Positive] = None
     lr_base: Annotated[float, Positive] = 5e-4  # peak lr at a global batch of lr_base_batch

@@ -101,14 +101,27 @@ def cd_key_message(message: str, lam_per_role: dict) -> str:
     return f"{key}{setting[len(name):]} {rest}"
 
 
+LOOKAHEAD = "lookahead_"  # the one prefix timm's create_optimizer_v2 reads: Lookahead around the optimizer
+
+
 def check_optimizer_name(name: str) -> None:
-    """optim.name resolved in timm's optimizer registry as create_optimizer_v2 resolves it (a `lookahead_` prefix,
-    then the name after the last '_'; engine/optim.py refuses upper case itself)."""
+    """optim.name resolved as timm's create_optimizer_v2 resolves it (engine/optim.py refuses upper case itself):
+    a name of its registry, or `lookahead_` and one. timm builds the optimizer named after the last '_' and of the
+    part before it reads only whether it begins with `lookahead`, so any other part (lookahed_adamw, foo_sgd,
+    _adamw) would be dropped without a word and plain AdamW / SGD trained; no name in the registry holds a '_'."""
     from timm.optim import list_optimizers
 
-    base = name.lower().split("_")[-1]
+    lowered = name.lower()
     known = list_optimizers()
-    if base not in known:
-        close = difflib.get_close_matches(base, known, n=3)
-        raise ConfigError(f"optim.name={name}: timm has no optimizer '{base}'; "
-                          + (f"did you mean {', '.join(close)}?" if close else "e.g. optim.name=adamw"))
+    prefix, _, opt = lowered.rpartition("_")
+    if lowered in known or (lowered.startswith(LOOKAHEAD) and lowered[len(LOOKAHEAD):] in known):
+        return
+    close = difflib.get_close_matches(lowered, known + [LOOKAHEAD + k for k in known], n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else "e.g. optim.name=adamw"
+    if opt not in known:
+        raise ConfigError(f"optim.name={name}: timm has no optimizer '{opt}'; {hint}")
+    # timm's own parsing: split on '_', Lookahead where the first part is 'lookahead', the rest ignored
+    lookahead = lowered.split("_")[0] == LOOKAHEAD[:-1]
+    built = f"{opt} in Lookahead, ignoring the rest of" if lookahead else f"{opt}, ignoring"
+    raise ConfigError(f"optim.name={name}: timm would build {built} '{prefix}_' (before an optimizer's name it reads "
+                      f"'lookahead_' only); {hint}")
