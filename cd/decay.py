@@ -219,7 +219,12 @@ def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).
 
-    E.g. 0.05 -> 0.045 for lam 0.005. Raises ValueError if the result would be negative, or if either
+    E.g. 0.05 -> 0.045 for lam 0.005. The rule assumes decoupled weight decay, W -= lr * wd * W per step apart from
+    the gradient (AdamW's, and the form of CD's own step), so that the lam it takes from the decay is the lam CD
+    adds. Under L2 decay added to the gradient (torch.optim.Adam, SGD) it is not: Adam normalizes the L2 term
+    away, so lowering wd removes almost no decay while CD comes on top, and SGD's momentum amplifies it by up to
+    1 / (1 - momentum); keep such an optimizer's weight decay and leave the rule out (train.py refuses cd.budget
+    beside one). Raises ValueError if the result would be negative, or if either
     value is not a finite number >= 0 (a NaN would reach AdamW as its weight decay and a negative lam raise it).
     """
     for name, value in (("weight_decay", weight_decay), ("cd.lam", lam)):

@@ -272,7 +272,8 @@ class CDConfig:
     loss_coef: Annotated[float, NonNegative] = 0.01
     # precision of the update's products; auto = tf32 on CUDA, fp32 elsewhere (errors: cd/README.md)
     matmul_precision: Literal["auto", "fp32", "tf32", "bf16"] = "auto"
-    budget: bool = True  # weight-decay budget rule: wd -> wd - lam
+    # weight-decay budget rule: wd -> wd - lam; needs an optimizer with decoupled weight decay (adamw, lion, sgdw, ...)
+    budget: bool = True
     # beyond the paper: also pair gated MLPs (SwiGLU, EVA-02): norm2 -> W_gate and W_up, W_up -> W_down
     # (cd/README.md, "Gated MLPs"); false: a model with a gated MLP is refused by CD
     gated_mlp: bool = False

@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 
 def check_training_settings(cfg: Any) -> None:
     """Refuse (ConfigError, one line naming the key and the fix) a CD setting ColinearityDecay would refuse before
-    it looks at the model, an optim.name timm's registry does not have, and a schedule whose ends lie above its peak
-    (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has read it
-    (`check_schedule_on_resume`)."""
+    it looks at the model, an optim.name timm's registry does not have, the budget rule (cd.budget) beside an
+    optimizer whose weight decay is not decoupled (`check_budget_optimizer`), and a schedule whose ends lie above
+    its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has
+    read it (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
+    if cfg.cd.enabled and cfg.cd.budget:
+        check_budget_optimizer(cfg.optim.name)
     if not may_resume(cfg):
         check_schedule_ends(cfg)
 
@@ -125,3 +128,35 @@ def check_optimizer_name(name: str) -> None:
     built = f"{opt} in Lookahead, ignoring the rest of" if lookahead else f"{opt}, ignoring"
     raise ConfigError(f"optim.name={name}: timm would build {built} '{prefix}_' (before an optimizer's name it reads "
                       f"'lookahead_' only); {hint}")
+
+
+# timm's optimizers (1.0) whose weight decay is decoupled in the form of CD's step, W -= lr x wd x W with the
+# group's lr at that update, apart from the gradient's step (before it, as AdamW, or after it, as LaProp): lowering
+# wd by lam (the budget rule) then moves exactly that decay into CD (tests/test_budget_optimizers.py checks each
+# one's steps). Left out: L2 decay added to the gradient (adam, sgd, momentum, lamb, ...: normalized away by Adam,
+# amplified ~1/(1-momentum) by SGD), the corrected decays (adamc, sgdc, ...: lr^2 / peak lr), decay inside or beside
+# a trust ratio or projection (lamb*, lars, adamp, sgdp: LAMB adapts the step only where weight_decay != 0), Adan's
+# proximal form, MADGRAD's averaged one, Kron (its compiled, randomly probed preconditioner is not checked here),
+# and the APEX / bitsandbytes builds, which need CUDA and their packages.
+DECOUPLED_DECAY = ("adabelief", "adafactor", "adafactorbv", "adamuon", "adamw", "adamwlegacy", "adanw", "cadafactor",
+                   "cadafactorbv", "cadamw", "cadanw", "claprop", "clion", "cmars", "cnadamw", "csgdw", "laprop",
+                   "lion", "mars", "muon", "nadamuon", "nadamw", "nesterovw", "nmuon", "novogradw", "radabelief",
+                   "radamw", "rmsproptfw", "sgdw")
+
+
+def check_budget_optimizer(name: str) -> None:
+    """Refuse cd.budget=true (wd -> wd - lam, App. A.2) beside an optimizer whose weight decay is not decoupled:
+    the rule assumes AdamW's lr x wd x W per update, the form of CD's own step. Under L2 decay (torch Adam, SGD)
+    the lam taken from wd is not the decay CD adds: Adam normalizes the L2 term away (the rule removes no decay
+    while CD comes on top), SGD's momentum amplifies it. `lookahead_` and a decoupled one pass: Lookahead pulls
+    back the base optimizer's weights, CD's step and the decay alike."""
+    lowered = name.lower()
+    base = lowered[len(LOOKAHEAD):] if lowered.startswith(LOOKAHEAD) else lowered
+    if base in DECOUPLED_DECAY:
+        return
+    alike = f"{base}w" if f"{base}w" in DECOUPLED_DECAY else "adamw"  # sgd -> sgdw, nadam -> nadamw, else adamw
+    raise ConfigError(f"optim.name={name} with cd.budget=true: the budget rule (weight decay minus cd.lam) assumes "
+                      f"AdamW's decoupled weight decay, lr x wd x W per update apart from the gradient (the form of "
+                      f"CD's step), which {base}'s is not; use optim.name={alike}"
+                      f"{' or adamw' if alike != 'adamw' else ''}, or set cd.budget=false and optim.weight_decay "
+                      f"yourself")
