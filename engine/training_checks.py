@@ -34,7 +34,7 @@ def check_training_settings(cfg: Any) -> None:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
     if cfg.cd.enabled and cfg.cd.budget:
-        check_budget_optimizer(cfg.optim.name)
+        check_budget_optimizer(cfg.optim.name, cfg.optim.momentum)
     if not may_resume(cfg):
         check_schedule_ends(cfg)
 
@@ -144,15 +144,16 @@ DECOUPLED_DECAY = ("adabelief", "adafactor", "adafactorbv", "adamuon", "adamw", 
                    "radamw", "rmsproptfw", "sgdw")
 
 
-def check_budget_optimizer(name: str) -> None:
+def check_budget_optimizer(name: str, momentum: float) -> None:
     """Refuse cd.budget=true (wd -> wd - lam, App. A.2) beside an optimizer whose weight decay is not decoupled:
     the rule assumes AdamW's lr x wd x W per update, the form of CD's own step. Under L2 decay (torch Adam, SGD)
     the lam taken from wd is not the decay CD adds: Adam normalizes the L2 term away (the rule removes no decay
     while CD comes on top), SGD's momentum amplifies it. `lookahead_` and a decoupled one pass: Lookahead pulls
-    back the base optimizer's weights, CD's step and the decay alike."""
+    back the base optimizer's weights, CD's step and the decay alike; so does SGD without momentum
+    (optim.name=momentum, optim.momentum=0), whose L2 step lr x (g + wd x W) is the decoupled form."""
     lowered = name.lower()
     base = lowered[len(LOOKAHEAD):] if lowered.startswith(LOOKAHEAD) else lowered
-    if base in DECOUPLED_DECAY:
+    if base in DECOUPLED_DECAY or (base == "momentum" and momentum == 0):
         return
     alike = f"{base}w" if f"{base}w" in DECOUPLED_DECAY else "adamw"  # sgd -> sgdw, nadam -> nadamw, else adamw
     raise ConfigError(f"optim.name={name} with cd.budget=true: the budget rule (weight decay minus cd.lam) assumes "

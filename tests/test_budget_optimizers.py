@@ -27,14 +27,14 @@ def matrices(model):
     return {n: p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
 
 
-def trajectory(name, model, weight_decay, grads):
+def trajectory(name, model, weight_decay, grads, momentum=0.9):
     """The blocks' matrices after each of len(grads) updates of engine/optim.py's optimizer `name`, each group's
     lr at LR_NOW of its peak, every parameter given the update's fixed gradient (none depends on the weights), and
     each matrix's (lr, weight decay) from its group."""
     model = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = build_optimizer(model, OptimConfig(name=name), LR, weight_decay)
+        opt = build_optimizer(model, OptimConfig(name=name, momentum=momentum), LR, weight_decay)
     for group in opt.param_groups:
         group["lr"] = group["lr"] * LR_NOW
     mats = matrices(model)
@@ -50,7 +50,7 @@ def trajectory(name, model, weight_decay, grads):
     return states, settings
 
 
-def decay_is_decoupled(name, model) -> bool:
+def decay_is_decoupled(name, model, momentum=0.9) -> bool:
     """Whether `name`'s weight decay of CD's matrices is lr x wd x W per update apart from the gradient, tried two
     ways in float64: (1) zero gradients: STEPS updates leave (1 - lr wd)^STEPS W, the decay alone (L2 decay goes
     through Adam's normalization, SGD's momentum, LAMB's trust ratio and is not that); (2) the same fixed random
@@ -61,9 +61,9 @@ def decay_is_decoupled(name, model) -> bool:
     gen = torch.Generator().manual_seed(1)
     noise = [{n: torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in model.named_parameters()}
              for _ in range(STEPS)]
-    still, settings = trajectory(name, model, WD, zeros)
-    decayed, _ = trajectory(name, model, WD, noise)
-    plain, _ = trajectory(name, model, 0.0, noise)
+    still, settings = trajectory(name, model, WD, zeros, momentum)
+    decayed, _ = trajectory(name, model, WD, noise, momentum)
+    plain, _ = trajectory(name, model, 0.0, noise, momentum)
     for n, (lr, wd) in settings.items():
         assert wd == WD, (name, n)  # a matrix the decay reaches
         keep = 1 - lr * wd
@@ -99,6 +99,16 @@ def test_the_optimizers_taken_with_the_budget_are_those_whose_decay_is_decoupled
     # the ones the budget rule was read for, and the ones a reviewer saw it misread
     assert {"adamw", "lion", "sgdw", "nadamw"} <= decoupled
     assert not {"adam", "sgd", "momentum", "lamb", "adamc", "adan"} & decoupled
+
+
+def test_sgd_without_momentum_is_taken_as_its_l2_step_is_the_decoupled_form(model):
+    """lr x (g + wd W): the decay apart from the gradient's step, as AdamW's; with momentum it is not."""
+    from engine.training_checks import check_training_settings
+
+    assert decay_is_decoupled("momentum", model, momentum=0.0) and not decay_is_decoupled("momentum", model)
+    check_training_settings(load_config([TINY, CD], ["optim.name=momentum", "optim.momentum=0"]))
+    with pytest.raises(ConfigError, match="^optim.name=momentum with cd.budget=true: "):
+        check_training_settings(load_config([TINY, CD], ["optim.name=momentum", "optim.momentum=0.5"]))
 
 
 def test_lookahead_around_a_decoupled_optimizer_decays_as_it_does(model):
