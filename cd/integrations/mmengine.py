@@ -174,6 +174,10 @@ class ColinearityDecayHook(Hook):
 
 CD_HOOK = ColinearityDecayHook.__name__
 BUDGET_APPLIED = "applied: "  # cd_budget's value once the weight decay holds the budget (a dumped config)
+# torch's optimizers whose weight decay is L2 in the gradient (Adam, NAdam and RAdam unless decoupled_weight_decay),
+# not AdamW's lr * wd * W per step, which the budget rule assumes (budget_weight_decay); SGD without momentum (its
+# default) is that form: lr * (g + wd * W)
+L2_DECAY = ("Adadelta", "Adagrad", "Adam", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "SGD")
 
 
 def apply_weight_decay_budget(cfg: Any) -> None:
@@ -187,8 +191,10 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     rule to the recorded base (0.05), not to the lowered weight decay, so it is not lowered twice and follows an
     override there too: of the lam (`custom_hooks.0.lam=0.01`: 0.05 - 0.01 = 0.04), or of the weight decay, then
     the new base as in the files (`weight_decay=0.1`: 0.1 - lam; a value equal to the recorded result, 0.045,
-    reads as no override). `cd_budget = False` (or none) leaves the weight decay as given. Raises ValueError
-    where the rule cannot apply, or `cd_budget` is a record this function did not write."""
+    reads as no override). `cd_budget = False` (or none) leaves the weight decay as given. The rule assumes
+    decoupled weight decay (AdamW's, the form of CD's step; see budget_weight_decay): a torch optimizer whose decay
+    is L2 in the gradient (SGD, Adam) is refused, one this function does not know is taken as given. Raises
+    ValueError where the rule cannot apply, or `cd_budget` is a record this function did not write."""
     budget = cfg.get("cd_budget")
     if budget is None or budget is False:
         return
@@ -210,6 +216,12 @@ def apply_weight_decay_budget(cfg: Any) -> None:
                          "(configs/detection/method/cd.py) or set cd_budget=False and "
                          "optim_wrapper.optimizer.weight_decay yourself")
     lam = lams.pop()
+    kind = _l2_decay(optimizer)
+    if kind is not None:
+        raise ValueError(f"cd_budget=True with optim_wrapper.optimizer.type={kind}: the budget rule (weight decay "
+                         f"minus the hook's lam) assumes decoupled weight decay (lr * wd * W per step, AdamW's and "
+                         f"the form of CD's step), and {kind}'s is L2 in the gradient; use type='AdamW', or set "
+                         f"cd_budget=False and optim_wrapper.optimizer.weight_decay yourself")
     for name, value in (("optim_wrapper.optimizer.weight_decay", weight_decay), (f"{CD_HOOK} lam", lam)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"cd_budget=True needs a number as {name}, got {value!r}: set it, or set "
@@ -224,6 +236,17 @@ def apply_weight_decay_budget(cfg: Any) -> None:
         raise ValueError(f"cd_budget=True: optim_wrapper.optimizer.weight_decay {weight_decay} - {CD_HOOK} lam "
                          f"{lam} < 0; lower the hook's lam, or set cd_budget=False") from None
     cfg["cd_budget"] = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
+
+
+def _l2_decay(optimizer: Any) -> Optional[str]:
+    """The type of `optimizer` (optim_wrapper.optimizer) where it is one of torch's L2_DECAY in a form other than the
+    decoupled one, else None: AdamW, SGD without momentum, decoupled_weight_decay=True, or a type not known here."""
+    kind = optimizer.get("type")
+    kind = getattr(kind, "__name__", kind)  # a class, or its registry name (maybe scoped: "mmengine.SGD")
+    name = kind.rpartition(".")[2] if isinstance(kind, str) else None
+    if name not in L2_DECAY or optimizer.get("decoupled_weight_decay") is True:
+        return None
+    return None if name == "SGD" and not optimizer.get("momentum", 0) else kind
 
 
 def _recorded_budget(budget: str) -> tuple[float, float]:
