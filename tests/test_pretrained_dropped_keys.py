@@ -79,3 +79,120 @@ def test_official_layouts_that_timm_converts_load_strict_without_a_line(tmp_path
         build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
                                 pretrained=str(tmp_path / "gpt2.pt"), pretrained_strict=True))
     assert not re.search("left out|no place", caplog.text), caplog.text
+
+
+def naive_dropped(before: dict, after: dict) -> list[str]:
+    """The reference: every comparison in full, each dropped candidate against every unused copy by its sorted
+    values. A copy (an output that is no tensor of the file, nor a view of one) carries one tensor of the file;
+    tied keys (one tensor) go together; the tensor itself under any name, or a view of it, carries it."""
+    from models.dropped_keys import HARMLESS
+
+    def memory(t):
+        return t.data_ptr(), t.dtype, t.numel()
+
+    new = [v for k, v in after.items() if k not in before or v is not before[k]]
+    copies = [u for u in new if all(memory(u) != memory(v) for v in before.values())]
+    used, by_copy, dropped = set(), [], []
+    for key, value in before.items():
+        if key in after or HARMLESS.search(key):
+            continue
+        if any(memory(u) == memory(value) for u in after.values()) or any(value is v for v in by_copy):
+            continue
+        for i, u in enumerate(copies):
+            if i not in used and u.numel() == value.numel() and u.dtype == value.dtype and torch.equal(
+                    u.flatten().sort().values, value.flatten().sort().values):
+                used.add(i)
+                by_copy.append(value)
+                break
+        else:
+            dropped.append(key)
+    return dropped
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dropped_by_filter_agrees_with_a_naive_matching_of_sorted_values(seed):
+    """Random conversions of a file of few shapes and many equal tensors (renames, views, ties, copies as they
+    are, transposed or permuted into another shape, outputs of the same size that are no copy, tensors left out):
+    the same keys are named as by the reference, which sorts every pair."""
+    from models.dropped_keys import dropped_by_filter
+    g = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(-3, 4, (3, 4), generator=g).float() for _ in range(4)]  # few values: many equal tensors
+    before, after = {}, {}
+    for i in range(24):
+        value = pool[int(torch.randint(len(pool), (1,), generator=g))].clone()
+        if i % 7 == 3:
+            value = before[f"k{i - 1}"]  # tied to the previous key
+        before[f"k{i}"] = value
+        kind = int(torch.randint(7, (1,), generator=g))
+        if kind == 0:
+            after[f"k{i}"] = value
+        elif kind == 1:
+            after[f"r{i}"] = value  # renamed
+        elif kind == 2:
+            after[f"v{i}"] = value.t()  # a view
+        elif kind == 3:
+            after[f"c{i}"] = value.t().contiguous()  # a transposed copy
+        elif kind == 4:
+            perm = torch.randperm(12, generator=g)
+            after[f"p{i}"] = value.flatten()[perm].reshape(2, 6)  # a copy in another shape and order
+        elif kind == 5:
+            after[f"o{i}"] = pool[int(torch.randint(len(pool), (1,), generator=g))].clone().reshape(6, 2)
+        # kind 6: left out
+    assert dropped_by_filter(before, after) == naive_dropped(before, after)
+
+
+def test_one_copy_carries_one_tensor_and_tied_keys_are_one_tensor():
+    from models.dropped_keys import dropped_by_filter
+    x = torch.randn(3, 4)
+    copy = {"w": x.t().contiguous()}
+    assert dropped_by_filter({"a": x, "b": x.clone()}, copy) == ["b"]  # two tensors of these values, one copy
+    assert dropped_by_filter({"a": x, "b": x}, copy) == []  # one tensor under two keys (tied)
+    assert dropped_by_filter({"a": x, "b": x}, {"a": x}) == []  # the filter kept one of the two names
+
+
+def transformers_gpt2(depth: int, width: int = 64) -> dict:
+    """A transformers GPT-2 state dict of random values (Conv1D weights, lm_head tied to wte, the causal-mask
+    buffers of older files)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=65, n_positions=32, n_embd=width, n_layer=depth, n_head=2)
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()}
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    for i in range(depth):
+        state[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 32, 32)
+        state[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    return state
+
+
+@pytest.mark.parametrize("depth", [2, 12])
+def test_a_transformers_gpt2_file_costs_one_full_comparison_per_conv1d_copy_and_no_sort(depth, monkeypatch):
+    """The diff of a file of transposed copies is linear in depth: its 4 Conv1D copies per layer are each found
+    with one comparison of the whole tensor (not one per same-size tensor of the other layers) and nothing is
+    sorted (a full copy per tensor); the cost is counted, not timed."""
+    from models.dropped_keys import dropped_by_filter
+    from models.gpt import checkpoint_filter_fn
+    width = 64
+    before = transformers_gpt2(depth, width)
+    model = build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
+                                    kwargs={"depth": depth, "embed_dim": width}))
+    after = checkpoint_filter_fn(dict(before), model)
+    full, sorts = [], []
+    equal = torch.equal
+
+    def counted_equal(a, b):
+        if a.numel() >= width * width:  # the smallest Conv1D weight (attn.c_proj); one line of it is `width`
+            full.append(a.shape)
+        return equal(a, b)
+
+    def counted_sort(*a, **k):
+        sorts.append(1)
+        return sort(*a, **k)
+
+    sort, tensor_sort = torch.sort, torch.Tensor.sort
+    monkeypatch.setattr(torch, "equal", counted_equal)
+    monkeypatch.setattr(torch, "sort", counted_sort)
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: (sorts.append(1), tensor_sort(self, *a, **k))[1])
+    assert dropped_by_filter(before, after) == []
+    assert sorts == [] and len(full) <= 4 * depth, (len(sorts), len(full))
+
