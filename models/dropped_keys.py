@@ -1,32 +1,41 @@
 """Which tensors of a weights file a model family's `checkpoint_filter_fn` left out of its conversion.
 
 timm's filters rename keys (official DeiT III, Swin and DINOv2 layouts), transpose or resample some tensors, and
-leave out others without a word: buffers the model rebuilds (Swin's relative_position_index and attn_mask, a GPT
-file's causal-mask attn.bias), DINOv2's mask_token, which no forward pass of an encoder reads, but also layers the
-model lacks, such as the pre-logits layer of old in21k ViT files (timm's ViT filter: `elif 'pre_logits' in k:
-continue`). A model built without such a layer does not compute what the file's did, so models/pretrained.py
-names every such key (`dropped_by_filter`).
+leave out others without a word: buffers the model rebuilds (Swin's relative_position_index and attn_mask, SwinV2's
+relative_coords_table, a GPT file's causal-mask attn.bias), DINOv2's mask_token, which no forward pass of an encoder
+reads, but also layers the model lacks, such as the pre-logits layer of old in21k ViT files (timm's ViT filter:
+`elif 'pre_logits' in k: continue`). A model built without such a layer does not compute what the file's did, so
+models/pretrained.py names every such key (`dropped_by_filter`).
 """
 from __future__ import annotations
 
 import re
 
 import torch
+import torch.nn as nn
 
 # keys a filter leaves out that hold nothing a forward pass of the model needs: buffers it rebuilds from its
 # settings (Swin's relative_position_index and attn_mask; the causal mask GPT-2 files store as attn.bias /
-# attn.masked_bias) and DINOv2's mask_token (masked-image-modelling pre-training only)
+# attn.masked_bias) and DINOv2's mask_token (masked-image-modelling pre-training only); any other buffer a model
+# rebuilds is named by the model itself (`rebuilt_buffers`)
 HARMLESS = re.compile(r"(?:^|\.)(?:mask_token|relative_position_index|attn_mask)$|\.attn\.(?:bias|masked_bias)$")
 
 
-def dropped_by_filter(before: dict, after: dict) -> list[str]:
+def rebuilt_buffers(model: nn.Module) -> frozenset[str]:
+    """The names of `model`'s non-persistent buffers: buffers it computes from its settings and never saves (not in
+    its state_dict), such as SwinV2's relative_coords_table, which official files store and timm's filter skips."""
+    return frozenset(name for name, _ in model.named_buffers()) - frozenset(model.state_dict())
+
+
+def dropped_by_filter(before: dict, after: dict, rebuilt: frozenset[str] = frozenset()) -> list[str]:
     """The keys of `before` (a file's state dict) whose tensors are nowhere in `after` (the filter's conversion of
-    it), in the file's order, less the HARMLESS ones. A key is carried when `after` holds it, or holds its tensor
-    under another name (a rename: the same memory, e.g. DINOv2's register_tokens as reg_token, or a view such as a
-    transpose), or its values under another name (a copy: a Conv1D weight transposed into an nn.Linear's, or
-    another shape or order). Each copy in `after` carries one tensor of `before` (tensors `before` ties, one memory
-    under several keys, count as one), so two dropped tensors of equal values are not both carried by one copy."""
-    candidates = [k for k in before if k not in after and not HARMLESS.search(k)]
+    it), in the file's order, less the HARMLESS ones and those in `rebuilt` (the model's non-persistent buffers,
+    `rebuilt_buffers`). A key is carried when `after` holds it, or holds its tensor under another name (a rename:
+    the same memory, e.g. DINOv2's register_tokens as reg_token, or a view such as a transpose), or its values
+    under another name (a copy: a Conv1D weight transposed into an nn.Linear's, or another shape or order). Each
+    copy in `after` carries one tensor of `before` (tensors `before` ties, one memory under several keys, count
+    as one), so two dropped tensors of equal values are not both carried by one copy."""
+    candidates = [k for k in before if k not in after and not HARMLESS.search(k) and k not in rebuilt]
     file_memory = {_memory(v) for v in before.values()}
     copies = [u for u in after.values() if _memory(u) not in file_memory]  # no tensor of the file, nor a view of one
     # a tensor in `after` under any name (also one of tied keys the filter kept the other of) is carried as it is

@@ -31,7 +31,7 @@ import torch.nn as nn
 from timm.models import load_state_dict
 
 from .attention_sinks import SINK_PARAMS
-from .dropped_keys import dropped_by_filter
+from .dropped_keys import dropped_by_filter, rebuilt_buffers
 from .modules import nonfinite_tensors
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                              f"({str(e).strip() or type(e).__name__}): weights of another model"
                              + (" (another token layout, e.g. without a class token or with a distillation token)"
                                 if "pos_embed" in own else "") + "?") from None
-        notes += check_dropped(dropped_by_filter(before, state), strict, path, model)
+        notes += check_dropped(dropped_by_filter(before, state, rebuilt_buffers(model)), strict, path, model)
     check_tied_weights(model, state, path)
 
     skipped = []
