@@ -2,13 +2,15 @@
 
     python -m cd --model vit_base_patch16_224
     python -m cd --model swin_tiny_patch4_window7_224
+    python -m cd --model eva02_tiny_patch14_224 --gated-mlp   # gated MLPs (SwiGLU) paired too, beyond the paper
     python -m cd --families        # what CD makes of each timm family (cd/families.py)
 
 The table is the full-size model's, checked by the meta forward. The checks on real numbers (which rows of a fused
 qkv are V, in which order W2 reads W1's channels: `cd/values.py`), which a meta model has no values for, run on a
 small copy built on the CPU: the family's tiny config where `cd/families.py` has one for the model, else the model
 with one block per stage (`depth=1`, `depths=(1, ...)`) or at 128 px; a model refused there is refused here, and
-where no small copy builds and runs, a line says that those checks were not run.
+where no small copy builds and runs, a line says that those checks were not run. `--gated-mlp` is find_pairs'
+`gated_mlp=True` (train.py's `cd.gated_mlp=true`) on both, refused as there on a model without a gated MLP.
 """
 from __future__ import annotations
 
@@ -92,9 +94,9 @@ def _small_copies(name: str) -> Iterator[tuple[str, Callable[[], nn.Module], obj
                lambda kwargs=kwargs: timm.create_model(name, pretrained=False, **kwargs).eval(), example)
 
 
-def check_small_copy(name: str) -> Optional[str]:
-    """Run `find_pairs` with its checks on real numbers on the first small CPU copy of timm model `name` that
-    builds and runs (`_small_copies`), or return why none was checked.
+def check_small_copy(name: str, gated_mlp: bool = False) -> Optional[str]:
+    """Run `find_pairs` (with `gated_mlp`, as on the meta model) with its checks on real numbers on the first small
+    CPU copy of timm model `name` that builds and runs (`_small_copies`), or return why none was checked.
 
     Raises:
         UnsupportedModelError: the copy's pairs are refused (a contradicted pair, not a forward that failed).
@@ -107,15 +109,21 @@ def check_small_copy(name: str) -> Optional[str]:
             except Exception:  # settings the model does not take (depth for a staged model): the next ones
                 continue
             try:
-                find_pairs(model, example)
+                find_pairs(model, example, gated_mlp=gated_mlp)
             except UnsupportedModelError as e:
                 if e.__cause__ is not None:  # its forward failed (a size it cannot take): not a refusal
                     continue
                 raise UnsupportedModelError(f"{e} (found by the checks on real numbers, run on a copy built on the "
                                             f"CPU with {settings})") from None
         return None
+    call = "find_pairs(model, gated_mlp=True)" if gated_mlp else "find_pairs(model)"
     return (f"note: {name}: the checks on real numbers (V rows, channel order) were not run: no small copy of it "
-            "could be built and run on the CPU; find_pairs(model) on the real model runs them")
+            f"could be built and run on the CPU; {call} on the real model runs them")
+
+
+# find_pairs' words for its gated_mlp switch, in its refusals: the CLI names its own flag beside them
+_LIBRARY_SWITCH = "gated_mlp=True (cd.gated_mlp=true)"
+_CLI_SWITCH = "--gated-mlp (gated_mlp=True, cd.gated_mlp=true)"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -124,10 +132,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--model", default=None, action=StoreOnce, help="timm model name (default vit_base_patch16_224)")
     parser.add_argument("--families", action="store_true",
                         help="a table of timm's Transformer families: the pairs per block, or why refused")
+    parser.add_argument("--gated-mlp", action="store_true",
+                        help="also pair gated MLPs (SwiGLU), beyond the paper: find_pairs' gated_mlp=True, "
+                             "train.py's cd.gated_mlp=true; refused on a model without one")
     args = parser.parse_args(argv)
     if args.families and args.model is not None:  # one table per run: the other request would go unanswered
         parser.exit(2, f"error: --families lists every family, not --model {args.model}'s pairs; give one of "
                        "them\n")
+    if args.families and args.gated_mlp:  # the table has both already: it would change nothing
+        parser.exit(2, "error: --gated-mlp is for --model: --families already shows what cd.gated_mlp=true finds "
+                       "in each family refused for its gated MLPs; drop --gated-mlp\n")
     if args.families:
         from cd.families import family_table
 
@@ -146,10 +160,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     with torch.device("meta"):  # shapes only: no weights, no memory, no download
         model = timm.create_model(args.model, pretrained=False)
     try:
-        pairs = find_pairs(model)  # on the meta device: the structure and the meta forward's checks
-        note = check_small_copy(args.model)
-    except UnsupportedModelError as e:  # one error line, no traceback: the model is refused, not broken
-        parser.exit(2, f"error: {args.model}: {e}\n")
+        # on the meta device: the structure and the meta forward's checks
+        pairs = find_pairs(model, gated_mlp=args.gated_mlp)
+        note = check_small_copy(args.model, gated_mlp=args.gated_mlp)
+    except ValueError as e:  # one error line, no traceback: the model is refused, not broken
+        # UnsupportedModelError, or (a plain ValueError, the only one the arguments given here can raise)
+        # --gated-mlp on a model without a gated MLP, refused as find_pairs refuses it
+        if not (isinstance(e, UnsupportedModelError) or args.gated_mlp):
+            raise
+        parser.exit(2, f"error: {args.model}: {str(e).replace(_LIBRARY_SWITCH, _CLI_SWITCH)}\n")
     show(f"{args.model}:\n{format_pairs(pairs)}")
     if note:
         print(note, file=sys.stderr)
