@@ -106,15 +106,15 @@ def run_hf(args, with_cd: bool) -> float:
 
     x, y = data(args, args.total)
     ds = [{"pixel_values": a, "labels": b} for a, b in zip(x, y)]
-    out = tempfile.mkdtemp()
-    targs = TrainingArguments(output_dir=out, max_steps=args.total, per_device_train_batch_size=args.batch,
-                              learning_rate=5e-4, weight_decay=0.045, report_to=[], use_cpu=True,
-                              save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                              dataloader_num_workers=0)
     callbacks = [Stamp()] + ([ColinearityDecayCallback(**cd_kwargs(args))] if with_cd else [])
-    trainer = Trainer(model=Wrapped(build_model(args)), args=targs, train_dataset=ds, callbacks=callbacks)
-    trainer.remove_callback(PrinterCallback)  # no summary line
-    trainer.train()
+    with tempfile.TemporaryDirectory() as out:  # the Trainer's output_dir: nothing of it is kept
+        targs = TrainingArguments(output_dir=out, max_steps=args.total, per_device_train_batch_size=args.batch,
+                                  learning_rate=5e-4, weight_decay=0.045, report_to=[], use_cpu=True,
+                                  save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                  dataloader_num_workers=0)
+        trainer = Trainer(model=Wrapped(build_model(args)), args=targs, train_dataset=ds, callbacks=callbacks)
+        trainer.remove_callback(PrinterCallback)  # no summary line
+        trainer.train()
     return step_times(stamps, args.warmup)
 
 
@@ -177,17 +177,31 @@ def run_mmengine(args, with_cd: bool) -> float:
             stamps.append(time.perf_counter())
 
     x, y = data(args, args.total)
-    runner = Runner(model=Model(), work_dir=tempfile.mkdtemp(), log_level="ERROR",
-                    train_dataloader=dict(dataset=[{"inputs": a, "labels": b} for a, b in zip(x, y)],
-                                          batch_size=args.batch, sampler=dict(type="DefaultSampler", shuffle=False),
-                                          collate_fn=dict(type="default_collate")),
-                    train_cfg=dict(by_epoch=False, max_iters=args.total),
-                    optim_wrapper=dict(optimizer=dict(type="AdamW", lr=5e-4, weight_decay=0.045)),
-                    default_hooks=dict(checkpoint=None, logger=None),
-                    custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", **cd_kwargs(args))]
-                                              if with_cd else []))
-    runner.train()
+    with tempfile.TemporaryDirectory() as work_dir:  # the Runner's config dump and log: nothing of it is kept
+        runner = Runner(model=Model(), work_dir=work_dir, log_level="ERROR",
+                        train_dataloader=dict(dataset=[{"inputs": a, "labels": b} for a, b in zip(x, y)],
+                                              batch_size=args.batch,
+                                              sampler=dict(type="DefaultSampler", shuffle=False),
+                                              collate_fn=dict(type="default_collate")),
+                        train_cfg=dict(by_epoch=False, max_iters=args.total),
+                        optim_wrapper=dict(optimizer=dict(type="AdamW", lr=5e-4, weight_decay=0.045)),
+                        default_hooks=dict(checkpoint=None, logger=None),
+                        custom_hooks=[Stamp()] + ([dict(type="ColinearityDecayHook", **cd_kwargs(args))]
+                                                  if with_cd else []))
+        try:
+            runner.train()
+        finally:
+            _close_log_files(runner)
     return step_times(stamps, args.warmup)
+
+
+def _close_log_files(runner) -> None:
+    """Close the file handlers of the Runner's logger, which write into its work_dir and would hold files open
+    in a folder about to be removed (Windows refuses to remove an open file)."""
+    for handler in list(runner.logger.handlers):
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+            runner.logger.removeHandler(handler)
 
 
 RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine": run_mmengine}
