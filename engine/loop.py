@@ -456,10 +456,6 @@ class TrainLoop:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         state.unreadable_images += metrics.get("train/unreadable_images", 0)
         self._settle_initial_loss(state)
-        if self.divergence is not None:  # the streak so far, also of the run before a resume (0 in older checkpoints)
-            self.divergence.streak = state.divergence_streak
-            self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
-            state.divergence_streak = self.divergence.streak
         metrics["train/lr"] = self._update_lr
         metrics["train/epoch"] = (state.epoch
                                   + state.epoch_batches / max(1, updates_in_epoch * self.accum_steps))
@@ -474,6 +470,12 @@ class TrainLoop:
                             img_s=f"{metrics['train/img_per_s']:.0f}")
         if self.log is not None:
             self.log(state.step, metrics)
+        # after the window is logged, so that the window that stops the run is in metrics.jsonl and the log
+        # (a NaN window is not: `flush` raises before, its loss being in the error line)
+        if self.divergence is not None:  # the streak so far, also of the run before a resume (0 in older checkpoints)
+            self.divergence.streak = state.divergence_streak
+            self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
+            state.divergence_streak = self.divergence.streak
 
 
 class _Window:
