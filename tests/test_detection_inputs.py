@@ -742,6 +742,22 @@ def test_a_seed_that_diff_rank_seed_carries_past_numpy_s_range_is_refused(mmdet_
         check_seed({"randomness": {"seed": 2 ** 32 - 2, "diff_rank_seed": True}})
 
 
+def test_an_unknown_test_metric_is_named_as_a_setting_not_blamed_on_the_annotation_file(sample, tmp_path):
+    """`test_evaluator.metric=bboxx` fails in CocoMetric's constructor with a KeyError, which was reported as the
+    annotation file that "cannot be read as a COCO annotation file"; the file is the test loader's, which reads it."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+    with pytest.raises(DetectionError) as refused:
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
+              "--max-images", "1", "--out", str(out), "test_evaluator.metric=bboxx"])
+    message = str(refused.value)
+    assert message.startswith("test_evaluator could not be built from the config (KeyError: \"metric should be one "
+                              "of 'bbox', "), message
+    assert "but got bboxx" in message and "cannot be read as a COCO annotation file" not in message, message
+    assert not out.exists()
+
+
 def test_an_evaluation_with_a_list_of_test_metrics_scores(sample, tmp_path):
     """test_evaluator may be a list of metrics, as MMEngine's Evaluator takes it (the scoring handles one): the
     result's identity read `.get` of the list and failed with an AttributeError after the weights were read."""

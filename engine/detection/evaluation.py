@@ -41,7 +41,9 @@ def _evaluator(cfg: Config, loader) -> Any:
     if torch.distributed.is_initialized():
         for metric in metrics:
             metric.setdefault("collect_device", "gpu")
-    with reading_annotations(annotation_paths(cfg, "test_evaluator")):
+    # the file is the test loader's (check_evaluator_annotations), read whole when the loader was built: an error
+    # here is a setting of the metric (metric=bboxx) as likely as the file, and the line names the metric first
+    with reading_annotations(annotation_paths(cfg, "test_evaluator"), built="test_evaluator"):
         built = [METRICS.build(m) for m in metrics]
     ids = _image_ids(loader.dataset)
     for metric in built:
