@@ -108,7 +108,9 @@ def check_checkpointing(cfg, work_dir: str) -> None:
     """Refuse checkpoint settings this script's guarantees do not hold for: checkpoints written outside --work-dir
     (MMEngine's CheckpointHook out_dir puts them into <out_dir>/<name of the work dir>, where another run of that
     name writes over them and which --resume refuses to read), and iteration checkpoints of an epoch loop
-    (MMEngine 0.10 resumes those at the start of their epoch: the part already trained is trained again)."""
+    (MMEngine 0.10 resumes those at the start of their epoch: the part already trained is trained again). The hook
+    saves by iteration for any false by_epoch (0, None), as MMEngine's loop builder takes any false by_epoch of a
+    train_cfg without a type for an IterBasedTrainLoop."""
     from engine.detection import DetectionError
     hook = (cfg.get("default_hooks") or {}).get("checkpoint") or {}
     out_dir = hook.get("out_dir")
@@ -118,11 +120,22 @@ def check_checkpointing(cfg, work_dir: str) -> None:
                              f"{os.path.join(out_dir, os.path.basename(os.path.normpath(work_dir)))}, outside "
                              f"--work-dir {work_dir}, where a run of another work dir of that name writes over them "
                              "and which --resume does not read: drop it (the checkpoints go into --work-dir)")
-    loop = (cfg.get("train_cfg") or {}).get("type", "EpochBasedTrainLoop")
-    if hook.get("by_epoch", True) is False and loop == "EpochBasedTrainLoop":
-        raise DetectionError("default_hooks.checkpoint.by_epoch=False with an EpochBasedTrainLoop: MMEngine resumes "
-                             "an iteration checkpoint at the start of its epoch and trains that epoch's first "
-                             "iterations again; keep checkpoints by epoch, or train with an IterBasedTrainLoop")
+    by_epoch = hook.get("by_epoch", True)
+    if not by_epoch and epoch_loop(cfg.get("train_cfg") or {}):
+        raise DetectionError(f"default_hooks.checkpoint.by_epoch={by_epoch!r} with an EpochBasedTrainLoop: the hook "
+                             "saves by iteration, and MMEngine resumes an iteration checkpoint at the start of its "
+                             "epoch and trains that epoch's first iterations again; keep checkpoints by epoch "
+                             "(by_epoch=True), or train with an IterBasedTrainLoop")
+
+
+def epoch_loop(train_cfg) -> bool:
+    """Whether MMEngine's Runner builds an EpochBasedTrainLoop from `train_cfg` (Runner.build_train_loop): its
+    `type`, by name with or without a registry scope, or where it has none its by_epoch."""
+    kind = train_cfg.get("type")
+    if kind is None:
+        return bool(train_cfg.get("by_epoch", True))
+    return (kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)) == \
+        "EpochBasedTrainLoop"
 
 
 def check_work_dir(work_dir: str, resume: bool) -> None:
