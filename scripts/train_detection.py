@@ -359,6 +359,21 @@ def check_seed(cfg) -> None:
                                 else "") + ", or None (a seed drawn at random)")
 
 
+def check_log_level(cfg) -> None:
+    """Refuse a log_level MMEngine's logger cannot set: a name logging does not know (`LOUD`, or `info`: MMLogger
+    looks the name up in logging's table of capitalised names, a KeyError traceback from inside the Runner), or
+    something that is neither a name nor a whole number (None, 1.5)."""
+    import logging
+    from engine.detection import DetectionError
+    level = cfg.get("log_level", "INFO")
+    names = logging._nameToLevel  # the table MMLogger indexes
+    if isinstance(level, str) and level in names or isinstance(level, int) and not isinstance(level, bool):
+        return
+    shown = ", ".join(sorted(names, key=lambda name: (names[name], name)))
+    raise DetectionError(f"log_level={level!r}: give one of logging's level names, in capitals ({shown}), or a "
+                         "whole number")
+
+
 def start_process_group(launcher: str, cfg) -> None:
     """Join the run's process group before the work dir is looked at, as MMEngine's Runner would once built
     (set_multi_processing, then init_dist with the config's env_cfg; the Runner takes a group that exists), so that
@@ -427,6 +442,7 @@ def main(argv=None) -> int:
     try:
         check_hooks(cfg)
         check_seed(cfg)
+        check_log_level(cfg)
         check_amp(cfg)
         check_accumulation(cfg)
         check_checkpointing(cfg, args.work_dir)
