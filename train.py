@@ -54,7 +54,7 @@ from engine.checkpoint import (CheckpointError, class_differences, record_quant_
                                run_checkpoint_config, save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group)
-from engine.divergence import DivergenceError, DivergenceGuard
+from engine.divergence import DivergenceError, DivergenceGuard, withheld_max_steps_line, withheld_stop_line
 from engine.ema import build_ema
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
@@ -81,6 +81,12 @@ from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pi
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
                   "and re-run the same command to continue")
+
+
+def max_steps_line(step: int, kept_step: Optional[int]) -> str:
+    """The line of a stop at train.max_steps: checkpoint.pt written at `step`, or, the divergence guard having
+    withheld that write (engine/divergence.py), the one kept (`kept_step`)."""
+    return MAX_STEPS_HINT % step if kept_step == step else withheld_max_steps_line(step, kept_step)
 log = logging.getLogger("train")
 
 
@@ -174,8 +180,11 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                               resume_step=run.state.step if resume_path is not None else None,
                               wandb_id=run.wandb_id)
     start_step = run.state.step
-    reason, val, train_seconds = train_epochs(run, build_loop(run, preemption), preemption)
-    return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds)
+    loop = build_loop(run, preemption)
+    loop.saved_step = start_step if resume_path is not None else None  # what a withheld checkpoint keeps
+    reason, val, train_seconds = train_epochs(run, loop, preemption)
+    return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds,
+                  loop.saved_step)
 
 
 def best_match_line(best: BestMatch, step: int, out_dir: str) -> str:
@@ -260,7 +269,7 @@ class Run:
         log.info("validation at update %d: %d %s", self.state.step, len(self.loaders.val.dataset),
                  "windows" if self.task.language else "images")
         with progress_kept_on_error(self.save_checkpoint, self.model, self.state.step, self.dist.distributed,
-                                    "validation"):
+                                    "validation", diverging=self.state.divergence_streak > 0):
             # under DDP each rank holds its own BatchNorm statistics: the same ones on every rank before scoring, and
             # before best.pt and checkpoint.pt are written from this model, so the weights saved are those scored
             average_running_stats(self.model, self.ema)
@@ -579,24 +588,27 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
                          run.task.score_text(val[run.task.score_key]))
             else:
                 reason = "preempted"  # the signal came during validation
-        run.save_checkpoint()
-        if epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
+        # not while the loss is high (the divergence guard): the last good checkpoint stays the resume point
+        saved = loop.checkpoint(state)
+        if saved and epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
             kept = keep_snapshot(run.ckpt_path, state.epoch, run.dist.is_main, run.dist.device)
             log.info("epoch %d kept as %s", state.epoch, kept)
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
         if reason == "preempted":
-            log.info("%s", preempted_line(state.step, "checkpoint"))
+            log.info("%s", preempted_line(state.step, "checkpoint") if saved
+                     else withheld_stop_line(state.step, loop.saved_step))
             break
         if reason == "max_steps":
-            log.info(MAX_STEPS_HINT, state.step)
+            log.info("%s", max_steps_line(state.step, loop.saved_step))
             break
     return reason, val, train_seconds
 
 
 def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step: int, wall_seconds: float,
-           train_seconds: float) -> RunResult:
-    """Report the current weights (not after preemption: no time, and no fresh numbers) and the summary."""
+           train_seconds: float, kept_step: Optional[int]) -> RunResult:
+    """Report the current weights (not after preemption: no time, and no fresh numbers) and the summary.
+    `kept_step`: the update of the last checkpoint written (or resumed from), TrainLoop.saved_step."""
     cfg, state = run.cfg, run.state
     if (reason in ("epoch_end", "validate", "finished") and state.epoch < run.epochs
             and state.step < run.total_steps):  # train.max_steps at an epoch's end, or a re-run of a run that
@@ -606,7 +618,7 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
                      "train.max_steps (or drop it) and re-run the same command to continue", state.step,
                      cfg.train.max_steps)
         else:
-            log.info(MAX_STEPS_HINT, state.step)
+            log.info("%s", max_steps_line(state.step, kept_step))
     reason = "finished" if reason in ("epoch_end", "validate") else reason
     if reason == "preempted":
         val = {}

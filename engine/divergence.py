@@ -4,16 +4,26 @@ A NaN or inf loss already stops a run (engine/loop.py). A run with too high a le
 blow up to a large finite loss and settle at chance level (digits at lr 1.0: loss 126, then 14, val
 10%), which would otherwise end with exit code 0. The rule: the mean training loss of a log window
 above `factor` x the loss of the run's first update, for `windows` consecutive log windows, stops the
-run like a NaN does (no checkpoint is written over the last good one). A healthy run's loss falls
-below its starting value (ln(classes) for a fresh classifier, with or without label smoothing, mixup,
-TWEO or CD's loss form) and a spike recovers within a window or two, so the default (3x for 3
-windows) acts only on diverged runs; `train.divergence_factor=null` turns it off.
-The streak is part of the checkpointed TrainState (engine/loop.py), so a run resumed between log windows
-counts on where it stopped (older checkpoints, without it, resume with 0).
+run like a NaN does. A healthy run's loss falls below its starting value (ln(classes) for a fresh
+classifier, with or without label smoothing, mixup, TWEO or CD's loss form) and a spike recovers within
+a window or two, so the default (3x for 3 windows) acts only on diverged runs; `train.divergence_factor=null`
+turns it off.
+
+No checkpoint is written over the last good one: while the guard counts high windows (a streak above 0),
+or while the updates since the last log step average above the threshold, checkpoint.pt is not replaced
+(engine/loop.py: TrainLoop.checkpoint for the periodic, epoch-end, error and stop-request writes,
+progress_kept_on_error for a failed validation's), so the checkpoint a stop keeps, and the one a stop request
+during a streak leaves to resume from, was written while the loss was under the threshold; the lines say
+which update it is of. The streak is part of the checkpointed TrainState
+(engine/loop.py), but a checkpoint is written only at a streak of 0, so a resumed run counts from 0 at the
+point it resumes from (a checkpoint of older versions may hold a streak above 0: it is counted on; with the
+guard off there is no streak).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from .exit_codes import EXIT_PREEMPTED
 
 
 class DivergenceError(RuntimeError):
@@ -27,15 +37,53 @@ class DivergenceGuard:
         self.factor, self.windows = factor, windows
         self.streak = 0
 
-    def check(self, step: int, mean_loss: float, initial_loss: Optional[float]) -> None:
+    def high(self, mean_loss: float, initial_loss: Optional[float]) -> bool:
+        """Whether `mean_loss` is above the threshold (never before the reference is known)."""
+        return initial_loss is not None and initial_loss > 0 and mean_loss > self.factor * initial_loss
+
+    def check(self, step: int, mean_loss: float, initial_loss: Optional[float],
+              kept_step: Optional[int] = None) -> None:
         """Raise DivergenceError after `windows` high windows in a row (the same verdict on every rank,
-        given the all-reduced `mean_loss`)."""
+        given the all-reduced `mean_loss`). `kept_step`: the update of the last checkpoint written (or resumed
+        from), which the error names as the one kept; None when there is none."""
         if initial_loss is None or initial_loss <= 0:
             return
-        self.streak = self.streak + 1 if mean_loss > self.factor * initial_loss else 0
+        self.streak = self.streak + 1 if self.high(mean_loss, initial_loss) else 0
         if self.streak >= self.windows:
+            advice = ("Lower optim.lr (with train.allow_changed_config=true to resume from it)" if kept_step is not None
+                      else "Lower optim.lr")
             raise DivergenceError(
                 f"the training loss stayed above {self.factor:g}x its initial value {initial_loss:.4g} for "
                 f"{self.streak} log windows (now {mean_loss:.4g} at update {step}): the run diverged. "
-                f"Stopping without writing a checkpoint (the last one written is kept). Lower optim.lr, "
+                f"Stopping without writing a checkpoint: {kept_text(kept_step)}. {advice}, "
                 f"or set train.divergence_factor=null to turn this check off")
+
+
+def kept_text(kept_step: Optional[int]) -> str:
+    """Which checkpoint stays the resume point when one is not written (a stop, a withheld write)."""
+    if kept_step is None:
+        return "none was written yet, so the same command starts afresh"
+    return f"the last one, of update {kept_step}, is kept"
+
+
+def withheld_line(step: int, why: str, kept_step: Optional[int]) -> str:
+    """The warning of a checkpoint not written at update `step` because the loss is high (`why`)."""
+    return (f"checkpoint.pt not written at update {step}: {why} (the divergence guard, train.divergence_factor); "
+            f"{kept_text(kept_step)}, and the next checkpoint is written once the loss is back under it")
+
+
+def withheld_stop_line(step: int, kept_step: Optional[int]) -> str:
+    """The line of a stop request (a signal) during a divergence streak: the weights of update `step` are not
+    written over the last good checkpoint, which the same command resumes from (exit code 75 all the same)."""
+    where = (f"the last checkpoint, of update {kept_step}, is kept and the same command resumes from it"
+             if kept_step is not None else "no checkpoint was written yet, so the same command starts afresh")
+    return (f"preempted at update {step}; no checkpoint written, the training loss being above the divergence "
+            f"guard's threshold: {where} (exit code {EXIT_PREEMPTED})")
+
+
+def withheld_max_steps_line(step: int, kept_step: Optional[int]) -> str:
+    """The line of a run stopped at train.max_steps at update `step` whose checkpoint the guard withheld."""
+    then = ("; raise train.max_steps (or drop it) and re-run the same command to continue from it"
+            if kept_step is not None else "")
+    return (f"stopped at update {step} (train.max_steps); no checkpoint written, the training loss being above the "
+            f"divergence guard's threshold: {kept_text(kept_step)}{then}")

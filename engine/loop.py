@@ -32,7 +32,7 @@ from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
 from .distributed import OtherRankError, all_reduce, raise_on_every_rank, raise_where_failed
-from .divergence import DivergenceError, DivergenceGuard
+from .divergence import DivergenceError, DivergenceGuard, kept_text, withheld_line
 from .precision import autocast
 from .rng import mix_seed, seed_all
 
@@ -143,6 +143,9 @@ class TrainLoop:
     # step, checkpoint or epoch end (the loop then raises there, see run_epoch); None: no per-update agreement
     request_stop: Optional[Callable[[], None]] = None
     divergence: Optional[DivergenceGuard] = None  # stops a run whose loss stays far above its initial value
+    # the update of the last checkpoint `checkpoint` wrote, or of the one the run resumed from (the caller sets it):
+    # what a divergence stop or a withheld write names as kept; None while there is none
+    saved_step: Optional[int] = None
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
     log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
@@ -200,6 +203,8 @@ class TrainLoop:
             it for a validation, `eval_every`) or 'preempted'.
         """
         batches.sampler.set_epoch(state.epoch, start=state.epoch_batches * batch_size_per_gpu)
+        if self.divergence is None:
+            state.divergence_streak = 0  # no guard, no streak: one resumed from a run that had it withholds nothing
         total = self.updates_per_epoch(len(batches) + state.epoch_batches)
         if self.scheduler is not None:
             if self.per_step_schedule:
@@ -398,13 +403,17 @@ class TrainLoop:
                       last if state.step else "nothing was trained yet: fix the cause and re-run the command")
             return
         try:
-            window.check_finite(state.step)  # never a checkpoint of a diverged run
+            window_loss = window.check_finite(state.step)  # never a checkpoint of a diverged run
             self._settle_skipped_steps(state)
             self._settle_initial_loss(state)
-            self.save()
+            written = self.checkpoint(state, window_loss if window.micro else None)
         except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
             log.error("%s at update %d, and checkpoint.pt could not be written (%s); %s", type(error).__name__,
                       state.step + 1, save_error, last)
+            return
+        if not written:  # the loss is high: the last good checkpoint stays the resume point (the warning above)
+            log.error("%s at update %d: %s; fix the cause and re-run the same command", type(error).__name__,
+                      state.step + 1, kept_text(self.saved_step))
             return
         log.error("%s at update %d: checkpoint.pt written at update %d, the last one completed; fix the cause "
                   "and re-run the same command to resume from there", type(error).__name__, state.step + 1,
@@ -444,11 +453,34 @@ class TrainLoop:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
 
     def _save(self, window: "_Window", state: TrainState) -> None:
-        window.check_finite(state.step)  # never write a checkpoint from a diverged run
+        window_loss = window.check_finite(state.step)  # never write a checkpoint from a diverged run
         self._settle_skipped_steps(state)
         self._settle_initial_loss(state)
-        if self.save is not None:
-            self.save()
+        self.checkpoint(state, window_loss if window.micro else None)
+
+    def checkpoint(self, state: TrainState, window_loss: Optional[float] = None) -> bool:
+        """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
+        high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
+        last log step, all ranks) above its threshold. Then nothing is written and a warning names the checkpoint
+        kept (`saved_step`): a run the guard stops later, or one stopped by a signal meanwhile, resumes from
+        weights written while the loss was under the threshold, not from diverged ones. Returns whether
+        checkpoint.pt was written.
+        The same decision on every rank (the streak and the loss are all-reduced values)."""
+        if self.save is None:
+            return False
+        why = None
+        if state.divergence_streak > 0:
+            why = (f"the training loss was above the threshold in the last {state.divergence_streak} log "
+                   f"window(s)")
+        elif (window_loss is not None and self.divergence is not None
+              and self.divergence.high(window_loss, state.initial_loss)):
+            why = f"the training loss since the last log step ({window_loss:.4g}) is above the threshold"
+        if why is not None:
+            log.warning("%s", withheld_line(state.step, why, self.saved_step))
+            return False
+        self.save()
+        self.saved_step = state.step
+        return True
 
     def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
         metrics = window.flush(state.step)
@@ -474,7 +506,7 @@ class TrainLoop:
         # (a NaN window is not: `flush` raises before, its loss being in the error line)
         if self.divergence is not None:  # the streak so far, also of the run before a resume (0 in older checkpoints)
             self.divergence.streak = state.divergence_streak
-            self.divergence.check(state.step, metrics["train/loss"], state.initial_loss)
+            self.divergence.check(state.step, metrics["train/loss"], state.initial_loss, kept_step=self.saved_step)
             state.divergence_streak = self.divergence.streak
 
 
@@ -545,19 +577,22 @@ class _Window:
 
 @contextmanager
 def progress_kept_on_error(save: Callable[[], None], model: nn.Module, step: int, distributed: bool,
-                           what: str) -> Iterator[None]:
+                           what: str, diverging: bool = False) -> Iterator[None]:
     """Around work between an epoch's last update and its checkpoint (the validation): an exception first
     writes checkpoint.pt (one process; finite weights only), so that the epoch's updates are kept and the
     resumed run repeats the work (`save` must record that it is due); under DDP another rank may wait in a
-    collective, so the last checkpoint stays the resume point. The log says which, before the error."""
+    collective, so the last checkpoint stays the resume point, as it does while the divergence guard counts
+    high log windows (`diverging`: TrainLoop.checkpoint writes nothing then either). The log says which,
+    before the error."""
     try:
         yield
     except Exception as error:
         last = "re-run the same command to resume from the last checkpoint.pt"
-        bad = [] if distributed else nonfinite_tensors(unwrap_model(model).state_dict())
-        if distributed or bad or isinstance(error, DivergenceError):
-            log.error("%s failed at update %d (%s)%s; %s", what, step, type(error).__name__,
-                      f": the weights are not finite ({bad[0]}), not saved" if bad else "", last)
+        bad = [] if distributed or diverging else nonfinite_tensors(unwrap_model(model).state_dict())
+        if distributed or diverging or bad or isinstance(error, DivergenceError):
+            why = (f": the weights are not finite ({bad[0]}), not saved" if bad else
+                   ": the training loss is above the divergence guard's threshold, not saved" if diverging else "")
+            log.error("%s failed at update %d (%s)%s; %s", what, step, type(error).__name__, why, last)
             raise
         try:
             save()
