@@ -12,6 +12,7 @@ from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Se
 
 import torch
 from mmengine.config import Config, DictAction
+from mmengine.hooks import CheckpointHook, Hook
 from mmengine.registry import init_default_scope
 from mmengine.runner import Runner
 
@@ -213,7 +214,8 @@ READ_BY_RUNNER = ("model_wrapper_cfg", "sync_bn", "find_unused_parameters", "act
 READ_BY_LOAD_CONFIG = ("cd_budget",)  # apply_weight_decay_budget reads it after the overrides
 LOOP_KEYS = ("train_cfg", "val_cfg", "test_cfg")  # MMEngine's loops: epoch, iteration and interval counts
 POSITIVE_LOOP_COUNTS = ("max_epochs", "max_iters", "val_interval")  # counts MMEngine's loops need >= 1
-# dicts whose keys their readers take as they come (hook names, environment settings)
+# dicts whose keys their readers take as they come (hook names, environment settings); default_hooks' entries are
+# checked whole once merged (check_default_hooks)
 OPEN_DICTS = ("default_hooks", "env_cfg")
 # keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
 BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
@@ -265,8 +267,10 @@ def check_hooks(cfg: Config) -> None:
     override such as `custom_hooks.0.lamm=0.01`), naming it: a hook taking **kwargs (CD's passes them on to
     ColinearityDecay) checks them only when MMEngine's Runner builds it, with a TypeError. Each is built here
     once, as the Runner would, and dropped (a hook's constructor only stores and checks its arguments); a TweoHook's
-    clash with activation_checkpointing is refused too (check_tweo_checkpointing)."""
+    clash with activation_checkpointing is refused too (check_tweo_checkpointing), and so is an entry of
+    default_hooks the Runner would fail on (check_default_hooks)."""
     from mmdet.registry import HOOKS
+    check_default_hooks(cfg)
     for index, hook in enumerate(cfg.get("custom_hooks") or []):
         hook = copy.deepcopy(hook)
         hook.pop("priority", None)  # the Runner's, not the hook's
@@ -277,6 +281,101 @@ def check_hooks(cfg: Config) -> None:
                                  f"({type(e).__name__}: {e}); fix them in the config file or the override") from None
         if isinstance(built, TweoHook):
             check_tweo_checkpointing(cfg, built)
+
+
+# the hooks MMEngine's Runner registers of its own (Runner.register_default_hooks): an entry of default_hooks of
+# one of these names replaces it whole, and None leaves it out; an entry of another name adds a hook, None there
+# fails the Runner's assertion
+RUNNER_DEFAULT_HOOKS = ("runtime_info", "timer", "sampler_seed", "logger", "param_scheduler", "checkpoint")
+# what CheckpointHook gives Runner.save_checkpoint itself; its **kwargs go there as well, so only the other
+# parameters of save_checkpoint are arguments the hook takes (none in MMEngine 0.10)
+CHECKPOINT_HOOK_PASSES = ("out_dir", "filename", "file_client_args", "save_optimizer", "save_param_scheduler", "meta",
+                          "by_epoch", "backend_args")
+
+
+def check_default_hooks(cfg: Config) -> None:
+    """Refuse an entry of `cfg.default_hooks` that MMEngine's Runner would fail on, naming it, before the Runner
+    is built: a dict without a `type` (a misspelt hook name, `default_hooks.chekpoint.interval=2`: a KeyError
+    traceback), a key its hook does not take (`default_hooks.checkpoint.intervall=2`: CheckpointHook stores it
+    and Runner.save_checkpoint fails with a TypeError at the first checkpoint, after a whole epoch), an unknown
+    hook type, a value that is no hook's dict, and None under a name not among MMEngine's own hooks (the Runner
+    asserts; None leaves out one of RUNNER_DEFAULT_HOOKS, as MMEngine documents). The hooks are not built here, as
+    custom hooks are (check_hooks): DetVisualizationHook's constructor needs the visualizer the Runner makes."""
+    hooks = cfg.get("default_hooks") or {}
+    for name, hook in hooks.items():
+        where = f"default_hooks.{name}"
+        if hook is None:
+            if name not in RUNNER_DEFAULT_HOOKS:
+                raise DetectionError(f"{where}=None: MMEngine's Runner leaves out only its own default hooks with "
+                                     f"None ({', '.join(RUNNER_DEFAULT_HOOKS)}) and fails on another; to train "
+                                     f"without {name}, give default_hooks without it in a config file as a later "
+                                     "--config (`default_hooks = dict(_delete_=True, ...)`)")
+            continue
+        if not isinstance(hook, dict):  # a Hook object (from a Python config) is registered as it is
+            if not isinstance(hook, Hook):
+                raise DetectionError(f"{where}={hook!r}: give a hook's dict (with its `type`)"
+                                     f"{', or None to leave it out' if name in RUNNER_DEFAULT_HOOKS else ''}")
+            continue
+        if hook.get("type") is None:
+            named = sorted({str(n) for n, h in hooks.items() if isinstance(h, dict) and h.get("type") is not None}
+                           | set(RUNNER_DEFAULT_HOOKS))
+            close = [c for c in difflib.get_close_matches(str(name), named, n=3) if c != name]
+            hint = f" (did you mean {', '.join('default_hooks.' + c for c in close)}?)" if close else ""
+            raise DetectionError(f"{where} has no `type`{hint}: MMEngine's Runner builds each entry of "
+                                 "default_hooks as a hook, whole (one named as the Runner's own replaces it); "
+                                 "change a key of a hook the config has, or give the new hook's type")
+        _check_hook_arguments(hook, where)
+
+
+def _check_hook_arguments(hook: dict, where: str) -> None:
+    """Refuse a key of the hook dict `hook` (at `where`) that its type does not take, or a type no registry
+    holds."""
+    kind = hook["type"]
+    cls = kind if inspect.isclass(kind) else _registered_hook(kind) if isinstance(kind, str) else False
+    if cls is False:  # not known here (the Runner, which could not import the registry either, says why)
+        return
+    if cls is None:
+        raise DetectionError(f"{where}.type={kind}: no hook of that name is registered in MMDetection or MMEngine; "
+                             "give a registered hook's type (custom_imports imports the module of one of your own)")
+    takes = _hook_arguments(cls)
+    if takes is None:
+        return
+    for key in hook:
+        if key == "type" or str(key).startswith("_") or key in BUILDER_KEYS["*"]:
+            continue
+        if key not in takes:
+            close = difflib.get_close_matches(str(key), sorted(takes), n=3)
+            hint = f" (did you mean {', '.join(where + '.' + c for c in close)}?)" if close else ""
+            passed = (", and MMEngine's Runner.save_checkpoint, which it hands the keys it does not take, fails on it"
+                      if issubclass(cls, CheckpointHook) else "")
+            raise DetectionError(f"{where}.{key}: {cls.__name__} ({where}) takes no argument '{key}'{hint}{passed}: "
+                                 "fix it in the config file or the override")
+
+
+def _registered_hook(kind: str) -> Any:
+    """The hook class registered as `kind` (MMDetection's registry, which falls back to MMEngine's), None where
+    none is, or False where the registry cannot be imported (mmcv without its compiled ops)."""
+    from mmdet.registry import HOOKS
+    try:
+        return HOOKS.get(kind)
+    except ImportError:
+        return False
+
+
+def _hook_arguments(cls: type) -> Optional[set]:
+    """The keyword arguments the hook class `cls` takes, or None where that is not known (a **kwargs of a hook
+    other than CheckpointHook, a signature that cannot be read). CheckpointHook's **kwargs go to
+    Runner.save_checkpoint besides the arguments it gives that itself (CHECKPOINT_HOOK_PASSES)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    takes = {n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        if not issubclass(cls, CheckpointHook):
+            return None
+        takes |= set(inspect.signature(Runner.save_checkpoint).parameters) - {"self"} - set(CHECKPOINT_HOOK_PASSES)
+    return takes
 
 
 def check_tweo_checkpointing(cfg: Config, hook: TweoHook) -> None:
