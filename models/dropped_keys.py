@@ -9,6 +9,7 @@ models/pretrained.py names every such key (`dropped_by_filter`).
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -103,7 +104,10 @@ def _close(a: tuple, b: tuple, numel: int) -> bool:
     """Whether fingerprints `a` and `b` of `numel` elements may be of the same values: within the bound on the
     rounding error of two float64 sums of those elements in different orders (numel * 2**-53 * sum |x| each;
     twice that, for the rounding of the absolute sums themselves), so that no copy is missed; a tensor they do not
-    tell apart is compared in full (`_same_sorted`)."""
+    tell apart is compared in full (`_same_sorted`). A fingerprint that is not finite (a tensor holding inf or NaN,
+    e.g. a -inf attention mask, or sums past float64's range) tells nothing apart: inf - inf is NaN."""
+    if not all(math.isfinite(x) for x in (*a, *b)):
+        return True
     tolerance = numel * 2.0 ** -51 * max(a[1], b[1])
     return abs(a[0] - b[0]) <= tolerance and abs(a[1] - b[1]) <= tolerance
 

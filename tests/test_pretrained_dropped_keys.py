@@ -10,6 +10,7 @@ import torch
 
 from configs.schema import ModelConfig
 from models import ModelError, build_model
+from models.dropped_keys import dropped_by_filter
 
 PRE_LOGITS = ("pre_logits.fc.weight", "pre_logits.fc.bias")
 
@@ -215,3 +216,14 @@ def test_swinv2_files_with_the_buffers_the_model_rebuilds_load_strict_and_fine_t
             for key, value in loaded.state_dict().items():
                 assert torch.equal(value, state[key]), key
     assert not re.search("left out|no place", caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("before,copy", [
+    (torch.triu(torch.full((4, 4), float("-inf")), 1), lambda t: t.reshape(2, 8).clone()),  # a -inf attention mask
+    (torch.tensor([[[1.0, float("inf")], [2.0, 3.0]]]), lambda t: t.permute(2, 1, 0).contiguous()),
+    (torch.tensor([1.0, float("inf")]), lambda t: t.flip(0).clone()),
+])
+def test_a_copy_of_a_tensor_holding_inf_is_carried(before, copy):
+    """Its float64 sums are inf, which no tolerance compares (inf - inf is NaN): the values decide, sorted."""
+    assert dropped_by_filter({"x": before}, {"y": copy(before)}) == []
+    assert dropped_by_filter({"x": before}, {"y": copy(before) + 1}) == ["x"]  # other values: dropped
