@@ -559,8 +559,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
     validates then). Returns (how it ended, the last validation, seconds spent in updates)."""
     cfg, state = run.cfg, run.state
     val, reason, train_seconds = {}, "finished", 0.0
-    while state.validation_due or (state.epoch < run.epochs and not reached(state.step, cfg.train.max_steps)
-                                   and state.step < run.total_steps):
+    while state.validation_due or (more_to_train(run, state) and not reached(state.step, cfg.train.max_steps)):
         epoch_ended = False
         if not state.validation_due:
             started, step_before = time.perf_counter(), state.step
@@ -588,21 +587,30 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
                          run.task.score_text(val[run.task.score_key]))
             else:
                 reason = "preempted"  # the signal came during validation
-        # not while the loss is high (the divergence guard): the last good checkpoint stays the resume point
-        saved = loop.checkpoint(state)
+        # not while the loss is high (the divergence guard): the last good checkpoint stays the resume point; but
+        # the write that ends the schedule is made (the run finished: a re-run must not train its end again)
+        saved = loop.checkpoint(state, final=reason != "preempted" and not more_to_train(run, state))
         if saved and epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
             kept = keep_snapshot(run.ckpt_path, state.epoch, run.dist.is_main, run.dist.device)
             log.info("epoch %d kept as %s", state.epoch, kept)
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
+        if reason == "preempted" and not saved:
+            # exit code 1, not 75: the same command would resume from the kept checkpoint, count the streak from
+            # 0 again and, stopped again inside it (a job's time limit), be requeued for ever without progress
+            raise DivergenceError(withheld_stop_line(state.step, loop.saved_step))
         if reason == "preempted":
-            log.info("%s", preempted_line(state.step, "checkpoint") if saved
-                     else withheld_stop_line(state.step, loop.saved_step))
+            log.info("%s", preempted_line(state.step, "checkpoint"))
             break
         if reason == "max_steps":
             log.info("%s", max_steps_line(state.step, loop.saved_step))
             break
     return reason, val, train_seconds
+
+
+def more_to_train(run: Run, state: TrainState) -> bool:
+    """Whether the schedule (sched.epochs, sched.steps) has updates left; train.max_steps aside."""
+    return state.epoch < run.epochs and state.step < run.total_steps
 
 
 def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step: int, wall_seconds: float,

@@ -13,8 +13,9 @@ No checkpoint is written over the last good one: while the guard counts high win
 or while the updates since the last log step average above the threshold, checkpoint.pt is not replaced
 (engine/loop.py: TrainLoop.checkpoint for the periodic, epoch-end, error and stop-request writes,
 progress_kept_on_error for a failed validation's), so the checkpoint a stop keeps, and the one a stop request
-during a streak leaves to resume from, was written while the loss was under the threshold; the lines say
-which update it is of. The streak is part of the checkpointed TrainState
+during a streak leaves to resume from (that stop exits 1, not 75: a requeue would count the streak from 0 again
+and could repeat for ever), was written while the loss was under the threshold; the lines say which update it is
+of. The write that ends the schedule is made all the same (the run finished). The streak is part of the checkpointed TrainState
 (engine/loop.py), but a checkpoint is written only at a streak of 0, so a resumed run counts from 0 at the
 point it resumes from (a checkpoint of older versions may hold a streak above 0: it is counted on; with the
 guard off there is no streak).
@@ -73,12 +74,16 @@ def withheld_line(step: int, why: str, kept_step: Optional[int]) -> str:
 
 
 def withheld_stop_line(step: int, kept_step: Optional[int]) -> str:
-    """The line of a stop request (a signal) during a divergence streak: the weights of update `step` are not
-    written over the last good checkpoint, which the same command resumes from (exit code 75 all the same)."""
+    """The error of a stop request (a signal) during a divergence streak: the weights of update `step` are not
+    written over the last good checkpoint, which the same command resumes from. An error (exit code 1), not a
+    preemption (EXIT_PREEMPTED): a requeued run would resume from the kept checkpoint with its streak back at 0 and,
+    stopped inside the streak again, be requeued for ever without progress."""
     where = (f"the last checkpoint, of update {kept_step}, is kept and the same command resumes from it"
              if kept_step is not None else "no checkpoint was written yet, so the same command starts afresh")
-    return (f"preempted at update {step}; no checkpoint written, the training loss being above the divergence "
-            f"guard's threshold: {where} (exit code {EXIT_PREEMPTED})")
+    return (f"stopped by a signal at update {step} while the training loss was above the divergence guard's "
+            f"threshold: no checkpoint written, {where}; this exits 1, not {EXIT_PREEMPTED}, so that a requeue does "
+            "not repeat the same updates without end: check the loss in metrics.jsonl, lower optim.lr if it diverges "
+            "(with train.allow_changed_config=true), and re-run")
 
 
 def withheld_max_steps_line(step: int, kept_step: Optional[int]) -> str:

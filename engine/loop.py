@@ -458,13 +458,15 @@ class TrainLoop:
         self._settle_initial_loss(state)
         self.checkpoint(state, window_loss if window.micro else None)
 
-    def checkpoint(self, state: TrainState, window_loss: Optional[float] = None) -> bool:
+    def checkpoint(self, state: TrainState, window_loss: Optional[float] = None, final: bool = False) -> bool:
         """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
         high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
         last log step, all ranks) above its threshold. Then nothing is written and a warning names the checkpoint
         kept (`saved_step`): a run the guard stops later, or one stopped by a signal meanwhile, resumes from
-        weights written while the loss was under the threshold, not from diverged ones. Returns whether
-        checkpoint.pt was written.
+        weights written while the loss was under the threshold, not from diverged ones. `final`: the write that
+        ends the run's schedule, made all the same (the guard has not stopped the run, so it finished: its
+        checkpoint.pt is its last weights, with the streak, not an earlier point a re-run would train from again).
+        Returns whether checkpoint.pt was written.
         The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
@@ -475,7 +477,10 @@ class TrainLoop:
         elif (window_loss is not None and self.divergence is not None
               and self.divergence.high(window_loss, state.initial_loss)):
             why = f"the training loss since the last log step ({window_loss:.4g}) is above the threshold"
-        if why is not None:
+        if why is not None and final:
+            log.warning("the run ends at update %d; %s (the divergence guard, train.divergence_factor): "
+                        "checkpoint.pt is written all the same, the run's last weights", state.step, why)
+        elif why is not None:
             log.warning("%s", withheld_line(state.step, why, self.saved_step))
             return False
         self.save()

@@ -146,27 +146,37 @@ def test_a_validation_error_during_a_streak_writes_nothing(caplog):
     assert saves == [] and "divergence guard's threshold, not saved" in caplog.text
 
 
-def test_a_stop_request_during_a_streak_keeps_the_last_good_checkpoint_and_says_so(debug_config, monkeypatch,
-                                                                                   caplog):
-    """The loss is high from epoch 2 on (window 6 high: streak 1) and a stop request comes at update 7: the run
-    stops as preempted (exit code 75), checkpoint.pt stays update 4's, and the line says that the same command
-    resumes from there. The resumed run (the loss normal again) starts at update 4."""
+def test_a_stop_request_during_a_streak_keeps_the_last_good_checkpoint_and_exits_1(debug_config, monkeypatch):
+    """The loss is high from epoch 2 on (window 6 high: streak 1) and a stop request comes at update 7: checkpoint.pt
+    stays update 4's, and the run ends with an error (exit code 1), not as preempted (75): a requeue would resume
+    from update 4 with the streak at 0 and, stopped inside the streak again, repeat for ever. The same command then
+    resumes at update 4 (the loss normal again) and finishes."""
     monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
     monkeypatch.setattr(Preemption, "should_stop", lambda self, step=0, boundary=False: step >= 7)
     cfg = debug_config(*TINY)
-    with caplog.at_level(logging.INFO):
-        result = train.main(cfg)
-    assert result.reason == "preempted" and result.state.step == 7
+    with pytest.raises(DivergenceError, match=r"stopped by a signal at update 7 while the training loss was above the "
+                       r"divergence guard's threshold: no checkpoint written, the last checkpoint, of update 4, is "
+                       r"kept and the same command resumes from it; this exits 1, not 75"):
+        train.main(cfg)
     state = saved_state(cfg.out_dir)
     assert state["step"] == 4 and state["divergence_streak"] == 0
-    assert ("preempted at update 7; no checkpoint written, the training loss being above the divergence guard's "
-            "threshold: the last checkpoint, of update 4, is kept and the same command resumes from it (exit code 75)"
-            ) in caplog.text
     monkeypatch.undo()
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        resumed = train.main(debug_config(*TINY))  # the same command
-    assert "at epoch 1, update 4" in caplog.text and resumed.reason == "finished" and resumed.state.step == 12
+    resumed = train.main(debug_config(*TINY))  # the same command
+    assert resumed.reason == "finished" and resumed.state.step == 12
+
+
+def test_a_run_whose_last_window_is_high_finishes_with_its_last_checkpoint(debug_config, monkeypatch, caplog):
+    """Only the last log window (updates 11-12) is high: a streak of 1, no stop. The run finishes, and its
+    checkpoint.pt is update 12's (with the streak), so a re-run of the same command trains nothing again."""
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH * 2 + 4))
+    cfg = debug_config(*TINY)
+    with caplog.at_level(logging.WARNING):
+        result = train.main(cfg)
+    assert result.reason == "finished" and result.state.step == 12
+    state = saved_state(cfg.out_dir)
+    assert state["step"] == 12 and state["divergence_streak"] == 1
+    assert ("the run ends at update 12; the training loss was above the threshold in the last 1 log window(s) (the "
+            "divergence guard, train.divergence_factor): checkpoint.pt is written all the same") in caplog.text
 
 
 @pytest.mark.parametrize("max_steps", [6, 8])
