@@ -21,7 +21,9 @@ from typing import List, Optional, Sequence, Tuple
 from timm.models.swin_transformer import SwinTransformerBlock
 from torch import nn
 
-from .reparam import REPQ_FOLD_SITES, FoldSite, find_fold_sites
+from models.modules import fqn_matches
+
+from .reparam import REPQ_FOLD_SITES, FoldSite
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,13 @@ class PaddedWindows:
 def padded_fold_windows(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITES) -> List[PaddedWindows]:
     """The timm Swin blocks (in module order) whose norm1 is a fold site in `sites` and whose token grid at the
     model's input size (the block's `input_resolution`) is not a multiple of its window."""
+    # only norm1 feeds the padded windows (norm2 -> fc1 sees the unpadded tokens, and PatchMerging pads before its
+    # norm); the blocks are found by name and type alone, not through find_fold_sites, which looks up every site's
+    # layers: a model whose blocks lack one (a SwiGLU MLP has no fc1) is the conversion's to refuse, in its words
+    parents = tuple(site.parent for site in sites if site.norm == "norm1")
     found = []
-    for norm_name, norm, _, _ in find_fold_sites(model, sites):
-        block_name = norm_name.rpartition(".")[0]
-        block = model.get_submodule(block_name)
-        # only norm1 feeds the padded windows (norm2 -> fc1 sees the unpadded tokens, and PatchMerging pads
-        # before its norm)
-        if not isinstance(block, SwinTransformerBlock) or block.norm1 is not norm:
+    for block_name, block in model.named_modules():
+        if not isinstance(block, SwinTransformerBlock) or not fqn_matches(block_name, parents):
             continue
         grid, window = tuple(block.input_resolution), tuple(block.window_size)
         if any(g % w for g, w in zip(grid, window)):

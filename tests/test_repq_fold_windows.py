@@ -144,3 +144,16 @@ def test_evaluate_refuses_a_padded_geometry_naming_model_name_before_its_float_p
     check_model_converts(build_model(cfg.model), cfg)
     cfg = digits_config("swin_micro", "model.img_size=40", "quant.pipelines=[repq]", "quant.repq.reparam=false")
     check_model_converts(build_model(cfg.model), cfg)
+
+
+def test_the_window_check_leaves_a_model_without_fold_layers_to_the_conversions_refusal():
+    """A ViT with SwiGLU MLPs (no fc1 for the norm2 site): RepQ-ViT refuses it for its uncovered layers, as the
+    percentile pipeline does, not with an AttributeError of the window check (which looks at Swin blocks only)."""
+    from timm.layers import SwiGLU
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2,
+                              num_classes=3, mlp_layer=SwiGLU).eval()
+    for name in ("percentile", "repq"):
+        with pytest.raises(ValueError, match=r"4 Linear/Conv2d layers match no quantization rule: "
+                                             r"\['blocks.0.mlp.fc1_g'"):
+            PIPELINES[name](model, torch.randn(4, 3, 32, 32), "w4a4")
