@@ -1,7 +1,7 @@
 """Exit codes of the entry points that job scripts and scripts/sweep.py act on (no torch import, so that
 the sweep expands and checks YAML without loading torch)."""
 
-# sysexits' EX_TEMPFAIL ("try again"): the run stopped on a signal after writing checkpoint.pt (or, while its loss
-# is above the divergence guard's threshold, keeping the last one written before); the same command resumes.
-# A finished run exits 0, an error 1.
+# sysexits' EX_TEMPFAIL ("try again"): the run stopped on a signal after writing checkpoint.pt; the same command
+# resumes. A finished run exits 0, an error 1 (also a stop request while the loss is above the divergence guard's
+# threshold: no checkpoint is written then, and a requeue would repeat the same updates; engine/divergence.py).
 EXIT_PREEMPTED = 75
