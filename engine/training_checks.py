@@ -107,6 +107,12 @@ def cd_key_message(message: str, lam_per_role: dict) -> str:
 LOOKAHEAD = "lookahead_"  # the one prefix timm's create_optimizer_v2 reads: Lookahead around the optimizer
 
 
+def without_lookahead(name: str) -> str:
+    """optim.name in lower case, less a `lookahead_` prefix: the optimizer Lookahead wraps (or the name itself)."""
+    lowered = name.lower()
+    return lowered[len(LOOKAHEAD):] if lowered.startswith(LOOKAHEAD) else lowered
+
+
 def check_optimizer_name(name: str) -> None:
     """optim.name resolved as timm's create_optimizer_v2 resolves it (engine/optim.py refuses upper case itself):
     a name of its registry, or `lookahead_` and one. timm builds the optimizer named after the last '_' and of the
@@ -117,7 +123,7 @@ def check_optimizer_name(name: str) -> None:
     lowered = name.lower()
     known = list_optimizers()
     prefix, _, opt = lowered.rpartition("_")
-    if lowered in known or (lowered.startswith(LOOKAHEAD) and lowered[len(LOOKAHEAD):] in known):
+    if without_lookahead(lowered) in known:  # a registry name holds no '_': so a name, or lookahead_ and one
         return
     close = difflib.get_close_matches(lowered, known + [LOOKAHEAD + k for k in known], n=3)
     hint = f"did you mean {', '.join(close)}?" if close else "e.g. optim.name=adamw"
@@ -151,8 +157,7 @@ def check_budget_optimizer(name: str, momentum: float) -> None:
     while CD comes on top), SGD's momentum amplifies it. `lookahead_` and a decoupled one pass: Lookahead pulls
     back the base optimizer's weights, CD's step and the decay alike; so does SGD without momentum
     (optim.name=momentum, optim.momentum=0), whose L2 step lr x (g + wd x W) is the decoupled form."""
-    lowered = name.lower()
-    base = lowered[len(LOOKAHEAD):] if lowered.startswith(LOOKAHEAD) else lowered
+    base = without_lookahead(name)
     if base in DECOUPLED_DECAY or (base == "momentum" and momentum == 0):
         return
     alike = f"{base}w" if f"{base}w" in DECOUPLED_DECAY else "adamw"  # sgd -> sgdw, nadam -> nadamw, else adamw
