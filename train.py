@@ -81,13 +81,13 @@ from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pi
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
                   "and re-run the same command to continue")
+log = logging.getLogger("train")
 
 
 def max_steps_line(step: int, kept_step: Optional[int]) -> str:
     """The line of a stop at train.max_steps: checkpoint.pt written at `step`, or, the divergence guard having
     withheld that write (engine/divergence.py), the one kept (`kept_step`)."""
     return MAX_STEPS_HINT % step if kept_step == step else withheld_max_steps_line(step, kept_step)
-log = logging.getLogger("train")
 
 
 @dataclass
