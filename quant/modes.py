@@ -77,6 +77,8 @@ def _describe_quantizer(q: Optional[Quantizer]) -> str:
         return f"{q.bits}b sym per-{'tensor' if q.reduce_dims is None else 'token'} (dynamic max-abs)"
     if isinstance(q, UniformQuantizer):
         gran = {None: "tensor", 0: "channel", -1: "channel", 1: "head/channel"}.get(q.channel_dim, "channel")
+        # a kind whose groups are not its channel dim's says so (SmoothQuant's per-projection scales of a fused qkv)
+        gran = getattr(q, "granularity_label", "") or gran
         if getattr(q, "group_size", None):
             gran = f"group of {q.group_size}"
         # pipelines whose ranges come from elsewhere (output-MSE search, LSQ) label them via `search_label`

@@ -308,9 +308,11 @@ def test_smoothquant_honours_weight_granularity_and_quantize_bmm_qkv():
     qmodel, _ = PIPELINES["smoothquant"](gpt(), tokens(), "w8a8",
                                          {"weight_granularity": "tensor", "quantize_bmm": "qkv"})
     for block in qmodel.blocks:
-        for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
+        for name in ("attn.proj", "mlp.fc1", "mlp.fc2"):
             q = block.get_submodule(name).weight_quantizer
             assert q.channel_dim is None and q.scale.numel() == 1, name
+        # the fused qkv: one scale per projection (tests/test_quant_smoothquant_tensor_weights.py)
+        assert block.attn.qkv.weight_quantizer.scale.unique().numel() == 3
         attn = block.attn
         assert attn.q_quant is not None and attn.k_quant is not None and attn.v_quant is not None
         assert attn.attn_quant is None  # "qkv": the softmax output stays float

@@ -8,7 +8,9 @@ real-INT8 OPT of `opt.py`. Steps:
 2. smoothing (alpha 0.5): s migrated into norm1 / norm2 and the columns of qkv / fc1 (`smooth.py`);
 3. conversion of every Linear inside the blocks (qkv, proj, fc1, fc2; as fake_quant.py converts the q, k,
    v, out_proj, fc1, fc2 of each OPT decoder layer, the LM head and embeddings float): weights symmetric
-   max-abs, per output channel (W8A8Linear's per_channel), inputs symmetric max-abs:
+   max-abs, per output channel (W8A8Linear's per_channel; `weight_granularity=tensor`: per tensor, their
+   per_tensor, with a fused qkv's q, k and v rows each their own tensor as OPT's three projections, see
+   `fused_qkv.py`), inputs symmetric max-abs:
    * `smoothquant`: per token, dynamic (their `act_quant="per_token"`), attention matmuls float;
    * `smoothquant_strict`: per tensor, static: ranges fixed from the smoothed float model on the
      calibration windows (get_static_decoder_layer_scales: max |x| / 127), and the attention matmuls'
@@ -21,6 +23,7 @@ real-INT8 OPT of `opt.py`. Steps:
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 from torch import nn
@@ -34,7 +37,8 @@ from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, p
 from ..pipeline_data import PipelineData
 from ..quantizers import DynamicQuantizer
 from ..ranges import RangeSearch
-from ..spec import ATTENTION, AttentionRule, Bits, QuantizerSpec, QuantSpec
+from ..spec import ATTENTION, AttentionRule, Bits, LinearRule, QuantizerSpec, QuantSpec
+from .fused_qkv import FUSED_QKV_LINEARS, ProjectionTensorQuantizer
 from .smooth import smooth_model
 
 
@@ -64,7 +68,14 @@ class SmoothQuantPipeline(Pipeline):
         if options.quantize_bmm != "none":
             probs = act if options.quantize_bmm == "all" else None
             attention = AttentionRule(ATTENTION, q=act, k=act, attn=probs, v=act)
-        return in_block_layout(weight=weight, post_norm_input=act, block_input=act, attention=attention)
+        layout = in_block_layout(weight=weight, post_norm_input=act, block_input=act, attention=attention)
+        if options.weight_granularity != "tensor":
+            return layout
+        # per tensor: a fused qkv gets one scale per projection, as their q_proj / k_proj / v_proj each get one
+        # (the first matching rule wins, so this one goes before the in-block rules)
+        qkv_weight = dataclasses.replace(weight, kind=ProjectionTensorQuantizer)
+        qkv = LinearRule(FUSED_QKV_LINEARS, qkv_weight, act, role="post_norm")
+        return dataclasses.replace(layout, linears=(qkv,) + layout.linears)
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: SmoothQuantOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
