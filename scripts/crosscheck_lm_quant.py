@@ -22,6 +22,9 @@ commit 2d65066; `git clone https://github.com/mit-han-lab/smoothquant /tmp/smoot
                 static groups of 64
    smoothquant  their get_act_scales + smooth_ln_fcs + W8A8Linear(per_channel, per_token)
    smoothquant, quantize_bmm=qkv      ... + quantize_bmm_input=True (their ppl_eval.py setting)
+   smoothquant, weight_granularity=tensor
+                W8A8Linear(per_tensor, per_token) on q_proj, k_proj, v_proj (one weight scale each), out_proj,
+                fc1, fc2 (their quantize_opt's per-tensor weights)
    smoothquant_strict, act_calibration=dynamic, quantize_bmm=qkv
                 W8A8Linear(per_channel, per_tensor) + quantize_bmm_input=True (their fake_quant.py strict)
    smoothquant_strict (defaults: static per-tensor, q/k/v and probabilities quantized)
@@ -45,9 +48,10 @@ Adaptations of the official code (in this process only; none changes what is com
     get_static_decoder_layer_scales ends with an OPT-only loop over model.config.num_hidden_layers: the
     reference model reports 0 layers, and the act_dict it returns is used.
  3. GPT-2 fuses q, k and v into one Linear; their fake quantization of the attention matmuls quantizes
-    the outputs of OPT's three q / k / v projections, each with its own range. For those settings the
-    reference model splits the fused Linear into q_proj, k_proj, v_proj (the same rows) and is smoothed
-    as their smooth_lm smooths OPT (one scale vector for the three).
+    the outputs of OPT's three q / k / v projections, each with its own range, and their per-tensor weights
+    give each projection its own weight scale. For those settings the reference model splits the fused
+    Linear into q_proj, k_proj, v_proj (the same rows) and is smoothed as their smooth_lm smooths OPT (one
+    scale vector for the three).
  4. Their static W8A8 exists only as real-INT8 CUDA kernels (torch-int, OPT only). The script emulates
     that arithmetic on their static scales: int8 = clamp(round(x / s), -128, 127) for every block Linear's
     input and the q / k / v projection outputs (s = max|x| / 127 from get_static_decoder_layer_scales),
@@ -360,7 +364,8 @@ def smoothed_official(s: types.SimpleNamespace, model: nn.Module, calib: torch.T
     return model
 
 
-def official_w8a8(s: types.SimpleNamespace, model: nn.Module, act_quant: str, quantize_bmm_input: bool) -> nn.Module:
+def official_w8a8(s: types.SimpleNamespace, model: nn.Module, act_quant: str, quantize_bmm_input: bool,
+                  weight_quant: str = "per_channel") -> nn.Module:
     """W8A8Linear.from_float on every block Linear (their quantize_opt / quantize_llama_like)."""
     model = copy.deepcopy(model)
     W8A8 = s.fake_quant.W8A8Linear
@@ -368,11 +373,11 @@ def official_w8a8(s: types.SimpleNamespace, model: nn.Module, act_quant: str, qu
         attn = block.attn
         for name in ("q_proj", "k_proj", "v_proj", "qkv"):
             if hasattr(attn, name):
-                setattr(attn, name, W8A8.from_float(getattr(attn, name), weight_quant="per_channel",
+                setattr(attn, name, W8A8.from_float(getattr(attn, name), weight_quant=weight_quant,
                                                     act_quant=act_quant, quantize_output=quantize_bmm_input))
-        attn.proj = W8A8.from_float(attn.proj, weight_quant="per_channel", act_quant=act_quant)
-        block.mlp.fc1 = W8A8.from_float(block.mlp.fc1, weight_quant="per_channel", act_quant=act_quant)
-        block.mlp.fc2 = W8A8.from_float(block.mlp.fc2, weight_quant="per_channel", act_quant=act_quant)
+        attn.proj = W8A8.from_float(attn.proj, weight_quant=weight_quant, act_quant=act_quant)
+        block.mlp.fc1 = W8A8.from_float(block.mlp.fc1, weight_quant=weight_quant, act_quant=act_quant)
+        block.mlp.fc2 = W8A8.from_float(block.mlp.fc2, weight_quant=weight_quant, act_quant=act_quant)
     return model
 
 
@@ -503,13 +508,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                    gptq_error={"ours": list(report["gptq_error"].values()), "official": their_errors})
 
     fused, split = smoothed_official(sq, fp, calib, split=False), smoothed_official(sq, fp, calib, split=True)
-    settings = [("smoothquant", {}, fused, "per_token", False),
-                ("smoothquant", {"quantize_bmm": "qkv"}, split, "per_token", True),
+    # per-tensor weights on the split model: OPT's q_proj, k_proj and v_proj each get their own weight scale
+    settings = [("smoothquant", {}, fused, "per_token", False, "per_channel"),
+                ("smoothquant", {"quantize_bmm": "qkv"}, split, "per_token", True, "per_channel"),
+                ("smoothquant", {"weight_granularity": "tensor"}, split, "per_token", False, "per_tensor"),
                 ("smoothquant_strict", {"act_calibration": "dynamic", "quantize_bmm": "qkv"}, split, "per_tensor",
-                 True)]
-    for name, options, smoothed, act_quant, bmm in settings:
+                 True, "per_channel")]
+    for name, options, smoothed, act_quant, bmm, weight_quant in settings:
         ours, _ = PIPELINES[name](fp, calib, "w8a8", options)
-        theirs = official_w8a8(sq, smoothed, act_quant, bmm)
+        theirs = official_w8a8(sq, smoothed, act_quant, bmm, weight_quant)
         record(f"{name} w8a8 {options or ''}".strip(), ours, theirs, weights=weight_diff(ours, theirs),
                smoothed_norms_max_abs=norm_diff(ours, smoothed))
     ours, _ = PIPELINES["smoothquant_strict"](fp, calib, "w8a8")
