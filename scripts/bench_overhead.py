@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_quant
+from bench_quant import undivided_heads, vit_heads  # noqa: E402
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -67,7 +69,7 @@ def timed_ms(fn, device: str) -> float:
 def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):
     """A timm ViT with head dim 64 (ViT-S/B/L widths 384/768/1024 -> 6/12/16 heads)."""
     model = timm.create_model("vit_base_patch16_224", img_size=img_size, patch_size=patch_size,
-                              embed_dim=embed_dim, depth=depth, num_heads=max(1, embed_dim // 64),
+                              embed_dim=embed_dim, depth=depth, num_heads=vit_heads(embed_dim),
                               num_classes=num_classes)
     return model.to(device)
 
@@ -342,6 +344,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if unused:
             parser.error(f"{unused[0]}: --apply-only times CD's update alone, without training steps, so "
                          f"{unused[0]} would change nothing; drop it (or --apply-only)")
+    for width in args.widths or []:  # before the batch sweep's minutes: timm's AssertionError once built
+        refusal = undivided_heads("--widths", width)
+        if refusal:
+            parser.error(refusal)
     written = [os.path.join(args.out, n) for n in
                (("apply.json",) if args.apply_only else ("overhead.json", "overhead.png"))]
     try:

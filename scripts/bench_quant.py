@@ -87,6 +87,21 @@ def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def vit_heads(embed_dim: int) -> int:
+    """The attention heads the ViT benchmarks give a width: head dim 64, at least one head."""
+    return max(1, embed_dim // 64)
+
+
+def undivided_heads(flag: str, embed_dim: int) -> Optional[str]:
+    """The usage error for a width that its `vit_heads` do not divide (timm's AssertionError traceback once the
+    model is built, after minutes of timing in a sweep), or None. Shared by every ViT benchmark that takes a width
+    (this script, bench_aphq_block.py, bench_overhead.py)."""
+    heads = vit_heads(embed_dim)
+    if embed_dim % heads == 0:
+        return None
+    return f"{flag} {embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of 64, or less than 128"
+
+
 def refuse_unbuildable(p, args) -> Optional[int]:
     """Usage errors of the ViT benchmarks' shared flags (this script's and bench_aphq_block.py's), each one line
     before any timing; the heads of an --embed-dim override (None without one)."""
@@ -94,11 +109,12 @@ def refuse_unbuildable(p, args) -> Optional[int]:
         p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
     if not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
         p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
-    heads = max(1, args.embed_dim // 64) if args.embed_dim is not None else None
-    if heads is not None and args.embed_dim % heads:  # timm's AssertionError traceback otherwise
-        p.error(f"--embed-dim {args.embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of "
-                f"64, or less than 128")
-    return heads
+    if args.embed_dim is None:
+        return None
+    refusal = undivided_heads("--embed-dim", args.embed_dim)
+    if refusal:
+        p.error(refusal)
+    return vit_heads(args.embed_dim)
 
 
 def main(argv=None) -> dict:
