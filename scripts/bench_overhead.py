@@ -6,7 +6,10 @@ Two protocols.
 256) and (b) hidden size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each
 step is an AMP forward + backward + AdamW step on synthetic data:
     baseline    plain step
-    cd          + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B)
+    cd          + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B), its update
+                norms on every --norms-every-th update only, as in training (default train.py's,
+                `train.log_every_steps`: at 50 and the default step counts only a warm-up step computes
+                them, so the medians are the update without them; --norms-every 1 times every update with them)
     tweo        + TWEO(lam=0.01) auxiliary loss on every block output, our memory-saving form
     tweo_plain  the same loss as plain autograd ops (`tweo.form=plain`), the form we take the paper to have
                 timed (its TWEO memory grows with the batch; it does not say how TWEO was written)
@@ -52,9 +55,18 @@ from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
+from configs.schema import TrainConfig  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
+# CD's norms_every in train.py is its log interval (cfg.train.log_every_steps): timed at the schema's default, so that
+# the CD arms run the update that training runs (the norms are a metric, off on the other updates)
+NORMS_EVERY = TrainConfig().log_every_steps
+
+
+def cd_norms_every(args) -> int:
+    """--norms-every; train.py's default for a caller whose options have none (gpu_check.py's overhead stage)."""
+    return getattr(args, "norms_every", NORMS_EVERY)
 
 
 def timed_ms(fn, device: str) -> float:
@@ -86,7 +98,8 @@ class Runner:
         self.scaler = torch.amp.GradScaler(device, enabled=(args.amp == "fp16"))
         self.decay = self.tweo = None
         if method == "cd":
-            self.decay = ColinearityDecay(self.model, lam=0.005, matmul_precision=args.precision)
+            self.decay = ColinearityDecay(self.model, lam=0.005, matmul_precision=args.precision,
+                                          norms_every=cd_norms_every(args))
             self.decay.attach(self.opt)
         elif method in ("tweo", "tweo_plain"):
             form = "plain" if method == "tweo_plain" else "memory_saving"
@@ -123,7 +136,8 @@ def product_floor(decay: ColinearityDecay):
     """The bare products of one CD update, as a callable: per group of same-shaped pairs, the two batched
     matmuls W2 W1 and (W2 W1) W1^T of functional pairs and the column scaling of composable pairs, on
     stacked copies made once here, at the decay's matmul precision. What `apply` costs beyond this is
-    its own overhead (reading the parameters, norms, steps, writing back)."""
+    its own overhead (reading the parameters, the steps, writing back, and on the updates that compute
+    them, every --norms-every-th, the update norms)."""
     groups = []
     for group in decay._plan.groups:
         pairs = [decay.pairs[i] for i in group]
@@ -147,7 +161,7 @@ def measure_apply(model_kw: dict, args, device: str) -> dict:
     """`ColinearityDecay.apply` alone against its bare-product floor, interleaved, medians in ms."""
     torch.manual_seed(0)
     model = build_vit(device=device, **model_kw)
-    decay = ColinearityDecay(model, lam=0.005, matmul_precision=args.precision)
+    decay = ColinearityDecay(model, lam=0.005, matmul_precision=args.precision, norms_every=cd_norms_every(args))
     floor = product_floor(decay)
     for _ in range(args.warmup):
         decay.apply(lr=1e-3)
@@ -293,8 +307,8 @@ def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dic
               f"{row['cd_floor_ms']:8.2f} ms  apply/floor {row['apply_over_floor']:.2f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": device, "hardware": hw, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps, "model": base,
-              "apply_only": rows}
+              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
+              "norms_every": args.norms_every, "model": base, "apply_only": rows}
     try:  # never over an apply.json another command wrote since this one started
         write_json(os.path.join(args.out, "apply.json"), report, args.overwrite, indent=1)
     except RunDirError as e:
@@ -320,6 +334,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"],
                         help="cd.matmul_precision (auto: tf32 on CUDA, fp32 on CPU)")
+    parser.add_argument("--norms-every", type=at_least(1), default=NORMS_EVERY, metavar="N",
+                        help="CD's norms_every in both CD arms: the update norms (a metric) on every N-th update "
+                             f"(default {NORMS_EVERY}, train.py's: train.log_every_steps; 1: on every update)")
     parser.add_argument("--apply-only", action="store_true",
                         help="only `apply` against its product floor per width (no training steps: "
                              "ViT-B-sized CD on a CPU in a minute)")
@@ -382,7 +399,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     hw = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, "
           f"{'' if args.apply_only else f'amp {args.amp}, '}threads {torch.get_num_threads()}, "
-          f"warmup {args.warmup}, timed steps {args.steps}")
+          f"warmup {args.warmup}, timed steps {args.steps}, CD norms_every {args.norms_every}")
     if args.apply_only:
         return apply_only(base, widths, args, device, hw)
     rows = run_sweep("batch", [(base, b) for b in batches], args, device)
@@ -396,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__,
               "amp": args.amp, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
-              "small": args.small, "model": base,
+              "norms_every": args.norms_every, "small": args.small, "model": base,
               "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
     try:  # never over an output another command wrote since this one started
         write_json(os.path.join(args.out, "overhead.json"), report, args.overwrite, indent=1)
