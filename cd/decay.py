@@ -144,9 +144,10 @@ def _role_order(key: str) -> tuple[int, str]:
 
 
 def energy_metrics(pairs: list[Pair], plan=None, block_plans_=None) -> dict[str, float]:
-    """cd/pair_energy/<role>: mean over the role's pairs of ||W2 W1n||_F^2 (a diagnostic for any run,
-    with or without CD; syncs with the device, so call it at log steps only). `block_plans_`: the pairs are
-    sharded by FSDP2 (`cd.sharded`; a collective then, called on every rank)."""
+    """cd/pair_energy/<role>: mean over the role's blocks of ||W2 W1n||_F^2 (`pair_energy`: separate q, k, v layers
+    count as one stacked [W_Q; W_K; W_V]); a diagnostic for any run, with or without CD, that syncs with the
+    device, so call it at log steps only. `block_plans_`: the pairs are sharded by FSDP2 (`cd.sharded`; a
+    collective then, called on every rank)."""
     energy = pair_energy(pairs, plan) if block_plans_ is None else sharded_pair_energy(pairs, block_plans_)
     return {f"cd/pair_energy/{role}": float(energy[role]) for role in ROLES if role in energy}
 
@@ -790,8 +791,9 @@ class ColinearityDecay:
     def metrics(self) -> dict[str, float]:
         """Flat dict for logging (syncs with the device; call at log steps only).
 
-        cd/pair_energy/<role>: mean over the role's pairs (all pairs of the model, targeted or not) of the
-            normalized energy ||W2 W1n||_F^2 of the current weights.
+        cd/pair_energy/<role>: mean over the role's blocks (all pairs of the model, targeted or not) of the
+            normalized energy ||W2 W1n||_F^2 of the current weights, separate q, k, v layers (or a gated MLP's
+            W_gate and W_up) as their stacked matrix [W_Q; W_K; W_V] (the sum of their pairs' energies).
         cd/update_norm/<role>: Frobenius norm of the role's update, all blocks together (also
             <role>_upstream for target C), from the last update whose number is a multiple of
             `norms_every`; absent before that.

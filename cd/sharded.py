@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .pairs import Pair
-from .update import Plan, build_plan, colinearity_decay_, is_sharded, pair_energy
+from .update import Plan, build_plan, colinearity_decay_, energy_units, is_sharded, pair_energy
 
 
 def register_shards(model: nn.Module) -> None:
@@ -98,13 +98,15 @@ def sharded_colinearity_decay_(pairs: Sequence[Pair], steps: Sequence, up_steps:
 
 @torch.no_grad()  # a diagnostic: the gathers would otherwise record a graph nobody uses
 def sharded_pair_energy(pairs: Sequence[Pair], plans: list[tuple[list[int], Plan]]) -> dict[str, Tensor]:
-    """`pair_energy` (mean over each role's pairs) of pairs whose matrices may be sharded, block by block."""
+    """`pair_energy` (mean over each role's blocks, `energy_units`) of pairs whose matrices may be sharded, block by
+    block."""
     sums: dict[str, Tensor] = {}
     counts: dict[str, int] = {}
     for idx, plan in plans:
         block = [pairs[i] for i in idx]
+        units = energy_units(block)
         for role, mean in pair_energy(_gathered(block)[0], plan).items():
-            n = sum(p.role == role for p in block)
+            n = units[role]
             sums[role] = sums[role] + mean * n if role in sums else mean * n
             counts[role] = counts.get(role, 0) + n
     return {role: sums[role] / counts[role] for role in sums}

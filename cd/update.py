@@ -400,22 +400,38 @@ def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms,
 def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str, Tensor]:
     """Normalized pair energy ||W2 W1n||_F^2 (Sec. 3.1, Eq. (2) with App. A.2, Eq. (23)), per role.
 
+    A block's energy of a role is that of the stacked matrix its pairs decay: separate q, k, v layers (class
+    attention, transformers' ViT) or a gated MLP's W_gate and W_up pair with one norm each, and
+    ||[W_Q; W_K; W_V] D||_F^2 = ||W_Q D||_F^2 + ||W_K D||_F^2 + ||W_V D||_F^2, so the pairs sharing a block, role
+    and upstream matrix are summed (`energy_units`) and a fused qkv logs the same number as split layers holding
+    the same weights.
+
     Args:
         pairs: matrix pairs.
         plan: optional cached `build_plan(pairs)`.
 
     Returns:
-        dict role -> 0-dim fp32 tensor: the MEAN over the role's pairs (blocks) of ||W2 W1n||_F^2.
+        dict role -> 0-dim fp32 tensor: the MEAN over the role's blocks of the block's ||W2 W1n||_F^2, summed over
+        the pairs of one upstream matrix.
     """
     plan = plan or build_plan(pairs)
     sums: dict[str, Tensor] = {}
-    counts: dict[str, int] = {}
     for group in plan.groups:
         e = _group_energy([pairs[i] for i in group], grad=False, upstream_grad=False)  # (n,)
         role = pairs[group[0]].role
         sums[role] = sums[role] + e.sum() if role in sums else e.sum()
-        counts[role] = counts.get(role, 0) + len(group)
-    return {role: sums[role] / counts[role] for role in sums}
+    units = energy_units(pairs)
+    return {role: sums[role] / units[role] for role in sums}
+
+
+def energy_units(pairs: Sequence[Pair]) -> dict[str, int]:
+    """role -> how many energies `pair_energy` averages: one per (block, role, upstream matrix), whose pairs (q, k and
+    v of one norm; W_gate and W_up) are the row blocks of the one matrix Eq. (2) reads."""
+    units = {(p.block, p.role, p.upstream_name, p.upstream_rows) for p in pairs}
+    counts: dict[str, int] = {}
+    for _, role, _, _ in units:
+        counts[role] = counts.get(role, 0) + 1
+    return counts
 
 
 def _group_energy(group: Sequence[Pair], grad: bool, upstream_grad: bool) -> Tensor:

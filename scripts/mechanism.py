@@ -19,7 +19,8 @@ What each subcommand writes into --out (existing files are refused unless --over
   remove      remove.json, remove.png        zero FC1's singular values of the top-k aligned directions
               (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4)
   energies    energies.png, energies.csv     ||W2 W1n||_F^2 per role and block (Sec. 3.1, Eq. (2), normalised
-              as App. A.2, Eq. (23)), for one model or two side by side (--compare)
+              as App. A.2, Eq. (23); separate q, k, v layers as one stacked [W_Q; W_K; W_V]), for one model
+              or two side by side (--compare)
 
 Model source: --checkpoint (best.pt / checkpoint.pt of train.py; its saved config gives the model and the
 data), or --model NAME --weights FILE (with --config files and key=value overrides for the data, e.g.
@@ -306,20 +307,29 @@ def model_without(model: nn.Module, removed: Sequence[dict],
 
 
 def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example_input: object = None) -> list[dict]:
-    """Per pair (role, block) of every block CD pairs (`cd_pairs`): the normalised energy ||W2 W1n||_F^2 that CD
+    """Per block and role of every block CD pairs (`cd_pairs`): the normalised energy ||W2 W1n||_F^2 that CD
     decays (Sec. 3.1, Eq. (2) with App. A.2, Eq. (23), from cd/update.py `pair_energy`) and the raw ||W2 W1||_F^2
-    of Eq. (2), both of the matrices as the layers apply them (a Conv1D's (in, out) weight transposed)."""
+    of Eq. (2), both of the matrices as the layers apply them (a Conv1D's (in, out) weight transposed). Layers that
+    share a block, role and W1 (separate q, k, v after one norm; a gated MLP's W_gate and W_up) make one row, of
+    their stacked matrix W2 = [W_Q; W_K; W_V] (`w2` names them, in brackets): its energies are the sums of theirs,
+    the number a fused qkv gives, and the mean of a role's rows is the logged cd/pair_energy/<role>."""
     try:
         pairs = cd_pairs(model, layouts, example_input)
     except ValueError as e:  # no pre-norm block at all, or layouts that are not Layouts
         raise MechanismError(str(e)) from None
-    rows = []
+    units: dict[tuple, list[Pair]] = {}  # in model order (dicts keep insertion order)
     for pair in pairs:
-        w2 = pair.w2().detach().double()
-        w1 = pair.w1().detach().double()
-        raw = (w2 * w1).square().sum() if pair.diagonal else (w2 @ w1).square().sum()
-        rows.append({"role": pair.role, "block": pair.block, "w2": pair.name, "w1": pair.upstream_label,
-                     "energy": float(pair_energy([pair])[pair.role]), "energy_raw": float(raw)})
+        units.setdefault((pair.block, pair.role, pair.upstream_name, pair.upstream_rows), []).append(pair)
+    rows = []
+    for (block, role, _, _), unit in units.items():
+        raw = 0.0
+        for pair in unit:
+            w2 = pair.w2().detach().double()
+            w1 = pair.w1().detach().double()
+            raw += float((w2 * w1).square().sum() if pair.diagonal else (w2 @ w1).square().sum())
+        w2_name = unit[0].name if len(unit) == 1 else "[" + "; ".join(p.name for p in unit) + "]"
+        rows.append({"role": role, "block": block, "w2": w2_name, "w1": unit[0].upstream_label,
+                     "energy": float(pair_energy(unit)[role]), "energy_raw": raw})
     return rows
 
 

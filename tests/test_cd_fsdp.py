@@ -452,11 +452,12 @@ def test_block_plans_group_each_blocks_pairs_in_model_order():
         assert plan == build_plan([pairs[i] for i in idx])
 
 
-def test_sharded_pair_energy_is_the_mean_over_each_roles_pairs_when_blocks_hold_unequal_counts():
+def test_sharded_pair_energy_is_the_mean_over_each_roles_blocks_when_blocks_hold_unequal_counts():
     """CaiT's class-attention blocks hold three qkv pairs (q, k, v) and its self-attention block one: the block-by-
-    block energies (`cd.sharded`, run here on plain tensors, which it takes as they are) are the mean over all of a
-    role's pairs, as the unsharded `pair_energy` logs it, not a mean of per-block means. Reference: ||W2 W1n||_F^2
-    (Sec. 3.1, Eq. (2); App. A.2, Eq. (23)) written out in float64."""
+    block energies (`cd.sharded`, run here on plain tensors, which it takes as they are) are the mean over a role's
+    blocks of each block's energy, that of [W_Q; W_K; W_V] for separate layers (the sum of their pairs'), as the
+    unsharded `pair_energy` logs it. Reference: ||W2 W1n||_F^2 (Sec. 3.1, Eq. (2); App. A.2, Eq. (23)) written out
+    in float64, summed per block and role."""
     from cd.sharded import sharded_pair_energy
     from cd_models import normalized
 
@@ -465,20 +466,22 @@ def test_sharded_pair_energy_is_the_mean_over_each_roles_pairs_when_blocks_hold_
                                               num_heads=2, num_classes=3, depth_token_only=2), 0)
     pairs = find_pairs(model)
     assert len({sum(p.role == "qkv" for p in pairs if p.block == b) for b in {p.block for p in pairs}}) > 1
-    want: dict[str, list] = {}
+    want: dict[str, dict[str, float]] = {}
     for p in pairs:
         w2 = p.w2().detach().double()
         w1 = torch.diag(p.w1().detach().double()) if p.diagonal else p.w1().detach().double()
-        want.setdefault(p.role, []).append((w2 @ normalized(w1)).square().sum().item())
+        per_block = want.setdefault(p.role, {})
+        per_block[p.block] = per_block.get(p.block, 0.0) + (w2 @ normalized(w1)).square().sum().item()
     got = sharded_pair_energy(pairs, block_plans(pairs))
     assert got.keys() == want.keys()
     for role, energies in want.items():
-        assert got[role].item() == pytest.approx(sum(energies) / len(energies), rel=1e-5), role
+        assert got[role].item() == pytest.approx(sum(energies.values()) / len(energies), rel=1e-5), role
 
 
-def test_the_block_by_block_energy_weights_each_block_by_its_pairs_of_a_role():
+def test_the_block_by_block_energy_sums_a_blocks_pairs_of_one_norm():
     """`sharded_pair_energy` on whole tensors (no process group needed): a SwiGLU block has two fc1 pairs (norm2 ->
-    fc1_g, fc1_x), so a role's mean over all pairs weights each block's mean by its pair count; by hand in float64."""
+    fc1_g, fc1_x), whose energies sum to the block's ||[W_gate; W_up] D||_F^2; the role's energy is the mean of
+    those over blocks; by hand in float64."""
     from timm.layers import SwiGLU
 
     from cd.sharded import sharded_pair_energy
@@ -498,6 +501,8 @@ def test_the_block_by_block_energy_weights_each_block_by_its_pairs_of_a_role():
         if p.role == "proj":  # the V rows of the fused qkv
             w1 = w1[2 * w1.shape[0] // 3:]
         want.setdefault(p.role, []).append(float((P[p.name].detach() @ normalized(w1)).square().sum()))
-    assert len(want["fc1"]) == 4  # two pairs per block: the case where the weighting matters
+    assert len(want["fc1"]) == 4  # two pairs per block (fc1_g, fc1_x), in model order: summed per block
+    want["fc1"] = [want["fc1"][0] + want["fc1"][1], want["fc1"][2] + want["fc1"][3]]
     for role, values in want.items():
+        assert len(values) == 2, role
         assert math.isclose(float(got[role]), sum(values) / len(values), rel_tol=1e-10), role
