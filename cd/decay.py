@@ -427,22 +427,28 @@ class ColinearityDecay:
         Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
         when every strength is 0 (bit-identical, no work) or when lr == 0: no work, not counted in cd/updates,
         and the update norms stay those of the last update. Frozen matrices (requires_grad=False) are left alone,
-        as an optimizer leaves them. `lr` is a real number (numpy's too) or a 0-dim tensor (a tensor's value is
-        not checked: that would wait for the device). A tensor lr of 0 is a no-op too, but known on the device
-        only: the update runs, writes zero deltas, and is taken out of cd/updates and the update norms there, as
-        a fused optimizer's step that GradScaler skips.
+        as an optimizer leaves them. `lr` is a real number (numpy's too) or a 0-dim tensor. A CPU tensor's value
+        is checked as a number's (reading it costs nothing); an accelerator's is not, since reading it would wait
+        for the device at every step. A tensor lr of 0 is a no-op too, but known on the device only: the update
+        runs, writes zero deltas, and is taken out of cd/updates and the update norms there, as a fused
+        optimizer's step that GradScaler skips.
 
         Raises:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
                 steps apply the update already.
-            ValueError: lr is negative, NaN or inf, or a bool, or the model's parameters were replaced after this
-                object found its pairs (the update would write tensors the model no longer uses), or
-                matmul_precision='tf32' was given and a decayed matrix is not on CUDA at the first update.
+            ValueError: lr is negative, NaN or inf (a number, or a tensor on the CPU), or a bool, or the model's
+                parameters were replaced after this object found its pairs (the update would write tensors the
+                model no longer uses), or matmul_precision='tf32' was given and a decayed matrix is not on CUDA at
+                the first update.
         """
         if isinstance(lr, Tensor):
             if lr.dim() != 0 or not lr.is_floating_point():
                 raise ValueError(f"ColinearityDecay.apply: a tensor lr must be a 0-dim float tensor, got "
                                  f"shape {tuple(lr.shape)} {lr.dtype}")
+            # a CPU tensor's value is on the host already: a negative one would grow the energy and a NaN one would
+            # make every decayed weight NaN, as a number's would; an accelerator's is left unread (a host sync)
+            if lr.device.type == "cpu" and not _finite_nonnegative(lr.item()):
+                raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         elif not _finite_nonnegative(lr):  # a bool too: apply(True) would be a step with lr 1.0
             raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         if self.mode != "decoupled" or not self._active:

@@ -163,3 +163,17 @@ def test_a_fused_step_that_gradscaler_skips_keeps_the_last_update_norms():
     assert before["cd/updates"] == after["cd/updates"] == 1
     assert {k: v for k, v in after.items() if "update_norm" in k} == \
         {k: v for k, v in before.items() if "update_norm" in k} != {}
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), float("-inf")])
+def test_a_cpu_tensor_lr_that_is_negative_or_not_finite_is_refused_as_a_number_is(bad):
+    # a CPU tensor's value costs nothing to read: a negative lr would raise the pair energy, a NaN one would make every
+    # decayed weight NaN; refused with the message a Python float gets, and nothing moves
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=LAM)
+    before = snapshot(model)
+    for lr in (bad, torch.tensor(bad), torch.tensor(bad, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"^ColinearityDecay\.apply: lr must be a finite number >= 0, got "):
+            decay.apply(lr)
+    assert changed(model, before) == []
+    assert decay.num_updates == 0
