@@ -75,8 +75,8 @@ from engine.training_checks import check_schedule_on_resume, check_training_sett
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
 from models.gpt import GPT_SIZES
-from quant.plan import (RECORDED_FOR_EVALUATION, check_quant_plan, evaluation_pipelines, reads_calibration_batch,
-                        too_few_for_a_batch, too_many_train_images, train_image_demands)
+from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
+                        reads_calibration_batch, too_few_for_a_batch, too_many_train_images, train_image_demands)
 
 DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
@@ -371,18 +371,32 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     return run
 
 
+# the end of a warning about the run's default evaluation plan, which `evaluate.py --checkpoint` would refuse
+DEFAULT_PLAN_REFUSED = ("here, or to `evaluate.py --checkpoint`, which refuses this default of the run's evaluation "
+                        "otherwise")
+
+
 def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) -> None:
     """What `evaluate.py --checkpoint` checks of the run's quant.* settings against its model and its training
     split (`train_size` samples: images, or a language model's calibration windows), refused before the training
     rather than by the evaluation after it: quant.act_max_extra_modules patterns that name no module, and more
-    calibration windows or calibration / APHQ / GPLQ images than the split holds (check_quant_plan at the start
-    refuses what needs neither). A count that is the schema's default, with quant.pipelines unset, was given by no
-    one: a warning says what the evaluation will need."""
+    calibration windows or calibration / APHQ / GPLQ images than the split holds, and a model the planned pipelines
+    cannot convert (check_model_converts: a Swin with padded windows under RepQ-ViT's fold) (check_quant_plan at the
+    start refuses what needs neither). A count that is the schema's default, or a model the task's default pipelines
+    cannot convert, with quant.pipelines unset, was asked for by no one: a warning says what the evaluation will
+    need, and the run trains."""
     try:
         check_extra_modules(model, cfg.quant.act_max_extra_modules)
     except ConfigError as e:
         raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
     pipelines = evaluation_pipelines(cfg)
+    try:  # as evaluate.py resolves the plan: the task's own pipelines where quant.pipelines is unset
+        check_model_converts(model, dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, pipelines=pipelines)))
+    except ConfigError as e:
+        if cfg.quant.pipelines is not None:
+            raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+        # the task's default plan: a model it cannot quantize may still be trained on purpose (for its float score)
+        log.warning("%s (%s)", e, DEFAULT_PLAN_REFUSED)
     demands = train_image_demands(cfg, pipelines,
                                   any(reads_calibration_batch(name, task.language) for name in pipelines))
     unit = f"windows of {input_size(model)} tokens" if task.language else "images"
@@ -395,8 +409,7 @@ def check_evaluation_fits(cfg: Config, model: nn.Module, task, train_size: int) 
                                            cfg.data.train_split, world_size=1)):
         raise ConfigError(f"{too_many} ({RECORDED_FOR_EVALUATION})")
     if too_many := too_many_train_images(demands, train_size, cfg.data.train_split, unit):
-        log.warning("%s (here, or to `evaluate.py --checkpoint`, which refuses this default of the run's "
-                    "evaluation otherwise)", too_many)
+        log.warning("%s (%s)", too_many, DEFAULT_PLAN_REFUSED)
 
 
 def pretrained_run_config(model_cfg) -> Optional[dict]:
