@@ -63,7 +63,9 @@ class token skips: its bias reaches some tokens only) makes those columns vary t
 the channels apart: verify=False pairs it. nn.MultiheadAttention's in_proj_weight reads the call's query.
 
 A query row whose every key is masked is NaN whatever V is: only the finite inputs of a pair's W2 (proj, the norm's
-layer, fc2) are judged, and a W2 whose input has no finite value (a NaN or inf example) is refused as unchecked.
+layer, fc2) are judged, and a W2 whose input has no finite value (a NaN or inf example) is refused as unchecked. A
+NaN or inf in a pair's matrix or norm scale is refused before any forward (a plain ValueError naming the parameter),
+as it would make every such input NaN.
 
 Not checked: an attention whose own parameter of V's width scales its output (a gate) passes whatever its layout,
 since that parameter's entries are zeroed too. Skipped: a model with a parameter on the `meta` device (no values to
@@ -369,6 +371,30 @@ def _plan(root: nn.Module, pairs: Sequence, checked: Sequence[int], channels) ->
     return rows, zero, readers
 
 
+@torch.no_grad()
+def refuse_non_finite(pairs: Sequence) -> None:
+    """Refuse pairs whose matrices or norm scales hold a NaN or inf, naming the first such parameter in model order.
+
+    Why: the checks below run the model on real numbers, and one NaN weight makes every W2's input NaN, which they
+    would report as an example or masks without a finite value; CD's update would spread it to the whole matrix.
+
+    Raises:
+        ValueError: naming the parameter, how many of its entries are not finite, the first one's index, and the fix.
+    """
+    params: dict[int, tuple[str, Tensor]] = {}
+    for p in pairs:  # model order, W1 (the norm's scale, or fc1) before W2; a tensor once however many pairs hold it
+        params.setdefault(id(p.upstream), (p.upstream_name, p.upstream))
+        params.setdefault(id(p.downstream), (p.name, p.downstream))
+    for name, t in params.values():
+        bad = ~torch.isfinite(t.detach())
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise ValueError(f"the model's parameter {name} holds {int(bad.sum())} NaN or inf value(s) (of "
+                             f"{t.numel()}; the first at {first}), which CD's checks and update would spread to every "
+                             "activation and the whole matrix: load or initialise finite weights first (a checkpoint "
+                             "from before a divergence)")
+
+
 def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                         example: Optional[object] = None) -> None:
     """Check every pair on real numbers: that a fused qkv's claimed rows are V, and that each pair's W2 reads W1's
@@ -379,6 +405,7 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
         example: as `verify_pairs` takes it; default `example_input(root)`.
 
     Raises:
+        ValueError: a pair's matrix or norm scale holds a NaN or inf (`refuse_non_finite`).
         UnsupportedModelError: naming the first block whose claimed V rows are not V, whose W2 reads W1's channels
             in another order or mixed, or whose weights the forward does not multiply by (or whose norm scale it
             does not pass) in a way the check follows (so that their channels cannot be told apart).
@@ -388,6 +415,7 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
     tensors = [*root.parameters(), *root.buffers()]
     if not checked or not tensors or any(t.device.type == "meta" for t in tensors):
         return
+    refuse_non_finite(pairs)  # before the forwards: a NaN weight would read as an example without finite values
     # first V whole (for a fused qkv only: separate v is V whole by the meta check), then one order forward per bit
     # of the widest pair's channel index, each pair with its own pattern of that bit while it has one (every pair in
     # the first, so that a weight the forward does not use in a way the check follows is refused even at width 1)
