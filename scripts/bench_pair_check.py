@@ -21,11 +21,14 @@ import timm
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from cd import find_pairs  # noqa: E402
+from cd import UnsupportedModelError, find_pairs  # noqa: E402
 from cd.values import probe_input  # noqa: E402
 from cd.verify import example_input, verify_pairs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
+
+
+DEFAULT_MODEL = "vit_base_patch16_224"
 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
@@ -48,26 +51,32 @@ def build(args) -> tuple[str, torch.nn.Module]:
         except ConfigError as e:
             raise SystemExit(f"error: bench_pair_check.py: {e}") from None
         return f"{cfg.model.name} ({args.lm_config})", build_model(cfg.model)
-    return args.model, timm.create_model(args.model)
+    return args.model or DEFAULT_MODEL, timm.create_model(args.model or DEFAULT_MODEL)
 
 
 def main(argv: list[str]) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name (random weights)")
-    p.add_argument("--lm-config", default="", help="a configs/lm/*.yaml whose model to build instead")
+    p.add_argument("--model", default=None,
+                   help=f"timm model name (random weights; default {DEFAULT_MODEL}); not with --lm-config")
+    p.add_argument("--lm-config", default="", help="a configs/lm/*.yaml whose model to build instead of --model")
     p.add_argument("--repeats", type=at_least(1), default=5, help="timed calls of each part (median)")
     p.add_argument("--device", type=torch_device, default="cpu")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    if args.lm_config and args.model is not None:  # one model is timed: the other flag would be dropped unread
+        p.error(f"--model {args.model} and --lm-config {args.lm_config} each name the model to time; give one")
     if args.lm_config and not os.path.isfile(args.lm_config):
         p.error(f"--lm-config {args.lm_config}: no such file; give a configs/lm/*.yaml")
-    if not args.lm_config and not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
+    if args.model is not None and not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
         p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
     if args.threads:
         torch.set_num_threads(args.threads)
     name, model = build(args)
     model = model.to(args.device).eval()
-    pairs = find_pairs(model)  # once untimed: the first call's imports and allocations are not the check's cost
+    try:  # once untimed: the first call's imports and allocations are not the check's cost
+        pairs = find_pairs(model)
+    except UnsupportedModelError as e:  # a model CD finds no pairs in (a CNN): one line, not a traceback
+        p.error(f"--lm-config {args.lm_config}: {e}" if args.lm_config else f"--model {name}: {e}")
     sample_args, sample_kwargs = probe_input(example_input(model), args.device)
 
     def plain_forward():

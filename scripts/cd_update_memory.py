@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cd import ColinearityDecay  # noqa: E402
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs  # noqa: E402
 from configs.cli import OneLineParser, first_line, torch_device  # noqa: E402
 
 
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         model = timm.create_model(args.model)
     except RuntimeError as error:  # timm's unknown model: one line names the input
         raise SystemExit(f"error: cd_update_memory.py: --model {args.model}: {error}") from None
+    try:  # before any output: a model CD finds no pairs in (a CNN) is a usage error, not a traceback below
+        find_pairs(model, verify=False)  # the pairs each ColinearityDecay below finds (it passes verify=False)
+    except UnsupportedModelError as e:
+        parser.error(f"--model {args.model}: {e}")
     model.to(args.device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
     print(f"{args.model} on {args.device} (torch {torch.__version__}), parameters {weights:.0f} MiB")
