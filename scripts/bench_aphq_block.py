@@ -36,11 +36,14 @@ from configs.quant import APHQOptions
 from quant.aphq.pipeline import APHQPipeline  # noqa: E402
 from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
-from quant.units import capture_unit, model_logits  # noqa: E402
+from quant.units import capture_unit, find_units, model_logits  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
+
+
+TIMED_KINDS = ("stem", "block", "merge")  # quant.units kinds whose APHQ reconstruction is the one timed here
 
 
 def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -> dict:
@@ -53,7 +56,9 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     p.add_argument("--depth", type=at_least(1), default=None, help="override (smoke tests)")
     p.add_argument("--embed-dim", type=at_least(1), default=None,
                    help="override (smoke tests); heads = dim // 64 (at least 1), which must divide it")
-    p.add_argument("--block", default="blocks.5", help="unit to reconstruct")
+    p.add_argument("--block", default="blocks.5",
+                   help="the APHQ unit to reconstruct: the stem, a block or a patch merging (quant.units.find_units; "
+                        "not the head, which APHQ reconstructs with a KL loss and no Hessian)")
     p.add_argument("--batch", type=at_least(1), default=32, help="reconstruction batch (official 32)")
     p.add_argument("--images", type=at_least(1), default=64, help="cached images (timing does not depend on it)")
     p.add_argument("--iters", type=at_least(1), default=5, help="timed reconstruction iterations")
@@ -95,9 +100,12 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
         sys.exit(f"error: --img-size {args.img_size} is not a multiple of {args.model}'s patch size {patch[0]}; "
                  f"give a multiple of {patch[0]} (e.g. {args.img_size - args.img_size % patch[0] or patch[0]})")
     fp = fp.to(device).eval().requires_grad_(False)
-    if args.block not in dict(fp.named_modules()):
-        p.error(f"--block {args.block}: {args.model} has no such module (its blocks: blocks.0 ... "
-                f"blocks.{len(getattr(fp, 'blocks', [])) - 1})")
+    # the units APHQ reconstructs with the APH-weighted loss timed here (quant/aphq/pipeline.py): any other module
+    # (the root "", a layer inside a block, the head) would be timed and extrapolated as a unit it never is
+    units = [u.name for u in find_units(fp, kinds=TIMED_KINDS)]
+    if args.block not in units:
+        p.error(f"--block {args.block!r}: not an APHQ unit of {args.model} that this script times (the stem, a "
+                f"block or a patch merging; the head's reconstruction has no Hessian): give one of {', '.join(units)}")
     images = torch.randn(args.images, 3, args.img_size, args.img_size)
 
     options = APHQOptions()
