@@ -22,10 +22,8 @@ import textwrap
 import tokenize
 from typing import Any, Optional
 
-import yaml
-
-from .loader import (ConfigError, close_keys, config_to_dict, describe_type, get_key, plain, schema_hints,
-                     schema_keys)
+from .loader import (ConfigError, close_keys, config_to_dict, describe_type, dump_yaml, get_key, plain,
+                     schema_hints, schema_keys)
 from .schema import Config
 
 # timm / DeiT flags (normalized: no leading dashes, "-" -> "_") and what to write instead ("": nothing);
@@ -250,7 +248,7 @@ def foreign_flag_message(token: str, argv: list[str], entry: str, flags: dict) -
 
 def print_config(cfg: Config) -> None:
     """The resolved config as YAML on stdout; `--config` takes it back as it is."""
-    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    print(dump_yaml(config_to_dict(cfg), sort_keys=False), end="")
 
 
 def sections_overview(entry: str) -> str:
@@ -292,7 +290,7 @@ def _section_entries(node: Any, prefix: str) -> list[str]:
 
 def _key_entry(node: Any, name: str, key: str) -> str:
     hints = schema_hints(type(node))
-    default = yaml.safe_dump(plain(getattr(node, name)), default_flow_style=True)
+    default = dump_yaml(plain(getattr(node, name)), default_flow_style=True)
     head = f"  {key} = {default.splitlines()[0]}  ({describe_type(hints[name])})"
     body = textwrap.fill(field_help(type(node), name), width=100, initial_indent=" " * 6,
                          subsequent_indent=" " * 6)

@@ -90,9 +90,29 @@ for _first in _NUMBER_START:  # before the others (timestamps: 2024-01-31) for t
 _YamlLoader.add_constructor(AMBIGUOUS_NUMBER, lambda loader, node: AmbiguousNumber(loader.construct_scalar(node)))
 
 
+class _YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes a string wherever the loader above, or PyYAML's own YAML 1.1 reading, would take its
+    plain text for something else. SafeDumper alone quotes by YAML 1.1 only: out_dir='1e-3' was written plain and
+    read back by --config as the float 0.001 (also 5E4, 0o17, +.5e3); with the loader's resolvers alone, '0b101'
+    would be written plain and read as 5 by safe_load (saved_config, a user's script)."""
+
+
+# a plain scalar is written only where the resolvers read it back as its own type: the first match of either
+# reading (the loader's first, so a number keeps its tag) decides, and a string matched by any is quoted
+_YamlDumper.yaml_implicit_resolvers = {
+    first: _YamlLoader.yaml_implicit_resolvers.get(first, []) + yaml.SafeDumper.yaml_implicit_resolvers.get(first, [])
+    for first in {*_YamlLoader.yaml_implicit_resolvers, *yaml.SafeDumper.yaml_implicit_resolvers}}
+
+
 def parse_yaml(text: str) -> Any:
     """Parse YAML text (a file or one override value) the way every config value is parsed."""
     return yaml.load(text, Loader=_YamlLoader)
+
+
+def dump_yaml(data: Any, stream=None, **options) -> Optional[str]:
+    """`data` as YAML (yaml.safe_dump's `options`) that parse_yaml, and yaml.safe_load, read back as it is: every
+    config written (a run's config.yaml, --print-config) is taken back by --config."""
+    return yaml.dump(data, stream, Dumper=_YamlDumper, **options)
 
 
 def load_config(paths: Sequence[str] | str | None = None, overrides: Iterable[str] = ()) -> Config:
@@ -529,7 +549,7 @@ def get_key(cfg: Any, key: str) -> Any:
 
 def _show(value: Any) -> str:
     """A value as it is written in an override (true, null, 0.01, /datasets/x)."""
-    return yaml.safe_dump(value, default_flow_style=True).splitlines()[0]
+    return dump_yaml(value, default_flow_style=True).splitlines()[0]
 
 
 def dotted_settings(key: str, value: Any, cfg: Config) -> dict:

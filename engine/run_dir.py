@@ -45,6 +45,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import yaml
 
+from configs.loader import dump_yaml
+
 from .distributed import raise_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -507,7 +509,7 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
         kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
     with open(tmp, "w") as f:
-        yaml.safe_dump(config, f, sort_keys=False)
+        dump_yaml(config, f, sort_keys=False)  # read back by --config as written (YAML 1.2 numbers: '1e-3' quoted)
     os.replace(tmp, path)
     return kept
 
