@@ -192,7 +192,7 @@ class SchedConfig:
     # loop never gets; step / multistep decay at timm's fixed epochs, 90 / 90-180-270, and ignore min_lr)
     name: Literal["cosine", "tanh", "poly"] = "cosine"
     epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
-    warmup_epochs: Annotated[float, NonNegative] = 5  # linear warmup from warmup_lr; fractions need per_step
+    warmup_epochs: Annotated[float, NonNegative] = 5.0  # linear warmup from warmup_lr; fractions need per_step
     # Length in optimizer updates instead (language-model recipes: nanoGPT's max_iters / warmup_iters):
     # the run trains `steps` updates, the lr changes every update, epochs / warmup_epochs are not read.
     steps: Annotated[Optional[int], AtLeastOne] = None
