@@ -2,10 +2,11 @@
 
 The target of the quantization issue: quantized evaluation costs at most 3x float evaluation. Both are
 measured in one process on the same batch, warm-up excluded, as the median of several forward passes
-(no data loading, so the ratio is the model's alone). Calibration (convert + 32-image calibration +
+(no data loading, so the ratio is the model's alone). Calibration (convert + calibration on --calib images +
 RepQ fold) is timed once per pipeline.
 
-APHQ and GPLQ draw their own training images (here random ones) and run with `QUICK` iteration counts:
+APHQ and GPLQ draw their own training images (here random ones), --calib of them for their calibration (APHQ's
+calib_images, GPLQ's init_images), and run with `QUICK` iteration counts:
 the quantized model they produce, whose forward pass is what is timed, has the same layers and cost
 whatever the counts, but their `calibrate_s` is then not the recipe's (scripts/bench_aphq_block.py
 times APHQ's unit at the official counts). With --out, the JSON is written after the float timing and
@@ -39,12 +40,23 @@ from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 # is the smallest its check accepts at any width (2 ranges per zero point of a grid of 16): its quantized model
 # is the same size whatever the grid, and the calibration is faster (gpu_check --smoke's quant-stage model with
 # --threads 1 on a 2-core AMD EPYC VM: 1.5 s against 3.8 s at the default 128).
+# Their calibration counts are --calib's (`quick_options`).
 QUICK = {
-    "aphq": dict(iters=2, recon_images=32, calib_images=32, batch_size=16, matmul_steps=9, search_rounds=1,
-                 eq_n=32, log_every=1),
-    "gplq": dict(steps=2, batch_size_per_gpu=16, init_images=32, pca_images=32, stage2_images=32, log_every=1,
-                 ckpt_every=0),
+    "aphq": dict(iters=2, recon_images=32, batch_size=16, matmul_steps=9, search_rounds=1, eq_n=32, log_every=1),
+    "gplq": dict(steps=2, batch_size_per_gpu=16, pca_images=32, stage2_images=32, log_every=1, ckpt_every=0),
 }
+
+
+def quick_options(pipeline: str, calib: int) -> Optional[dict]:
+    """`QUICK`'s options of `pipeline` with a calibration set of `calib` images (--calib; None for a pipeline that
+    calibrates on the images it is given). These pipelines draw their own images and ignore the ones given, so
+    --calib reaches them as a count: APHQ's calibration set is the first calib_images of its recon_images (so at
+    least that many are drawn), GPLQ's calibration pass is on init_images."""
+    if pipeline == "aphq":
+        return dict(QUICK["aphq"], calib_images=calib, recon_images=max(QUICK["aphq"]["recon_images"], calib))
+    if pipeline == "gplq":
+        return dict(QUICK["gplq"], init_images=calib)
+    return None
 
 
 class FixedOrder:
@@ -126,8 +138,10 @@ def main(argv=None) -> dict:
                    help="override (smoke runs); heads = dim // 64 (at least 1), which must divide it")
     p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=at_least(1), default=256)
-    p.add_argument("--calib", type=at_least(1), default=32)
-    p.add_argument("--pipelines", nargs="*", default=["repq", "percentile"], choices=sorted(PIPELINES))
+    p.add_argument("--calib", type=at_least(1), default=32,
+                   help="calibration images (APHQ's calib_images, GPLQ's init_images)")
+    # "+": an empty --pipelines timed the float model alone and exited 0
+    p.add_argument("--pipelines", nargs="+", default=["repq", "percentile"], choices=sorted(PIPELINES))
     p.add_argument("--bits", default="w4a4")
     p.add_argument("--repeats", type=at_least(1), default=10)
     p.add_argument("--warmup", type=at_least(0), default=3)
@@ -141,7 +155,8 @@ def main(argv=None) -> dict:
         if args.out:  # its folder too: open() after the timings failed on a folder that was not there
             prepare_folder(os.path.dirname(os.path.abspath(args.out)), setting="--out")
         for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
-            PIPELINES[pipeline].validate(parse_bits(args.bits), PIPELINES[pipeline].Options())
+            PIPELINES[pipeline].validate(parse_bits(args.bits), PIPELINES[pipeline].Options(
+                **(quick_options(pipeline, args.calib) or {})))
     except (RunDirError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.threads:
@@ -182,13 +197,14 @@ def main(argv=None) -> dict:
         sys.exit(f"error: {e}")
     for pipeline in args.pipelines:
         start = time.perf_counter()
-        quick = pipeline in QUICK
-        qmodel, report = PIPELINES[pipeline](model, calib, args.bits, QUICK.get(pipeline),
+        options = quick_options(pipeline, args.calib)
+        quick = options is not None
+        qmodel, report = PIPELINES[pipeline](model, calib, args.bits, options,
                                              data=random_pipeline_data(size, 1000) if quick else None)
         calibrate_s = time.perf_counter() - start
         q = timed_forward(qmodel, x, device, args.repeats, args.warmup)
         result["pipelines"][pipeline] = {"calibrate_s": calibrate_s, "forward_s": q, "ratio_vs_fp": q / fp,
-                                         **({"options": QUICK[pipeline]} if quick else {})}
+                                         **({"options": options} if quick else {})}
         print(f"  {pipeline:>10} {args.bits}: calibration {calibrate_s:.1f} s{' (quick)' if quick else ''}, "
               f"forward {q * 1e3:.1f} ms = {q / fp:.2f}x float", flush=True)
         del qmodel
