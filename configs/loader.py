@@ -4,8 +4,9 @@
 
 Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work; numbers as YAML 1.2 reads them, and a number
 field refuses `010` and `1:30`, which YAML 1.1 reads as octal 8 and base-60 90) and checked against the field's
-annotation (an int also against int64's range); an override value that YAML would cut at an
-unquoted ` #` (a comment) is refused, a quoted one keeps it. An unknown key is an error that names the key and its
+annotation (an int also against int64's range); an override value that YAML would cut at an unquoted ` #` (a
+comment), or read as the empty string (`|`, `>`: block scalars with no lines), is refused, a quoted one keeps it; a
+number, date or boolean given to a text field is refused with its quoted form (`data.val_split='2012'`). An unknown key is an error that names the key and its
 closest matches in any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
 YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
 any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
 import functools
 import os
@@ -238,11 +240,21 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
             raise ConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(e)}") from None
         if raw.strip() and _drops_a_comment(raw):
             # `out_dir=/runs/exp #2` would be read as out_dir=/runs/exp: another run's folder, resumed silently
-            quoted = "'" + raw.strip().replace("'", "''") + "'"
             raise ConfigError(f"override {item!r}: YAML reads ' #' and what follows as a comment, so the value "
                               f"would be {_show(value)}; quote the value to keep the '#' "
-                              f"({key.strip()}={quoted}, inside the shell's quotes), or drop the comment")
-        _assign(cfg, key.strip().split("."), value, path="", source="command line")
+                              f"({key.strip()}={_single_quoted(raw.strip())}, inside the shell's quotes), or drop "
+                              f"the comment")
+        if value == "" and raw.strip() and not _quoted_scalar(raw):
+            # `out_dir=|` is YAML's block scalar with no lines: "", which train.py replaces by runs/<recipe>
+            raise ConfigError(f"override {item!r}: YAML reads {raw.strip()!r} as an empty string, not as that "
+                              f"text; quote the value to keep it ({key.strip()}={_single_quoted(raw.strip())}, "
+                              f"inside the shell's quotes), or give {key.strip()}='' for an empty value")
+        try:
+            _assign(cfg, key.strip().split("."), value, path="", source="command line")
+        except TextReadAsValue as e:
+            if e.key != key.strip():  # an item of a list or of a section given as a mapping: not the override's text
+                raise
+            raise ConfigError(e.on_command_line(raw)) from None
         given.update(dotted_settings(key.strip(), value, cfg))
         for setting in override_settings(key.strip(), value, cfg):
             # as a key twice in a YAML file: the later item would replace the earlier one without a word
@@ -263,6 +275,13 @@ def _drops_a_comment(raw: str) -> bool:
     comments, and nothing else but whitespace, between its tokens)."""
     tokens = list(yaml.scan(raw, Loader=_YamlLoader))
     return any("#" in raw[a.end_mark.index:b.start_mark.index] for a, b in zip(tokens, tokens[1:]))
+
+
+def _quoted_scalar(raw: str) -> bool:
+    """Whether the YAML text `raw` is one quoted scalar ('' or "": an empty string given as one), not a block scalar
+    (`|`, `>`) or a tag (`!!str`) that reads as empty text too."""
+    node = yaml.compose(raw, Loader=_YamlLoader)
+    return isinstance(node, yaml.ScalarNode) and node.style in ("'", '"')
 
 
 @functools.lru_cache(maxsize=None)
@@ -750,8 +769,11 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     every config value and for a pipeline's options handed over as a mapping (quant.pipeline_base)."""
 
     def fail(reason: str = ""):
-        raise ConfigError(f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
-                          f" ({type(value).__name__}){reason}")
+        refusal = (f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
+                   f" ({type(value).__name__}){reason}")
+        if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
+            raise TextReadAsValue(refusal, key, _show(value))
+        raise ConfigError(refusal)
 
     if isinstance(value, AmbiguousNumber):  # text where text is taken; a number field cannot know which is meant
         try:
@@ -834,6 +856,36 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
             refuse_ambiguous_numbers(item, f"{key}.{entry}", source)
         return dict(value)
     raise ConfigError(f"{source}: '{key}' has an unsupported annotation {annotation!r}")
+
+
+class TextReadAsValue(ConfigError):
+    """A number, date or boolean (as YAML reads `2012`, `2024-01-31`, `on`) given to a field that takes text: the
+    refusal says to quote it. `key` is the field's dotted key, `text` the value as YAML writes it; apply_overrides
+    shows the override's own text instead (`on`, not `true`)."""
+
+    def __init__(self, refusal: str, key: str, text: str):
+        self.refusal, self.key, self.text = refusal, key, text
+        super().__init__(f"{refusal}; quote it to keep it as text: {_single_quoted(text)}")
+
+    def on_command_line(self, raw: str) -> str:
+        """The refusal for the override `<key>=<raw>`, with that override quoted as the shell passes it on."""
+        return (f"{self.refusal}; quote it to keep it as text ({self.key}={_single_quoted(raw.strip())}, inside "
+                f"the shell's quotes)")
+
+
+def _single_quoted(text: str) -> str:
+    """`text` as a YAML single-quoted scalar, which reads back as that text whatever its characters."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def takes_text(annotation: Any) -> bool:
+    """Whether a field of `annotation` takes a string (str, Optional[str], Annotated[str, ...])."""
+    origin = _origin(annotation)
+    if origin is Annotated:
+        return takes_text(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return any(takes_text(arg) for arg in typing.get_args(annotation))
+    return annotation is str
 
 
 def ambiguous_number_message(value: str, key: str, source: str) -> str:
