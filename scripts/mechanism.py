@@ -20,7 +20,8 @@ What each subcommand writes into --out (existing files are refused unless --over
               (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4)
   energies    energies.png, energies.csv     ||W2 W1n||_F^2 per role and block (Sec. 3.1, Eq. (2), normalised
               as App. A.2, Eq. (23); separate q, k, v layers as one stacked [W_Q; W_K; W_V]), for one model
-              or two side by side (--compare)
+              or two side by side (--compare: other weights of the same architecture, their task, model.name
+              and model.kwargs alike; the first model's file or weights again are refused)
 
 Model source: --checkpoint (best.pt / checkpoint.pt of train.py; its saved config gives the model and the
 data), or --model NAME --weights FILE (with --config files and key=value overrides for the data, e.g.
@@ -53,6 +54,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -72,12 +74,12 @@ from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from cd.wrappers import unwrap_model  # noqa: E402
 from configs import ConfigError, config_from_dict, config_to_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
-from configs.loader import override_keys  # noqa: E402
+from configs.loader import LM_DATA, override_keys  # noqa: E402
 from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_MODE_MODEL_KEYS,  # noqa: E402
                             TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS)
 from data import DataError, build_eval_loader  # noqa: E402
 from engine.act_max import ActivationProbe, check_extra_modules  # noqa: E402
-from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.loop import evaluate  # noqa: E402
 from engine import outputs  # noqa: E402
@@ -312,7 +314,9 @@ def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example
     of Eq. (2), both of the matrices as the layers apply them (a Conv1D's (in, out) weight transposed). Layers that
     share a block, role and W1 (separate q, k, v after one norm; a gated MLP's W_gate and W_up) make one row, of
     their stacked matrix W2 = [W_Q; W_K; W_V] (`w2` names them, in brackets): its energies are the sums of theirs,
-    the number a fused qkv gives, and the mean of a role's rows is the logged cd/pair_energy/<role>."""
+    the number a fused qkv gives, and the mean of a role's rows is the logged cd/pair_energy/<role>. Each row also
+    holds the shapes of its stacked W2 (`w2_shape`, (out, mid)) and of W1 (`w1_shape`: (mid,) for a norm scale),
+    which tell two models' rows of one name apart (`pairs_differ`)."""
     try:
         pairs = cd_pairs(model, layouts, example_input)
     except ValueError as e:  # no pre-norm block at all, or layouts that are not Layouts
@@ -328,9 +332,28 @@ def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example
             w1 = pair.w1().detach().double()
             raw += float((w2 * w1).square().sum() if pair.diagonal else (w2 @ w1).square().sum())
         w2_name = unit[0].name if len(unit) == 1 else "[" + "; ".join(p.name for p in unit) + "]"
+        w2_shape = (sum(p.w2().shape[0] for p in unit), unit[0].w2().shape[1])
         rows.append({"role": role, "block": block, "w2": w2_name, "w1": unit[0].upstream_label,
-                     "energy": float(pair_energy(unit)[role]), "energy_raw": raw})
+                     "energy": float(pair_energy(unit)[role]), "energy_raw": raw,
+                     "w2_shape": w2_shape, "w1_shape": tuple(unit[0].w1().shape)})
     return rows
+
+
+def pairs_differ(first: Sequence[dict], second: Sequence[dict]) -> Optional[str]:
+    """The first difference between two `pair_energies` tables in the pairs they are of (role, W2 name, and the
+    shapes of the stacked W2 and of W1), or None when they are of the same pairs: two models' energies compared row
+    by row must be of matrices of one size (||W2 W1n||_F^2 grows with the width, whatever the method)."""
+    def key(r: dict) -> tuple:
+        return r["role"], r["w2"], tuple(r["w2_shape"]), tuple(r["w1_shape"])
+
+    for a, b in zip(first, second):
+        if key(a) != key(b):
+            return (f"{a['role']} {a['w2']} (W2 {'x'.join(map(str, a['w2_shape']))}, W1 "
+                    f"{'x'.join(map(str, a['w1_shape']))}) against {b['role']} {b['w2']} (W2 "
+                    f"{'x'.join(map(str, b['w2_shape']))}, W1 {'x'.join(map(str, b['w1_shape']))})")
+    if len(first) != len(second):
+        return f"{len(first)} rows of pairs against {len(second)}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -410,10 +433,15 @@ def set_threads(threads: Optional[int], model: nn.Module) -> None:
 
 def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
     """The --compare model: a train.py checkpoint (its own config), else a weights file for the first
-    model's architecture."""
+    model's architecture. Refused when it is the first model's file or weights (one model drawn twice, its ratio
+    1.000), or, from its config before it is built, a model of another architecture (`check_same_model`)."""
     if not os.path.isfile(path):
         raise MechanismError(f"--compare {path}: no such file; give a second best.pt / checkpoint.pt, or a "
                              f"weights file of the same model")
+    first_file = args.checkpoint or args.weights
+    if first_file and os.path.isfile(first_file) and os.path.samefile(path, first_file):
+        raise MechanismError(f"--compare {path} is the file of the first model ({first_file}): one model would "
+                             f"be drawn twice; give the checkpoint of another run")
     try:
         payload = load_checkpoint(path)
     except CheckpointError:
@@ -423,12 +451,44 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         cfg = copy.deepcopy(first.cfg)
         cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path),
                                         pretrained_strict=args.command not in READ_NO_CLASSIFIER)
-        return Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
-    # the --config layers and overrides of the first model, so that both are read alike
-    cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
-    check_config_layers(args, payload["config"], path)
-    model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))
-    return Loaded(cfg, model.eval(), os.path.abspath(path), method_name(cfg))
+        loaded = Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
+    else:
+        # the --config layers and overrides of the first model, so that both are read alike
+        cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
+        check_config_layers(args, payload["config"], path)
+        check_same_model(first, cfg, path)
+        model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))
+        loaded = Loaded(cfg, model.eval(), os.path.abspath(path), method_name(cfg))
+    # the same weights in another file (a copy, best.pt of a run that ended on its best update beside checkpoint.pt)
+    if weights_fingerprint(loaded.model.state_dict()) == weights_fingerprint(first.model.state_dict()):
+        raise MechanismError(f"--compare {path} holds the same weights as the first model ({first.source}): one "
+                             f"model would be drawn twice; give the checkpoint of another run")
+    return loaded
+
+
+def task_of(cfg) -> str:
+    """What a config's model is, as its data set decides (configs.schema.DataConfig): a language model or an image
+    classifier."""
+    return "a language model" if cfg.data.dataset in LM_DATA else "an image classifier"
+
+
+def check_same_model(first: Loaded, cfg, path: str) -> None:
+    """Refuse a --compare checkpoint whose config `cfg` is of another model than the first's: another task (a GPT
+    beside a ViT), model.name or model.kwargs (embed_dim=64 beside 32). Its pairs are other matrices, whose
+    energies grow with their size: a ratio of them says nothing of the method. Checked on the configs, before the
+    compared model is built."""
+    text = lambda value: json.dumps(value, sort_keys=True, default=str)  # tuples as lists, as the config file
+    checks = (("task", task_of(first.cfg), task_of(cfg),
+               lambda c: f"{task_of(c)} (data.dataset={c.data.dataset})"),
+              ("model.name", first.cfg.model.name, cfg.model.name, lambda c: f"of model.name={c.model.name}"),
+              ("model.kwargs", text(first.cfg.model.kwargs), text(cfg.model.kwargs),
+               lambda c: f"of model.kwargs={text(c.model.kwargs)}"))
+    for what, ours, theirs, describe in checks:
+        if ours != theirs:
+            raise MechanismError(f"--compare {path} is {describe(cfg)}, the first model ({first.source}) "
+                                 f"{describe(first.cfg)}: pair energies are compared between two checkpoints of "
+                                 f"one architecture (task, model.name and model.kwargs alike); give a --compare "
+                                 f"checkpoint of the first model's {what}")
 
 
 def pick_device(cfg, wanted: str) -> torch.device:
@@ -731,10 +791,10 @@ def cmd_energies(args: argparse.Namespace) -> dict:
     if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by where their files are
         labels = [f"{lab} ({where})" for lab, where in zip(labels, distinct_tails([m.source for m in models]))]
     tables = [pair_energies(m.model) for m in models]
-    if len(tables) == 2 and [(r["role"], r["w2"]) for r in tables[0]] != [(r["role"], r["w2"])
-                                                                         for r in tables[1]]:
-        raise MechanismError(f"--compare {args.compare}: its pairs differ from those of the first model; "
-                             f"compare two checkpoints of the same architecture")
+    difference = pairs_differ(*tables) if len(tables) == 2 else None
+    if difference is not None:  # load_compare checked the configs: this is a model they do not tell apart
+        raise MechanismError(f"--compare {args.compare}: its pairs differ from those of the first model "
+                             f"({difference}); compare two checkpoints of the same architecture")
     rows = [{"label": lab, "source": m.source, **r} for lab, m, t in zip(labels, models, tables) for r in t]
 
     roles = list(dict.fromkeys(r["role"] for r in tables[0]))

@@ -641,7 +641,7 @@ def test_energies_of_two_baselines_print_their_means_and_ratio_and_refuse_anothe
         assert first == pytest.approx(means[0][role], rel=1e-3) and second == pytest.approx(means[1][role], rel=1e-3)
         assert ratio == pytest.approx(means[1][role] / means[0][role], abs=1.5e-3)
     swin = make_checkpoint(tmp_path / "swin.pt", 0, **{"model.name": "swin_nano"})
-    with pytest.raises(mechanism.MechanismError, match=r"--compare .*swin\.pt: its pairs differ from those of the "):
+    with pytest.raises(mechanism.MechanismError, match=r"--compare .*swin\.pt is of model\.name=swin_nano, "):
         mechanism.main(["energies", "--checkpoint", base, "--compare", swin, "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s").exists()
 

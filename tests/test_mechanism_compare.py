@@ -1,0 +1,103 @@
+"""scripts/mechanism.py `energies --compare`: the second model must be another model of the first one's architecture.
+
+A model of another width, name or task has other pair matrices, whose energies grow with their size, so a ratio of
+the two says nothing of the method; the first model again (its file, or a copy of its weights) is drawn with ratio
+1.000. Each is refused in one `error:` line before the energies are computed, and no output is written.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+from cd_models import tiny_vit
+from test_mechanism import make_checkpoint
+
+import mechanism
+
+WIDE = {"model.kwargs": "{embed_dim: 64, num_heads: 2}"}  # vit_nano is 32 wide with 2 heads
+LANGUAGE = {"model.name": "gpt2_nano", "data.dataset": "kjv", "model.num_classes": 65}
+
+
+@pytest.fixture
+def energies_not_computed(monkeypatch):
+    """A refusal is made before the work: pair_energies raises if it is reached."""
+    def reached(*args, **kwargs):
+        raise AssertionError("pair_energies ran before the refusal")
+    monkeypatch.setattr(mechanism, "pair_energies", reached)
+
+
+def refusal(capsys, argv) -> str:
+    """The one `error:` line `cli` prints for `argv`, after checking that it exits 1 and writes nothing."""
+    out = argv[argv.index("--out") + 1]
+    assert mechanism.cli(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert not os.path.exists(out)
+    return err
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (WIDE, r'is of model\.kwargs=\{"embed_dim": 64, "num_heads": 2\}, the first model \(.*base\.pt\) of '
+           r'model\.kwargs=\{\}'),
+    (LANGUAGE, r"is a language model \(data\.dataset=kjv\), the first model \(.*base\.pt\) an image classifier "
+               r"\(data\.dataset=digits\)"),
+    ({"model.name": "swin_nano"}, r"is of model\.name=swin_nano, the first model \(.*base\.pt\) of "
+                                  r"model\.name=vit_nano"),
+])
+def test_a_compare_of_another_architecture_is_refused_before_the_energies(tmp_path, capsys, energies_not_computed,
+                                                                          overrides, expected):
+    """Width 64 beside 32 was drawn with a ratio near 4 (||W2 W1n||_F^2 grows with the width), a GPT beside a ViT
+    role by role; both exited 0."""
+    import re
+
+    base = make_checkpoint(tmp_path / "base.pt", 0)
+    other = make_checkpoint(tmp_path / "other.pt", 1, **overrides)
+    err = refusal(capsys, ["energies", "--checkpoint", base, "--compare", other, "--out", str(tmp_path / "e")])
+    assert re.search(rf"^error: --compare .*other\.pt {expected}: pair energies are compared between two "
+                     rf"checkpoints of one architecture", err), err
+
+
+def test_the_first_model_again_is_refused(tmp_path, capsys, energies_not_computed):
+    """The same file (by another path too), a copy of it, and a checkpoint of the same weights under another
+    method's config each drew one model twice, with ratio 1.000."""
+    base = make_checkpoint(tmp_path / "base.pt", 0)
+    os.symlink(base, tmp_path / "link.pt")
+    shutil.copy(base, tmp_path / "copy.pt")
+    relabelled = make_checkpoint(tmp_path / "relabelled.pt", 0, **{"cd.enabled": "true"})  # seed 0: base's weights
+    for compare, expected in ((base, "is the file of the first model"),
+                              (str(tmp_path / "link.pt"), "is the file of the first model"),
+                              (str(tmp_path / "copy.pt"), "holds the same weights as the first model"),
+                              (relabelled, "holds the same weights as the first model")):
+        err = refusal(capsys, ["energies", "--checkpoint", base, "--compare", compare, "--out", str(tmp_path / "e")])
+        assert err.startswith(f"error: --compare {compare} {expected} ("), err
+    weights = str(tmp_path / "w.pth")
+    torch.save(torch.load(base, weights_only=True)["model"], weights)
+    err = refusal(capsys, ["energies", "--model", "vit_nano", "--weights", weights, "--compare", weights,
+                           "--out", str(tmp_path / "e")])
+    assert err.startswith(f"error: --compare {weights} is the file of the first model"), err
+
+
+def test_another_run_of_the_same_architecture_is_drawn(tmp_path):
+    """The checks leave a comparison of two runs of one architecture as it was: both drawn, one row each per pair."""
+    base = make_checkpoint(tmp_path / "base.pt", 0)
+    other = make_checkpoint(tmp_path / "other.pt", 1, **{"cd.enabled": "true"})
+    result = mechanism.main(["energies", "--checkpoint", base, "--compare", other, "--out", str(tmp_path / "e")])
+    assert result["labels"] == ["Baseline", "CD"] and len(result["rows"]) == 2 * 8
+
+
+def test_pairs_differ_by_the_shapes_of_their_matrices():
+    """Two ViTs of one layer naming but other widths have the same (role, W2 name) rows, which was all the check
+    compared; their stacked matrices' shapes (from the widths: qkv W2 3d x d, W1 the norm's d) tell them apart."""
+    import timm
+
+    narrow = mechanism.pair_energies(tiny_vit())
+    wide = mechanism.pair_energies(timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64,
+                                                     depth=2, num_heads=2, num_classes=10))
+    assert [(r["role"], r["w2"]) for r in narrow] == [(r["role"], r["w2"]) for r in wide]
+    assert mechanism.pairs_differ(narrow, wide) == ("qkv blocks.0.attn.qkv.weight (W2 96x32, W1 32) against qkv "
+                                                    "blocks.0.attn.qkv.weight (W2 192x64, W1 64)")
+    assert mechanism.pairs_differ(narrow, mechanism.pair_energies(tiny_vit(seed=1))) is None
+    assert mechanism.pairs_differ(narrow, narrow[:4]) == "8 rows of pairs against 4"
+    fc2 = next(r for r in narrow if r["role"] == "fc2")  # timm's vit_tiny MLP: 4 x the width
+    assert (fc2["w2_shape"], fc2["w1_shape"]) == ((32, 128), (128, 32))
