@@ -4,7 +4,8 @@ The score is the task's (engine/tasks.py): the highest val top-1 of a classifier
 language model. The best score lives in `TrainState.best_value`, which checkpoint.pt carries, so a resumed run only
 overwrites best.pt when it beats every validation of the run before it. The payload is what evaluate.py
 reads: the (unwrapped) model, its EMA if any, the run's config, the training state, the metrics of that
-validation and the class names of the data set.
+validation and the class names of the data set. train.py offers no validation of weights that the divergence guard
+refuses to save as checkpoint.pt (Run.best_held_back: inside a streak of high losses, but at the schedule's end).
 
 On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`). Which write of best.pt
 a score describes is told by the fingerprint of its weights (`TrainState.best_fingerprint`, recorded in the

@@ -15,7 +15,11 @@ or while the updates since the last log step average above the threshold, checkp
 progress_kept_on_error for a failed validation's), so the checkpoint a stop keeps, and the one a stop request
 during a streak leaves to resume from (that stop exits 1, not 75: a requeue would count the streak from 0 again
 and could repeat for ever), was written while the loss was under the threshold; the lines say which update it is
-of. The write that ends the schedule is made all the same (the run finished). The streak is part of the checkpointed TrainState
+of. The write that ends the schedule is made all the same (the run finished). best.pt follows the same rule (train.py
+Run.validate): a validation during a streak writes none, so no file of the run holds weights the guard refused to
+save, and a run stopped before its first checkpoint leaves only its logs, which the same command moves aside to start
+afresh (engine/run_dir.check_fresh_start; a command with other settings needs train.archive_existing=true or another
+out_dir, `kept_text`). The streak is part of the checkpointed TrainState
 (engine/loop.py), but a checkpoint is written only at a streak of 0, so a resumed run counts from 0 at the
 point it resumes from (a checkpoint of older versions may hold a streak above 0: it is counted on; with the
 guard off there is no streak).
@@ -51,19 +55,29 @@ class DivergenceGuard:
             return
         self.streak = self.streak + 1 if self.high(mean_loss, initial_loss) else 0
         if self.streak >= self.windows:
-            advice = ("Lower optim.lr (with train.allow_changed_config=true to resume from it)" if kept_step is not None
-                      else "Lower optim.lr")
+            # a lower optim.lr is a changed setting: resumed from the kept checkpoint with allow_changed_config, or,
+            # with none kept, refused beside this run's files unless they are archived (engine/run_dir.py)
+            kept = (f"{kept_text(kept_step)}. Lower optim.lr (with train.allow_changed_config=true to resume from it)"
+                    if kept_step is not None else f"none was written yet. Lower optim.lr and {CHANGED_RESTART}")
             raise DivergenceError(
                 f"the training loss stayed above {self.factor:g}x its initial value {initial_loss:.4g} for "
                 f"{self.streak} log windows (now {mean_loss:.4g} at update {step}): the run diverged. "
-                f"Stopping without writing a checkpoint: {kept_text(kept_step)}. {advice}, "
+                f"Stopping without writing a checkpoint: {kept}, "
                 f"or set train.divergence_factor=null to turn this check off")
 
 
+# What a re-run with other settings (a lower optim.lr) needs when no checkpoint was written: out_dir holds this run's
+# logs (config.yaml, train.log, metrics.jsonl), which only a re-run of the same settings moves aside by itself
+# (engine/run_dir.check_fresh_start); best.pt is never among them (Run.validate holds it back during a streak).
+CHANGED_RESTART = "re-run with train.archive_existing=true (this run's files are moved aside) or another out_dir"
+
+
 def kept_text(kept_step: Optional[int]) -> str:
-    """Which checkpoint stays the resume point when one is not written (a stop, a withheld write)."""
+    """Which checkpoint stays the resume point when one is not written (a stop, a withheld write); with none, what a
+    re-run does: the same command starts afresh, one with other settings needs CHANGED_RESTART."""
     if kept_step is None:
-        return "none was written yet, so the same command starts afresh"
+        return ("none was written yet, so the same command starts afresh (moving this run's logs aside); to change "
+                f"a setting (a lower optim.lr), {CHANGED_RESTART}")
     return f"the last one, of update {kept_step}, is kept"
 
 
@@ -80,10 +94,12 @@ def withheld_stop_line(step: int, kept_step: Optional[int]) -> str:
     stopped inside the streak again, be requeued for ever without progress."""
     where = (f"the last checkpoint, of update {kept_step}, is kept and the same command resumes from it"
              if kept_step is not None else "no checkpoint was written yet, so the same command starts afresh")
+    how = ("(with train.allow_changed_config=true), and re-run" if kept_step is not None
+           else f"and {CHANGED_RESTART}")
     return (f"stopped by a signal at update {step} while the training loss was above the divergence guard's "
             f"threshold: no checkpoint written, {where}; this exits 1, not {EXIT_PREEMPTED}, so that a requeue does "
-            "not repeat the same updates without end: check the loss in metrics.jsonl, lower optim.lr if it diverges "
-            "(with train.allow_changed_config=true), and re-run")
+            f"not repeat the same updates without end: check the loss in metrics.jsonl, lower optim.lr if it diverges "
+            f"{how}")
 
 
 def withheld_max_steps_line(step: int, kept_step: Optional[int]) -> str:
@@ -92,3 +108,12 @@ def withheld_max_steps_line(step: int, kept_step: Optional[int]) -> str:
             if kept_step is not None else "")
     return (f"stopped at update {step} (train.max_steps); no checkpoint written, the training loss being above the "
             f"divergence guard's threshold: {kept_text(kept_step)}{then}")
+
+
+def best_withheld_line(step: int, streak: int, best_step: Optional[int]) -> str:
+    """The warning of a validation at update `step`, during a streak of `streak` high log windows, that writes no
+    best.pt: checkpoint.pt is not written from these weights either (TrainLoop.checkpoint). `best_step`: the update
+    of the best.pt kept, None when there is none."""
+    kept = f"best.pt of update {best_step} is kept" if best_step is not None else "no best.pt is written yet"
+    return (f"best.pt not written at update {step}: the training loss was above the divergence guard's threshold in "
+            f"the last {streak} log window(s), and checkpoint.pt is not written from these weights either; {kept}")
