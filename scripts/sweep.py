@@ -38,10 +38,11 @@ checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was a
 torchrun exits 1 when its processes exit 75, and the lines this command added to the run's train.log record the
 stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; not evaluated, and no later run starts),
 interrupted (the sweep got SIGTERM / SIGINT, and the command ended with another code and no record of the stop, as
-after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed, or
-not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0 only when every
-run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be requeued: it
-continues each unfinished run
+after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed (also a
+train.py that exited 0 without a checkpoint.pt: the divergence guard withheld every write up to train.max_steps; not
+evaluated, no later run starts, and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two
+commands). The sweep exits 0 only when every run finished or stopped at train.max_steps; 75 when one stopped, so the
+same command can be requeued: it continues each unfinished run
 (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
 running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON older
 than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
@@ -562,6 +563,10 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         if code:
             print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
             return code, f"failed during {step} (exit code {code}{killed})"
+        if i == 0 and (unsaved := trained_without_checkpoint(out_dir_of(run), run["name"])):
+            # a failure, not a result: its best.pt (none, or one of an earlier point) is not evaluated
+            print(f"sweep: run '{run['name']}' {unsaved}; stopping", file=sys.stderr, flush=True)
+            return 1, f"failed during training: {unsaved}"
     stopped = stopped_before_schedule_end(out_dir_of(run))
     if stopped:
         return 0, f"{stopped}; {'evaluated' if args.evaluate else 'not evaluated'}"
@@ -579,6 +584,19 @@ def shell_status(returncode: int) -> tuple[int, str]:
     except ValueError:  # a real-time signal has no name
         name = f"signal {-returncode}"
     return 128 - returncode, f": killed by {name}"
+
+
+def trained_without_checkpoint(out_dir: str, name: str) -> Optional[str]:
+    """What ended a run whose train.py exited 0 without a checkpoint.pt in `out_dir`, or None when it wrote one.
+    train.py ends so only at train.max_steps inside a streak of high training losses before its first checkpoint:
+    the divergence guard withholds checkpoint.pt and best.pt from such weights (engine/divergence.py). Nothing is
+    left to resume or to evaluate, and a re-run with other settings (a lower optim.lr) is refused beside the run's
+    logs unless they are archived."""
+    if os.path.exists(os.path.join(ROOT, out_dir, "checkpoint.pt")):
+        return None
+    return ("stopped at train.max_steps with no checkpoint written (divergence guard: the training loss was above its "
+            f"threshold, its train.log says from which update); not evaluated: lower its optim.lr and re-run it with "
+            f"--only {shlex.quote(name)} train.archive_existing=true")
 
 
 def stopped_before_schedule_end(out_dir: str) -> Optional[str]:

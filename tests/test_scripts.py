@@ -958,16 +958,23 @@ def test_a_sweep_out_root_under_the_home_folder_is_where_its_runs_write(tmp_path
 # -- the sweep's run states and exit codes, with a stand-in launcher (no training) --------------------------
 
 STAND_IN = """#!/bin/sh
-# stands in for `python`: logs "<script> <run>", exits with the code in $CODES/<run>.<script> (default 0)
-script=$1; name=""
+# stands in for `python`: logs "<script> <run>", exits with the code in $CODES/<run>.<script> (default 0); train.py
+# exiting 0 leaves $CODES/checkpoint.pt (a finished run's) in out_dir when it has none (the sweep reads it)
+script=$1; name=""; dir=""
 for a in "$@"; do
-  case "$a" in out_dir=*) name=$(basename "${a#out_dir=}");; */best.pt) name=$(basename "$(dirname "$a")");; esac
+  case "$a" in
+    out_dir=*) dir="${a#out_dir=}"; name=$(basename "$dir");;
+    */best.pt) name=$(basename "$(dirname "$a")");;
+  esac
 done
 echo "$script $name" >> "$CODES/log"
 if [ -f "$CODES/$name.$script" ]; then
   code=$(cat "$CODES/$name.$script")
   if [ "$code" = kill ]; then kill -9 $$; fi
   exit "$code"
+fi
+if [ "$script" = train.py ] && [ ! -f "$dir/checkpoint.pt" ]; then
+  mkdir -p "$dir"; cp "$CODES/checkpoint.pt" "$dir/"
 fi
 exit 0
 """
@@ -982,6 +989,7 @@ def stand_in(tmp_path, monkeypatch):
     launcher.write_text(STAND_IN)
     launcher.chmod(0o755)
     monkeypatch.setenv("CODES", str(codes))
+    _checkpoint_of(codes, step=12, epoch=3)  # what train.py leaves: a finished run's checkpoint.pt
     spec = tmp_path / "s.yaml"
     spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n  c: []\n")
     return str(spec), codes, str(launcher)
@@ -1004,8 +1012,7 @@ def test_a_sweep_stops_at_the_first_run_that_does_not_finish_and_exits_with_its_
     done_b = ["train.py b"] if script == "train.py" else ["train.py b", "evaluate.py b"]
     assert started == ["train.py a", "evaluate.py a", *done_b]  # c never starts
     summary = capsys.readouterr().out.split("sweep summary:\n")[1].splitlines()
-    assert summary[1:] == [f"  b: {state}", "  c: not started"]
-    assert summary[0].startswith("  a: trained (exit 0), but ")  # the stand-in wrote no checkpoint.pt to read
+    assert summary == ["  a: finished and evaluated", f"  b: {state}", "  c: not started"]
 
 
 def test_a_sweep_whose_console_reader_has_gone_runs_every_command(stand_in):
@@ -1188,5 +1195,5 @@ def test_a_sweep_moves_a_runs_stale_evaluation_aside_before_evaluating_it(stand_
     os.utime(runs / "a" / "eval_best.json", (1_000_000_000, 1_000_000_000))
     assert sweep.main([spec, "--run", "--evaluate", "--launcher", launcher]) == 0
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_000_000_000))
-    assert sorted(os.listdir(runs / "a")) == ["best.pt", f"eval_best.{stamp}.json"]
-    assert sorted(os.listdir(runs / "b")) == ["best.pt", "eval_best.json"]
+    assert sorted(os.listdir(runs / "a")) == ["best.pt", "checkpoint.pt", f"eval_best.{stamp}.json"]
+    assert sorted(os.listdir(runs / "b")) == ["best.pt", "checkpoint.pt", "eval_best.json"]
