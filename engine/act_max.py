@@ -11,10 +11,12 @@ Definitions (measured over a data set, e.g. the validation set):
   and so are quantizers when probing a converted model. Swin's PatchMerging (norm, reduction) lies
   between blocks, not inside one, and is not counted unless `extra_modules` names it
   (e.g. `("layers.*.downsample.norm", "layers.*.downsample.reduction")`).
+A module whose forward never ran (timm Swin's `attn.softmax` under fused attention, TIMM_FUSED_ATTN=2, whose
+kernel replaces it) has no output to measure: it has no record (no row of 0.0 in the CSV).
 
 Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
-evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` yourself; nothing here
-touches torch.distributed. The model is never modified: hooks are removed when the context exits.
+evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
+here touches torch.distributed. The model is never modified: hooks are removed when the context exits.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def repeats_its_input(module: nn.Module) -> bool:
 
 @dataclass
 class ActMaxResult:
-    """Aggregated maxima (`module`, `block`) and one record per probed output (`per_layer`)."""
+    """Aggregated maxima (`module`, `block`) and one record per probed output that was measured (`per_layer`: a
+    module whose forward never ran has none)."""
 
     module: float
     block: float
@@ -95,6 +98,7 @@ class ActivationProbe:
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
         self._handles: list = []
         self._max: Optional[torch.Tensor] = None
+        self._seen: Optional[torch.Tensor] = None  # [K]: 1.0 where the hook measured an output, else 0.0
         self._sums: Optional[torch.Tensor] = None  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -107,7 +111,10 @@ class ActivationProbe:
                 value = t.detach().abs().amax().float()
                 if self._max is None:
                     self._max = torch.zeros(len(self.targets), device=value.device)
+                    self._seen = torch.zeros(len(self.targets), device=value.device)
                 self._max[index].clamp_(min=value)  # in place on the device, no sync
+                # a max of 0.0 may be measured (an all-zero output): only the flag tells it from "never ran"
+                self._seen[index].fill_(1.0)
                 if self.moments:
                     x = t.detach().double().flatten()
                     if self._sums is None:
@@ -133,7 +140,7 @@ class ActivationProbe:
     # -- results --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the maxima (and moments) seen so far (e.g. at the start of each validation)."""
-        self._max = self._sums = None
+        self._max = self._seen = self._sums = None
 
     def names(self) -> List[str]:
         return [t[0] for t in self.targets]
@@ -144,21 +151,30 @@ class ActivationProbe:
             return torch.zeros(len(self.targets), device=device)
         return self._max if device is None else self._max.to(device)
 
+    def seen(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """[K] float32 flags in `names()` order, 1.0 for a target whose output was measured and 0.0 for one whose
+        forward never ran (zeros if nothing was seen), for all_reduce(MAX) beside `maxima()`."""
+        if self._seen is None:
+            return torch.zeros(len(self.targets), device=device)
+        return self._seen if device is None else self._seen.to(device)
+
     def result(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                device: Optional[torch.device] = None,
                sum_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> ActMaxResult:
-        """Aggregate (one host sync).
+        """Aggregate (one host sync). Targets whose forward never ran (on any rank, with `reduce_fn`) have no
+        record in `per_layer`.
 
         Args:
-            reduce_fn: applied to `maxima()` before aggregation, e.g. a distributed MAX all-reduce
-                returning the reduced tensor.
+            reduce_fn: applied before aggregation to the [2, K] stack of `maxima()` and `seen()`, e.g. a
+                distributed MAX all-reduce returning the reduced tensor: one collective, after which every rank
+                holds the same records.
             device: where to place the zeros of a probe that saw no data (needed for collectives).
             sum_fn: with `moments`, applied to the [K, 5] moment sums (a distributed SUM all-reduce).
         """
-        values = self.maxima(device)
+        stacked = torch.stack([self.maxima(device), self.seen(device)])
         if reduce_fn is not None:
-            values = reduce_fn(values.clone())
-        values = values.cpu().tolist()
+            stacked = reduce_fn(stacked.clone())
+        values, seen = stacked.cpu().tolist()
         records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v}
                    for (name, kind, block, typ, _), v in zip(self.targets, values)]
         if self.moments:
@@ -168,6 +184,7 @@ class ActivationProbe:
                 sums = sum_fn(sums.clone())
             for record, kurtosis in zip(records, kurtosis_from_sums(sums).tolist()):
                 record["kurtosis"] = kurtosis
+        records = [r for r, flag in zip(records, seen) if flag > 0]
         module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
         block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
         return ActMaxResult(module=module, block=block, per_layer=records)

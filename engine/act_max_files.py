@@ -17,7 +17,7 @@ FIELDS = ("name", "kind", "block", "type", "max")
 
 def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> Path:
     """Write `ActMaxResult.per_layer` records (columns: name, kind, block, type, max, and kurtosis when the
-    probe measured moments)."""
+    probe measured moments): one row per output measured, none for a module whose forward never ran."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = FIELDS + (("kurtosis",) if records and "kurtosis" in records[0] else ())

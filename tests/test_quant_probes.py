@@ -71,7 +71,7 @@ def test_swin_blocks_and_reduce_fn(tmp_path):
     with torch.no_grad(), ActivationProbe(model, extra_modules=("layers.*.downsample.reduction",)) as probe:
         model(images(2))
     result = probe.result(reduce_fn=fake_all_reduce_max)
-    assert seen == [(len(probe.targets),)]
+    assert seen == [(2, len(probe.targets))]  # the maxima and the seen flags, in one collective
     blocks = [r for r in result.per_layer if r["kind"] == "block"]
     assert [r["name"] for r in blocks] == ["layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0",
                                           "layers.1.blocks.1"]
@@ -86,7 +86,7 @@ def test_swin_blocks_and_reduce_fn(tmp_path):
 def test_probe_without_data_and_wrapped_model():
     model = tiny_vit()
     probe = ActivationProbe(model)
-    assert probe.result().module == 0.0
+    assert (probe.result().module, probe.result().per_layer) == (0.0, [])  # no output measured: no record
     with pytest.raises(ValueError, match="unwrapped"):
         ActivationProbe(torch.nn.Sequential(model))
 
@@ -330,9 +330,17 @@ def test_outputs_declared_as_repeats_and_drop_paths_are_not_counted():
 def test_each_record_names_the_index_of_its_block_in_model_order():
     """The `block` of a record (the CSV column, the plot's x axis) is the position of its block among all blocks:
     N for a ViT's blocks.N and everything inside it; Swin's blocks counted across stages; -1 outside blocks."""
-    for record in ActivationProbe(tiny_vit(depth=3)).result().per_layer:
+    vit = tiny_vit(depth=3)
+    with torch.no_grad(), ActivationProbe(vit) as probe:  # a record is of an output measured
+        vit(images(1))
+    assert probe.result().per_layer
+    for record in probe.result().per_layer:
         assert record["block"] == int(record["name"].split(".")[1]), record
-    swin = ActivationProbe(tiny_swin(), extra_modules=("layers.*.downsample.reduction",)).result().per_layer
+    model = tiny_swin()
+    with torch.no_grad(), ActivationProbe(model, extra_modules=("layers.*.downsample.reduction",)) as probe:
+        model(images(1))
+    swin = probe.result().per_layer
+    assert any(r["block"] == -1 for r in swin)
     order = {"layers.0.blocks.0": 0, "layers.0.blocks.1": 1, "layers.1.blocks.0": 2, "layers.1.blocks.1": 3}
     for record in swin:
         block = ".".join(record["name"].split(".")[:4])
