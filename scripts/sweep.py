@@ -591,12 +591,13 @@ def trained_without_checkpoint(out_dir: str, name: str) -> Optional[str]:
     train.py ends so only at train.max_steps inside a streak of high training losses before its first checkpoint:
     the divergence guard withholds checkpoint.pt and best.pt from such weights (engine/divergence.py). Nothing is
     left to resume or to evaluate, and a re-run with other settings (a lower optim.lr) is refused beside the run's
-    logs unless they are archived."""
+    logs. The way out named is moving the folder away: train.archive_existing=true, train.py's own, is a setting
+    only a run's start reads, which every later resume of the run would then have to repeat (--only NAME)."""
     if os.path.exists(os.path.join(ROOT, out_dir, "checkpoint.pt")):
         return None
     return ("stopped at train.max_steps with no checkpoint written (divergence guard: the training loss was above its "
-            f"threshold, its train.log says from which update); not evaluated: lower its optim.lr and re-run it with "
-            f"--only {shlex.quote(name)} train.archive_existing=true")
+            f"threshold, its train.log says from which update); not evaluated: lower the optim.lr of run '{name}' and "
+            f"move {out_dir} (its logs only) out of the way, or give the run another name")
 
 
 def stopped_before_schedule_end(out_dir: str) -> Optional[str]:

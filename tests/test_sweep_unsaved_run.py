@@ -38,7 +38,7 @@ def test_a_run_that_exits_0_without_a_checkpoint_is_failed_and_not_evaluated(tmp
     out = capsys.readouterr()
     lines = summary(out.out)
     assert lines[0].startswith(f"  a: {UNSAVED}") and lines[1:] == ["  b: not started"], lines
-    assert "--only a train.archive_existing=true" in lines[0]
+    assert f"move {tmp_path}/runs/a (its logs only) out of the way" in lines[0]
     assert "sweep: run 'a' stopped at train.max_steps with no checkpoint written" in out.err
 
 
