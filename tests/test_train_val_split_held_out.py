@@ -1,0 +1,63 @@
+"""train.py validates on data held out from its training: a data.val_split that reads the train split's token file
+or image folder (by its name, the other key's name or a link) is refused before any folder is made, naming both
+keys; splits that are different files are trained on."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+import train
+from configs import ConfigError, load_config
+from tests.conftest import DEBUG_CONFIG, make_folder
+
+NANO = "configs/lm/kjv_nano.yaml"
+
+
+def _token_root(root):
+    """train.bin, val.bin and copy.bin (a link to train.bin) of 4096 ids below 65 each."""
+    rng = np.random.default_rng(0)
+    for name in ("train", "val"):
+        rng.integers(0, 65, 4096).astype(np.uint16).tofile(root / f"{name}.bin")
+    os.symlink(root / "train.bin", root / "copy.bin")
+    return root
+
+
+@pytest.mark.parametrize("overrides, file", [(["data.val_split=train"], "train.bin"),
+                                             (["data.train_split=val"], "val.bin"),
+                                             (["data.val_split=copy"], "train.bin")])
+def test_a_val_token_file_that_is_the_training_file_is_refused_before_the_run(tmp_path, overrides, file):
+    """Scored on the text it trains on, best.pt would be picked by training loss: refused, naming both keys and the
+    one file they read (os.path.realpath: the link resolved), before out_dir is made."""
+    root = _token_root(tmp_path)
+    out = tmp_path / "run"
+    cfg = load_config([NANO], [f"out_dir={out}", "data.dataset=tokens", f"data.root={root}", *overrides])
+    assert os.path.samefile(root / f"{cfg.data.train_split}.bin", root / f"{cfg.data.val_split}.bin")
+    with pytest.raises(ConfigError, match=rf"^data.train_split={cfg.data.train_split} and "
+                                          rf"data.val_split={cfg.data.val_split} both read "
+                                          rf"{re.escape(os.path.realpath(root / file))}, .*the text the model trains "
+                                          rf"on; give data.val_split a split held out from training$"):
+        train.main(cfg)
+    assert not out.exists()
+
+
+def test_distinct_token_files_pass_the_check(tmp_path):
+    """train.bin and val.bin, two files, start (check_before_start raises nothing)."""
+    root = _token_root(tmp_path)
+    cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={root}"])
+    assert not os.path.samefile(root / "train.bin", root / "val.bin")
+    train.check_before_start(cfg)
+
+
+@pytest.mark.parametrize("split", ["train", "./train/", "{root}/train"])
+def test_a_val_folder_that_is_the_training_folder_is_refused(tmp_path, split):
+    """The same rule for image folders, whatever the folder's name; a val/ beside train/ passes."""
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"a": 2, "b": 2}, "val": {"a": 2, "b": 2}})
+    split = split.format(root=root)
+    common = [f"out_dir={tmp_path / 'run'}", "data.dataset=folder", f"data.root={root}"]
+    with pytest.raises(ConfigError, match=rf"^data.train_split=train and data.val_split={re.escape(split)} both read "
+                                          rf"{re.escape(os.path.realpath(root / 'train'))}, .*the images the model "
+                                          r"trains on"):
+        train.check_before_start(load_config([DEBUG_CONFIG], [*common, f"data.val_split={split}"]))
+    train.check_before_start(load_config([DEBUG_CONFIG], common))
