@@ -5,7 +5,8 @@ The Colinearity-Decay paper's APHQ column: "we disable MLP reconstruction and ke
 order to reduce quantization time" (CD paper Sec. 4.1). Procedure, after GoatWu/APHQ-ViT `test_quant.py`:
 
 1. Data: `recon_images` (1024) train-split images with the TRAINING transform, one fixed augmentation
-   each, chosen with seed 3407; the first `calib_images` (128) are the calibration set.
+   each, chosen with seed 3407; the first `calib_images` (128) are the calibration set. A run that trains
+   nothing (`iters=0` without MLP reconstruction) draws the calibration set alone: the same images.
 2. Layout: weights asymmetric per output channel (AdaRound kind); post-LayerNorm inputs (qkv, fc1,
    Swin reduction) per channel, folded into the LayerNorm (RepQ-ViT) and then per tensor (only when
    a_bits == w_bits, as officially; otherwise per tensor without a fold; a timm Swin whose windows are padded
@@ -23,7 +24,8 @@ A detector (`PipelineData.detector_samples`) follows the official detection code
 
 Defaults are the official classification recipe (configs/4bit/best.py): 128 / 1024 images, batch 32,
 20k iterations per unit. `iters`, `calib_images`, `recon_images` make CPU tests and sweeps cheap; `iters=0` is
-calibration only (steps 1-3, then every unit switched on: no float captures and no APH).
+calibration only (steps 1-3, then every unit switched on: no float captures and no APH; without MLP reconstruction
+no reconstruction set either, so `recon_images` is refused there: configs/loader.py).
 Under torchrun the whole pipeline runs once, on rank 0; the other ranks receive its model (pipeline_base).
 """
 from __future__ import annotations
@@ -56,6 +58,13 @@ from .mlp_recon import MLPReconSettings, reconstruct_mlps
 from .reconstruct import ReconSettings, reconstruct_unit
 
 log = logging.getLogger("quant.aphq")
+
+
+def draws_reconstruction_set(options: APHQOptions) -> bool:
+    """Whether a classifier's run draws the `recon_images` reconstruction set: only the block reconstruction
+    (iters above 0) and the MLP reconstruction read it; a calibration-only run draws its calibration set alone
+    (configs/loader.py APHQ_RECON_SET_READ refuses recon_images there)."""
+    return options.iters != 0 or options.mlp_reconstruct
 
 
 def mlp_iterations(options: APHQOptions) -> int:
@@ -114,7 +123,9 @@ class APHQPipeline(Pipeline):
             check_fold_windows(fp_model, self.name)
 
     def train_image_counts(self, options: APHQOptions) -> dict:
-        return {"recon_images": options.recon_images}  # calib_images are its first ones
+        if draws_reconstruction_set(options):
+            return {"recon_images": options.recon_images}  # calib_images are its first ones
+        return {"calib_images": options.calib_images}  # calibration only: the set `run` draws
 
     def validate(self, bits: Bits, options: APHQOptions, detection: bool = False) -> None:
         """As `Pipeline.validate`, and on a classifier the calibration set within the reconstruction set: there it
@@ -122,7 +133,8 @@ class APHQPipeline(Pipeline):
         (evaluate_detection.py --calib-images, --calib-seed), drawn apart from its reconstruction images
         (`recon_images`, `data_seed`: detector.py), so no count bounds the other."""
         super().validate(bits, options, detection)
-        if not detection and options.calib_images > options.recon_images:
+        # without a reconstruction set (calibration only) recon_images is unread and bounds nothing
+        if not detection and draws_reconstruction_set(options) and options.calib_images > options.recon_images:
             raise ValueError(f"calib_images={options.calib_images} exceeds recon_images={options.recon_images} "
                              f"(the calibration set is a prefix of the reconstruction set)")
 
@@ -135,7 +147,8 @@ class APHQPipeline(Pipeline):
                      else "iters=0 and mlp_iters=null (which follows iters)")
             raise ValueError(f"mlp_reconstruct=True with {given}: the MLP reconstruction would swap GELU for ReLU "
                              f"and tune nothing; give mlp_iters above 0, or mlp_reconstruct=False")
-        if options.batch_size > options.recon_images:  # a batch draws distinct samples: it would shrink silently
+        # a batch draws distinct reconstruction samples: it would shrink silently (no such batch at calibration only)
+        if draws_reconstruction_set(options) and options.batch_size > options.recon_images:
             raise ValueError(f"batch_size={options.batch_size} exceeds recon_images={options.recon_images} (each "
                              f"batch draws distinct reconstruction images): give batch_size <= recon_images")
         ends = options.resolved(bits)
@@ -179,8 +192,11 @@ class APHQPipeline(Pipeline):
         device = next(fp_model.parameters()).device
         cache = torch.device(options.cache_device) if options.cache_device else device
         bs = options.batch_size
+        # the calibration set is the reconstruction set's first images (data/loader.py calibration_images: the first k
+        # of a larger set are the k-image set), so a calibration-only run draws those alone, without augmenting the rest
+        count = options.recon_images if draws_reconstruction_set(options) else options.calib_images
         with timer("data", device):
-            images = data.train_images(options.recon_images, options.data_seed, True)
+            images = data.train_images(count, options.data_seed, True)
         calib = images[:options.calib_images]
         with isolated_rng(options.seed, device):
             gen = torch.Generator(device=device).manual_seed(options.seed)  # not the cache's: same draws anywhere
@@ -248,7 +264,9 @@ class APHQPipeline(Pipeline):
         model.eval()
         report = pipeline_report(
             self.name, model, bits, options,
-            data={"calibration_images": int(calib.shape[0]), "reconstruction_images": int(images.shape[0]),
+            data={"calibration_images": int(calib.shape[0]),
+                  # 0 where nothing was drawn for a reconstruction (calibration only), as on a detector
+                  "reconstruction_images": int(images.shape[0]) if draws_reconstruction_set(options) else 0,
                   "seed": options.data_seed, "transform": "train"},
             calibration=calib_report, units=unit_stats, mlp_reconstruction=mr_stats)
         return model, report
