@@ -556,13 +556,25 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
                         preemption=preemption)
 
 
+def checkpoint_config(payload: dict, checkpoint: str) -> Config:
+    """The config `checkpoint` records, through this version's schema. A key the schema does not know (a setting a
+    newer version of the code added) or a value it refuses is an error naming the file: the schema's own error
+    names only a 'saved config', which the user cannot find."""
+    try:
+        return config_from_dict(payload["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"{checkpoint}: its recorded config does not fit this version of the code ({e}); "
+                              f"written by a newer version of the code? Evaluate it with the version that "
+                              f"trained it") from None
+
+
 def resolve_config(args: argparse.Namespace):
     """Config and checkpoint payload: the checkpoint's own config (+ overrides), or --config files."""
     payload = None
     if args.checkpoint:
         payload = load_checkpoint(args.checkpoint)
         # --config: e.g. a data preset for another machine
-        cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
+        cfg = layer_config(checkpoint_config(payload, args.checkpoint), args.config or (), args.overrides)
         check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
         # what --config files and overrides changed ('key: old -> new'): its method is the checkpoint's own
         changed = [change.split(": ", 1)[0] for change in
