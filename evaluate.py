@@ -16,9 +16,9 @@ a `model.pretrained` file trained at another image size (a Swin at another windo
 The checkpoint's saved config describes model and data; `key=value` overrides change it (e.g. data.root
 on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; training settings, which it does
 not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
-autocast). A checkpoint is scored on held-out data only: a data.val_split that reads its training split (the folder
-or token file it recorded, or the split of that name under another data.root) is refused, as is a data.train_split
-that reads the val split where a pipeline draws from it. Quantization
+autocast; so is out_dir: --out names the result). A checkpoint is scored on held-out data only: a data.val_split
+that reads its training split (the folder or token file it recorded, or the split of that name under another
+data.root) is refused, as is a data.train_split that reads the val split where a pipeline draws from it. Quantization
 always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
 transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
@@ -607,6 +607,7 @@ def resolve_config(args: argparse.Namespace):
                           + ("; drop it" if key in given else  # else a --config file over the checkpoint's set it
                              f"; --config {' '.join(args.config or ())} sets it over {args.checkpoint}'s own: "
                              "give --config files of evaluation settings only (e.g. data), or key=value overrides"))
+    check_out_dir_unread(args, cfg, given, payload)
     if "model.pretrained_strict" in given and not cfg.model.pretrained_strict:  # asked, and never done here
         raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "
@@ -686,6 +687,21 @@ def resolve_config(args: argparse.Namespace):
         raise ConfigError(f"{named.get(item, item)} would be ignored: {why}, and every bit-width it runs at has "
                           f"a_bits != w_bits ({', '.join(widths)}); drop it, or add a bit-width with a_bits == w_bits")
     return cfg, payload
+
+
+def check_out_dir_unread(args: argparse.Namespace, cfg: Config, given: set[str], payload: Optional[dict]) -> None:
+    """out_dir is train.py's folder: evaluate.py writes where --out says (default: beside the checkpoint), so an
+    out_dir override, or one a --config file sets over a checkpoint's own, would be ignored while the result went
+    elsewhere. A weights file's --config files are its recipe, whose out_dir is the run's and stays unread."""
+    from_file = payload is not None and cfg.out_dir != checkpoint_config(payload, args.checkpoint).out_dir
+    if "out_dir" not in given and not from_file:
+        return
+    where = ("" if "out_dir" in given else
+             f" (--config {' '.join(args.config or ())} sets it over {args.checkpoint}'s own)")
+    out = os.path.join(cfg.out_dir, os.path.basename(default_out_path(args.checkpoint, cfg.model.name)))
+    raise ConfigError(f"out_dir={cfg.out_dir}{where}: evaluate.py does not read out_dir, it writes its result where "
+                      f"--out says (default: beside the checkpoint); give --out {out}"
+                      + ("" if "out_dir" in given else ", and --config files of evaluation settings only (e.g. data)"))
 
 
 def pipeline_options_unread(overrides: list[str], pipelines: list[str]) -> list[tuple[str, str]]:

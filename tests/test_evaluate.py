@@ -705,7 +705,7 @@ def test_more_training_images_than_the_split_holds_stop_before_the_fp_pass(check
 def test_training_transform_settings_are_part_of_an_aphq_result_and_the_batch_is_not(checkpoint, tmp_path):
     # APHQ draws its own training-transform images: another augmentation is another result; the calibration
     # batch, which it does not read, is no part of it
-    base = ["--checkpoint", checkpoint, "--quant", "aphq", "quant.aphq.iters=0", "quant.aphq.recon_images=8",
+    base = ["--checkpoint", checkpoint, "--quant", "aphq", "quant.aphq.iters=0",
             "quant.aphq.calib_images=8", "quant.aphq.batch_size=4"]
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(base))
     settings = quant_settings(cfg, "aphq")
