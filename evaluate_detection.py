@@ -44,7 +44,7 @@ import argparse
 import datetime
 import math
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -148,13 +148,13 @@ def check_image_counts(images, todo, options, calib_images: int) -> None:
 RECONSTRUCTION_DATA = ("recon_images", "data_seed")
 
 
-def check_reconstruction_data(given: dict, options) -> None:
+def check_reconstruction_data(given: dict) -> None:
     """Refuse aphq.recon_images and aphq.data_seed where the user gave them (`given`: their --quant-options, not
     the detection defaults) with aphq.iters=0: they set the reconstruction images, which iters=0 does not draw (the
     calibration batch is --calib-images, --calib-seed), so they would be recorded in the result's settings and
     change nothing."""
     unread = [f"aphq.{key}={given[key]}" for key in RECONSTRUCTION_DATA if key in given]
-    if options.iters == 0 and unread:
+    if given.get("iters") == 0 and unread:  # the detection recipe leaves iters at its default, above 0
         from engine.detection import DetectionError
         raise DetectionError(f"--quant-options {' '.join(unread)} with aphq.iters=0: read only by the "
                              f"reconstruction, which iters=0 skips (the calibration batch is --calib-images, "
@@ -200,12 +200,14 @@ def main(argv=None) -> dict:
         if problem:
             raise DetectionError(problem)
     user_options = pipeline_options(args.quant_options, pipelines)
-    options = {name: {**detection_defaults(name, args), **user_options.get(name, {})} for name in pipelines}
+    options = {name: {**detection_defaults(name, args, user_options.get(name, {})), **user_options.get(name, {})}
+               for name in pipelines}
     for name in pipelines:
+        if name == "aphq":  # before parse_options, whose refusal of an unread recon_images names no flag of ours
+            check_reconstruction_data(user_options.get(name, {}))
         parsed = parse_options(PIPELINES[name].Options, options[name])
         if name == "aphq":
             check_aphq_options(parsed)
-            check_reconstruction_data(user_options.get(name, {}), parsed)
         if name == "gplq":
             check_gplq_options(parsed)
         check_head_options(name, parsed)
@@ -473,12 +475,17 @@ def pipeline_options(items, pipelines) -> dict:
     return by_pipeline
 
 
-def detection_defaults(name: str, args) -> dict:
+def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
     """The options a pipeline starts from on a detector: APHQ's and GPLQ's detection recipes (configs/quant.py),
-    with their calibration / initialisation images the --calib-images batch."""
+    with their calibration / initialisation images the --calib-images batch. `given`: the user's options of that
+    pipeline; with aphq.iters=0 there the recipe's recon_images is left out, as nothing reads it (parse_options
+    refuses an unread option of the mapping it is handed, the recipe's as the user's)."""
     from configs.quant import APHQ_DETECTION, GPLQ_DETECTION
     if name == "aphq":
-        return {**APHQ_DETECTION, "calib_images": args.calib_images}
+        recipe = {**APHQ_DETECTION, "calib_images": args.calib_images}
+        if (given or {}).get("iters") == 0:
+            del recipe["recon_images"]
+        return recipe
     if name == "gplq":
         return {**GPLQ_DETECTION, "init_images": args.calib_images}
     return {}

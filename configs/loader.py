@@ -401,6 +401,12 @@ APH_COMPUTED = When(("quant.aphq.loss", "quant.aphq.iters", "quant.aphq.mlp_reco
 # APHQ's progress lines come from its block and MLP reconstructions
 APHQ_TRAINS = When(("quant.aphq.iters", "quant.aphq.mlp_reconstruct"), lambda iters, mlp: iters != 0 or mlp,
                    "quant.aphq.iters is above 0 or quant.aphq.mlp_reconstruct is true (something is trained)")
+# quant/aphq/pipeline.py and detector.py draw the reconstruction set for those trainings only: a classifier's
+# calibration-only run draws just its calib_images calibration images (the reconstruction set's first ones, the same
+# images at any recon_images), a detector's none (its calibration batch is evaluate_detection.py's)
+APHQ_RECON_SET_READ = dataclasses.replace(
+    APHQ_TRAINS, fix="drop it: a calibration-only run (quant.aphq.iters=0) without the MLP reconstruction draws no "
+                     "reconstruction set, only its calibration images")
 # quant/aphq/pipeline.py and detector.py draw random numbers from quant.aphq.seed only in a reconstruction (batch
 # draws, QDrop masks, Rademacher probes; the MLP reconstruction's too) and for search_max_rows' row subsets: a
 # calibration-only run (iters 0) without either is the same under any seed
@@ -476,6 +482,7 @@ READ_ONLY_WHEN = [
       "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
       "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
+    (("quant.aphq.recon_images",), APHQ_RECON_SET_READ, None),
     (("quant.aphq.seed",), APHQ_SEED_READ, None),
     (("quant.aphq.round_weight", "quant.aphq.beta_start", "quant.aphq.beta_end"), APHQ_ROUNDING_ACTS, None),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only

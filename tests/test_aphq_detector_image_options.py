@@ -6,6 +6,7 @@ recon_images / data_seed given by the user are refused as unread."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,9 +91,11 @@ class _Split:
 def test_recon_images_is_checked_against_the_split_only_where_it_is_drawn(iters, checked):
     """aphq.iters=0 draws no reconstruction image (quant/aphq/detector.py): the default 256 against a 16-image
     split was refused though nothing would be drawn."""
-    from evaluate_detection import check_image_counts
+    from evaluate_detection import check_image_counts, detection_defaults
     split = _Split(16)
-    options = {"aphq": {**APHQ_DETECTION, "calib_images": 1, "iters": iters}}
+    # as main hands them over: at iters=0 without the recipe's recon_images, which nothing reads there
+    options = {"aphq": {**detection_defaults("aphq", SimpleNamespace(calib_images=1), {"iters": iters}),
+                        "iters": iters}}
     if iters:
         with pytest.raises(ValueError, match=r"^--quant-options aphq.recon_images 256: the training split has only"):
             check_image_counts(split, [("aphq", "w4a4")], options, 1)
@@ -109,8 +112,17 @@ def test_recon_images_is_checked_against_the_split_only_where_it_is_drawn(iters,
                            "skips (the calibration batch is --calib-images, --calib-seed); drop it")])
 def test_reconstruction_image_options_given_with_zero_iterations_are_refused(monkeypatch, given, named):
     """They were recorded in the result's settings.options though iters=0 reads neither; the detection defaults
-    (recon_images 256, data_seed 0) are not the user's and pass."""
-    assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=0", *given]) == (
+    (recon_images 256, data_seed 0) are not the user's and pass. (Given after aphq.iters=0, recon_images is
+    refused as the options are read: the next test.)"""
+    assert _checks_of_main(monkeypatch, ["--quant-options", *given, "aphq.iters=0"]) == (
         f"--quant-options {named}, or give aphq.iters>0")
     assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=0"]) is None
     assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=1", *given]) is None
+
+
+def test_recon_images_given_after_zero_iterations_is_refused_by_the_config_rule(monkeypatch):
+    """--quant-options are read item by item by the config's rules (configs/loader.py READ_ONLY_WHEN): a
+    recon_images after aphq.iters=0 is refused there, naming the flag, as evaluate.py refuses the override."""
+    assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=0", "aphq.recon_images=16"]).startswith(
+        "--quant-options aphq.recon_images=16: quant.aphq.recon_images=16 would be ignored: quant.aphq.recon_images "
+        "is read only when quant.aphq.iters is above 0")

@@ -12,7 +12,7 @@ from quant_models import images, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = dict(iters=0, recon_images=8, calib_images=8, batch_size=4)
+SMALL = dict(iters=0, calib_images=8, batch_size=4)
 
 
 def quantized_state(**options) -> dict:

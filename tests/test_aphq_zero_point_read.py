@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def evaluate_argv(tmp_path, *bits):
     return ["--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "aphq", "--bits", *bits,
-            "quant.aphq.iters=0", "quant.aphq.recon_images=32", "quant.aphq.calib_images=16",
+            "quant.aphq.iters=0", "quant.aphq.calib_images=16",
             "quant.aphq.round_zero_point=false", "--out", str(tmp_path / "r.json")]
 
 

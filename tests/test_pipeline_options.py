@@ -26,7 +26,10 @@ CASES = [
     ("aphq", {"iters": 0, "drop_prob": 1.0}, "drop_prob"),
     ("aphq", {"iters": 0, "log_every": 0}, "log_every"),
     ("aphq", {"iters": 0, "mlp_reconstruct": True, "mlp_iters": 5, "temperature": 5.0, "log_every": 0}, None),
-    ("aphq", {"iters": 0, "recon_images": 8, "calib_images": 4, "batch_size": 4, "search_rounds": 0}, None),
+    ("aphq", {"iters": 0, "calib_images": 4, "batch_size": 4, "search_rounds": 0}, None),
+    # a calibration-only run draws its calibration set alone: no reconstruction set to size
+    ("aphq", {"iters": 0, "recon_images": 8, "calib_images": 4}, "recon_images"),
+    ("aphq", {"iters": 0, "mlp_reconstruct": True, "mlp_iters": 5, "recon_images": 8}, None),
     ("gplq", {"pca_weight": 0.0, "pca_images": 16}, "pca_images"),
     ("gplq", {"pca_weight": 0.5, "pca_images": 16}, None),
     ("gplq", {"qwt": False, "stage2_images": 8}, None),
@@ -71,9 +74,15 @@ def test_a_pipeline_called_with_an_unread_option_refuses_it_before_any_work():
     ("aphq", APHQ_DETECTION, {"iters": 0}), ("aphq", APHQ_DETECTION, {"loss": "mse"}),
     ("gplq", GPLQ_DETECTION, {"qwt": False})])
 def test_the_detection_recipes_leave_every_step_switchable(section, recipe, change):
-    """evaluate_detection.py hands a pipeline its detection recipe with the user's options on top: no recipe key
-    may become unread when the user turns a step off (the user did not give it)."""
-    parse_options(OPTIONS[section], {**recipe, **change})
+    """evaluate_detection.py hands a pipeline its detection recipe (detection_defaults) with the user's options on
+    top: no recipe key may become unread when the user turns a step off (the user did not give it). APHQ's
+    recon_images is one at iters=0, which detection_defaults leaves out there."""
+    from types import SimpleNamespace
+
+    from evaluate_detection import detection_defaults
+    handed = {**detection_defaults(section, SimpleNamespace(calib_images=1), change), **change}
+    assert set(recipe) - set(handed) == ({"recon_images"} if change == {"iters": 0} else set())
+    parse_options(OPTIONS[section], handed)
 
 
 @pytest.mark.parametrize("items", [["aphq.iters=5", "aphq.iters=6"], ["gplq.steps=3", "gplq.steps=3"]])

@@ -800,7 +800,7 @@ def test_aphq_at_zero_iterations_calibrates_only_and_equals_zero_iterations_of_r
     for name in ("model_logits", "capture_unit", "perturbation_hessian", "reconstruct_unit"):
         monkeypatch.setattr(pipe, name, lambda *a, _name=name, **k: skipped.append(_name))
     pool = images(8, seed=7)
-    given = dict(iters=0, recon_images=8, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32)
+    given = dict(iters=0, calib_images=4, batch_size=4, matmul_steps=5, search_rounds=0, eq_n=32)
     fp = tiny_vit()
     qmodel, _ = PIPELINES["aphq"](fp, None, "w4a4", given, data=PipelineData(train_images=lambda n, s, t: pool[:n]))
     assert skipped == []
