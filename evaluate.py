@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> dict:
                               f"the result another name (e.g. eval.json)")
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
-            setup_logging(os.path.dirname(os.path.abspath(out)), dist.is_main, filename=EVAL_LOG)
+            open_eval_log(out, dist.is_main)
         log_environment(log, dist)
         log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
 
@@ -244,6 +244,19 @@ def main(args: argparse.Namespace) -> dict:
             console_print(markdown_table([results.data]))  # its † and ± on an ASCII console, or a closed pipe
             log.info("wrote %s", out)
     return results.data
+
+
+def open_eval_log(out: str, is_main: bool) -> None:
+    """The log (EVAL_LOG beside the result `out`), or one RunDirError naming it and --out: the folder was found
+    writable (prepare_folder), but the log's own name may be taken by a folder, or by a file this user cannot
+    write."""
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        setup_logging(folder, is_main, filename=EVAL_LOG)
+    except OSError as e:
+        raise RunDirError(f"--out {out}: evaluate.py writes its log to {os.path.join(folder, EVAL_LOG)}, which "
+                          f"cannot be opened ({e.strerror or e}); move it away, or give --out a file in another "
+                          f"folder") from None
 
 
 def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist, payload: Optional[dict], task):
