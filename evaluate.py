@@ -120,6 +120,8 @@ def main(args: argparse.Namespace) -> dict:
         with failure_on_every_rank(device, "loading the weights"):  # each rank reads its own node's files
             model = load_float_model(cfg, payload, args)
             model.to(device).eval()
+        # which weights of which file: raw and EMA weights, best.pt and checkpoint.pt give lines and rows alike
+        log.info("scoring %s", scored_weights(args, cfg))
         if dist.distributed:  # each rank read the weights from its own node's copy of the file
             check_same_weights_on_every_rank(model, args.checkpoint or cfg.model.pretrained, device, dist.rank)
         task = task_for(cfg.data.dataset)
@@ -205,8 +207,8 @@ def main(args: argparse.Namespace) -> dict:
                    # modules probed beyond the paper's set: "module" is then the maximum over them too
                    **({"extra_modules": list(cfg.quant.act_max_extra_modules)} if cfg.quant.act_max_extra_modules
                       else {})}
-        log.info("FP %s  max act (module/block) %.2f / %.2f  [%.1fs]", score_line(fp), act.module, act.block,
-                 fp_seconds)
+        log.info("FP [%s] %s  max act (module/block) %.2f / %.2f  [%.1fs]", weights_tag(args), score_line(fp),
+                 act.module, act.block, fp_seconds)
         # without the files this time, those an earlier call wrote stay listed: still this result file's own
         paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
                  {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
@@ -307,6 +309,23 @@ def score_line(metrics: dict) -> str:
         return f"perplexity {perplexity_text(metrics['ppl'])}{bf16}"
     top5 = f"  top-5 {metrics['top5']:.3f}" if "top5" in metrics else ""
     return f"top-1 {metrics['top1']:.3f}{top5}"
+
+
+def scored_weights(args: argparse.Namespace, cfg: Config) -> str:
+    """The weights scored, for the log: 'the EMA weights of /runs/x/best.pt (checkpoint_kind best)', or
+    'model.pretrained=/weights/deit_base.pth' (the result file records the same: checkpoint, checkpoint_kind,
+    weights)."""
+    if not args.checkpoint:
+        return f"model.pretrained={cfg.model.pretrained}"
+    return (f"the {'EMA' if args.ema else 'raw'} weights of {os.path.abspath(args.checkpoint)} "
+            f"(checkpoint_kind {checkpoint_kind(args.checkpoint)})")
+
+
+def weights_tag(args: argparse.Namespace) -> str:
+    """The weights scored in short, for the FP line: 'best, EMA', 'latest, raw' (checkpoint_kind and raw / EMA)
+    or 'model.pretrained'."""
+    return f"{checkpoint_kind(args.checkpoint)}, {'EMA' if args.ema else 'raw'}" if args.checkpoint \
+        else "model.pretrained"
 
 
 def a_pipeline_trains(cfg: Config) -> bool:

@@ -2,6 +2,8 @@
 one column per pipeline), with the marks that say where a number is not of the paper's protocol: `*` on a
 quantized cell of non-default settings, `†` on a model evaluated otherwise than it trained, `‡` on a module
 maximum that also counts modules outside the blocks; and the checks that results averaged as seeds are alike.
+A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
+size, another split, an autocast, or its EMA weights (evaluate.py --ema).
 
     print(markdown_table([json.load(open(path)) for path in paths], over_seeds=True))
 
@@ -65,8 +67,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
-    evaluates (other model.kwargs, another split, an autocast) † (`evaluated_otherwise`), a module maximum also
-    over quant.act_max_extra_modules ‡, each with a note below the table.
+    evaluates (other model.kwargs, another split, an autocast, the EMA weights) † (`evaluated_otherwise`), a module
+    maximum also over quant.act_max_extra_modules ‡, each with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result.
@@ -265,8 +267,9 @@ def model_kwargs_changed(result: dict) -> Optional[str]:
 def evaluated_otherwise(result: dict) -> Optional[str]:
     """How a result was evaluated otherwise than the paper's protocol (the weights as trained, on the validation
     split, in fp32), or None: `model_kwargs_changed`, an input size other than the one trained at, a `data.val_split`
-    other than 'val' (scoring the training images gives a number that reads as a validation accuracy) and an
-    `--amp` autocast, joined by '; '. Tables mark such results † with a `dagger_note`; results that do not record
+    other than 'val' (scoring the training images gives a number that reads as a validation accuracy), an `--amp`
+    autocast and the EMA weights (`--ema`: an average of the trained weights, whose row would otherwise read as the
+    raw weights'), joined by '; '. Tables mark such results † with a `dagger_note`; results that do not record
     a setting (older files) are not marked for it.
     A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
     --amp: its row is marked for those."""
@@ -281,6 +284,8 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
         found.append(f"data.val_split={split!r}")
     if result.get("eval_amp", "none") != "none":
         found.append(f"--amp {result['eval_amp']}")
+    if result.get("weights") == "ema":
+        found.append("--ema (the EMA weights)")
     return "; ".join(found) or None
 
 

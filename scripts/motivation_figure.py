@@ -10,7 +10,7 @@ checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
-autocast) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
+autocast; the EMA weights) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
 (engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row. Classifiers measured differently
 in what sets a maximum (data, image count, val images, raw or EMA weights, autocast, the kind of checkpoint, the
 modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry's quantization settings
