@@ -562,6 +562,41 @@ def train_transform_overrides_unread(overrides: list[str], cfg: Config) -> list[
     return [item for item in overrides if any(k in TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS for k in override_keys(item))]
 
 
+def interpolation_override_unread(overrides: list[str], cfg: Config, recorded: Optional[dict]) -> Optional[str]:
+    """The data.interpolation override when no image of this evaluation is resampled with it, else None: on digits
+    (DigitsDataset resizes to data.digits_img_size with bicubic, whatever the setting) whose eval transform does not
+    resample (`eval_transform_resamples`), with no planned pipeline that sees training-transform images (their random
+    crop resamples with it). As in the data.crop_mode refusal on digits (configs/loader.py), the setting reads as
+    applied where it is not. The checkpoint's own value (`recorded`, its data section: a sweep passes a run's data
+    overrides on) changes nothing and passes."""
+    given = [item for item in overrides if "data.interpolation" in override_keys(item)]
+    if not given or cfg.data.dataset != "digits":
+        return None
+    if recorded is not None and cfg.data.interpolation == recorded.get("interpolation", DataConfig().interpolation):
+        return None
+    if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
+        return None
+    with torch.device("meta"):  # the model's input size: no weights, no memory
+        img_size = input_size(build_model(dataclasses.replace(cfg.model, pretrained="")))
+    return None if eval_transform_resamples(cfg.data, img_size) else given[-1]
+
+
+def eval_transform_resamples(data: DataConfig, img_size: int) -> bool:
+    """Whether the eval transform (resize to img_size / crop_pct, center crop to img_size) resamples a
+    data.digits_img_size image, told by what it does: one random image of that size through it under two filters
+    (nearest, bicubic) gives other pixels wherever a resize acts."""
+    import numpy as np
+    from PIL import Image
+
+    from data.transforms import build_transform
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (data.digits_img_size,) * 2 + (3,),
+                                                              dtype=np.uint8))
+    nearest, bicubic = (build_transform(dataclasses.replace(data, interpolation=filter_), img_size,
+                                        is_training=False)(image) for filter_ in ("nearest", "bicubic"))
+    return nearest.shape != bicubic.shape or not torch.equal(nearest, bicubic)
+
+
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
                         work_prefix: str, preemption=None) -> PipelineData:
     """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
@@ -707,6 +742,15 @@ def resolve_config(args: argparse.Namespace):
                           f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
                           f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
                           f"the val split takes the eval transform; drop it")
+    interpolation = interpolation_override_unread(args.overrides, cfg, recorded)
+    if interpolation:
+        raise ConfigError(f"{interpolation} would be ignored: the digits images are made at data.digits_img_size="
+                          f"{cfg.data.digits_img_size} with bicubic whatever it says, the eval transform leaves them "
+                          f"as they are (the model's input size at data.crop_pct={cfg.data.crop_pct}: no resize), and "
+                          f"no pipeline of this evaluation sees training-transform images, whose crop resamples with "
+                          f"it (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
+                          f"does any pipeline that reads the calibration batch with quant.calib_transform=train); "
+                          f"drop it")
     if (payload and not cfg.quant.pipelines and args.bits is None
             and not any("quant.bits" in override_keys(item) for item in items)):
         # the run's recorded bit-widths are those of the pipelines it would be scored with: a float evaluation

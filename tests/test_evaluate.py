@@ -952,8 +952,10 @@ def test_training_transform_settings_are_refused_where_no_pipeline_sees_training
         name = seeing[1]
         assert quant_settings(cfg, name)["train_transform"] != quant_settings(default, name)[
             "train_transform"]
-    # the settings the eval transform shares stay open to every evaluation
-    evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", "data.interpolation=bilinear"]))
+    # the settings the eval transform shares stay open to every evaluation where it reads them (at crop_pct 1.0 the
+    # digits eval transform resizes nothing: tests/test_evaluate_interpolation_unread.py)
+    evaluate.resolve_config(evaluate.parse_args([*base, "--quant", "percentile", "data.crop_pct=0.875",
+                                                 "data.interpolation=bilinear"]))
 
 
 def test_a_weights_files_recipe_names_its_method_and_its_training_overrides_are_refused(checkpoint, tmp_path):
