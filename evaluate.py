@@ -29,7 +29,9 @@ pipeline runs, and the training augmentation, data.scale / reprob / auto_augment
 sees training-transform images; the quant.* settings a --config file changes are checked as overrides, its
 other sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
-and plot beside it, and prints a markdown row in the layout of the paper's tables.
+and plot beside it, and prints a markdown row in the layout of the paper's tables. A later call adds to that JSON;
+maxima over other quant.act_max_extra_modules than it holds are refused unless --recompute, which keeps the old
+ones under "history" and their files as <name>_act_max.replaced<N>.csv / .png.
 GPLQ's stage 1 trains (a resumable checkpoint beside the JSON): a SIGTERM / SIGINT during it writes that
 checkpoint at the next update and exits with code 75; the same command resumes. A signal at any other time ends
 the process at once (Ctrl-C: exit code 130); the JSON keeps every result finished so far.
@@ -138,19 +140,20 @@ def main(args: argparse.Namespace) -> dict:
         val_print = val_fingerprint(cfg.data, val_loader.dataset)
         check_same_data_on_every_rank(cfg.data, val_print, device, dist.rank)
 
-        def open_results() -> tuple[EvalResults, list]:
+        def open_results() -> tuple[EvalResults, bool, list]:
             results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print,
                                                      trained_input_size(payload, task.language)))
+            # maxima over other quant.act_max_extra_modules than the file's are another measurement: refused, or
+            # with --recompute the file's move to its history (their files aside) instead of being written over
+            replaces = results.plan_max_act(cfg.quant.act_max_extra_modules, args.recompute)
             if cfg.quant.act_max_csv:
                 check_act_max_files(results.data, os.path.splitext(out)[0])
-            else:
-                check_listed_act_max_files(results.data, cfg.quant.act_max_extra_modules)
-            return results, [(name, bits) for name, bits in planned(cfg)
-                             if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+            return results, replaces, [(name, bits) for name, bits in planned(cfg)
+                                       if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
 
         # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
         # folder that is not shared) could plan different work and then wait for each other forever
-        results, todo = run_on_main(open_results, f"reading {out}", device)
+        results, replaces_max_act, todo = run_on_main(open_results, f"reading {out}", device)
         for name, bits in planned(cfg):
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
@@ -209,9 +212,19 @@ def main(args: argparse.Namespace) -> dict:
                       else {})}
         log.info("FP [%s] %s  max act (module/block) %.2f / %.2f  [%.1fs]", weights_tag(args), score_line(fp),
                  act.module, act.block, fp_seconds)
-        # without the files this time, those an earlier call wrote stay listed: still this result file's own
+        listed = {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")}
+        if replaces_max_act:  # --recompute over other modules: the old maxima go to history with their files
+            moved = (run_on_main(lambda: keep_act_max_files(os.path.splitext(out)[0]), f"moving {out}'s maxima "
+                                 "files aside", device) if cfg.quant.act_max_csv else listed)  # else not written over
+            log.info("the maxima over quant.act_max_extra_modules=%s move to the history of %s%s",
+                     json.dumps(results.data["max_act"].get("extra_modules", [])), out,
+                     "" if not moved else f", their files {'moved aside to' if cfg.quant.act_max_csv else 'at'} "
+                                          f"{', '.join(moved.values())}")
+            results.retire_max_act(moved)
+        # without the files this time, those an earlier call wrote stay listed: still this result file's own (not
+        # when its maxima were replaced: those files are of the old ones)
         paths = (act_max_paths(os.path.splitext(out)[0]) if cfg.quant.act_max_csv else
-                 {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")})
+                 {} if replaces_max_act else listed)
         # a classifier's count of images scored: the top-1 is 100 * right / count, which gap_test.py reads exactly
         kept = (("loss", "ppl", "ppl_bf16", "tokens") if task.language
                 else ("top1", "top5", "loss", "count", "excluded"))
@@ -478,17 +491,25 @@ def check_act_max_files(data: dict, stem: str) -> None:
                           f"set quant.act_max_csv=false")
 
 
-def check_listed_act_max_files(data: dict, extra_modules: list) -> None:
-    """Refuse a call without the maxima files (quant.act_max_csv=false) that measures the maxima over other
-    modules than the files the result file lists were of: it keeps listing them (they stay this file's own), and
-    the JSON's max_act would then describe a measurement its CSV and plot do not hold."""
-    listed = data.get("max_act") or {}
-    before = listed.get("extra_modules", [])
-    if "csv" in listed and before != list(extra_modules):
-        raise ResultsError(f"{listed['csv']} holds maxima over quant.act_max_extra_modules={json.dumps(before)}, "
-                           f"this call measures them over {json.dumps(list(extra_modules))}: set "
-                           f"quant.act_max_csv=true to write the files of this measurement, or give the same "
-                           f"quant.act_max_extra_modules")
+def keep_act_max_files(stem: str) -> dict[str, str]:
+    """Move the maxima files of the result file `<stem>.json` (`act_max_paths`) aside as
+    <stem>_act_max.replaced<N>.csv / .png, N the first number free for both, before maxima over other modules
+    (--recompute) are written in their place; {"csv": path, "plot": path} where those that exist lie now."""
+    current = act_max_paths(stem)
+    aside = lambda path, n: "{0}.replaced{2}{1}".format(*os.path.splitext(path), n)
+    n = 1
+    while any(os.path.lexists(aside(path, n)) for path in current.values()):
+        n += 1
+    kept = {}
+    for key, path in current.items():
+        if os.path.exists(path):
+            try:
+                os.replace(path, aside(path, n))
+            except OSError as e:
+                raise ResultsError(f"could not move {path} aside as {aside(path, n)} ({e.strerror or e}); the "
+                                   f"result file is unchanged: fix the folder, or give --out another file") from None
+            kept[key] = aside(path, n)
+    return kept
 
 
 def text_identity(data) -> dict:
@@ -917,7 +938,8 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the --checkpoint (a "
                         "model.pretrained file is read as its plain weights: refused there)")
     parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "
-                        "already has again (the old entries are kept under 'history')")
+                        "already has again, and measure the activation maxima over other "
+                        "quant.act_max_extra_modules than it has (the old entries are kept under 'history')")
     parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"],
                         help="autocast for evaluation "
                              "(default none: fp32, as the official quantization code)")

@@ -10,6 +10,8 @@
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
+  The activation maxima (`max_act`) likewise: maxima over other quant.act_max_extra_modules are refused, and
+  with `recompute` the old ones move to `history` (`plan_max_act`, `retire_max_act`).
   Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
@@ -129,7 +131,7 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     if content is not None:
         return content
     # the module maximum is over the modules inside blocks plus quant.act_max_extra_modules: other patterns measure
-    # another maximum (evaluate.py rewrites max_act at each call, so a file holds the last call's)
+    # another maximum (a file holds one: evaluate.py --recompute moves maxima over other modules to its history)
     x, y = extra_modules(a), extra_modules(b)
     if x != y:
         return Difference("max_act.extra_modules", f"{json.dumps(x)} vs {json.dumps(y)}", False)
@@ -348,6 +350,30 @@ class EvalResults:
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings ({change}): "
                            f"give --out another file, or --recompute to replace it "
                            f"(the old entry is kept under 'history')")
+
+    def plan_max_act(self, extra: Sequence[str], recompute: bool) -> bool:
+        """Whether the activation maxima of this call, over the quant.act_max_extra_modules `extra`, replace
+        maxima of the file measured over other modules (another maximum, not the same one measured again): with
+        `recompute` True, and the caller keeps the old ones (`retire_max_act`); without it a ResultsError. False
+        when the file has none, or of the same modules (in any order)."""
+        listed = self.data.get("max_act")
+        before, now = extra_modules(self.data), sorted(_plain(list(extra)))
+        if not listed or before == now:
+            return False
+        if recompute:
+            return True
+        raise ResultsError(f"{self.path} holds activation maxima over quant.act_max_extra_modules="
+                           f"{json.dumps(before)}, this call measures them over {json.dumps(now)}: give --out another "
+                           f"file, or --recompute to replace them (the old ones are kept under 'history', with their "
+                           f"CSV and plot)")
+
+    def retire_max_act(self, files: dict) -> None:
+        """Move the file's activation maxima to `history` (this call's replace them: `plan_max_act`), naming their
+        CSV and plot where they lie now (`files`: {"csv": path, "plot": path}, e.g. moved aside; {} when there are
+        none) and when they were replaced."""
+        old = {k: v for k, v in self.data["max_act"].items() if k not in ("csv", "plot")}
+        self._history.append(_plain({"max_act": {**old, **files}, "replaced": _now()}))
+        self._merge_into(self.data)
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
         """Record a result; an entry it replaces moves to `history`."""

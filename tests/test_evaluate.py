@@ -730,12 +730,14 @@ def test_act_max_files_stay_listed_after_a_call_without_them(checkpoint, tmp_pat
     assert {k: v for k, v in json.loads(open(out).read())["max_act"].items() if k in ("csv", "plot")} == \
         {k: first[k] for k in ("csv", "plot")}
     evaluate.main(evaluate.parse_args(common))  # the plain command again: its own files, not refused
-    data = evaluate.main(evaluate.parse_args([*common, "quant.act_max_extra_modules=[patch_embed.proj]"]))
+    # maxima over other modules: another measurement, which --recompute puts in the old one's place
+    data = evaluate.main(evaluate.parse_args([*common, "--recompute",
+                                              "quant.act_max_extra_modules=[patch_embed.proj]"]))
     assert data["max_act"]["extra_modules"] == ["patch_embed.proj"]
     # without the files, maxima over other modules than the listed files hold: the JSON listed files of another
     # measurement beside its numbers
     listed = open(data["max_act"]["csv"]).read()
-    with pytest.raises(ResultsError, match=r"holds maxima over quant.act_max_extra_modules=\["):
+    with pytest.raises(ResultsError, match=r"holds activation maxima over quant.act_max_extra_modules=\["):
         evaluate.main(evaluate.parse_args([*common, "quant.act_max_csv=false"]))
     assert open(data["max_act"]["csv"]).read() == listed
 
