@@ -209,27 +209,78 @@ def _renamed(state_dict: dict) -> dict:
     return out
 
 
+def _same(value):
+    return value
+
+
+def _gelu(model: GPT) -> str:
+    """The GELU of `model`'s MLPs as model.kwargs.gelu names it."""
+    return "tanh" if model.blocks[0].mlp.act.approximate == "tanh" else "exact"
+
+
 # nanoGPT's ckpt.pt records the GPTConfig it was built with (`model_args`): each one, the setting of ours that
-# builds the same, and its value in a built GPT. n_head above all: heads split the same weights another way
-NANOGPT_ARGS = {"n_layer": ("model.kwargs.depth", lambda m: len(m.blocks)),
-                "n_head": ("model.kwargs.num_heads", lambda m: m.blocks[0].attn.num_heads),
-                "n_embd": ("model.kwargs.embed_dim", lambda m: m.wte.embedding_dim),
-                "block_size": ("model.kwargs.context", lambda m: m.context),
-                "vocab_size": ("model.num_classes", lambda m: m.vocab_size),
-                "bias": ("model.kwargs.bias", lambda m: m.norm.bias is not None)}
+# builds the same, the recorded value as that setting takes it, and its value in a built GPT. n_head above all:
+# heads split the same weights another way
+NANOGPT_ARGS = {"n_layer": ("model.kwargs.depth", _same, lambda m: len(m.blocks)),
+                "n_head": ("model.kwargs.num_heads", _same, lambda m: m.blocks[0].attn.num_heads),
+                "n_embd": ("model.kwargs.embed_dim", _same, lambda m: m.wte.embedding_dim),
+                "block_size": ("model.kwargs.context", _same, lambda m: m.context),
+                "vocab_size": ("model.num_classes", _same, lambda m: m.vocab_size),
+                "bias": ("model.kwargs.bias", _same, lambda m: m.norm.bias is not None)}
+
+# transformers' activation_function names of the two GELUs (ACT2FN): gelu_new, gelu_pytorch_tanh and gelu_fast
+# are all GPT-2's tanh approximation, gelu and gelu_python the exact erf one
+TRANSFORMERS_GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                     "gelu_fast": "tanh"}
+
+# transformers' GPT2Config, as save_pretrained writes it to config.json beside the weights: the fields that decide
+# what the weights compute, each with GPT2Config's default (what transformers reads for a field left out), then as
+# NANOGPT_ARGS. A field of no setting (None; the file's value as the setting takes it None: an activation of
+# neither GELU) is one that models/gpt.py always builds as its default: another value is no GPT it builds.
+# resid/embd/attn_pdrop are training settings, and n_inner, vocab_size and tie_word_embeddings show in the shapes
+GPT2_CONFIG = {"n_layer": (12, "model.kwargs.depth", _same, lambda m: len(m.blocks)),
+               "n_head": (12, "model.kwargs.num_heads", _same, lambda m: m.blocks[0].attn.num_heads),
+               "n_embd": (768, "model.kwargs.embed_dim", _same, lambda m: m.wte.embedding_dim),
+               "n_positions": (1024, "model.kwargs.context", _same, lambda m: m.context),
+               "activation_function": ("gelu_new", "model.kwargs.gelu", TRANSFORMERS_GELU.get, _gelu),
+               "layer_norm_epsilon": (1e-5, None, _same, lambda m: m.norm.eps),
+               "scale_attn_weights": (True, None, _same, lambda m: True),
+               "scale_attn_by_inverse_layer_idx": (False, None, _same, lambda m: False)}
 
 
 def check_recorded_settings(entries: dict, model: GPT) -> str:
-    """What is wrong ('' for nothing) when the file's other entries (`entries`: nanoGPT's `model_args`) record
-    another architecture than `model`: a file of n_head=4 has the shapes of a 2-head model of the same width and
-    would load into it without a word, as another function. nanoGPT's dropout is a training setting: not compared.
+    """What is wrong ('' for nothing) when the file's other entries (`entries`, models.pretrained.file_entries:
+    nanoGPT's `model_args`, transformers' GPT-2 config.json beside the file) record another architecture than
+    `model`: a file of n_head=4 has the shapes of a 2-head model of the same width and would load into it without a
+    word, as another function; so would one of another GELU. nanoGPT's dropout is a training setting: not compared.
     models.load_pretrained calls this, as it calls `checkpoint_filter_fn`."""
-    recorded = entries.get("model_args")
-    if not isinstance(recorded, dict):
-        return ""
-    for arg, (setting, built) in NANOGPT_ARGS.items():
-        if arg in recorded and recorded[arg] != built(model):
-            value = str(recorded[arg]).lower() if isinstance(recorded[arg], bool) else recorded[arg]
-            return (f"its nanoGPT model_args record {arg}={recorded[arg]}, the model has {built(model)}: "
-                    f"set {setting}={value} to load it as it was trained")
+    nanogpt, config = entries.get("model_args"), entries.get("config.json")
+    if isinstance(nanogpt, dict):
+        recorded = {arg: (nanogpt[arg], *rule) for arg, rule in NANOGPT_ARGS.items() if arg in nanogpt}
+        if problem := _differences("nanoGPT model_args record", recorded, model):
+            return problem
+    if isinstance(config, dict) and config.get("model_type") == "gpt2":
+        recorded = {field: (config.get(field, default), *rule) for field, (default, *rule) in GPT2_CONFIG.items()}
+        return _differences("config.json beside it (transformers' GPT-2) records", recorded, model)
     return ""
+
+
+def _differences(source: str, recorded: dict, model: GPT) -> str:
+    """The line naming every field of `recorded` ({field: (value, setting, as the setting takes it, built)}) whose
+    value `model` was not built with, and the settings that build it ('' for none); a value no setting builds is
+    named alone, as no setting fixes it."""
+    fixes, found, has = [], [], []
+    for field, (value, setting, ours, built) in recorded.items():
+        wanted, have = ours(value), built(model)
+        if wanted == have:
+            continue
+        if setting is None or wanted is None:
+            return (f"its {source} {field}={value}, which no setting of models/gpt.py builds (its GPT has "
+                    f"{have}): give weights of a GPT-2 it builds")
+        found.append(f"{field}={value}")
+        has.append(str(have))
+        fixes.append(f"{setting}={str(wanted).lower() if isinstance(wanted, bool) else wanted}")
+    if not fixes:
+        return ""
+    return (f"its {source} {' and '.join(found)}, the model has {' and '.join(has)}: set {' '.join(fixes)} "
+            f"to load it as it was trained")

@@ -15,12 +15,14 @@ be missing when weights of the plain model are loaded into a variant (they keep 
 and any other missing or unexpected key is an error that names the keys, so a checkpoint of another model fails
 early (a Swin of more blocks or stages too, whose conversion by timm fails on an attention the model lacks); a file
 of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
-give instead. A file torch's weights-only reader refuses (a safetensors file under another name, Python objects
-beside the tensors) is named with what to do about it.
+give instead. A file that records its architecture (nanoGPT's `model_args`, transformers' config.json beside it) is
+checked against the model by the family's `check_recorded_settings`. A file torch's weights-only reader refuses (a
+safetensors file under another name, Python objects beside the tensors) is named with what to do about it.
 """
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import re
@@ -71,7 +73,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                          f"{'; '.join(bad[:3])}: these weights cannot be trained or evaluated; give other weights")
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     family = sys.modules[type(model).__module__]
-    recorded = getattr(family, "check_recorded_settings", None)  # models/gpt.py: nanoGPT's model_args
+    # models/gpt.py: nanoGPT's model_args, transformers' config.json beside the file
+    recorded = getattr(family, "check_recorded_settings", None)
     problem = recorded(file_entries(path), model) if recorded is not None else ""
     if problem:
         raise ModelError(f"model.pretrained={path}: {problem}")
@@ -216,12 +219,27 @@ def mapped_payload(path: str) -> object:
 
 
 def file_entries(path: str) -> dict:
-    """The entries of a torch file beside its weights that a model family checks (nanoGPT's `model_args`); {} where
-    there are none (`mapped_payload`). timm's `load_state_dict` keeps only the weights."""
+    """What records the architecture of the weights in `path` beside them, for a model family to check: the entries
+    of a torch file beside its weights (nanoGPT's `model_args`; timm's `load_state_dict` keeps only the weights) and
+    transformers' config.json in the file's folder (`config_beside`, under "config.json"); {} where there are none."""
     payload = mapped_payload(path)
-    if not isinstance(payload, dict):
-        return {}
-    return {k: payload[k] for k in ("model_args",) if k in payload}
+    entries = {k: payload[k] for k in ("model_args",) if k in payload} if isinstance(payload, dict) else {}
+    config = config_beside(path)
+    if config is not None:
+        entries["config.json"] = config
+    return entries
+
+
+def config_beside(path: str) -> dict | None:
+    """The config.json in the folder of `path` as a dict: what transformers' save_pretrained writes beside
+    model.safetensors or pytorch_model.bin, the architecture the weights were built as (its model_type says which).
+    None where there is none, or it is no JSON object: the weights load without it."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # absent, unreadable, not JSON (UnicodeDecodeError is a ValueError)
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
