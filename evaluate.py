@@ -904,7 +904,19 @@ def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str)
         seen = "text" if data.dataset == "tokens" else "images"
         raise ConfigError(f"data.val_split={data.val_split}: {val} is the {trained.train_split} split {checkpoint} "
                           f"was trained on (data.root={trained.root}), so its scores would be of {seen} it was "
-                          f"trained on; score its held-out split (data.val_split={trained.val_split})")
+                          f"trained on; {held_out_advice(trained, here)}")
+
+
+def held_out_advice(trained: DataConfig, here: DataConfig) -> str:
+    """What check_not_trained_on advises: the checkpoint's recorded val split, unless that reads its training split
+    too (a run validated on its train file or folder, by name or link, under the recorded root or `here`'s), whose
+    name would only be refused again."""
+    train_at = {split_location(trained, "train"), split_location(here, "train")} - {None}
+    val_at = {split_location(trained, "val"), split_location(here, "val")} - {None}
+    if trained.val_split != trained.train_split and not train_at & val_at:
+        return f"score its held-out split (data.val_split={trained.val_split})"
+    return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
+            f"split held out from its training")
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:
