@@ -427,6 +427,13 @@ GPLQ_PCA_WEIGHT_READ = When(("quant.gplq.steps", "quant.gplq.pca_weight"),
                             lambda steps, weight: steps != 0 or weight == 0,
                             "quant.gplq.steps is not 0 (stage 1 makes updates) or quant.gplq.pca_weight is 0",
                             "drop it, or give quant.gplq.steps above 0 (stage 1 makes no update at 0)")
+# quant/gplq/qat.py param_groups: AdamW moves the weights at quant.gplq.lr and the LSQ scales at scale_lr (null: lr);
+# at lr 0 with scale_lr null or 0 neither group moves, and stage 1 would make its passes for the model of steps=0
+GPLQ_STAGE1_MOVES = When(("quant.gplq.lr", "quant.gplq.scale_lr"),
+                         lambda lr, scale_lr: lr != 0 or scale_lr not in (None, 0),
+                         "quant.gplq.lr is not 0 or quant.gplq.scale_lr is above 0 (stage 1 updates the weights or the "
+                         "LSQ scales)",
+                         "stage 1 would update nothing; give quant.gplq.steps=0, or a learning rate above 0")
 # the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
 # quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
 FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Config().quant).items()
@@ -497,6 +504,9 @@ READ_ONLY_WHEN = [
     (("quant.gplq.lr", "quant.gplq.scale_lr", "quant.gplq.weight_decay", "quant.gplq.amp", "quant.gplq.log_every",
       "quant.gplq.ckpt_every", "quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"),
      "quant.gplq.steps", (NONZERO,)),
+    # AdamW's decoupled decay is p *= 1 - lr * weight_decay, on the weights' group alone (the LSQ scales' has none)
+    (("quant.gplq.weight_decay",), "quant.gplq.lr", (NONZERO,)),
+    (("quant.gplq.lr", "quant.gplq.scale_lr"), GPLQ_STAGE1_MOVES, None),
     (("quant.gplq.pca_weight",), GPLQ_PCA_WEIGHT_READ, None),
     (("quant.gplq.stage2_images", "quant.gplq.stage2_train_transform", "quant.gplq.qwt_ridge",
       "quant.gplq.qwt_target"), "quant.gplq.qwt", (True,)),  # stage 2 draws images only for QwT's fits
