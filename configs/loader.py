@@ -492,12 +492,17 @@ READ_ONLY_WHEN = [
     (("quant.aphq.recon_images",), APHQ_RECON_SET_READ, None),
     (("quant.aphq.seed",), APHQ_SEED_READ, None),
     (("quant.aphq.round_weight", "quant.aphq.beta_start", "quant.aphq.beta_end"), APHQ_ROUNDING_ACTS, None),
+    # quant/aphq/reconstruct.py multiplies the rounding regulariser by round_weight: at 0 its exponents and warm-up
+    # change no gradient
+    (("quant.aphq.beta_start", "quant.aphq.beta_end", "quant.aphq.warmup"), "quant.aphq.round_weight", (NONZERO,)),
     (("optim.momentum",), "optim.name", ("sgd", "momentum")),  # engine/optim.py passes them to these only
     (("optim.betas", "optim.eps"), "optim.name", ADAM_OPTIMIZERS),
     (("data.color_jitter",), COLOR_JITTER_ON, None),
     (("data.remode", "data.recount"), "data.reprob", (NONZERO,)),  # timm builds no RandomErasing at reprob 0
     (("quant.aphq.mlp_iters", "quant.aphq.mlp_lr", "quant.aphq.mlp_clip_percentile", "quant.aphq.mlp_clip_weight"),
      "quant.aphq.mlp_reconstruct", (True,)),
+    # quant/aphq/mlp_recon.py weighs the clipped branch's term by mlp_clip_weight: at 0 its clip level is never used
+    (("quant.aphq.mlp_clip_percentile",), "quant.aphq.mlp_clip_weight", (NONZERO,)),
     (("quant.gplq.pca_variance", "quant.gplq.pca_multiple", "quant.gplq.pca_images"), "quant.gplq.pca_weight",
      (NONZERO,)),  # no PCA loss, no teacher PCA
     # stage 1's optimizer, AMP, logs, checkpoint interval and PCA loss; with no update (steps 0) none of them acts
