@@ -112,6 +112,7 @@ class Pipeline:
         self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
         self.check_model(fp_model)
         self.check_input_size(fp_model, bits, options)
+        self.check_model_options(fp_model, bits, options)
         if self.data_parallel:
             return self.run(fp_model, calib_images, bits, options, data)
         device = next(fp_model.parameters()).device
@@ -162,6 +163,11 @@ class Pipeline:
         """Raise ValueError for a model whose input size these steps cannot take without changing its float function
         (RepQ-ViT's LayerNorm fold on a Swin whose windows are zero-padded: fold_windows.py), on every rank before
         any work; the entry points also call it (quant.plan.check_model_converts). The default: any size."""
+
+    def check_model_options(self, fp_model: nn.Module, bits: Bits, options: Any) -> None:
+        """Raise ValueError, naming the option as a config key, for an option that this model leaves without effect
+        (GPLQ's pca_variance on features no wider than pca_multiple), on every rank before any work; the entry
+        points also call it (quant.plan.check_model_converts). The default: none."""
 
     def train_image_counts(self, options: Any) -> Dict[str, int]:
         """{option: images} this pipeline draws from the training split itself (`draws_training_images`), for

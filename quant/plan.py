@@ -186,7 +186,9 @@ def check_model_converts(model: nn.Module, cfg: Config) -> None:
     step does, and drop it: a model the pipelines cannot quantize (an attention class with no quantized version,
     such as EVA's or CaiT's, or layers no rule covers), or one at an input size the pipeline cannot take
     (`Pipeline.check_input_size`: RepQ-ViT's fold on a Swin with padded windows), is refused with one ConfigError
-    naming model.name before the float and maxima passes (an ImageNet pass each), not by a traceback after them."""
+    naming model.name before the float and maxima passes (an ImageNet pass each), not by a traceback after them; so
+    is an option the model leaves without effect (`Pipeline.check_model_options`: GPLQ's pca_variance where the
+    model's features are no wider than pca_multiple)."""
     from .convert import quantize_model
     from .pipeline_base import isolated_rng, parse_options
 
@@ -201,6 +203,10 @@ def check_model_converts(model: nn.Module, cfg: Config) -> None:
             pipeline.check_input_size(model, parse_bits(bits), options)
         except (TypeError, ValueError) as e:  # convert.py's refusals: an unknown attention, an uncovered layer
             raise ConfigError(f"model.name={cfg.model.name}: {name} {bits} cannot quantize it: {e}") from None
+        try:
+            pipeline.check_model_options(model, parse_bits(bits), options)
+        except ValueError as e:  # an option this model leaves without effect, named as its config key
+            raise ConfigError(f"model.name={cfg.model.name}: {e}") from None
 
 
 def reads_calibration_batch(pipeline: str, language: bool) -> bool:

@@ -70,6 +70,7 @@ from .detector import quantize_detector
 from .lsq import LSQQuantizer
 from .pca import fit_pca
 from .pca_images import given_for_this_call, pca_images_exact, pca_images_given
+from .pca_width import pca_variance_unread
 from .qat import Stage1Settings, refuse_other_run, run_stage1
 from .qwt import CompensationFit, fit_block_compensation
 from .stage2 import FitBlock, quantize_weights_and_compensate
@@ -138,6 +139,12 @@ class GPLQPipeline(Pipeline):
         # the options become a dataclass before `run`: whether the caller chose pca_images is read here (pca_images.py)
         with given_for_this_call(options):
             return super().__call__(fp_model, calib_images, bits, options, data)
+
+    def check_model_options(self, fp_model: nn.Module, bits: Bits, options: GPLQOptions) -> None:
+        # a PCA target the feature width leaves nothing to choose (pca_width.py), refused before stage 1's passes
+        problem = pca_variance_unread(fp_model, options)
+        if problem:
+            raise ValueError(problem)
 
     def train_image_counts(self, options: GPLQOptions) -> dict:
         # QwT's images are drawn only with it on; the PCA's come from the loader (train_loader_images: one check
