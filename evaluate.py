@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 import time
-from typing import Collection, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
@@ -72,7 +72,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, fail_o
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
-from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption
+from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption, stop_signals_blocked
 from engine.quant_settings import quant_settings, sees_training_transform, train_mode_settings, training_data
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
@@ -235,13 +235,14 @@ def main(args: argparse.Namespace) -> dict:
                        fp={k: fp[k] for k in kept if k in fp} |
                        {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
         # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
-        # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them
-        run_on_main(results.save, f"writing {out}", device)
-        if cfg.quant.act_max_csv:
-            title = f"{model_label(cfg.model)} ({method_name(cfg)})"
-            run_on_main(lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
-                                 plot_act_max(act.per_layer, paths["plot"], title=title)),
-                        f"writing {paths['csv']} / .png", device)
+        # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them; a save or
+        # write that fails or is interrupted leaves the JSON naming only files that exist (save_naming_act_max_files)
+        title = f"{model_label(cfg.model)} ({method_name(cfg)})"
+        write = ((lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
+                           plot_act_max(act.per_layer, paths["plot"], title=title)))
+                 if cfg.quant.act_max_csv else None)
+        run_on_main(lambda: save_naming_act_max_files(results, write, paths),
+                    f"writing {out}" + (f", {paths['csv']} / .png" if write else ""), device)
 
         # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
         # written to the JSON as soon as it is done.
@@ -489,6 +490,27 @@ def check_act_max_files(data: dict, stem: str) -> None:
         raise RunDirError(f"{foreign[0]} exists and was not written for this result file; evaluate.py would "
                           f"overwrite it with the per-layer maxima: move it away, give --out another name, or "
                           f"set quant.act_max_csv=false")
+
+
+def save_naming_act_max_files(results: EvalResults, write: Optional[Callable[[], object]],
+                              named: dict[str, str]) -> None:
+    """Save `results`, whose max_act names the maxima files `named` ({"csv": path, "plot": path}) before they are
+    written, then `write` them (each replaced whole: engine.act_max_files). Where the save or a write fails or is
+    interrupted (Ctrl-C), the names of those files that are not there are dropped and the result file saved again,
+    stop signals held, before the error goes on: it never names a maxima file that does not exist, and one it
+    names is the earlier complete file or this call's."""
+    try:
+        results.save()
+        if write is not None:
+            write()
+    except BaseException:
+        missing = {key for key, path in named.items() if not os.path.exists(path)}
+        if missing:
+            # a failing second save keeps the file as the first left it; the error that came first is the one told
+            with stop_signals_blocked(), contextlib.suppress(Exception):
+                results.update(max_act={k: v for k, v in results.data["max_act"].items() if k not in missing})
+                results.save()
+        raise
 
 
 def keep_act_max_files(stem: str) -> dict[str, str]:

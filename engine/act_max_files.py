@@ -2,15 +2,19 @@
 
 The plot draws one line per module type (norm1, attn.qkv, mlp.fc2, ..., block) over the block
 index, on a log scale (engine.figures: matplotlib's object API on the Agg canvas).
+
+Each file is written whole (engine.outputs: a temporary file beside it, then a rename): a file at its name is the
+earlier complete one or the new complete one, never a torn one that a Ctrl-C or a full disk left half written,
+and the temporary is removed on failure.
 """
 from __future__ import annotations
 
-import csv
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Union
 
 from engine.figures import new_figure
+from engine.outputs import save_figure, write_csv as write_csv_whole
 
 FIELDS = ("name", "kind", "block", "type", "max")
 
@@ -21,11 +25,8 @@ def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> P
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = FIELDS + (("kurtosis",) if records and "kurtosis" in records[0] else ())
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in records:
-            writer.writerow({k: r[k] for k in fields})
+    # replaced whole: the result file names it before it is written (evaluate.py), and may name the earlier one
+    write_csv_whole(str(path), [{k: r[k] for k in fields} for r in records], list(fields), overwrite=True)
     return path
 
 
@@ -54,5 +55,5 @@ def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: st
     ax.set_title(title)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, str(path), overwrite=True)  # in the format the extension names, replaced whole
     return path
